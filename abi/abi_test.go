@@ -1,0 +1,198 @@
+package abi
+
+import (
+	"errors"
+	"testing"
+	"unsafe"
+)
+
+func TestRecordSizes(t *testing.T) {
+	tests := []struct {
+		name string
+		got  uintptr
+		want int
+	}{
+		{"NamespaceRecord", unsafe.Sizeof(NamespaceRecord{}), NamespaceRecordSize},
+		{"NameRecord", unsafe.Sizeof(NameRecord{}), NameRecordSize},
+		{"AdmitRecord", unsafe.Sizeof(AdmitRecord{}), AdmitRecordSize},
+		{"AccessRecord", unsafe.Sizeof(AccessRecord{}), AccessRecordSize},
+		{"EvictRequest", unsafe.Sizeof(EvictRequest{}), EvictHeaderSize},
+		{"Victim", unsafe.Sizeof(Victim{}), VictimSize},
+	}
+	for _, tt := range tests {
+		if int(tt.got) != tt.want {
+			t.Errorf("%s: size %d, docs/abi.md says %d", tt.name, tt.got, tt.want)
+		}
+	}
+}
+
+// TestRecordOffsets pins every field offset to the table in docs/abi.md.
+func TestRecordOffsets(t *testing.T) {
+	var ns NamespaceRecord
+	var nm NameRecord
+	var ad AdmitRecord
+	var ac AccessRecord
+	var ev EvictRequest
+	var v Victim
+	tests := []struct {
+		field string
+		got   uintptr
+		want  uintptr
+	}{
+		{"NamespaceRecord.NS", unsafe.Offsetof(ns.NS), 0},
+		{"NamespaceRecord.Flags", unsafe.Offsetof(ns.Flags), 4},
+		{"NamespaceRecord.Fingerprint", unsafe.Offsetof(ns.Fingerprint), 8},
+		{"NamespaceRecord.Layers", unsafe.Offsetof(ns.Layers), 16},
+		{"NamespaceRecord.KVHeads", unsafe.Offsetof(ns.KVHeads), 20},
+		{"NamespaceRecord.HeadSize", unsafe.Offsetof(ns.HeadSize), 24},
+		{"NamespaceRecord.DtypeSize", unsafe.Offsetof(ns.DtypeSize), 28},
+		{"NamespaceRecord.TokensPerBlock", unsafe.Offsetof(ns.TokensPerBlock), 32},
+		{"NamespaceRecord.TokensPerKey", unsafe.Offsetof(ns.TokensPerKey), 36},
+		{"NamespaceRecord.TPRank", unsafe.Offsetof(ns.TPRank), 40},
+		{"NamespaceRecord.TPSize", unsafe.Offsetof(ns.TPSize), 44},
+		{"NamespaceRecord.MountCount", unsafe.Offsetof(ns.MountCount), 48},
+		{"NamespaceRecord.ModelLen", unsafe.Offsetof(ns.ModelLen), 52},
+		{"NamespaceRecord.KeyBytes", unsafe.Offsetof(ns.KeyBytes), 56},
+		{"NamespaceRecord.Model", unsafe.Offsetof(ns.Model), 64},
+		{"NamespaceRecord.KeysPerFile", unsafe.Offsetof(ns.KeysPerFile), 192},
+		{"NamespaceRecord.Order", unsafe.Offsetof(ns.Order), 196},
+		{"NameRecord.NS", unsafe.Offsetof(nm.NS), 0},
+		{"NameRecord.KeyLen", unsafe.Offsetof(nm.KeyLen), 4},
+		{"NameRecord.KeyHash", unsafe.Offsetof(nm.KeyHash), 8},
+		{"NameRecord.Fingerprint", unsafe.Offsetof(nm.Fingerprint), 16},
+		{"NameRecord.TPRank", unsafe.Offsetof(nm.TPRank), 24},
+		{"NameRecord.MountCount", unsafe.Offsetof(nm.MountCount), 28},
+		{"NameRecord.KeyBuf", unsafe.Offsetof(nm.KeyBuf), 32},
+		{"NameRecord.Mount", unsafe.Offsetof(nm.Mount), 96},
+		{"NameRecord.PathLen", unsafe.Offsetof(nm.PathLen), 100},
+		{"NameRecord.PathBuf", unsafe.Offsetof(nm.PathBuf), 112},
+		{"AdmitRecord.KeyHash", unsafe.Offsetof(ad.KeyHash), 0},
+		{"AdmitRecord.Size", unsafe.Offsetof(ad.Size), 8},
+		{"AdmitRecord.Time", unsafe.Offsetof(ad.Time), 16},
+		{"AdmitRecord.NS", unsafe.Offsetof(ad.NS), 24},
+		{"AdmitRecord.Mount", unsafe.Offsetof(ad.Mount), 28},
+		{"AdmitRecord.Admit", unsafe.Offsetof(ad.Admit), 32},
+		{"AccessRecord.Entry", unsafe.Offsetof(ac.Entry), 0},
+		{"AccessRecord.Time", unsafe.Offsetof(ac.Time), 8},
+		{"AccessRecord.Size", unsafe.Offsetof(ac.Size), 16},
+		{"AccessRecord.KeyHash", unsafe.Offsetof(ac.KeyHash), 24},
+		{"AccessRecord.Kind", unsafe.Offsetof(ac.Kind), 32},
+		{"AccessRecord.Mount", unsafe.Offsetof(ac.Mount), 36},
+		{"AccessRecord.NS", unsafe.Offsetof(ac.NS), 40},
+		{"AccessRecord.Hits", unsafe.Offsetof(ac.Hits), 44},
+		{"EvictRequest.Bytes", unsafe.Offsetof(ev.Bytes), 0},
+		{"EvictRequest.Time", unsafe.Offsetof(ev.Time), 8},
+		{"EvictRequest.Mount", unsafe.Offsetof(ev.Mount), 16},
+		{"Victim.Entry", unsafe.Offsetof(v.Entry), 0},
+		{"Victim.Score", unsafe.Offsetof(v.Score), 8},
+	}
+	for _, tt := range tests {
+		if tt.got != tt.want {
+			t.Errorf("%s at offset %d, docs/abi.md says %d", tt.field, tt.got, tt.want)
+		}
+	}
+}
+
+func TestCheckPath(t *testing.T) {
+	long := make([]byte, MaxPathLen+1)
+	for i := range long {
+		long[i] = 'a'
+	}
+	tests := []struct {
+		path string
+		ok   bool
+	}{
+		{"a", true},
+		{"model_0123/ab/cd_g0/abcdef.bin", true},
+		{"A-Z_0.9/x", true},
+		{string(long[:MaxPathLen]), true},
+		{"", false},
+		{string(long), false},
+		{"/etc/passwd", false},
+		{"../x", false},
+		{"a/../../x", false},
+		{"a/./b", false},
+		{"a//b", false},
+		{"a/", false},
+		{".tmp", false},
+		{"a/.hidden", false},
+		{"a b", false},
+		{"a\\b", false},
+		{"a\x00b", false},
+		{"caf\xc3\xa9", false},
+	}
+	for _, tt := range tests {
+		err := CheckPath([]byte(tt.path))
+		if (err == nil) != tt.ok {
+			t.Errorf("CheckPath(%q) = %v, want ok=%v", tt.path, err, tt.ok)
+		}
+		var pe *PathError
+		if err != nil && !errors.As(err, &pe) {
+			t.Errorf("CheckPath(%q) error %T is not a *PathError", tt.path, err)
+		}
+	}
+}
+
+func TestKeyHash(t *testing.T) {
+	// FNV-1a 64 reference values.
+	tests := []struct {
+		in   string
+		want uint64
+	}{
+		{"", 0xcbf29ce484222325},
+		{"a", 0xaf63dc4c8601ec8c},
+		{"foobar", 0x85944171f73967e8},
+	}
+	for _, tt := range tests {
+		if got := KeyHash([]byte(tt.in)); got != tt.want {
+			t.Errorf("KeyHash(%q) = %#x, want %#x", tt.in, got, tt.want)
+		}
+	}
+}
+
+func TestViewAliases(t *testing.T) {
+	b := AlignedBuffer(2 * AccessRecordSize)
+	recs := View[AccessRecord](b, 2)
+	recs[1].Entry = 0x0102030405060708
+	if b[AccessRecordSize] != 0x08 || b[AccessRecordSize+7] != 0x01 {
+		t.Fatalf("View does not alias little-endian bytes: % x", b[AccessRecordSize:AccessRecordSize+8])
+	}
+	defer func() {
+		if recover() == nil {
+			t.Fatal("View past the end did not panic")
+		}
+	}()
+	View[AccessRecord](b, 3)
+}
+
+func TestStatusAndFeatureStrings(t *testing.T) {
+	if got := StatusNoMemory.String(); got != "no memory" {
+		t.Errorf("StatusNoMemory = %q", got)
+	}
+	if got := Status(-99).String(); got != "status(-99)" {
+		t.Errorf("Status(-99) = %q", got)
+	}
+	if got := (FeatureAdmit | FeatureNamespace | 1<<9).String(); got != "namespace,admit,unknown(0x200)" {
+		t.Errorf("features = %q", got)
+	}
+}
+
+func FuzzCheckPath(f *testing.F) {
+	for _, s := range []string{"a/b.bin", "../x", "/abs", "a//b", ".tmp", "a/b/"} {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, p []byte) {
+		if CheckPath(p) != nil {
+			return
+		}
+		// An accepted path never escapes its root and never names a host file.
+		if p[0] == '/' || len(p) > MaxPathLen {
+			t.Fatalf("accepted %q", p)
+		}
+		for i := range p {
+			if p[i] == '.' && (i == 0 || p[i-1] == '/') {
+				t.Fatalf("accepted dot component in %q", p)
+			}
+		}
+	})
+}

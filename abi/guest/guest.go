@@ -1,0 +1,211 @@
+// Package guest is the Go SDK for kvhost policy plugins.
+//
+// A plugin author implements Policy (and, optionally, Namespacer and Admitter)
+// in an ordinary Go package, registers it from a main package, and builds it
+// with
+//
+//	GOOS=wasip1 GOARCH=wasm go build -buildmode=c-shared -o policy.wasm ./cmd/policy
+//
+// The same Policy compiles natively too: a Dispatcher drives it over a scratch
+// buffer exactly as the wasm exports do, so plugin logic is unit-tested with
+// plain `go test`, and kvhost uses that path for its native fallback policy.
+//
+// Records are views into the scratch area (see abi.View): reading or writing a
+// record allocates nothing.
+package guest
+
+import (
+	"errors"
+
+	"github.com/kvhost/kvhost/abi"
+)
+
+// Policy is a placement policy: naming, access tracking and eviction.
+type Policy interface {
+	// Init receives the plugin's configuration. It is called once, before any
+	// other hook.
+	Init(cfg Config) error
+	// Name fills Mount and Path of every record.
+	Name(recs []abi.NameRecord) error
+	// Access records events on stored entries.
+	Access(recs []abi.AccessRecord) error
+	// Evict writes victims for req into out, at most len(out), and returns how
+	// many it wrote. It must never return a pinned entry.
+	Evict(req *abi.EvictRequest, out []abi.Victim) (int, error)
+}
+
+// Namespacer is implemented by policies that choose a chunk layout per
+// namespace (abi.FeatureNamespace).
+type Namespacer interface {
+	// Namespace sets r.KeysPerFile and r.Order for the namespace r describes.
+	Namespace(r *abi.NamespaceRecord) error
+}
+
+// Admitter is implemented by policies that may decline stores (abi.FeatureAdmit).
+type Admitter interface {
+	// Admit sets Admit to 1 (store) or 0 (skip) in every record.
+	Admit(recs []abi.AdmitRecord) error
+}
+
+// StatusError is an error that maps to a specific abi.Status. Errors that are
+// not StatusErrors are reported as abi.StatusInternal.
+type StatusError struct {
+	Status abi.Status
+	Msg    string
+}
+
+func (e *StatusError) Error() string { return e.Status.String() + ": " + e.Msg }
+
+// Errorf-free helpers for the common statuses.
+
+// InvalidInput returns a StatusError with abi.StatusInvalidInput.
+func InvalidInput(msg string) error { return &StatusError{Status: abi.StatusInvalidInput, Msg: msg} }
+
+// Unsupported returns a StatusError with abi.StatusUnsupported.
+func Unsupported(msg string) error { return &StatusError{Status: abi.StatusUnsupported, Msg: msg} }
+
+// Features returns the feature bits p implements.
+func Features(p Policy) abi.Feature {
+	var f abi.Feature
+	if _, ok := p.(Namespacer); ok {
+		f |= abi.FeatureNamespace
+	}
+	if _, ok := p.(Admitter); ok {
+		f |= abi.FeatureAdmit
+	}
+	return f
+}
+
+// Dispatcher runs a Policy over a scratch area, decoding the ABI calls the
+// host makes. The wasm exports of this package use one; the host's native
+// fallback uses another. A Dispatcher is not safe for concurrent use.
+type Dispatcher struct {
+	p       Policy
+	ns      Namespacer
+	adm     Admitter
+	scratch []byte
+	// Log, if set, receives the message of every error a hook returns.
+	Log func(level int32, msg string)
+}
+
+// NewDispatcher returns a Dispatcher for p.
+func NewDispatcher(p Policy) *Dispatcher {
+	d := &Dispatcher{p: p}
+	d.ns, _ = p.(Namespacer)
+	d.adm, _ = p.(Admitter)
+	return d
+}
+
+// Features implements kvhost_features.
+func (d *Dispatcher) Features() abi.Feature { return Features(d.p) }
+
+// Scratch implements kvhost_scratch: it returns a scratch area of at least n
+// bytes, aligned to abi.ScratchAlign, reusing the current one if it is big
+// enough. It returns nil for a negative n.
+func (d *Dispatcher) Scratch(n int) []byte {
+	if n < 0 {
+		return nil
+	}
+	if n > len(d.scratch) {
+		d.scratch = abi.AlignedBuffer(n)
+	}
+	return d.scratch
+}
+
+// Init implements kvhost_init: the configuration is in the first n bytes of
+// the scratch area.
+func (d *Dispatcher) Init(n int32) int32 {
+	if n < 0 || int(n) > len(d.scratch) || n > abi.MaxConfigLen {
+		return int32(abi.StatusInvalidInput)
+	}
+	cfg, err := ParseConfig(d.scratch[:n])
+	if err != nil {
+		return d.fail(err)
+	}
+	return d.fail(d.p.Init(cfg))
+}
+
+// Namespace implements kvhost_namespace.
+func (d *Dispatcher) Namespace() int32 {
+	if d.ns == nil {
+		return int32(abi.StatusUnsupported)
+	}
+	recs, st := view[abi.NamespaceRecord](d.scratch, 0, 1)
+	if st != abi.StatusOK {
+		return int32(st)
+	}
+	return d.fail(d.ns.Namespace(&recs[0]))
+}
+
+// Name implements kvhost_name.
+func (d *Dispatcher) Name(n int32) int32 {
+	recs, st := view[abi.NameRecord](d.scratch, 0, n)
+	if st != abi.StatusOK {
+		return int32(st)
+	}
+	return d.fail(d.p.Name(recs))
+}
+
+// Admit implements kvhost_admit.
+func (d *Dispatcher) Admit(n int32) int32 {
+	if d.adm == nil {
+		return int32(abi.StatusUnsupported)
+	}
+	recs, st := view[abi.AdmitRecord](d.scratch, 0, n)
+	if st != abi.StatusOK {
+		return int32(st)
+	}
+	return d.fail(d.adm.Admit(recs))
+}
+
+// Access implements kvhost_access.
+func (d *Dispatcher) Access(n int32) int32 {
+	recs, st := view[abi.AccessRecord](d.scratch, 0, n)
+	if st != abi.StatusOK {
+		return int32(st)
+	}
+	return d.fail(d.p.Access(recs))
+}
+
+// Evict implements kvhost_evict: the request is at offset 0, room for max
+// victims follows it.
+func (d *Dispatcher) Evict(max int32) int32 {
+	req, st := view[abi.EvictRequest](d.scratch, 0, 1)
+	if st != abi.StatusOK {
+		return int32(st)
+	}
+	out, st := view[abi.Victim](d.scratch, abi.EvictHeaderSize, max)
+	if st != abi.StatusOK {
+		return int32(st)
+	}
+	n, err := d.p.Evict(&req[0], out)
+	if err != nil {
+		return d.fail(err)
+	}
+	if n < 0 || n > len(out) {
+		return d.fail(&StatusError{Status: abi.StatusInternal, Msg: "Evict returned a count outside its output"})
+	}
+	return int32(n)
+}
+
+func (d *Dispatcher) fail(err error) int32 {
+	if err == nil {
+		return int32(abi.StatusOK)
+	}
+	if d.Log != nil {
+		d.Log(8, err.Error())
+	}
+	var se *StatusError
+	if errors.As(err, &se) && se.Status < 0 {
+		return int32(se.Status)
+	}
+	return int32(abi.StatusInternal)
+}
+
+func view[T abi.Record](scratch []byte, off int, n int32) ([]T, abi.Status) {
+	size := abi.SizeOf[T]()
+	if n < 0 || n > abi.MaxBatch || off+int(n)*size > len(scratch) {
+		return nil, abi.StatusInvalidInput
+	}
+	return abi.View[T](scratch[off:], int(n)), abi.StatusOK
+}

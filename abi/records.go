@@ -1,0 +1,151 @@
+package abi
+
+// Sizes of the records, in bytes. Offsets are given in docs/abi.md and checked
+// by abi_test.go.
+const (
+	NamespaceRecordSize = 256
+	NameRecordSize      = 368
+	AdmitRecordSize     = 40
+	AccessRecordSize    = 48
+	EvictHeaderSize     = 32
+	VictimSize          = 16
+)
+
+// NamespaceRecord describes one model namespace: a model, its KV-cache
+// geometry and its tensor-parallel rank. The host writes it at scratch offset 0
+// before calling kvhost_namespace; the guest fills KeysPerFile and Order.
+type NamespaceRecord struct {
+	NS             uint32 // host-assigned namespace id, small and dense
+	Flags          uint32 // NamespaceMLA, ...
+	Fingerprint    uint64 // stable hash of the whole geometry and model id
+	Layers         uint32
+	KVHeads        uint32
+	HeadSize       uint32
+	DtypeSize      uint32 // bytes per element
+	TokensPerBlock uint32 // tokens in one GPU (paged) block
+	TokensPerKey   uint32 // tokens covered by one key
+	TPRank         uint32
+	TPSize         uint32
+	MountCount     uint32 // number of mounts configured
+	ModelLen       uint32 // bytes used in Model
+	KeyBytes       uint64 // payload bytes of one key
+	Model          [MaxModelLen]byte
+
+	// Output.
+	KeysPerFile uint32 // 1..MaxKeysPerFile keys share one file
+	Order       uint32 // OrderLayerMajor or OrderBlockMajor
+	_           [56]byte
+}
+
+// ModelID returns the model id as a byte slice into the record.
+func (r *NamespaceRecord) ModelID() []byte { return r.Model[:min(int(r.ModelLen), MaxModelLen)] }
+
+// SetModelID copies id into the record, truncating it to MaxModelLen.
+func (r *NamespaceRecord) SetModelID(id string) {
+	r.ModelLen = uint32(copy(r.Model[:], id))
+}
+
+// NameRecord asks for the file name of one key. The host fills the input
+// fields; the guest writes Mount, PathLen and Path.
+type NameRecord struct {
+	NS          uint32
+	KeyLen      uint32
+	KeyHash     uint64 // KeyHash(Key())
+	Fingerprint uint64 // NamespaceRecord.Fingerprint of NS
+	TPRank      uint32
+	MountCount  uint32
+	KeyBuf      [MaxKeyLen]byte
+
+	// Output.
+	Mount   uint32 // index of the mount, < MountCount
+	PathLen uint32
+	_       uint64
+	PathBuf [MaxPathLen]byte // relative path under the mount's root
+}
+
+// Key returns the key as a byte slice into the record.
+func (r *NameRecord) Key() []byte { return r.KeyBuf[:min(int(r.KeyLen), MaxKeyLen)] }
+
+// Path returns the output path as a byte slice into the record.
+func (r *NameRecord) Path() []byte { return r.PathBuf[:min(int(r.PathLen), MaxPathLen)] }
+
+// SetKey copies key into the record and sets KeyLen and KeyHash.
+func (r *NameRecord) SetKey(key []byte) {
+	r.KeyLen = uint32(copy(r.KeyBuf[:], key))
+	r.KeyHash = KeyHash(key)
+}
+
+// AdmitRecord asks whether one key should be stored. The guest writes Admit.
+type AdmitRecord struct {
+	KeyHash uint64
+	Size    uint64 // bytes the file will take
+	Time    uint64 // Unix nanoseconds
+	NS      uint32
+	Mount   uint32 // the mount the name hook chose
+
+	// Output.
+	Admit uint32 // 1: store it; 0: skip it
+	_     uint32
+}
+
+// Access kinds (AccessRecord.Kind).
+const (
+	// AccessInsert: the entry was stored and published.
+	AccessInsert uint32 = 1
+	// AccessHit: the entry was found by a lookup or loaded.
+	AccessHit uint32 = 2
+	// AccessRemove: the entry is gone (evicted, deleted, or found missing or
+	// corrupt); its handle will not be used again.
+	AccessRemove uint32 = 3
+	// AccessRestore: the entry already exists; sent when an instance is
+	// (re)built from the host's index. Time is its last access, Hits its
+	// access count.
+	AccessRestore uint32 = 4
+	// AccessPin: a load pinned the entry; it must not be a victim until a
+	// matching AccessUnpin. Pins nest.
+	AccessPin uint32 = 5
+	// AccessUnpin releases one AccessPin.
+	AccessUnpin uint32 = 6
+)
+
+// AccessRecord reports one event on one stored entry (a file). No output.
+type AccessRecord struct {
+	Entry   uint64 // host-assigned handle, unique for the life of the host
+	Time    uint64 // Unix nanoseconds
+	Size    uint64 // bytes on disk
+	KeyHash uint64 // KeyHash of the entry's first key
+	Kind    uint32 // Access*
+	Mount   uint32
+	NS      uint32
+	Hits    uint32 // AccessRestore: accesses known to the host
+}
+
+// EvictRequest is the header of a kvhost_evict call, at scratch offset 0.
+type EvictRequest struct {
+	Bytes uint64 // bytes to free
+	Time  uint64 // Unix nanoseconds
+	Mount uint32 // victims must be on this mount, or AnyMount
+	_     uint32
+	_     uint64
+}
+
+// Victim is one eviction candidate the guest writes after the EvictRequest.
+// The host removes victims in ascending Score order across all instances.
+type Victim struct {
+	Entry uint64
+	Score uint64 // lower is evicted first
+}
+
+// KeyHash is the 64-bit FNV-1a hash of key, the KeyHash field of records.
+func KeyHash(key []byte) uint64 {
+	const (
+		offset = 14695981039346656037
+		prime  = 1099511628211
+	)
+	h := uint64(offset)
+	for _, c := range key {
+		h ^= uint64(c)
+		h *= prime
+	}
+	return h
+}

@@ -1,0 +1,369 @@
+// Package config is kvhost's configuration: the TOML file an operator writes,
+// its defaults, its validation (errors name the file, line and key), and the
+// command-line flags that override it.
+package config
+
+import (
+	"bufio"
+	"bytes"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/BurntSushi/toml"
+)
+
+// ErrInvalid is wrapped by every error about a configuration value.
+var ErrInvalid = errors.New("config: invalid")
+
+// Config is the whole configuration of a kvhost daemon.
+type Config struct {
+	Server Server  `toml:"server"`
+	Log    Log     `toml:"log"`
+	Policy Policy  `toml:"policy"`
+	Engine Engine  `toml:"engine"`
+	Mounts []Mount `toml:"mount"`
+}
+
+// Server configures the daemon's Unix socket and per-client limits.
+type Server struct {
+	// Socket is the path of the Unix socket clients connect to.
+	Socket string `toml:"socket"`
+	// SocketMode is the permission of the socket file, octal ("0660").
+	SocketMode FileMode `toml:"socket_mode"`
+	// SocketGroup, if set, is the group that owns the socket.
+	SocketGroup string `toml:"socket_group"`
+	// MaxClients bounds concurrent connections.
+	MaxClients int `toml:"max_clients"`
+	// MaxInflightJobs bounds a client's unfinished store and load jobs.
+	MaxInflightJobs int `toml:"max_inflight_jobs"`
+	// MaxRegistrations bounds a client's registered memory regions.
+	MaxRegistrations int `toml:"max_registrations"`
+	// MaxFrame bounds one protocol frame.
+	MaxFrame Size `toml:"max_frame"`
+	// ShutdownTimeout is how long SIGTERM waits for in-flight jobs.
+	ShutdownTimeout Duration `toml:"shutdown_timeout"`
+}
+
+// Log configures logging.
+type Log struct {
+	// Level is debug, info, warn or error.
+	Level string `toml:"level"`
+	// Format is auto (colour text on a terminal, JSON otherwise), text or json.
+	Format string `toml:"format"`
+}
+
+// Policy chooses and limits the placement-policy plugin.
+type Policy struct {
+	// Name is a built-in policy name (lru, lfu, ttl, sharded) or the path of a
+	// .wasm file.
+	Name string `toml:"name"`
+	// Shards is the number of plugin instances the state is spread over.
+	Shards int `toml:"shards"`
+	// MemoryLimit bounds each instance's linear memory.
+	MemoryLimit Size `toml:"memory_limit"`
+	// CallTimeout bounds every call into the plugin.
+	CallTimeout Duration `toml:"call_timeout"`
+	// CacheDir holds compiled plugins; empty means <cache root>/wasm-cache.
+	CacheDir string `toml:"cache_dir"`
+	// MaxFailures within FailureWindow switch to the native fallback policy.
+	MaxFailures   int      `toml:"max_failures"`
+	FailureWindow Duration `toml:"failure_window"`
+	// Params are passed to the plugin's kvhost_init as key=value lines.
+	Params map[string]any `toml:"params"`
+}
+
+// Engine configures the storage engine's data path.
+type Engine struct {
+	// Fsync makes every store durable (file and directory fsync) before it
+	// completes. It costs a device flush per store.
+	Fsync bool `toml:"fsync"`
+	// IOWorkers is the number of I/O worker threads; 0 means one per CPU, at
+	// most 16.
+	IOWorkers int `toml:"io_workers"`
+	// CPUs, if set, pins the I/O workers to these CPUs (e.g. the GPU's NUMA node).
+	CPUs []int `toml:"cpus"`
+	// StagingMemory bounds the aligned bounce buffers.
+	StagingMemory Size `toml:"staging_memory"`
+}
+
+// Mount is one cache root.
+type Mount struct {
+	// Path is the directory files are stored under.
+	Path string `toml:"path"`
+	// Capacity is the most bytes kvhost stores there; 0 means 90% of the file
+	// system's size at start.
+	Capacity Size `toml:"capacity"`
+	// Eviction starts when usage exceeds HighWatermark × Capacity and frees
+	// space down to LowWatermark × Capacity.
+	HighWatermark float64 `toml:"high_watermark"`
+	LowWatermark  float64 `toml:"low_watermark"`
+}
+
+// Default returns the configuration kvhost runs with when given none: the
+// built-in lru policy and one mount under the user's cache directory.
+func Default() Config {
+	root := DefaultRoot()
+	return Config{
+		Server: Server{
+			Socket:           DefaultSocket(root),
+			SocketMode:       0o660,
+			MaxClients:       64,
+			MaxInflightJobs:  256,
+			MaxRegistrations: 64,
+			MaxFrame:         4 << 20,
+			ShutdownTimeout:  Duration(10 * time.Second),
+		},
+		Log: Log{Level: "info", Format: "auto"},
+		Policy: Policy{
+			Name:          "lru",
+			Shards:        4,
+			MemoryLimit:   64 << 20,
+			CallTimeout:   Duration(100 * time.Millisecond),
+			MaxFailures:   3,
+			FailureWindow: Duration(time.Minute),
+		},
+		Engine: Engine{StagingMemory: 256 << 20},
+		Mounts: []Mount{{Path: filepath.Join(root, "blocks"), HighWatermark: 0.95, LowWatermark: 0.85}},
+	}
+}
+
+// DefaultRoot is the directory kvhost keeps its state under when the
+// configuration names none: $XDG_CACHE_HOME/kvhost or ~/.cache/kvhost, else
+// a directory under the system's temporary directory.
+func DefaultRoot() string {
+	if dir, err := os.UserCacheDir(); err == nil {
+		return filepath.Join(dir, "kvhost")
+	}
+	return filepath.Join(os.TempDir(), "kvhost")
+}
+
+// DefaultSocket is the socket path used when the configuration names none:
+// $XDG_RUNTIME_DIR/kvhost.sock if that is set, else root/kvhost.sock.
+func DefaultSocket(root string) string {
+	if dir := os.Getenv("XDG_RUNTIME_DIR"); dir != "" {
+		return filepath.Join(dir, "kvhost.sock")
+	}
+	return filepath.Join(root, "kvhost.sock")
+}
+
+// Load reads the TOML file at path over Default() and validates the result.
+func Load(path string) (Config, error) {
+	src, err := os.ReadFile(path)
+	if err != nil {
+		return Config{}, fmt.Errorf("config: %w", err)
+	}
+	return Parse(path, src)
+}
+
+// Parse is Load for a file already read; name is used in error messages.
+func Parse(name string, src []byte) (Config, error) {
+	c := Default()
+	explicitMounts := bytes.Contains(src, []byte("[[mount]]"))
+	if explicitMounts {
+		c.Mounts = nil
+	}
+	md, err := toml.NewDecoder(bytes.NewReader(src)).Decode(&c)
+	if err != nil {
+		var pe toml.ParseError
+		if errors.As(err, &pe) {
+			return Config{}, fmt.Errorf("%w: %s:%d: %s", ErrInvalid, name, pe.Position.Line, pe.Message)
+		}
+		// Type mismatches read "toml: line N (last key "k"): message".
+		msg := strings.TrimPrefix(err.Error(), "toml: ")
+		var line int
+		if _, serr := fmt.Sscanf(msg, "line %d", &line); serr == nil {
+			key := ""
+			if _, after, ok := strings.Cut(msg, `(last key "`); ok {
+				key, _, _ = strings.Cut(after, `"`)
+				key += ": "
+			}
+			if i := strings.Index(msg, "): "); i >= 0 {
+				msg = key + msg[i+3:]
+			}
+			return Config{}, fmt.Errorf("%w: %s:%d: %s", ErrInvalid, name, line, msg)
+		}
+		return Config{}, fmt.Errorf("%w: %s: %s", ErrInvalid, name, msg)
+	}
+	if undecoded := md.Undecoded(); len(undecoded) > 0 {
+		var unknown []string
+		for _, k := range undecoded {
+			if len(k) > 2 && k[0] == "policy" && k[1] == "params" {
+				continue // the plugin validates its own parameters
+			}
+			unknown = append(unknown, k.String())
+		}
+		if len(unknown) > 0 {
+			k := unknown[0]
+			return Config{}, fmt.Errorf("%w: %s:%d: unknown key %q (known keys are listed in docs/config.md)",
+				ErrInvalid, name, lineOf(src, k), k)
+		}
+	}
+	for i := range c.Mounts {
+		if c.Mounts[i].HighWatermark == 0 {
+			c.Mounts[i].HighWatermark = 0.95
+		}
+		if c.Mounts[i].LowWatermark == 0 {
+			c.Mounts[i].LowWatermark = 0.85
+		}
+	}
+	if err := c.Validate(); err != nil {
+		var ve *ValueError
+		if errors.As(err, &ve) {
+			ve.File, ve.Line = name, lineOf(src, ve.Key)
+		}
+		return Config{}, err
+	}
+	return c, nil
+}
+
+// ValueError says which key holds an unacceptable value and what was expected.
+type ValueError struct {
+	File string // set when the value came from a file
+	Line int    // 0 when unknown
+	Key  string // dotted key, e.g. "policy.shards" or "mount.path"
+	Want string
+	Got  any
+}
+
+func (e *ValueError) Error() string {
+	where := ""
+	if e.File != "" {
+		where = e.File
+		if e.Line > 0 {
+			where += fmt.Sprintf(":%d", e.Line)
+		}
+		where += ": "
+	}
+	return fmt.Sprintf("config: %s%s: want %s, got %v", where, e.Key, e.Want, e.Got)
+}
+
+func (e *ValueError) Unwrap() error { return ErrInvalid }
+
+// Validate checks every value and returns a *ValueError for the first bad one.
+func (c *Config) Validate() error {
+	bad := func(key, want string, got any) error { return &ValueError{Key: key, Want: want, Got: got} }
+	switch {
+	case c.Server.Socket == "":
+		return bad("server.socket", "a path", `""`)
+	case c.Server.SocketMode&^0o777 != 0 || c.Server.SocketMode&0o600 != 0o600:
+		return bad("server.socket_mode", "octal permissions that include owner read and write (e.g. \"0660\")", c.Server.SocketMode)
+	case c.Server.MaxClients < 1:
+		return bad("server.max_clients", "at least 1", c.Server.MaxClients)
+	case c.Server.MaxInflightJobs < 1:
+		return bad("server.max_inflight_jobs", "at least 1", c.Server.MaxInflightJobs)
+	case c.Server.MaxRegistrations < 1:
+		return bad("server.max_registrations", "at least 1", c.Server.MaxRegistrations)
+	case c.Server.MaxFrame < 64<<10 || c.Server.MaxFrame > 1<<30:
+		return bad("server.max_frame", "between 64KiB and 1GiB", c.Server.MaxFrame)
+	case c.Server.ShutdownTimeout < 0:
+		return bad("server.shutdown_timeout", "a non-negative duration", c.Server.ShutdownTimeout)
+	}
+	switch c.Log.Level {
+	case "debug", "info", "warn", "error":
+	default:
+		return bad("log.level", "debug, info, warn or error", fmt.Sprintf("%q", c.Log.Level))
+	}
+	switch c.Log.Format {
+	case "auto", "text", "json":
+	default:
+		return bad("log.format", "auto, text or json", fmt.Sprintf("%q", c.Log.Format))
+	}
+	switch {
+	case c.Policy.Name == "":
+		return bad("policy.name", "a built-in policy name or a .wasm path", `""`)
+	case c.Policy.Shards < 1 || c.Policy.Shards > 64:
+		return bad("policy.shards", "between 1 and 64", c.Policy.Shards)
+	case c.Policy.MemoryLimit < 1<<20 || c.Policy.MemoryLimit > 4<<30:
+		return bad("policy.memory_limit", "between 1MiB and 4GiB", c.Policy.MemoryLimit)
+	case c.Policy.CallTimeout <= 0:
+		return bad("policy.call_timeout", "a positive duration", c.Policy.CallTimeout)
+	case c.Policy.MaxFailures < 1:
+		return bad("policy.max_failures", "at least 1", c.Policy.MaxFailures)
+	case c.Policy.FailureWindow <= 0:
+		return bad("policy.failure_window", "a positive duration", c.Policy.FailureWindow)
+	}
+	for k, v := range c.Policy.Params {
+		switch v.(type) {
+		case string, int64, float64, bool:
+		default:
+			return bad("policy.params."+k, "a string, number or boolean", fmt.Sprintf("%T", v))
+		}
+		if strings.ContainsAny(k, "=\n") || strings.HasPrefix(k, "kvhost.") {
+			return bad("policy.params."+k, "a key without '=', newline or the reserved prefix kvhost.", k)
+		}
+	}
+	switch {
+	case c.Engine.IOWorkers < 0 || c.Engine.IOWorkers > 256:
+		return bad("engine.io_workers", "between 0 (automatic) and 256", c.Engine.IOWorkers)
+	case c.Engine.StagingMemory < 1<<20:
+		return bad("engine.staging_memory", "at least 1MiB", c.Engine.StagingMemory)
+	}
+	for _, cpu := range c.Engine.CPUs {
+		if cpu < 0 {
+			return bad("engine.cpus", "CPU numbers ≥ 0", c.Engine.CPUs)
+		}
+	}
+	if len(c.Mounts) == 0 {
+		return bad("mount", "at least one [[mount]] table", "none")
+	}
+	seen := map[string]bool{}
+	for _, m := range c.Mounts {
+		switch {
+		case m.Path == "" || !filepath.IsAbs(m.Path):
+			return bad("mount.path", "an absolute directory path", fmt.Sprintf("%q", m.Path))
+		case seen[filepath.Clean(m.Path)]:
+			return bad("mount.path", "each mount once", fmt.Sprintf("%q twice", m.Path))
+		case m.Capacity < 0:
+			return bad("mount.capacity", "a size ≥ 0", m.Capacity)
+		case m.HighWatermark <= 0 || m.HighWatermark > 1:
+			return bad("mount.high_watermark", "a fraction in (0, 1]", m.HighWatermark)
+		case m.LowWatermark <= 0 || m.LowWatermark >= m.HighWatermark:
+			return bad("mount.low_watermark", "a fraction in (0, high_watermark)", m.LowWatermark)
+		}
+		seen[filepath.Clean(m.Path)] = true
+	}
+	return nil
+}
+
+// PolicyParams renders Policy.Params as the key=value lines kvhost_init takes.
+func (p Policy) PolicyParams() map[string]string {
+	out := make(map[string]string, len(p.Params))
+	for k, v := range p.Params {
+		out[k] = fmt.Sprint(v)
+	}
+	return out
+}
+
+// lineOf finds the line of a dotted key ("policy.shards", "mount.path") in a
+// TOML source: the first line assigning the last component inside a table
+// whose name is the rest. It returns 0 when it cannot tell.
+func lineOf(src []byte, key string) int {
+	table, leaf := "", key
+	if i := strings.LastIndexByte(key, '.'); i >= 0 {
+		table, leaf = key[:i], key[i+1:]
+	}
+	cur := ""
+	sc := bufio.NewScanner(bytes.NewReader(src))
+	for n := 1; sc.Scan(); n++ {
+		line := strings.TrimSpace(sc.Text())
+		if strings.HasPrefix(line, "[") {
+			cur = strings.Trim(line, "[] \t")
+			if i := strings.IndexByte(cur, '#'); i >= 0 {
+				cur = strings.TrimSpace(strings.Trim(cur[:i], "[] \t"))
+			}
+			if cur == key {
+				return n
+			}
+			continue
+		}
+		k, _, ok := strings.Cut(line, "=")
+		if ok && cur == table && strings.Trim(strings.TrimSpace(k), `"`) == leaf {
+			return n
+		}
+	}
+	return 0
+}

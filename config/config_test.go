@@ -1,0 +1,154 @@
+package config
+
+import (
+	"errors"
+	"flag"
+	"strings"
+	"testing"
+	"time"
+)
+
+func TestDefaultIsValid(t *testing.T) {
+	c := Default()
+	if err := c.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	if c.Policy.Name != "lru" || len(c.Mounts) != 1 {
+		t.Fatalf("defaults: policy %q, %d mounts", c.Policy.Name, len(c.Mounts))
+	}
+}
+
+func TestParse(t *testing.T) {
+	src := `
+[server]
+socket = "/run/kvhost.sock"
+socket_mode = "0600"
+
+[policy]
+name = "sharded"
+memory_limit = "32MiB"
+call_timeout = "50ms"
+[policy.params]
+depth = 2
+ttl = "2h"
+
+[engine]
+fsync = true
+cpus = [0, 1]
+
+[[mount]]
+path = "/nvme/kv"
+capacity = "100GiB"
+
+[[mount]]
+path = "/shared/kv"
+capacity = 1099511627776
+high_watermark = 0.9
+low_watermark = 0.8
+`
+	c, err := Parse("kvhost.toml", []byte(src))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.Server.SocketMode != 0o600 || c.Policy.Name != "sharded" || c.Policy.MemoryLimit != 32<<20 ||
+		time.Duration(c.Policy.CallTimeout) != 50*time.Millisecond || !c.Engine.Fsync || len(c.Engine.CPUs) != 2 {
+		t.Fatalf("decoded %+v", c)
+	}
+	if len(c.Mounts) != 2 || c.Mounts[0].Capacity != 100<<30 || c.Mounts[1].Capacity != 1<<40 ||
+		c.Mounts[0].HighWatermark != 0.95 || c.Mounts[1].LowWatermark != 0.8 {
+		t.Fatalf("mounts %+v", c.Mounts)
+	}
+	params := c.Policy.PolicyParams()
+	if params["depth"] != "2" || params["ttl"] != "2h" {
+		t.Fatalf("params %v", params)
+	}
+	// Defaults survive where the file is silent.
+	if c.Server.MaxClients != 64 || c.Log.Level != "info" {
+		t.Fatalf("defaults lost: %+v", c.Server)
+	}
+}
+
+func TestParseErrors(t *testing.T) {
+	tests := []struct {
+		name, src string
+		want      string // substring of the error
+	}{
+		{"syntax", "[server\nsocket = 1", "kvhost.toml:2"},
+		{"unknown key", "[server]\nsokcet = \"/x\"", `kvhost.toml:2: unknown key "server.sokcet"`},
+		{"bad size", "[policy]\nmemory_limit = \"lots\"", `size "lots"`},
+		{"bad duration", "[policy]\ncall_timeout = \"soon\"", `duration "soon"`},
+		{"bad mode", "[server]\nsocket_mode = \"999\"", `file mode "999"`},
+		{"range", "[policy]\n\nshards = 0", "kvhost.toml:3: policy.shards: want between 1 and 64, got 0"},
+		{"relative mount", "[[mount]]\npath = \"rel\"", `kvhost.toml:2: mount.path: want an absolute directory path, got "rel"`},
+		{"watermarks", "[[mount]]\npath = \"/a\"\nhigh_watermark = 0.5\nlow_watermark = 0.6", "mount.low_watermark"},
+		{"duplicate mount", "[[mount]]\npath = \"/a\"\n[[mount]]\npath = \"/a/\"", "each mount once"},
+		{"log level", "[log]\nlevel = \"loud\"", `log.level: want debug, info, warn or error, got "loud"`},
+		{"reserved param", "[policy.params]\n\"kvhost.shard\" = 1", "reserved prefix"},
+		{"wrong type", "[server]\nmax_clients = \"many\"", "kvhost.toml:2: server.max_clients: incompatible types"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			_, err := Parse("kvhost.toml", []byte(tt.src))
+			if err == nil {
+				t.Fatal("no error")
+			}
+			if !errors.Is(err, ErrInvalid) {
+				t.Errorf("error %v does not wrap ErrInvalid", err)
+			}
+			if !strings.Contains(err.Error(), tt.want) {
+				t.Errorf("error %q does not contain %q", err, tt.want)
+			}
+		})
+	}
+}
+
+func TestParseSize(t *testing.T) {
+	tests := []struct {
+		in   string
+		want Size
+		ok   bool
+	}{
+		{"4096", 4096, true},
+		{"64MiB", 64 << 20, true},
+		{"1.5GiB", 3 << 29, true},
+		{"2 GB", 2e9, true},
+		{"10K", 10 << 10, true},
+		{"", 0, false},
+		{"-1", 0, false},
+		{"12XB", 0, false},
+	}
+	for _, tt := range tests {
+		got, err := ParseSize(tt.in)
+		if (err == nil) != tt.ok || (tt.ok && got != tt.want) {
+			t.Errorf("ParseSize(%q) = %v, %v; want %v ok=%v", tt.in, got, err, tt.want, tt.ok)
+		}
+	}
+	if s := Size(64 << 20).String(); s != "64MiB" {
+		t.Errorf("String = %q", s)
+	}
+}
+
+func TestFlagsOverride(t *testing.T) {
+	fs := flag.NewFlagSet("kvhost", flag.ContinueOnError)
+	f := BindFlags(fs)
+	if err := fs.Parse([]string{"-policy", "ttl", "-dir", "/tmp/kv", "-capacity", "1GiB", "-log-level", "debug", "-fsync"}); err != nil {
+		t.Fatal(err)
+	}
+	c, err := f.Load()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.Policy.Name != "ttl" || len(c.Mounts) != 1 || c.Mounts[0].Path != "/tmp/kv" ||
+		c.Mounts[0].Capacity != 1<<30 || c.Log.Level != "debug" || !c.Engine.Fsync {
+		t.Fatalf("flags not applied: %+v", c)
+	}
+
+	fs = flag.NewFlagSet("kvhost", flag.ContinueOnError)
+	f = BindFlags(fs)
+	if err := fs.Parse([]string{"-policy-shards", "0"}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := f.Load(); err == nil || !strings.Contains(err.Error(), "policy.shards") {
+		t.Fatalf("bad flag value accepted: %v", err)
+	}
+}

@@ -1,0 +1,102 @@
+package config
+
+import (
+	"flag"
+	"fmt"
+	"path/filepath"
+)
+
+// Flags are the command-line settings that override the configuration file.
+type Flags struct {
+	fs         *flag.FlagSet
+	configPath string
+	policy     string
+	socket     string
+	dir        string
+	capacity   Size
+	logLevel   string
+	logFormat  string
+	fsync      bool
+	ioWorkers  int
+	shards     int
+}
+
+// BindFlags registers kvhost's common settings on fs.
+func BindFlags(fs *flag.FlagSet) *Flags {
+	f := &Flags{fs: fs}
+	fs.StringVar(&f.configPath, "config", "", "TOML configuration `file` (flags override it)")
+	fs.StringVar(&f.policy, "policy", "", "placement policy: a built-in `name` (lru, lfu, ttl, sharded) or a .wasm file")
+	fs.StringVar(&f.socket, "socket", "", "Unix socket `path` clients connect to")
+	fs.StringVar(&f.dir, "dir", "", "cache `directory` (replaces the configured mounts with this one)")
+	fs.Var(&f.capacity, "capacity", "bytes to store under -dir, e.g. 100GiB (0: 90% of the file system)")
+	fs.StringVar(&f.logLevel, "log-level", "", "debug, info, warn or error")
+	fs.StringVar(&f.logFormat, "log-format", "", "auto, text or json")
+	fs.BoolVar(&f.fsync, "fsync", false, "make every store durable before it completes")
+	fs.IntVar(&f.ioWorkers, "io-workers", 0, "I/O worker threads (0: automatic)")
+	fs.IntVar(&f.shards, "policy-shards", 0, "plugin instances the policy state is spread over")
+	return f
+}
+
+// ConfigPath is the value of -config.
+func (f *Flags) ConfigPath() string { return f.configPath }
+
+// Load reads the file named by -config (or starts from Default), applies the
+// flags that were set, and validates the result.
+func (f *Flags) Load() (Config, error) {
+	c := Default()
+	if f.configPath != "" {
+		var err error
+		if c, err = Load(f.configPath); err != nil {
+			return Config{}, err
+		}
+	}
+	if err := f.Apply(&c); err != nil {
+		return Config{}, err
+	}
+	return c, nil
+}
+
+// Apply copies every flag that was set on the command line onto c and
+// validates the result.
+func (f *Flags) Apply(c *Config) error {
+	var err error
+	f.fs.Visit(func(fl *flag.Flag) {
+		switch fl.Name {
+		case "policy":
+			c.Policy.Name = f.policy
+		case "socket":
+			c.Server.Socket = f.socket
+		case "dir":
+			abs, aerr := filepath.Abs(f.dir)
+			if aerr != nil {
+				err = fmt.Errorf("%w: -dir %q: %v", ErrInvalid, f.dir, aerr)
+				return
+			}
+			c.Mounts = []Mount{{Path: abs, HighWatermark: 0.95, LowWatermark: 0.85}}
+		case "log-level":
+			c.Log.Level = f.logLevel
+		case "log-format":
+			c.Log.Format = f.logFormat
+		case "fsync":
+			c.Engine.Fsync = f.fsync
+		case "io-workers":
+			c.Engine.IOWorkers = f.ioWorkers
+		case "policy-shards":
+			c.Policy.Shards = f.shards
+		}
+	})
+	if err != nil {
+		return err
+	}
+	f.fs.Visit(func(fl *flag.Flag) {
+		if fl.Name == "capacity" {
+			for i := range c.Mounts {
+				c.Mounts[i].Capacity = f.capacity
+			}
+		}
+	})
+	if err := c.Validate(); err != nil {
+		return fmt.Errorf("%w (from the command line or -config)", err)
+	}
+	return nil
+}

@@ -1,0 +1,62 @@
+// Package policy hosts placement-policy plugins: wasm modules that implement
+// ABI v1 (package abi), run in wazero, and the native Go policies kvhost falls
+// back to when a plugin keeps failing.
+//
+// The engine talks to a Policy. Every implementation is safe for concurrent
+// use, validates everything a plugin returns, and never lets a plugin name a
+// path outside the cache root, pick a pinned or unknown victim, or stall a call
+// beyond its deadline.
+package policy
+
+import (
+	"context"
+
+	"github.com/kvhost/kvhost/abi"
+)
+
+// Policy is what the storage engine asks of a placement policy.
+type Policy interface {
+	// Features reports the optional hooks the policy implements.
+	Features() abi.Feature
+	// Namespace returns the chunk layout of a namespace: rec.KeysPerFile and
+	// rec.Order are filled in and validated. Without abi.FeatureNamespace it
+	// returns the default layout.
+	Namespace(ctx context.Context, rec abi.NamespaceRecord) (abi.NamespaceRecord, error)
+	// Name fills Mount and PathBuf/PathLen of every record. Every returned
+	// path has passed abi.CheckPath and every mount is < MountCount.
+	Name(ctx context.Context, recs []abi.NameRecord) error
+	// Admit fills Admit of every record (1 when the policy has no admit hook).
+	Admit(ctx context.Context, recs []abi.AdmitRecord) error
+	// Access reports events on stored entries.
+	Access(ctx context.Context, recs []abi.AccessRecord) error
+	// Victims returns eviction candidates for req, lowest score first, at most
+	// max of them. Every victim exists in the Index, is unpinned, is on the
+	// requested mount and appears once.
+	Victims(ctx context.Context, req abi.EvictRequest, max int) ([]abi.Victim, error)
+	// Close releases the policy's resources.
+	Close(ctx context.Context) error
+}
+
+// Entry is what the engine's index knows about one stored entry (a file).
+type Entry struct {
+	ID         uint64 // the handle the policy sees as AccessRecord.Entry
+	KeyHash    uint64
+	Size       uint64
+	Mount      uint32
+	NS         uint32
+	LastAccess uint64 // Unix nanoseconds
+	Hits       uint32
+	Pins       uint32
+}
+
+// Index is the engine's view of what is stored. A policy host uses it to
+// validate victims and to rebuild a replaced instance's state. Implementations
+// must be safe for concurrent use.
+type Index interface {
+	// Lookup returns the entry with the given ID.
+	Lookup(id uint64) (Entry, bool)
+	// Range calls fn for every entry until fn returns false.
+	Range(fn func(Entry) bool)
+	// Namespaces returns every namespace declared so far.
+	Namespaces() []abi.NamespaceRecord
+}
