@@ -37,7 +37,7 @@ func New(w io.Writer, level, format string) (*slog.Logger, error) {
 	}
 	switch format {
 	case "text":
-		return slog.New(tint.NewHandler(w, &tint.Options{Level: l, TimeFormat: time.TimeOnly, NoColor: !isTerminal(w)})), nil
+		return slog.New(tint.NewTextHandler(w, &tint.Options{Level: l, TimeFormat: time.TimeOnly, NoColor: !isTerminal(w)})), nil
 	case "json":
 		return slog.New(slog.NewJSONHandler(w, &slog.HandlerOptions{Level: l})), nil
 	}
