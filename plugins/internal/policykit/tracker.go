@@ -1,0 +1,191 @@
+package policykit
+
+import (
+	"strconv"
+
+	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/abi/guest"
+)
+
+// MaxClasses bounds the number of lists a Tracker keeps (mounts, frequency
+// levels), so that a bad record cannot make it allocate without limit.
+const MaxClasses = 1024
+
+// Tracker applies access records to a Pool of entries kept on recency lists,
+// one list per class. A policy chooses the class of an entry (its mount, its
+// frequency level) with the function given to NewTracker; within a list,
+// entries are in the order they were last touched, least recent first.
+//
+// The rules every built-in policy shares live here:
+//   - AccessInsert and AccessHit touch the entry (it moves to the back of its
+//     list, Time is updated, Hits grows); an insert also sets Size and Mount.
+//     A hit on an unknown entry learns it (with the record's Size and Mount),
+//     so that an instance rebuilt without a full restore converges.
+//   - AccessRestore sets the entry's Time and Hits from the record; the lists
+//     are re-sorted by time before the next eviction (Sorted).
+//   - AccessPin and AccessUnpin nest; an unpin without a pin is ignored.
+//     A pin on an unknown entry learns it, already pinned.
+//   - AccessRemove forgets the entry; removing an unknown entry is a no-op.
+type Tracker struct {
+	Pool  Pool
+	Lists []List
+
+	classOf  func(e *Entry) uint32
+	unsorted bool
+}
+
+// NewTracker returns a Tracker with classes lists (more are added when
+// classOf returns a higher class, up to MaxClasses). classOf may be nil, in
+// which case every entry is on list 0.
+func NewTracker(classes int, classOf func(e *Entry) uint32) *Tracker {
+	t := &Tracker{classOf: classOf}
+	t.ensure(uint32(max(classes, 1) - 1))
+	return t
+}
+
+// Apply applies one access record.
+func (t *Tracker) Apply(r *abi.AccessRecord) error {
+	switch r.Kind {
+	case abi.AccessInsert, abi.AccessHit:
+		i, err := t.learn(r)
+		if err != nil {
+			return err
+		}
+		e := t.Pool.At(i)
+		e.Time = r.Time
+		if r.Kind == abi.AccessInsert {
+			// A hit keeps what the insert said: hosts need not repeat the
+			// size and mount in hit records.
+			e.Size, e.Mount = r.Size, r.Mount
+		}
+		if e.Hits != ^uint32(0) {
+			e.Hits++
+		}
+		return t.place(i)
+	case abi.AccessRestore:
+		i, err := t.learn(r)
+		if err != nil {
+			return err
+		}
+		e := t.Pool.At(i)
+		e.Time, e.Size, e.Mount, e.Hits = r.Time, r.Size, r.Mount, r.Hits
+		t.unsorted = true
+		return t.place(i)
+	case abi.AccessPin:
+		i, err := t.learn(r)
+		if err != nil {
+			return err
+		}
+		if e := t.Pool.At(i); e.Pins != ^uint32(0) {
+			e.Pins++
+		}
+		return nil
+	case abi.AccessUnpin:
+		if i, ok := t.Pool.Lookup(r.Entry); ok {
+			if e := t.Pool.At(i); e.Pins > 0 {
+				e.Pins--
+			}
+		}
+		return nil
+	case abi.AccessRemove:
+		if i, ok := t.Pool.Lookup(r.Entry); ok {
+			t.Lists[t.Pool.At(i).Class].Remove(&t.Pool, i)
+			t.Pool.Delete(i)
+		}
+		return nil
+	}
+	return guest.InvalidInput("access kind " + strconv.FormatUint(uint64(r.Kind), 10) + " is not defined by ABI v1")
+}
+
+// learn returns the slot of the record's entry, adding it (with the record's
+// fields, on its class's list) if it is new.
+func (t *Tracker) learn(r *abi.AccessRecord) (int32, error) {
+	i, created := t.Pool.Add(r.Entry)
+	if !created {
+		return i, nil
+	}
+	e := t.Pool.At(i)
+	e.Time, e.Size, e.Mount = r.Time, r.Size, r.Mount
+	c := t.class(e)
+	if err := t.ensure(c); err != nil {
+		t.Pool.Delete(i)
+		return 0, err
+	}
+	e = t.Pool.At(i)
+	e.Class = c
+	t.Lists[c].PushBack(&t.Pool, i)
+	return i, nil
+}
+
+// place moves slot i to the back of the list of its (possibly new) class.
+func (t *Tracker) place(i int32) error {
+	e := t.Pool.At(i)
+	c := t.class(e)
+	if c == e.Class {
+		t.Lists[c].MoveToBack(&t.Pool, i)
+		return nil
+	}
+	if err := t.ensure(c); err != nil {
+		return err
+	}
+	t.Lists[e.Class].Remove(&t.Pool, i)
+	e.Class = c
+	t.Lists[c].PushBack(&t.Pool, i)
+	return nil
+}
+
+func (t *Tracker) class(e *Entry) uint32 {
+	if t.classOf == nil {
+		return 0
+	}
+	return t.classOf(e)
+}
+
+func (t *Tracker) ensure(c uint32) error {
+	if c >= MaxClasses {
+		return guest.InvalidInput("class " + strconv.FormatUint(uint64(c), 10) + " (mount or level) is beyond the limit of " + strconv.Itoa(MaxClasses))
+	}
+	for uint32(len(t.Lists)) <= c {
+		t.Lists = append(t.Lists, NewList())
+	}
+	return nil
+}
+
+// Sorted sorts every list by time if restores have arrived since the last
+// call. Call it before walking the lists for victims.
+func (t *Tracker) Sorted() {
+	if !t.unsorted {
+		return
+	}
+	for c := range t.Lists {
+		t.Lists[c].SortByTime(&t.Pool)
+	}
+	t.unsorted = false
+}
+
+// Reclassify puts every entry back on the list its class function now
+// chooses (after a policy changed what the function depends on, such as an
+// LFU's aging). Lists are re-sorted by time before the next eviction.
+func (t *Tracker) Reclassify() error {
+	for c := range t.Lists {
+		t.Lists[c] = NewList()
+	}
+	var err error
+	t.Pool.Range(func(i int32) {
+		e := t.Pool.At(i)
+		c := t.class(e)
+		if err2 := t.ensure(c); err2 != nil {
+			c, err = 0, err2
+		}
+		e.Class = c
+		t.Lists[c].PushBack(&t.Pool, i)
+	})
+	t.unsorted = true
+	return err
+}
+
+// Eligible reports whether e may be a victim of req: unpinned, and on the
+// requested mount unless req.Mount is abi.AnyMount.
+func Eligible(e *Entry, req *abi.EvictRequest) bool {
+	return e.Pins == 0 && (req.Mount == abi.AnyMount || req.Mount == e.Mount)
+}

@@ -1,0 +1,107 @@
+package lfu_test
+
+import (
+	"cmp"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/abi/guest"
+	"github.com/kvhost/kvhost/plugins/internal/policytest"
+	"github.com/kvhost/kvhost/plugins/lfu"
+)
+
+func mk() guest.Policy { return lfu.New() }
+
+func TestCommon(t *testing.T) { policytest.CheckCommon(t, mk) }
+
+func TestNames(t *testing.T) { policytest.CheckNames(t, mk, []uint32{1, 2}) }
+
+func TestAllocs(t *testing.T) { policytest.CheckAllocs(t, mk, 2) }
+
+func TestConfig(t *testing.T) {
+	tests := []struct{ key, value, wantErr string }{
+		{"half_life", "30m", ""},
+		{"half_life", "0", "half_life"},
+		{"half_life", "soon", "half_life"},
+		{"keys_per_file", "1e3", "keys_per_file"},
+	}
+	for _, tt := range tests {
+		var cfg guest.Config
+		cfg.Set(tt.key, tt.value)
+		err := lfu.New().Init(cfg)
+		switch {
+		case tt.wantErr == "" && err != nil:
+			t.Errorf("%s=%s: %v", tt.key, tt.value, err)
+		case tt.wantErr != "" && (err == nil || !strings.Contains(err.Error(), "lfu: config "+tt.wantErr)):
+			t.Errorf("%s=%s: error %v, want one naming %q", tt.key, tt.value, err, tt.wantErr)
+		}
+	}
+}
+
+func TestOrder(t *testing.T) {
+	const size = 10
+	m := uint64(time.Minute)
+	ins := func(e, at uint64) abi.AccessRecord { return policytest.Rec(abi.AccessInsert, e, at, size) }
+	hit := func(e, at uint64) abi.AccessRecord { return policytest.Rec(abi.AccessHit, e, at, size) }
+	restore := func(e, at uint64, hits uint32) abi.AccessRecord {
+		r := policytest.Rec(abi.AccessRestore, e, at, size)
+		r.Hits = hits
+		return r
+	}
+	tests := []struct {
+		name   string
+		events []abi.AccessRecord
+		want   []uint64
+	}{
+		{"same count: least recent first", []abi.AccessRecord{ins(1, 1), ins(2, 2), ins(3, 3)}, []uint64{1, 2, 3}},
+		{"frequent last", []abi.AccessRecord{ins(1, 1), ins(2, 2), ins(3, 3), hit(1, 4), hit(1, 5), hit(1, 6), hit(2, 7)}, []uint64{3, 2, 1}},
+		{"levels are powers of two", []abi.AccessRecord{ins(1, 1), hit(1, 2), ins(2, 3), hit(2, 4), hit(2, 5), ins(3, 6)}, []uint64{3, 1, 2}},
+		{"restore counts", []abi.AccessRecord{restore(1, 1, 9), restore(2, 2, 1), restore(3, 3, 0)}, []uint64{3, 2, 1}},
+		{"aging demotes old favourites", []abi.AccessRecord{
+			ins(1, 1), hit(1, 2), hit(1, 3), hit(1, 4), hit(1, 5), hit(1, 6), hit(1, 7), hit(1, 8), // 8 accesses: level 4
+			ins(2, 10*m), // nine halvings: entry 1 is down to 0 accesses
+			ins(3, 10*m+1),
+		}, []uint64{1, 2, 3}},
+		{"late records do not move the aging clock back", []abi.AccessRecord{
+			ins(1, 10*m), hit(1, 10*m+1), hit(1, 10*m+2), hit(1, 10*m+3), // 4 accesses: level 3
+			ins(2, 1), // a late record
+			ins(3, 10*m+4), ins(4, 10*m+5),
+		}, []uint64{2, 3, 4, 1}},
+		{"no aging within a half-life", []abi.AccessRecord{
+			ins(1, 1), hit(1, 2), hit(1, 3), hit(1, 4),
+			ins(2, m-2), ins(3, m-1),
+		}, []uint64{2, 3, 1}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			d := policytest.MustNew(t, lfu.New(), "half_life", "1m")
+			if err := d.Access(tt.events...); err != nil {
+				t.Fatal(err)
+			}
+			vs, err := d.Evict(abi.EvictRequest{Bytes: 1 << 30, Mount: abi.AnyMount}, 64)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := policytest.Entries(vs); !slices.Equal(got, tt.want) {
+				t.Errorf("victims %v, want %v", got, tt.want)
+			}
+			if !slices.IsSortedFunc(vs, func(a, b abi.Victim) int { return cmp.Compare(a.Score, b.Score) }) {
+				t.Errorf("scores of %v are not ascending", vs)
+			}
+		})
+	}
+}
+
+func TestScore(t *testing.T) {
+	if lfu.Score(1, 0) <= lfu.Score(0, ^uint64(0)) {
+		t.Error("a higher level does not score above every time of a lower level")
+	}
+	if lfu.Score(2, 1000) >= lfu.Score(2, 2000) {
+		t.Error("within a level, older does not score lower")
+	}
+}
+
+func BenchmarkHooks(b *testing.B) { policytest.BenchHooks(b, mk, 1) }
