@@ -1,0 +1,64 @@
+# kvhost build. `make run` builds and runs the daemon with its embedded
+# defaults; `make test` is what CI runs.
+
+GO        ?= go
+GOBIN     := $(shell $(GO) env GOPATH)/bin
+WASM_GO   := GOOS=wasip1 GOARCH=wasm $(GO) build -trimpath -buildmode=c-shared
+
+# Built-in policies: every plugins/NAME/wasm main package becomes
+# plugins/wasm/NAME.wasm, which the kvhost binary embeds.
+PLUGINS     := $(patsubst plugins/%/wasm/,%,$(dir $(wildcard plugins/*/wasm/main.go)))
+PLUGIN_WASM := $(PLUGINS:%=plugins/wasm/%.wasm)
+# WebAssembly-text modules: test fixtures and the vendor examples.
+WAT_WASM    := $(patsubst %.wat,%.wasm,$(shell find host examples -name '*.wat' 2>/dev/null))
+# Go vendor examples: every examples/NAME/main.go becomes examples/NAME/policy.wasm.
+GO_EXAMPLE_WASM := $(patsubst %/main.go,%/policy.wasm,$(wildcard examples/*/main.go))
+
+.PHONY: all build run test vet lint fuzz wasm tools clean FORCE
+
+all: build
+
+tools:
+	@scripts/ensure-tools.sh
+
+wasm: $(PLUGIN_WASM) $(WAT_WASM) $(GO_EXAMPLE_WASM)
+
+# go build is incremental, so always asking it is cheap and never stale.
+plugins/wasm/%.wasm: FORCE
+	$(WASM_GO) -o $@ ./plugins/$*/wasm
+
+$(GO_EXAMPLE_WASM): %/policy.wasm: FORCE
+	$(WASM_GO) -o $@ ./$*
+
+%.wasm: %.wat | tools
+	wat2wasm $< -o $@
+
+build: wasm
+	$(GO) build -o bin/kvhost ./cmd/kvhost
+
+run: build
+	./bin/kvhost
+
+vet: wasm
+	$(GO) vet ./...
+	GOOS=wasip1 GOARCH=wasm $(GO) vet ./abi/... ./plugins/...
+
+lint: tools vet
+	$(GOBIN)/staticcheck ./...
+
+# Bounded fuzzing of the decoders that face untrusted input: PKG:FuzzFunc.
+FUZZ_TARGETS ?= ./abi:FuzzCheckPath ./format:FuzzDecodeHeader ./protocol:FuzzDecode ./server:FuzzSession ./host/policy:FuzzOutputValidation
+FUZZTIME     ?= 10s
+fuzz: wasm
+	@for t in $(FUZZ_TARGETS); do \
+		pkg=$${t%%:*}; fn=$${t##*:}; \
+		echo "fuzz $$pkg $$fn for $(FUZZTIME)"; \
+		$(GO) test -run '^$$' -fuzz "^$$fn\$$" -fuzztime $(FUZZTIME) $$pkg || exit 1; \
+	done
+
+test: tools build lint
+	$(GO) test -race -count=1 ./...
+	$(MAKE) --no-print-directory fuzz
+
+clean:
+	rm -rf bin plugins/wasm/*.wasm $(WAT_WASM) $(GO_EXAMPLE_WASM)

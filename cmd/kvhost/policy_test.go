@@ -1,0 +1,61 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"strings"
+	"testing"
+)
+
+func TestPolicyCommand(t *testing.T) {
+	const testdata = "../../host/policy/testdata/"
+	tests := []struct {
+		name     string
+		args     []string
+		code     int
+		stdout   []string // substrings of stdout
+		stderr   []string // substrings of stderr
+		noStdout bool
+	}{
+		{"no args", []string{}, 2, nil, []string{"usage:", "kvhost policy test"}, true},
+		{"unknown", []string{"frobnicate"}, 2, nil, []string{`unknown command "frobnicate"`}, true},
+		{"inspect builtin", []string{"inspect", "lru"}, 0,
+			[]string{"abi version: 1", "features:    namespace", "kvhost_evict", "OK: lru implements ABI v1"}, nil, false},
+		{"inspect missing export", []string{"inspect", testdata + "noevict.wasm"}, 1,
+			[]string{"missing export kvhost_evict(i32) -> i32", "FAIL:"}, nil, false},
+		{"inspect wrong abi", []string{"inspect", testdata + "wrongabi.wasm"}, 1,
+			[]string{"abi version: 2", "kvhost_abi_version returned 2, want 1"}, nil, false},
+		{"inspect unknown builtin", []string{"inspect", "nosuch"}, 1, nil, []string{"no built-in policy", `"nosuch"`}, true},
+		{"test well-behaved", []string{"test", testdata + "wellbehaved.wasm"}, 0,
+			[]string{"ok   pinned entries", "PASS: " + testdata + "wellbehaved.wasm: 10 passed, 0 failed"}, nil, false},
+		{"test traversal", []string{"test", testdata + "traversal.wasm"}, 1,
+			[]string{"FAIL names", `invalid path "../../etc/passwd"`, "FAIL: "}, nil, false},
+		{"test loop", []string{"test", "-timeout", "30ms", testdata + "loop.wasm"}, 1,
+			[]string{"exceeded the call deadline of 30ms"}, nil, false},
+		{"test missing file", []string{"test", "nosuch/x.wasm"}, 1, nil, []string{"no such file"}, true},
+		{"test bad flag", []string{"test", "-param", "novalue", "lru"}, 2, nil, []string{"want key=value"}, true},
+		{"test builtin", []string{"test", "lru"}, 0, []string{"PASS: lru: 10 passed, 0 failed"}, nil, false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			var stdout, stderr bytes.Buffer
+			code := run(context.Background(), append([]string{"policy"}, tt.args...), &stdout, &stderr)
+			if code != tt.code {
+				t.Errorf("exit code %d, want %d\nstdout:\n%s\nstderr:\n%s", code, tt.code, &stdout, &stderr)
+			}
+			for _, s := range tt.stdout {
+				if !strings.Contains(stdout.String(), s) {
+					t.Errorf("stdout lacks %q:\n%s", s, &stdout)
+				}
+			}
+			for _, s := range tt.stderr {
+				if !strings.Contains(stderr.String(), s) {
+					t.Errorf("stderr lacks %q:\n%s", s, &stderr)
+				}
+			}
+			if tt.noStdout && stdout.Len() > 0 {
+				t.Errorf("unexpected stdout:\n%s", &stdout)
+			}
+		})
+	}
+}

@@ -1,0 +1,157 @@
+package policy
+
+import (
+	"fmt"
+	"log/slog"
+	"runtime"
+	"sort"
+	"strings"
+	"time"
+
+	"github.com/tetratelabs/wazero"
+
+	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/abi/guest"
+)
+
+// Defaults of Config.
+const (
+	DefaultShards        = 4
+	DefaultMemoryLimit   = 64 << 20
+	DefaultCallTimeout   = 100 * time.Millisecond
+	DefaultMaxFailures   = 3
+	DefaultFailureWindow = time.Minute
+)
+
+// Host configuration keys passed to kvhost_init besides Config.Params.
+const (
+	// ParamShard is the index of the instance receiving the configuration.
+	ParamShard = "kvhost.shard"
+	// ParamShards is the number of instances of the plugin.
+	ParamShards = "kvhost.shards"
+)
+
+// wasmPage is the size of a wasm memory page.
+const wasmPage = 65536
+
+// Config configures a policy Host. The zero value is usable: every zero field
+// takes its default.
+type Config struct {
+	// Shards is the number of plugin instances the policy state is split
+	// over; calls on different shards run in parallel. Zero means
+	// DefaultShards capped at GOMAXPROCS.
+	Shards int
+	// MemoryLimit is the most linear memory, in bytes, one instance may
+	// have; a multiple of 64 KiB. Zero means DefaultMemoryLimit.
+	MemoryLimit int64
+	// CallTimeout is the deadline of one hook call. Zero means
+	// DefaultCallTimeout.
+	CallTimeout time.Duration
+	// CacheDir, if set, is a directory for wazero's on-disk compilation
+	// cache: a second start with the same module compiles nothing.
+	CacheDir string
+	// Cache, if set, is used instead of CacheDir. It lets tests and tools
+	// share an in-memory cache between hosts. The Host does not close it.
+	Cache wazero.CompilationCache
+	// Trusted compiles the plugin without wazero's interruption checks. By
+	// default every loop iteration of plugin code checks whether the call
+	// must stop (wazero's WithCloseOnContextDone), which is what lets the
+	// host cut a runaway call at CallTimeout — and costs a switch into Go
+	// per iteration, several times the cost of the plugin's own work. A
+	// Trusted plugin's call cannot be interrupted: it is judged only once
+	// it returns (a call over CallTimeout is still a failure), and an
+	// endless loop hangs its caller and stalls the Go runtime. Use it only
+	// for code as trusted as kvhost itself, such as the embedded built-in
+	// policies.
+	Trusted bool
+	// Params is the plugin configuration, passed to kvhost_init as
+	// "key=value" lines together with ParamShard and ParamShards. Keys
+	// starting with "kvhost." are reserved for the host.
+	Params map[string]string
+	// MaxFailures failures of the plugin within FailureWindow switch the
+	// Host to Fallback. Zero means DefaultMaxFailures.
+	MaxFailures int
+	// FailureWindow: see MaxFailures. Zero means DefaultFailureWindow.
+	FailureWindow time.Duration
+	// Fallback builds the native policy of one shard the Host switches to
+	// when the plugin keeps failing. Nil means no fallback: the Host keeps
+	// replacing failed instances and returns their errors.
+	Fallback func() guest.Policy
+	// Logger receives the host's and the plugin's log messages. Nil means
+	// slog.Default().
+	Logger *slog.Logger
+}
+
+// withDefaults returns c with defaults applied, or an error naming the first
+// invalid field.
+func (c Config) withDefaults() (Config, error) {
+	fail := func(format string, args ...any) (Config, error) {
+		return c, fmt.Errorf("%w: %s", ErrConfig, fmt.Sprintf(format, args...))
+	}
+	switch {
+	case c.Shards < 0:
+		return fail("Shards = %d: want 0 (default) or more", c.Shards)
+	case c.Shards > 1024:
+		return fail("Shards = %d: want at most 1024", c.Shards)
+	case c.Shards == 0:
+		c.Shards = min(DefaultShards, runtime.GOMAXPROCS(0))
+	}
+	switch {
+	case c.MemoryLimit == 0:
+		c.MemoryLimit = DefaultMemoryLimit
+	case c.MemoryLimit < wasmPage || c.MemoryLimit%wasmPage != 0:
+		return fail("MemoryLimit = %d: want a positive multiple of 64 KiB", c.MemoryLimit)
+	case c.MemoryLimit > 4<<30:
+		return fail("MemoryLimit = %d: want at most 4 GiB (the wasm32 address space)", c.MemoryLimit)
+	}
+	switch {
+	case c.CallTimeout == 0:
+		c.CallTimeout = DefaultCallTimeout
+	case c.CallTimeout < 0:
+		return fail("CallTimeout = %v: want a positive duration", c.CallTimeout)
+	}
+	switch {
+	case c.MaxFailures == 0:
+		c.MaxFailures = DefaultMaxFailures
+	case c.MaxFailures < 0:
+		return fail("MaxFailures = %d: want a positive count", c.MaxFailures)
+	}
+	switch {
+	case c.FailureWindow == 0:
+		c.FailureWindow = DefaultFailureWindow
+	case c.FailureWindow < 0:
+		return fail("FailureWindow = %v: want a positive duration", c.FailureWindow)
+	}
+	for k, v := range c.Params {
+		switch {
+		case k == "" || strings.ContainsAny(k, "=\n") || strings.TrimSpace(k) != k:
+			return fail("Params key %q: want a non-empty key without '=', newlines or surrounding spaces", k)
+		case strings.HasPrefix(k, "kvhost."):
+			return fail("Params key %q: keys starting with \"kvhost.\" are reserved for the host", k)
+		case strings.Contains(v, "\n"):
+			return fail("Params[%q]: value contains a newline", k)
+		}
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	return c, nil
+}
+
+// initConfig returns the kvhost_init configuration of one shard.
+func (c *Config) initConfig(shard int) ([]byte, error) {
+	keys := make([]string, 0, len(c.Params))
+	for k := range c.Params {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	var b []byte
+	for _, k := range keys {
+		b = fmt.Appendf(b, "%s=%s\n", k, c.Params[k])
+	}
+	b = fmt.Appendf(b, "%s=%d\n%s=%d\n", ParamShard, shard, ParamShards, c.Shards)
+	if len(b) > abi.MaxConfigLen {
+		return nil, fmt.Errorf("%w: Params encode to %d bytes, more than %d", ErrConfig, len(b), abi.MaxConfigLen)
+	}
+	return b, nil
+}

@@ -1,0 +1,633 @@
+package policy
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/abi/guest"
+)
+
+// scratchSize is the scratch area the host asks every instance for: room for
+// the largest batch of any hook, the eviction area and the configuration.
+const scratchSize = max(abi.MaxBatch*abi.NameRecordSize,
+	abi.EvictHeaderSize+abi.MaxBatch*abi.VictimSize,
+	abi.MaxBatch*abi.AccessRecordSize,
+	abi.MaxBatch*abi.AdmitRecordSize,
+	abi.NamespaceRecordSize,
+	abi.MaxConfigLen)
+
+// backend creates the instances of one policy implementation: a wasm module
+// or a native Go policy.
+type backend interface {
+	// kind is "wasm" or "native".
+	kind() string
+	features() abi.Feature
+	// newInstance returns a fresh instance whose scratch area holds
+	// scratchSize bytes. The host then initialises it and rebuilds its state.
+	newInstance(ctx context.Context, shard int) (instance, error)
+	close(ctx context.Context) error
+}
+
+// instance is one running copy of a policy, with its own state and scratch
+// area. It is used by one goroutine at a time (under its shard's lock).
+type instance interface {
+	// scratch returns the scratch area. The slice is valid until the next
+	// call: a call may grow (and move) the instance's memory.
+	scratch() []byte
+	// call runs hook h with argument arg (ignored by hooks without one)
+	// and returns its i32 result. An error means the instance is unusable.
+	call(ctx context.Context, h hook, arg int32) (int32, error)
+	close(ctx context.Context)
+}
+
+// Host runs a placement policy — a wasm plugin (Open) or a native Go policy
+// (NewNative) — as a Policy: sharded over instances, every output validated,
+// failed instances replaced and rebuilt from the Index, and, after repeated
+// failures, a switch to the native fallback policy. A Host is safe for
+// concurrent use.
+type Host struct {
+	name        string
+	idx         Index
+	cfg         Config
+	log         *slog.Logger
+	initCfg     [][]byte // kvhost_init configuration per shard
+	canFallback bool
+	stats       counters
+
+	mu struct {
+		sync.RWMutex
+		backend  backend
+		shards   []*shard
+		fallback bool   // the backend is the native fallback
+		reason   string // why the fallback was taken
+		closed   bool
+	}
+	fail struct {
+		sync.Mutex
+		times []time.Time // recent failures, oldest first
+	}
+}
+
+// shard is one instance and the reusable buffers of calls on it.
+type shard struct {
+	id   int
+	mu   sync.Mutex
+	inst instance // nil after a failed (re)build: rebuilt on next use
+	pos  []int32  // positions of the caller's records in the current batch
+	seen []uint64 // victim entries, for the duplicate check
+
+	// The ops of the caller's call, reused to keep calls allocation-free.
+	nsOp     namespaceOp
+	nameOp   nameOp
+	admitOp  admitOp
+	accessOp accessOp
+	evictOp  evictOp
+}
+
+// locked runs fn with s locked.
+func (s *shard) locked(fn func() error) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return fn()
+}
+
+func newShard(id int) *shard {
+	return &shard{id: id, pos: make([]int32, 0, abi.MaxBatch), seen: make([]uint64, 0, abi.MaxBatch)}
+}
+
+// switchError asks the caller to switch the Host to its fallback and retry.
+type switchError struct{ cause *Error }
+
+func (e *switchError) Error() string { return e.cause.Error() }
+
+// Open loads a wasm policy plugin and returns a Host running it. name names
+// the plugin in errors, logs and metrics. The module is compiled once (from
+// cfg.CacheDir when it is warm), validated against ABI v1, and cfg.Shards
+// instances are created, initialised and filled from idx before Open returns.
+func Open(ctx context.Context, module []byte, name string, idx Index, cfg Config) (*Host, error) {
+	cfg, err := cfg.withDefaults()
+	if err != nil {
+		return nil, err
+	}
+	if idx == nil {
+		return nil, fmt.Errorf("%w: nil Index", ErrConfig)
+	}
+	b, err := newWasmBackend(ctx, module, name, &cfg)
+	if err != nil {
+		return nil, err
+	}
+	h, err := start(ctx, name, idx, cfg, b, cfg.Fallback != nil)
+	if err != nil {
+		_ = b.close(ctx)
+		return nil, err
+	}
+	return h, nil
+}
+
+// NewNative returns a Host running a native Go policy: newPolicy builds the
+// policy of one shard. It shares the sharding, validation and rebuilding of a
+// wasm Host; cfg.Fallback, CacheDir, Cache, MemoryLimit and CallTimeout do
+// not apply to it.
+func NewNative(newPolicy func() guest.Policy, idx Index, cfg Config) (*Host, error) {
+	cfg, err := cfg.withDefaults()
+	if err != nil {
+		return nil, err
+	}
+	if newPolicy == nil {
+		return nil, fmt.Errorf("%w: nil native policy constructor", ErrConfig)
+	}
+	if idx == nil {
+		return nil, fmt.Errorf("%w: nil Index", ErrConfig)
+	}
+	b := newNativeBackend(newPolicy, "native", cfg.Logger)
+	return start(context.Background(), "native", idx, cfg, b, false)
+}
+
+func start(ctx context.Context, name string, idx Index, cfg Config, b backend, canFallback bool) (*Host, error) {
+	h := &Host{name: name, idx: idx, cfg: cfg, log: cfg.Logger.With("policy", name), canFallback: canFallback}
+	h.initCfg = make([][]byte, cfg.Shards)
+	for i := range h.initCfg {
+		c, err := cfg.initConfig(i)
+		if err != nil {
+			return nil, err
+		}
+		h.initCfg[i] = c
+	}
+	shards, err := h.buildShards(ctx, b)
+	if err != nil {
+		return nil, err
+	}
+	h.mu.backend, h.mu.shards = b, shards
+	return h, nil
+}
+
+// buildShards creates every shard of b, failing fast.
+func (h *Host) buildShards(ctx context.Context, b backend) ([]*shard, error) {
+	shards := make([]*shard, h.cfg.Shards)
+	for i := range shards {
+		s := newShard(i)
+		inst, err := h.build(ctx, b, s)
+		if err != nil {
+			for _, t := range shards[:i] {
+				t.inst.close(ctx)
+			}
+			return nil, err
+		}
+		s.inst = inst
+		shards[i] = s
+	}
+	return shards, nil
+}
+
+// build creates an instance for shard s, initialises it and replays the
+// Index into it: every namespace, then for each entry routed to s an
+// AccessRestore record and one AccessPin per pin.
+func (h *Host) build(ctx context.Context, b backend, s *shard) (instance, error) {
+	inst, err := b.newInstance(ctx, s.id)
+	if err != nil {
+		return nil, h.pluginError(s, "instantiate", err)
+	}
+	ok := false
+	defer func() {
+		if !ok {
+			inst.close(ctx)
+		}
+	}()
+	// build runs in the middle of a caller's call on s (a replacement):
+	// it uses ops of its own, not the shard's.
+	if err := h.callOnce(ctx, s, inst, hookInit, &initOp{config: h.initCfg[s.id]}); err != nil {
+		return nil, err
+	}
+	if b.features().Has(abi.FeatureNamespace) {
+		for _, ns := range h.idx.Namespaces() {
+			if err := h.callOnce(ctx, s, inst, hookNamespace, &namespaceOp{in: ns}); err != nil {
+				return nil, err
+			}
+		}
+	}
+	var recs []abi.AccessRecord
+	h.idx.Range(func(e Entry) bool {
+		if route(e.ID, h.cfg.Shards) != s.id {
+			return true
+		}
+		r := abi.AccessRecord{Entry: e.ID, Time: e.LastAccess, Size: e.Size, KeyHash: e.KeyHash,
+			Kind: abi.AccessRestore, Mount: e.Mount, NS: e.NS, Hits: e.Hits}
+		recs = append(recs, r)
+		r.Kind, r.Hits = abi.AccessPin, 0
+		for range e.Pins {
+			recs = append(recs, r)
+		}
+		return true
+	})
+	for len(recs) > 0 {
+		k := min(len(recs), abi.MaxBatch)
+		if err := h.callOnce(ctx, s, inst, hookAccess, &accessOp{recs: recs[:k], all: true}); err != nil {
+			return nil, err
+		}
+		recs = recs[k:]
+	}
+	ok = true
+	return inst, nil
+}
+
+// callOnce runs one hook call: op writes its input into the scratch area,
+// the hook runs, and op validates and consumes the output.
+func (h *Host) callOnce(ctx context.Context, s *shard, inst instance, hk hook, op batchOp) error {
+	arg := op.write(s, inst.scratch())
+	h.stats.calls[hk].Add(1)
+	h.stats.records[hk].Add(uint64(op.records(s)))
+	st, err := inst.call(ctx, hk, arg)
+	if err != nil {
+		return h.pluginError(s, hk.String(), err)
+	}
+	if st < 0 {
+		return h.pluginError(s, hk.String(), fmt.Errorf("returned status %d (%s)", st, abi.Status(st)))
+	}
+	if err := op.read(h, s, inst.scratch(), st); err != nil {
+		h.stats.rejections.Add(1)
+		return h.pluginError(s, hk.String(), err)
+	}
+	return nil
+}
+
+func (h *Host) pluginError(s *shard, hook string, err error) *Error {
+	return &Error{Plugin: h.name, Hook: hook, Shard: s.id, Err: err}
+}
+
+// invoke runs op on shard s (locked by the caller, as is h.mu for reading),
+// replacing a failed instance and retrying the call once on the replacement.
+// It returns a *switchError when the failure should switch the Host to its
+// fallback.
+func (h *Host) invoke(ctx context.Context, s *shard, hk hook, op batchOp) error {
+	var last error
+	for range 2 {
+		if s.inst == nil {
+			h.stats.replacements.Add(1)
+			inst, err := h.build(ctx, h.mu.backend, s)
+			if err != nil {
+				if ctx.Err() != nil {
+					return ctx.Err()
+				}
+				if sw := h.failed(err.(*Error)); sw != nil {
+					return sw
+				}
+				return err
+			}
+			s.inst = inst
+		}
+		err := h.callOnce(ctx, s, s.inst, hk, op)
+		if err == nil {
+			return nil
+		}
+		s.inst.close(ctx)
+		s.inst = nil
+		if ctx.Err() != nil {
+			// The caller gave up; the call was cut short, which is not the
+			// plugin's fault. The instance is rebuilt on next use.
+			return fmt.Errorf("policy %s: %s: %w", h.name, hk, ctx.Err())
+		}
+		if sw := h.failed(err.(*Error)); sw != nil {
+			return sw
+		}
+		last = err
+	}
+	return last
+}
+
+// failed counts and logs a plugin failure and reports whether it should
+// switch the Host to its fallback.
+func (h *Host) failed(e *Error) *switchError {
+	h.stats.failures.Add(1)
+	h.log.Warn("policy plugin failed; replacing the instance", "hook", e.Hook, "shard", e.Shard, "err", e.Err)
+	if !h.canFallback || h.mu.fallback {
+		return nil
+	}
+	now := time.Now()
+	h.fail.Lock()
+	defer h.fail.Unlock()
+	cut := 0
+	for cut < len(h.fail.times) && now.Sub(h.fail.times[cut]) > h.cfg.FailureWindow {
+		cut++
+	}
+	h.fail.times = append(h.fail.times[:0], h.fail.times[cut:]...)
+	h.fail.times = append(h.fail.times, now)
+	if len(h.fail.times) < h.cfg.MaxFailures {
+		return nil
+	}
+	return &switchError{cause: e}
+}
+
+// switchToFallback replaces every wasm shard by a native shard of
+// cfg.Fallback, rebuilt from the Index.
+func (h *Host) switchToFallback(ctx context.Context, cause *Error) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.mu.closed {
+		return ErrClosed
+	}
+	if h.mu.fallback {
+		return nil
+	}
+	nb := newNativeBackend(h.cfg.Fallback, h.name+"/fallback", h.log)
+	shards, err := h.buildShards(ctx, nb)
+	if err != nil {
+		return fmt.Errorf("policy %s: switching to the fallback policy after %q: %w", h.name, cause, err)
+	}
+	for _, s := range h.mu.shards {
+		if s.inst != nil {
+			s.inst.close(ctx)
+		}
+	}
+	_ = h.mu.backend.close(ctx)
+	h.mu.backend, h.mu.shards, h.mu.fallback, h.mu.reason = nb, shards, true, cause.Error()
+	h.log.Error("policy plugin disabled; using the native fallback policy",
+		"failures", h.cfg.MaxFailures, "window", h.cfg.FailureWindow, "reason", cause.Error())
+	return nil
+}
+
+// withShards runs fn over the current shards, switching to the fallback and
+// running fn again when fn asks for it.
+func (h *Host) withShards(ctx context.Context, fn func(shards []*shard) error) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	for {
+		err := h.readLocked(fn)
+		sw, ok := err.(*switchError)
+		if !ok {
+			return err
+		}
+		if err := h.switchToFallback(ctx, sw.cause); err != nil {
+			return err
+		}
+	}
+}
+
+// readLocked runs fn over the shards under h.mu's read lock.
+func (h *Host) readLocked(fn func(shards []*shard) error) error {
+	h.mu.RLock()
+	defer h.mu.RUnlock()
+	if h.mu.closed {
+		return ErrClosed
+	}
+	return fn(h.mu.shards)
+}
+
+// route maps a 64-bit id to one of n shards.
+func route(x uint64, n int) int {
+	if n <= 1 {
+		return 0
+	}
+	// splitmix64 finaliser: KeyHash is FNV-1a, whose low bits mix poorly.
+	x ^= x >> 30
+	x *= 0xbf58476d1ce4e5b9
+	x ^= x >> 27
+	x *= 0x94d049bb133111eb
+	x ^= x >> 31
+	return int(x % uint64(n))
+}
+
+// Features reports the optional hooks of the policy answering calls now.
+func (h *Host) Features() abi.Feature {
+	h.mu.RLock()
+	defer h.mu.RUnlock()
+	if h.mu.backend == nil {
+		return 0
+	}
+	return h.mu.backend.features()
+}
+
+// Namespace implements Policy: the namespace is declared to every shard and
+// every shard must choose the same layout.
+func (h *Host) Namespace(ctx context.Context, rec abi.NamespaceRecord) (abi.NamespaceRecord, error) {
+	if rec.ModelLen > abi.MaxModelLen {
+		return rec, fmt.Errorf("%w: namespace %d: ModelLen %d > %d", ErrInput, rec.NS, rec.ModelLen, abi.MaxModelLen)
+	}
+	out := rec
+	err := h.withShards(ctx, func(shards []*shard) error {
+		if !h.mu.backend.features().Has(abi.FeatureNamespace) {
+			out.KeysPerFile, out.Order = abi.DefaultKeysPerFile, abi.DefaultOrder
+			return nil
+		}
+		for i, s := range shards {
+			var got abi.NamespaceRecord
+			err := s.locked(func() error {
+				s.nsOp = namespaceOp{in: rec}
+				err := h.invoke(ctx, s, hookNamespace, &s.nsOp)
+				got = s.nsOp.out
+				return err
+			})
+			if err != nil {
+				return err
+			}
+			if i == 0 {
+				out.KeysPerFile, out.Order = got.KeysPerFile, got.Order
+			} else if got.KeysPerFile != out.KeysPerFile || got.Order != out.Order {
+				return &Error{Plugin: h.name, Hook: hookNamespace.String(), Shard: i, Err: fmt.Errorf(
+					"namespace %d: layout (keys per file %d, order %d) differs from shard 0's (%d, %d): the hook must be deterministic",
+					rec.NS, got.KeysPerFile, got.Order, out.KeysPerFile, out.Order)}
+			}
+		}
+		return nil
+	})
+	return out, err
+}
+
+// Name implements Policy. Records are routed to shards by KeyHash.
+func (h *Host) Name(ctx context.Context, recs []abi.NameRecord) error {
+	for i := range recs {
+		r := &recs[i]
+		switch {
+		case r.KeyLen > abi.MaxKeyLen:
+			return fmt.Errorf("%w: name record %d: KeyLen %d > %d", ErrInput, i, r.KeyLen, abi.MaxKeyLen)
+		case r.MountCount == 0:
+			return fmt.Errorf("%w: name record %d: MountCount is 0", ErrInput, i)
+		}
+	}
+	if len(recs) == 0 {
+		return nil
+	}
+	return h.withShards(ctx, func(shards []*shard) error {
+		for _, s := range shards {
+			err := s.locked(func() error {
+				s.nameOp = nameOp{recs: recs}
+				defer func() { s.nameOp = nameOp{} }() // drop the caller's records
+				return h.routed(ctx, s, len(shards), hookName, len(recs), func(i int) uint64 { return recs[i].KeyHash }, &s.nameOp)
+			})
+			if err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+}
+
+// Admit implements Policy. Records are routed to shards by KeyHash.
+func (h *Host) Admit(ctx context.Context, recs []abi.AdmitRecord) error {
+	if len(recs) == 0 {
+		return nil
+	}
+	return h.withShards(ctx, func(shards []*shard) error {
+		if !h.mu.backend.features().Has(abi.FeatureAdmit) {
+			for i := range recs {
+				recs[i].Admit = 1
+			}
+			return nil
+		}
+		for _, s := range shards {
+			err := s.locked(func() error {
+				s.admitOp = admitOp{recs: recs}
+				defer func() { s.admitOp = admitOp{} }() // drop the caller's records
+				return h.routed(ctx, s, len(shards), hookAdmit, len(recs), func(i int) uint64 { return recs[i].KeyHash }, &s.admitOp)
+			})
+			if err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+}
+
+// Access implements Policy. Records are routed to shards by Entry.
+func (h *Host) Access(ctx context.Context, recs []abi.AccessRecord) error {
+	for i := range recs {
+		if k := recs[i].Kind; k < abi.AccessInsert || k > abi.AccessUnpin {
+			return fmt.Errorf("%w: access record %d: unknown kind %d", ErrInput, i, k)
+		}
+	}
+	if len(recs) == 0 {
+		return nil
+	}
+	return h.withShards(ctx, func(shards []*shard) error {
+		for _, s := range shards {
+			err := s.locked(func() error {
+				s.accessOp = accessOp{recs: recs}
+				defer func() { s.accessOp = accessOp{} }() // drop the caller's records
+				return h.routed(ctx, s, len(shards), hookAccess, len(recs), func(i int) uint64 { return recs[i].Entry }, &s.accessOp)
+			})
+			if err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+}
+
+// routed calls hook hk on shard s (locked) with the records among n whose
+// routing key, key(i), maps to s, in batches of at most abi.MaxBatch whose
+// positions op finds in s.pos.
+func (h *Host) routed(ctx context.Context, s *shard, nshards int, hk hook, n int, key func(int) uint64, op batchOp) error {
+	s.pos = s.pos[:0]
+	for i := range n {
+		if route(key(i), nshards) != s.id {
+			continue
+		}
+		s.pos = append(s.pos, int32(i))
+		if len(s.pos) == abi.MaxBatch {
+			err := h.invoke(ctx, s, hk, op)
+			s.pos = s.pos[:0]
+			if err != nil {
+				return err
+			}
+		}
+	}
+	if len(s.pos) == 0 {
+		return nil
+	}
+	err := h.invoke(ctx, s, hk, op)
+	s.pos = s.pos[:0]
+	return err
+}
+
+// Victims implements Policy: every shard proposes up to max victims, the
+// host validates them and returns the lowest scores of all, ties broken by
+// entry.
+func (h *Host) Victims(ctx context.Context, req abi.EvictRequest, max int) ([]abi.Victim, error) {
+	if max < 0 {
+		return nil, fmt.Errorf("%w: victims: max %d < 0", ErrInput, max)
+	}
+	if max == 0 {
+		return nil, ctx.Err()
+	}
+	per := min(max, abi.MaxBatch)
+	var out []abi.Victim
+	err := h.withShards(ctx, func(shards []*shard) error {
+		out = make([]abi.Victim, 0, per*len(shards))
+		for _, s := range shards {
+			err := s.locked(func() error {
+				s.evictOp = evictOp{req: req, max: int32(per), out: &out, base: len(out), nshards: len(shards)}
+				defer func() { s.evictOp = evictOp{} }()
+				return h.invoke(ctx, s, hookEvict, &s.evictOp)
+			})
+			if err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	slices.SortFunc(out, func(a, b abi.Victim) int {
+		switch {
+		case a.Score != b.Score:
+			return cmpU64(a.Score, b.Score)
+		default:
+			return cmpU64(a.Entry, b.Entry)
+		}
+	})
+	if len(out) > max {
+		out = out[:max]
+	}
+	return out, nil
+}
+
+func cmpU64(a, b uint64) int {
+	switch {
+	case a < b:
+		return -1
+	case a > b:
+		return 1
+	}
+	return 0
+}
+
+// Stats returns the Host's counters.
+func (h *Host) Stats() Stats {
+	s := h.stats.snapshot()
+	h.mu.RLock()
+	defer h.mu.RUnlock()
+	s.Fallback, s.FallbackReason = h.mu.fallback, h.mu.reason
+	if h.mu.backend != nil {
+		s.Backend = h.mu.backend.kind()
+	}
+	return s
+}
+
+// Close implements Policy: it closes every instance and the runtime.
+func (h *Host) Close(ctx context.Context) error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.mu.closed {
+		return nil
+	}
+	h.mu.closed = true
+	for _, s := range h.mu.shards {
+		s.mu.Lock()
+		if s.inst != nil {
+			s.inst.close(ctx)
+			s.inst = nil
+		}
+		s.mu.Unlock()
+	}
+	err := h.mu.backend.close(ctx)
+	h.mu.backend, h.mu.shards = nil, nil
+	return err
+}
+
+var _ Policy = (*Host)(nil)

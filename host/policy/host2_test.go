@@ -1,0 +1,438 @@
+package policy_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/abi/guest"
+	"github.com/kvhost/kvhost/host/policy"
+	"github.com/kvhost/kvhost/host/policy/policytest"
+	"github.com/kvhost/kvhost/plugins"
+)
+
+// openBoth returns a wasm host of the well-behaved fixture and a native host
+// of the lru policy, each with its own index.
+func hosts(t *testing.T, shards int) map[string]struct {
+	p   *policy.Host
+	idx *policytest.Index
+} {
+	t.Helper()
+	ctx := context.Background()
+	out := map[string]struct {
+		p   *policy.Host
+		idx *policytest.Index
+	}{}
+	idx := policytest.NewIndex()
+	w, err := policy.Open(ctx, fixture(t, "wellbehaved"), "wellbehaved", idx, policy.Config{Shards: shards, Logger: quietLogger()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { w.Close(ctx) })
+	out["wasm"] = struct {
+		p   *policy.Host
+		idx *policytest.Index
+	}{w, idx}
+	idx = policytest.NewIndex()
+	n, err := policy.NewNative(newLRU, idx, policy.Config{Shards: shards, Logger: quietLogger()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { n.Close(ctx) })
+	if _, err := n.Namespace(ctx, testNS); err != nil {
+		t.Fatal(err)
+	}
+	idx.AddNamespace(testNS)
+	out["native"] = struct {
+		p   *policy.Host
+		idx *policytest.Index
+	}{n, idx}
+	return out
+}
+
+// TestShardsAgree checks that naming does not depend on the number of shards,
+// that batches larger than abi.MaxBatch are split, and that victims merge
+// into one ascending order.
+func TestShardsAgree(t *testing.T) {
+	ctx := context.Background()
+	one, four := hosts(t, 1), hosts(t, 4)
+	for kind := range one {
+		t.Run(kind, func(t *testing.T) {
+			a, b := nameRecords(2*abi.MaxBatch+5, 3), nameRecords(2*abi.MaxBatch+5, 3)
+			if err := one[kind].p.Name(ctx, a); err != nil {
+				t.Fatal(err)
+			}
+			if err := four[kind].p.Name(ctx, b); err != nil {
+				t.Fatal(err)
+			}
+			for i := range a {
+				if a[i].Mount != b[i].Mount || string(a[i].Path()) != string(b[i].Path()) || a[i].PathLen == 0 {
+					t.Fatalf("record %d: %d:%q with 1 shard, %d:%q with 4", i, a[i].Mount, a[i].Path(), b[i].Mount, b[i].Path())
+				}
+			}
+			if calls := four[kind].p.Stats().Calls["kvhost_name"]; calls < 4 || calls > 4*3 {
+				t.Errorf("%d kvhost_name calls for %d records over 4 shards", calls, len(b))
+			}
+			for _, h := range []struct {
+				p   *policy.Host
+				idx *policytest.Index
+			}{one[kind], four[kind]} {
+				insert(t, h.p, h.idx, 1, 3000, 10, 5, 6)
+				v, err := h.p.Victims(ctx, abi.EvictRequest{Bytes: 1 << 40, Mount: abi.AnyMount}, abi.MaxBatch)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if len(v) != abi.MaxBatch {
+					t.Errorf("%d victims, want %d", len(v), abi.MaxBatch)
+				}
+				for i := 1; i < len(v); i++ {
+					if v[i-1].Score > v[i].Score {
+						t.Fatalf("victims not ascending at %d", i)
+					}
+				}
+			}
+		})
+	}
+}
+
+// flaky is an lru policy whose Evict panics while *boom is set.
+type flaky struct {
+	guest.Policy
+	boom *atomic.Int32
+}
+
+func (f flaky) Evict(req *abi.EvictRequest, out []abi.Victim) (int, error) {
+	if f.boom.Load() > 0 {
+		f.boom.Add(-1)
+		panic("flaky: boom")
+	}
+	return f.Policy.Evict(req, out)
+}
+
+func (f flaky) Namespace(r *abi.NamespaceRecord) error {
+	return f.Policy.(guest.Namespacer).Namespace(r)
+}
+
+// TestReplacementRebuildsState makes a native instance fail and checks that
+// the replacement, rebuilt from the index, knows every entry and pin.
+func TestReplacementRebuildsState(t *testing.T) {
+	ctx := context.Background()
+	var boom atomic.Int32
+	idx := policytest.NewIndex()
+	idx.AddNamespace(testNS)
+	h, err := policy.NewNative(func() guest.Policy { return flaky{newLRU(), &boom} }, idx, policy.Config{Shards: 1, Logger: quietLogger()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h.Close(ctx)
+	insert(t, h, idx, 1, 50, 100, 2, 4, 4, 8)
+	boom.Store(1)
+	v, err := h.Victims(ctx, abi.EvictRequest{Bytes: 1 << 40, Mount: abi.AnyMount}, 100)
+	if err != nil {
+		t.Fatalf("Victims after one panic: %v", err)
+	}
+	if len(v) != 47 {
+		t.Fatalf("%d victims from the rebuilt instance, want the 47 unpinned entries", len(v))
+	}
+	s := h.Stats()
+	if s.Failures != 1 || s.Replacements != 1 || s.Fallback {
+		t.Fatalf("stats %+v; want 1 failure, 1 replacement", s)
+	}
+	// Two panics in a row: the retry fails too and the error names the panic.
+	boom.Store(2)
+	_, err = h.Victims(ctx, abi.EvictRequest{Bytes: 1, Mount: abi.AnyMount}, 1)
+	if !errors.Is(err, policy.ErrPlugin) || !strings.Contains(err.Error(), "policy native: kvhost_evict (shard 0): panic: flaky: boom") {
+		t.Fatalf("err = %v", err)
+	}
+	checkAnswers(t, h, idx)
+}
+
+// TestCallerCancel checks that a caller's cancelled context stops a call
+// without counting it as a plugin failure.
+func TestCallerCancel(t *testing.T) {
+	idx := policytest.NewIndex()
+	h, err := policy.Open(context.Background(), fixture(t, "loop"), "loop", idx, policy.Config{Shards: 1, CallTimeout: time.Minute, Logger: quietLogger()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h.Close(context.Background())
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
+	defer cancel()
+	err = h.Name(ctx, nameRecords(1, 0))
+	if !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("err = %v, want the caller's deadline", err)
+	}
+	if s := h.Stats(); s.Failures != 0 {
+		t.Fatalf("Failures = %d after a caller's cancel", s.Failures)
+	}
+	// The host goes on with a fresh instance.
+	recs := []abi.AccessRecord{{Entry: 1, Size: 1, Kind: abi.AccessInsert}}
+	idx.Apply(recs)
+	if err := h.Access(context.Background(), recs); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestInputErrors(t *testing.T) {
+	ctx := context.Background()
+	h := hosts(t, 1)["wasm"].p
+	bad := nameRecords(1, 0)
+	bad[0].MountCount = 0
+	if err := h.Name(ctx, bad); !errors.Is(err, policy.ErrInput) {
+		t.Errorf("Name with MountCount 0: %v", err)
+	}
+	if err := h.Access(ctx, []abi.AccessRecord{{Entry: 1, Kind: 99}}); !errors.Is(err, policy.ErrInput) {
+		t.Errorf("Access of kind 99: %v", err)
+	}
+	if _, err := h.Victims(ctx, abi.EvictRequest{}, -1); !errors.Is(err, policy.ErrInput) {
+		t.Errorf("Victims(-1): %v", err)
+	}
+	if s := h.Stats(); s.Failures != 0 {
+		t.Errorf("caller errors counted as %d plugin failures", s.Failures)
+	}
+	// Without the features, the host answers for the plugin.
+	ns, err := h.Namespace(ctx, testNS)
+	if err != nil || ns.KeysPerFile != abi.DefaultKeysPerFile || ns.Order != abi.DefaultOrder {
+		t.Errorf("Namespace = %+v, %v; want the default layout", ns, err)
+	}
+	adm := []abi.AdmitRecord{{KeyHash: 1}, {KeyHash: 2}}
+	if err := h.Admit(ctx, adm); err != nil || adm[0].Admit != 1 || adm[1].Admit != 1 {
+		t.Errorf("Admit = %+v, %v; want every store admitted", adm, err)
+	}
+	h.Close(ctx)
+	if err := h.Name(ctx, nameRecords(1, 0)); !errors.Is(err, policy.ErrClosed) {
+		t.Errorf("Name after Close: %v", err)
+	}
+}
+
+// TestNoAllocsPerRecord checks that the host allocates nothing per record:
+// a batch of abi.MaxBatch costs no more allocations than a batch of one.
+func TestNoAllocsPerRecord(t *testing.T) {
+	ctx := context.Background()
+	for kind, h := range hosts(t, 1) {
+		t.Run(kind, func(t *testing.T) {
+			insert(t, h.p, h.idx, 1, 4*abi.MaxBatch, 10)
+			for _, tc := range []struct {
+				hook string
+				run  func(n int) func()
+			}{
+				{"name", func(n int) func() {
+					recs := nameRecords(n, 1)
+					return func() { _ = h.p.Name(ctx, recs) }
+				}},
+				{"access", func(n int) func() {
+					recs := make([]abi.AccessRecord, n)
+					for i := range recs {
+						recs[i] = abi.AccessRecord{Entry: uint64(1 + i), Kind: abi.AccessHit, Time: 5}
+					}
+					return func() { _ = h.p.Access(ctx, recs) }
+				}},
+			} {
+				one := testing.AllocsPerRun(50, tc.run(1))
+				many := testing.AllocsPerRun(50, tc.run(abi.MaxBatch))
+				// A call's own allocations (its deadline context, wazero's
+				// deadline watcher goroutine) vary by one or two with the
+				// call's length; one per record would add a thousand.
+				if many > one+2 {
+					t.Errorf("%s: %.1f allocations for a batch of %d, %.1f for one record", tc.hook, many, abi.MaxBatch, one)
+				}
+				if one > 12 {
+					t.Errorf("%s: %.1f allocations per call", tc.hook, one)
+				}
+			}
+		})
+	}
+}
+
+// TestHammer runs concurrent callers on a sharded wasm host (go test -race).
+func TestHammer(t *testing.T) {
+	ctx := context.Background()
+	h := hosts(t, 4)["wasm"]
+	workers, loops := 8, 200
+	if testing.Short() {
+		loops = 20
+	}
+	var wg sync.WaitGroup
+	errs := make(chan error, workers)
+	for w := range workers {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := range loops {
+				base := uint64(w*1_000_000 + i*10 + 1)
+				recs := make([]abi.AccessRecord, 10)
+				for j := range recs {
+					recs[j] = abi.AccessRecord{Entry: base + uint64(j), Size: 10, Kind: abi.AccessInsert, Time: base}
+				}
+				h.idx.Apply(recs)
+				if err := h.p.Access(ctx, recs); err != nil {
+					errs <- err
+					return
+				}
+				if err := h.p.Name(ctx, nameRecords(16, byte(w))); err != nil {
+					errs <- err
+					return
+				}
+				if _, err := h.p.Victims(ctx, abi.EvictRequest{Bytes: 50, Mount: abi.AnyMount}, 8); err != nil {
+					errs <- err
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatal(err)
+	}
+	if s := h.p.Stats(); s.Failures != 0 {
+		t.Fatalf("%d failures", s.Failures)
+	}
+}
+
+// TestCompilationCache checks that a second start with the same CacheDir
+// compiles nothing: the cache directory is not written again.
+func TestCompilationCache(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	module := fixture(t, "wellbehaved")
+	open := func() {
+		h, err := policy.Open(ctx, module, "wellbehaved", policytest.NewIndex(), policy.Config{CacheDir: dir, Logger: quietLogger()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		h.Close(ctx)
+	}
+	snapshot := func() map[string]time.Time {
+		m := map[string]time.Time{}
+		filepath.Walk(dir, func(p string, fi os.FileInfo, err error) error {
+			if err == nil && !fi.IsDir() {
+				m[p] = fi.ModTime()
+			}
+			return nil
+		})
+		return m
+	}
+	open()
+	first := snapshot()
+	if len(first) == 0 {
+		t.Fatal("the first start wrote nothing to the cache")
+	}
+	open()
+	if second := snapshot(); fmt.Sprint(first) != fmt.Sprint(second) {
+		t.Fatalf("the second start rewrote the cache:\n%v\n%v", first, second)
+	}
+}
+
+func TestInspect(t *testing.T) {
+	ctx := context.Background()
+	tests := []struct {
+		fixture string
+		ok      bool
+		version int32
+		problem string
+	}{
+		{"wellbehaved", true, 1, ""},
+		{"wrongabi", false, 2, "kvhost_abi_version returned 2"},
+		{"noevict", false, 1, "missing export kvhost_evict"},
+		{"badimport", false, 0, "imports env.abort"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.fixture, func(t *testing.T) {
+			info, err := policy.Inspect(ctx, fixture(t, tt.fixture))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if info.OK() != tt.ok || info.ABIVersion != tt.version || !strings.Contains(strings.Join(info.Problems, "\n"), tt.problem) {
+				t.Fatalf("Info = %+v", info)
+			}
+		})
+	}
+	info, err := policy.Inspect(ctx, fixture(t, "wellbehaved"))
+	if err != nil || info.MemoryMin != 40 || info.MemoryMaxSet || len(info.Hooks) != 7 || len(info.Imports) != 0 {
+		t.Fatalf("wellbehaved: %+v, %v", info, err)
+	}
+	for _, name := range plugins.Names() {
+		mod, _ := plugins.Wasm(name)
+		info, err := policy.Inspect(ctx, mod)
+		if err != nil || !info.OK() || info.Size != len(mod) {
+			t.Errorf("built-in %s: %+v, %v", name, info, err)
+		}
+	}
+}
+
+// captureHandler keeps every log record.
+type captureHandler struct {
+	mu   sync.Mutex
+	recs []slog.Record
+}
+
+func (c *captureHandler) Enabled(context.Context, slog.Level) bool { return true }
+func (c *captureHandler) Handle(_ context.Context, r slog.Record) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.recs = append(c.recs, r)
+	return nil
+}
+func (c *captureHandler) WithAttrs([]slog.Attr) slog.Handler { return c }
+func (c *captureHandler) WithGroup(string) slog.Handler      { return c }
+
+// TestPluginLogAndAdmit checks kvhost.log (levels, truncation, rate limit)
+// and the admit hook.
+func TestPluginLogAndAdmit(t *testing.T) {
+	ctx := context.Background()
+	logs := &captureHandler{}
+	h, err := policy.Open(ctx, fixture(t, "chatty"), "chatty", policytest.NewIndex(), policy.Config{Shards: 1, Logger: slog.New(logs)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h.Close(ctx)
+	if f := h.Features(); f != abi.FeatureAdmit {
+		t.Fatalf("Features = %v", f)
+	}
+	adm := make([]abi.AdmitRecord, 4)
+	if err := h.Admit(ctx, adm); err != nil {
+		t.Fatal(err)
+	}
+	for i, r := range adm {
+		if r.Admit != uint32(i&1) {
+			t.Fatalf("Admit[%d] = %d", i, r.Admit)
+		}
+	}
+	if _, err := h.Victims(ctx, abi.EvictRequest{Bytes: 1}, 1); err != nil {
+		t.Fatal(err)
+	}
+	logs.mu.Lock()
+	count := map[string]int{}
+	for _, r := range logs.recs {
+		switch {
+		case r.Message == "chatty: init" && r.Level == slog.LevelInfo:
+			count["init"]++
+		case r.Message == "chatty: evicting" && r.Level == slog.LevelWarn:
+			count["evicting"]++
+		case len(r.Message) == 1024 && r.Level == slog.LevelError:
+			count["long"]++
+		default:
+			count["other: "+r.Message]++
+		}
+	}
+	logs.mu.Unlock()
+	want := map[string]int{"init": 1, "long": 1, "evicting": 98}
+	if fmt.Sprint(count) != fmt.Sprint(want) {
+		t.Fatalf("log messages %v, want %v", count, want)
+	}
+	// kvhost_name returns "unsupported": a failure with the status named.
+	err = h.Name(ctx, nameRecords(1, 0))
+	if !errors.Is(err, policy.ErrPlugin) || !strings.Contains(err.Error(), "returned status -3 (unsupported)") {
+		t.Fatalf("Name: %v", err)
+	}
+}

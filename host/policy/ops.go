@@ -1,0 +1,196 @@
+package policy
+
+import (
+	"fmt"
+	"slices"
+
+	"github.com/kvhost/kvhost/abi"
+)
+
+// batchOp is the input and output handling of one hook call. The same ops
+// serve wasm and native instances: both expose a scratch area laid out as
+// ABI v1 says.
+type batchOp interface {
+	// write puts the call's input into scratch and returns the hook's
+	// argument.
+	write(s *shard, scratch []byte) int32
+	// read validates the output in scratch after the hook returned status
+	// st >= 0, and hands it to the caller. It must not keep scratch.
+	read(h *Host, s *shard, scratch []byte, st int32) error
+	// records is the number of records of the call, for Stats.
+	records(s *shard) int
+}
+
+// initOp passes the configuration to kvhost_init.
+type initOp struct{ config []byte }
+
+func (o *initOp) write(_ *shard, scratch []byte) int32 {
+	return int32(copy(scratch, o.config))
+}
+func (o *initOp) read(*Host, *shard, []byte, int32) error { return nil }
+func (o *initOp) records(*shard) int                      { return 0 }
+
+// namespaceOp declares one namespace and reads back its layout.
+type namespaceOp struct{ in, out abi.NamespaceRecord }
+
+func (o *namespaceOp) write(_ *shard, scratch []byte) int32 {
+	r := &abi.View[abi.NamespaceRecord](scratch, 1)[0]
+	*r = o.in
+	r.KeysPerFile, r.Order = 0, 0 // outputs: a hook that writes nothing fails
+	return 0
+}
+
+func (o *namespaceOp) read(_ *Host, _ *shard, scratch []byte, _ int32) error {
+	r := &abi.View[abi.NamespaceRecord](scratch, 1)[0]
+	switch {
+	case r.KeysPerFile < 1 || r.KeysPerFile > abi.MaxKeysPerFile:
+		return fmt.Errorf("namespace %d: KeysPerFile %d is outside [1, %d]", o.in.NS, r.KeysPerFile, abi.MaxKeysPerFile)
+	case r.Order != abi.OrderLayerMajor && r.Order != abi.OrderBlockMajor:
+		return fmt.Errorf("namespace %d: Order %d is neither %d (layer-major) nor %d (block-major)",
+			o.in.NS, r.Order, abi.OrderLayerMajor, abi.OrderBlockMajor)
+	}
+	o.out = o.in
+	o.out.KeysPerFile, o.out.Order = r.KeysPerFile, r.Order
+	return nil
+}
+func (o *namespaceOp) records(*shard) int { return 1 }
+
+// nameOp names the records of recs at positions s.pos.
+type nameOp struct{ recs []abi.NameRecord }
+
+func (o *nameOp) write(s *shard, scratch []byte) int32 {
+	v := abi.View[abi.NameRecord](scratch, len(s.pos))
+	for j, p := range s.pos {
+		v[j] = o.recs[p]
+		v[j].Mount, v[j].PathLen = 0, 0 // outputs: a hook that writes nothing fails
+	}
+	return int32(len(s.pos))
+}
+
+func (o *nameOp) read(_ *Host, s *shard, scratch []byte, _ int32) error {
+	v := abi.View[abi.NameRecord](scratch, len(s.pos))
+	for j, p := range s.pos {
+		in, out := &o.recs[p], &v[j]
+		if out.PathLen > abi.MaxPathLen {
+			return fmt.Errorf("record %d (key hash %#016x): PathLen %d > %d", p, in.KeyHash, out.PathLen, abi.MaxPathLen)
+		}
+		if err := abi.CheckPath(out.PathBuf[:out.PathLen]); err != nil {
+			return fmt.Errorf("record %d (key hash %#016x): %w", p, in.KeyHash, err)
+		}
+		if out.Mount >= in.MountCount {
+			return fmt.Errorf("record %d (key hash %#016x): mount %d, but only %d mounts exist", p, in.KeyHash, out.Mount, in.MountCount)
+		}
+	}
+	for j, p := range s.pos {
+		in, out := &o.recs[p], &v[j]
+		in.Mount, in.PathLen = out.Mount, out.PathLen
+		copy(in.PathBuf[:], out.PathBuf[:out.PathLen])
+	}
+	return nil
+}
+func (o *nameOp) records(s *shard) int { return len(s.pos) }
+
+// unsetAdmit marks an Admit field the hook did not write.
+const unsetAdmit = 0xFFFFFFFF
+
+// admitOp asks about the records of recs at positions s.pos.
+type admitOp struct{ recs []abi.AdmitRecord }
+
+func (o *admitOp) write(s *shard, scratch []byte) int32 {
+	v := abi.View[abi.AdmitRecord](scratch, len(s.pos))
+	for j, p := range s.pos {
+		v[j] = o.recs[p]
+		v[j].Admit = unsetAdmit // an output the hook must overwrite
+	}
+	return int32(len(s.pos))
+}
+
+func (o *admitOp) read(_ *Host, s *shard, scratch []byte, _ int32) error {
+	v := abi.View[abi.AdmitRecord](scratch, len(s.pos))
+	for j, p := range s.pos {
+		switch a := v[j].Admit; {
+		case a == unsetAdmit:
+			return fmt.Errorf("record %d (key hash %#016x): Admit was not written", p, o.recs[p].KeyHash)
+		case a > 1:
+			return fmt.Errorf("record %d (key hash %#016x): Admit %d is neither 0 nor 1", p, o.recs[p].KeyHash, a)
+		}
+	}
+	for j, p := range s.pos {
+		o.recs[p].Admit = v[j].Admit
+	}
+	return nil
+}
+func (o *admitOp) records(s *shard) int { return len(s.pos) }
+
+// accessOp reports the records of recs at positions s.pos, or all of recs.
+type accessOp struct {
+	recs []abi.AccessRecord
+	all  bool
+}
+
+func (o *accessOp) write(s *shard, scratch []byte) int32 {
+	if o.all {
+		copy(abi.View[abi.AccessRecord](scratch, len(o.recs)), o.recs)
+		return int32(len(o.recs))
+	}
+	v := abi.View[abi.AccessRecord](scratch, len(s.pos))
+	for j, p := range s.pos {
+		v[j] = o.recs[p]
+	}
+	return int32(len(s.pos))
+}
+func (o *accessOp) read(*Host, *shard, []byte, int32) error { return nil }
+func (o *accessOp) records(s *shard) int {
+	if o.all {
+		return len(o.recs)
+	}
+	return len(s.pos)
+}
+
+// evictOp asks one shard for up to max victims and appends the valid ones
+// to *out, from position base (a retry starts over from there).
+type evictOp struct {
+	req     abi.EvictRequest
+	max     int32
+	out     *[]abi.Victim
+	base    int
+	nshards int
+}
+
+func (o *evictOp) write(_ *shard, scratch []byte) int32 {
+	abi.View[abi.EvictRequest](scratch, 1)[0] = o.req
+	return o.max
+}
+
+func (o *evictOp) read(h *Host, s *shard, scratch []byte, st int32) error {
+	*o.out = (*o.out)[:o.base]
+	if st > o.max {
+		return fmt.Errorf("returned %d victims, more than the %d asked for", st, o.max)
+	}
+	v := abi.View[abi.Victim](scratch[abi.EvictHeaderSize:], int(st))
+	s.seen = s.seen[:0]
+	for i := range v {
+		id := v[i].Entry
+		e, ok := h.idx.Lookup(id)
+		switch {
+		case !ok:
+			return fmt.Errorf("victim %d: entry %d is not in the index (never stored, or removed)", i, id)
+		case route(id, o.nshards) != s.id:
+			return fmt.Errorf("victim %d: entry %d was never reported to this shard", i, id)
+		case e.Pins > 0:
+			return fmt.Errorf("victim %d: entry %d is pinned (%d pins)", i, id, e.Pins)
+		case o.req.Mount != abi.AnyMount && e.Mount != o.req.Mount:
+			return fmt.Errorf("victim %d: entry %d is on mount %d, not the requested mount %d", i, id, e.Mount, o.req.Mount)
+		}
+		s.seen = append(s.seen, id)
+	}
+	slices.Sort(s.seen)
+	for i := 1; i < len(s.seen); i++ {
+		if s.seen[i] == s.seen[i-1] {
+			return fmt.Errorf("entry %d is a victim more than once", s.seen[i])
+		}
+	}
+	*o.out = append(*o.out, v...)
+	return nil
+}
+func (o *evictOp) records(*shard) int { return 1 }

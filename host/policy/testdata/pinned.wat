@@ -1,0 +1,53 @@
+;; pinned: hostile fixture. It remembers the entries the host pins (up to 64)
+;; and offers exactly those as victims; the host must reject them.
+(module
+  (memory (export "memory") 8)
+  (func (export "kvhost_features") (result i64) (i64.const 0))
+  (func (export "kvhost_scratch") (param i32) (result i32) (i32.const 0x10000))
+  (func (export "kvhost_init") (param i32) (result i32) (i32.const 0))
+  (func (export "kvhost_abi_version") (result i32) (i32.const 1))
+  ;; kvhost_name: path = KeyHash as 16 letters a-p, mount 0.
+  (func (export "kvhost_name") (param $n i32) (result i32)
+    (local $r i32) (local $k i32) (local $h i64)
+    (local.set $r (i32.const 0x10000))
+    (block $done (loop $rec
+      (br_if $done (i32.ge_u (local.get $r) (i32.add (i32.const 0x10000) (i32.mul (local.get $n) (i32.const 368)))))
+      (local.set $h (i64.load offset=8 (local.get $r)))
+      (local.set $k (i32.const 0))
+      (loop $c
+        (i32.store8 offset=112 (i32.add (local.get $r) (local.get $k))
+          (i32.add (i32.const 97) (i32.wrap_i64 (i64.and (i64.shr_u (local.get $h) (i64.extend_i32_u (i32.shl (local.get $k) (i32.const 2)))) (i64.const 15)))))
+        (local.set $k (i32.add (local.get $k) (i32.const 1)))
+        (br_if $c (i32.lt_u (local.get $k) (i32.const 16))))
+      (i32.store offset=96 (local.get $r) (i32.const 0))
+      (i32.store offset=100 (local.get $r) (i32.const 16))
+      (local.set $r (i32.add (local.get $r) (i32.const 368)))
+      (br $rec)))
+    (i32.const 0))
+  ;; pinned entries: count at 0x1f0, entries from 0x200.
+  (func (export "kvhost_access") (param $n i32) (result i32)
+    (local $r i32) (local $c i32)
+    (local.set $r (i32.const 0x10000))
+    (block $done (loop $rec
+      (br_if $done (i32.ge_u (local.get $r) (i32.add (i32.const 0x10000) (i32.mul (local.get $n) (i32.const 48)))))
+      (local.set $c (i32.load (i32.const 0x1f0)))
+      (if (i32.and (i32.eq (i32.load offset=32 (local.get $r)) (i32.const 5)) (i32.lt_u (local.get $c) (i32.const 64)))
+        (then
+          (i64.store offset=0x200 (i32.shl (local.get $c) (i32.const 3)) (i64.load (local.get $r)))
+          (i32.store (i32.const 0x1f0) (i32.add (local.get $c) (i32.const 1)))))
+      (local.set $r (i32.add (local.get $r) (i32.const 48)))
+      (br $rec)))
+    (i32.const 0))
+  (func (export "kvhost_evict") (param $max i32) (result i32)
+    (local $i i32) (local $c i32)
+    (local.set $c (i32.load (i32.const 0x1f0)))
+    (if (i32.gt_u (local.get $c) (local.get $max)) (then (local.set $c (local.get $max))))
+    (block $done (loop $v
+      (br_if $done (i32.ge_u (local.get $i) (local.get $c)))
+      (i64.store offset=0x10020 (i32.shl (local.get $i) (i32.const 4))
+        (i64.load offset=0x200 (i32.shl (local.get $i) (i32.const 3))))
+      (i64.store offset=0x10028 (i32.shl (local.get $i) (i32.const 4)) (i64.const 0))
+      (local.set $i (i32.add (local.get $i) (i32.const 1)))
+      (br $v)))
+    (local.get $c))
+)

@@ -1,0 +1,379 @@
+package policy
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/tetratelabs/wazero"
+	"github.com/tetratelabs/wazero/api"
+	"github.com/tetratelabs/wazero/imports/wasi_snapshot_preview1"
+	"github.com/tetratelabs/wazero/sys"
+
+	"github.com/kvhost/kvhost/abi"
+)
+
+// Limits on what a plugin may log through kvhost.log.
+const (
+	maxLogMessage   = 1024 // bytes; longer messages are truncated
+	maxLogPerSecond = 100  // messages; more are dropped and counted
+)
+
+// exportInitialize is the reactor initialisation function of WASI modules
+// (Go's -buildmode=c-shared, C's -mexec-model=reactor); it runs before any
+// hook when exported.
+const exportInitialize = "_initialize"
+
+// wasmBackend is one compiled plugin in its own wazero Runtime.
+type wasmBackend struct {
+	name       string
+	cfg        *Config
+	log        *slog.Logger
+	r          wazero.Runtime
+	cm         wazero.CompiledModule
+	ownCache   wazero.CompilationCache // closed with the backend
+	limitPages uint32
+	feats      abi.Feature
+	logs       logLimiter
+
+	mu    sync.Mutex
+	spare *wasmInstance // the instance probed at load, used by the first shard
+}
+
+// newWasmBackend compiles module, validates it against ABI v1 and creates a
+// first instance to check its version and features.
+func newWasmBackend(ctx context.Context, module []byte, name string, cfg *Config) (_ *wasmBackend, err error) {
+	if name == "" {
+		return nil, fmt.Errorf("%w: empty plugin name", ErrConfig)
+	}
+	b := &wasmBackend{name: name, cfg: cfg, log: cfg.Logger.With("policy", name), limitPages: uint32(cfg.MemoryLimit / wasmPage)}
+	cache := cfg.Cache
+	if cache == nil && cfg.CacheDir != "" {
+		if cache, err = wazero.NewCompilationCacheWithDir(cfg.CacheDir); err != nil {
+			return nil, fmt.Errorf("%w: CacheDir %q: %v", ErrConfig, cfg.CacheDir, err)
+		}
+		b.ownCache = cache
+	}
+	rc := wazero.NewRuntimeConfig().
+		WithCloseOnContextDone(!cfg.Trusted).
+		WithMemoryLimitPages(b.limitPages)
+	if cache != nil {
+		rc = rc.WithCompilationCache(cache)
+	}
+	b.r = wazero.NewRuntimeWithConfig(ctx, rc)
+	defer func() {
+		if err != nil {
+			_ = b.close(ctx)
+		}
+	}()
+	if b.cm, err = b.r.CompileModule(ctx, module); err != nil {
+		return nil, fmt.Errorf("%w: %s: %v", ErrModule, name, err)
+	}
+	info := describe(b.cm, len(module))
+	if len(info.Problems) > 0 {
+		return nil, fmt.Errorf("%w: %s: %s", ErrModule, name, strings.Join(info.Problems, "; "))
+	}
+	if err := instantiateHostModules(ctx, b.r, b.hostLog); err != nil {
+		return nil, err
+	}
+	probe, err := b.instantiate(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %s: %v", ErrModule, name, err)
+	}
+	version, feats, err := probe.identify(ctx)
+	if err == nil {
+		info.ABIVersion, info.VersionKnown, info.Features = version, true, feats
+		info.checkIdentity()
+		if len(info.Problems) > 0 {
+			err = errors.New(strings.Join(info.Problems, "; "))
+		}
+	}
+	if err != nil {
+		probe.close(ctx)
+		return nil, fmt.Errorf("%w: %s: %v", ErrModule, name, err)
+	}
+	b.feats, b.spare = feats, probe
+	return b, nil
+}
+
+// instantiateHostModules provides the imports a plugin may have: kvhost.log
+// (registered without reflection) and WASI preview 1, which wazero gives no
+// preopened directories, arguments, environment or real clocks unless asked.
+func instantiateHostModules(ctx context.Context, r wazero.Runtime, logFn api.GoModuleFunc) error {
+	i32 := api.ValueTypeI32
+	if _, err := r.NewHostModuleBuilder(abi.ImportModule).
+		NewFunctionBuilder().
+		WithGoModuleFunction(logFn, []api.ValueType{i32, i32, i32}, nil).
+		WithParameterNames("level", "ptr", "len").
+		Export(abi.ImportLog).
+		Instantiate(ctx); err != nil {
+		return fmt.Errorf("policy: host module %s: %w", abi.ImportModule, err)
+	}
+	if _, err := wasi_snapshot_preview1.Instantiate(ctx, r); err != nil {
+		return fmt.Errorf("policy: host module %s: %w", wasi_snapshot_preview1.ModuleName, err)
+	}
+	return nil
+}
+
+func (b *wasmBackend) kind() string          { return "wasm" }
+func (b *wasmBackend) features() abi.Feature { return b.feats }
+
+func (b *wasmBackend) close(ctx context.Context) error {
+	b.mu.Lock()
+	if b.spare != nil {
+		b.spare.close(ctx)
+		b.spare = nil
+	}
+	b.mu.Unlock()
+	var err error
+	if b.r != nil {
+		err = b.r.Close(ctx)
+	}
+	if b.ownCache != nil {
+		err = errors.Join(err, b.ownCache.Close(ctx))
+	}
+	return err
+}
+
+// instantiate creates an instance and runs its _initialize.
+func (b *wasmBackend) instantiate(ctx context.Context) (*wasmInstance, error) {
+	in := &wasmInstance{b: b, stderr: &tailWriter{}}
+	mc := wazero.NewModuleConfig().
+		WithName(""). // anonymous: any number of instances
+		WithStartFunctions().
+		WithStdout(io.Discard).
+		WithStderr(in.stderr)
+	mod, err := b.r.InstantiateModule(ctx, b.cm, mc)
+	if err != nil {
+		return nil, fmt.Errorf("instantiate: %w", err)
+	}
+	in.mod, in.mem = mod, mod.Memory()
+	for h := range numHooks {
+		in.fns[h] = mod.ExportedFunction(h.String())
+	}
+	if f := mod.ExportedFunction(exportInitialize); f != nil {
+		if _, err := in.callFn(ctx, f, 0, max(b.cfg.CallTimeout, time.Second)); err != nil {
+			in.close(ctx)
+			return nil, fmt.Errorf("%s: %w", exportInitialize, err)
+		}
+	}
+	return in, nil
+}
+
+func (b *wasmBackend) newInstance(ctx context.Context, shard int) (instance, error) {
+	b.mu.Lock()
+	in := b.spare
+	b.spare = nil
+	b.mu.Unlock()
+	if in == nil {
+		var err error
+		if in, err = b.instantiate(ctx); err != nil {
+			return nil, err
+		}
+		version, feats, err := in.identify(ctx)
+		if err == nil && (version != abi.Version || feats != b.feats) {
+			err = fmt.Errorf("ABI version %d and features %s differ from the first instance's (%d, %s)", version, feats, abi.Version, b.feats)
+		}
+		if err != nil {
+			in.close(ctx)
+			return nil, err
+		}
+	}
+	if err := in.reserve(ctx); err != nil {
+		in.close(ctx)
+		return nil, err
+	}
+	return in, nil
+}
+
+// hostLog implements kvhost.log(level, ptr, len).
+func (b *wasmBackend) hostLog(ctx context.Context, mod api.Module, stack []uint64) {
+	level := slog.Level(api.DecodeI32(stack[0]))
+	ptr, n := api.DecodeU32(stack[1]), api.DecodeU32(stack[2])
+	if !b.logs.allow(b.log) {
+		return
+	}
+	msg, ok := mod.Memory().Read(ptr, min(n, maxLogMessage))
+	if !ok {
+		b.log.Warn("plugin log message outside its memory", "ptr", ptr, "len", n)
+		return
+	}
+	b.log.Log(ctx, level, string(msg), "source", "plugin")
+}
+
+// logLimiter drops plugin log messages beyond maxLogPerSecond.
+type logLimiter struct {
+	mu      sync.Mutex
+	start   time.Time
+	n       int
+	dropped int
+}
+
+func (l *logLimiter) allow(log *slog.Logger) bool {
+	now := time.Now()
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if now.Sub(l.start) >= time.Second {
+		if l.dropped > 0 {
+			log.Warn("plugin log messages dropped", "dropped", l.dropped, "limit_per_second", maxLogPerSecond)
+		}
+		l.start, l.n, l.dropped = now, 0, 0
+	}
+	l.n++
+	if l.n > maxLogPerSecond {
+		l.dropped++
+		return false
+	}
+	return true
+}
+
+// wasmInstance is one instance of a plugin module.
+type wasmInstance struct {
+	b      *wasmBackend
+	mod    api.Module
+	mem    api.Memory
+	fns    [numHooks]api.Function
+	stack  [1]uint64 // parameters and results of every hook: at most one each
+	ptr    uint32    // the scratch area
+	stderr *tailWriter
+}
+
+// identify calls kvhost_abi_version and kvhost_features.
+func (in *wasmInstance) identify(ctx context.Context) (version int32, feats abi.Feature, err error) {
+	f := in.mod.ExportedFunction(abi.ExportABIVersion)
+	if _, err = in.callFn(ctx, f, 0, in.b.cfg.CallTimeout); err != nil {
+		return 0, 0, fmt.Errorf("%s: %w", abi.ExportABIVersion, err)
+	}
+	version = api.DecodeI32(in.stack[0])
+	f = in.mod.ExportedFunction(abi.ExportFeatures)
+	if _, err = in.callFn(ctx, f, 0, in.b.cfg.CallTimeout); err != nil {
+		return 0, 0, fmt.Errorf("%s: %w", abi.ExportFeatures, err)
+	}
+	return version, abi.Feature(in.stack[0]), nil
+}
+
+// reserve asks the plugin for its scratch area and checks it.
+func (in *wasmInstance) reserve(ctx context.Context) error {
+	f := in.mod.ExportedFunction(abi.ExportScratch)
+	ptr, err := in.callFn(ctx, f, scratchSize, in.b.cfg.CallTimeout)
+	if err != nil {
+		return fmt.Errorf("%s(%d): %w", abi.ExportScratch, scratchSize, err)
+	}
+	p := uint32(ptr)
+	size := in.mem.Size()
+	switch {
+	case p == 0:
+		return fmt.Errorf("%s(%d) returned 0: the plugin has no scratch area", abi.ExportScratch, scratchSize)
+	case p%abi.ScratchAlign != 0:
+		return fmt.Errorf("%s(%d) returned %#x, not aligned to %d bytes", abi.ExportScratch, scratchSize, p, abi.ScratchAlign)
+	case uint64(p)+scratchSize > uint64(size):
+		return fmt.Errorf("%s(%d) returned %#x: the area ends past the memory's %d bytes", abi.ExportScratch, scratchSize, p, size)
+	}
+	in.ptr = p
+	return nil
+}
+
+func (in *wasmInstance) scratch() []byte {
+	b, _ := in.mem.Read(in.ptr, scratchSize) // memory never shrinks: reserve checked the bounds
+	return b
+}
+
+func (in *wasmInstance) call(ctx context.Context, h hook, arg int32) (int32, error) {
+	f := in.fns[h]
+	if f == nil {
+		return 0, fmt.Errorf("%s is not exported", h)
+	}
+	return in.callFn(ctx, f, arg, in.b.cfg.CallTimeout)
+}
+
+// callFn calls f with at most one i32 argument under a deadline.
+func (in *wasmInstance) callFn(ctx context.Context, f api.Function, arg int32, timeout time.Duration) (int32, error) {
+	in.stack[0] = api.EncodeI32(arg)
+	if in.b.cfg.Trusted {
+		// No interruption: judge the call once it returns.
+		start := time.Now()
+		err := f.CallWithStack(ctx, in.stack[:])
+		if err != nil {
+			return 0, in.diagnose(ctx, err, timeout)
+		}
+		if d := time.Since(start); d > timeout {
+			return 0, fmt.Errorf("took %v, over the call deadline of %v (trusted plugin: not interrupted)", d.Round(time.Microsecond), timeout)
+		}
+		return api.DecodeI32(in.stack[0]), nil
+	}
+	cctx, cancel := context.WithTimeout(ctx, timeout)
+	err := f.CallWithStack(cctx, in.stack[:])
+	cancel()
+	if err != nil {
+		return 0, in.diagnose(ctx, err, timeout)
+	}
+	return api.DecodeI32(in.stack[0]), nil
+}
+
+// diagnose turns the error of a call into the reason the instance failed.
+func (in *wasmInstance) diagnose(ctx context.Context, err error, timeout time.Duration) error {
+	var reason error
+	var exit *sys.ExitError
+	switch {
+	case ctx.Err() != nil:
+		return ctx.Err()
+	case errors.As(err, &exit) && exit.ExitCode() == sys.ExitCodeDeadlineExceeded:
+		reason = fmt.Errorf("exceeded the call deadline of %v", timeout)
+	case errors.As(err, &exit):
+		reason = fmt.Errorf("exited with code %d", exit.ExitCode())
+	default:
+		msg, _, _ := strings.Cut(err.Error(), "\n") // drop wazero's stack trace
+		reason = errors.New(msg)
+	}
+	// A grow past the limit fails without a trace; a failure with memory
+	// within one eighth of the limit is most likely its consequence.
+	if size := uint64(in.mem.Size()); size*8 >= uint64(in.b.cfg.MemoryLimit)*7 {
+		reason = fmt.Errorf("memory near its limit (%s of %s in use): %w",
+			mib(size), mib(uint64(in.b.cfg.MemoryLimit)), reason)
+	}
+	if tail := in.stderr.last(); tail != "" {
+		reason = fmt.Errorf("%w (stderr: %s)", reason, tail)
+	}
+	return reason
+}
+
+func (in *wasmInstance) close(ctx context.Context) { _ = in.mod.Close(ctx) }
+
+// tailWriter keeps the end of what a plugin writes to stderr, to explain
+// its failures.
+type tailWriter struct {
+	mu  sync.Mutex
+	buf []byte
+}
+
+const tailSize = 512
+
+func (w *tailWriter) Write(p []byte) (int, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.buf = append(w.buf, p...)
+	if len(w.buf) > tailSize {
+		w.buf = append(w.buf[:0], w.buf[len(w.buf)-tailSize:]...)
+	}
+	return len(p), nil
+}
+
+// last returns the last non-empty lines written, joined, at most 200 bytes.
+func (w *tailWriter) last() string {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	s := strings.TrimSpace(string(w.buf))
+	if len(s) > 200 {
+		s = "..." + s[len(s)-200:]
+	}
+	return strings.ReplaceAll(s, "\n", " | ")
+}
+
+// mib formats a byte count in MiB.
+func mib(n uint64) string { return strconv.FormatFloat(float64(n)/(1<<20), 'f', -1, 64) + " MiB" }
