@@ -1,0 +1,279 @@
+// Package engine is kvhost's storage engine: it turns "store these KV-cache
+// blocks under these keys" into files and "load these keys into these blocks"
+// back, with a placement policy (package host/policy) deciding file names,
+// chunk layout, admission and eviction victims, and the engine enforcing
+// capacity, atomic publication and integrity.
+//
+// # Model
+//
+// A namespace (Declare) is one model geometry at one tensor-parallel rank;
+// blocks of different geometries never mix: every file carries the geometry
+// fingerprint and its keys, and a file that does not match is a miss. A cache
+// (RegisterCache) is the paged KV layout of one worker: one tensor per layer
+// in a memory region, blocks scattered. Store and Load name, per key, the
+// cache's block ids; the engine derives the segments and moves them through
+// the staging pipeline (package staging) into and out of files (docs/format.md).
+//
+// Store and Load are batched and asynchronous: they validate the request,
+// return a Job at once and complete it in the background. Lookup answers how
+// many leading keys are stored, as vLLM asks.
+//
+// docs/engine.md describes the behaviour in full: publication, recovery,
+// capacity, the configuration knobs and their cost.
+package engine
+
+import (
+	"errors"
+	"log/slog"
+	"time"
+
+	"github.com/kvhost/kvhost/host/policy"
+	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/region"
+)
+
+// Errors returned by the engine. Returned errors wrap them; test with errors.Is.
+var (
+	// ErrClosed: the engine is closed or closing.
+	ErrClosed = errors.New("engine: closed")
+	// ErrInvalid: a request, geometry, tensor or configuration is not valid.
+	ErrInvalid = errors.New("engine: invalid argument")
+	// ErrUnknownNamespace: the namespace id was not returned by Declare.
+	ErrUnknownNamespace = errors.New("engine: unknown namespace")
+	// ErrUnknownCache: the cache id was not returned by RegisterCache.
+	ErrUnknownCache = errors.New("engine: unknown cache")
+	// ErrNoSpace: a store could not get space on its mount, even after
+	// eviction. The error names the mount.
+	ErrNoSpace = errors.New("engine: no space")
+	// ErrNotFound: a key is not stored (or its file vanished).
+	ErrNotFound = errors.New("engine: not found")
+	// ErrMismatch: a file exists under the key's name but belongs to another
+	// geometry or key; it is treated as a miss.
+	ErrMismatch = errors.New("engine: file does not match the request")
+	// ErrCorrupt: a file failed its header or payload checksum; the entry is
+	// dropped.
+	ErrCorrupt = errors.New("engine: corrupt file")
+	// ErrPolicy: the policy failed or returned something the engine refused.
+	ErrPolicy = errors.New("engine: policy")
+)
+
+// NamespaceID identifies a declared namespace: a geometry (fingerprint). It is
+// small and dense, stable for the life of the engine, and equals the
+// NamespaceRecord.NS the policy sees.
+type NamespaceID uint32
+
+// CacheID identifies a registered paged KV cache.
+type CacheID uint64
+
+// JobID identifies a store or load job, unique for the life of the engine.
+type JobID uint64
+
+// Mount is one storage root the engine writes under.
+type Mount struct {
+	// Path is the root directory. It is created if missing.
+	Path string
+	// Capacity is the most bytes (file lengths) the engine keeps under Path;
+	// 0 means the size of the file system (statfs) at Open.
+	Capacity int64
+	// HighWatermark and LowWatermark are fractions of Capacity: when usage
+	// would cross High, the engine evicts until it is at or below Low. Zero
+	// values mean 0.95 and 0.85.
+	HighWatermark, LowWatermark float64
+	// NoDirect disables O_DIRECT on this mount even where the probe says the
+	// file system supports it.
+	NoDirect bool
+}
+
+// Config configures an Engine. The zero value of every optional field is a
+// sensible default.
+type Config struct {
+	// Mounts are the storage roots, in the order the policy's mount indices
+	// refer to. At least one is required.
+	Mounts []Mount
+	// Policy is the placement policy. The engine does not close it.
+	Policy policy.Policy
+	// NewPolicy, used when Policy is nil, builds the policy from the
+	// engine's index (policy hosts need one); the engine closes it.
+	NewPolicy func(idx policy.Index) (policy.Policy, error)
+	// Fsync makes every store durable before it is reported stored: fsync of
+	// the file, rename, fsync of the directory. It costs one or two device
+	// flushes per file (docs/engine.md).
+	Fsync bool
+	// NoChecksum skips the CRC-32C of payloads on store (files are flagged
+	// as unchecked) and skips verification on load. Headers are always
+	// checksummed.
+	NoChecksum bool
+	// IOWorkers is the number of I/O workers (default: GOMAXPROCS, at least 2).
+	IOWorkers int
+	// CPUs, if set, pins the I/O workers to these CPUs (e.g. the GPU's NUMA
+	// node), round-robin.
+	CPUs []int
+	// StagingBytes bounds the memory of bounce buffers (default 64 MiB); it
+	// is used only when segments cannot go to the file directly.
+	StagingBytes int64
+	// TempGrace keeps temporary files younger than this at Open (default 0:
+	// remove every leftover). Set it when several nodes share a mount, so
+	// that one node's start does not remove another's store in progress.
+	TempGrace time.Duration
+	// Logger receives the engine's logs (default: slog.Default()).
+	Logger *slog.Logger
+	// FS is the file system (default fsys.OS); tests inject faults here.
+	FS fsys.FS
+	// Now is the clock for access times (default time.Now).
+	Now func() time.Time
+}
+
+// LayerTensor is the KV-cache tensor of one layer in a paged cache: block b
+// of plane p (0 = K, 1 = V; MLA has only plane 0) starts at
+// Offset + p*PlaneStride + b*BlockStride in Region and is
+// Geometry.BlockBytes() long. vLLM's [2, num_blocks, block_size, heads,
+// head_size] layout has PlaneStride = NumBlocks*BlockBytes and BlockStride =
+// BlockBytes; [num_blocks, 2, ...] has BlockStride = 2*BlockBytes and
+// PlaneStride = BlockBytes.
+type LayerTensor struct {
+	Region      region.Region
+	Offset      int64
+	BlockStride int64
+	PlaneStride int64
+	// NumBlocks is the number of GPU blocks in the tensor; block ids in
+	// requests must be below it.
+	NumBlocks int
+}
+
+// StoreRequest stores Keys[i] from the cache blocks Blocks[i]
+// (len(Blocks[i]) == Geometry.BlocksPerKey()).
+type StoreRequest struct {
+	Cache  CacheID
+	Keys   [][]byte
+	Blocks [][]int
+}
+
+// LoadRequest loads Keys[i] into the cache blocks Blocks[i].
+type LoadRequest struct {
+	Cache  CacheID
+	Keys   [][]byte
+	Blocks [][]int
+}
+
+// Outcome is what happened to one key of a job.
+type Outcome uint8
+
+// Outcomes of a key in a job.
+const (
+	// OutcomePending: the job has not finished the key (never in a Result
+	// returned by a finished job).
+	OutcomePending Outcome = iota
+	// OutcomeStored: the key was written and published.
+	OutcomeStored
+	// OutcomePresent: the key was already stored (or being stored); nothing
+	// was written.
+	OutcomePresent
+	// OutcomeNotAdmitted: the policy declined the key.
+	OutcomeNotAdmitted
+	// OutcomeLoaded: the key was read into its blocks and verified.
+	OutcomeLoaded
+	// OutcomeMissing: the key is not stored (or its file vanished or belongs
+	// to another geometry); its blocks were not written.
+	OutcomeMissing
+	// OutcomeFailed: the key failed; KeyResult.Err says why. A failed load
+	// may have written into its blocks: their content is undefined.
+	OutcomeFailed
+)
+
+// String names the outcome.
+func (o Outcome) String() string {
+	switch o {
+	case OutcomePending:
+		return "pending"
+	case OutcomeStored:
+		return "stored"
+	case OutcomePresent:
+		return "present"
+	case OutcomeNotAdmitted:
+		return "not admitted"
+	case OutcomeLoaded:
+		return "loaded"
+	case OutcomeMissing:
+		return "missing"
+	case OutcomeFailed:
+		return "failed"
+	}
+	return "outcome(?)"
+}
+
+// KeyResult is the outcome of one key.
+type KeyResult struct {
+	Outcome Outcome
+	Err     error // set when Outcome is OutcomeFailed (or explains a miss)
+}
+
+// Result is the outcome of a finished job.
+type Result struct {
+	Keys     []KeyResult   // one per request key, in request order
+	Bytes    int64         // payload bytes moved
+	Duration time.Duration // from submission to completion
+}
+
+// Err joins the errors of every failed key, or returns nil.
+func (r Result) Err() error {
+	var errs []error
+	for _, k := range r.Keys {
+		if k.Outcome == OutcomeFailed && k.Err != nil {
+			errs = append(errs, k.Err)
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// Count returns how many keys ended with outcome o.
+func (r Result) Count(o Outcome) int {
+	n := 0
+	for _, k := range r.Keys {
+		if k.Outcome == o {
+			n++
+		}
+	}
+	return n
+}
+
+// MountStats describes one mount.
+type MountStats struct {
+	Path     string
+	Capacity int64
+	Used     int64 // bytes of published files plus reservations of stores in flight
+	Entries  int
+	Direct   bool // O_DIRECT is used on this mount
+}
+
+// Stats are the engine's counters since Open.
+type Stats struct {
+	Mounts       []MountStats
+	Entries      int // files in the index
+	Keys         int // keys in the index
+	Stores       uint64
+	Loads        uint64
+	Hits         uint64 // keys found by Lookup or Load
+	Misses       uint64
+	Evictions    uint64
+	Failures     uint64 // keys that ended OutcomeFailed
+	Corrupt      uint64 // files dropped because they failed verification
+	Vanished     uint64 // files found missing or replaced behind the engine's back
+	BytesWritten uint64
+	BytesRead    uint64
+}
+
+// The Engine's methods, for reference (implemented in engine.go, store.go,
+// load.go):
+//
+//	Open(ctx, Config) (*Engine, error)
+//	(*Engine).Index() policy.Index  // the engine's index, for policy hosts
+//	(*Engine).Declare(ctx, Geometry) (NamespaceID, error)
+//	(*Engine).RegisterCache(ns, []LayerTensor) (CacheID, error)
+//	(*Engine).UnregisterCache(CacheID) error
+//	(*Engine).Store(ctx, StoreRequest) (*Job, error)
+//	(*Engine).Load(ctx, LoadRequest) (*Job, error)
+//	(*Engine).Lookup(ctx, ns, keys) (int, error)
+//	(*Engine).Delete(ctx, ns, keys) (int, error)
+//	(*Engine).Stats() Stats
+//	(*Engine).Close(ctx) error
+//	(*Job).ID() JobID; Done() <-chan struct{}; Wait(ctx) (Result, error); Cancel()

@@ -1,0 +1,326 @@
+package engine
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"runtime"
+	"sync"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/region"
+)
+
+// Benchmarks of the engine against the storage's own ceiling, measured in
+// the same run, on the directory named by KVHOST_BENCH_DIR (default
+// os.TempDir(); use /dev/shm for tmpfs):
+//
+//	KVHOST_BENCH_DIR=/dev/shm go test -run '^$' -bench . -benchtime 10x ./host/engine
+//
+// The ceiling is a plain large sequential write (read) of the same bytes:
+// one 32 MiB file per key from one contiguous memfd buffer in 8 MiB calls,
+// by the same number of threads as the engine's I/O workers, with the same
+// open flags (O_DIRECT where the engine uses it). The engine stores (loads)
+// the same number of 32 MiB keys of Llama-3.1-8B bf16 (32 layers, 8 KV
+// heads, head size 128, 16-token blocks, 256 tokens per key) from (into) a
+// paged layout: one memfd-backed tensor per layer, blocks scattered. Each
+// iteration times both; engine/ceiling is their throughput ratio.
+
+func benchDir(b *testing.B) string {
+	base := os.Getenv("KVHOST_BENCH_DIR")
+	if base == "" {
+		base = os.TempDir()
+	}
+	d, err := os.MkdirTemp(base, "kvhost-bench-")
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { os.RemoveAll(d) })
+	return d
+}
+
+func llama8B() Geometry {
+	return Geometry{Model: "meta-llama/Llama-3.1-8B", Layers: 32, KVHeads: 8, HeadSize: 128, DtypeSize: 2, TokensPerBlock: 16, TokensPerKey: 256, TPSize: 1}
+}
+
+// benchKeys is the keys per iteration: 256 MiB of KV cache.
+const benchKeys = 8
+
+type benchEnv struct {
+	e       *Engine
+	ns      NamespaceID
+	c       *testCache
+	dir     string
+	direct  bool
+	workers int
+	keyLen  int64
+	bufs    []byte // the ceiling's contiguous memfd buffer, a slice per file
+	same    []byte // the same size at the start of the cache's region
+}
+
+func newBenchEnv(b *testing.B, noDirect, noChecksum bool) *benchEnv {
+	dir := benchDir(b)
+	workers := max(2, runtime.GOMAXPROCS(0))
+	pol := newTestPolicy(1, abi.OrderLayerMajor)
+	e, err := Open(context.Background(), Config{
+		Mounts: []Mount{{Path: filepath.Join(dir, "engine"), NoDirect: noDirect}}, Policy: pol,
+		IOWorkers: workers, NoChecksum: noChecksum, Logger: testLogger(b),
+	})
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { e.Close(context.Background()) })
+	g := llama8B()
+	ns, err := e.Declare(context.Background(), g)
+	if err != nil {
+		b.Fatal(err)
+	}
+	// Twice the blocks a batch needs: stores read one half, loads write
+	// the other.
+	c := newTestCache(b, e, ns, g, 2*benchKeys*g.BlocksPerKey(), layoutPlaneFirst)
+	all := make([]int, 2*benchKeys*g.BlocksPerKey())
+	for i := range all {
+		all[i] = i
+	}
+	c.fill(rand.New(rand.NewPCG(1, 1)), all)
+	env := &benchEnv{e: e, ns: ns, c: c, dir: filepath.Join(dir, "ceiling"), direct: e.Stats().Mounts[0].Direct, workers: workers, keyLen: g.KeyBytes()}
+	os.MkdirAll(env.dir, 0o755)
+	// The ceiling moves the same bytes as the engine between the files and
+	// one contiguous buffer of benchKeys keys (each file its own slice, so
+	// that neither side gains from a buffer that stays in the CPU cache),
+	// in a fresh memfd, the kind of memory the engine's cache lives in.
+	// The region ceiling does the same with the first bytes of the cache's
+	// own memfd: with O_DIRECT the block layer builds requests from the
+	// physical pages of the memory (max_segments), so two memfds of one
+	// size can differ; this one has the engine's pages.
+	reg, err := region.NewHost("ceiling", benchKeys*env.keyLen)
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { reg.Close() })
+	env.bufs = reg.Bytes()
+	for i := range env.bufs {
+		env.bufs[i] = byte(i * 7)
+	}
+	env.same = c.reg.Bytes()[:benchKeys*env.keyLen]
+	return env
+}
+
+// batch returns benchKeys keys with scattered blocks from one half of the cache.
+func (env *benchEnv) batch(r *rand.Rand, prefix string, half int) ([][]byte, [][]int) {
+	bpk := env.c.geo.BlocksPerKey()
+	perm := r.Perm(benchKeys * bpk)
+	keys := testKeys(prefix, benchKeys)
+	blocks := make([][]int, benchKeys)
+	for i := range blocks {
+		for j := range bpk {
+			blocks[i] = append(blocks[i], half*benchKeys*bpk+perm[i*bpk+j])
+		}
+	}
+	return keys, blocks
+}
+
+// ceiling writes (or reads) benchKeys files of keyLen bytes with the
+// workers' threads in 8 MiB system calls, and returns the time it took.
+func (env *benchEnv) ceiling(b *testing.B, write bool, iter int) time.Duration {
+	return env.ceilingWith(b, write, iter, env.bufs)
+}
+
+func (env *benchEnv) ceilingWith(b *testing.B, write bool, iter int, mem []byte) time.Duration {
+	const io = 8 << 20
+	flag := os.O_RDONLY
+	if write {
+		flag = os.O_WRONLY | os.O_CREATE | os.O_TRUNC
+	}
+	if env.direct {
+		flag |= unix.O_DIRECT
+	}
+	start := time.Now()
+	var wg sync.WaitGroup
+	next := make(chan int, benchKeys)
+	for i := range benchKeys {
+		next <- i
+	}
+	close(next)
+	for range env.workers {
+		wg.Go(func() {
+			for i := range next {
+				buf := mem[int64(i)*env.keyLen : int64(i+1)*env.keyLen]
+				name := filepath.Join(env.dir, fmt.Sprintf("f-%d-%d", iter, i))
+				f, err := fsys.OS{}.OpenFile(name, flag, 0o644)
+				if err != nil {
+					b.Error(err)
+					return
+				}
+				for off := int64(0); off < env.keyLen; off += io {
+					var err error
+					if write {
+						_, err = f.WriteAt(buf[off:off+io], off)
+					} else {
+						_, err = f.ReadAt(buf[off:off+io], off)
+					}
+					if err != nil {
+						b.Error(err)
+					}
+				}
+				f.Close()
+			}
+		})
+	}
+	wg.Wait()
+	return time.Since(start)
+}
+
+func (env *benchEnv) report(b *testing.B, engine, ceiling, same time.Duration) {
+	bytes := float64(b.N) * benchKeys * float64(env.keyLen)
+	eg, cg := bytes/engine.Seconds()/1e9, bytes/ceiling.Seconds()/1e9
+	b.ReportMetric(eg, "engine-GB/s")
+	b.ReportMetric(cg, "ceiling-GB/s")
+	b.ReportMetric(bytes/same.Seconds()/1e9, "region-ceiling-GB/s")
+	b.ReportMetric(same.Seconds()/engine.Seconds(), "engine/region-ceiling")
+	b.ReportMetric(eg/cg, "engine/ceiling")
+	b.ReportMetric(0, "ns/op")
+}
+
+func benchModes(b *testing.B, fn func(b *testing.B, noDirect, noChecksum bool)) {
+	for _, m := range []struct {
+		name               string
+		noDirect, noChksum bool
+	}{{"io=auto/crc=on", false, false}, {"io=auto/crc=off", false, true}, {"io=buffered/crc=on", true, false}} {
+		b.Run(m.name, func(b *testing.B) { fn(b, m.noDirect, m.noChksum) })
+	}
+}
+
+// BenchmarkStore: the engine's store of 32 MiB keys against a plain write.
+func BenchmarkStore(b *testing.B) {
+	benchModes(b, func(b *testing.B, noDirect, noChecksum bool) {
+		env := newBenchEnv(b, noDirect, noChecksum)
+		b.SetBytes(benchKeys * env.keyLen)
+		ctx := context.Background()
+		r := rand.New(rand.NewPCG(2, 2))
+		var eng, ceil, same time.Duration
+		for i := 0; b.Loop(); i++ {
+			keys, blocks := env.batch(r, fmt.Sprintf("s%d", i), 0)
+			if i%2 == 0 { // alternate who goes first
+				ceil += env.ceiling(b, true, i)
+			}
+			start := time.Now()
+			res := wait(b)(env.e.Store(ctx, StoreRequest{Cache: env.c.id, Keys: keys, Blocks: blocks}))
+			eng += time.Since(start)
+			if i%2 == 1 {
+				ceil += env.ceiling(b, true, i)
+			}
+			b.StopTimer()
+			for k := range benchKeys {
+				os.Remove(filepath.Join(env.dir, fmt.Sprintf("f-%d-%d", i, k)))
+			}
+			b.StartTimer()
+			same += env.ceilingWith(b, true, i, env.same)
+			if res.Count(OutcomeStored) != benchKeys {
+				b.Fatalf("store: %+v", res)
+			}
+			b.StopTimer()
+			env.e.Delete(ctx, env.ns, keys)
+			for k := range benchKeys {
+				os.Remove(filepath.Join(env.dir, fmt.Sprintf("f-%d-%d", i, k)))
+			}
+			b.StartTimer()
+		}
+		b.Logf("O_DIRECT %v, %d workers", env.direct, env.workers)
+		env.report(b, eng, ceil, same)
+	})
+}
+
+// BenchmarkLoad: the engine's load of 32 MiB keys against a plain read.
+func BenchmarkLoad(b *testing.B) {
+	benchModes(b, func(b *testing.B, noDirect, noChecksum bool) {
+		env := newBenchEnv(b, noDirect, noChecksum)
+		b.SetBytes(benchKeys * env.keyLen)
+		ctx := context.Background()
+		r := rand.New(rand.NewPCG(3, 3))
+		keys, blocks := env.batch(r, "l", 0)
+		res := wait(b)(env.e.Store(ctx, StoreRequest{Cache: env.c.id, Keys: keys, Blocks: blocks}))
+		if res.Count(OutcomeStored) != benchKeys {
+			b.Fatalf("store: %+v", res)
+		}
+		env.ceiling(b, true, 0)
+		var eng, ceil, same time.Duration
+		for i := 0; b.Loop(); i++ {
+			_, into := env.batch(r, "l", 1)
+			if i%2 == 0 { // alternate who goes first
+				ceil += env.ceiling(b, false, 0)
+			}
+			start := time.Now()
+			res := wait(b)(env.e.Load(ctx, LoadRequest{Cache: env.c.id, Keys: keys, Blocks: into}))
+			eng += time.Since(start)
+			if i%2 == 1 {
+				ceil += env.ceiling(b, false, 0)
+			}
+			same += env.ceilingWith(b, false, 0, env.same)
+			if res.Count(OutcomeLoaded) != benchKeys {
+				b.Fatalf("load: %+v", res)
+			}
+		}
+		b.Logf("O_DIRECT %v, %d workers", env.direct, env.workers)
+		env.report(b, eng, ceil, same)
+	})
+}
+
+// BenchmarkRebuild measures Open's index rebuild over 100,000 small files
+// (created once per run, by the engine, outside the timer).
+func BenchmarkRebuild(b *testing.B) {
+	const files = 100_000
+	dir := benchDir(b)
+	g := Geometry{Model: "tiny", Layers: 1, KVHeads: 1, HeadSize: 16, DtypeSize: 2, TokensPerBlock: 16, TokensPerKey: 16, TPSize: 1}
+	ctx := context.Background()
+	cfg := Config{Mounts: []Mount{{Path: dir}}, Policy: newTestPolicy(1, abi.OrderLayerMajor), Logger: testLogger(b)}
+	e, err := Open(ctx, cfg)
+	if err != nil {
+		b.Fatal(err)
+	}
+	ns, _ := e.Declare(ctx, g)
+	c := newTestCache(b, e, ns, g, 1024, layoutPlaneFirst)
+	created := time.Now()
+	var jobs []*Job
+	for start := 0; start < files; start += 1024 {
+		n := min(1024, files-start)
+		keys := testKeys(fmt.Sprintf("r%d", start), n)
+		blocks := make([][]int, n)
+		for i := range blocks {
+			blocks[i] = []int{i}
+		}
+		j, err := e.Store(ctx, StoreRequest{Cache: c.id, Keys: keys, Blocks: blocks})
+		if err != nil {
+			b.Fatal(err)
+		}
+		jobs = append(jobs, j)
+		if len(jobs) == 4 {
+			waitJob(b, jobs[0], nil)
+			jobs = jobs[1:]
+		}
+	}
+	for _, j := range jobs {
+		waitJob(b, j, nil)
+	}
+	e.Close(ctx)
+	b.Logf("created %d files in %v", files, time.Since(created))
+	for b.Loop() {
+		cfg.Policy = newTestPolicy(1, abi.OrderLayerMajor)
+		e, err := Open(ctx, cfg)
+		if err != nil {
+			b.Fatal(err)
+		}
+		if st := e.Stats(); st.Entries != files {
+			b.Fatalf("rebuilt %d entries, want %d", st.Entries, files)
+		}
+		e.Close(ctx)
+	}
+	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N)/files, "ns/file")
+}

@@ -1,0 +1,100 @@
+package engine
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+
+	"github.com/kvhost/kvhost/abi"
+)
+
+// victimBatch is the most victims asked of the policy at once.
+const victimBatch = 256
+
+// reserve accounts size bytes on m for a store, evicting first if usage
+// would cross the high watermark. It fails with ErrNoSpace if the store
+// cannot fit within the capacity even after eviction.
+func (e *Engine) reserve(ctx context.Context, m *mount, size int64) error {
+	if size > m.capacity {
+		return fmt.Errorf("%w: mount %s: a file of %d bytes exceeds the capacity of %d", ErrNoSpace, m.root, size, m.capacity)
+	}
+	if e.tryReserve(m, size, m.high) {
+		return nil
+	}
+	m.evictMu.Lock()
+	defer m.evictMu.Unlock()
+	if e.tryReserve(m, size, m.high) { // another store evicted meanwhile
+		return nil
+	}
+	e.evict(ctx, m, size)
+	if e.tryReserve(m, size, m.capacity) {
+		return nil
+	}
+	e.mu.Lock()
+	used := m.used
+	e.mu.Unlock()
+	return fmt.Errorf("%w: mount %s: %d of %d bytes used, %d more needed, no evictable entry left", ErrNoSpace, m.root, used, m.capacity, size)
+}
+
+func (e *Engine) tryReserve(m *mount, size, limit int64) bool {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if m.used+size <= limit {
+		m.used += size
+		return true
+	}
+	return false
+}
+
+func (e *Engine) unreserve(m *mount, size int64) {
+	e.mu.Lock()
+	m.used -= size
+	e.mu.Unlock()
+}
+
+// evict removes policy-chosen victims on m until usage plus size is at or
+// below the low watermark, or the policy has nothing more to offer. Pinned
+// entries are never removed, whatever the policy says.
+func (e *Engine) evict(ctx context.Context, m *mount, size int64) {
+	for round := 0; round < 16; round++ {
+		e.mu.Lock()
+		need := m.used + size - m.low
+		e.mu.Unlock()
+		if need <= 0 {
+			return
+		}
+		victims, err := e.pol.Victims(context.WithoutCancel(ctx), abi.EvictRequest{Bytes: uint64(need), Time: uint64(e.now().UnixNano()), Mount: uint32(m.idx)}, victimBatch)
+		if err != nil {
+			e.log.Warn("engine: policy victims", "mount", m.root, "err", err)
+			return
+		}
+		var freed int64
+		var recs []abi.AccessRecord
+		for _, v := range victims {
+			if freed >= need {
+				break
+			}
+			e.mu.Lock()
+			en := e.entries[v.Entry]
+			ok := en != nil && en.pins == 0 && en.mount == m.idx && !en.gone
+			if ok {
+				e.unindexLocked(en)
+				recs = append(recs, en.access(abi.AccessRemove, e.now().UnixNano()))
+			}
+			e.mu.Unlock()
+			if !ok {
+				continue
+			}
+			if err := e.fs.Remove(en.path); err != nil && !errors.Is(err, os.ErrNotExist) {
+				e.log.Warn("engine: evict", "path", en.path, "err", err)
+			}
+			freed += en.size
+			e.st.evictions.Add(1)
+		}
+		e.access(ctx, recs)
+		if freed == 0 {
+			return
+		}
+	}
+}

@@ -1,0 +1,661 @@
+package engine
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/internal/fsys"
+)
+
+const crashChildEnv = "KVHOST_ENGINE_CRASH_CHILD"
+
+func TestMain(m *testing.M) {
+	if dir := os.Getenv(crashChildEnv); dir != "" {
+		start, _ := strconv.Atoi(os.Getenv(crashChildEnv + "_START"))
+		if err := crashChild(dir, start); err != nil {
+			fmt.Fprintln(os.Stderr, "crash child:", err)
+			os.Exit(1)
+		}
+		os.Exit(0)
+	}
+	os.Exit(m.Run())
+}
+
+// keyContent fills blocks with bytes derived from the key alone, so that
+// another process can check what it loads.
+func keyContent(c *testCache, key []byte, blocks []int) {
+	c.fill(rand.New(rand.NewPCG(abi.KeyHash(key), 7)), blocks)
+}
+
+// crashChild stores keys in a loop, printing each batch it saw stored,
+// until it is killed.
+func crashChild(dir string, start int) error {
+	ctx := context.Background()
+	e, err := Open(ctx, Config{Mounts: []Mount{{Path: dir}}, Policy: newTestPolicy(2, abi.OrderBlockMajor), IOWorkers: 2})
+	if err != nil {
+		return err
+	}
+	g := smallGeometry(true)
+	g.Layers = 64 // 2 MiB per key: a kill often lands mid-file
+	ns, err := e.Declare(ctx, g)
+	if err != nil {
+		return err
+	}
+	c, err := makeTestCache(e, ns, g, 64, layoutPlaneFirst)
+	if err != nil {
+		return err
+	}
+	bpk := g.BlocksPerKey()
+	for batch := start; ; batch++ {
+		keys := testKeys(fmt.Sprintf("crash-%d", batch), 4)
+		blocks := blockLists(rand.New(rand.NewPCG(uint64(batch), 1)), 4, bpk, (batch%4)*4*bpk)
+		for i, k := range keys {
+			keyContent(c, k, blocks[i])
+		}
+		j, err := e.Store(ctx, StoreRequest{Cache: c.id, Keys: keys, Blocks: blocks})
+		if err != nil {
+			return err
+		}
+		res, err := j.Wait(ctx)
+		if err != nil {
+			return err
+		}
+		if res.Count(OutcomeStored)+res.Count(OutcomePresent) != 4 { // present: stored by an earlier, killed child
+			return fmt.Errorf("batch %d: %+v", batch, res)
+		}
+		fmt.Printf("stored %d\n", batch)
+	}
+}
+
+// TestCrashMidStore kills (SIGKILL) a process that stores in a loop, then
+// reopens its directory: no temporary file survives Open, no torn file is
+// visible, every published file loads and verifies, and every batch the
+// child saw stored is there.
+func TestCrashMidStore(t *testing.T) {
+	// Kill at random times and as soon as a temporary file appears, until
+	// kills have landed mid-store (a temporary file was left behind) twice.
+	dir := t.TempDir()
+	stored := -1
+	midStore := 0
+	for round := 0; round < 10 && (round < 4 || midStore < 2); round++ {
+		cmd := exec.Command(os.Args[0], "-test.run=^$")
+		cmd.Env = append(os.Environ(), crashChildEnv+"="+dir, fmt.Sprintf("%s_START=%d", crashChildEnv, stored+1))
+		out, err := cmd.StdoutPipe()
+		if err != nil {
+			t.Fatal(err)
+		}
+		var stderr bytes.Buffer
+		cmd.Stderr = &stderr
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		sc := bufio.NewScanner(out)
+		lines := 0
+		for lines < 1 && sc.Scan() {
+			if n, err := strconv.Atoi(strings.TrimPrefix(sc.Text(), "stored ")); err == nil {
+				stored = max(stored, n)
+				lines++
+			}
+		}
+		if lines == 0 {
+			cmd.Wait()
+			t.Fatalf("child stored nothing: %s", stderr.String())
+		}
+		if round%2 == 0 {
+			// Kill as soon as a store is writing a temporary file.
+			deadline := time.Now().Add(10 * time.Second)
+			for len(leftovers(t, dir)) == 0 && time.Now().Before(deadline) {
+			}
+		} else {
+			time.Sleep(time.Duration(rand.IntN(10000)) * time.Microsecond)
+		}
+		cmd.Process.Signal(syscall.SIGKILL)
+		for sc.Scan() {
+			if n, err := strconv.Atoi(strings.TrimPrefix(sc.Text(), "stored ")); err == nil {
+				stored = max(stored, n)
+			}
+		}
+		cmd.Wait()
+		l := len(leftovers(t, dir))
+		if l > 0 {
+			midStore++
+		}
+		t.Logf("round %d: child killed after batch %d; temporary files left: %d", round, stored, l)
+	}
+	if midStore == 0 {
+		t.Fatal("no kill landed mid-store")
+	}
+
+	e := openEngine(t, Config{Mounts: []Mount{{Path: dir}}, Policy: newTestPolicy(2, abi.OrderBlockMajor)})
+	if l := leftovers(t, dir); len(l) != 0 {
+		t.Fatalf("leftovers after Open: %v", l)
+	}
+	g := smallGeometry(true)
+	g.Layers = 64
+	ns, err := e.Declare(context.Background(), g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
+	want := newTestCache(t, e, ns, g, 8, layoutPlaneFirst)
+	// Every published file holds two keys that load and verify.
+	files := dataFiles(t, dir)
+	if st := e.Stats(); st.Entries != len(files) || st.Keys != 2*len(files) {
+		t.Fatalf("%d files, index has %d entries and %d keys", len(files), st.Entries, st.Keys)
+	}
+	var all [][]byte
+	for batch := 0; ; batch++ {
+		keys := testKeys(fmt.Sprintf("crash-%d", batch), 4)
+		n, _ := e.Lookup(context.Background(), ns, keys)
+		if batch <= stored && n != 4 {
+			t.Fatalf("batch %d, reported stored, has %d keys", batch, n)
+		}
+		if n == 0 && batch > stored {
+			break
+		}
+		all = append(all, keys[:n]...)
+	}
+	if len(all) != 2*len(files) {
+		t.Fatalf("found %d keys by name, the index has %d", len(all), 2*len(files))
+	}
+	bpk := g.BlocksPerKey()
+	for _, k := range all {
+		res := wait(t)(e.Load(context.Background(), LoadRequest{Cache: c.id, Keys: [][]byte{k}, Blocks: [][]int{{0, 1, 2, 3}}}))
+		wantOutcomes(t, "load "+string(k), res, OutcomeLoaded)
+		keyContent(want, k, []int{0, 1, 2, 3}[:bpk])
+		if !bytes.Equal(c.data([]int{0, 1, 2, 3}), want.data([]int{0, 1, 2, 3})) {
+			t.Fatalf("key %s: content differs", k)
+		}
+	}
+}
+
+// TestConcurrentSameKey stores the same keys at once from two engines over
+// one directory (as two nodes sharing a mount) and two jobs of one engine,
+// with different contents: every key ends as one intact file holding one of
+// the contents.
+func TestConcurrentSameKey(t *testing.T) {
+	dir := t.TempDir()
+	g := smallGeometry(true)
+	ctx := context.Background()
+	type side struct {
+		e *Engine
+		c *testCache
+	}
+	var sides []side
+	for i := range 2 {
+		e := openEngine(t, Config{Mounts: []Mount{{Path: dir}}, Policy: newTestPolicy(1, abi.OrderLayerMajor)})
+		ns, err := e.Declare(ctx, g)
+		if err != nil {
+			t.Fatal(err)
+		}
+		c := newTestCache(t, e, ns, g, 8, layoutPlaneFirst)
+		c.fill(rand.New(rand.NewPCG(uint64(i), 3)), []int{0, 1, 2, 3})
+		sides = append(sides, side{e, c})
+	}
+	contents := [][]byte{sides[0].c.data([]int{0, 1, 2, 3}), sides[1].c.data([]int{0, 1, 2, 3})}
+	rounds := 40
+	if testing.Short() {
+		rounds = 10
+	}
+	for r := range rounds {
+		key := [][]byte{fmt.Appendf(nil, "same-%d", r)}
+		var wg sync.WaitGroup
+		results := make([]Result, 4)
+		for w := range 4 {
+			wg.Go(func() {
+				s := sides[w%2]
+				results[w] = wait(t)(s.e.Store(ctx, StoreRequest{Cache: s.c.id, Keys: key, Blocks: [][]int{{0, 1, 2, 3}}}))
+			})
+		}
+		wg.Wait()
+		stored := 0
+		for _, res := range results {
+			switch res.Keys[0].Outcome {
+			case OutcomeStored:
+				stored++
+			case OutcomePresent:
+			default:
+				t.Fatalf("round %d: %v %v", r, res.Keys[0].Outcome, res.Keys[0].Err)
+			}
+		}
+		if stored == 0 {
+			t.Fatalf("round %d: nobody stored", r)
+		}
+		// A third engine reads what is on disk.
+		for i, s := range sides {
+			s.c.clear([]int{4, 5, 6, 7})
+			res := wait(t)(s.e.Load(ctx, LoadRequest{Cache: s.c.id, Keys: key, Blocks: [][]int{{4, 5, 6, 7}}}))
+			if res.Keys[0].Outcome != OutcomeLoaded {
+				t.Fatalf("round %d: engine %d: %v %v", r, i, res.Keys[0].Outcome, res.Keys[0].Err)
+			}
+			got := s.c.data([]int{4, 5, 6, 7})
+			if !bytes.Equal(got, contents[0]) && !bytes.Equal(got, contents[1]) {
+				t.Fatalf("round %d: engine %d loaded a torn mix", r, i)
+			}
+		}
+	}
+	if n := len(dataFiles(t, dir)); n != rounds {
+		t.Fatalf("%d files for %d keys", n, rounds)
+	}
+	if l := leftovers(t, dir); len(l) != 0 {
+		t.Fatalf("leftovers: %v", l)
+	}
+}
+
+// TestExternalChanges: a file deleted or replaced behind the engine's back
+// is a miss, never a stale hit; a corrupt file is a failed load and is
+// dropped.
+func TestExternalChanges(t *testing.T) {
+	dir := t.TempDir()
+	ctx := context.Background()
+	e := openEngine(t, Config{Mounts: []Mount{{Path: dir}}, Policy: newTestPolicy(1, abi.OrderLayerMajor)})
+	g := smallGeometry(true)
+	ns, _ := e.Declare(ctx, g)
+	c := newTestCache(t, e, ns, g, 64, layoutBlockFirst)
+	r := rand.New(rand.NewPCG(5, 5))
+	keys := testKeys("ext", 6)
+	blocks := blockLists(r, 6, 4, 0)
+	for _, b := range blocks {
+		c.fill(r, b)
+	}
+	storeAndCheck(t, e, c, keys, blocks)
+	path := func(k []byte) string {
+		_, paths, _, err := e.names(ctx, e.nss[ns], [][]byte{k})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return paths[0]
+	}
+	into := [][]int{{40, 41, 42, 43}}
+	load := func(k []byte) KeyResult {
+		return wait(t)(e.Load(ctx, LoadRequest{Cache: c.id, Keys: [][]byte{k}, Blocks: into})).Keys[0]
+	}
+
+	// Deleted: lookup and load miss.
+	os.Remove(path(keys[0]))
+	if n, _ := e.Lookup(ctx, ns, keys); n != 0 {
+		t.Fatalf("deleted first key: lookup %d", n)
+	}
+	if kr := load(keys[0]); kr.Outcome != OutcomeMissing {
+		t.Fatalf("deleted key: %v %v", kr.Outcome, kr.Err)
+	}
+	// Deleted between lookup and load: the load finds it gone.
+	if n, _ := e.Lookup(ctx, ns, keys[1:2]); n != 1 {
+		t.Fatal("key 1 missing")
+	}
+	os.Remove(path(keys[1]))
+	if kr := load(keys[1]); kr.Outcome != OutcomeMissing || !errors.Is(kr.Err, ErrNotFound) {
+		t.Fatalf("deleted after lookup: %v %v", kr.Outcome, kr.Err)
+	}
+	// Replaced by another key's file: a miss, reported.
+	if err := os.Rename(path(keys[3]), path(keys[2])); err != nil {
+		t.Fatal(err)
+	}
+	if n, _ := e.Lookup(ctx, ns, keys[2:3]); n != 0 {
+		t.Fatal("replaced file is a stale hit")
+	}
+	if kr := load(keys[2]); kr.Outcome != OutcomeMissing {
+		t.Fatalf("replaced key: %v %v", kr.Outcome, kr.Err)
+	}
+	// Corrupt payload: a failed load, the entry dropped, the file removed.
+	p4 := path(keys[4])
+	f, err := os.OpenFile(p4, os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.WriteAt([]byte{0xff ^ c.block(2, 1, blocks[4][3])[100]}, 4096+int64(2*2*4+1*4+3)*4096+100)
+	f.Close()
+	kr := load(keys[4])
+	if kr.Outcome != OutcomeFailed || !errors.Is(kr.Err, ErrCorrupt) {
+		t.Fatalf("corrupt payload: %v %v", kr.Outcome, kr.Err)
+	}
+	if n, _ := e.Lookup(ctx, ns, keys[4:5]); n != 0 {
+		t.Fatal("corrupt entry still indexed")
+	}
+	if _, err := os.Stat(p4); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("corrupt file kept: %v", err)
+	}
+	// Corrupt header.
+	p5 := path(keys[5])
+	f, _ = os.OpenFile(p5, os.O_RDWR, 0)
+	f.WriteAt([]byte{0x55}, 40)
+	f.Close()
+	if kr := load(keys[5]); kr.Outcome != OutcomeFailed || !errors.Is(kr.Err, ErrCorrupt) {
+		t.Fatalf("corrupt header: %v %v", kr.Outcome, kr.Err)
+	}
+	// Key 3's file was moved away: a miss too.
+	if n, _ := e.Lookup(ctx, ns, keys[3:4]); n != 0 {
+		t.Fatal("moved file is a stale hit")
+	}
+	if st := e.Stats(); st.Corrupt != 2 || st.Vanished < 3 || st.Entries != 0 {
+		t.Fatalf("stats %+v", st)
+	}
+	// Delete through the API.
+	storeAndCheck(t, e, c, keys[:2], blocks[:2])
+	if n, err := e.Delete(ctx, ns, keys[:2]); n != 2 || err != nil {
+		t.Fatalf("Delete: %d %v", n, err)
+	}
+	if n, _ := e.Lookup(ctx, ns, keys); n != 0 || len(dataFiles(t, dir)) != 1 {
+		t.Fatalf("after delete: lookup %d, files %v", n, dataFiles(t, dir))
+	}
+}
+
+// blockingFS blocks reads of one file until released, to hold a load (and
+// its pin) in flight.
+type blockingFS struct {
+	path    atomic.Value // string
+	reached chan struct{}
+	release chan struct{}
+	once    sync.Once
+}
+
+func (b *blockingFS) Inject(op fsys.Op, path string) fsys.Fault {
+	if p, _ := b.path.Load().(string); op == fsys.OpRead && path == p {
+		b.once.Do(func() { close(b.reached) })
+		<-b.release
+	}
+	return fsys.Fault{}
+}
+
+// TestCapacityPinned fills a small mount while a load holds a pin: the
+// hostile policy offers the pinned entry first, the engine never removes
+// it, evicts others, and fails a store that cannot fit with ErrNoSpace
+// naming the mount, harming nothing stored.
+func TestCapacityPinned(t *testing.T) {
+	dir := t.TempDir()
+	ctx := context.Background()
+	g := smallGeometry(true)
+	fileLen := 4096 + g.KeyBytes()
+	bfs := &blockingFS{reached: make(chan struct{}), release: make(chan struct{})}
+	pol := newTestPolicy(1, abi.OrderLayerMajor)
+	pol.hostile = true
+	e := openEngine(t, Config{
+		Mounts: []Mount{{Path: dir, Capacity: 8 * fileLen, HighWatermark: 0.75, LowWatermark: 0.5}},
+		Policy: pol, FS: &fsys.Faulty{FS: fsys.OS{}, Inj: bfs},
+	})
+	ns, _ := e.Declare(ctx, g)
+	c := newTestCache(t, e, ns, g, 128, layoutPlaneFirst)
+	r := rand.New(rand.NewPCG(9, 9))
+	keys := testKeys("cap", 20)
+	blocks := blockLists(r, 20, 4, 0)
+	for _, b := range blocks {
+		c.fill(r, b)
+	}
+	storeAndCheck(t, e, c, keys[:1], blocks[:1])
+	pinnedData := c.data(blocks[0])
+	_, paths, _, _ := e.names(ctx, e.nss[ns], keys[:1])
+	bfs.path.Store(paths[0])
+	loadJob, err := e.Load(ctx, LoadRequest{Cache: c.id, Keys: keys[:1], Blocks: [][]int{{100, 101, 102, 103}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	<-bfs.reached // the load is reading: key 0 is pinned
+
+	for i := 1; i < 20; i++ {
+		storeAndCheck(t, e, c, keys[i:i+1], blocks[i:i+1])
+		st := e.Stats()
+		if st.Mounts[0].Used > 8*fileLen {
+			t.Fatalf("after key %d: %d bytes used of %d", i, st.Mounts[0].Used, 8*fileLen)
+		}
+	}
+	st := e.Stats()
+	if st.Evictions == 0 || st.Mounts[0].Used > 6*fileLen {
+		t.Fatalf("no eviction: %+v", st)
+	}
+	if _, err := os.Stat(paths[0]); err != nil {
+		t.Fatalf("pinned file evicted: %v", err)
+	}
+	// Latest keys survive (LRU): the last one is loadable.
+	loadAndCompare(t, e, c, keys[19:], [][]int{{110, 111, 112, 113}}, [][]byte{c.data(blocks[19])})
+
+	close(bfs.release)
+	res := waitJob(t, loadJob, nil)
+	wantOutcomes(t, "pinned load", res, OutcomeLoaded)
+	if !bytes.Equal(c.data([]int{100, 101, 102, 103}), pinnedData) {
+		t.Fatal("pinned load differs")
+	}
+
+	// A mount that fits one file, with it pinned: the next store fails
+	// with ErrNoSpace naming the mount; the pinned file stays loadable.
+	dir2 := t.TempDir()
+	bfs2 := &blockingFS{reached: make(chan struct{}), release: make(chan struct{})}
+	e2 := openEngine(t, Config{Mounts: []Mount{{Path: dir2, Capacity: fileLen + fileLen/2}}, Policy: pol, FS: &fsys.Faulty{FS: fsys.OS{}, Inj: bfs2}})
+	ns2, _ := e2.Declare(ctx, g)
+	c2 := newTestCache(t, e2, ns2, g, 128, layoutPlaneFirst)
+	c2.fill(r, blocks[0])
+	c2.fill(r, blocks[1])
+	storeAndCheck(t, e2, c2, keys[:1], blocks[:1])
+	_, paths2, _, _ := e2.names(ctx, e2.nss[ns2], keys[:1])
+	bfs2.path.Store(paths2[0])
+	lj, _ := e2.Load(ctx, LoadRequest{Cache: c2.id, Keys: keys[:1], Blocks: [][]int{{100, 101, 102, 103}}})
+	<-bfs2.reached
+	res = wait(t)(e2.Store(ctx, StoreRequest{Cache: c2.id, Keys: keys[1:2], Blocks: blocks[1:2]}))
+	if k := res.Keys[0]; k.Outcome != OutcomeFailed || !errors.Is(k.Err, ErrNoSpace) || !strings.Contains(k.Err.Error(), dir2) {
+		t.Fatalf("store without space: %v %v", k.Outcome, k.Err)
+	}
+	close(bfs2.release)
+	wantOutcomes(t, "pinned load", waitJob(t, lj, nil), OutcomeLoaded)
+	if l := leftovers(t, dir2); len(l) != 0 {
+		t.Fatalf("leftovers: %v", l)
+	}
+	// Unpinned now: the store evicts it and succeeds.
+	storeAndCheck(t, e2, c2, keys[1:2], blocks[1:2])
+}
+
+// stepInjector counts file operations while armed and fails the at-th.
+type stepInjector struct {
+	armed atomic.Bool
+	at    int64
+	n     atomic.Int64
+	err   error
+	fired atomic.Bool
+}
+
+func (s *stepInjector) Inject(op fsys.Op, _ string) fsys.Fault {
+	if !s.armed.Load() {
+		return fsys.Fault{}
+	}
+	if s.n.Add(1)-1 == s.at {
+		s.fired.Store(true)
+		if s.err == nil {
+			return fsys.Fault{Short: true}
+		}
+		return fsys.Fault{Err: s.err}
+	}
+	return fsys.Fault{}
+}
+
+// TestInjectedFaults steps a failure (ENOSPC, EIO, a short write) through
+// every file operation of a store workload: each failure surfaces as a
+// failed key (ENOSPC as ErrNoSpace), leaves no temporary file, and every
+// block stored before, or reported stored, stays loadable.
+func TestInjectedFaults(t *testing.T) {
+	g := smallGeometry(false) // padding and bounce buffers too
+	ctx := context.Background()
+	for _, fault := range []error{syscall.ENOSPC, syscall.EIO, nil} {
+		name := "short"
+		if fault != nil {
+			name = fault.Error()
+		}
+		t.Run(name, func(t *testing.T) {
+			for at := int64(0); ; at++ {
+				dir := t.TempDir()
+				inj := &stepInjector{at: at, err: fault}
+				e := openEngine(t, Config{Mounts: []Mount{{Path: dir}}, Policy: newTestPolicy(2, abi.OrderLayerMajor), Fsync: true, FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj}})
+				ns, _ := e.Declare(ctx, g)
+				c := newTestCache(t, e, ns, g, 64, layoutPlaneFirst)
+				r := rand.New(rand.NewPCG(uint64(at), 1))
+				keys := testKeys("inj", 6)
+				blocks := blockLists(r, 6, 4, 0)
+				for _, b := range blocks {
+					c.fill(r, b)
+				}
+				storeAndCheck(t, e, c, keys[:2], blocks[:2]) // earlier blocks
+				inj.armed.Store(true)
+				res := wait(t)(e.Store(ctx, StoreRequest{Cache: c.id, Keys: keys[2:], Blocks: blocks[2:]}))
+				inj.armed.Store(false)
+				good := append([]int{0, 1}, nil...)
+				failed := 0
+				for i, k := range res.Keys {
+					switch k.Outcome {
+					case OutcomeStored:
+						good = append(good, 2+i)
+					case OutcomeFailed:
+						failed++
+						if fault == syscall.ENOSPC && !errors.Is(k.Err, ErrNoSpace) {
+							t.Fatalf("at %d: ENOSPC surfaced as %v", at, k.Err)
+						}
+						if fault != nil && !errors.Is(k.Err, fault) {
+							t.Fatalf("at %d: %v does not wrap %v", at, k.Err, fault)
+						}
+					default:
+						t.Fatalf("at %d: key %d: %v", at, i, k.Outcome)
+					}
+				}
+				if fault != nil && inj.fired.Load() && failed == 0 {
+					t.Fatalf("at %d: injected %v, nothing failed", at, fault)
+				}
+				if l := leftovers(t, dir); len(l) != 0 {
+					t.Fatalf("at %d: leftovers %v", at, l)
+				}
+				var gk [][]byte
+				var gi [][]int
+				var gw [][]byte
+				for n, i := range good {
+					gk, gi, gw = append(gk, keys[i]), append(gi, []int{40 + n%6*4, 41 + n%6*4, 42 + n%6*4, 43 + n%6*4}[:4]), append(gw, c.data(blocks[i]))
+				}
+				loadAndCompare(t, e, c, gk, gi, gw)
+				e.Close(ctx)
+				if !inj.fired.Load() {
+					t.Logf("%s: stepped through %d operations", name, at)
+					if at < 10 {
+						t.Fatalf("only %d operations", at)
+					}
+					return
+				}
+			}
+		})
+	}
+}
+
+// TestRealTmpfsFull fills a real 1 MiB tmpfs (root only): the store that
+// does not fit fails with ErrNoSpace wrapping ENOSPC, leaves no temporary
+// file, and every earlier block loads.
+func TestRealTmpfsFull(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root to mount a tmpfs")
+	}
+	dir := t.TempDir()
+	if err := unix.Mount("tmpfs", dir, "tmpfs", 0, "size=1m"); err != nil {
+		t.Skipf("cannot mount a tmpfs here: %v", err)
+	}
+	defer unix.Unmount(dir, unix.MNT_DETACH)
+	ctx := context.Background()
+	g := smallGeometry(true) // 128 KiB keys: seven fit
+	// Capacity far beyond the file system's: the file system says no first.
+	e := openEngine(t, Config{Mounts: []Mount{{Path: dir, Capacity: 1 << 30}}, Policy: newTestPolicy(1, abi.OrderLayerMajor)})
+	ns, _ := e.Declare(ctx, g)
+	c := newTestCache(t, e, ns, g, 128, layoutPlaneFirst)
+	r := rand.New(rand.NewPCG(3, 3))
+	keys := testKeys("full", 12)
+	blocks := blockLists(r, 12, 4, 0)
+	var stored int
+	for i := range keys {
+		c.fill(r, blocks[i])
+		res := wait(t)(e.Store(ctx, StoreRequest{Cache: c.id, Keys: keys[i : i+1], Blocks: blocks[i : i+1]}))
+		if k := res.Keys[0]; k.Outcome != OutcomeStored {
+			if !errors.Is(k.Err, ErrNoSpace) || !errors.Is(k.Err, syscall.ENOSPC) || !strings.Contains(k.Err.Error(), dir) {
+				t.Fatalf("key %d: %v %v", i, k.Outcome, k.Err)
+			}
+			break
+		}
+		stored++
+	}
+	if stored == 0 || stored == len(keys) {
+		t.Fatalf("stored %d of %d keys in 1 MiB", stored, len(keys))
+	}
+	if l := leftovers(t, dir); len(l) != 0 {
+		t.Fatalf("leftovers: %v", l)
+	}
+	into := make([][]int, stored)
+	want := make([][]byte, stored)
+	for i := range into {
+		into[i] = []int{64 + 4*i, 65 + 4*i, 66 + 4*i, 67 + 4*i}
+		want[i] = c.data(blocks[i])
+	}
+	loadAndCompare(t, e, c, keys[:stored], into, want)
+	t.Logf("stored %d keys, then ENOSPC", stored)
+}
+
+// TestCancelAndClose: a cancelled store fails its keys, and Close cancels
+// a store stuck in I/O and leaves no temporary file.
+func TestCancelAndClose(t *testing.T) {
+	dir := t.TempDir()
+	g := smallGeometry(true)
+	bfs := &blockingWrites{reached: make(chan struct{}), release: make(chan struct{})}
+	e := openEngine(t, Config{Mounts: []Mount{{Path: dir}}, Policy: newTestPolicy(1, 0), FS: &fsys.Faulty{FS: fsys.OS{}, Inj: bfs}})
+	ns, _ := e.Declare(context.Background(), g)
+	c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
+	cctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	res := wait(t)(e.Store(cctx, StoreRequest{Cache: c.id, Keys: testKeys("c", 1), Blocks: [][]int{{0, 1, 2, 3}}}))
+	if k := res.Keys[0]; k.Outcome != OutcomeFailed || !errors.Is(k.Err, context.Canceled) {
+		t.Fatalf("cancelled store: %v %v", k.Outcome, k.Err)
+	}
+	bfs.armed.Store(true)
+	j, err := e.Store(context.Background(), StoreRequest{Cache: c.id, Keys: testKeys("d", 1), Blocks: [][]int{{0, 1, 2, 3}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	<-bfs.reached
+	if l := leftovers(t, dir); len(l) != 1 {
+		t.Fatalf("store in flight: temporary files %v", l)
+	}
+	closeCtx, ccancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+	defer ccancel()
+	go func() { <-closeCtx.Done(); close(bfs.release) }()
+	if err := e.Close(closeCtx); !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("Close: %v", err)
+	}
+	res = waitJob(t, j, nil)
+	if k := res.Keys[0]; k.Outcome != OutcomeFailed || !errors.Is(k.Err, context.Canceled) {
+		t.Fatalf("store cancelled by Close: %v %v", k.Outcome, k.Err)
+	}
+	if l := leftovers(t, dir); len(l) != 0 || len(dataFiles(t, dir)) != 0 {
+		t.Fatalf("after Close: leftovers %v, files %v", l, dataFiles(t, dir))
+	}
+	if _, err := e.Store(context.Background(), StoreRequest{Cache: c.id}); !errors.Is(err, ErrClosed) {
+		t.Fatalf("store after Close: %v", err)
+	}
+}
+
+type blockingWrites struct {
+	armed   atomic.Bool
+	reached chan struct{}
+	release chan struct{}
+	once    sync.Once
+}
+
+func (b *blockingWrites) Inject(op fsys.Op, _ string) fsys.Fault {
+	if op == fsys.OpWrite && b.armed.Load() {
+		b.once.Do(func() { close(b.reached) })
+		<-b.release
+	}
+	return fsys.Fault{}
+}

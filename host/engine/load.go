@@ -1,0 +1,218 @@
+package engine
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"sync"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/format"
+	"github.com/kvhost/kvhost/staging"
+)
+
+// Load loads keys into cache blocks, asynchronously. The request is
+// validated at once; the returned Job reports, per key, loaded, missing or
+// failed. Files are pinned (never evicted) while the job reads them, every
+// header is checked against the namespace and key, and payload checksums are
+// verified: a corrupt file is a failed key and is dropped.
+func (e *Engine) Load(ctx context.Context, req LoadRequest) (*Job, error) {
+	c, err := e.request(req.Cache, req.Keys, req.Blocks)
+	if err != nil {
+		return nil, err
+	}
+	keys, blocks := cloneRequest(req.Keys, req.Blocks)
+	j, jctx, err := e.newJob(ctx, "load", len(keys))
+	if err != nil {
+		return nil, err
+	}
+	go e.runLoad(jctx, j, c, keys, blocks)
+	return j, nil
+}
+
+func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, blocks [][]int) {
+	defer e.finish(j)
+	ns := c.ns
+	set := func(i int, o Outcome, err error) { j.res.Keys[i] = KeyResult{Outcome: o, Err: err} }
+
+	// Find and pin the file of every key; one read task per file.
+	byEntry := map[*entry][]int{}
+	var order []*entry
+	var pins []abi.AccessRecord
+	for i, k := range keys {
+		en := e.find(ns, k)
+		if en == nil {
+			en = e.discover(ctx, ns, k)
+		}
+		pinned := false
+		if en != nil {
+			e.mu.Lock()
+			if !en.gone {
+				en.pins++
+				pinned = true
+				pins = append(pins, en.access(abi.AccessPin, e.now().UnixNano()))
+			}
+			e.mu.Unlock()
+		}
+		if !pinned {
+			e.st.misses.Add(1)
+			set(i, OutcomeMissing, fmt.Errorf("%w: key %x", ErrNotFound, k))
+			continue
+		}
+		if _, ok := byEntry[en]; !ok {
+			order = append(order, en)
+		}
+		byEntry[en] = append(byEntry[en], i)
+	}
+	e.access(ctx, pins)
+
+	var wg sync.WaitGroup
+	for _, en := range order {
+		idx := byEntry[en]
+		wg.Add(1)
+		err := e.pool.Submit(ctx, func(w *staging.Worker) {
+			defer wg.Done()
+			e.loadFile(ctx, w, j, c, keys, blocks, en, idx)
+		})
+		if err != nil {
+			wg.Done()
+			for _, i := range idx {
+				set(i, OutcomeFailed, err)
+			}
+		}
+	}
+	wg.Wait()
+
+	// Unpin; loaded entries count as hits.
+	var recs []abi.AccessRecord
+	e.mu.Lock()
+	now := e.now().UnixNano()
+	for _, en := range order {
+		en.pins--
+		loaded := false
+		for _, i := range byEntry[en] {
+			loaded = loaded || j.res.Keys[i].Outcome == OutcomeLoaded
+		}
+		if en.gone {
+			continue
+		}
+		if loaded {
+			en.hits++
+			en.last = now
+			recs = append(recs, en.access(abi.AccessHit, now))
+		}
+		recs = append(recs, en.access(abi.AccessUnpin, now))
+	}
+	e.mu.Unlock()
+	e.access(ctx, recs)
+}
+
+// loadFile reads the keys idx (request indices) from en's file into their
+// blocks and verifies them.
+func (e *Engine) loadFile(ctx context.Context, w *staging.Worker, j *Job, c *cache, keys [][]byte, blocks [][]int, en *entry, idx []int) {
+	set := func(i int, o Outcome, err error) { j.res.Keys[i] = KeyResult{Outcome: o, Err: err} }
+	all := func(o Outcome, err error) {
+		for _, i := range idx {
+			set(i, o, err)
+		}
+		if o == OutcomeMissing {
+			e.st.misses.Add(uint64(len(idx)))
+		}
+	}
+	if err := ctx.Err(); err != nil {
+		all(OutcomeFailed, err)
+		return
+	}
+	m := e.mounts[en.mount]
+	flag := os.O_RDONLY
+	if m.direct {
+		flag |= unix.O_DIRECT
+	}
+	f, err := e.fs.OpenFile(en.path, flag, 0)
+	if err != nil {
+		if errors.Is(err, os.ErrNotExist) {
+			e.st.vanished.Add(1)
+			e.drop(ctx, en, false, "vanished")
+			all(OutcomeMissing, fmt.Errorf("%w: %s vanished", ErrNotFound, en.path))
+			return
+		}
+		all(OutcomeFailed, fmt.Errorf("engine: load %s: %w", en.path, err))
+		return
+	}
+	defer f.Close()
+	corrupt := func(err error) {
+		e.st.corrupt.Add(1)
+		e.log.Warn("engine: corrupt file dropped", "path", en.path, "err", err)
+		e.drop(ctx, en, true, "corrupt")
+	}
+	h, err := readHeader(f)
+	if err != nil {
+		corrupt(err)
+		all(OutcomeFailed, fmt.Errorf("engine: load %s: %w", en.path, err))
+		return
+	}
+	g := c.ns.geo
+	if h.Fingerprint != c.ns.fp || h.Layers != uint32(g.Layers) || h.Planes != uint32(g.Planes()) ||
+		h.BlocksPerKey != uint32(g.BlocksPerKey()) || h.BlockBytes != uint64(g.BlockBytes()) {
+		// Replaced by a file of another geometry: not ours to judge.
+		e.st.vanished.Add(1)
+		e.drop(ctx, en, false, "replaced by another geometry")
+		all(OutcomeMissing, fmt.Errorf("%w: %s: %w", ErrMismatch, en.path, format.ErrFingerprint))
+		return
+	}
+	want := make([]bool, len(h.Keys))
+	dst := make([]int, len(h.Keys)) // file key -> request index
+	var read []int
+	for _, i := range idx {
+		k, err := h.Match(c.ns.fp, keys[i])
+		if err != nil {
+			e.st.misses.Add(1)
+			set(i, OutcomeMissing, fmt.Errorf("%w: %s: %w", ErrMismatch, en.path, err))
+			continue
+		}
+		want[k], dst[k] = true, i
+		read = append(read, k)
+	}
+	if len(read) == 0 {
+		e.drop(ctx, en, false, "replaced by a file of other keys")
+		return
+	}
+	hl := int64(h.Len())
+	spans := make([]staging.Span, 0, len(read)*int(h.Layers*h.Planes*h.BlocksPerKey))
+	h.Walk(want, func(k, b, l, p int, off int64) {
+		spans = append(spans, staging.Span{Off: hl + off, Buf: c.block(l, p, blocks[dst[k]][b]), Sum: k})
+	})
+	check := h.Flags&format.FlagPayloadSums != 0 && !e.cfg.NoChecksum
+	var sums []uint32
+	if check {
+		sums = make([]uint32, len(h.Keys))
+	}
+	if _, err := w.Read(ctx, f, spans, staging.Options{Direct: m.direct, Sums: sums, Overlap: m.direct && !m.memory}); err != nil {
+		if errors.Is(err, staging.ErrShortFile) {
+			corrupt(err)
+		}
+		for _, k := range read {
+			set(dst[k], OutcomeFailed, fmt.Errorf("engine: load %s: %w", en.path, err))
+		}
+		return
+	}
+	bad := false
+	for _, k := range read {
+		if check && sums[k] != h.Keys[k].Sum {
+			bad = true
+			set(dst[k], OutcomeFailed, fmt.Errorf("%w: %s: key %d: payload checksum 0x%08x, want 0x%08x", ErrCorrupt, en.path, k, sums[k], h.Keys[k].Sum))
+			continue
+		}
+		set(dst[k], OutcomeLoaded, nil)
+		e.st.hits.Add(1)
+		e.st.loads.Add(1)
+		e.st.read.Add(uint64(h.KeyBytes()))
+		j.bytes.Add(h.KeyBytes())
+	}
+	if bad {
+		corrupt(fmt.Errorf("%w: payload checksum", format.ErrCorrupt))
+	}
+}

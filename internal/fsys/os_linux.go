@@ -1,0 +1,164 @@
+//go:build linux
+
+package fsys
+
+import (
+	"io"
+	"io/fs"
+	"os"
+
+	"golang.org/x/sys/unix"
+)
+
+// OS is the operating system's file system.
+type OS struct{}
+
+var _ FS = OS{}
+
+// OpenFile implements FS with open(2); the descriptor is close-on-exec.
+func (OS) OpenFile(name string, flag int, perm os.FileMode) (File, error) {
+	fd, err := unix.Open(name, flag|unix.O_CLOEXEC, uint32(perm.Perm()))
+	if err != nil {
+		return nil, &os.PathError{Op: "open", Path: name, Err: err}
+	}
+	return &osFile{fd: fd, name: name}, nil
+}
+
+// Rename implements FS.
+func (OS) Rename(oldpath, newpath string) error { return os.Rename(oldpath, newpath) }
+
+// Remove implements FS.
+func (OS) Remove(name string) error { return os.Remove(name) }
+
+// MkdirAll implements FS.
+func (OS) MkdirAll(path string, perm os.FileMode) error { return os.MkdirAll(path, perm) }
+
+// ReadDir implements FS.
+func (OS) ReadDir(name string) ([]fs.DirEntry, error) { return os.ReadDir(name) }
+
+// Stat implements FS.
+func (OS) Stat(name string) (os.FileInfo, error) { return os.Stat(name) }
+
+// Statfs implements FS.
+func (OS) Statfs(path string) (StatFS, error) {
+	var st unix.Statfs_t
+	if err := unix.Statfs(path, &st); err != nil {
+		return StatFS{}, &os.PathError{Op: "statfs", Path: path, Err: err}
+	}
+	bs := int64(st.Bsize)
+	return StatFS{
+		Type:      int64(st.Type),
+		BlockSize: bs,
+		Total:     int64(st.Blocks) * bs,
+		Free:      int64(st.Bfree) * bs,
+		Avail:     int64(st.Bavail) * bs,
+	}, nil
+}
+
+// SyncDir implements FS.
+func (OS) SyncDir(path string) error {
+	fd, err := unix.Open(path, unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return &os.PathError{Op: "open", Path: path, Err: err}
+	}
+	err = unix.Fsync(fd)
+	unix.Close(fd)
+	if err != nil {
+		return &os.PathError{Op: "fsync", Path: path, Err: err}
+	}
+	return nil
+}
+
+type osFile struct {
+	fd   int
+	name string
+}
+
+func (f *osFile) wrap(op string, err error) error {
+	if err == nil {
+		return nil
+	}
+	return &os.PathError{Op: op, Path: f.name, Err: err}
+}
+
+func (f *osFile) ReadAt(p []byte, off int64) (int, error) {
+	total := 0
+	for total < len(p) {
+		n, err := unix.Pread(f.fd, p[total:], off+int64(total))
+		if err == unix.EINTR {
+			continue
+		}
+		if err != nil {
+			return total, f.wrap("pread", err)
+		}
+		if n == 0 {
+			return total, io.EOF
+		}
+		total += n
+	}
+	return total, nil
+}
+
+func (f *osFile) WriteAt(p []byte, off int64) (int, error) {
+	total := 0
+	for total < len(p) {
+		n, err := unix.Pwrite(f.fd, p[total:], off+int64(total))
+		if err == unix.EINTR {
+			continue
+		}
+		if err != nil {
+			return total, f.wrap("pwrite", err)
+		}
+		if n == 0 {
+			return total, f.wrap("pwrite", io.ErrShortWrite)
+		}
+		total += n
+	}
+	return total, nil
+}
+
+func (f *osFile) WritevAt(bufs [][]byte, off int64) (int, error) {
+	for {
+		n, err := unix.Pwritev(f.fd, bufs, off)
+		if err == unix.EINTR {
+			continue
+		}
+		return n, f.wrap("pwritev", err)
+	}
+}
+
+func (f *osFile) ReadvAt(bufs [][]byte, off int64) (int, error) {
+	for {
+		n, err := unix.Preadv(f.fd, bufs, off)
+		if err == unix.EINTR {
+			continue
+		}
+		return n, f.wrap("preadv", err)
+	}
+}
+
+func (f *osFile) Allocate(size int64) error {
+	for {
+		err := unix.Fallocate(f.fd, 0, 0, size)
+		switch err {
+		case unix.EINTR:
+			continue
+		case unix.EOPNOTSUPP, unix.ENOSYS:
+			return nil
+		}
+		return f.wrap("fallocate", err)
+	}
+}
+
+func (f *osFile) Sync() error { return f.wrap("fsync", unix.Fsync(f.fd)) }
+
+func (f *osFile) Close() error {
+	if f.fd < 0 {
+		return f.wrap("close", os.ErrClosed)
+	}
+	err := unix.Close(f.fd)
+	f.fd = -1
+	return f.wrap("close", err)
+}
+
+func (f *osFile) Fd() uintptr { return uintptr(f.fd) }

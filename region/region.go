@@ -1,0 +1,95 @@
+// Package region describes memory regions that KV-cache blocks live in and
+// segments of them.
+//
+// A Region is host memory (Host, backed by a memfd so that another process
+// can map the same pages) or, in a later backend, device memory that the CPU
+// cannot address. Host-addressable regions implement Addressable.
+package region
+
+import (
+	"errors"
+	"fmt"
+)
+
+// Errors of the package.
+var (
+	// ErrBounds: a segment does not lie inside its region.
+	ErrBounds = errors.New("region: segment out of bounds")
+	// ErrNotAddressable: the region's bytes cannot be read by the CPU.
+	ErrNotAddressable = errors.New("region: not host-addressable")
+	// ErrClosed: the region was closed.
+	ErrClosed = errors.New("region: closed")
+)
+
+// Kind says where a region's memory lives.
+type Kind uint8
+
+// Kinds of region.
+const (
+	KindHost   Kind = 1 // host memory the CPU can address
+	KindDevice Kind = 2 // GPU memory
+)
+
+// String names the kind.
+func (k Kind) String() string {
+	switch k {
+	case KindHost:
+		return "host"
+	case KindDevice:
+		return "device"
+	}
+	return fmt.Sprintf("kind(%d)", uint8(k))
+}
+
+// Region is a contiguous range of memory.
+type Region interface {
+	// ID identifies the region; for a memfd region it is the memfd's inode
+	// number, the same in every process that maps it.
+	ID() uint64
+	// Len is the region's size in bytes.
+	Len() int64
+	// Kind says where the memory lives.
+	Kind() Kind
+}
+
+// Addressable is a Region whose bytes the CPU can read and write.
+type Addressable interface {
+	Region
+	// Bytes returns the whole region. It is valid until the region is closed.
+	Bytes() []byte
+}
+
+// Segment is Length bytes at Offset in Region.
+type Segment struct {
+	Region Region
+	Offset int64
+	Length int64
+}
+
+// Check reports whether the segment lies inside its region.
+func (s Segment) Check() error {
+	if s.Region == nil {
+		return fmt.Errorf("%w: nil region", ErrBounds)
+	}
+	if s.Offset < 0 || s.Length < 0 || s.Offset > s.Region.Len() || s.Length > s.Region.Len()-s.Offset {
+		return fmt.Errorf("%w: [%d, +%d) in region %d of %d bytes", ErrBounds, s.Offset, s.Length, s.Region.ID(), s.Region.Len())
+	}
+	return nil
+}
+
+// Bytes returns the segment's bytes, if its region is addressable and the
+// segment lies inside it.
+func (s Segment) Bytes() ([]byte, error) {
+	if err := s.Check(); err != nil {
+		return nil, err
+	}
+	a, ok := s.Region.(Addressable)
+	if !ok {
+		return nil, fmt.Errorf("%w: %s region %d", ErrNotAddressable, s.Region.Kind(), s.Region.ID())
+	}
+	b := a.Bytes()
+	if b == nil {
+		return nil, ErrClosed
+	}
+	return b[s.Offset : s.Offset+s.Length : s.Offset+s.Length], nil
+}

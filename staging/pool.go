@@ -1,0 +1,204 @@
+// Package staging is kvhost's CPU data path: a fixed pool of I/O workers
+// (optionally pinned to CPUs), a bounded pool of 4 KiB-aligned bounce
+// buffers, and gather/scatter of many small memory spans into large file I/O.
+//
+// Spans go to the file straight from their memory with pwritev/preadv when
+// the file is opened buffered, or with O_DIRECT when every span is aligned;
+// otherwise they are copied through bounce buffers, with the copy of one
+// chunk overlapping the I/O of the previous one. CRC-32C checksums are
+// computed on the way.
+package staging
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"runtime"
+	"sync"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// Errors of the package.
+var (
+	// ErrClosed: the pool is closed.
+	ErrClosed = errors.New("staging: closed")
+	// ErrUnaligned: a direct write whose file range is not 4 KiB-aligned.
+	ErrUnaligned = errors.New("staging: unaligned direct I/O")
+	// ErrShortFile: a read reached the end of the file early.
+	ErrShortFile = errors.New("staging: file shorter than expected")
+)
+
+// Align is the alignment of bounce buffers and of direct I/O.
+const Align = 4096
+
+// Config configures a Pool.
+type Config struct {
+	// Workers is the number of I/O workers (default GOMAXPROCS, at least 2).
+	Workers int
+	// CPUs, if set, pins worker i to CPUs[i%len(CPUs)].
+	CPUs []int
+	// BufferSize is the size of a bounce buffer (default 4 MiB, rounded up to Align).
+	BufferSize int
+	// Buffers bounds the number of bounce buffers (default 2 per worker).
+	Buffers int
+	// QueueLen is the number of tasks that may wait for a worker (default 4 per worker).
+	QueueLen int
+}
+
+// Pool is a fixed set of I/O workers and a bounded set of bounce buffers.
+type Pool struct {
+	cfg   Config
+	tasks chan func(*Worker)
+	bufs  *Buffers
+	wg    sync.WaitGroup
+
+	mu     sync.RWMutex
+	closed bool
+}
+
+// New starts the workers. It fails if a worker cannot be pinned.
+func New(cfg Config) (*Pool, error) {
+	if cfg.Workers <= 0 {
+		cfg.Workers = max(2, runtime.GOMAXPROCS(0))
+	}
+	if cfg.BufferSize <= 0 {
+		cfg.BufferSize = 4 << 20
+	}
+	cfg.BufferSize = (cfg.BufferSize + Align - 1) / Align * Align
+	if cfg.Buffers <= 0 {
+		cfg.Buffers = 2 * cfg.Workers
+	}
+	if cfg.Buffers < 2 {
+		cfg.Buffers = 2 // one chunk in copy, one in I/O
+	}
+	if cfg.QueueLen <= 0 {
+		cfg.QueueLen = 4 * cfg.Workers
+	}
+	p := &Pool{
+		cfg:   cfg,
+		tasks: make(chan func(*Worker), cfg.QueueLen),
+		bufs:  NewBuffers(cfg.BufferSize, cfg.Buffers),
+	}
+	errs := make(chan error, cfg.Workers)
+	for i := range cfg.Workers {
+		p.wg.Add(1)
+		go p.run(i, errs)
+	}
+	var err error
+	for range cfg.Workers {
+		err = errors.Join(err, <-errs)
+	}
+	if err != nil {
+		p.Close()
+		return nil, err
+	}
+	return p, nil
+}
+
+func (p *Pool) run(i int, started chan<- error) {
+	defer p.wg.Done()
+	w := &Worker{ID: i, pool: p}
+	if len(p.cfg.CPUs) > 0 {
+		runtime.LockOSThread()
+		defer runtime.UnlockOSThread()
+		cpu := p.cfg.CPUs[i%len(p.cfg.CPUs)]
+		var set unix.CPUSet
+		set.Set(cpu)
+		if err := unix.SchedSetaffinity(0, &set); err != nil {
+			started <- fmt.Errorf("staging: pin worker %d to CPU %d: %w", i, cpu, err)
+			return
+		}
+		w.CPU = cpu
+	} else {
+		w.CPU = -1
+	}
+	started <- nil
+	for fn := range p.tasks {
+		fn(w)
+	}
+}
+
+// Workers returns the number of workers.
+func (p *Pool) Workers() int { return p.cfg.Workers }
+
+// Buffers returns the pool's bounce buffers.
+func (p *Pool) Buffers() *Buffers { return p.bufs }
+
+// Submit queues fn to run on a worker, waiting while the queue is full. It
+// returns ctx's error if ctx ends first, or ErrClosed.
+func (p *Pool) Submit(ctx context.Context, fn func(*Worker)) error {
+	p.mu.RLock()
+	defer p.mu.RUnlock()
+	if p.closed {
+		return ErrClosed
+	}
+	select {
+	case p.tasks <- fn:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// Close runs the queued tasks, stops the workers and waits for them.
+func (p *Pool) Close() {
+	p.mu.Lock()
+	if !p.closed {
+		p.closed = true
+		close(p.tasks)
+	}
+	p.mu.Unlock()
+	p.wg.Wait()
+}
+
+// Buffers is a bounded pool of Align-aligned buffers of one size.
+type Buffers struct {
+	size int
+	sem  chan struct{} // one token per buffer that may exist
+	free chan []byte
+}
+
+// NewBuffers returns a pool of at most n buffers of size bytes, allocated
+// on first use.
+func NewBuffers(size, n int) *Buffers {
+	return &Buffers{size: size, sem: make(chan struct{}, n), free: make(chan []byte, n)}
+}
+
+// Size is the size of every buffer.
+func (b *Buffers) Size() int { return b.size }
+
+// Get returns a buffer, waiting while all are in use.
+func (b *Buffers) Get(ctx context.Context) ([]byte, error) {
+	select {
+	case buf := <-b.free:
+		return buf, nil
+	default:
+	}
+	select {
+	case buf := <-b.free:
+		return buf, nil
+	case b.sem <- struct{}{}:
+		return AlignedBuffer(b.size), nil
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+}
+
+// Put returns a buffer obtained from Get.
+func (b *Buffers) Put(buf []byte) { b.free <- buf[:b.size] }
+
+// AlignedBuffer returns n zeroed bytes whose address is Align-aligned.
+func AlignedBuffer(n int) []byte {
+	raw := make([]byte, n+Align)
+	off := 0
+	if r := int(uintptr(unsafe.Pointer(unsafe.SliceData(raw))) % Align); r != 0 {
+		off = Align - r
+	}
+	return raw[off : off+n : off+n]
+}
+
+func aligned(b []byte) bool {
+	return len(b)%Align == 0 && (len(b) == 0 || uintptr(unsafe.Pointer(unsafe.SliceData(b)))%Align == 0)
+}
