@@ -1,0 +1,538 @@
+// Package client is the Go client of the kvhost daemon: it dials the
+// daemon's Unix socket, registers memory, declares namespaces, registers
+// paged caches, and runs lookups and asynchronous store and load jobs over
+// the protocol of package protocol (docs/protocol.md).
+//
+// A Client is safe for concurrent use: requests from many goroutines are
+// pipelined on one connection, and one reader goroutine hands each reply to
+// its caller by request id and each job completion to its Job.
+package client
+
+import (
+	"bufio"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/kvhost/kvhost/protocol"
+	"github.com/kvhost/kvhost/region"
+)
+
+// Errors of the package; errors from the daemon are *protocol.Error values.
+var (
+	// ErrClosed: the client was closed or its connection was lost.
+	ErrClosed = errors.New("client: connection closed")
+	// ErrInvalid: an argument cannot be sent (checked before sending).
+	ErrInvalid = errors.New("client: invalid argument")
+)
+
+// Types shared with the protocol.
+type (
+	// Geometry is a model's KV-cache shape at one tensor-parallel rank.
+	Geometry = protocol.Geometry
+	// Layer is one layer's tensor of a paged cache in a registered region.
+	Layer = protocol.Layer
+	// Outcome is what happened to one key of a job.
+	Outcome = protocol.Outcome
+	// Stats are the daemon's counters.
+	Stats = protocol.Stats
+	// Limits are the daemon's per-connection limits, from the handshake.
+	Limits = protocol.Welcome
+)
+
+// RegionID, NamespaceID and CacheID are this connection's ids for what it
+// registered; they mean nothing on another connection.
+type (
+	RegionID    uint32
+	NamespaceID uint32
+	CacheID     uint32
+)
+
+// Namespace is a declared geometry.
+type Namespace struct {
+	ID           NamespaceID
+	BlocksPerKey int
+	Fingerprint  uint64
+	KeyBytes     int64
+}
+
+// Client is a connection to a kvhost daemon.
+type Client struct {
+	conn   *net.UnixConn
+	limits protocol.Welcome
+	nextID atomic.Uint64
+
+	wmu  sync.Mutex // serializes writes
+	wbuf []byte
+
+	mu      sync.Mutex
+	pending map[uint64]chan reply
+	jobs    map[uint64]*Job
+	err     error // set once the connection is lost
+	done    chan struct{}
+	closing atomic.Bool
+}
+
+type reply struct {
+	msg protocol.Message
+	job *Job // the Job a Store or Load reply started
+	err error
+}
+
+// Dial connects to the daemon's socket at path and performs the handshake.
+// name identifies the client in the daemon's logs.
+func Dial(ctx context.Context, path, name string) (*Client, error) {
+	var d net.Dialer
+	nc, err := d.DialContext(ctx, "unix", path)
+	if err != nil {
+		return nil, fmt.Errorf("client: dial %s: %w", path, err)
+	}
+	c := &Client{
+		conn:    nc.(*net.UnixConn),
+		pending: make(map[uint64]chan reply),
+		jobs:    make(map[uint64]*Job),
+		done:    make(chan struct{}),
+	}
+	c.limits.MaxFrame = protocol.MinFrame
+	go c.readLoop()
+	m, err := c.call(ctx, &protocol.Hello{Version: protocol.Version, Client: name}, nil)
+	if err != nil {
+		c.Close()
+		return nil, fmt.Errorf("client: handshake: %w", err)
+	}
+	w, ok := m.(*protocol.Welcome)
+	if !ok || w.Version != protocol.Version {
+		c.Close()
+		return nil, fmt.Errorf("client: handshake: daemon answered %T version %v", m, w)
+	}
+	c.mu.Lock()
+	c.limits = *w
+	c.mu.Unlock()
+	return c, nil
+}
+
+// Limits returns the daemon's limits announced in the handshake.
+func (c *Client) Limits() Limits {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.limits
+}
+
+// Close closes the connection. The daemon cancels the client's unfinished
+// jobs and releases its registrations; Jobs not yet complete fail with
+// ErrClosed.
+func (c *Client) Close() error {
+	if c.closing.Swap(true) {
+		<-c.done
+		return nil
+	}
+	err := c.conn.Close()
+	<-c.done
+	if errors.Is(err, net.ErrClosed) {
+		err = nil // the daemon had already closed it
+	}
+	return err
+}
+
+// readLoop reads every frame and delivers it until the connection ends.
+func (c *Client) readLoop() {
+	defer close(c.done)
+	r := bufio.NewReaderSize(c.conn, 64<<10)
+	var hdr [protocol.HeaderSize]byte
+	var err error
+	for {
+		if _, err = io.ReadFull(r, hdr[:]); err != nil {
+			break
+		}
+		var h protocol.Header
+		if h, err = protocol.ParseHeader(hdr[:], int(c.Limits().MaxFrame)); err != nil {
+			break
+		}
+		body := make([]byte, h.Len)
+		if _, err = io.ReadFull(r, body); err != nil {
+			break
+		}
+		var m protocol.Message
+		if m, err = protocol.Decode(h.Type, body); err != nil {
+			break
+		}
+		if err = c.deliver(h, m); err != nil {
+			break
+		}
+	}
+	if c.closing.Load() || errors.Is(err, io.EOF) {
+		err = ErrClosed
+	} else {
+		err = fmt.Errorf("%w: %w", ErrClosed, err)
+	}
+	c.conn.Close()
+	c.mu.Lock()
+	c.err = err
+	pending, jobs := c.pending, c.jobs
+	c.pending, c.jobs = nil, nil
+	c.mu.Unlock()
+	for _, ch := range pending {
+		ch <- reply{err: err}
+	}
+	for _, j := range jobs {
+		j.finish(Result{}, err)
+	}
+}
+
+// deliver hands a frame to its waiter. A Store or Load reply registers its
+// Job here, before the next frame (possibly its completion) is read.
+func (c *Client) deliver(h protocol.Header, m protocol.Message) error {
+	if cm, ok := m.(*protocol.Completion); ok {
+		c.mu.Lock()
+		j := c.jobs[cm.Job]
+		delete(c.jobs, cm.Job)
+		c.mu.Unlock()
+		if j == nil {
+			return fmt.Errorf("completion of unknown job %d", cm.Job)
+		}
+		j.finish(resultOf(cm), nil)
+		return nil
+	}
+	if e, isErr := m.(*protocol.Error); isErr && h.ID == 0 {
+		return e // the daemon refused the connection (limit, shutdown)
+	}
+	var j *Job
+	c.mu.Lock()
+	ch, ok := c.pending[h.ID]
+	delete(c.pending, h.ID)
+	if ja, isJob := m.(*protocol.JobAccepted); isJob {
+		j = newJob(c, ja.Job)
+		c.jobs[ja.Job] = j
+	}
+	c.mu.Unlock()
+	if !ok {
+		return fmt.Errorf("reply to unknown request %d", h.ID)
+	}
+	ch <- reply{msg: m, job: j}
+	return nil
+}
+
+// call sends m (with fds as SCM_RIGHTS, if any) and waits for its reply.
+// An Error reply is returned as a *protocol.Error.
+func (c *Client) call(ctx context.Context, m protocol.Message, fds []int) (protocol.Message, error) {
+	r, err := c.roundTrip(ctx, m, fds)
+	return r.msg, err
+}
+
+// roundTrip is call that also returns the Job of a Store or Load reply.
+func (c *Client) roundTrip(ctx context.Context, m protocol.Message, fds []int) (reply, error) {
+	id := c.nextID.Add(1)
+	ch := make(chan reply, 1)
+	c.mu.Lock()
+	if c.err != nil {
+		err := c.err
+		c.mu.Unlock()
+		return reply{}, err
+	}
+	c.pending[id] = ch
+	maxFrame := int(c.limits.MaxFrame)
+	c.mu.Unlock()
+
+	c.wmu.Lock()
+	c.wbuf = protocol.AppendFrame(c.wbuf[:0], id, m)
+	var err error
+	if len(c.wbuf) > maxFrame {
+		err = fmt.Errorf("%w: %s frame of %d bytes exceeds the daemon's limit of %d", ErrInvalid, m.Type(), len(c.wbuf), maxFrame)
+	} else if len(fds) > 0 {
+		var n int
+		n, _, err = c.conn.WriteMsgUnix(c.wbuf, unix.UnixRights(fds...), nil)
+		if err == nil && n < len(c.wbuf) {
+			_, err = c.conn.Write(c.wbuf[n:])
+		}
+	} else {
+		_, err = c.conn.Write(c.wbuf)
+	}
+	if cap(c.wbuf) > 1<<20 {
+		c.wbuf = nil
+	}
+	c.wmu.Unlock()
+	if err != nil {
+		c.mu.Lock()
+		delete(c.pending, id)
+		c.mu.Unlock()
+		if errors.Is(err, ErrInvalid) {
+			return reply{}, err
+		}
+		return reply{}, fmt.Errorf("%w: send: %w", ErrClosed, err)
+	}
+	select {
+	case r := <-ch:
+		if r.err != nil {
+			return reply{}, r.err
+		}
+		if e, ok := r.msg.(*protocol.Error); ok {
+			return reply{}, e
+		}
+		if r.msg.Type() != m.Type()|protocol.TypeReply {
+			return reply{}, fmt.Errorf("%w: %s answered with %s", ErrClosed, m.Type(), r.msg.Type())
+		}
+		return r, nil
+	case <-ctx.Done():
+		// The reply will arrive and be dropped by deliver (channel is
+		// buffered); a Store or Load still registers its Job, which the
+		// caller no longer sees; its completion is discarded.
+		return reply{}, ctx.Err()
+	}
+}
+
+// RegisterMemfd registers a host region backed by a memfd (a *region.Host
+// or anything with an Fd method). See RegisterFd.
+func (c *Client) RegisterMemfd(ctx context.Context, r region.Region) (RegionID, error) {
+	f, ok := r.(interface{ Fd() int })
+	if !ok || r.Kind() != region.KindHost {
+		return 0, fmt.Errorf("%w: region %d (%s) has no memfd", ErrInvalid, r.ID(), r.Kind())
+	}
+	return c.RegisterFd(ctx, f.Fd(), r.Len())
+}
+
+// RegisterFd registers size bytes of the memfd fd. The daemon maps it and
+// requires the F_SEAL_SHRINK seal (so that the client cannot truncate pages
+// the daemon is copying); RegisterFd adds the seal if the memfd allows
+// sealing and returns an error otherwise (create it with
+// MFD_ALLOW_SEALING; NewMemfd does).
+func (c *Client) RegisterFd(ctx context.Context, fd int, size int64) (RegionID, error) {
+	if size <= 0 {
+		return 0, fmt.Errorf("%w: size %d", ErrInvalid, size)
+	}
+	if err := SealShrink(fd); err != nil {
+		return 0, err
+	}
+	m, err := c.call(ctx, &protocol.RegisterMemory{Kind: protocol.MemoryMemfd, Size: uint64(size)}, []int{fd})
+	if err != nil {
+		return 0, err
+	}
+	return RegionID(m.(*protocol.MemoryRegistered).Region), nil
+}
+
+// RegisterCUDA registers GPU memory by CUDA IPC handle. Daemons without
+// GPU support answer with protocol.CodeUnsupported.
+func (c *Client) RegisterCUDA(ctx context.Context, device int, handle [protocol.CUDAIPCHandleLen]byte, offset, size int64) (RegionID, error) {
+	if size <= 0 || offset < 0 || device < 0 {
+		return 0, fmt.Errorf("%w: device %d offset %d size %d", ErrInvalid, device, offset, size)
+	}
+	m, err := c.call(ctx, &protocol.RegisterMemory{Kind: protocol.MemoryCUDAIPC, Device: uint32(device), Size: uint64(size), Offset: uint64(offset), Handle: handle}, nil)
+	if err != nil {
+		return 0, err
+	}
+	return RegionID(m.(*protocol.MemoryRegistered).Region), nil
+}
+
+// UnregisterMemory releases a region that no registered cache uses.
+func (c *Client) UnregisterMemory(ctx context.Context, id RegionID) error {
+	_, err := c.call(ctx, &protocol.UnregisterMemory{Region: uint32(id)}, nil)
+	return err
+}
+
+// Declare declares a namespace for g.
+func (c *Client) Declare(ctx context.Context, g Geometry) (Namespace, error) {
+	if len(g.Model) == 0 || len(g.Model) > protocol.MaxModelLen {
+		return Namespace{}, fmt.Errorf("%w: model id of %d bytes", ErrInvalid, len(g.Model))
+	}
+	m, err := c.call(ctx, &protocol.Declare{Geometry: g}, nil)
+	if err != nil {
+		return Namespace{}, err
+	}
+	d := m.(*protocol.Declared)
+	return Namespace{ID: NamespaceID(d.NS), BlocksPerKey: int(d.BlocksPerKey), Fingerprint: d.Fingerprint, KeyBytes: int64(d.KeyBytes)}, nil
+}
+
+// RegisterCache registers the paged cache of namespace ns: one tensor per
+// layer in regions registered on this connection.
+func (c *Client) RegisterCache(ctx context.Context, ns NamespaceID, layers []Layer) (CacheID, error) {
+	if len(layers) == 0 || len(layers) > protocol.MaxLayers {
+		return 0, fmt.Errorf("%w: %d layers", ErrInvalid, len(layers))
+	}
+	m, err := c.call(ctx, &protocol.RegisterCache{NS: uint32(ns), Layers: layers}, nil)
+	if err != nil {
+		return 0, err
+	}
+	return CacheID(m.(*protocol.CacheRegistered).Cache), nil
+}
+
+// UnregisterCache releases a cache with no job in flight.
+func (c *Client) UnregisterCache(ctx context.Context, id CacheID) error {
+	_, err := c.call(ctx, &protocol.UnregisterCache{Cache: uint32(id)}, nil)
+	return err
+}
+
+// Lookup returns how many leading keys are stored in namespace ns.
+func (c *Client) Lookup(ctx context.Context, ns NamespaceID, keys [][]byte) (int, error) {
+	if err := protocol.CheckKeys(keys); err != nil {
+		return 0, fmt.Errorf("%w: %w", ErrInvalid, err)
+	}
+	m, err := c.call(ctx, &protocol.Lookup{NS: uint32(ns), Keys: keys}, nil)
+	if err != nil {
+		return 0, err
+	}
+	return int(m.(*protocol.Count).Count), nil
+}
+
+// Delete removes keys from namespace ns and returns how many were stored.
+func (c *Client) Delete(ctx context.Context, ns NamespaceID, keys [][]byte) (int, error) {
+	if err := protocol.CheckKeys(keys); err != nil {
+		return 0, fmt.Errorf("%w: %w", ErrInvalid, err)
+	}
+	m, err := c.call(ctx, &protocol.Delete{NS: uint32(ns), Keys: keys}, nil)
+	if err != nil {
+		return 0, err
+	}
+	return int(m.(*protocol.Count).Count), nil
+}
+
+// Store starts a job storing keys[i] from the cache blocks blocks[i] (each
+// the namespace's BlocksPerKey long). The daemon reads the blocks until
+// the job completes: do not reuse them before Wait returns.
+func (c *Client) Store(ctx context.Context, cache CacheID, keys [][]byte, blocks [][]uint32) (*Job, error) {
+	return c.transfer(ctx, protocol.JobStore, cache, keys, blocks)
+}
+
+// Load starts a job loading keys[i] into the cache blocks blocks[i].
+func (c *Client) Load(ctx context.Context, cache CacheID, keys [][]byte, blocks [][]uint32) (*Job, error) {
+	return c.transfer(ctx, protocol.JobLoad, cache, keys, blocks)
+}
+
+func (c *Client) transfer(ctx context.Context, kind protocol.JobKind, cache CacheID, keys [][]byte, blocks [][]uint32) (*Job, error) {
+	if err := protocol.CheckKeys(keys); err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrInvalid, err)
+	}
+	if len(blocks) != len(keys) {
+		return nil, fmt.Errorf("%w: %d keys, %d block lists", ErrInvalid, len(keys), len(blocks))
+	}
+	for i, b := range blocks {
+		if len(b) == 0 || len(b) != len(blocks[0]) || len(b) > protocol.MaxBlocksPerKey {
+			return nil, fmt.Errorf("%w: key %d has %d blocks (key 0 has %d)", ErrInvalid, i, len(b), len(blocks[0]))
+		}
+	}
+	r, err := c.roundTrip(ctx, &protocol.Transfer{Kind: kind, Cache: uint32(cache), Keys: keys, Blocks: blocks}, nil)
+	if err != nil {
+		return nil, err
+	}
+	return r.job, nil
+}
+
+// Cancel asks the daemon to cancel a job. It reports whether the job was
+// still in flight; its completion (with OutcomeCancelled for keys not
+// done) follows either way when it was.
+func (c *Client) Cancel(ctx context.Context, j *Job) (bool, error) {
+	m, err := c.call(ctx, &protocol.Cancel{Job: j.id}, nil)
+	if err != nil {
+		return false, err
+	}
+	return m.(*protocol.Cancelled).InFlight, nil
+}
+
+// Stats returns the daemon's counters and this connection's usage.
+func (c *Client) Stats(ctx context.Context) (Stats, error) {
+	m, err := c.call(ctx, &protocol.StatsRequest{}, nil)
+	if err != nil {
+		return Stats{}, err
+	}
+	return *m.(*protocol.Stats), nil
+}
+
+// KeyResult is the outcome of one key.
+type KeyResult struct {
+	Outcome Outcome
+	Code    protocol.Code // why the key failed (OutcomeFailed)
+}
+
+// Result is the outcome of a completed job.
+type Result struct {
+	Keys     []KeyResult
+	Bytes    int64
+	Duration time.Duration
+	// Message is the daemon's text for the first failed key.
+	Message string
+}
+
+// Count returns how many keys ended with outcome o.
+func (r Result) Count(o Outcome) int {
+	n := 0
+	for _, k := range r.Keys {
+		if k.Outcome == o {
+			n++
+		}
+	}
+	return n
+}
+
+// Err returns an error if any key failed.
+func (r Result) Err() error {
+	for i, k := range r.Keys {
+		if k.Outcome == protocol.OutcomeFailed {
+			return fmt.Errorf("key %d: %w", i, &protocol.Error{Code: k.Code, Message: r.Message})
+		}
+	}
+	return nil
+}
+
+func resultOf(m *protocol.Completion) Result {
+	r := Result{Keys: make([]KeyResult, len(m.Keys)), Bytes: int64(m.Bytes), Duration: time.Duration(m.Duration), Message: m.Message}
+	for i, k := range m.Keys {
+		r.Keys[i] = KeyResult{Outcome: k.Outcome, Code: k.Code}
+	}
+	return r
+}
+
+// Job is a store or load job in flight on the daemon.
+type Job struct {
+	c    *Client
+	id   uint64
+	done chan struct{}
+	res  Result
+	err  error
+}
+
+func newJob(c *Client, id uint64) *Job {
+	return &Job{c: c, id: id, done: make(chan struct{})}
+}
+
+func (j *Job) finish(r Result, err error) {
+	j.res, j.err = r, err
+	close(j.done)
+}
+
+// ID is the daemon's id of the job.
+func (j *Job) ID() uint64 { return j.id }
+
+// Done is closed when the job's completion has arrived (or the connection
+// was lost).
+func (j *Job) Done() <-chan struct{} { return j.done }
+
+// Wait waits for the job's completion and returns its per-key outcomes.
+// The error is non-nil only when no completion arrived (connection lost,
+// ctx done); failed keys are in the Result (see Result.Err).
+func (j *Job) Wait(ctx context.Context) (Result, error) {
+	select {
+	case <-j.done:
+		return j.res, j.err
+	case <-ctx.Done():
+		return Result{}, ctx.Err()
+	}
+}
+
+// Cancel asks the daemon to cancel the job (see Client.Cancel).
+func (j *Job) Cancel(ctx context.Context) (bool, error) { return j.c.Cancel(ctx, j) }
+
+// Outcomes of a key in a job.
+const (
+	OutcomeStored      = protocol.OutcomeStored
+	OutcomePresent     = protocol.OutcomePresent
+	OutcomeNotAdmitted = protocol.OutcomeNotAdmitted
+	OutcomeLoaded      = protocol.OutcomeLoaded
+	OutcomeMissing     = protocol.OutcomeMissing
+	OutcomeFailed      = protocol.OutcomeFailed
+	OutcomeCancelled   = protocol.OutcomeCancelled
+)

@@ -1,0 +1,66 @@
+package client_test
+
+import (
+	"context"
+	"fmt"
+	"log"
+
+	"github.com/kvhost/kvhost/client"
+)
+
+// Example stores one key from a paged cache in a memfd and loads it back.
+// It needs a running daemon, so it is compiled but not run.
+func Example() {
+	ctx := context.Background()
+	c, err := client.Dial(ctx, "/run/kvhost/kvhost.sock", "worker-0")
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer c.Close()
+
+	g := client.Geometry{Model: "llama-3.1-8b", Layers: 32, KVHeads: 8, HeadSize: 128, DtypeSize: 2,
+		TokensPerBlock: 16, TokensPerKey: 256, TPSize: 1}
+	const blocks = 1024
+	bb := g.BlockBytes()
+	mem, err := client.NewMemfd("kv-cache", int64(g.Layers)*2*blocks*bb)
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer mem.Close()
+	region, err := c.RegisterMemfd(ctx, mem)
+	if err != nil {
+		log.Fatal(err)
+	}
+	ns, err := c.Declare(ctx, g)
+	if err != nil {
+		log.Fatal(err)
+	}
+	layers := make([]client.Layer, g.Layers)
+	for l := range layers { // vLLM's [2, num_blocks, ...] layout per layer
+		layers[l] = client.Layer{Region: uint32(region), NumBlocks: blocks,
+			Offset: int64(l) * 2 * blocks * bb, BlockStride: bb, PlaneStride: blocks * bb}
+	}
+	cache, err := c.RegisterCache(ctx, ns.ID, layers)
+	if err != nil {
+		log.Fatal(err)
+	}
+	key := [][]byte{[]byte("prefix-hash-0")}
+	ids := make([]uint32, ns.BlocksPerKey)
+	for i := range ids {
+		ids[i] = uint32(i)
+	}
+	job, err := c.Store(ctx, cache, key, [][]uint32{ids})
+	if err != nil {
+		log.Fatal(err)
+	}
+	res, err := job.Wait(ctx)
+	if err != nil {
+		log.Fatal(err)
+	}
+	fmt.Println(res.Keys[0].Outcome)
+	if n, _ := c.Lookup(ctx, ns.ID, key); n == 1 {
+		job, _ = c.Load(ctx, cache, key, [][]uint32{ids})
+		res, _ = job.Wait(ctx)
+		fmt.Println(res.Keys[0].Outcome)
+	}
+}

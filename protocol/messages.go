@@ -1,0 +1,772 @@
+package protocol
+
+import "fmt"
+
+// Hello opens a connection: the client's magic, protocol version and name.
+type Hello struct {
+	Version uint16
+	Client  string // free-form, at most MaxName bytes (logged)
+}
+
+// Type is TypeHello.
+func (*Hello) Type() Type { return TypeHello }
+
+// AppendBody encodes: magic [8] | u16 version | u16 0 | str8 client.
+func (m *Hello) AppendBody(b []byte) []byte {
+	b = append(b, Magic[:]...)
+	b = appendU16(b, m.Version)
+	b = appendU16(b, 0)
+	return appendStr8(b, m.Client, MaxName)
+}
+
+// DecodeBody decodes and checks the magic.
+func (m *Hello) DecodeBody(b []byte) error {
+	d := decoder{b: b}
+	if magic := d.take(len(Magic), "magic"); d.err == nil && string(magic) != string(Magic[:]) {
+		d.fail("bad magic %q", magic)
+	}
+	m.Version = d.u16("version")
+	d.zero(2)
+	m.Client = d.str8("client name", MaxName)
+	return d.end()
+}
+
+// Welcome is the reply to Hello: the version spoken and the daemon's limits.
+type Welcome struct {
+	Version          uint16
+	MaxFrame         uint32 // most bytes of one frame, header included
+	MaxRegistrations uint32 // memory regions per connection
+	MaxInflightJobs  uint32 // unfinished store and load jobs per connection
+	MaxNamespaces    uint32 // declared namespaces per connection
+	MaxCaches        uint32 // registered caches per connection
+	MaxKeys          uint32 // keys per request
+	MaxKeyLen        uint32
+	Server           string // daemon name and version, at most MaxName bytes
+}
+
+// Type is the reply to TypeHello.
+func (*Welcome) Type() Type { return TypeHello | TypeReply }
+
+// AppendBody encodes: u16 version | u16 0 | 7 × u32 limits | str8 server.
+func (m *Welcome) AppendBody(b []byte) []byte {
+	b = appendU16(b, m.Version)
+	b = appendU16(b, 0)
+	for _, v := range []uint32{m.MaxFrame, m.MaxRegistrations, m.MaxInflightJobs, m.MaxNamespaces, m.MaxCaches, m.MaxKeys, m.MaxKeyLen} {
+		b = appendU32(b, v)
+	}
+	return appendStr8(b, m.Server, MaxName)
+}
+
+// DecodeBody decodes a Welcome.
+func (m *Welcome) DecodeBody(b []byte) error {
+	d := decoder{b: b}
+	m.Version = d.u16("version")
+	d.zero(2)
+	m.MaxFrame = d.u32("max frame")
+	m.MaxRegistrations = d.u32("max registrations")
+	m.MaxInflightJobs = d.u32("max inflight jobs")
+	m.MaxNamespaces = d.u32("max namespaces")
+	m.MaxCaches = d.u32("max caches")
+	m.MaxKeys = d.u32("max keys")
+	m.MaxKeyLen = d.u32("max key length")
+	m.Server = d.str8("server name", MaxName)
+	if d.err == nil && m.MaxFrame < MinFrame {
+		d.fail("max frame %d: at least %d", m.MaxFrame, MinFrame)
+	}
+	return d.end()
+}
+
+// MemoryKind is the kind of a memory registration.
+type MemoryKind uint8
+
+// Memory kinds.
+const (
+	// MemoryMemfd is host memory: a memfd sent as SCM_RIGHTS ancillary data
+	// with the frame, mapped by the daemon.
+	MemoryMemfd MemoryKind = 1
+	// MemoryCUDAIPC is GPU memory named by a cudaIpcMemHandle_t and an
+	// offset into the allocation it names. Reserved: a daemon without GPU
+	// support answers CodeUnsupported.
+	MemoryCUDAIPC MemoryKind = 2
+)
+
+// RegisterMemory registers a memory region.
+type RegisterMemory struct {
+	Kind   MemoryKind
+	Device uint32 // CUDA device ordinal (MemoryCUDAIPC), else 0
+	Size   uint64 // bytes of the region
+	Offset uint64 // CUDA: offset into the IPC allocation; memfd: 0
+	Handle [CUDAIPCHandleLen]byte
+}
+
+// Type is TypeRegisterMemory.
+func (*RegisterMemory) Type() Type { return TypeRegisterMemory }
+
+// AppendBody encodes: u8 kind | 3 × 0 | u32 device | u64 size | u64 offset |
+// [64] handle (all zero for memfd).
+func (m *RegisterMemory) AppendBody(b []byte) []byte {
+	b = append(b, uint8(m.Kind), 0, 0, 0)
+	b = appendU32(b, m.Device)
+	b = appendU64(b, m.Size)
+	b = appendU64(b, m.Offset)
+	return append(b, m.Handle[:]...)
+}
+
+// DecodeBody decodes and checks kind and size.
+func (m *RegisterMemory) DecodeBody(b []byte) error {
+	d := decoder{b: b}
+	m.Kind = MemoryKind(d.u8("kind"))
+	d.zero(3)
+	m.Device = d.u32("device")
+	m.Size = uint64(d.i64("size"))
+	m.Offset = uint64(d.i64("offset"))
+	copy(m.Handle[:], d.take(CUDAIPCHandleLen, "handle"))
+	if d.err == nil {
+		switch {
+		case m.Kind != MemoryMemfd && m.Kind != MemoryCUDAIPC:
+			d.fail("memory kind %d", m.Kind)
+		case m.Size == 0:
+			d.fail("size 0")
+		case m.Kind == MemoryMemfd && (m.Offset != 0 || m.Device != 0 || m.Handle != [CUDAIPCHandleLen]byte{}):
+			d.fail("memfd registration with device, offset or handle set")
+		}
+	}
+	return d.end()
+}
+
+// MemoryRegistered is the reply to RegisterMemory.
+type MemoryRegistered struct {
+	Region uint32 // the connection's id for the region
+	Inode  uint64 // memfd inode as the daemon sees it (a cross-check)
+}
+
+// Type is the reply to TypeRegisterMemory.
+func (*MemoryRegistered) Type() Type { return TypeRegisterMemory | TypeReply }
+
+// AppendBody encodes: u32 region | u32 0 | u64 inode.
+func (m *MemoryRegistered) AppendBody(b []byte) []byte {
+	return appendU64(appendU32(appendU32(b, m.Region), 0), m.Inode)
+}
+
+// DecodeBody decodes a MemoryRegistered.
+func (m *MemoryRegistered) DecodeBody(b []byte) error {
+	d := decoder{b: b}
+	m.Region = d.u32("region")
+	d.zero(4)
+	m.Inode = d.u64("inode")
+	return d.end()
+}
+
+// UnregisterMemory releases a region no cache uses any more.
+type UnregisterMemory struct{ Region uint32 }
+
+// Type is TypeUnregisterMemory.
+func (*UnregisterMemory) Type() Type { return TypeUnregisterMemory }
+
+// AppendBody encodes: u32 region.
+func (m *UnregisterMemory) AppendBody(b []byte) []byte { return appendU32(b, m.Region) }
+
+// DecodeBody decodes an UnregisterMemory.
+func (m *UnregisterMemory) DecodeBody(b []byte) error {
+	d := decoder{b: b}
+	m.Region = d.u32("region")
+	return d.end()
+}
+
+// Geometry is the KV-cache shape of one model at one tensor-parallel rank
+// (host/engine.Geometry on the wire).
+type Geometry struct {
+	Model          string
+	Layers         uint32
+	KVHeads        uint32
+	HeadSize       uint32
+	DtypeSize      uint32
+	MLA            bool
+	TokensPerBlock uint32
+	TokensPerKey   uint32
+	TPRank         uint32
+	TPSize         uint32
+}
+
+// BlocksPerKey is TokensPerKey / TokensPerBlock (0 if TokensPerBlock is 0).
+func (g Geometry) BlocksPerKey() int {
+	if g.TokensPerBlock == 0 {
+		return 0
+	}
+	return int(g.TokensPerKey / g.TokensPerBlock)
+}
+
+// BlockBytes is the size of one plane of one layer of one block.
+func (g Geometry) BlockBytes() int64 {
+	return int64(g.TokensPerBlock) * int64(g.KVHeads) * int64(g.HeadSize) * int64(g.DtypeSize)
+}
+
+// Planes is 2 (K and V) or 1 (MLA).
+func (g Geometry) Planes() int {
+	if g.MLA {
+		return 1
+	}
+	return 2
+}
+
+// Declare declares a namespace: a geometry.
+type Declare struct{ Geometry Geometry }
+
+// Type is TypeDeclare.
+func (*Declare) Type() Type { return TypeDeclare }
+
+// AppendBody encodes: str8 model | u32 layers, kv heads, head size, dtype
+// size, mla (0/1), tokens per block, tokens per key, tp rank, tp size.
+func (m *Declare) AppendBody(b []byte) []byte {
+	g := m.Geometry
+	b = appendStr8(b, g.Model, MaxModelLen)
+	mla := uint32(0)
+	if g.MLA {
+		mla = 1
+	}
+	for _, v := range []uint32{g.Layers, g.KVHeads, g.HeadSize, g.DtypeSize, mla, g.TokensPerBlock, g.TokensPerKey, g.TPRank, g.TPSize} {
+		b = appendU32(b, v)
+	}
+	return b
+}
+
+// DecodeBody decodes a Declare; the geometry's values are checked by the
+// engine, only the encoding here.
+func (m *Declare) DecodeBody(b []byte) error {
+	d := decoder{b: b}
+	g := &m.Geometry
+	g.Model = d.str8("model", MaxModelLen)
+	g.Layers = d.u32("layers")
+	g.KVHeads = d.u32("kv heads")
+	g.HeadSize = d.u32("head size")
+	g.DtypeSize = d.u32("dtype size")
+	mla := d.u32("mla")
+	g.TokensPerBlock = d.u32("tokens per block")
+	g.TokensPerKey = d.u32("tokens per key")
+	g.TPRank = d.u32("tp rank")
+	g.TPSize = d.u32("tp size")
+	if d.err == nil && mla > 1 {
+		d.fail("mla = %d: want 0 or 1", mla)
+	}
+	g.MLA = mla == 1
+	return d.end()
+}
+
+// Declared is the reply to Declare.
+type Declared struct {
+	NS           uint32 // the connection's id for the namespace
+	BlocksPerKey uint32
+	Fingerprint  uint64
+	KeyBytes     uint64
+}
+
+// Type is the reply to TypeDeclare.
+func (*Declared) Type() Type { return TypeDeclare | TypeReply }
+
+// AppendBody encodes: u32 ns | u32 blocks per key | u64 fingerprint | u64 key bytes.
+func (m *Declared) AppendBody(b []byte) []byte {
+	return appendU64(appendU64(appendU32(appendU32(b, m.NS), m.BlocksPerKey), m.Fingerprint), m.KeyBytes)
+}
+
+// DecodeBody decodes a Declared.
+func (m *Declared) DecodeBody(b []byte) error {
+	d := decoder{b: b}
+	m.NS = d.u32("ns")
+	m.BlocksPerKey = d.u32("blocks per key")
+	m.Fingerprint = d.u64("fingerprint")
+	m.KeyBytes = d.u64("key bytes")
+	return d.end()
+}
+
+// Layer is the tensor of one layer of a paged cache in a registered region:
+// block i of plane p is at Offset + p*PlaneStride + i*BlockStride.
+type Layer struct {
+	Region      uint32
+	NumBlocks   uint32
+	Offset      int64
+	BlockStride int64
+	PlaneStride int64
+}
+
+// layerSize is the encoded size of a Layer.
+const layerSize = 32
+
+// RegisterCache registers a paged KV cache of a declared namespace.
+type RegisterCache struct {
+	NS     uint32
+	Layers []Layer
+}
+
+// Type is TypeRegisterCache.
+func (*RegisterCache) Type() Type { return TypeRegisterCache }
+
+// AppendBody encodes: u32 ns | u32 layer count | per layer: u32 region |
+// u32 num blocks | i64 offset | i64 block stride | i64 plane stride.
+func (m *RegisterCache) AppendBody(b []byte) []byte {
+	b = appendU32(appendU32(b, m.NS), uint32(len(m.Layers)))
+	for _, l := range m.Layers {
+		b = appendU32(appendU32(b, l.Region), l.NumBlocks)
+		b = appendU64(appendU64(appendU64(b, uint64(l.Offset)), uint64(l.BlockStride)), uint64(l.PlaneStride))
+	}
+	return b
+}
+
+// DecodeBody decodes a RegisterCache.
+func (m *RegisterCache) DecodeBody(b []byte) error {
+	d := decoder{b: b}
+	m.NS = d.u32("ns")
+	n := d.count("layer count", 1, MaxLayers, layerSize)
+	if d.err == nil {
+		m.Layers = make([]Layer, n)
+		for i := range m.Layers {
+			l := &m.Layers[i]
+			l.Region = d.u32("region")
+			l.NumBlocks = d.u32("num blocks")
+			l.Offset = d.i64("offset")
+			l.BlockStride = d.i64("block stride")
+			l.PlaneStride = d.i64("plane stride")
+		}
+	}
+	return d.end()
+}
+
+// CacheRegistered is the reply to RegisterCache.
+type CacheRegistered struct{ Cache uint32 }
+
+// Type is the reply to TypeRegisterCache.
+func (*CacheRegistered) Type() Type { return TypeRegisterCache | TypeReply }
+
+// AppendBody encodes: u32 cache.
+func (m *CacheRegistered) AppendBody(b []byte) []byte { return appendU32(b, m.Cache) }
+
+// DecodeBody decodes a CacheRegistered.
+func (m *CacheRegistered) DecodeBody(b []byte) error {
+	d := decoder{b: b}
+	m.Cache = d.u32("cache")
+	return d.end()
+}
+
+// UnregisterCache releases a cache with no job in flight.
+type UnregisterCache struct{ Cache uint32 }
+
+// Type is TypeUnregisterCache.
+func (*UnregisterCache) Type() Type { return TypeUnregisterCache }
+
+// AppendBody encodes: u32 cache.
+func (m *UnregisterCache) AppendBody(b []byte) []byte { return appendU32(b, m.Cache) }
+
+// DecodeBody decodes an UnregisterCache.
+func (m *UnregisterCache) DecodeBody(b []byte) error {
+	d := decoder{b: b}
+	m.Cache = d.u32("cache")
+	return d.end()
+}
+
+// Lookup asks how many leading keys are stored in a namespace.
+type Lookup struct {
+	NS   uint32
+	Keys [][]byte
+}
+
+// Type is TypeLookup.
+func (*Lookup) Type() Type { return TypeLookup }
+
+// AppendBody encodes: u32 ns | keys (u32 count, then u8 length + bytes each).
+func (m *Lookup) AppendBody(b []byte) []byte { return appendKeys(appendU32(b, m.NS), m.Keys) }
+
+// DecodeBody decodes a Lookup.
+func (m *Lookup) DecodeBody(b []byte) error {
+	d := decoder{b: b}
+	m.NS = d.u32("ns")
+	m.Keys = d.keys()
+	return d.end()
+}
+
+// Delete removes keys from a namespace.
+type Delete struct {
+	NS   uint32
+	Keys [][]byte
+}
+
+// Type is TypeDelete.
+func (*Delete) Type() Type { return TypeDelete }
+
+// AppendBody encodes as Lookup.
+func (m *Delete) AppendBody(b []byte) []byte { return appendKeys(appendU32(b, m.NS), m.Keys) }
+
+// DecodeBody decodes a Delete.
+func (m *Delete) DecodeBody(b []byte) error {
+	d := decoder{b: b}
+	m.NS = d.u32("ns")
+	m.Keys = d.keys()
+	return d.end()
+}
+
+// Count is the reply to Lookup (leading keys stored) and Delete (keys
+// removed).
+type Count struct {
+	T     Type // TypeLookup|TypeReply or TypeDelete|TypeReply
+	Count uint32
+}
+
+// Type is T.
+func (m *Count) Type() Type { return m.T }
+
+// AppendBody encodes: u32 count.
+func (m *Count) AppendBody(b []byte) []byte { return appendU32(b, m.Count) }
+
+// DecodeBody decodes a Count.
+func (m *Count) DecodeBody(b []byte) error {
+	d := decoder{b: b}
+	m.Count = d.u32("count")
+	return d.end()
+}
+
+// JobKind says whether a job stores or loads.
+type JobKind uint8
+
+// Job kinds.
+const (
+	JobStore JobKind = 1
+	JobLoad  JobKind = 2
+)
+
+// String names the kind.
+func (k JobKind) String() string {
+	switch k {
+	case JobStore:
+		return "store"
+	case JobLoad:
+		return "load"
+	}
+	return fmt.Sprintf("job-kind(%d)", uint8(k))
+}
+
+// Transfer is a Store or Load request: key i moves from or to the cache
+// blocks Blocks[i] (BlocksPerKey of them).
+type Transfer struct {
+	Kind   JobKind
+	Cache  uint32
+	Keys   [][]byte
+	Blocks [][]uint32
+}
+
+// Type is TypeStore or TypeLoad.
+func (m *Transfer) Type() Type {
+	if m.Kind == JobLoad {
+		return TypeLoad
+	}
+	return TypeStore
+}
+
+// AppendBody encodes: u32 cache | u32 blocks per key | keys | key count ×
+// blocks per key × u32 block ids. Every Blocks[i] must have the length of
+// Blocks[0].
+func (m *Transfer) AppendBody(b []byte) []byte {
+	bpk := 0
+	if len(m.Blocks) > 0 {
+		bpk = len(m.Blocks[0])
+	}
+	b = appendU32(appendU32(b, m.Cache), uint32(bpk))
+	b = appendKeys(b, m.Keys)
+	for _, blocks := range m.Blocks {
+		for _, id := range blocks {
+			b = appendU32(b, id)
+		}
+	}
+	return b
+}
+
+// DecodeBody decodes a Transfer (Kind is kept).
+func (m *Transfer) DecodeBody(b []byte) error {
+	d := decoder{b: b}
+	m.Cache = d.u32("cache")
+	bpk := int(d.u32("blocks per key"))
+	if d.err == nil && (bpk < 1 || bpk > MaxBlocksPerKey) {
+		d.fail("blocks per key = %d: want 1..%d", bpk, MaxBlocksPerKey)
+	}
+	m.Keys = d.keys()
+	if d.err == nil {
+		if want := len(m.Keys) * bpk * 4; want != len(d.b) {
+			d.fail("%d keys × %d blocks need %d bytes of block ids, body has %d", len(m.Keys), bpk, want, len(d.b))
+		}
+	}
+	if d.err == nil {
+		flat := make([]uint32, len(m.Keys)*bpk)
+		for i := range flat {
+			flat[i] = d.u32("block id")
+		}
+		m.Blocks = make([][]uint32, len(m.Keys))
+		for i := range m.Blocks {
+			m.Blocks[i] = flat[i*bpk : (i+1)*bpk : (i+1)*bpk]
+		}
+	}
+	return d.end()
+}
+
+// JobAccepted is the reply to Store and Load: the job's id. Its Completion
+// follows on the same connection.
+type JobAccepted struct {
+	T   Type // TypeStore|TypeReply or TypeLoad|TypeReply
+	Job uint64
+}
+
+// Type is T.
+func (m *JobAccepted) Type() Type { return m.T }
+
+// AppendBody encodes: u64 job.
+func (m *JobAccepted) AppendBody(b []byte) []byte { return appendU64(b, m.Job) }
+
+// DecodeBody decodes a JobAccepted.
+func (m *JobAccepted) DecodeBody(b []byte) error {
+	d := decoder{b: b}
+	m.Job = d.u64("job")
+	return d.end()
+}
+
+// Cancel asks to cancel a job of this connection.
+type Cancel struct{ Job uint64 }
+
+// Type is TypeCancel.
+func (*Cancel) Type() Type { return TypeCancel }
+
+// AppendBody encodes: u64 job.
+func (m *Cancel) AppendBody(b []byte) []byte { return appendU64(b, m.Job) }
+
+// DecodeBody decodes a Cancel.
+func (m *Cancel) DecodeBody(b []byte) error {
+	d := decoder{b: b}
+	m.Job = d.u64("job")
+	return d.end()
+}
+
+// Cancelled is the reply to Cancel. Its completion still follows when the
+// job was in flight.
+type Cancelled struct {
+	// InFlight is true when the job was in flight and cancellation was
+	// requested; false when it had already completed (or never existed).
+	InFlight bool
+}
+
+// Type is the reply to TypeCancel.
+func (*Cancelled) Type() Type { return TypeCancel | TypeReply }
+
+// AppendBody encodes: u8 in flight (0/1).
+func (m *Cancelled) AppendBody(b []byte) []byte {
+	if m.InFlight {
+		return append(b, 1)
+	}
+	return append(b, 0)
+}
+
+// DecodeBody decodes a Cancelled.
+func (m *Cancelled) DecodeBody(b []byte) error {
+	d := decoder{b: b}
+	v := d.u8("in flight")
+	if d.err == nil && v > 1 {
+		d.fail("in flight = %d", v)
+	}
+	m.InFlight = v == 1
+	return d.end()
+}
+
+// StatsRequest asks for the daemon's counters.
+type StatsRequest struct{}
+
+// Type is TypeStats.
+func (*StatsRequest) Type() Type { return TypeStats }
+
+// AppendBody encodes an empty body.
+func (*StatsRequest) AppendBody(b []byte) []byte { return b }
+
+// DecodeBody accepts only an empty body.
+func (*StatsRequest) DecodeBody(b []byte) error { d := decoder{b: b}; return d.end() }
+
+// Empty is the body-less reply of UnregisterMemory and UnregisterCache.
+type Empty struct{ T Type }
+
+// Type is T.
+func (m *Empty) Type() Type { return m.T }
+
+// AppendBody encodes an empty body.
+func (*Empty) AppendBody(b []byte) []byte { return b }
+
+// DecodeBody accepts only an empty body.
+func (*Empty) DecodeBody(b []byte) error { d := decoder{b: b}; return d.end() }
+
+// MountStats describes one mount (by index: the protocol carries no paths).
+type MountStats struct {
+	Capacity uint64
+	Used     uint64
+	Entries  uint64
+	Direct   bool
+}
+
+// maxMounts bounds the mounts of a Stats reply.
+const maxMounts = 256
+
+// Stats is the reply to StatsRequest: the engine's counters and this
+// connection's usage.
+type Stats struct {
+	Entries, Keys                          uint64
+	Stores, Loads, Hits, Misses            uint64
+	Evictions, Failures, Corrupt           uint64
+	Vanished, BytesWritten, BytesRead      uint64
+	Clients, Regions, Caches, InflightJobs uint64
+	Mounts                                 []MountStats
+}
+
+// Type is the reply to TypeStats.
+func (*Stats) Type() Type { return TypeStats | TypeReply }
+
+func (m *Stats) fields() []*uint64 {
+	return []*uint64{&m.Entries, &m.Keys, &m.Stores, &m.Loads, &m.Hits, &m.Misses, &m.Evictions,
+		&m.Failures, &m.Corrupt, &m.Vanished, &m.BytesWritten, &m.BytesRead,
+		&m.Clients, &m.Regions, &m.Caches, &m.InflightJobs}
+}
+
+// AppendBody encodes: 16 × u64 counters (in the field order) | u32 mount
+// count | per mount: u64 capacity, u64 used, u64 entries, u8 direct, 7 × 0.
+func (m *Stats) AppendBody(b []byte) []byte {
+	for _, p := range m.fields() {
+		b = appendU64(b, *p)
+	}
+	b = appendU32(b, uint32(len(m.Mounts)))
+	for _, mt := range m.Mounts {
+		b = appendU64(appendU64(appendU64(b, mt.Capacity), mt.Used), mt.Entries)
+		direct := byte(0)
+		if mt.Direct {
+			direct = 1
+		}
+		b = append(b, direct, 0, 0, 0, 0, 0, 0, 0)
+	}
+	return b
+}
+
+// DecodeBody decodes a Stats.
+func (m *Stats) DecodeBody(b []byte) error {
+	d := decoder{b: b}
+	for _, p := range m.fields() {
+		*p = d.u64("counter")
+	}
+	n := d.count("mount count", 0, maxMounts, 32)
+	m.Mounts = nil
+	if d.err == nil && n > 0 {
+		m.Mounts = make([]MountStats, n)
+		for i := range m.Mounts {
+			mt := &m.Mounts[i]
+			mt.Capacity = d.u64("capacity")
+			mt.Used = d.u64("used")
+			mt.Entries = d.u64("entries")
+			v := d.u8("direct")
+			if d.err == nil && v > 1 {
+				d.fail("direct = %d", v)
+			}
+			mt.Direct = v == 1
+			d.zero(7)
+		}
+	}
+	return d.end()
+}
+
+// Outcome is what happened to one key of a job (host/engine.Outcome).
+type Outcome uint8
+
+// Outcomes. The values are the engine's.
+const (
+	OutcomePending     Outcome = 0
+	OutcomeStored      Outcome = 1
+	OutcomePresent     Outcome = 2
+	OutcomeNotAdmitted Outcome = 3
+	OutcomeLoaded      Outcome = 4
+	OutcomeMissing     Outcome = 5
+	OutcomeFailed      Outcome = 6
+	// OutcomeCancelled: the job was cancelled before the key was done.
+	OutcomeCancelled Outcome = 7
+)
+
+// String names the outcome.
+func (o Outcome) String() string {
+	switch o {
+	case OutcomePending:
+		return "pending"
+	case OutcomeStored:
+		return "stored"
+	case OutcomePresent:
+		return "present"
+	case OutcomeNotAdmitted:
+		return "not admitted"
+	case OutcomeLoaded:
+		return "loaded"
+	case OutcomeMissing:
+		return "missing"
+	case OutcomeFailed:
+		return "failed"
+	case OutcomeCancelled:
+		return "cancelled"
+	}
+	return fmt.Sprintf("outcome(%d)", uint8(o))
+}
+
+// KeyOutcome is the outcome of one key and, when it failed, an error code.
+type KeyOutcome struct {
+	Outcome Outcome
+	Code    Code // CodeOK unless Outcome is OutcomeFailed
+}
+
+// Completion ends a job: one outcome per request key, in request order.
+type Completion struct {
+	Job      uint64
+	Kind     JobKind
+	Bytes    uint64 // payload bytes moved
+	Duration uint64 // nanoseconds from submission to completion
+	Keys     []KeyOutcome
+	Message  string // the first failure's text, at most MaxMessage bytes
+}
+
+// Type is TypeCompletion.
+func (*Completion) Type() Type { return TypeCompletion }
+
+// AppendBody encodes: u64 job | u8 kind | 3 × 0 | u32 key count | u64 bytes
+// | u64 duration ns | per key: u8 outcome, u8 code | str16 message.
+func (m *Completion) AppendBody(b []byte) []byte {
+	b = appendU64(b, m.Job)
+	b = append(b, uint8(m.Kind), 0, 0, 0)
+	b = appendU32(b, uint32(len(m.Keys)))
+	b = appendU64(appendU64(b, m.Bytes), m.Duration)
+	for _, k := range m.Keys {
+		b = append(b, uint8(k.Outcome), uint8(k.Code))
+	}
+	return appendStr16(b, m.Message, MaxMessage)
+}
+
+// DecodeBody decodes a Completion.
+func (m *Completion) DecodeBody(b []byte) error {
+	d := decoder{b: b}
+	m.Job = d.u64("job")
+	m.Kind = JobKind(d.u8("kind"))
+	d.zero(3)
+	n := int(d.u32("key count"))
+	m.Bytes = d.u64("bytes")
+	m.Duration = d.u64("duration")
+	if d.err == nil {
+		switch {
+		case m.Kind != JobStore && m.Kind != JobLoad:
+			d.fail("job kind %d", m.Kind)
+		case n < 1 || n > MaxKeysPerRequest || 2*n > len(d.b):
+			d.fail("key count %d", n)
+		}
+	}
+	if d.err == nil {
+		m.Keys = make([]KeyOutcome, n)
+		for i := range m.Keys {
+			m.Keys[i].Outcome = Outcome(d.u8("outcome"))
+			m.Keys[i].Code = Code(d.u8("code"))
+			if d.err == nil && (m.Keys[i].Outcome > OutcomeCancelled || m.Keys[i].Code > codeMax) {
+				d.fail("key %d: outcome %d code %d", i, m.Keys[i].Outcome, m.Keys[i].Code)
+			}
+		}
+	}
+	m.Message = d.str16("message", MaxMessage)
+	return d.end()
+}

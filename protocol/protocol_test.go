@@ -1,0 +1,152 @@
+package protocol
+
+import (
+	"bytes"
+	"errors"
+	"reflect"
+	"testing"
+)
+
+func sampleMessages() []Message {
+	var h [CUDAIPCHandleLen]byte
+	h[3] = 7
+	return []Message{
+		&Hello{Version: Version, Client: "test"},
+		&Welcome{Version: 1, MaxFrame: 1 << 20, MaxRegistrations: 64, MaxInflightJobs: 8, MaxNamespaces: 16, MaxCaches: 16, MaxKeys: MaxKeysPerRequest, MaxKeyLen: MaxKeyLen, Server: "kvhost"},
+		&RegisterMemory{Kind: MemoryMemfd, Size: 4096},
+		&RegisterMemory{Kind: MemoryCUDAIPC, Size: 1 << 30, Device: 3, Offset: 512, Handle: h},
+		&MemoryRegistered{Region: 2, Inode: 99},
+		&UnregisterMemory{Region: 1},
+		&Declare{Geometry: Geometry{Model: "llama", Layers: 32, KVHeads: 8, HeadSize: 128, DtypeSize: 2, MLA: true, TokensPerBlock: 16, TokensPerKey: 256, TPRank: 1, TPSize: 2}},
+		&Declared{NS: 1, BlocksPerKey: 16, Fingerprint: 1 << 60, KeyBytes: 1 << 20},
+		&RegisterCache{NS: 1, Layers: []Layer{{Region: 1, NumBlocks: 10, Offset: 8, BlockStride: 64, PlaneStride: 640}, {Region: 2, NumBlocks: 1}}},
+		&CacheRegistered{Cache: 3},
+		&UnregisterCache{Cache: 3},
+		&Lookup{NS: 1, Keys: [][]byte{[]byte("a"), bytes.Repeat([]byte{1}, MaxKeyLen)}},
+		&Count{T: TypeLookup | TypeReply, Count: 2},
+		&Transfer{Kind: JobStore, Cache: 1, Keys: [][]byte{[]byte("k1"), []byte("k2")}, Blocks: [][]uint32{{1, 2}, {3, 4}}},
+		&Transfer{Kind: JobLoad, Cache: 1, Keys: [][]byte{[]byte("k1")}, Blocks: [][]uint32{{9}}},
+		&JobAccepted{T: TypeStore | TypeReply, Job: 42},
+		&Cancel{Job: 42},
+		&Cancelled{InFlight: true},
+		&Delete{NS: 2, Keys: [][]byte{[]byte("x")}},
+		&Count{T: TypeDelete | TypeReply, Count: 1},
+		&StatsRequest{},
+		&Stats{Entries: 1, BytesRead: 7, InflightJobs: 3, Mounts: []MountStats{{Capacity: 10, Used: 5, Entries: 1, Direct: true}}},
+		&Empty{T: TypeUnregisterCache | TypeReply},
+		&Error{Code: CodeLimit, Message: "too many"},
+		&Completion{Job: 42, Kind: JobLoad, Bytes: 100, Duration: 5, Keys: []KeyOutcome{{OutcomeLoaded, 0}, {OutcomeFailed, CodeCorrupt}}, Message: "bad crc"},
+	}
+}
+
+func TestRoundTrip(t *testing.T) {
+	for _, m := range sampleMessages() {
+		t.Run(m.Type().String(), func(t *testing.T) {
+			frame := AppendFrame(nil, 77, m)
+			h, err := ParseHeader(frame, 1<<20)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if h.Type != m.Type() || h.ID != 77 || int(h.Len) != len(frame)-HeaderSize {
+				t.Fatalf("header %+v", h)
+			}
+			got, err := Decode(h.Type, frame[HeaderSize:])
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !reflect.DeepEqual(got, m) {
+				t.Fatalf("decoded %#v, want %#v", got, m)
+			}
+		})
+	}
+}
+
+func TestRejects(t *testing.T) {
+	body := func(m Message) []byte { return m.AppendBody(nil) }
+	hello := body(&Hello{Version: 1})
+	badMagic := append([]byte{}, hello...)
+	badMagic[0] = 'X'
+	store := body(&Transfer{Kind: JobStore, Cache: 1, Keys: [][]byte{[]byte("k")}, Blocks: [][]uint32{{1, 2}}})
+	cases := []struct {
+		name string
+		t    Type
+		body []byte
+	}{
+		{"hello short", TypeHello, hello[:5]},
+		{"hello magic", TypeHello, badMagic},
+		{"trailing", TypeCancel, append(body(&Cancel{Job: 1}), 0)},
+		{"zero keys", TypeLookup, []byte{1, 0, 0, 0, 0, 0, 0, 0}},
+		{"key too long", TypeLookup, append([]byte{1, 0, 0, 0, 1, 0, 0, 0, MaxKeyLen + 1}, make([]byte, MaxKeyLen+1)...)},
+		{"empty key", TypeLookup, []byte{1, 0, 0, 0, 1, 0, 0, 0, 0}},
+		{"huge key count", TypeLookup, []byte{1, 0, 0, 0, 0xff, 0xff, 0xff, 0x7f, 1, 'a'}},
+		{"store short blocks", TypeStore, store[:len(store)-1]},
+		{"store zero bpk", TypeStore, append([]byte{1, 0, 0, 0, 0, 0, 0, 0}, store[8:]...)},
+		{"memory kind", TypeRegisterMemory, append([]byte{9}, body(&RegisterMemory{Kind: MemoryMemfd, Size: 1})[1:]...)},
+		{"memory size 0", TypeRegisterMemory, body(&RegisterMemory{Kind: MemoryMemfd})},
+		{"memfd with offset", TypeRegisterMemory, body(&RegisterMemory{Kind: MemoryMemfd, Size: 1, Offset: 1})},
+		{"negative offset", TypeRegisterCache, body(&RegisterCache{NS: 1, Layers: []Layer{{Offset: -1}}})},
+		{"no layers", TypeRegisterCache, body(&RegisterCache{NS: 1})},
+		{"mla 2", TypeDeclare, append(body(&Declare{})[:1+16], append([]byte{2, 0, 0, 0}, make([]byte, 16)...)...)},
+		{"error code 0", TypeError, body(&Error{})},
+		{"unknown type", Type(0x0777), nil},
+		{"stats body", TypeStats, []byte{0}},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			_, err := Decode(c.t, c.body)
+			if err == nil {
+				t.Fatal("decoded")
+			}
+			if !errors.Is(err, ErrMalformed) && !errors.Is(err, ErrUnknownType) {
+				t.Fatalf("error %v does not wrap a package sentinel", err)
+			}
+		})
+	}
+}
+
+func TestParseHeader(t *testing.T) {
+	f := AppendFrame(nil, 1, &Cancel{Job: 1})
+	if _, err := ParseHeader(f, len(f)-1); !errors.Is(err, ErrTooLarge) {
+		t.Fatalf("oversized frame: %v", err)
+	}
+	f[6] = 1
+	if _, err := ParseHeader(f, 1<<20); !errors.Is(err, ErrMalformed) {
+		t.Fatalf("flags: %v", err)
+	}
+	if _, err := ParseHeader(f[:10], 1<<20); !errors.Is(err, ErrMalformed) {
+		t.Fatalf("short: %v", err)
+	}
+}
+
+// FuzzDecode feeds arbitrary frames to the decoders: they must not panic,
+// and whatever decodes must re-encode to a body that decodes to the same
+// message.
+func FuzzDecode(f *testing.F) {
+	for _, m := range sampleMessages() {
+		f.Add(AppendFrame(nil, 1, m))
+	}
+	f.Fuzz(func(t *testing.T, frame []byte) {
+		h, err := ParseHeader(frame, 1<<20)
+		if err != nil {
+			return
+		}
+		body := frame[HeaderSize:]
+		if int(h.Len) < len(body) {
+			body = body[:h.Len]
+		}
+		m, err := Decode(h.Type, body)
+		if err != nil {
+			if !errors.Is(err, ErrMalformed) && !errors.Is(err, ErrUnknownType) {
+				t.Fatalf("error %v wraps no sentinel", err)
+			}
+			return
+		}
+		again, err := Decode(h.Type, m.AppendBody(nil))
+		if err != nil {
+			t.Fatalf("re-encoded %T does not decode: %v", m, err)
+		}
+		if !reflect.DeepEqual(m, again) {
+			t.Fatalf("round trip changed %#v into %#v", m, again)
+		}
+	})
+}

@@ -1,0 +1,142 @@
+package server
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"net"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/kvhost/kvhost/protocol"
+)
+
+// maxFdsPerMsg is the most descriptors one recvmsg accepts; more is a
+// protocol violation (the kernel truncates and closes the rest).
+const maxFdsPerMsg = 8
+
+// frameReader reads frames from a Unix stream and collects the descriptors
+// that arrive with them (SCM_RIGHTS) in order. A descriptor arrives with
+// the first byte of the frame it belongs to, so once a RegisterMemory frame
+// has been read, its memfd is the oldest descriptor not yet taken.
+type frameReader struct {
+	conn     *net.UnixConn
+	buf      []byte
+	r, w     int
+	oob      []byte
+	fds      []int
+	maxFds   int
+	maxFrame int
+}
+
+func newFrameReader(c *net.UnixConn, maxFrame, maxFds int) *frameReader {
+	return &frameReader{
+		conn:     c,
+		buf:      make([]byte, 64<<10),
+		oob:      make([]byte, unix.CmsgSpace(4*maxFdsPerMsg)),
+		maxFds:   maxFds,
+		maxFrame: maxFrame,
+	}
+}
+
+// errProtocol marks errors after which the stream cannot be trusted.
+var errProtocol = errors.New("server: protocol violation")
+
+func (f *frameReader) fill() error {
+	if f.r == f.w {
+		f.r, f.w = 0, 0
+	}
+	n, oobn, flags, _, err := f.conn.ReadMsgUnix(f.buf[f.w:], f.oob)
+	if oobn > 0 {
+		if perr := f.takeRights(f.oob[:oobn]); perr != nil {
+			return perr
+		}
+	}
+	if flags&unix.MSG_CTRUNC != 0 {
+		return fmt.Errorf("%w: more than %d descriptors in one message", errProtocol, maxFdsPerMsg)
+	}
+	f.w += n
+	if n > 0 {
+		return nil
+	}
+	if err == nil {
+		err = io.EOF
+	}
+	return err
+}
+
+func (f *frameReader) takeRights(oob []byte) error {
+	msgs, err := unix.ParseSocketControlMessage(oob)
+	if err != nil {
+		return fmt.Errorf("%w: control message: %w", errProtocol, err)
+	}
+	var bad error
+	for _, m := range msgs {
+		fds, err := unix.ParseUnixRights(&m)
+		if err != nil {
+			continue // credentials or other control data: ignored
+		}
+		for _, fd := range fds {
+			if len(f.fds) >= f.maxFds {
+				unix.Close(fd)
+				bad = fmt.Errorf("%w: more than %d descriptors not yet claimed by a registration", errProtocol, f.maxFds)
+				continue
+			}
+			f.fds = append(f.fds, fd)
+		}
+	}
+	return bad
+}
+
+func (f *frameReader) readFull(p []byte) error {
+	for len(p) > 0 {
+		if f.r == f.w {
+			if err := f.fill(); err != nil {
+				return err
+			}
+		}
+		k := copy(p, f.buf[f.r:f.w])
+		f.r += k
+		p = p[k:]
+	}
+	return nil
+}
+
+// next reads one frame. Its body is freshly allocated: decoded messages
+// alias it and the engine may keep keys after the handler returns.
+func (f *frameReader) next() (protocol.Header, []byte, error) {
+	var hdr [protocol.HeaderSize]byte
+	if err := f.readFull(hdr[:]); err != nil {
+		return protocol.Header{}, nil, err
+	}
+	h, err := protocol.ParseHeader(hdr[:], f.maxFrame)
+	if err != nil {
+		return h, nil, err
+	}
+	body := make([]byte, h.Len)
+	if err := f.readFull(body); err != nil {
+		if errors.Is(err, io.EOF) {
+			err = io.ErrUnexpectedEOF
+		}
+		return h, nil, err
+	}
+	return h, body, nil
+}
+
+// takeFd returns the oldest unclaimed descriptor, or -1.
+func (f *frameReader) takeFd() int {
+	if len(f.fds) == 0 {
+		return -1
+	}
+	fd := f.fds[0]
+	f.fds = f.fds[1:]
+	return fd
+}
+
+// closeFds closes every unclaimed descriptor.
+func (f *frameReader) closeFds() {
+	for _, fd := range f.fds {
+		unix.Close(fd)
+	}
+	f.fds = nil
+}
