@@ -88,6 +88,9 @@ type Engine struct {
 	CPUs []int `toml:"cpus"`
 	// StagingMemory bounds the aligned bounce buffers.
 	StagingMemory Size `toml:"staging_memory"`
+	// VerifyInterval is how long a lookup trusts a file it checked (stat)
+	// before checking it again; 0 checks on every lookup. Loads always check.
+	VerifyInterval Duration `toml:"verify_interval"`
 }
 
 // Mount is one cache root.
@@ -126,7 +129,7 @@ func Default() Config {
 			MaxFailures:   3,
 			FailureWindow: Duration(time.Minute),
 		},
-		Engine: Engine{StagingMemory: 256 << 20},
+		Engine: Engine{StagingMemory: 256 << 20, VerifyInterval: Duration(time.Second)},
 		Mounts: []Mount{{Path: filepath.Join(root, "blocks"), HighWatermark: 0.95, LowWatermark: 0.85}},
 	}
 }
@@ -301,6 +304,8 @@ func (c *Config) Validate() error {
 		return bad("engine.io_workers", "between 0 (automatic) and 256", c.Engine.IOWorkers)
 	case c.Engine.StagingMemory < 1<<20:
 		return bad("engine.staging_memory", "at least 1MiB", c.Engine.StagingMemory)
+	case c.Engine.VerifyInterval < 0:
+		return bad("engine.verify_interval", "a non-negative duration", c.Engine.VerifyInterval)
 	}
 	for _, cpu := range c.Engine.CPUs {
 		if cpu < 0 {

@@ -16,6 +16,7 @@ import (
 
 	"github.com/kvhost/kvhost/abi/guest"
 	"github.com/kvhost/kvhost/client"
+	"github.com/kvhost/kvhost/config"
 	"github.com/kvhost/kvhost/host/engine"
 	"github.com/kvhost/kvhost/host/policy"
 	"github.com/kvhost/kvhost/plugins/lru"
@@ -48,6 +49,8 @@ func openEngine(tb testing.TB, dir string) *engine.Engine {
 			return policy.NewNative(func() guest.Policy { return lru.New() }, idx, policy.Config{Shards: 1, Logger: quiet()})
 		},
 		Logger: quiet(),
+		// As the daemon runs it (config.Default).
+		VerifyInterval: time.Duration(config.Default().Engine.VerifyInterval),
 	})
 	if err != nil {
 		tb.Fatal(err)

@@ -111,13 +111,14 @@ func serve(ctx context.Context, cfg config.Config, log *slog.Logger, stdout io.W
 		mounts[i] = engine.Mount{Path: m.Path, Capacity: capacity, HighWatermark: m.HighWatermark, LowWatermark: m.LowWatermark}
 	}
 	eng, err := engine.Open(ctx, engine.Config{
-		Mounts:       mounts,
-		NewPolicy:    newPolicy,
-		Fsync:        cfg.Engine.Fsync,
-		IOWorkers:    cfg.Engine.IOWorkers,
-		CPUs:         cfg.Engine.CPUs,
-		StagingBytes: int64(cfg.Engine.StagingMemory),
-		Logger:       log,
+		Mounts:         mounts,
+		NewPolicy:      newPolicy,
+		Fsync:          cfg.Engine.Fsync,
+		IOWorkers:      cfg.Engine.IOWorkers,
+		CPUs:           cfg.Engine.CPUs,
+		StagingBytes:   int64(cfg.Engine.StagingMemory),
+		VerifyInterval: time.Duration(cfg.Engine.VerifyInterval),
+		Logger:         log,
 	})
 	if err != nil {
 		return fmt.Errorf("open engine: %w", err)

@@ -99,6 +99,13 @@ type Config struct {
 	// the file, rename, fsync of the directory. It costs one or two device
 	// flushes per file (docs/engine.md).
 	Fsync bool
+	// VerifyInterval lets Lookup trust an entry whose file was checked (a
+	// stat: same inode, same size) within the interval, instead of checking
+	// it again. 0 checks every hit of every lookup. A file removed or
+	// replaced behind the engine's back is then a miss within the interval;
+	// a load always opens the file and checks its header, so it never
+	// reports a vanished or replaced file loaded.
+	VerifyInterval time.Duration
 	// NoChecksum skips the CRC-32C of payloads on store (files are flagged
 	// as unchecked) and skips verification on load. Headers are always
 	// checksummed.

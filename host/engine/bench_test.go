@@ -7,6 +7,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"strconv"
 	"sync"
 	"testing"
 	"time"
@@ -50,8 +51,15 @@ func llama8B() Geometry {
 	return Geometry{Model: "meta-llama/Llama-3.1-8B", Layers: 32, KVHeads: 8, HeadSize: 128, DtypeSize: 2, TokensPerBlock: 16, TokensPerKey: 256, TPSize: 1}
 }
 
-// benchKeys is the keys per iteration: 256 MiB of KV cache.
-const benchKeys = 8
+// benchKeys is the keys per iteration: 8 (256 MiB of KV cache), or
+// KVHOST_BENCH_KEYS, so that a machine with many I/O workers can keep them
+// all busy.
+var benchKeys = func() int {
+	if n, err := strconv.Atoi(os.Getenv("KVHOST_BENCH_KEYS")); err == nil && n > 0 {
+		return n
+	}
+	return 8
+}()
 
 type benchEnv struct {
 	e       *Engine
@@ -100,7 +108,7 @@ func newBenchEnv(b *testing.B, noDirect, noChecksum bool) *benchEnv {
 	// own memfd: with O_DIRECT the block layer builds requests from the
 	// physical pages of the memory (max_segments), so two memfds of one
 	// size can differ; this one has the engine's pages.
-	reg, err := region.NewHost("ceiling", benchKeys*env.keyLen)
+	reg, err := region.NewHost("ceiling", int64(benchKeys)*env.keyLen)
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -109,7 +117,7 @@ func newBenchEnv(b *testing.B, noDirect, noChecksum bool) *benchEnv {
 	for i := range env.bufs {
 		env.bufs[i] = byte(i * 7)
 	}
-	env.same = c.reg.Bytes()[:benchKeys*env.keyLen]
+	env.same = c.reg.Bytes()[:int64(benchKeys)*env.keyLen]
 	return env
 }
 
@@ -179,7 +187,7 @@ func (env *benchEnv) ceilingWith(b *testing.B, write bool, iter int, mem []byte)
 }
 
 func (env *benchEnv) report(b *testing.B, engine, ceiling, same time.Duration) {
-	bytes := float64(b.N) * benchKeys * float64(env.keyLen)
+	bytes := float64(b.N) * float64(benchKeys) * float64(env.keyLen)
 	eg, cg := bytes/engine.Seconds()/1e9, bytes/ceiling.Seconds()/1e9
 	b.ReportMetric(eg, "engine-GB/s")
 	b.ReportMetric(cg, "ceiling-GB/s")
@@ -202,7 +210,7 @@ func benchModes(b *testing.B, fn func(b *testing.B, noDirect, noChecksum bool)) 
 func BenchmarkStore(b *testing.B) {
 	benchModes(b, func(b *testing.B, noDirect, noChecksum bool) {
 		env := newBenchEnv(b, noDirect, noChecksum)
-		b.SetBytes(benchKeys * env.keyLen)
+		b.SetBytes(int64(benchKeys) * env.keyLen)
 		ctx := context.Background()
 		r := rand.New(rand.NewPCG(2, 2))
 		var eng, ceil, same time.Duration
@@ -242,7 +250,7 @@ func BenchmarkStore(b *testing.B) {
 func BenchmarkLoad(b *testing.B) {
 	benchModes(b, func(b *testing.B, noDirect, noChecksum bool) {
 		env := newBenchEnv(b, noDirect, noChecksum)
-		b.SetBytes(benchKeys * env.keyLen)
+		b.SetBytes(int64(benchKeys) * env.keyLen)
 		ctx := context.Background()
 		r := rand.New(rand.NewPCG(3, 3))
 		keys, blocks := env.batch(r, "l", 0)

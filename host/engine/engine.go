@@ -118,6 +118,8 @@ type entry struct {
 	size  int64
 	keys  []string
 	ino   uint64
+	// verified is when the file was last checked (Unix nanoseconds).
+	verified atomic.Int64
 	// guarded by Engine.mu
 	pins int32
 	hits uint32
@@ -711,6 +713,7 @@ func (e *Engine) names(ctx context.Context, ns *namespace, keys [][]byte) ([]int
 func (e *Engine) verify(ctx context.Context, en *entry) bool {
 	fi, err := e.fs.Stat(en.path)
 	if err == nil && fi.Size() == en.size && inode(fi) == en.ino {
+		en.verified.Store(e.now().UnixNano())
 		return true
 	}
 	why := "vanished"
@@ -725,6 +728,13 @@ func (e *Engine) verify(ctx context.Context, en *entry) bool {
 	e.st.vanished.Add(1)
 	e.drop(ctx, en, false, why)
 	return false
+}
+
+// recentlyVerified reports whether en's file was checked within
+// Config.VerifyInterval.
+func (e *Engine) recentlyVerified(en *entry) bool {
+	iv := e.cfg.VerifyInterval
+	return iv > 0 && e.now().UnixNano()-en.verified.Load() < int64(iv)
 }
 
 func inode(fi os.FileInfo) uint64 {
@@ -752,7 +762,7 @@ func (e *Engine) Lookup(ctx context.Context, ns NamespaceID, keys [][]byte) (int
 			return i, err
 		}
 		en := e.find(n, k)
-		if en != nil && !checked[en] && !e.verify(ctx, en) {
+		if en != nil && !checked[en] && !e.recentlyVerified(en) && !e.verify(ctx, en) {
 			en = nil
 		}
 		if en == nil {
@@ -865,6 +875,7 @@ func (e *Engine) readEntry(mnt int, path string) (*entry, error) {
 		return nil, fmt.Errorf("%w: %s: %d bytes, header says %d", ErrCorrupt, path, fi.Size(), h.FileLen())
 	}
 	en := &entry{fp: h.Fingerprint, mount: mnt, path: path, size: fi.Size(), ino: inode(fi), last: fi.ModTime().UnixNano()}
+	en.verified.Store(e.now().UnixNano())
 	for _, k := range h.Keys {
 		en.keys = append(en.keys, string(k.Key))
 	}

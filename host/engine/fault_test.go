@@ -659,3 +659,53 @@ func (b *blockingWrites) Inject(op fsys.Op, _ string) fsys.Fault {
 	}
 	return fsys.Fault{}
 }
+
+// TestVerifyInterval: with Config.VerifyInterval, a lookup trusts an entry
+// checked within the interval, a load of its vanished file is still reported
+// missing (never loaded), and once the interval has passed the lookup checks
+// the file again and misses.
+func TestVerifyInterval(t *testing.T) {
+	dir := t.TempDir()
+	ctx := context.Background()
+	var mu sync.Mutex
+	now := time.Unix(1_700_000_000, 0)
+	clock := func() time.Time { mu.Lock(); defer mu.Unlock(); return now }
+	advance := func(d time.Duration) { mu.Lock(); now = now.Add(d); mu.Unlock() }
+	e := openEngine(t, Config{Mounts: []Mount{{Path: dir}}, Policy: newTestPolicy(1, abi.OrderLayerMajor),
+		VerifyInterval: time.Second, Now: clock})
+	g := smallGeometry(true)
+	ns, _ := e.Declare(ctx, g)
+	c := newTestCache(t, e, ns, g, 64, layoutBlockFirst)
+	r := rand.New(rand.NewPCG(9, 9))
+	keys := testKeys("iv", 2)
+	blocks := blockLists(r, 2, 4, 0)
+	for _, b := range blocks {
+		c.fill(r, b)
+	}
+	storeAndCheck(t, e, c, keys, blocks)
+	_, paths, _, err := e.names(ctx, e.nss[ns], keys[:1])
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Remove(paths[0]); err != nil {
+		t.Fatal(err)
+	}
+	if n, _ := e.Lookup(ctx, ns, keys); n != 2 {
+		t.Fatalf("within the interval: lookup %d, want 2 (trusted)", n)
+	}
+	res := wait(t)(e.Load(ctx, LoadRequest{Cache: c.id, Keys: keys[:1], Blocks: [][]int{{40, 41, 42, 43}}}))
+	if kr := res.Keys[0]; kr.Outcome != OutcomeMissing {
+		t.Fatalf("load of a vanished file: %v %v, want missing", kr.Outcome, kr.Err)
+	}
+	// The failed load dropped the entry; a fresh vanished entry is found
+	// once the interval has passed.
+	_, paths, _, _ = e.names(ctx, e.nss[ns], keys[1:])
+	os.Remove(paths[0])
+	if n, _ := e.Lookup(ctx, ns, keys[1:]); n != 1 {
+		t.Fatalf("second key within the interval: lookup %d, want 1", n)
+	}
+	advance(2 * time.Second)
+	if n, _ := e.Lookup(ctx, ns, keys[1:]); n != 0 {
+		t.Fatalf("after the interval: lookup %d, want 0", n)
+	}
+}

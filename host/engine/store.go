@@ -302,6 +302,7 @@ func (e *Engine) storeFile(ctx context.Context, w *staging.Worker, j *Job, c *ca
 	}
 
 	en := &entry{fp: h.Fingerprint, ns: c.ns.id, mount: gr.mount, path: gr.path, size: size, ino: inode(fi), last: e.now().UnixNano()}
+	en.verified.Store(en.last)
 	for _, k := range h.Keys {
 		en.keys = append(en.keys, string(k.Key))
 	}
