@@ -88,9 +88,14 @@ func serve(ctx context.Context, cfg config.Config, log *slog.Logger, stdout io.W
 	}
 	newPolicy := func(idx policy.Index) (policy.Policy, error) {
 		if module != nil {
+			start := time.Now()
 			h, err := policy.Open(ctx, module, name, idx, pcfg)
 			if err == nil {
+				log.Info("policy ready", "policy", name, "shards", pcfg.Shards, "took", time.Since(start).String())
 				return h, nil
+			}
+			if ctx.Err() != nil {
+				return nil, fmt.Errorf("policy %s: %w", name, ctx.Err())
 			}
 			if !builtin || name != plugins.Default {
 				return nil, fmt.Errorf("policy %s: %w", name, err)
