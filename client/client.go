@@ -399,6 +399,11 @@ func (c *Client) Store(ctx context.Context, cache CacheID, keys [][]byte, blocks
 }
 
 // Load starts a job loading keys[i] into the cache blocks blocks[i].
+//
+// If ctx ends after the request was sent, Store and Load ask the daemon to
+// cancel the job and return it together with ctx's error: the daemon may
+// already be reading or writing its blocks, so Wait for it before reusing
+// them.
 func (c *Client) Load(ctx context.Context, cache CacheID, keys [][]byte, blocks [][]uint32) (*Job, error) {
 	return c.transfer(ctx, protocol.JobLoad, cache, keys, blocks)
 }
@@ -415,9 +420,21 @@ func (c *Client) transfer(ctx context.Context, kind protocol.JobKind, cache Cach
 			return nil, fmt.Errorf("%w: key %d has %d blocks (key 0 has %d)", ErrInvalid, i, len(b), len(blocks[0]))
 		}
 	}
-	r, err := c.roundTrip(ctx, &protocol.Transfer{Kind: kind, Cache: uint32(cache), Keys: keys, Blocks: blocks}, nil)
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	// Once the request is sent the daemon may start using the blocks, so
+	// the caller must get the Job even if ctx ends meanwhile: wait for the
+	// daemon's answer (it comes at once), then cancel the job if ctx ended.
+	r, err := c.roundTrip(context.WithoutCancel(ctx), &protocol.Transfer{Kind: kind, Cache: uint32(cache), Keys: keys, Blocks: blocks}, nil)
 	if err != nil {
 		return nil, err
+	}
+	if err := ctx.Err(); err != nil {
+		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		c.Cancel(cctx, r.job)
+		cancel()
+		return r.job, err
 	}
 	return r.job, nil
 }

@@ -17,6 +17,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -540,5 +541,52 @@ func TestDefaultCommand(t *testing.T) {
 	}
 	if _, err := os.Lstat(socket); !errors.Is(err, os.ErrNotExist) {
 		t.Fatalf("socket left: %v", err)
+	}
+}
+
+// flipContext is live when first asked and cancelled ever after: it ends
+// "while" the request is in flight.
+type flipContext struct {
+	context.Context
+	asked atomic.Int32
+}
+
+func (f *flipContext) Err() error {
+	if f.asked.Add(1) == 1 {
+		return nil
+	}
+	return context.Canceled
+}
+
+// TestTransferContextEndsInFlight: when ctx ends after a Store was sent, the
+// caller still gets the Job (with the error), so it can wait before reusing
+// the blocks the daemon may be reading.
+func TestTransferContextEndsInFlight(t *testing.T) {
+	dir, socket := newDirs(t)
+	startDaemon(t, dir, socket)
+	c := dial(t, socket)
+	tc := newTestCache(t, c)
+	rng := rand.New(rand.NewPCG(7, 7))
+	blocks := make([]uint32, tc.ns.BlocksPerKey)
+	for j := range blocks {
+		blocks[j] = uint32(j)
+	}
+	tc.fill(rng, blocks)
+	job, err := c.Store(&flipContext{Context: context.Background()}, tc.cache, [][]byte{[]byte("flip")}, [][]uint32{blocks})
+	if !errors.Is(err, context.Canceled) || job == nil {
+		t.Fatalf("Store with a context that ended in flight: job %v, err %v; want the job and context.Canceled", job, err)
+	}
+	res, err := job.Wait(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(res.Keys) != 1 {
+		t.Fatalf("completion has %d keys", len(res.Keys))
+	}
+	// Cancelled before it was sent: no job at all.
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	if job, err := c.Store(ctx, tc.cache, [][]byte{[]byte("never")}, [][]uint32{blocks}); job != nil || !errors.Is(err, context.Canceled) {
+		t.Fatalf("Store with a cancelled context: %v %v", job, err)
 	}
 }

@@ -91,6 +91,10 @@ type Engine struct {
 	// VerifyInterval is how long a lookup trusts a file it checked (stat)
 	// before checking it again; 0 checks on every lookup. Loads always check.
 	VerifyInterval Duration `toml:"verify_interval"`
+	// TempGrace keeps temporary files younger than this at start, so that on
+	// a mount shared by several nodes one node's start does not remove
+	// another's store in progress. 0 removes every leftover.
+	TempGrace Duration `toml:"temp_grace"`
 }
 
 // Mount is one cache root.
@@ -306,6 +310,8 @@ func (c *Config) Validate() error {
 		return bad("engine.staging_memory", "at least 1MiB", c.Engine.StagingMemory)
 	case c.Engine.VerifyInterval < 0:
 		return bad("engine.verify_interval", "a non-negative duration", c.Engine.VerifyInterval)
+	case c.Engine.TempGrace < 0:
+		return bad("engine.temp_grace", "a non-negative duration", c.Engine.TempGrace)
 	}
 	for _, cpu := range c.Engine.CPUs {
 		if cpu < 0 {

@@ -21,6 +21,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/kvhost/kvhost/host/engine"
 	"github.com/kvhost/kvhost/protocol"
 )
@@ -53,6 +55,12 @@ type Config struct {
 	// MaxNamespaces and MaxCaches bound a connection's declarations and
 	// cache registrations (default 64 each).
 	MaxNamespaces, MaxCaches int
+	// MaxRegisteredBytes bounds the bytes of memory one connection may
+	// register, and MaxTotalRegisteredBytes those of all connections
+	// together (defaults: the machine's physical memory, and twice it).
+	// Registered memory is mapped into the daemon, so without a bound a
+	// client could exhaust the daemon's address space with sparse memfds.
+	MaxRegisteredBytes, MaxTotalRegisteredBytes int64
 	// ShutdownTimeout is how long Serve, once its context is done, lets
 	// in-flight jobs finish before cancelling them (default 0: cancel at once).
 	ShutdownTimeout time.Duration
@@ -74,7 +82,22 @@ func (c Config) withDefaults() (Config, error) {
 	def(&c.MaxInflightJobs, 256)
 	def(&c.MaxNamespaces, 64)
 	def(&c.MaxCaches, 64)
+	if c.MaxRegisteredBytes == 0 || c.MaxTotalRegisteredBytes == 0 {
+		var si unix.Sysinfo_t
+		ram := int64(64 << 30)
+		if err := unix.Sysinfo(&si); err == nil && si.Totalram > 0 {
+			ram = int64(si.Totalram) * int64(si.Unit)
+		}
+		if c.MaxRegisteredBytes == 0 {
+			c.MaxRegisteredBytes = ram
+		}
+		if c.MaxTotalRegisteredBytes == 0 {
+			c.MaxTotalRegisteredBytes = 2 * ram
+		}
+	}
 	switch {
+	case c.MaxRegisteredBytes < 0 || c.MaxTotalRegisteredBytes < 0:
+		return c, errors.New("server: negative registered-bytes limit")
 	case c.MaxFrame < protocol.MinFrame || c.MaxFrame > 1<<30:
 		return c, fmt.Errorf("server: MaxFrame %d: want %d..1GiB", c.MaxFrame, protocol.MinFrame)
 	case c.MaxClients < 0 || c.MaxRegistrations < 0 || c.MaxInflightJobs < 0 || c.MaxNamespaces < 0 || c.MaxCaches < 0:
@@ -102,6 +125,7 @@ type Server struct {
 	stopping bool
 	wg       sync.WaitGroup // sessions
 	connSeq  atomic.Uint64  // numbers connections in logs
+	regBytes atomic.Int64   // memory registered by all sessions
 }
 
 // New returns a Server dispatching to eng.
@@ -124,12 +148,26 @@ func New(eng Engine, cfg Config) (*Server, error) {
 func (s *Server) Serve(ctx context.Context, l *net.UnixListener) error {
 	acceptErr := make(chan error, 1)
 	go func() {
+		var backoff time.Duration
 		for {
 			c, err := l.AcceptUnix()
 			if err != nil {
-				acceptErr <- err
-				return
+				if !retryableAccept(err) {
+					acceptErr <- err
+					return
+				}
+				// Out of descriptors or memory for a moment: keep serving
+				// the clients we have and try again, as net/http does.
+				backoff = min(max(2*backoff, 5*time.Millisecond), time.Second)
+				s.log.Warn("accept failed; retrying", "err", err, "in", backoff.String())
+				select {
+				case <-ctx.Done():
+					return
+				case <-time.After(backoff):
+				}
+				continue
 			}
+			backoff = 0
 			s.start(c)
 		}
 	}()
@@ -142,6 +180,17 @@ func (s *Server) Serve(ctx context.Context, l *net.UnixListener) error {
 	l.Close()
 	s.Shutdown()
 	return err
+}
+
+// retryableAccept reports whether an accept error is a passing shortage
+// (descriptors, memory, an aborted connection) rather than a closed listener.
+func retryableAccept(err error) bool {
+	for _, e := range []error{unix.EMFILE, unix.ENFILE, unix.ENOBUFS, unix.ENOMEM, unix.ECONNABORTED, unix.EINTR} {
+		if errors.Is(err, e) {
+			return true
+		}
+	}
+	return false
 }
 
 // start registers and runs a session, or refuses the connection.

@@ -61,6 +61,7 @@ type session struct {
 
 	hello      bool
 	regions    map[uint32]*memRegion
+	regBytes   int64 // bytes of the regions, counted against the limits
 	namespaces map[uint32]*namespace
 	caches     map[uint32]*cache
 	nextID     uint32
@@ -240,8 +241,14 @@ func (s *session) registerMemory(m *protocol.RegisterMemory) (protocol.Message, 
 		unix.Close(fd)
 		return nil, err
 	}
-	h, err := region.OpenMemfd(fd, int64(m.Size))
+	size := int64(m.Size)
+	if err := s.reserveBytes(size); err != nil {
+		unix.Close(fd)
+		return nil, err
+	}
+	h, err := region.OpenMemfd(fd, size)
 	if err != nil {
+		s.releaseBytes(size)
 		unix.Close(fd)
 		return nil, perr(protocol.CodeBadFd, "%v", err)
 	}
@@ -285,10 +292,33 @@ func (s *session) unregisterMemory(m *protocol.UnregisterMemory) (protocol.Messa
 		return nil, perr(protocol.CodeInUse, "region %d holds %d layers of registered caches", m.Region, r.refs)
 	}
 	delete(s.regions, m.Region)
+	s.releaseBytes(r.host.Len())
 	if err := r.host.Close(); err != nil {
 		s.log.Warn("unmap region", "err", err)
 	}
 	return &protocol.Empty{T: protocol.TypeUnregisterMemory | protocol.TypeReply}, nil
+}
+
+// reserveBytes accounts size bytes of registered memory against the
+// connection's and the daemon's limits, before the memory is mapped.
+func (s *session) reserveBytes(size int64) error {
+	cfg := s.srv.cfg
+	if s.regBytes+size > cfg.MaxRegisteredBytes {
+		return perr(protocol.CodeLimit, "registering %d bytes would exceed this connection's limit of %d bytes of registered memory (%d registered)",
+			size, cfg.MaxRegisteredBytes, s.regBytes)
+	}
+	if total := s.srv.regBytes.Add(size); total > cfg.MaxTotalRegisteredBytes {
+		s.srv.regBytes.Add(-size)
+		return perr(protocol.CodeLimit, "registering %d bytes would exceed the daemon's limit of %d bytes of registered memory",
+			size, cfg.MaxTotalRegisteredBytes)
+	}
+	s.regBytes += size
+	return nil
+}
+
+func (s *session) releaseBytes(size int64) {
+	s.regBytes -= size
+	s.srv.regBytes.Add(-size)
 }
 
 func (s *session) declare(m *protocol.Declare) (protocol.Message, error) {
@@ -596,6 +626,7 @@ func (s *session) release() {
 	s.conn.SetWriteDeadline(time.Now().Add(time.Second))
 	s.writeWG.Wait()
 	for _, r := range s.regions {
+		s.releaseBytes(r.host.Len())
 		if err := r.host.Close(); err != nil {
 			s.log.Warn("unmap region", "err", err)
 		}

@@ -123,6 +123,7 @@ func serve(ctx context.Context, cfg config.Config, log *slog.Logger, stdout io.W
 		CPUs:           cfg.Engine.CPUs,
 		StagingBytes:   int64(cfg.Engine.StagingMemory),
 		VerifyInterval: time.Duration(cfg.Engine.VerifyInterval),
+		TempGrace:      time.Duration(cfg.Engine.TempGrace),
 		Logger:         log,
 	})
 	if err != nil {

@@ -1,0 +1,4 @@
+package server
+
+// RetryableAccept exports retryableAccept to the tests.
+var RetryableAccept = retryableAccept
