@@ -11,9 +11,10 @@ import (
 	"github.com/kvhost/kvhost/region"
 )
 
-// testGeometry is small: 128-byte blocks, 2 blocks per key, 1 KiB per key.
+// testGeometry is small: 512-byte blocks (the engine's minimum), 2 blocks
+// per key, 4 KiB per key.
 var testGeometry = client.Geometry{
-	Model: "test-model", Layers: 2, KVHeads: 1, HeadSize: 16, DtypeSize: 2,
+	Model: "test-model", Layers: 2, KVHeads: 1, HeadSize: 64, DtypeSize: 2,
 	TokensPerBlock: 4, TokensPerKey: 8, TPSize: 1,
 }
 

@@ -26,7 +26,7 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-var geo = client.Geometry{Model: "m", Layers: 2, KVHeads: 1, HeadSize: 16, DtypeSize: 2, TokensPerBlock: 4, TokensPerKey: 8, TPSize: 1}
+var geo = client.Geometry{Model: "m", Layers: 2, KVHeads: 1, HeadSize: 64, DtypeSize: 2, TokensPerBlock: 4, TokensPerKey: 8, TPSize: 1}
 
 const numBlocks = 32
 
@@ -392,7 +392,8 @@ func TestRegisterCacheBounds(t *testing.T) {
 	f := newFixture(t, server.Config{})
 	c := f.dial(t)
 	ctx := context.Background()
-	mem, err := client.NewMemfd("t", 4096)
+	half := 2 * 8 * geo.BlockBytes() // one layer of 8 blocks
+	mem, err := client.NewMemfd("t", 2*half)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -407,19 +408,19 @@ func TestRegisterCacheBounds(t *testing.T) {
 	}
 	bb := geo.BlockBytes()
 	r := uint32(rid)
-	first := client.Layer{Region: r, NumBlocks: 8, BlockStride: bb, PlaneStride: 8 * bb} // bytes [0, 2048)
+	first := client.Layer{Region: r, NumBlocks: 8, BlockStride: bb, PlaneStride: 8 * bb} // bytes [0, half)
 	cases := []struct {
 		name string
 		l    client.Layer
 		code protocol.Code
 	}{
-		{"past the end", client.Layer{Region: r, NumBlocks: 9, Offset: 2048, BlockStride: bb, PlaneStride: 8 * bb}, protocol.CodeInvalid},
-		{"huge stride", client.Layer{Region: r, NumBlocks: 3, Offset: 2048, BlockStride: 1 << 62, PlaneStride: bb}, protocol.CodeInvalid},
-		{"huge plane stride", client.Layer{Region: r, NumBlocks: 1, Offset: 2048, BlockStride: bb, PlaneStride: 1 << 62}, protocol.CodeInvalid},
-		{"offset", client.Layer{Region: r, NumBlocks: 1, Offset: 4000, BlockStride: bb, PlaneStride: bb}, protocol.CodeInvalid},
-		{"zero blocks", client.Layer{Region: r, NumBlocks: 0, Offset: 2048, BlockStride: bb, PlaneStride: 8 * bb}, protocol.CodeInvalid},
+		{"past the end", client.Layer{Region: r, NumBlocks: 9, Offset: half, BlockStride: bb, PlaneStride: 8 * bb}, protocol.CodeInvalid},
+		{"huge stride", client.Layer{Region: r, NumBlocks: 3, Offset: half, BlockStride: 1 << 62, PlaneStride: bb}, protocol.CodeInvalid},
+		{"huge plane stride", client.Layer{Region: r, NumBlocks: 1, Offset: half, BlockStride: bb, PlaneStride: 1 << 62}, protocol.CodeInvalid},
+		{"offset", client.Layer{Region: r, NumBlocks: 1, Offset: 2*half - 96, BlockStride: bb, PlaneStride: bb}, protocol.CodeInvalid},
+		{"zero blocks", client.Layer{Region: r, NumBlocks: 0, Offset: half, BlockStride: bb, PlaneStride: 8 * bb}, protocol.CodeInvalid},
 		{"unknown region", client.Layer{Region: 77, NumBlocks: 1, BlockStride: bb, PlaneStride: bb}, protocol.CodeUnknownRegion},
-		{"fits exactly", client.Layer{Region: r, NumBlocks: 8, Offset: 2048, BlockStride: bb, PlaneStride: 8 * bb}, protocol.CodeOK},
+		{"fits exactly", client.Layer{Region: r, NumBlocks: 8, Offset: half, BlockStride: bb, PlaneStride: 8 * bb}, protocol.CodeOK},
 	}
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {

@@ -10,7 +10,7 @@ import threading
 
 import kvhost
 
-GEOMETRY = kvhost.Geometry(model="test-model", layers=2, kv_heads=1, head_size=16, dtype_size=2,
+GEOMETRY = kvhost.Geometry(model="test-model", layers=2, kv_heads=1, head_size=64, dtype_size=2,
                            tokens_per_block=4, tokens_per_key=8)
 BLOCKS = 64
 

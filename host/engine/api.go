@@ -50,8 +50,10 @@ var (
 	// ErrMismatch: a file exists under the key's name but belongs to another
 	// geometry or key; it is treated as a miss.
 	ErrMismatch = errors.New("engine: file does not match the request")
-	// ErrCorrupt: a file failed its header or payload checksum; the entry is
-	// dropped.
+	// ErrCorrupt: a file failed its header or payload checksum (read again
+	// into private memory, so that a client writing its destination blocks
+	// cannot make a good file look corrupt); the entry is dropped and the
+	// file removed.
 	ErrCorrupt = errors.New("engine: corrupt file")
 	// ErrPolicy: the policy failed or returned something the engine refused.
 	ErrPolicy = errors.New("engine: policy")
@@ -96,15 +98,17 @@ type Config struct {
 	// engine's index (policy hosts need one); the engine closes it.
 	NewPolicy func(idx policy.Index) (policy.Policy, error)
 	// Fsync makes every store durable before it is reported stored: fsync of
-	// the file, rename, fsync of the directory. It costs one or two device
+	// every directory the store creates and of its parent, fsync of the
+	// file, rename, fsync of the directory. It costs one or two device
 	// flushes per file (docs/engine.md).
 	Fsync bool
 	// VerifyInterval lets Lookup trust an entry whose file was checked (a
 	// stat: same inode, same size) within the interval, instead of checking
 	// it again. 0 checks every hit of every lookup. A file removed or
-	// replaced behind the engine's back is then a miss within the interval;
-	// a load always opens the file and checks its header, so it never
-	// reports a vanished or replaced file loaded.
+	// replaced behind the engine's back then stays a hit for at most the
+	// interval, and is a miss once checked; a load always opens the file
+	// and checks its header, so it never reports a vanished or replaced
+	// file loaded.
 	VerifyInterval time.Duration
 	// NoChecksum skips the CRC-32C of payloads on store (files are flagged
 	// as unchecked) and skips verification on load. Headers are always
@@ -122,6 +126,11 @@ type Config struct {
 	// remove every leftover). Set it when several nodes share a mount, so
 	// that one node's start does not remove another's store in progress.
 	TempGrace time.Duration
+	// MaxNamespaces bounds the namespaces Declare creates over the life of
+	// the engine (default DefaultMaxNamespaces): each one holds state in
+	// the engine and in every policy shard until the engine closes.
+	// Namespaces of files found on disk do not count until declared.
+	MaxNamespaces int
 	// Logger receives the engine's logs (default: slog.Default()).
 	Logger *slog.Logger
 	// FS is the file system (default fsys.OS); tests inject faults here.
@@ -129,6 +138,9 @@ type Config struct {
 	// Now is the clock for access times (default time.Now).
 	Now func() time.Time
 }
+
+// DefaultMaxNamespaces is Config.MaxNamespaces when it is zero.
+const DefaultMaxNamespaces = 1024
 
 // LayerTensor is the KV-cache tensor of one layer in a paged cache: block b
 // of plane p (0 = K, 1 = V; MLA has only plane 0) starts at
@@ -172,8 +184,9 @@ const (
 	OutcomePending Outcome = iota
 	// OutcomeStored: the key was written and published.
 	OutcomeStored
-	// OutcomePresent: the key was already stored (or being stored); nothing
-	// was written.
+	// OutcomePresent: the key was already stored, by an earlier job or by
+	// another job writing its file, which this one waited for; nothing was
+	// written.
 	OutcomePresent
 	// OutcomeNotAdmitted: the policy declined the key.
 	OutcomeNotAdmitted

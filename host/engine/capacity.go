@@ -2,9 +2,7 @@ package engine
 
 import (
 	"context"
-	"errors"
 	"fmt"
-	"os"
 
 	"github.com/kvhost/kvhost/abi"
 )
@@ -78,16 +76,20 @@ func (e *Engine) evict(ctx context.Context, m *mount, size int64) {
 			e.mu.Lock()
 			en := e.entries[v.Entry]
 			ok := en != nil && en.pins == 0 && en.mount == m.idx && !en.gone
+			claimed := false
 			if ok {
 				e.unindexLocked(en)
 				recs = append(recs, en.access(abi.AccessRemove, e.now().UnixNano()))
+				// Hold the path while removing: a store publishing there
+				// meanwhile waits, and its new file is never removed.
+				claimed = e.removeLocked(en)
 			}
 			e.mu.Unlock()
 			if !ok {
 				continue
 			}
-			if err := e.fs.Remove(en.path); err != nil && !errors.Is(err, os.ErrNotExist) {
-				e.log.Warn("engine: evict", "path", en.path, "err", err)
+			if claimed {
+				e.removeClaimed(en)
 			}
 			freed += en.size
 			e.st.evictions.Add(1)

@@ -15,6 +15,8 @@ import (
 	"syscall"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/format"
 	"github.com/kvhost/kvhost/host/policy"
@@ -40,6 +42,7 @@ type Engine struct {
 	mounts    []*mount
 	now       func() time.Time
 	dirs      sync.Map // directories known to exist
+	unsynced  sync.Map // directories created, not yet fsynced (Config.Fsync)
 
 	mu       sync.Mutex
 	closed   bool
@@ -49,11 +52,12 @@ type Engine struct {
 	entries  map[uint64]*entry
 	byKey    map[keyID]keyRef
 	byPath   map[string]*entry
-	inflight map[string]struct{} // paths being written
+	inflight map[string]*flight // paths being written or removed
 	jobs     map[JobID]*Job
 	lastID   uint64 // entries
 	lastJob  uint64
 	lastCach uint64
+	declares int // namespaces counted against Config.MaxNamespaces
 	jobsWG   sync.WaitGroup
 
 	st counters
@@ -87,6 +91,9 @@ type namespace struct {
 	rec         abi.NamespaceRecord
 	keysPerFile int
 	order       uint32
+	// counted: created or claimed by Declare, so it counts against
+	// Config.MaxNamespaces (namespaces of files found on disk do not).
+	counted bool
 }
 
 type cache struct {
@@ -152,6 +159,9 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	if cfg.StagingBytes <= 0 {
 		cfg.StagingBytes = 64 << 20
 	}
+	if cfg.MaxNamespaces <= 0 {
+		cfg.MaxNamespaces = DefaultMaxNamespaces
+	}
 	e := &Engine{
 		cfg:      cfg,
 		log:      cfg.Logger,
@@ -162,7 +172,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		entries:  map[uint64]*entry{},
 		byKey:    map[keyID]keyRef{},
 		byPath:   map[string]*entry{},
-		inflight: map[string]struct{}{},
+		inflight: map[string]*flight{},
 		jobs:     map[JobID]*Job{},
 	}
 	for i, m := range cfg.Mounts {
@@ -220,7 +230,7 @@ func (e *Engine) openMount(i int, m Mount) (*mount, error) {
 	if high <= 0 || high > 1 || low <= 0 || low > high || m.Capacity < 0 {
 		return nil, fmt.Errorf("%w: mount %s: capacity %d, watermarks high %v low %v: want 0 < low <= high <= 1", ErrInvalid, root, m.Capacity, high, low)
 	}
-	if err := e.fs.MkdirAll(root, 0o755); err != nil {
+	if err := e.mkdir(root, true); err != nil {
 		return nil, fmt.Errorf("engine: mount %s: %w", root, err)
 	}
 	st, err := e.fs.Statfs(root)
@@ -264,8 +274,18 @@ func (e *Engine) Declare(ctx context.Context, g Geometry) (NamespaceID, error) {
 		e.mu.Unlock()
 		return id, nil
 	}
-	if !ok {
-		id = e.newNamespaceLocked(fp)
+	if !ok || !e.nss[id].counted {
+		// Every namespace costs state here and in every policy shard,
+		// for the life of the engine: bound them.
+		if e.declares >= e.cfg.MaxNamespaces {
+			e.mu.Unlock()
+			return 0, fmt.Errorf("%w: namespace %q: %d namespaces declared, the limit (Config.MaxNamespaces) is %d", ErrInvalid, g.Model, e.declares, e.cfg.MaxNamespaces)
+		}
+		if !ok {
+			id = e.newNamespaceLocked(fp)
+		}
+		e.nss[id].counted = true
+		e.declares++
 	}
 	e.mu.Unlock()
 
@@ -275,6 +295,10 @@ func (e *Engine) Declare(ctx context.Context, g Geometry) (NamespaceID, error) {
 	}
 	if rec.KeysPerFile < 1 || rec.KeysPerFile > abi.MaxKeysPerFile || (rec.Order != abi.OrderLayerMajor && rec.Order != abi.OrderBlockMajor) {
 		return 0, fmt.Errorf("%w: namespace %q: layout keys per file %d, order %d", ErrPolicy, g.Model, rec.KeysPerFile, rec.Order)
+	}
+	if segs := int64(rec.KeysPerFile) * int64(g.SegmentsPerKey()); segs > MaxSegmentsPerFile {
+		return 0, fmt.Errorf("%w: %w: namespace %q: KeysPerFile %d × SegmentsPerKey %d = %d segments per file: want at most %d (fewer keys per file, or larger blocks)",
+			ErrInvalid, ErrPolicy, g.Model, rec.KeysPerFile, g.SegmentsPerKey(), segs, MaxSegmentsPerFile)
 	}
 	e.mu.Lock()
 	defer e.mu.Unlock()
@@ -647,23 +671,26 @@ func (e *Engine) unindexLocked(en *entry) {
 }
 
 // drop removes en from the index, tells the policy, and, if remove is set,
-// removes its file.
-func (e *Engine) drop(ctx context.Context, en *entry, remove bool, why string) {
+// removes its file (holding its path meanwhile, so that a store publishing
+// a new file there waits and its file is never the one removed). It
+// reports whether en was still indexed, that is, whether this call
+// dropped it.
+func (e *Engine) drop(ctx context.Context, en *entry, remove bool, why string) bool {
 	e.mu.Lock()
 	was := !en.gone
 	e.unindexLocked(en)
 	rec := en.access(abi.AccessRemove, e.now().UnixNano())
+	claimed := was && remove && e.removeLocked(en)
 	e.mu.Unlock()
 	if !was {
-		return
+		return false
 	}
-	if remove {
-		if err := e.fs.Remove(en.path); err != nil && !errors.Is(err, os.ErrNotExist) {
-			e.log.Warn("engine: remove", "path", en.path, "err", err)
-		}
+	if claimed {
+		e.removeClaimed(en)
 	}
 	e.log.Debug("engine: entry dropped", "path", en.path, "why", why)
 	e.access(ctx, []abi.AccessRecord{rec})
+	return true
 }
 
 // resolve joins a policy-chosen relative path under its mount, re-checking
@@ -744,11 +771,14 @@ func inode(fi os.FileInfo) uint64 {
 	return 0
 }
 
-// Lookup returns how many leading keys of ns are stored. Every hit is
-// checked against the file system (a stat per file), so a file removed or
-// replaced behind the engine's back is a miss, never a stale hit. The first
-// key missing from the index is looked for under its policy name, so files
-// published by another node sharing the mount are found.
+// Lookup returns how many leading keys of ns are stored. A hit is checked
+// against the file system (a stat per file: same inode, same size) unless
+// it was checked within Config.VerifyInterval: a file removed or replaced
+// behind the engine's back is a miss once checked, so it stays a hit for at
+// most VerifyInterval (with 0, every hit is checked and none is stale).
+// Loads always open and check the file. The first key missing from the
+// index is looked for under its policy name, so files published by another
+// node sharing the mount are found.
 func (e *Engine) Lookup(ctx context.Context, ns NamespaceID, keys [][]byte) (int, error) {
 	n, err := e.namespace(ns)
 	if err != nil {
@@ -802,7 +832,7 @@ func (e *Engine) discover(ctx context.Context, ns *namespace, key []byte) *entry
 		return nil
 	}
 	e.mu.Lock()
-	_, busy := e.inflight[paths[0]]
+	busy := e.inflight[paths[0]] != nil
 	e.mu.Unlock()
 	if busy {
 		return nil
@@ -867,14 +897,16 @@ func (e *Engine) readEntry(mnt int, path string) (*entry, error) {
 	if err != nil {
 		return nil, err
 	}
-	fi, err := e.fs.Stat(path)
-	if err != nil {
-		return nil, err
+	// The open file, not the name: the inode and size must be those of the
+	// file whose header was read, even if the name was replaced meanwhile.
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+		return nil, &os.PathError{Op: "fstat", Path: path, Err: err}
 	}
-	if fi.Size() < h.FileLen() {
-		return nil, fmt.Errorf("%w: %s: %d bytes, header says %d", ErrCorrupt, path, fi.Size(), h.FileLen())
+	if st.Size < h.FileLen() {
+		return nil, fmt.Errorf("%w: %s: %d bytes, header says %d", ErrCorrupt, path, st.Size, h.FileLen())
 	}
-	en := &entry{fp: h.Fingerprint, mount: mnt, path: path, size: fi.Size(), ino: inode(fi), last: fi.ModTime().UnixNano()}
+	en := &entry{fp: h.Fingerprint, mount: mnt, path: path, size: st.Size, ino: st.Ino, last: st.Mtim.Nano()}
 	en.verified.Store(e.now().UnixNano())
 	for _, k := range h.Keys {
 		en.keys = append(en.keys, string(k.Key))
@@ -909,28 +941,38 @@ func readHeader(f fsys.File) (*format.Header, error) {
 }
 
 // Delete removes the files holding any of keys (a file holding several keys
-// goes with all of them) and returns how many keys were removed from the
-// index. A load that has not yet opened a deleted file reports it missing.
+// goes with all of them) and returns how many of the requested keys were
+// stored and are now removed: a key repeated in keys counts once, and the
+// other keys of a removed file are not counted. A load that has not yet
+// opened a deleted file reports it missing.
 func (e *Engine) Delete(ctx context.Context, ns NamespaceID, keys [][]byte) (int, error) {
 	n, err := e.namespace(ns)
 	if err != nil {
 		return 0, err
 	}
-	removed := 0
+	// The entries first: removing a file unindexes its other keys.
+	byEntry := map[*entry]int{} // requested keys held by each entry
+	var order []*entry
+	seen := map[string]bool{}
 	for _, k := range keys {
+		if seen[string(k)] {
+			continue
+		}
+		seen[string(k)] = true
+		if en := e.find(n, k); en != nil {
+			if byEntry[en] == 0 {
+				order = append(order, en)
+			}
+			byEntry[en]++
+		}
+	}
+	removed := 0
+	for _, en := range order {
 		if err := ctx.Err(); err != nil {
 			return removed, err
 		}
-		en := e.find(n, k)
-		if en == nil {
-			continue
-		}
-		e.mu.Lock()
-		gone := en.gone
-		e.mu.Unlock()
-		if !gone {
-			removed += len(en.keys)
-			e.drop(ctx, en, true, "deleted")
+		if e.drop(ctx, en, true, "deleted") {
+			removed += byEntry[en]
 		}
 	}
 	return removed, nil

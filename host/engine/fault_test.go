@@ -259,7 +259,7 @@ func TestConcurrentSameKey(t *testing.T) {
 }
 
 // TestExternalChanges: a file deleted or replaced behind the engine's back
-// is a miss, never a stale hit; a corrupt file is a failed load and is
+// is a miss, never a stale hit (VerifyInterval 0: every hit is checked); a corrupt file is a failed load and is
 // dropped.
 func TestExternalChanges(t *testing.T) {
 	dir := t.TempDir()

@@ -54,10 +54,39 @@ func (g Geometry) Validate() error {
 	case g.TPRank < 0 || g.TPRank >= g.TPSize:
 		return bad("TPRank", g.TPRank, fmt.Sprintf("0..TPSize-1 (%d)", g.TPSize-1))
 	}
+	if bb := g.BlockBytes(); bb < MinBlockBytes {
+		// Every block is one segment with its own metadata and iovec:
+		// tiny blocks would make a small request cost far more memory
+		// and system calls than the bytes it moves.
+		return bad("BlockBytes (TokensPerBlock × KVHeads × HeadSize × DtypeSize)", bb, fmt.Sprintf("at least %d bytes: every block is one I/O segment with its own metadata", MinBlockBytes))
+	}
+	if s := g.SegmentsPerKey(); s > MaxSegmentsPerKey {
+		return bad("SegmentsPerKey (Layers × planes × blocks per key)", s, fmt.Sprintf("at most %d segments per key (Layers %d, planes %d, blocks per key %d)", MaxSegmentsPerKey, g.Layers, g.Planes(), g.BlocksPerKey()))
+	}
 	if kb := g.KeyBytes(); kb <= 0 || kb > 1<<36 {
 		return bad("KeyBytes", kb, "1..64 GiB per key")
 	}
 	return nil
+}
+
+// Limits on a geometry's segments: a store or load holds metadata for every
+// segment (one plane of one layer of one GPU block) of the files it moves.
+const (
+	// MinBlockBytes is the smallest block (Geometry.BlockBytes) accepted.
+	MinBlockBytes = 512
+	// MaxSegmentsPerKey bounds Layers × planes × blocks per key; real
+	// models are far below it (Llama-3.1-70B with 1024-token keys of
+	// 16-token blocks: 80 × 2 × 64 = 10240).
+	MaxSegmentsPerKey = 1 << 16
+	// MaxSegmentsPerFile bounds keys per file × segments per key: the
+	// layout a policy chooses for a namespace must stay within it.
+	MaxSegmentsPerFile = 1 << 20
+)
+
+// SegmentsPerKey is the number of segments (blocks of one plane of one
+// layer) one key covers: Layers × planes × blocks per key.
+func (g Geometry) SegmentsPerKey() int {
+	return g.Layers * g.Planes() * g.BlocksPerKey()
 }
 
 // Planes is 2 (K and V) or 1 (MLA).

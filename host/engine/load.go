@@ -24,6 +24,9 @@ func (e *Engine) Load(ctx context.Context, req LoadRequest) (*Job, error) {
 	if err != nil {
 		return nil, err
 	}
+	if err := distinctBlocks(req.Blocks); err != nil {
+		return nil, err
+	}
 	keys, blocks := cloneRequest(req.Keys, req.Blocks)
 	j, jctx, err := e.newJob(ctx, "load", len(keys))
 	if err != nil {
@@ -199,11 +202,13 @@ func (e *Engine) loadFile(ctx context.Context, w *staging.Worker, j *Job, c *cac
 		}
 		return
 	}
-	bad := false
+	var mismatched []bool // file key -> its checksum failed
 	for _, k := range read {
 		if check && sums[k] != h.Keys[k].Sum {
-			bad = true
-			set(dst[k], OutcomeFailed, fmt.Errorf("%w: %s: key %d: payload checksum 0x%08x, want 0x%08x", ErrCorrupt, en.path, k, sums[k], h.Keys[k].Sum))
+			if mismatched == nil {
+				mismatched = make([]bool, len(h.Keys))
+			}
+			mismatched[k] = true
 			continue
 		}
 		set(dst[k], OutcomeLoaded, nil)
@@ -212,7 +217,26 @@ func (e *Engine) loadFile(ctx context.Context, w *staging.Worker, j *Job, c *cac
 		e.st.read.Add(uint64(h.KeyBytes()))
 		j.bytes.Add(h.KeyBytes())
 	}
-	if bad {
-		corrupt(fmt.Errorf("%w: payload checksum", format.ErrCorrupt))
+	if mismatched != nil {
+		// The checksums were computed from the destination blocks, which
+		// the client can write: only a private re-read tells a corrupt
+		// file from blocks changed under the load.
+		private, err := recheck(ctx, f, h, mismatched)
+		bad := errors.Is(err, ErrCorrupt)
+		for k, mis := range mismatched {
+			switch {
+			case !mis:
+			case err != nil:
+				set(dst[k], OutcomeFailed, fmt.Errorf("engine: load %s: key %d: payload checksum 0x%08x, want 0x%08x; re-reading: %w", en.path, k, sums[k], h.Keys[k].Sum, err))
+			case private[k] != h.Keys[k].Sum:
+				bad = true
+				set(dst[k], OutcomeFailed, fmt.Errorf("%w: %s: key %d: payload checksum 0x%08x, want 0x%08x", ErrCorrupt, en.path, k, private[k], h.Keys[k].Sum))
+			default:
+				set(dst[k], OutcomeFailed, fmt.Errorf("%w: %s: key %d", errDestinationChanged, en.path, k))
+			}
+		}
+		if bad {
+			corrupt(fmt.Errorf("%w: payload checksum", format.ErrCorrupt))
+		}
 	}
 }

@@ -55,33 +55,85 @@ type group struct {
 	hdr   *format.Header
 }
 
+// maxStoreRounds bounds how many times a store waits for another job that
+// holds one of its files' paths before it gives up on those keys.
+const maxStoreRounds = 8
+
 func (e *Engine) runStore(ctx context.Context, j *Job, c *cache, keys [][]byte, blocks [][]int) {
 	defer e.finish(j)
+	// A key repeated in the request is stored once; every occurrence gets
+	// the outcome of the first.
+	first := make([]int, len(keys))
+	firstOf := map[string]int{}
+	var todo []int
+	for i, k := range keys {
+		if f, ok := firstOf[string(k)]; ok {
+			first[i] = f
+			continue
+		}
+		firstOf[string(k)], first[i] = i, i
+		todo = append(todo, i)
+	}
+	defer func() { // runs before finish
+		for i, f := range first {
+			if f != i {
+				j.res.Keys[i] = j.res.Keys[f]
+			}
+		}
+	}()
+
+	for round := 0; ; round++ {
+		// Keys already stored (and still on disk) are present.
+		var missing []int
+		for _, i := range todo {
+			if en := e.find(c.ns, keys[i]); en != nil && e.verify(ctx, en) {
+				j.res.Keys[i] = KeyResult{Outcome: OutcomePresent}
+				continue
+			}
+			missing = append(missing, i)
+		}
+		if len(missing) == 0 {
+			return
+		}
+		var err error
+		switch {
+		case ctx.Err() != nil:
+			err = ctx.Err()
+		case round == maxStoreRounds:
+			err = fmt.Errorf("engine: store: the file's path was held by other jobs %d times in a row", round)
+		}
+		if err != nil {
+			for _, i := range missing {
+				j.res.Keys[i] = KeyResult{Outcome: OutcomeFailed, Err: err}
+			}
+			return
+		}
+		// Keys whose file's path another job holds wait for it, then are
+		// looked at again: stored by it (present), or stored anew in the
+		// next round, grouped afresh (so a file holding other keys under
+		// the same name is never taken for theirs).
+		var busy []*flight
+		todo, busy = e.storeRound(ctx, j, c, keys, blocks, missing)
+		for _, fl := range busy {
+			select {
+			case <-fl.done:
+			case <-ctx.Done():
+			}
+		}
+	}
+}
+
+// storeRound stores the keys todo (request indices): it groups them into
+// files, names them, asks admission and writes every file whose path it
+// can hold. It returns the keys of files whose path another job holds, and
+// those jobs' flights, for the caller to wait on.
+func (e *Engine) storeRound(ctx context.Context, j *Job, c *cache, keys [][]byte, blocks [][]int, todo []int) ([]int, []*flight) {
 	ns := c.ns
 	set := func(i int, o Outcome, err error) { j.res.Keys[i] = KeyResult{Outcome: o, Err: err} }
 	failAll := func(idx []int, err error) {
 		for _, i := range idx {
 			set(i, OutcomeFailed, err)
 		}
-	}
-
-	// Keys already stored (and still on disk), or repeated in the request.
-	var todo []int
-	seen := map[string]bool{}
-	for i, k := range keys {
-		if seen[string(k)] {
-			set(i, OutcomePresent, nil)
-			continue
-		}
-		seen[string(k)] = true
-		if en := e.find(ns, k); en != nil && e.verify(ctx, en) {
-			set(i, OutcomePresent, nil)
-			continue
-		}
-		todo = append(todo, i)
-	}
-	if len(todo) == 0 {
-		return
 	}
 
 	// Files: runs of KeysPerFile consecutive keys, named by their first key.
@@ -96,7 +148,7 @@ func (e *Engine) runStore(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 	mounts, paths, errs, err := e.names(ctx, ns, firsts)
 	if err != nil {
 		failAll(todo, err)
-		return
+		return nil, nil
 	}
 	now := e.now().UnixNano()
 	for g, gr := range groups {
@@ -125,7 +177,7 @@ func (e *Engine) runStore(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 		for start := 0; start < len(recs); start += abi.MaxBatch {
 			if err := e.pol.Admit(ctx, recs[start:min(len(recs), start+abi.MaxBatch)]); err != nil {
 				failAll(todo, fmt.Errorf("%w: admit: %w", ErrPolicy, err))
-				return
+				return nil, nil
 			}
 		}
 		r := 0
@@ -141,7 +193,11 @@ func (e *Engine) runStore(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 		}
 	}
 
-	var wg sync.WaitGroup
+	var (
+		wg       sync.WaitGroup
+		deferred []int
+		busy     []*flight
+	)
 	for g, gr := range groups {
 		switch {
 		case errs[g] != nil:
@@ -157,21 +213,16 @@ func (e *Engine) runStore(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 			continue
 		}
 		e.mu.Lock()
-		_, busy := e.inflight[gr.path]
-		if !busy {
-			e.inflight[gr.path] = struct{}{}
-		}
+		claimed, fl := e.claimLocked(gr.path)
 		e.mu.Unlock()
-		if busy {
-			// The same file is being written by another job: one intact
-			// file results either way.
-			for _, i := range gr.idx {
-				set(i, OutcomePresent, nil)
-			}
+		if !claimed {
+			// Another job writes (or removes) this path: what it leaves
+			// there decides, once it is done, which keys are stored.
+			deferred = append(deferred, gr.idx...)
+			busy = append(busy, fl)
 			continue
 		}
 		wg.Add(1)
-		gr := gr
 		err := e.pool.Submit(ctx, func(w *staging.Worker) {
 			defer wg.Done()
 			defer e.release(gr.path)
@@ -190,12 +241,7 @@ func (e *Engine) runStore(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 		}
 	}
 	wg.Wait()
-}
-
-func (e *Engine) release(path string) {
-	e.mu.Lock()
-	delete(e.inflight, path)
-	e.mu.Unlock()
+	return deferred, busy
 }
 
 // storeFile writes one file: payload, then header (which carries the
@@ -331,16 +377,67 @@ func (e *Engine) ioError(m *mount, op string, err error) error {
 	return fmt.Errorf("engine: store on mount %s: %s: %w", m.root, op, err)
 }
 
-// mkdir creates dir (and parents) once; force re-creates it.
+// mkdir creates dir (and parents) once; force re-creates it. With
+// Config.Fsync, every directory it creates is fsynced, and so is its
+// parent, before mkdir returns: a file published there and reported durable
+// cannot vanish with its directory on a power loss.
 func (e *Engine) mkdir(dir string, force bool) error {
 	if !force {
 		if _, ok := e.dirs.Load(dir); ok {
 			return nil
 		}
 	}
+	if e.cfg.Fsync {
+		// The directories about to be created: from dir up to the first
+		// that exists. They stay listed until synced, so that a failed
+		// sync is tried again by the next store.
+		for d := dir; ; {
+			if _, err := e.fs.Stat(d); err == nil {
+				break
+			} else if !errors.Is(err, os.ErrNotExist) {
+				return err
+			}
+			e.unsynced.Store(d, struct{}{})
+			p := filepath.Dir(d)
+			if p == d {
+				break
+			}
+			d = p
+		}
+	}
 	if err := e.fs.MkdirAll(dir, 0o755); err != nil {
 		return err
 	}
+	if e.cfg.Fsync {
+		if err := e.syncNewDirs(dir); err != nil {
+			return err
+		}
+	}
 	e.dirs.Store(dir, struct{}{})
 	return nil
+}
+
+// syncNewDirs fsyncs every directory from dir upwards that mkdir created
+// and has not synced yet, and its parent (which holds its entry).
+func (e *Engine) syncNewDirs(dir string) error {
+	synced := map[string]bool{}
+	for d := dir; ; {
+		p := filepath.Dir(d)
+		if _, ok := e.unsynced.Load(d); ok {
+			for _, s := range []string{d, p} {
+				if synced[s] {
+					continue
+				}
+				if err := e.fs.SyncDir(s); err != nil {
+					return fmt.Errorf("fsync of new directory: %w", err)
+				}
+				synced[s] = true
+			}
+			e.unsynced.Delete(d)
+		}
+		if p == d {
+			return nil
+		}
+		d = p
+	}
 }

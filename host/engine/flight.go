@@ -1,0 +1,84 @@
+package engine
+
+import (
+	"errors"
+	"os"
+	"slices"
+)
+
+// flight marks a path that this engine is writing (a store) or removing (an
+// eviction, a delete, a corrupt file dropped). At most one of them holds a
+// path at a time, so that a removal never deletes a file a store has just
+// published there, and a store that finds its path held waits for the
+// holder and then looks again at what is stored.
+type flight struct {
+	done chan struct{} // closed when the path is released
+	// orphans are the inodes of files at the path that were unindexed
+	// while the path was held: the holder removes the file at release if
+	// it is still one of them (a store that published has replaced it).
+	orphans []uint64
+}
+
+// claimLocked marks path in flight and returns true, or returns false and
+// the holder's flight if it already is.
+func (e *Engine) claimLocked(path string) (bool, *flight) {
+	if fl := e.inflight[path]; fl != nil {
+		return false, fl
+	}
+	e.inflight[path] = &flight{done: make(chan struct{})}
+	return true, nil
+}
+
+// release ends this engine's claim on path, first removing the orphans
+// left to it, and wakes the stores waiting for the path.
+func (e *Engine) release(path string) {
+	for {
+		e.mu.Lock()
+		fl := e.inflight[path]
+		orphans := fl.orphans
+		fl.orphans = nil
+		if len(orphans) == 0 {
+			delete(e.inflight, path)
+			e.mu.Unlock()
+			close(fl.done)
+			return
+		}
+		e.mu.Unlock()
+		e.removeIfInode(path, orphans)
+	}
+}
+
+// removeLocked arranges the removal of the file of en, already unindexed:
+// if the path is free it claims it and returns true, and the caller calls
+// removeClaimed without the lock; if the path is held, the holder removes
+// the file when it releases the path, unless the file was replaced.
+func (e *Engine) removeLocked(en *entry) bool {
+	ok, fl := e.claimLocked(en.path)
+	if !ok {
+		fl.orphans = append(fl.orphans, en.ino)
+	}
+	return ok
+}
+
+// removeClaimed removes en's file (if it is still the file at its path) and
+// releases the path claimed by removeLocked.
+func (e *Engine) removeClaimed(en *entry) {
+	e.removeIfInode(en.path, []uint64{en.ino})
+	e.release(en.path)
+}
+
+// removeIfInode removes the file at path if its inode is one of inos. The
+// caller holds the path, so no store of this engine publishes there
+// between the stat and the remove.
+func (e *Engine) removeIfInode(path string, inos []uint64) {
+	fi, err := e.fs.Stat(path)
+	if err == nil && !slices.Contains(inos, inode(fi)) {
+		return // replaced: someone else's newer file
+	}
+	if err == nil {
+		err = e.fs.Remove(path)
+	}
+	if err != nil && !errors.Is(err, os.ErrNotExist) {
+		e.log.Warn("engine: remove", "path", path, "err", err)
+	}
+}
