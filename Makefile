@@ -47,7 +47,7 @@ lint: tools vet
 	$(GOBIN)/staticcheck ./...
 
 # Bounded fuzzing of the decoders that face untrusted input: PKG:FuzzFunc.
-FUZZ_TARGETS ?= ./abi:FuzzCheckPath ./format:FuzzDecodeHeader ./protocol:FuzzDecode ./server:FuzzSession ./host/policy:FuzzOutputValidation
+FUZZ_TARGETS ?= ./abi:FuzzCheckPath ./format:FuzzDecodeHeader ./protocol:FuzzDecode ./server:FuzzSession ./host/policy:FuzzOutputValidation ./host/policy/internal/meter:FuzzInstrument
 FUZZTIME     ?= 10s
 fuzz: wasm
 	@for t in $(FUZZ_TARGETS); do \

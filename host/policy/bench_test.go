@@ -28,13 +28,13 @@ func benchHost(b *testing.B, kind string) policy.Policy {
 	b.Helper()
 	ctx := context.Background()
 	idx := policytest.NewIndex()
-	cfg := policy.Config{Shards: 1, Logger: quietLogger(), Trusted: kind == "wasm-trusted"}
+	cfg := policy.Config{Shards: 1, Logger: quietLogger()}
 	var h *policy.Host
 	var err error
 	switch kind {
 	case "wat":
 		h, err = policy.Open(ctx, fixture(b, "wellbehaved"), "wellbehaved", idx, cfg)
-	case "wasm", "wasm-trusted":
+	case "wasm":
 		mod, werr := plugins.Wasm("lru")
 		if werr != nil {
 			b.Fatalf("%v (build the plugins with `make wasm`)", werr)
@@ -67,12 +67,12 @@ func benchHost(b *testing.B, kind string) policy.Policy {
 }
 
 // BenchmarkBoundary measures the per-key cost of batched calls through the
-// policy boundary: the lru plugin in wasm (sandboxed, and Trusted: without
-// wazero's interruption checks), the same Go policy natively, and the
-// hand-written WAT fixture (host overhead with a minimal guest).
+// policy boundary: the lru plugin in wasm (sandboxed: metered by fuel), the
+// same Go policy natively, and the hand-written WAT fixture (host overhead
+// with a minimal guest).
 func BenchmarkBoundary(b *testing.B) {
 	ctx := context.Background()
-	for _, kind := range []string{"wasm", "wasm-trusted", "native", "wat"} {
+	for _, kind := range []string{"wasm", "native", "wat"} {
 		h := benchHost(b, kind)
 		for _, hook := range []string{"access", "victims", "name"} {
 			for _, n := range []int{1, 32, 256} {
@@ -142,4 +142,69 @@ func BenchmarkStartWarmCache(b *testing.B) {
 	per := b.Elapsed() / time.Duration(b.N)
 	b.ReportMetric(float64(per.Microseconds())/1000, "ms/start")
 	b.ReportMetric(float64(per)/float64(ceilingStart), "of-ceiling")
+}
+
+// BenchmarkRunaway measures how long an endless loop (the loop fixture)
+// runs before its fuel stops it, as a multiple of the call deadline. Each
+// Name call runs the loop twice (the call and its retry on a fresh
+// instance). Ceiling: 3 deadlines per runaway call.
+func BenchmarkRunaway(b *testing.B) {
+	const timeout = 20 * time.Millisecond
+	ctx := context.Background()
+	h, err := policy.Open(ctx, fixture(b, "loop"), "loop", policytest.NewIndex(),
+		policy.Config{Shards: 1, CallTimeout: timeout, MaxFailures: 1 << 30, Logger: quietLogger()})
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer h.Close(ctx)
+	recs := nameRecords(1, 0)
+	for b.Loop() {
+		if err := h.Name(ctx, recs); err == nil {
+			b.Fatal("the endless loop returned")
+		}
+	}
+	per := b.Elapsed() / time.Duration(2*b.N)
+	b.ReportMetric(float64(per.Microseconds())/1000, "ms/runaway-call")
+	b.ReportMetric(float64(per)/float64(timeout), "deadlines")
+	b.ReportMetric(float64(per)/float64(3*timeout), "of-ceiling")
+}
+
+// BenchmarkFuelRate measures how fast plugin code spends fuel: units per
+// nanosecond of call time, for the lru plugin and the WAT fixture, per hook
+// at batch 256. It is what relates the fuel budget (2 units per nanosecond
+// of the deadline) to time; no ceiling.
+func BenchmarkFuelRate(b *testing.B) {
+	ctx := context.Background()
+	for _, kind := range []string{"wasm", "wat"} {
+		h := benchHost(b, kind).(*policy.Host)
+		for _, hook := range []string{"access", "victims", "name"} {
+			b.Run(kind+"/"+hook, func(b *testing.B) {
+				const n = 256
+				recs := make([]abi.AccessRecord, n)
+				names := nameRecords(n, 0)
+				read := policy.CountFuel(h)
+				for i := 0; b.Loop(); i++ {
+					var err error
+					switch hook {
+					case "access":
+						for j := range recs {
+							id := uint64((i*n+j)%benchEntries) + 1
+							recs[j] = abi.AccessRecord{Entry: id, Time: uint64(benchEntries + i*n + j), Size: 1 << 20, Kind: abi.AccessHit}
+						}
+						err = h.Access(ctx, recs)
+					case "victims":
+						_, err = h.Victims(ctx, abi.EvictRequest{Bytes: n << 20, Mount: abi.AnyMount}, n)
+					case "name":
+						err = h.Name(ctx, names)
+					}
+					if err != nil {
+						b.Fatal(err)
+					}
+				}
+				fuel, ns := read()
+				b.ReportMetric(float64(fuel)/float64(ns), "units/ns")
+				b.ReportMetric(float64(fuel)/float64(b.N*n), "units/key")
+			})
+		}
+	}
 }

@@ -44,8 +44,10 @@ type Config struct {
 	// MemoryLimit is the most linear memory, in bytes, one instance may
 	// have; a multiple of 64 KiB. Zero means DefaultMemoryLimit.
 	MemoryLimit int64
-	// CallTimeout is the deadline of one hook call. Zero means
-	// DefaultCallTimeout.
+	// CallTimeout is the deadline of one hook call. A call gets fuel in
+	// proportion to it (2 units, wasm instructions, per nanosecond), which
+	// stops a call that runs on, and a call that returns after CallTimeout
+	// fails too. Zero means DefaultCallTimeout.
 	CallTimeout time.Duration
 	// CacheDir, if set, is a directory for wazero's on-disk compilation
 	// cache: a second start with the same module compiles nothing.
@@ -53,17 +55,6 @@ type Config struct {
 	// Cache, if set, is used instead of CacheDir. It lets tests and tools
 	// share an in-memory cache between hosts. The Host does not close it.
 	Cache wazero.CompilationCache
-	// Trusted compiles the plugin without wazero's interruption checks. By
-	// default every loop iteration of plugin code checks whether the call
-	// must stop (wazero's WithCloseOnContextDone), which is what lets the
-	// host cut a runaway call at CallTimeout — and costs a switch into Go
-	// per iteration, several times the cost of the plugin's own work. A
-	// Trusted plugin's call cannot be interrupted: it is judged only once
-	// it returns (a call over CallTimeout is still a failure), and an
-	// endless loop hangs its caller and stalls the Go runtime. Use it only
-	// for code as trusted as kvhost itself, such as the embedded built-in
-	// policies.
-	Trusted bool
 	// Params is the plugin configuration, passed to kvhost_init as
 	// "key=value" lines together with ParamShard and ParamShards. Keys
 	// starting with "kvhost." are reserved for the host.

@@ -270,8 +270,8 @@ func (h *Host) invoke(ctx context.Context, s *shard, hk hook, op batchOp) error 
 			h.stats.replacements.Add(1)
 			inst, err := h.build(ctx, h.mu.backend, s)
 			if err != nil {
-				if ctx.Err() != nil {
-					return ctx.Err()
+				if err := callerDone(ctx); err != nil {
+					return err
 				}
 				if sw := h.failed(err.(*Error)); sw != nil {
 					return sw
@@ -286,10 +286,11 @@ func (h *Host) invoke(ctx context.Context, s *shard, hk hook, op batchOp) error 
 		}
 		s.inst.close(ctx)
 		s.inst = nil
-		if ctx.Err() != nil {
-			// The caller gave up; the call was cut short, which is not the
-			// plugin's fault. The instance is rebuilt on next use.
-			return fmt.Errorf("policy %s: %s: %w", h.name, hk, ctx.Err())
+		if cerr := callerDone(ctx); cerr != nil {
+			// The caller gave up while the call ran: its failure is not
+			// counted against the plugin. The instance is rebuilt on next
+			// use.
+			return fmt.Errorf("policy %s: %s: %w", h.name, hk, cerr)
 		}
 		if sw := h.failed(err.(*Error)); sw != nil {
 			return sw
@@ -297,6 +298,20 @@ func (h *Host) invoke(ctx context.Context, s *shard, hk hook, op batchOp) error 
 		last = err
 	}
 	return last
+}
+
+// callerDone returns the caller's context error, or
+// context.DeadlineExceeded once its deadline has passed: a plugin call holds
+// its goroutine's processor until it returns, which can delay the timer
+// that sets ctx.Err.
+func callerDone(ctx context.Context) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	if d, ok := ctx.Deadline(); ok && !time.Now().Before(d) {
+		return context.DeadlineExceeded
+	}
+	return nil
 }
 
 // failed counts and logs a plugin failure and reports whether it should

@@ -122,7 +122,7 @@ func TestHostileFallback(t *testing.T) {
 		timeout time.Duration
 		reason  string
 	}{
-		{"loop", "kvhost_name", 20 * time.Millisecond, "exceeded the call deadline of 20ms"},
+		{"loop", "kvhost_name", 20 * time.Millisecond, "ran out of fuel: exceeded the call deadline of 20ms"},
 		{"bomb", "kvhost_name", time.Second, "memory near its limit (7.5 MiB of 8 MiB in use): wasm error: unreachable"},
 		{"traversal", "kvhost_name", time.Second, `invalid path "../../etc/passwd": component ".." starts with '.'`},
 		{"pinned", "kvhost_evict", time.Second, "is pinned (1 pins)"},

@@ -12,6 +12,7 @@ import (
 	"github.com/tetratelabs/wazero/imports/wasi_snapshot_preview1"
 
 	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/host/policy/internal/meter"
 )
 
 // Info describes a plugin module: what Inspect finds and what Open checks.
@@ -151,13 +152,23 @@ func (i *Info) checkIdentity() {
 func Inspect(ctx context.Context, module []byte) (Info, error) {
 	cfg, _ := Config{Logger: slog.New(slog.DiscardHandler)}.withDefaults()
 	r := wazero.NewRuntimeWithConfig(ctx, wazero.NewRuntimeConfigInterpreter().
-		WithCloseOnContextDone(true).WithMemoryLimitPages(uint32(cfg.MemoryLimit/wasmPage)))
+		WithMemoryLimitPages(uint32(cfg.MemoryLimit/wasmPage)))
 	defer r.Close(ctx)
-	cm, err := r.CompileModule(ctx, module)
+	// Inspect runs the module as Open does: metered. A module the meter
+	// refuses is described, unrun, with the reason among its problems.
+	code, merr := meter.Instrument(module)
+	if merr != nil {
+		code = module
+	}
+	cm, err := r.CompileModule(ctx, code)
 	if err != nil {
 		return Info{Size: len(module)}, fmt.Errorf("%w: %v", ErrModule, err)
 	}
 	info := describe(cm, len(module))
+	if merr != nil {
+		info.Problems = append(info.Problems, fmt.Sprintf("cannot be metered: %v", merr))
+		return info, nil
+	}
 	for _, p := range info.Problems {
 		if strings.HasPrefix(p, "imports ") || strings.HasPrefix(p, "missing export \"memory\"") ||
 			strings.Contains(p, abi.ExportABIVersion) || strings.Contains(p, abi.ExportFeatures) {

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math"
 	"strconv"
 	"strings"
 	"sync"
@@ -17,6 +18,7 @@ import (
 	"github.com/tetratelabs/wazero/sys"
 
 	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/host/policy/internal/meter"
 )
 
 // Limits on what a plugin may log through kvhost.log.
@@ -46,11 +48,18 @@ type wasmBackend struct {
 	spare *wasmInstance // the instance probed at load, used by the first shard
 }
 
-// newWasmBackend compiles module, validates it against ABI v1 and creates a
-// first instance to check its version and features.
+// newWasmBackend meters module (host/policy/internal/meter), compiles it,
+// validates it against ABI v1 and creates a first instance to check its
+// version and features.
 func newWasmBackend(ctx context.Context, module []byte, name string, cfg *Config) (_ *wasmBackend, err error) {
 	if name == "" {
 		return nil, fmt.Errorf("%w: empty plugin name", ErrConfig)
+	}
+	// The metered module is a deterministic function of module, so the
+	// compilation cache's key for it is as stable as for module itself.
+	code, err := meter.Instrument(module)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %s: %w", ErrModule, name, err)
 	}
 	b := &wasmBackend{name: name, cfg: cfg, log: cfg.Logger.With("policy", name), limitPages: uint32(cfg.MemoryLimit / wasmPage)}
 	cache := cfg.Cache
@@ -60,9 +69,9 @@ func newWasmBackend(ctx context.Context, module []byte, name string, cfg *Config
 		}
 		b.ownCache = cache
 	}
-	rc := wazero.NewRuntimeConfig().
-		WithCloseOnContextDone(!cfg.Trusted).
-		WithMemoryLimitPages(b.limitPages)
+	// No WithCloseOnContextDone: a call is bounded by its fuel (see
+	// wasmInstance.callFn), not by interruption checks.
+	rc := wazero.NewRuntimeConfig().WithMemoryLimitPages(b.limitPages)
 	if cache != nil {
 		rc = rc.WithCompilationCache(cache)
 	}
@@ -72,7 +81,7 @@ func newWasmBackend(ctx context.Context, module []byte, name string, cfg *Config
 			_ = b.close(ctx)
 		}
 	}()
-	if b.cm, err = b.r.CompileModule(ctx, module); err != nil {
+	if b.cm, err = b.r.CompileModule(ctx, code); err != nil {
 		return nil, fmt.Errorf("%w: %s: %v", ErrModule, name, err)
 	}
 	info := describe(b.cm, len(module))
@@ -154,6 +163,12 @@ func (b *wasmBackend) instantiate(ctx context.Context) (*wasmInstance, error) {
 		return nil, fmt.Errorf("instantiate: %w", err)
 	}
 	in.mod, in.mem = mod, mod.Memory()
+	fuel, ok := mod.ExportedGlobal(meter.ExportName).(api.MutableGlobal)
+	if !ok {
+		_ = mod.Close(ctx)
+		return nil, fmt.Errorf("no mutable global %s: the module was not metered", meter.ExportName)
+	}
+	in.fuel = fuel
 	for h := range numHooks {
 		in.fns[h] = mod.ExportedFunction(h.String())
 	}
@@ -239,8 +254,9 @@ type wasmInstance struct {
 	mod    api.Module
 	mem    api.Memory
 	fns    [numHooks]api.Function
-	stack  [1]uint64 // parameters and results of every hook: at most one each
-	ptr    uint32    // the scratch area
+	fuel   api.MutableGlobal // the meter's fuel (host/policy/internal/meter)
+	stack  [1]uint64         // parameters and results of every hook: at most one each
+	ptr    uint32            // the scratch area
 	stderr *tailWriter
 }
 
@@ -292,26 +308,39 @@ func (in *wasmInstance) call(ctx context.Context, h hook, arg int32) (int32, err
 	return in.callFn(ctx, f, arg, in.b.cfg.CallTimeout)
 }
 
-// callFn calls f with at most one i32 argument under a deadline.
+// fuelPerNanosecond is the fuel a call gets per nanosecond of its deadline.
+// One unit of fuel is one wasm instruction that does work (moves between
+// locals and constants are free; host/policy/internal/meter). On the 2-core
+// CI machine the built-in lru plugin spends 2.7 to 3.8 units per nanosecond
+// (BenchmarkFuelRate) and an endless `loop br 0 end` about 1
+// (BenchmarkRunaway): a runaway loop stops after about twice its deadline,
+// and code that would finish within its deadline is not stopped before
+// about 0.45 of it (docs/policy-host.md).
+const fuelPerNanosecond = 2
+
+// fuelFor returns the fuel of a call with deadline timeout.
+func fuelFor(timeout time.Duration) int64 {
+	return min(timeout.Nanoseconds(), math.MaxInt64/fuelPerNanosecond) * fuelPerNanosecond
+}
+
+// callFn calls f with at most one i32 argument under a deadline: the call
+// gets the fuel of timeout, which stops it if it runs on, and a call that
+// returns after timeout fails too. A caller's context cancelled before the
+// call stops it; one cancelled during the call does not cut it short.
 func (in *wasmInstance) callFn(ctx context.Context, f api.Function, arg int32, timeout time.Duration) (int32, error) {
-	in.stack[0] = api.EncodeI32(arg)
-	if in.b.cfg.Trusted {
-		// No interruption: judge the call once it returns.
-		start := time.Now()
-		err := f.CallWithStack(ctx, in.stack[:])
-		if err != nil {
-			return 0, in.diagnose(ctx, err, timeout)
-		}
-		if d := time.Since(start); d > timeout {
-			return 0, fmt.Errorf("took %v, over the call deadline of %v (trusted plugin: not interrupted)", d.Round(time.Microsecond), timeout)
-		}
-		return api.DecodeI32(in.stack[0]), nil
+	if err := ctx.Err(); err != nil {
+		return 0, err
 	}
-	cctx, cancel := context.WithTimeout(ctx, timeout)
-	err := f.CallWithStack(cctx, in.stack[:])
-	cancel()
+	in.stack[0] = api.EncodeI32(arg)
+	in.fuel.Set(uint64(fuelFor(timeout)))
+	start := time.Now()
+	err := f.CallWithStack(ctx, in.stack[:])
+	took := time.Since(start)
 	if err != nil {
 		return 0, in.diagnose(ctx, err, timeout)
+	}
+	if took > timeout {
+		return 0, fmt.Errorf("took %v, over the call deadline of %v", took.Round(time.Microsecond), timeout)
 	}
 	return api.DecodeI32(in.stack[0]), nil
 }
@@ -320,11 +349,12 @@ func (in *wasmInstance) callFn(ctx context.Context, f api.Function, arg int32, t
 func (in *wasmInstance) diagnose(ctx context.Context, err error, timeout time.Duration) error {
 	var reason error
 	var exit *sys.ExitError
+	caller := callerDone(ctx)
 	switch {
-	case ctx.Err() != nil:
-		return ctx.Err()
-	case errors.As(err, &exit) && exit.ExitCode() == sys.ExitCodeDeadlineExceeded:
-		reason = fmt.Errorf("exceeded the call deadline of %v", timeout)
+	case int64(in.fuel.Get()) < 0:
+		reason = fmt.Errorf("ran out of fuel: exceeded the call deadline of %v, counted in instructions (%d units of fuel)", timeout, fuelFor(timeout))
+	case caller != nil:
+		return caller
 	case errors.As(err, &exit):
 		reason = fmt.Errorf("exited with code %d", exit.ExitCode())
 	default:

@@ -51,8 +51,8 @@ func TestHostileFixturesFail(t *testing.T) {
 		check   string
 		message string
 	}{
-		{"loop", "names", "exceeded the call deadline of 50ms"},
-		{"loop", "deadline", "exceeded the call deadline"},
+		{"loop", "names", "ran out of fuel: exceeded the call deadline of 50ms"},
+		{"loop", "deadline", "ran out of fuel: exceeded the call deadline"},
 		{"bomb", "names", "memory near its limit"},
 		{"traversal", "names", `invalid path "../../etc/passwd"`},
 		{"wrongabi", "load", "kvhost_abi_version returned 2, want 1"},

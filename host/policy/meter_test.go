@@ -1,0 +1,157 @@
+package policy_test
+
+import (
+	"context"
+	"errors"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/host/policy"
+	"github.com/kvhost/kvhost/host/policy/policytest"
+	"github.com/kvhost/kvhost/plugins"
+)
+
+// TestMeteredLRUMatchesNative runs one workload through the built-in lru
+// plugin as wasm (metered) and through the same Go policy natively, and
+// checks that both give the same names and the same victims: metering
+// changes no behaviour.
+func TestMeteredLRUMatchesNative(t *testing.T) {
+	ctx := context.Background()
+	mod, err := plugins.Wasm("lru")
+	if err != nil {
+		t.Fatalf("%v (build the plugins with `make wasm`)", err)
+	}
+	type run struct {
+		names   [][]byte
+		victims []abi.Victim
+	}
+	workload := func(h *policy.Host, idx *policytest.Index) run {
+		t.Helper()
+		var out run
+		ns, err := h.Namespace(ctx, testNS)
+		if err != nil {
+			t.Fatal(err)
+		}
+		idx.AddNamespace(ns)
+		const n = 3000
+		var recs []abi.AccessRecord
+		for id := uint64(1); id <= n; id++ {
+			recs = append(recs, abi.AccessRecord{Entry: id, Time: id, Size: 1 << 20, KeyHash: id * 0x9E3779B97F4A7C15, Kind: abi.AccessInsert, Mount: uint32(id % 2)})
+		}
+		// Hits on every third entry, pins on every seventh, in time order.
+		for id := uint64(3); id <= n; id += 3 {
+			recs = append(recs, abi.AccessRecord{Entry: id, Time: n + id, Kind: abi.AccessHit})
+		}
+		for id := uint64(7); id <= n; id += 7 {
+			recs = append(recs, abi.AccessRecord{Entry: id, Time: 2*n + id, Kind: abi.AccessPin})
+		}
+		idx.Apply(recs)
+		if err := h.Access(ctx, recs); err != nil {
+			t.Fatal(err)
+		}
+		names := nameRecords(500, 9)
+		if err := h.Name(ctx, names); err != nil {
+			t.Fatal(err)
+		}
+		for _, r := range names {
+			out.names = append(out.names, append([]byte{byte(r.Mount)}, r.PathBuf[:r.PathLen]...))
+		}
+		for _, req := range []abi.EvictRequest{
+			{Bytes: 100 << 20, Mount: abi.AnyMount},
+			{Bytes: 50 << 20, Mount: 1},
+			{Bytes: 1, Mount: 0},
+		} {
+			v, err := h.Victims(ctx, req, 200)
+			if err != nil {
+				t.Fatal(err)
+			}
+			out.victims = append(out.victims, v...)
+			// Remove them, as the engine would, and go on.
+			rm := make([]abi.AccessRecord, len(v))
+			for i, x := range v {
+				rm[i] = abi.AccessRecord{Entry: x.Entry, Time: 3 * n, Kind: abi.AccessRemove}
+			}
+			idx.Apply(rm)
+			if err := h.Access(ctx, rm); err != nil {
+				t.Fatal(err)
+			}
+		}
+		return out
+	}
+	cfg := policy.Config{Shards: 2, Logger: quietLogger()}
+	widx := policytest.NewIndex()
+	w, err := policy.Open(ctx, mod, "lru", widx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w.Close(ctx)
+	nidx := policytest.NewIndex()
+	n, err := policy.NewNative(newLRU, nidx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer n.Close(ctx)
+	got, want := workload(w, widx), workload(n, nidx)
+	if len(got.victims) == 0 || len(got.names) != 500 {
+		t.Fatalf("workload gave %d victims and %d names", len(got.victims), len(got.names))
+	}
+	if !slices.EqualFunc(got.names, want.names, func(a, b []byte) bool { return string(a) == string(b) }) {
+		t.Fatalf("metered wasm names differ from native")
+	}
+	if !slices.Equal(got.victims, want.victims) {
+		t.Fatalf("metered wasm victims differ from native:\n%v\n%v", got.victims, want.victims)
+	}
+	if s := w.Stats(); s.Failures != 0 || s.Backend != "wasm" {
+		t.Fatalf("stats %+v", s)
+	}
+}
+
+// TestRunawayStopsByFuel checks that an endless loop is stopped by its fuel
+// within a small multiple of the deadline, with a message that says so.
+func TestRunawayStopsByFuel(t *testing.T) {
+	const timeout = 50 * time.Millisecond
+	h, err := policy.Open(context.Background(), fixture(t, "loop"), "loop", policytest.NewIndex(),
+		policy.Config{Shards: 1, CallTimeout: timeout, MaxFailures: 100, Logger: quietLogger()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h.Close(context.Background())
+	start := time.Now()
+	err = h.Name(context.Background(), nameRecords(1, 0))
+	took := time.Since(start)
+	if !errors.Is(err, policy.ErrPlugin) || !strings.Contains(err.Error(), "kvhost_name (shard 0): ran out of fuel: exceeded the call deadline of 50ms") {
+		t.Fatalf("err = %v, want the plugin out of fuel", err)
+	}
+	// Two calls (the retry on a fresh instance) and a rebuild: a runaway
+	// stops at about its deadline, so well under a few seconds even on a
+	// loaded machine. (The figures are in docs/policy-host.md.)
+	if took > 40*timeout {
+		t.Fatalf("two runaway calls took %v, deadline %v", took, timeout)
+	}
+	t.Logf("two runaway calls of deadline %v took %v", timeout, took)
+}
+
+// TestReservedFuelExport checks that a module exporting the meter's reserved
+// name is refused by Open and reported by Inspect.
+func TestReservedFuelExport(t *testing.T) {
+	const name = "kvhost_fuel"
+	mod := []byte{0, 'a', 's', 'm', 1, 0, 0, 0,
+		6, 6, 1, 0x7e, 0x01, 0x42, 0x00, 0x0b, // global section: (mut i64) = 0
+		7, byte(4 + len(name)), 1, byte(len(name))} // export section: the global as name
+	mod = append(append(mod, name...), 0x03, 0x00)
+	ctx := context.Background()
+	_, err := policy.Open(ctx, mod, "reserved", policytest.NewIndex(), policy.Config{Logger: quietLogger()})
+	if !errors.Is(err, policy.ErrModule) || !strings.Contains(err.Error(), "reserved: export section: meter: reserved export name kvhost_fuel") {
+		t.Fatalf("Open: %v; want ErrModule for the reserved export", err)
+	}
+	info, err := policy.Inspect(ctx, mod)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !slices.ContainsFunc(info.Problems, func(p string) bool { return strings.Contains(p, "reserved export name kvhost_fuel") }) {
+		t.Fatalf("Inspect problems %q do not name the reserved export", info.Problems)
+	}
+}
