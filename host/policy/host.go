@@ -58,6 +58,7 @@ type Host struct {
 	initCfg     [][]byte // kvhost_init configuration per shard
 	canFallback bool
 	stats       counters
+	ledgers     []ledger // per shard id; outlive a switch to the fallback
 
 	mu struct {
 		sync.RWMutex
@@ -73,10 +74,38 @@ type Host struct {
 	}
 }
 
+// ledger is what the host has told one shard's plugin: the pins it
+// delivered (AccessPin minus AccessUnpin, dropped at AccessRemove) and the
+// highest entry id. The engine updates its Index before it tells the policy,
+// so the Index can be ahead of what the plugin knows; the ledger is the
+// plugin's side. It is guarded by the lock of the shard that has its id.
+type ledger struct {
+	pins     map[uint64]uint32
+	maxEntry uint64
+}
+
+// apply records an access record delivered to the plugin.
+func (l *ledger) apply(r *abi.AccessRecord) {
+	l.maxEntry = max(l.maxEntry, r.Entry)
+	switch r.Kind {
+	case abi.AccessPin:
+		l.pins[r.Entry]++
+	case abi.AccessUnpin:
+		if n := l.pins[r.Entry]; n > 1 {
+			l.pins[r.Entry] = n - 1
+		} else {
+			delete(l.pins, r.Entry)
+		}
+	case abi.AccessRemove:
+		delete(l.pins, r.Entry)
+	}
+}
+
 // shard is one instance and the reusable buffers of calls on it.
 type shard struct {
-	id   int
-	mu   sync.Mutex
+	id     int
+	ledger *ledger
+	mu     sync.Mutex
 	inst instance // nil after a failed (re)build: rebuilt on next use
 	pos  []int32  // positions of the caller's records in the current batch
 	seen []uint64 // victim entries, for the duplicate check
@@ -96,8 +125,8 @@ func (s *shard) locked(fn func() error) error {
 	return fn()
 }
 
-func newShard(id int) *shard {
-	return &shard{id: id, pos: make([]int32, 0, abi.MaxBatch), seen: make([]uint64, 0, abi.MaxBatch)}
+func newShard(id int, l *ledger) *shard {
+	return &shard{id: id, ledger: l, pos: make([]int32, 0, abi.MaxBatch), seen: make([]uint64, 0, abi.MaxBatch)}
 }
 
 // switchError asks the caller to switch the Host to its fallback and retry.
@@ -151,6 +180,10 @@ func NewNative(newPolicy func() guest.Policy, idx Index, cfg Config) (*Host, err
 func start(ctx context.Context, name string, idx Index, cfg Config, b backend, canFallback bool) (*Host, error) {
 	h := &Host{name: name, idx: idx, cfg: cfg, log: cfg.Logger.With("policy", name), canFallback: canFallback}
 	h.initCfg = make([][]byte, cfg.Shards)
+	h.ledgers = make([]ledger, cfg.Shards)
+	for i := range h.ledgers {
+		h.ledgers[i].pins = map[uint64]uint32{}
+	}
 	for i := range h.initCfg {
 		c, err := cfg.initConfig(i)
 		if err != nil {
@@ -170,7 +203,7 @@ func start(ctx context.Context, name string, idx Index, cfg Config, b backend, c
 func (h *Host) buildShards(ctx context.Context, b backend) ([]*shard, error) {
 	shards := make([]*shard, h.cfg.Shards)
 	for i := range shards {
-		s := newShard(i)
+		s := newShard(i, &h.ledgers[i])
 		inst, err := h.build(ctx, b, s)
 		if err != nil {
 			for _, t := range shards[:i] {
@@ -186,7 +219,9 @@ func (h *Host) buildShards(ctx context.Context, b backend) ([]*shard, error) {
 
 // build creates an instance for shard s, initialises it and replays the
 // Index into it: every namespace, then for each entry routed to s an
-// AccessRestore record and one AccessPin per pin.
+// AccessRestore record and one AccessPin per pin the plugin had been told of
+// (the shard's ledger: a pin the engine has made but not yet reported
+// arrives afterwards, and is not counted twice).
 func (h *Host) build(ctx context.Context, b backend, s *shard) (instance, error) {
 	inst, err := b.newInstance(ctx, s.id)
 	if err != nil {
@@ -219,7 +254,7 @@ func (h *Host) build(ctx context.Context, b backend, s *shard) (instance, error)
 			Kind: abi.AccessRestore, Mount: e.Mount, NS: e.NS, Hits: e.Hits}
 		recs = append(recs, r)
 		r.Kind, r.Hits = abi.AccessPin, 0
-		for range e.Pins {
+		for range s.ledger.pins[e.ID] {
 			recs = append(recs, r)
 		}
 		return true
@@ -265,7 +300,7 @@ func (h *Host) pluginError(s *shard, hook string, err error) *Error {
 // fallback.
 func (h *Host) invoke(ctx context.Context, s *shard, hk hook, op batchOp) error {
 	var last error
-	for range 2 {
+	for attempt := range 2 {
 		if s.inst == nil {
 			h.stats.replacements.Add(1)
 			inst, err := h.build(ctx, h.mu.backend, s)
@@ -279,6 +314,12 @@ func (h *Host) invoke(ctx context.Context, s *shard, hk hook, op batchOp) error 
 				return err
 			}
 			s.inst = inst
+		}
+		if attempt > 0 && hk == hookAccess {
+			// The replacement was rebuilt from the Index and the ledger,
+			// which already hold these records: sending them again would
+			// count their pins twice.
+			return nil
 		}
 		err := h.callOnce(ctx, s, s.inst, hk, op)
 		if err == nil {
@@ -368,6 +409,13 @@ func (h *Host) switchToFallback(ctx context.Context, cause *Error) error {
 // withShards runs fn over the current shards, switching to the fallback and
 // running fn again when fn asks for it.
 func (h *Host) withShards(ctx context.Context, fn func(shards []*shard) error) error {
+	return h.withShardsOnce(ctx, fn, true)
+}
+
+// withShardsOnce is withShards; with rerun false, fn is not run again after
+// the switch (the fallback is built from the Index and the ledgers, which
+// already hold what fn reported).
+func (h *Host) withShardsOnce(ctx context.Context, fn func(shards []*shard) error, rerun bool) error {
 	if err := ctx.Err(); err != nil {
 		return err
 	}
@@ -379,6 +427,9 @@ func (h *Host) withShards(ctx context.Context, fn func(shards []*shard) error) e
 		}
 		if err := h.switchToFallback(ctx, sw.cause); err != nil {
 			return err
+		}
+		if !rerun {
+			return nil
 		}
 	}
 }
@@ -518,7 +569,7 @@ func (h *Host) Access(ctx context.Context, recs []abi.AccessRecord) error {
 	if len(recs) == 0 {
 		return nil
 	}
-	return h.withShards(ctx, func(shards []*shard) error {
+	return h.withShardsOnce(ctx, func(shards []*shard) error {
 		for _, s := range shards {
 			err := s.locked(func() error {
 				s.accessOp = accessOp{recs: recs}
@@ -530,7 +581,7 @@ func (h *Host) Access(ctx context.Context, recs []abi.AccessRecord) error {
 			}
 		}
 		return nil
-	})
+	}, false)
 }
 
 // routed calls hook hk on shard s (locked) with the records among n whose
@@ -620,6 +671,9 @@ func (h *Host) Stats() Stats {
 	s.Fallback, s.FallbackReason = h.mu.fallback, h.mu.reason
 	if h.mu.backend != nil {
 		s.Backend = h.mu.backend.kind()
+	}
+	if wb, ok := h.mu.backend.(*wasmBackend); ok {
+		s.SlowCalls = wb.slow.Load()
 	}
 	return s
 }

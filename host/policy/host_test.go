@@ -125,7 +125,7 @@ func TestHostileFallback(t *testing.T) {
 		{"loop", "kvhost_name", 20 * time.Millisecond, "ran out of fuel: exceeded the call deadline of 20ms"},
 		{"bomb", "kvhost_name", time.Second, "memory near its limit (7.5 MiB of 8 MiB in use): wasm error: unreachable"},
 		{"traversal", "kvhost_name", time.Second, `invalid path "../../etc/passwd": component ".." starts with '.'`},
-		{"pinned", "kvhost_evict", time.Second, "is pinned (1 pins)"},
+		{"pinned", "kvhost_evict", time.Second, "is pinned (the plugin was told of 1 pins)"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.fixture, func(t *testing.T) {

@@ -131,11 +131,15 @@ type accessOp struct {
 func (o *accessOp) write(s *shard, scratch []byte) int32 {
 	if o.all {
 		copy(abi.View[abi.AccessRecord](scratch, len(o.recs)), o.recs)
+		for i := range o.recs {
+			s.ledger.maxEntry = max(s.ledger.maxEntry, o.recs[i].Entry)
+		}
 		return int32(len(o.recs))
 	}
 	v := abi.View[abi.AccessRecord](scratch, len(s.pos))
 	for j, p := range s.pos {
 		v[j] = o.recs[p]
+		s.ledger.apply(&v[j])
 	}
 	return int32(len(s.pos))
 }
@@ -171,16 +175,13 @@ func (o *evictOp) read(h *Host, s *shard, scratch []byte, st int32) error {
 	s.seen = s.seen[:0]
 	for i := range v {
 		id := v[i].Entry
-		e, ok := h.idx.Lookup(id)
-		switch {
-		case !ok:
-			return fmt.Errorf("victim %d: entry %d is not in the index (never stored, or removed)", i, id)
+		switch told := s.ledger.pins[id]; {
 		case route(id, o.nshards) != s.id:
 			return fmt.Errorf("victim %d: entry %d was never reported to this shard", i, id)
-		case e.Pins > 0:
-			return fmt.Errorf("victim %d: entry %d is pinned (%d pins)", i, id, e.Pins)
-		case o.req.Mount != abi.AnyMount && e.Mount != o.req.Mount:
-			return fmt.Errorf("victim %d: entry %d is on mount %d, not the requested mount %d", i, id, e.Mount, o.req.Mount)
+		case id > s.ledger.maxEntry:
+			return fmt.Errorf("victim %d: entry %d was never reported to this shard (never stored)", i, id)
+		case told > 0:
+			return fmt.Errorf("victim %d: entry %d is pinned (the plugin was told of %d pins)", i, id, told)
 		}
 		s.seen = append(s.seen, id)
 	}
@@ -190,7 +191,20 @@ func (o *evictOp) read(h *Host, s *shard, scratch []byte, st int32) error {
 			return fmt.Errorf("entry %d is a victim more than once", s.seen[i])
 		}
 	}
-	*o.out = append(*o.out, v...)
+	for i := range v {
+		e, ok := h.idx.Lookup(v[i].Entry)
+		switch {
+		case ok && o.req.Mount != abi.AnyMount && e.Mount != o.req.Mount:
+			return fmt.Errorf("victim %d: entry %d is on mount %d, not the requested mount %d", i, v[i].Entry, e.Mount, o.req.Mount)
+		case !ok || e.Pins > 0:
+			// Removed or pinned by the engine, which updates its index
+			// before it tells the policy: the plugin cannot know yet. Not
+			// the plugin's fault; the victim is skipped.
+			h.stats.staleVictims.Add(1)
+			continue
+		}
+		*o.out = append(*o.out, v[i])
+	}
 	return nil
 }
 func (o *evictOp) records(*shard) int { return 1 }

@@ -41,6 +41,13 @@ type Stats struct {
 	Rejections uint64
 	// Replacements counts instances closed and rebuilt after a failure.
 	Replacements uint64
+	// StaleVictims counts victims skipped because the engine had pinned or
+	// removed them before the plugin could know; not failures.
+	StaleVictims uint64
+	// SlowCalls counts calls of the wasm plugin that finished within their
+	// fuel but after their wall-clock deadline (an overloaded machine); not
+	// failures.
+	SlowCalls uint64
 	// Fallback is true once the Host runs its native fallback policy.
 	Fallback bool
 	// FallbackReason is the failure that caused the switch.
@@ -56,6 +63,7 @@ type counters struct {
 	failures     atomic.Uint64
 	rejections   atomic.Uint64
 	replacements atomic.Uint64
+	staleVictims atomic.Uint64
 }
 
 func (c *counters) snapshot() Stats {
@@ -67,5 +75,6 @@ func (c *counters) snapshot() Stats {
 	s.Failures = c.failures.Load()
 	s.Rejections = c.rejections.Load()
 	s.Replacements = c.replacements.Load()
+	s.StaleVictims = c.staleVictims.Load()
 	return s
 }

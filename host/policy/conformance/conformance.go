@@ -702,6 +702,9 @@ func (s *suite) deadline() (string, error) {
 
 func (s *suite) rejections() (string, error) {
 	st := s.host.Stats()
+	if st.StaleVictims > 0 {
+		return "", fmt.Errorf("the plugin offered %d victims that were pinned or removed in the index it had been told about (the suite reports every event before asking)", st.StaleVictims)
+	}
 	if st.Failures > 0 || st.Replacements > 0 {
 		return "", fmt.Errorf("the host caught %d plugin failures (%d invalid outputs) and replaced %d instances; see the failed checks above",
 			st.Failures, st.Rejections, st.Replacements)
