@@ -1,24 +1,46 @@
 #!/usr/bin/env bash
-# Runs the engine and control-path benchmarks on the GPU test machine (16
-# cores, tmpfs and an ext4 disk), from test binaries built here with
+# Benchmarks and end-to-end checks on the GPU test machine (16 cores, tmpfs
+# and an ext4 disk, torch), from binaries built here:
+#   make build   # bin/kvhost, plugins/wasm/*.wasm
 #   go test -c -o .devbin/engine.test ./host/engine
 #   go test -c -o .devbin/server.test ./server
-# and carried in .devbin/. Results go to $OUT (or ./bench-out).
+#   go test -c -o .devbin/policy.test ./host/policy
+# carried with the tree (carry: .devbin, bin, plugins/wasm). Results go to
+# $OUT (or ./bench-out).
 set -uo pipefail
 out=${OUT:-bench-out}
 mkdir -p "$out"
+root=$PWD
 {
 	echo "== machine"; nproc; free -g | head -2; df -h / /dev/shm | tail -2; uname -r
 } 2>&1 | tee "$out/machine.txt"
 keys=${KVHOST_BENCH_KEYS:-32}
 mkdir -p /root/kvbench
-for dir in /dev/shm /root/kvbench; do
-	name=$(basename "$dir")
-	echo "== engine store/load, $keys keys of 32 MiB, dir $dir"
-	KVHOST_BENCH_DIR=$dir KVHOST_BENCH_KEYS=$keys .devbin/engine.test -test.run '^$' \
-		-test.bench 'Store|Load' -test.benchtime 3x -test.count 3 2>&1 | tee "$out/engine-$name.txt" | grep -E '^Benchmark|engine'
-done
-echo "== index rebuild, 100,000 files"
-KVHOST_BENCH_DIR=/root/kvbench .devbin/engine.test -test.run '^$' -test.bench 'Rebuild' -test.benchtime 1x 2>&1 | tee "$out/rebuild.txt" | grep -E '^Benchmark'
+
+echo "== engine store/load, $keys keys of 32 MiB, tmpfs"
+KVHOST_BENCH_DIR=/dev/shm KVHOST_BENCH_KEYS=$keys .devbin/engine.test -test.run '^$' \
+	-test.bench 'Store|Load' -test.benchtime 3x -test.count 3 2>&1 | tee "$out/engine-shm.txt" | grep -E '^Benchmark'
+if [ "${DISK:-1}" = 1 ]; then
+	echo "== engine store/load, $keys keys of 32 MiB, ext4 disk"
+	KVHOST_BENCH_DIR=/root/kvbench KVHOST_BENCH_KEYS=$keys .devbin/engine.test -test.run '^$' \
+		-test.bench "${DISK_BENCH:-Store|Load}" -test.benchtime 3x -test.count 3 2>&1 | tee "$out/engine-disk.txt" | grep -E '^Benchmark'
+fi
+
+echo "== policy boundary and warm start"
+(cd host/policy && "$root/.devbin/policy.test" -test.run '^$' -test.bench 'Boundary|StartWarm' \
+	-test.benchtime 1s -test.count 3 2>&1) | tee "$out/policy.txt" | grep -E '^Benchmark'
+
 echo "== control path"
 .devbin/server.test -test.run '^$' -test.bench . -test.benchtime 5000x 2>&1 | tee "$out/server.txt" | grep -E '^Benchmark'
+
+echo "== daemon + Python client with torch host tensors"
+for dir in /dev/shm/kvd /root/kvd; do
+	sock=/tmp/kvhost-check.sock
+	bin/kvhost --dir "$dir" --socket "$sock" --log-format json >"$out/daemon-$(basename "$(dirname "$dir")").log" 2>&1 &
+	pid=$!
+	for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.1; done
+	PYTHONUNBUFFERED=1 python3 scripts/device-torch-check.py "$sock" "$keys" 2>&1 | tee -a "$out/torch.txt"
+	echo "   (mount $dir)"
+	kill -TERM "$pid"; wait "$pid"; echo "   daemon exit status $?"
+	ls -a "$dir" | grep -c '^\.tmp' | sed 's/^/   temporary files left: /'
+done

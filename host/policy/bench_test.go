@@ -126,22 +126,27 @@ func BenchmarkStartWarmCache(b *testing.B) {
 	if err != nil {
 		b.Fatalf("%v (build the plugins with `make wasm`)", err)
 	}
-	cfg := policy.Config{CacheDir: b.TempDir(), Logger: quietLogger()}
-	warm, err := policy.Open(ctx, mod, "lru", policytest.NewIndex(), cfg)
-	if err != nil {
-		b.Fatal(err)
+	// 4 shards is the daemon's default (config.Default).
+	for _, shards := range []int{1, 4} {
+		b.Run(fmt.Sprintf("shards=%d", shards), func(b *testing.B) {
+			cfg := policy.Config{Shards: shards, CacheDir: b.TempDir(), Logger: quietLogger()}
+			warm, err := policy.Open(ctx, mod, "lru", policytest.NewIndex(), cfg)
+			if err != nil {
+				b.Fatal(err)
+			}
+			warm.Close(ctx)
+			for b.Loop() {
+				h, err := policy.Open(ctx, mod, "lru", policytest.NewIndex(), cfg)
+				if err != nil {
+					b.Fatal(err)
+				}
+				h.Close(ctx)
+			}
+			per := b.Elapsed() / time.Duration(b.N)
+			b.ReportMetric(float64(per.Microseconds())/1000, "ms/start")
+			b.ReportMetric(float64(per)/float64(ceilingStart), "of-ceiling")
+		})
 	}
-	warm.Close(ctx)
-	for b.Loop() {
-		h, err := policy.Open(ctx, mod, "lru", policytest.NewIndex(), cfg)
-		if err != nil {
-			b.Fatal(err)
-		}
-		h.Close(ctx)
-	}
-	per := b.Elapsed() / time.Duration(b.N)
-	b.ReportMetric(float64(per.Microseconds())/1000, "ms/start")
-	b.ReportMetric(float64(per)/float64(ceilingStart), "of-ceiling")
 }
 
 // BenchmarkRunaway measures how long an endless loop (the loop fixture)

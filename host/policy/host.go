@@ -2,6 +2,7 @@ package policy
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"slices"
@@ -106,9 +107,9 @@ type shard struct {
 	id     int
 	ledger *ledger
 	mu     sync.Mutex
-	inst instance // nil after a failed (re)build: rebuilt on next use
-	pos  []int32  // positions of the caller's records in the current batch
-	seen []uint64 // victim entries, for the duplicate check
+	inst   instance // nil after a failed (re)build: rebuilt on next use
+	pos    []int32  // positions of the caller's records in the current batch
+	seen   []uint64 // victim entries, for the duplicate check
 
 	// The ops of the caller's call, reused to keep calls allocation-free.
 	nsOp     namespaceOp
@@ -201,18 +202,33 @@ func start(ctx context.Context, name string, idx Index, cfg Config, b backend, c
 
 // buildShards creates every shard of b, failing fast.
 func (h *Host) buildShards(ctx context.Context, b backend) ([]*shard, error) {
+	// Instances are independent: build them in parallel, since each one
+	// starts its guest's runtime (a Go guest's _initialize is most of a
+	// warm start).
 	shards := make([]*shard, h.cfg.Shards)
+	errs := make([]error, len(shards))
+	var wg sync.WaitGroup
 	for i := range shards {
-		s := newShard(i, &h.ledgers[i])
-		inst, err := h.build(ctx, b, s)
-		if err != nil {
-			for _, t := range shards[:i] {
-				t.inst.close(ctx)
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			s := newShard(i, &h.ledgers[i])
+			s.inst, errs[i] = h.build(ctx, b, s)
+			shards[i] = s
+		}()
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		for _, s := range shards {
+			if s.inst != nil {
+				s.inst.close(ctx)
 			}
-			return nil, err
 		}
-		s.inst = inst
-		shards[i] = s
+		for _, e := range errs {
+			if e != nil {
+				return nil, e // the first failure, as a sequential build reports it
+			}
+		}
 	}
 	return shards, nil
 }
