@@ -19,6 +19,7 @@ import (
 	"github.com/kvhost/kvhost/config"
 	"github.com/kvhost/kvhost/host/engine"
 	"github.com/kvhost/kvhost/host/policy"
+	"github.com/kvhost/kvhost/plugins"
 	"github.com/kvhost/kvhost/plugins/lru"
 	"github.com/kvhost/kvhost/protocol"
 	"github.com/kvhost/kvhost/region"
@@ -46,6 +47,17 @@ func openEngine(tb testing.TB, dir string) *engine.Engine {
 	eng, err := engine.Open(context.Background(), engine.Config{
 		Mounts: []engine.Mount{{Path: dir, Capacity: 1 << 30}},
 		NewPolicy: func(idx policy.Index) (policy.Policy, error) {
+			if _, bench := tb.(*testing.B); bench {
+				// Benchmarks run the policy as the daemon does: the
+				// embedded wasm lru with the default shards.
+				mod, err := plugins.Wasm("lru")
+				if err != nil {
+					return nil, err
+				}
+				d := config.Default().Policy
+				return policy.Open(context.Background(), mod, "lru", idx, policy.Config{
+					Shards: d.Shards, CallTimeout: time.Duration(d.CallTimeout), CacheDir: filepath.Join(os.TempDir(), "kvhost-bench-wasm-cache"), Logger: quiet()})
+			}
 			return policy.NewNative(func() guest.Policy { return lru.New() }, idx, policy.Config{Shards: 1, Logger: quiet()})
 		},
 		Logger: quiet(),

@@ -62,6 +62,9 @@ func (e *Engine) evict(ctx context.Context, m *mount, size int64) {
 		if need <= 0 {
 			return
 		}
+		if e.hitRec != nil {
+			e.hitRec.flush() // rank with every hit reported so far
+		}
 		victims, err := e.pol.Victims(context.WithoutCancel(ctx), abi.EvictRequest{Bytes: uint64(need), Time: uint64(e.now().UnixNano()), Mount: uint32(m.idx)}, victimBatch)
 		if err != nil {
 			e.log.Warn("engine: policy victims", "mount", m.root, "err", err)

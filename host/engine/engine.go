@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -38,6 +39,7 @@ type Engine struct {
 	fs        fsys.FS
 	pol       policy.Policy
 	ownPolicy bool
+	hitRec    *hitRecorder // lookup hits, reported off the lookup's path
 	pool      *staging.Pool
 	mounts    []*mount
 	now       func() time.Time
@@ -207,6 +209,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		e.ownPolicy = true
 	}
 	e.restore(ctx)
+	e.hitRec = newHitRecorder(e)
 	st := e.Stats()
 	e.log.Info("engine: open", "mounts", len(e.mounts), "entries", st.Entries, "keys", st.Keys, "rebuild", time.Since(start))
 	return e, nil
@@ -545,6 +548,7 @@ func (e *Engine) Close(ctx context.Context) error {
 		e.mu.Unlock()
 		<-done
 	}
+	e.hitRec.close()
 	e.pool.Close()
 	if e.ownPolicy {
 		err = errors.Join(err, e.pol.Close(context.WithoutCancel(ctx)))
@@ -784,15 +788,29 @@ func (e *Engine) Lookup(ctx context.Context, ns NamespaceID, keys [][]byte) (int
 	if err != nil {
 		return 0, err
 	}
-	var hits []abi.AccessRecord
-	defer func() { e.access(ctx, hits) }()
-	checked := map[*entry]bool{}
+	hits := make([]abi.AccessRecord, 0, min(len(keys), 64))
+	defer func() { e.hitRec.add(ctx, hits) }()
+	// The entries already counted, to count a file of several keys once:
+	// a short slice (keys of one file are neighbours), a map for long
+	// requests.
+	var seen []*entry
+	var seenMap map[*entry]bool
+	if len(keys) > 64 {
+		seenMap = map[*entry]bool{}
+	}
+	counted := func(en *entry) bool {
+		if seenMap != nil {
+			return seenMap[en]
+		}
+		return slices.Contains(seen, en)
+	}
+	now := e.now().UnixNano()
 	for i, k := range keys {
 		if err := ctx.Err(); err != nil {
 			return i, err
 		}
 		en := e.find(n, k)
-		if en != nil && !checked[en] && !e.recentlyVerified(en) && !e.verify(ctx, en) {
+		if en != nil && !counted(en) && !e.recentlyVerified(en) && !e.verify(ctx, en) {
 			en = nil
 		}
 		if en == nil {
@@ -803,12 +821,16 @@ func (e *Engine) Lookup(ctx context.Context, ns NamespaceID, keys [][]byte) (int
 			return i, nil
 		}
 		e.st.hits.Add(1)
-		if !checked[en] {
-			checked[en] = true
+		if !counted(en) {
+			if seenMap != nil {
+				seenMap[en] = true
+			} else {
+				seen = append(seen, en)
+			}
 			e.mu.Lock()
 			en.hits++
-			en.last = e.now().UnixNano()
-			hits = append(hits, en.access(abi.AccessHit, en.last))
+			en.last = now
+			hits = append(hits, en.access(abi.AccessHit, now))
 			e.mu.Unlock()
 		}
 	}
