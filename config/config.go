@@ -61,7 +61,8 @@ type Policy struct {
 	// Name is a built-in policy name (lru, lfu, ttl, sharded) or the path of a
 	// .wasm file.
 	Name string `toml:"name"`
-	// Shards is the number of plugin instances the state is spread over.
+	// Shards is the number of plugin instances the state is spread over;
+	// 0 means 4, at most one per CPU.
 	Shards int `toml:"shards"`
 	// MemoryLimit bounds each instance's linear memory.
 	MemoryLimit Size `toml:"memory_limit"`
@@ -127,7 +128,7 @@ func Default() Config {
 		Log: Log{Level: "info", Format: "auto"},
 		Policy: Policy{
 			Name:          "lru",
-			Shards:        4,
+			Shards:        0,
 			MemoryLimit:   64 << 20,
 			CallTimeout:   Duration(100 * time.Millisecond),
 			MaxFailures:   3,
@@ -282,8 +283,8 @@ func (c *Config) Validate() error {
 	switch {
 	case c.Policy.Name == "":
 		return bad("policy.name", "a built-in policy name or a .wasm path", `""`)
-	case c.Policy.Shards < 1 || c.Policy.Shards > 64:
-		return bad("policy.shards", "between 1 and 64", c.Policy.Shards)
+	case c.Policy.Shards < 0 || c.Policy.Shards > 64:
+		return bad("policy.shards", "between 0 (automatic) and 64", c.Policy.Shards)
 	case c.Policy.MemoryLimit < 1<<20 || c.Policy.MemoryLimit > 4<<30:
 		return bad("policy.memory_limit", "between 1MiB and 4GiB", c.Policy.MemoryLimit)
 	case c.Policy.CallTimeout <= 0:

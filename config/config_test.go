@@ -78,7 +78,7 @@ func TestParseErrors(t *testing.T) {
 		{"bad size", "[policy]\nmemory_limit = \"lots\"", `size "lots"`},
 		{"bad duration", "[policy]\ncall_timeout = \"soon\"", `duration "soon"`},
 		{"bad mode", "[server]\nsocket_mode = \"999\"", `file mode "999"`},
-		{"range", "[policy]\n\nshards = 0", "kvhost.toml:3: policy.shards: want between 1 and 64, got 0"},
+		{"range", "[policy]\n\nshards = 65", "kvhost.toml:3: policy.shards: want between 0 (automatic) and 64, got 65"},
 		{"relative mount", "[[mount]]\npath = \"rel\"", `kvhost.toml:2: mount.path: want an absolute directory path, got "rel"`},
 		{"watermarks", "[[mount]]\npath = \"/a\"\nhigh_watermark = 0.5\nlow_watermark = 0.6", "mount.low_watermark"},
 		{"duplicate mount", "[[mount]]\npath = \"/a\"\n[[mount]]\npath = \"/a/\"", "each mount once"},
@@ -145,7 +145,7 @@ func TestFlagsOverride(t *testing.T) {
 
 	fs = flag.NewFlagSet("kvhost", flag.ContinueOnError)
 	f = BindFlags(fs)
-	if err := fs.Parse([]string{"-policy-shards", "0"}); err != nil {
+	if err := fs.Parse([]string{"-policy-shards", "-1"}); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := f.Load(); err == nil || !strings.Contains(err.Error(), "policy.shards") {

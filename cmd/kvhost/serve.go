@@ -91,7 +91,7 @@ func serve(ctx context.Context, cfg config.Config, log *slog.Logger, stdout io.W
 			start := time.Now()
 			h, err := policy.Open(ctx, module, name, idx, pcfg)
 			if err == nil {
-				log.Info("policy ready", "policy", name, "shards", pcfg.Shards, "took", time.Since(start).String())
+				log.Info("policy ready", "policy", name, "shards", h.Shards(), "took", time.Since(start).String())
 				return h, nil
 			}
 			if ctx.Err() != nil {

@@ -679,6 +679,9 @@ func cmpU64(a, b uint64) int {
 	return 0
 }
 
+// Shards returns the number of instances the policy state is spread over.
+func (h *Host) Shards() int { return h.cfg.Shards }
+
 // Stats returns the Host's counters.
 func (h *Host) Stats() Stats {
 	s := h.stats.snapshot()
