@@ -12,5 +12,5 @@ fi
 gobin=$(go env GOPATH)/bin
 if [ ! -x "$gobin/staticcheck" ]; then
 	echo "installing staticcheck with go install" >&2
-	go install honnef.co/go/tools/cmd/staticcheck@2026.2.2
+	go install honnef.co/go/tools/cmd/staticcheck@v0.8.2
 fi
