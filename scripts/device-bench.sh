@@ -17,17 +17,19 @@ root=$PWD
 keys=${KVHOST_BENCH_KEYS:-32}
 mkdir -p /root/kvbench
 
-echo "== engine store/load, $keys keys of 32 MiB, tmpfs"
-KVHOST_BENCH_DIR=/dev/shm KVHOST_BENCH_KEYS=$keys .devbin/engine.test -test.run '^$' \
-	-test.bench 'Store|Load' -test.benchtime 3x -test.count 3 2>&1 | tee "$out/engine-shm.txt" | grep -E '^Benchmark'
-if [ "${DISK:-1}" = 1 ]; then
+if [ "${ENGINE:-1}" = 1 ]; then
+	echo "== engine store/load, $keys keys of 32 MiB, tmpfs"
+	KVHOST_BENCH_DIR=/dev/shm KVHOST_BENCH_KEYS=$keys .devbin/engine.test -test.run '^$' \
+		-test.bench 'Store|Load' -test.benchtime 3x -test.count 3 2>&1 | tee "$out/engine-shm.txt" | grep -E '^Benchmark'
+fi
+if [ "${ENGINE:-1}" = 1 ] && [ "${DISK:-1}" = 1 ]; then
 	echo "== engine store/load, $keys keys of 32 MiB, ext4 disk"
 	KVHOST_BENCH_DIR=/root/kvbench KVHOST_BENCH_KEYS=$keys .devbin/engine.test -test.run '^$' \
 		-test.bench "${DISK_BENCH:-Store|Load}" -test.benchtime 3x -test.count 3 2>&1 | tee "$out/engine-disk.txt" | grep -E '^Benchmark'
 fi
 
 echo "== policy boundary and warm start"
-(cd host/policy && "$root/.devbin/policy.test" -test.run '^$' -test.bench 'Boundary|StartWarm' \
+(cd host/policy && "$root/.devbin/policy.test" -test.run '^$' -test.bench "${POLICY_BENCH:-Boundary|StartWarm}" \
 	-test.benchtime 1s -test.count 3 2>&1) | tee "$out/policy.txt" | grep -E '^Benchmark'
 
 echo "== control path"
@@ -42,5 +44,5 @@ for dir in /dev/shm/kvd /root/kvd; do
 	PYTHONUNBUFFERED=1 python3 scripts/device-torch-check.py "$sock" "$keys" 2>&1 | tee -a "$out/torch.txt"
 	echo "   (mount $dir)"
 	kill -TERM "$pid"; wait "$pid"; echo "   daemon exit status $?"
-	ls -a "$dir" | grep -c '^\.tmp' | sed 's/^/   temporary files left: /'
+	echo "   temporary files left: $(find "$dir" -name '.tmp*' | wc -l)"
 done
