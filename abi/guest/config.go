@@ -1,6 +1,7 @@
 package guest
 
 import (
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -92,6 +93,27 @@ func (c Config) Duration(key string, def time.Duration) (time.Duration, error) {
 		return def, &ConfigError{Key: key, Value: v, Want: "a non-negative duration such as 90s or 2h"}
 	}
 	return d, nil
+}
+
+// HostKeyPrefix starts the keys the host adds to every configuration
+// ("kvhost.shard", "kvhost.shards", "kvhost.mounts").
+const HostKeyPrefix = "kvhost."
+
+// CheckKeys returns a *ConfigError naming the first key that is neither in
+// known nor a host key, so that a typo in an operator's configuration fails
+// at start instead of being ignored.
+func (c Config) CheckKeys(known ...string) error {
+	var bad []string
+	for k := range c.kv {
+		if !strings.HasPrefix(k, HostKeyPrefix) && !slices.Contains(known, k) {
+			bad = append(bad, k)
+		}
+	}
+	if len(bad) == 0 {
+		return nil
+	}
+	slices.Sort(bad)
+	return &ConfigError{Key: bad[0], Value: c.kv[bad[0]], Want: "a known key: " + strings.Join(known, ", ")}
 }
 
 // Keys returns every key set, in no particular order.

@@ -44,6 +44,9 @@ type instance interface {
 	// and returns its i32 result. An error means the instance is unusable.
 	call(ctx context.Context, h hook, arg int32) (int32, error)
 	close(ctx context.Context)
+	// lastMessage returns, and forgets, the last warning or error the
+	// plugin logged: the reason it gives for a failure status.
+	lastMessage() string
 }
 
 // Host runs a placement policy — a wasm plugin (Open) or a native Go policy
@@ -297,6 +300,9 @@ func (h *Host) callOnce(ctx context.Context, s *shard, inst instance, hk hook, o
 		return h.pluginError(s, hk.String(), err)
 	}
 	if st < 0 {
+		if msg := inst.lastMessage(); msg != "" {
+			return h.pluginError(s, hk.String(), fmt.Errorf("returned status %d (%s): %s", st, abi.Status(st), msg))
+		}
 		return h.pluginError(s, hk.String(), fmt.Errorf("returned status %d (%s)", st, abi.Status(st)))
 	}
 	if err := op.read(h, s, inst.scratch(), st); err != nil {

@@ -2,6 +2,7 @@ package policy_test
 
 import (
 	"context"
+	"strings"
 	"testing"
 
 	"github.com/kvhost/kvhost/abi"
@@ -9,6 +10,7 @@ import (
 	"github.com/kvhost/kvhost/host/policy"
 	"github.com/kvhost/kvhost/host/policy/policytest"
 	"github.com/kvhost/kvhost/plugins/lru"
+	"github.com/kvhost/kvhost/plugins/ttl"
 )
 
 // The engine updates its index before it reports an event to the policy, so
@@ -110,5 +112,15 @@ func TestFailedAccessIsNotReplayedTwice(t *testing.T) {
 	v, err := h.Victims(ctx, abi.EvictRequest{Bytes: 100, Mount: abi.AnyMount}, 8)
 	if err != nil || len(v) != 1 || v[0].Entry != 1 {
 		t.Fatalf("victims %+v, %v: want entry 1", v, err)
+	}
+}
+
+// A failure status carries the reason the plugin logged, so that an operator
+// sees "config tll ..." rather than a bare status code.
+func TestFailureCarriesPluginMessage(t *testing.T) {
+	_, err := policy.NewNative(func() guest.Policy { return ttl.New() }, policytest.NewIndex(),
+		policy.Config{Shards: 1, Params: map[string]string{"tll": "2h"}})
+	if err == nil || !strings.Contains(err.Error(), `config tll = "2h": want a known key`) {
+		t.Fatalf("error %v, want the plugin's reason", err)
 	}
 }

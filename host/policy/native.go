@@ -41,14 +41,27 @@ func (b *nativeBackend) newInstance(_ context.Context, shard int) (inst instance
 	}
 	d := guest.NewDispatcher(p)
 	log := b.log.With("shard", shard)
-	d.Log = func(level int32, msg string) { log.Log(context.Background(), slog.Level(level), msg) }
-	return &nativeInstance{d: d, buf: d.Scratch(scratchSize)}, nil
+	in := &nativeInstance{d: d, buf: d.Scratch(scratchSize)}
+	d.Log = func(level int32, msg string) {
+		log.Log(context.Background(), slog.Level(level), msg)
+		if slog.Level(level) >= slog.LevelWarn {
+			in.last = msg
+		}
+	}
+	return in, nil
 }
 
 // nativeInstance is one native policy and its scratch area.
 type nativeInstance struct {
-	d   *guest.Dispatcher
-	buf []byte
+	d    *guest.Dispatcher
+	buf  []byte
+	last string // the last warning or error logged
+}
+
+func (in *nativeInstance) lastMessage() string {
+	m := in.last
+	in.last = ""
+	return m
 }
 
 func (in *nativeInstance) scratch() []byte       { return in.buf }

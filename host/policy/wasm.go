@@ -44,6 +44,7 @@ type wasmBackend struct {
 	limitPages uint32
 	feats      abi.Feature
 	logs       logLimiter
+	instances  sync.Map // api.Module → *wasmInstance, for hostLog
 	// slow counts calls that finished within their fuel but after their
 	// wall-clock deadline: the machine was slow (preemption, GC), not the
 	// plugin, so they are not failures.
@@ -168,6 +169,7 @@ func (b *wasmBackend) instantiate(ctx context.Context) (*wasmInstance, error) {
 		return nil, fmt.Errorf("instantiate: %w", err)
 	}
 	in.mod, in.mem = mod, mod.Memory()
+	b.instances.Store(mod, in)
 	fuel, ok := mod.ExportedGlobal(meter.ExportName).(api.MutableGlobal)
 	if !ok {
 		_ = mod.Close(ctx)
@@ -225,6 +227,11 @@ func (b *wasmBackend) hostLog(ctx context.Context, mod api.Module, stack []uint6
 		return
 	}
 	b.log.Log(ctx, level, string(msg), "source", "plugin")
+	if level >= slog.LevelWarn {
+		if in, ok := b.instances.Load(mod); ok {
+			in.(*wasmInstance).last.Store(string(msg))
+		}
+	}
 }
 
 // logLimiter drops plugin log messages beyond maxLogPerSecond.
@@ -263,6 +270,12 @@ type wasmInstance struct {
 	stack  [1]uint64         // parameters and results of every hook: at most one each
 	ptr    uint32            // the scratch area
 	stderr *tailWriter
+	last   atomic.Value // string: the last warning or error the plugin logged
+}
+
+func (in *wasmInstance) lastMessage() string {
+	m, _ := in.last.Swap("").(string)
+	return m
 }
 
 // identify calls kvhost_abi_version and kvhost_features.
@@ -384,7 +397,10 @@ func (in *wasmInstance) diagnose(ctx context.Context, err error, timeout time.Du
 	return reason
 }
 
-func (in *wasmInstance) close(ctx context.Context) { _ = in.mod.Close(ctx) }
+func (in *wasmInstance) close(ctx context.Context) {
+	in.b.instances.Delete(in.mod)
+	_ = in.mod.Close(ctx)
+}
 
 // tailWriter keeps the end of what a plugin writes to stderr, to explain
 // its failures.

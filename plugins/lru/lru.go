@@ -63,6 +63,9 @@ func New() *Policy {
 
 // Init reads the configuration.
 func (p *Policy) Init(cfg guest.Config) error {
+	if err := cfg.CheckKeys(append(policykit.LayoutKeys(), "mount")...); err != nil {
+		return policykit.ConfigFailure(Name, err)
+	}
 	layout, err := policykit.ParseLayout(cfg)
 	if err != nil {
 		return policykit.ConfigFailure(Name, err)

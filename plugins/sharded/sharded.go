@@ -67,6 +67,9 @@ func New() *Policy {
 
 // Init reads the configuration.
 func (p *Policy) Init(cfg guest.Config) error {
+	if err := cfg.CheckKeys(append(policykit.LayoutKeys(), "depth", "mounts")...); err != nil {
+		return policykit.ConfigFailure(Name, err)
+	}
 	layout, err := policykit.ParseLayout(cfg)
 	if err != nil {
 		return policykit.ConfigFailure(Name, err)

@@ -33,6 +33,8 @@ func TestConfig(t *testing.T) {
 		{"ttl", "3600", "ttl"},
 		{"keys_per_file", "two", "keys_per_file"},
 		{"order", "random", "order"},
+		{"kvhost.shards", "4", ""},
+		{"tll", "2h", "tll"}, // a typo fails at start
 	}
 	for _, tt := range tests {
 		t.Run(tt.key+"="+tt.value, func(t *testing.T) {

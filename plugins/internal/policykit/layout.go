@@ -15,6 +15,9 @@ type Layout struct {
 	Order       uint32 // abi.OrderLayerMajor or abi.OrderBlockMajor
 }
 
+// LayoutKeys returns the configuration keys ParseLayout reads.
+func LayoutKeys() []string { return []string{"keys_per_file", "order"} }
+
 // ParseLayout reads the layout keys of cfg.
 func ParseLayout(cfg guest.Config) (Layout, error) {
 	l := Layout{KeysPerFile: abi.DefaultKeysPerFile, Order: abi.DefaultOrder}
