@@ -98,13 +98,7 @@ func (p *Policy) Namespace(r *abi.NamespaceRecord) error {
 
 // Name names every key on mount 0.
 func (p *Policy) Name(recs []abi.NameRecord) error {
-	for i := range recs {
-		if err := p.names.Put(&recs[i]); err != nil {
-			return err
-		}
-		recs[i].Mount = 0
-	}
-	return nil
+	return p.names.PutAll(recs, 0)
 }
 
 // Access applies access records, aging the counts when time has advanced by

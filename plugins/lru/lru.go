@@ -93,27 +93,12 @@ func (p *Policy) Namespace(r *abi.NamespaceRecord) error {
 
 // Name names every key on the configured mount.
 func (p *Policy) Name(recs []abi.NameRecord) error {
-	for i := range recs {
-		r := &recs[i]
-		if p.mount >= max(r.MountCount, 1) {
-			return guest.InvalidInput("lru: configured mount is not below the record's mount count")
-		}
-		if err := p.names.Put(r); err != nil {
-			return err
-		}
-		r.Mount = p.mount
-	}
-	return nil
+	return p.names.PutAll(recs, p.mount)
 }
 
 // Access applies access records.
 func (p *Policy) Access(recs []abi.AccessRecord) error {
-	for i := range recs {
-		if err := p.track.Apply(&recs[i]); err != nil {
-			return err
-		}
-	}
-	return nil
+	return p.track.ApplyAll(recs)
 }
 
 // Evict writes the least recently used unpinned entries on req.Mount until

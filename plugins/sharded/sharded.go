@@ -185,12 +185,7 @@ func mix(x uint64) uint64 {
 
 // Access applies access records.
 func (p *Policy) Access(recs []abi.AccessRecord) error {
-	for i := range recs {
-		if err := p.track.Apply(&recs[i]); err != nil {
-			return err
-		}
-	}
-	return nil
+	return p.track.ApplyAll(recs)
 }
 
 // Evict writes the least recently used unpinned entries of req.Mount (of all

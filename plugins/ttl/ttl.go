@@ -85,23 +85,12 @@ func (p *Policy) Namespace(r *abi.NamespaceRecord) error {
 
 // Name names every key on mount 0.
 func (p *Policy) Name(recs []abi.NameRecord) error {
-	for i := range recs {
-		if err := p.names.Put(&recs[i]); err != nil {
-			return err
-		}
-		recs[i].Mount = 0
-	}
-	return nil
+	return p.names.PutAll(recs, 0)
 }
 
 // Access applies access records.
 func (p *Policy) Access(recs []abi.AccessRecord) error {
-	for i := range recs {
-		if err := p.track.Apply(&recs[i]); err != nil {
-			return err
-		}
-	}
-	return nil
+	return p.track.ApplyAll(recs)
 }
 
 // Evict writes the expired entries, then least recently used ones until the

@@ -97,6 +97,23 @@ func NamespaceDir(model []byte, fingerprint uint64, rank uint32, modelMax int) [
 	return strconv.AppendUint(b, uint64(rank), 10)
 }
 
+// PutAll names every record of a kvhost_name batch on one mount, which must
+// be below the records' mount count.
+func (n *Names) PutAll(recs []abi.NameRecord, mount uint32) error {
+	for i := range recs {
+		r := &recs[i]
+		if mount >= max(r.MountCount, 1) {
+			return guest.InvalidInput("configured mount " + strconv.FormatUint(uint64(mount), 10) +
+				" is not below the record's mount count " + strconv.FormatUint(uint64(r.MountCount), 10))
+		}
+		if err := n.Put(r); err != nil {
+			return err
+		}
+		r.Mount = mount
+	}
+	return nil
+}
+
 // Put writes the name of r's key into r.PathBuf and sets r.PathLen. It fails
 // for an undeclared namespace, a fingerprint or rank that differs from the
 // declaration, or a key longer than abi.MaxKeyLen.

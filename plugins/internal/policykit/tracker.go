@@ -43,6 +43,16 @@ func NewTracker(classes int, classOf func(e *Entry) uint32) *Tracker {
 	return t
 }
 
+// ApplyAll applies every record of a kvhost_access batch, in order.
+func (t *Tracker) ApplyAll(recs []abi.AccessRecord) error {
+	for i := range recs {
+		if err := t.Apply(&recs[i]); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
 // Apply applies one access record.
 func (t *Tracker) Apply(r *abi.AccessRecord) error {
 	switch r.Kind {
