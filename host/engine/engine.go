@@ -762,10 +762,10 @@ func (e *Engine) verify(ctx context.Context, en *entry) bool {
 }
 
 // recentlyVerified reports whether en's file was checked within
-// Config.VerifyInterval.
-func (e *Engine) recentlyVerified(en *entry) bool {
+// Config.VerifyInterval of now (Unix nanoseconds).
+func (e *Engine) recentlyVerified(en *entry, now int64) bool {
 	iv := e.cfg.VerifyInterval
-	return iv > 0 && e.now().UnixNano()-en.verified.Load() < int64(iv)
+	return iv > 0 && now-en.verified.Load() < int64(iv)
 }
 
 func inode(fi os.FileInfo) uint64 {
@@ -810,7 +810,7 @@ func (e *Engine) Lookup(ctx context.Context, ns NamespaceID, keys [][]byte) (int
 			return i, err
 		}
 		en := e.find(n, k)
-		if en != nil && !counted(en) && !e.recentlyVerified(en) && !e.verify(ctx, en) {
+		if en != nil && !counted(en) && !e.recentlyVerified(en, now) && !e.verify(ctx, en) {
 			en = nil
 		}
 		if en == nil {
