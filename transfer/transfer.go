@@ -1,0 +1,106 @@
+// Package transfer is the seam between the storage engine and the paths
+// that move bytes between memory regions and files.
+//
+// The engine walks a file's layout once (package format) and builds a Plan:
+// every extent of the file's payload, each naming the region, the offset in
+// the region, the offset in the file and the key whose checksum it feeds. A
+// Mover carries out a Plan against an open file. The CPU staging pipeline
+// (package staging) is one Mover; GPU paths (cuFile, a pinned-host staging
+// pipeline for device memory) are others. Movers are chosen per mount and,
+// where the region's kind matters, per request (docs/design.md).
+//
+// A Mover owns its concurrency: WriteFile and ReadFile block until the plan
+// is done, run the work on the mover's own workers (GPU movers lock those to
+// their OS threads and set the device there), and may be called from many
+// goroutines at once.
+package transfer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/region"
+)
+
+// ErrUnsupported is returned (wrapped) by a Mover asked to move a region
+// kind or a file it cannot handle; the engine then picks the next path. It
+// never means that bytes were moved.
+var ErrUnsupported = errors.New("transfer: unsupported")
+
+// Extent is Len bytes at FileOff in the file and at RegionOff in Region.
+// Sum indexes the checksum (in the sums given to WriteFile or ReadFile) that
+// the extent's bytes feed, in plan order, or is -1 for none.
+type Extent struct {
+	FileOff   int64
+	Region    region.Region
+	RegionOff int64
+	Len       int64
+	Sum       int
+}
+
+// Plan is every payload extent of one file, sorted by FileOff and not
+// overlapping. It is built once per file and not modified by movers.
+type Plan struct {
+	Extents []Extent
+	// Sums is the number of checksum slots the extents index.
+	Sums int
+	// Direct says the file is open with O_DIRECT: file offsets and lengths
+	// of I/O must be multiples of 4 KiB, and movers bounce what is not.
+	Direct bool
+}
+
+// Bytes is the payload length of the plan.
+func (p *Plan) Bytes() int64 {
+	var n int64
+	for i := range p.Extents {
+		n += p.Extents[i].Len
+	}
+	return n
+}
+
+// Check validates the plan: extents sorted, not overlapping, inside their
+// regions, checksum indices in range.
+func (p *Plan) Check() error {
+	var end int64
+	for i, x := range p.Extents {
+		if x.FileOff < end || x.Len < 0 {
+			return fmt.Errorf("transfer: extent %d at file offset %d (+%d) overlaps or precedes %d", i, x.FileOff, x.Len, end)
+		}
+		if err := (region.Segment{Region: x.Region, Offset: x.RegionOff, Length: x.Len}).Check(); err != nil {
+			return fmt.Errorf("transfer: extent %d: %w", i, err)
+		}
+		if x.Sum < -1 || x.Sum >= p.Sums {
+			return fmt.Errorf("transfer: extent %d: checksum index %d of %d", i, x.Sum, p.Sums)
+		}
+		end = x.FileOff + x.Len
+	}
+	return nil
+}
+
+// Mover moves plans between regions and files.
+type Mover interface {
+	// Name names the path for logs, stats and metrics ("staging", "posix",
+	// "cufile", "gpu-staging", ...).
+	Name() string
+	// Checksums reports whether the mover computes the CRC-32C
+	// (Castagnoli) of each checksum slot while it moves the bytes. A mover
+	// that never lets the CPU see the bytes returns false, and the engine
+	// records the file as unchecked.
+	Checksums() bool
+	// WriteFile writes the plan's extents from their regions into f. If
+	// sums is non-nil (len Plan.Sums) and Checksums is true, it receives
+	// the checksum of each slot.
+	WriteFile(ctx context.Context, f fsys.File, p *Plan, sums []uint32) (int64, error)
+	// ReadFile reads the plan's extents from f into their regions, and the
+	// checksums as WriteFile does. A file shorter than the plan fails.
+	ReadFile(ctx context.Context, f fsys.File, p *Plan, sums []uint32) (int64, error)
+}
+
+// Forgetter is implemented by movers that cache per-file state (cuFile
+// handles): the engine calls Forget before it removes or replaces a file,
+// with the file's identity (device and inode).
+type Forgetter interface {
+	Forget(dev, ino uint64)
+}
