@@ -93,3 +93,15 @@ func (s Segment) Bytes() ([]byte, error) {
 	}
 	return b[s.Offset : s.Offset+s.Length : s.Offset+s.Length], nil
 }
+
+// Device is a Region in GPU memory. Its bytes are not addressable by the CPU;
+// GPU data paths move them with the CUDA runtime or cuFile.
+type Device interface {
+	Region
+	// Ordinal is the CUDA device the memory lives on, as the daemon numbers
+	// its devices.
+	Ordinal() int
+	// Ptr is the device address of the region's first byte in the daemon's
+	// CUDA context (for CUDA IPC memory: the address the import returned).
+	Ptr() uintptr
+}
