@@ -54,4 +54,3 @@ func TestOpenKeepsDlerrorTextOfEveryPath(t *testing.T) {
 		}
 	}
 }
-
