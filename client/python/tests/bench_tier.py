@@ -199,11 +199,11 @@ def main():
         nbytes = rows * args.row
         best = {m: (min(s for s, _ in v), min(l for _, l in v)) for m, v in results.items()}
         ps, pl = best["plain"]
-        print(f"{'path':10s} {'store GB/s':>11s} {'load GB/s':>10s} {'store ratio':>12s} {'load ratio':>11s}")
-        print(f"{'plain':10s} {gbps(nbytes, ps):11.2f} {gbps(nbytes, pl):10.2f} {1:12.2f} {1:11.2f}")
+        print(f"{'path':14s} {'store GB/s':>11s} {'load GB/s':>10s} {'store ratio':>12s} {'load ratio':>11s}")
+        print(f"{'plain':14s} {gbps(nbytes, ps):11.2f} {gbps(nbytes, pl):10.2f} {1:12.2f} {1:11.2f}")
         for m in ("copy", "zero-copy"):
             s, lo = best[m]
-            print(f"{'tier ' + m:10s} {gbps(nbytes, s):11.2f} {gbps(nbytes, lo):10.2f} "
+            print(f"{'tier ' + m:14s} {gbps(nbytes, s):11.2f} {gbps(nbytes, lo):10.2f} "
                   f"{ps / s:12.2f} {pl / lo:11.2f}")
         del memfd_region, region
         tier_us, raw_us = lookup_latency(daemon, keys[:64], args.row, 50, f"bench/copy-{args.reps - 1}")
