@@ -62,3 +62,10 @@ test: tools build lint
 
 clean:
 	rm -rf bin plugins/wasm/*.wasm $(WAT_WASM) $(GO_EXAMPLE_WASM)
+
+# Python client tests (client/python/tests) with Debian's python3, numpy and,
+# when installable, CPU torch; they build and start a real daemon.
+.PHONY: test-python
+test-python:
+	@scripts/ensure-python.sh
+	cd client/python && PYTHONPATH=src /usr/bin/python3 -m unittest discover -s tests -v

@@ -1,0 +1,93 @@
+"""A real kvhost daemon for the Python tests: built once per run from this
+checkout (or taken from $KVHOST_BIN), started on a temporary directory and
+socket with a TOML configuration, stopped with SIGTERM."""
+
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+
+REPO = pathlib.Path(__file__).resolve().parents[3]
+_build_lock = threading.Lock()
+_built = {}
+
+
+def kvhost_binary():
+    """Path of a kvhost binary: $KVHOST_BIN, else `go build` into a temp dir."""
+    env = os.environ.get("KVHOST_BIN")
+    if env:
+        return env
+    with _build_lock:
+        if "bin" not in _built:
+            d = tempfile.mkdtemp(prefix="kvhost-pytest-bin-")
+            out = os.path.join(d, "kvhost")
+            r = subprocess.run(["go", "build", "-o", out, "./cmd/kvhost"], cwd=REPO,
+                               capture_output=True, text=True)
+            if r.returncode != 0:
+                raise RuntimeError(f"go build ./cmd/kvhost failed:\n{r.stderr}")
+            _built["bin"] = out
+        return _built["bin"]
+
+
+class Daemon:
+    """kvhost serving dir (a cache root) on a socket in a fresh temp dir."""
+
+    def __init__(self, capacity="1GiB", dir=None, extra_toml=""):
+        self.tmp = tempfile.mkdtemp(prefix="kvhost-pytest-")
+        self.dir = dir or os.path.join(self.tmp, "blocks")
+        os.makedirs(self.dir, exist_ok=True)
+        self.socket = os.path.join(self.tmp, "kvhost.sock")
+        self.config = os.path.join(self.tmp, "kvhost.toml")
+        with open(self.config, "w") as f:
+            f.write(f'[server]\nsocket = "{self.socket}"\n\n[log]\nlevel = "warn"\nformat = "json"\n\n'
+                    f'[policy]\ncache_dir = "{os.path.join(self.tmp, "wasm-cache")}"\n\n'
+                    f'{extra_toml}\n[[mount]]\npath = "{self.dir}"\ncapacity = "{capacity}"\n')
+        self.log = open(os.path.join(self.tmp, "kvhost.log"), "w+")
+        self.proc = subprocess.Popen([kvhost_binary(), "--config", self.config],
+                                     stdout=subprocess.PIPE, stderr=self.log, text=True)
+        line = self.proc.stdout.readline().strip()
+        if line != f"kvhost: listening on unix:{self.socket}":
+            self.stop()
+            raise RuntimeError(f"kvhost did not start: {line!r}\n{self.logs()}")
+
+    def logs(self):
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+    def data_files(self):
+        """Every published file under the cache root (no temporaries)."""
+        out = []
+        for root, _, files in os.walk(self.dir):
+            out += [os.path.join(root, f) for f in files if not f.startswith(".")]
+        return sorted(out)
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc.stdout.close()
+        self.log.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def wait_for(cond, timeout=30.0, what="condition"):
+    """Polls cond() until it is truthy; returns its value or raises."""
+    deadline = time.monotonic() + timeout
+    delay = 0.0005
+    while True:
+        v = cond()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)

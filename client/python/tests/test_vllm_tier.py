@@ -1,0 +1,512 @@
+"""KvhostTier driven in vLLM's call order against a real kvhost daemon.
+
+Run: cd client/python && PYTHONPATH=src /usr/bin/python3 -m unittest discover -s tests
+"""
+
+import importlib.util
+import mmap
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import textwrap
+import unittest
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "src"))
+sys.path.insert(0, str(HERE))
+
+import numpy as np  # noqa: E402
+
+import kvhost  # noqa: E402
+from kvhost import vllm as kv  # noqa: E402
+
+import daemon as d  # noqa: E402
+import vllm_standins as S  # noqa: E402
+
+HAVE_TORCH = importlib.util.find_spec("torch") is not None
+Tier = kv.tier_class(S.API)
+CTX = S.ReqContext(req_id="req-0")
+ROW = 16 << 10  # bytes per row (one offload key)
+ROWS = 32
+
+
+def random_region(rows=ROWS, row=ROW, seed=0):
+    return np.random.default_rng(seed).integers(0, 256, size=(rows, row), dtype=np.uint8)
+
+
+def keys(n, prefix="k", group=0):
+    return [S.offload_key((prefix, i), group) for i in range(n)]
+
+
+class TierCase(unittest.TestCase):
+    """A daemon per test class; tiers are shut down after each test."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.daemon = d.Daemon()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.daemon.stop()
+
+    def setUp(self):
+        self.tiers = []
+        self.next_job = 0
+
+    def tearDown(self):
+        for t in self.tiers:
+            t.shutdown()
+
+    def tier(self, region, spec=None, **own):
+        own.setdefault("socket", self.daemon.socket)
+        t = Tier(offloading_spec=spec or S.fake_spec(), primary_kv_view=memoryview(region),
+                 tier_type="KvhostTier", **own)
+        self.tiers.append(t)
+        return t
+
+    def job(self, ks, rows, promotion=False):
+        self.next_job += 1
+        return S.TransferJob(job_id=self.next_job, keys=list(ks),
+                             block_ids=np.asarray(rows, dtype=np.int64),
+                             is_promotion=promotion, req_context=CTX)
+
+    def finished(self, tier, n):
+        """Polls get_finished_jobs (as vLLM does every step) until n results."""
+        got = []
+        d.wait_for(lambda: got.extend(tier.get_finished_jobs()) or len(got) >= n,
+                   what=f"{n} finished jobs")
+        self.assertEqual(len(got), n, got)
+        return {r.job_id: r for r in got}
+
+    def lookup_settled(self, tier, key):
+        """Asks like vLLM's scheduler each step: RETRY until the answer comes."""
+        seen = []
+
+        def ask():
+            r = tier.lookup(key, CTX)
+            seen.append(r)
+            return r is not S.LookupResult.RETRY
+        d.wait_for(ask, what="a lookup answer")
+        return seen
+
+    def store(self, tier, ks, rows):
+        j = self.job(ks, rows)
+        tier.submit_store(j)
+        res = self.finished(tier, 1)[j.job_id]
+        self.assertTrue(res.success, res)
+        return res
+
+
+class StoreLookupPromote(TierCase):
+
+    def test_store_cascade_then_retry_then_hit_then_promotion_matches_row_for_row(self):
+        region = random_region()
+        ks = keys(8)
+        writer = self.tier(region)
+        res = self.store(writer, ks, range(8))
+        self.assertEqual(list(res.successful_keys), ks)
+        events = writer.take_events()
+        self.assertEqual([(list(e.keys), e.removed, e.medium) for e in events],
+                         [(ks, False, S.Medium.DISK)])
+
+        # Another engine of the same model on the node: it has not seen the
+        # keys, so its first lookup is RETRY, then HIT from the daemon.
+        other = random_region(seed=1)
+        other[:] = 0
+        reader = self.tier(other)
+        seen = self.lookup_settled(reader, ks[0])
+        self.assertEqual(seen[0], S.LookupResult.RETRY)
+        self.assertEqual(seen[-1], S.LookupResult.HIT)
+        for k in ks[1:]:
+            self.assertEqual(self.lookup_settled(reader, k)[-1], S.LookupResult.HIT)
+
+        dst = list(range(20, 28))
+        j = self.job(ks, dst, promotion=True)
+        reader.submit_load(j)
+        res = self.finished(reader, 1)[j.job_id]
+        self.assertTrue(res.success, res)
+        self.assertEqual(list(res.successful_keys), ks)
+        for i, r in enumerate(dst):
+            np.testing.assert_array_equal(other[r], region[i], err_msg=f"row {r} (key {i})")
+        untouched = [r for r in range(ROWS) if r not in dst]
+        self.assertFalse(other[untouched].any(), "a row outside the promotion was written")
+        st = reader.get_stats()
+        self.assertEqual((st["loaded_keys"], st["bytes_loaded"], st["data_path"]), (8, 8 * ROW, "copy"))
+
+    def test_lookup_of_a_key_never_stored_is_retry_then_miss(self):
+        t = self.tier(random_region())
+        seen = self.lookup_settled(t, S.offload_key("never stored"))
+        self.assertEqual((seen[0], seen[-1]), (S.LookupResult.RETRY, S.LookupResult.MISS))
+
+    def test_lookup_while_the_key_is_being_stored_is_retry(self):
+        import threading
+        t = self.tier(random_region())
+        gate = threading.Event()
+        transfer = t._transfer
+        t._transfer = lambda *a: gate.wait() and transfer(*a)  # hold the daemon job
+        ks = keys(4, "busy")
+        j = self.job(ks, range(4))
+        t.submit_store(j)
+        for k in ks:
+            self.assertEqual(t.lookup(k, CTX), S.LookupResult.RETRY)
+        self.assertTrue(t.has_pending_work())
+        gate.set()
+        self.assertTrue(self.finished(t, 1)[j.job_id].success)
+        self.assertEqual([t.lookup(k, CTX) for k in ks], [S.LookupResult.HIT] * 4)
+
+    def test_a_key_longer_than_the_daemon_allows_is_stored_under_its_digest(self):
+        region = random_region()
+        t = self.tier(region)
+        long_key = b"x" * 100
+        self.store(t, [long_key], [3])
+        region2 = np.zeros_like(region)
+        t2 = self.tier(region2)
+        self.assertEqual(self.lookup_settled(t2, long_key)[-1], S.LookupResult.HIT)
+        j = self.job([long_key], [5], promotion=True)
+        t2.submit_load(j)
+        self.assertTrue(self.finished(t2, 1)[j.job_id].success)
+        np.testing.assert_array_equal(region2[5], region[3])
+
+    def test_touch_counts_as_an_access_on_the_daemon(self):
+        t = self.tier(random_region())
+        ks = keys(3, "touch")
+        self.store(t, ks, range(3))
+        checker = kvhost.Client(self.daemon.socket)
+        self.addCleanup(checker.close)
+        hits = checker.stats()["hits"]
+        t.touch(ks, CTX)
+        d.wait_for(lambda: checker.stats()["hits"] >= hits + 3, what="3 lookup hits from touch")
+
+
+class FailedAndPartialPromotions(TierCase):
+
+    def stored(self, n, prefix):
+        region = random_region(seed=hash(prefix) & 0xFFFF)
+        t = self.tier(region)
+        ks = keys(n, prefix)
+        self.store(t, ks, range(n))
+        for k in ks:
+            self.assertEqual(t.lookup(k, CTX), S.LookupResult.HIT)
+        return t, region, ks
+
+    def test_partial_promotion_reports_the_keys_that_loaded(self):
+        t, region, ks = self.stored(4, "partial")
+        # Between the lookup and the load, another client removes key 2.
+        other = kvhost.Client(self.daemon.socket)
+        self.addCleanup(other.close)
+        ns = other.declare(t._ns.geometry)
+        self.assertEqual(other.delete(ns, [ks[2]]), 1)
+
+        dst = [10, 11, 12, 13]
+        sentinel = region[12].copy()
+        j = self.job(ks, dst, promotion=True)
+        t.submit_load(j)
+        res = self.finished(t, 1)[j.job_id]
+        self.assertFalse(res.success)
+        self.assertEqual(list(res.successful_keys), [ks[0], ks[1], ks[3]])
+        for i in (0, 1, 3):
+            np.testing.assert_array_equal(region[dst[i]], region[i])
+        np.testing.assert_array_equal(region[12], sentinel, err_msg="the missing key's row was written")
+        ev = t.take_events()
+        self.assertIn(([ks[2]], True), [(list(e.keys), e.removed) for e in ev])
+        self.assertEqual(t.lookup(ks[2], CTX), S.LookupResult.MISS)
+        self.assertEqual(t.get_stats()["load_missing_keys"], 1)
+
+    def test_promotion_of_corrupted_files_fails_and_writes_no_row(self):
+        t, region, ks = self.stored(2, "corrupt")
+        files = self.daemon.data_files()
+        self.assertTrue(files)
+        for f in files:  # flip one byte near the end of each payload
+            with open(f, "r+b") as fh:
+                fh.seek(-100, os.SEEK_END)
+                b = fh.read(1)
+                fh.seek(-100, os.SEEK_END)
+                fh.write(bytes([b[0] ^ 0xFF]))
+        before = region[20:22].copy()
+        j = self.job(ks, [20, 21], promotion=True)
+        t.submit_load(j)
+        res = self.finished(t, 1)[j.job_id]
+        self.assertFalse(res.success)
+        self.assertEqual(list(res.successful_keys or []), [])
+        np.testing.assert_array_equal(region[20:22], before)
+        self.assertEqual(t.get_stats()["load_failed_keys"], 2)
+        self.assertGreaterEqual(t.daemon_stats()["corrupt"], 2)
+        for f in files:  # leave no corrupt file to the next test (the daemon removed the loaded ones)
+            if os.path.exists(f):
+                os.unlink(f)
+
+    def test_promotion_of_deleted_files_reports_missing_keys_as_removed(self):
+        t, region, ks = self.stored(3, "vanished")
+        for f in self.daemon.data_files():
+            os.unlink(f)
+        j = self.job(ks, [4, 5, 6], promotion=True)
+        t.submit_load(j)
+        res = self.finished(t, 1)[j.job_id]
+        self.assertFalse(res.success)
+        self.assertEqual(list(res.successful_keys or []), [])
+        removed = [k for e in t.take_events() if e.removed for k in e.keys]
+        self.assertEqual(removed, ks)
+
+
+class JobsAndLifecycle(TierCase):
+
+    def test_drain_jobs_returns_after_every_job_completed(self):
+        region = random_region()
+        t = self.tier(region, threads=2, staging_bytes=4 * ROW)
+        ids = []
+        for i in range(8):
+            j = self.job(keys(4, f"drain{i}"), range(4 * (i % 8), 4 * (i % 8) + 4))
+            t.submit_store(j)
+            ids.append(j.job_id)
+        t.drain_jobs()
+        self.assertEqual(t.get_stats()["inflight_jobs"], 0)
+        res = t.get_finished_jobs()
+        self.assertEqual(sorted(r.job_id for r in res), ids)
+        self.assertTrue(all(r.success for r in res))
+        self.assertFalse(t.has_pending_work())
+
+    def test_a_job_larger_than_the_staging_area_is_done_in_pieces(self):
+        region = random_region()
+        t = self.tier(region, threads=1, staging_bytes=3 * ROW)
+        ks = keys(ROWS, "big")
+        self.store(t, ks, range(ROWS))
+        out = np.zeros_like(region)
+        t2 = self.tier(out, threads=1, staging_bytes=5 * ROW)
+        j = self.job(ks, list(reversed(range(ROWS))), promotion=True)
+        t2.submit_load(j)
+        self.assertTrue(self.finished(t2, 1)[j.job_id].success)
+        np.testing.assert_array_equal(out[::-1], region)
+
+    def test_shutdown_waits_for_jobs_then_refuses_new_ones(self):
+        t = Tier(offloading_spec=S.fake_spec(), primary_kv_view=memoryview(random_region()),
+                 tier_type="KvhostTier", socket=self.daemon.socket)
+        j = self.job(keys(16, "shut"), range(16))
+        t.submit_store(j)
+        t.shutdown()
+        self.assertEqual([r.job_id for r in t.get_finished_jobs()], [j.job_id])
+        with self.assertRaisesRegex(RuntimeError, "shut down"):
+            t.submit_store(self.job(keys(1, "late"), [0]))
+        t.shutdown()  # idempotent
+        checker = kvhost.Client(self.daemon.socket)
+        self.addCleanup(checker.close)
+        d.wait_for(lambda: checker.stats()["clients"] == 1 + len(self.tiers),
+                   what="the tier's connection to close")
+
+    def test_on_new_request_and_finished_hooks(self):
+        t = self.tier(random_region())
+        self.assertIsInstance(t.on_new_request(CTX), S.RequestOffloadingContext)
+        self.assertIsNone(t.on_request_finished(CTX))
+
+
+class Namespaces(TierCase):
+
+    def test_different_models_and_geometries_never_share_keys(self):
+        region = random_region()
+        a = self.tier(region)
+        ks = keys(2, "ns")
+        self.store(a, ks, range(2))
+        for spec in (S.fake_spec(model="Qwen/Qwen3-8B"), S.fake_spec(dtype="float16"),
+                     S.fake_spec(tp=2), S.fake_spec(layers=5), S.fake_spec(hash_algo="sha256_cbor")):
+            b = self.tier(np.zeros_like(region), spec=spec)
+            self.assertNotEqual(b._ns.fingerprint, a._ns.fingerprint)
+            self.assertEqual(self.lookup_settled(b, ks[0])[-1], S.LookupResult.MISS)
+        same = self.tier(np.zeros_like(region))
+        self.assertEqual(same._ns.fingerprint, a._ns.fingerprint)
+        self.assertEqual(self.lookup_settled(same, ks[0])[-1], S.LookupResult.HIT)
+
+    def test_a_different_row_size_is_a_different_namespace(self):
+        a = self.tier(random_region())
+        b = self.tier(random_region(row=2 * ROW))
+        self.assertNotEqual(a._ns.fingerprint, b._ns.fingerprint)
+        self.assertEqual(b._ns.key_bytes, 2 * ROW)
+
+    def test_the_namespace_option_separates_equal_geometries(self):
+        a = self.tier(random_region())
+        b = self.tier(random_region(), namespace="tenant-b")
+        self.assertNotEqual(a._ns.fingerprint, b._ns.fingerprint)
+
+
+class ZeroCopy(TierCase):
+
+    def test_a_memfd_primary_region_is_registered_and_moved_without_staging(self):
+        buf = kvhost.HostBuffer(ROWS * ROW)
+        self.addCleanup(buf.close)
+        region = np.frombuffer(buf.mmap, dtype=np.uint8).reshape(ROWS, ROW)
+        region[:] = random_region(seed=7)
+        want = region[:4].copy()
+        t = self.tier(region, zero_copy="on")
+        self.assertEqual(t.data_path, "zero-copy")
+        ks = keys(4, "zc")
+        self.store(t, ks, range(4))
+        region[:4] = 0
+        j = self.job(ks, [8, 9, 10, 11], promotion=True)
+        t.submit_load(j)
+        self.assertTrue(self.finished(t, 1)[j.job_id].success)
+        np.testing.assert_array_equal(region[8:12], want)
+        t.shutdown()
+        self.tiers.remove(t)
+        del region
+
+    def shm_region(self):
+        f = tempfile.NamedTemporaryFile(dir="/dev/shm" if os.path.isdir("/dev/shm") else None,
+                                        prefix="vllm_offload_test_", suffix=".mmap")
+        self.addCleanup(f.close)
+        os.ftruncate(f.fileno(), ROWS * ROW)
+        m = mmap.mmap(f.fileno(), ROWS * ROW)
+        region = np.frombuffer(m, dtype=np.uint8).reshape(ROWS, ROW)
+        region[:] = random_region(seed=9)
+        return region
+
+    def test_a_plain_shm_file_is_refused_by_todays_daemon_with_zero_copy_on(self):
+        with self.assertRaisesRegex(RuntimeError, "zero_copy=on: cannot register vLLM's CPU region"):
+            self.tier(self.shm_region(), zero_copy="on")
+
+    def test_auto_falls_back_to_the_copy_and_still_moves_rows(self):
+        region = self.shm_region()
+        t = self.tier(region, zero_copy="auto")
+        self.assertEqual(t.data_path, "copy")
+        self.assertIn("zero_copy_error", t.get_stats())
+        ks = keys(2, "auto")
+        self.store(t, ks, [0, 1])
+        j = self.job(ks, [30, 31], promotion=True)
+        t.submit_load(j)
+        self.assertTrue(self.finished(t, 1)[j.job_id].success)
+        np.testing.assert_array_equal(region[30:32], region[0:2])
+
+
+@unittest.skipUnless(HAVE_TORCH, "torch is not importable (install python3-torch: scripts/ensure-python.sh)")
+class TorchTensors(TierCase):
+
+    def test_cpu_torch_tensor_rows_round_trip(self):
+        import torch
+        g = torch.Generator().manual_seed(3)
+        src = torch.randint(-128, 128, (ROWS, ROW), dtype=torch.int8, generator=g)
+        t = self.tier(src.numpy())
+        ks = keys(6, "torch")
+        self.store(t, ks, range(6))
+        dst = torch.zeros((ROWS, ROW), dtype=torch.int8)
+        t2 = self.tier(dst.numpy())
+        j = self.job(ks, range(10, 16), promotion=True)
+        t2.submit_load(j)
+        self.assertTrue(self.finished(t2, 1)[j.job_id].success)
+        self.assertTrue(torch.equal(dst[10:16], src[:6]))
+
+    def test_bfloat16_rows_keep_their_bits(self):
+        import torch
+        src = torch.randn((ROWS, ROW // 2)).to(torch.bfloat16)
+        t = self.tier(src.view(torch.int16).numpy())
+        ks = keys(2, "bf16")
+        self.store(t, ks, [0, 1])
+        dst = torch.zeros((ROWS, ROW // 2), dtype=torch.bfloat16)
+        t2 = self.tier(dst.view(torch.int16).numpy())
+        j = self.job(ks, [2, 3], promotion=True)
+        t2.submit_load(j)
+        self.assertTrue(self.finished(t2, 1)[j.job_id].success)
+        self.assertTrue(torch.equal(dst[2:4].view(torch.int16), src[:2].view(torch.int16)))
+
+
+class Options(unittest.TestCase):
+
+    def test_an_unknown_option_is_refused_with_its_name(self):
+        with self.assertRaisesRegex(ValueError, "unknown tier option.*sokcet"):
+            Tier(offloading_spec=S.fake_spec(), primary_kv_view=memoryview(random_region()),
+                 tier_type="KvhostTier", sokcet="/x")
+
+    def test_a_missing_daemon_is_a_clear_connection_error(self):
+        with self.assertRaisesRegex(ConnectionError, "cannot connect to the kvhost daemon at /nonexistent"):
+            Tier(offloading_spec=S.fake_spec(), primary_kv_view=memoryview(random_region()),
+                 tier_type="KvhostTier", socket="/nonexistent/kvhost.sock")
+
+    def test_a_bad_zero_copy_value_is_refused(self):
+        with self.assertRaisesRegex(ValueError, "zero_copy: want off, auto or on"):
+            Tier(offloading_spec=S.fake_spec(), primary_kv_view=memoryview(random_region()),
+                 tier_type="KvhostTier", zero_copy="maybe", socket="/x")
+
+
+class VersionWindow(unittest.TestCase):
+
+    def test_a_vllm_without_successful_keys_is_refused_naming_the_window(self):
+        import dataclasses
+        import types
+
+        @dataclasses.dataclass
+        class OldJobResult:
+            job_id: int
+            success: bool
+        api = types.SimpleNamespace(**vars(S.API))
+        api.JobResult = OldJobResult
+        with self.assertRaisesRegex(kv.UnsupportedVLLM, "JobResult.successful_keys.*supported: vLLM with"):
+            kv.tier_class(api)
+
+    def test_a_vllm_requiring_unknown_abstract_methods_is_refused(self):
+        import abc
+        import types
+
+        class Newer(S.SecondaryTierManager):
+            @abc.abstractmethod
+            def prefetch(self, keys): ...
+        api = types.SimpleNamespace(**vars(S.API))
+        api.SecondaryTierManager = Newer
+        with self.assertRaisesRegex(kv.UnsupportedVLLM, "prefetch"):
+            kv.tier_class(api)
+
+    def run_python(self, code, path=()):
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([*path, str(HERE.parent / "src")]))
+        r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,
+                           capture_output=True, text=True, timeout=120)
+        return r
+
+    def test_importing_the_package_imports_no_vllm_and_works_without_it(self):
+        r = self.run_python("""
+            import sys
+            import kvhost.vllm as kv
+            assert not any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules), 'vllm imported'
+            T = kv.KvhostTier
+            print(kv.detect().name, ' '.join(c.__module__ for c in T.__mro__))
+        """)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        words = r.stdout.split()
+        self.assertEqual(words[0], "standalone")
+        self.assertIn("kvhost.vllm._compat", words, "not based on the fallback SecondaryTierManager")
+
+    def fake_vllm(self, job_result_fields):
+        """A vllm package with only the light kv_offload modules, from the stand-ins."""
+        root = tempfile.mkdtemp(prefix="fake-vllm-")
+        pkg = pathlib.Path(root, "vllm", "v1", "kv_offload", "tiering")
+        pkg.mkdir(parents=True)
+        for p in (pkg.parents[2], pkg.parents[1], pkg.parents[0], pkg):
+            (p / "__init__.py").write_text("")
+        src = (HERE / "vllm_standins.py").read_text()
+        (pkg.parent / "base.py").write_text(src)
+        jr = "JobResult" if job_result_fields else "_OldJobResult"
+        (pkg / "base.py").write_text(
+            "import dataclasses\n"
+            "from vllm.v1.kv_offload.base import SecondaryTierManager, TransferJob, JobResult\n"
+            "@dataclasses.dataclass\nclass _OldJobResult:\n    job_id: int\n    success: bool\n"
+            f"JobResult = {jr}\n")
+        return root
+
+    def test_vllm_factory_loading_subclasses_the_installed_secondary_tier_manager(self):
+        root = self.fake_vllm(True)
+        r = self.run_python("""
+            import importlib
+            from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
+            cls = getattr(importlib.import_module('kvhost.vllm'), 'KvhostTier')
+            assert issubclass(cls, SecondaryTierManager), cls.__mro__
+            print(cls.medium)
+        """, [root])
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertEqual(r.stdout.strip(), "Medium.DISK")
+
+    def test_an_installed_vllm_outside_the_window_is_refused_at_load(self):
+        root = self.fake_vllm(False)
+        r = self.run_python("import kvhost.vllm as kv; kv.KvhostTier", [root])
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("UnsupportedVLLM", r.stderr)
+        self.assertIn("supported: vLLM with the secondary-tier interface", r.stderr)
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Installs what the Python tests (client/python/tests) need on a Debian
+# machine, for /usr/bin/python3: numpy (required) and CPU torch (optional:
+# the torch tests skip with a message naming the package when it cannot be
+# installed). Idempotent: asks apt only for what is missing.
+set -euo pipefail
+py=${PYTHON:-/usr/bin/python3}
+missing=()
+"$py" -c 'import numpy' >/dev/null 2>&1 || missing+=(python3-numpy)
+"$py" -c 'import torch' >/dev/null 2>&1 || missing+=(python3-torch)
+[ ${#missing[@]} -eq 0 ] && exit 0
+if ! command -v apt-get >/dev/null 2>&1; then
+	echo "ensure-python: no apt-get; install ${missing[*]} for $py yourself" >&2
+	"$py" -c 'import numpy' >/dev/null 2>&1 || exit 1
+	exit 0
+fi
+sudo=""
+[ "$(id -u)" -eq 0 ] || sudo="sudo"
+echo "ensure-python: installing ${missing[*]} with apt-get" >&2
+$sudo apt-get update -qq || true
+for pkg in "${missing[@]}"; do
+	if ! DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "$pkg" >/dev/null; then
+		if [ "$pkg" = python3-numpy ]; then
+			echo "ensure-python: cannot install python3-numpy (required by the tests)" >&2
+			exit 1
+		fi
+		echo "ensure-python: cannot install $pkg; the tests that need it will skip" >&2
+	fi
+done
