@@ -58,6 +58,7 @@ fuzz: wasm
 
 test: tools build lint
 	$(GO) test -race -count=1 ./...
+	$(MAKE) --no-print-directory test-python
 	$(MAKE) --no-print-directory fuzz
 
 clean:
