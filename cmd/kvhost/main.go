@@ -3,15 +3,20 @@
 //	kvhost [serve] [flags]          run the daemon (the default)
 //	kvhost policy inspect NAME|FILE  describe a policy plugin
 //	kvhost policy test NAME|FILE     run the plugin conformance suite
+//	kvhost config check FILE...      check configuration files
+//	kvhost version                   print the version (also --version)
 package main
 
 import (
 	"context"
+	"flag"
 	"fmt"
 	"io"
 	"os"
 	"os/signal"
 	"syscall"
+
+	"github.com/kvhost/kvhost/config"
 )
 
 // command is one subcommand: it gets its arguments (after its name) and
@@ -23,8 +28,10 @@ type command struct {
 
 func commands() map[string]command {
 	return map[string]command{
-		"serve":  {"run the daemon (the default)", runServe},
-		"policy": {"inspect or test a placement-policy plugin", runPolicy},
+		"serve":   {"run the daemon (the default)", runServe},
+		"policy":  {"inspect or test a placement-policy plugin", runPolicy},
+		"config":  {"check configuration files", runConfig},
+		"version": {"print the version", runVersion},
 	}
 }
 
@@ -42,6 +49,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		case "help", "-h", "-help", "--help":
 			usage(stdout, cmds)
 			return 0
+		case "-version", "--version":
+			return runVersion(ctx, nil, stdout, stderr)
 		}
 		if c, ok := cmds[args[0]]; ok {
 			return c.run(ctx, args[1:], stdout, stderr)
@@ -54,12 +63,20 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	return 2
 }
 
+// usage prints the commands and the daemon's flags (serve is the default
+// command, so its flags are kvhost's own).
 func usage(w io.Writer, cmds map[string]command) {
 	fmt.Fprintln(w, "usage: kvhost [command] [flags]")
 	fmt.Fprintln(w, "\ncommands:")
-	for _, name := range []string{"serve", "policy"} {
+	for _, name := range []string{"serve", "policy", "config", "version"} {
 		if c, ok := cmds[name]; ok {
 			fmt.Fprintf(w, "  %-8s %s\n", name, c.summary)
 		}
 	}
+	fmt.Fprintln(w, "\ndaemon flags (kvhost [serve] [flags]; they override the --config file):")
+	fs := flag.NewFlagSet("kvhost serve", flag.ContinueOnError)
+	config.BindFlags(fs)
+	fs.SetOutput(w)
+	fs.PrintDefaults()
+	fmt.Fprintln(w, "\nkvhost COMMAND --help describes a command's own flags.")
 }

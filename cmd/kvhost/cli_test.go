@@ -1,0 +1,74 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+)
+
+func TestHelpListsEveryCommandAndTheDaemonFlags(t *testing.T) {
+	var out, errb bytes.Buffer
+	if code := run(context.Background(), []string{"--help"}, &out, &errb); code != 0 {
+		t.Fatalf("exit %d, stderr %s", code, errb.String())
+	}
+	for _, want := range []string{"serve", "policy", "config", "version", "-config", "-dir", "-socket", "-policy", "-capacity"} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("--help does not mention %q:\n%s", want, out.String())
+		}
+	}
+}
+
+func TestVersionFlagAndCommandAgree(t *testing.T) {
+	var a, b, errb bytes.Buffer
+	if code := run(context.Background(), []string{"--version"}, &a, &errb); code != 0 {
+		t.Fatalf("--version: exit %d: %s", code, errb.String())
+	}
+	if code := run(context.Background(), []string{"version"}, &b, &errb); code != 0 {
+		t.Fatalf("version: exit %d: %s", code, errb.String())
+	}
+	if a.String() != b.String() || !strings.HasPrefix(a.String(), "kvhost ") {
+		t.Fatalf("--version %q, version %q", a.String(), b.String())
+	}
+}
+
+func TestConfigCheck(t *testing.T) {
+	dir := t.TempDir()
+	good := filepath.Join("..", "..", "examples", "kvhost.toml")
+	bad := filepath.Join(dir, "bad.toml")
+	if err := os.WriteFile(bad, []byte("[server]\nsocket = \"/tmp/x.sock\"\nmax_clientz = 3\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	cases := []struct {
+		name     string
+		args     []string
+		code     int
+		stdout   string
+		stderrIn []string
+	}{
+		{"example config is ok", []string{"check", good}, 0, good + ": ok", nil},
+		{"unknown key named with its line", []string{"check", bad}, 1, "", []string{bad + ":3", "server.max_clientz"}},
+		{"missing file named", []string{"check", filepath.Join(dir, "nope.toml")}, 1, "", []string{"nope.toml"}},
+		{"no file is a usage error", []string{"check"}, 2, "", []string{"usage"}},
+		{"unknown subcommand", []string{"frobnicate"}, 2, "", []string{"frobnicate"}},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			var out, errb bytes.Buffer
+			code := runConfig(context.Background(), c.args, &out, &errb)
+			if code != c.code {
+				t.Fatalf("exit %d, want %d (stdout %q, stderr %q)", code, c.code, out.String(), errb.String())
+			}
+			if !strings.Contains(out.String(), c.stdout) {
+				t.Errorf("stdout %q, want it to contain %q", out.String(), c.stdout)
+			}
+			for _, s := range c.stderrIn {
+				if !strings.Contains(errb.String(), s) {
+					t.Errorf("stderr %q does not contain %q", errb.String(), s)
+				}
+			}
+		})
+	}
+}
