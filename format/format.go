@@ -91,7 +91,12 @@ type Header struct {
 	BlocksPerKey uint32
 	BlockBytes   uint64 // one plane of one layer of one block
 	Created      int64  // Unix nanoseconds; informational
-	Keys         []Key  // 1..MaxKeys
+	// ID identifies the file: a random non-zero number the writer draws for
+	// every file it publishes, so that a file is never taken for another
+	// that reused its inode number. 0 in files written before it existed
+	// (the field was reserved and zero); readers accept both.
+	ID   uint64
+	Keys []Key // 1..MaxKeys
 }
 
 // KeyBytes is the payload size of one key.
@@ -172,7 +177,7 @@ func (h *Header) Encode(b []byte) error {
 	// b[68:72] reserved
 	le.PutUint64(b[72:], h.BlockBytes)
 	le.PutUint64(b[80:], uint64(h.Created))
-	// b[88:96] reserved
+	le.PutUint64(b[88:], h.ID)
 	for i, k := range h.Keys {
 		e := b[FixedLen+i*KeyEntryLen:]
 		le.PutUint32(e[0:], k.Sum)
@@ -248,6 +253,7 @@ func Decode(b []byte) (*Header, error) {
 		BlocksPerKey: le.Uint32(b[64:]),
 		BlockBytes:   le.Uint64(b[72:]),
 		Created:      int64(le.Uint64(b[80:])),
+		ID:           le.Uint64(b[88:]),
 		Keys:         make([]Key, nkeys),
 	}
 	for i := range h.Keys {

@@ -12,6 +12,7 @@ func sample(nkeys int, order uint32) *Header {
 	h := &Header{
 		Flags: FlagPayloadSums, Fingerprint: 0x1122334455667788, Order: order,
 		Layers: 3, Planes: 2, BlocksPerKey: 4, BlockBytes: 512, Created: 1700000000,
+		ID: 0x0123456789abcdef,
 	}
 	for i := range nkeys {
 		h.Keys = append(h.Keys, Key{Key: fmt.Appendf(nil, "key-%03d", i), Sum: uint32(i * 7)})
@@ -50,7 +51,7 @@ func TestRoundTrip(t *testing.T) {
 			}
 			if got.Fingerprint != h.Fingerprint || got.Order != h.Order || got.Flags != h.Flags ||
 				got.Layers != h.Layers || got.Planes != h.Planes || got.BlocksPerKey != h.BlocksPerKey ||
-				got.BlockBytes != h.BlockBytes || got.Created != h.Created || len(got.Keys) != len(h.Keys) {
+				got.BlockBytes != h.BlockBytes || got.Created != h.Created || got.ID != h.ID || len(got.Keys) != len(h.Keys) {
 				t.Fatalf("decoded %+v, want %+v", got, h)
 			}
 			for i := range h.Keys {
@@ -176,4 +177,41 @@ func FuzzDecodeHeader(f *testing.F) {
 			t.Fatalf("re-encoded header differs:\n%v\n%v", *h2, *h)
 		}
 	})
+}
+
+// TestFileIDField: the file id lives in bytes [88, 96), which version-1
+// files written before it existed kept zero: such a file decodes with ID 0,
+// and a file with an id decodes the same for every other field (old readers
+// ignore the bytes).
+func TestFileIDField(t *testing.T) {
+	h := sample(2, OrderLayerMajor)
+	b := make([]byte, h.Len())
+	if err := h.Encode(b); err != nil {
+		t.Fatal(err)
+	}
+	if got := binary.LittleEndian.Uint64(b[88:]); got != h.ID {
+		t.Fatalf("bytes [88, 96) = %#x, want the id %#x", got, h.ID)
+	}
+	old := *h
+	old.ID = 0 // as the writer before the id wrote it
+	ob := make([]byte, old.Len())
+	if err := old.Encode(ob); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(ob[88:96], make([]byte, 8)) {
+		t.Fatalf("an id-less header has %x at [88, 96), want zeros", ob[88:96])
+	}
+	got, err := Decode(ob)
+	if err != nil {
+		t.Fatalf("an old file does not decode: %v", err)
+	}
+	if got.ID != 0 || got.Fingerprint != h.Fingerprint || len(got.Keys) != 2 {
+		t.Fatalf("old file decoded as %+v", got)
+	}
+	// Only the id and the header checksum differ between the two.
+	for i := range b {
+		if b[i] != ob[i] && (i < 88 || i >= 96) && (i < 20 || i >= 24) {
+			t.Fatalf("byte %d differs between the headers with and without an id", i)
+		}
+	}
 }

@@ -57,6 +57,9 @@ var (
 	ErrCorrupt = errors.New("engine: corrupt file")
 	// ErrPolicy: the policy failed or returned something the engine refused.
 	ErrPolicy = errors.New("engine: policy")
+	// ErrLocked: Config.LockFile is locked by another process (another
+	// daemon on this node).
+	ErrLocked = errors.New("engine: locked by another process")
 )
 
 // NamespaceID identifies a declared namespace: a geometry (fingerprint). It is
@@ -122,10 +125,20 @@ type Config struct {
 	// StagingBytes bounds the memory of bounce buffers (default 64 MiB); it
 	// is used only when segments cannot go to the file directly.
 	StagingBytes int64
-	// TempGrace keeps temporary files younger than this at Open (default 0:
-	// remove every leftover). Set it when several nodes share a mount, so
-	// that one node's start does not remove another's store in progress.
+	// TempGrace is the age after which Open removes an unlocked temporary
+	// file of another node (or one without an owner in its name) as
+	// abandoned (default DefaultTempGrace). This node's own leftovers go
+	// as soon as their process is gone; a file whose flock is held is never
+	// removed (docs/engine.md, "Temporary files").
 	TempGrace time.Duration
+	// NodeID names this node in temporary file names (default: the host
+	// name). Nodes sharing a mount must have distinct ids.
+	NodeID string
+	// LockFile, if set, is a node-local file Open creates and locks
+	// (flock, exclusive, not waiting) before it touches any mount, and
+	// holds until Close: a second engine given the same file fails with
+	// ErrLocked before it cleans or writes anything.
+	LockFile string
 	// MaxNamespaces bounds the namespaces Declare creates over the life of
 	// the engine (default DefaultMaxNamespaces): each one holds state in
 	// the engine and in every policy shard until the engine closes.

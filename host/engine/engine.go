@@ -13,10 +13,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
-	"syscall"
 	"time"
-
-	"golang.org/x/sys/unix"
 
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/format"
@@ -43,7 +40,9 @@ type Engine struct {
 	pool      *staging.Pool
 	mounts    []*mount
 	now       func() time.Time
-	dirs      sync.Map // directories known to exist
+	node      string     // this node's name in temporary file names
+	lock      fsys.File  // Config.LockFile, flocked for the engine's life
+	dirs      sync.Map   // directories known to exist
 	unsynced  sync.Map // directories created, not yet fsynced (Config.Fsync)
 
 	mu       sync.Mutex
@@ -126,7 +125,8 @@ type entry struct {
 	path  string
 	size  int64
 	keys  []string
-	ino   uint64
+	ident fsys.Identity // of the file when it was indexed
+	fid   uint64        // the header's file id (0: written before ids)
 	// verified is when the file was last checked (Unix nanoseconds).
 	verified atomic.Int64
 	// guarded by Engine.mu
@@ -164,11 +164,15 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	if cfg.MaxNamespaces <= 0 {
 		cfg.MaxNamespaces = DefaultMaxNamespaces
 	}
+	if cfg.TempGrace <= 0 {
+		cfg.TempGrace = DefaultTempGrace
+	}
 	e := &Engine{
 		cfg:      cfg,
 		log:      cfg.Logger,
 		fs:       cfg.FS,
 		now:      cfg.Now,
+		node:     nodeName(cfg.NodeID),
 		nsByFP:   map[uint64]NamespaceID{},
 		caches:   map[CacheID]*cache{},
 		entries:  map[uint64]*entry{},
@@ -177,6 +181,21 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		inflight: map[string]*flight{},
 		jobs:     map[JobID]*Job{},
 	}
+	// The node-local lock first: a second daemon on this node stops here,
+	// before it touches a mount.
+	if cfg.LockFile != "" {
+		lock, err := lockNode(e.fs, cfg.LockFile)
+		if err != nil {
+			return nil, err
+		}
+		e.lock = lock
+	}
+	ok := false
+	defer func() {
+		if !ok && e.lock != nil {
+			e.lock.Close()
+		}
+	}()
 	for i, m := range cfg.Mounts {
 		mt, err := e.openMount(i, m)
 		if err != nil {
@@ -210,6 +229,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	}
 	e.restore(ctx)
 	e.hitRec = newHitRecorder(e)
+	ok = true
 	st := e.Stats()
 	e.log.Info("engine: open", "mounts", len(e.mounts), "entries", st.Entries, "keys", st.Keys, "rebuild", time.Since(start))
 	return e, nil
@@ -311,6 +331,43 @@ func (e *Engine) Declare(ctx context.Context, g Geometry) (NamespaceID, error) {
 		ns.keysPerFile, ns.order = int(rec.KeysPerFile), rec.Order
 	}
 	return id, nil
+}
+
+// Release ends the declaration of namespace ns: the server calls it when
+// no client uses the namespace any more. The namespace stops counting
+// against Config.MaxNamespaces and is unknown to requests until declared
+// again (which returns the same id); its files stay indexed, on disk and
+// servable then. It fails with ErrUnknownNamespace for an id Declare never
+// returned, and with ErrInvalid while caches of the namespace are still
+// registered. Releasing a released namespace does nothing.
+func (e *Engine) Release(ns NamespaceID) error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.closed {
+		return ErrClosed
+	}
+	if int(ns) >= len(e.nss) || e.nss[ns].geo.Model == "" { // never declared
+		return fmt.Errorf("%w: %d", ErrUnknownNamespace, ns)
+	}
+	n := e.nss[ns]
+	if !n.declared {
+		return nil
+	}
+	caches := 0
+	for _, c := range e.caches {
+		if c.ns == n {
+			caches++
+		}
+	}
+	if caches > 0 {
+		return fmt.Errorf("%w: release of namespace %d (%q): %d caches are still registered", ErrInvalid, ns, n.geo.Model, caches)
+	}
+	n.declared = false
+	if n.counted {
+		n.counted = false
+		e.declares--
+	}
+	return nil
 }
 
 func (e *Engine) newNamespaceLocked(fp uint64) NamespaceID {
@@ -553,6 +610,9 @@ func (e *Engine) Close(ctx context.Context) error {
 	if e.ownPolicy {
 		err = errors.Join(err, e.pol.Close(context.WithoutCancel(ctx)))
 	}
+	if e.lock != nil {
+		e.lock.Close() // releases the flock
+	}
 	return err
 }
 
@@ -743,9 +803,12 @@ func (e *Engine) names(ctx context.Context, ns *namespace, keys [][]byte) ([]int
 // entry; verify then reports false.
 func (e *Engine) verify(ctx context.Context, en *entry) bool {
 	fi, err := e.fs.Stat(en.path)
-	if err == nil && fi.Size() == en.size && inode(fi) == en.ino {
-		en.verified.Store(e.now().UnixNano())
-		return true
+	if err == nil {
+		var id fsys.Identity
+		if id, err = fsys.IdentityOf(fi); err == nil && id.Same(en.ident) {
+			en.verified.Store(e.now().UnixNano())
+			return true
+		}
 	}
 	why := "vanished"
 	switch {
@@ -766,13 +829,6 @@ func (e *Engine) verify(ctx context.Context, en *entry) bool {
 func (e *Engine) recentlyVerified(en *entry, now int64) bool {
 	iv := e.cfg.VerifyInterval
 	return iv > 0 && now-en.verified.Load() < int64(iv)
-}
-
-func inode(fi os.FileInfo) uint64 {
-	if st, ok := fi.Sys().(*syscall.Stat_t); ok {
-		return st.Ino
-	}
-	return 0
 }
 
 // Lookup returns how many leading keys of ns are stored. A hit is checked
@@ -876,7 +932,7 @@ func (e *Engine) discover(ctx context.Context, ns *namespace, key []byte) *entry
 // adopt indexes an entry found on disk and tells the policy.
 func (e *Engine) adopt(ctx context.Context, en *entry) *entry {
 	e.mu.Lock()
-	if old := e.byPath[en.path]; old != nil && old.ino == en.ino {
+	if old := e.byPath[en.path]; old != nil && old.ident.Same(en.ident) && old.fid == en.fid {
 		e.mu.Unlock()
 		return old
 	}
@@ -908,6 +964,10 @@ func (en *entry) match(fp uint64, key []byte) (int, error) {
 	return -1, fmt.Errorf("%w: %w", ErrMismatch, format.ErrKey)
 }
 
+// errNotRegular: a name where a kvhost file should be is not a regular
+// file (a directory, a socket...).
+var errNotRegular = errors.New("engine: not a regular file")
+
 // readEntry reads the header of the file at path into an unindexed entry.
 func (e *Engine) readEntry(mnt int, path string) (*entry, error) {
 	f, err := e.fs.OpenFile(path, os.O_RDONLY, 0)
@@ -915,25 +975,34 @@ func (e *Engine) readEntry(mnt int, path string) (*entry, error) {
 		return nil, err
 	}
 	defer f.Close()
+	if fi, err := fsys.Fstat(f); err == nil && !fi.Mode().IsRegular() {
+		return nil, fmt.Errorf("%w: %s (%v)", errNotRegular, path, fi.Mode().Type())
+	}
 	h, err := readHeader(f)
 	if err != nil {
 		return nil, err
 	}
-	// The open file, not the name: the inode and size must be those of the
-	// file whose header was read, even if the name was replaced meanwhile.
-	var st unix.Stat_t
-	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
-		return nil, &os.PathError{Op: "fstat", Path: path, Err: err}
+	// The open file, not the name: the identity must be that of the file
+	// whose header was read, even if the name was replaced meanwhile.
+	id, err := fileIdentity(f)
+	if err != nil {
+		return nil, err
 	}
-	if st.Size < h.FileLen() {
-		return nil, fmt.Errorf("%w: %s: %d bytes, header says %d", ErrCorrupt, path, st.Size, h.FileLen())
+	if id.Size < h.FileLen() {
+		return nil, fmt.Errorf("%w: %s: %d bytes, header says %d", ErrCorrupt, path, id.Size, h.FileLen())
 	}
-	en := &entry{fp: h.Fingerprint, mount: mnt, path: path, size: st.Size, ino: st.Ino, last: st.Mtim.Nano()}
+	return e.entryOf(mnt, path, h, id), nil
+}
+
+// entryOf returns an unindexed entry for the file at path with header h
+// and identity id.
+func (e *Engine) entryOf(mnt int, path string, h *format.Header, id fsys.Identity) *entry {
+	en := &entry{fp: h.Fingerprint, mount: mnt, path: path, size: id.Size, ident: id, fid: h.ID, last: id.Mtime}
 	en.verified.Store(e.now().UnixNano())
 	for _, k := range h.Keys {
 		en.keys = append(en.keys, string(k.Key))
 	}
-	return en, nil
+	return en
 }
 
 // readHeader reads and decodes the header at the start of f, with aligned

@@ -1,11 +1,5 @@
 package engine
 
-import (
-	"errors"
-	"os"
-	"slices"
-)
-
 // flight marks a path that this engine is writing (a store) or removing (an
 // eviction, a delete, a corrupt file dropped). At most one of them holds a
 // path at a time, so that a removal never deletes a file a store has just
@@ -13,10 +7,10 @@ import (
 // holder and then looks again at what is stored.
 type flight struct {
 	done chan struct{} // closed when the path is released
-	// orphans are the inodes of files at the path that were unindexed
+	// orphans are the entries of files at the path that were unindexed
 	// while the path was held: the holder removes the file at release if
 	// it is still one of them (a store that published has replaced it).
-	orphans []uint64
+	orphans []*entry
 }
 
 // claimLocked marks path in flight and returns true, or returns false and
@@ -44,7 +38,7 @@ func (e *Engine) release(path string) {
 			return
 		}
 		e.mu.Unlock()
-		e.removeIfInode(path, orphans)
+		e.removeIfSame(path, orphans)
 	}
 }
 
@@ -55,7 +49,7 @@ func (e *Engine) release(path string) {
 func (e *Engine) removeLocked(en *entry) bool {
 	ok, fl := e.claimLocked(en.path)
 	if !ok {
-		fl.orphans = append(fl.orphans, en.ino)
+		fl.orphans = append(fl.orphans, en)
 	}
 	return ok
 }
@@ -63,22 +57,6 @@ func (e *Engine) removeLocked(en *entry) bool {
 // removeClaimed removes en's file (if it is still the file at its path) and
 // releases the path claimed by removeLocked.
 func (e *Engine) removeClaimed(en *entry) {
-	e.removeIfInode(en.path, []uint64{en.ino})
+	e.removeIfSame(en.path, []*entry{en})
 	e.release(en.path)
-}
-
-// removeIfInode removes the file at path if its inode is one of inos. The
-// caller holds the path, so no store of this engine publishes there
-// between the stat and the remove.
-func (e *Engine) removeIfInode(path string, inos []uint64) {
-	fi, err := e.fs.Stat(path)
-	if err == nil && !slices.Contains(inos, inode(fi)) {
-		return // replaced: someone else's newer file
-	}
-	if err == nil {
-		err = e.fs.Remove(path)
-	}
-	if err != nil && !errors.Is(err, os.ErrNotExist) {
-		e.log.Warn("engine: remove", "path", path, "err", err)
-	}
 }

@@ -166,6 +166,16 @@ func (e *Engine) loadFile(ctx context.Context, w *staging.Worker, j *Job, c *cac
 		all(OutcomeMissing, fmt.Errorf("%w: %s: %w", ErrMismatch, en.path, format.ErrFingerprint))
 		return
 	}
+	if id, err := fileIdentity(f); err == nil && !en.sameFile(id, h) {
+		// Another file at the path (another node published there, maybe
+		// at the same inode): the entry goes; the file is indexed anew if
+		// it holds what is asked, and read below like any file.
+		e.st.vanished.Add(1)
+		e.drop(ctx, en, false, "replaced")
+		if id.Size >= h.FileLen() {
+			en = e.adopt(ctx, e.entryOf(en.mount, en.path, h, id))
+		}
+	}
 	want := make([]bool, len(h.Keys))
 	dst := make([]int, len(h.Keys)) // file key -> request index
 	var read []int
@@ -180,8 +190,7 @@ func (e *Engine) loadFile(ctx context.Context, w *staging.Worker, j *Job, c *cac
 		read = append(read, k)
 	}
 	if len(read) == 0 {
-		e.drop(ctx, en, false, "replaced by a file of other keys")
-		return
+		return // a file of other keys replaced the entry's (handled above)
 	}
 	hl := int64(h.Len())
 	spans := make([]staging.Span, 0, len(read)*int(h.Layers*h.Planes*h.BlocksPerKey))

@@ -9,9 +9,12 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/format"
+	"github.com/kvhost/kvhost/internal/fsys"
 )
 
 // rebuild scans every mount: it removes temporary leftovers (older than
@@ -27,7 +30,8 @@ func (e *Engine) rebuild(ctx context.Context) error {
 		mu      sync.Mutex
 		found   []*entry
 		skipped int
-		cleaned int
+		corrupt int
+		cleaned atomic.Int64 // by the walkers, one per mount
 	)
 	var readers sync.WaitGroup
 	for range max(4, 2*e.cfg.IOWorkers) {
@@ -36,18 +40,21 @@ func (e *Engine) rebuild(ctx context.Context) error {
 			defer readers.Done()
 			for it := range files {
 				en, err := e.readEntry(it.mount, it.path)
+				bad := err != nil && e.removeCorrupt(it.path, err)
 				mu.Lock()
-				if err != nil {
+				switch {
+				case bad:
+					corrupt++
+				case err != nil:
 					skipped++
 					e.log.Debug("engine: rebuild: skipping file", "path", it.path, "err", err)
-				} else {
+				default:
 					found = append(found, en)
 				}
 				mu.Unlock()
 			}
 		}()
 	}
-	cutoff := e.now().Add(-e.cfg.TempGrace)
 	var walkErr error
 	var walk func(mount int, dir string) error
 	walk = func(mount int, dir string) error {
@@ -62,18 +69,19 @@ func (e *Engine) rebuild(ctx context.Context) error {
 			name := d.Name()
 			path := filepath.Join(dir, name)
 			if strings.HasPrefix(name, ".") {
-				if !d.Type().IsRegular() || !(strings.HasPrefix(name, tmpPrefix) || strings.HasPrefix(name, probePrefix)) {
+				rest, tmp := strings.CutPrefix(name, tmpPrefix)
+				if !tmp {
+					rest, tmp = strings.CutPrefix(name, probePrefix)
+				}
+				if !d.Type().IsRegular() || !tmp {
 					continue // the host's other names, never a policy's
 				}
-				if e.cfg.TempGrace > 0 {
-					if fi, err := d.Info(); err != nil || fi.ModTime().After(cutoff) {
-						continue
-					}
+				removed, err := e.cleanTemp(path, rest)
+				if err != nil {
+					e.log.Warn("engine: leftover temporary file", "path", path, "err", err)
 				}
-				if err := e.fs.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
-					e.log.Warn("engine: remove leftover", "path", path, "err", err)
-				} else {
-					cleaned++
+				if removed {
+					cleaned.Add(1)
 				}
 				continue
 			}
@@ -122,7 +130,8 @@ func (e *Engine) rebuild(ctx context.Context) error {
 		en.ns = id
 		e.insertLocked(en)
 	}
-	e.log.Info("engine: index rebuilt", "files", len(found), "skipped", skipped, "leftovers_removed", cleaned, "took", time.Since(start))
+	e.st.corrupt.Add(uint64(corrupt))
+	e.log.Info("engine: index rebuilt", "files", len(found), "skipped", skipped, "corrupt_removed", corrupt, "leftovers_removed", cleaned.Load(), "took", time.Since(start))
 	return nil
 }
 
@@ -135,4 +144,41 @@ func (e *Engine) restore(ctx context.Context) {
 	}
 	e.mu.Unlock()
 	e.access(ctx, recs)
+}
+
+// removeCorrupt removes, at rebuild, a file that is a kvhost file (its
+// magic and version are ours) but fails its header checks or is shorter
+// than its header says: it would otherwise stay on disk, outside capacity
+// accounting, forever. Files that are not kvhost files, or of a version
+// this build does not read, are left alone. It reports whether the file
+// was corrupt (and removed, if it was still the file read).
+func (e *Engine) removeCorrupt(path string, readErr error) bool {
+	if !errors.Is(readErr, ErrCorrupt) || errors.Is(readErr, format.ErrBadMagic) || errors.Is(readErr, format.ErrVersion) {
+		return false
+	}
+	f, err := e.fs.OpenFile(path, os.O_RDONLY, 0)
+	if err != nil {
+		return false
+	}
+	defer f.Close()
+	magic := make([]byte, len(format.Magic))
+	if n, _ := f.ReadAt(magic, 0); n < len(magic) || string(magic) != format.Magic {
+		return false // too short to say it is ours
+	}
+	id, err := fileIdentity(f)
+	if err != nil {
+		return false
+	}
+	fi, err := e.fs.Stat(path)
+	if err != nil {
+		return false
+	}
+	if now, err := fsys.IdentityOf(fi); err != nil || !now.Same(id) {
+		return false
+	}
+	e.log.Warn("engine: corrupt file removed at start", "path", path, "err", readErr)
+	if err := e.fs.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+		e.log.Warn("engine: remove corrupt file", "path", path, "err", err)
+	}
+	return true
 }

@@ -477,8 +477,12 @@ func TestReadEntryOpenFile(t *testing.T) {
 	if en.keys[0] != string(keys[0]) {
 		t.Fatalf("header of %q, want %q", en.keys[0], keys[0])
 	}
-	if en.ino != inode(fi) || en.size != fi.Size() {
-		t.Fatalf("entry of key 0 has inode %d size %d, the file read has inode %d size %d", en.ino, en.size, inode(fi), fi.Size())
+	want, err := fsys.IdentityOf(fi)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if en.ident.Ino != want.Ino || en.size != fi.Size() {
+		t.Fatalf("entry of key 0 has inode %d size %d, the file read has inode %d size %d", en.ident.Ino, en.size, want.Ino, fi.Size())
 	}
 }
 

@@ -4,8 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"math/rand/v2"
-	"os"
+		"os"
 	"path/filepath"
 	"slices"
 	"sync"
@@ -83,10 +82,24 @@ func (e *Engine) runStore(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 	}()
 
 	for round := 0; ; round++ {
-		// Keys already stored (and still on disk) are present.
+		// Keys already stored (and still on disk: the file's header is
+		// read, so that a file another node put in its place, even at the
+		// same inode, is never taken for it) are present.
 		var missing []int
+		checked := map[*entry]bool{}
 		for _, i := range todo {
-			if en := e.find(c.ns, keys[i]); en != nil && e.verify(ctx, en) {
+			en := e.find(c.ns, keys[i])
+			if en != nil {
+				ok, seen := checked[en]
+				if !seen {
+					ok = e.confirm(ctx, en)
+					checked[en] = ok
+				}
+				if !ok {
+					en = nil
+				}
+			}
+			if en != nil {
 				j.res.Keys[i] = KeyResult{Outcome: OutcomePresent}
 				continue
 			}
@@ -271,7 +284,7 @@ func (e *Engine) storeFile(ctx context.Context, w *staging.Worker, j *Job, c *ca
 	}
 
 	dir := filepath.Dir(gr.path)
-	tmp := filepath.Join(dir, fmt.Sprintf("%s%016x", tmpPrefix, rand.Uint64()))
+	tmp := e.tempName(dir, tmpPrefix)
 	flag := os.O_WRONLY | os.O_CREATE | os.O_EXCL
 	if m.direct {
 		flag |= unix.O_DIRECT
@@ -298,6 +311,11 @@ func (e *Engine) storeFile(ctx context.Context, w *staging.Worker, j *Job, c *ca
 			}
 		}
 	}()
+	// The lock says "in use" to cleaners on this node and, where the file
+	// system shares flocks (NFS), on others (docs/engine.md).
+	if _, err := lockFile(f); err != nil {
+		e.log.Debug("engine: flock of a temporary file", "path", tmp, "err", err)
+	}
 	if err := f.Allocate(size); err != nil {
 		return e.ioError(m, "allocate", err)
 	}
@@ -314,6 +332,7 @@ func (e *Engine) storeFile(ctx context.Context, w *staging.Worker, j *Job, c *ca
 			h.Keys[k].Sum = sums[k]
 		}
 	}
+	h.ID = newFileID()
 	hdr := staging.AlignedBuffer(int(hl))
 	if err := h.Encode(hdr); err != nil {
 		return err
@@ -326,28 +345,32 @@ func (e *Engine) storeFile(ctx context.Context, w *staging.Worker, j *Job, c *ca
 			return e.ioError(m, "fsync", err)
 		}
 	}
-	cerr := f.Close()
-	f = nil
-	if cerr != nil {
-		return e.ioError(m, "close", cerr)
-	}
 	if err := e.fs.Rename(tmp, gr.path); err != nil {
 		return e.ioError(m, "rename", err)
 	}
 	published = true // the temporary name is gone; the file is visible
-	fi, err := e.fs.Stat(gr.path)
+	en := &entry{fp: h.Fingerprint, ns: c.ns.id, mount: gr.mount, path: gr.path, size: size, fid: h.ID, last: e.now().UnixNano()}
+	// The identity of the open file, after the rename (which sets its
+	// ctime): never a stat of the name, which may already be another's.
+	en.ident, err = fileIdentity(f)
+	cerr := f.Close()
+	f = nil
+	if err == nil {
+		err = cerr
+	}
 	if err == nil && e.cfg.Fsync {
 		err = e.fs.SyncDir(dir)
 	}
 	if err != nil {
 		// Visible but not indexed (or not durable): remove it rather than
-		// report a store we cannot vouch for.
-		e.fs.Remove(gr.path)
+		// report a store we cannot vouch for, if it is still ours (we hold
+		// the path; another node may have replaced it).
+		if en.ident.Ino != 0 {
+			e.removeIfSame(gr.path, []*entry{en})
+		}
 		e.unreserve(m, size)
 		return e.ioError(m, "publish", err)
 	}
-
-	en := &entry{fp: h.Fingerprint, ns: c.ns.id, mount: gr.mount, path: gr.path, size: size, ino: inode(fi), last: e.now().UnixNano()}
 	en.verified.Store(en.last)
 	for _, k := range h.Keys {
 		en.keys = append(en.keys, string(k.Key))

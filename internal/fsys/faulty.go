@@ -259,6 +259,14 @@ func (f *faultyFile) Sync() error {
 	return f.File.Sync()
 }
 
+// Stat implements Stater; it fails like FS.Stat (OpStat).
+func (f *faultyFile) Stat() (os.FileInfo, error) {
+	if err := f.fs.check(OpStat, f.name); err != nil {
+		return nil, err
+	}
+	return Fstat(f.File)
+}
+
 func (f *faultyFile) Close() error {
 	if err := f.fs.check(OpClose, f.name); err != nil {
 		f.File.Close() // the descriptor is gone either way, as with close(2)

@@ -90,3 +90,42 @@ func TestFaulty(t *testing.T) {
 		t.Fatal("Op names")
 	}
 }
+
+// TestFstatIdentity: Fstat of an open file (OS and Faulty) and Stat of its
+// name give the same identity, with the file's size and a regular mode.
+func TestFstatIdentity(t *testing.T) {
+	dir := t.TempDir()
+	name := filepath.Join(dir, "f")
+	for _, fsys := range []FS{OS{}, &Faulty{FS: OS{}, Inj: InjectorFunc(func(Op, string) Fault { return Fault{} })}} {
+		f, err := fsys.OpenFile(name, os.O_RDWR|os.O_CREATE|os.O_TRUNC, 0o644)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := f.WriteAt([]byte("hello"), 0); err != nil {
+			t.Fatal(err)
+		}
+		fi, err := Fstat(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		a, err := IdentityOf(fi)
+		if err != nil {
+			t.Fatal(err)
+		}
+		f.Close()
+		si, err := fsys.Stat(name)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, err := IdentityOf(si)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !a.Same(b) || a.Size != 5 || !a.Mode.IsRegular() {
+			t.Fatalf("fstat %+v, stat %+v", a, b)
+		}
+		if err := fsys.Remove(name); err != nil {
+			t.Fatal(err)
+		}
+	}
+}

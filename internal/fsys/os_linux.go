@@ -162,3 +162,6 @@ func (f *osFile) Close() error {
 }
 
 func (f *osFile) Fd() uintptr { return uintptr(f.fd) }
+
+// Stat implements Stater with fstat(2).
+func (f *osFile) Stat() (os.FileInfo, error) { return fstatFd(f.fd, f.name) }

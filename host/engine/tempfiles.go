@@ -1,0 +1,178 @@
+package engine
+
+import (
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/kvhost/kvhost/internal/fsys"
+)
+
+// Temporary files (docs/engine.md, "Temporary files").
+//
+// A store writes .tmp-<node>-<pid>-<16 hex> and holds an exclusive flock on
+// it until it is renamed or removed; the O_DIRECT probe does the same with
+// .probe-direct-<node>-<pid>-<16 hex>. At Open, a leftover is removed only
+// when it is provably abandoned: its flock is free, and either it belongs
+// to this node and its process is gone, or it is older than TempGrace
+// (another node's, or a name without an owner, written before owners).
+
+// DefaultTempGrace is Config.TempGrace when it is zero.
+const DefaultTempGrace = 10 * time.Minute
+
+// nodeName returns the node part of temporary names: name (or the host
+// name) with every byte outside [A-Za-z0-9._] replaced by '_', so that '-'
+// separates the fields.
+func nodeName(name string) string {
+	if name == "" {
+		name, _ = os.Hostname()
+	}
+	if name == "" {
+		name = "node"
+	}
+	b := []byte(name)
+	for i, c := range b {
+		if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '.' || c == '_') {
+			b[i] = '_'
+		}
+	}
+	if len(b) > 64 {
+		b = b[:64]
+	}
+	return string(b)
+}
+
+// tempName returns a fresh temporary name with prefix (tmpPrefix or
+// probePrefix) in dir, owned by this process.
+func (e *Engine) tempName(dir, prefix string) string {
+	return filepath.Join(dir, fmt.Sprintf("%s%s-%d-%016x", prefix, e.node, os.Getpid(), rand.Uint64()))
+}
+
+// tempOwner parses the owner of a temporary name (without its prefix):
+// node and pid, or ok false for a name without an owner.
+func tempOwner(rest string) (node string, pid int, ok bool) {
+	i := strings.LastIndexByte(rest, '-')
+	if i < 0 {
+		return "", 0, false
+	}
+	j := strings.LastIndexByte(rest[:i], '-')
+	if j <= 0 {
+		return "", 0, false
+	}
+	pid, err := strconv.Atoi(rest[j+1 : i])
+	if err != nil || pid <= 0 {
+		return "", 0, false
+	}
+	return rest[:j], pid, true
+}
+
+// processAlive reports whether a process with this pid exists on this
+// node (a reused pid reads as alive: the safe side).
+func processAlive(pid int) bool {
+	err := unix.Kill(pid, 0)
+	return err == nil || errors.Is(err, unix.EPERM)
+}
+
+// lockFile takes an exclusive flock on f without waiting; it reports
+// false if another open file holds a lock on it.
+func lockFile(f fsys.File) (bool, error) {
+	for {
+		err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB)
+		switch {
+		case err == nil:
+			return true, nil
+		case errors.Is(err, unix.EINTR):
+			continue
+		case errors.Is(err, unix.EWOULDBLOCK):
+			return false, nil
+		}
+		return false, err
+	}
+}
+
+// cleanTemp applies the leftover rule to the temporary file at path with
+// name's part after its prefix. It reports whether it removed the file.
+func (e *Engine) cleanTemp(path, rest string) (bool, error) {
+	f, err := e.fs.OpenFile(path, os.O_RDONLY|syscall.O_NOFOLLOW, 0)
+	if err != nil {
+		if errors.Is(err, os.ErrNotExist) {
+			return false, nil
+		}
+		return false, err
+	}
+	defer f.Close() // releases the lock, after the remove
+	free, err := lockFile(f)
+	if err != nil || !free {
+		return false, err // in use by a writer (or locks do not work: keep)
+	}
+	id, err := fileIdentity(f)
+	if err != nil {
+		return false, err
+	}
+	node, pid, owned := tempOwner(rest)
+	abandoned := false
+	switch {
+	case owned && node == e.node && pid == os.Getpid():
+		abandoned = false // our own (a store of this engine)
+	case owned && node == e.node:
+		abandoned = !processAlive(pid)
+	default:
+		abandoned = e.now().Sub(time.Unix(0, id.Mtime)) > e.cfg.TempGrace
+	}
+	if !abandoned {
+		return false, nil
+	}
+	// Remove the file we locked, not a name: if the path now names another
+	// file, leave it.
+	fi, err := e.fs.Stat(path)
+	if err != nil {
+		return false, nil
+	}
+	if now, err := fsys.IdentityOf(fi); err != nil || !now.Same(id) {
+		return false, nil
+	}
+	if err := e.fs.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return false, err
+	}
+	return true, nil
+}
+
+// lockNode opens (creating) the node-local lock file and takes an exclusive
+// flock on it without waiting; it writes this process's pid into it for the
+// message the next one gets.
+func lockNode(fs fsys.FS, path string) (fsys.File, error) {
+	f, err := fs.OpenFile(path, os.O_RDWR|os.O_CREATE, 0o644)
+	if err != nil {
+		return nil, fmt.Errorf("engine: lock file: %w", err)
+	}
+	free, err := lockFile(f)
+	if err != nil {
+		f.Close()
+		return nil, fmt.Errorf("engine: lock file %s: flock: %w", path, err)
+	}
+	if !free {
+		buf := make([]byte, 32)
+		n, _ := f.ReadAt(buf, 0)
+		f.Close()
+		holder := strings.TrimSpace(string(buf[:n]))
+		if _, err := strconv.Atoi(holder); err != nil {
+			holder = "unknown"
+		}
+		return nil, fmt.Errorf("%w: %s is held by process %s: another kvhost runs on this node", ErrLocked, path, holder)
+	}
+	pid := []byte(strconv.Itoa(os.Getpid()) + "\n")
+	if _, err := f.WriteAt(pid, 0); err == nil {
+		// Best effort: the pid only makes the message above better (and a
+		// full file system must not stop a start).
+		_ = unix.Ftruncate(int(f.Fd()), int64(len(pid)))
+	}
+	return f, nil
+}

@@ -1,0 +1,96 @@
+package fsys
+
+import (
+	"fmt"
+	"io/fs"
+	"os"
+	"syscall"
+	"time"
+)
+
+// Identity is what the file system says identifies a file at one moment:
+// device, inode, size and status-change time. ext4 reuses an inode number
+// as soon as it is freed, so (Dev, Ino) alone names a different file after
+// a remove and a create; Ctime (nanoseconds, set by the kernel at create,
+// write and rename, never by a user) tells them apart on file systems with
+// fine timestamps, and the file's own id (format.Header.ID) everywhere.
+type Identity struct {
+	Dev, Ino uint64
+	Size     int64
+	Ctime    int64 // Unix nanoseconds
+	Mtime    int64 // Unix nanoseconds
+	Mode     fs.FileMode
+}
+
+// Same reports whether two identities name the same file in the same state:
+// same device, inode, size and ctime.
+func (a Identity) Same(b Identity) bool {
+	return a.Dev == b.Dev && a.Ino == b.Ino && a.Size == b.Size && a.Ctime == b.Ctime
+}
+
+// IdentityOf extracts the identity from a FileInfo returned by FS.Stat or
+// Fstat. It fails if the FileInfo carries no stat data.
+func IdentityOf(fi os.FileInfo) (Identity, error) {
+	st, ok := fi.Sys().(*syscall.Stat_t)
+	if !ok {
+		return Identity{}, fmt.Errorf("fsys: %s: no stat data (%T)", fi.Name(), fi.Sys())
+	}
+	return Identity{
+		Dev: uint64(st.Dev), Ino: st.Ino, Size: st.Size,
+		Ctime: st.Ctim.Nano(), Mtime: st.Mtim.Nano(), Mode: fi.Mode(),
+	}, nil
+}
+
+// Stater is implemented by Files that can stat themselves (fstat).
+type Stater interface {
+	Stat() (os.FileInfo, error)
+}
+
+// Fstat returns the FileInfo of an open file: its own Stat if it has one,
+// else fstat(2) of its descriptor. Sys() is a *syscall.Stat_t, as with
+// os.Stat.
+func Fstat(f File) (os.FileInfo, error) {
+	if s, ok := f.(Stater); ok {
+		return s.Stat()
+	}
+	return fstatFd(int(f.Fd()), "")
+}
+
+func fstatFd(fd int, name string) (os.FileInfo, error) {
+	var st syscall.Stat_t
+	if err := syscall.Fstat(fd, &st); err != nil {
+		return nil, &os.PathError{Op: "fstat", Path: name, Err: err}
+	}
+	return &statInfo{name: name, st: st}, nil
+}
+
+// statInfo is an os.FileInfo over a syscall.Stat_t.
+type statInfo struct {
+	name string
+	st   syscall.Stat_t
+}
+
+func (s *statInfo) Name() string       { return s.name }
+func (s *statInfo) Size() int64        { return s.st.Size }
+func (s *statInfo) ModTime() time.Time { return time.Unix(0, s.st.Mtim.Nano()) }
+func (s *statInfo) IsDir() bool        { return s.Mode().IsDir() }
+func (s *statInfo) Sys() any           { return &s.st }
+
+func (s *statInfo) Mode() fs.FileMode {
+	m := fs.FileMode(s.st.Mode & 0o777)
+	switch s.st.Mode & syscall.S_IFMT {
+	case syscall.S_IFDIR:
+		m |= fs.ModeDir
+	case syscall.S_IFLNK:
+		m |= fs.ModeSymlink
+	case syscall.S_IFIFO:
+		m |= fs.ModeNamedPipe
+	case syscall.S_IFSOCK:
+		m |= fs.ModeSocket
+	case syscall.S_IFCHR:
+		m |= fs.ModeDevice | fs.ModeCharDevice
+	case syscall.S_IFBLK:
+		m |= fs.ModeDevice
+	}
+	return m
+}
