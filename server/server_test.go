@@ -630,51 +630,6 @@ func TestShutdownWithStuckClient(t *testing.T) {
 	}
 }
 
-// TestRegisteredBytesLimits: sparse memfds cost a client nothing but would be
-// mapped into the daemon, so registered bytes are bounded per connection and
-// in total, and released with the region or the connection.
-func TestRegisteredBytesLimits(t *testing.T) {
-	f := newFixture(t, server.Config{MaxRegisteredBytes: 3 << 30, MaxTotalRegisteredBytes: 4 << 30})
-	huge, err := client.NewMemfd("huge", 2<<30) // sparse: no memory is used
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer huge.Close()
-	reg := &protocol.RegisterMemory{Kind: protocol.MemoryMemfd, Size: 2 << 30}
-	hello := func(r *rawConn) {
-		r.send(1, &protocol.Hello{Version: protocol.Version})
-		r.recv()
-	}
-	registered := func(r *rawConn, id uint64) uint32 {
-		t.Helper()
-		r.send(id, reg, huge.Fd())
-		_, m, err := r.recv()
-		got, ok := m.(*protocol.MemoryRegistered)
-		if err != nil || !ok {
-			t.Fatalf("register: %#v %v", m, err)
-		}
-		return got.Region
-	}
-	a := f.raw(t)
-	hello(a)
-	first := registered(a, 2)
-	a.send(3, reg, huge.Fd()) // 4 GiB > this connection's 3 GiB
-	a.expectCode(protocol.CodeLimit)
-
-	b := f.raw(t)
-	hello(b)
-	registered(b, 2)          // 4 GiB in all: at the daemon's limit
-	b.send(3, reg, huge.Fd()) // 6 GiB > the daemon's 4 GiB
-	b.expectCode(protocol.CodeLimit)
-
-	// Unregistering gives the bytes back to the connection and the daemon.
-	a.send(4, &protocol.UnregisterMemory{Region: first})
-	if _, m, err := a.recv(); err != nil || m.Type() != protocol.TypeUnregisterMemory|protocol.TypeReply {
-		t.Fatalf("unregister: %#v %v", m, err)
-	}
-	registered(a, 5)
-}
-
 func TestRetryableAccept(t *testing.T) {
 	tests := []struct {
 		err  error
