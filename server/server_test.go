@@ -44,7 +44,14 @@ type fixture struct {
 
 func openEngine(tb testing.TB, dir string) *engine.Engine {
 	tb.Helper()
-	eng, err := engine.Open(context.Background(), engine.Config{
+	return openEngineWith(tb, dir, nil)
+}
+
+// openEngineWith is openEngine with the configuration edited by edit (if
+// not nil).
+func openEngineWith(tb testing.TB, dir string, edit func(*engine.Config)) *engine.Engine {
+	tb.Helper()
+	cfg := engine.Config{
 		Mounts: []engine.Mount{{Path: dir, Capacity: 1 << 30}},
 		NewPolicy: func(idx policy.Index) (policy.Policy, error) {
 			if _, bench := tb.(*testing.B); bench {
@@ -63,7 +70,11 @@ func openEngine(tb testing.TB, dir string) *engine.Engine {
 		Logger: quiet(),
 		// As the daemon runs it (config.Default).
 		VerifyInterval: time.Duration(config.Default().Engine.VerifyInterval),
-	})
+	}
+	if edit != nil {
+		edit(&cfg)
+	}
+	eng, err := engine.Open(context.Background(), cfg)
 	if err != nil {
 		tb.Fatal(err)
 	}
@@ -74,11 +85,22 @@ func quiet() *slog.Logger { return slog.New(slog.NewTextHandler(io.Discard, nil)
 
 func newFixture(tb testing.TB, cfg server.Config) *fixture {
 	tb.Helper()
+	return newFixtureWith(tb, cfg, nil, nil)
+}
+
+// newFixtureWith is newFixture with the engine's configuration edited by
+// edit and the engine the server sees wrapped by wrap (each if not nil).
+func newFixtureWith(tb testing.TB, cfg server.Config, edit func(*engine.Config), wrap func(*engine.Engine) server.Engine) *fixture {
+	tb.Helper()
 	base := tb.TempDir()
 	f := &fixture{dir: filepath.Join(base, "cache"), socket: filepath.Join(base, "s.sock"), served: make(chan error, 1)}
-	f.eng = openEngine(tb, f.dir)
+	f.eng = openEngineWith(tb, f.dir, edit)
 	cfg.Logger = quiet()
-	srv, err := server.New(f.eng, cfg)
+	var eng server.Engine = f.eng
+	if wrap != nil {
+		eng = wrap(f.eng)
+	}
+	srv, err := server.New(eng, cfg)
 	if err != nil {
 		tb.Fatal(err)
 	}
