@@ -533,20 +533,14 @@ func TestDisconnectMidJob(t *testing.T) {
 		c.Close()
 		k.close() // unmapped on the client side too: the daemon has its own mapping
 	}
-	c := f.dial(t)
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		st, err := c.Stats(context.Background())
-		if err != nil {
-			t.Fatal(err)
-		}
-		if st.Clients == 1 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("%d sessions left", st.Clients)
-		}
-		time.Sleep(10 * time.Millisecond)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := f.srv.WaitSessions(ctx, 0); err != nil {
+		t.Fatalf("sessions of departed clients not released: %v", err)
+	}
+	// And the daemon still serves.
+	if _, err := f.dial(t).Stats(ctx); err != nil {
+		t.Fatal(err)
 	}
 }
 
@@ -580,49 +574,33 @@ func TestNoLeaks(t *testing.T) {
 		c.Close()
 		mem.Close()
 	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	// settle waits until every session is released and returns the
+	// goroutines and descriptors then.
 	settle := func() (int, int) {
-		var g, fds int
-		for i := 0; i < 200; i++ {
-			runtime.GC()
-			g, fds = runtime.NumGoroutine(), countFds(t)
-			if f.srv != nil && clientsOf(t, f) == 0 {
-				break
-			}
-			time.Sleep(10 * time.Millisecond)
+		if err := f.srv.WaitSessions(ctx, 0); err != nil {
+			t.Fatal(err)
 		}
-		return g, fds
+		runtime.GC()
+		return runtime.NumGoroutine(), countFds(t)
 	}
 	cycle()
 	g0, fd0 := settle()
 	for i := 0; i < 20; i++ {
 		cycle()
 	}
-	deadline := time.Now().Add(5 * time.Second)
-	for {
-		g, fds := settle()
-		if g <= g0 && fds <= fd0 {
+	// Goroutines that finished their work may still be returning: poll
+	// the counts (there is nothing to wait on) until they come back.
+	var g, fds int
+	for ctx.Err() == nil {
+		if g, fds = settle(); g <= g0 && fds <= fd0 {
 			return
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("goroutines %d → %d, descriptors %d → %d", g0, g, fd0, fds)
-		}
-		time.Sleep(20 * time.Millisecond)
+		runtime.Gosched()
+		time.Sleep(time.Millisecond)
 	}
-}
-
-// clientsOf counts the daemon's sessions through a fresh connection (which
-// is itself not counted once closed).
-func clientsOf(t *testing.T, f *fixture) int {
-	c, err := client.Dial(context.Background(), f.socket, "count")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
-	st, err := c.Stats(context.Background())
-	if err != nil {
-		t.Fatal(err)
-	}
-	return int(st.Clients) - 1
+	t.Fatalf("goroutines %d → %d, descriptors %d → %d", g0, g, fd0, fds)
 }
 
 // TestShutdownWithStuckClient: a client that sends requests but never reads
