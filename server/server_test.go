@@ -42,13 +42,8 @@ type fixture struct {
 	served chan error
 }
 
-func openEngine(tb testing.TB, dir string) *engine.Engine {
-	tb.Helper()
-	return openEngineWith(tb, dir, nil)
-}
-
-// openEngineWith is openEngine with the configuration edited by edit (if
-// not nil).
+// openEngineWith opens a real engine on dir, as the daemon configures it,
+// with the configuration edited by edit (if not nil).
 func openEngineWith(tb testing.TB, dir string, edit func(*engine.Config)) *engine.Engine {
 	tb.Helper()
 	cfg := engine.Config{
