@@ -348,6 +348,15 @@ func (c *Client) Declare(ctx context.Context, g Geometry) (Namespace, error) {
 	return Namespace{ID: NamespaceID(d.NS), BlocksPerKey: int(d.BlocksPerKey), Fingerprint: d.Fingerprint, KeyBytes: int64(d.KeyBytes)}, nil
 }
 
+// Undeclare gives up namespace ns on this connection; no cache registered
+// on the connection may use it. Stored data is kept. The daemon forgets the
+// geometry (it stops counting against its namespace limit) once no
+// connection has it declared; closing the connection undeclares everything.
+func (c *Client) Undeclare(ctx context.Context, ns NamespaceID) error {
+	_, err := c.call(ctx, &protocol.Undeclare{NS: uint32(ns)}, nil)
+	return err
+}
+
 // RegisterCache registers the paged cache of namespace ns: one tensor per
 // layer in regions registered on this connection.
 func (c *Client) RegisterCache(ctx context.Context, ns NamespaceID, layers []Layer) (CacheID, error) {

@@ -28,7 +28,8 @@ const (
 	CodeShuttingDown  Code = 18 // the daemon is shutting down
 	CodeCancelled     Code = 19 // the job was cancelled
 	CodeInternal      Code = 20 // anything else; the message says what
-	codeMax                = CodeInternal
+	CodeTimeout       Code = 21 // the connection missed a deadline (handshake, frame, idle, write)
+	codeMax                = CodeTimeout
 )
 
 // String names the code.
@@ -36,7 +37,7 @@ func (c Code) String() string {
 	names := [...]string{"ok", "malformed", "unsupported version", "unknown type", "handshake required",
 		"limit exceeded", "unknown region", "unknown namespace", "unknown cache", "invalid argument",
 		"unsupported", "descriptor missing", "bad descriptor", "in use", "no space", "not found",
-		"corrupt", "policy failure", "shutting down", "cancelled", "internal error"}
+		"corrupt", "policy failure", "shutting down", "cancelled", "internal error", "timed out"}
 	if int(c) < len(names) {
 		return names[c]
 	}

@@ -362,6 +362,24 @@ func (m *UnregisterCache) DecodeBody(b []byte) error {
 	return d.end()
 }
 
+// Undeclare gives up a namespace that no registered cache of the
+// connection uses; the daemon forgets the geometry once no connection has
+// it declared. Stored data is kept.
+type Undeclare struct{ NS uint32 }
+
+// Type is TypeUndeclare.
+func (*Undeclare) Type() Type { return TypeUndeclare }
+
+// AppendBody encodes: u32 namespace.
+func (m *Undeclare) AppendBody(b []byte) []byte { return appendU32(b, m.NS) }
+
+// DecodeBody decodes an Undeclare.
+func (m *Undeclare) DecodeBody(b []byte) error {
+	d := decoder{b: b}
+	m.NS = d.u32("namespace")
+	return d.end()
+}
+
 // Lookup asks how many leading keys are stored in a namespace.
 type Lookup struct {
 	NS   uint32
@@ -582,7 +600,8 @@ func (*StatsRequest) AppendBody(b []byte) []byte { return b }
 // DecodeBody accepts only an empty body.
 func (*StatsRequest) DecodeBody(b []byte) error { d := decoder{b: b}; return d.end() }
 
-// Empty is the body-less reply of UnregisterMemory and UnregisterCache.
+// Empty is the body-less reply of UnregisterMemory, UnregisterCache and
+// Undeclare.
 type Empty struct{ T Type }
 
 // Type is T.

@@ -67,6 +67,7 @@ const (
 	TypeCancel           Type = 0x000A
 	TypeDelete           Type = 0x000B
 	TypeStats            Type = 0x000C
+	TypeUndeclare        Type = 0x000D
 
 	// TypeReply is set in the type of every successful reply.
 	TypeReply Type = 0x8000
@@ -82,7 +83,7 @@ func (t Type) String() string {
 		TypeHello: "hello", TypeRegisterMemory: "register-memory", TypeUnregisterMemory: "unregister-memory",
 		TypeDeclare: "declare", TypeRegisterCache: "register-cache", TypeUnregisterCache: "unregister-cache",
 		TypeLookup: "lookup", TypeStore: "store", TypeLoad: "load", TypeCancel: "cancel",
-		TypeDelete: "delete", TypeStats: "stats", TypeError: "error", TypeCompletion: "completion",
+		TypeDelete: "delete", TypeStats: "stats", TypeUndeclare: "undeclare", TypeError: "error", TypeCompletion: "completion",
 	}
 	if n, ok := names[t]; ok {
 		return n
@@ -201,7 +202,9 @@ func New(t Type) (Message, error) {
 		return new(StatsRequest), nil
 	case TypeStats | TypeReply:
 		return new(Stats), nil
-	case TypeUnregisterMemory | TypeReply, TypeUnregisterCache | TypeReply:
+	case TypeUndeclare:
+		return new(Undeclare), nil
+	case TypeUnregisterMemory | TypeReply, TypeUnregisterCache | TypeReply, TypeUndeclare | TypeReply:
 		return &Empty{T: t}, nil
 	case TypeError:
 		return new(Error), nil

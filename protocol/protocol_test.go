@@ -22,6 +22,8 @@ func sampleMessages() []Message {
 		&RegisterCache{NS: 1, Layers: []Layer{{Region: 1, NumBlocks: 10, Offset: 8, BlockStride: 64, PlaneStride: 640}, {Region: 2, NumBlocks: 1}}},
 		&CacheRegistered{Cache: 3},
 		&UnregisterCache{Cache: 3},
+		&Undeclare{NS: 4},
+		&Empty{T: TypeUndeclare | TypeReply},
 		&Lookup{NS: 1, Keys: [][]byte{[]byte("a"), bytes.Repeat([]byte{1}, MaxKeyLen)}},
 		&Count{T: TypeLookup | TypeReply, Count: 2},
 		&Transfer{Kind: JobStore, Cache: 1, Keys: [][]byte{[]byte("k1"), []byte("k2")}, Blocks: [][]uint32{{1, 2}, {3, 4}}},
@@ -35,6 +37,7 @@ func sampleMessages() []Message {
 		&Stats{Entries: 1, BytesRead: 7, InflightJobs: 3, Mounts: []MountStats{{Capacity: 10, Used: 5, Entries: 1, Direct: true}}},
 		&Empty{T: TypeUnregisterCache | TypeReply},
 		&Error{Code: CodeLimit, Message: "too many"},
+		&Error{Code: CodeTimeout, Message: "no hello within 5s"},
 		&Completion{Job: 42, Kind: JobLoad, Bytes: 100, Duration: 5, Keys: []KeyOutcome{{OutcomeLoaded, 0}, {OutcomeFailed, CodeCorrupt}}, Message: "bad crc"},
 	}
 }

@@ -144,6 +144,8 @@ func (stubEngine) Declare(context.Context, engine.Geometry) (engine.NamespaceID,
 	return 1, nil
 }
 
+func (stubEngine) Release(engine.NamespaceID) error { return nil }
+
 func (stubEngine) Lookup(_ context.Context, _ engine.NamespaceID, keys [][]byte) (int, error) {
 	return len(keys), nil
 }

@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"os"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -19,28 +21,52 @@ const maxFdsPerMsg = 8
 // that arrive with them (SCM_RIGHTS) in order. A descriptor arrives with
 // the first byte of the frame it belongs to, so once a RegisterMemory frame
 // has been read, its memfd is the oldest descriptor not yet taken.
+//
+// Reads are bounded in time: the wait for a frame's first byte ends at a
+// deadline the caller gives (the handshake or idle limit), and once that
+// byte has arrived the rest of the frame must follow within frameTimeout,
+// so that a client that stops in the middle of a frame cannot hold its
+// session (and what it pins) for ever.
 type frameReader struct {
-	conn     *net.UnixConn
-	buf      []byte
-	r, w     int
-	oob      []byte
-	fds      []int
-	maxFds   int
-	maxFrame int
+	conn         *net.UnixConn
+	buf          []byte
+	r, w         int
+	oob          []byte
+	fds          []int
+	maxFds       int
+	maxFrame     int
+	frameTimeout time.Duration
+	deadline     time.Time // the read deadline set on conn
 }
 
-func newFrameReader(c *net.UnixConn, maxFrame, maxFds int) *frameReader {
+func newFrameReader(c *net.UnixConn, maxFrame, maxFds int, frameTimeout time.Duration) *frameReader {
 	return &frameReader{
-		conn:     c,
-		buf:      make([]byte, 64<<10),
-		oob:      make([]byte, unix.CmsgSpace(4*maxFdsPerMsg)),
-		maxFds:   maxFds,
-		maxFrame: maxFrame,
+		conn:         c,
+		buf:          make([]byte, 64<<10),
+		oob:          make([]byte, unix.CmsgSpace(4*maxFdsPerMsg)),
+		maxFds:       maxFds,
+		maxFrame:     maxFrame,
+		frameTimeout: frameTimeout,
 	}
 }
 
-// errProtocol marks errors after which the stream cannot be trusted.
-var errProtocol = errors.New("server: protocol violation")
+var (
+	// errProtocol marks errors after which the stream cannot be trusted.
+	errProtocol = errors.New("server: protocol violation")
+	// errWaitTimeout: no frame began before the caller's deadline.
+	errWaitTimeout = errors.New("server: no frame before the deadline")
+	// errFrameTimeout: a frame began but did not complete in time.
+	errFrameTimeout = errors.New("server: frame incomplete at its deadline")
+)
+
+// setDeadline sets the connection's read deadline (zero: none) unless it
+// is already set: the common case of back-to-back frames costs nothing.
+func (f *frameReader) setDeadline(t time.Time) {
+	if !t.Equal(f.deadline) {
+		f.conn.SetReadDeadline(t)
+		f.deadline = t
+	}
+}
 
 func (f *frameReader) fill() error {
 	if f.r == f.w {
@@ -88,10 +114,23 @@ func (f *frameReader) takeRights(oob []byte) error {
 	return bad
 }
 
-func (f *frameReader) readFull(p []byte) error {
+// readFull reads len(p) bytes of a frame that has begun. Before it first
+// blocks it sets the frame's deadline *dl (now + frameTimeout, or by if
+// that is earlier and not zero).
+func (f *frameReader) readFull(p []byte, dl *time.Time, by time.Time) error {
 	for len(p) > 0 {
 		if f.r == f.w {
+			if dl.IsZero() {
+				*dl = time.Now().Add(f.frameTimeout)
+				if !by.IsZero() && by.Before(*dl) {
+					*dl = by
+				}
+			}
+			f.setDeadline(*dl)
 			if err := f.fill(); err != nil {
+				if errors.Is(err, os.ErrDeadlineExceeded) {
+					return fmt.Errorf("%w (%d bytes missing): %w", errFrameTimeout, len(p), err)
+				}
 				return err
 			}
 		}
@@ -102,11 +141,27 @@ func (f *frameReader) readFull(p []byte) error {
 	return nil
 }
 
-// next reads one frame. Its body is freshly allocated: decoded messages
-// alias it and the engine may keep keys after the handler returns.
-func (f *frameReader) next() (protocol.Header, []byte, error) {
+// next reads one frame. The wait for its first byte ends at wait (zero: no
+// limit) with errWaitTimeout; the rest must arrive within frameTimeout of
+// that byte, and by by if that is not zero, or next fails with
+// errFrameTimeout. Its body is freshly allocated: decoded messages alias it
+// and the engine may keep keys after the handler returns.
+func (f *frameReader) next(wait, by time.Time) (protocol.Header, []byte, error) {
+	if f.r == f.w {
+		f.setDeadline(wait)
+		if err := f.fill(); err != nil {
+			if errors.Is(err, os.ErrDeadlineExceeded) {
+				err = fmt.Errorf("%w: %w", errWaitTimeout, err)
+			}
+			return protocol.Header{}, nil, err
+		}
+	}
+	var dl time.Time // the frame's deadline, once one is needed
 	var hdr [protocol.HeaderSize]byte
-	if err := f.readFull(hdr[:]); err != nil {
+	if err := f.readFull(hdr[:], &dl, by); err != nil {
+		if errors.Is(err, io.EOF) {
+			err = io.ErrUnexpectedEOF
+		}
 		return protocol.Header{}, nil, err
 	}
 	h, err := protocol.ParseHeader(hdr[:], f.maxFrame)
@@ -114,7 +169,7 @@ func (f *frameReader) next() (protocol.Header, []byte, error) {
 		return h, nil, err
 	}
 	body := make([]byte, h.Len)
-	if err := f.readFull(body); err != nil {
+	if err := f.readFull(body, &dl, by); err != nil {
 		if errors.Is(err, io.EOF) {
 			err = io.ErrUnexpectedEOF
 		}

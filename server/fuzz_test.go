@@ -104,6 +104,7 @@ func fuzzSeeds() [][]byte {
 	seq = protocol.AppendFrame(seq, 15, &protocol.StatsRequest{})
 	seq = protocol.AppendFrame(seq, 16, &protocol.UnregisterCache{Cache: 3})
 	seq = protocol.AppendFrame(seq, 17, &protocol.UnregisterMemory{Region: 1})
+	seq = protocol.AppendFrame(seq, 18, &protocol.Undeclare{NS: 2})
 	return [][]byte{
 		seq,
 		protocol.AppendFrame(nil, 1, &protocol.RegisterMemory{Kind: protocol.MemoryMemfd, Size: 4096}),

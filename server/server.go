@@ -36,6 +36,9 @@ type Engine interface {
 	Load(ctx context.Context, req engine.LoadRequest) (*engine.Job, error)
 	Lookup(ctx context.Context, ns engine.NamespaceID, keys [][]byte) (int, error)
 	Delete(ctx context.Context, ns engine.NamespaceID, keys [][]byte) (int, error)
+	// Release tells the engine that no client uses the namespace any more
+	// (it no longer counts against the engine's namespace limit).
+	Release(ns engine.NamespaceID) error
 	Stats() engine.Stats
 }
 
@@ -43,8 +46,13 @@ var _ Engine = (*engine.Engine)(nil)
 
 // Config configures a Server. Zero fields take the defaults noted.
 type Config struct {
-	// MaxClients bounds concurrent connections (default 64).
+	// MaxClients bounds connections that have completed the handshake
+	// (default 64).
 	MaxClients int
+	// MaxHandshakes bounds connections accepted but not yet through Hello
+	// (default 16). A new connection beyond it closes the oldest of them:
+	// silent connections cannot keep a client that speaks from getting in.
+	MaxHandshakes int
 	// MaxFrame bounds one frame, header included (default 4 MiB, at least
 	// protocol.MinFrame).
 	MaxFrame int
@@ -55,12 +63,29 @@ type Config struct {
 	// MaxNamespaces and MaxCaches bound a connection's declarations and
 	// cache registrations (default 64 each).
 	MaxNamespaces, MaxCaches int
-	// MaxRegisteredBytes bounds the bytes of memory one connection may
-	// register, and MaxTotalRegisteredBytes those of all connections
-	// together (defaults: the machine's physical memory, and twice it).
-	// Registered memory is mapped into the daemon, so without a bound a
-	// client could exhaust the daemon's address space with sparse memfds.
+	// MaxTotalRegisteredBytes bounds the bytes of memory all connections
+	// together may register, that is map into the daemon (default 64 TiB,
+	// half of the x86-64 user address space). Each connection is
+	// guaranteed its share, MaxTotalRegisteredBytes / MaxClients, and may
+	// register at most the smaller of that share and MaxRegisteredBytes
+	// (default: the machine's physical memory): whatever one client
+	// registers, sparse memfds included, every other client can still
+	// register its share. See docs/serve.md.
 	MaxRegisteredBytes, MaxTotalRegisteredBytes int64
+	// HandshakeTimeout is how long a new connection has to complete its
+	// Hello (default 5s).
+	HandshakeTimeout time.Duration
+	// FrameTimeout bounds the time from a frame's first byte to its last
+	// (default 10s): a client that stops in the middle of a frame is
+	// disconnected.
+	FrameTimeout time.Duration
+	// IdleTimeout closes a connection that holds nothing (no memory
+	// region, no namespace) and has sent no frame for this long
+	// (default 60s). Connections holding registrations are never idle-closed.
+	IdleTimeout time.Duration
+	// WriteTimeout closes a connection whose reply or completion could not
+	// be written for this long (default 10s): the client does not read.
+	WriteTimeout time.Duration
 	// ShutdownTimeout is how long Serve, once its context is done, lets
 	// in-flight jobs finish before cancelling them (default 0: cancel at once).
 	ShutdownTimeout time.Duration
@@ -70,6 +95,11 @@ type Config struct {
 	Logger *slog.Logger
 }
 
+// DefaultMaxTotalRegisteredBytes is Config.MaxTotalRegisteredBytes when it
+// is zero: half of the 128 TiB user address space of x86-64 and arm64
+// (4-level page tables).
+const DefaultMaxTotalRegisteredBytes = 64 << 40
+
 func (c Config) withDefaults() (Config, error) {
 	def := func(v *int, d int) {
 		if *v == 0 {
@@ -77,33 +107,41 @@ func (c Config) withDefaults() (Config, error) {
 		}
 	}
 	def(&c.MaxClients, 64)
+	def(&c.MaxHandshakes, 16)
 	def(&c.MaxFrame, 4<<20)
 	def(&c.MaxRegistrations, 64)
 	def(&c.MaxInflightJobs, 256)
 	def(&c.MaxNamespaces, 64)
 	def(&c.MaxCaches, 64)
-	if c.MaxRegisteredBytes == 0 || c.MaxTotalRegisteredBytes == 0 {
+	defDur := func(v *time.Duration, d time.Duration) {
+		if *v == 0 {
+			*v = d
+		}
+	}
+	defDur(&c.HandshakeTimeout, 5*time.Second)
+	defDur(&c.FrameTimeout, 10*time.Second)
+	defDur(&c.IdleTimeout, 60*time.Second)
+	defDur(&c.WriteTimeout, 10*time.Second)
+	if c.MaxTotalRegisteredBytes == 0 {
+		c.MaxTotalRegisteredBytes = DefaultMaxTotalRegisteredBytes
+	}
+	if c.MaxRegisteredBytes == 0 {
 		var si unix.Sysinfo_t
 		ram := int64(64 << 30)
 		if err := unix.Sysinfo(&si); err == nil && si.Totalram > 0 {
 			ram = int64(si.Totalram) * int64(si.Unit)
 		}
-		if c.MaxRegisteredBytes == 0 {
-			c.MaxRegisteredBytes = ram
-		}
-		if c.MaxTotalRegisteredBytes == 0 {
-			c.MaxTotalRegisteredBytes = 2 * ram
-		}
+		c.MaxRegisteredBytes = ram
 	}
 	switch {
 	case c.MaxRegisteredBytes < 0 || c.MaxTotalRegisteredBytes < 0:
 		return c, errors.New("server: negative registered-bytes limit")
 	case c.MaxFrame < protocol.MinFrame || c.MaxFrame > 1<<30:
 		return c, fmt.Errorf("server: MaxFrame %d: want %d..1GiB", c.MaxFrame, protocol.MinFrame)
-	case c.MaxClients < 0 || c.MaxRegistrations < 0 || c.MaxInflightJobs < 0 || c.MaxNamespaces < 0 || c.MaxCaches < 0:
+	case c.MaxClients < 0 || c.MaxHandshakes < 0 || c.MaxRegistrations < 0 || c.MaxInflightJobs < 0 || c.MaxNamespaces < 0 || c.MaxCaches < 0:
 		return c, errors.New("server: negative limit")
-	case c.ShutdownTimeout < 0:
-		return c, errors.New("server: negative ShutdownTimeout")
+	case c.ShutdownTimeout < 0 || c.HandshakeTimeout < 0 || c.FrameTimeout < 0 || c.IdleTimeout < 0 || c.WriteTimeout < 0:
+		return c, errors.New("server: negative timeout")
 	}
 	if c.Name == "" {
 		c.Name = "kvhost"
@@ -114,6 +152,12 @@ func (c Config) withDefaults() (Config, error) {
 	return c, nil
 }
 
+// regShare is the most bytes one connection may register: its guaranteed
+// share of the daemon's total, or less if MaxRegisteredBytes says so.
+func (c Config) regShare() int64 {
+	return min(c.MaxRegisteredBytes, c.MaxTotalRegisteredBytes/int64(max(c.MaxClients, 1)))
+}
+
 // Server serves the kvhost protocol over a listener.
 type Server struct {
 	eng Engine
@@ -121,11 +165,19 @@ type Server struct {
 	log *slog.Logger
 
 	mu       sync.Mutex
-	sessions map[*session]struct{}
+	sessions map[*session]struct{} // every live connection
+	pending  map[*session]uint64   // not through Hello yet, by accept number
+	admitted int                   // sessions through Hello
+	changed  chan struct{}         // closed and replaced when sessions change
 	stopping bool
 	wg       sync.WaitGroup // sessions
 	connSeq  atomic.Uint64  // numbers connections in logs
 	regBytes atomic.Int64   // memory registered by all sessions
+
+	// nsMu serialises declarations and releases, so that a namespace is
+	// never released by one session while another is declaring it.
+	nsMu   sync.Mutex
+	nsRefs map[engine.NamespaceID]int // sessions that declared it
 }
 
 // New returns a Server dispatching to eng.
@@ -137,7 +189,11 @@ func New(eng Engine, cfg Config) (*Server, error) {
 	if eng == nil {
 		return nil, errors.New("server: nil engine")
 	}
-	return &Server{eng: eng, cfg: cfg, log: cfg.Logger, sessions: make(map[*session]struct{})}, nil
+	return &Server{
+		eng: eng, cfg: cfg, log: cfg.Logger,
+		sessions: make(map[*session]struct{}), pending: make(map[*session]uint64),
+		changed: make(chan struct{}), nsRefs: make(map[engine.NamespaceID]int),
+	}, nil
 }
 
 // Serve accepts connections on l until ctx is done, then shuts down: it
@@ -193,33 +249,107 @@ func retryableAccept(err error) bool {
 	return false
 }
 
-// start registers and runs a session, or refuses the connection.
+// start registers and runs a session, or refuses the connection. A
+// connection counts against MaxHandshakes until its Hello and against
+// MaxClients after it; when MaxHandshakes are waiting, the oldest of them
+// is closed to make room.
 func (s *Server) start(c *net.UnixConn) *session {
 	s.mu.Lock()
-	if s.stopping || len(s.sessions) >= s.cfg.MaxClients {
-		stopping := s.stopping
+	if s.stopping {
 		s.mu.Unlock()
-		code, msg := protocol.CodeLimit, fmt.Sprintf("the daemon serves at most %d clients", s.cfg.MaxClients)
-		if stopping {
-			code, msg = protocol.CodeShuttingDown, "the daemon is shutting down"
-		}
 		c.SetWriteDeadline(time.Now().Add(time.Second))
-		c.Write(protocol.AppendFrame(nil, 0, &protocol.Error{Code: code, Message: msg}))
+		c.Write(protocol.AppendFrame(nil, 0, &protocol.Error{Code: protocol.CodeShuttingDown, Message: "the daemon is shutting down"}))
 		c.Close()
 		return nil
 	}
+	var evict *session
+	if len(s.pending) >= s.cfg.MaxHandshakes {
+		var oldest uint64
+		for p, seq := range s.pending {
+			if evict == nil || seq < oldest {
+				evict, oldest = p, seq
+			}
+		}
+		delete(s.pending, evict)
+	}
 	sess := newSession(s, c)
 	s.sessions[sess] = struct{}{}
+	s.pending[sess] = sess.seq
+	s.notifyLocked()
 	s.wg.Add(1)
 	s.mu.Unlock()
+	if evict != nil {
+		evict.log.Info("closing a connection that has not said hello: newer connections need the slot", "max_handshakes", s.cfg.MaxHandshakes)
+		evict.abort(perr(protocol.CodeTimeout, "no hello before %d newer connections arrived", s.cfg.MaxHandshakes))
+	}
 	go func() {
 		defer s.wg.Done()
 		sess.run()
 		s.mu.Lock()
 		delete(s.sessions, sess)
+		delete(s.pending, sess)
+		if sess.admitted {
+			s.admitted--
+		}
+		s.notifyLocked()
 		s.mu.Unlock()
 	}()
 	return sess
+}
+
+// admit moves a session that said Hello from the handshaking connections to
+// the clients, or says why it cannot be a client.
+func (s *Server) admit(sess *session) *protocol.Error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if _, ok := s.pending[sess]; !ok {
+		// Closed to make room while its Hello was being read.
+		return perr(protocol.CodeTimeout, "no hello before %d newer connections arrived", s.cfg.MaxHandshakes)
+	}
+	delete(s.pending, sess)
+	switch {
+	case s.stopping:
+		return perr(protocol.CodeShuttingDown, "the daemon is shutting down")
+	case s.admitted >= s.cfg.MaxClients:
+		return perr(protocol.CodeLimit, "the daemon serves at most %d clients", s.cfg.MaxClients)
+	}
+	s.admitted++
+	sess.admitted = true
+	s.notifyLocked()
+	return nil
+}
+
+func (s *Server) notifyLocked() {
+	close(s.changed)
+	s.changed = make(chan struct{})
+}
+
+// declare declares g for a session and counts the session as a user of
+// the namespace.
+func (s *Server) declare(ctx context.Context, g engine.Geometry) (engine.NamespaceID, error) {
+	s.nsMu.Lock()
+	defer s.nsMu.Unlock()
+	id, err := s.eng.Declare(ctx, g)
+	if err != nil {
+		return 0, err
+	}
+	s.nsRefs[id]++
+	return id, nil
+}
+
+// undeclare drops a session's use of a namespace and releases it in the
+// engine when no session uses it any more.
+func (s *Server) undeclare(id engine.NamespaceID) {
+	s.nsMu.Lock()
+	defer s.nsMu.Unlock()
+	s.nsRefs[id]--
+	if s.nsRefs[id] > 0 {
+		return
+	}
+	delete(s.nsRefs, id)
+	if err := s.eng.Release(id); err != nil {
+		s.log.Warn("release namespace", "ns", id, "err", err)
+	}
 }
 
 // Shutdown stops every session as Serve does after its context ends and
@@ -238,9 +368,9 @@ func (s *Server) Shutdown() {
 	s.wg.Wait()
 }
 
-// clients is the number of live sessions.
+// clients is the number of sessions through the handshake.
 func (s *Server) clients() int {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return len(s.sessions)
+	return s.admitted
 }

@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"math"
 	"net"
+	"os"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -55,10 +56,16 @@ type session struct {
 	rd      *frameReader
 	ctx     context.Context
 	stopCtx context.CancelFunc
+	seq     uint64    // accept number
+	born    time.Time // accept time: the handshake deadline counts from it
 
-	wmu  sync.Mutex
-	wbuf []byte
+	wmu   sync.Mutex
+	wbuf  []byte
+	wdl   time.Time    // the write deadline set on conn
+	wdead bool         // a write failed: the stream is cut mid-frame
+	wcap  atomic.Int64 // unix ns; writes end by then (set by stop and release)
 
+	admitted   bool // through Hello and counted as a client; guarded by srv.mu
 	hello      bool
 	regions    map[uint32]*memRegion
 	regBytes   int64 // bytes of the regions, counted against the limits
@@ -78,11 +85,14 @@ type session struct {
 
 func newSession(s *Server, c *net.UnixConn) *session {
 	ctx, cancel := context.WithCancel(context.Background())
+	seq := s.connSeq.Add(1)
 	return &session{
 		srv:        s,
 		conn:       c,
-		log:        s.log.With("conn", s.connSeq.Add(1)),
-		rd:         newFrameReader(c, s.cfg.MaxFrame, s.cfg.MaxRegistrations+maxFdsPerMsg),
+		seq:        seq,
+		born:       time.Now(),
+		log:        s.log.With("conn", seq),
+		rd:         newFrameReader(c, s.cfg.MaxFrame, s.cfg.MaxRegistrations+maxFdsPerMsg, s.cfg.FrameTimeout),
 		ctx:        ctx,
 		stopCtx:    cancel,
 		regions:    make(map[uint32]*memRegion),
@@ -99,9 +109,38 @@ func (s *session) stop(grace time.Duration) {
 		s.grace.Store(int64(grace))
 		// A client that does not read must not hold the shutdown: writes
 		// blocked past the grace period fail.
-		s.conn.SetWriteDeadline(time.Now().Add(grace + time.Second))
+		s.capWrites(time.Now().Add(grace + time.Second))
 		s.conn.CloseRead()
 	})
+}
+
+// abort tells the client why and ends the session (reading stops; jobs are
+// cancelled).
+func (s *session) abort(why *protocol.Error) {
+	s.send(0, why)
+	s.stop(0)
+}
+
+// capWrites makes every write, the one in progress included, end by t.
+func (s *session) capWrites(t time.Time) {
+	s.wcap.Store(t.UnixNano())
+	s.conn.SetWriteDeadline(t)
+}
+
+// readDeadlines returns the deadlines of the next frame (see
+// frameReader.next): before Hello, the handshake's for the whole frame;
+// after it, the idle limit while the session holds nothing.
+func (s *session) readDeadlines() (wait, by time.Time) {
+	cfg := s.srv.cfg
+	if !s.hello {
+		dl := s.born.Add(cfg.HandshakeTimeout)
+		return dl, dl
+	}
+	if len(s.regions) == 0 && len(s.namespaces) == 0 {
+		// No cache without a namespace, no job without a cache.
+		return time.Now().Add(cfg.IdleTimeout), time.Time{}
+	}
+	return time.Time{}, time.Time{}
 }
 
 // run reads and dispatches requests until the client goes away, then
@@ -109,9 +148,19 @@ func (s *session) stop(grace time.Duration) {
 func (s *session) run() {
 	defer s.release()
 	for {
-		h, body, err := s.rd.next()
+		h, body, err := s.rd.next(s.readDeadlines())
 		if err != nil {
+			cfg := s.srv.cfg
 			switch {
+			case errors.Is(err, errWaitTimeout) && !s.hello, errors.Is(err, errFrameTimeout) && !s.hello:
+				s.log.Info("closing a connection that did not complete its hello in time", "timeout", cfg.HandshakeTimeout.String())
+				s.send(0, perr(protocol.CodeTimeout, "no hello within %v of connecting", cfg.HandshakeTimeout))
+			case errors.Is(err, errWaitTimeout):
+				s.log.Info("closing an idle connection that holds no registration", "timeout", cfg.IdleTimeout.String())
+				s.send(0, perr(protocol.CodeTimeout, "idle for %v holding no memory region or namespace", cfg.IdleTimeout))
+			case errors.Is(err, errFrameTimeout):
+				s.log.Warn("closing a connection that stopped in the middle of a frame", "err", err)
+				s.send(0, perr(protocol.CodeTimeout, "a frame did not complete within %v: %v", cfg.FrameTimeout, err))
 			case errors.Is(err, io.EOF), errors.Is(err, net.ErrClosed):
 			case errors.Is(err, protocol.ErrTooLarge), errors.Is(err, protocol.ErrMalformed), errors.Is(err, errProtocol):
 				s.log.Warn("closing connection", "err", err)
@@ -127,13 +176,35 @@ func (s *session) run() {
 	}
 }
 
-// send writes one frame; errors surface to the reader as a dead connection.
+// send writes one frame. A write that cannot complete within WriteTimeout
+// (the client does not read) or fails otherwise cuts the stream: later
+// frames are dropped and reading stops, so the session ends.
 func (s *session) send(id uint64, m protocol.Message) {
 	s.wmu.Lock()
 	defer s.wmu.Unlock()
+	if s.wdead {
+		return
+	}
 	s.wbuf = protocol.AppendFrame(s.wbuf[:0], id, m)
+	// Move the deadline only when half of it is used up: back-to-back
+	// frames cost no timer update.
+	timeout := s.srv.cfg.WriteTimeout
+	if now := time.Now(); s.wcap.Load() == 0 && s.wdl.Sub(now) < timeout/2 {
+		s.wdl = now.Add(timeout)
+		s.conn.SetWriteDeadline(s.wdl)
+		if c := s.wcap.Load(); c != 0 {
+			// capWrites ran meanwhile: its deadline stands.
+			s.conn.SetWriteDeadline(time.Unix(0, c))
+		}
+	}
 	if _, err := s.conn.Write(s.wbuf); err != nil {
-		s.log.Debug("write failed", "err", err)
+		s.wdead = true
+		if errors.Is(err, os.ErrDeadlineExceeded) && s.wcap.Load() == 0 {
+			s.log.Warn("closing a connection that does not read its replies", "timeout", timeout.String())
+		} else {
+			s.log.Debug("write failed", "err", err)
+		}
+		s.conn.CloseRead()
 	}
 	if cap(s.wbuf) > 1<<20 {
 		s.wbuf = nil
@@ -158,6 +229,10 @@ func (s *session) handle(h protocol.Header, body []byte) bool {
 		}
 		if m.Version != protocol.Version {
 			s.send(h.ID, perr(protocol.CodeVersion, "client speaks version %d, this daemon speaks %d", m.Version, protocol.Version))
+			return false
+		}
+		if e := s.srv.admit(s); e != nil {
+			s.send(h.ID, e)
 			return false
 		}
 		s.hello = true
@@ -195,6 +270,8 @@ func (s *session) handle(h protocol.Header, body []byte) bool {
 		reply, err = s.unregisterMemory(m)
 	case *protocol.Declare:
 		reply, err = s.declare(m)
+	case *protocol.Undeclare:
+		reply, err = s.undeclare(m)
 	case *protocol.RegisterCache:
 		reply, err = s.registerCache(m)
 	case *protocol.UnregisterCache:
@@ -303,9 +380,9 @@ func (s *session) unregisterMemory(m *protocol.UnregisterMemory) (protocol.Messa
 // connection's and the daemon's limits, before the memory is mapped.
 func (s *session) reserveBytes(size int64) error {
 	cfg := s.srv.cfg
-	if s.regBytes+size > cfg.MaxRegisteredBytes {
+	if share := cfg.regShare(); s.regBytes+size > share {
 		return perr(protocol.CodeLimit, "registering %d bytes would exceed this connection's limit of %d bytes of registered memory (%d registered)",
-			size, cfg.MaxRegisteredBytes, s.regBytes)
+			size, share, s.regBytes)
 	}
 	if total := s.srv.regBytes.Add(size); total > cfg.MaxTotalRegisteredBytes {
 		s.srv.regBytes.Add(-size)
@@ -342,13 +419,28 @@ func (s *session) declare(m *protocol.Declare) (protocol.Message, error) {
 	if len(s.namespaces) >= s.srv.cfg.MaxNamespaces {
 		return nil, perr(protocol.CodeLimit, "at most %d namespaces per connection", s.srv.cfg.MaxNamespaces)
 	}
-	nsID, err := s.srv.eng.Declare(s.ctx, geo)
+	nsID, err := s.srv.declare(s.ctx, geo)
 	if err != nil {
 		return nil, err
 	}
 	id := s.newID()
 	s.namespaces[id] = &namespace{id: nsID, geo: geo}
 	return reply(id), nil
+}
+
+func (s *session) undeclare(m *protocol.Undeclare) (protocol.Message, error) {
+	ns := s.namespaces[m.NS]
+	if ns == nil {
+		return nil, perr(protocol.CodeUnknownNS, "namespace %d", m.NS)
+	}
+	for id, c := range s.caches {
+		if c.ns == ns {
+			return nil, perr(protocol.CodeInUse, "namespace %d has registered cache %d", m.NS, id)
+		}
+	}
+	delete(s.namespaces, m.NS)
+	s.srv.undeclare(ns.id)
+	return &protocol.Empty{T: protocol.TypeUndeclare | protocol.TypeReply}, nil
 }
 
 // extent returns the end of the last byte a layer addresses, or false when
@@ -621,9 +713,15 @@ func (s *session) release() {
 		}
 	}
 	s.caches = nil
+	for _, ns := range s.namespaces {
+		s.srv.undeclare(ns.id)
+	}
+	s.namespaces = nil
 	// Completions still being written get a moment, then the connection
 	// goes and their writes fail.
-	s.conn.SetWriteDeadline(time.Now().Add(time.Second))
+	if c := s.wcap.Load(); c == 0 || time.Unix(0, c).After(time.Now().Add(time.Second)) {
+		s.capWrites(time.Now().Add(time.Second))
+	}
 	s.writeWG.Wait()
 	for _, r := range s.regions {
 		s.releaseBytes(r.host.Len())

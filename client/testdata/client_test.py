@@ -114,6 +114,22 @@ def checks(client, prefix):
     for t in threads:
         t.join()
     assert not errors, errors
+    # Undeclare: refused while a cache uses the namespace; a namespace of
+    # its own goes, and its id is unknown afterwards.
+    try:
+        client.undeclare(cache.ns)
+        raise AssertionError("undeclared a namespace with a registered cache")
+    except kvhost.KvhostError as e:
+        assert kvhost.CODES[e.code] == "in use", e
+    other = kvhost.Geometry(model=prefix + "-other", layers=1, kv_heads=1, head_size=64, dtype_size=2,
+                            tokens_per_block=4, tokens_per_key=8)
+    ns = client.declare(other)
+    client.undeclare(ns)
+    try:
+        client.lookup(ns, [b"k"])
+        raise AssertionError("lookup in an undeclared namespace succeeded")
+    except kvhost.KvhostError as e:
+        assert kvhost.CODES[e.code] == "unknown namespace", e
     # Cancel answers for a finished job.
     job = client.store(cache.cache, [b"cancel-me"], [[10, 11]])
     job.wait(30)

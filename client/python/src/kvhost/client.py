@@ -290,6 +290,14 @@ class Client:
         ns, bpk, fp, kb = struct.unpack("<IIQQ", body)
         return Namespace(ns, bpk, fp, kb, geometry)
 
+    def undeclare(self, ns):
+        """Gives up a namespace no registered cache of this connection uses.
+
+        Stored data is kept; the daemon forgets the geometry once no
+        connection has it declared (closing the connection undeclares all)."""
+        ns = ns.id if isinstance(ns, Namespace) else ns
+        self._call(p.T_UNDECLARE, struct.pack("<I", ns))
+
     def register_cache(self, ns, layers):
         """Registers a paged cache (one Layer per model layer); returns its id."""
         ns = ns.id if isinstance(ns, Namespace) else ns

@@ -30,6 +30,7 @@ T_LOAD = 0x0009
 T_CANCEL = 0x000A
 T_DELETE = 0x000B
 T_STATS = 0x000C
+T_UNDECLARE = 0x000D
 T_REPLY = 0x8000
 T_ERROR = 0xFFFF
 T_COMPLETION = 0x4001
@@ -48,7 +49,7 @@ CODES = ["ok", "malformed", "unsupported version", "unknown type", "handshake re
          "limit exceeded", "unknown region", "unknown namespace", "unknown cache",
          "invalid argument", "unsupported", "descriptor missing", "bad descriptor", "in use",
          "no space", "not found", "corrupt", "policy failure", "shutting down", "cancelled",
-         "internal error"]
+         "internal error", "timed out"]
 CODE_UNSUPPORTED = 10
 
 STATS_FIELDS = ["entries", "keys", "stores", "loads", "hits", "misses", "evictions", "failures",
