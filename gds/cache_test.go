@@ -19,7 +19,6 @@ type goFake struct {
 	next       uintptr
 	live       map[uintptr]int // handle → fd
 	violations int
-	failFD     map[int]bool
 }
 
 func newGoFake() *goFake { return &goFake{live: map[uintptr]int{}, next: 1} }

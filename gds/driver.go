@@ -83,8 +83,19 @@ type Properties struct {
 	CompatSource string
 	// MaxDirectIO is the largest single direct I/O in bytes (0: unknown).
 	MaxDirectIO int64
-	// MaxBatchIO is the most entries of one batch (0: unknown).
-	MaxBatchIO int
+	// MaxBatchIO is the most entries of one batch (0: unknown), and
+	// BatchTimeoutMsecs its timeout.
+	MaxBatchIO        int
+	BatchTimeoutMsecs int
+	// PollThreshold is the size up to which cuFile polls for completion.
+	PollThreshold int64
+	// MaxDeviceCache, PerBufferCache and MaxDevicePinned are cuFile's
+	// limits on its GPU bounce buffers and pinned GPU memory, in bytes.
+	MaxDeviceCache, PerBufferCache, MaxDevicePinned int64
+	// NVFSStatusFlags are the nvidia-fs driver's status bits (one per
+	// storage kind it serves: bit 4 NVMe, 2 NFS, ...); FeatureFlags the
+	// library's feature bits (bit 1 batch I/O, bit 2 streams).
+	NVFSStatusFlags, FeatureFlags uint32
 	// BatchAPI says the library exports the batch API.
 	BatchAPI bool
 }
@@ -245,6 +256,12 @@ func (d *Driver) readProperties() (Properties, error) {
 		p.CompatSource = "properties"
 		p.MaxDirectIO = int64(raw.maxDirectIOKiB) << 10
 		p.MaxBatchIO = int(raw.maxBatchIOSize)
+		p.BatchTimeoutMsecs = int(raw.maxBatchIOTimeoutMsecs)
+		p.PollThreshold = int64(raw.pollThreshKiB) << 10
+		p.MaxDeviceCache = int64(raw.maxDeviceCacheKiB) << 10
+		p.PerBufferCache = int64(raw.perBufferCacheKiB) << 10
+		p.MaxDevicePinned = int64(raw.maxDevicePinnedKiB) << 10
+		p.NVFSStatusFlags, p.FeatureFlags = raw.statusFlags, raw.featureFlags
 		return p, nil
 	}
 	allowed, found, err := readAllowCompat(d.cfg.ConfigJSON)

@@ -306,6 +306,12 @@ func TestGPUCuFileRoundTripAndThroughput(t *testing.T) {
 		w := measure(rn, true)
 		rd := measure(rn, false)
 		fmt.Printf("GDSBENCH %-26s %10.2f %10.2f\n", rn.name, w, rd)
+		// Deregister before the deferred cudaFree frees the memory.
+		for _, p := range []uintptr{src.ptr, dst.ptr} {
+			if err := d.DeregisterBuffer(p); err != nil {
+				t.Errorf("DeregisterBuffer: %v", err)
+			}
+		}
 	}
 	t.Logf("handle cache: %+v", d.HandleStats())
 }
