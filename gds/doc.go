@@ -1,5 +1,17 @@
-// Package gds will hold kvhost's GPUDirect Storage path: libcufile loaded with
-// dlopen at run time (so kvhost builds without the CUDA toolkit and runs on
-// machines without a GPU), a cache of registered file handles, and the
-// fallback chain cuFile direct → staging → POSIX described in docs/design.md.
+// Package gds is kvhost's GPUDirect Storage path: NVIDIA's cuFile library,
+// loaded with dlopen at run time (so kvhost builds without the CUDA toolkit
+// and runs on machines without a GPU; without cgo the package builds and
+// Open reports ErrUnavailable).
+//
+// Open loads libcufile, resolves every symbol it calls and opens the cuFile
+// driver. The Driver owns a refcounted, bounded LRU cache of registered
+// file handles keyed by file identity (invalidated by Forget when the
+// engine removes or replaces a file), the buffers registered once with
+// RegisterBuffer, and one Capability per mount (direct, compat or
+// unusable), found once and logged once. A Mover (Driver.NewMover) carries
+// out transfer plans for device regions with cuFileRead and cuFileWrite on
+// its own workers, each locked to an OS thread and bound to its device;
+// where cuFile cannot serve a mount it answers transfer.ErrUnsupported
+// before moving anything, and the engine takes the staging path. cuFile
+// status codes are the error type Status. docs/gds.md has the details.
 package gds

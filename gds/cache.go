@@ -1,0 +1,249 @@
+package gds
+
+import (
+	"container/list"
+	"fmt"
+	"sync"
+
+	"golang.org/x/sys/unix"
+)
+
+// fileID is a file's identity: device and inode.
+type fileID struct{ dev, ino uint64 }
+
+// handleKey names a cached handle: the file and the access mode of the
+// descriptor it was registered with (O_ACCMODE and O_DIRECT), since a
+// handle of a read-only descriptor cannot write.
+type handleKey struct {
+	fileID
+	mode int
+}
+
+// handleModes are the access modes a handle can have, for Forget.
+var handleModes = [...]int{
+	unix.O_RDONLY, unix.O_WRONLY, unix.O_RDWR,
+	unix.O_RDONLY | unix.O_DIRECT, unix.O_WRONLY | unix.O_DIRECT, unix.O_RDWR | unix.O_DIRECT,
+}
+
+// handle is a registered cuFile handle over the cache's own duplicate of
+// the engine's descriptor, so that it stays valid after the engine closes
+// its descriptor.
+type handle struct {
+	key   handleKey
+	fd    int     // the cache's duplicate descriptor
+	h     uintptr // CUfileHandle_t
+	refs  int
+	ready chan struct{} // closed once registration finished
+	err   error         // registration's error, set before ready closes
+	stale bool          // forgotten: deregister when refs reach zero
+	elem  *list.Element // in lru while refs == 0 and cached
+}
+
+// HandleStats counts the handle cache's work.
+type HandleStats struct {
+	Cached        int    // handles registered now
+	Registrations uint64 // cuFileHandleRegister calls that succeeded
+	Failures      uint64 // cuFileHandleRegister calls that failed
+	Hits          uint64 // acquisitions served from the cache
+	Evictions     uint64 // unreferenced handles deregistered to keep the bound
+	Forgotten     uint64 // handles dropped by Forget
+}
+
+// handleCache is a refcounted cache of cuFile handles keyed by file
+// identity, with an LRU list over the handles no transfer holds, bounded
+// by max. A held handle is never deregistered.
+type handleCache struct {
+	api api
+	max int
+
+	mu  sync.Mutex
+	m   map[handleKey]*handle
+	lru list.List // of *handle, front = most recently released
+	st  HandleStats
+}
+
+func newHandleCache(a api, max int) *handleCache {
+	return &handleCache{api: a, max: max, m: map[handleKey]*handle{}}
+}
+
+// identify returns the key of the file open at fd.
+func identify(fd int) (handleKey, error) {
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return handleKey{}, fmt.Errorf("gds: fstat fd %d: %w", fd, err)
+	}
+	fl, err := unix.FcntlInt(uintptr(fd), unix.F_GETFL, 0)
+	if err != nil {
+		return handleKey{}, fmt.Errorf("gds: fcntl fd %d: %w", fd, err)
+	}
+	return handleKey{fileID{uint64(st.Dev), st.Ino}, fl & (unix.O_ACCMODE | unix.O_DIRECT)}, nil
+}
+
+// acquire returns the registered handle of the file open at fd (whose key
+// the caller computed with identify), registering it on a miss. The caller
+// must be on a thread bound to the device, and must release the handle.
+func (c *handleCache) acquire(fd int, key handleKey) (*handle, error) {
+	c.mu.Lock()
+	if e, ok := c.m[key]; ok {
+		e.refs++
+		if e.elem != nil {
+			c.lru.Remove(e.elem)
+			e.elem = nil
+		}
+		c.st.Hits++
+		c.mu.Unlock()
+		<-e.ready
+		if e.err != nil {
+			c.release(e)
+			return nil, e.err
+		}
+		return e, nil
+	}
+	e := &handle{key: key, fd: -1, refs: 1, ready: make(chan struct{})}
+	c.m[key] = e
+	c.mu.Unlock()
+
+	e.err = c.register(e, fd)
+
+	c.mu.Lock()
+	if e.err != nil {
+		c.st.Failures++
+		if c.m[key] == e {
+			delete(c.m, key)
+		}
+		e.stale = true
+	} else {
+		c.st.Registrations++
+	}
+	c.mu.Unlock()
+	close(e.ready)
+	if e.err != nil {
+		c.release(e)
+		return nil, e.err
+	}
+	return e, nil
+}
+
+// register duplicates fd, checks that the duplicate is the keyed file, and
+// registers it with cuFile.
+func (c *handleCache) register(e *handle, fd int) error {
+	dup, err := unix.FcntlInt(uintptr(fd), unix.F_DUPFD_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("gds: dup fd %d: %w", fd, err)
+	}
+	if k, err := identify(dup); err != nil || k != e.key {
+		unix.Close(dup)
+		if err != nil {
+			return err
+		}
+		return fmt.Errorf("gds: fd %d changed file while registering (%v, want %v)", fd, k, e.key)
+	}
+	h, err := c.api.handleRegister(dup)
+	if err != nil {
+		unix.Close(dup)
+		return fmt.Errorf("gds: cuFileHandleRegister (dev %d:%d ino %d): %w",
+			unix.Major(e.key.dev), unix.Minor(e.key.dev), e.key.ino, err)
+	}
+	e.fd, e.h = dup, h
+	return nil
+}
+
+// release drops a reference; the last one of a forgotten handle
+// deregisters it, others put it on the LRU list and evict past the bound.
+func (c *handleCache) release(e *handle) {
+	var victims []*handle
+	c.mu.Lock()
+	e.refs--
+	if e.refs < 0 {
+		c.mu.Unlock()
+		panic("gds: handle released more often than acquired")
+	}
+	if e.refs == 0 {
+		if e.stale {
+			victims = append(victims, e)
+		} else {
+			e.elem = c.lru.PushFront(e)
+			victims = c.evictLocked()
+		}
+	}
+	c.mu.Unlock()
+	c.deregister(victims)
+}
+
+// evictLocked removes unreferenced handles, least recently released
+// first, until at most max are cached. Referenced handles are not on the
+// list and so never evicted.
+func (c *handleCache) evictLocked() []*handle {
+	var victims []*handle
+	for len(c.m) > c.max && c.lru.Len() > 0 {
+		e := c.lru.Remove(c.lru.Back()).(*handle)
+		e.elem = nil
+		delete(c.m, e.key)
+		c.st.Evictions++
+		victims = append(victims, e)
+	}
+	return victims
+}
+
+// deregister deregisters handles no one can reach any more.
+func (c *handleCache) deregister(hs []*handle) {
+	for _, e := range hs {
+		if e.h != 0 {
+			c.api.handleDeregister(e.h)
+			e.h = 0
+		}
+		if e.fd >= 0 {
+			unix.Close(e.fd)
+			e.fd = -1
+		}
+	}
+}
+
+// forget drops every handle of the file; held ones are deregistered when
+// released.
+func (c *handleCache) forget(dev, ino uint64) {
+	var victims []*handle
+	c.mu.Lock()
+	for _, mode := range handleModes {
+		k := handleKey{fileID{dev, ino}, mode}
+		e, ok := c.m[k]
+		if !ok {
+			continue
+		}
+		delete(c.m, k)
+		c.st.Forgotten++
+		e.stale = true
+		if e.refs == 0 {
+			c.lru.Remove(e.elem)
+			e.elem = nil
+			victims = append(victims, e)
+		}
+	}
+	c.mu.Unlock()
+	c.deregister(victims)
+}
+
+// close deregisters every unreferenced handle and marks the rest stale.
+func (c *handleCache) close() {
+	var victims []*handle
+	c.mu.Lock()
+	for k, e := range c.m {
+		delete(c.m, k)
+		e.stale = true
+		if e.refs == 0 {
+			c.lru.Remove(e.elem)
+			e.elem = nil
+			victims = append(victims, e)
+		}
+	}
+	c.mu.Unlock()
+	c.deregister(victims)
+}
+
+func (c *handleCache) stats() HandleStats {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	s := c.st
+	s.Cached = len(c.m)
+	return s
+}

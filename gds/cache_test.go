@@ -1,0 +1,223 @@
+//go:build linux
+
+package gds
+
+import (
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"sync"
+	"testing"
+)
+
+// goFake is a cuFile stand-in for the handle cache's tests: it tracks live
+// handles and counts every misuse (I/O on or deregistration of a handle
+// that is not live).
+type goFake struct {
+	mu         sync.Mutex
+	next       uintptr
+	live       map[uintptr]int // handle → fd
+	violations int
+}
+
+func newGoFake() *goFake { return &goFake{live: map[uintptr]int{}, next: 1} }
+
+func (g *goFake) path() string                                      { return "go-fake" }
+func (g *goFake) driverOpen() error                                 { return nil }
+func (g *goFake) driverClose() error                                { return nil }
+func (g *goFake) properties() (rawProps, bool, error)               { return rawProps{}, false, nil }
+func (g *goFake) version() (int, bool, error)                       { return 0, false, nil }
+func (g *goFake) bufRegister(uintptr, int64, int) error             { return nil }
+func (g *goFake) bufDeregister(uintptr) error                       { return nil }
+func (g *goFake) hasBatch() bool                                    { return false }
+func (g *goFake) unload() error                                     { return nil }
+func (g *goFake) write(h, b uintptr, n, o, bo int64) (int64, error) { return g.read(h, b, n, o, bo) }
+
+func (g *goFake) handleRegister(fd int) (uintptr, error) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	h := g.next
+	g.next++
+	g.live[h] = fd
+	return h, nil
+}
+
+func (g *goFake) handleDeregister(h uintptr) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if _, ok := g.live[h]; !ok {
+		g.violations++
+	}
+	delete(g.live, h)
+}
+
+func (g *goFake) read(h, _ uintptr, n, _, _ int64) (int64, error) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if _, ok := g.live[h]; !ok {
+		g.violations++
+		return 0, StatusHandleNotRegistered
+	}
+	return n, nil
+}
+
+func (g *goFake) counts() (live, violations int) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return len(g.live), g.violations
+}
+
+// openFiles creates n files and opens them read-write.
+func openFiles(t *testing.T, n int) []*os.File {
+	t.Helper()
+	dir := t.TempDir()
+	fs := make([]*os.File, n)
+	for i := range fs {
+		f, err := os.OpenFile(filepath.Join(dir, fmt.Sprint(i)), os.O_RDWR|os.O_CREATE, 0o600)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { f.Close() })
+		fs[i] = f
+	}
+	return fs
+}
+
+func acquireFile(t testing.TB, c *handleCache, f *os.File) *handle {
+	key, err := identify(int(f.Fd()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	h, err := c.acquire(int(f.Fd()), key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return h
+}
+
+func TestHandleCacheHammerNeverUsesADeregisteredHandle(t *testing.T) {
+	const files, max, goroutines, loops = 8, 3, 8, 400
+	fs := openFiles(t, files)
+	g := newGoFake()
+	c := newHandleCache(g, max)
+	var wg sync.WaitGroup
+	for p := range goroutines {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			r := rand.New(rand.NewPCG(uint64(p), 7))
+			for range loops {
+				f := fs[r.IntN(files)]
+				key, err := identify(int(f.Fd()))
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				if r.IntN(10) == 0 {
+					c.forget(key.dev, key.ino)
+					continue
+				}
+				h, err := c.acquire(int(f.Fd()), key)
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				if _, err := g.read(h.h, 0, 4096, 0, 0); err != nil {
+					t.Errorf("read through an acquired handle: %v", err)
+				}
+				c.release(h)
+			}
+		}()
+	}
+	wg.Wait()
+	live, violations := g.counts()
+	st := c.stats()
+	if violations != 0 {
+		t.Fatalf("%d uses or deregistrations of dead handles", violations)
+	}
+	if st.Cached > max || live != st.Cached {
+		t.Fatalf("after the hammer: %d cached (bound %d), %d live in cuFile", st.Cached, max, live)
+	}
+	if st.Evictions == 0 || st.Forgotten == 0 || st.Hits == 0 {
+		t.Fatalf("the hammer did not exercise eviction, forget and hits: %+v", st)
+	}
+	c.close()
+	if live, _ := g.counts(); live != 0 {
+		t.Fatalf("%d handles live after close", live)
+	}
+}
+
+func TestHandleCacheEvictionNeverDeregistersAReferencedHandle(t *testing.T) {
+	const max = 2
+	fs := openFiles(t, 8)
+	g := newGoFake()
+	c := newHandleCache(g, max)
+	var held []*handle
+	for _, f := range fs[:5] {
+		held = append(held, acquireFile(t, c, f))
+	}
+	// Churn through the other files: every release now is over the bound.
+	for range 3 {
+		for _, f := range fs[5:] {
+			c.release(acquireFile(t, c, f))
+		}
+	}
+	for i, h := range held {
+		if _, err := g.read(h.h, 0, 1, 0, 0); err != nil {
+			t.Fatalf("held handle %d was deregistered: %v", i, err)
+		}
+	}
+	if st := c.stats(); st.Cached < len(held) {
+		t.Fatalf("%d cached, fewer than the %d held", st.Cached, len(held))
+	}
+	for _, h := range held {
+		c.release(h)
+	}
+	live, violations := g.counts()
+	if st := c.stats(); st.Cached != max || live != max || violations != 0 {
+		t.Fatalf("after release: cached %d, live %d, violations %d; want %d, %d, 0", st.Cached, live, violations, max, max)
+	}
+}
+
+func TestHandleCacheForgetDefersDeregistrationOfAHeldHandle(t *testing.T) {
+	fs := openFiles(t, 1)
+	g := newGoFake()
+	c := newHandleCache(g, 4)
+	h := acquireFile(t, c, fs[0])
+	c.forget(h.key.dev, h.key.ino)
+	if _, err := g.read(h.h, 0, 1, 0, 0); err != nil {
+		t.Fatalf("forget deregistered a held handle: %v", err)
+	}
+	h2 := acquireFile(t, c, fs[0])
+	if h2 == h {
+		t.Fatal("a forgotten handle was served again")
+	}
+	c.release(h)
+	c.release(h2)
+	if live, _ := g.counts(); live != 1 {
+		t.Fatalf("%d live handles, want 1 (the forgotten one deregistered on release)", live)
+	}
+}
+
+func TestHandleCacheKeysByAccessMode(t *testing.T) {
+	fs := openFiles(t, 1)
+	ro, err := os.Open(fs[0].Name())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ro.Close()
+	g := newGoFake()
+	c := newHandleCache(g, 4)
+	hw := acquireFile(t, c, fs[0])
+	hr := acquireFile(t, c, ro)
+	if hw == hr {
+		t.Fatal("a read-only descriptor got the read-write descriptor's handle")
+	}
+	c.release(hw)
+	c.release(hr)
+	c.forget(hw.key.dev, hw.key.ino)
+	if live, _ := g.counts(); live != 0 {
+		t.Fatalf("forget left %d handles of the file", live)
+	}
+}

@@ -1,0 +1,233 @@
+package gds
+
+import (
+	"bufio"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+
+	"golang.org/x/sys/unix"
+)
+
+// Capability is what cuFile can do on one mount (one st_dev), found once by
+// the first registration on it (or by ProbeDir) and cached.
+type Capability struct {
+	Mode Mode
+	// Dev is the mount's device number.
+	Dev uint64
+	// Mount is the mount point, from /proc/self/mountinfo ("" if not found).
+	Mount string
+	// FSType names the file system (statfs f_type).
+	FSType string
+	// Err is why the mount is unusable (the registration error), or nil.
+	Err error
+}
+
+// String is the capability as logged: "mount /x (ext4): compat".
+func (c Capability) String() string {
+	s := fmt.Sprintf("mount %s (%s): %s", c.mountName(), c.FSType, c.Mode)
+	if c.Err != nil {
+		s += ": " + c.Err.Error()
+	}
+	return s
+}
+
+func (c Capability) mountName() string {
+	if c.Mount != "" {
+		return c.Mount
+	}
+	return fmt.Sprintf("dev %d:%d", unix.Major(c.Dev), unix.Minor(c.Dev))
+}
+
+// f_type magics of file systems cuFile can reach with nvidia-fs (direct
+// mode); others run in compat mode at best.
+var fsNames = map[int64]string{
+	0xef53:     "ext4",
+	0x58465342: "xfs",
+	0x01021994: "tmpfs",
+	0x858458f6: "ramfs",
+	0x794c7630: "overlayfs",
+	0x6969:     "nfs",
+	0x0bd00bd0: "lustre",
+	0x47504653: "gpfs",
+	0x19830326: "beegfs",
+	0x9123683e: "btrfs",
+	0x65735546: "fuse",
+	0x6a656a63: "virtiofs",
+}
+
+var fsDirect = map[string]bool{"ext4": true, "xfs": true, "nfs": true, "lustre": true, "gpfs": true, "beegfs": true}
+
+func fsName(t int64) string {
+	if n, ok := fsNames[t]; ok {
+		return n
+	}
+	return fmt.Sprintf("0x%x", t)
+}
+
+// capabilities caches one Capability per mount; the first report of each
+// is logged, once.
+type capabilities struct {
+	d  *Driver
+	mu sync.Mutex
+	m  map[uint64]Capability
+}
+
+func newCapabilities(d *Driver) *capabilities {
+	return &capabilities{d: d, m: map[uint64]Capability{}}
+}
+
+// get returns the mount's capability, ModeUnknown if not yet found.
+func (cs *capabilities) get(dev uint64) Capability {
+	cs.mu.Lock()
+	defer cs.mu.Unlock()
+	if c, ok := cs.m[dev]; ok {
+		return c
+	}
+	return Capability{Dev: dev}
+}
+
+// settle records the outcome of the first registration on the mount of the
+// file open at fd (regErr nil: registration worked) and returns the
+// capability now cached: the first outcome wins and is logged once.
+func (cs *capabilities) settle(dev uint64, fd int, regErr error) Capability {
+	cs.mu.Lock()
+	if c, ok := cs.m[dev]; ok {
+		cs.mu.Unlock()
+		return c
+	}
+	cs.mu.Unlock()
+	c := Capability{Dev: dev, Mount: mountPoint(dev)}
+	var sfs unix.Statfs_t
+	if err := unix.Fstatfs(fd, &sfs); err == nil {
+		c.FSType = fsName(int64(sfs.Type))
+	} else {
+		c.FSType = "unknown"
+	}
+	p := cs.d.props
+	switch {
+	case regErr != nil:
+		c.Mode, c.Err = ModeUnusable, regErr
+	case p.NVFSLoaded && fsDirect[c.FSType]:
+		c.Mode = ModeDirect
+	case p.CompatAllowed:
+		c.Mode = ModeCompat
+	default:
+		// Registration worked but there is no path cuFile can take.
+		c.Mode, c.Err = ModeUnusable, errors.New("nvidia-fs not loaded and compat mode not allowed")
+	}
+	cs.mu.Lock()
+	if old, ok := cs.m[dev]; ok {
+		cs.mu.Unlock()
+		return old
+	}
+	cs.m[dev] = c
+	cs.mu.Unlock()
+	if c.Mode == ModeUnusable {
+		cs.d.log.Warn(fmt.Sprintf("cufile: mount %s: unusable: %v; falling back to staging", c.mountName(), c.Err),
+			"mount", c.mountName(), "fs", c.FSType, "mode", c.Mode.String())
+	} else {
+		cs.d.log.Info(fmt.Sprintf("cufile: mount %s: %s", c.mountName(), c.Mode),
+			"mount", c.mountName(), "fs", c.FSType, "mode", c.Mode.String())
+	}
+	return c
+}
+
+// Capability returns the cached capability of the mount holding path,
+// probing it (ProbeDir) if it is not known yet.
+func (d *Driver) Capability(dir string) (Capability, error) {
+	var st unix.Stat_t
+	if err := unix.Stat(dir, &st); err != nil {
+		return Capability{}, fmt.Errorf("gds: stat %s: %w", dir, err)
+	}
+	if c := d.caps.get(uint64(st.Dev)); c.Mode != ModeUnknown {
+		return c, nil
+	}
+	return d.ProbeDir(dir)
+}
+
+// ProbeDir finds what cuFile can do on the mount holding directory dir, if
+// not known yet: it creates a small file there (O_DIRECT where the file
+// system allows it), registers it with cuFile, deregisters and removes it.
+// The result is cached per mount and logged once.
+func (d *Driver) ProbeDir(dir string) (Capability, error) {
+	f, err := os.CreateTemp(dir, ".kvhost-cufile-probe-*")
+	if err != nil {
+		return Capability{}, fmt.Errorf("gds: probe %s: %w", dir, err)
+	}
+	name := f.Name()
+	f.Close()
+	defer os.Remove(name)
+	fd, err := unix.Open(name, unix.O_RDWR|unix.O_DIRECT|unix.O_CLOEXEC, 0)
+	if err != nil {
+		fd, err = unix.Open(name, unix.O_RDWR|unix.O_CLOEXEC, 0)
+	}
+	if err != nil {
+		return Capability{}, fmt.Errorf("gds: probe %s: %w", dir, err)
+	}
+	defer unix.Close(fd)
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return Capability{}, fmt.Errorf("gds: probe %s: %w", dir, err)
+	}
+	dev := uint64(st.Dev)
+	if c := d.caps.get(dev); c.Mode != ModeUnknown {
+		return c, nil
+	}
+	var regErr error
+	err = d.onDevice(0, func() error {
+		h, err := d.api.handleRegister(fd)
+		if err != nil {
+			regErr = fmt.Errorf("cuFileHandleRegister: %w", err)
+			return nil
+		}
+		d.api.handleDeregister(h)
+		return nil
+	})
+	if err != nil {
+		return Capability{}, err
+	}
+	return d.caps.settle(dev, fd, regErr), nil
+}
+
+// mountPoint finds the mount point of a device in /proc/self/mountinfo.
+func mountPoint(dev uint64) string {
+	f, err := os.Open("/proc/self/mountinfo")
+	if err != nil {
+		return ""
+	}
+	defer f.Close()
+	want := strconv.FormatUint(uint64(unix.Major(dev)), 10) + ":" + strconv.FormatUint(uint64(unix.Minor(dev)), 10)
+	sc := bufio.NewScanner(f)
+	for sc.Scan() {
+		// id parent major:minor root mountpoint ...
+		fs := strings.Fields(sc.Text())
+		if len(fs) >= 5 && fs[2] == want {
+			return filepath.Clean(unescapeMount(fs[4]))
+		}
+	}
+	return ""
+}
+
+// unescapeMount undoes mountinfo's octal escapes (\040 for a space).
+func unescapeMount(s string) string {
+	if !strings.Contains(s, `\`) {
+		return s
+	}
+	var b strings.Builder
+	for i := 0; i < len(s); i++ {
+		if s[i] == '\\' && i+3 < len(s) {
+			if v, err := strconv.ParseUint(s[i+1:i+4], 8, 8); err == nil {
+				b.WriteByte(byte(v))
+				i += 3
+				continue
+			}
+		}
+		b.WriteByte(s[i])
+	}
+	return b.String()
+}

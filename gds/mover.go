@@ -1,0 +1,354 @@
+package gds
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"runtime"
+	"sync"
+	"sync/atomic"
+
+	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/region"
+	"github.com/kvhost/kvhost/transfer"
+)
+
+// MoverConfig configures a Mover. The zero value is usable.
+type MoverConfig struct {
+	// Workers is the number of OS threads issuing cuFile calls; 0 means 8.
+	Workers int
+	// AllowCompat lets the mover use mounts where cuFile runs in
+	// compatibility mode (a host bounce inside libcufile). Off by default:
+	// kvhost's own staging pipeline is the better host bounce, and the
+	// mover answers transfer.ErrUnsupported there so the engine takes it.
+	AllowCompat bool
+	// MaxIO is the most bytes of one cuFile call; larger runs are split
+	// across workers. 0 means 8 MiB.
+	MaxIO int64
+}
+
+// Mover moves plans between files and device regions (region.Device) with
+// cuFileRead and cuFileWrite, on its own fixed pool of workers locked to
+// OS threads. It implements transfer.Mover and transfer.Forgetter.
+//
+// A Mover never lets the CPU see the bytes, so it computes no checksums.
+// A mount cuFile refuses, a compat-mode mount when AllowCompat is off, or a
+// region that is not device memory gets transfer.ErrUnsupported before any
+// byte moves; every other failure fails the transfer.
+type Mover struct {
+	d     *Driver
+	cfg   MoverConfig
+	tasks chan *task
+	wg    sync.WaitGroup
+
+	mu     sync.RWMutex // held for reading while a job queues tasks
+	closed bool
+}
+
+var (
+	_ transfer.Mover     = (*Mover)(nil)
+	_ transfer.Forgetter = (*Mover)(nil)
+)
+
+// task is one piece of a job, run on a worker bound to its device.
+type task struct {
+	ordinal int
+	run     func() error
+	done    func(error)
+}
+
+// NewMover starts a mover's workers.
+func (d *Driver) NewMover(cfg MoverConfig) (*Mover, error) {
+	if cfg.Workers <= 0 {
+		cfg.Workers = 8
+	}
+	if cfg.MaxIO <= 0 {
+		cfg.MaxIO = 8 << 20
+	}
+	m := &Mover{d: d, cfg: cfg, tasks: make(chan *task, 4*cfg.Workers)}
+	d.mu.Lock()
+	if d.closed {
+		d.mu.Unlock()
+		return nil, ErrClosed
+	}
+	d.movers[m] = struct{}{}
+	d.mu.Unlock()
+	for range cfg.Workers {
+		m.wg.Add(1)
+		go m.worker()
+	}
+	return m, nil
+}
+
+// worker runs tasks on one OS thread, binding it to a task's device when it
+// differs from the thread's current one: once per worker and device, not
+// per request.
+func (m *Mover) worker() {
+	defer m.wg.Done()
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	bound := -1
+	for t := range m.tasks {
+		if t.ordinal != bound && m.d.cfg.BindDevice != nil {
+			if err := m.d.cfg.BindDevice(t.ordinal); err != nil {
+				t.done(fmt.Errorf("gds: bind device %d: %w", t.ordinal, err))
+				continue
+			}
+		}
+		bound = t.ordinal
+		t.done(t.run())
+	}
+}
+
+// Name implements transfer.Mover.
+func (m *Mover) Name() string { return "cufile" }
+
+// Checksums implements transfer.Mover: false, the CPU never sees the bytes.
+func (m *Mover) Checksums() bool { return false }
+
+// Forget implements transfer.Forgetter.
+func (m *Mover) Forget(dev, ino uint64) { m.d.Forget(dev, ino) }
+
+// Close stops the workers after the jobs in flight.
+func (m *Mover) Close() error {
+	m.mu.Lock()
+	if m.closed {
+		m.mu.Unlock()
+		return ErrClosed
+	}
+	m.closed = true
+	close(m.tasks)
+	m.mu.Unlock()
+	m.wg.Wait()
+	m.d.mu.Lock()
+	delete(m.d.movers, m)
+	m.d.mu.Unlock()
+	return nil
+}
+
+// WriteFile implements transfer.Mover: it writes the plan's extents from
+// device memory into f.
+func (m *Mover) WriteFile(ctx context.Context, f fsys.File, p *transfer.Plan, sums []uint32) (int64, error) {
+	return m.move(ctx, f, p, true)
+}
+
+// ReadFile implements transfer.Mover: it reads the plan's extents from f
+// into device memory. A file shorter than the plan fails.
+func (m *Mover) ReadFile(ctx context.Context, f fsys.File, p *transfer.Plan, sums []uint32) (int64, error) {
+	return m.move(ctx, f, p, false)
+}
+
+// piece is one cuFile call's worth of a plan: contiguous in the file and
+// in one device region.
+type piece struct {
+	ordinal int
+	base    uintptr // cuFile's bufPtr_base: a registered buffer's base, or the address itself
+	bufOff  int64   // bufPtr_offset from base
+	fileOff int64
+	n       int64
+}
+
+// pieces coalesces extents contiguous in both the file and the same
+// region's memory, and splits runs longer than maxIO.
+func (m *Mover) pieces(p *transfer.Plan) ([]piece, int, error) {
+	var out []piece
+	var prev *transfer.Extent
+	var prevDev region.Device
+	ordinal := -1
+	for i := range p.Extents {
+		x := &p.Extents[i]
+		dev, ok := x.Region.(region.Device)
+		if !ok || x.Region.Kind() != region.KindDevice {
+			return nil, 0, fmt.Errorf("%w: cufile moves device memory, extent %d is %s region %d",
+				transfer.ErrUnsupported, i, x.Region.Kind(), x.Region.ID())
+		}
+		if ordinal < 0 {
+			ordinal = dev.Ordinal()
+		}
+		if x.Len == 0 {
+			continue
+		}
+		if prev != nil && prevDev.ID() == dev.ID() && prevDev.Ptr() == dev.Ptr() &&
+			prev.FileOff+prev.Len == x.FileOff && prev.RegionOff+prev.Len == x.RegionOff {
+			out[len(out)-1].n += x.Len
+		} else {
+			out = append(out, piece{ordinal: dev.Ordinal(), base: dev.Ptr() + uintptr(x.RegionOff), fileOff: x.FileOff, n: x.Len})
+		}
+		prev, prevDev = x, dev
+	}
+	// Split, then point each piece at a registered buffer where it lies
+	// inside one (cuFile wants the registered base and an offset).
+	var split []piece
+	for _, pc := range out {
+		for off := int64(0); off < pc.n; off += m.cfg.MaxIO {
+			s := pc
+			s.base = pc.base + uintptr(off)
+			s.fileOff = pc.fileOff + off
+			s.n = min(m.cfg.MaxIO, pc.n-off)
+			if b, ok := m.d.registered(s.base, s.n); ok {
+				s.bufOff = int64(s.base - b.ptr)
+				s.base = b.ptr
+			}
+			split = append(split, s)
+		}
+	}
+	return split, ordinal, nil
+}
+
+// submit queues t on the workers, unless the mover is closed.
+func (m *Mover) submit(t *task) error {
+	m.mu.RLock()
+	defer m.mu.RUnlock()
+	if m.closed {
+		return ErrClosed
+	}
+	m.tasks <- t
+	return nil
+}
+
+// runOne runs f on a worker bound to the device and waits for it.
+func (m *Mover) runOne(ordinal int, f func() error) error {
+	ch := make(chan error, 1)
+	if err := m.submit(&task{ordinal: ordinal, run: f, done: func(err error) { ch <- err }}); err != nil {
+		return err
+	}
+	return <-ch
+}
+
+func (m *Mover) move(ctx context.Context, f fsys.File, p *transfer.Plan, write bool) (int64, error) {
+	op := "cuFileRead"
+	if write {
+		op = "cuFileWrite"
+	}
+	if err := p.Check(); err != nil {
+		return 0, fmt.Errorf("gds: %s: %w", op, err)
+	}
+	pcs, ordinal, err := m.pieces(p)
+	if err != nil || len(pcs) == 0 {
+		return 0, err
+	}
+	if err := ctx.Err(); err != nil {
+		return 0, err
+	}
+	fd := int(f.Fd())
+	key, err := identify(fd)
+	if err != nil {
+		return 0, err
+	}
+	capab := m.d.caps.get(key.dev)
+	if err := m.usable(capab); err != nil {
+		return 0, err
+	}
+	var h *handle
+	err = m.runOne(ordinal, func() error {
+		var err error
+		h, err = m.d.cache.acquire(fd, key)
+		if capab.Mode == ModeUnknown {
+			capab = m.d.caps.settle(key.dev, fd, err)
+		}
+		return err
+	})
+	if err != nil {
+		// Registration failed: nothing moved, the engine may take
+		// another path.
+		return 0, fmt.Errorf("%w: %w", transfer.ErrUnsupported, err)
+	}
+	defer m.d.cache.release(h)
+	if err := m.usable(capab); err != nil {
+		return 0, err
+	}
+
+	var (
+		moved  atomic.Int64
+		failed atomic.Bool
+		wg     sync.WaitGroup
+		emu    sync.Mutex
+		first  error
+	)
+	fail := func(err error) {
+		emu.Lock()
+		if first == nil {
+			first = err
+		}
+		emu.Unlock()
+		failed.Store(true)
+	}
+	for _, pc := range pcs {
+		if failed.Load() {
+			break
+		}
+		if err := ctx.Err(); err != nil {
+			fail(err)
+			break
+		}
+		wg.Add(1)
+		t := &task{ordinal: pc.ordinal, done: func(err error) {
+			if err != nil {
+				fail(err)
+			}
+			wg.Done()
+		}}
+		t.run = func() error {
+			if failed.Load() {
+				return nil
+			}
+			if err := ctx.Err(); err != nil {
+				return err
+			}
+			n, err := m.io(h, pc, write)
+			moved.Add(n)
+			if err != nil {
+				return fmt.Errorf("gds: %s %d bytes at file offset %d: %w", op, pc.n, pc.fileOff, err)
+			}
+			return nil
+		}
+		if err := m.submit(t); err != nil {
+			wg.Done()
+			fail(err)
+			break
+		}
+	}
+	wg.Wait()
+	return moved.Load(), first
+}
+
+// usable says whether the mover may use a mount.
+func (m *Mover) usable(c Capability) error {
+	switch c.Mode {
+	case ModeUnusable:
+		return fmt.Errorf("%w: cufile: %s", transfer.ErrUnsupported, c)
+	case ModeCompat:
+		if !m.cfg.AllowCompat {
+			return fmt.Errorf("%w: cufile: %s, and compat mode is not allowed for this mover", transfer.ErrUnsupported, c)
+		}
+	}
+	return nil
+}
+
+// io moves one piece, looping over short transfers. A read that reaches
+// the end of the file before the piece's end fails with
+// io.ErrUnexpectedEOF; a write that moves nothing fails with
+// io.ErrShortWrite.
+func (m *Mover) io(h *handle, pc piece, write bool) (int64, error) {
+	var done int64
+	for done < pc.n {
+		var n int64
+		var err error
+		if write {
+			n, err = m.d.api.write(h.h, pc.base, pc.n-done, pc.fileOff+done, pc.bufOff+done)
+		} else {
+			n, err = m.d.api.read(h.h, pc.base, pc.n-done, pc.fileOff+done, pc.bufOff+done)
+		}
+		if err != nil {
+			return done, err
+		}
+		if n == 0 {
+			if write {
+				return done, io.ErrShortWrite
+			}
+			return done, fmt.Errorf("file ends at %d, plan needs %d: %w", pc.fileOff+done, pc.fileOff+pc.n, io.ErrUnexpectedEOF)
+		}
+		done += n
+	}
+	return done, nil
+}

@@ -1,0 +1,534 @@
+//go:build linux && cgo
+
+package gds
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"io"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/kvhost/kvhost/internal/dl"
+	"github.com/kvhost/kvhost/region"
+	"github.com/kvhost/kvhost/transfer"
+)
+
+// scatterPlan lays pages of pageSize out in file order from random pages of
+// dev; pairs of pages are kept adjacent in memory to give the mover
+// extents to coalesce.
+func scatterPlan(dev region.Device, pages, pageSize int, seed uint64) *transfer.Plan {
+	r := rand.New(rand.NewPCG(seed, 1))
+	slots := int(dev.Len()) / pageSize / 2
+	perm := r.Perm(slots)
+	p := &transfer.Plan{}
+	for i := range pages {
+		slot := perm[i/2]*2 + i%2
+		p.Extents = append(p.Extents, transfer.Extent{
+			FileOff: int64(i * pageSize), Region: dev, RegionOff: int64(slot * pageSize), Len: int64(pageSize), Sum: -1,
+		})
+	}
+	return p
+}
+
+// gather returns the plan's bytes in file order, read from host memory.
+func gather(p *transfer.Plan, mem []byte) []byte {
+	var out []byte
+	for _, x := range p.Extents {
+		out = append(out, mem[x.RegionOff:x.RegionOff+x.Len]...)
+	}
+	return out
+}
+
+// retarget returns the plan with every extent in another region.
+func retarget(p *transfer.Plan, dev region.Device) *transfer.Plan {
+	q := &transfer.Plan{Sums: p.Sums, Direct: p.Direct, Extents: append([]transfer.Extent(nil), p.Extents...)}
+	for i := range q.Extents {
+		q.Extents[i].Region = dev
+	}
+	return q
+}
+
+func fill(b []byte, seed uint64) {
+	r := rand.New(rand.NewPCG(seed, 2))
+	for i := range b {
+		b[i] = byte(r.Uint32())
+	}
+}
+
+func newMover(t *testing.T, d *Driver, cfg MoverConfig) *Mover {
+	t.Helper()
+	m, err := d.NewMover(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { m.Close() })
+	return m
+}
+
+func TestMoverRoundTripsScatteredPlanThroughFakeCuFile(t *testing.T) {
+	e := openFake(t, Config{}, nil)
+	m := newMover(t, e.d, MoverConfig{Workers: 4, AllowCompat: true, MaxIO: 64 << 10})
+	const page, pages = 16 << 10, 64
+	src := newHostDevice(t, 1, 4<<20, 0)
+	dst := newHostDevice(t, 2, 4<<20, 0)
+	fill(src.mem, 1)
+	for i := range dst.mem {
+		dst.mem[i] = 0xA5 // poison
+	}
+	wp := scatterPlan(src, pages, page, 3)
+	path := filepath.Join(t.TempDir(), "key")
+	f := openFile(t, path, os.O_RDWR)
+	ctx := context.Background()
+	n, err := m.WriteFile(ctx, f, wp, nil)
+	if err != nil || n != wp.Bytes() {
+		t.Fatalf("WriteFile = %d, %v; want %d", n, err, wp.Bytes())
+	}
+	file, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(file, gather(wp, src.mem)) {
+		t.Fatal("file bytes differ from the plan's gather of device memory")
+	}
+	rp := retarget(wp, dst)
+	n, err = m.ReadFile(ctx, f, rp, nil)
+	if err != nil || n != rp.Bytes() {
+		t.Fatalf("ReadFile = %d, %v; want %d", n, err, rp.Bytes())
+	}
+	if !bytes.Equal(gather(rp, dst.mem), gather(wp, src.mem)) {
+		t.Fatal("bytes read back differ from the bytes written")
+	}
+	// Pages adjacent in both file and memory coalesce into one call (at
+	// most 32 runs: the plan pairs pages, and random pairs may abut).
+	runs := 0
+	for i, x := range rp.Extents {
+		if i == 0 || rp.Extents[i-1].RegionOff+page != x.RegionOff {
+			runs++
+		}
+	}
+	if r := e.ctl.get(&e.ctl.Reads); r != int64(runs) || runs > pages/2 {
+		t.Fatalf("%d cuFileRead calls for %d pages in %d runs; want %d", r, pages, runs, runs)
+	}
+	if bad := e.ctl.get(&e.ctl.BadHandleUses); bad != 0 {
+		t.Fatalf("%d uses of dead handles", bad)
+	}
+}
+
+func TestMoverSplitsLongRunsAtMaxIO(t *testing.T) {
+	e := openFake(t, Config{}, nil)
+	m := newMover(t, e.d, MoverConfig{Workers: 2, AllowCompat: true, MaxIO: 256 << 10})
+	src := newHostDevice(t, 1, 2<<20, 0)
+	fill(src.mem, 4)
+	p := &transfer.Plan{Extents: []transfer.Extent{{FileOff: 0, Region: src, RegionOff: 0, Len: 2 << 20, Sum: -1}}}
+	f := openFile(t, filepath.Join(t.TempDir(), "key"), os.O_RDWR)
+	if _, err := m.WriteFile(context.Background(), f, p, nil); err != nil {
+		t.Fatal(err)
+	}
+	if w := e.ctl.get(&e.ctl.Writes); w != 8 {
+		t.Fatalf("%d cuFileWrite calls for 2 MiB at MaxIO 256 KiB; want 8", w)
+	}
+}
+
+func TestMoverRefusesCompatMountUnlessAllowed(t *testing.T) {
+	e := openFake(t, Config{}, nil)
+	m := newMover(t, e.d, MoverConfig{Workers: 2})
+	src := newHostDevice(t, 1, 1<<20, 0)
+	p := scatterPlan(src, 8, 4096, 1)
+	f := openFile(t, filepath.Join(t.TempDir(), "key"), os.O_RDWR)
+	n, err := m.WriteFile(context.Background(), f, p, nil)
+	if !errors.Is(err, transfer.ErrUnsupported) || n != 0 {
+		t.Fatalf("WriteFile on a compat mount = %d, %v; want 0, ErrUnsupported", n, err)
+	}
+	if w := e.ctl.get(&e.ctl.Writes); w != 0 {
+		t.Fatalf("%d writes issued on a refused mount", w)
+	}
+}
+
+func TestMoverFallsBackOnUnusableMountAndLogsOnce(t *testing.T) {
+	e := openFake(t, Config{}, func(c *fakeCtl) { c.set(&c.RegisterError, int64(StatusHandleNotRegistered)) })
+	m := newMover(t, e.d, MoverConfig{Workers: 2, AllowCompat: true})
+	src := newHostDevice(t, 1, 1<<20, 0)
+	p := scatterPlan(src, 8, 4096, 1)
+	dir := t.TempDir()
+	for i := range 3 {
+		f := openFile(t, filepath.Join(dir, string(rune('a'+i))), os.O_RDWR)
+		n, err := m.WriteFile(context.Background(), f, p, nil)
+		if !errors.Is(err, transfer.ErrUnsupported) || n != 0 {
+			t.Fatalf("transfer %d on an unusable mount = %d, %v; want 0, ErrUnsupported", i, n, err)
+		}
+		if i == 0 && !errors.Is(err, StatusHandleNotRegistered) {
+			t.Fatalf("first refusal %v does not carry the registration status", err)
+		}
+	}
+	if c := e.ctl.get(&e.ctl.RegisterCalls); c != 1 {
+		t.Fatalf("%d registration attempts on an unusable mount; want 1 (the probe)", c)
+	}
+	logs := e.logs.String()
+	if got := strings.Count(logs, "unusable: "); got != 1 || !strings.Contains(logs, "CU_FILE_HANDLE_NOT_REGISTERED (5027)") {
+		t.Fatalf("unusable mount reported %d times, want once; logs:\n%s", got, logs)
+	}
+	c, err := e.d.Capability(dir)
+	if err != nil || c.Mode != ModeUnusable || !errors.Is(c.Err, StatusHandleNotRegistered) {
+		t.Fatalf("Capability = %+v, %v; want unusable with 5027", c, err)
+	}
+}
+
+func TestProbeDirFindsCompatModeAndCachesIt(t *testing.T) {
+	e := openFake(t, Config{}, nil)
+	dir := t.TempDir()
+	c, err := e.d.ProbeDir(dir)
+	if err != nil || c.Mode != ModeCompat || c.Err != nil {
+		t.Fatalf("ProbeDir = %+v, %v; want compat", c, err)
+	}
+	if live := e.ctl.get(&e.ctl.HandlesLive); live != 0 {
+		t.Fatalf("probe left %d handles registered", live)
+	}
+	if _, err := e.d.Capability(dir); err != nil {
+		t.Fatal(err)
+	}
+	if calls := e.ctl.get(&e.ctl.RegisterCalls); calls != 1 {
+		t.Fatalf("%d registrations; the second look must come from the cache", calls)
+	}
+	if left, _ := filepath.Glob(filepath.Join(dir, ".kvhost-cufile-probe-*")); len(left) != 0 {
+		t.Fatalf("probe files left behind: %v", left)
+	}
+}
+
+func TestProbeDirReportsDirectWithNVFSAndUnusableWithoutCompat(t *testing.T) {
+	nvfs := filepath.Join(t.TempDir(), "version")
+	if err := os.WriteFile(nvfs, []byte("2.17\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	e := openFake(t, Config{NVFSPath: nvfs}, nil)
+	if got := e.d.Properties().Mode(); got != ModeDirect {
+		t.Fatalf("platform mode with nvidia-fs = %v, want direct", got)
+	}
+	dir := t.TempDir()
+	var sfs unix.Statfs_t
+	if err := unix.Statfs(dir, &sfs); err != nil {
+		t.Fatal(err)
+	}
+	want := ModeCompat
+	if fsDirect[fsName(int64(sfs.Type))] {
+		want = ModeDirect
+	}
+	if c, err := e.d.ProbeDir(dir); err != nil || c.Mode != want {
+		t.Fatalf("ProbeDir on %s = %+v, %v; want %v", fsName(int64(sfs.Type)), c, err, want)
+	}
+
+	e2 := openFake(t, Config{}, func(c *fakeCtl) { c.set(&c.NoCompat, 1) })
+	if p := e2.d.Properties(); p.CompatAllowed || p.Mode() != ModeUnusable {
+		t.Fatalf("properties without compat = %+v, want unusable", p)
+	}
+	if c, err := e2.d.ProbeDir(t.TempDir()); err != nil || c.Mode != ModeUnusable {
+		t.Fatalf("ProbeDir without nvidia-fs and compat = %+v, %v; want unusable", c, err)
+	}
+}
+
+func TestOpenReadsPropertiesAndCloseReleasesEverything(t *testing.T) {
+	e := openFake(t, Config{}, nil)
+	p := e.d.Properties()
+	if p.Version != 1151 || !p.CompatAllowed || p.CompatSource != "properties" || p.NVFSLoaded ||
+		p.MaxDirectIO != 16<<20 || p.MaxBatchIO != 128 || p.Library != e.lib || p.Mode() != ModeCompat {
+		t.Fatalf("Properties = %+v", p)
+	}
+	m := newMover(t, e.d, MoverConfig{Workers: 2, AllowCompat: true})
+	src := newHostDevice(t, 1, 1<<20, 0)
+	if err := e.d.RegisterBuffer(0, src.Ptr(), src.Len()); err != nil {
+		t.Fatal(err)
+	}
+	f := openFile(t, filepath.Join(t.TempDir(), "key"), os.O_RDWR)
+	if _, err := m.WriteFile(context.Background(), f, scatterPlan(src, 8, 4096, 1), nil); err != nil {
+		t.Fatal(err)
+	}
+	if l, b := e.ctl.get(&e.ctl.HandlesLive), e.ctl.get(&e.ctl.BufsLive); l != 1 || b != 1 {
+		t.Fatalf("before close: %d handles, %d buffers live; want 1, 1", l, b)
+	}
+	ctl := e.ctl
+	if err := e.d.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if l, b, c := ctl.get(&ctl.HandlesLive), ctl.get(&ctl.BufsLive), ctl.get(&ctl.DriverCloses); l != 0 || b != 0 || c != 1 {
+		t.Fatalf("after close: %d handles, %d buffers live, %d driver closes; want 0, 0, 1", l, b, c)
+	}
+	if _, err := m.WriteFile(context.Background(), f, scatterPlan(src, 8, 4096, 1), nil); !errors.Is(err, ErrClosed) {
+		t.Fatalf("WriteFile after Close = %v, want ErrClosed", err)
+	}
+}
+
+func TestOpenFailsWhenARequiredSymbolIsMissing(t *testing.T) {
+	lib := buildFake(t, "-DFAKE_NO_READ")
+	_, err := Open(Config{LibraryPaths: []string{lib}})
+	if !errors.Is(err, ErrUnavailable) || !errors.Is(err, dl.ErrSymbol) || !strings.Contains(err.Error(), "cuFileRead") {
+		t.Fatalf("Open of a library without cuFileRead = %v; want ErrUnavailable, dl.ErrSymbol naming cuFileRead", err)
+	}
+}
+
+func TestOpenFailsWhenDriverOpenFails(t *testing.T) {
+	lib := buildFake(t)
+	ctl := fakeControl(t, lib)
+	ctl.set(&ctl.DriverOpenError, int64(StatusDriverNotInitialized))
+	_, err := Open(Config{LibraryPaths: []string{lib}})
+	if !errors.Is(err, ErrUnavailable) || !errors.Is(err, StatusDriverNotInitialized) {
+		t.Fatalf("Open with cuFileDriverOpen failing = %v", err)
+	}
+}
+
+func TestRegisterBufferOnceAndUseItsBaseAndOffset(t *testing.T) {
+	e := openFake(t, Config{}, nil)
+	m := newMover(t, e.d, MoverConfig{Workers: 2, AllowCompat: true})
+	buf := newHostDevice(t, 1, 1<<20, 0)
+	if err := e.d.RegisterBuffer(0, buf.Ptr(), buf.Len()); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.d.RegisterBuffer(0, buf.Ptr()+4096, 4096); !errors.Is(err, ErrBuffer) {
+		t.Fatalf("overlapping registration = %v, want ErrBuffer", err)
+	}
+	if b, ok := e.d.registered(buf.Ptr()+8192, 4096); !ok || b.ptr != buf.Ptr() {
+		t.Fatalf("registered lookup inside the buffer = %+v, %v", b, ok)
+	}
+	fill(buf.mem, 9)
+	want := append([]byte(nil), buf.mem...)
+	p := scatterPlan(buf, 32, 8192, 2)
+	f := openFile(t, filepath.Join(t.TempDir(), "key"), os.O_RDWR)
+	if _, err := m.WriteFile(context.Background(), f, p, nil); err != nil {
+		t.Fatal(err)
+	}
+	clear(buf.mem)
+	if _, err := m.ReadFile(context.Background(), f, p, nil); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(gather(p, buf.mem), gather(p, want)) {
+		t.Fatal("round trip through a registered buffer (base + offset) lost bytes")
+	}
+	if err := e.d.DeregisterBuffer(buf.Ptr()); err != nil || e.ctl.get(&e.ctl.BufsLive) != 0 {
+		t.Fatalf("DeregisterBuffer = %v, %d live", err, e.ctl.get(&e.ctl.BufsLive))
+	}
+	if err := e.d.DeregisterBuffer(buf.Ptr()); !errors.Is(err, ErrBuffer) {
+		t.Fatalf("second DeregisterBuffer = %v, want ErrBuffer", err)
+	}
+}
+
+func TestMoverReadFailuresFailTheTransfer(t *testing.T) {
+	tests := []struct {
+		name  string
+		setup func(c *fakeCtl, total int64)
+		check func(err error) bool
+	}{
+		{"cufile status midway", func(c *fakeCtl, total int64) {
+			c.set(&c.ReadFailCode, int64(StatusInternalError))
+			c.set(&c.ReadFailAfter, total/2)
+		}, func(err error) bool { return errors.Is(err, StatusInternalError) }},
+		{"errno midway", func(c *fakeCtl, total int64) {
+			c.set(&c.ReadFailCode, -1)
+			c.set(&c.ReadFailAfter, total/2)
+		}, func(err error) bool { return errors.Is(err, syscall.EIO) }},
+		{"short file", func(c *fakeCtl, total int64) {
+			c.set(&c.ReadTruncateAt, total/2+100)
+		}, func(err error) bool { return errors.Is(err, io.ErrUnexpectedEOF) }},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			e := openFake(t, Config{}, nil)
+			m := newMover(t, e.d, MoverConfig{Workers: 1, AllowCompat: true, MaxIO: 8192})
+			src := newHostDevice(t, 1, 1<<20, 0)
+			fill(src.mem, 5)
+			p := scatterPlan(src, 32, 8192, 3)
+			path := filepath.Join(t.TempDir(), "key")
+			f := openFile(t, path, os.O_RDWR)
+			if _, err := m.WriteFile(context.Background(), f, p, nil); err != nil {
+				t.Fatal(err)
+			}
+			tt.setup(e.ctl, p.Bytes())
+			dst := newHostDevice(t, 2, 1<<20, 0)
+			n, err := m.ReadFile(context.Background(), f, retarget(p, dst), nil)
+			if err == nil || n >= p.Bytes() {
+				t.Fatalf("ReadFile = %d, %v; a failed read reported success", n, err)
+			}
+			if errors.Is(err, transfer.ErrUnsupported) || !tt.check(err) {
+				t.Fatalf("ReadFile error %v: wrong kind (must fail, not fall back)", err)
+			}
+		})
+	}
+}
+
+func TestMoverWriteFailureFailsAndShortWritesComplete(t *testing.T) {
+	e := openFake(t, Config{}, nil)
+	m := newMover(t, e.d, MoverConfig{Workers: 2, AllowCompat: true})
+	src := newHostDevice(t, 1, 1<<20, 0)
+	fill(src.mem, 6)
+	p := scatterPlan(src, 32, 8192, 4)
+	f := openFile(t, filepath.Join(t.TempDir(), "key"), os.O_RDWR)
+
+	e.ctl.set(&e.ctl.WriteShort, 1)
+	if n, err := m.WriteFile(context.Background(), f, p, nil); err != nil || n != p.Bytes() {
+		t.Fatalf("WriteFile with short writes = %d, %v; want %d", n, err, p.Bytes())
+	}
+	dst := newHostDevice(t, 2, 1<<20, 0)
+	rp := retarget(p, dst)
+	if _, err := m.ReadFile(context.Background(), f, rp, nil); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(gather(rp, dst.mem), gather(p, src.mem)) {
+		t.Fatal("short writes lost bytes")
+	}
+	e.ctl.set(&e.ctl.WriteShort, 0)
+	e.ctl.set(&e.ctl.WriteFailAfter, e.ctl.get(&e.ctl.BytesWritten)+p.Bytes()/2)
+	n, err := m.WriteFile(context.Background(), f, p, nil)
+	if err == nil || !errors.Is(err, StatusIOError) || errors.Is(err, transfer.ErrUnsupported) || n >= p.Bytes() {
+		t.Fatalf("WriteFile failing midway = %d, %v; want a CU_FILE_IO_ERROR failure", n, err)
+	}
+}
+
+func TestMoverRejectsHostRegionsAsUnsupported(t *testing.T) {
+	e := openFake(t, Config{}, nil)
+	m := newMover(t, e.d, MoverConfig{Workers: 1, AllowCompat: true})
+	host, err := region.NewHost("gds-test", 1<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer host.Close()
+	p := &transfer.Plan{Extents: []transfer.Extent{{Region: host, Len: 4096, Sum: -1}}}
+	f := openFile(t, filepath.Join(t.TempDir(), "key"), os.O_RDWR)
+	if n, err := m.WriteFile(context.Background(), f, p, nil); !errors.Is(err, transfer.ErrUnsupported) || n != 0 {
+		t.Fatalf("WriteFile of host memory = %d, %v; want ErrUnsupported", n, err)
+	}
+}
+
+func TestMoverBindsEachWorkerToItsDeviceOncePerDevice(t *testing.T) {
+	var binds atomic.Int64
+	var mu sync.Mutex
+	tids := map[int]map[int]int{} // tid → ordinal → binds
+	bind := func(ordinal int) error {
+		binds.Add(1)
+		mu.Lock()
+		defer mu.Unlock()
+		tid := unix.Gettid()
+		if tids[tid] == nil {
+			tids[tid] = map[int]int{}
+		}
+		tids[tid][ordinal]++
+		return nil
+	}
+	e := openFake(t, Config{BindDevice: bind}, nil)
+	const workers = 3
+	m := newMover(t, e.d, MoverConfig{Workers: workers, AllowCompat: true, MaxIO: 4096})
+	mu.Lock()
+	clear(tids)
+	mu.Unlock()
+	dev := newHostDevice(t, 1, 1<<20, 1)
+	p := scatterPlan(dev, 16, 4096, 1)
+	dir := t.TempDir()
+	for i := range 10 {
+		f := openFile(t, filepath.Join(dir, string(rune('a'+i))), os.O_RDWR)
+		if _, err := m.WriteFile(context.Background(), f, p, nil); err != nil {
+			t.Fatal(err)
+		}
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if len(tids) > workers {
+		t.Fatalf("cuFile work ran on %d threads, more than the %d workers", len(tids), workers)
+	}
+	for tid, byDev := range tids {
+		if byDev[1] != 1 || len(byDev) != 1 {
+			t.Fatalf("thread %d bound %v; want device 1 exactly once", tid, byDev)
+		}
+	}
+}
+
+func TestMoverForgetDropsTheHandle(t *testing.T) {
+	e := openFake(t, Config{}, nil)
+	m := newMover(t, e.d, MoverConfig{Workers: 2, AllowCompat: true})
+	src := newHostDevice(t, 1, 1<<20, 0)
+	p := scatterPlan(src, 8, 4096, 1)
+	f := openFile(t, filepath.Join(t.TempDir(), "key"), os.O_RDWR)
+	for range 3 {
+		if _, err := m.WriteFile(context.Background(), f, p, nil); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if r := e.ctl.get(&e.ctl.HandlesRegistered); r != 1 {
+		t.Fatalf("%d registrations for three transfers of one file; want 1", r)
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+		t.Fatal(err)
+	}
+	m.Forget(uint64(st.Dev), st.Ino)
+	if l := e.ctl.get(&e.ctl.HandlesLive); l != 0 {
+		t.Fatalf("%d handles live after Forget", l)
+	}
+	if _, err := m.WriteFile(context.Background(), f, p, nil); err != nil {
+		t.Fatal(err)
+	}
+	if r := e.ctl.get(&e.ctl.HandlesRegistered); r != 2 {
+		t.Fatalf("%d registrations after Forget and another transfer; want 2", r)
+	}
+}
+
+func TestMoverCanceledContextMovesNothing(t *testing.T) {
+	e := openFake(t, Config{}, nil)
+	m := newMover(t, e.d, MoverConfig{Workers: 2, AllowCompat: true})
+	src := newHostDevice(t, 1, 1<<20, 0)
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	f := openFile(t, filepath.Join(t.TempDir(), "key"), os.O_RDWR)
+	if n, err := m.WriteFile(ctx, f, scatterPlan(src, 8, 4096, 1), nil); !errors.Is(err, context.Canceled) || n != 0 {
+		t.Fatalf("WriteFile with a canceled context = %d, %v", n, err)
+	}
+	if w := e.ctl.get(&e.ctl.Writes); w != 0 {
+		t.Fatalf("%d writes after cancellation", w)
+	}
+}
+
+func TestMoverConcurrentJobsOnManyFiles(t *testing.T) {
+	e := openFake(t, Config{MaxHandles: 4}, nil)
+	m := newMover(t, e.d, MoverConfig{Workers: 4, AllowCompat: true, MaxIO: 8192})
+	src := newHostDevice(t, 1, 2<<20, 0)
+	fill(src.mem, 8)
+	dir := t.TempDir()
+	const files, jobs = 12, 6
+	var wg sync.WaitGroup
+	for j := range jobs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			dst := newHostDevice(t, uint64(10+j), 2<<20, 0)
+			for i := range files {
+				p := scatterPlan(src, 16, 8192, uint64(i))
+				f := openFile(t, filepath.Join(dir, string(rune('a'+i))+string(rune('0'+j))), os.O_RDWR)
+				if _, err := m.WriteFile(context.Background(), f, p, nil); err != nil {
+					t.Error(err)
+					return
+				}
+				rp := retarget(p, dst)
+				if _, err := m.ReadFile(context.Background(), f, rp, nil); err != nil {
+					t.Error(err)
+					return
+				}
+				if !bytes.Equal(gather(rp, dst.mem), gather(p, src.mem)) {
+					t.Errorf("job %d file %d: bytes differ", j, i)
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	if bad := e.ctl.get(&e.ctl.BadHandleUses); bad != 0 {
+		t.Fatalf("%d uses of dead handles", bad)
+	}
+	if st := e.d.HandleStats(); st.Cached > 4 || st.Evictions == 0 {
+		t.Fatalf("handle stats %+v: want at most 4 cached and evictions", st)
+	}
+}
