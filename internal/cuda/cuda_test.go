@@ -218,7 +218,9 @@ func TestCopyFaultsAreErrors(t *testing.T) {
 				fake.Fail(c.op, 3, int(c.code))
 				defer fake.Fail(c.op, 0, 0)
 				if err := r.Enqueue(&cp, false, c.mode, w.Stream()); err != nil {
-					return err
+					// Copies enqueued before the failure still run: wait
+					// for them before the memory is freed.
+					return errors.Join(err, r.Sync(w.Stream()))
 				}
 				// Two syncs: the fault is the third operation.
 				if err := r.Sync(w.Stream()); err != nil {
