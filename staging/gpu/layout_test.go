@@ -113,8 +113,10 @@ func (c *cache) poison(t testing.TB, w *cuda.Worker) {
 
 // plan is the file of one key whose pages are blocks: layer-major, one
 // extent per (layer, block), checksum slot per layer modulo 3.
-func (c *cache) plan(blocks []int, direct bool) *transfer.Plan {
-	g := c.g
+func (c *cache) plan(blocks []int, direct bool) *transfer.Plan { return c.planG(c.g, blocks, direct) }
+
+// planG is plan with the file geometry g (its blocksPerKey may differ).
+func (c *cache) planG(g geometry, blocks []int, direct bool) *transfer.Plan {
 	p := &transfer.Plan{Sums: 3, Direct: direct}
 	off := int64(g.headerBytes)
 	for l := range g.layers {
