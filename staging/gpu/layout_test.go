@@ -21,10 +21,6 @@ type geometry struct {
 	layers, numBlocks, pageBytes, blocksPerKey, headerBytes int
 }
 
-func (g geometry) fileBytes() int64 {
-	return int64(g.headerBytes) + int64(g.layers*g.blocksPerKey*g.pageBytes)
-}
-
 // cache is one device's paged KV cache.
 type cache struct {
 	g      geometry
