@@ -1,0 +1,449 @@
+// Package cuda binds the parts of the CUDA runtime (libcudart) and driver
+// API (libcuda) that kvhost's GPU data paths need: devices, streams,
+// events, pinned host memory, device memory, asynchronous copies (one per
+// segment, or batched with cudaMemcpyBatchAsync), and CUDA IPC import of
+// client memory as a region.Device.
+//
+// The libraries are opened at run time with package internal/dl, so kvhost
+// builds without the CUDA toolkit and runs on machines without a GPU; a
+// build without cgo compiles and reports the runtime unavailable. Every
+// symbol is resolved by Open: a missing one is an error then, not a crash
+// later (cudaMemcpyBatchAsync, CUDA 12.8+, and the driver API are
+// optional and reported by Runtime.HasBatch and Runtime.HasDriver).
+//
+// CUDA's current device is per OS thread: call the Runtime only from a
+// goroutine locked to its thread that has called SetDevice, such as a
+// Worker's.
+package cuda
+
+import (
+	"errors"
+	"fmt"
+	"sync/atomic"
+	"unsafe"
+
+	"github.com/kvhost/kvhost/internal/dl"
+)
+
+// Errors of the package.
+var (
+	// ErrUnavailable: the CUDA runtime could not be loaded (not installed,
+	// no driver, or a build without cgo). It wraps dl's error text.
+	ErrUnavailable = errors.New("cuda: runtime unavailable")
+	// ErrNoBatch: the runtime lacks cudaMemcpyBatchAsync (before CUDA 12.8).
+	ErrNoBatch = errors.New("cuda: cudaMemcpyBatchAsync unavailable")
+	// ErrBounds: a range lies outside the device allocation it names.
+	ErrBounds = errors.New("cuda: range outside the allocation")
+	// ErrClosed: the memory or runtime was closed.
+	ErrClosed = errors.New("cuda: closed")
+)
+
+// Error is a cudaError_t status code. It prints its name (from a built-in
+// table, so without the library), and compares with errors.Is.
+type Error int
+
+// Status codes the data paths check for.
+const (
+	ErrorInvalidValue          Error = 1
+	ErrorMemoryAllocation      Error = 2
+	ErrorInitializationError   Error = 3
+	ErrorInsufficientDriver    Error = 35
+	ErrorNoDevice              Error = 100
+	ErrorInvalidDevice         Error = 101
+	ErrorMapBufferObjectFailed Error = 205
+	ErrorInvalidResourceHandle Error = 400
+	ErrorIllegalAddress        Error = 700
+	ErrorLaunchFailure         Error = 719
+	ErrorPeerAccessUnsupported Error = 217
+	ErrorNotSupported          Error = 801
+	ErrorUnknown               Error = 999
+)
+
+var errorNames = map[Error]string{
+	0:                          "cudaSuccess",
+	ErrorInvalidValue:          "cudaErrorInvalidValue",
+	ErrorMemoryAllocation:      "cudaErrorMemoryAllocation",
+	ErrorInitializationError:   "cudaErrorInitializationError",
+	4:                          "cudaErrorCudartUnloading",
+	ErrorInsufficientDriver:    "cudaErrorInsufficientDriver",
+	46:                         "cudaErrorDevicesUnavailable",
+	ErrorNoDevice:              "cudaErrorNoDevice",
+	ErrorInvalidDevice:         "cudaErrorInvalidDevice",
+	201:                        "cudaErrorDeviceUninitialized",
+	ErrorMapBufferObjectFailed: "cudaErrorMapBufferObjectFailed",
+	ErrorPeerAccessUnsupported: "cudaErrorPeerAccessUnsupported",
+	ErrorInvalidResourceHandle: "cudaErrorInvalidResourceHandle",
+	600:                        "cudaErrorNotReady",
+	ErrorIllegalAddress:        "cudaErrorIllegalAddress",
+	ErrorLaunchFailure:         "cudaErrorLaunchFailure",
+	712:                        "cudaErrorHostMemoryAlreadyRegistered",
+	713:                        "cudaErrorHostMemoryNotRegistered",
+	ErrorNotSupported:          "cudaErrorNotSupported",
+	ErrorUnknown:               "cudaErrorUnknown",
+}
+
+// Error names the code.
+func (e Error) Error() string {
+	if n, ok := errorNames[e]; ok {
+		return n
+	}
+	return fmt.Sprintf("cudaError(%d)", int(e))
+}
+
+// CallError is a failed CUDA call: the function, the status code, and the
+// runtime's description when the library gives one. It unwraps to Code.
+type CallError struct {
+	Func string
+	Code Error
+	Desc string
+}
+
+func (e *CallError) Error() string {
+	if e.Desc != "" {
+		return fmt.Sprintf("cuda: %s: %v (%s)", e.Func, e.Code, e.Desc)
+	}
+	return fmt.Sprintf("cuda: %s: %v", e.Func, e.Code)
+}
+
+// Unwrap returns the status code.
+func (e *CallError) Unwrap() error { return e.Code }
+
+// Config says where the libraries are. Empty lists use the defaults.
+type Config struct {
+	// Runtime lists paths of libcudart to try in order (default
+	// DefaultRuntimePaths).
+	Runtime []string
+	// Driver lists paths of libcuda (default DefaultDriverPaths). The
+	// driver API is optional: it bounds IPC imports by their allocation.
+	Driver []string
+}
+
+// DefaultRuntimePaths are the usual places of the CUDA runtime.
+var DefaultRuntimePaths = []string{
+	"libcudart.so.13", "libcudart.so.12", "libcudart.so",
+	"/usr/local/cuda/targets/x86_64-linux/lib/libcudart.so.13",
+	"/usr/local/cuda/targets/x86_64-linux/lib/libcudart.so.12",
+	"/usr/local/cuda/lib64/libcudart.so.13", "/usr/local/cuda/lib64/libcudart.so.12",
+	"/usr/local/cuda/lib64/libcudart.so",
+}
+
+// DefaultDriverPaths are the usual places of the driver API library.
+var DefaultDriverPaths = []string{"libcuda.so.1", "libcuda.so", "/usr/lib/x86_64-linux-gnu/libcuda.so.1"}
+
+// Copy directions (cudaMemcpyKind).
+const (
+	hostToDevice = 1
+	deviceToHost = 2
+)
+
+// Flags.
+const (
+	hostAllocPortable       = 1 // cudaHostAllocPortable
+	hostRegisterPortable    = 1 // cudaHostRegisterPortable
+	streamNonBlocking       = 1 // cudaStreamNonBlocking
+	eventDisableTiming      = 2 // cudaEventDisableTiming
+	ipcLazyEnablePeerAccess = 1 // cudaIpcMemLazyEnablePeerAccess
+)
+
+// IPCHandleSize is the size of a cudaIpcMemHandle_t.
+const IPCHandleSize = 64
+
+// Runtime is an open CUDA runtime. Its methods may be called from many
+// goroutines; each call acts on the calling thread's current device.
+type Runtime struct {
+	rt, drv *dl.Library
+	version int
+	nextID  atomic.Uint64
+	fn      struct {
+		getErrorName, getErrorString                            unsafe.Pointer
+		runtimeGetVersion, getDeviceCount, setDevice, getDevice unsafe.Pointer
+		deviceGetPCIBusID, deviceGetAttribute                   unsafe.Pointer
+		streamCreate, streamDestroy, streamSync                 unsafe.Pointer
+		eventCreate, eventRecord, eventSync, eventDestroy       unsafe.Pointer
+		hostAlloc, freeHost, hostRegister, hostUnregister       unsafe.Pointer
+		malloc, free, memcpyAsync, memcpy, memcpyBatch          unsafe.Pointer
+		ipcGetMemHandle, ipcOpenMemHandle, ipcCloseMemHandle    unsafe.Pointer
+		cuInit, cuMemGetAddressRange                            unsafe.Pointer
+	}
+}
+
+// Open loads the runtime (and the driver API if present) and resolves
+// every symbol.
+func Open(cfg Config) (*Runtime, error) {
+	paths := cfg.Runtime
+	if len(paths) == 0 {
+		paths = DefaultRuntimePaths
+	}
+	rt, err := dl.Open(paths...)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrUnavailable, err)
+	}
+	r := &Runtime{rt: rt}
+	f := &r.fn
+	syms := []struct {
+		p    *unsafe.Pointer
+		name string
+	}{
+		{&f.getErrorName, "cudaGetErrorName"}, {&f.getErrorString, "cudaGetErrorString"},
+		{&f.runtimeGetVersion, "cudaRuntimeGetVersion"}, {&f.getDeviceCount, "cudaGetDeviceCount"},
+		{&f.setDevice, "cudaSetDevice"}, {&f.getDevice, "cudaGetDevice"},
+		{&f.deviceGetPCIBusID, "cudaDeviceGetPCIBusId"}, {&f.deviceGetAttribute, "cudaDeviceGetAttribute"},
+		{&f.streamCreate, "cudaStreamCreateWithFlags"}, {&f.streamDestroy, "cudaStreamDestroy"},
+		{&f.streamSync, "cudaStreamSynchronize"},
+		{&f.eventCreate, "cudaEventCreateWithFlags"}, {&f.eventRecord, "cudaEventRecord"},
+		{&f.eventSync, "cudaEventSynchronize"}, {&f.eventDestroy, "cudaEventDestroy"},
+		{&f.hostAlloc, "cudaHostAlloc"}, {&f.freeHost, "cudaFreeHost"},
+		{&f.hostRegister, "cudaHostRegister"}, {&f.hostUnregister, "cudaHostUnregister"},
+		{&f.malloc, "cudaMalloc"}, {&f.free, "cudaFree"},
+		{&f.memcpyAsync, "cudaMemcpyAsync"}, {&f.memcpy, "cudaMemcpy"},
+		{&f.ipcGetMemHandle, "cudaIpcGetMemHandle"}, {&f.ipcOpenMemHandle, "cudaIpcOpenMemHandle"},
+		{&f.ipcCloseMemHandle, "cudaIpcCloseMemHandle"},
+	}
+	for _, s := range syms {
+		if *s.p, err = rt.Sym(s.name); err != nil {
+			rt.Close()
+			return nil, fmt.Errorf("%w: %w", ErrUnavailable, err)
+		}
+	}
+	var v int32
+	if code := callP(f.runtimeGetVersion, unsafe.Pointer(&v)); code != 0 {
+		rt.Close()
+		return nil, fmt.Errorf("%w: %w", ErrUnavailable, r.err("cudaRuntimeGetVersion", code))
+	}
+	r.version = int(v)
+	if r.version >= 12080 {
+		// Optional: absent before 12.8; its signature lost failIdx in 13.0.
+		f.memcpyBatch, _ = rt.Sym("cudaMemcpyBatchAsync")
+	}
+	dpaths := cfg.Driver
+	if len(dpaths) == 0 {
+		dpaths = DefaultDriverPaths
+	}
+	if drv, err := dl.Open(dpaths...); err == nil {
+		a, err1 := drv.Sym("cuInit")
+		b, err2 := drv.Sym("cuMemGetAddressRange_v2")
+		if err1 == nil && err2 == nil && callU(a, 0) == 0 {
+			r.drv, f.cuInit, f.cuMemGetAddressRange = drv, a, b
+		} else {
+			drv.Close()
+		}
+	}
+	return r, nil
+}
+
+// Close closes the libraries. Nothing obtained from the runtime may be
+// used afterwards.
+func (r *Runtime) Close() error {
+	var err error
+	if r.drv != nil {
+		err = r.drv.Close()
+	}
+	return errors.Join(err, r.rt.Close())
+}
+
+// Path is the path the runtime was loaded from.
+func (r *Runtime) Path() string { return r.rt.Path() }
+
+// Version is the runtime's version (1000·major + 10·minor: 13000 is 13.0).
+func (r *Runtime) Version() int { return r.version }
+
+// HasBatch reports whether cudaMemcpyBatchAsync is available.
+func (r *Runtime) HasBatch() bool { return r.fn.memcpyBatch != nil }
+
+// HasDriver reports whether the driver API was loaded.
+func (r *Runtime) HasDriver() bool { return r.drv != nil }
+
+func (r *Runtime) err(fn string, code int) error {
+	if code == 0 {
+		return nil
+	}
+	e := &CallError{Func: fn, Code: Error(code)}
+	if r.fn.getErrorString != nil {
+		e.Desc = callStr(r.fn.getErrorString, code)
+	}
+	return e
+}
+
+// ErrorName is the runtime's name for a status code (cudaGetErrorName).
+func (r *Runtime) ErrorName(code Error) string { return callStr(r.fn.getErrorName, int(code)) }
+
+// DeviceCount is the number of visible devices.
+func (r *Runtime) DeviceCount() (int, error) {
+	var n int32
+	if err := r.err("cudaGetDeviceCount", callP(r.fn.getDeviceCount, unsafe.Pointer(&n))); err != nil {
+		return 0, err
+	}
+	return int(n), nil
+}
+
+// SetDevice makes device d current on the calling thread.
+func (r *Runtime) SetDevice(d int) error { return r.err("cudaSetDevice", callI(r.fn.setDevice, d)) }
+
+// Device is the calling thread's current device.
+func (r *Runtime) Device() (int, error) {
+	var d int32
+	if err := r.err("cudaGetDevice", callP(r.fn.getDevice, unsafe.Pointer(&d))); err != nil {
+		return 0, err
+	}
+	return int(d), nil
+}
+
+// PCIBusID is device d's PCI address ("0000:3b:00.0").
+func (r *Runtime) PCIBusID(d int) (string, error) {
+	var buf [64]byte
+	if err := r.err("cudaDeviceGetPCIBusId", callPII(r.fn.deviceGetPCIBusID, unsafe.Pointer(&buf[0]), len(buf), d)); err != nil {
+		return "", err
+	}
+	for i, c := range buf {
+		if c == 0 {
+			return string(buf[:i]), nil
+		}
+	}
+	return string(buf[:]), nil
+}
+
+// Attribute is cudaDeviceGetAttribute(attr) of device d.
+func (r *Runtime) Attribute(attr, d int) (int, error) {
+	var v int32
+	if err := r.err("cudaDeviceGetAttribute", callPII(r.fn.deviceGetAttribute, unsafe.Pointer(&v), attr, d)); err != nil {
+		return 0, err
+	}
+	return int(v), nil
+}
+
+// Stream is a cudaStream_t.
+type Stream uintptr
+
+// NewStream creates a non-blocking stream on the current device.
+func (r *Runtime) NewStream() (Stream, error) {
+	var s uintptr
+	if err := r.err("cudaStreamCreateWithFlags", callPU(r.fn.streamCreate, unsafe.Pointer(&s), streamNonBlocking)); err != nil {
+		return 0, err
+	}
+	return Stream(s), nil
+}
+
+// DestroyStream destroys s.
+func (r *Runtime) DestroyStream(s Stream) error {
+	return r.err("cudaStreamDestroy", callU(r.fn.streamDestroy, uintptr(s)))
+}
+
+// Sync waits for everything enqueued on s; an asynchronous failure of
+// any of it is returned here.
+func (r *Runtime) Sync(s Stream) error {
+	return r.err("cudaStreamSynchronize", callU(r.fn.streamSync, uintptr(s)))
+}
+
+// Event is a cudaEvent_t.
+type Event uintptr
+
+// NewEvent creates an event without timing.
+func (r *Runtime) NewEvent() (Event, error) {
+	var e uintptr
+	if err := r.err("cudaEventCreateWithFlags", callPU(r.fn.eventCreate, unsafe.Pointer(&e), eventDisableTiming)); err != nil {
+		return 0, err
+	}
+	return Event(e), nil
+}
+
+// Record records e on s.
+func (r *Runtime) Record(e Event, s Stream) error {
+	return r.err("cudaEventRecord", callUU(r.fn.eventRecord, uintptr(e), uintptr(s)))
+}
+
+// Wait waits for e.
+func (r *Runtime) Wait(e Event) error {
+	return r.err("cudaEventSynchronize", callU(r.fn.eventSync, uintptr(e)))
+}
+
+// DestroyEvent destroys e.
+func (r *Runtime) DestroyEvent(e Event) error {
+	return r.err("cudaEventDestroy", callU(r.fn.eventDestroy, uintptr(e)))
+}
+
+// CopyH2D enqueues a copy of n bytes from host address src to device
+// address dst on s.
+func (r *Runtime) CopyH2D(dst, src, n uintptr, s Stream) error {
+	return r.err("cudaMemcpyAsync", callMemcpyAsync(r.fn.memcpyAsync, dst, src, n, hostToDevice, uintptr(s)))
+}
+
+// CopyD2H enqueues a copy of n bytes from device address src to host
+// address dst on s.
+func (r *Runtime) CopyD2H(dst, src, n uintptr, s Stream) error {
+	return r.err("cudaMemcpyAsync", callMemcpyAsync(r.fn.memcpyAsync, dst, src, n, deviceToHost, uintptr(s)))
+}
+
+// CopySync copies n bytes between any two addresses (cudaMemcpyDefault)
+// and waits.
+func (r *Runtime) CopySync(dst, src, n uintptr) error {
+	return r.err("cudaMemcpy", callMemcpy(r.fn.memcpy, dst, src, n, 4))
+}
+
+// CopyMode chooses how a scatter/gather of many segments is enqueued.
+type CopyMode int
+
+// Copy modes.
+const (
+	// CopyAuto uses CopyBatch where available, else CopySegments.
+	CopyAuto CopyMode = iota
+	// CopySegments issues one cudaMemcpyAsync per segment (in one cgo call).
+	CopySegments
+	// CopyBatch issues one cudaMemcpyBatchAsync for all segments.
+	CopyBatch
+)
+
+// String names the mode.
+func (m CopyMode) String() string {
+	switch m {
+	case CopySegments:
+		return "segments"
+	case CopyBatch:
+		return "batch"
+	}
+	return "auto"
+}
+
+// Copies is a list of copies, one direction, to enqueue together: Dst[i]
+// ← Src[i], Size[i] bytes. Reuse it with Reset to avoid allocation.
+type Copies struct {
+	Dst, Src, Size []uintptr
+}
+
+// Add appends a copy.
+func (c *Copies) Add(dst, src, n uintptr) {
+	c.Dst, c.Src, c.Size = append(c.Dst, dst), append(c.Src, src), append(c.Size, n)
+}
+
+// Reset empties the list, keeping its memory.
+func (c *Copies) Reset() { c.Dst, c.Src, c.Size = c.Dst[:0], c.Src[:0], c.Size[:0] }
+
+// Len is the number of copies.
+func (c *Copies) Len() int { return len(c.Dst) }
+
+// Enqueue enqueues every copy on s, host to device if h2d, else device to
+// host, by mode. Nothing is complete until s is synchronized.
+func (r *Runtime) Enqueue(c *Copies, h2d bool, mode CopyMode, s Stream) error {
+	if mode == CopyAuto {
+		mode = CopySegments
+		if r.HasBatch() {
+			mode = CopyBatch
+		}
+	}
+	kind := deviceToHost
+	if h2d {
+		kind = hostToDevice
+	}
+	switch mode {
+	case CopyBatch:
+		if !r.HasBatch() {
+			return ErrNoBatch
+		}
+		return r.err("cudaMemcpyBatchAsync", memcpyBatch(r.fn.memcpyBatch, r.version >= 13000, c.Dst, c.Src, c.Size, uintptr(s)))
+	default:
+		done, code := memcpyMany(r.fn.memcpyAsync, c.Dst, c.Src, c.Size, kind, uintptr(s))
+		if code != 0 {
+			return fmt.Errorf("copy %d of %d: %w", done, c.Len(), r.err("cudaMemcpyAsync", code))
+		}
+		return nil
+	}
+}

@@ -1,0 +1,318 @@
+package cuda_test
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"strings"
+	"testing"
+	"unsafe"
+
+	"github.com/kvhost/kvhost/internal/cuda"
+	"github.com/kvhost/kvhost/internal/cuda/cudatest"
+)
+
+func open(t *testing.T) (*cuda.Runtime, *cudatest.Fake) {
+	t.Helper()
+	path := cudatest.Build(t)
+	r, err := cuda.Open(cuda.Config{Runtime: []string{path}, Driver: []string{path}})
+	if err != nil {
+		t.Fatalf("Open: %v", err)
+	}
+	t.Cleanup(func() { r.Close() })
+	return r, cudatest.Open(t, path)
+}
+
+func worker(t *testing.T, r *cuda.Runtime, d int) *cuda.Worker {
+	t.Helper()
+	w, err := r.NewWorker(d)
+	if err != nil {
+		t.Fatalf("NewWorker(%d): %v", d, err)
+	}
+	t.Cleanup(func() { w.Close() })
+	return w
+}
+
+func TestOpenMissingLibraryIsUnavailable(t *testing.T) {
+	_, err := cuda.Open(cuda.Config{Runtime: []string{"/nonexistent/libcudart.so.13"}})
+	if !errors.Is(err, cuda.ErrUnavailable) {
+		t.Fatalf("err = %v, want ErrUnavailable", err)
+	}
+}
+
+func TestErrorPrintsNameWithoutLibrary(t *testing.T) {
+	for _, c := range []struct {
+		e    cuda.Error
+		want string
+	}{
+		{cuda.ErrorInvalidValue, "cudaErrorInvalidValue"},
+		{cuda.ErrorIllegalAddress, "cudaErrorIllegalAddress"},
+		{cuda.Error(12345), "cudaError(12345)"},
+	} {
+		if got := c.e.Error(); got != c.want {
+			t.Errorf("Error(%d) = %q, want %q", int(c.e), got, c.want)
+		}
+	}
+	var err error = &cuda.CallError{Func: "cudaMemcpyAsync", Code: cuda.ErrorIllegalAddress}
+	if !errors.Is(err, cuda.ErrorIllegalAddress) || !strings.Contains(err.Error(), "cudaMemcpyAsync") {
+		t.Errorf("CallError %q: not Is(ErrorIllegalAddress) or does not name the call", err)
+	}
+}
+
+func TestDevicesAndWorkerSetsDevice(t *testing.T) {
+	r, _ := open(t)
+	if r.Version() != 13000 || !r.HasBatch() || !r.HasDriver() {
+		t.Fatalf("version %d batch %v driver %v, want 13000 true true", r.Version(), r.HasBatch(), r.HasDriver())
+	}
+	n, err := r.DeviceCount()
+	if err != nil || n != 2 {
+		t.Fatalf("DeviceCount = %d, %v; want 2", n, err)
+	}
+	id, err := r.PCIBusID(1)
+	if err != nil || id != "0000:11:00.0" {
+		t.Fatalf("PCIBusID(1) = %q, %v", id, err)
+	}
+	if _, err := r.PCIBusID(7); !errors.Is(err, cuda.ErrorInvalidDevice) {
+		t.Fatalf("PCIBusID(7): %v, want ErrorInvalidDevice", err)
+	}
+	if name := r.ErrorName(cuda.ErrorInvalidValue); name != "cudaErrorInvalidValue" {
+		t.Fatalf("ErrorName = %q", name)
+	}
+	for d := range 2 {
+		w := worker(t, r, d)
+		err := w.Do(context.Background(), func(w *cuda.Worker) error {
+			got, err := w.Runtime().Device()
+			if err == nil && got != d {
+				err = errors.New("wrong current device")
+			}
+			return err
+		})
+		if err != nil {
+			t.Fatalf("worker %d: %v", d, err)
+		}
+	}
+	if _, err := r.NewWorker(5); !errors.Is(err, cuda.ErrorInvalidDevice) {
+		t.Fatalf("NewWorker(5): %v, want ErrorInvalidDevice", err)
+	}
+}
+
+// TestScatterGatherRoundTrip gathers scattered device pages into pinned
+// memory and scatters them back elsewhere, in both copy modes, and checks
+// the bytes appear only after the stream is synchronized.
+func TestScatterGatherRoundTrip(t *testing.T) {
+	r, fake := open(t)
+	w := worker(t, r, 0)
+	for _, mode := range []cuda.CopyMode{cuda.CopySegments, cuda.CopyBatch} {
+		t.Run(mode.String(), func(t *testing.T) {
+			const page, pages = 4096, 64
+			err := w.Do(context.Background(), func(w *cuda.Worker) error {
+				src, err := r.Malloc(0, page*pages)
+				if err != nil {
+					return err
+				}
+				defer src.Close()
+				dst, err := r.Malloc(0, page*pages)
+				if err != nil {
+					return err
+				}
+				defer dst.Close()
+				host, err := r.HostAlloc(page * pages)
+				if err != nil {
+					return err
+				}
+				defer host.Free()
+				want := make([]byte, page*pages)
+				for i := range want {
+					want[i] = byte(i*7 + i/page)
+				}
+				if err := r.CopySync(src.Ptr(), uintptr(unsafe.Pointer(&want[0])), uintptr(len(want))); err != nil {
+					return err
+				}
+				// Gather pages in reverse order.
+				var c cuda.Copies
+				for i := range pages {
+					c.Add(host.Ptr()+uintptr(i*page), src.Ptr()+uintptr((pages-1-i)*page), page)
+				}
+				batches := fake.Count(cudatest.OpBatch)
+				if err := r.Enqueue(&c, false, mode, w.Stream()); err != nil {
+					return err
+				}
+				if (fake.Count(cudatest.OpBatch) > batches) != (mode == cuda.CopyBatch) {
+					t.Errorf("mode %v: batch calls %d → %d", mode, batches, fake.Count(cudatest.OpBatch))
+				}
+				if bytes.Equal(host.Bytes()[:page], want[(pages-1)*page:]) {
+					t.Errorf("bytes arrived before the stream was synchronized: the fake must defer copies")
+				}
+				if err := r.Sync(w.Stream()); err != nil {
+					return err
+				}
+				for i := range pages {
+					if !bytes.Equal(host.Bytes()[i*page:(i+1)*page], want[(pages-1-i)*page:(pages-i)*page]) {
+						t.Fatalf("gathered page %d differs", i)
+					}
+				}
+				c.Reset()
+				for i := range pages {
+					c.Add(dst.Ptr()+uintptr((pages-1-i)*page), host.Ptr()+uintptr(i*page), page)
+				}
+				if err := r.Enqueue(&c, true, mode, w.Stream()); err != nil {
+					return err
+				}
+				ev, err := r.NewEvent()
+				if err != nil {
+					return err
+				}
+				defer r.DestroyEvent(ev)
+				if err := r.Record(ev, w.Stream()); err != nil {
+					return err
+				}
+				if err := r.Wait(ev); err != nil {
+					return err
+				}
+				got := make([]byte, len(want))
+				if err := r.CopySync(uintptr(unsafe.Pointer(&got[0])), dst.Ptr(), uintptr(len(got))); err != nil {
+					return err
+				}
+				if !bytes.Equal(got, want) {
+					t.Fatalf("scattered bytes differ")
+				}
+				return nil
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+		})
+	}
+}
+
+func TestCopyFaultsAreErrors(t *testing.T) {
+	r, fake := open(t)
+	w := worker(t, r, 0)
+	cases := []struct {
+		name string
+		op   cudatest.Op
+		mode cuda.CopyMode
+		code cuda.Error
+	}{
+		{"enqueue-segments", cudatest.OpCopy, cuda.CopySegments, cuda.ErrorInvalidValue},
+		{"enqueue-batch", cudatest.OpCopy, cuda.CopyBatch, cuda.ErrorIllegalAddress},
+		{"sync", cudatest.OpSync, cuda.CopySegments, cuda.ErrorLaunchFailure},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			err := w.Do(context.Background(), func(w *cuda.Worker) error {
+				m, err := r.Malloc(0, 1<<16)
+				if err != nil {
+					return err
+				}
+				defer m.Close()
+				h, err := r.HostAlloc(1 << 16)
+				if err != nil {
+					return err
+				}
+				defer h.Free()
+				var cp cuda.Copies
+				for i := range 4 {
+					cp.Add(h.Ptr()+uintptr(i<<12), m.Ptr()+uintptr(i<<12), 1<<12)
+				}
+				fake.Fail(c.op, 3, int(c.code))
+				defer fake.Fail(c.op, 0, 0)
+				if err := r.Enqueue(&cp, false, c.mode, w.Stream()); err != nil {
+					// Copies enqueued before the failure still run: wait
+					// for them before the memory is freed.
+					return errors.Join(err, r.Sync(w.Stream()))
+				}
+				// Two syncs: the fault is the third operation.
+				if err := r.Sync(w.Stream()); err != nil {
+					return err
+				}
+				if err := r.Sync(w.Stream()); err != nil {
+					return err
+				}
+				return r.Sync(w.Stream())
+			})
+			if !errors.Is(err, c.code) {
+				t.Fatalf("err = %v, want %v", err, c.code)
+			}
+		})
+	}
+}
+
+func TestOpenIPCChecksHandleDeviceAndBounds(t *testing.T) {
+	r, _ := open(t)
+	w0, w1 := worker(t, r, 0), worker(t, r, 1)
+	ctx := context.Background()
+	var mem *cuda.DeviceMemory
+	var handle [cuda.IPCHandleSize]byte
+	err := w0.Do(ctx, func(w *cuda.Worker) error {
+		var err error
+		if mem, err = r.Malloc(0, 1<<20); err != nil {
+			return err
+		}
+		handle, err = mem.IPCHandle()
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	forged := handle
+	forged[0] ^= 0xff
+	cases := []struct {
+		name             string
+		w                *cuda.Worker
+		h                [cuda.IPCHandleSize]byte
+		off, n, declared int64
+		want             error
+	}{
+		{"whole", w0, handle, 0, 1 << 20, 1 << 20, nil},
+		{"inner range", w0, handle, 4096, 8192, 1 << 20, nil},
+		{"past declared size", w0, handle, 4096, 1 << 20, 1 << 20, cuda.ErrBounds},
+		{"negative offset", w0, handle, -1, 10, 1 << 20, cuda.ErrBounds},
+		{"declared larger than the allocation", w0, handle, 0, 2 << 20, 2 << 20, cuda.ErrBounds},
+		{"forged handle", w0, forged, 0, 4096, 1 << 20, cuda.ErrorMapBufferObjectFailed},
+		{"other device", w1, handle, 0, 4096, 1 << 20, cuda.ErrorInvalidDevice},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			err := c.w.Do(ctx, func(w *cuda.Worker) error {
+				m, err := r.OpenIPC(w.Ordinal(), c.h, c.off, c.n, c.declared)
+				if err != nil {
+					return err
+				}
+				defer m.Close()
+				if m.Ptr() != mem.Ptr()+uintptr(c.off) || m.Len() != c.n || m.AllocSize != 1<<20 {
+					t.Errorf("import at %#x len %d alloc %d, want %#x %d %d", m.Ptr(), m.Len(), m.AllocSize, mem.Ptr()+uintptr(c.off), c.n, 1<<20)
+				}
+				return nil
+			})
+			if c.want == nil && err != nil || c.want != nil && !errors.Is(err, c.want) {
+				t.Fatalf("err = %v, want %v", err, c.want)
+			}
+		})
+	}
+	// A freed allocation's handle is stale.
+	w0.Do(ctx, func(*cuda.Worker) error { return mem.Close() })
+	err = w0.Do(ctx, func(w *cuda.Worker) error {
+		_, err := r.OpenIPC(0, handle, 0, 4096, 1<<20)
+		return err
+	})
+	if !errors.Is(err, cuda.ErrorMapBufferObjectFailed) {
+		t.Fatalf("stale handle: %v, want ErrorMapBufferObjectFailed", err)
+	}
+}
+
+func TestWorkerClosedRefusesWork(t *testing.T) {
+	r, _ := open(t)
+	w, err := r.NewWorker(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ran := false
+	if err := w.Do(context.Background(), func(*cuda.Worker) error { ran = true; return nil }); err != nil || !ran {
+		t.Fatalf("Do: %v ran %v", err, ran)
+	}
+	w.Close()
+	if err := w.Do(context.Background(), func(*cuda.Worker) error { return nil }); !errors.Is(err, cuda.ErrClosed) {
+		t.Fatalf("Do after Close: %v, want ErrClosed", err)
+	}
+}

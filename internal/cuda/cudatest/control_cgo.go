@@ -1,0 +1,54 @@
+//go:build linux && cgo
+
+package cudatest
+
+/*
+typedef void (*set_fault_fn)(int, long, int);
+typedef long (*count_fn)(int);
+static void call_set_fault(void *f, int op, long n, int code) { ((set_fault_fn)f)(op, n, code); }
+static long call_count(void *f, int op) { return ((count_fn)f)(op); }
+*/
+import "C"
+
+import (
+	"testing"
+	"unsafe"
+
+	"github.com/kvhost/kvhost/internal/dl"
+)
+
+const supported = true
+
+// Fake controls a loaded fake library (the same library a cuda.Runtime
+// opened from the path Build returned: dlopen shares one instance).
+type Fake struct {
+	lib             *dl.Library
+	setFault, count unsafe.Pointer
+}
+
+// Open opens the fake library for control; it is closed with the test.
+func Open(t testing.TB, path string) *Fake {
+	t.Helper()
+	lib, err := dl.Open(path)
+	if err != nil {
+		t.Fatalf("cudatest: %v", err)
+	}
+	t.Cleanup(func() { lib.Close() })
+	f := &Fake{lib: lib}
+	if f.setFault, err = lib.Sym("fake_set_fault"); err != nil {
+		t.Fatalf("cudatest: %v", err)
+	}
+	if f.count, err = lib.Sym("fake_count"); err != nil {
+		t.Fatalf("cudatest: %v", err)
+	}
+	return f
+}
+
+// Fail makes the nth next operation of kind op fail with status code;
+// n <= 0 clears the fault.
+func (f *Fake) Fail(op Op, n int, code int) {
+	C.call_set_fault(f.setFault, C.int(op), C.long(n), C.int(code))
+}
+
+// Count is the number of operations of kind op so far.
+func (f *Fake) Count(op Op) int { return int(C.call_count(f.count, C.int(op))) }

@@ -1,0 +1,22 @@
+//go:build !linux || !cgo
+
+package cudatest
+
+import "testing"
+
+const supported = false
+
+// Fake controls a loaded fake library; this build cannot load one.
+type Fake struct{}
+
+// Open skips the test: this build cannot load libraries.
+func Open(t testing.TB, path string) *Fake {
+	t.Skip("cudatest: needs cgo on Linux")
+	return nil
+}
+
+// Fail does nothing.
+func (f *Fake) Fail(op Op, n int, code int) {}
+
+// Count is 0.
+func (f *Fake) Count(op Op) int { return 0 }

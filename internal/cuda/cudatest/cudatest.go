@@ -1,0 +1,79 @@
+// Package cudatest builds a fake CUDA runtime and driver library for CPU
+// tests of code that uses package cuda: "device memory" is host memory,
+// copies are memcpy run when their stream is synchronized, IPC handles
+// name live allocations of the same process, and faults can be injected.
+// The library is compiled from C at test time with `go env CC`, so the
+// real dlopen path runs on machines without a GPU.
+package cudatest
+
+import (
+	_ "embed"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+)
+
+//go:embed testdata/fakecuda.c
+var source []byte
+
+// Op is a kind of operation the fake counts and can fail.
+type Op int
+
+// Operations.
+const (
+	OpCopy         Op = iota // one copy enqueued (per segment, batched or not)
+	OpSync                   // a stream or event synchronization
+	OpIPCOpen                // cudaIpcOpenMemHandle
+	OpHostAlloc              // cudaHostAlloc
+	OpHostRegister           // cudaHostRegister
+	OpBatch                  // a cudaMemcpyBatchAsync call
+)
+
+var (
+	buildOnce sync.Once
+	built     string
+	buildErr  string
+)
+
+// Build compiles the fake library (once per test binary) and returns its
+// path, for both cuda.Config.Runtime and cuda.Config.Driver. It skips the
+// test when no C compiler or cgo is available.
+func Build(t testing.TB) string {
+	t.Helper()
+	if !supported {
+		t.Skip("cudatest: needs cgo on Linux to load the fake CUDA library")
+	}
+	buildOnce.Do(func() {
+		cc := "cc"
+		if out, err := exec.Command("go", "env", "CC").Output(); err == nil && strings.TrimSpace(string(out)) != "" {
+			cc = strings.Fields(string(out))[0]
+		}
+		if _, err := exec.LookPath(cc); err != nil {
+			buildErr = "no C compiler: " + err.Error()
+			return
+		}
+		dir, err := os.MkdirTemp("", "kvhost-fakecuda")
+		if err != nil {
+			buildErr = err.Error()
+			return
+		}
+		src := filepath.Join(dir, "fakecuda.c")
+		if err := os.WriteFile(src, source, 0o644); err != nil {
+			buildErr = err.Error()
+			return
+		}
+		lib := filepath.Join(dir, "libfakecuda.so")
+		if out, err := exec.Command(cc, "-O2", "-shared", "-fPIC", "-pthread", "-o", lib, src).CombinedOutput(); err != nil {
+			buildErr = "build fake CUDA library: " + err.Error() + "\n" + string(out)
+			return
+		}
+		built = lib
+	})
+	if built == "" {
+		t.Skipf("cudatest: %s", buildErr)
+	}
+	return built
+}

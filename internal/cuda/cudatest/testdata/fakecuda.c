@@ -1,0 +1,237 @@
+// A fake CUDA runtime and driver API for CPU tests: "device memory" is host
+// memory, copies are memcpy, run when their stream is synchronized (so a
+// caller that reads a buffer before waiting sees stale bytes), IPC handles
+// carry a magic and a pointer checked against a registry of live
+// allocations. fake_set_fault fails the Nth operation of a kind.
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum {
+	errSuccess = 0,
+	errInvalidValue = 1,
+	errMemoryAllocation = 2,
+	errInvalidDevice = 101,
+	errInvalidResourceHandle = 400,
+	errIllegalAddress = 700,
+	errLaunchFailure = 719,
+	errMapBufferObjectFailed = 205,
+};
+
+// Kinds of operation, for faults and counters.
+enum { opCopy, opSync, opIpcOpen, opHostAlloc, opHostRegister, opBatch, opSegCall, nOps };
+
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static long counts[nOps];
+static long faultAt[nOps]; // fail when counts reaches this (1-based); 0: none
+static int faultCode[nOps];
+static __thread int curDevice;
+static int numDevices = 2;
+
+// fake_set_fault makes the nth next operation of kind op (counted from now)
+// fail with code; n <= 0 clears it.
+void fake_set_fault(int op, long n, int code) {
+	pthread_mutex_lock(&mu);
+	faultAt[op] = n > 0 ? counts[op] + n : 0;
+	faultCode[op] = code;
+	pthread_mutex_unlock(&mu);
+}
+
+// fake_count is the number of operations of kind op so far.
+long fake_count(int op) {
+	pthread_mutex_lock(&mu);
+	long n = counts[op];
+	pthread_mutex_unlock(&mu);
+	return n;
+}
+
+// tick counts an operation and returns its injected error, or 0.
+static int tick(int op) {
+	pthread_mutex_lock(&mu);
+	long n = ++counts[op];
+	int code = 0;
+	if (faultAt[op] && n == faultAt[op]) {
+		code = faultCode[op];
+		faultAt[op] = 0;
+	}
+	pthread_mutex_unlock(&mu);
+	return code;
+}
+
+// Device allocations.
+typedef struct alloc { uintptr_t base; size_t size; int device; struct alloc *next; } alloc;
+static alloc *allocs;
+
+static alloc *find(uintptr_t p) {
+	for (alloc *a = allocs; a; a = a->next)
+		if (p >= a->base && p < a->base + a->size) return a;
+	return NULL;
+}
+
+// Streams: a queue of copies run at synchronization.
+typedef struct { void *dst; const void *src; size_t n; } op;
+typedef struct { pthread_mutex_t mu; op *ops; size_t n, cap; int device; int err; } stream;
+typedef struct { stream *s; } event;
+
+static int enqueue(stream *s, void *dst, const void *src, size_t n) {
+	if (!s) { memcpy(dst, src, n); return 0; } // legacy default stream: synchronous
+	pthread_mutex_lock(&s->mu);
+	if (s->n == s->cap) {
+		s->cap = s->cap ? 2 * s->cap : 64;
+		s->ops = realloc(s->ops, s->cap * sizeof(op));
+	}
+	s->ops[s->n++] = (op){dst, src, n};
+	pthread_mutex_unlock(&s->mu);
+	return 0;
+}
+
+static int drain(stream *s) {
+	if (!s) return 0;
+	int code = tick(opSync);
+	pthread_mutex_lock(&s->mu);
+	if (!code) for (size_t i = 0; i < s->n; i++) memcpy(s->ops[i].dst, s->ops[i].src, s->ops[i].n);
+	s->n = 0;
+	pthread_mutex_unlock(&s->mu);
+	return code;
+}
+
+const char *cudaGetErrorName(int e) {
+	switch (e) {
+	case errSuccess: return "cudaSuccess";
+	case errInvalidValue: return "cudaErrorInvalidValue";
+	case errMemoryAllocation: return "cudaErrorMemoryAllocation";
+	case errInvalidDevice: return "cudaErrorInvalidDevice";
+	case errIllegalAddress: return "cudaErrorIllegalAddress";
+	case errLaunchFailure: return "cudaErrorLaunchFailure";
+	case errInvalidResourceHandle: return "cudaErrorInvalidResourceHandle";
+	case errMapBufferObjectFailed: return "cudaErrorMapBufferObjectFailed";
+	}
+	return "cudaErrorUnknown";
+}
+const char *cudaGetErrorString(int e) { return e ? "fake failure" : "no error"; }
+int cudaRuntimeGetVersion(int *v) { *v = 13000; return 0; }
+int cudaGetDeviceCount(int *n) { *n = numDevices; return 0; }
+int cudaSetDevice(int d) { if (d < 0 || d >= numDevices) return errInvalidDevice; curDevice = d; return 0; }
+int cudaGetDevice(int *d) { *d = curDevice; return 0; }
+int cudaDeviceGetPCIBusId(char *buf, int len, int d) {
+	if (d < 0 || d >= numDevices) return errInvalidDevice;
+	snprintf(buf, len, "0000:%02x:00.0", 0x10 + d);
+	return 0;
+}
+int cudaDeviceGetAttribute(int *v, int attr, int d) { if (d < 0 || d >= numDevices) return errInvalidDevice; *v = attr; return 0; }
+
+int cudaStreamCreateWithFlags(stream **s, unsigned flags) {
+	(void)flags;
+	*s = calloc(1, sizeof(stream));
+	pthread_mutex_init(&(*s)->mu, NULL);
+	(*s)->device = curDevice;
+	return 0;
+}
+int cudaStreamDestroy(stream *s) { if (!s) return errInvalidResourceHandle; free(s->ops); free(s); return 0; }
+int cudaStreamSynchronize(stream *s) { return drain(s); }
+int cudaEventCreateWithFlags(event **e, unsigned flags) { (void)flags; *e = calloc(1, sizeof(event)); return 0; }
+int cudaEventRecord(event *e, stream *s) { e->s = s; return 0; }
+int cudaEventSynchronize(event *e) { return drain(e->s); }
+int cudaEventDestroy(event *e) { free(e); return 0; }
+
+int cudaHostAlloc(void **p, size_t n, unsigned flags) {
+	(void)flags;
+	int code = tick(opHostAlloc);
+	if (code) return code;
+	if (posix_memalign(p, 4096, n ? n : 1)) return errMemoryAllocation;
+	return 0;
+}
+int cudaFreeHost(void *p) { free(p); return 0; }
+int cudaHostRegister(void *p, size_t n, unsigned flags) { (void)p; (void)n; (void)flags; return tick(opHostRegister); }
+int cudaHostUnregister(void *p) { (void)p; return 0; }
+
+int cudaMalloc(void **p, size_t n) {
+	if (posix_memalign(p, 256, n ? n : 1)) return errMemoryAllocation;
+	alloc *a = malloc(sizeof(alloc));
+	*a = (alloc){(uintptr_t)*p, n, curDevice, NULL};
+	pthread_mutex_lock(&mu);
+	a->next = allocs;
+	allocs = a;
+	pthread_mutex_unlock(&mu);
+	return 0;
+}
+int cudaFree(void *p) {
+	pthread_mutex_lock(&mu);
+	for (alloc **a = &allocs; *a; a = &(*a)->next) {
+		if ((*a)->base == (uintptr_t)p) {
+			alloc *x = *a;
+			*a = x->next;
+			free(x);
+			pthread_mutex_unlock(&mu);
+			free(p);
+			return 0;
+		}
+	}
+	pthread_mutex_unlock(&mu);
+	return errInvalidValue;
+}
+
+int cudaMemcpyAsync(void *dst, const void *src, size_t n, int kind, stream *s) {
+	(void)kind;
+	int code = tick(opCopy);
+	if (code) return code;
+	return enqueue(s, dst, src, n);
+}
+int cudaMemcpy(void *dst, const void *src, size_t n, int kind) { (void)kind; memcpy(dst, src, n); return 0; }
+
+// CUDA 13 signature: no failIdx.
+typedef struct { int srcAccessOrder; int srcType, srcId; int dstType, dstId; unsigned flags; } memcpyAttrs;
+int cudaMemcpyBatchAsync(void *const *dsts, const void *const *srcs, const size_t *sizes, size_t count,
+			 memcpyAttrs *attrs, size_t *attrsIdxs, size_t numAttrs, stream *s) {
+	tick(opBatch);
+	if (!s || numAttrs < 1 || !attrs || !attrsIdxs || attrsIdxs[0] != 0) return errInvalidValue;
+	for (size_t i = 0; i < numAttrs; i++)
+		if (attrs[i].srcAccessOrder < 1 || attrs[i].srcAccessOrder > 3) return errInvalidValue;
+	for (size_t i = 0; i < count; i++) {
+		int code = tick(opCopy);
+		if (code) return code;
+		enqueue(s, dsts[i], srcs[i], sizes[i]);
+	}
+	return 0;
+}
+
+typedef struct { uint32_t magic; uint32_t pad; uint64_t ptr; uint64_t size; char rest[40]; } ipcHandle;
+#define IPC_MAGIC 0x6b766970u
+
+int cudaIpcGetMemHandle(ipcHandle *h, void *p) {
+	pthread_mutex_lock(&mu);
+	alloc *a = find((uintptr_t)p);
+	pthread_mutex_unlock(&mu);
+	if (!a) return errInvalidValue;
+	memset(h, 0, sizeof *h);
+	*h = (ipcHandle){.magic = IPC_MAGIC, .ptr = a->base, .size = a->size};
+	return 0;
+}
+int cudaIpcOpenMemHandle(void **p, ipcHandle h, unsigned flags) {
+	if (flags != 1) return errInvalidValue; // cudaIpcMemLazyEnablePeerAccess
+	int code = tick(opIpcOpen);
+	if (code) return code;
+	if (h.magic != IPC_MAGIC) return errMapBufferObjectFailed;
+	pthread_mutex_lock(&mu);
+	alloc *a = find(h.ptr);
+	int ok = a && a->base == h.ptr && a->device == curDevice;
+	int other = a && a->device != curDevice;
+	pthread_mutex_unlock(&mu);
+	if (other) return errInvalidDevice;
+	if (!ok) return errMapBufferObjectFailed;
+	*p = (void *)h.ptr;
+	return 0;
+}
+int cudaIpcCloseMemHandle(void *p) { (void)p; return 0; }
+
+// Driver API.
+int cuInit(unsigned flags) { (void)flags; return 0; }
+int cuMemGetAddressRange_v2(uint64_t *base, size_t *size, uint64_t p) {
+	pthread_mutex_lock(&mu);
+	alloc *a = find(p);
+	if (a) { *base = a->base; *size = a->size; }
+	pthread_mutex_unlock(&mu);
+	return a ? 0 : 1;
+}

@@ -1,0 +1,419 @@
+package gpu
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/kvhost/kvhost/internal/cuda"
+	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/region"
+	"github.com/kvhost/kvhost/transfer"
+)
+
+// The GPU check and benchmark. It needs a real GPU: run the test binary
+// with KVHOST_GPU=1 (KVHOST_GPU_TMPFS and KVHOST_GPU_DISK name the
+// directories, KVHOST_GPU_OUT a file for the report). Every figure is
+// printed next to its ceiling, measured in the same run.
+
+type report struct {
+	t  *testing.T
+	sb strings.Builder
+}
+
+func (r *report) printf(format string, args ...any) {
+	s := fmt.Sprintf(format, args...)
+	r.t.Log(s)
+	r.sb.WriteString(s + "\n")
+}
+
+func gbps(bytes int64, d time.Duration) float64 { return float64(bytes) / d.Seconds() / 1e9 }
+
+func TestGPUCheckAndBenchmark(t *testing.T) {
+	if os.Getenv("KVHOST_GPU") != "1" {
+		t.Skip("GPU check: set KVHOST_GPU=1 on a machine with a CUDA GPU to run it")
+	}
+	rep := &report{t: t}
+	defer func() {
+		if out := os.Getenv("KVHOST_GPU_OUT"); out != "" {
+			os.WriteFile(out, []byte(rep.sb.String()), 0o644)
+		}
+	}()
+	var cfg cuda.Config
+	if p := os.Getenv("KVHOST_GPU_CUDART"); p != "" { // a smoke test on the fake library
+		cfg = cuda.Config{Runtime: []string{p}, Driver: []string{p}}
+	}
+	small := os.Getenv("KVHOST_GPU_SMALL") == "1"
+	r, err := cuda.Open(cfg)
+	if err != nil {
+		t.Fatalf("cuda.Open: %v", err)
+	}
+	defer r.Close()
+	n, err := r.DeviceCount()
+	if err != nil || n == 0 {
+		t.Fatalf("DeviceCount = %d, %v", n, err)
+	}
+	bus, _ := r.PCIBusID(0)
+	rep.printf("runtime %s version %d, batch %v, driver API %v, %d device(s), device 0 at %s", r.Path(), r.Version(), r.HasBatch(), r.HasDriver(), n, bus)
+	w, err := r.NewWorker(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w.Close()
+	ctx := context.Background()
+
+	// Ceilings: pinned copies of 256 MiB.
+	const big = 256 << 20
+	err = w.Do(ctx, func(w *cuda.Worker) error {
+		h, err := r.HostAlloc(big)
+		if err != nil {
+			return err
+		}
+		defer h.Free()
+		d, err := r.Malloc(0, big)
+		if err != nil {
+			return err
+		}
+		defer d.Close()
+		for _, h2d := range []bool{true, false} {
+			best := time.Duration(1 << 62)
+			for range 5 {
+				start := time.Now()
+				if h2d {
+					err = r.CopyH2D(d.Ptr(), h.Ptr(), big, w.Stream())
+				} else {
+					err = r.CopyD2H(h.Ptr(), d.Ptr(), big, w.Stream())
+				}
+				if err == nil {
+					err = r.Sync(w.Stream())
+				}
+				if err != nil {
+					return err
+				}
+				best = min(best, time.Since(start))
+			}
+			dir := "D2H"
+			if h2d {
+				dir = "H2D"
+			}
+			rep.printf("ceiling: pinned %s 256 MiB, one copy: %.1f GB/s", dir, gbps(big, best))
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	g := geometry{layers: 32, numBlocks: 512, pageBytes: 64 << 10, blocksPerKey: 16, headerBytes: 4096}
+	if small {
+		g.numBlocks = 32
+	}
+	kv := newCache(t, w, g)
+	orig := kv.randomize(t, w, 1)
+	host := map[region.Region][]byte{}
+	for l, b := range orig {
+		host[kv.layers[l]] = b
+	}
+
+	// Scatter/gather: 512 pages of 64 KiB to/from one pinned 32 MiB
+	// buffer, batched vs one copy per segment, one stream.
+	modes := []cuda.CopyMode{cuda.CopySegments}
+	if r.HasBatch() {
+		modes = append(modes, cuda.CopyBatch)
+	}
+	err = w.Do(ctx, func(w *cuda.Worker) error {
+		h, err := r.HostAlloc(32 << 20)
+		if err != nil {
+			return err
+		}
+		defer h.Free()
+		blocks := keyBlocks(rand.New(rand.NewPCG(5, 5)), g.numBlocks, g.blocksPerKey)
+		p := kv.plan(blocks, false)
+		for _, mode := range modes {
+			for _, h2d := range []bool{false, true} {
+				var cp cuda.Copies
+				var off uintptr
+				for _, x := range p.Extents {
+					dev := x.Region.(region.Device).Ptr() + uintptr(x.RegionOff)
+					if h2d {
+						cp.Add(dev, h.Ptr()+off, uintptr(x.Len))
+					} else {
+						cp.Add(h.Ptr()+off, dev, uintptr(x.Len))
+					}
+					off += uintptr(x.Len)
+				}
+				best := time.Duration(1 << 62)
+				for range 10 {
+					start := time.Now()
+					if err := r.Enqueue(&cp, h2d, mode, w.Stream()); err != nil {
+						return fmt.Errorf("%v: %w", mode, errorsJoin(err, r.Sync(w.Stream())))
+					}
+					if err := r.Sync(w.Stream()); err != nil {
+						return err
+					}
+					best = min(best, time.Since(start))
+				}
+				dir := "gather D2H"
+				if h2d {
+					dir = "scatter H2D"
+				}
+				rep.printf("copy %s 512×64 KiB (32 MiB), %v: %.1f GB/s (%.0f µs)", dir, mode, gbps(32<<20, best), float64(best.Microseconds()))
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	dirs := []struct{ name, dir string }{
+		{"tmpfs", envOr("KVHOST_GPU_TMPFS", "/dev/shm/kvhost-gpu-bench")},
+		{"ext4", envOr("KVHOST_GPU_DISK", "/var/tmp/kvhost-gpu-bench")},
+	}
+	for _, d := range dirs {
+		os.RemoveAll(d.dir)
+		if err := os.MkdirAll(d.dir, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		defer os.RemoveAll(d.dir)
+	}
+	type scenario struct {
+		fs        string
+		dir       string
+		direct    bool
+		keyBlocks int
+		files     int
+	}
+	var scenarios []scenario
+	for _, d := range dirs {
+		direct := d.name != "tmpfs"
+		files32, files2 := 128, 1024
+		if direct {
+			files32, files2 = 32, 256
+		}
+		if small {
+			files32, files2 = 4, 16
+		}
+		scenarios = append(scenarios, scenario{d.name, d.dir, direct, 16, files32}, scenario{d.name, d.dir, direct, 1, files2})
+	}
+	for _, sc := range scenarios {
+		for l := range g.layers { // undo the poison of the last scenario
+			kv.set(t, w, l, orig[l])
+		}
+		gk := g
+		gk.blocksPerKey = sc.keyBlocks
+		keyBytes := int64(gk.layers * gk.blocksPerKey * gk.pageBytes)
+		r1 := rand.New(rand.NewPCG(uint64(sc.files), 9))
+		plans := make([]*transfer.Plan, sc.files)
+		paths := make([]string, sc.files)
+		for i := range plans {
+			plans[i] = kv.planG(gk, keyBlocks(r1, g.numBlocks, gk.blocksPerKey), sc.direct)
+			paths[i] = filepath.Join(sc.dir, fmt.Sprintf("k%05d-%d", i, sc.keyBlocks))
+		}
+		total := keyBytes * int64(sc.files)
+		label := fmt.Sprintf("%s %d MiB keys × %d", sc.fs, keyBytes>>20, sc.files)
+		for _, jobs := range []int{1, 8, 16} {
+			// Host ceilings: the same files, the same number of threads,
+			// one pwrite/pread per file into pinned memory. The first
+			// write pass creates the files (tmpfs faults its pages in).
+			if jobs == 1 {
+				if _, err := hostPass(r, paths, keyBytes, gk, 16, true, sc.direct); err != nil {
+					t.Fatal(err)
+				}
+			}
+			cw, err := hostPass(r, paths, keyBytes, gk, jobs, true, sc.direct)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, nosums := range []bool{false, true} {
+				if nosums && jobs != 16 {
+					continue
+				}
+				for _, mode := range modes {
+					if mode == cuda.CopySegments && len(modes) > 1 && jobs != 16 {
+						continue
+					}
+					m, err := New(Config{Runtime: r, Devices: []int{0}, MaxStaging: int64(jobs) * 2 * (8<<20 + 2*Align), Copy: mode, NoChecksums: nosums})
+					if err != nil {
+						t.Fatal(err)
+					}
+					ws, err := moverPass(m, paths, plans, jobs, true, sc.direct)
+					if err != nil {
+						m.Close()
+						t.Fatalf("%s store: %v", label, err)
+					}
+					dropCaches()
+					cr, err := hostPass(r, paths, keyBytes, gk, jobs, false, sc.direct)
+					if err != nil {
+						m.Close()
+						t.Fatal(err)
+					}
+					kv.poison(t, w)
+					dropCaches()
+					ls, err := moverPass(m, paths, plans, jobs, false, sc.direct)
+					m.Close()
+					if err != nil {
+						t.Fatalf("%s load: %v", label, err)
+					}
+					// Check every loaded page byte for byte.
+					for l := range g.layers {
+						dev := kv.get(t, w, l)
+						for _, p := range plans {
+							for _, x := range p.Extents {
+								if x.Region != kv.layers[l] {
+									continue
+								}
+								if !bytes.Equal(dev[x.RegionOff:x.RegionOff+x.Len], orig[l][x.RegionOff:x.RegionOff+x.Len]) {
+									t.Fatalf("%s jobs %d: layer %d page at %d differs after the round trip", label, jobs, l, x.RegionOff)
+								}
+							}
+						}
+					}
+					sums := "checksums on"
+					if nosums {
+						sums = "checksums off"
+					}
+					wsg, lsg, cwg, crg := gbps(total, ws), gbps(total, ls), gbps(total, cw), gbps(total, cr)
+					rep.printf("%s, %2d jobs, %v, %s: store %.2f GB/s (host write ceiling %.2f: %.2f), load %.2f GB/s (host read ceiling %.2f: %.2f); verified",
+						label, jobs, mode, sums, wsg, cwg, wsg/cwg, lsg, crg, lsg/crg)
+				}
+			}
+		}
+		for _, p := range paths {
+			os.Remove(p)
+		}
+	}
+}
+
+func errorsJoin(a, b error) error {
+	if a == nil {
+		return b
+	}
+	if b == nil {
+		return a
+	}
+	return fmt.Errorf("%w; %w", a, b)
+}
+
+func envOr(k, def string) string {
+	if v := os.Getenv(k); v != "" {
+		return v
+	}
+	return def
+}
+
+func dropCaches() { os.WriteFile("/proc/sys/vm/drop_caches", []byte("3\n"), 0o200) }
+
+func openFlags(write, direct bool) int {
+	fl := os.O_RDONLY
+	if write {
+		fl = os.O_RDWR | os.O_CREATE
+	}
+	if direct {
+		fl |= unix.O_DIRECT
+	}
+	return fl
+}
+
+// hostPass writes (or reads) every file whole with plain pwrite (pread)
+// from (into) a pinned buffer per thread; writes to a direct (disk) file
+// are synced, as stores are.
+func hostPass(r *cuda.Runtime, paths []string, keyBytes int64, g geometry, jobs int, write, direct bool) (time.Duration, error) {
+	size := int(keyBytes) + g.headerBytes
+	bufs := make([]*cuda.Pinned, jobs)
+	for i := range bufs {
+		b, err := r.HostAlloc(size)
+		if err != nil {
+			return 0, err
+		}
+		defer b.Free()
+		bufs[i] = b
+	}
+	return parallel(len(paths), jobs, func(j, i int) error {
+		f, err := fsys.OS{}.OpenFile(paths[i], openFlags(write, direct), 0o644)
+		if err != nil {
+			return err
+		}
+		defer f.Close()
+		b := bufs[j].Bytes()
+		if write {
+			if err := writeFull(f, b, 0); err != nil {
+				return err
+			}
+			if direct {
+				return f.Sync()
+			}
+			return nil
+		}
+		return readAtLeast(f, b, size, 0)
+	})
+}
+
+// moverPass stores (loads) every file through the mover with jobs
+// concurrent calls.
+func moverPass(m *Mover, paths []string, plans []*transfer.Plan, jobs int, write, direct bool) (time.Duration, error) {
+	return parallel(len(paths), jobs, func(_, i int) error {
+		f, err := fsys.OS{}.OpenFile(paths[i], openFlags(write, direct), 0o644)
+		if err != nil {
+			return err
+		}
+		defer f.Close()
+		p := plans[i]
+		sums := make([]uint32, p.Sums)
+		if write {
+			if _, err := m.WriteFile(context.Background(), f, p, sums); err != nil {
+				return err
+			}
+			if direct {
+				return f.Sync()
+			}
+			return nil
+		}
+		_, err = m.ReadFile(context.Background(), f, p, sums)
+		return err
+	})
+}
+
+// parallel runs fn(job, item) over n items on jobs goroutines and times it.
+func parallel(n, jobs int, fn func(j, i int) error) (time.Duration, error) {
+	var mu sync.Mutex
+	next := 0
+	var first error
+	var wg sync.WaitGroup
+	start := time.Now()
+	for j := range jobs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				mu.Lock()
+				i := next
+				next++
+				stop := first != nil
+				mu.Unlock()
+				if i >= n || stop {
+					return
+				}
+				if err := fn(j, i); err != nil {
+					mu.Lock()
+					if first == nil {
+						first = err
+					}
+					mu.Unlock()
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	return time.Since(start), first
+}

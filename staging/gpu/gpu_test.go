@@ -1,0 +1,379 @@
+package gpu
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"sync"
+	"syscall"
+	"testing"
+
+	"github.com/kvhost/kvhost/internal/cuda"
+	"github.com/kvhost/kvhost/internal/cuda/cudatest"
+	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/region"
+	"github.com/kvhost/kvhost/staging"
+	"github.com/kvhost/kvhost/transfer"
+)
+
+type env struct {
+	r    *cuda.Runtime
+	fake *cudatest.Fake
+	w    *cuda.Worker // for setup on device 0
+}
+
+func newEnv(t *testing.T) *env {
+	t.Helper()
+	path := cudatest.Build(t)
+	r, err := cuda.Open(cuda.Config{Runtime: []string{path}, Driver: []string{path}})
+	if err != nil {
+		t.Fatalf("cuda.Open: %v", err)
+	}
+	t.Cleanup(func() { r.Close() })
+	w, err := r.NewWorker(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { w.Close() })
+	return &env{r: r, fake: cudatest.Open(t, path), w: w}
+}
+
+func (e *env) mover(t *testing.T, cfg Config) *Mover {
+	t.Helper()
+	cfg.Runtime = e.r
+	m, err := New(cfg)
+	if err != nil {
+		t.Fatalf("New: %v", err)
+	}
+	t.Cleanup(func() {
+		if free := len(m.bufs); free != cap(m.bufs) {
+			t.Errorf("%d of %d pinned buffers not returned", cap(m.bufs)-free, cap(m.bufs))
+		}
+		m.Close()
+	})
+	return m
+}
+
+func testGeometry() geometry {
+	if testing.Short() {
+		return geometry{layers: 4, numBlocks: 64, pageBytes: 16 << 10, blocksPerKey: 16, headerBytes: 4096}
+	}
+	// Llama-3.1-8B bf16: 32 layers, 64 KiB page per layer per block, 16
+	// blocks per 256-token key: 512 pages, a 32 MiB file.
+	return geometry{layers: 32, numBlocks: 64, pageBytes: 64 << 10, blocksPerKey: 16, headerBytes: 4096}
+}
+
+func createFile(t *testing.T, name string) fsys.File {
+	t.Helper()
+	f, err := fsys.OS{}.OpenFile(filepath.Join(t.TempDir(), name), os.O_RDWR|os.O_CREATE, 0o644)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { f.Close() })
+	return f
+}
+
+// TestRoundTripScatteredPlan stores a key's scattered pages to a file and
+// loads them back into poisoned device memory, in every copy mode, with
+// and without direct-I/O rules and checksums: the file holds the pages in
+// plan order, the device the original bytes, the checksums equal CRC-32C
+// of the same bytes.
+func TestRoundTripScatteredPlan(t *testing.T) {
+	e := newEnv(t)
+	g := testGeometry()
+	cases := []struct {
+		name   string
+		mode   cuda.CopyMode
+		direct bool
+		nosums bool
+		chunk  int
+	}{
+		{"batch", cuda.CopyBatch, false, false, 0},
+		{"segments", cuda.CopySegments, false, false, 0},
+		{"batch-direct", cuda.CopyBatch, true, false, 0},
+		{"segments-direct-small-chunks", cuda.CopySegments, true, false, 3 * Align},
+		{"batch-no-checksums", cuda.CopyBatch, false, true, 1 << 20},
+	}
+	for i, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			m := e.mover(t, Config{Devices: []int{0}, MaxStaging: 64 << 20, Chunk: c.chunk, Copy: c.mode, NoChecksums: c.nosums})
+			kv := newCache(t, e.w, g)
+			orig := kv.randomize(t, e.w, uint64(i))
+			host := map[region.Region][]byte{}
+			for l, b := range orig {
+				host[kv.layers[l]] = b
+			}
+			blocks := keyBlocks(rand.New(rand.NewPCG(uint64(i), 2)), g.numBlocks, g.blocksPerKey)
+			p := kv.plan(blocks, c.direct)
+			wantFile, wantSums := expect(p, host)
+			f := createFile(t, "key")
+			sums := make([]uint32, p.Sums)
+			n, err := m.WriteFile(context.Background(), f, p, sums)
+			if err != nil || n != p.Bytes() {
+				t.Fatalf("WriteFile = %d, %v; want %d", n, err, p.Bytes())
+			}
+			got := make([]byte, len(wantFile))
+			if _, err := f.ReadAt(got, int64(g.headerBytes)); err != nil {
+				t.Fatal(err)
+			}
+			if !bytes.Equal(got, wantFile) {
+				t.Fatalf("file bytes differ from the pages in plan order")
+			}
+			if c.nosums {
+				if m.Checksums() || sums[0] != 0 {
+					t.Fatalf("checksums off: Checksums() %v, sums %v", m.Checksums(), sums)
+				}
+			} else if !equal(sums, wantSums) {
+				t.Fatalf("store checksums %x, want %x", sums, wantSums)
+			}
+			kv.poison(t, e.w)
+			lsums := make([]uint32, p.Sums)
+			if n, err := m.ReadFile(context.Background(), f, p, lsums); err != nil || n != p.Bytes() {
+				t.Fatalf("ReadFile = %d, %v; want %d", n, err, p.Bytes())
+			}
+			if !c.nosums && !equal(lsums, wantSums) {
+				t.Fatalf("load checksums %x, want %x", lsums, wantSums)
+			}
+			inKey := map[int]bool{}
+			for _, b := range blocks {
+				inKey[b] = true
+			}
+			for l := range g.layers {
+				dev := kv.get(t, e.w, l)
+				for b := range g.numBlocks {
+					page := dev[b*g.pageBytes : (b+1)*g.pageBytes]
+					want := orig[l][b*g.pageBytes : (b+1)*g.pageBytes]
+					if inKey[b] && !bytes.Equal(page, want) {
+						t.Fatalf("layer %d block %d: loaded bytes differ", l, b)
+					}
+					if !inKey[b] && !bytes.Equal(page, bytes.Repeat([]byte{0xEE}, g.pageBytes)) {
+						t.Fatalf("layer %d block %d: a page outside the key was written", l, b)
+					}
+				}
+			}
+		})
+	}
+}
+
+func equal(a, b []uint32) bool {
+	if len(a) != len(b) {
+		return false
+	}
+	for i := range a {
+		if a[i] != b[i] {
+			return false
+		}
+	}
+	return true
+}
+
+// TestFailuresFailTheCall injects a CUDA or file failure into a store or a
+// load and checks that the call returns an error naming it, and that every
+// pinned buffer comes back (checked at cleanup).
+func TestFailuresFailTheCall(t *testing.T) {
+	e := newEnv(t)
+	g := geometry{layers: 4, numBlocks: 32, pageBytes: 16 << 10, blocksPerKey: 16, headerBytes: 4096}
+	kv := newCache(t, e.w, g)
+	kv.randomize(t, e.w, 7)
+	p := kv.plan([]int{3, 1, 4, 15, 9, 2, 6, 5, 30, 8, 11, 20, 7, 0, 12, 31}, false)
+	m := e.mover(t, Config{Devices: []int{0}, MaxStaging: 8 << 20, Chunk: 64 << 10, Copy: cuda.CopyBatch})
+	good := createFile(t, "good")
+	if _, err := m.WriteFile(context.Background(), good, p, make([]uint32, p.Sums)); err != nil {
+		t.Fatal(err)
+	}
+	cancelled, cancel := context.WithCancel(context.Background())
+	cancel()
+	cases := []struct {
+		name  string
+		write bool
+		fault func(t *testing.T) (fsys.File, func())
+		ctx   context.Context
+		want  error
+	}{
+		{"store copy fault", true, e.cudaFault(nil, cudatest.OpCopy, 40, cuda.ErrorIllegalAddress), nil, cuda.ErrorIllegalAddress},
+		{"store sync fault", true, e.cudaFault(nil, cudatest.OpSync, 3, cuda.ErrorLaunchFailure), nil, cuda.ErrorLaunchFailure},
+		{"load copy fault", false, e.cudaFault(good, cudatest.OpCopy, 40, cuda.ErrorIllegalAddress), nil, cuda.ErrorIllegalAddress},
+		{"load sync fault", false, e.cudaFault(good, cudatest.OpSync, 2, cuda.ErrorLaunchFailure), nil, cuda.ErrorLaunchFailure},
+		{"store write fault", true, faultyFile(fsys.OpWrite, 2, syscall.ENOSPC), nil, syscall.ENOSPC},
+		{"load read fault", false, faultyFile(fsys.OpRead, 2, syscall.EIO), nil, syscall.EIO},
+		{"load short file", false, func(t *testing.T) (fsys.File, func()) {
+			f := createFile(t, "short")
+			b := make([]byte, p.Bytes()/2)
+			good.ReadAt(b, 0)
+			f.WriteAt(b, 0)
+			return f, func() {}
+		}, nil, staging.ErrShortFile},
+		{"store cancelled", true, func(t *testing.T) (fsys.File, func()) { return createFile(t, "c"), func() {} }, cancelled, context.Canceled},
+		{"load cancelled", false, func(*testing.T) (fsys.File, func()) { return good, func() {} }, cancelled, context.Canceled},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			f, undo := c.fault(t)
+			defer undo()
+			ctx := c.ctx
+			if ctx == nil {
+				ctx = context.Background()
+			}
+			var err error
+			if c.write {
+				_, err = m.WriteFile(ctx, f, p, make([]uint32, p.Sums))
+			} else {
+				_, err = m.ReadFile(ctx, f, p, make([]uint32, p.Sums))
+			}
+			if !errors.Is(err, c.want) {
+				t.Fatalf("err = %v, want %v", err, c.want)
+			}
+		})
+	}
+	// The mover still works after every failure.
+	if _, err := m.ReadFile(context.Background(), good, p, make([]uint32, p.Sums)); err != nil {
+		t.Fatalf("load after failures: %v", err)
+	}
+}
+
+// cudaFault fails the nth next CUDA operation op during a call on f (a
+// new file if nil).
+func (e *env) cudaFault(f fsys.File, op cudatest.Op, n int, code cuda.Error) func(*testing.T) (fsys.File, func()) {
+	return func(t *testing.T) (fsys.File, func()) {
+		if f == nil {
+			f = createFile(t, "new")
+		}
+		e.fake.Fail(op, n, int(code))
+		return f, func() { e.fake.Fail(op, 0, 0) }
+	}
+}
+
+func faultyFile(op fsys.Op, at int, errno error) func(*testing.T) (fsys.File, func()) {
+	return func(t *testing.T) (fsys.File, func()) {
+		fs := &fsys.Faulty{FS: fsys.OS{}, Inj: &fsys.Counter{Ops: []fsys.Op{op}, At: at, Fault: fsys.Fault{Err: errno}}}
+		f, err := fs.OpenFile(filepath.Join(t.TempDir(), "f"), os.O_RDWR|os.O_CREATE, 0o644)
+		if err != nil {
+			t.Fatal(err)
+		}
+		f.WriteAt(make([]byte, 1<<20), 0)
+		return f, func() { f.Close() }
+	}
+}
+
+func TestPlansTheMoverCannotServeAreRefused(t *testing.T) {
+	e := newEnv(t)
+	m := e.mover(t, Config{Devices: []int{0}, MaxStaging: 1 << 20, Chunk: 64 << 10})
+	kv := newCache(t, e.w, geometry{layers: 1, numBlocks: 4, pageBytes: 4096, blocksPerKey: 2})
+	host, err := region.NewHost("t", 4096)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer host.Close()
+	f := createFile(t, "x")
+	cases := []struct {
+		name string
+		p    *transfer.Plan
+		want error
+	}{
+		{"host region", &transfer.Plan{Extents: []transfer.Extent{{Region: host, Len: 4096, Sum: -1}}}, transfer.ErrUnsupported},
+		{"unaligned direct write", &transfer.Plan{Direct: true, Extents: []transfer.Extent{{FileOff: 100, Region: kv.layers[0], Len: 4096, Sum: -1}}}, ErrUnaligned},
+		{"out of region", &transfer.Plan{Extents: []transfer.Extent{{Region: kv.layers[0], RegionOff: 4096, Len: 4 * 4096, Sum: -1}}}, region.ErrBounds},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			if _, err := m.WriteFile(context.Background(), f, c.p, nil); !errors.Is(err, c.want) {
+				t.Fatalf("err = %v, want %v", err, c.want)
+			}
+		})
+	}
+}
+
+// TestPinnedPoolAllocatedOnceAndHammered runs many concurrent round trips
+// through a pool smaller than the jobs' combined depth: every job
+// finishes with the right bytes (no deadlock when jobs wait for buffers),
+// no pinned memory is allocated or registered per request, and every
+// buffer comes back.
+func TestPinnedPoolAllocatedOnceAndHammered(t *testing.T) {
+	e := newEnv(t)
+	g := geometry{layers: 4, numBlocks: 256, pageBytes: 8 << 10, blocksPerKey: 8, headerBytes: 4096}
+	allocs, regs := e.fake.Count(cudatest.OpHostAlloc), e.fake.Count(cudatest.OpHostRegister)
+	m := e.mover(t, Config{Devices: []int{0}, MaxStaging: 3 * (32<<10 + 2*Align), Chunk: 32 << 10, Lanes: 2})
+	if got := e.fake.Count(cudatest.OpHostAlloc) - allocs; got != 1 {
+		t.Fatalf("New made %d pinned allocations, want 1", got)
+	}
+	allocs = e.fake.Count(cudatest.OpHostAlloc)
+	kv := newCache(t, e.w, g)
+	orig := kv.randomize(t, e.w, 99)
+	host := map[region.Region][]byte{}
+	for l, b := range orig {
+		host[kv.layers[l]] = b
+	}
+	jobs, rounds := 12, 20
+	if testing.Short() {
+		rounds = 5
+	}
+	var wg sync.WaitGroup
+	errs := make(chan error, jobs)
+	for j := range jobs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			f, err := fsys.OS{}.OpenFile(filepath.Join(t.TempDir(), "k"), os.O_RDWR|os.O_CREATE, 0o644)
+			if err != nil {
+				errs <- err
+				return
+			}
+			defer f.Close()
+			r := rand.New(rand.NewPCG(uint64(j), 3))
+			for range rounds {
+				// Keys of one job use their own blocks: loads write back
+				// the same bytes, so jobs never disturb each other.
+				blocks := keyBlocks(r, g.numBlocks/jobs, g.blocksPerKey)
+				for i := range blocks {
+					blocks[i] += j * (g.numBlocks / jobs)
+				}
+				p := kv.plan(blocks, false)
+				_, want := expect(p, host)
+				ws, rs := make([]uint32, p.Sums), make([]uint32, p.Sums)
+				if _, err := m.WriteFile(context.Background(), f, p, ws); err != nil {
+					errs <- err
+					return
+				}
+				if _, err := m.ReadFile(context.Background(), f, p, rs); err != nil {
+					errs <- err
+					return
+				}
+				if !equal(ws, want) || !equal(rs, want) {
+					errs <- errors.New("checksums differ")
+					return
+				}
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatal(err)
+	}
+	for l := range g.layers {
+		if !bytes.Equal(kv.get(t, e.w, l), orig[l]) {
+			t.Fatalf("layer %d changed after round trips of its own bytes", l)
+		}
+	}
+	if a, r := e.fake.Count(cudatest.OpHostAlloc)-allocs, e.fake.Count(cudatest.OpHostRegister)-regs; a != 0 || r != 0 {
+		t.Fatalf("requests allocated %d and registered %d pinned buffers, want 0", a, r)
+	}
+}
+
+func TestNewRejectsBadConfig(t *testing.T) {
+	e := newEnv(t)
+	for _, c := range []Config{
+		{Runtime: e.r, Chunk: 1000},
+		{Runtime: e.r, MaxStaging: 4096},
+		{Runtime: e.r, Devices: []int{9}},
+		{},
+	} {
+		if m, err := New(c); err == nil {
+			m.Close()
+			t.Errorf("New(%+v) succeeded", c)
+		}
+	}
+}

@@ -1,0 +1,83 @@
+package gpu
+
+import (
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"testing"
+
+	"github.com/kvhost/kvhost/internal/cuda"
+	"github.com/kvhost/kvhost/transfer"
+)
+
+// TestGPUSweep measures the mover's pipeline settings (chunk, depth,
+// lanes) on tmpfs, 128 × 32 MiB keys, 16 jobs, checksums on, next to the
+// host ceilings of the same run. KVHOST_GPU=1 runs it.
+func TestGPUSweep(t *testing.T) {
+	if os.Getenv("KVHOST_GPU") != "1" {
+		t.Skip("GPU sweep: set KVHOST_GPU=1 on a machine with a CUDA GPU to run it")
+	}
+	rep := &report{t: t}
+	defer func() {
+		if out := os.Getenv("KVHOST_GPU_OUT"); out != "" {
+			os.WriteFile(out+".sweep", []byte(rep.sb.String()), 0o644)
+		}
+	}()
+	r, err := cuda.Open(cuda.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	w, err := r.NewWorker(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w.Close()
+	g := geometry{layers: 32, numBlocks: 512, pageBytes: 64 << 10, blocksPerKey: 16, headerBytes: 4096}
+	kv := newCache(t, w, g)
+	kv.randomize(t, w, 1)
+	dir := envOr("KVHOST_GPU_TMPFS", "/dev/shm/kvhost-gpu-sweep")
+	os.RemoveAll(dir)
+	os.MkdirAll(dir, 0o755)
+	defer os.RemoveAll(dir)
+	const files, jobs = 128, 16
+	rnd := rand.New(rand.NewPCG(3, 3))
+	plans := make([]*transfer.Plan, files)
+	paths := make([]string, files)
+	for i := range plans {
+		plans[i] = kv.plan(keyBlocks(rnd, g.numBlocks, g.blocksPerKey), false)
+		paths[i] = filepath.Join(dir, fmt.Sprintf("k%d", i))
+	}
+	keyBytes := int64(g.layers * g.blocksPerKey * g.pageBytes)
+	total := keyBytes * files
+	hostPass(r, paths, keyBytes, g, jobs, true, false) // create, fault pages in
+	for _, c := range []struct{ chunk, depth, lanes int }{
+		{8 << 20, 2, 4}, {4 << 20, 2, 4}, {4 << 20, 3, 8}, {2 << 20, 4, 8}, {8 << 20, 3, 8}, {16 << 20, 2, 8}, {32 << 20, 2, 8},
+	} {
+		cw, err := hostPass(r, paths, keyBytes, g, jobs, true, false)
+		if err != nil {
+			t.Fatal(err)
+		}
+		m, err := New(Config{Runtime: r, Devices: []int{0}, Chunk: c.chunk, Depth: c.depth, Lanes: c.lanes,
+			MaxStaging: int64(jobs*c.depth) * int64(c.chunk+2*Align)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ws, err := moverPass(m, paths, plans, jobs, true, false)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cr, err := hostPass(r, paths, keyBytes, g, jobs, false, false)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ls, err := moverPass(m, paths, plans, jobs, false, false)
+		m.Close()
+		if err != nil {
+			t.Fatal(err)
+		}
+		rep.printf("sweep tmpfs 128×32 MiB, 16 jobs, chunk %d MiB depth %d lanes %d: store %.1f GB/s (ceiling %.1f: %.2f), load %.1f GB/s (ceiling %.1f: %.2f)",
+			c.chunk>>20, c.depth, c.lanes, gbps(total, ws), gbps(total, cw), gbps(total, ws)/gbps(total, cw), gbps(total, ls), gbps(total, cr), gbps(total, ls)/gbps(total, cr))
+	}
+}
