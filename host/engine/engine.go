@@ -40,10 +40,10 @@ type Engine struct {
 	pool      *staging.Pool
 	mounts    []*mount
 	now       func() time.Time
-	node      string     // this node's name in temporary file names
-	lock      fsys.File  // Config.LockFile, flocked for the engine's life
-	dirs      sync.Map   // directories known to exist
-	unsynced  sync.Map // directories created, not yet fsynced (Config.Fsync)
+	node      string    // this node's name in temporary file names
+	lock      fsys.File // Config.LockFile, flocked for the engine's life
+	dirs      sync.Map  // directories known to exist
+	unsynced  sync.Map  // directories created, not yet fsynced (Config.Fsync)
 
 	mu       sync.Mutex
 	closed   bool
@@ -61,27 +61,12 @@ type Engine struct {
 	declares int // namespaces counted against Config.MaxNamespaces
 	jobsWG   sync.WaitGroup
 
-	st counters
+	st    counters
+	fails *failureLog
 }
 
 type counters struct {
 	stores, loads, hits, misses, evictions, failures, corrupt, vanished, written, read atomic.Uint64
-}
-
-type mount struct {
-	idx      int
-	root     string
-	capacity int64
-	high     int64
-	low      int64
-	direct   bool
-	// memory: a memory file system (tmpfs). With it, and with buffered
-	// I/O, checksums are computed inline in small chunks, in cache; with
-	// O_DIRECT to a device they overlap the next transfer instead.
-	memory  bool
-	evictMu sync.Mutex // one eviction at a time per mount
-	used    int64      // guarded by Engine.mu
-	entries int        // guarded by Engine.mu
 }
 
 type namespace struct {
@@ -173,6 +158,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		fs:       cfg.FS,
 		now:      cfg.Now,
 		node:     nodeName(cfg.NodeID),
+		fails:    &failureLog{log: cfg.Logger, interval: 10 * time.Second},
 		nsByFP:   map[uint64]NamespaceID{},
 		caches:   map[CacheID]*cache{},
 		entries:  map[uint64]*entry{},
@@ -201,6 +187,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		if err != nil {
 			return nil, err
 		}
+		mt.backend = "staging"
 		e.mounts = append(e.mounts, mt)
 	}
 	const bufSize = 4 << 20
@@ -227,57 +214,13 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		}
 		e.ownPolicy = true
 	}
+	e.reportMounts()
 	e.restore(ctx)
 	e.hitRec = newHitRecorder(e)
 	ok = true
 	st := e.Stats()
 	e.log.Info("engine: open", "mounts", len(e.mounts), "entries", st.Entries, "keys", st.Keys, "rebuild", time.Since(start))
 	return e, nil
-}
-
-func (e *Engine) openMount(i int, m Mount) (*mount, error) {
-	if m.Path == "" {
-		return nil, fmt.Errorf("%w: mount %d: empty path", ErrInvalid, i)
-	}
-	root, err := filepath.Abs(m.Path)
-	if err != nil {
-		return nil, fmt.Errorf("%w: mount %d: %w", ErrInvalid, i, err)
-	}
-	high, low := m.HighWatermark, m.LowWatermark
-	if high == 0 {
-		high = 0.95
-	}
-	if low == 0 {
-		low = min(0.85, high)
-	}
-	if high <= 0 || high > 1 || low <= 0 || low > high || m.Capacity < 0 {
-		return nil, fmt.Errorf("%w: mount %s: capacity %d, watermarks high %v low %v: want 0 < low <= high <= 1", ErrInvalid, root, m.Capacity, high, low)
-	}
-	if err := e.mkdir(root, true); err != nil {
-		return nil, fmt.Errorf("engine: mount %s: %w", root, err)
-	}
-	st, err := e.fs.Statfs(root)
-	if err != nil {
-		return nil, fmt.Errorf("engine: mount %s: %w", root, err)
-	}
-	capacity := m.Capacity
-	if capacity == 0 {
-		capacity = st.Total
-	}
-	const tmpfsMagic, ramfsMagic = 0x01021994, 0x858458f6
-	direct := false
-	if !m.NoDirect {
-		if direct, err = staging.ProbeDirect(e.fs, root); err != nil {
-			return nil, fmt.Errorf("engine: mount %s: %w", root, err)
-		}
-	}
-	if !direct {
-		e.log.Info("engine: buffered I/O on mount", "mount", root, "reason", map[bool]string{true: "disabled by config", false: "O_DIRECT refused by the file system"}[m.NoDirect])
-	}
-	return &mount{
-		idx: i, root: root, capacity: capacity, direct: direct, memory: st.Type == tmpfsMagic || st.Type == ramfsMagic,
-		high: int64(float64(capacity) * high), low: int64(float64(capacity) * low),
-	}, nil
 }
 
 // Declare registers a geometry and returns its namespace. Declaring the same
@@ -423,6 +366,20 @@ func (e *Engine) RegisterCache(ns NamespaceID, layers []LayerTensor) (CacheID, e
 		if g.Planes() > 1 && t.PlaneStride < bb {
 			return 0, bad("plane stride %d is less than a block (%d bytes)", t.PlaneStride, bb)
 		}
+		// The last block's offset, without overflow: every term is bounded
+		// by what is left of the region before it is multiplied.
+		rl := t.Region.Len()
+		room := rl - t.Offset
+		if room < 0 {
+			return 0, bad("offset %d is outside region %d of %d bytes", t.Offset, t.Region.ID(), rl)
+		}
+		if t.NumBlocks > 1 && int64(t.NumBlocks-1) > room/max(t.BlockStride, 1) {
+			return 0, bad("%d blocks of stride %d from offset %d do not fit in region %d of %d bytes", t.NumBlocks, t.BlockStride, t.Offset, t.Region.ID(), rl)
+		}
+		room -= int64(t.NumBlocks-1) * t.BlockStride
+		if g.Planes() > 1 && t.PlaneStride > room {
+			return 0, bad("plane stride %d from offset %d does not fit in region %d of %d bytes", t.PlaneStride, t.Offset, t.Region.ID(), rl)
+		}
 		last := region.Segment{Region: t.Region, Offset: t.Offset + int64(g.Planes()-1)*t.PlaneStride + int64(t.NumBlocks-1)*t.BlockStride, Length: bb}
 		if last.Offset < 0 || last.Check() != nil {
 			return 0, bad("last block [%d, +%d) is outside region %d of %d bytes", last.Offset, bb, t.Region.ID(), t.Region.Len())
@@ -554,6 +511,7 @@ func (e *Engine) finish(j *Job) {
 		}
 		if j.res.Keys[i].Outcome == OutcomeFailed {
 			e.st.failures.Add(1)
+			e.fails.add(j.kind, j.res.Keys[i].Err, time.Now())
 		}
 	}
 	e.mu.Lock()
@@ -570,12 +528,16 @@ func (e *Engine) Stats() Stats {
 		Stores: e.st.stores.Load(), Loads: e.st.loads.Load(), Hits: e.st.hits.Load(), Misses: e.st.misses.Load(),
 		Evictions: e.st.evictions.Load(), Failures: e.st.failures.Load(), Corrupt: e.st.corrupt.Load(),
 		Vanished: e.st.vanished.Load(), BytesWritten: e.st.written.Load(), BytesRead: e.st.read.Load(),
+		StoreFailures: e.fails.stats(0), LoadFailures: e.fails.stats(1),
 	}
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	s.Entries, s.Keys = len(e.entries), len(e.byKey)
 	for _, m := range e.mounts {
-		s.Mounts = append(s.Mounts, MountStats{Path: m.root, Capacity: m.capacity, Used: m.used, Entries: m.entries, Direct: m.direct})
+		s.Mounts = append(s.Mounts, MountStats{
+			Path: m.root, Capacity: m.capacity, Configured: m.configured, Reserve: m.reserve, Used: m.used, Entries: m.entries,
+			Direct: m.direct, IO: m.ioName(), Backend: m.backend, Checksums: m.checksums,
+		})
 	}
 	return s
 }
