@@ -309,7 +309,7 @@ func (w *Worker) bounce(ctx context.Context, f fsys.File, run []Span, opt Option
 		length += int64(len(s.Buf))
 	}
 	end := start + length
-	if write && (start%Align != 0 || end%Align != 0) {
+	if write && start%Align != 0 {
 		return 0, fmt.Errorf("%w: write of [%d, %d)", ErrUnaligned, start, end)
 	}
 	astart := start / Align * Align
@@ -332,7 +332,10 @@ func (w *Worker) bounce(ctx context.Context, f fsys.File, run []Span, opt Option
 					return
 				}
 				n := min(size, aend-off)
-				cur.gather(buf[:n])
+				// A run ending inside a 4 KiB block is written to the
+				// block's end: the tail is zeros (the file's padding),
+				// never a reused buffer's old bytes.
+				clear(buf[cur.gather(buf[:n]):n])
 				full <- chunk{buf: buf, off: off, n: int(n)}
 			}
 		}()

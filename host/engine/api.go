@@ -159,6 +159,11 @@ type Config struct {
 	MaxNamespaces int
 	// Logger receives the engine's logs (default: slog.Default()).
 	Logger *slog.Logger
+	// Movers builds, per region kind, the data mover of each mount (called
+	// once per mount at Open): region.KindDevice for GPU paths, or
+	// region.KindHost to replace the CPU staging pipeline. Without an entry
+	// for a kind, caches in that kind of memory are refused.
+	Movers map[region.Kind]MoverFactory
 	// FS is the file system (default fsys.OS); tests inject faults here.
 	FS fsys.FS
 	// Now is the clock for access times (default time.Now).

@@ -37,7 +37,8 @@ type Engine struct {
 	pol       policy.Policy
 	ownPolicy bool
 	hitRec    *hitRecorder // lookup hits, reported off the lookup's path
-	pool      *staging.Pool
+	host      *staging.Mover  // the CPU path; its pool is the engine's I/O workers
+	files     chan struct{}   // one token per file in flight (Config.IOWorkers)
 	mounts    []*mount
 	now       func() time.Time
 	node      string    // this node's name in temporary file names
@@ -86,7 +87,7 @@ type cache struct {
 	id     CacheID
 	ns     *namespace
 	layers []LayerTensor
-	mem    [][]byte // host bytes of each layer's region
+	kind   region.Kind // of every layer's region: picks the mover
 }
 
 // keyID names a key across namespaces: its geometry fingerprint and bytes.
@@ -191,7 +192,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		e.mounts = append(e.mounts, mt)
 	}
 	const bufSize = 4 << 20
-	pool, err := staging.New(staging.Config{
+	host, err := staging.NewMover(staging.Config{
 		Workers:    cfg.IOWorkers,
 		CPUs:       cfg.CPUs,
 		BufferSize: bufSize,
@@ -200,7 +201,13 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	if err != nil {
 		return nil, fmt.Errorf("engine: %w", err)
 	}
-	e.pool = pool
+	e.host = host
+	e.files = make(chan struct{}, cfg.IOWorkers)
+	pool := host
+	if err := e.buildMovers(); err != nil {
+		pool.Close()
+		return nil, err
+	}
 	start := time.Now()
 	if err := e.rebuild(ctx); err != nil {
 		pool.Close()
@@ -334,7 +341,9 @@ func (e *Engine) namespace(id NamespaceID) (*namespace, error) {
 
 // RegisterCache registers the paged KV cache of one worker for namespace ns:
 // one tensor per layer. Every block of every layer must lie inside its
-// region, and regions must be host-addressable (this is the CPU path).
+// region; every region must be of one kind, for which every mount has a
+// data mover (host memory: the staging pipeline, which needs
+// host-addressable regions; device memory: Config.Movers).
 func (e *Engine) RegisterCache(ns NamespaceID, layers []LayerTensor) (CacheID, error) {
 	n, err := e.namespace(ns)
 	if err != nil {
@@ -344,7 +353,7 @@ func (e *Engine) RegisterCache(ns NamespaceID, layers []LayerTensor) (CacheID, e
 	if len(layers) != g.Layers {
 		return 0, fmt.Errorf("%w: %d layer tensors for %d layers", ErrInvalid, len(layers), g.Layers)
 	}
-	c := &cache{ns: n, layers: layers, mem: make([][]byte, len(layers))}
+	c := &cache{ns: n, layers: slices.Clone(layers)}
 	bb := g.BlockBytes()
 	for l, t := range layers {
 		bad := func(format string, args ...any) error {
@@ -353,9 +362,25 @@ func (e *Engine) RegisterCache(ns NamespaceID, layers []LayerTensor) (CacheID, e
 		if t.Region == nil {
 			return 0, bad("no region")
 		}
-		a, ok := t.Region.(region.Addressable)
-		if !ok {
-			return 0, bad("%s region %d is not host-addressable", t.Region.Kind(), t.Region.ID())
+		kind := t.Region.Kind()
+		if l == 0 {
+			c.kind = kind
+		} else if kind != c.kind {
+			return 0, bad("%s region %d, but layer 0 is in %s memory: a cache's regions are of one kind", kind, t.Region.ID(), c.kind)
+		}
+		for _, m := range e.mounts {
+			if _, err := m.mover(kind); err != nil {
+				return 0, bad("%s region %d: %w", kind, t.Region.ID(), err)
+			}
+		}
+		if kind == region.KindHost {
+			a, ok := t.Region.(region.Addressable)
+			if !ok {
+				return 0, bad("host region %d is not host-addressable", t.Region.ID())
+			}
+			if a.Bytes() == nil {
+				return 0, bad("region %d is closed", t.Region.ID())
+			}
 		}
 		if t.NumBlocks <= 0 || t.Offset < 0 || t.BlockStride < 0 || t.PlaneStride < 0 {
 			return 0, bad("num blocks %d, offset %d, block stride %d, plane stride %d", t.NumBlocks, t.Offset, t.BlockStride, t.PlaneStride)
@@ -384,9 +409,6 @@ func (e *Engine) RegisterCache(ns NamespaceID, layers []LayerTensor) (CacheID, e
 		if last.Offset < 0 || last.Check() != nil {
 			return 0, bad("last block [%d, +%d) is outside region %d of %d bytes", last.Offset, bb, t.Region.ID(), t.Region.Len())
 		}
-		if c.mem[l] = a.Bytes(); c.mem[l] == nil {
-			return 0, bad("region %d is closed", t.Region.ID())
-		}
 	}
 	e.mu.Lock()
 	defer e.mu.Unlock()
@@ -409,13 +431,6 @@ func (e *Engine) UnregisterCache(id CacheID) error {
 	}
 	delete(e.caches, id)
 	return nil
-}
-
-// block returns the bytes of block b, plane p, layer l of the cache.
-func (c *cache) block(l, p, b int) []byte {
-	t := &c.layers[l]
-	off := t.Offset + int64(p)*t.PlaneStride + int64(b)*t.BlockStride
-	return c.mem[l][off : off+c.ns.geo.BlockBytes() : off+c.ns.geo.BlockBytes()]
 }
 
 // request validates the common part of store and load requests.
@@ -568,7 +583,7 @@ func (e *Engine) Close(ctx context.Context) error {
 		<-done
 	}
 	e.hitRec.close()
-	e.pool.Close()
+	e.host.Close()
 	if e.ownPolicy {
 		err = errors.Join(err, e.pol.Close(context.WithoutCancel(ctx)))
 	}

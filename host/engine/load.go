@@ -12,7 +12,6 @@ import (
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/format"
 	"github.com/kvhost/kvhost/internal/fsys"
-	"github.com/kvhost/kvhost/staging"
 )
 
 // Load loads keys into cache blocks, asynchronously. The request is
@@ -76,17 +75,18 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 	var wg sync.WaitGroup
 	for _, en := range order {
 		idx := byEntry[en]
-		wg.Add(1)
-		err := e.pool.Submit(ctx, func(w *staging.Worker) {
-			defer wg.Done()
-			e.loadFile(ctx, w, j, c, keys, blocks, en, idx)
-		})
-		if err != nil {
-			wg.Done()
+		if err := e.acquire(ctx); err != nil {
 			for _, i := range idx {
 				set(i, OutcomeFailed, err)
 			}
+			continue
 		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			defer e.releaseSlot()
+			e.loadFile(ctx, j, c, keys, blocks, en, idx)
+		}()
 	}
 	wg.Wait()
 
@@ -116,7 +116,7 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 
 // loadFile reads the keys idx (request indices) from en's file into their
 // blocks and verifies them.
-func (e *Engine) loadFile(ctx context.Context, w *staging.Worker, j *Job, c *cache, keys [][]byte, blocks [][]int, en *entry, idx []int) {
+func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, blocks [][]int, en *entry, idx []int) {
 	set := func(i int, o Outcome, err error) { j.res.Keys[i] = KeyResult{Outcome: o, Err: err} }
 	all := func(o Outcome, err error) {
 		for _, i := range idx {
@@ -210,7 +210,7 @@ func (e *Engine) loadFile(ctx context.Context, w *staging.Worker, j *Job, c *cac
 		if len(read) == 0 {
 			return // nothing (more) asked of this file
 		}
-		if !e.loadRound(ctx, w, j, c, blocks, en, f, h, m, dst, read, corrupt) {
+		if !e.loadRound(ctx, j, c, blocks, en, f, h, m, dst, read, corrupt) {
 			// The file was judged corrupt: later destinations fail alike.
 			for k, d := range dsts {
 				for _, i := range d[min(len(d), round+1):] {
@@ -225,25 +225,28 @@ func (e *Engine) loadFile(ctx context.Context, w *staging.Worker, j *Job, c *cac
 // loadRound reads the file keys read of f into the blocks of the request
 // indices dst[k], verifies them and sets their outcomes. It reports false
 // if the file was found corrupt (the caller stops).
-func (e *Engine) loadRound(ctx context.Context, w *staging.Worker, j *Job, c *cache, blocks [][]int, en *entry, f fsys.File, h *format.Header, m *mount, dst []int, read []int, corrupt func(error)) bool {
+func (e *Engine) loadRound(ctx context.Context, j *Job, c *cache, blocks [][]int, en *entry, f fsys.File, h *format.Header, m *mount, dst []int, read []int, corrupt func(error)) bool {
 	set := func(i int, o Outcome, err error) { j.res.Keys[i] = KeyResult{Outcome: o, Err: err} }
 	want := make([]bool, len(h.Keys))
 	for _, k := range read {
 		want[k] = true
 	}
-	hl := int64(h.Len())
-	spans := make([]staging.Span, 0, len(read)*int(h.Layers*h.Planes*h.BlocksPerKey))
-	h.Walk(want, func(k, b, l, p int, off int64) {
-		spans = append(spans, staging.Span{Off: hl + off, Buf: c.block(l, p, blocks[dst[k]][b]), Sum: k})
-	})
-	check := h.Flags&format.FlagPayloadSums != 0 && m.checksums
+	mv, err := m.mover(c.kind)
+	if err != nil {
+		for _, k := range read {
+			set(dst[k], OutcomeFailed, err)
+		}
+		return true
+	}
+	plan := c.plan(h, want, func(k int) []int { return blocks[dst[k]] }, m.direct)
+	check := h.Flags&format.FlagPayloadSums != 0 && m.checksums && mv.Checksums()
 	var sums []uint32
 	if check {
 		sums = make([]uint32, len(h.Keys))
 	}
-	if _, err := w.Read(ctx, f, spans, staging.Options{Direct: m.direct, Sums: sums, Overlap: m.direct && !m.memory}); err != nil {
+	if _, err := mv.ReadFile(ctx, f, plan, sums); err != nil {
 		ok := true
-		if errors.Is(err, staging.ErrShortFile) {
+		if isShort(err) {
 			// Truncated while we read it.
 			err = fmt.Errorf("%w: %w", ErrCorrupt, err)
 			corrupt(err)

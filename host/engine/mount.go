@@ -7,7 +7,9 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/region"
 	"github.com/kvhost/kvhost/staging"
+	"github.com/kvhost/kvhost/transfer"
 )
 
 // mount is one storage root and its space accounting.
@@ -24,7 +26,8 @@ type mount struct {
 	// O_DIRECT to a device they overlap the next transfer instead.
 	memory    bool
 	checksums bool   // payload checksums on this mount (Mount.NoChecksum, the mover)
-	backend   string // the mover's name
+	backend   string // the host mover's name
+	movers    map[region.Kind]transfer.Mover
 	ioWhy     string // how the I/O mode was chosen
 	evictMu   sync.Mutex
 	// guarded by Engine.mu

@@ -235,23 +235,24 @@ func (e *Engine) storeRound(ctx context.Context, j *Job, c *cache, keys [][]byte
 			busy = append(busy, fl)
 			continue
 		}
+		if err := e.acquire(ctx); err != nil {
+			e.release(gr.path)
+			failAll(gr.idx, err)
+			continue
+		}
 		wg.Add(1)
-		err := e.pool.Submit(ctx, func(w *staging.Worker) {
+		go func() {
 			defer wg.Done()
+			defer e.releaseSlot()
 			defer e.release(gr.path)
-			if err := e.storeFile(ctx, w, j, c, blocks, gr); err != nil {
+			if err := e.storeFile(ctx, j, c, blocks, gr); err != nil {
 				failAll(gr.idx, err)
 				return
 			}
 			for _, i := range gr.idx {
 				set(i, OutcomeStored, nil)
 			}
-		})
-		if err != nil {
-			wg.Done()
-			e.release(gr.path)
-			failAll(gr.idx, err)
-		}
+		}()
 	}
 	wg.Wait()
 	return deferred, busy
@@ -260,7 +261,7 @@ func (e *Engine) storeRound(ctx context.Context, j *Job, c *cache, keys [][]byte
 // storeFile writes one file: payload, then header (which carries the
 // payload checksums), under a temporary name in the target directory, then
 // publishes it by rename and indexes it.
-func (e *Engine) storeFile(ctx context.Context, w *staging.Worker, j *Job, c *cache, blocks [][]int, gr *group) error {
+func (e *Engine) storeFile(ctx context.Context, j *Job, c *cache, blocks [][]int, gr *group) error {
 	m := e.mounts[gr.mount]
 	size := gr.hdr.FileLen()
 	if err := e.reserve(ctx, m, size); err != nil {
@@ -270,7 +271,7 @@ func (e *Engine) storeFile(ctx context.Context, w *staging.Worker, j *Job, c *ca
 	// other programs): an ENOSPC refreshes the capacity from statfs,
 	// evicts down to it and tries once more.
 	for attempt := 0; ; attempt++ {
-		published, err := e.writeFile(ctx, w, j, c, blocks, gr)
+		published, err := e.writeFile(ctx, j, c, blocks, gr)
 		if !published {
 			if attempt == 0 && errors.Is(err, syscall.ENOSPC) && ctx.Err() == nil {
 				e.log.Debug("engine: ENOSPC; evicting and trying again", "mount", m.root, "path", gr.path)
@@ -289,19 +290,20 @@ func (e *Engine) storeFile(ctx context.Context, w *staging.Worker, j *Job, c *ca
 // writeFile writes, publishes and indexes one file; the caller holds the
 // reservation. published says whether the reservation was consumed (the
 // file was indexed, or published and removed again).
-func (e *Engine) writeFile(ctx context.Context, w *staging.Worker, j *Job, c *cache, blocks [][]int, gr *group) (published bool, err error) {
+func (e *Engine) writeFile(ctx context.Context, j *Job, c *cache, blocks [][]int, gr *group) (published bool, err error) {
 	m := e.mounts[gr.mount]
 	h := gr.hdr
 	size := h.FileLen()
 
 	hl := int64(h.Len())
-	spans := make([]staging.Span, 0, len(h.Keys)*int(h.Layers*h.Planes*h.BlocksPerKey)+1)
-	h.Walk(nil, func(k, b, l, p int, off int64) {
-		spans = append(spans, staging.Span{Off: hl + off, Buf: c.block(l, p, blocks[gr.idx[k]][b]), Sum: k})
-	})
-	if pad := size - hl - h.PayloadLen(); pad > 0 {
-		spans = append(spans, staging.Span{Off: hl + h.PayloadLen(), Buf: staging.AlignedBuffer(int(pad)), Sum: -1})
+	mv, err := m.mover(c.kind)
+	if err != nil {
+		return false, err
 	}
+	if !mv.Checksums() {
+		h.Flags &^= format.FlagPayloadSums // the file records it
+	}
+	plan := c.plan(h, nil, func(k int) []int { return blocks[gr.idx[k]] }, m.direct)
 
 	dir := filepath.Dir(gr.path)
 	tmp := e.tempName(dir, tmpPrefix)
@@ -343,9 +345,14 @@ func (e *Engine) writeFile(ctx context.Context, w *staging.Worker, j *Job, c *ca
 	if h.Flags&format.FlagPayloadSums != 0 {
 		sums = make([]uint32, len(h.Keys))
 	}
-	opt := staging.Options{Direct: m.direct, Sums: sums, Overlap: m.direct && !m.memory}
-	if _, err := w.Write(ctx, f, spans, opt); err != nil {
+	if _, err := mv.WriteFile(ctx, f, plan, sums); err != nil {
 		return published, e.ioError(m, "write", err)
+	}
+	if pad := size - hl - h.PayloadLen(); pad > 0 && !m.direct {
+		// The file's zero tail (with O_DIRECT the mover writes it).
+		if _, err := f.WriteAt(make([]byte, pad), hl+h.PayloadLen()); err != nil {
+			return published, e.ioError(m, "write padding", err)
+		}
 	}
 	for k := range h.Keys {
 		if sums != nil {
@@ -357,13 +364,22 @@ func (e *Engine) writeFile(ctx context.Context, w *staging.Worker, j *Job, c *ca
 	if err := h.Encode(hdr); err != nil {
 		return false, err
 	}
-	if _, err := w.Write(ctx, f, []staging.Span{{Off: 0, Buf: hdr, Sum: -1}}, staging.Options{Direct: m.direct}); err != nil {
+	if _, err := f.WriteAt(hdr, 0); err != nil {
 		return published, e.ioError(m, "write header", err)
 	}
 	if e.cfg.Fsync {
 		if err := f.Sync(); err != nil {
 			return published, e.ioError(m, "fsync", err)
 		}
+	}
+	if err := ctx.Err(); err != nil {
+		return false, err // cancelled: never published
+	}
+	e.mu.Lock()
+	old := e.byPath[gr.path]
+	e.mu.Unlock()
+	if old != nil {
+		e.forget(old.ident) // the rename replaces it
 	}
 	if err := e.fs.Rename(tmp, gr.path); err != nil {
 		if errors.Is(err, syscall.EISDIR) || errors.Is(err, syscall.ENOTEMPTY) || errors.Is(err, syscall.EEXIST) {
