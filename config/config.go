@@ -92,10 +92,15 @@ type Engine struct {
 	// VerifyInterval is how long a lookup trusts a file it checked (stat)
 	// before checking it again; 0 checks on every lookup. Loads always check.
 	VerifyInterval Duration `toml:"verify_interval"`
-	// TempGrace keeps temporary files younger than this at start, so that on
-	// a mount shared by several nodes one node's start does not remove
-	// another's store in progress. 0 removes every leftover.
+	// TempGrace is the age after which a start removes another node's
+	// unlocked temporary file (or one without an owner in its name) as
+	// abandoned; 0 means the engine's default, 10 minutes. This node's
+	// leftovers go as soon as their process is gone, and a temporary file
+	// whose writer holds its lock is never removed (docs/engine.md).
 	TempGrace Duration `toml:"temp_grace"`
+	// NodeID names this node in temporary file names on shared mounts
+	// (default: the host name). Nodes sharing a mount need distinct ids.
+	NodeID string `toml:"node_id"`
 }
 
 // Mount is one cache root.
@@ -109,7 +114,20 @@ type Mount struct {
 	// space down to LowWatermark × Capacity.
 	HighWatermark float64 `toml:"high_watermark"`
 	LowWatermark  float64 `toml:"low_watermark"`
+	// Reserve is space kvhost leaves free on the file system: the
+	// effective capacity is the smaller of Capacity and the file system's
+	// available space plus kvhost's own files, minus Reserve.
+	Reserve Size `toml:"reserve"`
+	// IO is "auto" (probe O_DIRECT, fall back to buffered; the default),
+	// "direct" or "buffered".
+	IO string `toml:"io"`
+	// Checksum, if set to false, turns payload checksums off on the mount
+	// (default true).
+	Checksum *bool `toml:"checksum"`
 }
+
+// Checksums reports whether payload checksums are on (Checksum unset or true).
+func (m Mount) Checksums() bool { return m.Checksum == nil || *m.Checksum }
 
 // Default returns the configuration kvhost runs with when given none: the
 // built-in lru policy and one mount under the user's cache directory.
@@ -335,6 +353,10 @@ func (c *Config) Validate() error {
 			return bad("mount.high_watermark", "a fraction in (0, 1]", m.HighWatermark)
 		case m.LowWatermark <= 0 || m.LowWatermark >= m.HighWatermark:
 			return bad("mount.low_watermark", "a fraction in (0, high_watermark)", m.LowWatermark)
+		case m.Reserve < 0:
+			return bad("mount.reserve", "a size ≥ 0", m.Reserve)
+		case m.IO != "" && m.IO != "auto" && m.IO != "direct" && m.IO != "buffered":
+			return bad("mount.io", `"auto", "direct" or "buffered"`, fmt.Sprintf("%q", m.IO))
 		}
 		seen[filepath.Clean(m.Path)] = true
 	}

@@ -35,10 +35,14 @@ ttl = "2h"
 [engine]
 fsync = true
 cpus = [0, 1]
+node_id = "gpu-node-7"
 
 [[mount]]
 path = "/nvme/kv"
 capacity = "100GiB"
+io = "direct"
+checksum = false
+reserve = "2GiB"
 
 [[mount]]
 path = "/shared/kv"
@@ -57,6 +61,12 @@ low_watermark = 0.8
 	if len(c.Mounts) != 2 || c.Mounts[0].Capacity != 100<<30 || c.Mounts[1].Capacity != 1<<40 ||
 		c.Mounts[0].HighWatermark != 0.95 || c.Mounts[1].LowWatermark != 0.8 {
 		t.Fatalf("mounts %+v", c.Mounts)
+	}
+	if m := c.Mounts[0]; m.IO != "direct" || m.Checksums() || m.Reserve != 2<<30 || c.Engine.NodeID != "gpu-node-7" {
+		t.Fatalf("mount 0 io %q checksums %v reserve %d, node id %q", m.IO, m.Checksums(), m.Reserve, c.Engine.NodeID)
+	}
+	if m := c.Mounts[1]; m.IO != "" || !m.Checksums() || m.Reserve != 0 {
+		t.Fatalf("mount 1 defaults: io %q checksums %v reserve %d", m.IO, m.Checksums(), m.Reserve)
 	}
 	params := c.Policy.PolicyParams()
 	if params["depth"] != "2" || params["ttl"] != "2h" {
@@ -82,6 +92,8 @@ func TestParseErrors(t *testing.T) {
 		{"relative mount", "[[mount]]\npath = \"rel\"", `kvhost.toml:2: mount.path: want an absolute directory path, got "rel"`},
 		{"watermarks", "[[mount]]\npath = \"/a\"\nhigh_watermark = 0.5\nlow_watermark = 0.6", "mount.low_watermark"},
 		{"duplicate mount", "[[mount]]\npath = \"/a\"\n[[mount]]\npath = \"/a/\"", "each mount once"},
+		{"io mode", "[[mount]]\npath = \"/a\"\nio = \"fast\"", `kvhost.toml:3: mount.io: want "auto", "direct" or "buffered", got "fast"`},
+		{"checksum type", "[[mount]]\npath = \"/a\"\nchecksum = \"yes\"", "mount.checksum"},
 		{"log level", "[log]\nlevel = \"loud\"", `log.level: want debug, info, warn or error, got "loud"`},
 		{"reserved param", "[policy.params]\n\"kvhost.shard\" = 1", "reserved prefix"},
 		{"wrong type", "[server]\nmax_clients = \"many\"", "kvhost.toml:2: server.max_clients: incompatible types"},

@@ -309,7 +309,7 @@ func (w *Worker) bounce(ctx context.Context, f fsys.File, run []Span, opt Option
 		length += int64(len(s.Buf))
 	}
 	end := start + length
-	if write && (start%Align != 0 || end%Align != 0) {
+	if write && start%Align != 0 {
 		return 0, fmt.Errorf("%w: write of [%d, %d)", ErrUnaligned, start, end)
 	}
 	astart := start / Align * Align
@@ -332,7 +332,10 @@ func (w *Worker) bounce(ctx context.Context, f fsys.File, run []Span, opt Option
 					return
 				}
 				n := min(size, aend-off)
-				cur.gather(buf[:n])
+				// A run ending inside a 4 KiB block is written to the
+				// block's end: the tail is zeros (the file's padding),
+				// never a reused buffer's old bytes.
+				clear(buf[cur.gather(buf[:n]):n])
 				full <- chunk{buf: buf, off: off, n: int(n)}
 			}
 		}()
@@ -401,13 +404,21 @@ func ProbeDirect(fs fsys.FS, dir string) (bool, error) {
 	if _, err := unix.Getrandom(rnd[:], 0); err != nil {
 		return false, fmt.Errorf("staging: probe: %w", err)
 	}
-	name := filepath.Join(dir, fmt.Sprintf(".probe-direct-%x", rnd))
+	return ProbeDirectFile(fs, filepath.Join(dir, fmt.Sprintf(".probe-direct-%x", rnd)))
+}
+
+// ProbeDirectFile is ProbeDirect with the probe file's name: it creates
+// name (which must not exist) with O_DIRECT, writes 4 KiB and removes it.
+// It returns false and a nil error where the file system refuses O_DIRECT
+// (EINVAL), and an error where the probe could not tell (a full or
+// read-only file system: callers fall back to buffered I/O).
+func ProbeDirectFile(fs fsys.FS, name string) (bool, error) {
 	f, err := fs.OpenFile(name, os.O_RDWR|os.O_CREATE|os.O_EXCL|unix.O_DIRECT, 0o600)
 	if err != nil {
 		if pe, ok := err.(*os.PathError); ok && pe.Err == unix.EINVAL {
 			return false, nil
 		}
-		return false, fmt.Errorf("staging: probe O_DIRECT in %s: %w", dir, err)
+		return false, fmt.Errorf("staging: probe O_DIRECT: %w", err)
 	}
 	defer fs.Remove(name)
 	buf := AlignedBuffer(Align)
@@ -417,7 +428,10 @@ func ProbeDirect(fs fsys.FS, dir string) (bool, error) {
 		if pe, ok := werr.(*os.PathError); ok && pe.Err == unix.EINVAL {
 			return false, nil
 		}
-		return false, fmt.Errorf("staging: probe O_DIRECT in %s: %w", dir, werr)
+		return false, fmt.Errorf("staging: probe O_DIRECT: %w", werr)
 	}
-	return cerr == nil, cerr
+	if cerr != nil {
+		return false, fmt.Errorf("staging: probe O_DIRECT: %w", cerr)
+	}
+	return true, nil
 }

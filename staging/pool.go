@@ -18,16 +18,20 @@ import (
 	"unsafe"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/kvhost/kvhost/transfer"
 )
 
 // Errors of the package.
 var (
 	// ErrClosed: the pool is closed.
 	ErrClosed = errors.New("staging: closed")
-	// ErrUnaligned: a direct write whose file range is not 4 KiB-aligned.
+	// ErrUnaligned: a direct write whose file range does not start on a
+	// 4 KiB boundary.
 	ErrUnaligned = errors.New("staging: unaligned direct I/O")
-	// ErrShortFile: a read reached the end of the file early.
-	ErrShortFile = errors.New("staging: file shorter than expected")
+	// ErrShortFile: a read reached the end of the file early. It is
+	// transfer.ErrShortFile, what every mover returns.
+	ErrShortFile = transfer.ErrShortFile
 )
 
 // Align is the alignment of bounce buffers and of direct I/O.

@@ -29,6 +29,10 @@ import (
 // never means that bytes were moved.
 var ErrUnsupported = errors.New("transfer: unsupported")
 
+// ErrShortFile is returned (wrapped) by ReadFile when the file ends before
+// the plan does: the file was truncated, and the engine judges it corrupt.
+var ErrShortFile = errors.New("transfer: file shorter than the plan")
+
 // Extent is Len bytes at FileOff in the file and at RegionOff in Region.
 // Sum indexes the checksum (in the sums given to WriteFile or ReadFile) that
 // the extent's bytes feed, in plan order, or is -1 for none.
@@ -47,7 +51,9 @@ type Plan struct {
 	// Sums is the number of checksum slots the extents index.
 	Sums int
 	// Direct says the file is open with O_DIRECT: file offsets and lengths
-	// of I/O must be multiples of 4 KiB, and movers bounce what is not.
+	// of I/O must be multiples of 4 KiB, and movers bounce what is not. A
+	// written plan whose last extent ends inside a 4 KiB block is written
+	// to the block's end, the tail as zeros (the file format's padding).
 	Direct bool
 }
 

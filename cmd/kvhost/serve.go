@@ -113,7 +113,10 @@ func serve(ctx context.Context, cfg config.Config, log *slog.Logger, stdout io.W
 		if err != nil {
 			return err
 		}
-		mounts[i] = engine.Mount{Path: m.Path, Capacity: capacity, HighWatermark: m.HighWatermark, LowWatermark: m.LowWatermark}
+		mounts[i] = engine.Mount{
+			Path: m.Path, Capacity: capacity, HighWatermark: m.HighWatermark, LowWatermark: m.LowWatermark,
+			Reserve: int64(m.Reserve), IO: m.IO, NoChecksum: !m.Checksums(),
+		}
 	}
 	eng, err := engine.Open(ctx, engine.Config{
 		Mounts:         mounts,
@@ -124,7 +127,11 @@ func serve(ctx context.Context, cfg config.Config, log *slog.Logger, stdout io.W
 		StagingBytes:   int64(cfg.Engine.StagingMemory),
 		VerifyInterval: time.Duration(cfg.Engine.VerifyInterval),
 		TempGrace:      time.Duration(cfg.Engine.TempGrace),
-		Logger:         log,
+		NodeID:         cfg.Engine.NodeID,
+		// Node-local state next to the socket: a second daemon started by
+		// mistake stops here, before it touches a mount.
+		LockFile: cfg.Server.Socket + ".lock",
+		Logger:   log,
 	})
 	if err != nil {
 		return fmt.Errorf("open engine: %w", err)

@@ -85,8 +85,21 @@ type Mount struct {
 	// values mean 0.95 and 0.85.
 	HighWatermark, LowWatermark float64
 	// NoDirect disables O_DIRECT on this mount even where the probe says the
-	// file system supports it.
+	// file system supports it (the same as IO = IOBuffered).
 	NoDirect bool
+	// IO chooses the I/O mode: IOAuto (the default, "" too) probes O_DIRECT
+	// at Open and falls back to buffered I/O where the file system refuses
+	// it or the probe fails (a full file system); IODirect forces O_DIRECT
+	// (Open fails if the file system refuses it); IOBuffered uses the page
+	// cache.
+	IO string
+	// NoChecksum turns payload checksums off on this mount (files are
+	// flagged unchecked), as Config.NoChecksum does for every mount.
+	NoChecksum bool
+	// Reserve is space the engine leaves free on the file system: the
+	// effective capacity is the smaller of Capacity and the file system's
+	// available space plus the engine's own files, minus Reserve.
+	Reserve int64
 }
 
 // Config configures an Engine. The zero value of every optional field is a
@@ -146,6 +159,11 @@ type Config struct {
 	MaxNamespaces int
 	// Logger receives the engine's logs (default: slog.Default()).
 	Logger *slog.Logger
+	// Movers builds, per region kind, the data mover of each mount (called
+	// once per mount at Open): region.KindDevice for GPU paths, or
+	// region.KindHost to replace the CPU staging pipeline. Without an entry
+	// for a kind, caches in that kind of memory are refused.
+	Movers map[region.Kind]MoverFactory
 	// FS is the file system (default fsys.OS); tests inject faults here.
 	FS fsys.FS
 	// Now is the clock for access times (default time.Now).
@@ -271,11 +289,19 @@ func (r Result) Count(o Outcome) int {
 
 // MountStats describes one mount.
 type MountStats struct {
-	Path     string
-	Capacity int64
-	Used     int64 // bytes of published files plus reservations of stores in flight
-	Entries  int
-	Direct   bool // O_DIRECT is used on this mount
+	Path string
+	// Capacity is the effective limit: the smaller of Configured (or the
+	// file system's size) and what the file system can hold for the
+	// engine (available space plus its own files, minus Reserve).
+	Capacity   int64
+	Configured int64 // Mount.Capacity (0: the file system's size)
+	Reserve    int64
+	Used       int64 // bytes of published files plus reservations of stores in flight
+	Entries    int
+	Direct     bool   // O_DIRECT is used on this mount
+	IO         string // "direct" or "buffered"
+	Backend    string // the data mover of host memory on this mount ("staging")
+	Checksums  bool   // payload checksums are written and verified
 }
 
 // Stats are the engine's counters since Open.
@@ -293,6 +319,11 @@ type Stats struct {
 	Vanished     uint64 // files found missing or replaced behind the engine's back
 	BytesWritten uint64
 	BytesRead    uint64
+	// StoreFailures and LoadFailures break Failures down by reason. Every
+	// failed key is counted, and logged (warning; at most one line per
+	// reason every 10 s, saying how many were not logged).
+	StoreFailures Failures
+	LoadFailures  Failures
 }
 
 // The Engine's methods, for reference (implemented in engine.go, store.go,

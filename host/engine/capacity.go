@@ -12,33 +12,39 @@ const victimBatch = 256
 
 // reserve accounts size bytes on m for a store, evicting first if usage
 // would cross the high watermark. It fails with ErrNoSpace if the store
-// cannot fit within the capacity even after eviction.
+// cannot fit within the capacity even after eviction. The capacity is
+// refreshed from statfs (at most once a second) before the engine evicts
+// for a store, so that space freed on the file system counts.
 func (e *Engine) reserve(ctx context.Context, m *mount, size int64) error {
-	if size > m.capacity {
-		return fmt.Errorf("%w: mount %s: a file of %d bytes exceeds the capacity of %d", ErrNoSpace, m.root, size, m.capacity)
-	}
-	if e.tryReserve(m, size, m.high) {
+	if e.tryReserve(m, size, func(m *mount) int64 { return m.high }) {
 		return nil
 	}
 	m.evictMu.Lock()
 	defer m.evictMu.Unlock()
-	if e.tryReserve(m, size, m.high) { // another store evicted meanwhile
+	e.refreshCapacity(m, false)
+	if e.tryReserve(m, size, func(m *mount) int64 { return m.high }) { // another store evicted meanwhile
 		return nil
+	}
+	e.mu.Lock()
+	capacity := m.capacity
+	e.mu.Unlock()
+	if size > capacity {
+		return fmt.Errorf("%w: mount %s: a file of %d bytes exceeds the capacity of %d", ErrNoSpace, m.root, size, capacity)
 	}
 	e.evict(ctx, m, size)
-	if e.tryReserve(m, size, m.capacity) {
+	if e.tryReserve(m, size, func(m *mount) int64 { return m.capacity }) {
 		return nil
 	}
 	e.mu.Lock()
-	used := m.used
+	used, capacity := m.used, m.capacity
 	e.mu.Unlock()
-	return fmt.Errorf("%w: mount %s: %d of %d bytes used, %d more needed, no evictable entry left", ErrNoSpace, m.root, used, m.capacity, size)
+	return fmt.Errorf("%w: mount %s: %d of %d bytes used, %d more needed, no evictable entry left", ErrNoSpace, m.root, used, capacity, size)
 }
 
-func (e *Engine) tryReserve(m *mount, size, limit int64) bool {
+func (e *Engine) tryReserve(m *mount, size int64, limit func(*mount) int64) bool {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	if m.used+size <= limit {
+	if m.used+size <= limit(m) {
 		m.used += size
 		return true
 	}

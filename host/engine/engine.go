@@ -37,13 +37,14 @@ type Engine struct {
 	pol       policy.Policy
 	ownPolicy bool
 	hitRec    *hitRecorder // lookup hits, reported off the lookup's path
-	pool      *staging.Pool
+	host      *staging.Mover  // the CPU path; its pool is the engine's I/O workers
+	files     chan struct{}   // one token per file in flight (Config.IOWorkers)
 	mounts    []*mount
 	now       func() time.Time
-	node      string     // this node's name in temporary file names
-	lock      fsys.File  // Config.LockFile, flocked for the engine's life
-	dirs      sync.Map   // directories known to exist
-	unsynced  sync.Map // directories created, not yet fsynced (Config.Fsync)
+	node      string    // this node's name in temporary file names
+	lock      fsys.File // Config.LockFile, flocked for the engine's life
+	dirs      sync.Map  // directories known to exist
+	unsynced  sync.Map  // directories created, not yet fsynced (Config.Fsync)
 
 	mu       sync.Mutex
 	closed   bool
@@ -61,27 +62,12 @@ type Engine struct {
 	declares int // namespaces counted against Config.MaxNamespaces
 	jobsWG   sync.WaitGroup
 
-	st counters
+	st    counters
+	fails *failureLog
 }
 
 type counters struct {
 	stores, loads, hits, misses, evictions, failures, corrupt, vanished, written, read atomic.Uint64
-}
-
-type mount struct {
-	idx      int
-	root     string
-	capacity int64
-	high     int64
-	low      int64
-	direct   bool
-	// memory: a memory file system (tmpfs). With it, and with buffered
-	// I/O, checksums are computed inline in small chunks, in cache; with
-	// O_DIRECT to a device they overlap the next transfer instead.
-	memory  bool
-	evictMu sync.Mutex // one eviction at a time per mount
-	used    int64      // guarded by Engine.mu
-	entries int        // guarded by Engine.mu
 }
 
 type namespace struct {
@@ -101,7 +87,7 @@ type cache struct {
 	id     CacheID
 	ns     *namespace
 	layers []LayerTensor
-	mem    [][]byte // host bytes of each layer's region
+	kind   region.Kind // of every layer's region: picks the mover
 }
 
 // keyID names a key across namespaces: its geometry fingerprint and bytes.
@@ -173,6 +159,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		fs:       cfg.FS,
 		now:      cfg.Now,
 		node:     nodeName(cfg.NodeID),
+		fails:    &failureLog{log: cfg.Logger, interval: 10 * time.Second},
 		nsByFP:   map[uint64]NamespaceID{},
 		caches:   map[CacheID]*cache{},
 		entries:  map[uint64]*entry{},
@@ -201,10 +188,11 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		if err != nil {
 			return nil, err
 		}
+		mt.backend = "staging"
 		e.mounts = append(e.mounts, mt)
 	}
 	const bufSize = 4 << 20
-	pool, err := staging.New(staging.Config{
+	host, err := staging.NewMover(staging.Config{
 		Workers:    cfg.IOWorkers,
 		CPUs:       cfg.CPUs,
 		BufferSize: bufSize,
@@ -213,7 +201,13 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	if err != nil {
 		return nil, fmt.Errorf("engine: %w", err)
 	}
-	e.pool = pool
+	e.host = host
+	e.files = make(chan struct{}, cfg.IOWorkers)
+	pool := host
+	if err := e.buildMovers(); err != nil {
+		pool.Close()
+		return nil, err
+	}
 	start := time.Now()
 	if err := e.rebuild(ctx); err != nil {
 		pool.Close()
@@ -227,57 +221,13 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		}
 		e.ownPolicy = true
 	}
+	e.reportMounts()
 	e.restore(ctx)
 	e.hitRec = newHitRecorder(e)
 	ok = true
 	st := e.Stats()
 	e.log.Info("engine: open", "mounts", len(e.mounts), "entries", st.Entries, "keys", st.Keys, "rebuild", time.Since(start))
 	return e, nil
-}
-
-func (e *Engine) openMount(i int, m Mount) (*mount, error) {
-	if m.Path == "" {
-		return nil, fmt.Errorf("%w: mount %d: empty path", ErrInvalid, i)
-	}
-	root, err := filepath.Abs(m.Path)
-	if err != nil {
-		return nil, fmt.Errorf("%w: mount %d: %w", ErrInvalid, i, err)
-	}
-	high, low := m.HighWatermark, m.LowWatermark
-	if high == 0 {
-		high = 0.95
-	}
-	if low == 0 {
-		low = min(0.85, high)
-	}
-	if high <= 0 || high > 1 || low <= 0 || low > high || m.Capacity < 0 {
-		return nil, fmt.Errorf("%w: mount %s: capacity %d, watermarks high %v low %v: want 0 < low <= high <= 1", ErrInvalid, root, m.Capacity, high, low)
-	}
-	if err := e.mkdir(root, true); err != nil {
-		return nil, fmt.Errorf("engine: mount %s: %w", root, err)
-	}
-	st, err := e.fs.Statfs(root)
-	if err != nil {
-		return nil, fmt.Errorf("engine: mount %s: %w", root, err)
-	}
-	capacity := m.Capacity
-	if capacity == 0 {
-		capacity = st.Total
-	}
-	const tmpfsMagic, ramfsMagic = 0x01021994, 0x858458f6
-	direct := false
-	if !m.NoDirect {
-		if direct, err = staging.ProbeDirect(e.fs, root); err != nil {
-			return nil, fmt.Errorf("engine: mount %s: %w", root, err)
-		}
-	}
-	if !direct {
-		e.log.Info("engine: buffered I/O on mount", "mount", root, "reason", map[bool]string{true: "disabled by config", false: "O_DIRECT refused by the file system"}[m.NoDirect])
-	}
-	return &mount{
-		idx: i, root: root, capacity: capacity, direct: direct, memory: st.Type == tmpfsMagic || st.Type == ramfsMagic,
-		high: int64(float64(capacity) * high), low: int64(float64(capacity) * low),
-	}, nil
 }
 
 // Declare registers a geometry and returns its namespace. Declaring the same
@@ -391,7 +341,9 @@ func (e *Engine) namespace(id NamespaceID) (*namespace, error) {
 
 // RegisterCache registers the paged KV cache of one worker for namespace ns:
 // one tensor per layer. Every block of every layer must lie inside its
-// region, and regions must be host-addressable (this is the CPU path).
+// region; every region must be of one kind, for which every mount has a
+// data mover (host memory: the staging pipeline, which needs
+// host-addressable regions; device memory: Config.Movers).
 func (e *Engine) RegisterCache(ns NamespaceID, layers []LayerTensor) (CacheID, error) {
 	n, err := e.namespace(ns)
 	if err != nil {
@@ -401,7 +353,7 @@ func (e *Engine) RegisterCache(ns NamespaceID, layers []LayerTensor) (CacheID, e
 	if len(layers) != g.Layers {
 		return 0, fmt.Errorf("%w: %d layer tensors for %d layers", ErrInvalid, len(layers), g.Layers)
 	}
-	c := &cache{ns: n, layers: layers, mem: make([][]byte, len(layers))}
+	c := &cache{ns: n, layers: slices.Clone(layers)}
 	bb := g.BlockBytes()
 	for l, t := range layers {
 		bad := func(format string, args ...any) error {
@@ -410,9 +362,25 @@ func (e *Engine) RegisterCache(ns NamespaceID, layers []LayerTensor) (CacheID, e
 		if t.Region == nil {
 			return 0, bad("no region")
 		}
-		a, ok := t.Region.(region.Addressable)
-		if !ok {
-			return 0, bad("%s region %d is not host-addressable", t.Region.Kind(), t.Region.ID())
+		kind := t.Region.Kind()
+		if l == 0 {
+			c.kind = kind
+		} else if kind != c.kind {
+			return 0, bad("%s region %d, but layer 0 is in %s memory: a cache's regions are of one kind", kind, t.Region.ID(), c.kind)
+		}
+		for _, m := range e.mounts {
+			if _, err := m.mover(kind); err != nil {
+				return 0, bad("%s region %d: %w", kind, t.Region.ID(), err)
+			}
+		}
+		if kind == region.KindHost {
+			a, ok := t.Region.(region.Addressable)
+			if !ok {
+				return 0, bad("host region %d is not host-addressable", t.Region.ID())
+			}
+			if a.Bytes() == nil {
+				return 0, bad("region %d is closed", t.Region.ID())
+			}
 		}
 		if t.NumBlocks <= 0 || t.Offset < 0 || t.BlockStride < 0 || t.PlaneStride < 0 {
 			return 0, bad("num blocks %d, offset %d, block stride %d, plane stride %d", t.NumBlocks, t.Offset, t.BlockStride, t.PlaneStride)
@@ -423,12 +391,23 @@ func (e *Engine) RegisterCache(ns NamespaceID, layers []LayerTensor) (CacheID, e
 		if g.Planes() > 1 && t.PlaneStride < bb {
 			return 0, bad("plane stride %d is less than a block (%d bytes)", t.PlaneStride, bb)
 		}
+		// The last block's offset, without overflow: every term is bounded
+		// by what is left of the region before it is multiplied.
+		rl := t.Region.Len()
+		room := rl - t.Offset
+		if room < 0 {
+			return 0, bad("offset %d is outside region %d of %d bytes", t.Offset, t.Region.ID(), rl)
+		}
+		if t.NumBlocks > 1 && int64(t.NumBlocks-1) > room/max(t.BlockStride, 1) {
+			return 0, bad("%d blocks of stride %d from offset %d do not fit in region %d of %d bytes", t.NumBlocks, t.BlockStride, t.Offset, t.Region.ID(), rl)
+		}
+		room -= int64(t.NumBlocks-1) * t.BlockStride
+		if g.Planes() > 1 && t.PlaneStride > room {
+			return 0, bad("plane stride %d from offset %d does not fit in region %d of %d bytes", t.PlaneStride, t.Offset, t.Region.ID(), rl)
+		}
 		last := region.Segment{Region: t.Region, Offset: t.Offset + int64(g.Planes()-1)*t.PlaneStride + int64(t.NumBlocks-1)*t.BlockStride, Length: bb}
 		if last.Offset < 0 || last.Check() != nil {
 			return 0, bad("last block [%d, +%d) is outside region %d of %d bytes", last.Offset, bb, t.Region.ID(), t.Region.Len())
-		}
-		if c.mem[l] = a.Bytes(); c.mem[l] == nil {
-			return 0, bad("region %d is closed", t.Region.ID())
 		}
 	}
 	e.mu.Lock()
@@ -452,13 +431,6 @@ func (e *Engine) UnregisterCache(id CacheID) error {
 	}
 	delete(e.caches, id)
 	return nil
-}
-
-// block returns the bytes of block b, plane p, layer l of the cache.
-func (c *cache) block(l, p, b int) []byte {
-	t := &c.layers[l]
-	off := t.Offset + int64(p)*t.PlaneStride + int64(b)*t.BlockStride
-	return c.mem[l][off : off+c.ns.geo.BlockBytes() : off+c.ns.geo.BlockBytes()]
 }
 
 // request validates the common part of store and load requests.
@@ -554,6 +526,7 @@ func (e *Engine) finish(j *Job) {
 		}
 		if j.res.Keys[i].Outcome == OutcomeFailed {
 			e.st.failures.Add(1)
+			e.fails.add(j.kind, j.res.Keys[i].Err, time.Now())
 		}
 	}
 	e.mu.Lock()
@@ -570,12 +543,16 @@ func (e *Engine) Stats() Stats {
 		Stores: e.st.stores.Load(), Loads: e.st.loads.Load(), Hits: e.st.hits.Load(), Misses: e.st.misses.Load(),
 		Evictions: e.st.evictions.Load(), Failures: e.st.failures.Load(), Corrupt: e.st.corrupt.Load(),
 		Vanished: e.st.vanished.Load(), BytesWritten: e.st.written.Load(), BytesRead: e.st.read.Load(),
+		StoreFailures: e.fails.stats(0), LoadFailures: e.fails.stats(1),
 	}
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	s.Entries, s.Keys = len(e.entries), len(e.byKey)
 	for _, m := range e.mounts {
-		s.Mounts = append(s.Mounts, MountStats{Path: m.root, Capacity: m.capacity, Used: m.used, Entries: m.entries, Direct: m.direct})
+		s.Mounts = append(s.Mounts, MountStats{
+			Path: m.root, Capacity: m.capacity, Configured: m.configured, Reserve: m.reserve, Used: m.used, Entries: m.entries,
+			Direct: m.direct, IO: m.ioName(), Backend: m.backend, Checksums: m.checksums,
+		})
 	}
 	return s
 }
@@ -606,7 +583,7 @@ func (e *Engine) Close(ctx context.Context) error {
 		<-done
 	}
 	e.hitRec.close()
-	e.pool.Close()
+	e.host.Close()
 	if e.ownPolicy {
 		err = errors.Join(err, e.pol.Close(context.WithoutCancel(ctx)))
 	}

@@ -155,6 +155,7 @@ func (e *Engine) removeIfSame(path string, ens []*entry) {
 		e.log.Debug("engine: not removed: the file at the path is another one", "path", path)
 		return
 	}
+	e.forget(id)
 	if err := e.fs.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
 		e.log.Warn("engine: remove", "path", path, "err", err)
 	}

@@ -11,7 +11,7 @@ import (
 
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/format"
-	"github.com/kvhost/kvhost/staging"
+	"github.com/kvhost/kvhost/internal/fsys"
 )
 
 // Load loads keys into cache blocks, asynchronously. The request is
@@ -50,8 +50,8 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 		if en == nil {
 			en = e.discover(ctx, ns, k)
 		}
-		pinned := false
-		if en != nil {
+		_, pinned := byEntry[en] // once per file: one unpin below
+		if en != nil && !pinned {
 			e.mu.Lock()
 			if !en.gone {
 				en.pins++
@@ -75,17 +75,18 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 	var wg sync.WaitGroup
 	for _, en := range order {
 		idx := byEntry[en]
-		wg.Add(1)
-		err := e.pool.Submit(ctx, func(w *staging.Worker) {
-			defer wg.Done()
-			e.loadFile(ctx, w, j, c, keys, blocks, en, idx)
-		})
-		if err != nil {
-			wg.Done()
+		if err := e.acquire(ctx); err != nil {
 			for _, i := range idx {
 				set(i, OutcomeFailed, err)
 			}
+			continue
 		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			defer e.releaseSlot()
+			e.loadFile(ctx, j, c, keys, blocks, en, idx)
+		}()
 	}
 	wg.Wait()
 
@@ -115,7 +116,7 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 
 // loadFile reads the keys idx (request indices) from en's file into their
 // blocks and verifies them.
-func (e *Engine) loadFile(ctx context.Context, w *staging.Worker, j *Job, c *cache, keys [][]byte, blocks [][]int, en *entry, idx []int) {
+func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, blocks [][]int, en *entry, idx []int) {
 	set := func(i int, o Outcome, err error) { j.res.Keys[i] = KeyResult{Outcome: o, Err: err} }
 	all := func(o Outcome, err error) {
 		for _, i := range idx {
@@ -176,9 +177,18 @@ func (e *Engine) loadFile(ctx context.Context, w *staging.Worker, j *Job, c *cac
 			en = e.adopt(ctx, e.entryOf(en.mount, en.path, h, id))
 		}
 	}
-	want := make([]bool, len(h.Keys))
-	dst := make([]int, len(h.Keys)) // file key -> request index
-	var read []int
+	// A file shorter than its header says was truncated behind our back:
+	// corrupt, whatever the keys asked.
+	if id, err := fileIdentity(f); err == nil && id.Size < h.FileLen() {
+		err := fmt.Errorf("%w: %s: %d bytes, the header says %d", ErrCorrupt, en.path, id.Size, h.FileLen())
+		corrupt(err)
+		all(OutcomeFailed, err)
+		return
+	}
+	// The destinations of each key of the file, in request order. A key
+	// asked twice (into different blocks) is read once per destination:
+	// round r reads the r-th destination of every key asked r+1 times.
+	dsts := make([][]int, len(h.Keys))
 	for _, i := range idx {
 		k, err := h.Match(c.ns.fp, keys[i])
 		if err != nil {
@@ -186,30 +196,66 @@ func (e *Engine) loadFile(ctx context.Context, w *staging.Worker, j *Job, c *cac
 			set(i, OutcomeMissing, fmt.Errorf("%w: %s: %w", ErrMismatch, en.path, err))
 			continue
 		}
-		want[k], dst[k] = true, i
-		read = append(read, k)
+		dsts[k] = append(dsts[k], i)
 	}
-	if len(read) == 0 {
-		return // a file of other keys replaced the entry's (handled above)
+	for round := 0; ; round++ {
+		dst := make([]int, len(h.Keys)) // file key -> request index, this round
+		var read []int
+		for k, d := range dsts {
+			if len(d) > round {
+				dst[k] = d[round]
+				read = append(read, k)
+			}
+		}
+		if len(read) == 0 {
+			return // nothing (more) asked of this file
+		}
+		if !e.loadRound(ctx, j, c, blocks, en, f, h, m, dst, read, corrupt) {
+			// The file was judged corrupt: later destinations fail alike.
+			for k, d := range dsts {
+				for _, i := range d[min(len(d), round+1):] {
+					set(i, j.res.Keys[dst[k]].Outcome, j.res.Keys[dst[k]].Err)
+				}
+			}
+			return
+		}
 	}
-	hl := int64(h.Len())
-	spans := make([]staging.Span, 0, len(read)*int(h.Layers*h.Planes*h.BlocksPerKey))
-	h.Walk(want, func(k, b, l, p int, off int64) {
-		spans = append(spans, staging.Span{Off: hl + off, Buf: c.block(l, p, blocks[dst[k]][b]), Sum: k})
-	})
-	check := h.Flags&format.FlagPayloadSums != 0 && !e.cfg.NoChecksum
+}
+
+// loadRound reads the file keys read of f into the blocks of the request
+// indices dst[k], verifies them and sets their outcomes. It reports false
+// if the file was found corrupt (the caller stops).
+func (e *Engine) loadRound(ctx context.Context, j *Job, c *cache, blocks [][]int, en *entry, f fsys.File, h *format.Header, m *mount, dst []int, read []int, corrupt func(error)) bool {
+	set := func(i int, o Outcome, err error) { j.res.Keys[i] = KeyResult{Outcome: o, Err: err} }
+	want := make([]bool, len(h.Keys))
+	for _, k := range read {
+		want[k] = true
+	}
+	mv, err := m.mover(c.kind)
+	if err != nil {
+		for _, k := range read {
+			set(dst[k], OutcomeFailed, err)
+		}
+		return true
+	}
+	plan := c.plan(h, want, func(k int) []int { return blocks[dst[k]] }, m.direct)
+	check := h.Flags&format.FlagPayloadSums != 0 && m.checksums && mv.Checksums()
 	var sums []uint32
 	if check {
 		sums = make([]uint32, len(h.Keys))
 	}
-	if _, err := w.Read(ctx, f, spans, staging.Options{Direct: m.direct, Sums: sums, Overlap: m.direct && !m.memory}); err != nil {
-		if errors.Is(err, staging.ErrShortFile) {
+	if _, err := mv.ReadFile(ctx, f, plan, sums); err != nil {
+		ok := true
+		if isShort(err) {
+			// Truncated while we read it.
+			err = fmt.Errorf("%w: %w", ErrCorrupt, err)
 			corrupt(err)
+			ok = false
 		}
 		for _, k := range read {
 			set(dst[k], OutcomeFailed, fmt.Errorf("engine: load %s: %w", en.path, err))
 		}
-		return
+		return ok
 	}
 	var mismatched []bool // file key -> its checksum failed
 	for _, k := range read {
@@ -226,26 +272,28 @@ func (e *Engine) loadFile(ctx context.Context, w *staging.Worker, j *Job, c *cac
 		e.st.read.Add(uint64(h.KeyBytes()))
 		j.bytes.Add(h.KeyBytes())
 	}
-	if mismatched != nil {
-		// The checksums were computed from the destination blocks, which
-		// the client can write: only a private re-read tells a corrupt
-		// file from blocks changed under the load.
-		private, err := recheck(ctx, f, h, mismatched)
-		bad := errors.Is(err, ErrCorrupt)
-		for k, mis := range mismatched {
-			switch {
-			case !mis:
-			case err != nil:
-				set(dst[k], OutcomeFailed, fmt.Errorf("engine: load %s: key %d: payload checksum 0x%08x, want 0x%08x; re-reading: %w", en.path, k, sums[k], h.Keys[k].Sum, err))
-			case private[k] != h.Keys[k].Sum:
-				bad = true
-				set(dst[k], OutcomeFailed, fmt.Errorf("%w: %s: key %d: payload checksum 0x%08x, want 0x%08x", ErrCorrupt, en.path, k, private[k], h.Keys[k].Sum))
-			default:
-				set(dst[k], OutcomeFailed, fmt.Errorf("%w: %s: key %d", errDestinationChanged, en.path, k))
-			}
-		}
-		if bad {
-			corrupt(fmt.Errorf("%w: payload checksum", format.ErrCorrupt))
+	if mismatched == nil {
+		return true
+	}
+	// The checksums were computed from the destination blocks, which the
+	// client can write: only a private re-read tells a corrupt file from
+	// blocks changed under the load.
+	private, err := recheck(ctx, f, h, mismatched)
+	bad := errors.Is(err, ErrCorrupt)
+	for k, mis := range mismatched {
+		switch {
+		case !mis:
+		case err != nil:
+			set(dst[k], OutcomeFailed, fmt.Errorf("engine: load %s: key %d: payload checksum 0x%08x, want 0x%08x; re-reading: %w", en.path, k, sums[k], h.Keys[k].Sum, err))
+		case private[k] != h.Keys[k].Sum:
+			bad = true
+			set(dst[k], OutcomeFailed, fmt.Errorf("%w: %s: key %d: payload checksum 0x%08x, want 0x%08x", ErrCorrupt, en.path, k, private[k], h.Keys[k].Sum))
+		default:
+			set(dst[k], OutcomeFailed, fmt.Errorf("%w: %s: key %d", errDestinationChanged, en.path, k))
 		}
 	}
+	if bad {
+		corrupt(fmt.Errorf("%w: payload checksum", format.ErrCorrupt))
+	}
+	return !bad
 }

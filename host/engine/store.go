@@ -4,7 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
-		"os"
+	"os"
 	"path/filepath"
 	"slices"
 	"sync"
@@ -170,7 +170,7 @@ func (e *Engine) storeRound(ctx context.Context, j *Job, c *cache, keys [][]byte
 			Fingerprint: ns.fp, Order: ns.order, Layers: uint32(ns.geo.Layers), Planes: uint32(ns.geo.Planes()),
 			BlocksPerKey: uint32(ns.geo.BlocksPerKey()), BlockBytes: uint64(ns.geo.BlockBytes()), Created: now,
 		}
-		if !e.cfg.NoChecksum {
+		if e.mounts[gr.mount].checksums {
 			gr.hdr.Flags |= format.FlagPayloadSums
 		}
 		for _, i := range gr.idx {
@@ -235,23 +235,24 @@ func (e *Engine) storeRound(ctx context.Context, j *Job, c *cache, keys [][]byte
 			busy = append(busy, fl)
 			continue
 		}
+		if err := e.acquire(ctx); err != nil {
+			e.release(gr.path)
+			failAll(gr.idx, err)
+			continue
+		}
 		wg.Add(1)
-		err := e.pool.Submit(ctx, func(w *staging.Worker) {
+		go func() {
 			defer wg.Done()
+			defer e.releaseSlot()
 			defer e.release(gr.path)
-			if err := e.storeFile(ctx, w, j, c, blocks, gr); err != nil {
+			if err := e.storeFile(ctx, j, c, blocks, gr); err != nil {
 				failAll(gr.idx, err)
 				return
 			}
 			for _, i := range gr.idx {
 				set(i, OutcomeStored, nil)
 			}
-		})
-		if err != nil {
-			wg.Done()
-			e.release(gr.path)
-			failAll(gr.idx, err)
-		}
+		}()
 	}
 	wg.Wait()
 	return deferred, busy
@@ -260,28 +261,49 @@ func (e *Engine) storeRound(ctx context.Context, j *Job, c *cache, keys [][]byte
 // storeFile writes one file: payload, then header (which carries the
 // payload checksums), under a temporary name in the target directory, then
 // publishes it by rename and indexes it.
-func (e *Engine) storeFile(ctx context.Context, w *staging.Worker, j *Job, c *cache, blocks [][]int, gr *group) (err error) {
+func (e *Engine) storeFile(ctx context.Context, j *Job, c *cache, blocks [][]int, gr *group) error {
 	m := e.mounts[gr.mount]
-	h := gr.hdr
-	size := h.FileLen()
+	size := gr.hdr.FileLen()
 	if err := e.reserve(ctx, m, size); err != nil {
 		return err
 	}
-	published := false
-	defer func() {
+	// The file system may be fuller than the engine knows (other nodes,
+	// other programs): an ENOSPC refreshes the capacity from statfs,
+	// evicts down to it and tries once more.
+	for attempt := 0; ; attempt++ {
+		published, err := e.writeFile(ctx, j, c, blocks, gr)
 		if !published {
+			if attempt == 0 && errors.Is(err, syscall.ENOSPC) && ctx.Err() == nil {
+				e.log.Debug("engine: ENOSPC; evicting and trying again", "mount", m.root, "path", gr.path)
+				e.refreshCapacity(m, true)
+				m.evictMu.Lock()
+				e.evict(ctx, m, 0)
+				m.evictMu.Unlock()
+				continue
+			}
 			e.unreserve(m, size)
 		}
-	}()
+		return err
+	}
+}
+
+// writeFile writes, publishes and indexes one file; the caller holds the
+// reservation. published says whether the reservation was consumed (the
+// file was indexed, or published and removed again).
+func (e *Engine) writeFile(ctx context.Context, j *Job, c *cache, blocks [][]int, gr *group) (published bool, err error) {
+	m := e.mounts[gr.mount]
+	h := gr.hdr
+	size := h.FileLen()
 
 	hl := int64(h.Len())
-	spans := make([]staging.Span, 0, len(h.Keys)*int(h.Layers*h.Planes*h.BlocksPerKey)+1)
-	h.Walk(nil, func(k, b, l, p int, off int64) {
-		spans = append(spans, staging.Span{Off: hl + off, Buf: c.block(l, p, blocks[gr.idx[k]][b]), Sum: k})
-	})
-	if pad := size - hl - h.PayloadLen(); pad > 0 {
-		spans = append(spans, staging.Span{Off: hl + h.PayloadLen(), Buf: staging.AlignedBuffer(int(pad)), Sum: -1})
+	mv, err := m.mover(c.kind)
+	if err != nil {
+		return false, err
 	}
+	if !mv.Checksums() {
+		h.Flags &^= format.FlagPayloadSums // the file records it
+	}
+	plan := c.plan(h, nil, func(k int) []int { return blocks[gr.idx[k]] }, m.direct)
 
 	dir := filepath.Dir(gr.path)
 	tmp := e.tempName(dir, tmpPrefix)
@@ -290,7 +312,7 @@ func (e *Engine) storeFile(ctx context.Context, w *staging.Worker, j *Job, c *ca
 		flag |= unix.O_DIRECT
 	}
 	if err := e.mkdir(dir, false); err != nil {
-		return e.ioError(m, "mkdir", err)
+		return published, e.ioError(m, "mkdir", err)
 	}
 	f, err := e.fs.OpenFile(tmp, flag, 0o644)
 	if errors.Is(err, os.ErrNotExist) { // the directory was removed behind our back
@@ -299,7 +321,7 @@ func (e *Engine) storeFile(ctx context.Context, w *staging.Worker, j *Job, c *ca
 		}
 	}
 	if err != nil {
-		return e.ioError(m, "create", err)
+		return published, e.ioError(m, "create", err)
 	}
 	defer func() {
 		if f != nil {
@@ -317,15 +339,20 @@ func (e *Engine) storeFile(ctx context.Context, w *staging.Worker, j *Job, c *ca
 		e.log.Debug("engine: flock of a temporary file", "path", tmp, "err", err)
 	}
 	if err := f.Allocate(size); err != nil {
-		return e.ioError(m, "allocate", err)
+		return published, e.ioError(m, "allocate", err)
 	}
 	var sums []uint32
-	if !e.cfg.NoChecksum {
+	if h.Flags&format.FlagPayloadSums != 0 {
 		sums = make([]uint32, len(h.Keys))
 	}
-	opt := staging.Options{Direct: m.direct, Sums: sums, Overlap: m.direct && !m.memory}
-	if _, err := w.Write(ctx, f, spans, opt); err != nil {
-		return e.ioError(m, "write", err)
+	if _, err := mv.WriteFile(ctx, f, plan, sums); err != nil {
+		return published, e.ioError(m, "write", err)
+	}
+	if pad := size - hl - h.PayloadLen(); pad > 0 && !m.direct {
+		// The file's zero tail (with O_DIRECT the mover writes it).
+		if _, err := f.WriteAt(make([]byte, pad), hl+h.PayloadLen()); err != nil {
+			return published, e.ioError(m, "write padding", err)
+		}
 	}
 	for k := range h.Keys {
 		if sums != nil {
@@ -335,18 +362,30 @@ func (e *Engine) storeFile(ctx context.Context, w *staging.Worker, j *Job, c *ca
 	h.ID = newFileID()
 	hdr := staging.AlignedBuffer(int(hl))
 	if err := h.Encode(hdr); err != nil {
-		return err
+		return false, err
 	}
-	if _, err := w.Write(ctx, f, []staging.Span{{Off: 0, Buf: hdr, Sum: -1}}, staging.Options{Direct: m.direct}); err != nil {
-		return e.ioError(m, "write header", err)
+	if _, err := f.WriteAt(hdr, 0); err != nil {
+		return published, e.ioError(m, "write header", err)
 	}
 	if e.cfg.Fsync {
 		if err := f.Sync(); err != nil {
-			return e.ioError(m, "fsync", err)
+			return published, e.ioError(m, "fsync", err)
 		}
 	}
+	if err := ctx.Err(); err != nil {
+		return false, err // cancelled: never published
+	}
+	e.mu.Lock()
+	old := e.byPath[gr.path]
+	e.mu.Unlock()
+	if old != nil {
+		e.forget(old.ident) // the rename replaces it
+	}
 	if err := e.fs.Rename(tmp, gr.path); err != nil {
-		return e.ioError(m, "rename", err)
+		if errors.Is(err, syscall.EISDIR) || errors.Is(err, syscall.ENOTEMPTY) || errors.Is(err, syscall.EEXIST) {
+			return false, fmt.Errorf("%w: store on mount %s: %s is a directory, not a kvhost file: the policy's name for key %q collides with it", ErrPolicy, m.root, gr.path, h.Keys[0].Key)
+		}
+		return false, e.ioError(m, "rename", err)
 	}
 	published = true // the temporary name is gone; the file is visible
 	en := &entry{fp: h.Fingerprint, ns: c.ns.id, mount: gr.mount, path: gr.path, size: size, fid: h.ID, last: e.now().UnixNano()}
@@ -369,7 +408,7 @@ func (e *Engine) storeFile(ctx context.Context, w *staging.Worker, j *Job, c *ca
 			e.removeIfSame(gr.path, []*entry{en})
 		}
 		e.unreserve(m, size)
-		return e.ioError(m, "publish", err)
+		return true, e.ioError(m, "publish", err)
 	}
 	en.verified.Store(en.last)
 	for _, k := range h.Keys {
@@ -388,7 +427,7 @@ func (e *Engine) storeFile(ctx context.Context, w *staging.Worker, j *Job, c *ca
 	e.st.stores.Add(uint64(len(h.Keys)))
 	e.st.written.Add(uint64(h.PayloadLen()))
 	j.bytes.Add(h.PayloadLen())
-	return nil
+	return true, nil
 }
 
 // ioError wraps a file-system error of a store; ENOSPC also wraps ErrNoSpace

@@ -1,0 +1,182 @@
+package engine
+
+import (
+	"fmt"
+	"path/filepath"
+	"sync"
+	"time"
+
+	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/region"
+	"github.com/kvhost/kvhost/staging"
+	"github.com/kvhost/kvhost/transfer"
+)
+
+// mount is one storage root and its space accounting.
+type mount struct {
+	idx  int
+	root string
+	// configured is Mount.Capacity (0: the file system's size); reserve
+	// is Mount.Reserve; highF and lowF the watermarks as fractions.
+	configured, reserve int64
+	highF, lowF         float64
+	direct              bool
+	// memory: a memory file system (tmpfs). With it, and with buffered
+	// I/O, checksums are computed inline in small chunks, in cache; with
+	// O_DIRECT to a device they overlap the next transfer instead.
+	memory    bool
+	checksums bool   // payload checksums on this mount (Mount.NoChecksum, the mover)
+	backend   string // the host mover's name
+	movers    map[region.Kind]transfer.Mover
+	ioWhy     string // how the I/O mode was chosen
+	evictMu   sync.Mutex
+	// guarded by Engine.mu
+	capacity  int64 // effective: min(configured, what the file system can hold)
+	high, low int64
+	used      int64
+	entries   int
+	refreshed time.Time // last capacity refresh from statfs
+}
+
+func (m *mount) ioName() string {
+	if m.direct {
+		return "direct"
+	}
+	return "buffered"
+}
+
+// IO modes of Mount.IO.
+const (
+	IOAuto     = "auto"     // probe: O_DIRECT where the file system takes it
+	IODirect   = "direct"   // O_DIRECT; Open fails if the file system refuses it
+	IOBuffered = "buffered" // the page cache
+)
+
+func (e *Engine) openMount(i int, m Mount) (*mount, error) {
+	if m.Path == "" {
+		return nil, fmt.Errorf("%w: mount %d: empty path", ErrInvalid, i)
+	}
+	root, err := filepath.Abs(m.Path)
+	if err != nil {
+		return nil, fmt.Errorf("%w: mount %d: %w", ErrInvalid, i, err)
+	}
+	high, low := m.HighWatermark, m.LowWatermark
+	if high == 0 {
+		high = 0.95
+	}
+	if low == 0 {
+		low = min(0.85, high)
+	}
+	if high <= 0 || high > 1 || low <= 0 || low > high || m.Capacity < 0 || m.Reserve < 0 {
+		return nil, fmt.Errorf("%w: mount %s: capacity %d, reserve %d, watermarks high %v low %v: want capacity and reserve >= 0, 0 < low <= high <= 1", ErrInvalid, root, m.Capacity, m.Reserve, high, low)
+	}
+	io := m.IO
+	if io == "" {
+		io = IOAuto
+	}
+	if m.NoDirect {
+		io = IOBuffered
+	}
+	if io != IOAuto && io != IODirect && io != IOBuffered {
+		return nil, fmt.Errorf("%w: mount %s: io %q: want %q, %q or %q", ErrInvalid, root, m.IO, IOAuto, IODirect, IOBuffered)
+	}
+	if err := e.mkdir(root, true); err != nil {
+		return nil, fmt.Errorf("engine: mount %s: %w", root, err)
+	}
+	st, err := e.fs.Statfs(root)
+	if err != nil {
+		return nil, fmt.Errorf("engine: mount %s: %w", root, err)
+	}
+	const tmpfsMagic, ramfsMagic = 0x01021994, 0x858458f6
+	mt := &mount{
+		idx: i, root: root, configured: m.Capacity, reserve: m.Reserve, highF: high, lowF: low,
+		memory: st.Type == tmpfsMagic || st.Type == ramfsMagic, checksums: !m.NoChecksum && !e.cfg.NoChecksum,
+	}
+	switch io {
+	case IOBuffered:
+		mt.ioWhy = "buffered by config"
+	default:
+		// The probe creates, writes and removes a small file. It must never
+		// stop a start (a full file system, a read-only one that still
+		// serves what it holds): a failure is buffered I/O and a log line.
+		direct, err := staging.ProbeDirectFile(e.fs, e.tempName(root, probePrefix))
+		switch {
+		case err != nil && io == IODirect:
+			mt.direct, mt.ioWhy = true, "direct by config (the probe failed: "+err.Error()+")"
+		case err != nil:
+			mt.ioWhy = "buffered: the O_DIRECT probe failed: " + err.Error()
+			e.log.Warn("engine: O_DIRECT probe failed; buffered I/O on the mount", "mount", root, "err", err)
+		case !direct && io == IODirect:
+			return nil, fmt.Errorf("%w: mount %s: io = %q, but the file system refuses O_DIRECT", ErrInvalid, root, IODirect)
+		case !direct:
+			mt.ioWhy = "buffered: the file system refuses O_DIRECT"
+		case io == IODirect:
+			mt.direct, mt.ioWhy = true, "direct by config"
+		default:
+			mt.direct, mt.ioWhy = true, "direct: probed"
+		}
+	}
+	mt.setCapacityLocked(e.fsCapacity(mt, st, 0))
+	return mt, nil
+}
+
+// fsCapacity is the capacity of m given what statfs says and what the
+// engine uses on it: the configured capacity (or the file system's size),
+// but at most what the file system can hold for us, free space plus our
+// own files, minus the reserve.
+func (e *Engine) fsCapacity(m *mount, st fsys.StatFS, used int64) int64 {
+	c := m.configured
+	if c == 0 {
+		c = st.Total
+	}
+	return max(0, min(c, st.Avail+used-m.reserve))
+}
+
+// setCapacityLocked sets the effective capacity and the watermarks.
+func (m *mount) setCapacityLocked(c int64) {
+	m.capacity = c
+	m.high = int64(float64(c) * m.highF)
+	m.low = int64(float64(c) * m.lowF)
+}
+
+// refreshCapacity recomputes m's capacity from statfs, at most once per
+// second unless force (after an ENOSPC): other writers on the file system
+// (other nodes of a shared mount, other programs) change what it can hold.
+func (e *Engine) refreshCapacity(m *mount, force bool) {
+	e.mu.Lock()
+	if !force && e.now().Sub(m.refreshed) < time.Second {
+		e.mu.Unlock()
+		return
+	}
+	m.refreshed = e.now()
+	e.mu.Unlock()
+	st, err := e.fs.Statfs(m.root)
+	if err != nil {
+		e.log.Warn("engine: statfs", "mount", m.root, "err", err)
+		return
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	// Space of stores in flight is part of used but not yet (all) taken
+	// from the file system: counting it as ours errs towards a larger
+	// capacity, which an ENOSPC then corrects.
+	m.setCapacityLocked(e.fsCapacity(m, st, m.used))
+}
+
+// reportMounts logs, once at Open, each mount's capacity, I/O mode,
+// backend and checksums, and warns where the configured capacity is more
+// than the file system can hold.
+func (e *Engine) reportMounts() {
+	for _, m := range e.mounts {
+		e.refreshCapacity(m, true)
+		e.mu.Lock()
+		capacity, used := m.capacity, m.used
+		e.mu.Unlock()
+		e.log.Info("engine: mount", "mount", m.root, "io", m.ioName(), "why", m.ioWhy, "backend", m.backend,
+			"checksums", m.checksums, "capacity", capacity, "used", used, "reserve", m.reserve)
+		if m.configured > capacity {
+			e.log.Warn("engine: the configured capacity is more than the file system can hold; using what it can hold",
+				"mount", m.root, "configured", m.configured, "effective", capacity, "reserve", m.reserve)
+		}
+	}
+}

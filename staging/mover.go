@@ -1,0 +1,106 @@
+package staging
+
+import (
+	"context"
+	"fmt"
+
+	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/region"
+	"github.com/kvhost/kvhost/transfer"
+)
+
+// Mover is the CPU data path as a transfer.Mover: it moves plans of
+// host-addressable regions (region.Addressable) with the pool's workers,
+// computing CRC-32C checksums on the way. NewMover starts its pool; For
+// returns views that share it with other options (one per mount).
+type Mover struct {
+	pool *Pool
+	// overlap: with O_DIRECT, checksum each batch on a helper goroutine
+	// while the next is in flight (devices); otherwise fused (memory file
+	// systems, where the transfer is itself a CPU copy).
+	overlap bool
+	owner   bool
+}
+
+var _ transfer.Mover = (*Mover)(nil)
+
+// NewMover starts a pool (Config) and returns a Mover over it.
+func NewMover(cfg Config) (*Mover, error) {
+	p, err := New(cfg)
+	if err != nil {
+		return nil, err
+	}
+	return &Mover{pool: p, owner: true}, nil
+}
+
+// For returns a Mover sharing m's pool for files on a device (overlap:
+// direct I/O to a block device, where checksums overlap the next transfer)
+// or on a memory file system or the page cache (fused checksums).
+func (m *Mover) For(device bool) *Mover {
+	return &Mover{pool: m.pool, overlap: device}
+}
+
+// Pool returns the mover's pool.
+func (m *Mover) Pool() *Pool { return m.pool }
+
+// Close stops the pool (of the Mover NewMover returned; views do nothing).
+func (m *Mover) Close() {
+	if m.owner {
+		m.pool.Close()
+	}
+}
+
+// Name implements transfer.Mover.
+func (m *Mover) Name() string { return "staging" }
+
+// Checksums implements transfer.Mover: the CPU sees every byte.
+func (m *Mover) Checksums() bool { return true }
+
+// WriteFile implements transfer.Mover.
+func (m *Mover) WriteFile(ctx context.Context, f fsys.File, p *transfer.Plan, sums []uint32) (int64, error) {
+	return m.run(ctx, f, p, sums, true)
+}
+
+// ReadFile implements transfer.Mover.
+func (m *Mover) ReadFile(ctx context.Context, f fsys.File, p *transfer.Plan, sums []uint32) (int64, error) {
+	return m.run(ctx, f, p, sums, false)
+}
+
+func (m *Mover) run(ctx context.Context, f fsys.File, p *transfer.Plan, sums []uint32, write bool) (int64, error) {
+	if sums != nil && len(sums) < p.Sums {
+		return 0, fmt.Errorf("staging: %d checksum slots for a plan of %d", len(sums), p.Sums)
+	}
+	spans := make([]Span, len(p.Extents))
+	var mem []byte
+	var last region.Region
+	for i, x := range p.Extents {
+		if x.Region != last {
+			a, ok := x.Region.(region.Addressable)
+			if !ok {
+				return 0, fmt.Errorf("%w: staging moves host memory; extent %d is in %s region %d", transfer.ErrUnsupported, i, x.Region.Kind(), x.Region.ID())
+			}
+			if mem = a.Bytes(); mem == nil {
+				return 0, fmt.Errorf("staging: extent %d: %w", i, region.ErrClosed)
+			}
+			last = x.Region
+		}
+		if x.RegionOff < 0 || x.Len < 0 || x.RegionOff > int64(len(mem)) || x.Len > int64(len(mem))-x.RegionOff {
+			return 0, fmt.Errorf("staging: extent %d: %w: [%d, +%d) in %d bytes", i, region.ErrBounds, x.RegionOff, x.Len, len(mem))
+		}
+		spans[i] = Span{Off: x.FileOff, Buf: mem[x.RegionOff : x.RegionOff+x.Len : x.RegionOff+x.Len], Sum: x.Sum}
+	}
+	opt := Options{Direct: p.Direct, Sums: sums, Overlap: m.overlap && p.Direct}
+	type result struct {
+		n   int64
+		err error
+	}
+	done := make(chan result, 1)
+	if err := m.pool.Submit(ctx, func(w *Worker) {
+		n, err := w.do(ctx, f, spans, opt, write)
+		done <- result{n, err}
+	}); err != nil {
+		return 0, err
+	}
+	r := <-done
+	return r.n, r.err
+}
