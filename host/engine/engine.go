@@ -58,11 +58,11 @@ type Engine struct {
 	declares int // namespaces counted against Config.MaxNamespaces
 	jobsWG   sync.WaitGroup
 
-	st    counters
+	st counters
 	// pathWaits counts the times a store waited for another job holding
 	// its file's path (tests wait for it instead of sleeping).
 	pathWaits atomic.Int64
-	fails *failureLog
+	fails     *failureLog
 }
 
 type counters struct {
