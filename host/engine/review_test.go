@@ -7,6 +7,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"runtime"
 	"slices"
 	"strings"
 	"sync"
@@ -89,13 +90,19 @@ func (f *failFirstWrite) Inject(op fsys.Op, _ string) fsys.Fault {
 	return fsys.Fault{}
 }
 
-// settle waits until j is done or a moment has passed: long enough for a
-// job that does not wait to finish, so that the tests below catch a store
-// that reports another job's file before that job is done.
-func settle(j *Job) {
-	select {
-	case <-j.Done():
-	case <-time.After(300 * time.Millisecond):
+// settle waits until e's stores have waited for a path held by another job
+// n times in all (a store that waits for the writer of its file's path has
+// reached that point), or fails the test after 10 s: the tests below then
+// catch a store that reports another job's file before that job is done.
+func settle(t *testing.T, e *Engine, n int64) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for e.pathWaits.Load() < n {
+		if time.Now().After(deadline) {
+			t.Fatalf("no store waited for the path (%d waits, want %d)", e.pathWaits.Load(), n)
+		}
+		runtime.Gosched()
+		time.Sleep(100 * time.Microsecond)
 	}
 }
 
@@ -127,7 +134,7 @@ func TestStoreWaitsForWriter(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		settle(jb)
+		settle(t, e, 1)
 		close(inj.release)
 		if k := waitJob(t, ja, nil).Keys[0]; k.Outcome != OutcomeFailed || !errors.Is(k.Err, syscall.EIO) {
 			t.Fatalf("writer: %v %v, want failed with EIO", k.Outcome, k.Err)
@@ -162,7 +169,7 @@ func TestStoreWaitsForWriter(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		settle(jb)
+		settle(t, e, 1)
 		close(inj.release)
 		wantOutcomes(t, "writer", waitJob(t, ja, nil), OutcomeStored)
 		res := waitJob(t, jb, nil)
@@ -308,7 +315,7 @@ func TestFsyncNewDirectories(t *testing.T) {
 	}
 }
 
-// removeGate holds the removal of one path until a signal or a timeout.
+// removeGate holds the removal of one path until a signal.
 type removeGate struct {
 	path    atomic.Value // string
 	reached chan struct{}
@@ -322,10 +329,7 @@ func (g *removeGate) Inject(op fsys.Op, path string) fsys.Fault {
 		g.once.Do(func() { first = true })
 		if first {
 			close(g.reached)
-			select {
-			case <-g.proceed:
-			case <-time.After(300 * time.Millisecond):
-			}
+			<-g.proceed
 		}
 	}
 	return fsys.Fault{}
@@ -356,8 +360,10 @@ func TestRemoveKeepsNewerFile(t *testing.T) {
 			stored <- Result{Keys: []KeyResult{{Outcome: OutcomeFailed, Err: err}}}
 			return
 		}
-		settle(j)
-		close(gate.proceed)
+		func() {
+			defer close(gate.proceed) // the delete goes on even if settle fails
+			settle(t, e, 1)
+		}()
 		res, _ := j.Wait(ctx)
 		stored <- res
 	}()

@@ -127,6 +127,9 @@ func (e *Engine) runStore(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 		// the same name is never taken for theirs).
 		var busy []*flight
 		todo, busy = e.storeRound(ctx, j, c, keys, blocks, missing)
+		if len(busy) > 0 {
+			e.pathWaits.Add(1)
+		}
 		for _, fl := range busy {
 			select {
 			case <-fl.done:

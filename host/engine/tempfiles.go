@@ -149,6 +149,9 @@ func (e *Engine) cleanTemp(path, rest string) (bool, error) {
 // flock on it without waiting; it writes this process's pid into it for the
 // message the next one gets.
 func lockNode(fs fsys.FS, path string) (fsys.File, error) {
+	if err := fs.MkdirAll(filepath.Dir(path), 0o750); err != nil {
+		return nil, fmt.Errorf("engine: lock file: %w", err)
+	}
 	f, err := fs.OpenFile(path, os.O_RDWR|os.O_CREATE, 0o644)
 	if err != nil {
 		return nil, fmt.Errorf("engine: lock file: %w", err)

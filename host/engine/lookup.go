@@ -1,0 +1,223 @@
+package engine
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/internal/fsys"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+)
+
+// resolve joins a policy-chosen relative path under its mount, re-checking
+// that it cannot escape the root.
+func (e *Engine) resolve(rec *abi.NameRecord) (int, string, error) {
+	if int(rec.Mount) >= len(e.mounts) {
+		return 0, "", fmt.Errorf("%w: mount %d of %d", ErrPolicy, rec.Mount, len(e.mounts))
+	}
+	p := rec.Path()
+	if err := abi.CheckPath(p); err != nil {
+		return 0, "", fmt.Errorf("%w: %w", ErrPolicy, err)
+	}
+	root := e.mounts[rec.Mount].root
+	full := filepath.Join(root, string(p))
+	if !strings.HasPrefix(full, root+string(filepath.Separator)) {
+		return 0, "", fmt.Errorf("%w: path %q escapes %s", ErrPolicy, p, root)
+	}
+	return int(rec.Mount), full, nil
+}
+
+// names asks the policy for the mount and path of every key.
+func (e *Engine) names(ctx context.Context, ns *namespace, keys [][]byte) ([]int, []string, []error, error) {
+	mounts := make([]int, len(keys))
+	paths := make([]string, len(keys))
+	errs := make([]error, len(keys))
+	recs := make([]abi.NameRecord, min(len(keys), abi.MaxBatch))
+	for start := 0; start < len(keys); start += abi.MaxBatch {
+		batch := keys[start:min(len(keys), start+abi.MaxBatch)]
+		rs := recs[:len(batch)]
+		for i, k := range batch {
+			rs[i] = abi.NameRecord{NS: uint32(ns.id), Fingerprint: ns.fp, TPRank: uint32(ns.geo.TPRank), MountCount: uint32(len(e.mounts))}
+			rs[i].SetKey(k)
+		}
+		if err := e.pol.Name(ctx, rs); err != nil {
+			return nil, nil, nil, fmt.Errorf("%w: name: %w", ErrPolicy, err)
+		}
+		for i := range rs {
+			mounts[start+i], paths[start+i], errs[start+i] = e.resolve(&rs[i])
+		}
+	}
+	return mounts, paths, errs, nil
+}
+
+// verify checks, cheaply (one stat), that en's file is still the one
+// indexed. A file removed or replaced behind the engine's back drops the
+// entry; verify then reports false.
+func (e *Engine) verify(ctx context.Context, en *entry) bool {
+	fi, err := e.fs.Stat(en.path)
+	if err == nil {
+		var id fsys.Identity
+		if id, err = fsys.IdentityOf(fi); err == nil && id.Same(en.ident) {
+			en.verified.Store(e.now().UnixNano())
+			return true
+		}
+	}
+	why := "vanished"
+	switch {
+	case err == nil:
+		why = "replaced"
+	case !errors.Is(err, os.ErrNotExist):
+		// Cannot tell (EIO, EACCES...): a miss for now, but keep the entry.
+		e.log.Warn("engine: stat", "path", en.path, "err", err)
+		return false
+	}
+	e.st.vanished.Add(1)
+	e.drop(ctx, en, false, why)
+	return false
+}
+
+// recentlyVerified reports whether en's file was checked within
+// Config.VerifyInterval of now (Unix nanoseconds).
+func (e *Engine) recentlyVerified(en *entry, now int64) bool {
+	iv := e.cfg.VerifyInterval
+	return iv > 0 && now-en.verified.Load() < int64(iv)
+}
+
+// Lookup returns how many leading keys of ns are stored. A hit is checked
+// against the file system (a stat per file: same inode, same size) unless
+// it was checked within Config.VerifyInterval: a file removed or replaced
+// behind the engine's back is a miss once checked, so it stays a hit for at
+// most VerifyInterval (with 0, every hit is checked and none is stale).
+// Loads always open and check the file. The first key missing from the
+// index is looked for under its policy name, so files published by another
+// node sharing the mount are found.
+func (e *Engine) Lookup(ctx context.Context, ns NamespaceID, keys [][]byte) (int, error) {
+	n, err := e.namespace(ns)
+	if err != nil {
+		return 0, err
+	}
+	hits := make([]abi.AccessRecord, 0, min(len(keys), 64))
+	defer func() { e.hitRec.add(ctx, hits) }()
+	// The entries already counted, to count a file of several keys once:
+	// a short slice (keys of one file are neighbours), a map for long
+	// requests.
+	var seen []*entry
+	var seenMap map[*entry]bool
+	if len(keys) > 64 {
+		seenMap = map[*entry]bool{}
+	}
+	counted := func(en *entry) bool {
+		if seenMap != nil {
+			return seenMap[en]
+		}
+		return slices.Contains(seen, en)
+	}
+	now := e.now().UnixNano()
+	for i, k := range keys {
+		if err := ctx.Err(); err != nil {
+			return i, err
+		}
+		en := e.find(n, k)
+		if en != nil && !counted(en) && !e.recentlyVerified(en, now) && !e.verify(ctx, en) {
+			en = nil
+		}
+		if en == nil {
+			en = e.discover(ctx, n, k)
+		}
+		if en == nil {
+			e.st.misses.Add(1)
+			return i, nil
+		}
+		e.st.hits.Add(1)
+		if !counted(en) {
+			if seenMap != nil {
+				seenMap[en] = true
+			} else {
+				seen = append(seen, en)
+			}
+			e.mu.Lock()
+			en.hits++
+			en.last = now
+			hits = append(hits, en.access(abi.AccessHit, now))
+			e.mu.Unlock()
+		}
+	}
+	return len(keys), nil
+}
+
+func (e *Engine) find(ns *namespace, key []byte) *entry {
+	e.mu.RLock()
+	defer e.mu.RUnlock()
+	if ref, ok := e.byKey[keyID{ns.fp, string(key)}]; ok {
+		return ref.e
+	}
+	return nil
+}
+
+// discover looks for key under its policy name and indexes the file if its
+// header says it holds the key in this geometry.
+func (e *Engine) discover(ctx context.Context, ns *namespace, key []byte) *entry {
+	mounts, paths, errs, err := e.names(ctx, ns, [][]byte{key})
+	if err != nil || errs[0] != nil {
+		return nil
+	}
+	e.mu.Lock()
+	busy := e.inflight[paths[0]] != nil
+	e.mu.Unlock()
+	if busy {
+		return nil
+	}
+	en, err := e.readEntry(mounts[0], paths[0])
+	if err != nil {
+		if !errors.Is(err, os.ErrNotExist) {
+			e.log.Debug("engine: not a match", "path", paths[0], "err", err)
+		}
+		return nil
+	}
+	if _, err := en.match(ns.fp, key); err != nil {
+		e.log.Info("engine: file under the key's name belongs to another key or geometry", "path", paths[0], "err", err)
+		return nil
+	}
+	return e.adopt(ctx, en)
+}
+
+// Delete removes the files holding any of keys (a file holding several keys
+// goes with all of them) and returns how many of the requested keys were
+// stored and are now removed: a key repeated in keys counts once, and the
+// other keys of a removed file are not counted. A load that has not yet
+// opened a deleted file reports it missing.
+func (e *Engine) Delete(ctx context.Context, ns NamespaceID, keys [][]byte) (int, error) {
+	n, err := e.namespace(ns)
+	if err != nil {
+		return 0, err
+	}
+	// The entries first: removing a file unindexes its other keys.
+	byEntry := map[*entry]int{} // requested keys held by each entry
+	var order []*entry
+	seen := map[string]bool{}
+	for _, k := range keys {
+		if seen[string(k)] {
+			continue
+		}
+		seen[string(k)] = true
+		if en := e.find(n, k); en != nil {
+			if byEntry[en] == 0 {
+				order = append(order, en)
+			}
+			byEntry[en]++
+		}
+	}
+	removed := 0
+	for _, en := range order {
+		if err := ctx.Err(); err != nil {
+			return removed, err
+		}
+		if e.drop(ctx, en, true, "deleted") {
+			removed += byEntry[en]
+		}
+	}
+	return removed, nil
+}

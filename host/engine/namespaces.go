@@ -1,0 +1,129 @@
+package engine
+
+import (
+	"context"
+	"fmt"
+	"github.com/kvhost/kvhost/abi"
+)
+
+type namespace struct {
+	id          NamespaceID
+	fp          uint64
+	declared    bool
+	geo         Geometry
+	rec         abi.NamespaceRecord
+	keysPerFile int
+	order       uint32
+	// counted: created or claimed by Declare, so it counts against
+	// Config.MaxNamespaces (namespaces of files found on disk do not).
+	counted bool
+}
+
+// Declare registers a geometry and returns its namespace. Declaring the same
+// geometry again returns the same id.
+func (e *Engine) Declare(ctx context.Context, g Geometry) (NamespaceID, error) {
+	if err := g.Validate(); err != nil {
+		return 0, err
+	}
+	fp := g.Fingerprint()
+	e.mu.Lock()
+	if e.closed {
+		e.mu.Unlock()
+		return 0, ErrClosed
+	}
+	id, ok := e.nsByFP[fp]
+	if ok && e.nss[id].declared {
+		e.mu.Unlock()
+		return id, nil
+	}
+	if !ok || !e.nss[id].counted {
+		// Every namespace costs state here and in every policy shard,
+		// for the life of the engine: bound them.
+		if e.declares >= e.cfg.MaxNamespaces {
+			e.mu.Unlock()
+			return 0, fmt.Errorf("%w: namespace %q: %d namespaces declared, the limit (Config.MaxNamespaces) is %d", ErrInvalid, g.Model, e.declares, e.cfg.MaxNamespaces)
+		}
+		if !ok {
+			id = e.newNamespaceLocked(fp)
+		}
+		e.nss[id].counted = true
+		e.declares++
+	}
+	e.mu.Unlock()
+
+	rec, err := e.pol.Namespace(ctx, g.record(id, len(e.mounts)))
+	if err != nil {
+		return 0, fmt.Errorf("%w: namespace %q: %w", ErrPolicy, g.Model, err)
+	}
+	if rec.KeysPerFile < 1 || rec.KeysPerFile > abi.MaxKeysPerFile || (rec.Order != abi.OrderLayerMajor && rec.Order != abi.OrderBlockMajor) {
+		return 0, fmt.Errorf("%w: namespace %q: layout keys per file %d, order %d", ErrPolicy, g.Model, rec.KeysPerFile, rec.Order)
+	}
+	if segs := int64(rec.KeysPerFile) * int64(g.SegmentsPerKey()); segs > MaxSegmentsPerFile {
+		return 0, fmt.Errorf("%w: %w: namespace %q: KeysPerFile %d × SegmentsPerKey %d = %d segments per file: want at most %d (fewer keys per file, or larger blocks)",
+			ErrInvalid, ErrPolicy, g.Model, rec.KeysPerFile, g.SegmentsPerKey(), segs, MaxSegmentsPerFile)
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	ns := e.nss[id]
+	if !ns.declared {
+		ns.declared, ns.geo, ns.rec = true, g, rec
+		ns.keysPerFile, ns.order = int(rec.KeysPerFile), rec.Order
+	}
+	return id, nil
+}
+
+// Release ends the declaration of namespace ns: the server calls it when
+// no client uses the namespace any more. The namespace stops counting
+// against Config.MaxNamespaces and is unknown to requests until declared
+// again (which returns the same id); its files stay indexed, on disk and
+// servable then. It fails with ErrUnknownNamespace for an id Declare never
+// returned, and with ErrInvalid while caches of the namespace are still
+// registered. Releasing a released namespace does nothing.
+func (e *Engine) Release(ns NamespaceID) error {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if e.closed {
+		return ErrClosed
+	}
+	if int(ns) >= len(e.nss) || e.nss[ns].geo.Model == "" { // never declared
+		return fmt.Errorf("%w: %d", ErrUnknownNamespace, ns)
+	}
+	n := e.nss[ns]
+	if !n.declared {
+		return nil
+	}
+	caches := 0
+	for _, c := range e.caches {
+		if c.ns == n {
+			caches++
+		}
+	}
+	if caches > 0 {
+		return fmt.Errorf("%w: release of namespace %d (%q): %d caches are still registered", ErrInvalid, ns, n.geo.Model, caches)
+	}
+	n.declared = false
+	if n.counted {
+		n.counted = false
+		e.declares--
+	}
+	return nil
+}
+
+func (e *Engine) newNamespaceLocked(fp uint64) NamespaceID {
+	id := NamespaceID(len(e.nss))
+	e.nss = append(e.nss, &namespace{id: id, fp: fp})
+	e.nsByFP[fp] = id
+	return id
+}
+
+func (e *Engine) namespace(id NamespaceID) (*namespace, error) {
+	e.mu.RLock()
+	defer e.mu.RUnlock()
+	if e.closed {
+		return nil, ErrClosed
+	}
+	if int(id) >= len(e.nss) || !e.nss[id].declared {
+		return nil, fmt.Errorf("%w: %d", ErrUnknownNamespace, id)
+	}
+	return e.nss[id], nil
+}
