@@ -26,6 +26,25 @@ type Config struct {
 	Policy Policy  `toml:"policy"`
 	Engine Engine  `toml:"engine"`
 	Mounts []Mount `toml:"mount"`
+	GPU    GPU     `toml:"gpu"`
+}
+
+// GPU configures the data paths for GPU memory (docs/gpu.md).
+type GPU struct {
+	// Mode is "auto" (serve GPU memory when a CUDA runtime and a device are
+	// found; the default), "off", or "on" (fail start-up without them).
+	Mode string `toml:"mode"`
+	// CuFile is "auto" (cuFile on mounts where it has a direct path; the
+	// staging pipeline elsewhere), "off", or "compat" (also where cuFile
+	// runs in compatibility mode, itself a host bounce).
+	CuFile string `toml:"cufile"`
+	// CUDALibrary and CuFileLibrary, if set, are the paths of libcudart and
+	// libcufile (default: the usual CUDA locations).
+	CUDALibrary   string `toml:"cuda_library"`
+	CuFileLibrary string `toml:"cufile_library"`
+	// StagingMemory bounds the pinned host memory of the GPU staging
+	// pipeline, allocated once at start.
+	StagingMemory Size `toml:"staging_memory"`
 }
 
 // Server configures the daemon's Unix socket and per-client limits.
@@ -46,6 +65,26 @@ type Server struct {
 	MaxFrame Size `toml:"max_frame"`
 	// ShutdownTimeout is how long SIGTERM waits for in-flight jobs.
 	ShutdownTimeout Duration `toml:"shutdown_timeout"`
+	// MaxHandshakes bounds connections that have not sent their Hello; a
+	// new one beyond it closes the oldest.
+	MaxHandshakes int `toml:"max_handshakes"`
+	// HandshakeTimeout closes a connection that has not sent its whole
+	// Hello by then.
+	HandshakeTimeout Duration `toml:"handshake_timeout"`
+	// FrameTimeout bounds how long a frame that has begun may take to arrive.
+	FrameTimeout Duration `toml:"frame_timeout"`
+	// IdleTimeout closes a connection that holds no region and no
+	// namespace after this long without a frame.
+	IdleTimeout Duration `toml:"idle_timeout"`
+	// WriteTimeout closes a connection whose replies cannot be written for
+	// this long (a client that stopped reading).
+	WriteTimeout Duration `toml:"write_timeout"`
+	// MaxRegisteredBytes bounds the memory one connection registers (0:
+	// the machine's physical memory); each connection is further limited
+	// to its share, MaxTotalRegisteredBytes / MaxClients.
+	MaxRegisteredBytes Size `toml:"max_registered_bytes"`
+	// MaxTotalRegisteredBytes bounds all registrations together (0: 64 TiB).
+	MaxTotalRegisteredBytes Size `toml:"max_total_registered_bytes"`
 }
 
 // Log configures logging.
@@ -142,7 +181,13 @@ func Default() Config {
 			MaxRegistrations: 64,
 			MaxFrame:         4 << 20,
 			ShutdownTimeout:  Duration(10 * time.Second),
+			MaxHandshakes:    16,
+			HandshakeTimeout: Duration(5 * time.Second),
+			FrameTimeout:     Duration(10 * time.Second),
+			IdleTimeout:      Duration(time.Minute),
+			WriteTimeout:     Duration(10 * time.Second),
 		},
+		GPU: GPU{Mode: "auto", CuFile: "auto", StagingMemory: 256 << 20},
 		Log: Log{Level: "info", Format: "auto"},
 		Policy: Policy{
 			Name:          "lru",
@@ -287,6 +332,33 @@ func (c *Config) Validate() error {
 		return bad("server.max_frame", "between 64KiB and 1GiB", c.Server.MaxFrame)
 	case c.Server.ShutdownTimeout < 0:
 		return bad("server.shutdown_timeout", "a non-negative duration", c.Server.ShutdownTimeout)
+	case c.Server.MaxHandshakes < 1:
+		return bad("server.max_handshakes", "at least 1", c.Server.MaxHandshakes)
+	case c.Server.HandshakeTimeout <= 0:
+		return bad("server.handshake_timeout", "a positive duration", c.Server.HandshakeTimeout)
+	case c.Server.FrameTimeout <= 0:
+		return bad("server.frame_timeout", "a positive duration", c.Server.FrameTimeout)
+	case c.Server.IdleTimeout <= 0:
+		return bad("server.idle_timeout", "a positive duration", c.Server.IdleTimeout)
+	case c.Server.WriteTimeout <= 0:
+		return bad("server.write_timeout", "a positive duration", c.Server.WriteTimeout)
+	case c.Server.MaxRegisteredBytes < 0:
+		return bad("server.max_registered_bytes", "a non-negative size", c.Server.MaxRegisteredBytes)
+	case c.Server.MaxTotalRegisteredBytes < 0:
+		return bad("server.max_total_registered_bytes", "a non-negative size", c.Server.MaxTotalRegisteredBytes)
+	}
+	switch c.GPU.Mode {
+	case "auto", "on", "off":
+	default:
+		return bad("gpu.mode", "auto, on or off", fmt.Sprintf("%q", c.GPU.Mode))
+	}
+	switch c.GPU.CuFile {
+	case "auto", "off", "compat":
+	default:
+		return bad("gpu.cufile", "auto, off or compat", fmt.Sprintf("%q", c.GPU.CuFile))
+	}
+	if c.GPU.StagingMemory < 8<<20 {
+		return bad("gpu.staging_memory", "at least 8MiB", c.GPU.StagingMemory)
 	}
 	switch c.Log.Level {
 	case "debug", "info", "warn", "error":

@@ -78,6 +78,42 @@ low_watermark = 0.8
 	}
 }
 
+func TestParseServerLimitsAndGPU(t *testing.T) {
+	src := `
+[server]
+max_handshakes = 4
+handshake_timeout = "2s"
+frame_timeout = "3s"
+idle_timeout = "5m"
+write_timeout = "7s"
+max_registered_bytes = "64GiB"
+max_total_registered_bytes = "1TiB"
+
+[gpu]
+mode = "on"
+cufile = "compat"
+cuda_library = "/opt/cuda/lib64/libcudart.so.13"
+staging_memory = "1GiB"
+`
+	c, err := Parse("kvhost.toml", []byte(src))
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, g := c.Server, c.GPU
+	if s.MaxHandshakes != 4 || time.Duration(s.HandshakeTimeout) != 2*time.Second || time.Duration(s.FrameTimeout) != 3*time.Second ||
+		time.Duration(s.IdleTimeout) != 5*time.Minute || time.Duration(s.WriteTimeout) != 7*time.Second ||
+		s.MaxRegisteredBytes != 64<<30 || s.MaxTotalRegisteredBytes != 1<<40 {
+		t.Errorf("server limits decoded as %+v", s)
+	}
+	if g.Mode != "on" || g.CuFile != "compat" || g.CUDALibrary != "/opt/cuda/lib64/libcudart.so.13" || g.StagingMemory != 1<<30 {
+		t.Errorf("gpu decoded as %+v", g)
+	}
+	d := Default()
+	if d.GPU.Mode != "auto" || d.GPU.CuFile != "auto" || d.Server.MaxHandshakes != 16 {
+		t.Errorf("defaults: gpu %+v, max_handshakes %d", d.GPU, d.Server.MaxHandshakes)
+	}
+}
+
 func TestParseErrors(t *testing.T) {
 	tests := []struct {
 		name, src string
@@ -97,6 +133,11 @@ func TestParseErrors(t *testing.T) {
 		{"log level", "[log]\nlevel = \"loud\"", `log.level: want debug, info, warn or error, got "loud"`},
 		{"reserved param", "[policy.params]\n\"kvhost.shard\" = 1", "reserved prefix"},
 		{"wrong type", "[server]\nmax_clients = \"many\"", "kvhost.toml:2: server.max_clients: incompatible types"},
+		{"handshake timeout", "[server]\nhandshake_timeout = \"0s\"", "kvhost.toml:2: server.handshake_timeout: want a positive duration"},
+		{"max handshakes", "[server]\n\nmax_handshakes = 0", "kvhost.toml:3: server.max_handshakes: want at least 1, got 0"},
+		{"gpu mode", "[gpu]\nmode = \"maybe\"", `kvhost.toml:2: gpu.mode: want auto, on or off, got "maybe"`},
+		{"cufile mode", "[gpu]\ncufile = \"direct\"", `kvhost.toml:2: gpu.cufile: want auto, off or compat, got "direct"`},
+		{"gpu staging", "[gpu]\nstaging_memory = \"1MiB\"", "kvhost.toml:2: gpu.staging_memory: want at least 8MiB"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

@@ -21,6 +21,7 @@ import (
 	"github.com/kvhost/kvhost/logging"
 	"github.com/kvhost/kvhost/plugins"
 	"github.com/kvhost/kvhost/plugins/lru"
+	"github.com/kvhost/kvhost/region"
 	"github.com/kvhost/kvhost/server"
 )
 
@@ -118,6 +119,22 @@ func serve(ctx context.Context, cfg config.Config, log *slog.Logger, stdout io.W
 			Reserve: int64(m.Reserve), IO: m.IO, NoChecksum: !m.Checksums(),
 		}
 	}
+	gp, err := openGPU(gpuOptions{
+		Mode:          cfg.GPU.Mode,
+		CUDALibrary:   nonEmpty(cfg.GPU.CUDALibrary),
+		CuFileLibrary: nonEmpty(cfg.GPU.CuFileLibrary),
+		CuFile:        cfg.GPU.CuFile,
+		MaxStaging:    int64(cfg.GPU.StagingMemory),
+	}, log)
+	if err != nil {
+		return err
+	}
+	closeGPU := func() error { return nil }
+	var movers map[region.Kind]engine.MoverFactory
+	if gp != nil {
+		closeGPU = gp.Close
+		movers = gp.movers()
+	}
 	eng, err := engine.Open(ctx, engine.Config{
 		Mounts:         mounts,
 		NewPolicy:      newPolicy,
@@ -132,27 +149,36 @@ func serve(ctx context.Context, cfg config.Config, log *slog.Logger, stdout io.W
 		// mistake stops here, before it touches a mount.
 		LockFile: cfg.Server.Socket + ".lock",
 		Logger:   log,
+		Movers:   movers,
 	})
 	if err != nil {
-		return fmt.Errorf("open engine: %w", err)
+		return errors.Join(fmt.Errorf("open engine: %w", err), closeGPU())
 	}
 	closeEngine := func() error {
 		cctx, cancel := context.WithTimeout(context.Background(), time.Duration(cfg.Server.ShutdownTimeout)+10*time.Second)
 		defer cancel()
-		return eng.Close(cctx)
+		// The engine first: its jobs use the GPU paths until it is closed.
+		return errors.Join(eng.Close(cctx), closeGPU())
 	}
 	sock, err := server.Listen(cfg.Server.Socket, os.FileMode(cfg.Server.SocketMode), cfg.Server.SocketGroup)
 	if err != nil {
 		return errors.Join(err, closeEngine())
 	}
 	srv, err := server.New(eng, server.Config{
-		MaxClients:       cfg.Server.MaxClients,
-		MaxFrame:         int(cfg.Server.MaxFrame),
-		MaxRegistrations: cfg.Server.MaxRegistrations,
-		MaxInflightJobs:  cfg.Server.MaxInflightJobs,
-		ShutdownTimeout:  time.Duration(cfg.Server.ShutdownTimeout),
-		Name:             "kvhost",
-		Logger:           log,
+		MaxClients:              cfg.Server.MaxClients,
+		MaxFrame:                int(cfg.Server.MaxFrame),
+		MaxRegistrations:        cfg.Server.MaxRegistrations,
+		MaxInflightJobs:         cfg.Server.MaxInflightJobs,
+		ShutdownTimeout:         time.Duration(cfg.Server.ShutdownTimeout),
+		MaxHandshakes:           cfg.Server.MaxHandshakes,
+		HandshakeTimeout:        time.Duration(cfg.Server.HandshakeTimeout),
+		FrameTimeout:            time.Duration(cfg.Server.FrameTimeout),
+		IdleTimeout:             time.Duration(cfg.Server.IdleTimeout),
+		WriteTimeout:            time.Duration(cfg.Server.WriteTimeout),
+		MaxRegisteredBytes:      int64(cfg.Server.MaxRegisteredBytes),
+		MaxTotalRegisteredBytes: int64(cfg.Server.MaxTotalRegisteredBytes),
+		Name:                    "kvhost",
+		Logger:                  log,
 	})
 	if err != nil {
 		sock.Close()
@@ -174,6 +200,15 @@ func serve(ctx context.Context, cfg config.Config, log *slog.Logger, stdout io.W
 		log.Info("kvhost stopped")
 	}
 	return err
+}
+
+// nonEmpty is []string{s}, or nil when s is empty (the default search
+// paths).
+func nonEmpty(s string) []string {
+	if s == "" {
+		return nil
+	}
+	return []string{s}
 }
 
 // policyModule resolves --policy: a built-in name or a .wasm file. A

@@ -1,0 +1,136 @@
+package main
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+
+	"github.com/kvhost/kvhost/gds"
+	"github.com/kvhost/kvhost/host/engine"
+	"github.com/kvhost/kvhost/internal/cuda"
+	"github.com/kvhost/kvhost/region"
+	"github.com/kvhost/kvhost/staging/gpu"
+	"github.com/kvhost/kvhost/transfer"
+)
+
+// gpuOptions configure the daemon's GPU data paths ([gpu] in the TOML file).
+type gpuOptions struct {
+	// Mode is "auto" (use a GPU when the CUDA runtime loads), "off", or
+	// "on" (fail start-up without one).
+	Mode string
+	// CUDALibrary and CuFileLibrary override the library search paths.
+	CUDALibrary, CuFileLibrary []string
+	// CuFile is "auto" (cuFile on mounts where it has a direct path),
+	// "off", or "compat" (also where cuFile runs in compatibility mode).
+	CuFile string
+	// MaxStaging bounds the pinned host memory of the staging pipeline.
+	MaxStaging int64
+	// NoChecksum turns payload checksums off on the staging pipeline.
+	NoChecksum bool
+}
+
+// gpuPaths is what the daemon opened for GPU memory: the CUDA runtime, the
+// pinned staging pipeline, and cuFile where it loads.
+type gpuPaths struct {
+	log     *slog.Logger
+	rt      *cuda.Runtime
+	devices int
+	staging *gpu.Mover
+	cufile  *gds.Driver // nil: cuFile unavailable or off
+	cfMover *gds.Mover
+	opts    gpuOptions
+}
+
+// openGPU opens the GPU paths, or returns nil (and no error) when the mode
+// is auto and no CUDA runtime or device is found: the daemon then serves
+// host memory only and refuses GPU registrations.
+func openGPU(opts gpuOptions, log *slog.Logger) (*gpuPaths, error) {
+	if opts.Mode == "off" {
+		log.Info("GPU paths off by configuration")
+		return nil, nil
+	}
+	required := opts.Mode == "on"
+	rt, err := cuda.Open(cuda.Config{Runtime: opts.CUDALibrary})
+	if err != nil {
+		if required {
+			return nil, fmt.Errorf("gpu: %w", err)
+		}
+		log.Info("no CUDA runtime: serving host memory only", "reason", err.Error())
+		return nil, nil
+	}
+	n, err := rt.DeviceCount()
+	if err == nil && n == 0 {
+		err = errors.New("no CUDA device")
+	}
+	if err != nil {
+		rt.Close()
+		if required {
+			return nil, fmt.Errorf("gpu: %w", err)
+		}
+		log.Info("no usable CUDA device: serving host memory only", "reason", err.Error())
+		return nil, nil
+	}
+	p := &gpuPaths{log: log, rt: rt, devices: n, opts: opts}
+	p.staging, err = gpu.New(gpu.Config{Runtime: rt, MaxStaging: opts.MaxStaging, NoChecksums: opts.NoChecksum})
+	if err != nil {
+		rt.Close()
+		return nil, fmt.Errorf("gpu: staging pipeline: %w", err)
+	}
+	log.Info("GPU paths ready", "devices", n, "cuda_runtime", rt.Path(), "cuda_version", rt.Version(),
+		"batched_copies", rt.HasBatch(), "pinned_staging_bytes", p.staging.PinnedBytes())
+	if opts.CuFile != "off" {
+		d, err := gds.Open(gds.Config{LibraryPaths: opts.CuFileLibrary, Logger: log, BindDevice: rt.SetDevice})
+		if err != nil {
+			log.Info("cuFile unavailable: GPU memory moves through the staging pipeline", "reason", err.Error())
+		} else {
+			mv, err := d.NewMover(gds.MoverConfig{AllowCompat: opts.CuFile == "compat"})
+			if err != nil {
+				d.Close()
+				log.Warn("cuFile mover unavailable: GPU memory moves through the staging pipeline", "reason", err.Error())
+			} else {
+				p.cufile, p.cfMover = d, mv
+				pr := d.Properties()
+				log.Info("cuFile loaded", "library", pr.Library, "version", pr.Version, "nvidia_fs", pr.NVFSLoaded, "compat_allowed", pr.CompatAllowed)
+			}
+		}
+	}
+	return p, nil
+}
+
+// movers returns the engine's mover factory for device memory: per mount,
+// cuFile first where the mount gives it a usable path, then the staging
+// pipeline. The choice is made once per mount and logged with its reason.
+func (p *gpuPaths) movers() map[region.Kind]engine.MoverFactory {
+	return map[region.Kind]engine.MoverFactory{
+		region.KindDevice: func(m engine.MountInfo) (transfer.Mover, error) {
+			if p.cfMover == nil {
+				return p.staging, nil
+			}
+			c, err := p.cufile.ProbeDir(m.Path)
+			usable := err == nil && (c.Mode == gds.ModeDirect || c.Mode == gds.ModeCompat && p.opts.CuFile == "compat")
+			if !usable {
+				reason := c.String()
+				if err != nil {
+					reason = err.Error()
+				}
+				p.log.Info("mount serves GPU memory through the staging pipeline", "mount", m.Path, "cufile", reason)
+				return p.staging, nil
+			}
+			p.log.Info("mount serves GPU memory with cuFile", "mount", m.Path, "cufile", c.String())
+			return transfer.NewChain(m.Path, p.log, p.cfMover, p.staging)
+		},
+	}
+}
+
+// Close releases the GPU paths.
+func (p *gpuPaths) Close() error {
+	var errs []error
+	if p.cfMover != nil {
+		errs = append(errs, p.cfMover.Close())
+	}
+	if p.cufile != nil {
+		errs = append(errs, p.cufile.Close())
+	}
+	errs = append(errs, p.staging.Close(), p.rt.Close())
+	return errors.Join(errs...)
+}

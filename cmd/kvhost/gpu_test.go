@@ -1,0 +1,171 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"log/slog"
+	"math/rand/v2"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"testing"
+	"unsafe"
+
+	"github.com/kvhost/kvhost/abi/guest"
+	"github.com/kvhost/kvhost/host/engine"
+	"github.com/kvhost/kvhost/host/policy"
+	"github.com/kvhost/kvhost/internal/cuda"
+	"github.com/kvhost/kvhost/internal/cuda/cudatest"
+	"github.com/kvhost/kvhost/plugins/lru"
+)
+
+func TestOpenGPUModes(t *testing.T) {
+	missing := filepath.Join(t.TempDir(), "libcudart.so.13")
+	var logs bytes.Buffer
+	log := slog.New(slog.NewTextHandler(&logs, nil))
+	cases := []struct {
+		name    string
+		opts    gpuOptions
+		wantNil bool
+		wantErr bool
+		wantLog string
+	}{
+		{"off", gpuOptions{Mode: "off"}, true, false, "GPU paths off"},
+		{"auto without a runtime serves host memory", gpuOptions{Mode: "auto", CUDALibrary: []string{missing}}, true, false, "no CUDA runtime"},
+		{"on without a runtime fails", gpuOptions{Mode: "on", CUDALibrary: []string{missing}}, true, true, ""},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			logs.Reset()
+			gp, err := openGPU(c.opts, log)
+			if (err != nil) != c.wantErr || (gp == nil) != c.wantNil {
+				t.Fatalf("openGPU = %v, %v", gp, err)
+			}
+			if !strings.Contains(logs.String(), c.wantLog) {
+				t.Errorf("log %q does not contain %q", logs.String(), c.wantLog)
+			}
+		})
+	}
+}
+
+// TestGPUMemoryRoundTripsThroughTheEngine wires the daemon's GPU paths to an
+// engine as serve does, with the fake CUDA library (device memory is host
+// memory there), and moves a paged cache in device memory to files and back
+// into poisoned blocks.
+func TestGPUMemoryRoundTripsThroughTheEngine(t *testing.T) {
+	lib := cudatest.Build(t)
+	ctx := context.Background()
+	var logs bytes.Buffer
+	log := slog.New(slog.NewTextHandler(&logs, nil))
+	gp, err := openGPU(gpuOptions{Mode: "on", CUDALibrary: []string{lib}, CuFile: "off", MaxStaging: 16 << 20}, log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	eng, err := engine.Open(ctx, engine.Config{
+		Mounts: []engine.Mount{{Path: dir}},
+		NewPolicy: func(idx policy.Index) (policy.Policy, error) {
+			return policy.NewNative(func() guest.Policy { return lru.New() }, idx, policy.Config{Shards: 1})
+		},
+		Movers: gp.movers(),
+		Logger: log,
+	})
+	if err != nil {
+		gp.Close()
+		t.Fatal(err)
+	}
+	defer func() {
+		if err := eng.Close(ctx); err != nil {
+			t.Error(err)
+		}
+		if err := gp.Close(); err != nil {
+			t.Error(err)
+		}
+	}()
+	g := engine.Geometry{Model: "test/gpu", Layers: 4, KVHeads: 2, HeadSize: 128, DtypeSize: 2, TokensPerBlock: 16, TokensPerKey: 64, TPSize: 1}
+	ns, err := eng.Declare(ctx, g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const blocks = 16
+	bb := g.BlockBytes()
+	layerBytes := 2 * blocks * bb
+	mem, err := gp.rt.Malloc(0, int64(g.Layers)*layerBytes)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer mem.Close()
+	var layers []engine.LayerTensor
+	for l := range g.Layers {
+		layers = append(layers, engine.LayerTensor{Region: mem, Offset: int64(l) * layerBytes, BlockStride: bb, PlaneStride: blocks * bb, NumBlocks: blocks})
+	}
+	cid, err := eng.RegisterCache(ns, layers)
+	if err != nil {
+		t.Fatal(err)
+	}
+	host := make([]byte, mem.Len())
+	r := rand.New(rand.NewPCG(1, 2))
+	for i := range host {
+		host[i] = byte(r.Uint32())
+	}
+	copyDevice(t, gp.rt, mem.Ptr(), host, true)
+	keys := [][]byte{[]byte("key-a"), []byte("key-b")}
+	job, err := eng.Store(ctx, engine.StoreRequest{Cache: cid, Keys: keys, Blocks: [][]int{{0, 1, 2, 3}, {4, 5, 6, 7}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	res, err := job.Wait(ctx)
+	if err != nil || res.Count(engine.OutcomeStored) != 2 {
+		t.Fatalf("store: %+v %v", res, err)
+	}
+	if b := eng.Stats().Mounts[0]; !b.Checksums {
+		t.Errorf("mount %+v: the staging pipeline checksums, the mount should say so", b)
+	}
+	poison := bytes.Repeat([]byte{0xA5}, len(host))
+	copyDevice(t, gp.rt, mem.Ptr(), poison, true)
+	job, err = eng.Load(ctx, engine.LoadRequest{Cache: cid, Keys: keys, Blocks: [][]int{{8, 9, 10, 11}, {12, 13, 14, 15}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	res, err = job.Wait(ctx)
+	if err != nil || res.Count(engine.OutcomeLoaded) != 2 {
+		t.Fatalf("load: %+v %v", res, err)
+	}
+	got := make([]byte, len(host))
+	copyDevice(t, gp.rt, mem.Ptr(), got, false)
+	for l := range g.Layers {
+		for p := range 2 {
+			for i := range 8 {
+				src := int64(l)*layerBytes + int64(p)*blocks*bb + int64(i)*bb
+				dst := src + 8*bb
+				if !bytes.Equal(host[src:src+bb], got[dst:dst+bb]) {
+					t.Fatalf("layer %d plane %d block %d: loaded bytes differ", l, p, i)
+				}
+			}
+		}
+	}
+	if !strings.Contains(logs.String(), "GPU paths ready") {
+		t.Errorf("no start-up line for the GPU paths:\n%s", logs.String())
+	}
+}
+
+// copyDevice copies between host bytes and device memory on a thread with
+// device 0 current.
+func copyDevice(t *testing.T, rt *cuda.Runtime, dev uintptr, host []byte, toDevice bool) {
+	t.Helper()
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	if err := rt.SetDevice(0); err != nil {
+		t.Fatal(err)
+	}
+	h := uintptr(unsafe.Pointer(&host[0]))
+	var err error
+	if toDevice {
+		err = rt.CopySync(dev, h, uintptr(len(host)))
+	} else {
+		err = rt.CopySync(h, dev, uintptr(len(host)))
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+}
