@@ -58,7 +58,46 @@ def torch_host_tensor(shape, dtype, name="kvhost"):
 
 
 def cuda_ipc_handle(tensor):
-    """Reserved: CUDA tensors are registered by IPC handle once the daemon
-    supports GPU memory (Client.register_cuda raises UnsupportedError on a
-    daemon without it)."""
-    raise NotImplementedError("CUDA IPC registration is not wired up yet; use torch_host_tensor")
+    """Returns (device index, 64-byte IPC handle, offset, size) of a torch
+    CUDA tensor's storage, from tensor.untyped_storage()._share_cuda_().
+
+    In torch 2.x _share_cuda_() returns an 8-tuple: (device, handle,
+    storage size in bytes, storage offset in bytes, ref-counter handle,
+    ref-counter offset, event handle, event sync required). The handle names
+    the base of the caching allocator's block (cudaIpcGetMemHandle of it);
+    the storage lies at the offset within that block. Sharing marks the
+    block as shared: torch keeps it allocated while the tensor lives.
+    Expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)
+    produce a handle that is not a cudaIpcMemHandle_t: they are refused
+    here with ValueError."""
+    if not getattr(tensor, "is_cuda", False):
+        raise ValueError("not a CUDA tensor: register host memory with HostBuffer or register_shared_file")
+    info = tensor.untyped_storage()._share_cuda_()
+    if len(info) < 4:
+        raise ValueError(f"_share_cuda_() returned {len(info)} fields, want at least 4 (torch 2.x)")
+    device, handle, size, offset = info[0], info[1], info[2], info[3]
+    if not isinstance(handle, (bytes, bytearray)) or len(handle) != 64:
+        n = len(handle) if isinstance(handle, (bytes, bytearray)) else type(handle).__name__
+        raise ValueError(f"the tensor's IPC handle is {n} bytes, not a 64-byte cudaIpcMemHandle_t "
+                         "(expandable segments? set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False)")
+    if size <= 0:
+        raise ValueError("the tensor's storage is empty")
+    return int(device), bytes(handle), int(offset), int(size)
+
+
+def daemon_device(index):
+    """The daemon's ordinal of this process's CUDA device index: the index
+    translated through CUDA_VISIBLE_DEVICES when that lists integers, else
+    the index itself. Devices named by UUID cannot be translated here: pass
+    device= to Client.register_cuda_tensor."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None or visible.strip() == "":
+        return index
+    ids = [v.strip() for v in visible.split(",") if v.strip()]
+    if index >= len(ids):
+        raise ValueError(f"device {index} is not in CUDA_VISIBLE_DEVICES={visible}")
+    try:
+        return int(ids[index])
+    except ValueError:
+        raise ValueError(f"CUDA_VISIBLE_DEVICES={visible} names devices by UUID: "
+                         "pass device= (the daemon's ordinal) to register_cuda_tensor") from None
