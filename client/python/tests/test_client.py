@@ -159,9 +159,23 @@ class TestRegisterCudaTensor(unittest.TestCase):
             with kvhost.Client(d.socket) as c:
                 with self.assertRaises(kvhost.UnsupportedError):
                     c.register_cuda_tensor(FakeCudaTensor(torch_share(0, b"\x01" * 64, 4096, 0)), device=0)
-                self.assertEqual(c.stats()["regions"], 0)
+                st = c.stats()
+                self.assertEqual((st["regions"], st["devices"]), (0, []))
         finally:
             d.stop()
+
+
+class TestStats(unittest.TestCase):
+    def test_decodes_devices(self):
+        body = struct.pack("<16Q", *range(16)) + struct.pack("<I", 1) + struct.pack("<QQQB7x", 10, 5, 1, 1)
+        body += struct.pack("<I", 2) + struct.pack("<I4xQQQ", 0, 1, 4096, 1 << 30)
+        body += struct.pack("<I4xQQQ", 1, 0, 0, 1 << 30)
+        st = p.decode_stats(body)
+        self.assertEqual(st["inflight_jobs"], 15)
+        self.assertEqual(st["mounts"], [{"capacity": 10, "used": 5, "entries": 1, "direct": True}])
+        self.assertEqual(st["devices"], [
+            {"ordinal": 0, "regions": 1, "registered": 4096, "limit": 1 << 30},
+            {"ordinal": 1, "regions": 0, "registered": 0, "limit": 1 << 30}])
 
 
 class TestRegisterSharedFile(unittest.TestCase):

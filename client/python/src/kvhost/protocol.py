@@ -154,4 +154,13 @@ def decode_stats(body):
         mounts.append({"capacity": cap, "used": used, "entries": entries, "direct": bool(direct)})
         off += 32
     out["mounts"] = mounts
+    devices = []
+    if len(body) >= off + 4:
+        (n,) = struct.unpack_from("<I", body, off)
+        off += 4
+        for _ in range(n):
+            ordinal, regions, registered, limit = struct.unpack_from("<I4xQQQ", body, off)
+            devices.append({"ordinal": ordinal, "regions": regions, "registered": registered, "limit": limit})
+            off += 32
+    out["devices"] = devices
     return out
