@@ -115,15 +115,17 @@ class TestRegisterCudaTensor(unittest.TestCase):
     def test_sends_handle_offset_size_and_device(self):
         handle = bytes(range(64))
         cases = [
-            ("no CUDA_VISIBLE_DEVICES", None, 1, 1),
-            ("translated through CUDA_VISIBLE_DEVICES", "4,6", 1, 6),
+            ("no CUDA_VISIBLE_DEVICES", None, 1, 1, handle),
+            ("translated through CUDA_VISIBLE_DEVICES", "4,6", 1, 6, handle),
+            ("torch 2.11 versioned handle", None, 0, 0, b"\x02c" + handle),
+            ("torch 2.13 versioned handle", None, 0, 0, b"\x03c" + handle),
         ]
-        for name, visible, index, want_dev in cases:
+        for name, visible, index, want_dev, torch_handle in cases:
             with self.subTest(name):
                 env = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
                 with mock.patch.dict(os.environ, env, clear=True):
                     c = offline_client()
-                    rid = c.register_cuda_tensor(FakeCudaTensor(torch_share(index, handle, 1 << 20, 4096)))
+                    rid = c.register_cuda_tensor(FakeCudaTensor(torch_share(index, torch_handle, 1 << 20, 4096)))
                 self.assertEqual(rid, 7)
                 ftype, body, fds = c._call.calls[0]
                 self.assertEqual(ftype, p.T_REGISTER_MEMORY)
@@ -139,7 +141,9 @@ class TestRegisterCudaTensor(unittest.TestCase):
     def test_refuses_what_it_cannot_register(self):
         cases = [
             ("host tensor", FakeCudaTensor(torch_share(0, b"\x01" * 64, 4096, 0), is_cuda=False), {}),
-            ("expandable segments handle", FakeCudaTensor(torch_share(0, b"\x01" * 80, 4096, 0)), {}),
+            ("expandable segment", FakeCudaTensor(torch_share(0, b"\x02e" + b"\x01" * 80, 4096, 0)), {}),
+            ("unknown handle version", FakeCudaTensor(torch_share(0, b"\x09c" + b"\x01" * 64, 4096, 0)), {}),
+            ("unknown handle layout", FakeCudaTensor(torch_share(0, b"\x01" * 80, 4096, 0)), {}),
             ("empty storage", FakeCudaTensor(torch_share(0, b"\x01" * 64, 0, 0)), {}),
             ("device named by UUID", FakeCudaTensor(torch_share(0, b"\x01" * 64, 4096, 0)),
              {"CUDA_VISIBLE_DEVICES": "GPU-aaaa"}),
