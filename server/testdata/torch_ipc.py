@@ -4,7 +4,7 @@ server/torch_gpu_test.go (KVHOST_GPU=1, on a GPU machine):
     python3 torch_ipc.py SOCKET checks|exit
 
 checks: registers a CUDA tensor's storage filled with a known pattern,
-prints "READY <region> <bytes>", waits for a line on stdin (the Go side
+prints "READY <region> <bytes> <pattern bytes>", waits for a line on stdin (the Go side
 reads the imported memory meanwhile), then checks that bad registrations
 get clear errors and the connection keeps working.
 exit: registers, prints READY, waits for stdin, and exits without
@@ -65,7 +65,9 @@ def main():
     st = c.stats()
     d0 = st["devices"][0]
     assert d0["regions"] == 1 and d0["registered"] == size, st["devices"]
-    print(f"READY {rid} {size} offset={off}", flush=True)
+    # The storage is larger than t (base has 1 MiB more): the pattern
+    # covers its first n bytes.
+    print(f"READY {rid} {size} {n} offset={off}", flush=True)
     sys.stdin.readline()
     if mode == "exit":
         os._exit(0)
