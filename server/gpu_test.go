@@ -256,8 +256,8 @@ func TestSessionEndClosesGPUMemory(t *testing.T) {
 	if err := g.srv.WaitSessions(ctx, 1); err != nil {
 		t.Fatal(err)
 	}
-	if g.im.Live() != 1 {
-		t.Fatalf("%d imports live after the client left, want 1 (the other client's)", g.im.Live())
+	if g.im.Live() != 1 || g.im.Imports() != 1 {
+		t.Fatalf("%d regions, %d imports live after the client left, want 1, 1 (the other client's)", g.im.Live(), g.im.Imports())
 	}
 	st := deviceStats(t, stay)
 	if st[0].Regions != 0 || st[0].Registered != 0 || st[1].Regions != 1 || st[1].Registered != 4096 {
