@@ -86,9 +86,13 @@ type reply struct {
 	err error
 }
 
-// Dial connects to the daemon's socket at path and performs the handshake.
-// name identifies the client in the daemon's logs.
+// Dial connects to the daemon's socket at path ("" means DefaultSocket())
+// and performs the handshake. name identifies the client in the daemon's
+// logs.
 func Dial(ctx context.Context, path, name string) (*Client, error) {
+	if path == "" {
+		path = DefaultSocket()
+	}
 	var d net.Dialer
 	nc, err := d.DialContext(ctx, "unix", path)
 	if err != nil {
@@ -316,9 +320,33 @@ func (c *Client) RegisterFd(ctx context.Context, fd int, size int64) (RegionID, 
 	return RegionID(m.(*protocol.MemoryRegistered).Region), nil
 }
 
-// RegisterCUDA registers GPU memory by CUDA IPC handle. Daemons without
-// GPU support answer with protocol.CodeUnsupported.
-func (c *Client) RegisterCUDA(ctx context.Context, device int, handle [protocol.CUDAIPCHandleLen]byte, offset, size int64) (RegionID, error) {
+// RegisterShared registers size bytes of a shared-memory file: a memfd or
+// a regular file on a memory file system, such as the /dev/shm file of
+// another program's shared CPU region. Unlike RegisterFd it does not seal
+// the file: its owner may still truncate it, and a job touching the
+// missing pages then fails (protocol.CodeBadFd) while the daemon goes on.
+// Daemons that cannot guard their copies answer protocol.CodeUnsupported.
+func (c *Client) RegisterShared(ctx context.Context, fd int, size int64) (RegionID, error) {
+	if size <= 0 || fd < 0 {
+		return 0, fmt.Errorf("%w: fd %d size %d", ErrInvalid, fd, size)
+	}
+	m, err := c.call(ctx, &protocol.RegisterMemory{Kind: protocol.MemoryShared, Size: uint64(size)}, []int{fd})
+	if err != nil {
+		return 0, err
+	}
+	return RegionID(m.(*protocol.MemoryRegistered).Region), nil
+}
+
+// RegisterCUDAIPC registers GPU memory by CUDA IPC handle: the range
+// [offset, offset+size) of the allocation handle names
+// (cudaIpcGetMemHandle of its base), on device, as the daemon numbers
+// its devices (the daemon sees every GPU of the node; with
+// CUDA_VISIBLE_DEVICES set in the client, translate the client's ordinal).
+// A handle that names no memory on that device (stale, forged, another
+// device's) fails with protocol.CodeBadHandle, a range outside the
+// allocation with protocol.CodeInvalid. Daemons without GPU support
+// answer with protocol.CodeUnsupported.
+func (c *Client) RegisterCUDAIPC(ctx context.Context, device int, handle [protocol.CUDAIPCHandleLen]byte, offset, size int64) (RegionID, error) {
 	if size <= 0 || offset < 0 || device < 0 {
 		return 0, fmt.Errorf("%w: device %d offset %d size %d", ErrInvalid, device, offset, size)
 	}

@@ -455,7 +455,7 @@ func TestIsolation(t *testing.T) {
 		}, protocol.CodeUnknownRegion},
 		{"unregister region", func() error { return b.UnregisterMemory(ctx, 1) }, protocol.CodeUnknownRegion},
 		{"cuda", func() error {
-			_, err := b.RegisterCUDA(ctx, 0, [64]byte{1}, 0, 1<<20)
+			_, err := b.RegisterCUDAIPC(ctx, 0, [64]byte{1}, 0, 1<<20)
 			return err
 		}, protocol.CodeUnsupported},
 	}

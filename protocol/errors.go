@@ -29,7 +29,8 @@ const (
 	CodeCancelled     Code = 19 // the job was cancelled
 	CodeInternal      Code = 20 // anything else; the message says what
 	CodeTimeout       Code = 21 // the connection missed a deadline (handshake, frame, idle, write)
-	codeMax                = CodeTimeout
+	CodeBadHandle     Code = 22 // a CUDA IPC handle names no live memory on that device (stale, forged, another device's)
+	codeMax                = CodeBadHandle
 )
 
 // String names the code.
@@ -37,7 +38,8 @@ func (c Code) String() string {
 	names := [...]string{"ok", "malformed", "unsupported version", "unknown type", "handshake required",
 		"limit exceeded", "unknown region", "unknown namespace", "unknown cache", "invalid argument",
 		"unsupported", "descriptor missing", "bad descriptor", "in use", "no space", "not found",
-		"corrupt", "policy failure", "shutting down", "cancelled", "internal error", "timed out"}
+		"corrupt", "policy failure", "shutting down", "cancelled", "internal error", "timed out",
+		"bad IPC handle"}
 	if int(c) < len(names) {
 		return names[c]
 	}

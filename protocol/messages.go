@@ -84,11 +84,32 @@ const (
 	// MemoryMemfd is host memory: a memfd sent as SCM_RIGHTS ancillary data
 	// with the frame, mapped by the daemon.
 	MemoryMemfd MemoryKind = 1
-	// MemoryCUDAIPC is GPU memory named by a cudaIpcMemHandle_t and an
-	// offset into the allocation it names. Reserved: a daemon without GPU
-	// support answers CodeUnsupported.
+	// MemoryCUDAIPC is GPU memory named by a cudaIpcMemHandle_t, the
+	// device ordinal it lives on (as the daemon numbers its devices) and
+	// an offset into the allocation the handle names. A daemon without
+	// GPU support answers CodeUnsupported.
 	MemoryCUDAIPC MemoryKind = 2
+	// MemoryShared is host memory in a shared-memory file sent as
+	// SCM_RIGHTS with the frame: a memfd or a regular file on a memory
+	// file system (tmpfs such as /dev/shm, hugetlbfs), not necessarily
+	// sealed. Its owner may truncate it; the daemon then fails the jobs
+	// that touch the missing pages. A daemon that cannot guard its copies
+	// answers CodeUnsupported.
+	MemoryShared MemoryKind = 3
 )
+
+// String names the kind.
+func (k MemoryKind) String() string {
+	switch k {
+	case MemoryMemfd:
+		return "memfd"
+	case MemoryCUDAIPC:
+		return "cuda-ipc"
+	case MemoryShared:
+		return "shared-file"
+	}
+	return fmt.Sprintf("memory-kind(%d)", uint8(k))
+}
 
 // RegisterMemory registers a memory region.
 type RegisterMemory struct {
@@ -103,7 +124,7 @@ type RegisterMemory struct {
 func (*RegisterMemory) Type() Type { return TypeRegisterMemory }
 
 // AppendBody encodes: u8 kind | 3 × 0 | u32 device | u64 size | u64 offset |
-// [64] handle (all zero for memfd).
+// [64] handle (all zero for memfd and shared files).
 func (m *RegisterMemory) AppendBody(b []byte) []byte {
 	b = append(b, uint8(m.Kind), 0, 0, 0)
 	b = appendU32(b, m.Device)
@@ -123,12 +144,12 @@ func (m *RegisterMemory) DecodeBody(b []byte) error {
 	copy(m.Handle[:], d.take(CUDAIPCHandleLen, "handle"))
 	if d.err == nil {
 		switch {
-		case m.Kind != MemoryMemfd && m.Kind != MemoryCUDAIPC:
+		case m.Kind != MemoryMemfd && m.Kind != MemoryCUDAIPC && m.Kind != MemoryShared:
 			d.fail("memory kind %d", m.Kind)
 		case m.Size == 0:
 			d.fail("size 0")
-		case m.Kind == MemoryMemfd && (m.Offset != 0 || m.Device != 0 || m.Handle != [CUDAIPCHandleLen]byte{}):
-			d.fail("memfd registration with device, offset or handle set")
+		case m.Kind != MemoryCUDAIPC && (m.Offset != 0 || m.Device != 0 || m.Handle != [CUDAIPCHandleLen]byte{}):
+			d.fail("%s registration with device, offset or handle set", m.Kind)
 		}
 	}
 	return d.end()
@@ -137,7 +158,7 @@ func (m *RegisterMemory) DecodeBody(b []byte) error {
 // MemoryRegistered is the reply to RegisterMemory.
 type MemoryRegistered struct {
 	Region uint32 // the connection's id for the region
-	Inode  uint64 // memfd inode as the daemon sees it (a cross-check)
+	Inode  uint64 // file inode as the daemon sees it (a cross-check); 0 for GPU memory
 }
 
 // Type is the reply to TypeRegisterMemory.
@@ -624,6 +645,18 @@ type MountStats struct {
 // maxMounts bounds the mounts of a Stats reply.
 const maxMounts = 256
 
+// DeviceStats is the GPU memory clients registered (CUDA IPC) on one
+// device, over all connections, and the daemon's bound for it.
+type DeviceStats struct {
+	Ordinal    uint32
+	Regions    uint64 // registered regions on the device
+	Registered uint64 // their bytes
+	Limit      uint64 // the most bytes clients may register on the device
+}
+
+// maxDevices bounds the devices of a Stats reply.
+const maxDevices = 1024
+
 // Stats is the reply to StatsRequest: the engine's counters and this
 // connection's usage.
 type Stats struct {
@@ -633,6 +666,7 @@ type Stats struct {
 	Vanished, BytesWritten, BytesRead      uint64
 	Clients, Regions, Caches, InflightJobs uint64
 	Mounts                                 []MountStats
+	Devices                                []DeviceStats // GPUs the daemon serves; none without GPU support
 }
 
 // Type is the reply to TypeStats.
@@ -645,7 +679,9 @@ func (m *Stats) fields() []*uint64 {
 }
 
 // AppendBody encodes: 16 × u64 counters (in the field order) | u32 mount
-// count | per mount: u64 capacity, u64 used, u64 entries, u8 direct, 7 × 0.
+// count | per mount: u64 capacity, u64 used, u64 entries, u8 direct, 7 × 0 |
+// u32 device count | per device: u32 ordinal, u32 0, u64 regions,
+// u64 registered, u64 limit.
 func (m *Stats) AppendBody(b []byte) []byte {
 	for _, p := range m.fields() {
 		b = appendU64(b, *p)
@@ -658,6 +694,11 @@ func (m *Stats) AppendBody(b []byte) []byte {
 			direct = 1
 		}
 		b = append(b, direct, 0, 0, 0, 0, 0, 0, 0)
+	}
+	b = appendU32(b, uint32(len(m.Devices)))
+	for _, dv := range m.Devices {
+		b = appendU32(appendU32(b, dv.Ordinal), 0)
+		b = appendU64(appendU64(appendU64(b, dv.Regions), dv.Registered), dv.Limit)
 	}
 	return b
 }
@@ -683,6 +724,19 @@ func (m *Stats) DecodeBody(b []byte) error {
 			}
 			mt.Direct = v == 1
 			d.zero(7)
+		}
+	}
+	n = d.count("device count", 0, maxDevices, 32)
+	m.Devices = nil
+	if d.err == nil && n > 0 {
+		m.Devices = make([]DeviceStats, n)
+		for i := range m.Devices {
+			dv := &m.Devices[i]
+			dv.Ordinal = d.u32("device ordinal")
+			d.zero(4)
+			dv.Regions = d.u64("device regions")
+			dv.Registered = d.u64("device registered bytes")
+			dv.Limit = d.u64("device limit")
 		}
 	}
 	return d.end()

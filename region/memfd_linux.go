@@ -17,6 +17,9 @@ type Host struct {
 	id   uint64
 	size int64
 	mem  []byte
+	// shrinkable: the file is not sealed against shrinking (OpenShared),
+	// so its owner may truncate it under the mapping.
+	shrinkable bool
 }
 
 // NewHost creates a memfd of size bytes named name (for /proc) and maps it.
@@ -68,6 +71,12 @@ func mapFd(fd int, size int64) (*Host, error) {
 	}
 	return &Host{fd: fd, id: st.Ino, size: size, mem: mem}, nil
 }
+
+// Shrinkable reports whether the file behind the mapping may be truncated
+// by another process while it is mapped (a region from OpenShared without
+// F_SEAL_SHRINK). CPU accesses to such a region's bytes must run under
+// Guard: a page past the file's new end raises SIGBUS.
+func (h *Host) Shrinkable() bool { return h.shrinkable }
 
 // ID is the memfd's inode number.
 func (h *Host) ID() uint64 { return h.id }

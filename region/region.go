@@ -1,9 +1,14 @@
 // Package region describes memory regions that KV-cache blocks live in and
 // segments of them.
 //
-// A Region is host memory (Host, backed by a memfd so that another process
-// can map the same pages) or, in a later backend, device memory that the CPU
-// cannot address. Host-addressable regions implement Addressable.
+// A Region is host memory (Host: a memfd or a shared-memory file that
+// another process maps too) or device memory that the CPU cannot address
+// (Device). Host-addressable regions implement Addressable.
+//
+// A shared-memory file that is not sealed against shrinking (OpenShared)
+// can be truncated by its owner under the mapping; every CPU copy that
+// touches such memory runs under Guard, which turns the resulting SIGBUS
+// into an error.
 package region
 
 import (
@@ -19,6 +24,13 @@ var (
 	ErrNotAddressable = errors.New("region: not host-addressable")
 	// ErrClosed: the region was closed.
 	ErrClosed = errors.New("region: closed")
+	// ErrFault: a copy touched memory that faulted, such as a page of a
+	// shared file truncated under its mapping (see Guard).
+	ErrFault = errors.New("region: memory fault")
+	// ErrTruncated: a shared file is now shorter than its mapping.
+	ErrTruncated = errors.New("region: shared file truncated")
+	// ErrNotShared: a descriptor is not a shared-memory file.
+	ErrNotShared = errors.New("region: not a shared-memory file")
 )
 
 // Kind says where a region's memory lives.

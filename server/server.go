@@ -4,11 +4,13 @@
 // the storage engine, and pushes job completions back.
 //
 // A session owns what its client registered: memory regions (mapped
-// memfds), namespaces and caches, by ids that mean nothing on another
+// memfds and shared-memory files, imported CUDA IPC memory), namespaces
+// and caches, by ids that mean nothing on another
 // connection. When the client goes away, the session cancels its jobs,
 // waits until the engine has finished with every one of them, and only
 // then unregisters its caches and unmaps its regions: a job never touches
-// unmapped memory.
+// unmapped memory. One daemon serves every GPU of the node: a GPU
+// registration names its device (Config.OpenDevice).
 package server
 
 import (
@@ -25,6 +27,7 @@ import (
 
 	"github.com/kvhost/kvhost/host/engine"
 	"github.com/kvhost/kvhost/protocol"
+	"github.com/kvhost/kvhost/region"
 )
 
 // Engine is what a session asks of the storage engine (*engine.Engine).
@@ -93,7 +96,51 @@ type Config struct {
 	Name string
 	// Logger receives the server's logs (default slog.Default()).
 	Logger *slog.Logger
+
+	// OpenDevice imports GPU memory a client registered by CUDA IPC: the
+	// range [offset, offset+size) of the allocation handle names, on
+	// device ordinal. Nil: the daemon has no GPU support and answers CUDA
+	// IPC registrations with CodeUnsupported. The server checks ordinal,
+	// offset and size against its limits before calling it, and closes
+	// the memory it returns (cudaIpcCloseMemHandle) when the client
+	// unregisters it or goes away, after every job using it has ended.
+	// Errors wrapping region.ErrBounds (a range outside the exported
+	// allocation) reach the client as CodeInvalid, *protocol.Error values
+	// as they are, any other as CodeBadHandle (a stale or forged handle,
+	// or another device's). Package server/cudaipc provides one.
+	OpenDevice func(ctx context.Context, ordinal int, handle [protocol.CUDAIPCHandleLen]byte, offset, size int64) (DeviceMemory, error)
+	// Devices is the number of GPUs clients may register memory on: CUDA
+	// IPC registrations name ordinals 0..Devices-1. Required with
+	// OpenDevice.
+	Devices int
+	// MaxDeviceBytes bounds the GPU memory all clients together may
+	// register on each device (default DefaultMaxDeviceBytes; set it to
+	// the device's memory). Registered GPU memory is the clients' own
+	// allocations, mapped, not copied: the bound catches a client that
+	// registers one allocation over and over.
+	MaxDeviceBytes int64
+
+	// SharedFiles accepts MemoryShared registrations: memfds and
+	// /dev/shm files not sealed against shrinking, which their owner may
+	// truncate under a job. Set it only when the engine's CPU copies of
+	// shrinkable host regions run under region.Guard, which fails such a
+	// job instead of crashing the daemon on SIGBUS. Without it those
+	// registrations are answered CodeUnsupported.
+	SharedFiles bool
 }
+
+// DeviceMemory is GPU memory a client registered, as OpenDevice imports
+// it: a region.Device the engine's GPU movers copy to and from, closed by
+// the server when no job uses it any more.
+type DeviceMemory interface {
+	region.Device
+	// Close releases the import. It is called once, from any goroutine.
+	Close() error
+}
+
+// DefaultMaxDeviceBytes is Config.MaxDeviceBytes when it is zero: more
+// than the memory of any single GPU of 2026.
+const DefaultMaxDeviceBytes = 256 << 30
 
 // DefaultMaxTotalRegisteredBytes is Config.MaxTotalRegisteredBytes when it
 // is zero: half of the 128 TiB user address space of x86-64 and arm64
@@ -125,6 +172,9 @@ func (c Config) withDefaults() (Config, error) {
 	if c.MaxTotalRegisteredBytes == 0 {
 		c.MaxTotalRegisteredBytes = DefaultMaxTotalRegisteredBytes
 	}
+	if c.MaxDeviceBytes == 0 {
+		c.MaxDeviceBytes = DefaultMaxDeviceBytes
+	}
 	if c.MaxRegisteredBytes == 0 {
 		var si unix.Sysinfo_t
 		ram := int64(64 << 30)
@@ -134,8 +184,12 @@ func (c Config) withDefaults() (Config, error) {
 		c.MaxRegisteredBytes = ram
 	}
 	switch {
-	case c.MaxRegisteredBytes < 0 || c.MaxTotalRegisteredBytes < 0:
+	case c.MaxRegisteredBytes < 0 || c.MaxTotalRegisteredBytes < 0 || c.MaxDeviceBytes < 0:
 		return c, errors.New("server: negative registered-bytes limit")
+	case c.Devices < 0 || c.Devices > maxDevices:
+		return c, fmt.Errorf("server: Devices %d: want 0..%d", c.Devices, maxDevices)
+	case c.OpenDevice != nil && c.Devices == 0:
+		return c, errors.New("server: OpenDevice without Devices: say how many GPUs clients may register memory on")
 	case c.MaxFrame < protocol.MinFrame || c.MaxFrame > 1<<30:
 		return c, fmt.Errorf("server: MaxFrame %d: want %d..1GiB", c.MaxFrame, protocol.MinFrame)
 	case c.MaxClients < 0 || c.MaxHandshakes < 0 || c.MaxRegistrations < 0 || c.MaxInflightJobs < 0 || c.MaxNamespaces < 0 || c.MaxCaches < 0:
@@ -151,6 +205,10 @@ func (c Config) withDefaults() (Config, error) {
 	}
 	return c, nil
 }
+
+// maxDevices bounds Config.Devices (the protocol's Stats carries at most
+// as many).
+const maxDevices = 1024
 
 // regShare is the most bytes one connection may register: its guaranteed
 // share of the daemon's total, or less if MaxRegisteredBytes says so.
@@ -173,6 +231,7 @@ type Server struct {
 	wg       sync.WaitGroup // sessions
 	connSeq  atomic.Uint64  // numbers connections in logs
 	regBytes atomic.Int64   // memory registered by all sessions
+	devices  []deviceUse    // per GPU: memory registered by all sessions
 
 	// nsMu serialises declarations and releases, so that a namespace is
 	// never released by one session while another is declaring it.
@@ -193,7 +252,44 @@ func New(eng Engine, cfg Config) (*Server, error) {
 		eng: eng, cfg: cfg, log: cfg.Logger,
 		sessions: make(map[*session]struct{}), pending: make(map[*session]uint64),
 		changed: make(chan struct{}), nsRefs: make(map[engine.NamespaceID]int),
+		devices: make([]deviceUse, cfg.Devices),
 	}, nil
+}
+
+// deviceUse is the GPU memory registered on one device.
+type deviceUse struct {
+	regions, bytes atomic.Int64
+}
+
+// reserveDevice accounts size bytes registered on device d against
+// MaxDeviceBytes.
+func (s *Server) reserveDevice(d int, size int64) error {
+	u := &s.devices[d]
+	if total := u.bytes.Add(size); total > s.cfg.MaxDeviceBytes {
+		u.bytes.Add(-size)
+		return perr(protocol.CodeLimit, "registering %d bytes on device %d would exceed the daemon's limit of %d bytes of registered GPU memory per device (%d registered)",
+			size, d, s.cfg.MaxDeviceBytes, total-size)
+	}
+	u.regions.Add(1)
+	return nil
+}
+
+func (s *Server) releaseDevice(d int, size int64) {
+	s.devices[d].bytes.Add(-size)
+	s.devices[d].regions.Add(-1)
+}
+
+// deviceStats reports the GPU memory registered on every device.
+func (s *Server) deviceStats() []protocol.DeviceStats {
+	if len(s.devices) == 0 {
+		return nil
+	}
+	out := make([]protocol.DeviceStats, len(s.devices))
+	for i := range s.devices {
+		out[i] = protocol.DeviceStats{Ordinal: uint32(i), Regions: uint64(s.devices[i].regions.Load()),
+			Registered: uint64(s.devices[i].bytes.Load()), Limit: uint64(s.cfg.MaxDeviceBytes)}
+	}
+	return out
 }
 
 // Serve accepts connections on l until ctx is done, then shuts down: it

@@ -159,12 +159,18 @@ func newCache(tb testing.TB, c *client.Client) *cache {
 
 func newCacheOn(tb testing.TB, c *client.Client, mem *region.Host) *cache {
 	tb.Helper()
-	ctx := context.Background()
-	bb := geo.BlockBytes()
-	rid, err := c.RegisterMemfd(ctx, mem)
+	rid, err := c.RegisterMemfd(context.Background(), mem)
 	if err != nil {
 		tb.Fatal(err)
 	}
+	return newCacheIn(tb, c, mem, rid)
+}
+
+// newCacheIn registers a cache in region rid, which maps mem.
+func newCacheIn(tb testing.TB, c *client.Client, mem *region.Host, rid client.RegionID) *cache {
+	tb.Helper()
+	ctx := context.Background()
+	bb := geo.BlockBytes()
 	ns, err := c.Declare(ctx, geo)
 	if err != nil {
 		tb.Fatal(err)

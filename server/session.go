@@ -9,6 +9,7 @@ import (
 	"math"
 	"net"
 	"os"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -20,9 +21,12 @@ import (
 	"github.com/kvhost/kvhost/region"
 )
 
-// memRegion is a mapped memfd a client registered.
+// memRegion is memory a client registered: a mapped memfd or shared
+// file (host), or imported GPU memory (dev).
 type memRegion struct {
+	reg  region.Region // host or dev
 	host *region.Host
+	dev  DeviceMemory
 	refs int // layers of registered caches in it
 }
 
@@ -39,6 +43,9 @@ type cache struct {
 	regions   []uint32 // one per layer
 	numBlocks uint32   // the smallest NumBlocks of its layers
 	inflight  int      // jobs in flight; guarded by session.jmu
+	// shrinkable are its distinct host regions whose file may be
+	// truncated by the client (MemoryShared), checked before each job.
+	shrinkable []*region.Host
 }
 
 // jobEntry is a job in flight.
@@ -304,34 +311,107 @@ func (s *session) newID() uint32 {
 
 func (s *session) registerMemory(m *protocol.RegisterMemory) (protocol.Message, error) {
 	if m.Kind == protocol.MemoryCUDAIPC {
-		return nil, perr(protocol.CodeUnsupported, "GPU memory (CUDA IPC) registration is not supported on this daemon; register host memory by memfd")
+		return s.registerDevice(m)
 	}
 	fd := s.rd.takeFd()
 	if fd < 0 {
-		return nil, perr(protocol.CodeNoFd, "memfd registration without a descriptor (send it as SCM_RIGHTS with the frame)")
+		return nil, perr(protocol.CodeNoFd, "%s registration without a descriptor (send it as SCM_RIGHTS with the frame)", m.Kind)
 	}
 	if len(s.regions) >= s.srv.cfg.MaxRegistrations {
 		unix.Close(fd)
 		return nil, perr(protocol.CodeLimit, "at most %d memory regions per connection", s.srv.cfg.MaxRegistrations)
 	}
-	if err := checkMemfd(fd, int64(m.Size)); err != nil {
+	size := int64(m.Size)
+	if size < 0 || size > math.MaxInt {
+		unix.Close(fd)
+		return nil, perr(protocol.CodeInvalid, "size %d does not fit the address space", m.Size)
+	}
+	open := region.OpenMemfd
+	if m.Kind == protocol.MemoryShared {
+		if !s.srv.cfg.SharedFiles {
+			unix.Close(fd)
+			return nil, perr(protocol.CodeUnsupported, "this daemon does not accept unsealed shared-memory files; register a memfd sealed with F_SEAL_SHRINK")
+		}
+		open = region.OpenShared
+	} else if err := checkMemfd(fd, size); err != nil {
 		unix.Close(fd)
 		return nil, err
 	}
-	size := int64(m.Size)
 	if err := s.reserveBytes(size); err != nil {
 		unix.Close(fd)
 		return nil, err
 	}
-	h, err := region.OpenMemfd(fd, size)
+	h, err := open(fd, size)
 	if err != nil {
 		s.releaseBytes(size)
 		unix.Close(fd)
 		return nil, perr(protocol.CodeBadFd, "%v", err)
 	}
 	id := s.newID()
-	s.regions[id] = &memRegion{host: h}
+	s.regions[id] = &memRegion{reg: h, host: h}
 	return &protocol.MemoryRegistered{Region: id, Inode: h.ID()}, nil
+}
+
+// registerDevice imports a client's GPU memory by CUDA IPC handle.
+func (s *session) registerDevice(m *protocol.RegisterMemory) (protocol.Message, error) {
+	cfg := s.srv.cfg
+	if cfg.OpenDevice == nil {
+		return nil, perr(protocol.CodeUnsupported, "GPU memory (CUDA IPC) registration is not supported on this daemon (no GPU support); register host memory by memfd")
+	}
+	if m.Device >= uint32(cfg.Devices) {
+		return nil, perr(protocol.CodeInvalid, "device %d: this daemon serves GPUs 0..%d", m.Device, cfg.Devices-1)
+	}
+	if len(s.regions) >= cfg.MaxRegistrations {
+		return nil, perr(protocol.CodeLimit, "at most %d memory regions per connection", cfg.MaxRegistrations)
+	}
+	off, size := int64(m.Offset), int64(m.Size)
+	if off < 0 || size <= 0 || size > math.MaxInt64-off {
+		return nil, perr(protocol.CodeInvalid, "range [%d, +%d) of the IPC allocation overflows", m.Offset, m.Size)
+	}
+	dev := int(m.Device)
+	if size > cfg.MaxDeviceBytes {
+		return nil, perr(protocol.CodeLimit, "registering %d bytes on device %d exceeds the daemon's limit of %d bytes of registered GPU memory per device", size, dev, cfg.MaxDeviceBytes)
+	}
+	if err := s.srv.reserveDevice(dev, size); err != nil {
+		return nil, err
+	}
+	mem, err := cfg.OpenDevice(s.ctx, dev, m.Handle, off, size)
+	if err != nil {
+		s.srv.releaseDevice(dev, size)
+		var pe *protocol.Error
+		switch {
+		case errors.As(err, &pe):
+			return nil, pe
+		case errors.Is(err, region.ErrBounds):
+			return nil, perr(protocol.CodeInvalid, "device %d: [%d, +%d) is not inside the exported allocation: %v", dev, off, size, err)
+		}
+		return nil, perr(protocol.CodeBadHandle, "device %d: the IPC handle names no memory this daemon can import there (stale, forged, or another device's): %v", dev, err)
+	}
+	if mem.Ordinal() != dev || mem.Len() != size {
+		mem.Close()
+		s.srv.releaseDevice(dev, size)
+		return nil, perr(protocol.CodeInternal, "device %d: the import is %d bytes on device %d, want %d bytes", dev, mem.Len(), mem.Ordinal(), size)
+	}
+	id := s.newID()
+	s.regions[id] = &memRegion{reg: mem, dev: mem}
+	s.log.Debug("registered GPU memory", "device", dev, "bytes", size, "region", id)
+	return &protocol.MemoryRegistered{Region: id}, nil
+}
+
+// closeRegion gives back a region's accounting and unmaps or closes it.
+// No job may be using it.
+func (s *session) closeRegion(r *memRegion) {
+	if r.dev != nil {
+		s.srv.releaseDevice(r.dev.Ordinal(), r.dev.Len())
+		if err := r.dev.Close(); err != nil {
+			s.log.Warn("close imported GPU memory", "device", r.dev.Ordinal(), "err", err)
+		}
+		return
+	}
+	s.releaseBytes(r.host.Len())
+	if err := r.host.Close(); err != nil {
+		s.log.Warn("unmap region", "err", err)
+	}
 }
 
 // checkMemfd accepts a regular shared-memory file of at least size bytes
@@ -369,10 +449,7 @@ func (s *session) unregisterMemory(m *protocol.UnregisterMemory) (protocol.Messa
 		return nil, perr(protocol.CodeInUse, "region %d holds %d layers of registered caches", m.Region, r.refs)
 	}
 	delete(s.regions, m.Region)
-	s.releaseBytes(r.host.Len())
-	if err := r.host.Close(); err != nil {
-		s.log.Warn("unmap region", "err", err)
-	}
+	s.closeRegion(r)
 	return &protocol.Empty{T: protocol.TypeUnregisterMemory | protocol.TypeReply}, nil
 }
 
@@ -475,6 +552,7 @@ func (s *session) registerCache(m *protocol.RegisterCache) (protocol.Message, er
 	layers := make([]engine.LayerTensor, len(m.Layers))
 	regions := make([]uint32, len(m.Layers))
 	minBlocks := uint32(math.MaxUint32)
+	var shrinkable []*region.Host
 	for i, l := range m.Layers {
 		r := s.regions[l.Region]
 		if r == nil {
@@ -484,11 +562,14 @@ func (s *session) registerCache(m *protocol.RegisterCache) (protocol.Message, er
 			return nil, perr(protocol.CodeInvalid, "layer %d: 0 blocks", i)
 		}
 		end, ok := extent(l, ns.geo.Planes(), ns.geo.BlockBytes())
-		if !ok || end > r.host.Len() {
+		if !ok || end > r.reg.Len() {
 			return nil, perr(protocol.CodeInvalid, "layer %d: %d blocks of %d bytes at offset %d (block stride %d, plane stride %d) do not fit region %d of %d bytes",
-				i, l.NumBlocks, ns.geo.BlockBytes(), l.Offset, l.BlockStride, l.PlaneStride, l.Region, r.host.Len())
+				i, l.NumBlocks, ns.geo.BlockBytes(), l.Offset, l.BlockStride, l.PlaneStride, l.Region, r.reg.Len())
 		}
-		layers[i] = engine.LayerTensor{Region: r.host, Offset: l.Offset, BlockStride: l.BlockStride, PlaneStride: l.PlaneStride, NumBlocks: int(l.NumBlocks)}
+		if r.host != nil && r.host.Shrinkable() && !slices.Contains(shrinkable, r.host) {
+			shrinkable = append(shrinkable, r.host)
+		}
+		layers[i] = engine.LayerTensor{Region: r.reg, Offset: l.Offset, BlockStride: l.BlockStride, PlaneStride: l.PlaneStride, NumBlocks: int(l.NumBlocks)}
 		regions[i] = l.Region
 		minBlocks = min(minBlocks, l.NumBlocks)
 	}
@@ -500,7 +581,7 @@ func (s *session) registerCache(m *protocol.RegisterCache) (protocol.Message, er
 		s.regions[r].refs++
 	}
 	id := s.newID()
-	s.caches[id] = &cache{id: cid, ns: ns, regions: regions, numBlocks: minBlocks}
+	s.caches[id] = &cache{id: cid, ns: ns, regions: regions, numBlocks: minBlocks, shrinkable: shrinkable}
 	return &protocol.CacheRegistered{Cache: id}, nil
 }
 
@@ -574,6 +655,13 @@ func (s *session) transfer(id uint64, m *protocol.Transfer) bool {
 			flat = append(flat, int(blk))
 		}
 		blocks[i] = flat[len(flat)-bpk : len(flat) : len(flat)]
+	}
+	for _, h := range c.shrinkable {
+		// A file already truncated fails here with a clear message; one
+		// truncated during the job fails the job (region.Guard).
+		if err := h.CheckSize(); err != nil {
+			return fail(perr(protocol.CodeBadFd, "cache %d: %v", m.Cache, err))
+		}
 	}
 	s.jmu.Lock()
 	if len(s.jobs) >= s.srv.cfg.MaxInflightJobs {
@@ -664,7 +752,7 @@ func (s *session) stats() (protocol.Message, error) {
 		Hits: st.Hits, Misses: st.Misses, Evictions: st.Evictions, Failures: st.Failures,
 		Corrupt: st.Corrupt, Vanished: st.Vanished, BytesWritten: st.BytesWritten, BytesRead: st.BytesRead,
 		Clients: uint64(s.srv.clients()), Regions: uint64(len(s.regions)), Caches: uint64(len(s.caches)),
-		InflightJobs: uint64(inflight),
+		InflightJobs: uint64(inflight), Devices: s.srv.deviceStats(),
 	}
 	for _, mt := range st.Mounts {
 		m.Mounts = append(m.Mounts, protocol.MountStats{Capacity: uint64(mt.Capacity), Used: uint64(mt.Used), Entries: uint64(mt.Entries), Direct: mt.Direct})
@@ -724,10 +812,7 @@ func (s *session) release() {
 	}
 	s.writeWG.Wait()
 	for _, r := range s.regions {
-		s.releaseBytes(r.host.Len())
-		if err := r.host.Close(); err != nil {
-			s.log.Warn("unmap region", "err", err)
-		}
+		s.closeRegion(r)
 	}
 	s.regions = nil
 	s.rd.closeFds()
@@ -785,6 +870,9 @@ func errorOf(err error) *protocol.Error {
 		code = protocol.CodePolicy
 	case errors.Is(err, engine.ErrClosed):
 		code = protocol.CodeShuttingDown
+	case errors.Is(err, region.ErrFault), errors.Is(err, region.ErrTruncated):
+		// The client truncated its shared file under the job.
+		code = protocol.CodeBadFd
 	}
 	return &protocol.Error{Code: code, Message: err.Error()}
 }

@@ -1,11 +1,16 @@
 """Python client checks, run by client/e2e_test.go:
 
-    python3 client_test.py SOCKET PREFIX roundtrip|checks
+    python3 client_test.py SOCKET PREFIX roundtrip|checks|shared
+
+(shared runs from server/python_test.go, against a daemon that accepts
+shared files.)
 """
 
+import mmap
 import os
 import random
 import sys
+import tempfile
 import threading
 
 import kvhost
@@ -15,12 +20,37 @@ GEOMETRY = kvhost.Geometry(model="test-model", layers=2, kv_heads=1, head_size=6
 BLOCKS = 64
 
 
+CACHE_BYTES = GEOMETRY.layers * 2 * BLOCKS * GEOMETRY.block_bytes
+
+
+class ShmFile:
+    """A file under /dev/shm mapped here, as vLLM's shared CPU region is."""
+
+    def __init__(self, size):
+        fd, self.path = tempfile.mkstemp(prefix="kvhost-pytest-", suffix=".mmap", dir="/dev/shm")
+        self.file = os.fdopen(fd, "r+b")
+        self.file.truncate(size)
+        self.mmap = mmap.mmap(self.file.fileno(), size)
+        self.view = memoryview(self.mmap)
+        self.size = size
+
+    def close(self):
+        self.view.release()
+        self.mmap.close()
+        self.file.close()
+        os.unlink(self.path)
+
+
 class Cache:
-    def __init__(self, client):
+    def __init__(self, client, shared=None):
         self.c = client
         self.bb = GEOMETRY.block_bytes
-        self.buf = kvhost.HostBuffer(GEOMETRY.layers * 2 * BLOCKS * self.bb)
-        self.region = client.register_buffer(self.buf)
+        if shared is None:
+            self.buf = kvhost.HostBuffer(CACHE_BYTES)
+            self.region = client.register_buffer(self.buf)
+        else:
+            self.buf = shared
+            self.region = client.register_shared_file(shared.file.fileno(), shared.size)
         self.ns = client.declare(GEOMETRY)
         assert self.ns.blocks_per_key == 2, self.ns
         layers = [kvhost.Layer(self.region, offset=l * 2 * BLOCKS * self.bb, block_stride=self.bb,
@@ -51,8 +81,8 @@ class Cache:
             self.buf.view[off:off + self.bb] = bytes(self.bb)
 
 
-def roundtrip(client, prefix, n=6, rounds=3):
-    cache = Cache(client)
+def roundtrip(client, prefix, n=6, rounds=3, shared=None):
+    cache = Cache(client, shared)
     rng = random.Random(prefix)
     bpk = cache.ns.blocks_per_key
     for r in range(rounds):
@@ -161,11 +191,35 @@ def checks(client, prefix):
     print("python checks passed")
 
 
+def shared(client, prefix):
+    """Zero-copy registration of a /dev/shm file (no seal): a round trip,
+    then the file truncated under the daemon: the next store fails with a
+    clear error and the connection keeps working."""
+    f = ShmFile(CACHE_BYTES)
+    try:
+        cache = roundtrip(client, prefix, n=4, rounds=2, shared=f)
+        f.view.release()
+        f.mmap.close()
+        f.file.truncate(0)
+        try:
+            client.store(cache.cache, [b"after-truncate"], [[0, 1]])
+            raise AssertionError("store from a truncated shared file was accepted")
+        except kvhost.KvhostError as e:
+            assert kvhost.CODES[e.code] == "bad descriptor" and "truncated" in e.message, e
+        assert client.stats()["regions"] == 1
+    finally:
+        f.file.close()
+        os.unlink(f.path)
+    print("python shared-file checks passed")
+
+
 def main():
     socket_path, prefix, mode = sys.argv[1:4]
     with kvhost.Client(socket_path, name=prefix) as client:
         if mode == "roundtrip":
             roundtrip(client, prefix)
+        elif mode == "shared":
+            shared(client, prefix)
         else:
             checks(client, prefix)
 

@@ -5,6 +5,7 @@ every job completion to its Job.
 """
 
 import dataclasses
+import os
 import socket
 import struct
 import threading
@@ -131,12 +132,42 @@ class _Pending:
         self.ftype = self.body = self.job = self.error = None
 
 
-class Client:
-    """A connection to the kvhost daemon at path (a Unix socket)."""
+SOCKET_ENV = "KVHOST_SOCKET"
 
-    def __init__(self, path, name="python", timeout=30.0):
+
+def default_socket():
+    """The socket a client connects to when given none: $KVHOST_SOCKET if
+    set, else the daemon's own default: $XDG_RUNTIME_DIR/kvhost.sock, else
+    kvhost/kvhost.sock under $XDG_CACHE_HOME (else ~/.cache)."""
+    env = os.environ.get(SOCKET_ENV)
+    if env:
+        return env
+    run = os.environ.get("XDG_RUNTIME_DIR")
+    if run:
+        return os.path.join(run, "kvhost.sock")
+    cache = os.environ.get("XDG_CACHE_HOME")
+    if not cache or not os.path.isabs(cache):
+        home = os.environ.get("HOME")
+        if not home:
+            import tempfile
+            return os.path.join(tempfile.gettempdir(), "kvhost", "kvhost.sock")
+        cache = os.path.join(home, ".cache")
+    return os.path.join(cache, "kvhost", "kvhost.sock")
+
+
+class Client:
+    """A connection to the kvhost daemon at path (a Unix socket; None means
+    default_socket())."""
+
+    def __init__(self, path=None, name="python", timeout=30.0):
+        if path is None:
+            path = default_socket()
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.connect(path)
+        try:
+            self._sock.connect(path)
+        except BaseException:
+            self._sock.close()
+            raise
         self._timeout = timeout
         self._wlock = threading.Lock()
         self._lock = threading.Lock()
@@ -275,11 +306,42 @@ class Client:
         """Registers a HostBuffer (or anything with fd and size)."""
         return self.register_memfd(buf.fd, buf.size)
 
+    def register_shared_file(self, fd, size):
+        """Registers size bytes of a shared-memory file without sealing it:
+        a memfd or a file under /dev/shm (such as vLLM's shared CPU region).
+        Its owner may still truncate it; a job touching the missing pages
+        then fails (code "bad descriptor") and the daemon goes on. Daemons
+        that cannot guard their copies raise UnsupportedError. Returns the
+        region id."""
+        if size <= 0:
+            raise ValueError(f"size {size}: want > 0")
+        _, body = self._call(p.T_REGISTER_MEMORY, p.register_memory(p.MEMORY_SHARED, size), [fd])
+        return struct.unpack_from("<I", body)[0]
+
     def register_cuda(self, device, handle, offset, size):
-        """Registers GPU memory by CUDA IPC handle. Daemons without GPU
-        support raise UnsupportedError."""
+        """Registers GPU memory by CUDA IPC handle: [offset, offset+size) of
+        the allocation handle (64 bytes, cudaIpcGetMemHandle of its base)
+        names, on device as the daemon numbers its GPUs. Daemons without GPU
+        support raise UnsupportedError; a stale, forged or other device's
+        handle raises KvhostError with code "bad IPC handle"."""
         _, body = self._call(p.T_REGISTER_MEMORY, p.register_memory(p.MEMORY_CUDA_IPC, size, device, offset, handle))
         return struct.unpack_from("<I", body)[0]
+
+    def register_cuda_tensor(self, tensor, device=None):
+        """Registers the GPU memory of a torch CUDA tensor's storage and
+        returns the region id. The region is the whole storage: the tensor
+        itself starts tensor.storage_offset() * tensor.element_size() bytes
+        into it. Keep the tensor alive while the region is registered.
+
+        device is the daemon's ordinal of the tensor's GPU; by default the
+        tensor's device index, translated through CUDA_VISIBLE_DEVICES when
+        that is a list of integers (the daemon sees every GPU of the node).
+        torch is imported lazily. See cuda_ipc_handle for what torch gives."""
+        from .memory import cuda_ipc_handle, daemon_device  # memory imports this module
+        dev, handle, offset, size = cuda_ipc_handle(tensor)
+        if device is None:
+            device = daemon_device(dev)
+        return self.register_cuda(device, handle, offset, size)
 
     def unregister_memory(self, region):
         self._call(p.T_UNREGISTER_MEMORY, struct.pack("<I", region))

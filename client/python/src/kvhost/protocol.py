@@ -37,6 +37,7 @@ T_COMPLETION = 0x4001
 
 MEMORY_MEMFD = 1
 MEMORY_CUDA_IPC = 2
+MEMORY_SHARED = 3
 
 JOB_STORE = 1
 JOB_LOAD = 2
@@ -49,7 +50,7 @@ CODES = ["ok", "malformed", "unsupported version", "unknown type", "handshake re
          "limit exceeded", "unknown region", "unknown namespace", "unknown cache",
          "invalid argument", "unsupported", "descriptor missing", "bad descriptor", "in use",
          "no space", "not found", "corrupt", "policy failure", "shutting down", "cancelled",
-         "internal error", "timed out"]
+         "internal error", "timed out", "bad IPC handle"]
 CODE_UNSUPPORTED = 10
 
 STATS_FIELDS = ["entries", "keys", "stores", "loads", "hits", "misses", "evictions", "failures",
@@ -153,4 +154,13 @@ def decode_stats(body):
         mounts.append({"capacity": cap, "used": used, "entries": entries, "direct": bool(direct)})
         off += 32
     out["mounts"] = mounts
+    devices = []
+    if len(body) >= off + 4:
+        (n,) = struct.unpack_from("<I", body, off)
+        off += 4
+        for _ in range(n):
+            ordinal, regions, registered, limit = struct.unpack_from("<I4xQQQ", body, off)
+            devices.append({"ordinal": ordinal, "regions": regions, "registered": registered, "limit": limit})
+            off += 32
+    out["devices"] = devices
     return out

@@ -1,0 +1,5 @@
+package region
+
+import "runtime/debug"
+
+var debugSetPanicOnFault = debug.SetPanicOnFault

@@ -1,0 +1,170 @@
+package cudaipc_test
+
+import (
+	"context"
+	"errors"
+	"testing"
+
+	"github.com/kvhost/kvhost/internal/cuda"
+	"github.com/kvhost/kvhost/internal/cuda/cudatest"
+	"github.com/kvhost/kvhost/region"
+	"github.com/kvhost/kvhost/server/cudaipc"
+)
+
+func open(t *testing.T) *cuda.Runtime {
+	t.Helper()
+	path := cudatest.Build(t)
+	rt, err := cuda.Open(cuda.Config{Runtime: []string{path}, Driver: []string{path}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { rt.Close() })
+	return rt
+}
+
+func TestNewChecksDevices(t *testing.T) {
+	rt := open(t)
+	tests := []struct {
+		name    string
+		devices int
+		want    int // 0: New fails
+	}{
+		{"every device", 0, 2},
+		{"first only", 1, 1},
+		{"more than there are", 3, 0},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			im, err := cudaipc.New(rt, tc.devices)
+			if tc.want == 0 {
+				if err == nil {
+					im.Close()
+					t.Fatal("New succeeded")
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer im.Close()
+			if im.Devices() != tc.want {
+				t.Fatalf("Devices() = %d, want %d", im.Devices(), tc.want)
+			}
+		})
+	}
+}
+
+// TestOpenImportsOnTheNamedDevice: the import runs on the named device's
+// thread (a handle of device 1 opens only there), points at the range
+// asked for, maps a range outside the allocation to region.ErrBounds, and
+// Close releases it once.
+func TestOpenImportsOnTheNamedDevice(t *testing.T) {
+	rt := open(t)
+	im, err := cudaipc.New(rt, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer im.Close()
+	w, err := rt.NewWorker(1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w.Close()
+	ctx := context.Background()
+	var mem *cuda.DeviceMemory
+	var h [cuda.IPCHandleSize]byte
+	if err := w.Do(ctx, func(*cuda.Worker) error {
+		var err error
+		if mem, err = rt.Malloc(1, 1<<20); err != nil {
+			return err
+		}
+		h, err = mem.IPCHandle()
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	defer w.Do(ctx, func(*cuda.Worker) error { return mem.Close() })
+	if _, err := im.Open(ctx, 0, h, 0, 4096); err == nil || errors.Is(err, region.ErrBounds) {
+		t.Fatalf("device 1's handle opened on device 0: %v", err)
+	}
+	if _, err := im.Open(ctx, 1, h, 4096, 1<<20); !errors.Is(err, region.ErrBounds) {
+		t.Fatalf("range past the allocation: %v, want region.ErrBounds", err)
+	}
+	m, err := im.Open(ctx, 1, h, 4096, 8192)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m.Ordinal() != 1 || m.Len() != 8192 || m.Ptr() != mem.Ptr()+4096 || m.Kind() != region.KindDevice || m.(*cudaipc.Memory).AllocSize() != 1<<20 {
+		t.Fatalf("import: device %d len %d ptr %#x kind %v", m.Ordinal(), m.Len(), m.Ptr(), m.Kind())
+	}
+	if im.Live() != 1 {
+		t.Fatalf("Live() = %d, want 1", im.Live())
+	}
+	if err := m.Close(); err != nil {
+		t.Fatal(err)
+	}
+	m.Close()
+	if im.Live() != 0 {
+		t.Fatalf("Live() = %d after Close twice, want 0", im.Live())
+	}
+	im.Close()
+	if _, err := im.Open(ctx, 1, h, 0, 4096); !errors.Is(err, cudaipc.ErrClosed) {
+		t.Fatalf("Open after Close: %v, want ErrClosed", err)
+	}
+}
+
+// TestOpenSharesOneImportPerAllocation: ranges of one allocation (layers
+// that are views of one tensor) share one driver import, checked against
+// the allocation's size, and the import is closed with the last range.
+func TestOpenSharesOneImportPerAllocation(t *testing.T) {
+	rt := open(t)
+	im, err := cudaipc.New(rt, 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer im.Close()
+	w, err := rt.NewWorker(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w.Close()
+	ctx := context.Background()
+	var mem *cuda.DeviceMemory
+	var h [cuda.IPCHandleSize]byte
+	if err := w.Do(ctx, func(*cuda.Worker) error {
+		var err error
+		if mem, err = rt.Malloc(0, 1<<20); err != nil {
+			return err
+		}
+		h, err = mem.IPCHandle()
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	defer w.Do(ctx, func(*cuda.Worker) error { return mem.Close() })
+	a, err := im.Open(ctx, 0, h, 0, 4096)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := im.Open(ctx, 0, h, 512<<10, 512<<10)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := im.Open(ctx, 0, h, 512<<10, 512<<10+1); !errors.Is(err, region.ErrBounds) {
+		t.Fatalf("range past the shared allocation: %v, want region.ErrBounds", err)
+	}
+	if im.Imports() != 1 || im.Live() != 2 {
+		t.Fatalf("%d imports, %d regions; want 1, 2", im.Imports(), im.Live())
+	}
+	if a.Ptr() != mem.Ptr() || b.Ptr() != mem.Ptr()+512<<10 || a.ID() == b.ID() {
+		t.Fatalf("ranges at %#x and %#x (ids %d, %d) of an allocation at %#x", a.Ptr(), b.Ptr(), a.ID(), b.ID(), mem.Ptr())
+	}
+	a.Close()
+	if im.Imports() != 1 || im.Live() != 1 {
+		t.Fatalf("after closing one range: %d imports, %d regions; want 1, 1", im.Imports(), im.Live())
+	}
+	b.Close()
+	if im.Imports() != 0 || im.Live() != 0 {
+		t.Fatalf("after closing both: %d imports, %d regions; want 0, 0", im.Imports(), im.Live())
+	}
+}
