@@ -85,6 +85,9 @@ type Server struct {
 	MaxRegisteredBytes Size `toml:"max_registered_bytes"`
 	// MaxTotalRegisteredBytes bounds all registrations together (0: 64 TiB).
 	MaxTotalRegisteredBytes Size `toml:"max_total_registered_bytes"`
+	// MaxDeviceRegisteredBytes bounds the GPU memory all clients together
+	// register on each device (0: 256 GiB).
+	MaxDeviceRegisteredBytes Size `toml:"max_device_registered_bytes"`
 }
 
 // Log configures logging.
@@ -213,8 +216,13 @@ func DefaultRoot() string {
 }
 
 // DefaultSocket is the socket path used when the configuration names none:
-// $XDG_RUNTIME_DIR/kvhost.sock if that is set, else root/kvhost.sock.
+// $KVHOST_SOCKET if that is set, else $XDG_RUNTIME_DIR/kvhost.sock if that
+// is set, else root/kvhost.sock. The Go and Python clients use the same
+// rule.
 func DefaultSocket(root string) string {
+	if p := os.Getenv("KVHOST_SOCKET"); p != "" {
+		return p
+	}
 	if dir := os.Getenv("XDG_RUNTIME_DIR"); dir != "" {
 		return filepath.Join(dir, "kvhost.sock")
 	}
@@ -346,6 +354,8 @@ func (c *Config) Validate() error {
 		return bad("server.max_registered_bytes", "a non-negative size", c.Server.MaxRegisteredBytes)
 	case c.Server.MaxTotalRegisteredBytes < 0:
 		return bad("server.max_total_registered_bytes", "a non-negative size", c.Server.MaxTotalRegisteredBytes)
+	case c.Server.MaxDeviceRegisteredBytes < 0:
+		return bad("server.max_device_registered_bytes", "a non-negative size", c.Server.MaxDeviceRegisteredBytes)
 	}
 	switch c.GPU.Mode {
 	case "auto", "on", "off":

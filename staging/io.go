@@ -11,6 +11,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/region"
 )
 
 // Span is Buf at file offset Off. Sum, if non-negative, is the index of the
@@ -142,15 +143,24 @@ func (w *Worker) vector(ctx context.Context, f fsys.File, run []Span, opt Option
 	var sumDone chan struct{}
 	if opt.Sums != nil && opt.Overlap {
 		pending, sumDone = make(chan []Span, 1), make(chan struct{})
+		var sumErr error // set before sumDone closes
 		go func() {
 			defer close(sumDone)
-			for spans := range pending {
-				sum(spans, opt.Sums)
+			sumErr = region.Guard(func() error {
+				for spans := range pending {
+					sum(spans, opt.Sums)
+				}
+				return nil
+			})
+			for range pending { // after a fault: drain, the write fails
 			}
 		}()
 		defer func() {
 			close(pending)
 			<-sumDone
+			if err == nil {
+				err = sumErr
+			}
 		}()
 	}
 	off := run[0].Off
@@ -335,7 +345,13 @@ func (w *Worker) bounce(ctx context.Context, f fsys.File, run []Span, opt Option
 				// A run ending inside a 4 KiB block is written to the
 				// block's end: the tail is zeros (the file's padding),
 				// never a reused buffer's old bytes.
-				clear(buf[cur.gather(buf[:n]):n])
+				if err := region.Guard(func() error {
+					clear(buf[cur.gather(buf[:n]):n])
+					return nil
+				}); err != nil {
+					full <- chunk{buf: buf, err: err}
+					return
+				}
 				full <- chunk{buf: buf, off: off, n: int(n)}
 			}
 		}()
@@ -363,7 +379,10 @@ func (w *Worker) bounce(ctx context.Context, f fsys.File, run []Span, opt Option
 		var err error
 		for c := range full {
 			if err == nil && c.err == nil {
-				cur.scatter(c.buf[c.ok:c.n])
+				err = region.Guard(func() error {
+					cur.scatter(c.buf[c.ok:c.n])
+					return nil
+				})
 			}
 			bufs.Put(c.buf)
 		}

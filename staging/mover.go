@@ -96,7 +96,13 @@ func (m *Mover) run(ctx context.Context, f fsys.File, p *transfer.Plan, sums []u
 	}
 	done := make(chan result, 1)
 	if err := m.pool.Submit(ctx, func(w *Worker) {
-		n, err := w.do(ctx, f, spans, opt, write)
+		// Guarded: a client may truncate the shared file behind a region
+		// under a running job; the fault fails this plan, not the daemon.
+		var n int64
+		err := region.Guard(func() (err error) {
+			n, err = w.do(ctx, f, spans, opt, write)
+			return err
+		})
 		done <- result{n, err}
 	}); err != nil {
 		return 0, err

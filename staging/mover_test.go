@@ -98,3 +98,95 @@ func TestMoverRoundTrip(t *testing.T) {
 		t.Fatalf("read past the end: %v", err)
 	}
 }
+
+// TestMoverSurvivesTruncatedSharedFile: a client truncates the shared file
+// behind a registered region before (or while) a plan moves it. Every path
+// that touches the region's bytes from user space — fused checksums on a
+// write, checksums overlapped on a helper goroutine, the bounce buffers'
+// gather and scatter — fails the plan with region.ErrFault instead of
+// crashing the process, and the mover keeps working.
+func TestMoverSurvivesTruncatedSharedFile(t *testing.T) {
+	ctx := context.Background()
+	mv, err := NewMover(Config{Workers: 2, BufferSize: 64 << 10, Buffers: 4})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer mv.Close()
+	const size = 1 << 20
+	dir := t.TempDir()
+	cases := []struct {
+		name    string
+		write   bool
+		direct  bool // plan says O_DIRECT with unaligned memory: bounce buffers
+		overlap bool
+	}{
+		{"write, fused checksums", true, false, false},
+		{"write, overlapped checksums", true, false, true},
+		{"write through bounce buffers", true, true, false},
+		{"read, fused checksums", false, false, false},
+		{"read through bounce buffers", false, true, false},
+	}
+	for i, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			shm, err := os.CreateTemp("/dev/shm", "kvhost-truncate-")
+			if err != nil {
+				t.Skipf("no /dev/shm: %v", err)
+			}
+			defer os.Remove(shm.Name())
+			defer shm.Close()
+			if err := shm.Truncate(size); err != nil {
+				t.Fatal(err)
+			}
+			r, err := region.OpenShared(int(shm.Fd()), size)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer r.Close()
+			name := filepath.Join(dir, "f"+string(rune('a'+i)))
+			f, err := fsys.OS{}.OpenFile(name, os.O_RDWR|os.O_CREATE, 0o644)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer f.Close()
+			if err := f.Allocate(size); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := f.WriteAt(make([]byte, size), 0); err != nil {
+				t.Fatal(err)
+			}
+			// The second half of the region goes away under the mapping.
+			if err := shm.Truncate(size / 2); err != nil {
+				t.Fatal(err)
+			}
+			off := int64(size/2 + 100) // unaligned: bounce buffers with O_DIRECT
+			if !c.direct {
+				off = size / 2
+			}
+			var n int64
+			sums := make([]uint32, 1)
+			opt := Options{Direct: c.direct, Sums: sums, Overlap: c.overlap}
+			done := make(chan error, 1)
+			if err := mv.Pool().Submit(ctx, func(w *Worker) {
+				done <- region.Guard(func() (err error) {
+					spans := []Span{{Off: 0, Buf: r.Bytes()[off : off+128<<10], Sum: 0}}
+					n, err = w.do(ctx, f, spans, opt, c.write)
+					return err
+				})
+			}); err != nil {
+				t.Fatal(err)
+			}
+			err = <-done
+			if err == nil {
+				t.Fatalf("moving a truncated region succeeded (%d bytes)", n)
+			}
+			// A preadv into a truncated mapping fails with EFAULT in the
+			// kernel; every other path faults in Go.
+			if !errors.Is(err, region.ErrFault) && !errors.Is(err, unix.EFAULT) {
+				t.Fatalf("error %v, want region.ErrFault or EFAULT", err)
+			}
+			if _, err := mv.WriteFile(ctx, f, &transfer.Plan{Extents: []transfer.Extent{{FileOff: 0, Region: r, RegionOff: 0, Len: 4096, Sum: -1}}}, nil); err != nil {
+				t.Fatalf("the mover fails after a fault: %v", err)
+			}
+		})
+	}
+}

@@ -9,6 +9,7 @@ import (
 	"github.com/kvhost/kvhost/host/engine"
 	"github.com/kvhost/kvhost/internal/cuda"
 	"github.com/kvhost/kvhost/region"
+	"github.com/kvhost/kvhost/server/cudaipc"
 	"github.com/kvhost/kvhost/staging/gpu"
 	"github.com/kvhost/kvhost/transfer"
 )
@@ -38,6 +39,7 @@ type gpuPaths struct {
 	staging *gpu.Mover
 	cufile  *gds.Driver // nil: cuFile unavailable or off
 	cfMover *gds.Mover
+	ipc     *cudaipc.Importer // imports clients' GPU memory (CUDA IPC)
 	opts    gpuOptions
 }
 
@@ -75,6 +77,11 @@ func openGPU(opts gpuOptions, log *slog.Logger) (*gpuPaths, error) {
 	if err != nil {
 		rt.Close()
 		return nil, fmt.Errorf("gpu: staging pipeline: %w", err)
+	}
+	if p.ipc, err = cudaipc.New(rt, n); err != nil {
+		p.staging.Close()
+		rt.Close()
+		return nil, fmt.Errorf("gpu: %w", err)
 	}
 	log.Info("GPU paths ready", "devices", n, "cuda_runtime", rt.Path(), "cuda_version", rt.Version(),
 		"batched_copies", rt.HasBatch(), "pinned_staging_bytes", p.staging.PinnedBytes())
@@ -131,6 +138,6 @@ func (p *gpuPaths) Close() error {
 	if p.cufile != nil {
 		errs = append(errs, p.cufile.Close())
 	}
-	errs = append(errs, p.staging.Close(), p.rt.Close())
+	errs = append(errs, p.ipc.Close(), p.staging.Close(), p.rt.Close())
 	return errors.Join(errs...)
 }

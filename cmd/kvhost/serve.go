@@ -164,7 +164,7 @@ func serve(ctx context.Context, cfg config.Config, log *slog.Logger, stdout io.W
 	if err != nil {
 		return errors.Join(err, closeEngine())
 	}
-	srv, err := server.New(eng, server.Config{
+	scfg := server.Config{
 		MaxClients:              cfg.Server.MaxClients,
 		MaxFrame:                int(cfg.Server.MaxFrame),
 		MaxRegistrations:        cfg.Server.MaxRegistrations,
@@ -179,7 +179,15 @@ func serve(ctx context.Context, cfg config.Config, log *slog.Logger, stdout io.W
 		MaxTotalRegisteredBytes: int64(cfg.Server.MaxTotalRegisteredBytes),
 		Name:                    "kvhost",
 		Logger:                  log,
-	})
+		// The data paths guard their copies (region.Guard): a client
+		// truncating its shared file fails its own job, nothing else.
+		SharedFiles:    true,
+		MaxDeviceBytes: int64(cfg.Server.MaxDeviceRegisteredBytes),
+	}
+	if gp != nil {
+		scfg.OpenDevice, scfg.Devices = gp.ipc.Open, gp.ipc.Devices()
+	}
+	srv, err := server.New(eng, scfg)
 	if err != nil {
 		sock.Close()
 		return errors.Join(err, closeEngine())
