@@ -14,13 +14,17 @@ import (
 )
 
 // scratchSize is the scratch area the host asks every instance for: room for
-// the largest batch of any hook, the eviction area and the configuration.
-const scratchSize = max(abi.MaxBatch*abi.NameRecordSize,
+// the largest batch of any hook, the eviction area and the configuration
+// (abi.ScratchSize, which docs/abi.md gives as a number).
+const scratchSize = abi.ScratchSize
+
+// The scratch area holds every input the host writes.
+const _ = uint(scratchSize - max(abi.MaxBatch*abi.NameRecordSize,
 	abi.EvictHeaderSize+abi.MaxBatch*abi.VictimSize,
 	abi.MaxBatch*abi.AccessRecordSize,
 	abi.MaxBatch*abi.AdmitRecordSize,
 	abi.NamespaceRecordSize,
-	abi.MaxConfigLen)
+	abi.MaxConfigLen))
 
 // backend creates the instances of one policy implementation: a wasm module
 // or a native Go policy.
@@ -531,8 +535,8 @@ func (h *Host) Name(ctx context.Context, recs []abi.NameRecord) error {
 	for i := range recs {
 		r := &recs[i]
 		switch {
-		case r.KeyLen > abi.MaxKeyLen:
-			return fmt.Errorf("%w: name record %d: KeyLen %d > %d", ErrInput, i, r.KeyLen, abi.MaxKeyLen)
+		case r.KeyLen == 0 || r.KeyLen > abi.MaxKeyLen:
+			return fmt.Errorf("%w: name record %d: KeyLen %d: want 1..%d", ErrInput, i, r.KeyLen, abi.MaxKeyLen)
 		case r.MountCount == 0:
 			return fmt.Errorf("%w: name record %d: MountCount is 0", ErrInput, i)
 		}

@@ -341,7 +341,7 @@ func (s *suite) names() (string, error) {
 	for i := range binary {
 		binary[i] = byte(i * 37) // includes 0x00, '/', '.', bytes >= 0x80
 	}
-	special := [][]byte{{}, {0}, {'.'}, []byte("../../etc/passwd"), []byte("/abs"), binary, long, []byte("a key with spaces")}
+	special := [][]byte{{0}, {'.'}, []byte(".."), []byte("../../etc/passwd"), []byte("/abs"), binary, long, []byte("a key with spaces")}
 	for _, ns := range s.ns {
 		for _, k := range special {
 			recs = append(recs, nameRecord(ns, k))
@@ -370,7 +370,7 @@ func (s *suite) names() (string, error) {
 	for _, r := range recs {
 		mounts[r.Mount] = true
 	}
-	return fmt.Sprintf("%d keys in %d namespaces (empty, binary, %d-byte, dot and slash keys): valid, distinct paths on %d mounts",
+	return fmt.Sprintf("%d keys in %d namespaces (1-byte, binary, %d-byte, dot and slash keys): valid, distinct paths on %d mounts",
 		len(recs), len(s.ns), abi.MaxKeyLen, len(mounts)), nil
 }
 
