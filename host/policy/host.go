@@ -297,9 +297,17 @@ func (h *Host) build(ctx context.Context, b backend, s *shard) (instance, error)
 // the hook runs, and op validates and consumes the output.
 func (h *Host) callOnce(ctx context.Context, s *shard, inst instance, hk hook, op batchOp) error {
 	arg := op.write(s, inst.scratch())
+	n := op.records(s)
 	h.stats.calls[hk].Add(1)
-	h.stats.records[hk].Add(uint64(op.records(s)))
+	h.stats.records[hk].Add(uint64(n))
+	var start time.Time
+	if h.cfg.OnCall != nil {
+		start = time.Now()
+	}
 	st, err := inst.call(ctx, hk, arg)
+	if h.cfg.OnCall != nil {
+		h.cfg.OnCall(hk.String(), n, time.Since(start))
+	}
 	if err != nil {
 		return h.pluginError(s, hk.String(), err)
 	}
