@@ -21,7 +21,7 @@ all: build
 tools:
 	@scripts/ensure-tools.sh
 
-wasm: $(PLUGIN_WASM) $(WAT_WASM) $(GO_EXAMPLE_WASM)
+wasm: $(PLUGIN_WASM) $(WAT_WASM) $(GO_EXAMPLE_WASM) c-example
 
 # go build is incremental, so always asking it is cheap and never stale.
 plugins/wasm/%.wasm: FORCE
@@ -32,6 +32,14 @@ $(GO_EXAMPLE_WASM): %/policy.wasm: FORCE
 
 %.wasm: %.wat | tools
 	wat2wasm $< -o $@
+
+# The C SDK example (sdk/c, examples/c-policy): freestanding wasm32, no libc,
+# built with Debian's clang and lld (scripts/ensure-clang.sh installs them).
+.PHONY: c-example
+c-example: sdk/c/kvhost_policy.h examples/c-policy/policy.c
+	@scripts/ensure-clang.sh
+	clang --target=wasm32 -O2 -nostdlib -ffreestanding -mbulk-memory -Wall -Wextra -Werror \
+		-Isdk/c -Wl,--no-entry -o examples/c-policy/policy.wasm examples/c-policy/policy.c
 
 # The daemon needs only the built-in policies (Go → wasm, no extra tools);
 # the WebAssembly-text fixtures and examples are for the tests.
@@ -65,7 +73,7 @@ test: tools build wasm lint
 	$(MAKE) --no-print-directory fuzz
 
 clean:
-	rm -rf bin plugins/wasm/*.wasm $(WAT_WASM) $(GO_EXAMPLE_WASM)
+	rm -rf bin plugins/wasm/*.wasm $(WAT_WASM) $(GO_EXAMPLE_WASM) examples/c-policy/policy.wasm
 
 # Python client tests (client/python/tests) with Debian's python3, numpy and,
 # when installable, CPU torch; they build and start a real daemon.

@@ -138,6 +138,12 @@ const (
 	MaxConfigLen = 64 << 10
 	// ScratchAlign is the alignment the scratch pointer must have.
 	ScratchAlign = 8
+	// ScratchSize is the min_bytes the host passes to kvhost_scratch in v1:
+	// room for the largest batch of any hook, MaxBatch NameRecords (376,832
+	// bytes). Every other input fits in it: MaxBatch AccessRecords or
+	// AdmitRecords, the EvictRequest with MaxBatch Victims, MaxConfigLen
+	// bytes of configuration.
+	ScratchSize = MaxBatch * NameRecordSize
 	// AnyMount in EvictRequest.Mount means victims may come from any mount.
 	AnyMount = 0xFFFFFFFF
 )

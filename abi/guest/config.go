@@ -95,8 +95,9 @@ func (c Config) Duration(key string, def time.Duration) (time.Duration, error) {
 	return d, nil
 }
 
-// HostKeyPrefix starts the keys the host adds to every configuration
-// ("kvhost.shard", "kvhost.shards", "kvhost.mounts").
+// HostKeyPrefix starts the keys the host adds to every configuration: in
+// ABI v1 always "kvhost.shard" and "kvhost.shards", nothing else. A later
+// host may add more; CheckKeys accepts every key with the prefix.
 const HostKeyPrefix = "kvhost."
 
 // CheckKeys returns a *ConfigError naming the first key that is neither in

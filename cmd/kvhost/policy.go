@@ -19,6 +19,7 @@ import (
 const policyUsage = `usage:
   kvhost policy inspect NAME|FILE.wasm         describe a plugin: ABI version, features, hooks, imports, size
   kvhost policy test [flags] NAME|FILE.wasm    run the conformance suite; exit status 1 if a check fails
+                                               (--json: the report as JSON, for CI)
 
 NAME is a built-in policy (%s); an argument ending in .wasm or
 containing '/' is a file.
@@ -55,7 +56,7 @@ func runPolicy(ctx context.Context, args []string, stdout, stderr io.Writer) int
 			usage(stderr)
 			return 2
 		}
-		return policyTest(ctx, fs.Arg(0), tf.options(stderr), stdout, stderr)
+		return policyTest(ctx, fs.Arg(0), tf.options(stderr), tf.json, stdout, stderr)
 	case "help", "-h", "-help", "--help":
 		usage(stdout)
 		return 0
@@ -72,6 +73,7 @@ type testFlags struct {
 	memoryMiB int64
 	entries   int
 	verbose   bool
+	json      bool
 	params    map[string]string
 }
 
@@ -82,7 +84,8 @@ func (t *testFlags) flagSet(out io.Writer) *flag.FlagSet {
 	fs.DurationVar(&t.timeout, "timeout", policy.DefaultCallTimeout, "deadline of one plugin call")
 	fs.Int64Var(&t.memoryMiB, "memory-mib", policy.DefaultMemoryLimit>>20, "memory limit of one instance, in MiB")
 	fs.IntVar(&t.entries, "entries", 4000, "entries of the capacity-pressure check")
-	fs.BoolVar(&t.verbose, "v", false, "print the host's and the plugin's log")
+	fs.BoolVar(&t.verbose, "v", false, "print the host's and the plugin's log (to stderr)")
+	fs.BoolVar(&t.json, "json", false, "print the report as JSON: checks with their rules, call times per hook, the host's counters")
 	fs.Func("param", "plugin configuration `key=value` passed to kvhost_init (repeatable)", func(s string) error {
 		k, v, ok := strings.Cut(s, "=")
 		if !ok || k == "" {
@@ -174,7 +177,7 @@ func writeInfo(w io.Writer, name string, info policy.Info) {
 
 func mib(n uint64) string { return fmt.Sprintf("%.4g MiB", float64(n)/(1<<20)) }
 
-func policyTest(ctx context.Context, arg string, opts conformance.Options, stdout, stderr io.Writer) int {
+func policyTest(ctx context.Context, arg string, opts conformance.Options, asJSON bool, stdout, stderr io.Writer) int {
 	name, module, err := loadPlugin(arg)
 	if err != nil {
 		fmt.Fprintf(stderr, "kvhost policy test: %v\n", err)
@@ -182,7 +185,12 @@ func policyTest(ctx context.Context, arg string, opts conformance.Options, stdou
 	}
 	opts.Name = name
 	report := conformance.Run(ctx, module, opts)
-	if _, err := report.WriteTo(stdout); err != nil {
+	if asJSON {
+		err = report.WriteJSON(stdout)
+	} else {
+		_, err = report.WriteTo(stdout)
+	}
+	if err != nil {
 		fmt.Fprintf(stderr, "kvhost policy test: %v\n", err)
 		return 1
 	}

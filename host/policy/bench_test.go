@@ -3,6 +3,8 @@ package policy_test
 import (
 	"context"
 	"fmt"
+	"os"
+	"path/filepath"
 	"testing"
 	"time"
 
@@ -22,8 +24,9 @@ const (
 const benchEntries = 1 << 16
 
 // benchHost opens the lru policy as wasm (plugins/wasm/lru.wasm) or natively
-// (plugins/lru), with one shard so that a batch is one call, and fills it
-// with benchEntries entries.
+// (plugins/lru), the WAT fixture ("wat") or the C SDK example ("c",
+// examples/c-policy/policy.wasm), with one shard so that a batch is one
+// call, and fills it with benchEntries entries.
 func benchHost(b *testing.B, kind string) policy.Policy {
 	b.Helper()
 	ctx := context.Background()
@@ -34,6 +37,12 @@ func benchHost(b *testing.B, kind string) policy.Policy {
 	switch kind {
 	case "wat":
 		h, err = policy.Open(ctx, fixture(b, "wellbehaved"), "wellbehaved", idx, cfg)
+	case "c":
+		mod, rerr := os.ReadFile(filepath.Join("..", "..", "examples", "c-policy", "policy.wasm"))
+		if rerr != nil {
+			b.Fatalf("%v (build it with `make wasm`)", rerr)
+		}
+		h, err = policy.Open(ctx, mod, "c-policy", idx, cfg)
 	case "wasm":
 		mod, werr := plugins.Wasm("lru")
 		if werr != nil {
@@ -68,11 +77,12 @@ func benchHost(b *testing.B, kind string) policy.Policy {
 
 // BenchmarkBoundary measures the per-key cost of batched calls through the
 // policy boundary: the lru plugin in wasm (sandboxed: metered by fuel), the
-// same Go policy natively, and the hand-written WAT fixture (host overhead
-// with a minimal guest).
+// same Go policy natively, the hand-written WAT fixture (host overhead
+// with a minimal guest) and the C SDK example (an LRU list in C, built
+// freestanding with clang).
 func BenchmarkBoundary(b *testing.B) {
 	ctx := context.Background()
-	for _, kind := range []string{"wasm", "native", "wat"} {
+	for _, kind := range []string{"wasm", "native", "wat", "c"} {
 		h := benchHost(b, kind)
 		for _, hook := range []string{"access", "victims", "name"} {
 			for _, n := range []int{1, 32, 256} {
@@ -180,7 +190,7 @@ func BenchmarkRunaway(b *testing.B) {
 // of the deadline) to time; no ceiling.
 func BenchmarkFuelRate(b *testing.B) {
 	ctx := context.Background()
-	for _, kind := range []string{"wasm", "wat"} {
+	for _, kind := range []string{"wasm", "wat", "c"} {
 		h := benchHost(b, kind).(*policy.Host)
 		for _, hook := range []string{"access", "victims", "name"} {
 			b.Run(kind+"/"+hook, func(b *testing.B) {

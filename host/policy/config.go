@@ -46,8 +46,9 @@ type Config struct {
 	MemoryLimit int64
 	// CallTimeout is the deadline of one hook call. A call gets fuel in
 	// proportion to it (2 units, wasm instructions, per nanosecond), which
-	// stops a call that runs on, and a call that returns after CallTimeout
-	// fails too. Zero means DefaultCallTimeout.
+	// stops a call that runs on; a call that returns within its fuel but
+	// after CallTimeout is counted in Stats.SlowCalls, not failed. Zero
+	// means DefaultCallTimeout.
 	CallTimeout time.Duration
 	// CacheDir, if set, is a directory for wazero's on-disk compilation
 	// cache: a second start with the same module compiles nothing.
@@ -71,6 +72,13 @@ type Config struct {
 	// Logger receives the host's and the plugin's log messages. Nil means
 	// slog.Default().
 	Logger *slog.Logger
+	// OnCall, if set, is called after every call into a policy instance
+	// with the hook's export name ("kvhost_name", ...), the number of
+	// records passed and how long the instance ran (without the host's
+	// validation). The conformance suite uses it to report call times per
+	// hook. It runs on the caller's path: it must be fast and safe for
+	// concurrent use.
+	OnCall func(hook string, records int, took time.Duration)
 }
 
 // withDefaults returns c with defaults applied, or an error naming the first

@@ -14,13 +14,17 @@ import (
 )
 
 // scratchSize is the scratch area the host asks every instance for: room for
-// the largest batch of any hook, the eviction area and the configuration.
-const scratchSize = max(abi.MaxBatch*abi.NameRecordSize,
+// the largest batch of any hook, the eviction area and the configuration
+// (abi.ScratchSize, which docs/abi.md gives as a number).
+const scratchSize = abi.ScratchSize
+
+// The scratch area holds every input the host writes.
+const _ = uint(scratchSize - max(abi.MaxBatch*abi.NameRecordSize,
 	abi.EvictHeaderSize+abi.MaxBatch*abi.VictimSize,
 	abi.MaxBatch*abi.AccessRecordSize,
 	abi.MaxBatch*abi.AdmitRecordSize,
 	abi.NamespaceRecordSize,
-	abi.MaxConfigLen)
+	abi.MaxConfigLen))
 
 // backend creates the instances of one policy implementation: a wasm module
 // or a native Go policy.
@@ -293,9 +297,17 @@ func (h *Host) build(ctx context.Context, b backend, s *shard) (instance, error)
 // the hook runs, and op validates and consumes the output.
 func (h *Host) callOnce(ctx context.Context, s *shard, inst instance, hk hook, op batchOp) error {
 	arg := op.write(s, inst.scratch())
+	n := op.records(s)
 	h.stats.calls[hk].Add(1)
-	h.stats.records[hk].Add(uint64(op.records(s)))
+	h.stats.records[hk].Add(uint64(n))
+	var start time.Time
+	if h.cfg.OnCall != nil {
+		start = time.Now()
+	}
 	st, err := inst.call(ctx, hk, arg)
+	if h.cfg.OnCall != nil {
+		h.cfg.OnCall(hk.String(), n, time.Since(start))
+	}
 	if err != nil {
 		return h.pluginError(s, hk.String(), err)
 	}
@@ -531,8 +543,8 @@ func (h *Host) Name(ctx context.Context, recs []abi.NameRecord) error {
 	for i := range recs {
 		r := &recs[i]
 		switch {
-		case r.KeyLen > abi.MaxKeyLen:
-			return fmt.Errorf("%w: name record %d: KeyLen %d > %d", ErrInput, i, r.KeyLen, abi.MaxKeyLen)
+		case r.KeyLen == 0 || r.KeyLen > abi.MaxKeyLen:
+			return fmt.Errorf("%w: name record %d: KeyLen %d: want 1..%d", ErrInput, i, r.KeyLen, abi.MaxKeyLen)
 		case r.MountCount == 0:
 			return fmt.Errorf("%w: name record %d: MountCount is 0", ErrInput, i)
 		}

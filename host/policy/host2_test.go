@@ -196,6 +196,13 @@ func TestInputErrors(t *testing.T) {
 	if err := h.Name(ctx, bad); !errors.Is(err, policy.ErrInput) {
 		t.Errorf("Name with MountCount 0: %v", err)
 	}
+	// Keys are 1..abi.MaxKeyLen bytes (docs/abi.md): an empty key is the
+	// caller's error, never passed to the plugin.
+	empty := nameRecords(1, 0)
+	empty[0].SetKey(nil)
+	if err := h.Name(ctx, empty); !errors.Is(err, policy.ErrInput) {
+		t.Errorf("Name with an empty key: %v", err)
+	}
 	if err := h.Access(ctx, []abi.AccessRecord{{Entry: 1, Kind: 99}}); !errors.Is(err, policy.ErrInput) {
 		t.Errorf("Access of kind 99: %v", err)
 	}

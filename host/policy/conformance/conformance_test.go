@@ -1,9 +1,12 @@
 package conformance_test
 
 import (
+	"bytes"
 	"context"
+	"encoding/json"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -34,7 +37,7 @@ func TestWellBehavedPasses(t *testing.T) {
 		logReport(t, r)
 		t.Fatal("the well-behaved fixture fails the suite")
 	}
-	if len(r.Checks) < 10 {
+	if len(r.Checks) < 13 {
 		t.Errorf("%d checks ran, want every one", len(r.Checks))
 	}
 }
@@ -52,7 +55,7 @@ func TestHostileFixturesFail(t *testing.T) {
 		message string
 	}{
 		{"loop", "names", "ran out of fuel: exceeded the call deadline of 50ms"},
-		{"loop", "deadline", "ran out of fuel: exceeded the call deadline"},
+		{"loop", "call timing", "ran out of fuel: exceeded the call deadline"},
 		{"bomb", "names", "memory near its limit"},
 		{"traversal", "names", `invalid path "../../etc/passwd"`},
 		{"wrongabi", "load", "kvhost_abi_version returned 2, want 1"},
@@ -60,6 +63,13 @@ func TestHostileFixturesFail(t *testing.T) {
 		{"badimport", "load", "imports env.abort"},
 		{"pinned", "pinned entries", "is pinned"},
 		{"pinned", "no host rejections", "invalid outputs"},
+		// Issue 11: each defect fails its own check, naming the rule.
+		{"layout300", "namespaces", "KeysPerFile 300 is outside [1, 256]"},
+		{"layout300", "names", "not run: it needs the layouts of the 3 namespaces"},
+		{"refuse", "admission", "every store refused"},
+		{"admitbad", "admission", "Admit 2 is neither 0 nor 1"},
+		{"shardname", "determinism", "names must not depend on the shard"},
+		{"multikey", "names", "(4 keys per file) would be the first keys of two files"},
 	}
 	reports := map[string]conformance.Report{}
 	for _, tt := range tests {
@@ -78,19 +88,121 @@ func TestHostileFixturesFail(t *testing.T) {
 				logReport(t, r)
 				t.Fatal("the suite passes a hostile plugin")
 			}
-			for _, c := range r.Checks {
-				if c.Name != tt.check {
-					continue
-				}
-				if c.OK || !strings.Contains(c.Message, tt.message) {
-					logReport(t, r)
-					t.Fatalf("check %q: ok=%v %q; want a failure with %q", c.Name, c.OK, c.Message, tt.message)
-				}
-				return
+			c, ok := r.Check(tt.check)
+			if !ok {
+				logReport(t, r)
+				t.Fatalf("no check %q in the report", tt.check)
 			}
-			logReport(t, r)
-			t.Fatalf("no check %q in the report", tt.check)
+			if c.OK || !strings.Contains(c.Message, tt.message) {
+				logReport(t, r)
+				t.Fatalf("check %q: ok=%v %q; want a failure with %q", c.Name, c.OK, c.Message, tt.message)
+			}
+			if c.Rule == "" {
+				t.Errorf("check %q failed without naming its rule", c.Name)
+			}
 		})
+	}
+}
+
+// TestSingleDefectFailsOnlyItsCheck checks that the suite pinpoints a
+// defect: the fixtures of issue 11 differ from the well-behaved plugin in
+// one respect, and fail exactly the checks that respect breaks.
+func TestSingleDefectFailsOnlyItsCheck(t *testing.T) {
+	tests := []struct {
+		fixture string
+		failed  []string
+	}{
+		{"refuse", []string{"admission"}},
+		{"admitbad", []string{"admission", "no host rejections"}},
+		{"shardname", []string{"determinism"}},
+		{"multikey", []string{"names"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.fixture, func(t *testing.T) {
+			r := conformance.Run(context.Background(), fixture(t, tt.fixture), conformance.Options{Name: tt.fixture, CallTimeout: 5 * time.Second})
+			var failed []string
+			for _, c := range r.Failed() {
+				failed = append(failed, c.Name)
+			}
+			if !slices.Equal(failed, tt.failed) {
+				logReport(t, r)
+				t.Fatalf("failed checks %q, want %q", failed, tt.failed)
+			}
+		})
+	}
+}
+
+// TestReportTimesEachCall checks that the report gives the time of single
+// calls per hook, not totals: every hook the suite drives has calls, and
+// its percentiles are ordered and no larger than the longest call.
+func TestReportTimesEachCall(t *testing.T) {
+	r := conformance.Run(context.Background(), fixture(t, "wellbehaved"), conformance.Options{Name: "wellbehaved"})
+	if !r.OK() {
+		logReport(t, r)
+		t.Fatal("the well-behaved fixture fails the suite")
+	}
+	hooks := map[string]conformance.HookTiming{}
+	for _, h := range r.Timing {
+		hooks[h.Hook] = h
+		if h.Calls == 0 || h.P50 > h.P99 || h.P99 > h.Max || h.Max <= 0 {
+			t.Errorf("%s: %+v: want calls > 0 and 0 < p50 <= p99 <= max", h.Hook, h)
+		}
+	}
+	for _, hook := range []string{"kvhost_init", "kvhost_name", "kvhost_access", "kvhost_evict"} {
+		if _, ok := hooks[hook]; !ok {
+			t.Errorf("no timing for %s in %+v", hook, r.Timing)
+		}
+	}
+	if !r.HasStats || r.Stats.Calls["kvhost_name"] == 0 {
+		t.Errorf("the report has no host counters: %+v", r.Stats)
+	}
+	var b strings.Builder
+	r.WriteTo(&b)
+	for _, want := range []string{"call times (deadline 100ms per call):", "kvhost_access", "p99", "host stats: calls/records"} {
+		if !strings.Contains(b.String(), want) {
+			t.Errorf("the text report lacks %q:\n%s", want, b.String())
+		}
+	}
+}
+
+// TestReportJSON checks the JSON report a vendor's CI reads: the verdict,
+// each check with its rule, and the call times.
+func TestReportJSON(t *testing.T) {
+	r := conformance.Run(context.Background(), fixture(t, "refuse"), conformance.Options{Name: "refuse", CallTimeout: 5 * time.Second})
+	var b bytes.Buffer
+	if err := r.WriteJSON(&b); err != nil {
+		t.Fatal(err)
+	}
+	var got struct {
+		OK     bool `json:"ok"`
+		Failed int  `json:"failed"`
+		Checks []struct {
+			Name, Rule, Message string
+			OK                  bool
+		} `json:"checks"`
+		Timing []struct {
+			Hook  string  `json:"hook"`
+			Calls int     `json:"calls"`
+			P99   float64 `json:"p99_us"`
+		} `json:"timing"`
+		Module struct {
+			FeatureNames string `json:"feature_names"`
+		} `json:"module"`
+	}
+	if err := json.Unmarshal(b.Bytes(), &got); err != nil {
+		t.Fatalf("%v:\n%s", err, b.String())
+	}
+	if got.OK || got.Failed != 1 || len(got.Checks) != len(r.Checks) || got.Module.FeatureNames != "admit" {
+		t.Fatalf("ok %v, failed %d, %d checks, features %q; want a failure of 1 check of %d, features admit",
+			got.OK, got.Failed, len(got.Checks), got.Module.FeatureNames, len(r.Checks))
+	}
+	for _, c := range got.Checks {
+		if c.Name == "admission" && (c.OK || c.Rule == "" || !strings.Contains(c.Message, "every store refused")) {
+			t.Errorf("admission check in JSON: %+v", c)
+		}
+	}
+	if len(got.Timing) == 0 || got.Timing[0].Calls == 0 {
+		t.Errorf("no call times in JSON: %+v", got.Timing)
 	}
 }
 

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Installs what the C SDK example (sdk/c, examples/c-policy) needs: Debian's
+# clang, which targets wasm32 out of the box, and lld, whose wasm-ld links
+# freestanding wasm32 modules. No wasi-libc: the C SDK is freestanding.
+set -euo pipefail
+if ! command -v clang >/dev/null 2>&1 || ! command -v wasm-ld >/dev/null 2>&1; then
+	sudo=""
+	[ "$(id -u)" -eq 0 ] || sudo="sudo"
+	echo "installing clang and lld (wasm-ld) with apt-get" >&2
+	$sudo apt-get update -qq
+	DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq clang lld >/dev/null
+fi
