@@ -128,16 +128,20 @@ func TestTortureSIGKILL(t *testing.T) {
 		run := p.minRun + time.Duration(rng.Int64N(int64(p.maxRun-p.minRun)))
 		var wg sync.WaitGroup
 		for i := range p.clients {
+			crng := rand.New(rand.NewPCG(rng.Uint64(), uint64(i)))
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
-				tortureClient(ctx, cfg.Socket, i, &seqs[i], p.keysPerJob, rand.New(rand.NewPCG(rng.Uint64(), uint64(i))), acks, &counts)
+				tortureClient(ctx, cfg.Socket, i, &seqs[i], p.keysPerJob, crng, acks, &counts)
 			}()
 		}
 		<-time.After(run)
 		d.kill()
 		counts.kills++
 		wg.Wait()
+		if counts.kills%10 == 0 {
+			t.Logf("after %d kills: %d acknowledged keys, %d verified loads", counts.kills, len(acks.snapshot()), counts.verified.Load())
+		}
 	}
 	counts.acked = len(acks.snapshot())
 	t.Log(counts.String())
