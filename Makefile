@@ -72,6 +72,16 @@ test: tools build wasm lint
 	$(MAKE) --no-print-directory test-python
 	$(MAKE) --no-print-directory fuzz
 
+# The long reliability suite (docs/reliability.md): at least 100 SIGKILLs and
+# 100,000 acknowledged keys, minutes of shared-directory workload. The ext4
+# and tmpfs scenarios need root; without it they say so and skip.
+# RELIABILITY_RUN picks scenarios (a go test -run pattern).
+RELIABILITY_RUN     ?= .
+RELIABILITY_TIMEOUT ?= 90m
+.PHONY: reliability-long
+reliability-long:
+	$(GO) test -count=1 -v -timeout $(RELIABILITY_TIMEOUT) -run '$(RELIABILITY_RUN)' ./reliability -long
+
 clean:
 	rm -rf bin plugins/wasm/*.wasm $(WAT_WASM) $(GO_EXAMPLE_WASM) examples/c-policy/policy.wasm
 

@@ -1,0 +1,507 @@
+package reliability
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"path/filepath"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/kvhost/kvhost/client"
+)
+
+// sharedVerify is the daemons' verify_interval in the shared-directory
+// scenarios, and sharedSlack what a hit may take beyond it on a loaded
+// machine before it counts as stale.
+const (
+	sharedVerify = 200 * time.Millisecond
+	sharedSlack  = 800 * time.Millisecond
+)
+
+// startNodes starts two daemons, "node-a" and "node-b", on one directory:
+// each with its own socket, keys_per_file = 4, a short verify interval, and
+// temp_grace set as docs/serve.md asks for shared mounts.
+func startNodes(t *testing.T, mount string) (a, b *daemon) {
+	t.Helper()
+	run := t.TempDir()
+	cfg := func(node string) daemonConfig {
+		return daemonConfig{
+			Socket:         filepath.Join(run, node, "kvhost.sock"),
+			Mount:          mount,
+			KeysPerFile:    4,
+			VerifyInterval: sharedVerify,
+			TempGrace:      10 * time.Minute,
+			Node:           node,
+		}
+	}
+	if nodeSetting("node-a") == "" {
+		t.Log("the configuration has no node identity key (tried [engine] " + fmt.Sprint(nodeKeys) + "): the daemons run without one")
+	}
+	return startDaemon(t, cfg("node-a")), startDaemon(t, cfg("node-b"))
+}
+
+// sharedCounts are the shared-directory scenarios' results.
+type sharedCounts struct {
+	ops, lookups, stores, deletes, loads atomic.Int64
+	staleHits                            atomic.Int64 // lookup hits on a key gone for longer than the verify interval (+ slack)
+	falsePresent                         atomic.Int64 // `present` answers whose next load on that daemon did not load the key
+	lostStored                           atomic.Int64 // `stored` answers whose next load on that daemon did not load the key
+	foreignDeleted                       atomic.Int64 // keys removed by a delete of a key in another file
+	wrong                                atomic.Int64 // loads that returned other bytes
+	unfound                              atomic.Int64 // keys on disk that a load on the other daemon reported missing (informational)
+	inodeReused                          atomic.Int64 // rounds where the new file got the deleted file's inode
+}
+
+func (c *sharedCounts) String() string {
+	return fmt.Sprintf("shared: ops=%d lookups=%d stores=%d deletes=%d loads=%d stale_hits=%d false_present=%d lost_stored=%d foreign_deleted=%d wrong_bytes=%d unfound=%d inode_reused=%d",
+		c.ops.Load(), c.lookups.Load(), c.stores.Load(), c.deletes.Load(), c.loads.Load(), c.staleHits.Load(), c.falsePresent.Load(),
+		c.lostStored.Load(), c.foreignDeleted.Load(), c.wrong.Load(), c.unfound.Load(), c.inodeReused.Load())
+}
+
+func (c *sharedCounts) bad() bool {
+	return c.staleHits.Load()+c.falsePresent.Load()+c.lostStored.Load()+c.foreignDeleted.Load()+c.wrong.Load() > 0
+}
+
+// keyList turns strings into keys.
+func keyList(ks ...string) [][]byte {
+	out := make([][]byte, len(ks))
+	for i, k := range ks {
+		out[i] = []byte(k)
+	}
+	return out
+}
+
+// mustStore stores keys and fails the test unless every one is stored.
+func mustStore(t *testing.T, k *kvCache, who string, keys [][]byte) {
+	t.Helper()
+	res, err := k.store(context.Background(), keys)
+	if err != nil {
+		t.Fatalf("%s: store %q: %v", who, keys, err)
+	}
+	if n := res.Count(client.OutcomeStored); n != len(keys) {
+		t.Fatalf("%s: store %q: %d stored, outcomes %v (%s)", who, keys, n, res.Keys, res.Message)
+	}
+}
+
+// TestSharedDirInodeReuse runs the inode-reuse case of two daemons sharing
+// an ext4 directory with keys_per_file = 4: B stores [a,b,c,d]; A deletes a
+// and stores [a,x,y,z], which ext4 puts in a file at the same path with the
+// same inode number and size. Then B's view of b must follow the disk: a
+// lookup of b becomes a miss within the verify interval; a store of b that
+// answers `present` is followed by a load that loads it; a delete of b
+// removes none of A's keys.
+func TestSharedDirInodeReuse(t *testing.T) {
+	mnt, err := mountExt4(t, 128)
+	if err != nil {
+		t.Skipf("the inode-reuse case needs ext4, which hands a deleted file's inode number to the next file at once: %v", err)
+	}
+	a, b := startNodes(t, mnt)
+	ctx := context.Background()
+	ca, ka, err := dialCache(ctx, a.cfg.Socket, "node-a", 16)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ka.close()
+	defer ca.Close()
+	cb, kb, err := dialCache(ctx, b.cfg.Socket, "node-b", 16)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer kb.close()
+	defer cb.Close()
+	var counts sharedCounts
+	defer func() { t.Log(counts.String()); fmt.Println(counts.String()) }()
+
+	// setup runs the reproduction up to the point where B holds a stale
+	// entry for b: keys p-a … p-z.
+	setup := func(t *testing.T, p string) {
+		t.Helper()
+		key := func(s string) string { return p + "-" + s }
+		mustStore(t, kb, "B", keyList(key("a"), key("b"), key("c"), key("d")))
+		files := scanFiles(mnt)[key("a")]
+		if len(files) != 1 {
+			t.Fatalf("%d files on disk hold %s after B stored it", len(files), key("a"))
+		}
+		before := files[0]
+		if n, err := ca.Lookup(ctx, ka.ns.ID, keyList(key("a"))); err != nil || n != 1 {
+			t.Fatalf("A's lookup of %s (B's file): %d, %v; want 1", key("a"), n, err)
+		}
+		if n, err := ca.Delete(ctx, ka.ns.ID, keyList(key("a"))); err != nil || n != 1 {
+			t.Fatalf("A's delete of %s: %d, %v; want 1", key("a"), n, err)
+		}
+		mustStore(t, ka, "A", keyList(key("a"), key("x"), key("y"), key("z")))
+		files = scanFiles(mnt)[key("a")]
+		if len(files) != 1 {
+			t.Fatalf("%d files on disk hold %s after A stored it", len(files), key("a"))
+		}
+		after := files[0]
+		if after.path == before.path && after.ino == before.ino {
+			counts.inodeReused.Add(1)
+			t.Logf("A's file %s got B's deleted file's inode %d", after.path, after.ino)
+		} else {
+			t.Logf("inode not reused this time (%s ino %d, was %s ino %d): the round checks the plain replacement", after.path, after.ino, before.path, before.ino)
+		}
+	}
+
+	t.Run("lookup", func(t *testing.T) {
+		setup(t, "lk")
+		start := time.Now()
+		counts.lookups.Add(1)
+		miss := waitFor(ctx, sharedVerify+sharedSlack, 10*time.Millisecond, func() bool {
+			n, err := cb.Lookup(ctx, kb.ns.ID, keyList("lk-b"))
+			return err == nil && n == 0
+		})
+		if !miss {
+			counts.staleHits.Add(1)
+			t.Fatalf("B's lookup of lk-b still hits %v after A replaced the file (verify_interval %v)", time.Since(start).Round(time.Millisecond), sharedVerify)
+		}
+		t.Logf("B's lookup of lk-b missed after %v", time.Since(start).Round(time.Millisecond))
+	})
+	t.Run("store", func(t *testing.T) {
+		setup(t, "st")
+		res, err := kb.store(ctx, keyList("st-b"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		counts.stores.Add(1)
+		o := res.Keys[0].Outcome
+		if o != client.OutcomeStored && o != client.OutcomePresent {
+			t.Fatalf("B's store of st-b: %v (%s)", o, res.Message)
+		}
+		r, err := kb.load(ctx, keyList("st-b"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		counts.loads.Add(1)
+		if !r.match[0] {
+			if o == client.OutcomePresent {
+				counts.falsePresent.Add(1)
+			} else {
+				counts.lostStored.Add(1)
+			}
+			t.Fatalf("B's store of st-b answered %v, the next load on B: %v (%s)", o, r.outcomes[0], r.message)
+		}
+	})
+	t.Run("delete", func(t *testing.T) {
+		setup(t, "dl")
+		before := scanFiles(mnt)
+		if _, err := cb.Delete(ctx, kb.ns.ID, keyList("dl-b")); err != nil {
+			t.Fatal(err)
+		}
+		counts.deletes.Add(1)
+		after := scanFiles(mnt)
+		var gone []string
+		for _, k := range []string{"dl-a", "dl-x", "dl-y", "dl-z"} {
+			if _, ok := after[k]; !ok {
+				gone = append(gone, k)
+			}
+		}
+		counts.foreignDeleted.Add(int64(len(gone)))
+		if len(gone) > 0 {
+			t.Fatalf("B's delete of dl-b removed A's keys %v (file %s, inode %d)", gone, before["dl-a"][0].path, before["dl-a"][0].ino)
+		}
+		r, err := ka.load(ctx, keyList("dl-a", "dl-x", "dl-y", "dl-z"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		counts.loads.Add(4)
+		for i, ok := range r.match {
+			if !ok {
+				t.Fatalf("A's key %d after B's delete of dl-b: %v (%s)", i, r.outcomes[i], r.message)
+			}
+		}
+	})
+	if counts.inodeReused.Load() == 0 {
+		t.Log("ext4 reused no inode in any round: the rounds checked replacements by a new inode only")
+	}
+}
+
+// sharedGroup is a set of keys that the mixed workload only touches under
+// its lock, so that the test knows what is on disk for them.
+type sharedGroup struct {
+	mu      sync.Mutex
+	keys    []string
+	present map[string]bool      // on disk after the last operation
+	changed map[string]time.Time // when the key's presence last changed
+}
+
+// refresh updates the group's view of the disk from a scan and notes
+// which keys changed.
+func (g *sharedGroup) refresh(disk map[string][]onDisk, now time.Time) {
+	for _, k := range g.keys {
+		on := len(disk[k]) > 0
+		if on != g.present[k] {
+			g.present[k] = on
+			g.changed[k] = now
+		}
+	}
+}
+
+// TestSharedDirMixedWorkload runs random stores, loads, lookups and deletes
+// of one key space on two daemons sharing a directory (ext4 when it can
+// mount one, else a temporary directory). Keys have equal lengths so that
+// files of equal key counts have equal sizes. It checks every answer
+// against what the files on disk hold: no lookup hit on a key gone for
+// longer than the verify interval, every `present` or `stored` answer
+// followed by a successful load on that daemon, no delete removing a key
+// of another file, no wrong byte.
+func TestSharedDirMixedWorkload(t *testing.T) {
+	mnt, err := mountExt4(t, 256)
+	if err != nil {
+		t.Logf("running on a temporary directory instead of ext4: %v", err)
+		mnt = t.TempDir()
+	}
+	duration, workers, groups := 8*time.Second, 4, 32
+	if long() {
+		duration = 3 * time.Minute
+	}
+	rng := rand.New(rand.NewPCG(seed(t), 2))
+	a, b := startNodes(t, mnt)
+	gs := make([]*sharedGroup, groups)
+	for i := range gs {
+		g := &sharedGroup{present: map[string]bool{}, changed: map[string]time.Time{}}
+		for j := range 8 {
+			g.keys = append(g.keys, fmt.Sprintf("g%02d-k%d", i, j))
+		}
+		gs[i] = g
+	}
+	var counts sharedCounts
+	var mu sync.Mutex
+	var examples []string
+	report := func(format string, args ...any) {
+		mu.Lock()
+		defer mu.Unlock()
+		if len(examples) < 20 {
+			examples = append(examples, fmt.Sprintf(format, args...))
+		}
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), duration)
+	defer cancel()
+	var wg sync.WaitGroup
+	errs := make(chan error, workers)
+	for w := range workers {
+		wrng := rand.New(rand.NewPCG(rng.Uint64(), uint64(w)))
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs <- mixedWorker(ctx, w, wrng, [2]*daemon{a, b}, mnt, gs, &counts, report)
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		if err != nil {
+			t.Error(err)
+		}
+	}
+	t.Log(counts.String())
+	fmt.Println(counts.String())
+	if counts.bad() {
+		t.Fatalf("%s\nexamples:\n%v", counts.String(), examples)
+	}
+	if counts.ops.Load() == 0 {
+		t.Fatal("no operation ran")
+	}
+}
+
+// mixer is one worker of the mixed workload: a connection to each daemon.
+type mixer struct {
+	ks     [2]*kvCache
+	mnt    string
+	counts *sharedCounts
+	report func(string, ...any)
+}
+
+var nodeName = [2]string{"A", "B"}
+
+// store stores keys on daemon x, then loads them there: a key answered
+// `stored` or `present` must load, byte for byte.
+func (m *mixer) store(ctx context.Context, x int, keys [][]byte) error {
+	k := m.ks[x]
+	res, err := k.store(ctx, keys)
+	if err != nil {
+		return fmt.Errorf("%s store: %w", nodeName[x], err)
+	}
+	m.counts.stores.Add(1)
+	r, err := k.load(ctx, keys)
+	if err != nil {
+		return fmt.Errorf("%s load: %w", nodeName[x], err)
+	}
+	m.counts.loads.Add(int64(len(keys)))
+	for i, kr := range res.Keys {
+		switch {
+		case r.outcomes[i] == client.OutcomeLoaded && !r.match[i]:
+			m.counts.wrong.Add(1)
+			m.report("%s: %s loaded with other bytes", nodeName[x], keys[i])
+		case r.match[i]:
+		case kr.Outcome == client.OutcomePresent:
+			m.counts.falsePresent.Add(1)
+			m.report("%s: store of %s answered present, the next load: %v (%s)", nodeName[x], keys[i], r.outcomes[i], r.message)
+		case kr.Outcome == client.OutcomeStored:
+			m.counts.lostStored.Add(1)
+			m.report("%s: store of %s answered stored, the next load: %v (%s)", nodeName[x], keys[i], r.outcomes[i], r.message)
+		}
+	}
+	return nil
+}
+
+// delete deletes key on daemon x of group g's keys and checks that only
+// files holding it went: a key that is in no such file must stay. It
+// returns the disk after the delete.
+func (m *mixer) delete(ctx context.Context, x int, g *sharedGroup, key []byte) (map[string][]onDisk, error) {
+	k := m.ks[x]
+	before := scanFiles(m.mnt)
+	if _, err := k.c.Delete(ctx, k.ns.ID, [][]byte{key}); err != nil {
+		return nil, fmt.Errorf("%s delete: %w", nodeName[x], err)
+	}
+	m.counts.deletes.Add(1)
+	after := scanFiles(m.mnt)
+	own := map[fileID]bool{}
+	for _, f := range before[string(key)] {
+		own[f.id()] = true
+	}
+	for _, other := range g.keys {
+		if len(before[other]) == 0 || len(after[other]) > 0 {
+			continue
+		}
+		for _, f := range before[other] {
+			if !own[f.id()] {
+				m.counts.foreignDeleted.Add(1)
+				m.report("%s: delete of %s removed %s (file %s inode %d)", nodeName[x], key, other, f.path, f.ino)
+				break
+			}
+		}
+	}
+	return after, nil
+}
+
+// lookup looks key up on daemon x: a hit on a key gone from disk for longer
+// than the verify interval (and slack) is stale.
+func (m *mixer) lookup(ctx context.Context, x int, g *sharedGroup, key []byte) error {
+	k := m.ks[x]
+	sent := time.Now()
+	n, err := k.c.Lookup(ctx, k.ns.ID, [][]byte{key})
+	if err != nil {
+		return fmt.Errorf("%s lookup: %w", nodeName[x], err)
+	}
+	m.counts.lookups.Add(1)
+	if n == 1 && !g.present[string(key)] {
+		if gone := sent.Sub(g.changed[string(key)]); gone > sharedVerify+sharedSlack {
+			m.counts.staleHits.Add(1)
+			m.report("%s: lookup of %s hits, gone from disk for %v", nodeName[x], key, gone.Round(time.Millisecond))
+		}
+	}
+	return nil
+}
+
+// load loads keys on daemon x: a loaded key must have its bytes; a key on
+// disk that does not load is counted as unfound.
+func (m *mixer) load(ctx context.Context, x int, g *sharedGroup, keys [][]byte) error {
+	r, err := m.ks[x].load(ctx, keys)
+	if err != nil {
+		return fmt.Errorf("%s load: %w", nodeName[x], err)
+	}
+	m.counts.loads.Add(int64(len(keys)))
+	for i := range keys {
+		switch {
+		case r.outcomes[i] == client.OutcomeLoaded && !r.match[i]:
+			m.counts.wrong.Add(1)
+			m.report("%s: %s loaded with other bytes", nodeName[x], keys[i])
+		case r.outcomes[i] != client.OutcomeLoaded && g.present[string(keys[i])]:
+			m.counts.unfound.Add(1)
+		}
+	}
+	return nil
+}
+
+// replace is the inode-reuse pattern: daemon x finds key, deletes it and
+// stores it again first in a file of four keys, which on ext4 often gets
+// the deleted file's path, inode and size.
+func (m *mixer) replace(ctx context.Context, x int, g *sharedGroup, keys [][]byte) error {
+	k := m.ks[x]
+	before := scanFiles(m.mnt)
+	if _, err := k.c.Lookup(ctx, k.ns.ID, keys[:1]); err != nil {
+		return fmt.Errorf("%s lookup: %w", nodeName[x], err)
+	}
+	m.counts.lookups.Add(1)
+	mid, err := m.delete(ctx, x, g, keys[0])
+	if err != nil {
+		return err
+	}
+	g.refresh(mid, time.Now())
+	if err := m.store(ctx, x, keys); err != nil {
+		return err
+	}
+	after := scanFiles(m.mnt)
+	for _, old := range before[string(keys[0])] {
+		for _, f := range after[string(keys[0])] {
+			if f.id() == old.id() && !slices.Equal(f.keys, old.keys) {
+				m.counts.inodeReused.Add(1)
+			}
+		}
+	}
+	g.refresh(after, time.Now())
+	return nil
+}
+
+// mixedWorker runs random operations on random groups until ctx ends. Each
+// operation runs to completion under its group's lock (not cut by ctx), so
+// that every answer is checked against the disk.
+func mixedWorker(ctx context.Context, w int, rng *rand.Rand, ds [2]*daemon, mnt string, gs []*sharedGroup, counts *sharedCounts, report func(string, ...any)) error {
+	m := &mixer{mnt: mnt, counts: counts, report: report}
+	for i, d := range ds {
+		c, k, err := dialCache(context.Background(), d.cfg.Socket, fmt.Sprintf("mixed-%d-%d", w, i), 16)
+		if err != nil {
+			return err
+		}
+		defer k.close()
+		defer c.Close()
+		m.ks[i] = k
+	}
+	octx := context.Background()
+	for ctx.Err() == nil {
+		g := gs[rng.IntN(len(gs))]
+		x := rng.IntN(2)
+		pick := func(n int) [][]byte {
+			var out [][]byte
+			for _, i := range rng.Perm(len(g.keys))[:n] {
+				out = append(out, []byte(g.keys[i]))
+			}
+			return out
+		}
+		g.mu.Lock()
+		counts.ops.Add(1)
+		var err error
+		switch op := rng.IntN(20); {
+		case op < 5:
+			// Four keys most of the time: files of equal sizes.
+			n := 4
+			if op == 0 {
+				n = 1 + rng.IntN(3)
+			}
+			if err = m.store(octx, x, pick(n)); err == nil {
+				g.refresh(scanFiles(mnt), time.Now())
+			}
+		case op < 8:
+			err = m.replace(octx, x, g, pick(4))
+		case op < 10:
+			var after map[string][]onDisk
+			if after, err = m.delete(octx, x, g, pick(1)[0]); err == nil {
+				g.refresh(after, time.Now())
+			}
+		case op < 16:
+			err = m.lookup(octx, x, g, pick(1)[0])
+		default:
+			err = m.load(octx, x, g, pick(1+rng.IntN(4)))
+		}
+		g.mu.Unlock()
+		if err != nil {
+			return err
+		}
+	}
+	return nil
+}
