@@ -359,16 +359,39 @@ class ZeroCopy(TierCase):
         region[:] = random_region(seed=9)
         return region
 
-    def test_a_plain_shm_file_is_refused_by_todays_daemon_with_zero_copy_on(self):
-        with self.assertRaisesRegex(RuntimeError, "zero_copy=on: cannot register vLLM's CPU region"):
-            self.tier(self.shm_region(), zero_copy="on")
-
-    def test_auto_falls_back_to_the_copy_and_still_moves_rows(self):
+    def test_vllms_shm_file_is_registered_and_moved_without_staging(self):
         region = self.shm_region()
+        want = region[0:2].copy()
+        t = self.tier(region, zero_copy="on")
+        self.assertEqual(t.data_path, "zero-copy")
+        ks = keys(2, "shm")
+        self.store(t, ks, [0, 1])
+        region[0:2] = 0
+        j = self.job(ks, [30, 31], promotion=True)
+        t.submit_load(j)
+        self.assertTrue(self.finished(t, 1)[j.job_id].success)
+        np.testing.assert_array_equal(region[30:32], want)
+
+    def test_auto_uses_the_shm_file_and_still_moves_rows(self):
+        region = self.shm_region()
+        t = self.tier(region, zero_copy="auto")
+        self.assertEqual(t.data_path, "zero-copy")
+        ks = keys(2, "auto")
+        self.store(t, ks, [0, 1])
+        j = self.job(ks, [30, 31], promotion=True)
+        t.submit_load(j)
+        self.assertTrue(self.finished(t, 1)[j.job_id].success)
+        np.testing.assert_array_equal(region[30:32], region[0:2])
+
+    def test_a_region_that_is_no_shared_file_falls_back_to_the_copy(self):
+        region = np.frombuffer(bytearray(ROWS * ROW), dtype=np.uint8).reshape(ROWS, ROW)
+        region[:] = random_region(seed=11)
+        with self.assertRaisesRegex(RuntimeError, "zero_copy=on: cannot register vLLM's CPU region"):
+            self.tier(region, zero_copy="on")
         t = self.tier(region, zero_copy="auto")
         self.assertEqual(t.data_path, "copy")
         self.assertIn("zero_copy_error", t.get_stats())
-        ks = keys(2, "auto")
+        ks = keys(2, "anon")
         self.store(t, ks, [0, 1])
         j = self.job(ks, [30, 31], promotion=True)
         t.submit_load(j)
