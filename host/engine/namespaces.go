@@ -17,6 +17,9 @@ type namespace struct {
 	// counted: created or claimed by Declare, so it counts against
 	// Config.MaxNamespaces (namespaces of files found on disk do not).
 	counted bool
+	// layout: the vllm-fs mount serving the namespace (nil: the policy
+	// places and names its files on the kvhost mounts). Set by Declare.
+	layout *mount
 }
 
 // Declare registers a geometry and returns its namespace. Declaring the same
@@ -26,6 +29,14 @@ func (e *Engine) Declare(ctx context.Context, g Geometry) (NamespaceID, error) {
 		return 0, err
 	}
 	fp := g.Fingerprint()
+	mounts := e.kvMounts
+	lm := e.layoutMount(g.Model)
+	if lm != nil {
+		// Its files carry no fingerprint: they are the mount's.
+		fp, mounts = lm.raw.fp, len(e.mounts)
+	} else if e.kvMounts == 0 {
+		return 0, fmt.Errorf("%w: namespace %q: every mount is a vllm-fs mount serving its own namespace, and none serves this one", ErrInvalid, g.Model)
+	}
 	e.mu.Lock()
 	if e.closed {
 		e.mu.Unlock()
@@ -33,8 +44,18 @@ func (e *Engine) Declare(ctx context.Context, g Geometry) (NamespaceID, error) {
 	}
 	id, ok := e.nsByFP[fp]
 	if ok && e.nss[id].declared {
+		if lm != nil && e.nss[id].geo != g {
+			e.mu.Unlock()
+			return 0, fmt.Errorf("%w: namespace %q: vllm-fs mount %s already serves it with another geometry (%+v)", ErrInvalid, g.Model, lm.root, e.nss[id].geo)
+		}
 		e.mu.Unlock()
 		return id, nil
+	}
+	if lm != nil {
+		if err := e.bindLayoutLocked(lm, g); err != nil {
+			e.mu.Unlock()
+			return 0, err
+		}
 	}
 	if !ok || !e.nss[id].counted {
 		// Every namespace costs state here and in every policy shard,
@@ -51,9 +72,13 @@ func (e *Engine) Declare(ctx context.Context, g Geometry) (NamespaceID, error) {
 	}
 	e.mu.Unlock()
 
-	rec, err := e.pol.Namespace(ctx, g.record(id, len(e.mounts)))
+	rec, err := e.pol.Namespace(ctx, g.record(id, mounts))
 	if err != nil {
 		return 0, fmt.Errorf("%w: namespace %q: %w", ErrPolicy, g.Model, err)
+	}
+	if lm != nil {
+		// The layout decides: one row per file, in the row's order.
+		rec.KeysPerFile, rec.Order = 1, abi.OrderLayerMajor
 	}
 	if rec.KeysPerFile < 1 || rec.KeysPerFile > abi.MaxKeysPerFile || (rec.Order != abi.OrderLayerMajor && rec.Order != abi.OrderBlockMajor) {
 		return 0, fmt.Errorf("%w: namespace %q: layout keys per file %d, order %d", ErrPolicy, g.Model, rec.KeysPerFile, rec.Order)
@@ -68,6 +93,7 @@ func (e *Engine) Declare(ctx context.Context, g Geometry) (NamespaceID, error) {
 	if !ns.declared {
 		ns.declared, ns.geo, ns.rec = true, g, rec
 		ns.keysPerFile, ns.order = int(rec.KeysPerFile), rec.Order
+		ns.layout = lm
 	}
 	return id, nil
 }

@@ -103,7 +103,13 @@ func (e *Engine) rebuild(ctx context.Context) error {
 		walkers.Add(1)
 		go func() {
 			defer walkers.Done()
-			if err := walk(i, m.root); err != nil {
+			root := m.root
+			if m.raw != nil {
+				// Only the data directory: the root may hold other
+				// geometries' directories, which are not this mount's.
+				root = filepath.Join(root, m.raw.layout.DataDir())
+			}
+			if err := walk(i, root); err != nil {
 				walkMu.Lock()
 				walkErr = errors.Join(walkErr, err)
 				walkMu.Unlock()
