@@ -98,10 +98,24 @@ type Fields struct {
 	StorageFormat   string
 }
 
-// Validate reports the first field out of range.
+// FieldError is a field out of range; it wraps ErrConfig.
+type FieldError struct {
+	Field string // the JSON name, e.g. "tp_size" or "kv_cache_groups[0].layer_names"
+	Got   any
+	Want  string
+}
+
+func (e *FieldError) Error() string {
+	return fmt.Sprintf("%v: %s = %v: want %s", ErrConfig, e.Field, e.Got, e.Want)
+}
+
+// Unwrap returns ErrConfig.
+func (e *FieldError) Unwrap() error { return ErrConfig }
+
+// Validate reports the first field out of range, as a *FieldError.
 func (f Fields) Validate() error {
 	bad := func(field string, v any, want string) error {
-		return fmt.Errorf("%w: %s = %v: want %s", ErrConfig, field, v, want)
+		return &FieldError{Field: field, Got: v, Want: want}
 	}
 	switch {
 	case f.ModelName == "":
@@ -110,8 +124,14 @@ func (f Fields) Validate() error {
 		return bad("tokens_per_hash", f.TokensPerHash, "a positive number of tokens")
 	case f.BlocksPerFile <= 0:
 		return bad("blocks_per_file", f.BlocksPerFile, "a positive number")
-	case f.TPSize <= 0, f.PPSize <= 0, f.PCPSize <= 0, f.DCPSize <= 0:
-		return bad("tp_size, pp_size, pcp_size, dcp_size", fmt.Sprint(f.TPSize, f.PPSize, f.PCPSize, f.DCPSize), "positive sizes")
+	case f.TPSize <= 0:
+		return bad("tp_size", f.TPSize, "a positive size")
+	case f.PPSize <= 0:
+		return bad("pp_size", f.PPSize, "a positive size")
+	case f.PCPSize <= 0:
+		return bad("pcp_size", f.PCPSize, "a positive size")
+	case f.DCPSize <= 0:
+		return bad("dcp_size", f.DCPSize, "a positive size")
 	case f.Dtype == "":
 		return bad("dtype", `""`, `the effective dtype, e.g. "bfloat16"`)
 	case len(f.KVCacheGroups) == 0:
