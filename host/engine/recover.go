@@ -103,13 +103,19 @@ func (e *Engine) rebuild(ctx context.Context) error {
 		walkers.Add(1)
 		go func() {
 			defer walkers.Done()
-			root := m.root
+			roots := []string{m.root}
 			if m.raw != nil {
-				// Only the data directory: the root may hold other
-				// geometries' directories, which are not this mount's.
-				root = filepath.Join(root, m.raw.layout.DataDir())
+				// Only the base directory (config.json, and a temporary
+				// file of it left by a crash) and the data directory: the
+				// root may hold other geometries' directories, which are
+				// not this mount's.
+				roots = []string{filepath.Join(m.root, m.raw.layout.Base()), filepath.Join(m.root, m.raw.layout.DataDir())}
 			}
-			if err := walk(i, root); err != nil {
+			var err error
+			for _, root := range roots {
+				err = errors.Join(err, walk(i, root))
+			}
+			if err != nil {
 				walkMu.Lock()
 				walkErr = errors.Join(walkErr, err)
 				walkMu.Unlock()
