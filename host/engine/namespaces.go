@@ -3,6 +3,8 @@ package engine
 import (
 	"context"
 	"fmt"
+	"strings"
+
 	"github.com/kvhost/kvhost/abi"
 )
 
@@ -34,6 +36,17 @@ func (e *Engine) Declare(ctx context.Context, g Geometry) (NamespaceID, error) {
 	if lm != nil {
 		// Its files carry no fingerprint: they are the mount's.
 		fp, mounts = lm.raw.fp, len(e.mounts)
+	} else if strings.HasPrefix(g.Model, ModelPrefix) {
+		// A client asking for a vllm-fs directory by its base name:
+		// another base means other fields (a geometry mistake), never
+		// a new namespace elsewhere.
+		var bases []string
+		for _, m := range e.mounts {
+			if m.raw != nil {
+				bases = append(bases, m.raw.model)
+			}
+		}
+		return 0, fmt.Errorf("%w: namespace %q: no vllm-fs mount serves it (the fs tier's fields differ from every mount's; served: %v)", ErrInvalid, g.Model, bases)
 	} else if e.kvMounts == 0 {
 		return 0, fmt.Errorf("%w: namespace %q: every mount is a vllm-fs mount serving its own namespace, and none serves this one", ErrInvalid, g.Model)
 	}
@@ -94,6 +107,11 @@ func (e *Engine) Declare(ctx context.Context, g Geometry) (NamespaceID, error) {
 		ns.declared, ns.geo, ns.rec = true, g, rec
 		ns.keysPerFile, ns.order = int(rec.KeysPerFile), rec.Order
 		ns.layout = lm
+		where := LayoutKVHost
+		if lm != nil {
+			where = LayoutVLLMFS + " " + lm.root
+		}
+		e.log.Info("engine: namespace declared", "ns", id, "model", g.Model, "key_bytes", g.KeyBytes(), "layout", where)
 	}
 	return id, nil
 }

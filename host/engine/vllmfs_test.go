@@ -405,6 +405,30 @@ func TestVLLMFSRefusesMismatch(t *testing.T) {
 			t.Errorf("a second geometry on the served namespace: %v", err)
 		}
 	})
+	t.Run("base name of other fields", func(t *testing.T) {
+		root := t.TempDir()
+		tier := newFSTier(root, 8192)
+		e := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir()}, {Path: root, VLLMFS: &VLLMFS{Fields: tier.fields()}}}, Policy: pol()})
+		// The default namespace is the base directory's name: a client
+		// computing the fields as the tier does gets the mount.
+		g := rowGeometry(ModelPrefix+filepath.Base(tier.base()), 8192)
+		ns, err := e.Declare(ctx, g)
+		if err != nil {
+			t.Fatal(err)
+		}
+		c := newTestCache(t, e, ns, g, 1, layoutPlaneFirst)
+		key := tierKeys(4, 1)[0]
+		storeAndCheck(t, e, c, [][]byte{key}, [][]int{{0}})
+		if got := tier.load(t, key); !bytes.Equal(got, c.data([]int{0})) {
+			t.Fatal("the default namespace's row is not in the tier's layout")
+		}
+		other := tier
+		other.tp = 2
+		_, err = e.Declare(ctx, rowGeometry(ModelPrefix+filepath.Base(other.base()), 8192))
+		if !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), "no vllm-fs mount serves it") {
+			t.Fatalf("declare of another base: %v", err)
+		}
+	})
 	t.Run("files of another row length", func(t *testing.T) {
 		root := t.TempDir()
 		tier := newFSTier(root, 8192)
