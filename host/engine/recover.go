@@ -15,6 +15,7 @@ import (
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/format"
 	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/layout/vllmfs"
 )
 
 // rebuild scans every mount: it removes temporary leftovers (older than
@@ -90,6 +91,8 @@ func (e *Engine) rebuild(ctx context.Context) error {
 				if err := walk(mount, path); err != nil {
 					return err
 				}
+			case d.Type().IsRegular() && e.mounts[mount].raw != nil && name == vllmfs.ConfigFile:
+				// A vllm-fs base directory's fields, read at Open.
 			case d.Type().IsRegular():
 				files <- item{mount, path}
 			}
