@@ -616,3 +616,39 @@ func TestVLLMFSCrashLeavesNoTornRow(t *testing.T) {
 		t.Fatalf("%d rows found by key, %d on disk", seen, len(files))
 	}
 }
+
+// TestVLLMFSMLAGeometryIsTensorMajorRow: an MLA geometry (one plane) on a
+// vllm-fs mount writes each key's row tensor-major (every block of layer
+// 0, then of layer 1, ...), the order of vLLM's row at TP 1, and loads it
+// back.
+func TestVLLMFSMLAGeometryIsTensorMajorRow(t *testing.T) {
+	ctx := context.Background()
+	root := t.TempDir()
+	g := Geometry{Model: "mla-model", Layers: 3, KVHeads: 1, HeadSize: 576, DtypeSize: 2, MLA: true, TokensPerBlock: 16, TokensPerKey: 32, TPSize: 1}
+	tier := newFSTier(root, int(g.KeyBytes()))
+	e := openEngine(t, Config{Mounts: []Mount{{Path: root, VLLMFS: &VLLMFS{Fields: tier.fields(), Namespace: g.Model}}}, Policy: newTestPolicy(4, abi.OrderBlockMajor)})
+	ns, err := e.Declare(ctx, g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := newTestCache(t, e, ns, g, 8, layoutPlaneFirst)
+	keys := tierKeys(7, 2)
+	blocks := [][]int{{5, 1}, {2, 6}}
+	r := rand.New(rand.NewPCG(3, 4))
+	for _, b := range blocks {
+		c.fill(r, b)
+	}
+	storeAndCheck(t, e, c, keys, blocks)
+	for i, k := range keys {
+		var row []byte
+		for l := range g.Layers {
+			for _, b := range blocks[i] {
+				row = append(row, c.block(l, 0, b)...)
+			}
+		}
+		if got := tier.load(t, k); !bytes.Equal(got, row) {
+			t.Fatalf("key %d: the file is not the tensor-major row", i)
+		}
+	}
+	loadAndCompare(t, e, c, keys, [][]int{{0, 3}, {4, 7}}, [][]byte{c.data(blocks[0]), c.data(blocks[1])})
+}
