@@ -246,7 +246,7 @@ func (e *Engine) layoutMount(model string) *mount {
 	return nil
 }
 
-// bindLayout checks that geometry g can be the namespace of vllm-fs mount
+// bindLayoutLocked checks that geometry g can be the namespace of vllm-fs mount
 // m: one plane (the tier's row namespace, or MLA), so that its payload is
 // the row in vLLM's order; the mount's rank; the row size; and the files
 // already indexed there of the row's length. The caller holds e.mu.
