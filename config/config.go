@@ -14,6 +14,8 @@ import (
 	"time"
 
 	"github.com/BurntSushi/toml"
+
+	"github.com/kvhost/kvhost/layout/vllmfs"
 )
 
 // ErrInvalid is wrapped by every error about a configuration value.
@@ -166,6 +168,80 @@ type Mount struct {
 	// Checksum, if set to false, turns payload checksums off on the mount
 	// (default true).
 	Checksum *bool `toml:"checksum"`
+	// Layout is "kvhost" (the default: kvhost's own files) or "vllm-fs"
+	// (vLLM's fs-tier directory, byte for byte; configured by VLLMFS).
+	Layout string `toml:"layout"`
+	// VLLMFS configures a "vllm-fs" mount: the table [mount.vllm_fs].
+	VLLMFS *VLLMFS `toml:"vllm_fs"`
+}
+
+// Mount layouts.
+const (
+	LayoutKVHost = "kvhost"
+	LayoutVLLMFS = "vllm-fs"
+)
+
+// VLLMFS is the [mount.vllm_fs] table of a "vllm-fs" mount: the fs tier's
+// fields (as in its config.json; without model_name, the one base
+// directory under the mount's path is adopted) and kvhost's binding.
+type VLLMFS struct {
+	// Namespace is the model id of the kvhost namespace the mount serves
+	// (default "vllm-fs:<base directory name>").
+	Namespace string `toml:"namespace"`
+	// RowBytes, if set, is the row size the namespace must have.
+	RowBytes Size `toml:"row_bytes"`
+	// Rank is the data directory's rank, <base>_r<rank> (default 0, the
+	// tier's).
+	Rank int `toml:"rank"`
+
+	ModelName     string `toml:"model_name"`
+	TokensPerHash int    `toml:"tokens_per_hash"`
+	// BlocksPerFile, TPSize, PPSize, PCPSize and DCPSize default to 1.
+	BlocksPerFile   int           `toml:"blocks_per_file"`
+	TPSize          int           `toml:"tp_size"`
+	PPSize          int           `toml:"pp_size"`
+	PCPSize         int           `toml:"pcp_size"`
+	DCPSize         int           `toml:"dcp_size"`
+	Dtype           string        `toml:"dtype"`
+	KVCacheGroups   []VLLMFSGroup `toml:"kv_cache_groups"`
+	InferenceEngine string        `toml:"inference_engine"`
+	// ParallelAgnostic leaves "parallel_agnostic": false out of the
+	// fields (the tier writes it for layouts that depend on the
+	// parallel sizes; default false, so it is written).
+	ParallelAgnostic bool   `toml:"parallel_agnostic"`
+	ReplicatedLayout bool   `toml:"replicated_layout"`
+	CanonicalFormat  string `toml:"canonical_format"`
+	StorageFormat    string `toml:"storage_format"`
+}
+
+// VLLMFSGroup is one [[mount.vllm_fs.kv_cache_groups]] entry.
+type VLLMFSGroup struct {
+	TokensPerBlock int      `toml:"tokens_per_block"`
+	LayerNames     []string `toml:"layer_names"`
+}
+
+// Fields returns the fs tier's fields, or nil when model_name is not set
+// (the mount adopts the base directory it finds).
+func (v *VLLMFS) Fields() *vllmfs.Fields {
+	if v == nil || v.ModelName == "" {
+		return nil
+	}
+	one := func(n int) int {
+		if n == 0 {
+			return 1
+		}
+		return n
+	}
+	f := &vllmfs.Fields{
+		ModelName: v.ModelName, TokensPerHash: v.TokensPerHash, BlocksPerFile: one(v.BlocksPerFile),
+		TPSize: one(v.TPSize), PPSize: one(v.PPSize), PCPSize: one(v.PCPSize), DCPSize: one(v.DCPSize),
+		Dtype: v.Dtype, InferenceEngine: v.InferenceEngine, NotParallelAgnostic: !v.ParallelAgnostic,
+		ReplicatedLayout: v.ReplicatedLayout, CanonicalFormat: v.CanonicalFormat, StorageFormat: v.StorageFormat,
+	}
+	for _, g := range v.KVCacheGroups {
+		f.KVCacheGroups = append(f.KVCacheGroups, vllmfs.Group{TokensPerBlock: g.TokensPerBlock, LayerNames: g.LayerNames})
+	}
+	return f
 }
 
 // Checksums reports whether payload checksums are on (Checksum unset or true).
@@ -439,6 +515,31 @@ func (c *Config) Validate() error {
 			return bad("mount.reserve", "a size ≥ 0", m.Reserve)
 		case m.IO != "" && m.IO != "auto" && m.IO != "direct" && m.IO != "buffered":
 			return bad("mount.io", `"auto", "direct" or "buffered"`, fmt.Sprintf("%q", m.IO))
+		case m.Layout != "" && m.Layout != LayoutKVHost && m.Layout != LayoutVLLMFS:
+			return bad("mount.layout", `"kvhost" or "vllm-fs"`, fmt.Sprintf("%q", m.Layout))
+		case m.Layout != LayoutVLLMFS && m.VLLMFS != nil:
+			return bad("mount.vllm_fs", `only with layout = "vllm-fs"`, "a [mount.vllm_fs] table")
+		}
+		if m.Layout == LayoutVLLMFS {
+			if m.Checksum != nil && *m.Checksum {
+				return bad("mount.checksum", "unset or false on a vllm-fs mount (the layout has no checksums)", true)
+			}
+			v := m.VLLMFS
+			if v == nil {
+				v = &VLLMFS{}
+			}
+			if v.Rank < 0 || v.RowBytes < 0 {
+				return bad("mount.vllm_fs.rank", "a rank and row_bytes ≥ 0", fmt.Sprint(v.Rank, " ", v.RowBytes))
+			}
+			if f := v.Fields(); f != nil {
+				var fe *vllmfs.FieldError
+				if err := f.Validate(); errors.As(err, &fe) {
+					key, _, _ := strings.Cut(fe.Field, "[")
+					return bad("mount.vllm_fs."+key, fe.Want+" (as in the tier's config.json)", fe.Got)
+				} else if err != nil {
+					return bad("mount.vllm_fs", "the fs tier's fields", err.Error())
+				}
+			}
 		}
 		seen[filepath.Clean(m.Path)] = true
 	}

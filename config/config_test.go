@@ -205,3 +205,68 @@ func TestFlagsOverride(t *testing.T) {
 		t.Fatalf("bad flag value accepted: %v", err)
 	}
 }
+
+func TestParseVLLMFSMount(t *testing.T) {
+	src := `
+[[mount]]
+path = "/nvme/kv"
+
+[[mount]]
+path = "/nvme/vllm"
+layout = "vllm-fs"
+capacity = "1TiB"
+[mount.vllm_fs]
+namespace = "vllm:llama:0123"
+row_bytes = "64KiB"
+model_name = "meta-llama/Llama-3.1-8B-Instruct"
+tokens_per_hash = 16
+dtype = "bfloat16"
+[[mount.vllm_fs.kv_cache_groups]]
+tokens_per_block = 16
+layer_names = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+
+[[mount]]
+path = "/nvme/adopted"
+layout = "vllm-fs"
+`
+	c, err := Parse("kvhost.toml", []byte(src))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(c.Mounts) != 3 || c.Mounts[0].Layout != "" || c.Mounts[1].Layout != LayoutVLLMFS {
+		t.Fatalf("mounts %+v", c.Mounts)
+	}
+	v := c.Mounts[1].VLLMFS
+	f := v.Fields()
+	if v.Namespace != "vllm:llama:0123" || v.RowBytes != 64<<10 || f == nil || f.TPSize != 1 || f.BlocksPerFile != 1 ||
+		!f.NotParallelAgnostic || len(f.KVCacheGroups) != 1 || len(f.KVCacheGroups[0].LayerNames) != 2 {
+		t.Fatalf("vllm_fs %+v, fields %+v", v, f)
+	}
+	if err := f.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	if c.Mounts[2].VLLMFS.Fields() != nil {
+		t.Fatal("a vllm-fs mount without fields must adopt (nil fields)")
+	}
+}
+
+func TestParseVLLMFSErrors(t *testing.T) {
+	const head = "[[mount]]\npath = \"/a\"\nlayout = \"vllm-fs\"\n[mount.vllm_fs]\nmodel_name = \"m\"\ntokens_per_hash = 16\ndtype = \"bfloat16\"\n"
+	const group = "[[mount.vllm_fs.kv_cache_groups]]\ntokens_per_block = 16\nlayer_names = [\"l0\"]\n"
+	for _, tt := range []struct{ name, src, want string }{
+		{"unknown layout", "[[mount]]\npath = \"/a\"\nlayout = \"lmcache\"", `kvhost.toml:3: mount.layout: want "kvhost" or "vllm-fs", got "lmcache"`},
+		{"fields without the layout", "[[mount]]\npath = \"/a\"\n[mount.vllm_fs]\nmodel_name = \"m\"", `mount.vllm_fs: want only with layout = "vllm-fs"`},
+		{"negative tp_size", head + "tp_size = -2\n" + group, "kvhost.toml:8: mount.vllm_fs.tp_size: want a positive size (as in the tier's config.json), got -2"},
+		{"no groups", head, "mount.vllm_fs.kv_cache_groups: want at least one group"},
+		{"group without layers", head + "[[mount.vllm_fs.kv_cache_groups]]\ntokens_per_block = 16\n", "mount.vllm_fs.kv_cache_groups: want the group's layer names"},
+		{"checksums on", "[[mount]]\npath = \"/a\"\nlayout = \"vllm-fs\"\nchecksum = true", "mount.checksum: want unset or false on a vllm-fs mount"},
+		{"unknown field", head + "hash_block_size = 16\n" + group, `unknown key "mount.vllm_fs.hash_block_size"`},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			_, err := Parse("kvhost.toml", []byte(tt.src))
+			if !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), tt.want) {
+				t.Errorf("error %v does not contain %q", err, tt.want)
+			}
+		})
+	}
+}

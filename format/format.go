@@ -20,6 +20,8 @@ var (
 	// ErrCorrupt: the header is inconsistent or fails its checksum, or the
 	// payload fails its checksum.
 	ErrCorrupt = errors.New("format: corrupt")
+	// ErrRaw: a raw (headerless) file's Header cannot be encoded.
+	ErrRaw = errors.New("format: a raw file has no header")
 	// ErrTruncated: fewer bytes than the header needs were given; a
 	// *TruncatedError says how many.
 	ErrTruncated = errors.New("format: truncated header")
@@ -97,6 +99,11 @@ type Header struct {
 	// (the field was reserved and zero); readers accept both.
 	ID   uint64
 	Keys []Key // 1..MaxKeys
+	// Raw describes a file without a header: a row of vLLM's fs-tier
+	// layout (package layout/vllmfs), whose payload starts at offset 0.
+	// Its fields come from the reader's namespace and the file's name,
+	// never from the file; Len is 0 and Encode refuses it.
+	Raw bool
 }
 
 // KeyBytes is the payload size of one key.
@@ -110,8 +117,14 @@ func (h *Header) PayloadLen() int64 { return int64(len(h.Keys)) * h.KeyBytes() }
 // UsedLen is the number of header bytes covered by the header checksum.
 func (h *Header) UsedLen() int { return FixedLen + KeyEntryLen*len(h.Keys) }
 
-// Len is the header area: UsedLen rounded up to Align. The payload starts here.
-func (h *Header) Len() int { return alignUp(h.UsedLen(), Align) }
+// Len is the header area: UsedLen rounded up to Align (0 for a Raw file).
+// The payload starts here.
+func (h *Header) Len() int {
+	if h.Raw {
+		return 0
+	}
+	return alignUp(h.UsedLen(), Align)
+}
 
 // FileLen is the file's length: the header area plus the payload rounded up
 // to Align.
@@ -150,6 +163,9 @@ func (h *Header) Validate() error {
 // Encode writes the header area (Len bytes: the header, then zeros) into b,
 // which must be at least Len bytes long.
 func (h *Header) Encode(b []byte) error {
+	if h.Raw {
+		return ErrRaw
+	}
 	if err := h.Validate(); err != nil {
 		return err
 	}

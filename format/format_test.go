@@ -215,3 +215,13 @@ func TestFileIDField(t *testing.T) {
 		}
 	}
 }
+
+func TestRawHeaderHasNoHeaderArea(t *testing.T) {
+	h := &Header{Raw: true, Fingerprint: 1, Layers: 1, Planes: 1, BlocksPerKey: 1, BlockBytes: 5000, Keys: []Key{{Key: []byte("k")}}}
+	if h.Len() != 0 || h.FileLen() != 8192 || h.Offset(0, 0, 0, 0) != 0 {
+		t.Fatalf("raw: Len %d, FileLen %d, payload at %d: want 0, 8192, 0", h.Len(), h.FileLen(), h.Offset(0, 0, 0, 0))
+	}
+	if err := h.Encode(make([]byte, 4096)); !errors.Is(err, ErrRaw) {
+		t.Fatalf("Encode of a raw header: %v, want ErrRaw", err)
+	}
+}

@@ -118,6 +118,13 @@ func serve(ctx context.Context, cfg config.Config, log *slog.Logger, stdout io.W
 			Path: m.Path, Capacity: capacity, HighWatermark: m.HighWatermark, LowWatermark: m.LowWatermark,
 			Reserve: int64(m.Reserve), IO: m.IO, NoChecksum: !m.Checksums(),
 		}
+		if m.Layout == config.LayoutVLLMFS {
+			v := m.VLLMFS
+			if v == nil {
+				v = &config.VLLMFS{}
+			}
+			mounts[i].VLLMFS = &engine.VLLMFS{Fields: v.Fields(), Rank: v.Rank, Namespace: v.Namespace, RowBytes: int64(v.RowBytes)}
+		}
 	}
 	gp, err := openGPU(gpuOptions{
 		Mode:          cfg.GPU.Mode,

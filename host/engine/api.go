@@ -100,6 +100,11 @@ type Mount struct {
 	// effective capacity is the smaller of Capacity and the file system's
 	// available space plus the engine's own files, minus Reserve.
 	Reserve int64
+	// VLLMFS, if set, makes the mount a vllm-fs mount: it holds vLLM's
+	// fs-tier directory byte for byte and serves one namespace
+	// (docs/engine.md, "vllm-fs mounts"). Such mounts come after every
+	// kvhost mount in Mounts.
+	VLLMFS *VLLMFS
 }
 
 // Config configures an Engine. The zero value of every optional field is a
@@ -302,6 +307,10 @@ type MountStats struct {
 	IO         string // "direct" or "buffered"
 	Backend    string // the data mover of host memory on this mount ("staging")
 	Checksums  bool   // payload checksums are written and verified
+	Layout     string // LayoutKVHost or LayoutVLLMFS
+	// Namespace is the model id a vllm-fs mount serves; Base its base
+	// directory's name (both empty on a kvhost mount).
+	Namespace, Base string
 }
 
 // Stats are the engine's counters since Open.

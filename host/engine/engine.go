@@ -33,6 +33,7 @@ type Engine struct {
 	host      *staging.Mover // the CPU path; its pool is the engine's I/O workers
 	files     chan struct{}  // one token per file in flight (Config.IOWorkers)
 	mounts    []*mount
+	kvMounts  int // mounts of kvhost's layout: the first ones; the rest are vllm-fs
 	now       func() time.Time
 	node      string    // this node's name in temporary file names
 	lock      fsys.File // Config.LockFile, flocked for the engine's life
@@ -136,6 +137,19 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 			return nil, err
 		}
 		mt.backend = "staging"
+		if m.VLLMFS != nil {
+			if err := e.openLayout(mt, m.VLLMFS); err != nil {
+				return nil, err
+			}
+			if other := e.layoutMount(mt.raw.model); other != nil {
+				return nil, fmt.Errorf("%w: mounts %s and %s: both vllm-fs mounts serve namespace %q", ErrInvalid, other.root, mt.root, mt.raw.model)
+			}
+		} else {
+			if e.kvMounts < i {
+				return nil, fmt.Errorf("%w: mount %s: a kvhost mount after the vllm-fs mount %s: list vllm-fs mounts last (the policy places other namespaces on mounts 0..n-1)", ErrInvalid, mt.root, e.mounts[e.kvMounts].root)
+			}
+			e.kvMounts++
+		}
 		e.mounts = append(e.mounts, mt)
 	}
 	const bufSize = 4 << 20
@@ -191,8 +205,12 @@ func (e *Engine) Stats() Stats {
 	for _, m := range e.mounts {
 		s.Mounts = append(s.Mounts, MountStats{
 			Path: m.root, Capacity: m.capacity, Configured: m.configured, Reserve: m.reserve, Used: m.used, Entries: m.entries,
-			Direct: m.direct, IO: m.ioName(), Backend: m.backend, Checksums: m.checksums,
+			Direct: m.direct, IO: m.ioName(), Backend: m.backend, Checksums: m.checksums, Layout: LayoutKVHost,
 		})
+		if m.raw != nil {
+			ms := &s.Mounts[len(s.Mounts)-1]
+			ms.Layout, ms.Namespace, ms.Base = LayoutVLLMFS, m.raw.model, m.raw.layout.Base()
+		}
 	}
 	return s
 }

@@ -35,6 +35,13 @@ func TestMain(m *testing.M) {
 		}
 		os.Exit(0)
 	}
+	if root := os.Getenv(vllmfsCrashEnv); root != "" {
+		if err := vllmfsCrashChild(root); err != nil {
+			fmt.Fprintln(os.Stderr, "vllm-fs crash child:", err)
+			os.Exit(1)
+		}
+		os.Exit(0)
+	}
 	os.Exit(m.Run())
 }
 

@@ -73,7 +73,7 @@ func (e *Engine) openSame(en *entry, flag int) (fsys.File, *format.Header, error
 		f.Close()
 		return nil, nil, fmt.Errorf("%w: %s is not a regular file", errReplaced, en.path)
 	}
-	h, err := readHeader(f)
+	h, err := e.fileHeader(en.mount, en.path, f)
 	if err != nil {
 		f.Close()
 		if !en.ident.Same(id) {
@@ -125,6 +125,9 @@ func fileIdentity(f fsys.File) (fsys.Identity, error) {
 // path between the check and the unlink (a window of one system call,
 // docs/engine.md).
 func (e *Engine) removeIfSame(path string, ens []*entry) {
+	if len(ens) == 0 {
+		return
+	}
 	f, err := e.fs.OpenFile(path, os.O_RDONLY, 0)
 	if err != nil {
 		if !errors.Is(err, os.ErrNotExist) {
@@ -135,7 +138,7 @@ func (e *Engine) removeIfSame(path string, ens []*entry) {
 	id, err := fileIdentity(f)
 	var h *format.Header
 	if err == nil {
-		h, err = readHeader(f)
+		h, err = e.fileHeader(ens[0].mount, path, f)
 	}
 	f.Close()
 	match := false

@@ -214,6 +214,9 @@ var errNotRegular = errors.New("engine: not a regular file")
 
 // readEntry reads the header of the file at path into an unindexed entry.
 func (e *Engine) readEntry(mnt int, path string) (*entry, error) {
+	if e.mounts[mnt].raw != nil {
+		return e.rawEntry(mnt, path)
+	}
 	f, err := e.fs.OpenFile(path, os.O_RDONLY, 0)
 	if err != nil {
 		return nil, err

@@ -152,7 +152,7 @@ func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 		e.log.Warn("engine: corrupt file dropped", "path", en.path, "err", err)
 		e.drop(ctx, en, true, "corrupt")
 	}
-	h, err := readHeader(f)
+	h, err := e.fileHeader(en.mount, en.path, f)
 	if err != nil {
 		corrupt(err)
 		all(OutcomeFailed, fmt.Errorf("engine: load %s: %w", en.path, err))

@@ -15,8 +15,10 @@ import (
 // resolve joins a policy-chosen relative path under its mount, re-checking
 // that it cannot escape the root.
 func (e *Engine) resolve(rec *abi.NameRecord) (int, string, error) {
-	if int(rec.Mount) >= len(e.mounts) {
-		return 0, "", fmt.Errorf("%w: mount %d of %d", ErrPolicy, rec.Mount, len(e.mounts))
+	if int(rec.Mount) >= e.kvMounts {
+		// Mounts from kvMounts on are vllm-fs mounts: each serves its
+		// own namespace only, named by the layout.
+		return 0, "", fmt.Errorf("%w: mount %d of the %d kvhost mounts", ErrPolicy, rec.Mount, e.kvMounts)
 	}
 	p := rec.Path()
 	if err := abi.CheckPath(p); err != nil {
@@ -35,12 +37,25 @@ func (e *Engine) names(ctx context.Context, ns *namespace, keys [][]byte) ([]int
 	mounts := make([]int, len(keys))
 	paths := make([]string, len(keys))
 	errs := make([]error, len(keys))
+	if m := ns.layout; m != nil {
+		// A vllm-fs mount's namespace: the layout names every file.
+		for i, k := range keys {
+			mounts[i] = m.idx
+			rel, err := m.raw.layout.Path(k)
+			if err != nil {
+				errs[i] = fmt.Errorf("%w: %w", ErrInvalid, err)
+				continue
+			}
+			paths[i] = filepath.Join(m.root, filepath.FromSlash(rel))
+		}
+		return mounts, paths, errs, nil
+	}
 	recs := make([]abi.NameRecord, min(len(keys), abi.MaxBatch))
 	for start := 0; start < len(keys); start += abi.MaxBatch {
 		batch := keys[start:min(len(keys), start+abi.MaxBatch)]
 		rs := recs[:len(batch)]
 		for i, k := range batch {
-			rs[i] = abi.NameRecord{NS: uint32(ns.id), Fingerprint: ns.fp, TPRank: uint32(ns.geo.TPRank), MountCount: uint32(len(e.mounts))}
+			rs[i] = abi.NameRecord{NS: uint32(ns.id), Fingerprint: ns.fp, TPRank: uint32(ns.geo.TPRank), MountCount: uint32(e.kvMounts)}
 			rs[i].SetKey(k)
 		}
 		if err := e.pol.Name(ctx, rs); err != nil {

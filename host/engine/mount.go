@@ -28,7 +28,8 @@ type mount struct {
 	checksums bool   // payload checksums on this mount (Mount.NoChecksum, the mover)
 	backend   string // the host mover's name
 	movers    map[region.Kind]transfer.Mover
-	ioWhy     string // how the I/O mode was chosen
+	ioWhy     string     // how the I/O mode was chosen
+	raw       *rawLayout // a vllm-fs mount; nil for kvhost's layout
 	evictMu   sync.Mutex
 	// guarded by Engine.mu
 	capacity  int64 // effective: min(configured, what the file system can hold)

@@ -3,6 +3,8 @@ package engine
 import (
 	"context"
 	"fmt"
+	"strings"
+
 	"github.com/kvhost/kvhost/abi"
 )
 
@@ -17,6 +19,9 @@ type namespace struct {
 	// counted: created or claimed by Declare, so it counts against
 	// Config.MaxNamespaces (namespaces of files found on disk do not).
 	counted bool
+	// layout: the vllm-fs mount serving the namespace (nil: the policy
+	// places and names its files on the kvhost mounts). Set by Declare.
+	layout *mount
 }
 
 // Declare registers a geometry and returns its namespace. Declaring the same
@@ -26,6 +31,25 @@ func (e *Engine) Declare(ctx context.Context, g Geometry) (NamespaceID, error) {
 		return 0, err
 	}
 	fp := g.Fingerprint()
+	mounts := e.kvMounts
+	lm := e.layoutMount(g.Model)
+	if lm != nil {
+		// Its files carry no fingerprint: they are the mount's.
+		fp, mounts = lm.raw.fp, len(e.mounts)
+	} else if strings.HasPrefix(g.Model, ModelPrefix) {
+		// A client asking for a vllm-fs directory by its base name:
+		// another base means other fields (a geometry mistake), never
+		// a new namespace elsewhere.
+		var bases []string
+		for _, m := range e.mounts {
+			if m.raw != nil {
+				bases = append(bases, m.raw.model)
+			}
+		}
+		return 0, fmt.Errorf("%w: namespace %q: no vllm-fs mount serves it (the fs tier's fields differ from every mount's; served: %v)", ErrInvalid, g.Model, bases)
+	} else if e.kvMounts == 0 {
+		return 0, fmt.Errorf("%w: namespace %q: every mount is a vllm-fs mount serving its own namespace, and none serves this one", ErrInvalid, g.Model)
+	}
 	e.mu.Lock()
 	if e.closed {
 		e.mu.Unlock()
@@ -33,8 +57,18 @@ func (e *Engine) Declare(ctx context.Context, g Geometry) (NamespaceID, error) {
 	}
 	id, ok := e.nsByFP[fp]
 	if ok && e.nss[id].declared {
+		if lm != nil && e.nss[id].geo != g {
+			e.mu.Unlock()
+			return 0, fmt.Errorf("%w: namespace %q: vllm-fs mount %s already serves it with another geometry (%+v)", ErrInvalid, g.Model, lm.root, e.nss[id].geo)
+		}
 		e.mu.Unlock()
 		return id, nil
+	}
+	if lm != nil {
+		if err := e.bindLayoutLocked(lm, g); err != nil {
+			e.mu.Unlock()
+			return 0, err
+		}
 	}
 	if !ok || !e.nss[id].counted {
 		// Every namespace costs state here and in every policy shard,
@@ -51,9 +85,13 @@ func (e *Engine) Declare(ctx context.Context, g Geometry) (NamespaceID, error) {
 	}
 	e.mu.Unlock()
 
-	rec, err := e.pol.Namespace(ctx, g.record(id, len(e.mounts)))
+	rec, err := e.pol.Namespace(ctx, g.record(id, mounts))
 	if err != nil {
 		return 0, fmt.Errorf("%w: namespace %q: %w", ErrPolicy, g.Model, err)
+	}
+	if lm != nil {
+		// The layout decides: one row per file, in the row's order.
+		rec.KeysPerFile, rec.Order = 1, abi.OrderLayerMajor
 	}
 	if rec.KeysPerFile < 1 || rec.KeysPerFile > abi.MaxKeysPerFile || (rec.Order != abi.OrderLayerMajor && rec.Order != abi.OrderBlockMajor) {
 		return 0, fmt.Errorf("%w: namespace %q: layout keys per file %d, order %d", ErrPolicy, g.Model, rec.KeysPerFile, rec.Order)
@@ -68,6 +106,12 @@ func (e *Engine) Declare(ctx context.Context, g Geometry) (NamespaceID, error) {
 	if !ns.declared {
 		ns.declared, ns.geo, ns.rec = true, g, rec
 		ns.keysPerFile, ns.order = int(rec.KeysPerFile), rec.Order
+		ns.layout = lm
+		where := LayoutKVHost
+		if lm != nil {
+			where = LayoutVLLMFS + " " + lm.root
+		}
+		e.log.Info("engine: namespace declared", "ns", id, "model", g.Model, "key_bytes", g.KeyBytes(), "layout", where)
 	}
 	return id, nil
 }

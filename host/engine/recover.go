@@ -15,6 +15,7 @@ import (
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/format"
 	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/layout/vllmfs"
 )
 
 // rebuild scans every mount: it removes temporary leftovers (older than
@@ -90,6 +91,8 @@ func (e *Engine) rebuild(ctx context.Context) error {
 				if err := walk(mount, path); err != nil {
 					return err
 				}
+			case d.Type().IsRegular() && e.mounts[mount].raw != nil && name == vllmfs.ConfigFile:
+				// A vllm-fs base directory's fields, read at Open.
 			case d.Type().IsRegular():
 				files <- item{mount, path}
 			}
@@ -103,7 +106,19 @@ func (e *Engine) rebuild(ctx context.Context) error {
 		walkers.Add(1)
 		go func() {
 			defer walkers.Done()
-			if err := walk(i, m.root); err != nil {
+			roots := []string{m.root}
+			if m.raw != nil {
+				// Only the base directory (config.json, and a temporary
+				// file of it left by a crash) and the data directory: the
+				// root may hold other geometries' directories, which are
+				// not this mount's.
+				roots = []string{filepath.Join(m.root, m.raw.layout.Base()), filepath.Join(m.root, m.raw.layout.DataDir())}
+			}
+			var err error
+			for _, root := range roots {
+				err = errors.Join(err, walk(i, root))
+			}
+			if err != nil {
 				walkMu.Lock()
 				walkErr = errors.Join(walkErr, err)
 				walkMu.Unlock()

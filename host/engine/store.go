@@ -173,7 +173,9 @@ func (e *Engine) storeRound(ctx context.Context, j *Job, c *cache, keys [][]byte
 			Fingerprint: ns.fp, Order: ns.order, Layers: uint32(ns.geo.Layers), Planes: uint32(ns.geo.Planes()),
 			BlocksPerKey: uint32(ns.geo.BlocksPerKey()), BlockBytes: uint64(ns.geo.BlockBytes()), Created: now,
 		}
-		if e.mounts[gr.mount].checksums {
+		if m := e.mounts[gr.mount]; m.raw != nil {
+			gr.hdr.Raw = true // a vllm-fs row: the payload alone
+		} else if m.checksums {
 			gr.hdr.Flags |= format.FlagPayloadSums
 		}
 		for _, i := range gr.idx {
@@ -362,13 +364,15 @@ func (e *Engine) writeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 			h.Keys[k].Sum = sums[k]
 		}
 	}
-	h.ID = newFileID()
-	hdr := staging.AlignedBuffer(int(hl))
-	if err := h.Encode(hdr); err != nil {
-		return false, err
-	}
-	if _, err := f.WriteAt(hdr, 0); err != nil {
-		return published, e.ioError(m, "write header", err)
+	if !h.Raw { // a vllm-fs row has no header, hence no file id
+		h.ID = newFileID()
+		hdr := staging.AlignedBuffer(int(hl))
+		if err := h.Encode(hdr); err != nil {
+			return false, err
+		}
+		if _, err := f.WriteAt(hdr, 0); err != nil {
+			return published, e.ioError(m, "write header", err)
+		}
 	}
 	if e.cfg.Fsync {
 		if err := f.Sync(); err != nil {

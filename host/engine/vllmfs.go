@@ -1,0 +1,354 @@
+package engine
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"hash/fnv"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"strings"
+
+	"github.com/kvhost/kvhost/format"
+	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/layout/vllmfs"
+)
+
+// vllm-fs mounts (docs/engine.md, "vllm-fs mounts").
+//
+// A mount with Mount.VLLMFS set holds vLLM's fs-tier directory: one base
+// directory (config.json), one data directory of raw rows named by the
+// layout. It serves exactly one namespace, whose files carry no header:
+// their fingerprint is the mount's (layoutFingerprint), their key is their
+// name, their length the row's padded to 4 KiB. The policy still admits,
+// ranks and picks victims; it does not name files there.
+
+// Layouts of Mount.Layout and MountStats.Layout.
+const (
+	LayoutKVHost = "kvhost"  // kvhost's own files (docs/format.md)
+	LayoutVLLMFS = "vllm-fs" // vLLM's fs-tier layout (package layout/vllmfs)
+)
+
+// VLLMFS configures a vllm-fs mount.
+type VLLMFS struct {
+	// Fields are the fs tier's fields. nil adopts the one base directory
+	// found under the mount's path (its config.json gives the fields).
+	Fields *vllmfs.Fields
+	// Rank is the data directory's rank (<base>_r<rank>): 0 for the tier.
+	Rank int
+	// Namespace is the model id (Geometry.Model) of the namespace the
+	// mount serves; "" means "vllm-fs:" followed by the base directory's
+	// name.
+	Namespace string
+	// RowBytes, if set, is the row size: the namespace's KeyBytes must
+	// equal it, and files of another length are not indexed. 0 takes the
+	// namespace's KeyBytes at Declare (files indexed earlier must then
+	// have its length).
+	RowBytes int64
+}
+
+// ModelPrefix starts the default namespace model id of a vllm-fs mount.
+const ModelPrefix = "vllm-fs:"
+
+// rawLayout is the state of a vllm-fs mount.
+type rawLayout struct {
+	cfg      vllmfs.Config
+	layout   vllmfs.Layout
+	model    string // the namespace served
+	fp       uint64 // fingerprint of the mount's files
+	rank     int
+	rowBytes int64 // 0: not known until the namespace is declared
+}
+
+// layoutFingerprintTag starts the fingerprint of a vllm-fs mount's files.
+const layoutFingerprintTag = "kvhost/vllm-fs/v1\x00"
+
+// layoutFingerprint identifies the files of one data directory: FNV-1a 64
+// of the tag, the data directory's name and the namespace's model id. It
+// lives only in memory (the files have no header).
+func layoutFingerprint(dataDir, model string) uint64 {
+	h := fnv.New64a()
+	b := []byte(layoutFingerprintTag)
+	b = binary.LittleEndian.AppendUint32(b, uint32(len(dataDir)))
+	b = append(b, dataDir...)
+	b = append(b, model...)
+	h.Write(b)
+	return h.Sum64()
+}
+
+// openLayout reads or writes the base directory of a vllm-fs mount: with
+// fields, their base directory's config.json must record them (written if
+// absent), and no other base directory of the same model may sit under the
+// root (a directory reused across geometries); without, the one base
+// directory found is adopted. Mismatches are refused with the differing
+// fields named.
+func (e *Engine) openLayout(mt *mount, v *VLLMFS) error {
+	fail := func(err error) error { return fmt.Errorf("%w: mount %s: vllm-fs: %w", ErrInvalid, mt.root, err) }
+	if v.Rank < 0 || v.RowBytes < 0 {
+		return fail(fmt.Errorf("rank %d, row bytes %d: want >= 0", v.Rank, v.RowBytes))
+	}
+	found, err := e.baseDirs(mt.root)
+	if err != nil {
+		return fmt.Errorf("engine: mount %s: vllm-fs: %w", mt.root, err)
+	}
+	var cfg vllmfs.Config
+	if v.Fields == nil {
+		var ok []string
+		for name, c := range found {
+			if c.err == nil {
+				ok, cfg = append(ok, name), c.cfg
+			}
+		}
+		switch {
+		case len(ok) == 0:
+			return fail(fmt.Errorf("no base directory with a config.json to adopt under the root (%d found unreadable); configure the fields", len(found)))
+		case len(ok) > 1:
+			return fail(fmt.Errorf("%d base directories to adopt (%s): configure the fields of the one to serve", len(ok), strings.Join(ok, ", ")))
+		}
+	} else {
+		if cfg, err = vllmfs.FromFields(*v.Fields); err != nil {
+			return fail(err)
+		}
+		base := cfg.Base()
+		if c, ok := found[base]; ok && c.err != nil {
+			return fail(c.err)
+		}
+		for name, c := range found {
+			if name == base || c.err != nil || c.cfg.ModelName() != cfg.ModelName() {
+				continue
+			}
+			return fail(fmt.Errorf("%w: %s/%s records another geometry of %q than configured (%s): reusing a directory across geometries corrupts output; fix the fields or use another root",
+				vllmfs.ErrMismatch, name, vllmfs.ConfigFile, cfg.ModelName(), strings.Join(c.cfg.Diff(cfg), "; ")))
+		}
+		if _, ok := found[base]; !ok {
+			if err := e.writeConfig(mt.root, cfg); err != nil {
+				return fmt.Errorf("engine: mount %s: vllm-fs: config.json: %w", mt.root, err)
+			}
+		}
+	}
+	layout, err := vllmfs.NewLayout(cfg, v.Rank)
+	if err != nil {
+		return fail(err)
+	}
+	model := v.Namespace
+	if model == "" {
+		model = ModelPrefix + layout.Base()
+	}
+	if err := e.mkdir(filepath.Join(mt.root, layout.DataDir()), true); err != nil {
+		return fmt.Errorf("engine: mount %s: vllm-fs: %w", mt.root, err)
+	}
+	mt.checksums = false // the layout has none
+	mt.raw = &rawLayout{cfg: cfg, layout: layout, model: model, fp: layoutFingerprint(layout.DataDir(), model), rank: v.Rank, rowBytes: v.RowBytes}
+	return nil
+}
+
+// baseConfig is a base directory's config.json, or why it cannot be used.
+type baseConfig struct {
+	cfg vllmfs.Config
+	err error
+}
+
+// baseDirs reads the config.json of every directory directly under root
+// that has one: its fields must hash to the directory's name.
+func (e *Engine) baseDirs(root string) (map[string]baseConfig, error) {
+	ents, err := e.fs.ReadDir(root)
+	if err != nil {
+		return nil, err
+	}
+	out := map[string]baseConfig{}
+	for _, d := range ents {
+		if !d.IsDir() || strings.HasPrefix(d.Name(), ".") {
+			continue
+		}
+		p := filepath.Join(root, d.Name(), vllmfs.ConfigFile)
+		data, err := e.readSmall(p)
+		if errors.Is(err, fs.ErrNotExist) {
+			continue
+		}
+		var c baseConfig
+		if err == nil {
+			c.cfg, err = vllmfs.ParseConfig(data)
+		}
+		switch {
+		case err != nil:
+			c.err = fmt.Errorf("%s: %w", p, err)
+		case c.cfg.Base() != d.Name():
+			c.err = fmt.Errorf("%w: %s: its fields hash to %s, not to the directory's name (edited, or another vLLM version's hash)", vllmfs.ErrMismatch, p, c.cfg.Base())
+		}
+		out[d.Name()] = c
+	}
+	return out, nil
+}
+
+// readSmall reads a config file (at most 1 MiB).
+func (e *Engine) readSmall(path string) ([]byte, error) {
+	f, err := e.fs.OpenFile(path, os.O_RDONLY, 0)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	buf := make([]byte, 1<<20+1)
+	n := 0
+	for n < len(buf) {
+		m, err := f.ReadAt(buf[n:], int64(n))
+		n += m
+		if err != nil || m == 0 {
+			break
+		}
+	}
+	if n > 1<<20 {
+		return nil, fmt.Errorf("%w: %s is larger than 1 MiB", vllmfs.ErrConfig, path)
+	}
+	return buf[:n], nil
+}
+
+// writeConfig publishes cfg's config.json in its base directory (a
+// temporary file, then rename), as the tier writes it.
+func (e *Engine) writeConfig(root string, cfg vllmfs.Config) error {
+	dir := filepath.Join(root, cfg.Base())
+	if err := e.mkdir(dir, true); err != nil {
+		return err
+	}
+	tmp := e.tempName(dir, tmpPrefix)
+	f, err := e.fs.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o644)
+	if err != nil {
+		return err
+	}
+	data := cfg.JSON()
+	_, err = f.WriteAt(data, 0)
+	if err == nil && e.cfg.Fsync {
+		err = f.Sync()
+	}
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil {
+		err = e.fs.Rename(tmp, filepath.Join(dir, vllmfs.ConfigFile))
+	}
+	if err != nil {
+		e.fs.Remove(tmp)
+		return err
+	}
+	if e.cfg.Fsync {
+		return e.fs.SyncDir(dir)
+	}
+	return nil
+}
+
+// layoutMount returns the vllm-fs mount serving model, or nil.
+func (e *Engine) layoutMount(model string) *mount {
+	for _, m := range e.mounts {
+		if m.raw != nil && m.raw.model == model {
+			return m
+		}
+	}
+	return nil
+}
+
+// bindLayoutLocked checks that geometry g can be the namespace of vllm-fs mount
+// m: one plane (the tier's row namespace, or MLA), so that its payload is
+// the row in vLLM's order; the mount's rank; the row size; and the files
+// already indexed there of the row's length. The caller holds e.mu.
+func (e *Engine) bindLayoutLocked(m *mount, g Geometry) error {
+	fail := func(format string, args ...any) error {
+		return fmt.Errorf("%w: namespace %q on vllm-fs mount %s: "+format, append([]any{ErrInvalid, g.Model, m.root}, args...)...)
+	}
+	r := m.raw
+	switch {
+	case g.Planes() != 1:
+		return fail("a K/V geometry has no place in vLLM's row: declare the row (one layer, one plane, one block of the row's bytes, as the vLLM tier does) or an MLA geometry")
+	case g.TPRank != r.rank:
+		return fail("TP rank %d, but the mount's data directory is rank %d (%s)", g.TPRank, r.rank, r.layout.DataDir())
+	case r.rowBytes != 0 && g.KeyBytes() != r.rowBytes:
+		return fail("key bytes %d, but the mount's rows are %d bytes (row_bytes)", g.KeyBytes(), r.rowBytes)
+	}
+	want := vllmfs.FileLen(g.KeyBytes())
+	bad, example := 0, ""
+	for _, en := range e.entries {
+		if en.mount == m.idx && en.size != want {
+			bad++
+			example = fmt.Sprintf("%s is %d bytes", en.path, en.size)
+		}
+	}
+	if bad > 0 {
+		return fail("%d files of the directory are not rows of %d bytes (padded to %d), e.g. %s: the directory holds another geometry", bad, g.KeyBytes(), want, example)
+	}
+	r.rowBytes = g.KeyBytes()
+	return nil
+}
+
+// rawEntry returns an unindexed entry for the row file at path on vllm-fs
+// mount mnt, or an error wrapping vllmfs.ErrKey for a name that is not a
+// row of the layout (vLLM's temporary files, other directories).
+func (e *Engine) rawEntry(mnt int, path string) (*entry, error) {
+	m := e.mounts[mnt]
+	key, err := e.rawKey(m, path)
+	if err != nil {
+		return nil, err
+	}
+	f, err := e.fs.OpenFile(path, os.O_RDONLY, 0)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	id, err := fileIdentity(f)
+	if err != nil {
+		return nil, err
+	}
+	if !id.Mode.IsRegular() {
+		return nil, fmt.Errorf("%w: %s (%v)", errNotRegular, path, id.Mode.Type())
+	}
+	e.mu.RLock()
+	row := m.raw.rowBytes
+	e.mu.RUnlock()
+	if row != 0 && id.Size != vllmfs.FileLen(row) {
+		return nil, fmt.Errorf("%w: %s: %d bytes, rows are %d (padded to %d)", ErrMismatch, path, id.Size, row, vllmfs.FileLen(row))
+	}
+	en := &entry{fp: m.raw.fp, mount: mnt, path: path, size: id.Size, ident: id, last: id.Mtime, keys: []string{string(key)}}
+	en.verified.Store(e.now().UnixNano())
+	return en, nil
+}
+
+// rawKey is the key of the row file at path on vllm-fs mount m.
+func (e *Engine) rawKey(m *mount, path string) ([]byte, error) {
+	rel, err := filepath.Rel(m.root, path)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %s: %w", vllmfs.ErrKey, path, err)
+	}
+	return m.raw.layout.Key(filepath.ToSlash(rel))
+}
+
+// rawHeader is the header a row file would have: none is in the file
+// (Header.Raw), so it is made from the mount's namespace and the file's
+// name. Before the namespace is declared the geometry is one block of the
+// file's length (only the fingerprint and key are used then).
+func (e *Engine) rawHeader(m *mount, path string, size int64) (*format.Header, error) {
+	key, err := e.rawKey(m, path)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", errReplaced, err)
+	}
+	h := &format.Header{Raw: true, Fingerprint: m.raw.fp, Order: format.OrderLayerMajor, Layers: 1, Planes: 1, BlocksPerKey: 1, BlockBytes: uint64(max(1, size)), Keys: []format.Key{{Key: key}}}
+	e.mu.RLock()
+	if id, ok := e.nsByFP[m.raw.fp]; ok && e.nss[id].declared {
+		g := e.nss[id].geo
+		h.Layers, h.Planes, h.BlocksPerKey, h.BlockBytes = uint32(g.Layers), uint32(g.Planes()), uint32(g.BlocksPerKey()), uint64(g.BlockBytes())
+	}
+	e.mu.RUnlock()
+	return h, nil
+}
+
+// fileHeader returns the header of the open file f at path on mount mnt:
+// read from the file on a kvhost mount, made from the layout on a vllm-fs
+// mount.
+func (e *Engine) fileHeader(mnt int, path string, f fsys.File) (*format.Header, error) {
+	m := e.mounts[mnt]
+	if m.raw == nil {
+		return readHeader(f)
+	}
+	id, err := fileIdentity(f)
+	if err != nil {
+		return nil, err
+	}
+	return e.rawHeader(m, path, id.Size)
+}
