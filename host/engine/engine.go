@@ -63,6 +63,7 @@ type Engine struct {
 	// its file's path (tests wait for it instead of sleeping).
 	pathWaits atomic.Int64
 	fails     *failureLog
+	pinTab    pinTable // client pins (pins.go)
 }
 
 type counters struct {
@@ -222,6 +223,7 @@ func (e *Engine) Close(ctx context.Context) error {
 		e.mu.Unlock()
 		<-done
 	}
+	e.closePins()
 	e.hitRec.close()
 	e.host.Close()
 	if e.ownPolicy {
