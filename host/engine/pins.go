@@ -224,3 +224,12 @@ func (e *Engine) deleteUnpinned(ctx context.Context, en *entry) bool {
 	e.access(ctx, []abi.AccessRecord{rec})
 	return true
 }
+
+// PinHeld reports whether id is a pin still held (not unpinned, lease not
+// ended).
+func (e *Engine) PinHeld(id PinID) bool {
+	t := &e.pinTab
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.pins[id] != nil
+}
