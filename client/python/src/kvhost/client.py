@@ -381,6 +381,11 @@ class Client:
         _, body = self._call(p.T_DELETE, struct.pack("<I", ns) + p.keys_body(keys))
         return struct.unpack("<I", body)[0]
 
+    def connected(self):
+        """False once the connection is closed or lost."""
+        with self._lock:
+            return self._closed is None
+
     def pin(self, ns, keys, lease_s=0.0):
         """Pins the stored keys of ns: the daemon neither evicts nor deletes
         them until unpin, the lease (seconds; 0: none, at most 24 h) ends or

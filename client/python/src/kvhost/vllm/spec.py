@@ -279,6 +279,8 @@ class SpecManager:
         keys = [bytes(k) for k in keys]
         now = time.monotonic()
         with self._lock:
+            if self._broken is None and not self._client.connected():
+                self._broken = ConnectionError("the daemon closed the connection")
             if self._broken is not None or self._closing:
                 self._stats["store_refused"] += 1
                 return None

@@ -216,6 +216,8 @@ def options(config):
     for k in ("pin_lease_s", "lookup_wait_s", "stored_ttl_s", "miss_ttl_s", "job_timeout_s"):
         if isinstance(o[k], bool) or not isinstance(o[k], (int, float)) or o[k] < 0:
             raise ValueError(f"kvhost.vllm: {k}: want seconds >= 0, got {o[k]!r}")
+    if o["miss_ttl_s"] <= 0:
+        raise ValueError(f"kvhost.vllm: miss_ttl_s: want seconds > 0 (a MISS must be answered), got {o['miss_ttl_s']!r}")
     if not 1 <= o["pin_lease_s"] <= p.MAX_LEASE_MS / 1000:
         raise ValueError(f"kvhost.vllm: pin_lease_s: want 1..{p.MAX_LEASE_MS // 1000}, got {o['pin_lease_s']!r}")
     for k in ("max_store_keys_inflight", "max_events"):

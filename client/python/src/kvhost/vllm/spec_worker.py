@@ -136,7 +136,11 @@ class SpecWorker:
             raise ValueError("kvhost.vllm: a host KV-cache tensor is not one file mapping: allocate it in "
                              "shared memory (kvhost.torch_host_tensor) to use it with the daemon")
         lo, hi, off, path = m
-        if path.startswith("/") and not path.endswith("(deleted)"):
+        if not path.startswith("/"):
+            raise ValueError(f"kvhost.vllm: a host KV-cache tensor lies in private memory ({path or 'anonymous'}): "
+                             "allocate it in shared memory (kvhost.torch_host_tensor, a memfd or a /dev/shm "
+                             "file) to use it with the daemon")
+        if not path.endswith("(deleted)"):
             fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         else:
             fd = os.open(f"/proc/self/map_files/{lo:x}-{hi:x}", os.O_RDWR | os.O_CLOEXEC)
