@@ -222,6 +222,66 @@ class TestSchedulerAndWorker(SpecCase):
                        what="the daemon to delete the released keys")
 
 
+class TestHitWindow(SpecCase):
+    def test_an_unused_hit_is_unpinned_after_its_window_and_asked_again(self):
+        spec = self.spec(pin_lease_s=1, hit_window_s=0.2)
+        m = self.manager(spec)
+        caches, _, bufs = kv_caches()
+        self.buffers(bufs)
+        w = self.worker(spec, caches)
+        k = keys(1, "window")[0]
+        self.store(m, w, [k], [0])
+        self.answer(m, k, S.LookupResult.HIT)
+        d.wait_for(lambda: m.get_stats().get("pins_expired_unused"), what="the HIT window to pass")
+        self.assertEqual(m.get_stats()["pinned_now"], 0)
+        self.assertEqual(m.lookup(k, CTX), S.LookupResult.RETRY)  # asked again
+        self.answer(m, k, S.LookupResult.HIT)
+
+
+@unittest.skipUnless(HAVE_TORCH, "torch is not installed")
+class TestDaemonPins(SpecCase):
+    """The daemon's Pin/Unpin as the Python client sends them."""
+
+    def setUp(self):
+        super().setUp()
+        spec = self.spec()
+        m = self.manager(spec)
+        caches, _, bufs = kv_caches()
+        self.buffers(bufs)
+        w = self.worker(spec, caches)
+        self.ks = keys(2, "raw-pin")
+        self.store(m, w, self.ks, [0, 1])
+        self.geo = kv.spec_compat.geometry(kv.spec_compat.describe(spec.config, spec._opts, 0, 0))
+
+    def test_pin_answers_per_key_and_refuses_delete_until_unpinned(self):
+        with kvhost.Client(self.daemon.socket) as c:
+            ns = c.declare(self.geo)
+            pin, held = c.pin(ns, [self.ks[0], b"never-stored", self.ks[1]])
+            self.assertNotEqual(pin, 0)
+            self.assertEqual(held, [True, False, True])
+            self.assertEqual(c.delete(ns, self.ks), 0)
+            self.assertEqual(c.lookup(ns, self.ks), 2)
+            self.assertEqual(c.unpin(pin), 2)
+            self.assertEqual(c.unpin(pin), 0)
+            self.assertEqual(c.delete(ns, self.ks[:1]), 1)
+
+    def test_lease_and_connection_end_release_pins(self):
+        with kvhost.Client(self.daemon.socket) as c:
+            ns = c.declare(self.geo)
+            pin, _ = c.pin(ns, self.ks[:1], lease_s=0.05)
+            d.wait_for(lambda: c.delete(ns, self.ks[:1]) == 1 or None, what="the lease to end")
+            self.assertEqual(c.unpin(pin), 0)
+            with kvhost.Client(self.daemon.socket) as other:
+                ons = other.declare(self.geo)
+                _, held = other.pin(ons, self.ks[1:])
+                self.assertEqual(held, [True])
+                self.assertEqual(c.delete(ns, self.ks[1:]), 0)
+            d.wait_for(lambda: c.delete(ns, self.ks[1:]) == 1 or None,
+                       what="the closed connection's pin to go")
+        with kvhost.Client(self.daemon.socket) as c, self.assertRaises(ValueError):
+            c.pin(1, self.ks, lease_s=-1)
+
+
 class TestTensorParallel(SpecCase):
     def test_hit_only_when_every_rank_has_the_key(self):
         specs = [self.spec(tp=2, rank=r) for r in range(2)]

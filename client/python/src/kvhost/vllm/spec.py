@@ -21,7 +21,7 @@ import threading
 import time
 
 from .. import protocol as p
-from ..client import Client
+from ..client import Client, ConnectionLost
 from . import spec_compat as sc
 
 log = logging.getLogger("kvhost.vllm")
@@ -79,6 +79,7 @@ class SpecManager:
             self._client.close()
             raise
         self.namespaces = {k: ns.geometry.model for k, ns in self._ns.items()}
+        log.info("kvhost spec: manager on %s, namespaces %s", o["socket"], sorted(set(self.namespaces.values())))
         self._thread = threading.Thread(target=self._loop, name="kvhost-spec-pins", daemon=True)
         self._thread.start()
 
@@ -89,7 +90,7 @@ class SpecManager:
 
     def lookup(self, key, req_context=None):
         """HIT for a key pinned (and checked) by the daemon for this manager,
-        with at least half its lease left or a load in progress;
+        within hit_window_s of the pin or with a load in progress;
         HIT_PENDING (RETRY where vLLM has none) while this manager stores
         it; RETRY while the daemon has not answered; MISS otherwise."""
         key = bytes(key)
@@ -138,7 +139,7 @@ class SpecManager:
         while True:
             with self._cv:
                 while not self._queue and not self._touches and not self._closing:
-                    if not self._cv.wait(max(0.05, lease / 8)):
+                    if not self._cv.wait(max(0.05, self._opts["hit_window_s"] / 4)):
                         break  # periodic: release pins whose HIT window passed unused
                 if self._closing:
                     return
@@ -177,10 +178,10 @@ class SpecManager:
             held = dict.fromkeys(keys, False)
             with self._lock:
                 self._stats["pin_errors"] += 1
-                if not isinstance(e, ValueError):
+                if isinstance(e, (ConnectionLost, OSError)):
                     self._broken = e
         now = time.monotonic()
-        until = t0 + lease / 2
+        until = t0 + self._opts["hit_window_s"]
         batch = _PinBatch(pins, {k for k, h in held.items() if h})
         release = []
         with self._cv:
@@ -370,6 +371,7 @@ class SpecManager:
             s["storing_now"] = sum(self._storing.values())
         if self._broken is not None:
             s["daemon_error"] = str(self._broken)
+        s["namespaces"] = sorted(set(self.namespaces.values()))
         return s
 
     def shutdown(self):

@@ -165,7 +165,8 @@ class KvhostLoadStoreSpec:
 OPTIONS = {
     "socket": None,             # the daemon's socket (default: $KVHOST_SOCKET, ...)
     "namespace": "",            # extra text in the namespace digest
-    "pin_lease_s": 600.0,       # lease of every pin; HIT needs half of it left
+    "pin_lease_s": 600.0,       # lease of every daemon pin (a safety net)
+    "hit_window_s": 30.0,       # a pinned key answers HIT this long without a load
     "lookup_wait_s": 0.0,       # how long lookup may block for the daemon's answer
     "stored_ttl_s": 30.0,       # prepare_store skips keys stored this recently
     "miss_ttl_s": 1.0,          # a MISS is answered this long before asking again
@@ -213,9 +214,12 @@ def options(config):
     if not o["socket"]:
         from .tier import default_socket
         o["socket"] = default_socket()
-    for k in ("pin_lease_s", "lookup_wait_s", "stored_ttl_s", "miss_ttl_s", "job_timeout_s"):
+    for k in ("pin_lease_s", "hit_window_s", "lookup_wait_s", "stored_ttl_s", "miss_ttl_s", "job_timeout_s"):
         if isinstance(o[k], bool) or not isinstance(o[k], (int, float)) or o[k] < 0:
             raise ValueError(f"kvhost.vllm: {k}: want seconds >= 0, got {o[k]!r}")
+    if not 0 < o["hit_window_s"] <= o["pin_lease_s"] / 2:
+        raise ValueError(f"kvhost.vllm: hit_window_s: want > 0 and at most half of pin_lease_s "
+                         f"({o['pin_lease_s']}), got {o['hit_window_s']!r}")
     if o["miss_ttl_s"] <= 0:
         raise ValueError(f"kvhost.vllm: miss_ttl_s: want seconds > 0 (a MISS must be answered), got {o['miss_ttl_s']!r}")
     if not 1 <= o["pin_lease_s"] <= p.MAX_LEASE_MS / 1000:

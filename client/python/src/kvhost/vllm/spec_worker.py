@@ -98,6 +98,8 @@ class SpecWorker:
         except BaseException:
             self._client.close()
             raise
+        log.info("kvhost spec: worker rank %d: %d tensors in %d regions, namespaces %s", self.rank,
+                 len(tensors), len(self._regions), self.namespaces)
 
     # -- registration ----------------------------------------------------------
 
@@ -284,6 +286,8 @@ class SpecWorker:
         with self._lock:
             s = dict(self._stats)
             s["inflight_jobs"] = len(self._transfers)
+        s["namespaces"] = list(self.namespaces)
+        s["rank"] = self.rank
         return s
 
     def shutdown(self):
