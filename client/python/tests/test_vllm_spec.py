@@ -385,6 +385,47 @@ class TestRefusals(unittest.TestCase):
             Spec(S.fake_offloading_config("/nonexistent.sock", pin_lease_s=0))
 
 
+class TestDaemonWithoutPins(unittest.TestCase):
+    def test_the_manager_refuses_a_daemon_that_cannot_pin(self):
+        """A daemon of before Pin answers it "unknown type": the manager
+        refuses to start (it could never answer HIT) instead of missing
+        forever."""
+        import socket
+        import struct
+        import tempfile
+        import threading
+        from kvhost import protocol as P
+        tmp = tempfile.mkdtemp(prefix="kvhost-old-daemon-")
+        self.addCleanup(__import__("shutil").rmtree, tmp, True)
+        path = f"{tmp}/old.sock"
+        srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        srv.bind(path)
+        srv.listen(1)
+        self.addCleanup(srv.close)
+
+        def old_daemon():
+            conn, _ = srv.accept()
+            with conn:
+                f = conn.makefile("rb")
+                for _ in range(2):
+                    n, t, _, rid = P.HEADER.unpack(f.read(P.HEADER_SIZE))
+                    f.read(n)
+                    if t == P.T_HELLO:
+                        body = struct.pack("<HH7I", 1, 0, 1 << 20, 64, 256, 64, 64, 4096, 64) + b"\x03old"
+                        conn.sendall(P.frame(P.T_HELLO | P.T_REPLY, rid, body))
+                    else:
+                        msg = f"type(0x{t:04x}) is not a request".encode()
+                        conn.sendall(P.frame(P.T_ERROR, rid, struct.pack("<BBH", 3, 0, len(msg)) + msg))
+                f.read(1)  # until the client closes
+
+        th = threading.Thread(target=old_daemon, daemon=True)
+        th.start()
+        spec = Spec(S.fake_offloading_config(path))
+        with self.assertRaisesRegex(RuntimeError, "does not support pins"):
+            spec.get_manager()
+        th.join(10)
+
+
 @unittest.skipUnless(HAVE_TORCH, "torch is not installed")
 class TestWorkerChecks(SpecCase):
     def test_page_size_mismatch_is_refused(self):

@@ -21,7 +21,7 @@ import threading
 import time
 
 from .. import protocol as p
-from ..client import Client, ConnectionLost
+from ..client import Client, ConnectionLost, KvhostError
 from . import spec_compat as sc
 
 log = logging.getLogger("kvhost.vllm")
@@ -70,6 +70,12 @@ class SpecManager:
             raise ConnectionError(f"kvhost.vllm: cannot connect to the kvhost daemon at {o['socket']}: {e} "
                                   "(set the spec option \"socket\" or KVHOST_SOCKET)") from e
         try:
+            try:
+                self._client.unpin(0)  # a daemon without pins answers "unknown type"
+            except KvhostError as e:
+                raise RuntimeError(f"kvhost.vllm: the kvhost daemon at {o['socket']} does not support pins "
+                                   f"({e}): the offloading spec needs a daemon with Pin/Unpin "
+                                   "(docs/protocol.md); upgrade it") from e
             self._ns = {}
             for r in range(self._tp):
                 for g in range(len(self._groups)):
