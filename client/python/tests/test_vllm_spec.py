@@ -339,6 +339,8 @@ class TestEvictionPressure(SpecCase):
         self.assertTrue(res.success)
         self.assertEqual(rows(tensors, [50]), want)
         m.complete_load([k], CTX)
+        d.wait_for(lambda: m.get_stats().get("daemon_unpins", 0) == m.get_stats()["daemon_pins"],
+                   what="the manager to release its pins")
 
         # Released, it is evictable again: more pressure removes it.
         for i in range(5, 10):

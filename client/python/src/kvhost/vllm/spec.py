@@ -59,7 +59,7 @@ class SpecManager:
         self._storing = collections.Counter()   # key -> prepare_store not completed
         self._stored_at = {}                    # key -> when complete_store succeeded
         self._missing = {}                      # key -> MISS answered until
-        self._queue, self._pending, self._touches = [], set(), []
+        self._queue, self._pending, self._touches, self._releases = [], set(), [], []
         self._events = collections.deque()
         self._stats = collections.Counter()
         self._broken = None
@@ -144,14 +144,15 @@ class SpecManager:
         lease = self._opts["pin_lease_s"]
         while True:
             with self._cv:
-                while not self._queue and not self._touches and not self._closing:
+                while not (self._queue or self._touches or self._releases or self._closing):
                     if not self._cv.wait(max(0.05, self._opts["hit_window_s"] / 4)):
                         break  # periodic: release pins whose HIT window passed unused
                 if self._closing:
                     return
                 keys, self._queue = self._queue, []
                 touches, self._touches = self._touches, []
-                stale = self._expire_locked(time.monotonic())
+                stale, self._releases = self._releases, []
+                stale += self._expire_locked(time.monotonic())
             self._unpin(stale)
             if keys:
                 self._pin_round(keys, lease)
@@ -249,6 +250,8 @@ class SpecManager:
                 self._client.unpin(pin_id)
             except Exception as e:  # the connection's end releases them anyway
                 log.debug("kvhost spec: unpin: %s", e)
+            with self._lock:
+                self._stats["daemon_unpins"] += 1
 
     # -- loads and stores ----------------------------------------------------
 
@@ -268,15 +271,16 @@ class SpecManager:
         return sc.KvhostLoadStoreSpec([sc.daemon_key(k) for k in keys], [sc.key_group(k) for k in keys])
 
     def complete_load(self, keys, req_context=None):
-        """The workers have loaded keys: their pins are released."""
-        release = []
-        with self._lock:
+        """The workers have loaded keys: their pins are released (by the
+        background thread: no daemon round trip here)."""
+        with self._cv:
             for k in (bytes(k) for k in keys):
                 self._loading[k] -= 1
                 if self._loading[k] <= 0:
                     del self._loading[k]
-                    release += self._release_locked(k)
-        self._unpin(release)
+                    self._releases += self._release_locked(k)
+            if self._releases:
+                self._cv.notify_all()
 
     def prepare_store(self, keys, req_context=None):
         """PrepareStoreOutput with the keys to store (input order kept; keys
@@ -358,14 +362,13 @@ class SpecManager:
 
     def reset_cache(self):
         """Forgets every answer and releases every pin (stored data stays)."""
-        with self._lock:
-            release = []
+        with self._cv:
             for k in list(self._pinned):
                 if not self._loading[k]:
-                    release += self._release_locked(k)
+                    self._releases += self._release_locked(k)
             self._missing.clear()
             self._stored_at.clear()
-        self._unpin(release)
+            self._cv.notify_all()
         return True
 
     def get_stats(self):
