@@ -590,3 +590,51 @@ const (
 	OutcomeFailed      = protocol.OutcomeFailed
 	OutcomeCancelled   = protocol.OutcomeCancelled
 )
+
+// Pin is a client pin (Client.Pin): Keys[i] of the request is pinned when
+// Held[i] is true. ID is 0 when no key was pinned.
+type Pin struct {
+	ID   uint64
+	Held []bool
+}
+
+// Pin pins the stored keys of namespace ns: the daemon neither evicts nor
+// deletes them until Unpin, the lease (0: none; at most 24 hours, to the
+// millisecond) ends, or this connection closes. Every file is checked by
+// the daemon when pinned; Held says, per key, whether it was stored and
+// checked, and is now pinned.
+func (c *Client) Pin(ctx context.Context, ns NamespaceID, keys [][]byte, lease time.Duration) (Pin, error) {
+	if err := protocol.CheckKeys(keys); err != nil {
+		return Pin{}, fmt.Errorf("%w: %w", ErrInvalid, err)
+	}
+	if lease < 0 || lease > protocol.MaxLeaseMillis*time.Millisecond {
+		return Pin{}, fmt.Errorf("%w: lease %v: want 0..24h", ErrInvalid, lease)
+	}
+	ms := uint32(lease / time.Millisecond)
+	if lease > 0 && ms == 0 {
+		ms = 1
+	}
+	m, err := c.call(ctx, &protocol.Pin{NS: uint32(ns), LeaseMillis: ms, Keys: keys}, nil)
+	if err != nil {
+		return Pin{}, err
+	}
+	r := m.(*protocol.Pinned)
+	if len(r.State) != len(keys) {
+		return Pin{}, fmt.Errorf("%w: pin reply has %d states for %d keys", protocol.ErrMalformed, len(r.State), len(keys))
+	}
+	p := Pin{ID: r.Pin, Held: make([]bool, len(keys))}
+	for i, s := range r.State {
+		p.Held[i] = s == protocol.PinHeld
+	}
+	return p, nil
+}
+
+// Unpin releases a pin and returns how many keys it held (0 if it was
+// released already or its lease ended).
+func (c *Client) Unpin(ctx context.Context, id uint64) (int, error) {
+	m, err := c.call(ctx, &protocol.Unpin{Pin: id}, nil)
+	if err != nil {
+		return 0, err
+	}
+	return int(m.(*protocol.Count).Count), nil
+}

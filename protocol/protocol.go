@@ -84,6 +84,7 @@ func (t Type) String() string {
 		TypeDeclare: "declare", TypeRegisterCache: "register-cache", TypeUnregisterCache: "unregister-cache",
 		TypeLookup: "lookup", TypeStore: "store", TypeLoad: "load", TypeCancel: "cancel",
 		TypeDelete: "delete", TypeStats: "stats", TypeUndeclare: "undeclare", TypeError: "error", TypeCompletion: "completion",
+		TypePin: "pin", TypeUnpin: "unpin",
 	}
 	if n, ok := names[t]; ok {
 		return n
@@ -210,6 +211,9 @@ func New(t Type) (Message, error) {
 		return new(Error), nil
 	case TypeCompletion:
 		return new(Completion), nil
+	}
+	if m := newPinMessage(t); m != nil {
+		return m, nil
 	}
 	return nil, fmt.Errorf("%w: %s", ErrUnknownType, t)
 }

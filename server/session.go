@@ -79,6 +79,7 @@ type session struct {
 	namespaces map[uint32]*namespace
 	caches     map[uint32]*cache
 	nextID     uint32
+	pins       sessionPins // pins.go
 
 	jmu     sync.Mutex
 	jobs    map[uint64]*jobEntry
@@ -293,6 +294,10 @@ func (s *session) handle(h protocol.Header, body []byte) bool {
 		reply, err = s.cancel(m)
 	case *protocol.StatsRequest:
 		reply, err = s.stats()
+	case *protocol.Pin:
+		reply, err = s.pin(m)
+	case *protocol.Unpin:
+		reply, err = s.unpin(m)
 	default:
 		err = perr(protocol.CodeUnknownType, "%s is not a request", h.Type)
 	}
@@ -795,6 +800,7 @@ func (s *session) release() {
 		s.log.Debug("cancelled jobs of a departing client", "jobs", n)
 	}
 	s.waitJobs()
+	s.releasePins()
 	for _, c := range s.caches {
 		if err := s.srv.eng.UnregisterCache(c.id); err != nil {
 			s.log.Warn("unregister cache", "err", err)

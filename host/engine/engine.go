@@ -64,6 +64,7 @@ type Engine struct {
 	// its file's path (tests wait for it instead of sleeping).
 	pathWaits atomic.Int64
 	fails     *failureLog
+	pinTab    pinTable // client pins (pins.go)
 }
 
 type counters struct {
@@ -240,6 +241,7 @@ func (e *Engine) Close(ctx context.Context) error {
 		e.mu.Unlock()
 		<-done
 	}
+	e.closePins()
 	e.hitRec.close()
 	e.host.Close()
 	if e.ownPolicy {

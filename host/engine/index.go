@@ -40,10 +40,11 @@ type entry struct {
 	// verified is when the file was last checked (Unix nanoseconds).
 	verified atomic.Int64
 	// guarded by Engine.mu
-	pins int32
-	hits uint32
-	last int64
-	gone bool // removed from the index
+	pins   int32
+	leases int32 // client pins (Engine.Pin), also counted in pins
+	hits   uint32
+	last   int64
+	gone   bool // removed from the index
 }
 
 // Index returns the engine's index as a policy host sees it.

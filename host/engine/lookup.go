@@ -202,7 +202,8 @@ func (e *Engine) discover(ctx context.Context, ns *namespace, key []byte) *entry
 // Delete removes the files holding any of keys (a file holding several keys
 // goes with all of them) and returns how many of the requested keys were
 // stored and are now removed: a key repeated in keys counts once, and the
-// other keys of a removed file are not counted. A load that has not yet
+// other keys of a removed file are not counted. A key whose file a client
+// pin holds (Pin) is refused: it stays stored and is not counted. A load that has not yet
 // opened a deleted file reports it missing.
 func (e *Engine) Delete(ctx context.Context, ns NamespaceID, keys [][]byte) (int, error) {
 	n, err := e.namespace(ns)
@@ -230,7 +231,7 @@ func (e *Engine) Delete(ctx context.Context, ns NamespaceID, keys [][]byte) (int
 		if err := ctx.Err(); err != nil {
 			return removed, err
 		}
-		if e.drop(ctx, en, true, "deleted") {
+		if e.deleteUnpinned(ctx, en) {
 			removed += byEntry[en]
 		}
 	}

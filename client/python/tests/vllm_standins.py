@@ -17,6 +17,7 @@ class LookupResult(enum.Enum):
     HIT = 1
     MISS = 2
     RETRY = 3
+    HIT_PENDING = 4
 
 
 class Medium(enum.Enum):
@@ -113,3 +114,86 @@ def offload_key(token_ids, group=0):
     """An OffloadKey: a 32-byte block hash and the 4-byte big-endian group."""
     h = hashlib.sha256(repr(token_ids).encode()).digest()
     return h + group.to_bytes(4, "big")
+
+
+# -- the full offloading spec (OffloadingSpec, its manager and worker) --------
+
+@dataclasses.dataclass
+class PrepareStoreOutput:
+    keys_to_store: list
+    store_spec: typing.Any
+    evicted_keys: list
+
+
+@dataclasses.dataclass
+class TransferResult:
+    job_id: int
+    success: bool
+    transfer_size: typing.Optional[int] = None
+    transfer_time: typing.Optional[float] = None
+
+
+class LoadStoreSpec(abc.ABC):
+    @staticmethod
+    @abc.abstractmethod
+    def medium(): ...
+
+
+class GPULoadStoreSpec(LoadStoreSpec):
+    """GPU block ids ordered by KV-cache group; group_sizes[g] of them per group."""
+
+    def __init__(self, block_ids, group_sizes, block_indices=None):
+        self.block_ids = np.asarray(block_ids, dtype=np.int32)
+        self.group_sizes = list(group_sizes)
+        self.block_indices = block_indices
+
+    @staticmethod
+    def medium():
+        return Medium.GPU.value
+
+
+@dataclasses.dataclass
+class CanonicalKVCacheTensor:
+    tensor: typing.Any  # int8 (num_blocks, page_size_bytes)
+
+
+@dataclasses.dataclass
+class CanonicalKVCaches:
+    tensors: list
+    group_data_refs: list  # per group: [(tensor_idx, unpadded page_size_bytes)]
+
+
+class OffloadingSpec(abc.ABC):
+    def __init__(self, config):
+        self.config = config
+        self.extra_config = getattr(config, "extra_config", {})
+
+    @abc.abstractmethod
+    def get_manager(self): ...
+
+    @abc.abstractmethod
+    def get_worker(self, kv_caches): ...
+
+
+SPEC_API = types.SimpleNamespace(
+    name="stand-ins (tests)", LookupResult=LookupResult, PrepareStoreOutput=PrepareStoreOutput,
+    TransferResult=TransferResult, OffloadingEvent=OffloadingEvent,
+    RequestOffloadingContext=RequestOffloadingContext, OffloadingSpec=OffloadingSpec,
+    OffloadingManager=None, LoadStoreSpec=LoadStoreSpec, GPULoadStoreSpec=GPULoadStoreSpec,
+    Medium=Medium, OffloadingWorker=None)
+
+
+def fake_offloading_config(socket, model="meta-llama/Llama-3.1-8B-Instruct", layers=4, page_bytes=4096,
+                           tp=1, rank=0, groups=1, blocks_per_chunk=1, **extra):
+    """An OffloadingConfig: the fields of vLLM's config the spec reads."""
+    ns = types.SimpleNamespace
+    kv_groups = [ns(layer_names=[f"model.layers.{g * layers + i}.self_attn.attn" for i in range(layers)],
+                    kv_cache_spec=ns(block_size=16, page_size_bytes=page_bytes)) for g in range(groups)]
+    extra = dict(extra, socket=socket, blocks_per_chunk=blocks_per_chunk)
+    return ns(
+        vllm_config=ns(
+            model_config=ns(model=model, dtype="bfloat16"),
+            cache_config=ns(block_size=16, cache_dtype="auto", prefix_caching_hash_algo="sha256"),
+            parallel_config=ns(tensor_parallel_size=tp, pipeline_parallel_size=1, rank=rank)),
+        kv_cache_config=ns(kv_cache_groups=kv_groups),
+        extra_config=extra)

@@ -381,6 +381,35 @@ class Client:
         _, body = self._call(p.T_DELETE, struct.pack("<I", ns) + p.keys_body(keys))
         return struct.unpack("<I", body)[0]
 
+    def connected(self):
+        """False once the connection is closed or lost."""
+        with self._lock:
+            return self._closed is None
+
+    def pin(self, ns, keys, lease_s=0.0):
+        """Pins the stored keys of ns: the daemon neither evicts nor deletes
+        them until unpin, the lease (seconds; 0: none, at most 24 h) ends or
+        this connection closes. Every file is checked as it is pinned.
+        Returns (pin id, [bool per key: pinned]); the id is 0 when no key was
+        stored."""
+        ns = ns.id if isinstance(ns, Namespace) else ns
+        ms = int(round(lease_s * 1000))
+        if lease_s > 0 and ms == 0:
+            ms = 1
+        if not 0 <= ms <= p.MAX_LEASE_MS:
+            raise ValueError(f"lease {lease_s}s: want 0..{p.MAX_LEASE_MS // 1000}s")
+        _, body = self._call(p.T_PIN, struct.pack("<II", ns, ms) + p.keys_body(keys))
+        pin_id, n = struct.unpack_from("<QI", body)
+        if n != len(keys) or len(body) != 12 + n:
+            raise p.ProtocolError(f"pin reply of {len(body)} bytes for {len(keys)} keys")
+        return pin_id, [b == p.PIN_HELD for b in body[12:]]
+
+    def unpin(self, pin_id):
+        """Releases a pin; returns how many keys it held (0 if it was
+        released already or its lease ended)."""
+        _, body = self._call(p.T_UNPIN, struct.pack("<Q", pin_id))
+        return struct.unpack("<I", body)[0]
+
     def store(self, cache, keys, blocks):
         """Starts storing keys[i] from cache blocks blocks[i]; returns a Job."""
         return self._call(p.T_STORE, p.transfer(cache, keys, blocks))

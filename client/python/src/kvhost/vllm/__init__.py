@@ -14,13 +14,26 @@ first access: it then imports vLLM's light ``vllm.v1.kv_offload`` modules
 (if vLLM is installed) so that it subclasses vLLM's SecondaryTierManager,
 as vLLM's factory requires; without vLLM it uses plain types. A vLLM
 outside the supported window (``SUPPORTED_WINDOW``) raises UnsupportedVLLM.
+
+``KvhostOffloadingSpec`` is vLLM's full offloading spec through kvhost's
+GPU path (``"spec_name":"KvhostOffloadingSpec","spec_module_path":"kvhost.vllm"``),
+built the same way on first access (``SPEC_WINDOW``).
 """
 
 from ._compat import SUPPORTED_WINDOW, UnsupportedVLLM, check_api, detect
+from .spec_compat import SPEC_WINDOW, KvhostLoadStoreSpec
 from .tier import default_socket
 
-__all__ = ["KvhostTier", "SUPPORTED_WINDOW", "UnsupportedVLLM", "default_socket", "detect",
+__all__ = ["KvhostLoadStoreSpec", "KvhostOffloadingSpec", "KvhostTier", "SPEC_WINDOW",
+           "SUPPORTED_WINDOW", "UnsupportedVLLM", "default_socket", "detect", "spec_class",
            "tier_class"]
+
+
+def spec_class(api=None):
+    """Returns a KvhostOffloadingSpec class bound to api (vLLM's classes or
+    stand-ins of them); None detects the installed vLLM."""
+    from .spec import spec_class as build
+    return build(api)
 
 
 def tier_class(api=None):
@@ -56,4 +69,8 @@ def __getattr__(name):
         if "KvhostTier" not in _built:
             _built["KvhostTier"] = tier_class()
         return _built["KvhostTier"]
+    if name == "KvhostOffloadingSpec":
+        if name not in _built:
+            _built[name] = spec_class()
+        return _built[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

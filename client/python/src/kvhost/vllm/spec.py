@@ -1,0 +1,443 @@
+"""KvhostOffloadingSpec: vLLM's full offloading spec through kvhost.
+
+vLLM moves KV blocks between its GPUs and kvhost directly: the scheduler's
+manager (``get_manager``) asks the daemon which keys it has and pins them;
+every GPU worker (``get_worker``) registers its KV-cache tensors with the
+daemon (CUDA IPC; host memory by a shared file) and turns vLLM's transfer
+jobs into daemon store and load jobs, which the daemon runs on its GPU path
+(cuFile where the mount allows it). The daemon places, evicts (its wasm
+policy) and verifies; the manager only tracks what it has pinned.
+
+vLLM crashes a worker whose transfer fails, so ``lookup`` answers HIT only
+for a key the daemon has pinned for this manager after checking its file:
+a pinned key is neither evicted nor deleted until ``complete_load`` (or the
+pin's lease ends, or the scheduler's connection closes). docs/vllm.md
+describes what still can fail and how it is counted.
+"""
+
+import collections
+import logging
+import threading
+import time
+
+from .. import protocol as p
+from ..client import Client, ConnectionLost, KvhostError
+from . import spec_compat as sc
+
+log = logging.getLogger("kvhost.vllm")
+
+
+class _PinBatch:
+    """The daemon pins of one round of lookups and the keys still using
+    them; unpinned when no key uses them any more."""
+    __slots__ = ("pins", "refs")
+
+    def __init__(self, pins, refs):
+        self.pins = pins
+        self.refs = refs
+
+
+class SpecManager:
+    """The scheduler side of KvhostOffloadingSpec (vLLM's OffloadingManager).
+
+    Every method vLLM calls returns at once: lookups are answered from a
+    table a background thread fills with daemon pins (RETRY until it has
+    answered), loads and stores only change that table; bytes move in the
+    workers."""
+
+    def __init__(self, config, api=None, opts=None):
+        self._api = api or sc.SPEC_FALLBACK
+        self._opts = o = opts or sc.options(config)
+        self._medium = sc.pick_medium(self._api)
+        self._lr = self._api.LookupResult
+        self._tp = sc.parallel_of(config)
+        self._groups = sc.groups_of(config, o)
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+        self._pinned = {}                       # key -> (batch, hit until)
+        self._loading = collections.Counter()   # key -> prepare_load not completed
+        self._storing = collections.Counter()   # key -> prepare_store not completed
+        self._stored_at = {}                    # key -> when complete_store succeeded
+        self._missing = {}                      # key -> MISS answered until
+        self._queue, self._pending, self._touches, self._releases = [], set(), [], []
+        self._events = collections.deque()
+        self._stats = collections.Counter()
+        self._broken = None
+        self._closing = False
+        try:
+            self._client = Client(o["socket"], name=o["client_name"])
+        except OSError as e:
+            raise ConnectionError(f"kvhost.vllm: cannot connect to the kvhost daemon at {o['socket']}: {e} "
+                                  "(set the spec option \"socket\" or KVHOST_SOCKET)") from e
+        try:
+            try:
+                self._client.unpin(0)  # a daemon without pins answers "unknown type"
+            except KvhostError as e:
+                raise RuntimeError(f"kvhost.vllm: the kvhost daemon at {o['socket']} does not support pins "
+                                   f"({e}): the offloading spec needs a daemon with Pin/Unpin "
+                                   "(docs/protocol.md); upgrade it") from e
+            self._ns = {}
+            for r in range(self._tp):
+                for g in range(len(self._groups)):
+                    geo = sc.geometry(sc.describe(config, o, g, r))
+                    self._ns[(r, g)] = self._client.declare(geo)
+        except BaseException:
+            self._client.close()
+            raise
+        self.namespaces = {k: ns.geometry.model for k, ns in self._ns.items()}
+        log.info("kvhost spec: manager on %s, namespaces %s", o["socket"], sorted(set(self.namespaces.values())))
+        self._thread = threading.Thread(target=self._loop, name="kvhost-spec-pins", daemon=True)
+        self._thread.start()
+
+    # -- lookups -------------------------------------------------------------
+
+    def _hit_pending(self):
+        return getattr(self._lr, "HIT_PENDING", self._lr.RETRY)
+
+    def lookup(self, key, req_context=None):
+        """HIT for a key pinned (and checked) by the daemon for this manager,
+        within hit_window_s of the pin or with a load in progress;
+        HIT_PENDING (RETRY where vLLM has none) while this manager stores
+        it; RETRY while the daemon has not answered; MISS otherwise."""
+        key = bytes(key)
+        R = self._lr
+        deadline = None
+        with self._cv:
+            self._stats["lookups"] += 1
+            while True:
+                now = time.monotonic()
+                e = self._pinned.get(key)
+                if e is not None and (e[1] > now or self._loading[key]):
+                    self._stats["lookup_hits"] += 1
+                    return R.HIT
+                if self._storing[key]:
+                    self._stats["lookup_hit_pending"] += 1
+                    return self._hit_pending()
+                if self._broken is not None or self._closing:
+                    self._stats["lookup_misses"] += 1
+                    return R.MISS
+                m = self._missing.get(key)
+                if m is not None and m > now:
+                    self._stats["lookup_misses"] += 1
+                    return R.MISS
+                if key not in self._pending:
+                    self._pending.add(key)
+                    self._queue.append(key)
+                    self._cv.notify_all()
+                if deadline is None:
+                    deadline = now + self._opts["lookup_wait_s"]
+                if now >= deadline:
+                    self._stats["lookup_retries"] += 1
+                    return R.RETRY
+                self._cv.wait(deadline - now)
+
+    def touch(self, keys, req_context=None):
+        """Tells the daemon's policy the keys were used (a daemon lookup, off
+        this thread)."""
+        keys = [bytes(k) for k in keys]
+        if keys:
+            with self._cv:
+                self._touches.append(keys)
+                self._cv.notify_all()
+
+    def _loop(self):
+        lease = self._opts["pin_lease_s"]
+        while True:
+            with self._cv:
+                while not (self._queue or self._touches or self._releases or self._closing):
+                    if not self._cv.wait(max(0.05, self._opts["hit_window_s"] / 4)):
+                        break  # periodic: release pins whose HIT window passed unused
+                if self._closing:
+                    return
+                keys, self._queue = self._queue, []
+                touches, self._touches = self._touches, []
+                stale, self._releases = self._releases, []
+                stale += self._expire_locked(time.monotonic())
+            self._unpin(stale)
+            if keys:
+                self._pin_round(keys, lease)
+            for t in touches:
+                self._touch(t)
+
+    def _by_group(self, keys):
+        out = collections.defaultdict(list)
+        for k in keys:
+            g = sc.key_group(k)
+            out[g if g < len(self._groups) else 0].append(k)
+        return out
+
+    def _pin_round(self, keys, lease):
+        t0 = time.monotonic()
+        pins, held = [], dict.fromkeys(keys, True)
+        try:
+            for g, gkeys in self._by_group(keys).items():
+                for r in range(self._tp):
+                    ns = self._ns[(r, g)]
+                    for i in range(0, len(gkeys), p.MAX_KEYS_PER_REQUEST):
+                        chunk = gkeys[i:i + p.MAX_KEYS_PER_REQUEST]
+                        pin_id, ok = self._client.pin(ns, [sc.daemon_key(k) for k in chunk], lease)
+                        if pin_id:
+                            pins.append(pin_id)
+                        for k, h in zip(chunk, ok):
+                            held[k] = held[k] and h
+        except Exception as e:  # the daemon is gone or refused: MISS, vLLM recomputes
+            log.warning("kvhost spec: pin failed: %s", e)
+            held = dict.fromkeys(keys, False)
+            with self._lock:
+                self._stats["pin_errors"] += 1
+                if isinstance(e, (ConnectionLost, OSError)):
+                    self._broken = e
+        now = time.monotonic()
+        until = t0 + self._opts["hit_window_s"]
+        batch = _PinBatch(pins, {k for k, h in held.items() if h})
+        release = []
+        with self._cv:
+            s = self._stats
+            s["daemon_pins"] += len(pins)
+            for k, h in held.items():
+                self._pending.discard(k)
+                if h:
+                    old = self._pinned.get(k)
+                    if old is not None:
+                        release += self._drop_ref_locked(old[0], k)
+                    self._pinned[k] = (batch, until)
+                    self._missing.pop(k, None)
+                    s["pinned_keys"] += 1
+                else:
+                    self._missing[k] = now + self._opts["miss_ttl_s"]
+                    s["missing_keys"] += 1
+                    if self._stored_at.pop(k, None) is not None:
+                        # Stored by this manager, gone now (evicted): tell vLLM.
+                        self._event_locked([k], removed=True)
+            if not batch.refs:
+                release += batch.pins
+            if len(self._missing) > 1 << 18:
+                self._missing = {k: t for k, t in self._missing.items() if t > now}
+            self._cv.notify_all()
+        self._unpin(release)
+
+    def _touch(self, keys):
+        try:
+            for g, gkeys in self._by_group(keys).items():
+                for i in range(0, len(gkeys), p.MAX_KEYS_PER_REQUEST):
+                    self._client.lookup(self._ns[(0, g)], [sc.daemon_key(k) for k in gkeys[i:i + p.MAX_KEYS_PER_REQUEST]])
+        except Exception as e:
+            log.debug("kvhost spec: touch: %s", e)
+
+    def _drop_ref_locked(self, batch, key):
+        """Drops key's use of batch; returns the pins to release."""
+        batch.refs.discard(key)
+        if batch.refs:
+            return []
+        pins, batch.pins = batch.pins, []
+        return pins
+
+    def _release_locked(self, key):
+        e = self._pinned.pop(key, None)
+        return self._drop_ref_locked(e[0], key) if e is not None else []
+
+    def _expire_locked(self, now):
+        """Releases pinned keys whose HIT window passed with no load."""
+        release = []
+        for k in [k for k, (_, until) in self._pinned.items() if until <= now and not self._loading[k]]:
+            release += self._release_locked(k)
+            self._stats["pins_expired_unused"] += 1
+        return release
+
+    def _unpin(self, pins):
+        for pin_id in pins:
+            try:
+                self._client.unpin(pin_id)
+            except Exception as e:  # the connection's end releases them anyway
+                log.debug("kvhost spec: unpin: %s", e)
+            with self._lock:
+                self._stats["daemon_unpins"] += 1
+
+    # -- loads and stores ----------------------------------------------------
+
+    def prepare_load(self, keys, req_context=None):
+        """The spec of keys to load (all answered HIT); they stay pinned until
+        complete_load."""
+        keys = [bytes(k) for k in keys]
+        with self._lock:
+            for k in keys:
+                self._loading[k] += 1
+                if k not in self._pinned:
+                    # vLLM loads only HITs: this is a caller's bug or a
+                    # race with reset_cache; the load may miss and fail.
+                    self._stats["load_unpinned_keys"] += 1
+                    log.warning("kvhost spec: prepare_load of a key that is not pinned")
+            self._stats["load_keys"] += len(keys)
+        return sc.KvhostLoadStoreSpec([sc.daemon_key(k) for k in keys], [sc.key_group(k) for k in keys])
+
+    def complete_load(self, keys, req_context=None):
+        """The workers have loaded keys: their pins are released (by the
+        background thread: no daemon round trip here)."""
+        with self._cv:
+            for k in (bytes(k) for k in keys):
+                self._loading[k] -= 1
+                if self._loading[k] <= 0:
+                    del self._loading[k]
+                    self._releases += self._release_locked(k)
+            if self._releases:
+                self._cv.notify_all()
+
+    def prepare_store(self, keys, req_context=None):
+        """PrepareStoreOutput with the keys to store (input order kept; keys
+        pinned, being stored or stored within stored_ttl_s are left out), or
+        None when the daemon cannot take stores now (connection lost, shut
+        down, or max_store_keys_inflight keys already being stored)."""
+        keys = [bytes(k) for k in keys]
+        now = time.monotonic()
+        with self._lock:
+            if self._broken is None and not self._client.connected():
+                self._broken = ConnectionError("the daemon closed the connection")
+            if self._broken is not None or self._closing:
+                self._stats["store_refused"] += 1
+                return None
+            if sum(self._storing.values()) + len(keys) > self._opts["max_store_keys_inflight"]:
+                self._stats["store_refused"] += 1
+                return None
+            ttl = self._opts["stored_ttl_s"]
+            out, seen = [], set()
+            for k in keys:
+                if k in seen or self._storing[k] or k in self._pinned:
+                    continue
+                t = self._stored_at.get(k)
+                if t is not None and now - t < ttl:
+                    continue
+                seen.add(k)
+                out.append(k)
+            self._storing.update(out)
+            self._stats["store_keys_prepared"] += len(out)
+            self._stats["store_keys_skipped"] += len(keys) - len(out)
+        spec = sc.KvhostLoadStoreSpec([sc.daemon_key(k) for k in out], [sc.key_group(k) for k in out])
+        return self._api.PrepareStoreOutput(keys_to_store=out, store_spec=spec, evicted_keys=[])
+
+    def complete_store(self, keys, req_context=None, success=True):
+        """The workers have stored keys (success) or not."""
+        keys = [bytes(k) for k in keys]
+        now = time.monotonic()
+        with self._lock:
+            for k in keys:
+                self._storing[k] -= 1
+                if self._storing[k] <= 0:
+                    del self._storing[k]
+            if success:
+                for k in keys:
+                    self._stored_at[k] = now
+                    self._missing.pop(k, None)
+                if len(self._stored_at) > 1 << 18:
+                    ttl = self._opts["stored_ttl_s"]
+                    self._stored_at = {k: t for k, t in self._stored_at.items() if now - t < ttl}
+                self._stats["stored_keys"] += len(keys)
+                if keys:
+                    self._event_locked(keys, removed=False)
+            else:
+                self._stats["store_failed_keys"] += len(keys)
+
+    # -- requests, events, stats ---------------------------------------------
+
+    def _event_locked(self, keys, removed):
+        if len(self._events) >= self._opts["max_events"]:
+            self._events.popleft()
+            self._stats["events_dropped"] += 1
+        self._events.append(self._api.OffloadingEvent(keys=list(keys), medium=self._medium, removed=removed))
+
+    def take_events(self):
+        """Keys stored (removed=False) and keys found gone after this manager
+        stored them (removed=True) since the last call. The daemon evicts on
+        its own; an eviction shows here only once a lookup finds the key gone."""
+        with self._lock:
+            out = list(self._events)
+            self._events.clear()
+        yield from out
+
+    def on_new_request(self, req_context=None):
+        ctx = getattr(self._api, "RequestOffloadingContext", None)
+        return ctx() if ctx is not None else None
+
+    def on_request_finished(self, req_context=None):
+        return None
+
+    def reset_cache(self):
+        """Forgets every answer and releases every pin (stored data stays)."""
+        with self._cv:
+            for k in list(self._pinned):
+                if not self._loading[k]:
+                    self._releases += self._release_locked(k)
+            self._missing.clear()
+            self._stored_at.clear()
+            self._cv.notify_all()
+        return True
+
+    def get_stats(self):
+        """The manager's counters (no daemon round trip)."""
+        with self._lock:
+            s = dict(self._stats)
+            s["pinned_now"] = len(self._pinned)
+            s["loading_now"] = sum(self._loading.values())
+            s["storing_now"] = sum(self._storing.values())
+        if self._broken is not None:
+            s["daemon_error"] = str(self._broken)
+        s["namespaces"] = sorted(set(self.namespaces.values()))
+        return s
+
+    def shutdown(self):
+        """Stops the pin thread and closes the connection (the daemon
+        releases this manager's pins). Idempotent."""
+        with self._cv:
+            if self._closing:
+                return
+            self._closing = True
+            self._cv.notify_all()
+        self._thread.join()
+        self._client.close()
+
+
+class _SpecImpl:
+    """KvhostOffloadingSpec's logic; spec_class binds it to vLLM's (or
+    stand-in) classes."""
+
+    _api = sc.SPEC_FALLBACK
+
+    def __init__(self, config, *args, **kwargs):
+        base = getattr(self._api, "OffloadingSpec", None)
+        if base is not None and not issubclass(_SpecImpl, base):
+            base.__init__(self, config, *args, **kwargs)
+        self.config = config
+        self._opts = sc.options(config)
+        sc.parallel_of(config)
+        sc.groups_of(config, self._opts)
+        self._manager = None
+        self._mlock = threading.Lock()
+
+    def get_manager(self):
+        """The scheduler's manager (one per spec)."""
+        with self._mlock:
+            if self._manager is None:
+                self._manager = SpecManager(self.config, self._api, self._opts)
+            return self._manager
+
+    def get_worker(self, kv_caches):
+        """A worker over this GPU worker's CanonicalKVCaches."""
+        from .spec_worker import SpecWorker
+        return SpecWorker(self.config, kv_caches, self._api, self._opts)
+
+
+def spec_class(api=None):
+    """Returns a KvhostOffloadingSpec class bound to api (vLLM's classes or
+    stand-ins; None detects the installed vLLM)."""
+    api = sc.detect_spec() if api is None else api
+    sc.check_spec_api(api)
+    bases = (_SpecImpl,)
+    if getattr(api, "OffloadingSpec", None) is not None:
+        bases = (_SpecImpl, api.OffloadingSpec)
+    cls = type("KvhostOffloadingSpec", bases, {"_api": api, "__module__": "kvhost.vllm",
+                                                "__doc__": __doc__})
+    abstract = sorted(getattr(cls, "__abstractmethods__", ()) or ())
+    if abstract:
+        raise sc.UnsupportedVLLM(f"kvhost.vllm: this vLLM ({getattr(api, 'name', '?')}) requires spec "
+                                 f"methods kvhost does not implement: {', '.join(abstract)}; "
+                                 f"supported: {sc.SPEC_WINDOW}")
+    return cls

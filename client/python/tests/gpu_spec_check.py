@@ -1,0 +1,149 @@
+"""GPU check of KvhostOffloadingSpec: vLLM's call order with CUDA KV caches
+through a real kvhost daemon serving GPU memory.
+
+Needs a GPU, torch with CUDA and a kvhost binary built with cgo
+($KVHOST_BIN, else `go build`). Runs only with KVHOST_GPU=1:
+
+    KVHOST_GPU=1 KVHOST_BIN=bin/kvhost python3 client/python/tests/gpu_spec_check.py [OUT.json]
+
+For each mount (tmpfs, and a disk directory where cuFile may take the
+direct path) it starts a daemon with [gpu] mode = "on", builds the spec's
+manager and a worker over CanonicalKVCaches of int8 (blocks, 64 KiB) CUDA
+tensors (Llama-3.1-8B bf16 geometry: 32 layers, 16-token pages), then:
+lookup (RETRY, MISS) → prepare_store → submit_store → get_finished →
+complete_store → lookup (HIT) → prepare_load → submit_load → wait →
+get_finished → complete_load, and compares every loaded page with its
+source on the GPU. Transfer rates are reported with, from the same run, a
+plain torch copy of the same pages GPU → pinned host as the ceiling.
+"""
+
+import json
+import os
+import pathlib
+import sys
+import time
+
+HERE = pathlib.Path(__file__).resolve().parent
+for p in (HERE, HERE.parent / "src", HERE / "py"):
+    if p.is_dir():
+        sys.path.insert(0, str(p))
+
+import daemon as d  # noqa: E402
+import vllm_standins as S  # noqa: E402
+from kvhost import vllm as kv  # noqa: E402
+
+LAYERS, PAGE, BLOCKS, KEYS, ROUNDS = 32, 64 << 10, 1024, 256, 3
+CTX = S.ReqContext(req_id="gpu-check")
+
+
+def answer(m, key):
+    R = S.LookupResult
+    return d.wait_for(lambda: (lambda r: r if r != R.RETRY else None)(m.lookup(key, CTX)), what="lookup")
+
+
+def run_transfer(w, job, store, kv_spec, blocks):
+    gpu = S.GPULoadStoreSpec(blocks, [len(blocks)])
+    t0 = time.perf_counter()
+    ok = w.submit_store(job, gpu, kv_spec) if store else w.submit_load(job, kv_spec, gpu)
+    assert ok
+    w.wait([job])
+    res = []
+    d.wait_for(lambda: res.extend(w.get_finished()) or res, what="transfer result")
+    return res[0], time.perf_counter() - t0
+
+
+def check_mount(name, root):
+    import torch
+    out = {"mount": name, "root": root}
+    os.makedirs(root, exist_ok=True)
+    dm = d.Daemon(capacity="16GiB", dir=root, extra_toml='[gpu]\nmode = "on"\n')
+    try:
+        spec_cls = kv.spec_class(S.SPEC_API)
+        spec = spec_cls(S.fake_offloading_config(dm.socket, layers=LAYERS, page_bytes=PAGE))
+        big = torch.randint(-128, 128, (LAYERS, BLOCKS, PAGE), dtype=torch.int8, device="cuda")
+        caches = S.CanonicalKVCaches([S.CanonicalKVCacheTensor(big[i]) for i in range(LAYERS)],
+                                     [[(i, PAGE) for i in range(LAYERS)]])
+        m = spec.get_manager()
+        w = spec.get_worker(caches)
+        out["namespace"] = w.namespaces[0]
+        rounds = []
+        job = 0
+        for r in range(ROUNDS):
+            keys = [S.offload_key((name, r, i)) for i in range(KEYS)]
+            src = list(range(KEYS))
+            dst = list(range(KEYS, 2 * KEYS))
+            first = m.lookup(keys[0], CTX)
+            miss = answer(m, keys[0])
+            prep = m.prepare_store(keys, CTX)
+            assert prep.keys_to_store == keys
+            job += 1
+            st, st_wall = run_transfer(w, job, True, prep.store_spec, src)
+            m.complete_store(prep.keys_to_store, CTX, success=st.success)
+            hits = [answer(m, k) for k in keys]
+            big[:, KEYS:2 * KEYS].zero_()
+            torch.cuda.synchronize()
+            load_spec = m.prepare_load(keys, CTX)
+            job += 1
+            ld, ld_wall = run_transfer(w, job, False, load_spec, dst)
+            torch.cuda.synchronize()
+            equal = bool(torch.equal(big[:, KEYS:2 * KEYS], big[:, :KEYS]))
+            m.complete_load(keys, CTX)
+            gib = st.transfer_size / (1 << 30)
+            rounds.append({
+                "first_lookup": first.name, "then": miss.name,
+                "hits": sum(h == S.LookupResult.HIT for h in hits),
+                "store_ok": st.success, "load_ok": ld.success, "bytes_equal": equal,
+                "store_bytes": st.transfer_size, "load_bytes": ld.transfer_size,
+                "store_GBps": round(st.transfer_size / st_wall / 1e9, 2),
+                "load_GBps": round(ld.transfer_size / ld_wall / 1e9, 2),
+                "store_s": round(st_wall, 4), "load_s": round(ld_wall, 4), "GiB": round(gib, 3)})
+        # Ceiling in the same run: the same pages GPU -> pinned host by torch.
+        host = torch.empty((LAYERS, KEYS, PAGE), dtype=torch.int8, pin_memory=True)
+        src_pages = big[:, :KEYS]
+        host.copy_(src_pages, non_blocking=True)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        host.copy_(src_pages, non_blocking=True)
+        torch.cuda.synchronize()
+        out["ceiling_d2h_GBps"] = round(host.numel() / (time.perf_counter() - t0) / 1e9, 2)
+        out["rounds"] = rounds
+        out["manager"] = m.get_stats()
+        out["worker"] = w.get_stats()
+        from kvhost import Client
+        with Client(dm.socket) as c:
+            out["daemon"] = {k: v for k, v in c.stats().items() if not isinstance(v, list)}
+        w.shutdown()
+        m.shutdown()
+        out["ok"] = all(r["store_ok"] and r["load_ok"] and r["bytes_equal"] and r["hits"] == KEYS
+                        and r["then"] == "MISS" for r in rounds)
+    except Exception as e:  # report, with the daemon's log
+        out["ok"] = False
+        out["error"] = repr(e)
+        out["daemon_log"] = dm.logs()[-4000:]
+    finally:
+        dm.stop()
+    return out
+
+
+def main():
+    if os.environ.get("KVHOST_GPU") != "1":
+        print("GPU check: set KVHOST_GPU=1 on a machine with a GPU and torch")
+        return 0
+    import torch
+    if not torch.cuda.is_available():
+        print("KVHOST_GPU=1 but torch sees no CUDA device")
+        return 1
+    mounts = [("tmpfs", os.environ.get("KVHOST_GPU_TMPFS", "/dev/shm/kvhost-spec")),
+              ("disk", os.environ.get("KVHOST_GPU_DISK", "/var/tmp/kvhost-spec"))]
+    report = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+              "layers": LAYERS, "page_bytes": PAGE, "keys_per_job": KEYS,
+              "results": [check_mount(n, r) for n, r in mounts]}
+    text = json.dumps(report, indent=1, default=str)
+    print(text)
+    if len(sys.argv) > 1:
+        pathlib.Path(sys.argv[1]).write_text(text)
+    return 0 if all(r["ok"] for r in report["results"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,235 @@
+package engine
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/kvhost/kvhost/abi"
+)
+
+// PinID identifies a client pin (Engine.Pin), unique for the life of the
+// engine; 0 is never a pin.
+type PinID uint64
+
+// pinTable holds the engine's client pins. Its mutex is taken before
+// Engine.mu, never while holding it.
+type pinTable struct {
+	mu     sync.Mutex
+	last   uint64
+	closed bool
+	pins   map[PinID]*clientPin
+}
+
+// clientPin is one Pin call's hold: one count on pins and leases of each
+// distinct entry it found, and its lease timer (nil without a lease).
+type clientPin struct {
+	entries []*entry
+	keys    int
+	timer   *time.Timer
+}
+
+// Pin pins the stored keys of ns: their files are neither evicted nor
+// deleted (Delete refuses them) until Unpin(id), the lease ends (lease > 0)
+// or the engine closes. It returns the pin's id (0 when no key was stored)
+// and, per key in order, whether it is pinned. Unlike Lookup, every file is
+// checked now (a stat: same inode, same size), whatever
+// Config.VerifyInterval says, after it is pinned: a key reported pinned
+// was stored and unchanged after the pin took hold, so a load of it does
+// not miss unless the file is removed behind the engine's back. A file
+// that fails the check is dropped as in Lookup, and the key is not pinned.
+// Pinning counts as a hit (or a miss) as Lookup does.
+func (e *Engine) Pin(ctx context.Context, ns NamespaceID, keys [][]byte, lease time.Duration) (PinID, []bool, error) {
+	n, err := e.namespace(ns)
+	if err != nil {
+		return 0, nil, err
+	}
+	if lease < 0 {
+		return 0, nil, fmt.Errorf("%w: lease %v: want >= 0", ErrInvalid, lease)
+	}
+	held := make([]bool, len(keys))
+	byEntry := map[*entry][]int{} // request indices per pinned entry
+	var order []*entry
+	for i, k := range keys {
+		if err := ctx.Err(); err != nil {
+			e.unpinEntries(ctx, order, false)
+			return 0, nil, err
+		}
+		en := e.find(n, k)
+		if en == nil {
+			en = e.discover(ctx, n, k)
+		}
+		if en == nil {
+			continue
+		}
+		if _, ok := byEntry[en]; !ok {
+			e.mu.Lock()
+			gone := en.gone
+			if !gone {
+				en.pins++
+				en.leases++
+			}
+			e.mu.Unlock()
+			if gone {
+				continue
+			}
+			// Checked after pinning: no eviction or delete can come
+			// between the check and the hold.
+			if !e.verify(ctx, en) {
+				e.unpinEntries(ctx, []*entry{en}, false)
+				continue
+			}
+			order = append(order, en)
+		}
+		byEntry[en] = append(byEntry[en], i)
+	}
+	now := e.now().UnixNano()
+	var recs []abi.AccessRecord
+	pinned := 0
+	e.mu.Lock()
+	for _, en := range order {
+		for _, i := range byEntry[en] {
+			held[i] = true
+			pinned++
+		}
+		en.hits++
+		en.last = now
+		if !en.gone {
+			recs = append(recs, en.access(abi.AccessHit, now), en.access(abi.AccessPin, now))
+		}
+	}
+	e.mu.Unlock()
+	e.st.hits.Add(uint64(pinned))
+	e.st.misses.Add(uint64(len(keys) - pinned))
+	e.access(ctx, recs)
+	if len(order) == 0 {
+		return 0, held, nil
+	}
+
+	t := &e.pinTab
+	t.mu.Lock()
+	if t.closed {
+		t.mu.Unlock()
+		e.unpinEntries(ctx, order, true)
+		return 0, nil, ErrClosed
+	}
+	if t.pins == nil {
+		t.pins = map[PinID]*clientPin{}
+	}
+	t.last++
+	id := PinID(t.last)
+	p := &clientPin{entries: order, keys: pinned}
+	if lease > 0 {
+		p.timer = time.AfterFunc(lease, func() { e.Unpin(context.Background(), id) })
+	}
+	t.pins[id] = p
+	t.mu.Unlock()
+	return id, held, nil
+}
+
+// Unpin releases a pin and returns how many keys it held; 0 if id is not
+// a pin (any more: released, or its lease ended).
+func (e *Engine) Unpin(ctx context.Context, id PinID) int {
+	t := &e.pinTab
+	t.mu.Lock()
+	p := t.pins[id]
+	delete(t.pins, id)
+	closed := t.closed
+	t.mu.Unlock()
+	if p == nil {
+		return 0
+	}
+	if p.timer != nil {
+		p.timer.Stop()
+	}
+	e.unpinEntries(ctx, p.entries, !closed)
+	return p.keys
+}
+
+// unpinEntries drops one client pin count of each entry; tell reports the
+// unpins to the policy.
+func (e *Engine) unpinEntries(ctx context.Context, ens []*entry, tell bool) {
+	if len(ens) == 0 {
+		return
+	}
+	var recs []abi.AccessRecord
+	e.mu.Lock()
+	now := e.now().UnixNano()
+	for _, en := range ens {
+		en.pins--
+		en.leases--
+		if tell && !en.gone {
+			recs = append(recs, en.access(abi.AccessUnpin, now))
+		}
+	}
+	e.mu.Unlock()
+	e.access(ctx, recs)
+}
+
+// PinStats returns the client pins held and the keys they hold.
+func (e *Engine) PinStats() (pins, keys int) {
+	t := &e.pinTab
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for _, p := range t.pins {
+		keys += p.keys
+	}
+	return len(t.pins), keys
+}
+
+// clientPinned reports whether en is held by a client pin. Engine.mu is held.
+func (en *entry) clientPinned() bool { return en.leases > 0 }
+
+// closePins releases every client pin when the engine closes, without
+// telling the policy (it is closing too).
+func (e *Engine) closePins() {
+	t := &e.pinTab
+	t.mu.Lock()
+	t.closed = true
+	pins := t.pins
+	t.pins = nil
+	t.mu.Unlock()
+	for _, p := range pins {
+		if p.timer != nil {
+			p.timer.Stop()
+		}
+		e.unpinEntries(context.Background(), p.entries, false)
+	}
+}
+
+// deleteUnpinned drops en and removes its file, as Delete does, unless a
+// client pin holds it; the check and the unindexing are one step under
+// Engine.mu, so a pin that took hold is never deleted under it. It
+// reports whether this call dropped en.
+func (e *Engine) deleteUnpinned(ctx context.Context, en *entry) bool {
+	e.mu.Lock()
+	if en.clientPinned() {
+		e.mu.Unlock()
+		e.log.Debug("engine: delete refused: pinned", "path", en.path)
+		return false
+	}
+	was := !en.gone
+	e.unindexLocked(en)
+	rec := en.access(abi.AccessRemove, e.now().UnixNano())
+	claimed := was && e.removeLocked(en)
+	e.mu.Unlock()
+	if !was {
+		return false
+	}
+	if claimed {
+		e.removeClaimed(en)
+	}
+	e.log.Debug("engine: entry dropped", "path", en.path, "why", "deleted")
+	e.access(ctx, []abi.AccessRecord{rec})
+	return true
+}
+
+// PinHeld reports whether id is a pin still held (not unpinned, lease not
+// ended).
+func (e *Engine) PinHeld(id PinID) bool {
+	t := &e.pinTab
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.pins[id] != nil
+}

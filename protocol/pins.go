@@ -1,0 +1,120 @@
+package protocol
+
+// Pins (protocol version 1, added after the first frame types): a client
+// pins stored keys so that the daemon neither evicts nor deletes them
+// until it unpins them, their lease runs out or its connection ends.
+// docs/protocol.md ("Pins") is the specification.
+
+// Frame types of pins.
+const (
+	TypePin   Type = 0x000E
+	TypeUnpin Type = 0x000F
+)
+
+// Limits of pins.
+const (
+	// MaxLeaseMillis is the longest lease a Pin may ask for (24 hours).
+	MaxLeaseMillis = 24 * 60 * 60 * 1000
+)
+
+// Per-key states in a Pinned reply.
+const (
+	// PinMissing: the key is not stored (or its file vanished or was
+	// replaced); nothing is pinned for it.
+	PinMissing uint8 = 0
+	// PinHeld: the key is stored, its file was checked (same inode, same
+	// size) and it is pinned.
+	PinHeld uint8 = 1
+)
+
+// Pin pins keys of a namespace for LeaseMillis milliseconds (0: until
+// Unpin or the end of the connection).
+type Pin struct {
+	NS          uint32
+	LeaseMillis uint32
+	Keys        [][]byte
+}
+
+// Type is TypePin.
+func (*Pin) Type() Type { return TypePin }
+
+// AppendBody encodes: u32 ns | u32 lease ms | keys.
+func (m *Pin) AppendBody(b []byte) []byte {
+	return appendKeys(appendU32(appendU32(b, m.NS), m.LeaseMillis), m.Keys)
+}
+
+// DecodeBody decodes a Pin.
+func (m *Pin) DecodeBody(b []byte) error {
+	d := decoder{b: b}
+	m.NS = d.u32("ns")
+	m.LeaseMillis = d.u32("lease ms")
+	if d.err == nil && m.LeaseMillis > MaxLeaseMillis {
+		d.fail("lease ms = %d: want 0..%d", m.LeaseMillis, MaxLeaseMillis)
+	}
+	m.Keys = d.keys()
+	return d.end()
+}
+
+// Pinned is the reply to Pin: the pin's id (0 when no key was pinned) and,
+// per requested key in order, PinHeld or PinMissing.
+type Pinned struct {
+	Pin   uint64
+	State []uint8
+}
+
+// Type is the reply to TypePin.
+func (*Pinned) Type() Type { return TypePin | TypeReply }
+
+// AppendBody encodes: u64 pin id | u32 count | count × u8 state.
+func (m *Pinned) AppendBody(b []byte) []byte {
+	b = appendU32(appendU64(b, m.Pin), uint32(len(m.State)))
+	return append(b, m.State...)
+}
+
+// DecodeBody decodes a Pinned.
+func (m *Pinned) DecodeBody(b []byte) error {
+	d := decoder{b: b}
+	m.Pin = d.u64("pin id")
+	n := d.count("key count", 1, MaxKeysPerRequest, 1)
+	m.State = append([]uint8(nil), d.take(n, "states")...)
+	for i, s := range m.State {
+		if s != PinMissing && s != PinHeld {
+			d.fail("state %d = %d: want 0 or 1", i, s)
+			break
+		}
+	}
+	return d.end()
+}
+
+// Unpin releases a pin.
+type Unpin struct {
+	Pin uint64
+}
+
+// Type is TypeUnpin.
+func (*Unpin) Type() Type { return TypeUnpin }
+
+// AppendBody encodes: u64 pin id.
+func (m *Unpin) AppendBody(b []byte) []byte { return appendU64(b, m.Pin) }
+
+// DecodeBody decodes an Unpin.
+func (m *Unpin) DecodeBody(b []byte) error {
+	d := decoder{b: b}
+	m.Pin = d.u64("pin id")
+	return d.end()
+}
+
+// newPinMessage returns an empty pin message of type t, or nil.
+func newPinMessage(t Type) Message {
+	switch t {
+	case TypePin:
+		return new(Pin)
+	case TypePin | TypeReply:
+		return new(Pinned)
+	case TypeUnpin:
+		return new(Unpin)
+	case TypeUnpin | TypeReply:
+		return &Count{T: t}
+	}
+	return nil
+}

@@ -1,0 +1,50 @@
+package protocol
+
+import (
+	"errors"
+	"reflect"
+	"testing"
+)
+
+func TestPinMessagesRoundTrip(t *testing.T) {
+	for _, m := range []Message{
+		&Pin{NS: 3, LeaseMillis: 1500, Keys: [][]byte{[]byte("a"), []byte("bb")}},
+		&Pin{NS: 1, Keys: [][]byte{[]byte("k")}},
+		&Pinned{Pin: 9, State: []uint8{PinHeld, PinMissing}},
+		&Pinned{State: []uint8{PinMissing}},
+		&Unpin{Pin: 9},
+		&Count{T: TypeUnpin | TypeReply, Count: 2},
+	} {
+		t.Run(m.Type().String(), func(t *testing.T) {
+			got, err := Decode(m.Type(), m.AppendBody(nil))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !reflect.DeepEqual(got, m) {
+				t.Fatalf("decoded %#v, want %#v", got, m)
+			}
+		})
+	}
+}
+
+func TestPinMessagesReject(t *testing.T) {
+	body := func(m Message) []byte { return m.AppendBody(nil) }
+	cases := []struct {
+		name string
+		t    Type
+		body []byte
+	}{
+		{"lease past a day", TypePin, body(&Pin{NS: 1, LeaseMillis: MaxLeaseMillis + 1, Keys: [][]byte{[]byte("k")}})},
+		{"no keys", TypePin, body(&Pin{NS: 1})},
+		{"unknown state", TypePin | TypeReply, body(&Pinned{Pin: 1, State: []uint8{2}})},
+		{"states short", TypePin | TypeReply, body(&Pinned{Pin: 1, State: []uint8{1, 1}})[:13]},
+		{"unpin trailing", TypeUnpin, append(body(&Unpin{Pin: 1}), 0)},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			if _, err := Decode(c.t, c.body); !errors.Is(err, ErrMalformed) {
+				t.Fatalf("Decode = %v, want ErrMalformed", err)
+			}
+		})
+	}
+}
