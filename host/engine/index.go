@@ -130,6 +130,21 @@ func (e *Engine) insertLocked(en *entry) []*entry {
 	return replaced
 }
 
+// relinkLocked indexes en again for those of its keys that the index does
+// not find (the key's entry pointed at another file, since dropped). It
+// reports false if en is no longer indexed.
+func (e *Engine) relinkLocked(en *entry) bool {
+	if en.gone {
+		return false
+	}
+	for i, k := range en.keys {
+		if _, ok := e.byKey[keyID{en.fp, k}]; !ok {
+			e.byKey[keyID{en.fp, k}] = keyRef{e: en, idx: i}
+		}
+	}
+	return true
+}
+
 // unindexLocked removes en from the index.
 func (e *Engine) unindexLocked(en *entry) {
 	if en.gone {
