@@ -192,6 +192,7 @@ func (e *Engine) drop(ctx context.Context, en *entry, remove bool, why string) b
 func (e *Engine) adopt(ctx context.Context, en *entry) *entry {
 	e.mu.Lock()
 	if old := e.byPath[en.path]; old != nil && old.ident.Same(en.ident) && old.fid == en.fid {
+		e.relinkLocked(old) // found by a key the index had lost
 		e.mu.Unlock()
 		return old
 	}

@@ -26,7 +26,9 @@ import (
 // k1 is in P(x), verified, so it may be answered present — but not if the
 // same store then renames its new file over P(x): B's next load of k1
 // must load it. And x, still in B's own file at P(x), is present there:
-// the store must not replace a file that holds what it stores.
+// the store must not replace a file that holds what it stores. A variant
+// has B look x up before step 5: the lookup finds x in B's file under its
+// name, and the index has it there again.
 func TestSharedMountNoFalsePresent(t *testing.T) {
 	for _, tc := range []struct {
 		name string
@@ -35,70 +37,93 @@ func TestSharedMountNoFalsePresent(t *testing.T) {
 		{"real-files", func() fsys.FS { return fsys.OS{} }},
 		{"simulated-ext4-reuse", func() fsys.FS { return newReuseFS(false) }},
 	} {
-		t.Run(tc.name, func(t *testing.T) {
-			ctx := context.Background()
-			dir := t.TempDir()
-			fs := tc.fs()
-			a, b := openNode(t, dir, "nodeA", fs, 4), openNode(t, dir, "nodeB", fs, 4)
-			r := rand.New(rand.NewPCG(11, 11))
-			key := func(s string) []byte { return []byte("fp-" + s) }
-			store := func(n *node, keys [][]byte, first int) ([][]byte, Result) {
-				t.Helper()
-				bl := blockLists(r, len(keys), 4, first)
-				var want [][]byte
-				for _, b := range bl {
-					n.c.fill(r, b)
-					want = append(want, n.c.data(b))
-				}
-				return want, wait(t)(n.e.Store(ctx, StoreRequest{Cache: n.c.id, Keys: keys, Blocks: bl}))
+		for _, lookupX := range []bool{false, true} {
+			name := tc.name
+			if lookupX {
+				name += "/lookup-x-first"
 			}
+			t.Run(name, func(t *testing.T) {
+				ctx := context.Background()
+				dir := t.TempDir()
+				fs := tc.fs()
+				a, b := openNode(t, dir, "nodeA", fs, 4), openNode(t, dir, "nodeB", fs, 4)
+				r := rand.New(rand.NewPCG(11, 11))
+				key := func(s string) []byte { return []byte("fp-" + s) }
+				store := func(n *node, keys [][]byte, first int) ([][]byte, Result) {
+					t.Helper()
+					bl := blockLists(r, len(keys), 4, first)
+					var want [][]byte
+					for _, b := range bl {
+						n.c.fill(r, b)
+						want = append(want, n.c.data(b))
+					}
+					return want, wait(t)(n.e.Store(ctx, StoreRequest{Cache: n.c.id, Keys: keys, Blocks: bl}))
+				}
 
-			// 1.
-			bWant, res := store(b, [][]byte{key("x"), key("k1"), key("k2"), key("k3")}, 0)
-			wantOutcomes(t, "B's store of [x,k1,k2,k3]", res, OutcomeStored)
-			// 2.
-			_, res = store(a, [][]byte{key("y"), key("x"), key("c"), key("d")}, 0)
-			wantOutcomes(t, "A's store of [y,x,c,d]", res, OutcomeStored)
-			// 3.
-			if n, err := b.e.Lookup(ctx, b.ns, [][]byte{key("y"), key("x")}); n != 2 || err != nil {
-				t.Fatalf("B's lookup of [y,x]: %d, %v; want 2", n, err)
-			}
-			// 4.
-			if n, err := a.e.Delete(ctx, a.ns, [][]byte{key("y")}); n != 1 || err != nil {
-				t.Fatalf("A's delete of y: %d, %v; want 1", n, err)
-			}
-			// 5.
-			keys := [][]byte{key("x"), key("k1")}
-			bl := [][]int{{16, 17, 18, 19}, {20, 21, 22, 23}}
-			for i, b2 := range bl {
-				// The payloads B stored in step 1: the store writes the
-				// same bytes whether it answers stored or present.
-				copyInto(b.c, b2, bWant[i])
-			}
-			res = wait(t)(b.e.Store(ctx, StoreRequest{Cache: b.c.id, Keys: keys, Blocks: bl}))
-			for i, k := range res.Keys {
-				if k.Outcome != OutcomeStored && k.Outcome != OutcomePresent {
-					t.Fatalf("B's store of %s: %v (%v)", keys[i], k.Outcome, k.Err)
+				// 1.
+				bWant, res := store(b, [][]byte{key("x"), key("k1"), key("k2"), key("k3")}, 0)
+				wantOutcomes(t, "B's store of [x,k1,k2,k3]", res, OutcomeStored)
+				// 2.
+				_, res = store(a, [][]byte{key("y"), key("x"), key("c"), key("d")}, 0)
+				wantOutcomes(t, "A's store of [y,x,c,d]", res, OutcomeStored)
+				// 3.
+				if n, err := b.e.Lookup(ctx, b.ns, [][]byte{key("y"), key("x")}); n != 2 || err != nil {
+					t.Fatalf("B's lookup of [y,x]: %d, %v; want 2", n, err)
 				}
-				t.Logf("B's store of %s: %v", keys[i], k.Outcome)
-			}
-			into := [][]int{{32, 33, 34, 35}, {36, 37, 38, 39}}
-			lres := wait(t)(b.e.Load(ctx, LoadRequest{Cache: b.c.id, Keys: keys, Blocks: into}))
-			for i, k := range lres.Keys {
-				if k.Outcome != OutcomeLoaded {
-					t.Fatalf("B's store of %s answered %v, the next load: %v (%v)", keys[i], res.Keys[i].Outcome, k.Outcome, k.Err)
+				// 4.
+				if n, err := a.e.Delete(ctx, a.ns, [][]byte{key("y")}); n != 1 || err != nil {
+					t.Fatalf("A's delete of y: %d, %v; want 1", n, err)
 				}
-				if got := b.c.data(into[i]); string(got) != string(bWant[i]) {
-					t.Fatalf("B's load of %s: other bytes", keys[i])
+				if lookupX {
+					// 4b. B's lookup of x finds its entry (P(y)) gone and x
+					// under its name, in B's own file: the index has it
+					// again, so the store below finds it there.
+					if n, err := b.e.Lookup(ctx, b.ns, [][]byte{key("x")}); n != 1 || err != nil {
+						t.Fatalf("B's lookup of x: %d, %v; want 1", n, err)
+					}
+					path := func(k string) string {
+						if en := b.e.find(b.e.nss[b.ns], key(k)); en != nil {
+							return en.path
+						}
+						return "no file"
+					}
+					if x, k1 := path("x"), path("k1"); x != k1 {
+						t.Fatalf("B's index after the lookup of x: x in %s, k1 in %s; want both in B's file", x, k1)
+					}
 				}
-			}
-			// x was in B's file at its own name: nothing had to be
-			// written, and k2 and k3, stored with it, are still there.
-			if o := res.Keys[0].Outcome; o != OutcomePresent {
-				t.Errorf("B's store of x, held by B's file at x's name: %v, want present", o)
-			}
-			loadAndCompare(t, b.e, b.c, [][]byte{key("k2"), key("k3")}, [][]int{{40, 41, 42, 43}, {44, 45, 46, 47}}, bWant[2:])
-		})
+				// 5.
+				keys := [][]byte{key("x"), key("k1")}
+				bl := [][]int{{16, 17, 18, 19}, {20, 21, 22, 23}}
+				for i, b2 := range bl {
+					// The payloads B stored in step 1: the store writes the
+					// same bytes whether it answers stored or present.
+					copyInto(b.c, b2, bWant[i])
+				}
+				res = wait(t)(b.e.Store(ctx, StoreRequest{Cache: b.c.id, Keys: keys, Blocks: bl}))
+				for i, k := range res.Keys {
+					if k.Outcome != OutcomeStored && k.Outcome != OutcomePresent {
+						t.Fatalf("B's store of %s: %v (%v)", keys[i], k.Outcome, k.Err)
+					}
+					t.Logf("B's store of %s: %v", keys[i], k.Outcome)
+				}
+				into := [][]int{{32, 33, 34, 35}, {36, 37, 38, 39}}
+				lres := wait(t)(b.e.Load(ctx, LoadRequest{Cache: b.c.id, Keys: keys, Blocks: into}))
+				for i, k := range lres.Keys {
+					if k.Outcome != OutcomeLoaded {
+						t.Fatalf("B's store of %s answered %v, the next load: %v (%v)", keys[i], res.Keys[i].Outcome, k.Outcome, k.Err)
+					}
+					if got := b.c.data(into[i]); string(got) != string(bWant[i]) {
+						t.Fatalf("B's load of %s: other bytes", keys[i])
+					}
+				}
+				// x was in B's file at its own name: nothing had to be
+				// written, and k2 and k3, stored with it, are still there.
+				if o := res.Keys[0].Outcome; o != OutcomePresent {
+					t.Errorf("B's store of x, held by B's file at x's name: %v, want present", o)
+				}
+				loadAndCompare(t, b.e, b.c, [][]byte{key("k2"), key("k3")}, [][]int{{40, 41, 42, 43}, {44, 45, 46, 47}}, bWant[2:])
+			})
+		}
 	}
 }
 
