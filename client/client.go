@@ -507,7 +507,8 @@ type Result struct {
 	Keys     []KeyResult
 	Bytes    int64
 	Duration time.Duration
-	// Message is the daemon's text for the first failed key.
+	// Message is the daemon's text for the first failed key or, if none
+	// failed, why the first missing key is missing.
 	Message string
 }
 

@@ -131,6 +131,21 @@ func (e *Engine) insertLocked(en *entry) []*entry {
 	return replaced
 }
 
+// relinkLocked indexes en again for those of its keys that the index does
+// not find (the key's entry pointed at another file, since dropped). It
+// reports false if en is no longer indexed.
+func (e *Engine) relinkLocked(en *entry) bool {
+	if en.gone {
+		return false
+	}
+	for i, k := range en.keys {
+		if _, ok := e.byKey[keyID{en.fp, k}]; !ok {
+			e.byKey[keyID{en.fp, k}] = keyRef{e: en, idx: i}
+		}
+	}
+	return true
+}
+
 // unindexLocked removes en from the index.
 func (e *Engine) unindexLocked(en *entry) {
 	if en.gone {
@@ -178,6 +193,7 @@ func (e *Engine) drop(ctx context.Context, en *entry, remove bool, why string) b
 func (e *Engine) adopt(ctx context.Context, en *entry) *entry {
 	e.mu.Lock()
 	if old := e.byPath[en.path]; old != nil && old.ident.Same(en.ident) && old.fid == en.fid {
+		e.relinkLocked(old) // found by a key the index had lost
 		e.mu.Unlock()
 		return old
 	}

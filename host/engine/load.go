@@ -62,7 +62,7 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 		}
 		if !pinned {
 			e.st.misses.Add(1)
-			set(i, OutcomeMissing, fmt.Errorf("%w: key %x", ErrNotFound, k))
+			set(i, OutcomeMissing, fmt.Errorf("%w: key %x: not indexed, and no file under its name holds it", ErrNotFound, k))
 			continue
 		}
 		if _, ok := byEntry[en]; !ok {
@@ -140,7 +140,7 @@ func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 		if errors.Is(err, os.ErrNotExist) {
 			e.st.vanished.Add(1)
 			e.drop(ctx, en, false, "vanished")
-			all(OutcomeMissing, fmt.Errorf("%w: %s vanished", ErrNotFound, en.path))
+			all(OutcomeMissing, fmt.Errorf("%w: %s vanished (removed behind this engine's back)", ErrNotFound, en.path))
 			return
 		}
 		all(OutcomeFailed, fmt.Errorf("engine: load %s: %w", en.path, err))
@@ -164,7 +164,7 @@ func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 		// Replaced by a file of another geometry: not ours to judge.
 		e.st.vanished.Add(1)
 		e.drop(ctx, en, false, "replaced by another geometry")
-		all(OutcomeMissing, fmt.Errorf("%w: %s: %w", ErrMismatch, en.path, format.ErrFingerprint))
+		all(OutcomeMissing, fmt.Errorf("%w: %w: %s was replaced by a file of another geometry: %w", ErrNotFound, ErrMismatch, en.path, format.ErrFingerprint))
 		return
 	}
 	if id, err := fileIdentity(f); err == nil && !en.sameFile(id, h) {
@@ -193,7 +193,7 @@ func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 		k, err := h.Match(c.ns.fp, keys[i])
 		if err != nil {
 			e.st.misses.Add(1)
-			set(i, OutcomeMissing, fmt.Errorf("%w: %s: %w", ErrMismatch, en.path, err))
+			set(i, OutcomeMissing, fmt.Errorf("%w: %w: %s: the file there (replaced behind this engine's back) does not hold the key: %w", ErrNotFound, ErrMismatch, en.path, err))
 			continue
 		}
 		dsts[k] = append(dsts[k], i)

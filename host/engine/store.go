@@ -52,6 +52,7 @@ type group struct {
 	mount int
 	path  string
 	hdr   *format.Header
+	held  bool // the first key is in the indexed file at path: not written
 }
 
 // maxStoreRounds bounds how many times a store waits for another job that
@@ -81,6 +82,12 @@ func (e *Engine) runStore(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 		}
 	}()
 
+	// The entry of every key answered present. A later file of this job
+	// may be renamed over it (its first key, lost from the index, is
+	// stored again under its own name, where that file is): such keys are
+	// looked at again, so that `present` is never answered for a file
+	// this store itself replaced.
+	presentIn := map[int]*entry{}
 	for round := 0; ; round++ {
 		// Keys already stored (and still on disk: the file's header is
 		// read, so that a file another node put in its place, even at the
@@ -101,6 +108,7 @@ func (e *Engine) runStore(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 			}
 			if en != nil {
 				j.res.Keys[i] = KeyResult{Outcome: OutcomePresent}
+				presentIn[i] = en
 				continue
 			}
 			missing = append(missing, i)
@@ -127,6 +135,15 @@ func (e *Engine) runStore(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 		// the same name is never taken for theirs).
 		var busy []*flight
 		todo, busy = e.storeRound(ctx, j, c, keys, blocks, missing)
+		e.mu.RLock()
+		for i, en := range presentIn {
+			if en.gone {
+				delete(presentIn, i)
+				todo = append(todo, i)
+			}
+		}
+		e.mu.RUnlock()
+		slices.Sort(todo) // request order: files are grouped from it
 		if len(busy) > 0 {
 			e.pathWaits.Add(1)
 		}
@@ -250,6 +267,10 @@ func (e *Engine) storeRound(ctx context.Context, j *Job, c *cache, keys [][]byte
 			defer wg.Done()
 			defer e.releaseSlot()
 			defer e.release(gr.path)
+			if e.heldAt(ctx, ns.fp, keys[gr.idx[0]], gr.path) {
+				gr.held = true
+				return
+			}
 			if err := e.storeFile(ctx, j, c, blocks, gr); err != nil {
 				failAll(gr.idx, err)
 				return
@@ -260,7 +281,37 @@ func (e *Engine) storeRound(ctx context.Context, j *Job, c *cache, keys [][]byte
 		}()
 	}
 	wg.Wait()
+	for _, gr := range groups {
+		if gr.held {
+			// Its first key is present; the next round says so and groups
+			// the other keys afresh.
+			deferred = append(deferred, gr.idx...)
+		}
+	}
 	return deferred, busy
+}
+
+// heldAt reports whether the indexed file at path, where a new file whose
+// first key is key is about to be written, holds key and is still there
+// (its header is read). The index can lose a key of a file it holds: the
+// key was indexed in another file too, which was dropped (another node's
+// file holding it, deleted there). Writing would then replace a file that
+// already holds the key, and every other key in it, some maybe answered
+// present by this very store. The file's keys are indexed again instead.
+// The caller holds path.
+func (e *Engine) heldAt(ctx context.Context, fp uint64, key []byte, path string) bool {
+	e.mu.RLock()
+	en := e.byPath[path]
+	e.mu.RUnlock()
+	if en == nil {
+		return false
+	}
+	if _, err := en.match(fp, key); err != nil || !e.confirm(ctx, en) {
+		return false
+	}
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.relinkLocked(en)
 }
 
 // storeFile writes one file: payload, then header (which carries the
