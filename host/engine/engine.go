@@ -63,6 +63,7 @@ type Engine struct {
 	// its file's path (tests wait for it instead of sleeping).
 	pathWaits atomic.Int64
 	fails     *failureLog
+	verifyIv  atomic.Int64 // Config.VerifyInterval, changed by SetVerifyInterval
 }
 
 type counters struct {
@@ -168,6 +169,8 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		}
 		e.ownPolicy = true
 	}
+	e.pol, e.ownPolicy = newSwitchPolicy(e.pol, e.ownPolicy), true // ReplacePolicy
+	e.verifyIv.Store(int64(cfg.VerifyInterval))
 	e.reportMounts()
 	e.restore(ctx)
 	e.hitRec = newHitRecorder(e)
