@@ -8,3 +8,5 @@ require (
 	github.com/tetratelabs/wazero v1.12.0
 	golang.org/x/sys v0.49.0
 )
+
+require github.com/prometheus/client_golang v1.25.0 // indirect
