@@ -25,7 +25,9 @@ func TestMetricsMoveDuringAnEndToEndRun(t *testing.T) {
 	defer cancel()
 	stdout, stderr := newLines(), newLines()
 	exit := make(chan int, 1)
-	go func() { exit <- run(ctx, []string{"serve", "--config", file, "--metrics", "127.0.0.1:0"}, stdout, stderr) }()
+	go func() {
+		exit <- run(ctx, []string{"serve", "--config", file, "--metrics", "127.0.0.1:0"}, stdout, stderr)
+	}()
 	addr, _ := stderr.logLine(t, "metrics listening")["address"].(string)
 	stdout.wait(t, "listening line", func(s string) bool { return s == "kvhost: listening on unix:"+socket })
 

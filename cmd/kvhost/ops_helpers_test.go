@@ -356,4 +356,3 @@ func (p *proc) waitExit(t *testing.T) error {
 }
 
 var _ io.Writer = (*lines)(nil)
-
