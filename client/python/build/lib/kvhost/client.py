@@ -1,0 +1,416 @@
+"""Blocking client of the kvhost daemon, safe to share between threads.
+
+A background reader thread hands every reply to the thread that asked and
+every job completion to its Job.
+"""
+
+import dataclasses
+import os
+import socket
+import struct
+import threading
+
+from . import protocol as p
+
+
+class KvhostError(Exception):
+    """An error reply of the daemon: code (see protocol.CODES) and message."""
+
+    def __init__(self, code, message=""):
+        self.code = code
+        self.message = message
+        name = p.CODES[code] if code < len(p.CODES) else f"code({code})"
+        super().__init__(f"kvhost: {name}: {message}" if message else f"kvhost: {name}")
+
+
+class UnsupportedError(KvhostError):
+    """The daemon cannot serve a valid request (e.g. CUDA IPC memory)."""
+
+
+class ConnectionLost(Exception):
+    """The connection to the daemon is closed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """A model's KV-cache shape at one tensor-parallel rank."""
+    model: str
+    layers: int
+    kv_heads: int
+    head_size: int
+    dtype_size: int
+    tokens_per_block: int
+    tokens_per_key: int
+    mla: bool = False
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    @property
+    def block_bytes(self):
+        return self.tokens_per_block * self.kv_heads * self.head_size * self.dtype_size
+
+    @property
+    def planes(self):
+        return 1 if self.mla else 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Namespace:
+    """A declared geometry: this connection's id and what the daemon derived."""
+    id: int
+    blocks_per_key: int
+    fingerprint: int
+    key_bytes: int
+    geometry: Geometry
+
+    @property
+    def block_bytes(self):
+        return self.geometry.block_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    """One layer's tensor in a registered region: block b of plane p is at
+    offset + p*plane_stride + b*block_stride."""
+    region: int
+    offset: int
+    block_stride: int
+    plane_stride: int
+    num_blocks: int
+
+
+@dataclasses.dataclass
+class Result:
+    """Outcome of a job: per key (outcome, error code), bytes, duration."""
+    keys: list
+    bytes: int
+    duration_ns: int
+    message: str
+
+    def count(self, outcome):
+        return sum(1 for o, _ in self.keys if o == outcome)
+
+    def outcomes(self):
+        return [p.OUTCOMES[o] if o < len(p.OUTCOMES) else str(o) for o, _ in self.keys]
+
+
+class Job:
+    """A store or load job in flight on the daemon."""
+
+    def __init__(self, client, job_id):
+        self._client = client
+        self.id = job_id
+        self._event = threading.Event()
+        self._result = None
+        self._error = None
+
+    def _finish(self, result, error):
+        self._result, self._error = result, error
+        self._event.set()
+
+    def done(self):
+        return self._event.is_set()
+
+    def wait(self, timeout=None):
+        """Waits for the completion and returns its Result; raises
+        TimeoutError, or ConnectionLost when no completion can come."""
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"job {self.id} not complete after {timeout}s")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def cancel(self):
+        return self._client.cancel(self)
+
+
+class _Pending:
+    __slots__ = ("event", "ftype", "body", "job", "error")
+
+    def __init__(self):
+        self.event = threading.Event()
+        self.ftype = self.body = self.job = self.error = None
+
+
+SOCKET_ENV = "KVHOST_SOCKET"
+
+
+def default_socket():
+    """The socket a client connects to when given none: $KVHOST_SOCKET if
+    set, else the daemon's own default: $XDG_RUNTIME_DIR/kvhost.sock, else
+    kvhost/kvhost.sock under $XDG_CACHE_HOME (else ~/.cache)."""
+    env = os.environ.get(SOCKET_ENV)
+    if env:
+        return env
+    run = os.environ.get("XDG_RUNTIME_DIR")
+    if run:
+        return os.path.join(run, "kvhost.sock")
+    cache = os.environ.get("XDG_CACHE_HOME")
+    if not cache or not os.path.isabs(cache):
+        home = os.environ.get("HOME")
+        if not home:
+            import tempfile
+            return os.path.join(tempfile.gettempdir(), "kvhost", "kvhost.sock")
+        cache = os.path.join(home, ".cache")
+    return os.path.join(cache, "kvhost", "kvhost.sock")
+
+
+class Client:
+    """A connection to the kvhost daemon at path (a Unix socket; None means
+    default_socket())."""
+
+    def __init__(self, path=None, name="python", timeout=30.0):
+        if path is None:
+            path = default_socket()
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._sock.connect(path)
+        except BaseException:
+            self._sock.close()
+            raise
+        self._timeout = timeout
+        self._wlock = threading.Lock()
+        self._lock = threading.Lock()
+        self._next = 0
+        self._pending = {}
+        self._jobs = {}
+        self._closed = None
+        self.limits = {"max_frame": p.MIN_FRAME}
+        self._reader = threading.Thread(target=self._read_loop, name="kvhost-reader", daemon=True)
+        self._reader.start()
+        try:
+            _, body = self._call(p.T_HELLO, p.hello(name))
+        except BaseException:
+            self.close()
+            raise
+        self.limits = p.decode_welcome(body)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self):
+        """Closes the connection; the daemon cancels unfinished jobs."""
+        with self._lock:
+            if self._closed is None:
+                self._closed = ConnectionLost("client closed")
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._reader.join()
+        self._sock.close()
+
+    # -- I/O ---------------------------------------------------------------
+
+    def _recv_exact(self, n):
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            k = self._sock.recv_into(view[got:])
+            if k == 0:
+                raise ConnectionLost("daemon closed the connection")
+            got += k
+        return bytes(buf)
+
+    def _read_loop(self):
+        err = None
+        try:
+            while True:
+                length, ftype, flags, req_id = p.HEADER.unpack(self._recv_exact(p.HEADER_SIZE))
+                if length + p.HEADER_SIZE > self.limits["max_frame"] or flags:
+                    raise p.ProtocolError(f"bad frame header: length {length} flags {flags}")
+                body = self._recv_exact(length) if length else b""
+                if ftype == p.T_COMPLETION:
+                    job_id, kind, keys, nbytes, dur, msg = p.decode_completion(body)
+                    with self._lock:
+                        job = self._jobs.pop(job_id, None)
+                    if job is None:
+                        raise p.ProtocolError(f"completion of unknown job {job_id}")
+                    job._finish(Result(keys, nbytes, dur, msg), None)
+                    continue
+                with self._lock:
+                    pend = self._pending.pop(req_id, None)
+                    if pend is not None and ftype in (p.T_STORE | p.T_REPLY, p.T_LOAD | p.T_REPLY):
+                        (job_id,) = struct.unpack("<Q", body)
+                        pend.job = Job(self, job_id)
+                        self._jobs[job_id] = pend.job
+                if pend is None:
+                    if req_id == 0 and ftype == p.T_ERROR:
+                        raise KvhostError(*p.decode_error(body))
+                    raise p.ProtocolError(f"reply to unknown request {req_id}")
+                pend.ftype, pend.body = ftype, body
+                pend.event.set()
+        except (OSError, ConnectionLost, p.ProtocolError, KvhostError, struct.error) as e:
+            err = e
+        with self._lock:
+            if self._closed is None:
+                self._closed = err if isinstance(err, (ConnectionLost, KvhostError)) else ConnectionLost(str(err))
+            closed = self._closed
+            pending, jobs = self._pending, self._jobs
+            self._pending, self._jobs = {}, {}
+        for pend in pending.values():
+            pend.error = closed
+            pend.event.set()
+        for job in jobs.values():
+            job._finish(None, closed)
+
+    def _call(self, ftype, body, fds=None):
+        with self._lock:
+            if self._closed is not None:
+                raise self._closed
+            self._next += 1
+            req_id = self._next
+            pend = _Pending()
+            self._pending[req_id] = pend
+        data = p.frame(ftype, req_id, body)
+        if len(data) > self.limits["max_frame"]:
+            with self._lock:
+                self._pending.pop(req_id, None)
+            raise ValueError(f"frame of {len(data)} bytes exceeds the daemon's limit {self.limits['max_frame']}")
+        with self._wlock:
+            if fds:
+                sent = socket.send_fds(self._sock, [data], fds)
+                if sent < len(data):
+                    self._sock.sendall(data[sent:])
+            else:
+                self._sock.sendall(data)
+        if not pend.event.wait(self._timeout):
+            raise TimeoutError(f"no reply to request {req_id} after {self._timeout}s")
+        if pend.error is not None:
+            raise pend.error
+        if pend.ftype == p.T_ERROR:
+            code, msg = p.decode_error(pend.body)
+            if code == p.CODE_UNSUPPORTED:
+                raise UnsupportedError(code, msg)
+            raise KvhostError(code, msg)
+        if pend.ftype != ftype | p.T_REPLY:
+            raise p.ProtocolError(f"request type {ftype:#x} answered with {pend.ftype:#x}")
+        if pend.job is not None:
+            return pend.job
+        return pend.ftype, pend.body
+
+    # -- operations ----------------------------------------------------------
+
+    def register_memfd(self, fd, size):
+        """Registers size bytes of a memfd (sealed against shrinking here if
+        not already); returns the region id."""
+        seal_shrink(fd)
+        _, body = self._call(p.T_REGISTER_MEMORY, p.register_memory(p.MEMORY_MEMFD, size), [fd])
+        return struct.unpack_from("<I", body)[0]
+
+    def register_buffer(self, buf):
+        """Registers a HostBuffer (or anything with fd and size)."""
+        return self.register_memfd(buf.fd, buf.size)
+
+    def register_shared_file(self, fd, size):
+        """Registers size bytes of a shared-memory file without sealing it:
+        a memfd or a file under /dev/shm (such as vLLM's shared CPU region).
+        Its owner may still truncate it; a job touching the missing pages
+        then fails (code "bad descriptor") and the daemon goes on. Daemons
+        that cannot guard their copies raise UnsupportedError. Returns the
+        region id."""
+        if size <= 0:
+            raise ValueError(f"size {size}: want > 0")
+        _, body = self._call(p.T_REGISTER_MEMORY, p.register_memory(p.MEMORY_SHARED, size), [fd])
+        return struct.unpack_from("<I", body)[0]
+
+    def register_cuda(self, device, handle, offset, size):
+        """Registers GPU memory by CUDA IPC handle: [offset, offset+size) of
+        the allocation handle (64 bytes, cudaIpcGetMemHandle of its base)
+        names, on device as the daemon numbers its GPUs. Daemons without GPU
+        support raise UnsupportedError; a stale, forged or other device's
+        handle raises KvhostError with code "bad IPC handle"."""
+        _, body = self._call(p.T_REGISTER_MEMORY, p.register_memory(p.MEMORY_CUDA_IPC, size, device, offset, handle))
+        return struct.unpack_from("<I", body)[0]
+
+    def register_cuda_tensor(self, tensor, device=None):
+        """Registers the GPU memory of a torch CUDA tensor's storage and
+        returns the region id. The region is the whole storage: the tensor
+        itself starts tensor.storage_offset() * tensor.element_size() bytes
+        into it. Keep the tensor alive while the region is registered.
+
+        device is the daemon's ordinal of the tensor's GPU; by default the
+        tensor's device index, translated through CUDA_VISIBLE_DEVICES when
+        that is a list of integers (the daemon sees every GPU of the node).
+        torch is imported lazily. See cuda_ipc_handle for what torch gives."""
+        from .memory import cuda_ipc_handle, daemon_device  # memory imports this module
+        dev, handle, offset, size = cuda_ipc_handle(tensor)
+        if device is None:
+            device = daemon_device(dev)
+        return self.register_cuda(device, handle, offset, size)
+
+    def unregister_memory(self, region):
+        self._call(p.T_UNREGISTER_MEMORY, struct.pack("<I", region))
+
+    def declare(self, geometry):
+        """Declares a namespace; returns a Namespace."""
+        _, body = self._call(p.T_DECLARE, p.declare(geometry))
+        ns, bpk, fp, kb = struct.unpack("<IIQQ", body)
+        return Namespace(ns, bpk, fp, kb, geometry)
+
+    def undeclare(self, ns):
+        """Gives up a namespace no registered cache of this connection uses.
+
+        Stored data is kept; the daemon forgets the geometry once no
+        connection has it declared (closing the connection undeclares all)."""
+        ns = ns.id if isinstance(ns, Namespace) else ns
+        self._call(p.T_UNDECLARE, struct.pack("<I", ns))
+
+    def register_cache(self, ns, layers):
+        """Registers a paged cache (one Layer per model layer); returns its id."""
+        ns = ns.id if isinstance(ns, Namespace) else ns
+        _, body = self._call(p.T_REGISTER_CACHE, p.register_cache(ns, layers))
+        return struct.unpack("<I", body)[0]
+
+    def unregister_cache(self, cache):
+        self._call(p.T_UNREGISTER_CACHE, struct.pack("<I", cache))
+
+    def lookup(self, ns, keys):
+        """Returns how many leading keys are stored."""
+        ns = ns.id if isinstance(ns, Namespace) else ns
+        _, body = self._call(p.T_LOOKUP, struct.pack("<I", ns) + p.keys_body(keys))
+        return struct.unpack("<I", body)[0]
+
+    def delete(self, ns, keys):
+        """Deletes keys; returns how many were stored."""
+        ns = ns.id if isinstance(ns, Namespace) else ns
+        _, body = self._call(p.T_DELETE, struct.pack("<I", ns) + p.keys_body(keys))
+        return struct.unpack("<I", body)[0]
+
+    def store(self, cache, keys, blocks):
+        """Starts storing keys[i] from cache blocks blocks[i]; returns a Job."""
+        return self._call(p.T_STORE, p.transfer(cache, keys, blocks))
+
+    def load(self, cache, keys, blocks):
+        """Starts loading keys[i] into cache blocks blocks[i]; returns a Job."""
+        return self._call(p.T_LOAD, p.transfer(cache, keys, blocks))
+
+    def cancel(self, job):
+        """Asks to cancel a job; True if it was still in flight."""
+        _, body = self._call(p.T_CANCEL, struct.pack("<Q", job.id if isinstance(job, Job) else job))
+        return body[0] == 1
+
+    def stats(self):
+        """Returns the daemon's counters as a dict."""
+        _, body = self._call(p.T_STATS, b"")
+        return p.decode_stats(body)
+
+
+def seal_shrink(fd):
+    """Adds F_SEAL_SHRINK to a memfd (the daemon requires it)."""
+    import fcntl
+    F_ADD_SEALS = getattr(fcntl, "F_ADD_SEALS", 1033)
+    F_GET_SEALS = getattr(fcntl, "F_GET_SEALS", 1034)
+    F_SEAL_SHRINK = getattr(fcntl, "F_SEAL_SHRINK", 2)
+    if fcntl.fcntl(fd, F_GET_SEALS) & F_SEAL_SHRINK:
+        return
+    try:
+        fcntl.fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK)
+    except PermissionError as e:
+        raise ValueError("the memfd cannot be sealed: create it with MFD_ALLOW_SEALING (HostBuffer does)") from e
+
+

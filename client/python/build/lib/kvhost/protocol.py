@@ -1,0 +1,166 @@
+"""The kvhost wire format (docs/protocol.md): frames and message bodies.
+
+Every integer is little-endian. A frame is a 16-byte header
+(u32 body length, u16 type, u16 flags = 0, u64 request id) and its body.
+"""
+
+import struct
+
+VERSION = 1
+MAGIC = b"KVHOST\x00\x01"
+HEADER = struct.Struct("<IHHQ")
+HEADER_SIZE = HEADER.size
+
+MAX_KEY_LEN = 64
+MAX_MODEL_LEN = 128
+MAX_KEYS_PER_REQUEST = 4096
+MAX_BLOCKS_PER_KEY = 4096
+MAX_LAYERS = 4096
+MIN_FRAME = 64 << 10
+
+T_HELLO = 0x0001
+T_REGISTER_MEMORY = 0x0002
+T_UNREGISTER_MEMORY = 0x0003
+T_DECLARE = 0x0004
+T_REGISTER_CACHE = 0x0005
+T_UNREGISTER_CACHE = 0x0006
+T_LOOKUP = 0x0007
+T_STORE = 0x0008
+T_LOAD = 0x0009
+T_CANCEL = 0x000A
+T_DELETE = 0x000B
+T_STATS = 0x000C
+T_UNDECLARE = 0x000D
+T_REPLY = 0x8000
+T_ERROR = 0xFFFF
+T_COMPLETION = 0x4001
+
+MEMORY_MEMFD = 1
+MEMORY_CUDA_IPC = 2
+MEMORY_SHARED = 3
+
+JOB_STORE = 1
+JOB_LOAD = 2
+
+OUTCOMES = ["pending", "stored", "present", "not admitted", "loaded", "missing", "failed", "cancelled"]
+OUTCOME_STORED, OUTCOME_PRESENT, OUTCOME_NOT_ADMITTED = 1, 2, 3
+OUTCOME_LOADED, OUTCOME_MISSING, OUTCOME_FAILED, OUTCOME_CANCELLED = 4, 5, 6, 7
+
+CODES = ["ok", "malformed", "unsupported version", "unknown type", "handshake required",
+         "limit exceeded", "unknown region", "unknown namespace", "unknown cache",
+         "invalid argument", "unsupported", "descriptor missing", "bad descriptor", "in use",
+         "no space", "not found", "corrupt", "policy failure", "shutting down", "cancelled",
+         "internal error", "timed out", "bad IPC handle"]
+CODE_UNSUPPORTED = 10
+
+STATS_FIELDS = ["entries", "keys", "stores", "loads", "hits", "misses", "evictions", "failures",
+                "corrupt", "vanished", "bytes_written", "bytes_read", "clients", "regions",
+                "caches", "inflight_jobs"]
+
+
+class ProtocolError(Exception):
+    """The daemon sent something this client cannot decode."""
+
+
+def frame(ftype, req_id, body):
+    """Returns the bytes of one frame."""
+    return HEADER.pack(len(body), ftype, 0, req_id) + body
+
+
+def keys_body(keys):
+    if not 1 <= len(keys) <= MAX_KEYS_PER_REQUEST:
+        raise ValueError(f"{len(keys)} keys: want 1..{MAX_KEYS_PER_REQUEST}")
+    parts = [struct.pack("<I", len(keys))]
+    for k in keys:
+        k = bytes(k)
+        if not 1 <= len(k) <= MAX_KEY_LEN:
+            raise ValueError(f"key of {len(k)} bytes: want 1..{MAX_KEY_LEN}")
+        parts.append(bytes([len(k)]))
+        parts.append(k)
+    return b"".join(parts)
+
+
+def hello(name):
+    n = name.encode()[:64]
+    return MAGIC + struct.pack("<HH", VERSION, 0) + bytes([len(n)]) + n
+
+
+def register_memory(kind, size, device=0, offset=0, handle=b""):
+    handle = bytes(handle).ljust(64, b"\x00")
+    if len(handle) != 64:
+        raise ValueError("a CUDA IPC handle is 64 bytes")
+    return struct.pack("<B3xIQQ", kind, device, size, offset) + handle
+
+
+def declare(g):
+    m = g.model.encode()
+    if not 1 <= len(m) <= MAX_MODEL_LEN:
+        raise ValueError(f"model id of {len(m)} bytes: want 1..{MAX_MODEL_LEN}")
+    return bytes([len(m)]) + m + struct.pack(
+        "<9I", g.layers, g.kv_heads, g.head_size, g.dtype_size, 1 if g.mla else 0,
+        g.tokens_per_block, g.tokens_per_key, g.tp_rank, g.tp_size)
+
+
+def register_cache(ns, layers):
+    if not 1 <= len(layers) <= MAX_LAYERS:
+        raise ValueError(f"{len(layers)} layers: want 1..{MAX_LAYERS}")
+    parts = [struct.pack("<II", ns, len(layers))]
+    for l in layers:
+        parts.append(struct.pack("<IIqqq", l.region, l.num_blocks, l.offset, l.block_stride, l.plane_stride))
+    return b"".join(parts)
+
+
+def transfer(cache, keys, blocks):
+    if len(blocks) != len(keys) or not blocks:
+        raise ValueError(f"{len(keys)} keys, {len(blocks)} block lists")
+    bpk = len(blocks[0])
+    if not 1 <= bpk <= MAX_BLOCKS_PER_KEY or any(len(b) != bpk for b in blocks):
+        raise ValueError("every key needs the same number (1..4096) of blocks")
+    flat = [b for bl in blocks for b in bl]
+    return struct.pack("<II", cache, bpk) + keys_body(keys) + struct.pack(f"<{len(flat)}I", *flat)
+
+
+def decode_error(body):
+    code, _, n = struct.unpack_from("<BBH", body)
+    return code, body[4:4 + n].decode(errors="replace")
+
+
+def decode_welcome(body):
+    f = struct.unpack_from("<HH7I", body)
+    n = body[32]
+    return {"version": f[0], "max_frame": f[2], "max_registrations": f[3],
+            "max_inflight_jobs": f[4], "max_namespaces": f[5], "max_caches": f[6],
+            "max_keys": f[7], "max_key_len": f[8], "server": body[33:33 + n].decode(errors="replace")}
+
+
+def decode_completion(body):
+    job, kind, n, nbytes, dur = struct.unpack_from("<QB3xIQQ", body)
+    off = 32
+    keys = [(body[off + 2 * i], body[off + 2 * i + 1]) for i in range(n)]
+    off += 2 * n
+    (mlen,) = struct.unpack_from("<H", body, off)
+    msg = body[off + 2:off + 2 + mlen].decode(errors="replace")
+    return job, kind, keys, nbytes, dur, msg
+
+
+def decode_stats(body):
+    vals = struct.unpack_from("<16Q", body)
+    out = dict(zip(STATS_FIELDS, vals))
+    (n,) = struct.unpack_from("<I", body, 128)
+    mounts = []
+    off = 132
+    for _ in range(n):
+        cap, used, entries, direct = struct.unpack_from("<QQQB7x", body, off)
+        mounts.append({"capacity": cap, "used": used, "entries": entries, "direct": bool(direct)})
+        off += 32
+    out["mounts"] = mounts
+    devices = []
+    if len(body) >= off + 4:
+        (n,) = struct.unpack_from("<I", body, off)
+        off += 4
+        for _ in range(n):
+            ordinal, regions, registered, limit = struct.unpack_from("<I4xQQQ", body, off)
+            devices.append({"ordinal": ordinal, "regions": regions, "registered": registered, "limit": limit})
+            off += 32
+    out["devices"] = devices
+    return out

@@ -1,0 +1,143 @@
+"""Which vLLM the tier talks to: feature detection and fallback types.
+
+Only vLLM's light ``vllm.v1.kv_offload`` modules are imported, and only
+when asked (``detect``). When vLLM is not installed the tier runs with the
+plain types below (benchmarks, tests); when it is installed but lacks the
+secondary-tier interface this package was written for, construction is
+refused with ``UnsupportedVLLM`` naming the supported window.
+"""
+
+import dataclasses
+import enum
+import importlib
+import importlib.util
+import types
+import typing
+
+# The window this package was written and tested against (by feature, not
+# version string: vLLM's main reports "dev" versions).
+SUPPORTED_WINDOW = (
+    "vLLM with the secondary-tier interface of main 2026-08-17 (commit 017e9f44, between "
+    "v0.27 and v0.28) and later releases keeping it: vllm.v1.kv_offload.tiering.base with "
+    "SecondaryTierManager(offloading_spec, primary_kv_view, tier_type), TransferJob, "
+    "JobResult(successful_keys=...), get_finished_jobs/drain_jobs/on_new_request, and "
+    "vllm.v1.kv_offload.base.LookupResult with HIT, MISS and RETRY")
+
+
+class UnsupportedVLLM(RuntimeError):
+    """The installed vLLM lacks a feature the kvhost tier needs."""
+
+
+class LookupResult(enum.Enum):
+    """Fallback of vLLM's LookupResult (used only without vLLM)."""
+    HIT = "hit"
+    MISS = "miss"
+    RETRY = "retry"
+
+
+@dataclasses.dataclass
+class JobResult:
+    """Fallback of vLLM's JobResult (used only without vLLM)."""
+    job_id: int
+    success: bool
+    successful_keys: typing.Optional[list] = None
+    transfer_time: typing.Optional[float] = None
+
+
+@dataclasses.dataclass
+class OffloadingEvent:
+    """Fallback of vLLM's OffloadingEvent (used only without vLLM)."""
+    keys: list
+    medium: object
+    removed: bool
+    locality: object = None
+
+
+@dataclasses.dataclass
+class RequestOffloadingContext:
+    """Fallback of vLLM's RequestOffloadingContext (used only without vLLM)."""
+
+
+class SecondaryTierManager:
+    """Fallback base class (used only without vLLM)."""
+
+    def __init__(self, offloading_spec, primary_kv_view, tier_type):
+        self._offloading_spec = offloading_spec
+        self._primary_kv_view = primary_kv_view
+        self.tier_type = tier_type
+
+
+FALLBACK = types.SimpleNamespace(
+    name="standalone (vLLM not installed)",
+    LookupResult=LookupResult, JobResult=JobResult, OffloadingEvent=OffloadingEvent,
+    RequestOffloadingContext=RequestOffloadingContext,
+    SecondaryTierManager=SecondaryTierManager, Medium=None)
+
+
+def _has_field(cls, name):
+    if dataclasses.is_dataclass(cls):
+        return any(f.name == name for f in dataclasses.fields(cls))
+    import inspect
+    try:
+        return name in inspect.signature(cls).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def check_api(api):
+    """Raises UnsupportedVLLM unless api (a namespace of vLLM's classes, or
+    stand-ins of them) has every feature the tier uses."""
+    missing = []
+    for name in ("LookupResult", "JobResult", "OffloadingEvent", "SecondaryTierManager"):
+        if getattr(api, name, None) is None:
+            missing.append(name)
+    lr = getattr(api, "LookupResult", None)
+    if lr is not None:
+        for m in ("HIT", "MISS", "RETRY"):
+            if not hasattr(lr, m):
+                missing.append(f"LookupResult.{m}")
+    jr = getattr(api, "JobResult", None)
+    if jr is not None and not _has_field(jr, "successful_keys"):
+        missing.append("JobResult.successful_keys")
+    if getattr(api, "TransferJob", None) is None and api is not FALLBACK:
+        missing.append("TransferJob")
+    if missing:
+        raise UnsupportedVLLM(
+            f"kvhost.vllm: this vLLM ({getattr(api, 'name', '?')}) lacks {', '.join(missing)}; "
+            f"supported: {SUPPORTED_WINDOW}")
+
+
+def detect():
+    """Returns the vLLM classes the tier uses (a namespace), FALLBACK when
+    vLLM is not installed; raises UnsupportedVLLM for a vLLM outside the
+    window."""
+    try:
+        if importlib.util.find_spec("vllm") is None:
+            return FALLBACK
+    except (ImportError, ValueError):
+        return FALLBACK
+    version = "unknown version"
+    try:
+        if importlib.util.find_spec("vllm.v1.kv_offload.tiering.base") is None:
+            raise ImportError("no module vllm.v1.kv_offload.tiering.base")
+        base = importlib.import_module("vllm.v1.kv_offload.base")
+        tier = importlib.import_module("vllm.v1.kv_offload.tiering.base")
+    except ImportError as e:
+        raise UnsupportedVLLM(f"kvhost.vllm: the installed vLLM has no usable secondary-tier "
+                              f"interface ({e}); supported: {SUPPORTED_WINDOW}") from e
+    try:
+        from importlib import metadata
+        version = metadata.version("vllm")
+    except Exception:  # a source checkout has no metadata: the name stays generic
+        pass
+    api = types.SimpleNamespace(
+        name=f"vllm {version}",
+        LookupResult=getattr(base, "LookupResult", None) or getattr(tier, "LookupResult", None),
+        JobResult=getattr(tier, "JobResult", None),
+        TransferJob=getattr(tier, "TransferJob", None),
+        OffloadingEvent=getattr(base, "OffloadingEvent", None),
+        RequestOffloadingContext=getattr(base, "RequestOffloadingContext", None),
+        SecondaryTierManager=getattr(tier, "SecondaryTierManager", None),
+        Medium=getattr(base, "Medium", None))
+    check_api(api)
+    return api

@@ -1,0 +1,587 @@
+"""KvhostTier: a vLLM secondary tier backed by the node's kvhost daemon.
+
+vLLM's TieringOffloadingSpec moves KV blocks between the GPUs and its CPU
+region; this tier moves rows of that region to and from kvhost, which
+places, evicts and verifies them (its wasm policy decides). Every method
+that vLLM's scheduler calls returns at once: lookups are answered from a
+short-lived table filled by a background thread (RETRY until the daemon
+has answered), stores and promotions run on worker threads that talk to
+the daemon and report through get_finished_jobs.
+
+Data path: ``copy`` (default) copies rows through a kvhost-registered
+memfd (staging); ``zero_copy="on"`` registers vLLM's own region with the
+daemon and names its rows directly. The latter works today when the
+region is a sealed memfd; vLLM's /dev/shm file needs a daemon that accepts
+plain shared-memory files (see docs/vllm.md). ``"auto"`` tries it and falls
+back to the copy. The interface is the same either way.
+"""
+
+import collections
+import concurrent.futures
+import fcntl
+import logging
+import os
+import queue
+import threading
+import time
+
+from .. import protocol as p
+from ..client import Client, KvhostError, Layer
+from ..memory import HostBuffer
+from . import _compat, _namespace
+
+log = logging.getLogger("kvhost.vllm")
+
+_OWN_KEYS = {
+    "socket": None,
+    "namespace": "",
+    "staging_bytes": 256 << 20,
+    "threads": 4,
+    "zero_copy": "off",
+    "lookup_ttl_s": 1.0,
+    "lookup_wait_s": 0.0,
+    "job_timeout_s": 60.0,
+    "medium": None,
+    "client_name": "vllm-tier",
+    "max_events": 1 << 16,
+}
+# Keys the factory may pass along with the tier's own ones.
+_IGNORED_KEYS = {"type", "module_path"}
+
+_UNITS = {"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40,
+          "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 ** 12}
+
+
+def default_socket():
+    """The socket the tier connects to without a ``socket`` key: $KVHOST_SOCKET,
+    else the daemon's default ($XDG_RUNTIME_DIR/kvhost.sock, else
+    ~/.cache/kvhost/kvhost.sock)."""
+    env = os.environ.get("KVHOST_SOCKET")
+    if env:
+        return env
+    run = os.environ.get("XDG_RUNTIME_DIR")
+    if run:
+        return os.path.join(run, "kvhost.sock")
+    return os.path.join(os.path.expanduser("~"), ".cache", "kvhost", "kvhost.sock")
+
+
+def _size(name, v):
+    if isinstance(v, bool):
+        raise ValueError(f"kvhost.vllm: {name}: want a size, got {v!r}")
+    if isinstance(v, int):
+        return v
+    s = str(v).strip()
+    num = s.rstrip("".join(sorted({c for u in _UNITS for c in u})))
+    unit = s[len(num):].strip()
+    if unit not in _UNITS:
+        raise ValueError(f"kvhost.vllm: {name}: unknown unit in {v!r} (want e.g. 256MiB)")
+    try:
+        return int(float(num) * _UNITS[unit])
+    except ValueError as e:
+        raise ValueError(f"kvhost.vllm: {name}: not a size: {v!r}") from e
+
+
+def _options(own):
+    unknown = sorted(set(own) - set(_OWN_KEYS) - _IGNORED_KEYS)
+    if unknown:
+        raise ValueError(f"kvhost.vllm: unknown tier option(s) {', '.join(unknown)}; "
+                         f"known: {', '.join(sorted(_OWN_KEYS))}")
+    o = dict(_OWN_KEYS)
+    o.update({k: v for k, v in own.items() if k in _OWN_KEYS})
+    o["socket"] = o["socket"] or default_socket()
+    o["staging_bytes"] = _size("staging_bytes", o["staging_bytes"])
+    zc = o["zero_copy"]
+    o["zero_copy"] = {True: "on", False: "off"}.get(zc, zc) if isinstance(zc, bool) else str(zc)
+    if o["zero_copy"] not in ("off", "auto", "on"):
+        raise ValueError(f"kvhost.vllm: zero_copy: want off, auto or on, got {zc!r}")
+    for k in ("threads", "max_events"):
+        if not isinstance(o[k], int) or isinstance(o[k], bool) or o[k] < 1:
+            raise ValueError(f"kvhost.vllm: {k}: want an integer >= 1, got {o[k]!r}")
+    for k in ("lookup_ttl_s", "lookup_wait_s", "job_timeout_s"):
+        if not isinstance(o[k], (int, float)) or o[k] < 0:
+            raise ValueError(f"kvhost.vllm: {k}: want seconds >= 0, got {o[k]!r}")
+    return o
+
+
+def _daemon_key(k):
+    k = bytes(k)
+    if len(k) <= p.MAX_KEY_LEN:
+        return k
+    import hashlib
+    return b"\xffkvhost-sha256:" + hashlib.sha256(k).digest()
+
+
+def _pick_medium(api, name):
+    """The medium events name: vLLM's Medium member called name (or the first
+    of DISK, STORAGE, FS, FILE that exists), else the plain string."""
+    medium = getattr(api, "Medium", None)
+    if medium is None:
+        return name or "KVHOST"
+    for n in [name] if name else ["DISK", "STORAGE", "FS", "FILE"]:
+        if hasattr(medium, n):
+            return getattr(medium, n)
+    if name:
+        raise ValueError(f"kvhost.vllm: medium {name!r} is not a member of vLLM's Medium "
+                         f"({', '.join(m.name for m in medium)})")
+    return "KVHOST"
+
+
+def _mapping_of(addr, length):
+    """The /proc/self/maps entry holding [addr, addr+length): (start, end,
+    file offset, path)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(None, 5)
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if lo <= addr and addr + length <= hi:
+                path = parts[5].strip() if len(parts) > 5 else ""
+                return lo, hi, int(parts[2], 16), path
+    return None
+
+
+class _TierImpl:
+    """The tier's logic; kvhost.vllm.tier_class binds it to vLLM's (or
+    stand-in) classes."""
+
+    _api = _compat.FALLBACK
+
+    def __init__(self, offloading_spec, primary_kv_view, tier_type="kvhost", **own):
+        import numpy as np  # vLLM depends on numpy; imported here so the module stays light
+
+        api = self._api
+        _compat.check_api(api)
+        base_init = getattr(api.SecondaryTierManager, "__init__", None)
+        if base_init is not None and base_init is not object.__init__:
+            base_init(self, offloading_spec=offloading_spec, primary_kv_view=primary_kv_view,
+                      tier_type=tier_type)
+        self.tier_type = tier_type
+        self._spec = offloading_spec
+        o = self._opts = _options(own)
+        self._medium = _pick_medium(api, o["medium"])
+
+        arr = np.asarray(primary_kv_view)
+        if arr.ndim != 2:
+            raise ValueError(f"kvhost.vllm: primary_kv_view has shape {arr.shape}: want (num_blocks, row_stride)")
+        self._row_bytes = arr.shape[1] * arr.itemsize
+        self._row_stride = arr.strides[0]
+        self._num_rows = arr.shape[0]
+        if arr.strides[1] != arr.itemsize:
+            raise ValueError("kvhost.vllm: primary_kv_view rows are not contiguous")
+        self._view = primary_kv_view
+        self._primary = arr.view(np.uint8) if arr.dtype != np.uint8 else arr
+        self._np = np
+
+        self._desc = _namespace.describe(offloading_spec, self._row_bytes, str(o["namespace"]))
+        geom = _namespace.geometry(self._desc)
+
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+        self._closing = False
+        self._closed = False
+        self._answers = {}
+        self._pending_lookups = set()
+        self._lookup_queue = []
+        self._touch_queue = []
+        self._storing = collections.Counter()
+        self._inflight = 0
+        self._finished = []
+        self._events = collections.deque()
+        self._stats = collections.Counter()
+        self._staging = None
+        self._slot_ranges = None
+        self._cache = None
+        self._region = None
+        self._zero_copy_error = None
+
+        try:
+            self._client = Client(o["socket"], name=o["client_name"])
+        except OSError as e:
+            raise ConnectionError(f"kvhost.vllm: cannot connect to the kvhost daemon at {o['socket']}: {e} "
+                                  f"(set the tier's \"socket\" key or KVHOST_SOCKET)") from e
+        try:
+            self._ns = self._client.declare(geom)
+            if self._ns.key_bytes != self._row_bytes:
+                raise RuntimeError(f"kvhost.vllm: the daemon derived {self._ns.key_bytes} bytes per key, "
+                                   f"want the row's {self._row_bytes}")
+            self.data_path = self._setup_data_path(geom)
+        except BaseException:
+            self._release()
+            raise
+        self._pool = concurrent.futures.ThreadPoolExecutor(o["threads"], thread_name_prefix="kvhost-tier")
+        self._lookup_thread = threading.Thread(target=self._lookup_loop, name="kvhost-tier-lookup", daemon=True)
+        self._lookup_thread.start()
+        log.info("kvhost tier: namespace %s (%d-byte rows), data path %s, socket %s",
+                 geom.model, self._row_bytes, self.data_path, o["socket"])
+
+    # -- set-up ---------------------------------------------------------------
+
+    def _setup_data_path(self, geom):
+        mode = self._opts["zero_copy"]
+        if mode != "off":
+            try:
+                self._register_primary()
+                return "zero-copy"
+            except (OSError, KvhostError, ValueError) as e:
+                self._zero_copy_error = str(e)
+                if mode == "on":
+                    raise RuntimeError(f"kvhost.vllm: zero_copy=on: cannot register vLLM's CPU region with "
+                                       f"the daemon: {e}") from e
+                log.warning("kvhost tier: zero-copy unavailable (%s); copying through a kvhost memfd", e)
+        self._setup_staging()
+        return "copy"
+
+    def _register_primary(self):
+        """Registers the memory behind primary_kv_view with the daemon: the
+        file the mapping comes from (vLLM's /dev/shm region) or, for a memfd,
+        the mapping itself through /proc/self/map_files."""
+        addr = self._primary.ctypes.data
+        length = (self._num_rows - 1) * self._row_stride + self._row_bytes
+        m = _mapping_of(addr, length)
+        if m is None:
+            raise ValueError("primary_kv_view is not one file mapping")
+        lo, hi, off, path = m
+        if path.startswith("/") and not path.endswith("(deleted)"):
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        else:
+            fd = os.open(f"/proc/self/map_files/{lo:x}-{hi:x}", os.O_RDWR | os.O_CLOEXEC)
+        try:
+            file_off = off + (addr - lo)
+            size = file_off + length
+            if os.fstat(fd).st_size < size:
+                raise ValueError(f"{path or 'the region'} holds {os.fstat(fd).st_size} bytes, want {size}")
+            self._region = self._register_fd(fd, size)
+        finally:
+            os.close(fd)
+        self._cache = self._client.register_cache(self._ns, [Layer(
+            self._region, offset=file_off, block_stride=self._row_stride, plane_stride=0,
+            num_blocks=self._num_rows)])
+
+    def _register_fd(self, fd, size):
+        try:
+            sealed = fcntl.fcntl(fd, getattr(fcntl, "F_GET_SEALS", 1034)) & getattr(fcntl, "F_SEAL_SHRINK", 2)
+        except OSError:
+            sealed = 0
+        if sealed:
+            return self._client.register_memfd(fd, size)
+        # A plain shared-memory file cannot be sealed: send it as it is and
+        # let the daemon decide (today's daemon refuses it: bad descriptor).
+        reg = getattr(self._client, "register_shared_file", None)
+        if reg is not None:
+            return reg(fd, size)
+        import struct
+        _, body = self._client._call(p.T_REGISTER_MEMORY, p.register_memory(p.MEMORY_MEMFD, size), [fd])
+        return struct.unpack_from("<I", body)[0]
+
+    def _setup_staging(self):
+        o = self._opts
+        threads = o["threads"]
+        per = max(1, min(p.MAX_KEYS_PER_REQUEST, o["staging_bytes"] // self._row_bytes // threads))
+        slots = per * threads
+        self._staging = HostBuffer(slots * self._row_bytes, name="kvhost-vllm-staging")
+        self._staging_rows = self._np.frombuffer(self._staging.mmap, dtype=self._np.uint8).reshape(
+            slots, self._row_bytes)
+        self._region = self._client.register_buffer(self._staging)
+        self._cache = self._client.register_cache(self._ns, [Layer(
+            self._region, offset=0, block_stride=self._row_bytes, plane_stride=0, num_blocks=slots)])
+        self._slot_ranges = queue.SimpleQueue()
+        for i in range(threads):
+            self._slot_ranges.put((i * per, per))
+
+    # -- lookups ---------------------------------------------------------------
+
+    def lookup(self, key, req_context=None):
+        """HIT or MISS from the daemon's answer (kept lookup_ttl_s), RETRY
+        while the answer is pending or the key is being stored here."""
+        R = self._api.LookupResult
+        key = bytes(key)
+        deadline = None
+        with self._cv:
+            self._stats["lookups"] += 1
+            while True:
+                if self._storing[key]:
+                    self._stats["lookup_retries"] += 1
+                    return R.RETRY
+                a = self._answers.get(key)
+                now = time.monotonic()
+                if a is not None and a[1] > now:
+                    self._stats["lookup_hits" if a[0] else "lookup_misses"] += 1
+                    return R.HIT if a[0] else R.MISS
+                if key not in self._pending_lookups and not self._closing:
+                    self._pending_lookups.add(key)
+                    self._lookup_queue.append(key)
+                    self._cv.notify_all()
+                wait = self._opts["lookup_wait_s"]
+                if deadline is None:
+                    deadline = now + wait
+                if self._closing or now >= deadline:
+                    self._stats["lookup_retries"] += 1
+                    return R.RETRY
+                self._cv.wait(deadline - now)
+
+    def touch(self, keys, req_context=None):
+        """Marks keys used: the daemon counts a lookup hit as an access for
+        its policy, so this queues a lookup (answered off this thread)."""
+        keys = [bytes(k) for k in keys]
+        if not keys:
+            return
+        with self._cv:
+            self._touch_queue.append(keys)
+            self._cv.notify_all()
+
+    def _lookup_loop(self):
+        while True:
+            with self._cv:
+                while not self._lookup_queue and not self._touch_queue and not self._closing:
+                    self._cv.wait()
+                if self._closing:
+                    return
+                keys, self._lookup_queue = self._lookup_queue, []
+                touches, self._touch_queue = self._touch_queue, []
+            answers = {}
+            try:
+                rest = keys
+                while rest:
+                    batch = rest[:p.MAX_KEYS_PER_REQUEST]
+                    n = self._client.lookup(self._ns, [_daemon_key(k) for k in batch])
+                    with self._lock:
+                        self._stats["daemon_lookups"] += 1
+                    for k in batch[:n]:
+                        answers[k] = True
+                    if n < len(batch):
+                        answers[batch[n]] = False
+                        rest = batch[n + 1:] + rest[len(batch):]
+                    else:
+                        rest = rest[len(batch):]
+                for t in touches:
+                    for i in range(0, len(t), p.MAX_KEYS_PER_REQUEST):
+                        self._client.lookup(self._ns, [_daemon_key(k) for k in t[i:i + p.MAX_KEYS_PER_REQUEST]])
+            except Exception as e:  # the daemon is gone or refused: answer MISS, vLLM recomputes
+                log.warning("kvhost tier: lookup failed: %s", e)
+                with self._lock:
+                    self._stats["lookup_errors"] += 1
+            expiry = time.monotonic() + self._opts["lookup_ttl_s"]
+            with self._cv:
+                for k in keys:
+                    self._answers[k] = (answers.get(k, False), expiry)
+                    self._pending_lookups.discard(k)
+                if len(self._answers) > 4 * (1 << 16):
+                    now = time.monotonic()
+                    self._answers = {k: a for k, a in self._answers.items() if a[1] > now}
+                self._cv.notify_all()
+
+    # -- jobs ------------------------------------------------------------------
+
+    def submit_store(self, job):
+        """Starts storing job.keys from primary rows job.block_ids (cascade)."""
+        self._submit(job, load=False)
+
+    def submit_load(self, job):
+        """Starts loading job.keys into primary rows job.block_ids (promotion)."""
+        self._submit(job, load=True)
+
+    def _submit(self, job, load):
+        keys = [bytes(k) for k in job.keys]
+        rows = [int(b) for b in job.block_ids]
+        if len(rows) != len(keys):
+            raise ValueError(f"kvhost.vllm: job {job.job_id}: {len(keys)} keys, {len(rows)} block ids")
+        bad = [b for b in rows if not 0 <= b < self._num_rows]
+        if bad:
+            raise ValueError(f"kvhost.vllm: job {job.job_id}: block id {bad[0]} outside the primary "
+                             f"region's {self._num_rows} rows")
+        with self._cv:
+            if self._closing:
+                raise RuntimeError("kvhost.vllm: the tier is shut down")
+            self._inflight += 1
+            self._stats["load_jobs" if load else "store_jobs"] += 1
+            if not load:
+                self._storing.update(keys)
+        self._pool.submit(self._run, job.job_id, keys, rows, load)
+
+    def _run(self, job_id, keys, rows, load):
+        t0 = time.monotonic()
+        outcomes = [p.OUTCOME_FAILED] * len(keys)
+        try:
+            if self._staging is None:
+                for i in range(0, len(keys), p.MAX_KEYS_PER_REQUEST):
+                    sl = slice(i, i + p.MAX_KEYS_PER_REQUEST)
+                    outcomes[sl] = self._transfer(keys[sl], rows[sl], load)
+            else:
+                base, per = self._slot_ranges.get()
+                try:
+                    for i in range(0, len(keys), per):
+                        sl = slice(i, i + per)
+                        outcomes[sl] = self._staged(keys[sl], rows[sl], base, load)
+                finally:
+                    self._slot_ranges.put((base, per))
+        except Exception as e:
+            log.warning("kvhost tier: %s job %d failed: %s", "load" if load else "store", job_id, e)
+            with self._lock:
+                self._stats["job_errors"] += 1
+        self._finish(job_id, keys, outcomes, load, time.monotonic() - t0)
+
+    def _transfer(self, keys, blocks, load):
+        dk = [_daemon_key(k) for k in keys]
+        bl = [[b] for b in blocks]
+        job = self._client.load(self._cache, dk, bl) if load else self._client.store(self._cache, dk, bl)
+        try:
+            res = job.wait(self._opts["job_timeout_s"] or None)
+        except TimeoutError:
+            job.cancel()
+            res = job.wait(self._opts["job_timeout_s"] or None)
+        return [o for o, _ in res.keys]
+
+    def _staged(self, keys, rows, base, load):
+        np = self._np
+        st, pr = self._staging_rows, self._primary
+        slots = list(range(base, base + len(keys)))
+        if not load:
+            for s, r in zip(slots, rows):
+                np.copyto(st[s], pr[r])
+        out = self._transfer(keys, slots, load)
+        if load:
+            for s, r, o in zip(slots, rows, out):
+                if o == p.OUTCOME_LOADED:
+                    np.copyto(pr[r], st[s])
+        return out
+
+    def _finish(self, job_id, keys, outcomes, load, seconds):
+        api = self._api
+        now = time.monotonic()
+        expiry = now + self._opts["lookup_ttl_s"]
+        ok_out = (p.OUTCOME_LOADED,) if load else (p.OUTCOME_STORED, p.OUTCOME_PRESENT)
+        fine = ok_out if load else ok_out + (p.OUTCOME_NOT_ADMITTED,)
+        good = [k for k, o in zip(keys, outcomes) if o in ok_out]
+        success = all(o in fine for o in outcomes)
+        events = []
+        if load:
+            gone = [k for k, o in zip(keys, outcomes) if o == p.OUTCOME_MISSING]
+            if gone:
+                events.append(api.OffloadingEvent(keys=gone, medium=self._medium, removed=True))
+        else:
+            new = [k for k, o in zip(keys, outcomes) if o == p.OUTCOME_STORED]
+            if new:
+                events.append(api.OffloadingEvent(keys=new, medium=self._medium, removed=False))
+        result = api.JobResult(job_id=job_id, success=success, successful_keys=good)
+        if hasattr(result, "transfer_time"):
+            result.transfer_time = seconds
+        c = collections.Counter(outcomes)
+        with self._cv:
+            s = self._stats
+            if load:
+                s["load_keys"] += len(keys)
+                s["loaded_keys"] += c[p.OUTCOME_LOADED]
+                s["load_missing_keys"] += c[p.OUTCOME_MISSING]
+                s["load_failed_keys"] += len(keys) - c[p.OUTCOME_LOADED] - c[p.OUTCOME_MISSING]
+                s["bytes_loaded"] += c[p.OUTCOME_LOADED] * self._row_bytes
+                for k, o in zip(keys, outcomes):
+                    if o != p.OUTCOME_LOADED:
+                        self._answers[k] = (False, expiry)
+            else:
+                self._storing.subtract(keys)
+                for k in keys:
+                    if self._storing[k] <= 0:
+                        del self._storing[k]
+                s["store_keys"] += len(keys)
+                s["stored_keys"] += c[p.OUTCOME_STORED]
+                s["present_keys"] += c[p.OUTCOME_PRESENT]
+                s["not_admitted_keys"] += c[p.OUTCOME_NOT_ADMITTED]
+                s["store_failed_keys"] += len(keys) - sum(c[o] for o in fine)
+                s["bytes_stored"] += c[p.OUTCOME_STORED] * self._row_bytes
+                for k in good:
+                    self._answers[k] = (True, expiry)
+            if not success:
+                s["failed_load_jobs" if load else "failed_store_jobs"] += 1
+            for ev in events:
+                if len(self._events) >= self._opts["max_events"]:
+                    self._events.popleft()
+                    s["events_dropped"] += 1
+                self._events.append(ev)
+            self._finished.append(result)
+            self._inflight -= 1
+            self._cv.notify_all()
+
+    def get_finished_jobs(self):
+        """Jobs completed since the last call (JobResult with successful_keys)."""
+        with self._lock:
+            out, self._finished = self._finished, []
+        return out
+
+    def drain_jobs(self):
+        """Blocks until every submitted job has completed."""
+        with self._cv:
+            while self._inflight:
+                self._cv.wait()
+
+    def has_pending_work(self):
+        """True while jobs run, results wait to be collected or lookups are pending."""
+        with self._lock:
+            return bool(self._inflight or self._finished or self._pending_lookups)
+
+    # -- requests, events, stats -------------------------------------------------
+
+    def on_new_request(self, req_context=None):
+        """The tier has no per-request preference: vLLM's default context."""
+        return self._api.RequestOffloadingContext()
+
+    def on_request_finished(self, req_context=None):
+        """Nothing is held per request."""
+        return None
+
+    def request_finished(self, req_context=None):
+        """Older name of on_request_finished."""
+        return None
+
+    def on_schedule_end(self, *args, **kwargs):
+        """Nothing to do at a step's end: jobs are already running."""
+        return None
+
+    def take_events(self):
+        """Stored (removed=False) and vanished (removed=True) keys since the last call."""
+        with self._lock:
+            out = list(self._events)
+            self._events.clear()
+        return out
+
+    def get_stats(self):
+        """This tier's counters (no daemon round trip)."""
+        with self._lock:
+            s = dict(self._stats)
+            s["inflight_jobs"] = self._inflight
+        s["data_path"] = self.data_path
+        s["namespace"] = self._ns.geometry.model
+        if self._zero_copy_error:
+            s["zero_copy_error"] = self._zero_copy_error
+        return s
+
+    def daemon_stats(self):
+        """The daemon's counters (one round trip; not for the scheduler's hot path)."""
+        return self._client.stats()
+
+    def shutdown(self):
+        """Waits for jobs (up to job_timeout_s each), then releases the
+        daemon connection, registrations and staging memory. Idempotent."""
+        with self._cv:
+            if self._closed:
+                return
+            self._closed = True
+        self._pool.shutdown(wait=True)
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+        self._lookup_thread.join()
+        self._release()
+
+    def _release(self):
+        client = getattr(self, "_client", None)
+        if client is not None:
+            for fn, arg in ((client.unregister_cache, self._cache), (client.unregister_memory, self._region)):
+                if arg is not None:
+                    try:
+                        fn(arg)
+                    except Exception as e:  # the connection's end releases them anyway
+                        log.debug("kvhost tier: release: %s", e)
+            client.close()
+        if self._staging is not None:
+            self._staging_rows = None
+            self._staging.close()
+            self._staging = None
