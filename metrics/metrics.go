@@ -31,6 +31,9 @@ type Sources struct {
 	Policy func() PolicyState
 	// DataPaths are the fallback counts of the GPU data paths, per mount.
 	DataPaths func() []DataPath
+	// Staging reports the CPU staging pipeline's bounce buffers in use,
+	// their limit and size (engine.StagingUsage).
+	Staging func() (inUse, limit, size int)
 	// Reloads counts configuration reloads that took effect and that
 	// failed.
 	Reloads func() (ok, failed uint64)
@@ -154,7 +157,7 @@ func (m *Metrics) Handler() http.Handler {
 
 // collector reads the Sources at every scrape.
 type collector struct {
-	m    *Metrics
+	m *Metrics
 }
 
 // Describe sends nothing: the collector is unchecked (the label sets of
@@ -205,6 +208,9 @@ var (
 	dGPURegions     = desc("kvhost_gpu_registered_regions", "GPU memory regions registered by clients (CUDA IPC), per device.", "device")
 	dGPUBytes       = desc("kvhost_gpu_registered_bytes", "Bytes of GPU memory registered by clients, per device.", "device")
 	dGPULimit       = desc("kvhost_gpu_registered_bytes_limit", "The most bytes of GPU memory clients may register per device.", "device")
+	dStagingInUse   = desc("kvhost_staging_buffers_in_use", "Bounce buffers of the CPU staging pipeline in use.")
+	dStagingLimit   = desc("kvhost_staging_buffers_limit", "The most bounce buffers the CPU staging pipeline may have (engine.staging_memory).")
+	dStagingSize    = desc("kvhost_staging_buffer_bytes", "Size of one bounce buffer.")
 	dStart          = desc("kvhost_start_time_seconds", "When the daemon's server started, in Unix seconds.")
 	dReloads        = desc("kvhost_reloads_total", "Configuration reloads, by result (ok, failed).", "result")
 )
@@ -300,6 +306,12 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 			gauge(dGPUBytes, float64(d.Registered), dev)
 			gauge(dGPULimit, float64(d.Limit), dev)
 		}
+	}
+	if src.Staging != nil {
+		inUse, limit, size := src.Staging()
+		gauge(dStagingInUse, float64(inUse))
+		gauge(dStagingLimit, float64(limit))
+		gauge(dStagingSize, float64(size))
 	}
 	if src.Reloads != nil {
 		ok, failed := src.Reloads()

@@ -114,6 +114,7 @@ func TestMetricsExposeSourcesAndObservations(t *testing.T) {
 		},
 		DataPaths: func() []DataPath { return []DataPath{{Mount: dir, Fallbacks: map[string]uint64{"cufile": 6}}} },
 		Reloads:   func() (uint64, uint64) { return 4, 1 },
+		Staging:   func() (int, int, int) { return 2, 16, 4 << 20 },
 	})
 	m.SetReady(true)
 	m.ObserveJob(engine.JobEvent{Direction: "store", Memory: region.KindHost, Path: "staging", Bytes: 4096, Duration: time.Millisecond,
@@ -151,6 +152,8 @@ func TestMetricsExposeSourcesAndObservations(t *testing.T) {
 		{"kvhost_gpu_registered_bytes", map[string]string{"device": "1"}, 5},
 		{"kvhost_start_time_seconds", nil, 1700000000},
 		{"kvhost_reloads_total", map[string]string{"result": "failed"}, 1},
+		{"kvhost_staging_buffers_in_use", nil, 2},
+		{"kvhost_staging_buffers_limit", nil, 16},
 		{"kvhost_jobs_total", map[string]string{"direction": "store", "memory": "host", "path": "staging"}, 1},
 		{"kvhost_job_bytes_total", map[string]string{"direction": "store"}, 4096},
 		{"kvhost_job_duration_seconds", map[string]string{"direction": "store"}, 1},

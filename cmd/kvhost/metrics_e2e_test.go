@@ -97,6 +97,10 @@ func TestMetricsMoveDuringAnEndToEndRun(t *testing.T) {
 		metricValue(after, "kvhost_policy_call_duration_seconds", "hook", "kvhost_name") <= 0 {
 		t.Error("policy calls not counted or timed")
 	}
+	if metricValue(after, "kvhost_staging_buffers_limit") <= 0 || metricValue(after, "kvhost_staging_buffers_in_use") != 0 {
+		t.Errorf("staging buffers: limit %v, in use %v (want > 0 and 0 when idle)",
+			metricValue(after, "kvhost_staging_buffers_limit"), metricValue(after, "kvhost_staging_buffers_in_use"))
+	}
 
 	// kvhost stats --json against the same daemon.
 	var out, errb bytes.Buffer

@@ -217,7 +217,7 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 	}
 	if d.metrics != nil {
 		d.metrics.SetSources(metrics.Sources{
-			Engine: eng.Stats, Server: srv.Stats, Policy: d.pol.state, DataPaths: d.dataPaths,
+			Engine: eng.Stats, Server: srv.Stats, Policy: d.pol.state, DataPaths: d.dataPaths, Staging: eng.StagingUsage,
 			Reloads: func() (uint64, uint64) {
 				d.mu.Lock()
 				defer d.mu.Unlock()
