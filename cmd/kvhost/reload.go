@@ -52,7 +52,9 @@ func (d *daemon) reload(ctx context.Context) {
 	} else {
 		d.log.Info("reload done", "result", msg, "took", time.Since(start).String())
 	}
-	d.setReady(true)
+	if ctx.Err() == nil { // not while draining
+		d.setReady(true)
+	}
 }
 
 // applyReload does the work of reload and describes what changed.

@@ -222,9 +222,10 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 	}
 }
 
-// TestSIGTERMFinishesJobsAndRemovesTheSocket sends SIGTERM while jobs are
-// submitted: every job accepted before it completes stored, the daemon
-// says STOPPING=1, exits 0 and leaves no socket.
+// TestSIGTERMFinishesJobsAndRemovesTheSocket sends SIGTERM while a
+// client submits store jobs without pause: every job the daemon accepted
+// completes stored (none is lost or cancelled), later submissions are
+// refused, the daemon says STOPPING=1, exits 0 and leaves no socket.
 func TestSIGTERMFinishesJobsAndRemovesTheSocket(t *testing.T) {
 	dir := t.TempDir()
 	file, socket, _ := testConfig(t, dir, "[engine]\nfsync = true")
@@ -232,24 +233,34 @@ func TestSIGTERMFinishesJobsAndRemovesTheSocket(t *testing.T) {
 	p := startProc(t, []string{"NOTIFY_SOCKET=" + notify.path}, "serve", "--config", file)
 	notify.expect(t, "READY=1")
 	k := newKVCache(t, socket)
-	ctx := context.Background()
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
 	var jobs []*client.Job
-	for i := range opsBlocks / 2 {
-		j, err := k.c.Store(ctx, k.id, [][]byte{fmt.Appendf(nil, "key-%d", i)}, [][]uint32{{uint32(2 * i), uint32(2*i + 1)}})
+	var refused error
+	for i := 0; ; i++ {
+		b := uint32(2 * (i % (opsBlocks / 2)))
+		j, err := k.c.Store(ctx, k.id, [][]byte{fmt.Appendf(nil, "key-%d", i)}, [][]uint32{{b, b + 1}})
 		if err != nil {
-			t.Fatal(err)
+			refused = err
+			break
 		}
 		jobs = append(jobs, j)
+		if i == 32 {
+			if err := p.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+				t.Fatal(err)
+			}
+		}
 	}
-	if err := p.cmd.Process.Signal(syscall.SIGTERM); err != nil {
-		t.Fatal(err)
+	if len(jobs) <= 32 || ctx.Err() != nil {
+		t.Fatalf("%d jobs accepted, submission ended with %v: want the daemon to refuse new jobs once draining", len(jobs), refused)
 	}
 	for i, j := range jobs {
 		res, err := j.Wait(ctx)
 		if err != nil || res.Keys[0].Outcome != client.OutcomeStored {
-			t.Fatalf("job %d: %v %v %s", i, res.Keys, err, res.Message)
+			t.Fatalf("job %d of %d accepted: %v %v %s", i, len(jobs), res.Keys, err, res.Message)
 		}
 	}
+	t.Logf("%d jobs accepted, all stored; the next submission got: %v", len(jobs), refused)
 	notify.expect(t, "STOPPING=1")
 	k.c.Close()
 	if err := p.waitExit(t); err != nil {

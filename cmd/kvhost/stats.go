@@ -169,7 +169,7 @@ func printStats(w io.Writer, r statsReport) {
 		rl += "; last: " + r.Reloads.Last
 	}
 	fmt.Fprintf(tw, "reloads\t%s\n", rl)
-	fmt.Fprintf(tw, "clients\t%d\n", r.Clients)
+	fmt.Fprintf(tw, "clients\t%d (this command's connection included)\n", r.Clients)
 	fmt.Fprintf(tw, "jobs in flight\t%d\n", r.InflightJobs)
 	fmt.Fprintf(tw, "registered\t%d regions, %s\n", r.Regions, bytesString(r.RegisteredBytes))
 	fmt.Fprintf(tw, "index\t%d files, %d keys\n", r.Entries, r.Keys)
