@@ -41,7 +41,11 @@ class OfflineInstallTest(unittest.TestCase):
         # --isolated: no pip configuration or PIP_* variables of this
         # machine (find-links, an index) take part; --no-index: nothing
         # is downloaded.
-        r = subprocess.run([py, "-m", "pip", "--isolated", "install", "--no-index", "--no-build-isolation", str(PKG)],
+        # From a copy: setuptools builds in the source tree (build/,
+        # *.egg-info), which must stay clean.
+        src = os.path.join(self.tmp, "client-python")
+        shutil.copytree(PKG, src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+        r = subprocess.run([py, "-m", "pip", "--isolated", "install", "--no-index", "--no-build-isolation", src],
                            capture_output=True, text=True)
         self.assertEqual(r.returncode, 0, f"offline install failed:\n{r.stdout}\n{r.stderr}")
 
