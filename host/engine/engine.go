@@ -58,12 +58,12 @@ type Engine struct {
 	declares int // namespaces counted against Config.MaxNamespaces
 	jobsWG   sync.WaitGroup
 
-	st counters
+	st       counters
+	verifyIv atomic.Int64 // Config.VerifyInterval, changed by SetVerifyInterval
 	// pathWaits counts the times a store waited for another job holding
 	// its file's path (tests wait for it instead of sleeping).
 	pathWaits atomic.Int64
 	fails     *failureLog
-	verifyIv  atomic.Int64 // Config.VerifyInterval, changed by SetVerifyInterval
 }
 
 type counters struct {
