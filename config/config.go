@@ -8,6 +8,7 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"net"
 	"os"
 	"path/filepath"
 	"strings"
@@ -23,12 +24,21 @@ var ErrInvalid = errors.New("config: invalid")
 
 // Config is the whole configuration of a kvhost daemon.
 type Config struct {
-	Server Server  `toml:"server"`
-	Log    Log     `toml:"log"`
-	Policy Policy  `toml:"policy"`
-	Engine Engine  `toml:"engine"`
-	Mounts []Mount `toml:"mount"`
-	GPU    GPU     `toml:"gpu"`
+	Server  Server  `toml:"server"`
+	Log     Log     `toml:"log"`
+	Policy  Policy  `toml:"policy"`
+	Engine  Engine  `toml:"engine"`
+	Mounts  []Mount `toml:"mount"`
+	GPU     GPU     `toml:"gpu"`
+	Metrics Metrics `toml:"metrics"`
+}
+
+// Metrics configures the optional HTTP listener serving Prometheus metrics
+// (/metrics) and the probes /healthz and /readyz (docs/metrics.md).
+type Metrics struct {
+	// Listen is the TCP address to listen on, e.g. "127.0.0.1:9400"; empty
+	// (the default) serves no metrics.
+	Listen string `toml:"listen"`
 }
 
 // GPU configures the data paths for GPU memory (docs/gpu.md).
@@ -493,6 +503,11 @@ func (c *Config) Validate() error {
 	for _, cpu := range c.Engine.CPUs {
 		if cpu < 0 {
 			return bad("engine.cpus", "CPU numbers ≥ 0", c.Engine.CPUs)
+		}
+	}
+	if c.Metrics.Listen != "" {
+		if _, port, err := net.SplitHostPort(c.Metrics.Listen); err != nil || port == "" {
+			return bad("metrics.listen", `a TCP address "host:port" (e.g. "127.0.0.1:9400", ":9400")`, fmt.Sprintf("%q", c.Metrics.Listen))
 		}
 	}
 	if len(c.Mounts) == 0 {

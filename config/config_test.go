@@ -138,6 +138,7 @@ func TestParseErrors(t *testing.T) {
 		{"gpu mode", "[gpu]\nmode = \"maybe\"", `kvhost.toml:2: gpu.mode: want auto, on or off, got "maybe"`},
 		{"cufile mode", "[gpu]\ncufile = \"direct\"", `kvhost.toml:2: gpu.cufile: want auto, off or compat, got "direct"`},
 		{"gpu staging", "[gpu]\nstaging_memory = \"1MiB\"", "kvhost.toml:2: gpu.staging_memory: want at least 8MiB"},
+		{"metrics address", "[metrics]\nlisten = \"9400\"", `kvhost.toml:2: metrics.listen: want a TCP address "host:port"`},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -184,7 +185,7 @@ func TestParseSize(t *testing.T) {
 func TestFlagsOverride(t *testing.T) {
 	fs := flag.NewFlagSet("kvhost", flag.ContinueOnError)
 	f := BindFlags(fs)
-	if err := fs.Parse([]string{"-policy", "ttl", "-dir", "/tmp/kv", "-capacity", "1GiB", "-log-level", "debug", "-fsync"}); err != nil {
+	if err := fs.Parse([]string{"-policy", "ttl", "-dir", "/tmp/kv", "-capacity", "1GiB", "-log-level", "debug", "-fsync", "-metrics", "127.0.0.1:9400"}); err != nil {
 		t.Fatal(err)
 	}
 	c, err := f.Load()
@@ -192,7 +193,7 @@ func TestFlagsOverride(t *testing.T) {
 		t.Fatal(err)
 	}
 	if c.Policy.Name != "ttl" || len(c.Mounts) != 1 || c.Mounts[0].Path != "/tmp/kv" ||
-		c.Mounts[0].Capacity != 1<<30 || c.Log.Level != "debug" || !c.Engine.Fsync {
+		c.Mounts[0].Capacity != 1<<30 || c.Log.Level != "debug" || !c.Engine.Fsync || c.Metrics.Listen != "127.0.0.1:9400" {
 		t.Fatalf("flags not applied: %+v", c)
 	}
 

@@ -19,6 +19,7 @@ type Flags struct {
 	fsync      bool
 	ioWorkers  int
 	shards     int
+	metrics    string
 }
 
 // BindFlags registers kvhost's common settings on fs.
@@ -34,6 +35,7 @@ func BindFlags(fs *flag.FlagSet) *Flags {
 	fs.BoolVar(&f.fsync, "fsync", false, "make every store durable before it completes")
 	fs.IntVar(&f.ioWorkers, "io-workers", 0, "I/O worker threads (0: automatic)")
 	fs.IntVar(&f.shards, "policy-shards", 0, "plugin instances the policy state is spread over")
+	fs.StringVar(&f.metrics, "metrics", "", "serve Prometheus metrics and health probes on this TCP `address` (e.g. 127.0.0.1:9400)")
 	return f
 }
 
@@ -83,6 +85,8 @@ func (f *Flags) Apply(c *Config) error {
 			c.Engine.IOWorkers = f.ioWorkers
 		case "policy-shards":
 			c.Policy.Shards = f.shards
+		case "metrics":
+			c.Metrics.Listen = f.metrics
 		}
 	})
 	if err != nil {

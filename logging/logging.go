@@ -1,5 +1,9 @@
 // Package logging builds kvhost's log/slog logger: colour text through tint
 // on a terminal, JSON lines for machines.
+//
+// Every field has one type in JSON: durations are always strings in Go's
+// notation ("1.5s", "250ms"), as the text format writes them, whichever
+// package logged them (slog's JSON handler would write nanoseconds).
 package logging
 
 import (
@@ -29,6 +33,14 @@ func New(w io.Writer, level, format string) (*slog.Logger, error) {
 	if err != nil {
 		return nil, err
 	}
+	var lv slog.LevelVar
+	lv.Set(l)
+	return NewLeveled(w, &lv, format)
+}
+
+// NewLeveled is New with a level that can change while the logger runs
+// (a configuration reload sets it).
+func NewLeveled(w io.Writer, l *slog.LevelVar, format string) (*slog.Logger, error) {
 	if format == "auto" {
 		format = "json"
 		if isTerminal(w) {
@@ -39,9 +51,18 @@ func New(w io.Writer, level, format string) (*slog.Logger, error) {
 	case "text":
 		return slog.New(tint.NewTextHandler(w, &tint.Options{Level: l, TimeFormat: time.TimeOnly, NoColor: !isTerminal(w)})), nil
 	case "json":
-		return slog.New(slog.NewJSONHandler(w, &slog.HandlerOptions{Level: l})), nil
+		return slog.New(slog.NewJSONHandler(w, &slog.HandlerOptions{Level: l, ReplaceAttr: durationStrings})), nil
 	}
 	return nil, fmt.Errorf("logging: format %q: want auto, text or json", format)
+}
+
+// durationStrings writes durations as strings ("1.5s"), never as
+// nanoseconds.
+func durationStrings(_ []string, a slog.Attr) slog.Attr {
+	if a.Value.Kind() == slog.KindDuration {
+		a.Value = slog.StringValue(a.Value.Duration().String())
+	}
+	return a
 }
 
 func isTerminal(w io.Writer) bool {

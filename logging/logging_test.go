@@ -3,8 +3,10 @@ package logging
 import (
 	"bytes"
 	"encoding/json"
+	"log/slog"
 	"strings"
 	"testing"
+	"time"
 )
 
 func TestNew(t *testing.T) {
@@ -40,5 +42,47 @@ func TestNew(t *testing.T) {
 		if _, err := New(&buf, bad[0], bad[1]); err == nil {
 			t.Errorf("New(%q, %q) accepted", bad[0], bad[1])
 		}
+	}
+}
+
+// TestJSONDurationsAreStrings: a duration is a string in JSON whether it was
+// logged as a time.Duration, in a group, or as a string already.
+func TestJSONDurationsAreStrings(t *testing.T) {
+	var buf bytes.Buffer
+	log, err := New(&buf, "info", "json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	log.Info("engine: open", "rebuild", 1500*time.Millisecond, slog.Group("policy", "took", 2*time.Microsecond), "in", (3 * time.Second).String())
+	var m struct {
+		Rebuild any `json:"rebuild"`
+		Policy  struct {
+			Took any `json:"took"`
+		} `json:"policy"`
+		In any `json:"in"`
+	}
+	if err := json.Unmarshal(buf.Bytes(), &m); err != nil {
+		t.Fatal(err)
+	}
+	if m.Rebuild != "1.5s" || m.Policy.Took != "2µs" || m.In != "3s" {
+		t.Fatalf("durations logged as %#v, %#v, %#v in %s", m.Rebuild, m.Policy.Took, m.In, buf.String())
+	}
+}
+
+// TestNewLeveledFollowsItsLevel: changing the LevelVar changes what is
+// logged (a reload of log.level).
+func TestNewLeveledFollowsItsLevel(t *testing.T) {
+	var buf bytes.Buffer
+	var lv slog.LevelVar
+	lv.Set(slog.LevelWarn)
+	log, err := NewLeveled(&buf, &lv, "json")
+	if err != nil {
+		t.Fatal(err)
+	}
+	log.Info("before")
+	lv.Set(slog.LevelInfo)
+	log.Info("after")
+	if strings.Contains(buf.String(), "before") || !strings.Contains(buf.String(), "after") {
+		t.Fatalf("logged %q", buf.String())
 	}
 }

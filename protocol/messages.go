@@ -667,6 +667,106 @@ type Stats struct {
 	Clients, Regions, Caches, InflightJobs uint64
 	Mounts                                 []MountStats
 	Devices                                []DeviceStats // GPUs the daemon serves; none without GPU support
+	// Daemon is the daemon-wide section, appended after Devices; nil in
+	// the reply of a daemon that predates it.
+	Daemon *DaemonStats
+}
+
+// DaemonStats is the daemon-wide section of a Stats reply: what an operator
+// asks of a running daemon (kvhost stats).
+type DaemonStats struct {
+	Started        int64  // Unix nanoseconds at start-up
+	Policy         string // the configured policy's name
+	PolicyBackend  string // what answers policy calls now: "wasm" or "native"
+	Fallback       bool   // the policy fell back to its native build
+	FallbackReason string
+	// Reloads and ReloadFailures count configuration reloads (SIGHUP);
+	// LastReload says how the last one went ("" before any).
+	Reloads, ReloadFailures uint64
+	LastReload              string
+	InflightJobs            uint64      // of all connections (Stats.InflightJobs is this connection's)
+	Regions                 uint64      // host memory regions registered by all connections
+	RegisteredBytes         uint64      // their bytes
+	Mounts                  []MountInfo // one per Stats.Mounts, in order
+}
+
+// MountInfo is what DaemonStats says about one mount.
+type MountInfo struct {
+	Path       string
+	Backend    string // the data mover of host memory ("staging")
+	IO         string // "direct" or "buffered"
+	Checksums  bool
+	Configured uint64 // configured capacity (0: the file system's size)
+	Reserve    uint64
+}
+
+// Bounds of DaemonStats strings.
+const (
+	maxDaemonText = 4096 // reasons and reload outcomes
+	maxMountPath  = 4096
+)
+
+func appendDaemon(b []byte, m *DaemonStats) []byte {
+	b = appendU64(b, uint64(m.Started))
+	b = appendStr8(appendStr8(b, m.Policy, MaxName), m.PolicyBackend, MaxName)
+	b = append(b, boolByte(m.Fallback), 0, 0, 0, 0, 0, 0, 0)
+	b = appendStr16(b, m.FallbackReason, maxDaemonText)
+	b = appendU64(appendU64(b, m.Reloads), m.ReloadFailures)
+	b = appendStr16(b, m.LastReload, maxDaemonText)
+	b = appendU64(appendU64(appendU64(b, m.InflightJobs), m.Regions), m.RegisteredBytes)
+	b = appendU32(b, uint32(len(m.Mounts)))
+	for _, mt := range m.Mounts {
+		b = appendStr16(b, mt.Path, maxMountPath)
+		b = appendStr8(appendStr8(b, mt.Backend, MaxName), mt.IO, MaxName)
+		b = append(b, boolByte(mt.Checksums), 0, 0, 0, 0, 0, 0, 0)
+		b = appendU64(appendU64(b, mt.Configured), mt.Reserve)
+	}
+	return b
+}
+
+func boolByte(v bool) byte {
+	if v {
+		return 1
+	}
+	return 0
+}
+
+func (d *decoder) bool8(what string) bool {
+	v := d.u8(what)
+	if d.err == nil && v > 1 {
+		d.fail("%s = %d", what, v)
+	}
+	d.zero(7)
+	return v == 1
+}
+
+func decodeDaemon(d *decoder) *DaemonStats {
+	m := &DaemonStats{}
+	m.Started = d.i64("start time")
+	m.Policy = d.str8("policy", MaxName)
+	m.PolicyBackend = d.str8("policy backend", MaxName)
+	m.Fallback = d.bool8("fallback")
+	m.FallbackReason = d.str16("fallback reason", maxDaemonText)
+	m.Reloads = d.u64("reloads")
+	m.ReloadFailures = d.u64("reload failures")
+	m.LastReload = d.str16("last reload", maxDaemonText)
+	m.InflightJobs = d.u64("daemon inflight jobs")
+	m.Regions = d.u64("daemon regions")
+	m.RegisteredBytes = d.u64("daemon registered bytes")
+	n := d.count("mount info count", 0, maxMounts, 36)
+	if d.err == nil && n > 0 {
+		m.Mounts = make([]MountInfo, n)
+		for i := range m.Mounts {
+			mt := &m.Mounts[i]
+			mt.Path = d.str16("mount path", maxMountPath)
+			mt.Backend = d.str8("mount backend", MaxName)
+			mt.IO = d.str8("mount io", MaxName)
+			mt.Checksums = d.bool8("mount checksums")
+			mt.Configured = d.u64("mount configured capacity")
+			mt.Reserve = d.u64("mount reserve")
+		}
+	}
+	return m
 }
 
 // Type is the reply to TypeStats.
@@ -681,7 +781,12 @@ func (m *Stats) fields() []*uint64 {
 // AppendBody encodes: 16 × u64 counters (in the field order) | u32 mount
 // count | per mount: u64 capacity, u64 used, u64 entries, u8 direct, 7 × 0 |
 // u32 device count | per device: u32 ordinal, u32 0, u64 regions,
-// u64 registered, u64 limit.
+// u64 registered, u64 limit | the daemon section if Daemon is set: i64
+// start | str8 policy | str8 policy backend | u8 fallback, 7 × 0 | str16
+// fallback reason | u64 reloads | u64 reload failures | str16 last reload
+// | u64 inflight jobs | u64 regions | u64 registered bytes | u32 mount
+// count | per mount: str16 path, str8 backend, str8 io, u8 checksums, 7 ×
+// 0, u64 configured, u64 reserve.
 func (m *Stats) AppendBody(b []byte) []byte {
 	for _, p := range m.fields() {
 		b = appendU64(b, *p)
@@ -699,6 +804,9 @@ func (m *Stats) AppendBody(b []byte) []byte {
 	for _, dv := range m.Devices {
 		b = appendU32(appendU32(b, dv.Ordinal), 0)
 		b = appendU64(appendU64(appendU64(b, dv.Regions), dv.Registered), dv.Limit)
+	}
+	if m.Daemon != nil {
+		b = appendDaemon(b, m.Daemon)
 	}
 	return b
 }
@@ -738,6 +846,10 @@ func (m *Stats) DecodeBody(b []byte) error {
 			dv.Registered = d.u64("device registered bytes")
 			dv.Limit = d.u64("device limit")
 		}
+	}
+	m.Daemon = nil
+	if d.err == nil && len(d.b) > 0 {
+		m.Daemon = decodeDaemon(&d)
 	}
 	return d.end()
 }

@@ -37,6 +37,9 @@ func sampleMessages() []Message {
 		&StatsRequest{},
 		&Stats{Entries: 1, BytesRead: 7, InflightJobs: 3, Mounts: []MountStats{{Capacity: 10, Used: 5, Entries: 1, Direct: true}},
 			Devices: []DeviceStats{{Ordinal: 0, Regions: 2, Registered: 3 << 30, Limit: 64 << 30}, {Ordinal: 7, Limit: 1}}},
+		&Stats{Clients: 2, Mounts: []MountStats{{Capacity: 10}}, Daemon: &DaemonStats{Started: 1 << 60, Policy: "lru", PolicyBackend: "native",
+			Fallback: true, FallbackReason: "trap", Reloads: 3, ReloadFailures: 1, LastReload: "ok; needs restart: server.socket",
+			InflightJobs: 4, Regions: 5, RegisteredBytes: 6 << 20, Mounts: []MountInfo{{Path: "/nvme/kv", Backend: "staging", IO: "direct", Checksums: true, Configured: 1 << 40, Reserve: 1 << 30}}}},
 		&Empty{T: TypeUnregisterCache | TypeReply},
 		&Error{Code: CodeLimit, Message: "too many"},
 		&Error{Code: CodeTimeout, Message: "no hello within 5s"},
@@ -97,6 +100,12 @@ func TestRejects(t *testing.T) {
 		{"error code 0", TypeError, body(&Error{})},
 		{"unknown type", Type(0x0777), nil},
 		{"stats body", TypeStats, []byte{0}},
+		{"stats daemon section cut short", TypeStats, append(body(&Stats{}), 1, 2, 3)},
+		{"stats daemon fallback 2", TypeStats, func() []byte {
+			b := body(&Stats{Daemon: &DaemonStats{}})
+			b[len(body(&Stats{}))+8+2] = 2 // after the start time and two empty names
+			return b
+		}()},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {

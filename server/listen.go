@@ -38,7 +38,8 @@ func (s *Socket) Close() error {
 }
 
 // Listen creates the daemon's socket at path with permissions mode and, if
-// group is not empty, that group (a name or a numeric id).
+// group is not empty, that group (a name or a numeric id). Directories of
+// path that Listen creates are made 0750 and, with a group, given to it.
 //
 // The socket is bound, chmod'ed and chown'ed before listen(2), so that no
 // client can connect while it is more permissive than mode, whatever the
@@ -57,8 +58,8 @@ func Listen(path string, mode os.FileMode, group string) (*Socket, error) {
 		}
 		gid = g
 	}
-	if err := os.MkdirAll(filepath.Dir(path), 0o750); err != nil {
-		return nil, fmt.Errorf("server: socket directory: %w", err)
+	if err := socketDir(filepath.Dir(path), gid); err != nil {
+		return nil, err
 	}
 	if err := removeStale(path); err != nil {
 		return nil, err
@@ -96,6 +97,34 @@ func Listen(path string, mode os.FileMode, group string) (*Socket, error) {
 		return cleanup(fmt.Errorf("server: listener: %w", err))
 	}
 	return &Socket{UnixListener: l.(*net.UnixListener), path: path, dev: st.Dev, ino: st.Ino}, nil
+}
+
+// socketDir creates dir and its missing parents, mode 0750 whatever the
+// umask; with a group (gid ≥ 0) the directories it creates belong to that
+// group, whose members can then reach the socket. Directories that exist
+// are left as they are.
+func socketDir(dir string, gid int) error {
+	var created []string
+	for d := dir; ; d = filepath.Dir(d) {
+		if _, err := os.Lstat(d); err == nil || !errors.Is(err, os.ErrNotExist) || d == filepath.Dir(d) {
+			break
+		}
+		created = append(created, d)
+	}
+	if err := os.MkdirAll(dir, 0o750); err != nil {
+		return fmt.Errorf("server: socket directory: %w", err)
+	}
+	for _, d := range created {
+		if err := os.Chmod(d, 0o750); err != nil {
+			return fmt.Errorf("server: socket directory: %w", err)
+		}
+		if gid >= 0 {
+			if err := os.Lchown(d, -1, gid); err != nil {
+				return fmt.Errorf("server: socket directory %s to group %d: %w", d, gid, err)
+			}
+		}
+	}
+	return nil
 }
 
 // removeStale removes a socket at path that nobody listens on.

@@ -120,6 +120,11 @@ type Config struct {
 	// registers one allocation over and over.
 	MaxDeviceBytes int64
 
+	// Daemon, if set, supplies the daemon section of Stats replies (start
+	// time, policy, reloads); the server fills in its own figures and the
+	// engine's mounts.
+	Daemon func() protocol.DaemonStats
+
 	// SharedFiles accepts MemoryShared registrations: memfds and
 	// /dev/shm files not sealed against shrinking, which their owner may
 	// truncate under a job. Set it only when the engine's CPU copies of
@@ -231,7 +236,9 @@ type Server struct {
 	wg       sync.WaitGroup // sessions
 	connSeq  atomic.Uint64  // numbers connections in logs
 	regBytes atomic.Int64   // memory registered by all sessions
-	devices  []deviceUse    // per GPU: memory registered by all sessions
+	regions  atomic.Int64   // host regions registered by all sessions
+	started  time.Time
+	devices  []deviceUse // per GPU: memory registered by all sessions
 
 	// nsMu serialises declarations and releases, so that a namespace is
 	// never released by one session while another is declaring it.
@@ -252,7 +259,7 @@ func New(eng Engine, cfg Config) (*Server, error) {
 		eng: eng, cfg: cfg, log: cfg.Logger,
 		sessions: make(map[*session]struct{}), pending: make(map[*session]uint64),
 		changed: make(chan struct{}), nsRefs: make(map[engine.NamespaceID]int),
-		devices: make([]deviceUse, cfg.Devices),
+		devices: make([]deviceUse, cfg.Devices), started: time.Now(),
 	}, nil
 }
 

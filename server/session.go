@@ -472,12 +472,14 @@ func (s *session) reserveBytes(size int64) error {
 			size, cfg.MaxTotalRegisteredBytes)
 	}
 	s.regBytes += size
+	s.srv.regions.Add(1)
 	return nil
 }
 
 func (s *session) releaseBytes(size int64) {
 	s.regBytes -= size
 	s.srv.regBytes.Add(-size)
+	s.srv.regions.Add(-1)
 }
 
 func (s *session) declare(m *protocol.Declare) (protocol.Message, error) {
@@ -764,7 +766,7 @@ func (s *session) stats() (protocol.Message, error) {
 		Hits: st.Hits, Misses: st.Misses, Evictions: st.Evictions, Failures: st.Failures,
 		Corrupt: st.Corrupt, Vanished: st.Vanished, BytesWritten: st.BytesWritten, BytesRead: st.BytesRead,
 		Clients: uint64(s.srv.clients()), Regions: uint64(len(s.regions)), Caches: uint64(len(s.caches)),
-		InflightJobs: uint64(inflight), Devices: s.srv.deviceStats(),
+		InflightJobs: uint64(inflight), Devices: s.srv.deviceStats(), Daemon: s.srv.daemonStats(),
 	}
 	for _, mt := range st.Mounts {
 		m.Mounts = append(m.Mounts, protocol.MountStats{Capacity: uint64(mt.Capacity), Used: uint64(mt.Used), Entries: uint64(mt.Entries), Direct: mt.Direct})

@@ -206,3 +206,9 @@ func AlignedBuffer(n int) []byte {
 func aligned(b []byte) bool {
 	return len(b)%Align == 0 && (len(b) == 0 || uintptr(unsafe.Pointer(unsafe.SliceData(b)))%Align == 0)
 }
+
+// Usage reports the buffers handed out and not returned, and the most that
+// may exist (metrics). The two are read without a lock: a snapshot.
+func (b *Buffers) Usage() (inUse, limit int) {
+	return max(len(b.sem)-len(b.free), 0), cap(b.sem)
+}

@@ -5,6 +5,9 @@
 //	kvhost policy test NAME|FILE     run the plugin conformance suite
 //	kvhost config check FILE...      check configuration files
 //	kvhost version                   print the version (also --version)
+//	kvhost stats [--json]            show a running daemon's state
+//	kvhost health                    exit 0 if the daemon answers (probes)
+//	kvhost reload                    reload the daemon's configuration
 package main
 
 import (
@@ -32,6 +35,9 @@ func commands() map[string]command {
 		"policy":  {"inspect or test a placement-policy plugin", runPolicy},
 		"config":  {"check configuration files", runConfig},
 		"version": {"print the version", runVersion},
+		"stats":   {"show a running daemon's state", runStats},
+		"health":  {"exit 0 if the daemon answers (for probes)", runHealth},
+		"reload":  {"reload the daemon's configuration (SIGHUP) and report", runReload},
 	}
 }
 
@@ -68,7 +74,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 func usage(w io.Writer, cmds map[string]command) {
 	fmt.Fprintln(w, "usage: kvhost [command] [flags]")
 	fmt.Fprintln(w, "\ncommands:")
-	for _, name := range []string{"serve", "policy", "config", "version"} {
+	for _, name := range []string{"serve", "policy", "config", "version", "stats", "health", "reload"} {
 		if c, ok := cmds[name]; ok {
 			fmt.Fprintf(w, "  %-8s %s\n", name, c.summary)
 		}

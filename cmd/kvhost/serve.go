@@ -2,14 +2,21 @@ package main
 
 import (
 	"context"
+	"crypto/sha256"
 	"errors"
 	"flag"
 	"fmt"
 	"io"
 	"log/slog"
+	"net"
+	"net/http"
 	"os"
+	"os/signal"
 	"path/filepath"
+	"runtime/pprof"
 	"strings"
+	"sync"
+	"syscall"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -19,17 +26,28 @@ import (
 	"github.com/kvhost/kvhost/host/engine"
 	"github.com/kvhost/kvhost/host/policy"
 	"github.com/kvhost/kvhost/logging"
+	"github.com/kvhost/kvhost/metrics"
 	"github.com/kvhost/kvhost/plugins"
 	"github.com/kvhost/kvhost/plugins/lru"
+	"github.com/kvhost/kvhost/protocol"
 	"github.com/kvhost/kvhost/region"
 	"github.com/kvhost/kvhost/server"
+	"github.com/kvhost/kvhost/transfer"
 )
 
 // runServe runs the daemon until ctx is done (SIGTERM, SIGINT), then shuts
 // it down gracefully: stop accepting, let jobs finish within
 // server.shutdown_timeout, cancel the rest, close the engine, remove the
-// socket.
+// socket. SIGHUP reloads the configuration; SIGQUIT writes every
+// goroutine's stack to the log and goes on; SIGUSR1, SIGUSR2 and SIGPIPE
+// are ignored (docs/serve.md, "Signals").
 func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	// Signals first: a SIGHUP during start-up (a long index rebuild) is a
+	// reload once the daemon serves, not the end of the process.
+	sigs := make(chan os.Signal, 8)
+	signal.Notify(sigs, syscall.SIGHUP, syscall.SIGQUIT, syscall.SIGUSR1, syscall.SIGUSR2, syscall.SIGPIPE)
+	defer signal.Stop(sigs)
+
 	fs := flag.NewFlagSet("kvhost serve", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	flags := config.BindFlags(fs)
@@ -52,61 +70,59 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		fmt.Fprintf(stderr, "kvhost: %v\n", err)
 		return 2
 	}
-	log, err := logging.New(stderr, cfg.Log.Level, cfg.Log.Format)
+	d := &daemon{flags: flags, stdout: stdout, stderr: stderr, sigs: sigs, started: time.Now()}
+	lvl, err := logging.ParseLevel(cfg.Log.Level)
 	if err != nil {
 		fmt.Fprintf(stderr, "kvhost: %v\n", err)
 		return 2
 	}
-	if err := serve(ctx, cfg, log, stdout); err != nil {
-		log.Error("kvhost stopped", "err", err)
+	d.level.Set(lvl)
+	if d.log, err = logging.NewLeveled(stderr, &d.level, cfg.Log.Format); err != nil {
+		fmt.Fprintf(stderr, "kvhost: %v\n", err)
+		return 2
+	}
+	if err := d.serve(ctx, cfg); err != nil {
+		d.log.Error("kvhost stopped", "err", err)
 		return 1
 	}
 	return 0
 }
 
-func serve(ctx context.Context, cfg config.Config, log *slog.Logger, stdout io.Writer) error {
-	module, name, builtin, err := policyModule(cfg.Policy.Name)
+// daemon is a running kvhost serve.
+type daemon struct {
+	flags   *config.Flags
+	stdout  io.Writer
+	stderr  io.Writer
+	sigs    <-chan os.Signal
+	started time.Time
+	level   slog.LevelVar
+	log     *slog.Logger
+	metrics *metrics.Metrics // nil without [metrics] listen
+	eng     *engine.Engine
+	pol     policyState
+
+	mu             sync.Mutex
+	running        config.Config // what runs: the start configuration with live changes applied
+	chains         []metrics.DataPath
+	chainOf        []*transfer.Chain
+	reloads        uint64
+	reloadFailures uint64
+	lastReload     string
+}
+
+func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
+	d.running = cfg
+	log := d.log
+	if cfg.Metrics.Listen != "" {
+		stop, err := d.serveMetrics(cfg.Metrics.Listen)
+		if err != nil {
+			return err
+		}
+		defer stop()
+	}
+	build, err := d.policyBuilder(ctx, cfg)
 	if err != nil {
 		return err
-	}
-	pcfg := policy.Config{
-		Shards:        cfg.Policy.Shards,
-		MemoryLimit:   int64(cfg.Policy.MemoryLimit),
-		CallTimeout:   time.Duration(cfg.Policy.CallTimeout),
-		CacheDir:      cfg.Policy.CacheDir,
-		Params:        cfg.Policy.PolicyParams(),
-		MaxFailures:   cfg.Policy.MaxFailures,
-		FailureWindow: time.Duration(cfg.Policy.FailureWindow),
-		Fallback:      func() guest.Policy { return lru.New() },
-		Logger:        log,
-	}
-	if pcfg.CacheDir == "" {
-		pcfg.CacheDir = filepath.Join(config.DefaultRoot(), "wasm-cache")
-	}
-	if err := os.MkdirAll(pcfg.CacheDir, 0o750); err != nil {
-		log.Warn("no compilation cache for the policy", "dir", pcfg.CacheDir, "err", err)
-		pcfg.CacheDir = ""
-	}
-	newPolicy := func(idx policy.Index) (policy.Policy, error) {
-		if module != nil {
-			start := time.Now()
-			h, err := policy.Open(ctx, module, name, idx, pcfg)
-			if err == nil {
-				log.Info("policy ready", "policy", name, "shards", h.Shards(), "took", time.Since(start).String())
-				return h, nil
-			}
-			if ctx.Err() != nil {
-				return nil, fmt.Errorf("policy %s: %w", name, ctx.Err())
-			}
-			if !builtin || name != plugins.Default {
-				return nil, fmt.Errorf("policy %s: %w", name, err)
-			}
-			log.Warn("the built-in wasm policy does not load; running its native build", "policy", name, "err", err)
-		}
-		if module == nil {
-			log.Warn("this binary embeds no wasm policy (built without make); running the native lru policy", "policy", name)
-		}
-		return policy.NewNative(func() guest.Policy { return lru.New() }, idx, pcfg)
 	}
 	mounts := make([]engine.Mount, len(cfg.Mounts))
 	for i, m := range cfg.Mounts {
@@ -140,11 +156,11 @@ func serve(ctx context.Context, cfg config.Config, log *slog.Logger, stdout io.W
 	var movers map[region.Kind]engine.MoverFactory
 	if gp != nil {
 		closeGPU = gp.Close
-		movers = gp.movers()
+		movers = d.trackChains(gp.movers())
 	}
-	eng, err := engine.Open(ctx, engine.Config{
+	ecfg := engine.Config{
 		Mounts:         mounts,
-		NewPolicy:      newPolicy,
+		NewPolicy:      build.fn,
 		Fsync:          cfg.Engine.Fsync,
 		IOWorkers:      cfg.Engine.IOWorkers,
 		CPUs:           cfg.Engine.CPUs,
@@ -157,10 +173,16 @@ func serve(ctx context.Context, cfg config.Config, log *slog.Logger, stdout io.W
 		LockFile: cfg.Server.Socket + ".lock",
 		Logger:   log,
 		Movers:   movers,
-	})
+	}
+	if d.metrics != nil {
+		ecfg.Observer = d.metrics
+	}
+	eng, err := engine.Open(ctx, ecfg)
 	if err != nil {
 		return errors.Join(fmt.Errorf("open engine: %w", err), closeGPU())
 	}
+	d.eng = eng
+	d.pol.swap(build)
 	closeEngine := func() error {
 		cctx, cancel := context.WithTimeout(context.Background(), time.Duration(cfg.Server.ShutdownTimeout)+10*time.Second)
 		defer cancel()
@@ -184,12 +206,13 @@ func serve(ctx context.Context, cfg config.Config, log *slog.Logger, stdout io.W
 		WriteTimeout:            time.Duration(cfg.Server.WriteTimeout),
 		MaxRegisteredBytes:      int64(cfg.Server.MaxRegisteredBytes),
 		MaxTotalRegisteredBytes: int64(cfg.Server.MaxTotalRegisteredBytes),
-		Name:                    "kvhost",
+		Name:                    serverName(),
 		Logger:                  log,
 		// The data paths guard their copies (region.Guard): a client
 		// truncating its shared file fails its own job, nothing else.
 		SharedFiles:    true,
 		MaxDeviceBytes: int64(cfg.Server.MaxDeviceRegisteredBytes),
+		Daemon:         d.daemonStats,
 	}
 	if gp != nil {
 		scfg.OpenDevice, scfg.Devices = gp.ipc.Open, gp.ipc.Devices()
@@ -199,13 +222,46 @@ func serve(ctx context.Context, cfg config.Config, log *slog.Logger, stdout io.W
 		sock.Close()
 		return errors.Join(err, closeEngine())
 	}
+	if d.metrics != nil {
+		d.metrics.SetSources(metrics.Sources{
+			Engine: eng.Stats, Server: srv.Stats, Policy: d.pol.state, DataPaths: d.dataPaths, Staging: eng.StagingUsage,
+			Reloads: func() (uint64, uint64) {
+				d.mu.Lock()
+				defer d.mu.Unlock()
+				return d.reloads, d.reloadFailures
+			},
+		})
+	}
 	paths := make([]string, len(mounts))
 	for i, m := range mounts {
 		paths[i] = m.Path
 	}
-	log.Info("kvhost listening", "socket", sock.Path(), "mode", cfg.Server.SocketMode.String(), "policy", name, "mounts", strings.Join(paths, ","))
-	fmt.Fprintf(stdout, "kvhost: listening on unix:%s\n", sock.Path())
+
+	// Signals while serving; reloads run here, one at a time, and end
+	// before the engine closes.
+	done := make(chan struct{})
+	var sigWG sync.WaitGroup
+	sigWG.Add(1)
+	go func() {
+		defer sigWG.Done()
+		d.handleSignals(ctx, done)
+	}()
+	go func() {
+		select {
+		case <-ctx.Done():
+			d.setReady(false)
+		case <-done:
+		}
+	}()
+
+	log.Info("kvhost listening", "socket", sock.Path(), "mode", cfg.Server.SocketMode.String(), "policy", d.pol.name(), "mounts", strings.Join(paths, ","))
+	// The readiness line on stdout (docs/serve.md): scripts and tests wait
+	// for it; the logs go to stderr in the configured format.
+	fmt.Fprintf(d.stdout, "kvhost: listening on unix:%s\n", sock.Path())
+	d.setReady(true)
 	serveErr := srv.Serve(ctx, sock.UnixListener)
+	close(done)
+	sigWG.Wait()
 	log.Info("kvhost shutting down")
 	err = errors.Join(serveErr, closeEngine())
 	if cerr := sock.Close(); cerr != nil && !errors.Is(cerr, os.ErrClosed) && !strings.Contains(cerr.Error(), "use of closed") {
@@ -215,6 +271,253 @@ func serve(ctx context.Context, cfg config.Config, log *slog.Logger, stdout io.W
 		log.Info("kvhost stopped")
 	}
 	return err
+}
+
+// serverName is the daemon's name and version in the handshake.
+func serverName() string {
+	v := versionString()
+	if i := strings.Index(v, " go1"); i > 0 {
+		v = v[:i]
+	}
+	return v[:min(len(v), protocol.MaxName)]
+}
+
+// setReady tells /readyz and systemd whether the daemon accepts clients.
+func (d *daemon) setReady(ready bool) {
+	if d.metrics != nil {
+		d.metrics.SetReady(ready)
+	}
+	state := "STOPPING=1"
+	if ready {
+		state = "READY=1\nSTATUS=serving"
+	}
+	if err := sdNotify(state); err != nil {
+		d.log.Warn("systemd notification failed", "err", err)
+	}
+}
+
+// serveMetrics starts the metrics listener; stop shuts it down.
+func (d *daemon) serveMetrics(addr string) (stop func(), err error) {
+	d.metrics = metrics.New(serverName())
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		return nil, fmt.Errorf("metrics: %w", err)
+	}
+	hs := &http.Server{Handler: d.metrics.Handler(), ReadHeaderTimeout: 10 * time.Second,
+		ErrorLog: slog.NewLogLogger(d.log.Handler(), slog.LevelWarn)}
+	go hs.Serve(ln)
+	d.log.Info("metrics listening", "address", ln.Addr().String(), "paths", "/metrics,/healthz,/readyz")
+	return func() {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		hs.Shutdown(ctx)
+	}, nil
+}
+
+// trackChains wraps the GPU mover factories to remember the chains they
+// build (their fallback counts are metrics).
+func (d *daemon) trackChains(movers map[region.Kind]engine.MoverFactory) map[region.Kind]engine.MoverFactory {
+	out := make(map[region.Kind]engine.MoverFactory, len(movers))
+	for kind, build := range movers {
+		out[kind] = func(m engine.MountInfo) (transfer.Mover, error) {
+			mv, err := build(m)
+			if c, ok := mv.(*transfer.Chain); ok && err == nil {
+				d.mu.Lock()
+				d.chains = append(d.chains, metrics.DataPath{Mount: m.Path})
+				d.chainOf = append(d.chainOf, c)
+				d.mu.Unlock()
+			}
+			return mv, err
+		}
+	}
+	return out
+}
+
+func (d *daemon) dataPaths() []metrics.DataPath {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	out := make([]metrics.DataPath, len(d.chains))
+	for i, c := range d.chainOf {
+		out[i] = metrics.DataPath{Mount: d.chains[i].Mount, Fallbacks: c.Fallbacks()}
+	}
+	return out
+}
+
+// daemonStats is the daemon section of Stats replies.
+func (d *daemon) daemonStats() protocol.DaemonStats {
+	ps := d.pol.state()
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return protocol.DaemonStats{
+		Started: d.started.UnixNano(), Policy: ps.Name, PolicyBackend: ps.Stats.Backend,
+		Fallback: ps.Stats.Fallback, FallbackReason: ps.Stats.FallbackReason,
+		Reloads: d.reloads, ReloadFailures: d.reloadFailures, LastReload: d.lastReload,
+	}
+}
+
+// handleSignals serves SIGHUP (reload), SIGQUIT (stack dump) and the
+// ignored signals until done.
+func (d *daemon) handleSignals(ctx context.Context, done <-chan struct{}) {
+	for {
+		select {
+		case <-done:
+			return
+		case sig := <-d.sigs:
+			switch sig {
+			case syscall.SIGHUP:
+				if ctx.Err() == nil {
+					d.reload(ctx)
+				}
+			case syscall.SIGQUIT:
+				d.log.Warn("SIGQUIT: writing every goroutine's stack to stderr; the daemon goes on")
+				pprof.Lookup("goroutine").WriteTo(d.stderr, 2)
+			case syscall.SIGPIPE:
+				// A closed stdout or stderr: writes fail, the daemon serves on.
+			default:
+				d.log.Info("signal ignored", "signal", sig.String())
+			}
+		}
+	}
+}
+
+// policyState is the policy the engine runs, for stats and metrics: the
+// current host and the counters of the hosts reloads replaced (counters
+// never go down).
+type policyState struct {
+	mu      sync.Mutex
+	cur     *builtPolicy
+	retired policy.Stats
+}
+
+func (p *policyState) swap(b *builtPolicy) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.cur != nil && p.cur.host != nil {
+		old := p.cur.host.Stats()
+		if p.retired.Calls == nil {
+			p.retired.Calls, p.retired.Records = map[string]uint64{}, map[string]uint64{}
+		}
+		for k, v := range old.Calls {
+			p.retired.Calls[k] += v
+		}
+		for k, v := range old.Records {
+			p.retired.Records[k] += v
+		}
+		p.retired.Failures += old.Failures
+		p.retired.Rejections += old.Rejections
+		p.retired.Replacements += old.Replacements
+		p.retired.StaleVictims += old.StaleVictims
+		p.retired.SlowCalls += old.SlowCalls
+	}
+	p.cur = b
+}
+
+func (p *policyState) name() string {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.cur == nil {
+		return ""
+	}
+	return p.cur.name
+}
+
+// current is the policy running now.
+func (p *policyState) current() *builtPolicy {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.cur
+}
+
+// state is the policy's name and cumulative counters.
+func (p *policyState) state() metrics.PolicyState {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.cur == nil || p.cur.host == nil {
+		return metrics.PolicyState{}
+	}
+	s := p.cur.host.Stats()
+	for k, v := range p.retired.Calls {
+		s.Calls[k] += v
+	}
+	for k, v := range p.retired.Records {
+		s.Records[k] += v
+	}
+	s.Failures += p.retired.Failures
+	s.Rejections += p.retired.Rejections
+	s.Replacements += p.retired.Replacements
+	s.StaleVictims += p.retired.StaleVictims
+	s.SlowCalls += p.retired.SlowCalls
+	return metrics.PolicyState{Name: p.cur.name, Stats: s}
+}
+
+// builtPolicy is a policy configuration ready to build: fn builds the host
+// (the engine calls it with its index) and records it in host.
+type builtPolicy struct {
+	name string
+	sum  [32]byte // of the wasm module (zero: native)
+	cfg  config.Policy
+	fn   func(idx policy.Index) (policy.Policy, error)
+	host *policy.Host
+}
+
+// policyBuilder resolves cfg's policy (reading a .wasm file now, so that a
+// missing file fails here) and returns its builder.
+func (d *daemon) policyBuilder(ctx context.Context, cfg config.Config) (*builtPolicy, error) {
+	log := d.log
+	module, name, builtin, err := policyModule(cfg.Policy.Name)
+	if err != nil {
+		return nil, err
+	}
+	b := &builtPolicy{name: name, cfg: cfg.Policy}
+	if module != nil {
+		b.sum = sha256.Sum256(module)
+	}
+	pcfg := policy.Config{
+		Shards:        cfg.Policy.Shards,
+		MemoryLimit:   int64(cfg.Policy.MemoryLimit),
+		CallTimeout:   time.Duration(cfg.Policy.CallTimeout),
+		CacheDir:      cfg.Policy.CacheDir,
+		Params:        cfg.Policy.PolicyParams(),
+		MaxFailures:   cfg.Policy.MaxFailures,
+		FailureWindow: time.Duration(cfg.Policy.FailureWindow),
+		Fallback:      func() guest.Policy { return lru.New() },
+		Logger:        log,
+	}
+	if d.metrics != nil {
+		pcfg.OnCall = d.metrics.ObservePolicyCall
+	}
+	if pcfg.CacheDir == "" {
+		pcfg.CacheDir = filepath.Join(config.DefaultRoot(), "wasm-cache")
+	}
+	if err := os.MkdirAll(pcfg.CacheDir, 0o750); err != nil {
+		log.Warn("no compilation cache for the policy", "dir", pcfg.CacheDir, "err", err)
+		pcfg.CacheDir = ""
+	}
+	b.fn = func(idx policy.Index) (policy.Policy, error) {
+		if module != nil {
+			start := time.Now()
+			h, err := policy.Open(ctx, module, name, idx, pcfg)
+			if err == nil {
+				log.Info("policy ready", "policy", name, "shards", h.Shards(), "took", time.Since(start).String())
+				b.host = h
+				return h, nil
+			}
+			if ctx.Err() != nil {
+				return nil, fmt.Errorf("policy %s: %w", name, ctx.Err())
+			}
+			if !builtin || name != plugins.Default {
+				return nil, fmt.Errorf("policy %s: %w", name, err)
+			}
+			log.Warn("the built-in wasm policy does not load; running its native build", "policy", name, "err", err)
+		}
+		if module == nil {
+			log.Warn("this binary embeds no wasm policy (built without make); running the native lru policy", "policy", name)
+		}
+		h, err := policy.NewNative(func() guest.Policy { return lru.New() }, idx, pcfg)
+		b.host = h
+		return h, err
+	}
+	return b, nil
 }
 
 // nonEmpty is []string{s}, or nil when s is empty (the default search

@@ -169,6 +169,8 @@ type Config struct {
 	// region.KindHost to replace the CPU staging pipeline. Without an entry
 	// for a kind, caches in that kind of memory are refused.
 	Movers map[region.Kind]MoverFactory
+	// Observer, if set, is told about every finished job (metrics).
+	Observer Observer
 	// FS is the file system (default fsys.OS); tests inject faults here.
 	FS fsys.FS
 	// Now is the clock for access times (default time.Now).

@@ -59,7 +59,8 @@ type Engine struct {
 	declares int // namespaces counted against Config.MaxNamespaces
 	jobsWG   sync.WaitGroup
 
-	st counters
+	st       counters
+	verifyIv atomic.Int64 // Config.VerifyInterval, changed by SetVerifyInterval
 	// pathWaits counts the times a store waited for another job holding
 	// its file's path (tests wait for it instead of sleeping).
 	pathWaits atomic.Int64
@@ -183,6 +184,8 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		}
 		e.ownPolicy = true
 	}
+	e.pol, e.ownPolicy = newSwitchPolicy(e.pol, e.ownPolicy), true // ReplacePolicy
+	e.verifyIv.Store(int64(cfg.VerifyInterval))
 	e.reportMounts()
 	e.restore(ctx)
 	e.hitRec = newHitRecorder(e)

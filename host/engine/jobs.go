@@ -5,12 +5,15 @@ import (
 	"fmt"
 	"sync/atomic"
 	"time"
+
+	"github.com/kvhost/kvhost/region"
 )
 
 // Job is a store or load in progress.
 type Job struct {
 	id     JobID
 	kind   string
+	mem    region.Kind // the cache's memory (Config.Observer)
 	done   chan struct{}
 	cancel context.CancelFunc
 	start  time.Time
@@ -70,6 +73,7 @@ func (e *Engine) finish(j *Job) {
 	e.mu.Lock()
 	delete(e.jobs, j.id)
 	e.mu.Unlock()
+	e.observe(j)
 	j.cancel()
 	close(j.done)
 	e.jobsWG.Done()

@@ -32,6 +32,7 @@ func (e *Engine) Load(ctx context.Context, req LoadRequest) (*Job, error) {
 	if err != nil {
 		return nil, err
 	}
+	j.mem = c.kind
 	go e.runLoad(jctx, j, c, keys, blocks)
 	return j, nil
 }

@@ -97,8 +97,8 @@ func (e *Engine) verify(ctx context.Context, en *entry) bool {
 // recentlyVerified reports whether en's file was checked within
 // Config.VerifyInterval of now (Unix nanoseconds).
 func (e *Engine) recentlyVerified(en *entry, now int64) bool {
-	iv := e.cfg.VerifyInterval
-	return iv > 0 && now-en.verified.Load() < int64(iv)
+	iv := e.verifyIv.Load()
+	return iv > 0 && now-en.verified.Load() < iv
 }
 
 // Lookup returns how many leading keys of ns are stored. A hit is checked

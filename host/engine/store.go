@@ -32,6 +32,7 @@ func (e *Engine) Store(ctx context.Context, req StoreRequest) (*Job, error) {
 	if err != nil {
 		return nil, err
 	}
+	j.mem = c.kind
 	go e.runStore(jctx, j, c, keys, blocks)
 	return j, nil
 }

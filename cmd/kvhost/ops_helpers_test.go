@@ -1,0 +1,358 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	dto "github.com/prometheus/client_model/go"
+	"github.com/prometheus/common/expfmt"
+	"github.com/prometheus/common/model"
+
+	"github.com/kvhost/kvhost/client"
+	"github.com/kvhost/kvhost/region"
+)
+
+// opsGeo is a small geometry: 2 blocks of 512 bytes per layer and plane
+// per key.
+var opsGeo = client.Geometry{Model: "ops/test", Layers: 2, KVHeads: 1, HeadSize: 64, DtypeSize: 2, TokensPerBlock: 4, TokensPerKey: 8, TPSize: 1}
+
+const opsBlocks = 256 // blocks per layer tensor
+
+// testConfig writes a daemon configuration under dir and returns its
+// path, socket and cache directory. extra is appended to the file.
+func testConfig(t *testing.T, dir, extra string) (file, socket, cache string) {
+	t.Helper()
+	socket = filepath.Join(dir, "run", "kvhost.sock")
+	cache = filepath.Join(dir, "blocks")
+	file = filepath.Join(dir, "kvhost.toml")
+	writeConfig(t, file, socket, cache, extra)
+	return file, socket, cache
+}
+
+func writeConfig(t *testing.T, file, socket, cache, extra string) {
+	t.Helper()
+	src := fmt.Sprintf("[server]\nsocket = %q\n\n[log]\nformat = \"json\"\n\n[policy]\ncache_dir = %q\n\n%s\n\n[[mount]]\npath = %q\ncapacity = \"256MiB\"\n",
+		socket, filepath.Join(filepath.Dir(file), "wasm-cache"), extra, cache)
+	// Written whole and renamed: a reload never reads half a file.
+	tmp := file + ".tmp"
+	if err := os.WriteFile(tmp, []byte(src), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(tmp, file); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// kvCache is a client with a registered memfd cache of opsGeo.
+type kvCache struct {
+	c   *client.Client
+	mem *region.Host
+	id  client.CacheID
+	ns  client.Namespace
+	bb  int64
+}
+
+func newKVCache(t *testing.T, socket string) *kvCache {
+	t.Helper()
+	ctx := context.Background()
+	c, err := client.Dial(ctx, socket, t.Name())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	bb := opsGeo.BlockBytes()
+	mem, err := client.NewMemfd("kv", int64(opsGeo.Layers)*2*opsBlocks*bb)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { mem.Close() })
+	rid, err := c.RegisterMemfd(ctx, mem)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ns, err := c.Declare(ctx, opsGeo)
+	if err != nil {
+		t.Fatal(err)
+	}
+	layers := make([]client.Layer, opsGeo.Layers)
+	for l := range layers {
+		layers[l] = client.Layer{Region: uint32(rid), NumBlocks: opsBlocks, Offset: int64(l) * 2 * opsBlocks * bb, BlockStride: bb, PlaneStride: opsBlocks * bb}
+	}
+	id, err := c.RegisterCache(ctx, ns.ID, layers)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &kvCache{c: c, mem: mem, id: id, ns: ns, bb: bb}
+}
+
+// span returns the byte slices of blocks (every layer and plane).
+func (k *kvCache) span(blocks []uint32) [][]byte {
+	var out [][]byte
+	m := k.mem.Bytes()
+	for l := range int64(opsGeo.Layers) {
+		for p := range int64(2) {
+			for _, b := range blocks {
+				off := l*2*opsBlocks*k.bb + p*opsBlocks*k.bb + int64(b)*k.bb
+				out = append(out, m[off:off+k.bb])
+			}
+		}
+	}
+	return out
+}
+
+// roundTrip fills blocks with random bytes, stores them under key, clears
+// them, loads them back and compares. It returns an error rather than
+// failing, for goroutines.
+func (k *kvCache) roundTrip(ctx context.Context, key string, blocks []uint32, rng *rand.Rand) error {
+	var want []byte
+	for _, s := range k.span(blocks) {
+		for i := range s {
+			s[i] = byte(rng.Uint32())
+		}
+		want = append(want, s...)
+	}
+	res, err := k.do(ctx, true, key, blocks)
+	if err != nil {
+		return err
+	}
+	if o := res.Keys[0].Outcome; o != client.OutcomeStored && o != client.OutcomePresent {
+		return fmt.Errorf("store %s: %v (%s)", key, o, res.Message)
+	}
+	for _, s := range k.span(blocks) {
+		clear(s)
+	}
+	if res, err = k.do(ctx, false, key, blocks); err != nil {
+		return err
+	}
+	if o := res.Keys[0].Outcome; o != client.OutcomeLoaded {
+		return fmt.Errorf("load %s: %v (%s)", key, o, res.Message)
+	}
+	var got []byte
+	for _, s := range k.span(blocks) {
+		got = append(got, s...)
+	}
+	if !bytes.Equal(got, want) {
+		return fmt.Errorf("load %s: bytes differ from those stored", key)
+	}
+	return nil
+}
+
+func (k *kvCache) do(ctx context.Context, store bool, key string, blocks []uint32) (client.Result, error) {
+	keys, bl := [][]byte{[]byte(key)}, [][]uint32{blocks}
+	var j *client.Job
+	var err error
+	if store {
+		j, err = k.c.Store(ctx, k.id, keys, bl)
+	} else {
+		j, err = k.c.Load(ctx, k.id, keys, bl)
+	}
+	if err != nil {
+		return client.Result{}, err
+	}
+	return j.Wait(ctx)
+}
+
+// lines is an io.Writer that keeps what was written and hands every
+// complete line to the waiters.
+type lines struct {
+	mu      sync.Mutex
+	all     bytes.Buffer
+	partial []byte
+	seen    []string
+	changed chan struct{}
+}
+
+func newLines() *lines { return &lines{changed: make(chan struct{})} }
+
+func (l *lines) Write(b []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.all.Write(b)
+	l.partial = append(l.partial, b...)
+	for {
+		i := bytes.IndexByte(l.partial, '\n')
+		if i < 0 {
+			break
+		}
+		l.seen = append(l.seen, string(l.partial[:i]))
+		l.partial = l.partial[i+1:]
+	}
+	close(l.changed)
+	l.changed = make(chan struct{})
+	return len(b), nil
+}
+
+func (l *lines) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.all.String()
+}
+
+// wait returns the first line for which match is true, waiting up to
+// 60 s for it.
+func (l *lines) wait(t *testing.T, what string, match func(string) bool) string {
+	t.Helper()
+	deadline := time.After(60 * time.Second)
+	for i := 0; ; {
+		l.mu.Lock()
+		for ; i < len(l.seen); i++ {
+			if match(l.seen[i]) {
+				s := l.seen[i]
+				l.mu.Unlock()
+				return s
+			}
+		}
+		ch := l.changed
+		l.mu.Unlock()
+		select {
+		case <-ch:
+		case <-deadline:
+			t.Fatalf("no %s within 60s; output:\n%s", what, l.String())
+		}
+	}
+}
+
+// logLine waits for the JSON log line with message msg and returns its
+// fields.
+func (l *lines) logLine(t *testing.T, msg string) map[string]any {
+	t.Helper()
+	var m map[string]any
+	l.wait(t, "log line "+msg, func(s string) bool {
+		m = nil
+		return json.Unmarshal([]byte(s), &m) == nil && m["msg"] == msg
+	})
+	return m
+}
+
+// scrapeMetrics gets http://addr/metrics and parses the text format.
+func scrapeMetrics(t *testing.T, addr string) map[string]*dto.MetricFamily {
+	t.Helper()
+	resp, err := http.Get("http://" + addr + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("/metrics: %s", resp.Status)
+	}
+	p := expfmt.NewTextParser(model.UTF8Validation)
+	fams, err := p.TextToMetricFamilies(resp.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return fams
+}
+
+// metricValue is the value (a histogram's count) of the first series of
+// name whose labels include want; -1 if there is none.
+func metricValue(fams map[string]*dto.MetricFamily, name string, want ...string) float64 {
+	f := fams[name]
+	if f == nil {
+		return -1
+	}
+series:
+	for _, m := range f.Metric {
+		for i := 0; i+1 < len(want); i += 2 {
+			found := false
+			for _, l := range m.Label {
+				found = found || (l.GetName() == want[i] && l.GetValue() == want[i+1])
+			}
+			if !found {
+				continue series
+			}
+		}
+		switch {
+		case m.Counter != nil:
+			return m.Counter.GetValue()
+		case m.Gauge != nil:
+			return m.Gauge.GetValue()
+		case m.Histogram != nil:
+			return float64(m.Histogram.GetSampleCount())
+		}
+	}
+	return -1
+}
+
+var (
+	binOnce sync.Once
+	binPath string
+	binErr  error
+)
+
+// kvhostBinary builds this command once per test run.
+func kvhostBinary(t *testing.T) string {
+	t.Helper()
+	binOnce.Do(func() {
+		dir, err := os.MkdirTemp("", "kvhost-cmd-test-")
+		if err != nil {
+			binErr = err
+			return
+		}
+		binPath = filepath.Join(dir, "kvhost")
+		out, err := exec.Command("go", "build", "-o", binPath, ".").CombinedOutput()
+		if err != nil {
+			binErr = fmt.Errorf("go build: %v\n%s", err, out)
+		}
+	})
+	if binErr != nil {
+		t.Fatal(binErr)
+	}
+	return binPath
+}
+
+// proc is a kvhost daemon process.
+type proc struct {
+	cmd    *exec.Cmd
+	stdout *lines
+	stderr *lines
+	exited chan struct{}
+	err    error
+}
+
+// startProc runs the built kvhost with args and env added, and waits for
+// its listening line on stdout.
+func startProc(t *testing.T, env []string, args ...string) *proc {
+	t.Helper()
+	p := &proc{cmd: exec.Command(kvhostBinary(t), args...), stdout: newLines(), stderr: newLines(), exited: make(chan struct{})}
+	p.cmd.Env = append(os.Environ(), env...)
+	p.cmd.Stdout, p.cmd.Stderr = p.stdout, p.stderr
+	if err := p.cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	go func() { p.err = p.cmd.Wait(); close(p.exited) }()
+	t.Cleanup(func() {
+		p.cmd.Process.Kill()
+		<-p.exited
+		if t.Failed() {
+			t.Logf("daemon stderr:\n%s", p.stderr.String())
+		}
+	})
+	p.stdout.wait(t, "listening line", func(s string) bool { return strings.HasPrefix(s, "kvhost: listening on unix:") })
+	return p
+}
+
+// waitExit waits for the process to exit and returns its error.
+func (p *proc) waitExit(t *testing.T) error {
+	t.Helper()
+	select {
+	case <-p.exited:
+		return p.err
+	case <-time.After(60 * time.Second):
+		t.Fatal("the daemon did not exit within 60s")
+		return nil
+	}
+}
+
+var _ io.Writer = (*lines)(nil)

@@ -1,0 +1,255 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"net"
+	"reflect"
+	"slices"
+	"strings"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/kvhost/kvhost/client"
+	"github.com/kvhost/kvhost/config"
+	"github.com/kvhost/kvhost/logging"
+)
+
+// liveKeys are the settings a reload applies to the running daemon (the
+// whole [policy] table among them); every other changed key is reported as
+// needing a restart.
+var liveKeys = []string{"log.level", "engine.verify_interval"}
+
+// reload re-reads the configuration (the --config file with the
+// command-line flags over it, as at start) and applies what can change
+// live: the policy (compiled, warmed from the index, swapped in, the old
+// one closed once its calls drain), log.level and engine.verify_interval.
+// On any failure nothing changes and the reason is logged and kept for
+// `kvhost reload` and `kvhost stats`.
+func (d *daemon) reload(ctx context.Context) {
+	start := time.Now()
+	if err := sdNotify(fmt.Sprintf("RELOADING=1\nMONOTONIC_USEC=%d", monotonicUsec())); err != nil {
+		d.log.Warn("systemd notification failed", "err", err)
+	}
+	d.log.Info("reload: re-reading the configuration", "config", d.flags.ConfigPath())
+	msg, err := d.applyReload(ctx)
+	d.mu.Lock()
+	if err != nil {
+		d.reloadFailures++
+		d.lastReload = "failed: " + err.Error() + "; the running configuration is unchanged"
+	} else {
+		d.reloads++
+		d.lastReload = msg
+	}
+	d.mu.Unlock()
+	if err != nil {
+		d.log.Error("reload failed; the running configuration is unchanged", "err", err, "took", time.Since(start).String())
+	} else {
+		d.log.Info("reload done", "result", msg, "took", time.Since(start).String())
+	}
+	if ctx.Err() == nil { // not while draining
+		d.setReady(true)
+	}
+}
+
+// applyReload does the work of reload and describes what changed.
+func (d *daemon) applyReload(ctx context.Context) (string, error) {
+	next, err := d.flags.Load()
+	if err != nil {
+		return "", err
+	}
+	d.mu.Lock()
+	cur := d.running
+	d.mu.Unlock()
+	level, err := logging.ParseLevel(next.Log.Level)
+	if err != nil {
+		return "", err
+	}
+	var changed []string
+	build, err := d.policyBuilder(ctx, next)
+	if err != nil {
+		return "", err
+	}
+	old := d.pol.current()
+	switch {
+	case old == nil || !reflect.DeepEqual(old.cfg, next.Policy):
+		changed = append(changed, "policy")
+	case old.sum != build.sum:
+		changed = append(changed, "policy (module changed)")
+	case old.host != nil && old.host.Stats().Fallback:
+		changed = append(changed, "policy (retried after its fallback)")
+	}
+	if len(changed) > 0 {
+		if err := d.eng.ReplacePolicy(ctx, build.fn); err != nil {
+			return "", err
+		}
+		d.pol.swap(build)
+	}
+	if next.Log.Level != cur.Log.Level {
+		d.level.Set(level)
+		changed = append(changed, "log.level")
+	}
+	if next.Engine.VerifyInterval != cur.Engine.VerifyInterval {
+		d.eng.SetVerifyInterval(time.Duration(next.Engine.VerifyInterval))
+		changed = append(changed, "engine.verify_interval")
+	}
+	restart := needsRestart(cur, next)
+	running := cur
+	running.Policy, running.Log.Level, running.Engine.VerifyInterval = next.Policy, next.Log.Level, next.Engine.VerifyInterval
+	d.mu.Lock()
+	d.running = running
+	d.mu.Unlock()
+	msg := "ok; nothing changed"
+	if len(changed) > 0 {
+		msg = "ok; changed: " + strings.Join(changed, ", ")
+	}
+	if len(restart) > 0 {
+		msg += "; needs restart: " + strings.Join(restart, ", ")
+		d.log.Warn("reload: these settings changed but apply only at the next start", "keys", strings.Join(restart, ","))
+	}
+	return msg, nil
+}
+
+// needsRestart lists the keys (as in the TOML file) whose values differ
+// between a and b and that a reload does not apply.
+func needsRestart(a, b config.Config) []string {
+	var keys []string
+	diffKeys("", reflect.ValueOf(a), reflect.ValueOf(b), &keys)
+	return slices.DeleteFunc(keys, func(k string) bool {
+		return k == "policy" || strings.HasPrefix(k, "policy.") || slices.Contains(liveKeys, k)
+	})
+}
+
+// diffKeys appends the dotted TOML keys under prefix whose values differ.
+// Tables of arrays ([[mount]]) count as one key.
+func diffKeys(prefix string, a, b reflect.Value, out *[]string) {
+	if a.Kind() == reflect.Struct {
+		for i := range a.NumField() {
+			name, _, _ := strings.Cut(a.Type().Field(i).Tag.Get("toml"), ",")
+			if name == "" || name == "-" {
+				continue
+			}
+			key := name
+			if prefix != "" {
+				key = prefix + "." + name
+			}
+			diffKeys(key, a.Field(i), b.Field(i), out)
+		}
+		return
+	}
+	if !reflect.DeepEqual(a.Interface(), b.Interface()) {
+		*out = append(*out, prefix)
+	}
+}
+
+// monotonicUsec is CLOCK_MONOTONIC in microseconds (systemd's
+// MONOTONIC_USEC of a reload).
+func monotonicUsec() int64 {
+	var ts unix.Timespec
+	if err := unix.ClockGettime(unix.CLOCK_MONOTONIC, &ts); err != nil {
+		return 0
+	}
+	return ts.Nano() / 1000
+}
+
+// runReload implements `kvhost reload`: it finds the daemon behind the
+// socket (its pid, from the socket's peer credentials), sends it SIGHUP
+// and waits until the daemon's Stats count the reload, then prints how it
+// went. Exit status 0: reloaded; 1: the reload failed (the daemon runs on
+// with its old configuration) or the daemon could not be reached.
+func runReload(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	fs := flag.NewFlagSet("kvhost reload", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	socket := fs.String("socket", client.DefaultSocket(), "the daemon's Unix socket `path`")
+	timeout := fs.Duration("timeout", 2*time.Minute, "how long to wait for the reload")
+	fs.Usage = func() {
+		fmt.Fprintln(stderr, "usage: kvhost reload [--socket PATH] [--timeout D]\n\nReloads the daemon's configuration (SIGHUP) and reports the result.\n\nflags:")
+		fs.PrintDefaults()
+	}
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return 0
+		}
+		return 2
+	}
+	ctx, cancel := context.WithTimeout(ctx, *timeout)
+	defer cancel()
+	if err := reloadDaemon(ctx, *socket, stdout); err != nil {
+		fmt.Fprintf(stderr, "kvhost reload: %v\n", err)
+		return 1
+	}
+	return 0
+}
+
+func reloadDaemon(ctx context.Context, socket string, stdout io.Writer) error {
+	c, err := client.Dial(ctx, socket, "kvhost reload")
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	before, err := c.Stats(ctx)
+	if err != nil {
+		return err
+	}
+	if before.Daemon == nil {
+		return errors.New("the daemon predates reload reporting (no daemon section in its stats)")
+	}
+	pid, err := peerPID(socket)
+	if err != nil {
+		return err
+	}
+	if err := syscall.Kill(pid, syscall.SIGHUP); err != nil {
+		return fmt.Errorf("signal the daemon (pid %d): %w (run as the daemon's user or root)", pid, err)
+	}
+	count := func(s client.Stats) uint64 { return s.Daemon.Reloads + s.Daemon.ReloadFailures }
+	tick := time.NewTicker(50 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		st, err := c.Stats(ctx)
+		if err != nil {
+			return err
+		}
+		if st.Daemon != nil && count(st) > count(before) {
+			fmt.Fprintf(stdout, "kvhost reload (pid %d): %s\n", pid, st.Daemon.LastReload)
+			if st.Daemon.ReloadFailures > before.Daemon.ReloadFailures {
+				return errors.New("the reload failed")
+			}
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("no reload reported: %w", ctx.Err())
+		case <-tick.C:
+		}
+	}
+}
+
+// peerPID is the pid of the process listening on a Unix socket (SO_PEERCRED).
+func peerPID(socket string) (int, error) {
+	conn, err := net.DialTimeout("unix", socket, 5*time.Second)
+	if err != nil {
+		return 0, err
+	}
+	defer conn.Close()
+	raw, err := conn.(*net.UnixConn).SyscallConn()
+	if err != nil {
+		return 0, err
+	}
+	var cred *unix.Ucred
+	var serr error
+	if err := raw.Control(func(fd uintptr) { cred, serr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED) }); err != nil {
+		return 0, err
+	}
+	if serr != nil {
+		return 0, fmt.Errorf("peer credentials of %s: %w", socket, serr)
+	}
+	if cred.Pid <= 0 {
+		return 0, fmt.Errorf("the daemon behind %s is in another pid namespace; send it SIGHUP there", socket)
+	}
+	return int(cred.Pid), nil
+}

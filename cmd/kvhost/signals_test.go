@@ -1,0 +1,297 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"net"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/kvhost/kvhost/client"
+)
+
+// notifySocket is a stand-in for systemd's notification socket.
+type notifySocket struct {
+	path string
+	msgs chan string
+}
+
+func newNotifySocket(t *testing.T) *notifySocket {
+	t.Helper()
+	n := &notifySocket{path: filepath.Join(t.TempDir(), "notify.sock"), msgs: make(chan string, 64)}
+	conn, err := net.ListenUnixgram("unixgram", &net.UnixAddr{Name: n.path, Net: "unixgram"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	go func() {
+		buf := make([]byte, 4096)
+		for {
+			k, err := conn.Read(buf)
+			if err != nil {
+				close(n.msgs)
+				return
+			}
+			n.msgs <- string(buf[:k])
+		}
+	}()
+	return n
+}
+
+// expect waits for a notification containing want.
+func (n *notifySocket) expect(t *testing.T, want string) {
+	t.Helper()
+	timeout := time.After(60 * time.Second)
+	for {
+		select {
+		case m, ok := <-n.msgs:
+			if !ok {
+				t.Fatalf("notify socket closed before %q", want)
+			}
+			if strings.Contains(m, want) {
+				return
+			}
+		case <-timeout:
+			t.Fatalf("no %q notification within 60s", want)
+		}
+	}
+}
+
+// daemonStats asks the daemon behind socket for its Stats.
+func daemonStats(t *testing.T, socket string) client.Stats {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	c, err := client.Dial(ctx, socket, "test stats")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	st, err := c.Stats(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.Daemon == nil {
+		t.Fatal("no daemon section in the stats")
+	}
+	return st
+}
+
+// TestSIGHUPReloadsUnderLoadLosingNoRequest runs the daemon as a process
+// under systemd-style notification while clients store and load without
+// pause, and reloads it by SIGHUP several times with a changed policy and
+// log level: every request succeeds and reads back what it wrote, every
+// reload is reported (RELOADING=1, then READY=1; counted in Stats, with
+// the keys that need a restart named), the new log level takes effect, and
+// a bad configuration (by SIGHUP and by `kvhost reload`) is refused with
+// its reason while the daemon runs on unchanged.
+func TestSIGHUPReloadsUnderLoadLosingNoRequest(t *testing.T) {
+	dir := t.TempDir()
+	file, socket, cache := testConfig(t, dir, "")
+	write := func(level string, shards, maxClients int, memoryLimit string) {
+		src := fmt.Sprintf("[server]\nsocket = %q\nmax_clients = %d\n\n[log]\nformat = \"json\"\nlevel = %q\n\n"+
+			"[policy]\ncache_dir = %q\nshards = %d\nmemory_limit = %q\n\n[[mount]]\npath = %q\ncapacity = \"256MiB\"\n",
+			socket, maxClients, level, filepath.Join(dir, "wasm-cache"), shards, memoryLimit, cache)
+		if err := os.WriteFile(file+".tmp", []byte(src), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.Rename(file+".tmp", file); err != nil {
+			t.Fatal(err)
+		}
+	}
+	write("info", 1, 64, "64MiB")
+	notify := newNotifySocket(t)
+	p := startProc(t, []string{"NOTIFY_SOCKET=" + notify.path}, "serve", "--config", file)
+	notify.expect(t, "READY=1")
+
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	var ops, failures atomic.Int64
+	var firstErr atomic.Value
+	var wg sync.WaitGroup
+	const workers = 3
+	ready := make(chan struct{}, workers)
+	for w := range workers {
+		k := newKVCache(t, socket)
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			rng := rand.New(rand.NewPCG(uint64(w), 9))
+			for i := 0; ctx.Err() == nil; i++ {
+				b := uint32(2 * (i % (opsBlocks / 2)))
+				if err := k.roundTrip(ctx, fmt.Sprintf("w%d-%d", w, i), []uint32{b, b + 1}, rng); err != nil {
+					if ctx.Err() != nil {
+						return
+					}
+					failures.Add(1)
+					firstErr.CompareAndSwap(nil, err)
+				}
+				if ops.Add(1) == int64(workers) {
+					for range workers {
+						ready <- struct{}{}
+					}
+				}
+			}
+		}()
+	}
+	<-ready // load is running
+
+	// Three reloads, each changing the policy's sharding; the first also
+	// the log level and a key that needs a restart.
+	for i, shards := range []int{2, 1, 2} {
+		write("debug", shards, 7, "64MiB")
+		before := ops.Load()
+		if err := p.cmd.Process.Signal(syscall.SIGHUP); err != nil {
+			t.Fatal(err)
+		}
+		notify.expect(t, "RELOADING=1")
+		notify.expect(t, "READY=1")
+		st := daemonStats(t, socket)
+		if st.Daemon.Reloads != uint64(i+1) || st.Daemon.ReloadFailures != 0 || !strings.Contains(st.Daemon.LastReload, "changed: policy") {
+			t.Fatalf("after reload %d: reloads %d, failures %d, last %q", i+1, st.Daemon.Reloads, st.Daemon.ReloadFailures, st.Daemon.LastReload)
+		}
+		if i == 0 && (!strings.Contains(st.Daemon.LastReload, "log.level") || !strings.Contains(st.Daemon.LastReload, "needs restart: server.max_clients")) {
+			t.Fatalf("first reload reported %q: want log.level changed and server.max_clients needing a restart", st.Daemon.LastReload)
+		}
+		// Requests went on through the reload.
+		waitFor(t, "requests after the reload", func() bool { return ops.Load() > before+workers })
+	}
+	// debug now logs what info did not: a debug line appears.
+	p.stderr.wait(t, "a debug log line after the reload", func(s string) bool { return strings.Contains(s, `"level":"DEBUG"`) })
+
+	// A bad configuration: refused with its key, the daemon runs on.
+	write("debug", 2, 7, "1KiB")
+	before := ops.Load()
+	if err := p.cmd.Process.Signal(syscall.SIGHUP); err != nil {
+		t.Fatal(err)
+	}
+	notify.expect(t, "RELOADING=1")
+	notify.expect(t, "READY=1")
+	st := daemonStats(t, socket)
+	if st.Daemon.ReloadFailures != 1 || !strings.Contains(st.Daemon.LastReload, "policy.memory_limit") || st.Daemon.Reloads != 3 {
+		t.Fatalf("bad config: reloads %d, failures %d, last %q", st.Daemon.Reloads, st.Daemon.ReloadFailures, st.Daemon.LastReload)
+	}
+	p.stderr.logLine(t, "reload failed; the running configuration is unchanged")
+	waitFor(t, "requests after the failed reload", func() bool { return ops.Load() > before+workers })
+
+	// kvhost reload reports the failure (exit 1) and, once the file is
+	// good again, the success (exit 0).
+	var out, errb bytes.Buffer
+	if code := run(context.Background(), []string{"reload", "--socket", socket}, &out, &errb); code != 1 || !strings.Contains(out.String(), "policy.memory_limit") {
+		t.Fatalf("kvhost reload of a bad config: exit %d, stdout %q, stderr %q", code, out.String(), errb.String())
+	}
+	write("debug", 2, 7, "64MiB")
+	out.Reset()
+	if code := run(context.Background(), []string{"reload", "--socket", socket}, &out, &errb); code != 0 || !strings.Contains(out.String(), "ok") {
+		t.Fatalf("kvhost reload: exit %d, stdout %q, stderr %q", code, out.String(), errb.String())
+	}
+
+	cancel()
+	wg.Wait()
+	if n := failures.Load(); n != 0 {
+		t.Fatalf("%d of %d round trips failed across the reloads; first: %v", n, ops.Load(), firstErr.Load())
+	}
+	t.Logf("%d round trips through 6 reloads, none failed", ops.Load())
+	if err := p.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.waitExit(t); err != nil {
+		t.Fatalf("exit after SIGTERM: %v", err)
+	}
+}
+
+// waitFor polls cond (a condition on state another goroutine moves) until
+// it holds, for up to 60 s.
+func waitFor(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(60 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("no %s within 60s", what)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// TestSIGTERMFinishesJobsAndRemovesTheSocket sends SIGTERM while a
+// client submits store jobs without pause: every job the daemon accepted
+// completes stored (none is lost or cancelled), later submissions are
+// refused, the daemon says STOPPING=1, exits 0 and leaves no socket.
+func TestSIGTERMFinishesJobsAndRemovesTheSocket(t *testing.T) {
+	dir := t.TempDir()
+	file, socket, _ := testConfig(t, dir, "[engine]\nfsync = true")
+	notify := newNotifySocket(t)
+	p := startProc(t, []string{"NOTIFY_SOCKET=" + notify.path}, "serve", "--config", file)
+	notify.expect(t, "READY=1")
+	k := newKVCache(t, socket)
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	var jobs []*client.Job
+	var refused error
+	for i := 0; ; i++ {
+		b := uint32(2 * (i % (opsBlocks / 2)))
+		j, err := k.c.Store(ctx, k.id, [][]byte{fmt.Appendf(nil, "key-%d", i)}, [][]uint32{{b, b + 1}})
+		if err != nil {
+			refused = err
+			break
+		}
+		jobs = append(jobs, j)
+		if i == 32 {
+			if err := p.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	if len(jobs) <= 32 || ctx.Err() != nil {
+		t.Fatalf("%d jobs accepted, submission ended with %v: want the daemon to refuse new jobs once draining", len(jobs), refused)
+	}
+	for i, j := range jobs {
+		res, err := j.Wait(ctx)
+		if err != nil || res.Keys[0].Outcome != client.OutcomeStored {
+			t.Fatalf("job %d of %d accepted: %v %v %s", i, len(jobs), res.Keys, err, res.Message)
+		}
+	}
+	t.Logf("%d jobs accepted, all stored; the next submission got: %v", len(jobs), refused)
+	notify.expect(t, "STOPPING=1")
+	k.c.Close()
+	if err := p.waitExit(t); err != nil {
+		t.Fatalf("exit after SIGTERM: %v", err)
+	}
+	if _, err := os.Lstat(socket); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("socket left: %v", err)
+	}
+	p.stderr.logLine(t, "kvhost stopped")
+}
+
+// TestOtherSignalsDoNotStopTheDaemon: SIGQUIT writes every goroutine's
+// stack and the daemon serves on; SIGUSR1, SIGUSR2 and SIGPIPE are
+// ignored.
+func TestOtherSignalsDoNotStopTheDaemon(t *testing.T) {
+	file, socket, _ := testConfig(t, t.TempDir(), "")
+	p := startProc(t, nil, "serve", "--config", file)
+	for _, sig := range []syscall.Signal{syscall.SIGQUIT, syscall.SIGUSR1, syscall.SIGUSR2, syscall.SIGPIPE} {
+		if err := p.cmd.Process.Signal(sig); err != nil {
+			t.Fatal(err)
+		}
+	}
+	p.stderr.wait(t, "a goroutine dump", func(s string) bool { return strings.HasPrefix(s, "goroutine ") })
+	p.stderr.logLine(t, "signal ignored")
+	k := newKVCache(t, socket)
+	if err := k.roundTrip(context.Background(), "after-signals", []uint32{0, 1}, rand.New(rand.NewPCG(1, 1))); err != nil {
+		t.Fatalf("the daemon does not serve after the signals: %v", err)
+	}
+	select {
+	case <-p.exited:
+		t.Fatalf("the daemon exited: %v", p.err)
+	default:
+	}
+}

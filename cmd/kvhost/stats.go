@@ -1,0 +1,212 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/kvhost/kvhost/client"
+)
+
+// statsReport is what `kvhost stats` shows, and its --json form.
+type statsReport struct {
+	Socket  string    `json:"socket"`
+	Version string    `json:"version"`
+	Started time.Time `json:"started,omitzero"`
+	Uptime  string    `json:"uptime,omitempty"`
+	Policy  struct {
+		Name           string `json:"name"`
+		Backend        string `json:"backend"`
+		Fallback       bool   `json:"fallback"`
+		FallbackReason string `json:"fallback_reason,omitempty"`
+	} `json:"policy"`
+	Reloads struct {
+		OK     uint64 `json:"ok"`
+		Failed uint64 `json:"failed"`
+		Last   string `json:"last,omitempty"`
+	} `json:"reloads"`
+	Clients         uint64        `json:"clients"`
+	InflightJobs    uint64        `json:"inflight_jobs"`
+	Regions         uint64        `json:"regions"`
+	RegisteredBytes uint64        `json:"registered_bytes"`
+	Entries         uint64        `json:"entries"`
+	Keys            uint64        `json:"keys"`
+	Counters        statsCounters `json:"counters"`
+	Mounts          []statsMount  `json:"mounts"`
+	Devices         []statsDevice `json:"gpu_devices"`
+}
+
+type statsCounters struct {
+	StoredKeys   uint64 `json:"stored_keys"`
+	LoadedKeys   uint64 `json:"loaded_keys"`
+	Hits         uint64 `json:"hits"`
+	Misses       uint64 `json:"misses"`
+	Evictions    uint64 `json:"evictions"`
+	Failures     uint64 `json:"failures"`
+	Corrupt      uint64 `json:"corrupt"`
+	Vanished     uint64 `json:"vanished"`
+	BytesWritten uint64 `json:"bytes_written"`
+	BytesRead    uint64 `json:"bytes_read"`
+}
+
+type statsMount struct {
+	Path       string `json:"path"`
+	Backend    string `json:"backend"`
+	IO         string `json:"io"`
+	Checksums  bool   `json:"checksums"`
+	Capacity   uint64 `json:"capacity"`
+	Configured uint64 `json:"configured"`
+	Used       uint64 `json:"used"`
+	Entries    uint64 `json:"entries"`
+}
+
+type statsDevice struct {
+	Ordinal    uint32 `json:"ordinal"`
+	Regions    uint64 `json:"regions"`
+	Registered uint64 `json:"registered_bytes"`
+	Limit      uint64 `json:"limit_bytes"`
+}
+
+// queryStats connects to the daemon (Hello) and asks for its Stats.
+func queryStats(ctx context.Context, socket string) (statsReport, error) {
+	var r statsReport
+	c, err := client.Dial(ctx, socket, "kvhost stats")
+	if err != nil {
+		return r, err
+	}
+	defer c.Close()
+	st, err := c.Stats(ctx)
+	if err != nil {
+		return r, err
+	}
+	r.Socket, r.Version = socket, c.Limits().Server
+	r.Clients, r.Entries, r.Keys = st.Clients, st.Entries, st.Keys
+	r.Counters = statsCounters{StoredKeys: st.Stores, LoadedKeys: st.Loads, Hits: st.Hits, Misses: st.Misses, Evictions: st.Evictions,
+		Failures: st.Failures, Corrupt: st.Corrupt, Vanished: st.Vanished, BytesWritten: st.BytesWritten, BytesRead: st.BytesRead}
+	for i, m := range st.Mounts {
+		sm := statsMount{Capacity: m.Capacity, Used: m.Used, Entries: m.Entries, IO: "buffered"}
+		if m.Direct {
+			sm.IO = "direct"
+		}
+		if d := st.Daemon; d != nil && i < len(d.Mounts) {
+			mi := d.Mounts[i]
+			sm.Path, sm.Backend, sm.IO, sm.Checksums, sm.Configured = mi.Path, mi.Backend, mi.IO, mi.Checksums, mi.Configured
+		}
+		r.Mounts = append(r.Mounts, sm)
+	}
+	for _, d := range st.Devices {
+		r.Devices = append(r.Devices, statsDevice{Ordinal: d.Ordinal, Regions: d.Regions, Registered: d.Registered, Limit: d.Limit})
+	}
+	if d := st.Daemon; d != nil {
+		r.Started = time.Unix(0, d.Started).UTC()
+		r.Uptime = time.Since(r.Started).Round(time.Second).String()
+		r.Policy.Name, r.Policy.Backend, r.Policy.Fallback, r.Policy.FallbackReason = d.Policy, d.PolicyBackend, d.Fallback, d.FallbackReason
+		r.Reloads.OK, r.Reloads.Failed, r.Reloads.Last = d.Reloads, d.ReloadFailures, d.LastReload
+		r.InflightJobs, r.Regions, r.RegisteredBytes = d.InflightJobs, d.Regions, d.RegisteredBytes
+	} else {
+		r.InflightJobs = st.InflightJobs
+	}
+	return r, nil
+}
+
+// runStats implements `kvhost stats [--socket S] [--json]`.
+func runStats(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	fs := flag.NewFlagSet("kvhost stats", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	socket := fs.String("socket", client.DefaultSocket(), "the daemon's Unix socket `path`")
+	asJSON := fs.Bool("json", false, "print JSON")
+	timeout := fs.Duration("timeout", 10*time.Second, "give up after this long")
+	fs.Usage = func() {
+		fmt.Fprintln(stderr, "usage: kvhost stats [--socket PATH] [--json]\n\nShows a running daemon's state.\n\nflags:")
+		fs.PrintDefaults()
+	}
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return 0
+		}
+		return 2
+	}
+	ctx, cancel := context.WithTimeout(ctx, *timeout)
+	defer cancel()
+	r, err := queryStats(ctx, *socket)
+	if err != nil {
+		fmt.Fprintf(stderr, "kvhost stats: %s: %v\n", *socket, err)
+		return 1
+	}
+	if *asJSON {
+		enc := json.NewEncoder(stdout)
+		enc.SetIndent("", "  ")
+		if err := enc.Encode(r); err != nil {
+			fmt.Fprintf(stderr, "kvhost stats: %v\n", err)
+			return 1
+		}
+		return 0
+	}
+	printStats(stdout, r)
+	return 0
+}
+
+func printStats(w io.Writer, r statsReport) {
+	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	fmt.Fprintf(tw, "daemon\t%s\n", r.Version)
+	fmt.Fprintf(tw, "socket\t%s\n", r.Socket)
+	if r.Uptime != "" {
+		fmt.Fprintf(tw, "uptime\t%s (since %s)\n", r.Uptime, r.Started.Format(time.RFC3339))
+	}
+	pol := r.Policy.Name + " (" + r.Policy.Backend + ")"
+	if r.Policy.Fallback {
+		pol += ", FELL BACK to native lru: " + r.Policy.FallbackReason
+	}
+	fmt.Fprintf(tw, "policy\t%s\n", pol)
+	rl := fmt.Sprintf("%d ok, %d failed", r.Reloads.OK, r.Reloads.Failed)
+	if r.Reloads.Last != "" {
+		rl += "; last: " + r.Reloads.Last
+	}
+	fmt.Fprintf(tw, "reloads\t%s\n", rl)
+	fmt.Fprintf(tw, "clients\t%d (this command's connection included)\n", r.Clients)
+	fmt.Fprintf(tw, "jobs in flight\t%d\n", r.InflightJobs)
+	fmt.Fprintf(tw, "registered\t%d regions, %s\n", r.Regions, bytesString(r.RegisteredBytes))
+	fmt.Fprintf(tw, "index\t%d files, %d keys\n", r.Entries, r.Keys)
+	c := r.Counters
+	fmt.Fprintf(tw, "keys\t%d stored, %d loaded, %d hits, %d misses, %d failed\n", c.StoredKeys, c.LoadedKeys, c.Hits, c.Misses, c.Failures)
+	fmt.Fprintf(tw, "files\t%d evicted, %d corrupt, %d vanished\n", c.Evictions, c.Corrupt, c.Vanished)
+	fmt.Fprintf(tw, "bytes\t%s written, %s read\n", bytesString(c.BytesWritten), bytesString(c.BytesRead))
+	tw.Flush()
+	fmt.Fprintln(w, "\nmounts:")
+	tw = tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "  path\tbackend\tio\tchecksums\tused\tcapacity\tuse%\tfiles")
+	for _, m := range r.Mounts {
+		pct := 0.0
+		if m.Capacity > 0 {
+			pct = 100 * float64(m.Used) / float64(m.Capacity)
+		}
+		fmt.Fprintf(tw, "  %s\t%s\t%s\t%v\t%s\t%s\t%.1f%%\t%d\n", m.Path, m.Backend, m.IO, m.Checksums, bytesString(m.Used), bytesString(m.Capacity), pct, m.Entries)
+	}
+	tw.Flush()
+	if len(r.Devices) > 0 {
+		fmt.Fprintln(w, "\nGPU registrations:")
+		for _, d := range r.Devices {
+			fmt.Fprintf(w, "  device %d: %d regions, %s of %s\n", d.Ordinal, d.Regions, bytesString(d.Registered), bytesString(d.Limit))
+		}
+	}
+}
+
+// bytesString writes n in binary units ("1.5GiB").
+func bytesString(n uint64) string {
+	const units = "KMGTPE"
+	if n < 1024 {
+		return fmt.Sprintf("%dB", n)
+	}
+	v, i := float64(n)/1024, 0
+	for v >= 1024 && i < len(units)-1 {
+		v /= 1024
+		i++
+	}
+	return strings.TrimSuffix(strings.TrimSuffix(fmt.Sprintf("%.1f", v), "0"), ".") + string(units[i]) + "iB"
+}

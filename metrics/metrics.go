@@ -1,0 +1,321 @@
+// Package metrics exposes a kvhost daemon's state to Prometheus: a
+// collector that reads the engine's, the server's and the policy host's
+// counters at every scrape, histograms fed by the engine (Observer) and the
+// policy host (Config.OnCall), and an HTTP handler serving /metrics and the
+// probes /healthz and /readyz. docs/metrics.md lists every name.
+package metrics
+
+import (
+	"net/http"
+	"strconv"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"golang.org/x/sys/unix"
+
+	"github.com/kvhost/kvhost/host/engine"
+	"github.com/kvhost/kvhost/host/policy"
+	"github.com/kvhost/kvhost/server"
+)
+
+// Sources are what the collector reads at every scrape. A nil field leaves
+// its metrics out.
+type Sources struct {
+	Engine func() engine.Stats
+	Server func() server.Stats
+	// Policy is the policy's state; its counters must not go down when a
+	// reload replaces the policy host (the daemon adds the old host's).
+	Policy func() PolicyState
+	// DataPaths are the fallback counts of the GPU data paths, per mount.
+	DataPaths func() []DataPath
+	// Staging reports the CPU staging pipeline's bounce buffers in use,
+	// their limit and size (engine.StagingUsage).
+	Staging func() (inUse, limit, size int)
+	// Reloads counts configuration reloads that took effect and that
+	// failed.
+	Reloads func() (ok, failed uint64)
+}
+
+// PolicyState is the placement policy as the daemon runs it.
+type PolicyState struct {
+	Name  string       // the configured policy
+	Stats policy.Stats // the host's counters (Backend, Fallback...)
+}
+
+// DataPath is the data mover chain of one mount for GPU memory and the
+// plans each of its movers passed on to the next (transfer.Chain).
+type DataPath struct {
+	Mount     string
+	Fallbacks map[string]uint64 // by mover name
+}
+
+// Metrics is a daemon's metrics registry.
+type Metrics struct {
+	reg   *prometheus.Registry
+	src   atomic.Pointer[Sources]
+	ready atomic.Bool
+
+	jobs        *prometheus.CounterVec
+	jobBytes    *prometheus.CounterVec
+	jobDuration *prometheus.HistogramVec
+	jobKeys     *prometheus.CounterVec
+	policyCall  *prometheus.HistogramVec
+}
+
+// Histogram buckets, in seconds.
+var (
+	// jobBuckets: 100µs to 6.6s, ×4.
+	jobBuckets = prometheus.ExponentialBuckets(100e-6, 4, 9)
+	// policyBuckets: 1µs to 262ms, ×4.
+	policyBuckets = prometheus.ExponentialBuckets(1e-6, 4, 10)
+)
+
+// New returns the registry of a daemon of the given version, with Go
+// runtime and process metrics. Its collector reports nothing but the
+// build until SetSources.
+func New(version string) *Metrics {
+	m := &Metrics{reg: prometheus.NewRegistry()}
+	jobLabels := []string{"direction", "memory", "path"}
+	m.jobs = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvhost_jobs_total",
+		Help: "Store and load jobs finished, by direction, memory kind of the cache and data path."}, jobLabels)
+	m.jobBytes = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvhost_job_bytes_total",
+		Help: "Payload bytes moved by finished jobs."}, jobLabels)
+	m.jobDuration = prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "kvhost_job_duration_seconds",
+		Help: "Job latency from submission to completion.", Buckets: jobBuckets}, jobLabels)
+	m.jobKeys = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvhost_job_keys_total",
+		Help: "Keys of finished jobs by outcome (stored, present, not_admitted, loaded, missing, failed)."}, []string{"direction", "outcome"})
+	m.policyCall = prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "kvhost_policy_call_duration_seconds",
+		Help: "Time a policy instance ran per hook call (without the host's validation).", Buckets: policyBuckets}, []string{"hook"})
+	build := prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvhost_build_info", Help: "The running build; always 1.",
+		ConstLabels: prometheus.Labels{"version": version}})
+	build.Set(1)
+	m.reg.MustRegister(m.jobs, m.jobBytes, m.jobDuration, m.jobKeys, m.policyCall, build, &collector{m: m},
+		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	return m
+}
+
+// Registry is the Prometheus registry (tests gather from it).
+func (m *Metrics) Registry() *prometheus.Registry { return m.reg }
+
+// SetSources sets what the collector reads from then on.
+func (m *Metrics) SetSources(s Sources) { m.src.Store(&s) }
+
+// SetReady sets what /readyz answers: ready once the daemon accepts
+// clients, not ready again once it drains.
+func (m *Metrics) SetReady(ready bool) { m.ready.Store(ready) }
+
+// ObserveJob implements engine.Observer.
+func (m *Metrics) ObserveJob(ev engine.JobEvent) {
+	mem := ev.Memory.String()
+	m.jobs.WithLabelValues(ev.Direction, mem, ev.Path).Inc()
+	m.jobBytes.WithLabelValues(ev.Direction, mem, ev.Path).Add(float64(ev.Bytes))
+	m.jobDuration.WithLabelValues(ev.Direction, mem, ev.Path).Observe(ev.Duration.Seconds())
+	for o, n := range ev.Outcomes {
+		if n > 0 {
+			m.jobKeys.WithLabelValues(ev.Direction, outcomeLabel(engine.Outcome(o))).Add(float64(n))
+		}
+	}
+}
+
+var _ engine.Observer = (*Metrics)(nil)
+
+// outcomeLabel is an outcome's name as a label value.
+func outcomeLabel(o engine.Outcome) string {
+	if o == engine.OutcomeNotAdmitted {
+		return "not_admitted"
+	}
+	return o.String()
+}
+
+// ObservePolicyCall is a policy.Config.OnCall: one call into a policy
+// instance.
+func (m *Metrics) ObservePolicyCall(hook string, _ int, took time.Duration) {
+	m.policyCall.WithLabelValues(hook).Observe(took.Seconds())
+}
+
+// Handler serves /metrics (Prometheus text or protobuf), /healthz (200
+// while the process serves HTTP: liveness) and /readyz (200 once the
+// daemon accepts clients, 503 before and while it drains: readiness).
+func (m *Metrics) Handler() http.Handler {
+	mux := http.NewServeMux()
+	mux.Handle("GET /metrics", promhttp.HandlerFor(m.reg, promhttp.HandlerOpts{}))
+	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
+		w.Write([]byte("ok\n"))
+	})
+	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, _ *http.Request) {
+		if !m.ready.Load() {
+			http.Error(w, "not ready: starting or draining", http.StatusServiceUnavailable)
+			return
+		}
+		w.Write([]byte("ready\n"))
+	})
+	return mux
+}
+
+// collector reads the Sources at every scrape.
+type collector struct {
+	m *Metrics
+}
+
+// Describe sends nothing: the collector is unchecked (the label sets of
+// its metrics depend on the mounts, hooks and devices found at scrape).
+func (c *collector) Describe(chan<- *prometheus.Desc) {}
+
+func desc(name, help string, labels ...string) *prometheus.Desc {
+	return prometheus.NewDesc(name, help, labels, nil)
+}
+
+// The collector's metrics (docs/metrics.md).
+var (
+	dReady          = desc("kvhost_ready", "1 while the daemon accepts clients.")
+	dEntries        = desc("kvhost_entries", "Files in the engine's index.")
+	dKeys           = desc("kvhost_keys", "Keys in the engine's index.")
+	dStored         = desc("kvhost_stored_keys_total", "Keys written and published.")
+	dLoaded         = desc("kvhost_loaded_keys_total", "Keys read into their blocks and verified.")
+	dHits           = desc("kvhost_hits_total", "Keys found by lookups and loads.")
+	dMisses         = desc("kvhost_misses_total", "Keys not found by lookups and loads.")
+	dEvictions      = desc("kvhost_evictions_total", "Files evicted to make room.")
+	dCorrupt        = desc("kvhost_corrupt_files_total", "Files dropped because they failed verification.")
+	dVanished       = desc("kvhost_vanished_files_total", "Files found missing or replaced behind the engine's back.")
+	dWritten        = desc("kvhost_written_bytes_total", "Payload bytes written to files.")
+	dRead           = desc("kvhost_read_bytes_total", "Payload bytes read from files.")
+	dFailures       = desc("kvhost_key_failures_total", "Keys of jobs that failed, by direction and reason.", "direction", "reason")
+	dMountCap       = desc("kvhost_mount_capacity_bytes", "Effective capacity of a mount.", "mount")
+	dMountUsed      = desc("kvhost_mount_used_bytes", "Bytes of published files plus reservations of stores in flight.", "mount")
+	dMountFree      = desc("kvhost_mount_free_bytes", "Capacity left to kvhost on a mount (capacity - used).", "mount")
+	dMountFSFree    = desc("kvhost_mount_fs_available_bytes", "Space the file system of a mount has available (statfs).", "mount")
+	dMountEntries   = desc("kvhost_mount_entries", "Files on a mount.", "mount")
+	dMountInfo      = desc("kvhost_mount_info", "A mount's I/O mode, host data mover and checksums; always 1.", "mount", "io", "backend", "checksums")
+	dFallbacks      = desc("kvhost_data_path_fallbacks_total", "Transfer plans a GPU data mover passed on to the next (e.g. cufile to the staging copy).", "mount", "mover")
+	dPolicyInfo     = desc("kvhost_policy_info", "The configured policy and what answers its calls now (wasm or native); always 1.", "policy", "backend")
+	dPolicyFallback = desc("kvhost_policy_fallback", "1 once the policy fell back to its native build; reason is the failure that caused it.", "reason")
+	dPolicyCalls    = desc("kvhost_policy_calls_total", "Policy hook calls, by export.", "hook")
+	dPolicyRecords  = desc("kvhost_policy_records_total", "Records passed to policy hooks, by export.", "hook")
+	dPolicyFailures = desc("kvhost_policy_failures_total", "Failed policy calls: traps, timeouts, failure statuses and rejected outputs.")
+	dPolicyRejected = desc("kvhost_policy_rejections_total", "Policy outputs the host rejected (a subset of the failures).")
+	dPolicyRestarts = desc("kvhost_policy_restarts_total", "Policy instances closed and rebuilt after a failure.")
+	dPolicySlow     = desc("kvhost_policy_slow_calls_total", "Policy calls that finished within their fuel but after their deadline.")
+	dPolicyStale    = desc("kvhost_policy_stale_victims_total", "Victims skipped because the engine had pinned or removed them.")
+	dClients        = desc("kvhost_clients", "Connections through the handshake.")
+	dHandshakes     = desc("kvhost_handshakes", "Connections not through the handshake yet.")
+	dJobsInFlight   = desc("kvhost_jobs_in_flight", "Store and load jobs of all connections not finished.")
+	dRegions        = desc("kvhost_registered_regions", "Host memory regions registered by clients.")
+	dRegBytes       = desc("kvhost_registered_bytes", "Bytes of host memory registered by clients.")
+	dRegLimit       = desc("kvhost_registered_bytes_limit", "The most bytes of host memory all clients may register.")
+	dGPURegions     = desc("kvhost_gpu_registered_regions", "GPU memory regions registered by clients (CUDA IPC), per device.", "device")
+	dGPUBytes       = desc("kvhost_gpu_registered_bytes", "Bytes of GPU memory registered by clients, per device.", "device")
+	dGPULimit       = desc("kvhost_gpu_registered_bytes_limit", "The most bytes of GPU memory clients may register per device.", "device")
+	dStagingInUse   = desc("kvhost_staging_buffers_in_use", "Bounce buffers of the CPU staging pipeline in use.")
+	dStagingLimit   = desc("kvhost_staging_buffers_limit", "The most bounce buffers the CPU staging pipeline may have (engine.staging_memory).")
+	dStagingSize    = desc("kvhost_staging_buffer_bytes", "Size of one bounce buffer.")
+	dStart          = desc("kvhost_start_time_seconds", "When the daemon's server started, in Unix seconds.")
+	dReloads        = desc("kvhost_reloads_total", "Configuration reloads, by result (ok, failed).", "result")
+)
+
+func (c *collector) Collect(ch chan<- prometheus.Metric) {
+	counter := func(d *prometheus.Desc, v uint64, labels ...string) {
+		ch <- prometheus.MustNewConstMetric(d, prometheus.CounterValue, float64(v), labels...)
+	}
+	gauge := func(d *prometheus.Desc, v float64, labels ...string) {
+		ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, v, labels...)
+	}
+	ready := 0.0
+	if c.m.ready.Load() {
+		ready = 1
+	}
+	gauge(dReady, ready)
+	src := c.m.src.Load()
+	if src == nil {
+		return
+	}
+	if src.Engine != nil {
+		st := src.Engine()
+		gauge(dEntries, float64(st.Entries))
+		gauge(dKeys, float64(st.Keys))
+		counter(dStored, st.Stores)
+		counter(dLoaded, st.Loads)
+		counter(dHits, st.Hits)
+		counter(dMisses, st.Misses)
+		counter(dEvictions, st.Evictions)
+		counter(dCorrupt, st.Corrupt)
+		counter(dVanished, st.Vanished)
+		counter(dWritten, st.BytesWritten)
+		counter(dRead, st.BytesRead)
+		for dir, f := range map[string]engine.Failures{"store": st.StoreFailures, "load": st.LoadFailures} {
+			counter(dFailures, f.NoSpace, dir, "no_space")
+			counter(dFailures, f.Corrupt, dir, "corrupt")
+			counter(dFailures, f.Policy, dir, "policy")
+			counter(dFailures, f.Canceled, dir, "canceled")
+			counter(dFailures, f.IO, dir, "io")
+			counter(dFailures, f.Other, dir, "other")
+		}
+		for _, mt := range st.Mounts {
+			gauge(dMountCap, float64(mt.Capacity), mt.Path)
+			gauge(dMountUsed, float64(mt.Used), mt.Path)
+			gauge(dMountFree, float64(max(mt.Capacity-mt.Used, 0)), mt.Path)
+			gauge(dMountEntries, float64(mt.Entries), mt.Path)
+			gauge(dMountInfo, 1, mt.Path, mt.IO, mt.Backend, strconv.FormatBool(mt.Checksums))
+			var fs unix.Statfs_t
+			if unix.Statfs(mt.Path, &fs) == nil {
+				gauge(dMountFSFree, float64(fs.Bavail)*float64(fs.Bsize), mt.Path)
+			}
+		}
+	}
+	if src.DataPaths != nil {
+		for _, dp := range src.DataPaths() {
+			for mover, n := range dp.Fallbacks {
+				counter(dFallbacks, n, dp.Mount, mover)
+			}
+		}
+	}
+	if src.Policy != nil {
+		p := src.Policy()
+		gauge(dPolicyInfo, 1, p.Name, p.Stats.Backend)
+		fb := 0.0
+		if p.Stats.Fallback {
+			fb = 1
+		}
+		gauge(dPolicyFallback, fb, p.Stats.FallbackReason)
+		for hook, n := range p.Stats.Calls {
+			counter(dPolicyCalls, n, hook)
+		}
+		for hook, n := range p.Stats.Records {
+			counter(dPolicyRecords, n, hook)
+		}
+		counter(dPolicyFailures, p.Stats.Failures)
+		counter(dPolicyRejected, p.Stats.Rejections)
+		counter(dPolicyRestarts, p.Stats.Replacements)
+		counter(dPolicySlow, p.Stats.SlowCalls)
+		counter(dPolicyStale, p.Stats.StaleVictims)
+	}
+	if src.Server != nil {
+		st := src.Server()
+		gauge(dClients, float64(st.Clients))
+		gauge(dHandshakes, float64(st.Handshakes))
+		gauge(dJobsInFlight, float64(st.InflightJobs))
+		gauge(dRegions, float64(st.Regions))
+		gauge(dRegBytes, float64(st.RegisteredBytes))
+		gauge(dRegLimit, float64(st.RegisteredLimit))
+		gauge(dStart, float64(st.Started.UnixNano())/1e9)
+		for _, d := range st.Devices {
+			dev := strconv.Itoa(int(d.Ordinal))
+			gauge(dGPURegions, float64(d.Regions), dev)
+			gauge(dGPUBytes, float64(d.Registered), dev)
+			gauge(dGPULimit, float64(d.Limit), dev)
+		}
+	}
+	if src.Staging != nil {
+		inUse, limit, size := src.Staging()
+		gauge(dStagingInUse, float64(inUse))
+		gauge(dStagingLimit, float64(limit))
+		gauge(dStagingSize, float64(size))
+	}
+	if src.Reloads != nil {
+		ok, failed := src.Reloads()
+		counter(dReloads, ok, "ok")
+		counter(dReloads, failed, "failed")
+	}
+}

@@ -1,0 +1,179 @@
+package metrics
+
+import (
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+
+	dto "github.com/prometheus/client_model/go"
+	"github.com/prometheus/common/expfmt"
+	"github.com/prometheus/common/model"
+
+	"github.com/kvhost/kvhost/host/engine"
+	"github.com/kvhost/kvhost/host/policy"
+	"github.com/kvhost/kvhost/protocol"
+	"github.com/kvhost/kvhost/region"
+	"github.com/kvhost/kvhost/server"
+)
+
+// scrape gets url and parses it as the Prometheus text format.
+func scrape(t *testing.T, url string) map[string]*dto.MetricFamily {
+	t.Helper()
+	resp, err := http.Get(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("GET %s: %s", url, resp.Status)
+	}
+	p := expfmt.NewTextParser(model.UTF8Validation)
+	fams, err := p.TextToMetricFamilies(resp.Body)
+	if err != nil {
+		t.Fatalf("parse %s: %v", url, err)
+	}
+	return fams
+}
+
+// value is the value of the metric of fam whose labels include want, or
+// -1 if there is none.
+func value(fams map[string]*dto.MetricFamily, name string, want map[string]string) float64 {
+	f := fams[name]
+	if f == nil {
+		return -1
+	}
+metric:
+	for _, m := range f.Metric {
+		for k, v := range want {
+			found := false
+			for _, l := range m.Label {
+				found = found || (l.GetName() == k && l.GetValue() == v)
+			}
+			if !found {
+				continue metric
+			}
+		}
+		switch {
+		case m.Counter != nil:
+			return m.Counter.GetValue()
+		case m.Gauge != nil:
+			return m.Gauge.GetValue()
+		case m.Histogram != nil:
+			return float64(m.Histogram.GetSampleCount())
+		}
+	}
+	return -1
+}
+
+func status(t *testing.T, url string) int {
+	t.Helper()
+	resp, err := http.Get(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	return resp.StatusCode
+}
+
+// TestMetricsExposeSourcesAndObservations serves a registry over HTTP
+// and checks, in the parsed text format, the collector's snapshot values,
+// the histograms fed by ObserveJob and ObservePolicyCall, and the probes.
+func TestMetricsExposeSourcesAndObservations(t *testing.T) {
+	m := New("v1.2.3")
+	ts := httptest.NewServer(m.Handler())
+	defer ts.Close()
+
+	if got := status(t, ts.URL+"/readyz"); got != http.StatusServiceUnavailable {
+		t.Errorf("/readyz before SetReady: %d, want 503", got)
+	}
+	if got := status(t, ts.URL+"/healthz"); got != http.StatusOK {
+		t.Errorf("/healthz: %d, want 200", got)
+	}
+	fams := scrape(t, ts.URL+"/metrics")
+	if value(fams, "kvhost_build_info", map[string]string{"version": "v1.2.3"}) != 1 || value(fams, "kvhost_ready", nil) != 0 {
+		t.Fatalf("build info or ready missing before sources: %v", fams["kvhost_build_info"])
+	}
+
+	dir := t.TempDir()
+	started := time.Unix(1700000000, 0)
+	m.SetSources(Sources{
+		Engine: func() engine.Stats {
+			return engine.Stats{Entries: 3, Keys: 5, Stores: 5, Hits: 7, Misses: 2, Evictions: 1, BytesWritten: 4096,
+				StoreFailures: engine.Failures{NoSpace: 4},
+				Mounts:        []engine.MountStats{{Path: dir, Capacity: 1000, Used: 400, Entries: 3, IO: "buffered", Backend: "staging", Checksums: true}}}
+		},
+		Server: func() server.Stats {
+			return server.Stats{Clients: 2, InflightJobs: 1, Regions: 3, RegisteredBytes: 1 << 20, Started: started,
+				Devices: []protocol.DeviceStats{{Ordinal: 1, Regions: 2, Registered: 5, Limit: 9}}}
+		},
+		Policy: func() PolicyState {
+			return PolicyState{Name: "lru", Stats: policy.Stats{Backend: "native", Fallback: true, FallbackReason: "trap in kvhost_name",
+				Calls: map[string]uint64{"kvhost_name": 11}, Failures: 3, Replacements: 2}}
+		},
+		DataPaths: func() []DataPath { return []DataPath{{Mount: dir, Fallbacks: map[string]uint64{"cufile": 6}}} },
+		Reloads:   func() (uint64, uint64) { return 4, 1 },
+		Staging:   func() (int, int, int) { return 2, 16, 4 << 20 },
+	})
+	m.SetReady(true)
+	m.ObserveJob(engine.JobEvent{Direction: "store", Memory: region.KindHost, Path: "staging", Bytes: 4096, Duration: time.Millisecond,
+		Outcomes: [engine.OutcomeFailed + 1]int{engine.OutcomeStored: 2, engine.OutcomeNotAdmitted: 1}})
+	m.ObservePolicyCall("kvhost_name", 4, 3*time.Microsecond)
+
+	fams = scrape(t, ts.URL+"/metrics")
+	mount := map[string]string{"mount": dir}
+	for _, c := range []struct {
+		name   string
+		labels map[string]string
+		want   float64
+	}{
+		{"kvhost_ready", nil, 1},
+		{"kvhost_entries", nil, 3},
+		{"kvhost_stored_keys_total", nil, 5},
+		{"kvhost_hits_total", nil, 7},
+		{"kvhost_misses_total", nil, 2},
+		{"kvhost_evictions_total", nil, 1},
+		{"kvhost_written_bytes_total", nil, 4096},
+		{"kvhost_key_failures_total", map[string]string{"direction": "store", "reason": "no_space"}, 4},
+		{"kvhost_mount_capacity_bytes", mount, 1000},
+		{"kvhost_mount_used_bytes", mount, 400},
+		{"kvhost_mount_free_bytes", mount, 600},
+		{"kvhost_mount_info", map[string]string{"mount": dir, "io": "buffered", "backend": "staging", "checksums": "true"}, 1},
+		{"kvhost_data_path_fallbacks_total", map[string]string{"mount": dir, "mover": "cufile"}, 6},
+		{"kvhost_policy_info", map[string]string{"policy": "lru", "backend": "native"}, 1},
+		{"kvhost_policy_fallback", map[string]string{"reason": "trap in kvhost_name"}, 1},
+		{"kvhost_policy_calls_total", map[string]string{"hook": "kvhost_name"}, 11},
+		{"kvhost_policy_failures_total", nil, 3},
+		{"kvhost_policy_restarts_total", nil, 2},
+		{"kvhost_clients", nil, 2},
+		{"kvhost_jobs_in_flight", nil, 1},
+		{"kvhost_registered_regions", nil, 3},
+		{"kvhost_gpu_registered_bytes", map[string]string{"device": "1"}, 5},
+		{"kvhost_start_time_seconds", nil, 1700000000},
+		{"kvhost_reloads_total", map[string]string{"result": "failed"}, 1},
+		{"kvhost_staging_buffers_in_use", nil, 2},
+		{"kvhost_staging_buffers_limit", nil, 16},
+		{"kvhost_jobs_total", map[string]string{"direction": "store", "memory": "host", "path": "staging"}, 1},
+		{"kvhost_job_bytes_total", map[string]string{"direction": "store"}, 4096},
+		{"kvhost_job_duration_seconds", map[string]string{"direction": "store"}, 1},
+		{"kvhost_job_keys_total", map[string]string{"direction": "store", "outcome": "stored"}, 2},
+		{"kvhost_job_keys_total", map[string]string{"direction": "store", "outcome": "not_admitted"}, 1},
+		{"kvhost_policy_call_duration_seconds", map[string]string{"hook": "kvhost_name"}, 1},
+	} {
+		if got := value(fams, c.name, c.labels); got != c.want {
+			t.Errorf("%s%v = %v, want %v", c.name, c.labels, got, c.want)
+		}
+	}
+	if value(fams, "kvhost_mount_fs_available_bytes", mount) <= 0 {
+		t.Error("no file-system free space for the mount")
+	}
+	if got := status(t, ts.URL+"/readyz"); got != http.StatusOK {
+		t.Errorf("/readyz when ready: %d", got)
+	}
+	for name := range fams {
+		if !strings.HasPrefix(name, "kvhost_") && !strings.HasPrefix(name, "go_") && !strings.HasPrefix(name, "process_") {
+			t.Errorf("metric %s outside the documented prefixes", name)
+		}
+	}
+}

@@ -1,0 +1,63 @@
+package server
+
+import (
+	"time"
+
+	"github.com/kvhost/kvhost/protocol"
+)
+
+// Stats are a Server's daemon-wide figures (metrics, kvhost stats).
+type Stats struct {
+	Clients         int   // connections through the handshake
+	Handshakes      int   // connections not through it yet
+	InflightJobs    int   // store and load jobs of all connections
+	Regions         int64 // host memory regions registered by all connections
+	RegisteredBytes int64 // their bytes
+	// RegisteredLimit is Config.MaxTotalRegisteredBytes.
+	RegisteredLimit int64
+	// Devices is the GPU memory registered per device.
+	Devices []protocol.DeviceStats
+	// Started is when the Server was created.
+	Started time.Time
+}
+
+// Stats returns the server's daemon-wide figures.
+func (s *Server) Stats() Stats {
+	s.mu.Lock()
+	sessions := make([]*session, 0, len(s.sessions))
+	for sess := range s.sessions {
+		sessions = append(sessions, sess)
+	}
+	st := Stats{Clients: s.admitted, Handshakes: len(s.pending)}
+	s.mu.Unlock()
+	for _, sess := range sessions {
+		sess.jmu.Lock()
+		st.InflightJobs += len(sess.jobs)
+		sess.jmu.Unlock()
+	}
+	st.Regions, st.RegisteredBytes = s.regions.Load(), s.regBytes.Load()
+	st.RegisteredLimit = s.cfg.MaxTotalRegisteredBytes
+	st.Devices = s.deviceStats()
+	st.Started = s.started
+	return st
+}
+
+// daemonStats is the daemon section of a Stats reply: the server's
+// figures, the engine's mounts and what Config.Daemon adds.
+func (s *Server) daemonStats() *protocol.DaemonStats {
+	var d protocol.DaemonStats
+	if s.cfg.Daemon != nil {
+		d = s.cfg.Daemon()
+	}
+	st := s.Stats()
+	if d.Started == 0 {
+		d.Started = st.Started.UnixNano()
+	}
+	d.InflightJobs, d.Regions, d.RegisteredBytes = uint64(st.InflightJobs), uint64(st.Regions), uint64(st.RegisteredBytes)
+	d.Mounts = nil
+	for _, mt := range s.eng.Stats().Mounts {
+		d.Mounts = append(d.Mounts, protocol.MountInfo{Path: mt.Path, Backend: mt.Backend, IO: mt.IO, Checksums: mt.Checksums,
+			Configured: uint64(max(mt.Configured, 0)), Reserve: uint64(max(mt.Reserve, 0))})
+	}
+	return &d
+}
