@@ -14,7 +14,7 @@ WAT_WASM    := $(patsubst %.wat,%.wasm,$(shell find host examples -name '*.wat' 
 # Go vendor examples: every examples/NAME/main.go becomes examples/NAME/policy.wasm.
 GO_EXAMPLE_WASM := $(patsubst %/main.go,%/policy.wasm,$(wildcard examples/*/main.go))
 
-.PHONY: all build run test vet lint fuzz wasm tools clean FORCE
+.PHONY: all build run test vet lint fuzz wasm tools clean gpu-bins FORCE
 
 all: build
 
@@ -81,6 +81,18 @@ RELIABILITY_TIMEOUT ?= 90m
 .PHONY: reliability-long
 reliability-long:
 	$(GO) test -count=1 -v -timeout $(RELIABILITY_TIMEOUT) -run '$(RELIABILITY_RUN)' ./reliability -long
+
+# GPU check and benchmark binaries for a GPU machine without Go
+# (scripts/gpu-check.sh runs them there): stripped, and packed into
+# gpu-bins.tar.xz to copy over.
+GPU_BINS := gpu-bins
+gpu-bins: build
+	mkdir -p $(GPU_BINS)
+	cp bin/kvhost $(GPU_BINS)/kvhost
+	$(GO) test -c -tags gpu -ldflags '-s -w' -o $(GPU_BINS)/gds-gpu.test ./gds
+	$(GO) test -c -ldflags '-s -w' -o $(GPU_BINS)/staging-gpu.test ./staging/gpu
+	$(GO) test -c -ldflags '-s -w' -o $(GPU_BINS)/server-gpu.test ./server
+	tar -C $(GPU_BINS) -cJf $(GPU_BINS).tar.xz .
 
 clean:
 	rm -rf bin plugins/wasm/*.wasm $(WAT_WASM) $(GO_EXAMPLE_WASM) examples/c-policy/policy.wasm

@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Runs kvhost's GPU checks and benchmarks on a machine with a CUDA GPU,
+# torch and the binaries `make gpu-bins` built (they need no Go there), from
+# the repository's root (the Python checks use client/python and scripts/):
+#
+#   make gpu-bins                      # here: gpu-bins/ (or gpu-bins.tar.xz)
+#   scripts/gpu-check.sh [BINDIR] [OUT] # there
+#
+# Every check writes its log under OUT (default ./gpu-out); the summary
+# lines go to stdout. Parts can be switched off: GDS=0 STAGING=0 E2E=0
+# SPEC=0 BENCH=0. The ext4 disk directory is DISK (default /var/tmp/kvhost-gpu),
+# the memory file system SHM (default /dev/shm/kvhost-gpu).
+#
+# cuFile registration on a VM or container without a udev database fails
+# with 5027; as root the script writes the udev record of DISK's block
+# device so that the cuFile path can be checked (compatibility mode where
+# nvidia-fs is not loaded).
+set -uo pipefail
+bin=${1:-gpu-bins}
+out=${2:-${OUT:-gpu-out}}
+mkdir -p "$out"
+if [ -f "$bin.tar.xz" ] && [ ! -d "$bin" ]; then
+	mkdir -p "$bin" && tar -C "$bin" -xJf "$bin.tar.xz"
+fi
+disk=${DISK:-/var/tmp/kvhost-gpu}
+shm=${SHM:-/dev/shm/kvhost-gpu}
+mkdir -p "$disk" "$shm"
+export PYTHONUNBUFFERED=1
+
+{
+	echo "== machine"
+	nproc; free -g | head -2; df -h "$disk" "$shm" | tail -2
+	nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv,noheader 2>/dev/null
+} 2>&1 | tee "$out/machine.txt"
+
+if [ "$(id -u)" = 0 ]; then
+	dev=$(stat -c '%Hd:%Ld' "$disk")
+	if [ ! -e "/run/udev/data/b$dev" ]; then
+		mkdir -p /run/udev/data
+		printf 'E:ID_FS_USAGE=filesystem\nE:ID_FS_TYPE=%s\n' "$(stat -f -c %T "$disk")" >"/run/udev/data/b$dev"
+		echo "wrote /run/udev/data/b$dev (cuFile needs it to register files on $disk)"
+	fi
+fi
+
+status=0
+run() { # name command...: runs, logs, remembers a failure
+	local name=$1; shift
+	echo "== $name"
+	if ! "$@" >"$out/$name.txt" 2>&1; then
+		echo "   FAILED (see $out/$name.txt)"; status=1
+	fi
+	grep -E '^(---|ok|PASS|FAIL)|GB/s|OK|differ' "$out/$name.txt" | head -40
+}
+
+[ "${GDS:-1}" = 1 ] && run gds env KVHOST_GPU_DIR="$disk" KVHOST_GPU_TMPFS="$shm" \
+	"$bin/gds-gpu.test" -test.run GPU -test.v
+[ "${STAGING:-1}" = 1 ] && run staging env KVHOST_GPU=1 KVHOST_GPU_TMPFS="$shm" KVHOST_GPU_DISK="$disk" \
+	"$bin/staging-gpu.test" -test.run 'TestGPUCheckAndBenchmark' -test.v
+
+if [ "${E2E:-1}" = 1 ]; then
+	for dir in "$shm" "$disk"; do
+		for tpk in 256 16; do
+			sock=/tmp/kvhost-gpu-check.sock
+			rm -rf "$dir/cache"
+			"$bin/kvhost" --dir "$dir/cache" --socket "$sock" --log-format json >"$out/daemon-$(basename "$dir")-$tpk.log" 2>&1 &
+			pid=$!
+			for _ in $(seq 200); do [ -S "$sock" ] && break; sleep 0.1; done
+			keys=64; [ "$tpk" = 16 ] && keys=512
+			run "e2e-$(basename "$dir")-$tpk" python3 scripts/gpu-e2e.py "$sock" "$tpk" "$keys" 8
+			grep -h '"mount serves GPU memory\|"GPU paths ready\|cufile' "$out/daemon-$(basename "$dir")-$tpk.log" | head -3
+			kill -TERM "$pid"; wait "$pid"; echo "   daemon exit status $?"
+		done
+	done
+fi
+[ "${SPEC:-1}" = 1 ] && run spec env KVHOST_GPU=1 KVHOST_BIN="$bin/kvhost" \
+	python3 client/python/tests/gpu_spec_check.py "$out/spec.json"
+if [ "${BENCH:-1}" = 1 ]; then
+	"$bin/kvhost" check --dir "$disk" >"$out/check-disk.txt" 2>&1 || true
+	"$bin/kvhost" check --dir "$shm" >"$out/check-shm.txt" 2>&1 || true
+fi
+exit $status
