@@ -8,6 +8,8 @@
 //	kvhost stats [--json]            show a running daemon's state
 //	kvhost health                    exit 0 if the daemon answers (probes)
 //	kvhost reload                    reload the daemon's configuration
+//	kvhost check [--dir DIR]         diagnose GPU, cuFile and mounts
+//	kvhost bench --dir DIR           benchmark the engine against its ceilings
 package main
 
 import (
@@ -34,6 +36,8 @@ func commands() map[string]command {
 		"serve":   {"run the daemon (the default)", runServe},
 		"policy":  {"inspect or test a placement-policy plugin", runPolicy},
 		"config":  {"check configuration files", runConfig},
+		"check":   {"diagnose GPU, cuFile and mounts (like gdscheck)", runCheck},
+		"bench":   {"benchmark the engine against ceilings measured in the same run", runBench},
 		"version": {"print the version", runVersion},
 		"stats":   {"show a running daemon's state", runStats},
 		"health":  {"exit 0 if the daemon answers (for probes)", runHealth},
@@ -74,7 +78,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 func usage(w io.Writer, cmds map[string]command) {
 	fmt.Fprintln(w, "usage: kvhost [command] [flags]")
 	fmt.Fprintln(w, "\ncommands:")
-	for _, name := range []string{"serve", "policy", "config", "version", "stats", "health", "reload"} {
+	for _, name := range []string{"serve", "stats", "health", "reload", "check", "bench", "policy", "config", "version"} {
 		if c, ok := cmds[name]; ok {
 			fmt.Fprintf(w, "  %-8s %s\n", name, c.summary)
 		}

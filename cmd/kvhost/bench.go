@@ -1,0 +1,325 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/kvhost/kvhost/config"
+	"github.com/kvhost/kvhost/internal/bench"
+	"github.com/kvhost/kvhost/logging"
+)
+
+// benchOptions are `kvhost bench`'s settings (docs/bench.md).
+type benchOptions struct {
+	dir          string
+	geometry     bench.Geometry
+	tokensPerKey []int
+	jobs         []int
+	paths        []string // auto, cufile, staging, posix
+	checksums    []bool
+	store, load  bool // the mix: timed store and/or load phases
+	hitRatio     float64
+	keys         int // per phase; 0: total / key size
+	total        int64
+	keysPerJob   int
+	memory       string // auto, gpu, host
+	rounds       int
+	// ceilingPasses is how many times each ceiling is measured (the best
+	// counts).
+	ceilingPasses int
+	duration      time.Duration
+	dropCaches    bool
+	verify        bool
+	fsync         bool
+	allowCompat   bool
+	warmup        bool
+	keep          bool
+	jsonOut       string
+	appendTo      string
+	render        string
+	svgOut        string
+	progress      string // auto, on, off
+	cfg           config.Config
+	args          []string
+}
+
+// runBench is `kvhost bench`.
+func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	fs := flag.NewFlagSet("kvhost bench", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	var o benchOptions
+	var (
+		cfgPath, tpk, jobs, paths, sums, mix, logLevel, cudaLib, cufileLib string
+		fsync                                                              string
+	)
+	fs.StringVar(&o.dir, "dir", "", "directory to benchmark (required); the benchmark works in a fresh subdirectory and removes it")
+	fs.StringVar(&cfgPath, "config", "", "kvhost configuration file: its [engine], [gpu] and [policy] settings are used")
+	fs.IntVar(&o.geometry.Layers, "layers", 32, "model layers")
+	fs.IntVar(&o.geometry.KVHeads, "kv-heads", 8, "KV heads (on this rank)")
+	fs.IntVar(&o.geometry.HeadSize, "head-size", 128, "elements per head")
+	fs.IntVar(&o.geometry.DtypeSize, "dtype-size", 2, "bytes per element")
+	fs.IntVar(&o.geometry.TokensPerBlock, "tokens-per-block", 16, "tokens per paged (GPU) block")
+	fs.StringVar(&tpk, "tokens-per-key", "256", "tokens per key, a comma list (Llama-3.1-8B bf16: 256 → 32 MiB keys, 16 → 2 MiB)")
+	fs.StringVar(&jobs, "jobs", "1,8,16", "concurrent jobs, a comma list")
+	fs.StringVar(&paths, "path", "auto", "data paths, a comma list of auto, cufile, staging, posix")
+	fs.StringVar(&sums, "checksum", "on", "payload checksums: on, off, or on,off")
+	fs.StringVar(&mix, "mix", "write,read", "timed phases: write, read or write,read (a read-only mix stores its keys untimed first)")
+	fs.Float64Var(&o.hitRatio, "hit-ratio", 1, "fraction of loaded keys that are stored (the rest are misses)")
+	fs.IntVar(&o.keys, "keys", 0, "keys per phase (default: --total bytes of keys, at least twice the largest job count)")
+	totalStr := fs.String("total", "1GiB", "bytes of keys per phase when --keys is 0")
+	fs.IntVar(&o.keysPerJob, "keys-per-job", 1, "keys per store or load job")
+	fs.StringVar(&o.memory, "memory", "auto", "where the paged cache lives: gpu, host, or auto (gpu when one is found)")
+	fs.IntVar(&o.rounds, "rounds", 1, "times each phase runs (figures are over all rounds)")
+	fs.IntVar(&o.ceilingPasses, "ceiling-passes", 2, "times each ceiling is measured; the best pass counts")
+	fs.DurationVar(&o.duration, "duration", 0, "repeat each phase until this much time was spent on it (at least --rounds)")
+	fs.BoolVar(&o.dropCaches, "drop-caches", false, "cold reads: drop the files' cached pages (and the page cache, as root) before every read")
+	fs.BoolVar(&o.verify, "verify", true, "poison destinations before each load and check every loaded byte")
+	fs.StringVar(&fsync, "fsync", "", "durable stores (true/false; default: the configuration's engine.fsync)")
+	fs.BoolVar(&o.allowCompat, "allow-compat", false, "let cuFile serve mounts in compatibility mode (gpu.cufile = compat)")
+	fs.BoolVar(&o.warmup, "warmup", true, "store and delete every key once, untimed, before the first measured phase of each key size")
+	fs.BoolVar(&o.keep, "keep", false, "keep the benchmark's files")
+	fs.StringVar(&o.jsonOut, "json", "", "write the report as JSON to this file (- for standard output, instead of the table)")
+	fs.StringVar(&o.appendTo, "append", "", "add this run's results to the JSON report in this file (same --dir and memory); the table, --json and --svg then show both")
+	fs.StringVar(&o.render, "report", "", "run nothing: read this JSON report and print its table (and --json, --svg); --dir is not needed")
+	fs.StringVar(&o.svgOut, "svg", "", "write an SVG chart of throughput against concurrency to this file")
+	fs.StringVar(&o.progress, "progress", "auto", "progress bar on standard error: auto (on a terminal), on, off")
+	fs.StringVar(&logLevel, "log-level", "warn", "log level of the engine and GPU paths")
+	fs.StringVar(&cudaLib, "cuda-library", "", "path of libcudart (default: the configuration's, else the usual places)")
+	fs.StringVar(&cufileLib, "cufile-library", "", "path of libcufile (default: the configuration's, else the usual places)")
+	fs.Usage = func() {
+		fmt.Fprintln(stderr, "usage: kvhost bench --dir DIR [flags]\n\nMeasures the engine's stores and loads on DIR next to ceilings measured in the same run (docs/bench.md).\n\nflags:")
+		fs.PrintDefaults()
+	}
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return 0
+		}
+		return 2
+	}
+	bad := func(format string, a ...any) int {
+		fmt.Fprintf(stderr, "kvhost bench: "+format+"\n", a...)
+		return 2
+	}
+	if fs.NArg() > 0 {
+		return bad("unexpected argument %q", fs.Arg(0))
+	}
+	if o.render != "" {
+		f, err := os.Open(o.render)
+		if err != nil {
+			return bad("--report: %v", err)
+		}
+		rep, err := bench.ReadJSON(f)
+		f.Close()
+		if err != nil {
+			return bad("--report %s: %v", o.render, err)
+		}
+		rep.Finish()
+		if err := writeBenchOutputs(rep, o, stdout); err != nil {
+			fmt.Fprintf(stderr, "kvhost bench: %v\n", err)
+			return 1
+		}
+		return 0
+	}
+	if o.dir == "" {
+		return bad("--dir is required")
+	}
+	o.cfg = config.Default()
+	if cfgPath != "" {
+		c, err := config.Load(cfgPath)
+		if err != nil {
+			return bad("%v", err)
+		}
+		o.cfg = c
+	}
+	var err error
+	if cudaLib != "" {
+		o.cfg.GPU.CUDALibrary = cudaLib
+	}
+	if cufileLib != "" {
+		o.cfg.GPU.CuFileLibrary = cufileLib
+	}
+	if o.tokensPerKey, err = intList("--tokens-per-key", tpk); err != nil {
+		return bad("%v", err)
+	}
+	if o.jobs, err = intList("--jobs", jobs); err != nil {
+		return bad("%v", err)
+	}
+	for _, p := range strings.Split(paths, ",") {
+		switch p = strings.TrimSpace(p); p {
+		case "auto", "cufile", "staging", "posix":
+			o.paths = append(o.paths, p)
+		default:
+			return bad("--path %q: want auto, cufile, staging or posix", p)
+		}
+	}
+	for _, s := range strings.Split(sums, ",") {
+		switch strings.TrimSpace(s) {
+		case "on":
+			o.checksums = append(o.checksums, true)
+		case "off":
+			o.checksums = append(o.checksums, false)
+		default:
+			return bad("--checksum %q: want on, off or on,off", s)
+		}
+	}
+	for _, m := range strings.Split(mix, ",") {
+		switch strings.TrimSpace(m) {
+		case "write":
+			o.store = true
+		case "read":
+			o.load = true
+		default:
+			return bad("--mix %q: want write, read or write,read", m)
+		}
+	}
+	switch {
+	case o.hitRatio < 0 || o.hitRatio > 1:
+		return bad("--hit-ratio %v: want 0..1", o.hitRatio)
+	case o.keys < 0:
+		return bad("--keys %d: want 0 (automatic) or more", o.keys)
+	case o.keysPerJob < 1:
+		return bad("--keys-per-job %d: want at least 1", o.keysPerJob)
+	case o.ceilingPasses < 1:
+		return bad("--ceiling-passes %d: want at least 1", o.ceilingPasses)
+	case o.rounds < 1:
+		return bad("--rounds %d: want at least 1", o.rounds)
+	case o.memory != "auto" && o.memory != "gpu" && o.memory != "host":
+		return bad("--memory %q: want gpu, host or auto", o.memory)
+	case o.progress != "auto" && o.progress != "on" && o.progress != "off":
+		return bad("--progress %q: want auto, on or off", o.progress)
+	}
+	tot, err := config.ParseSize(*totalStr)
+	if err != nil || tot <= 0 {
+		return bad("--total %q: want a size such as 1GiB", *totalStr)
+	}
+	o.total = int64(tot)
+	o.fsync = o.cfg.Engine.Fsync
+	if fsync != "" {
+		if o.fsync, err = strconv.ParseBool(fsync); err != nil {
+			return bad("--fsync %q: want true or false", fsync)
+		}
+	}
+	log, err := logging.New(stderr, logLevel, "text")
+	if err != nil {
+		return bad("%v", err)
+	}
+	o.args = append([]string{"kvhost", "bench"}, args...)
+	rep, err := runBenchmark(ctx, o, log, stderr)
+	if err != nil {
+		fmt.Fprintf(stderr, "kvhost bench: %v\n", err)
+		if rep == nil {
+			return 1
+		}
+	}
+	code := 0
+	if err != nil {
+		code = 1 // a partial report is written, and the exit says so
+	}
+	if o.appendTo != "" {
+		if rep, err = appendReport(o.appendTo, rep); err != nil {
+			fmt.Fprintf(stderr, "kvhost bench: --append: %v\n", err)
+			return 1
+		}
+	}
+	if err := writeBenchOutputs(rep, o, stdout); err != nil {
+		fmt.Fprintf(stderr, "kvhost bench: %v\n", err)
+		return 1
+	}
+	return code
+}
+
+// writeBenchOutputs prints the table (unless the JSON goes to standard
+// output) and writes the JSON and SVG files asked for.
+func writeBenchOutputs(rep *bench.Report, o benchOptions, stdout io.Writer) error {
+	if o.jsonOut != "-" {
+		if err := rep.WriteTable(stdout); err != nil {
+			return err
+		}
+	}
+	write := func(name string, fn func(io.Writer) error) error {
+		if name == "-" {
+			return fn(stdout)
+		}
+		f, err := os.Create(name)
+		if err != nil {
+			return err
+		}
+		if err := fn(f); err != nil {
+			f.Close()
+			return fmt.Errorf("%s: %w", name, err)
+		}
+		return f.Close()
+	}
+	if o.jsonOut != "" {
+		if err := write(o.jsonOut, rep.WriteJSON); err != nil {
+			return err
+		}
+	}
+	if o.svgOut != "" {
+		if err := write(o.svgOut, rep.WriteSVG); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// appendReport reads the report in name and appends rep's runs to it.
+func appendReport(name string, rep *bench.Report) (*bench.Report, error) {
+	f, err := os.Open(name)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	earlier, err := bench.ReadJSON(f)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", name, err)
+	}
+	if err := earlier.Append(rep); err != nil {
+		return nil, err
+	}
+	return earlier, nil
+}
+
+// intList parses a comma list of positive integers.
+func intList(flagName, s string) ([]int, error) {
+	var out []int
+	for _, f := range strings.Split(s, ",") {
+		n, err := strconv.Atoi(strings.TrimSpace(f))
+		if err != nil || n < 1 {
+			return nil, fmt.Errorf("%s %q: want positive integers separated by commas", flagName, s)
+		}
+		if !slices.Contains(out, n) {
+			out = append(out, n)
+		}
+	}
+	return out, nil
+}
+
+// benchDirs are the benchmark's working directories under --dir.
+func benchDirs(dir string) (root string, err error) {
+	if err := os.MkdirAll(dir, 0o750); err != nil {
+		return "", fmt.Errorf("--dir: %w", err)
+	}
+	root, err = os.MkdirTemp(dir, "kvhost-bench-")
+	if err != nil {
+		return "", fmt.Errorf("--dir: %w", err)
+	}
+	return root, nil
+}
+
+// absDir is dir made absolute for the report.
+func absDir(dir string) string {
+	if a, err := filepath.Abs(dir); err == nil {
+		return a
+	}
+	return dir
+}

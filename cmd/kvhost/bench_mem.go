@@ -1,0 +1,372 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+	"unsafe"
+
+	"github.com/kvhost/kvhost/abi/guest"
+	"github.com/kvhost/kvhost/config"
+	"github.com/kvhost/kvhost/host/policy"
+	"github.com/kvhost/kvhost/internal/bench"
+	"github.com/kvhost/kvhost/internal/cuda"
+	"github.com/kvhost/kvhost/plugins/lru"
+	"github.com/kvhost/kvhost/region"
+)
+
+// benchMemory is the paged cache's memory: GPU memory (cudaMalloc) or host
+// memory (a memfd), as a client would register it.
+type benchMemory interface {
+	bench.Memory
+	Region() region.Region
+	// Base is the offset in Region of the benchmark's first byte.
+	Base() int64
+	Close() error
+}
+
+// hostMemory is a memfd region.
+type hostMemory struct{ h *region.Host }
+
+func newHostMemory(n int64) (*hostMemory, error) {
+	h, err := region.NewHost("kvhost-bench", n)
+	if err != nil {
+		return nil, err
+	}
+	return &hostMemory{h}, nil
+}
+
+func (m *hostMemory) Region() region.Region { return m.h }
+func (m *hostMemory) Base() int64           { return 0 }
+func (m *hostMemory) Close() error          { return m.h.Close() }
+
+func (m *hostMemory) WriteAt(p []byte, off int64) error {
+	if off < 0 || off+int64(len(p)) > m.h.Len() {
+		return region.ErrBounds
+	}
+	copy(m.h.Bytes()[off:], p)
+	return nil
+}
+
+func (m *hostMemory) ReadAt(p []byte, off int64) error {
+	if off < 0 || off+int64(len(p)) > m.h.Len() {
+		return region.ErrBounds
+	}
+	copy(p, m.h.Bytes()[off:])
+	return nil
+}
+
+// deviceMemory is cudaMalloc'd memory on device 0, filled and read back
+// with synchronous copies on its own CUDA worker. Its first byte is 4 KiB
+// aligned (CUDA aligns large allocations far more; a test's fake library
+// does not), so that O_DIRECT file I/O may use it directly.
+type deviceMemory struct {
+	rt   *cuda.Runtime
+	w    *cuda.Worker
+	mem  *cuda.DeviceMemory
+	base int64
+	n    int64
+}
+
+func newDeviceMemory(gp *gpuPaths, n int64) (*deviceMemory, error) {
+	w, err := gp.rt.NewWorker(0)
+	if err != nil {
+		return nil, err
+	}
+	m := &deviceMemory{rt: gp.rt, w: w, n: n}
+	err = w.Do(context.Background(), func(*cuda.Worker) error {
+		m.mem, err = gp.rt.Malloc(0, n+bench.Align)
+		if err == nil {
+			m.base = int64(-m.mem.Ptr() & (bench.Align - 1))
+		}
+		return err
+	})
+	if err != nil {
+		w.Close()
+		return nil, err
+	}
+	return m, nil
+}
+
+func (m *deviceMemory) Region() region.Region { return m.mem }
+func (m *deviceMemory) Base() int64           { return m.base }
+
+func (m *deviceMemory) Close() error {
+	err := m.w.Do(context.Background(), func(*cuda.Worker) error { return m.mem.Close() })
+	return errors.Join(err, m.w.Close())
+}
+
+func (m *deviceMemory) copy(p []byte, off int64, toDevice bool) error {
+	if off < 0 || off+int64(len(p)) > m.n {
+		return region.ErrBounds
+	}
+	if len(p) == 0 {
+		return nil
+	}
+	off += m.base
+	return m.w.Do(context.Background(), func(*cuda.Worker) error {
+		h := uintptr(unsafe.Pointer(&p[0]))
+		if toDevice {
+			return m.rt.CopySync(m.mem.Ptr()+uintptr(off), h, uintptr(len(p)))
+		}
+		return m.rt.CopySync(h, m.mem.Ptr()+uintptr(off), uintptr(len(p)))
+	})
+}
+
+func (m *deviceMemory) WriteAt(p []byte, off int64) error { return m.copy(p, off, true) }
+func (m *deviceMemory) ReadAt(p []byte, off int64) error  { return m.copy(p, off, false) }
+
+// ceilingBuffers are one buffer per ceiling thread: pinned host memory
+// when a GPU is used (the staging pipeline's kind of memory), else aligned
+// anonymous memory.
+type ceilingBuffers struct {
+	bufs   [][]byte
+	pinned []*cuda.Pinned
+	size   int64
+}
+
+func (b *ceilingBuffers) free() {
+	for _, p := range b.pinned {
+		p.Free()
+	}
+	if b.pinned == nil {
+		for _, x := range b.bufs {
+			bench.FreeBuffer(x)
+		}
+	}
+	b.bufs, b.pinned = nil, nil
+}
+
+// buffers returns n buffers of at least size bytes, reallocating when the
+// ones held are too few or too small.
+func (r *benchRun) buffers(n int, size int64) ([][]byte, error) {
+	size = bench.RoundUp(size)
+	if r.bufs != nil && len(r.bufs.bufs) >= n && r.bufs.size >= size {
+		return r.bufs.bufs[:n], nil
+	}
+	if r.bufs != nil {
+		r.bufs.free()
+	}
+	b := &ceilingBuffers{size: size}
+	r.bufs = b
+	for range n {
+		if r.useGPU {
+			p, err := r.probe.rt.HostAlloc(int(size))
+			if err != nil {
+				return nil, fmt.Errorf("ceiling buffers: %w", err)
+			}
+			b.pinned = append(b.pinned, p)
+			b.bufs = append(b.bufs, p.Bytes())
+		} else {
+			x, err := bench.AlignedBuffer(size)
+			if err != nil {
+				return nil, err
+			}
+			b.bufs = append(b.bufs, x)
+		}
+		// Touch every page: the ceiling should not pay for faulting the
+		// buffer in, and the bytes written should not be the zero page.
+		x := b.bufs[len(b.bufs)-1]
+		for i := 0; i < len(x); i += 512 {
+			x[i] = byte(i>>9) | 1
+		}
+	}
+	return b.bufs, nil
+}
+
+// measureCeilings times plain writes of files of the same sizes (into a
+// sibling directory, then removed) and plain reads of the engine's files,
+// with jobs threads, O_DIRECT where the engine uses it, fsync when stores
+// are durable, the page cache dropped before the read when reads are cold.
+func (r *benchRun) measureCeilings(ctx context.Context, files []string, jobs int, direct bool) (ceilingPair, error) {
+	sizes := make([]int64, len(files))
+	var largest int64
+	for i, f := range files {
+		fi, err := os.Stat(f)
+		if err != nil {
+			return ceilingPair{}, err
+		}
+		sizes[i] = fi.Size()
+		largest = max(largest, fi.Size())
+	}
+	bufs, err := r.buffers(jobs, largest)
+	if err != nil {
+		return ceilingPair{}, err
+	}
+	cdir, err := os.MkdirTemp(r.root, "ceiling-")
+	if err != nil {
+		return ceilingPair{}, err
+	}
+	defer os.RemoveAll(cdir)
+	cpaths := make([]string, len(files))
+	for i := range cpaths {
+		cpaths[i] = filepath.Join(cdir, fmt.Sprintf("c%06d", i))
+	}
+	r.prog.Start(fmt.Sprintf("ceilings, %d threads", jobs), r.o.ceilingPasses)
+	mem := ""
+	if r.useGPU {
+		mem = " ↔ pinned"
+	}
+	mode := "buffered"
+	if direct {
+		mode = "O_DIRECT"
+	}
+	wname := "pwrite " + mode + mem
+	if r.o.fsync {
+		wname += " + fsync"
+	}
+	rname := "pread " + mode + mem
+	if r.o.dropCaches {
+		rname += " (cold)"
+	}
+	// The best of --ceiling-passes passes: a ceiling is what the
+	// storage can do, and one pass can be caught by background work.
+	var best ceilingPair
+	for range r.o.ceilingPasses {
+		wb, wd, err := bench.WriteFiles(ctx, cpaths, sizes, bufs, direct, r.o.fsync)
+		if err != nil {
+			return ceilingPair{}, err
+		}
+		best.write.GBps = max(best.write.GBps, bench.GBps(wb, wd))
+		for _, p := range cpaths {
+			os.Remove(p)
+		}
+		if r.o.dropCaches {
+			if _, err := bench.DropCaches(files); err != nil {
+				return ceilingPair{}, err
+			}
+		}
+		rb, rd, err := bench.ReadFiles(ctx, files, bufs, direct)
+		if err != nil {
+			return ceilingPair{}, err
+		}
+		best.read.GBps = max(best.read.GBps, bench.GBps(rb, rd))
+		r.prog.Step(1)
+	}
+	return ceilingPair{
+		read:  bench.Ceiling{Name: rname, GBps: best.read.GBps, Threads: jobs},
+		write: bench.Ceiling{Name: wname, GBps: best.write.GBps, Threads: jobs},
+	}, nil
+}
+
+// pinnedCeilings times pinned host ↔ GPU copies of 256 MiB, best of 5.
+func pinnedCeilings(ctx context.Context, gp *gpuPaths) ([]bench.Ceiling, error) {
+	const n = 256 << 20
+	w, err := gp.rt.NewWorker(0)
+	if err != nil {
+		return nil, err
+	}
+	defer w.Close()
+	var out []bench.Ceiling
+	err = w.Do(ctx, func(w *cuda.Worker) error {
+		rt := gp.rt
+		h, err := rt.HostAlloc(n)
+		if err != nil {
+			return err
+		}
+		defer h.Free()
+		d, err := rt.Malloc(0, n)
+		if err != nil {
+			return err
+		}
+		defer d.Close()
+		for _, h2d := range []bool{true, false} {
+			best := time.Duration(1 << 62)
+			for range 5 {
+				start := time.Now()
+				if h2d {
+					err = rt.CopyH2D(d.Ptr(), h.Ptr(), n, w.Stream())
+				} else {
+					err = rt.CopyD2H(h.Ptr(), d.Ptr(), n, w.Stream())
+				}
+				if err == nil {
+					err = rt.Sync(w.Stream())
+				}
+				if err != nil {
+					return err
+				}
+				best = min(best, time.Since(start))
+			}
+			name := "pinned D2H (256 MiB copy)"
+			if h2d {
+				name = "pinned H2D (256 MiB copy)"
+			}
+			out = append(out, bench.Ceiling{Name: name, GBps: bench.GBps(n, best)})
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("pinned copy ceilings: %w", err)
+	}
+	return out, nil
+}
+
+// deviceName is device 0's PCI id and, where the NVIDIA driver tells it,
+// its model name.
+func deviceName(gp *gpuPaths) string {
+	bus, err := gp.rt.PCIBusID(0)
+	if err != nil {
+		return "device 0"
+	}
+	if name := nvidiaModel(bus); name != "" {
+		return name + " at " + bus
+	}
+	return "device 0 at " + bus
+}
+
+// nvidiaModel reads the model name of the GPU at a PCI address from the
+// NVIDIA driver's /proc files ("" when absent).
+func nvidiaModel(bus string) string {
+	b, err := os.ReadFile(filepath.Join("/proc/driver/nvidia/gpus", strings.ToLower(bus), "information"))
+	if err != nil {
+		return ""
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(line, "Model:"); ok {
+			return strings.TrimSpace(v)
+		}
+	}
+	return ""
+}
+
+// fsTypeOf names the file system holding path.
+func fsTypeOf(path string) string {
+	t, err := bench.FSType(path)
+	if err != nil {
+		return "unknown"
+	}
+	return t
+}
+
+// benchPolicy builds the engine's policy as the daemon does: the configured
+// wasm policy, or the native lru policy when this binary embeds none.
+func benchPolicy(ctx context.Context, cfg config.Config, log *slog.Logger) func(policy.Index) (policy.Policy, error) {
+	pc := cfg.Policy
+	pcfg := policy.Config{
+		Shards: pc.Shards, MemoryLimit: int64(pc.MemoryLimit), CallTimeout: time.Duration(pc.CallTimeout),
+		CacheDir: pc.CacheDir, Params: pc.PolicyParams(), MaxFailures: pc.MaxFailures,
+		FailureWindow: time.Duration(pc.FailureWindow), Fallback: func() guest.Policy { return lru.New() }, Logger: log,
+	}
+	if pcfg.CacheDir == "" {
+		pcfg.CacheDir = filepath.Join(config.DefaultRoot(), "wasm-cache")
+	}
+	if err := os.MkdirAll(pcfg.CacheDir, 0o750); err != nil {
+		pcfg.CacheDir = ""
+	}
+	return func(idx policy.Index) (policy.Policy, error) {
+		module, name, _, err := policyModule(pc.Name)
+		if err != nil {
+			return nil, err
+		}
+		if module != nil {
+			return policy.Open(ctx, module, name, idx, pcfg)
+		}
+		log.Warn("this binary embeds no wasm policy (built without make); running the native lru policy", "policy", name)
+		return policy.NewNative(func() guest.Policy { return lru.New() }, idx, pcfg)
+	}
+}

@@ -1,0 +1,592 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/kvhost/kvhost/gds"
+	"github.com/kvhost/kvhost/host/engine"
+	"github.com/kvhost/kvhost/internal/bench"
+	"github.com/kvhost/kvhost/region"
+)
+
+// benchRun is the state of one `kvhost bench` invocation.
+type benchRun struct {
+	o        benchOptions
+	log      *slog.Logger
+	prog     *bench.Progress
+	rep      *bench.Report
+	root     string // the working directory under --dir
+	useGPU   bool
+	ceilings map[ceilingKey]ceilingPair
+	bufs     *ceilingBuffers
+	warmed   map[int]bool // tokens per key warmed up
+	seq      int          // engine directories made
+	probe    *gpuPaths    // open for the whole run when a GPU is used
+}
+
+type ceilingKey struct {
+	tokensPerKey, jobs int
+	direct             bool
+}
+
+type ceilingPair struct{ read, write bench.Ceiling }
+
+// runBenchmark runs every combination the options ask for and returns the
+// report.
+func runBenchmark(ctx context.Context, o benchOptions, log *slog.Logger, stderr io.Writer) (*bench.Report, error) {
+	start := time.Now()
+	root, err := benchDirs(o.dir)
+	if err != nil {
+		return nil, err
+	}
+	if !o.keep {
+		defer os.RemoveAll(root)
+	}
+	host, _ := os.Hostname()
+	r := &benchRun{
+		o: o, log: log, root: root,
+		ceilings: map[ceilingKey]ceilingPair{},
+		warmed:   map[int]bool{},
+		rep: &bench.Report{
+			Schema: bench.Schema, Version: versionString(), Command: o.args, Started: start.UTC(),
+			Host: host, Dir: absDir(o.dir), FSType: fsTypeOf(root), Model: o.geometry,
+			Fsync: o.fsync, Cold: o.dropCaches, CeilingPasses: o.ceilingPasses, Ceilings: []bench.Ceiling{}, Runs: []bench.Run{},
+		},
+	}
+	tty := false
+	if f, ok := stderr.(*os.File); ok {
+		tty = bench.IsTerminal(f)
+	}
+	r.prog = bench.NewProgress(stderr, o.progress == "on" || o.progress == "auto" && tty)
+	defer r.prog.Clear()
+
+	// Probe for a GPU once: it decides the memory and the ceilings.
+	var probe *gpuPaths
+	if o.memory != "host" {
+		var err error
+		if probe, err = r.openGPU("staging", true, o.memory == "gpu"); err != nil {
+			return nil, fmt.Errorf("--memory %s: %w (kvhost check says more)", o.memory, err)
+		}
+	}
+	r.useGPU = probe != nil
+	r.probe = probe
+	if r.useGPU {
+		r.rep.Memory = "gpu"
+		r.rep.Device = deviceName(probe)
+		cs, err := pinnedCeilings(ctx, probe)
+		if err != nil {
+			probe.Close()
+			return nil, err
+		}
+		r.rep.Ceilings = append(r.rep.Ceilings, cs...)
+	} else {
+		r.rep.Memory = "host"
+	}
+	if probe != nil {
+		// Keep the runtime loaded for the whole run: each combination
+		// opens its own GPU paths, and the library stays resident.
+		defer probe.Close()
+	}
+	defer func() {
+		if r.bufs != nil {
+			r.bufs.free()
+		}
+	}()
+	for _, path := range o.paths {
+		if path == "cufile" && !r.useGPU {
+			return nil, errors.New("--path cufile moves GPU memory: it needs a GPU (--memory gpu)")
+		}
+		for _, sums := range o.checksums {
+			if err := r.combination(ctx, path, sums); err != nil {
+				err = fmt.Errorf("path %s, checksums %v: %w", path, sums, err)
+				if ctx.Err() != nil && len(r.rep.Runs) > 0 {
+					// Interrupted (SIGTERM, SIGINT): the runs that
+					// finished are still worth writing, marked partial.
+					r.rep.Partial = true
+					r.rep.Seconds = time.Since(start).Seconds()
+					r.rep.Finish()
+					return r.rep, err
+				}
+				return nil, err
+			}
+		}
+	}
+	r.rep.Seconds = time.Since(start).Seconds()
+	r.rep.Finish()
+	return r.rep, nil
+}
+
+// openGPU opens the daemon's GPU paths for a path: cuFile allowed for auto
+// and cufile (in compatibility mode too with --allow-compat), off for
+// staging and posix; the staging pipeline checksums when sums is set. With
+// required it fails without a GPU, else it returns nil then.
+func (r *benchRun) openGPU(path string, sums, required bool) (*gpuPaths, error) {
+	c := r.o.cfg.GPU
+	cufile := "off"
+	if path == "auto" || path == "cufile" {
+		cufile = c.CuFile
+		if cufile == "off" && path == "cufile" {
+			cufile = "auto"
+		}
+		if r.o.allowCompat {
+			cufile = "compat"
+		}
+	}
+	mode := c.Mode
+	if required {
+		mode = "on"
+	}
+	return openGPU(gpuOptions{
+		Mode: mode, CUDALibrary: nonEmpty(c.CUDALibrary), CuFileLibrary: nonEmpty(c.CuFileLibrary),
+		CuFile: cufile, MaxStaging: int64(c.StagingMemory), NoChecksum: !sums,
+	}, r.log)
+}
+
+// engineFor opens an engine on a fresh directory for one path and checksum
+// setting, wired as the daemon wires it.
+func (r *benchRun) engineFor(ctx context.Context, path string, sums bool) (*engine.Engine, *gpuPaths, string, error) {
+	var gp *gpuPaths
+	var movers map[region.Kind]engine.MoverFactory
+	if r.useGPU {
+		var err error
+		if gp, err = r.openGPU(path, sums, true); err != nil {
+			return nil, nil, "", err
+		}
+		movers = gp.movers()
+	}
+	r.seq++
+	dir := filepath.Join(r.root, fmt.Sprintf("engine-%d", r.seq))
+	if path == "cufile" {
+		if err := requireCuFile(gp, dir, r.o.allowCompat); err != nil {
+			gp.Close()
+			return nil, nil, "", err
+		}
+	}
+	io := "auto"
+	if path == "posix" {
+		io = "buffered"
+	}
+	m := engine.Mount{Path: dir, IO: io, NoChecksum: !sums, HighWatermark: 0.95, LowWatermark: 0.85}
+	if len(r.o.cfg.Mounts) > 0 {
+		m.Reserve = int64(r.o.cfg.Mounts[0].Reserve)
+	}
+	cfg := r.o.cfg
+	eng, err := engine.Open(ctx, engine.Config{
+		Mounts: []engine.Mount{m}, NewPolicy: benchPolicy(ctx, cfg, r.log),
+		Fsync: r.o.fsync, IOWorkers: cfg.Engine.IOWorkers, CPUs: cfg.Engine.CPUs,
+		StagingBytes: int64(cfg.Engine.StagingMemory), Logger: r.log, Movers: movers,
+	})
+	if err != nil {
+		if gp != nil {
+			gp.Close()
+		}
+		return nil, nil, "", fmt.Errorf("open engine: %w", err)
+	}
+	return eng, gp, dir, nil
+}
+
+// requireCuFile fails unless cuFile loaded and can serve dir's mount.
+func requireCuFile(gp *gpuPaths, dir string, allowCompat bool) error {
+	if gp.cufile == nil {
+		_, err := gds.Open(gds.Config{LibraryPaths: gp.opts.CuFileLibrary, Logger: slog.New(slog.DiscardHandler)})
+		if err == nil {
+			err = errors.New("the cuFile mover did not start (gpu.cufile = off?)")
+		}
+		return fmt.Errorf("--path cufile: cuFile unavailable: %w", err)
+	}
+	if err := os.MkdirAll(dir, 0o750); err != nil {
+		return err
+	}
+	c, err := gp.cufile.ProbeDir(dir)
+	if err != nil {
+		return fmt.Errorf("--path cufile: %w", err)
+	}
+	switch {
+	case c.Mode == gds.ModeDirect:
+		return nil
+	case c.Mode == gds.ModeCompat && allowCompat:
+		return nil
+	case c.Mode == gds.ModeCompat:
+		return fmt.Errorf("--path cufile: %s: cuFile runs in compatibility mode there (a host bounce); pass --allow-compat to measure it", c)
+	}
+	return fmt.Errorf("--path cufile: cuFile cannot serve %s: %s", dir, c)
+}
+
+// combination runs every key size and job count for one path and checksum
+// setting on its own engine.
+func (r *benchRun) combination(ctx context.Context, path string, sums bool) (err error) {
+	eng, gp, dir, err := r.engineFor(ctx, path, sums)
+	if err != nil {
+		return err
+	}
+	defer func() {
+		cctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		err = errors.Join(err, eng.Close(cctx))
+		if gp != nil {
+			err = errors.Join(err, gp.Close())
+		}
+		if !r.o.keep {
+			os.RemoveAll(dir)
+		}
+	}()
+	for _, tpk := range r.o.tokensPerKey {
+		if err := r.keySize(ctx, eng, gp, dir, path, sums, tpk); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// benchCache is the paged cache of one key size: memory, layout, the
+// sources as stored, and the engine's ids.
+type benchCache struct {
+	mem    benchMemory
+	layout *bench.Layout
+	src    [][]byte
+	ns     engine.NamespaceID
+	cache  engine.CacheID
+	keys   [][]byte // stored names
+	misses [][]byte // names never stored
+	g      engine.Geometry
+}
+
+// keySize measures one key size at every job count.
+func (r *benchRun) keySize(ctx context.Context, eng *engine.Engine, gp *gpuPaths, dir, path string, sums bool, tpk int) error {
+	g := engine.Geometry{
+		Model: "kvhost-bench", Layers: r.o.geometry.Layers, KVHeads: r.o.geometry.KVHeads,
+		HeadSize: r.o.geometry.HeadSize, DtypeSize: r.o.geometry.DtypeSize,
+		TokensPerBlock: r.o.geometry.TokensPerBlock, TokensPerKey: tpk, TPSize: 1,
+	}
+	if err := g.Validate(); err != nil {
+		return err
+	}
+	maxJobs := slices.Max(r.o.jobs)
+	keys := r.o.keys
+	if keys == 0 {
+		keys = int(max(1, r.o.total/g.KeyBytes()))
+	}
+	keys = max(keys, 2*maxJobs*r.o.keysPerJob)
+	ns, err := eng.Declare(ctx, g)
+	if err != nil {
+		return err
+	}
+	layout := bench.NewLayout(g.Layers, 2*g.BlockBytes(), g.BlocksPerKey(), keys, uint64(tpk))
+	var mem benchMemory
+	if r.useGPU {
+		mem, err = newDeviceMemory(gp, layout.Bytes())
+	} else {
+		mem, err = newHostMemory(layout.Bytes())
+	}
+	if err != nil {
+		return fmt.Errorf("cache of %d bytes: %w", layout.Bytes(), err)
+	}
+	defer mem.Close()
+	c := &benchCache{mem: mem, layout: layout, ns: ns, g: g}
+	if c.src, err = layout.Fill(mem, uint64(tpk)); err != nil {
+		return err
+	}
+	tensors := make([]engine.LayerTensor, g.Layers)
+	for l := range tensors {
+		tensors[l] = engine.LayerTensor{
+			Region: mem.Region(), Offset: mem.Base() + int64(l)*layout.LayerBytes(),
+			BlockStride: layout.PageBytes, PlaneStride: g.BlockBytes(), NumBlocks: layout.NumBlocks,
+		}
+	}
+	if c.cache, err = eng.RegisterCache(ns, tensors); err != nil {
+		return err
+	}
+	defer eng.UnregisterCache(c.cache)
+	for i := range keys {
+		c.keys = append(c.keys, fmt.Appendf(nil, "bench-%d-%08d", tpk, i))
+		c.misses = append(c.misses, fmt.Appendf(nil, "bench-miss-%d-%08d", tpk, i))
+	}
+	if r.o.warmup && !r.warmed[tpk] {
+		r.warmed[tpk] = true
+		r.prog.Start(fmt.Sprintf("warm-up %s %s keys", path, sizeOf(g.KeyBytes())), keys)
+		if _, _, err := r.phase(ctx, eng, c, bench.Store, maxJobs); err != nil {
+			return fmt.Errorf("warm-up: %w", err)
+		}
+		if err := r.deleteAll(ctx, eng, c); err != nil {
+			return err
+		}
+	}
+	stored := false
+	for _, jobs := range r.o.jobs {
+		var st, ld phaseTotals
+		deadline := time.Now().Add(r.o.duration)
+		for round := 0; round < r.o.rounds || time.Now().Before(deadline); round++ {
+			if stored && r.o.store {
+				if err := r.deleteAll(ctx, eng, c); err != nil {
+					return err
+				}
+				stored = false
+			}
+			if !stored {
+				r.prog.Start(fmt.Sprintf("store %s sums=%v %s keys, %d jobs", path, sums, sizeOf(g.KeyBytes()), jobs), keys)
+				d, lat, err := r.phase(ctx, eng, c, bench.Store, jobs)
+				if err != nil {
+					return err
+				}
+				stored = true
+				if r.o.store {
+					st.add(d, lat, int64(keys)*g.KeyBytes(), keys, 0)
+				}
+			}
+			files, err := engineFiles(dir, g.KeyBytes())
+			if err != nil {
+				return err
+			}
+			direct := eng.Stats().Mounts[0].Direct
+			ck := ceilingKey{tpk, jobs, direct}
+			if _, ok := r.ceilings[ck]; !ok {
+				cp, err := r.measureCeilings(ctx, files, jobs, direct)
+				if err != nil {
+					return err
+				}
+				r.ceilings[ck] = cp
+			}
+			if !r.o.load {
+				continue
+			}
+			if r.o.dropCaches {
+				if _, err := bench.DropCaches(files); err != nil {
+					return err
+				}
+			}
+			if r.o.verify {
+				if err := c.layout.Poison(c.mem); err != nil {
+					return err
+				}
+			}
+			r.prog.Start(fmt.Sprintf("load %s sums=%v %s keys, %d jobs", path, sums, sizeOf(g.KeyBytes()), jobs), keys)
+			hits := 0
+			for i := range keys {
+				if bench.Hit(i, r.o.hitRatio) {
+					hits++
+				}
+			}
+			d, lat, err := r.phase(ctx, eng, c, bench.Load, jobs)
+			if err != nil {
+				return err
+			}
+			var verified int64
+			if r.o.verify {
+				idx := make([]int, keys)
+				hit := make([]bool, keys)
+				for i := range idx {
+					idx[i], hit[i] = i, bench.Hit(i, r.o.hitRatio)
+				}
+				if verified, err = c.layout.Verify(c.mem, c.src, idx, hit); err != nil {
+					return fmt.Errorf("load, %d jobs: %w", jobs, err)
+				}
+			}
+			ld.add(d, lat, int64(hits)*g.KeyBytes(), hits, verified)
+		}
+		mover := r.moverName(gp)
+		io := eng.Stats().Mounts[0].IO
+		// The engine writes payload checksums only where the mover
+		// computes them: cuFile never lets the CPU see the bytes.
+		summed := eng.Stats().Mounts[0].Checksums && mover != "cufile"
+		cp := r.ceilings[ceilingKey{tpk, jobs, eng.Stats().Mounts[0].Direct}]
+		base := bench.Run{
+			Path: path, Mover: mover, IO: io, Checksums: sums, Checksummed: summed, Jobs: jobs, TokensPerKey: tpk,
+			KeyBytes: g.KeyBytes(), KeysPerJob: r.o.keysPerJob, Keys: keys,
+		}
+		if r.o.store {
+			r.rep.Runs = append(r.rep.Runs, st.run(base, bench.Store, keys, cp.write))
+		}
+		if r.o.load {
+			x := ld.run(base, bench.Load, keys, cp.read)
+			x.Misses = keys - ld.keys/max(1, ld.rounds)
+			r.rep.Runs = append(r.rep.Runs, x)
+		}
+	}
+	return r.deleteAll(ctx, eng, c)
+}
+
+// phaseTotals sums the rounds of one phase.
+type phaseTotals struct {
+	d        time.Duration
+	lat      []time.Duration
+	bytes    int64
+	keys     int
+	verified int64
+	rounds   int
+}
+
+func (t *phaseTotals) add(d time.Duration, lat []time.Duration, bytes int64, keys int, verified int64) {
+	t.d += d
+	t.lat = append(t.lat, lat...)
+	t.bytes += bytes
+	t.keys += keys
+	t.verified += verified
+	t.rounds++
+}
+
+func (t *phaseTotals) run(base bench.Run, dir string, keys int, ceiling bench.Ceiling) bench.Run {
+	x := base
+	x.Direction = dir
+	x.Hits = t.keys / max(1, t.rounds)
+	x.Bytes = t.bytes / int64(max(1, t.rounds))
+	x.Seconds = t.d.Seconds() / float64(max(1, t.rounds))
+	x.GBps = bench.GBps(t.bytes, t.d)
+	x.Ceiling = ceiling
+	if ceiling.GBps > 0 {
+		x.Fraction = x.GBps / ceiling.GBps
+	}
+	x.JobP50Ms = bench.Percentile(t.lat, 0.50)
+	x.JobP99Ms = bench.Percentile(t.lat, 0.99)
+	x.VerifiedBytes = t.verified / int64(max(1, t.rounds))
+	return x
+}
+
+// phase stores (loads) every key with jobs concurrent jobs of keysPerJob
+// keys and checks every key's outcome: stored (present after a warm-up
+// is refused), loaded for hits, missing for misses. It returns the wall
+// time and each job's completion time.
+func (r *benchRun) phase(ctx context.Context, eng *engine.Engine, c *benchCache, dir string, jobs int) (time.Duration, []time.Duration, error) {
+	n := len(c.keys)
+	per := r.o.keysPerJob
+	batches := (n + per - 1) / per
+	lat := make([]time.Duration, batches)
+	var next atomic.Int64
+	var wg sync.WaitGroup
+	errs := make([]error, jobs)
+	start := time.Now()
+	for j := range jobs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				b := int(next.Add(1) - 1)
+				if b >= batches {
+					return
+				}
+				lo, hi := b*per, min(n, (b+1)*per)
+				var keys [][]byte
+				var blocks [][]int
+				for i := lo; i < hi; i++ {
+					if dir == bench.Store {
+						keys, blocks = append(keys, c.keys[i]), append(blocks, c.layout.Src[i])
+					} else {
+						k := c.keys[i]
+						if !bench.Hit(i, r.o.hitRatio) {
+							k = c.misses[i]
+						}
+						keys, blocks = append(keys, k), append(blocks, c.layout.Dst[i])
+					}
+				}
+				var job *engine.Job
+				var err error
+				if dir == bench.Store {
+					job, err = eng.Store(ctx, engine.StoreRequest{Cache: c.cache, Keys: keys, Blocks: blocks})
+				} else {
+					job, err = eng.Load(ctx, engine.LoadRequest{Cache: c.cache, Keys: keys, Blocks: blocks})
+				}
+				var res engine.Result
+				if err == nil {
+					res, err = job.Wait(ctx)
+				}
+				if err == nil {
+					err = checkOutcomes(res, dir, lo, r.o.hitRatio)
+				}
+				if err != nil {
+					errs[j] = fmt.Errorf("%s of keys %d..%d: %w", dir, lo, hi-1, err)
+					next.Store(int64(batches)) // stop the others
+					return
+				}
+				lat[b] = res.Duration
+				r.prog.Step(hi - lo)
+			}
+		}()
+	}
+	wg.Wait()
+	d := time.Since(start)
+	return d, lat, errors.Join(errs...)
+}
+
+// checkOutcomes fails a job whose keys did not end as the benchmark
+// expects: a benchmark never reports a run that lost or refused keys.
+func checkOutcomes(res engine.Result, dir string, first int, hitRatio float64) error {
+	for i, k := range res.Keys {
+		want := engine.OutcomeStored
+		if dir == bench.Load {
+			want = engine.OutcomeLoaded
+			if !bench.Hit(first+i, hitRatio) {
+				want = engine.OutcomeMissing
+			}
+		}
+		if k.Outcome != want {
+			return fmt.Errorf("key %d: %s, want %s: %w", first+i, k.Outcome, want, errors.Join(k.Err, res.Err()))
+		}
+	}
+	return nil
+}
+
+// deleteAll removes every stored key of the cache's namespace.
+func (r *benchRun) deleteAll(ctx context.Context, eng *engine.Engine, c *benchCache) error {
+	if _, err := eng.Delete(ctx, c.ns, c.keys); err != nil {
+		return fmt.Errorf("delete: %w", err)
+	}
+	return nil
+}
+
+// moverName says what moved GPU bytes: cuFile when it registered files
+// during the run, else the staging pipeline; host memory moves through the
+// CPU staging pipeline.
+func (r *benchRun) moverName(gp *gpuPaths) string {
+	if gp == nil {
+		return "staging"
+	}
+	if gp.cufile != nil && gp.cufile.HandleStats().Registrations > 0 {
+		return "cufile"
+	}
+	return "gpu-staging"
+}
+
+// engineFiles lists the payload files under dir: regular files at least a
+// key long.
+func engineFiles(dir string, keyBytes int64) ([]string, error) {
+	var out []string
+	err := filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
+		if err != nil || !d.Type().IsRegular() {
+			return err
+		}
+		if fi, err := d.Info(); err == nil && fi.Size() >= keyBytes {
+			out = append(out, p)
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, fmt.Errorf("list files: %w", err)
+	}
+	if len(out) == 0 {
+		return nil, fmt.Errorf("list files: no payload file under %s", dir)
+	}
+	return out, nil
+}
+
+// sizeOf prints a size in binary units with up to three significant
+// digits ("32 MiB", "1.5 GiB", "0 B").
+func sizeOf(n int64) string {
+	units := []string{"B", "KiB", "MiB", "GiB", "TiB", "PiB"}
+	v, u := float64(n), 0
+	for v >= 1024 && u < len(units)-1 {
+		v /= 1024
+		u++
+	}
+	return strconv.FormatFloat(v, 'g', 3, 64) + " " + units[u]
+}

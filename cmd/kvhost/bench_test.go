@@ -1,0 +1,334 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/xml"
+	"io"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/kvhost/kvhost/internal/bench"
+	"github.com/kvhost/kvhost/internal/cuda/cudatest"
+)
+
+// tinyBench is a small geometry: 4 layers of 8 KiB blocks (two heads of
+// 128 two-byte elements, 16 tokens), keys of 64 tokens (256 KiB) and 16
+// tokens (64 KiB).
+//
+// Each ceiling is the best of 3 passes: the phases are short, and the
+// fractions checked must not swing with other work on the machine.
+var tinyBench = []string{"--layers", "4", "--kv-heads", "2", "--head-size", "128", "--tokens-per-key", "64,16", "--progress", "off", "--ceiling-passes", "3"}
+
+// runBenchJSON runs kvhost bench with args, checks that it succeeded, and
+// returns the parsed --json report and the SVG bytes.
+func runBenchJSON(t *testing.T, args ...string) (*bench.Report, []byte) {
+	t.Helper()
+	dir := t.TempDir()
+	out := filepath.Join(dir, "out.json")
+	svg := filepath.Join(dir, "out.svg")
+	all := append([]string{"bench", "--dir", filepath.Join(dir, "data"), "--json", out, "--svg", svg}, tinyBench...)
+	all = append(all, args...)
+	var stdout, stderr bytes.Buffer
+	if code := run(context.Background(), all, &stdout, &stderr); code != 0 {
+		t.Fatalf("kvhost %s: exit %d\n%s%s", strings.Join(all, " "), code, stdout.String(), stderr.String())
+	}
+	f, err := os.Open(out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	rep, err := bench.ReadJSON(f)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(stdout.String(), "ceiling GB/s") {
+		t.Errorf("no result table on standard output:\n%s", stdout.String())
+	}
+	left, err := os.ReadDir(filepath.Join(dir, "data"))
+	if err != nil || len(left) != 0 {
+		t.Errorf("the benchmark left %d entries in its directory (%v)", len(left), err)
+	}
+	b, err := os.ReadFile(svg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return rep, b
+}
+
+// checkRuns checks what every run of a report must satisfy: each figure
+// next to a ceiling of the same run, a fraction in (0, 2], every hit
+// moved, and every key of a load checked byte for byte.
+func checkRuns(t *testing.T, rep *bench.Report, want int, mover string) {
+	t.Helper()
+	if len(rep.Runs) != want {
+		t.Fatalf("%d runs, want %d", len(rep.Runs), want)
+	}
+	for _, x := range rep.Runs {
+		if x.Mover != mover {
+			t.Errorf("run %+v: mover %q, want %q", x, x.Mover, mover)
+		}
+		if x.GBps <= 0 || x.Ceiling.GBps <= 0 || x.Ceiling.Name == "" || x.Ceiling.Threads != x.Jobs {
+			t.Errorf("run %+v: want a throughput and a ceiling measured with as many threads as jobs", x)
+		}
+		// The same-threads fraction may pass 1 (the engine spreads one
+		// job over its I/O workers); the fraction of the best ceiling
+		// over every thread count is the bounded one.
+		if x.Fraction <= 0 || x.FractionBest <= 0 || x.FractionBest > 2 || x.FractionBest > x.Fraction+1e-9 {
+			t.Errorf("run %s %s %d jobs: fraction %.3f, of the best ceiling %.3f; want the latter in (0, 2] and at most the former", x.Path, x.Direction, x.Jobs, x.Fraction, x.FractionBest)
+		}
+		if x.CeilingBest.GBps < x.Ceiling.GBps || x.CeilingBest.Name != x.Ceiling.Name {
+			t.Errorf("run %+v: best ceiling %+v below its own", x, x.CeilingBest)
+		}
+		if x.Bytes != int64(x.Hits)*x.KeyBytes {
+			t.Errorf("run %+v: bytes %d, want hits × key bytes", x, x.Bytes)
+		}
+		if x.Direction == bench.Load && x.VerifiedBytes != int64(x.Keys)*x.KeyBytes {
+			t.Errorf("load %+v: verified %d bytes, want every destination byte of every key (%d)", x, x.VerifiedBytes, int64(x.Keys)*x.KeyBytes)
+		}
+		if x.JobP99Ms < x.JobP50Ms || x.JobP50Ms <= 0 {
+			t.Errorf("run %+v: job latency percentiles p50 %v p99 %v", x, x.JobP50Ms, x.JobP99Ms)
+		}
+	}
+}
+
+func TestBenchJSONOnHostMemoryIsVerifiedAndHeldToItsCeilings(t *testing.T) {
+	rep, svg := runBenchJSON(t, "--memory", "host", "--jobs", "1,4", "--checksum", "on,off", "--path", "auto,posix", "--total", "8MiB")
+	// 2 paths × 2 checksum settings × 2 key sizes × 2 job counts × store and load.
+	checkRuns(t, rep, 32, "staging")
+	if rep.Memory != "host" || rep.Device != "" || rep.Model.Layers != 4 || rep.Schema != bench.Schema {
+		t.Errorf("report header %+v", rep)
+	}
+	ios := map[string]string{}
+	for _, x := range rep.Runs {
+		ios[x.Path] = x.IO
+		if x.KeyBytes != int64(x.TokensPerKey/16)*4*2*8192 {
+			t.Errorf("run %+v: key bytes %d do not match the geometry", x, x.KeyBytes)
+		}
+	}
+	if ios["posix"] != "buffered" {
+		t.Errorf("posix ran with io %q, want buffered", ios["posix"])
+	}
+	if err := xml.Unmarshal(svg, new(struct{})); err != nil {
+		t.Errorf("the SVG is not well-formed XML: %v", err)
+	}
+}
+
+func TestBenchAppendMergesTwoInvocations(t *testing.T) {
+	dir := t.TempDir()
+	data := filepath.Join(dir, "data")
+	first, merged := filepath.Join(dir, "first.json"), filepath.Join(dir, "merged.json")
+	base := append([]string{"bench", "--dir", data, "--memory", "host", "--jobs", "2", "--keys", "4"}, tinyBench...)
+	var out, errb bytes.Buffer
+	if code := run(context.Background(), append(base, "--path", "staging", "--json", first), &out, &errb); code != 0 {
+		t.Fatalf("first: exit %d: %s", code, errb.String())
+	}
+	if code := run(context.Background(), append(base, "--path", "posix", "--append", first, "--json", merged), &out, &errb); code != 0 {
+		t.Fatalf("second: exit %d: %s", code, errb.String())
+	}
+	f, err := os.Open(merged)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	rep, err := bench.ReadJSON(f)
+	if err != nil {
+		t.Fatal(err)
+	}
+	paths := map[string]int{}
+	for _, x := range rep.Runs {
+		paths[x.Path]++
+	}
+	if paths["staging"] != 4 || paths["posix"] != 4 || len(rep.MoreCommands) != 1 {
+		t.Fatalf("merged runs by path %v, appended commands %d; want 4 and 4 (2 key sizes, store and load), 1", paths, len(rep.MoreCommands))
+	}
+}
+
+func TestBenchReportRendersASavedReport(t *testing.T) {
+	rep, _ := runBenchJSON(t, "--memory", "host", "--jobs", "2", "--keys", "4")
+	dir := t.TempDir()
+	saved := filepath.Join(dir, "saved.json")
+	f, err := os.Create(saved)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := rep.WriteJSON(f); err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+	var stdout, stderr bytes.Buffer
+	svg := filepath.Join(dir, "again.svg")
+	if code := run(context.Background(), []string{"bench", "--report", saved, "--svg", svg}, &stdout, &stderr); code != 0 {
+		t.Fatalf("exit %d: %s", code, stderr.String())
+	}
+	if !strings.Contains(stdout.String(), "of best") || strings.Count(stdout.String(), "\n") < len(rep.Runs)+2 {
+		t.Errorf("rendered table:\n%s", stdout.String())
+	}
+	if b, err := os.ReadFile(svg); err != nil || xml.Unmarshal(b, new(struct{})) != nil {
+		t.Errorf("no well-formed SVG from a saved report: %v", err)
+	}
+}
+
+func TestBenchLoadsWithMissesLeaveMissedBlocksUntouched(t *testing.T) {
+	rep, _ := runBenchJSON(t, "--memory", "host", "--jobs", "2", "--mix", "read", "--hit-ratio", "0.5", "--total", "8MiB", "--keys-per-job", "2")
+	checkRuns(t, rep, 2, "staging")
+	for _, x := range rep.Runs {
+		if x.Direction != bench.Load || x.Hits != x.Keys/2 || x.Misses != x.Keys/2 || x.KeysPerJob != 2 {
+			t.Errorf("run %+v: want loads only, half of them hits and half misses, of 2-key jobs", x)
+		}
+	}
+}
+
+// TestBenchGPUMemoryThroughTheDaemonsPathsOnFakeCUDA runs the benchmark
+// with the paged cache in (fake) GPU memory: the daemon's GPU paths move
+// it through the gpu-staging pipeline, ceilings use pinned buffers, and
+// the pinned copy ceilings are measured.
+func TestBenchGPUMemoryThroughTheDaemonsPathsOnFakeCUDA(t *testing.T) {
+	lib := cudatest.Build(t)
+	missing := filepath.Join(t.TempDir(), "libcufile.so.0")
+	rep, _ := runBenchJSON(t, "--memory", "gpu", "--cuda-library", lib, "--cufile-library", missing,
+		"--jobs", "1,3", "--path", "staging,auto", "--checksum", "on,off", "--total", "8MiB")
+	checkRuns(t, rep, 32, "gpu-staging")
+	if rep.Memory != "gpu" || !strings.Contains(rep.Device, "device 0 at") {
+		t.Errorf("memory %q device %q: want gpu memory on device 0", rep.Memory, rep.Device)
+	}
+	names := ""
+	for _, c := range rep.Ceilings {
+		names += c.Name + ";"
+		if c.GBps <= 0 {
+			t.Errorf("ceiling %+v not measured", c)
+		}
+	}
+	if !strings.Contains(names, "pinned H2D") || !strings.Contains(names, "pinned D2H") {
+		t.Errorf("ceilings %q: want pinned H2D and D2H", names)
+	}
+	for _, x := range rep.Runs {
+		if !strings.Contains(x.Ceiling.Name, "pinned") {
+			t.Errorf("run %+v: with a GPU the file ceiling reads into pinned buffers", x)
+		}
+	}
+}
+
+// buildFakeCuFile compiles gds's fake libcufile (gds/testdata) with
+// `go env CC`, as gds's own tests do.
+func buildFakeCuFile(t *testing.T) string {
+	t.Helper()
+	cudatest.Build(t) // skips without a C compiler
+	cc := strings.Fields(goEnv(t, "CC"))
+	lib := filepath.Join(t.TempDir(), "libcufile.so.0")
+	args := append(cc[1:], "-shared", "-fPIC", "-O1", "-o", lib, "../../gds/testdata/fakecufile.c", "-lpthread")
+	if out, err := execCommand(cc[0], args...); err != nil {
+		t.Fatalf("build fake libcufile: %v\n%s", err, out)
+	}
+	return lib
+}
+
+// TestBenchCuFilePathMovesGPUMemoryWithCuFile forces the cufile path with
+// the fake libcudart and libcufile (compatibility mode, allowed): cuFile
+// registers the files and moves the bytes, and every loaded byte checks.
+func TestBenchCuFilePathMovesGPUMemoryWithCuFile(t *testing.T) {
+	cudaLib, cufileLib := cudatest.Build(t), buildFakeCuFile(t)
+	rep, _ := runBenchJSON(t, "--memory", "gpu", "--cuda-library", cudaLib, "--cufile-library", cufileLib,
+		"--path", "cufile", "--allow-compat", "--jobs", "2", "--checksum", "on,off", "--total", "4MiB")
+	checkRuns(t, rep, 8, "cufile")
+}
+
+func TestBenchCuFilePathWithoutCompatSaysHowToAllowIt(t *testing.T) {
+	cudaLib, cufileLib := cudatest.Build(t), buildFakeCuFile(t)
+	dir := t.TempDir()
+	var stdout, stderr bytes.Buffer
+	args := append([]string{"bench", "--dir", dir, "--memory", "gpu", "--cuda-library", cudaLib, "--cufile-library", cufileLib, "--path", "cufile", "--jobs", "1", "--keys", "2"}, tinyBench...)
+	if code := run(context.Background(), args, &stdout, &stderr); code != 1 || !strings.Contains(stderr.String(), "--allow-compat") {
+		t.Fatalf("exit %d, stderr %q; want 1 and a hint to pass --allow-compat", code, stderr.String())
+	}
+}
+
+func TestBenchRejectsBadFlagsNamingThem(t *testing.T) {
+	dir := t.TempDir()
+	missing := filepath.Join(dir, "libcudart.so.13")
+	cases := []struct {
+		args []string
+		code int
+		want string
+	}{
+		{[]string{}, 2, "--dir is required"},
+		{[]string{"--dir", dir, "--path", "nvme"}, 2, `--path "nvme"`},
+		{[]string{"--dir", dir, "--jobs", "1,0"}, 2, "--jobs"},
+		{[]string{"--dir", dir, "--checksum", "maybe"}, 2, "--checksum"},
+		{[]string{"--dir", dir, "--mix", "append"}, 2, "--mix"},
+		{[]string{"--dir", dir, "--hit-ratio", "1.5"}, 2, "--hit-ratio"},
+		{[]string{"--dir", dir, "--memory", "tpu"}, 2, "--memory"},
+		{[]string{"--dir", dir, "--fsync", "sometimes"}, 2, "--fsync"},
+		{[]string{"--dir", dir, "--total", "lots"}, 2, "--total"},
+		{[]string{"--dir", dir, "--memory", "gpu", "--cuda-library", missing}, 1, "--memory gpu"},
+		{[]string{"--dir", dir, "--memory", "host", "--path", "cufile"}, 1, "needs a GPU"},
+		{[]string{"--dir", dir, "--memory", "host", "--layers", "0"}, 1, "Layers"},
+	}
+	for _, c := range cases {
+		var stdout, stderr bytes.Buffer
+		code := run(context.Background(), append([]string{"bench", "--progress", "off"}, c.args...), &stdout, &stderr)
+		if code != c.code || !strings.Contains(stderr.String(), c.want) {
+			t.Errorf("kvhost bench %s: exit %d, stderr %q; want exit %d naming %q", strings.Join(c.args, " "), code, stderr.String(), c.code, c.want)
+		}
+	}
+}
+
+func TestBenchInterruptedWritesThePhasesThatFinishedMarkedPartial(t *testing.T) {
+	dir := t.TempDir()
+	out := filepath.Join(dir, "out.json")
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	// Cancel once the second job count starts (the first one's runs are
+	// in the report); the JSON file appears
+	// only at the end, so watch the progress output instead.
+	pr, pw := io.Pipe()
+	go func() {
+		b := make([]byte, 4096)
+		seen := ""
+		for {
+			n, err := pr.Read(b)
+			seen += string(b[:n])
+			if strings.Contains(seen, "keys, 2 jobs") {
+				cancel()
+			}
+			if err != nil {
+				return
+			}
+		}
+	}()
+	args := append([]string{"bench", "--dir", filepath.Join(dir, "data"), "--memory", "host", "--json", out, "--jobs", "1,2,3,4", "--keys", "8"}, tinyBench...)
+	args = append(args, "--progress", "on")
+	code := run(ctx, args, io.Discard, pw)
+	pw.Close()
+	if code != 1 {
+		t.Fatalf("interrupted bench: exit %d, want 1", code)
+	}
+	f, err := os.Open(out)
+	if err != nil {
+		t.Fatalf("no partial report: %v", err)
+	}
+	defer f.Close()
+	rep, err := bench.ReadJSON(f)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !rep.Partial || len(rep.Runs) == 0 || len(rep.Runs) >= 16 {
+		t.Fatalf("partial %v with %d runs; want a partial report of the runs before the interruption", rep.Partial, len(rep.Runs))
+	}
+}
+
+func TestProgressBarDrawsOnlyWhenAsked(t *testing.T) {
+	var b bytes.Buffer
+	p := bench.NewProgress(&b, true)
+	p.Start("store", 4)
+	p.Step(4)
+	p.Clear()
+	if !strings.Contains(b.String(), "[##############################] 4/4 store") {
+		t.Fatalf("bar output %q", b.String())
+	}
+	var none *bench.Progress = bench.NewProgress(io.Discard, false)
+	none.Start("x", 1) // a nil bar draws nothing and does not panic
+	none.Step(1)
+}

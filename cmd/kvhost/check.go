@@ -1,0 +1,533 @@
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/kvhost/kvhost/config"
+	"github.com/kvhost/kvhost/gds"
+	"github.com/kvhost/kvhost/internal/bench"
+	"github.com/kvhost/kvhost/internal/cuda"
+	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/staging"
+)
+
+// Levels of a check line.
+const (
+	levelOK   = "OK"
+	levelInfo = "INFO"
+	levelWarn = "WARN"
+	levelFail = "FAIL"
+)
+
+// checkSchema is the JSON document's schema name.
+const checkSchema = "kvhost-check/1"
+
+// checkItem is one finding of `kvhost check`.
+type checkItem struct {
+	Level string `json:"level"` // OK, INFO, WARN or FAIL
+	Area  string `json:"area"`  // gpu, cufile, or the mount's path
+	What  string `json:"what"`  // the finding
+	Fix   string `json:"fix,omitempty"`
+}
+
+// speedResult is one sequential transfer measured by --speed.
+type speedResult struct {
+	Mount string  `json:"mount"`
+	Test  string  `json:"test"` // "write O_DIRECT + fsync", "read buffered (cold)", ...
+	Bytes int64   `json:"bytes"`
+	GBps  float64 `json:"gbps"`
+}
+
+// checkReport is the whole of `kvhost check --json`.
+type checkReport struct {
+	Schema  string        `json:"schema"`
+	Version string        `json:"version"`
+	Items   []checkItem   `json:"items"`
+	Speed   []speedResult `json:"speed"`
+	OK      int           `json:"ok"`
+	Warn    int           `json:"warnings"`
+	Fail    int           `json:"failures"`
+}
+
+func (r *checkReport) add(level, area, what, fix string) {
+	r.Items = append(r.Items, checkItem{level, area, what, fix})
+	switch level {
+	case levelOK:
+		r.OK++
+	case levelWarn:
+		r.Warn++
+	case levelFail:
+		r.Fail++
+	}
+}
+
+// checkOptions are `kvhost check`'s settings.
+type checkOptions struct {
+	cfg       config.Config
+	dirs      []string
+	speed     bool
+	speedSize int64
+	speedTime time.Duration
+}
+
+// runCheck is `kvhost check`: diagnostics of the GPU, cuFile and every
+// mount, printed as OK / INFO / WARN / FAIL lines with a fix for each
+// problem. It exits 1 when something FAILs.
+func runCheck(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	fs := flag.NewFlagSet("kvhost check", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	var (
+		o                           checkOptions
+		cfgPath, cudaLib, cufileLib string
+		speedSize                   string
+		asJSON                      bool
+	)
+	fs.StringVar(&cfgPath, "config", "", "kvhost configuration file (its mounts and [gpu] settings are checked)")
+	fs.Func("dir", "a directory to check as a mount (repeatable; replaces the configuration's mounts)", func(s string) error {
+		o.dirs = append(o.dirs, s)
+		return nil
+	})
+	fs.BoolVar(&o.speed, "speed", false, "measure sequential write and read on every mount (O_DIRECT and buffered)")
+	fs.StringVar(&speedSize, "speed-size", "256MiB", "bytes written and read by each --speed test")
+	fs.DurationVar(&o.speedTime, "speed-time", 5*time.Second, "most time each --speed test takes")
+	fs.BoolVar(&asJSON, "json", false, "print the findings as JSON")
+	fs.StringVar(&cudaLib, "cuda-library", "", "path of libcudart (default: the configuration's, else the usual places)")
+	fs.StringVar(&cufileLib, "cufile-library", "", "path of libcufile (default: the configuration's, else the usual places)")
+	fs.Usage = func() {
+		fmt.Fprintln(stderr, "usage: kvhost check [--config FILE] [--dir DIR]... [--speed] [--json]\n\nDiagnoses the GPU, cuFile and the mounts (docs/bench.md).\n\nflags:")
+		fs.PrintDefaults()
+	}
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return 0
+		}
+		return 2
+	}
+	if fs.NArg() > 0 {
+		fmt.Fprintf(stderr, "kvhost check: unexpected argument %q\n", fs.Arg(0))
+		return 2
+	}
+	o.cfg = config.Default()
+	if cfgPath != "" {
+		c, err := config.Load(cfgPath)
+		if err != nil {
+			fmt.Fprintf(stderr, "kvhost check: %v\n", err)
+			return 2
+		}
+		o.cfg = c
+	}
+	if cudaLib != "" {
+		o.cfg.GPU.CUDALibrary = cudaLib
+	}
+	if cufileLib != "" {
+		o.cfg.GPU.CuFileLibrary = cufileLib
+	}
+	sz, err := config.ParseSize(speedSize)
+	if err != nil || sz < bench.Align {
+		fmt.Fprintf(stderr, "kvhost check: --speed-size %q: want a size of at least 4KiB (\"256MiB\")\n", speedSize)
+		return 2
+	}
+	o.speedSize = bench.RoundUp(int64(sz))
+	rep := doCheck(ctx, o)
+	if asJSON {
+		enc := json.NewEncoder(stdout)
+		enc.SetIndent("", "  ")
+		if err := enc.Encode(rep); err != nil {
+			fmt.Fprintf(stderr, "kvhost check: %v\n", err)
+			return 1
+		}
+	} else {
+		writeCheck(stdout, rep)
+	}
+	if rep.Fail > 0 {
+		return 1
+	}
+	return 0
+}
+
+// writeCheck prints the findings, one line each, a fix under each problem.
+func writeCheck(w io.Writer, rep *checkReport) {
+	for _, it := range rep.Items {
+		fmt.Fprintf(w, "%-4s  %-8s  %s\n", it.Level, it.Area, it.What)
+		if it.Fix != "" {
+			fmt.Fprintf(w, "      %-8s  fix: %s\n", "", it.Fix)
+		}
+	}
+	for _, s := range rep.Speed {
+		fmt.Fprintf(w, "%-4s  %-8s  speed: %s, %s: %.2f GB/s\n", levelInfo, s.Mount, s.Test, sizeOf(s.Bytes), s.GBps)
+	}
+	fmt.Fprintf(w, "kvhost check: %d ok, %d warnings, %d failures\n", rep.OK, rep.Warn, rep.Fail)
+}
+
+// doCheck runs every check.
+func doCheck(ctx context.Context, o checkOptions) *checkReport {
+	rep := &checkReport{Schema: checkSchema, Version: versionString(), Items: []checkItem{}, Speed: []speedResult{}}
+	// CUDA's current device and cuFile's state are per OS thread: every
+	// call here runs on this goroutine's thread, with device 0 current.
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	rt := checkGPU(rep, o.cfg.GPU)
+	var drv *gds.Driver
+	if rt != nil {
+		defer rt.Close()
+	}
+	drv = checkCuFile(rep, o.cfg.GPU, rt)
+	if drv != nil {
+		defer drv.Close()
+	}
+	mounts := o.cfg.Mounts
+	if len(o.dirs) > 0 {
+		mounts = nil
+		for _, d := range o.dirs {
+			mounts = append(mounts, config.Mount{Path: d})
+		}
+	}
+	for _, m := range mounts {
+		checkMount(ctx, rep, o, m, drv)
+	}
+	return rep
+}
+
+// checkGPU reports the CUDA runtime, the driver and the devices; it
+// returns the runtime when one loaded with at least one device.
+func checkGPU(rep *checkReport, g config.GPU) *cuda.Runtime {
+	if g.Mode == "off" {
+		rep.add(levelInfo, "gpu", "GPU paths off by configuration (gpu.mode = off): kvhost serves host memory only", "")
+		return nil
+	}
+	missing := levelWarn
+	if g.Mode == "on" {
+		missing = levelFail // the daemon would not start
+	}
+	rt, err := cuda.Open(cuda.Config{Runtime: nonEmpty(g.CUDALibrary)})
+	if err != nil {
+		rep.add(missing, "gpu", fmt.Sprintf("no CUDA runtime: %s; kvhost serves host memory only", loadError(err, nonEmpty(g.CUDALibrary), cuda.DefaultRuntimePaths)),
+			"install the NVIDIA driver and the CUDA runtime (libcudart.so.12 or .13), or set gpu.cuda_library; gpu.mode = off silences this")
+		return nil
+	}
+	v := rt.Version()
+	rep.add(levelOK, "gpu", fmt.Sprintf("CUDA runtime %s, version %d.%d; batched copies %s, driver API %s",
+		rt.Path(), v/1000, v%1000/10, yesNo(rt.HasBatch()), yesNo(rt.HasDriver())), "")
+	if b, err := os.ReadFile("/proc/driver/nvidia/version"); err == nil {
+		line, _, _ := strings.Cut(string(b), "\n")
+		rep.add(levelInfo, "gpu", "driver: "+strings.Join(strings.Fields(line), " "), "")
+	}
+	n, err := rt.DeviceCount()
+	if err == nil && n == 0 {
+		err = errors.New("no CUDA device")
+	}
+	if err != nil {
+		rep.add(missing, "gpu", fmt.Sprintf("no usable device: %v; kvhost serves host memory only", err),
+			"check nvidia-smi, the container's device access (--gpus, CUDA_VISIBLE_DEVICES) and the driver version")
+		rt.Close()
+		return nil
+	}
+	for d := range n {
+		bus, err := rt.PCIBusID(d)
+		if err != nil {
+			rep.add(levelWarn, "gpu", fmt.Sprintf("device %d: no PCI address: %v", d, err), "")
+			continue
+		}
+		name := nvidiaModel(bus)
+		if name == "" {
+			name = "(model name not reported)"
+		}
+		rep.add(levelOK, "gpu", fmt.Sprintf("device %d: %s at %s", d, name, bus), "")
+	}
+	return rt
+}
+
+// checkCuFile reports libcufile, nvidia-fs and the mode cuFile runs in; it
+// returns the driver when it opened.
+func checkCuFile(rep *checkReport, g config.GPU, rt *cuda.Runtime) *gds.Driver {
+	if g.CuFile == "off" {
+		rep.add(levelInfo, "cufile", "cuFile off by configuration (gpu.cufile = off)", "")
+		return nil
+	}
+	cfg := gds.Config{LibraryPaths: nonEmpty(g.CuFileLibrary), Logger: slog.New(slog.DiscardHandler)}
+	if rt != nil {
+		cfg.BindDevice = rt.SetDevice
+		if err := rt.SetDevice(0); err != nil {
+			rep.add(levelWarn, "cufile", fmt.Sprintf("cannot make device 0 current: %v", err), "")
+		}
+	}
+	d, err := gds.Open(cfg)
+	if err != nil {
+		level := levelWarn
+		if rt == nil {
+			level = levelInfo // no GPU: cuFile would not be used anyway
+		}
+		rep.add(level, "cufile", fmt.Sprintf("cuFile unavailable: %s; GPU memory moves through kvhost's staging pipeline", loadError(err, nonEmpty(g.CuFileLibrary), gds.DefaultLibraryPaths)),
+			"for GPUDirect Storage install libcufile (the CUDA toolkit's GDS package) and nvidia-fs, or set gpu.cufile_library")
+		return nil
+	}
+	p := d.Properties()
+	v := fmt.Sprintf("%d.%d", p.Version/1000, p.Version%1000/10)
+	if p.Version%10 != 0 {
+		v += fmt.Sprintf(".%d", p.Version%10)
+	}
+	rep.add(levelOK, "cufile", fmt.Sprintf("cuFile %s, version %s, batch API %s", p.Library, v, yesNo(p.BatchAPI)), "")
+	if p.NVFSLoaded {
+		rep.add(levelOK, "cufile", "nvidia-fs loaded "+p.NVFSVersion+": GPUDirect transfers possible on supporting file systems", "")
+	} else {
+		rep.add(levelWarn, "cufile", "nvidia-fs not loaded: no GPUDirect; cuFile can only run in compatibility mode (a host bounce)",
+			"load the nvidia-fs kernel module (modprobe nvidia-fs, from the GDS packages) for direct GPU ↔ storage DMA")
+	}
+	rep.add(levelInfo, "cufile", fmt.Sprintf("compatibility mode allowed: %s (from %s); mode: %s; kvhost setting gpu.cufile = %s",
+		yesNo(p.CompatAllowed), p.CompatSource, p.Mode(), g.CuFile), "")
+	if p.Mode() == gds.ModeCompat && g.CuFile != "compat" {
+		rep.add(levelInfo, "cufile", "in compatibility mode kvhost moves GPU memory through its own staging pipeline (gpu.cufile = compat uses cuFile's)", "")
+	}
+	return d
+}
+
+// checkMount reports one mount: file system, space, O_DIRECT, cuFile
+// registration, and with --speed sequential throughput.
+func checkMount(ctx context.Context, rep *checkReport, o checkOptions, m config.Mount, drv *gds.Driver) {
+	area := m.Path
+	fi, err := os.Stat(m.Path)
+	switch {
+	case errors.Is(err, os.ErrNotExist):
+		parent := existingParent(m.Path)
+		rep.add(levelWarn, area, fmt.Sprintf("does not exist; kvhost creates it at start (in %s, %s)", parent, fsTypeOf(parent)),
+			"create it (mkdir -p) to check it fully")
+		return
+	case err != nil:
+		rep.add(levelFail, area, fmt.Sprintf("cannot stat: %v", err), "check the path and the daemon's permissions")
+		return
+	case !fi.IsDir():
+		rep.add(levelFail, area, "is not a directory", "name a directory in [[mount]] path")
+		return
+	}
+	if unix.Access(m.Path, unix.W_OK|unix.X_OK) != nil {
+		rep.add(levelFail, area, "not writable by this user", "give the daemon's user write access (chown, or run as the owner)")
+		return
+	}
+	fst := fsTypeOf(m.Path)
+	var st unix.Statfs_t
+	if err := unix.Statfs(m.Path, &st); err != nil {
+		rep.add(levelFail, area, fmt.Sprintf("statfs: %v", err), "")
+		return
+	}
+	size, avail := int64(st.Blocks)*int64(st.Bsize), int64(st.Bavail)*int64(st.Bsize)
+	rep.add(levelOK, area, fmt.Sprintf("file system %s, %s of %s free", fst, sizeOf(avail), sizeOf(size)), "")
+	level, what, fix := spaceFinding(size, avail, int64(m.Capacity), int64(m.Reserve))
+	rep.add(level, area, what, fix)
+
+	direct, err := staging.ProbeDirect(fsys.OS{}, m.Path)
+	switch {
+	case err != nil && errors.Is(err, unix.ENOSPC):
+		rep.add(levelWarn, area, "O_DIRECT unknown: the probe could not write its one block (file system full); the engine then uses buffered I/O",
+			"free space on the file system")
+	case err != nil:
+		rep.add(levelWarn, area, fmt.Sprintf("O_DIRECT probe failed: %v; the engine then uses buffered I/O", err), "")
+	case direct:
+		rep.add(levelOK, area, "O_DIRECT supported: files bypass the page cache (io = auto uses it)", "")
+	case m.IO == "direct":
+		rep.add(levelFail, area, "O_DIRECT refused by the file system, but io = direct", "set io = auto or buffered for this mount")
+	default:
+		rep.add(levelInfo, area, fmt.Sprintf("O_DIRECT refused by %s: buffered I/O through the page cache", fst), "")
+	}
+	if drv != nil {
+		checkRegistration(rep, area, fst, m.Path, drv)
+	}
+	if o.speed {
+		checkSpeed(ctx, rep, o, m, direct && err == nil, avail)
+	}
+}
+
+// spaceFinding judges the free space against the configured capacity and
+// reserve: the effective capacity is the smaller of the capacity (0: 90%
+// of the file system) and the free space minus the reserve.
+func spaceFinding(size, avail, capacity, reserve int64) (level, what, fix string) {
+	configured := capacity
+	if configured == 0 {
+		configured = size * 9 / 10
+	}
+	effective := min(configured, avail-reserve)
+	switch {
+	case avail <= reserve:
+		return levelWarn, fmt.Sprintf("full for kvhost: %s free, reserve %s: stores fail with no space until files are evicted",
+			sizeOf(avail), sizeOf(reserve)), "free space on the file system or lower the mount's reserve"
+	case capacity > size:
+		return levelWarn, fmt.Sprintf("capacity %s exceeds the file system's size %s: the effective capacity is %s",
+			sizeOf(capacity), sizeOf(size), sizeOf(effective)), "set capacity at most the file system's size"
+	case effective < configured:
+		return levelInfo, fmt.Sprintf("capacity %s, reserve %s: only %s can be stored now (free space minus reserve, plus kvhost's own files)",
+			sizeOf(configured), sizeOf(reserve), sizeOf(effective)), ""
+	}
+	return levelOK, fmt.Sprintf("capacity %s, reserve %s: fits in the free space", sizeOf(configured), sizeOf(reserve)), ""
+}
+
+// checkRegistration reports whether cuFile registers a file on the mount.
+func checkRegistration(rep *checkReport, area, fst, dir string, drv *gds.Driver) {
+	c, err := drv.ProbeDir(dir)
+	if err != nil {
+		rep.add(levelWarn, area, fmt.Sprintf("cuFile probe failed: %v", err), "")
+		return
+	}
+	switch c.Mode {
+	case gds.ModeDirect:
+		rep.add(levelOK, area, "cuFile registers files: direct (GPUDirect)", "")
+	case gds.ModeCompat:
+		rep.add(levelOK, area, "cuFile registers files: compatibility mode (a host bounce inside libcufile)", "")
+	default:
+		fix := ""
+		switch {
+		case fst == "tmpfs":
+			fix = "none needed: cuFile does not serve tmpfs (it registers only block-device file systems); kvhost's staging pipeline does"
+		case errors.Is(c.Err, gds.StatusHandleNotRegistered):
+			var st unix.Stat_t
+			dev := "bMAJOR:MINOR"
+			if unix.Stat(dir, &st) == nil {
+				dev = fmt.Sprintf("b%d:%d", unix.Major(st.Dev), unix.Minor(st.Dev))
+			}
+			fix = fmt.Sprintf("cuFile reads the udev database: where /run/udev is missing (containers, VMs) bind-mount the host's, or write /run/udev/data/%s with E:ID_FS_USAGE=filesystem and E:ID_FS_TYPE=%s", dev, fst)
+		}
+		reason := "refused"
+		if c.Err != nil {
+			reason = c.Err.Error()
+		}
+		rep.add(levelWarn, area, fmt.Sprintf("cuFile cannot register files here: %s; GPU memory moves through the staging pipeline", reason), fix)
+	}
+}
+
+// checkSpeed measures sequential writes and reads of one file, O_DIRECT
+// (where supported) and buffered, each bounded by --speed-time.
+func checkSpeed(ctx context.Context, rep *checkReport, o checkOptions, m config.Mount, direct bool, avail int64) {
+	size := o.speedSize
+	if avail-int64(m.Reserve) < size+(64<<20) {
+		rep.add(levelWarn, m.Path, fmt.Sprintf("speed test skipped: %s free, it needs %s", sizeOf(avail), sizeOf(size)), "free space or pass a smaller --speed-size")
+		return
+	}
+	buf, err := bench.AlignedBuffer(4 << 20)
+	if err != nil {
+		rep.add(levelWarn, m.Path, fmt.Sprintf("speed test skipped: %v", err), "")
+		return
+	}
+	defer bench.FreeBuffer(buf)
+	for i := range buf {
+		buf[i] = byte(i*7 + 1)
+	}
+	modes := []bool{false}
+	if direct {
+		modes = []bool{true, false}
+	}
+	name := filepath.Join(m.Path, fmt.Sprintf(".kvhost-check-speed-%d", os.Getpid()))
+	defer os.Remove(name)
+	for _, d := range modes {
+		mode := "buffered"
+		if d {
+			mode = "O_DIRECT"
+		}
+		n, el, err := speedPass(ctx, name, buf, size, o.speedTime, d, true)
+		if err != nil {
+			rep.add(levelWarn, m.Path, fmt.Sprintf("speed: write %s failed: %v", mode, err), "")
+			return
+		}
+		rep.Speed = append(rep.Speed, speedResult{m.Path, "write " + mode + " + fsync", n, bench.GBps(n, el)})
+		cold := ""
+		if !d {
+			_, err := bench.DropCaches([]string{name})
+			if fst := fsTypeOf(m.Path); err == nil && fst != "tmpfs" && fst != "ramfs" {
+				cold = " (cold)"
+			}
+		}
+		n, el, err = speedPass(ctx, name, buf, n, o.speedTime, d, false)
+		if err != nil {
+			rep.add(levelWarn, m.Path, fmt.Sprintf("speed: read %s failed: %v", mode, err), "")
+			return
+		}
+		rep.Speed = append(rep.Speed, speedResult{m.Path, "read " + mode + cold, n, bench.GBps(n, el)})
+	}
+}
+
+// speedPass writes (reads) up to size bytes sequentially in buf-sized
+// calls, stopping after limit; writes end with fsync. It returns the bytes
+// moved and the time taken.
+func speedPass(ctx context.Context, name string, buf []byte, size int64, limit time.Duration, direct, write bool) (int64, time.Duration, error) {
+	flags := os.O_RDONLY
+	if write {
+		flags = os.O_WRONLY | os.O_CREATE | os.O_TRUNC
+	}
+	if direct {
+		flags |= unix.O_DIRECT
+	}
+	f, err := os.OpenFile(name, flags, 0o600)
+	if err != nil {
+		return 0, 0, err
+	}
+	defer f.Close()
+	start := time.Now()
+	var off int64
+	for off < size && time.Since(start) < limit && ctx.Err() == nil {
+		b := buf[:min(int64(len(buf)), size-off)]
+		var k int
+		if write {
+			k, err = f.WriteAt(b, off)
+		} else {
+			k, err = f.ReadAt(b, off)
+			if err == io.EOF && k > 0 {
+				err = nil
+			}
+		}
+		off += int64(k)
+		if err != nil {
+			return off, time.Since(start), err
+		}
+		if k == 0 {
+			break
+		}
+	}
+	if write {
+		if err := f.Sync(); err != nil {
+			return off, time.Since(start), err
+		}
+	}
+	return off, time.Since(start), ctx.Err()
+}
+
+// loadError shortens a library-loading error where every candidate was
+// simply absent ("not found; tried a, b, c"); any other failure (a missing
+// dependency or symbol) is worth its full text.
+func loadError(err error, paths, defaults []string) string {
+	msg := err.Error()
+	if len(paths) == 0 {
+		paths = defaults
+	}
+	if strings.Count(msg, "No such file or directory") >= len(paths) {
+		return "not found; tried " + strings.Join(paths, ", ")
+	}
+	return msg
+}
+
+// existingParent is the nearest existing ancestor of path.
+func existingParent(path string) string {
+	p := filepath.Clean(path)
+	for {
+		if _, err := os.Stat(p); err == nil || p == "/" || p == "." {
+			return p
+		}
+		p = filepath.Dir(p)
+	}
+}
+
+func yesNo(b bool) string {
+	if b {
+		return "yes"
+	}
+	return "no"
+}

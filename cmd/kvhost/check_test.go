@@ -1,0 +1,168 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/kvhost/kvhost/internal/cuda/cudatest"
+)
+
+func goEnv(t *testing.T, key string) string {
+	t.Helper()
+	out, err := exec.Command("go", "env", key).Output()
+	if err != nil {
+		t.Skipf("go env %s: %v", key, err)
+	}
+	return strings.TrimSpace(string(out))
+}
+
+func execCommand(name string, args ...string) ([]byte, error) {
+	return exec.Command(name, args...).CombinedOutput()
+}
+
+// runCheckCmd runs kvhost check and returns its exit code and output.
+func runCheckCmd(t *testing.T, args ...string) (int, string) {
+	t.Helper()
+	var stdout, stderr bytes.Buffer
+	code := run(context.Background(), append([]string{"check"}, args...), &stdout, &stderr)
+	return code, stdout.String() + stderr.String()
+}
+
+func TestCheckWithoutAGPUWarnsWithAFixAndPasses(t *testing.T) {
+	dir := t.TempDir()
+	missing := filepath.Join(dir, "nothing.so")
+	code, out := runCheckCmd(t, "--dir", dir, "--cuda-library", missing, "--cufile-library", missing)
+	if code != 0 {
+		t.Fatalf("exit %d without a GPU, want 0 (host memory still works):\n%s", code, out)
+	}
+	for _, want := range []string{
+		"WARN  gpu       no CUDA runtime", "fix: install the NVIDIA driver",
+		"INFO  cufile    cuFile unavailable",
+		"OK    " + dir + "  file system", "free",
+		"O_DIRECT", "kvhost check: ",
+	} {
+		if !strings.Contains(out, want) {
+			t.Errorf("output lacks %q:\n%s", want, out)
+		}
+	}
+}
+
+func TestCheckGPUModeOnWithoutAGPUFails(t *testing.T) {
+	dir := t.TempDir()
+	cfg := filepath.Join(dir, "kvhost.toml")
+	body := "[gpu]\nmode = \"on\"\ncuda_library = \"" + filepath.Join(dir, "nothing.so") + "\"\n\n[[mount]]\npath = \"" + dir + "\"\n"
+	if err := os.WriteFile(cfg, []byte(body), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	code, out := runCheckCmd(t, "--config", cfg)
+	if code != 1 || !strings.Contains(out, "FAIL  gpu       no CUDA runtime") {
+		t.Fatalf("exit %d; want 1 with a FAIL line for the GPU the configuration requires:\n%s", code, out)
+	}
+}
+
+func TestCheckWithFakeLibrariesReportsDevicesCuFileAndRegistration(t *testing.T) {
+	cudaLib, cufileLib := cudatest.Build(t), buildFakeCuFile(t)
+	dir := t.TempDir()
+	code, out := runCheckCmd(t, "--dir", dir, "--cuda-library", cudaLib, "--cufile-library", cufileLib)
+	if code != 0 {
+		t.Fatalf("exit %d:\n%s", code, out)
+	}
+	for _, want := range []string{
+		"OK    gpu       CUDA runtime " + cudaLib,
+		"OK    gpu       device 0:",
+		"OK    cufile    cuFile " + cufileLib + ", version 1.15.1",
+		"nvidia-fs",
+		"compatibility mode allowed: yes",
+		"cuFile registers files",
+	} {
+		if !strings.Contains(out, want) {
+			t.Errorf("output lacks %q:\n%s", want, out)
+		}
+	}
+}
+
+func TestCheckSpeedJSONMeasuresEveryTest(t *testing.T) {
+	dir := t.TempDir()
+	missing := filepath.Join(dir, "nothing.so")
+	code, out := runCheckCmd(t, "--dir", dir, "--cuda-library", missing, "--cufile-library", missing, "--speed", "--speed-size", "2MiB", "--json")
+	if code != 0 {
+		t.Fatalf("exit %d:\n%s", code, out)
+	}
+	var rep checkReport
+	if err := json.Unmarshal([]byte(out), &rep); err != nil {
+		t.Fatalf("not JSON: %v\n%s", err, out)
+	}
+	if rep.Schema != checkSchema || rep.Warn == 0 || rep.OK == 0 || rep.Fail != 0 || len(rep.Items) != rep.OK+rep.Warn+rep.Fail+countInfo(rep.Items) {
+		t.Errorf("report counts %+v", rep)
+	}
+	if len(rep.Speed) != 2 && len(rep.Speed) != 4 {
+		t.Fatalf("%d speed results, want write and read, buffered (and O_DIRECT where supported): %+v", len(rep.Speed), rep.Speed)
+	}
+	for _, s := range rep.Speed {
+		if s.Bytes != 2<<20 || s.GBps <= 0 || s.Mount != dir {
+			t.Errorf("speed %+v: want 2 MiB moved at a positive rate", s)
+		}
+	}
+	if left, _ := os.ReadDir(dir); len(left) != 0 {
+		t.Errorf("the speed test left %d files", len(left))
+	}
+}
+
+func countInfo(items []checkItem) int {
+	n := 0
+	for _, it := range items {
+		if it.Level == levelInfo {
+			n++
+		}
+	}
+	return n
+}
+
+func TestCheckMountProblemsAreNamed(t *testing.T) {
+	dir := t.TempDir()
+	file := filepath.Join(dir, "file")
+	if err := os.WriteFile(file, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	missing := filepath.Join(dir, "nothing.so")
+	cases := []struct {
+		dir, want string
+		code      int
+	}{
+		{file, "FAIL  " + file + "  is not a directory", 1},
+		{filepath.Join(dir, "later", "blocks"), "WARN  " + filepath.Join(dir, "later", "blocks") + "  does not exist; kvhost creates it", 0},
+	}
+	for _, c := range cases {
+		code, out := runCheckCmd(t, "--dir", c.dir, "--cuda-library", missing, "--cufile-library", missing)
+		if code != c.code || !strings.Contains(out, c.want) {
+			t.Errorf("check --dir %s: exit %d, want %d and %q:\n%s", c.dir, code, c.code, c.want, out)
+		}
+	}
+}
+
+func TestSpaceFinding(t *testing.T) {
+	const gib = 1 << 30
+	cases := []struct {
+		name                           string
+		size, avail, capacity, reserve int64
+		level, want                    string
+	}{
+		{"plenty", 100 * gib, 95 * gib, 10 * gib, 0, levelOK, "fits"},
+		{"default capacity, mostly used", 100 * gib, 20 * gib, 0, 0, levelInfo, "only 20 GiB can be stored now"},
+		{"reserve eats the rest", 100 * gib, 5 * gib, 0, 5 * gib, levelWarn, "full for kvhost"},
+		{"disk full", 100 * gib, 0, 10 * gib, 0, levelWarn, "stores fail with no space"},
+		{"capacity beyond the disk", 100 * gib, 90 * gib, 200 * gib, 0, levelWarn, "exceeds the file system's size"},
+	}
+	for _, c := range cases {
+		level, what, _ := spaceFinding(c.size, c.avail, c.capacity, c.reserve)
+		if level != c.level || !strings.Contains(what, c.want) {
+			t.Errorf("%s: %s %q; want %s containing %q", c.name, level, what, c.level, c.want)
+		}
+	}
+}

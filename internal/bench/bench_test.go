@@ -1,0 +1,312 @@
+package bench
+
+import (
+	"bytes"
+	"context"
+	"encoding/xml"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+)
+
+// sliceMemory is Memory over a byte slice.
+type sliceMemory []byte
+
+func (m sliceMemory) WriteAt(p []byte, off int64) error { copy(m[off:], p); return nil }
+func (m sliceMemory) ReadAt(p []byte, off int64) error  { copy(p, m[off:]); return nil }
+
+// load copies key k's source pages to its destination pages, as a correct
+// engine load does.
+func load(l *Layout, m sliceMemory, k int) {
+	for layer := range l.Layers {
+		base := int64(layer) * l.LayerBytes()
+		for j := range l.BlocksPerKey {
+			copy(m[base+int64(l.Dst[k][j])*l.PageBytes:][:l.PageBytes], m[base+int64(l.Src[k][j])*l.PageBytes:][:l.PageBytes])
+		}
+	}
+}
+
+func TestLayoutPagesAreDistinctAndScattered(t *testing.T) {
+	l := NewLayout(3, 1024, 4, 8, 1)
+	seen := map[int]bool{}
+	for k := range l.Keys {
+		for j := range l.BlocksPerKey {
+			for _, b := range []int{l.Src[k][j], l.Dst[k][j]} {
+				if b < 0 || b >= l.NumBlocks || seen[b] {
+					t.Fatalf("key %d block %d: page %d out of range or used twice", k, j, b)
+				}
+				seen[b] = true
+			}
+			if l.Src[k][j] >= l.NumBlocks/2 || l.Dst[k][j] < l.NumBlocks/2 {
+				t.Fatalf("key %d: sources must be in the lower half, destinations in the upper: %d, %d", k, l.Src[k][j], l.Dst[k][j])
+			}
+		}
+	}
+	if len(seen) != l.NumBlocks {
+		t.Fatalf("%d pages used, want all %d", len(seen), l.NumBlocks)
+	}
+}
+
+func TestVerifyAcceptsACorrectLoadAndCatchesEveryFault(t *testing.T) {
+	cases := []struct {
+		name  string
+		fault func(l *Layout, m sliceMemory)
+		want  error
+	}{
+		{"correct", func(*Layout, sliceMemory) {}, nil},
+		{"one byte of a loaded page differs", func(l *Layout, m sliceMemory) {
+			m[int64(l.LayerBytes())+int64(l.Dst[2][1])*l.PageBytes+17] ^= 1
+		}, ErrMismatch},
+		{"two keys' pages swapped", func(l *Layout, m sliceMemory) { load(l, m, 0); copyKey(l, m, 1, 0) }, ErrMismatch},
+		{"a missed key's page written", func(l *Layout, m sliceMemory) { m[int64(l.Dst[3][0])*l.PageBytes] = 0 }, ErrMismatch},
+		{"a page never loaded (still poisoned)", func(l *Layout, m sliceMemory) {
+			p := m[2*l.LayerBytes()+int64(l.Dst[0][2])*l.PageBytes:][:l.PageBytes]
+			for i := range p {
+				p[i] = Poison
+			}
+		}, ErrMismatch},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			l := NewLayout(3, 512, 4, 4, 7)
+			m := make(sliceMemory, l.Bytes())
+			src, err := l.Fill(m, 3)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := l.Poison(m); err != nil {
+				t.Fatal(err)
+			}
+			keys, hit := []int{0, 1, 2, 3}, []bool{true, true, true, false}
+			for k := range 3 {
+				load(l, m, k)
+			}
+			c.fault(l, m)
+			n, err := l.Verify(m, src, keys, hit)
+			if !errors.Is(err, c.want) {
+				t.Fatalf("Verify = %d, %v; want %v", n, err, c.want)
+			}
+			if c.want == nil && n != int64(l.Layers*l.Keys*l.BlocksPerKey)*l.PageBytes {
+				t.Fatalf("verified %d bytes, want every destination page (%d)", n, int64(l.Layers*l.Keys*l.BlocksPerKey)*l.PageBytes)
+			}
+		})
+	}
+}
+
+// copyKey loads key from's sources into key to's destinations (a mix-up).
+func copyKey(l *Layout, m sliceMemory, from, to int) {
+	for layer := range l.Layers {
+		base := int64(layer) * l.LayerBytes()
+		for j := range l.BlocksPerKey {
+			copy(m[base+int64(l.Dst[to][j])*l.PageBytes:][:l.PageBytes], m[base+int64(l.Src[from][j])*l.PageBytes:][:l.PageBytes])
+		}
+	}
+}
+
+func TestHitSpreadsTheRatio(t *testing.T) {
+	for _, c := range []struct {
+		ratio float64
+		n     int
+		want  int
+	}{{1, 10, 10}, {0, 10, 0}, {0.5, 10, 5}, {0.25, 16, 4}, {0.9, 100, 90}, {0.3, 10, 3}} {
+		got := 0
+		for i := range c.n {
+			if Hit(i, c.ratio) {
+				got++
+			}
+		}
+		if got != c.want {
+			t.Errorf("Hit over %d keys at %v: %d hits, want %d", c.n, c.ratio, got, c.want)
+		}
+	}
+}
+
+func TestCeilingsWriteAndReadEveryByte(t *testing.T) {
+	dir := t.TempDir()
+	const files = 5
+	sizes := []int64{4096, 8192, 12288, 4096, 65536}
+	paths := make([]string, files)
+	for i := range paths {
+		paths[i] = filepath.Join(dir, fmt.Sprintf("f%d", i))
+	}
+	for _, direct := range []bool{false, true} {
+		t.Run(fmt.Sprintf("direct=%v", direct), func(t *testing.T) {
+			bufs := make([][]byte, 2)
+			for i := range bufs {
+				b, err := AlignedBuffer(65536)
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer FreeBuffer(b)
+				for j := range b {
+					b[j] = byte(j)
+				}
+				bufs[i] = b
+			}
+			n, d, err := WriteFiles(context.Background(), paths, sizes, bufs, direct, true)
+			if direct && err != nil && strings.Contains(err.Error(), "invalid argument") {
+				t.Skipf("the file system of %s refuses O_DIRECT: %v", dir, err)
+			}
+			if err != nil || n != 94208 || d <= 0 {
+				t.Fatalf("WriteFiles = %d, %v, %v; want 94208 bytes", n, d, err)
+			}
+			for i, p := range paths {
+				b, err := os.ReadFile(p)
+				if err != nil || int64(len(b)) != sizes[i] || !bytes.Equal(b, bufs[0][:sizes[i]]) {
+					t.Fatalf("%s: %d bytes, %v; want the buffer's first %d", p, len(b), err, sizes[i])
+				}
+			}
+			if _, err := DropCaches(paths); err != nil {
+				t.Fatal(err)
+			}
+			n, _, err = ReadFiles(context.Background(), paths, bufs, direct)
+			if err != nil || n != 94208 {
+				t.Fatalf("ReadFiles = %d, %v; want 94208", n, err)
+			}
+		})
+	}
+}
+
+func TestReadFilesRefusesASmallBuffer(t *testing.T) {
+	p := filepath.Join(t.TempDir(), "f")
+	if err := os.WriteFile(p, make([]byte, 10000), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	_, _, err := ReadFiles(context.Background(), []string{p}, [][]byte{make([]byte, 4096)}, false)
+	if err == nil || !strings.Contains(err.Error(), "buffer") {
+		t.Fatalf("ReadFiles into a 4 KiB buffer of a 10000-byte file = %v, want an error naming the buffer", err)
+	}
+}
+
+func sampleReport() *Report {
+	r := &Report{Schema: Schema, Dir: "/x", FSType: "tmpfs", Memory: "gpu", Device: "H100", Model: Geometry{32, 8, 128, 2, 16},
+		Ceilings: []Ceiling{{Name: "pinned H2D", GBps: 55}}}
+	for _, sums := range []bool{true, false} {
+		for _, j := range []int{1, 8, 16} {
+			for _, dir := range []string{Store, Load} {
+				g := float64(j) * 1.5
+				c := Ceiling{Name: "pread buffered", GBps: float64(j) * 2, Threads: j}
+				r.Runs = append(r.Runs, Run{Path: "staging", Mover: "gpu-staging", IO: "buffered", Checksums: sums, Direction: dir,
+					Jobs: j, KeyBytes: 32 << 20, Keys: 8, Hits: 8, Bytes: 8 << 25, GBps: g, Ceiling: c, Fraction: g / c.GBps})
+			}
+		}
+	}
+	return r
+}
+
+func TestReportJSONRoundTrips(t *testing.T) {
+	r := sampleReport()
+	var b bytes.Buffer
+	if err := r.WriteJSON(&b); err != nil {
+		t.Fatal(err)
+	}
+	got, err := ReadJSON(&b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(got.Runs) != len(r.Runs) || got.Runs[3] != r.Runs[3] || got.Ceilings[0] != r.Ceilings[0] {
+		t.Fatalf("round trip changed the report: %+v", got)
+	}
+	if _, err := ReadJSON(strings.NewReader(`{"schema":"other/9"}`)); err == nil {
+		t.Fatal("ReadJSON accepted another schema")
+	}
+}
+
+func TestTableShowsEachFigureNextToItsCeiling(t *testing.T) {
+	var b bytes.Buffer
+	if err := sampleReport().WriteTable(&b); err != nil {
+		t.Fatal(err)
+	}
+	out := b.String()
+	for _, want := range []string{"ceiling GB/s", "fraction", "24.00", "32.00", "0.75", "pinned H2D 55.00 GB/s", "32MiB"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("table lacks %q:\n%s", want, out)
+		}
+	}
+}
+
+func TestSVGIsWellFormedWithSolidRunsAndDashedCeilings(t *testing.T) {
+	var b bytes.Buffer
+	if err := sampleReport().WriteSVG(&b); err != nil {
+		t.Fatal(err)
+	}
+	dec := xml.NewDecoder(&b)
+	solid, dashed, panels := 0, 0, 0
+	for {
+		tok, err := dec.Token()
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			t.Fatalf("not well-formed XML: %v", err)
+		}
+		se, ok := tok.(xml.StartElement)
+		if !ok {
+			continue
+		}
+		switch se.Name.Local {
+		case "polyline":
+			d := false
+			for _, a := range se.Attr {
+				if a.Name.Local == "stroke-dasharray" {
+					d = true
+				}
+			}
+			if d {
+				dashed++
+			} else {
+				solid++
+			}
+		case "text":
+			var s string
+			if err := dec.DecodeElement(&s, &se); err == nil && strings.Contains(s, "keys, checksums") {
+				panels++
+			}
+		}
+	}
+	// Two panels (checksums on, off), each with a store and a load line
+	// and the two directions' ceilings.
+	if panels != 2 || solid != 4 || dashed != 4 {
+		t.Fatalf("panels %d, solid lines %d, dashed %d; want 2, 4, 4", panels, solid, dashed)
+	}
+}
+
+func TestPercentileByNearestRank(t *testing.T) {
+	var ds []time.Duration
+	for i := 100; i >= 1; i-- {
+		ds = append(ds, time.Duration(i)*time.Millisecond)
+	}
+	if p50, p99 := Percentile(ds, 0.5), Percentile(ds, 0.99); p50 != 50 || p99 != 99 {
+		t.Fatalf("p50 %v, p99 %v; want 50, 99", p50, p99)
+	}
+	if Percentile(nil, 0.5) != 0 {
+		t.Fatal("percentile of nothing should be 0")
+	}
+}
+
+func TestNiceMax(t *testing.T) {
+	for _, c := range []struct{ in, want float64 }{{0, 1}, {0.03, 0.1}, {3.2, 5}, {41, 50}, {10, 10}, {12, 20}} {
+		if got := niceMax(c.in); got != c.want {
+			t.Errorf("niceMax(%v) = %v, want %v", c.in, got, c.want)
+		}
+	}
+}
+
+func TestFinishHoldsEachRunToTheBestCeilingOfItsKind(t *testing.T) {
+	r := sampleReport()
+	r.Finish()
+	for _, x := range r.Runs {
+		// sampleReport's ceilings grow with jobs: the best is at 16.
+		if x.CeilingBest.GBps != 32 || x.CeilingBest.Threads != 16 {
+			t.Fatalf("run %d jobs %s: best ceiling %+v, want the 16-thread one (32 GB/s)", x.Jobs, x.Direction, x.CeilingBest)
+		}
+		if want := x.GBps / 32; x.FractionBest != want {
+			t.Fatalf("run %d jobs: fraction of best %v, want %v", x.Jobs, x.FractionBest, want)
+		}
+	}
+}

@@ -1,0 +1,290 @@
+package bench
+
+import (
+	"encoding/json"
+	"fmt"
+	"io"
+	"slices"
+	"strings"
+	"text/tabwriter"
+	"time"
+)
+
+// Schema is the value of Report.Schema; it changes only if a field changes
+// meaning or goes away (new fields keep it).
+const Schema = "kvhost-bench/1"
+
+// Directions of a Run.
+const (
+	Store = "store"
+	Load  = "load"
+)
+
+// Report is the whole result of one `kvhost bench` invocation, as written
+// by --json (docs/bench.md documents every field).
+type Report struct {
+	Schema  string   `json:"schema"`
+	Version string   `json:"version"` // kvhost's version
+	Command []string `json:"command"` // the arguments it ran with
+	// MoreCommands are the invocations whose runs were appended (--append).
+	MoreCommands [][]string `json:"more_commands,omitempty"`
+	Started      time.Time  `json:"started"`  // wall-clock start
+	Host         string     `json:"host"`     // host name
+	Dir          string     `json:"dir"`      // the benchmarked directory
+	FSType       string     `json:"fs_type"`  // its file system ("ext4", "tmpfs")
+	Memory       string     `json:"memory"`   // "gpu" or "host": where the paged cache lives
+	Device       string     `json:"device"`   // the GPU (PCI id and name), "" for host memory
+	Model        Geometry   `json:"geometry"` // the geometry, without TokensPerKey (per run)
+	Fsync        bool       `json:"fsync"`    // stores were durable (engine fsync)
+	Cold         bool       `json:"cold"`     // caches dropped before every read
+	// CeilingPasses is how many times each file ceiling was measured; the
+	// best pass is reported.
+	CeilingPasses int `json:"ceiling_passes"`
+	// Ceilings that do not depend on the key size or thread count: the
+	// pinned host ↔ GPU copies, when a GPU is present.
+	Ceilings []Ceiling `json:"ceilings"`
+	// Runs are the measured phases, in the order they ran.
+	Runs []Run `json:"runs"`
+	// Partial says the benchmark was interrupted: Runs holds the phases
+	// that finished.
+	Partial bool `json:"partial,omitempty"`
+	// Seconds is the wall time of the whole benchmark.
+	Seconds float64 `json:"seconds"`
+}
+
+// Geometry is the model shape of the benchmark's keys.
+type Geometry struct {
+	Layers         int `json:"layers"`
+	KVHeads        int `json:"kv_heads"`
+	HeadSize       int `json:"head_size"`
+	DtypeSize      int `json:"dtype_size"`
+	TokensPerBlock int `json:"tokens_per_block"`
+}
+
+// Ceiling is a bound measured in the same run.
+type Ceiling struct {
+	// Name says what was measured ("pread O_DIRECT", "pinned H2D").
+	Name string  `json:"name"`
+	GBps float64 `json:"gbps"` // 1e9 bytes per second
+	// Threads is the thread count it ran with (0 for a single copy).
+	Threads int `json:"threads,omitempty"`
+}
+
+// Run is one timed phase: the engine storing or loading Keys keys with
+// Jobs concurrent jobs through one path.
+type Run struct {
+	Path      string `json:"path"`      // requested: auto, cufile, staging, posix
+	Mover     string `json:"mover"`     // what moved the bytes: cufile, gpu-staging, staging
+	IO        string `json:"io"`        // the mount's I/O mode: direct or buffered
+	Checksums bool   `json:"checksums"` // payload checksums asked for (the mount's setting)
+	// Checksummed says the files were written with payload checksums (and
+	// loads verified them): false where the mover never lets the CPU see
+	// the bytes (cuFile), whatever Checksums asked.
+	Checksummed bool   `json:"checksummed"`
+	Direction   string `json:"direction"` // store or load
+	Jobs        int    `json:"jobs"`      // concurrent jobs
+	// TokensPerKey and KeyBytes size one key (one file).
+	TokensPerKey int   `json:"tokens_per_key"`
+	KeyBytes     int64 `json:"key_bytes"`
+	KeysPerJob   int   `json:"keys_per_job"`
+	Keys         int   `json:"keys"`   // keys asked for
+	Hits         int   `json:"hits"`   // keys stored or loaded
+	Misses       int   `json:"misses"` // loads of keys never stored
+	Bytes        int64 `json:"bytes"`  // payload bytes moved (hits × KeyBytes)
+	// Seconds is the phase's wall time, first submission to last completion.
+	Seconds float64 `json:"seconds"`
+	GBps    float64 `json:"gbps"` // Bytes / Seconds / 1e9
+	// Ceiling is the same operation done plainly on the same files with
+	// the same number of threads; Fraction is GBps / Ceiling.GBps.
+	Ceiling  Ceiling `json:"ceiling"`
+	Fraction float64 `json:"fraction"`
+	// CeilingBest is the best ceiling of the same operation, key size and
+	// I/O mode over every thread count of the report (issue 8's "best
+	// thread count"), and FractionBest is GBps over it. The engine may
+	// spread one job over several I/O threads, so Fraction can exceed 1
+	// at low job counts; FractionBest says how close the engine came to
+	// what the storage can do at all.
+	CeilingBest  Ceiling `json:"ceiling_best"`
+	FractionBest float64 `json:"fraction_best"`
+	// JobP50Ms and JobP99Ms are percentiles of the jobs' completion times.
+	JobP50Ms float64 `json:"job_p50_ms"`
+	JobP99Ms float64 `json:"job_p99_ms"`
+	// VerifiedBytes is how many loaded bytes were compared with what was
+	// stored (every byte of every hit when verification is on); a miss's
+	// destination blocks are checked to be untouched too.
+	VerifiedBytes int64 `json:"verified_bytes"`
+}
+
+// Finish fills every run's CeilingBest and FractionBest from the runs of
+// the report: the best ceiling of the same direction, key size and ceiling
+// kind, over every thread count measured.
+func (r *Report) Finish() {
+	type key struct {
+		dir, name string
+		keyBytes  int64
+	}
+	best := map[key]Ceiling{}
+	for _, x := range r.Runs {
+		k := key{x.Direction, x.Ceiling.Name, x.KeyBytes}
+		if x.Ceiling.GBps > best[k].GBps {
+			best[k] = x.Ceiling
+		}
+	}
+	for i := range r.Runs {
+		x := &r.Runs[i]
+		x.CeilingBest = best[key{x.Direction, x.Ceiling.Name, x.KeyBytes}]
+		x.FractionBest = 0
+		if x.CeilingBest.GBps > 0 {
+			x.FractionBest = x.GBps / x.CeilingBest.GBps
+		}
+	}
+}
+
+// GBps is bytes per duration in 1e9 bytes per second.
+func GBps(bytes int64, d time.Duration) float64 {
+	if d <= 0 {
+		return 0
+	}
+	return float64(bytes) / d.Seconds() / 1e9
+}
+
+// Append adds the runs and ceilings of a later invocation on the same
+// directory and memory to r.
+func (r *Report) Append(later *Report) error {
+	if later.Dir != r.Dir || later.Memory != r.Memory {
+		return fmt.Errorf("bench: append: report of %s (%s memory) onto one of %s (%s memory)", later.Dir, later.Memory, r.Dir, r.Memory)
+	}
+	r.MoreCommands = append(r.MoreCommands, later.Command)
+	r.Runs = append(r.Runs, later.Runs...)
+	for _, c := range later.Ceilings {
+		if !slices.ContainsFunc(r.Ceilings, func(x Ceiling) bool { return x.Name == c.Name }) {
+			r.Ceilings = append(r.Ceilings, c)
+		}
+	}
+	r.Seconds += later.Seconds
+	r.Finish()
+	return nil
+}
+
+// WriteJSON writes r as indented JSON.
+func (r *Report) WriteJSON(w io.Writer) error {
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	return enc.Encode(r)
+}
+
+// ReadJSON decodes a report written by WriteJSON and checks its schema.
+func ReadJSON(rd io.Reader) (*Report, error) {
+	var r Report
+	if err := json.NewDecoder(rd).Decode(&r); err != nil {
+		return nil, fmt.Errorf("bench: report: %w", err)
+	}
+	if r.Schema != Schema {
+		return nil, fmt.Errorf("bench: report schema %q, want %q", r.Schema, Schema)
+	}
+	return &r, nil
+}
+
+// WriteTable writes the runs as an aligned text table, each figure next to
+// its ceiling and the fraction reached, then the global ceilings.
+func (r *Report) WriteTable(w io.Writer) error {
+	fmt.Fprintf(w, "kvhost bench: %s (%s), %s memory", r.Dir, r.FSType, r.Memory)
+	if r.Device != "" {
+		fmt.Fprintf(w, " on %s", r.Device)
+	}
+	g := r.Model
+	fmt.Fprintf(w, "; %d layers, %d KV heads, head %d, %d-byte elements, %d-token blocks", g.Layers, g.KVHeads, g.HeadSize, g.DtypeSize, g.TokensPerBlock)
+	if r.Fsync {
+		fmt.Fprint(w, "; durable stores (fsync)")
+	}
+	if r.Cold {
+		fmt.Fprint(w, "; caches dropped before reads")
+	}
+	fmt.Fprintln(w)
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+	footnote := false
+	fmt.Fprintln(tw, "path\tmover\tio\tsums\tkey\tjobs\tdir\tkeys\tGB/s\tceiling GB/s\tfraction\tof best\tp50 ms\tp99 ms\tverified\tceiling is\t")
+	for _, x := range r.Runs {
+		sums := "off"
+		switch {
+		case x.Checksums && x.Checksummed:
+			sums = "on"
+		case x.Checksums:
+			sums = "on*"
+			footnote = true
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%d\t%s\t%d/%d\t%.2f\t%.2f\t%.2f\t%.2f\t%.1f\t%.1f\t%s\t%s\t\n",
+			x.Path, x.Mover, x.IO, sums, sizeString(x.KeyBytes), x.Jobs, x.Direction, x.Hits, x.Keys,
+			x.GBps, x.Ceiling.GBps, x.Fraction, x.FractionBest, x.JobP50Ms, x.JobP99Ms, sizeString(x.VerifiedBytes), x.Ceiling.Name)
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	fmt.Fprintln(w, "fraction: of the ceiling with as many threads as jobs; of best: of the best ceiling over every thread count")
+	if footnote {
+		fmt.Fprintln(w, "on*: checksums asked for, but the mover computes none (the CPU never sees the bytes)")
+	}
+	for _, c := range r.Ceilings {
+		fmt.Fprintf(w, "ceiling: %s %.2f GB/s\n", c.Name, c.GBps)
+	}
+	if r.Partial {
+		fmt.Fprintln(w, "PARTIAL: the benchmark was interrupted; these are the phases that finished")
+	}
+	_, err := fmt.Fprintf(w, "took %.1f s\n", r.Seconds)
+	return err
+}
+
+// sizeString prints a byte count in binary units ("32MiB").
+func sizeString(n int64) string {
+	switch {
+	case n == 0:
+		return "0"
+	case n%(1<<30) == 0:
+		return fmt.Sprintf("%dGiB", n>>30)
+	case n >= 1<<30:
+		return fmt.Sprintf("%.1fGiB", float64(n)/(1<<30))
+	case n%(1<<20) == 0:
+		return fmt.Sprintf("%dMiB", n>>20)
+	case n >= 1<<20:
+		return fmt.Sprintf("%.1fMiB", float64(n)/(1<<20))
+	case n%(1<<10) == 0:
+		return fmt.Sprintf("%dKiB", n>>10)
+	}
+	return fmt.Sprintf("%dB", n)
+}
+
+// Percentile is the p-th percentile (0..1) of ds, by nearest rank, in
+// milliseconds; 0 for no samples. ds is sorted in place.
+func Percentile(ds []time.Duration, p float64) float64 {
+	if len(ds) == 0 {
+		return 0
+	}
+	slices.Sort(ds)
+	i := int(p*float64(len(ds))+0.5) - 1
+	i = max(0, min(i, len(ds)-1))
+	return float64(ds[i]) / float64(time.Millisecond)
+}
+
+// seriesKey names a run's series in the chart and groups runs.
+func (x Run) seriesKey() string {
+	return x.Path + " " + x.Direction
+}
+
+// panelKey names the chart panel a run belongs to.
+func (x Run) panelKey() string {
+	sums := "checksums off"
+	if x.Checksums {
+		sums = "checksums on"
+	}
+	return sizeString(x.KeyBytes) + " keys, " + sums
+}
+
+// title is a short description used in the SVG.
+func (r *Report) title() string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "kvhost bench — %s (%s), %s memory", r.Dir, r.FSType, r.Memory)
+	if r.Device != "" {
+		fmt.Fprintf(&b, ", %s", r.Device)
+	}
+	return b.String()
+}
