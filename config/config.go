@@ -57,6 +57,12 @@ type GPU struct {
 	// StagingMemory bounds the pinned host memory of the GPU staging
 	// pipeline, allocated once at start.
 	StagingMemory Size `toml:"staging_memory"`
+	// Lanes is the number of copy threads (each with its own CUDA stream)
+	// per GPU in the staging pipeline; 0 means 4.
+	Lanes int `toml:"lanes"`
+	// Chunk is the bytes of one pipeline stage, a multiple of 4 KiB; 0
+	// means 4 MiB.
+	Chunk Size `toml:"chunk"`
 }
 
 // Server configures the daemon's Unix socket and per-client limits.
@@ -455,6 +461,12 @@ func (c *Config) Validate() error {
 	}
 	if c.GPU.StagingMemory < 8<<20 {
 		return bad("gpu.staging_memory", "at least 8MiB", c.GPU.StagingMemory)
+	}
+	if c.GPU.Lanes < 0 || c.GPU.Lanes > 64 {
+		return bad("gpu.lanes", "between 0 (automatic) and 64", c.GPU.Lanes)
+	}
+	if c.GPU.Chunk < 0 || c.GPU.Chunk%4096 != 0 || c.GPU.Chunk > 256<<20 {
+		return bad("gpu.chunk", "a multiple of 4KiB up to 256MiB (0: 4MiB)", c.GPU.Chunk)
 	}
 	switch c.Log.Level {
 	case "debug", "info", "warn", "error":

@@ -28,6 +28,9 @@ type gpuOptions struct {
 	MaxStaging int64
 	// NoChecksum turns payload checksums off on the staging pipeline.
 	NoChecksum bool
+	// Lanes and Chunk tune the staging pipeline (0: its defaults).
+	Lanes int
+	Chunk int
 }
 
 // gpuPaths is what the daemon opened for GPU memory: the CUDA runtime, the
@@ -73,7 +76,7 @@ func openGPU(opts gpuOptions, log *slog.Logger) (*gpuPaths, error) {
 		return nil, nil
 	}
 	p := &gpuPaths{log: log, rt: rt, devices: n, opts: opts}
-	p.staging, err = gpu.New(gpu.Config{Runtime: rt, MaxStaging: opts.MaxStaging, NoChecksums: opts.NoChecksum})
+	p.staging, err = gpu.New(gpu.Config{Runtime: rt, MaxStaging: opts.MaxStaging, NoChecksums: opts.NoChecksum, Lanes: opts.Lanes, Chunk: opts.Chunk})
 	if err != nil {
 		rt.Close()
 		return nil, fmt.Errorf("gpu: staging pipeline: %w", err)

@@ -148,6 +148,8 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 		CuFileLibrary: nonEmpty(cfg.GPU.CuFileLibrary),
 		CuFile:        cfg.GPU.CuFile,
 		MaxStaging:    int64(cfg.GPU.StagingMemory),
+		Lanes:         cfg.GPU.Lanes,
+		Chunk:         int(cfg.GPU.Chunk),
 	}, log)
 	if err != nil {
 		return err
