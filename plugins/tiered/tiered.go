@@ -56,8 +56,8 @@ type Policy struct {
 	window      uint64 // nanoseconds
 	names       *policykit.Names
 	track       *policykit.Tracker // one list per mount
-	mountCount  uint32             // from the records seen; 0: unknown
-	mounts      []abi.MountRecord  // the last description
+	nsMounts    uint32             // the most mounts a namespace or name record gave
+	mounts      []abi.MountRecord  // the last description (it wins over nsMounts)
 
 	// win is, per pool slot, the hits of the entry in that slot within the
 	// current window: indexed by slot so that hits allocate nothing.
@@ -135,7 +135,7 @@ func (p *Policy) Namespace(r *abi.NamespaceRecord) error {
 	if p.hot >= max(r.MountCount, 1) {
 		return guest.Unsupported("tiered: hot mount " + strconv.FormatUint(uint64(p.hot), 10) + " is configured but there are only " + strconv.FormatUint(uint64(r.MountCount), 10) + " mounts")
 	}
-	p.mountCount = r.MountCount
+	p.nsMounts = max(p.nsMounts, r.MountCount)
 	p.layout.Apply(r)
 	return p.names.Declare(r)
 }
@@ -143,7 +143,7 @@ func (p *Policy) Namespace(r *abi.NamespaceRecord) error {
 // Name names every key on the hot mount.
 func (p *Policy) Name(recs []abi.NameRecord) error {
 	if len(recs) > 0 {
-		p.mountCount = recs[0].MountCount
+		p.nsMounts = max(p.nsMounts, recs[0].MountCount)
 	}
 	return p.names.PutAll(recs, p.hot)
 }
@@ -167,12 +167,17 @@ func (p *Policy) Admit(recs []abi.AdmitRecord) error {
 // Mounts keeps the mount description.
 func (p *Policy) Mounts(recs []abi.MountRecord) error {
 	p.mounts = append(p.mounts[:0], recs...)
-	p.mountCount = uint32(len(recs))
 	return nil
 }
 
-// tiers reports whether the cold mount exists.
-func (p *Policy) tiers() bool { return p.cold < p.mountCount }
+// tiers reports whether the cold mount exists (and, when described, is not
+// a vllm-fs mount, which takes no other files).
+func (p *Policy) tiers() bool {
+	if len(p.mounts) > 0 {
+		return int(p.cold) < len(p.mounts) && p.mounts[p.cold].Flags&abi.MountVLLMFS == 0
+	}
+	return p.cold < p.nsMounts
+}
 
 // Access applies access records and counts the hits of cold entries.
 func (p *Policy) Access(recs []abi.AccessRecord) error {
