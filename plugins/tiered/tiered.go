@@ -48,6 +48,10 @@ const (
 	DefaultPromoteWindow = 60 * time.Second
 )
 
+// maxPending bounds the entries waiting for promotion, so that a host that
+// never ticks (or ticks rarely) cannot make the queue grow without bound.
+const maxPending = 4096
+
 // Policy is the tiered policy. The zero value is not usable; call New.
 type Policy struct {
 	layout      policykit.Layout
@@ -206,7 +210,9 @@ func (p *Policy) Access(recs []abi.AccessRecord) error {
 				w.start, w.hits = r.Time, 0
 			}
 			w.hits++
-			if w.hits >= p.promoteHits && !w.queued {
+			if w.hits >= p.promoteHits && !w.queued && len(p.pending) < maxPending {
+				// A full queue (no tick, or ticks slower than promotions)
+				// takes the entry at a later hit.
 				w.queued = true
 				p.pending = append(p.pending, r.Entry)
 			}
@@ -273,26 +279,26 @@ func (p *Policy) walk(req *abi.EvictRequest, out []abi.Victim, targets []abi.Vic
 // within the window since the last tick, if it is still cold and unpinned.
 func (p *Policy) Tick(req *abi.TickRequest, out []abi.Move) (int, error) {
 	t := p.track
-	n, kept := 0, 0
-	for _, id := range p.pending {
+	n, i := 0, 0
+	kept := p.pending[:0] // compacted in place: kept never passes i
+	for ; i < len(p.pending) && n < len(out); i++ {
+		id := p.pending[i]
 		slot, ok := t.Pool.Lookup(id)
 		if !ok {
 			continue // removed (or moved: a new handle) since
 		}
 		e := t.Pool.At(slot)
-		if e.Mount != p.cold || !p.tiers() {
+		switch {
+		case e.Mount != p.cold || !p.tiers():
 			p.win[slot].queued = false
-			continue
+		case e.Pins > 0:
+			kept = append(kept, id) // next tick
+		default:
+			p.win[slot].queued = false
+			out[n] = abi.Move{Entry: id, Mount: p.hot}
+			n++
 		}
-		if e.Pins > 0 || n == len(out) {
-			p.pending[kept] = id // next tick
-			kept++
-			continue
-		}
-		p.win[slot].queued = false
-		out[n] = abi.Move{Entry: id, Mount: p.hot}
-		n++
 	}
-	p.pending = p.pending[:kept]
+	p.pending = append(kept, p.pending[i:]...) // the rest waits for the next tick
 	return n, nil
 }

@@ -195,3 +195,46 @@ func TestConfig(t *testing.T) {
 		}
 	}
 }
+
+// TestPendingBounded: without ticks, hits on many cold entries queue at
+// most maxPending promotions; a tick drains them 256 at a time, in order,
+// and entries left out are queued again by later hits.
+func TestPendingBounded(t *testing.T) {
+	d := policytest.MustNew(t, tiered.New(), "promote_hits", "1")
+	if _, err := d.Namespace(policytest.Namespace(0, "m", 1, 0, 2)); err != nil {
+		t.Fatal(err)
+	}
+	const n = 5000
+	for start := uint64(1); start <= n; start += 500 {
+		var recs []abi.AccessRecord
+		for e := start; e < start+500; e++ {
+			recs = append(recs, policytest.OnMount(policytest.Rec(abi.AccessInsert, e, e, 1), 1), policytest.Rec(abi.AccessHit, e, e+1, 0))
+		}
+		if err := d.Access(recs...); err != nil {
+			t.Fatal(err)
+		}
+	}
+	total := 0
+	for {
+		mv, err := d.Tick(1<<40, 256)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(mv) == 0 {
+			break
+		}
+		if mv[0].Entry != uint64(total+1) {
+			t.Fatalf("tick drains from entry %d, want %d (in order)", mv[0].Entry, total+1)
+		}
+		total += len(mv)
+	}
+	if total != 4096 {
+		t.Fatalf("%d promotions queued for %d hot-enough entries, want the bound 4096", total, n)
+	}
+	if err := d.Access(policytest.Rec(abi.AccessHit, n, n+2, 0)); err != nil {
+		t.Fatal(err)
+	}
+	if mv, _ := d.Tick(1<<40, 256); len(mv) != 1 || mv[0].Entry != n {
+		t.Fatalf("after another hit on entry %d: moves %+v", n, mv)
+	}
+}
