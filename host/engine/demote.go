@@ -449,6 +449,7 @@ func (e *Engine) dedupe(found []*entry) []*entry {
 	type fileKey struct{ fp, fid uint64 }
 	keep := map[fileKey]*entry{}
 	var drop []*entry
+	dropped := map[*entry]bool{}
 	for _, en := range found {
 		if en.fid == 0 {
 			continue
@@ -465,13 +466,14 @@ func (e *Engine) dedupe(found []*entry) []*entry {
 			keep[k], en = en, other
 		}
 		drop = append(drop, en)
+		dropped[en] = true
 	}
 	if len(drop) == 0 {
 		return found
 	}
 	out := found[:0]
 	for _, en := range found {
-		if !slices.Contains(drop, en) {
+		if !dropped[en] {
 			out = append(out, en)
 		}
 	}
