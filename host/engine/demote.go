@@ -352,6 +352,19 @@ func (e *Engine) move(ctx context.Context, id uint64, target int, mayEvict bool)
 	return size, nil
 }
 
+// currentLocked returns the entry that holds key now if en, found for
+// it, was moved meanwhile (unindexed, and the key's entry is a copy of the
+// same file: the same header id); otherwise en. The caller holds e.mu.
+func (e *Engine) currentLocked(en *entry, key []byte) *entry {
+	if !en.gone || en.fid == 0 {
+		return en
+	}
+	if ref, ok := e.byKey[keyID{en.fp, string(key)}]; ok && ref.e.fid == en.fid && !ref.e.gone {
+		return ref.e
+	}
+	return en
+}
+
 // copyFile copies en's file (checked to be en's by identity and header id)
 // to dst on mount tm: an owned temporary file, fsynced with Config.Fsync,
 // renamed into place. It returns the unindexed entry of the copy. The
@@ -408,6 +421,12 @@ func (e *Engine) copyFile(en *entry, tm *mount, dst string) (*entry, error) {
 			}
 			return nil, fmt.Errorf("engine: move: read %s: %w", en.path, rerr)
 		}
+	}
+	// The copy keeps the source's modification time, which Open takes for
+	// the last access: a restart ranks a moved file as before the move.
+	mt := unix.NsecToTimeval(en.ident.Mtime)
+	if err := unix.Futimes(int(f.Fd()), []unix.Timeval{mt, mt}); err != nil {
+		e.log.Debug("engine: move: keep the modification time", "path", tmp, "err", err)
 	}
 	if e.cfg.Fsync {
 		if err := f.Sync(); err != nil {

@@ -652,3 +652,119 @@ func TestCrashMidDemotion(t *testing.T) {
 	}
 	t.Logf("kills %v, %d keys loaded byte-equal, %d on the hot mount, %d on the cold one", killedAt, loaded, len(hot), len(cold))
 }
+
+// TestLoadsDuringDemotions looks up and loads stored keys in a loop while
+// stores demote files to the cold mount: a lookup or load never misses a
+// stored key (a key whose file moved between its lookup and its check or
+// pin is found at the new place; a pinned file is not moved) and a load
+// always gets its bytes. Every lookup checks the file (VerifyInterval 0).
+func TestLoadsDuringDemotions(t *testing.T) {
+	ctx := context.Background()
+	g := smallGeometry(true)
+	fileLen := 4096 + g.KeyBytes()
+	e := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir(), Capacity: 4 * fileLen, HighWatermark: 0.9, LowWatermark: 0.5}, {Path: t.TempDir()}},
+		NewPolicy: tieredPolicies(t, nil)["native-tiered"]})
+	ns, err := e.Declare(ctx, g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const n = 40
+	c := newTestCache(t, e, ns, g, 4*n+8, layoutPlaneFirst)
+	keys := testKeys("busy", n)
+	blocks := blockLists(rand.New(rand.NewPCG(7, 7)), n, g.BlocksPerKey(), 0)
+	want := make([][]byte, n)
+	for i := range keys {
+		keyContent(c, keys[i], blocks[i])
+		want[i] = c.data(blocks[i])
+	}
+	storeAndCheck(t, e, c, keys[:2], blocks[:2])
+	var stored atomic.Int64
+	stored.Store(2)
+	done := make(chan struct{})
+	loadErr := make(chan error, 1)
+	go func() {
+		defer close(loadErr)
+		into := [][]int{{4 * n, 4*n + 1, 4*n + 2, 4*n + 3}}
+		r := rand.New(rand.NewPCG(8, 8))
+		for {
+			select {
+			case <-done:
+				return
+			default:
+			}
+			i := r.IntN(int(stored.Load()))
+			if n, err := e.Lookup(ctx, ns, keys[i:i+1]); n != 1 || err != nil {
+				loadErr <- fmt.Errorf("lookup of stored key %d: %d, %v", i, n, err)
+				return
+			}
+			j, err := e.Load(ctx, LoadRequest{Cache: c.id, Keys: keys[i : i+1], Blocks: into})
+			if err == nil {
+				var res Result
+				if res, err = j.Wait(ctx); err == nil && res.Keys[0].Outcome != OutcomeLoaded {
+					err = fmt.Errorf("load of stored key %d: %v (%v)", i, res.Keys[0].Outcome, res.Keys[0].Err)
+				}
+			}
+			if err == nil && !bytes.Equal(c.data(into[0]), want[i]) {
+				err = fmt.Errorf("load of stored key %d: bytes differ", i)
+			}
+			if err != nil {
+				loadErr <- err
+				return
+			}
+		}
+	}()
+	for i := 2; i < n; i++ {
+		storeAndCheck(t, e, c, keys[i:i+1], blocks[i:i+1])
+		stored.Store(int64(i + 1))
+	}
+	close(done)
+	if err := <-loadErr; err != nil {
+		t.Fatal(err)
+	}
+	if ts := e.TierStats(); ts.Demotions < n/2 {
+		t.Fatalf("%d demotions of %d keys on a mount of 4 files", ts.Demotions, n)
+	}
+}
+
+// TestLookupDuringMove moves a key's file to the other mount between the
+// lookup's index read and its check of the file (the check's stat runs the
+// move first): the lookup still hits, at the new place, and nothing counts
+// the file as vanished.
+func TestLookupDuringMove(t *testing.T) {
+	ctx := context.Background()
+	g := smallGeometry(true)
+	var (
+		e     *Engine
+		armed atomic.Pointer[entry]
+		moved atomic.Bool
+	)
+	inj := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+		if en := armed.Load(); op == fsys.OpStat && en != nil && path == en.path && armed.CompareAndSwap(en, nil) {
+			_, err := e.move(ctx, en.id, 1, true)
+			moved.Store(err == nil)
+		}
+		return fsys.Fault{}
+	})
+	e = openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir()}, {Path: t.TempDir()}}, FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj},
+		Policy: &demotingPolicy{testPolicy: newTestPolicy(1, abi.OrderLayerMajor)}})
+	ns, err := e.Declare(ctx, g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
+	keys := testKeys("mid", 1)
+	storeAndCheck(t, e, c, keys, [][]int{{0, 1, 2, 3}})
+	e.mu.Lock()
+	en := e.byKey[keyID{e.nss[ns].fp, string(keys[0])}].e
+	e.mu.Unlock()
+	armed.Store(en)
+	if n, err := e.Lookup(ctx, ns, keys); n != 1 || err != nil {
+		t.Fatalf("lookup during a move: %d, %v; want a hit", n, err)
+	}
+	if !moved.Load() || keyMount(e, ns, keys[0]) != 1 {
+		t.Fatalf("the move did not happen (moved %v, mount %d)", moved.Load(), keyMount(e, ns, keys[0]))
+	}
+	if st := e.Stats(); st.Vanished != 0 || st.Entries != 1 {
+		t.Fatalf("%d vanished, %d entries; want 0 and 1", st.Vanished, st.Entries)
+	}
+}
