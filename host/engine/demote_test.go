@@ -768,3 +768,56 @@ func TestLookupDuringMove(t *testing.T) {
 		t.Fatalf("%d vanished, %d entries; want 0 and 1", st.Vanished, st.Entries)
 	}
 }
+
+// TestDeleteDuringMove deletes a key while its file is being moved (after
+// the copy, before its rename): the delete wins, and neither the source
+// nor the copy survives on any mount.
+func TestDeleteDuringMove(t *testing.T) {
+	ctx := context.Background()
+	g := smallGeometry(true)
+	hot, cold := t.TempDir(), t.TempDir()
+	var (
+		e       *Engine
+		armed   atomic.Bool
+		deleted atomic.Int64
+		ns      NamespaceID
+	)
+	keys := testKeys("del", 1)
+	inj := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+		if op == fsys.OpRename && strings.HasPrefix(path, cold) && armed.CompareAndSwap(true, false) {
+			n, _ := e.Delete(ctx, ns, keys)
+			deleted.Store(int64(n))
+		}
+		return fsys.Fault{}
+	})
+	e = openEngine(t, Config{Mounts: []Mount{{Path: hot}, {Path: cold}}, FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj},
+		Policy: &demotingPolicy{testPolicy: newTestPolicy(1, abi.OrderLayerMajor)}})
+	var err error
+	if ns, err = e.Declare(ctx, g); err != nil {
+		t.Fatal(err)
+	}
+	c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
+	storeAndCheck(t, e, c, keys, [][]int{{0, 1, 2, 3}})
+	e.mu.Lock()
+	id := e.byKey[keyID{e.nss[ns].fp, string(keys[0])}].e.id
+	e.mu.Unlock()
+	armed.Store(true)
+	if _, err := e.move(ctx, id, 1, true); !errors.Is(err, errMoveStale) {
+		t.Fatalf("move of a file deleted during it: %v, want errMoveStale", err)
+	}
+	if deleted.Load() != 1 {
+		t.Fatalf("the delete during the move removed %d keys, want 1", deleted.Load())
+	}
+	if f := append(dataFiles(t, hot), dataFiles(t, cold)...); len(f) != 0 {
+		t.Fatalf("files left after the delete: %v", f)
+	}
+	if l := append(leftovers(t, hot), leftovers(t, cold)...); len(l) != 0 {
+		t.Fatalf("temporary files left: %v", l)
+	}
+	if st := e.Stats(); st.Entries != 0 || st.Mounts[0].Used != 0 || st.Mounts[1].Used != 0 {
+		t.Fatalf("stats after the delete: %d entries, used %d and %d", st.Entries, st.Mounts[0].Used, st.Mounts[1].Used)
+	}
+	if n, _ := e.Lookup(ctx, ns, keys); n != 0 {
+		t.Fatal("the deleted key is found")
+	}
+}
