@@ -178,7 +178,9 @@ type Config struct {
 	// Now is the clock for access times (default time.Now).
 	Now func() time.Time
 	// TickInterval is the period of the policy's tick hook
-	// (abi.FeatureTick): ageing and background moves. 0 calls no tick.
+	// (abi.FeatureTick): ageing and background moves, such as promotions.
+	// 0 means DefaultTickInterval; negative calls no tick. Policies without
+	// the hook are never called.
 	TickInterval time.Duration
 	// MountUpdateInterval is how often, at most, a changed mount
 	// description is sent to the policy (abi.FeatureMounts); default

@@ -37,6 +37,8 @@ import (
 const (
 	// DefaultMountUpdateInterval is Config.MountUpdateInterval when zero.
 	DefaultMountUpdateInterval = time.Second
+	// DefaultTickInterval is Config.TickInterval when zero.
+	DefaultTickInterval = 100 * time.Millisecond
 	// maxTickMoves is the most moves one tick asks of each policy shard.
 	maxTickMoves = 256
 	// copyChunk is the buffer of a move's copy.
@@ -141,8 +143,8 @@ func (e *Engine) driveTiering() {
 		defer tk.Stop()
 		mountC = tk.C
 	}
-	if e.cfg.TickInterval > 0 && e.pol.Features().Has(abi.FeatureTick) {
-		tk := time.NewTicker(e.cfg.TickInterval)
+	if e.tickInterval() > 0 && e.pol.Features().Has(abi.FeatureTick) {
+		tk := time.NewTicker(e.tickInterval())
 		defer tk.Stop()
 		tickC = tk.C
 	}
@@ -156,6 +158,14 @@ func (e *Engine) driveTiering() {
 			e.tick(ctx, d.stop)
 		}
 	}
+}
+
+// tickInterval is Config.TickInterval with its default.
+func (e *Engine) tickInterval() time.Duration {
+	if e.cfg.TickInterval == 0 {
+		return DefaultTickInterval
+	}
+	return e.cfg.TickInterval
 }
 
 // mountRecords describes every mount as it is now.
@@ -209,7 +219,7 @@ func (e *Engine) tick(ctx context.Context, stop <-chan struct{}) {
 	if e.hitRec != nil {
 		e.hitRec.flush() // the policy counts every hit reported so far
 	}
-	iv := e.cfg.TickInterval
+	iv := e.tickInterval()
 	moves, err := e.tier.pol.Tick(ctx, abi.TickRequest{Time: uint64(e.now().UnixNano()), Interval: uint64(iv)}, maxTickMoves)
 	e.tierSt.ticks.Add(1)
 	if err != nil {
