@@ -143,7 +143,9 @@ func (e *Engine) driveTiering() {
 		defer tk.Stop()
 		mountC = tk.C
 	}
-	if e.tickInterval() > 0 && e.pol.Features().Has(abi.FeatureTick) {
+	if e.tickInterval() > 0 {
+		// The policy's features are asked at each tick: a policy replaced
+		// at run time may gain or lose the hook.
 		tk := time.NewTicker(e.tickInterval())
 		defer tk.Stop()
 		tickC = tk.C
@@ -216,6 +218,9 @@ func (e *Engine) sendMounts(ctx context.Context, force bool) {
 // tick calls the policy's tick and carries out the moves it asks for, one
 // at a time, until done or stop is closed.
 func (e *Engine) tick(ctx context.Context, stop <-chan struct{}) {
+	if !e.pol.Features().Has(abi.FeatureTick) {
+		return
+	}
 	if e.hitRec != nil {
 		e.hitRec.flush() // the policy counts every hit reported so far
 	}
