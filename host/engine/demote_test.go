@@ -682,6 +682,17 @@ func TestLoadsDuringDemotions(t *testing.T) {
 	stored.Store(2)
 	done := make(chan struct{})
 	loadErr := make(chan error, 1)
+	stopped := false
+	stop := func() error {
+		stopped = true
+		close(done)
+		return <-loadErr
+	}
+	defer func() {
+		if !stopped {
+			stop() // a failed store: the loader ends before the cache goes
+		}
+	}()
 	go func() {
 		defer close(loadErr)
 		into := [][]int{{4 * n, 4*n + 1, 4*n + 2, 4*n + 3}}
@@ -717,8 +728,7 @@ func TestLoadsDuringDemotions(t *testing.T) {
 		storeAndCheck(t, e, c, keys[i:i+1], blocks[i:i+1])
 		stored.Store(int64(i + 1))
 	}
-	close(done)
-	if err := <-loadErr; err != nil {
+	if err := stop(); err != nil {
 		t.Fatal(err)
 	}
 	if ts := e.TierStats(); ts.Demotions < n/2 {

@@ -238,3 +238,21 @@ func TestPendingBounded(t *testing.T) {
 		t.Fatalf("after another hit on entry %d: moves %+v", n, mv)
 	}
 }
+
+// TestLateHitOfMovedEntry: a hit that arrives after the REMOVE of a moved
+// entry (the engine reports lookup hits asynchronously) does not bring the
+// entry back: it is never offered as a victim.
+func TestLateHitOfMovedEntry(t *testing.T) {
+	d := seeded(t)
+	if err := d.Access(policytest.Rec(abi.AccessRemove, 1, 0, 0), policytest.OnMount(policytest.Rec(abi.AccessInsert, 7, 1, 100), 1),
+		policytest.Rec(abi.AccessHit, 1, 10, 0)); err != nil {
+		t.Fatal(err)
+	}
+	vs, err := d.Evict(abi.EvictRequest{Bytes: 1 << 40, Mount: abi.AnyMount}, 64)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := policytest.Entries(vs); slices.Contains(got, 1) || !slices.Contains(got, 7) {
+		t.Fatalf("victims %v: want the moved entry's new handle 7, never the removed 1", got)
+	}
+}
