@@ -36,6 +36,8 @@ const (
 	ExportAdmit      = "kvhost_admit"       // (n i32) -> i32 status, FeatureAdmit
 	ExportAccess     = "kvhost_access"      // (n i32) -> i32 status
 	ExportEvict      = "kvhost_evict"       // (max i32) -> i32 count or status
+	ExportMounts     = "kvhost_mounts"      // (n i32) -> i32 status, FeatureMounts
+	ExportTick       = "kvhost_tick"        // (max i32) -> i32 count or status, FeatureTick
 )
 
 // Names of the host functions in ImportModule.
@@ -58,9 +60,25 @@ const (
 	// FeatureAdmit: the plugin exports kvhost_admit and may decline stores.
 	// Without it every store is admitted.
 	FeatureAdmit Feature = 1 << 1
+	// FeatureMounts: the plugin exports kvhost_mounts and receives a
+	// MountRecord per mount after kvhost_init and whenever a mount's
+	// description changes (at most once per the host's update interval).
+	FeatureMounts Feature = 1 << 2
+	// FeatureAdmitMount: kvhost_admit may send a file to another mount than
+	// the one kvhost_name chose, through AdmitRecord.Target. It requires
+	// FeatureAdmit.
+	FeatureAdmitMount Feature = 1 << 3
+	// FeatureDemote: kvhost_evict may write a VictimTarget per victim, from
+	// EvictTargetsOffset: the host then moves the victim's file to that
+	// mount instead of deleting it.
+	FeatureDemote Feature = 1 << 4
+	// FeatureTick: the plugin exports kvhost_tick, which the host calls
+	// periodically (at a rate it sets) with the time; the plugin may answer
+	// with Moves of entries between mounts.
+	FeatureTick Feature = 1 << 5
 
 	// KnownFeatures is every feature bit ABI v1 defines.
-	KnownFeatures = FeatureNamespace | FeatureAdmit
+	KnownFeatures = FeatureNamespace | FeatureAdmit | FeatureMounts | FeatureAdmitMount | FeatureDemote | FeatureTick
 )
 
 // Has reports whether every bit of g is set in f.
@@ -80,6 +98,18 @@ func (f Feature) String() string {
 	}
 	if f.Has(FeatureAdmit) {
 		add("admit")
+	}
+	if f.Has(FeatureMounts) {
+		add("mounts")
+	}
+	if f.Has(FeatureAdmitMount) {
+		add("admit-mount")
+	}
+	if f.Has(FeatureDemote) {
+		add("demote")
+	}
+	if f.Has(FeatureTick) {
+		add("tick")
 	}
 	if rest := f &^ KnownFeatures; rest != 0 {
 		add("unknown(0x" + hex64(uint64(rest)) + ")")
@@ -146,6 +176,15 @@ const (
 	ScratchSize = MaxBatch * NameRecordSize
 	// AnyMount in EvictRequest.Mount means victims may come from any mount.
 	AnyMount = 0xFFFFFFFF
+	// NoMount in VictimTarget.Mount means "delete the victim" (the default
+	// the host writes before kvhost_evict).
+	NoMount = 0xFFFFFFFF
+	// EvictTargetsOffset is where, with FeatureDemote, the VictimTarget of
+	// victim i lies: EvictTargetsOffset + i*VictimTargetSize, after room for
+	// MaxBatch victims.
+	EvictTargetsOffset = EvictHeaderSize + MaxBatch*VictimSize
+	// MaxMounts is the most mounts a host describes (kvhost_mounts' n).
+	MaxMounts = 64
 )
 
 // Layout orders of a chunk file (NamespaceRecord.Order).

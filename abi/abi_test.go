@@ -18,6 +18,10 @@ func TestRecordSizes(t *testing.T) {
 		{"AccessRecord", unsafe.Sizeof(AccessRecord{}), AccessRecordSize},
 		{"EvictRequest", unsafe.Sizeof(EvictRequest{}), EvictHeaderSize},
 		{"Victim", unsafe.Sizeof(Victim{}), VictimSize},
+		{"MountRecord", unsafe.Sizeof(MountRecord{}), MountRecordSize},
+		{"VictimTarget", unsafe.Sizeof(VictimTarget{}), VictimTargetSize},
+		{"TickRequest", unsafe.Sizeof(TickRequest{}), TickHeaderSize},
+		{"Move", unsafe.Sizeof(Move{}), MoveSize},
 	}
 	for _, tt := range tests {
 		if int(tt.got) != tt.want {
@@ -34,6 +38,10 @@ func TestRecordOffsets(t *testing.T) {
 	var ac AccessRecord
 	var ev EvictRequest
 	var v Victim
+	var mr MountRecord
+	var vt VictimTarget
+	var tr TickRequest
+	var mv Move
 	tests := []struct {
 		field string
 		got   uintptr
@@ -85,6 +93,26 @@ func TestRecordOffsets(t *testing.T) {
 		{"EvictRequest.Mount", unsafe.Offsetof(ev.Mount), 16},
 		{"Victim.Entry", unsafe.Offsetof(v.Entry), 0},
 		{"Victim.Score", unsafe.Offsetof(v.Score), 8},
+		{"AdmitRecord.Target", unsafe.Offsetof(ad.Target), 36},
+		{"MountRecord.Mount", unsafe.Offsetof(mr.Mount), 0},
+		{"MountRecord.Flags", unsafe.Offsetof(mr.Flags), 4},
+		{"MountRecord.Capacity", unsafe.Offsetof(mr.Capacity), 8},
+		{"MountRecord.Used", unsafe.Offsetof(mr.Used), 16},
+		{"MountRecord.Free", unsafe.Offsetof(mr.Free), 24},
+		{"MountRecord.High", unsafe.Offsetof(mr.High), 32},
+		{"MountRecord.Low", unsafe.Offsetof(mr.Low), 40},
+		{"MountRecord.Entries", unsafe.Offsetof(mr.Entries), 48},
+		{"MountRecord.Class", unsafe.Offsetof(mr.Class), 56},
+		{"MountRecord.FSType", unsafe.Offsetof(mr.FSType), 60},
+		{"MountRecord.FSName", unsafe.Offsetof(mr.FSName), 64},
+		{"MountRecord.Backend", unsafe.Offsetof(mr.Backend), 80},
+		{"VictimTarget.Mount", unsafe.Offsetof(vt.Mount), 0},
+		{"VictimTarget.Flags", unsafe.Offsetof(vt.Flags), 4},
+		{"TickRequest.Time", unsafe.Offsetof(tr.Time), 0},
+		{"TickRequest.Interval", unsafe.Offsetof(tr.Interval), 8},
+		{"Move.Entry", unsafe.Offsetof(mv.Entry), 0},
+		{"Move.Mount", unsafe.Offsetof(mv.Mount), 8},
+		{"Move.Flags", unsafe.Offsetof(mv.Flags), 12},
 	}
 	for _, tt := range tests {
 		if tt.got != tt.want {
@@ -174,6 +202,30 @@ func TestStatusAndFeatureStrings(t *testing.T) {
 	}
 	if got := (FeatureAdmit | FeatureNamespace | 1<<9).String(); got != "namespace,admit,unknown(0x200)" {
 		t.Errorf("features = %q", got)
+	}
+	if got := (FeatureMounts | FeatureAdmitMount | FeatureDemote | FeatureTick).String(); got != "mounts,admit-mount,demote,tick" {
+		t.Errorf("tiering features = %q", got)
+	}
+}
+
+// TestScratchHoldsTieringInputs: the v1 scratch size holds every input and
+// output of the tiering hooks, so a plugin that declares them needs no
+// larger area.
+func TestScratchHoldsTieringInputs(t *testing.T) {
+	for _, tt := range []struct {
+		name string
+		need int
+	}{
+		{"mounts", MaxMounts * MountRecordSize},
+		{"evict with targets", EvictTargetsOffset + MaxBatch*VictimTargetSize},
+		{"tick", TickHeaderSize + MaxBatch*MoveSize},
+	} {
+		if tt.need > ScratchSize {
+			t.Errorf("%s needs %d bytes, more than ScratchSize %d", tt.name, tt.need, ScratchSize)
+		}
+	}
+	if EvictTargetsOffset%ScratchAlign != 0 {
+		t.Errorf("EvictTargetsOffset %d is not aligned", EvictTargetsOffset)
 	}
 }
 

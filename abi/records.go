@@ -9,6 +9,10 @@ const (
 	AccessRecordSize    = 48
 	EvictHeaderSize     = 32
 	VictimSize          = 16
+	MountRecordSize     = 128
+	VictimTargetSize    = 8
+	TickHeaderSize      = 32
+	MoveSize            = 16
 )
 
 // NamespaceRecord describes one model namespace: a model, its KV-cache
@@ -85,7 +89,11 @@ type AdmitRecord struct {
 
 	// Output.
 	Admit uint32 // 1: store it; 0: skip it
-	_     uint32
+	// Target is, with FeatureAdmitMount, the mount the file is written to:
+	// the host writes Mount into it before the call and the guest may
+	// change it (< the number of mounts). Without the feature the host
+	// writes 0 and ignores it.
+	Target uint32
 }
 
 // Access kinds (AccessRecord.Kind).
@@ -134,6 +142,90 @@ type EvictRequest struct {
 type Victim struct {
 	Entry uint64
 	Score uint64 // lower is evicted first
+}
+
+// Device classes of a mount (MountRecord.Class), fastest first.
+const (
+	ClassUnknown uint32 = 0
+	ClassMemory  uint32 = 1 // tmpfs, ramfs
+	ClassNVMe    uint32 = 2
+	ClassSSD     uint32 = 3 // a non-rotational block device that is not NVMe
+	ClassHDD     uint32 = 4 // a rotational block device
+	ClassNetwork uint32 = 5 // NFS, Lustre, GPFS, CephFS, BeeGFS, SMB, FUSE
+)
+
+// Mount flags (MountRecord.Flags).
+const (
+	MountDirect    uint32 = 1 << 0 // files are written with O_DIRECT
+	MountChecksums uint32 = 1 << 1 // payload checksums are written and checked
+	MountVLLMFS    uint32 = 1 << 2 // a vllm-fs mount: not a target of kvhost_name, admission or moves
+)
+
+// MountRecord describes one mount (kvhost_mounts, FeatureMounts). Sizes are
+// bytes; the host sends every mount in each call, in index order.
+type MountRecord struct {
+	Mount    uint32 // index, as in NameRecord.Mount
+	Flags    uint32 // Mount*
+	Capacity uint64 // the most bytes of files the host keeps on the mount
+	Used     uint64 // bytes of files (and stores in flight) on it now
+	Free     uint64 // Capacity - Used (0 when over)
+	High     uint64 // usage that starts eviction
+	Low      uint64 // usage eviction brings it down to
+	Entries  uint64 // files on the mount
+	Class    uint32 // Class*
+	FSType   uint32 // statfs f_type magic (0xEF53 ext4, 0x58465342 xfs, 0x01021994 tmpfs, 0x6969 nfs, ...)
+	FSName   [16]byte
+	Backend  [16]byte
+	_        [32]byte
+}
+
+// FSNameString returns FSName up to its first NUL.
+func (r *MountRecord) FSNameString() string { return cstr(r.FSName[:]) }
+
+// BackendString returns Backend up to its first NUL.
+func (r *MountRecord) BackendString() string { return cstr(r.Backend[:]) }
+
+func cstr(b []byte) string {
+	for i, c := range b {
+		if c == 0 {
+			return string(b[:i])
+		}
+	}
+	return string(b)
+}
+
+// Victim target flags (VictimTarget.Flags, Move.Flags).
+const (
+	// MoveDeleteIfFull: when the target mount has no room even after its own
+	// eviction, delete the victim instead (VictimTarget only; without it
+	// the victim stays where it is and frees nothing).
+	MoveDeleteIfFull uint32 = 1 << 0
+)
+
+// VictimTarget says what to do with victim i of kvhost_evict
+// (FeatureDemote): Mount NoMount (what the host writes before the call)
+// deletes it, any other mount moves its file there.
+type VictimTarget struct {
+	Mount uint32
+	Flags uint32
+}
+
+// TickRequest is the header of a kvhost_tick call, at scratch offset 0
+// (FeatureTick).
+type TickRequest struct {
+	Time uint64 // Unix nanoseconds
+	// Interval is the host's tick period, in nanoseconds.
+	Interval uint64
+	_        uint64
+	_        uint64
+}
+
+// Move asks the host to move an entry's file to another mount: kvhost_tick
+// output, from offset TickHeaderSize.
+type Move struct {
+	Entry uint64
+	Mount uint32 // the target mount
+	Flags uint32 // reserved: write 0
 }
 
 // KeyHash is the 64-bit FNV-1a hash of key, the KeyHash field of records.

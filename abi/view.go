@@ -4,7 +4,8 @@ import "unsafe"
 
 // Record is the set of fixed-width record types of ABI v1.
 type Record interface {
-	NamespaceRecord | NameRecord | AdmitRecord | AccessRecord | EvictRequest | Victim
+	NamespaceRecord | NameRecord | AdmitRecord | AccessRecord | EvictRequest | Victim |
+		MountRecord | VictimTarget | TickRequest | Move
 }
 
 // View returns the first n records of b as a []T that aliases b. It panics if

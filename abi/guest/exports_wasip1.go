@@ -76,3 +76,9 @@ func exportAccess(n int32) int32 { return plugin.Access(n) }
 
 //go:wasmexport kvhost_evict
 func exportEvict(max int32) int32 { return plugin.Evict(max) }
+
+//go:wasmexport kvhost_mounts
+func exportMounts(n int32) int32 { return plugin.Mounts(n) }
+
+//go:wasmexport kvhost_tick
+func exportTick(max int32) int32 { return plugin.Tick(max) }

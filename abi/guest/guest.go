@@ -47,6 +47,38 @@ type Admitter interface {
 	Admit(recs []abi.AdmitRecord) error
 }
 
+// MountWatcher is implemented by policies that want the description of
+// every mount (abi.FeatureMounts): capacity, usage, device class, file
+// system. Mounts is called after Init and whenever a description changes.
+type MountWatcher interface {
+	// Mounts receives one record per mount, in index order.
+	Mounts(recs []abi.MountRecord) error
+}
+
+// Demoter is implemented by policies whose eviction may move a victim to
+// another mount instead of deleting it (abi.FeatureDemote). The Dispatcher
+// calls EvictTo instead of Policy.Evict.
+type Demoter interface {
+	// EvictTo is Policy.Evict with, for each victim out[i] written, its
+	// target in targets[i]: prefilled with abi.NoMount (delete); a mount
+	// index moves the file there.
+	EvictTo(req *abi.EvictRequest, out []abi.Victim, targets []abi.VictimTarget) (int, error)
+}
+
+// Ticker is implemented by policies that want periodic calls
+// (abi.FeatureTick), for ageing and background moves.
+type Ticker interface {
+	// Tick writes up to len(out) moves and returns how many it wrote.
+	Tick(req *abi.TickRequest, out []abi.Move) (int, error)
+}
+
+// Featurer lets a policy declare feature bits that need no hook of their
+// own: abi.FeatureAdmitMount (its Admit writes AdmitRecord.Target). Other
+// bits it returns are ignored: those come from the interfaces implemented.
+type Featurer interface {
+	ExtraFeatures() abi.Feature
+}
+
 // StatusError is an error that maps to a specific abi.Status. Errors that are
 // not StatusErrors are reported as abi.StatusInternal.
 type StatusError struct {
@@ -72,6 +104,18 @@ func Features(p Policy) abi.Feature {
 	}
 	if _, ok := p.(Admitter); ok {
 		f |= abi.FeatureAdmit
+		if fe, ok := p.(Featurer); ok {
+			f |= fe.ExtraFeatures() & abi.FeatureAdmitMount
+		}
+	}
+	if _, ok := p.(MountWatcher); ok {
+		f |= abi.FeatureMounts
+	}
+	if _, ok := p.(Demoter); ok {
+		f |= abi.FeatureDemote
+	}
+	if _, ok := p.(Ticker); ok {
+		f |= abi.FeatureTick
 	}
 	return f
 }
@@ -83,6 +127,9 @@ type Dispatcher struct {
 	p       Policy
 	ns      Namespacer
 	adm     Admitter
+	mw      MountWatcher
+	dem     Demoter
+	tick    Ticker
 	scratch []byte
 	// Log, if set, receives the message of every error a hook returns.
 	Log func(level int32, msg string)
@@ -93,6 +140,9 @@ func NewDispatcher(p Policy) *Dispatcher {
 	d := &Dispatcher{p: p}
 	d.ns, _ = p.(Namespacer)
 	d.adm, _ = p.(Admitter)
+	d.mw, _ = p.(MountWatcher)
+	d.dem, _ = p.(Demoter)
+	d.tick, _ = p.(Ticker)
 	return d
 }
 
@@ -178,12 +228,58 @@ func (d *Dispatcher) Evict(max int32) int32 {
 	if st != abi.StatusOK {
 		return int32(st)
 	}
-	n, err := d.p.Evict(&req[0], out)
+	var n int
+	var err error
+	if d.dem != nil {
+		targets, st := view[abi.VictimTarget](d.scratch, abi.EvictTargetsOffset, max)
+		if st != abi.StatusOK {
+			return int32(st)
+		}
+		n, err = d.dem.EvictTo(&req[0], out, targets)
+	} else {
+		n, err = d.p.Evict(&req[0], out)
+	}
 	if err != nil {
 		return d.fail(err)
 	}
 	if n < 0 || n > len(out) {
 		return d.fail(&StatusError{Status: abi.StatusInternal, Msg: "Evict returned a count outside its output"})
+	}
+	return int32(n)
+}
+
+// Mounts implements kvhost_mounts.
+func (d *Dispatcher) Mounts(n int32) int32 {
+	if d.mw == nil {
+		return int32(abi.StatusUnsupported)
+	}
+	recs, st := view[abi.MountRecord](d.scratch, 0, n)
+	if st != abi.StatusOK {
+		return int32(st)
+	}
+	return d.fail(d.mw.Mounts(recs))
+}
+
+// Tick implements kvhost_tick: the request is at offset 0, room for max
+// moves follows it.
+func (d *Dispatcher) Tick(max int32) int32 {
+	if d.tick == nil {
+		return int32(abi.StatusUnsupported)
+	}
+	req, st := view[abi.TickRequest](d.scratch, 0, 1)
+	if st != abi.StatusOK {
+		return int32(st)
+	}
+	out, st := view[abi.Move](d.scratch, abi.TickHeaderSize, max)
+	if st != abi.StatusOK {
+		return int32(st)
+	}
+	n, err := d.tick.Tick(&req[0], out)
+	if err != nil {
+		return d.fail(err)
+	}
+	if n < 0 || n > len(out) {
+		return d.fail(&StatusError{Status: abi.StatusInternal, Msg: "Tick returned a count outside its output"})
 	}
 	return int32(n)
 }

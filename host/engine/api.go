@@ -105,6 +105,10 @@ type Mount struct {
 	// (docs/engine.md, "vllm-fs mounts"). Such mounts come after every
 	// kvhost mount in Mounts.
 	VLLMFS *VLLMFS
+	// DeviceClass is the mount's device class as the policy sees it
+	// (abi.MountRecord.Class): "memory", "nvme", "ssd", "hdd" or
+	// "network"; empty detects it (statfs, sysfs).
+	DeviceClass string
 }
 
 // Config configures an Engine. The zero value of every optional field is a
@@ -175,6 +179,15 @@ type Config struct {
 	FS fsys.FS
 	// Now is the clock for access times (default time.Now).
 	Now func() time.Time
+	// TickInterval is the period of the policy's tick hook
+	// (abi.FeatureTick): ageing and background moves, such as promotions.
+	// 0 means DefaultTickInterval; negative calls no tick. Policies without
+	// the hook are never called.
+	TickInterval time.Duration
+	// MountUpdateInterval is how often, at most, a changed mount
+	// description is sent to the policy (abi.FeatureMounts); default
+	// DefaultMountUpdateInterval, negative sends only the one at Open.
+	MountUpdateInterval time.Duration
 }
 
 // DefaultMaxNamespaces is Config.MaxNamespaces when it is zero.

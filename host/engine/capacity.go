@@ -71,7 +71,7 @@ func (e *Engine) evict(ctx context.Context, m *mount, size int64) {
 		if e.hitRec != nil {
 			e.hitRec.flush() // rank with every hit reported so far
 		}
-		victims, err := e.pol.Victims(context.WithoutCancel(ctx), abi.EvictRequest{Bytes: uint64(need), Time: uint64(e.now().UnixNano()), Mount: uint32(m.idx)}, victimBatch)
+		victims, err := e.evictions(context.WithoutCancel(ctx), abi.EvictRequest{Bytes: uint64(need), Time: uint64(e.now().UnixNano()), Mount: uint32(m.idx)})
 		if err != nil {
 			e.log.Warn("engine: policy victims", "mount", m.root, "err", err)
 			return
@@ -81,6 +81,13 @@ func (e *Engine) evict(ctx context.Context, m *mount, size int64) {
 		for _, v := range victims {
 			if freed >= need {
 				break
+			}
+			if v.Target.Mount != abi.NoMount { // a demotion (demote.go)
+				n, del := e.demoteVictim(ctx, m, v)
+				freed += n
+				if !del {
+					continue
+				}
 			}
 			e.mu.Lock()
 			en := e.entries[v.Entry]

@@ -65,7 +65,9 @@ type Engine struct {
 	// its file's path (tests wait for it instead of sleeping).
 	pathWaits atomic.Int64
 	fails     *failureLog
-	pinTab    pinTable // client pins (pins.go)
+	pinTab    pinTable     // client pins (pins.go)
+	tier      *tierDriver  // ticks and mount updates (demote.go); nil without policy.Tiering
+	tierSt    tierCounters // moves between mounts (demote.go)
 }
 
 type counters struct {
@@ -189,6 +191,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	e.reportMounts()
 	e.restore(ctx)
 	e.hitRec = newHitRecorder(e)
+	e.startTiering(ctx)
 	ok = true
 	st := e.Stats()
 	e.log.Info("engine: open", "mounts", len(e.mounts), "entries", st.Entries, "keys", st.Keys, "rebuild", time.Since(start))
@@ -245,6 +248,7 @@ func (e *Engine) Close(ctx context.Context) error {
 		<-done
 	}
 	e.closePins()
+	e.stopTiering()
 	e.hitRec.close()
 	e.host.Close()
 	if e.ownPolicy {

@@ -35,6 +35,15 @@ func TestMain(m *testing.M) {
 		}
 		os.Exit(0)
 	}
+	if dir := os.Getenv(demoteChildEnv); dir != "" { // demote_test.go
+		start, _ := strconv.Atoi(os.Getenv(demoteChildEnv + "_START"))
+		nth, _ := strconv.Atoi(os.Getenv(demoteChildEnv + "_NTH"))
+		if err := demoteChild(dir, start, os.Getenv(demoteChildEnv+"_KILL"), nth); err != nil {
+			fmt.Fprintln(os.Stderr, "demote crash child:", err)
+			os.Exit(1)
+		}
+		os.Exit(0)
+	}
 	if root := os.Getenv(vllmfsCrashEnv); root != "" {
 		if err := vllmfsCrashChild(root); err != nil {
 			fmt.Fprintln(os.Stderr, "vllm-fs crash child:", err)

@@ -54,7 +54,10 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 		_, pinned := byEntry[en] // once per file: one unpin below
 		if en != nil && !pinned {
 			e.mu.Lock()
-			if !en.gone {
+			en = e.currentLocked(en, k) // moved meanwhile: its new file (demote.go)
+			if _, dup := byEntry[en]; dup {
+				pinned = true // another key of this load pinned it
+			} else if !en.gone {
 				en.pins++
 				pinned = true
 				pins = append(pins, en.access(abi.AccessPin, e.now().UnixNano()))

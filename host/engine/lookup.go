@@ -80,6 +80,12 @@ func (e *Engine) verify(ctx context.Context, en *entry) bool {
 			return true
 		}
 	}
+	e.mu.RLock()
+	gone := en.gone
+	e.mu.RUnlock()
+	if gone {
+		return false // removed or moved (demote.go) since it was found: not vanished
+	}
 	why := "vanished"
 	switch {
 	case err == nil:
@@ -137,7 +143,11 @@ func (e *Engine) Lookup(ctx context.Context, ns NamespaceID, keys [][]byte) (int
 		}
 		en := e.find(n, k)
 		if en != nil && !counted(en) && !e.recentlyVerified(en, now) && !e.verify(ctx, en) {
-			en = nil
+			// Dropped, or moved to another mount meanwhile (demote.go):
+			// then the key's entry is the new file.
+			if en = e.find(n, k); en != nil && !e.verify(ctx, en) {
+				en = nil
+			}
 		}
 		if en == nil {
 			en = e.discover(ctx, n, k)

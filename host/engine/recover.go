@@ -135,6 +135,7 @@ func (e *Engine) rebuild(ctx context.Context) error {
 	// Oldest first, so that where two files hold one key (e.g. renamed by
 	// hand) the newest wins the key; both stay indexed by path.
 	slices.SortFunc(found, func(a, b *entry) int { return cmp.Compare(a.last, b.last) })
+	found = e.dedupe(found) // copies left by a move cut short (demote.go)
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	for _, en := range found {

@@ -217,9 +217,12 @@ func (e *Engine) storeRound(ctx context.Context, j *Job, c *cache, keys [][]byte
 			}
 		}
 		r := 0
-		for g := range groups {
+		for g, gr := range groups {
 			if errs[g] == nil {
 				admit[g] = recs[r].Admit != 0
+				if admit[g] && recs[r].Target != recs[r].Mount { // admission chose another mount
+					errs[g] = e.retarget(ns, gr, recs[r].Target)
+				}
 				r++
 			}
 		}

@@ -9,9 +9,11 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/abi/guest"
 	"github.com/kvhost/kvhost/host/policy"
 	"github.com/kvhost/kvhost/host/policy/policytest"
 	"github.com/kvhost/kvhost/plugins"
+	"github.com/kvhost/kvhost/plugins/tiered"
 )
 
 // Ceilings of the policy boundary on the 2-core CI machine (issue 2).
@@ -219,6 +221,168 @@ func BenchmarkFuelRate(b *testing.B) {
 				fuel, ns := read()
 				b.ReportMetric(float64(fuel)/float64(ns), "units/ns")
 				b.ReportMetric(float64(fuel)/float64(b.N*n), "units/key")
+			})
+		}
+	}
+}
+
+// ceilingTieringShare is the most the tiering extras (mount updates and
+// ticks) may add to the access path: 1% (issue 11).
+const ceilingTieringShare = 0.01
+
+// tieringHost opens the tiered policy (wasm or native) with one shard,
+// describes two mounts and fills it with benchEntries entries, alternately
+// on the hot and the cold mount.
+func tieringHost(b *testing.B, kind string) *policy.Host {
+	b.Helper()
+	ctx := context.Background()
+	idx := policytest.NewIndex()
+	cfg := policy.Config{Shards: 1, Logger: quietLogger()}
+	var h *policy.Host
+	var err error
+	if kind == "wasm" {
+		mod, werr := plugins.Wasm(tiered.Name)
+		if werr != nil {
+			b.Fatalf("%v (build the plugins with `make wasm`)", werr)
+		}
+		h, err = policy.Open(ctx, mod, tiered.Name, idx, cfg)
+	} else {
+		h, err = policy.NewNative(func() guest.Policy { return tiered.New() }, idx, cfg)
+	}
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { h.Close(ctx) })
+	ns := testNS
+	ns.MountCount = 2
+	if ns, err = h.Namespace(ctx, ns); err != nil {
+		b.Fatal(err)
+	}
+	idx.AddNamespace(ns)
+	if err := h.UpdateMounts(ctx, benchMounts(0)); err != nil {
+		b.Fatal(err)
+	}
+	recs := make([]abi.AccessRecord, 0, abi.MaxBatch)
+	for id := uint64(1); id <= benchEntries; id++ {
+		recs = append(recs, abi.AccessRecord{Entry: id, Time: id, Size: 1 << 20, KeyHash: id * 0x9E3779B97F4A7C15, Kind: abi.AccessInsert, Mount: uint32(id % 2)})
+		if len(recs) == cap(recs) || id == benchEntries {
+			idx.Apply(recs)
+			if err := h.Access(ctx, recs); err != nil {
+				b.Fatal(err)
+			}
+			recs = recs[:0]
+		}
+	}
+	return h
+}
+
+// benchMounts describes a hot NVMe and a cold shared mount, with used
+// bytes on the hot one.
+func benchMounts(used uint64) []abi.MountRecord {
+	const hot, cold = 1 << 40, 1 << 44
+	return []abi.MountRecord{
+		{Mount: 0, Capacity: hot, Used: used, Free: hot - used, High: hot / 100 * 95, Low: hot / 100 * 85, Class: abi.ClassNVMe},
+		{Mount: 1, Capacity: cold, Free: cold, High: cold / 100 * 95, Low: cold / 100 * 85, Class: abi.ClassNetwork},
+	}
+}
+
+// BenchmarkTieringOverhead measures what mount updates and ticks add to the
+// access path of the tiered policy at batch 256, two ways:
+//
+//   - the cost of one kvhost_mounts call (2 mounts, changed usage) and one
+//     kvhost_tick call (nothing to promote) through the host, from which
+//     the share of time they take at the engine's default rates follows
+//     (mount updates at most 1/s, the daemon's tick 10/s): extras-share,
+//     against the ceiling of 1%. Calls into a shard exclude the access
+//     calls for their duration, so this share is what they can add to the
+//     access path.
+//   - the access path itself (hits on hot entries, batch 256) with the
+//     extras off, then with a driver calling them at the default rates
+//     and at 100 times those rates: ns/key and its change against "off"
+//     in the same run (vs-off; noisy on a shared machine).
+func BenchmarkTieringOverhead(b *testing.B) {
+	ctx := context.Background()
+	const n = 256
+	const mountsPerSec, ticksPerSec = 1, 10
+	for _, kind := range []string{"wasm", "native"} {
+		h := tieringHost(b, kind)
+		var mountsCost, tickCost float64 // ns per call
+		b.Run(kind+"/mounts", func(b *testing.B) {
+			used := uint64(0)
+			for b.Loop() {
+				used += 1 << 20
+				if err := h.UpdateMounts(ctx, benchMounts(used)); err != nil {
+					b.Fatal(err)
+				}
+			}
+			mountsCost = float64(b.Elapsed().Nanoseconds()) / float64(b.N)
+			b.ReportMetric(mountsCost, "ns/call")
+		})
+		b.Run(kind+"/tick", func(b *testing.B) {
+			for b.Loop() {
+				if _, err := h.Tick(ctx, abi.TickRequest{Time: uint64(time.Now().UnixNano())}, 256); err != nil {
+					b.Fatal(err)
+				}
+			}
+			tickCost = float64(b.Elapsed().Nanoseconds()) / float64(b.N)
+			share := (mountsPerSec*mountsCost + ticksPerSec*tickCost) / 1e9
+			b.ReportMetric(tickCost, "ns/call")
+			b.ReportMetric(share, "extras-share")
+			b.ReportMetric(share/ceilingTieringShare, "of-ceiling")
+		})
+		off := 0.0
+		for _, rate := range []struct {
+			name          string
+			mounts, ticks time.Duration // 0: off
+		}{{"off", 0, 0}, {"default", time.Second / mountsPerSec, time.Second / ticksPerSec}, {"x100", time.Second / mountsPerSec / 100, time.Second / ticksPerSec / 100}} {
+			b.Run(fmt.Sprintf("%s/access/batch=%d/extras=%s", kind, n, rate.name), func(b *testing.B) {
+				recs := make([]abi.AccessRecord, n)
+				stop, done := make(chan struct{}), make(chan struct{})
+				go func() {
+					defer close(done)
+					if rate.mounts == 0 {
+						return
+					}
+					mt, tt := time.NewTicker(rate.mounts), time.NewTicker(rate.ticks)
+					defer mt.Stop()
+					defer tt.Stop()
+					used := uint64(0)
+					for {
+						select {
+						case <-stop:
+							return
+						case <-mt.C:
+							used += 1 << 20
+							if err := h.UpdateMounts(ctx, benchMounts(used)); err != nil {
+								b.Error(err)
+								return
+							}
+						case <-tt.C:
+							if _, err := h.Tick(ctx, abi.TickRequest{Time: uint64(time.Now().UnixNano())}, 256); err != nil {
+								b.Error(err)
+								return
+							}
+						}
+					}
+				}()
+				for i := 0; b.Loop(); i++ {
+					for j := range recs {
+						id := 2 * (uint64((i*n+j)%(benchEntries/2)) + 1) // hot entries
+						recs[j] = abi.AccessRecord{Entry: id, Time: uint64(benchEntries + i*n + j), Size: 1 << 20, Kind: abi.AccessHit}
+					}
+					if err := h.Access(ctx, recs); err != nil {
+						b.Fatal(err)
+					}
+				}
+				close(stop)
+				<-done
+				perKey := float64(b.Elapsed().Nanoseconds()) / float64(b.N*n)
+				b.ReportMetric(perKey, "ns/key")
+				if rate.mounts == 0 {
+					off = perKey
+				} else if off > 0 {
+					b.ReportMetric((perKey-off)/off, "vs-off")
+				}
 			})
 		}
 	}

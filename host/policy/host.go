@@ -80,6 +80,12 @@ type Host struct {
 		sync.Mutex
 		times []time.Time // recent failures, oldest first
 	}
+	// mounts is the last description UpdateMounts was given, replayed to
+	// every rebuilt instance of a plugin with abi.FeatureMounts.
+	mounts struct {
+		sync.RWMutex
+		recs []abi.MountRecord
+	}
 }
 
 // ledger is what the host has told one shard's plugin: the pins it
@@ -124,6 +130,8 @@ type shard struct {
 	admitOp  admitOp
 	accessOp accessOp
 	evictOp  evictOp
+	mountsOp mountsOp
+	tickOp   tickOp
 }
 
 // locked runs fn with s locked.
@@ -268,6 +276,13 @@ func (h *Host) build(ctx context.Context, b backend, s *shard) (instance, error)
 			}
 		}
 	}
+	if b.features().Has(abi.FeatureMounts) {
+		if mounts := h.mountRecords(); len(mounts) > 0 {
+			if err := h.callOnce(ctx, s, inst, hookMounts, &mountsOp{recs: mounts}); err != nil {
+				return nil, err
+			}
+		}
+	}
 	var recs []abi.AccessRecord
 	h.idx.Range(func(e Entry) bool {
 		if route(e.ID, h.cfg.Shards) != s.id {
@@ -349,10 +364,11 @@ func (h *Host) invoke(ctx context.Context, s *shard, hk hook, op batchOp) error 
 			}
 			s.inst = inst
 		}
-		if attempt > 0 && hk == hookAccess {
+		if attempt > 0 && (hk == hookAccess || hk == hookMounts) {
 			// The replacement was rebuilt from the Index and the ledger,
 			// which already hold these records: sending them again would
-			// count their pins twice.
+			// count their pins twice. (Mount descriptions are replayed
+			// by build too.)
 			return nil
 		}
 		err := h.callOnce(ctx, s, s.inst, hk, op)
@@ -573,15 +589,17 @@ func (h *Host) Admit(ctx context.Context, recs []abi.AdmitRecord) error {
 		return nil
 	}
 	return h.withShards(ctx, func(shards []*shard) error {
-		if !h.mu.backend.features().Has(abi.FeatureAdmit) {
+		feats := h.mu.backend.features()
+		if !feats.Has(abi.FeatureAdmit) {
 			for i := range recs {
-				recs[i].Admit = 1
+				recs[i].Admit, recs[i].Target = 1, recs[i].Mount
 			}
 			return nil
 		}
+		mounts := h.mountCount()
 		for _, s := range shards {
 			err := s.locked(func() error {
-				s.admitOp = admitOp{recs: recs}
+				s.admitOp = admitOp{recs: recs, choose: feats.Has(abi.FeatureAdmitMount), mounts: mounts}
 				defer func() { s.admitOp = admitOp{} }() // drop the caller's records
 				return h.routed(ctx, s, len(shards), hookAdmit, len(recs), func(i int) uint64 { return recs[i].KeyHash }, &s.admitOp)
 			})
@@ -648,6 +666,19 @@ func (h *Host) routed(ctx context.Context, s *shard, nshards int, hk hook, n int
 // host validates them and returns the lowest scores of all, ties broken by
 // entry.
 func (h *Host) Victims(ctx context.Context, req abi.EvictRequest, max int) ([]abi.Victim, error) {
+	evs, err := h.Evictions(ctx, req, max)
+	if err != nil || len(evs) == 0 {
+		return nil, err
+	}
+	out := make([]abi.Victim, len(evs))
+	for i := range evs {
+		out[i] = evs[i].Victim
+	}
+	return out, nil
+}
+
+// Evictions implements Tiering: Victims with each victim's target.
+func (h *Host) Evictions(ctx context.Context, req abi.EvictRequest, max int) ([]Eviction, error) {
 	if max < 0 {
 		return nil, fmt.Errorf("%w: victims: max %d < 0", ErrInput, max)
 	}
@@ -655,12 +686,14 @@ func (h *Host) Victims(ctx context.Context, req abi.EvictRequest, max int) ([]ab
 		return nil, ctx.Err()
 	}
 	per := min(max, abi.MaxBatch)
-	var out []abi.Victim
+	mounts := h.mountCount()
+	var out []Eviction
 	err := h.withShards(ctx, func(shards []*shard) error {
-		out = make([]abi.Victim, 0, per*len(shards))
+		out = make([]Eviction, 0, per*len(shards))
+		demote := h.mu.backend.features().Has(abi.FeatureDemote)
 		for _, s := range shards {
 			err := s.locked(func() error {
-				s.evictOp = evictOp{req: req, max: int32(per), out: &out, base: len(out), nshards: len(shards)}
+				s.evictOp = evictOp{req: req, max: int32(per), out: &out, base: len(out), nshards: len(shards), demote: demote, mounts: mounts}
 				defer func() { s.evictOp = evictOp{} }()
 				return h.invoke(ctx, s, hookEvict, &s.evictOp)
 			})
@@ -673,7 +706,7 @@ func (h *Host) Victims(ctx context.Context, req abi.EvictRequest, max int) ([]ab
 	if err != nil {
 		return nil, err
 	}
-	slices.SortFunc(out, func(a, b abi.Victim) int {
+	slices.SortFunc(out, func(a, b Eviction) int {
 		switch {
 		case a.Score != b.Score:
 			return cmpU64(a.Score, b.Score)
@@ -695,6 +728,87 @@ func cmpU64(a, b uint64) int {
 		return 1
 	}
 	return 0
+}
+
+// UpdateMounts implements Tiering: it keeps recs (every mount, in index
+// order) and sends them to every shard of a plugin with abi.FeatureMounts.
+func (h *Host) UpdateMounts(ctx context.Context, recs []abi.MountRecord) error {
+	if len(recs) == 0 || len(recs) > abi.MaxMounts {
+		return fmt.Errorf("%w: mounts: %d records: want 1..%d", ErrInput, len(recs), abi.MaxMounts)
+	}
+	for i := range recs {
+		if recs[i].Mount != uint32(i) {
+			return fmt.Errorf("%w: mount record %d has Mount %d: records go in index order", ErrInput, i, recs[i].Mount)
+		}
+	}
+	h.mounts.Lock()
+	h.mounts.recs = slices.Clone(recs)
+	h.mounts.Unlock()
+	return h.withShardsOnce(ctx, func(shards []*shard) error {
+		if !h.mu.backend.features().Has(abi.FeatureMounts) {
+			return nil
+		}
+		for _, s := range shards {
+			err := s.locked(func() error {
+				s.mountsOp = mountsOp{recs: recs}
+				defer func() { s.mountsOp = mountsOp{} }()
+				return h.invoke(ctx, s, hookMounts, &s.mountsOp)
+			})
+			if err != nil {
+				return err
+			}
+		}
+		return nil
+	}, false)
+}
+
+// mountRecords returns the last mount description (nil before the first).
+func (h *Host) mountRecords() []abi.MountRecord {
+	h.mounts.RLock()
+	defer h.mounts.RUnlock()
+	return h.mounts.recs
+}
+
+// mountCount is the number of mounts described, 0 before UpdateMounts.
+func (h *Host) mountCount() int {
+	h.mounts.RLock()
+	defer h.mounts.RUnlock()
+	return len(h.mounts.recs)
+}
+
+// Tick implements Tiering: kvhost_tick on every shard of a plugin with
+// abi.FeatureTick; the validated moves of all shards, in shard order.
+func (h *Host) Tick(ctx context.Context, req abi.TickRequest, max int) ([]abi.Move, error) {
+	if max < 0 {
+		return nil, fmt.Errorf("%w: tick: max %d < 0", ErrInput, max)
+	}
+	if max == 0 {
+		return nil, ctx.Err()
+	}
+	per := min(max, abi.MaxBatch)
+	mounts := h.mountCount()
+	var out []abi.Move
+	err := h.withShards(ctx, func(shards []*shard) error {
+		out = out[:0]
+		if !h.mu.backend.features().Has(abi.FeatureTick) {
+			return nil
+		}
+		for _, s := range shards {
+			err := s.locked(func() error {
+				s.tickOp = tickOp{req: req, max: int32(per), out: &out, base: len(out), nshards: len(shards), mounts: mounts}
+				defer func() { s.tickOp = tickOp{} }()
+				return h.invoke(ctx, s, hookTick, &s.tickOp)
+			})
+			if err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
 }
 
 // Shards returns the number of instances the policy state is spread over.
@@ -736,4 +850,7 @@ func (h *Host) Close(ctx context.Context) error {
 	return err
 }
 
-var _ Policy = (*Host)(nil)
+var (
+	_ Policy  = (*Host)(nil)
+	_ Tiering = (*Host)(nil)
+)

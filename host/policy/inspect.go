@@ -68,6 +68,8 @@ var abiExports = []abiExport{
 	{abi.ExportAdmit, []api.ValueType{i32}, []api.ValueType{i32}, abi.FeatureAdmit},
 	{abi.ExportAccess, []api.ValueType{i32}, []api.ValueType{i32}, 0},
 	{abi.ExportEvict, []api.ValueType{i32}, []api.ValueType{i32}, 0},
+	{abi.ExportMounts, []api.ValueType{i32}, []api.ValueType{i32}, abi.FeatureMounts},
+	{abi.ExportTick, []api.ValueType{i32}, []api.ValueType{i32}, abi.FeatureTick},
 }
 
 // describe lists a compiled module's exports, imports and memory, and
@@ -134,6 +136,10 @@ func (i *Info) checkIdentity() {
 	if rest := i.Features &^ abi.KnownFeatures; rest != 0 {
 		i.Problems = append(i.Problems, fmt.Sprintf("%s returned unknown feature bits %#x (ABI v%d defines %#x)",
 			abi.ExportFeatures, uint64(rest), abi.Version, uint64(abi.KnownFeatures)))
+	}
+	if i.Features.Has(abi.FeatureAdmitMount) && !i.Features.Has(abi.FeatureAdmit) {
+		i.Problems = append(i.Problems, fmt.Sprintf("declares feature %s without %s: admission that chooses a mount needs %s",
+			abi.FeatureAdmitMount, abi.FeatureAdmit, abi.ExportAdmit))
 	}
 	for _, e := range abiExports {
 		if e.feature != 0 && i.Features.Has(e.feature) && !slices.Contains(i.Hooks, e.name) {

@@ -87,6 +87,10 @@ func (in *nativeInstance) call(_ context.Context, h hook, arg int32) (st int32, 
 		return in.d.Access(arg), nil
 	case hookEvict:
 		return in.d.Evict(arg), nil
+	case hookMounts:
+		return in.d.Mounts(arg), nil
+	case hookTick:
+		return in.d.Tick(arg), nil
 	}
 	return 0, fmt.Errorf("unknown hook %d", h)
 }

@@ -93,14 +93,24 @@ func (o *nameOp) records(s *shard) int { return len(s.pos) }
 // unsetAdmit marks an Admit field the hook did not write.
 const unsetAdmit = 0xFFFFFFFF
 
-// admitOp asks about the records of recs at positions s.pos.
-type admitOp struct{ recs []abi.AdmitRecord }
+// admitOp asks about the records of recs at positions s.pos. With choose
+// (abi.FeatureAdmitMount) the plugin may change Target, which must stay
+// below mounts when that is known (non-zero).
+type admitOp struct {
+	recs   []abi.AdmitRecord
+	choose bool
+	mounts int
+}
 
 func (o *admitOp) write(s *shard, scratch []byte) int32 {
 	v := abi.View[abi.AdmitRecord](scratch, len(s.pos))
 	for j, p := range s.pos {
 		v[j] = o.recs[p]
 		v[j].Admit = unsetAdmit // an output the hook must overwrite
+		v[j].Target = 0         // reserved without the feature
+		if o.choose {
+			v[j].Target = v[j].Mount
+		}
 	}
 	return int32(len(s.pos))
 }
@@ -113,10 +123,16 @@ func (o *admitOp) read(_ *Host, s *shard, scratch []byte, _ int32) error {
 			return fmt.Errorf("record %d (key hash %#016x): Admit was not written", p, o.recs[p].KeyHash)
 		case a > 1:
 			return fmt.Errorf("record %d (key hash %#016x): Admit %d is neither 0 nor 1", p, o.recs[p].KeyHash, a)
+		case o.choose && o.mounts > 0 && int(v[j].Target) >= o.mounts:
+			return fmt.Errorf("record %d (key hash %#016x): Target mount %d, but only %d mounts exist", p, o.recs[p].KeyHash, v[j].Target, o.mounts)
 		}
 	}
 	for j, p := range s.pos {
 		o.recs[p].Admit = v[j].Admit
+		o.recs[p].Target = o.recs[p].Mount
+		if o.choose {
+			o.recs[p].Target = v[j].Target
+		}
 	}
 	return nil
 }
@@ -152,17 +168,27 @@ func (o *accessOp) records(s *shard) int {
 }
 
 // evictOp asks one shard for up to max victims and appends the valid ones
-// to *out, from position base (a retry starts over from there).
+// to *out, from position base (a retry starts over from there). With
+// demote (abi.FeatureDemote) it reads each victim's target too, checked
+// against mounts when that is known (non-zero).
 type evictOp struct {
 	req     abi.EvictRequest
 	max     int32
-	out     *[]abi.Victim
+	out     *[]Eviction
 	base    int
 	nshards int
+	demote  bool
+	mounts  int
 }
 
 func (o *evictOp) write(_ *shard, scratch []byte) int32 {
 	abi.View[abi.EvictRequest](scratch, 1)[0] = o.req
+	if o.demote {
+		t := abi.View[abi.VictimTarget](scratch[abi.EvictTargetsOffset:], int(o.max))
+		for i := range t {
+			t[i] = abi.VictimTarget{Mount: abi.NoMount}
+		}
+	}
 	return o.max
 }
 
@@ -172,6 +198,18 @@ func (o *evictOp) read(h *Host, s *shard, scratch []byte, st int32) error {
 		return fmt.Errorf("returned %d victims, more than the %d asked for", st, o.max)
 	}
 	v := abi.View[abi.Victim](scratch[abi.EvictHeaderSize:], int(st))
+	var targets []abi.VictimTarget
+	if o.demote {
+		targets = abi.View[abi.VictimTarget](scratch[abi.EvictTargetsOffset:], int(st))
+		for i, t := range targets {
+			switch {
+			case t.Flags&^abi.MoveDeleteIfFull != 0:
+				return fmt.Errorf("victim %d: target flags %#x: only %#x is defined", i, t.Flags, abi.MoveDeleteIfFull)
+			case t.Mount != abi.NoMount && o.mounts > 0 && int(t.Mount) >= o.mounts:
+				return fmt.Errorf("victim %d: target mount %d, but only %d mounts exist", i, t.Mount, o.mounts)
+			}
+		}
+	}
 	s.seen = s.seen[:0]
 	for i := range v {
 		id := v[i].Entry
@@ -203,8 +241,85 @@ func (o *evictOp) read(h *Host, s *shard, scratch []byte, st int32) error {
 			h.stats.staleVictims.Add(1)
 			continue
 		}
-		*o.out = append(*o.out, v[i])
+		ev := Eviction{Victim: v[i], Target: abi.VictimTarget{Mount: abi.NoMount}}
+		if targets != nil {
+			if t := targets[i]; t.Mount == e.Mount {
+				return fmt.Errorf("victim %d: entry %d is already on its target mount %d", i, v[i].Entry, t.Mount)
+			}
+			ev.Target = targets[i]
+		}
+		*o.out = append(*o.out, ev)
 	}
 	return nil
 }
 func (o *evictOp) records(*shard) int { return 1 }
+
+// mountsOp describes every mount to kvhost_mounts.
+type mountsOp struct{ recs []abi.MountRecord }
+
+func (o *mountsOp) write(_ *shard, scratch []byte) int32 {
+	copy(abi.View[abi.MountRecord](scratch, len(o.recs)), o.recs)
+	return int32(len(o.recs))
+}
+func (o *mountsOp) read(*Host, *shard, []byte, int32) error { return nil }
+func (o *mountsOp) records(*shard) int                      { return len(o.recs) }
+
+// tickOp calls kvhost_tick on one shard and appends the valid moves to
+// *out from position base (a retry starts over from there).
+type tickOp struct {
+	req     abi.TickRequest
+	max     int32
+	out     *[]abi.Move
+	base    int
+	nshards int
+	mounts  int
+}
+
+func (o *tickOp) write(_ *shard, scratch []byte) int32 {
+	abi.View[abi.TickRequest](scratch, 1)[0] = o.req
+	return o.max
+}
+
+func (o *tickOp) read(h *Host, s *shard, scratch []byte, st int32) error {
+	*o.out = (*o.out)[:o.base]
+	if st > o.max {
+		return fmt.Errorf("returned %d moves, more than the %d asked for", st, o.max)
+	}
+	v := abi.View[abi.Move](scratch[abi.TickHeaderSize:], int(st))
+	s.seen = s.seen[:0]
+	for i := range v {
+		m := v[i]
+		switch told := s.ledger.pins[m.Entry]; {
+		case route(m.Entry, o.nshards) != s.id:
+			return fmt.Errorf("move %d: entry %d was never reported to this shard", i, m.Entry)
+		case m.Entry > s.ledger.maxEntry:
+			return fmt.Errorf("move %d: entry %d was never reported to this shard (never stored)", i, m.Entry)
+		case told > 0:
+			return fmt.Errorf("move %d: entry %d is pinned (the plugin was told of %d pins)", i, m.Entry, told)
+		case m.Flags != 0:
+			return fmt.Errorf("move %d: flags %#x: none is defined", i, m.Flags)
+		case m.Mount == abi.NoMount || o.mounts > 0 && int(m.Mount) >= o.mounts:
+			return fmt.Errorf("move %d: target mount %d, but only %d mounts exist", i, m.Mount, o.mounts)
+		}
+		s.seen = append(s.seen, m.Entry)
+	}
+	slices.Sort(s.seen)
+	for i := 1; i < len(s.seen); i++ {
+		if s.seen[i] == s.seen[i-1] {
+			return fmt.Errorf("entry %d is moved more than once", s.seen[i])
+		}
+	}
+	for i := range v {
+		e, ok := h.idx.Lookup(v[i].Entry)
+		switch {
+		case !ok || e.Pins > 0:
+			h.stats.staleVictims.Add(1) // as for victims: the plugin cannot know yet
+			continue
+		case e.Mount == v[i].Mount:
+			return fmt.Errorf("move %d: entry %d is already on mount %d", i, v[i].Entry, e.Mount)
+		}
+		*o.out = append(*o.out, v[i])
+	}
+	return nil
+}
+func (o *tickOp) records(*shard) int { return 1 }

@@ -60,3 +60,29 @@ type Index interface {
 	// Namespaces returns every namespace declared so far.
 	Namespaces() []abi.NamespaceRecord
 }
+
+// Eviction is one victim and what to do with it: delete it (Target.Mount
+// abi.NoMount) or move its file to another mount (abi.FeatureDemote).
+type Eviction struct {
+	abi.Victim
+	Target abi.VictimTarget
+}
+
+// Tiering is the part of a policy that uses the ABI's tiering features
+// (abi.FeatureMounts, abi.FeatureAdmitMount, abi.FeatureDemote,
+// abi.FeatureTick). Host implements it; each method does nothing a plugin
+// without the feature could notice.
+type Tiering interface {
+	// UpdateMounts describes every mount, in index order. The policy keeps
+	// the last description, sends it to plugins with abi.FeatureMounts and
+	// checks the mounts of their outputs against its length.
+	UpdateMounts(ctx context.Context, recs []abi.MountRecord) error
+	// Evictions is Victims with a target per victim: abi.NoMount (delete)
+	// unless the policy has abi.FeatureDemote and chose a mount.
+	Evictions(ctx context.Context, req abi.EvictRequest, max int) ([]Eviction, error)
+	// Tick calls the plugin's tick hook (abi.FeatureTick) on every shard and
+	// returns the moves it asks for, at most max per shard, validated: each
+	// entry exists, is unpinned, and the target is another valid mount.
+	// Without the feature it returns nothing.
+	Tick(ctx context.Context, req abi.TickRequest, max int) ([]abi.Move, error)
+}

@@ -12,6 +12,8 @@ const (
 	hookAdmit
 	hookAccess
 	hookEvict
+	hookMounts
+	hookTick
 	numHooks
 )
 
@@ -22,6 +24,8 @@ var hookNames = [numHooks]string{
 	hookAdmit:     "kvhost_admit",
 	hookAccess:    "kvhost_access",
 	hookEvict:     "kvhost_evict",
+	hookMounts:    "kvhost_mounts",
+	hookTick:      "kvhost_tick",
 }
 
 func (h hook) String() string { return hookNames[h] }

@@ -51,10 +51,25 @@ extern "C" {
 #define KVHOST_ANY_MOUNT 0xFFFFFFFFu
 /* Offset of the first Victim in the scratch area during kvhost_evict. */
 #define KVHOST_VICTIMS_OFFSET 32
+/* With KVHOST_FEATURE_DEMOTE: offset of the first kvhost_victim_target
+ * during kvhost_evict (after room for KVHOST_MAX_BATCH victims). */
+#define KVHOST_VICTIM_TARGETS_OFFSET (32 + 1024 * 16)
+/* With KVHOST_FEATURE_TICK: offset of the first kvhost_move during
+ * kvhost_tick, after the kvhost_tick_request at offset 0. */
+#define KVHOST_MOVES_OFFSET 32
+/* kvhost_victim_target.mount meaning "delete the victim" (the default). */
+#define KVHOST_NO_MOUNT 0xFFFFFFFFu
+/* The most mounts kvhost_mounts describes. */
+#define KVHOST_MAX_MOUNTS 64
 
 /* Feature bits returned by kvhost_features. Every other bit must be zero. */
 #define KVHOST_FEATURE_NAMESPACE (UINT64_C(1) << 0) /* exports kvhost_namespace */
 #define KVHOST_FEATURE_ADMIT (UINT64_C(1) << 1)     /* exports kvhost_admit */
+/* Tiering (docs/abi.md, "Tiering"): */
+#define KVHOST_FEATURE_MOUNTS (UINT64_C(1) << 2)      /* exports kvhost_mounts */
+#define KVHOST_FEATURE_ADMIT_MOUNT (UINT64_C(1) << 3) /* kvhost_admit writes target (needs ADMIT) */
+#define KVHOST_FEATURE_DEMOTE (UINT64_C(1) << 4)      /* kvhost_evict writes victim targets */
+#define KVHOST_FEATURE_TICK (UINT64_C(1) << 5)        /* exports kvhost_tick */
 
 /* Status codes: every hook returns one; kvhost_evict returns a count >= 0
  * instead of KVHOST_STATUS_OK. A negative status is a failure of the
@@ -79,6 +94,22 @@ extern "C" {
 /* Chunk layout orders (kvhost_namespace_record.order). */
 #define KVHOST_ORDER_LAYER_MAJOR 0
 #define KVHOST_ORDER_BLOCK_MAJOR 1
+
+/* Device classes (kvhost_mount_record.device_class), fastest first. */
+#define KVHOST_CLASS_UNKNOWN 0
+#define KVHOST_CLASS_MEMORY 1
+#define KVHOST_CLASS_NVME 2
+#define KVHOST_CLASS_SSD 3
+#define KVHOST_CLASS_HDD 4
+#define KVHOST_CLASS_NETWORK 5
+
+/* Mount flags (kvhost_mount_record.flags). */
+#define KVHOST_MOUNT_DIRECT (1u << 0)    /* O_DIRECT */
+#define KVHOST_MOUNT_CHECKSUMS (1u << 1) /* payload checksums */
+#define KVHOST_MOUNT_VLLMFS (1u << 2)    /* a vllm-fs mount: never a target */
+
+/* kvhost_victim_target.flags */
+#define KVHOST_MOVE_DELETE_IF_FULL (1u << 0) /* delete if the target has no room */
 
 /* Log levels of kvhost_log (log/slog levels). */
 #define KVHOST_LOG_DEBUG (-4)
@@ -133,7 +164,8 @@ typedef struct kvhost_admit_record {
 	uint32_t ns;
 	uint32_t mount; /* the mount kvhost_name chose */
 	uint32_t admit; /* out: 1 store, 0 skip; anything else fails */
-	uint32_t reserved;
+	uint32_t target; /* with KVHOST_FEATURE_ADMIT_MOUNT: in/out, the mount the
+	                    file goes to (the host writes mount); else reserved, 0 */
 } kvhost_admit_record;
 
 /* AccessRecord, 48 bytes: n of them from offset 0 for kvhost_access. */
@@ -162,6 +194,46 @@ typedef struct kvhost_victim {
 	uint64_t entry; /* known, unpinned, on the mount, listed once */
 	uint64_t score; /* lower is removed first; comparable across shards */
 } kvhost_victim;
+
+/* MountRecord, 128 bytes: n of them (every mount, in index order) from
+ * offset 0 for kvhost_mounts. Sizes are bytes. */
+typedef struct kvhost_mount_record {
+	uint32_t mount; /* index */
+	uint32_t flags; /* KVHOST_MOUNT_* */
+	uint64_t capacity;
+	uint64_t used;
+	uint64_t free; /* capacity - used, 0 when over */
+	uint64_t high; /* usage that starts eviction */
+	uint64_t low;  /* usage eviction brings it down to */
+	uint64_t entries;
+	uint32_t device_class; /* KVHOST_CLASS_* (not "class": C++) */
+	uint32_t fs_type; /* statfs f_type */
+	uint8_t fs_name[16]; /* "xfs", "nfs"...: NUL-padded */
+	uint8_t backend[16]; /* the host's data mover: NUL-padded */
+	uint8_t reserved[32];
+} kvhost_mount_record;
+
+/* VictimTarget, 8 bytes each from KVHOST_VICTIM_TARGETS_OFFSET, with
+ * KVHOST_FEATURE_DEMOTE: what to do with victim i. */
+typedef struct kvhost_victim_target {
+	uint32_t mount; /* KVHOST_NO_MOUNT (written by the host): delete; else move there */
+	uint32_t flags; /* KVHOST_MOVE_DELETE_IF_FULL */
+} kvhost_victim_target;
+
+/* TickRequest, 32 bytes at offset 0 for kvhost_tick. */
+typedef struct kvhost_tick_request {
+	uint64_t time;     /* now, Unix nanoseconds */
+	uint64_t interval; /* the host's tick period, nanoseconds */
+	uint64_t reserved0;
+	uint64_t reserved1;
+} kvhost_tick_request;
+
+/* Move, 16 bytes each from KVHOST_MOVES_OFFSET: the output of kvhost_tick. */
+typedef struct kvhost_move {
+	uint64_t entry; /* known, unpinned */
+	uint32_t mount; /* the target: another mount */
+	uint32_t flags; /* 0 */
+} kvhost_move;
 
 /* The offsets of docs/abi.md, checked at compile time. */
 #define KVHOST_CHECK(type, field, off) \
@@ -196,6 +268,22 @@ KVHOST_CHECK(kvhost_access_record, hits, 44);
 _Static_assert(sizeof(kvhost_evict_request) == KVHOST_VICTIMS_OFFSET, "EvictRequest is 32 bytes");
 KVHOST_CHECK(kvhost_evict_request, mount, 16);
 _Static_assert(sizeof(kvhost_victim) == 16, "Victim is 16 bytes");
+KVHOST_CHECK(kvhost_admit_record, target, 36);
+_Static_assert(sizeof(kvhost_mount_record) == 128, "MountRecord is 128 bytes");
+KVHOST_CHECK(kvhost_mount_record, capacity, 8);
+KVHOST_CHECK(kvhost_mount_record, used, 16);
+KVHOST_CHECK(kvhost_mount_record, free, 24);
+KVHOST_CHECK(kvhost_mount_record, high, 32);
+KVHOST_CHECK(kvhost_mount_record, low, 40);
+KVHOST_CHECK(kvhost_mount_record, entries, 48);
+KVHOST_CHECK(kvhost_mount_record, device_class, 56);
+KVHOST_CHECK(kvhost_mount_record, fs_type, 60);
+KVHOST_CHECK(kvhost_mount_record, fs_name, 64);
+KVHOST_CHECK(kvhost_mount_record, backend, 80);
+_Static_assert(sizeof(kvhost_victim_target) == 8, "VictimTarget is 8 bytes");
+_Static_assert(sizeof(kvhost_tick_request) == 32, "TickRequest is 32 bytes");
+_Static_assert(sizeof(kvhost_move) == 16, "Move is 16 bytes");
+KVHOST_CHECK(kvhost_move, mount, 8);
 _Static_assert(KVHOST_SCRATCH_SIZE == KVHOST_MAX_BATCH * sizeof(kvhost_name_record), "scratch holds a full batch of name records");
 #undef KVHOST_CHECK
 
@@ -227,6 +315,8 @@ __attribute__((import_module("kvhost"), import_name("log"))) void kvhost_log(int
  *     KVHOST_EXPORT("kvhost_access") int32_t kvhost_access(int32_t n);
  *         apply n kvhost_access_records in order.
  *     KVHOST_EXPORT("kvhost_evict") int32_t kvhost_evict(int32_t max);
+int32_t kvhost_mounts(int32_t n);
+int32_t kvhost_tick(int32_t max);
  *         write up to max kvhost_victims from KVHOST_VICTIMS_OFFSET for the
  *         kvhost_evict_request at offset 0; return how many.
  *   with KVHOST_FEATURE_NAMESPACE:
@@ -234,7 +324,18 @@ __attribute__((import_module("kvhost"), import_name("log"))) void kvhost_log(int
  *         set keys_per_file and order of the kvhost_namespace_record at 0.
  *   with KVHOST_FEATURE_ADMIT:
  *     KVHOST_EXPORT("kvhost_admit") int32_t kvhost_admit(int32_t n);
- *         set admit (0 or 1) in each of n kvhost_admit_records.
+ *         set admit (0 or 1) in each of n kvhost_admit_records (and, with
+ *         KVHOST_FEATURE_ADMIT_MOUNT, target).
+ *   with KVHOST_FEATURE_MOUNTS:
+ *     KVHOST_EXPORT("kvhost_mounts") int32_t kvhost_mounts(int32_t n);
+ *         n kvhost_mount_records from offset 0: after kvhost_init and the
+ *         namespaces, and whenever a mount's description changes.
+ *   with KVHOST_FEATURE_TICK:
+ *     KVHOST_EXPORT("kvhost_tick") int32_t kvhost_tick(int32_t max);
+ *         the kvhost_tick_request at offset 0; write up to max kvhost_moves
+ *         from KVHOST_MOVES_OFFSET; return how many.
+ *   with KVHOST_FEATURE_DEMOTE, kvhost_evict also writes, for victim i, the
+ *   kvhost_victim_target at KVHOST_VICTIM_TARGETS_OFFSET + 8 * i.
  */
 int32_t kvhost_abi_version(void);
 int64_t kvhost_features(void);
@@ -245,6 +346,8 @@ int32_t kvhost_name(int32_t n);
 int32_t kvhost_admit(int32_t n);
 int32_t kvhost_access(int32_t n);
 int32_t kvhost_evict(int32_t max);
+int32_t kvhost_mounts(int32_t n);
+int32_t kvhost_tick(int32_t max);
 
 /* kvhost_key_hash is FNV-1a 64 of len bytes, the key_hash of the records. */
 static inline uint64_t kvhost_key_hash(const uint8_t *key, uint32_t len) {

@@ -274,7 +274,7 @@ func (s *suite) timing() []HookTiming {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	var out []HookTiming
-	for _, hook := range []string{"kvhost_init", "kvhost_namespace", "kvhost_name", "kvhost_admit", "kvhost_access", "kvhost_evict"} {
+	for _, hook := range []string{"kvhost_init", "kvhost_namespace", "kvhost_name", "kvhost_admit", "kvhost_access", "kvhost_evict", "kvhost_mounts", "kvhost_tick"} {
 		d := slices.Clone(s.times[hook])
 		if len(d) == 0 {
 			continue
@@ -312,6 +312,7 @@ const (
 	ruleRemoved    = "a removed entry is never offered as a victim again (docs/abi.md: AccessRecord)"
 	rulePinned     = "a pinned entry is never a victim until each of its pins is released (docs/abi.md: AccessRecord, Rules the host enforces)"
 	ruleTiming     = "every call finishes within its fuel (the deterministic form of the deadline), and each hook's median call within the deadline of one call (docs/abi.md: Sandbox)"
+	ruleTiering    = "with the tiering features: mount descriptions are accepted; admission's target is a described mount; a victim's target is NoMount or another described mount, with known flags; a tick moves only known, unpinned entries to another described mount, never twice at once (docs/abi.md: Tiering). A plugin without them passes"
 	ruleRejections = "the host rejects no output and replaces no instance during the run (docs/abi.md: Rules the host enforces)"
 )
 
@@ -355,6 +356,7 @@ func (s *suite) run() {
 	s.check("unknown events", ruleUnknown, s.needNamespaces(s.unknownEvents))
 	s.check("removed entries", ruleRemoved, s.needNamespaces(s.removed))
 	s.check("pinned entries", rulePinned, s.needNamespaces(s.pinned))
+	s.check("tiering", ruleTiering, s.needNamespaces(s.tiering))
 	s.check("call timing", ruleTiming, s.callTiming)
 	s.check("no host rejections", ruleRejections, s.rejections)
 }
@@ -1178,4 +1180,186 @@ func (s *suite) rejections() (string, error) {
 		calls += n
 	}
 	return fmt.Sprintf("%d plugin calls, no failure, no rejected output, no replacement", calls), nil
+}
+
+// tieringFeatures are the feature bits the tiering check exercises.
+const tieringFeatures = abi.FeatureMounts | abi.FeatureAdmitMount | abi.FeatureDemote | abi.FeatureTick
+
+// mountFixtures describes the 4 mounts of the largest namespace fixture,
+// fastest first: a small NVMe, an SSD, a disk and a large shared file
+// system.
+func mountFixtures(used uint64) []abi.MountRecord {
+	classes := []uint32{abi.ClassNVMe, abi.ClassSSD, abi.ClassHDD, abi.ClassNetwork}
+	names := []string{"xfs", "ext4", "ext4", "nfs"}
+	recs := make([]abi.MountRecord, len(classes))
+	for i := range recs {
+		c := uint64(1<<30) << (2 * i)
+		r := &recs[i]
+		r.Mount, r.Class, r.Capacity, r.Used = uint32(i), classes[i], c, min(used, c)
+		r.Free, r.High, r.Low = c-r.Used, c/100*95, c/100*85
+		copy(r.FSName[:], names[i])
+		copy(r.Backend[:], "staging")
+	}
+	return recs
+}
+
+// tiering exercises the tiering hooks a plugin declares: mount
+// descriptions (at start and updated), admission with a target, eviction
+// with targets on each mount, and ticks after repeated hits, with pinned
+// entries; every output goes through the host's validation, and the
+// suite checks the moves against its own index. Moves are applied as the
+// engine applies them (REMOVE of the old handle, INSERT of a new one on
+// the target), and ticks run again.
+func (s *suite) tiering() (string, error) {
+	h := s.host
+	f := h.Features() & tieringFeatures
+	if f == 0 {
+		return "no tiering feature declared: nothing to check (a v1 plugin without them)", nil
+	}
+	var done []string
+	for _, used := range []uint64{0, 1 << 29} {
+		if err := s.timed(func() error { return h.UpdateMounts(s.ctx, mountFixtures(used)) }); err != nil {
+			return "", err
+		}
+	}
+	if f.Has(abi.FeatureMounts) {
+		done = append(done, "4 mount descriptions accepted, twice")
+	}
+	if err := s.removeAll(); err != nil {
+		return "", err
+	}
+	if f.Has(abi.FeatureAdmitMount) {
+		var names []abi.NameRecord
+		for _, ns := range s.ns {
+			for _, k := range keys(32, 0x70+byte(ns.NS)) {
+				names = append(names, nameRecord(ns, k))
+			}
+		}
+		if err := s.name(h, names); err != nil {
+			return "", err
+		}
+		recs := make([]abi.AdmitRecord, len(names))
+		for i, n := range names {
+			s.now += 1000
+			recs[i] = abi.AdmitRecord{KeyHash: n.KeyHash, Size: admitSizes[i%len(admitSizes)] << (i % 8), Time: s.now, NS: n.NS, Mount: n.Mount}
+		}
+		if err := s.timed(func() error { return h.Admit(s.ctx, recs) }); err != nil {
+			return "", err
+		}
+		moved := 0
+		for i, r := range recs {
+			if r.Target >= 4 {
+				return "", fmt.Errorf("admission record %d: target mount %d of 4", i, r.Target)
+			}
+			if r.Target != r.Mount {
+				moved++
+			}
+		}
+		done = append(done, fmt.Sprintf("admission: %d of %d files sent to another mount", moved, len(recs)))
+	}
+	// Entries on mounts 0 and 1, every seventh pinned.
+	for m := range uint32(2) {
+		if err := s.access(h, s.inserts(400, m, 64<<10)); err != nil {
+			return "", err
+		}
+	}
+	var pins []abi.AccessRecord
+	s.idx.Range(func(e policy.Entry) bool {
+		if e.ID%7 == 0 {
+			pins = append(pins, s.event(e, abi.AccessPin))
+		}
+		return true
+	})
+	if err := s.access(h, pins); err != nil {
+		return "", err
+	}
+	if f.Has(abi.FeatureDemote) {
+		demoted, deleted := 0, 0
+		for m := range uint32(2) {
+			_, total := s.entries(m)
+			req := abi.EvictRequest{Bytes: total / 4, Time: s.now, Mount: m}
+			var evs []policy.Eviction
+			if err := s.timed(func() (err error) { evs, err = h.Evictions(s.ctx, req, abi.MaxBatch); return err }); err != nil {
+				return "", err
+			}
+			v := make([]abi.Victim, len(evs))
+			for i, ev := range evs {
+				v[i] = ev.Victim
+				e, _ := s.idx.Lookup(ev.Entry)
+				switch t := ev.Target; {
+				case t.Mount == abi.NoMount:
+					deleted++
+				case t.Mount >= 4 || t.Mount == e.Mount:
+					return "", fmt.Errorf("victim %d (entry %d on mount %d): target mount %d", i, ev.Entry, e.Mount, t.Mount)
+				default:
+					demoted++
+				}
+			}
+			if err := s.checkVictims(v, req, abi.MaxBatch); err != nil {
+				return "", err
+			}
+		}
+		done = append(done, fmt.Sprintf("eviction on mounts 0 and 1: %d victims demoted, %d deleted", demoted, deleted))
+	}
+	if f.Has(abi.FeatureTick) {
+		moves := 0
+		for round := range 3 {
+			// Hits, several per entry, on the unpinned entries of mount 1.
+			var hits []abi.AccessRecord
+			s.idx.Range(func(e policy.Entry) bool {
+				if e.Mount == 1 && e.ID%3 == uint64(round) {
+					for range 4 {
+						hits = append(hits, s.event(e, abi.AccessHit))
+					}
+				}
+				return true
+			})
+			if err := s.access(h, hits); err != nil {
+				return "", err
+			}
+			s.now += 1000
+			var mv []abi.Move
+			if err := s.timed(func() (err error) {
+				mv, err = h.Tick(s.ctx, abi.TickRequest{Time: s.now, Interval: uint64(time.Second)}, abi.MaxBatch)
+				return err
+			}); err != nil {
+				return "", err
+			}
+			var recs []abi.AccessRecord
+			for i, m := range mv {
+				e, ok := s.idx.Lookup(m.Entry)
+				switch {
+				case !ok:
+					return "", fmt.Errorf("tick %d, move %d: entry %d is unknown", round, i, m.Entry)
+				case e.Pins > 0:
+					return "", fmt.Errorf("tick %d, move %d: entry %d is pinned", round, i, m.Entry)
+				case m.Mount >= 4 || m.Mount == e.Mount:
+					return "", fmt.Errorf("tick %d, move %d: entry %d on mount %d to mount %d", round, i, m.Entry, e.Mount, m.Mount)
+				}
+				s.next++
+				in := s.event(e, abi.AccessInsert)
+				in.Entry, in.Mount, in.Time = s.next, m.Mount, e.LastAccess
+				recs = append(recs, s.event(e, abi.AccessRemove), in)
+			}
+			if err := s.access(h, recs); err != nil {
+				return "", err
+			}
+			moves += len(mv)
+		}
+		done = append(done, fmt.Sprintf("3 ticks after hits on mount 1: %d moves, applied as the engine does", moves))
+	}
+	var unpins []abi.AccessRecord
+	s.idx.Range(func(e policy.Entry) bool {
+		for range e.Pins {
+			unpins = append(unpins, s.event(e, abi.AccessUnpin))
+		}
+		return true
+	})
+	if err := s.access(h, unpins); err != nil {
+		return "", err
+	}
+	if err := s.removeAll(); err != nil {
+		return "", err
+	}
+	return strings.Join(done, "; "), nil
 }

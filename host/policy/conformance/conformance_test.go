@@ -70,6 +70,9 @@ func TestHostileFixturesFail(t *testing.T) {
 		{"admitbad", "admission", "Admit 2 is neither 0 nor 1"},
 		{"shardname", "determinism", "names must not depend on the shard"},
 		{"multikey", "names", "(4 keys per file) would be the first keys of two files"},
+		// Tiering: each defect fails the tiering check with the host's message.
+		{"badmove", "tiering", "was never reported to this shard"},
+		{"baddemote", "tiering", "target mount 77, but only 4 mounts exist"},
 	}
 	reports := map[string]conformance.Report{}
 	for _, tt := range tests {
@@ -116,6 +119,8 @@ func TestSingleDefectFailsOnlyItsCheck(t *testing.T) {
 		{"admitbad", []string{"admission", "no host rejections"}},
 		{"shardname", []string{"determinism"}},
 		{"multikey", []string{"names"}},
+		{"badmove", []string{"tiering", "no host rejections"}},
+		{"baddemote", []string{"tiering", "no host rejections"}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.fixture, func(t *testing.T) {
@@ -209,7 +214,7 @@ func TestReportJSON(t *testing.T) {
 // TestBuiltinsPass runs the suite on every built-in plugin; `make` builds
 // them before the tests, so a missing module is a failure.
 func TestBuiltinsPass(t *testing.T) {
-	want := []string{"lru", "lfu", "ttl", "sharded"}
+	want := []string{"lru", "lfu", "ttl", "sharded", "tiered"}
 	for _, name := range want {
 		t.Run(name, func(t *testing.T) {
 			t.Parallel() // compiling a Go plugin takes seconds, more under -race

@@ -29,6 +29,12 @@ const MaxClasses = 1024
 type Tracker struct {
 	Pool  Pool
 	Lists []List
+	// IgnoreUnknownHits makes a hit on an unknown entry a no-op instead of
+	// learning it. A policy whose entries move between mounts sets it: a
+	// lookup's hit delivered after the REMOVE of a moved (or evicted)
+	// entry would otherwise bring back a phantom entry the host no longer
+	// has, offered as a victim forever.
+	IgnoreUnknownHits bool
 
 	classOf  func(e *Entry) uint32
 	unsorted bool
@@ -57,6 +63,11 @@ func (t *Tracker) ApplyAll(recs []abi.AccessRecord) error {
 func (t *Tracker) Apply(r *abi.AccessRecord) error {
 	switch r.Kind {
 	case abi.AccessInsert, abi.AccessHit:
+		if r.Kind == abi.AccessHit && t.IgnoreUnknownHits {
+			if _, ok := t.Pool.Lookup(r.Entry); !ok {
+				return nil
+			}
+		}
 		i, err := t.learn(r)
 		if err != nil {
 			return err

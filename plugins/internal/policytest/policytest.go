@@ -148,3 +148,41 @@ func NameRec(ns abi.NamespaceRecord, key []byte) abi.NameRecord {
 	r.SetKey(key)
 	return r
 }
+
+// Targets views the targets of the first n victims of the last eviction
+// (abi.FeatureDemote).
+func (d *Driver) Targets(n int) []abi.VictimTarget {
+	return abi.View[abi.VictimTarget](d.scratch[abi.EvictTargetsOffset:], n)
+}
+
+// Mounts copies recs into the scratch area and calls kvhost_mounts.
+func (d *Driver) Mounts(recs ...abi.MountRecord) error {
+	copy(abi.View[abi.MountRecord](d.scratch, len(recs)), recs)
+	if st := d.D.Mounts(int32(len(recs))); st != 0 {
+		return fmt.Errorf("policytest: kvhost_mounts: %v", abi.Status(st))
+	}
+	return nil
+}
+
+// Admit copies recs into the scratch area, calls kvhost_admit and copies
+// the outputs back into recs.
+func (d *Driver) Admit(recs []abi.AdmitRecord) error {
+	v := abi.View[abi.AdmitRecord](d.scratch, len(recs))
+	copy(v, recs)
+	if st := d.D.Admit(int32(len(recs))); st != 0 {
+		return fmt.Errorf("policytest: kvhost_admit: %v", abi.Status(st))
+	}
+	copy(recs, v)
+	return nil
+}
+
+// Tick calls kvhost_tick at time now with room for max moves and returns a
+// copy of the moves.
+func (d *Driver) Tick(now uint64, max int) ([]abi.Move, error) {
+	abi.View[abi.TickRequest](d.scratch, 1)[0] = abi.TickRequest{Time: now}
+	st := d.D.Tick(int32(max))
+	if st < 0 {
+		return nil, fmt.Errorf("policytest: kvhost_tick: %v", abi.Status(st))
+	}
+	return append([]abi.Move(nil), abi.View[abi.Move](d.scratch[abi.TickHeaderSize:], int(st))...), nil
+}

@@ -1,0 +1,621 @@
+package engine
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/format"
+	"github.com/kvhost/kvhost/host/policy"
+)
+
+// Tiering (docs/engine.md, "Tiering"): mount descriptions sent to the
+// policy, admission to another mount, demotion of eviction victims to
+// another mount, and the periodic tick whose moves promote (or demote)
+// entries in the background.
+//
+// A move copies an entry's file to the same relative path on the target
+// mount, under an owned temporary name, fsyncs it (Config.Fsync), renames
+// it into place, swaps the index (the policy sees a REMOVE of the old
+// handle and an INSERT of a new one), and only then removes the source,
+// checked by identity. A SIGKILL at any point leaves the source loadable
+// (before the rename), or both copies (after it): Open keeps one of two
+// files with the same header id (dedupe).
+
+// Defaults of the tiering knobs.
+const (
+	// DefaultMountUpdateInterval is Config.MountUpdateInterval when zero.
+	DefaultMountUpdateInterval = time.Second
+	// DefaultTickInterval is Config.TickInterval when zero.
+	DefaultTickInterval = 100 * time.Millisecond
+	// maxTickMoves is the most moves one tick asks of each policy shard.
+	maxTickMoves = 256
+	// copyChunk is the buffer of a move's copy.
+	copyChunk = 1 << 20
+)
+
+// errMoveStale: the entry to move is gone, pinned, already moving or
+// already on the target; not a failure of anyone.
+var errMoveStale = errors.New("engine: entry not movable now")
+
+// TierStats counts the engine's moves between mounts.
+type TierStats struct {
+	// Demotions counts eviction victims moved to another mount.
+	Demotions uint64
+	// Moves counts moves asked by the policy's tick (promotions included).
+	Moves uint64
+	// MoveFailures counts moves that failed (no space, I/O errors); the
+	// entry stays where it was.
+	MoveFailures uint64
+	// DemotionDeletes counts victims the policy wanted demoted, deleted
+	// because the target had no room (abi.MoveDeleteIfFull).
+	DemotionDeletes uint64
+	// Deduped counts files removed at Open because another copy of the same
+	// file (a move interrupted after its rename) was kept.
+	Deduped uint64
+	// MountUpdates counts mount descriptions sent to the policy.
+	MountUpdates uint64
+	// Ticks counts tick calls.
+	Ticks uint64
+}
+
+// tierCounters are the atomic counters behind TierStats.
+type tierCounters struct {
+	demotions, moves, moveFailures, demotionDeletes, deduped, mountUpdates, ticks atomic.Uint64
+}
+
+// mountDesc is what a mount's description says besides its usage; fixed
+// at Open.
+type mountDesc struct {
+	class  uint32
+	fsType uint32
+	fsName string
+}
+
+// tierDriver runs the tick and the mount updates.
+type tierDriver struct {
+	pol   policy.Tiering
+	descs []mountDesc
+	stop  chan struct{}
+	done  chan struct{}
+	mu    sync.Mutex // guards last
+	last  []abi.MountRecord
+}
+
+// TierStats returns the engine's move counters.
+func (e *Engine) TierStats() TierStats {
+	c := &e.tierSt
+	return TierStats{
+		Demotions: c.demotions.Load(), Moves: c.moves.Load(), MoveFailures: c.moveFailures.Load(),
+		DemotionDeletes: c.demotionDeletes.Load(), Deduped: c.deduped.Load(),
+		MountUpdates: c.mountUpdates.Load(), Ticks: c.ticks.Load(),
+	}
+}
+
+// startTiering describes the mounts to the policy and starts the driver of
+// ticks (Config.TickInterval) and mount updates (Config.MountUpdateInterval)
+// when the policy implements policy.Tiering.
+func (e *Engine) startTiering(ctx context.Context) {
+	t, ok := e.pol.(policy.Tiering)
+	if !ok {
+		return
+	}
+	d := &tierDriver{pol: t, stop: make(chan struct{}), done: make(chan struct{})}
+	for i, m := range e.mounts {
+		d.descs = append(d.descs, e.describeMount(m, e.cfg.Mounts[i].DeviceClass))
+	}
+	e.tier = d
+	e.sendMounts(ctx, true)
+	go e.driveTiering()
+}
+
+// stopTiering stops the driver and waits for its move in flight.
+func (e *Engine) stopTiering() {
+	if e.tier == nil {
+		return
+	}
+	close(e.tier.stop)
+	<-e.tier.done
+}
+
+func (e *Engine) driveTiering() {
+	d := e.tier
+	defer close(d.done)
+	ctx := context.Background()
+	upd := e.cfg.MountUpdateInterval
+	if upd == 0 {
+		upd = DefaultMountUpdateInterval
+	}
+	var mountC, tickC <-chan time.Time
+	if upd > 0 {
+		tk := time.NewTicker(upd)
+		defer tk.Stop()
+		mountC = tk.C
+	}
+	if e.tickInterval() > 0 {
+		// The policy's features are asked at each tick: a policy replaced
+		// at run time may gain or lose the hook.
+		tk := time.NewTicker(e.tickInterval())
+		defer tk.Stop()
+		tickC = tk.C
+	}
+	for {
+		select {
+		case <-d.stop:
+			return
+		case <-mountC:
+			e.sendMounts(ctx, false)
+		case <-tickC:
+			e.tick(ctx, d.stop)
+		}
+	}
+}
+
+// tickInterval is Config.TickInterval with its default.
+func (e *Engine) tickInterval() time.Duration {
+	if e.cfg.TickInterval == 0 {
+		return DefaultTickInterval
+	}
+	return e.cfg.TickInterval
+}
+
+// mountRecords describes every mount as it is now.
+func (e *Engine) mountRecords(descs []mountDesc) []abi.MountRecord {
+	recs := make([]abi.MountRecord, len(e.mounts))
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	for i, m := range e.mounts {
+		r := &recs[i]
+		r.Mount = uint32(i)
+		if m.direct {
+			r.Flags |= abi.MountDirect
+		}
+		if m.checksums {
+			r.Flags |= abi.MountChecksums
+		}
+		if m.raw != nil {
+			r.Flags |= abi.MountVLLMFS
+		}
+		r.Capacity, r.Used = uint64(max(m.capacity, 0)), uint64(max(m.used, 0))
+		r.Free = uint64(max(m.capacity-m.used, 0))
+		r.High, r.Low, r.Entries = uint64(max(m.high, 0)), uint64(max(m.low, 0)), uint64(max(m.entries, 0))
+		r.Class, r.FSType = descs[i].class, descs[i].fsType
+		copy(r.FSName[:], descs[i].fsName)
+		copy(r.Backend[:], m.backend)
+	}
+	return recs
+}
+
+// sendMounts sends the mount description to the policy if it changed since
+// the last one sent (or always, with force).
+func (e *Engine) sendMounts(ctx context.Context, force bool) {
+	d := e.tier
+	recs := e.mountRecords(d.descs)
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	if !force && slices.Equal(recs, d.last) {
+		return
+	}
+	if err := d.pol.UpdateMounts(context.WithoutCancel(ctx), recs); err != nil {
+		e.log.Warn("engine: policy mount update", "err", err)
+		return
+	}
+	d.last = recs
+	e.tierSt.mountUpdates.Add(1)
+}
+
+// tick calls the policy's tick and carries out the moves it asks for, one
+// at a time, until done or stop is closed.
+func (e *Engine) tick(ctx context.Context, stop <-chan struct{}) {
+	if !e.pol.Features().Has(abi.FeatureTick) {
+		return
+	}
+	if e.hitRec != nil {
+		e.hitRec.flush() // the policy counts every hit reported so far
+	}
+	iv := e.tickInterval()
+	moves, err := e.tier.pol.Tick(ctx, abi.TickRequest{Time: uint64(e.now().UnixNano()), Interval: uint64(iv)}, maxTickMoves)
+	e.tierSt.ticks.Add(1)
+	if err != nil {
+		e.log.Warn("engine: policy tick", "err", err)
+		return
+	}
+	for _, mv := range moves {
+		select {
+		case <-stop:
+			return
+		default:
+		}
+		switch _, err := e.move(ctx, mv.Entry, int(mv.Mount), true); {
+		case err == nil:
+			e.tierSt.moves.Add(1)
+		case errors.Is(err, errMoveStale):
+		default:
+			e.tierSt.moveFailures.Add(1)
+			e.log.Debug("engine: move asked by the policy's tick", "entry", mv.Entry, "mount", mv.Mount, "err", err)
+		}
+	}
+}
+
+// evictions asks the policy for victims of req, with their targets when
+// the policy demotes (abi.FeatureDemote).
+func (e *Engine) evictions(ctx context.Context, req abi.EvictRequest) ([]policy.Eviction, error) {
+	if t, ok := e.pol.(policy.Tiering); ok && e.pol.Features().Has(abi.FeatureDemote) {
+		return t.Evictions(ctx, req, victimBatch)
+	}
+	vs, err := e.pol.Victims(ctx, req, victimBatch)
+	if err != nil {
+		return nil, err
+	}
+	out := make([]policy.Eviction, len(vs))
+	for i, v := range vs {
+		out[i] = policy.Eviction{Victim: v, Target: abi.VictimTarget{Mount: abi.NoMount}}
+	}
+	return out, nil
+}
+
+// demoteVictim moves victim v of an eviction on m to its target mount. It
+// returns the bytes freed on m, and whether the caller should delete the
+// victim instead (the target had no room and the policy said so).
+//
+// A move to a later mount (a slower tier, by convention) may evict there;
+// a move to an earlier one only takes free room: evictMu is taken in mount
+// order, so nested evictions never deadlock.
+func (e *Engine) demoteVictim(ctx context.Context, m *mount, v policy.Eviction) (int64, bool) {
+	target := int(v.Target.Mount)
+	n, err := e.move(ctx, v.Entry, target, target > m.idx)
+	switch {
+	case err == nil:
+		e.tierSt.demotions.Add(1)
+		return n, false
+	case errors.Is(err, errMoveStale):
+		return 0, false
+	case errors.Is(err, ErrNoSpace) && v.Target.Flags&abi.MoveDeleteIfFull != 0:
+		e.tierSt.demotionDeletes.Add(1)
+		return 0, true
+	}
+	e.tierSt.moveFailures.Add(1)
+	e.log.Debug("engine: demotion failed; the victim stays", "entry", v.Entry, "mount", target, "err", err)
+	return 0, false
+}
+
+// move moves entry id's file to mount target (the same relative path under
+// its root) and returns its size. mayEvict lets the reservation on the
+// target evict there; without it the move takes only room below the
+// target's high watermark. It fails with errMoveStale when the entry is
+// gone, pinned or busy, and with ErrNoSpace when the target has no room.
+func (e *Engine) move(ctx context.Context, id uint64, target int, mayEvict bool) (int64, error) {
+	if target < 0 || target >= e.kvMounts {
+		return 0, fmt.Errorf("%w: move to mount %d: the kvhost mounts are 0..%d", ErrPolicy, target, e.kvMounts-1)
+	}
+	tm := e.mounts[target]
+	e.mu.Lock()
+	en := e.entries[id]
+	if en == nil || en.gone || en.pins > 0 || en.mount == target || en.mount >= e.kvMounts {
+		e.mu.Unlock()
+		return 0, errMoveStale
+	}
+	sm := e.mounts[en.mount]
+	rel, err := filepath.Rel(sm.root, en.path)
+	if err != nil || rel == ".." || strings.HasPrefix(rel, ".."+string(filepath.Separator)) {
+		e.mu.Unlock()
+		return 0, fmt.Errorf("engine: move: %s is not under its mount %s", en.path, sm.root)
+	}
+	dst := filepath.Join(tm.root, rel)
+	if e.byPath[dst] != nil {
+		e.mu.Unlock()
+		return 0, fmt.Errorf("%w: move of %s: mount %s already holds a file at that path", ErrPolicy, en.path, tm.root)
+	}
+	if ok, _ := e.claimLocked(en.path); !ok {
+		e.mu.Unlock()
+		return 0, errMoveStale
+	}
+	if ok, _ := e.claimLocked(dst); !ok {
+		e.mu.Unlock()
+		e.release(en.path)
+		return 0, errMoveStale
+	}
+	size := en.size
+	e.mu.Unlock()
+	defer e.release(en.path)
+	defer e.release(dst)
+
+	if mayEvict {
+		if err := e.reserve(ctx, tm, size); err != nil {
+			return 0, err
+		}
+	} else if !e.tryReserve(tm, size, func(m *mount) int64 { return m.high }) {
+		return 0, fmt.Errorf("%w: mount %s: no room below the high watermark for a move of %d bytes", ErrNoSpace, tm.root, size)
+	}
+	en2, err := e.copyFile(en, tm, dst)
+	if err != nil {
+		e.unreserve(tm, size)
+		return 0, err
+	}
+	e.mu.Lock()
+	if en.gone || en.pins > 0 {
+		// Deleted, evicted or pinned by a load while it was copied: the
+		// copy goes; the source stays (or goes with its own removal).
+		e.mu.Unlock()
+		e.removeIfSame(dst, []*entry{en2})
+		e.unreserve(tm, size)
+		return 0, errMoveStale
+	}
+	en2.hits, en2.last = en.hits, en.last
+	e.unindexLocked(en)
+	tm.used -= size // the reservation becomes the entry
+	replaced := e.insertLocked(en2)
+	recs := make([]abi.AccessRecord, 0, len(replaced)+2)
+	for _, r := range replaced {
+		recs = append(recs, r.access(abi.AccessRemove, en2.last))
+	}
+	recs = append(recs, en.access(abi.AccessRemove, en2.last), en2.access(abi.AccessInsert, en2.last))
+	e.mu.Unlock()
+	e.access(ctx, recs)
+	e.removeIfSame(en.path, []*entry{en})
+	return size, nil
+}
+
+// currentLocked returns the entry that holds key now if en, found for
+// it, was moved meanwhile (unindexed, and the key's entry is a copy of the
+// same file: the same header id); otherwise en. The caller holds e.mu.
+func (e *Engine) currentLocked(en *entry, key []byte) *entry {
+	if !en.gone || en.fid == 0 {
+		return en
+	}
+	if ref, ok := e.byKey[keyID{en.fp, string(key)}]; ok && ref.e.fid == en.fid && !ref.e.gone {
+		return ref.e
+	}
+	return en
+}
+
+// copyFile copies en's file (checked to be en's by identity and header id)
+// to dst on mount tm: an owned temporary file, fsynced with Config.Fsync,
+// renamed into place. It returns the unindexed entry of the copy. The
+// caller holds both paths.
+func (e *Engine) copyFile(en *entry, tm *mount, dst string) (*entry, error) {
+	src, _, err := e.openSame(en, os.O_RDONLY)
+	if err != nil {
+		return nil, fmt.Errorf("engine: move: open %s: %w", en.path, err)
+	}
+	defer src.Close()
+	dir := filepath.Dir(dst)
+	if err := e.mkdir(dir, false); err != nil {
+		return nil, e.ioError(tm, "move: mkdir", err)
+	}
+	tmp := e.tempName(dir, tmpPrefix)
+	f, err := e.fs.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o644)
+	if errors.Is(err, os.ErrNotExist) {
+		if err = e.mkdir(dir, true); err == nil {
+			f, err = e.fs.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o644)
+		}
+	}
+	if err != nil {
+		return nil, e.ioError(tm, "move: create", err)
+	}
+	published := false
+	defer func() {
+		if f != nil {
+			f.Close()
+		}
+		if !published {
+			if rerr := e.fs.Remove(tmp); rerr != nil && !errors.Is(rerr, os.ErrNotExist) {
+				e.log.Warn("engine: remove temporary file", "path", tmp, "err", rerr)
+			}
+		}
+	}()
+	if _, err := lockFile(f); err != nil {
+		e.log.Debug("engine: flock of a temporary file", "path", tmp, "err", err)
+	}
+	if err := f.Allocate(en.size); err != nil {
+		return nil, e.ioError(tm, "move: allocate", err)
+	}
+	buf := make([]byte, min(int64(copyChunk), max(en.size, 1)))
+	for off := int64(0); off < en.size; {
+		n, rerr := src.ReadAt(buf[:min(int64(len(buf)), en.size-off)], off)
+		if n > 0 {
+			if _, err := f.WriteAt(buf[:n], off); err != nil {
+				return nil, e.ioError(tm, "move: write", err)
+			}
+			off += int64(n)
+		}
+		if rerr != nil && (!errors.Is(rerr, io.EOF) || off < en.size) {
+			if errors.Is(rerr, io.EOF) {
+				rerr = fmt.Errorf("%w: %s shrank to %d bytes while it was copied", ErrCorrupt, en.path, off)
+			}
+			return nil, fmt.Errorf("engine: move: read %s: %w", en.path, rerr)
+		}
+	}
+	// The copy keeps the source's modification time, which Open takes for
+	// the last access: a restart ranks a moved file as before the move.
+	mt := unix.NsecToTimeval(en.ident.Mtime)
+	if err := unix.Futimes(int(f.Fd()), []unix.Timeval{mt, mt}); err != nil {
+		e.log.Debug("engine: move: keep the modification time", "path", tmp, "err", err)
+	}
+	if e.cfg.Fsync {
+		if err := f.Sync(); err != nil {
+			return nil, e.ioError(tm, "move: fsync", err)
+		}
+	}
+	if err := e.fs.Rename(tmp, dst); err != nil {
+		return nil, e.ioError(tm, "move: rename", err)
+	}
+	published = true
+	en2 := &entry{ns: en.ns, fp: en.fp, mount: tm.idx, path: dst, size: en.size, keys: en.keys, fid: en.fid}
+	en2.ident, err = fileIdentity(f)
+	cerr := f.Close()
+	f = nil
+	if err == nil {
+		err = cerr
+	}
+	if err == nil && e.cfg.Fsync {
+		err = e.fs.SyncDir(dir)
+	}
+	if err != nil {
+		// Published but not vouched for: remove the copy if it is still
+		// ours; the source stays.
+		if en2.ident.Ino != 0 {
+			e.removeIfSame(dst, []*entry{en2})
+		}
+		return nil, e.ioError(tm, "move: publish", err)
+	}
+	en2.verified.Store(e.now().UnixNano())
+	return en2, nil
+}
+
+// dedupe drops, from the files found at Open, every second copy of a file
+// (the same header id, fingerprint and keys at two paths): what a move
+// killed between its rename and the removal of its source leaves. The copy
+// with the newest ctime (the move's target) is kept, the other removed, if
+// it is still the file read. Files without an id are never merged.
+func (e *Engine) dedupe(found []*entry) []*entry {
+	type fileKey struct{ fp, fid uint64 }
+	keep := map[fileKey]*entry{}
+	var drop []*entry
+	dropped := map[*entry]bool{}
+	for _, en := range found {
+		if en.fid == 0 {
+			continue
+		}
+		k := fileKey{en.fp, en.fid}
+		other, ok := keep[k]
+		if !ok || !slices.Equal(other.keys, en.keys) {
+			if !ok {
+				keep[k] = en
+			}
+			continue
+		}
+		if en.ident.Ctime > other.ident.Ctime || en.ident.Ctime == other.ident.Ctime && en.mount < other.mount {
+			keep[k], en = en, other
+		}
+		drop = append(drop, en)
+		dropped[en] = true
+	}
+	if len(drop) == 0 {
+		return found
+	}
+	out := found[:0]
+	for _, en := range found {
+		if !dropped[en] {
+			out = append(out, en)
+		}
+	}
+	for _, en := range drop {
+		e.log.Info("engine: second copy of a moved file removed", "path", en.path, "kept", keep[fileKey{en.fp, en.fid}].path)
+		e.removeIfSame(en.path, []*entry{en})
+		e.tierSt.deduped.Add(1)
+	}
+	return out
+}
+
+// retarget sends the file of group gr to mount target, as admission chose
+// (abi.FeatureAdmitMount): the same relative path under the target's root.
+func (e *Engine) retarget(ns *namespace, gr *group, target uint32) error {
+	if ns.layout != nil || int(target) == gr.mount {
+		return nil // a vllm-fs namespace's files are its mount's
+	}
+	if int(target) >= e.kvMounts {
+		return fmt.Errorf("%w: admission chose mount %d: the kvhost mounts are 0..%d", ErrPolicy, target, e.kvMounts-1)
+	}
+	rel, err := filepath.Rel(e.mounts[gr.mount].root, gr.path)
+	if err != nil {
+		return fmt.Errorf("%w: %w", ErrPolicy, err)
+	}
+	m := e.mounts[target]
+	gr.mount, gr.path = int(target), filepath.Join(m.root, rel)
+	gr.hdr.Flags &^= format.FlagPayloadSums
+	if m.checksums {
+		gr.hdr.Flags |= format.FlagPayloadSums
+	}
+	return nil
+}
+
+// File-system magic numbers (statfs f_type) the device class and name
+// come from.
+var fsMagics = map[int64]struct {
+	name  string
+	class uint32
+}{
+	0x01021994: {"tmpfs", abi.ClassMemory},
+	0x858458f6: {"ramfs", abi.ClassMemory},
+	0xEF53:     {"ext4", abi.ClassUnknown},
+	0x58465342: {"xfs", abi.ClassUnknown},
+	0x9123683E: {"btrfs", abi.ClassUnknown},
+	0xF2F52010: {"f2fs", abi.ClassUnknown},
+	0x2FC12FC1: {"zfs", abi.ClassUnknown},
+	0x794C7630: {"overlay", abi.ClassUnknown},
+	0x6969:     {"nfs", abi.ClassNetwork},
+	0xFE534D42: {"smb2", abi.ClassNetwork},
+	0xFF534D42: {"cifs", abi.ClassNetwork},
+	0x0BD00BD0: {"lustre", abi.ClassNetwork},
+	0x47504653: {"gpfs", abi.ClassNetwork},
+	0x00C36400: {"ceph", abi.ClassNetwork},
+	0x19830326: {"beegfs", abi.ClassNetwork},
+	0x65735546: {"fuse", abi.ClassNetwork},
+}
+
+// DeviceClasses are the names Mount.DeviceClass takes.
+var deviceClasses = map[string]uint32{
+	"memory": abi.ClassMemory, "nvme": abi.ClassNVMe, "ssd": abi.ClassSSD, "hdd": abi.ClassHDD, "network": abi.ClassNetwork,
+}
+
+// describeMount finds m's file system and device class: configured
+// (Mount.DeviceClass) or detected from statfs and, for a local block
+// device, sysfs (nvme in the device's path; queue/rotational).
+func (e *Engine) describeMount(m *mount, configured string) mountDesc {
+	var d mountDesc
+	st, err := e.fs.Statfs(m.root)
+	if err == nil {
+		d.fsType = uint32(st.Type)
+		if fm, ok := fsMagics[st.Type]; ok {
+			d.fsName, d.class = fm.name, fm.class
+		}
+	}
+	if c, ok := deviceClasses[configured]; ok {
+		d.class = c
+		return d
+	}
+	if configured != "" {
+		e.log.Warn("engine: unknown device class; detecting it", "mount", m.root, "device_class", configured)
+	}
+	if d.class == abi.ClassUnknown {
+		d.class = blockClass(m.root)
+	}
+	return d
+}
+
+// blockClass is the class of the block device under dir, from sysfs.
+func blockClass(dir string) uint32 {
+	var st unix.Stat_t
+	if err := unix.Stat(dir, &st); err != nil {
+		return abi.ClassUnknown
+	}
+	dev := fmt.Sprintf("/sys/dev/block/%d:%d", unix.Major(st.Dev), unix.Minor(st.Dev))
+	link, err := os.Readlink(dev)
+	if err != nil {
+		return abi.ClassUnknown
+	}
+	if strings.Contains(link, "/nvme") {
+		return abi.ClassNVMe
+	}
+	for _, p := range []string{dev + "/queue/rotational", dev + "/../queue/rotational"} {
+		if b, err := os.ReadFile(p); err == nil {
+			if strings.TrimSpace(string(b)) == "1" {
+				return abi.ClassHDD
+			}
+			return abi.ClassSSD
+		}
+	}
+	return abi.ClassUnknown
+}

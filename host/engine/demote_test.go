@@ -1,0 +1,833 @@
+package engine
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/abi/guest"
+	"github.com/kvhost/kvhost/host/policy"
+	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/plugins"
+	"github.com/kvhost/kvhost/plugins/tiered"
+)
+
+// tieredPolicies returns constructors of the built-in tiered policy,
+// native and (if plugins/wasm/tiered.wasm was built) in wasm.
+func tieredPolicies(t testing.TB, params map[string]string) map[string]func(policy.Index) (policy.Policy, error) {
+	cfg := policy.Config{Params: params, Logger: testLogger(t)}
+	out := map[string]func(policy.Index) (policy.Policy, error){
+		"native-tiered": func(idx policy.Index) (policy.Policy, error) {
+			return policy.NewNative(func() guest.Policy { return tiered.New() }, idx, cfg)
+		},
+	}
+	if mod, err := plugins.Wasm(tiered.Name); err == nil {
+		out["wasm-tiered"] = func(idx policy.Index) (policy.Policy, error) {
+			return policy.Open(context.Background(), mod, tiered.Name, idx, cfg)
+		}
+	} else {
+		t.Logf("wasm tiered not built (%v): native only", err)
+	}
+	return out
+}
+
+// keyMount returns the mount of key's file in ns, or -1 if it is not
+// indexed.
+func keyMount(e *Engine, ns NamespaceID, key []byte) int {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	ref, ok := e.byKey[keyID{e.nss[ns].fp, string(key)}]
+	if !ok {
+		return -1
+	}
+	return ref.e.mount
+}
+
+// relFiles lists the published files under root, relative to it.
+func relFiles(t testing.TB, root string) map[string]bool {
+	out := map[string]bool{}
+	for _, p := range dataFiles(t, root) {
+		rel, _ := filepath.Rel(root, p)
+		out[rel] = true
+	}
+	return out
+}
+
+// waitFor polls cond until it holds or 30 seconds pass.
+func waitFor(t testing.TB, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(30 * time.Second)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// TestTieredDemotesAndPromotes runs the tiered policy over a small hot
+// mount and a large cold one: under pressure the hot mount's least
+// recently used files move to the cold mount (none is deleted, usage stays
+// within the hot capacity and both mounts account their files); a cold key
+// loaded twice moves back to the hot mount at the next tick; every key loads
+// byte-equal from wherever it is, before and after a restart.
+func TestTieredDemotesAndPromotes(t *testing.T) {
+	for name, newPolicy := range tieredPolicies(t, map[string]string{"promote_hits": "2", "promote_window": "1m"}) {
+		t.Run(name, func(t *testing.T) {
+			ctx := context.Background()
+			g := smallGeometry(true)
+			fileLen := 4096 + g.KeyBytes()
+			hot, cold := t.TempDir(), t.TempDir()
+			mounts := []Mount{{Path: hot, Capacity: 8 * fileLen, HighWatermark: 0.9, LowWatermark: 0.6}, {Path: cold, DeviceClass: "network"}}
+			cfg := Config{Mounts: mounts, NewPolicy: newPolicy, TickInterval: 5 * time.Millisecond, MountUpdateInterval: 5 * time.Millisecond}
+			e := openEngine(t, cfg)
+			ns, err := e.Declare(ctx, g)
+			if err != nil {
+				t.Fatal(err)
+			}
+			const n = 24
+			c := newTestCache(t, e, ns, g, 4*n+4, layoutPlaneFirst)
+			r := rand.New(rand.NewPCG(11, 12))
+			keys := testKeys("tier", n)
+			blocks := blockLists(r, n, g.BlocksPerKey(), 0)
+			want := make([][]byte, n)
+			for i := range keys {
+				c.fill(r, blocks[i])
+				want[i] = c.data(blocks[i])
+				storeAndCheck(t, e, c, keys[i:i+1], blocks[i:i+1])
+				if st := e.Stats(); st.Mounts[0].Used > 8*fileLen {
+					t.Fatalf("key %d: %d bytes used on the hot mount of %d", i, st.Mounts[0].Used, 8*fileLen)
+				}
+			}
+			ts := e.TierStats()
+			st := e.Stats()
+			if ts.Demotions == 0 || st.Evictions != 0 {
+				t.Fatalf("%d demotions, %d deletions: want demotions only", ts.Demotions, st.Evictions)
+			}
+			if st.Entries != n || st.Mounts[0].Entries+st.Mounts[1].Entries != n {
+				t.Fatalf("%d entries (hot %d, cold %d), want %d", st.Entries, st.Mounts[0].Entries, st.Mounts[1].Entries, n)
+			}
+			for i, m := range st.Mounts {
+				if m.Used != int64(m.Entries)*fileLen {
+					t.Errorf("mount %d: %d bytes used for %d files of %d", i, m.Used, m.Entries, fileLen)
+				}
+			}
+			if m := keyMount(e, ns, keys[0]); m != 1 {
+				t.Fatalf("the oldest key is on mount %d, want the cold mount 1", m)
+			}
+			if m := keyMount(e, ns, keys[n-1]); m != 0 {
+				t.Fatalf("the newest key is on mount %d, want the hot mount 0", m)
+			}
+			for rel := range relFiles(t, hot) {
+				if relFiles(t, cold)[rel] {
+					t.Fatalf("%s is on both mounts", rel)
+				}
+			}
+			into := blockLists(r, 1, g.BlocksPerKey(), 4*n)
+			for i := range keys {
+				loadAndCompare(t, e, c, keys[i:i+1], into, want[i:i+1])
+			}
+			// Every key was loaded once: the oldest one, on the cold mount, is
+			// loaded once more and promoted at the next tick.
+			loadAndCompare(t, e, c, keys[:1], into, want[:1])
+			waitFor(t, "the promotion of the oldest key", func() bool { return keyMount(e, ns, keys[0]) == 0 && e.TierStats().Moves > 0 })
+			if ts := e.TierStats(); ts.Ticks == 0 || ts.MountUpdates < 2 {
+				t.Errorf("tier stats %+v: want ticks and several mount updates", ts)
+			}
+			loadAndCompare(t, e, c, keys[:1], into, want[:1])
+			if st := e.Stats(); st.Mounts[0].Used > 8*fileLen || st.Entries != n {
+				t.Fatalf("after the promotion: hot %d bytes of %d, %d entries of %d", st.Mounts[0].Used, 8*fileLen, st.Entries, n)
+			}
+
+			if err := e.Close(ctx); err != nil {
+				t.Fatal(err)
+			}
+			e = openEngine(t, cfg)
+			if ns, err = e.Declare(ctx, g); err != nil {
+				t.Fatal(err)
+			}
+			c = newTestCache(t, e, ns, g, 4*n+4, layoutPlaneFirst)
+			if st := e.Stats(); st.Entries != n {
+				t.Fatalf("after restart: %d entries, want %d", st.Entries, n)
+			}
+			for i := range keys {
+				loadAndCompare(t, e, c, keys[i:i+1], into, want[i:i+1])
+			}
+		})
+	}
+}
+
+// TestDemotionTargetFull: a demotion whose target has no room deletes the
+// victim only when the policy said so (abi.MoveDeleteIfFull); otherwise the
+// victim stays, and the store that needed the room fails with ErrNoSpace.
+func TestDemotionTargetFull(t *testing.T) {
+	ctx := context.Background()
+	g := smallGeometry(true)
+	fileLen := 4096 + g.KeyBytes()
+	for _, deleteIfFull := range []bool{true, false} {
+		t.Run(fmt.Sprintf("deleteIfFull=%v", deleteIfFull), func(t *testing.T) {
+			pol := &demotingPolicy{testPolicy: newTestPolicy(1, abi.OrderLayerMajor), deleteIfFull: deleteIfFull}
+			// The cold mount holds less than one file: every demotion finds it full.
+			e := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir(), Capacity: 4 * fileLen}, {Path: t.TempDir(), Capacity: fileLen / 2}}, Policy: pol})
+			ns, err := e.Declare(ctx, g)
+			if err != nil {
+				t.Fatal(err)
+			}
+			c := newTestCache(t, e, ns, g, 64, layoutPlaneFirst)
+			r := rand.New(rand.NewPCG(3, 4))
+			keys := testKeys("full", 8)
+			failed := 0
+			for i := range keys {
+				b := [][]int{{0, 1, 2, 3}}
+				c.fill(r, b[0])
+				res := wait(t)(e.Store(ctx, StoreRequest{Cache: c.id, Keys: keys[i : i+1], Blocks: b}))
+				if k := res.Keys[0]; k.Outcome == OutcomeFailed {
+					if !errors.Is(k.Err, ErrNoSpace) {
+						t.Fatalf("key %d: %v, want ErrNoSpace", i, k.Err)
+					}
+					failed++
+				}
+			}
+			ts, st := e.TierStats(), e.Stats()
+			if ts.Demotions != 0 || st.Mounts[1].Entries != 0 {
+				t.Fatalf("%d demotions into a full mount", ts.Demotions)
+			}
+			if deleteIfFull {
+				if failed != 0 || ts.DemotionDeletes == 0 || st.Evictions == 0 {
+					t.Fatalf("%d failed stores, %d deletes instead of demotions: want none failed and some deleted", failed, ts.DemotionDeletes)
+				}
+			} else if failed == 0 || st.Evictions != 0 || st.Entries != 4 {
+				t.Fatalf("%d failed stores, %d evictions, %d entries: want failures, no deletion, 4 entries", failed, st.Evictions, st.Entries)
+			}
+		})
+	}
+}
+
+// demotingPolicy is testPolicy with demotion: every victim on mount 0 is
+// demoted to mount 1.
+type demotingPolicy struct {
+	*testPolicy
+	deleteIfFull bool
+}
+
+func (p *demotingPolicy) Features() abi.Feature { return p.testPolicy.Features() | abi.FeatureDemote }
+
+func (p *demotingPolicy) Name(ctx context.Context, recs []abi.NameRecord) error {
+	err := p.testPolicy.Name(ctx, recs)
+	for i := range recs {
+		recs[i].Mount = 0
+	}
+	return err
+}
+
+func (p *demotingPolicy) UpdateMounts(context.Context, []abi.MountRecord) error { return nil }
+
+func (p *demotingPolicy) Tick(context.Context, abi.TickRequest, int) ([]abi.Move, error) {
+	return nil, nil
+}
+
+func (p *demotingPolicy) Evictions(ctx context.Context, req abi.EvictRequest, max int) ([]policy.Eviction, error) {
+	vs, err := p.Victims(ctx, req, max)
+	out := make([]policy.Eviction, len(vs))
+	for i, v := range vs {
+		out[i] = policy.Eviction{Victim: v, Target: abi.VictimTarget{Mount: abi.NoMount}}
+		if req.Mount == 0 {
+			out[i].Target.Mount = 1
+			if p.deleteIfFull {
+				out[i].Target.Flags = abi.MoveDeleteIfFull
+			}
+		}
+	}
+	return out, err
+}
+
+// TestDedupeAtOpen: two copies of one file on two mounts (a move killed
+// between its rename and the removal of its source) become one at Open:
+// one copy is kept, the key loads, the mounts account one file.
+func TestDedupeAtOpen(t *testing.T) {
+	ctx := context.Background()
+	g := smallGeometry(true)
+	hot, cold := t.TempDir(), t.TempDir()
+	pol := newTestPolicy(1, abi.OrderLayerMajor)
+	e := openEngine(t, Config{Mounts: []Mount{{Path: hot}}, Policy: pol})
+	ns, err := e.Declare(ctx, g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
+	keys := testKeys("dup", 1)
+	b := [][]int{{0, 1, 2, 3}}
+	c.fill(rand.New(rand.NewPCG(1, 2)), b[0])
+	want := [][]byte{c.data(b[0])}
+	storeAndCheck(t, e, c, keys, b)
+	e.Close(ctx)
+	files := dataFiles(t, hot)
+	if len(files) != 1 {
+		t.Fatalf("%d files", len(files))
+	}
+	rel, _ := filepath.Rel(hot, files[0])
+	data, err := os.ReadFile(files[0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	dst := filepath.Join(cold, rel)
+	if err := os.MkdirAll(filepath.Dir(dst), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(dst, data, 0o644); err != nil {
+		t.Fatal(err)
+	}
+
+	e = openEngine(t, Config{Mounts: []Mount{{Path: hot}, {Path: cold}}, Policy: newTestPolicy(1, abi.OrderLayerMajor)})
+	if ts := e.TierStats(); ts.Deduped != 1 {
+		t.Fatalf("%d copies removed, want 1", ts.Deduped)
+	}
+	// The newer copy is kept; file times are coarse (a clock tick), so
+	// the two may tie, and then the one on the first mount is kept.
+	kept := 1
+	if len(dataFiles(t, cold)) == 0 {
+		kept = 0
+	}
+	if len(dataFiles(t, hot))+len(dataFiles(t, cold)) != 1 {
+		t.Fatalf("files: hot %v, cold %v; want one copy", dataFiles(t, hot), dataFiles(t, cold))
+	}
+	if st := e.Stats(); st.Entries != 1 || st.Mounts[kept].Used != int64(len(data)) || st.Mounts[1-kept].Used != 0 {
+		t.Fatalf("stats %+v: want one entry, on mount %d", st.Mounts, kept)
+	}
+	if ns, err = e.Declare(ctx, g); err != nil {
+		t.Fatal(err)
+	}
+	c = newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
+	loadAndCompare(t, e, c, keys, [][]int{{4, 5, 6, 7}}, want)
+}
+
+// TestMountDescriptions: the policy receives every mount's description at
+// Open (capacity, watermarks, class, file system, backend) and an update
+// once usage changes.
+func TestMountDescriptions(t *testing.T) {
+	ctx := context.Background()
+	g := smallGeometry(true)
+	fileLen := 4096 + g.KeyBytes()
+	pol := &recordingPolicy{testPolicy: newTestPolicy(1, abi.OrderLayerMajor)}
+	dirs := []string{t.TempDir(), t.TempDir()}
+	e := openEngine(t, Config{Mounts: []Mount{{Path: dirs[0], Capacity: 10 * fileLen, DeviceClass: "nvme"}, {Path: dirs[1], Capacity: 20 * fileLen, DeviceClass: "network"}},
+		Policy: pol, MountUpdateInterval: time.Millisecond})
+	first := pol.last()
+	if len(first) != 2 {
+		t.Fatalf("%d mount records at Open, want 2", len(first))
+	}
+	for i, want := range []struct {
+		capacity int64
+		class    uint32
+	}{{10 * fileLen, abi.ClassNVMe}, {20 * fileLen, abi.ClassNetwork}} {
+		r := first[i]
+		if r.Mount != uint32(i) || r.Capacity != uint64(want.capacity) || r.Class != want.class || r.Used != 0 || r.Free != r.Capacity ||
+			r.High != uint64(float64(want.capacity)*0.95) || r.FSType == 0 || r.BackendString() != "staging" {
+			t.Errorf("mount %d: %+v (fs %q, backend %q)", i, r, r.FSNameString(), r.BackendString())
+		}
+	}
+	ns, err := e.Declare(ctx, g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
+	storeAndCheck(t, e, c, testKeys("desc", 1), [][]int{{0, 1, 2, 3}})
+	waitFor(t, "a mount update with the stored file", func() bool {
+		l := pol.last()
+		return len(l) == 2 && l[0].Entries+l[1].Entries == 1 && l[0].Used+l[1].Used == uint64(fileLen)
+	})
+}
+
+// recordingPolicy is testPolicy that keeps the mount descriptions.
+type recordingPolicy struct {
+	*testPolicy
+	mounts atomic.Pointer[[]abi.MountRecord]
+}
+
+func (p *recordingPolicy) UpdateMounts(_ context.Context, recs []abi.MountRecord) error {
+	c := append([]abi.MountRecord(nil), recs...)
+	p.mounts.Store(&c)
+	return nil
+}
+
+func (p *recordingPolicy) last() []abi.MountRecord {
+	if m := p.mounts.Load(); m != nil {
+		return *m
+	}
+	return nil
+}
+
+func (p *recordingPolicy) Evictions(ctx context.Context, req abi.EvictRequest, max int) ([]policy.Eviction, error) {
+	return nil, errors.New("recordingPolicy: no FeatureDemote, Evictions must not be called")
+}
+
+func (p *recordingPolicy) Tick(context.Context, abi.TickRequest, int) ([]abi.Move, error) {
+	return nil, errors.New("recordingPolicy: no FeatureTick, Tick must not be called")
+}
+
+// TestAdmissionChoosesMount: a policy with abi.FeatureAdmitMount sends a
+// file to another mount than its name's; the file is stored and loads from
+// there, at the same relative path.
+func TestAdmissionChoosesMount(t *testing.T) {
+	ctx := context.Background()
+	g := smallGeometry(true)
+	hot, cold := t.TempDir(), t.TempDir()
+	pol := &redirectingPolicy{testPolicy: newTestPolicy(1, abi.OrderLayerMajor)}
+	e := openEngine(t, Config{Mounts: []Mount{{Path: hot}, {Path: cold}}, Policy: pol})
+	ns, err := e.Declare(ctx, g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
+	keys := testKeys("adm", 2)
+	b := [][]int{{0, 1, 2, 3}, {4, 5, 6, 7}}
+	r := rand.New(rand.NewPCG(5, 6))
+	c.fill(r, b[0])
+	c.fill(r, b[1])
+	want := [][]byte{c.data(b[0]), c.data(b[1])}
+	storeAndCheck(t, e, c, keys, b)
+	for _, k := range keys {
+		if m := keyMount(e, ns, k); m != 1 {
+			t.Fatalf("key %s on mount %d, want 1 (admission's choice)", k, m)
+		}
+	}
+	if len(dataFiles(t, hot)) != 0 || len(dataFiles(t, cold)) != 2 {
+		t.Fatalf("files: hot %v, cold %v", dataFiles(t, hot), dataFiles(t, cold))
+	}
+	loadAndCompare(t, e, c, keys, [][]int{{8, 9, 10, 11}, {12, 13, 14, 15}}, want)
+}
+
+// redirectingPolicy names every key on mount 0 and admits it to mount 1.
+type redirectingPolicy struct{ *testPolicy }
+
+func (p *redirectingPolicy) Features() abi.Feature {
+	return p.testPolicy.Features() | abi.FeatureAdmitMount
+}
+
+func (p *redirectingPolicy) Name(ctx context.Context, recs []abi.NameRecord) error {
+	err := p.testPolicy.Name(ctx, recs)
+	for i := range recs {
+		recs[i].Mount = 0
+	}
+	return err
+}
+
+func (p *redirectingPolicy) Admit(ctx context.Context, recs []abi.AdmitRecord) error {
+	err := p.testPolicy.Admit(ctx, recs)
+	for i := range recs {
+		recs[i].Target = 1
+	}
+	return err
+}
+
+// The demotion crash test: a child process stores (and loads, for
+// promotions) through the tiered policy over a small hot mount and a cold
+// one, and is killed at a point of a move: while copying, before the
+// rename that publishes the copy, before the removal of the source, or at
+// a random time.
+const demoteChildEnv = "KVHOST_ENGINE_DEMOTE_CHILD"
+
+// Kill points of demoteChild (KVHOST_ENGINE_DEMOTE_CHILD_KILL).
+const (
+	killCopy    = "copy"    // a write of a copy on the cold mount
+	killPublish = "publish" // the rename of a copy onto the cold mount
+	killRemove  = "remove"  // the removal of a moved file's source
+	killRandom  = "random"  // the parent kills at a random time
+)
+
+func demoteMounts(dir string, fileLen int64) []Mount {
+	return []Mount{{Path: filepath.Join(dir, "hot"), Capacity: 6 * fileLen, HighWatermark: 0.9, LowWatermark: 0.5}, {Path: filepath.Join(dir, "cold")}}
+}
+
+func demoteGeometry() Geometry {
+	g := smallGeometry(true)
+	g.Layers = 16 // 512 KiB per key
+	return g
+}
+
+// demoteChild stores two keys per batch in a loop, printing each batch it
+// saw stored, and loads an older key twice every third batch (a
+// promotion), until it is killed. With a kill point it kills itself
+// (SIGKILL) at the nth operation of that kind.
+func demoteChild(dir string, start int, kill string, nth int) error {
+	ctx := context.Background()
+	g := demoteGeometry()
+	cold := filepath.Join(dir, "cold") + string(filepath.Separator)
+	hot := filepath.Join(dir, "hot") + string(filepath.Separator)
+	var seen atomic.Int64
+	die := func() {
+		if seen.Add(1) == int64(nth) {
+			syscall.Kill(os.Getpid(), syscall.SIGKILL)
+		}
+	}
+	inj := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+		name := filepath.Base(path)
+		switch {
+		case kill == killCopy && op == fsys.OpWrite && strings.HasPrefix(path, cold) && strings.HasPrefix(name, tmpPrefix):
+			die()
+		case kill == killPublish && op == fsys.OpRename && strings.HasPrefix(path, cold):
+			die()
+		case kill == killRemove && op == fsys.OpRemove && strings.HasPrefix(path, hot) && !strings.HasPrefix(name, "."):
+			die()
+		}
+		return fsys.Fault{}
+	})
+	params := map[string]string{"promote_hits": "2", "promote_window": "1m"}
+	e, err := Open(ctx, Config{Mounts: demoteMounts(dir, 4096+g.KeyBytes()), FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj}, IOWorkers: 2,
+		TickInterval: 2 * time.Millisecond, NewPolicy: func(idx policy.Index) (policy.Policy, error) {
+			return policy.NewNative(func() guest.Policy { return tiered.New() }, idx, policy.Config{Params: params})
+		}})
+	if err != nil {
+		return err
+	}
+	fmt.Printf("deduped %d\n", e.TierStats().Deduped)
+	ns, err := e.Declare(ctx, g)
+	if err != nil {
+		return err
+	}
+	c, err := makeTestCache(e, ns, g, 24, layoutPlaneFirst)
+	if err != nil {
+		return err
+	}
+	bpk := g.BlocksPerKey()
+	for batch := start; ; batch++ {
+		keys := testKeys(fmt.Sprintf("demote-%d", batch), 2)
+		blocks := blockLists(rand.New(rand.NewPCG(uint64(batch), 2)), 2, bpk, (batch%2)*2*bpk)
+		for i, k := range keys {
+			keyContent(c, k, blocks[i])
+		}
+		j, err := e.Store(ctx, StoreRequest{Cache: c.id, Keys: keys, Blocks: blocks})
+		if err != nil {
+			return err
+		}
+		res, err := j.Wait(ctx)
+		if err != nil {
+			return err
+		}
+		if res.Count(OutcomeStored)+res.Count(OutcomePresent) != 2 {
+			return fmt.Errorf("batch %d: %+v", batch, res)
+		}
+		fmt.Printf("stored %d\n", batch)
+		if batch%3 == 0 && batch-start >= 6 {
+			old := testKeys(fmt.Sprintf("demote-%d", batch-6), 1)
+			for range 2 {
+				if j, err := e.Load(ctx, LoadRequest{Cache: c.id, Keys: old, Blocks: [][]int{blockLists(rand.New(rand.NewPCG(1, 1)), 1, bpk, 4*bpk)[0]}}); err == nil {
+					j.Wait(ctx)
+				}
+			}
+		}
+	}
+}
+
+// TestCrashMidDemotion kills (SIGKILL) a process that stores through the
+// tiered policy while it demotes (and promotes): at a write of a copy,
+// before the rename that publishes it, before the removal of the source,
+// and at random times. Afterwards Open leaves no temporary file and no file
+// on both mounts, and every key the child saw stored loads byte-equal.
+func TestCrashMidDemotion(t *testing.T) {
+	dir := t.TempDir()
+	g := demoteGeometry()
+	stored := -1
+	modes := []string{killCopy, killPublish, killRemove, killRandom}
+	killedAt := map[string]int{}
+	onBoth := 0 // files the last round left on both mounts
+	for round := range 12 {
+		mode := modes[round%len(modes)]
+		nth := 1 + rand.IntN(4)
+		cmd := exec.Command(os.Args[0], "-test.run=^$")
+		cmd.Env = append(os.Environ(), demoteChildEnv+"="+dir, fmt.Sprintf("%s_START=%d", demoteChildEnv, stored+1),
+			demoteChildEnv+"_KILL="+mode, fmt.Sprintf("%s_NTH=%d", demoteChildEnv, nth))
+		out, err := cmd.StdoutPipe()
+		if err != nil {
+			t.Fatal(err)
+		}
+		var stderr bytes.Buffer
+		cmd.Stderr = &stderr
+		if err := cmd.Start(); err != nil {
+			t.Fatal(err)
+		}
+		timer := time.AfterFunc(60*time.Second, func() { cmd.Process.Kill() })
+		sc := bufio.NewScanner(out)
+		// The child's Open removes every second copy the last kill left.
+		if !sc.Scan() {
+			t.Fatalf("round %d: the child did not open: %s", round, stderr.String())
+		}
+		if n, err := strconv.Atoi(strings.TrimPrefix(sc.Text(), "deduped ")); err != nil || n < onBoth {
+			t.Fatalf("round %d: the child's Open says %q; %d files were on both mounts", round, sc.Text(), onBoth)
+		}
+		if mode == killRandom {
+			for sc.Scan() {
+				if n, err := strconv.Atoi(strings.TrimPrefix(sc.Text(), "stored ")); err == nil {
+					stored = max(stored, n)
+					break
+				}
+			}
+			time.Sleep(time.Duration(rand.IntN(20000)) * time.Microsecond)
+			cmd.Process.Signal(syscall.SIGKILL)
+		}
+		for sc.Scan() {
+			if n, err := strconv.Atoi(strings.TrimPrefix(sc.Text(), "stored ")); err == nil {
+				stored = max(stored, n)
+			}
+		}
+		err = cmd.Wait()
+		if !timer.Stop() {
+			t.Fatalf("round %d (%s): the child never reached its kill point in 60s: %s", round, mode, stderr.String())
+		}
+		var ee *exec.ExitError
+		if !errors.As(err, &ee) || ee.Sys().(syscall.WaitStatus).Signal() != syscall.SIGKILL {
+			t.Fatalf("round %d (%s): child ended with %v, not SIGKILL: %s", round, mode, err, stderr.String())
+		}
+		killedAt[mode]++
+		hot, cold := relFiles(t, filepath.Join(dir, "hot")), relFiles(t, filepath.Join(dir, "cold"))
+		both := 0
+		for rel := range hot {
+			if cold[rel] {
+				both++
+			}
+		}
+		switch tmp := len(leftovers(t, filepath.Join(dir, "cold"))); {
+		case (mode == killCopy || mode == killPublish) && tmp == 0:
+			t.Fatalf("round %d: killed at %s, but no copy in progress on the cold mount", round, mode)
+		case mode == killRemove && both == 0:
+			t.Fatalf("round %d: killed before removing a moved file's source, but no file is on both mounts", round)
+		}
+		onBoth = both
+		t.Logf("round %d: killed at %s #%d after batch %d; temporary files: %d", round, mode, nth, stored, len(leftovers(t, dir)))
+	}
+	if stored < 0 {
+		t.Fatal("the children stored nothing")
+	}
+
+	ctx := context.Background()
+	e := openEngine(t, Config{Mounts: demoteMounts(dir, 4096+g.KeyBytes()), NewPolicy: tieredPolicies(t, nil)["native-tiered"]})
+	if l := leftovers(t, dir); len(l) != 0 {
+		t.Fatalf("temporary files after Open: %v", l)
+	}
+	hot, cold := relFiles(t, filepath.Join(dir, "hot")), relFiles(t, filepath.Join(dir, "cold"))
+	for rel := range hot {
+		if cold[rel] {
+			t.Fatalf("%s is on both mounts after Open", rel)
+		}
+	}
+	if len(cold) == 0 {
+		t.Fatal("nothing was demoted")
+	}
+	st := e.Stats()
+	if st.Entries != len(hot)+len(cold) || st.Keys != st.Entries {
+		t.Fatalf("%d + %d files, the index has %d entries and %d keys", len(hot), len(cold), st.Entries, st.Keys)
+	}
+	ns, err := e.Declare(ctx, g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
+	want := newTestCache(t, e, ns, g, 8, layoutPlaneFirst)
+	bpk := g.BlocksPerKey()
+	blocks := []int{0, 1, 2, 3}[:bpk]
+	loaded := 0
+	for batch := 0; batch <= stored; batch++ {
+		for _, k := range testKeys(fmt.Sprintf("demote-%d", batch), 2) {
+			res := wait(t)(e.Load(ctx, LoadRequest{Cache: c.id, Keys: [][]byte{k}, Blocks: [][]int{blocks}}))
+			wantOutcomes(t, fmt.Sprintf("load of %s (batch %d, reported stored)", k, batch), res, OutcomeLoaded)
+			keyContent(want, k, blocks)
+			if !bytes.Equal(c.data(blocks), want.data(blocks)) {
+				t.Fatalf("key %s: loaded bytes differ", k)
+			}
+			loaded++
+		}
+	}
+	t.Logf("kills %v, %d keys loaded byte-equal, %d on the hot mount, %d on the cold one", killedAt, loaded, len(hot), len(cold))
+}
+
+// TestLoadsDuringDemotions looks up and loads stored keys in a loop while
+// stores demote files to the cold mount: a lookup or load never misses a
+// stored key (a key whose file moved between its lookup and its check or
+// pin is found at the new place; a pinned file is not moved) and a load
+// always gets its bytes. Every lookup checks the file (VerifyInterval 0).
+func TestLoadsDuringDemotions(t *testing.T) {
+	ctx := context.Background()
+	g := smallGeometry(true)
+	fileLen := 4096 + g.KeyBytes()
+	e := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir(), Capacity: 4 * fileLen, HighWatermark: 0.9, LowWatermark: 0.5}, {Path: t.TempDir()}},
+		NewPolicy: tieredPolicies(t, nil)["native-tiered"]})
+	ns, err := e.Declare(ctx, g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const n = 40
+	c := newTestCache(t, e, ns, g, 4*n+8, layoutPlaneFirst)
+	keys := testKeys("busy", n)
+	blocks := blockLists(rand.New(rand.NewPCG(7, 7)), n, g.BlocksPerKey(), 0)
+	want := make([][]byte, n)
+	for i := range keys {
+		keyContent(c, keys[i], blocks[i])
+		want[i] = c.data(blocks[i])
+	}
+	storeAndCheck(t, e, c, keys[:2], blocks[:2])
+	var stored atomic.Int64
+	stored.Store(2)
+	done := make(chan struct{})
+	loadErr := make(chan error, 1)
+	stopped := false
+	stop := func() error {
+		stopped = true
+		close(done)
+		return <-loadErr
+	}
+	defer func() {
+		if !stopped {
+			stop() // a failed store: the loader ends before the cache goes
+		}
+	}()
+	go func() {
+		defer close(loadErr)
+		into := [][]int{{4 * n, 4*n + 1, 4*n + 2, 4*n + 3}}
+		r := rand.New(rand.NewPCG(8, 8))
+		for {
+			select {
+			case <-done:
+				return
+			default:
+			}
+			i := r.IntN(int(stored.Load()))
+			if n, err := e.Lookup(ctx, ns, keys[i:i+1]); n != 1 || err != nil {
+				loadErr <- fmt.Errorf("lookup of stored key %d: %d, %v", i, n, err)
+				return
+			}
+			j, err := e.Load(ctx, LoadRequest{Cache: c.id, Keys: keys[i : i+1], Blocks: into})
+			if err == nil {
+				var res Result
+				if res, err = j.Wait(ctx); err == nil && res.Keys[0].Outcome != OutcomeLoaded {
+					err = fmt.Errorf("load of stored key %d: %v (%v)", i, res.Keys[0].Outcome, res.Keys[0].Err)
+				}
+			}
+			if err == nil && !bytes.Equal(c.data(into[0]), want[i]) {
+				err = fmt.Errorf("load of stored key %d: bytes differ", i)
+			}
+			if err != nil {
+				loadErr <- err
+				return
+			}
+		}
+	}()
+	for i := 2; i < n; i++ {
+		storeAndCheck(t, e, c, keys[i:i+1], blocks[i:i+1])
+		stored.Store(int64(i + 1))
+	}
+	if err := stop(); err != nil {
+		t.Fatal(err)
+	}
+	if ts := e.TierStats(); ts.Demotions < n/2 {
+		t.Fatalf("%d demotions of %d keys on a mount of 4 files", ts.Demotions, n)
+	}
+}
+
+// TestLookupDuringMove moves a key's file to the other mount between the
+// lookup's index read and its check of the file (the check's stat runs the
+// move first): the lookup still hits, at the new place, and nothing counts
+// the file as vanished.
+func TestLookupDuringMove(t *testing.T) {
+	ctx := context.Background()
+	g := smallGeometry(true)
+	var (
+		e     *Engine
+		armed atomic.Pointer[entry]
+		moved atomic.Bool
+	)
+	inj := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+		if en := armed.Load(); op == fsys.OpStat && en != nil && path == en.path && armed.CompareAndSwap(en, nil) {
+			_, err := e.move(ctx, en.id, 1, true)
+			moved.Store(err == nil)
+		}
+		return fsys.Fault{}
+	})
+	e = openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir()}, {Path: t.TempDir()}}, FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj},
+		Policy: &demotingPolicy{testPolicy: newTestPolicy(1, abi.OrderLayerMajor)}})
+	ns, err := e.Declare(ctx, g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
+	keys := testKeys("mid", 1)
+	storeAndCheck(t, e, c, keys, [][]int{{0, 1, 2, 3}})
+	e.mu.Lock()
+	en := e.byKey[keyID{e.nss[ns].fp, string(keys[0])}].e
+	e.mu.Unlock()
+	armed.Store(en)
+	if n, err := e.Lookup(ctx, ns, keys); n != 1 || err != nil {
+		t.Fatalf("lookup during a move: %d, %v; want a hit", n, err)
+	}
+	if !moved.Load() || keyMount(e, ns, keys[0]) != 1 {
+		t.Fatalf("the move did not happen (moved %v, mount %d)", moved.Load(), keyMount(e, ns, keys[0]))
+	}
+	if st := e.Stats(); st.Vanished != 0 || st.Entries != 1 {
+		t.Fatalf("%d vanished, %d entries; want 0 and 1", st.Vanished, st.Entries)
+	}
+}
+
+// TestDeleteDuringMove deletes a key while its file is being moved (after
+// the copy, before its rename): the delete wins, and neither the source
+// nor the copy survives on any mount.
+func TestDeleteDuringMove(t *testing.T) {
+	ctx := context.Background()
+	g := smallGeometry(true)
+	hot, cold := t.TempDir(), t.TempDir()
+	var (
+		e       *Engine
+		armed   atomic.Bool
+		deleted atomic.Int64
+		ns      NamespaceID
+	)
+	keys := testKeys("del", 1)
+	inj := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+		if op == fsys.OpRename && strings.HasPrefix(path, cold) && armed.CompareAndSwap(true, false) {
+			n, _ := e.Delete(ctx, ns, keys)
+			deleted.Store(int64(n))
+		}
+		return fsys.Fault{}
+	})
+	e = openEngine(t, Config{Mounts: []Mount{{Path: hot}, {Path: cold}}, FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj},
+		Policy: &demotingPolicy{testPolicy: newTestPolicy(1, abi.OrderLayerMajor)}})
+	var err error
+	if ns, err = e.Declare(ctx, g); err != nil {
+		t.Fatal(err)
+	}
+	c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
+	storeAndCheck(t, e, c, keys, [][]int{{0, 1, 2, 3}})
+	e.mu.Lock()
+	id := e.byKey[keyID{e.nss[ns].fp, string(keys[0])}].e.id
+	e.mu.Unlock()
+	armed.Store(true)
+	if _, err := e.move(ctx, id, 1, true); !errors.Is(err, errMoveStale) {
+		t.Fatalf("move of a file deleted during it: %v, want errMoveStale", err)
+	}
+	if deleted.Load() != 1 {
+		t.Fatalf("the delete during the move removed %d keys, want 1", deleted.Load())
+	}
+	if f := append(dataFiles(t, hot), dataFiles(t, cold)...); len(f) != 0 {
+		t.Fatalf("files left after the delete: %v", f)
+	}
+	if l := append(leftovers(t, hot), leftovers(t, cold)...); len(l) != 0 {
+		t.Fatalf("temporary files left: %v", l)
+	}
+	if st := e.Stats(); st.Entries != 0 || st.Mounts[0].Used != 0 || st.Mounts[1].Used != 0 {
+		t.Fatalf("stats after the delete: %d entries, used %d and %d", st.Entries, st.Mounts[0].Used, st.Mounts[1].Used)
+	}
+	if n, _ := e.Lookup(ctx, ns, keys); n != 0 {
+		t.Fatal("the deleted key is found")
+	}
+}
