@@ -43,6 +43,9 @@ func (e *Engine) ReplacePolicy(ctx context.Context, build func(idx policy.Index)
 	// to the old one; telling the new one again is harmless (a restore
 	// record of an entry it knows refreshes it).
 	e.restore(ctx)
+	if e.tier != nil {
+		e.sendMounts(ctx, true) // the new policy's first mount description (demote.go)
+	}
 	old.calls.Wait()
 	if old.owned {
 		if err := old.p.Close(context.WithoutCancel(ctx)); err != nil {
@@ -132,6 +135,44 @@ func (s *switchPolicy) Victims(ctx context.Context, req abi.EvictRequest, max in
 	return h.p.Victims(ctx, req, max)
 }
 
+// UpdateMounts implements policy.Tiering for the current policy (nothing
+// for a policy without it).
+func (s *switchPolicy) UpdateMounts(ctx context.Context, recs []abi.MountRecord) error {
+	h := s.acquire()
+	defer h.calls.Done()
+	if t, ok := h.p.(policy.Tiering); ok {
+		return t.UpdateMounts(ctx, recs)
+	}
+	return nil
+}
+
+// Evictions implements policy.Tiering: the current policy's victims, with
+// their targets when it has them.
+func (s *switchPolicy) Evictions(ctx context.Context, req abi.EvictRequest, max int) ([]policy.Eviction, error) {
+	h := s.acquire()
+	defer h.calls.Done()
+	if t, ok := h.p.(policy.Tiering); ok {
+		return t.Evictions(ctx, req, max)
+	}
+	vs, err := h.p.Victims(ctx, req, max)
+	out := make([]policy.Eviction, len(vs))
+	for i, v := range vs {
+		out[i] = policy.Eviction{Victim: v, Target: abi.VictimTarget{Mount: abi.NoMount}}
+	}
+	return out, err
+}
+
+// Tick implements policy.Tiering for the current policy (no moves for a
+// policy without it).
+func (s *switchPolicy) Tick(ctx context.Context, req abi.TickRequest, max int) ([]abi.Move, error) {
+	h := s.acquire()
+	defer h.calls.Done()
+	if t, ok := h.p.(policy.Tiering); ok {
+		return t.Tick(ctx, req, max)
+	}
+	return nil, nil
+}
+
 // Close closes the current policy if the engine owns it.
 func (s *switchPolicy) Close(ctx context.Context) error {
 	s.replaceMu.Lock() // a replacement in progress ends first
@@ -145,4 +186,7 @@ func (s *switchPolicy) Close(ctx context.Context) error {
 	return h.p.Close(ctx)
 }
 
-var _ policy.Policy = (*switchPolicy)(nil)
+var (
+	_ policy.Policy  = (*switchPolicy)(nil)
+	_ policy.Tiering = (*switchPolicy)(nil)
+)
