@@ -11,6 +11,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"time"
 
@@ -161,6 +162,13 @@ type Engine struct {
 	// NodeID names this node in temporary file names on shared mounts
 	// (default: the host name). Nodes sharing a mount need distinct ids.
 	NodeID string `toml:"node_id"`
+	// TickInterval is the period of the policy's tick hook (policies that
+	// declare it: ageing, promotion between mounts); 0 means 100ms, a
+	// negative duration never ticks.
+	TickInterval Duration `toml:"tick_interval"`
+	// MountUpdateInterval is how often, at most, changed mount
+	// descriptions are sent to a policy that asks for them; 0 means 1s.
+	MountUpdateInterval Duration `toml:"mount_update_interval"`
 }
 
 // Mount is one cache root.
@@ -178,6 +186,9 @@ type Mount struct {
 	// effective capacity is the smaller of Capacity and the file system's
 	// available space plus kvhost's own files, minus Reserve.
 	Reserve Size `toml:"reserve"`
+	// DeviceClass tells a tiering policy what the mount is: "memory",
+	// "nvme", "ssd", "hdd" or "network"; empty detects it.
+	DeviceClass string `toml:"device_class"`
 	// IO is "auto" (probe O_DIRECT, fall back to buffered; the default),
 	// "direct" or "buffered".
 	IO string `toml:"io"`
@@ -542,6 +553,8 @@ func (c *Config) Validate() error {
 			return bad("mount.reserve", "a size ≥ 0", m.Reserve)
 		case m.IO != "" && m.IO != "auto" && m.IO != "direct" && m.IO != "buffered":
 			return bad("mount.io", `"auto", "direct" or "buffered"`, fmt.Sprintf("%q", m.IO))
+		case !slices.Contains([]string{"", "memory", "nvme", "ssd", "hdd", "network"}, m.DeviceClass):
+			return bad("mount.device_class", `"memory", "nvme", "ssd", "hdd" or "network" (or nothing: detected)`, fmt.Sprintf("%q", m.DeviceClass))
 		case m.Layout != "" && m.Layout != LayoutKVHost && m.Layout != LayoutVLLMFS:
 			return bad("mount.layout", `"kvhost" or "vllm-fs"`, fmt.Sprintf("%q", m.Layout))
 		case m.Layout != LayoutVLLMFS && m.VLLMFS != nil:

@@ -132,7 +132,7 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 		}
 		mounts[i] = engine.Mount{
 			Path: m.Path, Capacity: capacity, HighWatermark: m.HighWatermark, LowWatermark: m.LowWatermark,
-			Reserve: int64(m.Reserve), IO: m.IO, NoChecksum: !m.Checksums(),
+			Reserve: int64(m.Reserve), IO: m.IO, NoChecksum: !m.Checksums(), DeviceClass: m.DeviceClass,
 		}
 		if m.Layout == config.LayoutVLLMFS {
 			v := m.VLLMFS
@@ -161,15 +161,17 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 		movers = d.trackChains(gp.movers())
 	}
 	ecfg := engine.Config{
-		Mounts:         mounts,
-		NewPolicy:      build.fn,
-		Fsync:          cfg.Engine.Fsync,
-		IOWorkers:      cfg.Engine.IOWorkers,
-		CPUs:           cfg.Engine.CPUs,
-		StagingBytes:   int64(cfg.Engine.StagingMemory),
-		VerifyInterval: time.Duration(cfg.Engine.VerifyInterval),
-		TempGrace:      time.Duration(cfg.Engine.TempGrace),
-		NodeID:         cfg.Engine.NodeID,
+		Mounts:              mounts,
+		NewPolicy:           build.fn,
+		Fsync:               cfg.Engine.Fsync,
+		IOWorkers:           cfg.Engine.IOWorkers,
+		CPUs:                cfg.Engine.CPUs,
+		StagingBytes:        int64(cfg.Engine.StagingMemory),
+		VerifyInterval:      time.Duration(cfg.Engine.VerifyInterval),
+		TempGrace:           time.Duration(cfg.Engine.TempGrace),
+		NodeID:              cfg.Engine.NodeID,
+		TickInterval:        time.Duration(cfg.Engine.TickInterval),
+		MountUpdateInterval: time.Duration(cfg.Engine.MountUpdateInterval),
 		// Node-local state next to the socket: a second daemon started by
 		// mistake stops here, before it touches a mount.
 		LockFile: cfg.Server.Socket + ".lock",
