@@ -8,12 +8,12 @@ short-lived table filled by a background thread (RETRY until the daemon
 has answered), stores and promotions run on worker threads that talk to
 the daemon and report through get_finished_jobs.
 
-Data path: ``copy`` (default) copies rows through a kvhost-registered
-memfd (staging); ``zero_copy="on"`` registers vLLM's own region with the
-daemon and names its rows directly. The latter works today when the
-region is a sealed memfd; vLLM's /dev/shm file needs a daemon that accepts
-plain shared-memory files (see docs/vllm.md). ``"auto"`` tries it and falls
-back to the copy. The interface is the same either way.
+Data path: ``zero_copy="auto"`` (default) registers vLLM's own region (a
+memfd or vLLM's /dev/shm file) with the daemon and names its rows
+directly, falling back to a copy through a kvhost-registered memfd
+(staging) where the region cannot be registered; ``"on"`` refuses the
+fallback, ``"off"`` always copies (see docs/vllm.md). The interface is the
+same either way.
 """
 
 import collections
@@ -37,7 +37,7 @@ _OWN_KEYS = {
     "namespace": "",
     "staging_bytes": 256 << 20,
     "threads": 4,
-    "zero_copy": "off",
+    "zero_copy": "auto",
     "lookup_ttl_s": 1.0,
     "lookup_wait_s": 0.0,
     "job_timeout_s": 60.0,
