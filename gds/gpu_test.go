@@ -202,80 +202,71 @@ func TestGPUCuFileRoundTripAndThroughput(t *testing.T) {
 		}
 		return pagedPlan(dev, rn.pages, uint64(i))
 	}
-	measure := func(rn run, write bool) float64 {
-		paths := make(chan int, rn.files)
+	// fanOut runs rn.jobs goroutines, each calling job with the queue of
+	// file indices 0..rn.files-1 they share, and returns the GB/s of the
+	// rn.files files of rn.pages 64 KiB pages over the wall time.
+	fanOut := func(rn run, job func(files <-chan int)) float64 {
+		files := make(chan int, rn.files)
 		for i := range rn.files {
-			paths <- i
+			files <- i
 		}
-		close(paths)
+		close(files)
 		var wg sync.WaitGroup
 		start := time.Now()
 		for range rn.jobs {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				for i := range paths {
-					f := open(filepath.Join(dir, fmt.Sprintf("%s-%d", rn.name, i)), !rn.buffered)
-					var err error
-					if write {
-						_, err = m.WriteFile(ctx, f, plan(rn, src, i), nil)
-					} else {
-						_, err = m.ReadFile(ctx, f, plan(rn, dst, i), nil)
-					}
-					f.Close()
-					if err != nil {
-						t.Error(err)
-						return
-					}
-				}
-			}()
+			wg.Go(func() { job(files) })
 		}
 		wg.Wait()
 		return float64(rn.files*rn.pages<<16) / time.Since(start).Seconds() / 1e9
 	}
-	// Ceiling: plain O_DIRECT pwrite/pread of the same sizes from host
-	// memory, same files, same concurrency.
-	ceiling := func(rn run, write bool) float64 {
-		paths := make(chan int, rn.files)
-		for i := range rn.files {
-			paths <- i
-		}
-		close(paths)
-		var wg sync.WaitGroup
-		start := time.Now()
-		for range rn.jobs {
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				buf, err := unix.Mmap(-1, 0, rn.pages<<16, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE)
+	measure := func(rn run, write bool) float64 {
+		return fanOut(rn, func(paths <-chan int) {
+			for i := range paths {
+				f := open(filepath.Join(dir, fmt.Sprintf("%s-%d", rn.name, i)), !rn.buffered)
+				var err error
+				if write {
+					_, err = m.WriteFile(ctx, f, plan(rn, src, i), nil)
+				} else {
+					_, err = m.ReadFile(ctx, f, plan(rn, dst, i), nil)
+				}
+				f.Close()
 				if err != nil {
 					t.Error(err)
 					return
 				}
-				defer unix.Munmap(buf)
-				for i := range paths {
-					fd, err := unix.Open(filepath.Join(dir, fmt.Sprintf("ceil-%s-%d", rn.name, i)), unix.O_RDWR|unix.O_CREAT|unix.O_DIRECT, 0o600)
+			}
+		})
+	}
+	// Ceiling: plain O_DIRECT pwrite/pread of the same sizes from host
+	// memory, same files, same concurrency.
+	ceiling := func(rn run, write bool) float64 {
+		return fanOut(rn, func(paths <-chan int) {
+			buf, err := unix.Mmap(-1, 0, rn.pages<<16, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE)
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			defer unix.Munmap(buf)
+			for i := range paths {
+				fd, err := unix.Open(filepath.Join(dir, fmt.Sprintf("ceil-%s-%d", rn.name, i)), unix.O_RDWR|unix.O_CREAT|unix.O_DIRECT, 0o600)
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				for off := 0; off < len(buf); off += 8 << 20 {
+					chunk := buf[off:min(off+8<<20, len(buf))]
+					if write {
+						_, err = unix.Pwrite(fd, chunk, int64(off))
+					} else {
+						_, err = unix.Pread(fd, chunk, int64(off))
+					}
 					if err != nil {
 						t.Error(err)
-						return
 					}
-					for off := 0; off < len(buf); off += 8 << 20 {
-						chunk := buf[off:min(off+8<<20, len(buf))]
-						if write {
-							_, err = unix.Pwrite(fd, chunk, int64(off))
-						} else {
-							_, err = unix.Pread(fd, chunk, int64(off))
-						}
-						if err != nil {
-							t.Error(err)
-						}
-					}
-					unix.Close(fd)
 				}
-			}()
-		}
-		wg.Wait()
-		return float64(rn.files*rn.pages<<16) / time.Since(start).Seconds() / 1e9
+				unix.Close(fd)
+			}
+		})
 	}
 	runs := []run{
 		{name: "32MiB-paged-j1", pages: 512, files: 8, jobs: 1},

@@ -4,7 +4,6 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"log/slog"
@@ -87,8 +86,7 @@ type checkOptions struct {
 // mount, printed as OK / INFO / WARN / FAIL lines with a fix for each
 // problem. It exits 1 when something FAILs.
 func runCheck(ctx context.Context, args []string, stdout, stderr io.Writer) int {
-	fs := flag.NewFlagSet("kvhost check", flag.ContinueOnError)
-	fs.SetOutput(stderr)
+	fs := newFlagSet("kvhost check", "usage: kvhost check [--config FILE] [--dir DIR]... [--speed] [--json]\n\nDiagnoses the GPU, cuFile and the mounts (docs/bench.md).", stderr)
 	var (
 		o                           checkOptions
 		cfgPath, cudaLib, cufileLib string
@@ -106,19 +104,8 @@ func runCheck(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	fs.BoolVar(&asJSON, "json", false, "print the findings as JSON")
 	fs.StringVar(&cudaLib, "cuda-library", "", "path of libcudart (default: the configuration's, else the usual places)")
 	fs.StringVar(&cufileLib, "cufile-library", "", "path of libcufile (default: the configuration's, else the usual places)")
-	fs.Usage = func() {
-		fmt.Fprintln(stderr, "usage: kvhost check [--config FILE] [--dir DIR]... [--speed] [--json]\n\nDiagnoses the GPU, cuFile and the mounts (docs/bench.md).\n\nflags:")
-		fs.PrintDefaults()
-	}
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return 0
-		}
-		return 2
-	}
-	if fs.NArg() > 0 {
-		fmt.Fprintf(stderr, "kvhost check: unexpected argument %q\n", fs.Arg(0))
-		return 2
+	if code, ok := parseFlagsOnly(fs, args, stderr); !ok {
+		return code
 	}
 	o.cfg = config.Default()
 	if cfgPath != "" {

@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"net"
@@ -163,23 +162,14 @@ func monotonicUsec() int64 {
 // went. Exit status 0: reloaded; 1: the reload failed (the daemon runs on
 // with its old configuration) or the daemon could not be reached.
 func runReload(ctx context.Context, args []string, stdout, stderr io.Writer) int {
-	fs := flag.NewFlagSet("kvhost reload", flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	socket := fs.String("socket", client.DefaultSocket(), "the daemon's Unix socket `path`")
-	timeout := fs.Duration("timeout", 2*time.Minute, "how long to wait for the reload")
-	fs.Usage = func() {
-		fmt.Fprintln(stderr, "usage: kvhost reload [--socket PATH] [--timeout D]\n\nReloads the daemon's configuration (SIGHUP) and reports the result.\n\nflags:")
-		fs.PrintDefaults()
+	fs := newFlagSet("kvhost reload", "usage: kvhost reload [--socket PATH] [--timeout D]\n\nReloads the daemon's configuration (SIGHUP) and reports the result.", stderr)
+	df := bindDaemonFlags(fs, 2*time.Minute, "how long to wait for the reload")
+	if code, ok := parseFlags(fs, args); !ok {
+		return code
 	}
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return 0
-		}
-		return 2
-	}
-	ctx, cancel := context.WithTimeout(ctx, *timeout)
+	ctx, cancel := df.withTimeout(ctx)
 	defer cancel()
-	if err := reloadDaemon(ctx, *socket, stdout); err != nil {
+	if err := reloadDaemon(ctx, *df.socket, stdout); err != nil {
 		fmt.Fprintf(stderr, "kvhost reload: %v\n", err)
 		return 1
 	}

@@ -4,7 +4,6 @@ import (
 	"context"
 	"crypto/sha256"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"log/slog"
@@ -48,22 +47,10 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	signal.Notify(sigs, syscall.SIGHUP, syscall.SIGQUIT, syscall.SIGUSR1, syscall.SIGUSR2, syscall.SIGPIPE)
 	defer signal.Stop(sigs)
 
-	fs := flag.NewFlagSet("kvhost serve", flag.ContinueOnError)
-	fs.SetOutput(stderr)
+	fs := newFlagSet("kvhost serve", "usage: kvhost [serve] [flags]\n\nRuns the kvhost daemon (docs/serve.md).", stderr)
 	flags := config.BindFlags(fs)
-	fs.Usage = func() {
-		fmt.Fprintln(stderr, "usage: kvhost [serve] [flags]\n\nRuns the kvhost daemon (docs/serve.md).\n\nflags:")
-		fs.PrintDefaults()
-	}
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return 0
-		}
-		return 2
-	}
-	if fs.NArg() > 0 {
-		fmt.Fprintf(stderr, "kvhost serve: unexpected argument %q\n", fs.Arg(0))
-		return 2
+	if code, ok := parseFlagsOnly(fs, args, stderr); !ok {
+		return code
 	}
 	cfg, err := flags.Load()
 	if err != nil {

@@ -3,8 +3,6 @@ package main
 import (
 	"context"
 	"encoding/json"
-	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"strings"
@@ -117,26 +115,15 @@ func queryStats(ctx context.Context, socket string) (statsReport, error) {
 
 // runStats implements `kvhost stats [--socket S] [--json]`.
 func runStats(ctx context.Context, args []string, stdout, stderr io.Writer) int {
-	fs := flag.NewFlagSet("kvhost stats", flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	socket := fs.String("socket", client.DefaultSocket(), "the daemon's Unix socket `path`")
+	fs := newFlagSet("kvhost stats", "usage: kvhost stats [--socket PATH] [--json]\n\nShows a running daemon's state.", stderr)
+	df := bindDaemonFlags(fs, 10*time.Second, "give up after this long")
 	asJSON := fs.Bool("json", false, "print JSON")
-	timeout := fs.Duration("timeout", 10*time.Second, "give up after this long")
-	fs.Usage = func() {
-		fmt.Fprintln(stderr, "usage: kvhost stats [--socket PATH] [--json]\n\nShows a running daemon's state.\n\nflags:")
-		fs.PrintDefaults()
+	if code, ok := parseFlags(fs, args); !ok {
+		return code
 	}
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return 0
-		}
-		return 2
-	}
-	ctx, cancel := context.WithTimeout(ctx, *timeout)
-	defer cancel()
-	r, err := queryStats(ctx, *socket)
+	r, err := df.stats(ctx)
 	if err != nil {
-		fmt.Fprintf(stderr, "kvhost stats: %s: %v\n", *socket, err)
+		fmt.Fprintf(stderr, "kvhost stats: %s: %v\n", *df.socket, err)
 		return 1
 	}
 	if *asJSON {

@@ -49,10 +49,8 @@ func countingLogger(t *testing.T, match string) (*slog.Logger, *atomic.Int64) {
 func TestStartOnFullFileSystem(t *testing.T) {
 	ctx := context.Background()
 	dir := t.TempDir()
-	g := smallGeometry(true)
 	e := openEngine(t, Config{Mounts: []Mount{{Path: dir}}, Policy: newTestPolicy(1, 0)})
-	ns, _ := e.Declare(ctx, g)
-	c := newTestCache(t, e, ns, g, 32, layoutPlaneFirst)
+	_, c := declareSmall(t, e, 32)
 	r := rand.New(rand.NewPCG(1, 2))
 	keys := testKeys("full", 2)
 	blocks := blockLists(r, 2, 4, 0)
@@ -77,8 +75,7 @@ func TestStartOnFullFileSystem(t *testing.T) {
 	if m := e2.Stats().Mounts[0]; m.IO != IOBuffered {
 		t.Fatalf("mount after a failed probe: %+v, want buffered", m)
 	}
-	ns2, _ := e2.Declare(ctx, g)
-	c2 := newTestCache(t, e2, ns2, g, 32, layoutPlaneFirst)
+	ns2, c2 := declareSmall(t, e2, 32)
 	if n, _ := e2.Lookup(ctx, ns2, keys); n != 2 {
 		t.Fatalf("lookup: %d", n)
 	}
@@ -130,9 +127,7 @@ func TestCapacityKnowsFileSystem(t *testing.T) {
 	if m := e.Stats().Mounts[0]; m.Capacity != 5<<19 || m.Configured != 1<<30 || m.Reserve != 512<<10 {
 		t.Fatalf("mount %+v, want capacity 2.5 MiB", m)
 	}
-	g := smallGeometry(true) // 128 KiB + 4 KiB per file
-	ns, _ := e.Declare(ctx, g)
-	c := newTestCache(t, e, ns, g, 64, layoutPlaneFirst)
+	_, c := declareSmall(t, e, 64) // 128 KiB + 4 KiB per file
 	for i := range 40 {
 		res := wait(t)(e.Store(ctx, StoreRequest{Cache: c.id, Keys: testKeys(fmt.Sprint("cap", i), 1), Blocks: [][]int{{0, 1, 2, 3}}}))
 		if k := res.Keys[0]; k.Outcome != OutcomeStored {
@@ -170,9 +165,7 @@ func TestENOSPCRetried(t *testing.T) {
 	ctx := context.Background()
 	inj := &enospcOnce{}
 	e := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir()}}, Policy: newTestPolicy(1, 0), FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj}})
-	g := smallGeometry(true)
-	ns, _ := e.Declare(ctx, g)
-	c := newTestCache(t, e, ns, g, 32, layoutPlaneFirst)
+	_, c := declareSmall(t, e, 32)
 	inj.armed.Store(true)
 	storeAndCheck(t, e, c, testKeys("once", 1), [][]int{{0, 1, 2, 3}})
 	if inj.fired.Load() != 1 {
@@ -196,11 +189,8 @@ func TestENOSPCRetried(t *testing.T) {
 func TestLoadRepeatedKey(t *testing.T) {
 	for _, kpf := range []uint32{1, 4} {
 		t.Run(fmt.Sprint("keys_per_file=", kpf), func(t *testing.T) {
-			ctx := context.Background()
 			e := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir()}}, Policy: newTestPolicy(kpf, 0)})
-			g := smallGeometry(true)
-			ns, _ := e.Declare(ctx, g)
-			c := newTestCache(t, e, ns, g, 64, layoutPlaneFirst)
+			_, c := declareSmall(t, e, 64)
 			r := rand.New(rand.NewPCG(4, 4))
 			keys := testKeys("dup", 2)
 			blocks := blockLists(r, 2, 4, 0)
@@ -225,9 +215,7 @@ func TestTruncatedFileIsCorrupt(t *testing.T) {
 	ctx := context.Background()
 	dir := t.TempDir()
 	e := openEngine(t, Config{Mounts: []Mount{{Path: dir}}, Policy: newTestPolicy(1, 0)})
-	g := smallGeometry(true)
-	ns, _ := e.Declare(ctx, g)
-	c := newTestCache(t, e, ns, g, 32, layoutPlaneFirst)
+	_, c := declareSmall(t, e, 32)
 	storeAndCheck(t, e, c, testKeys("trunc", 1), [][]int{{0, 1, 2, 3}})
 	files := dataFiles(t, dir)
 	if err := os.Truncate(files[0], 4096+8192); err != nil {
@@ -252,9 +240,7 @@ func TestCorruptFilesRemovedAtStart(t *testing.T) {
 	ctx := context.Background()
 	dir := t.TempDir()
 	e := openEngine(t, Config{Mounts: []Mount{{Path: dir}}, Policy: newTestPolicy(1, 0)})
-	g := smallGeometry(true)
-	ns, _ := e.Declare(ctx, g)
-	c := newTestCache(t, e, ns, g, 32, layoutPlaneFirst)
+	ns, c := declareSmall(t, e, 32)
 	keys := testKeys("cor", 3)
 	storeAndCheck(t, e, c, keys, [][]int{{0, 1, 2, 3}, {4, 5, 6, 7}, {8, 9, 10, 11}})
 	e.Close(ctx)
@@ -288,9 +274,7 @@ func TestDirectoryAtKeyPath(t *testing.T) {
 	ctx := context.Background()
 	dir := t.TempDir()
 	e := openEngine(t, Config{Mounts: []Mount{{Path: dir}}, Policy: newTestPolicy(1, 0)})
-	g := smallGeometry(true)
-	ns, _ := e.Declare(ctx, g)
-	c := newTestCache(t, e, ns, g, 32, layoutPlaneFirst)
+	ns, c := declareSmall(t, e, 32)
 	keys := testKeys("dir", 2)
 	_, paths, _, _ := e.names(ctx, e.nss[ns], keys[:1])
 	if err := os.MkdirAll(filepath.Join(paths[0], "sub"), 0o755); err != nil {
@@ -319,11 +303,8 @@ func TestDirectoryAtKeyPath(t *testing.T) {
 // products overflow or leave the region are refused by the engine itself
 // with ErrInvalid, never accepted to panic a worker later.
 func TestRegisterCacheOverflow(t *testing.T) {
-	ctx := context.Background()
 	e := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir()}}, Policy: newTestPolicy(1, 0)})
-	g := smallGeometry(true)
-	ns, _ := e.Declare(ctx, g)
-	c := newTestCache(t, e, ns, g, 8, layoutPlaneFirst)
+	ns, c := declareSmall(t, e, 8)
 	for _, tc := range []struct {
 		name string
 		mod  func(*LayerTensor)
@@ -356,9 +337,7 @@ func TestRebuildSeveralMounts(t *testing.T) {
 		mounts = append(mounts, Mount{Path: t.TempDir()})
 	}
 	e := openEngine(t, Config{Mounts: mounts, Policy: newTestPolicy(1, 0), NodeID: "n"})
-	g := smallGeometry(true)
-	ns, _ := e.Declare(ctx, g)
-	c := newTestCache(t, e, ns, g, 64, layoutPlaneFirst)
+	_, c := declareSmall(t, e, 64)
 	keys := testKeys("multi", 16)
 	storeAndCheck(t, e, c, keys, blockLists(rand.New(rand.NewPCG(1, 1)), 16, 4, 0))
 	e.Close(ctx)
@@ -376,4 +355,16 @@ func TestRebuildSeveralMounts(t *testing.T) {
 			t.Fatalf("leftovers of dead processes kept: %v", l)
 		}
 	}
+}
+
+// declareSmall declares smallGeometry(true) on e and registers a
+// plane-first cache of numBlocks blocks for it.
+func declareSmall(t *testing.T, e *Engine, numBlocks int) (NamespaceID, *testCache) {
+	t.Helper()
+	g := smallGeometry(true)
+	ns, err := e.Declare(context.Background(), g)
+	if err != nil {
+		t.Fatalf("declare %+v: %v", g, err)
+	}
+	return ns, newTestCache(t, e, ns, g, numBlocks, layoutPlaneFirst)
 }

@@ -22,6 +22,37 @@ func open(t *testing.T) *cuda.Runtime {
 	return rt
 }
 
+// exportAllocation allocates n bytes on device ordinal (on a worker of
+// that device) and returns the allocation and its IPC handle; the
+// allocation is freed, on that worker, when the test ends.
+func exportAllocation(t *testing.T, rt *cuda.Runtime, ordinal int, n int64) (*cuda.DeviceMemory, [cuda.IPCHandleSize]byte) {
+	t.Helper()
+	w, err := rt.NewWorker(ordinal)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { w.Close() })
+	ctx := context.Background()
+	var mem *cuda.DeviceMemory
+	var h [cuda.IPCHandleSize]byte
+	if err := w.Do(ctx, func(*cuda.Worker) error {
+		var err error
+		if mem, err = rt.Malloc(ordinal, n); err != nil {
+			return err
+		}
+		h, err = mem.IPCHandle()
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := w.Do(ctx, func(*cuda.Worker) error { return mem.Close() }); err != nil {
+			t.Errorf("free the exported allocation: %v", err)
+		}
+	})
+	return mem, h
+}
+
 func TestNewChecksDevices(t *testing.T) {
 	rt := open(t)
 	tests := []struct {
@@ -65,25 +96,8 @@ func TestOpenImportsOnTheNamedDevice(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer im.Close()
-	w, err := rt.NewWorker(1)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer w.Close()
 	ctx := context.Background()
-	var mem *cuda.DeviceMemory
-	var h [cuda.IPCHandleSize]byte
-	if err := w.Do(ctx, func(*cuda.Worker) error {
-		var err error
-		if mem, err = rt.Malloc(1, 1<<20); err != nil {
-			return err
-		}
-		h, err = mem.IPCHandle()
-		return err
-	}); err != nil {
-		t.Fatal(err)
-	}
-	defer w.Do(ctx, func(*cuda.Worker) error { return mem.Close() })
+	mem, h := exportAllocation(t, rt, 1, 1<<20)
 	if _, err := im.Open(ctx, 0, h, 0, 4096); err == nil || errors.Is(err, region.ErrBounds) {
 		t.Fatalf("device 1's handle opened on device 0: %v", err)
 	}
@@ -123,25 +137,8 @@ func TestOpenSharesOneImportPerAllocation(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer im.Close()
-	w, err := rt.NewWorker(0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer w.Close()
 	ctx := context.Background()
-	var mem *cuda.DeviceMemory
-	var h [cuda.IPCHandleSize]byte
-	if err := w.Do(ctx, func(*cuda.Worker) error {
-		var err error
-		if mem, err = rt.Malloc(0, 1<<20); err != nil {
-			return err
-		}
-		h, err = mem.IPCHandle()
-		return err
-	}); err != nil {
-		t.Fatal(err)
-	}
-	defer w.Do(ctx, func(*cuda.Worker) error { return mem.Close() })
+	mem, h := exportAllocation(t, rt, 0, 1<<20)
 	a, err := im.Open(ctx, 0, h, 0, 4096)
 	if err != nil {
 		t.Fatal(err)

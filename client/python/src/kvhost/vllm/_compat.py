@@ -14,6 +14,9 @@ import importlib.util
 import types
 import typing
 
+from ._common import (OffloadingEvent, RequestOffloadingContext, UnsupportedVLLM,  # noqa: F401 (re-exported)
+                      missing_features, unsupported, vllm_installed, vllm_version)
+
 # The window this package was written and tested against (by feature, not
 # version string: vLLM's main reports "dev" versions).
 SUPPORTED_WINDOW = (
@@ -22,10 +25,6 @@ SUPPORTED_WINDOW = (
     "SecondaryTierManager(offloading_spec, primary_kv_view, tier_type), TransferJob, "
     "JobResult(successful_keys=...), get_finished_jobs/drain_jobs/on_new_request, and "
     "vllm.v1.kv_offload.base.LookupResult with HIT, MISS and RETRY")
-
-
-class UnsupportedVLLM(RuntimeError):
-    """The installed vLLM lacks a feature the kvhost tier needs."""
 
 
 class LookupResult(enum.Enum):
@@ -44,20 +43,6 @@ class JobResult:
     transfer_time: typing.Optional[float] = None
 
 
-@dataclasses.dataclass
-class OffloadingEvent:
-    """Fallback of vLLM's OffloadingEvent (used only without vLLM)."""
-    keys: list
-    medium: object
-    removed: bool
-    locality: object = None
-
-
-@dataclasses.dataclass
-class RequestOffloadingContext:
-    """Fallback of vLLM's RequestOffloadingContext (used only without vLLM)."""
-
-
 class SecondaryTierManager:
     """Fallback base class (used only without vLLM)."""
 
@@ -74,49 +59,24 @@ FALLBACK = types.SimpleNamespace(
     SecondaryTierManager=SecondaryTierManager, Medium=None)
 
 
-def _has_field(cls, name):
-    if dataclasses.is_dataclass(cls):
-        return any(f.name == name for f in dataclasses.fields(cls))
-    import inspect
-    try:
-        return name in inspect.signature(cls).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 def check_api(api):
     """Raises UnsupportedVLLM unless api (a namespace of vLLM's classes, or
     stand-ins of them) has every feature the tier uses."""
-    missing = []
-    for name in ("LookupResult", "JobResult", "OffloadingEvent", "SecondaryTierManager"):
-        if getattr(api, name, None) is None:
-            missing.append(name)
-    lr = getattr(api, "LookupResult", None)
-    if lr is not None:
-        for m in ("HIT", "MISS", "RETRY"):
-            if not hasattr(lr, m):
-                missing.append(f"LookupResult.{m}")
-    jr = getattr(api, "JobResult", None)
-    if jr is not None and not _has_field(jr, "successful_keys"):
-        missing.append("JobResult.successful_keys")
+    missing = missing_features(api, ("LookupResult", "JobResult", "OffloadingEvent", "SecondaryTierManager"),
+                               members={"LookupResult": ("HIT", "MISS", "RETRY")},
+                               fields={"JobResult": ("successful_keys",)})
     if getattr(api, "TransferJob", None) is None and api is not FALLBACK:
         missing.append("TransferJob")
     if missing:
-        raise UnsupportedVLLM(
-            f"kvhost.vllm: this vLLM ({getattr(api, 'name', '?')}) lacks {', '.join(missing)}; "
-            f"supported: {SUPPORTED_WINDOW}")
+        raise unsupported(api, missing, SUPPORTED_WINDOW)
 
 
 def detect():
     """Returns the vLLM classes the tier uses (a namespace), FALLBACK when
     vLLM is not installed; raises UnsupportedVLLM for a vLLM outside the
     window."""
-    try:
-        if importlib.util.find_spec("vllm") is None:
-            return FALLBACK
-    except (ImportError, ValueError):
+    if not vllm_installed():
         return FALLBACK
-    version = "unknown version"
     try:
         if importlib.util.find_spec("vllm.v1.kv_offload.tiering.base") is None:
             raise ImportError("no module vllm.v1.kv_offload.tiering.base")
@@ -125,13 +85,8 @@ def detect():
     except ImportError as e:
         raise UnsupportedVLLM(f"kvhost.vllm: the installed vLLM has no usable secondary-tier "
                               f"interface ({e}); supported: {SUPPORTED_WINDOW}") from e
-    try:
-        from importlib import metadata
-        version = metadata.version("vllm")
-    except Exception:  # a source checkout has no metadata: the name stays generic
-        pass
     api = types.SimpleNamespace(
-        name=f"vllm {version}",
+        name=f"vllm {vllm_version()}",
         LookupResult=getattr(base, "LookupResult", None) or getattr(tier, "LookupResult", None),
         JobResult=getattr(tier, "JobResult", None),
         TransferJob=getattr(tier, "TransferJob", None),

@@ -20,7 +20,9 @@ import typing
 
 from .. import protocol as p
 from ..client import Geometry
-from ._compat import UnsupportedVLLM
+from ._common import (OffloadingEvent, RequestOffloadingContext, UnsupportedVLLM,  # noqa: F401 (re-exported)
+                      daemon_key, merge_options, missing_features, pick_medium, unsupported,
+                      vllm_installed, vllm_version)
 
 SPEC_WINDOW = (
     "vLLM with the full offloading-spec interface of main 2026-08-17 (commit 017e9f44, between "
@@ -65,20 +67,6 @@ class TransferResult:
     transfer_time: typing.Optional[float] = None
 
 
-@dataclasses.dataclass
-class OffloadingEvent:
-    """Fallback of vLLM's OffloadingEvent."""
-    keys: list
-    medium: object
-    removed: bool
-    locality: object = None
-
-
-@dataclasses.dataclass
-class RequestOffloadingContext:
-    """Fallback of vLLM's RequestOffloadingContext."""
-
-
 SPEC_FALLBACK = types.SimpleNamespace(
     name="standalone (vLLM not installed)", LookupResult=LookupResult,
     PrepareStoreOutput=PrepareStoreOutput, TransferResult=TransferResult,
@@ -89,29 +77,19 @@ SPEC_FALLBACK = types.SimpleNamespace(
 
 def check_spec_api(api):
     """Raises UnsupportedVLLM unless api has what the spec uses."""
-    missing = [n for n in ("LookupResult", "PrepareStoreOutput", "TransferResult", "OffloadingEvent")
-               if getattr(api, n, None) is None]
-    lr = getattr(api, "LookupResult", None)
-    if lr is not None:
-        missing += [f"LookupResult.{m}" for m in ("HIT", "MISS", "RETRY") if not hasattr(lr, m)]
-    tr = getattr(api, "TransferResult", None)
-    if tr is not None:
-        from ._compat import _has_field
-        missing += [f"TransferResult.{f}" for f in ("transfer_size", "transfer_time") if not _has_field(tr, f)]
+    missing = missing_features(api, ("LookupResult", "PrepareStoreOutput", "TransferResult", "OffloadingEvent"),
+                               members={"LookupResult": ("HIT", "MISS", "RETRY")},
+                               fields={"TransferResult": ("transfer_size", "transfer_time")})
     if api is not SPEC_FALLBACK and getattr(api, "OffloadingSpec", None) is None:
         missing.append("OffloadingSpec")
     if missing:
-        raise UnsupportedVLLM(f"kvhost.vllm: this vLLM ({getattr(api, 'name', '?')}) lacks "
-                              f"{', '.join(missing)}; supported: {SPEC_WINDOW}")
+        raise unsupported(api, missing, SPEC_WINDOW)
 
 
 def detect_spec():
     """The vLLM classes the spec uses (a namespace); SPEC_FALLBACK without
     vLLM; UnsupportedVLLM for a vLLM outside the window."""
-    try:
-        if importlib.util.find_spec("vllm") is None:
-            return SPEC_FALLBACK
-    except (ImportError, ValueError):
+    if not vllm_installed():
         return SPEC_FALLBACK
     found = {}
     for mod in _MODULES:
@@ -124,13 +102,7 @@ def detect_spec():
         for n in _NAMES:
             if n not in found and getattr(m, n, None) is not None:
                 found[n] = getattr(m, n)
-    version = "unknown version"
-    try:
-        from importlib import metadata
-        version = metadata.version("vllm")
-    except Exception:  # a source checkout has no metadata
-        pass
-    api = types.SimpleNamespace(name=f"vllm {version}", **{n: found.get(n) for n in _NAMES})
+    api = types.SimpleNamespace(name=f"vllm {vllm_version()}", **{n: found.get(n) for n in _NAMES})
     check_spec_api(api)
     return api
 
@@ -205,12 +177,7 @@ def extra_config_of(config):
 
 def options(config):
     extra = extra_config_of(config)
-    unknown = sorted(set(extra) - set(OPTIONS) - IGNORED)
-    if unknown:
-        raise ValueError(f"kvhost.vllm: unknown spec option(s) {', '.join(unknown)}; known: "
-                         f"{', '.join(sorted(OPTIONS))}")
-    o = dict(OPTIONS)
-    o.update({k: v for k, v in extra.items() if k in OPTIONS})
+    o = merge_options(extra, OPTIONS, IGNORED, "spec")
     if not o["socket"]:
         from .tier import default_socket
         o["socket"] = default_socket()
@@ -337,24 +304,6 @@ def geometry(desc):
 def key_group(key):
     """The KV-cache group of an OffloadKey: its last 4 bytes, big-endian."""
     return int.from_bytes(bytes(key)[-4:], "big") if len(key) >= 4 else 0
-
-
-def daemon_key(key):
-    """The daemon's key for an OffloadKey (hashed when longer than 64 bytes)."""
-    key = bytes(key)
-    if len(key) <= p.MAX_KEY_LEN:
-        return key
-    return b"\xffkvhost-sha256:" + hashlib.sha256(key).digest()
-
-
-def pick_medium(api):
-    medium = getattr(api, "Medium", None)
-    if medium is None:
-        return "KVHOST"
-    for n in ("DISK", "STORAGE", "FS", "FILE"):
-        if hasattr(medium, n):
-            return getattr(medium, n)
-    return "KVHOST"
 
 
 def worker_rank(config, opts):

@@ -16,21 +16,9 @@ import time
 from .. import protocol as p
 from ..client import Client, ConnectionLost, KvhostError, Layer
 from . import spec_compat as sc
+from ._common import mapping_of as _mapping_of
 
 log = logging.getLogger("kvhost.vllm")
-
-
-def _mapping_of(addr, length):
-    """The /proc/self/maps entry holding [addr, addr+length): (start, end,
-    file offset, path)."""
-    with open("/proc/self/maps") as f:
-        for line in f:
-            parts = line.split(None, 5)
-            lo, hi = (int(x, 16) for x in parts[0].split("-"))
-            if lo <= addr and addr + length <= hi:
-                path = parts[5].strip() if len(parts) > 5 else ""
-                return lo, hi, int(parts[2], 16), path
-    return None
 
 
 class _Transfer:

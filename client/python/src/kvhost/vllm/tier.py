@@ -29,6 +29,7 @@ from .. import protocol as p
 from ..client import Client, KvhostError, Layer
 from ..memory import HostBuffer
 from . import _compat, _namespace
+from ._common import daemon_key as _daemon_key, mapping_of as _mapping_of, merge_options, pick_medium as _pick_medium
 
 log = logging.getLogger("kvhost.vllm")
 
@@ -82,12 +83,7 @@ def _size(name, v):
 
 
 def _options(own):
-    unknown = sorted(set(own) - set(_OWN_KEYS) - _IGNORED_KEYS)
-    if unknown:
-        raise ValueError(f"kvhost.vllm: unknown tier option(s) {', '.join(unknown)}; "
-                         f"known: {', '.join(sorted(_OWN_KEYS))}")
-    o = dict(_OWN_KEYS)
-    o.update({k: v for k, v in own.items() if k in _OWN_KEYS})
+    o = merge_options(own, _OWN_KEYS, _IGNORED_KEYS, "tier")
     o["socket"] = o["socket"] or default_socket()
     o["staging_bytes"] = _size("staging_bytes", o["staging_bytes"])
     zc = o["zero_copy"]
@@ -101,42 +97,6 @@ def _options(own):
         if not isinstance(o[k], (int, float)) or o[k] < 0:
             raise ValueError(f"kvhost.vllm: {k}: want seconds >= 0, got {o[k]!r}")
     return o
-
-
-def _daemon_key(k):
-    k = bytes(k)
-    if len(k) <= p.MAX_KEY_LEN:
-        return k
-    import hashlib
-    return b"\xffkvhost-sha256:" + hashlib.sha256(k).digest()
-
-
-def _pick_medium(api, name):
-    """The medium events name: vLLM's Medium member called name (or the first
-    of DISK, STORAGE, FS, FILE that exists), else the plain string."""
-    medium = getattr(api, "Medium", None)
-    if medium is None:
-        return name or "KVHOST"
-    for n in [name] if name else ["DISK", "STORAGE", "FS", "FILE"]:
-        if hasattr(medium, n):
-            return getattr(medium, n)
-    if name:
-        raise ValueError(f"kvhost.vllm: medium {name!r} is not a member of vLLM's Medium "
-                         f"({', '.join(m.name for m in medium)})")
-    return "KVHOST"
-
-
-def _mapping_of(addr, length):
-    """The /proc/self/maps entry holding [addr, addr+length): (start, end,
-    file offset, path)."""
-    with open("/proc/self/maps") as f:
-        for line in f:
-            parts = line.split(None, 5)
-            lo, hi = (int(x, 16) for x in parts[0].split("-"))
-            if lo <= addr and addr + length <= hi:
-                path = parts[5].strip() if len(parts) > 5 else ""
-                return lo, hi, int(parts[2], 16), path
-    return None
 
 
 class _TierImpl:

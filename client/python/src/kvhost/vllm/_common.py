@@ -1,0 +1,138 @@
+"""Helpers shared by the secondary tier (``tier``, ``_compat``) and the
+offloading spec (``spec``, ``spec_compat``, ``spec_worker``): finding
+vLLM and checking its classes, the fallback types both use without vLLM,
+the daemon key of a vLLM key, the medium events name, and the memory
+mapping behind an address.
+
+Importing this module imports nothing of vLLM.
+"""
+
+import dataclasses
+import hashlib
+import importlib.util
+import inspect
+import typing
+
+from .. import protocol as p
+
+
+class UnsupportedVLLM(RuntimeError):
+    """The installed vLLM lacks a feature the kvhost tier or spec needs."""
+
+
+@dataclasses.dataclass
+class OffloadingEvent:
+    """Fallback of vLLM's OffloadingEvent (used only without vLLM)."""
+    keys: list
+    medium: object
+    removed: bool
+    locality: object = None
+
+
+@dataclasses.dataclass
+class RequestOffloadingContext:
+    """Fallback of vLLM's RequestOffloadingContext (used only without vLLM)."""
+
+
+def vllm_installed():
+    """Whether a vllm package can be imported (without importing it)."""
+    try:
+        return importlib.util.find_spec("vllm") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def vllm_version():
+    """The installed vLLM's version, "unknown version" when its metadata
+    cannot say (a source checkout)."""
+    try:
+        from importlib import metadata
+        return metadata.version("vllm")
+    except Exception:  # a source checkout has no metadata: the name stays generic
+        return "unknown version"
+
+
+def has_field(cls, name):
+    """Whether cls (a dataclass or any class) takes name as a field or a
+    constructor parameter."""
+    if dataclasses.is_dataclass(cls):
+        return any(f.name == name for f in dataclasses.fields(cls))
+    try:
+        return name in inspect.signature(cls).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def missing_features(api, classes, members: typing.Mapping = None, fields: typing.Mapping = None):
+    """What api (a namespace of vLLM's classes or stand-ins) lacks, in
+    order: each of classes that is absent, then each "Class.member" of
+    members (class name -> attribute names) and each "Class.field" of fields
+    (class name -> constructor fields) of a class that is present."""
+    missing = [n for n in classes if getattr(api, n, None) is None]
+    for n, names in (members or {}).items():
+        c = getattr(api, n, None)
+        if c is not None:
+            missing += [f"{n}.{m}" for m in names if not hasattr(c, m)]
+    for n, names in (fields or {}).items():
+        c = getattr(api, n, None)
+        if c is not None:
+            missing += [f"{n}.{f}" for f in names if not has_field(c, f)]
+    return missing
+
+
+def unsupported(api, missing, window):
+    """The UnsupportedVLLM error for an api that lacks missing (names),
+    naming the supported window."""
+    return UnsupportedVLLM(f"kvhost.vllm: this vLLM ({getattr(api, 'name', '?')}) lacks "
+                           f"{', '.join(missing)}; supported: {window}")
+
+
+def merge_options(given, defaults, ignored, what):
+    """defaults (a dict) updated by the entries of given that it names; an
+    entry neither in defaults nor in ignored is a ValueError naming every
+    such one (what: "tier" or "spec", the kind of option)."""
+    unknown = sorted(set(given) - set(defaults) - set(ignored))
+    if unknown:
+        raise ValueError(f"kvhost.vllm: unknown {what} option(s) {', '.join(unknown)}; "
+                         f"known: {', '.join(sorted(defaults))}")
+    o = dict(defaults)
+    o.update({k: v for k, v in given.items() if k in defaults})
+    return o
+
+
+def daemon_key(key):
+    """The daemon's key for a vLLM key (hashed when longer than the
+    daemon's maximum key length)."""
+    key = bytes(key)
+    if len(key) <= p.MAX_KEY_LEN:
+        return key
+    return b"\xffkvhost-sha256:" + hashlib.sha256(key).digest()
+
+
+def pick_medium(api, name=None):
+    """The medium events name: vLLM's Medium member called name (or the
+    first of DISK, STORAGE, FS, FILE that exists), else the plain string
+    (name, or "KVHOST"). A name that is not a member is a ValueError."""
+    medium = getattr(api, "Medium", None)
+    if medium is None:
+        return name or "KVHOST"
+    for n in [name] if name else ["DISK", "STORAGE", "FS", "FILE"]:
+        if hasattr(medium, n):
+            return getattr(medium, n)
+    if name:
+        raise ValueError(f"kvhost.vllm: medium {name!r} is not a member of vLLM's Medium "
+                         f"({', '.join(m.name for m in medium)})")
+    return "KVHOST"
+
+
+def mapping_of(addr, length):
+    """The /proc/self/maps entry holding [addr, addr+length): (start, end,
+    file offset, path); None when no one mapping holds it."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(None, 5)
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if lo <= addr and addr + length <= hi:
+                path = parts[5].strip() if len(parts) > 5 else ""
+                return lo, hi, int(parts[2], 16), path
+    return None

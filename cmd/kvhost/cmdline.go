@@ -1,0 +1,81 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"time"
+
+	"github.com/kvhost/kvhost/client"
+)
+
+// newFlagSet is the flag set of the subcommand name ("kvhost stats"): its
+// errors go to stderr, and its usage prints usage (the synopsis and a
+// sentence or two, without a trailing newline) followed by the flags.
+func newFlagSet(name, usage string, stderr io.Writer) *flag.FlagSet {
+	fs := flag.NewFlagSet(name, flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.Usage = func() {
+		fmt.Fprintln(stderr, usage+"\n\nflags:")
+		fs.PrintDefaults()
+	}
+	return fs
+}
+
+// parseFlags parses args into fs. When ok is false the command is over
+// and exits with code: 0 after --help, 2 after a bad flag (fs has said
+// which).
+func parseFlags(fs *flag.FlagSet, args []string) (code int, ok bool) {
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return 0, false
+		}
+		return 2, false
+	}
+	return 0, true
+}
+
+// parseFlagsOnly is parseFlags for a command that takes no positional
+// arguments: the first one left after the flags is a usage error (exit 2),
+// named on stderr.
+func parseFlagsOnly(fs *flag.FlagSet, args []string, stderr io.Writer) (code int, ok bool) {
+	if code, ok := parseFlags(fs, args); !ok {
+		return code, false
+	}
+	if fs.NArg() > 0 {
+		fmt.Fprintf(stderr, "%s: unexpected argument %q\n", fs.Name(), fs.Arg(0))
+		return 2, false
+	}
+	return 0, true
+}
+
+// daemonFlags are the flags of a command that talks to a running daemon:
+// its socket and how long the whole command may take.
+type daemonFlags struct {
+	socket  *string
+	timeout *time.Duration
+}
+
+// bindDaemonFlags defines --socket (default client.DefaultSocket()) and
+// --timeout (default timeout, described by timeoutUsage) on fs.
+func bindDaemonFlags(fs *flag.FlagSet, timeout time.Duration, timeoutUsage string) daemonFlags {
+	return daemonFlags{
+		socket:  fs.String("socket", client.DefaultSocket(), "the daemon's Unix socket `path`"),
+		timeout: fs.Duration("timeout", timeout, timeoutUsage),
+	}
+}
+
+// withTimeout is ctx limited by --timeout.
+func (f daemonFlags) withTimeout(ctx context.Context) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(ctx, *f.timeout)
+}
+
+// stats asks the daemon behind --socket for its Stats (queryStats) within
+// --timeout.
+func (f daemonFlags) stats(ctx context.Context) (statsReport, error) {
+	ctx, cancel := f.withTimeout(ctx)
+	defer cancel()
+	return queryStats(ctx, *f.socket)
+}

@@ -1,0 +1,64 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"io"
+	"strings"
+	"testing"
+)
+
+// TestSubcommandFlagHandling checks the shared flag handling of the
+// subcommands: --help prints the usage and the flags and exits 0, a bad
+// flag exits 2, and a stray positional argument exits 2 (naming it) where
+// the command takes none.
+func TestSubcommandFlagHandling(t *testing.T) {
+	cmds := []struct {
+		name  string
+		run   func(ctx context.Context, args []string, stdout, stderr io.Writer) int
+		usage string
+		flag  string // a flag the command defines, shown by --help
+	}{
+		{"health", runHealth, "usage: kvhost health", "-allow-fallback"},
+		{"stats", runStats, "usage: kvhost stats", "-json"},
+		{"reload", runReload, "usage: kvhost reload", "-timeout"},
+		{"check", runCheck, "usage: kvhost check", "-speed"},
+		{"serve", runServe, "usage: kvhost [serve]", "-config"},
+	}
+	for _, c := range cmds {
+		t.Run(c.name+"/help", func(t *testing.T) {
+			var out, errb bytes.Buffer
+			if code := c.run(t.Context(), []string{"--help"}, &out, &errb); code != 0 {
+				t.Fatalf("--help: exit %d, want 0; stderr:\n%s", code, errb.String())
+			}
+			for _, want := range []string{c.usage, "\n\nflags:\n", c.flag} {
+				if !strings.Contains(errb.String(), want) {
+					t.Errorf("--help output lacks %q:\n%s", want, errb.String())
+				}
+			}
+		})
+		t.Run(c.name+"/bad flag", func(t *testing.T) {
+			var out, errb bytes.Buffer
+			if code := c.run(t.Context(), []string{"--no-such-flag"}, &out, &errb); code != 2 {
+				t.Fatalf("bad flag: exit %d, want 2; stderr:\n%s", code, errb.String())
+			}
+			if !strings.Contains(errb.String(), "no-such-flag") {
+				t.Errorf("stderr does not name the bad flag:\n%s", errb.String())
+			}
+		})
+	}
+	for _, c := range cmds {
+		if c.name != "check" && c.name != "serve" {
+			continue
+		}
+		t.Run(c.name+"/stray argument", func(t *testing.T) {
+			var out, errb bytes.Buffer
+			if code := c.run(t.Context(), []string{"stray"}, &out, &errb); code != 2 {
+				t.Fatalf("stray argument: exit %d, want 2; stderr:\n%s", code, errb.String())
+			}
+			if want := `kvhost ` + c.name + `: unexpected argument "stray"`; !strings.Contains(errb.String(), want) {
+				t.Errorf("stderr lacks %q:\n%s", want, errb.String())
+			}
+		})
+	}
+}
