@@ -352,7 +352,13 @@ func Parse(name string, src []byte) (Config, error) {
 	if err != nil {
 		var pe toml.ParseError
 		if errors.As(err, &pe) {
-			return Config{}, fmt.Errorf("%w: %s:%d: %s", ErrInvalid, name, pe.Position.Line, pe.Message)
+			// A value our types refused (sizes, durations, modes) carries
+			// our own error; name the key it was given for.
+			msg := strings.TrimPrefix(pe.Message, ErrInvalid.Error()+": ")
+			if pe.LastKey != "" && !strings.Contains(msg, pe.LastKey) {
+				msg = pe.LastKey + ": " + msg
+			}
+			return Config{}, fmt.Errorf("%w: %s:%d: %s", ErrInvalid, name, pe.Position.Line, msg)
 		}
 		// Type mismatches read "toml: line N (last key "k"): message".
 		msg := strings.TrimPrefix(err.Error(), "toml: ")

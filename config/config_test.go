@@ -121,8 +121,8 @@ func TestParseErrors(t *testing.T) {
 	}{
 		{"syntax", "[server\nsocket = 1", "kvhost.toml:2"},
 		{"unknown key", "[server]\nsokcet = \"/x\"", `kvhost.toml:2: unknown key "server.sokcet"`},
-		{"bad size", "[policy]\nmemory_limit = \"lots\"", `size "lots"`},
-		{"bad duration", "[policy]\ncall_timeout = \"soon\"", `duration "soon"`},
+		{"bad size", "[policy]\nmemory_limit = \"lots\"", `kvhost.toml:2: policy.memory_limit: size "lots"`},
+		{"bad duration", "[policy]\ncall_timeout = \"soon\"", `kvhost.toml:2: policy.call_timeout: duration "soon"`},
 		{"bad mode", "[server]\nsocket_mode = \"999\"", `file mode "999"`},
 		{"range", "[policy]\n\nshards = 65", "kvhost.toml:3: policy.shards: want between 0 (automatic) and 64, got 65"},
 		{"relative mount", "[[mount]]\npath = \"rel\"", `kvhost.toml:2: mount.path: want an absolute directory path, got "rel"`},
