@@ -17,7 +17,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"hash/crc32"
 	"io"
 	"sync"
 
@@ -332,8 +331,6 @@ func (m *Mover) submit(ctx context.Context, dev *device, st *stage, h2d bool) er
 	}
 }
 
-var castagnoli = crc32.MakeTable(crc32.Castagnoli)
-
 // sum folds bytes [lo, hi) of the chunk's data (buffer b, data starting
 // at lead) into their checksum slots.
 func sum(c *chunk, b []byte, lead, lo, hi int, sums []uint32) {
@@ -343,7 +340,7 @@ func sum(c *chunk, b []byte, lead, lo, hi int, sums []uint32) {
 		}
 		s, e := max(lo, p.bufOff), min(hi, p.bufOff+p.n)
 		if s < e {
-			sums[p.sum] = crc32.Update(sums[p.sum], castagnoli, b[lead+s:lead+e])
+			sums[p.sum] = staging.UpdateCRC32C(sums[p.sum], b[lead+s:lead+e])
 		}
 	}
 }

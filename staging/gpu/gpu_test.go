@@ -22,6 +22,9 @@ import (
 	"github.com/kvhost/kvhost/transfer"
 )
 
+// castagnoli is the CRC-32C table the expected checksums are computed with.
+var castagnoli = crc32.MakeTable(crc32.Castagnoli)
+
 type env struct {
 	r    *cuda.Runtime
 	fake *cudatest.Fake
