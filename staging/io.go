@@ -257,7 +257,7 @@ func sum(spans []Span, sums []uint32) {
 	}
 	for _, s := range spans {
 		if s.Sum >= 0 {
-			sums[s.Sum] = crc32.Update(sums[s.Sum], castagnoli, s.Buf)
+			sums[s.Sum] = UpdateCRC32C(sums[s.Sum], s.Buf)
 		}
 	}
 }
@@ -288,7 +288,7 @@ func (c *cursor) move(buf []byte, out bool) int {
 			k = copy(s.Buf[c.off:], buf[n:])
 		}
 		if c.sums != nil && s.Sum >= 0 {
-			c.sums[s.Sum] = crc32.Update(c.sums[s.Sum], castagnoli, s.Buf[c.off:c.off+k])
+			c.sums[s.Sum] = UpdateCRC32C(c.sums[s.Sum], s.Buf[c.off:c.off+k])
 		}
 		n += k
 		c.off += k

@@ -171,7 +171,9 @@ func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 		all(OutcomeMissing, fmt.Errorf("%w: %w: %s was replaced by a file of another geometry: %w", ErrNotFound, ErrMismatch, en.path, format.ErrFingerprint))
 		return
 	}
-	if id, err := fileIdentity(f); err == nil && !en.sameFile(id, h) {
+	// One fstat serves both checks below.
+	id, idErr := fileIdentity(f)
+	if idErr == nil && !en.sameFile(id, h) {
 		// Another file at the path (another node published there, maybe
 		// at the same inode): the entry goes; the file is indexed anew if
 		// it holds what is asked, and read below like any file.
@@ -183,7 +185,7 @@ func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 	}
 	// A file shorter than its header says was truncated behind our back:
 	// corrupt, whatever the keys asked.
-	if id, err := fileIdentity(f); err == nil && id.Size < h.FileLen() {
+	if idErr == nil && id.Size < h.FileLen() {
 		err := fmt.Errorf("%w: %s: %d bytes, the header says %d", ErrCorrupt, en.path, id.Size, h.FileLen())
 		corrupt(err)
 		all(OutcomeFailed, err)

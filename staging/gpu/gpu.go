@@ -17,9 +17,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"hash/crc32"
 	"io"
 	"sync"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/kvhost/kvhost/internal/cuda"
 	"github.com/kvhost/kvhost/internal/fsys"
@@ -330,8 +331,6 @@ func (m *Mover) submit(ctx context.Context, dev *device, st *stage, h2d bool) er
 	}
 }
 
-var castagnoli = crc32.MakeTable(crc32.Castagnoli)
-
 // sum folds bytes [lo, hi) of the chunk's data (buffer b, data starting
 // at lead) into their checksum slots.
 func sum(c *chunk, b []byte, lead, lo, hi int, sums []uint32) {
@@ -341,15 +340,43 @@ func sum(c *chunk, b []byte, lead, lo, hi int, sums []uint32) {
 		}
 		s, e := max(lo, p.bufOff), min(hi, p.bufOff+p.n)
 		if s < e {
-			sums[p.sum] = crc32.Update(sums[p.sum], castagnoli, b[lead+s:lead+e])
+			sums[p.sum] = staging.UpdateCRC32C(sums[p.sum], b[lead+s:lead+e])
 		}
 	}
 }
 
-// fuseBatch: without O_DIRECT, a chunk's system calls are cut into pieces
-// of this size, each checksummed right after the kernel copied it, while
-// it is in cache (as package staging does).
+// fuseBatch: where the kernel's transfer is a CPU copy (buffered I/O, or
+// any I/O to a memory file system), a chunk's system calls are cut into
+// pieces of this size, each checksummed right after the kernel copied it,
+// while it is in cache (as package staging does). It is a multiple of
+// Align, so that direct pieces stay aligned.
 const fuseBatch = 256 << 10
+
+// Magic numbers of memory file systems (statfs f_type).
+const (
+	tmpfsMagic = 0x01021994
+	ramfsMagic = 0x858458f6
+)
+
+// fuses reports whether a transfer of f with these options checksums each
+// piece right after its system call (fused) rather than each chunk after
+// its one large system call. It is fused unless the file is open with
+// O_DIRECT on a device: there the DMA leaves no bytes in the CPU's cache,
+// and large requests serve the device best. A memory file system (tmpfs,
+// which accepts O_DIRECT since Linux 6.6) copies with the CPU either way,
+// so a direct file there is fused too: checksumming a 4 MiB chunk after
+// its read would be a second pass over memory. One fstatfs per file; a
+// file whose descriptor cannot say is treated as a device.
+func fuses(f fsys.File, direct bool) bool {
+	if !direct {
+		return true
+	}
+	var st unix.Statfs_t
+	if err := unix.Fstatfs(int(f.Fd()), &st); err != nil {
+		return false
+	}
+	return st.Type == tmpfsMagic || st.Type == ramfsMagic
+}
 
 // WriteFile gathers the plan's device extents into pinned buffers and
 // writes them to f, checksumming on the way.
@@ -374,6 +401,7 @@ func (m *Mover) run(ctx context.Context, f fsys.File, p *transfer.Plan, sums []u
 	if err != nil || len(chunks) == 0 {
 		return 0, err
 	}
+	fused := sums != nil && fuses(f, p.Direct)
 	var queue []*stage
 	// drain waits for every stage in flight and frees its buffer.
 	drain := func() error {
@@ -414,7 +442,7 @@ func (m *Mover) run(ctx context.Context, f fsys.File, p *transfer.Plan, sums []u
 				err = ctx.Err()
 			}
 			if err == nil {
-				err = m.writeChunk(f, st, sums, p.Direct)
+				err = m.writeChunk(f, st, sums, fused)
 			}
 			m.bufs <- st.buf
 			if err != nil {
@@ -449,7 +477,7 @@ func (m *Mover) run(ctx context.Context, f fsys.File, p *transfer.Plan, sums []u
 			}
 		}
 		st := &stage{c: &chunks[k], buf: i, done: make(chan error, 1)}
-		if err := m.readChunk(f, st, sums, p.Direct); err != nil {
+		if err := m.readChunk(f, st, sums, fused); err != nil {
 			m.bufs <- i
 			return 0, errors.Join(err, drain())
 		}
@@ -466,13 +494,14 @@ func (m *Mover) run(ctx context.Context, f fsys.File, p *transfer.Plan, sums []u
 	return total, nil
 }
 
-// writeChunk writes a gathered chunk and checksums it.
-func (m *Mover) writeChunk(f fsys.File, st *stage, sums []uint32, direct bool) error {
+// writeChunk writes a gathered chunk and checksums it: fused, piece by
+// piece right after each write (fuses).
+func (m *Mover) writeChunk(f fsys.File, st *stage, sums []uint32, fused bool) error {
 	b, _ := m.buf(st.buf)
 	c := st.c
 	n := int(c.end - c.off)
 	step := n
-	if sums != nil && !direct {
+	if fused {
 		step = fuseBatch
 	}
 	for lo := 0; lo < n; lo += step {
@@ -487,29 +516,29 @@ func (m *Mover) writeChunk(f fsys.File, st *stage, sums []uint32, direct bool) e
 	return nil
 }
 
-// readChunk reads a chunk's (aligned) range and checksums its bytes.
-func (m *Mover) readChunk(f fsys.File, st *stage, sums []uint32, direct bool) error {
+// readChunk reads a chunk's (aligned) range and checksums its bytes:
+// fused, piece by piece right after each read (fuses), else after the
+// chunk's one read.
+func (m *Mover) readChunk(f fsys.File, st *stage, sums []uint32, fused bool) error {
 	b, _ := m.buf(st.buf)
 	c := st.c
 	lead := int(c.off - c.aoff)
 	need := int(c.end - c.aoff) // the bytes that must be in the file
 	span := int(c.aend - c.aoff)
-	if sums == nil || direct {
-		if err := readAtLeast(f, b[:span], need, c.aoff); err != nil {
-			return err
-		}
-		if sums != nil {
-			sum(c, b, lead, 0, int(c.end-c.off), sums)
-		}
-		return nil
+	step := span
+	if fused {
+		step = fuseBatch
 	}
+	// Pieces start at multiples of step and end there or at span: aligned
+	// when the chunk is (direct I/O). The last piece may reach past need
+	// (the aligned tail of a direct read past the end of file).
 	for lo := 0; lo < need; {
-		hi := min(need, lo+fuseBatch)
-		if err := readAtLeast(f, b[lo:hi], hi-lo, c.aoff+int64(lo)); err != nil {
+		hi := min(span, lo+step)
+		if err := readAtLeast(f, b[lo:hi], min(need, hi)-lo, c.aoff+int64(lo)); err != nil {
 			return err
 		}
-		// Data bytes of this piece: buffer [lo, hi) minus the lead.
-		if s, e := max(lo, lead)-lead, hi-lead; s < e {
+		// Data bytes of this piece: buffer [lo, min(hi, need)) minus the lead.
+		if s, e := max(lo, lead)-lead, min(hi, need)-lead; sums != nil && s < e {
 			sum(c, b, lead, s, e, sums)
 		}
 		lo = hi

@@ -4,12 +4,15 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"hash/crc32"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
 	"sync"
 	"syscall"
 	"testing"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/kvhost/kvhost/internal/cuda"
 	"github.com/kvhost/kvhost/internal/cuda/cudatest"
@@ -18,6 +21,9 @@ import (
 	"github.com/kvhost/kvhost/staging"
 	"github.com/kvhost/kvhost/transfer"
 )
+
+// castagnoli is the CRC-32C table the expected checksums are computed with.
+var castagnoli = crc32.MakeTable(crc32.Castagnoli)
 
 type env struct {
 	r    *cuda.Runtime
@@ -68,12 +74,91 @@ func testGeometry() geometry {
 
 func createFile(t *testing.T, name string) fsys.File {
 	t.Helper()
-	f, err := fsys.OS{}.OpenFile(filepath.Join(t.TempDir(), name), os.O_RDWR|os.O_CREATE, 0o644)
+	return createFileIn(t, t.TempDir(), name, 0)
+}
+
+// createFileIn creates name in dir with the extra open flags flag.
+func createFileIn(t *testing.T, dir, name string, flag int) fsys.File {
+	t.Helper()
+	f, err := fsys.OS{}.OpenFile(filepath.Join(dir, name), os.O_RDWR|os.O_CREATE|flag, 0o644)
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { f.Close() })
 	return f
+}
+
+// fsDir returns a fresh directory on a memory file system (memory) or on
+// one that is not, where O_DIRECT files can be opened, or skips the test
+// naming what is missing.
+func fsDir(t *testing.T, memory bool) string {
+	t.Helper()
+	base := os.TempDir()
+	if memory {
+		base = "/dev/shm"
+	}
+	var st unix.Statfs_t
+	if err := unix.Statfs(base, &st); err != nil {
+		t.Skipf("no %s: %v", base, err)
+	}
+	if isMem := st.Type == tmpfsMagic || st.Type == ramfsMagic; isMem != memory {
+		t.Skipf("%s: memory file system %v, want %v", base, isMem, memory)
+	}
+	dir, err := os.MkdirTemp(base, "kvhost-gpu-test-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	probe, err := os.OpenFile(filepath.Join(dir, "probe"), os.O_RDWR|os.O_CREATE|unix.O_DIRECT, 0o644)
+	if err != nil {
+		t.Skipf("%s refuses O_DIRECT: %v", base, err)
+	}
+	probe.Close()
+	return dir
+}
+
+// TestFusedUnlessDirectToADevice: checksums are fused with the system
+// calls for buffered files and for O_DIRECT files on a memory file system
+// (a CPU copy either way), not for O_DIRECT files on a device, nor for a
+// descriptor fstatfs cannot name.
+func TestFusedUnlessDirectToADevice(t *testing.T) {
+	cases := []struct {
+		name   string
+		memory bool
+		direct bool
+		want   bool
+	}{
+		{"buffered-disk", false, false, true},
+		{"direct-disk", false, true, false},
+		{"buffered-tmpfs", true, false, true},
+		{"direct-tmpfs", true, true, true},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			flag := 0
+			if c.direct {
+				flag = unix.O_DIRECT
+			}
+			f := createFileIn(t, fsDir(t, c.memory), "f", flag)
+			if got := fuses(f, c.direct); got != c.want {
+				t.Fatalf("fuses = %v, want %v", got, c.want)
+			}
+		})
+	}
+	t.Run("closed-descriptor", func(t *testing.T) {
+		f := createFile(t, "closed")
+		r, err := fsys.OS{}.OpenFile(filepath.Join(os.TempDir(), "."), os.O_RDONLY, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		r.Close()
+		if fuses(r, true) {
+			t.Fatalf("fuses = true for a closed descriptor")
+		}
+		if !fuses(f, false) {
+			t.Fatalf("fuses = false for a buffered file")
+		}
+	})
 }
 
 // TestRoundTripScatteredPlan stores a key's scattered pages to a file and
@@ -90,12 +175,19 @@ func TestRoundTripScatteredPlan(t *testing.T) {
 		direct bool
 		nosums bool
 		chunk  int
+		// fs: "" a file opened buffered in t.TempDir(); "tmpfs" or "disk"
+		// an O_DIRECT file (direct) on a memory file system (fused
+		// checksums) or not (a checksum pass per chunk).
+		fs string
 	}{
-		{"batch", cuda.CopyBatch, false, false, 0},
-		{"segments", cuda.CopySegments, false, false, 0},
-		{"batch-direct", cuda.CopyBatch, true, false, 0},
-		{"segments-direct-small-chunks", cuda.CopySegments, true, false, 3 * Align},
-		{"batch-no-checksums", cuda.CopyBatch, false, true, 1 << 20},
+		{"batch", cuda.CopyBatch, false, false, 0, ""},
+		{"segments", cuda.CopySegments, false, false, 0, ""},
+		{"batch-direct", cuda.CopyBatch, true, false, 0, ""},
+		{"segments-direct-small-chunks", cuda.CopySegments, true, false, 3 * Align, ""},
+		{"batch-no-checksums", cuda.CopyBatch, false, true, 1 << 20, ""},
+		{"batch-o-direct-tmpfs", cuda.CopyBatch, true, false, 0, "tmpfs"},
+		{"batch-o-direct-tmpfs-odd-chunks", cuda.CopyBatch, true, false, 67 * Align, "tmpfs"},
+		{"batch-o-direct-disk", cuda.CopyBatch, true, false, 0, "disk"},
 	}
 	for i, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -109,13 +201,18 @@ func TestRoundTripScatteredPlan(t *testing.T) {
 			blocks := keyBlocks(rand.New(rand.NewPCG(uint64(i), 2)), g.numBlocks, g.blocksPerKey)
 			p := kv.plan(blocks, c.direct)
 			wantFile, wantSums := expect(p, host)
-			f := createFile(t, "key")
+			var f fsys.File
+			if c.fs == "" {
+				f = createFile(t, "key")
+			} else {
+				f = createFileIn(t, fsDir(t, c.fs == "tmpfs"), "key", unix.O_DIRECT)
+			}
 			sums := make([]uint32, p.Sums)
 			n, err := m.WriteFile(context.Background(), f, p, sums)
 			if err != nil || n != p.Bytes() {
 				t.Fatalf("WriteFile = %d, %v; want %d", n, err, p.Bytes())
 			}
-			got := make([]byte, len(wantFile))
+			got := staging.AlignedBuffer(len(wantFile))
 			if _, err := f.ReadAt(got, int64(g.headerBytes)); err != nil {
 				t.Fatal(err)
 			}
@@ -375,5 +472,52 @@ func TestNewRejectsBadConfig(t *testing.T) {
 			m.Close()
 			t.Errorf("New(%+v) succeeded", c)
 		}
+	}
+}
+
+// TestUnalignedDirectLoadFromTmpfs loads byte ranges that start and end
+// inside 4 KiB blocks from an O_DIRECT file on a memory file system (fused
+// pieces, an aligned read around the range, a lead to skip): the device
+// gets the file's bytes and the checksum is CRC-32C of exactly them.
+func TestUnalignedDirectLoadFromTmpfs(t *testing.T) {
+	e := newEnv(t)
+	g := testGeometry()
+	kv := newCache(t, e.w, g)
+	f := createFileIn(t, fsDir(t, true), "key", unix.O_DIRECT)
+	file := staging.AlignedBuffer(2 << 20)
+	rnd := rand.New(rand.NewPCG(7, 7))
+	for i := range file {
+		file[i] = byte(rnd.Uint32())
+	}
+	if _, err := f.WriteAt(file, 0); err != nil {
+		t.Fatal(err)
+	}
+	cases := []struct {
+		name     string
+		off, len int64
+		chunk    int
+	}{
+		{"inside-one-piece", 100, 3000, 0},
+		{"across-pieces", 4096 + 17, 700 << 10, 0},
+		{"across-chunks", 123, 1<<20 - 5, 67 * Align},
+		{"to-the-end", 2<<20 - 9999, 9999, 0},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			m := e.mover(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, Chunk: c.chunk})
+			kv.poison(t, e.w)
+			p := &transfer.Plan{Sums: 1, Direct: true, Extents: []transfer.Extent{{FileOff: c.off, Region: kv.layers[0], Len: c.len, Sum: 0}}}
+			sums := make([]uint32, 1)
+			if n, err := m.ReadFile(context.Background(), f, p, sums); err != nil || n != c.len {
+				t.Fatalf("ReadFile = %d, %v; want %d", n, err, c.len)
+			}
+			want := file[c.off : c.off+c.len]
+			if got := kv.get(t, e.w, 0)[:c.len]; !bytes.Equal(got, want) {
+				t.Fatalf("loaded bytes differ from the file's")
+			}
+			if w := crc32.Checksum(want, castagnoli); sums[0] != w {
+				t.Fatalf("checksum %08x, want %08x", sums[0], w)
+			}
+		})
 	}
 }
