@@ -73,11 +73,14 @@ func checkRuns(t *testing.T, rep *bench.Report, want int, mover string) {
 		if x.GBps <= 0 || x.Ceiling.GBps <= 0 || x.Ceiling.Name == "" || x.Ceiling.Threads != x.Jobs {
 			t.Errorf("run %+v: want a throughput and a ceiling measured with as many threads as jobs", x)
 		}
-		// The same-threads fraction may pass 1 (the engine spreads one
-		// job over its I/O workers); the fraction of the best ceiling
-		// over every thread count is the bounded one.
-		if x.Fraction <= 0 || x.FractionBest <= 0 || x.FractionBest > 2 || x.FractionBest > x.Fraction+1e-9 {
-			t.Errorf("run %s %s %d jobs: fraction %.3f, of the best ceiling %.3f; want the latter in (0, 2] and at most the former", x.Path, x.Direction, x.Jobs, x.Fraction, x.FractionBest)
+		// Both fractions are measured, so their values depend on the
+		// machine's load (a ceiling caught by background work can put
+		// either above 1; performance is judged by benchmarks, not
+		// here). What holds on any machine: both are positive, and the
+		// best ceiling over every thread count is at least the
+		// same-threads one, so its fraction is at most the other.
+		if x.Fraction <= 0 || x.FractionBest <= 0 || x.FractionBest > x.Fraction+1e-9 {
+			t.Errorf("run %s %s %d jobs: fraction %.3f, of the best ceiling %.3f; want both positive and the latter at most the former", x.Path, x.Direction, x.Jobs, x.Fraction, x.FractionBest)
 		}
 		if x.CeilingBest.GBps < x.Ceiling.GBps || x.CeilingBest.Name != x.Ceiling.Name {
 			t.Errorf("run %+v: best ceiling %+v below its own", x, x.CeilingBest)
