@@ -64,7 +64,13 @@ fuzz: wasm
 	@for t in $(FUZZ_TARGETS); do \
 		pkg=$${t%%:*}; fn=$${t##*:}; \
 		echo "fuzz $$pkg $$fn for $(FUZZTIME)"; \
-		$(GO) test -run '^$$' -fuzz "^$$fn\$$" -fuzztime $(FUZZTIME) $$pkg || exit 1; \
+		out=$$($(GO) test -run '^$$' -fuzz "^$$fn\$$" -fuzztime $(FUZZTIME) $$pkg 2>&1); rc=$$?; echo "$$out"; \
+		if [ $$rc -ne 0 ]; then \
+			if echo "$$out" | grep -q 'context deadline exceeded' && ! echo "$$out" | grep -q 'Failing input written'; then \
+				echo "fuzz $$pkg $$fn: the fuzzer's coordinator timed out stopping its workers (a loaded machine), no failing input; running it again"; \
+				$(GO) test -run '^$$' -fuzz "^$$fn\$$" -fuzztime $(FUZZTIME) $$pkg || exit 1; \
+			else exit 1; fi; \
+		fi; \
 	done
 
 test: tools build wasm lint
