@@ -7,10 +7,13 @@
 // per-device worker thread, with cudaMemcpyBatchAsync or one
 // cudaMemcpyAsync per segment) while the job's goroutine checksums and
 // writes chunk i from another; a load reads and checksums chunk i+1 while
-// chunk i is scattered to the device. File I/O is one large system call
-// per chunk (4 MiB by default, 4 KiB-aligned; O_DIRECT when the plan says so:
-// pinned buffers are page-aligned). The pinned pool is allocated and
-// registered once, when the Mover is made, never per request.
+// chunk i is scattered to the device. File I/O to a device with O_DIRECT
+// is one large system call per chunk (4 MiB by default, 4 KiB-aligned:
+// pinned buffers are page-aligned); to a memory file system or through
+// the page cache, reads go in 256 KiB pieces, and so do writes with
+// checksums, each piece checksummed right after its system call (fuses).
+// The pinned pool is allocated and registered once, when the Mover is
+// made, never per request.
 package gpu
 
 import (
