@@ -18,7 +18,7 @@ import (
 // BenchmarkTmpfsDirect measures the mover on CPU (the fake CUDA library:
 // "device" memory is host memory, copies are memcpy) storing and loading
 // 32 MiB keys of the paged layout to and from O_DIRECT files on tmpfs,
-// checksums on, against the host ceiling of the same run: plain pwrite
+// checksums on and off, against the host ceiling of the same run: plain pwrite
 // (pread) of the same files, whole, with the same number of threads, into
 // pinned buffers. The GPU copy here is a CPU copy too, so the fraction is
 // lower than on a GPU machine; what it shows is the mover's own overhead
@@ -60,18 +60,33 @@ func BenchmarkTmpfsDirect(b *testing.B) {
 	if _, err := hostPass(r, paths, keyBytes, g, jobs, true, true); err != nil { // create, fault pages in
 		b.Fatal(err)
 	}
-	m, err := New(Config{Runtime: r, Devices: []int{0}, MaxStaging: 64 << 20})
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer m.Close()
-	for _, write := range []bool{true, false} {
-		name := "load"
-		if write {
-			name = "store"
+	for _, sums := range []bool{true, false} {
+		m, err := New(Config{Runtime: r, Devices: []int{0}, MaxStaging: 64 << 20, NoChecksums: !sums})
+		if err != nil {
+			b.Fatal(err)
 		}
+		defer m.Close()
+		for _, write := range []bool{true, false} {
+			name := "load"
+			if write {
+				name = "store"
+			}
+			if sums {
+				name += "/sums=on"
+			} else {
+				name += "/sums=off"
+			}
+			benchTmpfsDirect(b, name, r, m, paths, plans, keyBytes, g, jobs, write)
+		}
+	}
+}
+
+// benchTmpfsDirect is one sub-benchmark of BenchmarkTmpfsDirect.
+func benchTmpfsDirect(b *testing.B, name string, r *cuda.Runtime, m *Mover, paths []string, plans []*transfer.Plan, keyBytes int64, g geometry, jobs int, write bool) {
+	files := len(paths)
+	{
 		b.Run(name, func(b *testing.B) {
-			b.SetBytes(files * keyBytes)
+			b.SetBytes(int64(files) * keyBytes)
 			var mv, ceil time.Duration
 			for i := 0; b.Loop(); i++ {
 				pass := func() {
@@ -93,7 +108,7 @@ func BenchmarkTmpfsDirect(b *testing.B) {
 					pass()
 				}
 			}
-			bytes := float64(b.N) * files * float64(keyBytes)
+			bytes := float64(b.N) * float64(files) * float64(keyBytes)
 			b.ReportMetric(bytes/mv.Seconds()/1e9, "mover-GB/s")
 			b.ReportMetric(bytes/ceil.Seconds()/1e9, "ceiling-GB/s")
 			b.ReportMetric(ceil.Seconds()/mv.Seconds(), "mover/ceiling")

@@ -188,6 +188,10 @@ func TestRoundTripScatteredPlan(t *testing.T) {
 		{"batch-o-direct-tmpfs", cuda.CopyBatch, true, false, 0, "tmpfs"},
 		{"batch-o-direct-tmpfs-odd-chunks", cuda.CopyBatch, true, false, 67 * Align, "tmpfs"},
 		{"batch-o-direct-disk", cuda.CopyBatch, true, false, 0, "disk"},
+		// Reads from memory file systems go in pieces without checksums too.
+		{"batch-o-direct-tmpfs-no-checksums", cuda.CopyBatch, true, true, 0, "tmpfs"},
+		{"segments-o-direct-tmpfs-no-checksums-odd-chunks", cuda.CopySegments, true, true, 67 * Align, "tmpfs"},
+		{"batch-buffered-no-checksums-odd-chunks", cuda.CopyBatch, false, true, 67 * Align, ""},
 	}
 	for i, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
