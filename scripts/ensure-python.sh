@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
 # Installs what the Python tests (client/python/tests) need on a Debian
-# machine, for /usr/bin/python3: numpy (required) and CPU torch (optional:
+# machine, for /usr/bin/python3: numpy (required), CPU torch (optional:
 # the torch tests skip with a message naming the package when it cannot be
-# installed). Idempotent: asks apt only for what is missing.
+# installed), and venv, pip, setuptools and wheel for the offline-install
+# test. Idempotent: asks apt only for what is missing.
 set -euo pipefail
 py=${PYTHON:-/usr/bin/python3}
 missing=()
 "$py" -c 'import numpy' >/dev/null 2>&1 || missing+=(python3-numpy)
 "$py" -c 'import torch' >/dev/null 2>&1 || missing+=(python3-torch)
+# The offline-install test builds the client in a fresh venv with pip and
+# setuptools from the system (no package index).
+"$py" -c 'import ensurepip' >/dev/null 2>&1 || missing+=(python3-venv)
+"$py" -c 'import setuptools, wheel' >/dev/null 2>&1 || missing+=(python3-setuptools python3-wheel)
+"$py" -m pip --version >/dev/null 2>&1 || missing+=(python3-pip)
 [ ${#missing[@]} -eq 0 ] && exit 0
 if ! command -v apt-get >/dev/null 2>&1; then
 	echo "ensure-python: no apt-get; install ${missing[*]} for $py yourself" >&2
