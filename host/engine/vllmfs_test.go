@@ -24,7 +24,7 @@ import (
 )
 
 // fsTier is our own reimplementation of vLLM's fs tier on disk, written
-// from the facts (shared/VLLM.md, vLLM's file_mapper.py) and independent of
+// from the layout described in docs/format.md ("The vllm-fs layout") and independent of
 // the engine and of package vllmfs: it builds the JSON texts by hand for one
 // shape of fields (one KV-cache group), names files, and writes and reads
 // rows as the tier does (the row padded to 4 KiB, written to <path>.tmp and
