@@ -3,6 +3,8 @@ package server_test
 import (
 	"context"
 	"errors"
+	"fmt"
+	"github.com/kvhost/kvhost/internal/testwait"
 	"math/rand/v2"
 	"slices"
 	"testing"
@@ -15,17 +17,10 @@ import (
 // waitPins polls the engine until it holds want pins.
 func waitPins(t *testing.T, f *fixture, want int) {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for d := 100 * time.Microsecond; ; d = min(2*d, 20*time.Millisecond) {
-		if n, _ := f.eng.PinStats(); n == want {
-			return
-		}
-		if time.Now().After(deadline) {
-			n, _ := f.eng.PinStats()
-			t.Fatalf("engine holds %d pins, want %d", n, want)
-		}
-		time.Sleep(d)
-	}
+	testwait.Until(t, fmt.Sprintf("the engine to hold %d pins", want), 10*time.Second, func() bool {
+		n, _ := f.eng.PinStats()
+		return n == want
+	})
 }
 
 func TestPinOverTheWire(t *testing.T) {

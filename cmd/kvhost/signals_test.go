@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/kvhost/kvhost/internal/testwait"
 	"math/rand/v2"
 	"net"
 	"os"
@@ -163,7 +164,7 @@ func TestSIGHUPReloadsUnderLoadLosingNoRequest(t *testing.T) {
 			t.Fatalf("first reload reported %q: want log.level changed and server.max_clients needing a restart", st.Daemon.LastReload)
 		}
 		// Requests went on through the reload.
-		waitFor(t, "requests after the reload", func() bool { return ops.Load() > before+workers })
+		testwait.Until(t, "requests after the reload", 60*time.Second, func() bool { return ops.Load() > before+workers })
 	}
 	// debug now logs what info did not: a debug line appears.
 	p.stderr.wait(t, "a debug log line after the reload", func(s string) bool { return strings.Contains(s, `"level":"DEBUG"`) })
@@ -181,7 +182,7 @@ func TestSIGHUPReloadsUnderLoadLosingNoRequest(t *testing.T) {
 		t.Fatalf("bad config: reloads %d, failures %d, last %q", st.Daemon.Reloads, st.Daemon.ReloadFailures, st.Daemon.LastReload)
 	}
 	p.stderr.logLine(t, "reload failed; the running configuration is unchanged")
-	waitFor(t, "requests after the failed reload", func() bool { return ops.Load() > before+workers })
+	testwait.Until(t, "requests after the failed reload", 60*time.Second, func() bool { return ops.Load() > before+workers })
 
 	// kvhost reload reports the failure (exit 1) and, once the file is
 	// good again, the success (exit 0).
@@ -206,19 +207,6 @@ func TestSIGHUPReloadsUnderLoadLosingNoRequest(t *testing.T) {
 	}
 	if err := p.waitExit(t); err != nil {
 		t.Fatalf("exit after SIGTERM: %v", err)
-	}
-}
-
-// waitFor polls cond (a condition on state another goroutine moves) until
-// it holds, for up to 60 s.
-func waitFor(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(60 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("no %s within 60s", what)
-		}
-		time.Sleep(5 * time.Millisecond)
 	}
 }
 

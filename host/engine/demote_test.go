@@ -6,6 +6,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/kvhost/kvhost/internal/testwait"
 	"math/rand/v2"
 	"os"
 	"os/exec"
@@ -64,18 +65,6 @@ func relFiles(t testing.TB, root string) map[string]bool {
 		out[rel] = true
 	}
 	return out
-}
-
-// waitFor polls cond until it holds or 30 seconds pass.
-func waitFor(t testing.TB, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(30 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(time.Millisecond)
-	}
 }
 
 // TestTieredDemotesAndPromotes runs the tiered policy over a small hot
@@ -143,7 +132,7 @@ func TestTieredDemotesAndPromotes(t *testing.T) {
 			// Every key was loaded once: the oldest one, on the cold mount, is
 			// loaded once more and promoted at the next tick.
 			loadAndCompare(t, e, c, keys[:1], into, want[:1])
-			waitFor(t, "the promotion of the oldest key", func() bool { return keyMount(e, ns, keys[0]) == 0 && e.TierStats().Moves > 0 })
+			testwait.Until(t, "the promotion of the oldest key", 30*time.Second, func() bool { return keyMount(e, ns, keys[0]) == 0 && e.TierStats().Moves > 0 })
 			if ts := e.TierStats(); ts.Ticks == 0 || ts.MountUpdates < 2 {
 				t.Errorf("tier stats %+v: want ticks and several mount updates", ts)
 			}
@@ -345,7 +334,7 @@ func TestMountDescriptions(t *testing.T) {
 	}
 	c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
 	storeAndCheck(t, e, c, testKeys("desc", 1), [][]int{{0, 1, 2, 3}})
-	waitFor(t, "a mount update with the stored file", func() bool {
+	testwait.Until(t, "a mount update with the stored file", 30*time.Second, func() bool {
 		l := pol.last()
 		return len(l) == 2 && l[0].Entries+l[1].Entries == 1 && l[0].Used+l[1].Used == uint64(fileLen)
 	})

@@ -2,6 +2,7 @@ package engine
 
 import (
 	"context"
+	"github.com/kvhost/kvhost/internal/testwait"
 	"math/rand/v2"
 	"os"
 	"slices"
@@ -68,18 +69,6 @@ func (f *pinFixture) fillMount(t *testing.T, from int) {
 
 func exists(path string) bool { _, err := os.Stat(path); return err == nil }
 
-// waitUntil polls cond until it holds or 10 s pass.
-func waitUntil(t *testing.T, what string, cond func() bool) {
-	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for d := 100 * time.Microsecond; !cond(); d = min(2*d, 20*time.Millisecond) {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(d)
-	}
-}
-
 func TestPinAnswersPerKeyAndProtectsFromEviction(t *testing.T) {
 	f := newPinFixture(t, Config{})
 	storeAndCheck(t, f.e, f.c, f.keys[:1], f.blocks[:1])
@@ -117,7 +106,7 @@ func TestPinLeaseEnds(t *testing.T) {
 	if id == 0 || !held[0] {
 		t.Fatalf("Pin = %d, %v", id, held)
 	}
-	waitUntil(t, "the lease to end", func() bool { pins, _ := f.e.PinStats(); return pins == 0 })
+	testwait.Until(t, "the lease to end", 10*time.Second, func() bool { pins, _ := f.e.PinStats(); return pins == 0 })
 	if n := f.e.Unpin(context.Background(), id); n != 0 {
 		t.Fatalf("Unpin after the lease = %d, want 0", n)
 	}

@@ -4,10 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/kvhost/kvhost/internal/testwait"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
-	"runtime"
 	"slices"
 	"strings"
 	"sync"
@@ -96,14 +96,7 @@ func (f *failFirstWrite) Inject(op fsys.Op, _ string) fsys.Fault {
 // catch a store that reports another job's file before that job is done.
 func settle(t *testing.T, e *Engine, n int64) {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for e.pathWaits.Load() < n {
-		if time.Now().After(deadline) {
-			t.Fatalf("no store waited for the path (%d waits, want %d)", e.pathWaits.Load(), n)
-		}
-		runtime.Gosched()
-		time.Sleep(100 * time.Microsecond)
-	}
+	testwait.Until(t, fmt.Sprintf("%d stores to wait for the path", n), 10*time.Second, func() bool { return e.pathWaits.Load() >= n })
 }
 
 // TestStoreWaitsForWriter: a store whose file's path another job is writing
