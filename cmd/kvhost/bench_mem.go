@@ -267,48 +267,18 @@ func pinnedCeilings(ctx context.Context, gp *gpuPaths) ([]bench.Ceiling, error) 
 		return nil, err
 	}
 	defer w.Close()
-	var out []bench.Ceiling
-	err = w.Do(ctx, func(w *cuda.Worker) error {
-		rt := gp.rt
-		h, err := rt.HostAlloc(n)
-		if err != nil {
-			return err
-		}
-		defer h.Free()
-		d, err := rt.Malloc(0, n)
-		if err != nil {
-			return err
-		}
-		defer d.Close()
-		for _, h2d := range []bool{true, false} {
-			best := time.Duration(1 << 62)
-			for range 5 {
-				start := time.Now()
-				if h2d {
-					err = rt.CopyH2D(d.Ptr(), h.Ptr(), n, w.Stream())
-				} else {
-					err = rt.CopyD2H(h.Ptr(), d.Ptr(), n, w.Stream())
-				}
-				if err == nil {
-					err = rt.Sync(w.Stream())
-				}
-				if err != nil {
-					return err
-				}
-				best = min(best, time.Since(start))
-			}
-			name := "pinned D2H (256 MiB copy)"
-			if h2d {
-				name = "pinned H2D (256 MiB copy)"
-			}
-			out = append(out, bench.Ceiling{Name: name, GBps: bench.GBps(n, best)})
-		}
-		return nil
+	var h2d, d2h time.Duration
+	err = w.Do(ctx, func(w *cuda.Worker) (err error) {
+		h2d, d2h, err = w.PinnedCopyTimes(n, 5)
+		return err
 	})
 	if err != nil {
 		return nil, fmt.Errorf("pinned copy ceilings: %w", err)
 	}
-	return out, nil
+	return []bench.Ceiling{
+		{Name: "pinned H2D (256 MiB copy)", GBps: bench.GBps(n, h2d)},
+		{Name: "pinned D2H (256 MiB copy)", GBps: bench.GBps(n, d2h)},
+	}, nil
 }
 
 // deviceName is device 0's PCI id and, where the NVIDIA driver tells it,

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"strings"
 	"testing"
+	"time"
 	"unsafe"
 
 	"github.com/kvhost/kvhost/internal/cuda"
@@ -314,5 +315,30 @@ func TestWorkerClosedRefusesWork(t *testing.T) {
 	w.Close()
 	if err := w.Do(context.Background(), func(*cuda.Worker) error { return nil }); !errors.Is(err, cuda.ErrClosed) {
 		t.Fatalf("Do after Close: %v, want ErrClosed", err)
+	}
+}
+
+func TestPinnedCopyTimesMeasuresBothDirectionsAndReportsFaults(t *testing.T) {
+	r, fake := open(t)
+	w, err := r.NewWorker(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w.Close()
+	var h2d, d2h time.Duration
+	if err := w.Do(context.Background(), func(w *cuda.Worker) (err error) {
+		h2d, d2h, err = w.PinnedCopyTimes(1<<20, 3)
+		return err
+	}); err != nil || h2d <= 0 || d2h <= 0 {
+		t.Fatalf("PinnedCopyTimes = %v, %v, %v", h2d, d2h, err)
+	}
+	before := fake.Count(cudatest.OpCopy)
+	fake.Fail(cudatest.OpCopy, 1, int(cuda.ErrorIllegalAddress))
+	err = w.Do(context.Background(), func(w *cuda.Worker) error {
+		_, _, err := w.PinnedCopyTimes(1<<20, 3)
+		return err
+	})
+	if !errors.Is(err, cuda.ErrorIllegalAddress) {
+		t.Fatalf("a failed copy gave %v (copies before: %d), want ErrorIllegalAddress", err, before)
 	}
 }
