@@ -73,7 +73,7 @@ func (e *Engine) openSame(en *entry, flag int) (fsys.File, *format.Header, error
 		f.Close()
 		return nil, nil, fmt.Errorf("%w: %s is not a regular file", errReplaced, en.path)
 	}
-	h, err := e.fileHeader(en.mount, en.path, f)
+	h, err := e.fileHeader(en.mount, en.path, f, id)
 	if err != nil {
 		f.Close()
 		if !en.ident.Same(id) {
@@ -138,7 +138,7 @@ func (e *Engine) removeIfSame(path string, ens []*entry) {
 	id, err := fileIdentity(f)
 	var h *format.Header
 	if err == nil {
-		h, err = e.fileHeader(ens[0].mount, path, f)
+		h, err = e.fileHeader(ens[0].mount, path, f, id)
 	}
 	f.Close()
 	match := false
