@@ -118,6 +118,21 @@ func fileIdentity(f fsys.File) (fsys.Identity, error) {
 	return fsys.IdentityOf(fi)
 }
 
+// seal finishes publishing f, just renamed into directory dir: it takes
+// f's identity (after the rename, which sets its ctime: never a stat of
+// the name, which may already be another's), closes f and, with
+// Config.Fsync, syncs dir. The identity is zero where the fstat failed.
+func (e *Engine) seal(f fsys.File, dir string) (fsys.Identity, error) {
+	id, err := fileIdentity(f)
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil && e.cfg.Fsync {
+		err = e.fs.SyncDir(dir)
+	}
+	return id, err
+}
+
 // removeIfSame removes the file at path if it is the file of one of ens
 // (same identity and header id): a file at the path is never removed by
 // name alone. The caller holds the path, so no store of this engine
