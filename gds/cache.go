@@ -210,14 +210,8 @@ func (c *handleCache) forget(dev, ino uint64) {
 		if !ok {
 			continue
 		}
-		delete(c.m, k)
 		c.st.Forgotten++
-		e.stale = true
-		if e.refs == 0 {
-			c.lru.Remove(e.elem)
-			e.elem = nil
-			victims = append(victims, e)
-		}
+		victims = c.dropLocked(k, e, victims)
 	}
 	c.mu.Unlock()
 	c.deregister(victims)
@@ -228,16 +222,24 @@ func (c *handleCache) close() {
 	var victims []*handle
 	c.mu.Lock()
 	for k, e := range c.m {
-		delete(c.m, k)
-		e.stale = true
-		if e.refs == 0 {
-			c.lru.Remove(e.elem)
-			e.elem = nil
-			victims = append(victims, e)
-		}
+		victims = c.dropLocked(k, e, victims)
 	}
 	c.mu.Unlock()
 	c.deregister(victims)
+}
+
+// dropLocked removes handle e (key k) from the cache and marks it stale:
+// it is deregistered by the caller (appended to victims) if no transfer
+// holds it, else when its last transfer releases it. c.mu is held.
+func (c *handleCache) dropLocked(k handleKey, e *handle, victims []*handle) []*handle {
+	delete(c.m, k)
+	e.stale = true
+	if e.refs == 0 {
+		c.lru.Remove(e.elem)
+		e.elem = nil
+		victims = append(victims, e)
+	}
+	return victims
 }
 
 func (c *handleCache) stats() HandleStats {

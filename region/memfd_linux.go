@@ -35,7 +35,12 @@ func NewHost(name string, size int64) (*Host, error) {
 		unix.Close(fd)
 		return nil, fmt.Errorf("region: ftruncate memfd to %d: %w", size, err)
 	}
-	h, err := mapFd(fd, size)
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		unix.Close(fd)
+		return nil, fmt.Errorf("region: fstat fd %d: %w", fd, err)
+	}
+	h, err := mapFd(fd, size, st.Ino)
 	if err != nil {
 		unix.Close(fd)
 		return nil, err
@@ -57,19 +62,17 @@ func OpenMemfd(fd int, size int64) (*Host, error) {
 	if st.Size < size {
 		return nil, fmt.Errorf("%w: memfd of %d bytes mapped as %d", ErrBounds, st.Size, size)
 	}
-	return mapFd(fd, size)
+	return mapFd(fd, size, st.Ino)
 }
 
-func mapFd(fd int, size int64) (*Host, error) {
-	var st unix.Stat_t
-	if err := unix.Fstat(fd, &st); err != nil {
-		return nil, fmt.Errorf("region: fstat fd %d: %w", fd, err)
-	}
+// mapFd maps size bytes of fd, whose inode number (the region's ID) the
+// caller's fstat found.
+func mapFd(fd int, size int64, ino uint64) (*Host, error) {
 	mem, err := unix.Mmap(fd, 0, int(size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
 	if err != nil {
 		return nil, fmt.Errorf("region: mmap %d bytes: %w", size, err)
 	}
-	return &Host{fd: fd, id: st.Ino, size: size, mem: mem}, nil
+	return &Host{fd: fd, id: ino, size: size, mem: mem}, nil
 }
 
 // Shrinkable reports whether the file behind the mapping may be truncated

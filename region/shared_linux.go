@@ -48,7 +48,7 @@ func OpenShared(fd int, size int64) (*Host, error) {
 	if st.Size < size {
 		return nil, fmt.Errorf("%w: file of %d bytes mapped as %d", ErrBounds, st.Size, size)
 	}
-	h, err := mapFd(fd, size)
+	h, err := mapFd(fd, size, st.Ino)
 	if err != nil {
 		return nil, err
 	}

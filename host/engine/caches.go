@@ -2,9 +2,10 @@ package engine
 
 import (
 	"fmt"
+	"slices"
+
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/region"
-	"slices"
 )
 
 type cache struct {

@@ -453,15 +453,8 @@ func (e *Engine) copyFile(en *entry, tm *mount, dst string) (*entry, error) {
 	}
 	published = true
 	en2 := &entry{ns: en.ns, fp: en.fp, mount: tm.idx, path: dst, size: en.size, keys: en.keys, fid: en.fid}
-	en2.ident, err = fileIdentity(f)
-	cerr := f.Close()
+	en2.ident, err = e.seal(f, dir)
 	f = nil
-	if err == nil {
-		err = cerr
-	}
-	if err == nil && e.cfg.Fsync {
-		err = e.fs.SyncDir(dir)
-	}
 	if err != nil {
 		// Published but not vouched for: remove the copy if it is still
 		// ours; the source stays.

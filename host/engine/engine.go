@@ -13,6 +13,7 @@ import (
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/host/policy"
 	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/region"
 	"github.com/kvhost/kvhost/staging"
 )
 
@@ -29,9 +30,10 @@ type Engine struct {
 	fs        fsys.FS
 	pol       policy.Policy
 	ownPolicy bool
-	hitRec    *hitRecorder   // lookup hits, reported off the lookup's path
-	host      *staging.Mover // the CPU path; its pool is the engine's I/O workers
-	files     chan struct{}  // one token per file in flight (Config.IOWorkers)
+	hitRec    *hitRecorder           // lookup hits, reported off the lookup's path
+	host      *staging.Mover         // the CPU path; its pool is the engine's I/O workers
+	paths     map[region.Kind]string // pathName of each kind with a mover, set with the movers
+	files     chan struct{}          // one token per file in flight (Config.IOWorkers)
 	mounts    []*mount
 	kvMounts  int // mounts of kvhost's layout: the first ones; the rest are vllm-fs
 	now       func() time.Time

@@ -73,7 +73,7 @@ func (e *Engine) openSame(en *entry, flag int) (fsys.File, *format.Header, error
 		f.Close()
 		return nil, nil, fmt.Errorf("%w: %s is not a regular file", errReplaced, en.path)
 	}
-	h, err := e.fileHeader(en.mount, en.path, f)
+	h, err := e.fileHeader(en.mount, en.path, f, id)
 	if err != nil {
 		f.Close()
 		if !en.ident.Same(id) {
@@ -118,6 +118,21 @@ func fileIdentity(f fsys.File) (fsys.Identity, error) {
 	return fsys.IdentityOf(fi)
 }
 
+// seal finishes publishing f, just renamed into directory dir: it takes
+// f's identity (after the rename, which sets its ctime: never a stat of
+// the name, which may already be another's), closes f and, with
+// Config.Fsync, syncs dir. The identity is zero where the fstat failed.
+func (e *Engine) seal(f fsys.File, dir string) (fsys.Identity, error) {
+	id, err := fileIdentity(f)
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil && e.cfg.Fsync {
+		err = e.fs.SyncDir(dir)
+	}
+	return id, err
+}
+
 // removeIfSame removes the file at path if it is the file of one of ens
 // (same identity and header id): a file at the path is never removed by
 // name alone. The caller holds the path, so no store of this engine
@@ -138,7 +153,7 @@ func (e *Engine) removeIfSame(path string, ens []*entry) {
 	id, err := fileIdentity(f)
 	var h *format.Header
 	if err == nil {
-		h, err = e.fileHeader(ens[0].mount, path, f)
+		h, err = e.fileHeader(ens[0].mount, path, f, id)
 	}
 	f.Close()
 	match := false

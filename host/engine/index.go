@@ -239,16 +239,17 @@ func (e *Engine) readEntry(mnt int, path string) (*entry, error) {
 		return nil, err
 	}
 	defer f.Close()
-	if fi, err := fsys.Fstat(f); err == nil && !fi.Mode().IsRegular() {
-		return nil, fmt.Errorf("%w: %s (%v)", errNotRegular, path, fi.Mode().Type())
-	}
-	h, err := readHeader(f)
+	// The open file, not the name: the identity must be that of the file
+	// whose header is read, even if the name is replaced meanwhile. One
+	// fstat serves it and the type check.
+	id, err := fileIdentity(f)
 	if err != nil {
 		return nil, err
 	}
-	// The open file, not the name: the identity must be that of the file
-	// whose header was read, even if the name was replaced meanwhile.
-	id, err := fileIdentity(f)
+	if !id.Mode.IsRegular() {
+		return nil, fmt.Errorf("%w: %s (%v)", errNotRegular, path, id.Mode.Type())
+	}
+	h, err := readHeader(f)
 	if err != nil {
 		return nil, err
 	}

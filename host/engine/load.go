@@ -156,7 +156,14 @@ func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 		e.log.Warn("engine: corrupt file dropped", "path", en.path, "err", err)
 		e.drop(ctx, en, true, "corrupt")
 	}
-	h, err := e.fileHeader(en.mount, en.path, f)
+	// One fstat serves the header (vllm-fs mounts) and the checks below.
+	id, idErr := fileIdentity(f)
+	var h *format.Header
+	if idErr != nil && m.raw != nil {
+		err = idErr // a vllm-fs header needs the file's size
+	} else {
+		h, err = e.fileHeader(en.mount, en.path, f, id)
+	}
 	if err != nil {
 		corrupt(err)
 		all(OutcomeFailed, fmt.Errorf("engine: load %s: %w", en.path, err))
@@ -171,8 +178,6 @@ func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 		all(OutcomeMissing, fmt.Errorf("%w: %w: %s was replaced by a file of another geometry: %w", ErrNotFound, ErrMismatch, en.path, format.ErrFingerprint))
 		return
 	}
-	// One fstat serves both checks below.
-	id, idErr := fileIdentity(f)
 	if idErr == nil && !en.sameFile(id, h) {
 		// Another file at the path (another node published there, maybe
 		// at the same inode): the entry goes; the file is indexed anew if

@@ -6,6 +6,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/internal/fsys"
 	"github.com/kvhost/kvhost/region"
 	"github.com/kvhost/kvhost/staging"
@@ -88,10 +89,9 @@ func (e *Engine) openMount(i int, m Mount) (*mount, error) {
 	if err != nil {
 		return nil, fmt.Errorf("engine: mount %s: %w", root, err)
 	}
-	const tmpfsMagic, ramfsMagic = 0x01021994, 0x858458f6
 	mt := &mount{
 		idx: i, root: root, configured: m.Capacity, reserve: m.Reserve, highF: high, lowF: low,
-		memory: st.Type == tmpfsMagic || st.Type == ramfsMagic, checksums: !m.NoChecksum && !e.cfg.NoChecksum,
+		memory: fsMagics[st.Type].class == abi.ClassMemory, checksums: !m.NoChecksum && !e.cfg.NoChecksum,
 	}
 	switch io {
 	case IOBuffered:

@@ -55,6 +55,13 @@ func (e *Engine) buildMovers() error {
 		m.backend = host.Name()
 		m.checksums = m.checksums && host.Checksums()
 	}
+	// The movers never change: their names are joined once, not per job.
+	e.paths = map[region.Kind]string{}
+	for _, m := range e.mounts {
+		for kind := range m.movers {
+			e.paths[kind] = e.pathName(kind)
+		}
+	}
 	return nil
 }
 

@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"slices"
 	"strings"
 	"time"
 
@@ -39,7 +40,11 @@ func (e *Engine) observe(j *Job) {
 	if e.cfg.Observer == nil {
 		return
 	}
-	ev := JobEvent{Direction: j.kind, Memory: j.mem, Path: e.pathName(j.mem), Bytes: j.res.Bytes, Duration: j.res.Duration}
+	path, ok := e.paths[j.mem]
+	if !ok {
+		path = e.pathName(j.mem)
+	}
+	ev := JobEvent{Direction: j.kind, Memory: j.mem, Path: path, Bytes: j.res.Bytes, Duration: j.res.Duration}
 	for _, k := range j.res.Keys {
 		if int(k.Outcome) < len(ev.Outcomes) {
 			ev.Outcomes[k.Outcome]++
@@ -57,11 +62,7 @@ func (e *Engine) pathName(kind region.Kind) string {
 		if mv := m.movers[kind]; mv != nil {
 			name = mv.Name()
 		}
-		found := false
-		for _, n := range names {
-			found = found || n == name
-		}
-		if !found {
+		if !slices.Contains(names, name) {
 			names = append(names, name)
 		}
 	}

@@ -451,17 +451,8 @@ func (e *Engine) writeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 	}
 	published = true // the temporary name is gone; the file is visible
 	en := &entry{fp: h.Fingerprint, ns: c.ns.id, mount: gr.mount, path: gr.path, size: size, fid: h.ID, last: e.now().UnixNano()}
-	// The identity of the open file, after the rename (which sets its
-	// ctime): never a stat of the name, which may already be another's.
-	en.ident, err = fileIdentity(f)
-	cerr := f.Close()
+	en.ident, err = e.seal(f, dir)
 	f = nil
-	if err == nil {
-		err = cerr
-	}
-	if err == nil && e.cfg.Fsync {
-		err = e.fs.SyncDir(dir)
-	}
 	if err != nil {
 		// Visible but not indexed (or not durable): remove it rather than
 		// report a store we cannot vouch for, if it is still ours (we hold

@@ -338,17 +338,14 @@ func (e *Engine) rawHeader(m *mount, path string, size int64) (*format.Header, e
 	return h, nil
 }
 
-// fileHeader returns the header of the open file f at path on mount mnt:
-// read from the file on a kvhost mount, made from the layout on a vllm-fs
-// mount.
-func (e *Engine) fileHeader(mnt int, path string, f fsys.File) (*format.Header, error) {
+// fileHeader returns the header of the open file f at path on mount mnt,
+// whose identity id the caller took (fileIdentity, one fstat per open):
+// read from the file on a kvhost mount, made from the layout and id.Size
+// on a vllm-fs mount.
+func (e *Engine) fileHeader(mnt int, path string, f fsys.File, id fsys.Identity) (*format.Header, error) {
 	m := e.mounts[mnt]
 	if m.raw == nil {
 		return readHeader(f)
-	}
-	id, err := fileIdentity(f)
-	if err != nil {
-		return nil, err
 	}
 	return e.rawHeader(m, path, id.Size)
 }

@@ -1,9 +1,9 @@
 package vllmfs
 
 import (
-	"bytes"
 	"encoding/json"
 	"fmt"
+	"maps"
 	"slices"
 	"strconv"
 )
@@ -81,11 +81,9 @@ func encode(b []byte, v any, indent, depth int) ([]byte, error) {
 		if len(v) == 0 {
 			return append(b, "{}"...), nil
 		}
-		keys := make([]string, 0, len(v))
-		for k := range v {
-			keys = append(keys, k)
-		}
-		slices.SortFunc(keys, compareCodePoints)
+		// Python sorts str by code point; Go orders strings by byte,
+		// which for valid UTF-8 is the same order.
+		keys := slices.Sorted(maps.Keys(v))
 		b = append(b, '{')
 		for i, k := range keys {
 			if i > 0 {
@@ -103,10 +101,6 @@ func encode(b []byte, v any, indent, depth int) ([]byte, error) {
 	}
 	return nil, fmt.Errorf("%w: a value of type %T has no JSON form here", ErrConfig, v)
 }
-
-// compareCodePoints orders strings as Python sorts str: by code point.
-// Go compares bytes, which for valid UTF-8 is the same order.
-func compareCodePoints(a, b string) int { return bytes.Compare([]byte(a), []byte(b)) }
 
 // appendString appends s quoted as Python's json module does with
 // ensure_ascii: `"` and `\` escaped, \b \f \n \r \t short forms, every
