@@ -36,7 +36,8 @@ import (
 var (
 	// ErrClosed: the mover is closed.
 	ErrClosed = errors.New("gpu: mover closed")
-	// ErrUnaligned: a direct write whose file range is not 4 KiB-aligned.
+	// ErrUnaligned: a direct write whose file range does not start on a
+	// 4 KiB block.
 	ErrUnaligned = errors.New("gpu: unaligned direct write")
 	// ErrConfig: the configuration is invalid.
 	ErrConfig = errors.New("gpu: invalid configuration")
@@ -272,7 +273,10 @@ func (m *Mover) plan(p *transfer.Plan, write bool) ([]chunk, *device, error) {
 		c := &chunks[i]
 		c.aoff, c.aend = c.off, c.end
 		if p.Direct {
-			if write && (c.off%Align != 0 || c.end%Align != 0) {
+			// A direct write must start on a block; a plan that ends
+			// inside one is written to the block's end with zeros
+			// (transfer.Plan.Direct), as writeChunk does.
+			if write && c.off%Align != 0 {
 				return nil, nil, fmt.Errorf("%w: [%d, %d)", ErrUnaligned, c.off, c.end)
 			}
 			c.aoff = c.off / Align * Align
@@ -510,17 +514,22 @@ func (m *Mover) writeChunk(f fsys.File, st *stage, sums []uint32, fused bool) er
 	b, _ := m.buf(st.buf)
 	c := st.c
 	n := int(c.end - c.off)
-	step := n
+	// With O_DIRECT a chunk ending inside a block is written to the
+	// block's end (c.aend): the tail is zeros, never a reused buffer's
+	// old bytes. The checksums cover the data only.
+	total := int(c.aend - c.off)
+	clear(b[n:total])
+	step := total
 	if fused {
 		step = fuseBatch
 	}
-	for lo := 0; lo < n; lo += step {
-		hi := min(n, lo+step)
+	for lo := 0; lo < total; lo += step {
+		hi := min(total, lo+step)
 		if err := writeFull(f, b[lo:hi], c.off+int64(lo)); err != nil {
 			return err
 		}
-		if sums != nil {
-			sum(c, b, 0, lo, hi, sums)
+		if sums != nil && lo < n {
+			sum(c, b, 0, lo, min(hi, n), sums)
 		}
 	}
 	return nil

@@ -525,3 +525,55 @@ func TestUnalignedDirectLoadFromTmpfs(t *testing.T) {
 		})
 	}
 }
+
+// TestUnalignedEndDirectWriteIsPadded: a direct write whose plan ends inside
+// a 4 KiB block is written to the block's end with zeros (the
+// transfer.Plan.Direct contract the engine relies on), its checksum covers
+// the data only, and a buffer reused from a previous write leaks nothing
+// into the padding.
+func TestUnalignedEndDirectWriteIsPadded(t *testing.T) {
+	e := newEnv(t)
+	g := testGeometry()
+	kv := newCache(t, e.w, g)
+	host := kv.randomize(t, e.w, 11)
+	for _, c := range []struct {
+		name  string
+		len   int64
+		chunk int
+		memFS bool
+	}{
+		{"one-block-tmpfs", 100, 0, true},
+		{"across-chunks-tmpfs", 3*Align + 5, 2 * Align, true},
+		{"across-pieces-disk", 700<<10 + 1, 0, false},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			m := e.mover(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, Chunk: c.chunk})
+			f := createFileIn(t, fsDir(t, c.memFS), "key", unix.O_DIRECT)
+			// Dirty the staging buffers and the file's first MiB first: the
+			// padding must overwrite it with zeros, not old bytes.
+			full := &transfer.Plan{Direct: true, Extents: []transfer.Extent{{FileOff: 0, Region: kv.layers[0], Len: 1 << 20, Sum: -1}}}
+			if _, err := m.WriteFile(context.Background(), f, full, nil); err != nil {
+				t.Fatal(err)
+			}
+			p := &transfer.Plan{Sums: 1, Direct: true, Extents: []transfer.Extent{{FileOff: 0, Region: kv.layers[1], Len: c.len, Sum: 0}}}
+			sums := make([]uint32, 1)
+			if n, err := m.WriteFile(context.Background(), f, p, sums); err != nil || n != c.len {
+				t.Fatalf("WriteFile = %d, %v; want %d", n, err, c.len)
+			}
+			padded := (c.len + Align - 1) / Align * Align
+			got := make([]byte, padded)
+			if _, err := f.ReadAt(got, 0); err != nil {
+				t.Fatal(err)
+			}
+			if want := host[1][:c.len]; !bytes.Equal(got[:c.len], want) {
+				t.Fatal("written bytes differ from the device's")
+			}
+			if tail := got[c.len:]; !bytes.Equal(tail, make([]byte, len(tail))) {
+				t.Fatal("the padding to the block's end is not zeros")
+			}
+			if w := crc32.Checksum(host[1][:c.len], castagnoli); sums[0] != w {
+				t.Fatalf("checksum %08x, want %08x (the data only)", sums[0], w)
+			}
+		})
+	}
+}
