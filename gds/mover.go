@@ -346,7 +346,7 @@ func (m *Mover) io(h *handle, pc piece, write bool) (int64, error) {
 			if write {
 				return done, io.ErrShortWrite
 			}
-			return done, fmt.Errorf("file ends at %d, plan needs %d: %w", pc.fileOff+done, pc.fileOff+pc.n, io.ErrUnexpectedEOF)
+			return done, fmt.Errorf("file ends at %d, plan needs %d: %w (%w)", pc.fileOff+done, pc.fileOff+pc.n, transfer.ErrShortFile, io.ErrUnexpectedEOF)
 		}
 		done += n
 	}
