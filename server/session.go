@@ -736,11 +736,15 @@ func completionOf(id uint64, kind protocol.JobKind, nkeys int, res engine.Result
 			m.Message = fmt.Sprintf("key %d: %v", i, k.Err)
 		}
 	}
+	if m.Message != "" {
+		return m
+	}
 	// No key failed: the message says why the first missing key is
 	// missing (not indexed, file vanished, replaced...).
 	for i, k := range res.Keys {
-		if m.Message == "" && k.Outcome == engine.OutcomeMissing && k.Err != nil {
+		if k.Outcome == engine.OutcomeMissing && k.Err != nil {
 			m.Message = fmt.Sprintf("key %d: missing: %v", i, k.Err)
+			break
 		}
 	}
 	return m
