@@ -654,8 +654,8 @@ type DeviceStats struct {
 	Limit      uint64 // the most bytes clients may register on the device
 }
 
-// maxDevices bounds the devices of a Stats reply.
-const maxDevices = 1024
+// MaxDevices bounds the devices of a Stats reply.
+const MaxDevices = 1024
 
 // Stats is the reply to StatsRequest: the engine's counters and this
 // connection's usage.
@@ -825,7 +825,7 @@ func (m *Stats) DecodeBody(b []byte) error {
 			mt.Direct = d.bool8("direct")
 		}
 	}
-	n = d.count("device count", 0, maxDevices, 32)
+	n = d.count("device count", 0, MaxDevices, 32)
 	m.Devices = nil
 	if d.err == nil && n > 0 {
 		m.Devices = make([]DeviceStats, n)
