@@ -90,8 +90,7 @@ type daemon struct {
 
 	mu             sync.Mutex
 	running        config.Config // what runs: the start configuration with live changes applied
-	chains         []metrics.DataPath
-	chainOf        []*transfer.Chain
+	chains         []mountChain  // GPU data paths built, for their fallback counts
 	reloads        uint64
 	reloadFailures uint64
 	lastReload     string
@@ -314,8 +313,7 @@ func (d *daemon) trackChains(movers map[region.Kind]engine.MoverFactory) map[reg
 			mv, err := build(m)
 			if c, ok := mv.(*transfer.Chain); ok && err == nil {
 				d.mu.Lock()
-				d.chains = append(d.chains, metrics.DataPath{Mount: m.Path})
-				d.chainOf = append(d.chainOf, c)
+				d.chains = append(d.chains, mountChain{m.Path, c})
 				d.mu.Unlock()
 			}
 			return mv, err
@@ -324,12 +322,18 @@ func (d *daemon) trackChains(movers map[region.Kind]engine.MoverFactory) map[reg
 	return out
 }
 
+// mountChain is a GPU data path the engine built for a mount.
+type mountChain struct {
+	mount string
+	chain *transfer.Chain
+}
+
 func (d *daemon) dataPaths() []metrics.DataPath {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	out := make([]metrics.DataPath, len(d.chains))
-	for i, c := range d.chainOf {
-		out[i] = metrics.DataPath{Mount: d.chains[i].Mount, Fallbacks: c.Fallbacks()}
+	for i, c := range d.chains {
+		out[i] = metrics.DataPath{Mount: c.mount, Fallbacks: c.chain.Fallbacks()}
 	}
 	return out
 }
