@@ -26,7 +26,7 @@ import threading
 import time
 
 from .. import protocol as p
-from ..client import Client, KvhostError, Layer
+from ..client import Client, KvhostError, Layer, default_socket
 from ..memory import HostBuffer
 from . import _compat, _namespace
 from ._common import daemon_key as _daemon_key, mapping_of as _mapping_of, merge_options, pick_medium as _pick_medium
@@ -51,19 +51,6 @@ _IGNORED_KEYS = {"type", "module_path"}
 
 _UNITS = {"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40,
           "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 ** 12}
-
-
-def default_socket():
-    """The socket the tier connects to without a ``socket`` key: $KVHOST_SOCKET,
-    else the daemon's default ($XDG_RUNTIME_DIR/kvhost.sock, else
-    ~/.cache/kvhost/kvhost.sock)."""
-    env = os.environ.get("KVHOST_SOCKET")
-    if env:
-        return env
-    run = os.environ.get("XDG_RUNTIME_DIR")
-    if run:
-        return os.path.join(run, "kvhost.sock")
-    return os.path.join(os.path.expanduser("~"), ".cache", "kvhost", "kvhost.sock")
 
 
 def _size(name, v):
