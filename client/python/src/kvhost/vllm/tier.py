@@ -210,14 +210,9 @@ class _TierImpl:
             sealed = 0
         if sealed:
             return self._client.register_memfd(fd, size)
-        # A plain shared-memory file cannot be sealed: send it as it is and
-        # let the daemon decide (today's daemon refuses it: bad descriptor).
-        reg = getattr(self._client, "register_shared_file", None)
-        if reg is not None:
-            return reg(fd, size)
-        import struct
-        _, body = self._client._call(p.T_REGISTER_MEMORY, p.register_memory(p.MEMORY_MEMFD, size), [fd])
-        return struct.unpack_from("<I", body)[0]
+        # A plain shared-memory file cannot be sealed: register it unsealed
+        # (a daemon that cannot guard its copies answers unsupported).
+        return self._client.register_shared_file(fd, size)
 
     def _setup_staging(self):
         o = self._opts
