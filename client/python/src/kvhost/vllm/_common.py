@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import importlib.util
 import inspect
+import os
 import typing
 
 from .. import protocol as p
@@ -136,6 +137,15 @@ def mapping_of(addr, length):
                 path = parts[5].strip() if len(parts) > 5 else ""
                 return lo, hi, int(parts[2], 16), path
     return None
+
+
+def open_mapped(lo, hi, path):
+    """A read-write descriptor of the file behind the mapping [lo, hi) of
+    path (a mapping_of entry): the file itself when it has a path, else (a
+    memfd, a deleted file) the mapping through /proc/self/map_files."""
+    if path.startswith("/") and not path.endswith("(deleted)"):
+        return os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    return os.open(f"/proc/self/map_files/{lo:x}-{hi:x}", os.O_RDWR | os.O_CLOEXEC)
 
 
 def get(obj, *path):

@@ -29,7 +29,8 @@ from .. import protocol as p
 from ..client import Client, KvhostError, Layer, default_socket
 from ..memory import HostBuffer
 from . import _compat, _namespace
-from ._common import daemon_key as _daemon_key, mapping_of as _mapping_of, merge_options, pick_medium as _pick_medium
+from ._common import (daemon_key as _daemon_key, mapping_of as _mapping_of, merge_options,
+                      open_mapped as _open_mapped, pick_medium as _pick_medium)
 
 log = logging.getLogger("kvhost.vllm")
 
@@ -187,10 +188,7 @@ class _TierImpl:
         if m is None:
             raise ValueError("primary_kv_view is not one file mapping")
         lo, hi, off, path = m
-        if path.startswith("/") and not path.endswith("(deleted)"):
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-        else:
-            fd = os.open(f"/proc/self/map_files/{lo:x}-{hi:x}", os.O_RDWR | os.O_CLOEXEC)
+        fd = _open_mapped(lo, hi, path)
         try:
             file_off = off + (addr - lo)
             size = file_off + length
