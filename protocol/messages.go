@@ -654,8 +654,8 @@ type DeviceStats struct {
 	Limit      uint64 // the most bytes clients may register on the device
 }
 
-// maxDevices bounds the devices of a Stats reply.
-const maxDevices = 1024
+// MaxDevices bounds the devices of a Stats reply.
+const MaxDevices = 1024
 
 // Stats is the reply to StatsRequest: the engine's counters and this
 // connection's usage.
@@ -794,11 +794,7 @@ func (m *Stats) AppendBody(b []byte) []byte {
 	b = appendU32(b, uint32(len(m.Mounts)))
 	for _, mt := range m.Mounts {
 		b = appendU64(appendU64(appendU64(b, mt.Capacity), mt.Used), mt.Entries)
-		direct := byte(0)
-		if mt.Direct {
-			direct = 1
-		}
-		b = append(b, direct, 0, 0, 0, 0, 0, 0, 0)
+		b = append(b, boolByte(mt.Direct), 0, 0, 0, 0, 0, 0, 0)
 	}
 	b = appendU32(b, uint32(len(m.Devices)))
 	for _, dv := range m.Devices {
@@ -826,15 +822,10 @@ func (m *Stats) DecodeBody(b []byte) error {
 			mt.Capacity = d.u64("capacity")
 			mt.Used = d.u64("used")
 			mt.Entries = d.u64("entries")
-			v := d.u8("direct")
-			if d.err == nil && v > 1 {
-				d.fail("direct = %d", v)
-			}
-			mt.Direct = v == 1
-			d.zero(7)
+			mt.Direct = d.bool8("direct")
 		}
 	}
-	n = d.count("device count", 0, maxDevices, 32)
+	n = d.count("device count", 0, MaxDevices, 32)
 	m.Devices = nil
 	if d.err == nil && n > 0 {
 		m.Devices = make([]DeviceStats, n)

@@ -191,8 +191,8 @@ func (c Config) withDefaults() (Config, error) {
 	switch {
 	case c.MaxRegisteredBytes < 0 || c.MaxTotalRegisteredBytes < 0 || c.MaxDeviceBytes < 0:
 		return c, errors.New("server: negative registered-bytes limit")
-	case c.Devices < 0 || c.Devices > maxDevices:
-		return c, fmt.Errorf("server: Devices %d: want 0..%d", c.Devices, maxDevices)
+	case c.Devices < 0 || c.Devices > protocol.MaxDevices: // a Stats reply carries at most as many
+		return c, fmt.Errorf("server: Devices %d: want 0..%d", c.Devices, protocol.MaxDevices)
 	case c.OpenDevice != nil && c.Devices == 0:
 		return c, errors.New("server: OpenDevice without Devices: say how many GPUs clients may register memory on")
 	case c.MaxFrame < protocol.MinFrame || c.MaxFrame > 1<<30:
@@ -210,10 +210,6 @@ func (c Config) withDefaults() (Config, error) {
 	}
 	return c, nil
 }
-
-// maxDevices bounds Config.Devices (the protocol's Stats carries at most
-// as many).
-const maxDevices = 1024
 
 // regShare is the most bytes one connection may register: its guaranteed
 // share of the daemon's total, or less if MaxRegisteredBytes says so.

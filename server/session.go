@@ -736,11 +736,15 @@ func completionOf(id uint64, kind protocol.JobKind, nkeys int, res engine.Result
 			m.Message = fmt.Sprintf("key %d: %v", i, k.Err)
 		}
 	}
+	if m.Message != "" {
+		return m
+	}
 	// No key failed: the message says why the first missing key is
 	// missing (not indexed, file vanished, replaced...).
 	for i, k := range res.Keys {
-		if m.Message == "" && k.Outcome == engine.OutcomeMissing && k.Err != nil {
+		if k.Outcome == engine.OutcomeMissing && k.Err != nil {
 			m.Message = fmt.Sprintf("key %d: missing: %v", i, k.Err)
+			break
 		}
 	}
 	return m
@@ -766,7 +770,7 @@ func (s *session) stats() (protocol.Message, error) {
 		Hits: st.Hits, Misses: st.Misses, Evictions: st.Evictions, Failures: st.Failures,
 		Corrupt: st.Corrupt, Vanished: st.Vanished, BytesWritten: st.BytesWritten, BytesRead: st.BytesRead,
 		Clients: uint64(s.srv.clients()), Regions: uint64(len(s.regions)), Caches: uint64(len(s.caches)),
-		InflightJobs: uint64(inflight), Devices: s.srv.deviceStats(), Daemon: s.srv.daemonStats(),
+		InflightJobs: uint64(inflight), Devices: s.srv.deviceStats(), Daemon: s.srv.daemonStats(st.Mounts),
 	}
 	for _, mt := range st.Mounts {
 		m.Mounts = append(m.Mounts, protocol.MountStats{Capacity: uint64(mt.Capacity), Used: uint64(mt.Used), Entries: uint64(mt.Entries), Direct: mt.Direct})

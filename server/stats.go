@@ -3,6 +3,7 @@ package server
 import (
 	"time"
 
+	"github.com/kvhost/kvhost/host/engine"
 	"github.com/kvhost/kvhost/protocol"
 )
 
@@ -23,6 +24,13 @@ type Stats struct {
 
 // Stats returns the server's daemon-wide figures.
 func (s *Server) Stats() Stats {
+	st := s.figures()
+	st.Devices = s.deviceStats()
+	return st
+}
+
+// figures is Stats without Devices.
+func (s *Server) figures() Stats {
 	s.mu.Lock()
 	sessions := make([]*session, 0, len(s.sessions))
 	for sess := range s.sessions {
@@ -37,25 +45,25 @@ func (s *Server) Stats() Stats {
 	}
 	st.Regions, st.RegisteredBytes = s.regions.Load(), s.regBytes.Load()
 	st.RegisteredLimit = s.cfg.MaxTotalRegisteredBytes
-	st.Devices = s.deviceStats()
 	st.Started = s.started
 	return st
 }
 
 // daemonStats is the daemon section of a Stats reply: the server's
-// figures, the engine's mounts and what Config.Daemon adds.
-func (s *Server) daemonStats() *protocol.DaemonStats {
+// figures, the engine's mounts (from the engine.Stats the reply was built
+// from) and what Config.Daemon adds.
+func (s *Server) daemonStats(mounts []engine.MountStats) *protocol.DaemonStats {
 	var d protocol.DaemonStats
 	if s.cfg.Daemon != nil {
 		d = s.cfg.Daemon()
 	}
-	st := s.Stats()
+	st := s.figures()
 	if d.Started == 0 {
 		d.Started = st.Started.UnixNano()
 	}
 	d.InflightJobs, d.Regions, d.RegisteredBytes = uint64(st.InflightJobs), uint64(st.Regions), uint64(st.RegisteredBytes)
 	d.Mounts = nil
-	for _, mt := range s.eng.Stats().Mounts {
+	for _, mt := range mounts {
 		d.Mounts = append(d.Mounts, protocol.MountInfo{Path: mt.Path, Backend: mt.Backend, IO: mt.IO, Checksums: mt.Checksums,
 			Configured: uint64(max(mt.Configured, 0)), Reserve: uint64(max(mt.Reserve, 0))})
 	}

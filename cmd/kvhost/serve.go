@@ -90,8 +90,7 @@ type daemon struct {
 
 	mu             sync.Mutex
 	running        config.Config // what runs: the start configuration with live changes applied
-	chains         []metrics.DataPath
-	chainOf        []*transfer.Chain
+	chains         []mountChain  // GPU data paths built, for their fallback counts
 	reloads        uint64
 	reloadFailures uint64
 	lastReload     string
@@ -314,8 +313,7 @@ func (d *daemon) trackChains(movers map[region.Kind]engine.MoverFactory) map[reg
 			mv, err := build(m)
 			if c, ok := mv.(*transfer.Chain); ok && err == nil {
 				d.mu.Lock()
-				d.chains = append(d.chains, metrics.DataPath{Mount: m.Path})
-				d.chainOf = append(d.chainOf, c)
+				d.chains = append(d.chains, mountChain{m.Path, c})
 				d.mu.Unlock()
 			}
 			return mv, err
@@ -324,12 +322,18 @@ func (d *daemon) trackChains(movers map[region.Kind]engine.MoverFactory) map[reg
 	return out
 }
 
+// mountChain is a GPU data path the engine built for a mount.
+type mountChain struct {
+	mount string
+	chain *transfer.Chain
+}
+
 func (d *daemon) dataPaths() []metrics.DataPath {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	out := make([]metrics.DataPath, len(d.chains))
-	for i, c := range d.chainOf {
-		out[i] = metrics.DataPath{Mount: d.chains[i].Mount, Fallbacks: c.Fallbacks()}
+	for i, c := range d.chains {
+		out[i] = metrics.DataPath{Mount: c.mount, Fallbacks: c.chain.Fallbacks()}
 	}
 	return out
 }
@@ -384,23 +388,31 @@ func (p *policyState) swap(b *builtPolicy) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.cur != nil && p.cur.host != nil {
-		old := p.cur.host.Stats()
-		if p.retired.Calls == nil {
-			p.retired.Calls, p.retired.Records = map[string]uint64{}, map[string]uint64{}
-		}
-		for k, v := range old.Calls {
-			p.retired.Calls[k] += v
-		}
-		for k, v := range old.Records {
-			p.retired.Records[k] += v
-		}
-		p.retired.Failures += old.Failures
-		p.retired.Rejections += old.Rejections
-		p.retired.Replacements += old.Replacements
-		p.retired.StaleVictims += old.StaleVictims
-		p.retired.SlowCalls += old.SlowCalls
+		addCounters(&p.retired, p.cur.host.Stats())
 	}
 	p.cur = b
+}
+
+// addCounters adds the counters of from to into (not the state fields:
+// Fallback, FallbackReason, Backend).
+func addCounters(into *policy.Stats, from policy.Stats) {
+	if into.Calls == nil {
+		into.Calls = map[string]uint64{}
+	}
+	if into.Records == nil {
+		into.Records = map[string]uint64{}
+	}
+	for k, v := range from.Calls {
+		into.Calls[k] += v
+	}
+	for k, v := range from.Records {
+		into.Records[k] += v
+	}
+	into.Failures += from.Failures
+	into.Rejections += from.Rejections
+	into.Replacements += from.Replacements
+	into.StaleVictims += from.StaleVictims
+	into.SlowCalls += from.SlowCalls
 }
 
 func (p *policyState) name() string {
@@ -427,17 +439,7 @@ func (p *policyState) state() metrics.PolicyState {
 		return metrics.PolicyState{}
 	}
 	s := p.cur.host.Stats()
-	for k, v := range p.retired.Calls {
-		s.Calls[k] += v
-	}
-	for k, v := range p.retired.Records {
-		s.Records[k] += v
-	}
-	s.Failures += p.retired.Failures
-	s.Rejections += p.retired.Rejections
-	s.Replacements += p.retired.Replacements
-	s.StaleVictims += p.retired.StaleVictims
-	s.SlowCalls += p.retired.SlowCalls
+	addCounters(&s, p.retired)
 	return metrics.PolicyState{Name: p.cur.name, Stats: s}
 }
 

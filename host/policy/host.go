@@ -122,7 +122,7 @@ type shard struct {
 	mu     sync.Mutex
 	inst   instance // nil after a failed (re)build: rebuilt on next use
 	pos    []int32  // positions of the caller's records in the current batch
-	seen   []uint64 // victim entries, for the duplicate check
+	seen   []uint64 // victim or move entries, for the duplicate check
 
 	// The ops of the caller's call, reused to keep calls allocation-free.
 	nsOp     namespaceOp

@@ -212,22 +212,12 @@ func (o *evictOp) read(h *Host, s *shard, scratch []byte, st int32) error {
 	}
 	s.seen = s.seen[:0]
 	for i := range v {
-		id := v[i].Entry
-		switch told := s.ledger.pins[id]; {
-		case route(id, o.nshards) != s.id:
-			return fmt.Errorf("victim %d: entry %d was never reported to this shard", i, id)
-		case id > s.ledger.maxEntry:
-			return fmt.Errorf("victim %d: entry %d was never reported to this shard (never stored)", i, id)
-		case told > 0:
-			return fmt.Errorf("victim %d: entry %d is pinned (the plugin was told of %d pins)", i, id, told)
+		if err := s.choosable("victim", i, v[i].Entry, o.nshards); err != nil {
+			return err
 		}
-		s.seen = append(s.seen, id)
 	}
-	slices.Sort(s.seen)
-	for i := 1; i < len(s.seen); i++ {
-		if s.seen[i] == s.seen[i-1] {
-			return fmt.Errorf("entry %d is a victim more than once", s.seen[i])
-		}
+	if id, ok := s.repeated(); ok {
+		return fmt.Errorf("entry %d is a victim more than once", id)
 	}
 	for i := range v {
 		e, ok := h.idx.Lookup(v[i].Entry)
@@ -253,6 +243,33 @@ func (o *evictOp) read(h *Host, s *shard, scratch []byte, st int32) error {
 	return nil
 }
 func (o *evictOp) records(*shard) int { return 1 }
+
+// choosable checks that the plugin may name entry id as its i-th what (a
+// victim or a move): an entry reported to this shard, stored and not
+// pinned as far as the plugin was told. It adds id to s.seen.
+func (s *shard) choosable(what string, i int, id uint64, nshards int) error {
+	switch told := s.ledger.pins[id]; {
+	case route(id, nshards) != s.id:
+		return fmt.Errorf("%s %d: entry %d was never reported to this shard", what, i, id)
+	case id > s.ledger.maxEntry:
+		return fmt.Errorf("%s %d: entry %d was never reported to this shard (never stored)", what, i, id)
+	case told > 0:
+		return fmt.Errorf("%s %d: entry %d is pinned (the plugin was told of %d pins)", what, i, id, told)
+	}
+	s.seen = append(s.seen, id)
+	return nil
+}
+
+// repeated sorts s.seen and returns an entry it holds more than once.
+func (s *shard) repeated() (uint64, bool) {
+	slices.Sort(s.seen)
+	for i := 1; i < len(s.seen); i++ {
+		if s.seen[i] == s.seen[i-1] {
+			return s.seen[i], true
+		}
+	}
+	return 0, false
+}
 
 // mountsOp describes every mount to kvhost_mounts.
 type mountsOp struct{ recs []abi.MountRecord }
@@ -289,25 +306,18 @@ func (o *tickOp) read(h *Host, s *shard, scratch []byte, st int32) error {
 	s.seen = s.seen[:0]
 	for i := range v {
 		m := v[i]
-		switch told := s.ledger.pins[m.Entry]; {
-		case route(m.Entry, o.nshards) != s.id:
-			return fmt.Errorf("move %d: entry %d was never reported to this shard", i, m.Entry)
-		case m.Entry > s.ledger.maxEntry:
-			return fmt.Errorf("move %d: entry %d was never reported to this shard (never stored)", i, m.Entry)
-		case told > 0:
-			return fmt.Errorf("move %d: entry %d is pinned (the plugin was told of %d pins)", i, m.Entry, told)
+		if err := s.choosable("move", i, m.Entry, o.nshards); err != nil {
+			return err
+		}
+		switch {
 		case m.Flags != 0:
 			return fmt.Errorf("move %d: flags %#x: none is defined", i, m.Flags)
 		case m.Mount == abi.NoMount || o.mounts > 0 && int(m.Mount) >= o.mounts:
 			return fmt.Errorf("move %d: target mount %d, but only %d mounts exist", i, m.Mount, o.mounts)
 		}
-		s.seen = append(s.seen, m.Entry)
 	}
-	slices.Sort(s.seen)
-	for i := 1; i < len(s.seen); i++ {
-		if s.seen[i] == s.seen[i-1] {
-			return fmt.Errorf("entry %d is moved more than once", s.seen[i])
-		}
+	if id, ok := s.repeated(); ok {
+		return fmt.Errorf("entry %d is moved more than once", id)
 	}
 	for i := range v {
 		e, ok := h.idx.Lookup(v[i].Entry)

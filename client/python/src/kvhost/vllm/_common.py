@@ -1,8 +1,8 @@
 """Helpers shared by the secondary tier (``tier``, ``_compat``) and the
 offloading spec (``spec``, ``spec_compat``, ``spec_worker``): finding
 vLLM and checking its classes, the fallback types both use without vLLM,
-the daemon key of a vLLM key, the medium events name, and the memory
-mapping behind an address.
+the daemon key of a vLLM key, the medium events name, the memory
+mapping behind an address, and reading vLLM's configuration objects.
 
 Importing this module imports nothing of vLLM.
 """
@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import importlib.util
 import inspect
+import os
 import typing
 
 from .. import protocol as p
@@ -136,3 +137,39 @@ def mapping_of(addr, length):
                 path = parts[5].strip() if len(parts) > 5 else ""
                 return lo, hi, int(parts[2], 16), path
     return None
+
+
+def open_mapped(lo, hi, path):
+    """A read-write descriptor of the file behind the mapping [lo, hi) of
+    path (a mapping_of entry): the file itself when it has a path, else (a
+    memfd, a deleted file) the mapping through /proc/self/map_files."""
+    if path.startswith("/") and not path.endswith("(deleted)"):
+        return os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    return os.open(f"/proc/self/map_files/{lo:x}-{hi:x}", os.O_RDWR | os.O_CLOEXEC)
+
+
+def get(obj, *path):
+    """obj.path[0].path[1]..., through dicts and attributes; None where a
+    step is missing."""
+    for name in path:
+        if obj is None:
+            return None
+        obj = obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
+    return obj
+
+
+def scalar(v):
+    """v if it is None or a JSON scalar, else str(v)."""
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    return str(v)
+
+
+def dtype_of(vllm_config):
+    """The KV cache's dtype name: cache_config.cache_dtype unless "auto",
+    else the model's dtype without "torch."; None when neither is known."""
+    cache = get(vllm_config, "cache_config", "cache_dtype")
+    if cache is not None and str(cache) != "auto":
+        return str(cache)
+    d = get(vllm_config, "model_config", "dtype")
+    return None if d is None else str(d).replace("torch.", "")

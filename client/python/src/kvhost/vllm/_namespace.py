@@ -12,31 +12,14 @@ import hashlib
 import json
 
 from ..client import Geometry
+from ._common import dtype_of, get as _get, scalar as _scalar
 
 FORMAT = "kvhost-vllm-tier-v1"
 MAX_DIM = 1 << 20
 
 
-def _get(obj, *path):
-    for name in path:
-        if obj is None:
-            return None
-        obj = obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
-    return obj
-
-
-def _scalar(v):
-    if v is None or isinstance(v, (bool, int, float, str)):
-        return v
-    return str(v)
-
-
 def _dtype(spec):
-    cache = _get(spec, "vllm_config", "cache_config", "cache_dtype")
-    if cache is not None and str(cache) != "auto":
-        return str(cache)
-    d = _get(spec, "vllm_config", "model_config", "dtype")
-    return None if d is None else str(d).replace("torch.", "")
+    return dtype_of(_get(spec, "vllm_config"))
 
 
 def _tokens_per_chunk(spec):

@@ -21,8 +21,8 @@ import typing
 from .. import protocol as p
 from ..client import Geometry
 from ._common import (OffloadingEvent, RequestOffloadingContext, UnsupportedVLLM,  # noqa: F401 (re-exported)
-                      daemon_key, merge_options, missing_features, pick_medium, unsupported,
-                      vllm_installed, vllm_version)
+                      daemon_key, dtype_of, get, merge_options, missing_features, pick_medium,
+                      scalar as _scalar, unsupported, vllm_installed, vllm_version)
 
 SPEC_WINDOW = (
     "vLLM with the full offloading-spec interface of main 2026-08-17 (commit 017e9f44, between "
@@ -153,14 +153,6 @@ IGNORED = {"spec_name", "spec_module_path", "block_size", "blocks_per_chunk", "c
            "num_cpu_blocks"}
 
 
-def get(obj, *path):
-    for name in path:
-        if obj is None:
-            return None
-        obj = obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
-    return obj
-
-
 def vllm_config_of(config):
     """The VllmConfig behind an OffloadingConfig (or a VllmConfig itself)."""
     return get(config, "vllm_config") or config
@@ -215,20 +207,6 @@ def blocks_per_chunk(config):
     return n
 
 
-def _scalar(v):
-    if v is None or isinstance(v, (bool, int, float, str)):
-        return v
-    return str(v)
-
-
-def _dtype(vc):
-    cache = get(vc, "cache_config", "cache_dtype")
-    if cache is not None and str(cache) != "auto":
-        return str(cache)
-    d = get(vc, "model_config", "dtype")
-    return None if d is None else str(d).replace("torch.", "")
-
-
 def groups_of(config, opts):
     """Per KV-cache group: (layer names, page bytes per layer per block)."""
     kc = get(config, "kv_cache_config") or get(vllm_config_of(config), "kv_cache_config")
@@ -263,7 +241,7 @@ def describe(config, opts, group, tp_rank):
     return {
         "format": "kvhost-vllm-spec-v1",
         "model": _scalar(get(vc, "model_config", "model")),
-        "dtype": _dtype(vc),
+        "dtype": dtype_of(vc),
         "tp_size": parallel_of(config),
         "tp_rank": tp_rank,
         "pcp_size": _scalar(get(par, "prefill_context_parallel_size")),

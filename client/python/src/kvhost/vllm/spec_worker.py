@@ -16,7 +16,7 @@ import time
 from .. import protocol as p
 from ..client import Client, ConnectionLost, KvhostError, Layer
 from . import spec_compat as sc
-from ._common import mapping_of as _mapping_of
+from ._common import mapping_of as _mapping_of, open_mapped as _open_mapped
 
 log = logging.getLogger("kvhost.vllm")
 
@@ -130,10 +130,7 @@ class SpecWorker:
             raise ValueError(f"kvhost.vllm: a host KV-cache tensor lies in private memory ({path or 'anonymous'}): "
                              "allocate it in shared memory (kvhost.torch_host_tensor, a memfd or a /dev/shm "
                              "file) to use it with the daemon")
-        if not path.endswith("(deleted)"):
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-        else:
-            fd = os.open(f"/proc/self/map_files/{lo:x}-{hi:x}", os.O_RDWR | os.O_CLOEXEC)
+        fd = _open_mapped(lo, hi, path)
         try:
             file_off = off + (addr - lo)
             region = self._client.register_shared_file(fd, file_off + size)

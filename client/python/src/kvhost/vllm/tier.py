@@ -26,10 +26,11 @@ import threading
 import time
 
 from .. import protocol as p
-from ..client import Client, KvhostError, Layer
+from ..client import Client, KvhostError, Layer, default_socket
 from ..memory import HostBuffer
 from . import _compat, _namespace
-from ._common import daemon_key as _daemon_key, mapping_of as _mapping_of, merge_options, pick_medium as _pick_medium
+from ._common import (daemon_key as _daemon_key, mapping_of as _mapping_of, merge_options,
+                      open_mapped as _open_mapped, pick_medium as _pick_medium)
 
 log = logging.getLogger("kvhost.vllm")
 
@@ -51,19 +52,6 @@ _IGNORED_KEYS = {"type", "module_path"}
 
 _UNITS = {"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40,
           "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 ** 12}
-
-
-def default_socket():
-    """The socket the tier connects to without a ``socket`` key: $KVHOST_SOCKET,
-    else the daemon's default ($XDG_RUNTIME_DIR/kvhost.sock, else
-    ~/.cache/kvhost/kvhost.sock)."""
-    env = os.environ.get("KVHOST_SOCKET")
-    if env:
-        return env
-    run = os.environ.get("XDG_RUNTIME_DIR")
-    if run:
-        return os.path.join(run, "kvhost.sock")
-    return os.path.join(os.path.expanduser("~"), ".cache", "kvhost", "kvhost.sock")
 
 
 def _size(name, v):
@@ -200,10 +188,7 @@ class _TierImpl:
         if m is None:
             raise ValueError("primary_kv_view is not one file mapping")
         lo, hi, off, path = m
-        if path.startswith("/") and not path.endswith("(deleted)"):
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-        else:
-            fd = os.open(f"/proc/self/map_files/{lo:x}-{hi:x}", os.O_RDWR | os.O_CLOEXEC)
+        fd = _open_mapped(lo, hi, path)
         try:
             file_off = off + (addr - lo)
             size = file_off + length
@@ -223,14 +208,9 @@ class _TierImpl:
             sealed = 0
         if sealed:
             return self._client.register_memfd(fd, size)
-        # A plain shared-memory file cannot be sealed: send it as it is and
-        # let the daemon decide (today's daemon refuses it: bad descriptor).
-        reg = getattr(self._client, "register_shared_file", None)
-        if reg is not None:
-            return reg(fd, size)
-        import struct
-        _, body = self._client._call(p.T_REGISTER_MEMORY, p.register_memory(p.MEMORY_MEMFD, size), [fd])
-        return struct.unpack_from("<I", body)[0]
+        # A plain shared-memory file cannot be sealed: register it unsealed
+        # (a daemon that cannot guard its copies answers unsupported).
+        return self._client.register_shared_file(fd, size)
 
     def _setup_staging(self):
         o = self._opts
