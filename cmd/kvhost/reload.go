@@ -19,10 +19,16 @@ import (
 	"github.com/kvhost/kvhost/logging"
 )
 
-// liveKeys are the settings a reload applies to the running daemon (the
-// whole [policy] table among them); every other changed key is reported as
-// needing a restart.
-var liveKeys = []string{"log.level", "engine.verify_interval"}
+// liveKey reports whether a reload applies the setting key to the running
+// daemon: the whole [policy] table, log.level and engine.verify_interval;
+// every other changed key is reported as needing a restart.
+func liveKey(k string) bool {
+	switch k {
+	case "policy", "log.level", "engine.verify_interval":
+		return true
+	}
+	return strings.HasPrefix(k, "policy.")
+}
 
 // reload re-reads the configuration (the --config file with the
 // command-line flags over it, as at start) and applies what can change
@@ -120,7 +126,7 @@ func needsRestart(a, b config.Config) []string {
 	var keys []string
 	diffKeys("", reflect.ValueOf(a), reflect.ValueOf(b), &keys)
 	return slices.DeleteFunc(keys, func(k string) bool {
-		return k == "policy" || strings.HasPrefix(k, "policy.") || slices.Contains(liveKeys, k)
+		return liveKey(k)
 	})
 }
 
