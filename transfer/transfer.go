@@ -55,6 +55,10 @@ type Plan struct {
 	// written plan whose last extent ends inside a 4 KiB block is written
 	// to the block's end, the tail as zeros (the file format's padding).
 	Direct bool
+	// Memory says the file is on a memory file system (tmpfs): its I/O is
+	// a CPU copy even with Direct, so a mover that checksums should do it
+	// right after each system call, while the bytes are in cache.
+	Memory bool
 }
 
 // Bytes is the payload length of the plan.

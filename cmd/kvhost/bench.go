@@ -33,8 +33,8 @@ type benchOptions struct {
 	keysPerJob   int
 	memory       string // auto, gpu, host
 	rounds       int
-	// ceilingPasses is how many times each ceiling is measured (the best
-	// counts).
+	// ceilingPasses is how many ceiling passes run per round, summed
+	// over the rounds as the engine's phases are.
 	ceilingPasses int
 	duration      time.Duration
 	dropCaches    bool
@@ -79,7 +79,7 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	fs.IntVar(&o.keysPerJob, "keys-per-job", 1, "keys per store or load job")
 	fs.StringVar(&o.memory, "memory", "auto", "where the paged cache lives: gpu, host, or auto (gpu when one is found)")
 	fs.IntVar(&o.rounds, "rounds", 1, "times each phase runs (figures are over all rounds)")
-	fs.IntVar(&o.ceilingPasses, "ceiling-passes", 2, "times each ceiling is measured; the best pass counts")
+	fs.IntVar(&o.ceilingPasses, "ceiling-passes", 1, "ceiling passes per round, timed between the round's store and load and summed like the engine's rounds")
 	fs.DurationVar(&o.duration, "duration", 0, "repeat each phase until this much time was spent on it (at least --rounds)")
 	fs.BoolVar(&o.dropCaches, "drop-caches", false, "cold reads: drop the files' cached pages (and the page cache, as root) before every read")
 	fs.BoolVar(&o.verify, "verify", true, "poison destinations before each load and check every loaded byte")

@@ -179,33 +179,51 @@ func (r *benchRun) buffers(n int, size int64) ([][]byte, error) {
 	return b.bufs, nil
 }
 
+// ceilingTotals sums a combination's ceiling passes over its rounds, as
+// phaseTotals sums the engine's.
+type ceilingTotals struct {
+	name           [2]string // write, read
+	wbytes, rbytes int64
+	wtime, rtime   time.Duration
+	wcpu, rcpu     time.Duration // process CPU time
+}
+
+// pair is the ceilings: bytes over time of every pass.
+func (t *ceilingTotals) pair(jobs int) ceilingPair {
+	return ceilingPair{
+		write: bench.Ceiling{Name: t.name[0], GBps: bench.GBps(t.wbytes, t.wtime), Threads: jobs, CPUMsPerGB: bench.CPUMsPerGB(t.wcpu, t.wbytes)},
+		read:  bench.Ceiling{Name: t.name[1], GBps: bench.GBps(t.rbytes, t.rtime), Threads: jobs, CPUMsPerGB: bench.CPUMsPerGB(t.rcpu, t.rbytes)},
+	}
+}
+
 // measureCeilings times plain writes of files of the same sizes as the
 // engine's (into a sibling directory) and plain reads of those files right
-// after, with jobs threads, O_DIRECT where the engine uses it, fsync when
-// stores are durable, the page cache dropped before the read when reads
-// are cold; the files are then removed. The read ceiling reads files just
-// written, as the engine's loads do, and never the engine's own files: on
-// tmpfs the first read of a written page costs more than later ones (the
-// kernel activates the page), so reading the engine's files here would
-// speed up the load that follows.
-func (r *benchRun) measureCeilings(ctx context.Context, files []string, jobs int, direct bool) (ceilingPair, error) {
+// after, --ceiling-passes times, with jobs threads, O_DIRECT where the
+// engine uses it, fsync when stores are durable, the page cache dropped
+// before the read when reads are cold; the files are then removed. It adds
+// the passes to t. The read ceiling reads files just written, as the
+// engine's loads do, and never the engine's own files: on tmpfs the first
+// read of a written page costs more than later ones (the kernel activates
+// the page), so reading the engine's files here would speed up the load
+// that follows.
+func (r *benchRun) measureCeilings(ctx context.Context, files []string, jobs int, direct bool, t *ceilingTotals) error {
 	sizes := make([]int64, len(files))
 	var largest int64
 	for i, f := range files {
 		fi, err := os.Stat(f)
 		if err != nil {
-			return ceilingPair{}, err
+			return err
 		}
 		sizes[i] = fi.Size()
 		largest = max(largest, fi.Size())
 	}
 	bufs, err := r.buffers(jobs, largest)
 	if err != nil {
-		return ceilingPair{}, err
+		return err
 	}
 	cdir, err := os.MkdirTemp(r.root, "ceiling-")
 	if err != nil {
-		return ceilingPair{}, err
+		return err
 	}
 	defer os.RemoveAll(cdir)
 	cpaths := make([]string, len(files))
@@ -221,42 +239,39 @@ func (r *benchRun) measureCeilings(ctx context.Context, files []string, jobs int
 	if direct {
 		mode = "O_DIRECT"
 	}
-	wname := "pwrite " + mode + mem
+	t.name[0] = "pwrite " + mode + mem
 	if r.o.fsync {
-		wname += " + fsync"
+		t.name[0] += " + fsync"
 	}
-	rname := "pread " + mode + mem
+	t.name[1] = "pread " + mode + mem
 	if r.o.dropCaches {
-		rname += " (cold)"
+		t.name[1] += " (cold)"
 	}
-	// The best of --ceiling-passes passes: a ceiling is what the
-	// storage can do, and one pass can be caught by background work.
-	var best ceilingPair
 	for range r.o.ceilingPasses {
+		cpu := bench.CPUTime()
 		wb, wd, err := bench.WriteFiles(ctx, cpaths, sizes, bufs, direct, r.o.fsync)
 		if err != nil {
-			return ceilingPair{}, err
+			return err
 		}
-		best.write.GBps = max(best.write.GBps, bench.GBps(wb, wd))
+		t.wbytes, t.wtime, t.wcpu = t.wbytes+wb, t.wtime+wd, t.wcpu+bench.CPUTime()-cpu
 		if r.o.dropCaches {
 			if _, err := bench.DropCaches(cpaths); err != nil {
-				return ceilingPair{}, err
+				return err
 			}
 		}
+		cpu = bench.CPUTime()
 		rb, rd, err := bench.ReadFiles(ctx, cpaths, bufs, direct)
+		rcpu := bench.CPUTime() - cpu
 		for _, p := range cpaths {
 			os.Remove(p)
 		}
 		if err != nil {
-			return ceilingPair{}, err
+			return err
 		}
-		best.read.GBps = max(best.read.GBps, bench.GBps(rb, rd))
+		t.rbytes, t.rtime, t.rcpu = t.rbytes+rb, t.rtime+rd, t.rcpu+rcpu
 		r.prog.Step(1)
 	}
-	return ceilingPair{
-		read:  bench.Ceiling{Name: rname, GBps: best.read.GBps, Threads: jobs},
-		write: bench.Ceiling{Name: wname, GBps: best.write.GBps, Threads: jobs},
-	}, nil
+	return nil
 }
 
 // pinnedCeilings times pinned host ↔ GPU copies of 256 MiB, best of 5.

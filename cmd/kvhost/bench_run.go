@@ -23,22 +23,16 @@ import (
 
 // benchRun is the state of one `kvhost bench` invocation.
 type benchRun struct {
-	o        benchOptions
-	log      *slog.Logger
-	prog     *bench.Progress
-	rep      *bench.Report
-	root     string // the working directory under --dir
-	useGPU   bool
-	ceilings map[ceilingKey]ceilingPair
-	bufs     *ceilingBuffers
-	warmed   map[int]bool // tokens per key warmed up
-	seq      int          // engine directories made
-	probe    *gpuPaths    // open for the whole run when a GPU is used
-}
-
-type ceilingKey struct {
-	tokensPerKey, jobs int
-	direct             bool
+	o      benchOptions
+	log    *slog.Logger
+	prog   *bench.Progress
+	rep    *bench.Report
+	root   string // the working directory under --dir
+	useGPU bool
+	bufs   *ceilingBuffers
+	warmed map[int]bool // tokens per key warmed up
+	seq    int          // engine directories made
+	probe  *gpuPaths    // open for the whole run when a GPU is used
 }
 
 type ceilingPair struct{ read, write bench.Ceiling }
@@ -57,8 +51,7 @@ func runBenchmark(ctx context.Context, o benchOptions, log *slog.Logger, stderr 
 	host, _ := os.Hostname()
 	r := &benchRun{
 		o: o, log: log, root: root,
-		ceilings: map[ceilingKey]ceilingPair{},
-		warmed:   map[int]bool{},
+		warmed: map[int]bool{},
 		rep: &bench.Report{
 			Schema: bench.Schema, Version: versionString(), Command: o.args, Started: start.UTC(),
 			Host: host, Dir: absDir(o.dir), FSType: fsTypeOf(root), Model: o.geometry,
@@ -327,6 +320,7 @@ func (r *benchRun) keySize(ctx context.Context, eng *engine.Engine, gp *gpuPaths
 	stored := false
 	for _, jobs := range r.o.jobs {
 		var st, ld phaseTotals
+		var ceil ceilingTotals
 		deadline := time.Now().Add(r.o.duration)
 		for round := 0; round < r.o.rounds || time.Now().Before(deadline); round++ {
 			if stored && r.o.store {
@@ -337,6 +331,7 @@ func (r *benchRun) keySize(ctx context.Context, eng *engine.Engine, gp *gpuPaths
 			}
 			if !stored {
 				r.prog.Start(fmt.Sprintf("store %s sums=%v %s keys, %d jobs", path, sums, sizeOf(g.KeyBytes()), jobs), keys)
+				cpu := bench.CPUTime()
 				d, lat, err := r.phase(ctx, eng, c, bench.Store, jobs)
 				if err != nil {
 					return err
@@ -344,20 +339,18 @@ func (r *benchRun) keySize(ctx context.Context, eng *engine.Engine, gp *gpuPaths
 				stored = true
 				if r.o.store {
 					st.add(d, lat, int64(keys)*g.KeyBytes(), keys, 0)
+					st.cpu += bench.CPUTime() - cpu
 				}
 			}
 			files, err := engineFiles(dir, g.KeyBytes())
 			if err != nil {
 				return err
 			}
-			direct := eng.Stats().Mounts[0].Direct
-			ck := ceilingKey{tpk, jobs, direct}
-			if _, ok := r.ceilings[ck]; !ok {
-				cp, err := r.measureCeilings(ctx, files, jobs, direct)
-				if err != nil {
-					return err
-				}
-				r.ceilings[ck] = cp
+			// The ceiling is timed in every round, between the round's
+			// store and its load, and summed like the engine's phases:
+			// engine and ceiling see the same machine at the same time.
+			if err := r.measureCeilings(ctx, files, jobs, eng.Stats().Mounts[0].Direct, &ceil); err != nil {
+				return err
 			}
 			if !r.o.load {
 				continue
@@ -379,10 +372,12 @@ func (r *benchRun) keySize(ctx context.Context, eng *engine.Engine, gp *gpuPaths
 					hits++
 				}
 			}
+			cpu := bench.CPUTime()
 			d, lat, err := r.phase(ctx, eng, c, bench.Load, jobs)
 			if err != nil {
 				return err
 			}
+			ld.cpu += bench.CPUTime() - cpu
 			var verified int64
 			if r.o.verify {
 				idx := make([]int, keys)
@@ -401,7 +396,7 @@ func (r *benchRun) keySize(ctx context.Context, eng *engine.Engine, gp *gpuPaths
 		// The engine writes payload checksums only where the mover
 		// computes them: cuFile never lets the CPU see the bytes.
 		summed := eng.Stats().Mounts[0].Checksums && mover != "cufile"
-		cp := r.ceilings[ceilingKey{tpk, jobs, eng.Stats().Mounts[0].Direct}]
+		cp := ceil.pair(jobs)
 		base := bench.Run{
 			Path: path, Mover: mover, IO: io, Checksums: sums, Checksummed: summed, Jobs: jobs, TokensPerKey: tpk,
 			KeyBytes: g.KeyBytes(), KeysPerJob: r.o.keysPerJob, Keys: keys,
@@ -426,6 +421,7 @@ type phaseTotals struct {
 	keys     int
 	verified int64
 	rounds   int
+	cpu      time.Duration // process CPU time over the phases
 }
 
 func (t *phaseTotals) add(d time.Duration, lat []time.Duration, bytes int64, keys int, verified int64) {
@@ -451,6 +447,7 @@ func (t *phaseTotals) run(base bench.Run, dir string, keys int, ceiling bench.Ce
 	x.JobP50Ms = bench.Percentile(t.lat, 0.50)
 	x.JobP99Ms = bench.Percentile(t.lat, 0.99)
 	x.VerifiedBytes = t.verified / int64(max(1, t.rounds))
+	x.CPUMsPerGB = bench.CPUMsPerGB(t.cpu, t.bytes)
 	return x
 }
 

@@ -18,7 +18,7 @@ import (
 // 128 two-byte elements, 16 tokens), keys of 64 tokens (256 KiB) and 16
 // tokens (64 KiB).
 //
-// Each ceiling is the best of 3 passes: the phases are short, and the
+// Each ceiling sums 3 passes per round: the phases are short, and the
 // fractions checked must not swing with other work on the machine.
 var tinyBench = []string{"--layers", "4", "--kv-heads", "2", "--head-size", "128", "--tokens-per-key", "64,16", "--progress", "off", "--ceiling-passes", "3"}
 
@@ -90,6 +90,9 @@ func checkRuns(t *testing.T, rep *bench.Report, want int, mover string) {
 		}
 		if x.Direction == bench.Load && x.VerifiedBytes != int64(x.Keys)*x.KeyBytes {
 			t.Errorf("load %+v: verified %d bytes, want every destination byte of every key (%d)", x, x.VerifiedBytes, int64(x.Keys)*x.KeyBytes)
+		}
+		if x.CPUMsPerGB <= 0 || x.Ceiling.CPUMsPerGB <= 0 {
+			t.Errorf("run %s %s %d jobs: CPU %.1f ms/GB, ceiling's %.1f: want both measured", x.Path, x.Direction, x.Jobs, x.CPUMsPerGB, x.Ceiling.CPUMsPerGB)
 		}
 		if x.JobP99Ms < x.JobP50Ms || x.JobP50Ms <= 0 {
 			t.Errorf("run %+v: job latency percentiles p50 %v p99 %v", x, x.JobP50Ms, x.JobP99Ms)

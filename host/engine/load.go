@@ -249,7 +249,7 @@ func (e *Engine) loadRound(ctx context.Context, j *Job, c *cache, blocks [][]int
 		}
 		return true
 	}
-	plan := c.plan(h, want, func(k int) []int { return blocks[dst[k]] }, m.direct)
+	plan := c.plan(h, want, func(k int) []int { return blocks[dst[k]] }, m)
 	check := h.Flags&format.FlagPayloadSums != 0 && m.checksums && mv.Checksums()
 	var sums []uint32
 	if check {

@@ -90,7 +90,7 @@ func (e *Engine) forget(id fsys.Identity) {
 // header h: key k's blocks are the cache blocks blocks(k). Extents of one
 // region that are contiguous in both the file and the region, for one
 // checksum slot, are merged.
-func (c *cache) plan(h *format.Header, want []bool, blocks func(k int) []int, direct bool) *transfer.Plan {
+func (c *cache) plan(h *format.Header, want []bool, blocks func(k int) []int, m *mount) *transfer.Plan {
 	hl := int64(h.Len())
 	bb := int64(h.BlockBytes)
 	n := int(h.Layers * h.Planes * h.BlocksPerKey)
@@ -105,7 +105,7 @@ func (c *cache) plan(h *format.Header, want []bool, blocks func(k int) []int, di
 		}
 		n *= k
 	}
-	p := &transfer.Plan{Extents: make([]transfer.Extent, 0, n), Sums: len(h.Keys), Direct: direct}
+	p := &transfer.Plan{Extents: make([]transfer.Extent, 0, n), Sums: len(h.Keys), Direct: m.direct, Memory: m.memory}
 	h.Walk(want, func(k, b, l, pl int, off int64) {
 		t := &c.layers[l]
 		x := transfer.Extent{FileOff: hl + off, Region: t.Region, RegionOff: t.Offset + int64(pl)*t.PlaneStride + int64(blocks(k)[b])*t.BlockStride, Len: bb, Sum: k}

@@ -363,7 +363,7 @@ func (e *Engine) writeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 	if !mv.Checksums() {
 		h.Flags &^= format.FlagPayloadSums // the file records it
 	}
-	plan := c.plan(h, nil, func(k int) []int { return blocks[gr.idx[k]] }, m.direct)
+	plan := c.plan(h, nil, func(k int) []int { return blocks[gr.idx[k]] }, m)
 
 	dir := filepath.Dir(gr.path)
 	tmp := e.tempName(dir, tmpPrefix)

@@ -161,6 +161,24 @@ func parallel(ctx context.Context, n, threads int, fn func(t, i int) error) (tim
 	return time.Since(start), first
 }
 
+// CPUTime is the calling process's CPU time so far, user and system, of
+// every thread.
+func CPUTime() time.Duration {
+	var ru unix.Rusage
+	if err := unix.Getrusage(unix.RUSAGE_SELF, &ru); err != nil {
+		return 0
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
+// CPUMsPerGB is CPU time d per bytes, in milliseconds per GB (1e9 bytes).
+func CPUMsPerGB(d time.Duration, bytes int64) float64 {
+	if bytes <= 0 {
+		return 0
+	}
+	return float64(d.Milliseconds()) / (float64(bytes) / 1e9)
+}
+
 // DropCaches makes the next reads of paths cold: each file's dirty pages
 // are written back and its cached pages dropped (posix_fadvise
 // POSIX_FADV_DONTNEED), then, when the process may, the whole page cache

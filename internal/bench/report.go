@@ -37,8 +37,9 @@ type Report struct {
 	Model        Geometry   `json:"geometry"` // the geometry, without TokensPerKey (per run)
 	Fsync        bool       `json:"fsync"`    // stores were durable (engine fsync)
 	Cold         bool       `json:"cold"`     // caches dropped before every read
-	// CeilingPasses is how many times each file ceiling was measured; the
-	// best pass is reported.
+	// CeilingPasses is how many times each file ceiling was measured per
+	// round (between the round's store and its load); a run's ceiling is
+	// the bytes over the time of every pass of its rounds.
 	CeilingPasses int `json:"ceiling_passes"`
 	// Ceilings that do not depend on the key size or thread count: the
 	// pinned host ↔ GPU copies, when a GPU is present.
@@ -68,6 +69,9 @@ type Ceiling struct {
 	GBps float64 `json:"gbps"` // 1e9 bytes per second
 	// Threads is the thread count it ran with (0 for a single copy).
 	Threads int `json:"threads,omitempty"`
+	// CPUMsPerGB is the CPU time it took, in milliseconds per GB (file
+	// ceilings only).
+	CPUMsPerGB float64 `json:"cpu_ms_per_gb,omitempty"`
 }
 
 // Run is one timed phase: the engine storing or loading Keys keys with
@@ -113,6 +117,11 @@ type Run struct {
 	// stored (every byte of every hit when verification is on); a miss's
 	// destination blocks are checked to be untouched too.
 	VerifiedBytes int64 `json:"verified_bytes"`
+	// CPUMsPerGB is the process's CPU time (user and system, every
+	// thread) during the phase, in milliseconds per GB moved: what the
+	// data path costs the host, less noisy than throughput on a shared
+	// machine. The ceiling's is in Ceiling.CPUMsPerGB.
+	CPUMsPerGB float64 `json:"cpu_ms_per_gb,omitempty"`
 }
 
 // Finish fills every run's CeilingBest and FractionBest from the runs of
@@ -203,7 +212,7 @@ func (r *Report) WriteTable(w io.Writer) error {
 	fmt.Fprintln(w)
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
 	footnote := false
-	fmt.Fprintln(tw, "path\tmover\tio\tsums\tkey\tjobs\tdir\tkeys\tGB/s\tceiling GB/s\tfraction\tof best\tp50 ms\tp99 ms\tverified\tceiling is\t")
+	fmt.Fprintln(tw, "path\tmover\tio\tsums\tkey\tjobs\tdir\tkeys\tGB/s\tceiling GB/s\tfraction\tof best\tp50 ms\tp99 ms\tCPU ms/GB\tceiling's\tverified\tceiling is\t")
 	for _, x := range r.Runs {
 		sums := "off"
 		switch {
@@ -213,14 +222,16 @@ func (r *Report) WriteTable(w io.Writer) error {
 			sums = "on*"
 			footnote = true
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%d\t%s\t%d/%d\t%.2f\t%.2f\t%.2f\t%.2f\t%.1f\t%.1f\t%s\t%s\t\n",
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%d\t%s\t%d/%d\t%.2f\t%.2f\t%.2f\t%.2f\t%.1f\t%.1f\t%.0f\t%.0f\t%s\t%s\t\n",
 			x.Path, x.Mover, x.IO, sums, sizeString(x.KeyBytes), x.Jobs, x.Direction, x.Hits, x.Keys,
-			x.GBps, x.Ceiling.GBps, x.Fraction, x.FractionBest, x.JobP50Ms, x.JobP99Ms, sizeString(x.VerifiedBytes), x.Ceiling.Name)
+			x.GBps, x.Ceiling.GBps, x.Fraction, x.FractionBest, x.JobP50Ms, x.JobP99Ms, x.CPUMsPerGB, x.Ceiling.CPUMsPerGB,
+			sizeString(x.VerifiedBytes), x.Ceiling.Name)
 	}
 	if err := tw.Flush(); err != nil {
 		return err
 	}
 	fmt.Fprintln(w, "fraction: of the ceiling with as many threads as jobs; of best: of the best ceiling over every thread count")
+	fmt.Fprintln(w, "CPU ms/GB: the process's CPU time per GB moved, the engine's and the ceiling's")
 	if footnote {
 		fmt.Fprintln(w, "on*: checksums asked for, but the mover computes none (the CPU never sees the bytes)")
 	}

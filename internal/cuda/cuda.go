@@ -142,6 +142,7 @@ const (
 	hostRegisterPortable    = 1 // cudaHostRegisterPortable
 	streamNonBlocking       = 1 // cudaStreamNonBlocking
 	eventDisableTiming      = 2 // cudaEventDisableTiming
+	eventBlockingSync       = 1 // cudaEventBlockingSync
 	ipcLazyEnablePeerAccess = 1 // cudaIpcMemLazyEnablePeerAccess
 )
 
@@ -338,9 +339,19 @@ func (r *Runtime) Sync(s Stream) error {
 type Event uintptr
 
 // NewEvent creates an event without timing.
-func (r *Runtime) NewEvent() (Event, error) {
+func (r *Runtime) NewEvent() (Event, error) { return r.newEvent(eventDisableTiming) }
+
+// NewBlockingEvent creates an event without timing whose Wait puts the
+// calling thread to sleep until the event completes, where Sync and the
+// Wait of other events spin on a core (CUDA's default while a process
+// has fewer contexts than cores).
+func (r *Runtime) NewBlockingEvent() (Event, error) {
+	return r.newEvent(eventDisableTiming | eventBlockingSync)
+}
+
+func (r *Runtime) newEvent(flags uint32) (Event, error) {
 	var e uintptr
-	if err := r.err("cudaEventCreateWithFlags", callPU(r.fn.eventCreate, unsafe.Pointer(&e), eventDisableTiming)); err != nil {
+	if err := r.err("cudaEventCreateWithFlags", callPU(r.fn.eventCreate, unsafe.Pointer(&e), flags)); err != nil {
 		return 0, err
 	}
 	return Event(e), nil

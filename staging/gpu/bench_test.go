@@ -54,6 +54,7 @@ func BenchmarkTmpfsDirect(b *testing.B) {
 	paths := make([]string, files)
 	for i := range plans {
 		plans[i] = kv.plan(keyBlocks(rnd, g.numBlocks, g.blocksPerKey), true)
+		plans[i].Memory = true // tmpfs
 		paths[i] = filepath.Join(dir, fmt.Sprintf("k%d", i))
 	}
 	keyBytes := int64(g.layers * g.blocksPerKey * g.pageBytes)

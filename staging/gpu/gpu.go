@@ -11,7 +11,8 @@
 // is one large system call per chunk (4 MiB by default, 4 KiB-aligned:
 // pinned buffers are page-aligned); to a memory file system or through
 // the page cache, reads go in 256 KiB pieces, and so do writes with
-// checksums, each piece checksummed right after its system call (fuses).
+// checksums, each piece checksummed right after its system call (fused;
+// transfer.Plan.Memory says which files are on memory file systems).
 // The pinned pool is allocated and registered once, when the Mover is
 // made, never per request.
 package gpu
@@ -22,8 +23,6 @@ import (
 	"fmt"
 	"io"
 	"sync"
-
-	"golang.org/x/sys/unix"
 
 	"github.com/kvhost/kvhost/internal/cuda"
 	"github.com/kvhost/kvhost/internal/fsys"
@@ -317,7 +316,7 @@ func (m *Mover) copyTask(c *chunk, bufPtr uintptr, h2d bool, done chan<- error) 
 		}
 		r := w.Runtime()
 		err := r.Enqueue(&cp, h2d, m.cfg.Copy, w.Stream())
-		done <- errors.Join(err, r.Sync(w.Stream()))
+		done <- errors.Join(err, w.Finish())
 	}
 }
 
@@ -359,31 +358,15 @@ func sum(c *chunk, b []byte, lead, lo, hi int, sums []uint32) {
 // Align, so that direct pieces stay aligned.
 const fuseBatch = 256 << 10
 
-// Magic numbers of memory file systems (statfs f_type).
-const (
-	tmpfsMagic = 0x01021994
-	ramfsMagic = 0x858458f6
-)
-
-// fuses reports whether a transfer of f with these options checksums each
-// piece right after its system call (fused) rather than each chunk after
-// its one large system call. It is fused unless the file is open with
-// O_DIRECT on a device: there the DMA leaves no bytes in the CPU's cache,
-// and large requests serve the device best. A memory file system (tmpfs,
-// which accepts O_DIRECT since Linux 6.6) copies with the CPU either way,
-// so a direct file there is fused too: checksumming a 4 MiB chunk after
-// its read would be a second pass over memory. One fstatfs per file; a
-// file whose descriptor cannot say is treated as a device.
-func fuses(f fsys.File, direct bool) bool {
-	if !direct {
-		return true
-	}
-	var st unix.Statfs_t
-	if err := unix.Fstatfs(int(f.Fd()), &st); err != nil {
-		return false
-	}
-	return st.Type == tmpfsMagic || st.Type == ramfsMagic
-}
+// fusedIO reports whether a plan's file I/O goes in pieces, each
+// checksummed right after its system call, rather than one system call
+// per chunk. It does unless the file is open with O_DIRECT on a device:
+// there the DMA leaves no bytes in the CPU's cache, and large requests
+// serve the device best. A memory file system (tmpfs, which accepts
+// O_DIRECT since Linux 6.6) copies with the CPU either way, so a direct
+// file there is fused too: checksumming a chunk after its one large read
+// would be a second pass over memory.
+func fusedIO(p *transfer.Plan) bool { return !p.Direct || p.Memory }
 
 // WriteFile gathers the plan's device extents into pinned buffers and
 // writes them to f, checksumming on the way.
@@ -412,7 +395,7 @@ func (m *Mover) run(ctx context.Context, f fsys.File, p *transfer.Plan, sums []u
 	// whether or not there are checksums (the CPU copy is the same; the
 	// pieces measured faster, BenchmarkTmpfsDirect/load/sums=off); writes
 	// are cut only to fuse their checksums (pieces measured no faster).
-	fused := fuses(f, p.Direct)
+	fused := fusedIO(p)
 	if write && sums == nil {
 		fused = false
 	}
@@ -536,7 +519,7 @@ func (m *Mover) writeChunk(f fsys.File, st *stage, sums []uint32, fused bool) er
 }
 
 // readChunk reads a chunk's (aligned) range and checksums its bytes:
-// piece by piece, each checksummed right after its read (fuses; with or
+// piece by piece, each checksummed right after its read (fused; with or
 // without checksums), else in one read.
 func (m *Mover) readChunk(f fsys.File, st *stage, sums []uint32, fused bool) error {
 	b, _ := m.buf(st.buf)

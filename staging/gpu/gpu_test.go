@@ -101,7 +101,7 @@ func fsDir(t *testing.T, memory bool) string {
 	if err := unix.Statfs(base, &st); err != nil {
 		t.Skipf("no %s: %v", base, err)
 	}
-	if isMem := st.Type == tmpfsMagic || st.Type == ramfsMagic; isMem != memory {
+	if isMem := st.Type == unix.TMPFS_MAGIC || st.Type == unix.RAMFS_MAGIC; isMem != memory {
 		t.Skipf("%s: memory file system %v, want %v", base, isMem, memory)
 	}
 	dir, err := os.MkdirTemp(base, "kvhost-gpu-test-")
@@ -119,8 +119,7 @@ func fsDir(t *testing.T, memory bool) string {
 
 // TestFusedUnlessDirectToADevice: checksums are fused with the system
 // calls for buffered files and for O_DIRECT files on a memory file system
-// (a CPU copy either way), not for O_DIRECT files on a device, nor for a
-// descriptor fstatfs cannot name.
+// (a CPU copy either way), not for O_DIRECT files on a device.
 func TestFusedUnlessDirectToADevice(t *testing.T) {
 	cases := []struct {
 		name   string
@@ -135,30 +134,11 @@ func TestFusedUnlessDirectToADevice(t *testing.T) {
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
-			flag := 0
-			if c.direct {
-				flag = unix.O_DIRECT
-			}
-			f := createFileIn(t, fsDir(t, c.memory), "f", flag)
-			if got := fuses(f, c.direct); got != c.want {
-				t.Fatalf("fuses = %v, want %v", got, c.want)
+			if got := fusedIO(&transfer.Plan{Direct: c.direct, Memory: c.memory}); got != c.want {
+				t.Fatalf("fusedIO = %v, want %v", got, c.want)
 			}
 		})
 	}
-	t.Run("closed-descriptor", func(t *testing.T) {
-		f := createFile(t, "closed")
-		r, err := fsys.OS{}.OpenFile(filepath.Join(os.TempDir(), "."), os.O_RDONLY, 0)
-		if err != nil {
-			t.Fatal(err)
-		}
-		r.Close()
-		if fuses(r, true) {
-			t.Fatalf("fuses = true for a closed descriptor")
-		}
-		if !fuses(f, false) {
-			t.Fatalf("fuses = false for a buffered file")
-		}
-	})
 }
 
 // TestRoundTripScatteredPlan stores a key's scattered pages to a file and
@@ -204,6 +184,7 @@ func TestRoundTripScatteredPlan(t *testing.T) {
 			}
 			blocks := keyBlocks(rand.New(rand.NewPCG(uint64(i), 2)), g.numBlocks, g.blocksPerKey)
 			p := kv.plan(blocks, c.direct)
+			p.Memory = c.fs == "tmpfs"
 			wantFile, wantSums := expect(p, host)
 			var f fsys.File
 			if c.fs == "" {
@@ -510,7 +491,7 @@ func TestUnalignedDirectLoadFromTmpfs(t *testing.T) {
 		t.Run(c.name, func(t *testing.T) {
 			m := e.mover(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, Chunk: c.chunk})
 			kv.poison(t, e.w)
-			p := &transfer.Plan{Sums: 1, Direct: true, Extents: []transfer.Extent{{FileOff: c.off, Region: kv.layers[0], Len: c.len, Sum: 0}}}
+			p := &transfer.Plan{Sums: 1, Direct: true, Memory: true, Extents: []transfer.Extent{{FileOff: c.off, Region: kv.layers[0], Len: c.len, Sum: 0}}}
 			sums := make([]uint32, 1)
 			if n, err := m.ReadFile(context.Background(), f, p, sums); err != nil || n != c.len {
 				t.Fatalf("ReadFile = %d, %v; want %d", n, err, c.len)
@@ -551,11 +532,11 @@ func TestUnalignedEndDirectWriteIsPadded(t *testing.T) {
 			f := createFileIn(t, fsDir(t, c.memFS), "key", unix.O_DIRECT)
 			// Dirty the staging buffers and the file's first MiB first: the
 			// padding must overwrite it with zeros, not old bytes.
-			full := &transfer.Plan{Direct: true, Extents: []transfer.Extent{{FileOff: 0, Region: kv.layers[0], Len: 1 << 20, Sum: -1}}}
+			full := &transfer.Plan{Direct: true, Memory: c.memFS, Extents: []transfer.Extent{{FileOff: 0, Region: kv.layers[0], Len: 1 << 20, Sum: -1}}}
 			if _, err := m.WriteFile(context.Background(), f, full, nil); err != nil {
 				t.Fatal(err)
 			}
-			p := &transfer.Plan{Sums: 1, Direct: true, Extents: []transfer.Extent{{FileOff: 0, Region: kv.layers[1], Len: c.len, Sum: 0}}}
+			p := &transfer.Plan{Sums: 1, Direct: true, Memory: c.memFS, Extents: []transfer.Extent{{FileOff: 0, Region: kv.layers[1], Len: c.len, Sum: 0}}}
 			sums := make([]uint32, 1)
 			if n, err := m.WriteFile(context.Background(), f, p, sums); err != nil || n != c.len {
 				t.Fatalf("WriteFile = %d, %v; want %d", n, err, c.len)
