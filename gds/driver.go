@@ -146,6 +146,7 @@ type Driver struct {
 	props Properties
 	cache *handleCache
 	caps  *capabilities
+	batch batchCounters
 
 	mu     sync.Mutex
 	closed bool

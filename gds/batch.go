@@ -1,0 +1,301 @@
+package gds
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync/atomic"
+	"syscall"
+	"time"
+)
+
+// Errors of the batch path.
+var (
+	// ErrBatchEntry: an entry of a batch completed as failed, invalid,
+	// canceled or timed out. Errors wrap it with the entry's cuFile status
+	// or errno where the library gave one.
+	ErrBatchEntry = errors.New("gds: batch entry failed")
+	// ErrBatchTimeout: a batch's entries did not all complete within
+	// MoverConfig.BatchTimeout; the batch was canceled.
+	ErrBatchTimeout = errors.New("gds: batch timed out")
+)
+
+// BatchStats counts a driver's batch I/O.
+type BatchStats struct {
+	SetUps    uint64 // batch contexts set up (cuFileBatchIOSetUp)
+	Batches   uint64 // batches submitted
+	Entries   uint64 // entries submitted
+	Short     uint64 // entries that moved less than asked (finished per call)
+	Abandoned uint64 // batches canceled: context done, timeout, status error
+	// Refusals counts mounts whose batches the library refused (e.g.
+	// CU_FILE_BATCH_NOCOMPAT_ERROR in compat mode); Fallbacks counts what
+	// went per call instead: every later job that would have batched
+	// there, and each batch that met the refusal.
+	Refusals, Fallbacks uint64
+}
+
+// batchCounters are a driver's BatchStats, updated atomically.
+type batchCounters struct {
+	setUps, batches, entries, short, abandoned, refusals, fallbacks atomic.Uint64
+}
+
+// BatchStats reports the driver's batch counters.
+func (d *Driver) BatchStats() BatchStats {
+	c := &d.batch
+	return BatchStats{
+		SetUps: c.setUps.Load(), Batches: c.batches.Load(), Entries: c.entries.Load(),
+		Short: c.short.Load(), Abandoned: c.abandoned.Load(),
+		Refusals: c.refusals.Load(), Fallbacks: c.fallbacks.Load(),
+	}
+}
+
+// batchPoll is the longest one cuFileBatchIOGetStatus call waits, so that
+// a canceled context or the batch timeout is noticed soon.
+const batchPoll = 5 * time.Millisecond
+
+// useBatch says whether a job on a mount of capability c goes in batches;
+// a job that would, on a mount that refused batches, is counted as a
+// fallback.
+func (m *Mover) useBatch(c Capability) bool {
+	if !m.wantBatch(c) {
+		return false
+	}
+	if c.Batch == BatchRefused {
+		m.d.batch.fallbacks.Add(1)
+		return false
+	}
+	return true
+}
+
+// wantBatch says whether the mover's IO mode batches on a mount of
+// capability c, refusals aside.
+func (m *Mover) wantBatch(c Capability) bool {
+	if !m.d.props.BatchAPI {
+		return false
+	}
+	switch m.cfg.IO {
+	case IOBatch:
+		return true
+	case IOAuto:
+		switch c.Mode {
+		case ModeDirect:
+			return m.d.props.FeatureFlags&featureBatchIO != 0
+		case ModeCompat:
+			return autoBatchCompat
+		}
+	}
+	return false
+}
+
+// chunks splits pieces into runs of at most size entries on one device,
+// of nearly equal length (130 pieces at 128 are two batches of 65).
+func chunks(pcs []piece, size int) [][]piece {
+	var out [][]piece
+	for len(pcs) > 0 {
+		same := 1
+		for same < len(pcs) && pcs[same].ordinal == pcs[0].ordinal {
+			same++
+		}
+		run := pcs[:same]
+		n := (len(run) + size - 1) / size
+		for i := range n {
+			out = append(out, run[i*len(run)/n:(i+1)*len(run)/n])
+		}
+		pcs = pcs[same:]
+	}
+	return out
+}
+
+// batchRefused says whether err is the library declining batch I/O as
+// such (nothing was submitted), not an I/O failure: per-call I/O may
+// then serve the same entries.
+func batchRefused(err error) bool {
+	for _, st := range []Status{StatusBatchNoCompatError, StatusAsyncNotSupported, StatusPlatformNotSupported,
+		StatusIONotSupported, StatusDriverNotInitialized} {
+		if errors.Is(err, st) {
+			return true
+		}
+	}
+	return errors.Is(err, ErrUnavailable)
+}
+
+// batchContext returns the worker's batch context, setting one up on the
+// worker's thread the first time (and after one was dropped).
+func (w *worker) batchContext() (batchCtx, error) {
+	if w.batch != nil {
+		return w.batch, nil
+	}
+	b, err := w.m.d.api.batchSetUp(w.m.batchSize)
+	if err != nil {
+		return nil, err
+	}
+	w.m.d.batch.setUps.Add(1)
+	w.batch = b
+	n := w.m.batchSize
+	w.ios, w.events, w.done = make([]batchIO, 0, n), make([]batchEvent, n), make([]bool, n)
+	return b, nil
+}
+
+// dropBatch destroys the worker's batch context, if any.
+func (w *worker) dropBatch() {
+	if w.batch != nil {
+		w.batch.destroy()
+		w.batch = nil
+	}
+}
+
+// abandon cancels the worker's batch after err, destroys its context (its
+// state is unknown now; the next batch sets up a new one) and returns err.
+func (w *worker) abandon(b batchCtx, err error) error {
+	w.m.d.batch.abandoned.Add(1)
+	if cerr := b.cancel(); cerr != nil {
+		err = fmt.Errorf("%w (cuFileBatchIOCancel: %w)", err, cerr)
+	}
+	w.dropBatch()
+	return err
+}
+
+// runBatch moves pcs (at most the batch size) as one batch on the
+// worker's context and waits for every entry. An entry that moved less
+// than asked is finished with per-call I/O (which fails a read past the
+// end of the file with transfer.ErrShortFile, as the per-call path
+// does); a failed entry fails the job. If the library refuses batches,
+// the mount is marked so (logged once, counted) and the pieces go per
+// call. It returns the bytes moved.
+func (w *worker) runBatch(ctx context.Context, h *handle, dev uint64, pcs []piece, write bool) (int64, error) {
+	m := w.m
+	if m.d.caps.get(dev).Batch == BatchRefused {
+		m.d.batch.fallbacks.Add(1)
+		return w.perCall(h, pcs, write)
+	}
+	b, err := w.batchContext()
+	if err != nil {
+		if batchRefused(err) {
+			m.d.caps.refuseBatch(dev, fmt.Errorf("cuFileBatchIOSetUp: %w", err))
+			return w.perCall(h, pcs, write)
+		}
+		return 0, fmt.Errorf("gds: cuFileBatchIOSetUp(%d): %w", m.batchSize, err)
+	}
+	ios := w.ios[:0]
+	for i, pc := range pcs {
+		ios = append(ios, batchIO{h: h.h, base: pc.base, bufOff: pc.bufOff, fileOff: pc.fileOff, n: pc.n, write: write, cookie: uintptr(i)})
+	}
+	w.ios = ios
+	if err := b.submit(ios); err != nil {
+		if batchRefused(err) {
+			m.d.caps.refuseBatch(dev, fmt.Errorf("cuFileBatchIOSubmit: %w", err))
+			return w.perCall(h, pcs, write)
+		}
+		return 0, fmt.Errorf("gds: cuFileBatchIOSubmit of %d entries: %w", len(ios), err)
+	}
+	m.d.batch.batches.Add(1)
+	m.d.batch.entries.Add(uint64(len(ios)))
+
+	done := w.done[:len(pcs)]
+	clear(done)
+	var (
+		moved     int64
+		first     error
+		remaining = len(pcs)
+		rest      []piece // what short entries left, and entries refused one by one
+		refused   error
+		deadline  = time.Now().Add(m.cfg.BatchTimeout)
+	)
+	for remaining > 0 {
+		if err := ctx.Err(); err != nil {
+			return moved, w.abandon(b, fmt.Errorf("gds: batch with %d of %d entries outstanding: %w", remaining, len(pcs), err))
+		}
+		wait := min(batchPoll, time.Until(deadline))
+		if wait <= 0 {
+			return moved, w.abandon(b, fmt.Errorf("%w: %d of %d entries outstanding after %v", ErrBatchTimeout, remaining, len(pcs), m.cfg.BatchTimeout))
+		}
+		ev := w.events[:remaining]
+		n, err := b.status(remaining, ev, wait)
+		if err != nil {
+			return moved, w.abandon(b, fmt.Errorf("gds: cuFileBatchIOGetStatus: %w", err))
+		}
+		for _, e := range ev[:n] {
+			i := int(e.cookie)
+			if e.cookie >= uintptr(len(pcs)) || done[i] {
+				return moved, w.abandon(b, fmt.Errorf("gds: cuFileBatchIOGetStatus: event for unknown entry %d", e.cookie))
+			}
+			done[i] = true
+			remaining--
+			pc := pcs[i]
+			switch {
+			case e.status == batchComplete && e.ret == pc.n:
+				moved += pc.n
+			case e.status == batchComplete && e.ret >= 0 && e.ret < pc.n:
+				m.d.batch.short.Add(1)
+				moved += e.ret
+				r := pc
+				r.bufOff, r.fileOff, r.n = pc.bufOff+e.ret, pc.fileOff+e.ret, pc.n-e.ret
+				rest = append(rest, r)
+			default:
+				eerr := entryError(e, pc)
+				if e.status != batchComplete && batchRefused(eerr) {
+					// The library took the batch but declined this
+					// entry as such: nothing of it moved.
+					refused = eerr
+					rest = append(rest, pc)
+				} else if first == nil {
+					first = fmt.Errorf("gds: %s: %w", pieceName(pc, write), eerr)
+				}
+			}
+		}
+	}
+	if first != nil {
+		return moved, first
+	}
+	if refused != nil {
+		m.d.caps.refuseBatch(dev, fmt.Errorf("batch entry: %w", refused))
+	}
+	n, err := w.perCall(h, rest, write)
+	return moved + n, err
+}
+
+// perCall moves pcs one call each on this worker.
+func (w *worker) perCall(h *handle, pcs []piece, write bool) (int64, error) {
+	if len(pcs) == 0 {
+		return 0, nil
+	}
+	var moved int64
+	for _, pc := range pcs {
+		n, err := w.m.ioPiece(h, pc, write)
+		moved += n
+		if err != nil {
+			return moved, err
+		}
+	}
+	return moved, nil
+}
+
+// pieceName names a piece in errors: "batch cuFileRead of 65536 bytes at
+// file offset 4096".
+func pieceName(pc piece, write bool) string {
+	op := "cuFileRead"
+	if write {
+		op = "cuFileWrite"
+	}
+	return fmt.Sprintf("batch %s of %d bytes at file offset %d", op, pc.n, pc.fileOff)
+}
+
+// entryError is the error of an entry that did not complete: its state,
+// and the cuFile status (-ret above 5000) or errno (other negative ret)
+// the library gave.
+func entryError(e batchEvent, pc piece) error {
+	var cause error
+	switch {
+	case e.ret < -5000:
+		cause = Status(-e.ret)
+	case e.ret < 0:
+		cause = syscall.Errno(-e.ret)
+	}
+	switch {
+	case cause != nil:
+		return fmt.Errorf("%w: %s: %w", ErrBatchEntry, e.status, cause)
+	case e.status == batchComplete:
+		return fmt.Errorf("%w: %s with %d bytes of %d", ErrBatchEntry, e.status, e.ret, pc.n)
+	}
+	return fmt.Errorf("%w: %s", ErrBatchEntry, e.status)
+}
