@@ -189,7 +189,9 @@ func TestMoverBatchFailuresFailTheJob(t *testing.T) {
 		}, func(err error) bool { return errors.Is(err, StatusInternalError) }},
 		{"read past the end of the file", false, func(c *fakeCtl, _ int64) {
 			c.set(&c.ReadTruncateAt, 10*4096+100)
-		}, func(err error) bool { return errors.Is(err, transfer.ErrShortFile) && errors.Is(err, io.ErrUnexpectedEOF) }},
+		}, func(err error) bool {
+			return errors.Is(err, transfer.ErrShortFile) && errors.Is(err, io.ErrUnexpectedEOF)
+		}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
