@@ -1,9 +1,11 @@
 package gds
 
 import (
+	"container/list"
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 	"sync/atomic"
 	"syscall"
 	"time"
@@ -181,6 +183,10 @@ func (w *worker) runBatch(ctx context.Context, h *handle, dev uint64, pcs []piec
 		ios = append(ios, batchIO{h: h.h, base: pc.base, bufOff: pc.bufOff, fileOff: pc.fileOff, n: pc.n, write: write, cookie: uintptr(i)})
 	}
 	w.ios = ios
+	if err := m.d.inflight.acquire(ctx, len(ios)); err != nil {
+		return 0, err
+	}
+	defer m.d.inflight.release(len(ios))
 	if err := b.submit(ios); err != nil {
 		if batchRefused(err) {
 			m.d.caps.refuseBatch(dev, fmt.Errorf("cuFileBatchIOSubmit: %w", err))
@@ -298,4 +304,89 @@ func entryError(e batchEvent, pc piece) error {
 		return fmt.Errorf("%w: %s with %d bytes of %d", ErrBatchEntry, e.status, e.ret, pc.n)
 	}
 	return fmt.Errorf("%w: %s", ErrBatchEntry, e.status)
+}
+
+// batchEntries is the driver's bound on batch entries in flight: the
+// configured one, else cuFile's bounce buffer count, else 128.
+func batchEntries(configured int, p Properties) int {
+	switch {
+	case configured > 0:
+		return configured
+	case p.MaxDeviceCache > 0 && p.PerBufferCache > 0 && p.MaxDeviceCache/p.PerBufferCache > 0:
+		return int(p.MaxDeviceCache / p.PerBufferCache)
+	}
+	return 128
+}
+
+// entryBudget is a weighted semaphore over batch entries in flight, first
+// come first served, so that a large batch is not starved by small ones.
+type entryBudget struct {
+	size int
+
+	mu      sync.Mutex
+	free    int
+	waiters list.List // of *budgetWaiter
+}
+
+type budgetWaiter struct {
+	n     int
+	ready chan struct{}
+}
+
+func newEntryBudget(size int) *entryBudget {
+	return &entryBudget{size: size, free: size}
+}
+
+// acquire takes n entries (at most the budget's size), waiting for room
+// until ctx is done.
+func (b *entryBudget) acquire(ctx context.Context, n int) error {
+	if n > b.size {
+		return fmt.Errorf("gds: batch of %d entries exceeds the %d in flight allowed", n, b.size)
+	}
+	b.mu.Lock()
+	if b.waiters.Len() == 0 && b.free >= n {
+		b.free -= n
+		b.mu.Unlock()
+		return nil
+	}
+	w := &budgetWaiter{n: n, ready: make(chan struct{})}
+	e := b.waiters.PushBack(w)
+	b.mu.Unlock()
+	select {
+	case <-w.ready:
+		return nil
+	case <-ctx.Done():
+		b.mu.Lock()
+		select {
+		case <-w.ready:
+			// Granted meanwhile: give it back.
+			b.free += n
+		default:
+			b.waiters.Remove(e)
+		}
+		b.grantLocked()
+		b.mu.Unlock()
+		return fmt.Errorf("gds: waiting for room for a batch of %d entries: %w", n, ctx.Err())
+	}
+}
+
+// release returns n entries.
+func (b *entryBudget) release(n int) {
+	b.mu.Lock()
+	b.free += n
+	b.grantLocked()
+	b.mu.Unlock()
+}
+
+// grantLocked wakes waiters in order while the first one fits.
+func (b *entryBudget) grantLocked() {
+	for e := b.waiters.Front(); e != nil; e = b.waiters.Front() {
+		w := e.Value.(*budgetWaiter)
+		if w.n > b.free {
+			return
+		}
+		b.free -= w.n
+		b.waiters.Remove(e)
+		close(w.ready)
+	}
 }

@@ -428,3 +428,87 @@ func TestNewMoverRejectsUnknownIOMode(t *testing.T) {
 		t.Fatalf("NewMover with IO 9 = %v; want an error naming it", err)
 	}
 }
+
+func TestBatchEntriesInFlightStayWithinTheDriverBudget(t *testing.T) {
+	tests := []struct {
+		name      string
+		entries   int
+		wantBatch int64 // largest batch: the budget caps the batch size
+	}{
+		{"budget below the batch size", 24, 24},
+		{"budget of two batches", 64, 32},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			e := openFake(t, Config{BatchEntries: tt.entries}, nil)
+			m := newMover(t, e.d, MoverConfig{Workers: 6, AllowCompat: true, IO: IOBatch, BatchSize: 32})
+			src := newHostDevice(t, 1, 4<<20, 0)
+			fill(src.mem, 17)
+			dir := t.TempDir()
+			errs := make(chan error, 6)
+			for j := range 6 {
+				go func() {
+					f := openFile(t, filepath.Join(dir, string(rune('a'+j))), os.O_RDWR)
+					var err error
+					for i := range 4 {
+						if _, err = m.WriteFile(context.Background(), f, sparsePlan(src, 192, 4096, uint64(j*4+i)), nil); err != nil {
+							break
+						}
+					}
+					errs <- err
+				}()
+			}
+			for range 6 {
+				if err := <-errs; err != nil {
+					t.Fatal(err)
+				}
+			}
+			c := e.ctl
+			if mx := c.get(&c.BatchInflightMax); mx > int64(tt.entries) || mx == 0 {
+				t.Fatalf("%d entries in flight at most; want between 1 and the budget %d", mx, tt.entries)
+			}
+			if mx := c.get(&c.BatchMaxEntries); mx != tt.wantBatch {
+				t.Fatalf("largest batch %d entries; want %d", mx, tt.wantBatch)
+			}
+		})
+	}
+}
+
+func TestEntryBudgetGrantsInOrderAndHonorsContext(t *testing.T) {
+	b := newEntryBudget(10)
+	ctx := context.Background()
+	if err := b.acquire(ctx, 8); err != nil {
+		t.Fatal(err)
+	}
+	if err := b.acquire(ctx, 11); err == nil {
+		t.Fatal("acquire of more than the budget succeeded")
+	}
+	got := make(chan int, 2)
+	go func() { b.acquire(ctx, 6); got <- 6 }()
+	waitFor(t, "the first waiter queued", func() bool { b.mu.Lock(); defer b.mu.Unlock(); return b.waiters.Len() == 1 })
+	go func() { b.acquire(ctx, 1); got <- 1 }()
+	waitFor(t, "the second waiter queued", func() bool { b.mu.Lock(); defer b.mu.Unlock(); return b.waiters.Len() == 2 })
+	// 2 entries are free: enough for the second waiter, but the first
+	// came first, and a newcomer does not jump the queue either.
+	cctx, cancel := context.WithCancel(ctx)
+	cancel()
+	if err := b.acquire(cctx, 1); !errors.Is(err, context.Canceled) {
+		t.Fatalf("acquire with a canceled context behind waiters = %v, want context.Canceled", err)
+	}
+	b.mu.Lock()
+	free, waiting := b.free, b.waiters.Len()
+	b.mu.Unlock()
+	if free != 2 || waiting != 2 {
+		t.Fatalf("with 2 free and waiters for 6 then 1: %d free, %d waiting; want 2, 2 (first come, first served)", free, waiting)
+	}
+	b.release(8)
+	if a, c := <-got, <-got; a+c != 7 {
+		t.Fatalf("granted %d and %d; want 6 and 1", a, c)
+	}
+	b.release(7)
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.free != 10 || b.waiters.Len() != 0 {
+		t.Fatalf("after all releases: %d free, %d waiting; want 10, 0", b.free, b.waiters.Len())
+	}
+}

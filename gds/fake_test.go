@@ -59,6 +59,8 @@ type fakeCtl struct {
 	BatchPending        int64
 	BatchBadUses        int64
 	BatchMaxEntries     int64
+	BatchInflight       int64
+	BatchInflightMax    int64
 }
 
 func (c *fakeCtl) set(p *int64, v int64) { atomic.StoreInt64(p, v) }

@@ -144,6 +144,7 @@ func (d *Driver) NewMover(cfg MoverConfig) (*Mover, error) {
 	if bs <= 0 {
 		bs = 128
 	}
+	bs = min(bs, d.inflight.size)
 	m := &Mover{d: d, cfg: cfg, batchSize: bs, tasks: make(chan *task, 4*cfg.Workers)}
 	d.mu.Lock()
 	if d.closed {

@@ -88,6 +88,8 @@ struct fake_ctl {
 	int64_t batch_pending;      /* entries held pending now */
 	int64_t batch_bad_uses;     /* a dead context, a malformed entry, a submit over capacity */
 	int64_t batch_max_entries;  /* the largest submission seen */
+	int64_t batch_inflight;     /* entries submitted and not yet reaped, over all contexts */
+	int64_t batch_inflight_max; /* the most ever in flight */
 };
 
 struct fake_ctl fake_ctl;
@@ -267,6 +269,14 @@ static int batch_live_ctx(void *b) {
 	return 1;
 }
 
+/* store_max raises *p to v if v is larger. */
+static void store_max(int64_t *p, int64_t v) {
+	int64_t cur;
+	while ((cur = __atomic_load_n(p, __ATOMIC_SEQ_CST)) < v &&
+	       !__atomic_compare_exchange_n(p, &cur, v, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+	}
+}
+
 CUfileError_t cuFileBatchIOSetUp(void **b, unsigned nr) {
 	int64_t e = LD(batch_setup_error);
 	if (e) return fail((int)e);
@@ -326,10 +336,8 @@ CUfileError_t cuFileBatchIOSubmit(void *b, unsigned nr, CUfileIOParams_t *p, uns
 		}
 	}
 	ADD(batch_submits, 1);
-	int64_t mx;
-	while ((mx = LD(batch_max_entries)) < (int64_t)nr &&
-	       !__atomic_compare_exchange_n(&fake_ctl.batch_max_entries, &mx, (int64_t)nr, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
-	}
+	store_max(&fake_ctl.batch_max_entries, nr);
+	store_max(&fake_ctl.batch_inflight_max, ADD(batch_inflight, nr));
 	fb->n = nr;
 	for (unsigned i = 0; i < nr; i++) {
 		struct fake_entry *en = &fb->e[i];
@@ -357,6 +365,7 @@ CUfileError_t cuFileBatchIOGetStatus(void *b, unsigned min_nr, unsigned *nr, CUf
 		ev[got].status = en->status;
 		ev[got].ret = (size_t)en->ret;
 		en->reaped = 1;
+		ADD(batch_inflight, -1);
 		got++;
 	}
 	if (got < min_nr && timeout != NULL) nanosleep(timeout, NULL);
@@ -382,8 +391,10 @@ CUfileError_t cuFileBatchIOCancel(void *b) {
 void cuFileBatchIODestroy(void *b) {
 	if (!batch_live_ctx(b)) return;
 	struct fake_batch *fb = b;
-	for (unsigned i = 0; i < fb->n; i++)
+	for (unsigned i = 0; i < fb->n; i++) {
 		if (fb->e[i].status == ST_PENDING) ADD(batch_pending, -1);
+		if (!fb->e[i].reaped) ADD(batch_inflight, -1);
+	}
 	fb->magic = MAGIC_DEAD;
 	ADD(batch_destroys, 1);
 	ADD(batch_live, -1);
