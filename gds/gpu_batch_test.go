@@ -20,6 +20,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"runtime"
 	"sort"
 	"strings"
 	"sync"
@@ -46,7 +47,8 @@ func pagedPlanAt(dev region.Device, base int64, pages int, seed uint64) *transfe
 }
 
 // dropCache evicts the files from the page cache: posix_fadvise
-// DONTNEED on each, sync, and (as root) drop_caches. It says what it did.
+// DONTNEED on each, sync, and (as root, unless KVHOST_GPU_NO_DROP is set,
+// for a dry run on a shared machine) drop_caches. It says what it did.
 func dropCache(paths []string) string {
 	for _, p := range paths {
 		if fd, err := unix.Open(p, unix.O_RDONLY|unix.O_CLOEXEC, 0); err == nil {
@@ -55,6 +57,9 @@ func dropCache(paths []string) string {
 		}
 	}
 	unix.Sync()
+	if os.Getenv("KVHOST_GPU_NO_DROP") != "" {
+		return "fadvise only (KVHOST_GPU_NO_DROP)"
+	}
 	if err := os.WriteFile("/proc/sys/vm/drop_caches", []byte("3\n"), 0); err != nil {
 		return "fadvise only (" + err.Error() + ")"
 	}
@@ -86,9 +91,9 @@ func TestGPUBatchVersusPerCall(t *testing.T) {
 	}
 	defer d.Close()
 	props := d.Properties()
-	fmt.Printf("BATCHBENCH properties: version %d, mode %v, batch API %v, max_batch_io_size %d, batch timeout %d ms, feature flags %#x (batch bit %v), nvidia-fs %v\n",
+	fmt.Printf("BATCHBENCH properties: version %d, mode %v, batch API %v, max_batch_io_size %d, batch timeout %d ms, feature flags %#x (batch bit %v), nvidia-fs %v, device cache %d KiB, per-buffer cache %d KiB, batch entries in flight at most %d\n",
 		props.Version, props.Mode(), props.BatchAPI, props.MaxBatchIO, props.BatchTimeoutMsecs, props.FeatureFlags,
-		props.FeatureFlags&featureBatchIO != 0, props.NVFSLoaded)
+		props.FeatureFlags&featureBatchIO != 0, props.NVFSLoaded, props.MaxDeviceCache>>10, props.PerBufferCache>>10, d.inflight.size)
 	if !props.BatchAPI {
 		t.Fatalf("libcufile %s has no batch API: nothing to measure", props.Library)
 	}
@@ -218,69 +223,10 @@ func TestGPUBatchVersusPerCall(t *testing.T) {
 		}
 		const rounds = 3
 		for round := 1; round <= rounds; round++ {
-			for _, mode := range modes {
-				if _, bad := failed.Load(mode); bad {
-					continue
-				}
-				m := movers[mode]
-				fail := func(err error) error {
-					failed.LoadOrStore(mode, err)
-					return err
-				}
-				for _, p := range paths {
-					os.Remove(p)
-				}
-				st := fanOut(kc.keys, total, func(i int) error {
-					f, err := open(paths[i], true)
-					if err != nil {
-						return err
-					}
-					defer f.Close()
-					if _, err = m.WriteFile(ctx, f, pagedPlan(src, kc.pages, uint64(i)), nil); err != nil {
-						return fail(fmt.Errorf("%s store of key %d: %w", mode, i, err))
-					}
-					return nil
-				})
-				how := dropCache(paths)
-				if err := cu.memsetDev(dst.ptr, 0xA5, maxDst); err != nil {
-					t.Fatal(err)
-				}
-				ld := fanOut(kc.keys, total, func(i int) error {
-					f, err := open(paths[i], false)
-					if err != nil {
-						return err
-					}
-					defer f.Close()
-					if _, err = m.ReadFile(ctx, f, pagedPlanAt(dst, int64(i)*keyBytes, kc.pages, uint64(i)), nil); err != nil {
-						return fail(fmt.Errorf("%s load of key %d: %w", mode, i, err))
-					}
-					return nil
-				})
-				if v, bad := failed.Load(mode); bad {
-					fmt.Printf("BATCHBENCH %-5s j%d round %d %-8s FAILED: %v\n", kc.name, jobs, round, mode, v)
-					continue
-				}
-				// Every page of every key, byte for byte.
-				if err := cu.toHost(back, dst.ptr); err != nil {
-					t.Fatal(err)
-				}
-				for i := range kc.keys {
-					wp, rp := pagedPlan(src, kc.pages, uint64(i)), pagedPlanAt(dst, int64(i)*keyBytes, kc.pages, uint64(i))
-					for j := range wp.Extents {
-						w, rd := wp.Extents[j], rp.Extents[j]
-						if string(back[rd.RegionOff:rd.RegionOff+rd.Len]) != string(host[w.RegionOff:w.RegionOff+w.Len]) {
-							t.Fatalf("%s %s round %d: key %d page %d differs after the round trip", kc.name, mode, round, i, j)
-						}
-					}
-				}
-				res[mode].store = append(res[mode].store, st)
-				res[mode].load = append(res[mode].load, ld)
-				fmt.Printf("BATCHBENCH %-5s j%d round %d %-8s store %6.2f GB/s  load %6.2f GB/s  (%d keys, cache: %s, bytes checked)\n",
-					kc.name, jobs, round, mode, st, ld, kc.keys, how)
-			}
-			// The ceiling: O_DIRECT pread then pwrite of the same files
-			// from host memory, 8 MiB calls, same jobs.
-			dropCache(paths)
+			// The ceiling first (a hang in cuFile below must not cost it):
+			// O_DIRECT pwrite into fresh files, then pread of the same
+			// files after dropping the cache, from host memory in 8 MiB
+			// calls with the same jobs.
 			direct := func(write bool) float64 {
 				return fanOut(kc.keys, total, func(i int) error {
 					buf := <-bufs
@@ -309,15 +255,80 @@ func TestGPUBatchVersusPerCall(t *testing.T) {
 					return nil
 				})
 			}
-			cr := direct(false)
 			for _, p := range paths {
 				os.Remove(p)
 			}
 			cw := direct(true)
+			dropCache(paths)
+			cr := direct(false)
 			res["O_DIRECT ceiling"].store = append(res["O_DIRECT ceiling"].store, cw)
 			res["O_DIRECT ceiling"].load = append(res["O_DIRECT ceiling"].load, cr)
 			fmt.Printf("BATCHBENCH %-5s j%d round %d %-8s write %6.2f GB/s  read %6.2f GB/s  (host memory, O_DIRECT, 8 MiB calls)\n",
 				kc.name, jobs, round, "ceiling", cw, cr)
+			for _, mode := range modes {
+				if _, bad := failed.Load(mode); bad {
+					continue
+				}
+				m := movers[mode]
+				fail := func(err error) error {
+					failed.LoadOrStore(mode, err)
+					return err
+				}
+				for _, p := range paths {
+					os.Remove(p)
+				}
+				dog := watchdog(fmt.Sprintf("%s %s round %d store", kc.name, mode, round))
+				st := fanOut(kc.keys, total, func(i int) error {
+					f, err := open(paths[i], true)
+					if err != nil {
+						return err
+					}
+					defer f.Close()
+					if _, err = m.WriteFile(ctx, f, pagedPlan(src, kc.pages, uint64(i)), nil); err != nil {
+						return fail(fmt.Errorf("%s store of key %d: %w", mode, i, err))
+					}
+					return nil
+				})
+				dog.Stop()
+				how := dropCache(paths)
+				if err := cu.memsetDev(dst.ptr, 0xA5, maxDst); err != nil {
+					t.Fatal(err)
+				}
+				dog = watchdog(fmt.Sprintf("%s %s round %d load", kc.name, mode, round))
+				ld := fanOut(kc.keys, total, func(i int) error {
+					f, err := open(paths[i], false)
+					if err != nil {
+						return err
+					}
+					defer f.Close()
+					if _, err = m.ReadFile(ctx, f, pagedPlanAt(dst, int64(i)*keyBytes, kc.pages, uint64(i)), nil); err != nil {
+						return fail(fmt.Errorf("%s load of key %d: %w", mode, i, err))
+					}
+					return nil
+				})
+				dog.Stop()
+				if v, bad := failed.Load(mode); bad {
+					fmt.Printf("BATCHBENCH %-5s j%d round %d %-8s FAILED: %v\n", kc.name, jobs, round, mode, v)
+					continue
+				}
+				// Every page of every key, byte for byte.
+				if err := cu.toHost(back, dst.ptr); err != nil {
+					t.Fatal(err)
+				}
+				for i := range kc.keys {
+					wp, rp := pagedPlan(src, kc.pages, uint64(i)), pagedPlanAt(dst, int64(i)*keyBytes, kc.pages, uint64(i))
+					for j := range wp.Extents {
+						w, rd := wp.Extents[j], rp.Extents[j]
+						if string(back[rd.RegionOff:rd.RegionOff+rd.Len]) != string(host[w.RegionOff:w.RegionOff+w.Len]) {
+							t.Fatalf("%s %s round %d: key %d page %d differs after the round trip", kc.name, mode, round, i, j)
+						}
+					}
+				}
+				res[mode].store = append(res[mode].store, st)
+				res[mode].load = append(res[mode].load, ld)
+				fmt.Printf("BATCHBENCH %-5s j%d round %d %-8s store %6.2f GB/s  load %6.2f GB/s  (%d keys, cache: %s, bytes checked)\n",
+					kc.name, jobs, round, mode, st, ld, kc.keys, how)
+			}
 		}
 		ceil := res["O_DIRECT ceiling"]
 		cw, cr := median(ceil.store), median(ceil.load)
@@ -343,6 +354,24 @@ func TestGPUBatchVersusPerCall(t *testing.T) {
 	if n := strings.Count(logs.String(), "batch I/O refused"); n > 1 {
 		t.Errorf("batch refusal logged %d times, want at most once", n)
 	}
+}
+
+// watchdog ends the process if a phase is still running after 40 s: a
+// cuFile call that hangs cannot be interrupted, and the results printed
+// so far must come back. It prints where the workers are.
+func watchdog(phase string) *time.Timer {
+	return time.AfterFunc(40*time.Second, func() {
+		buf := make([]byte, 8<<20)
+		buf = buf[:runtime.Stack(buf, true)]
+		calls := map[string]int{}
+		for _, line := range strings.Split(string(buf), "\n") {
+			if strings.HasPrefix(line, "github.com/kvhost/kvhost/gds._Cfunc_") {
+				calls[line[len("github.com/kvhost/kvhost/gds._Cfunc_"):strings.Index(line, "(")]]++
+			}
+		}
+		fmt.Printf("BATCHBENCH HANG: %s still running after 40 s; goroutines inside cuFile calls: %v\n", phase, calls)
+		os.Exit(3)
+	})
 }
 
 // probeBatch submits one 64 KiB write and one read through the raw batch
