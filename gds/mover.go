@@ -171,15 +171,16 @@ func (m *Mover) worker() {
 	defer w.dropBatch()
 	bound := -1
 	for t := range m.tasks {
+		if t.ordinal != bound {
+			// A batch context belongs to the device it was set up on:
+			// destroy it while the thread is still bound there.
+			w.dropBatch()
+		}
 		if t.ordinal != bound && m.d.cfg.BindDevice != nil {
 			if err := m.d.cfg.BindDevice(t.ordinal); err != nil {
 				t.done(fmt.Errorf("gds: bind device %d: %w", t.ordinal, err))
 				continue
 			}
-		}
-		if t.ordinal != bound {
-			// A batch context belongs to the device it was set up on.
-			w.dropBatch()
 		}
 		bound = t.ordinal
 		t.done(t.run(w))
