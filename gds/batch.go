@@ -121,29 +121,47 @@ func batchRefused(err error) bool {
 	return errors.Is(err, ErrUnavailable)
 }
 
-// batchContext returns the worker's batch context, setting one up on the
-// worker's thread the first time (and after one was dropped).
+// batchContext returns the worker's batch context for its current
+// device, setting one up on the worker's thread the first time (and after
+// one was dropped).
 func (w *worker) batchContext() (batchCtx, error) {
-	if w.batch != nil {
-		return w.batch, nil
+	if b := w.batches[w.bound]; b != nil {
+		return b, nil
 	}
 	b, err := w.m.d.api.batchSetUp(w.m.batchSize)
 	if err != nil {
 		return nil, err
 	}
 	w.m.d.batch.setUps.Add(1)
-	w.batch = b
-	n := w.m.batchSize
-	w.ios, w.events, w.done = make([]batchIO, 0, n), make([]batchEvent, n), make([]bool, n)
+	w.batches[w.bound] = b
+	if n := w.m.batchSize; len(w.events) < n {
+		w.ios, w.events, w.done = make([]batchIO, 0, n), make([]batchEvent, n), make([]bool, n)
+	}
 	return b, nil
 }
 
-// dropBatch destroys the worker's batch context, if any.
+// dropBatch destroys the worker's batch context for its current device.
 func (w *worker) dropBatch() {
-	if w.batch != nil {
-		w.batch.destroy()
-		w.batch = nil
+	if b := w.batches[w.bound]; b != nil {
+		b.destroy()
+		delete(w.batches, w.bound)
 	}
+}
+
+// closeBatches destroys every batch context of the worker, each on a
+// thread bound to its device.
+func (w *worker) closeBatches() {
+	bind := w.m.d.cfg.BindDevice
+	for ordinal, b := range w.batches {
+		if ordinal != w.bound && bind != nil {
+			if err := bind(ordinal); err != nil {
+				w.m.d.log.Warn("cufile: cannot bind device to destroy a batch context", "device", ordinal, "err", err)
+			}
+			w.bound = ordinal
+		}
+		b.destroy()
+	}
+	clear(w.batches)
 }
 
 // abandon cancels the worker's batch after err, destroys its context (its

@@ -10,7 +10,9 @@ import (
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -510,5 +512,66 @@ func TestEntryBudgetGrantsInOrderAndHonorsContext(t *testing.T) {
 	defer b.mu.Unlock()
 	if b.free != 10 || b.waiters.Len() != 0 {
 		t.Fatalf("after all releases: %d free, %d waiting; want 10, 0", b.free, b.waiters.Len())
+	}
+}
+
+func TestMoverBatchKeepsOneContextPerWorkerAndDevice(t *testing.T) {
+	var mu sync.Mutex
+	var binds []int
+	bind := func(ordinal int) error {
+		mu.Lock()
+		defer mu.Unlock()
+		binds = append(binds, ordinal)
+		return nil
+	}
+	e := openFake(t, Config{BindDevice: bind}, nil)
+	m, err := e.d.NewMover(MoverConfig{Workers: 1, AllowCompat: true, IO: IOBatch})
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, b := newHostDevice(t, 1, 1<<20, 0), newHostDevice(t, 2, 1<<20, 1)
+	fill(a.mem, 18)
+	fill(b.mem, 19)
+	// A plan over two devices: 16 pages from each, in file order.
+	pa, pb := sparsePlan(a, 16, 4096, 1), sparsePlan(b, 16, 4096, 2)
+	p := &transfer.Plan{Extents: pa.Extents}
+	for _, x := range pb.Extents {
+		x.FileOff += 16 * 4096
+		p.Extents = append(p.Extents, x)
+	}
+	path := filepath.Join(t.TempDir(), "key")
+	f := openFile(t, path, os.O_RDWR)
+	for range 3 {
+		if n, err := m.WriteFile(context.Background(), f, p, nil); err != nil || n != p.Bytes() {
+			t.Fatalf("WriteFile over two devices = %d, %v", n, err)
+		}
+	}
+	c := e.ctl
+	if su, sub := c.get(&c.BatchSetups), c.get(&c.BatchSubmits); su != 2 || sub != 6 {
+		t.Fatalf("%d contexts set up for 6 batches on 2 devices by one worker; want 2 (one per device, reused)", su)
+	}
+	mu.Lock()
+	before := len(binds)
+	mu.Unlock()
+	if err := m.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if live, destroyed := c.get(&c.BatchLive), c.get(&c.BatchDestroys); live != 0 || destroyed != 2 {
+		t.Fatalf("after Close: %d contexts live, %d destroyed; want 0, 2", live, destroyed)
+	}
+	file, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := append(gather(pa, a.mem), gather(pb, b.mem)...)
+	if !bytes.Equal(file, want) {
+		t.Fatal("file bytes differ from the two devices' pages")
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	// The worker's last task ran on device 1: to destroy the context of
+	// device 0 it binds device 0 again.
+	if closing := binds[before:]; !slices.Contains(closing, 0) {
+		t.Fatalf("binds while closing %v (all %v): the worker must bind device 0 to destroy its context there", closing, binds)
 	}
 }

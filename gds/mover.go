@@ -112,15 +112,17 @@ type task struct {
 	done    func(error)
 }
 
-// worker is one worker's state: its reusable batch context (set up on
-// its first batch, on its own thread, and destroyed when the mover
-// closes or when a batch is abandoned) and the scratch space of a batch.
+// worker is one worker's state: the device its thread is bound to, its
+// pool of reusable batch contexts, one per device (each set up on the
+// worker's thread at its first batch there, destroyed when the mover
+// closes or when a batch on it is abandoned), and a batch's scratch space.
 type worker struct {
-	m      *Mover
-	batch  batchCtx
-	ios    []batchIO
-	events []batchEvent
-	done   []bool
+	m       *Mover
+	bound   int // the thread's device, -1 before the first task
+	batches map[int]batchCtx
+	ios     []batchIO
+	events  []batchEvent
+	done    []bool
 }
 
 // NewMover starts a mover's workers.
@@ -167,22 +169,17 @@ func (m *Mover) worker() {
 	defer m.wg.Done()
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
-	w := &worker{m: m}
-	defer w.dropBatch()
-	bound := -1
+	w := &worker{m: m, bound: -1, batches: map[int]batchCtx{}}
+	defer w.closeBatches()
 	for t := range m.tasks {
-		if t.ordinal != bound {
-			// A batch context belongs to the device it was set up on:
-			// destroy it while the thread is still bound there.
-			w.dropBatch()
-		}
-		if t.ordinal != bound && m.d.cfg.BindDevice != nil {
+		if t.ordinal != w.bound && m.d.cfg.BindDevice != nil {
 			if err := m.d.cfg.BindDevice(t.ordinal); err != nil {
+				w.bound = -1
 				t.done(fmt.Errorf("gds: bind device %d: %w", t.ordinal, err))
 				continue
 			}
 		}
-		bound = t.ordinal
+		w.bound = t.ordinal
 		t.done(t.run(w))
 	}
 }
