@@ -4,9 +4,9 @@ package gds
 
 // The batch measurement: per-call against batch I/O for paged keys on the
 // ext4 disk, with the O_DIRECT ceiling of the same files in the same run.
-// Build and run as gpu_test.go says, selecting it with
+// Build and run as gpu_test.go says, opting in and selecting it with
 //
-//	./gds-gpu.test -test.v -test.run GPUBatch
+//	KVHOST_GPU_BATCH=1 ./gds-gpu.test -test.v -test.run GPUBatch
 //
 // It needs root for the udev record cuFile registration needs on a VM and
 // to drop the page cache before loads (without root it still runs, with
@@ -76,6 +76,11 @@ func median(v []float64) float64 {
 }
 
 func TestGPUBatchVersusPerCall(t *testing.T) {
+	if os.Getenv("KVHOST_GPU_BATCH") != "1" {
+		// Opt-in: batches hung cuFileBatchIOSubmit in compat mode once,
+		// and a hung cuFile call ends the whole test binary (watchdog).
+		t.Skip("batch measurement skipped: set KVHOST_GPU_BATCH=1 to run it (it may hang in compat mode; see docs/gds.md)")
+	}
 	cu, err := openTestCudart()
 	if err != nil {
 		t.Skipf("GPU check skipped: no CUDA runtime here (%v); run it on a GPU machine", err)
