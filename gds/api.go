@@ -1,5 +1,10 @@
 package gds
 
+import (
+	"fmt"
+	"time"
+)
+
 // api is the cuFile library as the rest of the package uses it: the cgo
 // binding of a dlopen'ed libcufile in production, a Go fake in unit tests of
 // the handle cache. Every method is safe for concurrent use, as cuFile's
@@ -25,8 +30,81 @@ type api interface {
 	write(h, base uintptr, size, off, bufOff int64) (int64, error)
 	// hasBatch reports whether the batch API symbols are present.
 	hasBatch() bool
+	// batchSetUp is cuFileBatchIOSetUp: a batch context with room for
+	// maxNr entries. It fails when the library has no batch API.
+	batchSetUp(maxNr int) (batchCtx, error)
 	// unload closes the library (dlclose).
 	unload() error
+}
+
+// batchCtx is one cuFile batch context (CUfileBatchHandle_t) and the
+// memory its entries and events live in, which stays valid until destroy:
+// the library may read a submitted entry until it completes. A context runs
+// one submission at a time and is used by one goroutine at a time.
+type batchCtx interface {
+	// submit is cuFileBatchIOSubmit of ios (at most the context's maxNr).
+	submit(ios []batchIO) error
+	// status is cuFileBatchIOGetStatus: it waits up to timeout for at
+	// least minNr completions and returns how many of ev it filled.
+	status(minNr int, ev []batchEvent, timeout time.Duration) (int, error)
+	// cancel is cuFileBatchIOCancel: entries not yet complete are dropped.
+	cancel() error
+	// destroy is cuFileBatchIODestroy; the context is unusable after.
+	destroy()
+}
+
+// batchIO is one entry of a batch (CUfileIOParams_t in CUFILE_BATCH mode).
+type batchIO struct {
+	h       uintptr // CUfileHandle_t
+	base    uintptr // devPtr_base
+	bufOff  int64   // devPtr_offset
+	fileOff int64
+	n       int64
+	write   bool
+	cookie  uintptr // returned in the entry's event
+}
+
+// batchEvent is one completion (CUfileIOEvents_t).
+type batchEvent struct {
+	cookie uintptr
+	status batchStatus
+	// ret is the bytes moved, or a negative error: -errno or -Status.
+	ret int64
+}
+
+// batchStatus is CUfileStatus_t, a bit per state.
+type batchStatus int
+
+// Batch entry states (CUfileStatus_t).
+const (
+	batchWaiting  batchStatus = 1 << 0
+	batchPending  batchStatus = 1 << 1
+	batchInvalid  batchStatus = 1 << 2
+	batchCanceled batchStatus = 1 << 3
+	batchComplete batchStatus = 1 << 4
+	batchTimeout  batchStatus = 1 << 5
+	batchFailed   batchStatus = 1 << 6
+)
+
+// String names the state as cufile.h does.
+func (s batchStatus) String() string {
+	switch s {
+	case batchWaiting:
+		return "CUFILE_WAITING"
+	case batchPending:
+		return "CUFILE_PENDING"
+	case batchInvalid:
+		return "CUFILE_INVALID"
+	case batchCanceled:
+		return "CUFILE_CANCELED"
+	case batchComplete:
+		return "CUFILE_COMPLETE"
+	case batchTimeout:
+		return "CUFILE_TIMEOUT"
+	case batchFailed:
+		return "CUFILE_FAILED"
+	}
+	return fmt.Sprintf("CUfileStatus(%#x)", int(s))
 }
 
 // rawProps is CUfileDrvProps_t.

@@ -31,6 +31,7 @@ func (g *goFake) version() (int, bool, error)                       { return 0, 
 func (g *goFake) bufRegister(uintptr, int64, int) error             { return nil }
 func (g *goFake) bufDeregister(uintptr) error                       { return nil }
 func (g *goFake) hasBatch() bool                                    { return false }
+func (g *goFake) batchSetUp(int) (batchCtx, error)                  { return nil, ErrUnavailable }
 func (g *goFake) unload() error                                     { return nil }
 func (g *goFake) write(h, b uintptr, n, o, bo int64) (int64, error) { return g.read(h, b, n, o, bo) }
 

@@ -25,6 +25,27 @@ type Capability struct {
 	FSType string
 	// Err is why the mount is unusable (the registration error), or nil.
 	Err error
+	// Batch is what is known of batch I/O on the mount; BatchErr is the
+	// library's refusal when Batch is BatchRefused.
+	Batch    BatchState
+	BatchErr error
+}
+
+// BatchState is what a mount is known to do with cuFile's batch API.
+type BatchState int
+
+// Batch states.
+const (
+	BatchUnknown BatchState = iota // no batch tried yet (or batches not used)
+	BatchRefused                   // the library refused a batch: per-call I/O only
+)
+
+// String names the state.
+func (b BatchState) String() string {
+	if b == BatchRefused {
+		return "refused"
+	}
+	return "unknown"
 }
 
 // String is the capability as logged: "mount /x (ext4): compat".
@@ -32,6 +53,9 @@ func (c Capability) String() string {
 	s := fmt.Sprintf("mount %s (%s): %s", c.mountName(), c.FSType, c.Mode)
 	if c.Err != nil {
 		s += ": " + c.Err.Error()
+	}
+	if c.Batch == BatchRefused {
+		s += "; batch I/O refused: " + c.BatchErr.Error()
 	}
 	return s
 }
@@ -135,6 +159,28 @@ func (cs *capabilities) settle(dev uint64, fd int, regErr error) Capability {
 			"mount", c.mountName(), "fs", c.FSType, "mode", c.Mode.String())
 	}
 	return c
+}
+
+// refuseBatch records that the library refused batch I/O on a mount (the
+// first refusal wins), logs it once and counts it: the mount's jobs go
+// per call from then on.
+func (cs *capabilities) refuseBatch(dev uint64, err error) {
+	cs.mu.Lock()
+	c, ok := cs.m[dev]
+	if !ok || c.Batch == BatchRefused {
+		// Refused already (or, impossibly, not settled: a transfer
+		// settles its mount before any I/O).
+		cs.mu.Unlock()
+		cs.d.batch.fallbacks.Add(1)
+		return
+	}
+	c.Batch, c.BatchErr = BatchRefused, err
+	cs.m[dev] = c
+	cs.mu.Unlock()
+	cs.d.batch.refusals.Add(1)
+	cs.d.batch.fallbacks.Add(1)
+	cs.d.log.Warn(fmt.Sprintf("cufile: mount %s: batch I/O refused: %v; per-call I/O", c.mountName(), err),
+		"mount", c.mountName(), "mode", c.Mode.String())
 }
 
 // Capability returns the cached capability of the mount holding path,

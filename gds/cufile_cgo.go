@@ -5,7 +5,9 @@ package gds
 /*
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <sys/types.h>
+#include <time.h>
 
 // The cuFile types this package needs, declared here because kvhost builds
 // without the CUDA toolkit's headers. Layouts follow cufile.h.
@@ -33,6 +35,31 @@ typedef struct {
 	union { int fd; void *handle; } handle;
 	const void *fs_ops;
 } kv_cufile_descr;
+
+// CUfileIOParams_t: mode first (CUFILE_BATCH = 1), then the batch union,
+// the file handle, the opcode (CUFILE_READ = 0, CUFILE_WRITE = 1) and the
+// caller's cookie.
+typedef struct {
+	int mode;
+	union {
+		struct {
+			void *devPtr_base;
+			off_t file_offset;
+			off_t devPtr_offset;
+			size_t size;
+		} batch;
+	} u;
+	void *fh;
+	int opcode;
+	void *cookie;
+} kv_io_params;
+
+// CUfileIOEvents_t: ret is the bytes moved or a negative error.
+typedef struct {
+	void *cookie;
+	int status;
+	size_t ret;
+} kv_io_event;
 
 static void kv_err(kv_cufile_error e, int *code, int *cu) { *code = e.err; *cu = e.cu_err; }
 
@@ -66,12 +93,52 @@ static ssize_t kv_read(void *f, uintptr_t h, uintptr_t base, size_t n, off_t off
 static ssize_t kv_write(void *f, uintptr_t h, uintptr_t base, size_t n, off_t off, off_t boff) {
 	return ((ssize_t (*)(void *, const void *, size_t, off_t, off_t))f)((void *)h, (const void *)base, n, off, boff);
 }
+static uintptr_t kv_batch_setup(void *f, unsigned nr, int *code, int *cu) {
+	void *b = NULL;
+	kv_err(((kv_cufile_error (*)(void **, unsigned))f)(&b, nr), code, cu);
+	return (uintptr_t)b;
+}
+static void kv_batch_fill(kv_io_params *p, unsigned i, uintptr_t fh, uintptr_t base, off_t boff, off_t off,
+		size_t n, int write, uintptr_t cookie) {
+	kv_io_params *e = &p[i];
+	e->mode = 1;
+	e->u.batch.devPtr_base = (void *)base;
+	e->u.batch.file_offset = off;
+	e->u.batch.devPtr_offset = boff;
+	e->u.batch.size = n;
+	e->fh = (void *)fh;
+	e->opcode = write ? 1 : 0;
+	e->cookie = (void *)cookie;
+}
+static void kv_batch_submit(void *f, uintptr_t b, unsigned nr, kv_io_params *p, int *code, int *cu) {
+	kv_err(((kv_cufile_error (*)(void *, unsigned, kv_io_params *, unsigned))f)((void *)b, nr, p, 0), code, cu);
+}
+static unsigned kv_batch_status(void *f, uintptr_t b, unsigned min_nr, unsigned max_nr, kv_io_event *ev,
+		long long ns, int *code, int *cu) {
+	unsigned nr = max_nr;
+	struct timespec ts;
+	ts.tv_sec = ns / 1000000000LL;
+	ts.tv_nsec = ns % 1000000000LL;
+	kv_err(((kv_cufile_error (*)(void *, unsigned, unsigned *, kv_io_event *, struct timespec *))f)(
+		(void *)b, min_nr, &nr, ev, &ts), code, cu);
+	return nr;
+}
+static void kv_batch_event(kv_io_event *ev, unsigned i, uintptr_t *cookie, int *status, long long *ret) {
+	*cookie = (uintptr_t)ev[i].cookie;
+	*status = ev[i].status;
+	*ret = (long long)(ssize_t)ev[i].ret;
+}
+static void kv_batch_cancel(void *f, uintptr_t b, int *code, int *cu) {
+	kv_err(((kv_cufile_error (*)(void *))f)((void *)b), code, cu);
+}
+static void kv_batch_destroy(void *f, uintptr_t b) { ((void (*)(void *))f)((void *)b); }
 */
 import "C"
 
 import (
 	"errors"
 	"fmt"
+	"time"
 	"unsafe"
 
 	"github.com/kvhost/kvhost/internal/dl"
@@ -86,8 +153,9 @@ type cgoLib struct {
 	bufRegFn, bufDeregFn         unsafe.Pointer
 	readFn, writeFn              unsafe.Pointer
 	propsFn, versionFn           unsafe.Pointer // optional
-	batchSetUp, batchSubmit      unsafe.Pointer // optional
+	batchSetUpFn, batchSubmit    unsafe.Pointer // optional
 	batchGetStatus, batchDestroy unsafe.Pointer // optional
+	batchCancel                  unsafe.Pointer // optional
 }
 
 // loadAPI opens the first of paths that loads and resolves its symbols. A
@@ -133,10 +201,11 @@ func loadAPI(paths []string) (api, error) {
 	}{
 		{&l.propsFn, "cuFileDriverGetProperties"},
 		{&l.versionFn, "cuFileGetVersion"},
-		{&l.batchSetUp, "cuFileBatchIOSetUp"},
+		{&l.batchSetUpFn, "cuFileBatchIOSetUp"},
 		{&l.batchSubmit, "cuFileBatchIOSubmit"},
 		{&l.batchGetStatus, "cuFileBatchIOGetStatus"},
 		{&l.batchDestroy, "cuFileBatchIODestroy"},
+		{&l.batchCancel, "cuFileBatchIOCancel"},
 	}
 	for _, o := range optional {
 		if p, err := lib.Sym(o.name); err == nil {
@@ -235,7 +304,94 @@ func (l *cgoLib) write(h, base uintptr, size, off, bufOff int64) (int64, error) 
 }
 
 func (l *cgoLib) hasBatch() bool {
-	return l.batchSetUp != nil && l.batchSubmit != nil && l.batchGetStatus != nil && l.batchDestroy != nil
+	return l.batchSetUpFn != nil && l.batchSubmit != nil && l.batchGetStatus != nil &&
+		l.batchDestroy != nil && l.batchCancel != nil
+}
+
+// cgoBatch is a batch context with its entries and events in C memory:
+// the library may read a submitted entry until it completes, so the
+// entries must not move and must outlive the submission.
+type cgoBatch struct {
+	l      *cgoLib
+	h      C.uintptr_t
+	max    int
+	params *C.kv_io_params
+	events *C.kv_io_event
+}
+
+func (l *cgoLib) batchSetUp(maxNr int) (batchCtx, error) {
+	if !l.hasBatch() {
+		return nil, fmt.Errorf("%w: no batch API in %s", ErrUnavailable, l.path())
+	}
+	if maxNr <= 0 {
+		return nil, fmt.Errorf("gds: batch of %d entries", maxNr)
+	}
+	var code, cu C.int
+	h := C.kv_batch_setup(l.batchSetUpFn, C.unsigned(maxNr), &code, &cu)
+	if err := statusError(int(code), int(cu)); err != nil {
+		return nil, err
+	}
+	return &cgoBatch{
+		l:      l,
+		h:      h,
+		max:    maxNr,
+		params: (*C.kv_io_params)(C.calloc(C.size_t(maxNr), C.size_t(unsafe.Sizeof(C.kv_io_params{})))),
+		events: (*C.kv_io_event)(C.calloc(C.size_t(maxNr), C.size_t(unsafe.Sizeof(C.kv_io_event{})))),
+	}, nil
+}
+
+func (b *cgoBatch) submit(ios []batchIO) error {
+	if len(ios) == 0 || len(ios) > b.max {
+		return fmt.Errorf("gds: batch of %d entries, context holds %d", len(ios), b.max)
+	}
+	for i, io := range ios {
+		w := C.int(0)
+		if io.write {
+			w = 1
+		}
+		C.kv_batch_fill(b.params, C.unsigned(i), C.uintptr_t(io.h), C.uintptr_t(io.base), C.off_t(io.bufOff),
+			C.off_t(io.fileOff), C.size_t(io.n), w, C.uintptr_t(io.cookie))
+	}
+	var code, cu C.int
+	C.kv_batch_submit(b.l.batchSubmit, b.h, C.unsigned(len(ios)), b.params, &code, &cu)
+	return statusError(int(code), int(cu))
+}
+
+func (b *cgoBatch) status(minNr int, ev []batchEvent, timeout time.Duration) (int, error) {
+	maxNr := min(len(ev), b.max)
+	var code, cu C.int
+	n := int(C.kv_batch_status(b.l.batchGetStatus, b.h, C.unsigned(minNr), C.unsigned(maxNr), b.events,
+		C.longlong(timeout.Nanoseconds()), &code, &cu))
+	if err := statusError(int(code), int(cu)); err != nil {
+		return 0, err
+	}
+	if n > maxNr {
+		return 0, fmt.Errorf("gds: cuFileBatchIOGetStatus returned %d events, room for %d", n, maxNr)
+	}
+	for i := range n {
+		var cookie C.uintptr_t
+		var st C.int
+		var ret C.longlong
+		C.kv_batch_event(b.events, C.unsigned(i), &cookie, &st, &ret)
+		ev[i] = batchEvent{cookie: uintptr(cookie), status: batchStatus(st), ret: int64(ret)}
+	}
+	return n, nil
+}
+
+func (b *cgoBatch) cancel() error {
+	var code, cu C.int
+	C.kv_batch_cancel(b.l.batchCancel, b.h, &code, &cu)
+	return statusError(int(code), int(cu))
+}
+
+func (b *cgoBatch) destroy() {
+	if b.params == nil {
+		return
+	}
+	C.kv_batch_destroy(b.l.batchDestroy, b.h)
+	C.free(unsafe.Pointer(b.params))
+	C.free(unsafe.Pointer(b.events))
+	b.params, b.events = nil, nil
 }
 
 func (l *cgoLib) unload() error { return l.lib.Close() }

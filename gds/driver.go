@@ -59,6 +59,14 @@ type Config struct {
 	// NVFSPath is a file that exists when the nvidia-fs kernel module is
 	// loaded; empty means /proc/driver/nvidia-fs/version.
 	NVFSPath string
+	// BatchEntries bounds the batch entries in flight at once across the
+	// driver's movers (a batch waits for room before it is submitted);
+	// 0 means cuFile's count of GPU bounce buffers (max_device_cache_size
+	// / per_buffer_cache_size from the driver's properties), or 128 when
+	// it reports none. Batches of unregistered memory hold a bounce
+	// buffer per entry; more entries than buffers in flight hung
+	// cuFileBatchIOSubmit on the H100 machine (docs/gds.md).
+	BatchEntries int
 }
 
 // Properties describe the loaded library and the platform it found.
@@ -140,12 +148,14 @@ func (p Properties) Mode() Mode {
 // cache, the registered buffers and the per-mount capabilities. Its
 // methods are safe for concurrent use.
 type Driver struct {
-	api   api
-	cfg   Config
-	log   *slog.Logger
-	props Properties
-	cache *handleCache
-	caps  *capabilities
+	api      api
+	cfg      Config
+	log      *slog.Logger
+	props    Properties
+	cache    *handleCache
+	caps     *capabilities
+	batch    batchCounters
+	inflight *entryBudget
 
 	mu     sync.Mutex
 	closed bool
@@ -206,6 +216,7 @@ func openAPI(a api, cfg Config) (*Driver, error) {
 		a.unload()
 		return nil, err
 	}
+	d.inflight = newEntryBudget(batchEntries(cfg.BatchEntries, d.props))
 	d.cache = newHandleCache(a, cfg.MaxHandles)
 	d.caps = newCapabilities(d)
 	d.log.Info("cufile: driver open", "library", d.props.Library, "version", d.props.Version,

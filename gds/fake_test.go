@@ -44,6 +44,23 @@ type fakeCtl struct {
 	Reads               int64
 	Writes              int64
 	RegisterCalls       int64
+	BatchSetupError     int64
+	BatchSubmitError    int64
+	BatchFailEntry      int64
+	BatchFailCode       int64
+	BatchShortEntry     int64
+	BatchHold           int64
+	BatchSetups         int64
+	BatchDestroys       int64
+	BatchLive           int64
+	BatchSubmits        int64
+	BatchEntries        int64
+	BatchCancels        int64
+	BatchPending        int64
+	BatchBadUses        int64
+	BatchMaxEntries     int64
+	BatchInflight       int64
+	BatchInflightMax    int64
 }
 
 func (c *fakeCtl) set(p *int64, v int64) { atomic.StoreInt64(p, v) }
@@ -115,7 +132,14 @@ type fakeEnv struct {
 
 func openFake(t *testing.T, cfg Config, setup func(*fakeCtl)) *fakeEnv {
 	t.Helper()
-	e := &fakeEnv{lib: buildFake(t), logs: &logBuffer{}}
+	return openFakeBuilt(t, cfg, setup)
+}
+
+// openFakeBuilt is openFake over a fake built with extra compiler
+// defines (-DFAKE_NO_BATCH).
+func openFakeBuilt(t *testing.T, cfg Config, setup func(*fakeCtl), defines ...string) *fakeEnv {
+	t.Helper()
+	e := &fakeEnv{lib: buildFake(t, defines...), logs: &logBuffer{}}
 	e.ctl = fakeControl(t, e.lib)
 	if setup != nil {
 		setup(e.ctl)

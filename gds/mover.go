@@ -7,6 +7,7 @@ import (
 	"runtime"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/kvhost/kvhost/internal/fsys"
 	"github.com/kvhost/kvhost/region"
@@ -22,10 +23,62 @@ type MoverConfig struct {
 	// kvhost's own staging pipeline is the better host bounce, and the
 	// mover answers transfer.ErrUnsupported there so the engine takes it.
 	AllowCompat bool
-	// MaxIO is the most bytes of one cuFile call; larger runs are split
-	// across workers. 0 means 8 MiB.
+	// MaxIO is the most bytes of one cuFile call or batch entry; larger
+	// runs are split across workers. 0 means 8 MiB.
 	MaxIO int64
+	// IO chooses how a job's pieces reach cuFile: one cuFileRead or
+	// cuFileWrite per piece, or batches (cuFileBatchIOSubmit). The zero
+	// value, IOAuto, batches only where batches are known to pay (see
+	// IOAuto).
+	IO IOMode
+	// BatchSize is the most entries of one batch; 0 means the driver's
+	// max_batch_io_size (Properties.MaxBatchIO), or 128 when it reports
+	// none. It is never more than the driver's limit.
+	BatchSize int
+	// BatchTimeout bounds the wait for one batch's completions; at expiry
+	// the batch is canceled and the job fails with ErrBatchTimeout. 0
+	// means one minute.
+	BatchTimeout time.Duration
 }
+
+// IOMode is how a Mover hands a job's pieces to cuFile.
+type IOMode int
+
+// IO modes.
+const (
+	// IOAuto batches on a mount where batches are known to pay: in direct
+	// mode (nvidia-fs) when the driver reports batch I/O support (feature
+	// flag CU_FILE_BATCH_IO_SUPPORTED), in compat mode only if batches
+	// measured faster than per-call I/O (autoBatchCompat; docs/gds.md has
+	// the measurement). Elsewhere it issues one call per piece.
+	IOAuto IOMode = iota
+	// IOPerCall issues one synchronous cuFileRead or cuFileWrite per piece.
+	IOPerCall
+	// IOBatch submits a job's pieces as batches wherever the library has
+	// the batch API and the mount has not refused it.
+	IOBatch
+)
+
+// String names the mode: "auto", "per-call" or "batch".
+func (m IOMode) String() string {
+	switch m {
+	case IOAuto:
+		return "auto"
+	case IOPerCall:
+		return "per-call"
+	case IOBatch:
+		return "batch"
+	}
+	return fmt.Sprintf("IOMode(%d)", int(m))
+}
+
+// autoBatchCompat says whether IOAuto batches on compat-mode mounts: set
+// from the H100 measurement in docs/gds.md.
+const autoBatchCompat = false
+
+// featureBatchIO is CU_FILE_BATCH_IO_SUPPORTED's bit in the driver's
+// feature flags (Properties.FeatureFlags).
+const featureBatchIO = 1 << 1
 
 // Mover moves plans between files and device regions (region.Device) with
 // cuFileRead and cuFileWrite, on its own fixed pool of workers locked to
@@ -36,10 +89,11 @@ type MoverConfig struct {
 // region that is not device memory gets transfer.ErrUnsupported before any
 // byte moves; every other failure fails the transfer.
 type Mover struct {
-	d     *Driver
-	cfg   MoverConfig
-	tasks chan *task
-	wg    sync.WaitGroup
+	d         *Driver
+	cfg       MoverConfig
+	batchSize int
+	tasks     chan *task
+	wg        sync.WaitGroup
 
 	mu     sync.RWMutex // held for reading while a job queues tasks
 	closed bool
@@ -50,11 +104,25 @@ var (
 	_ transfer.Forgetter = (*Mover)(nil)
 )
 
-// task is one piece of a job, run on a worker bound to its device.
+// task is one piece (or one batch of pieces) of a job, run on a worker
+// bound to its device.
 type task struct {
 	ordinal int
-	run     func() error
+	run     func(w *worker) error
 	done    func(error)
+}
+
+// worker is one worker's state: the device its thread is bound to, its
+// pool of reusable batch contexts, one per device (each set up on the
+// worker's thread at its first batch there, destroyed when the mover
+// closes or when a batch on it is abandoned), and a batch's scratch space.
+type worker struct {
+	m       *Mover
+	bound   int // the thread's device, -1 before the first task
+	batches map[int]batchCtx
+	ios     []batchIO
+	events  []batchEvent
+	done    []bool
 }
 
 // NewMover starts a mover's workers.
@@ -65,7 +133,21 @@ func (d *Driver) NewMover(cfg MoverConfig) (*Mover, error) {
 	if cfg.MaxIO <= 0 {
 		cfg.MaxIO = 8 << 20
 	}
-	m := &Mover{d: d, cfg: cfg, tasks: make(chan *task, 4*cfg.Workers)}
+	if cfg.BatchTimeout <= 0 {
+		cfg.BatchTimeout = time.Minute
+	}
+	if cfg.IO < IOAuto || cfg.IO > IOBatch {
+		return nil, fmt.Errorf("gds: unknown MoverConfig.IO %v", cfg.IO)
+	}
+	bs := cfg.BatchSize
+	if limit := d.props.MaxBatchIO; limit > 0 && (bs <= 0 || bs > limit) {
+		bs = limit
+	}
+	if bs <= 0 {
+		bs = 128
+	}
+	bs = min(bs, d.inflight.size)
+	m := &Mover{d: d, cfg: cfg, batchSize: bs, tasks: make(chan *task, 4*cfg.Workers)}
 	d.mu.Lock()
 	if d.closed {
 		d.mu.Unlock()
@@ -87,16 +169,18 @@ func (m *Mover) worker() {
 	defer m.wg.Done()
 	runtime.LockOSThread()
 	defer runtime.UnlockOSThread()
-	bound := -1
+	w := &worker{m: m, bound: -1, batches: map[int]batchCtx{}}
+	defer w.closeBatches()
 	for t := range m.tasks {
-		if t.ordinal != bound && m.d.cfg.BindDevice != nil {
+		if t.ordinal != w.bound && m.d.cfg.BindDevice != nil {
 			if err := m.d.cfg.BindDevice(t.ordinal); err != nil {
+				w.bound = -1
 				t.done(fmt.Errorf("gds: bind device %d: %w", t.ordinal, err))
 				continue
 			}
 		}
-		bound = t.ordinal
-		t.done(t.run())
+		w.bound = t.ordinal
+		t.done(t.run(w))
 	}
 }
 
@@ -209,7 +293,8 @@ func (m *Mover) submit(t *task) error {
 // runOne runs f on a worker bound to the device and waits for it.
 func (m *Mover) runOne(ordinal int, f func() error) error {
 	ch := make(chan error, 1)
-	if err := m.submit(&task{ordinal: ordinal, run: f, done: func(err error) { ch <- err }}); err != nil {
+	run := func(*worker) error { return f() }
+	if err := m.submit(&task{ordinal: ordinal, run: run, done: func(err error) { ch <- err }}); err != nil {
 		return err
 	}
 	return <-ch
@@ -258,6 +343,26 @@ func (m *Mover) move(ctx context.Context, f fsys.File, p *transfer.Plan, write b
 		return 0, err
 	}
 
+	// A unit is one task's work: one piece, or one batch of pieces.
+	type unit struct {
+		ordinal int
+		run     func(w *worker) (int64, error)
+	}
+	var units []unit
+	if m.useBatch(m.d.caps.get(key.dev)) {
+		for _, chunk := range chunks(pcs, m.batchSize) {
+			units = append(units, unit{chunk[0].ordinal, func(w *worker) (int64, error) {
+				return w.runBatch(ctx, h, key.dev, chunk, write)
+			}})
+		}
+	} else {
+		for _, pc := range pcs {
+			units = append(units, unit{pc.ordinal, func(*worker) (int64, error) {
+				return m.ioPiece(h, pc, write)
+			}})
+		}
+	}
+
 	var (
 		moved  atomic.Int64
 		failed atomic.Bool
@@ -273,7 +378,7 @@ func (m *Mover) move(ctx context.Context, f fsys.File, p *transfer.Plan, write b
 		emu.Unlock()
 		failed.Store(true)
 	}
-	for _, pc := range pcs {
+	for _, u := range units {
 		if failed.Load() {
 			break
 		}
@@ -282,25 +387,22 @@ func (m *Mover) move(ctx context.Context, f fsys.File, p *transfer.Plan, write b
 			break
 		}
 		wg.Add(1)
-		t := &task{ordinal: pc.ordinal, done: func(err error) {
+		t := &task{ordinal: u.ordinal, done: func(err error) {
 			if err != nil {
 				fail(err)
 			}
 			wg.Done()
 		}}
-		t.run = func() error {
+		t.run = func(w *worker) error {
 			if failed.Load() {
 				return nil
 			}
 			if err := ctx.Err(); err != nil {
 				return err
 			}
-			n, err := m.io(h, pc, write)
+			n, err := u.run(w)
 			moved.Add(n)
-			if err != nil {
-				return fmt.Errorf("gds: %s %d bytes at file offset %d: %w", op, pc.n, pc.fileOff, err)
-			}
-			return nil
+			return err
 		}
 		if err := m.submit(t); err != nil {
 			wg.Done()
@@ -323,6 +425,20 @@ func (m *Mover) usable(c Capability) error {
 		}
 	}
 	return nil
+}
+
+// ioPiece moves one piece with per-call I/O (io), naming the piece in its
+// error.
+func (m *Mover) ioPiece(h *handle, pc piece, write bool) (int64, error) {
+	n, err := m.io(h, pc, write)
+	if err != nil {
+		op := "cuFileRead"
+		if write {
+			op = "cuFileWrite"
+		}
+		return n, fmt.Errorf("gds: %s %d bytes at file offset %d: %w", op, pc.n, pc.fileOff, err)
+	}
+	return n, nil
 }
 
 // io moves one piece, looping over short transfers. A read that reaches

@@ -335,7 +335,9 @@ func TestMoverReadFailuresFailTheTransfer(t *testing.T) {
 		}, func(err error) bool { return errors.Is(err, syscall.EIO) }},
 		{"short file", func(c *fakeCtl, total int64) {
 			c.set(&c.ReadTruncateAt, total/2+100)
-		}, func(err error) bool { return errors.Is(err, io.ErrUnexpectedEOF) && errors.Is(err, transfer.ErrShortFile) }},
+		}, func(err error) bool {
+			return errors.Is(err, io.ErrUnexpectedEOF) && errors.Is(err, transfer.ErrShortFile)
+		}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

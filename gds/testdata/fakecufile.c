@@ -4,8 +4,12 @@
  * and read its counters through the exported struct fake_ctl (found with
  * dlsym), whose int64 fields are read and written atomically on both sides.
  *
+ * The batch API (cuFileBatchIO*) runs each entry with pread/pwrite when it
+ * is submitted (unless told to hold entries pending) and reports events in
+ * reverse order, so that a caller must match them by cookie.
+ *
  * Build with -DFAKE_NO_READ to leave out cuFileRead (a library missing a
- * required symbol). */
+ * required symbol), -DFAKE_NO_BATCH to leave out the batch API. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <pthread.h>
@@ -14,6 +18,7 @@
 #include <stdlib.h>
 #include <sys/stat.h>
 #include <sys/types.h>
+#include <time.h>
 #include <unistd.h>
 
 typedef struct { int err; int cu_err; } CUfileError_t;
@@ -66,6 +71,25 @@ struct fake_ctl {
 	int64_t reads;
 	int64_t writes;
 	int64_t register_calls;
+	/* batch knobs */
+	int64_t batch_setup_error;  /* nonzero: cuFileBatchIOSetUp fails with it (5049: compat mode) */
+	int64_t batch_submit_error; /* nonzero: cuFileBatchIOSubmit fails with it */
+	int64_t batch_fail_entry;   /* >0: the entry of this ordinal (1-based, over all entries) fails */
+	int64_t batch_fail_code;    /* its ret: -code (a status or an errno) */
+	int64_t batch_short_entry;  /* >0: the entry of this ordinal moves half its bytes */
+	int64_t batch_hold;         /* nonzero: entries stay pending until canceled */
+	/* batch counters */
+	int64_t batch_setups;
+	int64_t batch_destroys;
+	int64_t batch_live;
+	int64_t batch_submits;
+	int64_t batch_entries;
+	int64_t batch_cancels;
+	int64_t batch_pending;      /* entries held pending now */
+	int64_t batch_bad_uses;     /* a dead context, a malformed entry, a submit over capacity */
+	int64_t batch_max_entries;  /* the largest submission seen */
+	int64_t batch_inflight;     /* entries submitted and not yet reaped, over all contexts */
+	int64_t batch_inflight_max; /* the most ever in flight */
 };
 
 struct fake_ctl fake_ctl;
@@ -198,3 +222,181 @@ ssize_t cuFileWrite(void *fh, const void *base, size_t n, off_t off, off_t boff)
 	if (r > 0) ADD(bytes_written, r);
 	return r;
 }
+
+#ifndef FAKE_NO_BATCH
+typedef struct {
+	int mode; /* CUFILE_BATCH = 1 */
+	union {
+		struct {
+			void *devPtr_base;
+			off_t file_offset;
+			off_t devPtr_offset;
+			size_t size;
+		} batch;
+	} u;
+	void *fh;
+	int opcode; /* CUFILE_READ 0, CUFILE_WRITE 1 */
+	void *cookie;
+} CUfileIOParams_t;
+
+typedef struct {
+	void *cookie;
+	int status;
+	size_t ret;
+} CUfileIOEvents_t;
+
+enum { ST_PENDING = 2, ST_CANCELED = 8, ST_COMPLETE = 16, ST_FAILED = 64 };
+
+struct fake_entry {
+	void *cookie;
+	int status;
+	ssize_t ret;
+	int reaped;
+};
+
+struct fake_batch {
+	uint64_t magic;
+	unsigned max, n;
+	struct fake_entry e[];
+};
+
+static int batch_live_ctx(void *b) {
+	struct fake_batch *fb = b;
+	if (fb == NULL || fb->magic != MAGIC_LIVE) {
+		ADD(batch_bad_uses, 1);
+		return 0;
+	}
+	return 1;
+}
+
+/* store_max raises *p to v if v is larger. */
+static void store_max(int64_t *p, int64_t v) {
+	int64_t cur;
+	while ((cur = __atomic_load_n(p, __ATOMIC_SEQ_CST)) < v &&
+	       !__atomic_compare_exchange_n(p, &cur, v, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+	}
+}
+
+CUfileError_t cuFileBatchIOSetUp(void **b, unsigned nr) {
+	int64_t e = LD(batch_setup_error);
+	if (e) return fail((int)e);
+	if (b == NULL || nr == 0 || nr > 128) return fail(5022);
+	struct fake_batch *fb = calloc(1, sizeof *fb + nr * sizeof(struct fake_entry));
+	if (!fb) return fail(5043);
+	fb->magic = MAGIC_LIVE;
+	fb->max = nr;
+	*b = fb;
+	ADD(batch_setups, 1);
+	ADD(batch_live, 1);
+	return ok();
+}
+
+/* run performs one entry now: pread or pwrite, honoring read_truncate_at
+ * and the batch failure knobs. */
+static void run(struct fake_entry *en, const CUfileIOParams_t *p, int64_t ordinal) {
+	struct fake_handle *h = p->fh;
+	size_t n = p->u.batch.size;
+	off_t off = p->u.batch.file_offset;
+	char *mem = (char *)p->u.batch.devPtr_base + p->u.batch.devPtr_offset;
+	if (ordinal == LD(batch_fail_entry)) {
+		en->status = ST_FAILED;
+		en->ret = -(ssize_t)LD(batch_fail_code);
+		return;
+	}
+	if (ordinal == LD(batch_short_entry) && n > 1) n /= 2;
+	ssize_t r;
+	if (p->opcode == 1) {
+		r = pwrite(h->fd, mem, n, off);
+		if (r > 0) ADD(bytes_written, r);
+	} else {
+		int64_t trunc = LD(read_truncate_at);
+		if (trunc > 0) {
+			if (off >= trunc) n = 0;
+			else if ((int64_t)(off + n) > trunc) n = (size_t)(trunc - off);
+		}
+		r = n ? pread(h->fd, mem, n, off) : 0;
+		if (r > 0) ADD(bytes_read, r);
+	}
+	en->status = r < 0 ? ST_FAILED : ST_COMPLETE;
+	en->ret = r < 0 ? -errno : r;
+}
+
+CUfileError_t cuFileBatchIOSubmit(void *b, unsigned nr, CUfileIOParams_t *p, unsigned flags) {
+	if (!batch_live_ctx(b)) return fail(5022);
+	struct fake_batch *fb = b;
+	int64_t e = LD(batch_submit_error);
+	if (e) return fail((int)e);
+	for (unsigned i = 0; i < fb->n; i++)
+		if (!fb->e[i].reaped) { ADD(batch_bad_uses, 1); return fail(5037); }
+	if (nr == 0 || nr > fb->max || flags != 0 || p == NULL) { ADD(batch_bad_uses, 1); return fail(5022); }
+	for (unsigned i = 0; i < nr; i++) {
+		if (p[i].mode != 1 || (p[i].opcode != 0 && p[i].opcode != 1) || !live(p[i].fh)) {
+			ADD(batch_bad_uses, 1);
+			return fail(5022);
+		}
+	}
+	ADD(batch_submits, 1);
+	store_max(&fake_ctl.batch_max_entries, nr);
+	store_max(&fake_ctl.batch_inflight_max, ADD(batch_inflight, nr));
+	fb->n = nr;
+	for (unsigned i = 0; i < nr; i++) {
+		struct fake_entry *en = &fb->e[i];
+		*en = (struct fake_entry){.cookie = p[i].cookie};
+		int64_t ordinal = ADD(batch_entries, 1);
+		if (LD(batch_hold)) {
+			en->status = ST_PENDING;
+			ADD(batch_pending, 1);
+			continue;
+		}
+		run(en, &p[i], ordinal);
+	}
+	return ok();
+}
+
+CUfileError_t cuFileBatchIOGetStatus(void *b, unsigned min_nr, unsigned *nr, CUfileIOEvents_t *ev, struct timespec *timeout) {
+	if (!batch_live_ctx(b)) return fail(5022);
+	struct fake_batch *fb = b;
+	if (nr == NULL || ev == NULL || *nr < min_nr) { ADD(batch_bad_uses, 1); return fail(5022); }
+	unsigned got = 0;
+	for (unsigned k = fb->n; k > 0 && got < *nr; k--) { /* reverse order */
+		struct fake_entry *en = &fb->e[k - 1];
+		if (en->reaped || en->status == ST_PENDING) continue;
+		ev[got].cookie = en->cookie;
+		ev[got].status = en->status;
+		ev[got].ret = (size_t)en->ret;
+		en->reaped = 1;
+		ADD(batch_inflight, -1);
+		got++;
+	}
+	if (got < min_nr && timeout != NULL) nanosleep(timeout, NULL);
+	*nr = got;
+	return ok();
+}
+
+CUfileError_t cuFileBatchIOCancel(void *b) {
+	if (!batch_live_ctx(b)) return fail(5022);
+	struct fake_batch *fb = b;
+	ADD(batch_cancels, 1);
+	for (unsigned i = 0; i < fb->n; i++) {
+		if (fb->e[i].status == ST_PENDING) {
+			fb->e[i].status = ST_CANCELED;
+			fb->e[i].ret = 0;
+			ADD(batch_pending, -1);
+		}
+	}
+	return ok();
+}
+
+/* Destroyed contexts are marked dead, never freed (see handles). */
+void cuFileBatchIODestroy(void *b) {
+	if (!batch_live_ctx(b)) return;
+	struct fake_batch *fb = b;
+	for (unsigned i = 0; i < fb->n; i++) {
+		if (fb->e[i].status == ST_PENDING) ADD(batch_pending, -1);
+		if (!fb->e[i].reaped) ADD(batch_inflight, -1);
+	}
+	fb->magic = MAGIC_DEAD;
+	ADD(batch_destroys, 1);
+	ADD(batch_live, -1);
+}
+#endif
