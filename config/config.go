@@ -58,9 +58,13 @@ type GPU struct {
 	// StagingMemory bounds the pinned host memory of the GPU staging
 	// pipeline, allocated once at start.
 	StagingMemory Size `toml:"staging_memory"`
-	// Lanes is the number of copy threads (each with its own CUDA stream)
-	// per GPU in the staging pipeline; 0 means 4.
+	// Lanes is no longer used: each job of the staging pipeline drives its
+	// own CUDA stream. It is still accepted (and validated) so that
+	// configurations that set it load; the daemon warns when it is set.
 	Lanes int `toml:"lanes"`
+	// Depth is the most pinned buffers one job of the staging pipeline
+	// holds at once; 0 means 2 (double buffering).
+	Depth int `toml:"depth"`
 	// Chunk is the bytes of one pipeline stage, a multiple of 4 KiB; 0
 	// means 4 MiB.
 	Chunk Size `toml:"chunk"`
@@ -481,6 +485,9 @@ func (c *Config) Validate() error {
 	}
 	if c.GPU.Lanes < 0 || c.GPU.Lanes > 64 {
 		return bad("gpu.lanes", "between 0 (automatic) and 64", c.GPU.Lanes)
+	}
+	if c.GPU.Depth < 0 || c.GPU.Depth > 64 {
+		return bad("gpu.depth", "between 0 (automatic: 2) and 64", c.GPU.Depth)
 	}
 	if c.GPU.Chunk < 0 || c.GPU.Chunk%4096 != 0 || c.GPU.Chunk > 256<<20 {
 		return bad("gpu.chunk", "a multiple of 4KiB up to 256MiB (0: 4MiB)", c.GPU.Chunk)

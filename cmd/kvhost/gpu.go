@@ -28,8 +28,8 @@ type gpuOptions struct {
 	MaxStaging int64
 	// NoChecksum turns payload checksums off on the staging pipeline.
 	NoChecksum bool
-	// Lanes and Chunk tune the staging pipeline (0: its defaults).
-	Lanes int
+	// Depth and Chunk tune the staging pipeline (0: its defaults).
+	Depth int
 	Chunk int
 }
 
@@ -76,7 +76,7 @@ func openGPU(opts gpuOptions, log *slog.Logger) (*gpuPaths, error) {
 		return nil, nil
 	}
 	p := &gpuPaths{log: log, rt: rt, devices: n, opts: opts}
-	p.staging, err = gpu.New(gpu.Config{Runtime: rt, MaxStaging: opts.MaxStaging, NoChecksums: opts.NoChecksum, Lanes: opts.Lanes, Chunk: opts.Chunk})
+	p.staging, err = gpu.New(gpu.Config{Runtime: rt, MaxStaging: opts.MaxStaging, NoChecksums: opts.NoChecksum, Depth: opts.Depth, Chunk: opts.Chunk})
 	if err != nil {
 		rt.Close()
 		return nil, fmt.Errorf("gpu: staging pipeline: %w", err)

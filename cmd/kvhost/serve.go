@@ -128,13 +128,16 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 			mounts[i].VLLMFS = &engine.VLLMFS{Fields: v.Fields(), Rank: v.Rank, Namespace: v.Namespace, RowBytes: int64(v.RowBytes)}
 		}
 	}
+	if cfg.GPU.Lanes != 0 {
+		log.Warn("gpu.lanes is no longer used: each job of the staging pipeline drives its own CUDA stream; remove it (gpu.depth and gpu.chunk tune the pipeline)", "lanes", cfg.GPU.Lanes)
+	}
 	gp, err := openGPU(gpuOptions{
 		Mode:          cfg.GPU.Mode,
 		CUDALibrary:   nonEmpty(cfg.GPU.CUDALibrary),
 		CuFileLibrary: nonEmpty(cfg.GPU.CuFileLibrary),
 		CuFile:        cfg.GPU.CuFile,
 		MaxStaging:    int64(cfg.GPU.StagingMemory),
-		Lanes:         cfg.GPU.Lanes,
+		Depth:         cfg.GPU.Depth,
 		Chunk:         int(cfg.GPU.Chunk),
 	}, log)
 	if err != nil {

@@ -13,7 +13,7 @@
 //
 // CUDA's current device is per OS thread: call the Runtime only from a
 // goroutine locked to its thread that has called SetDevice, such as a
-// Worker's.
+// Worker's, or one that called LockDevice.
 package cuda
 
 import (

@@ -102,7 +102,8 @@ func TestDevicesAndWorkerSetsDevice(t *testing.T) {
 // the bytes appear only after the stream is synchronized.
 // TestScatterGatherRoundTrip gathers pages to pinned memory and scatters
 // them back, in both copy modes; the copies are deferred until the stream
-// is synchronized (Sync) or finished (Worker.Finish).
+// is synchronized (Sync) or a blocking event recorded after them is
+// waited for.
 func TestScatterGatherRoundTrip(t *testing.T) {
 	r, fake := open(t)
 	w := worker(t, r, 0)
@@ -163,7 +164,15 @@ func TestScatterGatherRoundTrip(t *testing.T) {
 					return err
 				}
 				// The data paths' wait: a blocking event on the stream.
-				if err := w.Finish(); err != nil {
+				ev, err := r.NewBlockingEvent()
+				if err != nil {
+					return err
+				}
+				defer r.DestroyEvent(ev)
+				if err := r.Record(ev, w.Stream()); err != nil {
+					return err
+				}
+				if err := r.Wait(ev); err != nil {
 					return err
 				}
 				got := make([]byte, len(want))

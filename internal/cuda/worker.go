@@ -16,7 +16,6 @@ type Worker struct {
 	r       *Runtime
 	ordinal int
 	stream  Stream
-	idle    Event // a blocking event: Finish waits on it
 	fns     chan func(*Worker)
 	done    chan struct{}
 
@@ -49,18 +48,11 @@ func (w *Worker) loop(started chan<- error) {
 		started <- fmt.Errorf("cuda: worker on device %d: %w", w.ordinal, err)
 		return
 	}
-	e, err := w.r.NewBlockingEvent()
-	if err != nil {
-		w.r.DestroyStream(s)
-		started <- fmt.Errorf("cuda: worker on device %d: %w", w.ordinal, err)
-		return
-	}
-	w.stream, w.idle = s, e
+	w.stream = s
 	started <- nil
 	for fn := range w.fns {
 		fn(w)
 	}
-	w.r.DestroyEvent(e)
 	w.r.DestroyStream(s)
 }
 
@@ -72,18 +64,6 @@ func (w *Worker) Ordinal() int { return w.ordinal }
 
 // Stream is the worker's stream; use it only inside submitted functions.
 func (w *Worker) Stream() Stream { return w.stream }
-
-// Finish waits for everything enqueued on the worker's stream, like
-// Runtime.Sync, but asleep rather than spinning on a core: it records a
-// blocking event on the stream and waits for it. Call it only inside
-// submitted functions. The data paths wait this way: a spinning wait
-// takes a core from the file I/O it overlaps with.
-func (w *Worker) Finish() error {
-	if err := w.r.Record(w.idle, w.stream); err != nil {
-		return err
-	}
-	return w.r.Wait(w.idle)
-}
 
 // Go queues fn to run on the worker's thread and returns at once after
 // queuing (it waits for the worker to take fn, or for ctx).
@@ -123,4 +103,18 @@ func (w *Worker) Close() error {
 	w.mu.Unlock()
 	<-w.done
 	return nil
+}
+
+// LockDevice locks the calling goroutine to its OS thread and makes device
+// ordinal current there, for a goroutine that calls CUDA itself for a
+// while (a job driving its own stream) rather than through a Worker.
+// unlock releases the thread; the device stays current on it, which is
+// harmless: every caller of CUDA sets its device first.
+func (r *Runtime) LockDevice(ordinal int) (unlock func(), err error) {
+	runtime.LockOSThread()
+	if err := r.SetDevice(ordinal); err != nil {
+		runtime.UnlockOSThread()
+		return nil, fmt.Errorf("cuda: device %d: %w", ordinal, err)
+	}
+	return runtime.UnlockOSThread, nil
 }

@@ -2,19 +2,23 @@
 // that moves region.Device extents between device memory and files
 // through a bounded pool of pinned host buffers.
 //
-// Each job (one file) runs a double-buffered pipeline: a store gathers
-// chunk i+1 from the paged device layout into one pinned buffer (on a
-// per-device worker thread, with cudaMemcpyBatchAsync or one
-// cudaMemcpyAsync per segment) while the job's goroutine checksums and
-// writes chunk i from another; a load reads and checksums chunk i+1 while
-// chunk i is scattered to the device. File I/O to a device with O_DIRECT
-// is one large system call per chunk (4 MiB by default, 4 KiB-aligned:
-// pinned buffers are page-aligned); to a memory file system or through
-// the page cache, reads go in 256 KiB pieces, and so do writes with
-// checksums, each piece checksummed right after its system call (fused;
-// transfer.Plan.Memory says which files are on memory file systems).
-// The pinned pool is allocated and registered once, when the Mover is
-// made, never per request.
+// Each job (one file) runs a double-buffered pipeline on its own
+// goroutine, locked to its OS thread with the device current, and its own
+// CUDA stream (a lane, reused from job to job): a store gathers chunk i+1
+// from the paged device layout into one pinned buffer (with
+// cudaMemcpyBatchAsync, or one cudaMemcpyAsync per segment) while it
+// checksums and writes chunk i from another; a load enqueues the scatter
+// of chunk i right after reading and checksumming it, and reads chunk i+1
+// while the copy runs. A buffer's copies are waited for on a blocking
+// event only when the buffer is needed again, so no job waits behind
+// another's copies and no thread spins. File I/O to a device with
+// O_DIRECT is one large system call per chunk (4 MiB by default, 4
+// KiB-aligned: pinned buffers are page-aligned); to a memory file system
+// or through the page cache, reads go in 256 KiB pieces, and so do writes
+// with checksums, each piece checksummed right after its system call
+// (fused; transfer.Plan.Memory says which files are on memory file
+// systems). The pinned pool is allocated and registered once, when the
+// Mover is made, never per request.
 package gpu
 
 import (
@@ -60,9 +64,6 @@ type Config struct {
 	// Depth is the most buffers one job holds at once (default 2: double
 	// buffering).
 	Depth int
-	// Lanes is the number of worker threads (each with its own stream) per
-	// device (default 4).
-	Lanes int
 	// Copy chooses batched or per-segment copies (default: batched where
 	// the runtime has cudaMemcpyBatchAsync).
 	Copy cuda.CopyMode
@@ -83,13 +84,13 @@ type Mover struct {
 	closed bool
 }
 
-// device is one GPU's lanes: worker threads draining one task queue.
+// device is one GPU: its idle lanes, kept for reuse.
 type device struct {
-	workers []*cuda.Worker
-	tasks   chan func(*cuda.Worker)
+	ordinal int
+	idle    chan *lane
 }
 
-// New allocates the pinned pool and starts the device workers.
+// New allocates the pinned pool.
 func New(cfg Config) (*Mover, error) {
 	if cfg.Runtime == nil {
 		return nil, fmt.Errorf("%w: no CUDA runtime", ErrConfig)
@@ -106,11 +107,8 @@ func New(cfg Config) (*Mover, error) {
 	if cfg.Depth == 0 {
 		cfg.Depth = 2
 	}
-	if cfg.Lanes == 0 {
-		cfg.Lanes = 4
-	}
-	if cfg.Depth < 1 || cfg.Lanes < 1 {
-		return nil, fmt.Errorf("%w: depth %d, lanes %d", ErrConfig, cfg.Depth, cfg.Lanes)
+	if cfg.Depth < 1 {
+		return nil, fmt.Errorf("%w: depth %d", ErrConfig, cfg.Depth)
 	}
 	if cfg.Copy == cuda.CopyBatch && !cfg.Runtime.HasBatch() {
 		return nil, fmt.Errorf("%w: %w", ErrConfig, cuda.ErrNoBatch)
@@ -120,13 +118,18 @@ func New(cfg Config) (*Mover, error) {
 	if n < 1 {
 		return nil, fmt.Errorf("%w: max staging %d bytes holds no %d-byte buffer", ErrConfig, cfg.MaxStaging, bsize)
 	}
+	count, err := cfg.Runtime.DeviceCount()
+	if err != nil {
+		return nil, fmt.Errorf("gpu: %w", err)
+	}
 	if len(cfg.Devices) == 0 {
-		c, err := cfg.Runtime.DeviceCount()
-		if err != nil {
-			return nil, fmt.Errorf("gpu: %w", err)
-		}
-		for d := range c {
+		for d := range count {
 			cfg.Devices = append(cfg.Devices, d)
+		}
+	}
+	for _, d := range cfg.Devices {
+		if d < 0 || d >= count {
+			return nil, fmt.Errorf("%w: device %d: the runtime sees %d devices", ErrConfig, d, count)
 		}
 	}
 	m := &Mover{cfg: cfg, r: cfg.Runtime, bsize: bsize, bufs: make(chan int, n), devs: map[int]*device{}}
@@ -139,22 +142,7 @@ func New(cfg Config) (*Mover, error) {
 		m.bufs <- i
 	}
 	for _, d := range cfg.Devices {
-		dev := &device{tasks: make(chan func(*cuda.Worker))}
-		m.devs[d] = dev
-		for range cfg.Lanes {
-			w, err := m.r.NewWorker(d)
-			if err != nil {
-				m.Close()
-				return nil, fmt.Errorf("gpu: %w", err)
-			}
-			dev.workers = append(dev.workers, w)
-			// The lane runs this loop on the worker's locked thread.
-			w.Go(context.Background(), func(w *cuda.Worker) {
-				for t := range dev.tasks {
-					t(w)
-				}
-			})
-		}
+		m.devs[d] = &device{ordinal: d, idle: make(chan *lane, maxIdleLanes)}
 	}
 	return m, nil
 }
@@ -168,8 +156,8 @@ func (m *Mover) Checksums() bool { return !m.cfg.NoChecksums }
 // PinnedBytes is the pinned host memory the mover holds.
 func (m *Mover) PinnedBytes() int64 { return int64(cap(m.bufs) * m.bsize) }
 
-// Close stops the workers and frees the pinned pool. Calls in flight
-// must have returned.
+// Close destroys the idle lanes and frees the pinned pool. Calls in
+// flight must have returned.
 func (m *Mover) Close() error {
 	m.mu.Lock()
 	defer m.mu.Unlock()
@@ -179,10 +167,7 @@ func (m *Mover) Close() error {
 	m.closed = true
 	var errs []error
 	for _, d := range m.devs {
-		close(d.tasks)
-		for _, w := range d.workers {
-			errs = append(errs, w.Close())
-		}
+		errs = append(errs, m.destroyIdle(d))
 	}
 	if m.pin != nil {
 		errs = append(errs, m.pin.Free())
@@ -292,49 +277,10 @@ func (m *Mover) plan(p *transfer.Plan, write bool) ([]chunk, *device, error) {
 	return chunks, dev, nil
 }
 
-// stage is a chunk in flight: its buffer and the GPU copy's outcome.
+// stage is a chunk and the pinned buffer it moves through.
 type stage struct {
-	c    *chunk
-	buf  int
-	done chan error
-}
-
-// copyTask enqueues the chunk's copies between its buffer and the device
-// on a lane's stream and waits for them; it always synchronizes, so the
-// buffer is idle when done receives.
-func (m *Mover) copyTask(c *chunk, bufPtr uintptr, h2d bool, done chan<- error) func(*cuda.Worker) {
-	return func(w *cuda.Worker) {
-		var cp cuda.Copies
-		lead := uintptr(c.off - c.aoff)
-		for _, p := range c.pieces {
-			host := bufPtr + lead + uintptr(p.bufOff)
-			if h2d {
-				cp.Add(p.dev, host, uintptr(p.n))
-			} else {
-				cp.Add(host, p.dev, uintptr(p.n))
-			}
-		}
-		r := w.Runtime()
-		err := r.Enqueue(&cp, h2d, m.cfg.Copy, w.Stream())
-		done <- errors.Join(err, w.Finish())
-	}
-}
-
-// submit hands a stage's copy to a lane of dev.
-func (m *Mover) submit(ctx context.Context, dev *device, st *stage, h2d bool) error {
-	_, ptr := m.buf(st.buf)
-	t := m.copyTask(st.c, ptr, h2d, st.done)
-	m.mu.RLock()
-	defer m.mu.RUnlock()
-	if m.closed {
-		return ErrClosed
-	}
-	select {
-	case dev.tasks <- t:
-		return nil
-	case <-ctx.Done():
-		return ctx.Err()
-	}
+	c   *chunk
+	buf int
 }
 
 // sum folds bytes [lo, hi) of the chunk's data (buffer b, data starting
@@ -399,96 +345,7 @@ func (m *Mover) run(ctx context.Context, f fsys.File, p *transfer.Plan, sums []u
 	if write && sums == nil {
 		fused = false
 	}
-	var queue []*stage
-	// drain waits for every stage in flight and frees its buffer.
-	drain := func() error {
-		var errs []error
-		for _, st := range queue {
-			errs = append(errs, <-st.done)
-			m.bufs <- st.buf
-		}
-		queue = nil
-		return errors.Join(errs...)
-	}
-	var total int64
-	if write {
-		next := 0
-		for next < len(chunks) || len(queue) > 0 {
-			// Fill the pipeline; block for a buffer only when none is held,
-			// so that jobs holding buffers always progress.
-			for next < len(chunks) && len(queue) < m.cfg.Depth {
-				i, ok, err := m.get(ctx, len(queue) == 0)
-				if err != nil {
-					return 0, errors.Join(err, drain())
-				}
-				if !ok {
-					break
-				}
-				st := &stage{c: &chunks[next], buf: i, done: make(chan error, 1)}
-				if err := m.submit(ctx, dev, st, false); err != nil {
-					m.bufs <- i
-					return 0, errors.Join(err, drain())
-				}
-				queue = append(queue, st)
-				next++
-			}
-			st := queue[0]
-			queue = queue[1:]
-			err := <-st.done
-			if err == nil {
-				err = ctx.Err()
-			}
-			if err == nil {
-				err = m.writeChunk(f, st, sums, fused)
-			}
-			m.bufs <- st.buf
-			if err != nil {
-				return 0, errors.Join(err, drain())
-			}
-			total += st.c.end - st.c.off
-		}
-		return total, nil
-	}
-	for k := range chunks {
-		if err := ctx.Err(); err != nil {
-			return 0, errors.Join(err, drain())
-		}
-		// Retire stages until a buffer is ours and the depth allows.
-		var i int
-		for {
-			if len(queue) < m.cfg.Depth {
-				var ok bool
-				var err error
-				if i, ok, err = m.get(ctx, len(queue) == 0); err != nil {
-					return 0, errors.Join(err, drain())
-				} else if ok {
-					break
-				}
-			}
-			st := queue[0]
-			queue = queue[1:]
-			err := <-st.done
-			m.bufs <- st.buf
-			if err != nil {
-				return 0, errors.Join(err, drain())
-			}
-		}
-		st := &stage{c: &chunks[k], buf: i, done: make(chan error, 1)}
-		if err := m.readChunk(f, st, sums, fused); err != nil {
-			m.bufs <- i
-			return 0, errors.Join(err, drain())
-		}
-		if err := m.submit(ctx, dev, st, true); err != nil {
-			m.bufs <- i
-			return 0, errors.Join(err, drain())
-		}
-		queue = append(queue, st)
-		total += st.c.end - st.c.off
-	}
-	if err := drain(); err != nil {
-		return 0, err
-	}
-	return total, nil
+	return m.runStreamed(ctx, f, chunks, dev, sums, write, fused)
 }
 
 // writeChunk writes a gathered chunk and checksums it: fused, piece by

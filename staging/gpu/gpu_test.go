@@ -372,12 +372,12 @@ func TestPlansTheMoverCannotServeAreRefused(t *testing.T) {
 // through a pool smaller than the jobs' combined depth: every job
 // finishes with the right bytes (no deadlock when jobs wait for buffers),
 // no pinned memory is allocated or registered per request, and every
-// buffer comes back.
+// buffer and every lane comes back.
 func TestPinnedPoolAllocatedOnceAndHammered(t *testing.T) {
 	e := newEnv(t)
 	g := geometry{layers: 4, numBlocks: 256, pageBytes: 8 << 10, blocksPerKey: 8, headerBytes: 4096}
 	allocs, regs := e.fake.Count(cudatest.OpHostAlloc), e.fake.Count(cudatest.OpHostRegister)
-	m := e.mover(t, Config{Devices: []int{0}, MaxStaging: 3 * (32<<10 + 2*Align), Chunk: 32 << 10, Lanes: 2})
+	m := e.mover(t, Config{Devices: []int{0}, MaxStaging: 3 * (32<<10 + 2*Align), Chunk: 32 << 10})
 	if got := e.fake.Count(cudatest.OpHostAlloc) - allocs; got != 1 {
 		t.Fatalf("New made %d pinned allocations, want 1", got)
 	}
@@ -442,6 +442,11 @@ func TestPinnedPoolAllocatedOnceAndHammered(t *testing.T) {
 	}
 	if a, r := e.fake.Count(cudatest.OpHostAlloc)-allocs, e.fake.Count(cudatest.OpHostRegister)-regs; a != 0 || r != 0 {
 		t.Fatalf("requests allocated %d and registered %d pinned buffers, want 0", a, r)
+	}
+	// Every job's lane (stream and events) came back for the next job: at
+	// most one per job that ran at once, not one per request.
+	if n := len(m.devs[0].idle); n < 1 || n > jobs {
+		t.Fatalf("%d idle lanes after %d jobs × %d rounds, want 1..%d", n, jobs, rounds, jobs)
 	}
 }
 

@@ -1,0 +1,223 @@
+package gpu
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/kvhost/kvhost/internal/cuda"
+	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/transfer"
+)
+
+// lane is a CUDA stream and one blocking event per pipeline slot, driven by
+// one job at a time from the job's own (locked) thread.
+type lane struct {
+	stream cuda.Stream
+	events []cuda.Event
+}
+
+// maxIdleLanes bounds the lanes a device keeps for reuse.
+const maxIdleLanes = 256
+
+// getLane takes an idle lane of dev or makes one; the calling thread has
+// dev's device current.
+func (m *Mover) getLane(dev *device) (*lane, error) {
+	select {
+	case ln := <-dev.idle:
+		return ln, nil
+	default:
+	}
+	s, err := m.r.NewStream()
+	if err != nil {
+		return nil, fmt.Errorf("gpu: %w", err)
+	}
+	ln := &lane{stream: s}
+	for range m.cfg.Depth {
+		e, err := m.r.NewBlockingEvent()
+		if err != nil {
+			m.destroyLane(ln)
+			return nil, fmt.Errorf("gpu: %w", err)
+		}
+		ln.events = append(ln.events, e)
+	}
+	return ln, nil
+}
+
+// putLane keeps a lane whose work is all waited for, or destroys it.
+func (m *Mover) putLane(dev *device, ln *lane) {
+	select {
+	case dev.idle <- ln:
+	default:
+		m.destroyLane(ln)
+	}
+}
+
+// destroyIdle destroys dev's idle lanes, on a thread with dev current.
+func (m *Mover) destroyIdle(dev *device) error {
+	if len(dev.idle) == 0 {
+		return nil
+	}
+	unlock, err := m.r.LockDevice(dev.ordinal)
+	if err != nil {
+		return fmt.Errorf("gpu: %w", err)
+	}
+	defer unlock()
+	for {
+		select {
+		case ln := <-dev.idle:
+			m.destroyLane(ln)
+		default:
+			return nil
+		}
+	}
+}
+
+func (m *Mover) destroyLane(ln *lane) {
+	for _, e := range ln.events {
+		m.r.DestroyEvent(e)
+	}
+	m.r.DestroyStream(ln.stream)
+}
+
+// copies fills cp with the chunk's copies between the buffer at bufPtr and
+// the device.
+func copies(cp *cuda.Copies, c *chunk, bufPtr uintptr, h2d bool) {
+	cp.Reset()
+	lead := uintptr(c.off - c.aoff)
+	for _, p := range c.pieces {
+		host := bufPtr + lead + uintptr(p.bufOff)
+		if h2d {
+			cp.Add(p.dev, host, uintptr(p.n))
+		} else {
+			cp.Add(host, p.dev, uintptr(p.n))
+		}
+	}
+}
+
+// runStreamed moves the chunks on the calling goroutine's own thread and a
+// lane of its own: each chunk's copies are enqueued right after its read
+// (before its write) and waited for on a blocking event only when its
+// buffer is needed again, so no job waits for another's copies and no
+// thread spins.
+func (m *Mover) runStreamed(ctx context.Context, f fsys.File, chunks []chunk, dev *device, sums []uint32, write, fused bool) (total int64, err error) {
+	m.mu.RLock() // Close waits for the jobs in flight
+	defer m.mu.RUnlock()
+	if m.closed {
+		return 0, ErrClosed
+	}
+	unlock, err := m.r.LockDevice(dev.ordinal)
+	if err != nil {
+		return 0, fmt.Errorf("gpu: %w", err)
+	}
+	defer unlock()
+	ln, err := m.getLane(dev)
+	if err != nil {
+		return 0, err
+	}
+	// Buffers: one, waiting if need be, then as many more up to Depth as
+	// are free now (a job holding none always gets one: no deadlock).
+	var bufs []int
+	i, _, err := m.get(ctx, true)
+	if err != nil {
+		m.putLane(dev, ln)
+		return 0, err
+	}
+	bufs = append(bufs, i)
+	for len(bufs) < m.cfg.Depth && len(bufs) < len(chunks) {
+		i, ok, _ := m.get(ctx, false)
+		if !ok {
+			break
+		}
+		bufs = append(bufs, i)
+	}
+	d := len(bufs)
+	pending := make([]bool, d)
+	// wait retires slot s's copies; finish retires every slot, so that the
+	// buffers are idle before they go back to the pool.
+	wait := func(s int) error {
+		if !pending[s] {
+			return nil
+		}
+		pending[s] = false
+		return m.r.Wait(ln.events[s])
+	}
+	defer func() {
+		var errs []error
+		for s := range d {
+			errs = append(errs, wait(s))
+		}
+		for _, b := range bufs {
+			m.bufs <- b
+		}
+		if werr := errors.Join(errs...); werr != nil {
+			// The stream may be broken: do not reuse it.
+			m.destroyLane(ln)
+			if err == nil {
+				total, err = 0, werr
+			}
+			return
+		}
+		m.putLane(dev, ln)
+	}()
+	var cp cuda.Copies
+	enqueue := func(k int, h2d bool) error {
+		s := k % d
+		_, ptr := m.buf(bufs[s])
+		copies(&cp, &chunks[k], ptr, h2d)
+		if err := m.r.Enqueue(&cp, h2d, m.cfg.Copy, ln.stream); err != nil {
+			// Copies enqueued before the failure still run: the slot is
+			// waited for before its buffer is released.
+			pending[s] = true
+			m.r.Record(ln.events[s], ln.stream)
+			return err
+		}
+		pending[s] = true
+		return m.r.Record(ln.events[s], ln.stream)
+	}
+	if write {
+		for k := range min(d, len(chunks)) {
+			if err := enqueue(k, false); err != nil {
+				return 0, err
+			}
+		}
+		for k := range chunks {
+			if err := ctx.Err(); err != nil {
+				return 0, err
+			}
+			s := k % d
+			if err := wait(s); err != nil {
+				return 0, err
+			}
+			if err := m.writeChunk(f, &stage{c: &chunks[k], buf: bufs[s]}, sums, fused); err != nil {
+				return 0, err
+			}
+			total += chunks[k].end - chunks[k].off
+			if k+d < len(chunks) {
+				if err := enqueue(k+d, false); err != nil {
+					return 0, err
+				}
+			}
+		}
+		return total, nil
+	}
+	for k := range chunks {
+		if err := ctx.Err(); err != nil {
+			return 0, err
+		}
+		s := k % d
+		if err := wait(s); err != nil {
+			return 0, err
+		}
+		if err := m.readChunk(f, &stage{c: &chunks[k], buf: bufs[s]}, sums, fused); err != nil {
+			return 0, err
+		}
+		if err := enqueue(k, true); err != nil {
+			return 0, err
+		}
+		total += chunks[k].end - chunks[k].off
+	}
+	return total, nil // the deferred waits report the last copies' errors
+}
+
+var _ transfer.Mover = (*Mover)(nil)
