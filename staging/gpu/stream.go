@@ -175,45 +175,38 @@ func (m *Mover) runStreamed(ctx context.Context, f fsys.File, chunks []chunk, de
 		pending[s] = true
 		return m.r.Record(ln.events[s], ln.stream)
 	}
-	if write {
+	if write { // prime: the first d gathers in flight before any write
 		for k := range min(d, len(chunks)) {
 			if err := enqueue(k, false); err != nil {
 				return 0, err
 			}
 		}
-		for k := range chunks {
-			if err := ctx.Err(); err != nil {
-				return 0, err
-			}
-			s := k % d
-			if err := wait(s); err != nil {
-				return 0, err
-			}
-			if err := m.writeChunk(f, &stage{c: &chunks[k], buf: bufs[s]}, sums, fused); err != nil {
-				return 0, err
-			}
-			total += chunks[k].end - chunks[k].off
-			if k+d < len(chunks) {
-				if err := enqueue(k+d, false); err != nil {
-					return 0, err
-				}
-			}
-		}
-		return total, nil
 	}
 	for k := range chunks {
 		if err := ctx.Err(); err != nil {
 			return 0, err
 		}
 		s := k % d
-		if err := wait(s); err != nil {
+		if err := wait(s); err != nil { // chunk k gathered (store), buffer free (load)
 			return 0, err
 		}
-		if err := m.readChunk(f, &stage{c: &chunks[k], buf: bufs[s]}, sums, fused); err != nil {
-			return 0, err
-		}
-		if err := enqueue(k, true); err != nil {
-			return 0, err
+		st := &stage{c: &chunks[k], buf: bufs[s]}
+		if write {
+			if err := m.writeChunk(f, st, sums, fused); err != nil {
+				return 0, err
+			}
+			if k+d < len(chunks) {
+				if err := enqueue(k+d, false); err != nil {
+					return 0, err
+				}
+			}
+		} else {
+			if err := m.readChunk(f, st, sums, fused); err != nil {
+				return 0, err
+			}
+			if err := enqueue(k, true); err != nil {
+				return 0, err
+			}
 		}
 		total += chunks[k].end - chunks[k].off
 	}
