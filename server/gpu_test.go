@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/kvhost/kvhost/client"
+	"github.com/kvhost/kvhost/host/engine"
 	"github.com/kvhost/kvhost/internal/cuda"
 	"github.com/kvhost/kvhost/internal/cuda/cudatest"
 	"github.com/kvhost/kvhost/protocol"
@@ -25,6 +26,13 @@ type gpu struct {
 }
 
 func newGPU(t *testing.T, cfg server.Config) *gpu {
+	t.Helper()
+	return newGPUWith(t, cfg, nil)
+}
+
+// newGPUWith is newGPU with the engine's configuration edited by edit
+// (given the runtime, so that it can build a device mover over it).
+func newGPUWith(t *testing.T, cfg server.Config, edit func(*cuda.Runtime, *engine.Config)) *gpu {
 	t.Helper()
 	path := cudatest.Build(t)
 	rt, err := cuda.Open(cuda.Config{Runtime: []string{path}, Driver: []string{path}})
@@ -48,7 +56,11 @@ func newGPU(t *testing.T, cfg server.Config) *gpu {
 		g.dev = append(g.dev, w)
 	}
 	cfg.OpenDevice, cfg.Devices = g.im.Open, g.im.Devices()
-	g.fixture = newFixture(t, cfg)
+	var editEngine func(*engine.Config)
+	if edit != nil {
+		editEngine = func(c *engine.Config) { edit(rt, c) }
+	}
+	g.fixture = newFixtureWith(t, cfg, editEngine, nil)
 	return g
 }
 
