@@ -64,9 +64,11 @@ func (g *gateMover) ReadFile(ctx context.Context, f fsys.File, p *transfer.Plan,
 // gpuCache is a client's paged cache in device memory: geo's layers, each
 // plane of numBlocks blocks, one allocation.
 type gpuCache struct {
-	mem   *cuda.DeviceMemory
-	ns    client.Namespace
-	cache client.CacheID
+	mem    *cuda.DeviceMemory
+	handle [cuda.IPCHandleSize]byte
+	ns     client.Namespace
+	region client.RegionID
+	cache  client.CacheID
 }
 
 const gpuBlocks = 16
@@ -101,7 +103,7 @@ func (g *gpu) registerGPUCache(t *testing.T, c *client.Client, seed uint64) *gpu
 	if err != nil {
 		t.Fatal(err)
 	}
-	return &gpuCache{mem: mem, ns: ns, cache: cid}
+	return &gpuCache{mem: mem, handle: h, ns: ns, region: rid, cache: cid}
 }
 
 // copyDevice copies between host bytes and fake device memory on device
@@ -181,14 +183,10 @@ func (g *gpu) roundTrip(t *testing.T, c *client.Client, gc *gpuCache, keys [][]b
 	}
 }
 
-// TestGPUClientGoneMidJob is issue 8's "a client that exits mid-job" on
-// CPU: a client leaves while its store copies from its GPU memory. The
-// daemon cancels the job, keeps the client's import mapped until the copy
-// has returned (never unmapping memory under a running copy), serves
-// another client's GPU round trips meanwhile, then closes the import and
-// gives the device's registered bytes back; the cancelled store
-// publishes nothing.
-func TestGPUClientGoneMidJob(t *testing.T) {
+// newGatedGPU is newGPU whose engine moves device regions with the
+// staging pipeline over the fake runtime, behind a gate (see gateMover).
+func newGatedGPU(t *testing.T) (*gpu, *gateMover) {
+	t.Helper()
 	gate := &gateMover{open: make(chan struct{}), arrived: make(chan context.Context, 8)}
 	var once sync.Once
 	g := newGPUWith(t, server.Config{}, func(rt *cuda.Runtime, c *engine.Config) {
@@ -205,9 +203,21 @@ func TestGPUClientGoneMidJob(t *testing.T) {
 			return gate, err
 		}}
 	})
-	// A failed check must not leave the held copy (and the daemon's stop)
+	// A failed check must not leave a held copy (and the daemon's stop)
 	// waiting: this cleanup runs before the fixture's.
 	t.Cleanup(gate.release)
+	return g, gate
+}
+
+// TestGPUClientGoneMidJob is issue 8's "a client that exits mid-job" on
+// CPU: a client leaves while its store copies from its GPU memory. The
+// daemon cancels the job, keeps the client's import mapped until the copy
+// has returned (never unmapping memory under a running copy), serves
+// another client's GPU round trips meanwhile, then closes the import and
+// gives the device's registered bytes back; the cancelled store
+// publishes nothing.
+func TestGPUClientGoneMidJob(t *testing.T) {
+	g, gate := newGatedGPU(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	stay := g.dial(t)
@@ -255,4 +265,84 @@ func TestGPUClientGoneMidJob(t *testing.T) {
 		t.Fatalf("the departed client's cancelled store: lookup %d, %v; want 0 stored", n, err)
 	}
 	g.roundTrip(t, stay, kept, [][]byte{[]byte("kept-2")})
+}
+
+// TestGPUClientFreesMemoryMidJob is issue 8's "a client that frees its
+// memory mid-job" on CPU, with the fake runtime keeping freed memory
+// mapped for its importers as the driver does (on an H100 the jobs
+// completed: scripts/gpu-ipc-hostile.py, case f). The owner frees its
+// allocation while its store is in the mover: the store and a later load
+// complete, nothing crashes, another client is served (and reads back the
+// bytes stored from the freed memory), unregistering closes the import
+// and gives the bytes back, and then the handle is refused as stale.
+func TestGPUClientFreesMemoryMidJob(t *testing.T) {
+	g, gate := newGatedGPU(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	stay := g.dial(t)
+	kept := g.registerGPUCache(t, stay, 1)
+	base := deviceStats(t, stay)[0]
+	freer := g.dial(t)
+	freed := g.registerGPUCache(t, freer, 3)
+	orig := make([]byte, freed.mem.Len())
+	g.copyDevice(t, freed.mem.Ptr(), orig, false)
+	gate.lo.Store(freed.mem.Ptr())
+	gate.hi.Store(freed.mem.Ptr() + uintptr(freed.mem.Len()))
+	store, err := freer.Store(ctx, freed.cache, [][]byte{[]byte("freed-0")}, [][]uint32{{0, 1}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-gate.arrived:
+	case <-ctx.Done():
+		t.Fatal("the store never reached the mover")
+	}
+	if err := g.dev[0].Do(ctx, func(*cuda.Worker) error { return freed.mem.Close() }); err != nil {
+		t.Fatalf("the owner's cudaFree of memory the daemon imported: %v", err)
+	}
+	gate.release()
+	if res, err := store.Wait(ctx); err != nil || res.Count(protocol.OutcomeStored) != 1 {
+		t.Fatalf("store from memory freed mid-job: %+v, %v", res, err)
+	}
+	load, err := freer.Load(ctx, freed.cache, [][]byte{[]byte("freed-0")}, [][]uint32{{8, 9}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res, err := load.Wait(ctx); err != nil || res.Count(protocol.OutcomeLoaded) != 1 {
+		t.Fatalf("load into freed memory: %+v, %v", res, err)
+	}
+	g.roundTrip(t, stay, kept, [][]byte{[]byte("kept-0")})
+	// The other client loads the key stored from the freed memory.
+	load, err = stay.Load(ctx, kept.cache, [][]byte{[]byte("freed-0")}, [][]uint32{{12, 13}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res, err := load.Wait(ctx); err != nil || res.Count(protocol.OutcomeLoaded) != 1 {
+		t.Fatalf("the other client's load of the key: %+v, %v", res, err)
+	}
+	got := make([]byte, kept.mem.Len())
+	g.copyDevice(t, kept.mem.Ptr(), got, false)
+	bb := int64(geo.TokensPerBlock * geo.KVHeads * geo.HeadSize * geo.DtypeSize)
+	for l := range int64(geo.Layers) {
+		for p := range int64(2) {
+			for i := range int64(2) {
+				src := l*2*gpuBlocks*bb + p*gpuBlocks*bb + i*bb
+				dst := src + 12*bb
+				if !bytes.Equal(got[dst:dst+bb], orig[src:src+bb]) {
+					t.Fatalf("layer %d plane %d block %d: the bytes stored from the freed memory differ", l, p, i)
+				}
+			}
+		}
+	}
+	wantCode(t, freer.UnregisterCache(ctx, freed.cache), protocol.CodeOK)
+	wantCode(t, freer.UnregisterMemory(ctx, freed.region), protocol.CodeOK)
+	if g.im.Live() != 1 || g.im.Imports() != 1 {
+		t.Fatalf("after unregistering: %d regions, %d imports live, want 1, 1 (the other client's)", g.im.Live(), g.im.Imports())
+	}
+	if got := deviceStats(t, stay)[0]; got != base {
+		t.Fatalf("device 0 after unregistering: %+v, want %+v", got, base)
+	}
+	// With the import closed the memory is gone: its handle is stale.
+	_, err = stay.RegisterCUDAIPC(ctx, 0, freed.handle, 0, 4096)
+	wantCode(t, err, protocol.CodeBadHandle)
 }
