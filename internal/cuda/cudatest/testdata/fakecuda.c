@@ -6,7 +6,9 @@
 // importers until the last cudaIpcCloseMemHandle, as the driver keeps it
 // (on an H100, store and load jobs on memory its owner freed mid-job
 // completed), but no new import or export finds it.
-// fake_set_fault fails the Nth operation of a kind.
+// fake_set_fault fails the Nth operation of a kind; fake_set_peer_access
+// makes an import of another device's allocation succeed, as the driver
+// does over peer access, where by default it fails (no peer access).
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -33,6 +35,14 @@ static long faultAt[nOps]; // fail when counts reaches this (1-based); 0: none
 static int faultCode[nOps];
 static __thread int curDevice;
 static int numDevices = 2;
+static int peerAccess;
+
+// fake_set_peer_access turns on (1) or off (0) imports across devices.
+void fake_set_peer_access(int on) {
+	pthread_mutex_lock(&mu);
+	peerAccess = on;
+	pthread_mutex_unlock(&mu);
+}
 
 // fake_set_fault makes the nth next operation of kind op (counted from now)
 // fail with code; n <= 0 clears it.
@@ -237,8 +247,8 @@ int cudaIpcOpenMemHandle(void **p, ipcHandle h, unsigned flags) {
 	if (h.magic != IPC_MAGIC) return errMapBufferObjectFailed;
 	pthread_mutex_lock(&mu);
 	alloc *a = find(h.ptr);
-	int ok = a && a->base == h.ptr && a->device == curDevice;
-	int other = a && a->device != curDevice;
+	int ok = a && a->base == h.ptr && (a->device == curDevice || peerAccess);
+	int other = a && a->device != curDevice && !peerAccess;
 	if (ok) a->imports++;
 	pthread_mutex_unlock(&mu);
 	if (other) return errInvalidDevice;
@@ -265,6 +275,15 @@ int cudaIpcCloseMemHandle(void *p) {
 }
 
 // Driver API.
+enum { pointerAttrDeviceOrdinal = 9 };
+int cuPointerGetAttribute(void *data, int attr, uint64_t p) {
+	if (attr != pointerAttrDeviceOrdinal) return 1; // CUDA_ERROR_INVALID_VALUE
+	pthread_mutex_lock(&mu);
+	alloc *a = find(p);
+	if (a) *(int *)data = a->device;
+	pthread_mutex_unlock(&mu);
+	return a ? 0 : 1;
+}
 int cuInit(unsigned flags) { (void)flags; return 0; }
 int cuMemGetAddressRange_v2(uint64_t *base, size_t *size, uint64_t p) {
 	pthread_mutex_lock(&mu);
