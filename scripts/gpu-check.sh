@@ -8,7 +8,7 @@
 #
 # Every check writes its log under OUT (default ./gpu-out); the summary
 # lines go to stdout. Parts can be switched off: GDS=0 STAGING=0 E2E=0
-# SPEC=0 BENCH=0. The ext4 disk directory is DISK (default /var/tmp/kvhost-gpu),
+# SPEC=0 BENCH=0 HOSTILE=0. The ext4 disk directory is DISK (default /var/tmp/kvhost-gpu),
 # the memory file system SHM (default /dev/shm/kvhost-gpu).
 #
 # cuFile registration on a VM or container without a udev database fails
@@ -49,7 +49,7 @@ run() { # name command...: runs, logs, remembers a failure
 	if ! "$@" >"$out/$name.txt" 2>&1; then
 		echo "   FAILED (see $out/$name.txt)"; status=1
 	fi
-	grep -E '^(---|ok|PASS|FAIL)|GB/s|OK|differ' "$out/$name.txt" | head -40
+	grep -E '^(---|ok|PASS|FAIL|case )|GB/s|OK|differ' "$out/$name.txt" | head -40
 }
 
 [ "${GDS:-1}" = 1 ] && run gds env KVHOST_GPU_DIR="$disk" KVHOST_GPU_TMPFS="$shm" \
@@ -71,6 +71,24 @@ if [ "${E2E:-1}" = 1 ]; then
 			kill -TERM "$pid"; wait "$pid"; echo "   daemon exit status $?"
 		done
 	done
+fi
+if [ "${HOSTILE:-1}" = 1 ]; then
+	# Misbehaving CUDA IPC clients (forged, other-device, out-of-range and
+	# stale handles; a client killed and one that frees its memory mid-job)
+	# while a good client round-trips its own keys; daemon on tmpfs.
+	sock=/tmp/kvhost-gpu-hostile.sock
+	log="$out/daemon-hostile.log"
+	rm -rf "$shm/hostile" "$sock"
+	"$bin/kvhost" --dir "$shm/hostile" --socket "$sock" --log-format json >"$log" 2>&1 &
+	pid=$!
+	for _ in $(seq 200); do [ -S "$sock" ] && break; sleep 0.1; done
+	run hostile python3 "${HOSTILE_SCRIPT:-scripts/gpu-ipc-hostile.py}" "$sock" --log "$log" --pid "$pid"
+	echo "   daemon log: $(grep -c '"level":"WARN"' "$log") warnings, $(grep -c '"level":"ERROR"' "$log") errors"
+	if kill -0 "$pid" 2>/dev/null; then
+		kill -TERM "$pid"; wait "$pid"; echo "   daemon exit status $?"
+	else
+		wait "$pid"; echo "   FAILED: the daemon died (exit status $?)"; status=1
+	fi
 fi
 [ "${SPEC:-1}" = 1 ] && run spec env KVHOST_GPU=1 KVHOST_BIN="$bin/kvhost" \
 	python3 client/python/tests/gpu_spec_check.py "$out/spec.json"

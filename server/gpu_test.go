@@ -3,9 +3,11 @@ package server_test
 import (
 	"context"
 	"errors"
+	"strings"
 	"testing"
 
 	"github.com/kvhost/kvhost/client"
+	"github.com/kvhost/kvhost/host/engine"
 	"github.com/kvhost/kvhost/internal/cuda"
 	"github.com/kvhost/kvhost/internal/cuda/cudatest"
 	"github.com/kvhost/kvhost/protocol"
@@ -25,6 +27,13 @@ type gpu struct {
 }
 
 func newGPU(t *testing.T, cfg server.Config) *gpu {
+	t.Helper()
+	return newGPUWith(t, cfg, nil)
+}
+
+// newGPUWith is newGPU with the engine's configuration edited by edit
+// (given the runtime, so that it can build a device mover over it).
+func newGPUWith(t *testing.T, cfg server.Config, edit func(*cuda.Runtime, *engine.Config)) *gpu {
 	t.Helper()
 	path := cudatest.Build(t)
 	rt, err := cuda.Open(cuda.Config{Runtime: []string{path}, Driver: []string{path}})
@@ -48,7 +57,11 @@ func newGPU(t *testing.T, cfg server.Config) *gpu {
 		g.dev = append(g.dev, w)
 	}
 	cfg.OpenDevice, cfg.Devices = g.im.Open, g.im.Devices()
-	g.fixture = newFixture(t, cfg)
+	var editEngine func(*engine.Config)
+	if edit != nil {
+		editEngine = func(c *engine.Config) { edit(rt, c) }
+	}
+	g.fixture = newFixtureWith(t, cfg, editEngine, nil)
 	return g
 }
 
@@ -157,18 +170,21 @@ func TestGPURegistrationRefusesBadInput(t *testing.T) {
 		handle       [64]byte
 		offset, size int64
 		fault        bool // the driver fails the import (cudaErrorDevicesUnavailable)
+		peer         bool // the driver maps other devices' memory (peer access)
 		want         protocol.Code
+		says         string // in the error message
 	}{
-		{"another device's handle", 0, h1, 0, 4096, false, protocol.CodeBadHandle},
-		{"stale handle", 0, stale, 0, 4096, false, protocol.CodeBadHandle},
-		{"forged handle", 0, forged, 0, 4096, false, protocol.CodeBadHandle},
-		{"range past the allocation", 0, h0, 4096, 1 << 20, false, protocol.CodeInvalid},
-		{"allocation larger than it is", 0, h0, 0, 2 << 20, false, protocol.CodeInvalid},
-		{"offset far past the allocation", 0, h0, 1 << 40, 4096, false, protocol.CodeInvalid},
-		{"device not served", 2, h0, 0, 4096, false, protocol.CodeInvalid},
-		{"larger than the device bound", 0, h0, 0, server.DefaultMaxDeviceBytes + 1, false, protocol.CodeLimit},
-		{"driver failure", 0, h0, 0, 4096, true, protocol.CodeBadHandle},
-		{"good range after all that", 0, h0, 0, 1 << 20, false, protocol.CodeOK},
+		{"another device's handle", 0, h1, 0, 4096, false, false, protocol.CodeBadHandle, "IPC handle"},
+		{"another device's handle over peer access", 0, h1, 0, 4096, false, true, protocol.CodeBadHandle, "allocation on device 1, imported as device 0"},
+		{"stale handle", 0, stale, 0, 4096, false, false, protocol.CodeBadHandle, "IPC handle"},
+		{"forged handle", 0, forged, 0, 4096, false, false, protocol.CodeBadHandle, "IPC handle"},
+		{"range past the allocation", 0, h0, 4096, 1 << 20, false, false, protocol.CodeInvalid, "not inside the exported allocation"},
+		{"allocation larger than it is", 0, h0, 0, 2 << 20, false, false, protocol.CodeInvalid, "not inside the exported allocation"},
+		{"offset far past the allocation", 0, h0, 1 << 40, 4096, false, false, protocol.CodeInvalid, "not inside the exported allocation"},
+		{"device not served", 2, h0, 0, 4096, false, false, protocol.CodeInvalid, "device 2"},
+		{"larger than the device bound", 0, h0, 0, server.DefaultMaxDeviceBytes + 1, false, false, protocol.CodeLimit, "exceeds"},
+		{"driver failure", 0, h0, 0, 4096, true, false, protocol.CodeBadHandle, "IPC handle"},
+		{"good range after all that", 0, h0, 0, 1 << 20, false, false, protocol.CodeOK, ""},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -176,8 +192,13 @@ func TestGPURegistrationRefusesBadInput(t *testing.T) {
 				g.fake.Fail(cudatest.OpIPCOpen, 1, 46)
 				defer g.fake.Fail(cudatest.OpIPCOpen, 0, 0)
 			}
+			g.fake.PeerAccess(tc.peer)
+			defer g.fake.PeerAccess(false)
 			_, err := c.RegisterCUDAIPC(ctx, tc.device, tc.handle, tc.offset, tc.size)
 			wantCode(t, err, tc.want)
+			if err != nil && !strings.Contains(err.Error(), tc.says) {
+				t.Fatalf("error %q does not say %q", err, tc.says)
+			}
 			live := 0
 			if tc.want == protocol.CodeOK {
 				live = 1

@@ -810,7 +810,10 @@ func (s *session) release() {
 	s.jmu.Unlock()
 	s.stopCtx()
 	if n > 0 {
-		s.log.Debug("cancelled jobs of a departing client", "jobs", n)
+		// A client gone with jobs in flight (it exited, was killed, or
+		// closed early) is worth a line at the default level: its memory
+		// is released only once these jobs have ended.
+		s.log.Info("client left with jobs in flight: cancelled them", "jobs", n)
 	}
 	s.waitJobs()
 	s.releasePins()

@@ -36,6 +36,10 @@ var (
 	ErrBounds = errors.New("cuda: range outside the allocation")
 	// ErrClosed: the memory or runtime was closed.
 	ErrClosed = errors.New("cuda: closed")
+	// ErrWrongDevice: an IPC handle names an allocation on another device
+	// than the one it was imported on (the driver maps it over peer
+	// access rather than refuse it).
+	ErrWrongDevice = errors.New("cuda: the allocation lives on another device")
 )
 
 // Error is a cudaError_t status code. It prints its name (from a built-in
@@ -138,12 +142,13 @@ const (
 
 // Flags.
 const (
-	hostAllocPortable       = 1 // cudaHostAllocPortable
-	hostRegisterPortable    = 1 // cudaHostRegisterPortable
-	streamNonBlocking       = 1 // cudaStreamNonBlocking
-	eventDisableTiming      = 2 // cudaEventDisableTiming
-	eventBlockingSync       = 1 // cudaEventBlockingSync
-	ipcLazyEnablePeerAccess = 1 // cudaIpcMemLazyEnablePeerAccess
+	hostAllocPortable        = 1 // cudaHostAllocPortable
+	hostRegisterPortable     = 1 // cudaHostRegisterPortable
+	streamNonBlocking        = 1 // cudaStreamNonBlocking
+	eventDisableTiming       = 2 // cudaEventDisableTiming
+	eventBlockingSync        = 1 // cudaEventBlockingSync
+	ipcLazyEnablePeerAccess  = 1 // cudaIpcMemLazyEnablePeerAccess
+	pointerAttrDeviceOrdinal = 9 // CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
 )
 
 // IPCHandleSize is the size of a cudaIpcMemHandle_t.
@@ -164,7 +169,7 @@ type Runtime struct {
 		hostAlloc, freeHost, hostRegister, hostUnregister       unsafe.Pointer
 		malloc, free, memcpyAsync, memcpy, memcpyBatch          unsafe.Pointer
 		ipcGetMemHandle, ipcOpenMemHandle, ipcCloseMemHandle    unsafe.Pointer
-		cuInit, cuMemGetAddressRange                            unsafe.Pointer
+		cuInit, cuMemGetAddressRange, cuPointerGetAttribute     unsafe.Pointer
 	}
 }
 
@@ -225,6 +230,8 @@ func Open(cfg Config) (*Runtime, error) {
 		b, err2 := drv.Sym("cuMemGetAddressRange_v2")
 		if err1 == nil && err2 == nil && callU(a, 0) == 0 {
 			r.drv, f.cuInit, f.cuMemGetAddressRange = drv, a, b
+			// Optional: checks the device of IPC imports where present.
+			f.cuPointerGetAttribute, _ = drv.Sym("cuPointerGetAttribute")
 		} else {
 			drv.Close()
 		}

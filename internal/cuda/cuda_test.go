@@ -245,7 +245,7 @@ func TestCopyFaultsAreErrors(t *testing.T) {
 }
 
 func TestOpenIPCChecksHandleDeviceAndBounds(t *testing.T) {
-	r, _ := open(t)
+	r, fake := open(t)
 	w0, w1 := worker(t, r, 0), worker(t, r, 1)
 	ctx := context.Background()
 	var mem *cuda.DeviceMemory
@@ -268,18 +268,23 @@ func TestOpenIPCChecksHandleDeviceAndBounds(t *testing.T) {
 		w                *cuda.Worker
 		h                [cuda.IPCHandleSize]byte
 		off, n, declared int64
+		peer             bool // the driver maps other devices' memory (peer access)
 		want             error
 	}{
-		{"whole", w0, handle, 0, 1 << 20, 1 << 20, nil},
-		{"inner range", w0, handle, 4096, 8192, 1 << 20, nil},
-		{"past declared size", w0, handle, 4096, 1 << 20, 1 << 20, cuda.ErrBounds},
-		{"negative offset", w0, handle, -1, 10, 1 << 20, cuda.ErrBounds},
-		{"declared larger than the allocation", w0, handle, 0, 2 << 20, 2 << 20, cuda.ErrBounds},
-		{"forged handle", w0, forged, 0, 4096, 1 << 20, cuda.ErrorMapBufferObjectFailed},
-		{"other device", w1, handle, 0, 4096, 1 << 20, cuda.ErrorInvalidDevice},
+		{"whole", w0, handle, 0, 1 << 20, 1 << 20, false, nil},
+		{"inner range", w0, handle, 4096, 8192, 1 << 20, false, nil},
+		{"past declared size", w0, handle, 4096, 1 << 20, 1 << 20, false, cuda.ErrBounds},
+		{"negative offset", w0, handle, -1, 10, 1 << 20, false, cuda.ErrBounds},
+		{"declared larger than the allocation", w0, handle, 0, 2 << 20, 2 << 20, false, cuda.ErrBounds},
+		{"forged handle", w0, forged, 0, 4096, 1 << 20, false, cuda.ErrorMapBufferObjectFailed},
+		{"other device", w1, handle, 0, 4096, 1 << 20, false, cuda.ErrorInvalidDevice},
+		{"other device over peer access", w1, handle, 0, 4096, 1 << 20, true, cuda.ErrWrongDevice},
+		{"own device with peer access on", w0, handle, 0, 4096, 1 << 20, true, nil},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
+			fake.PeerAccess(c.peer)
+			defer fake.PeerAccess(false)
 			err := c.w.Do(ctx, func(w *cuda.Worker) error {
 				m, err := r.OpenIPC(w.Ordinal(), c.h, c.off, c.n, c.declared)
 				if err != nil {

@@ -5,8 +5,10 @@ package cudatest
 /*
 typedef void (*set_fault_fn)(int, long, int);
 typedef long (*count_fn)(int);
+typedef void (*set_peer_fn)(int);
 static void call_set_fault(void *f, int op, long n, int code) { ((set_fault_fn)f)(op, n, code); }
 static long call_count(void *f, int op) { return ((count_fn)f)(op); }
+static void call_set_peer(void *f, int on) { ((set_peer_fn)f)(on); }
 */
 import "C"
 
@@ -22,8 +24,8 @@ const supported = true
 // Fake controls a loaded fake library (the same library a cuda.Runtime
 // opened from the path Build returned: dlopen shares one instance).
 type Fake struct {
-	lib             *dl.Library
-	setFault, count unsafe.Pointer
+	lib                      *dl.Library
+	setFault, count, setPeer unsafe.Pointer
 }
 
 // Open opens the fake library for control; it is closed with the test.
@@ -41,6 +43,9 @@ func Open(t testing.TB, path string) *Fake {
 	if f.count, err = lib.Sym("fake_count"); err != nil {
 		t.Fatalf("cudatest: %v", err)
 	}
+	if f.setPeer, err = lib.Sym("fake_set_peer_access"); err != nil {
+		t.Fatalf("cudatest: %v", err)
+	}
 	return f
 }
 
@@ -52,3 +57,14 @@ func (f *Fake) Fail(op Op, n int, code int) {
 
 // Count is the number of operations of kind op so far.
 func (f *Fake) Count(op Op) int { return int(C.call_count(f.count, C.int(op))) }
+
+// PeerAccess makes imports of another device's allocation succeed (on),
+// as the driver maps them over peer access, or fail (off, the default).
+// The library is shared by the tests of a binary: turn it off again.
+func (f *Fake) PeerAccess(on bool) {
+	v := 0
+	if on {
+		v = 1
+	}
+	C.call_set_peer(f.setPeer, C.int(v))
+}

@@ -20,3 +20,6 @@ func (f *Fake) Fail(op Op, n int, code int) {}
 
 // Count is 0.
 func (f *Fake) Count(op Op) int { return 0 }
+
+// PeerAccess does nothing.
+func (f *Fake) PeerAccess(on bool) {}

@@ -2,7 +2,13 @@
 // memory, copies are memcpy, run when their stream is synchronized (so a
 // caller that reads a buffer before waiting sees stale bytes), IPC handles
 // carry a magic and a pointer checked against a registry of live
-// allocations. fake_set_fault fails the Nth operation of a kind.
+// allocations. An allocation freed while imported stays mapped for its
+// importers until the last cudaIpcCloseMemHandle, as the driver keeps it
+// (on an H100, store and load jobs on memory its owner freed mid-job
+// completed), but no new import or export finds it.
+// fake_set_fault fails the Nth operation of a kind; fake_set_peer_access
+// makes an import of another device's allocation succeed, as the driver
+// does over peer access, where by default it fails (no peer access).
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -29,6 +35,14 @@ static long faultAt[nOps]; // fail when counts reaches this (1-based); 0: none
 static int faultCode[nOps];
 static __thread int curDevice;
 static int numDevices = 2;
+static int peerAccess;
+
+// fake_set_peer_access turns on (1) or off (0) imports across devices.
+void fake_set_peer_access(int on) {
+	pthread_mutex_lock(&mu);
+	peerAccess = on;
+	pthread_mutex_unlock(&mu);
+}
 
 // fake_set_fault makes the nth next operation of kind op (counted from now)
 // fail with code; n <= 0 clears it.
@@ -61,12 +75,27 @@ static int tick(int op) {
 }
 
 // Device allocations.
-typedef struct alloc { uintptr_t base; size_t size; int device; struct alloc *next; } alloc;
+// imports counts cudaIpcOpenMemHandle calls not yet closed; freed marks
+// an allocation its owner freed while imported.
+typedef struct alloc { uintptr_t base; size_t size; int device; int imports, freed; struct alloc *next; } alloc;
 static alloc *allocs;
 
+// find returns the live (not freed) allocation holding p.
 static alloc *find(uintptr_t p) {
 	for (alloc *a = allocs; a; a = a->next)
-		if (p >= a->base && p < a->base + a->size) return a;
+		if (!a->freed && p >= a->base && p < a->base + a->size) return a;
+	return NULL;
+}
+
+// unlink removes the allocation based at p, freed or not; called with mu held.
+static alloc *unlink_alloc(uintptr_t p) {
+	for (alloc **a = &allocs; *a; a = &(*a)->next) {
+		if ((*a)->base == p) {
+			alloc *x = *a;
+			*a = x->next;
+			return x;
+		}
+	}
 	return NULL;
 }
 
@@ -150,7 +179,7 @@ int cudaHostUnregister(void *p) { (void)p; return 0; }
 int cudaMalloc(void **p, size_t n) {
 	if (posix_memalign(p, 256, n ? n : 1)) return errMemoryAllocation;
 	alloc *a = malloc(sizeof(alloc));
-	*a = (alloc){(uintptr_t)*p, n, curDevice, NULL};
+	*a = (alloc){(uintptr_t)*p, n, curDevice, 0, 0, NULL};
 	pthread_mutex_lock(&mu);
 	a->next = allocs;
 	allocs = a;
@@ -159,18 +188,20 @@ int cudaMalloc(void **p, size_t n) {
 }
 int cudaFree(void *p) {
 	pthread_mutex_lock(&mu);
-	for (alloc **a = &allocs; *a; a = &(*a)->next) {
-		if ((*a)->base == (uintptr_t)p) {
-			alloc *x = *a;
-			*a = x->next;
-			free(x);
-			pthread_mutex_unlock(&mu);
-			free(p);
-			return 0;
-		}
+	alloc *a = find((uintptr_t)p);
+	if (!a || a->base != (uintptr_t)p) {
+		pthread_mutex_unlock(&mu);
+		return errInvalidValue;
 	}
+	if (a->imports > 0) { // still mapped by importers: freed with the last close
+		a->freed = 1;
+		pthread_mutex_unlock(&mu);
+		return 0;
+	}
+	free(unlink_alloc((uintptr_t)p));
 	pthread_mutex_unlock(&mu);
-	return errInvalidValue;
+	free(p);
+	return 0;
 }
 
 int cudaMemcpyAsync(void *dst, const void *src, size_t n, int kind, stream *s) {
@@ -216,17 +247,43 @@ int cudaIpcOpenMemHandle(void **p, ipcHandle h, unsigned flags) {
 	if (h.magic != IPC_MAGIC) return errMapBufferObjectFailed;
 	pthread_mutex_lock(&mu);
 	alloc *a = find(h.ptr);
-	int ok = a && a->base == h.ptr && a->device == curDevice;
-	int other = a && a->device != curDevice;
+	int ok = a && a->base == h.ptr && (a->device == curDevice || peerAccess);
+	int other = a && a->device != curDevice && !peerAccess;
+	if (ok) a->imports++;
 	pthread_mutex_unlock(&mu);
 	if (other) return errInvalidDevice;
 	if (!ok) return errMapBufferObjectFailed;
 	*p = (void *)h.ptr;
 	return 0;
 }
-int cudaIpcCloseMemHandle(void *p) { (void)p; return 0; }
+int cudaIpcCloseMemHandle(void *p) {
+	pthread_mutex_lock(&mu);
+	alloc *a = allocs;
+	while (a && a->base != (uintptr_t)p) a = a->next;
+	if (!a || a->imports == 0) {
+		pthread_mutex_unlock(&mu);
+		return errInvalidValue;
+	}
+	if (--a->imports == 0 && a->freed) {
+		free(unlink_alloc((uintptr_t)p));
+		pthread_mutex_unlock(&mu);
+		free(p);
+		return 0;
+	}
+	pthread_mutex_unlock(&mu);
+	return 0;
+}
 
 // Driver API.
+enum { pointerAttrDeviceOrdinal = 9 };
+int cuPointerGetAttribute(void *data, int attr, uint64_t p) {
+	if (attr != pointerAttrDeviceOrdinal) return 1; // CUDA_ERROR_INVALID_VALUE
+	pthread_mutex_lock(&mu);
+	alloc *a = find(p);
+	if (a) *(int *)data = a->device;
+	pthread_mutex_unlock(&mu);
+	return a ? 0 : 1;
+}
 int cuInit(unsigned flags) { (void)flags; return 0; }
 int cuMemGetAddressRange_v2(uint64_t *base, size_t *size, uint64_t p) {
 	pthread_mutex_lock(&mu);

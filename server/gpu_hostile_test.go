@@ -1,0 +1,348 @@
+package server_test
+
+import (
+	"bytes"
+	"context"
+	"math/rand/v2"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+	"unsafe"
+
+	"github.com/kvhost/kvhost/client"
+	"github.com/kvhost/kvhost/host/engine"
+	"github.com/kvhost/kvhost/internal/cuda"
+	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/protocol"
+	"github.com/kvhost/kvhost/region"
+	"github.com/kvhost/kvhost/server"
+	staginggpu "github.com/kvhost/kvhost/staging/gpu"
+	"github.com/kvhost/kvhost/transfer"
+)
+
+// gateMover is the device mover of a test: calls that touch the device
+// range [lo, hi) wait at the gate until it opens, whatever their context
+// says (a DMA under way does not stop when its job is cancelled); every
+// other call goes straight to the real mover.
+type gateMover struct {
+	transfer.Mover
+	lo, hi  atomic.Uintptr
+	open    chan struct{}
+	opened  sync.Once
+	arrived chan context.Context // one per held call
+}
+
+// release opens the gate (once).
+func (g *gateMover) release() { g.opened.Do(func() { close(g.open) }) }
+
+func (g *gateMover) held(p *transfer.Plan) bool {
+	for _, e := range p.Extents {
+		if d, ok := e.Region.(region.Device); ok && d.Ptr() >= g.lo.Load() && d.Ptr() < g.hi.Load() {
+			return true
+		}
+	}
+	return false
+}
+
+func (g *gateMover) WriteFile(ctx context.Context, f fsys.File, p *transfer.Plan, sums []uint32) (int64, error) {
+	if g.held(p) {
+		g.arrived <- ctx
+		<-g.open
+	}
+	return g.Mover.WriteFile(ctx, f, p, sums)
+}
+
+func (g *gateMover) ReadFile(ctx context.Context, f fsys.File, p *transfer.Plan, sums []uint32) (int64, error) {
+	if g.held(p) {
+		g.arrived <- ctx
+		<-g.open
+	}
+	return g.Mover.ReadFile(ctx, f, p, sums)
+}
+
+// gpuCache is a client's paged cache in device memory: geo's layers, each
+// plane of numBlocks blocks, one allocation.
+type gpuCache struct {
+	mem    *cuda.DeviceMemory
+	handle [cuda.IPCHandleSize]byte
+	ns     client.Namespace
+	region client.RegionID
+	cache  client.CacheID
+}
+
+const gpuBlocks = 16
+
+// registerGPUCache allocates and exports device memory on device 0 as c's
+// process would, fills it with random bytes, and registers it as a cache.
+func (g *gpu) registerGPUCache(t *testing.T, c *client.Client, seed uint64) *gpuCache {
+	t.Helper()
+	ctx := context.Background()
+	bb := int64(geo.TokensPerBlock * geo.KVHeads * geo.HeadSize * geo.DtypeSize)
+	layer := 2 * gpuBlocks * bb
+	mem, h := g.alloc(t, 0, int64(geo.Layers)*layer)
+	fill := make([]byte, mem.Len())
+	r := rand.New(rand.NewPCG(seed, 1))
+	for i := range fill {
+		fill[i] = byte(r.Uint32())
+	}
+	g.copyDevice(t, mem.Ptr(), fill, true)
+	ns, err := c.Declare(ctx, geo)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rid, err := c.RegisterCUDAIPC(ctx, 0, h, 0, mem.Len())
+	if err != nil {
+		t.Fatal(err)
+	}
+	var layers []client.Layer
+	for l := range int(geo.Layers) {
+		layers = append(layers, client.Layer{Region: uint32(rid), NumBlocks: gpuBlocks, Offset: int64(l) * layer, BlockStride: bb, PlaneStride: gpuBlocks * bb})
+	}
+	cid, err := c.RegisterCache(ctx, ns.ID, layers)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &gpuCache{mem: mem, handle: h, ns: ns, region: rid, cache: cid}
+}
+
+// copyDevice copies between host bytes and fake device memory on device
+// 0's client thread.
+func (g *gpu) copyDevice(t *testing.T, dev uintptr, host []byte, toDevice bool) {
+	t.Helper()
+	h := uintptr(unsafe.Pointer(&host[0]))
+	err := g.dev[0].Do(context.Background(), func(*cuda.Worker) error {
+		if toDevice {
+			return g.rt.CopySync(dev, h, uintptr(len(host)))
+		}
+		return g.rt.CopySync(h, dev, uintptr(len(host)))
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+// roundTrip stores keys from blocks 0..3 of gc, poisons blocks 8..11,
+// loads the keys there and compares every block of every layer and plane.
+func (g *gpu) roundTrip(t *testing.T, c *client.Client, gc *gpuCache, keys [][]byte) {
+	t.Helper()
+	ctx := context.Background()
+	bpk := int(geo.TokensPerKey / geo.TokensPerBlock)
+	var src, dst [][]uint32
+	for i := range keys {
+		var s, d []uint32
+		for b := range bpk {
+			s = append(s, uint32(i*bpk+b))
+			d = append(d, uint32(8+i*bpk+b))
+		}
+		src, dst = append(src, s), append(dst, d)
+	}
+	job, err := c.Store(ctx, gc.cache, keys, src)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res, err := job.Wait(ctx); err != nil || res.Count(protocol.OutcomeStored) != len(keys) {
+		t.Fatalf("store: %+v, %v", res, err)
+	}
+	before := make([]byte, gc.mem.Len())
+	g.copyDevice(t, gc.mem.Ptr(), before, false)
+	poisoned := bytes.Clone(before)
+	bb := int64(geo.TokensPerBlock * geo.KVHeads * geo.HeadSize * geo.DtypeSize)
+	block := func(l, p int, b uint32) int64 { return int64(l)*2*gpuBlocks*bb + int64(p)*gpuBlocks*bb + int64(b)*bb }
+	for l := range int(geo.Layers) {
+		for p := range 2 {
+			for _, d := range dst {
+				for _, b := range d {
+					for i := block(l, p, b); i < block(l, p, b)+bb; i++ {
+						poisoned[i] = 0xA5
+					}
+				}
+			}
+		}
+	}
+	g.copyDevice(t, gc.mem.Ptr(), poisoned, true)
+	if job, err = c.Load(ctx, gc.cache, keys, dst); err != nil {
+		t.Fatal(err)
+	}
+	if res, err := job.Wait(ctx); err != nil || res.Count(protocol.OutcomeLoaded) != len(keys) {
+		t.Fatalf("load: %+v, %v", res, err)
+	}
+	after := make([]byte, gc.mem.Len())
+	g.copyDevice(t, gc.mem.Ptr(), after, false)
+	for l := range int(geo.Layers) {
+		for p := range 2 {
+			for k := range src {
+				for j := range src[k] {
+					s, d := block(l, p, src[k][j]), block(l, p, dst[k][j])
+					if !bytes.Equal(after[d:d+bb], before[s:s+bb]) {
+						t.Fatalf("layer %d plane %d: block %d loaded into %d differs", l, p, src[k][j], dst[k][j])
+					}
+				}
+			}
+		}
+	}
+}
+
+// newGatedGPU is newGPU whose engine moves device regions with the
+// staging pipeline over the fake runtime, behind a gate (see gateMover).
+func newGatedGPU(t *testing.T) (*gpu, *gateMover) {
+	t.Helper()
+	gate := &gateMover{open: make(chan struct{}), arrived: make(chan context.Context, 8)}
+	var once sync.Once
+	g := newGPUWith(t, server.Config{}, func(rt *cuda.Runtime, c *engine.Config) {
+		c.IOWorkers = 4 // the held call must not take every I/O worker
+		c.Movers = map[region.Kind]engine.MoverFactory{region.KindDevice: func(engine.MountInfo) (transfer.Mover, error) {
+			var err error
+			once.Do(func() {
+				var m *staginggpu.Mover
+				if m, err = staginggpu.New(staginggpu.Config{Runtime: rt, MaxStaging: 4 << 20, Chunk: 1 << 20}); err == nil {
+					gate.Mover = m
+					t.Cleanup(func() { m.Close() })
+				}
+			})
+			return gate, err
+		}}
+	})
+	// A failed check must not leave a held copy (and the daemon's stop)
+	// waiting: this cleanup runs before the fixture's.
+	t.Cleanup(gate.release)
+	return g, gate
+}
+
+// TestGPUClientGoneMidJob is issue 8's "a client that exits mid-job" on
+// CPU: a client leaves while its store copies from its GPU memory. The
+// daemon cancels the job, keeps the client's import mapped until the copy
+// has returned (never unmapping memory under a running copy), serves
+// another client's GPU round trips meanwhile, then closes the import and
+// gives the device's registered bytes back; the cancelled store
+// publishes nothing.
+func TestGPUClientGoneMidJob(t *testing.T) {
+	g, gate := newGatedGPU(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	stay := g.dial(t)
+	kept := g.registerGPUCache(t, stay, 1)
+	base := deviceStats(t, stay)[0]
+	leave, err := client.Dial(ctx, g.socket, "leaving")
+	if err != nil {
+		t.Fatal(err)
+	}
+	gone := g.registerGPUCache(t, leave, 2)
+	gate.lo.Store(gone.mem.Ptr())
+	gate.hi.Store(gone.mem.Ptr() + uintptr(gone.mem.Len()))
+	if _, err := leave.Store(ctx, gone.cache, [][]byte{[]byte("gone-0")}, [][]uint32{{0, 1}}); err != nil {
+		t.Fatal(err)
+	}
+	var jobCtx context.Context
+	select {
+	case jobCtx = <-gate.arrived:
+	case <-ctx.Done():
+		t.Fatal("the leaving client's store never reached the mover")
+	}
+	leave.Close()
+	select {
+	case <-jobCtx.Done():
+	case <-ctx.Done():
+		t.Fatal("the daemon did not cancel the job of a client that left")
+	}
+	// The copy has not returned: the import stays, and the other client
+	// is served.
+	if g.im.Live() != 2 {
+		t.Fatalf("%d imports live while the departed client's copy runs, want 2 (its memory unmapped under the copy?)", g.im.Live())
+	}
+	g.roundTrip(t, stay, kept, [][]byte{[]byte("kept-0"), []byte("kept-1")})
+	gate.release()
+	if err := g.srv.WaitSessions(ctx, 1); err != nil {
+		t.Fatal(err)
+	}
+	if g.im.Live() != 1 || g.im.Imports() != 1 {
+		t.Fatalf("after the client left: %d regions, %d imports live, want 1, 1 (the other client's)", g.im.Live(), g.im.Imports())
+	}
+	if got := deviceStats(t, stay)[0]; got != base {
+		t.Fatalf("device 0 after the client left: %+v, want %+v", got, base)
+	}
+	if n, err := stay.Lookup(ctx, kept.ns.ID, [][]byte{[]byte("gone-0")}); err != nil || n != 0 {
+		t.Fatalf("the departed client's cancelled store: lookup %d, %v; want 0 stored", n, err)
+	}
+	g.roundTrip(t, stay, kept, [][]byte{[]byte("kept-2")})
+}
+
+// TestGPUClientFreesMemoryMidJob is issue 8's "a client that frees its
+// memory mid-job" on CPU, with the fake runtime keeping freed memory
+// mapped for its importers as the driver does (on an H100 the jobs
+// completed: scripts/gpu-ipc-hostile.py, case f). The owner frees its
+// allocation while its store is in the mover: the store and a later load
+// complete, nothing crashes, another client is served (and reads back the
+// bytes stored from the freed memory), unregistering closes the import
+// and gives the bytes back, and then the handle is refused as stale.
+func TestGPUClientFreesMemoryMidJob(t *testing.T) {
+	g, gate := newGatedGPU(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	stay := g.dial(t)
+	kept := g.registerGPUCache(t, stay, 1)
+	base := deviceStats(t, stay)[0]
+	freer := g.dial(t)
+	freed := g.registerGPUCache(t, freer, 3)
+	orig := make([]byte, freed.mem.Len())
+	g.copyDevice(t, freed.mem.Ptr(), orig, false)
+	gate.lo.Store(freed.mem.Ptr())
+	gate.hi.Store(freed.mem.Ptr() + uintptr(freed.mem.Len()))
+	store, err := freer.Store(ctx, freed.cache, [][]byte{[]byte("freed-0")}, [][]uint32{{0, 1}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-gate.arrived:
+	case <-ctx.Done():
+		t.Fatal("the store never reached the mover")
+	}
+	if err := g.dev[0].Do(ctx, func(*cuda.Worker) error { return freed.mem.Close() }); err != nil {
+		t.Fatalf("the owner's cudaFree of memory the daemon imported: %v", err)
+	}
+	gate.release()
+	if res, err := store.Wait(ctx); err != nil || res.Count(protocol.OutcomeStored) != 1 {
+		t.Fatalf("store from memory freed mid-job: %+v, %v", res, err)
+	}
+	load, err := freer.Load(ctx, freed.cache, [][]byte{[]byte("freed-0")}, [][]uint32{{8, 9}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res, err := load.Wait(ctx); err != nil || res.Count(protocol.OutcomeLoaded) != 1 {
+		t.Fatalf("load into freed memory: %+v, %v", res, err)
+	}
+	g.roundTrip(t, stay, kept, [][]byte{[]byte("kept-0")})
+	// The other client loads the key stored from the freed memory.
+	load, err = stay.Load(ctx, kept.cache, [][]byte{[]byte("freed-0")}, [][]uint32{{12, 13}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res, err := load.Wait(ctx); err != nil || res.Count(protocol.OutcomeLoaded) != 1 {
+		t.Fatalf("the other client's load of the key: %+v, %v", res, err)
+	}
+	got := make([]byte, kept.mem.Len())
+	g.copyDevice(t, kept.mem.Ptr(), got, false)
+	bb := int64(geo.TokensPerBlock * geo.KVHeads * geo.HeadSize * geo.DtypeSize)
+	for l := range int64(geo.Layers) {
+		for p := range int64(2) {
+			for i := range int64(2) {
+				src := l*2*gpuBlocks*bb + p*gpuBlocks*bb + i*bb
+				dst := src + 12*bb
+				if !bytes.Equal(got[dst:dst+bb], orig[src:src+bb]) {
+					t.Fatalf("layer %d plane %d block %d: the bytes stored from the freed memory differ", l, p, i)
+				}
+			}
+		}
+	}
+	wantCode(t, freer.UnregisterCache(ctx, freed.cache), protocol.CodeOK)
+	wantCode(t, freer.UnregisterMemory(ctx, freed.region), protocol.CodeOK)
+	if g.im.Live() != 1 || g.im.Imports() != 1 {
+		t.Fatalf("after unregistering: %d regions, %d imports live, want 1, 1 (the other client's)", g.im.Live(), g.im.Imports())
+	}
+	if got := deviceStats(t, stay)[0]; got != base {
+		t.Fatalf("device 0 after unregistering: %+v, want %+v", got, base)
+	}
+	// With the import closed the memory is gone: its handle is stale.
+	_, err = stay.RegisterCUDAIPC(ctx, 0, freed.handle, 0, 4096)
+	wantCode(t, err, protocol.CodeBadHandle)
+}
