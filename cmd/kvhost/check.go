@@ -313,6 +313,11 @@ func checkMount(ctx context.Context, rep *checkReport, o checkOptions, m config.
 	rep.add(levelOK, area, fmt.Sprintf("file system %s, %s of %s free", fst, sizeOf(avail), sizeOf(size)), "")
 	level, what, fix := spaceFinding(size, avail, int64(m.Capacity), int64(m.Reserve))
 	rep.add(level, area, what, fix)
+	if fst == "tmpfs" {
+		if level, what, fix := hugePagesFinding(m.Path); level != "" {
+			rep.add(level, area, what, fix)
+		}
+	}
 
 	direct, err := staging.ProbeDirect(fsys.OS{}, m.Path)
 	switch {

@@ -166,3 +166,29 @@ func TestSpaceFinding(t *testing.T) {
 		}
 	}
 }
+
+func TestTmpfsHugeReadsTheMountHoldingThePath(t *testing.T) {
+	const info = `22 1 254:0 / / rw,relatime shared:1 - ext4 /dev/vda rw
+25 22 0:21 / /dev/shm rw,nosuid,nodev shared:4 - tmpfs tmpfs rw,inode64
+31 22 0:30 / /mnt/kv rw,relatime shared:9 - tmpfs tmpfs rw,size=41943040k,huge=always,inode64
+32 31 0:31 / /mnt/kv/small rw,relatime shared:10 - tmpfs tmpfs rw,size=1024k,huge=within_size
+33 22 0:32 / /mnt/with\040space rw - tmpfs tmpfs rw,huge=advise
+`
+	for _, c := range []struct {
+		path, want string
+		ok         bool
+	}{
+		{"/dev/shm/kvhost", "never", true},
+		{"/dev/shm", "never", true},
+		{"/mnt/kv/cache", "always", true},
+		{"/mnt/kv/small/x", "within_size", true},
+		{"/mnt/kvx", "never", true}, // on /, not /mnt/kv
+		{"/mnt/with space/c", "advise", true},
+		{"relative", "", false},
+	} {
+		huge, ok := tmpfsHuge(info, c.path)
+		if huge != c.want || ok != c.ok {
+			t.Errorf("tmpfsHuge(%q) = %q, %v; want %q, %v", c.path, huge, ok, c.want, c.ok)
+		}
+	}
+}
