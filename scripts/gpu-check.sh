@@ -8,7 +8,9 @@
 #
 # Every check writes its log under OUT (default ./gpu-out); the summary
 # lines go to stdout. Parts can be switched off: GDS=0 STAGING=0 E2E=0
-# SPEC=0 BENCH=0 HOSTILE=0. The ext4 disk directory is DISK (default /var/tmp/kvhost-gpu),
+# SPEC=0 BENCH=0 HOSTILE=0; BATCH=1 adds the cuFile batch measurement (off by
+# default: in compatibility mode a batch can hang inside libcufile, and the
+# check then ends itself after 40 s). The ext4 disk directory is DISK (default /var/tmp/kvhost-gpu),
 # the memory file system SHM (default /dev/shm/kvhost-gpu).
 #
 # cuFile registration on a VM or container without a udev database fails
@@ -54,6 +56,8 @@ run() { # name command...: runs, logs, remembers a failure
 
 [ "${GDS:-1}" = 1 ] && run gds env KVHOST_GPU_DIR="$disk" KVHOST_GPU_TMPFS="$shm" \
 	"$bin/gds-gpu.test" -test.run GPU -test.v
+[ "${BATCH:-0}" = 1 ] && run gds-batch env KVHOST_GPU_BATCH=1 KVHOST_GPU_DIR="$disk" \
+	"$bin/gds-gpu.test" -test.run GPUBatch -test.v -test.timeout 210s
 [ "${STAGING:-1}" = 1 ] && run staging env KVHOST_GPU=1 KVHOST_GPU_TMPFS="$shm" KVHOST_GPU_DISK="$disk" \
 	"$bin/staging-gpu.test" -test.run 'TestGPUCheckAndBenchmark' -test.v
 
