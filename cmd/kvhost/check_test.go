@@ -175,20 +175,20 @@ func TestTmpfsHugeReadsTheMountHoldingThePath(t *testing.T) {
 33 22 0:32 / /mnt/with\040space rw - tmpfs tmpfs rw,huge=advise
 `
 	for _, c := range []struct {
-		path, want string
-		ok         bool
+		path, want, mp string
+		ok             bool
 	}{
-		{"/dev/shm/kvhost", "never", true},
-		{"/dev/shm", "never", true},
-		{"/mnt/kv/cache", "always", true},
-		{"/mnt/kv/small/x", "within_size", true},
-		{"/mnt/kvx", "never", true}, // on /, not /mnt/kv
-		{"/mnt/with space/c", "advise", true},
-		{"relative", "", false},
+		{"/dev/shm/kvhost", "never", "/dev/shm", true},
+		{"/dev/shm", "never", "/dev/shm", true},
+		{"/mnt/kv/cache", "always", "/mnt/kv", true},
+		{"/mnt/kv/small/x", "within_size", "/mnt/kv/small", true},
+		{"/mnt/kvx", "never", "/", true}, // on /, not /mnt/kv
+		{"/mnt/with space/c", "advise", "/mnt/with space", true},
+		{"relative", "", "", false},
 	} {
-		huge, ok := tmpfsHuge(info, c.path)
-		if huge != c.want || ok != c.ok {
-			t.Errorf("tmpfsHuge(%q) = %q, %v; want %q, %v", c.path, huge, ok, c.want, c.ok)
+		huge, mp, ok := tmpfsHuge(info, c.path)
+		if huge != c.want || mp != c.mp || ok != c.ok {
+			t.Errorf("tmpfsHuge(%q) = %q, %q, %v; want %q, %q, %v", c.path, huge, mp, ok, c.want, c.mp, c.ok)
 		}
 	}
 }
