@@ -11,6 +11,8 @@ import (
 	"sync"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/kvhost/kvhost/internal/fstype"
 )
 
 // Capability is what cuFile can do on one mount (one st_dev), found once by
@@ -67,31 +69,11 @@ func (c Capability) mountName() string {
 	return fmt.Sprintf("dev %d:%d", unix.Major(c.Dev), unix.Minor(c.Dev))
 }
 
-// f_type magics of file systems cuFile can reach with nvidia-fs (direct
-// mode); others run in compat mode at best.
-var fsNames = map[int64]string{
-	0xef53:     "ext4",
-	0x58465342: "xfs",
-	0x01021994: "tmpfs",
-	0x858458f6: "ramfs",
-	0x794c7630: "overlayfs",
-	0x6969:     "nfs",
-	0x0bd00bd0: "lustre",
-	0x47504653: "gpfs",
-	0x19830326: "beegfs",
-	0x9123683e: "btrfs",
-	0x65735546: "fuse",
-	0x6a656a63: "virtiofs",
-}
-
+// File systems cuFile can reach with nvidia-fs (direct mode); others run
+// in compat mode at best.
 var fsDirect = map[string]bool{"ext4": true, "xfs": true, "nfs": true, "lustre": true, "gpfs": true, "beegfs": true}
 
-func fsName(t int64) string {
-	if n, ok := fsNames[t]; ok {
-		return n
-	}
-	return fmt.Sprintf("0x%x", t)
-}
+func fsName(t int64) string { return fstype.Name(t) }
 
 // capabilities caches one Capability per mount; the first report of each
 // is logged, once.

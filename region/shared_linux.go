@@ -5,13 +5,15 @@ import (
 	"math"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/kvhost/kvhost/internal/fstype"
 )
 
 // Magic numbers of the memory file systems OpenShared accepts (statfs
 // f_type): tmpfs and shmem (/dev/shm, memfd) and hugetlbfs.
 const (
-	tmpfsMagic     = 0x01021994
-	hugetlbfsMagic = 0x958458f6
+	tmpfsMagic     = fstype.Tmpfs
+	hugetlbfsMagic = fstype.Hugetlbfs
 )
 
 // OpenShared maps size bytes of a shared-memory file received from another

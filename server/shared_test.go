@@ -11,6 +11,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/kvhost/kvhost/client"
+	"github.com/kvhost/kvhost/internal/fstype"
 	"github.com/kvhost/kvhost/protocol"
 	"github.com/kvhost/kvhost/region"
 	"github.com/kvhost/kvhost/server"
@@ -65,7 +66,7 @@ func TestSharedFileRegistration(t *testing.T) {
 	defer disk.Close()
 	disk.Truncate(1 << 20)
 	var fs unix.Statfs_t
-	if err := unix.Fstatfs(int(disk.Fd()), &fs); err != nil || fs.Type == 0x01021994 {
+	if err := unix.Fstatfs(int(disk.Fd()), &fs); err != nil || fs.Type == fstype.Tmpfs {
 		t.Skip("the test's temporary directory is on tmpfs: no disk file to refuse")
 	}
 	tests := []struct {

@@ -18,6 +18,7 @@ import (
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/format"
 	"github.com/kvhost/kvhost/host/policy"
+	"github.com/kvhost/kvhost/internal/fstype"
 )
 
 // Tiering (docs/engine.md, "Tiering"): mount descriptions sent to the
@@ -534,28 +535,15 @@ func (e *Engine) retarget(ns *namespace, gr *group, target uint32) error {
 	return nil
 }
 
-// File-system magic numbers (statfs f_type) the device class and name
-// come from.
-var fsMagics = map[int64]struct {
-	name  string
-	class uint32
-}{
-	0x01021994: {"tmpfs", abi.ClassMemory},
-	0x858458f6: {"ramfs", abi.ClassMemory},
-	0xEF53:     {"ext4", abi.ClassUnknown},
-	0x58465342: {"xfs", abi.ClassUnknown},
-	0x9123683E: {"btrfs", abi.ClassUnknown},
-	0xF2F52010: {"f2fs", abi.ClassUnknown},
-	0x2FC12FC1: {"zfs", abi.ClassUnknown},
-	0x794C7630: {"overlay", abi.ClassUnknown},
-	0x6969:     {"nfs", abi.ClassNetwork},
-	0xFE534D42: {"smb2", abi.ClassNetwork},
-	0xFF534D42: {"cifs", abi.ClassNetwork},
-	0x0BD00BD0: {"lustre", abi.ClassNetwork},
-	0x47504653: {"gpfs", abi.ClassNetwork},
-	0x00C36400: {"ceph", abi.ClassNetwork},
-	0x19830326: {"beegfs", abi.ClassNetwork},
-	0x65735546: {"fuse", abi.ClassNetwork},
+// fsClass is the device class a file system kind implies.
+func fsClass(k fstype.Kind) uint32 {
+	switch {
+	case k.Memory:
+		return abi.ClassMemory
+	case k.Network:
+		return abi.ClassNetwork
+	}
+	return abi.ClassUnknown
 }
 
 // DeviceClasses are the names Mount.DeviceClass takes.
@@ -571,8 +559,8 @@ func (e *Engine) describeMount(m *mount, configured string) mountDesc {
 	st, err := e.fs.Statfs(m.root)
 	if err == nil {
 		d.fsType = uint32(st.Type)
-		if fm, ok := fsMagics[st.Type]; ok {
-			d.fsName, d.class = fm.name, fm.class
+		if k, ok := fstype.Of(st.Type); ok {
+			d.fsName, d.class = k.Name, fsClass(k)
 		}
 	}
 	if c, ok := deviceClasses[configured]; ok {

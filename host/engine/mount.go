@@ -6,7 +6,7 @@ import (
 	"sync"
 	"time"
 
-	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/internal/fstype"
 	"github.com/kvhost/kvhost/internal/fsys"
 	"github.com/kvhost/kvhost/region"
 	"github.com/kvhost/kvhost/staging"
@@ -91,7 +91,7 @@ func (e *Engine) openMount(i int, m Mount) (*mount, error) {
 	}
 	mt := &mount{
 		idx: i, root: root, configured: m.Capacity, reserve: m.Reserve, highF: high, lowF: low,
-		memory: fsMagics[st.Type].class == abi.ClassMemory, checksums: !m.NoChecksum && !e.cfg.NoChecksum,
+		memory: isMemoryFS(st.Type), checksums: !m.NoChecksum && !e.cfg.NoChecksum,
 	}
 	switch io {
 	case IOBuffered:
@@ -180,4 +180,10 @@ func (e *Engine) reportMounts() {
 				"mount", m.root, "configured", m.configured, "effective", capacity, "reserve", m.reserve)
 		}
 	}
+}
+
+// isMemoryFS reports whether file system magic is a memory file system.
+func isMemoryFS(magic int64) bool {
+	k, _ := fstype.Of(magic)
+	return k.Memory
 }

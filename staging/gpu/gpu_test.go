@@ -16,6 +16,7 @@ import (
 
 	"github.com/kvhost/kvhost/internal/cuda"
 	"github.com/kvhost/kvhost/internal/cuda/cudatest"
+	"github.com/kvhost/kvhost/internal/fstype"
 	"github.com/kvhost/kvhost/internal/fsys"
 	"github.com/kvhost/kvhost/region"
 	"github.com/kvhost/kvhost/staging"
@@ -101,8 +102,8 @@ func fsDir(t *testing.T, memory bool) string {
 	if err := unix.Statfs(base, &st); err != nil {
 		t.Skipf("no %s: %v", base, err)
 	}
-	if isMem := st.Type == unix.TMPFS_MAGIC || st.Type == unix.RAMFS_MAGIC; isMem != memory {
-		t.Skipf("%s: memory file system %v, want %v", base, isMem, memory)
+	if k, _ := fstype.Of(st.Type); k.Memory != memory {
+		t.Skipf("%s: memory file system %v, want %v", base, k.Memory, memory)
 	}
 	dir, err := os.MkdirTemp(base, "kvhost-gpu-test-")
 	if err != nil {

@@ -1,0 +1,78 @@
+// Package fstype names file systems by their statfs magic number (f_type)
+// and says what kind each is: one table for the engine (device classes),
+// cuFile (capability logs), the benchmark and the diagnostics.
+package fstype
+
+import (
+	"fmt"
+
+	"golang.org/x/sys/unix"
+)
+
+// Kind is what kvhost knows of a file system.
+type Kind struct {
+	// Name is the file system's usual name ("ext4", "tmpfs").
+	Name string
+	// Memory: its files live in memory (tmpfs, ramfs, hugetlbfs); its I/O
+	// is a CPU copy even with O_DIRECT.
+	Memory bool
+	// Network: its files are shared with other nodes (NFS, Lustre, ...).
+	Network bool
+}
+
+// Magic numbers (statfs f_type).
+const (
+	Tmpfs     = 0x01021994
+	Ramfs     = 0x858458f6
+	Hugetlbfs = 0x958458f6
+	Ext4      = 0xef53 // ext2 and ext3 share it
+	XFS       = 0x58465342
+)
+
+var kinds = map[int64]Kind{
+	Tmpfs:      {Name: "tmpfs", Memory: true},
+	Ramfs:      {Name: "ramfs", Memory: true},
+	Hugetlbfs:  {Name: "hugetlbfs", Memory: true},
+	Ext4:       {Name: "ext4"},
+	XFS:        {Name: "xfs"},
+	0x9123683e: {Name: "btrfs"},
+	0xf2f52010: {Name: "f2fs"},
+	0x2fc12fc1: {Name: "zfs"},
+	0x794c7630: {Name: "overlay"},
+	0x5346544e: {Name: "ntfs"},
+	0x6a656a63: {Name: "virtiofs"},
+	0x6969:     {Name: "nfs", Network: true},
+	0xfe534d42: {Name: "smb2", Network: true},
+	0xff534d42: {Name: "cifs", Network: true},
+	0x0bd00bd0: {Name: "lustre", Network: true},
+	0x47504653: {Name: "gpfs", Network: true},
+	0x00c36400: {Name: "ceph", Network: true},
+	0x19830326: {Name: "beegfs", Network: true},
+	0xa501fcf5: {Name: "weka", Network: true},
+	0x65735546: {Name: "fuse", Network: true}, // FUSE file systems are mostly remote
+}
+
+// Of is the kind of file system magic; ok is false for one kvhost does
+// not know.
+func Of(magic int64) (k Kind, ok bool) {
+	k, ok = kinds[magic]
+	return k, ok
+}
+
+// Name names file system magic, or gives it in hex ("0x1234") when
+// kvhost does not know it.
+func Name(magic int64) string {
+	if k, ok := kinds[magic]; ok {
+		return k.Name
+	}
+	return fmt.Sprintf("0x%x", uint64(magic))
+}
+
+// OfPath statfs's path and names its file system.
+func OfPath(path string) (magic int64, name string, err error) {
+	var st unix.Statfs_t
+	if err := unix.Statfs(path, &st); err != nil {
+		return 0, "", fmt.Errorf("fstype: statfs %s: %w", path, err)
+	}
+	return int64(st.Type), Name(int64(st.Type)), nil
+}
