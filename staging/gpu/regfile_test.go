@@ -1,0 +1,199 @@
+package gpu
+
+import (
+	"bytes"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/kvhost/kvhost/internal/cuda"
+	"github.com/kvhost/kvhost/internal/cuda/cudatest"
+	"github.com/kvhost/kvhost/region"
+	"github.com/kvhost/kvhost/transfer"
+)
+
+// TestGPURegisteredFiles measures a path the mover does not take: mapping
+// each file, registering its pages with CUDA (cudaHostRegister) and
+// copying between the paged device layout and the file's own pages, with
+// no pinned buffer and no CPU copy. With 4 KiB pages registration cost
+// about 40 ms per 32 MiB file on the GPU machine; this measures it on
+// each directory of KVHOST_GPU_REGDIRS (a comma list; a tmpfs with huge
+// pages is the interesting one), 128 × 32 MiB fresh files, 16 jobs, next
+// to the plain pwrite/pread ceiling of the same files, and checks the
+// bytes. KVHOST_GPU=1 runs it.
+func TestGPURegisteredFiles(t *testing.T) {
+	if os.Getenv("KVHOST_GPU") != "1" || os.Getenv("KVHOST_GPU_REGDIRS") == "" {
+		t.Skip("set KVHOST_GPU=1 and KVHOST_GPU_REGDIRS on a machine with a CUDA GPU to run it")
+	}
+	rep := &report{t: t}
+	var cfg cuda.Config
+	if os.Getenv("KVHOST_GPU_FAKE") == "1" { // a smoke test on the fake library
+		p := cudatest.Build(t)
+		cfg = cuda.Config{Runtime: []string{p}, Driver: []string{p}}
+	}
+	r, err := cuda.Open(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	w, err := r.NewWorker(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w.Close()
+	g := geometry{layers: 32, numBlocks: 512, pageBytes: 64 << 10, blocksPerKey: 16, headerBytes: 4096}
+	kv := newCache(t, w, g)
+	orig := kv.randomize(t, w, 1)
+	host := map[region.Region][]byte{}
+	for l, b := range orig {
+		host[kv.layers[l]] = b
+	}
+	files, jobs := 128, 16
+	if n, err := strconv.Atoi(os.Getenv("KVHOST_GPU_REGFILES")); err == nil {
+		files = n
+	}
+	keyBytes := int64(g.layers * g.blocksPerKey * g.pageBytes)
+	size := keyBytes + int64(g.headerBytes)
+	rnd := rand.New(rand.NewPCG(5, 5))
+	plans := make([]*transfer.Plan, files)
+	for i := range plans {
+		plans[i] = kv.plan(keyBlocks(rnd, g.numBlocks, g.blocksPerKey), false)
+	}
+	for _, dir := range strings.Split(os.Getenv("KVHOST_GPU_REGDIRS"), ",") {
+		dir = filepath.Join(dir, "kvhost-regfiles")
+		os.RemoveAll(dir)
+		if err := os.MkdirAll(dir, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		paths := make([]string, files)
+		for i := range paths {
+			paths[i] = filepath.Join(dir, fmt.Sprintf("k%d", i))
+		}
+		for round := range 2 {
+			for _, p := range paths {
+				os.Remove(p)
+			}
+			cw, err := hostPass(r, paths, keyBytes, g, jobs, true, false)
+			if err != nil {
+				t.Fatal(err)
+			}
+			cr, err := hostPass(r, paths, keyBytes, g, jobs, false, false)
+			if err != nil {
+				t.Fatal(err)
+			}
+			for _, p := range paths {
+				os.Remove(p)
+			}
+			var reg, unreg, copies atomic.Int64
+			ws, err := parallel(files, jobs, func(_, i int) error {
+				return mappedMove(r, paths[i], size, plans[i], false, &reg, &unreg, &copies)
+			})
+			if err != nil {
+				t.Fatalf("%s: store: %v", dir, err)
+			}
+			want, _ := expect(plans[0], host)
+			got, err := os.ReadFile(paths[0])
+			if err != nil || !bytes.Equal(got[g.headerBytes:], want) {
+				t.Fatalf("%s: the first file's bytes differ from the pages (%v)", dir, err)
+			}
+			sreg, sunreg, scopy := reg.Swap(0), unreg.Swap(0), copies.Swap(0)
+			kv.poison(t, w)
+			ls, err := parallel(files, jobs, func(_, i int) error {
+				return mappedMove(r, paths[i], size, plans[i], true, &reg, &unreg, &copies)
+			})
+			if err != nil {
+				t.Fatalf("%s: load: %v", dir, err)
+			}
+			for l := range g.layers {
+				dev := kv.get(t, w, l)
+				for _, p := range plans {
+					for _, x := range p.Extents {
+						if x.Region == kv.layers[l] && !bytes.Equal(dev[x.RegionOff:x.RegionOff+x.Len], orig[l][x.RegionOff:x.RegionOff+x.Len]) {
+							t.Fatalf("%s: layer %d page at %d differs after the round trip", dir, l, x.RegionOff)
+						}
+					}
+				}
+			}
+			total := keyBytes * int64(files)
+			per := func(ns int64) float64 { return float64(ns) / float64(files) / 1e6 }
+			rep.printf("registered files %s round %d, %d × 32 MiB, %d jobs: store %.1f GB/s (pwrite ceiling %.1f: %.2f; per file register %.2f ms, copy %.2f ms, unregister %.2f ms), load %.1f GB/s (pread ceiling %.1f: %.2f; register %.2f, copy %.2f, unregister %.2f ms); verified",
+				dir, round, files, jobs, gbps(total, ws), gbps(total, cw), gbps(total, ws)/gbps(total, cw), per(sreg), per(scopy), per(sunreg),
+				gbps(total, ls), gbps(total, cr), gbps(total, ls)/gbps(total, cr), per(reg.Swap(0)), per(copies.Swap(0)), per(unreg.Swap(0)))
+		}
+		os.RemoveAll(dir)
+	}
+}
+
+// mappedMove stores (loads) one file by mapping it, registering the
+// mapping with CUDA and copying the plan's pages between the device and
+// the mapping on a stream of its own.
+func mappedMove(r *cuda.Runtime, path string, size int64, p *transfer.Plan, load bool, reg, unreg, copies *atomic.Int64) error {
+	flag := os.O_RDWR
+	if !load {
+		flag |= os.O_CREATE | os.O_EXCL
+	}
+	f, err := os.OpenFile(path, flag, 0o644)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	if !load {
+		if err := unix.Fallocate(int(f.Fd()), 0, 0, size); err != nil {
+			return err
+		}
+	}
+	m, err := unix.Mmap(int(f.Fd()), 0, int(size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED|unix.MAP_POPULATE)
+	if err != nil {
+		return err
+	}
+	defer unix.Munmap(m)
+	unlock, err := r.LockDevice(0)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	t0 := time.Now()
+	if err := r.HostRegister(m); err != nil {
+		return err
+	}
+	t1 := time.Now()
+	reg.Add(int64(t1.Sub(t0)))
+	s, err := r.NewStream()
+	if err != nil {
+		r.HostUnregister(m)
+		return err
+	}
+	defer r.DestroyStream(s)
+	var cp cuda.Copies
+	base := uintptr(unsafeSliceAddr(m))
+	for _, x := range p.Extents {
+		dev := x.Region.(region.Device).Ptr() + uintptr(x.RegionOff)
+		if load {
+			cp.Add(dev, base+uintptr(x.FileOff), uintptr(x.Len))
+		} else {
+			cp.Add(base+uintptr(x.FileOff), dev, uintptr(x.Len))
+		}
+	}
+	err = r.Enqueue(&cp, load, cuda.CopyBatch, s)
+	if serr := r.Sync(s); err == nil {
+		err = serr
+	}
+	t2 := time.Now()
+	copies.Add(int64(t2.Sub(t1)))
+	if uerr := r.HostUnregister(m); err == nil {
+		err = uerr
+	}
+	unreg.Add(int64(time.Since(t2)))
+	return err
+}
+
+func unsafeSliceAddr(b []byte) uintptr { return uintptr(unsafe.Pointer(unsafe.SliceData(b))) }
