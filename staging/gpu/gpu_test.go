@@ -35,16 +35,7 @@ type env struct {
 func newEnv(t *testing.T) *env {
 	t.Helper()
 	path := cudatest.Build(t)
-	r, err := cuda.Open(cuda.Config{Runtime: []string{path}, Driver: []string{path}})
-	if err != nil {
-		t.Fatalf("cuda.Open: %v", err)
-	}
-	t.Cleanup(func() { r.Close() })
-	w, err := r.NewWorker(0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { w.Close() })
+	r, w := openGPU(t, cuda.Config{Runtime: []string{path}, Driver: []string{path}})
 	return &env{r: r, fake: cudatest.Open(t, path), w: w}
 }
 

@@ -40,16 +40,7 @@ func TestGPURegisteredFiles(t *testing.T) {
 		p := cudatest.Build(t)
 		cfg = cuda.Config{Runtime: []string{p}, Driver: []string{p}}
 	}
-	r, err := cuda.Open(cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer r.Close()
-	w, err := r.NewWorker(0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer w.Close()
+	r, w := openGPU(t, cfg)
 	g := geometry{layers: 32, numBlocks: 512, pageBytes: 64 << 10, blocksPerKey: 16, headerBytes: 4096}
 	kv := newCache(t, w, g)
 	orig := kv.randomize(t, w, 1)

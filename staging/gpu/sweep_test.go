@@ -23,16 +23,7 @@ func TestGPUSweep(t *testing.T) {
 			os.WriteFile(out+".sweep", []byte(rep.sb.String()), 0o644)
 		}
 	}()
-	r, err := cuda.Open(cuda.Config{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer r.Close()
-	w, err := r.NewWorker(0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer w.Close()
+	r, w := openGPU(t, cuda.Config{})
 	g := geometry{layers: 32, numBlocks: 512, pageBytes: 64 << 10, blocksPerKey: 16, headerBytes: 4096}
 	kv := newCache(t, w, g)
 	kv.randomize(t, w, 1)
@@ -79,4 +70,21 @@ func TestGPUSweep(t *testing.T) {
 		rep.printf("sweep tmpfs 128×32 MiB, 16 jobs, chunk %d MiB depth %d: store %.1f GB/s (ceiling %.1f: %.2f), load %.1f GB/s (ceiling %.1f: %.2f)",
 			c.chunk>>20, c.depth, gbps(total, ws), gbps(total, cw), gbps(total, ws)/gbps(total, cw), gbps(total, ls), gbps(total, cr), gbps(total, ls)/gbps(total, cr))
 	}
+}
+
+// openGPU opens the CUDA runtime of cfg and a worker on device 0, both
+// closed when the test ends.
+func openGPU(t *testing.T, cfg cuda.Config) (*cuda.Runtime, *cuda.Worker) {
+	t.Helper()
+	r, err := cuda.Open(cfg)
+	if err != nil {
+		t.Fatalf("cuda.Open: %v", err)
+	}
+	t.Cleanup(func() { r.Close() })
+	w, err := r.NewWorker(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { w.Close() })
+	return r, w
 }
