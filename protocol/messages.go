@@ -753,7 +753,7 @@ func decodeDaemon(d *decoder) *DaemonStats {
 	m.InflightJobs = d.u64("daemon inflight jobs")
 	m.Regions = d.u64("daemon regions")
 	m.RegisteredBytes = d.u64("daemon registered bytes")
-	n := d.count("mount info count", 0, maxMounts, 36)
+	n := d.count("mount info count", 0, maxMounts, 2+1+1+8+8+8) // the smallest entry: empty strings
 	if d.err == nil && n > 0 {
 		m.Mounts = make([]MountInfo, n)
 		for i := range m.Mounts {
@@ -842,7 +842,10 @@ func (m *Stats) DecodeBody(b []byte) error {
 	if d.err == nil && len(d.b) > 0 {
 		m.Daemon = decodeDaemon(&d)
 	}
-	return d.end()
+	// Bytes after the daemon section are sections of a later daemon,
+	// which this client does not know: ignored, so that growing the reply
+	// never breaks a client (the sections before it are strict).
+	return d.err
 }
 
 // Outcome is what happened to one key of a job (host/engine.Outcome).

@@ -93,15 +93,15 @@ func TestRejects(t *testing.T) {
 		{"memory size 0", TypeRegisterMemory, body(&RegisterMemory{Kind: MemoryMemfd})},
 		{"memfd with offset", TypeRegisterMemory, body(&RegisterMemory{Kind: MemoryMemfd, Size: 1, Offset: 1})},
 		{"shared file with device", TypeRegisterMemory, body(&RegisterMemory{Kind: MemoryShared, Size: 1, Device: 1})},
-		{"stats device count past the body", TypeStats, append(body(&Stats{})[:len(body(&Stats{}))-4], 1, 0, 0, 0)},
+		{"stats device count past the body", TypeStats | TypeReply, append(body(&Stats{})[:len(body(&Stats{}))-4], 1, 0, 0, 0)},
 		{"negative offset", TypeRegisterCache, body(&RegisterCache{NS: 1, Layers: []Layer{{Offset: -1}}})},
 		{"no layers", TypeRegisterCache, body(&RegisterCache{NS: 1})},
 		{"mla 2", TypeDeclare, append(body(&Declare{})[:1+16], append([]byte{2, 0, 0, 0}, make([]byte, 16)...)...)},
 		{"error code 0", TypeError, body(&Error{})},
 		{"unknown type", Type(0x0777), nil},
-		{"stats body", TypeStats, []byte{0}},
-		{"stats daemon section cut short", TypeStats, append(body(&Stats{}), 1, 2, 3)},
-		{"stats daemon fallback 2", TypeStats, func() []byte {
+		{"stats body", TypeStats | TypeReply, []byte{0}},
+		{"stats daemon section cut short", TypeStats | TypeReply, append(body(&Stats{}), 1, 2, 3)},
+		{"stats daemon fallback 2", TypeStats | TypeReply, func() []byte {
 			b := body(&Stats{Daemon: &DaemonStats{}})
 			b[len(body(&Stats{}))+8+2] = 2 // after the start time and two empty names
 			return b
@@ -117,6 +117,21 @@ func TestRejects(t *testing.T) {
 				t.Fatalf("error %v does not wrap a package sentinel", err)
 			}
 		})
+	}
+}
+
+// TestStatsIgnoresSectionsItDoesNotKnow: bytes after the daemon section
+// (a later daemon's sections) are ignored, and everything before them
+// decodes as before.
+func TestStatsIgnoresSectionsItDoesNotKnow(t *testing.T) {
+	want := &Stats{Clients: 2, Mounts: []MountStats{{Capacity: 10}}, Daemon: &DaemonStats{Policy: "lru", Mounts: []MountInfo{{Path: "/kv"}}}}
+	b := append(want.AppendBody(nil), 0xde, 0xad, 0xbe, 0xef)
+	got, err := Decode(TypeStats|TypeReply, b)
+	if err != nil {
+		t.Fatalf("a reply with a later section: %v", err)
+	}
+	if !reflect.DeepEqual(got, want) {
+		t.Fatalf("decoded %+v, want %+v", got, want)
 	}
 }
 
