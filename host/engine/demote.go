@@ -391,19 +391,9 @@ func (e *Engine) copyFile(en *entry, tm *mount, dst string) (*entry, error) {
 		return nil, fmt.Errorf("engine: move: open %s: %w", en.path, err)
 	}
 	defer src.Close()
-	dir := filepath.Dir(dst)
-	if err := e.mkdir(dir, false); err != nil {
-		return nil, e.ioError(tm, "move: mkdir", err)
-	}
-	tmp := e.tempName(dir, tmpPrefix)
-	f, err := e.fs.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o644)
-	if errors.Is(err, os.ErrNotExist) {
-		if err = e.mkdir(dir, true); err == nil {
-			f, err = e.fs.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o644)
-		}
-	}
+	f, tmp, op, err := e.createTemp(filepath.Dir(dst), 0, en.size)
 	if err != nil {
-		return nil, e.ioError(tm, "move: create", err)
+		return nil, e.ioError(tm, "move: "+op, err)
 	}
 	published := false
 	defer func() {
@@ -411,17 +401,9 @@ func (e *Engine) copyFile(en *entry, tm *mount, dst string) (*entry, error) {
 			f.Close()
 		}
 		if !published {
-			if rerr := e.fs.Remove(tmp); rerr != nil && !errors.Is(rerr, os.ErrNotExist) {
-				e.log.Warn("engine: remove temporary file", "path", tmp, "err", rerr)
-			}
+			e.removeTemp(tmp)
 		}
 	}()
-	if _, err := lockFile(f); err != nil {
-		e.log.Debug("engine: flock of a temporary file", "path", tmp, "err", err)
-	}
-	if err := f.Allocate(en.size); err != nil {
-		return nil, e.ioError(tm, "move: allocate", err)
-	}
 	buf := make([]byte, min(int64(copyChunk), max(en.size, 1)))
 	for off := int64(0); off < en.size; {
 		n, rerr := src.ReadAt(buf[:min(int64(len(buf)), en.size-off)], off)
@@ -454,7 +436,7 @@ func (e *Engine) copyFile(en *entry, tm *mount, dst string) (*entry, error) {
 	}
 	published = true
 	en2 := &entry{ns: en.ns, fp: en.fp, mount: tm.idx, path: dst, size: en.size, keys: en.keys, fid: en.fid}
-	en2.ident, err = e.seal(f, dir)
+	en2.ident, err = e.seal(f, filepath.Dir(dst))
 	f = nil
 	if err != nil {
 		// Published but not vouched for: remove the copy if it is still

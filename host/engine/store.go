@@ -366,41 +366,22 @@ func (e *Engine) writeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 	plan := c.plan(h, nil, func(k int) []int { return blocks[gr.idx[k]] }, m)
 
 	dir := filepath.Dir(gr.path)
-	tmp := e.tempName(dir, tmpPrefix)
-	flag := os.O_WRONLY | os.O_CREATE | os.O_EXCL
+	extra := 0
 	if m.direct {
-		flag |= unix.O_DIRECT
+		extra = unix.O_DIRECT
 	}
-	if err := e.mkdir(dir, false); err != nil {
-		return published, e.ioError(m, "mkdir", err)
-	}
-	f, err := e.fs.OpenFile(tmp, flag, 0o644)
-	if errors.Is(err, os.ErrNotExist) { // the directory was removed behind our back
-		if err = e.mkdir(dir, true); err == nil {
-			f, err = e.fs.OpenFile(tmp, flag, 0o644)
-		}
-	}
+	f, tmp, op, err := e.createTemp(dir, extra, size)
 	if err != nil {
-		return published, e.ioError(m, "create", err)
+		return published, e.ioError(m, op, err)
 	}
 	defer func() {
 		if f != nil {
 			f.Close()
 		}
 		if !published {
-			if rerr := e.fs.Remove(tmp); rerr != nil && !errors.Is(rerr, os.ErrNotExist) {
-				e.log.Warn("engine: remove temporary file", "path", tmp, "err", rerr)
-			}
+			e.removeTemp(tmp)
 		}
 	}()
-	// The lock says "in use" to cleaners on this node and, where the file
-	// system shares flocks (NFS), on others (docs/engine.md).
-	if _, err := lockFile(f); err != nil {
-		e.log.Debug("engine: flock of a temporary file", "path", tmp, "err", err)
-	}
-	if err := f.Allocate(size); err != nil {
-		return published, e.ioError(m, "allocate", err)
-	}
 	var sums []uint32
 	if h.Flags&format.FlagPayloadSums != 0 {
 		sums = make([]uint32, len(h.Keys))

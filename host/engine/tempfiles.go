@@ -56,6 +56,45 @@ func (e *Engine) tempName(dir, prefix string) string {
 	return filepath.Join(dir, fmt.Sprintf("%s%s-%d-%016x", prefix, e.node, os.Getpid(), rand.Uint64()))
 }
 
+// createTemp creates an owned temporary file (O_EXCL, plus extra flags)
+// in dir, creating dir first (again, if it was removed behind the
+// engine's back), flocks it ("in use", to cleaners on this node and,
+// where the file system shares flocks, on others: docs/engine.md) and
+// allocates size bytes. On failure nothing is left behind; op names the
+// failed step ("mkdir", "create", "allocate").
+func (e *Engine) createTemp(dir string, extra int, size int64) (f fsys.File, tmp, op string, err error) {
+	if err := e.mkdir(dir, false); err != nil {
+		return nil, "", "mkdir", err
+	}
+	tmp = e.tempName(dir, tmpPrefix)
+	flag := os.O_WRONLY | os.O_CREATE | os.O_EXCL | extra
+	f, err = e.fs.OpenFile(tmp, flag, 0o644)
+	if errors.Is(err, os.ErrNotExist) { // the directory was removed behind our back
+		if err = e.mkdir(dir, true); err == nil {
+			f, err = e.fs.OpenFile(tmp, flag, 0o644)
+		}
+	}
+	if err != nil {
+		return nil, "", "create", err
+	}
+	if _, err := lockFile(f); err != nil {
+		e.log.Debug("engine: flock of a temporary file", "path", tmp, "err", err)
+	}
+	if err := f.Allocate(size); err != nil {
+		f.Close()
+		e.removeTemp(tmp)
+		return nil, "", "allocate", err
+	}
+	return f, tmp, "", nil
+}
+
+// removeTemp removes a temporary file that was not published.
+func (e *Engine) removeTemp(tmp string) {
+	if err := e.fs.Remove(tmp); err != nil && !errors.Is(err, os.ErrNotExist) {
+		e.log.Warn("engine: remove temporary file", "path", tmp, "err", err)
+	}
+}
+
 // tempOwner parses the owner of a temporary name (without its prefix):
 // node and pid, or ok false for a name without an owner.
 func tempOwner(rest string) (node string, pid int, ok bool) {
