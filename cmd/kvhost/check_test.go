@@ -173,6 +173,8 @@ func TestTmpfsHugeReadsTheMountHoldingThePath(t *testing.T) {
 31 22 0:30 / /mnt/kv rw,relatime shared:9 - tmpfs tmpfs rw,size=41943040k,huge=always,inode64
 32 31 0:31 / /mnt/kv/small rw,relatime shared:10 - tmpfs tmpfs rw,size=1024k,huge=within_size
 33 22 0:32 / /mnt/with\040space rw - tmpfs tmpfs rw,huge=advise
+34 22 0:33 / /mnt/over rw - tmpfs tmpfs rw
+35 34 0:34 / /mnt/over rw - tmpfs tmpfs rw,huge=within_size
 `
 	for _, c := range []struct {
 		path, want, mp string
@@ -185,6 +187,7 @@ func TestTmpfsHugeReadsTheMountHoldingThePath(t *testing.T) {
 		{"/mnt/kvx", "never", "/", true}, // on /, not /mnt/kv
 		{"/mnt/with space/c", "advise", "/mnt/with space", true},
 		{"relative", "", "", false},
+		{"/mnt/over/kv", "within_size", "/mnt/over", true}, // mounted over: the top one counts
 	} {
 		huge, mp, ok := tmpfsHuge(info, c.path)
 		if huge != c.want || mp != c.mp || ok != c.ok {

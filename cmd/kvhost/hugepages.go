@@ -28,7 +28,9 @@ func tmpfsHuge(mountinfo, path string) (huge, mountPoint string, ok bool) {
 			continue
 		}
 		mp := unescapeMount(f[4])
-		if !within(path, mp) || len(mp) <= best {
+		// The longest mount point holding path wins; of mounts on the same
+		// point, the last listed (the one on top, the one visible).
+		if !within(path, mp) || len(mp) < best {
 			continue
 		}
 		best, huge, mountPoint, ok = len(mp), "never", mp, true

@@ -217,6 +217,21 @@ func TestReportJSONRoundTrips(t *testing.T) {
 	}
 }
 
+// TestVersion1ReportsReadButTakeNoVersion2Runs: a report whose ceilings
+// were taken the old way still renders, but runs measured the new way are
+// never mixed into it.
+func TestVersion1ReportsReadButTakeNoVersion2Runs(t *testing.T) {
+	old, err := ReadJSON(strings.NewReader(`{"schema":"` + SchemaV1 + `","dir":"/d","memory":"host"}`))
+	if err != nil {
+		t.Fatalf("a version 1 report: %v", err)
+	}
+	later := sampleReport()
+	later.Schema, later.Dir, later.Memory = Schema, "/d", "host"
+	if err := old.Append(later); err == nil || !strings.Contains(err.Error(), SchemaV1) {
+		t.Fatalf("Append of a %s report onto a %s one: %v, want a refusal naming both", Schema, SchemaV1, err)
+	}
+}
+
 func TestTableShowsEachFigureNextToItsCeiling(t *testing.T) {
 	var b bytes.Buffer
 	if err := sampleReport().WriteTable(&b); err != nil {

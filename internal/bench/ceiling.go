@@ -176,7 +176,7 @@ func CPUMsPerGB(d time.Duration, bytes int64) float64 {
 	if bytes <= 0 {
 		return 0
 	}
-	return float64(d.Milliseconds()) / (float64(bytes) / 1e9)
+	return d.Seconds() * 1e3 / (float64(bytes) / 1e9)
 }
 
 // DropCaches makes the next reads of paths cold: each file's dirty pages

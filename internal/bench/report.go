@@ -11,8 +11,14 @@ import (
 )
 
 // Schema is the value of Report.Schema; it changes only if a field changes
-// meaning or goes away (new fields keep it).
-const Schema = "kvhost-bench/1"
+// meaning or goes away (new fields keep it). Version 2: file ceilings are
+// timed in every round and summed (ceiling_passes per round), where
+// version 1 took the best of ceiling_passes passes once per run.
+const Schema = "kvhost-bench/2"
+
+// SchemaV1 is the previous schema: its reports still read (and render),
+// but a version 2 run is never appended to one.
+const SchemaV1 = "kvhost-bench/1"
 
 // Directions of a Run.
 const (
@@ -160,6 +166,9 @@ func GBps(bytes int64, d time.Duration) float64 {
 // Append adds the runs and ceilings of a later invocation on the same
 // directory and memory to r.
 func (r *Report) Append(later *Report) error {
+	if later.Schema != r.Schema {
+		return fmt.Errorf("bench: append: a %s report onto a %s one (their ceilings were taken differently)", later.Schema, r.Schema)
+	}
 	if later.Dir != r.Dir || later.Memory != r.Memory {
 		return fmt.Errorf("bench: append: report of %s (%s memory) onto one of %s (%s memory)", later.Dir, later.Memory, r.Dir, r.Memory)
 	}
@@ -188,7 +197,7 @@ func ReadJSON(rd io.Reader) (*Report, error) {
 	if err := json.NewDecoder(rd).Decode(&r); err != nil {
 		return nil, fmt.Errorf("bench: report: %w", err)
 	}
-	if r.Schema != Schema {
+	if r.Schema != Schema && r.Schema != SchemaV1 {
 		return nil, fmt.Errorf("bench: report schema %q, want %q", r.Schema, Schema)
 	}
 	return &r, nil

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
 	"time"
@@ -97,13 +98,39 @@ func TestDevicesAndWorkerSetsDevice(t *testing.T) {
 	}
 }
 
+// TestLockDeviceRestoresTheThreadsDevice: LockDevice makes its device
+// current, and its unlock gives a thread that was already on another
+// device (a Worker's) that device back.
+func TestLockDeviceRestoresTheThreadsDevice(t *testing.T) {
+	r, _ := open(t)
+	w := worker(t, r, 1)
+	err := w.Do(context.Background(), func(w *cuda.Worker) error {
+		unlock, err := r.LockDevice(0)
+		if err != nil {
+			return err
+		}
+		if d, err := r.Device(); err != nil || d != 0 {
+			unlock()
+			return fmt.Errorf("inside LockDevice(0): device %d, %v", d, err)
+		}
+		unlock()
+		if d, err := r.Device(); err != nil || d != 1 {
+			return fmt.Errorf("after unlock: device %d, %v; want the worker's 1", d, err)
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := r.LockDevice(9); !errors.Is(err, cuda.ErrorInvalidDevice) {
+		t.Fatalf("LockDevice(9): %v, want ErrorInvalidDevice", err)
+	}
+}
+
 // TestScatterGatherRoundTrip gathers scattered device pages into pinned
 // memory and scatters them back elsewhere, in both copy modes, and checks
-// the bytes appear only after the stream is synchronized.
-// TestScatterGatherRoundTrip gathers pages to pinned memory and scatters
-// them back, in both copy modes; the copies are deferred until the stream
-// is synchronized (Sync) or a blocking event recorded after them is
-// waited for.
+// the bytes appear only after the stream is synchronized (Sync) or a
+// blocking event recorded after the copies is waited for.
 func TestScatterGatherRoundTrip(t *testing.T) {
 	r, fake := open(t)
 	w := worker(t, r, 0)

@@ -108,13 +108,20 @@ func (w *Worker) Close() error {
 // LockDevice locks the calling goroutine to its OS thread and makes device
 // ordinal current there, for a goroutine that calls CUDA itself for a
 // while (a job driving its own stream) rather than through a Worker.
-// unlock releases the thread; the device stays current on it, which is
-// harmless: every caller of CUDA sets its device first.
+// unlock makes the thread's previous device current again (so a caller
+// already locked to a thread, such as a Worker's function, keeps its
+// device) and releases the lock taken here.
 func (r *Runtime) LockDevice(ordinal int) (unlock func(), err error) {
 	runtime.LockOSThread()
+	prev, perr := r.Device()
 	if err := r.SetDevice(ordinal); err != nil {
 		runtime.UnlockOSThread()
 		return nil, fmt.Errorf("cuda: device %d: %w", ordinal, err)
 	}
-	return runtime.UnlockOSThread, nil
+	return func() {
+		if perr == nil && prev != ordinal {
+			r.SetDevice(prev)
+		}
+		runtime.UnlockOSThread()
+	}, nil
 }

@@ -156,8 +156,8 @@ func (m *Mover) Checksums() bool { return !m.cfg.NoChecksums }
 // PinnedBytes is the pinned host memory the mover holds.
 func (m *Mover) PinnedBytes() int64 { return int64(cap(m.bufs) * m.bsize) }
 
-// Close destroys the idle lanes and frees the pinned pool. Calls in
-// flight must have returned.
+// Close waits for the calls in flight, then destroys the idle lanes and
+// frees the pinned pool; later calls fail with ErrClosed.
 func (m *Mover) Close() error {
 	m.mu.Lock()
 	defer m.mu.Unlock()

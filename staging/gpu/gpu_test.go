@@ -271,6 +271,8 @@ func TestFailuresFailTheCall(t *testing.T) {
 		{"store sync fault", true, e.cudaFault(nil, cudatest.OpSync, 3, cuda.ErrorLaunchFailure), nil, cuda.ErrorLaunchFailure},
 		{"load copy fault", false, e.cudaFault(good, cudatest.OpCopy, 40, cuda.ErrorIllegalAddress), nil, cuda.ErrorIllegalAddress},
 		{"load sync fault", false, e.cudaFault(good, cudatest.OpSync, 2, cuda.ErrorLaunchFailure), nil, cuda.ErrorLaunchFailure},
+		{"store record fault", true, e.cudaFault(nil, cudatest.OpRecord, 2, cuda.ErrorLaunchFailure), nil, cuda.ErrorLaunchFailure},
+		{"load record fault", false, e.cudaFault(good, cudatest.OpRecord, 3, cuda.ErrorLaunchFailure), nil, cuda.ErrorLaunchFailure},
 		{"store write fault", true, faultyFile(fsys.OpWrite, 2, syscall.ENOSPC), nil, syscall.ENOSPC},
 		{"load read fault", false, faultyFile(fsys.OpRead, 2, syscall.EIO), nil, syscall.EIO},
 		{"load short file", false, func(t *testing.T) (fsys.File, func()) {
@@ -285,6 +287,11 @@ func TestFailuresFailTheCall(t *testing.T) {
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
+			// No idle lanes: the call makes its own, and a lane that saw a
+			// CUDA failure must not come back for reuse.
+			if err := m.destroyIdle(m.devs[0]); err != nil {
+				t.Fatal(err)
+			}
 			f, undo := c.fault(t)
 			defer undo()
 			ctx := c.ctx
@@ -299,6 +306,10 @@ func TestFailuresFailTheCall(t *testing.T) {
 			}
 			if !errors.Is(err, c.want) {
 				t.Fatalf("err = %v, want %v", err, c.want)
+			}
+			var cudaErr cuda.Error
+			if errors.As(c.want, &cudaErr) && len(m.devs[0].idle) != 0 {
+				t.Fatalf("the lane of a call that failed in CUDA was kept for reuse")
 			}
 		})
 	}

@@ -7,7 +7,6 @@ import (
 
 	"github.com/kvhost/kvhost/internal/cuda"
 	"github.com/kvhost/kvhost/internal/fsys"
-	"github.com/kvhost/kvhost/transfer"
 )
 
 // lane is a CUDA stream and one blocking event per pipeline slot, driven by
@@ -133,25 +132,35 @@ func (m *Mover) runStreamed(ctx context.Context, f fsys.File, chunks []chunk, de
 	}
 	d := len(bufs)
 	pending := make([]bool, d)
-	// wait retires slot s's copies; finish retires every slot, so that the
-	// buffers are idle before they go back to the pool.
+	// broken: a CUDA call on the lane failed. Its events may not cover
+	// the copies enqueued (a failed record) and its stream may carry an
+	// error: before the buffers go back the whole stream is synchronized,
+	// and the lane is destroyed, never reused.
+	broken := false
+	// wait retires slot s's copies.
 	wait := func(s int) error {
 		if !pending[s] {
 			return nil
 		}
 		pending[s] = false
-		return m.r.Wait(ln.events[s])
+		if err := m.r.Wait(ln.events[s]); err != nil {
+			broken = true
+			return err
+		}
+		return nil
 	}
 	defer func() {
 		var errs []error
 		for s := range d {
 			errs = append(errs, wait(s))
 		}
+		if broken {
+			errs = append(errs, m.r.Sync(ln.stream))
+		}
 		for _, b := range bufs {
 			m.bufs <- b
 		}
-		if werr := errors.Join(errs...); werr != nil {
-			// The stream may be broken: do not reuse it.
+		if werr := errors.Join(errs...); werr != nil || broken {
 			m.destroyLane(ln)
 			if err == nil {
 				total, err = 0, werr
@@ -165,15 +174,15 @@ func (m *Mover) runStreamed(ctx context.Context, f fsys.File, chunks []chunk, de
 		s := k % d
 		_, ptr := m.buf(bufs[s])
 		copies(&cp, &chunks[k], ptr, h2d)
-		if err := m.r.Enqueue(&cp, h2d, m.cfg.Copy, ln.stream); err != nil {
-			// Copies enqueued before the failure still run: the slot is
-			// waited for before its buffer is released.
-			pending[s] = true
-			m.r.Record(ln.events[s], ln.stream)
-			return err
-		}
+		// Copies enqueued before a failure still run: the slot is pending
+		// either way, and a broken lane is synchronized whole.
 		pending[s] = true
-		return m.r.Record(ln.events[s], ln.stream)
+		eerr := m.r.Enqueue(&cp, h2d, m.cfg.Copy, ln.stream)
+		rerr := m.r.Record(ln.events[s], ln.stream)
+		if eerr != nil || rerr != nil {
+			broken = true
+		}
+		return errors.Join(eerr, rerr)
 	}
 	if write { // prime: the first d gathers in flight before any write
 		for k := range min(d, len(chunks)) {
@@ -212,5 +221,3 @@ func (m *Mover) runStreamed(ctx context.Context, f fsys.File, chunks []chunk, de
 	}
 	return total, nil // the deferred waits report the last copies' errors
 }
-
-var _ transfer.Mover = (*Mover)(nil)

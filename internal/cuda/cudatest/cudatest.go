@@ -30,6 +30,8 @@ const (
 	OpHostAlloc              // cudaHostAlloc
 	OpHostRegister           // cudaHostRegister
 	OpBatch                  // a cudaMemcpyBatchAsync call
+	_                        // (per-segment copy calls, counted in C only)
+	OpRecord                 // a cudaEventRecord
 )
 
 var (

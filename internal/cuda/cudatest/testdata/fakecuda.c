@@ -27,7 +27,7 @@ enum {
 };
 
 // Kinds of operation, for faults and counters.
-enum { opCopy, opSync, opIpcOpen, opHostAlloc, opHostRegister, opBatch, opSegCall, nOps };
+enum { opCopy, opSync, opIpcOpen, opHostAlloc, opHostRegister, opBatch, opSegCall, opRecord, nOps };
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static long counts[nOps];
@@ -99,10 +99,13 @@ static alloc *unlink_alloc(uintptr_t p) {
 	return NULL;
 }
 
-// Streams: a queue of copies run at synchronization.
+// Streams: a queue of copies run at synchronization. done counts the
+// copies ever run; an event records how many had been enqueued when it was
+// recorded (upto) and its synchronization runs those only, as the real
+// one waits for the work before the record and not for later work.
 typedef struct { void *dst; const void *src; size_t n; } op;
-typedef struct { pthread_mutex_t mu; op *ops; size_t n, cap; int device; int err; } stream;
-typedef struct { stream *s; } event;
+typedef struct { pthread_mutex_t mu; op *ops; size_t n, cap; size_t done; int device; int err; } stream;
+typedef struct { stream *s; size_t upto; } event;
 
 static int enqueue(stream *s, void *dst, const void *src, size_t n) {
 	if (!s) { memcpy(dst, src, n); return 0; } // legacy default stream: synchronous
@@ -116,15 +119,24 @@ static int enqueue(stream *s, void *dst, const void *src, size_t n) {
 	return 0;
 }
 
-static int drain(stream *s) {
+// drain_upto runs the queued copies up to the upto-th ever enqueued (all
+// with (size_t)-1). A failed synchronization drops what it would have run.
+static int drain_upto(stream *s, size_t upto) {
 	if (!s) return 0;
 	int code = tick(opSync);
 	pthread_mutex_lock(&s->mu);
-	if (!code) for (size_t i = 0; i < s->n; i++) memcpy(s->ops[i].dst, s->ops[i].src, s->ops[i].n);
-	s->n = 0;
+	size_t k = s->n;
+	if (upto != (size_t)-1) k = upto > s->done ? upto - s->done : 0;
+	if (k > s->n) k = s->n;
+	if (!code) for (size_t i = 0; i < k; i++) memcpy(s->ops[i].dst, s->ops[i].src, s->ops[i].n);
+	memmove(s->ops, s->ops + k, (s->n - k) * sizeof(op));
+	s->n -= k;
+	s->done += k;
 	pthread_mutex_unlock(&s->mu);
 	return code;
 }
+
+static int drain(stream *s) { return drain_upto(s, (size_t)-1); }
 
 const char *cudaGetErrorName(int e) {
 	switch (e) {
@@ -161,8 +173,18 @@ int cudaStreamCreateWithFlags(stream **s, unsigned flags) {
 int cudaStreamDestroy(stream *s) { if (!s) return errInvalidResourceHandle; free(s->ops); free(s); return 0; }
 int cudaStreamSynchronize(stream *s) { return drain(s); }
 int cudaEventCreateWithFlags(event **e, unsigned flags) { (void)flags; *e = calloc(1, sizeof(event)); return 0; }
-int cudaEventRecord(event *e, stream *s) { e->s = s; return 0; }
-int cudaEventSynchronize(event *e) { return drain(e->s); }
+int cudaEventRecord(event *e, stream *s) {
+	int code = tick(opRecord);
+	if (code) return code;
+	e->s = s;
+	if (s) {
+		pthread_mutex_lock(&s->mu);
+		e->upto = s->done + s->n;
+		pthread_mutex_unlock(&s->mu);
+	}
+	return 0;
+}
+int cudaEventSynchronize(event *e) { return e->s ? drain_upto(e->s, e->upto) : 0; }
 int cudaEventDestroy(event *e) { free(e); return 0; }
 
 int cudaHostAlloc(void **p, size_t n, unsigned flags) {
