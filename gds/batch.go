@@ -29,6 +29,10 @@ type BatchStats struct {
 	Entries   uint64 // entries submitted
 	Short     uint64 // entries that moved less than asked (finished per call)
 	Abandoned uint64 // batches canceled: context done, timeout, status error
+	// Leaked counts abandoned batch contexts whose entries did not all come
+	// back after cuFileBatchIOCancel: never destroyed (the library may still
+	// read their entries or move bytes), their memory kept.
+	Leaked uint64
 	// Refusals counts mounts whose batches the library refused (e.g.
 	// CU_FILE_BATCH_NOCOMPAT_ERROR in compat mode); Fallbacks counts what
 	// went per call instead: every later job that would have batched
@@ -38,7 +42,7 @@ type BatchStats struct {
 
 // batchCounters are a driver's BatchStats, updated atomically.
 type batchCounters struct {
-	setUps, batches, entries, short, abandoned, refusals, fallbacks atomic.Uint64
+	setUps, batches, entries, short, abandoned, leaked, refusals, fallbacks atomic.Uint64
 }
 
 // BatchStats reports the driver's batch counters.
@@ -46,7 +50,7 @@ func (d *Driver) BatchStats() BatchStats {
 	c := &d.batch
 	return BatchStats{
 		SetUps: c.setUps.Load(), Batches: c.batches.Load(), Entries: c.entries.Load(),
-		Short: c.short.Load(), Abandoned: c.abandoned.Load(),
+		Short: c.short.Load(), Abandoned: c.abandoned.Load(), Leaked: c.leaked.Load(),
 		Refusals: c.refusals.Load(), Fallbacks: c.fallbacks.Load(),
 	}
 }
@@ -164,12 +168,36 @@ func (w *worker) closeBatches() {
 	clear(w.batches)
 }
 
-// abandon cancels the worker's batch after err, destroys its context (its
-// state is unknown now; the next batch sets up a new one) and returns err.
-func (w *worker) abandon(b batchCtx, err error) error {
+// abandonDrain bounds how long the outstanding entries of an abandoned
+// batch are collected after cuFileBatchIOCancel (or BatchTimeout, if
+// shorter).
+const abandonDrain = 5 * time.Second
+
+// abandon cancels the worker's batch after err, with remaining of its
+// entries outstanding, and returns err. Until every entry has come back
+// (complete, failed or canceled) the library may still read the entries or
+// move bytes into the caller's memory, so they are collected first, for at
+// most abandonDrain (or BatchTimeout); then the context is destroyed (its state is unknown
+// now; the next batch sets up a new one). A context whose entries do not
+// all come back is leaked instead — never destroyed, its memory kept —
+// logged and counted (BatchStats.Leaked), and the job's error says so.
+func (w *worker) abandon(b batchCtx, remaining int, err error) error {
 	w.m.d.batch.abandoned.Add(1)
 	if cerr := b.cancel(); cerr != nil {
 		err = fmt.Errorf("%w (cuFileBatchIOCancel: %w)", err, cerr)
+	}
+	for deadline := time.Now().Add(min(abandonDrain, w.m.cfg.BatchTimeout)); remaining > 0 && time.Now().Before(deadline); {
+		n, serr := b.status(1, w.events[:remaining], min(batchPoll, time.Until(deadline)))
+		if serr != nil {
+			break
+		}
+		remaining -= n
+	}
+	if remaining > 0 {
+		w.m.d.batch.leaked.Add(1)
+		delete(w.batches, w.bound)
+		w.m.d.log.Warn("cufile: a canceled batch's entries did not all come back; its context is leaked, not destroyed", "outstanding", remaining)
+		return fmt.Errorf("%w; %d entries still outstanding after cuFileBatchIOCancel: the batch context is leaked", err, remaining)
 	}
 	w.dropBatch()
 	return err
@@ -227,21 +255,21 @@ func (w *worker) runBatch(ctx context.Context, h *handle, dev uint64, pcs []piec
 	)
 	for remaining > 0 {
 		if err := ctx.Err(); err != nil {
-			return moved, w.abandon(b, fmt.Errorf("gds: batch with %d of %d entries outstanding: %w", remaining, len(pcs), err))
+			return moved, w.abandon(b, remaining, fmt.Errorf("gds: batch with %d of %d entries outstanding: %w", remaining, len(pcs), err))
 		}
 		wait := min(batchPoll, time.Until(deadline))
 		if wait <= 0 {
-			return moved, w.abandon(b, fmt.Errorf("%w: %d of %d entries outstanding after %v", ErrBatchTimeout, remaining, len(pcs), m.cfg.BatchTimeout))
+			return moved, w.abandon(b, remaining, fmt.Errorf("%w: %d of %d entries outstanding after %v", ErrBatchTimeout, remaining, len(pcs), m.cfg.BatchTimeout))
 		}
 		ev := w.events[:remaining]
 		n, err := b.status(remaining, ev, wait)
 		if err != nil {
-			return moved, w.abandon(b, fmt.Errorf("gds: cuFileBatchIOGetStatus: %w", err))
+			return moved, w.abandon(b, remaining, fmt.Errorf("gds: cuFileBatchIOGetStatus: %w", err))
 		}
 		for _, e := range ev[:n] {
 			i := int(e.cookie)
 			if e.cookie >= uintptr(len(pcs)) || done[i] {
-				return moved, w.abandon(b, fmt.Errorf("gds: cuFileBatchIOGetStatus: event for unknown entry %d", e.cookie))
+				return moved, w.abandon(b, remaining, fmt.Errorf("gds: cuFileBatchIOGetStatus: event for unknown entry %d", e.cookie))
 			}
 			done[i] = true
 			remaining--

@@ -325,10 +325,44 @@ func TestMoverBatchCancelsOnContextDoneAndTimeout(t *testing.T) {
 			if su := c.get(&c.BatchSetups); su != 2 {
 				t.Fatalf("%d contexts set up; want 2 (the abandoned one is not reused)", su)
 			}
-			if st := e.d.BatchStats(); st.Abandoned != 1 {
-				t.Fatalf("BatchStats.Abandoned = %d, want 1", st.Abandoned)
+			if st := e.d.BatchStats(); st.Abandoned != 1 || st.Leaked != 0 {
+				t.Fatalf("BatchStats.Abandoned = %d, Leaked = %d; want 1, 0", st.Abandoned, st.Leaked)
 			}
 		})
+	}
+}
+
+// TestMoverBatchLeaksAContextWhoseEntriesNeverComeBack: when a canceled
+// batch's entries do not all come back, the context is not destroyed (the
+// library may still use its entries and move bytes), the job fails saying
+// so, the leak is counted, and the next job sets up a fresh context.
+func TestMoverBatchLeaksAContextWhoseEntriesNeverComeBack(t *testing.T) {
+	e := openFake(t, Config{}, nil)
+	m := newMover(t, e.d, MoverConfig{Workers: 1, AllowCompat: true, IO: IOBatch, BatchTimeout: 30 * time.Millisecond})
+	src := newHostDevice(t, 1, 1<<20, 0)
+	fill(src.mem, 15)
+	p := sparsePlan(src, 32, 4096, 3)
+	f := openFile(t, filepath.Join(t.TempDir(), "key"), os.O_RDWR)
+	c := e.ctl
+	c.set(&c.BatchHold, 1)
+	c.set(&c.BatchCancelIgnored, 1)
+	n, err := m.WriteFile(context.Background(), f, p, nil)
+	if !errors.Is(err, ErrBatchTimeout) || !strings.Contains(err.Error(), "leaked") || n != 0 {
+		t.Fatalf("WriteFile = %d, %v; want 0 and a timeout saying the context is leaked", n, err)
+	}
+	if d, live := c.get(&c.BatchDestroys), c.get(&c.BatchLive); d != 0 || live != 1 {
+		t.Fatalf("%d contexts destroyed, %d live; want 0, 1 (leaked, not destroyed)", d, live)
+	}
+	if st := e.d.BatchStats(); st.Leaked != 1 {
+		t.Fatalf("BatchStats.Leaked = %d, want 1", st.Leaked)
+	}
+	c.set(&c.BatchHold, 0)
+	c.set(&c.BatchCancelIgnored, 0)
+	if n, err := m.WriteFile(context.Background(), f, p, nil); err != nil || n != p.Bytes() {
+		t.Fatalf("WriteFile after the leak = %d, %v", n, err)
+	}
+	if su := c.get(&c.BatchSetups); su != 2 {
+		t.Fatalf("%d contexts set up; want 2 (the leaked one is never used again)", su)
 	}
 }
 

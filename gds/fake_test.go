@@ -61,6 +61,7 @@ type fakeCtl struct {
 	BatchMaxEntries     int64
 	BatchInflight       int64
 	BatchInflightMax    int64
+	BatchCancelIgnored  int64
 }
 
 func (c *fakeCtl) set(p *int64, v int64) { atomic.StoreInt64(p, v) }

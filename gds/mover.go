@@ -37,7 +37,10 @@ type MoverConfig struct {
 	BatchSize int
 	// BatchTimeout bounds the wait for one batch's completions; at expiry
 	// the batch is canceled and the job fails with ErrBatchTimeout. 0
-	// means one minute.
+	// means one minute. It cannot bound a cuFileBatchIOSubmit that never
+	// returns (seen in compatibility mode): that call holds its worker
+	// and its share of the driver's entry budget, which is why IOAuto
+	// never batches there.
 	BatchTimeout time.Duration
 }
 

@@ -90,6 +90,7 @@ struct fake_ctl {
 	int64_t batch_max_entries;  /* the largest submission seen */
 	int64_t batch_inflight;     /* entries submitted and not yet reaped, over all contexts */
 	int64_t batch_inflight_max; /* the most ever in flight */
+	int64_t batch_cancel_ignored; /* nonzero: cuFileBatchIOCancel succeeds but cancels nothing */
 };
 
 struct fake_ctl fake_ctl;
@@ -377,6 +378,7 @@ CUfileError_t cuFileBatchIOCancel(void *b) {
 	if (!batch_live_ctx(b)) return fail(5022);
 	struct fake_batch *fb = b;
 	ADD(batch_cancels, 1);
+	if (LD(batch_cancel_ignored)) return ok();
 	for (unsigned i = 0; i < fb->n; i++) {
 		if (fb->e[i].status == ST_PENDING) {
 			fb->e[i].status = ST_CANCELED;
