@@ -17,6 +17,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvhost/kvhost/internal/testwait"
 	"github.com/kvhost/kvhost/region"
 	"github.com/kvhost/kvhost/transfer"
 )
@@ -38,13 +39,7 @@ func sparsePlan(dev region.Device, pages, pageSize int, seed uint64) *transfer.P
 // waitFor polls cond until it holds or the test's patience (10 s) ends.
 func waitFor(t *testing.T, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(10 * time.Second)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(time.Millisecond)
-	}
+	testwait.Until(t, what, 10*time.Second, cond)
 }
 
 // roundTrip writes p from src, reads it back into a poisoned dst and
