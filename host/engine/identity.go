@@ -178,3 +178,22 @@ func (e *Engine) removeIfSame(path string, ens []*entry) {
 		e.log.Warn("engine: remove", "path", path, "err", err)
 	}
 }
+
+// openRegular opens path read-only and returns it with its identity: that
+// of the open file, not of the name (the name may be replaced meanwhile),
+// from one fstat that also refuses anything but a regular file.
+func (e *Engine) openRegular(path string) (fsys.File, fsys.Identity, error) {
+	f, err := e.fs.OpenFile(path, os.O_RDONLY, 0)
+	if err != nil {
+		return nil, fsys.Identity{}, err
+	}
+	id, err := fileIdentity(f)
+	if err == nil && !id.Mode.IsRegular() {
+		err = fmt.Errorf("%w: %s (%v)", errNotRegular, path, id.Mode.Type())
+	}
+	if err != nil {
+		f.Close()
+		return nil, fsys.Identity{}, err
+	}
+	return f, id, nil
+}

@@ -10,7 +10,6 @@ import (
 	"github.com/kvhost/kvhost/internal/fsys"
 	"github.com/kvhost/kvhost/staging"
 	"io"
-	"os"
 	"sync/atomic"
 )
 
@@ -234,21 +233,12 @@ func (e *Engine) readEntry(mnt int, path string) (*entry, error) {
 	if e.mounts[mnt].raw != nil {
 		return e.rawEntry(mnt, path)
 	}
-	f, err := e.fs.OpenFile(path, os.O_RDONLY, 0)
+	// The identity is that of the file whose header is read.
+	f, id, err := e.openRegular(path)
 	if err != nil {
 		return nil, err
 	}
 	defer f.Close()
-	// The open file, not the name: the identity must be that of the file
-	// whose header is read, even if the name is replaced meanwhile. One
-	// fstat serves it and the type check.
-	id, err := fileIdentity(f)
-	if err != nil {
-		return nil, err
-	}
-	if !id.Mode.IsRegular() {
-		return nil, fmt.Errorf("%w: %s (%v)", errNotRegular, path, id.Mode.Type())
-	}
 	h, err := readHeader(f)
 	if err != nil {
 		return nil, err

@@ -287,18 +287,11 @@ func (e *Engine) rawEntry(mnt int, path string) (*entry, error) {
 	if err != nil {
 		return nil, err
 	}
-	f, err := e.fs.OpenFile(path, os.O_RDONLY, 0)
+	f, id, err := e.openRegular(path)
 	if err != nil {
 		return nil, err
 	}
-	defer f.Close()
-	id, err := fileIdentity(f)
-	if err != nil {
-		return nil, err
-	}
-	if !id.Mode.IsRegular() {
-		return nil, fmt.Errorf("%w: %s (%v)", errNotRegular, path, id.Mode.Type())
-	}
+	f.Close()
 	e.mu.RLock()
 	row := m.raw.rowBytes
 	e.mu.RUnlock()
