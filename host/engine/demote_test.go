@@ -1,7 +1,6 @@
 package engine
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"errors"
@@ -492,24 +491,7 @@ func demoteChild(dir string, start int, kill string, nth int) error {
 		return err
 	}
 	bpk := g.BlocksPerKey()
-	for batch := start; ; batch++ {
-		keys := testKeys(fmt.Sprintf("demote-%d", batch), 2)
-		blocks := blockLists(rand.New(rand.NewPCG(uint64(batch), 2)), 2, bpk, (batch%2)*2*bpk)
-		for i, k := range keys {
-			keyContent(c, k, blocks[i])
-		}
-		j, err := e.Store(ctx, StoreRequest{Cache: c.id, Keys: keys, Blocks: blocks})
-		if err != nil {
-			return err
-		}
-		res, err := j.Wait(ctx)
-		if err != nil {
-			return err
-		}
-		if res.Count(OutcomeStored)+res.Count(OutcomePresent) != 2 {
-			return fmt.Errorf("batch %d: %+v", batch, res)
-		}
-		fmt.Printf("stored %d\n", batch)
+	return storeBatches(ctx, e, c, "demote", 2, 2, start, func(batch int) {
 		if batch%3 == 0 && batch-start >= 6 {
 			old := testKeys(fmt.Sprintf("demote-%d", batch-6), 1)
 			for range 2 {
@@ -518,7 +500,7 @@ func demoteChild(dir string, start int, kill string, nth int) error {
 				}
 			}
 		}
-	}
+	})
 }
 
 // TestCrashMidDemotion kills (SIGKILL) a process that stores through the
@@ -536,20 +518,9 @@ func TestCrashMidDemotion(t *testing.T) {
 	for round := range 12 {
 		mode := modes[round%len(modes)]
 		nth := 1 + rand.IntN(4)
-		cmd := exec.Command(os.Args[0], "-test.run=^$")
-		cmd.Env = append(os.Environ(), demoteChildEnv+"="+dir, fmt.Sprintf("%s_START=%d", demoteChildEnv, stored+1),
+		cmd, sc, stderr := startChild(t, demoteChildEnv+"="+dir, fmt.Sprintf("%s_START=%d", demoteChildEnv, stored+1),
 			demoteChildEnv+"_KILL="+mode, fmt.Sprintf("%s_NTH=%d", demoteChildEnv, nth))
-		out, err := cmd.StdoutPipe()
-		if err != nil {
-			t.Fatal(err)
-		}
-		var stderr bytes.Buffer
-		cmd.Stderr = &stderr
-		if err := cmd.Start(); err != nil {
-			t.Fatal(err)
-		}
 		timer := time.AfterFunc(60*time.Second, func() { cmd.Process.Kill() })
-		sc := bufio.NewScanner(out)
 		// The child's Open removes every second copy the last kill left.
 		if !sc.Scan() {
 			t.Fatalf("round %d: the child did not open: %s", round, stderr.String())
@@ -572,7 +543,7 @@ func TestCrashMidDemotion(t *testing.T) {
 				stored = max(stored, n)
 			}
 		}
-		err = cmd.Wait()
+		err := cmd.Wait()
 		if !timer.Stop() {
 			t.Fatalf("round %d (%s): the child never reached its kill point in 60s: %s", round, mode, stderr.String())
 		}

@@ -60,6 +60,56 @@ func keyContent(c *testCache, key []byte, blocks []int) {
 	c.fill(rand.New(rand.NewPCG(abi.KeyHash(key), 7)), blocks)
 }
 
+// startChild runs this test binary again, with no test to run and env
+// added to its environment (the child's role), and returns the running
+// command, a scanner of its standard output and its standard error.
+func startChild(t *testing.T, env ...string) (*exec.Cmd, *bufio.Scanner, *bytes.Buffer) {
+	t.Helper()
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), env...)
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	stderr := &bytes.Buffer{}
+	cmd.Stderr = stderr
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	return cmd, bufio.NewScanner(out), stderr
+}
+
+// storeBatches is a crash child's loop: from batch start on, it stores
+// per keys named prefix-batch from cache c (their blocks drawn with seed
+// stream), checks every key was stored (or was present: stored by an
+// earlier, killed child), prints "stored <batch>" and calls after, until
+// it is killed or something fails.
+func storeBatches(ctx context.Context, e *Engine, c *testCache, prefix string, per int, stream uint64, start int, after func(batch int)) error {
+	bpk := c.geo.BlocksPerKey()
+	for batch := start; ; batch++ {
+		keys := testKeys(fmt.Sprintf("%s-%d", prefix, batch), per)
+		blocks := blockLists(rand.New(rand.NewPCG(uint64(batch), stream)), per, bpk, (batch%per)*per*bpk)
+		for i, k := range keys {
+			keyContent(c, k, blocks[i])
+		}
+		j, err := e.Store(ctx, StoreRequest{Cache: c.id, Keys: keys, Blocks: blocks})
+		if err != nil {
+			return err
+		}
+		res, err := j.Wait(ctx)
+		if err != nil {
+			return err
+		}
+		if res.Count(OutcomeStored)+res.Count(OutcomePresent) != per {
+			return fmt.Errorf("batch %d: %+v", batch, res)
+		}
+		fmt.Printf("stored %d\n", batch)
+		if after != nil {
+			after(batch)
+		}
+	}
+}
+
 // crashChild stores keys in a loop, printing each batch it saw stored,
 // until it is killed.
 func crashChild(dir string, start int) error {
@@ -78,26 +128,7 @@ func crashChild(dir string, start int) error {
 	if err != nil {
 		return err
 	}
-	bpk := g.BlocksPerKey()
-	for batch := start; ; batch++ {
-		keys := testKeys(fmt.Sprintf("crash-%d", batch), 4)
-		blocks := blockLists(rand.New(rand.NewPCG(uint64(batch), 1)), 4, bpk, (batch%4)*4*bpk)
-		for i, k := range keys {
-			keyContent(c, k, blocks[i])
-		}
-		j, err := e.Store(ctx, StoreRequest{Cache: c.id, Keys: keys, Blocks: blocks})
-		if err != nil {
-			return err
-		}
-		res, err := j.Wait(ctx)
-		if err != nil {
-			return err
-		}
-		if res.Count(OutcomeStored)+res.Count(OutcomePresent) != 4 { // present: stored by an earlier, killed child
-			return fmt.Errorf("batch %d: %+v", batch, res)
-		}
-		fmt.Printf("stored %d\n", batch)
-	}
+	return storeBatches(ctx, e, c, "crash", 4, 1, start, nil)
 }
 
 // TestCrashMidStore kills (SIGKILL) a process that stores in a loop, then
@@ -111,18 +142,7 @@ func TestCrashMidStore(t *testing.T) {
 	stored := -1
 	midStore := 0
 	for round := 0; round < 10 && (round < 4 || midStore < 2); round++ {
-		cmd := exec.Command(os.Args[0], "-test.run=^$")
-		cmd.Env = append(os.Environ(), crashChildEnv+"="+dir, fmt.Sprintf("%s_START=%d", crashChildEnv, stored+1))
-		out, err := cmd.StdoutPipe()
-		if err != nil {
-			t.Fatal(err)
-		}
-		var stderr bytes.Buffer
-		cmd.Stderr = &stderr
-		if err := cmd.Start(); err != nil {
-			t.Fatal(err)
-		}
-		sc := bufio.NewScanner(out)
+		cmd, sc, stderr := startChild(t, crashChildEnv+"="+dir, fmt.Sprintf("%s_START=%d", crashChildEnv, stored+1))
 		lines := 0
 		for lines < 1 && sc.Scan() {
 			if n, err := strconv.Atoi(strings.TrimPrefix(sc.Text(), "stored ")); err == nil {

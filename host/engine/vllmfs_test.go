@@ -1,7 +1,6 @@
 package engine
 
 import (
-	"bufio"
 	"bytes"
 	"context"
 	"crypto/sha256"
@@ -11,7 +10,6 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -533,18 +531,7 @@ func TestVLLMFSCrashLeavesNoTornRow(t *testing.T) {
 	tier := newFSTier(root, vllmfsCrashRow)
 	stored, midStore := -1, 0
 	for round := 0; round < 10 && (round < 3 || midStore == 0); round++ {
-		cmd := exec.Command(os.Args[0], "-test.run=^$")
-		cmd.Env = append(os.Environ(), vllmfsCrashEnv+"="+root)
-		out, err := cmd.StdoutPipe()
-		if err != nil {
-			t.Fatal(err)
-		}
-		var stderr bytes.Buffer
-		cmd.Stderr = &stderr
-		if err := cmd.Start(); err != nil {
-			t.Fatal(err)
-		}
-		sc := bufio.NewScanner(out)
+		cmd, sc, stderr := startChild(t, vllmfsCrashEnv+"="+root)
 		if !sc.Scan() {
 			cmd.Wait()
 			t.Fatalf("child stored nothing: %s", stderr.String())
