@@ -160,13 +160,7 @@ func TestGPUBatchVersusPerCall(t *testing.T) {
 	src := &devMem{id: 1, ptr: srcPtr, size: srcSize}
 	dst := &devMem{id: 2, ptr: dstPtr, size: maxDst}
 	host := make([]byte, srcSize)
-	r := rand.New(rand.NewPCG(42, 43))
-	for i := 0; i < len(host); i += 8 {
-		v := r.Uint64()
-		for j := range 8 {
-			host[i+j] = byte(v >> (8 * j))
-		}
-	}
+	randomBytes(host, 42, 43)
 	if err := cu.toDevice(src.ptr, host); err != nil {
 		t.Fatal(err)
 	}

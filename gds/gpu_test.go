@@ -115,13 +115,7 @@ func TestGPUCuFileRoundTripAndThroughput(t *testing.T) {
 	}
 	src, dst := regs[0], regs[1]
 	host := make([]byte, regionSize)
-	r := rand.New(rand.NewPCG(42, 42))
-	for i := 0; i < len(host); i += 8 {
-		v := r.Uint64()
-		for j := range 8 {
-			host[i+j] = byte(v >> (8 * j))
-		}
-	}
+	randomBytes(host, 42, 42)
 	if err := cu.toDevice(src.ptr, host); err != nil {
 		t.Fatal(err)
 	}
@@ -305,4 +299,16 @@ func TestGPUCuFileRoundTripAndThroughput(t *testing.T) {
 		}
 	}
 	t.Logf("handle cache: %+v", d.HandleStats())
+}
+
+// randomBytes fills b (a multiple of 8 bytes long) from a PCG seeded with
+// seed1, seed2.
+func randomBytes(b []byte, seed1, seed2 uint64) {
+	r := rand.New(rand.NewPCG(seed1, seed2))
+	for i := 0; i < len(b); i += 8 {
+		v := r.Uint64()
+		for j := range 8 {
+			b[i+j] = byte(v >> (8 * j))
+		}
+	}
 }

@@ -82,32 +82,9 @@ func TestMoverRoundTripsScatteredPlanThroughFakeCuFile(t *testing.T) {
 	src := newHostDevice(t, 1, 4<<20, 0)
 	dst := newHostDevice(t, 2, 4<<20, 0)
 	fill(src.mem, 1)
-	for i := range dst.mem {
-		dst.mem[i] = 0xA5 // poison
-	}
 	wp := scatterPlan(src, pages, page, 3)
-	path := filepath.Join(t.TempDir(), "key")
-	f := openFile(t, path, os.O_RDWR)
-	ctx := context.Background()
-	n, err := m.WriteFile(ctx, f, wp, nil)
-	if err != nil || n != wp.Bytes() {
-		t.Fatalf("WriteFile = %d, %v; want %d", n, err, wp.Bytes())
-	}
-	file, err := os.ReadFile(path)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if !bytes.Equal(file, gather(wp, src.mem)) {
-		t.Fatal("file bytes differ from the plan's gather of device memory")
-	}
+	roundTrip(t, m, filepath.Join(t.TempDir(), "key"), wp, src, dst)
 	rp := retarget(wp, dst)
-	n, err = m.ReadFile(ctx, f, rp, nil)
-	if err != nil || n != rp.Bytes() {
-		t.Fatalf("ReadFile = %d, %v; want %d", n, err, rp.Bytes())
-	}
-	if !bytes.Equal(gather(rp, dst.mem), gather(wp, src.mem)) {
-		t.Fatal("bytes read back differ from the bytes written")
-	}
 	// Pages adjacent in both file and memory coalesce into one call (at
 	// most 32 runs: the plan pairs pages, and random pairs may abut).
 	runs := 0
