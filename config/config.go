@@ -68,6 +68,12 @@ type GPU struct {
 	// Chunk is the bytes of one pipeline stage, a multiple of 4 KiB; 0
 	// means 4 MiB.
 	Chunk Size `toml:"chunk"`
+	// Copy is how the staging pipeline moves a chunk's pages between its
+	// pinned buffer and the GPU: "auto" (the default: "kernel" where the
+	// driver loads it, else "batch"), "kernel" (one launch of kvhost's
+	// copy kernel per chunk), "batch" (one cudaMemcpyBatchAsync) or
+	// "segments" (one cudaMemcpyAsync per page).
+	Copy string `toml:"copy"`
 }
 
 // Server configures the daemon's Unix socket and per-client limits.
@@ -297,7 +303,7 @@ func Default() Config {
 			IdleTimeout:      Duration(time.Minute),
 			WriteTimeout:     Duration(10 * time.Second),
 		},
-		GPU: GPU{Mode: "auto", CuFile: "auto", StagingMemory: 256 << 20},
+		GPU: GPU{Mode: "auto", CuFile: "auto", StagingMemory: 256 << 20, Copy: "auto"},
 		Log: Log{Level: "info", Format: "auto"},
 		Policy: Policy{
 			Name:          "lru",
@@ -479,6 +485,11 @@ func (c *Config) Validate() error {
 	case "auto", "off", "compat":
 	default:
 		return bad("gpu.cufile", "auto, off or compat", fmt.Sprintf("%q", c.GPU.CuFile))
+	}
+	switch c.GPU.Copy {
+	case "auto", "kernel", "batch", "segments":
+	default:
+		return bad("gpu.copy", "auto, kernel, batch or segments", fmt.Sprintf("%q", c.GPU.Copy))
 	}
 	if c.GPU.StagingMemory < 8<<20 {
 		return bad("gpu.staging_memory", "at least 8MiB", c.GPU.StagingMemory)

@@ -138,6 +138,7 @@ func TestParseErrors(t *testing.T) {
 		{"device class", "[[mount]]\npath = \"/a\"\ndevice_class = \"tape\"", `kvhost.toml:3: mount.device_class: want "memory"`},
 		{"gpu mode", "[gpu]\nmode = \"maybe\"", `kvhost.toml:2: gpu.mode: want auto, on or off, got "maybe"`},
 		{"cufile mode", "[gpu]\ncufile = \"direct\"", `kvhost.toml:2: gpu.cufile: want auto, off or compat, got "direct"`},
+		{"copy mode", "[gpu]\ncopy = \"dma\"", `kvhost.toml:2: gpu.copy: want auto, kernel, batch or segments, got "dma"`},
 		{"gpu staging", "[gpu]\nstaging_memory = \"1MiB\"", "kvhost.toml:2: gpu.staging_memory: want at least 8MiB"},
 		{"metrics address", "[metrics]\nlisten = \"9400\"", `kvhost.toml:2: metrics.listen: want a TCP address "host:port"`},
 	}

@@ -8,6 +8,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"runtime/pprof"
 	"slices"
 	"strconv"
 	"strings"
@@ -47,6 +48,7 @@ type benchOptions struct {
 	appendTo      string
 	render        string
 	svgOut        string
+	cpuProfile    string
 	progress      string // auto, on, off
 	cfg           config.Config
 	args          []string
@@ -95,6 +97,7 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	fs.StringVar(&logLevel, "log-level", "warn", "log level of the engine and GPU paths")
 	fs.StringVar(&cudaLib, "cuda-library", "", "path of libcudart (default: the configuration's, else the usual places)")
 	fs.StringVar(&cufileLib, "cufile-library", "", "path of libcufile (default: the configuration's, else the usual places)")
+	fs.StringVar(&o.cpuProfile, "cpu-profile", "", "write a CPU profile of the whole run (engine, ceilings and checks; go tool pprof) to this file")
 	fs.Usage = func() {
 		fmt.Fprintln(stderr, "usage: kvhost bench --dir DIR [flags]\n\nMeasures the engine's stores and loads on DIR next to ceilings measured in the same run (docs/bench.md).\n\nflags:")
 		fs.PrintDefaults()
@@ -213,7 +216,14 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		return bad("%v", err)
 	}
 	o.args = append([]string{"kvhost", "bench"}, args...)
+	stopProfile, err := startCPUProfile(o.cpuProfile)
+	if err != nil {
+		return bad("--cpu-profile: %v", err)
+	}
 	rep, err := runBenchmark(ctx, o, log, stderr)
+	if perr := stopProfile(); perr != nil {
+		fmt.Fprintf(stderr, "kvhost bench: --cpu-profile: %v\n", perr)
+	}
 	if err != nil {
 		fmt.Fprintf(stderr, "kvhost bench: %v\n", err)
 		if rep == nil {
@@ -235,6 +245,26 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		return 1
 	}
 	return code
+}
+
+// startCPUProfile starts a CPU profile into path (none when path is
+// empty); the function it returns stops it and closes the file.
+func startCPUProfile(path string) (stop func() error, err error) {
+	if path == "" {
+		return func() error { return nil }, nil
+	}
+	f, err := os.Create(path)
+	if err != nil {
+		return nil, err
+	}
+	if err := pprof.StartCPUProfile(f); err != nil {
+		f.Close()
+		return nil, err
+	}
+	return func() error {
+		pprof.StopCPUProfile()
+		return f.Close()
+	}, nil
 }
 
 // writeBenchOutputs prints the table (unless the JSON goes to standard

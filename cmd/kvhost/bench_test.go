@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"compress/gzip"
 	"context"
 	"encoding/xml"
 	"io"
@@ -337,4 +338,35 @@ func TestProgressBarDrawsOnlyWhenAsked(t *testing.T) {
 	var none *bench.Progress = bench.NewProgress(io.Discard, false)
 	none.Start("x", 1) // a nil bar draws nothing and does not panic
 	none.Step(1)
+}
+
+func TestBenchCPUProfileIsAGzippedProfileOfTheRun(t *testing.T) {
+	prof := filepath.Join(t.TempDir(), "cpu.pprof")
+	runBenchJSON(t, "--memory", "host", "--jobs", "2", "--total", "4MiB", "--cpu-profile", prof)
+	f, err := os.Open(prof)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	z, err := gzip.NewReader(f) // pprof's format: a gzipped protocol buffer
+	if err != nil {
+		t.Fatalf("the profile is not gzipped: %v", err)
+	}
+	b, err := io.ReadAll(z)
+	if err != nil || len(b) == 0 {
+		t.Fatalf("the profile holds %d bytes (%v)", len(b), err)
+	}
+	for _, want := range []string{"samples", "cpu", "nanoseconds"} { // its sample and period types
+		if !bytes.Contains(b, []byte(want)) {
+			t.Errorf("the profile's string table lacks %q: not a CPU profile", want)
+		}
+	}
+}
+
+func TestBenchCPUProfileInAMissingDirectoryIsRefused(t *testing.T) {
+	var stdout, stderr bytes.Buffer
+	args := append([]string{"bench", "--dir", t.TempDir(), "--cpu-profile", filepath.Join(t.TempDir(), "no", "cpu.pprof")}, tinyBench...)
+	if code := run(context.Background(), args, &stdout, &stderr); code != 2 || !strings.Contains(stderr.String(), "--cpu-profile") {
+		t.Errorf("exit %d, stderr %q: want 2 and a message naming --cpu-profile", code, stderr.String())
+	}
 }

@@ -31,6 +31,8 @@ type gpuOptions struct {
 	// Depth and Chunk tune the staging pipeline (0: its defaults).
 	Depth int
 	Chunk int
+	// Copy is gpu.copy: auto, kernel, batch or segments.
+	Copy string
 }
 
 // gpuPaths is what the daemon opened for GPU memory: the CUDA runtime, the
@@ -76,7 +78,12 @@ func openGPU(opts gpuOptions, log *slog.Logger) (*gpuPaths, error) {
 		return nil, nil
 	}
 	p := &gpuPaths{log: log, rt: rt, devices: n, opts: opts}
-	p.staging, err = gpu.New(gpu.Config{Runtime: rt, MaxStaging: opts.MaxStaging, NoChecksums: opts.NoChecksum, Depth: opts.Depth, Chunk: opts.Chunk})
+	mode, err := cuda.ParseCopyMode(opts.Copy)
+	if err != nil {
+		rt.Close()
+		return nil, fmt.Errorf("gpu: %w", err)
+	}
+	p.staging, err = gpu.New(gpu.Config{Runtime: rt, MaxStaging: opts.MaxStaging, NoChecksums: opts.NoChecksum, Depth: opts.Depth, Chunk: opts.Chunk, Copy: mode})
 	if err != nil {
 		rt.Close()
 		return nil, fmt.Errorf("gpu: staging pipeline: %w", err)
@@ -86,8 +93,11 @@ func openGPU(opts gpuOptions, log *slog.Logger) (*gpuPaths, error) {
 		rt.Close()
 		return nil, fmt.Errorf("gpu: %w", err)
 	}
+	if err := p.staging.KernelUnavailable(); err != nil {
+		log.Info("copy kernel unavailable: pages move by DMA copies", "copy", p.staging.CopyMode().String(), "reason", err.Error())
+	}
 	log.Info("GPU paths ready", "devices", n, "cuda_runtime", rt.Path(), "cuda_version", rt.Version(),
-		"batched_copies", rt.HasBatch(), "pinned_staging_bytes", p.staging.PinnedBytes())
+		"copy", p.staging.CopyMode().String(), "batched_copies", rt.HasBatch(), "pinned_staging_bytes", p.staging.PinnedBytes())
 	if opts.CuFile != "off" {
 		d, err := gds.Open(gds.Config{LibraryPaths: opts.CuFileLibrary, Logger: log, BindDevice: rt.SetDevice})
 		if err != nil {

@@ -139,6 +139,7 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 		MaxStaging:    int64(cfg.GPU.StagingMemory),
 		Depth:         cfg.GPU.Depth,
 		Chunk:         int(cfg.GPU.Chunk),
+		Copy:          cfg.GPU.Copy,
 	}, log)
 	if err != nil {
 		return err

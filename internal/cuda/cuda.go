@@ -170,6 +170,8 @@ type Runtime struct {
 		malloc, free, memcpyAsync, memcpy, memcpyBatch          unsafe.Pointer
 		ipcGetMemHandle, ipcOpenMemHandle, ipcCloseMemHandle    unsafe.Pointer
 		cuInit, cuMemGetAddressRange, cuPointerGetAttribute     unsafe.Pointer
+		cuModuleLoadDataEx, cuModuleGetFunction, cuModuleUnload unsafe.Pointer
+		cuLaunchKernel                                          unsafe.Pointer
 	}
 }
 
@@ -232,6 +234,8 @@ func Open(cfg Config) (*Runtime, error) {
 			r.drv, f.cuInit, f.cuMemGetAddressRange = drv, a, b
 			// Optional: checks the device of IPC imports where present.
 			f.cuPointerGetAttribute, _ = drv.Sym("cuPointerGetAttribute")
+			// Optional, all four or none: the copy kernel (copykernel.go).
+			r.loadKernelSymbols(drv)
 		} else {
 			drv.Close()
 		}
@@ -408,6 +412,9 @@ const (
 	CopySegments
 	// CopyBatch issues one cudaMemcpyBatchAsync for all segments.
 	CopyBatch
+	// CopyKernel launches kvhost's copy kernel once for all segments
+	// (Kernel.Launch; Enqueue refuses it).
+	CopyKernel
 )
 
 // String names the mode.
@@ -417,8 +424,24 @@ func (m CopyMode) String() string {
 		return "segments"
 	case CopyBatch:
 		return "batch"
+	case CopyKernel:
+		return "kernel"
 	}
 	return "auto"
+}
+
+// ParseCopyMode reads a mode by its name (as String writes it; "" is
+// auto).
+func ParseCopyMode(s string) (CopyMode, error) {
+	for _, m := range []CopyMode{CopyAuto, CopySegments, CopyBatch, CopyKernel} {
+		if s == m.String() {
+			return m, nil
+		}
+	}
+	if s == "" {
+		return CopyAuto, nil
+	}
+	return 0, fmt.Errorf("cuda: copy mode %q: want auto, kernel, batch or segments", s)
 }
 
 // Copies is a list of copies, one direction, to enqueue together: Dst[i]
@@ -452,6 +475,8 @@ func (r *Runtime) Enqueue(c *Copies, h2d bool, mode CopyMode, s Stream) error {
 		kind = hostToDevice
 	}
 	switch mode {
+	case CopyKernel:
+		return fmt.Errorf("cuda: Enqueue: %v copies are launched with Kernel.Launch", mode)
 	case CopyBatch:
 		if !r.HasBatch() {
 			return ErrNoBatch

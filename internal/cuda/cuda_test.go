@@ -134,10 +134,25 @@ func TestLockDeviceRestoresTheThreadsDevice(t *testing.T) {
 func TestScatterGatherRoundTrip(t *testing.T) {
 	r, fake := open(t)
 	w := worker(t, r, 0)
-	for _, mode := range []cuda.CopyMode{cuda.CopySegments, cuda.CopyBatch} {
+	for _, mode := range []cuda.CopyMode{cuda.CopySegments, cuda.CopyBatch, cuda.CopyKernel} {
 		t.Run(mode.String(), func(t *testing.T) {
 			const page, pages = 4096, 64
 			err := w.Do(context.Background(), func(w *cuda.Worker) error {
+				// enqueue moves c by mode: the kernel through its table.
+				enqueue := func(c *cuda.Copies, h2d bool) error { return r.Enqueue(c, h2d, mode, w.Stream()) }
+				if mode == cuda.CopyKernel {
+					k, err := r.LoadCopyKernel()
+					if err != nil {
+						return err
+					}
+					defer k.Unload()
+					table, err := r.HostAlloc(pages * cuda.KernelEntryBytes)
+					if err != nil {
+						return err
+					}
+					defer table.Free()
+					enqueue = func(c *cuda.Copies, _ bool) error { return k.Launch(c, table.Bytes(), table.Ptr(), w.Stream()) }
+				}
 				src, err := r.Malloc(0, page*pages)
 				if err != nil {
 					return err
@@ -165,12 +180,15 @@ func TestScatterGatherRoundTrip(t *testing.T) {
 				for i := range pages {
 					c.Add(host.Ptr()+uintptr(i*page), src.Ptr()+uintptr((pages-1-i)*page), page)
 				}
-				batches := fake.Count(cudatest.OpBatch)
-				if err := r.Enqueue(&c, false, mode, w.Stream()); err != nil {
+				batches, launches := fake.Count(cudatest.OpBatch), fake.Count(cudatest.OpLaunch)
+				if err := enqueue(&c, false); err != nil {
 					return err
 				}
 				if (fake.Count(cudatest.OpBatch) > batches) != (mode == cuda.CopyBatch) {
 					t.Errorf("mode %v: batch calls %d → %d", mode, batches, fake.Count(cudatest.OpBatch))
+				}
+				if n := fake.Count(cudatest.OpLaunch) - launches; (mode == cuda.CopyKernel) != (n == 1) {
+					t.Errorf("mode %v: %d kernel launches for one gather", mode, n)
 				}
 				if bytes.Equal(host.Bytes()[:page], want[(pages-1)*page:]) {
 					t.Errorf("bytes arrived before the stream was synchronized: the fake must defer copies")
@@ -187,7 +205,7 @@ func TestScatterGatherRoundTrip(t *testing.T) {
 				for i := range pages {
 					c.Add(dst.Ptr()+uintptr((pages-1-i)*page), host.Ptr()+uintptr(i*page), page)
 				}
-				if err := r.Enqueue(&c, true, mode, w.Stream()); err != nil {
+				if err := enqueue(&c, true); err != nil {
 					return err
 				}
 				// The data paths' wait: a blocking event on the stream.
@@ -215,6 +233,98 @@ func TestScatterGatherRoundTrip(t *testing.T) {
 				t.Fatal(err)
 			}
 		})
+	}
+}
+
+func TestParseCopyModeReadsWhatStringWrites(t *testing.T) {
+	for _, m := range []cuda.CopyMode{cuda.CopyAuto, cuda.CopySegments, cuda.CopyBatch, cuda.CopyKernel} {
+		if got, err := cuda.ParseCopyMode(m.String()); err != nil || got != m {
+			t.Errorf("ParseCopyMode(%q) = %v, %v", m.String(), got, err)
+		}
+	}
+	if got, err := cuda.ParseCopyMode(""); err != nil || got != cuda.CopyAuto {
+		t.Errorf("ParseCopyMode(\"\") = %v, %v; want auto", got, err)
+	}
+	if _, err := cuda.ParseCopyMode("dma"); err == nil || !strings.Contains(err.Error(), `"dma"`) {
+		t.Errorf("ParseCopyMode(\"dma\"): %v, want an error naming it", err)
+	}
+}
+
+func TestKernelCopyableNeedsAlignedCopiesThatFitTheTable(t *testing.T) {
+	cases := []struct {
+		name           string
+		dst, src, size uintptr
+		n, maxEntries  int
+		want           bool
+	}{
+		{"aligned pages", 1 << 20, 2 << 20, 64 << 10, 4, 4, true},
+		{"more copies than entries", 1 << 20, 2 << 20, 64 << 10, 5, 4, false},
+		{"no copies", 1 << 20, 2 << 20, 64 << 10, 0, 4, false},
+		{"odd length", 1 << 20, 2 << 20, 64<<10 + 8, 1, 4, false},
+		{"odd source", 1 << 20, 2<<20 + 4, 64 << 10, 1, 4, false},
+		{"odd destination", 1<<20 + 1, 2 << 20, 64 << 10, 1, 4, false},
+		{"16-byte granules", 1<<20 + 16, 2<<20 + 32, 48, 2, 4, true},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			var cp cuda.Copies
+			for i := range c.n {
+				cp.Add(c.dst+uintptr(i)*c.size, c.src+uintptr(i)*c.size, c.size)
+			}
+			if got := cuda.KernelCopyable(&cp, c.maxEntries); got != c.want {
+				t.Errorf("KernelCopyable = %v, want %v", got, c.want)
+			}
+		})
+	}
+}
+
+func TestKernelFaultsAreDriverErrorsAndBadCopiesAreRefused(t *testing.T) {
+	r, fake := open(t)
+	w := worker(t, r, 0)
+	err := w.Do(context.Background(), func(w *cuda.Worker) error {
+		k, err := r.LoadCopyKernel()
+		if err != nil {
+			return err
+		}
+		defer k.Unload()
+		m, err := r.Malloc(0, 1<<16)
+		if err != nil {
+			return err
+		}
+		defer m.Close()
+		h, err := r.HostAlloc(1 << 16)
+		if err != nil {
+			return err
+		}
+		defer h.Free()
+		table := make([]byte, 4*cuda.KernelEntryBytes)
+		var cp cuda.Copies
+		cp.Add(h.Ptr(), m.Ptr(), 1<<12)
+		fake.Fail(cudatest.OpLaunch, 1, 719)
+		err = k.Launch(&cp, table, uintptr(unsafe.Pointer(&table[0])), w.Stream())
+		var de *cuda.DriverError
+		if !errors.As(err, &de) || de.Code != 719 || !strings.Contains(err.Error(), "cuLaunchKernel: CUDA_ERROR_LAUNCH_FAILED") {
+			t.Errorf("failed launch: %v, want a DriverError naming cuLaunchKernel and CUDA_ERROR_LAUNCH_FAILED", err)
+		}
+		cp.Reset()
+		cp.Add(h.Ptr()+8, m.Ptr(), 1<<12)
+		launches := fake.Count(cudatest.OpLaunch)
+		if err := k.Launch(&cp, table, uintptr(unsafe.Pointer(&table[0])), w.Stream()); err == nil || !strings.Contains(err.Error(), "aligned") {
+			t.Errorf("unaligned copy: %v, want a refusal naming the alignment", err)
+		}
+		if fake.Count(cudatest.OpLaunch) != launches {
+			t.Error("an unaligned copy reached the driver")
+		}
+		if err := r.Enqueue(&cp, false, cuda.CopyKernel, w.Stream()); err == nil {
+			t.Error("Enqueue accepted CopyKernel, which only Kernel.Launch moves")
+		}
+		return r.Sync(w.Stream())
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := (&cuda.DriverError{Func: "cuModuleLoadDataEx", Code: 218, Log: "ptxas: syntax error"}).Error(); err != "cuda: cuModuleLoadDataEx: CUDA_ERROR_INVALID_PTX: ptxas: syntax error" {
+		t.Errorf("DriverError prints %q", err)
 	}
 }
 

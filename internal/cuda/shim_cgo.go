@@ -6,6 +6,7 @@ package cuda
 #include <stdint.h>
 #include <stddef.h>
 #include <string.h>
+#include <stdlib.h>
 
 // Calls through function pointers resolved with dlsym. Device and C
 // addresses travel as uintptr_t; Go memory as void*.
@@ -74,6 +75,23 @@ static int kv_memcpy_batch(void *f, int v13, const void *const *dsts, const void
 	if (v13) return ((fn_batch13)f)(dsts, srcs, sizes, n, &attr, &idx, 1, s);
 	size_t fail = 0;
 	return ((fn_batch12)f)(dsts, srcs, sizes, n, &attr, &idx, 1, &fail, s);
+}
+
+// cuModuleLoadDataEx with the JIT's error log in log (logSize bytes).
+typedef int (*fn_modload)(void **, const void *, unsigned, int *, void **);
+static int kv_module_load(void *f, void **mod, const char *image, char *log, size_t logSize) {
+	int opts[2] = {5, 6}; // CU_JIT_ERROR_LOG_BUFFER, CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES
+	void *vals[2] = {log, (void *)(uintptr_t)logSize};
+	return ((fn_modload)f)(mod, image, 2, opts, vals);
+}
+typedef int (*fn_getfn)(void **, void *, const char *);
+static int kv_module_function(void *f, void **fn, uintptr_t mod, const char *name) { return ((fn_getfn)f)(fn, (void *)mod, name); }
+
+// cuLaunchKernel of a kernel whose one parameter is a 64-bit address.
+typedef int (*fn_launch)(void *, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, uintptr_t, void **, void **);
+static int kv_launch_u64(void *f, uintptr_t fn, unsigned gx, unsigned gy, unsigned bx, uintptr_t s, uint64_t arg) {
+	void *params[1] = {&arg};
+	return ((fn_launch)f)((void *)fn, gx, gy, 1, bx, 1, 1, 0, s, params, NULL);
 }
 
 static int kv_ipc_open(void *f, void **p, const void *handle, unsigned flags) {
@@ -155,6 +173,33 @@ func memcpyBatch(f unsafe.Pointer, v13 bool, dsts, srcs, sizes []uintptr, s uint
 	}
 	return int(C.kv_memcpy_batch(f, v, (*unsafe.Pointer)(unsafe.Pointer(&dsts[0])), (*unsafe.Pointer)(unsafe.Pointer(&srcs[0])),
 		(*C.size_t)(unsafe.Pointer(&sizes[0])), C.size_t(len(dsts)), C.uintptr_t(s)))
+}
+
+// moduleLoad loads a PTX image (cuModuleLoadDataEx); a failure's JIT log
+// is returned with its code.
+func moduleLoad(f unsafe.Pointer, image string) (mod uintptr, log string, code int) {
+	img := C.CString(image)
+	defer C.free(unsafe.Pointer(img))
+	buf := (*C.char)(C.calloc(4096, 1))
+	defer C.free(unsafe.Pointer(buf))
+	var m unsafe.Pointer
+	code = int(C.kv_module_load(f, &m, img, buf, 4096))
+	return uintptr(m), C.GoString(buf), code
+}
+
+// moduleFunction looks a kernel up by name (cuModuleGetFunction).
+func moduleFunction(f unsafe.Pointer, mod uintptr, name string) (uintptr, int) {
+	n := C.CString(name)
+	defer C.free(unsafe.Pointer(n))
+	var fn unsafe.Pointer
+	code := int(C.kv_module_function(f, &fn, C.uintptr_t(mod), n))
+	return uintptr(fn), code
+}
+
+// launchU64 launches kernel fn with grid (gx, gy), bx threads per block and
+// one 64-bit parameter on stream s (cuLaunchKernel).
+func launchU64(f unsafe.Pointer, fn uintptr, gx, gy, bx uint32, s uintptr, arg uint64) int {
+	return int(C.kv_launch_u64(f, C.uintptr_t(fn), C.unsigned(gx), C.unsigned(gy), C.unsigned(bx), C.uintptr_t(s), C.uint64_t(arg)))
 }
 
 // ipcOpen calls cudaIpcOpenMemHandle with the 64-byte handle by value.

@@ -35,3 +35,10 @@ func memcpyBatch(f unsafe.Pointer, v13 bool, dsts, srcs, sizes []uintptr, s uint
 func ipcOpen(f unsafe.Pointer, h *[IPCHandleSize]byte, flags uint32) (uintptr, int) {
 	return 0, stubCode
 }
+func moduleLoad(f unsafe.Pointer, image string) (uintptr, string, int) { return 0, "", stubCode }
+func moduleFunction(f unsafe.Pointer, mod uintptr, name string) (uintptr, int) {
+	return 0, stubCode
+}
+func launchU64(f unsafe.Pointer, fn uintptr, gx, gy, bx uint32, s uintptr, arg uint64) int {
+	return stubCode
+}

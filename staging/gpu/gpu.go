@@ -64,8 +64,13 @@ type Config struct {
 	// Depth is the most buffers one job holds at once (default 2: double
 	// buffering).
 	Depth int
-	// Copy chooses batched or per-segment copies (default: batched where
-	// the runtime has cudaMemcpyBatchAsync).
+	// Copy chooses how a chunk's segments move between its pinned buffer
+	// and the device: CopyKernel (one launch of kvhost's copy kernel),
+	// CopyBatch (one cudaMemcpyBatchAsync) or CopySegments (one
+	// cudaMemcpyAsync each). The default, CopyAuto, is the kernel where
+	// the driver loads it, else batched copies where the runtime has
+	// them. A chunk the kernel cannot move (segments not 16-byte aligned,
+	// or more than its table holds) goes batched or per segment.
 	Copy cuda.CopyMode
 	// NoChecksums turns checksums off (Checksums reports false).
 	NoChecksums bool
@@ -79,15 +84,23 @@ type Mover struct {
 	bufs  chan int // indices of free buffers
 	bsize int      // Chunk plus alignment slack
 	devs  map[int]*device
+	// With the copy kernel, buffer i's segment table (tableEntries
+	// entries) is at tableSize·i after the buffers; 0 without it.
+	tableEntries, tableSize int
+	// fallback moves what the kernel does not: batched or per segment.
+	fallback  cuda.CopyMode
+	kernelErr error // why CopyAuto runs without the kernel
 
 	mu     sync.RWMutex
 	closed bool
 }
 
-// device is one GPU: its idle lanes, kept for reuse.
+// device is one GPU: its idle lanes, kept for reuse, and the copy kernel
+// loaded there (nil when chunks move by DMA copies).
 type device struct {
 	ordinal int
 	idle    chan *lane
+	kernel  *cuda.Kernel
 }
 
 // New allocates the pinned pool.
@@ -113,10 +126,22 @@ func New(cfg Config) (*Mover, error) {
 	if cfg.Copy == cuda.CopyBatch && !cfg.Runtime.HasBatch() {
 		return nil, fmt.Errorf("%w: %w", ErrConfig, cuda.ErrNoBatch)
 	}
+	if cfg.Copy == cuda.CopyKernel && !cfg.Runtime.HasKernel() {
+		return nil, fmt.Errorf("%w: %w", ErrConfig, cuda.ErrNoKernel)
+	}
 	bsize := cfg.Chunk + 2*Align // a read's aligned range around a chunk
-	n := int(cfg.MaxStaging / int64(bsize))
+	// With the copy kernel, each buffer has a segment table: an entry per
+	// 4 KiB of chunk and two more (the partial pages at its ends), enough
+	// for any cache whose pages are 4 KiB or larger. The tables live in
+	// the same pinned allocation, after the buffers.
+	entries, tsize := 0, 0
+	if (cfg.Copy == cuda.CopyAuto || cfg.Copy == cuda.CopyKernel) && cfg.Runtime.HasKernel() {
+		entries = cfg.Chunk/Align + 2
+		tsize = (entries*cuda.KernelEntryBytes + 63) &^ 63
+	}
+	n := int(cfg.MaxStaging / int64(bsize+tsize))
 	if n < 1 {
-		return nil, fmt.Errorf("%w: max staging %d bytes holds no %d-byte buffer", ErrConfig, cfg.MaxStaging, bsize)
+		return nil, fmt.Errorf("%w: max staging %d bytes holds no %d-byte buffer", ErrConfig, cfg.MaxStaging, bsize+tsize)
 	}
 	count, err := cfg.Runtime.DeviceCount()
 	if err != nil {
@@ -133,9 +158,13 @@ func New(cfg Config) (*Mover, error) {
 		}
 	}
 	m := &Mover{cfg: cfg, r: cfg.Runtime, bsize: bsize, bufs: make(chan int, n), devs: map[int]*device{}}
-	pin, err := m.r.HostAlloc(n * bsize)
+	m.fallback = cuda.CopySegments
+	if cfg.Copy == cuda.CopyBatch || cfg.Copy != cuda.CopySegments && m.r.HasBatch() {
+		m.fallback = cuda.CopyBatch
+	}
+	pin, err := m.r.HostAlloc(n * (bsize + tsize))
 	if err != nil {
-		return nil, fmt.Errorf("gpu: pinned pool of %d bytes: %w", n*bsize, err)
+		return nil, fmt.Errorf("gpu: pinned pool of %d bytes: %w", n*(bsize+tsize), err)
 	}
 	m.pin = pin
 	for i := range n {
@@ -144,8 +173,72 @@ func New(cfg Config) (*Mover, error) {
 	for _, d := range cfg.Devices {
 		m.devs[d] = &device{ordinal: d, idle: make(chan *lane, maxIdleLanes)}
 	}
+	switch {
+	case entries > 0:
+		if err := m.loadKernels(); err != nil {
+			if cfg.Copy == cuda.CopyKernel {
+				m.pin.Free()
+				return nil, fmt.Errorf("gpu: %w", err)
+			}
+			m.kernelErr = err
+			break
+		}
+		m.tableEntries, m.tableSize = entries, tsize
+	case cfg.Copy == cuda.CopyAuto:
+		m.kernelErr = cuda.ErrNoKernel
+	}
 	return m, nil
 }
+
+// loadKernels loads the copy kernel on every device, or on none.
+func (m *Mover) loadKernels() error {
+	for _, d := range m.devs {
+		if err := m.onDevice(d, func() (err error) {
+			d.kernel, err = m.r.LoadCopyKernel()
+			return err
+		}); err != nil {
+			m.unloadKernels()
+			return fmt.Errorf("copy kernel on device %d: %w", d.ordinal, err)
+		}
+	}
+	return nil
+}
+
+// unloadKernels unloads the copy kernel from every device that has it.
+func (m *Mover) unloadKernels() error {
+	var errs []error
+	for _, d := range m.devs {
+		if d.kernel != nil {
+			errs = append(errs, m.onDevice(d, d.kernel.Unload))
+			d.kernel = nil
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// onDevice runs fn on a thread with d's device current.
+func (m *Mover) onDevice(d *device, fn func() error) error {
+	unlock, err := m.r.LockDevice(d.ordinal)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	return fn()
+}
+
+// CopyMode is how chunks move between pinned buffers and devices:
+// CopyKernel where the copy kernel is loaded, else CopyBatch or
+// CopySegments.
+func (m *Mover) CopyMode() cuda.CopyMode {
+	if m.tableEntries > 0 {
+		return cuda.CopyKernel
+	}
+	return m.fallback
+}
+
+// KernelUnavailable is why a mover configured with CopyAuto runs without
+// the copy kernel (nil when it has it, or was not asked to load it).
+func (m *Mover) KernelUnavailable() error { return m.kernelErr }
 
 // Name is "gpu-staging".
 func (m *Mover) Name() string { return "gpu-staging" }
@@ -153,8 +246,9 @@ func (m *Mover) Name() string { return "gpu-staging" }
 // Checksums reports whether checksums are computed (the default).
 func (m *Mover) Checksums() bool { return !m.cfg.NoChecksums }
 
-// PinnedBytes is the pinned host memory the mover holds.
-func (m *Mover) PinnedBytes() int64 { return int64(cap(m.bufs) * m.bsize) }
+// PinnedBytes is the pinned host memory the mover holds (its buffers and
+// their kernel segment tables).
+func (m *Mover) PinnedBytes() int64 { return int64(len(m.pin.Bytes())) }
 
 // Close waits for the calls in flight, then destroys the idle lanes and
 // frees the pinned pool; later calls fail with ErrClosed.
@@ -169,6 +263,7 @@ func (m *Mover) Close() error {
 	for _, d := range m.devs {
 		errs = append(errs, m.destroyIdle(d))
 	}
+	errs = append(errs, m.unloadKernels())
 	if m.pin != nil {
 		errs = append(errs, m.pin.Free())
 	}
@@ -179,6 +274,12 @@ func (m *Mover) Close() error {
 func (m *Mover) buf(i int) ([]byte, uintptr) {
 	b := m.pin.Bytes()[i*m.bsize : (i+1)*m.bsize : (i+1)*m.bsize]
 	return b, m.pin.Ptr() + uintptr(i*m.bsize)
+}
+
+// table returns buffer i's kernel segment table and its address.
+func (m *Mover) table(i int) ([]byte, uintptr) {
+	off := cap(m.bufs)*m.bsize + i*m.tableSize
+	return m.pin.Bytes()[off : off+m.tableSize : off+m.tableSize], m.pin.Ptr() + uintptr(off)
 }
 
 // get takes a free buffer: blocking (until ctx is done) if wait, else

@@ -8,6 +8,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"slices"
 	"sync"
 	"syscall"
 	"testing"
@@ -164,10 +165,30 @@ func TestRoundTripScatteredPlan(t *testing.T) {
 		{"batch-o-direct-tmpfs-no-checksums", cuda.CopyBatch, true, true, 0, "tmpfs"},
 		{"segments-o-direct-tmpfs-no-checksums-odd-chunks", cuda.CopySegments, true, true, 67 * Align, "tmpfs"},
 		{"batch-buffered-no-checksums-odd-chunks", cuda.CopyBatch, false, true, 67 * Align, ""},
+		// The copy kernel: one launch per chunk.
+		{"kernel", cuda.CopyKernel, false, false, 0, ""},
+		{"kernel-direct-small-chunks", cuda.CopyKernel, true, false, 3 * Align, ""},
+		{"kernel-o-direct-tmpfs-odd-chunks", cuda.CopyKernel, true, false, 67 * Align, "tmpfs"},
+		{"kernel-o-direct-disk-no-checksums", cuda.CopyKernel, true, true, 0, "disk"},
+		{"auto", cuda.CopyAuto, false, false, 0, ""},
 	}
 	for i, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			m := e.mover(t, Config{Devices: []int{0}, MaxStaging: 64 << 20, Chunk: c.chunk, Copy: c.mode, NoChecksums: c.nosums})
+			wantMode := c.mode
+			if c.mode == cuda.CopyAuto {
+				wantMode = cuda.CopyKernel // the fake driver loads it
+			}
+			if m.CopyMode() != wantMode {
+				t.Fatalf("CopyMode() = %v, want %v", m.CopyMode(), wantMode)
+			}
+			launches, batches := e.fake.Count(cudatest.OpLaunch), e.fake.Count(cudatest.OpBatch)
+			defer func() {
+				launched, batched := e.fake.Count(cudatest.OpLaunch) > launches, e.fake.Count(cudatest.OpBatch) > batches
+				if launched != (wantMode == cuda.CopyKernel) || batched != (wantMode == cuda.CopyBatch) {
+					t.Errorf("mode %v: kernel launches %v, batched copies %v", wantMode, launched, batched)
+				}
+			}()
 			kv := newCache(t, e.w, g)
 			orig := kv.randomize(t, e.w, uint64(i))
 			host := map[region.Region][]byte{}
@@ -450,6 +471,64 @@ func TestPinnedPoolAllocatedOnceAndHammered(t *testing.T) {
 	// most one per job that ran at once, not one per request.
 	if n := len(m.devs[0].idle); n < 1 || n > jobs {
 		t.Fatalf("%d idle lanes after %d jobs × %d rounds, want 1..%d", n, jobs, rounds, jobs)
+	}
+}
+
+// TestKernelFallsBackPerChunkAndLaunchFailuresFailTheCall: with the copy
+// kernel, a chunk whose segments are not 16-byte aligned moves by batched
+// copies in the same call (the bytes still arrive), and a launch the
+// driver refuses fails the call and retires its lane.
+func TestKernelFallsBackPerChunkAndLaunchFailuresFailTheCall(t *testing.T) {
+	e := newEnv(t)
+	g := geometry{layers: 2, numBlocks: 16, pageBytes: 8 << 10, blocksPerKey: 4, headerBytes: 4096}
+	kv := newCache(t, e.w, g)
+	orig := kv.randomize(t, e.w, 5)
+	m := e.mover(t, Config{Devices: []int{0}, MaxStaging: 4 << 20, Chunk: 16 << 10, Copy: cuda.CopyKernel})
+	p := kv.plan([]int{3, 9, 0, 14}, false)
+	// One more extent of 8 bytes at an odd device offset, at the end of
+	// the file: its chunk cannot go through the kernel.
+	odd := p.Extents[0]
+	odd.FileOff, odd.RegionOff, odd.Len, odd.Sum = p.Extents[len(p.Extents)-1].FileOff+p.Extents[len(p.Extents)-1].Len, 40, 8, -1
+	p.Extents = append(p.Extents, odd)
+	f := createFile(t, "key")
+	launches, batches := e.fake.Count(cudatest.OpLaunch), e.fake.Count(cudatest.OpBatch)
+	if _, err := m.WriteFile(context.Background(), f, p, make([]uint32, p.Sums)); err != nil {
+		t.Fatal(err)
+	}
+	kv.poison(t, e.w)
+	if _, err := m.ReadFile(context.Background(), f, p, make([]uint32, p.Sums)); err != nil {
+		t.Fatal(err)
+	}
+	if e.fake.Count(cudatest.OpLaunch) == launches || e.fake.Count(cudatest.OpBatch) == batches {
+		t.Errorf("kernel launches %d, batched copies %d: want both (aligned chunks and the odd one)",
+			e.fake.Count(cudatest.OpLaunch)-launches, e.fake.Count(cudatest.OpBatch)-batches)
+	}
+	for _, x := range p.Extents {
+		l := slices.IndexFunc(kv.layers, func(d *cuda.DeviceMemory) bool { return region.Region(d) == x.Region })
+		dev := kv.get(t, e.w, l)
+		if !bytes.Equal(dev[x.RegionOff:x.RegionOff+x.Len], orig[l][x.RegionOff:x.RegionOff+x.Len]) {
+			t.Fatalf("layer %d bytes at %d differ after the round trip", l, x.RegionOff)
+		}
+	}
+	for _, write := range []bool{true, false} {
+		if err := m.destroyIdle(m.devs[0]); err != nil {
+			t.Fatal(err)
+		}
+		e.fake.Fail(cudatest.OpLaunch, 2, 719)
+		var err error
+		if write {
+			_, err = m.WriteFile(context.Background(), createFile(t, "new"), p, make([]uint32, p.Sums))
+		} else {
+			_, err = m.ReadFile(context.Background(), f, p, make([]uint32, p.Sums))
+		}
+		e.fake.Fail(cudatest.OpLaunch, 0, 0)
+		var de *cuda.DriverError
+		if !errors.As(err, &de) || de.Func != "cuLaunchKernel" {
+			t.Errorf("write %v: err = %v, want the failed cuLaunchKernel", write, err)
+		}
+		if len(m.devs[0].idle) != 0 {
+			t.Errorf("write %v: the lane of a failed launch was kept for reuse", write)
+		}
 	}
 }
 

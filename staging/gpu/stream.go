@@ -177,7 +177,15 @@ func (m *Mover) runStreamed(ctx context.Context, f fsys.File, chunks []chunk, de
 		// Copies enqueued before a failure still run: the slot is pending
 		// either way, and a broken lane is synchronized whole.
 		pending[s] = true
-		eerr := m.r.Enqueue(&cp, h2d, m.cfg.Copy, ln.stream)
+		var eerr error
+		if dev.kernel != nil && cuda.KernelCopyable(&cp, m.tableEntries) {
+			// The buffer's table, like the buffer, is rewritten only
+			// after the slot's event says the last launch completed.
+			table, addr := m.table(bufs[s])
+			eerr = dev.kernel.Launch(&cp, table, addr, ln.stream)
+		} else {
+			eerr = m.r.Enqueue(&cp, h2d, m.fallback, ln.stream)
+		}
 		rerr := m.r.Record(ln.events[s], ln.stream)
 		if eerr != nil || rerr != nil {
 			broken = true

@@ -32,6 +32,7 @@ const (
 	OpBatch                  // a cudaMemcpyBatchAsync call
 	_                        // (per-segment copy calls, counted in C only)
 	OpRecord                 // a cudaEventRecord
+	OpLaunch                 // a cuLaunchKernel (of the copy kernel)
 )
 
 var (

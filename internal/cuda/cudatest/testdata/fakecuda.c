@@ -27,7 +27,7 @@ enum {
 };
 
 // Kinds of operation, for faults and counters.
-enum { opCopy, opSync, opIpcOpen, opHostAlloc, opHostRegister, opBatch, opSegCall, opRecord, nOps };
+enum { opCopy, opSync, opIpcOpen, opHostAlloc, opHostRegister, opBatch, opSegCall, opRecord, opLaunch, nOps };
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static long counts[nOps];
@@ -103,21 +103,41 @@ static alloc *unlink_alloc(uintptr_t p) {
 // copies ever run; an event records how many had been enqueued when it was
 // recorded (upto) and its synchronization runs those only, as the real
 // one waits for the work before the record and not for later work.
-typedef struct { void *dst; const void *src; size_t n; } op;
+// An op is a copy, or (table set) a launch of the copy kernel over n
+// entries of its table, read when the op runs as the GPU reads it.
+typedef struct { void *dst; const void *src; size_t n; const uint64_t *table; } op;
 typedef struct { pthread_mutex_t mu; op *ops; size_t n, cap; size_t done; int device; int err; } stream;
 typedef struct { stream *s; size_t upto; } event;
 
-static int enqueue(stream *s, void *dst, const void *src, size_t n) {
-	if (!s) { memcpy(dst, src, n); return 0; } // legacy default stream: synchronous
+// run_op runs one op; a kernel entry that is not 16-byte aligned fails
+// it, as the kernel's vector accesses would.
+static int run_op(const op *o) {
+	if (!o->table) {
+		memcpy(o->dst, o->src, o->n);
+		return 0;
+	}
+	for (size_t i = 0; i < o->n; i++) {
+		const uint64_t *e = o->table + 3 * i;
+		if ((e[0] | e[1] | e[2]) % 16) return errLaunchFailure;
+		memcpy((void *)(uintptr_t)e[0], (const void *)(uintptr_t)e[1], e[2]);
+	}
+	return 0;
+}
+
+// push queues o on s; on the legacy default stream (NULL) it runs at once.
+static int push(stream *s, op o) {
+	if (!s) return run_op(&o);
 	pthread_mutex_lock(&s->mu);
 	if (s->n == s->cap) {
 		s->cap = s->cap ? 2 * s->cap : 64;
 		s->ops = realloc(s->ops, s->cap * sizeof(op));
 	}
-	s->ops[s->n++] = (op){dst, src, n};
+	s->ops[s->n++] = o;
 	pthread_mutex_unlock(&s->mu);
 	return 0;
 }
+
+static int enqueue(stream *s, void *dst, const void *src, size_t n) { return push(s, (op){dst, src, n, NULL}); }
 
 // drain_upto runs the queued copies up to the upto-th ever enqueued (all
 // with (size_t)-1). A failed synchronization drops what it would have run.
@@ -128,7 +148,7 @@ static int drain_upto(stream *s, size_t upto) {
 	size_t k = s->n;
 	if (upto != (size_t)-1) k = upto > s->done ? upto - s->done : 0;
 	if (k > s->n) k = s->n;
-	if (!code) for (size_t i = 0; i < k; i++) memcpy(s->ops[i].dst, s->ops[i].src, s->ops[i].n);
+	for (size_t i = 0; i < k && !code; i++) code = run_op(&s->ops[i]);
 	memmove(s->ops, s->ops + k, (s->n - k) * sizeof(op));
 	s->n -= k;
 	s->done += k;
@@ -209,6 +229,7 @@ int cudaMalloc(void **p, size_t n) {
 	return 0;
 }
 int cudaFree(void *p) {
+	if (!p) return 0; // cudaFree(0): initializes the context, frees nothing
 	pthread_mutex_lock(&mu);
 	alloc *a = find((uintptr_t)p);
 	if (!a || a->base != (uintptr_t)p) {
@@ -313,4 +334,30 @@ int cuMemGetAddressRange_v2(uint64_t *base, size_t *size, uint64_t p) {
 	if (a) { *base = a->base; *size = a->size; }
 	pthread_mutex_unlock(&mu);
 	return a ? 0 : 1;
+}
+
+// The copy kernel: a module is a copy of its PTX, which must define the
+// entry kv_copy_segments; a launch queues a kernel op over gridDimY
+// entries of the table its one parameter points to.
+int cuModuleLoadDataEx(void **mod, const void *image, unsigned n, int *opts, void **vals) {
+	(void)n; (void)opts; (void)vals;
+	const char *ptx = image;
+	if (!strstr(ptx, ".version") || !strstr(ptx, ".entry kv_copy_segments(")) return 218; // CUDA_ERROR_INVALID_PTX
+	*mod = strdup(ptx);
+	return 0;
+}
+int cuModuleGetFunction(void **fn, void *mod, const char *name) {
+	if (strcmp(name, "kv_copy_segments")) return 500; // CUDA_ERROR_NOT_FOUND
+	*fn = mod;
+	return 0;
+}
+int cuModuleUnload(void *mod) { free(mod); return 0; }
+int cuLaunchKernel(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+		   unsigned shared, stream *s, void **params, void **extra) {
+	(void)shared; (void)extra;
+	int code = tick(opLaunch);
+	if (code) return code;
+	if (!fn || !params || gx < 1 || gy < 1 || gy > 65535 || gz != 1 || bx < 1 || bx > 1024 || by != 1 || bz != 1) return 1;
+	const uint64_t *table = (const uint64_t *)(uintptr_t)(*(uint64_t *)params[0]);
+	return push(s, (op){NULL, NULL, gy, table});
 }
