@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Runs the GPU benchmark sweep of docs/performance.md ("GPU data path") on a
+# machine with a CUDA GPU, from the binaries `make gpu-bins` built:
+#
+#   make gpu-bins                        # here
+#   scripts/gpu-bench.sh [BINDIR] [OUT]  # there, as root (drops caches, mounts a tmpfs)
+#
+# Each part writes a JSON report (kvhost bench --json) and its table under
+# OUT (default ./gpu-bench-out); parts can be switched off: SHM=0 SMALL=0
+# JOBS=0 DISK=0 HUGE=0 COPY=0. Each part runs under a time limit
+# (LIMIT seconds, default 240) so that one slow part cannot eat the others.
+# PROFILE=1 adds a CPU profile of 2 MiB loads on /dev/shm. WARM (GiB,
+# default 32; 0 skips it) is written once to the memory file system and
+# removed before the first part: a fresh VM faults its memory in from the
+# host on first use, which would slow whichever part ran first.
+set -uo pipefail
+bin=${1:-gpu-bins}
+out=${2:-${OUT:-gpu-bench-out}}
+limit=${LIMIT:-240}
+mkdir -p "$out"
+if [ -f "$bin.tar.xz" ] && [ ! -d "$bin" ]; then
+	mkdir -p "$bin" && tar -C "$bin" -xJf "$bin.tar.xz"
+fi
+disk=${DISK_DIR:-/var/tmp/kb}
+shm=${SHM_DIR:-/dev/shm/kb}
+huge=${HUGE_DIR:-/mnt/kvh}
+mkdir -p "$disk" "$shm"
+G="--path staging --progress off"
+
+if [ "${WARM:-32}" -gt 0 ]; then
+	echo "== warm-up: ${WARM:-32} GiB written to $shm and removed"
+	dd if=/dev/zero of="$shm/warm" bs=1M count=$((${WARM:-32} * 1024)) status=none; rm -f "$shm/warm"
+fi
+
+status=0
+bench() { # name args...: one kvhost bench run, its table on stdout and in OUT/name.txt
+	local name=$1; shift
+	echo "== $name: kvhost bench $*"
+	local t0=$SECONDS
+	if ! timeout "$limit" "$bin/kvhost" bench "$@" --json "$out/$name.json" 2>&1 | tee "$out/$name.txt"; then
+		echo "   FAILED or cut at ${limit}s"; status=1
+	fi
+	echo "   $((SECONDS - t0)) s"
+}
+
+# Memory file system, the key sizes of the targets, 16 jobs.
+[ "${SHM:-1}" = 1 ] && bench shm --dir "$shm" $G --tokens-per-key 256,16 --jobs 16 --checksum on,off --total 4GiB --rounds 3
+# Fewer jobs.
+[ "${JOBS:-1}" = 1 ] && bench shm-jobs --dir "$shm" $G --tokens-per-key 256 --jobs 1,8 --checksum on,off --total 2GiB --rounds 2
+# The ext4 disk: durable stores, cold loads.
+[ "${DISK:-1}" = 1 ] && bench disk --dir "$disk" $G --tokens-per-key 256,16 --jobs 16 --checksum on,off --total 1GiB --rounds 2 --drop-caches --fsync true
+# A tmpfs with huge pages.
+if [ "${HUGE:-1}" = 1 ]; then
+	mkdir -p "$huge" && mount -t tmpfs -o size=40G,huge=always tmpfs "$huge" && \
+		bench huge --dir "$huge" $G --tokens-per-key 256,16 --jobs 16 --checksum on,off --total 4GiB --rounds 3
+	umount "$huge" 2>/dev/null
+fi
+# The copy kernel against batched copies, through the engine, same mount.
+if [ "${COPY:-1}" = 1 ]; then
+	printf '[gpu]\ncopy = "batch"\n' >"$out/batch.toml"
+	bench copy-batch --dir "$shm" --config "$out/batch.toml" $G --tokens-per-key 256,16 --jobs 16 --checksum on --total 4GiB --rounds 3
+fi
+if [ "${PROFILE:-0}" = 1 ]; then
+	bench profile-2m --dir "$shm" $G --tokens-per-key 16 --jobs 16 --checksum on --total 4GiB --rounds 3 --cpu-profile "$out/load-2m.pprof"
+fi
+exit $status
