@@ -48,7 +48,7 @@ bench() { # name args...: one kvhost bench run, its table on stdout and in OUT/n
 # Fewer jobs.
 [ "${JOBS:-1}" = 1 ] && bench shm-jobs --dir "$shm" $G --tokens-per-key 256 --jobs 1,8 --checksum on,off --total 2GiB --rounds 2
 # The ext4 disk: durable stores, cold loads.
-[ "${DISK:-1}" = 1 ] && bench disk --dir "$disk" $G --tokens-per-key 256,16 --jobs 16 --checksum on,off --total 1GiB --rounds 2 --drop-caches --fsync true
+[ "${DISK:-1}" = 1 ] && bench disk --dir "$disk" $G --tokens-per-key 256,16 --jobs 16 --checksum on,off --total 2GiB --rounds 2 --drop-caches --fsync true
 # A tmpfs with huge pages.
 if [ "${HUGE:-1}" = 1 ]; then
 	mkdir -p "$huge" && mount -t tmpfs -o size=40G,huge=always tmpfs "$huge" && \
