@@ -287,16 +287,11 @@ func TestKernelFaultsAreDriverErrorsAndBadCopiesAreRefused(t *testing.T) {
 			return err
 		}
 		defer k.Unload()
-		m, err := r.Malloc(0, 1<<16)
+		m, h, free, err := deviceAndHost(r, 1<<16)
 		if err != nil {
 			return err
 		}
-		defer m.Close()
-		h, err := r.HostAlloc(1 << 16)
-		if err != nil {
-			return err
-		}
-		defer h.Free()
+		defer free()
 		table := make([]byte, 4*cuda.KernelEntryBytes)
 		var cp cuda.Copies
 		cp.Add(h.Ptr(), m.Ptr(), 1<<12)
@@ -344,16 +339,11 @@ func TestCopyFaultsAreErrors(t *testing.T) {
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			err := w.Do(context.Background(), func(w *cuda.Worker) error {
-				m, err := r.Malloc(0, 1<<16)
+				m, h, free, err := deviceAndHost(r, 1<<16)
 				if err != nil {
 					return err
 				}
-				defer m.Close()
-				h, err := r.HostAlloc(1 << 16)
-				if err != nil {
-					return err
-				}
-				defer h.Free()
+				defer free()
 				var cp cuda.Copies
 				for i := range 4 {
 					cp.Add(h.Ptr()+uintptr(i<<12), m.Ptr()+uintptr(i<<12), 1<<12)
@@ -488,4 +478,19 @@ func TestPinnedCopyTimesMeasuresBothDirectionsAndReportsFaults(t *testing.T) {
 	if !errors.Is(err, cuda.ErrorIllegalAddress) {
 		t.Fatalf("a failed copy gave %v (copies before: %d), want ErrorIllegalAddress", err, before)
 	}
+}
+
+// deviceAndHost allocates n bytes on device 0 and n pinned host bytes;
+// free releases both.
+func deviceAndHost(r *cuda.Runtime, n int) (*cuda.DeviceMemory, *cuda.Pinned, func(), error) {
+	m, err := r.Malloc(0, int64(n))
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	h, err := r.HostAlloc(n)
+	if err != nil {
+		m.Close()
+		return nil, nil, nil, err
+	}
+	return m, h, func() { h.Free(); m.Close() }, nil
 }

@@ -86,7 +86,7 @@ func TestGPUCheckAndBenchmark(t *testing.T) {
 		t.Fatal(err)
 	}
 
-	g := geometry{layers: 32, numBlocks: 512, pageBytes: 64 << 10, blocksPerKey: 16, headerBytes: 4096}
+	g := llama8B()
 	if small {
 		g.numBlocks = 32
 	}

@@ -149,3 +149,10 @@ func keyBlocks(r *rand.Rand, numBlocks, n int) []int {
 func (g geometry) String() string {
 	return fmt.Sprintf("%dx%dB", g.layers*g.blocksPerKey, g.pageBytes)
 }
+
+// llama8B is Llama-3.1-8B bf16 as vLLM pages it: 32 layers of 512 pages of
+// 64 KiB, 16 blocks (256 tokens) per key, behind a 4 KiB header: a 32 MiB
+// key is 512 scattered pages.
+func llama8B() geometry {
+	return geometry{layers: 32, numBlocks: 512, pageBytes: 64 << 10, blocksPerKey: 16, headerBytes: 4096}
+}

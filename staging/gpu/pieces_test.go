@@ -28,7 +28,7 @@ func TestGPUWritePieces(t *testing.T) {
 	}
 	rep := &report{t: t}
 	r, w := openGPU(t, cuda.Config{})
-	g := geometry{layers: 32, numBlocks: 512, pageBytes: 64 << 10, blocksPerKey: 16, headerBytes: 4096}
+	g := llama8B()
 	kv := newCache(t, w, g)
 	kv.randomize(t, w, 1)
 	const files, jobs = 128, 16

@@ -41,7 +41,7 @@ func TestGPURegisteredFiles(t *testing.T) {
 		cfg = cuda.Config{Runtime: []string{p}, Driver: []string{p}}
 	}
 	r, w := openGPU(t, cfg)
-	g := geometry{layers: 32, numBlocks: 512, pageBytes: 64 << 10, blocksPerKey: 16, headerBytes: 4096}
+	g := llama8B()
 	kv := newCache(t, w, g)
 	orig := kv.randomize(t, w, 1)
 	host := map[region.Region][]byte{}

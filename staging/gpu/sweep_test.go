@@ -24,7 +24,7 @@ func TestGPUSweep(t *testing.T) {
 		}
 	}()
 	r, w := openGPU(t, cuda.Config{})
-	g := geometry{layers: 32, numBlocks: 512, pageBytes: 64 << 10, blocksPerKey: 16, headerBytes: 4096}
+	g := llama8B()
 	kv := newCache(t, w, g)
 	kv.randomize(t, w, 1)
 	dir := envOr("KVHOST_GPU_TMPFS", "/dev/shm/kvhost-gpu-sweep")
