@@ -69,10 +69,11 @@ type GPU struct {
 	// means 4 MiB.
 	Chunk Size `toml:"chunk"`
 	// Copy is how the staging pipeline moves a chunk's pages between its
-	// pinned buffer and the GPU: "auto" (the default: "kernel" where the
-	// driver loads it, else "batch"), "kernel" (one launch of kvhost's
-	// copy kernel per chunk), "batch" (one cudaMemcpyBatchAsync) or
-	// "segments" (one cudaMemcpyAsync per page).
+	// pinned buffer and the GPU: "auto" (the default: "batch" where the
+	// runtime has it, else "segments"), "batch" (one cudaMemcpyBatchAsync
+	// per chunk), "segments" (one cudaMemcpyAsync per page) or "kernel"
+	// (one launch of kvhost's copy kernel per chunk: faster copies, but on
+	// the GPU's SMs, taking turns with the inference process's kernels).
 	Copy string `toml:"copy"`
 }
 

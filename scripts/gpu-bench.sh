@@ -55,10 +55,11 @@ if [ "${HUGE:-1}" = 1 ]; then
 		bench huge --dir "$huge" $G --tokens-per-key 256,16 --jobs 16 --checksum on,off --total 4GiB --rounds 3
 	umount "$huge" 2>/dev/null
 fi
-# The copy kernel against batched copies, through the engine, same mount.
+# The copy kernel (gpu.copy = "kernel") against the default batched
+# copies, through the engine, same mount.
 if [ "${COPY:-1}" = 1 ]; then
-	printf '[gpu]\ncopy = "batch"\n' >"$out/batch.toml"
-	bench copy-batch --dir "$shm" --config "$out/batch.toml" $G --tokens-per-key 256,16 --jobs 16 --checksum on --total 4GiB --rounds 3
+	printf '[gpu]\ncopy = "kernel"\n' >"$out/kernel.toml"
+	bench copy-kernel --dir "$shm" --config "$out/kernel.toml" $G --tokens-per-key 256,16 --jobs 16 --checksum on --total 4GiB --rounds 3
 fi
 if [ "${PROFILE:-0}" = 1 ]; then
 	bench profile-2m --dir "$shm" $G --tokens-per-key 16 --jobs 16 --checksum on --total 4GiB --rounds 3 --cpu-profile "$out/load-2m.pprof"

@@ -8,7 +8,7 @@
 #
 # Every check writes its log under OUT (default ./gpu-out); the summary
 # lines go to stdout. Parts can be switched off: GDS=0 STAGING=0 E2E=0
-# SPEC=0 BENCH=0 HOSTILE=0; BATCH=1 adds the cuFile batch measurement (off by
+# SPEC=0 BENCH=0 HOSTILE=0 INTERFERENCE=0; BATCH=1 adds the cuFile batch measurement (off by
 # default: in compatibility mode a batch can hang inside libcufile, and the
 # check then ends itself after 40 s). The ext4 disk directory is DISK (default /var/tmp/kvhost-gpu),
 # the memory file system SHM (default /dev/shm/kvhost-gpu).
@@ -93,6 +93,21 @@ if [ "${HOSTILE:-1}" = 1 ]; then
 	else
 		wait "$pid"; echo "   FAILED: the daemon died (exit status $?)"; status=1
 	fi
+fi
+if [ "${INTERFERENCE:-1}" = 1 ]; then
+	# What kvhost's copies cost the inference process's kernels: matmuls
+	# alone and beside loads through a daemon, with the default DMA copies
+	# and with gpu.copy = "kernel".
+	for mode in batch kernel; do
+		sock=/tmp/kvhost-gpu-interference.sock
+		printf '[gpu]\ncopy = "%s"\n' "$mode" >"$out/copy-$mode.toml"
+		rm -rf "$shm/interference" "$sock"
+		"$bin/kvhost" --config "$out/copy-$mode.toml" --dir "$shm/interference" --socket "$sock" --log-format json >"$out/daemon-interference-$mode.log" 2>&1 &
+		pid=$!
+		for _ in $(seq 200); do [ -S "$sock" ] && break; sleep 0.1; done
+		run "interference-$mode" python3 scripts/gpu-interference.py "$sock" 8 64 8
+		kill -TERM "$pid"; wait "$pid"; echo "   daemon exit status $?"
+	done
 fi
 [ "${SPEC:-1}" = 1 ] && run spec env KVHOST_GPU=1 KVHOST_BIN="$bin/kvhost" \
 	python3 client/python/tests/gpu_spec_check.py "$out/spec.json"

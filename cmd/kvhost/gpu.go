@@ -93,9 +93,6 @@ func openGPU(opts gpuOptions, log *slog.Logger) (*gpuPaths, error) {
 		rt.Close()
 		return nil, fmt.Errorf("gpu: %w", err)
 	}
-	if err := p.staging.KernelUnavailable(); err != nil {
-		log.Info("copy kernel unavailable: pages move by DMA copies", "copy", p.staging.CopyMode().String(), "reason", err.Error())
-	}
 	log.Info("GPU paths ready", "devices", n, "cuda_runtime", rt.Path(), "cuda_version", rt.Version(),
 		"copy", p.staging.CopyMode().String(), "batched_copies", rt.HasBatch(), "pinned_staging_bytes", p.staging.PinnedBytes())
 	if opts.CuFile != "off" {

@@ -10,8 +10,8 @@ import (
 	"github.com/kvhost/kvhost/internal/dl"
 )
 
-// ErrNoKernel: the driver API lacks what the copy kernel needs (no libcuda,
-// or one without module loading and kernel launches).
+// ErrNoKernel is returned where the driver API lacks what the copy kernel
+// needs (no libcuda, or one without module loading and kernel launches).
 var ErrNoKernel = errors.New("cuda: copy kernel unavailable (no driver API)")
 
 // Kernel copies: every address and length must be a multiple of
@@ -102,24 +102,49 @@ DONE:
 // DriverError is a failed driver API call (a CUresult, numbered apart
 // from the runtime's codes), with the JIT's log where it gave one.
 type DriverError struct {
-	Func string
-	Code int
-	Log  string
+	Func string // the driver function that failed, e.g. "cuLaunchKernel"
+	Code int    // its CUresult
+	Log  string // the JIT's error log, for a module load; else empty
 }
 
-var driverErrorNames = map[int]string{
-	1: "CUDA_ERROR_INVALID_VALUE", 2: "CUDA_ERROR_OUT_OF_MEMORY", 3: "CUDA_ERROR_NOT_INITIALIZED",
-	200: "CUDA_ERROR_INVALID_IMAGE", 201: "CUDA_ERROR_INVALID_CONTEXT", 209: "CUDA_ERROR_NO_BINARY_FOR_GPU",
-	218: "CUDA_ERROR_INVALID_PTX", 221: "CUDA_ERROR_JIT_COMPILER_NOT_FOUND", 222: "CUDA_ERROR_UNSUPPORTED_PTX_VERSION",
-	400: "CUDA_ERROR_INVALID_HANDLE", 500: "CUDA_ERROR_NOT_FOUND", 700: "CUDA_ERROR_ILLEGAL_ADDRESS",
-	701: "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES", 719: "CUDA_ERROR_LAUNCH_FAILED",
-}
-
-func (e *DriverError) Error() string {
-	name, ok := driverErrorNames[e.Code]
-	if !ok {
-		name = fmt.Sprintf("CUresult(%d)", e.Code)
+// driverErrorName names the CUresults the copy kernel's calls can return.
+func driverErrorName(code int) string {
+	switch code {
+	case 1:
+		return "CUDA_ERROR_INVALID_VALUE"
+	case 2:
+		return "CUDA_ERROR_OUT_OF_MEMORY"
+	case 3:
+		return "CUDA_ERROR_NOT_INITIALIZED"
+	case 200:
+		return "CUDA_ERROR_INVALID_IMAGE"
+	case 201:
+		return "CUDA_ERROR_INVALID_CONTEXT"
+	case 209:
+		return "CUDA_ERROR_NO_BINARY_FOR_GPU"
+	case 218:
+		return "CUDA_ERROR_INVALID_PTX"
+	case 221:
+		return "CUDA_ERROR_JIT_COMPILER_NOT_FOUND"
+	case 222:
+		return "CUDA_ERROR_UNSUPPORTED_PTX_VERSION"
+	case 400:
+		return "CUDA_ERROR_INVALID_HANDLE"
+	case 500:
+		return "CUDA_ERROR_NOT_FOUND"
+	case 700:
+		return "CUDA_ERROR_ILLEGAL_ADDRESS"
+	case 701:
+		return "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES"
+	case 719:
+		return "CUDA_ERROR_LAUNCH_FAILED"
 	}
+	return fmt.Sprintf("CUresult(%d)", code)
+}
+
+// Error names the function, the CUresult and the JIT's log.
+func (e *DriverError) Error() string {
+	name := driverErrorName(e.Code)
 	if e.Log != "" {
 		return fmt.Sprintf("cuda: %s: %s: %s", e.Func, name, e.Log)
 	}

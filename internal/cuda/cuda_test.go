@@ -198,7 +198,9 @@ func TestScatterGatherRoundTrip(t *testing.T) {
 				}
 				for i := range pages {
 					if !bytes.Equal(host.Bytes()[i*page:(i+1)*page], want[(pages-1-i)*page:(pages-i)*page]) {
-						t.Fatalf("gathered page %d differs", i)
+						// Not t.Fatalf: this runs on the worker's thread, and
+						// Goexit there would leave Do waiting forever.
+						return fmt.Errorf("gathered page %d differs", i)
 					}
 				}
 				c.Reset()
@@ -225,7 +227,7 @@ func TestScatterGatherRoundTrip(t *testing.T) {
 					return err
 				}
 				if !bytes.Equal(got, want) {
-					t.Fatalf("scattered bytes differ")
+					return errors.New("scattered bytes differ")
 				}
 				return nil
 			})

@@ -65,12 +65,15 @@ type Config struct {
 	// buffering).
 	Depth int
 	// Copy chooses how a chunk's segments move between its pinned buffer
-	// and the device: CopyKernel (one launch of kvhost's copy kernel),
-	// CopyBatch (one cudaMemcpyBatchAsync) or CopySegments (one
-	// cudaMemcpyAsync each). The default, CopyAuto, is the kernel where
-	// the driver loads it, else batched copies where the runtime has
-	// them. A chunk the kernel cannot move (segments not 16-byte aligned,
-	// or more than its table holds) goes batched or per segment.
+	// and the device: CopyBatch (one cudaMemcpyBatchAsync), CopySegments
+	// (one cudaMemcpyAsync each) or CopyKernel (one launch of kvhost's
+	// copy kernel). The default, CopyAuto, is batched copies where the
+	// runtime has them, else per segment: DMA copies run on the GPU's copy
+	// engines, while the kernel runs on its SMs in the mover's own CUDA
+	// context and so takes turns with the inference process's kernels
+	// (it halved a concurrent matmul's throughput on the H100). With
+	// CopyKernel, a chunk the kernel cannot move (segments not 16-byte
+	// aligned, or more than its table holds) goes batched or per segment.
 	Copy cuda.CopyMode
 	// NoChecksums turns checksums off (Checksums reports false).
 	NoChecksums bool
@@ -87,9 +90,9 @@ type Mover struct {
 	// With the copy kernel, buffer i's segment table (tableEntries
 	// entries) is at tableSize·i after the buffers; 0 without it.
 	tableEntries, tableSize int
-	// fallback moves what the kernel does not: batched or per segment.
-	fallback  cuda.CopyMode
-	kernelErr error // why CopyAuto runs without the kernel
+	// fallback moves what the kernel does not (and everything without
+	// the kernel): batched or per segment.
+	fallback cuda.CopyMode
 
 	// writePiece is the size of a write's pieces when its checksums are
 	// fused (0: fuseBatch); tests measure others.
@@ -142,7 +145,7 @@ func New(cfg Config) (*Mover, error) {
 	// for any cache whose pages are 4 KiB or larger. The tables live in
 	// the same pinned allocation, after the buffers.
 	entries, tsize := 0, 0
-	if (cfg.Copy == cuda.CopyAuto || cfg.Copy == cuda.CopyKernel) && cfg.Runtime.HasKernel() {
+	if cfg.Copy == cuda.CopyKernel {
 		entries = cfg.Chunk/Align + 2
 		tsize = (entries*cuda.KernelEntryBytes + 63) &^ 63
 	}
@@ -180,19 +183,12 @@ func New(cfg Config) (*Mover, error) {
 	for _, d := range cfg.Devices {
 		m.devs[d] = &device{ordinal: d, idle: make(chan *lane, maxIdleLanes)}
 	}
-	switch {
-	case entries > 0:
+	if entries > 0 {
 		if err := m.loadKernels(); err != nil {
-			if cfg.Copy == cuda.CopyKernel {
-				m.pin.Free()
-				return nil, fmt.Errorf("gpu: %w", err)
-			}
-			m.kernelErr = err
-			break
+			m.pin.Free()
+			return nil, fmt.Errorf("gpu: %w", err)
 		}
 		m.tableEntries, m.tableSize = entries, tsize
-	case cfg.Copy == cuda.CopyAuto:
-		m.kernelErr = cuda.ErrNoKernel
 	}
 	return m, nil
 }
@@ -242,10 +238,6 @@ func (m *Mover) CopyMode() cuda.CopyMode {
 	}
 	return m.fallback
 }
-
-// KernelUnavailable is why a mover configured with CopyAuto runs without
-// the copy kernel (nil when it has it, or was not asked to load it).
-func (m *Mover) KernelUnavailable() error { return m.kernelErr }
 
 // Name is "gpu-staging".
 func (m *Mover) Name() string { return "gpu-staging" }

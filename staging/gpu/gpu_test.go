@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"sync"
 	"syscall"
 	"testing"
@@ -177,7 +178,7 @@ func TestRoundTripScatteredPlan(t *testing.T) {
 			m := e.mover(t, Config{Devices: []int{0}, MaxStaging: 64 << 20, Chunk: c.chunk, Copy: c.mode, NoChecksums: c.nosums})
 			wantMode := c.mode
 			if c.mode == cuda.CopyAuto {
-				wantMode = cuda.CopyKernel // the fake driver loads it
+				wantMode = cuda.CopyBatch // never the kernel: it would take turns with inference kernels
 			}
 			if m.CopyMode() != wantMode {
 				t.Fatalf("CopyMode() = %v, want %v", m.CopyMode(), wantMode)
@@ -643,5 +644,48 @@ func TestUnalignedEndDirectWriteIsPadded(t *testing.T) {
 				t.Fatalf("checksum %08x, want %08x (the data only)", sums[0], w)
 			}
 		})
+	}
+}
+
+// TestCopyKernelOnlyWhenAsked: CopyAuto never loads the copy kernel (it
+// would take turns with the inference process's kernels on the SMs);
+// CopyKernel loads it on every served device, fails New with the driver's
+// error when the driver refuses the PTX, and unloads it at Close.
+func TestCopyKernelOnlyWhenAsked(t *testing.T) {
+	e := newEnv(t)
+	loads := e.fake.Count(cudatest.OpModuleLoad)
+	m := e.mover(t, Config{Devices: []int{0, 1}, MaxStaging: 16 << 20})
+	if e.fake.Count(cudatest.OpModuleLoad) != loads || m.CopyMode() != cuda.CopyBatch {
+		t.Fatalf("auto: %d module loads, copy mode %v; want none and batched copies", e.fake.Count(cudatest.OpModuleLoad)-loads, m.CopyMode())
+	}
+
+	m, err := New(Config{Runtime: e.r, Devices: []int{0, 1}, MaxStaging: 16 << 20, Copy: cuda.CopyKernel})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := e.fake.Count(cudatest.OpModuleLoad) - loads; n != 2 || m.CopyMode() != cuda.CopyKernel {
+		t.Fatalf("kernel: %d module loads, copy mode %v; want one per device and the kernel", n, m.CopyMode())
+	}
+	unloads := e.fake.Count(cudatest.OpModuleUnload)
+	if err := m.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if n := e.fake.Count(cudatest.OpModuleUnload) - unloads; n != 2 {
+		t.Fatalf("Close unloaded the kernel %d times, want once per device", n)
+	}
+
+	// The second device's load fails: the first device's module must go.
+	e.fake.Fail(cudatest.OpModuleLoad, 2, 218) // CUDA_ERROR_INVALID_PTX
+	loads, unloads = e.fake.Count(cudatest.OpModuleLoad), e.fake.Count(cudatest.OpModuleUnload)
+	m, err = New(Config{Runtime: e.r, Devices: []int{0, 1}, MaxStaging: 16 << 20, Copy: cuda.CopyKernel})
+	var de *cuda.DriverError
+	if !errors.As(err, &de) || de.Func != "cuModuleLoadDataEx" || !strings.Contains(err.Error(), "CUDA_ERROR_INVALID_PTX") {
+		if m != nil {
+			m.Close()
+		}
+		t.Fatalf("a refused PTX: %v, want a DriverError from cuModuleLoadDataEx naming CUDA_ERROR_INVALID_PTX", err)
+	}
+	if loaded, unloaded := e.fake.Count(cudatest.OpModuleLoad)-loads, e.fake.Count(cudatest.OpModuleUnload)-unloads; loaded != 2 || unloaded != 1 {
+		t.Fatalf("after the second device's load failed: %d load calls, %d unloads; want 2 and 1 (all or none)", loaded, unloaded)
 	}
 }

@@ -33,6 +33,8 @@ const (
 	_                        // (per-segment copy calls, counted in C only)
 	OpRecord                 // a cudaEventRecord
 	OpLaunch                 // a cuLaunchKernel (of the copy kernel)
+	OpModuleLoad             // a cuModuleLoadDataEx (the copy kernel's PTX)
+	OpModuleUnload           // a cuModuleUnload
 )
 
 var (

@@ -27,7 +27,7 @@ enum {
 };
 
 // Kinds of operation, for faults and counters.
-enum { opCopy, opSync, opIpcOpen, opHostAlloc, opHostRegister, opBatch, opSegCall, opRecord, opLaunch, nOps };
+enum { opCopy, opSync, opIpcOpen, opHostAlloc, opHostRegister, opBatch, opSegCall, opRecord, opLaunch, opModuleLoad, opModuleUnload, nOps };
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static long counts[nOps];
@@ -341,6 +341,8 @@ int cuMemGetAddressRange_v2(uint64_t *base, size_t *size, uint64_t p) {
 // entries of the table its one parameter points to.
 int cuModuleLoadDataEx(void **mod, const void *image, unsigned n, int *opts, void **vals) {
 	(void)n; (void)opts; (void)vals;
+	int code = tick(opModuleLoad);
+	if (code) return code;
 	const char *ptx = image;
 	if (!strstr(ptx, ".version") || !strstr(ptx, ".entry kv_copy_segments(")) return 218; // CUDA_ERROR_INVALID_PTX
 	*mod = strdup(ptx);
@@ -351,7 +353,11 @@ int cuModuleGetFunction(void **fn, void *mod, const char *name) {
 	*fn = mod;
 	return 0;
 }
-int cuModuleUnload(void *mod) { free(mod); return 0; }
+int cuModuleUnload(void *mod) {
+	int code = tick(opModuleUnload);
+	free(mod);
+	return code;
+}
 int cuLaunchKernel(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
 		   unsigned shared, stream *s, void **params, void **extra) {
 	(void)shared; (void)extra;
