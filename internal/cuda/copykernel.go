@@ -241,10 +241,14 @@ func KernelCopyable(c *Copies, maxEntries int) bool {
 }
 
 // Launch writes c's segments into table, pinned host memory at address
-// tableAddr of at least KernelEntryBytes·c.Len() bytes, and enqueues one
-// launch on s. The kernel reads the table when it runs: leave it
-// untouched until an event recorded after the launch has completed.
+// tableAddr (table's own address, 8-byte aligned) of at least
+// KernelEntryBytes·c.Len() bytes, and enqueues one launch on s. The kernel
+// reads the table when it runs: leave it untouched until an event
+// recorded after the launch has completed.
 func (k *Kernel) Launch(c *Copies, table []byte, tableAddr uintptr, s Stream) error {
+	if len(table) == 0 || tableAddr != uintptr(unsafe.Pointer(&table[0])) || tableAddr%8 != 0 {
+		return fmt.Errorf("cuda: copy kernel: table address %#x is not the table's own, 8-byte aligned", tableAddr)
+	}
 	if !KernelCopyable(c, len(table)/KernelEntryBytes) {
 		return fmt.Errorf("cuda: copy kernel: %d copies do not fit a %d-byte table or are not %d-byte aligned", c.Len(), len(table), KernelAlign)
 	}

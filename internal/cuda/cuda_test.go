@@ -294,7 +294,10 @@ func TestKernelFaultsAreDriverErrorsAndBadCopiesAreRefused(t *testing.T) {
 			return err
 		}
 		defer free()
-		table := make([]byte, 4*cuda.KernelEntryBytes)
+		// The table lives in pinned memory, as the mover's do (a Go byte
+		// slice need not be 8-byte aligned), away from the copy's bytes.
+		const tableOff = 32 << 10
+		table := h.Bytes()[tableOff : tableOff+4*cuda.KernelEntryBytes]
 		var cp cuda.Copies
 		cp.Add(h.Ptr(), m.Ptr(), 1<<12)
 		fake.Fail(cudatest.OpLaunch, 1, 719)
@@ -311,6 +314,14 @@ func TestKernelFaultsAreDriverErrorsAndBadCopiesAreRefused(t *testing.T) {
 		}
 		if fake.Count(cudatest.OpLaunch) != launches {
 			t.Error("an unaligned copy reached the driver")
+		}
+		cp.Reset()
+		cp.Add(h.Ptr(), m.Ptr(), 1<<12)
+		if err := k.Launch(&cp, table, uintptr(unsafe.Pointer(&table[0]))+8, w.Stream()); err == nil || !strings.Contains(err.Error(), "table address") {
+			t.Errorf("a table address that is not the table's: %v, want a refusal naming it", err)
+		}
+		if fake.Count(cudatest.OpLaunch) != launches {
+			t.Error("a launch with another table's address reached the driver")
 		}
 		if err := r.Enqueue(&cp, false, cuda.CopyKernel, w.Stream()); err == nil {
 			t.Error("Enqueue accepted CopyKernel, which only Kernel.Launch moves")
