@@ -94,13 +94,6 @@ type Mover struct {
 	// the kernel): batched or per segment.
 	fallback cuda.CopyMode
 
-	// writePiece is the size of a write's pieces when its checksums are
-	// fused (0: fuseBatch); tests measure others.
-	writePiece int
-	// crcFirst checksums each piece of a write before writing it rather
-	// than after; tests measure it.
-	crcFirst bool
-
 	mu     sync.RWMutex
 	closed bool
 }
@@ -462,19 +455,13 @@ func (m *Mover) writeChunk(f fsys.File, st *stage, sums []uint32, fused bool) er
 	step := total
 	if fused {
 		step = fuseBatch
-		if m.writePiece > 0 {
-			step = m.writePiece
-		}
 	}
 	for lo := 0; lo < total; lo += step {
 		hi := min(total, lo+step)
-		if sums != nil && lo < n && m.crcFirst {
-			sum(c, b, 0, lo, min(hi, n), sums)
-		}
 		if err := writeFull(f, b[lo:hi], c.off+int64(lo)); err != nil {
 			return err
 		}
-		if sums != nil && lo < n && !m.crcFirst {
+		if sums != nil && lo < n {
 			sum(c, b, 0, lo, min(hi, n), sums)
 		}
 	}
