@@ -240,15 +240,16 @@ func KernelCopyable(c *Copies, maxEntries int) bool {
 	return true
 }
 
-// Launch writes c's segments into table, pinned host memory at address
-// tableAddr (table's own address, 8-byte aligned) of at least
-// KernelEntryBytes·c.Len() bytes, and enqueues one launch on s. The kernel
-// reads the table when it runs: leave it untouched until an event
-// recorded after the launch has completed.
-func (k *Kernel) Launch(c *Copies, table []byte, tableAddr uintptr, s Stream) error {
-	if len(table) == 0 || tableAddr != uintptr(unsafe.Pointer(&table[0])) || tableAddr%8 != 0 {
-		return fmt.Errorf("cuda: copy kernel: table address %#x is not the table's own, 8-byte aligned", tableAddr)
+// Launch writes c's segments into table, 8-byte aligned pinned host
+// memory of at least KernelEntryBytes·c.Len() bytes, and enqueues one
+// launch on s; the kernel reads the table at its host address (unified
+// addressing). The kernel reads the table when it runs: leave it
+// untouched until an event recorded after the launch has completed.
+func (k *Kernel) Launch(c *Copies, table []byte, s Stream) error {
+	if len(table) == 0 || uintptr(unsafe.Pointer(&table[0]))%8 != 0 {
+		return fmt.Errorf("cuda: copy kernel: a table of %d bytes that is not 8-byte aligned", len(table))
 	}
+	tableAddr := uintptr(unsafe.Pointer(&table[0]))
 	if !KernelCopyable(c, len(table)/KernelEntryBytes) {
 		return fmt.Errorf("cuda: copy kernel: %d copies do not fit a %d-byte table or are not %d-byte aligned", c.Len(), len(table), KernelAlign)
 	}

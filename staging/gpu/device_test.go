@@ -143,7 +143,7 @@ func TestGPUCheckAndBenchmark(t *testing.T) {
 				for range 10 {
 					start := time.Now()
 					if mode == cuda.CopyKernel {
-						if err := kernel.Launch(&cp, table.Bytes(), table.Ptr(), w.Stream()); err != nil {
+						if err := kernel.Launch(&cp, table.Bytes(), w.Stream()); err != nil {
 							return errorsJoin(err, r.Sync(w.Stream()))
 						}
 					} else if err := r.Enqueue(&cp, h2d, mode, w.Stream()); err != nil {

@@ -268,10 +268,10 @@ func (m *Mover) buf(i int) ([]byte, uintptr) {
 	return b, m.pin.Ptr() + uintptr(i*m.bsize)
 }
 
-// table returns buffer i's kernel segment table and its address.
-func (m *Mover) table(i int) ([]byte, uintptr) {
+// table returns buffer i's kernel segment table.
+func (m *Mover) table(i int) []byte {
 	off := cap(m.bufs)*m.bsize + i*m.tableSize
-	return m.pin.Bytes()[off : off+m.tableSize : off+m.tableSize], m.pin.Ptr() + uintptr(off)
+	return m.pin.Bytes()[off : off+m.tableSize : off+m.tableSize]
 }
 
 // get takes a free buffer: blocking (until ctx is done) if wait, else

@@ -181,8 +181,7 @@ func (m *Mover) runStreamed(ctx context.Context, f fsys.File, chunks []chunk, de
 		if dev.kernel != nil && cuda.KernelCopyable(&cp, m.tableEntries) {
 			// The buffer's table, like the buffer, is rewritten only
 			// after the slot's event says the last launch completed.
-			table, addr := m.table(bufs[s])
-			eerr = dev.kernel.Launch(&cp, table, addr, ln.stream)
+			eerr = dev.kernel.Launch(&cp, m.table(bufs[s]), ln.stream)
 		} else {
 			eerr = m.r.Enqueue(&cp, h2d, m.fallback, ln.stream)
 		}
