@@ -53,6 +53,22 @@ run() { # name command...: runs, logs, remembers a failure
 	fi
 	grep -E '^(---|ok|PASS|FAIL|case )|GB/s|OK|differ' "$out/$name.txt" | head -40
 }
+# daemon SOCK LOG DIR [FLAGS...]: starts a daemon on a fresh DIR, sets
+# pid, and waits for its socket; stop_daemon stops it and reports.
+daemon() {
+	local sock=$1 log=$2 dir=$3; shift 3
+	rm -rf "$dir" "$sock"
+	"$bin/kvhost" "$@" --dir "$dir" --socket "$sock" --log-format json >"$log" 2>&1 &
+	pid=$!
+	for _ in $(seq 200); do [ -S "$sock" ] && break; sleep 0.1; done
+}
+stop_daemon() {
+	if kill -0 "$pid" 2>/dev/null; then
+		kill -TERM "$pid"; wait "$pid"; echo "   daemon exit status $?"
+	else
+		wait "$pid"; echo "   FAILED: the daemon died (exit status $?)"; status=1
+	fi
+}
 
 [ "${GDS:-1}" = 1 ] && run gds env KVHOST_GPU_DIR="$disk" KVHOST_GPU_TMPFS="$shm" \
 	"$bin/gds-gpu.test" -test.run GPU -test.v
@@ -65,14 +81,12 @@ if [ "${E2E:-1}" = 1 ]; then
 	for dir in "$shm" "$disk"; do
 		for tpk in 256 16; do
 			sock=/tmp/kvhost-gpu-check.sock
-			rm -rf "$dir/cache"
-			"$bin/kvhost" --dir "$dir/cache" --socket "$sock" --log-format json >"$out/daemon-$(basename "$dir")-$tpk.log" 2>&1 &
-			pid=$!
-			for _ in $(seq 200); do [ -S "$sock" ] && break; sleep 0.1; done
+			log="$out/daemon-$(basename "$dir")-$tpk.log"
+			daemon "$sock" "$log" "$dir/cache"
 			keys=64; [ "$tpk" = 16 ] && keys=512
 			run "e2e-$(basename "$dir")-$tpk" python3 scripts/gpu-e2e.py "$sock" "$tpk" "$keys" 8
-			grep -h '"mount serves GPU memory\|"GPU paths ready\|cufile' "$out/daemon-$(basename "$dir")-$tpk.log" | head -3
-			kill -TERM "$pid"; wait "$pid"; echo "   daemon exit status $?"
+			grep -h '"mount serves GPU memory\|"GPU paths ready\|cufile' "$log" | head -3
+			stop_daemon
 		done
 	done
 fi
@@ -82,17 +96,10 @@ if [ "${HOSTILE:-1}" = 1 ]; then
 	# while a good client round-trips its own keys; daemon on tmpfs.
 	sock=/tmp/kvhost-gpu-hostile.sock
 	log="$out/daemon-hostile.log"
-	rm -rf "$shm/hostile" "$sock"
-	"$bin/kvhost" --dir "$shm/hostile" --socket "$sock" --log-format json >"$log" 2>&1 &
-	pid=$!
-	for _ in $(seq 200); do [ -S "$sock" ] && break; sleep 0.1; done
+	daemon "$sock" "$log" "$shm/hostile"
 	run hostile python3 "${HOSTILE_SCRIPT:-scripts/gpu-ipc-hostile.py}" "$sock" --log "$log" --pid "$pid"
 	echo "   daemon log: $(grep -c '"level":"WARN"' "$log") warnings, $(grep -c '"level":"ERROR"' "$log") errors"
-	if kill -0 "$pid" 2>/dev/null; then
-		kill -TERM "$pid"; wait "$pid"; echo "   daemon exit status $?"
-	else
-		wait "$pid"; echo "   FAILED: the daemon died (exit status $?)"; status=1
-	fi
+	stop_daemon
 fi
 if [ "${INTERFERENCE:-1}" = 1 ]; then
 	# What kvhost's copies cost the inference process's kernels: matmuls
@@ -101,12 +108,9 @@ if [ "${INTERFERENCE:-1}" = 1 ]; then
 	for mode in batch kernel; do
 		sock=/tmp/kvhost-gpu-interference.sock
 		printf '[gpu]\ncopy = "%s"\n' "$mode" >"$out/copy-$mode.toml"
-		rm -rf "$shm/interference" "$sock"
-		"$bin/kvhost" --config "$out/copy-$mode.toml" --dir "$shm/interference" --socket "$sock" --log-format json >"$out/daemon-interference-$mode.log" 2>&1 &
-		pid=$!
-		for _ in $(seq 200); do [ -S "$sock" ] && break; sleep 0.1; done
+		daemon "$sock" "$out/daemon-interference-$mode.log" "$shm/interference" --config "$out/copy-$mode.toml"
 		run "interference-$mode" python3 scripts/gpu-interference.py "$sock" 8 64 8
-		kill -TERM "$pid"; wait "$pid"; echo "   daemon exit status $?"
+		stop_daemon
 	done
 fi
 [ "${SPEC:-1}" = 1 ] && run spec env KVHOST_GPU=1 KVHOST_BIN="$bin/kvhost" \
