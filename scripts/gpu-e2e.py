@@ -16,15 +16,13 @@ import torch
 
 sys.path.insert(0, "client/python/src")
 import kvhost  # noqa: E402
+from gpu_paged import LAYERS as layers, PAGE as page, TOKENS_PER_BLOCK as tpb, register  # noqa: E402
 
 sock = sys.argv[1]
 tpk = int(sys.argv[2]) if len(sys.argv) > 2 else 256
 nkeys = int(sys.argv[3]) if len(sys.argv) > 3 else 64
 jobs = int(sys.argv[4]) if len(sys.argv) > 4 else 8
-layers, heads, head, tpb, dsize = 32, 8, 128, 16, 2  # Llama-3.1-8B bf16
 bpk = tpk // tpb
-block_bytes = tpb * heads * head * dsize      # one plane of one block
-page = 2 * block_bytes                        # K and V: a 64 KiB page per layer per block
 num_blocks = 2 * nkeys * bpk
 
 dev = torch.device("cuda", 0)
@@ -35,15 +33,7 @@ kv.copy_(torch.randint(-128, 127, kv.shape, generator=g, device=dev, dtype=torch
 torch.cuda.synchronize()
 
 with kvhost.Client(sock, name="gpu-e2e") as c:
-    geo = kvhost.Geometry(model="meta-llama/Llama-3.1-8B", layers=layers, kv_heads=heads, head_size=head,
-                          dtype_size=dsize, tokens_per_block=tpb, tokens_per_key=tpk)
-    ns = c.declare(geo)
-    assert ns.block_bytes == block_bytes, (ns.block_bytes, block_bytes)
-    region = c.register_cuda_tensor(kv)
-    base = kv.storage_offset() * kv.element_size()
-    specs = [kvhost.Layer(region, offset=base + l * num_blocks * page, block_stride=page,
-                          plane_stride=block_bytes, num_blocks=num_blocks) for l in range(layers)]
-    cache = c.register_cache(ns.id, specs)
+    ns, cache = register(c, kv, tpk)
 
     perm = torch.randperm(num_blocks // 2, generator=torch.Generator().manual_seed(3)).tolist()
     src = [perm[i * bpk:(i + 1) * bpk] for i in range(nkeys)]

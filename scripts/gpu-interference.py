@@ -21,15 +21,14 @@ import torch
 
 sys.path.insert(0, "client/python/src")
 import kvhost  # noqa: E402
+from gpu_paged import LAYERS as layers, PAGE as page, TOKENS_PER_BLOCK as tpb, register  # noqa: E402
 
 sock = sys.argv[1]
 seconds = float(sys.argv[2]) if len(sys.argv) > 2 else 10
 nkeys = int(sys.argv[3]) if len(sys.argv) > 3 else 64
 jobs = int(sys.argv[4]) if len(sys.argv) > 4 else 8
-layers, heads, head, tpb, dsize, tpk = 32, 8, 128, 16, 2, 256
+tpk = 256
 bpk = tpk // tpb
-block_bytes = tpb * heads * head * dsize
-page = 2 * block_bytes
 num_blocks = nkeys * bpk
 
 dev = torch.device("cuda", 0)
@@ -53,14 +52,7 @@ def matmuls(secs):
 
 
 with kvhost.Client(sock, name="gpu-interference") as c:
-    geo = kvhost.Geometry(model="meta-llama/Llama-3.1-8B", layers=layers, kv_heads=heads, head_size=head,
-                          dtype_size=dsize, tokens_per_block=tpb, tokens_per_key=tpk)
-    ns = c.declare(geo)
-    region = c.register_cuda_tensor(kv)
-    base = kv.storage_offset() * kv.element_size()
-    specs = [kvhost.Layer(region, offset=base + l * num_blocks * page, block_stride=page,
-                          plane_stride=block_bytes, num_blocks=num_blocks) for l in range(layers)]
-    cache = c.register_cache(ns.id, specs)
+    ns, cache = register(c, kv, tpk)
     keys = [f"interference-{i}".encode() for i in range(nkeys)]
     blocks = [list(range(i * bpk, (i + 1) * bpk)) for i in range(nkeys)]
     res = c.store(cache, keys, blocks).wait(300)

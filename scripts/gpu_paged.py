@@ -1,0 +1,24 @@
+"""The paged KV cache the GPU scripts share: Llama-3.1-8B bf16 as vLLM
+lays it out (one int8 allocation of (layers, num_blocks, page) with K and V
+packed in each 64 KiB page), registered with a kvhost daemon over CUDA IPC.
+"""
+import kvhost
+
+LAYERS, HEADS, HEAD, TOKENS_PER_BLOCK, DTYPE_SIZE = 32, 8, 128, 16, 2
+BLOCK_BYTES = TOKENS_PER_BLOCK * HEADS * HEAD * DTYPE_SIZE  # one plane of one block
+PAGE = 2 * BLOCK_BYTES                                      # K and V of one block, one layer
+
+
+def register(c, kv, tokens_per_key):
+    """Declares the geometry on client c and registers kv, a CUDA int8
+    tensor of (LAYERS, num_blocks, PAGE); returns (namespace, cache)."""
+    geo = kvhost.Geometry(model="meta-llama/Llama-3.1-8B", layers=LAYERS, kv_heads=HEADS, head_size=HEAD,
+                          dtype_size=DTYPE_SIZE, tokens_per_block=TOKENS_PER_BLOCK, tokens_per_key=tokens_per_key)
+    ns = c.declare(geo)
+    assert ns.block_bytes == BLOCK_BYTES, (ns.block_bytes, BLOCK_BYTES)
+    num_blocks = kv.shape[1]
+    region = c.register_cuda_tensor(kv)
+    base = kv.storage_offset() * kv.element_size()
+    specs = [kvhost.Layer(region, offset=base + l * num_blocks * PAGE, block_stride=PAGE,
+                          plane_stride=BLOCK_BYTES, num_blocks=num_blocks) for l in range(LAYERS)]
+    return ns, c.register_cache(ns.id, specs)
