@@ -165,3 +165,27 @@ func (f *osFile) Fd() uintptr { return uintptr(f.fd) }
 
 // Stat implements Stater with fstat(2).
 func (f *osFile) Stat() (os.FileInfo, error) { return fstatFd(f.fd, f.name) }
+
+// MapRead implements Mapper with mmap(2) and madvise(MADV_SEQUENTIAL).
+func (f *osFile) MapRead(n int64) (*Mapping, error) {
+	var st unix.Stat_t
+	if err := unix.Fstat(f.fd, &st); err != nil {
+		return nil, f.wrap("fstat", err)
+	}
+	n = min(n, st.Size)
+	if n <= 0 {
+		return &Mapping{name: f.name}, nil
+	}
+	b, err := unix.Mmap(f.fd, 0, int(n), unix.PROT_READ, unix.MAP_SHARED)
+	if err != nil {
+		return nil, f.wrap("mmap", err)
+	}
+	// MADV_SEQUENTIAL (VM_SEQ_READ) is what keeps unmapping from marking
+	// the pages accessed: without it the munmap activates them, which is
+	// the cost the mapping avoids.
+	if err := unix.Madvise(b, unix.MADV_SEQUENTIAL); err != nil {
+		unix.Munmap(b)
+		return nil, f.wrap("madvise", err)
+	}
+	return &Mapping{b: b, name: f.name}, nil
+}

@@ -689,3 +689,123 @@ func TestCopyKernelOnlyWhenAsked(t *testing.T) {
 		t.Fatalf("after the second device's load failed: %d load calls, %d unloads; want 2 and 1 (all or none)", loaded, unloaded)
 	}
 }
+
+// mapWatch is a file that counts its preads and can act right after it
+// is mapped (the truncation of another process, say).
+type mapWatch struct {
+	fsys.File
+	reads    int
+	maps     int
+	afterMap func()
+}
+
+func (f *mapWatch) ReadAt(p []byte, off int64) (int, error) {
+	f.reads++
+	return f.File.ReadAt(p, off)
+}
+
+func (f *mapWatch) MapRead(n int64) (*fsys.Mapping, error) {
+	f.maps++
+	mp, err := f.File.(fsys.Mapper).MapRead(n)
+	if f.afterMap != nil {
+		f.afterMap()
+	}
+	return mp, err
+}
+
+// TestLoadsFromMemoryFileSystemsCopyFromAMapping: a load of a file on a
+// memory file system copies from a mapping of it instead of reading it
+// (fsys.Mapping says why), with the same bytes and checksums; a file that
+// cannot be mapped is read; stores and loads from other file systems read
+// and write as before; and a file truncated under its mapping fails that
+// load with region.ErrFault while the mover goes on serving.
+func TestLoadsFromMemoryFileSystemsCopyFromAMapping(t *testing.T) {
+	e := newEnv(t)
+	g := geometry{layers: 4, numBlocks: 32, pageBytes: 16 << 10, blocksPerKey: 16, headerBytes: 4096}
+	kv := newCache(t, e.w, g)
+	orig := kv.randomize(t, e.w, 11)
+	host := map[region.Region][]byte{}
+	for l, b := range orig {
+		host[kv.layers[l]] = b
+	}
+	blocks := []int{3, 1, 4, 15, 9, 2, 6, 5, 30, 8, 11, 20, 7, 0, 12, 31}
+	m := e.mover(t, Config{Devices: []int{0}, MaxStaging: 8 << 20, Chunk: 64 << 10, Copy: cuda.CopyBatch})
+	cases := []struct {
+		name      string
+		memory    bool
+		mappable  bool
+		wantMaps  int
+		wantReads bool
+	}{
+		{"memory file system", true, true, 1, false},
+		{"memory file system, file not mappable", true, false, 0, true},
+		{"other file system", false, true, 0, true},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			p := kv.plan(blocks, false)
+			p.Memory = c.memory
+			wantFile, wantSums := expect(p, host)
+			w := &mapWatch{File: createFile(t, "key")}
+			var f fsys.File = w
+			if !c.mappable {
+				f = struct{ fsys.File }{w} // hides MapRead
+			}
+			sums := make([]uint32, p.Sums)
+			if _, err := m.WriteFile(context.Background(), f, p, sums); err != nil {
+				t.Fatal(err)
+			}
+			if w.maps != 0 {
+				t.Fatalf("a store mapped the file")
+			}
+			got := make([]byte, len(wantFile))
+			if _, err := w.File.ReadAt(got, int64(g.headerBytes)); err != nil || !bytes.Equal(got, wantFile) || !equal(sums, wantSums) {
+				t.Fatalf("stored file or checksums differ (read error %v)", err)
+			}
+			kv.poison(t, e.w)
+			lsums := make([]uint32, p.Sums)
+			if n, err := m.ReadFile(context.Background(), f, p, lsums); err != nil || n != p.Bytes() {
+				t.Fatalf("ReadFile = %d, %v; want %d", n, err, p.Bytes())
+			}
+			if w.maps != c.wantMaps || (w.reads > 0) != c.wantReads {
+				t.Fatalf("load mapped the file %d times and read it %d times; want %d maps, reads %v", w.maps, w.reads, c.wantMaps, c.wantReads)
+			}
+			if !equal(lsums, wantSums) {
+				t.Fatalf("load checksums %x, want %x", lsums, wantSums)
+			}
+			for l := range g.layers {
+				dev := kv.get(t, e.w, l)
+				for _, b := range blocks {
+					if !bytes.Equal(dev[b*g.pageBytes:(b+1)*g.pageBytes], orig[l][b*g.pageBytes:(b+1)*g.pageBytes]) {
+						t.Fatalf("layer %d block %d: loaded bytes differ", l, b)
+					}
+				}
+			}
+		})
+	}
+	t.Run("truncated under the mapping", func(t *testing.T) {
+		p := kv.plan(blocks, false)
+		p.Memory = true
+		dir := t.TempDir()
+		w := &mapWatch{File: createFileIn(t, dir, "key", 0)}
+		if _, err := m.WriteFile(context.Background(), w, p, make([]uint32, p.Sums)); err != nil {
+			t.Fatal(err)
+		}
+		w.afterMap = func() {
+			if err := os.Truncate(filepath.Join(dir, "key"), 8192); err != nil {
+				t.Error(err)
+			}
+		}
+		_, err := m.ReadFile(context.Background(), w, p, make([]uint32, p.Sums))
+		if !errors.Is(err, region.ErrFault) || !errors.Is(err, fsys.ErrMapping) {
+			t.Fatalf("load of a file truncated under its mapping: %v; want region.ErrFault", err)
+		}
+		good := &mapWatch{File: createFile(t, "good")}
+		if _, err := m.WriteFile(context.Background(), good, p, make([]uint32, p.Sums)); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := m.ReadFile(context.Background(), good, p, make([]uint32, p.Sums)); err != nil {
+			t.Fatalf("load after the fault: %v", err)
+		}
+	})
+}
