@@ -190,3 +190,103 @@ func TestMoverSurvivesTruncatedSharedFile(t *testing.T) {
 		})
 	}
 }
+
+// readCounter counts the reads that reach the file itself.
+type readCounter struct {
+	fsys.File
+	reads int
+}
+
+func (f *readCounter) ReadAt(p []byte, off int64) (int, error) {
+	f.reads++
+	return f.File.ReadAt(p, off)
+}
+
+func (f *readCounter) ReadvAt(bufs [][]byte, off int64) (int, error) {
+	f.reads++
+	return f.File.ReadvAt(bufs, off)
+}
+
+func (f *readCounter) MapRead(n int64) (*fsys.Mapping, error) { return f.File.(fsys.Mapper).MapRead(n) }
+
+// TestMoverLoadsFromMemoryFileSystemsThroughAMapping: a load of a plan on
+// a memory file system copies from a mapping of the file (fsys.Mapping
+// says why) with the bytes and checksums a read gives; other plans, and
+// stores, read and write the file; a file truncated before the load fails
+// it with ErrShortFile, as a read would.
+func TestMoverLoadsFromMemoryFileSystemsThroughAMapping(t *testing.T) {
+	ctx := context.Background()
+	mv, err := NewMover(Config{Workers: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer mv.Close()
+	const size = 2 * fsys.MapMin
+	src, err := region.NewHost("src", size)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer src.Close()
+	for i := range src.Bytes() {
+		src.Bytes()[i] = byte(i*29 + i>>10)
+	}
+	// A file of fsys.MapMin bytes and more, or of less.
+	ext := func(r region.Region, small bool) []transfer.Extent {
+		n := int64(fsys.MapMin)
+		if small {
+			n = 1 << 20
+		}
+		return []transfer.Extent{
+			{FileOff: 4096, Region: r, RegionOff: n / 2, Len: n, Sum: 0},
+			{FileOff: 4096 + n, Region: r, RegionOff: 0, Len: 100<<10 + 7, Sum: 1},
+		}
+	}
+	cases := []struct {
+		name       string
+		memory     bool
+		small      bool
+		wantMapped bool
+	}{
+		{"memory file system", true, false, true},
+		{"memory file system, file smaller than fsys.MapMin", true, true, false},
+		{"other file system", false, false, false},
+	}
+	for _, c := range cases {
+		memory := c.memory
+		dst, err := region.NewHost("dst", size)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer dst.Close()
+		f, err := fsys.OS{}.OpenFile(filepath.Join(t.TempDir(), "f"), os.O_RDWR|os.O_CREATE, 0o644)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+		rc := &readCounter{File: f}
+		ws, rs := make([]uint32, 2), make([]uint32, 2)
+		if _, err := mv.For(false).WriteFile(ctx, rc, &transfer.Plan{Extents: ext(src, c.small), Sums: 2, Memory: memory}, ws); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := mv.For(false).ReadFile(ctx, rc, &transfer.Plan{Extents: ext(dst, c.small), Sums: 2, Memory: memory}, rs); err != nil {
+			t.Fatal(err)
+		}
+		if (rc.reads == 0) != c.wantMapped {
+			t.Fatalf("%s: the load read the file %d times", c.name, rc.reads)
+		}
+		if rs[0] != ws[0] || rs[1] != ws[1] {
+			t.Fatalf("memory file system %v: load checksums %x, store's %x", memory, rs, ws)
+		}
+		for _, x := range ext(nil, c.small) {
+			if !bytes.Equal(dst.Bytes()[x.RegionOff:x.RegionOff+x.Len], src.Bytes()[x.RegionOff:x.RegionOff+x.Len]) {
+				t.Fatalf("memory file system %v: loaded bytes differ", memory)
+			}
+		}
+		if err := unix.Ftruncate(int(f.Fd()), 100<<10); err != nil { // shorter than the plan
+			t.Fatal(err)
+		}
+		if _, err := mv.For(false).ReadFile(ctx, rc, &transfer.Plan{Extents: ext(dst, c.small), Sums: 2, Memory: memory}, rs); !errors.Is(err, ErrShortFile) {
+			t.Fatalf("memory file system %v: load of a truncated file: %v, want ErrShortFile", memory, err)
+		}
+	}
+}

@@ -172,7 +172,10 @@ func (f *osFile) MapRead(n int64) (*Mapping, error) {
 	if err := unix.Fstat(f.fd, &st); err != nil {
 		return nil, f.wrap("fstat", err)
 	}
-	n = min(n, st.Size)
+	// Whole pages (a direct read of the aligned range around the data
+	// reads into the file's padding), never past the end of the file.
+	page := int64(unix.Getpagesize())
+	n = min((n+page-1)/page*page, st.Size)
 	if n <= 0 {
 		return &Mapping{name: f.name}, nil
 	}

@@ -438,30 +438,14 @@ func (m *Mover) run(ctx context.Context, f fsys.File, p *transfer.Plan, sums []u
 	if write && sums == nil {
 		fused = false
 	}
-	var src io.ReaderAt = f
 	if !write && p.Memory {
-		if mp := mapForRead(f, chunks[len(chunks)-1].aend); mp != nil {
-			defer mp.Close()
-			src = mp
-		}
+		// fsys.Mapping says why: a memory file system's pages read
+		// through a mapping skip the kernel's LRU bookkeeping of pread.
+		var release func()
+		f, release = fsys.MapForRead(f, chunks[len(chunks)-1].aend)
+		defer release()
 	}
-	return m.runStreamed(ctx, f, src, chunks, dev, sums, write, fused)
-}
-
-// mapForRead maps the first n bytes of a file on a memory file system for
-// a load to copy from (fsys.Mapping says why), or returns nil where the
-// file cannot be mapped: the load then reads with pread, as it would
-// anywhere else, and is only slower.
-func mapForRead(f fsys.File, n int64) *fsys.Mapping {
-	mf, ok := f.(fsys.Mapper)
-	if !ok {
-		return nil
-	}
-	mp, err := mf.MapRead(n)
-	if err != nil {
-		return nil
-	}
-	return mp
+	return m.runStreamed(ctx, f, chunks, dev, sums, write, fused)
 }
 
 // writeChunk writes a gathered chunk and checksums it: fused, piece by
@@ -491,10 +475,10 @@ func (m *Mover) writeChunk(f fsys.File, st *stage, sums []uint32, fused bool) er
 	return nil
 }
 
-// readChunk reads a chunk's (aligned) range from f (the file, or its
-// mapping) and checksums its bytes: piece by piece, each checksummed right
-// after its read (fused; with or without checksums), else in one read.
-func (m *Mover) readChunk(f io.ReaderAt, st *stage, sums []uint32, fused bool) error {
+// readChunk reads a chunk's (aligned) range and checksums its bytes:
+// piece by piece, each checksummed right after its read (fused; with or
+// without checksums), else in one read.
+func (m *Mover) readChunk(f fsys.File, st *stage, sums []uint32, fused bool) error {
 	b, _ := m.buf(st.buf)
 	c := st.c
 	lead := int(c.off - c.aoff)
@@ -538,7 +522,7 @@ func writeFull(f fsys.File, b []byte, off int64) error {
 
 // readAtLeast reads into b at off until at least need bytes are in (b
 // may be longer: the aligned tail of a direct read past the end of file).
-func readAtLeast(f io.ReaderAt, b []byte, need int, off int64) error {
+func readAtLeast(f fsys.File, b []byte, need int, off int64) error {
 	got := 0
 	for got < need {
 		n, err := f.ReadAt(b[got:], off+int64(got))

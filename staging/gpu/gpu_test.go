@@ -721,7 +721,9 @@ func (f *mapWatch) MapRead(n int64) (*fsys.Mapping, error) {
 // load with region.ErrFault while the mover goes on serving.
 func TestLoadsFromMemoryFileSystemsCopyFromAMapping(t *testing.T) {
 	e := newEnv(t)
-	g := geometry{layers: 4, numBlocks: 32, pageBytes: 16 << 10, blocksPerKey: 16, headerBytes: 4096}
+	// 16 pages of 256 KiB in each of 4 layers: a 16 MiB file, as large as
+	// fsys.MapMin.
+	g := geometry{layers: 4, numBlocks: 32, pageBytes: 256 << 10, blocksPerKey: 16, headerBytes: 4096}
 	kv := newCache(t, e.w, g)
 	orig := kv.randomize(t, e.w, 11)
 	host := map[region.Region][]byte{}
@@ -729,21 +731,26 @@ func TestLoadsFromMemoryFileSystemsCopyFromAMapping(t *testing.T) {
 		host[kv.layers[l]] = b
 	}
 	blocks := []int{3, 1, 4, 15, 9, 2, 6, 5, 30, 8, 11, 20, 7, 0, 12, 31}
-	m := e.mover(t, Config{Devices: []int{0}, MaxStaging: 8 << 20, Chunk: 64 << 10, Copy: cuda.CopyBatch})
+	m := e.mover(t, Config{Devices: []int{0}, MaxStaging: 8 << 20, Chunk: 1 << 20, Copy: cuda.CopyBatch})
 	cases := []struct {
 		name      string
 		memory    bool
 		mappable  bool
+		blocks    int
 		wantMaps  int
 		wantReads bool
 	}{
-		{"memory file system", true, true, 1, false},
-		{"memory file system, file not mappable", true, false, 0, true},
-		{"other file system", false, true, 0, true},
+		{"memory file system", true, true, 16, 1, false},
+		{"memory file system, file smaller than fsys.MapMin", true, true, 15, 0, true},
+		{"memory file system, file not mappable", true, false, 16, 0, true},
+		{"other file system", false, true, 16, 0, true},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
-			p := kv.plan(blocks, false)
+			for l, b := range orig { // undo the last case's poison
+				kv.set(t, e.w, l, b)
+			}
+			p := kv.plan(blocks[:c.blocks], false)
 			p.Memory = c.memory
 			wantFile, wantSums := expect(p, host)
 			w := &mapWatch{File: createFile(t, "key")}
@@ -775,7 +782,7 @@ func TestLoadsFromMemoryFileSystemsCopyFromAMapping(t *testing.T) {
 			}
 			for l := range g.layers {
 				dev := kv.get(t, e.w, l)
-				for _, b := range blocks {
+				for _, b := range blocks[:c.blocks] {
 					if !bytes.Equal(dev[b*g.pageBytes:(b+1)*g.pageBytes], orig[l][b*g.pageBytes:(b+1)*g.pageBytes]) {
 						t.Fatalf("layer %d block %d: loaded bytes differ", l, b)
 					}

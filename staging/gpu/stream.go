@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 
 	"github.com/kvhost/kvhost/internal/cuda"
 	"github.com/kvhost/kvhost/internal/fsys"
@@ -95,13 +94,12 @@ func copies(cp *cuda.Copies, c *chunk, bufPtr uintptr, h2d bool) {
 	}
 }
 
-// runStreamed moves the chunks (written to f, read from src: f or its
-// mapping) on the calling goroutine's own thread and a
+// runStreamed moves the chunks on the calling goroutine's own thread and a
 // lane of its own: each chunk's copies are enqueued right after its read
 // (before its write) and waited for on a blocking event only when its
 // buffer is needed again, so no job waits for another's copies and no
 // thread spins.
-func (m *Mover) runStreamed(ctx context.Context, f fsys.File, src io.ReaderAt, chunks []chunk, dev *device, sums []uint32, write, fused bool) (total int64, err error) {
+func (m *Mover) runStreamed(ctx context.Context, f fsys.File, chunks []chunk, dev *device, sums []uint32, write, fused bool) (total int64, err error) {
 	m.mu.RLock() // Close waits for the jobs in flight
 	defer m.mu.RUnlock()
 	if m.closed {
@@ -219,7 +217,7 @@ func (m *Mover) runStreamed(ctx context.Context, f fsys.File, src io.ReaderAt, c
 				}
 			}
 		} else {
-			if err := m.readChunk(src, st, sums, fused); err != nil {
+			if err := m.readChunk(f, st, sums, fused); err != nil {
 				return 0, err
 			}
 			if err := enqueue(k, true); err != nil {
