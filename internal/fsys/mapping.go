@@ -95,10 +95,10 @@ func (m *Mapping) ReadvAt(bufs [][]byte, off int64) (int, error) {
 	return total, nil
 }
 
-// ReadThrough returns f with its reads (ReadAt, ReadvAt) served by m, a
+// readThrough returns f with its reads (ReadAt, ReadvAt) served by m, a
 // mapping of f; writes and everything else go to f. Closing it closes f,
 // not m.
-func ReadThrough(f File, m *Mapping) File { return &mappedFile{File: f, m: m} }
+func readThrough(f File, m *Mapping) File { return &mappedFile{File: f, m: m} }
 
 type mappedFile struct {
 	File
@@ -117,7 +117,7 @@ func (f *mappedFile) ReadvAt(bufs [][]byte, off int64) (int, error) { return f.m
 const MapMin = 16 << 20
 
 // MapForRead maps f's first n bytes for a load to read through
-// (ReadThrough), where n is at least MapMin and f can be mapped: it
+// (its reads served by the mapping), where n is at least MapMin and f can be mapped: it
 // returns f itself and a no-op release otherwise (the load then reads with
 // pread; see Mapping for when a mapping is worth it).
 func MapForRead(f File, n int64) (File, func()) {
@@ -129,5 +129,5 @@ func MapForRead(f File, n int64) (File, func()) {
 	if err != nil {
 		return f, func() {}
 	}
-	return ReadThrough(f, m), func() { m.Close() }
+	return readThrough(f, m), func() { m.Close() }
 }
