@@ -75,6 +75,10 @@ type GPU struct {
 	// (one launch of kvhost's copy kernel per chunk: faster copies, but on
 	// the GPU's SMs, taking turns with the inference process's kernels).
 	Copy string `toml:"copy"`
+	// Poll is how long a job of the staging pipeline polls for copies it
+	// needs done, yielding its processor between polls, before its thread
+	// sleeps until they complete (default 1ms); 0 sleeps at once.
+	Poll Duration `toml:"poll"`
 }
 
 // Server configures the daemon's Unix socket and per-client limits.
@@ -304,7 +308,7 @@ func Default() Config {
 			IdleTimeout:      Duration(time.Minute),
 			WriteTimeout:     Duration(10 * time.Second),
 		},
-		GPU: GPU{Mode: "auto", CuFile: "auto", StagingMemory: 256 << 20, Copy: "auto"},
+		GPU: GPU{Mode: "auto", CuFile: "auto", StagingMemory: 256 << 20, Copy: "auto", Poll: Duration(time.Millisecond)},
 		Log: Log{Level: "info", Format: "auto"},
 		Policy: Policy{
 			Name:          "lru",
@@ -503,6 +507,9 @@ func (c *Config) Validate() error {
 	}
 	if c.GPU.Chunk < 0 || c.GPU.Chunk%4096 != 0 || c.GPU.Chunk > 256<<20 {
 		return bad("gpu.chunk", "a multiple of 4KiB up to 256MiB (0: 4MiB)", c.GPU.Chunk)
+	}
+	if c.GPU.Poll < 0 || c.GPU.Poll > Duration(time.Second) {
+		return bad("gpu.poll", "between 0s (sleep at once) and 1s", c.GPU.Poll)
 	}
 	switch c.Log.Level {
 	case "debug", "info", "warn", "error":

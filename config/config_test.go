@@ -94,6 +94,7 @@ mode = "on"
 cufile = "compat"
 cuda_library = "/opt/cuda/lib64/libcudart.so.13"
 staging_memory = "1GiB"
+poll = "0s"
 `
 	c, err := Parse("kvhost.toml", []byte(src))
 	if err != nil {
@@ -105,11 +106,11 @@ staging_memory = "1GiB"
 		s.MaxRegisteredBytes != 64<<30 || s.MaxTotalRegisteredBytes != 1<<40 {
 		t.Errorf("server limits decoded as %+v", s)
 	}
-	if g.Mode != "on" || g.CuFile != "compat" || g.CUDALibrary != "/opt/cuda/lib64/libcudart.so.13" || g.StagingMemory != 1<<30 {
+	if g.Mode != "on" || g.CuFile != "compat" || g.CUDALibrary != "/opt/cuda/lib64/libcudart.so.13" || g.StagingMemory != 1<<30 || g.Poll != 0 {
 		t.Errorf("gpu decoded as %+v", g)
 	}
 	d := Default()
-	if d.GPU.Mode != "auto" || d.GPU.CuFile != "auto" || d.Server.MaxHandshakes != 16 {
+	if d.GPU.Mode != "auto" || d.GPU.CuFile != "auto" || time.Duration(d.GPU.Poll) != time.Millisecond || d.Server.MaxHandshakes != 16 {
 		t.Errorf("defaults: gpu %+v, max_handshakes %d", d.GPU, d.Server.MaxHandshakes)
 	}
 }
@@ -140,6 +141,8 @@ func TestParseErrors(t *testing.T) {
 		{"cufile mode", "[gpu]\ncufile = \"direct\"", `kvhost.toml:2: gpu.cufile: want auto, off or compat, got "direct"`},
 		{"copy mode", "[gpu]\ncopy = \"dma\"", `kvhost.toml:2: gpu.copy: want auto, kernel, batch or segments, got "dma"`},
 		{"gpu staging", "[gpu]\nstaging_memory = \"1MiB\"", "kvhost.toml:2: gpu.staging_memory: want at least 8MiB"},
+		{"gpu poll", "[gpu]\npoll = \"2s\"", "kvhost.toml:2: gpu.poll: want between 0s (sleep at once) and 1s, got 2s"},
+		{"negative gpu poll", "[gpu]\npoll = \"-1ms\"", "kvhost.toml:2: gpu.poll: want between 0s (sleep at once) and 1s"},
 		{"metrics address", "[metrics]\nlisten = \"9400\"", `kvhost.toml:2: metrics.listen: want a TCP address "host:port"`},
 	}
 	for _, tt := range tests {

@@ -144,7 +144,7 @@ func (r *benchRun) openGPU(path string, sums, required bool) (*gpuPaths, error) 
 	return openGPU(gpuOptions{
 		Mode: mode, CUDALibrary: nonEmpty(c.CUDALibrary), CuFileLibrary: nonEmpty(c.CuFileLibrary),
 		CuFile: cufile, MaxStaging: int64(c.StagingMemory), NoChecksum: !sums,
-		Depth: c.Depth, Chunk: int(c.Chunk), Copy: c.Copy,
+		Depth: c.Depth, Chunk: int(c.Chunk), Copy: c.Copy, Poll: time.Duration(c.Poll),
 	}, r.log)
 }
 

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"time"
 
 	"github.com/kvhost/kvhost/gds"
 	"github.com/kvhost/kvhost/host/engine"
@@ -33,6 +34,9 @@ type gpuOptions struct {
 	Chunk int
 	// Copy is gpu.copy: auto, kernel, batch or segments.
 	Copy string
+	// Poll is gpu.poll: how long a job polls for its copies before it
+	// sleeps on them; 0 sleeps at once.
+	Poll time.Duration
 }
 
 // gpuPaths is what the daemon opened for GPU memory: the CUDA runtime, the
@@ -83,7 +87,11 @@ func openGPU(opts gpuOptions, log *slog.Logger) (*gpuPaths, error) {
 		rt.Close()
 		return nil, fmt.Errorf("gpu: %w", err)
 	}
-	p.staging, err = gpu.New(gpu.Config{Runtime: rt, MaxStaging: opts.MaxStaging, NoChecksums: opts.NoChecksum, Depth: opts.Depth, Chunk: opts.Chunk, Copy: mode})
+	poll := opts.Poll
+	if poll == 0 {
+		poll = -1 // gpu.Config: negative polls not at all (0 is its default)
+	}
+	p.staging, err = gpu.New(gpu.Config{Runtime: rt, MaxStaging: opts.MaxStaging, NoChecksums: opts.NoChecksum, Depth: opts.Depth, Chunk: opts.Chunk, Copy: mode, Poll: poll})
 	if err != nil {
 		rt.Close()
 		return nil, fmt.Errorf("gpu: staging pipeline: %w", err)
@@ -94,7 +102,8 @@ func openGPU(opts gpuOptions, log *slog.Logger) (*gpuPaths, error) {
 		return nil, fmt.Errorf("gpu: %w", err)
 	}
 	log.Info("GPU paths ready", "devices", n, "cuda_runtime", rt.Path(), "cuda_version", rt.Version(),
-		"copy", p.staging.CopyMode().String(), "batched_copies", rt.HasBatch(), "pinned_staging_bytes", p.staging.PinnedBytes())
+		"copy", p.staging.CopyMode().String(), "batched_copies", rt.HasBatch(), "pinned_staging_bytes", p.staging.PinnedBytes(),
+		"poll", p.staging.Poll())
 	if opts.CuFile != "off" {
 		d, err := gds.Open(gds.Config{LibraryPaths: opts.CuFileLibrary, Logger: log, BindDevice: rt.SetDevice})
 		if err != nil {

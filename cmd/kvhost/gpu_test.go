@@ -9,6 +9,7 @@ import (
 	"runtime"
 	"strings"
 	"testing"
+	"time"
 	"unsafe"
 
 	"github.com/kvhost/kvhost/abi/guest"
@@ -146,6 +147,33 @@ func TestGPUMemoryRoundTripsThroughTheEngine(t *testing.T) {
 	}
 	if !strings.Contains(logs.String(), "GPU paths ready") {
 		t.Errorf("no start-up line for the GPU paths:\n%s", logs.String())
+	}
+}
+
+// TestGPUPollReachesTheStagingPipeline: gpu.poll's duration is how long the
+// pipeline's jobs poll, and its 0 means they never poll (where the
+// pipeline's own zero means its default).
+func TestGPUPollReachesTheStagingPipeline(t *testing.T) {
+	lib := cudatest.Build(t)
+	for _, c := range []struct{ poll, want time.Duration }{
+		{time.Millisecond, time.Millisecond},
+		{250 * time.Microsecond, 250 * time.Microsecond},
+		{0, 0},
+	} {
+		var logs bytes.Buffer
+		gp, err := openGPU(gpuOptions{Mode: "on", CUDALibrary: []string{lib}, CuFile: "off", MaxStaging: 16 << 20, Poll: c.poll},
+			slog.New(slog.NewTextHandler(&logs, nil)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		got := gp.staging.Poll()
+		gp.Close()
+		if got != c.want {
+			t.Errorf("gpu.poll %v: the pipeline polls %v, want %v", c.poll, got, c.want)
+		}
+		if want := "poll=" + c.want.String(); !strings.Contains(logs.String(), want) {
+			t.Errorf("gpu.poll %v: the start-up line lacks %q:\n%s", c.poll, want, logs.String())
+		}
 	}
 }
 

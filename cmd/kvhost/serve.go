@@ -140,6 +140,7 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 		Depth:         cfg.GPU.Depth,
 		Chunk:         int(cfg.GPU.Chunk),
 		Copy:          cfg.GPU.Copy,
+		Poll:          time.Duration(cfg.GPU.Poll),
 	}, log)
 	if err != nil {
 		return err

@@ -56,6 +56,7 @@ const (
 	ErrorInvalidDevice         Error = 101
 	ErrorMapBufferObjectFailed Error = 205
 	ErrorInvalidResourceHandle Error = 400
+	ErrorNotReady              Error = 600
 	ErrorIllegalAddress        Error = 700
 	ErrorLaunchFailure         Error = 719
 	ErrorPeerAccessUnsupported Error = 217
@@ -77,7 +78,7 @@ var errorNames = map[Error]string{
 	ErrorMapBufferObjectFailed: "cudaErrorMapBufferObjectFailed",
 	ErrorPeerAccessUnsupported: "cudaErrorPeerAccessUnsupported",
 	ErrorInvalidResourceHandle: "cudaErrorInvalidResourceHandle",
-	600:                        "cudaErrorNotReady",
+	ErrorNotReady:              "cudaErrorNotReady",
 	ErrorIllegalAddress:        "cudaErrorIllegalAddress",
 	ErrorLaunchFailure:         "cudaErrorLaunchFailure",
 	712:                        "cudaErrorHostMemoryAlreadyRegistered",
@@ -166,6 +167,7 @@ type Runtime struct {
 		deviceGetPCIBusID, deviceGetAttribute                   unsafe.Pointer
 		streamCreate, streamDestroy, streamSync                 unsafe.Pointer
 		eventCreate, eventRecord, eventSync, eventDestroy       unsafe.Pointer
+		eventQuery                                              unsafe.Pointer
 		hostAlloc, freeHost, hostRegister, hostUnregister       unsafe.Pointer
 		malloc, free, memcpyAsync, memcpy, memcpyBatch          unsafe.Pointer
 		ipcGetMemHandle, ipcOpenMemHandle, ipcCloseMemHandle    unsafe.Pointer
@@ -200,6 +202,7 @@ func Open(cfg Config) (*Runtime, error) {
 		{&f.streamSync, "cudaStreamSynchronize"},
 		{&f.eventCreate, "cudaEventCreateWithFlags"}, {&f.eventRecord, "cudaEventRecord"},
 		{&f.eventSync, "cudaEventSynchronize"}, {&f.eventDestroy, "cudaEventDestroy"},
+		{&f.eventQuery, "cudaEventQuery"},
 		{&f.hostAlloc, "cudaHostAlloc"}, {&f.freeHost, "cudaFreeHost"},
 		{&f.hostRegister, "cudaHostRegister"}, {&f.hostUnregister, "cudaHostUnregister"},
 		{&f.malloc, "cudaMalloc"}, {&f.free, "cudaFree"},
@@ -376,6 +379,17 @@ func (r *Runtime) Record(e Event, s Stream) error {
 // Wait waits for e.
 func (r *Runtime) Wait(e Event) error {
 	return r.err("cudaEventSynchronize", callU(r.fn.eventSync, uintptr(e)))
+}
+
+// Done reports whether the work recorded before e completed, without
+// waiting (cudaEventQuery): false while it runs; an error, as Wait's, if
+// it failed.
+func (r *Runtime) Done(e Event) (bool, error) {
+	code := callU(r.fn.eventQuery, uintptr(e))
+	if Error(code) == ErrorNotReady {
+		return false, nil
+	}
+	return true, r.err("cudaEventQuery", code)
 }
 
 // DestroyEvent destroys e.

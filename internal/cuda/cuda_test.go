@@ -507,3 +507,86 @@ func deviceAndHost(r *cuda.Runtime, n int) (*cuda.DeviceMemory, *cuda.Pinned, fu
 	}
 	return m, h, func() { h.Free(); m.Close() }, nil
 }
+
+func TestDoneAnswersWithoutWaitingAndReportsFailedCopies(t *testing.T) {
+	r, fake := open(t)
+	w := worker(t, r, 0)
+	cases := []struct {
+		name  string
+		busy  int        // "not ready" answers the fake gives first
+		fault cuda.Error // the query's injected failure, or 0
+	}{
+		{"ready-at-once", 0, 0},
+		{"ready-after-three-polls", 3, 0},
+		{"failed", 2, cuda.ErrorIllegalAddress},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			fake.Busy(c.busy)
+			defer fake.Busy(0)
+			err := w.Do(context.Background(), func(w *cuda.Worker) error {
+				m, h, free, err := deviceAndHost(r, 1<<16)
+				if err != nil {
+					return err
+				}
+				defer free()
+				src := h.Bytes()
+				for i := range src {
+					src[i] = byte(i * 7)
+				}
+				ev, err := r.NewBlockingEvent()
+				if err != nil {
+					return err
+				}
+				defer r.DestroyEvent(ev)
+				if err := r.CopyH2D(m.Ptr(), h.Ptr(), uintptr(len(src)), w.Stream()); err != nil {
+					return err
+				}
+				if err := r.Record(ev, w.Stream()); err != nil {
+					return err
+				}
+				if c.fault != 0 {
+					fake.Fail(cudatest.OpQuery, 1, int(c.fault))
+					defer fake.Fail(cudatest.OpQuery, 0, 0)
+				}
+				polls := 0
+				for {
+					polls++
+					done, err := r.Done(ev)
+					if err != nil {
+						if !done {
+							return fmt.Errorf("poll %d: Done = false, %v: an error must end the wait", polls, err)
+						}
+						return errors.Join(err, r.Sync(w.Stream()))
+					}
+					if done {
+						break
+					}
+					if polls > c.busy {
+						return fmt.Errorf("still not done after %d polls, want done at poll %d", polls, c.busy+1)
+					}
+				}
+				if polls != c.busy+1 {
+					return fmt.Errorf("done at poll %d, want %d", polls, c.busy+1)
+				}
+				got := make([]byte, len(src))
+				if err := r.CopySync(uintptr(unsafe.Pointer(&got[0])), m.Ptr(), uintptr(len(got))); err != nil {
+					return err
+				}
+				if !bytes.Equal(got, src) {
+					return errors.New("Done said done, but the copy's bytes are not on the device")
+				}
+				return nil
+			})
+			if c.fault != 0 {
+				if !errors.Is(err, c.fault) {
+					t.Fatalf("err = %v, want %v", err, c.fault)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+		})
+	}
+}

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"hash/crc32"
 	"math/rand/v2"
 	"os"
@@ -13,6 +14,7 @@ import (
 	"sync"
 	"syscall"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -268,47 +270,73 @@ func equal(a, b []uint32) bool {
 
 // TestFailuresFailTheCall injects a CUDA or file failure into a store or a
 // load and checks that the call returns an error naming it, and that every
-// pinned buffer comes back (checked at cleanup).
+// pinned buffer comes back (checked at cleanup). Waits fail where they
+// poll (cudaEventQuery), where they block (cudaEventSynchronize), and
+// where they block after polling in vain.
 func TestFailuresFailTheCall(t *testing.T) {
 	e := newEnv(t)
 	g := geometry{layers: 4, numBlocks: 32, pageBytes: 16 << 10, blocksPerKey: 16, headerBytes: 4096}
 	kv := newCache(t, e.w, g)
 	kv.randomize(t, e.w, 7)
 	p := kv.plan([]int{3, 1, 4, 15, 9, 2, 6, 5, 30, 8, 11, 20, 7, 0, 12, 31}, false)
-	m := e.mover(t, Config{Devices: []int{0}, MaxStaging: 8 << 20, Chunk: 64 << 10, Copy: cuda.CopyBatch})
+	cfg := Config{Devices: []int{0}, MaxStaging: 8 << 20, Chunk: 64 << 10, Copy: cuda.CopyBatch}
+	polling := e.mover(t, cfg)
+	cfg.Poll = -1
+	blocking := e.mover(t, cfg)
+	cfg.Poll = 50 * time.Microsecond
+	briefly := e.mover(t, cfg)
+	m := polling
 	good := createFile(t, "good")
 	if _, err := m.WriteFile(context.Background(), good, p, make([]uint32, p.Sums)); err != nil {
 		t.Fatal(err)
 	}
 	cancelled, cancel := context.WithCancel(context.Background())
 	cancel()
+	// neverReady makes every event answer "not ready" to its queries, so
+	// that a polling wait ends blocked.
+	neverReady := func(fault func(*testing.T) (fsys.File, func())) func(*testing.T) (fsys.File, func()) {
+		return func(t *testing.T) (fsys.File, func()) {
+			e.fake.Busy(-1)
+			f, undo := fault(t)
+			return f, func() { undo(); e.fake.Busy(0) }
+		}
+	}
 	cases := []struct {
 		name  string
+		m     *Mover // nil: polling
 		write bool
 		fault func(t *testing.T) (fsys.File, func())
 		ctx   context.Context
 		want  error
 	}{
-		{"store copy fault", true, e.cudaFault(nil, cudatest.OpCopy, 40, cuda.ErrorIllegalAddress), nil, cuda.ErrorIllegalAddress},
-		{"store sync fault", true, e.cudaFault(nil, cudatest.OpSync, 3, cuda.ErrorLaunchFailure), nil, cuda.ErrorLaunchFailure},
-		{"load copy fault", false, e.cudaFault(good, cudatest.OpCopy, 40, cuda.ErrorIllegalAddress), nil, cuda.ErrorIllegalAddress},
-		{"load sync fault", false, e.cudaFault(good, cudatest.OpSync, 2, cuda.ErrorLaunchFailure), nil, cuda.ErrorLaunchFailure},
-		{"store record fault", true, e.cudaFault(nil, cudatest.OpRecord, 2, cuda.ErrorLaunchFailure), nil, cuda.ErrorLaunchFailure},
-		{"load record fault", false, e.cudaFault(good, cudatest.OpRecord, 3, cuda.ErrorLaunchFailure), nil, cuda.ErrorLaunchFailure},
-		{"store write fault", true, faultyFile(fsys.OpWrite, 2, syscall.ENOSPC), nil, syscall.ENOSPC},
-		{"load read fault", false, faultyFile(fsys.OpRead, 2, syscall.EIO), nil, syscall.EIO},
-		{"load short file", false, func(t *testing.T) (fsys.File, func()) {
+		{"store copy fault", nil, true, e.cudaFault(nil, cudatest.OpCopy, 40, cuda.ErrorIllegalAddress), nil, cuda.ErrorIllegalAddress},
+		{"store query fault", nil, true, e.cudaFault(nil, cudatest.OpQuery, 3, cuda.ErrorLaunchFailure), nil, cuda.ErrorLaunchFailure},
+		{"store sync fault", blocking, true, e.cudaFault(nil, cudatest.OpSync, 3, cuda.ErrorLaunchFailure), nil, cuda.ErrorLaunchFailure},
+		{"store sync fault after polling", briefly, true, neverReady(e.cudaFault(nil, cudatest.OpSync, 3, cuda.ErrorLaunchFailure)), nil, cuda.ErrorLaunchFailure},
+		{"load copy fault", nil, false, e.cudaFault(good, cudatest.OpCopy, 40, cuda.ErrorIllegalAddress), nil, cuda.ErrorIllegalAddress},
+		{"load query fault", nil, false, e.cudaFault(good, cudatest.OpQuery, 2, cuda.ErrorLaunchFailure), nil, cuda.ErrorLaunchFailure},
+		{"load sync fault", blocking, false, e.cudaFault(good, cudatest.OpSync, 2, cuda.ErrorLaunchFailure), nil, cuda.ErrorLaunchFailure},
+		{"load sync fault after polling", briefly, false, neverReady(e.cudaFault(good, cudatest.OpSync, 2, cuda.ErrorLaunchFailure)), nil, cuda.ErrorLaunchFailure},
+		{"store record fault", nil, true, e.cudaFault(nil, cudatest.OpRecord, 2, cuda.ErrorLaunchFailure), nil, cuda.ErrorLaunchFailure},
+		{"load record fault", nil, false, e.cudaFault(good, cudatest.OpRecord, 3, cuda.ErrorLaunchFailure), nil, cuda.ErrorLaunchFailure},
+		{"store write fault", nil, true, faultyFile(fsys.OpWrite, 2, syscall.ENOSPC), nil, syscall.ENOSPC},
+		{"load read fault", nil, false, faultyFile(fsys.OpRead, 2, syscall.EIO), nil, syscall.EIO},
+		{"load short file", nil, false, func(t *testing.T) (fsys.File, func()) {
 			f := createFile(t, "short")
 			b := make([]byte, p.Bytes()/2)
 			good.ReadAt(b, 0)
 			f.WriteAt(b, 0)
 			return f, func() {}
 		}, nil, staging.ErrShortFile},
-		{"store cancelled", true, func(t *testing.T) (fsys.File, func()) { return createFile(t, "c"), func() {} }, cancelled, context.Canceled},
-		{"load cancelled", false, func(*testing.T) (fsys.File, func()) { return good, func() {} }, cancelled, context.Canceled},
+		{"store cancelled", nil, true, func(t *testing.T) (fsys.File, func()) { return createFile(t, "c"), func() {} }, cancelled, context.Canceled},
+		{"load cancelled", nil, false, func(*testing.T) (fsys.File, func()) { return good, func() {} }, cancelled, context.Canceled},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
+			m := c.m
+			if m == nil {
+				m = polling
+			}
 			// No idle lanes: the call makes its own, and a lane that saw a
 			// CUDA failure must not come back for reuse.
 			if err := m.destroyIdle(m.devs[0]); err != nil {
@@ -335,9 +363,11 @@ func TestFailuresFailTheCall(t *testing.T) {
 			}
 		})
 	}
-	// The mover still works after every failure.
-	if _, err := m.ReadFile(context.Background(), good, p, make([]uint32, p.Sums)); err != nil {
-		t.Fatalf("load after failures: %v", err)
+	// The movers still work after every failure.
+	for _, m := range []*Mover{polling, blocking, briefly} {
+		if _, err := m.ReadFile(context.Background(), good, p, make([]uint32, p.Sums)); err != nil {
+			t.Fatalf("load after failures: %v", err)
+		}
 	}
 }
 
@@ -815,4 +845,56 @@ func TestLoadsFromMemoryFileSystemsCopyFromAMapping(t *testing.T) {
 			t.Fatalf("load after the fault: %v", err)
 		}
 	})
+}
+
+// TestWaitsPollBeforeTheyBlock checks how a job waits for its copies: by
+// polling the event while the copies run (no cudaEventSynchronize), by
+// blocking on it once its Poll has passed with the copies still running,
+// and by blocking at once with a negative Poll; the bytes arrive whole
+// every way.
+func TestWaitsPollBeforeTheyBlock(t *testing.T) {
+	e := newEnv(t)
+	g := geometry{layers: 4, numBlocks: 32, pageBytes: 16 << 10, blocksPerKey: 16, headerBytes: 4096}
+	kv := newCache(t, e.w, g)
+	orig := kv.randomize(t, e.w, 11)
+	blocks := []int{3, 1, 4, 15, 9, 2, 6, 5, 30, 8, 11, 20, 7, 0, 12, 31}
+	p := kv.plan(blocks, false)
+	cases := []struct {
+		name          string
+		poll          time.Duration
+		busy          int  // "not ready" answers before a query runs the copies (-1: always)
+		polls, sleeps bool // whether the waits query, and whether they block
+	}{
+		{"copies done while polling", 0, 3, true, false},
+		{"copies still running when the poll ends", 200 * time.Microsecond, -1, true, true},
+		{"no polling", -1, 0, false, true},
+	}
+	for i, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			m := e.mover(t, Config{Devices: []int{0}, MaxStaging: 8 << 20, Chunk: 64 << 10, Copy: cuda.CopyBatch, Poll: c.poll})
+			e.fake.Busy(c.busy)
+			defer e.fake.Busy(0)
+			queries, syncs := e.fake.Count(cudatest.OpQuery), e.fake.Count(cudatest.OpSync)
+			f := createFile(t, fmt.Sprintf("key-%d", i))
+			if _, err := m.WriteFile(context.Background(), f, p, make([]uint32, p.Sums)); err != nil {
+				t.Fatalf("WriteFile: %v", err)
+			}
+			kv.poison(t, e.w)
+			if _, err := m.ReadFile(context.Background(), f, p, make([]uint32, p.Sums)); err != nil {
+				t.Fatalf("ReadFile: %v", err)
+			}
+			queried, synced := e.fake.Count(cudatest.OpQuery)-queries, e.fake.Count(cudatest.OpSync)-syncs
+			if (queried > 0) != c.polls || (synced > 0) != c.sleeps {
+				t.Errorf("%d event queries, %d synchronizations: want queries %v, synchronizations %v", queried, synced, c.polls, c.sleeps)
+			}
+			for l := range g.layers {
+				dev := kv.get(t, e.w, l)
+				for _, b := range blocks {
+					if !bytes.Equal(dev[b*g.pageBytes:(b+1)*g.pageBytes], orig[l][b*g.pageBytes:(b+1)*g.pageBytes]) {
+						t.Fatalf("layer %d block %d: loaded bytes differ", l, b)
+					}
+				}
+			}
+		})
+	}
 }

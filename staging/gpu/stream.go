@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"runtime"
+	"time"
 
 	"github.com/kvhost/kvhost/internal/cuda"
 	"github.com/kvhost/kvhost/internal/fsys"
@@ -79,6 +81,25 @@ func (m *Mover) destroyLane(ln *lane) {
 	m.r.DestroyStream(ln.stream)
 }
 
+// await waits for event e: it polls e for up to Config.Poll, yielding the
+// processor between polls, then sleeps on it (a blocking event).
+func (m *Mover) await(e cuda.Event) error {
+	if m.cfg.Poll > 0 {
+		deadline := time.Now().Add(m.cfg.Poll)
+		for {
+			done, err := m.r.Done(e)
+			if done {
+				return err
+			}
+			if time.Now().After(deadline) {
+				break
+			}
+			runtime.Gosched()
+		}
+	}
+	return m.r.Wait(e)
+}
+
 // copies fills cp with the chunk's copies between the buffer at bufPtr and
 // the device.
 func copies(cp *cuda.Copies, c *chunk, bufPtr uintptr, h2d bool) {
@@ -143,7 +164,7 @@ func (m *Mover) runStreamed(ctx context.Context, f fsys.File, chunks []chunk, de
 			return nil
 		}
 		pending[s] = false
-		if err := m.r.Wait(ln.events[s]); err != nil {
+		if err := m.await(ln.events[s]); err != nil {
 			broken = true
 			return err
 		}

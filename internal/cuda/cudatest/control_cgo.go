@@ -6,9 +6,11 @@ package cudatest
 typedef void (*set_fault_fn)(int, long, int);
 typedef long (*count_fn)(int);
 typedef void (*set_peer_fn)(int);
+typedef void (*set_busy_fn)(long);
 static void call_set_fault(void *f, int op, long n, int code) { ((set_fault_fn)f)(op, n, code); }
 static long call_count(void *f, int op) { return ((count_fn)f)(op); }
 static void call_set_peer(void *f, int on) { ((set_peer_fn)f)(on); }
+static void call_set_busy(void *f, long n) { ((set_busy_fn)f)(n); }
 */
 import "C"
 
@@ -24,8 +26,8 @@ const supported = true
 // Fake controls a loaded fake library (the same library a cuda.Runtime
 // opened from the path Build returned: dlopen shares one instance).
 type Fake struct {
-	lib                      *dl.Library
-	setFault, count, setPeer unsafe.Pointer
+	lib                               *dl.Library
+	setFault, count, setPeer, setBusy unsafe.Pointer
 }
 
 // Open opens the fake library for control; it is closed with the test.
@@ -44,6 +46,9 @@ func Open(t testing.TB, path string) *Fake {
 		t.Fatalf("cudatest: %v", err)
 	}
 	if f.setPeer, err = lib.Sym("fake_set_peer_access"); err != nil {
+		t.Fatalf("cudatest: %v", err)
+	}
+	if f.setBusy, err = lib.Sym("fake_set_busy"); err != nil {
 		t.Fatalf("cudatest: %v", err)
 	}
 	return f
@@ -68,3 +73,10 @@ func (f *Fake) PeerAccess(on bool) {
 	}
 	C.call_set_peer(f.setPeer, C.int(v))
 }
+
+// Busy makes every event answer its first n queries after each record
+// "not ready" (n < 0: every query) before a query runs the event's copies
+// and answers; 0, the default, answers the first. Synchronizing the event
+// or its stream runs them whatever was queried. The library is shared by
+// the tests of a binary: set it back to 0.
+func (f *Fake) Busy(n int) { C.call_set_busy(f.setBusy, C.long(n)) }

@@ -23,3 +23,6 @@ func (f *Fake) Count(op Op) int { return 0 }
 
 // PeerAccess does nothing.
 func (f *Fake) PeerAccess(on bool) {}
+
+// Busy does nothing.
+func (f *Fake) Busy(n int) {}

@@ -35,6 +35,7 @@ const (
 	OpLaunch                 // a cuLaunchKernel (of the copy kernel)
 	OpModuleLoad             // a cuModuleLoadDataEx (the copy kernel's PTX)
 	OpModuleUnload           // a cuModuleUnload
+	OpQuery                  // a cudaEventQuery
 )
 
 var (

@@ -8,7 +8,9 @@
 // completed), but no new import or export finds it.
 // fake_set_fault fails the Nth operation of a kind; fake_set_peer_access
 // makes an import of another device's allocation succeed, as the driver
-// does over peer access, where by default it fails (no peer access).
+// does over peer access, where by default it fails (no peer access);
+// fake_set_busy makes cudaEventQuery answer "not ready" a number of times
+// after each record before it runs the event's copies.
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -24,10 +26,11 @@ enum {
 	errIllegalAddress = 700,
 	errLaunchFailure = 719,
 	errMapBufferObjectFailed = 205,
+	errNotReady = 600,
 };
 
 // Kinds of operation, for faults and counters.
-enum { opCopy, opSync, opIpcOpen, opHostAlloc, opHostRegister, opBatch, opSegCall, opRecord, opLaunch, opModuleLoad, opModuleUnload, nOps };
+enum { opCopy, opSync, opIpcOpen, opHostAlloc, opHostRegister, opBatch, opSegCall, opRecord, opLaunch, opModuleLoad, opModuleUnload, opQuery, nOps };
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static long counts[nOps];
@@ -36,6 +39,14 @@ static int faultCode[nOps];
 static __thread int curDevice;
 static int numDevices = 2;
 static int peerAccess;
+static long busyQueries; // "not ready" answers per event record
+// fake_set_busy makes every event answer n queries "not ready" after each
+// record (n < 0: always) before a query runs its copies and answers.
+void fake_set_busy(long n) {
+	pthread_mutex_lock(&mu);
+	busyQueries = n;
+	pthread_mutex_unlock(&mu);
+}
 
 // fake_set_peer_access turns on (1) or off (0) imports across devices.
 void fake_set_peer_access(int on) {
@@ -107,7 +118,7 @@ static alloc *unlink_alloc(uintptr_t p) {
 // entries of its table, read when the op runs as the GPU reads it.
 typedef struct { void *dst; const void *src; size_t n; const uint64_t *table; } op;
 typedef struct { pthread_mutex_t mu; op *ops; size_t n, cap; size_t done; int device; int err; } stream;
-typedef struct { stream *s; size_t upto; } event;
+typedef struct { stream *s; size_t upto; long queries; } event;
 
 // run_op runs one op; a kernel entry that is not 16-byte aligned fails
 // it, as the kernel's vector accesses would.
@@ -141,9 +152,14 @@ static int enqueue(stream *s, void *dst, const void *src, size_t n) { return pus
 
 // drain_upto runs the queued copies up to the upto-th ever enqueued (all
 // with (size_t)-1). A failed synchronization drops what it would have run.
+static int run_upto(stream *s, size_t upto, int code);
 static int drain_upto(stream *s, size_t upto) {
 	if (!s) return 0;
-	int code = tick(opSync);
+	return run_upto(s, upto, tick(opSync));
+}
+// run_upto runs what drain_upto runs, unless code (an injected failure of
+// the call) is set: then it drops it.
+static int run_upto(stream *s, size_t upto, int code) {
 	pthread_mutex_lock(&s->mu);
 	size_t k = s->n;
 	if (upto != (size_t)-1) k = upto > s->done ? upto - s->done : 0;
@@ -168,6 +184,7 @@ const char *cudaGetErrorName(int e) {
 	case errLaunchFailure: return "cudaErrorLaunchFailure";
 	case errInvalidResourceHandle: return "cudaErrorInvalidResourceHandle";
 	case errMapBufferObjectFailed: return "cudaErrorMapBufferObjectFailed";
+	case errNotReady: return "cudaErrorNotReady";
 	}
 	return "cudaErrorUnknown";
 }
@@ -197,6 +214,7 @@ int cudaEventRecord(event *e, stream *s) {
 	int code = tick(opRecord);
 	if (code) return code;
 	e->s = s;
+	e->queries = 0;
 	if (s) {
 		pthread_mutex_lock(&s->mu);
 		e->upto = s->done + s->n;
@@ -205,6 +223,22 @@ int cudaEventRecord(event *e, stream *s) {
 	return 0;
 }
 int cudaEventSynchronize(event *e) { return e->s ? drain_upto(e->s, e->upto) : 0; }
+int cudaEventQuery(event *e) {
+	int code = tick(opQuery);
+	pthread_mutex_lock(&mu);
+	long busy = busyQueries;
+	pthread_mutex_unlock(&mu);
+	if (!code && e->s && (busy < 0 || e->queries < busy)) {
+		pthread_mutex_lock(&e->s->mu);
+		int ran = e->s->done >= e->upto; // run by a synchronization since
+		pthread_mutex_unlock(&e->s->mu);
+		if (!ran) {
+			e->queries++;
+			return errNotReady;
+		}
+	}
+	return e->s ? run_upto(e->s, e->upto, code) : code;
+}
 int cudaEventDestroy(event *e) { free(e); return 0; }
 
 int cudaHostAlloc(void **p, size_t n, unsigned flags) {
