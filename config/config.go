@@ -76,8 +76,8 @@ type GPU struct {
 	// the GPU's SMs, taking turns with the inference process's kernels).
 	Copy string `toml:"copy"`
 	// Poll is how long a job of the staging pipeline polls for copies it
-	// needs done, yielding its processor between polls, before its thread
-	// sleeps until they complete (default 1ms); 0 sleeps at once.
+	// needs done, its thread on a core, before the thread sleeps until
+	// they complete (default 500us); 0 sleeps at once.
 	Poll Duration `toml:"poll"`
 }
 
@@ -308,7 +308,7 @@ func Default() Config {
 			IdleTimeout:      Duration(time.Minute),
 			WriteTimeout:     Duration(10 * time.Second),
 		},
-		GPU: GPU{Mode: "auto", CuFile: "auto", StagingMemory: 256 << 20, Copy: "auto", Poll: Duration(time.Millisecond)},
+		GPU: GPU{Mode: "auto", CuFile: "auto", StagingMemory: 256 << 20, Copy: "auto", Poll: Duration(500 * time.Microsecond)},
 		Log: Log{Level: "info", Format: "auto"},
 		Policy: Policy{
 			Name:          "lru",

@@ -110,7 +110,7 @@ poll = "0s"
 		t.Errorf("gpu decoded as %+v", g)
 	}
 	d := Default()
-	if d.GPU.Mode != "auto" || d.GPU.CuFile != "auto" || time.Duration(d.GPU.Poll) != time.Millisecond || d.Server.MaxHandshakes != 16 {
+	if d.GPU.Mode != "auto" || d.GPU.CuFile != "auto" || time.Duration(d.GPU.Poll) != 500*time.Microsecond || d.Server.MaxHandshakes != 16 {
 		t.Errorf("defaults: gpu %+v, max_handshakes %d", d.GPU, d.Server.MaxHandshakes)
 	}
 }

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"runtime"
 	"time"
 
 	"github.com/kvhost/kvhost/internal/cuda"
@@ -81,8 +80,11 @@ func (m *Mover) destroyLane(ln *lane) {
 	m.r.DestroyStream(ln.stream)
 }
 
-// await waits for event e: it polls e for up to Config.Poll, yielding the
-// processor between polls, then sleeps on it (a blocking event).
+// await waits for event e: it polls e for up to Config.Poll, then sleeps
+// on it (a blocking event). The polls do not yield: a goroutine locked to
+// its thread that yields hands its processor over and sleeps until it is
+// scheduled again, which cost as much as the wake-up it avoids (the last
+// wait of 2 MiB loads: 212–347 µs yielding, 94–113 µs not; RATIONALE).
 func (m *Mover) await(e cuda.Event) error {
 	if m.cfg.Poll > 0 {
 		deadline := time.Now().Add(m.cfg.Poll)
@@ -94,7 +96,6 @@ func (m *Mover) await(e cuda.Event) error {
 			if time.Now().After(deadline) {
 				break
 			}
-			runtime.Gosched()
 		}
 	}
 	return m.r.Wait(e)
