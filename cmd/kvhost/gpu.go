@@ -35,7 +35,7 @@ type gpuOptions struct {
 	// Copy is gpu.copy: auto, kernel, batch or segments.
 	Copy string
 	// Poll is gpu.poll: how long a job polls for its copies before it
-	// sleeps on them; 0 sleeps at once.
+	// sleeps on them; 0 sleeps at once (config.Default has the default).
 	Poll time.Duration
 }
 
@@ -89,7 +89,7 @@ func openGPU(opts gpuOptions, log *slog.Logger) (*gpuPaths, error) {
 	}
 	poll := opts.Poll
 	if poll == 0 {
-		poll = -1 // gpu.Config: negative polls not at all (0 is its default)
+		poll = gpu.NoPoll // gpu.poll = "0s"; gpu.Config's zero is its default
 	}
 	p.staging, err = gpu.New(gpu.Config{Runtime: rt, MaxStaging: opts.MaxStaging, NoChecksums: opts.NoChecksum, Depth: opts.Depth, Chunk: opts.Chunk, Copy: mode, Poll: poll})
 	if err != nil {
@@ -103,7 +103,7 @@ func openGPU(opts gpuOptions, log *slog.Logger) (*gpuPaths, error) {
 	}
 	log.Info("GPU paths ready", "devices", n, "cuda_runtime", rt.Path(), "cuda_version", rt.Version(),
 		"copy", p.staging.CopyMode().String(), "batched_copies", rt.HasBatch(), "pinned_staging_bytes", p.staging.PinnedBytes(),
-		"poll", p.staging.Poll())
+		"poll", p.staging.PollTime())
 	if opts.CuFile != "off" {
 		d, err := gds.Open(gds.Config{LibraryPaths: opts.CuFileLibrary, Logger: log, BindDevice: rt.SetDevice})
 		if err != nil {

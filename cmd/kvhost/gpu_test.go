@@ -13,11 +13,13 @@ import (
 	"unsafe"
 
 	"github.com/kvhost/kvhost/abi/guest"
+	"github.com/kvhost/kvhost/config"
 	"github.com/kvhost/kvhost/host/engine"
 	"github.com/kvhost/kvhost/host/policy"
 	"github.com/kvhost/kvhost/internal/cuda"
 	"github.com/kvhost/kvhost/internal/cuda/cudatest"
 	"github.com/kvhost/kvhost/plugins/lru"
+	"github.com/kvhost/kvhost/staging/gpu"
 )
 
 func TestOpenGPUModes(t *testing.T) {
@@ -58,7 +60,8 @@ func TestGPUMemoryRoundTripsThroughTheEngine(t *testing.T) {
 	ctx := context.Background()
 	var logs bytes.Buffer
 	log := slog.New(slog.NewTextHandler(&logs, nil))
-	gp, err := openGPU(gpuOptions{Mode: "on", CUDALibrary: []string{lib}, CuFile: "off", MaxStaging: 16 << 20}, log)
+	gp, err := openGPU(gpuOptions{Mode: "on", CUDALibrary: []string{lib}, CuFile: "off", MaxStaging: 16 << 20,
+		Poll: time.Duration(config.Default().GPU.Poll)}, log)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -156,6 +159,7 @@ func TestGPUMemoryRoundTripsThroughTheEngine(t *testing.T) {
 func TestGPUPollReachesTheStagingPipeline(t *testing.T) {
 	lib := cudatest.Build(t)
 	for _, c := range []struct{ poll, want time.Duration }{
+		{time.Duration(config.Default().GPU.Poll), gpu.DefaultPoll},
 		{time.Millisecond, time.Millisecond},
 		{250 * time.Microsecond, 250 * time.Microsecond},
 		{0, 0},
@@ -166,7 +170,7 @@ func TestGPUPollReachesTheStagingPipeline(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		got := gp.staging.Poll()
+		got := gp.staging.PollTime()
 		gp.Close()
 		if got != c.want {
 			t.Errorf("gpu.poll %v: the pipeline polls %v, want %v", c.poll, got, c.want)

@@ -382,8 +382,9 @@ func (r *Runtime) Wait(e Event) error {
 }
 
 // Done reports whether the work recorded before e completed, without
-// waiting (cudaEventQuery): false while it runs; an error, as Wait's, if
-// it failed.
+// waiting (cudaEventQuery): false while it runs. If that work failed it
+// returns Wait's error (and done true: the wait is over); done means
+// nothing beside an error.
 func (r *Runtime) Done(e Event) (bool, error) {
 	code := callU(r.fn.eventQuery, uintptr(e))
 	if Error(code) == ErrorNotReady {

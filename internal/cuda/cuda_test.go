@@ -508,6 +508,10 @@ func deviceAndHost(r *cuda.Runtime, n int) (*cuda.DeviceMemory, *cuda.Pinned, fu
 	return m, h, func() { h.Free(); m.Close() }, nil
 }
 
+// TestDoneAnswersWithoutWaitingAndReportsFailedCopies: Done is false while
+// the copies run (the fake answers "not ready" busy times), true once they
+// completed, with their bytes on the device, and a failure ends the polls
+// with the failure's error.
 func TestDoneAnswersWithoutWaitingAndReportsFailedCopies(t *testing.T) {
 	r, fake := open(t)
 	w := worker(t, r, 0)
@@ -518,7 +522,7 @@ func TestDoneAnswersWithoutWaitingAndReportsFailedCopies(t *testing.T) {
 	}{
 		{"ready-at-once", 0, 0},
 		{"ready-after-three-polls", 3, 0},
-		{"failed", 2, cuda.ErrorIllegalAddress},
+		{"failed after two polls", 2, cuda.ErrorIllegalAddress},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -545,8 +549,8 @@ func TestDoneAnswersWithoutWaitingAndReportsFailedCopies(t *testing.T) {
 				if err := r.Record(ev, w.Stream()); err != nil {
 					return err
 				}
-				if c.fault != 0 {
-					fake.Fail(cudatest.OpQuery, 1, int(c.fault))
+				if c.fault != 0 { // the poll after the busy ones fails
+					fake.Fail(cudatest.OpQuery, c.busy+1, int(c.fault))
 					defer fake.Fail(cudatest.OpQuery, 0, 0)
 				}
 				polls := 0
@@ -556,6 +560,9 @@ func TestDoneAnswersWithoutWaitingAndReportsFailedCopies(t *testing.T) {
 					if err != nil {
 						if !done {
 							return fmt.Errorf("poll %d: Done = false, %v: an error must end the wait", polls, err)
+						}
+						if polls != c.busy+1 {
+							return fmt.Errorf("the failure came at poll %d, want %d", polls, c.busy+1)
 						}
 						return errors.Join(err, r.Sync(w.Stream()))
 					}

@@ -12,9 +12,10 @@
 // while the copy runs. A buffer's copies are waited for on an event only
 // when the buffer is needed again, so no job waits behind another's
 // copies: the job polls the event for a while (Config.Poll), then sleeps
-// on it (a blocking event), so that no thread spins for long. File I/O to a device with
-// O_DIRECT is one large system call per chunk (4 MiB by default, 4
-// KiB-aligned: pinned buffers are page-aligned); to a memory file system
+// on it (a blocking event), so that no thread spins for long. File I/O to
+// a device with O_DIRECT is one large system call per chunk (4 MiB by
+// default, 4 KiB-aligned: pinned buffers are page-aligned); to a memory
+// file system
 // or through the page cache, reads go in 256 KiB pieces, and so do writes
 // with checksums, each piece checksummed right after its system call
 // (fused; transfer.Plan.Memory says which files are on memory file
@@ -80,21 +81,24 @@ type Config struct {
 	// NoChecksums turns checksums off (Checksums reports false).
 	NoChecksums bool
 	// Poll is how long a job polls the event of copies it needs done
-	// (cudaEventQuery in a loop, its thread on a core) before it blocks on
-	// the event, its thread asleep until the copies complete. 0 means
-	// DefaultPoll; a negative Poll blocks at once. A blocked thread's
-	// wake-up waits for a core: on the H100 machine, with every core busy
-	// reading files, the last wait of a 2 MiB load took 414–610 µs
-	// blocked and 94–113 µs polled.
+	// (cudaEventQuery in a loop, its thread on a core and its goroutine
+	// holding a Go processor) before it blocks on the event, its thread
+	// asleep until the copies complete: a woken thread waits for a core,
+	// which with every core busy took longer than the copies (RATIONALE,
+	// "Why does a job poll its copies' event for 500 µs before it
+	// sleeps?"). 0 means DefaultPoll; NoPoll (or any negative Poll) blocks
+	// at once.
 	Poll time.Duration
 }
 
-// DefaultPoll is the default Config.Poll: longer than most waits for a
-// chunk's copies (2 MiB keys' last copies took 94–113 µs on average
-// with 16 jobs on the H100 machine, a 32 MiB key's last 138–201 µs),
-// short enough that a stalled GPU costs a polling job little CPU before
-// its thread sleeps.
-const DefaultPoll = 500 * time.Microsecond
+const (
+	// DefaultPoll is the default Config.Poll: several times the usual
+	// wait for a chunk's copies, short enough that a stalled GPU costs a
+	// polling job little CPU before its thread sleeps.
+	DefaultPoll = 500 * time.Microsecond
+	// NoPoll is a Config.Poll that blocks on every wait at once.
+	NoPoll time.Duration = -1
+)
 
 // Mover moves plans of device regions through pinned staging buffers.
 type Mover struct {
@@ -252,9 +256,9 @@ func (m *Mover) CopyMode() cuda.CopyMode {
 	return m.fallback
 }
 
-// Poll is how long a job polls for its copies before it blocks on them
-// (Config.Poll after defaults); 0: it blocks at once.
-func (m *Mover) Poll() time.Duration { return max(m.cfg.Poll, 0) }
+// PollTime is how long a job polls for its copies before it blocks on
+// them (Config.Poll after defaults); 0: it blocks at once.
+func (m *Mover) PollTime() time.Duration { return max(m.cfg.Poll, 0) }
 
 // Name is "gpu-staging".
 func (m *Mover) Name() string { return "gpu-staging" }

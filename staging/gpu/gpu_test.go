@@ -865,7 +865,7 @@ func TestWaitsPollBeforeTheyBlock(t *testing.T) {
 		busy          int  // "not ready" answers before a query runs the copies (-1: always)
 		polls, sleeps bool // whether the waits query, and whether they block
 	}{
-		{"copies done while polling", 0, 3, true, false},
+		{"copies done while polling", time.Second, 3, true, false},
 		{"copies still running when the poll ends", 200 * time.Microsecond, -1, true, true},
 		{"no polling", -1, 0, false, true},
 	}
@@ -880,8 +880,19 @@ func TestWaitsPollBeforeTheyBlock(t *testing.T) {
 				t.Fatalf("WriteFile: %v", err)
 			}
 			kv.poison(t, e.w)
-			if _, err := m.ReadFile(context.Background(), f, p, make([]uint32, p.Sums)); err != nil {
-				t.Fatalf("ReadFile: %v", err)
+			// A poll that never ended would hang the load: fail instead.
+			done := make(chan error, 1)
+			go func() {
+				_, err := m.ReadFile(context.Background(), f, p, make([]uint32, p.Sums))
+				done <- err
+			}()
+			select {
+			case err := <-done:
+				if err != nil {
+					t.Fatalf("ReadFile: %v", err)
+				}
+			case <-time.After(30 * time.Second):
+				t.Fatal("the load did not end: its waits never stopped polling")
 			}
 			queried, synced := e.fake.Count(cudatest.OpQuery)-queries, e.fake.Count(cudatest.OpSync)-syncs
 			if (queried > 0) != c.polls || (synced > 0) != c.sleeps {

@@ -90,7 +90,7 @@ func (m *Mover) await(e cuda.Event) error {
 		deadline := time.Now().Add(m.cfg.Poll)
 		for {
 			done, err := m.r.Done(e)
-			if done {
+			if err != nil || done {
 				return err
 			}
 			if time.Now().After(deadline) {
@@ -118,9 +118,9 @@ func copies(cp *cuda.Copies, c *chunk, bufPtr uintptr, h2d bool) {
 
 // runStreamed moves the chunks on the calling goroutine's own thread and a
 // lane of its own: each chunk's copies are enqueued right after its read
-// (before its write) and waited for on a blocking event only when its
-// buffer is needed again, so no job waits for another's copies and no
-// thread spins.
+// (before its write) and waited for (await: polled, then asleep on a
+// blocking event) only when its buffer is needed again, so no job waits
+// for another's copies.
 func (m *Mover) runStreamed(ctx context.Context, f fsys.File, chunks []chunk, dev *device, sums []uint32, write, fused bool) (total int64, err error) {
 	m.mu.RLock() // Close waits for the jobs in flight
 	defer m.mu.RUnlock()
