@@ -51,7 +51,7 @@ run() { # name command...: runs, logs, remembers a failure
 	if ! "$@" >"$out/$name.txt" 2>&1; then
 		echo "   FAILED (see $out/$name.txt)"; status=1
 	fi
-	grep -E '^(---|ok|PASS|FAIL|case )|GB/s|OK|differ' "$out/$name.txt" | head -40
+	grep -E '^(---|ok|PASS|FAIL|case )|GB/s|OK|differ|lookups of' "$out/$name.txt" | head -40
 }
 # daemon SOCK LOG DIR [FLAGS...]: starts a daemon on a fresh DIR, sets
 # pid, and waits for its socket; stop_daemon stops it and reports.
@@ -102,12 +102,16 @@ if [ "${HOSTILE:-1}" = 1 ]; then
 	stop_daemon
 fi
 if [ "${INTERFERENCE:-1}" = 1 ]; then
-	# What kvhost's copies cost the inference process's kernels: matmuls
-	# alone and beside loads through a daemon, with the default DMA copies
-	# and with gpu.copy = "kernel".
-	for mode in batch kernel; do
+	# What kvhost's copies cost the inference process's kernels and the
+	# daemon's lookups: matmuls and lookups alone and beside loads through
+	# a daemon, with the default DMA copies, with gpu.copy = "kernel", and
+	# with DMA copies whose waits never poll (gpu.poll = "0s").
+	for mode in batch kernel batch-nopoll; do
 		sock=/tmp/kvhost-gpu-interference.sock
-		printf '[gpu]\ncopy = "%s"\n' "$mode" >"$out/copy-$mode.toml"
+		case $mode in
+		batch-nopoll) printf '[gpu]\ncopy = "batch"\npoll = "0s"\n' >"$out/copy-$mode.toml" ;;
+		*) printf '[gpu]\ncopy = "%s"\n' "$mode" >"$out/copy-$mode.toml" ;;
+		esac
 		daemon "$sock" "$out/daemon-interference-$mode.log" "$shm/interference" --config "$out/copy-$mode.toml"
 		run "interference-$mode" python3 scripts/gpu-interference.py "$sock" 8 64 8
 		stop_daemon

@@ -9,12 +9,16 @@ BLOCK_BYTES = TOKENS_PER_BLOCK * HEADS * HEAD * DTYPE_SIZE  # one plane of one b
 PAGE = 2 * BLOCK_BYTES                                      # K and V of one block, one layer
 
 
+def geometry(tokens_per_key):
+    """The model's kvhost.Geometry with tokens_per_key tokens per key."""
+    return kvhost.Geometry(model="meta-llama/Llama-3.1-8B", layers=LAYERS, kv_heads=HEADS, head_size=HEAD,
+                           dtype_size=DTYPE_SIZE, tokens_per_block=TOKENS_PER_BLOCK, tokens_per_key=tokens_per_key)
+
+
 def register(c, kv, tokens_per_key):
     """Declares the geometry on client c and registers kv, a CUDA int8
     tensor of (LAYERS, num_blocks, PAGE); returns (namespace, cache)."""
-    geo = kvhost.Geometry(model="meta-llama/Llama-3.1-8B", layers=LAYERS, kv_heads=HEADS, head_size=HEAD,
-                          dtype_size=DTYPE_SIZE, tokens_per_block=TOKENS_PER_BLOCK, tokens_per_key=tokens_per_key)
-    ns = c.declare(geo)
+    ns = c.declare(geometry(tokens_per_key))
     assert ns.block_bytes == BLOCK_BYTES, (ns.block_bytes, BLOCK_BYTES)
     num_blocks = kv.shape[1]
     region = c.register_cuda_tensor(kv)
