@@ -90,12 +90,9 @@ func (m *Mover) run(ctx context.Context, f fsys.File, p *transfer.Plan, sums []u
 		spans[i] = Span{Off: x.FileOff, Buf: mem[x.RegionOff : x.RegionOff+x.Len : x.RegionOff+x.Len], Sum: x.Sum}
 	}
 	opt := Options{Direct: p.Direct, Sums: sums, Overlap: m.overlap && p.Direct}
-	if !write && p.Memory && len(p.Extents) > 0 {
-		// fsys.Mapping says why: a memory file system's pages read
-		// through a mapping skip the kernel's LRU bookkeeping of pread.
-		last := p.Extents[len(p.Extents)-1]
+	if !write {
 		var release func()
-		f, release = fsys.MapForRead(f, last.FileOff+last.Len)
+		f, release = p.ReadSource(f)
 		defer release()
 	}
 	type result struct {

@@ -70,6 +70,27 @@ func (p *Plan) Bytes() int64 {
 	return n
 }
 
+// End is the file offset just past the plan's last extent (0 for an
+// empty plan): the extents are sorted.
+func (p *Plan) End() int64 {
+	if len(p.Extents) == 0 {
+		return 0
+	}
+	x := p.Extents[len(p.Extents)-1]
+	return x.FileOff + x.Len
+}
+
+// ReadSource returns f as a mover should read the plan from it: on a
+// memory file system through a mapping of its first End bytes where that
+// pays (fsys.MapForRead says when, and fsys.Mapping why), else f itself.
+// release undoes it once the reads are done.
+func (p *Plan) ReadSource(f fsys.File) (src fsys.File, release func()) {
+	if !p.Memory {
+		return f, func() {}
+	}
+	return fsys.MapForRead(f, p.End())
+}
+
 // Check validates the plan: extents sorted, not overlapping, inside their
 // regions, checksum indices in range.
 func (p *Plan) Check() error {

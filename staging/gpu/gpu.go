@@ -466,11 +466,9 @@ func (m *Mover) run(ctx context.Context, f fsys.File, p *transfer.Plan, sums []u
 	if write && sums == nil {
 		fused = false
 	}
-	if !write && p.Memory {
-		// fsys.Mapping says why: a memory file system's pages read
-		// through a mapping skip the kernel's LRU bookkeeping of pread.
+	if !write {
 		var release func()
-		f, release = fsys.MapForRead(f, chunks[len(chunks)-1].aend)
+		f, release = p.ReadSource(f)
 		defer release()
 	}
 	return m.runStreamed(ctx, f, chunks, dev, sums, write, fused)
