@@ -184,7 +184,15 @@ type Engine struct {
 	// MountUpdateInterval is how often, at most, changed mount
 	// descriptions are sent to a policy that asks for them; 0 means 1s.
 	MountUpdateInterval Duration `toml:"mount_update_interval"`
+	// ReuseFiles, unless set to false, keeps files evicted from memory
+	// file systems for later stores of the same size to write into
+	// (spare files: docs/engine.md).
+	ReuseFiles *bool `toml:"reuse_files"`
 }
+
+// Reuse reports whether evicted files are kept for reuse (ReuseFiles unset
+// or true).
+func (e Engine) Reuse() bool { return e.ReuseFiles == nil || *e.ReuseFiles }
 
 // Mount is one cache root.
 type Mount struct {

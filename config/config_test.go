@@ -34,6 +34,7 @@ ttl = "2h"
 
 [engine]
 fsync = true
+reuse_files = false
 cpus = [0, 1]
 node_id = "gpu-node-7"
 
@@ -55,7 +56,7 @@ low_watermark = 0.8
 		t.Fatal(err)
 	}
 	if c.Server.SocketMode != 0o600 || c.Policy.Name != "sharded" || c.Policy.MemoryLimit != 32<<20 ||
-		time.Duration(c.Policy.CallTimeout) != 50*time.Millisecond || !c.Engine.Fsync || len(c.Engine.CPUs) != 2 {
+		time.Duration(c.Policy.CallTimeout) != 50*time.Millisecond || !c.Engine.Fsync || len(c.Engine.CPUs) != 2 || c.Engine.Reuse() {
 		t.Fatalf("decoded %+v", c)
 	}
 	if len(c.Mounts) != 2 || c.Mounts[0].Capacity != 100<<30 || c.Mounts[1].Capacity != 1<<40 ||

@@ -178,6 +178,7 @@ var (
 	dHits           = desc("kvhost_hits_total", "Keys found by lookups and loads.")
 	dMisses         = desc("kvhost_misses_total", "Keys not found by lookups and loads.")
 	dEvictions      = desc("kvhost_evictions_total", "Files evicted to make room.")
+	dReused         = desc("kvhost_reused_files_total", "Stores that wrote into an evicted file kept as a spare instead of a fresh file (memory file systems).")
 	dCorrupt        = desc("kvhost_corrupt_files_total", "Files dropped because they failed verification.")
 	dVanished       = desc("kvhost_vanished_files_total", "Files found missing or replaced behind the engine's back.")
 	dWritten        = desc("kvhost_written_bytes_total", "Payload bytes written to files.")
@@ -187,6 +188,7 @@ var (
 	dMountUsed      = desc("kvhost_mount_used_bytes", "Bytes of published files plus reservations of stores in flight.", "mount")
 	dMountFree      = desc("kvhost_mount_free_bytes", "Capacity left to kvhost on a mount (capacity - used).", "mount")
 	dMountFSFree    = desc("kvhost_mount_fs_available_bytes", "Space the file system of a mount has available (statfs).", "mount")
+	dMountSpare     = desc("kvhost_mount_spare_bytes", "Bytes of evicted files kept for stores to write into (free space that holds pages; not in used).", "mount")
 	dMountEntries   = desc("kvhost_mount_entries", "Files on a mount.", "mount")
 	dMountInfo      = desc("kvhost_mount_info", "A mount's I/O mode, host data mover and checksums; always 1.", "mount", "io", "backend", "checksums")
 	dFallbacks      = desc("kvhost_data_path_fallbacks_total", "Transfer plans a GPU data mover passed on to the next (e.g. cufile to the staging copy).", "mount", "mover")
@@ -240,6 +242,7 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 		counter(dHits, st.Hits)
 		counter(dMisses, st.Misses)
 		counter(dEvictions, st.Evictions)
+		counter(dReused, st.Reused)
 		counter(dCorrupt, st.Corrupt)
 		counter(dVanished, st.Vanished)
 		counter(dWritten, st.BytesWritten)
@@ -257,6 +260,7 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 			gauge(dMountUsed, float64(mt.Used), mt.Path)
 			gauge(dMountFree, float64(max(mt.Capacity-mt.Used, 0)), mt.Path)
 			gauge(dMountEntries, float64(mt.Entries), mt.Path)
+			gauge(dMountSpare, float64(mt.SpareBytes), mt.Path)
 			gauge(dMountInfo, 1, mt.Path, mt.IO, mt.Backend, strconv.FormatBool(mt.Checksums))
 			var fs unix.Statfs_t
 			if unix.Statfs(mt.Path, &fs) == nil {

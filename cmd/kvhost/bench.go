@@ -43,6 +43,7 @@ type benchOptions struct {
 	fsync         bool
 	allowCompat   bool
 	warmup        bool
+	full          bool // a full cache: rounds evict the previous round's files
 	keep          bool
 	jsonOut       string
 	appendTo      string
@@ -87,6 +88,7 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	fs.BoolVar(&o.verify, "verify", true, "poison destinations before each load and check every loaded byte")
 	fs.StringVar(&fsync, "fsync", "", "durable stores (true/false; default: the configuration's engine.fsync)")
 	fs.BoolVar(&o.allowCompat, "allow-compat", false, "let cuFile serve mounts in compatibility mode (gpu.cufile = compat)")
+	fs.BoolVar(&o.full, "full", false, "a full cache: the mount holds one round of --total bytes, and each round stores new keys that evict the previous round's files instead of deleting them (on a memory file system stores then write into evicted files: engine.reuse_files); needs --rounds 2 or more to measure it")
 	fs.BoolVar(&o.warmup, "warmup", true, "store and delete every key once, untimed, before the first measured phase of each key size")
 	fs.BoolVar(&o.keep, "keep", false, "keep the benchmark's files")
 	fs.StringVar(&o.jsonOut, "json", "", "write the report as JSON to this file (- for standard output, instead of the table)")
@@ -187,6 +189,8 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	switch {
 	case o.hitRatio < 0 || o.hitRatio > 1:
 		return bad("--hit-ratio %v: want 0..1", o.hitRatio)
+	case o.full && o.keys != 0:
+		return bad("--full sizes the cache from --total: leave --keys at 0")
 	case o.keys < 0:
 		return bad("--keys %d: want 0 (automatic) or more", o.keys)
 	case o.keysPerJob < 1:

@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -173,6 +174,12 @@ func (r *benchRun) engineFor(ctx context.Context, path string, sums bool) (*engi
 		io = "buffered"
 	}
 	m := engine.Mount{Path: dir, IO: io, NoChecksum: !sums, HighWatermark: 0.95, LowWatermark: 0.85}
+	if r.o.full {
+		// One round of keys and their headers fills about 0.8 of it:
+		// below the low watermark, so a round's loads find all its keys,
+		// and the next round's stores evict the previous round's files.
+		m.Capacity = r.o.total + r.o.total*3/10
+	}
 	if len(r.o.cfg.Mounts) > 0 {
 		m.Reserve = int64(r.o.cfg.Mounts[0].Reserve)
 	}
@@ -180,7 +187,7 @@ func (r *benchRun) engineFor(ctx context.Context, path string, sums bool) (*engi
 	eng, err := engine.Open(ctx, engine.Config{
 		Mounts: []engine.Mount{m}, NewPolicy: benchPolicy(ctx, cfg, r.log),
 		Fsync: r.o.fsync, IOWorkers: cfg.Engine.IOWorkers, CPUs: cfg.Engine.CPUs,
-		StagingBytes: int64(cfg.Engine.StagingMemory), Logger: r.log, Movers: movers,
+		StagingBytes: int64(cfg.Engine.StagingMemory), Logger: r.log, Movers: movers, NoReuse: !cfg.Engine.Reuse(),
 	})
 	if err != nil {
 		if gp != nil {
@@ -255,6 +262,16 @@ type benchCache struct {
 	keys   [][]byte // stored names
 	misses [][]byte // names never stored
 	g      engine.Geometry
+	gen    int // renames so far (--full)
+}
+
+// rename gives the cache's keys names never used before (--full): the
+// next store writes new files, and the previous round's are evicted.
+func (c *benchCache) rename() {
+	c.gen++
+	for i := range c.keys {
+		c.keys[i] = fmt.Appendf(nil, "bench-%d-g%d-%08d", c.g.TokensPerKey, c.gen, i)
+	}
 }
 
 // keySize measures one key size at every job count.
@@ -324,7 +341,9 @@ func (r *benchRun) keySize(ctx context.Context, eng *engine.Engine, gp *gpuPaths
 		deadline := time.Now().Add(r.o.duration)
 		for round := 0; round < r.o.rounds || time.Now().Before(deadline); round++ {
 			if stored && r.o.store {
-				if err := r.deleteAll(ctx, eng, c); err != nil {
+				if r.o.full {
+					c.rename() // new keys; the old ones are evicted
+				} else if err := r.deleteAll(ctx, eng, c); err != nil {
 					return err
 				}
 				stored = false
@@ -332,6 +351,7 @@ func (r *benchRun) keySize(ctx context.Context, eng *engine.Engine, gp *gpuPaths
 			if !stored {
 				r.prog.Start(fmt.Sprintf("store %s sums=%v %s keys, %d jobs", path, sums, sizeOf(g.KeyBytes()), jobs), keys)
 				cpu := bench.CPUTime()
+				reused := eng.Stats().Reused
 				d, lat, err := r.phase(ctx, eng, c, bench.Store, jobs)
 				if err != nil {
 					return err
@@ -340,6 +360,7 @@ func (r *benchRun) keySize(ctx context.Context, eng *engine.Engine, gp *gpuPaths
 				if r.o.store {
 					st.add(d, lat, int64(keys)*g.KeyBytes(), keys, 0)
 					st.cpu += bench.CPUTime() - cpu
+					st.reused += eng.Stats().Reused - reused
 				}
 			}
 			files, err := engineFiles(dir, g.KeyBytes())
@@ -422,6 +443,7 @@ type phaseTotals struct {
 	verified int64
 	rounds   int
 	cpu      time.Duration // process CPU time over the phases
+	reused   uint64        // stores into spare files over the phases
 }
 
 func (t *phaseTotals) add(d time.Duration, lat []time.Duration, bytes int64, keys int, verified int64) {
@@ -447,6 +469,7 @@ func (t *phaseTotals) run(base bench.Run, dir string, keys int, ceiling bench.Ce
 	x.JobP50Ms = bench.Percentile(t.lat, 0.50)
 	x.JobP99Ms = bench.Percentile(t.lat, 0.99)
 	x.VerifiedBytes = t.verified / int64(max(1, t.rounds))
+	x.ReusedFiles = int(t.reused / uint64(max(1, t.rounds)))
 	x.CPUMsPerGB = bench.CPUMsPerGB(t.cpu, t.bytes)
 	return x
 }
@@ -560,8 +583,8 @@ func (r *benchRun) moverName(gp *gpuPaths) string {
 func engineFiles(dir string, keyBytes int64) ([]string, error) {
 	var out []string
 	err := filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
-		if err != nil || !d.Type().IsRegular() {
-			return err
+		if err != nil || !d.Type().IsRegular() || strings.HasPrefix(d.Name(), ".") {
+			return err // temporary and spare files are no key's
 		}
 		if fi, err := d.Info(); err == nil && fi.Size() >= keyBytes {
 			out = append(out, p)

@@ -28,9 +28,29 @@ var tinyBench = []string{"--layers", "4", "--kv-heads", "2", "--head-size", "128
 func runBenchJSON(t *testing.T, args ...string) (*bench.Report, []byte) {
 	t.Helper()
 	dir := t.TempDir()
-	out := filepath.Join(dir, "out.json")
 	svg := filepath.Join(dir, "out.svg")
-	all := append([]string{"bench", "--dir", filepath.Join(dir, "data"), "--json", out, "--svg", svg}, tinyBench...)
+	rep, stdout := benchReport(t, filepath.Join(dir, "data"), append([]string{"--svg", svg}, args...)...)
+	if !strings.Contains(stdout, "ceiling GB/s") {
+		t.Errorf("no result table on standard output:\n%s", stdout)
+	}
+	left, err := os.ReadDir(filepath.Join(dir, "data"))
+	if err != nil || len(left) != 0 {
+		t.Errorf("the benchmark left %d entries in its directory (%v)", len(left), err)
+	}
+	b, err := os.ReadFile(svg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return rep, b
+}
+
+// benchReport runs kvhost bench on dir with the tiny geometry and args,
+// checks that it succeeded, and returns its parsed --json report and its
+// standard output.
+func benchReport(t *testing.T, dir string, args ...string) (*bench.Report, string) {
+	t.Helper()
+	out := filepath.Join(t.TempDir(), "out.json")
+	all := append([]string{"bench", "--dir", dir, "--json", out}, tinyBench...)
 	all = append(all, args...)
 	var stdout, stderr bytes.Buffer
 	if code := run(context.Background(), all, &stdout, &stderr); code != 0 {
@@ -45,18 +65,7 @@ func runBenchJSON(t *testing.T, args ...string) (*bench.Report, []byte) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !strings.Contains(stdout.String(), "ceiling GB/s") {
-		t.Errorf("no result table on standard output:\n%s", stdout.String())
-	}
-	left, err := os.ReadDir(filepath.Join(dir, "data"))
-	if err != nil || len(left) != 0 {
-		t.Errorf("the benchmark left %d entries in its directory (%v)", len(left), err)
-	}
-	b, err := os.ReadFile(svg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return rep, b
+	return rep, stdout.String()
 }
 
 // checkRuns checks what every run of a report must satisfy: each figure
@@ -269,6 +278,7 @@ func TestBenchRejectsBadFlagsNamingThem(t *testing.T) {
 		{[]string{"--dir", dir, "--memory", "tpu"}, 2, "--memory"},
 		{[]string{"--dir", dir, "--fsync", "sometimes"}, 2, "--fsync"},
 		{[]string{"--dir", dir, "--total", "lots"}, 2, "--total"},
+		{[]string{"--dir", dir, "--full", "--keys", "8"}, 2, "--full"},
 		{[]string{"--dir", dir, "--memory", "gpu", "--cuda-library", missing}, 1, "--memory gpu"},
 		{[]string{"--dir", dir, "--memory", "host", "--path", "cufile"}, 1, "needs a GPU"},
 		{[]string{"--dir", dir, "--memory", "host", "--layers", "0"}, 1, "Layers"},
@@ -368,5 +378,46 @@ func TestBenchCPUProfileInAMissingDirectoryIsRefused(t *testing.T) {
 	args := append([]string{"bench", "--dir", t.TempDir(), "--cpu-profile", filepath.Join(t.TempDir(), "no", "cpu.pprof")}, tinyBench...)
 	if code := run(context.Background(), args, &stdout, &stderr); code != 2 || !strings.Contains(stderr.String(), "--cpu-profile") {
 		t.Errorf("exit %d, stderr %q: want 2 and a message naming --cpu-profile", code, stderr.String())
+	}
+}
+
+func TestBenchFullCacheStoresIntoEvictedFilesOnTmpfsUnlessTurnedOff(t *testing.T) {
+	if st, err := os.Stat("/dev/shm"); err != nil || !st.IsDir() {
+		t.Fatal("no /dev/shm: spare files are kept only on a memory file system")
+	}
+	noReuse := filepath.Join(t.TempDir(), "noreuse.toml")
+	if err := os.WriteFile(noReuse, []byte("[engine]\nreuse_files = false\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name   string
+		args   []string
+		reused bool
+	}{
+		{"default", nil, true},
+		{"reuse_files = false", []string{"--config", noReuse}, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			shm, err := os.MkdirTemp("/dev/shm", "kvhost-bench-")
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer os.RemoveAll(shm)
+			args := append([]string{"--memory", "host", "--full", "--rounds", "3", "--jobs", "2", "--tokens-per-key", "16", "--total", "4MiB"}, tc.args...)
+			rep, _ := benchReport(t, shm, args...)
+			for _, x := range rep.Runs {
+				switch x.Direction {
+				case bench.Store:
+					if (x.ReusedFiles > 0) != tc.reused {
+						t.Errorf("store: %d files reused per round, want reuse %v", x.ReusedFiles, tc.reused)
+					}
+				case bench.Load:
+					// Each round's keys survive the eviction its stores cause.
+					if x.Hits != x.Keys || x.VerifiedBytes != int64(x.Keys)*x.KeyBytes {
+						t.Errorf("load: %d of %d keys, %d bytes verified: a full cache lost the round's own keys", x.Hits, x.Keys, x.VerifiedBytes)
+					}
+				}
+			}
+		})
 	}
 }

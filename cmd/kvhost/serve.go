@@ -163,6 +163,7 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 		NodeID:              cfg.Engine.NodeID,
 		TickInterval:        time.Duration(cfg.Engine.TickInterval),
 		MountUpdateInterval: time.Duration(cfg.Engine.MountUpdateInterval),
+		NoReuse:             !cfg.Engine.Reuse(),
 		// Node-local state next to the socket: a second daemon started by
 		// mistake stops here, before it touches a mount.
 		LockFile: cfg.Server.Socket + ".lock",

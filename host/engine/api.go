@@ -139,6 +139,10 @@ type Config struct {
 	// as unchecked) and skips verification on load. Headers are always
 	// checksummed.
 	NoChecksum bool
+	// NoReuse removes evicted files on memory file systems instead of
+	// keeping them for later stores of the same size to write into
+	// (spare files: docs/engine.md).
+	NoReuse bool
 	// IOWorkers is the number of I/O workers (default: GOMAXPROCS, at least 2).
 	IOWorkers int
 	// CPUs, if set, pins the I/O workers to these CPUs (e.g. the GPU's NUMA
@@ -318,6 +322,10 @@ type MountStats struct {
 	Reserve    int64
 	Used       int64 // bytes of published files plus reservations of stores in flight
 	Entries    int
+	// SpareFiles and SpareBytes are the evicted files kept for stores to
+	// write into (memory file systems; not part of Used).
+	SpareFiles int
+	SpareBytes int64
 	Direct     bool   // O_DIRECT is used on this mount
 	IO         string // "direct" or "buffered"
 	Backend    string // the data mover of host memory on this mount ("staging")
@@ -338,6 +346,7 @@ type Stats struct {
 	Hits         uint64 // keys found by Lookup or Load
 	Misses       uint64
 	Evictions    uint64
+	Reused       uint64 // stores that wrote into a spare file instead of a fresh one
 	Failures     uint64 // keys that ended OutcomeFailed
 	Corrupt      uint64 // files dropped because they failed verification
 	Vanished     uint64 // files found missing or replaced behind the engine's back

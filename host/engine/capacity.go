@@ -105,7 +105,7 @@ func (e *Engine) evict(ctx context.Context, m *mount, size int64) {
 				continue
 			}
 			if claimed {
-				e.removeClaimed(en)
+				e.evictClaimed(en)
 			}
 			freed += en.size
 			e.st.evictions.Add(1)

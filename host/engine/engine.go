@@ -73,7 +73,7 @@ type Engine struct {
 }
 
 type counters struct {
-	stores, loads, hits, misses, evictions, failures, corrupt, vanished, written, read atomic.Uint64
+	stores, loads, hits, misses, evictions, reused, failures, corrupt, vanished, written, read atomic.Uint64
 }
 
 // Open opens an engine over cfg.Mounts: it creates missing roots, probes
@@ -204,7 +204,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 func (e *Engine) Stats() Stats {
 	s := Stats{
 		Stores: e.st.stores.Load(), Loads: e.st.loads.Load(), Hits: e.st.hits.Load(), Misses: e.st.misses.Load(),
-		Evictions: e.st.evictions.Load(), Failures: e.st.failures.Load(), Corrupt: e.st.corrupt.Load(),
+		Evictions: e.st.evictions.Load(), Reused: e.st.reused.Load(), Failures: e.st.failures.Load(), Corrupt: e.st.corrupt.Load(),
 		Vanished: e.st.vanished.Load(), BytesWritten: e.st.written.Load(), BytesRead: e.st.read.Load(),
 		StoreFailures: e.fails.stats(0), LoadFailures: e.fails.stats(1),
 	}
@@ -214,6 +214,7 @@ func (e *Engine) Stats() Stats {
 	for _, m := range e.mounts {
 		s.Mounts = append(s.Mounts, MountStats{
 			Path: m.root, Capacity: m.capacity, Configured: m.configured, Reserve: m.reserve, Used: m.used, Entries: m.entries,
+			SpareFiles: m.spareFiles, SpareBytes: m.spareBytes,
 			Direct: m.direct, IO: m.ioName(), Backend: m.backend, Checksums: m.checksums, Layout: LayoutKVHost,
 		})
 		if m.raw != nil {
@@ -251,6 +252,7 @@ func (e *Engine) Close(ctx context.Context) error {
 	}
 	e.closePins()
 	e.stopTiering()
+	e.dropSpares()
 	e.hitRec.close()
 	e.host.Close()
 	if e.ownPolicy {

@@ -60,3 +60,10 @@ func (e *Engine) removeClaimed(en *entry) {
 	e.removeIfSame(en.path, []*entry{en})
 	e.release(en.path)
 }
+
+// evictClaimed is removeClaimed for an evicted entry: its file may be kept
+// as a spare (spares.go).
+func (e *Engine) evictClaimed(en *entry) {
+	e.disposeIfSame(en.path, []*entry{en}, true)
+	e.release(en.path)
+}

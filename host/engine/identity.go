@@ -140,6 +140,12 @@ func (e *Engine) seal(f fsys.File, dir string) (fsys.Identity, error) {
 // path between the check and the unlink (a window of one system call,
 // docs/engine.md).
 func (e *Engine) removeIfSame(path string, ens []*entry) {
+	e.disposeIfSame(path, ens, false)
+}
+
+// disposeIfSame is removeIfSame; with spare set, the file is kept as a
+// spare for later stores where its mount keeps spares (spares.go).
+func (e *Engine) disposeIfSame(path string, ens []*entry, spare bool) {
 	if len(ens) == 0 {
 		return
 	}
@@ -174,6 +180,9 @@ func (e *Engine) removeIfSame(path string, ens []*entry) {
 		return
 	}
 	e.forget(id)
+	if spare && e.keepSpare(e.mounts[ens[0].mount], path, id) {
+		return
+	}
 	if err := e.fs.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
 		e.log.Warn("engine: remove", "path", path, "err", err)
 	}

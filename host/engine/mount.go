@@ -38,6 +38,12 @@ type mount struct {
 	used      int64
 	entries   int
 	refreshed time.Time // last capacity refresh from statfs
+	// spares are evicted files kept for stores to write into, by size
+	// (spares.go); spareBytes and spareFiles are their total. They are
+	// not part of used.
+	spares     map[int64][]string
+	spareBytes int64
+	spareFiles int
 }
 
 func (m *mount) ioName() string {
@@ -161,7 +167,7 @@ func (e *Engine) refreshCapacity(m *mount, force bool) {
 	// Space of stores in flight is part of used but not yet (all) taken
 	// from the file system: counting it as ours errs towards a larger
 	// capacity, which an ENOSPC then corrects.
-	m.setCapacityLocked(e.fsCapacity(m, st, m.used))
+	m.setCapacityLocked(e.fsCapacity(m, st, m.used+m.spareBytes))
 }
 
 // reportMounts logs, once at Open, each mount's capacity, I/O mode,

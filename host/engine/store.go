@@ -335,6 +335,7 @@ func (e *Engine) storeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 		if !published {
 			if attempt == 0 && errors.Is(err, syscall.ENOSPC) && ctx.Err() == nil {
 				e.log.Debug("engine: ENOSPC; evicting and trying again", "mount", m.root, "path", gr.path)
+				e.trimSpares(m, func(*mount) bool { return false }) // they hold pages
 				e.refreshCapacity(m, true)
 				m.evictMu.Lock()
 				e.evict(ctx, m, 0)
@@ -370,7 +371,7 @@ func (e *Engine) writeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 	if m.direct {
 		extra = unix.O_DIRECT
 	}
-	f, tmp, op, err := e.createTemp(dir, extra, size)
+	f, tmp, op, err := e.openTemp(m, dir, extra, size)
 	if err != nil {
 		return published, e.ioError(m, op, err)
 	}

@@ -123,6 +123,10 @@ type Run struct {
 	// stored (every byte of every hit when verification is on); a miss's
 	// destination blocks are checked to be untouched too.
 	VerifiedBytes int64 `json:"verified_bytes"`
+	// ReusedFiles is how many files a store phase wrote into evicted
+	// files instead of fresh ones (spare files; a full cache on a memory
+	// file system), per round.
+	ReusedFiles int `json:"reused_files,omitempty"`
 	// CPUMsPerGB is the process's CPU time (user and system, every
 	// thread) during the phase, in milliseconds per GB moved: what the
 	// data path costs the host, less noisy than throughput on a shared

@@ -1,0 +1,308 @@
+package engine
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+
+	"github.com/kvhost/kvhost/format"
+	"github.com/kvhost/kvhost/internal/fsys"
+)
+
+// tmpfsDir is shmDir for tests that need a memory file system: spare files
+// exist only there.
+func tmpfsDir(t *testing.T) string {
+	t.Helper()
+	d := shmDir(t)
+	if d == "" {
+		t.Fatal("no /dev/shm: spare files are kept only on a memory file system")
+	}
+	return d
+}
+
+// spareChurn opens an engine on dir with room for ten files (watermarks
+// 0.9 and 0.6) and stores n keys one at a time, so that stores evict;
+// it returns the engine, its namespace and cache, and each key's bytes.
+func spareChurn(t *testing.T, dir string, cfg Config, n int) (*Engine, NamespaceID, *testCache, [][]byte, [][]byte) {
+	t.Helper()
+	g := smallGeometry(false) // files with a zero tail
+	fileLen := int64(4096) + alignTo(g.KeyBytes(), format.Align)
+	cfg.Mounts = []Mount{{Path: dir, Capacity: 10 * fileLen, HighWatermark: 0.9, LowWatermark: 0.6}}
+	if cfg.Policy == nil {
+		cfg.Policy = newTestPolicy(1, 0)
+	}
+	e := openEngine(t, cfg)
+	ns, err := e.Declare(context.Background(), g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := newTestCache(t, e, ns, g, 64, layoutPlaneFirst)
+	r := rand.New(rand.NewPCG(8, 8))
+	keys := testKeys("spare", n)
+	var want [][]byte
+	for i := range keys {
+		b := [][]int{{0, 1, 2, 3}}
+		c.fill(r, b[0])
+		want = append(want, c.data(b[0]))
+		storeAndCheck(t, e, c, keys[i:i+1], b)
+	}
+	return e, ns, c, keys, want
+}
+
+func alignTo(n int64, a int) int64 { return (n + int64(a) - 1) / int64(a) * int64(a) }
+
+func TestStoresOnTmpfsWriteIntoEvictedFilesAndLoadTheirOwnBytes(t *testing.T) {
+	dir := tmpfsDir(t)
+	e, ns, c, keys, want := spareChurn(t, dir, Config{}, 30)
+	st := e.Stats()
+	if st.Evictions < 15 || st.Reused == 0 {
+		t.Fatalf("%d evictions, %d stores into spare files: want evictions and reuse", st.Evictions, st.Reused)
+	}
+	// Every key still indexed loads its own bytes (not an evicted key's).
+	into := [][]int{{8, 9, 10, 11}}
+	loaded := 0
+	for i, k := range keys {
+		if n, _ := e.Lookup(context.Background(), ns, [][]byte{k}); n == 0 {
+			continue
+		}
+		loadAndCompare(t, e, c, [][]byte{k}, into, [][]byte{want[i]})
+		loaded++
+	}
+	if loaded < 5 {
+		t.Fatalf("%d keys left to load", loaded)
+	}
+}
+
+func TestReusedFilesKeepNoByteOfTheirPreviousContents(t *testing.T) {
+	dir := tmpfsDir(t)
+	e, _, c, _, _ := spareChurn(t, dir, Config{NoChecksum: true}, 12)
+	spares := leftovers(t, dir)
+	if len(spares) == 0 {
+		t.Fatal("no spare file after evictions")
+	}
+	// Poison every spare: a store that reuses one must overwrite it all.
+	for _, p := range spares {
+		fi, err := os.Stat(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(p, bytes.Repeat([]byte{0xAB}, int(fi.Size())), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	before := e.Stats().Reused
+	r := rand.New(rand.NewPCG(9, 9))
+	more := testKeys("after", len(spares))
+	for i := range more {
+		b := [][]int{{0, 1, 2, 3}}
+		c.fill(r, b[0])
+		storeAndCheck(t, e, c, more[i:i+1], b)
+		loadAndCompare(t, e, c, more[i:i+1], [][]int{{8, 9, 10, 11}}, [][]byte{c.data(b[0])})
+	}
+	if e.Stats().Reused == before {
+		t.Fatal("no store reused a poisoned spare")
+	}
+	poison := bytes.Repeat([]byte{0xAB}, 16)
+	for _, p := range dataFiles(t, dir) {
+		b, err := os.ReadFile(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if i := bytes.Index(b, poison); i >= 0 {
+			t.Fatalf("%s: a spare's old bytes at offset %d of %d", p, i, len(b))
+		}
+	}
+}
+
+func TestSparesFitInTheCapacityAndCloseRemovesThem(t *testing.T) {
+	dir := tmpfsDir(t)
+	e, _, _, _, _ := spareChurn(t, dir, Config{}, 30)
+	st := e.Stats()
+	m := st.Mounts[0]
+	spares := leftovers(t, dir)
+	if m.SpareFiles == 0 || m.SpareFiles != len(spares) {
+		t.Fatalf("stats say %d spare files, %d on disk", m.SpareFiles, len(spares))
+	}
+	if m.Used+m.SpareBytes > m.Capacity {
+		t.Fatalf("used %d + spares %d > capacity %d", m.Used, m.SpareBytes, m.Capacity)
+	}
+	for _, p := range spares {
+		// A spare carries this process's temporary name, so that after a
+		// crash the next Open removes it as abandoned.
+		rest, ok := strings.CutPrefix(filepath.Base(p), tmpPrefix)
+		node, pid, owned := tempOwner(rest)
+		if !ok || !owned || node != e.node || pid != os.Getpid() {
+			t.Fatalf("spare %s: not a temporary name of this process", p)
+		}
+	}
+	if err := e.Close(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if left := leftovers(t, dir); len(left) != 0 {
+		t.Fatalf("after Close: %v", left)
+	}
+}
+
+func TestSparesAreKeptOnlyWhereTheyHelp(t *testing.T) {
+	var disk syscall.Statfs_t
+	diskDir := t.TempDir()
+	if err := syscall.Statfs(diskDir, &disk); err != nil {
+		t.Fatal(err)
+	}
+	cases := []struct {
+		name  string
+		dir   string
+		cfg   Config
+		spare bool
+	}{
+		{"tmpfs", tmpfsDir(t), Config{}, true},
+		{"tmpfs, NoReuse", tmpfsDir(t), Config{NoReuse: true}, false},
+		{fmt.Sprintf("TempDir (statfs magic %#x)", disk.Type), diskDir, Config{}, isMemoryFS(int64(disk.Type))},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			e, _, _, _, _ := spareChurn(t, tc.dir, tc.cfg, 20)
+			st := e.Stats()
+			if st.Evictions == 0 {
+				t.Fatal("no eviction")
+			}
+			if got := st.Mounts[0].SpareFiles > 0 && st.Reused > 0; got != tc.spare {
+				t.Fatalf("%d spare files, %d reused: want spares %v", st.Mounts[0].SpareFiles, st.Reused, tc.spare)
+			}
+			if !tc.spare && len(leftovers(t, tc.dir)) != 0 {
+				t.Fatalf("temporary files left: %v", leftovers(t, tc.dir))
+			}
+		})
+	}
+}
+
+// Loads pin their files, and eviction never takes a pinned file, so a
+// spare is never a file a load still reads: with checksums off (nothing
+// would catch it) every key a concurrent load reports loaded has its own
+// bytes.
+func TestLoadsBesideReusingStoresNeverSeeAnotherKeysBytes(t *testing.T) {
+	dir := tmpfsDir(t)
+	g := smallGeometry(true)
+	fileLen := int64(4096) + g.KeyBytes()
+	e := openEngine(t, Config{Mounts: []Mount{{Path: dir, Capacity: 8 * fileLen, HighWatermark: 0.9, LowWatermark: 0.5}},
+		Policy: newTestPolicy(1, 0), NoChecksum: true})
+	ns, err := e.Declare(context.Background(), g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const loaders = 4
+	c := newTestCache(t, e, ns, g, 4*(loaders+1), layoutPlaneFirst)
+	var mu sync.Mutex
+	stored := map[string][]byte{}
+	var names []string
+	done := make(chan struct{})
+	var wg sync.WaitGroup
+	var loadedCount [loaders]int
+	for l := range loaders {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			r := rand.New(rand.NewPCG(uint64(l), 1))
+			into := []int{4 + 4*l, 5 + 4*l, 6 + 4*l, 7 + 4*l}
+			for {
+				select {
+				case <-done:
+					return
+				default:
+				}
+				mu.Lock()
+				if len(names) == 0 {
+					mu.Unlock()
+					continue
+				}
+				k := names[len(names)-1-r.IntN(min(len(names), 12))]
+				want := stored[k]
+				mu.Unlock()
+				j, err := e.Load(context.Background(), LoadRequest{Cache: c.id, Keys: [][]byte{[]byte(k)}, Blocks: [][]int{into}})
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				res, err := j.Wait(context.Background())
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				if res.Keys[0].Outcome != OutcomeLoaded {
+					continue // evicted: a miss is fine
+				}
+				loadedCount[l]++
+				if !bytes.Equal(c.data(into), want) {
+					t.Errorf("key %s: loaded another key's bytes", k)
+					return
+				}
+			}
+		}()
+	}
+	r := rand.New(rand.NewPCG(3, 3))
+	for i := range 200 {
+		k := fmt.Sprintf("race-%03d", i)
+		src := []int{0, 1, 2, 3}
+		c.fill(r, src)
+		data := c.data(src)
+		storeAndCheck(t, e, c, [][]byte{[]byte(k)}, [][]int{src})
+		mu.Lock()
+		stored[k] = data
+		names = append(names, k)
+		mu.Unlock()
+	}
+	close(done)
+	wg.Wait()
+	st := e.Stats()
+	total := 0
+	for _, n := range loadedCount {
+		total += n
+	}
+	if st.Reused == 0 || total == 0 {
+		t.Fatalf("%d stores reused spares, %d loads loaded: the test did not exercise both", st.Reused, total)
+	}
+}
+
+// A store that finds the file system full removes the spares (they hold
+// pages) before it evicts and tries again, and the key is stored.
+func TestENOSPCRemovesSparesBeforeTheRetry(t *testing.T) {
+	dir := tmpfsDir(t)
+	inj := &enospcOnWrite{}
+	e, _, c, _, _ := spareChurn(t, dir, Config{FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj}}, 20)
+	before := leftovers(t, dir)
+	if len(before) == 0 {
+		t.Fatal("no spares before the full file system")
+	}
+	inj.armed.Store(true)
+	storeAndCheck(t, e, c, testKeys("full", 1), [][]int{{0, 1, 2, 3}})
+	if n := inj.fired.Load(); n != 1 {
+		t.Fatalf("ENOSPC injected %d times, want 1", n)
+	}
+	for _, p := range before {
+		if _, err := os.Stat(p); !errors.Is(err, os.ErrNotExist) {
+			t.Fatalf("spare %s survived the ENOSPC: %v", p, err)
+		}
+	}
+}
+
+// enospcOnWrite fails the first write after it is armed with ENOSPC.
+type enospcOnWrite struct {
+	armed atomic.Bool
+	fired atomic.Int64
+}
+
+func (f *enospcOnWrite) Inject(op fsys.Op, _ string) fsys.Fault {
+	if op == fsys.OpWrite && f.armed.Load() && f.fired.CompareAndSwap(0, 1) {
+		return fsys.Fault{Err: syscall.ENOSPC}
+	}
+	return fsys.Fault{}
+}
