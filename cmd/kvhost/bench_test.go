@@ -411,6 +411,9 @@ func TestBenchFullCacheStoresIntoEvictedFilesOnTmpfsUnlessTurnedOff(t *testing.T
 					if (x.ReusedFiles > 0) != tc.reused {
 						t.Errorf("store: %d files reused per round, want reuse %v", x.ReusedFiles, tc.reused)
 					}
+					if !strings.Contains(x.Ceiling.Name, "into existing files") || x.Ceiling.GBps <= 0 {
+						t.Errorf("store ceiling %q at %.2f GB/s: want a measured overwrite of existing files", x.Ceiling.Name, x.Ceiling.GBps)
+					}
 				case bench.Load:
 					// Each round's keys survive the eviction its stores cause.
 					if x.Hits != x.Keys || x.VerifiedBytes != int64(x.Keys)*x.KeyBytes {

@@ -16,6 +16,18 @@ const victimBatch = 256
 // refreshed from statfs (at most once a second) before the engine evicts
 // for a store, so that space freed on the file system counts.
 func (e *Engine) reserve(ctx context.Context, m *mount, size int64) error {
+	if err := e.reserveUsed(ctx, m, size); err != nil {
+		return err
+	}
+	// Spares are free space that holds pages: the new file must fit
+	// beside them (a store may then reuse one; a move between mounts
+	// writes a fresh file).
+	e.trimSpares(m, (*mount).sparesFitLocked)
+	return nil
+}
+
+// reserveUsed is reserve without the spares.
+func (e *Engine) reserveUsed(ctx context.Context, m *mount, size int64) error {
 	if e.tryReserve(m, size, func(m *mount) int64 { return m.high }) {
 		return nil
 	}

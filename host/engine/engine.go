@@ -21,6 +21,7 @@ import (
 const (
 	tmpPrefix   = ".tmp-"
 	probePrefix = ".probe-direct-"
+	sparePrefix = ".spare-" // an evicted file kept for reuse (spares.go)
 )
 
 // Engine stores and loads KV-cache blocks. It is safe for concurrent use.

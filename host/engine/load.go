@@ -268,6 +268,17 @@ func (e *Engine) loadRound(ctx context.Context, j *Job, c *cache, blocks [][]int
 		}
 		return ok
 	}
+	if e.rewrittenUnder(m, f, h) {
+		// Another engine on the directory evicted the file and a store
+		// of it wrote into it (spare files) while we read: the bytes may
+		// be another key's, checksums or not.
+		e.st.vanished.Add(1)
+		e.drop(ctx, en, false, "rewritten while read")
+		for _, k := range read {
+			set(dst[k], OutcomeFailed, fmt.Errorf("engine: load %s: %w: rewritten while it was read (evicted and reused by another engine on the directory)", en.path, errReplaced))
+		}
+		return false
+	}
 	var mismatched []bool // file key -> its checksum failed
 	for _, k := range read {
 		if check && sums[k] != h.Keys[k].Sum {

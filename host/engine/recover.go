@@ -70,6 +70,17 @@ func (e *Engine) rebuild(ctx context.Context) error {
 			name := d.Name()
 			path := filepath.Join(dir, name)
 			if strings.HasPrefix(name, ".") {
+				if strings.HasPrefix(name, sparePrefix) && d.Type().IsRegular() {
+					// Never anyone's data: a spare of a process that
+					// ended (or of one that will find it gone and
+					// write a fresh file instead).
+					if err := e.fs.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+						e.log.Warn("engine: leftover spare file", "path", path, "err", err)
+					} else {
+						cleaned.Add(1)
+					}
+					continue
+				}
 				rest, tmp := strings.CutPrefix(name, tmpPrefix)
 				if !tmp {
 					rest, tmp = strings.CutPrefix(name, probePrefix)

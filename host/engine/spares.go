@@ -5,7 +5,11 @@ import (
 	"os"
 	"path/filepath"
 
+	"golang.org/x/sys/unix"
+
+	"github.com/kvhost/kvhost/format"
 	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/staging"
 )
 
 // Spare files (docs/engine.md, "Spare files").
@@ -15,18 +19,25 @@ import (
 // page activates it under a lock all readers share; a file whose pages
 // already exist is written at about 1.5 times the speed and read at about
 // three times. So an evicted file on such a mount is not unlinked but
-// renamed to a temporary name (.tmp-<node>-<pid>-<hex>, the name a store
-// writes under) and kept as a spare, and the next store of a file of the
-// same size renames the spare to its own temporary name and writes into
-// it instead of creating a file. The store writes every byte of the file
-// (header area, payload, zero tail), so nothing of the old file survives.
+// renamed to .spare-<node>-<pid>-<hex> and kept, and the next store of a
+// file of the same size renames the spare to its own temporary name and
+// writes into it instead of creating a file. Nothing of the old file
+// survives: the store first zeroes the header's first page and the tail
+// past its payload, then writes the header area and the payload.
+//
+// Within the engine, a spare is never a file a load reads: eviction takes
+// only unpinned entries, and loads pin theirs. Another engine sharing the
+// directory may still be reading it; so the store zeroes the header before
+// the payload, and a load from a memory mount reads the header again after
+// the payload: a different file id means the file was rewritten under it,
+// and the load fails instead of reporting another key's bytes loaded.
 //
 // A spare is free space that happens to hold pages: it does not count in
 // the mount's used bytes, and before a store creates a fresh file the
 // engine removes spares until its files, its reservations and its spares
-// fit in the capacity. Close removes every spare; after a crash the
-// spares are temporary files of a dead process, which the next Open
-// removes. Only evictions make spares (a client's delete frees its
+// fit in the capacity; a reservation does the same. Close removes every
+// spare, and Open removes every spare it finds (a crashed process's, even
+// one whose pid this process now has). Only evictions make spares (a client's delete frees its
 // space), and only on memory mounts in kvhost's layout: a vllm-fs file
 // may be open in a reader that is not kvhost, which must keep reading the
 // bytes it opened.
@@ -51,7 +62,7 @@ func (e *Engine) keepSpare(m *mount, path string, id fsys.Identity) bool {
 	if !fits {
 		return false
 	}
-	spare := e.tempName(filepath.Dir(path), tmpPrefix)
+	spare := e.tempName(filepath.Dir(path), sparePrefix)
 	if err := e.fs.Rename(path, spare); err != nil {
 		e.log.Debug("engine: keep a spare file", "path", path, "err", err)
 		return false
@@ -86,10 +97,11 @@ func (m *mount) takeSpareLocked(size int64) string {
 }
 
 // reuseSpare opens a spare file of exactly size bytes on m as a store's
-// temporary file in dir (renamed, opened with flag extra, flocked), or
-// reports false if m has none or taking it failed (the spare is then
-// removed; the caller creates a fresh file).
-func (e *Engine) reuseSpare(m *mount, dir string, extra int, size int64) (fsys.File, string, bool) {
+// temporary file in dir (renamed, opened with flag extra, flocked, its
+// first page and every byte from end on zeroed), or reports false if m has
+// none or taking it failed (the spare is then removed; the caller creates
+// a fresh file).
+func (e *Engine) reuseSpare(m *mount, dir string, extra int, size, end int64) (fsys.File, string, bool) {
 	e.mu.Lock()
 	spare := m.takeSpareLocked(size)
 	e.mu.Unlock()
@@ -115,21 +127,53 @@ func (e *Engine) reuseSpare(m *mount, dir string, extra int, size int64) (fsys.F
 	if _, err := lockFile(f); err != nil {
 		e.log.Debug("engine: flock of a temporary file", "path", tmp, "err", err)
 	}
+	// The header first: a reader of the old file (another engine on the
+	// directory) then finds its file id gone when it checks after its read.
+	if _, err := f.WriteAt(staging.AlignedBuffer(format.Align), 0); err != nil {
+		f.Close()
+		return fail(tmp, "zero the header", err)
+	}
+	if end < size {
+		// The zero tail: movers write the payload, and on O_DIRECT
+		// mounts some write exact extents only.
+		fd := int(f.Fd())
+		if err := errors.Join(unix.Ftruncate(fd, end), unix.Ftruncate(fd, size)); err != nil {
+			f.Close()
+			return fail(tmp, "zero the tail", err)
+		}
+	}
 	e.st.reused.Add(1)
 	return f, tmp, true
 }
 
-// openTemp opens the temporary file of a store of size bytes in dir on m:
-// a spare of that size where m has one, else a fresh file (createTemp),
-// after removing spares until the new file fits beside them.
-func (e *Engine) openTemp(m *mount, dir string, extra int, size int64) (f fsys.File, tmp, op string, err error) {
+// openTemp opens the temporary file of a store of size bytes, whose
+// payload ends at end, in dir on m: a spare of that size where m has one,
+// else a fresh file (createTemp), after removing spares until the new file
+// fits beside them.
+func (e *Engine) openTemp(m *mount, dir string, extra int, size, end int64) (f fsys.File, tmp, op string, err error) {
 	if e.spareEligible(m) {
-		if f, tmp, ok := e.reuseSpare(m, dir, extra, size); ok {
+		if f, tmp, ok := e.reuseSpare(m, dir, extra, size, end); ok {
 			return f, tmp, "", nil
 		}
-		e.trimSpares(m, func(m *mount) bool { return m.used+m.spareBytes <= m.capacity })
+		e.trimSpares(m, (*mount).sparesFitLocked)
 	}
 	return e.createTemp(dir, extra, size)
+}
+
+// sparesFitLocked reports whether m's files, reservations and spares fit
+// in its capacity.
+func (m *mount) sparesFitLocked() bool { return m.used+m.spareBytes <= m.capacity }
+
+// rewrittenUnder reports whether the file f, whose header h a load read
+// before its payload, was rewritten meanwhile (a spare reused by another
+// engine on the directory): its header no longer decodes, or names
+// another file id. Only memory mounts in kvhost's layout keep spares.
+func (e *Engine) rewrittenUnder(m *mount, f fsys.File, h *format.Header) bool {
+	if !m.memory || m.raw != nil {
+		return false
+	}
+	now, err := readHeader(f)
+	return err != nil || now.ID != h.ID
 }
 
 // trimSpares removes m's spares until enough reports true (called with

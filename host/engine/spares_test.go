@@ -13,6 +13,7 @@ import (
 	"sync/atomic"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/kvhost/kvhost/format"
 	"github.com/kvhost/kvhost/internal/fsys"
@@ -99,6 +100,14 @@ func TestReusedFilesKeepNoByteOfTheirPreviousContents(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
+	poisoned := map[uint64]bool{}
+	for _, p := range spares {
+		var st syscall.Stat_t
+		if err := syscall.Stat(p, &st); err != nil {
+			t.Fatal(err)
+		}
+		poisoned[st.Ino] = true
+	}
 	before := e.Stats().Reused
 	r := rand.New(rand.NewPCG(9, 9))
 	more := testKeys("after", len(spares))
@@ -112,7 +121,15 @@ func TestReusedFilesKeepNoByteOfTheirPreviousContents(t *testing.T) {
 		t.Fatal("no store reused a poisoned spare")
 	}
 	poison := bytes.Repeat([]byte{0xAB}, 16)
+	reusedPoisoned := 0
 	for _, p := range dataFiles(t, dir) {
+		var st syscall.Stat_t
+		if err := syscall.Stat(p, &st); err != nil {
+			t.Fatal(err)
+		}
+		if poisoned[st.Ino] {
+			reusedPoisoned++
+		}
 		b, err := os.ReadFile(p)
 		if err != nil {
 			t.Fatal(err)
@@ -121,6 +138,109 @@ func TestReusedFilesKeepNoByteOfTheirPreviousContents(t *testing.T) {
 			t.Fatalf("%s: a spare's old bytes at offset %d of %d", p, i, len(b))
 		}
 	}
+	if reusedPoisoned == 0 {
+		t.Fatal("no file stored after the poisoning is a poisoned spare: nothing was checked")
+	}
+}
+
+func TestOpenRemovesSparesLeftBehindEvenUnderThisProcessesPid(t *testing.T) {
+	dir := tmpfsDir(t)
+	e, _, _, _, _ := spareChurn(t, dir, Config{}, 12)
+	// A crashed daemon's spare, named as this process would name it (a
+	// restarted container often gets the same pid and host name).
+	left := e.tempName(dir, sparePrefix)
+	if err := os.WriteFile(left, bytes.Repeat([]byte{1}, 8192), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.Close(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	openEngine(t, Config{Mounts: []Mount{{Path: dir}}, Policy: newTestPolicy(1, 0)})
+	if l := leftovers(t, dir); len(l) != 0 {
+		t.Fatalf("after Open: %v", l)
+	}
+}
+
+// Pins protect a load from its own engine's evictions, not from another
+// engine on the same directory: a load there that was reading a file
+// when it was evicted and reused must fail, not report the new bytes
+// loaded (checksums off, so that only the header check can tell).
+func TestALoadFailsWhenAnotherEngineReusesItsFileMidRead(t *testing.T) {
+	dir := tmpfsDir(t)
+	g := smallGeometry(true)
+	fileLen := int64(4096) + g.KeyBytes()
+	mounts := []Mount{{Path: dir, Capacity: 10 * fileLen, HighWatermark: 0.9, LowWatermark: 0.6}}
+	a := openEngine(t, Config{Mounts: mounts, Policy: newTestPolicy(1, 0), NoChecksum: true})
+	nsA, err := a.Declare(context.Background(), g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ca := newTestCache(t, a, nsA, g, 16, layoutPlaneFirst)
+	r := rand.New(rand.NewPCG(5, 5))
+	victim := testKeys("victim", 1)
+	ca.fill(r, []int{0, 1, 2, 3})
+	storeAndCheck(t, a, ca, victim, [][]int{{0, 1, 2, 3}})
+	path := dataFiles(t, dir)[0]
+	var vst syscall.Stat_t
+	if err := syscall.Stat(path, &vst); err != nil {
+		t.Fatal(err)
+	}
+
+	// Engine b adopts the victim's file at Open, and its load stops
+	// before its payload read until a has reused the file.
+	pause := &pauseSecondRead{path: path, reached: make(chan struct{}), release: make(chan struct{})}
+	b := openEngine(t, Config{Mounts: []Mount{{Path: dir}}, Policy: newTestPolicy(1, 0), NoChecksum: true, FS: &fsys.Faulty{FS: fsys.OS{}, Inj: pause}})
+	nsB, err := b.Declare(context.Background(), g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cb := newTestCache(t, b, nsB, g, 16, layoutPlaneFirst)
+	pause.armed.Store(true) // b's Open read the header already
+	job, err := b.Load(context.Background(), LoadRequest{Cache: cb.id, Keys: victim, Blocks: [][]int{{4, 5, 6, 7}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-pause.reached:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the load never read the payload through the file system seam")
+	}
+	reused := false
+	for i := 0; i < 40 && !reused; i++ {
+		ca.fill(r, []int{0, 1, 2, 3})
+		storeAndCheck(t, a, ca, testKeys(fmt.Sprintf("new-%d-", i), 1), [][]int{{0, 1, 2, 3}})
+		for _, p := range dataFiles(t, dir) {
+			var st syscall.Stat_t
+			if syscall.Stat(p, &st) == nil && st.Ino == vst.Ino && p != path {
+				reused = true
+			}
+		}
+	}
+	close(pause.release)
+	if !reused {
+		t.Fatal("engine a never reused the victim's file: the test checked nothing")
+	}
+	res := waitJob(t, job, nil)
+	if k := res.Keys[0]; k.Outcome == OutcomeLoaded || !errors.Is(k.Err, errReplaced) {
+		t.Fatalf("load of a file rewritten mid-read: %v %v; want failed, replaced", k.Outcome, k.Err)
+	}
+}
+
+// pauseSecondRead blocks the second read of path once armed (a load's
+// payload, after its header) until release is closed.
+type pauseSecondRead struct {
+	path             string
+	armed            atomic.Bool
+	reads            atomic.Int64
+	reached, release chan struct{}
+}
+
+func (p *pauseSecondRead) Inject(op fsys.Op, path string) fsys.Fault {
+	if op == fsys.OpRead && path == p.path && p.armed.Load() && p.reads.Add(1) == 2 {
+		close(p.reached)
+		<-p.release
+	}
+	return fsys.Fault{}
 }
 
 func TestSparesFitInTheCapacityAndCloseRemovesThem(t *testing.T) {
@@ -136,12 +256,11 @@ func TestSparesFitInTheCapacityAndCloseRemovesThem(t *testing.T) {
 		t.Fatalf("used %d + spares %d > capacity %d", m.Used, m.SpareBytes, m.Capacity)
 	}
 	for _, p := range spares {
-		// A spare carries this process's temporary name, so that after a
-		// crash the next Open removes it as abandoned.
-		rest, ok := strings.CutPrefix(filepath.Base(p), tmpPrefix)
+		// A spare's name says what it is: the next Open removes it.
+		rest, ok := strings.CutPrefix(filepath.Base(p), sparePrefix)
 		node, pid, owned := tempOwner(rest)
 		if !ok || !owned || node != e.node || pid != os.Getpid() {
-			t.Fatalf("spare %s: not a temporary name of this process", p)
+			t.Fatalf("spare %s: not a spare name of this process", p)
 		}
 	}
 	if err := e.Close(context.Background()); err != nil {

@@ -371,7 +371,7 @@ func (e *Engine) writeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 	if m.direct {
 		extra = unix.O_DIRECT
 	}
-	f, tmp, op, err := e.openTemp(m, dir, extra, size)
+	f, tmp, op, err := e.openTemp(m, dir, extra, size, hl+h.PayloadLen())
 	if err != nil {
 		return published, e.ioError(m, op, err)
 	}

@@ -172,6 +172,38 @@ func TestCeilingsWriteAndReadEveryByte(t *testing.T) {
 	}
 }
 
+func TestOverwriteFilesWritesIntoTheSameFilesAndNeedsThem(t *testing.T) {
+	dir := t.TempDir()
+	paths := []string{filepath.Join(dir, "a"), filepath.Join(dir, "b")}
+	sizes := []int64{8192, 4096}
+	bufs := [][]byte{bytes.Repeat([]byte{1}, 8192)}
+	if _, _, err := WriteFiles(context.Background(), paths, sizes, bufs, false, false); err != nil {
+		t.Fatal(err)
+	}
+	before, err := os.Stat(paths[0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	bufs[0] = bytes.Repeat([]byte{2}, 8192)
+	n, _, err := OverwriteFiles(context.Background(), paths, sizes, bufs, false, false)
+	if err != nil || n != 12288 {
+		t.Fatalf("OverwriteFiles = %d, %v; want 12288 bytes", n, err)
+	}
+	after, err := os.Stat(paths[0])
+	if err != nil || !os.SameFile(before, after) {
+		t.Fatalf("%s: not the same file after the overwrite (%v)", paths[0], err)
+	}
+	for i, p := range paths {
+		if b, err := os.ReadFile(p); err != nil || !bytes.Equal(b, bufs[0][:sizes[i]]) {
+			t.Fatalf("%s: %d bytes, %v; want the new buffer's first %d", p, len(b), err, sizes[i])
+		}
+	}
+	missing := []string{filepath.Join(dir, "missing")}
+	if _, _, err := OverwriteFiles(context.Background(), missing, sizes[:1], bufs, false, false); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("overwriting a missing file: %v, want ErrNotExist", err)
+	}
+}
+
 func TestReadFilesRefusesASmallBuffer(t *testing.T) {
 	p := filepath.Join(t.TempDir(), "f")
 	if err := os.WriteFile(p, make([]byte, 10000), 0o600); err != nil {

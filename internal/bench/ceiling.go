@@ -86,7 +86,18 @@ func readFull(f *os.File, b []byte) (int64, error) {
 // Direct writes round each size up to Align. It returns the bytes written
 // and the wall time.
 func WriteFiles(ctx context.Context, paths []string, sizes []int64, bufs [][]byte, direct, fsync bool) (int64, time.Duration, error) {
-	flags := os.O_WRONLY | os.O_CREATE | os.O_TRUNC
+	return writeFiles(ctx, paths, sizes, bufs, direct, fsync, os.O_CREATE|os.O_TRUNC)
+}
+
+// OverwriteFiles is WriteFiles into files that exist, without truncating
+// them: on a memory file system their pages are not allocated again (the
+// write ceiling of a full cache, whose stores write into evicted files).
+func OverwriteFiles(ctx context.Context, paths []string, sizes []int64, bufs [][]byte, direct, fsync bool) (int64, time.Duration, error) {
+	return writeFiles(ctx, paths, sizes, bufs, direct, fsync, 0)
+}
+
+func writeFiles(ctx context.Context, paths []string, sizes []int64, bufs [][]byte, direct, fsync bool, create int) (int64, time.Duration, error) {
+	flags := os.O_WRONLY | create
 	if direct {
 		flags |= unix.O_DIRECT
 	}
