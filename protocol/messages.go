@@ -670,6 +670,21 @@ type Stats struct {
 	// Daemon is the daemon-wide section, appended after Devices; nil in
 	// the reply of a daemon that predates it.
 	Daemon *DaemonStats
+	// Spares is the spare-files section, appended after Daemon (sent only
+	// with it); nil in the reply of a daemon that predates it.
+	Spares *SpareStats
+}
+
+// SpareStats is the spare-files section of a Stats reply: evicted files a
+// daemon keeps on memory file systems for later stores to write into.
+type SpareStats struct {
+	Reused uint64       // stores that wrote into a spare instead of a fresh file
+	Mounts []SpareMount // one per Stats.Mounts, in order
+}
+
+// SpareMount is one mount's spare files.
+type SpareMount struct {
+	Files, Bytes uint64
 }
 
 // DaemonStats is the daemon-wide section of a Stats reply: what an operator
@@ -786,7 +801,9 @@ func (m *Stats) fields() []*uint64 {
 // fallback reason | u64 reloads | u64 reload failures | str16 last reload
 // | u64 inflight jobs | u64 regions | u64 registered bytes | u32 mount
 // count | per mount: str16 path, str8 backend, str8 io, u8 checksums, 7 ×
-// 0, u64 configured, u64 reserve.
+// 0, u64 configured, u64 reserve | the spares section if Spares is set
+// (after the daemon section only): u64 reused | u32 mount count | per
+// mount: u64 files, u64 bytes.
 func (m *Stats) AppendBody(b []byte) []byte {
 	for _, p := range m.fields() {
 		b = appendU64(b, *p)
@@ -803,6 +820,12 @@ func (m *Stats) AppendBody(b []byte) []byte {
 	}
 	if m.Daemon != nil {
 		b = appendDaemon(b, m.Daemon)
+		if m.Spares != nil {
+			b = appendU32(appendU64(b, m.Spares.Reused), uint32(len(m.Spares.Mounts)))
+			for _, sm := range m.Spares.Mounts {
+				b = appendU64(appendU64(b, sm.Files), sm.Bytes)
+			}
+		}
 	}
 	return b
 }
@@ -838,11 +861,22 @@ func (m *Stats) DecodeBody(b []byte) error {
 			dv.Limit = d.u64("device limit")
 		}
 	}
-	m.Daemon = nil
+	m.Daemon, m.Spares = nil, nil
 	if d.err == nil && len(d.b) > 0 {
 		m.Daemon = decodeDaemon(&d)
 	}
-	// Bytes after the daemon section are sections of a later daemon,
+	if d.err == nil && len(d.b) > 0 {
+		sp := &SpareStats{Reused: d.u64("reused files")}
+		n := d.count("spare mount count", 0, maxMounts, 16)
+		if d.err == nil && n > 0 {
+			sp.Mounts = make([]SpareMount, n)
+			for i := range sp.Mounts {
+				sp.Mounts[i] = SpareMount{Files: d.u64("spare files"), Bytes: d.u64("spare bytes")}
+			}
+		}
+		m.Spares = sp
+	}
+	// Bytes after the spares section are sections of a later daemon,
 	// which this client does not know: ignored, so that growing the reply
 	// never breaks a client (the sections before it are strict).
 	return d.err

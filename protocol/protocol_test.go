@@ -40,6 +40,8 @@ func sampleMessages() []Message {
 		&Stats{Clients: 2, Mounts: []MountStats{{Capacity: 10}}, Daemon: &DaemonStats{Started: 1 << 60, Policy: "lru", PolicyBackend: "native",
 			Fallback: true, FallbackReason: "trap", Reloads: 3, ReloadFailures: 1, LastReload: "ok; needs restart: server.socket",
 			InflightJobs: 4, Regions: 5, RegisteredBytes: 6 << 20, Mounts: []MountInfo{{Path: "/nvme/kv", Backend: "staging", IO: "direct", Checksums: true, Configured: 1 << 40, Reserve: 1 << 30}}}},
+		&Stats{Mounts: []MountStats{{Capacity: 10}}, Daemon: &DaemonStats{Policy: "lru", Mounts: []MountInfo{{Path: "/dev/shm/kv"}}},
+			Spares: &SpareStats{Reused: 9, Mounts: []SpareMount{{Files: 4, Bytes: 4 << 21}}}},
 		&Empty{T: TypeUnregisterCache | TypeReply},
 		&Error{Code: CodeLimit, Message: "too many"},
 		&Error{Code: CodeTimeout, Message: "no hello within 5s"},
@@ -101,6 +103,12 @@ func TestRejects(t *testing.T) {
 		{"unknown type", Type(0x0777), nil},
 		{"stats body", TypeStats | TypeReply, []byte{0}},
 		{"stats daemon section cut short", TypeStats | TypeReply, append(body(&Stats{}), 1, 2, 3)},
+		{"stats spares section cut short", TypeStats | TypeReply, append(body(&Stats{Daemon: &DaemonStats{}}), 1, 2, 3)},
+		{"stats spares mounts past the body", TypeStats | TypeReply, func() []byte {
+			b := body(&Stats{Daemon: &DaemonStats{}, Spares: &SpareStats{}})
+			b[len(b)-4] = 1 // one mount, no bytes for it
+			return b
+		}()},
 		{"stats daemon fallback 2", TypeStats | TypeReply, func() []byte {
 			b := body(&Stats{Daemon: &DaemonStats{}})
 			b[len(body(&Stats{}))+8+2] = 2 // after the start time and two empty names
@@ -120,11 +128,12 @@ func TestRejects(t *testing.T) {
 	}
 }
 
-// TestStatsIgnoresSectionsItDoesNotKnow: bytes after the daemon section
+// TestStatsIgnoresSectionsItDoesNotKnow: bytes after the spares section
 // (a later daemon's sections) are ignored, and everything before them
 // decodes as before.
 func TestStatsIgnoresSectionsItDoesNotKnow(t *testing.T) {
-	want := &Stats{Clients: 2, Mounts: []MountStats{{Capacity: 10}}, Daemon: &DaemonStats{Policy: "lru", Mounts: []MountInfo{{Path: "/kv"}}}}
+	want := &Stats{Clients: 2, Mounts: []MountStats{{Capacity: 10}}, Daemon: &DaemonStats{Policy: "lru", Mounts: []MountInfo{{Path: "/kv"}}},
+		Spares: &SpareStats{Reused: 3, Mounts: []SpareMount{{Files: 2, Bytes: 1 << 21}}}}
 	b := append(want.AppendBody(nil), 0xde, 0xad, 0xbe, 0xef)
 	got, err := Decode(TypeStats|TypeReply, b)
 	if err != nil {

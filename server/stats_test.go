@@ -45,3 +45,23 @@ func TestStatsDaemonSection(t *testing.T) {
 		t.Errorf("server stats %+v", ss)
 	}
 }
+
+// TestStatsSparesSectionHasEveryMount: a Stats reply carries the spares
+// section, one entry per mount, matching the engine's figures.
+func TestStatsSparesSectionHasEveryMount(t *testing.T) {
+	f := newFixture(t, server.Config{})
+	c := f.dial(t)
+	st, err := c.Stats(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	es := f.eng.Stats()
+	switch {
+	case st.Spares == nil:
+		t.Fatal("no spares section")
+	case len(st.Spares.Mounts) != len(st.Mounts) || len(st.Mounts) != len(es.Mounts):
+		t.Fatalf("%d spare entries for %d mounts (engine %d)", len(st.Spares.Mounts), len(st.Mounts), len(es.Mounts))
+	case st.Spares.Reused != es.Reused || st.Spares.Mounts[0].Files != uint64(es.Mounts[0].SpareFiles) || st.Spares.Mounts[0].Bytes != uint64(es.Mounts[0].SpareBytes):
+		t.Fatalf("spares %+v, engine reused %d, mount %+v", st.Spares, es.Reused, es.Mounts[0])
+	}
+}

@@ -46,6 +46,7 @@ type statsCounters struct {
 	Hits         uint64 `json:"hits"`
 	Misses       uint64 `json:"misses"`
 	Evictions    uint64 `json:"evictions"`
+	ReusedFiles  uint64 `json:"reused_files"`
 	Failures     uint64 `json:"failures"`
 	Corrupt      uint64 `json:"corrupt"`
 	Vanished     uint64 `json:"vanished"`
@@ -62,6 +63,8 @@ type statsMount struct {
 	Configured uint64 `json:"configured"`
 	Used       uint64 `json:"used"`
 	Entries    uint64 `json:"entries"`
+	SpareFiles uint64 `json:"spare_files"`
+	SpareBytes uint64 `json:"spare_bytes"`
 }
 
 type statsDevice struct {
@@ -96,7 +99,13 @@ func queryStats(ctx context.Context, socket string) (statsReport, error) {
 			mi := d.Mounts[i]
 			sm.Path, sm.Backend, sm.IO, sm.Checksums, sm.Configured = mi.Path, mi.Backend, mi.IO, mi.Checksums, mi.Configured
 		}
+		if sp := st.Spares; sp != nil && i < len(sp.Mounts) {
+			sm.SpareFiles, sm.SpareBytes = sp.Mounts[i].Files, sp.Mounts[i].Bytes
+		}
 		r.Mounts = append(r.Mounts, sm)
+	}
+	if st.Spares != nil {
+		r.Counters.ReusedFiles = st.Spares.Reused
 	}
 	for _, d := range st.Devices {
 		r.Devices = append(r.Devices, statsDevice{Ordinal: d.Ordinal, Regions: d.Regions, Registered: d.Registered, Limit: d.Limit})
@@ -162,18 +171,18 @@ func printStats(w io.Writer, r statsReport) {
 	fmt.Fprintf(tw, "index\t%d files, %d keys\n", r.Entries, r.Keys)
 	c := r.Counters
 	fmt.Fprintf(tw, "keys\t%d stored, %d loaded, %d hits, %d misses, %d failed\n", c.StoredKeys, c.LoadedKeys, c.Hits, c.Misses, c.Failures)
-	fmt.Fprintf(tw, "files\t%d evicted, %d corrupt, %d vanished\n", c.Evictions, c.Corrupt, c.Vanished)
+	fmt.Fprintf(tw, "files\t%d evicted, %d reused, %d corrupt, %d vanished\n", c.Evictions, c.ReusedFiles, c.Corrupt, c.Vanished)
 	fmt.Fprintf(tw, "bytes\t%s written, %s read\n", bytesString(c.BytesWritten), bytesString(c.BytesRead))
 	tw.Flush()
 	fmt.Fprintln(w, "\nmounts:")
 	tw = tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "  path\tbackend\tio\tchecksums\tused\tcapacity\tuse%\tfiles")
+	fmt.Fprintln(tw, "  path\tbackend\tio\tchecksums\tused\tcapacity\tuse%\tfiles\tspares")
 	for _, m := range r.Mounts {
 		pct := 0.0
 		if m.Capacity > 0 {
 			pct = 100 * float64(m.Used) / float64(m.Capacity)
 		}
-		fmt.Fprintf(tw, "  %s\t%s\t%s\t%v\t%s\t%s\t%.1f%%\t%d\n", m.Path, m.Backend, m.IO, m.Checksums, bytesString(m.Used), bytesString(m.Capacity), pct, m.Entries)
+		fmt.Fprintf(tw, "  %s\t%s\t%s\t%v\t%s\t%s\t%.1f%%\t%d\t%d (%s)\n", m.Path, m.Backend, m.IO, m.Checksums, bytesString(m.Used), bytesString(m.Capacity), pct, m.Entries, m.SpareFiles, bytesString(m.SpareBytes))
 	}
 	tw.Flush()
 	if len(r.Devices) > 0 {
