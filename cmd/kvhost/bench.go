@@ -191,6 +191,8 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		return bad("--hit-ratio %v: want 0..1", o.hitRatio)
 	case o.full && o.keys != 0:
 		return bad("--full sizes the cache from --total: leave --keys at 0")
+	case o.full && !o.store:
+		return bad("--full evicts by storing new keys every round: --mix must include write")
 	case o.keys < 0:
 		return bad("--keys %d: want 0 (automatic) or more", o.keys)
 	case o.keysPerJob < 1:

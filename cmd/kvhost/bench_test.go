@@ -279,6 +279,7 @@ func TestBenchRejectsBadFlagsNamingThem(t *testing.T) {
 		{[]string{"--dir", dir, "--fsync", "sometimes"}, 2, "--fsync"},
 		{[]string{"--dir", dir, "--total", "lots"}, 2, "--total"},
 		{[]string{"--dir", dir, "--full", "--keys", "8"}, 2, "--full"},
+		{[]string{"--dir", dir, "--full", "--mix", "read"}, 2, "--full"},
 		{[]string{"--dir", dir, "--memory", "gpu", "--cuda-library", missing}, 1, "--memory gpu"},
 		{[]string{"--dir", dir, "--memory", "host", "--path", "cufile"}, 1, "needs a GPU"},
 		{[]string{"--dir", dir, "--memory", "host", "--layers", "0"}, 1, "Layers"},
