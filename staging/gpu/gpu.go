@@ -105,8 +105,8 @@ type Mover struct {
 	cfg   Config
 	r     *cuda.Runtime
 	pin   *cuda.Pinned
-	bufs  chan int // indices of free buffers
-	bsize int      // Chunk plus alignment slack
+	bufs  *freeBuffers
+	bsize int // Chunk plus alignment slack
 	devs  map[int]*device
 	// With the copy kernel, buffer i's segment table (tableEntries
 	// entries) is at tableSize·i after the buffers; 0 without it.
@@ -184,7 +184,7 @@ func New(cfg Config) (*Mover, error) {
 			return nil, fmt.Errorf("%w: device %d: the runtime sees %d devices", ErrConfig, d, count)
 		}
 	}
-	m := &Mover{cfg: cfg, r: cfg.Runtime, bsize: bsize, bufs: make(chan int, n), devs: map[int]*device{}}
+	m := &Mover{cfg: cfg, r: cfg.Runtime, bsize: bsize, bufs: newFreeBuffers(n), devs: map[int]*device{}}
 	m.fallback = cuda.CopySegments
 	if cfg.Copy == cuda.CopyBatch || cfg.Copy != cuda.CopySegments && m.r.HasBatch() {
 		m.fallback = cuda.CopyBatch
@@ -194,9 +194,6 @@ func New(cfg Config) (*Mover, error) {
 		return nil, fmt.Errorf("gpu: pinned pool of %d bytes: %w", n*(bsize+tsize), err)
 	}
 	m.pin = pin
-	for i := range n {
-		m.bufs <- i
-	}
 	for _, d := range cfg.Devices {
 		m.devs[d] = &device{ordinal: d, idle: make(chan *lane, maxIdleLanes)}
 	}
@@ -298,27 +295,14 @@ func (m *Mover) buf(i int) ([]byte, uintptr) {
 
 // table returns buffer i's kernel segment table.
 func (m *Mover) table(i int) []byte {
-	off := cap(m.bufs)*m.bsize + i*m.tableSize
+	off := m.bufs.total()*m.bsize + i*m.tableSize
 	return m.pin.Bytes()[off : off+m.tableSize : off+m.tableSize]
 }
 
 // get takes a free buffer: blocking (until ctx is done) if wait, else
 // only if one is free now.
 func (m *Mover) get(ctx context.Context, wait bool) (int, bool, error) {
-	if !wait {
-		select {
-		case i := <-m.bufs:
-			return i, true, nil
-		default:
-			return 0, false, nil
-		}
-	}
-	select {
-	case i := <-m.bufs:
-		return i, true, nil
-	case <-ctx.Done():
-		return 0, false, ctx.Err()
-	}
+	return m.bufs.take(ctx, wait)
 }
 
 // piece is Len bytes of a chunk at BufOff in its buffer, at Dev on the

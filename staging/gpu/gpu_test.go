@@ -51,8 +51,8 @@ func (e *env) mover(t *testing.T, cfg Config) *Mover {
 		t.Fatalf("New: %v", err)
 	}
 	t.Cleanup(func() {
-		if free := len(m.bufs); free != cap(m.bufs) {
-			t.Errorf("%d of %d pinned buffers not returned", cap(m.bufs)-free, cap(m.bufs))
+		if free := m.bufs.free(); free != m.bufs.total() {
+			t.Errorf("%d of %d pinned buffers not returned", m.bufs.total()-free, m.bufs.total())
 		}
 		m.Close()
 	})

@@ -185,7 +185,7 @@ func (m *Mover) runStreamed(ctx context.Context, f fsys.File, chunks []chunk, de
 			errs = append(errs, m.r.Sync(ln.stream))
 		}
 		for _, b := range bufs {
-			m.bufs <- b
+			m.bufs.put(b)
 		}
 		if werr := errors.Join(errs...); werr != nil || broken {
 			m.destroyLane(ln)
