@@ -22,7 +22,9 @@ func (e *Engine) reserve(ctx context.Context, m *mount, size int64) error {
 	// Spares are free space that holds pages: the new file must fit
 	// beside them (a store may then reuse one; a move between mounts
 	// writes a fresh file).
-	e.trimSpares(m, (*mount).sparesFitLocked)
+	if e.spareEligible(m) {
+		e.trimSpares(m, (*mount).sparesFitLocked)
+	}
 	return nil
 }
 

@@ -215,7 +215,7 @@ func (e *Engine) Stats() Stats {
 	for _, m := range e.mounts {
 		s.Mounts = append(s.Mounts, MountStats{
 			Path: m.root, Capacity: m.capacity, Configured: m.configured, Reserve: m.reserve, Used: m.used, Entries: m.entries,
-			SpareFiles: m.spareFiles, SpareBytes: m.spareBytes,
+			SpareFiles: m.spareFilesLocked(), SpareBytes: m.spareBytes,
 			Direct: m.direct, IO: m.ioName(), Backend: m.backend, Checksums: m.checksums, Layout: LayoutKVHost,
 		})
 		if m.raw != nil {

@@ -39,11 +39,19 @@ type mount struct {
 	entries   int
 	refreshed time.Time // last capacity refresh from statfs
 	// spares are evicted files kept for stores to write into, by size
-	// (spares.go); spareBytes and spareFiles are their total. They are
-	// not part of used.
+	// (spares.go; a size is present only with files); spareBytes is
+	// their total. They are not part of used.
 	spares     map[int64][]string
 	spareBytes int64
-	spareFiles int
+}
+
+// spareFilesLocked counts m's spares.
+func (m *mount) spareFilesLocked() int {
+	n := 0
+	for _, list := range m.spares {
+		n += len(list)
+	}
+	return n
 }
 
 func (m *mount) ioName() string {

@@ -33,11 +33,12 @@ import (
 // and the load fails instead of reporting another key's bytes loaded.
 //
 // A spare is free space that happens to hold pages: it does not count in
-// the mount's used bytes, and before a store creates a fresh file the
-// engine removes spares until its files, its reservations and its spares
-// fit in the capacity; a reservation does the same. Close removes every
-// spare, and Open removes every spare it finds (a crashed process's, even
-// one whose pid this process now has). Only evictions make spares (a client's delete frees its
+// the mount's used bytes; after every reservation the engine removes
+// spares until its files, its reservations and its spares fit in the
+// capacity, and an eviction keeps a spare only where it fits. Close
+// removes every spare, and Open removes every spare it finds (a crashed
+// process's, even one whose pid this process now has). Only evictions
+// make spares (a client's delete frees its
 // space), and only on memory mounts in kvhost's layout: a vllm-fs file
 // may be open in a reader that is not kvhost, which must keep reading the
 // bytes it opened.
@@ -73,7 +74,6 @@ func (e *Engine) keepSpare(m *mount, path string, id fsys.Identity) bool {
 	}
 	m.spares[id.Size] = append(m.spares[id.Size], spare)
 	m.spareBytes += id.Size
-	m.spareFiles++
 	e.mu.Unlock()
 	return true
 }
@@ -92,7 +92,6 @@ func (m *mount) takeSpareLocked(size int64) string {
 		m.spares[size] = list[:len(list)-1]
 	}
 	m.spareBytes -= size
-	m.spareFiles--
 	return path
 }
 
@@ -148,14 +147,14 @@ func (e *Engine) reuseSpare(m *mount, dir string, extra int, size, end int64) (f
 
 // openTemp opens the temporary file of a store of size bytes, whose
 // payload ends at end, in dir on m: a spare of that size where m has one,
-// else a fresh file (createTemp), after removing spares until the new file
-// fits beside them.
+// else a fresh file (createTemp). The reservation made room for a fresh
+// file beside the spares (reserve), and keepSpare keeps a spare only
+// where it fits.
 func (e *Engine) openTemp(m *mount, dir string, extra int, size, end int64) (f fsys.File, tmp, op string, err error) {
 	if e.spareEligible(m) {
 		if f, tmp, ok := e.reuseSpare(m, dir, extra, size, end); ok {
 			return f, tmp, "", nil
 		}
-		e.trimSpares(m, (*mount).sparesFitLocked)
 	}
 	return e.createTemp(dir, extra, size)
 }
@@ -181,7 +180,7 @@ func (e *Engine) rewrittenUnder(m *mount, f fsys.File, h *format.Header) bool {
 func (e *Engine) trimSpares(m *mount, enough func(*mount) bool) {
 	for {
 		e.mu.Lock()
-		if m.spareFiles == 0 || enough(m) {
+		if len(m.spares) == 0 || enough(m) {
 			e.mu.Unlock()
 			return
 		}

@@ -102,11 +102,7 @@ func TestReusedFilesKeepNoByteOfTheirPreviousContents(t *testing.T) {
 	}
 	poisoned := map[uint64]bool{}
 	for _, p := range spares {
-		var st syscall.Stat_t
-		if err := syscall.Stat(p, &st); err != nil {
-			t.Fatal(err)
-		}
-		poisoned[st.Ino] = true
+		poisoned[inode(t, p)] = true
 	}
 	before := e.Stats().Reused
 	r := rand.New(rand.NewPCG(9, 9))
@@ -123,11 +119,7 @@ func TestReusedFilesKeepNoByteOfTheirPreviousContents(t *testing.T) {
 	poison := bytes.Repeat([]byte{0xAB}, 16)
 	reusedPoisoned := 0
 	for _, p := range dataFiles(t, dir) {
-		var st syscall.Stat_t
-		if err := syscall.Stat(p, &st); err != nil {
-			t.Fatal(err)
-		}
-		if poisoned[st.Ino] {
+		if poisoned[inode(t, p)] {
 			reusedPoisoned++
 		}
 		b, err := os.ReadFile(p)
@@ -181,10 +173,7 @@ func TestALoadFailsWhenAnotherEngineReusesItsFileMidRead(t *testing.T) {
 	ca.fill(r, []int{0, 1, 2, 3})
 	storeAndCheck(t, a, ca, victim, [][]int{{0, 1, 2, 3}})
 	path := dataFiles(t, dir)[0]
-	var vst syscall.Stat_t
-	if err := syscall.Stat(path, &vst); err != nil {
-		t.Fatal(err)
-	}
+	victimIno := inode(t, path)
 
 	// Engine b adopts the victim's file at Open, and its load stops
 	// before its payload read until a has reused the file.
@@ -210,8 +199,7 @@ func TestALoadFailsWhenAnotherEngineReusesItsFileMidRead(t *testing.T) {
 		ca.fill(r, []int{0, 1, 2, 3})
 		storeAndCheck(t, a, ca, testKeys(fmt.Sprintf("new-%d-", i), 1), [][]int{{0, 1, 2, 3}})
 		for _, p := range dataFiles(t, dir) {
-			var st syscall.Stat_t
-			if syscall.Stat(p, &st) == nil && st.Ino == vst.Ino && p != path {
+			if p != path && inode(t, p) == victimIno {
 				reused = true
 			}
 		}
@@ -424,4 +412,14 @@ func (f *enospcOnWrite) Inject(op fsys.Op, _ string) fsys.Fault {
 		return fsys.Fault{Err: syscall.ENOSPC}
 	}
 	return fsys.Fault{}
+}
+
+// inode is the inode number of the file at path.
+func inode(t *testing.T, path string) uint64 {
+	t.Helper()
+	var st syscall.Stat_t
+	if err := syscall.Stat(path, &st); err != nil {
+		t.Fatal(err)
+	}
+	return st.Ino
 }

@@ -299,12 +299,6 @@ func (m *Mover) table(i int) []byte {
 	return m.pin.Bytes()[off : off+m.tableSize : off+m.tableSize]
 }
 
-// get takes a free buffer: blocking (until ctx is done) if wait, else
-// only if one is free now.
-func (m *Mover) get(ctx context.Context, wait bool) (int, bool, error) {
-	return m.bufs.take(ctx, wait)
-}
-
 // piece is Len bytes of a chunk at BufOff in its buffer, at Dev on the
 // device, feeding checksum Sum (or -1).
 type piece struct {

@@ -144,14 +144,14 @@ func (m *Mover) runStreamed(ctx context.Context, f fsys.File, chunks []chunk, de
 	// Buffers: one, waiting if need be, then as many more up to Depth as
 	// are free now (a job holding none always gets one: no deadlock).
 	var bufs []int
-	i, _, err := m.get(ctx, true)
+	i, _, err := m.bufs.take(ctx, true)
 	if err != nil {
 		m.putLane(dev, ln)
 		return 0, err
 	}
 	bufs = append(bufs, i)
 	for len(bufs) < m.cfg.Depth && len(bufs) < len(chunks) {
-		i, ok, _ := m.get(ctx, false)
+		i, ok, _ := m.bufs.take(ctx, false)
 		if !ok {
 			break
 		}
