@@ -36,18 +36,25 @@ func (r *report) printf(format string, args ...any) {
 	r.sb.WriteString(s + "\n")
 }
 
+// newReport starts a test's report; when the test ends it is also
+// written to the file KVHOST_GPU_OUT names, plus suffix, if set.
+func newReport(t *testing.T, suffix string) *report {
+	rep := &report{t: t}
+	t.Cleanup(func() {
+		if out := os.Getenv("KVHOST_GPU_OUT"); out != "" {
+			os.WriteFile(out+suffix, []byte(rep.sb.String()), 0o644)
+		}
+	})
+	return rep
+}
+
 func gbps(bytes int64, d time.Duration) float64 { return float64(bytes) / d.Seconds() / 1e9 }
 
 func TestGPUCheckAndBenchmark(t *testing.T) {
 	if os.Getenv("KVHOST_GPU") != "1" {
 		t.Skip("GPU check: set KVHOST_GPU=1 on a machine with a CUDA GPU to run it")
 	}
-	rep := &report{t: t}
-	defer func() {
-		if out := os.Getenv("KVHOST_GPU_OUT"); out != "" {
-			os.WriteFile(out, []byte(rep.sb.String()), 0o644)
-		}
-	}()
+	rep := newReport(t, "")
 	var cfg cuda.Config
 	if p := os.Getenv("KVHOST_GPU_CUDART"); p != "" { // a smoke test on the fake library
 		cfg = cuda.Config{Runtime: []string{p}, Driver: []string{p}}

@@ -17,12 +17,7 @@ func TestGPUSweep(t *testing.T) {
 	if os.Getenv("KVHOST_GPU") != "1" {
 		t.Skip("GPU sweep: set KVHOST_GPU=1 on a machine with a CUDA GPU to run it")
 	}
-	rep := &report{t: t}
-	defer func() {
-		if out := os.Getenv("KVHOST_GPU_OUT"); out != "" {
-			os.WriteFile(out+".sweep", []byte(rep.sb.String()), 0o644)
-		}
-	}()
+	rep := newReport(t, ".sweep")
 	r, w := openGPU(t, cuda.Config{})
 	g := llama8B()
 	kv := newCache(t, w, g)
