@@ -62,6 +62,10 @@ type fakeCtl struct {
 	BatchInflight       int64
 	BatchInflightMax    int64
 	BatchCancelIgnored  int64
+	AsyncError          int64
+	AsyncIOs            int64
+	StreamsRegistered   int64
+	StreamsDeregistered int64
 }
 
 func (c *fakeCtl) set(p *int64, v int64) { atomic.StoreInt64(p, v) }

@@ -81,36 +81,13 @@ func TestGPUBatchVersusPerCall(t *testing.T) {
 		// and a hung cuFile call ends the whole test binary (watchdog).
 		t.Skip("batch measurement skipped: set KVHOST_GPU_BATCH=1 to run it (it may hang in compat mode; see docs/gds.md)")
 	}
-	cu, err := openTestCudart()
-	if err != nil {
-		t.Skipf("GPU check skipped: no CUDA runtime here (%v); run it on a GPU machine", err)
-	}
-	if err := cu.setDevice(0); err != nil {
-		t.Skipf("GPU check skipped: no usable GPU (%v)", err)
-	}
-	logs := &logBuffer{}
-	logger := slog.New(slog.NewTextHandler(io.MultiWriter(os.Stdout, logs), nil))
-	d, err := Open(Config{BindDevice: cu.setDevice, Logger: logger})
-	if err != nil {
-		t.Fatalf("gds.Open on a GPU machine: %v", err)
-	}
-	defer d.Close()
+	cu, d, dir, logs := openDiskDriver(t, "BATCHBENCH", "kvhost-batch-")
 	props := d.Properties()
 	fmt.Printf("BATCHBENCH properties: version %d, mode %v, batch API %v, max_batch_io_size %d, batch timeout %d ms, feature flags %#x (batch bit %v), nvidia-fs %v, device cache %d KiB, per-buffer cache %d KiB, batch entries in flight at most %d\n",
 		props.Version, props.Mode(), props.BatchAPI, props.MaxBatchIO, props.BatchTimeoutMsecs, props.FeatureFlags,
 		props.FeatureFlags&featureBatchIO != 0, props.NVFSLoaded, props.MaxDeviceCache>>10, props.PerBufferCache>>10, d.inflight.size)
 	if !props.BatchAPI {
 		t.Fatalf("libcufile %s has no batch API: nothing to measure", props.Library)
-	}
-	dir, err := os.MkdirTemp(envOr("KVHOST_GPU_DIR", "/var/tmp"), "kvhost-batch-")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer os.RemoveAll(dir)
-	c, err := d.ProbeDir(dir)
-	fmt.Printf("BATCHBENCH disk %s: %v (err %v)\n", dir, c, err)
-	if err != nil || c.Mode == ModeUnusable {
-		t.Fatalf("disk capability = %v, %v; cuFile registration must work there (udev record written?)", c, err)
 	}
 
 	// One probe batch through the library, to report its answer as is.
@@ -276,7 +253,7 @@ func TestGPUBatchVersusPerCall(t *testing.T) {
 				for _, p := range paths {
 					os.Remove(p)
 				}
-				dog := watchdog(fmt.Sprintf("%s %s round %d store", kc.name, mode, round))
+				dog := watchdog("BATCHBENCH", fmt.Sprintf("%s %s round %d store", kc.name, mode, round))
 				st := fanOut(kc.keys, total, func(i int) error {
 					f, err := open(paths[i], true)
 					if err != nil {
@@ -293,7 +270,7 @@ func TestGPUBatchVersusPerCall(t *testing.T) {
 				if err := cu.memsetDev(dst.ptr, 0xA5, maxDst); err != nil {
 					t.Fatal(err)
 				}
-				dog = watchdog(fmt.Sprintf("%s %s round %d load", kc.name, mode, round))
+				dog = watchdog("BATCHBENCH", fmt.Sprintf("%s %s round %d load", kc.name, mode, round))
 				ld := fanOut(kc.keys, total, func(i int) error {
 					f, err := open(paths[i], false)
 					if err != nil {
@@ -310,18 +287,8 @@ func TestGPUBatchVersusPerCall(t *testing.T) {
 					fmt.Printf("BATCHBENCH %-5s j%d round %d %-8s FAILED: %v\n", kc.name, jobs, round, mode, v)
 					continue
 				}
-				// Every page of every key, byte for byte.
-				if err := cu.toHost(back, dst.ptr); err != nil {
-					t.Fatal(err)
-				}
-				for i := range kc.keys {
-					wp, rp := pagedPlan(src, kc.pages, uint64(i)), pagedPlanAt(dst, int64(i)*keyBytes, kc.pages, uint64(i))
-					for j := range wp.Extents {
-						w, rd := wp.Extents[j], rp.Extents[j]
-						if string(back[rd.RegionOff:rd.RegionOff+rd.Len]) != string(host[w.RegionOff:w.RegionOff+w.Len]) {
-							t.Fatalf("%s %s round %d: key %d page %d differs after the round trip", kc.name, mode, round, i, j)
-						}
-					}
+				if err := checkPaged(cu, back, host, src, dst, kc.keys, kc.pages); err != nil {
+					t.Fatalf("%s %s round %d: %v", kc.name, mode, round, err)
 				}
 				res[mode].store = append(res[mode].store, st)
 				res[mode].load = append(res[mode].load, ld)
@@ -355,10 +322,64 @@ func TestGPUBatchVersusPerCall(t *testing.T) {
 	}
 }
 
+// openDiskDriver opens the CUDA runtime and the cuFile driver on device 0
+// (skipping the test where there is none) and a fresh directory under
+// KVHOST_GPU_DIR (default /var/tmp), which cuFile must be able to register
+// files in; it prints the directory's capability after prefix. logs holds
+// the driver's log, which also goes to standard output.
+func openDiskDriver(t *testing.T, prefix, pattern string) (cu *testCudart, d *Driver, dir string, logs *logBuffer) {
+	t.Helper()
+	cu, err := openTestCudart()
+	if err != nil {
+		t.Skipf("GPU check skipped: no CUDA runtime here (%v); run it on a GPU machine", err)
+	}
+	if err := cu.setDevice(0); err != nil {
+		t.Skipf("GPU check skipped: no usable GPU (%v)", err)
+	}
+	logs = &logBuffer{}
+	logger := slog.New(slog.NewTextHandler(io.MultiWriter(os.Stdout, logs), nil))
+	d, err = Open(Config{BindDevice: cu.setDevice, Logger: logger})
+	if err != nil {
+		t.Fatalf("gds.Open on a GPU machine: %v", err)
+	}
+	t.Cleanup(func() { d.Close() })
+	dir, err = os.MkdirTemp(envOr("KVHOST_GPU_DIR", "/var/tmp"), pattern)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	c, err := d.ProbeDir(dir)
+	fmt.Printf("%s disk %s: %v (err %v)\n", prefix, dir, c, err)
+	if err != nil || c.Mode == ModeUnusable {
+		t.Fatalf("disk capability = %v, %v; cuFile registration must work there (udev record written?)", c, err)
+	}
+	return cu, d, dir, logs
+}
+
+// checkPaged copies dst back and compares every page of keys keys of
+// pages pages each, loaded by pagedPlanAt, with the page of src they were
+// stored from by pagedPlan (src's bytes are host).
+func checkPaged(cu *testCudart, back, host []byte, src, dst *devMem, keys, pages int) error {
+	if err := cu.toHost(back, dst.ptr); err != nil {
+		return err
+	}
+	keyBytes := int64(pages) << 16
+	for i := range keys {
+		wp, rp := pagedPlan(src, pages, uint64(i)), pagedPlanAt(dst, int64(i)*keyBytes, pages, uint64(i))
+		for j := range wp.Extents {
+			w, rd := wp.Extents[j], rp.Extents[j]
+			if string(back[rd.RegionOff:rd.RegionOff+rd.Len]) != string(host[w.RegionOff:w.RegionOff+w.Len]) {
+				return fmt.Errorf("key %d page %d differs after the round trip", i, j)
+			}
+		}
+	}
+	return nil
+}
+
 // watchdog ends the process if a phase is still running after 40 s: a
 // cuFile call that hangs cannot be interrupted, and the results printed
-// so far must come back. It prints where the workers are.
-func watchdog(phase string) *time.Timer {
+// so far must come back. It prints where the workers are, after prefix.
+func watchdog(prefix, phase string) *time.Timer {
 	return time.AfterFunc(40*time.Second, func() {
 		buf := make([]byte, 8<<20)
 		buf = buf[:runtime.Stack(buf, true)]
@@ -368,7 +389,7 @@ func watchdog(phase string) *time.Timer {
 				calls[line[len("github.com/kvhost/kvhost/gds._Cfunc_"):strings.Index(line, "(")]]++
 			}
 		}
-		fmt.Printf("BATCHBENCH HANG: %s still running after 40 s; goroutines inside cuFile calls: %v\n", phase, calls)
+		fmt.Printf("%s HANG: %s still running after 40 s; goroutines inside cuFile calls: %v\n", prefix, phase, calls)
 		os.Exit(3)
 	})
 }

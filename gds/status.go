@@ -3,6 +3,7 @@ package gds
 import (
 	"errors"
 	"fmt"
+	"syscall"
 )
 
 // Status is a cuFile status code (CUfileOpError). A failed cuFile call
@@ -160,4 +161,15 @@ func ioError(ret int64, errno error) error {
 		return fmt.Errorf("cufile: %w", errno)
 	}
 	return Status(-ret)
+}
+
+// asyncError is the error of an asynchronous I/O's byte count ret < 0.
+// cuFile's codes start at 5000; between them and -1 (an error whose errno
+// an asynchronous I/O cannot leave behind) the count is a negated errno
+// (compat mode reported -5, EIO).
+func asyncError(ret int64) error {
+	if ret < -1 && -ret < 5000 {
+		return fmt.Errorf("cufile: asynchronous I/O: %w", syscall.Errno(-ret))
+	}
+	return ioError(ret, nil)
 }

@@ -8,8 +8,12 @@
  * is submitted (unless told to hold entries pending) and reports events in
  * reverse order, so that a caller must match them by cookie.
  *
+ * The stream API (cuFileReadAsync, cuFileWriteAsync) runs the I/O when it
+ * is enqueued, ignoring the stream, and writes the byte count back.
+ *
  * Build with -DFAKE_NO_READ to leave out cuFileRead (a library missing a
- * required symbol), -DFAKE_NO_BATCH to leave out the batch API. */
+ * required symbol), -DFAKE_NO_BATCH to leave out the batch API,
+ * -DFAKE_NO_STREAM to leave out the stream API. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <pthread.h>
@@ -91,6 +95,11 @@ struct fake_ctl {
 	int64_t batch_inflight;     /* entries submitted and not yet reaped, over all contexts */
 	int64_t batch_inflight_max; /* the most ever in flight */
 	int64_t batch_cancel_ignored; /* nonzero: cuFileBatchIOCancel succeeds but cancels nothing */
+	/* stream knobs and counters */
+	int64_t async_error;        /* nonzero: cuFileReadAsync/WriteAsync fail with it when enqueued */
+	int64_t async_ios;          /* asynchronous reads and writes enqueued */
+	int64_t streams_registered;
+	int64_t streams_deregistered;
 };
 
 struct fake_ctl fake_ctl;
@@ -400,5 +409,37 @@ void cuFileBatchIODestroy(void *b) {
 	fb->magic = MAGIC_DEAD;
 	ADD(batch_destroys, 1);
 	ADD(batch_live, -1);
+}
+#endif
+
+#if !defined(FAKE_NO_STREAM) && !defined(FAKE_NO_READ)
+CUfileError_t cuFileStreamRegister(void *stream, unsigned flags) {
+	(void)stream; (void)flags;
+	ADD(streams_registered, 1);
+	return ok();
+}
+
+CUfileError_t cuFileStreamDeregister(void *stream) {
+	(void)stream;
+	ADD(streams_deregistered, 1);
+	return ok();
+}
+
+CUfileError_t cuFileReadAsync(void *fh, void *base, size_t *n, off_t *off, off_t *boff, ssize_t *done, void *stream) {
+	(void)stream;
+	int64_t e = LD(async_error);
+	if (e) return fail((int)e);
+	ADD(async_ios, 1);
+	*done = cuFileRead(fh, base, *n, *off, *boff);
+	return ok();
+}
+
+CUfileError_t cuFileWriteAsync(void *fh, void *base, size_t *n, off_t *off, off_t *boff, ssize_t *done, void *stream) {
+	(void)stream;
+	int64_t e = LD(async_error);
+	if (e) return fail((int)e);
+	ADD(async_ios, 1);
+	*done = cuFileWrite(fh, base, *n, *off, *boff);
+	return ok();
 }
 #endif
