@@ -251,10 +251,13 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 	}()
 
 	log.Info("kvhost listening", "socket", sock.Path(), "mode", cfg.Server.SocketMode.String(), "policy", d.pol.name(), "mounts", strings.Join(paths, ","))
-	// The readiness line on stdout (docs/serve.md): scripts and tests wait
-	// for it; the logs go to stderr in the configured format.
-	fmt.Fprintf(d.stdout, "kvhost: listening on unix:%s\n", sock.Path())
+	// Ready first (/readyz, kvhost_ready, systemd), then the readiness
+	// line on stdout (docs/serve.md), which scripts and tests wait for: a
+	// scrape after the line must see the daemon ready. The socket already
+	// accepts connections (the listener is open); Serve takes them. The
+	// logs go to stderr in the configured format.
 	d.setReady(true)
+	fmt.Fprintf(d.stdout, "kvhost: listening on unix:%s\n", sock.Path())
 	serveErr := srv.Serve(ctx, sock.UnixListener)
 	close(done)
 	sigWG.Wait()
