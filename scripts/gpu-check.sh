@@ -8,7 +8,8 @@
 #
 # Every check writes its log under OUT (default ./gpu-out); the summary
 # lines go to stdout. Parts can be switched off: GDS=0 STAGING=0 E2E=0
-# SPEC=0 BENCH=0 HOSTILE=0 INTERFERENCE=0; BATCH=1 adds the cuFile batch measurement (off by
+# MULTI=0 SPEC=0 BENCH=0 HOSTILE=0 INTERFERENCE=0 (MULTI, one daemon serving
+# two GPUs, runs where nvidia-smi lists two or more and says so where not); BATCH=1 adds the cuFile batch measurement (off by
 # default: in compatibility mode a batch can hang inside libcufile, and the
 # check then ends itself after 40 s). The ext4 disk directory is DISK (default /var/tmp/kvhost-gpu),
 # the memory file system SHM (default /dev/shm/kvhost-gpu).
@@ -45,6 +46,9 @@ if [ "$(id -u)" = 0 ]; then
 fi
 
 status=0
+# label DIR: the name of DIR's part in log names (the two directories may
+# share a base name).
+label() { if [ "$1" = "$shm" ]; then echo shm; else echo disk; fi; }
 run() { # name command...: runs, logs, remembers a failure
 	local name=$1; shift
 	echo "== $name"
@@ -81,14 +85,30 @@ if [ "${E2E:-1}" = 1 ]; then
 	for dir in "$shm" "$disk"; do
 		for tpk in 256 16; do
 			sock=/tmp/kvhost-gpu-check.sock
-			log="$out/daemon-$(basename "$dir")-$tpk.log"
+			log="$out/daemon-$(label "$dir")-$tpk.log"
 			daemon "$sock" "$log" "$dir/cache"
 			keys=64; [ "$tpk" = 16 ] && keys=512
-			run "e2e-$(basename "$dir")-$tpk" python3 scripts/gpu-e2e.py "$sock" "$tpk" "$keys" 8
+			run "e2e-$(label "$dir")-$tpk" python3 scripts/gpu-e2e.py "$sock" "$tpk" "$keys" 8
 			grep -h '"mount serves GPU memory\|"GPU paths ready\|cufile' "$log" | head -3
 			stop_daemon
 		done
 	done
+fi
+if [ "${MULTI:-1}" = 1 ]; then
+	# One daemon, two GPUs: keys stored from both at once, each GPU's keys
+	# loaded into the other's paged cache and compared.
+	ngpu=$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | wc -l)
+	if [ "$ngpu" -ge 2 ]; then
+		for dir in "$shm" "$disk"; do
+			sock=/tmp/kvhost-gpu-multi.sock
+			log="$out/daemon-multi-$(label "$dir").log"
+			daemon "$sock" "$log" "$dir/multi"
+			run "multi-$(label "$dir")" python3 scripts/gpu-multi.py "$sock" 256 32 8
+			stop_daemon
+		done
+	else
+		echo "== multi: not run, this machine has $ngpu GPU (it needs two)"
+	fi
 fi
 if [ "${HOSTILE:-1}" = 1 ]; then
 	# Misbehaving CUDA IPC clients (forged, other-device, out-of-range and

@@ -9,14 +9,12 @@ usage: python3 scripts/gpu-e2e.py SOCKET [TOKENS_PER_KEY] [KEYS] [JOBS]
 Prints one line per phase; exits non-zero on any mismatch or failed key.
 """
 import sys
-import time
-import threading
 
 import torch
 
 sys.path.insert(0, "client/python/src")
 import kvhost  # noqa: E402
-from gpu_paged import LAYERS as layers, PAGE as page, TOKENS_PER_BLOCK as tpb, register  # noqa: E402
+from gpu_paged import LAYERS as layers, PAGE as page, TOKENS_PER_BLOCK as tpb, register, run_jobs, split  # noqa: E402
 
 sock = sys.argv[1]
 tpk = int(sys.argv[2]) if len(sys.argv) > 2 else 256
@@ -43,22 +41,7 @@ with kvhost.Client(sock, name="gpu-e2e") as c:
 
     def run(op, key_sets, block_sets):
         """Runs len(key_sets) jobs at once; returns seconds and results."""
-        results = [None] * len(key_sets)
-
-        def one(i):
-            j = (c.store if op == "store" else c.load)(cache, key_sets[i], block_sets[i])
-            results[i] = j.wait(300)
-        t0 = time.perf_counter()
-        ts = [threading.Thread(target=one, args=(i,)) for i in range(len(key_sets))]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-        return time.perf_counter() - t0, results
-
-    def split(xs, n):
-        k = (len(xs) + n - 1) // n
-        return [xs[i:i + k] for i in range(0, len(xs), k)]
+        return run_jobs(c, op, [(cache, k, b) for k, b in zip(key_sets, block_sets)])
 
     # Correctness: store, poison the destinations, load, compare.
     secs, res = run("store", split(keys, jobs), split(src, jobs))

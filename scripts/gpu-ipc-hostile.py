@@ -8,7 +8,8 @@ keys into them and compares byte for byte, round after round, this script
 plays the misbehaving clients of issue 8:
 
   a. a forged IPC handle (random bytes);
-  b. a handle registered on another device ordinal;
+  b. a handle registered on another device ordinal (refused; with two
+     GPUs and peer access, accepted and counted on the device named);
   c. a range outside the exported allocation;
   d. a stale handle (memory freed before registration);
   e. a client process SIGKILLed with store and load jobs in flight;
@@ -493,15 +494,41 @@ class Hostile:
         t = torch.empty(4 * MiB, dtype=torch.uint8, device="cuda:0")
         dev, handle, off, size = kvhost.cuda_ipc_handle(t)
         ngpu = torch.cuda.device_count()
-        ok, seen = self.expect_refused(lambda: self.c.register_cuda(1, handle, off, size), INVALID, ["device 1"])
-        what = f"device 0's handle claimed as device 1: {seen}"
-        if ngpu > 1:
-            t1 = torch.empty(4 * MiB, dtype=torch.uint8, device="cuda:1")
-            _, h1, off1, size1 = kvhost.cuda_ipc_handle(t1)
-            ok1, seen1 = self.expect_refused(lambda: self.c.register_cuda(0, h1, off1, size1), BAD_HANDLE, ["IPC handle"])
-            return ok and ok1, what + f"; device 1's handle claimed as device 0: {seen1}"
-        return ok, what + (f"; a real other device's handle on device 0 cannot be made here "
-                           f"({ngpu} GPU): the CPU test with the fake 2-device runtime covers it")
+        if ngpu < 2:
+            ok, seen = self.expect_refused(lambda: self.c.register_cuda(1, handle, off, size), INVALID, ["device 1"])
+            return ok, (f"device 0's handle claimed as device 1: {seen}; a real other device's handle on device 0 "
+                        f"cannot be made here ({ngpu} GPU): the CPU test with the fake 2-device runtime covers it")
+        t1 = torch.empty(4 * MiB, dtype=torch.uint8, device="cuda:1")
+        _, h1, off1, size1 = kvhost.cuda_ipc_handle(t1)
+        ok0, seen0 = self.claimed_elsewhere(1, handle, off, size)
+        ok1, seen1 = self.claimed_elsewhere(0, h1, off1, size1)
+        return ok0 and ok1, f"device 0's handle claimed as device 1: {seen0}; device 1's handle claimed as device 0: {seen1}"
+
+    def device_counts(self, ordinal):
+        """(regions, bytes) registered on device ordinal, over all clients."""
+        for d in self.c.stats()["devices"]:
+            if d["ordinal"] == ordinal:
+                return d["regions"], d["registered"]
+        raise RuntimeError(f"the daemon does not report device {ordinal}")
+
+    def claimed_elsewhere(self, ordinal, handle, off, size):
+        """Registers another device's handle as device ordinal's. Without
+        peer access between the devices the import fails (bad IPC handle);
+        with it (NVLink) the driver imports the allocation as ordinal's and
+        cannot tell it apart, so the daemon accepts it: then it must count
+        it on ordinal and give the count back when it is unregistered."""
+        before = self.device_counts(ordinal)
+        try:
+            rid = self.c.register_cuda(ordinal, handle, off, size)
+        except kvhost.KvhostError as e:
+            ok = e.code == BAD_HANDLE and "IPC handle" in e.message
+            return ok, f"refused: {type(e).__name__} [{kvhost.CODES[e.code]}] {e.message!r}"
+        during = self.device_counts(ordinal)
+        self.c.unregister_memory(rid)
+        after = self.device_counts(ordinal)
+        ok = during == (before[0] + 1, before[1] + size) and after == before
+        return ok, (f"accepted over peer access as region {rid}, counted on device {ordinal}: "
+                    f"(regions, bytes) {before} -> {during}, {after} after unregistering")
 
     def case_c(self):
         import torch

@@ -2,6 +2,9 @@
 lays it out (one int8 allocation of (layers, num_blocks, page) with K and V
 packed in each 64 KiB page), registered with a kvhost daemon over CUDA IPC.
 """
+import threading
+import time
+
 import kvhost
 
 LAYERS, HEADS, HEAD, TOKENS_PER_BLOCK, DTYPE_SIZE = 32, 8, 128, 16, 2
@@ -26,3 +29,28 @@ def register(c, kv, tokens_per_key):
     specs = [kvhost.Layer(region, offset=base + l * num_blocks * PAGE, block_stride=PAGE,
                           plane_stride=BLOCK_BYTES, num_blocks=num_blocks) for l in range(LAYERS)]
     return ns, c.register_cache(ns.id, specs)
+
+
+def split(xs, n):
+    """xs cut into at most n runs of nearly equal length, in order."""
+    k = (len(xs) + n - 1) // n
+    return [xs[i:i + k] for i in range(0, len(xs), k)]
+
+
+def run_jobs(c, op, plan, timeout=300):
+    """Runs one job per (cache, keys, blocks) of plan, all at once, each
+    from its own thread: op is "store" or "load". Returns the seconds from
+    the first submission to the last completion and each job's result."""
+    results = [None] * len(plan)
+
+    def one(i):
+        cache, keys, blocks = plan[i]
+        j = (c.store if op == "store" else c.load)(cache, keys, blocks)
+        results[i] = j.wait(timeout)
+    t0 = time.perf_counter()
+    ts = [threading.Thread(target=one, args=(i,)) for i in range(len(plan))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return time.perf_counter() - t0, results

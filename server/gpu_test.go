@@ -149,11 +149,11 @@ func TestGPURegistrationNamesItsDevice(t *testing.T) {
 	_, _ = m0, m1
 }
 
-// TestGPURegistrationRefusesBadInput: a handle for another device, a
-// stale or forged handle, a range outside the exported allocation, a
-// device the daemon does not serve and a driver failure each get a clear
-// error code; nothing stays imported, and the daemon then registers good
-// memory for the same client.
+// TestGPURegistrationRefusesBadInput: a handle for another device (without
+// peer access between the devices), a stale or forged handle, a range
+// outside the exported allocation, a device the daemon does not serve and
+// a driver failure each get a clear error code; nothing stays imported,
+// and the daemon then registers good memory for the same client.
 func TestGPURegistrationRefusesBadInput(t *testing.T) {
 	g := newGPU(t, server.Config{})
 	c := g.dial(t)
@@ -170,21 +170,19 @@ func TestGPURegistrationRefusesBadInput(t *testing.T) {
 		handle       [64]byte
 		offset, size int64
 		fault        bool // the driver fails the import (cudaErrorDevicesUnavailable)
-		peer         bool // the driver maps other devices' memory (peer access)
 		want         protocol.Code
 		says         string // in the error message
 	}{
-		{"another device's handle", 0, h1, 0, 4096, false, false, protocol.CodeBadHandle, "IPC handle"},
-		{"another device's handle over peer access", 0, h1, 0, 4096, false, true, protocol.CodeBadHandle, "allocation on device 1, imported as device 0"},
-		{"stale handle", 0, stale, 0, 4096, false, false, protocol.CodeBadHandle, "IPC handle"},
-		{"forged handle", 0, forged, 0, 4096, false, false, protocol.CodeBadHandle, "IPC handle"},
-		{"range past the allocation", 0, h0, 4096, 1 << 20, false, false, protocol.CodeInvalid, "not inside the exported allocation"},
-		{"allocation larger than it is", 0, h0, 0, 2 << 20, false, false, protocol.CodeInvalid, "not inside the exported allocation"},
-		{"offset far past the allocation", 0, h0, 1 << 40, 4096, false, false, protocol.CodeInvalid, "not inside the exported allocation"},
-		{"device not served", 2, h0, 0, 4096, false, false, protocol.CodeInvalid, "device 2"},
-		{"larger than the device bound", 0, h0, 0, server.DefaultMaxDeviceBytes + 1, false, false, protocol.CodeLimit, "exceeds"},
-		{"driver failure", 0, h0, 0, 4096, true, false, protocol.CodeBadHandle, "IPC handle"},
-		{"good range after all that", 0, h0, 0, 1 << 20, false, false, protocol.CodeOK, ""},
+		{"another device's handle", 0, h1, 0, 4096, false, protocol.CodeBadHandle, "IPC handle"},
+		{"stale handle", 0, stale, 0, 4096, false, protocol.CodeBadHandle, "IPC handle"},
+		{"forged handle", 0, forged, 0, 4096, false, protocol.CodeBadHandle, "IPC handle"},
+		{"range past the allocation", 0, h0, 4096, 1 << 20, false, protocol.CodeInvalid, "not inside the exported allocation"},
+		{"allocation larger than it is", 0, h0, 0, 2 << 20, false, protocol.CodeInvalid, "not inside the exported allocation"},
+		{"offset far past the allocation", 0, h0, 1 << 40, 4096, false, protocol.CodeInvalid, "not inside the exported allocation"},
+		{"device not served", 2, h0, 0, 4096, false, protocol.CodeInvalid, "device 2"},
+		{"larger than the device bound", 0, h0, 0, server.DefaultMaxDeviceBytes + 1, false, protocol.CodeLimit, "exceeds"},
+		{"driver failure", 0, h0, 0, 4096, true, protocol.CodeBadHandle, "IPC handle"},
+		{"good range after all that", 0, h0, 0, 1 << 20, false, protocol.CodeOK, ""},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -192,8 +190,6 @@ func TestGPURegistrationRefusesBadInput(t *testing.T) {
 				g.fake.Fail(cudatest.OpIPCOpen, 1, 46)
 				defer g.fake.Fail(cudatest.OpIPCOpen, 0, 0)
 			}
-			g.fake.PeerAccess(tc.peer)
-			defer g.fake.PeerAccess(false)
 			_, err := c.RegisterCUDAIPC(ctx, tc.device, tc.handle, tc.offset, tc.size)
 			wantCode(t, err, tc.want)
 			if err != nil && !strings.Contains(err.Error(), tc.says) {
@@ -210,6 +206,30 @@ func TestGPURegistrationRefusesBadInput(t *testing.T) {
 				t.Fatalf("device 0 counts %d regions, want %d", got[0].Regions, live)
 			}
 		})
+	}
+}
+
+// TestGPUAnotherDevicesHandleOverPeerAccessIsCountedOnTheClaimedDevice:
+// where the devices have peer access the driver imports another device's
+// allocation and reports it as the importing device's (measured on two
+// H200s over NVLink), so the daemon cannot refuse it: the registration is
+// accepted and counted, bytes and region, on the device the client named,
+// and unregistering it returns them.
+func TestGPUAnotherDevicesHandleOverPeerAccessIsCountedOnTheClaimedDevice(t *testing.T) {
+	g := newGPU(t, server.Config{})
+	c := g.dial(t)
+	ctx := context.Background()
+	_, h1 := g.alloc(t, 1, 1<<20)
+	g.fake.PeerAccess(true)
+	defer g.fake.PeerAccess(false)
+	id, err := c.RegisterCUDAIPC(ctx, 0, h1, 0, 1<<20)
+	wantCode(t, err, protocol.CodeOK)
+	if got := deviceStats(t, c); got[0].Regions != 1 || got[0].Registered != 1<<20 || got[1].Regions != 0 || got[1].Registered != 0 {
+		t.Fatalf("device stats %+v: want device 0 (the one named) to count the region and its bytes", got)
+	}
+	wantCode(t, c.UnregisterMemory(ctx, id), protocol.CodeOK)
+	if got := deviceStats(t, c); got[0].Regions != 0 || got[0].Registered != 0 || g.im.Live() != 0 {
+		t.Fatalf("after unregistering: %+v, %d imports live", got, g.im.Live())
 	}
 }
 

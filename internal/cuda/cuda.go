@@ -36,10 +36,6 @@ var (
 	ErrBounds = errors.New("cuda: range outside the allocation")
 	// ErrClosed: the memory or runtime was closed.
 	ErrClosed = errors.New("cuda: closed")
-	// ErrWrongDevice: an IPC handle names an allocation on another device
-	// than the one it was imported on (the driver maps it over peer
-	// access rather than refuse it).
-	ErrWrongDevice = errors.New("cuda: the allocation lives on another device")
 )
 
 // Error is a cudaError_t status code. It prints its name (from a built-in
@@ -143,13 +139,12 @@ const (
 
 // Flags.
 const (
-	hostAllocPortable        = 1 // cudaHostAllocPortable
-	hostRegisterPortable     = 1 // cudaHostRegisterPortable
-	streamNonBlocking        = 1 // cudaStreamNonBlocking
-	eventDisableTiming       = 2 // cudaEventDisableTiming
-	eventBlockingSync        = 1 // cudaEventBlockingSync
-	ipcLazyEnablePeerAccess  = 1 // cudaIpcMemLazyEnablePeerAccess
-	pointerAttrDeviceOrdinal = 9 // CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+	hostAllocPortable       = 1 // cudaHostAllocPortable
+	hostRegisterPortable    = 1 // cudaHostRegisterPortable
+	streamNonBlocking       = 1 // cudaStreamNonBlocking
+	eventDisableTiming      = 2 // cudaEventDisableTiming
+	eventBlockingSync       = 1 // cudaEventBlockingSync
+	ipcLazyEnablePeerAccess = 1 // cudaIpcMemLazyEnablePeerAccess
 )
 
 // IPCHandleSize is the size of a cudaIpcMemHandle_t.
@@ -171,7 +166,7 @@ type Runtime struct {
 		hostAlloc, freeHost, hostRegister, hostUnregister       unsafe.Pointer
 		malloc, free, memcpyAsync, memcpy, memcpyBatch          unsafe.Pointer
 		ipcGetMemHandle, ipcOpenMemHandle, ipcCloseMemHandle    unsafe.Pointer
-		cuInit, cuMemGetAddressRange, cuPointerGetAttribute     unsafe.Pointer
+		cuInit, cuMemGetAddressRange                            unsafe.Pointer
 		cuModuleLoadDataEx, cuModuleGetFunction, cuModuleUnload unsafe.Pointer
 		cuLaunchKernel                                          unsafe.Pointer
 	}
@@ -235,8 +230,6 @@ func Open(cfg Config) (*Runtime, error) {
 		b, err2 := drv.Sym("cuMemGetAddressRange_v2")
 		if err1 == nil && err2 == nil && callU(a, 0) == 0 {
 			r.drv, f.cuInit, f.cuMemGetAddressRange = drv, a, b
-			// Optional: checks the device of IPC imports where present.
-			f.cuPointerGetAttribute, _ = drv.Sym("cuPointerGetAttribute")
 			// Optional, all four or none: the copy kernel (copykernel.go).
 			r.loadKernelSymbols(drv)
 		} else {

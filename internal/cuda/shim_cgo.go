@@ -21,7 +21,6 @@ typedef int (*fn_ps)(void *, size_t);
 typedef int (*fn_pii)(void *, int, int);
 typedef int (*fn_ppu)(void *, void *, uintptr_t);
 typedef int (*fn_pa)(void *, uintptr_t);
-typedef int (*fn_piu)(void *, int, uintptr_t);
 typedef int (*fn_memcpy_async)(uintptr_t, uintptr_t, size_t, int, uintptr_t);
 typedef int (*fn_memcpy)(uintptr_t, uintptr_t, size_t, int);
 typedef const char *(*fn_str)(int);
@@ -44,7 +43,6 @@ static int kv_call_ps(void *f, void *a, size_t b) { return ((fn_ps)f)(a, b); }
 static int kv_call_pii(void *f, void *a, int b, int c) { return ((fn_pii)f)(a, b, c); }
 static int kv_call_ppu(void *f, void *a, void *b, uintptr_t c) { return ((fn_ppu)f)(a, b, c); }
 static int kv_call_pa(void *f, void *a, uintptr_t b) { return ((fn_pa)f)(a, b); }
-static int kv_call_piu(void *f, void *a, int b, uintptr_t c) { return ((fn_piu)f)(a, b, c); }
 static int kv_call_memcpy_async(void *f, uintptr_t dst, uintptr_t src, size_t n, int kind, uintptr_t s) {
 	return ((fn_memcpy_async)f)(dst, src, n, kind, s);
 }
@@ -130,9 +128,6 @@ func callPPU(f, a, b unsafe.Pointer, c uintptr) int {
 	return int(C.kv_call_ppu(f, a, b, C.uintptr_t(c)))
 }
 func callPA(f, a unsafe.Pointer, b uintptr) int { return int(C.kv_call_pa(f, a, C.uintptr_t(b))) }
-func callPIU(f, a unsafe.Pointer, b int, c uintptr) int {
-	return int(C.kv_call_piu(f, a, C.int(b), C.uintptr_t(c)))
-}
 
 func callMemcpyAsync(f unsafe.Pointer, dst, src, n uintptr, kind int, s uintptr) int {
 	return int(C.kv_call_memcpy_async(f, C.uintptr_t(dst), C.uintptr_t(src), C.size_t(n), C.int(kind), C.uintptr_t(s)))

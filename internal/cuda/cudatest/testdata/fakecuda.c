@@ -8,7 +8,8 @@
 // completed), but no new import or export finds it.
 // fake_set_fault fails the Nth operation of a kind; fake_set_peer_access
 // makes an import of another device's allocation succeed, as the driver
-// does over peer access, where by default it fails (no peer access);
+// does over peer access (NVLink; it then reports the memory as the
+// importing device's), where by default it fails (no peer access);
 // fake_set_busy makes cudaEventQuery answer "not ready" a number of times
 // after each record before it runs the event's copies.
 #include <pthread.h>
@@ -352,15 +353,6 @@ int cudaIpcCloseMemHandle(void *p) {
 }
 
 // Driver API.
-enum { pointerAttrDeviceOrdinal = 9 };
-int cuPointerGetAttribute(void *data, int attr, uint64_t p) {
-	if (attr != pointerAttrDeviceOrdinal) return 1; // CUDA_ERROR_INVALID_VALUE
-	pthread_mutex_lock(&mu);
-	alloc *a = find(p);
-	if (a) *(int *)data = a->device;
-	pthread_mutex_unlock(&mu);
-	return a ? 0 : 1;
-}
 int cuInit(unsigned flags) { (void)flags; return 0; }
 int cuMemGetAddressRange_v2(uint64_t *base, size_t *size, uint64_t p) {
 	pthread_mutex_lock(&mu);
