@@ -167,6 +167,7 @@ type Runtime struct {
 		malloc, free, memcpyAsync, memcpy, memcpyBatch          unsafe.Pointer
 		ipcGetMemHandle, ipcOpenMemHandle, ipcCloseMemHandle    unsafe.Pointer
 		cuInit, cuMemGetAddressRange                            unsafe.Pointer
+		cuDeviceGet, cuDeviceGetUuid                            unsafe.Pointer
 		cuModuleLoadDataEx, cuModuleGetFunction, cuModuleUnload unsafe.Pointer
 		cuLaunchKernel                                          unsafe.Pointer
 	}
@@ -230,6 +231,15 @@ func Open(cfg Config) (*Runtime, error) {
 		b, err2 := drv.Sym("cuMemGetAddressRange_v2")
 		if err1 == nil && err2 == nil && callU(a, 0) == 0 {
 			r.drv, f.cuInit, f.cuMemGetAddressRange = drv, a, b
+			// Optional, both or neither: device UUIDs (DeviceUUID).
+			if g, err := drv.Sym("cuDeviceGet"); err == nil {
+				for _, name := range []string{"cuDeviceGetUuid_v2", "cuDeviceGetUuid"} {
+					if u, err := drv.Sym(name); err == nil {
+						f.cuDeviceGet, f.cuDeviceGetUuid = g, u
+						break
+					}
+				}
+			}
 			// Optional, all four or none: the copy kernel (copykernel.go).
 			r.loadKernelSymbols(drv)
 		} else {
@@ -308,6 +318,25 @@ func (r *Runtime) PCIBusID(d int) (string, error) {
 		}
 	}
 	return string(buf[:]), nil
+}
+
+// DeviceUUID is device d's UUID (cuDeviceGetUuid), the identity nvidia-smi
+// prints as GPU-<uuid>: it names the same GPU in every process, whatever
+// CUDA_VISIBLE_DEVICES makes of its ordinal. It fails with ErrUnavailable
+// where the driver API is not loaded.
+func (r *Runtime) DeviceUUID(d int) ([16]byte, error) {
+	var uuid [16]byte
+	if r.fn.cuDeviceGet == nil || r.fn.cuDeviceGetUuid == nil {
+		return uuid, fmt.Errorf("%w: no cuDeviceGetUuid in the driver API", ErrUnavailable)
+	}
+	var dev int32
+	if code := callPI(r.fn.cuDeviceGet, unsafe.Pointer(&dev), d); code != 0 {
+		return uuid, fmt.Errorf("cuda: cuDeviceGet(%d): driver error %d", d, code)
+	}
+	if code := callPI(r.fn.cuDeviceGetUuid, unsafe.Pointer(&uuid[0]), int(dev)); code != 0 {
+		return uuid, fmt.Errorf("cuda: cuDeviceGetUuid(%d): driver error %d", d, code)
+	}
+	return uuid, nil
 }
 
 // Attribute is cudaDeviceGetAttribute(attr) of device d.

@@ -61,6 +61,31 @@ func TestErrorPrintsNameWithoutLibrary(t *testing.T) {
 	}
 }
 
+func TestDeviceUUIDNamesEachDeviceAndNeedsTheDriverAPI(t *testing.T) {
+	r, _ := open(t)
+	for d := range 2 {
+		got, err := r.DeviceUUID(d)
+		want := [16]byte{}
+		copy(want[:], "kvhost-fake-gpu")
+		want[15] = byte(d)
+		if err != nil || got != want {
+			t.Fatalf("DeviceUUID(%d) = %x, %v; want %x", d, got, err, want)
+		}
+	}
+	if _, err := r.DeviceUUID(2); err == nil {
+		t.Fatal("DeviceUUID(2) of a two-device runtime: no error")
+	}
+	path := cudatest.Build(t)
+	noDriver, err := cuda.Open(cuda.Config{Runtime: []string{path}, Driver: []string{"/nonexistent/libcuda.so.1"}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer noDriver.Close()
+	if _, err := noDriver.DeviceUUID(0); !errors.Is(err, cuda.ErrUnavailable) {
+		t.Fatalf("DeviceUUID without the driver API: %v, want ErrUnavailable", err)
+	}
+}
+
 func TestDevicesAndWorkerSetsDevice(t *testing.T) {
 	r, _ := open(t)
 	if r.Version() != 13000 || !r.HasBatch() || !r.HasDriver() {

@@ -19,6 +19,7 @@ typedef int (*fn_psu)(void *, size_t, unsigned);
 typedef int (*fn_usu)(uintptr_t, size_t, unsigned);
 typedef int (*fn_ps)(void *, size_t);
 typedef int (*fn_pii)(void *, int, int);
+typedef int (*fn_pi)(void *, int);
 typedef int (*fn_ppu)(void *, void *, uintptr_t);
 typedef int (*fn_pa)(void *, uintptr_t);
 typedef int (*fn_memcpy_async)(uintptr_t, uintptr_t, size_t, int, uintptr_t);
@@ -41,6 +42,7 @@ static int kv_call_psu(void *f, void *a, size_t b, unsigned c) { return ((fn_psu
 static int kv_call_usu(void *f, uintptr_t a, size_t b, unsigned c) { return ((fn_usu)f)(a, b, c); }
 static int kv_call_ps(void *f, void *a, size_t b) { return ((fn_ps)f)(a, b); }
 static int kv_call_pii(void *f, void *a, int b, int c) { return ((fn_pii)f)(a, b, c); }
+static int kv_call_pi(void *f, void *a, int b) { return ((fn_pi)f)(a, b); }
 static int kv_call_ppu(void *f, void *a, void *b, uintptr_t c) { return ((fn_ppu)f)(a, b, c); }
 static int kv_call_pa(void *f, void *a, uintptr_t b) { return ((fn_pa)f)(a, b); }
 static int kv_call_memcpy_async(void *f, uintptr_t dst, uintptr_t src, size_t n, int kind, uintptr_t s) {
@@ -124,6 +126,7 @@ func callPS(f, a unsafe.Pointer, b uintptr) int { return int(C.kv_call_ps(f, a, 
 func callPII(f, a unsafe.Pointer, b, c int) int {
 	return int(C.kv_call_pii(f, a, C.int(b), C.int(c)))
 }
+func callPI(f, a unsafe.Pointer, b int) int { return int(C.kv_call_pi(f, a, C.int(b))) }
 func callPPU(f, a, b unsafe.Pointer, c uintptr) int {
 	return int(C.kv_call_ppu(f, a, b, C.uintptr_t(c)))
 }

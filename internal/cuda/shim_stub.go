@@ -20,6 +20,7 @@ func callPS(f, a unsafe.Pointer, b uintptr) int                      { return st
 func callPII(f, a unsafe.Pointer, b, c int) int                      { return stubCode }
 func callPPU(f, a, b unsafe.Pointer, c uintptr) int                  { return stubCode }
 func callPA(f, a unsafe.Pointer, b uintptr) int                      { return stubCode }
+func callPI(f, a unsafe.Pointer, b int) int                          { return stubCode }
 func callStr(f unsafe.Pointer, e int) string                         { return "" }
 func callMemcpy(f unsafe.Pointer, dst, src, n uintptr, kind int) int { return stubCode }
 func callMemcpyAsync(f unsafe.Pointer, dst, src, n uintptr, kind int, s uintptr) int {

@@ -354,6 +354,18 @@ int cudaIpcCloseMemHandle(void *p) {
 
 // Driver API.
 int cuInit(unsigned flags) { (void)flags; return 0; }
+// Device d's UUID is "kvhost-fake-gpu" followed by the byte d.
+int cuDeviceGet(int *dev, int ordinal) {
+	if (ordinal < 0 || ordinal >= numDevices) return 101; // CUDA_ERROR_INVALID_DEVICE
+	*dev = ordinal;
+	return 0;
+}
+int cuDeviceGetUuid_v2(unsigned char *uuid, int dev) {
+	if (dev < 0 || dev >= numDevices) return 101;
+	memcpy(uuid, "kvhost-fake-gpu", 15);
+	uuid[15] = (unsigned char)dev;
+	return 0;
+}
 int cuMemGetAddressRange_v2(uint64_t *base, size_t *size, uint64_t p) {
 	pthread_mutex_lock(&mu);
 	alloc *a = find(p);
