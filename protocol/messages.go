@@ -652,6 +652,10 @@ type DeviceStats struct {
 	Regions    uint64 // registered regions on the device
 	Registered uint64 // their bytes
 	Limit      uint64 // the most bytes clients may register on the device
+	// UUID is the device's UUID (nvidia-smi's GPU-<uuid>), from the
+	// device-identity section of the reply; zero where the daemon does not
+	// know it or predates the section.
+	UUID [16]byte
 }
 
 // MaxDevices bounds the devices of a Stats reply.
@@ -803,7 +807,9 @@ func (m *Stats) fields() []*uint64 {
 // count | per mount: str16 path, str8 backend, str8 io, u8 checksums, 7 ×
 // 0, u64 configured, u64 reserve | the spares section if Spares is set
 // (after the daemon section only): u64 reused | u32 mount count | per
-// mount: u64 files, u64 bytes.
+// mount: u64 files, u64 bytes | the device-identity section (after the
+// spares section only): u32 device count (that of the devices above) | per
+// device: 16 bytes UUID (zero: unknown).
 func (m *Stats) AppendBody(b []byte) []byte {
 	for _, p := range m.fields() {
 		b = appendU64(b, *p)
@@ -824,6 +830,10 @@ func (m *Stats) AppendBody(b []byte) []byte {
 			b = appendU32(appendU64(b, m.Spares.Reused), uint32(len(m.Spares.Mounts)))
 			for _, sm := range m.Spares.Mounts {
 				b = appendU64(appendU64(b, sm.Files), sm.Bytes)
+			}
+			b = appendU32(b, uint32(len(m.Devices)))
+			for _, dv := range m.Devices {
+				b = append(b, dv.UUID[:]...)
 			}
 		}
 	}
@@ -876,7 +886,13 @@ func (m *Stats) DecodeBody(b []byte) error {
 		}
 		m.Spares = sp
 	}
-	// Bytes after the spares section are sections of a later daemon,
+	if d.err == nil && len(d.b) > 0 {
+		n := d.count("identified device count", len(m.Devices), len(m.Devices), 16)
+		for i := 0; d.err == nil && i < n; i++ {
+			copy(m.Devices[i].UUID[:], d.take(16, "device UUID"))
+		}
+	}
+	// Bytes after the device-identity section are sections of a later daemon,
 	// which this client does not know: ignored, so that growing the reply
 	// never breaks a client (the sections before it are strict).
 	return d.err

@@ -3,6 +3,9 @@ package protocol
 import (
 	"bytes"
 	"errors"
+	"flag"
+	"os"
+	"path/filepath"
 	"reflect"
 	"testing"
 )
@@ -42,6 +45,8 @@ func sampleMessages() []Message {
 			InflightJobs: 4, Regions: 5, RegisteredBytes: 6 << 20, Mounts: []MountInfo{{Path: "/nvme/kv", Backend: "staging", IO: "direct", Checksums: true, Configured: 1 << 40, Reserve: 1 << 30}}}},
 		&Stats{Mounts: []MountStats{{Capacity: 10}}, Daemon: &DaemonStats{Policy: "lru", Mounts: []MountInfo{{Path: "/dev/shm/kv"}}},
 			Spares: &SpareStats{Reused: 9, Mounts: []SpareMount{{Files: 4, Bytes: 4 << 21}}}},
+		&Stats{Devices: []DeviceStats{{Ordinal: 0, UUID: [16]byte{1, 2, 3, 15: 4}}, {Ordinal: 1}},
+			Daemon: &DaemonStats{Policy: "lru"}, Spares: &SpareStats{}},
 		&Empty{T: TypeUnregisterCache | TypeReply},
 		&Error{Code: CodeLimit, Message: "too many"},
 		&Error{Code: CodeTimeout, Message: "no hello within 5s"},
@@ -109,6 +114,15 @@ func TestRejects(t *testing.T) {
 			b[len(b)-4] = 1 // one mount, no bytes for it
 			return b
 		}()},
+		{"stats device identities for fewer devices", TypeStats | TypeReply, func() []byte {
+			b := body(&Stats{Devices: []DeviceStats{{Ordinal: 0}, {Ordinal: 1}}, Daemon: &DaemonStats{}, Spares: &SpareStats{}})
+			b[len(b)-2*16-4] = 1 // one identity for two devices
+			return b
+		}()},
+		{"stats device identity cut short", TypeStats | TypeReply, func() []byte {
+			b := body(&Stats{Devices: []DeviceStats{{Ordinal: 0}}, Daemon: &DaemonStats{}, Spares: &SpareStats{}})
+			return b[:len(b)-1]
+		}()},
 		{"stats daemon fallback 2", TypeStats | TypeReply, func() []byte {
 			b := body(&Stats{Daemon: &DaemonStats{}})
 			b[len(body(&Stats{}))+8+2] = 2 // after the start time and two empty names
@@ -128,9 +142,9 @@ func TestRejects(t *testing.T) {
 	}
 }
 
-// TestStatsIgnoresSectionsItDoesNotKnow: bytes after the spares section
-// (a later daemon's sections) are ignored, and everything before them
-// decodes as before.
+// TestStatsIgnoresSectionsItDoesNotKnow: bytes after the device-identity
+// section (a later daemon's sections) are ignored, and everything before
+// them decodes as before.
 func TestStatsIgnoresSectionsItDoesNotKnow(t *testing.T) {
 	want := &Stats{Clients: 2, Mounts: []MountStats{{Capacity: 10}}, Daemon: &DaemonStats{Policy: "lru", Mounts: []MountInfo{{Path: "/kv"}}},
 		Spares: &SpareStats{Reused: 3, Mounts: []SpareMount{{Files: 2, Bytes: 1 << 21}}}}
@@ -141,6 +155,23 @@ func TestStatsIgnoresSectionsItDoesNotKnow(t *testing.T) {
 	}
 	if !reflect.DeepEqual(got, want) {
 		t.Fatalf("decoded %+v, want %+v", got, want)
+	}
+}
+
+// TestStatsOfADaemonBeforeDeviceIdentitiesHasNoUUIDs: a reply that ends
+// after the spares section (a daemon that predates the device-identity
+// section) decodes, with every device's UUID zero.
+func TestStatsOfADaemonBeforeDeviceIdentitiesHasNoUUIDs(t *testing.T) {
+	m := &Stats{Devices: []DeviceStats{{Ordinal: 0, Regions: 1, UUID: [16]byte{9}}}, Daemon: &DaemonStats{Policy: "lru"}, Spares: &SpareStats{Reused: 1}}
+	b := m.AppendBody(nil)
+	b = b[:len(b)-4-16] // without the section
+	got, err := Decode(TypeStats|TypeReply, b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	st := got.(*Stats)
+	if len(st.Devices) != 1 || st.Devices[0].Regions != 1 || st.Devices[0].UUID != [16]byte{} || st.Spares == nil || st.Spares.Reused != 1 {
+		t.Fatalf("decoded %+v, want the device with no UUID and the spares section", st)
 	}
 }
 
@@ -189,4 +220,38 @@ func FuzzDecode(f *testing.F) {
 			t.Fatalf("round trip changed %#v into %#v", m, again)
 		}
 	})
+}
+
+var update = flag.Bool("update", false, "rewrite the golden files of other languages' tests")
+
+// goldenStats is the Stats reply client/python/tests/testdata/stats.bin
+// holds: the Python client's decoder is tested against these bytes, so
+// that both sides of the wire read the same layout.
+func goldenStats() *Stats {
+	return &Stats{Entries: 1, Keys: 2, Clients: 3, InflightJobs: 4,
+		Mounts:  []MountStats{{Capacity: 10, Used: 5, Entries: 1, Direct: true}},
+		Devices: []DeviceStats{{Ordinal: 0, Regions: 1, Registered: 4096, Limit: 1 << 30, UUID: [16]byte{0: 0xA, 15: 0xA}}, {Ordinal: 1, Limit: 1 << 30}},
+		Daemon: &DaemonStats{Started: 1, Policy: "lru", PolicyBackend: "wasm", FallbackReason: "none", LastReload: "ok",
+			Mounts: []MountInfo{{Path: "/dev/shm/kv", Backend: "staging", IO: "direct", Checksums: true, Configured: 1 << 30}}},
+		Spares: &SpareStats{Reused: 3, Mounts: []SpareMount{{Files: 2, Bytes: 1 << 21}}}}
+}
+
+// TestStatsGoldenBytesForThePythonClient: the encoding of goldenStats is
+// the file the Python client's test decodes (go test ./protocol -update
+// rewrites it).
+func TestStatsGoldenBytesForThePythonClient(t *testing.T) {
+	path := filepath.Join("..", "client", "python", "tests", "testdata", "stats.bin")
+	got := goldenStats().AppendBody(nil)
+	if *update {
+		if err := os.WriteFile(path, got, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	want, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatalf("%v (go test ./protocol -update writes it)", err)
+	}
+	if !bytes.Equal(got, want) {
+		t.Fatalf("%s differs from the encoding of goldenStats: run go test ./protocol -update, and check the Python client's decoder", path)
+	}
 }

@@ -4,12 +4,17 @@ its device), stores keys from both GPUs at once, poisons other blocks,
 then loads each GPU's keys into the other GPU (through the files: the
 daemon's jobs on the two devices run at once) and compares byte for byte.
 It also checks that the daemon counts each device's registered memory on
-that device.
+that device, that it names each device by the UUID torch sees there, and
+that a process seeing only the second GPU (CUDA_VISIBLE_DEVICES by UUID)
+registers its tensor on the daemon's device 1, found by that UUID.
 
 usage: python3 scripts/gpu-multi.py SOCKET [TOKENS_PER_KEY] [KEYS] [JOBS]
 Needs two GPUs; exits non-zero on any mismatch, failed key or miscount.
 """
+import os
+import subprocess
 import sys
+import uuid as uuid_mod
 
 import torch
 
@@ -94,4 +99,26 @@ with kvhost.Client(sock, name="gpu-multi") as c:
           f"{bad} keys differ (destinations poisoned before the load)")
     if bad:
         sys.exit(1)
+    # Each device's UUID, as the daemon reports it, is the GPU torch sees
+    # at that index (this process sees every GPU).
+    for d in c.stats()["devices"]:
+        want = kvhost.device_uuid(kv[d["ordinal"]])
+        if d["uuid"] != want:
+            sys.exit(f"gpu-multi: the daemon names device {d['ordinal']} {d['uuid']!r}, torch {want!r}")
+    print("device UUIDs: " + ", ".join(f"{d['ordinal']}: {kvhost.memory.uuid_text(d['uuid'])}" for d in c.stats()["devices"]))
+    # A process that sees only GPU 1 (as its cuda:0) registers a tensor
+    # there: the client finds the daemon's ordinal 1 by the GPU's UUID.
+    child = ("import sys, torch\nsys.path.insert(0, 'client/python/src')\nimport kvhost\n"
+             "t = torch.empty(1 << 20, dtype=torch.uint8, device='cuda:0')\n"
+             "with kvhost.Client(sys.argv[1], name='gpu-multi-visible') as c:\n"
+             "    c.register_cuda_tensor(t)\n"
+             "    print(repr(sorted((d['ordinal'], d['regions']) for d in c.stats()['devices'])))\n")
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="GPU-" + str(uuid_mod.UUID(bytes=kvhost.device_uuid(kv[1]))))
+    out = subprocess.run([sys.executable, "-c", child, sock], env=env, capture_output=True, text=True, timeout=120)
+    seen = out.stdout.strip()
+    if out.returncode != 0 or seen != repr([(0, 1), (1, 2)]):
+        sys.exit(f"gpu-multi: a process seeing only GPU 1 registered: exit {out.returncode}, regions {seen!r} "
+                 f"(want device 1 to gain one); {out.stderr[-1500:]}")
+    print(f"a process with CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']} registered its cuda:0 as device 1 "
+          f"(found by UUID): regions per device {seen}")
     print("gpu multi OK")

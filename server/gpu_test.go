@@ -233,6 +233,17 @@ func TestGPUAnotherDevicesHandleOverPeerAccessIsCountedOnTheClaimedDevice(t *tes
 	}
 }
 
+// TestGPUStatsNameEachDeviceByUUID: the UUIDs of Config.DeviceUUIDs reach
+// the clients in Stats, by ordinal; a device without one reads zero.
+func TestGPUStatsNameEachDeviceByUUID(t *testing.T) {
+	u0 := [16]byte{0: 0xA, 15: 0x1}
+	g := newGPU(t, server.Config{DeviceUUIDs: [][16]byte{u0}})
+	got := deviceStats(t, g.dial(t))
+	if len(got) != 2 || got[0].UUID != u0 || got[1].UUID != ([16]byte{}) {
+		t.Fatalf("device stats %+v: want device 0 named %x and device 1 unnamed", got, u0)
+	}
+}
+
 // TestGPURegistrationLimits: the registered bytes of a device are bounded
 // over all clients, independently per device; MaxRegistrations counts GPU
 // regions too; bytes come back when a region is unregistered.

@@ -113,6 +113,10 @@ type Config struct {
 	// IPC registrations name ordinals 0..Devices-1. Required with
 	// OpenDevice.
 	Devices int
+	// DeviceUUIDs are the GPUs' UUIDs by ordinal, reported in Stats replies
+	// so that a client can find the ordinal of its own GPU whatever
+	// CUDA_VISIBLE_DEVICES says; a missing or zero entry is unknown.
+	DeviceUUIDs [][16]byte
 	// MaxDeviceBytes bounds the GPU memory all clients together may
 	// register on each device (default DefaultMaxDeviceBytes; set it to
 	// the device's memory). Registered GPU memory is the clients' own
@@ -291,6 +295,9 @@ func (s *Server) deviceStats() []protocol.DeviceStats {
 	for i := range s.devices {
 		out[i] = protocol.DeviceStats{Ordinal: uint32(i), Regions: uint64(s.devices[i].regions.Load()),
 			Registered: uint64(s.devices[i].bytes.Load()), Limit: uint64(s.cfg.MaxDeviceBytes)}
+		if i < len(s.cfg.DeviceUUIDs) {
+			out[i].UUID = s.cfg.DeviceUUIDs[i]
+		}
 	}
 	return out
 }

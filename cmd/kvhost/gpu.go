@@ -160,3 +160,18 @@ func (p *gpuPaths) Close() error {
 	errs = append(errs, p.ipc.Close(), p.staging.Close(), p.rt.Close())
 	return errors.Join(errs...)
 }
+
+// deviceUUIDs are the UUIDs of devices 0..n-1 (server.Config.DeviceUUIDs),
+// zero where the driver cannot say; that is logged once.
+func (p *gpuPaths) deviceUUIDs(n int) [][16]byte {
+	out := make([][16]byte, n)
+	for d := range out {
+		u, err := p.rt.DeviceUUID(d)
+		if err != nil {
+			p.log.Info("GPU UUIDs unknown: clients find their device by index", "reason", err.Error())
+			return nil
+		}
+		out[d] = u
+	}
+	return out
+}

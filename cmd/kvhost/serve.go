@@ -212,6 +212,7 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 	}
 	if gp != nil {
 		scfg.OpenDevice, scfg.Devices = gp.ipc.Open, gp.ipc.Devices()
+		scfg.DeviceUUIDs = gp.deviceUUIDs(scfg.Devices)
 	}
 	srv, err := server.New(eng, scfg)
 	if err != nil {

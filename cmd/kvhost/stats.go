@@ -72,6 +72,7 @@ type statsDevice struct {
 	Regions    uint64 `json:"regions"`
 	Registered uint64 `json:"registered_bytes"`
 	Limit      uint64 `json:"limit_bytes"`
+	UUID       string `json:"uuid,omitempty"` // GPU-<uuid>, as nvidia-smi prints it; empty when unknown
 }
 
 // queryStats connects to the daemon (Hello) and asks for its Stats.
@@ -108,7 +109,7 @@ func queryStats(ctx context.Context, socket string) (statsReport, error) {
 		r.Counters.ReusedFiles = st.Spares.Reused
 	}
 	for _, d := range st.Devices {
-		r.Devices = append(r.Devices, statsDevice{Ordinal: d.Ordinal, Regions: d.Regions, Registered: d.Registered, Limit: d.Limit})
+		r.Devices = append(r.Devices, statsDevice{Ordinal: d.Ordinal, Regions: d.Regions, Registered: d.Registered, Limit: d.Limit, UUID: gpuUUID(d.UUID)})
 	}
 	if d := st.Daemon; d != nil {
 		r.Started = time.Unix(0, d.Started).UTC()
@@ -188,9 +189,22 @@ func printStats(w io.Writer, r statsReport) {
 	if len(r.Devices) > 0 {
 		fmt.Fprintln(w, "\nGPU registrations:")
 		for _, d := range r.Devices {
-			fmt.Fprintf(w, "  device %d: %d regions, %s of %s\n", d.Ordinal, d.Regions, bytesString(d.Registered), bytesString(d.Limit))
+			name := ""
+			if d.UUID != "" {
+				name = " (" + d.UUID + ")"
+			}
+			fmt.Fprintf(w, "  device %d%s: %d regions, %s of %s\n", d.Ordinal, name, d.Regions, bytesString(d.Registered), bytesString(d.Limit))
 		}
 	}
+}
+
+// gpuUUID writes a GPU's UUID as nvidia-smi does (GPU-xxxxxxxx-xxxx-xxxx-
+// xxxx-xxxxxxxxxxxx); "" for the zero UUID (unknown).
+func gpuUUID(u [16]byte) string {
+	if u == ([16]byte{}) {
+		return ""
+	}
+	return fmt.Sprintf("GPU-%x-%x-%x-%x-%x", u[0:4], u[4:6], u[6:8], u[8:10], u[10:16])
 }
 
 // bytesString writes n in binary units ("1.5GiB").

@@ -178,8 +178,105 @@ class TestStats(unittest.TestCase):
         self.assertEqual(st["inflight_jobs"], 15)
         self.assertEqual(st["mounts"], [{"capacity": 10, "used": 5, "entries": 1, "direct": True}])
         self.assertEqual(st["devices"], [
-            {"ordinal": 0, "regions": 1, "registered": 4096, "limit": 1 << 30},
-            {"ordinal": 1, "regions": 0, "registered": 0, "limit": 1 << 30}])
+            {"ordinal": 0, "regions": 1, "registered": 4096, "limit": 1 << 30, "uuid": None},
+            {"ordinal": 1, "regions": 0, "registered": 0, "limit": 1 << 30, "uuid": None}])
+
+    def test_decodes_the_daemons_own_encoding(self):
+        # testdata/stats.bin is the Go encoder's bytes of a reply with every
+        # section (protocol.TestStatsGoldenBytesForThePythonClient).
+        with open(os.path.join(os.path.dirname(__file__), "testdata", "stats.bin"), "rb") as f:
+            st = p.decode_stats(f.read())
+        self.assertEqual((st["entries"], st["keys"], st["clients"], st["inflight_jobs"]), (1, 2, 3, 4))
+        self.assertEqual(st["mounts"], [{"capacity": 10, "used": 5, "entries": 1, "direct": True}])
+        self.assertEqual(st["devices"], [
+            {"ordinal": 0, "regions": 1, "registered": 4096, "limit": 1 << 30, "uuid": b"\x0a" + bytes(14) + b"\x0a"},
+            {"ordinal": 1, "regions": 0, "registered": 0, "limit": 1 << 30, "uuid": None}])
+
+    def test_decodes_device_uuids_after_the_daemon_and_spares_sections(self):
+        uuids = [bytes(range(16)), b"\x00" * 16]  # the second unknown
+        body = stats_body(uuids)
+        st = p.decode_stats(body)
+        self.assertEqual([d["uuid"] for d in st["devices"]], [uuids[0], None])
+        self.assertEqual(st["devices"][0]["regions"], 1)
+        # An older daemon's reply: the sections end after the spares.
+        self.assertEqual([d["uuid"] for d in p.decode_stats(body[:-4 - 32])["devices"]], [None, None])
+        # A later daemon's section after them is ignored.
+        self.assertEqual(p.decode_stats(body + b"\xde\xad")["devices"][0]["uuid"], uuids[0])
+
+
+def str8(s):
+    return struct.pack("<B", len(s)) + s
+
+
+def str16(s):
+    return struct.pack("<H", len(s)) + s
+
+
+def stats_body(uuids):
+    """A Stats reply as the daemon sends it: counters, one mount, a device
+    per UUID, the daemon section, the spares section and the
+    device-identity section."""
+    body = struct.pack("<16Q", *range(16)) + struct.pack("<I", 1) + struct.pack("<QQQB7x", 10, 5, 1, 0)
+    body += struct.pack("<I", len(uuids))
+    for i in range(len(uuids)):
+        body += struct.pack("<I4xQQQ", i, 1, 4096, 1 << 30)
+    body += struct.pack("<q", 1) + str8(b"lru") + str8(b"wasm") + bytes(8) + str16(b"")
+    body += struct.pack("<QQ", 0, 0) + str16(b"ok") + struct.pack("<QQQ", 0, 1, 4096)
+    body += struct.pack("<I", 1) + str16(b"/dev/shm/kv") + str8(b"staging") + str8(b"direct") + bytes(8)
+    body += struct.pack("<QQ", 1 << 30, 0)
+    body += struct.pack("<QI", 3, 1) + struct.pack("<QQ", 2, 1 << 21)  # spares
+    body += struct.pack("<I", len(uuids)) + b"".join(uuids)
+    return body
+
+
+class StatsCaptured(Captured):
+    """Captured, answering Stats requests with body."""
+
+    def __init__(self, body):
+        super().__init__()
+        self.body = body
+
+    def __call__(self, ftype, body, fds=None):
+        if ftype == p.T_STATS:
+            self.calls.append((ftype, body, fds))
+            return ftype | p.T_REPLY, self.body
+        return super().__call__(ftype, body, fds)
+
+
+class TestRegisterCudaTensorByUUID(unittest.TestCase):
+    A, B, C = bytes([0xA] * 16), bytes([0xB] * 16), bytes([0xC] * 16)
+
+    def register(self, tensor_uuid, daemon_uuids, index=0, device=None, env=None):
+        c = kvhost.Client.__new__(kvhost.Client)
+        c._call = StatsCaptured(stats_body(daemon_uuids))
+        with mock.patch("kvhost.memory.device_uuid", return_value=tensor_uuid), \
+                mock.patch.dict(os.environ, env or {}, clear=True):
+            c.register_cuda_tensor(FakeCudaTensor(torch_share(index, b"\x01" * 64, 4096, 0)), device=device)
+        registers = [body for ftype, body, _ in c._call.calls if ftype == p.T_REGISTER_MEMORY]
+        self.assertEqual(len(registers), 1)
+        return decode_register(registers[0])[1]
+
+    def test_the_device_is_found_by_uuid_whatever_cuda_visible_devices_says(self):
+        self.assertEqual(self.register(self.B, [self.A, self.B], index=0, env={"CUDA_VISIBLE_DEVICES": "GPU-bbbb"}), 1)
+        self.assertEqual(self.register(self.A, [self.A, self.B], index=1, env={"CUDA_VISIBLE_DEVICES": "1,0"}), 0)
+
+    def test_without_uuids_the_index_is_used(self):
+        self.assertEqual(self.register(None, [self.A, self.B], index=1), 1)
+        self.assertEqual(self.register(self.B, [b"\x00" * 16] * 2, index=1, env={"CUDA_VISIBLE_DEVICES": "4,6"}), 6)
+
+    def test_a_device_that_is_another_gpu_is_refused(self):
+        cases = [
+            ("device= names the other GPU", self.B, [self.A, self.B], 0, "device=0 is GPU-0a0a0a0a"),
+            ("a GPU the daemon does not serve", self.C, [self.A, self.B], None, "not one the daemon serves"),
+        ]
+        for name, tensor_uuid, daemon_uuids, device, says in cases:
+            with self.subTest(name):
+                with self.assertRaises(ValueError) as cm:
+                    self.register(tensor_uuid, daemon_uuids, device=device)
+                self.assertIn(says, str(cm.exception))
+
+    def test_an_explicit_device_of_the_right_gpu_is_sent(self):
+        self.assertEqual(self.register(self.B, [self.A, self.B], index=0, device=1), 1)
 
 
 class TestRegisterSharedFile(unittest.TestCase):

@@ -333,14 +333,32 @@ class Client:
         itself starts tensor.storage_offset() * tensor.element_size() bytes
         into it. Keep the tensor alive while the region is registered.
 
-        device is the daemon's ordinal of the tensor's GPU; by default the
-        tensor's device index, translated through CUDA_VISIBLE_DEVICES when
-        that is a list of integers (the daemon sees every GPU of the node).
+        device is the daemon's ordinal of the tensor's GPU. By default it is
+        found by the GPU's UUID, where torch and the daemon both report it
+        (whatever CUDA_VISIBLE_DEVICES says in either process), else it is
+        the tensor's device index, translated through CUDA_VISIBLE_DEVICES
+        when that is a list of integers (the daemon sees every GPU of the
+        node). A device given that the daemon knows as another GPU than the
+        tensor's is refused with ValueError: where GPUs have peer access the
+        daemon could not tell, and would move the bytes over the peer link.
         torch is imported lazily. See cuda_ipc_handle for what torch gives."""
-        from .memory import cuda_ipc_handle, daemon_device  # memory imports this module
+        from .memory import cuda_ipc_handle, daemon_device, device_uuid, uuid_text  # memory imports this module
         dev, handle, offset, size = cuda_ipc_handle(tensor)
-        if device is None:
+        uuid = device_uuid(tensor)
+        known = {}
+        if uuid is not None:
+            known = {d["ordinal"]: d["uuid"] for d in self.stats()["devices"] if d.get("uuid")}
+        if device is None and known:
+            match = [o for o, u in known.items() if u == uuid]
+            if not match:
+                raise ValueError(f"the tensor's GPU {uuid_text(uuid)} is not one the daemon serves "
+                                 f"({', '.join(uuid_text(u) for u in known.values())})")
+            device = match[0]
+        elif device is None:
             device = daemon_device(dev)
+        elif device in known and known[device] != uuid:
+            raise ValueError(f"device={device} is {uuid_text(known[device])} to the daemon, "
+                             f"but the tensor lives on {uuid_text(uuid)}")
         return self.register_cuda(device, handle, offset, size)
 
     def unregister_memory(self, region):

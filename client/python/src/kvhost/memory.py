@@ -3,6 +3,7 @@ over them when torch is importable. No numpy needed."""
 
 import mmap
 import os
+import uuid as _uuid
 
 from .client import seal_shrink
 
@@ -110,6 +111,23 @@ def ipc_mem_handle(handle):
         raise ValueError(f"torch IPC handle version {handle[0]}: this client knows versions "
                          f"{', '.join(map(str, _KNOWN_HANDLE_VERSIONS))}")
     return handle[2:]
+
+
+def device_uuid(tensor):
+    """The 16-byte UUID of the GPU a torch CUDA tensor lives on (what
+    nvidia-smi prints as GPU-<uuid>), or None where torch cannot say. It
+    names the same GPU in every process, whatever CUDA_VISIBLE_DEVICES does
+    to its index."""
+    try:
+        import torch
+        return _uuid.UUID(str(torch.cuda.get_device_properties(tensor.device).uuid)).bytes
+    except Exception:  # no torch, no CUDA, or a torch without uuid
+        return None
+
+
+def uuid_text(b):
+    """A 16-byte GPU UUID as nvidia-smi prints it."""
+    return "GPU-" + str(_uuid.UUID(bytes=bytes(b)))
 
 
 def daemon_device(index):

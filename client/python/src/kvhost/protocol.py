@@ -168,4 +168,52 @@ def decode_stats(body):
             devices.append({"ordinal": ordinal, "regions": regions, "registered": registered, "limit": limit})
             off += 32
     out["devices"] = devices
+    for d in devices:
+        d["uuid"] = None
+    try:
+        off = _skip_daemon_and_spares(body, off)
+    except struct.error:
+        return out  # a daemon that predates those sections
+    if off is not None and len(body) >= off + 4:
+        (n,) = struct.unpack_from("<I", body, off)
+        off += 4
+        if n == len(devices) and len(body) >= off + 16 * n:
+            for d in devices:
+                uuid = bytes(body[off:off + 16])
+                d["uuid"] = uuid if any(uuid) else None
+                off += 16
     return out
+
+
+def _skip_daemon_and_spares(body, off):
+    """The offset after the daemon and spares sections of a Stats reply
+    that starts them at off, or None where the reply ends before the
+    spares section (an older daemon)."""
+    if len(body) <= off:
+        return None
+    off += 8  # start time
+    for _ in range(2):  # policy, policy backend (str8)
+        (n,) = struct.unpack_from("<B", body, off)
+        off += 1 + n
+    off += 8  # fallback flag and padding
+    (n,) = struct.unpack_from("<H", body, off)  # fallback reason (str16)
+    off += 2 + n + 16  # and reloads, reload failures
+    (n,) = struct.unpack_from("<H", body, off)  # last reload (str16)
+    off += 2 + n + 24  # and in-flight jobs, regions, registered bytes
+    (mounts,) = struct.unpack_from("<I", body, off)
+    off += 4
+    for _ in range(mounts):
+        (n,) = struct.unpack_from("<H", body, off)
+        off += 2 + n
+        for _ in range(2):  # backend, io (str8)
+            (n,) = struct.unpack_from("<B", body, off)
+            off += 1 + n
+        off += 8 + 16  # checksums and padding, configured, reserve
+    if len(body) <= off:
+        return None
+    off += 8  # reused
+    (mounts,) = struct.unpack_from("<I", body, off)
+    off += 4 + 16 * mounts
+    if len(body) < off:
+        raise struct.error("spares section cut short")
+    return off
