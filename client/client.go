@@ -31,6 +31,10 @@ var (
 	ErrClosed = errors.New("client: connection closed")
 	// ErrInvalid: an argument cannot be sent (checked before sending).
 	ErrInvalid = errors.New("client: invalid argument")
+	// ErrUnknownDevice: the daemon names none of its GPUs by the UUID
+	// asked for (it may not serve that GPU, or may not know its GPUs'
+	// UUIDs: no CUDA driver API, or a daemon that predates them).
+	ErrUnknownDevice = errors.New("client: no GPU of the daemon has that UUID")
 )
 
 // Types shared with the protocol.
@@ -340,8 +344,11 @@ func (c *Client) RegisterShared(ctx context.Context, fd int, size int64) (Region
 // RegisterCUDAIPC registers GPU memory by CUDA IPC handle: the range
 // [offset, offset+size) of the allocation handle names
 // (cudaIpcGetMemHandle of its base), on device, as the daemon numbers
-// its devices (the daemon sees every GPU of the node; with
-// CUDA_VISIBLE_DEVICES set in the client, translate the client's ordinal).
+// its devices (the daemon sees every GPU of the node: DeviceByUUID finds
+// the daemon's ordinal of the client's GPU, whatever CUDA_VISIBLE_DEVICES
+// does to the client's own ordinals). Where GPUs have peer access, the
+// daemon cannot tell another GPU's memory from the device named: it
+// accepts it and copies over the peer link.
 // A handle that names no memory on that device (stale, forged, another
 // device's) fails with protocol.CodeBadHandle, a range outside the
 // allocation with protocol.CodeInvalid. Daemons without GPU support
@@ -494,6 +501,28 @@ func (c *Client) Stats(ctx context.Context) (Stats, error) {
 		return Stats{}, err
 	}
 	return *m.(*protocol.Stats), nil
+}
+
+// DeviceByUUID returns the daemon's ordinal of the GPU whose UUID is uuid
+// (cuDeviceGetUuid; nvidia-smi prints it as GPU-<uuid>), for
+// RegisterCUDAIPC. It fails with ErrUnknownDevice when the daemon names
+// no GPU by it.
+func (c *Client) DeviceByUUID(ctx context.Context, uuid [16]byte) (int, error) {
+	st, err := c.Stats(ctx)
+	if err != nil {
+		return 0, err
+	}
+	named := 0
+	for _, d := range st.Devices {
+		if d.UUID == ([16]byte{}) {
+			continue
+		}
+		named++
+		if d.UUID == uuid {
+			return int(d.Ordinal), nil
+		}
+	}
+	return 0, fmt.Errorf("%w: %x (the daemon names %d of its %d GPUs by UUID)", ErrUnknownDevice, uuid, named, len(st.Devices))
 }
 
 // KeyResult is the outcome of one key.

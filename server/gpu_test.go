@@ -236,11 +236,21 @@ func TestGPUAnotherDevicesHandleOverPeerAccessIsCountedOnTheClaimedDevice(t *tes
 // TestGPUStatsNameEachDeviceByUUID: the UUIDs of Config.DeviceUUIDs reach
 // the clients in Stats, by ordinal; a device without one reads zero.
 func TestGPUStatsNameEachDeviceByUUID(t *testing.T) {
-	u0 := [16]byte{0: 0xA, 15: 0x1}
+	u0, u1 := [16]byte{0: 0xA, 15: 0x1}, [16]byte{0: 0xB}
 	g := newGPU(t, server.Config{DeviceUUIDs: [][16]byte{u0}})
-	got := deviceStats(t, g.dial(t))
+	c := g.dial(t)
+	got := deviceStats(t, c)
 	if len(got) != 2 || got[0].UUID != u0 || got[1].UUID != ([16]byte{}) {
 		t.Fatalf("device stats %+v: want device 0 named %x and device 1 unnamed", got, u0)
+	}
+	ctx := context.Background()
+	if d, err := c.DeviceByUUID(ctx, u0); err != nil || d != 0 {
+		t.Fatalf("DeviceByUUID(%x) = %d, %v; want device 0", u0, d, err)
+	}
+	for _, u := range [][16]byte{u1, {}} { // a GPU it does not serve; the zero UUID names nothing
+		if _, err := c.DeviceByUUID(ctx, u); !errors.Is(err, client.ErrUnknownDevice) {
+			t.Fatalf("DeviceByUUID(%x): %v, want ErrUnknownDevice", u, err)
+		}
 	}
 }
 
