@@ -14,6 +14,7 @@ package gds
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -148,33 +149,13 @@ func TestGPUBatchVersusPerCall(t *testing.T) {
 	// bytes in total.
 	var failed sync.Map // mode → its first error: a failing mode is not run again
 	fanOut := func(n int, bytes int64, job func(i int) error) float64 {
-		q := make(chan int, n)
-		for i := range n {
-			q <- i
+		d, err := overKeys(n, jobs, job)
+		if err != nil {
+			t.Error(err)
 		}
-		close(q)
-		var wg sync.WaitGroup
-		start := time.Now()
-		for range jobs {
-			wg.Go(func() {
-				for i := range q {
-					if err := job(i); err != nil {
-						t.Error(err)
-						return
-					}
-				}
-			})
-		}
-		wg.Wait()
-		return float64(bytes) / time.Since(start).Seconds() / 1e9
+		return float64(bytes) / d.Seconds() / 1e9
 	}
-	open := func(path string, create bool) (fsys.File, error) {
-		fl := os.O_RDWR | unix.O_DIRECT
-		if create {
-			fl |= os.O_CREATE | os.O_TRUNC
-		}
-		return fsys.OS{}.OpenFile(path, fl, 0o600)
-	}
+	open := openDirect
 
 	type series struct{ store, load []float64 }
 	for _, kc := range cases {
@@ -320,6 +301,47 @@ func TestGPUBatchVersusPerCall(t *testing.T) {
 	if n := strings.Count(logs.String(), "batch I/O refused"); n > 1 {
 		t.Errorf("batch refusal logged %d times, want at most once", n)
 	}
+}
+
+// overKeys runs job over keys 0..n-1 on jobs goroutines, each locked to
+// its thread, and returns the time it took and every job's error: a job
+// that fails stops its goroutine.
+func overKeys(n, jobs int, job func(i int) error) (time.Duration, error) {
+	q := make(chan int, n)
+	for i := range n {
+		q <- i
+	}
+	close(q)
+	var wg sync.WaitGroup
+	var mu sync.Mutex
+	var errs []error
+	start := time.Now()
+	for range jobs {
+		wg.Go(func() {
+			runtime.LockOSThread()
+			defer runtime.UnlockOSThread()
+			for i := range q {
+				if err := job(i); err != nil {
+					mu.Lock()
+					errs = append(errs, err)
+					mu.Unlock()
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	return time.Since(start), errors.Join(errs...)
+}
+
+// openDirect opens a key file with O_DIRECT for reading and writing,
+// created afresh when create is set.
+func openDirect(path string, create bool) (fsys.File, error) {
+	fl := os.O_RDWR | unix.O_DIRECT
+	if create {
+		fl |= os.O_CREATE | os.O_TRUNC
+	}
+	return fsys.OS{}.OpenFile(path, fl, 0o600)
 }
 
 // openDiskDriver opens the CUDA runtime and the cuFile driver on device 0

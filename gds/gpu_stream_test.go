@@ -18,13 +18,11 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"runtime"
-	"sync"
 	"testing"
-	"time"
 
 	"golang.org/x/sys/unix"
 
+	"github.com/kvhost/kvhost/internal/bench"
 	"github.com/kvhost/kvhost/internal/fsys"
 	"github.com/kvhost/kvhost/transfer"
 )
@@ -73,13 +71,7 @@ func TestGPUStreamVersusPerCall(t *testing.T) {
 	for i := range paths {
 		paths[i] = filepath.Join(dir, fmt.Sprintf("k%d", i))
 	}
-	open := func(i int, create bool) (fsys.File, error) {
-		fl := os.O_RDWR | unix.O_DIRECT
-		if create {
-			fl |= os.O_CREATE | os.O_TRUNC
-		}
-		return fsys.OS{}.OpenFile(paths[i], fl, 0o600)
-	}
+	open := func(i int, create bool) (fsys.File, error) { return openDirect(paths[i], create) }
 	plan := func(i int, load bool) *transfer.Plan {
 		if load {
 			return pagedPlanAt(dst, int64(i)*keyBytes, pages, uint64(i))
@@ -195,10 +187,8 @@ func TestGPUStreamVersusPerCall(t *testing.T) {
 
 	// streamKey moves one key, window pages at a time: each page of a
 	// window enqueued on the job's stream, one synchronize, then every
-	// page's byte count checked. (Compat mode stages each I/O through
-	// one of its bounce buffers, 128 by default: with a whole key of 512
-	// pages enqueued per job, all but two I/Os of the first run failed
-	// with -5.)
+	// page's byte count checked. Windows of 16, 4 and 1 tell the number of
+	// I/Os in flight from the number of streams (docs/gds.md).
 	streamKey := func(window int) func(i int, load bool) error {
 		return func(i int, load bool) error {
 			f, err := open(i, !load)
@@ -247,38 +237,9 @@ func TestGPUStreamVersusPerCall(t *testing.T) {
 	fanOut := func(phase string, jobs int, job func(i int, load bool) error, load bool) (float64, float64, error) {
 		dog := watchdog("STREAMBENCH", phase)
 		defer dog.Stop()
-		q := make(chan int, keys)
-		for i := range keys {
-			q <- i
-		}
-		close(q)
-		var wg sync.WaitGroup
-		var mu sync.Mutex
-		var first error
-		var cpu0 unix.Rusage
-		unix.Getrusage(unix.RUSAGE_SELF, &cpu0)
-		start := time.Now()
-		for range jobs {
-			wg.Go(func() {
-				runtime.LockOSThread()
-				defer runtime.UnlockOSThread()
-				for i := range q {
-					if err := job(i, load); err != nil {
-						mu.Lock()
-						first = errors.Join(first, err)
-						mu.Unlock()
-						return
-					}
-				}
-			})
-		}
-		wg.Wait()
-		el := time.Since(start)
-		var cpu1 unix.Rusage
-		unix.Getrusage(unix.RUSAGE_SELF, &cpu1)
-		cpu := time.Duration(cpu1.Utime.Nano() + cpu1.Stime.Nano() - cpu0.Utime.Nano() - cpu0.Stime.Nano())
-		gb := float64(total) / 1e9
-		return gb / el.Seconds(), cpu.Seconds() * 1e3 / gb, first
+		cpu0 := bench.CPUTime()
+		el, err := overKeys(keys, jobs, func(i int) error { return job(i, load) })
+		return float64(total) / 1e9 / el.Seconds(), bench.CPUMsPerGB(bench.CPUTime()-cpu0, total), err
 	}
 	type series struct{ store, load []float64 }
 	// A mode is a way to move keys and how many jobs run it: the stream

@@ -181,8 +181,8 @@ func copyUntil(r *cuda.Runtime, dev *cuda.DeviceMemory, host *cuda.Pinned, d2h b
 		if err := wait(s); err != nil {
 			return err
 		}
-		for rate > 0 && float64(moved.Load())/1e9 > rate*time.Since(start).Seconds() && !stop.Load() {
-			time.Sleep(50 * time.Microsecond)
+		if rate > 0 { // pace: wait until the bytes moved so far are due
+			time.Sleep(time.Until(start.Add(time.Duration(float64(moved.Load()) / rate))))
 		}
 		for j := range perEvent {
 			off := uintptr(((k*perEvent + j) * chunk) % n)
