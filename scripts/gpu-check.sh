@@ -93,6 +93,18 @@ if [ "${E2E:-1}" = 1 ]; then
 			stop_daemon
 		done
 	done
+	# The setting docs/vllm.md recommends for small keys: a job's keys
+	# packed eight to a file (2 MiB keys, 64 per job), on the memory mount.
+	sock=/tmp/kvhost-gpu-check.sock
+	log="$out/daemon-shm-16-packed.log"
+	printf '[policy.params]\nkeys_per_file = 8\n' >"$out/packed.toml"
+	daemon "$sock" "$log" "$shm/packed" --config "$out/packed.toml"
+	run e2e-shm-16-packed python3 scripts/gpu-e2e.py "$sock" 16 512 8
+	stop_daemon
+	# 512 keys of 2 MiB in files of eight: 64 files of 16 MiB and a header.
+	packed=$(find "$shm/packed" -type f -size +16M | wc -l)
+	echo "   files of eight keys: $packed (64 expected)"
+	[ "$packed" = 64 ] || { echo "   FAILED: the keys were not packed"; status=1; }
 fi
 if [ "${MULTI:-1}" = 1 ]; then
 	# One daemon, two GPUs: keys stored from both at once, each GPU's keys

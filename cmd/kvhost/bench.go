@@ -6,6 +6,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"maps"
 	"os"
 	"path/filepath"
 	"runtime/pprof"
@@ -14,6 +15,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/config"
 	"github.com/kvhost/kvhost/internal/bench"
 	"github.com/kvhost/kvhost/logging"
@@ -80,6 +82,7 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	fs.IntVar(&o.keys, "keys", 0, "keys per phase (default: --total bytes of keys, at least twice the largest job count)")
 	totalStr := fs.String("total", "1GiB", "bytes of keys per phase when --keys is 0")
 	fs.IntVar(&o.keysPerJob, "keys-per-job", 1, "keys per store or load job")
+	keysPerFile := fs.Int("keys-per-file", 0, "keys of a job packed into one file: sets the policy's keys_per_file parameter (0: the configuration's, else the policy's default of 1)")
 	fs.StringVar(&o.memory, "memory", "auto", "where the paged cache lives: gpu, host, or auto (gpu when one is found)")
 	fs.IntVar(&o.rounds, "rounds", 1, "times each phase runs (figures are over all rounds)")
 	fs.IntVar(&o.ceilingPasses, "ceiling-passes", 1, "ceiling passes per round, timed between the round's store and load and summed like the engine's rounds")
@@ -197,6 +200,8 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		return bad("--keys %d: want 0 (automatic) or more", o.keys)
 	case o.keysPerJob < 1:
 		return bad("--keys-per-job %d: want at least 1", o.keysPerJob)
+	case *keysPerFile < 0 || *keysPerFile > abi.MaxKeysPerFile:
+		return bad("--keys-per-file %d: want 1 to %d (0: the configuration's)", *keysPerFile, abi.MaxKeysPerFile)
 	case o.ceilingPasses < 1:
 		return bad("--ceiling-passes %d: want at least 1", o.ceilingPasses)
 	case o.rounds < 1:
@@ -205,6 +210,14 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		return bad("--memory %q: want gpu, host or auto", o.memory)
 	case o.progress != "auto" && o.progress != "on" && o.progress != "off":
 		return bad("--progress %q: want auto, on or off", o.progress)
+	}
+	if *keysPerFile > 0 {
+		params := maps.Clone(o.cfg.Policy.Params)
+		if params == nil {
+			params = map[string]any{}
+		}
+		params["keys_per_file"] = int64(*keysPerFile)
+		o.cfg.Policy.Params = params
 	}
 	tot, err := config.ParseSize(*totalStr)
 	if err != nil || tot <= 0 {

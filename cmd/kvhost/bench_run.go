@@ -294,6 +294,10 @@ func (r *benchRun) keySize(ctx context.Context, eng *engine.Engine, gp *gpuPaths
 	if err != nil {
 		return err
 	}
+	perFile, err := eng.KeysPerFile(ns)
+	if err != nil {
+		return err
+	}
 	layout := bench.NewLayout(g.Layers, 2*g.BlockBytes(), g.BlocksPerKey(), keys, uint64(tpk))
 	var mem benchMemory
 	if r.useGPU {
@@ -420,7 +424,7 @@ func (r *benchRun) keySize(ctx context.Context, eng *engine.Engine, gp *gpuPaths
 		cp := ceil.pair(jobs)
 		base := bench.Run{
 			Path: path, Mover: mover, IO: io, Checksums: sums, Checksummed: summed, Jobs: jobs, TokensPerKey: tpk,
-			KeyBytes: g.KeyBytes(), KeysPerJob: r.o.keysPerJob, Keys: keys,
+			KeyBytes: g.KeyBytes(), KeysPerJob: r.o.keysPerJob, KeysPerFile: perFile, Keys: keys,
 		}
 		if r.o.store {
 			r.rep.Runs = append(r.rep.Runs, st.run(base, bench.Store, keys, cp.write))

@@ -197,6 +197,37 @@ func TestBenchLoadsWithMissesLeaveMissedBlocksUntouched(t *testing.T) {
 	}
 }
 
+func TestBenchKeysPerFileSetsThePolicysPackingAndSaysSo(t *testing.T) {
+	rep, _ := runBenchJSON(t, "--memory", "host", "--jobs", "2", "--keys-per-job", "4", "--keys-per-file", "4", "--total", "8MiB")
+	checkRuns(t, rep, 4, "staging")
+	for _, x := range rep.Runs {
+		if x.KeysPerFile != 4 || x.KeysPerJob != 4 || x.Hits != x.Keys {
+			t.Errorf("run %+v: want 4 keys per file (the namespace's layout), jobs of 4 keys, every key moved", x)
+		}
+	}
+	var table bytes.Buffer
+	if err := rep.WriteTable(&table); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(table.String(), "; 4 keys per file") {
+		t.Errorf("table does not say the keys per file:\n%s", table.String())
+	}
+	// Without the flag the policy's default: a key per file, not mentioned.
+	rep, _ = runBenchJSON(t, "--memory", "host", "--jobs", "2", "--keys-per-job", "4", "--total", "8MiB", "--tokens-per-key", "16")
+	for _, x := range rep.Runs {
+		if x.KeysPerFile != 1 {
+			t.Errorf("run %+v: want 1 key per file by default", x)
+		}
+	}
+	table.Reset()
+	if err := rep.WriteTable(&table); err != nil {
+		t.Fatal(err)
+	}
+	if strings.Contains(table.String(), "keys per file") {
+		t.Errorf("table of unpacked runs speaks of keys per file:\n%s", table.String())
+	}
+}
+
 // TestBenchGPUMemoryThroughTheDaemonsPathsOnFakeCUDA runs the benchmark
 // with the paged cache in (fake) GPU memory: the daemon's GPU paths move
 // it through the gpu-staging pipeline, ceilings use pinned buffers, and
@@ -280,6 +311,8 @@ func TestBenchRejectsBadFlagsNamingThem(t *testing.T) {
 		{[]string{"--dir", dir, "--total", "lots"}, 2, "--total"},
 		{[]string{"--dir", dir, "--full", "--keys", "8"}, 2, "--full"},
 		{[]string{"--dir", dir, "--full", "--mix", "read"}, 2, "--full"},
+		{[]string{"--dir", dir, "--keys-per-file", "257"}, 2, "--keys-per-file 257"},
+		{[]string{"--dir", dir, "--keys-per-file", "-1"}, 2, "--keys-per-file -1"},
 		{[]string{"--dir", dir, "--memory", "gpu", "--cuda-library", missing}, 1, "--memory gpu"},
 		{[]string{"--dir", dir, "--memory", "host", "--path", "cufile"}, 1, "needs a GPU"},
 		{[]string{"--dir", dir, "--memory", "host", "--layers", "0"}, 1, "Layers"},

@@ -160,6 +160,18 @@ func (e *Engine) newNamespaceLocked(fp uint64) NamespaceID {
 	return id
 }
 
+// KeysPerFile is how many consecutive keys of one store namespace ns packs
+// into a file: the layout its policy chose when it was declared (1 unless
+// the policy packs). It fails with ErrUnknownNamespace for a namespace not
+// declared now.
+func (e *Engine) KeysPerFile(ns NamespaceID) (int, error) {
+	n, err := e.namespace(ns)
+	if err != nil {
+		return 0, err
+	}
+	return n.keysPerFile, nil
+}
+
 func (e *Engine) namespace(id NamespaceID) (*namespace, error) {
 	e.mu.RLock()
 	defer e.mu.RUnlock()

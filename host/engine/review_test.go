@@ -513,6 +513,23 @@ func TestMaxNamespaces(t *testing.T) {
 
 func setMaxNamespaces(cfg *Config, n int) { cfg.MaxNamespaces = n }
 
+func TestKeysPerFileIsTheLayoutThePolicyChose(t *testing.T) {
+	ctx := context.Background()
+	for _, want := range []int{1, 3} {
+		e := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir()}}, Policy: newTestPolicy(uint32(want), abi.OrderBlockMajor)})
+		ns, err := e.Declare(ctx, smallGeometry(true))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got, err := e.KeysPerFile(ns); got != want || err != nil {
+			t.Errorf("KeysPerFile of a namespace whose policy packs %d: %d, %v", want, got, err)
+		}
+		if _, err := e.KeysPerFile(ns + 1); !errors.Is(err, ErrUnknownNamespace) {
+			t.Errorf("KeysPerFile of a namespace never declared: %v, want ErrUnknownNamespace", err)
+		}
+	}
+}
+
 // TestDeleteCount: Delete counts the requested keys that were stored and
 // are now removed — not the other keys of a removed file, not a repeated
 // key twice, not an unknown key — and the other keys of the file go too.

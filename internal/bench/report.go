@@ -93,14 +93,18 @@ type Run struct {
 	Checksummed bool   `json:"checksummed"`
 	Direction   string `json:"direction"` // store or load
 	Jobs        int    `json:"jobs"`      // concurrent jobs
-	// TokensPerKey and KeyBytes size one key (one file).
+	// TokensPerKey and KeyBytes size one key (one file unless KeysPerFile
+	// packs several).
 	TokensPerKey int   `json:"tokens_per_key"`
 	KeyBytes     int64 `json:"key_bytes"`
 	KeysPerJob   int   `json:"keys_per_job"`
-	Keys         int   `json:"keys"`   // keys asked for
-	Hits         int   `json:"hits"`   // keys stored or loaded
-	Misses       int   `json:"misses"` // loads of keys never stored
-	Bytes        int64 `json:"bytes"`  // payload bytes moved (hits × KeyBytes)
+	// KeysPerFile is how many keys of a job share one file (the policy's
+	// keys_per_file); 0 in reports that predate it, which means 1.
+	KeysPerFile int   `json:"keys_per_file,omitempty"`
+	Keys        int   `json:"keys"`   // keys asked for
+	Hits        int   `json:"hits"`   // keys stored or loaded
+	Misses      int   `json:"misses"` // loads of keys never stored
+	Bytes       int64 `json:"bytes"`  // payload bytes moved (hits × KeyBytes)
 	// Seconds is the phase's wall time, first submission to last completion.
 	Seconds float64 `json:"seconds"`
 	GBps    float64 `json:"gbps"` // Bytes / Seconds / 1e9
@@ -207,6 +211,19 @@ func ReadJSON(rd io.Reader) (*Report, error) {
 	return &r, nil
 }
 
+// keysPerFile is the runs' keys per file where they all share one (0
+// where they differ or there are none).
+func (r *Report) keysPerFile() int {
+	k := 0
+	for i, x := range r.Runs {
+		if i > 0 && max(x.KeysPerFile, 1) != k {
+			return 0
+		}
+		k = max(x.KeysPerFile, 1)
+	}
+	return k
+}
+
 // WriteTable writes the runs as an aligned text table, each figure next to
 // its ceiling and the fraction reached, then the global ceilings.
 func (r *Report) WriteTable(w io.Writer) error {
@@ -216,6 +233,9 @@ func (r *Report) WriteTable(w io.Writer) error {
 	}
 	g := r.Model
 	fmt.Fprintf(w, "; %d layers, %d KV heads, head %d, %d-byte elements, %d-token blocks", g.Layers, g.KVHeads, g.HeadSize, g.DtypeSize, g.TokensPerBlock)
+	if k := r.keysPerFile(); k > 1 {
+		fmt.Fprintf(w, "; %d keys per file", k)
+	}
 	if r.Fsync {
 		fmt.Fprint(w, "; durable stores (fsync)")
 	}
