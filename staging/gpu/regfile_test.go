@@ -18,6 +18,7 @@ import (
 	"github.com/kvhost/kvhost/internal/cuda"
 	"github.com/kvhost/kvhost/internal/cuda/cudatest"
 	"github.com/kvhost/kvhost/region"
+	"github.com/kvhost/kvhost/staging"
 	"github.com/kvhost/kvhost/transfer"
 )
 
@@ -29,7 +30,8 @@ import (
 // each directory of KVHOST_GPU_REGDIRS (a comma list; a tmpfs with huge
 // pages is the interesting one), 128 × 32 MiB fresh files, 16 jobs, next
 // to the plain pwrite/pread ceiling of the same files, and checks the
-// bytes. KVHOST_GPU=1 runs it.
+// bytes. Then it measures the same files registered once and kept
+// registered (registeredOnce). KVHOST_GPU=1 runs it.
 func TestGPURegisteredFiles(t *testing.T) {
 	if os.Getenv("KVHOST_GPU") != "1" || os.Getenv("KVHOST_GPU_REGDIRS") == "" {
 		t.Skip("set KVHOST_GPU=1 and KVHOST_GPU_REGDIRS on a machine with a CUDA GPU to run it")
@@ -73,14 +75,7 @@ func TestGPURegisteredFiles(t *testing.T) {
 			for _, p := range paths {
 				os.Remove(p)
 			}
-			cw, err := hostPass(r, paths, keyBytes, g, jobs, true, false)
-			if err != nil {
-				t.Fatal(err)
-			}
-			cr, err := hostPass(r, paths, keyBytes, g, jobs, false, false)
-			if err != nil {
-				t.Fatal(err)
-			}
+			cw, cr := bufferedCeilings(t, r, paths, keyBytes, jobs)
 			for _, p := range paths {
 				os.Remove(p)
 			}
@@ -104,24 +99,175 @@ func TestGPURegisteredFiles(t *testing.T) {
 			if err != nil {
 				t.Fatalf("%s: load: %v", dir, err)
 			}
-			for l := range g.layers {
-				dev := kv.get(t, w, l)
-				for _, p := range plans {
-					for _, x := range p.Extents {
-						if x.Region == kv.layers[l] && !bytes.Equal(dev[x.RegionOff:x.RegionOff+x.Len], orig[l][x.RegionOff:x.RegionOff+x.Len]) {
-							t.Fatalf("%s: layer %d page at %d differs after the round trip", dir, l, x.RegionOff)
-						}
-					}
-				}
-			}
+			checkLoaded(t, kv, w, plans, orig, dir+": after the round trip")
 			total := keyBytes * int64(files)
 			per := func(ns int64) float64 { return float64(ns) / float64(files) / 1e6 }
 			rep.printf("registered files %s round %d, %d × 32 MiB, %d jobs: store %.1f GB/s (pwrite ceiling %.1f: %.2f; per file register %.2f ms, copy %.2f ms, unregister %.2f ms), load %.1f GB/s (pread ceiling %.1f: %.2f; register %.2f, copy %.2f, unregister %.2f ms); verified",
 				dir, round, files, jobs, gbps(total, ws), gbps(total, cw), gbps(total, ws)/gbps(total, cw), per(sreg), per(scopy), per(sunreg),
 				gbps(total, ls), gbps(total, cr), gbps(total, ls)/gbps(total, cr), per(reg.Swap(0)), per(copies.Swap(0)), per(unreg.Swap(0)))
 		}
+		registeredOnce(t, rep, r, kv, w, orig, host, dir, paths, size, keyBytes, plans, jobs)
 		os.RemoveAll(dir)
 	}
+}
+
+// registeredOnce measures what a cache whose files stay mapped and
+// registered would pay per store and load: every file is created, mapped
+// and registered first, untimed (what keeping spare files registered
+// would pay once per file), then stores copy straight into the files'
+// pages (and checksum them, as the engine would, in a second pass) and
+// loads copy straight out of them, with the pwrite/pread ceiling of the
+// same files timed between; the bytes are checked after each pass.
+func registeredOnce(t *testing.T, rep *report, r *cuda.Runtime, kv *cache, w *cuda.Worker, orig [][]byte, host map[region.Region][]byte,
+	dir string, paths []string, size, keyBytes int64, plans []*transfer.Plan, jobs int) {
+	t.Helper()
+	g := llama8B()
+	cw, cr := bufferedCeilings(t, r, paths, keyBytes, jobs)
+	maps := make([][]byte, len(paths))
+	defer func() {
+		for _, m := range maps {
+			if m != nil {
+				unlock, err := r.LockDevice(0)
+				if err == nil {
+					r.HostUnregister(m)
+					unlock()
+				}
+				unix.Munmap(m)
+			}
+		}
+	}()
+	for i, p := range paths {
+		os.Remove(p)
+		m, err := mapNew(p, size)
+		if err != nil {
+			t.Fatal(err)
+		}
+		maps[i] = m
+		unlock, err := r.LockDevice(0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		err = r.HostRegister(m)
+		unlock()
+		if err != nil {
+			t.Fatalf("%s: register: %v", p, err)
+		}
+	}
+	crcs := make([]uint32, len(paths)) // the checksum pass's results, as a store keeps them
+	move := func(load, checksum bool) (time.Duration, error) {
+		return parallel(len(paths), jobs, func(_, i int) error {
+			if err := copyMapped(r, maps[i], plans[i], load); err != nil {
+				return err
+			}
+			if checksum {
+				crcs[i] = staging.UpdateCRC32C(0, maps[i][g.headerBytes:])
+			}
+			return nil
+		})
+	}
+	for _, withSums := range []bool{true, false} {
+		ws, err := move(false, withSums)
+		if err != nil {
+			t.Fatalf("%s: store into registered files: %v", dir, err)
+		}
+		for i, p := range plans {
+			want, _ := expect(p, host)
+			if !bytes.Equal(maps[i][g.headerBytes:g.headerBytes+int(keyBytes)], want) {
+				t.Fatalf("%s: file %d's bytes differ from the pages after a store into its registered mapping", dir, i)
+			}
+		}
+		kv.poison(t, w)
+		ls, err := move(true, withSums)
+		if err != nil {
+			t.Fatalf("%s: load from registered files: %v", dir, err)
+		}
+		checkLoaded(t, kv, w, plans, orig, dir+": after a load from registered mappings")
+		total := keyBytes * int64(len(paths))
+		rep.printf("files registered once %s, %d × 32 MiB, %d jobs, checksum pass %v: store %.1f GB/s (pwrite ceiling %.1f: %.2f), load %.1f GB/s (pread ceiling %.1f: %.2f); verified",
+			dir, len(paths), jobs, withSums, gbps(total, ws), gbps(total, cw), gbps(total, ws)/gbps(total, cw), gbps(total, ls), gbps(total, cr), gbps(total, ls)/gbps(total, cr))
+	}
+}
+
+// bufferedCeilings times a plain pwrite, then pread, of every path with
+// jobs threads (hostPass, without O_DIRECT).
+func bufferedCeilings(t *testing.T, r *cuda.Runtime, paths []string, keyBytes int64, jobs int) (write, read time.Duration) {
+	t.Helper()
+	write, err := hostPass(r, paths, keyBytes, llama8B(), jobs, true, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if read, err = hostPass(r, paths, keyBytes, llama8B(), jobs, false, false); err != nil {
+		t.Fatal(err)
+	}
+	return write, read
+}
+
+// checkLoaded fails t unless every page the plans load holds its original
+// bytes (orig, per layer); when says after what.
+func checkLoaded(t *testing.T, kv *cache, w *cuda.Worker, plans []*transfer.Plan, orig [][]byte, when string) {
+	t.Helper()
+	for l := range orig {
+		dev := kv.get(t, w, l)
+		for _, p := range plans {
+			for _, x := range p.Extents {
+				if x.Region == kv.layers[l] && !bytes.Equal(dev[x.RegionOff:x.RegionOff+x.Len], orig[l][x.RegionOff:x.RegionOff+x.Len]) {
+					t.Fatalf("%s: layer %d page at %d differs", when, l, x.RegionOff)
+				}
+			}
+		}
+	}
+}
+
+// mapNew creates the file at path with size bytes allocated and maps it
+// shared, read-write, its pages populated.
+func mapNew(path string, size int64) ([]byte, error) {
+	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o644)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	if err := unix.Fallocate(int(f.Fd()), 0, 0, size); err != nil {
+		return nil, err
+	}
+	return unix.Mmap(int(f.Fd()), 0, int(size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED|unix.MAP_POPULATE)
+}
+
+// copyMapped copies the plan's pages between the device and m, a
+// registered mapping of the plan's file, on a thread with device 0
+// current.
+func copyMapped(r *cuda.Runtime, m []byte, p *transfer.Plan, load bool) error {
+	unlock, err := r.LockDevice(0)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	return copyOnStream(r, m, p, load)
+}
+
+// copyOnStream copies the plan's pages between the device and m in one
+// batched copy on a stream of its own, and waits for it; the calling
+// thread has the device current.
+func copyOnStream(r *cuda.Runtime, m []byte, p *transfer.Plan, load bool) error {
+	s, err := r.NewStream()
+	if err != nil {
+		return err
+	}
+	defer r.DestroyStream(s)
+	var cp cuda.Copies
+	base := unsafeSliceAddr(m)
+	for _, x := range p.Extents {
+		dev := x.Region.(region.Device).Ptr() + uintptr(x.RegionOff)
+		if load {
+			cp.Add(dev, base+uintptr(x.FileOff), uintptr(x.Len))
+		} else {
+			cp.Add(base+uintptr(x.FileOff), dev, uintptr(x.Len))
+		}
+	}
+	err = r.Enqueue(&cp, load, cuda.CopyBatch, s)
+	if serr := r.Sync(s); err == nil {
+		err = serr
+	}
+	return err
 }
 
 // mappedMove stores (loads) one file by mapping it, registering the
@@ -158,26 +304,7 @@ func mappedMove(r *cuda.Runtime, path string, size int64, p *transfer.Plan, load
 	}
 	t1 := time.Now()
 	reg.Add(int64(t1.Sub(t0)))
-	s, err := r.NewStream()
-	if err != nil {
-		r.HostUnregister(m)
-		return err
-	}
-	defer r.DestroyStream(s)
-	var cp cuda.Copies
-	base := uintptr(unsafeSliceAddr(m))
-	for _, x := range p.Extents {
-		dev := x.Region.(region.Device).Ptr() + uintptr(x.RegionOff)
-		if load {
-			cp.Add(dev, base+uintptr(x.FileOff), uintptr(x.Len))
-		} else {
-			cp.Add(base+uintptr(x.FileOff), dev, uintptr(x.Len))
-		}
-	}
-	err = r.Enqueue(&cp, load, cuda.CopyBatch, s)
-	if serr := r.Sync(s); err == nil {
-		err = serr
-	}
+	err = copyOnStream(r, m, p, load)
 	t2 := time.Now()
 	copies.Add(int64(t2.Sub(t1)))
 	if uerr := r.HostUnregister(m); err == nil {
