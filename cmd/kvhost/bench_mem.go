@@ -186,6 +186,8 @@ type ceilingTotals struct {
 	wbytes, rbytes int64
 	wtime, rtime   time.Duration
 	wcpu, rcpu     time.Duration // process CPU time
+	// Each round's passes (one measureCeilings call): write and read GB/s.
+	wround, rround []float64
 }
 
 // pair is the ceilings: bytes over time of every pass.
@@ -257,6 +259,11 @@ func (r *benchRun) measureCeilings(ctx context.Context, files []string, jobs int
 	if r.o.dropCaches {
 		t.name[1] += " (cold)"
 	}
+	var wb0, wt0, rb0, rt0 = t.wbytes, t.wtime, t.rbytes, t.rtime
+	defer func() {
+		t.wround = append(t.wround, bench.GBps(t.wbytes-wb0, t.wtime-wt0))
+		t.rround = append(t.rround, bench.GBps(t.rbytes-rb0, t.rtime-rt0))
+	}()
 	for range r.o.ceilingPasses {
 		cpu := bench.CPUTime()
 		wb, wd, err := write(ctx, cpaths, sizes, bufs, direct, r.o.fsync)

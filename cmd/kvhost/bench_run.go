@@ -427,10 +427,10 @@ func (r *benchRun) keySize(ctx context.Context, eng *engine.Engine, gp *gpuPaths
 			KeyBytes: g.KeyBytes(), KeysPerJob: r.o.keysPerJob, KeysPerFile: perFile, Keys: keys,
 		}
 		if r.o.store {
-			r.rep.Runs = append(r.rep.Runs, st.run(base, bench.Store, keys, cp.write))
+			r.rep.Runs = append(r.rep.Runs, st.run(base, bench.Store, keys, cp.write, ceil.wround))
 		}
 		if r.o.load {
-			x := ld.run(base, bench.Load, keys, cp.read)
+			x := ld.run(base, bench.Load, keys, cp.read, ceil.rround)
 			x.Misses = keys - ld.keys/max(1, ld.rounds)
 			r.rep.Runs = append(r.rep.Runs, x)
 		}
@@ -448,6 +448,7 @@ type phaseTotals struct {
 	rounds   int
 	cpu      time.Duration // process CPU time over the phases
 	reused   uint64        // stores into spare files over the phases
+	gbps     []float64     // each round's GB/s
 }
 
 func (t *phaseTotals) add(d time.Duration, lat []time.Duration, bytes int64, keys int, verified int64) {
@@ -457,9 +458,13 @@ func (t *phaseTotals) add(d time.Duration, lat []time.Duration, bytes int64, key
 	t.keys += keys
 	t.verified += verified
 	t.rounds++
+	t.gbps = append(t.gbps, bench.GBps(bytes, d))
 }
 
-func (t *phaseTotals) run(base bench.Run, dir string, keys int, ceiling bench.Ceiling) bench.Run {
+// run is the phase's figures over its rounds, held to ceiling (summed
+// over the same rounds); ceilingRounds is the ceiling's GB/s in each
+// round, paired with the phase's own rounds for Run.RoundFractions.
+func (t *phaseTotals) run(base bench.Run, dir string, keys int, ceiling bench.Ceiling, ceilingRounds []float64) bench.Run {
 	x := base
 	x.Direction = dir
 	x.Hits = t.keys / max(1, t.rounds)
@@ -475,6 +480,11 @@ func (t *phaseTotals) run(base bench.Run, dir string, keys int, ceiling bench.Ce
 	x.VerifiedBytes = t.verified / int64(max(1, t.rounds))
 	x.ReusedFiles = int(t.reused / uint64(max(1, t.rounds)))
 	x.CPUMsPerGB = bench.CPUMsPerGB(t.cpu, t.bytes)
+	if len(t.gbps) > 1 && len(t.gbps) == len(ceilingRounds) {
+		for i, g := range t.gbps {
+			x.RoundFractions = append(x.RoundFractions, g/ceilingRounds[i])
+		}
+	}
 	return x
 }
 

@@ -8,6 +8,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
@@ -129,6 +130,36 @@ func TestBenchJSONOnHostMemoryIsVerifiedAndHeldToItsCeilings(t *testing.T) {
 	}
 	if err := xml.Unmarshal(svg, new(struct{})); err != nil {
 		t.Errorf("the SVG is not well-formed XML: %v", err)
+	}
+}
+
+func TestBenchRoundFractionsBracketTheSummedFraction(t *testing.T) {
+	rep, _ := runBenchJSON(t, "--memory", "host", "--jobs", "2", "--rounds", "3", "--total", "8MiB", "--tokens-per-key", "16")
+	checkRuns(t, rep, 2, "staging")
+	for _, x := range rep.Runs {
+		if len(x.RoundFractions) != 3 {
+			t.Fatalf("run %+v: %d round fractions, want one per round (3)", x, len(x.RoundFractions))
+		}
+		lo, hi := slices.Min(x.RoundFractions), slices.Max(x.RoundFractions)
+		// The summed fraction is a mediant of the rounds' (same bytes
+		// each round), so it lies between them.
+		if lo <= 0 || x.Fraction < lo*(1-1e-9) || x.Fraction > hi*(1+1e-9) {
+			t.Errorf("%s: fraction %v outside its rounds' %v", x.Direction, x.Fraction, x.RoundFractions)
+		}
+	}
+	var table bytes.Buffer
+	if err := rep.WriteTable(&table); err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(table.String(), "by round") || !strings.Contains(table.String(), "least, median and greatest") {
+		t.Errorf("the table does not show the rounds' spread:\n%s", table.String())
+	}
+	// One round: nothing to spread.
+	rep, _ = runBenchJSON(t, "--memory", "host", "--jobs", "2", "--total", "8MiB", "--tokens-per-key", "16")
+	for _, x := range rep.Runs {
+		if x.RoundFractions != nil {
+			t.Errorf("one round: round fractions %v, want none", x.RoundFractions)
+		}
 	}
 }
 

@@ -9,6 +9,7 @@ import (
 	"io"
 	"os"
 	"path/filepath"
+	"reflect"
 	"strings"
 	"testing"
 	"time"
@@ -224,11 +225,29 @@ func sampleReport() *Report {
 				g := float64(j) * 1.5
 				c := Ceiling{Name: "pread buffered", GBps: float64(j) * 2, Threads: j}
 				r.Runs = append(r.Runs, Run{Path: "staging", Mover: "gpu-staging", IO: "buffered", Checksums: sums, Direction: dir,
-					Jobs: j, KeyBytes: 32 << 20, Keys: 8, Hits: 8, Bytes: 8 << 25, GBps: g, Ceiling: c, Fraction: g / c.GBps})
+					Jobs: j, KeyBytes: 32 << 20, Keys: 8, Hits: 8, Bytes: 8 << 25, GBps: g, Ceiling: c, Fraction: g / c.GBps,
+					RoundFractions: []float64{g / c.GBps * 1.1, g / c.GBps * 0.9, g / c.GBps}})
 			}
 		}
 	}
 	return r
+}
+
+func TestRoundSpreadIsLeastMedianGreatest(t *testing.T) {
+	for _, c := range []struct {
+		fs   []float64
+		want string
+	}{
+		{nil, ""},
+		{[]float64{0.9}, ""},
+		{[]float64{0.9, 0.7}, "0.70 0.80 0.90"},
+		{[]float64{0.94, 0.82, 0.88}, "0.82 0.88 0.94"},
+		{[]float64{1.2, 0.5, 0.9, 0.8}, "0.50 0.85 1.20"},
+	} {
+		if got := roundSpread(c.fs); got != c.want {
+			t.Errorf("roundSpread(%v) = %q, want %q", c.fs, got, c.want)
+		}
+	}
 }
 
 func TestReportJSONRoundTrips(t *testing.T) {
@@ -241,7 +260,7 @@ func TestReportJSONRoundTrips(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(got.Runs) != len(r.Runs) || got.Runs[3] != r.Runs[3] || got.Ceilings[0] != r.Ceilings[0] {
+	if !reflect.DeepEqual(got.Runs, r.Runs) || got.Ceilings[0] != r.Ceilings[0] {
 		t.Fatalf("round trip changed the report: %+v", got)
 	}
 	if _, err := ReadJSON(strings.NewReader(`{"schema":"other/9"}`)); err == nil {

@@ -112,6 +112,11 @@ type Run struct {
 	// the same number of threads; Fraction is GBps / Ceiling.GBps.
 	Ceiling  Ceiling `json:"ceiling"`
 	Fraction float64 `json:"fraction"`
+	// RoundFractions is each round's GB/s over the same round's ceiling,
+	// in round order, where there were two rounds or more: how much the
+	// fraction moved from round to round (Fraction is over their sums,
+	// so it lies between their least and greatest).
+	RoundFractions []float64 `json:"round_fractions,omitempty"`
 	// CeilingBest is the best ceiling of the same operation, key size and
 	// I/O mode over every thread count of the report (issue 8's "best
 	// thread count"), and FractionBest is GBps over it. The engine may
@@ -211,6 +216,21 @@ func ReadJSON(rd io.Reader) (*Report, error) {
 	return &r, nil
 }
 
+// roundSpread writes the least, median and greatest of fs as
+// "0.82 0.88 0.94" ("" for fewer than two rounds).
+func roundSpread(fs []float64) string {
+	if len(fs) < 2 {
+		return ""
+	}
+	s := slices.Clone(fs)
+	slices.Sort(s)
+	med := s[len(s)/2]
+	if len(s)%2 == 0 {
+		med = (s[len(s)/2-1] + s[len(s)/2]) / 2
+	}
+	return fmt.Sprintf("%.2f %.2f %.2f", s[0], med, s[len(s)-1])
+}
+
 // keysPerFile is the runs' keys per file where they all share one (0
 // where they differ or there are none).
 func (r *Report) keysPerFile() int {
@@ -244,8 +264,11 @@ func (r *Report) WriteTable(w io.Writer) error {
 	}
 	fmt.Fprintln(w)
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	footnote := false
-	fmt.Fprintln(tw, "path\tmover\tio\tsums\tkey\tjobs\tdir\tkeys\tGB/s\tceiling GB/s\tfraction\tof best\tp50 ms\tp99 ms\tCPU ms/GB\tceiling's\tverified\tceiling is\t")
+	footnote, spread := false, false
+	for _, x := range r.Runs {
+		spread = spread || len(x.RoundFractions) > 1
+	}
+	fmt.Fprintln(tw, "path\tmover\tio\tsums\tkey\tjobs\tdir\tkeys\tGB/s\tceiling GB/s\tfraction\tof best\tp50 ms\tp99 ms\tCPU ms/GB\tceiling's\tverified\tceiling is\tby round\t")
 	for _, x := range r.Runs {
 		sums := "off"
 		switch {
@@ -255,16 +278,19 @@ func (r *Report) WriteTable(w io.Writer) error {
 			sums = "on*"
 			footnote = true
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%d\t%s\t%d/%d\t%.2f\t%.2f\t%.2f\t%.2f\t%.1f\t%.1f\t%.0f\t%.0f\t%s\t%s\t\n",
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%d\t%s\t%d/%d\t%.2f\t%.2f\t%.2f\t%.2f\t%.1f\t%.1f\t%.0f\t%.0f\t%s\t%s\t%s\t\n",
 			x.Path, x.Mover, x.IO, sums, sizeString(x.KeyBytes), x.Jobs, x.Direction, x.Hits, x.Keys,
 			x.GBps, x.Ceiling.GBps, x.Fraction, x.FractionBest, x.JobP50Ms, x.JobP99Ms, x.CPUMsPerGB, x.Ceiling.CPUMsPerGB,
-			sizeString(x.VerifiedBytes), x.Ceiling.Name)
+			sizeString(x.VerifiedBytes), x.Ceiling.Name, roundSpread(x.RoundFractions))
 	}
 	if err := tw.Flush(); err != nil {
 		return err
 	}
 	fmt.Fprintln(w, "fraction: of the ceiling with as many threads as jobs; of best: of the best ceiling over every thread count")
 	fmt.Fprintln(w, "CPU ms/GB: the process's CPU time per GB moved, the engine's and the ceiling's")
+	if spread {
+		fmt.Fprintln(w, "by round: the least, median and greatest of the rounds' fractions, each of a round's GB/s over its own ceiling")
+	}
 	if footnote {
 		fmt.Fprintln(w, "on*: checksums asked for, but the mover computes none (the CPU never sees the bytes)")
 	}
