@@ -298,6 +298,7 @@ func (r *benchRun) keySize(ctx context.Context, eng *engine.Engine, gp *gpuPaths
 	if err != nil {
 		return err
 	}
+	perFile = min(perFile, r.o.keysPerJob) // a file holds one job's keys at most
 	layout := bench.NewLayout(g.Layers, 2*g.BlockBytes(), g.BlocksPerKey(), keys, uint64(tpk))
 	var mem benchMemory
 	if r.useGPU {
@@ -482,7 +483,11 @@ func (t *phaseTotals) run(base bench.Run, dir string, keys int, ceiling bench.Ce
 	x.CPUMsPerGB = bench.CPUMsPerGB(t.cpu, t.bytes)
 	if len(t.gbps) > 1 && len(t.gbps) == len(ceilingRounds) {
 		for i, g := range t.gbps {
-			x.RoundFractions = append(x.RoundFractions, g/ceilingRounds[i])
+			f := 0.0 // a round whose ceiling moved no bytes has no fraction
+			if ceilingRounds[i] > 0 {
+				f = g / ceilingRounds[i]
+			}
+			x.RoundFractions = append(x.RoundFractions, f)
 		}
 	}
 	return x

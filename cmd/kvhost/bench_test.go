@@ -154,12 +154,19 @@ func TestBenchRoundFractionsBracketTheSummedFraction(t *testing.T) {
 	if !strings.Contains(table.String(), "by round") || !strings.Contains(table.String(), "least, median and greatest") {
 		t.Errorf("the table does not show the rounds' spread:\n%s", table.String())
 	}
-	// One round: nothing to spread.
+	// One round: nothing to spread, and no column for it.
 	rep, _ = runBenchJSON(t, "--memory", "host", "--jobs", "2", "--total", "8MiB", "--tokens-per-key", "16")
 	for _, x := range rep.Runs {
 		if x.RoundFractions != nil {
 			t.Errorf("one round: round fractions %v, want none", x.RoundFractions)
 		}
+	}
+	table.Reset()
+	if err := rep.WriteTable(&table); err != nil {
+		t.Fatal(err)
+	}
+	if strings.Contains(table.String(), "by round") {
+		t.Errorf("a one-round table shows a by-round column:\n%s", table.String())
 	}
 }
 
@@ -242,6 +249,13 @@ func TestBenchKeysPerFileSetsThePolicysPackingAndSaysSo(t *testing.T) {
 	}
 	if !strings.Contains(table.String(), "; 4 keys per file") {
 		t.Errorf("table does not say the keys per file:\n%s", table.String())
+	}
+	// More keys per file than per job: a file holds one job's keys.
+	rep, _ = runBenchJSON(t, "--memory", "host", "--jobs", "2", "--keys-per-job", "2", "--keys-per-file", "8", "--total", "8MiB", "--tokens-per-key", "16")
+	for _, x := range rep.Runs {
+		if x.KeysPerFile != 2 {
+			t.Errorf("run %+v: files of jobs of 2 keys reported as %d keys per file, want 2", x, x.KeysPerFile)
+		}
 	}
 	// Without the flag the policy's default: a key per file, not mentioned.
 	rep, _ = runBenchJSON(t, "--memory", "host", "--jobs", "2", "--keys-per-job", "4", "--total", "8MiB", "--tokens-per-key", "16")

@@ -161,15 +161,17 @@ func (e *Engine) newNamespaceLocked(fp uint64) NamespaceID {
 }
 
 // KeysPerFile is how many consecutive keys of one store namespace ns packs
-// into a file: the layout its policy chose when it was declared (1 unless
-// the policy packs). It fails with ErrUnknownNamespace for a namespace not
-// declared now.
+// into a file at most: the layout its policy chose when it was declared (1
+// unless the policy packs; a store of fewer keys writes fewer). It fails
+// with ErrUnknownNamespace for a namespace not declared now, and with
+// ErrClosed once the engine is closed.
 func (e *Engine) KeysPerFile(ns NamespaceID) (int, error) {
-	n, err := e.namespace(ns)
-	if err != nil {
+	if _, err := e.namespace(ns); err != nil {
 		return 0, err
 	}
-	return n.keysPerFile, nil
+	e.mu.RLock() // a Release and a new Declare rewrite the layout under the lock
+	defer e.mu.RUnlock()
+	return e.nss[ns].keysPerFile, nil
 }
 
 func (e *Engine) namespace(id NamespaceID) (*namespace, error) {

@@ -235,17 +235,19 @@ func sampleReport() *Report {
 
 func TestRoundSpreadIsLeastMedianGreatest(t *testing.T) {
 	for _, c := range []struct {
-		fs   []float64
-		want string
+		fs     []float64
+		column bool
+		want   string
 	}{
-		{nil, ""},
-		{[]float64{0.9}, ""},
-		{[]float64{0.9, 0.7}, "0.70 0.80 0.90"},
-		{[]float64{0.94, 0.82, 0.88}, "0.82 0.88 0.94"},
-		{[]float64{1.2, 0.5, 0.9, 0.8}, "0.50 0.85 1.20"},
+		{nil, true, "\t"},
+		{[]float64{0.9}, true, "\t"},
+		{[]float64{0.9, 0.7}, true, "0.70 0.80 0.90\t"},
+		{[]float64{0.94, 0.82, 0.88}, true, "0.82 0.88 0.94\t"},
+		{[]float64{1.2, 0.5, 0.9, 0.8}, true, "0.50 0.85 1.20\t"},
+		{[]float64{0.9, 0.7}, false, ""}, // a table without the column
 	} {
-		if got := roundSpread(c.fs); got != c.want {
-			t.Errorf("roundSpread(%v) = %q, want %q", c.fs, got, c.want)
+		if got := roundSpread(c.fs, c.column); got != c.want {
+			t.Errorf("roundSpread(%v, %v) = %q, want %q", c.fs, c.column, got, c.want)
 		}
 	}
 }

@@ -98,8 +98,9 @@ type Run struct {
 	TokensPerKey int   `json:"tokens_per_key"`
 	KeyBytes     int64 `json:"key_bytes"`
 	KeysPerJob   int   `json:"keys_per_job"`
-	// KeysPerFile is how many keys of a job share one file (the policy's
-	// keys_per_file); 0 in reports that predate it, which means 1.
+	// KeysPerFile is how many keys of a job share one file: the policy's
+	// keys_per_file, at most KeysPerJob (a file never holds two jobs'
+	// keys); 0 in reports that predate it, which means 1.
 	KeysPerFile int   `json:"keys_per_file,omitempty"`
 	Keys        int   `json:"keys"`   // keys asked for
 	Hits        int   `json:"hits"`   // keys stored or loaded
@@ -114,8 +115,10 @@ type Run struct {
 	Fraction float64 `json:"fraction"`
 	// RoundFractions is each round's GB/s over the same round's ceiling,
 	// in round order, where there were two rounds or more: how much the
-	// fraction moved from round to round (Fraction is over their sums,
-	// so it lies between their least and greatest).
+	// fraction moved from round to round. Fraction is over their sums, so
+	// where every round moves the same bytes (not with --full, whose
+	// ceiling writes more files as the cache fills) it lies between their
+	// least and greatest.
 	RoundFractions []float64 `json:"round_fractions,omitempty"`
 	// CeilingBest is the best ceiling of the same operation, key size and
 	// I/O mode over every thread count of the report (issue 8's "best
@@ -216,11 +219,15 @@ func ReadJSON(rd io.Reader) (*Report, error) {
 	return &r, nil
 }
 
-// roundSpread writes the least, median and greatest of fs as
-// "0.82 0.88 0.94" ("" for fewer than two rounds).
-func roundSpread(fs []float64) string {
-	if len(fs) < 2 {
+// roundSpread writes the least, median and greatest of fs as "0.82 0.88
+// 0.94\t", the table's last column; "" where the table has no such column
+// (column false), "\t" for fewer than two rounds.
+func roundSpread(fs []float64, column bool) string {
+	if !column {
 		return ""
+	}
+	if len(fs) < 2 {
+		return "\t"
 	}
 	s := slices.Clone(fs)
 	slices.Sort(s)
@@ -228,7 +235,7 @@ func roundSpread(fs []float64) string {
 	if len(s)%2 == 0 {
 		med = (s[len(s)/2-1] + s[len(s)/2]) / 2
 	}
-	return fmt.Sprintf("%.2f %.2f %.2f", s[0], med, s[len(s)-1])
+	return fmt.Sprintf("%.2f %.2f %.2f\t", s[0], med, s[len(s)-1])
 }
 
 // keysPerFile is the runs' keys per file where they all share one (0
@@ -268,7 +275,11 @@ func (r *Report) WriteTable(w io.Writer) error {
 	for _, x := range r.Runs {
 		spread = spread || len(x.RoundFractions) > 1
 	}
-	fmt.Fprintln(tw, "path\tmover\tio\tsums\tkey\tjobs\tdir\tkeys\tGB/s\tceiling GB/s\tfraction\tof best\tp50 ms\tp99 ms\tCPU ms/GB\tceiling's\tverified\tceiling is\tby round\t")
+	header := "path\tmover\tio\tsums\tkey\tjobs\tdir\tkeys\tGB/s\tceiling GB/s\tfraction\tof best\tp50 ms\tp99 ms\tCPU ms/GB\tceiling's\tverified\tceiling is\t"
+	if spread {
+		header += "by round\t"
+	}
+	fmt.Fprintln(tw, header)
 	for _, x := range r.Runs {
 		sums := "off"
 		switch {
@@ -278,10 +289,10 @@ func (r *Report) WriteTable(w io.Writer) error {
 			sums = "on*"
 			footnote = true
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%d\t%s\t%d/%d\t%.2f\t%.2f\t%.2f\t%.2f\t%.1f\t%.1f\t%.0f\t%.0f\t%s\t%s\t%s\t\n",
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%d\t%s\t%d/%d\t%.2f\t%.2f\t%.2f\t%.2f\t%.1f\t%.1f\t%.0f\t%.0f\t%s\t%s\t%s\n",
 			x.Path, x.Mover, x.IO, sums, sizeString(x.KeyBytes), x.Jobs, x.Direction, x.Hits, x.Keys,
 			x.GBps, x.Ceiling.GBps, x.Fraction, x.FractionBest, x.JobP50Ms, x.JobP99Ms, x.CPUMsPerGB, x.Ceiling.CPUMsPerGB,
-			sizeString(x.VerifiedBytes), x.Ceiling.Name, roundSpread(x.RoundFractions))
+			sizeString(x.VerifiedBytes), x.Ceiling.Name, roundSpread(x.RoundFractions, spread))
 	}
 	if err := tw.Flush(); err != nil {
 		return err
