@@ -125,23 +125,7 @@ func TestGPUBatchVersusPerCall(t *testing.T) {
 	for _, kc := range cases {
 		maxDst = max(maxDst, int64(kc.pages*kc.keys)<<16)
 	}
-	srcPtr, err := cu.mallocDev(srcSize)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer cu.freeDev(srcPtr)
-	dstPtr, err := cu.mallocDev(maxDst)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer cu.freeDev(dstPtr)
-	src := &devMem{id: 1, ptr: srcPtr, size: srcSize}
-	dst := &devMem{id: 2, ptr: dstPtr, size: maxDst}
-	host := make([]byte, srcSize)
-	randomBytes(host, 42, 43)
-	if err := cu.toDevice(src.ptr, host); err != nil {
-		t.Fatal(err)
-	}
+	src, dst, host := deviceSrcDst(t, cu, srcSize, maxDst, 43)
 	back := make([]byte, maxDst)
 	ctx := context.Background()
 
@@ -336,6 +320,29 @@ func overKeys(n, jobs int, job func(i int) error) (time.Duration, error) {
 
 // openDirect opens a key file with O_DIRECT for reading and writing,
 // created afresh when create is set.
+// deviceSrcDst allocates a source of srcSize device bytes, filled with
+// random bytes (seed) that it also returns as host, and a destination of
+// dstSize; both are freed when t ends.
+func deviceSrcDst(t *testing.T, cu *testCudart, srcSize, dstSize int64, seed uint64) (src, dst *devMem, host []byte) {
+	t.Helper()
+	srcPtr, err := cu.mallocDev(srcSize)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cu.freeDev(srcPtr) })
+	dstPtr, err := cu.mallocDev(dstSize)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { cu.freeDev(dstPtr) })
+	host = make([]byte, srcSize)
+	randomBytes(host, 42, seed)
+	if err := cu.toDevice(srcPtr, host); err != nil {
+		t.Fatal(err)
+	}
+	return &devMem{id: 1, ptr: srcPtr, size: srcSize}, &devMem{id: 2, ptr: dstPtr, size: dstSize}, host
+}
+
 func openDirect(path string, create bool) (fsys.File, error) {
 	fl := os.O_RDWR | unix.O_DIRECT
 	if create {

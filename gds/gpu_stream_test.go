@@ -49,23 +49,7 @@ func TestGPUStreamVersusPerCall(t *testing.T) {
 	keyBytes := int64(pages) << 16
 	total := keyBytes * keys
 	const srcSize = 64 << 20
-	srcPtr, err := cu.mallocDev(srcSize)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer cu.freeDev(srcPtr)
-	dstPtr, err := cu.mallocDev(total)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer cu.freeDev(dstPtr)
-	src := &devMem{id: 1, ptr: srcPtr, size: srcSize}
-	dst := &devMem{id: 2, ptr: dstPtr, size: total}
-	host := make([]byte, srcSize)
-	randomBytes(host, 42, 44)
-	if err := cu.toDevice(src.ptr, host); err != nil {
-		t.Fatal(err)
-	}
+	src, dst, host := deviceSrcDst(t, cu, srcSize, total, 44)
 	back := make([]byte, total)
 	paths := make([]string, keys)
 	for i := range paths {
@@ -165,7 +149,7 @@ func TestGPUStreamVersusPerCall(t *testing.T) {
 	}
 	// One stream per job.
 	streams := make(chan uintptr, jobs)
-	err = d.onDevice(0, func() error {
+	err := d.onDevice(0, func() error {
 		for range jobs {
 			s, err := newStream(use)
 			if err != nil {

@@ -14,7 +14,7 @@ import torch
 
 sys.path.insert(0, "client/python/src")
 import kvhost  # noqa: E402
-from gpu_paged import LAYERS as layers, PAGE as page, TOKENS_PER_BLOCK as tpb, register, run_jobs, split  # noqa: E402
+from gpu_paged import LAYERS as layers, PAGE as page, TOKENS_PER_BLOCK as tpb, keys_differ, register, run_jobs, split  # noqa: E402
 
 sock = sys.argv[1]
 tpk = int(sys.argv[2]) if len(sys.argv) > 2 else 256
@@ -54,10 +54,7 @@ with kvhost.Client(sock, name="gpu-e2e") as c:
     loaded = sum(r.count(4) for r in res)
     assert loaded == nkeys, [r.outcomes() for r in res]
     torch.cuda.synchronize()
-    bad = 0
-    for s, d in zip(src, dst):
-        if not torch.equal(kv[:, s], kv[:, d]):
-            bad += 1
+    bad = keys_differ(kv, kv, src, dst)
     print(f"load: {nkeys} keys in {jobs} jobs: {nkeys * key_bytes / secs / 1e9:.2f} GB/s; "
           f"{bad} keys differ after the round trip (destinations poisoned before the load)")
     if bad:

@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, "client/python/src")
 import kvhost  # noqa: E402
-from gpu_paged import LAYERS as layers, PAGE as page, TOKENS_PER_BLOCK as tpb, register, run_jobs, split  # noqa: E402
+from gpu_paged import LAYERS as layers, PAGE as page, TOKENS_PER_BLOCK as tpb, keys_differ, register, run_jobs, split  # noqa: E402
 
 sock = sys.argv[1]
 tpk = int(sys.argv[2]) if len(sys.argv) > 2 else 256
@@ -88,13 +88,7 @@ with kvhost.Client(sock, name="gpu-multi") as c:
         sys.exit(f"gpu-multi: {loaded} of {2 * nkeys} keys loaded: {[r.outcomes() for r in res]}")
     for d in range(2):
         torch.cuda.synchronize(d)
-    bad = 0
-    for d in range(2):
-        want = kv[d].cpu()
-        got = kv[1 - d].cpu()
-        for s, t in zip(src, dst):
-            if not torch.equal(want[:, s], got[:, t]):
-                bad += 1
+    bad = sum(keys_differ(kv[d].cpu(), kv[1 - d].cpu(), src, dst) for d in range(2))
     print(f"load into the other GPU: {2 * nkeys} keys in {2 * jobs} jobs: {2 * nkeys * key_bytes / secs / 1e9:.2f} GB/s; "
           f"{bad} keys differ (destinations poisoned before the load)")
     if bad:

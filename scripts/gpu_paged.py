@@ -31,6 +31,14 @@ def register(c, kv, tokens_per_key):
     return ns, c.register_cache(ns.id, specs)
 
 
+def keys_differ(src_kv, dst_kv, src, dst):
+    """How many keys' destination blocks (dst[i], in dst_kv) differ from
+    their source blocks (src[i], in src_kv); tensors of (LAYERS, blocks,
+    PAGE)."""
+    import torch  # the scripts that compare have torch; the module does not need it
+    return sum(1 for s, d in zip(src, dst) if not torch.equal(src_kv[:, s], dst_kv[:, d]))
+
+
 def split(xs, n):
     """xs cut into at most n runs of nearly equal length, in order."""
     k = (len(xs) + n - 1) // n

@@ -425,21 +425,24 @@ CUfileError_t cuFileStreamDeregister(void *stream) {
 	return ok();
 }
 
-CUfileError_t cuFileReadAsync(void *fh, void *base, size_t *n, off_t *off, off_t *boff, ssize_t *done, void *stream) {
-	(void)stream;
+// The stream calls run at once (the stream is ignored): the injected
+// async_error fails the call itself, else the synchronous call's result
+// is the I/O's.
+static CUfileError_t async_io(int write, void *fh, void *base, size_t *n, off_t *off, off_t *boff, ssize_t *done) {
 	int64_t e = LD(async_error);
 	if (e) return fail((int)e);
 	ADD(async_ios, 1);
-	*done = cuFileRead(fh, base, *n, *off, *boff);
+	*done = write ? cuFileWrite(fh, base, *n, *off, *boff) : cuFileRead(fh, base, *n, *off, *boff);
 	return ok();
+}
+
+CUfileError_t cuFileReadAsync(void *fh, void *base, size_t *n, off_t *off, off_t *boff, ssize_t *done, void *stream) {
+	(void)stream;
+	return async_io(0, fh, base, n, off, boff, done);
 }
 
 CUfileError_t cuFileWriteAsync(void *fh, void *base, size_t *n, off_t *off, off_t *boff, ssize_t *done, void *stream) {
 	(void)stream;
-	int64_t e = LD(async_error);
-	if (e) return fail((int)e);
-	ADD(async_ios, 1);
-	*done = cuFileWrite(fh, base, *n, *off, *boff);
-	return ok();
+	return async_io(1, fh, base, n, off, boff, done);
 }
 #endif
