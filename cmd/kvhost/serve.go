@@ -99,6 +99,8 @@ type daemon struct {
 func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 	d.running = cfg
 	log := d.log
+	workers, restoreProcs := spareProcessor(cfg.Engine.IOWorkers, log)
+	defer restoreProcs()
 	if cfg.Metrics.Listen != "" {
 		stop, err := d.serveMetrics(cfg.Metrics.Listen)
 		if err != nil {
@@ -155,7 +157,7 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 		Mounts:              mounts,
 		NewPolicy:           build.fn,
 		Fsync:               cfg.Engine.Fsync,
-		IOWorkers:           cfg.Engine.IOWorkers,
+		IOWorkers:           workers,
 		CPUs:                cfg.Engine.CPUs,
 		StagingBytes:        int64(cfg.Engine.StagingMemory),
 		VerifyInterval:      time.Duration(cfg.Engine.VerifyInterval),

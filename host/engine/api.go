@@ -143,7 +143,8 @@ type Config struct {
 	// keeping them for later stores of the same size to write into
 	// (spare files: docs/engine.md).
 	NoReuse bool
-	// IOWorkers is the number of I/O workers (default: GOMAXPROCS, at least 2).
+	// IOWorkers is the number of I/O workers: files in flight (default:
+	// DefaultIOWorkers).
 	IOWorkers int
 	// CPUs, if set, pins the I/O workers to these CPUs (e.g. the GPU's NUMA
 	// node), round-robin.

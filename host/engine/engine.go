@@ -77,6 +77,10 @@ type counters struct {
 	stores, loads, hits, misses, evictions, reused, failures, corrupt, vanished, written, read atomic.Uint64
 }
 
+// DefaultIOWorkers is the number of I/O workers of a Config whose
+// IOWorkers is 0: one per Go processor (runtime.GOMAXPROCS), at least 2.
+func DefaultIOWorkers() int { return max(2, runtime.GOMAXPROCS(0)) }
+
 // Open opens an engine over cfg.Mounts: it creates missing roots, probes
 // O_DIRECT once per mount, removes temporary leftovers of earlier runs and
 // rebuilds the index from the files' headers (a parallel scan).
@@ -97,7 +101,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		cfg.Now = time.Now
 	}
 	if cfg.IOWorkers <= 0 {
-		cfg.IOWorkers = max(2, runtime.GOMAXPROCS(0))
+		cfg.IOWorkers = DefaultIOWorkers()
 	}
 	if cfg.StagingBytes <= 0 {
 		cfg.StagingBytes = 64 << 20

@@ -1,0 +1,38 @@
+"""scripts/lookup-latency.py (the benchmark of lookups beside loads) runs
+against a real daemon and reports both phases."""
+
+import re
+import subprocess
+import sys
+import unittest
+
+from daemon import REPO, Daemon
+
+LINE = r"p50 (\d+) p99 (\d+) max (\d+) n (\d+)"
+
+
+class TestLookupLatencyScript(unittest.TestCase):
+    def test_reports_lookups_alone_and_beside_loads_that_moved_bytes(self):
+        d = Daemon(capacity="512MiB")
+        try:
+            out = subprocess.run([sys.executable, str(REPO / "scripts" / "lookup-latency.py"), d.socket,
+                                  "0.3", "1", "5", "2"],
+                                 capture_output=True, text=True, timeout=300)
+        finally:
+            d.stop()
+        self.assertEqual(out.returncode, 0, out.stderr)
+        lines = out.stdout.splitlines()
+        self.assertEqual(len(lines), 2, out.stdout)
+        alone = re.fullmatch("alone " + LINE, lines[0])
+        beside = re.fullmatch(r"beside loads " + LINE + r" GB/s (\d+\.\d)", lines[1])
+        self.assertIsNotNone(alone, lines[0])
+        self.assertIsNotNone(beside, lines[1])
+        for m in (alone, beside):
+            p50, p99, mx, n = (int(g) for g in m.groups()[:4])
+            self.assertGreater(n, 0)
+            self.assertTrue(0 < p50 <= p99 <= mx, m.group(0))
+        self.assertGreater(float(beside.group(5)), 0, "the loads moved no bytes")
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,140 @@
+"""What loads cost the daemon's control path: lookup latency beside loads.
+
+A client stores KEYS keys of 32 MiB (Llama-3.1-8B bf16 geometry, 256 tokens
+per key) from host memory it registers with a running kvhost daemon. A
+second process plays a scheduler: on a connection of its own it looks up 16
+of the stored keys every INTERVAL_MS milliseconds (paced, as a scheduler
+asks once per step, not back to back, so that the probe takes little CPU
+from the loads it measures) and times each lookup. It runs SECONDS alone,
+then SECONDS while JOBS threads keep loading the keys into other blocks.
+The script prints, for both phases, the lookups' median, 99th percentile
+and maximum in microseconds and how many were timed, and the loads' GB/s:
+
+    alone p50 120 p99 240 max 900 n 2500
+    beside loads p50 60 p99 19000 max 21000 n 2400 GB/s 7.1
+
+Needs no GPU and no torch. Start a daemon first, for example:
+
+    bin/kvhost --dir /dev/shm/kvlat --socket /tmp/kvlat.sock &
+    python3 scripts/lookup-latency.py /tmp/kvlat.sock
+
+usage: python3 scripts/lookup-latency.py SOCKET [SECONDS] [JOBS] [INTERVAL_MS] [KEYS]
+"""
+import os
+import subprocess
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "client", "python", "src"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import kvhost  # noqa: E402
+import gpu_paged  # noqa: E402
+
+TPK = 256  # tokens per key: 32 MiB keys
+PROBED = 16  # keys per lookup
+
+
+def key(i):
+    return f"lookup-latency-{i}".encode()
+
+
+def summary(lat):
+    """'p50 P p99 P max M n N' of latencies in seconds, in microseconds."""
+    lat = sorted(lat)
+    if not lat:
+        return "n 0"
+    us = lambda s: f"{s * 1e6:.0f}"  # noqa: E731
+    return f"p50 {us(lat[len(lat) // 2])} p99 {us(lat[int(len(lat) * 0.99)])} max {us(lat[-1])} n {len(lat)}"
+
+
+def probe(sock, seconds, interval, nkeys):
+    """Times a lookup of the first PROBED stored keys every interval seconds
+    for seconds; prints summary()."""
+    with kvhost.Client(sock, name="lookup-latency-probe") as c:
+        ns = c.declare(gpu_paged.geometry(TPK))
+        keys = [key(i) for i in range(min(PROBED, nkeys))]
+        lat, t0 = [], time.perf_counter()
+        next_at = t0
+        while time.perf_counter() - t0 < seconds:
+            s = time.perf_counter()
+            got = c.lookup(ns, keys)
+            lat.append(time.perf_counter() - s)
+            if got != len(keys):
+                sys.exit(f"lookup found {got} of {len(keys)} stored keys")
+            next_at += interval
+            pause = next_at - time.perf_counter()
+            if pause > 0:
+                time.sleep(pause)
+            else:
+                next_at = time.perf_counter()
+    print(summary(lat))
+
+
+def run_probe(sock, seconds, interval, nkeys):
+    """Runs the probe in a process of its own (as a scheduler would be);
+    returns its summary line."""
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--probe", sock, str(seconds), str(interval), str(nkeys)],
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.exit(f"lookup probe failed (exit {out.returncode}): {out.stderr.strip()}")
+    return out.stdout.strip()
+
+
+def main():
+    sock = sys.argv[1]
+    seconds = float(sys.argv[2]) if len(sys.argv) > 2 else 5
+    jobs = int(sys.argv[3]) if len(sys.argv) > 3 else 4
+    interval = (float(sys.argv[4]) if len(sys.argv) > 4 else 2) / 1e3
+    nkeys = int(sys.argv[5]) if len(sys.argv) > 5 else 16
+    bpk = TPK // gpu_paged.TOKENS_PER_BLOCK
+    nb = 2 * nkeys * bpk  # the stored blocks, then as many to load into
+    page = gpu_paged.PAGE
+    with kvhost.Client(sock, name="lookup-latency") as c:
+        ns = c.declare(gpu_paged.geometry(TPK))
+        buf = kvhost.HostBuffer(gpu_paged.LAYERS * nb * page)
+        pattern = os.urandom(1 << 20)
+        for off in range(0, buf.size, len(pattern)):
+            n = min(len(pattern), buf.size - off)
+            buf.view[off:off + n] = pattern[:n]
+        region = c.register_buffer(buf)
+        layers = [kvhost.Layer(region, offset=l * nb * page, block_stride=page,
+                               plane_stride=gpu_paged.BLOCK_BYTES, num_blocks=nb)
+                  for l in range(gpu_paged.LAYERS)]
+        cache = c.register_cache(ns.id, layers)
+        keys = [key(i) for i in range(nkeys)]
+        blocks = [list(range(i * bpk, (i + 1) * bpk)) for i in range(nkeys)]
+        c.store(cache, keys, blocks).wait(300)
+        print("alone", run_probe(sock, seconds, interval, nkeys), flush=True)
+
+        stop, moved, failed = threading.Event(), [0] * jobs, []
+        into = [list(range((nkeys + i) * bpk, (nkeys + i + 1) * bpk)) for i in range(nkeys)]
+
+        def loader(j):
+            ks, bs = keys[j::jobs], into[j::jobs]
+            try:
+                while not stop.is_set():
+                    c.load(cache, ks, bs).wait(300)
+                    moved[j] += len(ks) * ns.key_bytes
+            except Exception as e:  # reported below, after the probe
+                failed.append(e)
+                stop.set()
+
+        threads = [threading.Thread(target=loader, args=(j,)) for j in range(jobs)]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        res = run_probe(sock, seconds, interval, nkeys)
+        stop.set()
+        for t in threads:
+            t.join()
+        if failed:
+            sys.exit(f"a load failed: {failed[0]}")
+        print("beside loads", res, "GB/s %.1f" % (sum(moved) / (time.perf_counter() - t0) / 1e9))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--probe":
+        probe(sys.argv[2], float(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5]))
+    else:
+        main()
