@@ -8,7 +8,7 @@
 #
 # Every check writes its log under OUT (default ./gpu-out); the summary
 # lines go to stdout. Parts can be switched off: GDS=0 STAGING=0 E2E=0
-# MULTI=0 SPEC=0 BENCH=0 HOSTILE=0 INTERFERENCE=0 (MULTI, one daemon serving
+# MULTI=0 SPEC=0 BENCH=0 HOSTILE=0 INTERFERENCE=0 LOOKUPS=0 (MULTI, one daemon serving
 # two GPUs, runs where nvidia-smi lists two or more and says so where not); BATCH=1 adds the cuFile batch measurement (off by
 # default: in compatibility mode a batch can hang inside libcufile, and the
 # check then ends itself after 40 s). The ext4 disk directory is DISK (default /var/tmp/kvhost-gpu),
@@ -55,7 +55,7 @@ run() { # name command...: runs, logs, remembers a failure
 	if ! "$@" >"$out/$name.txt" 2>&1; then
 		echo "   FAILED (see $out/$name.txt)"; status=1
 	fi
-	grep -E '^(---|ok|PASS|FAIL|case )|GB/s|OK|differ|lookups of' "$out/$name.txt" | head -40
+	grep -E '^(---|ok|PASS|FAIL|case )|GB/s|OK|differ|lookups of|^alone p50' "$out/$name.txt" | head -40
 }
 # daemon SOCK LOG DIR [FLAGS...]: starts a daemon on a fresh DIR, sets
 # pid, and waits for its socket; stop_daemon stops it and reports.
@@ -147,6 +147,24 @@ if [ "${INTERFERENCE:-1}" = 1 ]; then
 		daemon "$sock" "$out/daemon-interference-$mode.log" "$shm/interference" --config "$out/copy-$mode.toml"
 		run "interference-$mode" python3 scripts/gpu-interference.py "$sock" 8 64 8
 		stop_daemon
+	done
+fi
+if [ "${LOOKUPS:-1}" = 1 ]; then
+	# Lookups paced like a scheduler's (one every 2 ms) beside host-memory
+	# loads of 16 threads, with the daemon's spare Go processor and
+	# without it (GOMAXPROCS = the CPUs in its environment, as before the
+	# spare), alternated.
+	sock=/tmp/kvhost-gpu-lookups.sock
+	for round in 1 2; do
+		for spare in yes no; do
+			if [ $spare = yes ]; then
+				daemon "$sock" "$out/daemon-lookups-$spare-$round.log" "$shm/lookups"
+			else
+				GOMAXPROCS=$(nproc) daemon "$sock" "$out/daemon-lookups-$spare-$round.log" "$shm/lookups"
+			fi
+			run "lookups-spare-$spare-$round" python3 scripts/lookup-latency.py "$sock" 5 16 2
+			stop_daemon
+		done
 	done
 fi
 [ "${SPEC:-1}" = 1 ] && run spec env KVHOST_GPU=1 KVHOST_BIN="$bin/kvhost" \
