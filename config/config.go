@@ -158,8 +158,8 @@ type Engine struct {
 	// Fsync makes every store durable (file and directory fsync) before it
 	// completes. It costs a device flush per store.
 	Fsync bool `toml:"fsync"`
-	// IOWorkers is the number of I/O worker threads; 0 means one per Go
-	// processor (the CPUs the process may use), at least 2. The daemon runs
+	// IOWorkers is the number of I/O worker threads; 0 means the runtime's
+	// GOMAXPROCS at start (the CPUs it finds), at least 2. The daemon runs
 	// one Go processor more than its workers (docs/config.md).
 	IOWorkers int `toml:"io_workers"`
 	// CPUs, if set, pins the I/O workers to these CPUs (e.g. the GPU's NUMA node).

@@ -4,25 +4,26 @@ import (
 	"log/slog"
 	"os"
 	"runtime"
+	"strconv"
 
 	"github.com/kvhost/kvhost/host/engine"
 )
 
 // controlProcessors is how many Go processors (GOMAXPROCS) the daemon runs
 // beyond its I/O workers. While the workers copy, each holds a processor;
-// with none left over, a client's request waits up to 10 ms for the
-// runtime to notice the socket is readable (sysmon's network poll) and up
-// to 10 ms more for it to preempt a worker: lookups beside loads took
-// 4 ms at the median and 20–30 ms at p99 on a 2-core machine. With one
-// processor to spare, an idle thread sits in the network poller and runs
-// the request at once. See RATIONALE.md, "Why does the daemon run one Go
-// processor more than its I/O workers?".
+// with none left over, a client's request waits for the runtime to notice
+// its socket is readable (only the runtime's monitor polls the network
+// then, every 10 ms) and then for a worker to be preempted (after 10 ms):
+// lookups beside loads took 3–4 ms at the median and 28–33 ms at p99 on a
+// 2-core machine. With one processor to spare, an idle thread waits in the
+// network poller and runs the request at once. See RATIONALE.md, "Why does
+// the daemon run one Go processor more than its I/O workers?".
 const controlProcessors = 1
 
 // daemonProcessors returns the Go processors the daemon runs with, given
-// its I/O workers and the runtime's count: at least one more than the
-// workers, unless the GOMAXPROCS environment variable chose the count
-// (fromEnv), which is kept.
+// its I/O workers and the runtime's count: at least controlProcessors more
+// than the workers, unless the GOMAXPROCS environment variable chose the
+// count (fromEnv), which is kept.
 func daemonProcessors(workers, procs int, fromEnv bool) int {
 	if fromEnv {
 		return procs
@@ -30,23 +31,37 @@ func daemonProcessors(workers, procs int, fromEnv bool) int {
 	return max(procs, workers+controlProcessors)
 }
 
-// spareProcessor resolves the I/O workers of io_workers n (0: the
-// engine's default, from the processors the runtime chose) and raises
-// GOMAXPROCS so that one processor is left for the control path. It
+// gomaxprocsFromEnv reports whether the GOMAXPROCS environment variable
+// sets the runtime's count: the runtime honours a positive integer only.
+func gomaxprocsFromEnv() bool {
+	n, err := strconv.Atoi(os.Getenv("GOMAXPROCS"))
+	return err == nil && n > 0
+}
+
+// reserveControlProcessors resolves the I/O workers of io_workers n (0:
+// the engine's default, from the processors the runtime chose) and raises
+// GOMAXPROCS so that controlProcessors are left for the control path. It
 // returns the workers, for the engine to run exactly that many (the
-// default would grow with the raised count), and a function restoring
-// the former GOMAXPROCS.
-func spareProcessor(n int, log *slog.Logger) (workers int, restore func()) {
+// default would grow with the raised count), and a function that gives
+// GOMAXPROCS back to the runtime's default.
+func reserveControlProcessors(n int, log *slog.Logger) (workers int, restore func()) {
 	workers = n
 	if workers <= 0 {
 		workers = engine.DefaultIOWorkers()
 	}
 	procs := runtime.GOMAXPROCS(0)
-	want := daemonProcessors(workers, procs, os.Getenv("GOMAXPROCS") != "")
+	fromEnv := gomaxprocsFromEnv()
+	want := daemonProcessors(workers, procs, fromEnv)
 	if want == procs {
+		if fromEnv && procs < workers+controlProcessors {
+			log.Warn("GOMAXPROCS leaves no Go processor beside the I/O workers: lookups wait for the transfers (set engine.io_workers below it)",
+				"gomaxprocs", procs, "io_workers", workers)
+		} else {
+			log.Info("Go processors", "gomaxprocs", procs, "io_workers", workers)
+		}
 		return workers, func() {}
 	}
 	runtime.GOMAXPROCS(want)
-	log.Info("running one Go processor more than the I/O workers, for the control path", "gomaxprocs", want, "io_workers", workers, "was", procs)
-	return workers, func() { runtime.GOMAXPROCS(procs) }
+	log.Info("Go processors: more than the I/O workers, for the control path", "gomaxprocs", want, "io_workers", workers, "was", procs)
+	return workers, runtime.SetDefaultGOMAXPROCS
 }

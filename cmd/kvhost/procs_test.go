@@ -2,8 +2,12 @@ package main
 
 import (
 	"fmt"
+	"io"
+	"log/slog"
 	"runtime"
 	"testing"
+
+	"github.com/kvhost/kvhost/host/engine"
 )
 
 func TestDaemonProcessorsLeaveOneForTheControlPath(t *testing.T) {
@@ -41,7 +45,8 @@ func TestDaemonRunsOneProcessorMoreThanItsIOWorkers(t *testing.T) {
 		env  string
 		want int
 	}{
-		{"default", "GOMAXPROCS=", workers + 1}, // empty: unset for the runtime and for the daemon
+		{"GOMAXPROCS unset", "GOMAXPROCS=", workers + 1}, // empty: unset for the runtime and for the daemon
+		{"GOMAXPROCS 0 is not a count", "GOMAXPROCS=0", workers + 1},
 		{"GOMAXPROCS kept", "GOMAXPROCS=1", 1},
 	}
 	for _, c := range cases {
@@ -54,5 +59,39 @@ func TestDaemonRunsOneProcessorMoreThanItsIOWorkers(t *testing.T) {
 				t.Fatalf("go_sched_gomaxprocs_threads = %v with io_workers = %d and %s, want %d", got, workers, c.env, c.want)
 			}
 		})
+	}
+}
+
+// TestReserveControlProcessorsSettlesTheDefaultWorkersFirst: with
+// io_workers 0 the engine gets the workers of the runtime's count before
+// the raise (not of the raised count, which would leave no processor
+// spare), GOMAXPROCS is one more, and restore gives the count back.
+func TestReserveControlProcessorsSettlesTheDefaultWorkersFirst(t *testing.T) {
+	t.Setenv("GOMAXPROCS", "")
+	before := runtime.GOMAXPROCS(0)
+	t.Cleanup(func() { runtime.GOMAXPROCS(before) })
+	want := engine.DefaultIOWorkers()
+	workers, restore := reserveControlProcessors(0, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	if workers != want {
+		t.Fatalf("workers = %d, want the default before the raise, %d", workers, want)
+	}
+	if got := runtime.GOMAXPROCS(0); got != workers+1 {
+		t.Fatalf("GOMAXPROCS = %d with %d workers, want %d", got, workers, workers+1)
+	}
+	restore()
+	if got := runtime.GOMAXPROCS(0); got >= workers+1 {
+		t.Fatalf("GOMAXPROCS = %d after restore, want the runtime's default (at most %d)", got, before)
+	}
+}
+
+func TestGOMAXPROCSFromEnvIsAPositiveCount(t *testing.T) {
+	for _, c := range []struct {
+		env  string
+		want bool
+	}{{"", false}, {"0", false}, {"-1", false}, {"abc", false}, {"1", true}, {"17", true}} {
+		t.Setenv("GOMAXPROCS", c.env)
+		if got := gomaxprocsFromEnv(); got != c.want {
+			t.Errorf("GOMAXPROCS=%q: gomaxprocsFromEnv() = %v, want %v", c.env, got, c.want)
+		}
 	}
 }

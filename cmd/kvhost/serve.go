@@ -99,7 +99,7 @@ type daemon struct {
 func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 	d.running = cfg
 	log := d.log
-	workers, restoreProcs := spareProcessor(cfg.Engine.IOWorkers, log)
+	workers, restoreProcs := reserveControlProcessors(cfg.Engine.IOWorkers, log)
 	defer restoreProcs()
 	if cfg.Metrics.Listen != "" {
 		stop, err := d.serveMetrics(cfg.Metrics.Listen)

@@ -78,7 +78,8 @@ type counters struct {
 }
 
 // DefaultIOWorkers is the number of I/O workers of a Config whose
-// IOWorkers is 0: one per Go processor (runtime.GOMAXPROCS), at least 2.
+// IOWorkers is 0: runtime.GOMAXPROCS as it is now, at least 2 (the daemon
+// reads it before it raises GOMAXPROCS beyond the workers).
 func DefaultIOWorkers() int { return max(2, runtime.GOMAXPROCS(0)) }
 
 // Open opens an engine over cfg.Mounts: it creates missing roots, probes

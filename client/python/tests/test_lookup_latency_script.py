@@ -8,7 +8,7 @@ import unittest
 
 from daemon import REPO, Daemon
 
-LINE = r"p50 (\d+) p99 (\d+) max (\d+) n (\d+)"
+LINE = r"p50 (\d+) p99 (\d+) max (\d+) n (\d+) due (\d+)"
 
 
 class TestLookupLatencyScript(unittest.TestCase):
@@ -28,10 +28,12 @@ class TestLookupLatencyScript(unittest.TestCase):
         self.assertIsNotNone(alone, lines[0])
         self.assertIsNotNone(beside, lines[1])
         for m in (alone, beside):
-            p50, p99, mx, n = (int(g) for g in m.groups()[:4])
-            self.assertGreater(n, 0)
+            p50, p99, mx, n, due = (int(g) for g in m.groups()[:5])
+            self.assertEqual(due, 60, m.group(0))  # 0.3 s, one every 5 ms
+            self.assertTrue(0 < n <= due + 1, m.group(0))  # paced, not back to back
             self.assertTrue(0 < p50 <= p99 <= mx, m.group(0))
-        self.assertGreater(float(beside.group(5)), 0, "the loads moved no bytes")
+        self.assertGreater(int(alone.group(4)), 30, "alone, the probe kept less than half its pace")
+        self.assertGreater(float(beside.group(6)), 0, "the loads moved no bytes")
 
 
 if __name__ == "__main__":
