@@ -2,6 +2,7 @@
 lays it out (one int8 allocation of (layers, num_blocks, page) with K and V
 packed in each 64 KiB page), registered with a kvhost daemon over CUDA IPC.
 """
+import sys
 import threading
 import time
 
@@ -62,3 +63,25 @@ def run_jobs(c, op, plan, timeout=300):
     for t in ts:
         t.join()
     return time.perf_counter() - t0, results
+
+
+def time_lookups(c, ns, keys, seconds, interval=0.0):
+    """Looks up keys (all stored) on client c for seconds, one lookup every
+    interval seconds (0: back to back; a lookup that ends late skips the
+    slots it missed), and returns each lookup's time in seconds. Exits if a
+    lookup misses a key."""
+    lat, t0 = [], time.perf_counter()
+    next_at = t0
+    while time.perf_counter() - t0 < seconds:
+        s = time.perf_counter()
+        got = c.lookup(ns, keys)
+        lat.append(time.perf_counter() - s)
+        if got != len(keys):
+            sys.exit(f"lookup found {got} of {len(keys)} stored keys")
+        next_at += interval
+        pause = next_at - time.perf_counter()
+        if pause > 0:
+            time.sleep(pause)
+        else:
+            next_at = time.perf_counter()
+    return lat

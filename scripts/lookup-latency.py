@@ -57,20 +57,7 @@ def probe(sock, seconds, interval, nkeys):
     with kvhost.Client(sock, name="lookup-latency-probe") as c:
         ns = c.declare(gpu_paged.geometry(TPK))
         keys = [key(i) for i in range(min(PROBED, nkeys))]
-        lat, t0 = [], time.perf_counter()
-        next_at = t0
-        while time.perf_counter() - t0 < seconds:
-            s = time.perf_counter()
-            got = c.lookup(ns, keys)
-            lat.append(time.perf_counter() - s)
-            if got != len(keys):
-                sys.exit(f"lookup found {got} of {len(keys)} stored keys")
-            next_at += interval
-            pause = next_at - time.perf_counter()
-            if pause > 0:
-                time.sleep(pause)
-            else:
-                next_at = time.perf_counter()
+        lat = gpu_paged.time_lookups(c, ns, keys, seconds, interval)
     print(summary(lat), "due", round(seconds / interval))
 
 

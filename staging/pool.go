@@ -39,7 +39,7 @@ const Align = 4096
 
 // Config configures a Pool.
 type Config struct {
-	// Workers is the number of I/O workers (default GOMAXPROCS, at least 2).
+	// Workers is the number of I/O workers (default DefaultWorkers).
 	Workers int
 	// CPUs, if set, pins worker i to CPUs[i%len(CPUs)].
 	CPUs []int
@@ -62,10 +62,14 @@ type Pool struct {
 	closed bool
 }
 
+// DefaultWorkers is the number of I/O workers of a Config whose Workers
+// is 0: runtime.GOMAXPROCS as it is now, at least 2.
+func DefaultWorkers() int { return max(2, runtime.GOMAXPROCS(0)) }
+
 // New starts the workers. It fails if a worker cannot be pinned.
 func New(cfg Config) (*Pool, error) {
 	if cfg.Workers <= 0 {
-		cfg.Workers = max(2, runtime.GOMAXPROCS(0))
+		cfg.Workers = DefaultWorkers()
 	}
 	if cfg.BufferSize <= 0 {
 		cfg.BufferSize = 4 << 20

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"runtime"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -78,9 +77,10 @@ type counters struct {
 }
 
 // DefaultIOWorkers is the number of I/O workers of a Config whose
-// IOWorkers is 0: runtime.GOMAXPROCS as it is now, at least 2 (the daemon
-// reads it before it raises GOMAXPROCS beyond the workers).
-func DefaultIOWorkers() int { return max(2, runtime.GOMAXPROCS(0)) }
+// IOWorkers is 0, the staging pool's default: runtime.GOMAXPROCS as it is
+// now, at least 2 (the daemon reads it before it raises GOMAXPROCS beyond
+// the workers).
+func DefaultIOWorkers() int { return staging.DefaultWorkers() }
 
 // Open opens an engine over cfg.Mounts: it creates missing roots, probes
 // O_DIRECT once per mount, removes temporary leftovers of earlier runs and

@@ -166,17 +166,23 @@ func (e *Engine) newNamespaceLocked(fp uint64) NamespaceID {
 // with ErrUnknownNamespace for a namespace not declared now, and with
 // ErrClosed once the engine is closed.
 func (e *Engine) KeysPerFile(ns NamespaceID) (int, error) {
-	if _, err := e.namespace(ns); err != nil {
-		return 0, err
-	}
 	e.mu.RLock() // a Release and a new Declare rewrite the layout under the lock
 	defer e.mu.RUnlock()
-	return e.nss[ns].keysPerFile, nil
+	n, err := e.namespaceLocked(ns)
+	if err != nil {
+		return 0, err
+	}
+	return n.keysPerFile, nil
 }
 
 func (e *Engine) namespace(id NamespaceID) (*namespace, error) {
 	e.mu.RLock()
 	defer e.mu.RUnlock()
+	return e.namespaceLocked(id)
+}
+
+// namespaceLocked is namespace with e.mu held.
+func (e *Engine) namespaceLocked(id NamespaceID) (*namespace, error) {
 	if e.closed {
 		return nil, ErrClosed
 	}
