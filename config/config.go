@@ -79,6 +79,12 @@ type GPU struct {
 	// needs done, its thread on a core, before the thread sleeps until
 	// they complete (default 500us); 0 sleeps at once.
 	Poll Duration `toml:"poll"`
+	// RegisterFiles is the most files on memory file systems (tmpfs) the
+	// staging pipeline keeps mapped and registered with CUDA, so that a
+	// store into a reused file and a load of a file copy between the GPU
+	// and the file's pages directly, without a pinned bounce (default
+	// 16384); 0 registers none.
+	RegisterFiles int `toml:"register_files"`
 }
 
 // Server configures the daemon's Unix socket and per-client limits.
@@ -317,7 +323,7 @@ func Default() Config {
 			IdleTimeout:      Duration(time.Minute),
 			WriteTimeout:     Duration(10 * time.Second),
 		},
-		GPU: GPU{Mode: "auto", CuFile: "auto", StagingMemory: 256 << 20, Copy: "auto", Poll: Duration(500 * time.Microsecond)},
+		GPU: GPU{Mode: "auto", CuFile: "auto", StagingMemory: 256 << 20, Copy: "auto", Poll: Duration(500 * time.Microsecond), RegisterFiles: 16384},
 		Log: Log{Level: "info", Format: "auto"},
 		Policy: Policy{
 			Name:          "lru",
@@ -519,6 +525,9 @@ func (c *Config) Validate() error {
 	}
 	if c.GPU.Poll < 0 || c.GPU.Poll > Duration(time.Second) {
 		return bad("gpu.poll", "between 0s (sleep at once) and 1s", c.GPU.Poll)
+	}
+	if c.GPU.RegisterFiles < 0 || c.GPU.RegisterFiles > 1<<20 {
+		return bad("gpu.register_files", "between 0 (none) and 1048576", c.GPU.RegisterFiles)
 	}
 	switch c.Log.Level {
 	case "debug", "info", "warn", "error":

@@ -37,6 +37,21 @@ type Sources struct {
 	// Reloads counts configuration reloads that took effect and that
 	// failed.
 	Reloads func() (ok, failed uint64)
+	// GPUFiles reports the files the GPU staging pipeline keeps
+	// registered (nil without a GPU).
+	GPUFiles func() GPUFiles
+}
+
+// GPUFiles are the memory-mount files the GPU staging pipeline keeps
+// mapped and registered with CUDA (gpu.register_files).
+type GPUFiles struct {
+	Files                        int
+	Bytes                        int64
+	Limit                        int
+	Registered, Released, Failed uint64
+	// Stores and Loads count the jobs that moved a registered file
+	// directly.
+	Stores, Loads uint64
 }
 
 // PolicyState is the placement policy as the daemon runs it.
@@ -213,6 +228,11 @@ var (
 	dStagingInUse   = desc("kvhost_staging_buffers_in_use", "Bounce buffers of the CPU staging pipeline in use.")
 	dStagingLimit   = desc("kvhost_staging_buffers_limit", "The most bounce buffers the CPU staging pipeline may have (engine.staging_memory).")
 	dStagingSize    = desc("kvhost_staging_buffer_bytes", "Size of one bounce buffer.")
+	dGPUFiles       = desc("kvhost_gpu_registered_files", "Memory-mount files kept mapped and registered with CUDA, for direct copies between the GPU and their pages.")
+	dGPUFileBytes   = desc("kvhost_gpu_registered_file_bytes", "Bytes of the memory-mount files kept registered with CUDA.")
+	dGPUFileLimit   = desc("kvhost_gpu_registered_files_limit", "The most files kept registered (gpu.register_files, bounded by the descriptor limit).")
+	dGPUFileRegs    = desc("kvhost_gpu_file_registrations_total", "Files mapped and registered with CUDA (ok), given back (released), or that could not be (failed).", "result")
+	dGPUFileJobs    = desc("kvhost_gpu_direct_file_jobs_total", "Jobs that moved a registered file directly between the GPU and its pages, by direction.", "direction")
 	dStart          = desc("kvhost_start_time_seconds", "When the daemon's server started, in Unix seconds.")
 	dReloads        = desc("kvhost_reloads_total", "Configuration reloads, by result (ok, failed).", "result")
 )
@@ -316,6 +336,17 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 		gauge(dStagingInUse, float64(inUse))
 		gauge(dStagingLimit, float64(limit))
 		gauge(dStagingSize, float64(size))
+	}
+	if src.GPUFiles != nil {
+		f := src.GPUFiles()
+		gauge(dGPUFiles, float64(f.Files))
+		gauge(dGPUFileBytes, float64(f.Bytes))
+		gauge(dGPUFileLimit, float64(f.Limit))
+		counter(dGPUFileRegs, f.Registered, "ok")
+		counter(dGPUFileRegs, f.Released, "released")
+		counter(dGPUFileRegs, f.Failed, "failed")
+		counter(dGPUFileJobs, f.Stores, "store")
+		counter(dGPUFileJobs, f.Loads, "load")
 	}
 	if src.Reloads != nil {
 		ok, failed := src.Reloads()

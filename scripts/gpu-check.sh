@@ -8,7 +8,7 @@
 #
 # Every check writes its log under OUT (default ./gpu-out); the summary
 # lines go to stdout. Parts can be switched off: GDS=0 STAGING=0 E2E=0
-# MULTI=0 SPEC=0 BENCH=0 HOSTILE=0 INTERFERENCE=0 LOOKUPS=0 (MULTI, one daemon serving
+# MULTI=0 SPEC=0 BENCH=0 HOSTILE=0 INTERFERENCE=0 LOOKUPS=0 CHURN=0 (MULTI, one daemon serving
 # two GPUs, runs where nvidia-smi lists two or more and says so where not); BATCH=1 adds the cuFile batch measurement (off by
 # default: in compatibility mode a batch can hang inside libcufile, and the
 # check then ends itself after 40 s). The ext4 disk directory is DISK (default /var/tmp/kvhost-gpu),
@@ -55,7 +55,7 @@ run() { # name command...: runs, logs, remembers a failure
 	if ! "$@" >"$out/$name.txt" 2>&1; then
 		echo "   FAILED (see $out/$name.txt)"; status=1
 	fi
-	grep -E '^(---|ok|PASS|FAIL|case )|GB/s|OK|differ|lookups of|^alone p50' "$out/$name.txt" | head -40
+	grep -E '^(---|ok|PASS|FAIL|case )|GB/s|OK|differ|lookups of|^alone p50|^round ' "$out/$name.txt" | head -40
 }
 # daemon SOCK LOG DIR [FLAGS...]: starts a daemon on a fresh DIR, sets
 # pid, and waits for its socket; stop_daemon stops it and reports.
@@ -163,6 +163,25 @@ if [ "${LOOKUPS:-1}" = 1 ]; then
 				GOMAXPROCS=$(nproc) daemon "$sock" "$out/daemon-lookups-$spare-$round.log" "$shm/lookups"
 			fi
 			run "lookups-spare-$spare-$round" python3 scripts/lookup-latency.py "$sock" 5 16 2
+			stop_daemon
+		done
+	done
+fi
+if [ "${CHURN:-1}" = 1 ]; then
+	# A full cache on the memory mount: rounds of 64 new 32 MiB keys into
+	# a mount that holds about two rounds, so that stores write into
+	# evicted files; with the files registered with CUDA (the default)
+	# and without (gpu.register_files = 0), alternated. The daemon's
+	# metrics say how many jobs moved registered files directly.
+	sock=/tmp/kvhost-gpu-churn.sock
+	for round in 1 2; do
+		for reg in 16384 0; do
+			name="churn-register-$reg-$round"
+			printf '[gpu]\nregister_files = %d\n' "$reg" >"$out/$name.toml"
+			daemon "$sock" "$out/daemon-$name.log" "$shm/churn" --config "$out/$name.toml" --capacity 5GiB --metrics 127.0.0.1:9479
+			run "$name" python3 scripts/gpu-churn.py "$sock" 6 64 8
+			python3 -c 'import urllib.request; print("".join(l for l in urllib.request.urlopen("http://127.0.0.1:9479/metrics").read().decode().splitlines(True) if l.startswith(("kvhost_gpu_direct", "kvhost_gpu_registered_files ", "kvhost_gpu_file_reg", "kvhost_reused"))), end="")' \
+				| tee -a "$out/$name.txt" | sed 's/^/   /'
 			stop_daemon
 		done
 	done

@@ -9,6 +9,7 @@ import (
 	"github.com/kvhost/kvhost/gds"
 	"github.com/kvhost/kvhost/host/engine"
 	"github.com/kvhost/kvhost/internal/cuda"
+	"github.com/kvhost/kvhost/metrics"
 	"github.com/kvhost/kvhost/region"
 	"github.com/kvhost/kvhost/server/cudaipc"
 	"github.com/kvhost/kvhost/staging/gpu"
@@ -37,6 +38,9 @@ type gpuOptions struct {
 	// Poll is gpu.poll: how long a job polls for its copies before it
 	// sleeps on them; 0 sleeps at once (config.Default has the default).
 	Poll time.Duration
+	// RegisterFiles is gpu.register_files: the most memory-mount files
+	// kept mapped and registered with CUDA.
+	RegisterFiles int
 }
 
 // gpuPaths is what the daemon opened for GPU memory: the CUDA runtime, the
@@ -91,7 +95,8 @@ func openGPU(opts gpuOptions, log *slog.Logger) (*gpuPaths, error) {
 	if poll == 0 {
 		poll = gpu.NoPoll // gpu.poll = "0s"; gpu.Config's zero is its default
 	}
-	p.staging, err = gpu.New(gpu.Config{Runtime: rt, MaxStaging: opts.MaxStaging, NoChecksums: opts.NoChecksum, Depth: opts.Depth, Chunk: opts.Chunk, Copy: mode, Poll: poll})
+	p.staging, err = gpu.New(gpu.Config{Runtime: rt, MaxStaging: opts.MaxStaging, NoChecksums: opts.NoChecksum, Depth: opts.Depth, Chunk: opts.Chunk, Copy: mode, Poll: poll,
+		RegisterFiles: opts.RegisterFiles, Log: log})
 	if err != nil {
 		rt.Close()
 		return nil, fmt.Errorf("gpu: staging pipeline: %w", err)
@@ -103,7 +108,7 @@ func openGPU(opts gpuOptions, log *slog.Logger) (*gpuPaths, error) {
 	}
 	log.Info("GPU paths ready", "devices", n, "cuda_runtime", rt.Path(), "cuda_version", rt.Version(),
 		"copy", p.staging.CopyMode().String(), "batched_copies", rt.HasBatch(), "pinned_staging_bytes", p.staging.PinnedBytes(),
-		"poll", p.staging.PollTime())
+		"poll", p.staging.PollTime(), "register_files", p.staging.FileStats().Limit)
 	if opts.CuFile != "off" {
 		d, err := gds.Open(gds.Config{LibraryPaths: opts.CuFileLibrary, Logger: log, BindDevice: rt.SetDevice})
 		if err != nil {
@@ -146,6 +151,13 @@ func (p *gpuPaths) movers() map[region.Kind]engine.MoverFactory {
 			return transfer.NewChain(m.Path, p.log, p.cfMover, p.staging)
 		},
 	}
+}
+
+// files reports the staging pipeline's registered files for /metrics.
+func (p *gpuPaths) files() metrics.GPUFiles {
+	st := p.staging.FileStats()
+	return metrics.GPUFiles{Files: st.Files, Bytes: st.Bytes, Limit: st.Limit, Registered: st.Registered,
+		Released: st.Released, Failed: st.Failed, Stores: st.Stores, Loads: st.Loads}
 }
 
 // Close releases the GPU paths.

@@ -143,6 +143,7 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 		Chunk:         int(cfg.GPU.Chunk),
 		Copy:          cfg.GPU.Copy,
 		Poll:          time.Duration(cfg.GPU.Poll),
+		RegisterFiles: cfg.GPU.RegisterFiles,
 	}, log)
 	if err != nil {
 		return err
@@ -222,14 +223,18 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 		return errors.Join(err, closeEngine())
 	}
 	if d.metrics != nil {
-		d.metrics.SetSources(metrics.Sources{
+		src := metrics.Sources{
 			Engine: eng.Stats, Server: srv.Stats, Policy: d.pol.state, DataPaths: d.dataPaths, Staging: eng.StagingUsage,
 			Reloads: func() (uint64, uint64) {
 				d.mu.Lock()
 				defer d.mu.Unlock()
 				return d.reloads, d.reloadFailures
 			},
-		})
+		}
+		if gp != nil {
+			src.GPUFiles = gp.files
+		}
+		d.metrics.SetSources(src)
 	}
 	paths := make([]string, len(mounts))
 	for i, m := range mounts {

@@ -179,10 +179,12 @@ func (e *Engine) disposeIfSame(path string, ens []*entry, spare bool) {
 		e.log.Debug("engine: not removed: the file at the path is another one", "path", path)
 		return
 	}
-	e.forget(id)
+	// A spare keeps its inode and pages: movers keep what they cache of
+	// it (a registration of its pages) for the store that reuses it.
 	if spare && e.keepSpare(e.mounts[ens[0].mount], path, id) {
 		return
 	}
+	e.forget(id)
 	if err := e.fs.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
 		e.log.Warn("engine: remove", "path", path, "err", err)
 	}

@@ -41,7 +41,7 @@ type mount struct {
 	// spares are evicted files kept for stores to write into, by size
 	// (spares.go; a size is present only with files); spareBytes is
 	// their total. They are not part of used.
-	spares     map[int64][]string
+	spares     map[int64][]spareFile
 	spareBytes int64
 }
 

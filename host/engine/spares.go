@@ -5,8 +5,6 @@ import (
 	"os"
 	"path/filepath"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/kvhost/kvhost/format"
 	"github.com/kvhost/kvhost/internal/fsys"
 	"github.com/kvhost/kvhost/staging"
@@ -43,6 +41,12 @@ import (
 // may be open in a reader that is not kvhost, which must keep reading the
 // bytes it opened.
 
+// spareFile is a spare: its name and the identity of the file.
+type spareFile struct {
+	path string
+	id   fsys.Identity
+}
+
 // spareEligible reports whether m keeps evicted files as spares.
 func (e *Engine) spareEligible(m *mount) bool {
 	return m.memory && m.raw == nil && !e.cfg.NoReuse
@@ -70,29 +74,29 @@ func (e *Engine) keepSpare(m *mount, path string, id fsys.Identity) bool {
 	}
 	e.mu.Lock()
 	if m.spares == nil {
-		m.spares = map[int64][]string{}
+		m.spares = map[int64][]spareFile{}
 	}
-	m.spares[id.Size] = append(m.spares[id.Size], spare)
+	m.spares[id.Size] = append(m.spares[id.Size], spareFile{spare, id})
 	m.spareBytes += id.Size
 	e.mu.Unlock()
 	return true
 }
 
 // takeSpareLocked removes from m's spares one of exactly size bytes and
-// returns its path, or "" if there is none.
-func (m *mount) takeSpareLocked(size int64) string {
+// returns it, or one with no path if there is none.
+func (m *mount) takeSpareLocked(size int64) spareFile {
 	list := m.spares[size]
 	if len(list) == 0 {
-		return ""
+		return spareFile{}
 	}
-	path := list[len(list)-1]
+	sf := list[len(list)-1]
 	if len(list) == 1 {
 		delete(m.spares, size)
 	} else {
 		m.spares[size] = list[:len(list)-1]
 	}
 	m.spareBytes -= size
-	return path
+	return sf
 }
 
 // reuseSpare opens a spare file of exactly size bytes on m as a store's
@@ -102,13 +106,15 @@ func (m *mount) takeSpareLocked(size int64) string {
 // a fresh file).
 func (e *Engine) reuseSpare(m *mount, dir string, extra int, size, end int64) (fsys.File, string, bool) {
 	e.mu.Lock()
-	spare := m.takeSpareLocked(size)
+	sf := m.takeSpareLocked(size)
 	e.mu.Unlock()
+	spare := sf.path
 	if spare == "" {
 		return nil, "", false
 	}
 	fail := func(path, op string, err error) (fsys.File, string, bool) {
 		e.log.Debug("engine: reuse a spare file", "path", path, "op", op, "err", err)
+		e.forget(sf.id)
 		e.removeTemp(path)
 		return nil, "", false
 	}
@@ -134,15 +140,37 @@ func (e *Engine) reuseSpare(m *mount, dir string, extra int, size, end int64) (f
 	}
 	if end < size {
 		// The zero tail: movers write the payload, and on O_DIRECT
-		// mounts some write exact extents only.
-		fd := int(f.Fd())
-		if err := errors.Join(unix.Ftruncate(fd, end), unix.Ftruncate(fd, size)); err != nil {
+		// mounts some write exact extents only. Written, not truncated
+		// away and back: the file keeps its pages, which a mover may have
+		// registered with a GPU (truncation would leave the registration
+		// on pages no longer in the file).
+		// From the block the payload ends in (the payload, written
+		// next, covers its start), so that O_DIRECT writes stay aligned:
+		// sizes are whole blocks (format.Header.FileLen).
+		if err := zeroRange(f, end/format.Align*format.Align, size); err != nil {
 			f.Close()
 			return fail(tmp, "zero the tail", err)
 		}
 	}
 	e.st.reused.Add(1)
 	return f, tmp, true
+}
+
+// zeroRange writes zeros over bytes [from, to) of f, in writes of whole
+// blocks where from and to are block-aligned.
+func zeroRange(f fsys.File, from, to int64) error {
+	zeros := staging.AlignedBuffer(int(min(to-from, 1<<20)+format.Align) &^ (format.Align - 1))
+	for off := from; off < to; {
+		n, err := f.WriteAt(zeros[:min(int64(len(zeros)), to-off)], off)
+		if err != nil {
+			return err
+		}
+		if n == 0 {
+			return errors.New("engine: a zeroing write wrote nothing")
+		}
+		off += int64(n)
+	}
+	return nil
 }
 
 // openTemp opens the temporary file of a store of size bytes, whose
@@ -184,14 +212,15 @@ func (e *Engine) trimSpares(m *mount, enough func(*mount) bool) {
 			e.mu.Unlock()
 			return
 		}
-		var path string
+		var sf spareFile
 		for size := range m.spares {
-			path = m.takeSpareLocked(size)
+			sf = m.takeSpareLocked(size)
 			break
 		}
 		e.mu.Unlock()
-		if err := e.fs.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
-			e.log.Warn("engine: remove a spare file", "path", path, "err", err)
+		e.forget(sf.id)
+		if err := e.fs.Remove(sf.path); err != nil && !errors.Is(err, os.ErrNotExist) {
+			e.log.Warn("engine: remove a spare file", "path", sf.path, "err", err)
 		}
 	}
 }

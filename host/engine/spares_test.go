@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io/fs"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
@@ -17,6 +18,8 @@ import (
 
 	"github.com/kvhost/kvhost/format"
 	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/region"
+	"github.com/kvhost/kvhost/transfer"
 )
 
 // tmpfsDir is shmDir for tests that need a memory file system: spare files
@@ -422,4 +425,56 @@ func inode(t *testing.T, path string) uint64 {
 		t.Fatal(err)
 	}
 	return st.Ino
+}
+
+// TestSparesKeepTheirInodeAndMoversForgetOnlyRemovedFiles: an evicted
+// file kept as a spare keeps its inode and its pages, so the engine does
+// not tell movers to forget it (the GPU path keeps its registration for
+// the store that reuses it); a spare the engine removes is forgotten
+// first.
+func TestSparesKeepTheirInodeAndMoversForgetOnlyRemovedFiles(t *testing.T) {
+	dir := tmpfsDir(t)
+	mv := &fakeMover{}
+	cfg := Config{Movers: map[region.Kind]MoverFactory{region.KindDevice: func(MountInfo) (transfer.Mover, error) { return mv, nil }}}
+	e, _, _, _, _ := spareChurn(t, dir, cfg, 30)
+	if e.Stats().Reused == 0 {
+		t.Fatal("no store reused a spare")
+	}
+	spares := map[uint64]string{}
+	filepath.WalkDir(dir, func(path string, d fs.DirEntry, err error) error {
+		if err == nil && strings.HasPrefix(d.Name(), sparePrefix) {
+			var st syscall.Stat_t
+			if syscall.Stat(path, &st) == nil {
+				spares[st.Ino] = path
+			}
+		}
+		return nil
+	})
+	if len(spares) == 0 {
+		t.Fatal("no spare left after the churn")
+	}
+	forgotten := func() map[uint64]bool {
+		mv.mu.Lock()
+		defer mv.mu.Unlock()
+		out := map[uint64]bool{}
+		for _, ino := range mv.forgotten {
+			out[ino] = true
+		}
+		return out
+	}
+	before := forgotten()
+	for ino, path := range spares {
+		if before[ino] {
+			t.Fatalf("spare %s (inode %d) was forgotten when it was kept", path, ino)
+		}
+	}
+	if err := e.Close(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	after := forgotten()
+	for ino, path := range spares {
+		if !after[ino] {
+			t.Fatalf("spare %s (inode %d) was removed at Close without being forgotten", path, ino)
+		}
+	}
 }

@@ -16,6 +16,7 @@ import (
 
 	"github.com/kvhost/kvhost/internal/cuda"
 	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/internal/testwait"
 	"github.com/kvhost/kvhost/region"
 	"github.com/kvhost/kvhost/transfer"
 )
@@ -285,12 +286,82 @@ func TestGPUCheckAndBenchmark(t *testing.T) {
 					rep.printf("%s, %2d jobs, %v, %s: store %.2f GB/s (host write ceiling %.2f: %.2f), load %.2f GB/s (host read ceiling %.2f: %.2f); verified",
 						label, jobs, mode, sums, wsg, cwg, wsg/cwg, lsg, crg, lsg/crg)
 				}
+				if !sc.direct {
+					registeredPass(t, rep, r, kv, w, orig, paths, plans, keyBytes, gk, jobs, nosums, label, cw)
+				}
 			}
 		}
 		for _, p := range paths {
 			os.Remove(p)
 		}
 	}
+}
+
+// registeredPass measures the mover with every file of a memory file
+// system registered (Config.RegisterFiles): an untimed store offers the
+// files to the registrar and waits until all are registered, then a
+// timed store and a timed load copy straight between the paged layout
+// and the files' pages. The read ceiling is timed between them, as for
+// the staged rows; cw is the write ceiling of the same files. Every
+// loaded page is checked.
+func registeredPass(t *testing.T, rep *report, r *cuda.Runtime, kv *cache, w *cuda.Worker, orig [][]byte, paths []string, plans []*transfer.Plan,
+	keyBytes int64, g geometry, jobs int, nosums bool, label string, cw time.Duration) {
+	t.Helper()
+	memory := make([]*transfer.Plan, len(plans))
+	for i, p := range plans {
+		q := *p
+		q.Memory = true
+		memory[i] = &q
+	}
+	m, err := New(Config{Runtime: r, Devices: []int{0}, MaxStaging: int64(jobs) * 2 * (8<<20 + 2*Align), NoChecksums: nosums, RegisterFiles: len(paths)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	// Untimed stores until every file is registered: each store offers
+	// its file, and the offers the registrar's queue has no room for are
+	// dropped until the file's next job.
+	deadline := time.Now().Add(3 * time.Minute)
+	for m.FileStats().Files < len(paths) {
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: %d of %d files registered after 3 minutes of stores: %+v", label, m.FileStats().Files, len(paths), m.FileStats())
+		}
+		if _, err := moverPass(m, paths, memory, jobs, true, false); err != nil {
+			t.Fatalf("%s: store before registration: %v", label, err)
+		}
+		testwait.Until(t, "the registrar's queue handled", time.Minute, func() bool {
+			m.files.mu.Lock()
+			defer m.files.mu.Unlock()
+			return len(m.files.queued) == 0
+		})
+	}
+	before := m.FileStats()
+	ws, err := moverPass(m, paths, memory, jobs, true, false)
+	if err != nil {
+		t.Fatalf("%s: store into registered files: %v", label, err)
+	}
+	cr, err := hostPass(r, paths, keyBytes, g, jobs, false, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	kv.poison(t, w)
+	ls, err := moverPass(m, paths, memory, jobs, false, false)
+	if err != nil {
+		t.Fatalf("%s: load from registered files: %v", label, err)
+	}
+	checkLoaded(t, kv, w, memory, orig, label+": after a round trip through registered files")
+	st := m.FileStats()
+	if want := uint64(len(paths)); st.Stores-before.Stores != want || st.Loads-before.Loads != want {
+		t.Fatalf("%s: %d stores and %d loads moved registered files directly, want %d each", label, st.Stores-before.Stores, st.Loads-before.Loads, want)
+	}
+	sums := "checksums on"
+	if nosums {
+		sums = "checksums off"
+	}
+	total := keyBytes * int64(len(paths))
+	wsg, lsg, cwg, crg := gbps(total, ws), gbps(total, ls), gbps(total, cw), gbps(total, cr)
+	rep.printf("%s, %2d jobs, registered files, %s: store %.2f GB/s (host write ceiling %.2f: %.2f), load %.2f GB/s (host read ceiling %.2f: %.2f); verified",
+		label, jobs, sums, wsg, cwg, wsg/cwg, lsg, crg, lsg/crg)
 }
 
 func errorsJoin(a, b error) error {

@@ -28,6 +28,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"sync"
 	"time"
 
@@ -89,6 +90,14 @@ type Config struct {
 	// sleeps?"). 0 means DefaultPoll; NoPoll (or any negative Poll) blocks
 	// at once.
 	Poll time.Duration
+	// RegisterFiles is the most files on memory file systems the mover
+	// keeps mapped and registered with CUDA, so that jobs on them copy
+	// between the device and the files' pages directly (files.go); 0
+	// keeps none. It is lowered to a quarter of the process's descriptor
+	// limit (the registrar holds one descriptor per file).
+	RegisterFiles int
+	// Log receives the registrar's warnings (default: none).
+	Log *slog.Logger
 }
 
 const (
@@ -114,6 +123,9 @@ type Mover struct {
 	// fallback moves what the kernel does not (and everything without
 	// the kernel): batched or per segment.
 	fallback cuda.CopyMode
+
+	// files are the registered files (nil: Config.RegisterFiles 0).
+	files *files
 
 	mu     sync.RWMutex
 	closed bool
@@ -204,6 +216,13 @@ func New(cfg Config) (*Mover, error) {
 		}
 		m.tableEntries, m.tableSize = entries, tsize
 	}
+	if cfg.RegisterFiles < 0 {
+		m.Close()
+		return nil, fmt.Errorf("%w: register files %d", ErrConfig, cfg.RegisterFiles)
+	}
+	if limit := fileLimit(cfg.RegisterFiles); limit > 0 {
+		m.files = newFiles(m, limit, cfg.Devices[0], cfg.Log)
+	}
 	return m, nil
 }
 
@@ -276,6 +295,9 @@ func (m *Mover) Close() error {
 		return ErrClosed
 	}
 	m.closed = true
+	if m.files != nil {
+		m.files.close()
+	}
 	var errs []error
 	for _, d := range m.devs {
 		errs = append(errs, m.destroyIdle(d))
@@ -425,7 +447,7 @@ func (m *Mover) ReadFile(ctx context.Context, f fsys.File, p *transfer.Plan, sum
 	return m.run(ctx, f, p, sums, false)
 }
 
-func (m *Mover) run(ctx context.Context, f fsys.File, p *transfer.Plan, sums []uint32, write bool) (int64, error) {
+func (m *Mover) run(ctx context.Context, f fsys.File, p *transfer.Plan, sums []uint32, write bool) (n int64, err error) {
 	if m.cfg.NoChecksums {
 		sums = nil
 	}
@@ -444,12 +466,43 @@ func (m *Mover) run(ctx context.Context, f fsys.File, p *transfer.Plan, sums []u
 	if write && sums == nil {
 		fused = false
 	}
+	if m.files != nil && p.Memory {
+		if key, ok := identify(f); ok {
+			if rf := m.files.acquire(key, p.End()); rf != nil {
+				defer m.files.put(rf, write)
+				return m.runMapped(ctx, rf.mem, p, chunks, dev, sums, write)
+			}
+			// Registered later, off the job's path, for the next job.
+			file := f
+			defer func() {
+				if err == nil {
+					m.files.offer(file, key)
+				}
+			}()
+		}
+	}
 	if !write {
 		var release func()
 		f, release = p.ReadSource(f)
 		defer release()
 	}
 	return m.runStreamed(ctx, f, chunks, dev, sums, write, fused)
+}
+
+// Forget implements transfer.Forgetter: the file is being removed or
+// replaced, so its registration (if any) is dropped.
+func (m *Mover) Forget(dev, ino uint64) {
+	if m.files != nil {
+		m.files.forget(fileKey{dev, ino})
+	}
+}
+
+// FileStats describes the registered files (zero without them).
+func (m *Mover) FileStats() FileStats {
+	if m.files == nil {
+		return FileStats{}
+	}
+	return m.files.stats()
 }
 
 // writeChunk writes a gathered chunk and checksums it: fused, piece by
@@ -545,5 +598,6 @@ func readAtLeast(f fsys.File, b []byte, need int, off int64) error {
 }
 
 var (
-	_ transfer.Mover = (*Mover)(nil)
+	_ transfer.Mover     = (*Mover)(nil)
+	_ transfer.Forgetter = (*Mover)(nil)
 )

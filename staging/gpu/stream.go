@@ -121,13 +121,81 @@ func copies(cp *cuda.Copies, c *chunk, bufPtr uintptr, h2d bool) {
 	}
 }
 
-// runStreamed moves the chunks on the calling goroutine's own thread and a
-// lane of its own: each chunk's copies are enqueued right after its read
-// (before its write) and waited for (await: polled, then asleep on a
-// blocking event) only when its buffer is needed again, so no job waits
-// for another's copies.
-func (m *Mover) runStreamed(ctx context.Context, f fsys.File, chunks []chunk, dev *device, sums []uint32, write, fused bool) (total int64, err error) {
-	m.mu.RLock() // Close waits for the jobs in flight
+// laneRun is one job's copies on its lane: the slots (events) whose
+// copies are enqueued and not yet waited for, and whether a CUDA call on
+// the lane failed.
+type laneRun struct {
+	m       *Mover
+	dev     *device
+	ln      *lane
+	pending []bool
+	// broken: a CUDA call on the lane failed. Its events may not cover
+	// the copies enqueued (a failed record) and its stream may carry an
+	// error: finish synchronizes the whole stream and destroys the lane,
+	// never reused.
+	broken bool
+}
+
+// startRun starts a job's run on ln with slots events (at most
+// len(ln.events)).
+func (m *Mover) startRun(dev *device, ln *lane, slots int) *laneRun {
+	return &laneRun{m: m, dev: dev, ln: ln, pending: make([]bool, slots)}
+}
+
+// recorded records slot s's event after copies whose enqueue returned
+// eerr, marking the slot pending either way (copies enqueued before a
+// failure still run).
+func (r *laneRun) recorded(s int, eerr error) error {
+	r.pending[s] = true
+	rerr := r.m.r.Record(r.ln.events[s], r.ln.stream)
+	if eerr != nil || rerr != nil {
+		r.broken = true
+	}
+	return errors.Join(eerr, rerr)
+}
+
+// wait retires slot s's copies.
+func (r *laneRun) wait(s int) error {
+	if !r.pending[s] {
+		return nil
+	}
+	r.pending[s] = false
+	if err := r.m.await(r.ln.events[s]); err != nil {
+		r.broken = true
+		return err
+	}
+	return nil
+}
+
+// finish waits for every copy the job enqueued (the whole stream after a
+// failure), then gives the lane back, or destroys it if anything failed;
+// it returns the waits' errors.
+func (r *laneRun) finish() error {
+	var errs []error
+	for s := range r.pending {
+		errs = append(errs, r.wait(s))
+	}
+	if r.broken {
+		errs = append(errs, r.m.r.Sync(r.ln.stream))
+	}
+	err := errors.Join(errs...)
+	if err != nil || r.broken {
+		r.m.destroyLane(r.ln)
+		if err == nil {
+			err = errors.New("gpu: a CUDA call on the job's stream failed")
+		}
+		return err
+	}
+	r.m.putLane(r.dev, r.ln)
+	return nil
+}
+
+// onLane runs job on the calling goroutine's thread, locked with dev
+// current, with a lane of dev, while holding the mover open (Close waits
+// for the jobs in flight). The job gives the lane back or destroys it
+// (laneRun.finish).
+func (m *Mover) onLane(dev *device, job func(ln *lane) (int64, error)) (int64, error) {
+	m.mu.RLock()
 	defer m.mu.RUnlock()
 	if m.closed {
 		return 0, ErrClosed
@@ -141,117 +209,94 @@ func (m *Mover) runStreamed(ctx context.Context, f fsys.File, chunks []chunk, de
 	if err != nil {
 		return 0, err
 	}
-	// Buffers: one, waiting if need be, then as many more up to Depth as
-	// are free now (a job holding none always gets one: no deadlock).
-	var bufs []int
-	i, _, err := m.bufs.take(ctx, true)
-	if err != nil {
-		m.putLane(dev, ln)
-		return 0, err
-	}
-	bufs = append(bufs, i)
-	for len(bufs) < m.cfg.Depth && len(bufs) < len(chunks) {
-		i, ok, _ := m.bufs.take(ctx, false)
-		if !ok {
-			break
+	return job(ln)
+}
+
+// runStreamed moves the chunks on the calling goroutine's own thread and a
+// lane of its own: each chunk's copies are enqueued right after its read
+// (before its write) and waited for (await: polled, then asleep on a
+// blocking event) only when its buffer is needed again, so no job waits
+// for another's copies.
+func (m *Mover) runStreamed(ctx context.Context, f fsys.File, chunks []chunk, dev *device, sums []uint32, write, fused bool) (int64, error) {
+	return m.onLane(dev, func(ln *lane) (total int64, err error) {
+		// Buffers: one, waiting if need be, then as many more up to Depth as
+		// are free now (a job holding none always gets one: no deadlock).
+		var bufs []int
+		i, _, err := m.bufs.take(ctx, true)
+		if err != nil {
+			m.putLane(dev, ln)
+			return 0, err
 		}
 		bufs = append(bufs, i)
-	}
-	d := len(bufs)
-	pending := make([]bool, d)
-	// broken: a CUDA call on the lane failed. Its events may not cover
-	// the copies enqueued (a failed record) and its stream may carry an
-	// error: before the buffers go back the whole stream is synchronized,
-	// and the lane is destroyed, never reused.
-	broken := false
-	// wait retires slot s's copies.
-	wait := func(s int) error {
-		if !pending[s] {
-			return nil
+		for len(bufs) < m.cfg.Depth && len(bufs) < len(chunks) {
+			i, ok, _ := m.bufs.take(ctx, false)
+			if !ok {
+				break
+			}
+			bufs = append(bufs, i)
 		}
-		pending[s] = false
-		if err := m.await(ln.events[s]); err != nil {
-			broken = true
-			return err
-		}
-		return nil
-	}
-	defer func() {
-		var errs []error
-		for s := range d {
-			errs = append(errs, wait(s))
-		}
-		if broken {
-			errs = append(errs, m.r.Sync(ln.stream))
-		}
-		for _, b := range bufs {
-			m.bufs.put(b)
-		}
-		if werr := errors.Join(errs...); werr != nil || broken {
-			m.destroyLane(ln)
-			if err == nil {
+		d := len(bufs)
+		run := m.startRun(dev, ln, d)
+		defer func() {
+			werr := run.finish()
+			for _, b := range bufs { // every copy that could touch them is done
+				m.bufs.put(b)
+			}
+			if err == nil && werr != nil {
 				total, err = 0, werr
 			}
-			return
-		}
-		m.putLane(dev, ln)
-	}()
-	var cp cuda.Copies
-	enqueue := func(k int, h2d bool) error {
-		s := k % d
-		_, ptr := m.buf(bufs[s])
-		copies(&cp, &chunks[k], ptr, h2d)
-		// Copies enqueued before a failure still run: the slot is pending
-		// either way, and a broken lane is synchronized whole.
-		pending[s] = true
-		var eerr error
-		if dev.kernel != nil && cuda.KernelCopyable(&cp, m.tableEntries) {
-			// The buffer's table, like the buffer, is rewritten only
-			// after the slot's event says the last launch completed.
-			eerr = dev.kernel.Launch(&cp, m.table(bufs[s]), ln.stream)
-		} else {
-			eerr = m.r.Enqueue(&cp, h2d, m.fallback, ln.stream)
-		}
-		rerr := m.r.Record(ln.events[s], ln.stream)
-		if eerr != nil || rerr != nil {
-			broken = true
-		}
-		return errors.Join(eerr, rerr)
-	}
-	if write { // prime: the first d gathers in flight before any write
-		for k := range min(d, len(chunks)) {
-			if err := enqueue(k, false); err != nil {
-				return 0, err
+		}()
+		wait := run.wait
+		var cp cuda.Copies
+		enqueue := func(k int, h2d bool) error {
+			s := k % d
+			_, ptr := m.buf(bufs[s])
+			copies(&cp, &chunks[k], ptr, h2d)
+			var eerr error
+			if dev.kernel != nil && cuda.KernelCopyable(&cp, m.tableEntries) {
+				// The buffer's table, like the buffer, is rewritten only
+				// after the slot's event says the last launch completed.
+				eerr = dev.kernel.Launch(&cp, m.table(bufs[s]), ln.stream)
+			} else {
+				eerr = m.r.Enqueue(&cp, h2d, m.fallback, ln.stream)
 			}
+			return run.recorded(s, eerr)
 		}
-	}
-	for k := range chunks {
-		if err := ctx.Err(); err != nil {
-			return 0, err
-		}
-		s := k % d
-		if err := wait(s); err != nil { // chunk k gathered (store), buffer free (load)
-			return 0, err
-		}
-		st := &stage{c: &chunks[k], buf: bufs[s]}
-		if write {
-			if err := m.writeChunk(f, st, sums, fused); err != nil {
-				return 0, err
-			}
-			if k+d < len(chunks) {
-				if err := enqueue(k+d, false); err != nil {
+		if write { // prime: the first d gathers in flight before any write
+			for k := range min(d, len(chunks)) {
+				if err := enqueue(k, false); err != nil {
 					return 0, err
 				}
 			}
-		} else {
-			if err := m.readChunk(f, st, sums, fused); err != nil {
-				return 0, err
-			}
-			if err := enqueue(k, true); err != nil {
-				return 0, err
-			}
 		}
-		total += chunks[k].end - chunks[k].off
-	}
-	return total, nil // the deferred waits report the last copies' errors
+		for k := range chunks {
+			if err := ctx.Err(); err != nil {
+				return 0, err
+			}
+			s := k % d
+			if err := wait(s); err != nil { // chunk k gathered (store), buffer free (load)
+				return 0, err
+			}
+			st := &stage{c: &chunks[k], buf: bufs[s]}
+			if write {
+				if err := m.writeChunk(f, st, sums, fused); err != nil {
+					return 0, err
+				}
+				if k+d < len(chunks) {
+					if err := enqueue(k+d, false); err != nil {
+						return 0, err
+					}
+				}
+			} else {
+				if err := m.readChunk(f, st, sums, fused); err != nil {
+					return 0, err
+				}
+				if err := enqueue(k, true); err != nil {
+					return 0, err
+				}
+			}
+			total += chunks[k].end - chunks[k].off
+		}
+		return total, nil // the deferred waits report the last copies' errors
+	})
 }

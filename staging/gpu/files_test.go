@@ -1,0 +1,380 @@
+package gpu
+
+import (
+	"bytes"
+	"context"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/kvhost/kvhost/internal/cuda"
+	"github.com/kvhost/kvhost/internal/cuda/cudatest"
+	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/internal/testwait"
+	"github.com/kvhost/kvhost/region"
+	"github.com/kvhost/kvhost/transfer"
+)
+
+// filesGeometry is a small cache: these tests check paths and lifetimes,
+// and every page still crosses a real mapping.
+func filesGeometry() geometry {
+	return geometry{layers: 4, numBlocks: 64, pageBytes: 16 << 10, blocksPerKey: 16, headerBytes: 4096}
+}
+
+// keyFile is one file of a registered-files test: its plan over the
+// cache, opened as the engine opens a store's file (write-only,
+// allocated to its size) on a directory the plan calls a memory file
+// system (any directory maps alike).
+type keyFile struct {
+	path string
+	f    fsys.File
+	p    *transfer.Plan
+	key  fileKey
+}
+
+func newKeyFile(t *testing.T, kv *cache, dir, name string, seed uint64) *keyFile {
+	t.Helper()
+	g := kv.g
+	p := kv.plan(keyBlocks(rand.New(rand.NewPCG(seed, 9)), g.numBlocks, g.blocksPerKey), false)
+	p.Memory = true
+	path := filepath.Join(dir, name)
+	f, err := fsys.OS{}.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o644)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { f.Close() })
+	if err := f.Allocate(p.End()); err != nil {
+		t.Fatal(err)
+	}
+	key, ok := identify(f)
+	if !ok {
+		t.Fatalf("%s: no identity", path)
+	}
+	return &keyFile{path: path, f: f, p: p, key: key}
+}
+
+// store writes kf from the cache's pages, first set to orig (host: the
+// layers' host copies), through its write-only descriptor, and checks the
+// file's bytes and the checksums.
+func store(t *testing.T, e *env, m *Mover, kv *cache, kf *keyFile, host map[region.Region][]byte, orig [][]byte) {
+	t.Helper()
+	for l, b := range orig {
+		kv.set(t, e.w, l, b)
+	}
+	wantFile, wantSums := expect(kf.p, host)
+	sums := make([]uint32, kf.p.Sums)
+	if n, err := m.WriteFile(context.Background(), kf.f, kf.p, sums); err != nil || n != kf.p.Bytes() {
+		t.Fatalf("WriteFile = %d, %v; want %d", n, err, kf.p.Bytes())
+	}
+	got, err := os.ReadFile(kf.path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(got[kv.g.headerBytes:], wantFile) {
+		t.Fatalf("%s: file bytes differ from the pages in plan order", kf.path)
+	}
+	if !equal(sums, wantSums) {
+		t.Fatalf("store checksums %x, want %x", sums, wantSums)
+	}
+}
+
+// load reads kf, opened read-only as a load opens it, into poisoned
+// pages and checks them against orig, and the checksums.
+func load(t *testing.T, e *env, m *Mover, kv *cache, kf *keyFile, host map[region.Region][]byte, orig [][]byte) {
+	t.Helper()
+	_, wantSums := expect(kf.p, host)
+	kv.poison(t, e.w)
+	f, err := fsys.OS{}.OpenFile(kf.path, os.O_RDONLY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	lsums := make([]uint32, kf.p.Sums)
+	if n, err := m.ReadFile(context.Background(), f, kf.p, lsums); err != nil || n != kf.p.Bytes() {
+		t.Fatalf("ReadFile = %d, %v; want %d", n, err, kf.p.Bytes())
+	}
+	if !equal(lsums, wantSums) {
+		t.Fatalf("load checksums %x, want %x", lsums, wantSums)
+	}
+	for l := range kv.g.layers {
+		dev := kv.get(t, e.w, l)
+		for _, x := range kf.p.Extents {
+			if x.Region == kv.layers[l] && !bytes.Equal(dev[x.RegionOff:x.RegionOff+x.Len], orig[l][x.RegionOff:x.RegionOff+x.Len]) {
+				t.Fatalf("layer %d page at %d differs after the round trip", l, x.RegionOff)
+			}
+		}
+	}
+}
+
+// roundTrip is store, then load.
+func roundTrip(t *testing.T, e *env, m *Mover, kv *cache, kf *keyFile, host map[region.Region][]byte, orig [][]byte) {
+	t.Helper()
+	store(t, e, m, kv, kf, host, orig)
+	load(t, e, m, kv, kf, host, orig)
+}
+
+// filesSetup makes a mover with cfg over the fake library and a small
+// cache of random pages: orig per layer, host by region.
+func filesSetup(t *testing.T, cfg Config) (*env, *Mover, *cache, [][]byte, map[region.Region][]byte) {
+	t.Helper()
+	e := newEnv(t)
+	m := e.mover(t, cfg)
+	kv := newCache(t, e.w, filesGeometry())
+	orig := kv.randomize(t, e.w, 1)
+	return e, m, kv, orig, hostCopies(kv, orig)
+}
+
+// hostCopies maps each layer's region to its host copy.
+func hostCopies(kv *cache, orig [][]byte) map[region.Region][]byte {
+	host := map[region.Region][]byte{}
+	for l, b := range orig {
+		host[kv.layers[l]] = b
+	}
+	return host
+}
+
+// TestRegisteredFilesMoveDirectlyFromTheSecondJob: a file's first job
+// goes through the pinned buffers and offers the file; once registered,
+// its stores and loads copy between the device and the file's own pages
+// (one batch each for this one-chunk file, no pinned buffer taken), with the same bytes and
+// checksums; Forget releases it, and the next job goes through the
+// pinned buffers again.
+func TestRegisteredFilesMoveDirectlyFromTheSecondJob(t *testing.T) {
+	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, Copy: cuda.CopyBatch, RegisterFiles: 4})
+	kf := newKeyFile(t, kv, t.TempDir(), "key", 1)
+
+	regs := e.fake.Count(cudatest.OpHostRegister)
+	store(t, e, m, kv, kf, host, orig)
+	testwait.Until(t, "the file registered", 10*time.Second, func() bool { return m.FileStats().Files == 1 })
+	if st := m.FileStats(); st.Stores != 0 || st.Loads != 0 || st.Registered != 1 || st.Bytes != kf.p.End() {
+		t.Fatalf("after the first jobs: %+v; want no direct jobs, 1 registered file of %d bytes", st, kf.p.End())
+	}
+	if n := e.fake.Count(cudatest.OpHostRegister) - regs; n != 1 {
+		t.Fatalf("cudaHostRegister called %d times, want 1", n)
+	}
+
+	// New bytes in the pages: the direct store must write them, the direct
+	// load must bring them back.
+	orig = kv.randomize(t, e.w, 2)
+	host = hostCopies(kv, orig)
+	batches := e.fake.Count(cudatest.OpBatch)
+	held, _, err := m.bufs.take(context.Background(), true) // held here: direct jobs take none
+	if err != nil {
+		t.Fatal(err)
+	}
+	taken := m.bufs.total() - m.bufs.free()
+	roundTrip(t, e, m, kv, kf, host, orig)
+	if st := m.FileStats(); st.Stores != 1 || st.Loads != 1 {
+		t.Fatalf("after the second jobs: %+v; want 1 direct store and 1 direct load", st)
+	}
+	if n := e.fake.Count(cudatest.OpBatch) - batches; n != 2 {
+		t.Fatalf("%d batched copies for a direct store and load, want one each", n)
+	}
+	if now := m.bufs.total() - m.bufs.free(); now != taken {
+		t.Fatalf("pinned buffers in use %d during direct jobs, want %d", now, taken)
+	}
+	m.bufs.put(held)
+
+	m.Forget(kf.key.dev, kf.key.ino)
+	testwait.Until(t, "the forgotten file released", 10*time.Second, func() bool { return m.FileStats().Released == 1 })
+	if st := m.FileStats(); st.Files != 0 || st.Bytes != 0 {
+		t.Fatalf("after Forget: %+v; want no file", st)
+	}
+	store(t, e, m, kv, kf, host, orig)
+	if st := m.FileStats(); st.Stores != 1 {
+		t.Fatalf("after Forget the store went direct: %+v", st)
+	}
+	testwait.Until(t, "the file registered again after its next job", 10*time.Second, func() bool { return m.FileStats().Registered == 2 })
+}
+
+// TestRegisteredFilesStoreChunkByChunk: a direct store of a file of many
+// chunks keeps Depth chunks' copies in flight and checksums each chunk
+// after its copies, one batch per chunk; the bytes and checksums are
+// those of the pages, and a direct load of it (one batch) brings them
+// back.
+func TestRegisteredFilesStoreChunkByChunk(t *testing.T) {
+	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, Chunk: 3 * Align, Copy: cuda.CopyBatch, RegisterFiles: 4})
+	kf := newKeyFile(t, kv, t.TempDir(), "key", 1)
+	store(t, e, m, kv, kf, host, orig)
+	testwait.Until(t, "the file registered", 10*time.Second, func() bool { return m.FileStats().Files == 1 })
+	orig = kv.randomize(t, e.w, 2)
+	host = hostCopies(kv, orig)
+	chunks, _, err := m.plan(kf.p, true)
+	if err != nil || len(chunks) < 3 {
+		t.Fatalf("plan: %d chunks, %v; want several", len(chunks), err)
+	}
+	batches := e.fake.Count(cudatest.OpBatch)
+	store(t, e, m, kv, kf, host, orig)
+	if n := e.fake.Count(cudatest.OpBatch) - batches; n != len(chunks) {
+		t.Fatalf("a direct store of %d chunks made %d batched copies", len(chunks), n)
+	}
+	batches = e.fake.Count(cudatest.OpBatch)
+	load(t, e, m, kv, kf, host, orig)
+	if n := e.fake.Count(cudatest.OpBatch) - batches; n != 1 {
+		t.Fatalf("a direct load made %d batched copies, want 1", n)
+	}
+	if st := m.FileStats(); st.Stores != 1 || st.Loads != 1 {
+		t.Fatalf("%+v; want one direct store and one direct load", st)
+	}
+}
+
+// TestRegisteredFilesUnlinkedAreReleased: a registered file unlinked
+// behind the mover's back (another engine on the directory) is released
+// at the registrar's next sweep, so that its memory goes back.
+func TestRegisteredFilesUnlinkedAreReleased(t *testing.T) {
+	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, RegisterFiles: 4})
+	dir := t.TempDir()
+	kept, gone := newKeyFile(t, kv, dir, "kept", 1), newKeyFile(t, kv, dir, "gone", 2)
+	roundTrip(t, e, m, kv, kept, host, orig)
+	roundTrip(t, e, m, kv, gone, host, orig)
+	testwait.Until(t, "both files registered", 10*time.Second, func() bool { return m.FileStats().Files == 2 })
+	if err := os.Remove(gone.path); err != nil {
+		t.Fatal(err)
+	}
+	m.files.sweepUnlinked()
+	testwait.Until(t, "the unlinked file released", 10*time.Second, func() bool { return m.FileStats().Released == 1 })
+	if m.files.acquire(gone.key, 1) != nil {
+		t.Fatal("the unlinked file is still handed to jobs")
+	}
+	rf := m.files.acquire(kept.key, 1)
+	if rf == nil {
+		t.Fatal("the linked file was released")
+	}
+	m.files.put(rf, false)
+}
+
+// TestRegisteredFilesKeepTheMostRecentlyUsed: at the limit, a new file
+// takes the place of the least recently used one that has been idle long
+// enough; while every registered file is in recent use, none is dropped
+// and the new file is not registered.
+func TestRegisteredFilesKeepTheMostRecentlyUsed(t *testing.T) {
+	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, RegisterFiles: 2})
+	dir := t.TempDir()
+	a, b, c := newKeyFile(t, kv, dir, "a", 1), newKeyFile(t, kv, dir, "b", 2), newKeyFile(t, kv, dir, "c", 3)
+	roundTrip(t, e, m, kv, a, host, orig)
+	roundTrip(t, e, m, kv, b, host, orig)
+	testwait.Until(t, "a and b registered", 10*time.Second, func() bool { return m.FileStats().Registered == 2 })
+	roundTrip(t, e, m, kv, a, host, orig) // a is now the most recently used
+
+	// Both in recent use: c's offer is declined.
+	roundTrip(t, e, m, kv, c, host, orig)
+	testwait.Until(t, "c's offer handled", 10*time.Second, func() bool {
+		m.files.mu.Lock()
+		defer m.files.mu.Unlock()
+		_, queued := m.files.queued[c.key]
+		return !queued
+	})
+	if st := m.FileStats(); st.Files != 2 || st.Registered != 2 {
+		t.Fatalf("with every file in recent use: %+v; want the two kept", st)
+	}
+
+	m.files.mu.Lock()
+	m.files.minIdle = 0
+	m.files.mu.Unlock()
+	roundTrip(t, e, m, kv, c, host, orig)
+	testwait.Until(t, "c registered", 10*time.Second, func() bool { return m.FileStats().Registered == 3 })
+	for _, x := range []struct {
+		kf   *keyFile
+		want bool
+	}{{a, true}, {b, false}, {c, true}} {
+		rf := m.files.acquire(x.kf.key, 1)
+		if (rf != nil) != x.want {
+			t.Fatalf("%s registered %v, want %v", x.kf.path, rf != nil, x.want)
+		}
+		if rf != nil {
+			m.files.put(rf, false)
+		}
+	}
+}
+
+// TestRegisteredFilesFailedRegistrationLeavesTheStagedPath: a file the
+// runtime refuses to register is counted, its jobs keep moving through
+// the pinned buffers with the right bytes, and nothing is leaked.
+func TestRegisteredFilesFailedRegistrationLeavesTheStagedPath(t *testing.T) {
+	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, RegisterFiles: 4})
+	kf := newKeyFile(t, kv, t.TempDir(), "key", 1)
+	e.fake.Fail(cudatest.OpHostRegister, 1, 2) // cudaErrorMemoryAllocation
+	store(t, e, m, kv, kf, host, orig)
+	testwait.Until(t, "the registration failed", 10*time.Second, func() bool { return m.FileStats().Failed == 1 })
+	load(t, e, m, kv, kf, host, orig)
+	if st := m.FileStats(); st.Stores+st.Loads != 0 {
+		t.Fatalf("after a failed registration: %+v", st)
+	}
+	store(t, e, m, kv, kf, host, orig) // offered again by both jobs
+	testwait.Until(t, "the file registered on its second offer", 10*time.Second, func() bool { return m.FileStats().Files == 1 })
+}
+
+// TestRegisteredFilesOnlyOnMemoryFileSystems: files the plan does not
+// place on a memory file system are never offered.
+func TestRegisteredFilesOnlyOnMemoryFileSystems(t *testing.T) {
+	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, RegisterFiles: 4})
+	kf := newKeyFile(t, kv, t.TempDir(), "key", 1)
+	kf.p.Memory = false
+	roundTrip(t, e, m, kv, kf, host, orig)
+	m.files.mu.Lock()
+	queued := len(m.files.queued)
+	m.files.mu.Unlock()
+	if st := m.FileStats(); queued != 0 || st.Files != 0 || st.Failed != 0 {
+		t.Fatalf("a file off memory file systems was offered: %d queued, %+v", queued, st)
+	}
+}
+
+// TestFileLimitLeavesMostDescriptorsToTheEngine: the registrar keeps at
+// most a quarter of the descriptor limit.
+func TestFileLimitLeavesMostDescriptorsToTheEngine(t *testing.T) {
+	var lim unix.Rlimit
+	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &lim); err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []int{0, 1, int(lim.Cur / 4), int(lim.Cur)} {
+		got := fileLimit(want)
+		if got > want || uint64(got) > lim.Cur/4 && want > 0 || want <= int(lim.Cur/4) && got != want {
+			t.Errorf("fileLimit(%d) = %d with a limit of %d descriptors", want, got, lim.Cur)
+		}
+	}
+}
+
+// TestRegisteredFilesCopyFailuresFailTheJob: a failed copy or a failed
+// wait in a direct store or load fails that job with the CUDA error, and
+// the next job on the file succeeds (the failed lane was not reused).
+func TestRegisteredFilesCopyFailuresFailTheJob(t *testing.T) {
+	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, Chunk: 3 * Align, Copy: cuda.CopyBatch, RegisterFiles: 4})
+	kf := newKeyFile(t, kv, t.TempDir(), "key", 1)
+	store(t, e, m, kv, kf, host, orig)
+	testwait.Until(t, "the file registered", 10*time.Second, func() bool { return m.FileStats().Files == 1 })
+	for _, c := range []struct {
+		name  string
+		op    cudatest.Op
+		write bool
+	}{
+		{"store, a copy fails", cudatest.OpCopy, true},
+		{"store, a record fails", cudatest.OpRecord, true},
+		{"store, a wait fails", cudatest.OpQuery, true},
+		{"load, a copy fails", cudatest.OpCopy, false},
+		{"load, a wait fails", cudatest.OpQuery, false},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			e.fake.Fail(c.op, 1, 700) // cudaErrorIllegalAddress
+			sums := make([]uint32, kf.p.Sums)
+			var err error
+			if c.write {
+				_, err = m.WriteFile(context.Background(), kf.f, kf.p, sums)
+			} else {
+				_, err = m.ReadFile(context.Background(), kf.f, kf.p, sums)
+			}
+			e.fake.Fail(c.op, 0, 0)
+			if err == nil || !strings.Contains(err.Error(), "cuda") {
+				t.Fatalf("a direct job with a failed CUDA call returned %v", err)
+			}
+			roundTrip(t, e, m, kv, kf, host, orig)
+		})
+	}
+	if st := m.FileStats(); st.Stores < 5 || st.Loads < 5 {
+		t.Fatalf("%+v: the jobs did not take the direct path", st)
+	}
+}
