@@ -3,8 +3,12 @@ package gpu
 import (
 	"container/list"
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
+	"os"
+	"strconv"
+	"strings"
 	"sync"
 	"time"
 	"unsafe"
@@ -37,12 +41,14 @@ import (
 // when it was registered. Writes keep them; truncation and hole punching
 // replace them (the GPU would then move bytes to pages no longer in the
 // file), and the engine never does either to a file it may reuse (it
-// zeroes a reused spare's tail with writes). The registrar holds a
-// descriptor of each file and drops the files that were unlinked (by this
-// engine, which also calls Forget, or by another on the directory) at its
-// next sweep, so that a removed file's memory is given back; at most
-// Config.RegisterFiles files are kept, the least recently used dropped
-// first.
+// zeroes a reused spare's tail with writes). A job takes a file's mapping
+// only if the file has the device, inode, file handle and size it had when
+// it was registered; Forget releases a registration before it returns
+// (once no job uses it), and the registrar, which holds a descriptor of
+// each file, drops at its next sweep the files that were unlinked or
+// resized behind its back (by another engine on the directory), so that
+// their memory is given back. At most Config.RegisterFiles files are
+// kept, the least recently used dropped first.
 
 // minIdle is how long a registered file must have gone unused before the
 // registrar drops it for another: with more files in use than it keeps,
@@ -50,27 +56,38 @@ import (
 const minIdle = 10 * time.Second
 
 // sweepEvery is how often the registrar drops registered files that were
-// unlinked behind its back.
+// unlinked or resized behind its back.
 const sweepEvery = time.Second
 
-// fileKey is a file's identity: its device and inode.
+// fileKey is a file's device and inode number.
 type fileKey struct{ dev, ino uint64 }
+
+// fileID is what identifies a file to the registry: its key, its file
+// handle (name_to_handle_at: on tmpfs the inode number and its
+// generation, so that a recycled 32-bit inode number is not taken for
+// the file that had it) and its size (a file truncated and extended by
+// someone else no longer matches its mapping).
+type fileID struct {
+	key    fileKey
+	handle string
+	size   int64
+}
 
 // regFile is a mapped, registered file.
 type regFile struct {
-	key  fileKey
+	id   fileID
 	fd   int    // a descriptor of the file, for the registrar's sweeps
 	mem  []byte // the mapping, registered with CUDA
 	refs int    // jobs moving through mem
-	gone bool   // forgotten or unlinked: released when refs is 0
+	gone bool   // dropped from the index: released when refs is 0
 	used time.Time
 	elem *list.Element
 }
 
 // offer is a file a job moved, for the registrar to map and register.
 type offer struct {
-	key fileKey
-	fd  int
+	id fileID
+	fd int
 }
 
 // FileStats describes the registered files (Mover.FileStats).
@@ -79,38 +96,42 @@ type FileStats struct {
 	Files int
 	Bytes int64
 	// Limit is the most files kept (Config.RegisterFiles after the
-	// descriptor limit).
+	// descriptor and mapping limits).
 	Limit int
 	// Registered counts registrations, Released the files unregistered
-	// since (forgotten, unlinked, dropped for others or at Close), Failed
-	// the files that could not be mapped or registered.
+	// since (forgotten, unlinked, resized, dropped for others or at
+	// Close), Failed the files that could not be mapped or registered.
 	Registered, Released, Failed uint64
 	// Stores and Loads count the jobs that moved a registered file
-	// directly.
+	// directly and succeeded.
 	Stores, Loads uint64
 }
+
+// errGone: a file offered for registration was removed or replaced
+// before the registrar reached it (not a failure).
+var errGone = errors.New("gpu: the file was removed or replaced")
 
 // files is the mover's registered files and their registrar.
 type files struct {
 	m      *Mover
 	limit  int
+	device int // the device current on threads that unregister
 	log    *slog.Logger
 	offers chan offer
-	wake   chan struct{} // files to release
 	stop   chan struct{}
 	done   chan struct{}
 	sweep  time.Duration
-	// minIdle: see the constant.
-	minIdle time.Duration
 
 	mu      sync.Mutex
 	byKey   map[fileKey]*regFile
 	lru     *list.List       // of *regFile, the most recently used first
 	queued  map[fileKey]bool // offered, not registered yet; false: forgotten since
-	release []*regFile       // gone, unused: to unregister on the registrar's thread
 	bytes   int64
 	st      FileStats
 	warned  bool
+	stopped bool // close began: offers are declined
+	// minIdle: see the constant.
+	minIdle time.Duration
 }
 
 // newFiles starts the registrar of at most limit files on a thread with
@@ -120,122 +141,178 @@ func newFiles(m *Mover, limit, device int, log *slog.Logger) *files {
 		log = slog.New(slog.DiscardHandler)
 	}
 	g := &files{
-		m: m, limit: limit, log: log, sweep: sweepEvery, minIdle: minIdle,
-		offers: make(chan offer, 256), wake: make(chan struct{}, 1),
-		stop: make(chan struct{}), done: make(chan struct{}),
+		m: m, limit: limit, device: device, log: log, sweep: sweepEvery, minIdle: minIdle,
+		offers: make(chan offer, 256), stop: make(chan struct{}), done: make(chan struct{}),
 		byKey: map[fileKey]*regFile{}, lru: list.New(), queued: map[fileKey]bool{},
 	}
-	go g.run(device)
+	go g.run()
 	return g
 }
 
-// fileLimit bounds want by the descriptors the process may open: the
-// registrar keeps one per file, and must leave most to the engine.
+// fileLimit bounds want by what one file costs besides its pages: the
+// registrar keeps a descriptor (at most a quarter of the descriptor
+// limit) and a mapping (at most a quarter of vm.max_map_count, which the
+// Go runtime and the engine's mappings need too).
 func fileLimit(want int) int {
 	var lim unix.Rlimit
 	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &lim); err == nil && lim.Cur < uint64(4*want) {
-		return int(lim.Cur / 4)
+		want = int(lim.Cur / 4)
+	}
+	if b, err := os.ReadFile("/proc/sys/vm/max_map_count"); err == nil {
+		if n, err := strconv.Atoi(strings.TrimSpace(string(b))); err == nil && n/4 < want {
+			want = n / 4
+		}
 	}
 	return want
 }
 
-// identify returns f's identity and whether it is a linked regular file.
-func identify(f fsys.File) (fileKey, bool) {
+// identify returns f's identity and whether it is a linked regular file
+// with a file handle.
+func identify(f fsys.File) (fileID, bool) {
 	var st unix.Stat_t
-	if err := unix.Fstat(int(f.Fd()), &st); err != nil || st.Mode&unix.S_IFMT != unix.S_IFREG || st.Nlink == 0 || st.Size <= 0 {
-		return fileKey{}, false
+	fd := int(f.Fd())
+	if err := unix.Fstat(fd, &st); err != nil || st.Mode&unix.S_IFMT != unix.S_IFREG || st.Nlink == 0 || st.Size <= 0 {
+		return fileID{}, false
 	}
-	return fileKey{uint64(st.Dev), st.Ino}, true
+	h, err := handleOf(fd)
+	if err != nil {
+		return fileID{}, false
+	}
+	return fileID{key: fileKey{uint64(st.Dev), st.Ino}, handle: h, size: st.Size}, true
 }
 
-// acquire returns the registered file key whose mapping holds the first
-// end bytes, counted as in use, or nil.
-func (g *files) acquire(key fileKey, end int64) *regFile {
+// handleOf is the file handle of the open file fd, as a comparable string.
+func handleOf(fd int) (string, error) {
+	h, _, err := unix.NameToHandleAt(fd, "", unix.AT_EMPTY_PATH)
+	if err != nil {
+		return "", err
+	}
+	return fmt.Sprintf("%d:%x", h.Type(), h.Bytes()), nil
+}
+
+// acquire returns the registered file id whose mapping holds the first
+// end bytes, counted as in use, or nil. A registered file under id's key
+// that is not id (another file with a recycled inode number, or this one
+// resized) is dropped.
+func (g *files) acquire(id fileID, end int64) *regFile {
 	g.mu.Lock()
-	defer g.mu.Unlock()
-	rf := g.byKey[key]
-	if rf == nil || int64(len(rf.mem)) < end {
+	rf := g.byKey[id.key]
+	switch {
+	case rf == nil:
+		g.mu.Unlock()
+		return nil
+	case rf.id != id:
+		release := g.dropLocked(rf)
+		g.mu.Unlock()
+		if release {
+			g.releaseNow(rf)
+		}
+		return nil
+	case int64(len(rf.mem)) < end:
+		g.mu.Unlock()
 		return nil
 	}
 	rf.refs++
 	rf.used = time.Now()
 	g.lru.MoveToFront(rf.elem)
+	g.mu.Unlock()
 	return rf
 }
 
-// put ends a job's use of rf, counting it a store or a load.
-func (g *files) put(rf *regFile, write bool) {
+// put ends a job's use of rf, counting a successful job a store or a
+// load, and releases rf if it was dropped meanwhile.
+func (g *files) put(rf *regFile, write, ok bool) {
 	g.mu.Lock()
-	defer g.mu.Unlock()
-	if write {
+	switch {
+	case ok && write:
 		g.st.Stores++
-	} else {
+	case ok:
 		g.st.Loads++
 	}
 	rf.refs--
-	if rf.refs == 0 && rf.gone {
-		g.releaseLocked(rf)
+	release := rf.refs == 0 && rf.gone
+	g.mu.Unlock()
+	if release {
+		g.releaseNow(rf)
 	}
 }
 
-// offer hands f (identity key) to the registrar, unless it is registered
-// or queued already, or the queue is full.
-func (g *files) offer(f fsys.File, key fileKey) {
+// offer hands f to the registrar, unless it is registered or queued
+// already, the mover is closing, or the queue is full.
+func (g *files) offer(f fsys.File, id fileID) {
 	g.mu.Lock()
-	_, busy := g.queued[key]
-	if busy || g.byKey[key] != nil {
+	_, busy := g.queued[id.key]
+	if busy || g.stopped || g.byKey[id.key] != nil {
 		g.mu.Unlock()
 		return
 	}
-	g.queued[key] = true
+	g.queued[id.key] = true
 	g.mu.Unlock()
 	// A descriptor of its own, read-write (a store's file is open
 	// write-only, which cannot be mapped shared): the registrar maps it
 	// later, and sweeps it while it is registered.
 	fd, err := unix.Open(fmt.Sprintf("/proc/self/fd/%d", f.Fd()), unix.O_RDWR|unix.O_CLOEXEC, 0)
-	if err == nil {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if err == nil && !g.stopped { // sent under the lock: close drains what was sent before it
 		select {
-		case g.offers <- offer{key: key, fd: fd}:
+		case g.offers <- offer{id: id, fd: fd}:
 			return
 		default:
-			unix.Close(fd)
 		}
 	}
-	g.mu.Lock()
-	delete(g.queued, key)
-	g.mu.Unlock()
+	if err == nil {
+		unix.Close(fd)
+	} else if !g.warned {
+		g.warned = true
+		g.log.Warn("gpu: a file could not be reopened for registration: its jobs move through the pinned buffers (logged once)", "err", err)
+	}
+	delete(g.queued, id.key)
 }
 
 // forget drops the file key: no job takes its mapping from now on, and it
-// is released once the jobs using it are done.
+// is released now, or when the last job using it ends.
 func (g *files) forget(key fileKey) {
 	g.mu.Lock()
-	defer g.mu.Unlock()
 	if _, ok := g.queued[key]; ok {
 		g.queued[key] = false
 	}
-	if rf := g.byKey[key]; rf != nil {
-		g.dropLocked(rf)
+	rf := g.byKey[key]
+	release := rf != nil && g.dropLocked(rf)
+	g.mu.Unlock()
+	if release {
+		g.releaseNow(rf)
 	}
 }
 
-// dropLocked removes rf from the index and releases it once unused.
-func (g *files) dropLocked(rf *regFile) {
-	delete(g.byKey, rf.key)
+// dropLocked removes rf from the index and reports whether the caller
+// must release it now (no job uses it; else the last put does).
+func (g *files) dropLocked(rf *regFile) bool {
+	delete(g.byKey, rf.id.key)
 	g.lru.Remove(rf.elem)
 	g.bytes -= int64(len(rf.mem))
 	rf.gone = true
-	if rf.refs == 0 {
-		g.releaseLocked(rf)
-	}
+	return rf.refs == 0
 }
 
-func (g *files) releaseLocked(rf *regFile) {
-	g.release = append(g.release, rf)
-	select {
-	case g.wake <- struct{}{}:
-	default:
+// releaseNow unregisters, unmaps and closes rf, on the calling goroutine
+// (its thread locked, with the device current, for the unregistration):
+// the memory goes back before the caller goes on (an engine that removes
+// a file counts its space as free).
+func (g *files) releaseNow(rf *regFile) {
+	if unlock, err := g.m.r.LockDevice(g.device); err != nil {
+		g.log.Debug("gpu: unregister a file", "err", err)
+	} else {
+		if err := g.m.r.HostUnregister(rf.mem); err != nil {
+			g.log.Debug("gpu: unregister a file", "err", err)
+		}
+		unlock()
 	}
+	unix.Munmap(rf.mem)
+	unix.Close(rf.fd)
+	g.mu.Lock()
+	g.st.Released++
+	g.mu.Unlock()
 }
 
 // stats returns the registered files' counts.
@@ -247,21 +324,34 @@ func (g *files) stats() FileStats {
 	return st
 }
 
-// close stops the registrar, which releases every file; the mover's jobs
-// are done.
+// close stops the registrar and releases every file no job uses (the
+// mover's jobs are done; a later put releases its own).
 func (g *files) close() {
+	g.mu.Lock()
+	g.stopped = true // a job's offer after this finds no registrar
+	g.mu.Unlock()
 	close(g.stop)
 	<-g.done
+	g.mu.Lock()
+	var rel []*regFile
+	for _, rf := range g.byKey {
+		if g.dropLocked(rf) {
+			rel = append(rel, rf)
+		}
+	}
+	g.mu.Unlock()
+	for _, rf := range rel {
+		g.releaseNow(rf)
+	}
 }
 
-// run is the registrar: on its own thread, with device current, it
-// registers the files offered, releases the files dropped and sweeps for
-// unlinked ones.
-func (g *files) run(device int) {
+// run is the registrar: on its own thread, with the device current, it
+// registers the files offered and sweeps for unlinked or resized ones.
+func (g *files) run() {
 	defer close(g.done)
-	unlock, err := g.m.r.LockDevice(device)
+	unlock, err := g.m.r.LockDevice(g.device)
 	if err != nil {
-		g.log.Warn("gpu: registered files off: no thread for device", "device", device, "err", err)
+		g.log.Warn("gpu: registered files off: no thread for device", "device", g.device, "err", err)
 		g.mu.Lock()
 		g.limit = 0
 		g.mu.Unlock()
@@ -271,15 +361,8 @@ func (g *files) run(device int) {
 	tick := time.NewTicker(g.sweep)
 	defer tick.Stop()
 	for {
-		g.releaseGone()
 		select {
 		case <-g.stop:
-			g.mu.Lock()
-			for _, rf := range g.byKey {
-				g.dropLocked(rf)
-			}
-			g.mu.Unlock()
-			g.releaseGone()
 			for {
 				select {
 				case o := <-g.offers:
@@ -290,9 +373,8 @@ func (g *files) run(device int) {
 			}
 		case o := <-g.offers:
 			g.register(o)
-		case <-g.wake:
 		case <-tick.C:
-			g.sweepUnlinked()
+			g.sweepStale()
 		}
 	}
 }
@@ -301,7 +383,8 @@ func (g *files) run(device int) {
 // least recently used files first.
 func (g *files) register(o offer) {
 	g.mu.Lock()
-	wanted := g.queued[o.key] && g.byKey[o.key] == nil && g.limit > 0
+	wanted := g.queued[o.id.key] && g.byKey[o.id.key] == nil && g.limit > 0
+	var victims []*regFile
 	for wanted && len(g.byKey) >= g.limit {
 		var victim *regFile
 		idle := time.Now().Add(-g.minIdle)
@@ -316,53 +399,61 @@ func (g *files) register(o offer) {
 			break
 		}
 		g.dropLocked(victim)
+		victims = append(victims, victim)
+	}
+	if !wanted {
+		delete(g.queued, o.id.key)
 	}
 	g.mu.Unlock()
-	g.releaseGone()
+	for _, rf := range victims {
+		g.releaseNow(rf)
+	}
 	if !wanted {
-		g.mu.Lock()
-		delete(g.queued, o.key)
-		g.mu.Unlock()
 		unix.Close(o.fd)
 		return
 	}
 	rf, err := g.mapAndRegister(o)
 	g.mu.Lock()
-	defer g.mu.Unlock()
 	// Forgotten while it was being registered (queued false): released
 	// at once, never used.
-	forgotten := !g.queued[o.key]
-	delete(g.queued, o.key)
-	if err == nil && forgotten {
-		rf.gone = true
-		g.releaseLocked(rf)
-		return
-	}
-	if err != nil {
+	forgotten := !g.queued[o.id.key]
+	delete(g.queued, o.id.key)
+	switch {
+	case errors.Is(err, errGone):
+		g.mu.Unlock()
 		unix.Close(o.fd)
+	case err != nil:
 		g.st.Failed++
-		if !g.warned {
-			g.warned = true
+		warn := !g.warned
+		g.warned = true
+		g.mu.Unlock()
+		unix.Close(o.fd)
+		if warn {
 			g.log.Warn("gpu: a file could not be registered: its jobs move through the pinned buffers (logged once)", "err", err)
 		}
-		return
+	case forgotten:
+		g.st.Registered++
+		g.mu.Unlock()
+		g.releaseNow(rf)
+	default:
+		g.st.Registered++
+		rf.used = time.Now()
+		rf.elem = g.lru.PushFront(rf)
+		g.byKey[o.id.key] = rf
+		g.bytes += int64(len(rf.mem))
+		g.mu.Unlock()
 	}
-	g.st.Registered++
-	rf.used = time.Now()
-	rf.elem = g.lru.PushFront(rf)
-	g.byKey[o.key] = rf
-	g.bytes += int64(len(rf.mem))
 }
 
 // mapAndRegister maps the offered file whole, shared, and registers the
-// mapping; it fails for a file unlinked meanwhile.
+// mapping; errGone where the file is no longer the one offered.
 func (g *files) mapAndRegister(o offer) (*regFile, error) {
 	var st unix.Stat_t
 	if err := unix.Fstat(o.fd, &st); err != nil {
 		return nil, fmt.Errorf("gpu: stat a file to register: %w", err)
 	}
-	if st.Nlink == 0 || st.Size <= 0 || uint64(st.Ino) != o.key.ino {
-		return nil, fmt.Errorf("gpu: a file to register was removed or emptied")
+	if h, err := handleOf(o.fd); err != nil || h != o.id.handle || st.Nlink == 0 || st.Size != o.id.size {
+		return nil, errGone
 	}
 	mem, err := unix.Mmap(o.fd, 0, int(st.Size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED|unix.MAP_POPULATE)
 	if err != nil {
@@ -372,27 +463,13 @@ func (g *files) mapAndRegister(o offer) (*regFile, error) {
 		unix.Munmap(mem)
 		return nil, fmt.Errorf("gpu: register a file of %d bytes: %w", st.Size, err)
 	}
-	return &regFile{key: o.key, fd: o.fd, mem: mem}, nil
+	return &regFile{id: o.id, fd: o.fd, mem: mem}, nil
 }
 
-// releaseGone unregisters, unmaps and closes the files released.
-func (g *files) releaseGone() {
-	g.mu.Lock()
-	rel := g.release
-	g.release = nil
-	g.st.Released += uint64(len(rel))
-	g.mu.Unlock()
-	for _, rf := range rel {
-		if err := g.m.r.HostUnregister(rf.mem); err != nil {
-			g.log.Debug("gpu: unregister a file", "err", err)
-		}
-		unix.Munmap(rf.mem)
-		unix.Close(rf.fd)
-	}
-}
-
-// sweepUnlinked drops the registered files that no name links any more.
-func (g *files) sweepUnlinked() {
+// sweepStale drops the registered files that no name links any more, or
+// whose size changed (truncated by someone else: their mapping may hold
+// pages no longer in the file).
+func (g *files) sweepStale() {
 	g.mu.Lock()
 	all := make([]*regFile, 0, len(g.byKey))
 	for _, rf := range g.byKey {
@@ -401,14 +478,15 @@ func (g *files) sweepUnlinked() {
 	g.mu.Unlock()
 	for _, rf := range all {
 		var st unix.Stat_t
-		if err := unix.Fstat(rf.fd, &st); err == nil && st.Nlink > 0 {
+		if err := unix.Fstat(rf.fd, &st); err == nil && st.Nlink > 0 && st.Size == int64(len(rf.mem)) {
 			continue
 		}
 		g.mu.Lock()
-		if g.byKey[rf.key] == rf {
-			g.dropLocked(rf)
-		}
+		release := g.byKey[rf.id.key] == rf && g.dropLocked(rf)
 		g.mu.Unlock()
+		if release {
+			g.releaseNow(rf)
+		}
 	}
 }
 

@@ -6,6 +6,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -34,7 +35,7 @@ type keyFile struct {
 	path string
 	f    fsys.File
 	p    *transfer.Plan
-	key  fileKey
+	id   fileID
 }
 
 func newKeyFile(t *testing.T, kv *cache, dir, name string, seed uint64) *keyFile {
@@ -51,11 +52,11 @@ func newKeyFile(t *testing.T, kv *cache, dir, name string, seed uint64) *keyFile
 	if err := f.Allocate(p.End()); err != nil {
 		t.Fatal(err)
 	}
-	key, ok := identify(f)
+	id, ok := identify(f)
 	if !ok {
 		t.Fatalf("%s: no identity", path)
 	}
-	return &keyFile{path: path, f: f, p: p, key: key}
+	return &keyFile{path: path, f: f, p: p, id: id}
 }
 
 // store writes kf from the cache's pages, first set to orig (host: the
@@ -68,14 +69,14 @@ func store(t *testing.T, e *env, m *Mover, kv *cache, kf *keyFile, host map[regi
 	}
 	wantFile, wantSums := expect(kf.p, host)
 	sums := make([]uint32, kf.p.Sums)
-	if n, err := m.WriteFile(context.Background(), kf.f, kf.p, sums); err != nil || n != kf.p.Bytes() {
+	if n, err := m.WriteFile(jobContext(t), kf.f, kf.p, sums); err != nil || n != kf.p.Bytes() {
 		t.Fatalf("WriteFile = %d, %v; want %d", n, err, kf.p.Bytes())
 	}
 	got, err := os.ReadFile(kf.path)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !bytes.Equal(got[kv.g.headerBytes:], wantFile) {
+	if len(got) < kv.g.headerBytes+len(wantFile) || !bytes.Equal(got[kv.g.headerBytes:kv.g.headerBytes+len(wantFile)], wantFile) {
 		t.Fatalf("%s: file bytes differ from the pages in plan order", kf.path)
 	}
 	if !equal(sums, wantSums) {
@@ -95,7 +96,7 @@ func load(t *testing.T, e *env, m *Mover, kv *cache, kf *keyFile, host map[regio
 	}
 	defer f.Close()
 	lsums := make([]uint32, kf.p.Sums)
-	if n, err := m.ReadFile(context.Background(), f, kf.p, lsums); err != nil || n != kf.p.Bytes() {
+	if n, err := m.ReadFile(jobContext(t), f, kf.p, lsums); err != nil || n != kf.p.Bytes() {
 		t.Fatalf("ReadFile = %d, %v; want %d", n, err, kf.p.Bytes())
 	}
 	if !equal(lsums, wantSums) {
@@ -109,6 +110,14 @@ func load(t *testing.T, e *env, m *Mover, kv *cache, kf *keyFile, host map[regio
 			}
 		}
 	}
+}
+
+// jobContext bounds a test job: a job that waits for a pinned buffer no
+// one returns fails instead of hanging the test.
+func jobContext(t *testing.T) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	t.Cleanup(cancel)
+	return ctx
 }
 
 // roundTrip is store, then load.
@@ -163,11 +172,14 @@ func TestRegisteredFilesMoveDirectlyFromTheSecondJob(t *testing.T) {
 	orig = kv.randomize(t, e.w, 2)
 	host = hostCopies(kv, orig)
 	batches := e.fake.Count(cudatest.OpBatch)
-	held, _, err := m.bufs.take(context.Background(), true) // held here: direct jobs take none
-	if err != nil {
-		t.Fatal(err)
+	var held []int // every pinned buffer, held here: direct jobs need none
+	for {
+		i, ok, _ := m.bufs.take(context.Background(), false)
+		if !ok {
+			break
+		}
+		held = append(held, i)
 	}
-	taken := m.bufs.total() - m.bufs.free()
 	roundTrip(t, e, m, kv, kf, host, orig)
 	if st := m.FileStats(); st.Stores != 1 || st.Loads != 1 {
 		t.Fatalf("after the second jobs: %+v; want 1 direct store and 1 direct load", st)
@@ -175,12 +187,11 @@ func TestRegisteredFilesMoveDirectlyFromTheSecondJob(t *testing.T) {
 	if n := e.fake.Count(cudatest.OpBatch) - batches; n != 2 {
 		t.Fatalf("%d batched copies for a direct store and load, want one each", n)
 	}
-	if now := m.bufs.total() - m.bufs.free(); now != taken {
-		t.Fatalf("pinned buffers in use %d during direct jobs, want %d", now, taken)
+	for _, i := range held {
+		m.bufs.put(i)
 	}
-	m.bufs.put(held)
 
-	m.Forget(kf.key.dev, kf.key.ino)
+	m.Forget(kf.id.key.dev, kf.id.key.ino)
 	testwait.Until(t, "the forgotten file released", 10*time.Second, func() bool { return m.FileStats().Released == 1 })
 	if st := m.FileStats(); st.Files != 0 || st.Bytes != 0 {
 		t.Fatalf("after Forget: %+v; want no file", st)
@@ -236,16 +247,15 @@ func TestRegisteredFilesUnlinkedAreReleased(t *testing.T) {
 	if err := os.Remove(gone.path); err != nil {
 		t.Fatal(err)
 	}
-	m.files.sweepUnlinked()
-	testwait.Until(t, "the unlinked file released", 10*time.Second, func() bool { return m.FileStats().Released == 1 })
-	if m.files.acquire(gone.key, 1) != nil {
+	testwait.Until(t, "the unlinked file released by the registrar's sweep", 10*time.Second, func() bool { return m.FileStats().Released == 1 })
+	if m.files.acquire(gone.id, 1) != nil {
 		t.Fatal("the unlinked file is still handed to jobs")
 	}
-	rf := m.files.acquire(kept.key, 1)
+	rf := m.files.acquire(kept.id, 1)
 	if rf == nil {
 		t.Fatal("the linked file was released")
 	}
-	m.files.put(rf, false)
+	m.files.put(rf, false, false)
 }
 
 // TestRegisteredFilesKeepTheMostRecentlyUsed: at the limit, a new file
@@ -266,7 +276,7 @@ func TestRegisteredFilesKeepTheMostRecentlyUsed(t *testing.T) {
 	testwait.Until(t, "c's offer handled", 10*time.Second, func() bool {
 		m.files.mu.Lock()
 		defer m.files.mu.Unlock()
-		_, queued := m.files.queued[c.key]
+		_, queued := m.files.queued[c.id.key]
 		return !queued
 	})
 	if st := m.FileStats(); st.Files != 2 || st.Registered != 2 {
@@ -282,12 +292,12 @@ func TestRegisteredFilesKeepTheMostRecentlyUsed(t *testing.T) {
 		kf   *keyFile
 		want bool
 	}{{a, true}, {b, false}, {c, true}} {
-		rf := m.files.acquire(x.kf.key, 1)
+		rf := m.files.acquire(x.kf.id, 1)
 		if (rf != nil) != x.want {
 			t.Fatalf("%s registered %v, want %v", x.kf.path, rf != nil, x.want)
 		}
 		if rf != nil {
-			m.files.put(rf, false)
+			m.files.put(rf, false, false)
 		}
 	}
 }
@@ -324,17 +334,23 @@ func TestRegisteredFilesOnlyOnMemoryFileSystems(t *testing.T) {
 	}
 }
 
-// TestFileLimitLeavesMostDescriptorsToTheEngine: the registrar keeps at
-// most a quarter of the descriptor limit.
-func TestFileLimitLeavesMostDescriptorsToTheEngine(t *testing.T) {
+// TestFileLimitLeavesMostDescriptorsAndMappingsToOthers: the registrar
+// keeps at most a quarter of the descriptor limit and a quarter of
+// vm.max_map_count, and exactly what was asked below both.
+func TestFileLimitLeavesMostDescriptorsAndMappingsToOthers(t *testing.T) {
 	var lim unix.Rlimit
 	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &lim); err != nil {
 		t.Fatal(err)
 	}
-	for _, want := range []int{0, 1, int(lim.Cur / 4), int(lim.Cur)} {
-		got := fileLimit(want)
-		if got > want || uint64(got) > lim.Cur/4 && want > 0 || want <= int(lim.Cur/4) && got != want {
-			t.Errorf("fileLimit(%d) = %d with a limit of %d descriptors", want, got, lim.Cur)
+	bound := int(lim.Cur / 4)
+	if b, err := os.ReadFile("/proc/sys/vm/max_map_count"); err == nil {
+		if n, err := strconv.Atoi(strings.TrimSpace(string(b))); err == nil {
+			bound = min(bound, n/4)
+		}
+	}
+	for _, want := range []int{0, 1, bound, bound + 1, 1 << 30} {
+		if got := fileLimit(want); got != min(want, bound) {
+			t.Errorf("fileLimit(%d) = %d with %d descriptors allowed; want %d", want, got, lim.Cur, min(want, bound))
 		}
 	}
 }
@@ -376,5 +392,98 @@ func TestRegisteredFilesCopyFailuresFailTheJob(t *testing.T) {
 	}
 	if st := m.FileStats(); st.Stores < 5 || st.Loads < 5 {
 		t.Fatalf("%+v: the jobs did not take the direct path", st)
+	}
+}
+
+// TestRegisteredFilesForgottenInUseWaitForTheirLastJob: a file forgotten
+// while a job moves through its mapping is no longer handed out, and is
+// released only when that job ends.
+func TestRegisteredFilesForgottenInUseWaitForTheirLastJob(t *testing.T) {
+	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, RegisterFiles: 4})
+	kf := newKeyFile(t, kv, t.TempDir(), "key", 1)
+	store(t, e, m, kv, kf, host, orig)
+	testwait.Until(t, "the file registered", 10*time.Second, func() bool { return m.FileStats().Files == 1 })
+	rf := m.files.acquire(kf.id, 1) // a job in flight
+	if rf == nil {
+		t.Fatal("the registered file was not handed out")
+	}
+	m.Forget(kf.id.key.dev, kf.id.key.ino)
+	if st := m.FileStats(); st.Files != 0 || st.Released != 0 {
+		t.Fatalf("after Forget with a job in flight: %+v; want it dropped, not released", st)
+	}
+	if m.files.acquire(kf.id, 1) != nil {
+		t.Fatal("a forgotten file was handed to a new job")
+	}
+	m.files.put(rf, true, true)
+	if st := m.FileStats(); st.Released != 1 {
+		t.Fatalf("after the job ended: %+v; want the file released", st)
+	}
+}
+
+// TestRegisteredFilesResizedOrReplacedAreDropped: a registered file whose
+// size changed behind the mover's back (truncated and extended: its
+// mapping may hold pages no longer in the file), or a file that has its
+// inode number but not its file handle (a recycled number), is not
+// moved through the old mapping: the mapping is released and the job
+// goes through the pinned buffers, with the right bytes.
+func TestRegisteredFilesResizedOrReplacedAreDropped(t *testing.T) {
+	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, RegisterFiles: 4})
+	kf := newKeyFile(t, kv, t.TempDir(), "key", 1)
+	store(t, e, m, kv, kf, host, orig)
+	testwait.Until(t, "the file registered", 10*time.Second, func() bool { return m.FileStats().Files == 1 })
+
+	other := kf.id
+	other.handle += "-another-file"
+	if m.files.acquire(other, 1) != nil {
+		t.Fatal("a file with another handle got the registered mapping")
+	}
+	testwait.Until(t, "the mapping released", 10*time.Second, func() bool { return m.FileStats().Released == 1 })
+	store(t, e, m, kv, kf, host, orig)
+	testwait.Until(t, "the file registered again", 10*time.Second, func() bool { return m.FileStats().Files == 1 })
+
+	if err := os.Truncate(kf.path, kf.p.End()+2*Align); err != nil {
+		t.Fatal(err)
+	}
+	stores := m.FileStats().Stores
+	store(t, e, m, kv, kf, host, orig)
+	if st := m.FileStats(); st.Stores != stores || st.Released != 2 {
+		t.Fatalf("after a resize: %+v; want the store staged and the old mapping released", st)
+	}
+	load(t, e, m, kv, kf, host, orig)
+}
+
+// TestRegisteredFilesCloseReleasesEveryFile: Close unregisters and unmaps
+// every registered file and closes the registrar's descriptors; an offer
+// after Close is declined.
+func TestRegisteredFilesCloseReleasesEveryFile(t *testing.T) {
+	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, RegisterFiles: 4})
+	dir := t.TempDir()
+	a, b := newKeyFile(t, kv, dir, "a", 1), newKeyFile(t, kv, dir, "b", 2)
+	store(t, e, m, kv, a, host, orig)
+	store(t, e, m, kv, b, host, orig)
+	testwait.Until(t, "both files registered", 10*time.Second, func() bool { return m.FileStats().Files == 2 })
+	fds := func() int {
+		ents, err := os.ReadDir("/proc/self/fd")
+		if err != nil {
+			t.Fatal(err)
+		}
+		return len(ents)
+	}
+	before := fds()
+	if err := m.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if st := m.FileStats(); st.Files != 0 || st.Released != 2 {
+		t.Fatalf("after Close: %+v; want both released", st)
+	}
+	if n := before - fds(); n != 2 {
+		t.Fatalf("Close closed %d descriptors, want the registrar's 2", n)
+	}
+	m.files.offer(a.f, a.id)
+	m.files.mu.Lock()
+	queued := len(m.files.queued)
+	m.files.mu.Unlock()
+	if n := before - fds(); queued != 0 || n != 2 {
+		t.Fatalf("an offer after Close was taken: %d queued, %d descriptors", queued, 2-n)
 	}
 }

@@ -467,16 +467,17 @@ func (m *Mover) run(ctx context.Context, f fsys.File, p *transfer.Plan, sums []u
 		fused = false
 	}
 	if m.files != nil && p.Memory {
-		if key, ok := identify(f); ok {
-			if rf := m.files.acquire(key, p.End()); rf != nil {
-				defer m.files.put(rf, write)
-				return m.runMapped(ctx, rf.mem, p, chunks, dev, sums, write)
+		if id, ok := identify(f); ok {
+			if rf := m.files.acquire(id, p.End()); rf != nil {
+				n, err = m.runMapped(ctx, rf.mem, p, chunks, dev, sums, write)
+				m.files.put(rf, write, err == nil)
+				return n, err
 			}
 			// Registered later, off the job's path, for the next job.
 			file := f
 			defer func() {
 				if err == nil {
-					m.files.offer(file, key)
+					m.files.offer(file, id)
 				}
 			}()
 		}
