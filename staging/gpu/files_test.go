@@ -204,10 +204,10 @@ func TestRegisteredFilesMoveDirectlyFromTheSecondJob(t *testing.T) {
 }
 
 // TestRegisteredFilesStoreChunkByChunk: a direct store of a file of many
-// chunks keeps Depth chunks' copies in flight and checksums each chunk
-// after its copies, one batch per chunk; the bytes and checksums are
-// those of the pages, and a direct load of it (one batch) brings them
-// back.
+// chunks moves one batch per chunk, checksumming each chunk after its
+// copies, and its bytes and checksums are those of the pages; a direct
+// load of it (one batch) brings them back. (How many chunks are in flight
+// at once is not observed here.)
 func TestRegisteredFilesStoreChunkByChunk(t *testing.T) {
 	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, Chunk: 3 * Align, Copy: cuda.CopyBatch, RegisterFiles: 4})
 	kf := newKeyFile(t, kv, t.TempDir(), "key", 1)
@@ -485,5 +485,34 @@ func TestRegisteredFilesCloseReleasesEveryFile(t *testing.T) {
 	m.files.mu.Unlock()
 	if n := before - fds(); queued != 0 || n != 2 {
 		t.Fatalf("an offer after Close was taken: %d queued, %d descriptors", queued, 2-n)
+	}
+}
+
+// TestRegisteredFilesDirectStoreZeroesTheBlockTail: a direct (O_DIRECT)
+// plan whose payload ends inside a 4 KiB block is written to the block's
+// end with zeros, through a registered mapping as through the pinned
+// buffers, whatever the file held there before.
+func TestRegisteredFilesDirectStoreZeroesTheBlockTail(t *testing.T) {
+	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, Copy: cuda.CopyBatch, RegisterFiles: 4})
+	kf := newKeyFile(t, kv, t.TempDir(), "key", 1)
+	last := &kf.p.Extents[len(kf.p.Extents)-1]
+	last.Len -= 100 // the payload now ends 100 bytes before a block's end
+	kf.p.Direct = true
+	end := kf.p.End()
+	store(t, e, m, kv, kf, host, orig)
+	testwait.Until(t, "the file registered", 10*time.Second, func() bool { return m.FileStats().Files == 1 })
+	if _, err := kf.f.WriteAt(bytes.Repeat([]byte{0xEE}, 100), end); err != nil {
+		t.Fatal(err)
+	}
+	store(t, e, m, kv, kf, host, orig)
+	if st := m.FileStats(); st.Stores != 1 {
+		t.Fatalf("%+v: the second store did not take the direct path", st)
+	}
+	got, err := os.ReadFile(kf.path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if tail := got[end : end+100]; !bytes.Equal(tail, make([]byte, 100)) {
+		t.Fatalf("the block's tail after a direct store holds %x, want zeros", tail[:8])
 	}
 }
