@@ -5,6 +5,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"go/ast"
+	"go/parser"
+	"go/token"
 	"io/fs"
 	"math/rand/v2"
 	"os"
@@ -476,5 +479,52 @@ func TestSparesKeepTheirInodeAndMoversForgetOnlyRemovedFiles(t *testing.T) {
 		if !after[ino] {
 			t.Fatalf("spare %s (inode %d) was removed at Close without being forgotten", path, ino)
 		}
+	}
+}
+
+// TestEngineNeverTruncatesItsFiles: nothing in the engine truncates,
+// punches or shrinks a file, apart from the node lock's pid line. A data
+// file's pages must stay the pages it had: the GPU path keeps tmpfs files
+// registered with CUDA across stores, and a truncated page would leave
+// the registration on memory no longer in the file (spares.go zeroes a
+// reused spare's tail with writes for that reason).
+func TestEngineNeverTruncatesItsFiles(t *testing.T) {
+	fset := token.NewFileSet()
+	ents, err := os.ReadDir(".")
+	if err != nil {
+		t.Fatal(err)
+	}
+	forbidden := map[string]bool{"Ftruncate": true, "Truncate": true, "Fallocate": true, "FALLOC_FL_PUNCH_HOLE": true, "O_TRUNC": true}
+	found := 0
+	for _, ent := range ents {
+		name := ent.Name()
+		if !strings.HasSuffix(name, ".go") || strings.HasSuffix(name, "_test.go") {
+			continue
+		}
+		file, err := parser.ParseFile(fset, name, nil, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, decl := range file.Decls {
+			fn, ok := decl.(*ast.FuncDecl)
+			if !ok {
+				continue
+			}
+			ast.Inspect(fn, func(n ast.Node) bool {
+				sel, ok := n.(*ast.SelectorExpr)
+				if !ok || !forbidden[sel.Sel.Name] {
+					return true
+				}
+				found++
+				if name == "tempfiles.go" && fn.Name.Name == "lockNode" && sel.Sel.Name == "Ftruncate" {
+					return true // the node lock file's pid line
+				}
+				t.Errorf("%s: %s calls %s: the engine must not truncate or punch its files", fset.Position(sel.Pos()), fn.Name.Name, sel.Sel.Name)
+				return true
+			})
+		}
+	}
+	if found == 0 {
+		t.Fatal("found not even the node lock's Ftruncate: the check reads nothing")
 	}
 }
