@@ -49,6 +49,8 @@ type GPUFiles struct {
 	Bytes                        int64
 	Limit                        int
 	Registered, Released, Failed uint64
+	// Deferred counts offers declined at the bound as a file's first.
+	Deferred uint64
 	// Stores and Loads count the jobs that moved a registered file
 	// directly.
 	Stores, Loads uint64
@@ -231,7 +233,7 @@ var (
 	dGPUFiles       = desc("kvhost_gpu_registered_files", "Memory-mount files kept mapped and registered with CUDA, for direct copies between the GPU and their pages.")
 	dGPUFileBytes   = desc("kvhost_gpu_registered_file_bytes", "Bytes of the memory-mount files kept registered with CUDA.")
 	dGPUFileLimit   = desc("kvhost_gpu_registered_files_limit", "The most files kept registered (gpu.register_files, bounded by the descriptor limit).")
-	dGPUFileRegs    = desc("kvhost_gpu_file_registrations_total", "Files mapped and registered with CUDA (ok), given back (released), or that could not be (failed).", "result")
+	dGPUFileRegs    = desc("kvhost_gpu_file_registrations_total", "Files mapped and registered with CUDA (ok), given back (released), that could not be (failed), or not registered yet because the bound was reached (deferred: a file's first offer there).", "result")
 	dGPUFileJobs    = desc("kvhost_gpu_direct_file_jobs_total", "Jobs that moved a registered file directly between the GPU and its pages, by direction.", "direction")
 	dStart          = desc("kvhost_start_time_seconds", "When the daemon's server started, in Unix seconds.")
 	dReloads        = desc("kvhost_reloads_total", "Configuration reloads, by result (ok, failed).", "result")
@@ -345,6 +347,7 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 		counter(dGPUFileRegs, f.Registered, "ok")
 		counter(dGPUFileRegs, f.Released, "released")
 		counter(dGPUFileRegs, f.Failed, "failed")
+		counter(dGPUFileRegs, f.Deferred, "deferred")
 		counter(dGPUFileJobs, f.Stores, "store")
 		counter(dGPUFileJobs, f.Loads, "load")
 	}

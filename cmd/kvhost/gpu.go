@@ -157,7 +157,7 @@ func (p *gpuPaths) movers() map[region.Kind]engine.MoverFactory {
 func (p *gpuPaths) files() metrics.GPUFiles {
 	st := p.staging.FileStats()
 	return metrics.GPUFiles{Files: st.Files, Bytes: st.Bytes, Limit: st.Limit, Registered: st.Registered,
-		Released: st.Released, Failed: st.Failed, Stores: st.Stores, Loads: st.Loads}
+		Released: st.Released, Failed: st.Failed, Deferred: st.Deferred, Stores: st.Stores, Loads: st.Loads}
 }
 
 // Close releases the GPU paths.

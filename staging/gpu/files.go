@@ -100,8 +100,10 @@ type FileStats struct {
 	Limit int
 	// Registered counts registrations, Released the files unregistered
 	// since (forgotten, unlinked, resized, dropped for others or at
-	// Close), Failed the files that could not be mapped or registered.
-	Registered, Released, Failed uint64
+	// Close), Failed the files that could not be mapped or registered,
+	// Deferred the offers declined at the bound because they were a
+	// file's first since the bound was reached.
+	Registered, Released, Failed, Deferred uint64
 	// Stores and Loads count the jobs that moved a registered file
 	// directly and succeeded.
 	Stores, Loads uint64
@@ -126,6 +128,7 @@ type files struct {
 	byKey   map[fileKey]*regFile
 	lru     *list.List       // of *regFile, the most recently used first
 	queued  map[fileKey]bool // offered, not registered yet; false: forgotten since
+	seen    map[fileKey]bool // offered once at the bound (admitLocked)
 	bytes   int64
 	st      FileStats
 	warned  bool
@@ -143,7 +146,7 @@ func newFiles(m *Mover, limit, device int, log *slog.Logger) *files {
 	g := &files{
 		m: m, limit: limit, device: device, log: log, sweep: sweepEvery, minIdle: minIdle,
 		offers: make(chan offer, 256), stop: make(chan struct{}), done: make(chan struct{}),
-		byKey: map[fileKey]*regFile{}, lru: list.New(), queued: map[fileKey]bool{},
+		byKey: map[fileKey]*regFile{}, lru: list.New(), queued: map[fileKey]bool{}, seen: map[fileKey]bool{},
 	}
 	go g.run()
 	return g
@@ -242,7 +245,7 @@ func (g *files) put(rf *regFile, write, ok bool) {
 func (g *files) offer(f fsys.File, id fileID) {
 	g.mu.Lock()
 	_, busy := g.queued[id.key]
-	if busy || g.stopped || g.byKey[id.key] != nil {
+	if busy || g.stopped || g.byKey[id.key] != nil || !g.admitLocked(id.key) {
 		g.mu.Unlock()
 		return
 	}
@@ -268,6 +271,28 @@ func (g *files) offer(f fsys.File, id fileID) {
 		g.log.Warn("gpu: a file could not be reopened for registration: its jobs move through the pinned buffers (logged once)", "err", err)
 	}
 	delete(g.queued, id.key)
+}
+
+// admitLocked reports whether a file offered now should be registered.
+// Below the bound, every file is. At the bound a file takes another's
+// place only at its second offer since the bound was reached (the first
+// is remembered in seen, itself bounded): in a cache of many more files
+// than the bound, files used once would otherwise cost a registration
+// and an unregistration each and save nothing.
+func (g *files) admitLocked(key fileKey) bool {
+	if len(g.byKey)+len(g.queued) < g.limit {
+		return true
+	}
+	if g.seen[key] {
+		delete(g.seen, key)
+		return true
+	}
+	if len(g.seen) >= g.limit {
+		clear(g.seen)
+	}
+	g.seen[key] = true
+	g.st.Deferred++
+	return false
 }
 
 // forget drops the file key: no job takes its mapping from now on, and it

@@ -271,7 +271,9 @@ func TestRegisteredFilesKeepTheMostRecentlyUsed(t *testing.T) {
 	testwait.Until(t, "a and b registered", 10*time.Second, func() bool { return m.FileStats().Registered == 2 })
 	roundTrip(t, e, m, kv, a, host, orig) // a is now the most recently used
 
-	// Both in recent use: c's offer is declined.
+	// Both in recent use: c's store's offer is deferred (its first at the
+	// bound), its load's is admitted and then declined for want of an
+	// idle file to replace.
 	roundTrip(t, e, m, kv, c, host, orig)
 	testwait.Until(t, "c's offer handled", 10*time.Second, func() bool {
 		m.files.mu.Lock()
@@ -279,8 +281,8 @@ func TestRegisteredFilesKeepTheMostRecentlyUsed(t *testing.T) {
 		_, queued := m.files.queued[c.id.key]
 		return !queued
 	})
-	if st := m.FileStats(); st.Files != 2 || st.Registered != 2 {
-		t.Fatalf("with every file in recent use: %+v; want the two kept", st)
+	if st := m.FileStats(); st.Files != 2 || st.Registered != 2 || st.Deferred != 1 {
+		t.Fatalf("with every file in recent use: %+v; want the two kept and one offer deferred", st)
 	}
 
 	m.files.mu.Lock()
@@ -514,5 +516,36 @@ func TestRegisteredFilesDirectStoreZeroesTheBlockTail(t *testing.T) {
 	}
 	if tail := got[end : end+100]; !bytes.Equal(tail, make([]byte, 100)) {
 		t.Fatalf("the block's tail after a direct store holds %x, want zeros", tail[:8])
+	}
+}
+
+// TestRegisteredFilesAtTheBoundAdmitOnlyASecondOffer: below the bound
+// every offered file is registered; at the bound a file replaces an idle
+// one only at its second offer, so files used once in a cache larger than
+// the bound cost no registration.
+func TestRegisteredFilesAtTheBoundAdmitOnlyASecondOffer(t *testing.T) {
+	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, RegisterFiles: 1})
+	m.files.mu.Lock()
+	m.files.minIdle = 0
+	m.files.mu.Unlock()
+	dir := t.TempDir()
+	a, b := newKeyFile(t, kv, dir, "a", 1), newKeyFile(t, kv, dir, "b", 2)
+	store(t, e, m, kv, a, host, orig)
+	testwait.Until(t, "a registered", 10*time.Second, func() bool { return m.FileStats().Registered == 1 })
+	regs := e.fake.Count(cudatest.OpHostRegister)
+	store(t, e, m, kv, b, host, orig)
+	if st := m.FileStats(); st.Deferred != 1 {
+		t.Fatalf("b's first offer at the bound: %+v; want it deferred", st)
+	}
+	m.files.mu.Lock()
+	queued := len(m.files.queued)
+	m.files.mu.Unlock()
+	if queued != 0 || e.fake.Count(cudatest.OpHostRegister) != regs {
+		t.Fatalf("b's first offer at the bound was queued (%d) or registered", queued)
+	}
+	store(t, e, m, kv, b, host, orig)
+	testwait.Until(t, "b registered at its second offer", 10*time.Second, func() bool { return m.FileStats().Registered == 2 })
+	if m.files.acquire(a.id, 1) != nil {
+		t.Fatal("a is still registered beside b with a bound of one file")
 	}
 }
