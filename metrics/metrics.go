@@ -19,6 +19,7 @@ import (
 	"github.com/kvhost/kvhost/host/engine"
 	"github.com/kvhost/kvhost/host/policy"
 	"github.com/kvhost/kvhost/server"
+	"github.com/kvhost/kvhost/staging/gpu"
 )
 
 // Sources are what the collector reads at every scrape. A nil field leaves
@@ -38,22 +39,8 @@ type Sources struct {
 	// failed.
 	Reloads func() (ok, failed uint64)
 	// GPUFiles reports the files the GPU staging pipeline keeps
-	// registered (nil without a GPU).
-	GPUFiles func() GPUFiles
-}
-
-// GPUFiles are the memory-mount files the GPU staging pipeline keeps
-// mapped and registered with CUDA (gpu.register_files).
-type GPUFiles struct {
-	Files                        int
-	Bytes                        int64
-	Limit                        int
-	Registered, Released, Failed uint64
-	// Deferred counts offers declined at the bound as a file's first.
-	Deferred uint64
-	// Stores and Loads count the jobs that moved a registered file
-	// directly.
-	Stores, Loads uint64
+	// registered (gpu.Mover.FileStats; nil without a GPU).
+	GPUFiles func() gpu.FileStats
 }
 
 // PolicyState is the placement policy as the daemon runs it.

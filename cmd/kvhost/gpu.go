@@ -9,7 +9,6 @@ import (
 	"github.com/kvhost/kvhost/gds"
 	"github.com/kvhost/kvhost/host/engine"
 	"github.com/kvhost/kvhost/internal/cuda"
-	"github.com/kvhost/kvhost/metrics"
 	"github.com/kvhost/kvhost/region"
 	"github.com/kvhost/kvhost/server/cudaipc"
 	"github.com/kvhost/kvhost/staging/gpu"
@@ -151,13 +150,6 @@ func (p *gpuPaths) movers() map[region.Kind]engine.MoverFactory {
 			return transfer.NewChain(m.Path, p.log, p.cfMover, p.staging)
 		},
 	}
-}
-
-// files reports the staging pipeline's registered files for /metrics.
-func (p *gpuPaths) files() metrics.GPUFiles {
-	st := p.staging.FileStats()
-	return metrics.GPUFiles{Files: st.Files, Bytes: st.Bytes, Limit: st.Limit, Registered: st.Registered,
-		Released: st.Released, Failed: st.Failed, Deferred: st.Deferred, Stores: st.Stores, Loads: st.Loads}
 }
 
 // Close releases the GPU paths.

@@ -232,7 +232,7 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 			},
 		}
 		if gp != nil {
-			src.GPUFiles = gp.files
+			src.GPUFiles = gp.staging.FileStats
 		}
 		d.metrics.SetSources(src)
 	}
