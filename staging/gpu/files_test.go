@@ -138,6 +138,17 @@ func filesSetup(t *testing.T, cfg Config) (*env, *Mover, *cache, [][]byte, map[r
 	return e, m, kv, orig, hostCopies(kv, orig)
 }
 
+// registeredFile is filesSetup with one key file, stored once (through
+// the pinned buffers) and then registered by the registrar.
+func registeredFile(t *testing.T, cfg Config) (*env, *Mover, *cache, [][]byte, map[region.Region][]byte, *keyFile) {
+	t.Helper()
+	e, m, kv, orig, host := filesSetup(t, cfg)
+	kf := newKeyFile(t, kv, t.TempDir(), "key", 1)
+	store(t, e, m, kv, kf, host, orig)
+	testwait.Until(t, "the file registered", 10*time.Second, func() bool { return m.FileStats().Files == 1 })
+	return e, m, kv, orig, host, kf
+}
+
 // hostCopies maps each layer's region to its host copy.
 func hostCopies(kv *cache, orig [][]byte) map[region.Region][]byte {
 	host := map[region.Region][]byte{}
@@ -209,10 +220,7 @@ func TestRegisteredFilesMoveDirectlyFromTheSecondJob(t *testing.T) {
 // load of it (one batch) brings them back. (How many chunks are in flight
 // at once is not observed here.)
 func TestRegisteredFilesStoreChunkByChunk(t *testing.T) {
-	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, Chunk: 3 * Align, Copy: cuda.CopyBatch, RegisterFiles: 4})
-	kf := newKeyFile(t, kv, t.TempDir(), "key", 1)
-	store(t, e, m, kv, kf, host, orig)
-	testwait.Until(t, "the file registered", 10*time.Second, func() bool { return m.FileStats().Files == 1 })
+	e, m, kv, orig, host, kf := registeredFile(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, Chunk: 3 * Align, Copy: cuda.CopyBatch, RegisterFiles: 4})
 	orig = kv.randomize(t, e.w, 2)
 	host = hostCopies(kv, orig)
 	chunks, _, err := m.plan(kf.p, true)
@@ -361,10 +369,7 @@ func TestFileLimitLeavesMostDescriptorsAndMappingsToOthers(t *testing.T) {
 // wait in a direct store or load fails that job with the CUDA error, and
 // the next job on the file succeeds (the failed lane was not reused).
 func TestRegisteredFilesCopyFailuresFailTheJob(t *testing.T) {
-	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, Chunk: 3 * Align, Copy: cuda.CopyBatch, RegisterFiles: 4})
-	kf := newKeyFile(t, kv, t.TempDir(), "key", 1)
-	store(t, e, m, kv, kf, host, orig)
-	testwait.Until(t, "the file registered", 10*time.Second, func() bool { return m.FileStats().Files == 1 })
+	e, m, kv, orig, host, kf := registeredFile(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, Chunk: 3 * Align, Copy: cuda.CopyBatch, RegisterFiles: 4})
 	for _, c := range []struct {
 		name  string
 		op    cudatest.Op
@@ -401,10 +406,7 @@ func TestRegisteredFilesCopyFailuresFailTheJob(t *testing.T) {
 // while a job moves through its mapping is no longer handed out, and is
 // released only when that job ends.
 func TestRegisteredFilesForgottenInUseWaitForTheirLastJob(t *testing.T) {
-	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, RegisterFiles: 4})
-	kf := newKeyFile(t, kv, t.TempDir(), "key", 1)
-	store(t, e, m, kv, kf, host, orig)
-	testwait.Until(t, "the file registered", 10*time.Second, func() bool { return m.FileStats().Files == 1 })
+	_, m, _, _, _, kf := registeredFile(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, RegisterFiles: 4})
 	rf := m.files.acquire(kf.id, 1) // a job in flight
 	if rf == nil {
 		t.Fatal("the registered file was not handed out")
@@ -429,10 +431,7 @@ func TestRegisteredFilesForgottenInUseWaitForTheirLastJob(t *testing.T) {
 // moved through the old mapping: the mapping is released and the job
 // goes through the pinned buffers, with the right bytes.
 func TestRegisteredFilesResizedOrReplacedAreDropped(t *testing.T) {
-	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, RegisterFiles: 4})
-	kf := newKeyFile(t, kv, t.TempDir(), "key", 1)
-	store(t, e, m, kv, kf, host, orig)
-	testwait.Until(t, "the file registered", 10*time.Second, func() bool { return m.FileStats().Files == 1 })
+	e, m, kv, orig, host, kf := registeredFile(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, RegisterFiles: 4})
 
 	other := kf.id
 	other.handle += "-another-file"
