@@ -220,9 +220,9 @@ func TestRegisteredFilesMoveDirectlyFromTheSecondJob(t *testing.T) {
 // load of it (one batch) brings them back. (How many chunks are in flight
 // at once is not observed here.)
 func TestRegisteredFilesStoreChunkByChunk(t *testing.T) {
-	e, m, kv, orig, host, kf := registeredFile(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, Chunk: 3 * Align, Copy: cuda.CopyBatch, RegisterFiles: 4})
-	orig = kv.randomize(t, e.w, 2)
-	host = hostCopies(kv, orig)
+	e, m, kv, _, _, kf := registeredFile(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, Chunk: 3 * Align, Copy: cuda.CopyBatch, RegisterFiles: 4})
+	orig := kv.randomize(t, e.w, 2) // new bytes: the direct store must write them
+	host := hostCopies(kv, orig)
 	chunks, _, err := m.plan(kf.p, true)
 	if err != nil || len(chunks) < 3 {
 		t.Fatalf("plan: %d chunks, %v; want several", len(chunks), err)
