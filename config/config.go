@@ -40,6 +40,10 @@ type Metrics struct {
 	// Listen is the TCP address to listen on, e.g. "127.0.0.1:9400"; empty
 	// (the default) serves no metrics.
 	Listen string `toml:"listen"`
+	// Profiling also serves Go's runtime profiles and execution trace
+	// (net/http/pprof) under /debug/pprof/ on the same listener; off by
+	// default.
+	Profiling bool `toml:"profiling"`
 }
 
 // GPU configures the data paths for GPU memory (docs/gpu.md).

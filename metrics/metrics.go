@@ -7,6 +7,7 @@ package metrics
 
 import (
 	"net/http"
+	"net/http/pprof"
 	"strconv"
 	"sync/atomic"
 	"time"
@@ -18,6 +19,7 @@ import (
 
 	"github.com/kvhost/kvhost/host/engine"
 	"github.com/kvhost/kvhost/host/policy"
+	"github.com/kvhost/kvhost/protocol"
 	"github.com/kvhost/kvhost/server"
 	"github.com/kvhost/kvhost/staging/gpu"
 )
@@ -67,6 +69,7 @@ type Metrics struct {
 	jobDuration *prometheus.HistogramVec
 	jobKeys     *prometheus.CounterVec
 	policyCall  *prometheus.HistogramVec
+	request     *prometheus.HistogramVec
 }
 
 // Histogram buckets, in seconds.
@@ -75,6 +78,8 @@ var (
 	jobBuckets = prometheus.ExponentialBuckets(100e-6, 4, 9)
 	// policyBuckets: 1µs to 262ms, ×4.
 	policyBuckets = prometheus.ExponentialBuckets(1e-6, 4, 10)
+	// requestBuckets: 10µs to 164ms, ×2 (a lookup's target is 100µs).
+	requestBuckets = prometheus.ExponentialBuckets(10e-6, 2, 15)
 )
 
 // New returns the registry of a daemon of the given version, with Go
@@ -93,10 +98,12 @@ func New(version string) *Metrics {
 		Help: "Keys of finished jobs by outcome (stored, present, not_admitted, loaded, missing, failed)."}, []string{"direction", "outcome"})
 	m.policyCall = prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "kvhost_policy_call_duration_seconds",
 		Help: "Time a policy instance ran per hook call (without the host's validation).", Buckets: policyBuckets}, []string{"hook"})
+	m.request = prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "kvhost_request_duration_seconds",
+		Help: "Time the daemon took to answer a control request (lookup, delete, declare...), from its frame read to its reply written.", Buckets: requestBuckets}, []string{"request"})
 	build := prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvhost_build_info", Help: "The running build; always 1.",
 		ConstLabels: prometheus.Labels{"version": version}})
 	build.Set(1)
-	m.reg.MustRegister(m.jobs, m.jobBytes, m.jobDuration, m.jobKeys, m.policyCall, build, &collector{m: m},
+	m.reg.MustRegister(m.jobs, m.jobBytes, m.jobDuration, m.jobKeys, m.policyCall, m.request, build, &collector{m: m},
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	return m
 }
@@ -140,11 +147,26 @@ func (m *Metrics) ObservePolicyCall(hook string, _ int, took time.Duration) {
 	m.policyCall.WithLabelValues(hook).Observe(took.Seconds())
 }
 
+// ObserveRequest is a server.Config.OnRequest: the daemon answered one
+// control request.
+func (m *Metrics) ObserveRequest(t protocol.Type, took time.Duration) {
+	m.request.WithLabelValues(t.String()).Observe(took.Seconds())
+}
+
 // Handler serves /metrics (Prometheus text or protobuf), /healthz (200
 // while the process serves HTTP: liveness) and /readyz (200 once the
-// daemon accepts clients, 503 before and while it drains: readiness).
-func (m *Metrics) Handler() http.Handler {
+// daemon accepts clients, 503 before and while it drains: readiness);
+// with profiling, also Go's runtime profiles and execution trace under
+// /debug/pprof/ (net/http/pprof).
+func (m *Metrics) Handler(profiling bool) http.Handler {
 	mux := http.NewServeMux()
+	if profiling {
+		mux.HandleFunc("GET /debug/pprof/", pprof.Index)
+		mux.HandleFunc("GET /debug/pprof/cmdline", pprof.Cmdline)
+		mux.HandleFunc("GET /debug/pprof/profile", pprof.Profile)
+		mux.HandleFunc("GET /debug/pprof/symbol", pprof.Symbol)
+		mux.HandleFunc("GET /debug/pprof/trace", pprof.Trace)
+	}
 	mux.Handle("GET /metrics", promhttp.HandlerFor(m.reg, promhttp.HandlerOpts{}))
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
 		w.Write([]byte("ok\n"))

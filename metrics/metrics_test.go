@@ -82,7 +82,7 @@ func status(t *testing.T, url string) int {
 // the histograms fed by ObserveJob and ObservePolicyCall, and the probes.
 func TestMetricsExposeSourcesAndObservations(t *testing.T) {
 	m := New("v1.2.3")
-	ts := httptest.NewServer(m.Handler())
+	ts := httptest.NewServer(m.Handler(false))
 	defer ts.Close()
 
 	if got := status(t, ts.URL+"/readyz"); got != http.StatusServiceUnavailable {
@@ -120,6 +120,8 @@ func TestMetricsExposeSourcesAndObservations(t *testing.T) {
 	m.ObserveJob(engine.JobEvent{Direction: "store", Memory: region.KindHost, Path: "staging", Bytes: 4096, Duration: time.Millisecond,
 		Outcomes: [engine.OutcomeFailed + 1]int{engine.OutcomeStored: 2, engine.OutcomeNotAdmitted: 1}})
 	m.ObservePolicyCall("kvhost_name", 4, 3*time.Microsecond)
+	m.ObserveRequest(protocol.TypeLookup, 40*time.Microsecond)
+	m.ObserveRequest(protocol.TypeLookup, 3*time.Millisecond)
 
 	fams = scrape(t, ts.URL+"/metrics")
 	mount := map[string]string{"mount": dir}
@@ -160,6 +162,7 @@ func TestMetricsExposeSourcesAndObservations(t *testing.T) {
 		{"kvhost_job_keys_total", map[string]string{"direction": "store", "outcome": "stored"}, 2},
 		{"kvhost_job_keys_total", map[string]string{"direction": "store", "outcome": "not_admitted"}, 1},
 		{"kvhost_policy_call_duration_seconds", map[string]string{"hook": "kvhost_name"}, 1},
+		{"kvhost_request_duration_seconds", map[string]string{"request": "lookup"}, 2},
 	} {
 		if got := value(fams, c.name, c.labels); got != c.want {
 			t.Errorf("%s%v = %v, want %v", c.name, c.labels, got, c.want)
@@ -175,5 +178,26 @@ func TestMetricsExposeSourcesAndObservations(t *testing.T) {
 		if !strings.HasPrefix(name, "kvhost_") && !strings.HasPrefix(name, "go_") && !strings.HasPrefix(name, "process_") {
 			t.Errorf("metric %s outside the documented prefixes", name)
 		}
+	}
+}
+
+// TestProfilesServedOnlyWhenAsked: /debug/pprof/ answers 404 by default
+// and serves the profile index and a heap profile with profiling on.
+func TestProfilesServedOnlyWhenAsked(t *testing.T) {
+	for _, profiling := range []bool{false, true} {
+		ts := httptest.NewServer(New("v").Handler(profiling))
+		want := http.StatusNotFound
+		if profiling {
+			want = http.StatusOK
+		}
+		for _, path := range []string{"/debug/pprof/", "/debug/pprof/heap", "/debug/pprof/goroutine?debug=1"} {
+			if got := status(t, ts.URL+path); got != want {
+				t.Errorf("profiling %v: GET %s = %d, want %d", profiling, path, got, want)
+			}
+		}
+		if got := status(t, ts.URL+"/metrics"); got != http.StatusOK {
+			t.Errorf("profiling %v: /metrics = %d", profiling, got)
+		}
+		ts.Close()
 	}
 }

@@ -124,6 +124,14 @@ type Config struct {
 	// registers one allocation over and over.
 	MaxDeviceBytes int64
 
+	// OnRequest, if set, is called after the reply to each control
+	// request (every request after the handshake but Store and Load, whose
+	// jobs the engine's Observer sees) with the request's type and the
+	// time from its frame read to its reply written (metrics:
+	// kvhost_request_duration_seconds). It runs on the connection's
+	// goroutine and must be fast.
+	OnRequest func(t protocol.Type, took time.Duration)
+
 	// Daemon, if set, supplies the daemon section of Stats replies (start
 	// time, policy, reloads); the server fills in its own figures and the
 	// engine's mounts.

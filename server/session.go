@@ -259,6 +259,10 @@ func (s *session) handle(h protocol.Header, body []byte) bool {
 		s.send(h.ID, perr(protocol.CodeUnknownType, "%s is not a request (after the handshake)", h.Type))
 		return true
 	}
+	var start time.Time
+	if s.srv.cfg.OnRequest != nil {
+		start = time.Now()
+	}
 	m, err := protocol.Decode(h.Type, body)
 	if err != nil {
 		code := protocol.CodeMalformed
@@ -302,10 +306,12 @@ func (s *session) handle(h protocol.Header, body []byte) bool {
 		err = perr(protocol.CodeUnknownType, "%s is not a request", h.Type)
 	}
 	if err != nil {
-		s.send(h.ID, errorOf(err))
-		return true
+		reply = errorOf(err)
 	}
 	s.send(h.ID, reply)
+	if s.srv.cfg.OnRequest != nil {
+		s.srv.cfg.OnRequest(h.Type, time.Since(start))
+	}
 	return true
 }
 

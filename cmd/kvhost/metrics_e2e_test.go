@@ -80,6 +80,8 @@ func TestMetricsMoveDuringAnEndToEndRun(t *testing.T) {
 		{"kvhost_clients", nil, 1},
 		{"kvhost_registered_regions", nil, 1},
 		{"kvhost_registered_bytes", nil, float64(len(k.mem.Bytes()))},
+		{"kvhost_request_duration_seconds", []string{"request", "declare"}, 1},
+		{"kvhost_request_duration_seconds", []string{"request", "register-cache"}, 1},
 		{"kvhost_mount_used_bytes", []string{"mount", cache}, -2}, // checked below
 	} {
 		got := metricValue(after, c.name, c.labels...)

@@ -102,7 +102,7 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 	workers, restoreProcs := reserveControlProcessors(cfg.Engine.IOWorkers, log)
 	defer restoreProcs()
 	if cfg.Metrics.Listen != "" {
-		stop, err := d.serveMetrics(cfg.Metrics.Listen)
+		stop, err := d.serveMetrics(cfg.Metrics.Listen, cfg.Metrics.Profiling)
 		if err != nil {
 			return err
 		}
@@ -213,6 +213,9 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 		MaxDeviceBytes: int64(cfg.Server.MaxDeviceRegisteredBytes),
 		Daemon:         d.daemonStats,
 	}
+	if d.metrics != nil {
+		scfg.OnRequest = d.metrics.ObserveRequest
+	}
 	if gp != nil {
 		scfg.OpenDevice, scfg.Devices = gp.ipc.Open, gp.ipc.Devices()
 		scfg.DeviceUUIDs = gp.deviceUUIDs(scfg.Devices)
@@ -303,17 +306,22 @@ func (d *daemon) setReady(ready bool) {
 	}
 }
 
-// serveMetrics starts the metrics listener; stop shuts it down.
-func (d *daemon) serveMetrics(addr string) (stop func(), err error) {
+// serveMetrics starts the metrics listener (with Go's profiles under
+// /debug/pprof/ if profiling); stop shuts it down.
+func (d *daemon) serveMetrics(addr string, profiling bool) (stop func(), err error) {
 	d.metrics = metrics.New(serverName())
 	ln, err := net.Listen("tcp", addr)
 	if err != nil {
 		return nil, fmt.Errorf("metrics: %w", err)
 	}
-	hs := &http.Server{Handler: d.metrics.Handler(), ReadHeaderTimeout: 10 * time.Second,
+	hs := &http.Server{Handler: d.metrics.Handler(profiling), ReadHeaderTimeout: 10 * time.Second,
 		ErrorLog: slog.NewLogLogger(d.log.Handler(), slog.LevelWarn)}
 	go hs.Serve(ln)
-	d.log.Info("metrics listening", "address", ln.Addr().String(), "paths", "/metrics,/healthz,/readyz")
+	paths := "/metrics,/healthz,/readyz"
+	if profiling {
+		paths += ",/debug/pprof/"
+	}
+	d.log.Info("metrics listening", "address", ln.Addr().String(), "paths", paths)
 	return func() {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()
