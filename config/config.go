@@ -176,6 +176,12 @@ type Engine struct {
 	CPUs []int `toml:"cpus"`
 	// StagingMemory bounds the aligned bounce buffers.
 	StagingMemory Size `toml:"staging_memory"`
+	// YieldBytes: a thread copying a transfer's bytes (an I/O worker, a
+	// GPU staging job) gives its CPU up (sched_yield) after every
+	// YieldBytes it copied or checksummed, so that threads woken on that
+	// CPU (the daemon's own lookups, the inference server's) wait for
+	// about one such copy; 0 never yields (docs/config.md).
+	YieldBytes Size `toml:"yield_bytes"`
 	// VerifyInterval is how long a lookup trusts a file it checked (stat)
 	// before checking it again; 0 checks on every lookup. Loads always check.
 	VerifyInterval Duration `toml:"verify_interval"`
@@ -337,7 +343,7 @@ func Default() Config {
 			MaxFailures:   3,
 			FailureWindow: Duration(time.Minute),
 		},
-		Engine: Engine{StagingMemory: 256 << 20, VerifyInterval: Duration(time.Second)},
+		Engine: Engine{StagingMemory: 256 << 20, YieldBytes: 1 << 20, VerifyInterval: Duration(time.Second)},
 		Mounts: []Mount{{Path: filepath.Join(root, "blocks"), HighWatermark: 0.95, LowWatermark: 0.85}},
 	}
 }
@@ -572,6 +578,8 @@ func (c *Config) Validate() error {
 		return bad("engine.io_workers", "between 0 (automatic) and 256", c.Engine.IOWorkers)
 	case c.Engine.StagingMemory < 1<<20:
 		return bad("engine.staging_memory", "at least 1MiB", c.Engine.StagingMemory)
+	case c.Engine.YieldBytes != 0 && (c.Engine.YieldBytes < 64<<10 || c.Engine.YieldBytes > 1<<30):
+		return bad("engine.yield_bytes", "0 (never yield) or between 64KiB and 1GiB", c.Engine.YieldBytes)
 	case c.Engine.VerifyInterval < 0:
 		return bad("engine.verify_interval", "a non-negative duration", c.Engine.VerifyInterval)
 	case c.Engine.TempGrace < 0:

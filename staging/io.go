@@ -77,6 +77,7 @@ type Worker struct {
 	// call (which may trim it), pieces for the checksums.
 	iov    [][]byte
 	pieces []Span
+	yield  Yielder
 }
 
 // Write writes every span to f. Spans must be sorted by offset and must not
@@ -183,6 +184,7 @@ func (w *Worker) vector(ctx context.Context, f fsys.File, run []Span, opt Option
 		}
 		total += n
 		off += n
+		w.yield.Moved(n)
 	}
 	return total, nil
 }

@@ -49,6 +49,9 @@ type Config struct {
 	Buffers int
 	// QueueLen is the number of tasks that may wait for a worker (default 4 per worker).
 	QueueLen int
+	// YieldBytes: a worker gives its CPU up (sched_yield) after every
+	// YieldBytes it moved (Yielder); 0 never.
+	YieldBytes int64
 }
 
 // Pool is a fixed set of I/O workers and a bounded set of bounce buffers.
@@ -107,7 +110,7 @@ func New(cfg Config) (*Pool, error) {
 
 func (p *Pool) run(i int, started chan<- error) {
 	defer p.wg.Done()
-	w := &Worker{ID: i, pool: p}
+	w := &Worker{ID: i, pool: p, yield: Yielder{Every: p.cfg.YieldBytes}}
 	if len(p.cfg.CPUs) > 0 {
 		runtime.LockOSThread()
 		defer runtime.UnlockOSThread()

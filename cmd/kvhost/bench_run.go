@@ -146,6 +146,7 @@ func (r *benchRun) openGPU(path string, sums, required bool) (*gpuPaths, error) 
 		Mode: mode, CUDALibrary: nonEmpty(c.CUDALibrary), CuFileLibrary: nonEmpty(c.CuFileLibrary),
 		CuFile: cufile, MaxStaging: int64(c.StagingMemory), NoChecksum: !sums,
 		Depth: c.Depth, Chunk: int(c.Chunk), Copy: c.Copy, Poll: time.Duration(c.Poll),
+		YieldBytes: int64(r.o.cfg.Engine.YieldBytes),
 	}, r.log)
 }
 
@@ -186,7 +187,7 @@ func (r *benchRun) engineFor(ctx context.Context, path string, sums bool) (*engi
 	cfg := r.o.cfg
 	eng, err := engine.Open(ctx, engine.Config{
 		Mounts: []engine.Mount{m}, NewPolicy: benchPolicy(ctx, cfg, r.log),
-		Fsync: r.o.fsync, IOWorkers: cfg.Engine.IOWorkers, CPUs: cfg.Engine.CPUs,
+		Fsync: r.o.fsync, IOWorkers: cfg.Engine.IOWorkers, CPUs: cfg.Engine.CPUs, YieldBytes: int64(cfg.Engine.YieldBytes),
 		StagingBytes: int64(cfg.Engine.StagingMemory), Logger: r.log, Movers: movers, NoReuse: !cfg.Engine.Reuse(),
 	})
 	if err != nil {

@@ -40,6 +40,9 @@ type gpuOptions struct {
 	// RegisterFiles is gpu.register_files: the most memory-mount files
 	// kept mapped and registered with CUDA.
 	RegisterFiles int
+	// YieldBytes is engine.yield_bytes: a staging job gives its CPU up
+	// after every YieldBytes it copied or checksummed.
+	YieldBytes int64
 }
 
 // gpuPaths is what the daemon opened for GPU memory: the CUDA runtime, the
@@ -95,7 +98,7 @@ func openGPU(opts gpuOptions, log *slog.Logger) (*gpuPaths, error) {
 		poll = gpu.NoPoll // gpu.poll = "0s"; gpu.Config's zero is its default
 	}
 	p.staging, err = gpu.New(gpu.Config{Runtime: rt, MaxStaging: opts.MaxStaging, NoChecksums: opts.NoChecksum, Depth: opts.Depth, Chunk: opts.Chunk, Copy: mode, Poll: poll,
-		RegisterFiles: opts.RegisterFiles, Log: log})
+		RegisterFiles: opts.RegisterFiles, Log: log, YieldBytes: opts.YieldBytes})
 	if err != nil {
 		rt.Close()
 		return nil, fmt.Errorf("gpu: staging pipeline: %w", err)

@@ -144,6 +144,7 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 		Copy:          cfg.GPU.Copy,
 		Poll:          time.Duration(cfg.GPU.Poll),
 		RegisterFiles: cfg.GPU.RegisterFiles,
+		YieldBytes:    int64(cfg.Engine.YieldBytes),
 	}, log)
 	if err != nil {
 		return err
@@ -159,6 +160,7 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 		NewPolicy:           build.fn,
 		Fsync:               cfg.Engine.Fsync,
 		IOWorkers:           workers,
+		YieldBytes:          int64(cfg.Engine.YieldBytes),
 		CPUs:                cfg.Engine.CPUs,
 		StagingBytes:        int64(cfg.Engine.StagingMemory),
 		VerifyInterval:      time.Duration(cfg.Engine.VerifyInterval),

@@ -149,6 +149,9 @@ type Config struct {
 	// CPUs, if set, pins the I/O workers to these CPUs (e.g. the GPU's NUMA
 	// node), round-robin.
 	CPUs []int
+	// YieldBytes: an I/O worker gives its CPU up (sched_yield) after every
+	// YieldBytes it moved (staging.Yielder); 0 never.
+	YieldBytes int64
 	// StagingBytes bounds the memory of bounce buffers (default 64 MiB); it
 	// is used only when segments cannot go to the file directly.
 	StagingBytes int64

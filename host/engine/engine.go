@@ -170,6 +170,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		CPUs:       cfg.CPUs,
 		BufferSize: bufSize,
 		Buffers:    int(max(2, cfg.StagingBytes/bufSize)),
+		YieldBytes: cfg.YieldBytes,
 	})
 	if err != nil {
 		return nil, fmt.Errorf("engine: %w", err)

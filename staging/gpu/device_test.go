@@ -49,6 +49,16 @@ func newReport(t *testing.T, suffix string) *report {
 	return rep
 }
 
+// envCUDA is the CUDA configuration of the GPU benchmarks: the system's
+// libraries, or those KVHOST_GPU_CUDART names (a smoke test on the fake
+// library).
+func envCUDA() cuda.Config {
+	if p := os.Getenv("KVHOST_GPU_CUDART"); p != "" {
+		return cuda.Config{Runtime: []string{p}, Driver: []string{p}}
+	}
+	return cuda.Config{}
+}
+
 func gbps(bytes int64, d time.Duration) float64 { return float64(bytes) / d.Seconds() / 1e9 }
 
 func TestGPUCheckAndBenchmark(t *testing.T) {
@@ -56,12 +66,8 @@ func TestGPUCheckAndBenchmark(t *testing.T) {
 		t.Skip("GPU check: set KVHOST_GPU=1 on a machine with a CUDA GPU to run it")
 	}
 	rep := newReport(t, "")
-	var cfg cuda.Config
-	if p := os.Getenv("KVHOST_GPU_CUDART"); p != "" { // a smoke test on the fake library
-		cfg = cuda.Config{Runtime: []string{p}, Driver: []string{p}}
-	}
 	small := os.Getenv("KVHOST_GPU_SMALL") == "1"
-	r, err := cuda.Open(cfg)
+	r, err := cuda.Open(envCUDA())
 	if err != nil {
 		t.Fatalf("cuda.Open: %v", err)
 	}
@@ -318,23 +324,7 @@ func registeredPass(t *testing.T, rep *report, r *cuda.Runtime, kv *cache, w *cu
 		t.Fatal(err)
 	}
 	defer m.Close()
-	// Untimed stores until every file is registered: each store offers
-	// its file, and the offers the registrar's queue has no room for are
-	// dropped until the file's next job.
-	deadline := time.Now().Add(3 * time.Minute)
-	for m.FileStats().Files < len(paths) {
-		if time.Now().After(deadline) {
-			t.Fatalf("%s: %d of %d files registered after 3 minutes of stores: %+v", label, m.FileStats().Files, len(paths), m.FileStats())
-		}
-		if _, err := moverPass(m, paths, memory, jobs, true, false); err != nil {
-			t.Fatalf("%s: store before registration: %v", label, err)
-		}
-		testwait.Until(t, "the registrar's queue handled", time.Minute, func() bool {
-			m.files.mu.Lock()
-			defer m.files.mu.Unlock()
-			return len(m.files.queued) == 0
-		})
-	}
+	registerAll(t, m, paths, memory, jobs, label)
 	before := m.FileStats()
 	ws, err := moverPass(m, paths, memory, jobs, true, false)
 	if err != nil {
@@ -362,6 +352,28 @@ func registeredPass(t *testing.T, rep *report, r *cuda.Runtime, kv *cache, w *cu
 	wsg, lsg, cwg, crg := gbps(total, ws), gbps(total, ls), gbps(total, cw), gbps(total, cr)
 	rep.printf("%s, %2d jobs, registered files, %s: store %.2f GB/s (host write ceiling %.2f: %.2f), load %.2f GB/s (host read ceiling %.2f: %.2f); verified",
 		label, jobs, sums, wsg, cwg, wsg/cwg, lsg, crg, lsg/crg)
+}
+
+// registerAll stores every file through m (plans on a memory file system)
+// until m has registered them all: each store offers its file, and the
+// offers the registrar's queue has no room for are dropped until the
+// file's next job.
+func registerAll(t *testing.T, m *Mover, paths []string, plans []*transfer.Plan, jobs int, label string) {
+	t.Helper()
+	deadline := time.Now().Add(3 * time.Minute)
+	for m.FileStats().Files < len(paths) {
+		if time.Now().After(deadline) {
+			t.Fatalf("%s: %d of %d files registered after 3 minutes of stores: %+v", label, m.FileStats().Files, len(paths), m.FileStats())
+		}
+		if _, err := moverPass(m, paths, plans, jobs, true, false); err != nil {
+			t.Fatalf("%s: store before registration: %v", label, err)
+		}
+		testwait.Until(t, "the registrar's queue handled", time.Minute, func() bool {
+			m.files.mu.Lock()
+			defer m.files.mu.Unlock()
+			return len(m.files.queued) == 0
+		})
+	}
 }
 
 func errorsJoin(a, b error) error {

@@ -18,6 +18,7 @@ import (
 	"github.com/kvhost/kvhost/internal/cuda"
 	"github.com/kvhost/kvhost/internal/fsys"
 	"github.com/kvhost/kvhost/region"
+	"github.com/kvhost/kvhost/staging"
 	"github.com/kvhost/kvhost/transfer"
 )
 
@@ -517,10 +518,12 @@ func (g *files) sweepStale() {
 
 // runMapped moves the plan's chunks between the device and mem, a
 // registered mapping of its file, with DMA copies on a lane of dev (never
-// the copy kernel) and no pinned buffer. A load enqueues every chunk's
-// copies at once and checksums the file's bytes while they run; a store
-// keeps up to Config.Depth chunks' copies in flight and checksums each
-// chunk as soon as its copies are done, while the next ones run.
+// the copy kernel) and no pinned buffer. A store keeps up to Config.Depth
+// chunks' copies in flight and checksums each chunk's file bytes as soon
+// as its copies are done, while the next ones run. A load enqueues all
+// its copies at once; a file of several chunks is checksummed while they
+// run, a file of one chunk only after them (RATIONALE: "Why does a load
+// of a small registered file checksum its bytes after their copy?").
 func (m *Mover) runMapped(ctx context.Context, mem []byte, p *transfer.Plan, chunks []chunk, dev *device, sums []uint32, write bool) (int64, error) {
 	if err := ctx.Err(); err != nil {
 		return 0, err
@@ -535,6 +538,7 @@ func (m *Mover) runMapped(ctx context.Context, mem []byte, p *transfer.Plan, chu
 			}
 		}()
 		wait := run.wait
+		y := staging.Yielder{Every: m.cfg.YieldBytes, Yield: m.yieldHook}
 		var cp cuda.Copies
 		// enqueue enqueues chunks [from, to) and records event s after them.
 		enqueue := func(from, to, s int) error {
@@ -552,16 +556,23 @@ func (m *Mover) runMapped(ctx context.Context, mem []byte, p *transfer.Plan, chu
 			}
 			return run.recorded(s, m.r.Enqueue(&cp, !write, m.fallback, ln.stream))
 		}
-		// sumChunk folds chunk k's file bytes into their checksum slots.
+		// sumChunk folds chunk k's file bytes into their checksum slots,
+		// piece by piece (the yields' granularity), and counts the chunk.
 		sumChunk := func(k int) error {
-			if sums == nil {
-				return nil
-			}
 			c := &chunks[k]
-			return region.Guard(func() error {
-				sum(c, mem[c.off:c.end:c.end], 0, 0, int(c.end-c.off), sums)
-				return nil
-			})
+			n := int(c.end - c.off)
+			for lo := 0; sums != nil && lo < n; lo += fuseBatch {
+				hi := min(n, lo+fuseBatch)
+				if err := region.Guard(func() error {
+					sum(c, mem[c.off:c.end:c.end], 0, lo, hi, sums)
+					return nil
+				}); err != nil {
+					return fmt.Errorf("gpu: registered file: %w", err)
+				}
+				y.Moved(int64(hi - lo))
+			}
+			total += int64(n)
+			return nil
 		}
 		if end := p.End(); write && p.Direct {
 			// As writeChunk: a direct plan ending inside a block is written
@@ -577,11 +588,15 @@ func (m *Mover) runMapped(ctx context.Context, mem []byte, p *transfer.Plan, chu
 			if err := enqueue(0, len(chunks), 0); err != nil {
 				return 0, err
 			}
+			if sums != nil && len(chunks) == 1 && !m.sumsBesideLoad {
+				if err := wait(0); err != nil {
+					return 0, err
+				}
+			}
 			for k := range chunks {
 				if err := sumChunk(k); err != nil {
-					return 0, fmt.Errorf("gpu: registered file: %w", err)
+					return 0, err
 				}
-				total += chunks[k].end - chunks[k].off
 			}
 			return total, nil // the deferred wait reports the copies' errors
 		}
@@ -604,9 +619,8 @@ func (m *Mover) runMapped(ctx context.Context, mem []byte, p *transfer.Plan, chu
 				}
 			}
 			if err := sumChunk(k); err != nil {
-				return 0, fmt.Errorf("gpu: registered file: %w", err)
+				return 0, err
 			}
-			total += chunks[k].end - chunks[k].off
 		}
 		return total, nil
 	})

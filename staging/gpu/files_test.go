@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -235,7 +236,7 @@ func TestRegisteredFilesStoreChunkByChunk(t *testing.T) {
 	batches = e.fake.Count(cudatest.OpBatch)
 	load(t, e, m, kv, kf, host, orig)
 	if n := e.fake.Count(cudatest.OpBatch) - batches; n != 1 {
-		t.Fatalf("a direct load made %d batched copies, want 1", n)
+		t.Fatalf("a direct load of %d chunks made %d batched copies, want 1", len(chunks), n)
 	}
 	if st := m.FileStats(); st.Stores != 1 || st.Loads != 1 {
 		t.Fatalf("%+v; want one direct store and one direct load", st)
@@ -547,4 +548,39 @@ func TestRegisteredFilesAtTheBoundAdmitOnlyASecondOffer(t *testing.T) {
 	if m.files.acquire(a.id, 1) != nil {
 		t.Fatal("a is still registered beside b with a bound of one file")
 	}
+}
+
+// TestJobsYieldEveryYieldBytesOfCPUWork: with Config.YieldBytes a job
+// gives its CPU up once per YieldBytes of bytes its thread copied or
+// checksummed: staged stores and loads (the pinned-buffer copies), and
+// stores and loads of a registered file (its checksums).
+func TestJobsYieldEveryYieldBytesOfCPUWork(t *testing.T) {
+	const every = 512 << 10
+	var yields atomic.Int64
+	count := func(t *testing.T, what string, job func(), want int64) {
+		t.Helper()
+		yields.Store(0)
+		job()
+		if got := yields.Load(); got != want {
+			t.Errorf("%s: %d yields, want %d", what, got, want)
+		}
+	}
+	t.Run("staged", func(t *testing.T) {
+		e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, Copy: cuda.CopyBatch, YieldBytes: every})
+		m.yieldHook = func() { yields.Add(1) }
+		kf := newKeyFile(t, kv, t.TempDir(), "key", 1)
+		want := (kf.p.End() - int64(kv.g.headerBytes)) / every
+		count(t, "store", func() { store(t, e, m, kv, kf, host, orig) }, want)
+		count(t, "load", func() { load(t, e, m, kv, kf, host, orig) }, want)
+	})
+	t.Run("registered", func(t *testing.T) {
+		e, m, kv, orig, host, kf := registeredFile(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, Copy: cuda.CopyBatch, RegisterFiles: 4, YieldBytes: every})
+		m.yieldHook = func() { yields.Add(1) }
+		want := (kf.p.End() - int64(kv.g.headerBytes)) / every
+		count(t, "store", func() { store(t, e, m, kv, kf, host, orig) }, want)
+		count(t, "load", func() { load(t, e, m, kv, kf, host, orig) }, want)
+		if st := m.FileStats(); st.Stores != 1 || st.Loads != 1 {
+			t.Fatalf("%+v; want one direct store and one direct load", st)
+		}
+	})
 }

@@ -98,6 +98,10 @@ type Config struct {
 	RegisterFiles int
 	// Log receives the registrar's warnings (default: none).
 	Log *slog.Logger
+	// YieldBytes: a job gives its CPU up (sched_yield) after every
+	// YieldBytes it copied or checksummed with the CPU (staging.Yielder);
+	// 0 never.
+	YieldBytes int64
 }
 
 const (
@@ -126,6 +130,12 @@ type Mover struct {
 
 	// files are the registered files (nil: Config.RegisterFiles 0).
 	files *files
+	// sumsBesideLoad (set by the GPU benchmark only) makes a load of a
+	// registered file of one chunk checksum its bytes while its copies
+	// run, as larger files do, instead of after them.
+	sumsBesideLoad bool
+	// yieldHook, if set (tests), is called instead of sched_yield.
+	yieldHook func()
 
 	mu     sync.RWMutex
 	closed bool
@@ -508,7 +518,7 @@ func (m *Mover) FileStats() FileStats {
 
 // writeChunk writes a gathered chunk and checksums it: fused, piece by
 // piece right after each write (fuses).
-func (m *Mover) writeChunk(f fsys.File, st *stage, sums []uint32, fused bool) error {
+func (m *Mover) writeChunk(f fsys.File, st *stage, sums []uint32, fused bool, y *staging.Yielder) error {
 	b, _ := m.buf(st.buf)
 	c := st.c
 	n := int(c.end - c.off)
@@ -529,6 +539,7 @@ func (m *Mover) writeChunk(f fsys.File, st *stage, sums []uint32, fused bool) er
 		if sums != nil && lo < n {
 			sum(c, b, 0, lo, min(hi, n), sums)
 		}
+		y.Moved(int64(hi - lo))
 	}
 	return nil
 }
@@ -536,7 +547,7 @@ func (m *Mover) writeChunk(f fsys.File, st *stage, sums []uint32, fused bool) er
 // readChunk reads a chunk's (aligned) range and checksums its bytes:
 // piece by piece, each checksummed right after its read (fused; with or
 // without checksums), else in one read.
-func (m *Mover) readChunk(f fsys.File, st *stage, sums []uint32, fused bool) error {
+func (m *Mover) readChunk(f fsys.File, st *stage, sums []uint32, fused bool, y *staging.Yielder) error {
 	b, _ := m.buf(st.buf)
 	c := st.c
 	lead := int(c.off - c.aoff)
@@ -558,6 +569,7 @@ func (m *Mover) readChunk(f fsys.File, st *stage, sums []uint32, fused bool) err
 		if s, e := max(lo, lead)-lead, min(hi, need)-lead; sums != nil && s < e {
 			sum(c, b, lead, s, e, sums)
 		}
+		y.Moved(int64(hi - lo))
 		lo = hi
 	}
 	return nil

@@ -8,6 +8,7 @@ import (
 
 	"github.com/kvhost/kvhost/internal/cuda"
 	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/staging"
 )
 
 // lane is a CUDA stream and one blocking event per pipeline slot, driven by
@@ -247,6 +248,7 @@ func (m *Mover) runStreamed(ctx context.Context, f fsys.File, chunks []chunk, de
 			}
 		}()
 		wait := run.wait
+		y := staging.Yielder{Every: m.cfg.YieldBytes, Yield: m.yieldHook}
 		var cp cuda.Copies
 		enqueue := func(k int, h2d bool) error {
 			s := k % d
@@ -279,7 +281,7 @@ func (m *Mover) runStreamed(ctx context.Context, f fsys.File, chunks []chunk, de
 			}
 			st := &stage{c: &chunks[k], buf: bufs[s]}
 			if write {
-				if err := m.writeChunk(f, st, sums, fused); err != nil {
+				if err := m.writeChunk(f, st, sums, fused, &y); err != nil {
 					return 0, err
 				}
 				if k+d < len(chunks) {
@@ -288,7 +290,7 @@ func (m *Mover) runStreamed(ctx context.Context, f fsys.File, chunks []chunk, de
 					}
 				}
 			} else {
-				if err := m.readChunk(f, st, sums, fused); err != nil {
+				if err := m.readChunk(f, st, sums, fused, &y); err != nil {
 					return 0, err
 				}
 				if err := enqueue(k, true); err != nil {

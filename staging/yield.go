@@ -1,0 +1,39 @@
+package staging
+
+import "golang.org/x/sys/unix"
+
+// Yielder gives its thread's CPU up (sched_yield) each time the bytes a
+// copying loop reports reach Every, so that a thread woken on that CPU
+// (the daemon's network poller with a lookup, a thread of the inference
+// server) waits for about one such copy instead of the rest of the
+// kernel's time slice: with every core copying, a lookup beside loads
+// otherwise waited milliseconds (RATIONALE: "Why do I/O workers yield
+// their CPU every megabyte?"). A yield with nothing else runnable on the
+// CPU returns at once. The zero Yielder never yields. A Yielder belongs
+// to one goroutine.
+type Yielder struct {
+	// Every is the bytes moved between yields; 0 or less: never.
+	Every int64
+	// Yield, if set, is called instead of sched_yield (tests count calls).
+	Yield func()
+
+	since int64
+}
+
+// Moved counts n bytes moved and yields once they add up to Every, at
+// most once per call: loops report pieces no larger than Every.
+func (y *Yielder) Moved(n int64) {
+	if y.Every <= 0 {
+		return
+	}
+	y.since += n
+	if y.since < y.Every {
+		return
+	}
+	y.since = 0
+	if y.Yield != nil {
+		y.Yield()
+		return
+	}
+	unix.Syscall(unix.SYS_SCHED_YIELD, 0, 0, 0) // cannot fail on Linux
+}

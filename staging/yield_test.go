@@ -1,0 +1,83 @@
+package staging
+
+import (
+	"bytes"
+	"context"
+	"os"
+	"path/filepath"
+	"testing"
+
+	"github.com/kvhost/kvhost/internal/fsys"
+)
+
+// TestYielderYieldsOncePerEveryBytes: a Yielder yields each time the bytes
+// reported since its last yield reach Every, and never with Every 0.
+func TestYielderYieldsOncePerEveryBytes(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		every int64
+		moves []int64
+		want  int
+	}{
+		{"never", 0, []int64{1 << 30, 1 << 30}, 0},
+		{"four pieces a yield", 1 << 20, []int64{256 << 10, 256 << 10, 256 << 10, 256 << 10, 256 << 10, 256 << 10, 256 << 10, 256 << 10}, 2},
+		{"a large move yields once", 1 << 20, []int64{8 << 20}, 1},
+		{"short of Every", 1 << 20, []int64{512 << 10, 511 << 10}, 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			n := 0
+			y := Yielder{Every: tc.every, Yield: func() { n++ }}
+			for _, m := range tc.moves {
+				y.Moved(m)
+			}
+			if n != tc.want {
+				t.Fatalf("%d yields, want %d", n, tc.want)
+			}
+		})
+	}
+	// The real sched_yield: returns, with nothing to count.
+	y := Yielder{Every: 1}
+	y.Moved(1)
+}
+
+// TestWorkersYieldEveryYieldBytes: a pool's workers yield their CPU after
+// every Config.YieldBytes they move, with checksums fused (256 KiB
+// batches) and the bytes unchanged.
+func TestWorkersYieldEveryYieldBytes(t *testing.T) {
+	p, err := New(Config{Workers: 1, YieldBytes: 512 << 10})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	f, err := fsys.OS{}.OpenFile(filepath.Join(t.TempDir(), "f"), os.O_RDWR|os.O_CREATE, 0o600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	src := bytes.Repeat([]byte("kvhost!!"), (4<<20)/8)
+	dst := make([]byte, len(src))
+	type result struct {
+		writes, reads int
+		err           error
+	}
+	done := make(chan result, 1)
+	if err := p.Submit(context.Background(), func(w *Worker) {
+		var r result
+		w.yield.Yield = func() { r.writes++ }
+		sums := make([]uint32, 1)
+		if _, r.err = w.Write(context.Background(), f, []Span{{Off: 0, Buf: src, Sum: 0}}, Options{Sums: sums}); r.err == nil {
+			w.yield.Yield = func() { r.reads++ }
+			_, r.err = w.Read(context.Background(), f, []Span{{Off: 0, Buf: dst, Sum: 0}}, Options{Sums: sums})
+		}
+		done <- r
+	}); err != nil {
+		t.Fatal(err)
+	}
+	r := <-done
+	if r.err != nil {
+		t.Fatal(r.err)
+	}
+	if r.writes != 8 || r.reads != 8 || !bytes.Equal(dst, src) {
+		t.Fatalf("4 MiB written and read with YieldBytes 512 KiB: %d and %d yields (want 8 each), bytes equal %v", r.writes, r.reads, bytes.Equal(dst, src))
+	}
+}
