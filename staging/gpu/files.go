@@ -516,14 +516,23 @@ func (g *files) sweepStale() {
 	}
 }
 
+// sumAfterCopy reports whether a load of a registered file of the given
+// chunks checksums them after its copies rather than while they run: a
+// file of one chunk, while other jobs are in flight (RATIONALE: "Why
+// does a load of a small registered file checksum its bytes after their
+// copy?"). A lone load checksums beside its copy, which then overlaps it.
+func (m *Mover) sumAfterCopy(chunks int) bool {
+	return chunks == 1 && m.jobs.Load() > 1 && !m.sumsBesideLoad
+}
+
 // runMapped moves the plan's chunks between the device and mem, a
 // registered mapping of its file, with DMA copies on a lane of dev (never
 // the copy kernel) and no pinned buffer. A store keeps up to Config.Depth
 // chunks' copies in flight and checksums each chunk's file bytes as soon
 // as its copies are done, while the next ones run. A load enqueues all
 // its copies at once; a file of several chunks is checksummed while they
-// run, a file of one chunk only after them (RATIONALE: "Why does a load
-// of a small registered file checksum its bytes after their copy?").
+// run, a file of one chunk only after them while other jobs are in
+// flight (sumAfterCopy).
 func (m *Mover) runMapped(ctx context.Context, mem []byte, p *transfer.Plan, chunks []chunk, dev *device, sums []uint32, write bool) (int64, error) {
 	if err := ctx.Err(); err != nil {
 		return 0, err
@@ -588,7 +597,7 @@ func (m *Mover) runMapped(ctx context.Context, mem []byte, p *transfer.Plan, chu
 			if err := enqueue(0, len(chunks), 0); err != nil {
 				return 0, err
 			}
-			if sums != nil && len(chunks) == 1 && !m.sumsBesideLoad {
+			if sums != nil && m.sumAfterCopy(len(chunks)) {
 				if err := wait(0); err != nil {
 					return 0, err
 				}

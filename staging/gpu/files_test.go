@@ -584,3 +584,44 @@ func TestJobsYieldEveryYieldBytesOfCPUWork(t *testing.T) {
 		}
 	})
 }
+
+// TestSmallLoadsChecksumAfterTheirCopyOnlyBesideOtherJobs: a load of a
+// registered file of one chunk checksums after its copy while other jobs
+// are in flight; a lone load, a file of several chunks and the
+// benchmark's switch checksum beside the copy.
+func TestSmallLoadsChecksumAfterTheirCopyOnlyBesideOtherJobs(t *testing.T) {
+	var m Mover
+	for _, tc := range []struct {
+		chunks int
+		jobs   int32
+		beside bool
+		want   bool
+	}{
+		{chunks: 1, jobs: 2, want: true},
+		{chunks: 1, jobs: 16, want: true},
+		{chunks: 1, jobs: 1, want: false},
+		{chunks: 2, jobs: 16, want: false},
+		{chunks: 8, jobs: 2, want: false},
+		{chunks: 1, jobs: 16, beside: true, want: false},
+	} {
+		m.jobs.Store(tc.jobs)
+		m.sumsBesideLoad = tc.beside
+		if got := m.sumAfterCopy(tc.chunks); got != tc.want {
+			t.Errorf("%d chunks, %d jobs in flight, switch %v: after = %v, want %v", tc.chunks, tc.jobs, tc.beside, got, tc.want)
+		}
+	}
+}
+
+// TestJobsInFlightCountEachJobWhileItRuns: a job counts itself in the
+// mover's jobs in flight while it runs (seen from inside it, at a yield)
+// and not after.
+func TestJobsInFlightCountEachJobWhileItRuns(t *testing.T) {
+	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, Copy: cuda.CopyBatch, YieldBytes: 64 << 10})
+	var seen atomic.Int32
+	m.yieldHook = func() { seen.Store(m.jobs.Load()) }
+	kf := newKeyFile(t, kv, t.TempDir(), "key", 1)
+	store(t, e, m, kv, kf, host, orig)
+	if got, after := seen.Load(), m.jobs.Load(); got != 1 || after != 0 {
+		t.Fatalf("jobs in flight during a lone store %d, after it %d; want 1 and 0", got, after)
+	}
+}

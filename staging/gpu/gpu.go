@@ -30,6 +30,7 @@ import (
 	"io"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/kvhost/kvhost/internal/cuda"
@@ -136,6 +137,8 @@ type Mover struct {
 	sumsBesideLoad bool
 	// yieldHook, if set (tests), is called instead of sched_yield.
 	yieldHook func()
+	// jobs counts the jobs in flight (run).
+	jobs atomic.Int32
 
 	mu     sync.RWMutex
 	closed bool
@@ -468,6 +471,8 @@ func (m *Mover) run(ctx context.Context, f fsys.File, p *transfer.Plan, sums []u
 	if err != nil || len(chunks) == 0 {
 		return 0, err
 	}
+	m.jobs.Add(1)
+	defer m.jobs.Add(-1)
 	// Reads from memory file systems and buffered files go in pieces
 	// whether or not there are checksums (the CPU copy is the same; the
 	// pieces measured faster, BenchmarkTmpfsDirect/load/sums=off); writes

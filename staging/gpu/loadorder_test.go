@@ -12,8 +12,9 @@ import (
 
 // TestGPURegisteredLoadOrder compares the two orders a load of a
 // registered file of one chunk can checksum in: after its copy is done
-// (what the mover does) and while it runs (Mover.sumsBesideLoad, what
-// larger files do). Registered files on KVHOST_GPU_TMPFS, 2 MiB keys of
+// (what the mover does beside other jobs; with one job the mover
+// checksums beside the copy either way) and while it runs
+// (Mover.sumsBesideLoad, what larger files do). Registered files on KVHOST_GPU_TMPFS, 2 MiB keys of
 // the Llama-3.1-8B layout, 1, 8 and 16 jobs, the two orders alternated
 // over three rounds (each round starting with the other), next to the
 // host read ceiling of the same files timed in the same round; every
