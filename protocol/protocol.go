@@ -79,22 +79,57 @@ const (
 
 // String names the type.
 func (t Type) String() string {
-	names := map[Type]string{
-		TypeHello: "hello", TypeRegisterMemory: "register-memory", TypeUnregisterMemory: "unregister-memory",
-		TypeDeclare: "declare", TypeRegisterCache: "register-cache", TypeUnregisterCache: "unregister-cache",
-		TypeLookup: "lookup", TypeStore: "store", TypeLoad: "load", TypeCancel: "cancel",
-		TypeDelete: "delete", TypeStats: "stats", TypeUndeclare: "undeclare", TypeError: "error", TypeCompletion: "completion",
-		TypePin: "pin", TypeUnpin: "unpin",
-	}
-	if n, ok := names[t]; ok {
+	if n := t.name(); n != "" {
 		return n
 	}
 	if t&TypeReply != 0 && t != TypeError {
-		if n, ok := names[t&^TypeReply]; ok {
+		if n := (t &^ TypeReply).name(); n != "" {
 			return n + "-reply"
 		}
 	}
 	return fmt.Sprintf("type(0x%04x)", uint16(t))
+}
+
+// name is a known type's name, or "" (a switch: String runs on the
+// request path, for metrics labels, and allocates nothing for known types).
+func (t Type) name() string {
+	switch t {
+	case TypeHello:
+		return "hello"
+	case TypeRegisterMemory:
+		return "register-memory"
+	case TypeUnregisterMemory:
+		return "unregister-memory"
+	case TypeDeclare:
+		return "declare"
+	case TypeRegisterCache:
+		return "register-cache"
+	case TypeUnregisterCache:
+		return "unregister-cache"
+	case TypeLookup:
+		return "lookup"
+	case TypeStore:
+		return "store"
+	case TypeLoad:
+		return "load"
+	case TypeCancel:
+		return "cancel"
+	case TypeDelete:
+		return "delete"
+	case TypeStats:
+		return "stats"
+	case TypeUndeclare:
+		return "undeclare"
+	case TypeError:
+		return "error"
+	case TypeCompletion:
+		return "completion"
+	case TypePin:
+		return "pin"
+	case TypeUnpin:
+		return "unpin"
+	}
+	return ""
 }
 
 // Errors of the package.
