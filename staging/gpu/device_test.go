@@ -218,13 +218,7 @@ func TestGPUCheckAndBenchmark(t *testing.T) {
 		gk := g
 		gk.blocksPerKey = sc.keyBlocks
 		keyBytes := int64(gk.layers * gk.blocksPerKey * gk.pageBytes)
-		r1 := rand.New(rand.NewPCG(uint64(sc.files), 9))
-		plans := make([]*transfer.Plan, sc.files)
-		paths := make([]string, sc.files)
-		for i := range plans {
-			plans[i] = kv.planG(gk, keyBlocks(r1, g.numBlocks, gk.blocksPerKey), sc.direct)
-			paths[i] = filepath.Join(sc.dir, fmt.Sprintf("k%05d-%d", i, sc.keyBlocks))
-		}
+		plans, paths := keyFiles(kv, gk, sc.dir, sc.files, 9, sc.direct)
 		total := keyBytes * int64(sc.files)
 		label := fmt.Sprintf("%s %d MiB keys × %d", sc.fs, keyBytes>>20, sc.files)
 		for _, jobs := range []int{1, 8, 16} {
@@ -352,6 +346,19 @@ func registeredPass(t *testing.T, rep *report, r *cuda.Runtime, kv *cache, w *cu
 	wsg, lsg, cwg, crg := gbps(total, ws), gbps(total, ls), gbps(total, cw), gbps(total, cr)
 	rep.printf("%s, %2d jobs, registered files, %s: store %.2f GB/s (host write ceiling %.2f: %.2f), load %.2f GB/s (host read ceiling %.2f: %.2f); verified",
 		label, jobs, sums, wsg, cwg, wsg/cwg, lsg, crg, lsg/crg)
+}
+
+// keyFiles returns n plans of keys of geometry gk at random blocks of
+// kv (seeded by n and seed) and the paths of their files in dir.
+func keyFiles(kv *cache, gk geometry, dir string, n int, seed uint64, direct bool) ([]*transfer.Plan, []string) {
+	rnd := rand.New(rand.NewPCG(uint64(n), seed))
+	plans := make([]*transfer.Plan, n)
+	paths := make([]string, n)
+	for i := range plans {
+		plans[i] = kv.planG(gk, keyBlocks(rnd, gk.numBlocks, gk.blocksPerKey), direct)
+		paths[i] = filepath.Join(dir, fmt.Sprintf("k%05d-%d", i, gk.blocksPerKey))
+	}
+	return plans, paths
 }
 
 // registerAll stores every file through m (plans on a memory file system)

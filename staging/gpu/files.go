@@ -185,13 +185,15 @@ func identify(f fsys.File) (fileID, bool) {
 	return fileID{key: fileKey{uint64(st.Dev), st.Ino}, handle: h, size: st.Size}, true
 }
 
-// handleOf is the file handle of the open file fd, as a comparable string.
+// handleOf is the file handle of the open file fd, as a comparable
+// string: its type, then its bytes.
 func handleOf(fd int) (string, error) {
 	h, _, err := unix.NameToHandleAt(fd, "", unix.AT_EMPTY_PATH)
 	if err != nil {
 		return "", err
 	}
-	return fmt.Sprintf("%d:%x", h.Type(), h.Bytes()), nil
+	t := h.Type()
+	return string(append([]byte{byte(t), byte(t >> 8), byte(t >> 16), byte(t >> 24)}, h.Bytes()...)), nil
 }
 
 // acquire returns the registered file id whose mapping holds the first

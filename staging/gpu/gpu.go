@@ -95,7 +95,8 @@ type Config struct {
 	// keeps mapped and registered with CUDA, so that jobs on them copy
 	// between the device and the files' pages directly (files.go); 0
 	// keeps none. It is lowered to a quarter of the process's descriptor
-	// limit (the registrar holds one descriptor per file).
+	// limit and of vm.max_map_count (the registrar holds one descriptor
+	// and one mapping per file).
 	RegisterFiles int
 	// Log receives the registrar's warnings (default: none).
 	Log *slog.Logger

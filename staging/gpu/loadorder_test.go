@@ -2,12 +2,9 @@ package gpu
 
 import (
 	"fmt"
-	"math/rand/v2"
 	"os"
 	"path/filepath"
 	"testing"
-
-	"github.com/kvhost/kvhost/transfer"
 )
 
 // TestGPURegisteredLoadOrder compares the two orders a load of a
@@ -39,72 +36,57 @@ func TestGPURegisteredLoadOrder(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer os.RemoveAll(dir)
-	for _, sc := range []struct{ keyBlocks, files int }{{1, 1024}} {
-		if small {
-			sc.files = 8
-		}
-		for l := range g.layers { // undo the last scenario's poison
-			kv.set(t, w, l, orig[l])
-		}
-		gk := g
-		gk.blocksPerKey = sc.keyBlocks
-		keyBytes := int64(gk.layers * gk.blocksPerKey * gk.pageBytes)
-		rnd := rand.New(rand.NewPCG(uint64(sc.files), 11))
-		plans := make([]*transfer.Plan, sc.files)
-		paths := make([]string, sc.files)
-		for i := range plans {
-			plans[i] = kv.planG(gk, keyBlocks(rnd, g.numBlocks, gk.blocksPerKey), false)
-			plans[i].Memory = true
-			paths[i] = filepath.Join(dir, fmt.Sprintf("k%05d-%d", i, sc.keyBlocks))
-		}
-		total := keyBytes * int64(sc.files)
-		label := fmt.Sprintf("%d MiB keys × %d", keyBytes>>20, sc.files)
-		if _, err := hostPass(r, paths, keyBytes, gk, 16, true, false); err != nil {
-			t.Fatal(err)
-		}
-		m, err := New(Config{Runtime: r, Devices: []int{0}, MaxStaging: 16 * 2 * (8<<20 + 2*Align), RegisterFiles: len(paths)})
-		if err != nil {
-			t.Fatal(err)
-		}
-		registerAll(t, m, paths, plans, 16, label)
-		if _, err := moverPass(m, paths, plans, 16, true, false); err != nil {
-			m.Close()
-			t.Fatalf("%s: store: %v", label, err)
-		}
-		for round := range 3 {
-			for _, jobs := range []int{1, 8, 16} {
-				cr, err := hostPass(r, paths, keyBytes, gk, jobs, false, false)
-				if err != nil {
-					m.Close()
-					t.Fatal(err)
-				}
-				for i := range 2 {
-					beside := (i+round)%2 == 1
-					m.sumsBesideLoad = beside
-					kv.poison(t, w)
-					before := m.FileStats().Loads
-					ls, err := moverPass(m, paths, plans, jobs, false, false)
-					if err != nil {
-						m.Close()
-						t.Fatalf("%s: load: %v", label, err)
-					}
-					if n := m.FileStats().Loads - before; n != uint64(len(paths)) {
-						m.Close()
-						t.Fatalf("%s: %d of %d loads moved registered files directly", label, n, len(paths))
-					}
-					order := "after the copy"
-					if beside {
-						order = "beside the copy"
-					}
-					checkLoaded(t, kv, w, plans, orig, label+", "+order)
-					rep.printf("%s, round %d, %2d jobs, checksums %-15s: load %.2f GB/s (host read ceiling %.2f: %.2f); verified",
-						label, round, jobs, order, gbps(total, ls), gbps(total, cr), gbps(total, ls)/gbps(total, cr))
-				}
+	files := 1024
+	if small {
+		files = 8
+	}
+	gk := g
+	gk.blocksPerKey = 1
+	keyBytes := int64(gk.layers * gk.blocksPerKey * gk.pageBytes)
+	plans, paths := keyFiles(kv, gk, dir, files, 11, false)
+	for _, p := range plans {
+		p.Memory = true
+	}
+	total := keyBytes * int64(files)
+	label := fmt.Sprintf("%d MiB keys × %d", keyBytes>>20, files)
+	if _, err := hostPass(r, paths, keyBytes, gk, 16, true, false); err != nil {
+		t.Fatal(err)
+	}
+	m, err := New(Config{Runtime: r, Devices: []int{0}, MaxStaging: 16 * 2 * (8<<20 + 2*Align), RegisterFiles: len(paths)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	registerAll(t, m, paths, plans, 16, label)
+	if _, err := moverPass(m, paths, plans, 16, true, false); err != nil {
+		t.Fatalf("%s: store: %v", label, err)
+	}
+	for round := range 3 {
+		for _, jobs := range []int{1, 8, 16} {
+			cr, err := hostPass(r, paths, keyBytes, gk, jobs, false, false)
+			if err != nil {
+				t.Fatal(err)
 			}
-		}
-		m.Close()
-		for _, p := range paths {
-			os.Remove(p)
+			for i := range 2 {
+				beside := (i+round)%2 == 1
+				m.sumsBesideLoad = beside
+				kv.poison(t, w)
+				before := m.FileStats().Loads
+				ls, err := moverPass(m, paths, plans, jobs, false, false)
+				if err != nil {
+					t.Fatalf("%s: load: %v", label, err)
+				}
+				if n := m.FileStats().Loads - before; n != uint64(len(paths)) {
+					t.Fatalf("%s: %d of %d loads moved registered files directly", label, n, len(paths))
+				}
+				order := "after the copy"
+				if beside {
+					order = "beside the copy"
+				}
+				checkLoaded(t, kv, w, plans, orig, label+", "+order)
+				rep.printf("%s, round %d, %2d jobs, checksums %-15s: load %.2f GB/s (host read ceiling %.2f: %.2f); verified",
+					label, round, jobs, order, gbps(total, ls), gbps(total, cr), gbps(total, ls)/gbps(total, cr))
+			}
 		}
 	}
 }
