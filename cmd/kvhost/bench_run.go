@@ -142,12 +142,9 @@ func (r *benchRun) openGPU(path string, sums, required bool) (*gpuPaths, error) 
 	if required {
 		mode = "on"
 	}
-	return openGPU(gpuOptions{
-		Mode: mode, CUDALibrary: nonEmpty(c.CUDALibrary), CuFileLibrary: nonEmpty(c.CuFileLibrary),
-		CuFile: cufile, MaxStaging: int64(c.StagingMemory), NoChecksum: !sums,
-		Depth: c.Depth, Chunk: int(c.Chunk), Copy: c.Copy, Poll: time.Duration(c.Poll),
-		YieldBytes: int64(r.o.cfg.Engine.YieldBytes),
-	}, r.log)
+	opts := gpuOptionsOf(r.o.cfg) // as the daemon opens them, but for:
+	opts.Mode, opts.CuFile, opts.NoChecksum = mode, cufile, !sums
+	return openGPU(opts, r.log)
 }
 
 // engineFor opens an engine on a fresh directory for one path and checksum
@@ -357,7 +354,7 @@ func (r *benchRun) keySize(ctx context.Context, eng *engine.Engine, gp *gpuPaths
 			if !stored {
 				r.prog.Start(fmt.Sprintf("store %s sums=%v %s keys, %d jobs", path, sums, sizeOf(g.KeyBytes()), jobs), keys)
 				cpu := bench.CPUTime()
-				reused := eng.Stats().Reused
+				reused, direct := eng.Stats().Reused, directJobs(gp, bench.Store)
 				d, lat, err := r.phase(ctx, eng, c, bench.Store, jobs)
 				if err != nil {
 					return err
@@ -367,6 +364,7 @@ func (r *benchRun) keySize(ctx context.Context, eng *engine.Engine, gp *gpuPaths
 					st.add(d, lat, int64(keys)*g.KeyBytes(), keys, 0)
 					st.cpu += bench.CPUTime() - cpu
 					st.reused += eng.Stats().Reused - reused
+					st.direct += directJobs(gp, bench.Store) - direct
 				}
 			}
 			files, err := engineFiles(dir, g.KeyBytes())
@@ -399,12 +397,13 @@ func (r *benchRun) keySize(ctx context.Context, eng *engine.Engine, gp *gpuPaths
 					hits++
 				}
 			}
-			cpu := bench.CPUTime()
+			cpu, direct := bench.CPUTime(), directJobs(gp, bench.Load)
 			d, lat, err := r.phase(ctx, eng, c, bench.Load, jobs)
 			if err != nil {
 				return err
 			}
 			ld.cpu += bench.CPUTime() - cpu
+			ld.direct += directJobs(gp, bench.Load) - direct
 			var verified int64
 			if r.o.verify {
 				idx := make([]int, keys)
@@ -450,6 +449,7 @@ type phaseTotals struct {
 	rounds   int
 	cpu      time.Duration // process CPU time over the phases
 	reused   uint64        // stores into spare files over the phases
+	direct   uint64        // jobs on registered files over the phases
 	gbps     []float64     // each round's GB/s
 }
 
@@ -481,6 +481,7 @@ func (t *phaseTotals) run(base bench.Run, dir string, keys int, ceiling bench.Ce
 	x.JobP99Ms = bench.Percentile(t.lat, 0.99)
 	x.VerifiedBytes = t.verified / int64(max(1, t.rounds))
 	x.ReusedFiles = int(t.reused / uint64(max(1, t.rounds)))
+	x.DirectFiles = int(t.direct / uint64(max(1, t.rounds)))
 	x.CPUMsPerGB = bench.CPUMsPerGB(t.cpu, t.bytes)
 	if len(t.gbps) > 1 && len(t.gbps) == len(ceilingRounds) {
 		for i, g := range t.gbps {
@@ -492,6 +493,20 @@ func (t *phaseTotals) run(base bench.Run, dir string, keys int, ceiling bench.Ce
 		}
 	}
 	return x
+}
+
+// directJobs is how many stores (dir bench.Store) or loads the GPU
+// staging mover has moved straight between GPU memory and registered
+// files so far; 0 without one.
+func directJobs(gp *gpuPaths, dir string) uint64 {
+	if gp == nil || gp.staging == nil {
+		return 0
+	}
+	st := gp.staging.FileStats()
+	if dir == bench.Store {
+		return st.Stores
+	}
+	return st.Loads
 }
 
 // phase stores (loads) every key with jobs concurrent jobs of keysPerJob

@@ -69,6 +69,23 @@ func benchReport(t *testing.T, dir string, args ...string) (*bench.Report, strin
 	return rep, stdout.String()
 }
 
+// benchOnMemory runs kvhost bench with args on a fresh directory on the
+// memory file system /dev/shm (spare files and registered files exist only
+// there) and returns its report.
+func benchOnMemory(t *testing.T, args ...string) *bench.Report {
+	t.Helper()
+	if st, err := os.Stat("/dev/shm"); err != nil || !st.IsDir() {
+		t.Fatal("no /dev/shm: this test needs a memory file system")
+	}
+	shm, err := os.MkdirTemp("/dev/shm", "kvhost-bench-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(shm) })
+	rep, _ := benchReport(t, shm, args...)
+	return rep
+}
+
 // checkRuns checks what every run of a report must satisfy: each figure
 // next to a ceiling of the same run, a fraction in (0, 2], every hit
 // moved, and every key of a load checked byte for byte.
@@ -303,6 +320,43 @@ func TestBenchGPUMemoryThroughTheDaemonsPathsOnFakeCUDA(t *testing.T) {
 	}
 }
 
+// TestBenchMovesRegisteredFilesDirectlyAsTheDaemonDoes: on a memory file
+// system the benchmark opens the GPU paths with the daemon's
+// gpu.register_files, so that later jobs on a file move it straight
+// between GPU memory and its registered pages (direct_files), and with
+// register_files = 0 none does. Every loaded byte is verified either way.
+func TestBenchMovesRegisteredFilesDirectlyAsTheDaemonDoes(t *testing.T) {
+	lib := cudatest.Build(t)
+	off := filepath.Join(t.TempDir(), "off.toml")
+	if err := os.WriteFile(off, []byte("[gpu]\nregister_files = 0\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name   string
+		args   []string
+		direct bool
+	}{
+		{"default", nil, true},
+		{"register_files = 0", []string{"--config", off}, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			args := append([]string{"--memory", "gpu", "--cuda-library", lib, "--path", "staging", "--full",
+				"--rounds", "3", "--jobs", "2", "--tokens-per-key", "16", "--total", "4MiB"}, tc.args...)
+			rep := benchOnMemory(t, args...)
+			direct := 0
+			for _, x := range rep.Runs {
+				direct += x.DirectFiles
+				if x.Direction == bench.Load && x.VerifiedBytes != int64(x.Keys)*x.KeyBytes {
+					t.Errorf("load: %d of %d keys' bytes verified", x.VerifiedBytes/x.KeyBytes, x.Keys)
+				}
+			}
+			if (direct > 0) != tc.direct {
+				t.Errorf("%d files moved directly per round over the runs, want direct %v", direct, tc.direct)
+			}
+		})
+	}
+}
+
 // buildFakeCuFile compiles gds's fake libcufile (gds/testdata) with
 // `go env CC`, as gds's own tests do.
 func buildFakeCuFile(t *testing.T) string {
@@ -461,9 +515,6 @@ func TestBenchCPUProfileInAMissingDirectoryIsRefused(t *testing.T) {
 }
 
 func TestBenchFullCacheStoresIntoEvictedFilesOnTmpfsUnlessTurnedOff(t *testing.T) {
-	if st, err := os.Stat("/dev/shm"); err != nil || !st.IsDir() {
-		t.Fatal("no /dev/shm: spare files are kept only on a memory file system")
-	}
 	noReuse := filepath.Join(t.TempDir(), "noreuse.toml")
 	if err := os.WriteFile(noReuse, []byte("[engine]\nreuse_files = false\n"), 0o644); err != nil {
 		t.Fatal(err)
@@ -477,13 +528,8 @@ func TestBenchFullCacheStoresIntoEvictedFilesOnTmpfsUnlessTurnedOff(t *testing.T
 		{"reuse_files = false", []string{"--config", noReuse}, false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			shm, err := os.MkdirTemp("/dev/shm", "kvhost-bench-")
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer os.RemoveAll(shm)
 			args := append([]string{"--memory", "host", "--full", "--rounds", "3", "--jobs", "2", "--tokens-per-key", "16", "--total", "4MiB"}, tc.args...)
-			rep, _ := benchReport(t, shm, args...)
+			rep := benchOnMemory(t, args...)
 			for _, x := range rep.Runs {
 				switch x.Direction {
 				case bench.Store:

@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"time"
 
+	"github.com/kvhost/kvhost/config"
 	"github.com/kvhost/kvhost/gds"
 	"github.com/kvhost/kvhost/host/engine"
 	"github.com/kvhost/kvhost/internal/cuda"
@@ -43,6 +44,25 @@ type gpuOptions struct {
 	// YieldBytes is engine.yield_bytes: a staging job gives its CPU up
 	// after every YieldBytes it copied or checksummed.
 	YieldBytes int64
+}
+
+// gpuOptionsOf is the GPU options the configuration sets: the daemon's,
+// and the benchmark's before it forces a path and a checksum setting.
+func gpuOptionsOf(cfg config.Config) gpuOptions {
+	c := cfg.GPU
+	return gpuOptions{
+		Mode:          c.Mode,
+		CUDALibrary:   nonEmpty(c.CUDALibrary),
+		CuFileLibrary: nonEmpty(c.CuFileLibrary),
+		CuFile:        c.CuFile,
+		MaxStaging:    int64(c.StagingMemory),
+		Depth:         c.Depth,
+		Chunk:         int(c.Chunk),
+		Copy:          c.Copy,
+		Poll:          time.Duration(c.Poll),
+		RegisterFiles: c.RegisterFiles,
+		YieldBytes:    int64(cfg.Engine.YieldBytes),
+	}
 }
 
 // gpuPaths is what the daemon opened for GPU memory: the CUDA runtime, the

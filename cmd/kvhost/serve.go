@@ -133,19 +133,7 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 	if cfg.GPU.Lanes != 0 {
 		log.Warn("gpu.lanes is no longer used: each job of the staging pipeline drives its own CUDA stream; remove it (gpu.depth and gpu.chunk tune the pipeline)", "lanes", cfg.GPU.Lanes)
 	}
-	gp, err := openGPU(gpuOptions{
-		Mode:          cfg.GPU.Mode,
-		CUDALibrary:   nonEmpty(cfg.GPU.CUDALibrary),
-		CuFileLibrary: nonEmpty(cfg.GPU.CuFileLibrary),
-		CuFile:        cfg.GPU.CuFile,
-		MaxStaging:    int64(cfg.GPU.StagingMemory),
-		Depth:         cfg.GPU.Depth,
-		Chunk:         int(cfg.GPU.Chunk),
-		Copy:          cfg.GPU.Copy,
-		Poll:          time.Duration(cfg.GPU.Poll),
-		RegisterFiles: cfg.GPU.RegisterFiles,
-		YieldBytes:    int64(cfg.Engine.YieldBytes),
-	}, log)
+	gp, err := openGPU(gpuOptionsOf(cfg), log)
 	if err != nil {
 		return err
 	}

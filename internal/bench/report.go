@@ -139,6 +139,10 @@ type Run struct {
 	// files instead of fresh ones (spare files; a full cache on a memory
 	// file system), per round.
 	ReusedFiles int `json:"reused_files,omitempty"`
+	// DirectFiles is how many of a phase's files, per round, moved
+	// straight between GPU memory and the file's registered pages
+	// (gpu.register_files) instead of through the pinned buffers.
+	DirectFiles int `json:"direct_files,omitempty"`
 	// CPUMsPerGB is the process's CPU time (user and system, every
 	// thread) during the phase, in milliseconds per GB moved: what the
 	// data path costs the host, less noisy than throughput on a shared
