@@ -56,6 +56,14 @@ import (
 // registering each in turn would cost CPU and save nothing.
 const minIdle = 10 * time.Second
 
+// maxOffers bounds the offers waiting for the registrar. Each holds a
+// descriptor of its file; an offer that finds the queue full is dropped,
+// and the file is offered again by its next job. A burst of stores of
+// small files offers thousands of files in a second, faster than one
+// thread registers them; a queue shorter than the burst leaves most of
+// its files to move through the pinned buffers at their next job too.
+const maxOffers = 4096
+
 // sweepEvery is how often the registrar drops registered files that were
 // unlinked or resized behind its back.
 const sweepEvery = time.Second
@@ -146,7 +154,7 @@ func newFiles(m *Mover, limit, device int, log *slog.Logger) *files {
 	}
 	g := &files{
 		m: m, limit: limit, device: device, log: log, sweep: sweepEvery, minIdle: minIdle,
-		offers: make(chan offer, 256), stop: make(chan struct{}), done: make(chan struct{}),
+		offers: make(chan offer, min(limit, maxOffers)), stop: make(chan struct{}), done: make(chan struct{}),
 		byKey: map[fileKey]*regFile{}, lru: list.New(), queued: map[fileKey]bool{}, seen: map[fileKey]bool{},
 	}
 	go g.run()

@@ -550,6 +550,47 @@ func TestRegisteredFilesAtTheBoundAdmitOnlyASecondOffer(t *testing.T) {
 	}
 }
 
+// TestRegisteredFilesABurstOfStoresIsRegisteredWhole: a burst of stores
+// offers its files faster than the registrar registers them (here the
+// fake runtime holds the first registration until every store is done);
+// every file of the burst waits in the queue and is registered, none is
+// dropped to move through the pinned buffers at its next job.
+func TestRegisteredFilesABurstOfStoresIsRegisteredWhole(t *testing.T) {
+	const burst = 300 // more than the 256 offers the queue once held
+	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, RegisterFiles: 2 * burst})
+	e.fake.HoldRegistrations(true)
+	held := true
+	defer func() {
+		if held {
+			e.fake.HoldRegistrations(false)
+		}
+	}()
+	dir := t.TempDir()
+	kfs := make([]*keyFile, burst)
+	for i := range kfs {
+		kfs[i] = newKeyFile(t, kv, dir, strconv.Itoa(i), uint64(i+1))
+		store(t, e, m, kv, kfs[i], host, orig)
+	}
+	testwait.Until(t, "the registrar waiting in its first registration", 10*time.Second, func() bool {
+		return e.fake.WaitingRegistrations() == 1
+	})
+	m.files.mu.Lock()
+	queued := len(m.files.queued)
+	m.files.mu.Unlock()
+	if queued != burst {
+		t.Fatalf("%d of the burst's %d files queued or in registration, want all", queued, burst)
+	}
+	e.fake.HoldRegistrations(false)
+	held = false
+	testwait.Until(t, "the burst registered", 30*time.Second, func() bool { return m.FileStats().Registered == burst })
+	for _, kf := range kfs[:3] {
+		load(t, e, m, kv, kf, host, orig)
+	}
+	if st := m.FileStats(); st.Files != burst || st.Loads != 3 {
+		t.Fatalf("%+v: want the burst's %d files registered and the three loads direct", st, burst)
+	}
+}
+
 // TestJobsYieldEveryYieldBytesOfCPUWork: with Config.YieldBytes a job
 // gives its CPU up once per YieldBytes of bytes its thread copied or
 // checksummed: staged stores and loads (the pinned-buffer copies), and

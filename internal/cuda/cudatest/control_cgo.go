@@ -7,10 +7,12 @@ typedef void (*set_fault_fn)(int, long, int);
 typedef long (*count_fn)(int);
 typedef void (*set_peer_fn)(int);
 typedef void (*set_busy_fn)(long);
+typedef long (*hold_fn)(int);
 static void call_set_fault(void *f, int op, long n, int code) { ((set_fault_fn)f)(op, n, code); }
 static long call_count(void *f, int op) { return ((count_fn)f)(op); }
 static void call_set_peer(void *f, int on) { ((set_peer_fn)f)(on); }
 static void call_set_busy(void *f, long n) { ((set_busy_fn)f)(n); }
+static long call_hold(void *f, int on) { return ((hold_fn)f)(on); }
 */
 import "C"
 
@@ -26,8 +28,8 @@ const supported = true
 // Fake controls a loaded fake library (the same library a cuda.Runtime
 // opened from the path Build returned: dlopen shares one instance).
 type Fake struct {
-	lib                               *dl.Library
-	setFault, count, setPeer, setBusy unsafe.Pointer
+	lib                                     *dl.Library
+	setFault, count, setPeer, setBusy, hold unsafe.Pointer
 }
 
 // Open opens the fake library for control; it is closed with the test.
@@ -49,6 +51,9 @@ func Open(t testing.TB, path string) *Fake {
 		t.Fatalf("cudatest: %v", err)
 	}
 	if f.setBusy, err = lib.Sym("fake_set_busy"); err != nil {
+		t.Fatalf("cudatest: %v", err)
+	}
+	if f.hold, err = lib.Sym("fake_hold_registrations"); err != nil {
 		t.Fatalf("cudatest: %v", err)
 	}
 	return f
@@ -80,3 +85,18 @@ func (f *Fake) PeerAccess(on bool) {
 // or its stream runs them whatever was queried. The library is shared by
 // the tests of a binary: set it back to 0.
 func (f *Fake) Busy(n int) { C.call_set_busy(f.setBusy, C.long(n)) }
+
+// HoldRegistrations makes cudaHostRegister wait until it is called with
+// false, which lets the waiting ones go. The library is shared by the
+// tests of a binary: let them go again.
+func (f *Fake) HoldRegistrations(hold bool) {
+	v := 0
+	if hold {
+		v = 1
+	}
+	C.call_hold(f.hold, C.int(v))
+}
+
+// WaitingRegistrations is how many cudaHostRegister calls are waiting
+// (HoldRegistrations).
+func (f *Fake) WaitingRegistrations() int { return int(C.call_hold(f.hold, -1)) }

@@ -26,3 +26,9 @@ func (f *Fake) PeerAccess(on bool) {}
 
 // Busy does nothing.
 func (f *Fake) Busy(n int) {}
+
+// HoldRegistrations does nothing.
+func (f *Fake) HoldRegistrations(hold bool) {}
+
+// WaitingRegistrations is 0.
+func (f *Fake) WaitingRegistrations() int { return 0 }

@@ -250,7 +250,31 @@ int cudaHostAlloc(void **p, size_t n, unsigned flags) {
 	return 0;
 }
 int cudaFreeHost(void *p) { free(p); return 0; }
-int cudaHostRegister(void *p, size_t n, unsigned flags) { (void)p; (void)n; (void)flags; return tick(opHostRegister); }
+static pthread_cond_t regCond = PTHREAD_COND_INITIALIZER;
+static int regHeld;       // registrations wait while set
+static long regWaiting;   // registrations waiting
+
+// fake_hold_registrations makes cudaHostRegister wait (on = 1) until it is
+// called with 0 (let them go); on < 0 changes nothing. It returns how many
+// registrations are waiting.
+long fake_hold_registrations(int on) {
+	pthread_mutex_lock(&mu);
+	if (on >= 0) regHeld = on;
+	long n = regWaiting;
+	pthread_cond_broadcast(&regCond);
+	pthread_mutex_unlock(&mu);
+	return n;
+}
+
+int cudaHostRegister(void *p, size_t n, unsigned flags) {
+	(void)p; (void)n; (void)flags;
+	pthread_mutex_lock(&mu);
+	regWaiting++;
+	while (regHeld) pthread_cond_wait(&regCond, &mu);
+	regWaiting--;
+	pthread_mutex_unlock(&mu);
+	return tick(opHostRegister);
+}
 int cudaHostUnregister(void *p) { (void)p; return 0; }
 
 int cudaMalloc(void **p, size_t n) {
