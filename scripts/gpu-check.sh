@@ -172,10 +172,15 @@ if [ "${CHURN:-1}" = 1 ]; then
 	# a mount that holds about two rounds, so that stores write into
 	# evicted files; with the files registered with CUDA (the default)
 	# and without (gpu.register_files = 0), alternated. The daemon's
-	# metrics say how many jobs moved registered files directly.
+	# metrics say how many jobs moved registered files directly. In the
+	# first round a third daemon keeps at most 64 registered files, fewer
+	# than the cache holds (about 150): at that bound a file takes an idle
+	# registered file's place only at its second offer (deferred offers).
 	sock=/tmp/kvhost-gpu-churn.sock
 	for round in 1 2; do
-		for reg in 16384 0; do
+		regs="16384 0"
+		[ "$round" = 1 ] && regs="16384 0 64"
+		for reg in $regs; do
 			name="churn-register-$reg-$round"
 			printf '[gpu]\nregister_files = %d\n' "$reg" >"$out/$name.toml"
 			daemon "$sock" "$out/daemon-$name.log" "$shm/churn" --config "$out/$name.toml" --capacity 5GiB --metrics 127.0.0.1:9479
