@@ -16,6 +16,7 @@ import (
 	"github.com/kvhost/kvhost/protocol"
 	"github.com/kvhost/kvhost/region"
 	"github.com/kvhost/kvhost/server"
+	"github.com/kvhost/kvhost/staging/gpu"
 )
 
 // scrape gets url and parses it as the Prometheus text format.
@@ -115,6 +116,9 @@ func TestMetricsExposeSourcesAndObservations(t *testing.T) {
 		DataPaths: func() []DataPath { return []DataPath{{Mount: dir, Fallbacks: map[string]uint64{"cufile": 6}}} },
 		Reloads:   func() (uint64, uint64) { return 4, 1 },
 		Staging:   func() (int, int, int) { return 2, 16, 4 << 20 },
+		GPUFiles: func() gpu.FileStats {
+			return gpu.FileStats{Files: 6, Bytes: 6 << 25, Limit: 100, Registered: 9, Released: 3, Failed: 1, Deferred: 2, Stores: 12, Loads: 14, Queued: 5}
+		},
 	})
 	m.SetReady(true)
 	m.ObserveJob(engine.JobEvent{Direction: "store", Memory: region.KindHost, Path: "staging", Bytes: 4096, Duration: time.Millisecond,
@@ -138,6 +142,16 @@ func TestMetricsExposeSourcesAndObservations(t *testing.T) {
 		{"kvhost_evictions_total", nil, 1},
 		{"kvhost_written_bytes_total", nil, 4096},
 		{"kvhost_key_failures_total", map[string]string{"direction": "store", "reason": "no_space"}, 4},
+		{"kvhost_gpu_registered_files", nil, 6},
+		{"kvhost_gpu_registered_file_bytes", nil, 6 << 25},
+		{"kvhost_gpu_registered_files_limit", nil, 100},
+		{"kvhost_gpu_file_registrations_queued", nil, 5},
+		{"kvhost_gpu_file_registrations_total", map[string]string{"result": "ok"}, 9},
+		{"kvhost_gpu_file_registrations_total", map[string]string{"result": "released"}, 3},
+		{"kvhost_gpu_file_registrations_total", map[string]string{"result": "failed"}, 1},
+		{"kvhost_gpu_file_registrations_total", map[string]string{"result": "deferred"}, 2},
+		{"kvhost_gpu_direct_file_jobs_total", map[string]string{"direction": "store"}, 12},
+		{"kvhost_gpu_direct_file_jobs_total", map[string]string{"direction": "load"}, 14},
 		{"kvhost_mount_capacity_bytes", mount, 1000},
 		{"kvhost_mount_used_bytes", mount, 400},
 		{"kvhost_mount_free_bytes", mount, 600},

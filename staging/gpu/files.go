@@ -116,6 +116,9 @@ type FileStats struct {
 	// Stores and Loads count the jobs that moved a registered file
 	// directly and succeeded.
 	Stores, Loads uint64
+	// Queued is the files offered and not registered yet: waiting for
+	// the registrar, or being registered.
+	Queued int
 }
 
 // errGone: a file offered for registration was removed or replaced
@@ -356,7 +359,7 @@ func (g *files) stats() FileStats {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	st := g.st
-	st.Files, st.Bytes, st.Limit = len(g.byKey), g.bytes, g.limit
+	st.Files, st.Bytes, st.Limit, st.Queued = len(g.byKey), g.bytes, g.limit, len(g.queued)
 	return st
 }
 

@@ -574,15 +574,15 @@ func TestRegisteredFilesABurstOfStoresIsRegisteredWhole(t *testing.T) {
 	testwait.Until(t, "the registrar waiting in its first registration", 10*time.Second, func() bool {
 		return e.fake.WaitingRegistrations() == 1
 	})
-	m.files.mu.Lock()
-	queued := len(m.files.queued)
-	m.files.mu.Unlock()
-	if queued != burst {
+	if queued := m.FileStats().Queued; queued != burst {
 		t.Fatalf("%d of the burst's %d files queued or in registration, want all", queued, burst)
 	}
 	e.fake.HoldRegistrations(false)
 	held = false
 	testwait.Until(t, "the burst registered", 30*time.Second, func() bool { return m.FileStats().Registered == burst })
+	if queued := m.FileStats().Queued; queued != 0 {
+		t.Fatalf("%d files still queued after the burst was registered", queued)
+	}
 	for _, kf := range kfs[:3] {
 		load(t, e, m, kv, kf, host, orig)
 	}
