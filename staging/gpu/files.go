@@ -94,9 +94,14 @@ type regFile struct {
 }
 
 // offer is a file a job moved, for the registrar to map and register.
+// It holds a descriptor of the file, which keeps the file's pages even
+// after the file is removed: Forget closes it at once unless the
+// registrar has taken the offer.
 type offer struct {
-	id fileID
-	fd int
+	id        fileID
+	fd        int  // -1 before the offering job opened it and once closed or handed on
+	taken     bool // the registrar is mapping and registering it
+	forgotten bool // forgotten while taken: released as soon as registered
 }
 
 // FileStats describes the registered files (Mover.FileStats).
@@ -131,16 +136,16 @@ type files struct {
 	limit  int
 	device int // the device current on threads that unregister
 	log    *slog.Logger
-	offers chan offer
+	offers chan *offer
 	stop   chan struct{}
 	done   chan struct{}
 	sweep  time.Duration
 
 	mu      sync.Mutex
 	byKey   map[fileKey]*regFile
-	lru     *list.List       // of *regFile, the most recently used first
-	queued  map[fileKey]bool // offered, not registered yet; false: forgotten since
-	seen    map[fileKey]bool // offered once at the bound (admitLocked)
+	lru     *list.List         // of *regFile, the most recently used first
+	queued  map[fileKey]*offer // offered, not registered yet
+	seen    map[fileKey]bool   // offered once at the bound (admitLocked)
 	bytes   int64
 	st      FileStats
 	warned  bool
@@ -157,8 +162,8 @@ func newFiles(m *Mover, limit, device int, log *slog.Logger) *files {
 	}
 	g := &files{
 		m: m, limit: limit, device: device, log: log, sweep: sweepEvery, minIdle: minIdle,
-		offers: make(chan offer, min(limit, maxOffers)), stop: make(chan struct{}), done: make(chan struct{}),
-		byKey: map[fileKey]*regFile{}, lru: list.New(), queued: map[fileKey]bool{}, seen: map[fileKey]bool{},
+		offers: make(chan *offer, min(limit, maxOffers)), stop: make(chan struct{}), done: make(chan struct{}),
+		byKey: map[fileKey]*regFile{}, lru: list.New(), queued: map[fileKey]*offer{}, seen: map[fileKey]bool{},
 	}
 	go g.run()
 	return g
@@ -258,33 +263,39 @@ func (g *files) put(rf *regFile, write, ok bool) {
 // already, the mover is closing, or the queue is full.
 func (g *files) offer(f fsys.File, id fileID) {
 	g.mu.Lock()
-	_, busy := g.queued[id.key]
-	if busy || g.stopped || g.byKey[id.key] != nil || !g.admitLocked(id.key) {
+	if g.queued[id.key] != nil || g.stopped || g.byKey[id.key] != nil || !g.admitLocked(id.key) {
 		g.mu.Unlock()
 		return
 	}
-	g.queued[id.key] = true
+	o := &offer{id: id, fd: -1}
+	g.queued[id.key] = o
 	g.mu.Unlock()
 	// A descriptor of its own, read-write (a store's file is open
 	// write-only, which cannot be mapped shared): the registrar maps it
 	// later, and sweeps it while it is registered.
 	fd, err := unix.Open(fmt.Sprintf("/proc/self/fd/%d", f.Fd()), unix.O_RDWR|unix.O_CLOEXEC, 0)
 	g.mu.Lock()
-	defer g.mu.Unlock()
-	if err == nil && !g.stopped { // sent under the lock: close drains what was sent before it
+	mine := g.queued[id.key] == o // not forgotten, nor the mover closed, meanwhile
+	if err == nil && mine && !g.stopped {
 		select {
-		case g.offers <- offer{id: id, fd: fd}:
+		case g.offers <- o:
+			o.fd = fd
+			g.mu.Unlock()
 			return
 		default:
 		}
 	}
+	if mine {
+		delete(g.queued, id.key)
+	}
+	warn := err != nil && !g.warned
+	g.warned = g.warned || warn
+	g.mu.Unlock()
 	if err == nil {
 		unix.Close(fd)
-	} else if !g.warned {
-		g.warned = true
+	} else if warn {
 		g.log.Warn("gpu: a file could not be reopened for registration: its jobs move through the pinned buffers (logged once)", "err", err)
 	}
-	delete(g.queued, id.key)
 }
 
 // admitLocked reports whether a file offered now should be registered.
@@ -313,12 +324,21 @@ func (g *files) admitLocked(key fileKey) bool {
 // is released now, or when the last job using it ends.
 func (g *files) forget(key fileKey) {
 	g.mu.Lock()
-	if _, ok := g.queued[key]; ok {
-		g.queued[key] = false
+	fd := -1
+	if o := g.queued[key]; o != nil {
+		if o.taken {
+			o.forgotten = true
+		} else { // waiting: its descriptor goes now, and the file's pages with it
+			delete(g.queued, key)
+			fd, o.fd = o.fd, -1
+		}
 	}
 	rf := g.byKey[key]
 	release := rf != nil && g.dropLocked(rf)
 	g.mu.Unlock()
+	if fd >= 0 {
+		unix.Close(fd)
+	}
 	if release {
 		g.releaseNow(rf)
 	}
@@ -372,6 +392,14 @@ func (g *files) close() {
 	close(g.stop)
 	<-g.done
 	g.mu.Lock()
+	var fds []int
+	for _, o := range g.queued { // the registrar has stopped: none is taken
+		if o.fd >= 0 {
+			fds = append(fds, o.fd)
+			o.fd = -1
+		}
+	}
+	clear(g.queued)
 	var rel []*regFile
 	for _, rf := range g.byKey {
 		if g.dropLocked(rf) {
@@ -379,6 +407,9 @@ func (g *files) close() {
 		}
 	}
 	g.mu.Unlock()
+	for _, fd := range fds {
+		unix.Close(fd)
+	}
 	for _, rf := range rel {
 		g.releaseNow(rf)
 	}
@@ -402,14 +433,7 @@ func (g *files) run() {
 	for {
 		select {
 		case <-g.stop:
-			for {
-				select {
-				case o := <-g.offers:
-					unix.Close(o.fd)
-				default:
-					return
-				}
-			}
+			return // close closes the offers' descriptors
 		case o := <-g.offers:
 			g.register(o)
 		case <-tick.C:
@@ -420,9 +444,13 @@ func (g *files) run() {
 
 // register maps and registers an offered file, making room among the
 // least recently used files first.
-func (g *files) register(o offer) {
+func (g *files) register(o *offer) {
 	g.mu.Lock()
-	wanted := g.queued[o.id.key] && g.byKey[o.id.key] == nil && g.limit > 0
+	if g.queued[o.id.key] != o { // forgotten (its descriptor closed) or replaced
+		g.mu.Unlock()
+		return
+	}
+	wanted := g.byKey[o.id.key] == nil && g.limit > 0
 	var victims []*regFile
 	for wanted && len(g.byKey) >= g.limit {
 		var victim *regFile
@@ -440,33 +468,38 @@ func (g *files) register(o offer) {
 		g.dropLocked(victim)
 		victims = append(victims, victim)
 	}
-	if !wanted {
+	fd := o.fd
+	if wanted {
+		o.taken = true
+	} else {
 		delete(g.queued, o.id.key)
+		o.fd = -1
 	}
 	g.mu.Unlock()
 	for _, rf := range victims {
 		g.releaseNow(rf)
 	}
 	if !wanted {
-		unix.Close(o.fd)
+		unix.Close(fd)
 		return
 	}
 	rf, err := g.mapAndRegister(o)
 	g.mu.Lock()
-	// Forgotten while it was being registered (queued false): released
-	// at once, never used.
-	forgotten := !g.queued[o.id.key]
+	// Forgotten while it was being registered: released at once, never
+	// used.
+	forgotten := o.forgotten
 	delete(g.queued, o.id.key)
+	o.fd = -1 // closed below, or the registered file's now
 	switch {
 	case errors.Is(err, errGone):
 		g.mu.Unlock()
-		unix.Close(o.fd)
+		unix.Close(fd)
 	case err != nil:
 		g.st.Failed++
 		warn := !g.warned
 		g.warned = true
 		g.mu.Unlock()
-		unix.Close(o.fd)
+		unix.Close(fd)
 		if warn {
 			g.log.Warn("gpu: a file could not be registered: its jobs move through the pinned buffers (logged once)", "err", err)
 		}
@@ -486,7 +519,7 @@ func (g *files) register(o offer) {
 
 // mapAndRegister maps the offered file whole, shared, and registers the
 // mapping; errGone where the file is no longer the one offered.
-func (g *files) mapAndRegister(o offer) (*regFile, error) {
+func (g *files) mapAndRegister(o *offer) (*regFile, error) {
 	var st unix.Stat_t
 	if err := unix.Fstat(o.fd, &st); err != nil {
 		return nil, fmt.Errorf("gpu: stat a file to register: %w", err)

@@ -591,6 +591,58 @@ func TestRegisteredFilesABurstOfStoresIsRegisteredWhole(t *testing.T) {
 	}
 }
 
+// TestRegisteredFilesForgottenWhileQueuedGiveTheirDescriptorsBackAtOnce:
+// a queued offer holds a descriptor of its file, which keeps a removed
+// file's pages; Forget closes a waiting offer's descriptor at once, not
+// when the registrar reaches it, and an offer the registrar has taken is
+// released as soon as it is registered, never used.
+func TestRegisteredFilesForgottenWhileQueuedGiveTheirDescriptorsBackAtOnce(t *testing.T) {
+	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, RegisterFiles: 8})
+	e.fake.HoldRegistrations(true)
+	held := true
+	defer func() {
+		if held {
+			e.fake.HoldRegistrations(false)
+		}
+	}()
+	fds := func() int {
+		ents, err := os.ReadDir("/proc/self/fd")
+		if err != nil {
+			t.Fatal(err)
+		}
+		return len(ents)
+	}
+	dir := t.TempDir()
+	var kfs []*keyFile
+	for i := range 3 {
+		kf := newKeyFile(t, kv, dir, strconv.Itoa(i), uint64(i+1))
+		kfs = append(kfs, kf)
+		store(t, e, m, kv, kf, host, orig)
+	}
+	testwait.Until(t, "the registrar holding the first file", 10*time.Second, func() bool {
+		return e.fake.WaitingRegistrations() == 1
+	})
+	if q := m.FileStats().Queued; q != 3 {
+		t.Fatalf("%d files queued, want 3", q)
+	}
+	before := fds()
+	for _, kf := range kfs { // the engine removes the files
+		m.Forget(kf.id.key.dev, kf.id.key.ino)
+	}
+	if n := before - fds(); n != 2 {
+		t.Fatalf("Forget closed %d descriptors while the registrar held its file, want the two waiting offers'", n)
+	}
+	e.fake.HoldRegistrations(false)
+	held = false
+	testwait.Until(t, "the taken file registered and released", 10*time.Second, func() bool {
+		st := m.FileStats()
+		return st.Registered == 1 && st.Released == 1 && st.Queued == 0
+	})
+	if n := before - fds(); n != 3 || m.FileStats().Files != 0 {
+		t.Fatalf("after the registrar went on: %d descriptors closed, %+v; want all three and no file kept", n, m.FileStats())
+	}
+}
+
 // TestJobsYieldEveryYieldBytesOfCPUWork: with Config.YieldBytes a job
 // gives its CPU up once per YieldBytes of bytes its thread copied or
 // checksummed: staged stores and loads (the pinned-buffer copies), and
