@@ -187,6 +187,16 @@ if [ "${CHURN:-1}" = 1 ]; then
 			run "$name" python3 scripts/gpu-churn.py "$sock" 6 64 8
 			python3 -c 'import urllib.request; print("".join(l for l in urllib.request.urlopen("http://127.0.0.1:9479/metrics").read().decode().splitlines(True) if l.startswith(("kvhost_gpu_direct", "kvhost_gpu_registered_files ", "kvhost_gpu_file_reg", "kvhost_reused"))), end="")' \
 				| tee -a "$out/$name.txt" | sed 's/^/   /'
+			if [ "$reg" = 64 ]; then # the bound must have deferred offers and held
+				python3 - "$out/$name.txt" <<'PY' || { echo "   FAIL: the bound of 64 registered files deferred no offer or was exceeded"; status=1; }
+import re, sys
+t = open(sys.argv[1]).read()
+deferred = float(re.search(r'result="deferred"\} (\S+)', t).group(1))
+files = float(re.search(r'^kvhost_gpu_registered_files (\S+)', t, re.M).group(1))
+print(f"   bound of 64: {deferred:.0f} offers deferred, {files:.0f} files registered")
+sys.exit(0 if deferred > 0 and files <= 64 else 1)
+PY
+			fi
 			stop_daemon
 		done
 	done

@@ -47,7 +47,8 @@ type gpuOptions struct {
 }
 
 // gpuOptionsOf is the GPU options the configuration sets: the daemon's,
-// and the benchmark's before it forces a path and a checksum setting.
+// and the benchmark's before it sets the mode, the cuFile setting and
+// checksums of the path it measures.
 func gpuOptionsOf(cfg config.Config) gpuOptions {
 	c := cfg.GPU
 	return gpuOptions{

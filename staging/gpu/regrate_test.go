@@ -71,6 +71,14 @@ func TestGPURegistrationThreads(t *testing.T) {
 func registerFiles(t *testing.T, r *cuda.Runtime, paths []string, size, threads int, populate bool) (reg, unreg time.Duration) {
 	t.Helper()
 	mems := make([][]byte, len(paths))
+	defer func() { // on a failure, what is still registered
+		for _, mem := range mems {
+			if mem != nil {
+				r.HostUnregister(mem)
+				unix.Munmap(mem)
+			}
+		}
+	}()
 	phase := func(fn func(i int) error) time.Duration {
 		var wg sync.WaitGroup
 		errs := make(chan error, threads)
@@ -104,7 +112,7 @@ func registerFiles(t *testing.T, r *cuda.Runtime, paths []string, size, threads 
 	reg = phase(func(i int) error {
 		fd, err := unix.Open(paths[i], unix.O_RDWR|unix.O_CLOEXEC, 0)
 		if err != nil {
-			return err
+			return fmt.Errorf("open %s: %w", paths[i], err)
 		}
 		defer unix.Close(fd)
 		flags := unix.MAP_SHARED
@@ -113,7 +121,7 @@ func registerFiles(t *testing.T, r *cuda.Runtime, paths []string, size, threads 
 		}
 		mem, err := unix.Mmap(fd, 0, size, unix.PROT_READ|unix.PROT_WRITE, flags)
 		if err != nil {
-			return err
+			return fmt.Errorf("map %s: %w", paths[i], err)
 		}
 		if err := r.HostRegister(mem); err != nil {
 			unix.Munmap(mem)
@@ -128,8 +136,9 @@ func registerFiles(t *testing.T, r *cuda.Runtime, paths []string, size, threads 
 		}
 	}
 	unreg = phase(func(i int) error {
-		err := r.HostUnregister(mems[i])
-		return errorsJoin(err, unix.Munmap(mems[i]))
+		err := errorsJoin(r.HostUnregister(mems[i]), unix.Munmap(mems[i]))
+		mems[i] = nil
+		return err
 	})
 	return reg, unreg
 }
