@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -464,28 +465,21 @@ func TestRegisteredFilesCloseReleasesEveryFile(t *testing.T) {
 	store(t, e, m, kv, a, host, orig)
 	store(t, e, m, kv, b, host, orig)
 	testwait.Until(t, "both files registered", 10*time.Second, func() bool { return m.FileStats().Files == 2 })
-	fds := func() int {
-		ents, err := os.ReadDir("/proc/self/fd")
-		if err != nil {
-			t.Fatal(err)
-		}
-		return len(ents)
-	}
-	before := fds()
+	before := openDescriptors(t)
 	if err := m.Close(); err != nil {
 		t.Fatal(err)
 	}
 	if st := m.FileStats(); st.Files != 0 || st.Released != 2 {
 		t.Fatalf("after Close: %+v; want both released", st)
 	}
-	if n := before - fds(); n != 2 {
+	if n := before - openDescriptors(t); n != 2 {
 		t.Fatalf("Close closed %d descriptors, want the registrar's 2", n)
 	}
 	m.files.offer(a.f, a.id)
 	m.files.mu.Lock()
 	queued := len(m.files.queued)
 	m.files.mu.Unlock()
-	if n := before - fds(); queued != 0 || n != 2 {
+	if n := before - openDescriptors(t); queued != 0 || n != 2 {
 		t.Fatalf("an offer after Close was taken: %d queued, %d descriptors", queued, 2-n)
 	}
 }
@@ -550,6 +544,40 @@ func TestRegisteredFilesAtTheBoundAdmitOnlyASecondOffer(t *testing.T) {
 	}
 }
 
+// holdRegistrations makes the fake runtime hold every registration until
+// the returned function (or the test's end) lets them go.
+func holdRegistrations(t *testing.T, e *env) (release func()) {
+	t.Helper()
+	e.fake.HoldRegistrations(true)
+	var once sync.Once
+	release = func() { once.Do(func() { e.fake.HoldRegistrations(false) }) }
+	t.Cleanup(release)
+	return release
+}
+
+// openDescriptors is how many descriptors the process has open.
+func openDescriptors(t *testing.T) int {
+	t.Helper()
+	ents, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return len(ents)
+}
+
+// storeKeyFiles makes n key files in a fresh directory and stores each
+// once, through the pinned buffers (so each is offered for registration).
+func storeKeyFiles(t *testing.T, e *env, m *Mover, kv *cache, n int, host map[region.Region][]byte, orig [][]byte) []*keyFile {
+	t.Helper()
+	dir := t.TempDir()
+	kfs := make([]*keyFile, n)
+	for i := range kfs {
+		kfs[i] = newKeyFile(t, kv, dir, strconv.Itoa(i), uint64(i+1))
+		store(t, e, m, kv, kfs[i], host, orig)
+	}
+	return kfs
+}
+
 // TestRegisteredFilesABurstOfStoresIsRegisteredWhole: a burst of stores
 // offers its files faster than the registrar registers them (here the
 // fake runtime holds the first registration until every store is done);
@@ -558,27 +586,15 @@ func TestRegisteredFilesAtTheBoundAdmitOnlyASecondOffer(t *testing.T) {
 func TestRegisteredFilesABurstOfStoresIsRegisteredWhole(t *testing.T) {
 	const burst = 300 // more than the 256 offers the queue once held
 	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, RegisterFiles: 2 * burst})
-	e.fake.HoldRegistrations(true)
-	held := true
-	defer func() {
-		if held {
-			e.fake.HoldRegistrations(false)
-		}
-	}()
-	dir := t.TempDir()
-	kfs := make([]*keyFile, burst)
-	for i := range kfs {
-		kfs[i] = newKeyFile(t, kv, dir, strconv.Itoa(i), uint64(i+1))
-		store(t, e, m, kv, kfs[i], host, orig)
-	}
+	release := holdRegistrations(t, e)
+	kfs := storeKeyFiles(t, e, m, kv, burst, host, orig)
 	testwait.Until(t, "the registrar waiting in its first registration", 10*time.Second, func() bool {
 		return e.fake.WaitingRegistrations() == 1
 	})
 	if queued := m.FileStats().Queued; queued != burst {
 		t.Fatalf("%d of the burst's %d files queued or in registration, want all", queued, burst)
 	}
-	e.fake.HoldRegistrations(false)
-	held = false
+	release()
 	testwait.Until(t, "the burst registered", 30*time.Second, func() bool { return m.FileStats().Registered == burst })
 	if queued := m.FileStats().Queued; queued != 0 {
 		t.Fatalf("%d files still queued after the burst was registered", queued)
@@ -598,47 +614,27 @@ func TestRegisteredFilesABurstOfStoresIsRegisteredWhole(t *testing.T) {
 // released as soon as it is registered, never used.
 func TestRegisteredFilesForgottenWhileQueuedGiveTheirDescriptorsBackAtOnce(t *testing.T) {
 	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, RegisterFiles: 8})
-	e.fake.HoldRegistrations(true)
-	held := true
-	defer func() {
-		if held {
-			e.fake.HoldRegistrations(false)
-		}
-	}()
-	fds := func() int {
-		ents, err := os.ReadDir("/proc/self/fd")
-		if err != nil {
-			t.Fatal(err)
-		}
-		return len(ents)
-	}
-	dir := t.TempDir()
-	var kfs []*keyFile
-	for i := range 3 {
-		kf := newKeyFile(t, kv, dir, strconv.Itoa(i), uint64(i+1))
-		kfs = append(kfs, kf)
-		store(t, e, m, kv, kf, host, orig)
-	}
+	release := holdRegistrations(t, e)
+	kfs := storeKeyFiles(t, e, m, kv, 3, host, orig)
 	testwait.Until(t, "the registrar holding the first file", 10*time.Second, func() bool {
 		return e.fake.WaitingRegistrations() == 1
 	})
 	if q := m.FileStats().Queued; q != 3 {
 		t.Fatalf("%d files queued, want 3", q)
 	}
-	before := fds()
+	before := openDescriptors(t)
 	for _, kf := range kfs { // the engine removes the files
 		m.Forget(kf.id.key.dev, kf.id.key.ino)
 	}
-	if n := before - fds(); n != 2 {
+	if n := before - openDescriptors(t); n != 2 {
 		t.Fatalf("Forget closed %d descriptors while the registrar held its file, want the two waiting offers'", n)
 	}
-	e.fake.HoldRegistrations(false)
-	held = false
+	release()
 	testwait.Until(t, "the taken file registered and released", 10*time.Second, func() bool {
 		st := m.FileStats()
 		return st.Registered == 1 && st.Released == 1 && st.Queued == 0
 	})
-	if n := before - fds(); n != 3 || m.FileStats().Files != 0 {
+	if n := before - openDescriptors(t); n != 3 || m.FileStats().Files != 0 {
 		t.Fatalf("after the registrar went on: %d descriptors closed, %+v; want all three and no file kept", n, m.FileStats())
 	}
 }
