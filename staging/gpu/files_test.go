@@ -460,10 +460,7 @@ func TestRegisteredFilesResizedOrReplacedAreDropped(t *testing.T) {
 // after Close is declined.
 func TestRegisteredFilesCloseReleasesEveryFile(t *testing.T) {
 	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, RegisterFiles: 4})
-	dir := t.TempDir()
-	a, b := newKeyFile(t, kv, dir, "a", 1), newKeyFile(t, kv, dir, "b", 2)
-	store(t, e, m, kv, a, host, orig)
-	store(t, e, m, kv, b, host, orig)
+	a := storeKeyFiles(t, e, m, kv, 2, host, orig)[0]
 	testwait.Until(t, "both files registered", 10*time.Second, func() bool { return m.FileStats().Files == 2 })
 	before := openDescriptors(t)
 	if err := m.Close(); err != nil {
