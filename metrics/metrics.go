@@ -244,6 +244,8 @@ var (
 	dGPUFileLimit   = desc("kvhost_gpu_registered_files_limit", "The most files kept registered (gpu.register_files, bounded by the descriptor limit).")
 	dGPUFileQueue   = desc("kvhost_gpu_file_registrations_queued", "Memory-mount files offered for registration and not registered yet (waiting for the registrar, or being registered).")
 	dGPUFileRegs    = desc("kvhost_gpu_file_registrations_total", "Files mapped and registered with CUDA (ok), given back (released), that could not be (failed), or not registered yet because the bound was reached (deferred: a file's first offer there).", "result")
+	dGPUFileWaits   = desc("kvhost_gpu_file_registration_waits_total", "Registrations the registrar put off while stores moved through the pinned buffers.")
+	dGPUFileWaited  = desc("kvhost_gpu_file_registration_wait_seconds_total", "Time the registrar waited for stores through the pinned buffers before registering files.")
 	dGPUFileJobs    = desc("kvhost_gpu_direct_file_jobs_total", "Jobs that moved a registered file directly between the GPU and its pages, by direction.", "direction")
 	dStart          = desc("kvhost_start_time_seconds", "When the daemon's server started, in Unix seconds.")
 	dReloads        = desc("kvhost_reloads_total", "Configuration reloads, by result (ok, failed).", "result")
@@ -359,6 +361,8 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 		counter(dGPUFileRegs, f.Released, "released")
 		counter(dGPUFileRegs, f.Failed, "failed")
 		counter(dGPUFileRegs, f.Deferred, "deferred")
+		counter(dGPUFileWaits, f.Waits)
+		ch <- prometheus.MustNewConstMetric(dGPUFileWaited, prometheus.CounterValue, f.Waited.Seconds())
 		counter(dGPUFileJobs, f.Stores, "store")
 		counter(dGPUFileJobs, f.Loads, "load")
 	}

@@ -117,7 +117,7 @@ func TestMetricsExposeSourcesAndObservations(t *testing.T) {
 		Reloads:   func() (uint64, uint64) { return 4, 1 },
 		Staging:   func() (int, int, int) { return 2, 16, 4 << 20 },
 		GPUFiles: func() gpu.FileStats {
-			return gpu.FileStats{Files: 6, Bytes: 6 << 25, Limit: 100, Registered: 9, Released: 3, Failed: 1, Deferred: 2, Stores: 12, Loads: 14, Queued: 5}
+			return gpu.FileStats{Files: 6, Bytes: 6 << 25, Limit: 100, Registered: 9, Released: 3, Failed: 1, Deferred: 2, Stores: 12, Loads: 14, Queued: 5, Waits: 4, Waited: 1500 * time.Millisecond}
 		},
 	})
 	m.SetReady(true)
@@ -150,6 +150,8 @@ func TestMetricsExposeSourcesAndObservations(t *testing.T) {
 		{"kvhost_gpu_file_registrations_total", map[string]string{"result": "released"}, 3},
 		{"kvhost_gpu_file_registrations_total", map[string]string{"result": "failed"}, 1},
 		{"kvhost_gpu_file_registrations_total", map[string]string{"result": "deferred"}, 2},
+		{"kvhost_gpu_file_registration_waits_total", nil, 4},
+		{"kvhost_gpu_file_registration_wait_seconds_total", nil, 1.5},
 		{"kvhost_gpu_direct_file_jobs_total", map[string]string{"direction": "store"}, 12},
 		{"kvhost_gpu_direct_file_jobs_total", map[string]string{"direction": "load"}, 14},
 		{"kvhost_mount_capacity_bytes", mount, 1000},

@@ -10,6 +10,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 	"unsafe"
 
@@ -63,6 +64,23 @@ const minIdle = 10 * time.Second
 // thread registers them; a queue shorter than the burst leaves most of
 // its files to move through the pinned buffers at their next job too.
 const maxOffers = 4096
+
+// Stores through the pinned buffers and registrations slow each other
+// down: measured with 16 jobs on an H100, stores into fresh tmpfs files
+// ran at 0.59–0.80 of the write ceiling beside the registrar, and at
+// 0.82–0.95 when it waited for them (RATIONALE: "Why does the registrar
+// wait while stores move through the pinned buffers?"). So before each
+// registration the registrar waits while such stores run: until they
+// stop, or for at most storeShare-1 times its last registration's
+// duration (at most maxStoreWait), so that stores that never stop leave
+// it one part in storeShare of the time, and the files still get
+// registered. firstBusy stands for the duration of a registration before
+// one was timed (a 32 MiB file's on an H100).
+const (
+	storeShare   = 8
+	maxStoreWait = time.Second
+	firstBusy    = 4 * time.Millisecond
+)
 
 // sweepEvery is how often the registrar drops registered files that were
 // unlinked or resized behind its back.
@@ -124,6 +142,10 @@ type FileStats struct {
 	// Queued is the files offered and not registered yet: waiting for
 	// the registrar, or being registered.
 	Queued int
+	// Waits counts the registrations the registrar put off while stores
+	// moved through the pinned buffers, and Waited is how long it waited.
+	Waits  uint64
+	Waited time.Duration
 }
 
 // errGone: a file offered for registration was removed or replaced
@@ -140,6 +162,16 @@ type files struct {
 	stop   chan struct{}
 	done   chan struct{}
 	sweep  time.Duration
+
+	// streaming counts the stores moving through the pinned buffers
+	// (beginStore, endStore); streamEnded has a token when it fell to 0.
+	streaming   atomic.Int32
+	streamEnded chan struct{}
+	// busy is the duration of the last registration (the registrar's
+	// own), maxStoreWait the most it waits before one (a field for
+	// tests).
+	busy         time.Duration
+	maxStoreWait time.Duration
 
 	mu      sync.Mutex
 	byKey   map[fileKey]*regFile
@@ -162,6 +194,7 @@ func newFiles(m *Mover, limit, device int, log *slog.Logger) *files {
 	}
 	g := &files{
 		m: m, limit: limit, device: device, log: log, sweep: sweepEvery, minIdle: minIdle,
+		streamEnded: make(chan struct{}, 1), busy: firstBusy, maxStoreWait: maxStoreWait,
 		offers: make(chan *offer, min(limit, maxOffers)), stop: make(chan struct{}), done: make(chan struct{}),
 		byKey: map[fileKey]*regFile{}, lru: list.New(), queued: map[fileKey]*offer{}, seen: map[fileKey]bool{},
 	}
@@ -442,9 +475,58 @@ func (g *files) run() {
 	}
 }
 
+// beginStore counts a store moving through the pinned buffers, until
+// endStore.
+func (g *files) beginStore() { g.streaming.Add(1) }
+
+// endStore ends a store counted by beginStore.
+func (g *files) endStore() {
+	if g.streaming.Add(-1) == 0 {
+		select {
+		case g.streamEnded <- struct{}{}:
+		default:
+		}
+	}
+}
+
+// awaitStores waits, before a registration, while stores move through
+// the pinned buffers: until they stop, for at most storeShare-1 times
+// the last registration's duration (see storeShare), or until the mover
+// closes, and then reports false.
+func (g *files) awaitStores() bool {
+	if g.streaming.Load() == 0 {
+		return true
+	}
+	start := time.Now()
+	timer := time.NewTimer(min(g.maxStoreWait, (storeShare-1)*g.busy))
+	defer timer.Stop()
+	g.mu.Lock()
+	g.st.Waits++
+	g.mu.Unlock()
+	defer func() {
+		g.mu.Lock()
+		g.st.Waited += time.Since(start)
+		g.mu.Unlock()
+	}()
+	for g.streaming.Load() > 0 {
+		select {
+		case <-g.stop:
+			return false
+		case <-timer.C:
+			return true
+		case <-g.streamEnded: // maybe a stale token: the loop checks again
+		}
+	}
+	return true
+}
+
 // register maps and registers an offered file, making room among the
-// least recently used files first.
+// least recently used files first, once stores through the pinned
+// buffers let it (awaitStores).
 func (g *files) register(o *offer) {
+	if !g.awaitStores() {
+		return // closing: close closes the offer's descriptor
+	}
 	g.mu.Lock()
 	if g.queued[o.id.key] != o { // forgotten (its descriptor closed) or replaced
 		g.mu.Unlock()
@@ -483,7 +565,9 @@ func (g *files) register(o *offer) {
 		unix.Close(fd)
 		return
 	}
+	start := time.Now()
 	rf, err := g.mapAndRegister(o)
+	g.busy = time.Since(start)
 	g.mu.Lock()
 	// Forgotten while it was being registered: released at once, never
 	// used.

@@ -711,3 +711,89 @@ func TestJobsInFlightCountEachJobWhileItRuns(t *testing.T) {
 		t.Fatalf("jobs in flight during a lone store %d, after it %d; want 1 and 0", got, after)
 	}
 }
+
+// holdFirstYield makes the first yield of the mover's jobs (a job's,
+// after Config.YieldBytes of its copies) wait until release, which the
+// test's end calls too; reached is closed when that yield is reached.
+// Later yields pass.
+func holdFirstYield(t *testing.T, m *Mover) (reached <-chan struct{}, release func()) {
+	t.Helper()
+	at, hold := make(chan struct{}), make(chan struct{})
+	var first atomic.Bool
+	var once sync.Once
+	m.yieldHook = func() {
+		if first.CompareAndSwap(false, true) { // not a sync.Once: later yields must not wait for this one
+			close(at)
+			<-hold
+		}
+	}
+	release = func() { once.Do(func() { close(hold) }) }
+	t.Cleanup(release)
+	return at, release
+}
+
+// heldStore starts a store of a new key file that stops at its first
+// yield (holdFirstYield) and waits until it is there; release lets it
+// finish and returns its error.
+func heldStore(t *testing.T, m *Mover, kv *cache, dir string) (release func() error) {
+	t.Helper()
+	reached, let := holdFirstYield(t, m)
+	kf := newKeyFile(t, kv, dir, "held", 99)
+	done := make(chan error, 1)
+	go func() {
+		_, err := m.WriteFile(jobContext(t), kf.f, kf.p, make([]uint32, kf.p.Sums))
+		done <- err
+	}()
+	select {
+	case <-reached:
+	case err := <-done:
+		t.Fatalf("the store ended (%v) before its first yield", err)
+	}
+	return func() error { let(); return <-done }
+}
+
+// TestRegisteredFilesWaitForStoresThroughThePinnedBuffers: while a store
+// moves through the pinned buffers, the registrar puts a file's
+// registration off (here for up to an hour) and registers it, and the
+// store's own file, once the store ends.
+func TestRegisteredFilesWaitForStoresThroughThePinnedBuffers(t *testing.T) {
+	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, RegisterFiles: 4, YieldBytes: 64 << 10})
+	m.files.maxStoreWait, m.files.busy = time.Hour, time.Hour // read by the registrar after the offers below
+	dir := t.TempDir()
+	release := heldStore(t, m, kv, dir)
+	store(t, e, m, kv, newKeyFile(t, kv, dir, "key", 1), host, orig)
+	testwait.Until(t, "the registrar waiting for the held store", 10*time.Second, func() bool { return m.FileStats().Waits == 1 })
+	if st := m.FileStats(); e.fake.Count(cudatest.OpHostRegister) != 0 || st.Files != 0 || st.Queued != 1 {
+		t.Fatalf("%+v, %d registrations while the store runs; want the offer queued and nothing registered", st, e.fake.Count(cudatest.OpHostRegister))
+	}
+	if err := release(); err != nil {
+		t.Fatal(err)
+	}
+	testwait.Until(t, "both files registered once the store ended", 10*time.Second, func() bool { return m.FileStats().Files == 2 })
+	if st := m.FileStats(); st.Waited <= 0 || st.Waits != 1 {
+		t.Fatalf("%+v: want one wait of some time", st)
+	}
+}
+
+// TestRegisteredFilesAreRegisteredBesideStoresThatNeverEnd: the
+// registrar's wait for stores through the pinned buffers is bounded (by
+// seven times its last registration's duration), so files are still
+// registered while such a store runs on and on.
+func TestRegisteredFilesAreRegisteredBesideStoresThatNeverEnd(t *testing.T) {
+	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, RegisterFiles: 4, YieldBytes: 64 << 10})
+	dir := t.TempDir()
+	release := heldStore(t, m, kv, dir)
+	kf := newKeyFile(t, kv, dir, "key", 1)
+	store(t, e, m, kv, kf, host, orig)
+	testwait.Until(t, "the file registered while the store runs", 10*time.Second, func() bool { return m.FileStats().Files == 1 })
+	if st := m.FileStats(); st.Waits != 1 {
+		t.Fatalf("%+v: want the registration to have waited once", st)
+	}
+	load(t, e, m, kv, kf, host, orig)
+	if st := m.FileStats(); st.Loads != 1 {
+		t.Fatalf("%+v: want the load direct", st)
+	}
+	if err := release(); err != nil {
+		t.Fatal(err)
+	}
+}

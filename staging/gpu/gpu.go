@@ -503,6 +503,11 @@ func (m *Mover) run(ctx context.Context, f fsys.File, p *transfer.Plan, sums []u
 		f, release = p.ReadSource(f)
 		defer release()
 	}
+	if write && m.files != nil {
+		// The registrar waits for these stores (storeShare).
+		m.files.beginStore()
+		defer m.files.endStore()
+	}
 	return m.runStreamed(ctx, f, chunks, dev, sums, write, fused)
 }
 
