@@ -67,9 +67,10 @@ const maxOffers = 4096
 
 // Stores through the pinned buffers and registrations slow each other
 // down: measured with 16 jobs on an H100, stores into fresh tmpfs files
-// ran at 0.59–0.80 of the write ceiling beside the registrar, and at
-// 0.82–0.95 when it waited for them (RATIONALE: "Why does the registrar
-// wait while stores move through the pinned buffers?"). So before each
+// ran at 0.53–0.83 of the write ceiling beside the registrar, and at
+// 0.67–0.87 when it waited for them, as without registration (RATIONALE:
+// "Why does the registrar wait while stores move through the pinned
+// buffers?"). So before each
 // registration the registrar waits while such stores run: until they
 // stop, or for at most storeShare-1 times its last registration's
 // duration (at most maxStoreWait), so that stores that never stop leave
