@@ -65,18 +65,18 @@ const minIdle = 10 * time.Second
 // its files to move through the pinned buffers at their next job too.
 const maxOffers = 4096
 
-// Stores through the pinned buffers and registrations slow each other
-// down: measured with 16 jobs on an H100, stores into fresh tmpfs files
-// ran at 0.53–0.83 of the write ceiling beside the registrar, and at
-// 0.67–0.87 when it waited for them, as without registration (RATIONALE:
-// "Why does the registrar wait while stores move through the pinned
-// buffers?"). So before each
-// registration the registrar waits while such stores run: until they
-// stop, or for at most storeShare-1 times its last registration's
-// duration (at most maxStoreWait), so that stores that never stop leave
-// it one part in storeShare of the time, and the files still get
-// registered. firstBusy stands for the duration of a registration before
-// one was timed (a 32 MiB file's on an H100).
+// Stores into memory-mount files through the pinned buffers and
+// registrations slow each other down: measured with 16 jobs on an H100,
+// stores into fresh tmpfs files ran at 0.53–0.83 of the write ceiling
+// beside the registrar, and at 0.67–0.87 when it waited for them, as
+// without registration (RATIONALE: "Why does the registrar wait while
+// stores move through the pinned buffers?"). So before each registration
+// the registrar waits while such stores run: until they stop, or for at
+// most storeShare-1 times its last registration's duration (and at most
+// maxStoreWait), so that stores that never stop leave it one part in
+// storeShare of the time, and the files still get registered. firstBusy
+// stands for the duration of a registration before one was timed (a
+// 32 MiB file's on an H100).
 const (
 	storeShare   = 8
 	maxStoreWait = time.Second
@@ -144,7 +144,9 @@ type FileStats struct {
 	// the registrar, or being registered.
 	Queued int
 	// Waits counts the registrations the registrar put off while stores
-	// moved through the pinned buffers, and Waited is how long it waited.
+	// into memory-mount files moved through the pinned buffers (offers it
+	// then registered, or found forgotten or not wanted any more), and
+	// Waited is how long it waited.
 	Waits  uint64
 	Waited time.Duration
 }
@@ -164,15 +166,16 @@ type files struct {
 	done   chan struct{}
 	sweep  time.Duration
 
-	// streaming counts the stores moving through the pinned buffers
-	// (beginStore, endStore); streamEnded has a token when it fell to 0.
+	// streaming counts the stores into memory-mount files moving through
+	// the pinned buffers (beginStore, endStore); streamEnded has a token
+	// when it fell to 0.
 	streaming   atomic.Int32
 	streamEnded chan struct{}
-	// busy is the duration of the last registration (the registrar's
-	// own), maxStoreWait the most it waits before one (a field for
-	// tests).
-	busy         time.Duration
-	maxStoreWait time.Duration
+	// lastReg is how long the last successful registration took (the
+	// registrar's own), waitCap the most it waits before one
+	// (maxStoreWait; a field for tests).
+	lastReg time.Duration
+	waitCap time.Duration
 
 	mu      sync.Mutex
 	byKey   map[fileKey]*regFile
@@ -195,7 +198,7 @@ func newFiles(m *Mover, limit, device int, log *slog.Logger) *files {
 	}
 	g := &files{
 		m: m, limit: limit, device: device, log: log, sweep: sweepEvery, minIdle: minIdle,
-		streamEnded: make(chan struct{}, 1), busy: firstBusy, maxStoreWait: maxStoreWait,
+		streamEnded: make(chan struct{}, 1), lastReg: firstBusy, waitCap: maxStoreWait,
 		offers: make(chan *offer, min(limit, maxOffers)), stop: make(chan struct{}), done: make(chan struct{}),
 		byKey: map[fileKey]*regFile{}, lru: list.New(), queued: map[fileKey]*offer{}, seen: map[fileKey]bool{},
 	}
@@ -476,8 +479,27 @@ func (g *files) run() {
 	}
 }
 
-// beginStore counts a store moving through the pinned buffers, until
-// endStore.
+// wantedLocked reports whether o's file is to be registered now: it is
+// not registered, and there is room for it, or a file idle long enough
+// to make room.
+func (g *files) wantedLocked(o *offer) bool {
+	return g.byKey[o.id.key] == nil && g.limit > 0 && (len(g.byKey) < g.limit || g.idleLocked() != nil)
+}
+
+// idleLocked returns the least recently used registered file that no job
+// uses and that has gone unused for minIdle, or nil.
+func (g *files) idleLocked() *regFile {
+	idle := time.Now().Add(-g.minIdle)
+	for e := g.lru.Back(); e != nil; e = e.Prev() {
+		if rf := e.Value.(*regFile); rf.refs == 0 && rf.used.Before(idle) {
+			return rf
+		}
+	}
+	return nil
+}
+
+// beginStore counts a store into a memory-mount file moving through the
+// pinned buffers, until endStore.
 func (g *files) beginStore() { g.streaming.Add(1) }
 
 // endStore ends a store counted by beginStore.
@@ -490,16 +512,16 @@ func (g *files) endStore() {
 	}
 }
 
-// awaitStores waits, before a registration, while stores move through
-// the pinned buffers: until they stop, for at most storeShare-1 times
-// the last registration's duration (see storeShare), or until the mover
-// closes, and then reports false.
+// awaitStores waits, before a registration, while stores into
+// memory-mount files move through the pinned buffers: until they stop,
+// or for at most storeShare-1 times the last registration's duration
+// (see storeShare). It reports false if the mover closed meanwhile.
 func (g *files) awaitStores() bool {
 	if g.streaming.Load() == 0 {
 		return true
 	}
 	start := time.Now()
-	timer := time.NewTimer(min(g.maxStoreWait, (storeShare-1)*g.busy))
+	timer := time.NewTimer(min(g.waitCap, (storeShare-1)*g.lastReg))
 	defer timer.Stop()
 	g.mu.Lock()
 	g.st.Waits++
@@ -525,7 +547,11 @@ func (g *files) awaitStores() bool {
 // least recently used files first, once stores through the pinned
 // buffers let it (awaitStores).
 func (g *files) register(o *offer) {
-	if !g.awaitStores() {
+	// An offer that will not be registered is not worth a wait.
+	g.mu.Lock()
+	wait := g.queued[o.id.key] == o && g.wantedLocked(o)
+	g.mu.Unlock()
+	if wait && !g.awaitStores() {
 		return // closing: close closes the offer's descriptor
 	}
 	g.mu.Lock()
@@ -533,17 +559,10 @@ func (g *files) register(o *offer) {
 		g.mu.Unlock()
 		return
 	}
-	wanted := g.byKey[o.id.key] == nil && g.limit > 0
+	wanted := g.wantedLocked(o)
 	var victims []*regFile
 	for wanted && len(g.byKey) >= g.limit {
-		var victim *regFile
-		idle := time.Now().Add(-g.minIdle)
-		for e := g.lru.Back(); e != nil; e = e.Prev() {
-			if rf := e.Value.(*regFile); rf.refs == 0 && rf.used.Before(idle) {
-				victim = rf
-				break
-			}
-		}
+		victim := g.idleLocked()
 		if victim == nil {
 			wanted = false
 			break
@@ -568,7 +587,9 @@ func (g *files) register(o *offer) {
 	}
 	start := time.Now()
 	rf, err := g.mapAndRegister(o)
-	g.busy = time.Since(start)
+	if err == nil {
+		g.lastReg = time.Since(start)
+	}
 	g.mu.Lock()
 	// Forgotten while it was being registered: released at once, never
 	// used.

@@ -732,13 +732,14 @@ func holdFirstYield(t *testing.T, m *Mover) (reached <-chan struct{}, release fu
 	return at, release
 }
 
-// heldStore starts a store of a new key file that stops at its first
-// yield (holdFirstYield) and waits until it is there; release lets it
-// finish and returns its error.
-func heldStore(t *testing.T, m *Mover, kv *cache, dir string) (release func() error) {
+// heldStore starts a store of a new key file, on a memory mount or not,
+// that stops at its first yield (holdFirstYield) and waits until it is
+// there; release lets it finish and returns its error.
+func heldStore(t *testing.T, m *Mover, kv *cache, dir string, memory bool) (release func() error) {
 	t.Helper()
 	reached, let := holdFirstYield(t, m)
 	kf := newKeyFile(t, kv, dir, "held", 99)
+	kf.p.Memory = memory
 	done := make(chan error, 1)
 	go func() {
 		_, err := m.WriteFile(jobContext(t), kf.f, kf.p, make([]uint32, kf.p.Sums))
@@ -758,9 +759,9 @@ func heldStore(t *testing.T, m *Mover, kv *cache, dir string) (release func() er
 // store's own file, once the store ends.
 func TestRegisteredFilesWaitForStoresThroughThePinnedBuffers(t *testing.T) {
 	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, RegisterFiles: 4, YieldBytes: 64 << 10})
-	m.files.maxStoreWait, m.files.busy = time.Hour, time.Hour // read by the registrar after the offers below
+	m.files.waitCap, m.files.lastReg = time.Hour, time.Hour // read by the registrar after the offers below
 	dir := t.TempDir()
-	release := heldStore(t, m, kv, dir)
+	release := heldStore(t, m, kv, dir, true)
 	store(t, e, m, kv, newKeyFile(t, kv, dir, "key", 1), host, orig)
 	testwait.Until(t, "the registrar waiting for the held store", 10*time.Second, func() bool { return m.FileStats().Waits == 1 })
 	if st := m.FileStats(); e.fake.Count(cudatest.OpHostRegister) != 0 || st.Files != 0 || st.Queued != 1 {
@@ -782,7 +783,7 @@ func TestRegisteredFilesWaitForStoresThroughThePinnedBuffers(t *testing.T) {
 func TestRegisteredFilesAreRegisteredBesideStoresThatNeverEnd(t *testing.T) {
 	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, RegisterFiles: 4, YieldBytes: 64 << 10})
 	dir := t.TempDir()
-	release := heldStore(t, m, kv, dir)
+	release := heldStore(t, m, kv, dir, true)
 	kf := newKeyFile(t, kv, dir, "key", 1)
 	store(t, e, m, kv, kf, host, orig)
 	testwait.Until(t, "the file registered while the store runs", 10*time.Second, func() bool { return m.FileStats().Files == 1 })
@@ -796,4 +797,91 @@ func TestRegisteredFilesAreRegisteredBesideStoresThatNeverEnd(t *testing.T) {
 	if err := release(); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// TestRegisteredFilesDoNotWaitForStoresToDisks: only stores into
+// memory-mount files hold registrations back; a file is registered at
+// once beside a store to a disk.
+func TestRegisteredFilesDoNotWaitForStoresToDisks(t *testing.T) {
+	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, RegisterFiles: 4, YieldBytes: 64 << 10})
+	m.files.waitCap, m.files.lastReg = time.Hour, time.Hour // read by the registrar after the offer below
+	dir := t.TempDir()
+	release := heldStore(t, m, kv, dir, false)
+	store(t, e, m, kv, newKeyFile(t, kv, dir, "key", 1), host, orig)
+	testwait.Until(t, "the file registered beside the store to a disk", 10*time.Second, func() bool { return m.FileStats().Files == 1 })
+	if st := m.FileStats(); st.Waits != 0 {
+		t.Fatalf("%+v: want no wait", st)
+	}
+	if err := release(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestRegisteredFilesForgottenOffersCostNoWait: offers forgotten before
+// the registrar reaches them are dropped at once, not after a wait for
+// the stores running meanwhile; only the offers it registers (and the
+// one it was already waiting for) wait.
+func TestRegisteredFilesForgottenOffersCostNoWait(t *testing.T) {
+	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, RegisterFiles: 8})
+	m.files.lastReg = 20 * time.Millisecond // waits of 140 ms
+	m.files.beginStore()                    // a store into a memory-mount file, running throughout
+	t.Cleanup(m.files.endStore)
+	kfs := storeKeyFiles(t, e, m, kv, 3, host, orig)
+	testwait.Until(t, "the registrar waiting for the first offer", 10*time.Second, func() bool { return m.FileStats().Waits == 1 })
+	for _, kf := range kfs {
+		m.Forget(kf.id.key.dev, kf.id.key.ino)
+	}
+	last := newKeyFile(t, kv, t.TempDir(), "last", 9)
+	store(t, e, m, kv, last, host, orig) // queued behind the forgotten ones
+	testwait.Until(t, "the last file registered", 10*time.Second, func() bool { return m.FileStats().Files == 1 })
+	if st := m.FileStats(); st.Waits != 2 || st.Registered != 1 {
+		t.Fatalf("%+v: want two waits (the first offer's, begun before it was forgotten, and the last's) and one registration", st)
+	}
+}
+
+// TestRegisteredFilesAFailedRegistrationDoesNotShortenTheWait: the wait
+// is bounded by the last successful registration's duration; a
+// registration that failed at once does not make the next wait short.
+func TestRegisteredFilesAFailedRegistrationDoesNotShortenTheWait(t *testing.T) {
+	const lastReg = 50 * time.Millisecond
+	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, RegisterFiles: 8})
+	m.files.lastReg = lastReg
+	m.files.beginStore()
+	t.Cleanup(m.files.endStore)
+	e.fake.Fail(cudatest.OpHostRegister, 1, 2) // cudaErrorMemoryAllocation
+	dir := t.TempDir()
+	store(t, e, m, kv, newKeyFile(t, kv, dir, "a", 1), host, orig)
+	testwait.Until(t, "the first registration failed", 10*time.Second, func() bool { return m.FileStats().Failed == 1 })
+	store(t, e, m, kv, newKeyFile(t, kv, dir, "b", 2), host, orig)
+	testwait.Until(t, "the second file registered", 10*time.Second, func() bool { return m.FileStats().Files == 1 })
+	// Each wait ran to its timer (the store never ends), which never fires early.
+	if st, want := m.FileStats(), 2*(storeShare-1)*lastReg; st.Waits != 2 || st.Waited < want {
+		t.Fatalf("%+v: want two waits of %v in all at least", st, want)
+	}
+}
+
+// TestRegisteredFilesCloseEndsTheRegistrarsWait: a mover closed while its
+// registrar waits for stores does not wait for the wait's end, and the
+// waiting offer's descriptor is closed.
+func TestRegisteredFilesCloseEndsTheRegistrarsWait(t *testing.T) {
+	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, RegisterFiles: 4})
+	m.files.waitCap, m.files.lastReg = time.Hour, time.Hour
+	m.files.beginStore() // counted, and never ended before the close
+	store(t, e, m, kv, newKeyFile(t, kv, t.TempDir(), "key", 1), host, orig)
+	testwait.Until(t, "the registrar waiting", 10*time.Second, func() bool { return m.FileStats().Waits == 1 })
+	before := openDescriptors(t)
+	closed := make(chan error, 1)
+	go func() { closed <- m.Close() }()
+	select {
+	case err := <-closed:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("Close still waiting for the registrar after 10s")
+	}
+	if after := openDescriptors(t); after != before-1 {
+		t.Fatalf("%d descriptors open after Close, %d before; want the waiting offer's closed", after, before)
+	}
+	m.files.endStore()
 }
