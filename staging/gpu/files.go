@@ -74,13 +74,13 @@ const maxOffers = 4096
 // the registrar waits while such stores run: until they stop, or for at
 // most storeShare-1 times its last registration's duration (and at most
 // maxStoreWait), so that stores that never stop leave it one part in
-// storeShare of the time, and the files still get registered. firstBusy
+// storeShare of the time, and the files still get registered. firstReg
 // stands for the duration of a registration before one was timed (a
 // 32 MiB file's on an H100).
 const (
 	storeShare   = 8
 	maxStoreWait = time.Second
-	firstBusy    = 4 * time.Millisecond
+	firstReg     = 4 * time.Millisecond
 )
 
 // sweepEvery is how often the registrar drops registered files that were
@@ -198,7 +198,7 @@ func newFiles(m *Mover, limit, device int, log *slog.Logger) *files {
 	}
 	g := &files{
 		m: m, limit: limit, device: device, log: log, sweep: sweepEvery, minIdle: minIdle,
-		streamEnded: make(chan struct{}, 1), lastReg: firstBusy, waitCap: maxStoreWait,
+		streamEnded: make(chan struct{}, 1), lastReg: firstReg, waitCap: maxStoreWait,
 		offers: make(chan *offer, min(limit, maxOffers)), stop: make(chan struct{}), done: make(chan struct{}),
 		byKey: map[fileKey]*regFile{}, lru: list.New(), queued: map[fileKey]*offer{}, seen: map[fileKey]bool{},
 	}
