@@ -354,7 +354,7 @@ func (r *benchRun) keySize(ctx context.Context, eng *engine.Engine, gp *gpuPaths
 			if !stored {
 				r.prog.Start(fmt.Sprintf("store %s sums=%v %s keys, %d jobs", path, sums, sizeOf(g.KeyBytes()), jobs), keys)
 				cpu := bench.CPUTime()
-				reused, direct := eng.Stats().Reused, directJobs(gp, bench.Store)
+				reused, direct, waits := eng.Stats().Reused, directJobs(gp, bench.Store), registrationWaits(gp)
 				d, lat, err := r.phase(ctx, eng, c, bench.Store, jobs)
 				if err != nil {
 					return err
@@ -365,6 +365,7 @@ func (r *benchRun) keySize(ctx context.Context, eng *engine.Engine, gp *gpuPaths
 					st.cpu += bench.CPUTime() - cpu
 					st.reused += eng.Stats().Reused - reused
 					st.direct += directJobs(gp, bench.Store) - direct
+					st.waits += registrationWaits(gp) - waits
 				}
 			}
 			files, err := engineFiles(dir, g.KeyBytes())
@@ -397,13 +398,14 @@ func (r *benchRun) keySize(ctx context.Context, eng *engine.Engine, gp *gpuPaths
 					hits++
 				}
 			}
-			cpu, direct := bench.CPUTime(), directJobs(gp, bench.Load)
+			cpu, direct, waits := bench.CPUTime(), directJobs(gp, bench.Load), registrationWaits(gp)
 			d, lat, err := r.phase(ctx, eng, c, bench.Load, jobs)
 			if err != nil {
 				return err
 			}
 			ld.cpu += bench.CPUTime() - cpu
 			ld.direct += directJobs(gp, bench.Load) - direct
+			ld.waits += registrationWaits(gp) - waits
 			var verified int64
 			if r.o.verify {
 				idx := make([]int, keys)
@@ -450,6 +452,7 @@ type phaseTotals struct {
 	cpu      time.Duration // process CPU time over the phases
 	reused   uint64        // stores into spare files over the phases
 	direct   uint64        // jobs on registered files over the phases
+	waits    uint64        // the registrar's waits for stores over the phases
 	gbps     []float64     // each round's GB/s
 }
 
@@ -482,6 +485,7 @@ func (t *phaseTotals) run(base bench.Run, dir string, keys int, ceiling bench.Ce
 	x.VerifiedBytes = t.verified / int64(max(1, t.rounds))
 	x.ReusedFiles = int(t.reused / uint64(max(1, t.rounds)))
 	x.DirectFiles = int(t.direct / uint64(max(1, t.rounds)))
+	x.RegistrationWaits = int(t.waits / uint64(max(1, t.rounds)))
 	x.CPUMsPerGB = bench.CPUMsPerGB(t.cpu, t.bytes)
 	if len(t.gbps) > 1 && len(t.gbps) == len(ceilingRounds) {
 		for i, g := range t.gbps {
@@ -507,6 +511,15 @@ func directJobs(gp *gpuPaths, dir string) uint64 {
 		return st.Stores
 	}
 	return st.Loads
+}
+
+// registrationWaits is how many times the GPU staging mover's registrar
+// has waited for stores through the pinned buffers so far; 0 without one.
+func registrationWaits(gp *gpuPaths) uint64 {
+	if gp == nil || gp.staging == nil {
+		return 0
+	}
+	return gp.staging.FileStats().Waits
 }
 
 // phase stores (loads) every key with jobs concurrent jobs of keysPerJob

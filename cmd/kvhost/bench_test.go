@@ -359,6 +359,11 @@ func TestBenchMovesRegisteredFilesDirectlyAsTheDaemonDoes(t *testing.T) {
 				case (x.DirectFiles > 0) != tc.direct:
 					t.Errorf("%s %s: %d files direct per round, want direct %v", sizeOf(x.KeyBytes), x.Direction, x.DirectFiles, tc.direct)
 				}
+				// Each wait is for one offer, and a round offers each file
+				// at most once per job; without registration, none.
+				if x.RegistrationWaits < 0 || x.RegistrationWaits > 2*x.Keys || (!tc.direct && x.RegistrationWaits != 0) {
+					t.Errorf("%s %s: %d registration waits per round of %d files (registration %v)", sizeOf(x.KeyBytes), x.Direction, x.RegistrationWaits, x.Keys, tc.direct)
+				}
 			}
 		})
 	}

@@ -143,6 +143,11 @@ type Run struct {
 	// straight between GPU memory and the file's registered pages
 	// (gpu.register_files) instead of through the pinned buffers.
 	DirectFiles int `json:"direct_files,omitempty"`
+	// RegistrationWaits is how many times per round the registrar of
+	// registered files put a registration off during the phase, waiting
+	// for stores into memory-mount files that moved through the pinned
+	// buffers (kvhost_gpu_file_registration_waits_total).
+	RegistrationWaits int `json:"registration_waits,omitempty"`
 	// CPUMsPerGB is the process's CPU time (user and system, every
 	// thread) during the phase, in milliseconds per GB moved: what the
 	// data path costs the host, less noisy than throughput on a shared
