@@ -20,6 +20,7 @@ import (
 	"github.com/kvhost/kvhost/host/engine"
 	"github.com/kvhost/kvhost/internal/bench"
 	"github.com/kvhost/kvhost/region"
+	"github.com/kvhost/kvhost/staging/gpu"
 )
 
 // benchRun is the state of one `kvhost bench` invocation.
@@ -354,7 +355,7 @@ func (r *benchRun) keySize(ctx context.Context, eng *engine.Engine, gp *gpuPaths
 			if !stored {
 				r.prog.Start(fmt.Sprintf("store %s sums=%v %s keys, %d jobs", path, sums, sizeOf(g.KeyBytes()), jobs), keys)
 				cpu := bench.CPUTime()
-				reused, direct, waits := eng.Stats().Reused, directJobs(gp, bench.Store), registrationWaits(gp)
+				reused, before := eng.Stats().Reused, fileStats(gp)
 				d, lat, err := r.phase(ctx, eng, c, bench.Store, jobs)
 				if err != nil {
 					return err
@@ -364,8 +365,9 @@ func (r *benchRun) keySize(ctx context.Context, eng *engine.Engine, gp *gpuPaths
 					st.add(d, lat, int64(keys)*g.KeyBytes(), keys, 0)
 					st.cpu += bench.CPUTime() - cpu
 					st.reused += eng.Stats().Reused - reused
-					st.direct += directJobs(gp, bench.Store) - direct
-					st.waits += registrationWaits(gp) - waits
+					after := fileStats(gp)
+					st.direct += after.Stores - before.Stores
+					st.waits += after.Waits - before.Waits
 				}
 			}
 			files, err := engineFiles(dir, g.KeyBytes())
@@ -398,14 +400,15 @@ func (r *benchRun) keySize(ctx context.Context, eng *engine.Engine, gp *gpuPaths
 					hits++
 				}
 			}
-			cpu, direct, waits := bench.CPUTime(), directJobs(gp, bench.Load), registrationWaits(gp)
+			cpu, before := bench.CPUTime(), fileStats(gp)
 			d, lat, err := r.phase(ctx, eng, c, bench.Load, jobs)
 			if err != nil {
 				return err
 			}
 			ld.cpu += bench.CPUTime() - cpu
-			ld.direct += directJobs(gp, bench.Load) - direct
-			ld.waits += registrationWaits(gp) - waits
+			after := fileStats(gp)
+			ld.direct += after.Loads - before.Loads
+			ld.waits += after.Waits - before.Waits
 			var verified int64
 			if r.o.verify {
 				idx := make([]int, keys)
@@ -499,27 +502,13 @@ func (t *phaseTotals) run(base bench.Run, dir string, keys int, ceiling bench.Ce
 	return x
 }
 
-// directJobs is how many stores (dir bench.Store) or loads the GPU
-// staging mover has moved straight between GPU memory and registered
-// files so far; 0 without one.
-func directJobs(gp *gpuPaths, dir string) uint64 {
+// fileStats is what the GPU staging mover's registered files have done
+// so far (jobs moved directly, the registrar's waits); zero without one.
+func fileStats(gp *gpuPaths) gpu.FileStats {
 	if gp == nil || gp.staging == nil {
-		return 0
+		return gpu.FileStats{}
 	}
-	st := gp.staging.FileStats()
-	if dir == bench.Store {
-		return st.Stores
-	}
-	return st.Loads
-}
-
-// registrationWaits is how many times the GPU staging mover's registrar
-// has waited for stores through the pinned buffers so far; 0 without one.
-func registrationWaits(gp *gpuPaths) uint64 {
-	if gp == nil || gp.staging == nil {
-		return 0
-	}
-	return gp.staging.FileStats().Waits
+	return gp.staging.FileStats()
 }
 
 // phase stores (loads) every key with jobs concurrent jobs of keysPerJob

@@ -479,23 +479,25 @@ func (g *files) run() {
 	}
 }
 
-// wantedLocked reports whether o's file is to be registered now: it is
-// not registered, and there is room for it, or a file idle long enough
-// to make room.
-func (g *files) wantedLocked(o *offer) bool {
-	return g.byKey[o.id.key] == nil && g.limit > 0 && (len(g.byKey) < g.limit || g.idleLocked() != nil)
-}
-
-// idleLocked returns the least recently used registered file that no job
-// uses and that has gone unused for minIdle, or nil.
-func (g *files) idleLocked() *regFile {
+// roomLocked reports whether o's file is to be registered now, and
+// which registered file it would replace: none where there is room (the
+// files registered never outnumber the limit), else the least recently
+// used one that no job uses and that has gone unused for minIdle. A file
+// already registered, or none to replace, is not wanted.
+func (g *files) roomLocked(o *offer) (wanted bool, victim *regFile) {
+	if g.byKey[o.id.key] != nil || g.limit == 0 {
+		return false, nil
+	}
+	if len(g.byKey) < g.limit {
+		return true, nil
+	}
 	idle := time.Now().Add(-g.minIdle)
 	for e := g.lru.Back(); e != nil; e = e.Prev() {
 		if rf := e.Value.(*regFile); rf.refs == 0 && rf.used.Before(idle) {
-			return rf
+			return true, rf
 		}
 	}
-	return nil
+	return false, nil
 }
 
 // beginStore counts a store into a memory-mount file moving through the
@@ -549,7 +551,10 @@ func (g *files) awaitStores() bool {
 func (g *files) register(o *offer) {
 	// An offer that will not be registered is not worth a wait.
 	g.mu.Lock()
-	wait := g.queued[o.id.key] == o && g.wantedLocked(o)
+	wait := g.queued[o.id.key] == o
+	if wait {
+		wait, _ = g.roomLocked(o)
+	}
 	g.mu.Unlock()
 	if wait && !g.awaitStores() {
 		return // closing: close closes the offer's descriptor
@@ -559,16 +564,9 @@ func (g *files) register(o *offer) {
 		g.mu.Unlock()
 		return
 	}
-	wanted := g.wantedLocked(o)
-	var victims []*regFile
-	for wanted && len(g.byKey) >= g.limit {
-		victim := g.idleLocked()
-		if victim == nil {
-			wanted = false
-			break
-		}
-		g.dropLocked(victim)
-		victims = append(victims, victim)
+	wanted, victim := g.roomLocked(o)
+	if victim != nil {
+		g.dropLocked(victim) // released below, outside the lock; no job uses it
 	}
 	fd := o.fd
 	if wanted {
@@ -578,8 +576,8 @@ func (g *files) register(o *offer) {
 		o.fd = -1
 	}
 	g.mu.Unlock()
-	for _, rf := range victims {
-		g.releaseNow(rf)
+	if victim != nil {
+		g.releaseNow(victim)
 	}
 	if !wanted {
 		unix.Close(fd)
@@ -722,15 +720,17 @@ func (m *Mover) runMapped(ctx context.Context, mem []byte, p *transfer.Plan, chu
 		sumChunk := func(k int) error {
 			c := &chunks[k]
 			n := int(c.end - c.off)
-			for lo := 0; sums != nil && lo < n; lo += fuseBatch {
-				hi := min(n, lo+fuseBatch)
+			if sums != nil {
 				if err := region.Guard(func() error {
-					sum(c, mem[c.off:c.end:c.end], 0, lo, hi, sums)
+					for lo := 0; lo < n; lo += fuseBatch {
+						hi := min(n, lo+fuseBatch)
+						sum(c, mem[c.off:c.end:c.end], 0, lo, hi, sums)
+						y.Moved(int64(hi - lo))
+					}
 					return nil
 				}); err != nil {
 					return fmt.Errorf("gpu: registered file: %w", err)
 				}
-				y.Moved(int64(hi - lo))
 			}
 			total += int64(n)
 			return nil
