@@ -226,6 +226,11 @@ type Mount struct {
 	// effective capacity is the smaller of Capacity and the file system's
 	// available space plus kvhost's own files, minus Reserve.
 	Reserve Size `toml:"reserve"`
+	// Preallocate is the most bytes of empty spare files kvhost makes
+	// ahead of stores on a memory file system (tmpfs), while no file is
+	// in flight, so that stores into a cache with room write into pages
+	// that exist (and that the GPU path has registered); 0 makes none.
+	Preallocate Size `toml:"preallocate"`
 	// DeviceClass tells a tiering policy what the mount is: "memory",
 	// "nvme", "ssd", "hdd" or "network"; empty detects it.
 	DeviceClass string `toml:"device_class"`
@@ -613,6 +618,8 @@ func (c *Config) Validate() error {
 			return bad("mount.low_watermark", "a fraction in (0, high_watermark)", m.LowWatermark)
 		case m.Reserve < 0:
 			return bad("mount.reserve", "a size ≥ 0", m.Reserve)
+		case m.Preallocate < 0:
+			return bad("mount.preallocate", "a size ≥ 0", m.Preallocate)
 		case m.IO != "" && m.IO != "auto" && m.IO != "direct" && m.IO != "buffered":
 			return bad("mount.io", `"auto", "direct" or "buffered"`, fmt.Sprintf("%q", m.IO))
 		case !slices.Contains([]string{"", "memory", "nvme", "ssd", "hdd", "network"}, m.DeviceClass):

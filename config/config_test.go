@@ -44,6 +44,7 @@ capacity = "100GiB"
 io = "direct"
 checksum = false
 reserve = "2GiB"
+preallocate = "4GiB"
 
 [[mount]]
 path = "/shared/kv"
@@ -63,11 +64,11 @@ low_watermark = 0.8
 		c.Mounts[0].HighWatermark != 0.95 || c.Mounts[1].LowWatermark != 0.8 {
 		t.Fatalf("mounts %+v", c.Mounts)
 	}
-	if m := c.Mounts[0]; m.IO != "direct" || m.Checksums() || m.Reserve != 2<<30 || c.Engine.NodeID != "gpu-node-7" {
-		t.Fatalf("mount 0 io %q checksums %v reserve %d, node id %q", m.IO, m.Checksums(), m.Reserve, c.Engine.NodeID)
+	if m := c.Mounts[0]; m.IO != "direct" || m.Checksums() || m.Reserve != 2<<30 || m.Preallocate != 4<<30 || c.Engine.NodeID != "gpu-node-7" {
+		t.Fatalf("mount 0 io %q checksums %v reserve %d preallocate %d, node id %q", m.IO, m.Checksums(), m.Reserve, m.Preallocate, c.Engine.NodeID)
 	}
-	if m := c.Mounts[1]; m.IO != "" || !m.Checksums() || m.Reserve != 0 {
-		t.Fatalf("mount 1 defaults: io %q checksums %v reserve %d", m.IO, m.Checksums(), m.Reserve)
+	if m := c.Mounts[1]; m.IO != "" || !m.Checksums() || m.Reserve != 0 || m.Preallocate != 0 {
+		t.Fatalf("mount 1 defaults: io %q checksums %v reserve %d preallocate %d", m.IO, m.Checksums(), m.Reserve, m.Preallocate)
 	}
 	params := c.Policy.PolicyParams()
 	if params["depth"] != "2" || params["ttl"] != "2h" {
@@ -132,6 +133,7 @@ func TestParseErrors(t *testing.T) {
 		{"duplicate mount", "[[mount]]\npath = \"/a\"\n[[mount]]\npath = \"/a/\"", "each mount once"},
 		{"io mode", "[[mount]]\npath = \"/a\"\nio = \"fast\"", `kvhost.toml:3: mount.io: want "auto", "direct" or "buffered", got "fast"`},
 		{"checksum type", "[[mount]]\npath = \"/a\"\nchecksum = \"yes\"", "mount.checksum"},
+		{"negative preallocate", "[[mount]]\npath = \"/a\"\npreallocate = -1", "kvhost.toml:3: mount.preallocate: size -1 is negative"},
 		{"log level", "[log]\nlevel = \"loud\"", `log.level: want debug, info, warn or error, got "loud"`},
 		{"reserved param", "[policy.params]\n\"kvhost.shard\" = 1", "reserved prefix"},
 		{"wrong type", "[server]\nmax_clients = \"many\"", "kvhost.toml:2: server.max_clients: incompatible types"},
@@ -191,7 +193,7 @@ func TestParseSize(t *testing.T) {
 func TestFlagsOverride(t *testing.T) {
 	fs := flag.NewFlagSet("kvhost", flag.ContinueOnError)
 	f := BindFlags(fs)
-	if err := fs.Parse([]string{"-policy", "ttl", "-dir", "/tmp/kv", "-capacity", "1GiB", "-log-level", "debug", "-fsync", "-metrics", "127.0.0.1:9400"}); err != nil {
+	if err := fs.Parse([]string{"-policy", "ttl", "-dir", "/tmp/kv", "-capacity", "1GiB", "-preallocate", "2GiB", "-log-level", "debug", "-fsync", "-metrics", "127.0.0.1:9400"}); err != nil {
 		t.Fatal(err)
 	}
 	c, err := f.Load()
@@ -199,7 +201,7 @@ func TestFlagsOverride(t *testing.T) {
 		t.Fatal(err)
 	}
 	if c.Policy.Name != "ttl" || len(c.Mounts) != 1 || c.Mounts[0].Path != "/tmp/kv" ||
-		c.Mounts[0].Capacity != 1<<30 || c.Log.Level != "debug" || !c.Engine.Fsync || c.Metrics.Listen != "127.0.0.1:9400" {
+		c.Mounts[0].Capacity != 1<<30 || c.Mounts[0].Preallocate != 2<<30 || c.Log.Level != "debug" || !c.Engine.Fsync || c.Metrics.Listen != "127.0.0.1:9400" {
 		t.Fatalf("flags not applied: %+v", c)
 	}
 

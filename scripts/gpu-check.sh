@@ -8,7 +8,7 @@
 #
 # Every check writes its log under OUT (default ./gpu-out); the summary
 # lines go to stdout. Parts can be switched off: GDS=0 STAGING=0 E2E=0
-# MULTI=0 SPEC=0 BENCH=0 HOSTILE=0 INTERFERENCE=0 LOOKUPS=0 CHURN=0 (MULTI, one daemon serving
+# MULTI=0 SPEC=0 BENCH=0 HOSTILE=0 INTERFERENCE=0 LOOKUPS=0 CHURN=0 PREALLOC=0 (MULTI, one daemon serving
 # two GPUs, runs where nvidia-smi lists two or more and says so where not); BATCH=1 adds the cuFile batch measurement (off by
 # default: in compatibility mode a batch can hang inside libcufile, and the
 # check then ends itself after 40 s). The ext4 disk directory is DISK (default /var/tmp/kvhost-gpu),
@@ -206,6 +206,25 @@ print(f"   bound of 64: {deferred:.0f} offers deferred, {files:.0f} files regist
 sys.exit(0 if deferred > 0 and files <= 64 else 1)
 PY
 			fi
+			stop_daemon
+		done
+	done
+fi
+if [ "${PREALLOC:-1}" = 1 ]; then
+	# A cache with room on the memory mount: rounds of 64 new 32 MiB keys
+	# into a mount that holds them all, so that every store writes a new
+	# file; a daemon that makes spare files ahead of stores
+	# (--preallocate 4GiB) alternated with one that does not, each round
+	# after an idle second. The metrics say how many spares were made and
+	# how many stores wrote into one.
+	sock=/tmp/kvhost-gpu-prealloc.sock
+	for round in 1 2; do
+		for pre in 4GiB 0; do
+			name="prealloc-$pre-$round"
+			daemon "$sock" "$out/daemon-$name.log" "$shm/prealloc" --capacity 40GiB --preallocate "$pre" --metrics 127.0.0.1:9479
+			run "$name" python3 scripts/gpu-churn.py "$sock" 6 64 8 256 1
+			python3 -c 'import urllib.request; print("".join(l for l in urllib.request.urlopen("http://127.0.0.1:9479/metrics").read().decode().splitlines(True) if l.startswith(("kvhost_gpu_direct", "kvhost_gpu_registered_files ", "kvhost_reused", "kvhost_spare_files_made", "kvhost_evictions"))), end="")' \
+				| tee -a "$out/$name.txt" | sed 's/^/   /'
 			stop_daemon
 		done
 	done

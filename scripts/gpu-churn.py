@@ -5,8 +5,11 @@ stores KEYS new keys of random blocks from a vLLM-shaped paged cache in GPU
 memory (registered over CUDA IPC), poisons other blocks, loads the keys
 into them and compares on the GPU, byte for byte.
 
-usage: python3 scripts/gpu-churn.py SOCKET [ROUNDS] [KEYS] [JOBS] [TOKENS_PER_KEY]
+usage: python3 scripts/gpu-churn.py SOCKET [ROUNDS] [KEYS] [JOBS] [TOKENS_PER_KEY] [IDLE]
 Prints one line per round; exits non-zero on any mismatch or failed key.
+IDLE (seconds, default 0) is an idle moment before each round's stores,
+as an inference server has between prefills: what a daemon does in the
+background (spare files made ahead, registrations) happens there.
 Start the daemon with a capacity of about 2 × KEYS keys on a memory file
 system, e.g. for 64 keys of 32 MiB:
 
@@ -15,6 +18,7 @@ system, e.g. for 64 keys of 32 MiB:
     capacity = "5GiB"
 """
 import sys
+import time
 
 import torch
 
@@ -31,8 +35,9 @@ def main():
     nkeys = int(sys.argv[3]) if len(sys.argv) > 3 else 64
     jobs = int(sys.argv[4]) if len(sys.argv) > 4 else 8
     tpk = int(sys.argv[5]) if len(sys.argv) > 5 else 256
-    if rounds < 1 or nkeys < 1 or jobs < 1 or tpk % tpb:
-        sys.exit(f"bad arguments: rounds {rounds}, keys {nkeys}, jobs {jobs}, tokens per key {tpk} (a multiple of {tpb})")
+    idle = float(sys.argv[6]) if len(sys.argv) > 6 else 0.0
+    if rounds < 1 or nkeys < 1 or jobs < 1 or tpk % tpb or idle < 0:
+        sys.exit(f"bad arguments: rounds {rounds}, keys {nkeys}, jobs {jobs}, tokens per key {tpk} (a multiple of {tpb}), idle {idle}")
     bpk = tpk // tpb
     num_blocks = 2 * nkeys * bpk
     dev = torch.device("cuda", 0)
@@ -48,6 +53,7 @@ def main():
             src = [perm[i * bpk:(i + 1) * bpk] for i in range(nkeys)]
             dst = [[num_blocks // 2 + b for b in blocks] for blocks in src]
             keys = [f"gpu-churn-{tpk}-{rnd}-{i}".encode() for i in range(nkeys)]
+            time.sleep(idle)
             ssecs, res = run_jobs(c, "store", [(cache, k, b) for k, b in zip(split(keys, jobs), split(src, jobs))])
             stored = sum(r.count(1) + r.count(2) for r in res)
             if stored != nkeys:

@@ -123,3 +123,13 @@ func (c *Chain) Forget(dev, ino uint64) {
 		}
 	}
 }
+
+// Prepare forwards to every mover that sets up per-file state ahead of
+// a file's first job.
+func (c *Chain) Prepare(f fsys.File) {
+	for _, m := range c.movers {
+		if p, ok := m.(Preparer); ok {
+			p.Prepare(f)
+		}
+	}
+}

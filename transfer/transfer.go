@@ -135,3 +135,15 @@ type Mover interface {
 type Forgetter interface {
 	Forget(dev, ino uint64)
 }
+
+// Preparer is implemented by movers that set up per-file state ahead of
+// a file's first job (the GPU staging mover registers files on memory
+// file systems with CUDA): the engine calls Prepare with each spare file
+// it makes ahead of stores on a memory file system, open for writing,
+// before any store writes into it. Prepare must not wait for work on the
+// file: it may hand the file to a background worker with a descriptor of
+// its own, and the engine closes f when Prepare returns. The engine calls
+// Forget when it removes the file.
+type Preparer interface {
+	Prepare(f fsys.File)
+}

@@ -46,15 +46,18 @@ type benchOptions struct {
 	allowCompat   bool
 	warmup        bool
 	full          bool // a full cache: rounds evict the previous round's files
-	keep          bool
-	jsonOut       string
-	appendTo      string
-	render        string
-	svgOut        string
-	cpuProfile    string
-	progress      string // auto, on, off
-	cfg           config.Config
-	args          []string
+	// preallocate is the mount's Preallocate: spares made ahead of
+	// stores, which the benchmark waits for before each timed phase.
+	preallocate int64
+	keep        bool
+	jsonOut     string
+	appendTo    string
+	render      string
+	svgOut      string
+	cpuProfile  string
+	progress    string // auto, on, off
+	cfg         config.Config
+	args        []string
 }
 
 // runBench is `kvhost bench`.
@@ -81,6 +84,7 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	fs.Float64Var(&o.hitRatio, "hit-ratio", 1, "fraction of loaded keys that are stored (the rest are misses)")
 	fs.IntVar(&o.keys, "keys", 0, "keys per phase (default: --total bytes of keys, at least twice the largest job count)")
 	totalStr := fs.String("total", "1GiB", "bytes of keys per phase when --keys is 0")
+	preallocate := fs.String("preallocate", "", "bytes of spare files the engine makes ahead of stores on a memory file system (mount.preallocate; default: the configuration's first mount's); with it the benchmark waits before each timed phase and ceiling until the engine has made them and the GPU path has registered them, as an idle moment would let it; the write ceiling then overwrites existing files, as with --full")
 	fs.IntVar(&o.keysPerJob, "keys-per-job", 1, "keys per store or load job")
 	keysPerFile := fs.Int("keys-per-file", 0, "keys of a job packed into one file: sets the policy's keys_per_file parameter (0: the configuration's, else the policy's default of 1)")
 	fs.StringVar(&o.memory, "memory", "auto", "where the paged cache lives: gpu, host, or auto (gpu when one is found)")
@@ -224,6 +228,16 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		return bad("--total %q: want a size such as 1GiB", *totalStr)
 	}
 	o.total = int64(tot)
+	if len(o.cfg.Mounts) > 0 {
+		o.preallocate = int64(o.cfg.Mounts[0].Preallocate)
+	}
+	if *preallocate != "" {
+		p, err := config.ParseSize(*preallocate)
+		if err != nil || p < 0 {
+			return bad("--preallocate %q: want a size such as 4GiB (0: none)", *preallocate)
+		}
+		o.preallocate = int64(p)
+	}
 	o.fsync = o.cfg.Engine.Fsync
 	if fsync != "" {
 		if o.fsync, err = strconv.ParseBool(fsync); err != nil {

@@ -207,8 +207,10 @@ func (t *ceilingTotals) pair(jobs int) ceilingPair {
 // engine's loads do, and never the engine's own files: on tmpfs the first
 // read of a written page costs more than later ones (the kernel activates
 // the page), so reading the engine's files here would speed up the load
-// that follows.
-func (r *benchRun) measureCeilings(ctx context.Context, files []string, jobs int, direct bool, t *ceilingTotals) error {
+// that follows. With overwrite the writes go into files that exist
+// (created untimed), as a full cache's stores and stores into spares made
+// ahead do.
+func (r *benchRun) measureCeilings(ctx context.Context, files []string, jobs int, direct, overwrite bool, t *ceilingTotals) error {
 	sizes := make([]int64, len(files))
 	var largest int64
 	for i, f := range files {
@@ -243,9 +245,10 @@ func (r *benchRun) measureCeilings(ctx context.Context, files []string, jobs int
 	}
 	t.name[0] = "pwrite " + mode + mem
 	write := bench.WriteFiles
-	if r.o.full {
-		// A full cache's stores write into evicted files (spare files):
-		// the ceiling overwrites files that exist, created untimed.
+	if overwrite {
+		// A full cache's stores write into evicted files (spare files),
+		// and with preallocation into spares made ahead: the ceiling
+		// overwrites files that exist, created untimed.
 		t.name[0] = "pwrite into existing files " + mode + mem
 		if _, _, err := bench.WriteFiles(ctx, cpaths, sizes, bufs, direct, false); err != nil {
 			return err
@@ -279,7 +282,7 @@ func (r *benchRun) measureCeilings(ctx context.Context, files []string, jobs int
 		cpu = bench.CPUTime()
 		rb, rd, err := bench.ReadFiles(ctx, cpaths, bufs, direct)
 		rcpu := bench.CPUTime() - cpu
-		if !r.o.full { // the next pass writes fresh files again
+		if !overwrite { // the next pass writes fresh files again
 			for _, p := range cpaths {
 				os.Remove(p)
 			}

@@ -182,6 +182,7 @@ func (r *benchRun) engineFor(ctx context.Context, path string, sums bool) (*engi
 	if len(r.o.cfg.Mounts) > 0 {
 		m.Reserve = int64(r.o.cfg.Mounts[0].Reserve)
 	}
+	m.Preallocate = r.o.preallocate
 	cfg := r.o.cfg
 	eng, err := engine.Open(ctx, engine.Config{
 		Mounts: []engine.Mount{m}, NewPolicy: benchPolicy(ctx, cfg, r.log),
@@ -353,6 +354,9 @@ func (r *benchRun) keySize(ctx context.Context, eng *engine.Engine, gp *gpuPaths
 				stored = false
 			}
 			if !stored {
+				if err := r.settle(ctx, eng, gp); err != nil {
+					return err
+				}
 				r.prog.Start(fmt.Sprintf("store %s sums=%v %s keys, %d jobs", path, sums, sizeOf(g.KeyBytes()), jobs), keys)
 				cpu := bench.CPUTime()
 				reused, before := eng.Stats().Reused, fileStats(gp)
@@ -377,7 +381,14 @@ func (r *benchRun) keySize(ctx context.Context, eng *engine.Engine, gp *gpuPaths
 			// The ceiling is timed in every round, between the round's
 			// store and its load, and summed like the engine's phases:
 			// engine and ceiling see the same machine at the same time.
-			if err := r.measureCeilings(ctx, files, jobs, eng.Stats().Mounts[0].Direct, &ceil); err != nil {
+			if err := r.settle(ctx, eng, gp); err != nil {
+				return err
+			}
+			// Stores into files that exist (a full cache's evicted files,
+			// spares made ahead) are held to writes into files that exist.
+			st := eng.Stats()
+			overwrite := r.o.full || (r.o.preallocate > 0 && st.SparesMade > 0)
+			if err := r.measureCeilings(ctx, files, jobs, st.Mounts[0].Direct, overwrite, &ceil); err != nil {
 				return err
 			}
 			if !r.o.load {
@@ -392,6 +403,9 @@ func (r *benchRun) keySize(ctx context.Context, eng *engine.Engine, gp *gpuPaths
 				if err := c.layout.Poison(c.mem); err != nil {
 					return err
 				}
+			}
+			if err := r.settle(ctx, eng, gp); err != nil {
+				return err
 			}
 			r.prog.Start(fmt.Sprintf("load %s sums=%v %s keys, %d jobs", path, sums, sizeOf(g.KeyBytes()), jobs), keys)
 			hits := 0
@@ -430,7 +444,7 @@ func (r *benchRun) keySize(ctx context.Context, eng *engine.Engine, gp *gpuPaths
 		cp := ceil.pair(jobs)
 		base := bench.Run{
 			Path: path, Mover: mover, IO: io, Checksums: sums, Checksummed: summed, Jobs: jobs, TokensPerKey: tpk,
-			KeyBytes: g.KeyBytes(), KeysPerJob: r.o.keysPerJob, KeysPerFile: perFile, Keys: keys,
+			KeyBytes: g.KeyBytes(), KeysPerJob: r.o.keysPerJob, KeysPerFile: perFile, Keys: keys, Preallocate: r.o.preallocate,
 		}
 		if r.o.store {
 			r.rep.Runs = append(r.rep.Runs, st.run(base, bench.Store, keys, cp.write, ceil.wround))
@@ -500,6 +514,34 @@ func (t *phaseTotals) run(base bench.Run, dir string, keys int, ceiling bench.Ce
 		}
 	}
 	return x
+}
+
+// settle waits, where the mount makes spares ahead of stores, until the
+// engine has made them and the GPU path has registered every file offered
+// to it: what an idle moment before a burst lets a daemon do. Nothing
+// else runs meanwhile, so no timed phase or ceiling pays for that work.
+// Without preallocation it returns at once: the registrar's work then
+// overlaps the phases, as it does in a daemon under load.
+func (r *benchRun) settle(ctx context.Context, eng *engine.Engine, gp *gpuPaths) error {
+	if r.o.preallocate <= 0 {
+		return nil
+	}
+	if err := eng.WaitSpares(ctx); err != nil {
+		return fmt.Errorf("wait for the spare files made ahead: %w", err)
+	}
+	// The registrar has no completion signal to wait on: its queue is
+	// read every millisecond, a negligible cost beside registrations of
+	// milliseconds each.
+	tick := time.NewTicker(time.Millisecond)
+	defer tick.Stop()
+	for fileStats(gp).Queued > 0 {
+		select {
+		case <-tick.C:
+		case <-ctx.Done():
+			return fmt.Errorf("wait for the GPU path's registrations: %w", ctx.Err())
+		}
+	}
+	return nil
 }
 
 // fileStats is what the GPU staging mover's registered files have done

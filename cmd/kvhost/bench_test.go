@@ -369,6 +369,41 @@ func TestBenchMovesRegisteredFilesDirectlyAsTheDaemonDoes(t *testing.T) {
 	}
 }
 
+// TestBenchStoresIntoSparesMadeAheadWithPreallocate: with --preallocate
+// of a round's bytes, every store of a cache with room writes into a
+// spare file the engine made ahead, and (on the fake CUDA library) every
+// one of them moves straight into the file's registered pages.
+func TestBenchStoresIntoSparesMadeAheadWithPreallocate(t *testing.T) {
+	lib := cudatest.Build(t)
+	rep := benchOnMemory(t, "--memory", "gpu", "--cuda-library", lib, "--path", "staging", "--preallocate", "8MiB",
+		"--rounds", "2", "--jobs", "2", "--tokens-per-key", "16", "--total", "4MiB")
+	stores := 0
+	for _, x := range rep.Runs {
+		if x.Preallocate != 8<<20 {
+			t.Errorf("%s %s: report says preallocate %d, want %d", sizeOf(x.KeyBytes), x.Direction, x.Preallocate, 8<<20)
+		}
+		switch x.Direction {
+		case bench.Load:
+			if x.VerifiedBytes != int64(x.Keys)*x.KeyBytes {
+				t.Errorf("load: %d of %d keys' bytes verified", x.VerifiedBytes/x.KeyBytes, x.Keys)
+			}
+		case bench.Store:
+			stores++
+			if x.ReusedFiles != x.Keys || x.DirectFiles != x.Keys {
+				t.Errorf("store %s: %d files reused and %d direct per round of %d; want every one", sizeOf(x.KeyBytes), x.ReusedFiles, x.DirectFiles, x.Keys)
+			}
+			// Stores into files that exist are held to writes into
+			// files that exist.
+			if !strings.Contains(x.Ceiling.Name, "into existing files") || x.Ceiling.GBps <= 0 {
+				t.Errorf("store ceiling %q at %.2f GB/s: want a measured overwrite of existing files", x.Ceiling.Name, x.Ceiling.GBps)
+			}
+		}
+	}
+	if stores == 0 {
+		t.Fatal("no store run in the report")
+	}
+}
+
 // buildFakeCuFile compiles gds's fake libcufile (gds/testdata) with
 // `go env CC`, as gds's own tests do.
 func buildFakeCuFile(t *testing.T) string {
@@ -420,6 +455,7 @@ func TestBenchRejectsBadFlagsNamingThem(t *testing.T) {
 		{[]string{"--dir", dir, "--memory", "tpu"}, 2, "--memory"},
 		{[]string{"--dir", dir, "--fsync", "sometimes"}, 2, "--fsync"},
 		{[]string{"--dir", dir, "--total", "lots"}, 2, "--total"},
+		{[]string{"--dir", dir, "--preallocate", "-1GiB"}, 2, "--preallocate"},
 		{[]string{"--dir", dir, "--full", "--keys", "8"}, 2, "--full"},
 		{[]string{"--dir", dir, "--full", "--mix", "read"}, 2, "--full"},
 		{[]string{"--dir", dir, "--keys-per-file", "257"}, 2, "--keys-per-file 257"},

@@ -121,6 +121,7 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 		mounts[i] = engine.Mount{
 			Path: m.Path, Capacity: capacity, HighWatermark: m.HighWatermark, LowWatermark: m.LowWatermark,
 			Reserve: int64(m.Reserve), IO: m.IO, NoChecksum: !m.Checksums(), DeviceClass: m.DeviceClass,
+			Preallocate: int64(m.Preallocate),
 		}
 		if m.Layout == config.LayoutVLLMFS {
 			v := m.VLLMFS

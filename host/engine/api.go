@@ -109,6 +109,16 @@ type Mount struct {
 	// (abi.MountRecord.Class): "memory", "nvme", "ssd", "hdd" or
 	// "network"; empty detects it (statfs, sysfs).
 	DeviceClass string
+	// Preallocate is the most bytes of spare files the engine makes ahead
+	// of stores on a memory file system in kvhost's layout (ignored
+	// elsewhere, and with Config.NoReuse): after a store, while no file
+	// is in flight, it makes empty files of the size that store wrote,
+	// with their pages allocated and shown to the movers (the GPU path
+	// registers them), until this many bytes of spares of that size exist
+	// or the spares would take the mount past its low watermark; later
+	// stores of that size write into them (docs/engine.md, "Spare files
+	// made ahead"). 0 makes none.
+	Preallocate int64
 }
 
 // Config configures an Engine. The zero value of every optional field is a
@@ -351,6 +361,7 @@ type Stats struct {
 	Misses       uint64
 	Evictions    uint64
 	Reused       uint64 // stores that wrote into a spare file instead of a fresh one
+	SparesMade   uint64 // spare files made ahead of stores (Mount.Preallocate)
 	Failures     uint64 // keys that ended OutcomeFailed
 	Corrupt      uint64 // files dropped because they failed verification
 	Vanished     uint64 // files found missing or replaced behind the engine's back

@@ -70,10 +70,11 @@ type Engine struct {
 	pinTab    pinTable     // client pins (pins.go)
 	tier      *tierDriver  // ticks and mount updates (demote.go); nil without policy.Tiering
 	tierSt    tierCounters // moves between mounts (demote.go)
+	maker     *spareMaker  // spares made ahead of stores (ahead.go); nil without Mount.Preallocate
 }
 
 type counters struct {
-	stores, loads, hits, misses, evictions, reused, failures, corrupt, vanished, written, read atomic.Uint64
+	stores, loads, hits, misses, evictions, reused, made, failures, corrupt, vanished, written, read atomic.Uint64
 }
 
 // DefaultIOWorkers is the number of I/O workers of a Config whose
@@ -201,6 +202,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	e.restore(ctx)
 	e.hitRec = newHitRecorder(e)
 	e.startTiering(ctx)
+	e.startSpareMaker()
 	ok = true
 	st := e.Stats()
 	e.log.Info("engine: open", "mounts", len(e.mounts), "entries", st.Entries, "keys", st.Keys, "rebuild", time.Since(start))
@@ -211,7 +213,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 func (e *Engine) Stats() Stats {
 	s := Stats{
 		Stores: e.st.stores.Load(), Loads: e.st.loads.Load(), Hits: e.st.hits.Load(), Misses: e.st.misses.Load(),
-		Evictions: e.st.evictions.Load(), Reused: e.st.reused.Load(), Failures: e.st.failures.Load(), Corrupt: e.st.corrupt.Load(),
+		Evictions: e.st.evictions.Load(), Reused: e.st.reused.Load(), SparesMade: e.st.made.Load(), Failures: e.st.failures.Load(), Corrupt: e.st.corrupt.Load(),
 		Vanished: e.st.vanished.Load(), BytesWritten: e.st.written.Load(), BytesRead: e.st.read.Load(),
 		StoreFailures: e.fails.stats(0), LoadFailures: e.fails.stats(1),
 	}
@@ -259,6 +261,7 @@ func (e *Engine) Close(ctx context.Context) error {
 	}
 	e.closePins()
 	e.stopTiering()
+	e.stopSpareMaker()
 	e.dropSpares()
 	e.hitRec.close()
 	e.host.Close()

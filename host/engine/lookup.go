@@ -245,5 +245,8 @@ func (e *Engine) Delete(ctx context.Context, ns NamespaceID, keys [][]byte) (int
 			removed += byEntry[en]
 		}
 	}
+	if removed > 0 {
+		e.spareRoom() // room for spares made ahead
+	}
 	return removed, nil
 }

@@ -43,6 +43,11 @@ type mount struct {
 	// their total. They are not part of used.
 	spares     map[int64][]spareFile
 	spareBytes int64
+	// ahead is Mount.Preallocate; aheadSize the size of the file the
+	// last store on m wrote, the size spares are made ahead in (ahead.go;
+	// 0 until a store, and after making one failed); madeBytes is the
+	// spares made ahead among spares (of any size).
+	ahead, aheadSize, madeBytes int64
 }
 
 // spareFilesLocked counts m's spares.
@@ -86,6 +91,9 @@ func (e *Engine) openMount(i int, m Mount) (*mount, error) {
 	if high <= 0 || high > 1 || low <= 0 || low > high || m.Capacity < 0 || m.Reserve < 0 {
 		return nil, fmt.Errorf("%w: mount %s: capacity %d, reserve %d, watermarks high %v low %v: want capacity and reserve >= 0, 0 < low <= high <= 1", ErrInvalid, root, m.Capacity, m.Reserve, high, low)
 	}
+	if m.Preallocate < 0 {
+		return nil, fmt.Errorf("%w: mount %s: preallocate %d: want >= 0", ErrInvalid, root, m.Preallocate)
+	}
 	io := m.IO
 	if io == "" {
 		io = IOAuto
@@ -105,7 +113,7 @@ func (e *Engine) openMount(i int, m Mount) (*mount, error) {
 	}
 	mt := &mount{
 		idx: i, root: root, configured: m.Capacity, reserve: m.Reserve, highF: high, lowF: low,
-		memory: isMemoryFS(st.Type), checksums: !m.NoChecksum && !e.cfg.NoChecksum,
+		memory: isMemoryFS(st.Type), checksums: !m.NoChecksum && !e.cfg.NoChecksum, ahead: m.Preallocate,
 	}
 	switch io {
 	case IOBuffered:
@@ -188,7 +196,11 @@ func (e *Engine) reportMounts() {
 		capacity, used := m.capacity, m.used
 		e.mu.Unlock()
 		e.log.Info("engine: mount", "mount", m.root, "io", m.ioName(), "why", m.ioWhy, "backend", m.backend,
-			"checksums", m.checksums, "capacity", capacity, "used", used, "reserve", m.reserve)
+			"checksums", m.checksums, "capacity", capacity, "used", used, "reserve", m.reserve, "preallocate", m.ahead)
+		if m.ahead > 0 && !e.spareEligible(m) {
+			e.log.Warn("engine: preallocate has no effect on this mount: spare files are kept only on memory file systems in kvhost's layout, with reuse_files on",
+				"mount", m.root, "preallocate", m.ahead)
+		}
 		if m.configured > capacity {
 			e.log.Warn("engine: the configured capacity is more than the file system can hold; using what it can hold",
 				"mount", m.root, "configured", m.configured, "effective", capacity, "reserve", m.reserve)

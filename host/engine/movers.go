@@ -132,7 +132,10 @@ func (e *Engine) acquire(ctx context.Context) error {
 	}
 }
 
-func (e *Engine) releaseSlot() { <-e.files }
+func (e *Engine) releaseSlot() {
+	<-e.files
+	e.fileEnded()
+}
 
 // isShort reports whether a mover's error says the file ended early.
 func isShort(err error) bool { return errors.Is(err, transfer.ErrShortFile) }

@@ -35,6 +35,7 @@ func (d *fakeDevice) Kind() region.Kind { return region.KindDevice }
 type fakeMover struct {
 	mu        sync.Mutex
 	forgotten []uint64
+	prepared  []uint64
 	plans     int
 }
 
@@ -80,6 +81,17 @@ func (m *fakeMover) move(f fsys.File, p *transfer.Plan, write bool) (int64, erro
 func (m *fakeMover) Forget(dev, ino uint64) {
 	m.mu.Lock()
 	m.forgotten = append(m.forgotten, ino)
+	m.mu.Unlock()
+}
+
+// Prepare records the inode of each file the engine made ahead of stores.
+func (m *fakeMover) Prepare(f fsys.File) {
+	id, err := fileIdentity(f)
+	if err != nil {
+		panic(err)
+	}
+	m.mu.Lock()
+	m.prepared = append(m.prepared, id.Ino)
 	m.mu.Unlock()
 }
 

@@ -45,6 +45,9 @@ import (
 type spareFile struct {
 	path string
 	id   fsys.Identity
+	// zeroed: made ahead of stores (ahead.go), never written: every
+	// byte is zero and no reader has it open.
+	zeroed bool
 }
 
 // spareEligible reports whether m keeps evicted files as spares.
@@ -73,29 +76,59 @@ func (e *Engine) keepSpare(m *mount, path string, id fsys.Identity) bool {
 		return false
 	}
 	e.mu.Lock()
-	if m.spares == nil {
-		m.spares = map[int64][]spareFile{}
-	}
-	m.spares[id.Size] = append(m.spares[id.Size], spareFile{spare, id})
-	m.spareBytes += id.Size
+	m.addSpareLocked(spareFile{path: spare, id: id})
 	e.mu.Unlock()
 	return true
 }
 
+// addSpareLocked adds sf to m's spares.
+func (m *mount) addSpareLocked(sf spareFile) {
+	if m.spares == nil {
+		m.spares = map[int64][]spareFile{}
+	}
+	m.spares[sf.id.Size] = append(m.spares[sf.id.Size], sf)
+	m.spareBytes += sf.id.Size
+	if sf.zeroed {
+		m.madeBytes += sf.id.Size
+	}
+}
+
+// removeSpareLocked removes sf from m's spares.
+func (m *mount) removeSpareLocked(sf spareFile) {
+	size := sf.id.Size
+	list := m.spares[size]
+	for i := range list {
+		if list[i].path == sf.path {
+			if i == 0 { // the oldest (takeSpareLocked): no copy
+				list = list[1:]
+			} else {
+				list = append(list[:i:i], list[i+1:]...)
+			}
+			break
+		}
+	}
+	if len(list) == 0 {
+		delete(m.spares, size)
+	} else {
+		m.spares[size] = list
+	}
+	m.spareBytes -= size
+	if sf.zeroed {
+		m.madeBytes -= size
+	}
+}
+
 // takeSpareLocked removes from m's spares one of exactly size bytes and
-// returns it, or one with no path if there is none.
+// returns it, or one with no path if there is none. It takes the oldest:
+// the GPU path registers a spare in the background after it is kept or
+// made, and the oldest has had the longest to be registered.
 func (m *mount) takeSpareLocked(size int64) spareFile {
 	list := m.spares[size]
 	if len(list) == 0 {
 		return spareFile{}
 	}
-	sf := list[len(list)-1]
-	if len(list) == 1 {
-		delete(m.spares, size)
-	} else {
-		m.spares[size] = list[:len(list)-1]
-	}
-	m.spareBytes -= size
+	sf := list[0]
+	m.removeSpareLocked(sf)
 	return sf
 }
 
@@ -134,6 +167,11 @@ func (e *Engine) reuseSpare(m *mount, dir string, extra int, size, end int64) (f
 	}
 	// The header first: a reader of the old file (another engine on the
 	// directory) then finds its file id gone when it checks after its read.
+	// A spare made ahead never had one, nor any byte but zeros.
+	if sf.zeroed {
+		e.st.reused.Add(1)
+		return f, tmp, true
+	}
 	if _, err := f.WriteAt(staging.AlignedBuffer(format.Align), 0); err != nil {
 		f.Close()
 		return fail(tmp, "zero the header", err)
@@ -180,7 +218,9 @@ func zeroRange(f fsys.File, from, to int64) error {
 // where it fits.
 func (e *Engine) openTemp(m *mount, dir string, extra int, size, end int64) (f fsys.File, tmp, op string, err error) {
 	if e.spareEligible(m) {
-		if f, tmp, ok := e.reuseSpare(m, dir, extra, size, end); ok {
+		f, tmp, ok := e.reuseSpare(m, dir, extra, size, end)
+		e.wantSpares(m, size)
+		if ok {
 			return f, tmp, "", nil
 		}
 	}

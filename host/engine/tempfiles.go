@@ -63,10 +63,16 @@ func (e *Engine) tempName(dir, prefix string) string {
 // allocates size bytes. On failure nothing is left behind; op names the
 // failed step ("mkdir", "create", "allocate").
 func (e *Engine) createTemp(dir string, extra int, size int64) (f fsys.File, tmp, op string, err error) {
+	return e.createFile(dir, tmpPrefix, extra, size)
+}
+
+// createFile is createTemp for a temporary name with prefix (tmpPrefix,
+// or sparePrefix for a spare made ahead of stores).
+func (e *Engine) createFile(dir, prefix string, extra int, size int64) (f fsys.File, tmp, op string, err error) {
 	if err := e.mkdir(dir, false); err != nil {
 		return nil, "", "mkdir", err
 	}
-	tmp = e.tempName(dir, tmpPrefix)
+	tmp = e.tempName(dir, prefix)
 	flag := os.O_WRONLY | os.O_CREATE | os.O_EXCL | extra
 	f, err = e.fs.OpenFile(tmp, flag, 0o644)
 	if errors.Is(err, os.ErrNotExist) { // the directory was removed behind our back

@@ -139,6 +139,11 @@ type Run struct {
 	// files instead of fresh ones (spare files; a full cache on a memory
 	// file system), per round.
 	ReusedFiles int `json:"reused_files,omitempty"`
+	// Preallocate is the bytes of spare files the engine made ahead of
+	// stores (mount.preallocate); with it the benchmark let the engine
+	// make them, and the GPU path register them, before each timed phase
+	// and ceiling.
+	Preallocate int64 `json:"preallocate,omitempty"`
 	// DirectFiles is how many of a phase's files, per round, moved
 	// straight between GPU memory and the file's registered pages
 	// (gpu.register_files) instead of through the pinned buffers.

@@ -151,6 +151,24 @@ func registeredFile(t *testing.T, cfg Config) (*env, *Mover, *cache, [][]byte, m
 	return e, m, kv, orig, host, kf
 }
 
+// holdAllBuffers takes every pinned buffer of m until release is called:
+// a job that needs one would then fail (jobContext) instead of moving.
+func holdAllBuffers(m *Mover) (release func()) {
+	var held []int
+	for {
+		i, ok, _ := m.bufs.take(context.Background(), false)
+		if !ok {
+			break
+		}
+		held = append(held, i)
+	}
+	return func() {
+		for _, i := range held {
+			m.bufs.put(i)
+		}
+	}
+}
+
 // hostCopies maps each layer's region to its host copy.
 func hostCopies(kv *cache, orig [][]byte) map[region.Region][]byte {
 	host := map[region.Region][]byte{}
@@ -185,14 +203,7 @@ func TestRegisteredFilesMoveDirectlyFromTheSecondJob(t *testing.T) {
 	orig = kv.randomize(t, e.w, 2)
 	host = hostCopies(kv, orig)
 	batches := e.fake.Count(cudatest.OpBatch)
-	var held []int // every pinned buffer, held here: direct jobs need none
-	for {
-		i, ok, _ := m.bufs.take(context.Background(), false)
-		if !ok {
-			break
-		}
-		held = append(held, i)
-	}
+	release := holdAllBuffers(m) // direct jobs need none
 	roundTrip(t, e, m, kv, kf, host, orig)
 	if st := m.FileStats(); st.Stores != 1 || st.Loads != 1 {
 		t.Fatalf("after the second jobs: %+v; want 1 direct store and 1 direct load", st)
@@ -200,9 +211,7 @@ func TestRegisteredFilesMoveDirectlyFromTheSecondJob(t *testing.T) {
 	if n := e.fake.Count(cudatest.OpBatch) - batches; n != 2 {
 		t.Fatalf("%d batched copies for a direct store and load, want one each", n)
 	}
-	for _, i := range held {
-		m.bufs.put(i)
-	}
+	release()
 
 	m.Forget(kf.id.key.dev, kf.id.key.ino)
 	testwait.Until(t, "the forgotten file released", 10*time.Second, func() bool { return m.FileStats().Released == 1 })
@@ -214,6 +223,36 @@ func TestRegisteredFilesMoveDirectlyFromTheSecondJob(t *testing.T) {
 		t.Fatalf("after Forget the store went direct: %+v", st)
 	}
 	testwait.Until(t, "the file registered again after its next job", 10*time.Second, func() bool { return m.FileStats().Registered == 2 })
+}
+
+// TestPreparedFilesAreRegisteredBeforeTheirFirstStore: a file the engine
+// made ahead of stores (Prepare) is registered before any job touched it,
+// so its first store already moves straight into its pages, with the
+// bytes and checksums of the pages, and loads back.
+func TestPreparedFilesAreRegisteredBeforeTheirFirstStore(t *testing.T) {
+	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, Copy: cuda.CopyBatch, RegisterFiles: 4})
+	kf := newKeyFile(t, kv, t.TempDir(), "made-ahead", 1)
+	m.Prepare(kf.f)
+	testwait.Until(t, "the prepared file registered", 10*time.Second, func() bool { return m.FileStats().Files == 1 })
+	release := holdAllBuffers(m) // direct jobs need none
+	roundTrip(t, e, m, kv, kf, host, orig)
+	release()
+	if st := m.FileStats(); st.Stores != 1 || st.Loads != 1 || st.Registered != 1 {
+		t.Fatalf("after the first store and load: %+v; want both direct, 1 registration", st)
+	}
+}
+
+// TestPreparingWithoutRegisteredFilesDoesNothing: with register_files = 0
+// a prepared file is not registered, and its jobs take the pinned path.
+func TestPreparingWithoutRegisteredFilesDoesNothing(t *testing.T) {
+	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, Copy: cuda.CopyBatch})
+	kf := newKeyFile(t, kv, t.TempDir(), "made-ahead", 1)
+	regs := e.fake.Count(cudatest.OpHostRegister)
+	m.Prepare(kf.f)
+	roundTrip(t, e, m, kv, kf, host, orig)
+	if n := e.fake.Count(cudatest.OpHostRegister) - regs; n != 0 {
+		t.Fatalf("cudaHostRegister called %d times without registered files", n)
+	}
 }
 
 // TestRegisteredFilesStoreChunkByChunk: a direct store of a file of many

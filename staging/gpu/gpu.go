@@ -522,6 +522,19 @@ func (m *Mover) Forget(dev, ino uint64) {
 	}
 }
 
+// Prepare implements transfer.Preparer: a file the engine made ahead of
+// stores (a spare, on a memory file system) is offered to the registrar
+// as a file is after its first job, so that the first store into it
+// already moves straight into its pages.
+func (m *Mover) Prepare(f fsys.File) {
+	if m.files == nil {
+		return
+	}
+	if id, ok := identify(f); ok {
+		m.files.offer(f, id)
+	}
+}
+
 // FileStats describes the registered files (zero without them).
 func (m *Mover) FileStats() FileStats {
 	if m.files == nil {
@@ -627,4 +640,5 @@ func readAtLeast(f fsys.File, b []byte, need int, off int64) error {
 var (
 	_ transfer.Mover     = (*Mover)(nil)
 	_ transfer.Forgetter = (*Mover)(nil)
+	_ transfer.Preparer  = (*Mover)(nil)
 )

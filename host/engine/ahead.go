@@ -1,0 +1,343 @@
+package engine
+
+import (
+	"context"
+	"fmt"
+	"sync/atomic"
+	"time"
+
+	"github.com/kvhost/kvhost/transfer"
+)
+
+// Spare files made ahead of stores (Mount.Preallocate; docs/engine.md,
+// "Spare files made ahead").
+//
+// Spares (spares.go) come from evictions, so only a full cache has them:
+// a cache with room writes every store into a fresh file, whose pages the
+// kernel allocates and zeroes during the store, and whose pages the GPU
+// path has not registered (it registers a file after its first job). On a
+// mount with Preallocate set, a background goroutine makes spares ahead
+// of demand instead: after a store, while no file is in flight on the
+// engine, it creates files of the size that store wrote, allocates their
+// pages (fallocate) and tells the movers (transfer.Preparer: the GPU path
+// registers them), until Preallocate bytes of spares of that size exist
+// or the spares would take the mount past its low watermark. The next
+// stores of that size then write into pages that exist and are registered,
+// as stores into a full cache do. A made spare is a spare like any other:
+// free space that holds pages, removed when a reservation needs the room
+// (reserve) and at Close.
+//
+// The maker runs only once no file has been in flight for aheadQuiet, so
+// that it takes no memory bandwidth from a burst of jobs (a client's next
+// job follows its last within microseconds to milliseconds); it makes one
+// file at a time, and checks again before the next. Spares made ahead of
+// one size count against Preallocate until stores take them; when stores
+// change size and the made spares of the old size fill the budget, the
+// maker removes those first.
+
+// aheadQuiet is how long no file must have been in flight before the
+// maker makes a spare: longer than the gaps between a burst's jobs,
+// shorter than the idle moments between an inference server's bursts.
+const aheadQuiet = 20 * time.Millisecond
+
+// spareMaker is the goroutine that makes spares ahead of stores.
+type spareMaker struct {
+	wake chan struct{} // a token: there may be work (a store, a delete)
+	idle chan struct{} // a token: the last file in flight ended
+	stop chan struct{}
+	done chan struct{}
+	// lastEnd is when the last file in flight ended (UnixNano); quietFor
+	// is aheadQuiet (a field for tests).
+	lastEnd  atomic.Int64
+	quietFor atomic.Int64
+	// quiet is closed while the maker has nothing to do (WaitSpares);
+	// guarded by Engine.mu, replaced by an open channel when work
+	// appears.
+	quiet chan struct{}
+	// waitedIdle counts the times it began to wait for the files in
+	// flight (tests wait for it).
+	waitedIdle atomic.Int64
+}
+
+// startSpareMaker starts the maker if a mount makes spares ahead.
+func (e *Engine) startSpareMaker() {
+	for _, m := range e.mounts {
+		if m.ahead > 0 && e.spareEligible(m) {
+			quiet := make(chan struct{})
+			close(quiet)
+			mk := &spareMaker{
+				wake: make(chan struct{}, 1), idle: make(chan struct{}, 1),
+				stop: make(chan struct{}), done: make(chan struct{}), quiet: quiet,
+			}
+			mk.quietFor.Store(int64(aheadQuiet))
+			e.maker = mk
+			go e.makeSpares()
+			return
+		}
+	}
+}
+
+// stopSpareMaker stops the maker and waits for the file it is making.
+func (e *Engine) stopSpareMaker() {
+	if e.maker == nil {
+		return
+	}
+	close(e.maker.stop)
+	<-e.maker.done
+}
+
+// wantSpares records that a store on m wrote a file of size bytes, and
+// wakes the maker if m should have more spares of that size.
+func (e *Engine) wantSpares(m *mount, size int64) {
+	if e.maker == nil || m.ahead <= 0 || !e.spareEligible(m) {
+		return
+	}
+	e.mu.Lock()
+	m.aheadSize = size
+	e.mu.Unlock()
+	e.spareRoom()
+}
+
+// spareRoom wakes the maker if it has work (a store took a spare, a
+// delete freed room), and marks it busy for WaitSpares.
+func (e *Engine) spareRoom() {
+	mk := e.maker
+	if mk == nil {
+		return
+	}
+	e.mu.Lock()
+	work, _ := e.nextSpareLocked()
+	if work != nil {
+		select {
+		case <-mk.quiet:
+			mk.quiet = make(chan struct{})
+		default:
+		}
+	}
+	e.mu.Unlock()
+	if work != nil {
+		select {
+		case mk.wake <- struct{}{}:
+		default:
+		}
+	}
+}
+
+// fileEnded is called after a file in flight released its slot.
+func (e *Engine) fileEnded() {
+	mk := e.maker
+	if mk == nil {
+		return
+	}
+	mk.lastEnd.Store(time.Now().UnixNano())
+	if len(e.files) == 0 {
+		select {
+		case mk.idle <- struct{}{}:
+		default:
+		}
+	}
+}
+
+// nextSpareLocked returns the mount whose spares the maker should work
+// on, or nil, and a made spare of another size to remove first (no path:
+// make one of m.aheadSize). A mount wants a spare of size aheadSize while
+// its spares of that size are fewer than Preallocate bytes, the spares it
+// made ahead (of any size) leave room for one more within Preallocate,
+// and one more stays below the low watermark.
+func (e *Engine) nextSpareLocked() (*mount, spareFile) {
+	if e.closed {
+		return nil, spareFile{}
+	}
+	for _, m := range e.mounts {
+		size := m.aheadSize
+		if m.ahead <= 0 || size <= 0 || !e.spareEligible(m) {
+			continue
+		}
+		if int64(len(m.spares[size])+1)*size > m.ahead {
+			continue // enough of that size
+		}
+		if m.madeBytes+size > m.ahead {
+			if stale, ok := m.staleMadeLocked(size); ok {
+				return m, stale
+			}
+			continue
+		}
+		if m.used+m.spareBytes+size > m.low {
+			continue
+		}
+		return m, spareFile{}
+	}
+	return nil, spareFile{}
+}
+
+// staleMadeLocked returns a spare made ahead of another size than size.
+func (m *mount) staleMadeLocked(size int64) (spareFile, bool) {
+	for sz, list := range m.spares {
+		if sz == size {
+			continue
+		}
+		for _, sf := range list {
+			if sf.zeroed {
+				return sf, true
+			}
+		}
+	}
+	return spareFile{}, false
+}
+
+// awaitQuiet waits until no file has been in flight for the quiet
+// period, and reports false if the maker was stopped first.
+func (e *Engine) awaitQuiet() bool {
+	mk := e.maker
+	for {
+		if len(e.files) > 0 {
+			mk.waitedIdle.Add(1)
+			select {
+			case <-mk.idle:
+				continue
+			case <-mk.stop:
+				return false
+			}
+		}
+		left := time.Duration(mk.quietFor.Load()) - time.Since(time.Unix(0, mk.lastEnd.Load()))
+		if left <= 0 {
+			return true
+		}
+		t := time.NewTimer(left)
+		select {
+		case <-t.C:
+		case <-mk.wake: // checks again (tests shorten the period)
+			t.Stop()
+		case <-mk.stop:
+			t.Stop()
+			return false
+		}
+	}
+}
+
+// makeSpares is the maker's goroutine.
+func (e *Engine) makeSpares() {
+	mk := e.maker
+	defer close(mk.done)
+	for {
+		e.mu.Lock()
+		m, _ := e.nextSpareLocked()
+		if m == nil {
+			select {
+			case <-mk.quiet:
+			default:
+				close(mk.quiet)
+			}
+		}
+		e.mu.Unlock()
+		if m == nil {
+			select {
+			case <-mk.wake:
+				continue
+			case <-mk.stop:
+				return
+			}
+		}
+		if !e.awaitQuiet() {
+			return
+		}
+		e.mu.Lock()
+		m, stale := e.nextSpareLocked() // again: the quiet took time
+		var size int64
+		if m != nil {
+			size = m.aheadSize
+			if stale.path != "" {
+				m.removeSpareLocked(stale)
+			}
+		}
+		e.mu.Unlock()
+		switch {
+		case m == nil:
+			continue
+		case stale.path != "":
+			e.forget(stale.id)
+			e.removeTemp(stale.path)
+			continue
+		}
+		if err := e.makeSpare(m, size); err != nil {
+			// Not again until the next store of m: a full file
+			// system, or one that refuses fallocate, would
+			// otherwise have the maker retry without end.
+			e.mu.Lock()
+			if m.aheadSize == size {
+				m.aheadSize = 0
+			}
+			e.mu.Unlock()
+			e.log.Debug("engine: make a spare file ahead of stores", "mount", m.root, "size", size, "err", err)
+		}
+	}
+}
+
+// makeSpare makes one spare of size bytes on m: a file in m's root with
+// its pages allocated, shown to the movers (transfer.Preparer), then
+// added to m's spares if it still fits below the low watermark.
+func (e *Engine) makeSpare(m *mount, size int64) error {
+	f, path, op, err := e.createFile(m.root, sparePrefix, 0, size)
+	if err != nil {
+		return fmt.Errorf("%s: %w", op, err)
+	}
+	id, err := fileIdentity(f)
+	if err == nil {
+		for _, mv := range m.movers {
+			if p, ok := mv.(transfer.Preparer); ok {
+				p.Prepare(f)
+			}
+		}
+	}
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil {
+		e.mu.Lock()
+		keep := !e.closed && m.used+m.spareBytes+size <= m.low && m.madeBytes+size <= m.ahead
+		if keep {
+			m.addSpareLocked(spareFile{path: path, id: id, zeroed: true})
+		}
+		e.mu.Unlock()
+		if keep {
+			e.st.made.Add(1)
+			return nil
+		}
+	}
+	// Not kept: the room went to stores meanwhile, the engine is
+	// closing, or the file failed.
+	e.forget(id)
+	e.removeTemp(path)
+	return err
+}
+
+// WaitSpares waits until the engine has made the spare files it makes
+// ahead of stores (Mount.Preallocate) for the stores so far: the maker
+// has nothing left to do, or has stopped (Close). It returns at once
+// where no mount makes them, and ctx's error if ctx ends first. Movers
+// may still be preparing the files (the GPU path's registrations).
+func (e *Engine) WaitSpares(ctx context.Context) error {
+	mk := e.maker
+	if mk == nil {
+		return nil
+	}
+	e.spareRoom() // room a delete freed, which wakes no one
+	for {
+		e.mu.Lock()
+		quiet := mk.quiet
+		e.mu.Unlock()
+		select {
+		case <-quiet:
+			e.mu.Lock()
+			same := mk.quiet == quiet
+			e.mu.Unlock()
+			if same {
+				return nil
+			}
+		case <-mk.done:
+			return nil
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+}

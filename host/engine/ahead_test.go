@@ -1,0 +1,417 @@
+package engine
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/kvhost/kvhost/format"
+	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/internal/testwait"
+	"github.com/kvhost/kvhost/region"
+	"github.com/kvhost/kvhost/transfer"
+)
+
+// aheadFixture is an engine on a tmpfs directory whose mount makes spares
+// ahead of stores, and a cache of the small geometry.
+type aheadFixture struct {
+	e       *Engine
+	ns      NamespaceID
+	c       *testCache
+	dir     string
+	fileLen int64 // a one-key file's length
+	r       *rand.Rand
+}
+
+// newAheadFixture opens an engine on a fresh tmpfs directory with a
+// capacity of capFiles one-key files, its low watermark at low and
+// Preallocate of aheadFiles such files.
+func newAheadFixture(t *testing.T, cfg Config, capFiles, aheadFiles int64, low float64) *aheadFixture {
+	t.Helper()
+	dir := tmpfsDir(t)
+	g := smallGeometry(false) // files with a zero tail
+	fileLen := int64(4096) + alignTo(g.KeyBytes(), format.Align)
+	cfg.Mounts = []Mount{{Path: dir, Capacity: capFiles * fileLen, HighWatermark: max(low, 0.9), LowWatermark: low, Preallocate: aheadFiles * fileLen}}
+	if cfg.Policy == nil {
+		cfg.Policy = newTestPolicy(1, 0)
+	}
+	e := openEngine(t, cfg)
+	ns, err := e.Declare(context.Background(), g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &aheadFixture{e: e, ns: ns, c: newTestCache(t, e, ns, g, 64, layoutPlaneFirst), dir: dir, fileLen: fileLen, r: rand.New(rand.NewPCG(3, 9))}
+}
+
+// store stores one key from fresh random blocks and returns its bytes.
+func (f *aheadFixture) store(t *testing.T, key []byte) []byte {
+	t.Helper()
+	b := []int{0, 1, 2, 3}
+	f.c.fill(f.r, b)
+	want := f.c.data(b)
+	storeAndCheck(t, f.e, f.c, [][]byte{key}, [][]int{b})
+	return want
+}
+
+// waitSpares waits for the engine's maker to have nothing left to do.
+func (f *aheadFixture) waitSpares(t *testing.T) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := f.e.WaitSpares(ctx); err != nil {
+		t.Fatalf("wait for the spares made ahead: %v", err)
+	}
+}
+
+// spareFiles lists the spare files under dir.
+func spareFiles(t *testing.T, dir string) []string {
+	t.Helper()
+	var out []string
+	for _, p := range leftovers(t, dir) {
+		if strings.HasPrefix(filepath.Base(p), sparePrefix) {
+			out = append(out, p)
+		}
+	}
+	return out
+}
+
+func TestStoresOnTmpfsWriteIntoSparesMadeAheadAndLoadTheirOwnBytes(t *testing.T) {
+	f := newAheadFixture(t, Config{}, 40, 3, 0.85)
+	keys := testKeys("ahead", 10)
+	want := [][]byte{f.store(t, keys[0])} // a fresh file: the size to make
+	f.waitSpares(t)
+	st := f.e.Stats()
+	if st.SparesMade != 3 || st.Mounts[0].SpareFiles != 3 || st.Mounts[0].SpareBytes != 3*f.fileLen {
+		t.Fatalf("after one store: %d made, %d spares of %d bytes; want 3 made, 3 spares of %d bytes", st.SparesMade, st.Mounts[0].SpareFiles, st.Mounts[0].SpareBytes, 3*f.fileLen)
+	}
+	spares := spareFiles(t, f.dir)
+	if len(spares) != 3 {
+		t.Fatalf("spare files on disk: %v, want 3", spares)
+	}
+	for _, p := range spares {
+		b, err := os.ReadFile(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if int64(len(b)) != f.fileLen || !bytes.Equal(b, make([]byte, len(b))) {
+			t.Fatalf("spare %s: %d bytes, zero %v; want %d zero bytes", p, len(b), bytes.Equal(b, make([]byte, len(b))), f.fileLen)
+		}
+	}
+	// The next stores take the spares made ahead, and the maker makes
+	// them again once the engine is idle.
+	for _, k := range keys[1:4] {
+		want = append(want, f.store(t, k))
+	}
+	if st := f.e.Stats(); st.Reused < 3 {
+		t.Fatalf("%d stores into spares, want at least 3", st.Reused)
+	}
+	f.waitSpares(t)
+	if st := f.e.Stats(); st.Mounts[0].SpareFiles != 3 || st.SparesMade < 6 {
+		t.Fatalf("after three more stores: %d spares, %d made; want 3 spares and at least 6 made", st.Mounts[0].SpareFiles, st.SparesMade)
+	}
+	// Several keys in one job, two files in flight at once.
+	blocks := make([][]int, 6)
+	for i := range blocks {
+		blocks[i] = []int{4 + 4*i, 5 + 4*i, 6 + 4*i, 7 + 4*i}
+		f.c.fill(f.r, blocks[i])
+		want = append(want, f.c.data(blocks[i]))
+	}
+	storeAndCheck(t, f.e, f.c, keys[4:], blocks)
+	into := make([][]int, len(keys))
+	for i := range into {
+		into[i] = []int{40 + i%6*4, 41 + i%6*4, 42 + i%6*4, 43 + i%6*4}
+	}
+	for i := range keys {
+		loadAndCompare(t, f.e, f.c, keys[i:i+1], into[i:i+1], want[i:i+1])
+	}
+	// Close removes the spares, made ahead or not.
+	if err := f.e.Close(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if left := spareFiles(t, f.dir); len(left) != 0 {
+		t.Fatalf("spares left after Close: %v", left)
+	}
+}
+
+func TestSparesAreMadeAheadOnlyBelowTheLowWatermark(t *testing.T) {
+	// Room for ten files, the low watermark at six; preallocate asks for
+	// a hundred.
+	f := newAheadFixture(t, Config{}, 10, 100, 0.6)
+	f.store(t, []byte("first"))
+	f.waitSpares(t)
+	st := f.e.Stats()
+	m := st.Mounts[0]
+	low := int64(float64(m.Capacity) * 0.6)
+	if m.Used+m.SpareBytes > low || m.Used+m.SpareBytes+f.fileLen <= low {
+		t.Fatalf("%d bytes used and %d in %d spares, low watermark %d: want as many spares as fit below it", m.Used, m.SpareBytes, m.SpareFiles, low)
+	}
+	if m.SpareFiles == 0 {
+		t.Fatal("no spare made: the test checks nothing")
+	}
+}
+
+// blockTempWrites blocks every write to a store's temporary file while
+// armed, until release is closed, and counts the writes it blocked.
+type blockTempWrites struct {
+	release chan struct{}
+	blocked atomic.Int64
+}
+
+func (b *blockTempWrites) Inject(op fsys.Op, path string) fsys.Fault {
+	if op == fsys.OpWrite && strings.HasPrefix(filepath.Base(path), tmpPrefix) {
+		b.blocked.Add(1)
+		<-b.release
+	}
+	return fsys.Fault{}
+}
+
+func TestSparesAreMadeAheadOnlyWhileNoFileIsInFlight(t *testing.T) {
+	inj := &blockTempWrites{release: make(chan struct{})}
+	f := newAheadFixture(t, Config{FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj}}, 40, 4, 0.85)
+	b := []int{0, 1, 2, 3}
+	f.c.fill(f.r, b)
+	j, err := f.e.Store(context.Background(), StoreRequest{Cache: f.c.id, Keys: testKeys("held", 1), Blocks: [][]int{b}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var once sync.Once
+	defer once.Do(func() { close(inj.release) })
+	// The store told the maker its size before it wrote: the maker wakes,
+	// finds the store's file in flight and waits for it.
+	testwait.Until(t, "the maker to wait for the store in flight", 10*time.Second, func() bool {
+		return inj.blocked.Load() > 0 && f.e.maker.waitedIdle.Load() > 0
+	})
+	if st := f.e.Stats(); st.SparesMade != 0 || len(spareFiles(t, f.dir)) != 0 {
+		t.Fatalf("%d spares made while a store was in flight", st.SparesMade)
+	}
+	once.Do(func() { close(inj.release) })
+	wantOutcomes(t, "store", waitJob(t, j, nil), OutcomeStored)
+	f.waitSpares(t)
+	if st := f.e.Stats(); st.SparesMade != 4 {
+		t.Fatalf("%d spares made once the store ended, want 4", st.SparesMade)
+	}
+}
+
+// failSpareAllocations fails the allocation of every spare made ahead.
+type failSpareAllocations struct{ failed atomic.Int64 }
+
+func (f *failSpareAllocations) Inject(op fsys.Op, path string) fsys.Fault {
+	if op == fsys.OpAllocate && strings.HasPrefix(filepath.Base(path), sparePrefix) {
+		f.failed.Add(1)
+		return fsys.Fault{Err: syscall.ENOSPC}
+	}
+	return fsys.Fault{}
+}
+
+// A spare that cannot be made is not tried again until the next store:
+// a file system that refuses it would otherwise keep the maker busy.
+func TestAFailedSpareIsTriedAgainOnlyAfterTheNextStore(t *testing.T) {
+	inj := &failSpareAllocations{}
+	f := newAheadFixture(t, Config{FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj}}, 40, 4, 0.85)
+	for i := range 3 {
+		f.store(t, []byte(fmt.Sprintf("key-%d", i)))
+		f.waitSpares(t)
+		if n := inj.failed.Load(); n != int64(i+1) {
+			t.Fatalf("after %d stores: %d spares tried, want %d", i+1, n, i+1)
+		}
+	}
+	st := f.e.Stats()
+	if st.SparesMade != 0 || st.Mounts[0].SpareFiles != 0 || len(spareFiles(t, f.dir)) != 0 {
+		t.Fatalf("%d made, %d spares, files %v after failed allocations: want none", st.SparesMade, st.Mounts[0].SpareFiles, spareFiles(t, f.dir))
+	}
+}
+
+// The movers are shown each spare made ahead before any store writes
+// into it (the GPU path registers it), and told to forget it when the
+// engine removes it.
+func TestMoversPrepareSparesMadeAheadAndForgetThemWhenRemoved(t *testing.T) {
+	mv := &fakeMover{}
+	cfg := Config{Movers: map[region.Kind]MoverFactory{region.KindDevice: func(MountInfo) (transfer.Mover, error) { return mv, nil }}}
+	f := newAheadFixture(t, cfg, 40, 3, 0.85)
+	f.store(t, []byte("first"))
+	f.waitSpares(t)
+	spares := spareFiles(t, f.dir)
+	if len(spares) != 3 {
+		t.Fatalf("spare files %v, want 3", spares)
+	}
+	mv.mu.Lock()
+	prepared := map[uint64]bool{}
+	for _, ino := range mv.prepared {
+		prepared[ino] = true
+	}
+	mv.mu.Unlock()
+	inos := map[uint64]string{}
+	for _, p := range spares {
+		ino := inode(t, p)
+		inos[ino] = p
+		if !prepared[ino] {
+			t.Fatalf("spare %s (inode %d) was not prepared; prepared %v", p, ino, prepared)
+		}
+	}
+	if err := f.e.Close(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	mv.mu.Lock()
+	defer mv.mu.Unlock()
+	forgotten := map[uint64]bool{}
+	for _, ino := range mv.forgotten {
+		forgotten[ino] = true
+	}
+	for ino, p := range inos {
+		if !forgotten[ino] {
+			t.Fatalf("spare %s (inode %d) removed at Close without being forgotten", p, ino)
+		}
+	}
+}
+
+func TestNoSparesAreMadeAheadWithoutPreallocateOrOnADisk(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		dir   func(t *testing.T) string
+		ahead int64
+	}{
+		{"tmpfs without preallocate", tmpfsDir, 0},
+		{"a directory that is not a memory file system", diskDir, 1 << 20},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			dir := tc.dir(t)
+			e := openEngine(t, Config{Mounts: []Mount{{Path: dir, Preallocate: tc.ahead}}, Policy: newTestPolicy(1, 0)})
+			if e.maker != nil {
+				t.Fatal("a maker started where no mount makes spares ahead")
+			}
+			g := smallGeometry(false)
+			ns, err := e.Declare(context.Background(), g)
+			if err != nil {
+				t.Fatal(err)
+			}
+			c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
+			c.fill(rand.New(rand.NewPCG(1, 1)), []int{0, 1, 2, 3})
+			storeAndCheck(t, e, c, testKeys("k", 1), [][]int{{0, 1, 2, 3}})
+			if err := e.WaitSpares(context.Background()); err != nil {
+				t.Fatal(err)
+			}
+			if st := e.Stats(); st.SparesMade != 0 || len(spareFiles(t, dir)) != 0 {
+				t.Fatalf("%d spares made", st.SparesMade)
+			}
+		})
+	}
+}
+
+func TestWaitSparesReturnsOnceTheEngineIsClosed(t *testing.T) {
+	f := newAheadFixture(t, Config{}, 40, 3, 0.85)
+	f.store(t, []byte("k"))
+	if err := f.e.Close(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := f.e.WaitSpares(ctx); err != nil {
+		t.Fatalf("WaitSpares after Close: %v", err)
+	}
+}
+
+// Preallocate bounds the spares made ahead of every size together: when
+// stores change size, the maker removes the spares it made of the old
+// size to make room for the new one.
+func TestPreallocateBoundsTheSparesMadeAheadOfEverySize(t *testing.T) {
+	f := newAheadFixture(t, Config{}, 40, 2, 0.85)
+	g2 := smallGeometry(false)
+	g2.Layers = 2 // smaller files
+	ns2, err := f.e.Declare(context.Background(), g2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c2 := newTestCache(t, f.e, ns2, g2, 64, layoutPlaneFirst)
+	f.store(t, []byte("a"))
+	f.waitSpares(t)
+	if m := f.e.Stats().Mounts[0]; m.SpareBytes != 2*f.fileLen {
+		t.Fatalf("%d bytes in %d spares after the first size, want two files of %d", m.SpareBytes, m.SpareFiles, f.fileLen)
+	}
+	c2.fill(f.r, []int{0, 1, 2, 3})
+	storeAndCheck(t, f.e, c2, [][]byte{[]byte("b")}, [][]int{{0, 1, 2, 3}})
+	f.waitSpares(t)
+	f.e.mu.Lock()
+	m := f.e.mounts[0]
+	size2 := m.aheadSize
+	made, small, total := m.madeBytes, len(m.spares[size2]), m.spareBytes
+	f.e.mu.Unlock()
+	if size2 >= f.fileLen || made > m.ahead || total > m.ahead || int64(small+1)*size2 <= m.ahead {
+		t.Fatalf("after a store of %d-byte files: %d bytes made ahead, %d in spares, %d spares of the new size; Preallocate %d", size2, made, total, small, m.ahead)
+	}
+}
+
+func TestSparesAreMadeAheadAgainWhenADeleteFreesRoom(t *testing.T) {
+	// Room for ten files, the low watermark at six: five stored files
+	// leave room for one spare; their delete, for six.
+	f := newAheadFixture(t, Config{}, 10, 6, 0.6)
+	keys := testKeys("d", 5)
+	for _, k := range keys {
+		f.store(t, k)
+	}
+	f.waitSpares(t)
+	before := f.e.Stats().Mounts[0].SpareFiles
+	if _, err := f.e.Delete(context.Background(), f.ns, keys); err != nil {
+		t.Fatal(err)
+	}
+	f.waitSpares(t)
+	m := f.e.Stats().Mounts[0]
+	low := int64(float64(m.Capacity) * 0.6)
+	if m.Used != 0 || m.SpareFiles <= before || m.SpareBytes+f.fileLen <= low && m.SpareFiles < 6 {
+		t.Fatalf("after the delete: %d used, %d spares (%d before it), low watermark %d: want the freed room filled", m.Used, m.SpareFiles, before, low)
+	}
+}
+
+// Spares are made only once no file has been in flight for the quiet
+// period, not in the gaps between a burst's jobs.
+func TestNoSparesAreMadeAheadBetweenTheJobsOfABurst(t *testing.T) {
+	f := newAheadFixture(t, Config{}, 40, 8, 0.85)
+	f.store(t, []byte("first"))
+	f.waitSpares(t)
+	made := f.e.Stats().SparesMade
+	f.e.maker.quietFor.Store(int64(time.Hour)) // every gap is shorter
+	for _, k := range testKeys("burst", 8) {
+		f.store(t, k)
+	}
+	if st := f.e.Stats(); st.SparesMade != made || st.Reused != 8 {
+		t.Fatalf("%d spares made during a burst of 8 stores, %d stores into spares; want none made, 8 into the spares made before it", st.SparesMade-made, st.Reused)
+	}
+}
+
+// diskDir is a fresh directory beside the package's sources (a checkout
+// is on a disk), failing the test where that is a memory file system.
+func diskDir(t *testing.T) string {
+	t.Helper()
+	dir, err := os.MkdirTemp(".", ".test-disk-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	var st syscall.Statfs_t
+	if err := syscall.Statfs(dir, &st); err != nil {
+		t.Fatal(err)
+	}
+	if isMemoryFS(int64(st.Type)) {
+		t.Fatalf("%s is on a memory file system: the test needs a disk", dir)
+	}
+	abs, err := filepath.Abs(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return abs
+}
+
+func TestANegativePreallocateIsRefused(t *testing.T) {
+	_, err := Open(context.Background(), Config{Mounts: []Mount{{Path: t.TempDir(), Preallocate: -1}}, Policy: newTestPolicy(1, 0), Logger: testLogger(t)})
+	if err == nil || !strings.Contains(err.Error(), "preallocate -1") {
+		t.Fatalf("open with preallocate -1: %v, want an error naming it", err)
+	}
+}
