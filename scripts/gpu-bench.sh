@@ -7,7 +7,7 @@
 #
 # Each part writes a JSON report (kvhost bench --json) and its table under
 # OUT (default ./gpu-bench-out); parts can be switched off: SHM=0 JOBS=0
-# FULL=0 DISK=0 HUGE=0 COPY=0. Each part runs under a time limit
+# PREALLOC=0 FULL=0 DISK=0 HUGE=0 COPY=0. Each part runs under a time limit
 # (LIMIT seconds, default 240) so that one slow part cannot eat the others.
 # PROFILE=1 adds a CPU profile of 2 MiB loads on /dev/shm. WARM (GiB,
 # default 32; 0 skips it) is written once to the memory file system and
@@ -47,6 +47,9 @@ bench() { # name args...: one kvhost bench run, its table on stdout and in OUT/n
 [ "${SHM:-1}" = 1 ] && bench shm --dir "$shm" $G --tokens-per-key 256,16 --jobs 16 --checksum on,off --total 4GiB --rounds 3
 # Fewer jobs.
 [ "${JOBS:-1}" = 1 ] && bench shm-jobs --dir "$shm" $G --tokens-per-key 256 --jobs 1,8 --checksum on,off --total 2GiB --rounds 2
+# A cache with room whose spare files are made ahead of the stores
+# (mount.preallocate) while the engine is idle, and registered.
+[ "${PREALLOC:-1}" = 1 ] && bench prealloc --dir "$shm" $G --preallocate 4GiB --tokens-per-key 256,16 --jobs 16 --checksum on,off --total 4GiB --rounds 3
 # A full cache: every round's stores evict the previous round's files and
 # write into them (spare files), which the registrar has registered by then.
 [ "${FULL:-1}" = 1 ] && bench full --dir "$shm" $G --full --tokens-per-key 256,16 --jobs 16 --checksum on,off --total 4GiB --rounds 5
