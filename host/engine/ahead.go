@@ -18,7 +18,8 @@ import (
 // path has not registered (it registers a file after its first job). On a
 // mount with Preallocate set, a background goroutine makes spares ahead
 // of demand instead: after a store, while no file is in flight on the
-// engine, it creates files of the size that store wrote, allocates their
+// engine, it creates files of the size that store wrote (wantSpares: the
+// last file of a whole group of keys), allocates their
 // pages (fallocate) and tells the movers (transfer.Preparer: the GPU path
 // registers them), until Preallocate bytes of spares of that size exist
 // or the spares would take the mount past its low watermark. The next
@@ -86,14 +87,20 @@ func (e *Engine) stopSpareMaker() {
 	<-e.maker.done
 }
 
-// wantSpares records that a store on m wrote a file of size bytes, and
-// wakes the maker if m should have more spares of that size.
-func (e *Engine) wantSpares(m *mount, size int64) {
+// wantSpares records that a store on m writes a file of size bytes, and
+// wakes the maker if m should have more spares. Spares are made in the
+// size of the last file that held a whole group of the namespace's keys
+// (full): a job's last file may hold fewer, and following it would make
+// spares of a size few stores write (and remove those of the size most
+// do). Partial files set the size only while none is known.
+func (e *Engine) wantSpares(m *mount, size int64, full bool) {
 	if e.maker == nil || m.ahead <= 0 || !e.spareEligible(m) {
 		return
 	}
 	e.mu.Lock()
-	m.aheadSize = size
+	if full || m.aheadSize == 0 {
+		m.aheadSize = size
+	}
 	e.mu.Unlock()
 	e.spareRoom()
 }
@@ -157,8 +164,15 @@ func (e *Engine) nextSpareLocked() (*mount, spareFile) {
 			continue // enough of that size
 		}
 		if m.madeBytes+size > m.ahead {
-			if stale, ok := m.staleMadeLocked(size); ok {
-				return m, stale
+			// Made spares of other sizes fill the budget: remove them,
+			// but only where one of this size then fits below the low
+			// watermark (else they would go for nothing).
+			stale := m.madeBytes - m.madeOfSizeLocked(size)
+			if m.used+m.spareBytes-stale+size > m.low {
+				continue
+			}
+			if sf, ok := m.staleMadeLocked(size); ok {
+				return m, sf
 			}
 			continue
 		}
@@ -168,6 +182,17 @@ func (e *Engine) nextSpareLocked() (*mount, spareFile) {
 		return m, spareFile{}
 	}
 	return nil, spareFile{}
+}
+
+// madeOfSizeLocked is the bytes of m's spares of size made ahead.
+func (m *mount) madeOfSizeLocked(size int64) int64 {
+	var n int64
+	for _, sf := range m.spares[size] {
+		if sf.zeroed {
+			n += size
+		}
+	}
+	return n
 }
 
 // staleMadeLocked returns a spare made ahead of another size than size.

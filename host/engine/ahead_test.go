@@ -386,6 +386,81 @@ func TestNoSparesAreMadeAheadBetweenTheJobsOfABurst(t *testing.T) {
 	}
 }
 
+// Jobs of five keys in files of four write a four-key file and a one-key
+// file: spares are made in the four-key size (most of the bytes), whatever
+// order the files are written in, and every job's four-key file writes
+// into one.
+func TestSparesAreMadeAheadInTheSizeOfWholeFiles(t *testing.T) {
+	for _, workers := range []int{1, 4} {
+		t.Run(fmt.Sprintf("%d workers", workers), func(t *testing.T) {
+			f := newAheadFixture(t, Config{Policy: newTestPolicy(4, 0), IOWorkers: workers}, 200, 8, 0.85)
+			for round := range 6 {
+				keys := testKeys(fmt.Sprintf("job%d-", round), 5)
+				blocks := make([][]int, 5)
+				for i := range blocks {
+					blocks[i] = []int{4 * i, 4*i + 1, 4*i + 2, 4*i + 3}
+					f.c.fill(f.r, blocks[i])
+				}
+				storeAndCheck(t, f.e, f.c, keys, blocks)
+				f.waitSpares(t)
+				f.e.mu.Lock()
+				m := f.e.mounts[0]
+				var sizes []int64
+				for size := range m.spares {
+					sizes = append(sizes, size)
+				}
+				f.e.mu.Unlock()
+				if len(sizes) != 1 || sizes[0] <= 2*f.fileLen {
+					t.Fatalf("round %d: spares of sizes %v; want only the four-key files' (one key: %d bytes)", round, sizes, f.fileLen)
+				}
+				if st := f.e.Stats(); st.Reused < uint64(round) {
+					t.Fatalf("round %d: %d stores into spares, want at least %d (one per job after the first)", round, st.Reused, round)
+				}
+			}
+		})
+	}
+}
+
+// Spares made ahead of an old size stay where one of the new size would
+// not fit below the low watermark anyway: removing them would lose them
+// for nothing.
+func TestSparesMadeAheadStayWhereTheNewSizeWouldNotFit(t *testing.T) {
+	dir := tmpfsDir(t)
+	big, small := smallGeometry(false), smallGeometry(false)
+	small.Layers = 2
+	bigLen := int64(4096) + alignTo(big.KeyBytes(), format.Align)
+	// Three small spares fit below the low watermark (210000 bytes) beside
+	// a small file; a big file and a big spare beside them do not.
+	e := openEngine(t, Config{Mounts: []Mount{{Path: dir, Capacity: 300000, HighWatermark: 0.9, LowWatermark: 0.7, Preallocate: 2 * bigLen}}, Policy: newTestPolicy(1, 0)})
+	r := rand.New(rand.NewPCG(5, 5))
+	caches := map[*Geometry]*testCache{}
+	for _, g := range []*Geometry{&small, &big} {
+		ns, err := e.Declare(context.Background(), *g)
+		if err != nil {
+			t.Fatal(err)
+		}
+		caches[g] = newTestCache(t, e, ns, *g, 16, layoutPlaneFirst)
+	}
+	wait := func() {
+		if err := e.WaitSpares(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	caches[&small].fill(r, []int{0, 1, 2, 3})
+	storeAndCheck(t, e, caches[&small], [][]byte{[]byte("s")}, [][]int{{0, 1, 2, 3}})
+	wait()
+	before := e.Stats()
+	if before.Mounts[0].SpareFiles != 3 {
+		t.Fatalf("%d small spares made, want 3", before.Mounts[0].SpareFiles)
+	}
+	caches[&big].fill(r, []int{0, 1, 2, 3})
+	storeAndCheck(t, e, caches[&big], [][]byte{[]byte("b")}, [][]int{{0, 1, 2, 3}})
+	wait()
+	if after := e.Stats(); after.Mounts[0].SpareFiles != 3 || after.SparesMade != before.SparesMade {
+		t.Fatalf("after a big store: %d spares (%d before), %d made (%d before): want the small ones kept, none made", after.Mounts[0].SpareFiles, before.Mounts[0].SpareFiles, after.SparesMade, before.SparesMade)
+	}
+}
+
 // diskDir is a fresh directory beside the package's sources (a checkout
 // is on a disk), failing the test where that is a memory file system.
 func diskDir(t *testing.T) string {

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"slices"
 
 	"github.com/kvhost/kvhost/format"
 	"github.com/kvhost/kvhost/internal/fsys"
@@ -93,19 +94,18 @@ func (m *mount) addSpareLocked(sf spareFile) {
 	}
 }
 
-// removeSpareLocked removes sf from m's spares.
+// removeSpareLocked removes sf from m's spares, if it is one.
 func (m *mount) removeSpareLocked(sf spareFile) {
 	size := sf.id.Size
 	list := m.spares[size]
-	for i := range list {
-		if list[i].path == sf.path {
-			if i == 0 { // the oldest (takeSpareLocked): no copy
-				list = list[1:]
-			} else {
-				list = append(list[:i:i], list[i+1:]...)
-			}
-			break
-		}
+	i := slices.IndexFunc(list, func(x spareFile) bool { return x.path == sf.path })
+	if i < 0 {
+		return
+	}
+	if i == 0 { // the oldest (takeSpareLocked): no copy
+		list = list[1:]
+	} else {
+		list = append(list[:i:i], list[i+1:]...)
 	}
 	if len(list) == 0 {
 		delete(m.spares, size)
@@ -213,13 +213,14 @@ func zeroRange(f fsys.File, from, to int64) error {
 
 // openTemp opens the temporary file of a store of size bytes, whose
 // payload ends at end, in dir on m: a spare of that size where m has one,
-// else a fresh file (createTemp). The reservation made room for a fresh
+// else a fresh file (createTemp). full says the file holds a whole group
+// of the namespace's keys (wantSpares). The reservation made room for a fresh
 // file beside the spares (reserve), and keepSpare keeps a spare only
 // where it fits.
-func (e *Engine) openTemp(m *mount, dir string, extra int, size, end int64) (f fsys.File, tmp, op string, err error) {
+func (e *Engine) openTemp(m *mount, dir string, extra int, size, end int64, full bool) (f fsys.File, tmp, op string, err error) {
 	if e.spareEligible(m) {
 		f, tmp, ok := e.reuseSpare(m, dir, extra, size, end)
-		e.wantSpares(m, size)
+		e.wantSpares(m, size, full)
 		if ok {
 			return f, tmp, "", nil
 		}
