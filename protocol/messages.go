@@ -684,6 +684,10 @@ type Stats struct {
 type SpareStats struct {
 	Reused uint64       // stores that wrote into a spare instead of a fresh file
 	Mounts []SpareMount // one per Stats.Mounts, in order
+	// Made counts the spare files made ahead of stores (a mount's
+	// preallocate), sent after the device-identity section; 0 from a
+	// daemon that predates it.
+	Made uint64
 }
 
 // SpareMount is one mount's spare files.
@@ -835,6 +839,7 @@ func (m *Stats) AppendBody(b []byte) []byte {
 			for _, dv := range m.Devices {
 				b = append(b, dv.UUID[:]...)
 			}
+			b = appendU64(b, m.Spares.Made)
 		}
 	}
 	return b
@@ -892,7 +897,10 @@ func (m *Stats) DecodeBody(b []byte) error {
 			copy(m.Devices[i].UUID[:], d.take(16, "device UUID"))
 		}
 	}
-	// Bytes after the device-identity section are sections of a later daemon,
+	if d.err == nil && len(d.b) > 0 && m.Spares != nil {
+		m.Spares.Made = d.u64("spare files made ahead")
+	}
+	// Bytes after the made-ahead section are sections of a later daemon,
 	// which this client does not know: ignored, so that growing the reply
 	// never breaks a client (the sections before it are strict).
 	return d.err

@@ -111,15 +111,19 @@ func TestRejects(t *testing.T) {
 		{"stats spares section cut short", TypeStats | TypeReply, append(body(&Stats{Daemon: &DaemonStats{}}), 1, 2, 3)},
 		{"stats spares mounts past the body", TypeStats | TypeReply, func() []byte {
 			b := body(&Stats{Daemon: &DaemonStats{}, Spares: &SpareStats{}})
-			b[len(b)-4] = 1 // one mount, no bytes for it
+			b[len(b)-8-4-4] = 1 // one mount, no bytes for it (before the identities and the made-ahead count)
 			return b
 		}()},
 		{"stats device identities for fewer devices", TypeStats | TypeReply, func() []byte {
 			b := body(&Stats{Devices: []DeviceStats{{Ordinal: 0}, {Ordinal: 1}}, Daemon: &DaemonStats{}, Spares: &SpareStats{}})
-			b[len(b)-2*16-4] = 1 // one identity for two devices
+			b[len(b)-8-2*16-4] = 1 // one identity for two devices
 			return b
 		}()},
 		{"stats device identity cut short", TypeStats | TypeReply, func() []byte {
+			b := body(&Stats{Devices: []DeviceStats{{Ordinal: 0}}, Daemon: &DaemonStats{}, Spares: &SpareStats{}})
+			return b[:len(b)-8-1]
+		}()},
+		{"stats made-ahead section cut short", TypeStats | TypeReply, func() []byte {
 			b := body(&Stats{Devices: []DeviceStats{{Ordinal: 0}}, Daemon: &DaemonStats{}, Spares: &SpareStats{}})
 			return b[:len(b)-1]
 		}()},
@@ -164,7 +168,7 @@ func TestStatsIgnoresSectionsItDoesNotKnow(t *testing.T) {
 func TestStatsOfADaemonBeforeDeviceIdentitiesHasNoUUIDs(t *testing.T) {
 	m := &Stats{Devices: []DeviceStats{{Ordinal: 0, Regions: 1, UUID: [16]byte{9}}}, Daemon: &DaemonStats{Policy: "lru"}, Spares: &SpareStats{Reused: 1}}
 	b := m.AppendBody(nil)
-	b = b[:len(b)-4-16] // without the section
+	b = b[:len(b)-8-4-16] // without the section (and the made-ahead one after it)
 	got, err := Decode(TypeStats|TypeReply, b)
 	if err != nil {
 		t.Fatal(err)
@@ -172,6 +176,26 @@ func TestStatsOfADaemonBeforeDeviceIdentitiesHasNoUUIDs(t *testing.T) {
 	st := got.(*Stats)
 	if len(st.Devices) != 1 || st.Devices[0].Regions != 1 || st.Devices[0].UUID != [16]byte{} || st.Spares == nil || st.Spares.Reused != 1 {
 		t.Fatalf("decoded %+v, want the device with no UUID and the spares section", st)
+	}
+}
+
+// TestStatsOfADaemonBeforeSparesMadeAheadSaysNone: a reply that ends
+// after the device-identity section (a daemon that predates spares made
+// ahead) decodes, with none made.
+func TestStatsOfADaemonBeforeSparesMadeAheadSaysNone(t *testing.T) {
+	m := &Stats{Devices: []DeviceStats{{Ordinal: 0, UUID: [16]byte{9}}}, Daemon: &DaemonStats{Policy: "lru"}, Spares: &SpareStats{Reused: 1, Made: 7}}
+	b := m.AppendBody(nil)
+	got, err := Decode(TypeStats|TypeReply, b[:len(b)-8])
+	if err != nil {
+		t.Fatal(err)
+	}
+	st := got.(*Stats)
+	if st.Spares == nil || st.Spares.Made != 0 || st.Spares.Reused != 1 || st.Devices[0].UUID != [16]byte{9} {
+		t.Fatalf("decoded %+v (spares %+v), want the device's UUID, 1 reused and none made", st, st.Spares)
+	}
+	full, err := Decode(TypeStats|TypeReply, b)
+	if err != nil || full.(*Stats).Spares.Made != 7 {
+		t.Fatalf("the whole reply: %v, %+v; want 7 made", err, full)
 	}
 }
 
@@ -233,7 +257,7 @@ func goldenStats() *Stats {
 		Devices: []DeviceStats{{Ordinal: 0, Regions: 1, Registered: 4096, Limit: 1 << 30, UUID: [16]byte{0: 0xA, 15: 0xA}}, {Ordinal: 1, Limit: 1 << 30}},
 		Daemon: &DaemonStats{Started: 1, Policy: "lru", PolicyBackend: "wasm", FallbackReason: "none", LastReload: "ok",
 			Mounts: []MountInfo{{Path: "/dev/shm/kv", Backend: "staging", IO: "direct", Checksums: true, Configured: 1 << 30}}},
-		Spares: &SpareStats{Reused: 3, Mounts: []SpareMount{{Files: 2, Bytes: 1 << 21}}}}
+		Spares: &SpareStats{Reused: 3, Mounts: []SpareMount{{Files: 2, Bytes: 1 << 21}}, Made: 5}}
 }
 
 // TestStatsGoldenBytesForThePythonClient: the encoding of goldenStats is

@@ -778,7 +778,7 @@ func (s *session) stats() (protocol.Message, error) {
 		Clients: uint64(s.srv.clients()), Regions: uint64(len(s.regions)), Caches: uint64(len(s.caches)),
 		InflightJobs: uint64(inflight), Devices: s.srv.deviceStats(), Daemon: s.srv.daemonStats(st.Mounts),
 	}
-	m.Spares = &protocol.SpareStats{Reused: st.Reused}
+	m.Spares = &protocol.SpareStats{Reused: st.Reused, Made: st.SparesMade}
 	for _, mt := range st.Mounts {
 		m.Mounts = append(m.Mounts, protocol.MountStats{Capacity: uint64(mt.Capacity), Used: uint64(mt.Used), Entries: uint64(mt.Entries), Direct: mt.Direct})
 		m.Spares.Mounts = append(m.Spares.Mounts, protocol.SpareMount{Files: uint64(mt.SpareFiles), Bytes: uint64(max(mt.SpareBytes, 0))})

@@ -61,7 +61,7 @@ func TestStatsSparesSectionHasEveryMount(t *testing.T) {
 		t.Fatal("no spares section")
 	case len(st.Spares.Mounts) != len(st.Mounts) || len(st.Mounts) != len(es.Mounts):
 		t.Fatalf("%d spare entries for %d mounts (engine %d)", len(st.Spares.Mounts), len(st.Mounts), len(es.Mounts))
-	case st.Spares.Reused != es.Reused || st.Spares.Mounts[0].Files != uint64(es.Mounts[0].SpareFiles) || st.Spares.Mounts[0].Bytes != uint64(es.Mounts[0].SpareBytes):
+	case st.Spares.Reused != es.Reused || st.Spares.Made != es.SparesMade || st.Spares.Mounts[0].Files != uint64(es.Mounts[0].SpareFiles) || st.Spares.Mounts[0].Bytes != uint64(es.Mounts[0].SpareBytes):
 		t.Fatalf("spares %+v, engine reused %d, mount %+v", st.Spares, es.Reused, es.Mounts[0])
 	}
 }

@@ -47,6 +47,7 @@ type statsCounters struct {
 	Misses       uint64 `json:"misses"`
 	Evictions    uint64 `json:"evictions"`
 	ReusedFiles  uint64 `json:"reused_files"`
+	SparesMade   uint64 `json:"spare_files_made"`
 	Failures     uint64 `json:"failures"`
 	Corrupt      uint64 `json:"corrupt"`
 	Vanished     uint64 `json:"vanished"`
@@ -106,7 +107,7 @@ func queryStats(ctx context.Context, socket string) (statsReport, error) {
 		r.Mounts = append(r.Mounts, sm)
 	}
 	if st.Spares != nil {
-		r.Counters.ReusedFiles = st.Spares.Reused
+		r.Counters.ReusedFiles, r.Counters.SparesMade = st.Spares.Reused, st.Spares.Made
 	}
 	for _, d := range st.Devices {
 		r.Devices = append(r.Devices, statsDevice{Ordinal: d.Ordinal, Regions: d.Regions, Registered: d.Registered, Limit: d.Limit, UUID: gpuUUID(d.UUID)})
@@ -172,7 +173,7 @@ func printStats(w io.Writer, r statsReport) {
 	fmt.Fprintf(tw, "index\t%d files, %d keys\n", r.Entries, r.Keys)
 	c := r.Counters
 	fmt.Fprintf(tw, "keys\t%d stored, %d loaded, %d hits, %d misses, %d failed\n", c.StoredKeys, c.LoadedKeys, c.Hits, c.Misses, c.Failures)
-	fmt.Fprintf(tw, "files\t%d evicted, %d reused, %d corrupt, %d vanished\n", c.Evictions, c.ReusedFiles, c.Corrupt, c.Vanished)
+	fmt.Fprintf(tw, "files\t%d evicted, %d reused, %d made ahead, %d corrupt, %d vanished\n", c.Evictions, c.ReusedFiles, c.SparesMade, c.Corrupt, c.Vanished)
 	fmt.Fprintf(tw, "bytes\t%s written, %s read\n", bytesString(c.BytesWritten), bytesString(c.BytesRead))
 	tw.Flush()
 	fmt.Fprintln(w, "\nmounts:")
