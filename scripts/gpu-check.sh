@@ -75,6 +75,14 @@ daemon() {
 	pid=$!
 	for _ in $(seq 200); do [ -S "$sock" ] && break; sleep 0.1; done
 }
+# metrics ADDR PREFIX...: the daemon's metric lines that start with a PREFIX.
+metrics() {
+	python3 - "$@" <<'PY'
+import sys, urllib.request
+body = urllib.request.urlopen(f"http://{sys.argv[1]}/metrics", timeout=10).read().decode()
+print("".join(l for l in body.splitlines(True) if l.startswith(tuple(sys.argv[2:]))), end="")
+PY
+}
 stop_daemon() {
 	if kill -0 "$pid" 2>/dev/null; then
 		kill -TERM "$pid"; wait "$pid"; echo "   daemon exit status $?"
@@ -194,7 +202,7 @@ if [ "${CHURN:-1}" = 1 ]; then
 			printf '[gpu]\nregister_files = %d\n' "$reg" >"$out/$name.toml"
 			daemon "$sock" "$out/daemon-$name.log" "$shm/churn" --config "$out/$name.toml" --capacity 5GiB --metrics 127.0.0.1:9479
 			run "$name" python3 scripts/gpu-churn.py "$sock" 6 64 8
-			python3 -c 'import urllib.request; print("".join(l for l in urllib.request.urlopen("http://127.0.0.1:9479/metrics").read().decode().splitlines(True) if l.startswith(("kvhost_gpu_direct", "kvhost_gpu_registered_files ", "kvhost_gpu_file_reg", "kvhost_reused"))), end="")' \
+			metrics 127.0.0.1:9479 kvhost_gpu_direct "kvhost_gpu_registered_files " kvhost_gpu_file_reg kvhost_reused \
 				| tee -a "$out/$name.txt" | sed 's/^/   /'
 			if [ "$reg" = 64 ]; then # the bound must have deferred offers and held
 				python3 - "$out/$name.txt" <<'PY' || { echo "   FAIL: the bound of 64 registered files deferred no offer or was exceeded"; status=1; }
@@ -223,7 +231,7 @@ if [ "${PREALLOC:-1}" = 1 ]; then
 			name="prealloc-$pre-$round"
 			daemon "$sock" "$out/daemon-$name.log" "$shm/prealloc" --capacity 40GiB --preallocate "$pre" --metrics 127.0.0.1:9479
 			run "$name" python3 scripts/gpu-churn.py "$sock" 6 64 8 256 1
-			python3 -c 'import urllib.request; print("".join(l for l in urllib.request.urlopen("http://127.0.0.1:9479/metrics").read().decode().splitlines(True) if l.startswith(("kvhost_gpu_direct", "kvhost_gpu_registered_files ", "kvhost_reused", "kvhost_spare_files_made", "kvhost_evictions"))), end="")' \
+			metrics 127.0.0.1:9479 kvhost_gpu_direct "kvhost_gpu_registered_files " kvhost_reused kvhost_spare_files_made kvhost_evictions \
 				| tee -a "$out/$name.txt" | sed 's/^/   /'
 			stop_daemon
 		done

@@ -97,36 +97,49 @@ func (e *Engine) wantSpares(m *mount, size int64, full bool) {
 	if e.maker == nil || m.ahead <= 0 || !e.spareEligible(m) {
 		return
 	}
-	e.mu.Lock()
+	e.mu.Lock() // once per store: the size and the check together
 	if full || m.aheadSize == 0 {
 		m.aheadSize = size
 	}
+	work := e.spareWorkLocked()
 	e.mu.Unlock()
-	e.spareRoom()
+	e.wakeMaker(work)
 }
 
-// spareRoom wakes the maker if it has work (a store took a spare, a
-// delete freed room), and marks it busy for WaitSpares.
+// spareRoom wakes the maker if it has work (a delete freed room), and
+// marks it busy for WaitSpares.
 func (e *Engine) spareRoom() {
-	mk := e.maker
-	if mk == nil {
+	if e.maker == nil {
 		return
 	}
 	e.mu.Lock()
-	work, _ := e.nextSpareLocked()
-	if work != nil {
-		select {
-		case <-mk.quiet:
-			mk.quiet = make(chan struct{})
-		default:
-		}
-	}
+	work := e.spareWorkLocked()
 	e.mu.Unlock()
-	if work != nil {
-		select {
-		case mk.wake <- struct{}{}:
-		default:
-		}
+	e.wakeMaker(work)
+}
+
+// spareWorkLocked reports whether the maker has work, and if so marks it
+// busy for WaitSpares.
+func (e *Engine) spareWorkLocked() bool {
+	if m, _ := e.nextSpareLocked(); m == nil {
+		return false
+	}
+	select {
+	case <-e.maker.quiet:
+		e.maker.quiet = make(chan struct{})
+	default:
+	}
+	return true
+}
+
+// wakeMaker wakes the maker if work says it has some.
+func (e *Engine) wakeMaker(work bool) {
+	if !work {
+		return
+	}
+	select {
+	case e.maker.wake <- struct{}{}:
+	default:
 	}
 }
 

@@ -165,16 +165,25 @@ func (e *Engine) reuseSpare(m *mount, dir string, extra int, size, end int64) (f
 	if _, err := lockFile(f); err != nil {
 		e.log.Debug("engine: flock of a temporary file", "path", tmp, "err", err)
 	}
+	// A spare made ahead never had a header, nor any byte but zeros.
+	if !sf.zeroed {
+		if op, err := clearSpare(f, size, end); err != nil {
+			f.Close()
+			return fail(tmp, op, err)
+		}
+	}
+	e.st.reused.Add(1)
+	return f, tmp, true
+}
+
+// clearSpare zeroes what an evicted file's old contents would leave in a
+// store of size bytes whose payload ends at end: the header's first
+// block, then the tail. It returns the failed step's name with an error.
+func clearSpare(f fsys.File, size, end int64) (op string, err error) {
 	// The header first: a reader of the old file (another engine on the
 	// directory) then finds its file id gone when it checks after its read.
-	// A spare made ahead never had one, nor any byte but zeros.
-	if sf.zeroed {
-		e.st.reused.Add(1)
-		return f, tmp, true
-	}
 	if _, err := f.WriteAt(staging.AlignedBuffer(format.Align), 0); err != nil {
-		f.Close()
-		return fail(tmp, "zero the header", err)
+		return "zero the header", err
 	}
 	if end < size {
 		// The zero tail: movers write the payload, and on O_DIRECT
@@ -186,12 +195,10 @@ func (e *Engine) reuseSpare(m *mount, dir string, extra int, size, end int64) (f
 		// next, covers its start), so that O_DIRECT writes stay aligned:
 		// sizes are whole blocks (format.Header.FileLen).
 		if err := zeroRange(f, end/format.Align*format.Align, size); err != nil {
-			f.Close()
-			return fail(tmp, "zero the tail", err)
+			return "zero the tail", err
 		}
 	}
-	e.st.reused.Add(1)
-	return f, tmp, true
+	return "", nil
 }
 
 // zeroRange writes zeros over bytes [from, to) of f, in writes of whole
