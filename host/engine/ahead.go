@@ -19,7 +19,9 @@ import (
 // mount with Preallocate set, a background goroutine makes spares ahead
 // of demand instead: after a store, while no file is in flight on the
 // engine, it creates files of the size that store wrote (wantSpares: the
-// last file of a whole group of keys), allocates their
+// last file of a whole group of keys; before the first store, the size
+// of such a file of the first namespace declared: predictSparesLocked),
+// allocates their
 // pages (fallocate) and tells the movers (transfer.Preparer: the GPU path
 // registers them), until Preallocate bytes of spares of that size exist
 // or the spares would take the mount past its low watermark. The next
@@ -106,6 +108,27 @@ func (e *Engine) wantSpares(m *mount, size int64, full bool) {
 	e.wakeMaker(work)
 }
 
+// predictSparesLocked gives every mount that makes spares ahead and knows
+// no size yet the size of a file holding a whole group of ns's keys, the
+// size ns's stores will write (wholeFileLen), and reports whether the
+// maker then has work. Declare calls it for a namespace in kvhost's
+// layout, so that the spares are made in the idle moment between a
+// client's start and its first stores rather than after them. A size a
+// store has set stays: stores, not declarations, say what is written.
+// The caller holds e.mu.
+func (e *Engine) predictSparesLocked(ns *namespace) bool {
+	if e.maker == nil || ns.layout != nil {
+		return false
+	}
+	size, set := ns.wholeFileLen(), false
+	for _, m := range e.mounts {
+		if m.ahead > 0 && m.aheadSize == 0 && e.spareEligible(m) {
+			m.aheadSize, set = size, true
+		}
+	}
+	return set && e.spareWorkLocked()
+}
+
 // spareRoom wakes the maker if it has work (a delete freed room), and
 // marks it busy for WaitSpares.
 func (e *Engine) spareRoom() {
@@ -143,14 +166,19 @@ func (e *Engine) wakeMaker(work bool) {
 	}
 }
 
-// fileEnded is called after a file in flight released its slot.
+// filesInFlight reports whether a file is in flight: a store's or a
+// load's (a slot of e.files), or a copy between mounts.
+func (e *Engine) filesInFlight() bool { return len(e.files) > 0 || e.moving.Load() > 0 }
+
+// fileEnded is called after a file in flight released its slot, and
+// after a copy between mounts ended.
 func (e *Engine) fileEnded() {
 	mk := e.maker
 	if mk == nil {
 		return
 	}
 	mk.lastEnd.Store(time.Now().UnixNano())
-	if len(e.files) == 0 {
+	if !e.filesInFlight() {
 		select {
 		case mk.idle <- struct{}{}:
 		default:
@@ -228,7 +256,7 @@ func (m *mount) staleMadeLocked(size int64) (spareFile, bool) {
 func (e *Engine) awaitQuiet() bool {
 	mk := e.maker
 	for {
-		if len(e.files) > 0 {
+		if e.filesInFlight() {
 			mk.waitedIdle.Add(1)
 			select {
 			case <-mk.idle:

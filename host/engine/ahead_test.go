@@ -34,7 +34,8 @@ type aheadFixture struct {
 
 // newAheadFixture opens an engine on a fresh tmpfs directory with a
 // capacity of capFiles one-key files, its low watermark at low and
-// Preallocate of aheadFiles such files.
+// Preallocate of aheadFiles such files, declares the small geometry's
+// namespace and waits for the spares its declaration has made ahead.
 func newAheadFixture(t *testing.T, cfg Config, capFiles, aheadFiles int64, low float64) *aheadFixture {
 	t.Helper()
 	dir := tmpfsDir(t)
@@ -49,7 +50,9 @@ func newAheadFixture(t *testing.T, cfg Config, capFiles, aheadFiles int64, low f
 	if err != nil {
 		t.Fatal(err)
 	}
-	return &aheadFixture{e: e, ns: ns, c: newTestCache(t, e, ns, g, 64, layoutPlaneFirst), dir: dir, fileLen: fileLen, r: rand.New(rand.NewPCG(3, 9))}
+	f := &aheadFixture{e: e, ns: ns, c: newTestCache(t, e, ns, g, 64, layoutPlaneFirst), dir: dir, fileLen: fileLen, r: rand.New(rand.NewPCG(3, 9))}
+	f.waitSpares(t)
+	return f
 }
 
 // store stores one key from fresh random blocks and returns its bytes.
@@ -87,11 +90,11 @@ func spareFiles(t *testing.T, dir string) []string {
 func TestStoresOnTmpfsWriteIntoSparesMadeAheadAndLoadTheirOwnBytes(t *testing.T) {
 	f := newAheadFixture(t, Config{}, 40, 3, 0.85)
 	keys := testKeys("ahead", 10)
-	want := [][]byte{f.store(t, keys[0])} // a fresh file: the size to make
-	f.waitSpares(t)
+	// The namespace's declaration said the size: the spares exist before
+	// the first store.
 	st := f.e.Stats()
 	if st.SparesMade != 3 || st.Mounts[0].SpareFiles != 3 || st.Mounts[0].SpareBytes != 3*f.fileLen {
-		t.Fatalf("after one store: %d made, %d spares of %d bytes; want 3 made, 3 spares of %d bytes", st.SparesMade, st.Mounts[0].SpareFiles, st.Mounts[0].SpareBytes, 3*f.fileLen)
+		t.Fatalf("after the declaration: %d made, %d spares of %d bytes; want 3 made, 3 spares of %d bytes", st.SparesMade, st.Mounts[0].SpareFiles, st.Mounts[0].SpareBytes, 3*f.fileLen)
 	}
 	spares := spareFiles(t, f.dir)
 	if len(spares) != 3 {
@@ -106,9 +109,10 @@ func TestStoresOnTmpfsWriteIntoSparesMadeAheadAndLoadTheirOwnBytes(t *testing.T)
 			t.Fatalf("spare %s: %d bytes, zero %v; want %d zero bytes", p, len(b), bytes.Equal(b, make([]byte, len(b))), f.fileLen)
 		}
 	}
-	// The next stores take the spares made ahead, and the maker makes
-	// them again once the engine is idle.
-	for _, k := range keys[1:4] {
+	// Stores take the spares made ahead, and the maker makes them again
+	// once the engine is idle.
+	var want [][]byte
+	for _, k := range keys[:4] {
 		want = append(want, f.store(t, k))
 	}
 	if st := f.e.Stats(); st.Reused < 3 {
@@ -116,7 +120,7 @@ func TestStoresOnTmpfsWriteIntoSparesMadeAheadAndLoadTheirOwnBytes(t *testing.T)
 	}
 	f.waitSpares(t)
 	if st := f.e.Stats(); st.Mounts[0].SpareFiles != 3 || st.SparesMade < 6 {
-		t.Fatalf("after three more stores: %d spares, %d made; want 3 spares and at least 6 made", st.Mounts[0].SpareFiles, st.SparesMade)
+		t.Fatalf("after four stores: %d spares, %d made; want 3 spares and at least 6 made", st.Mounts[0].SpareFiles, st.SparesMade)
 	}
 	// Several keys in one job, two files in flight at once.
 	blocks := make([][]int, 6)
@@ -185,19 +189,20 @@ func TestSparesAreMadeAheadOnlyWhileNoFileIsInFlight(t *testing.T) {
 	}
 	var once sync.Once
 	defer once.Do(func() { close(inj.release) })
-	// The store told the maker its size before it wrote: the maker wakes,
-	// finds the store's file in flight and waits for it.
+	// The store took a spare made ahead and told the maker before it
+	// wrote: the maker wakes, finds the store's file in flight and waits
+	// for it.
 	testwait.Until(t, "the maker to wait for the store in flight", 10*time.Second, func() bool {
 		return inj.blocked.Load() > 0 && f.e.maker.waitedIdle.Load() > 0
 	})
-	if st := f.e.Stats(); st.SparesMade != 0 || len(spareFiles(t, f.dir)) != 0 {
-		t.Fatalf("%d spares made while a store was in flight", st.SparesMade)
+	if st := f.e.Stats(); st.SparesMade != 4 || len(spareFiles(t, f.dir)) != 3 {
+		t.Fatalf("%d spares made, %d spare files while a store was in flight; want the 4 made before it, 3 left", st.SparesMade, len(spareFiles(t, f.dir)))
 	}
 	once.Do(func() { close(inj.release) })
 	wantOutcomes(t, "store", waitJob(t, j, nil), OutcomeStored)
 	f.waitSpares(t)
-	if st := f.e.Stats(); st.SparesMade != 4 {
-		t.Fatalf("%d spares made once the store ended, want 4", st.SparesMade)
+	if st := f.e.Stats(); st.SparesMade != 5 {
+		t.Fatalf("%d spares made once the store ended, want 5", st.SparesMade)
 	}
 }
 
@@ -217,11 +222,14 @@ func (f *failSpareAllocations) Inject(op fsys.Op, path string) fsys.Fault {
 func TestAFailedSpareIsTriedAgainOnlyAfterTheNextStore(t *testing.T) {
 	inj := &failSpareAllocations{}
 	f := newAheadFixture(t, Config{FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj}}, 40, 4, 0.85)
+	if n := inj.failed.Load(); n != 1 {
+		t.Fatalf("after the declaration: %d spares tried, want 1", n)
+	}
 	for i := range 3 {
 		f.store(t, []byte(fmt.Sprintf("key-%d", i)))
 		f.waitSpares(t)
-		if n := inj.failed.Load(); n != int64(i+1) {
-			t.Fatalf("after %d stores: %d spares tried, want %d", i+1, n, i+1)
+		if n := inj.failed.Load(); n != int64(i+2) {
+			t.Fatalf("after %d stores: %d spares tried, want %d", i+1, n, i+2)
 		}
 	}
 	st := f.e.Stats()
@@ -376,13 +384,13 @@ func TestNoSparesAreMadeAheadBetweenTheJobsOfABurst(t *testing.T) {
 	f := newAheadFixture(t, Config{}, 40, 8, 0.85)
 	f.store(t, []byte("first"))
 	f.waitSpares(t)
-	made := f.e.Stats().SparesMade
+	before := f.e.Stats()
 	f.e.maker.quietFor.Store(int64(time.Hour)) // every gap is shorter
 	for _, k := range testKeys("burst", 8) {
 		f.store(t, k)
 	}
-	if st := f.e.Stats(); st.SparesMade != made || st.Reused != 8 {
-		t.Fatalf("%d spares made during a burst of 8 stores, %d stores into spares; want none made, 8 into the spares made before it", st.SparesMade-made, st.Reused)
+	if st := f.e.Stats(); st.SparesMade != before.SparesMade || st.Reused-before.Reused != 8 {
+		t.Fatalf("%d spares made during a burst of 8 stores, %d stores into spares; want none made, 8 into the spares made before it", st.SparesMade-before.SparesMade, st.Reused-before.Reused)
 	}
 }
 
@@ -489,4 +497,200 @@ func TestANegativePreallocateIsRefused(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), "preallocate -1") {
 		t.Fatalf("open with preallocate -1: %v, want an error naming it", err)
 	}
+}
+
+// A namespace's declaration says the size of its files before any store
+// (a whole group of its keys): the spares are made in the idle moment
+// after it, and the namespace's first store writes into one. A later
+// declaration of another size leaves the size alone.
+func TestSparesAreMadeAheadOfTheFirstStoreOnceANamespaceIsDeclared(t *testing.T) {
+	f := newAheadFixture(t, Config{Policy: newTestPolicy(4, 0)}, 200, 8, 0.85)
+	f.e.mu.Lock()
+	m := f.e.mounts[0]
+	whole := f.e.nss[f.ns].wholeFileLen()
+	var sizes []int64
+	for size, list := range m.spares {
+		if len(list) > 0 {
+			sizes = append(sizes, size)
+		}
+	}
+	f.e.mu.Unlock()
+	if len(sizes) != 1 || sizes[0] != whole || whole <= 3*f.fileLen {
+		t.Fatalf("spares of sizes %v after the declaration; want only a four-key file's, %d bytes (one key: %d)", sizes, whole, f.fileLen)
+	}
+	if st := f.e.Stats(); st.Reused != 0 || st.SparesMade == 0 {
+		t.Fatalf("before any store: %d made, %d reused; want some made, none reused", st.SparesMade, st.Reused)
+	}
+	keys := testKeys("first", 4)
+	blocks := make([][]int, 4)
+	var want [][]byte
+	for i := range blocks {
+		blocks[i] = []int{4 * i, 4*i + 1, 4*i + 2, 4*i + 3}
+		f.c.fill(f.r, blocks[i])
+		want = append(want, f.c.data(blocks[i]))
+	}
+	storeAndCheck(t, f.e, f.c, keys, blocks)
+	if st := f.e.Stats(); st.Reused != 1 {
+		t.Fatalf("the first store of four keys wrote %d files into spares, want its one file", st.Reused)
+	}
+	into := [][]int{{40, 41, 42, 43}, {44, 45, 46, 47}, {48, 49, 50, 51}, {52, 53, 54, 55}}
+	loadAndCompare(t, f.e, f.c, keys, into, want)
+
+	g2 := smallGeometry(false)
+	g2.Layers = 2
+	if _, err := f.e.Declare(context.Background(), g2); err != nil {
+		t.Fatal(err)
+	}
+	f.e.mu.Lock()
+	size := m.aheadSize
+	f.e.mu.Unlock()
+	if size != whole {
+		t.Fatalf("after a second namespace's declaration spares are made of %d bytes, want %d (the first's)", size, whole)
+	}
+}
+
+// A vllm-fs namespace's files go to its own mount, never to a memory
+// mount's spares: its declaration says no size.
+func TestAVLLMFSNamespaceMakesNoSparesAhead(t *testing.T) {
+	kv, rootFS := tmpfsDir(t), t.TempDir()
+	tier := newFSTier(rootFS, 8192)
+	v := &VLLMFS{Fields: tier.fields(), Namespace: tierModel}
+	e := openEngine(t, Config{Mounts: []Mount{{Path: kv, Preallocate: 1 << 20}, {Path: rootFS, VLLMFS: v}}, Policy: newTestPolicy(1, 0)})
+	if _, err := e.Declare(context.Background(), rowGeometry(tierModel, 8192)); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.WaitSpares(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	e.mu.Lock()
+	size := e.mounts[0].aheadSize
+	e.mu.Unlock()
+	if st := e.Stats(); size != 0 || st.SparesMade != 0 || len(spareFiles(t, kv)) != 0 {
+		t.Fatalf("after a vllm-fs namespace's declaration: size %d, %d made; want none", size, st.SparesMade)
+	}
+	// A namespace of kvhost's layout does say one.
+	ns, err := e.Declare(context.Background(), smallGeometry(false))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := e.WaitSpares(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	e.mu.Lock()
+	size, want := e.mounts[0].aheadSize, e.nss[ns].wholeFileLen()
+	e.mu.Unlock()
+	if size != want || e.Stats().SparesMade == 0 {
+		t.Fatalf("after a kvhost namespace's declaration: size %d (want %d), %d made", size, want, e.Stats().SparesMade)
+	}
+}
+
+// A store that fails gives back its room, and that wakes the maker, which
+// nothing else would: the store itself left no room for a spare.
+func TestSparesAreMadeAheadAgainWhenAFailedStoreFreesRoom(t *testing.T) {
+	// Room for ten files, the low watermark at six, Preallocate of six:
+	// six spares; a store into one leaves no room for another.
+	inj := &failTempWrites{}
+	f := newAheadFixture(t, Config{FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj}}, 10, 6, 0.6)
+	if n := f.e.Stats().Mounts[0].SpareFiles; n != 6 {
+		t.Fatalf("%d spares after the declaration, want 6", n)
+	}
+	inj.fail.Store(true)
+	b := []int{0, 1, 2, 3}
+	f.c.fill(f.r, b)
+	j, err := f.e.Store(context.Background(), StoreRequest{Cache: f.c.id, Keys: testKeys("fails", 1), Blocks: [][]int{b}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	wantOutcomes(t, "store", waitJob(t, j, nil), OutcomeFailed)
+	inj.fail.Store(false)
+	if st := f.e.Stats(); st.Reused != 1 {
+		t.Fatalf("the store wrote %d files into spares, want 1: the test checks nothing", st.Reused)
+	}
+	// Not WaitSpares: it would wake the maker itself.
+	testwait.Until(t, "the failed store's room to be filled with a spare", 10*time.Second, func() bool {
+		m := f.e.Stats().Mounts[0]
+		return m.Used == 0 && m.SpareFiles == 6
+	})
+}
+
+// failTempWrites fails every write to a store's temporary file while
+// fail is set.
+type failTempWrites struct{ fail atomic.Bool }
+
+func (f *failTempWrites) Inject(op fsys.Op, path string) fsys.Fault {
+	if f.fail.Load() && op == fsys.OpWrite && strings.HasPrefix(filepath.Base(path), tmpPrefix) {
+		return fsys.Fault{Err: syscall.EIO}
+	}
+	return fsys.Fault{}
+}
+
+// A file copied between mounts (a tier move) takes no file slot, but it is
+// a file in flight: the maker waits for it as for a store.
+func TestNoSparesAreMadeAheadWhileAFileMovesBetweenMounts(t *testing.T) {
+	ctx := context.Background()
+	mem, disk := tmpfsDir(t), diskDir(t)
+	release := make(chan struct{})
+	var blocked atomic.Int64
+	inj := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+		if op == fsys.OpWrite && strings.HasPrefix(path, disk+string(filepath.Separator)) && strings.HasPrefix(filepath.Base(path), tmpPrefix) {
+			blocked.Add(1)
+			<-release
+		}
+		return fsys.Fault{}
+	})
+	g := smallGeometry(false)
+	fileLen := int64(4096) + alignTo(g.KeyBytes(), format.Align)
+	e := openEngine(t, Config{Mounts: []Mount{{Path: mem, Capacity: 40 * fileLen, Preallocate: 4 * fileLen}, {Path: disk}},
+		FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj}, Policy: newTestPolicy(1, 0)})
+	ns, err := e.Declare(ctx, g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := e.WaitSpares(ctx); err != nil {
+		t.Fatal(err)
+	}
+	c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
+	keys := testKeys("moves", 1)
+	c.fill(rand.New(rand.NewPCG(4, 4)), []int{0, 1, 2, 3})
+	want := c.data([]int{0, 1, 2, 3})
+	// The store takes a spare; the maker may make another only after a
+	// quiet period longer than the test.
+	e.maker.quietFor.Store(int64(time.Hour))
+	storeAndCheck(t, e, c, keys, [][]int{{0, 1, 2, 3}})
+	if keyMount(e, ns, keys[0]) != 0 {
+		t.Fatalf("the key was stored on mount %d, want the memory mount", keyMount(e, ns, keys[0]))
+	}
+	made := e.Stats().SparesMade
+	e.mu.Lock()
+	id := e.byKey[keyID{e.nss[ns].fp, string(keys[0])}].e.id
+	e.mu.Unlock()
+	// From here the move's copy is the only file in flight: every wait
+	// of the maker's is for it.
+	testwait.Until(t, "the store's file slot to be released", 10*time.Second, func() bool { return !e.filesInFlight() })
+	waited := e.maker.waitedIdle.Load()
+	moved := make(chan error, 1)
+	go func() {
+		_, err := e.move(ctx, id, 1, true)
+		moved <- err
+	}()
+	var once sync.Once
+	defer once.Do(func() { close(release) })
+	testwait.Until(t, "the move's copy to be held", 10*time.Second, func() bool { return blocked.Load() > 0 })
+	e.maker.quietFor.Store(0)
+	e.spareRoom() // the maker wakes and finds the copy in flight
+	testwait.Until(t, "the maker to wait for the move", 10*time.Second, func() bool { return e.maker.waitedIdle.Load() > waited })
+	if st := e.Stats(); st.SparesMade != made {
+		t.Fatalf("%d spares made while a file moved between mounts", st.SparesMade-made)
+	}
+	once.Do(func() { close(release) })
+	if err := <-moved; err != nil {
+		t.Fatalf("move: %v", err)
+	}
+	if err := e.WaitSpares(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if st := e.Stats(); st.SparesMade <= made || keyMount(e, ns, keys[0]) != 1 {
+		t.Fatalf("after the move: %d spares made, the key on mount %d; want more made, the key on the disk", st.SparesMade-made, keyMount(e, ns, keys[0]))
+	}
+	loadAndCompare(t, e, c, keys, [][]int{{4, 5, 6, 7}}, [][]byte{want})
 }

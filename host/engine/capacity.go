@@ -65,10 +65,14 @@ func (e *Engine) tryReserve(m *mount, size int64, limit func(*mount) int64) bool
 	return false
 }
 
+// unreserve gives back a reservation of size bytes on m that no file took
+// (a store or a move failed), and wakes the spare maker for the room.
 func (e *Engine) unreserve(m *mount, size int64) {
 	e.mu.Lock()
 	m.used -= size
+	work := e.maker != nil && e.spareWorkLocked() // room for spares made ahead
 	e.mu.Unlock()
+	e.wakeMaker(work)
 }
 
 // evict removes policy-chosen victims on m until usage plus size is at or

@@ -339,7 +339,10 @@ func (e *Engine) move(ctx context.Context, id uint64, target int, mayEvict bool)
 	} else if !e.tryReserve(tm, size, func(m *mount) int64 { return m.high }) {
 		return 0, fmt.Errorf("%w: mount %s: no room below the high watermark for a move of %d bytes", ErrNoSpace, tm.root, size)
 	}
+	e.moving.Add(1) // a file in flight that takes no slot (fileEnded)
 	en2, err := e.copyFile(en, tm, dst)
+	e.moving.Add(-1)
+	e.fileEnded()
 	if err != nil {
 		e.unreserve(tm, size)
 		return 0, err
@@ -365,6 +368,7 @@ func (e *Engine) move(ctx context.Context, id uint64, target int, mayEvict bool)
 	e.mu.Unlock()
 	e.access(ctx, recs)
 	e.removeIfSame(en.path, []*entry{en})
+	e.spareRoom() // the source's room
 	return size, nil
 }
 

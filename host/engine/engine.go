@@ -34,6 +34,7 @@ type Engine struct {
 	host      *staging.Mover         // the CPU path; its pool is the engine's I/O workers
 	paths     map[region.Kind]string // pathName of each kind with a mover, set with the movers
 	files     chan struct{}          // one token per file in flight (Config.IOWorkers)
+	moving    atomic.Int64           // files being copied between mounts (move); they take no token
 	mounts    []*mount
 	kvMounts  int // mounts of kvhost's layout: the first ones; the rest are vllm-fs
 	now       func() time.Time

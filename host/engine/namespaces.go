@@ -6,6 +6,7 @@ import (
 	"strings"
 
 	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/format"
 )
 
 type namespace struct {
@@ -101,8 +102,8 @@ func (e *Engine) Declare(ctx context.Context, g Geometry) (NamespaceID, error) {
 			ErrInvalid, ErrPolicy, g.Model, rec.KeysPerFile, g.SegmentsPerKey(), segs, MaxSegmentsPerFile)
 	}
 	e.mu.Lock()
-	defer e.mu.Unlock()
 	ns := e.nss[id]
+	work := false
 	if !ns.declared {
 		ns.declared, ns.geo, ns.rec = true, g, rec
 		ns.keysPerFile, ns.order = int(rec.KeysPerFile), rec.Order
@@ -112,8 +113,29 @@ func (e *Engine) Declare(ctx context.Context, g Geometry) (NamespaceID, error) {
 			where = LayoutVLLMFS + " " + lm.root
 		}
 		e.log.Info("engine: namespace declared", "ns", id, "model", g.Model, "key_bytes", g.KeyBytes(), "layout", where)
+		work = e.predictSparesLocked(ns)
 	}
+	e.mu.Unlock()
+	e.wakeMaker(work)
 	return id, nil
+}
+
+// header is the header of a file of ns's keys written at now (Unix
+// nanoseconds), without its keys.
+func (ns *namespace) header(now int64) *format.Header {
+	return &format.Header{
+		Fingerprint: ns.fp, Order: ns.order, Layers: uint32(ns.geo.Layers), Planes: uint32(ns.geo.Planes()),
+		BlocksPerKey: uint32(ns.geo.BlocksPerKey()), BlockBytes: uint64(ns.geo.BlockBytes()), Created: now,
+	}
+}
+
+// wholeFileLen is the length of a file that holds a whole group of ns's
+// keys (KeysPerFile): key entries have a fixed length, so it depends on
+// the geometry and the number of keys alone.
+func (ns *namespace) wholeFileLen() int64 {
+	h := ns.header(0)
+	h.Keys = make([]format.Key, ns.keysPerFile)
+	return h.FileLen()
 }
 
 // Release ends the declaration of namespace ns: the server calls it when

@@ -187,10 +187,7 @@ func (e *Engine) storeRound(ctx context.Context, j *Job, c *cache, keys [][]byte
 	now := e.now().UnixNano()
 	for g, gr := range groups {
 		gr.mount, gr.path = mounts[g], paths[g]
-		gr.hdr = &format.Header{
-			Fingerprint: ns.fp, Order: ns.order, Layers: uint32(ns.geo.Layers), Planes: uint32(ns.geo.Planes()),
-			BlocksPerKey: uint32(ns.geo.BlocksPerKey()), BlockBytes: uint64(ns.geo.BlockBytes()), Created: now,
-		}
+		gr.hdr = ns.header(now)
 		if m := e.mounts[gr.mount]; m.raw != nil {
 			gr.hdr.Raw = true // a vllm-fs row: the payload alone
 		} else if m.checksums {
