@@ -313,8 +313,8 @@ func pinnedCeilings(ctx context.Context, gp *gpuPaths) ([]bench.Ceiling, error) 
 		return nil, fmt.Errorf("pinned copy ceilings: %w", err)
 	}
 	return []bench.Ceiling{
-		{Name: "pinned H2D (256 MiB copy)", GBps: bench.GBps(n, h2d)},
-		{Name: "pinned D2H (256 MiB copy)", GBps: bench.GBps(n, d2h)},
+		{Name: bench.CeilingH2D + " (256 MiB copy)", GBps: bench.GBps(n, h2d)},
+		{Name: bench.CeilingD2H + " (256 MiB copy)", GBps: bench.GBps(n, d2h)},
 	}, nil
 }
 

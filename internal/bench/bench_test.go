@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"os"
 	"path/filepath"
 	"reflect"
@@ -376,5 +377,41 @@ func TestFinishHoldsEachRunToTheBestCeilingOfItsKind(t *testing.T) {
 		if want := x.GBps / 32; x.FractionBest != want {
 			t.Fatalf("run %d jobs: fraction of best %v, want %v", x.Jobs, x.FractionBest, want)
 		}
+	}
+}
+
+// A GPU phase's share of the link is over the pinned copy it crosses:
+// host to device for loads, device to host for stores; a report without
+// copy ceilings (host memory) has none, and its table no column for it.
+func TestLinkFractionIsOverThePinnedCopyOfTheSameDirection(t *testing.T) {
+	r := sampleReport()
+	r.Ceilings = []Ceiling{{Name: CeilingH2D + " (256 MiB copy)", GBps: 50}, {Name: CeilingD2H + " (256 MiB copy)", GBps: 40}}
+	r.Finish()
+	for _, x := range r.Runs {
+		link := map[string]float64{Load: 50, Store: 40}[x.Direction]
+		if want := x.GBps / link; math.Abs(x.FractionLink-want) > 1e-12 {
+			t.Fatalf("%s of %.1f GB/s: link fraction %.4f, want %.4f", x.Direction, x.GBps, x.FractionLink, want)
+		}
+	}
+	var b bytes.Buffer
+	if err := r.WriteTable(&b); err != nil {
+		t.Fatal(err)
+	}
+	// 16 jobs move 24 GB/s: 0.48 of the 50 GB/s H2D, 0.60 of the 40 D2H.
+	for _, want := range []string{"of link", "0.48", "0.60", "of link: of the pinned copy ceiling"} {
+		if !strings.Contains(b.String(), want) {
+			t.Errorf("table lacks %q:\n%s", want, b.String())
+		}
+	}
+
+	host := sampleReport()
+	host.Memory, host.Ceilings = "host", nil
+	host.Finish()
+	b.Reset()
+	if err := host.WriteTable(&b); err != nil {
+		t.Fatal(err)
+	}
+	if host.Runs[0].FractionLink != 0 || strings.Contains(b.String(), "of link") {
+		t.Fatalf("a host-memory report: link fraction %v, table:\n%s", host.Runs[0].FractionLink, b.String())
 	}
 }

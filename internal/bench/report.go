@@ -26,6 +26,14 @@ const (
 	Load  = "load"
 )
 
+// Names of the pinned copy ceilings begin with these: one copy between
+// pinned host memory and the GPU, host to device (the link loads cross)
+// and device to host (the link stores cross).
+const (
+	CeilingH2D = "pinned H2D"
+	CeilingD2H = "pinned D2H"
+)
+
 // Report is the whole result of one `kvhost bench` invocation, as written
 // by --json (docs/bench.md documents every field).
 type Report struct {
@@ -128,6 +136,13 @@ type Run struct {
 	// what the storage can do at all.
 	CeilingBest  Ceiling `json:"ceiling_best"`
 	FractionBest float64 `json:"fraction_best"`
+	// FractionLink is GBps over the pinned copy ceiling of the phase's
+	// direction (CeilingH2D for loads, CeilingD2H for stores), for GPU
+	// memory: the share of the host–GPU link the phase used. Every byte
+	// crosses the link once, whatever the path, so no path passes it,
+	// while a path that does not copy with the CPU may pass a file
+	// ceiling (which the CPU copies). 0 without a GPU.
+	FractionLink float64 `json:"fraction_link,omitempty"`
 	// JobP50Ms and JobP99Ms are percentiles of the jobs' completion times.
 	JobP50Ms float64 `json:"job_p50_ms"`
 	JobP99Ms float64 `json:"job_p99_ms"`
@@ -182,7 +197,26 @@ func (r *Report) Finish() {
 		if x.CeilingBest.GBps > 0 {
 			x.FractionBest = x.GBps / x.CeilingBest.GBps
 		}
+		x.FractionLink = 0
+		if link := r.link(x.Direction); link > 0 {
+			x.FractionLink = x.GBps / link
+		}
 	}
+}
+
+// link is the pinned copy ceiling that a phase of direction dir crosses
+// (0 where the report has none: host memory).
+func (r *Report) link(dir string) float64 {
+	prefix := CeilingD2H
+	if dir == Load {
+		prefix = CeilingH2D
+	}
+	for _, c := range r.Ceilings {
+		if strings.HasPrefix(c.Name, prefix) {
+			return c.GBps
+		}
+	}
+	return 0
 }
 
 // GBps is bytes per duration in 1e9 bytes per second.
@@ -285,11 +319,16 @@ func (r *Report) WriteTable(w io.Writer) error {
 	}
 	fmt.Fprintln(w)
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	footnote, spread := false, false
+	footnote, spread, link := false, false, false
 	for _, x := range r.Runs {
 		spread = spread || len(x.RoundFractions) > 1
+		link = link || x.FractionLink > 0
 	}
-	header := "path\tmover\tio\tsums\tkey\tjobs\tdir\tkeys\tGB/s\tceiling GB/s\tfraction\tof best\tp50 ms\tp99 ms\tCPU ms/GB\tceiling's\tverified\tceiling is\t"
+	header := "path\tmover\tio\tsums\tkey\tjobs\tdir\tkeys\tGB/s\tceiling GB/s\tfraction\tof best\t"
+	if link {
+		header += "of link\t"
+	}
+	header += "p50 ms\tp99 ms\tCPU ms/GB\tceiling's\tverified\tceiling is\t"
 	if spread {
 		header += "by round\t"
 	}
@@ -303,15 +342,22 @@ func (r *Report) WriteTable(w io.Writer) error {
 			sums = "on*"
 			footnote = true
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%d\t%s\t%d/%d\t%.2f\t%.2f\t%.2f\t%.2f\t%.1f\t%.1f\t%.0f\t%.0f\t%s\t%s\t%s\n",
+		ofLink := ""
+		if link {
+			ofLink = fmt.Sprintf("%.2f\t", x.FractionLink)
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%d\t%s\t%d/%d\t%.2f\t%.2f\t%.2f\t%.2f\t%s%.1f\t%.1f\t%.0f\t%.0f\t%s\t%s\t%s\n",
 			x.Path, x.Mover, x.IO, sums, sizeString(x.KeyBytes), x.Jobs, x.Direction, x.Hits, x.Keys,
-			x.GBps, x.Ceiling.GBps, x.Fraction, x.FractionBest, x.JobP50Ms, x.JobP99Ms, x.CPUMsPerGB, x.Ceiling.CPUMsPerGB,
+			x.GBps, x.Ceiling.GBps, x.Fraction, x.FractionBest, ofLink, x.JobP50Ms, x.JobP99Ms, x.CPUMsPerGB, x.Ceiling.CPUMsPerGB,
 			sizeString(x.VerifiedBytes), x.Ceiling.Name, roundSpread(x.RoundFractions, spread))
 	}
 	if err := tw.Flush(); err != nil {
 		return err
 	}
 	fmt.Fprintln(w, "fraction: of the ceiling with as many threads as jobs; of best: of the best ceiling over every thread count")
+	if link {
+		fmt.Fprintln(w, "of link: of the pinned copy ceiling of the same direction (H2D for loads, D2H for stores), which every byte crosses")
+	}
 	fmt.Fprintln(w, "CPU ms/GB: the process's CPU time per GB moved, the engine's and the ceiling's")
 	if spread {
 		fmt.Fprintln(w, "by round: the least, median and greatest of the rounds' fractions, each of a round's GB/s over its own ceiling")
