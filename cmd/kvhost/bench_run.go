@@ -340,6 +340,7 @@ func (r *benchRun) keySize(ctx context.Context, eng *engine.Engine, gp *gpuPaths
 		}
 	}
 	stored := false
+	var lastReused uint64 // files the last store phase wrote into spares
 	for _, jobs := range r.o.jobs {
 		var st, ld phaseTotals
 		var ceil ceilingTotals
@@ -364,7 +365,7 @@ func (r *benchRun) keySize(ctx context.Context, eng *engine.Engine, gp *gpuPaths
 				if err != nil {
 					return err
 				}
-				stored = true
+				stored, lastReused = true, eng.Stats().Reused-reused
 				if r.o.store {
 					st.add(d, lat, int64(keys)*g.KeyBytes(), keys, 0)
 					st.cpu += bench.CPUTime() - cpu
@@ -385,9 +386,10 @@ func (r *benchRun) keySize(ctx context.Context, eng *engine.Engine, gp *gpuPaths
 				return err
 			}
 			// Stores into files that exist (a full cache's evicted files,
-			// spares made ahead) are held to writes into files that exist.
+			// spares made ahead) are held to writes into files that exist:
+			// with --preallocate, where the round's stores took spares.
 			st := eng.Stats()
-			overwrite := r.o.full || (r.o.preallocate > 0 && st.SparesMade > 0)
+			overwrite := r.o.full || (r.o.preallocate > 0 && lastReused > 0)
 			if err := r.measureCeilings(ctx, files, jobs, st.Mounts[0].Direct, overwrite, &ceil); err != nil {
 				return err
 			}

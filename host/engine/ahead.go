@@ -17,12 +17,11 @@ import (
 // kernel allocates and zeroes during the store, and whose pages the GPU
 // path has not registered (it registers a file after its first job). On a
 // mount with Preallocate set, a background goroutine makes spares ahead
-// of demand instead: after a store, while no file is in flight on the
-// engine, it creates files of the size that store wrote (wantSpares: the
-// last file of a whole group of keys; before the first store, the size
-// of such a file of the first namespace declared: predictSparesLocked),
-// allocates their
-// pages (fallocate) and tells the movers (transfer.Preparer: the GPU path
+// of demand instead: after a namespace's declaration or a store, while no
+// file is in flight on the engine, it creates files of the size the
+// stores write (wantSpares: the last file of a whole group of keys; until
+// a store, such a file of the namespace declared first:
+// predictSparesLocked), allocates their pages (fallocate) and tells the movers (transfer.Preparer: the GPU path
 // registers them), until Preallocate bytes of spares of that size exist
 // or the spares would take the mount past its low watermark. The next
 // stores of that size then write into pages that exist and are registered,
@@ -45,7 +44,7 @@ const aheadQuiet = 20 * time.Millisecond
 
 // spareMaker is the goroutine that makes spares ahead of stores.
 type spareMaker struct {
-	wake chan struct{} // a token: there may be work (a store, a delete)
+	wake chan struct{} // a token: there may be work (a declaration, a store, room freed)
 	idle chan struct{} // a token: the last file in flight ended
 	stop chan struct{}
 	done chan struct{}
@@ -94,43 +93,55 @@ func (e *Engine) stopSpareMaker() {
 // size of the last file that held a whole group of the namespace's keys
 // (full): a job's last file may hold fewer, and following it would make
 // spares of a size few stores write (and remove those of the size most
-// do). Partial files set the size only while none is known.
+// do). A file of fewer keys sets the size until a whole group's file is
+// stored, over a declaration's guess too: a client whose jobs all hold
+// fewer keys than a group writes only such files.
 func (e *Engine) wantSpares(m *mount, size int64, full bool) {
 	if e.maker == nil || m.ahead <= 0 || !e.spareEligible(m) {
 		return
 	}
 	e.mu.Lock() // once per store: the size and the check together
-	if full || m.aheadSize == 0 {
-		m.aheadSize = size
+	if full || !m.aheadFromStore {
+		m.aheadSize, m.aheadFromStore = size, full
 	}
 	work := e.spareWorkLocked()
 	e.mu.Unlock()
 	e.wakeMaker(work)
 }
 
-// predictSparesLocked gives every mount that makes spares ahead and knows
-// no size yet the size of a file holding a whole group of ns's keys, the
-// size ns's stores will write (wholeFileLen), and reports whether the
-// maker then has work. Declare calls it for a namespace in kvhost's
-// layout, so that the spares are made in the idle moment between a
-// client's start and its first stores rather than after them. A size a
-// store has set stays: stores, not declarations, say what is written.
-// The caller holds e.mu.
+// predictSparesLocked guesses the size of the files a newly declared
+// namespace's stores will write, a file holding a whole group of its keys
+// (wholeFileLen), for the mount that makes spares ahead, where that mount
+// knows no size yet, and reports whether the maker then has work. Declare
+// calls it for a namespace in kvhost's layout, so that the spares are
+// made in the idle moment between a client's start and its first stores
+// rather than after them. It guesses only where one kvhost mount makes
+// spares ahead: with several, which of them the policy will place files
+// on is not known before it does, and spares on a mount no store reaches
+// would hold its memory for nothing. Any store's size replaces the guess
+// (wantSpares). The caller holds e.mu.
 func (e *Engine) predictSparesLocked(ns *namespace) bool {
 	if e.maker == nil || ns.layout != nil {
 		return false
 	}
-	size, set := ns.wholeFileLen(), false
+	var only *mount
 	for _, m := range e.mounts {
-		if m.ahead > 0 && m.aheadSize == 0 && e.spareEligible(m) {
-			m.aheadSize, set = size, true
+		if m.ahead > 0 && e.spareEligible(m) {
+			if only != nil {
+				return false
+			}
+			only = m
 		}
 	}
-	return set && e.spareWorkLocked()
+	if only == nil || only.aheadSize != 0 {
+		return false
+	}
+	only.aheadSize = ns.wholeFileLen()
+	return e.spareWorkLocked()
 }
 
-// spareRoom wakes the maker if it has work (a delete freed room), and
-// marks it busy for WaitSpares.
+// spareRoom wakes the maker if it has work (a delete or a move freed
+// room), and marks it busy for WaitSpares.
 func (e *Engine) spareRoom() {
 	if e.maker == nil {
 		return
@@ -331,7 +342,7 @@ func (e *Engine) makeSpares() {
 			// otherwise have the maker retry without end.
 			e.mu.Lock()
 			if m.aheadSize == size {
-				m.aheadSize = 0
+				m.aheadSize, m.aheadFromStore = 0, false
 			}
 			e.mu.Unlock()
 			e.log.Debug("engine: make a spare file ahead of stores", "mount", m.root, "size", size, "err", err)
@@ -378,10 +389,11 @@ func (e *Engine) makeSpare(m *mount, size int64) error {
 }
 
 // WaitSpares waits until the engine has made the spare files it makes
-// ahead of stores (Mount.Preallocate) for the stores so far: the maker
-// has nothing left to do, or has stopped (Close). It returns at once
-// where no mount makes them, and ctx's error if ctx ends first. Movers
-// may still be preparing the files (the GPU path's registrations).
+// ahead of stores (Mount.Preallocate) for the declarations and stores so
+// far: the maker has nothing left to do, or has stopped (Close). It
+// returns at once where no mount makes them, and ctx's error if ctx ends
+// first. Movers may still be preparing the files (the GPU path's
+// registrations).
 func (e *Engine) WaitSpares(ctx context.Context) error {
 	mk := e.maker
 	if mk == nil {

@@ -68,9 +68,16 @@ func (f *aheadFixture) store(t *testing.T, key []byte) []byte {
 // waitSpares waits for the engine's maker to have nothing left to do.
 func (f *aheadFixture) waitSpares(t *testing.T) {
 	t.Helper()
+	waitEngineSpares(t, f.e)
+}
+
+// waitEngineSpares waits for e's maker to have nothing left to do, and
+// fails the test if that takes more than 30 s.
+func waitEngineSpares(t *testing.T, e *Engine) {
+	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	if err := f.e.WaitSpares(ctx); err != nil {
+	if err := e.WaitSpares(ctx); err != nil {
 		t.Fatalf("wait for the spares made ahead: %v", err)
 	}
 }
@@ -304,9 +311,7 @@ func TestNoSparesAreMadeAheadWithoutPreallocateOrOnADisk(t *testing.T) {
 			c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
 			c.fill(rand.New(rand.NewPCG(1, 1)), []int{0, 1, 2, 3})
 			storeAndCheck(t, e, c, testKeys("k", 1), [][]int{{0, 1, 2, 3}})
-			if err := e.WaitSpares(context.Background()); err != nil {
-				t.Fatal(err)
-			}
+			waitEngineSpares(t, e)
 			if st := e.Stats(); st.SparesMade != 0 || len(spareFiles(t, dir)) != 0 {
 				t.Fatalf("%d spares made", st.SparesMade)
 			}
@@ -450,9 +455,7 @@ func TestSparesMadeAheadStayWhereTheNewSizeWouldNotFit(t *testing.T) {
 		caches[g] = newTestCache(t, e, ns, *g, 16, layoutPlaneFirst)
 	}
 	wait := func() {
-		if err := e.WaitSpares(context.Background()); err != nil {
-			t.Fatal(err)
-		}
+		waitEngineSpares(t, e)
 	}
 	caches[&small].fill(r, []int{0, 1, 2, 3})
 	storeAndCheck(t, e, caches[&small], [][]byte{[]byte("s")}, [][]int{{0, 1, 2, 3}})
@@ -559,9 +562,7 @@ func TestAVLLMFSNamespaceMakesNoSparesAhead(t *testing.T) {
 	if _, err := e.Declare(context.Background(), rowGeometry(tierModel, 8192)); err != nil {
 		t.Fatal(err)
 	}
-	if err := e.WaitSpares(context.Background()); err != nil {
-		t.Fatal(err)
-	}
+	waitEngineSpares(t, e)
 	e.mu.Lock()
 	size := e.mounts[0].aheadSize
 	e.mu.Unlock()
@@ -573,9 +574,7 @@ func TestAVLLMFSNamespaceMakesNoSparesAhead(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := e.WaitSpares(context.Background()); err != nil {
-		t.Fatal(err)
-	}
+	waitEngineSpares(t, e)
 	e.mu.Lock()
 	size, want := e.mounts[0].aheadSize, e.nss[ns].wholeFileLen()
 	e.mu.Unlock()
@@ -646,9 +645,7 @@ func TestNoSparesAreMadeAheadWhileAFileMovesBetweenMounts(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := e.WaitSpares(ctx); err != nil {
-		t.Fatal(err)
-	}
+	waitEngineSpares(t, e)
 	c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
 	keys := testKeys("moves", 1)
 	c.fill(rand.New(rand.NewPCG(4, 4)), []int{0, 1, 2, 3})
@@ -686,11 +683,111 @@ func TestNoSparesAreMadeAheadWhileAFileMovesBetweenMounts(t *testing.T) {
 	if err := <-moved; err != nil {
 		t.Fatalf("move: %v", err)
 	}
-	if err := e.WaitSpares(ctx); err != nil {
-		t.Fatal(err)
-	}
+	waitEngineSpares(t, e)
 	if st := e.Stats(); st.SparesMade <= made || keyMount(e, ns, keys[0]) != 1 {
 		t.Fatalf("after the move: %d spares made, the key on mount %d; want more made, the key on the disk", st.SparesMade-made, keyMount(e, ns, keys[0]))
 	}
 	loadAndCompare(t, e, c, keys, [][]int{{4, 5, 6, 7}}, [][]byte{want})
+}
+
+// A client whose jobs hold fewer keys than a group writes only files of
+// fewer keys: the first such store replaces the declaration's guess, and
+// later stores write into spares of their own size.
+func TestStoresOfFewerKeysThanAGroupReplaceTheDeclaredSize(t *testing.T) {
+	f := newAheadFixture(t, Config{Policy: newTestPolicy(4, 0)}, 200, 8, 0.85)
+	for i, k := range testKeys("single", 6) {
+		f.store(t, k) // one key: a file of one key, a quarter of a group
+		f.waitSpares(t)
+		f.e.mu.Lock()
+		size := f.e.mounts[0].aheadSize
+		f.e.mu.Unlock()
+		if size != f.fileLen {
+			t.Fatalf("after %d one-key stores spares are made of %d bytes, want a one-key file's %d", i+1, size, f.fileLen)
+		}
+	}
+	if st := f.e.Stats(); st.Reused < 5 {
+		t.Fatalf("%d of 6 one-key stores wrote into spares, want at least the 5 after the first", st.Reused)
+	}
+	// A whole group's file sets the size for good: a later one-key file
+	// does not change it.
+	blocks := make([][]int, 4)
+	for i := range blocks {
+		blocks[i] = []int{4 * i, 4*i + 1, 4*i + 2, 4*i + 3}
+		f.c.fill(f.r, blocks[i])
+	}
+	storeAndCheck(t, f.e, f.c, testKeys("group", 4), blocks)
+	f.store(t, []byte("single-after"))
+	f.e.mu.Lock()
+	size, whole := f.e.mounts[0].aheadSize, f.e.nss[f.ns].wholeFileLen()
+	f.e.mu.Unlock()
+	if size != whole {
+		t.Fatalf("after a four-key file and a one-key file spares are made of %d bytes, want the four-key file's %d", size, whole)
+	}
+}
+
+// Where two mounts make spares ahead, a declaration says nothing: which
+// of them the policy places files on is known only from the stores, and
+// spares on a mount no store reaches would hold its memory for nothing.
+func TestADeclarationMakesNoSparesWhereTwoMountsMakeThem(t *testing.T) {
+	g := smallGeometry(false)
+	fileLen := int64(4096) + alignTo(g.KeyBytes(), format.Align)
+	a, b := tmpfsDir(t), tmpfsDir(t)
+	e := openEngine(t, Config{Mounts: []Mount{{Path: a, Capacity: 40 * fileLen, Preallocate: 4 * fileLen}, {Path: b, Capacity: 40 * fileLen, Preallocate: 4 * fileLen}}, Policy: newTestPolicy(1, 0)})
+	ns, err := e.Declare(context.Background(), g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitEngineSpares(t, e)
+	if st := e.Stats(); st.SparesMade != 0 {
+		t.Fatalf("%d spares made after a declaration with two mounts making them, want none", st.SparesMade)
+	}
+	c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
+	c.fill(rand.New(rand.NewPCG(6, 6)), []int{0, 1, 2, 3})
+	keys := testKeys("two", 1)
+	storeAndCheck(t, e, c, keys, [][]int{{0, 1, 2, 3}})
+	waitEngineSpares(t, e)
+	on := keyMount(e, ns, keys[0])
+	st := e.Stats()
+	if on < 0 || st.Mounts[on].SpareFiles != 4 || st.Mounts[1-on].SpareFiles != 0 {
+		t.Fatalf("after a store on mount %d: spares %d and %d; want 4 on the store's mount, none on the other", on, st.Mounts[0].SpareFiles, st.Mounts[1].SpareFiles)
+	}
+}
+
+// A move off the memory mount frees its room, and that wakes the maker,
+// which nothing else would: the store before it left no room for a spare.
+func TestSparesAreMadeAheadAgainWhenAMoveFreesRoom(t *testing.T) {
+	ctx := context.Background()
+	mem, disk := tmpfsDir(t), diskDir(t)
+	g := smallGeometry(false)
+	fileLen := int64(4096) + alignTo(g.KeyBytes(), format.Align)
+	// Room for ten files, the low watermark at six, Preallocate of six.
+	e := openEngine(t, Config{Mounts: []Mount{{Path: mem, Capacity: 10 * fileLen, HighWatermark: 0.9, LowWatermark: 0.6, Preallocate: 6 * fileLen}, {Path: disk}},
+		Policy: newTestPolicy(1, 0)})
+	ns, err := e.Declare(ctx, g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitEngineSpares(t, e)
+	if n := e.Stats().Mounts[0].SpareFiles; n != 6 {
+		t.Fatalf("%d spares after the declaration, want 6", n)
+	}
+	c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
+	c.fill(rand.New(rand.NewPCG(7, 7)), []int{0, 1, 2, 3})
+	keys := testKeys("moved", 1)
+	storeAndCheck(t, e, c, keys, [][]int{{0, 1, 2, 3}})
+	waitEngineSpares(t, e)
+	if m := e.Stats().Mounts[0]; m.SpareFiles != 5 || m.Used != fileLen {
+		t.Fatalf("after a store into a spare: %d spares, %d bytes used; want 5 and one file", m.SpareFiles, m.Used)
+	}
+	e.mu.Lock()
+	id := e.byKey[keyID{e.nss[ns].fp, string(keys[0])}].e.id
+	e.mu.Unlock()
+	if _, err := e.move(ctx, id, 1, true); err != nil {
+		t.Fatalf("move: %v", err)
+	}
+	// Not WaitSpares: it would wake the maker itself.
+	testwait.Until(t, "the moved file's room to be filled with a spare", 10*time.Second, func() bool {
+		m := e.Stats().Mounts[0]
+		return m.Used == 0 && m.SpareFiles == 6
+	})
 }

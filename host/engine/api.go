@@ -111,10 +111,11 @@ type Mount struct {
 	DeviceClass string
 	// Preallocate is the most bytes of spare files the engine makes ahead
 	// of stores on a memory file system in kvhost's layout (ignored
-	// elsewhere, and with Config.NoReuse): after a store, while no file
-	// is in flight, it makes empty files of the size that store wrote
-	// (the last file of a whole group of keys, Policy keys_per_file),
-	// with their pages allocated and shown to the movers (the GPU path
+	// elsewhere, and with Config.NoReuse): while no file is in flight,
+	// it makes empty files of the size stores will write (a file of a
+	// whole group of keys, Policy keys_per_file, of the namespace
+	// declared first, until a store on the mount writes a file of
+	// another size), with their pages allocated and shown to the movers (the GPU path
 	// registers them), until this many bytes of spares of that size exist
 	// or the spares would take the mount past its low watermark; later
 	// stores of that size write into them (docs/engine.md, "Spare files

@@ -43,11 +43,14 @@ type mount struct {
 	// their total. They are not part of used.
 	spares     map[int64][]spareFile
 	spareBytes int64
-	// ahead is Mount.Preallocate; aheadSize the size of the file the
-	// last store on m wrote, the size spares are made ahead in (ahead.go;
-	// 0 until a store, and after making one failed); madeBytes is the
-	// spares made ahead among spares (of any size).
+	// ahead is Mount.Preallocate; aheadSize the size spares are made
+	// ahead in (ahead.go: a declared namespace's whole-group file until a
+	// store on m says otherwise; 0 before either, and after making one
+	// failed); madeBytes is the spares made ahead among spares (of any
+	// size). aheadFromStore: a store of a whole group set aheadSize, and
+	// only another such store changes it.
 	ahead, aheadSize, madeBytes int64
+	aheadFromStore              bool
 }
 
 // spareFilesLocked counts m's spares.
