@@ -96,7 +96,7 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	fs.StringVar(&fsync, "fsync", "", "durable stores (true/false; default: the configuration's engine.fsync)")
 	fs.BoolVar(&o.allowCompat, "allow-compat", false, "let cuFile serve mounts in compatibility mode (gpu.cufile = compat)")
 	fs.BoolVar(&o.full, "full", false, "a full cache: the mount holds one round of --total bytes, and each round stores new keys that evict the previous round's files instead of deleting them (on a memory file system stores then write into evicted files: engine.reuse_files); needs --rounds 2 or more to measure it")
-	fs.BoolVar(&o.warmup, "warmup", true, "store and delete every key once, untimed, before the first measured phase of each key size")
+	fs.BoolVar(&o.warmup, "warmup", true, "store and delete every key once, untimed, before the first measured phase of each key size (with --preallocate, of each key size in each path and checksum setting)")
 	fs.BoolVar(&o.keep, "keep", false, "keep the benchmark's files")
 	fs.StringVar(&o.jsonOut, "json", "", "write the report as JSON to this file (- for standard output, instead of the table)")
 	fs.StringVar(&o.appendTo, "append", "", "add this run's results to the JSON report in this file (same --dir and memory); the table, --json and --svg then show both")

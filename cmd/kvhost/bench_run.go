@@ -329,7 +329,13 @@ func (r *benchRun) keySize(ctx context.Context, eng *engine.Engine, gp *gpuPaths
 		c.keys = append(c.keys, fmt.Appendf(nil, "bench-%d-%08d", tpk, i))
 		c.misses = append(c.misses, fmt.Appendf(nil, "bench-miss-%d-%08d", tpk, i))
 	}
-	if r.o.warmup && !r.warmed[tpk] {
+	// With --preallocate every key size is warmed up in every engine
+	// (each path and checksum setting opens its own), so that the
+	// engine makes spares of that size before the first measured round,
+	// as a daemon serving one model has them: a size that follows
+	// another in one engine would otherwise have its first round stored
+	// before the engine knew it.
+	if r.o.warmup && (!r.warmed[tpk] || r.o.preallocate > 0) {
 		r.warmed[tpk] = true
 		r.prog.Start(fmt.Sprintf("warm-up %s %s keys", path, sizeOf(g.KeyBytes())), keys)
 		if _, _, err := r.phase(ctx, eng, c, bench.Store, maxJobs); err != nil {

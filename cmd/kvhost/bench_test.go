@@ -375,12 +375,14 @@ func TestBenchMovesRegisteredFilesDirectlyAsTheDaemonDoes(t *testing.T) {
 // one of them moves straight into the file's registered pages.
 func TestBenchStoresIntoSparesMadeAheadWithPreallocate(t *testing.T) {
 	lib := cudatest.Build(t)
-	rep := benchOnMemory(t, "--memory", "gpu", "--cuda-library", lib, "--path", "staging", "--preallocate", "8MiB",
-		"--rounds", "2", "--jobs", "2", "--tokens-per-key", "16", "--total", "4MiB")
+	// Two key sizes, two checksum settings: each setting opens its own
+	// engine, in which the second size follows the first.
+	rep := benchOnMemory(t, "--memory", "gpu", "--cuda-library", lib, "--path", "staging", "--preallocate", "24MiB",
+		"--rounds", "2", "--jobs", "2", "--tokens-per-key", "32,16", "--checksum", "on,off", "--total", "4MiB")
 	stores := 0
 	for _, x := range rep.Runs {
-		if x.Preallocate != 8<<20 {
-			t.Errorf("%s %s: report says preallocate %d, want %d", sizeOf(x.KeyBytes), x.Direction, x.Preallocate, 8<<20)
+		if x.Preallocate != 24<<20 {
+			t.Errorf("%s %s: report says preallocate %d, want %d", sizeOf(x.KeyBytes), x.Direction, x.Preallocate, 24<<20)
 		}
 		switch x.Direction {
 		case bench.Load:
@@ -390,7 +392,7 @@ func TestBenchStoresIntoSparesMadeAheadWithPreallocate(t *testing.T) {
 		case bench.Store:
 			stores++
 			if x.ReusedFiles != x.Keys || x.DirectFiles != x.Keys {
-				t.Errorf("store %s: %d files reused and %d direct per round of %d; want every one", sizeOf(x.KeyBytes), x.ReusedFiles, x.DirectFiles, x.Keys)
+				t.Errorf("store %s, checksums %v: %d files reused and %d direct per round of %d; want every one", sizeOf(x.KeyBytes), x.Checksums, x.ReusedFiles, x.DirectFiles, x.Keys)
 			}
 			// Stores into files that exist are held to writes into
 			// files that exist.
@@ -399,8 +401,8 @@ func TestBenchStoresIntoSparesMadeAheadWithPreallocate(t *testing.T) {
 			}
 		}
 	}
-	if stores == 0 {
-		t.Fatal("no store run in the report")
+	if stores != 4 {
+		t.Fatalf("%d store runs in the report, want 4 (two sizes, checksums on and off)", stores)
 	}
 }
 
