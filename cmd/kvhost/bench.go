@@ -84,7 +84,7 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	fs.Float64Var(&o.hitRatio, "hit-ratio", 1, "fraction of loaded keys that are stored (the rest are misses)")
 	fs.IntVar(&o.keys, "keys", 0, "keys per phase (default: --total bytes of keys, at least twice the largest job count)")
 	totalStr := fs.String("total", "1GiB", "bytes of keys per phase when --keys is 0")
-	preallocate := fs.String("preallocate", "", "bytes of spare files the engine makes ahead of stores on a memory file system (mount.preallocate; default: the configuration's first mount's); with it the benchmark waits before each timed phase and ceiling until the engine has made them and the GPU path has registered them, as an idle moment would let it; where the stores wrote into spares the write ceiling then overwrites existing files, as with --full")
+	preallocate := fs.String("preallocate", "", "bytes of spare files the engine makes ahead of stores on a memory file system (mount.preallocate; default: the configuration's first mount's); with it the benchmark waits before each timed phase and ceiling until the engine has made them and the GPU path has registered them, as an idle moment would let it; where every store of a round wrote into a spare the write ceiling then overwrites existing files, as with --full")
 	fs.IntVar(&o.keysPerJob, "keys-per-job", 1, "keys per store or load job")
 	keysPerFile := fs.Int("keys-per-file", 0, "keys of a job packed into one file: sets the policy's keys_per_file parameter (0: the configuration's, else the policy's default of 1)")
 	fs.StringVar(&o.memory, "memory", "auto", "where the paged cache lives: gpu, host, or auto (gpu when one is found)")

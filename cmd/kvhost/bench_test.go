@@ -406,6 +406,27 @@ func TestBenchStoresIntoSparesMadeAheadWithPreallocate(t *testing.T) {
 	}
 }
 
+// Stores that took no spare (a budget smaller than one file) are held to
+// writes into fresh files, as without --preallocate.
+func TestBenchStoresThatTookNoSpareAreHeldToFreshWrites(t *testing.T) {
+	lib := cudatest.Build(t)
+	rep := benchOnMemory(t, "--memory", "gpu", "--cuda-library", lib, "--path", "staging", "--preallocate", "32KiB",
+		"--rounds", "2", "--jobs", "2", "--tokens-per-key", "16", "--total", "4MiB")
+	stores := 0
+	for _, x := range rep.Runs {
+		if x.Direction != bench.Store {
+			continue
+		}
+		stores++
+		if x.ReusedFiles != 0 || strings.Contains(x.Ceiling.Name, "into existing files") || x.Ceiling.GBps <= 0 {
+			t.Errorf("store %s: %d files reused a round, ceiling %q at %.2f GB/s; want none reused and a measured write of fresh files", sizeOf(x.KeyBytes), x.ReusedFiles, x.Ceiling.Name, x.Ceiling.GBps)
+		}
+	}
+	if stores == 0 {
+		t.Fatal("no store run in the report")
+	}
+}
+
 // buildFakeCuFile compiles gds's fake libcufile (gds/testdata) with
 // `go env CC`, as gds's own tests do.
 func buildFakeCuFile(t *testing.T) string {

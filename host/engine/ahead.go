@@ -88,21 +88,36 @@ func (e *Engine) stopSpareMaker() {
 	<-e.maker.done
 }
 
+// sizeSource is what set the size a mount makes spares ahead in.
+type sizeSource uint8
+
+const (
+	sizeUnknown sizeSource = iota
+	sizeGuessed            // a declaration (predictSparesLocked)
+	sizePartial            // a stored file of fewer keys than a group
+	sizeWhole              // a stored file of a whole group of keys
+)
+
 // wantSpares records that a store on m writes a file of size bytes, and
 // wakes the maker if m should have more spares. Spares are made in the
 // size of the last file that held a whole group of the namespace's keys
 // (full): a job's last file may hold fewer, and following it would make
 // spares of a size few stores write (and remove those of the size most
-// do). A file of fewer keys sets the size until a whole group's file is
-// stored, over a declaration's guess too: a client whose jobs all hold
-// fewer keys than a group writes only such files.
+// do). Until such a file is stored, files of fewer keys set it, over a
+// declaration's guess too (a client whose jobs all hold fewer keys than
+// a group writes only such files), but only ever upwards: jobs of
+// varying length would otherwise have the maker remove and remake the
+// whole budget in every idle moment.
 func (e *Engine) wantSpares(m *mount, size int64, full bool) {
 	if e.maker == nil || m.ahead <= 0 || !e.spareEligible(m) {
 		return
 	}
 	e.mu.Lock() // once per store: the size and the check together
-	if full || !m.aheadFromStore {
-		m.aheadSize, m.aheadFromStore = size, full
+	switch {
+	case full:
+		m.aheadSize, m.aheadFrom = size, sizeWhole
+	case m.aheadFrom < sizePartial || m.aheadFrom == sizePartial && size > m.aheadSize:
+		m.aheadSize, m.aheadFrom = size, sizePartial
 	}
 	work := e.spareWorkLocked()
 	e.mu.Unlock()
@@ -133,10 +148,10 @@ func (e *Engine) predictSparesLocked(ns *namespace) bool {
 			only = m
 		}
 	}
-	if only == nil || only.aheadSize != 0 {
+	if only == nil || only.aheadFrom != sizeUnknown {
 		return false
 	}
-	only.aheadSize = ns.wholeFileLen()
+	only.aheadSize, only.aheadFrom = ns.wholeFileLen(), sizeGuessed
 	return e.spareWorkLocked()
 }
 
@@ -342,7 +357,7 @@ func (e *Engine) makeSpares() {
 			// otherwise have the maker retry without end.
 			e.mu.Lock()
 			if m.aheadSize == size {
-				m.aheadSize, m.aheadFromStore = 0, false
+				m.aheadSize, m.aheadFrom = 0, sizeUnknown
 			}
 			e.mu.Unlock()
 			e.log.Debug("engine: make a spare file ahead of stores", "mount", m.root, "size", size, "err", err)

@@ -65,6 +65,21 @@ func (f *aheadFixture) store(t *testing.T, key []byte) []byte {
 	return want
 }
 
+// storeJob stores keys in one job, each key from fresh random blocks
+// (key i in blocks 4i..4i+3), and returns their bytes.
+func (f *aheadFixture) storeJob(t *testing.T, keys [][]byte) [][]byte {
+	t.Helper()
+	blocks := make([][]int, len(keys))
+	want := make([][]byte, len(keys))
+	for i := range blocks {
+		blocks[i] = []int{4 * i, 4*i + 1, 4*i + 2, 4*i + 3}
+		f.c.fill(f.r, blocks[i])
+		want[i] = f.c.data(blocks[i])
+	}
+	storeAndCheck(t, f.e, f.c, keys, blocks)
+	return want
+}
+
 // waitSpares waits for the engine's maker to have nothing left to do.
 func (f *aheadFixture) waitSpares(t *testing.T) {
 	t.Helper()
@@ -408,13 +423,7 @@ func TestSparesAreMadeAheadInTheSizeOfWholeFiles(t *testing.T) {
 		t.Run(fmt.Sprintf("%d workers", workers), func(t *testing.T) {
 			f := newAheadFixture(t, Config{Policy: newTestPolicy(4, 0), IOWorkers: workers}, 200, 8, 0.85)
 			for round := range 6 {
-				keys := testKeys(fmt.Sprintf("job%d-", round), 5)
-				blocks := make([][]int, 5)
-				for i := range blocks {
-					blocks[i] = []int{4 * i, 4*i + 1, 4*i + 2, 4*i + 3}
-					f.c.fill(f.r, blocks[i])
-				}
-				storeAndCheck(t, f.e, f.c, keys, blocks)
+				f.storeJob(t, testKeys(fmt.Sprintf("job%d-", round), 5))
 				f.waitSpares(t)
 				f.e.mu.Lock()
 				m := f.e.mounts[0]
@@ -693,7 +702,7 @@ func TestNoSparesAreMadeAheadWhileAFileMovesBetweenMounts(t *testing.T) {
 // A client whose jobs hold fewer keys than a group writes only files of
 // fewer keys: the first such store replaces the declaration's guess, and
 // later stores write into spares of their own size.
-func TestStoresOfFewerKeysThanAGroupReplaceTheDeclaredSize(t *testing.T) {
+func TestStoresOfFewerKeysThanAGroupReplaceTheDeclaredSpareSize(t *testing.T) {
 	f := newAheadFixture(t, Config{Policy: newTestPolicy(4, 0)}, 200, 8, 0.85)
 	for i, k := range testKeys("single", 6) {
 		f.store(t, k) // one key: a file of one key, a quarter of a group
@@ -790,4 +799,34 @@ func TestSparesAreMadeAheadAgainWhenAMoveFreesRoom(t *testing.T) {
 		m := e.Stats().Mounts[0]
 		return m.Used == 0 && m.SpareFiles == 6
 	})
+}
+
+// Jobs shorter than a group but of varying length set the size only
+// upwards: spares of the longer files stay, instead of the maker removing
+// and remaking the whole budget after every job.
+func TestSpareSizeFromFilesOfFewerKeysOnlyGrows(t *testing.T) {
+	f := newAheadFixture(t, Config{Policy: newTestPolicy(4, 0)}, 200, 8, 0.85)
+	f.e.mu.Lock()
+	h := f.e.nss[f.ns].header(0)
+	f.e.mu.Unlock()
+	h.Keys = make([]format.Key, 2)
+	twoKeys := h.FileLen()
+	for i := range 10 {
+		n := 1 + i%2 // one key, two keys, one key, ...
+		f.storeJob(t, testKeys(fmt.Sprintf("job%d-", i), n))
+		f.waitSpares(t)
+		f.e.mu.Lock()
+		size := f.e.mounts[0].aheadSize
+		f.e.mu.Unlock()
+		want := f.fileLen
+		if i > 0 {
+			want = twoKeys
+		}
+		if size != want {
+			t.Fatalf("after job %d (%d keys) spares are made of %d bytes, want %d", i, n, size, want)
+		}
+	}
+	if st := f.e.Stats(); st.Reused < 4 {
+		t.Fatalf("%d files written into spares, want at least the 4 two-key jobs after the first", st.Reused)
+	}
 }

@@ -113,9 +113,9 @@ type Mount struct {
 	// of stores on a memory file system in kvhost's layout (ignored
 	// elsewhere, and with Config.NoReuse): while no file is in flight,
 	// it makes empty files of the size stores will write (a file of a
-	// whole group of keys, Policy keys_per_file, of the namespace
-	// declared first, until a store on the mount writes a file of
-	// another size), with their pages allocated and shown to the movers (the GPU path
+	// whole group of keys, Policy keys_per_file: guessed from a declared
+	// namespace where one mount makes spares ahead, then taken from the
+	// stores; docs/engine.md), with their pages allocated and shown to the movers (the GPU path
 	// registers them), until this many bytes of spares of that size exist
 	// or the spares would take the mount past its low watermark; later
 	// stores of that size write into them (docs/engine.md, "Spare files

@@ -44,13 +44,12 @@ type mount struct {
 	spares     map[int64][]spareFile
 	spareBytes int64
 	// ahead is Mount.Preallocate; aheadSize the size spares are made
-	// ahead in (ahead.go: a declared namespace's whole-group file until a
-	// store on m says otherwise; 0 before either, and after making one
-	// failed); madeBytes is the spares made ahead among spares (of any
-	// size). aheadFromStore: a store of a whole group set aheadSize, and
-	// only another such store changes it.
+	// ahead in, and aheadFrom what set it (ahead.go: wantSpares,
+	// predictSparesLocked; 0 and sizeUnknown before either, and after
+	// making one failed); madeBytes is the spares made ahead among spares
+	// (of any size).
 	ahead, aheadSize, madeBytes int64
-	aheadFromStore              bool
+	aheadFrom                   sizeSource
 }
 
 // spareFilesLocked counts m's spares.
