@@ -396,9 +396,8 @@ func (r *benchRun) keySize(ctx context.Context, eng *engine.Engine, gp *gpuPaths
 			// with --preallocate, where every file of the round's stores
 			// took a spare (a round that wrote some fresh files is held to
 			// fresh writes, the faster ceiling at 16 jobs on tmpfs).
-			st := eng.Stats()
 			overwrite := r.o.full || (r.o.preallocate > 0 && lastReused > 0 && lastReused >= uint64(len(files)))
-			if err := r.measureCeilings(ctx, files, jobs, st.Mounts[0].Direct, overwrite, &ceil); err != nil {
+			if err := r.measureCeilings(ctx, files, jobs, eng.Stats().Mounts[0].Direct, overwrite, &ceil); err != nil {
 				return err
 			}
 			if !r.o.load {

@@ -243,12 +243,19 @@ func (e *Engine) nextSpareLocked() (*mount, spareFile) {
 			}
 			continue
 		}
-		if m.used+m.spareBytes+size > m.low {
+		if !m.madeFitsLocked(size) {
 			continue
 		}
 		return m, spareFile{}
 	}
 	return nil, spareFile{}
+}
+
+// madeFitsLocked reports whether one more spare of size made ahead stays
+// within Preallocate and, beside m's files, reservations and spares,
+// below the low watermark.
+func (m *mount) madeFitsLocked(size int64) bool {
+	return m.madeBytes+size <= m.ahead && m.used+m.spareBytes+size <= m.low
 }
 
 // madeOfSizeLocked is the bytes of m's spares of size made ahead.
@@ -352,9 +359,10 @@ func (e *Engine) makeSpares() {
 			continue
 		}
 		if err := e.makeSpare(m, size); err != nil {
-			// Not again until the next store of m: a full file
-			// system, or one that refuses fallocate, would
-			// otherwise have the maker retry without end.
+			// Not again until the next store of m, or the next
+			// namespace declared: a full file system, or one that
+			// refuses fallocate, would otherwise have the maker
+			// retry without end.
 			e.mu.Lock()
 			if m.aheadSize == size {
 				m.aheadSize, m.aheadFrom = 0, sizeUnknown
@@ -386,7 +394,7 @@ func (e *Engine) makeSpare(m *mount, size int64) error {
 	}
 	if err == nil {
 		e.mu.Lock()
-		keep := !e.closed && m.used+m.spareBytes+size <= m.low && m.madeBytes+size <= m.ahead
+		keep := !e.closed && m.madeFitsLocked(size) // stores may have taken the room meanwhile
 		if keep {
 			m.addSpareLocked(spareFile{path: path, id: id, zeroed: true})
 		}
@@ -414,7 +422,7 @@ func (e *Engine) WaitSpares(ctx context.Context) error {
 	if mk == nil {
 		return nil
 	}
-	e.spareRoom() // room a delete freed, which wakes no one
+	e.spareRoom() // room an eviction or a capacity refresh freed, which wakes no one
 	for {
 		e.mu.Lock()
 		quiet := mk.quiet
