@@ -229,8 +229,10 @@ type Mount struct {
 	// Preallocate is the most bytes of empty spare files kvhost makes
 	// ahead of stores on a memory file system (tmpfs), while no file is
 	// in flight, so that stores into a cache with room write into pages
-	// that exist (and that the GPU path has registered); 0 makes none.
-	Preallocate Size `toml:"preallocate"`
+	// that exist (and that the GPU path has registered). Unset or "auto":
+	// an eighth of the mount's capacity, at most 4 GiB, on a memory file
+	// system (none elsewhere); 0 makes none.
+	Preallocate AutoSize `toml:"preallocate"`
 	// DeviceClass tells a tiering policy what the mount is: "memory",
 	// "nvme", "ssd", "hdd" or "network"; empty detects it.
 	DeviceClass string `toml:"device_class"`
@@ -618,8 +620,8 @@ func (c *Config) Validate() error {
 			return bad("mount.low_watermark", "a fraction in (0, high_watermark)", m.LowWatermark)
 		case m.Reserve < 0:
 			return bad("mount.reserve", "a size ≥ 0", m.Reserve)
-		case m.Preallocate < 0:
-			return bad("mount.preallocate", "a size ≥ 0", m.Preallocate)
+		case m.Preallocate.Bytes < 0:
+			return bad("mount.preallocate", `a size ≥ 0 or "auto"`, m.Preallocate.Bytes)
 		case m.IO != "" && m.IO != "auto" && m.IO != "direct" && m.IO != "buffered":
 			return bad("mount.io", `"auto", "direct" or "buffered"`, fmt.Sprintf("%q", m.IO))
 		case !slices.Contains([]string{"", "memory", "nvme", "ssd", "hdd", "network"}, m.DeviceClass):

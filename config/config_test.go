@@ -3,6 +3,8 @@ package config
 import (
 	"errors"
 	"flag"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -64,11 +66,11 @@ low_watermark = 0.8
 		c.Mounts[0].HighWatermark != 0.95 || c.Mounts[1].LowWatermark != 0.8 {
 		t.Fatalf("mounts %+v", c.Mounts)
 	}
-	if m := c.Mounts[0]; m.IO != "direct" || m.Checksums() || m.Reserve != 2<<30 || m.Preallocate != 4<<30 || c.Engine.NodeID != "gpu-node-7" {
-		t.Fatalf("mount 0 io %q checksums %v reserve %d preallocate %d, node id %q", m.IO, m.Checksums(), m.Reserve, m.Preallocate, c.Engine.NodeID)
+	if m := c.Mounts[0]; m.IO != "direct" || m.Checksums() || m.Reserve != 2<<30 || m.Preallocate != SizeOf(4<<30) || c.Engine.NodeID != "gpu-node-7" {
+		t.Fatalf("mount 0 io %q checksums %v reserve %d preallocate %v, node id %q", m.IO, m.Checksums(), m.Reserve, m.Preallocate, c.Engine.NodeID)
 	}
-	if m := c.Mounts[1]; m.IO != "" || !m.Checksums() || m.Reserve != 0 || m.Preallocate != 0 {
-		t.Fatalf("mount 1 defaults: io %q checksums %v reserve %d preallocate %d", m.IO, m.Checksums(), m.Reserve, m.Preallocate)
+	if m := c.Mounts[1]; m.IO != "" || !m.Checksums() || m.Reserve != 0 || m.Preallocate != Auto {
+		t.Fatalf("mount 1 defaults: io %q checksums %v reserve %d preallocate %v", m.IO, m.Checksums(), m.Reserve, m.Preallocate)
 	}
 	params := c.Policy.PolicyParams()
 	if params["depth"] != "2" || params["ttl"] != "2h" {
@@ -134,6 +136,7 @@ func TestParseErrors(t *testing.T) {
 		{"io mode", "[[mount]]\npath = \"/a\"\nio = \"fast\"", `kvhost.toml:3: mount.io: want "auto", "direct" or "buffered", got "fast"`},
 		{"checksum type", "[[mount]]\npath = \"/a\"\nchecksum = \"yes\"", "mount.checksum"},
 		{"negative preallocate", "[[mount]]\npath = \"/a\"\npreallocate = -1", "kvhost.toml:3: mount.preallocate: size -1 is negative"},
+		{"preallocate word", "[[mount]]\npath = \"/a\"\npreallocate = \"lots\"", `kvhost.toml:3: mount.preallocate: size "lots": want a number of bytes with an optional unit (KiB, MiB, GiB, TiB, KB, MB, GB, TB) (or "auto")`},
 		{"log level", "[log]\nlevel = \"loud\"", `log.level: want debug, info, warn or error, got "loud"`},
 		{"reserved param", "[policy.params]\n\"kvhost.shard\" = 1", "reserved prefix"},
 		{"wrong type", "[server]\nmax_clients = \"many\"", "kvhost.toml:2: server.max_clients: incompatible types"},
@@ -201,7 +204,7 @@ func TestFlagsOverride(t *testing.T) {
 		t.Fatal(err)
 	}
 	if c.Policy.Name != "ttl" || len(c.Mounts) != 1 || c.Mounts[0].Path != "/tmp/kv" ||
-		c.Mounts[0].Capacity != 1<<30 || c.Mounts[0].Preallocate != 2<<30 || c.Log.Level != "debug" || !c.Engine.Fsync || c.Metrics.Listen != "127.0.0.1:9400" {
+		c.Mounts[0].Capacity != 1<<30 || c.Mounts[0].Preallocate != SizeOf(2<<30) || c.Log.Level != "debug" || !c.Engine.Fsync || c.Metrics.Listen != "127.0.0.1:9400" {
 		t.Fatalf("flags not applied: %+v", c)
 	}
 
@@ -275,6 +278,44 @@ func TestParseVLLMFSErrors(t *testing.T) {
 			_, err := Parse("kvhost.toml", []byte(tt.src))
 			if !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), tt.want) {
 				t.Errorf("error %v does not contain %q", err, tt.want)
+			}
+		})
+	}
+}
+
+func TestPreallocateIsAutoUnlessASizeIsGiven(t *testing.T) {
+	tests := []struct {
+		name, line string // the mount's preallocate line ("" for none)
+		flag       []string
+		want       AutoSize
+	}{
+		{"unset", "", nil, Auto},
+		{"auto", `preallocate = "auto"`, nil, Auto},
+		{"AUTO", `preallocate = " AUTO "`, nil, Auto},
+		{"zero turns it off", `preallocate = 0`, nil, SizeOf(0)},
+		{"zero as a string", `preallocate = "0"`, nil, SizeOf(0)},
+		{"a size", `preallocate = "4GiB"`, nil, SizeOf(4 << 30)},
+		{"an integer", `preallocate = 1048576`, nil, SizeOf(1 << 20)},
+		{"the flag overrides", `preallocate = "4GiB"`, []string{"-preallocate", "0"}, SizeOf(0)},
+		{"the flag sets auto", `preallocate = "4GiB"`, []string{"-preallocate", "auto"}, Auto},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			path := filepath.Join(t.TempDir(), "kvhost.toml")
+			if err := os.WriteFile(path, []byte("[[mount]]\npath = \"/dev/shm/kv\"\n"+tt.line+"\n"), 0o644); err != nil {
+				t.Fatal(err)
+			}
+			fs := flag.NewFlagSet("kvhost", flag.ContinueOnError)
+			f := BindFlags(fs)
+			if err := fs.Parse(append([]string{"-config", path}, tt.flag...)); err != nil {
+				t.Fatal(err)
+			}
+			c, err := f.Load()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := c.Mounts[0].Preallocate; got != tt.want {
+				t.Fatalf("preallocate %v (%+v), want %v (%+v)", got, got, tt.want, tt.want)
 			}
 		})
 	}

@@ -14,7 +14,7 @@ type Flags struct {
 	socket     string
 	dir        string
 	capacity   Size
-	prealloc   Size
+	prealloc   AutoSize
 	logLevel   string
 	logFormat  string
 	fsync      bool
@@ -31,7 +31,7 @@ func BindFlags(fs *flag.FlagSet) *Flags {
 	fs.StringVar(&f.socket, "socket", "", "Unix socket `path` clients connect to")
 	fs.StringVar(&f.dir, "dir", "", "cache `directory` (replaces the configured mounts with this one)")
 	fs.Var(&f.capacity, "capacity", "bytes to store under -dir, e.g. 100GiB (0: 90% of the file system)")
-	fs.Var(&f.prealloc, "preallocate", "bytes of spare files to make ahead of stores on every memory-file-system mount, e.g. 4GiB (0: none)")
+	fs.Var(&f.prealloc, "preallocate", "bytes of spare files to make ahead of stores on every memory-file-system mount, e.g. 4GiB (0: none; auto, the default: an eighth of the mount's capacity, at most 4GiB)")
 	fs.StringVar(&f.logLevel, "log-level", "", "debug, info, warn or error")
 	fs.StringVar(&f.logFormat, "log-format", "", "auto, text or json")
 	fs.BoolVar(&f.fsync, "fsync", false, "make every store durable before it completes")

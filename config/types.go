@@ -79,6 +79,58 @@ func (s Size) String() string {
 	return strconv.FormatInt(int64(s), 10)
 }
 
+// AutoSize is a Size that kvhost chooses unless it is given: its zero
+// value and the string "auto" leave it to kvhost (Given false); any size,
+// 0 included, is used as it is.
+type AutoSize struct {
+	Bytes Size // the size given (meaningful only where Given)
+	Given bool
+}
+
+// Auto is the AutoSize that leaves the size to kvhost.
+var Auto = AutoSize{}
+
+// SizeOf is the AutoSize that gives n bytes.
+func SizeOf(n Size) AutoSize { return AutoSize{Bytes: n, Given: true} }
+
+// UnmarshalTOML accepts "auto", an integer or a string with a unit.
+func (s *AutoSize) UnmarshalTOML(v any) error {
+	if str, ok := v.(string); ok && isAuto(str) {
+		*s = Auto
+		return nil
+	}
+	var n Size
+	if err := n.UnmarshalTOML(v); err != nil {
+		return fmt.Errorf("%w (or \"auto\")", err)
+	}
+	*s = SizeOf(n)
+	return nil
+}
+
+// Set implements flag.Value: "auto" or a size.
+func (s *AutoSize) Set(v string) error {
+	if isAuto(v) {
+		*s = Auto
+		return nil
+	}
+	n, err := ParseSize(v)
+	if err != nil {
+		return fmt.Errorf("%w (or \"auto\")", err)
+	}
+	*s = SizeOf(n)
+	return nil
+}
+
+// String is "auto" or the size.
+func (s AutoSize) String() string {
+	if !s.Given {
+		return "auto"
+	}
+	return s.Bytes.String()
+}
+
+func isAuto(s string) bool { return strings.EqualFold(strings.TrimSpace(s), "auto") }
+
 // Duration is a time.Duration written as a string ("100ms", "1m").
 type Duration time.Duration
 

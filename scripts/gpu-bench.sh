@@ -7,7 +7,7 @@
 #
 # Each part writes a JSON report (kvhost bench --json) and its table under
 # OUT (default ./gpu-bench-out); parts can be switched off: SHM=0 JOBS=0
-# PREALLOC=0 FULL=0 DISK=0 HUGE=0 COPY=0. Each part runs under a time limit
+# FRESH=0 FULL=0 DISK=0 HUGE=0 COPY=0. Each part runs under a time limit
 # (LIMIT seconds, default 240) so that one slow part cannot eat the others.
 # PROFILE=1 adds a CPU profile of 2 MiB loads on /dev/shm. WARM (GiB,
 # default 32; 0 skips it) is written once to the memory file system and
@@ -43,13 +43,16 @@ bench() { # name args...: one kvhost bench run, its table on stdout and in OUT/n
 	echo "   $((SECONDS - t0)) s"
 }
 
-# Memory file system, the key sizes of the targets, 16 jobs.
+# Memory file system, the key sizes of the targets, 16 jobs, the default
+# settings: a cache with room whose spare files the engine makes ahead of
+# the stores (mount.preallocate = "auto": an eighth of the mount's
+# capacity, at most 4 GiB) while it is idle, and registers.
 [ "${SHM:-1}" = 1 ] && bench shm --dir "$shm" $G --tokens-per-key 256,16 --jobs 16 --checksum on,off --total 4GiB --rounds 3
 # Fewer jobs.
 [ "${JOBS:-1}" = 1 ] && bench shm-jobs --dir "$shm" $G --tokens-per-key 256 --jobs 1,8 --checksum on,off --total 2GiB --rounds 2
-# A cache with room whose spare files are made ahead of the stores
-# (mount.preallocate) while the engine is idle, and registered.
-[ "${PREALLOC:-1}" = 1 ] && bench prealloc --dir "$shm" $G --preallocate 4GiB --tokens-per-key 256,16 --jobs 16 --checksum on,off --total 4GiB --rounds 3
+# Stores into fresh files: no spares made ahead (--preallocate 0), as in a
+# burst longer than the spares or with no idle moment before it.
+[ "${FRESH:-1}" = 1 ] && bench fresh --dir "$shm" $G --preallocate 0 --tokens-per-key 256,16 --jobs 16 --checksum on,off --total 4GiB --rounds 3
 # A full cache: every round's stores evict the previous round's files and
 # write into them (spare files), which the registrar has registered by then.
 [ "${FULL:-1}" = 1 ] && bench full --dir "$shm" $G --full --tokens-per-key 256,16 --jobs 16 --checksum on,off --total 4GiB --rounds 5
@@ -62,10 +65,10 @@ if [ "${HUGE:-1}" = 1 ]; then
 	umount "$huge" 2>/dev/null
 fi
 # The copy kernel (gpu.copy = "kernel") against the default batched
-# copies, through the engine, same mount.
+# copies of FRESH, through the engine's pinned buffers, same mount.
 if [ "${COPY:-1}" = 1 ]; then
 	printf '[gpu]\ncopy = "kernel"\n' >"$out/kernel.toml"
-	bench copy-kernel --dir "$shm" --config "$out/kernel.toml" $G --tokens-per-key 256,16 --jobs 16 --checksum on --total 4GiB --rounds 3
+	bench copy-kernel --dir "$shm" --config "$out/kernel.toml" $G --preallocate 0 --tokens-per-key 256,16 --jobs 16 --checksum on --total 4GiB --rounds 3
 fi
 if [ "${PROFILE:-0}" = 1 ]; then
 	bench profile-2m --dir "$shm" $G --tokens-per-key 16 --jobs 16 --checksum on --total 4GiB --rounds 3 --cpu-profile "$out/load-2m.pprof"

@@ -221,15 +221,18 @@ fi
 if [ "${PREALLOC:-1}" = 1 ]; then
 	# A cache with room on the memory mount: rounds of 64 new 32 MiB keys
 	# into a mount that holds them all, so that every store writes a new
-	# file; a daemon that makes spare files ahead of stores
-	# (--preallocate 4GiB) alternated with one that does not, each round
-	# after an idle second. The metrics say how many spares were made and
-	# how many stores wrote into one.
+	# file; a daemon with the default settings, which makes spare files
+	# ahead of stores (preallocate auto: an eighth of the 40 GiB, at most
+	# 4 GiB), alternated with one that does not (--preallocate 0), each
+	# round after an idle second. The metrics say how many spares were
+	# made and how many stores wrote into one.
 	sock=/tmp/kvhost-gpu-prealloc.sock
 	for round in 1 2; do
-		for pre in 4GiB 0; do
+		for pre in default 0; do
 			name="prealloc-$pre-$round"
-			daemon "$sock" "$out/daemon-$name.log" "$shm/prealloc" --capacity 40GiB --preallocate "$pre" --metrics 127.0.0.1:9479
+			flags=()
+			[ "$pre" = default ] || flags=(--preallocate "$pre")
+			daemon "$sock" "$out/daemon-$name.log" "$shm/prealloc" --capacity 40GiB "${flags[@]}" --metrics 127.0.0.1:9479
 			run "$name" python3 scripts/gpu-churn.py "$sock" 6 64 8 256 1
 			metrics 127.0.0.1:9479 kvhost_gpu_direct "kvhost_gpu_registered_files " kvhost_reused kvhost_spare_files_made kvhost_evictions \
 				| tee -a "$out/$name.txt" | sed 's/^/   /'

@@ -46,8 +46,9 @@ type benchOptions struct {
 	allowCompat   bool
 	warmup        bool
 	full          bool // a full cache: rounds evict the previous round's files
-	// preallocate is the mount's Preallocate: spares made ahead of
-	// stores, which the benchmark waits for before each timed phase.
+	// preallocate is the mount's Preallocate (PreallocateAuto of
+	// package engine for auto): spares made ahead of stores, which the benchmark waits
+	// for before each timed phase.
 	preallocate int64
 	keep        bool
 	jsonOut     string
@@ -84,7 +85,7 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	fs.Float64Var(&o.hitRatio, "hit-ratio", 1, "fraction of loaded keys that are stored (the rest are misses)")
 	fs.IntVar(&o.keys, "keys", 0, "keys per phase (default: --total bytes of keys, at least twice the largest job count)")
 	totalStr := fs.String("total", "1GiB", "bytes of keys per phase when --keys is 0")
-	preallocate := fs.String("preallocate", "", "bytes of spare files the engine makes ahead of stores on a memory file system (mount.preallocate; default: the configuration's first mount's); with it the benchmark waits before each timed phase and ceiling until the engine has made them and the GPU path has registered them, as an idle moment would let it; where every store of a round wrote into a spare the write ceiling then overwrites existing files, as with --full")
+	preallocate := fs.String("preallocate", "", "bytes of spare files the engine makes ahead of stores on a memory file system, or auto (mount.preallocate; default: the configuration's first mount's, auto unless set: an eighth of the file system's capacity, at most 4GiB; 0: none); with spares the benchmark waits before each timed phase and ceiling until the engine has made them and the GPU path has registered them, as an idle moment would let it; where every store of a round wrote into a spare the write ceiling then overwrites existing files, as with --full")
 	fs.IntVar(&o.keysPerJob, "keys-per-job", 1, "keys per store or load job")
 	keysPerFile := fs.Int("keys-per-file", 0, "keys of a job packed into one file: sets the policy's keys_per_file parameter (0: the configuration's, else the policy's default of 1)")
 	fs.StringVar(&o.memory, "memory", "auto", "where the paged cache lives: gpu, host, or auto (gpu when one is found)")
@@ -228,15 +229,16 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		return bad("--total %q: want a size such as 1GiB", *totalStr)
 	}
 	o.total = int64(tot)
+	o.preallocate = enginePreallocate(config.Auto)
 	if len(o.cfg.Mounts) > 0 {
-		o.preallocate = int64(o.cfg.Mounts[0].Preallocate)
+		o.preallocate = enginePreallocate(o.cfg.Mounts[0].Preallocate)
 	}
 	if *preallocate != "" {
-		p, err := config.ParseSize(*preallocate)
-		if err != nil || p < 0 {
-			return bad("--preallocate %q: want a size such as 4GiB (0: none)", *preallocate)
+		var p config.AutoSize
+		if err := p.Set(*preallocate); err != nil {
+			return bad("--preallocate %q: want auto or a size such as 4GiB (0: none)", *preallocate)
 		}
-		o.preallocate = int64(p)
+		o.preallocate = enginePreallocate(p)
 	}
 	o.fsync = o.cfg.Engine.Fsync
 	if fsync != "" {

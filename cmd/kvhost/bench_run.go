@@ -35,6 +35,9 @@ type benchRun struct {
 	warmed map[int]bool // tokens per key warmed up
 	seq    int          // engine directories made
 	probe  *gpuPaths    // open for the whole run when a GPU is used
+	// ahead is the bytes of spares the last engine opened makes ahead of
+	// stores (its mount's Preallocate, auto resolved; 0: none).
+	ahead int64
 }
 
 type ceilingPair struct{ read, write bench.Ceiling }
@@ -195,6 +198,7 @@ func (r *benchRun) engineFor(ctx context.Context, path string, sums bool) (*engi
 		}
 		return nil, nil, "", fmt.Errorf("open engine: %w", err)
 	}
+	r.ahead = eng.Stats().Mounts[0].Preallocate
 	return eng, gp, dir, nil
 }
 
@@ -335,7 +339,7 @@ func (r *benchRun) keySize(ctx context.Context, eng *engine.Engine, gp *gpuPaths
 	// as a daemon serving one model has them: a size that follows
 	// another in one engine would otherwise have its first round stored
 	// before the engine knew it.
-	if r.o.warmup && (!r.warmed[tpk] || r.o.preallocate > 0) {
+	if r.o.warmup && (!r.warmed[tpk] || r.ahead > 0) {
 		r.warmed[tpk] = true
 		r.prog.Start(fmt.Sprintf("warm-up %s %s keys", path, sizeOf(g.KeyBytes())), keys)
 		if _, _, err := r.phase(ctx, eng, c, bench.Store, maxJobs); err != nil {
@@ -396,7 +400,7 @@ func (r *benchRun) keySize(ctx context.Context, eng *engine.Engine, gp *gpuPaths
 			// with --preallocate, where every file of the round's stores
 			// took a spare (a round that wrote some fresh files is held to
 			// fresh writes, the faster ceiling at 16 jobs on tmpfs).
-			overwrite := r.o.full || (r.o.preallocate > 0 && lastReused > 0 && lastReused >= uint64(len(files)))
+			overwrite := r.o.full || (r.ahead > 0 && lastReused > 0 && lastReused >= uint64(len(files)))
 			if err := r.measureCeilings(ctx, files, jobs, eng.Stats().Mounts[0].Direct, overwrite, &ceil); err != nil {
 				return err
 			}
@@ -453,7 +457,7 @@ func (r *benchRun) keySize(ctx context.Context, eng *engine.Engine, gp *gpuPaths
 		cp := ceil.pair(jobs)
 		base := bench.Run{
 			Path: path, Mover: mover, IO: io, Checksums: sums, Checksummed: summed, Jobs: jobs, TokensPerKey: tpk,
-			KeyBytes: g.KeyBytes(), KeysPerJob: r.o.keysPerJob, KeysPerFile: perFile, Keys: keys, Preallocate: r.o.preallocate,
+			KeyBytes: g.KeyBytes(), KeysPerJob: r.o.keysPerJob, KeysPerFile: perFile, Keys: keys, Preallocate: r.ahead,
 		}
 		if r.o.store {
 			r.rep.Runs = append(r.rep.Runs, st.run(base, bench.Store, keys, cp.write, ceil.wround))
@@ -532,7 +536,7 @@ func (t *phaseTotals) run(base bench.Run, dir string, keys int, ceiling bench.Ce
 // Without preallocation it returns at once: the registrar's work then
 // overlaps the phases, as it does in a daemon under load.
 func (r *benchRun) settle(ctx context.Context, eng *engine.Engine, gp *gpuPaths) error {
-	if r.o.preallocate <= 0 {
+	if r.ahead <= 0 {
 		return nil
 	}
 	if err := eng.WaitSpares(ctx); err != nil {

@@ -406,6 +406,45 @@ func TestBenchStoresIntoSparesMadeAheadWithPreallocate(t *testing.T) {
 	}
 }
 
+// On a memory file system the benchmark's engine makes spares ahead of
+// stores as the daemon's does by default (preallocate auto: an eighth of
+// the mount's capacity, at most 4 GiB), and --preallocate 0 turns that off.
+func TestBenchMakesSparesAheadOnAMemoryMountByDefault(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		args   []string
+		spares bool
+	}{
+		{"default", nil, true},
+		{"--preallocate auto", []string{"--preallocate", "auto"}, true},
+		{"--preallocate 0", []string{"--preallocate", "0"}, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			args := append([]string{"--memory", "host", "--rounds", "2", "--jobs", "1", "--tokens-per-key", "256", "--total", "64MiB"}, tc.args...)
+			rep := benchOnMemory(t, args...)
+			stores := 0
+			for _, x := range rep.Runs {
+				if tc.spares != (x.Preallocate > 0) || x.Preallocate > 4<<30 {
+					t.Errorf("%s: report says preallocate %d, want spares made ahead %v (at most 4 GiB)", x.Direction, x.Preallocate, tc.spares)
+				}
+				if x.Direction != bench.Store {
+					continue
+				}
+				stores++
+				if want := map[bool]int{true: x.Keys, false: 0}[tc.spares]; x.ReusedFiles != want {
+					t.Errorf("store: %d files of %d a round written into spares, want %d", x.ReusedFiles, x.Keys, want)
+				}
+				if overwrite := strings.Contains(x.Ceiling.Name, "into existing files"); overwrite != tc.spares || x.Ceiling.GBps <= 0 {
+					t.Errorf("store ceiling %q at %.2f GB/s: want a measured write of existing files %v", x.Ceiling.Name, x.Ceiling.GBps, tc.spares)
+				}
+			}
+			if stores == 0 {
+				t.Fatal("no store run in the report")
+			}
+		})
+	}
+}
+
 // Stores that took no spare (a budget smaller than one file) are held to
 // writes into fresh files, as without --preallocate.
 func TestBenchStoresThatTookNoSpareAreHeldToFreshWrites(t *testing.T) {

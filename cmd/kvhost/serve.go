@@ -121,7 +121,7 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 		mounts[i] = engine.Mount{
 			Path: m.Path, Capacity: capacity, HighWatermark: m.HighWatermark, LowWatermark: m.LowWatermark,
 			Reserve: int64(m.Reserve), IO: m.IO, NoChecksum: !m.Checksums(), DeviceClass: m.DeviceClass,
-			Preallocate: int64(m.Preallocate),
+			Preallocate: enginePreallocate(m.Preallocate),
 		}
 		if m.Layout == config.LayoutVLLMFS {
 			v := m.VLLMFS
@@ -557,6 +557,15 @@ func policyModule(nameOrFile string) (module []byte, name string, builtin bool, 
 		return nil, "", false, err
 	}
 	return b, nameOrFile, true, nil
+}
+
+// enginePreallocate is a mount's preallocate setting as the engine takes
+// it: the bytes given, or engine.PreallocateAuto.
+func enginePreallocate(a config.AutoSize) int64 {
+	if !a.Given {
+		return engine.PreallocateAuto
+	}
+	return int64(a.Bytes)
 }
 
 // mountCapacity is the configured capacity, or 90% of the file system's

@@ -3,6 +3,7 @@ package engine
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"os"
@@ -504,13 +505,6 @@ func diskDir(t *testing.T) string {
 	return abs
 }
 
-func TestANegativePreallocateIsRefused(t *testing.T) {
-	_, err := Open(context.Background(), Config{Mounts: []Mount{{Path: t.TempDir(), Preallocate: -1}}, Policy: newTestPolicy(1, 0), Logger: testLogger(t)})
-	if err == nil || !strings.Contains(err.Error(), "preallocate -1") {
-		t.Fatalf("open with preallocate -1: %v, want an error naming it", err)
-	}
-}
-
 // A namespace's declaration says the size of its files before any store
 // (a whole group of its keys): the spares are made in the idle moment
 // after it, and the namespace's first store writes into one. A later
@@ -828,5 +822,74 @@ func TestSpareSizeFromFilesOfFewerKeysOnlyGrows(t *testing.T) {
 	}
 	if st := f.e.Stats(); st.Reused < 4 {
 		t.Fatalf("%d files written into spares, want at least the 4 two-key jobs after the first", st.Reused)
+	}
+}
+
+func TestAutoPreallocateIsAnEighthOfAMemoryMountsCapacityAtMost4GiB(t *testing.T) {
+	g := smallGeometry(false)
+	fileLen := int64(4096) + alignTo(g.KeyBytes(), format.Align)
+	tests := []struct {
+		name        string
+		dir         func(t *testing.T) string
+		huge        bool // the file system says it holds 1 PiB
+		capacity    int64
+		preallocate int64
+		noReuse     bool
+		want        int64 // 0: none; -8: an eighth of the effective capacity
+	}{
+		{"auto on a memory mount", tmpfsDir, false, 64 * fileLen, PreallocateAuto, false, -8},
+		{"auto on a memory mount of 1 PiB", tmpfsDir, true, 0, PreallocateAuto, false, MaxAutoPreallocate},
+		{"auto on a disk", func(t *testing.T) string { return t.TempDir() }, false, 64 * fileLen, PreallocateAuto, false, 0},
+		{"auto without reuse_files", tmpfsDir, false, 64 * fileLen, PreallocateAuto, true, 0},
+		{"0 turns it off", tmpfsDir, false, 64 * fileLen, 0, false, 0},
+		{"a size given", tmpfsDir, false, 64 * fileLen, 3 * fileLen, false, 3 * fileLen},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			var fs fsys.FS = fsys.OS{}
+			if tt.huge {
+				fs = hugeFS{fs}
+			}
+			e := openEngine(t, Config{Mounts: []Mount{{Path: tt.dir(t), Capacity: tt.capacity, Preallocate: tt.preallocate}},
+				Policy: newTestPolicy(1, 0), NoReuse: tt.noReuse, FS: fs})
+			m := e.Stats().Mounts[0]
+			want := tt.want
+			if want == -8 {
+				want = m.Capacity / 8
+			}
+			if m.Preallocate != want {
+				t.Fatalf("Preallocate %d with capacity %d, want %d", m.Preallocate, m.Capacity, want)
+			}
+		})
+	}
+}
+
+// hugeFS is a file system whose every mount says it holds 1 PiB, free.
+type hugeFS struct{ fsys.FS }
+
+func (f hugeFS) Statfs(path string) (fsys.StatFS, error) {
+	st, err := f.FS.Statfs(path)
+	st.Total, st.Free, st.Avail = 1<<50, 1<<50, 1<<50
+	return st, err
+}
+
+func TestAutoPreallocateMakesSparesOnceANamespaceIsDeclared(t *testing.T) {
+	g := smallGeometry(false)
+	fileLen := int64(4096) + alignTo(g.KeyBytes(), format.Align)
+	e := openEngine(t, Config{Mounts: []Mount{{Path: tmpfsDir(t), Capacity: 64 * fileLen, Preallocate: PreallocateAuto}}, Policy: newTestPolicy(1, 0)})
+	if _, err := e.Declare(context.Background(), g); err != nil {
+		t.Fatal(err)
+	}
+	waitEngineSpares(t, e)
+	// An eighth of 64 files' capacity: 8 spares of a one-key file.
+	if m := e.Stats().Mounts[0]; m.SpareFiles != 8 || m.SpareBytes != 8*fileLen {
+		t.Fatalf("%d spares of %d bytes made ahead, want 8 of %d", m.SpareFiles, m.SpareBytes, 8*fileLen)
+	}
+}
+
+func TestANegativePreallocateOtherThanAutoIsRefused(t *testing.T) {
+	_, err := Open(context.Background(), Config{Mounts: []Mount{{Path: t.TempDir(), Preallocate: -2}}, Policy: newTestPolicy(1, 0), Logger: testLogger(t)})
+	if !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), "preallocate -2") {
+		t.Fatalf("Open with preallocate -2: %v, want ErrInvalid naming it", err)
 	}
 }

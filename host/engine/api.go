@@ -119,9 +119,17 @@ type Mount struct {
 	// registers them), until this many bytes of spares of that size exist
 	// or the spares would take the mount past its low watermark; later
 	// stores of that size write into them (docs/engine.md, "Spare files
-	// made ahead"). 0 makes none.
+	// made ahead"). 0 makes none; PreallocateAuto lets the engine choose.
 	Preallocate int64
 }
+
+// PreallocateAuto is a Mount.Preallocate that lets the engine choose: on
+// a memory file system where it keeps spares, an eighth of the mount's
+// capacity at Open, at most MaxAutoPreallocate; elsewhere none.
+const PreallocateAuto int64 = -1
+
+// MaxAutoPreallocate is the most bytes PreallocateAuto makes ahead.
+const MaxAutoPreallocate int64 = 4 << 30
 
 // Config configures an Engine. The zero value of every optional field is a
 // sensible default.
@@ -342,11 +350,15 @@ type MountStats struct {
 	// write into (memory file systems; not part of Used).
 	SpareFiles int
 	SpareBytes int64
-	Direct     bool   // O_DIRECT is used on this mount
-	IO         string // "direct" or "buffered"
-	Backend    string // the data mover of host memory on this mount ("staging")
-	Checksums  bool   // payload checksums are written and verified
-	Layout     string // LayoutKVHost or LayoutVLLMFS
+	// Preallocate is the most bytes of spares the engine makes ahead of
+	// stores on this mount (Mount.Preallocate, PreallocateAuto resolved;
+	// 0 where it makes none).
+	Preallocate int64
+	Direct      bool   // O_DIRECT is used on this mount
+	IO          string // "direct" or "buffered"
+	Backend     string // the data mover of host memory on this mount ("staging")
+	Checksums   bool   // payload checksums are written and verified
+	Layout      string // LayoutKVHost or LayoutVLLMFS
 	// Namespace is the model id a vllm-fs mount serves; Base its base
 	// directory's name (both empty on a kvhost mount).
 	Namespace, Base string

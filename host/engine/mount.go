@@ -43,7 +43,8 @@ type mount struct {
 	// their total. They are not part of used.
 	spares     map[int64][]spareFile
 	spareBytes int64
-	// ahead is Mount.Preallocate; aheadSize the size spares are made
+	// ahead is Mount.Preallocate (PreallocateAuto resolved at Open,
+	// reportMounts); aheadSize the size spares are made
 	// ahead in, and aheadFrom what set it (ahead.go: wantSpares,
 	// predictSparesLocked; 0 and sizeUnknown before either, and after
 	// making one failed); madeBytes is the spares made ahead among spares
@@ -93,8 +94,8 @@ func (e *Engine) openMount(i int, m Mount) (*mount, error) {
 	if high <= 0 || high > 1 || low <= 0 || low > high || m.Capacity < 0 || m.Reserve < 0 {
 		return nil, fmt.Errorf("%w: mount %s: capacity %d, reserve %d, watermarks high %v low %v: want capacity and reserve >= 0, 0 < low <= high <= 1", ErrInvalid, root, m.Capacity, m.Reserve, high, low)
 	}
-	if m.Preallocate < 0 {
-		return nil, fmt.Errorf("%w: mount %s: preallocate %d: want >= 0", ErrInvalid, root, m.Preallocate)
+	if m.Preallocate < 0 && m.Preallocate != PreallocateAuto {
+		return nil, fmt.Errorf("%w: mount %s: preallocate %d: want >= 0 (or PreallocateAuto)", ErrInvalid, root, m.Preallocate)
 	}
 	io := m.IO
 	if io == "" {
@@ -197,8 +198,15 @@ func (e *Engine) reportMounts() {
 		e.mu.Lock()
 		capacity, used := m.capacity, m.used
 		e.mu.Unlock()
+		auto := m.ahead == PreallocateAuto
+		if auto { // chosen once, from the capacity at Open
+			m.ahead = 0
+			if e.spareEligible(m) {
+				m.ahead = min(MaxAutoPreallocate, capacity/8)
+			}
+		}
 		e.log.Info("engine: mount", "mount", m.root, "io", m.ioName(), "why", m.ioWhy, "backend", m.backend,
-			"checksums", m.checksums, "capacity", capacity, "used", used, "reserve", m.reserve, "preallocate", m.ahead)
+			"checksums", m.checksums, "capacity", capacity, "used", used, "reserve", m.reserve, "preallocate", m.ahead, "preallocate_auto", auto)
 		if m.ahead > 0 && !e.spareEligible(m) {
 			e.log.Warn("engine: preallocate has no effect on this mount: spare files are kept only on memory file systems in kvhost's layout, with reuse_files on",
 				"mount", m.root, "preallocate", m.ahead)
