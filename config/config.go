@@ -230,8 +230,8 @@ type Mount struct {
 	// ahead of stores on a memory file system (tmpfs), while no file is
 	// in flight, so that stores into a cache with room write into pages
 	// that exist (and that the GPU path has registered). Unset or "auto":
-	// an eighth of the mount's capacity, at most 4 GiB, on a memory file
-	// system (none elsewhere); 0 makes none.
+	// an eighth of the mount's capacity, at most 4 GiB and 4096 spares of
+	// a size, on a memory file system (none elsewhere); 0 makes none.
 	Preallocate AutoSize `toml:"preallocate"`
 	// DeviceClass tells a tiering policy what the mount is: "memory",
 	// "nvme", "ssd", "hdd" or "network"; empty detects it.

@@ -232,7 +232,7 @@ if [ "${PREALLOC:-1}" = 1 ]; then
 			name="prealloc-$pre-$round"
 			flags=()
 			[ "$pre" = default ] || flags=(--preallocate "$pre")
-			daemon "$sock" "$out/daemon-$name.log" "$shm/prealloc" --capacity 40GiB "${flags[@]}" --metrics 127.0.0.1:9479
+			daemon "$sock" "$out/daemon-$name.log" "$shm/prealloc" --capacity 40GiB ${flags[@]+"${flags[@]}"} --metrics 127.0.0.1:9479
 			run "$name" python3 scripts/gpu-churn.py "$sock" 6 64 8 256 1
 			metrics 127.0.0.1:9479 kvhost_gpu_direct "kvhost_gpu_registered_files " kvhost_reused kvhost_spare_files_made kvhost_evictions \
 				| tee -a "$out/$name.txt" | sed 's/^/   /'

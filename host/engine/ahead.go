@@ -215,7 +215,8 @@ func (e *Engine) fileEnded() {
 // nextSpareLocked returns the mount whose spares the maker should work
 // on, or nil, and a made spare of another size to remove first (no path:
 // make one of m.aheadSize). A mount wants a spare of size aheadSize while
-// its spares of that size are fewer than Preallocate bytes, the spares it
+// its spares of that size are fewer than Preallocate bytes (and than
+// aheadFiles, where that bounds them), the spares it
 // made ahead (of any size) leave room for one more within Preallocate,
 // and one more stays below the low watermark.
 func (e *Engine) nextSpareLocked() (*mount, spareFile) {
@@ -227,7 +228,7 @@ func (e *Engine) nextSpareLocked() (*mount, spareFile) {
 		if m.ahead <= 0 || size <= 0 || !e.spareEligible(m) {
 			continue
 		}
-		if int64(len(m.spares[size])+1)*size > m.ahead {
+		if n := len(m.spares[size]); int64(n+1)*size > m.ahead || m.aheadFiles > 0 && n >= m.aheadFiles {
 			continue // enough of that size
 		}
 		if m.madeBytes+size > m.ahead {

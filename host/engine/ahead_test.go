@@ -893,3 +893,43 @@ func TestANegativePreallocateOtherThanAutoIsRefused(t *testing.T) {
 		t.Fatalf("Open with preallocate -2: %v, want ErrInvalid naming it", err)
 	}
 }
+
+func TestAutoPreallocateKeepsAtMostMaxAutoSpareFilesOfASize(t *testing.T) {
+	g := smallGeometry(false)
+	fileLen := int64(4096) + alignTo(g.KeyBytes(), format.Align)
+	for _, tt := range []struct {
+		name        string
+		preallocate int64
+		wantBound   int
+	}{
+		{"auto", PreallocateAuto, MaxAutoSpareFiles},
+		{"a size given", 8 * fileLen, 0},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			e := openEngine(t, Config{Mounts: []Mount{{Path: tmpfsDir(t), Capacity: 64 * fileLen, Preallocate: tt.preallocate}}, Policy: newTestPolicy(1, 0)})
+			m := e.mounts[0]
+			e.mu.Lock()
+			bound := m.aheadFiles
+			if tt.wantBound > 0 {
+				// The bound itself is thousands of files; three stand for
+				// it here, within a budget of eight.
+				m.aheadFiles = 3
+			}
+			e.mu.Unlock()
+			if bound != tt.wantBound {
+				t.Fatalf("spares of a size bounded at %d, want %d", bound, tt.wantBound)
+			}
+			if _, err := e.Declare(context.Background(), g); err != nil {
+				t.Fatal(err)
+			}
+			waitEngineSpares(t, e)
+			want := 8 // the byte budget: an eighth of 64 files, or 8 files given
+			if tt.wantBound > 0 {
+				want = 3
+			}
+			if st := e.Stats().Mounts[0]; st.SpareFiles != want {
+				t.Fatalf("%d spares made ahead, want %d", st.SpareFiles, want)
+			}
+		})
+	}
+}

@@ -125,11 +125,18 @@ type Mount struct {
 
 // PreallocateAuto is a Mount.Preallocate that lets the engine choose: on
 // a memory file system where it keeps spares, an eighth of the mount's
-// capacity at Open, at most MaxAutoPreallocate; elsewhere none.
+// capacity at Open, at most MaxAutoPreallocate bytes, in at most
+// MaxAutoSpareFiles spares of a size; elsewhere none.
 const PreallocateAuto int64 = -1
 
 // MaxAutoPreallocate is the most bytes PreallocateAuto makes ahead.
 const MaxAutoPreallocate int64 = 4 << 30
+
+// MaxAutoSpareFiles is the most spares of one size PreallocateAuto keeps
+// made ahead: small keys would otherwise make tens of thousands of files,
+// each one offered to the GPU path's registrar, whose registered files are
+// bounded (gpu.register_files).
+const MaxAutoSpareFiles = 4096
 
 // Config configures an Engine. The zero value of every optional field is a
 // sensible default.

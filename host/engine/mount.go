@@ -44,12 +44,15 @@ type mount struct {
 	spares     map[int64][]spareFile
 	spareBytes int64
 	// ahead is Mount.Preallocate (PreallocateAuto resolved at Open,
-	// reportMounts); aheadSize the size spares are made
+	// reportMounts), and aheadFiles the most spares of a size it keeps
+	// (MaxAutoSpareFiles for PreallocateAuto; 0: no bound but ahead's);
+	// aheadSize the size spares are made
 	// ahead in, and aheadFrom what set it (ahead.go: wantSpares,
 	// predictSparesLocked; 0 and sizeUnknown before either, and after
 	// making one failed); madeBytes is the spares made ahead among spares
 	// (of any size).
 	ahead, aheadSize, madeBytes int64
+	aheadFiles                  int
 	aheadFrom                   sizeSource
 }
 
@@ -202,7 +205,7 @@ func (e *Engine) reportMounts() {
 		if auto { // chosen once, from the capacity at Open
 			m.ahead = 0
 			if e.spareEligible(m) {
-				m.ahead = min(MaxAutoPreallocate, capacity/8)
+				m.ahead, m.aheadFiles = min(MaxAutoPreallocate, capacity/8), MaxAutoSpareFiles
 			}
 		}
 		e.log.Info("engine: mount", "mount", m.root, "io", m.ioName(), "why", m.ioWhy, "backend", m.backend,

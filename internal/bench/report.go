@@ -150,12 +150,12 @@ type Run struct {
 	// stored (every byte of every hit when verification is on); a miss's
 	// destination blocks are checked to be untouched too.
 	VerifiedBytes int64 `json:"verified_bytes"`
-	// ReusedFiles is how many files a store phase wrote into evicted
-	// files instead of fresh ones (spare files; a full cache on a memory
-	// file system), per round.
+	// ReusedFiles is how many files a store phase wrote into spare files
+	// instead of fresh ones (evicted files in a full cache, and files made
+	// ahead, on a memory file system), per round.
 	ReusedFiles int `json:"reused_files,omitempty"`
-	// Preallocate is the bytes of spare files the engine made ahead of
-	// stores (mount.preallocate); with it the benchmark let the engine
+	// Preallocate is the most bytes of spare files the engine makes ahead
+	// of stores (mount.preallocate, auto resolved); with it the benchmark let the engine
 	// make them, and the GPU path register them, before each timed phase
 	// and ceiling.
 	Preallocate int64 `json:"preallocate,omitempty"`
