@@ -328,7 +328,17 @@ func (r *benchRun) keySize(ctx context.Context, eng *engine.Engine, gp *gpuPaths
 	if c.cache, err = eng.RegisterCache(ns, tensors); err != nil {
 		return err
 	}
-	defer eng.UnregisterCache(c.cache)
+	// The key size's namespace is released when its runs are done, as a
+	// client's is when it leaves: the engine splits spares made ahead
+	// between the namespaces it knows, and the next key size's runs get
+	// the whole budget, as a daemon serving one model gives it.
+	defer func() {
+		if err := eng.UnregisterCache(c.cache); err != nil {
+			r.log.Warn("bench: unregister the cache", "err", err)
+		} else if err := eng.Release(ns); err != nil {
+			r.log.Warn("bench: release the namespace", "err", err)
+		}
+	}()
 	for i := range keys {
 		c.keys = append(c.keys, fmt.Appendf(nil, "bench-%d-%08d", tpk, i))
 		c.misses = append(c.misses, fmt.Appendf(nil, "bench-miss-%d-%08d", tpk, i))

@@ -1,8 +1,11 @@
 package engine
 
 import (
+	"cmp"
 	"context"
 	"fmt"
+	"maps"
+	"slices"
 	"sync/atomic"
 	"time"
 
@@ -18,12 +21,14 @@ import (
 // path has not registered (it registers a file after its first job). On a
 // mount with Preallocate set, a background goroutine makes spares ahead
 // of demand instead: after a namespace's declaration or a store, while no
-// file is in flight on the engine, it creates files of the size the
-// stores write (wantSpares: the last file of a whole group of keys; until
-// a store, such a file of the namespace declared first:
-// predictSparesLocked), allocates their pages (fallocate) and tells the movers (transfer.Preparer: the GPU path
-// registers them), until Preallocate bytes of spares of that size exist
-// or the spares would take the mount past its low watermark. The next
+// file is in flight on the engine, it creates files of the sizes the
+// stores write, allocates their pages (fallocate) and tells the movers
+// (transfer.Preparer: the GPU path registers them). Each namespace that
+// stores on the mount has a size (wantSpares: its last file of a whole
+// group of keys; until a store, such a file as its declaration says:
+// predictSparesLocked) and an even share of Preallocate, which goes to
+// spares of its size (aheadTargetsLocked), as far as the spares stay
+// below the mount's low watermark. The next
 // stores of that size then write into pages that exist and are registered,
 // as stores into a full cache do. A made spare is a spare like any other:
 // free space that holds pages, removed when a reservation needs the room
@@ -33,9 +38,10 @@ import (
 // that it takes no memory bandwidth from a burst of jobs (a client's next
 // job follows its last within microseconds to milliseconds); it makes one
 // file at a time, and checks again before the next. Spares made ahead of
-// one size count against Preallocate until stores take them; when stores
-// change size and the made spares of the old size fill the budget, the
-// maker removes those first.
+// a size count against Preallocate until stores take them; when the
+// shares change (a namespace stores another size, another namespace
+// comes, one is released) and made spares beyond their size's share fill
+// the budget, the maker removes those first.
 
 // aheadQuiet is how long no file must have been in flight before the
 // maker makes a spare: longer than the gaps between a burst's jobs,
@@ -88,7 +94,7 @@ func (e *Engine) stopSpareMaker() {
 	<-e.maker.done
 }
 
-// sizeSource is what set the size a mount makes spares ahead in.
+// sizeSource is what set the size of a namespace's files on a mount.
 type sizeSource uint8
 
 const (
@@ -98,27 +104,43 @@ const (
 	sizeWhole              // a stored file of a whole group of keys
 )
 
-// wantSpares records that a store on m writes a file of size bytes, and
-// wakes the maker if m should have more spares. Spares are made in the
-// size of the last file that held a whole group of the namespace's keys
-// (full): a job's last file may hold fewer, and following it would make
-// spares of a size few stores write (and remove those of the size most
-// do). Until such a file is stored, files of fewer keys set it, over a
-// declaration's guess too (a client whose jobs all hold fewer keys than
-// a group writes only such files), but only ever upwards: jobs of
-// varying length would otherwise have the maker remove and remake the
-// whole budget in every idle moment.
-func (e *Engine) wantSpares(m *mount, size int64, full bool) {
+// nsAhead is what a namespace's declaration and stores say about the
+// files it stores on a mount that makes spares ahead: their size (0:
+// unknown), and what set it.
+type nsAhead struct {
+	size   int64
+	from   sizeSource
+	failed bool
+}
+
+// wantSpares records that a store of namespace ns on m writes a file of
+// size bytes, and wakes the maker if m should have more spares. The
+// namespace's spares are made in the size of its last file that held a
+// whole group of its keys (full): a job's last file may hold fewer, and
+// following it would make spares of a size few stores write (and remove
+// those of the size most do). Until such a file is stored, files of fewer
+// keys set it, over a declaration's guess too (a client whose jobs all
+// hold fewer keys than a group writes only such files), but only ever
+// upwards: jobs of varying length would otherwise have the maker remove
+// and remake the namespace's share in every idle moment.
+func (e *Engine) wantSpares(m *mount, ns NamespaceID, size int64, full bool) {
 	if e.maker == nil || m.ahead <= 0 || !e.spareEligible(m) {
 		return
 	}
 	e.mu.Lock() // once per store: the size and the check together
+	if n := e.nss[ns]; !n.declared {
+		e.mu.Unlock()
+		return
+	}
+	a := m.aheadNS[ns]
+	a.failed = false
 	switch {
 	case full:
-		m.aheadSize, m.aheadFrom = size, sizeWhole
-	case m.aheadFrom < sizePartial || m.aheadFrom == sizePartial && size > m.aheadSize:
-		m.aheadSize, m.aheadFrom = size, sizePartial
+		a = nsAhead{size: size, from: sizeWhole}
+	case a.from < sizePartial || a.from == sizePartial && size > a.size:
+		a = nsAhead{size: size, from: sizePartial}
 	}
+	m.setAheadLocked(ns, a)
 	work := e.spareWorkLocked()
 	e.mu.Unlock()
 	e.wakeMaker(work)
@@ -127,14 +149,14 @@ func (e *Engine) wantSpares(m *mount, size int64, full bool) {
 // predictSparesLocked guesses the size of the files a newly declared
 // namespace's stores will write, a file holding a whole group of its keys
 // (wholeFileLen), for the mount that makes spares ahead, where that mount
-// knows no size yet, and reports whether the maker then has work. Declare
-// calls it for a namespace in kvhost's layout, so that the spares are
-// made in the idle moment between a client's start and its first stores
-// rather than after them. It guesses only where one kvhost mount makes
-// spares ahead: with several, which of them the policy will place files
-// on is not known before it does, and spares on a mount no store reaches
-// would hold its memory for nothing. Any store's size replaces the guess
-// (wantSpares). The caller holds e.mu.
+// knows no size of the namespace yet, and reports whether the maker then
+// has work. Declare calls it for a namespace in kvhost's layout, so that
+// the spares are made in the idle moment between a client's start and its
+// first stores rather than after them. It guesses only where one kvhost
+// mount makes spares ahead: with several, which of them the policy will
+// place files on is not known before it does, and spares on a mount no
+// store reaches would hold its memory for nothing. Any store's size
+// replaces the guess (wantSpares). The caller holds e.mu.
 func (e *Engine) predictSparesLocked(ns *namespace) bool {
 	if e.maker == nil || ns.layout != nil {
 		return false
@@ -148,11 +170,74 @@ func (e *Engine) predictSparesLocked(ns *namespace) bool {
 			only = m
 		}
 	}
-	if only == nil || only.aheadFrom != sizeUnknown {
+	if only == nil || only.aheadNS[ns.id].from != sizeUnknown {
 		return false
 	}
-	only.aheadSize, only.aheadFrom = ns.wholeFileLen(), sizeGuessed
+	only.setAheadLocked(ns.id, nsAhead{size: ns.wholeFileLen(), from: sizeGuessed})
 	return e.spareWorkLocked()
+}
+
+// forgetAheadLocked drops what every mount knows of released namespace
+// ns's files (its share of the spares goes to the others), and reports
+// whether the maker then has work.
+func (e *Engine) forgetAheadLocked(ns NamespaceID) bool {
+	if e.maker == nil {
+		return false
+	}
+	for _, m := range e.mounts {
+		delete(m.aheadNS, ns)
+	}
+	return e.spareWorkLocked()
+}
+
+// setAheadLocked records what namespace ns says about its files on m.
+func (m *mount) setAheadLocked(ns NamespaceID, a nsAhead) {
+	if m.aheadNS == nil {
+		m.aheadNS = map[NamespaceID]nsAhead{}
+	}
+	m.aheadNS[ns] = a
+}
+
+// aheadTargetsLocked returns the bytes of spares of each size m makes
+// ahead: Preallocate split evenly between the namespaces whose file size
+// on m is known, each share going to its namespace's size.
+func (m *mount) aheadTargetsLocked() map[int64]int64 {
+	k := int64(0)
+	for _, a := range m.aheadNS {
+		if a.size > 0 {
+			k++
+		}
+	}
+	if k == 0 {
+		return nil
+	}
+	t := make(map[int64]int64, k)
+	for _, a := range m.aheadNS {
+		if a.size > 0 {
+			t[a.size] += m.ahead / k
+		}
+	}
+	return t
+}
+
+// failedLocked reports whether every namespace of size on m failed to get one.
+func (m *mount) failedLocked(size int64) bool {
+	for _, a := range m.aheadNS {
+		if a.size == size && !a.failed {
+			return false
+		}
+	}
+	return true
+}
+
+// aheadWantLocked is how many spares of size m keeps for target bytes:
+// as many as fit in them, at most aheadFiles where that bounds them.
+func (m *mount) aheadWantLocked(size, target int64) int {
+	n := int(target / size)
+	if m.aheadFiles > 0 {
+		n = min(n, m.aheadFiles)
+	}
+	return n
 }
 
 // spareRoom wakes the maker if it has work (a delete or a move freed
@@ -170,7 +255,7 @@ func (e *Engine) spareRoom() {
 // spareWorkLocked reports whether the maker has work, and if so marks it
 // busy for WaitSpares.
 func (e *Engine) spareWorkLocked() bool {
-	if m, _ := e.nextSpareLocked(); m == nil {
+	if m, _, _ := e.nextSpareLocked(); m == nil {
 		return false
 	}
 	select {
@@ -213,43 +298,60 @@ func (e *Engine) fileEnded() {
 }
 
 // nextSpareLocked returns the mount whose spares the maker should work
-// on, or nil, and a made spare of another size to remove first (no path:
-// make one of m.aheadSize). A mount wants a spare of size aheadSize while
-// its spares of that size are fewer than Preallocate bytes (and than
-// aheadFiles, where that bounds them), the spares it
-// made ahead (of any size) leave room for one more within Preallocate,
-// and one more stays below the low watermark.
-func (e *Engine) nextSpareLocked() (*mount, spareFile) {
+// on, or nil, the size of the spare to make there, and a made spare
+// beyond its size's share to remove first (no path: make one of size). A
+// mount wants a spare of a size while its spares of that size (made or
+// evicted) are fewer than that size's share of Preallocate holds (and
+// than aheadFiles, where that bounds them), the spares it made ahead (of
+// any size) leave room for one more within Preallocate, and one more
+// stays below the low watermark. Of the sizes that want one, the one with
+// the least of its share comes first.
+func (e *Engine) nextSpareLocked() (*mount, int64, spareFile) {
 	if e.closed {
-		return nil, spareFile{}
+		return nil, 0, spareFile{}
 	}
 	for _, m := range e.mounts {
-		size := m.aheadSize
-		if m.ahead <= 0 || size <= 0 || !e.spareEligible(m) {
+		if m.ahead <= 0 || !e.spareEligible(m) {
 			continue
 		}
-		if n := len(m.spares[size]); int64(n+1)*size > m.ahead || m.aheadFiles > 0 && n >= m.aheadFiles {
-			continue // enough of that size
+		targets := m.aheadTargetsLocked()
+		type cand struct {
+			size int64
+			f    float64
 		}
-		if m.madeBytes+size > m.ahead {
-			// Made spares of other sizes fill the budget: remove them,
-			// but only where one of this size then fits below the low
-			// watermark (else they would go for nothing).
-			stale := m.madeBytes - m.madeOfSizeLocked(size)
-			if m.used+m.spareBytes-stale+size > m.low {
+		var cands []cand
+		for sz, target := range targets {
+			if m.failedLocked(sz) {
 				continue
 			}
-			if sf, ok := m.staleMadeLocked(size); ok {
-				return m, sf
+			want := m.aheadWantLocked(sz, target)
+			have := len(m.spares[sz])
+			if have >= want {
+				continue // enough of that size
 			}
-			continue
+			cands = append(cands, cand{sz, float64(have) / float64(want)})
 		}
-		if !m.madeFitsLocked(size) {
-			continue
+		slices.SortFunc(cands, func(a, b cand) int {
+			if a.f != b.f {
+				return cmp.Compare(a.f, b.f)
+			}
+			return cmp.Compare(a.size, b.size)
+		})
+		for _, c := range cands {
+			size := c.size
+			if m.madeFitsLocked(size) {
+				return m, size, spareFile{}
+			}
+			// Made spares beyond their sizes' shares take the room:
+			// remove them, but only where one of this size then fits
+			// (else they would go for nothing).
+			sf, excess := m.excessMadeLocked(targets, size)
+			if excess > 0 && m.madeBytes-excess+size <= m.ahead && m.used+m.spareBytes-excess+size <= m.low {
+				return m, size, sf
+			}
 		}
-		return m, spareFile{}
 	}
-	return nil, spareFile{}
+	return nil, 0, spareFile{}
 }
 
 // madeFitsLocked reports whether one more spare of size made ahead stays
@@ -259,30 +361,34 @@ func (m *mount) madeFitsLocked(size int64) bool {
 	return m.madeBytes+size <= m.ahead && m.used+m.spareBytes+size <= m.low
 }
 
-// madeOfSizeLocked is the bytes of m's spares of size made ahead.
-func (m *mount) madeOfSizeLocked(size int64) int64 {
-	var n int64
-	for _, sf := range m.spares[size] {
-		if sf.zeroed {
-			n += size
-		}
-	}
-	return n
-}
-
-// staleMadeLocked returns a spare made ahead of another size than size.
-func (m *mount) staleMadeLocked(size int64) (spareFile, bool) {
-	for sz, list := range m.spares {
+// excessMadeLocked returns the bytes of m's spares made ahead beyond
+// their sizes' shares (targets), of sizes other than size, and one of
+// them (the made spares of a size beyond its share: at most as many as
+// its spares beyond what the share holds).
+func (m *mount) excessMadeLocked(targets map[int64]int64, size int64) (spareFile, int64) {
+	var one spareFile
+	var excess int64
+	sizes := slices.Sorted(maps.Keys(m.spares))
+	for _, sz := range sizes {
+		list := m.spares[sz]
 		if sz == size {
 			continue
 		}
+		over := len(list) - m.aheadWantLocked(sz, targets[sz])
 		for _, sf := range list {
+			if over <= 0 {
+				break
+			}
 			if sf.zeroed {
-				return sf, true
+				if one.path == "" {
+					one = sf
+				}
+				excess += sz
+				over--
 			}
 		}
 	}
-	return spareFile{}, false
+	return one, excess
 }
 
 // awaitQuiet waits until no file has been in flight for the quiet
@@ -321,7 +427,7 @@ func (e *Engine) makeSpares() {
 	defer close(mk.done)
 	for {
 		e.mu.Lock()
-		m, _ := e.nextSpareLocked()
+		m, _, _ := e.nextSpareLocked()
 		if m == nil {
 			select {
 			case <-mk.quiet:
@@ -342,13 +448,9 @@ func (e *Engine) makeSpares() {
 			return
 		}
 		e.mu.Lock()
-		m, stale := e.nextSpareLocked() // again: the quiet took time
-		var size int64
-		if m != nil {
-			size = m.aheadSize
-			if stale.path != "" {
-				m.removeSpareLocked(stale)
-			}
+		m, size, stale := e.nextSpareLocked() // again: the quiet took time
+		if m != nil && stale.path != "" {
+			m.removeSpareLocked(stale)
 		}
 		e.mu.Unlock()
 		switch {
@@ -360,13 +462,16 @@ func (e *Engine) makeSpares() {
 			continue
 		}
 		if err := e.makeSpare(m, size); err != nil {
-			// Not again until the next store of m, or the next
-			// namespace declared: a full file system, or one that
-			// refuses fallocate, would otherwise have the maker
-			// retry without end.
+			// Not again until the next store of a namespace of that
+			// size on m, or the next namespace declared: a full file
+			// system, or one that refuses fallocate, would otherwise
+			// have the maker retry without end.
 			e.mu.Lock()
-			if m.aheadSize == size {
-				m.aheadSize, m.aheadFrom = 0, sizeUnknown
+			for ns, a := range m.aheadNS {
+				if a.size == size {
+					a.failed = true
+					m.aheadNS[ns] = a
+				}
 			}
 			e.mu.Unlock()
 			e.log.Debug("engine: make a spare file ahead of stores", "mount", m.root, "size", size, "err", err)

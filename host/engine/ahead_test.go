@@ -56,6 +56,19 @@ func newAheadFixture(t *testing.T, cfg Config, capFiles, aheadFiles int64, low f
 	return f
 }
 
+// secondNamespace declares a second namespace (of smaller files: two
+// layers) and registers a cache of it.
+func (f *aheadFixture) secondNamespace(t *testing.T) (NamespaceID, *testCache) {
+	t.Helper()
+	g2 := smallGeometry(false)
+	g2.Layers = 2
+	ns2, err := f.e.Declare(context.Background(), g2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return ns2, newTestCache(t, f.e, ns2, g2, 64, layoutPlaneFirst)
+}
+
 // store stores one key from fresh random blocks and returns its bytes.
 func (f *aheadFixture) store(t *testing.T, key []byte) []byte {
 	t.Helper()
@@ -96,6 +109,14 @@ func waitEngineSpares(t *testing.T, e *Engine) {
 	if err := e.WaitSpares(ctx); err != nil {
 		t.Fatalf("wait for the spares made ahead: %v", err)
 	}
+}
+
+// aheadSizeOf is the size of namespace ns's files on e's first mount, as
+// its declaration and stores say (0: not known).
+func aheadSizeOf(e *Engine, ns NamespaceID) int64 {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.mounts[0].aheadNS[ns].size
 }
 
 // spareFiles lists the spare files under dir.
@@ -351,30 +372,41 @@ func TestWaitSparesReturnsOnceTheEngineIsClosed(t *testing.T) {
 // Preallocate bounds the spares made ahead of every size together: when
 // stores change size, the maker removes the spares it made of the old
 // size to make room for the new one.
-func TestPreallocateBoundsTheSparesMadeAheadOfEverySize(t *testing.T) {
-	f := newAheadFixture(t, Config{}, 40, 2, 0.85)
-	g2 := smallGeometry(false)
-	g2.Layers = 2 // smaller files
-	ns2, err := f.e.Declare(context.Background(), g2)
-	if err != nil {
-		t.Fatal(err)
+// Two namespaces that store on one mount share Preallocate evenly, each
+// share in spares of its own namespace's size; a released namespace's
+// share goes back to the other.
+func TestPreallocateIsSharedEvenlyBetweenTheNamespacesThatStore(t *testing.T) {
+	f := newAheadFixture(t, Config{}, 40, 4, 0.85)
+	if m := f.e.Stats().Mounts[0]; m.SpareBytes != 4*f.fileLen {
+		t.Fatalf("%d bytes in %d spares for one namespace, want its whole budget, four files of %d", m.SpareBytes, m.SpareFiles, f.fileLen)
 	}
-	c2 := newTestCache(t, f.e, ns2, g2, 64, layoutPlaneFirst)
+	ns2, c2 := f.secondNamespace(t)
 	f.store(t, []byte("a"))
-	f.waitSpares(t)
-	if m := f.e.Stats().Mounts[0]; m.SpareBytes != 2*f.fileLen {
-		t.Fatalf("%d bytes in %d spares after the first size, want two files of %d", m.SpareBytes, m.SpareFiles, f.fileLen)
-	}
 	c2.fill(f.r, []int{0, 1, 2, 3})
 	storeAndCheck(t, f.e, c2, [][]byte{[]byte("b")}, [][]int{{0, 1, 2, 3}})
 	f.waitSpares(t)
+	size1, size2 := aheadSizeOf(f.e, f.ns), aheadSizeOf(f.e, ns2)
 	f.e.mu.Lock()
 	m := f.e.mounts[0]
-	size2 := m.aheadSize
-	made, small, total := m.madeBytes, len(m.spares[size2]), m.spareBytes
+	big, small, made := len(m.spares[size1]), len(m.spares[size2]), m.madeBytes
 	f.e.mu.Unlock()
-	if size2 >= f.fileLen || made > m.ahead || total > m.ahead || int64(small+1)*size2 <= m.ahead {
-		t.Fatalf("after a store of %d-byte files: %d bytes made ahead, %d in spares, %d spares of the new size; Preallocate %d", size2, made, total, small, m.ahead)
+	half := 2 * f.fileLen
+	if size1 != f.fileLen || size2 >= f.fileLen || big != 2 || small != int(half/size2) || made > m.ahead {
+		t.Fatalf("sizes %d and %d: %d and %d spares, %d bytes made; want two of the first size and %d of the second (half of %d each)", size1, size2, big, small, made, half/size2, m.ahead)
+	}
+	// The second namespace goes: its share goes back to the first.
+	if err := f.e.UnregisterCache(c2.id); err != nil {
+		t.Fatal(err)
+	}
+	if err := f.e.Release(ns2); err != nil {
+		t.Fatal(err)
+	}
+	f.waitSpares(t)
+	f.e.mu.Lock()
+	big, small = len(m.spares[size1]), len(m.spares[size2])
+	f.e.mu.Unlock()
+	if big != 4 || small != 0 {
+		t.Fatalf("after the second namespace's release: %d and %d spares, want four of the first size and none of the second", big, small)
 	}
 }
 
@@ -444,20 +476,23 @@ func TestSparesAreMadeAheadInTheSizeOfWholeFiles(t *testing.T) {
 	}
 }
 
-// Spares made ahead of an old size stay where one of the new size would
-// not fit below the low watermark anyway: removing them would lose them
-// for nothing.
+// Spares made ahead beyond their size's share (another namespace came)
+// stay where one of the size that wants the room would not fit below the
+// low watermark anyway: removing them would lose them for nothing.
 func TestSparesMadeAheadStayWhereTheNewSizeWouldNotFit(t *testing.T) {
 	dir := tmpfsDir(t)
 	big, small := smallGeometry(false), smallGeometry(false)
-	small.Layers = 2
-	bigLen := int64(4096) + alignTo(big.KeyBytes(), format.Align)
-	// Three small spares fit below the low watermark (210000 bytes) beside
-	// a small file; a big file and a big spare beside them do not.
-	e := openEngine(t, Config{Mounts: []Mount{{Path: dir, Capacity: 300000, HighWatermark: 0.9, LowWatermark: 0.7, Preallocate: 2 * bigLen}}, Policy: newTestPolicy(1, 0)})
+	small.Layers = 3
+	bigLen := int64(4096) + alignTo(big.KeyBytes(), format.Align)     // 86016 bytes
+	smallLen := int64(4096) + alignTo(small.KeyBytes(), format.Align) // 65536
+	// The budget holds two small spares, which fit below the low
+	// watermark (200000 bytes) beside a small file. Shared, it holds one
+	// of each size: the big spare would not fit even in place of the
+	// small one beyond its share, before the big store or after it.
+	e := openEngine(t, Config{Mounts: []Mount{{Path: dir, Capacity: 285715, HighWatermark: 0.9, LowWatermark: 0.7, Preallocate: 2 * bigLen}}, Policy: newTestPolicy(1, 0)})
 	r := rand.New(rand.NewPCG(5, 5))
 	caches := map[*Geometry]*testCache{}
-	for _, g := range []*Geometry{&small, &big} {
+	declare := func(g *Geometry) {
 		ns, err := e.Declare(context.Background(), *g)
 		if err != nil {
 			t.Fatal(err)
@@ -467,17 +502,19 @@ func TestSparesMadeAheadStayWhereTheNewSizeWouldNotFit(t *testing.T) {
 	wait := func() {
 		waitEngineSpares(t, e)
 	}
+	declare(&small) // the whole budget: its spares up to the low watermark
 	caches[&small].fill(r, []int{0, 1, 2, 3})
 	storeAndCheck(t, e, caches[&small], [][]byte{[]byte("s")}, [][]int{{0, 1, 2, 3}})
 	wait()
 	before := e.Stats()
-	if before.Mounts[0].SpareFiles != 3 {
-		t.Fatalf("%d small spares made, want 3", before.Mounts[0].SpareFiles)
+	if before.Mounts[0].SpareFiles != 2 || before.Mounts[0].SpareBytes != 2*smallLen {
+		t.Fatalf("%d small spares made (%d bytes), want 2 of %d", before.Mounts[0].SpareFiles, before.Mounts[0].SpareBytes, smallLen)
 	}
+	declare(&big) // half the budget each: one small spare is beyond its share
 	caches[&big].fill(r, []int{0, 1, 2, 3})
 	storeAndCheck(t, e, caches[&big], [][]byte{[]byte("b")}, [][]int{{0, 1, 2, 3}})
 	wait()
-	if after := e.Stats(); after.Mounts[0].SpareFiles != 3 || after.SparesMade != before.SparesMade {
+	if after := e.Stats(); after.Mounts[0].SpareFiles != 2 || after.SparesMade != before.SparesMade {
 		t.Fatalf("after a big store: %d spares (%d before), %d made (%d before): want the small ones kept, none made", after.Mounts[0].SpareFiles, before.Mounts[0].SpareFiles, after.SparesMade, before.SparesMade)
 	}
 }
@@ -544,14 +581,15 @@ func TestSparesAreMadeAheadOfTheFirstStoreOnceANamespaceIsDeclared(t *testing.T)
 
 	g2 := smallGeometry(false)
 	g2.Layers = 2
-	if _, err := f.e.Declare(context.Background(), g2); err != nil {
+	ns2, err := f.e.Declare(context.Background(), g2)
+	if err != nil {
 		t.Fatal(err)
 	}
 	f.e.mu.Lock()
-	size := m.aheadSize
+	whole2 := f.e.nss[ns2].wholeFileLen()
 	f.e.mu.Unlock()
-	if size != whole {
-		t.Fatalf("after a second namespace's declaration spares are made of %d bytes, want %d (the first's)", size, whole)
+	if size, size2 := aheadSizeOf(f.e, f.ns), aheadSizeOf(f.e, ns2); size != whole || size2 != whole2 {
+		t.Fatalf("after a second namespace's declaration the sizes are %d and %d, want %d (the first's, unchanged) and %d (its own)", size, size2, whole, whole2)
 	}
 }
 
@@ -567,10 +605,10 @@ func TestAVLLMFSNamespaceMakesNoSparesAhead(t *testing.T) {
 	}
 	waitEngineSpares(t, e)
 	e.mu.Lock()
-	size := e.mounts[0].aheadSize
+	sizes := len(e.mounts[0].aheadNS)
 	e.mu.Unlock()
-	if st := e.Stats(); size != 0 || st.SparesMade != 0 || len(spareFiles(t, kv)) != 0 {
-		t.Fatalf("after a vllm-fs namespace's declaration: size %d, %d made; want none", size, st.SparesMade)
+	if st := e.Stats(); sizes != 0 || st.SparesMade != 0 || len(spareFiles(t, kv)) != 0 {
+		t.Fatalf("after a vllm-fs namespace's declaration: %d sizes known, %d made; want none", sizes, st.SparesMade)
 	}
 	// A namespace of kvhost's layout does say one.
 	ns, err := e.Declare(context.Background(), smallGeometry(false))
@@ -579,9 +617,9 @@ func TestAVLLMFSNamespaceMakesNoSparesAhead(t *testing.T) {
 	}
 	waitEngineSpares(t, e)
 	e.mu.Lock()
-	size, want := e.mounts[0].aheadSize, e.nss[ns].wholeFileLen()
+	want := e.nss[ns].wholeFileLen()
 	e.mu.Unlock()
-	if size != want || e.Stats().SparesMade == 0 {
+	if size := aheadSizeOf(e, ns); size != want || e.Stats().SparesMade == 0 {
 		t.Fatalf("after a kvhost namespace's declaration: size %d (want %d), %d made", size, want, e.Stats().SparesMade)
 	}
 }
@@ -701,10 +739,7 @@ func TestStoresOfFewerKeysThanAGroupReplaceTheDeclaredSpareSize(t *testing.T) {
 	for i, k := range testKeys("single", 6) {
 		f.store(t, k) // one key: a file of one key, a quarter of a group
 		f.waitSpares(t)
-		f.e.mu.Lock()
-		size := f.e.mounts[0].aheadSize
-		f.e.mu.Unlock()
-		if size != f.fileLen {
+		if size := aheadSizeOf(f.e, f.ns); size != f.fileLen {
 			t.Fatalf("after %d one-key stores spares are made of %d bytes, want a one-key file's %d", i+1, size, f.fileLen)
 		}
 	}
@@ -721,9 +756,9 @@ func TestStoresOfFewerKeysThanAGroupReplaceTheDeclaredSpareSize(t *testing.T) {
 	storeAndCheck(t, f.e, f.c, testKeys("group", 4), blocks)
 	f.store(t, []byte("single-after"))
 	f.e.mu.Lock()
-	size, whole := f.e.mounts[0].aheadSize, f.e.nss[f.ns].wholeFileLen()
+	whole := f.e.nss[f.ns].wholeFileLen()
 	f.e.mu.Unlock()
-	if size != whole {
+	if size := aheadSizeOf(f.e, f.ns); size != whole {
 		t.Fatalf("after a four-key file and a one-key file spares are made of %d bytes, want the four-key file's %d", size, whole)
 	}
 }
@@ -809,9 +844,7 @@ func TestSpareSizeFromFilesOfFewerKeysOnlyGrows(t *testing.T) {
 		n := 1 + i%2 // one key, two keys, one key, ...
 		f.storeJob(t, testKeys(fmt.Sprintf("job%d-", i), n))
 		f.waitSpares(t)
-		f.e.mu.Lock()
-		size := f.e.mounts[0].aheadSize
-		f.e.mu.Unlock()
+		size := aheadSizeOf(f.e, f.ns)
 		want := f.fileLen
 		if i > 0 {
 			want = twoKeys
@@ -931,5 +964,28 @@ func TestAutoPreallocateKeepsAtMostMaxAutoSpareFilesOfASize(t *testing.T) {
 				t.Fatalf("%d spares made ahead, want %d", st.SpareFiles, want)
 			}
 		})
+	}
+}
+
+// Two models whose stores alternate keep spares of both sizes: every
+// store after the first of each writes into one, and the maker removes
+// none to make the other size's (it used to follow the last size stored
+// and remake the whole budget at every switch).
+func TestTwoNamespacesWhoseStoresAlternateKeepSparesOfBothSizes(t *testing.T) {
+	f := newAheadFixture(t, Config{}, 60, 4, 0.85)
+	_, c2 := f.secondNamespace(t)
+	f.waitSpares(t) // the shares change once: half the first size's spares go
+	before := f.e.Stats()
+	for i := range 6 {
+		f.store(t, fmt.Appendf(nil, "a%d", i))
+		c2.fill(f.r, []int{0, 1, 2, 3})
+		storeAndCheck(t, f.e, c2, [][]byte{fmt.Appendf(nil, "b%d", i)}, [][]int{{0, 1, 2, 3}})
+		f.waitSpares(t)
+	}
+	st := f.e.Stats()
+	// Made since = taken by stores + the change in spares: none removed.
+	made, reused := st.SparesMade-before.SparesMade, st.Reused-before.Reused
+	if reused != 12 || int(made) != int(reused)+st.Mounts[0].SpareFiles-before.Mounts[0].SpareFiles {
+		t.Fatalf("12 stores: %d into spares, %d spares made, %d left (%d before); want every store into a spare and none removed", reused, made, st.Mounts[0].SpareFiles, before.Mounts[0].SpareFiles)
 	}
 }

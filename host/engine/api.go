@@ -112,12 +112,14 @@ type Mount struct {
 	// Preallocate is the most bytes of spare files the engine makes ahead
 	// of stores on a memory file system in kvhost's layout (ignored
 	// elsewhere, and with Config.NoReuse): while no file is in flight,
-	// it makes empty files of the size stores will write (a file of a
-	// whole group of keys, Policy keys_per_file: guessed from a declared
-	// namespace where one mount makes spares ahead, then taken from the
-	// stores; docs/engine.md), with their pages allocated and shown to the movers (the GPU path
-	// registers them), until this many bytes of spares of that size exist
-	// or the spares would take the mount past its low watermark; later
+	// it makes empty files of the sizes stores will write (for each
+	// namespace storing there, a file of a whole group of its keys, Policy
+	// keys_per_file: guessed from its declaration where one mount makes
+	// spares ahead, then taken from its stores; docs/engine.md), with
+	// their pages allocated and shown to the movers (the GPU path
+	// registers them), this many bytes split evenly between those
+	// namespaces, until the spares would take the mount past its low
+	// watermark; later
 	// stores of that size write into them (docs/engine.md, "Spare files
 	// made ahead"). 0 makes none; PreallocateAuto lets the engine choose.
 	Preallocate int64

@@ -46,14 +46,13 @@ type mount struct {
 	// ahead is Mount.Preallocate (PreallocateAuto resolved at Open,
 	// reportMounts), and aheadFiles the most spares of a size it keeps
 	// (MaxAutoSpareFiles for PreallocateAuto; 0: no bound but ahead's);
-	// aheadSize the size spares are made
-	// ahead in, and aheadFrom what set it (ahead.go: wantSpares,
-	// predictSparesLocked; 0 and sizeUnknown before either, and after
-	// making one failed); madeBytes is the spares made ahead among spares
-	// (of any size).
-	ahead, aheadSize, madeBytes int64
-	aheadFiles                  int
-	aheadFrom                   sizeSource
+	// aheadNS what each namespace's declaration and stores say about its
+	// files here (ahead.go: wantSpares, predictSparesLocked; dropped at
+	// Release, and where making one of its size failed); madeBytes is the
+	// spares made ahead among spares (of any size).
+	ahead, madeBytes int64
+	aheadFiles       int
+	aheadNS          map[NamespaceID]nsAhead
 }
 
 // spareFilesLocked counts m's spares.

@@ -172,6 +172,7 @@ func (e *Engine) Release(ns NamespaceID) error {
 		n.counted = false
 		e.declares--
 	}
+	e.wakeMaker(e.forgetAheadLocked(ns)) // its share of the spares goes to the others
 	return nil
 }
 

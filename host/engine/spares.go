@@ -218,16 +218,16 @@ func zeroRange(f fsys.File, from, to int64) error {
 	return nil
 }
 
-// openTemp opens the temporary file of a store of size bytes, whose
-// payload ends at end, in dir on m: a spare of that size where m has one,
-// else a fresh file (createTemp). full says the file holds a whole group
-// of the namespace's keys (wantSpares). The reservation made room for a fresh
-// file beside the spares (reserve), and keepSpare keeps a spare only
-// where it fits.
-func (e *Engine) openTemp(m *mount, dir string, extra int, size, end int64, full bool) (f fsys.File, tmp, op string, err error) {
+// openTemp opens the temporary file of a store of namespace ns of size
+// bytes, whose payload ends at end, in dir on m: a spare of that size
+// where m has one, else a fresh file (createTemp). full says the file
+// holds a whole group of the namespace's keys (wantSpares). The
+// reservation made room for a fresh file beside the spares (reserve), and
+// keepSpare keeps a spare only where it fits.
+func (e *Engine) openTemp(m *mount, ns NamespaceID, dir string, extra int, size, end int64, full bool) (f fsys.File, tmp, op string, err error) {
 	if e.spareEligible(m) {
 		f, tmp, ok := e.reuseSpare(m, dir, extra, size, end)
-		e.wantSpares(m, size, full)
+		e.wantSpares(m, ns, size, full)
 		if ok {
 			return f, tmp, "", nil
 		}

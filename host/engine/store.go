@@ -371,7 +371,7 @@ func (e *Engine) writeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 	// A file of a whole group of keys is the size later stores most
 	// likely write (a job's last file may hold fewer).
 	full := len(gr.idx) >= c.ns.keysPerFile
-	f, tmp, op, err := e.openTemp(m, dir, extra, size, hl+h.PayloadLen(), full)
+	f, tmp, op, err := e.openTemp(m, c.ns.id, dir, extra, size, hl+h.PayloadLen(), full)
 	if err != nil {
 		return published, e.ioError(m, op, err)
 	}
