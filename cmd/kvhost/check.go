@@ -17,6 +17,7 @@ import (
 
 	"github.com/kvhost/kvhost/config"
 	"github.com/kvhost/kvhost/gds"
+	"github.com/kvhost/kvhost/host/engine"
 	"github.com/kvhost/kvhost/internal/bench"
 	"github.com/kvhost/kvhost/internal/cuda"
 	"github.com/kvhost/kvhost/internal/fsys"
@@ -318,6 +319,10 @@ func checkMount(ctx context.Context, rep *checkReport, o checkOptions, m config.
 			rep.add(level, area, what, fix)
 		}
 	}
+	effective := min(configuredCapacity(size, int64(m.Capacity)), avail-int64(m.Reserve))
+	if level, what, fix := preallocateFinding(m.Preallocate, fst == "tmpfs" && m.Layout != config.LayoutVLLMFS && o.cfg.Engine.Reuse(), effective); level != "" {
+		rep.add(level, area, what, fix)
+	}
 
 	direct, err := staging.ProbeDirect(fsys.OS{}, m.Path)
 	switch {
@@ -341,14 +346,43 @@ func checkMount(ctx context.Context, rep *checkReport, o checkOptions, m config.
 	}
 }
 
+// configuredCapacity is a mount's capacity setting, or 90% of the file
+// system's size where it is 0.
+func configuredCapacity(size, capacity int64) int64 {
+	if capacity == 0 {
+		return size * 9 / 10
+	}
+	return capacity
+}
+
+// preallocateFinding says what the mount's preallocate setting makes
+// ahead of stores: spares keeps says the engine keeps spares there (a
+// memory file system in kvhost's layout, engine.reuse_files on), and
+// effective is the capacity the engine will see (auto is an eighth of
+// it, at most 4 GiB).
+func preallocateFinding(p config.AutoSize, keeps bool, effective int64) (level, what, fix string) {
+	switch {
+	case !keeps && p.Given && p.Bytes > 0:
+		return levelWarn, fmt.Sprintf("preallocate = %s has no effect here: spare files are kept only on memory file systems (tmpfs) in kvhost's layout, with engine.reuse_files on", p),
+			"remove preallocate from this mount"
+	case !keeps:
+		return "", "", ""
+	case p.Given && p.Bytes == 0:
+		return levelInfo, "no spare files made ahead of stores (preallocate = 0): stores into a cache with room write fresh files, through the GPU path's pinned buffers",
+			`leave preallocate unset (or "auto") where the node can hold an eighth of the capacity, at most 4 GiB, before the cache fills`
+	case p.Given:
+		return levelOK, fmt.Sprintf("spare files made ahead of stores in idle moments: up to %s, shared evenly by the models (namespaces) storing here", sizeOf(int64(p.Bytes))), ""
+	}
+	budget := max(0, min(engine.MaxAutoPreallocate, effective/8))
+	return levelOK, fmt.Sprintf("spare files made ahead of stores in idle moments: up to %s (preallocate auto: an eighth of the capacity, at most 4 GiB and %d files of a size), shared evenly by the models (namespaces) storing here",
+		sizeOf(budget), engine.MaxAutoSpareFiles), ""
+}
+
 // spaceFinding judges the free space against the configured capacity and
 // reserve: the effective capacity is the smaller of the capacity (0: 90%
 // of the file system) and the free space minus the reserve.
 func spaceFinding(size, avail, capacity, reserve int64) (level, what, fix string) {
-	configured := capacity
-	if configured == 0 {
-		configured = size * 9 / 10
-	}
+	configured := configuredCapacity(size, capacity)
 	effective := min(configured, avail-reserve)
 	switch {
 	case avail <= reserve:

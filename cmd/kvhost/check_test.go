@@ -10,6 +10,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/kvhost/kvhost/config"
 	"github.com/kvhost/kvhost/internal/cuda/cudatest"
 )
 
@@ -192,6 +193,31 @@ func TestTmpfsHugeReadsTheMountHoldingThePath(t *testing.T) {
 		huge, mp, ok := tmpfsHuge(info, c.path)
 		if huge != c.want || mp != c.mp || ok != c.ok {
 			t.Errorf("tmpfsHuge(%q) = %q, %q, %v; want %q, %q, %v", c.path, huge, mp, ok, c.want, c.mp, c.ok)
+		}
+	}
+}
+
+func TestPreallocateFindingSaysWhatIsMadeAhead(t *testing.T) {
+	const gib = 1 << 30
+	cases := []struct {
+		name      string
+		p         config.AutoSize
+		keeps     bool
+		effective int64
+		level     string
+		want      string
+	}{
+		{"auto on tmpfs", config.Auto, true, 16 * gib, levelOK, "up to 2 GiB (preallocate auto"},
+		{"auto on a large tmpfs", config.Auto, true, 100 * gib, levelOK, "up to 4 GiB (preallocate auto"},
+		{"a size on tmpfs", config.SizeOf(8 * gib), true, 100 * gib, levelOK, "up to 8 GiB, shared"},
+		{"turned off", config.SizeOf(0), true, 100 * gib, levelInfo, "no spare files made ahead"},
+		{"a size on a disk", config.SizeOf(gib), false, 100 * gib, levelWarn, "has no effect here"},
+		{"auto on a disk", config.Auto, false, 100 * gib, "", ""},
+	}
+	for _, c := range cases {
+		level, what, _ := preallocateFinding(c.p, c.keeps, c.effective)
+		if level != c.level || !strings.Contains(what, c.want) {
+			t.Errorf("%s: %s %q; want %s containing %q", c.name, level, what, c.level, c.want)
 		}
 	}
 }
