@@ -3,6 +3,7 @@ package engine
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"strings"
@@ -199,4 +200,43 @@ func (f *failSizeFile) Allocate(size int64) error {
 		return syscall.ENOSPC
 	}
 	return f.File.Allocate(size)
+}
+
+// BenchmarkSpareWorkPerStore is what every store on a mount that makes
+// spares ahead pays under the engine's lock to ask whether the maker has
+// work (wantSpares → spareWorkLocked), with the spares already made, for
+// one namespace and for nine sharing the budget.
+func BenchmarkSpareWorkPerStore(b *testing.B) {
+	for _, n := range []int{1, 9} {
+		b.Run(fmt.Sprintf("namespaces=%d", n), func(b *testing.B) {
+			dir, err := os.MkdirTemp("/dev/shm", "kvhost-bench-")
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer os.RemoveAll(dir)
+			g := smallGeometry(false)
+			e, err := Open(context.Background(), Config{Mounts: []Mount{{Path: dir, Capacity: 1 << 30, Preallocate: 64 * fileLenOf(g)}}, Policy: newTestPolicy(1, 0), Logger: slog.New(slog.DiscardHandler)})
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer e.Close(context.Background())
+			for i := range n {
+				gi := g
+				gi.Layers = 1 + i%4
+				gi.Model = fmt.Sprintf("model-%d", i)
+				if _, err := e.Declare(context.Background(), gi); err != nil {
+					b.Fatal(err)
+				}
+			}
+			if err := e.WaitSpares(context.Background()); err != nil {
+				b.Fatal(err)
+			}
+			b.ResetTimer()
+			for range b.N {
+				e.mu.Lock()
+				e.spareWorkLocked()
+				e.mu.Unlock()
+			}
+		})
+	}
 }
