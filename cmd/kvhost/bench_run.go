@@ -343,8 +343,8 @@ func (r *benchRun) keySize(ctx context.Context, eng *engine.Engine, gp *gpuPaths
 		c.keys = append(c.keys, fmt.Appendf(nil, "bench-%d-%08d", tpk, i))
 		c.misses = append(c.misses, fmt.Appendf(nil, "bench-miss-%d-%08d", tpk, i))
 	}
-	// With --preallocate every key size is warmed up in every engine
-	// (each path and checksum setting opens its own), so that the
+	// Where the engine makes spares ahead, every key size is warmed up in
+	// every engine (each path and checksum setting opens its own), so that the
 	// engine makes spares of that size before the first measured round,
 	// as a daemon serving one model has them: a size that follows
 	// another in one engine would otherwise have its first round stored
@@ -407,7 +407,7 @@ func (r *benchRun) keySize(ctx context.Context, eng *engine.Engine, gp *gpuPaths
 			}
 			// Stores into files that exist (a full cache's evicted files,
 			// spares made ahead) are held to writes into files that exist:
-			// with --preallocate, where every file of the round's stores
+			// with spares made ahead, where every file of the round's stores
 			// took a spare (a round that wrote some fresh files is held to
 			// fresh writes, the faster ceiling at 16 jobs on tmpfs).
 			overwrite := r.o.full || (r.ahead > 0 && lastReused > 0 && lastReused >= uint64(len(files)))

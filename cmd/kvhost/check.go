@@ -373,7 +373,7 @@ func preallocateFinding(p config.AutoSize, keeps bool, effective int64) (level, 
 	case p.Given:
 		return levelOK, fmt.Sprintf("spare files made ahead of stores in idle moments: up to %s, shared evenly by the models (namespaces) storing here", sizeOf(int64(p.Bytes))), ""
 	}
-	budget := max(0, min(engine.MaxAutoPreallocate, effective/8))
+	budget := engine.AutoPreallocate(effective)
 	return levelOK, fmt.Sprintf("spare files made ahead of stores in idle moments: up to %s (preallocate auto: an eighth of the capacity, at most 4 GiB and %d files of a size), shared evenly by the models (namespaces) storing here",
 		sizeOf(budget), engine.MaxAutoSpareFiles), ""
 }

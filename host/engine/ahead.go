@@ -70,7 +70,7 @@ type spareMaker struct {
 // startSpareMaker starts the maker if a mount makes spares ahead.
 func (e *Engine) startSpareMaker() {
 	for _, m := range e.mounts {
-		if m.ahead > 0 && e.spareEligible(m) {
+		if m.ahead > 0 {
 			quiet := make(chan struct{})
 			close(quiet)
 			mk := &spareMaker{
@@ -124,7 +124,7 @@ type nsAhead struct {
 // upwards: jobs of varying length would otherwise have the maker remove
 // and remake the namespace's share in every idle moment.
 func (e *Engine) wantSpares(m *mount, ns NamespaceID, size int64, full bool) {
-	if e.maker == nil || m.ahead <= 0 || !e.spareEligible(m) {
+	if e.maker == nil || m.ahead <= 0 {
 		return
 	}
 	e.mu.Lock() // once per store: the size and the check together
@@ -163,7 +163,7 @@ func (e *Engine) predictSparesLocked(ns *namespace) bool {
 	}
 	var only *mount
 	for _, m := range e.mounts {
-		if m.ahead > 0 && e.spareEligible(m) {
+		if m.ahead > 0 {
 			if only != nil {
 				return false
 			}
@@ -311,7 +311,7 @@ func (e *Engine) nextSpareLocked() (*mount, int64, spareFile) {
 		return nil, 0, spareFile{}
 	}
 	for _, m := range e.mounts {
-		if m.ahead <= 0 || !e.spareEligible(m) {
+		if m.ahead <= 0 {
 			continue
 		}
 		targets := m.aheadTargetsLocked()

@@ -134,6 +134,10 @@ const PreallocateAuto int64 = -1
 // MaxAutoPreallocate is the most bytes PreallocateAuto makes ahead.
 const MaxAutoPreallocate int64 = 4 << 30
 
+// AutoPreallocate is the budget PreallocateAuto gives a mount that keeps
+// spares, of capacity bytes: an eighth of it, at most MaxAutoPreallocate.
+func AutoPreallocate(capacity int64) int64 { return max(0, min(MaxAutoPreallocate, capacity/8)) }
+
 // MaxAutoSpareFiles is the most spares of one size PreallocateAuto keeps
 // made ahead: small keys would otherwise make tens of thousands of files,
 // each one offered to the GPU path's registrar, whose registered files are

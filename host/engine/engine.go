@@ -222,13 +222,9 @@ func (e *Engine) Stats() Stats {
 	defer e.mu.Unlock()
 	s.Entries, s.Keys = len(e.entries), len(e.byKey)
 	for _, m := range e.mounts {
-		ahead := m.ahead
-		if !e.spareEligible(m) {
-			ahead = 0
-		}
 		s.Mounts = append(s.Mounts, MountStats{
 			Path: m.root, Capacity: m.capacity, Configured: m.configured, Reserve: m.reserve, Used: m.used, Entries: m.entries,
-			SpareFiles: m.spareFilesLocked(), SpareBytes: m.spareBytes, Preallocate: ahead,
+			SpareFiles: m.spareFilesLocked(), SpareBytes: m.spareBytes, Preallocate: m.ahead,
 			Direct: m.direct, IO: m.ioName(), Backend: m.backend, Checksums: m.checksums, Layout: LayoutKVHost,
 		})
 		if m.raw != nil {

@@ -44,7 +44,7 @@ type mount struct {
 	spares     map[int64][]spareFile
 	spareBytes int64
 	// ahead is Mount.Preallocate (PreallocateAuto resolved at Open,
-	// reportMounts), and aheadFiles the most spares of a size it keeps
+	// reportMounts; 0 where m keeps no spares), and aheadFiles the most spares of a size it keeps
 	// (MaxAutoSpareFiles for PreallocateAuto; 0: no bound but ahead's);
 	// aheadNS what each namespace's declaration and stores say about its
 	// files here (ahead.go: wantSpares, predictSparesLocked; dropped at
@@ -200,19 +200,22 @@ func (e *Engine) reportMounts() {
 		e.mu.Lock()
 		capacity, used := m.capacity, m.used
 		e.mu.Unlock()
+		// The budget is settled once, from the capacity at Open: 0 where
+		// the mount keeps no spares, so that m.ahead > 0 alone says it
+		// makes them ahead (ahead.go).
 		auto := m.ahead == PreallocateAuto
-		if auto { // chosen once, from the capacity at Open
-			m.ahead = 0
-			if e.spareEligible(m) {
-				m.ahead, m.aheadFiles = min(MaxAutoPreallocate, capacity/8), MaxAutoSpareFiles
+		switch {
+		case !e.spareEligible(m):
+			if m.ahead > 0 {
+				e.log.Warn("engine: preallocate has no effect on this mount: spare files are kept only on memory file systems in kvhost's layout, with reuse_files on",
+					"mount", m.root, "preallocate", m.ahead)
 			}
+			m.ahead = 0
+		case auto:
+			m.ahead, m.aheadFiles = AutoPreallocate(capacity), MaxAutoSpareFiles
 		}
 		e.log.Info("engine: mount", "mount", m.root, "io", m.ioName(), "why", m.ioWhy, "backend", m.backend,
 			"checksums", m.checksums, "capacity", capacity, "used", used, "reserve", m.reserve, "preallocate", m.ahead, "preallocate_auto", auto)
-		if m.ahead > 0 && !e.spareEligible(m) {
-			e.log.Warn("engine: preallocate has no effect on this mount: spare files are kept only on memory file systems in kvhost's layout, with reuse_files on",
-				"mount", m.root, "preallocate", m.ahead)
-		}
 		if m.configured > capacity {
 			e.log.Warn("engine: the configured capacity is more than the file system can hold; using what it can hold",
 				"mount", m.root, "configured", m.configured, "effective", capacity, "reserve", m.reserve)
