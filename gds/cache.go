@@ -55,6 +55,10 @@ type HandleStats struct {
 type handleCache struct {
 	api api
 	max int
+	// onThread runs a cuFile call on a thread locked to a device, as every
+	// cuFile call is made: deregistration can come from any goroutine
+	// (the last release, Forget, Close).
+	onThread func(func() error) error
 
 	mu  sync.Mutex
 	m   map[handleKey]*handle
@@ -63,7 +67,7 @@ type handleCache struct {
 }
 
 func newHandleCache(a api, max int) *handleCache {
-	return &handleCache{api: a, max: max, m: map[handleKey]*handle{}}
+	return &handleCache{api: a, max: max, m: map[handleKey]*handle{}, onThread: func(f func() error) error { return f() }}
 }
 
 // identify returns the key of the file open at fd.
@@ -189,7 +193,8 @@ func (c *handleCache) evictLocked() []*handle {
 func (c *handleCache) deregister(hs []*handle) {
 	for _, e := range hs {
 		if e.h != 0 {
-			c.api.handleDeregister(e.h)
+			h := e.h
+			c.onThread(func() error { c.api.handleDeregister(h); return nil })
 			e.h = 0
 		}
 		if e.fd >= 0 {

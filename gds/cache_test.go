@@ -228,3 +228,20 @@ func TestHandleCacheKeysByAccessMode(t *testing.T) {
 		t.Fatalf("forget left %d handles of the file", live)
 	}
 }
+
+func TestHandleCacheDeregistersOnALockedDeviceThread(t *testing.T) {
+	fs := openFiles(t, 3)
+	g := newGoFake()
+	c := newHandleCache(g, 1)
+	onThread := 0
+	c.onThread = func(f func() error) error { onThread++; return f() }
+	held := acquireFile(t, c, fs[0])
+	c.release(acquireFile(t, c, fs[1]))
+	c.release(acquireFile(t, c, fs[2])) // over the bound: one evicted
+	c.forget(held.key.dev, held.key.ino)
+	c.release(held) // forgotten: deregistered at its last release
+	c.close()       // the cached one
+	if live, _ := g.counts(); live != 0 || onThread != 3 {
+		t.Fatalf("%d handles live, %d deregistrations on a device thread; want 0 and 3", live, onThread)
+	}
+}

@@ -18,6 +18,7 @@ import (
 // Capability is what cuFile can do on one mount (one st_dev), found once by
 // the first registration on it (or by ProbeDir) and cached.
 type Capability struct {
+	// Mode is what cuFile does there (ModeUnknown until found).
 	Mode Mode
 	// Dev is the mount's device number.
 	Dev uint64

@@ -218,6 +218,7 @@ func openAPI(a api, cfg Config) (*Driver, error) {
 	}
 	d.inflight = newEntryBudget(batchEntries(cfg.BatchEntries, d.props))
 	d.cache = newHandleCache(a, cfg.MaxHandles)
+	d.cache.onThread = func(f func() error) error { return d.onDevice(0, f) }
 	d.caps = newCapabilities(d)
 	d.log.Info("cufile: driver open", "library", d.props.Library, "version", d.props.Version,
 		"nvidia_fs", d.props.NVFSLoaded, "compat_allowed", d.props.CompatAllowed,

@@ -4,6 +4,7 @@ package gds
 
 import (
 	"bytes"
+	"fmt"
 	"log/slog"
 	"os"
 	"os/exec"
@@ -16,6 +17,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/kvhost/kvhost/internal/cuda/cudatest"
 	"github.com/kvhost/kvhost/internal/dl"
 	"github.com/kvhost/kvhost/internal/fsys"
 	"github.com/kvhost/kvhost/region"
@@ -78,10 +80,10 @@ func buildFake(t *testing.T, defines ...string) string {
 	out, err := exec.Command("go", "env", "CC").Output()
 	cc := strings.Fields(strings.TrimSpace(string(out)))
 	if err != nil || len(cc) == 0 {
-		t.Skipf("no C compiler from `go env CC` to build the fake libcufile: %v", err)
+		cudatest.Unavailable(t, fmt.Sprintf("no C compiler from `go env CC` to build the fake libcufile: %v", err))
 	}
 	if _, err := exec.LookPath(cc[0]); err != nil {
-		t.Skipf("C compiler %s not found: %v", cc[0], err)
+		cudatest.Unavailable(t, fmt.Sprintf("C compiler %s not found: %v", cc[0], err))
 	}
 	lib := filepath.Join(t.TempDir(), "libcufile.so.0")
 	args := append(cc[1:], "-shared", "-fPIC", "-O1", "-o", lib)

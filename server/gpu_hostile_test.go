@@ -13,6 +13,7 @@ import (
 	"github.com/kvhost/kvhost/client"
 	"github.com/kvhost/kvhost/host/engine"
 	"github.com/kvhost/kvhost/internal/cuda"
+	"github.com/kvhost/kvhost/internal/cuda/cudatest"
 	"github.com/kvhost/kvhost/internal/fsys"
 	"github.com/kvhost/kvhost/protocol"
 	"github.com/kvhost/kvhost/region"
@@ -345,4 +346,46 @@ func TestGPUClientFreesMemoryMidJob(t *testing.T) {
 	// With the import closed the memory is gone: its handle is stale.
 	_, err = stay.RegisterCUDAIPC(ctx, 0, freed.handle, 0, 4096)
 	wantCode(t, err, protocol.CodeBadHandle)
+}
+
+// TestGPUCopyFaultFailsItsJobAndTheDaemonKeepsServing is issue 8's "a GPU
+// error mid-transfer fails that job as failed, and the daemon keeps
+// serving" on CPU: the fake runtime fails one DMA copy of a store, then
+// one of a load (cudaErrorIllegalAddress). Each of those jobs ends with
+// its key failed (the store publishing nothing), and the same client's
+// round trips then succeed byte for byte.
+func TestGPUCopyFaultFailsItsJobAndTheDaemonKeepsServing(t *testing.T) {
+	g, _ := newGatedGPU(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	c := g.dial(t)
+	gc := g.registerGPUCache(t, c, 4)
+	const illegalAddress = 700
+
+	g.fake.Fail(cudatest.OpCopy, 1, illegalAddress)
+	job, err := c.Store(ctx, gc.cache, [][]byte{[]byte("fault-store")}, [][]uint32{{0, 1}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	res, err := job.Wait(ctx)
+	g.fake.Fail(cudatest.OpCopy, 0, 0)
+	if err != nil || res.Count(protocol.OutcomeFailed) != 1 {
+		t.Fatalf("store with a failed copy: %+v, %v; want its key failed", res, err)
+	}
+	if n, err := c.Lookup(ctx, gc.ns.ID, [][]byte{[]byte("fault-store")}); err != nil || n != 0 {
+		t.Fatalf("the failed store: lookup %d, %v; want nothing stored", n, err)
+	}
+	g.roundTrip(t, c, gc, [][]byte{[]byte("after-store-fault")})
+
+	g.fake.Fail(cudatest.OpCopy, 1, illegalAddress)
+	job, err = c.Load(ctx, gc.cache, [][]byte{[]byte("after-store-fault")}, [][]uint32{{12, 13}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	res, err = job.Wait(ctx)
+	g.fake.Fail(cudatest.OpCopy, 0, 0)
+	if err != nil || res.Count(protocol.OutcomeFailed) != 1 {
+		t.Fatalf("load with a failed copy: %+v, %v; want its key failed", res, err)
+	}
+	g.roundTrip(t, c, gc, [][]byte{[]byte("after-load-fault-0"), []byte("after-load-fault-1")})
 }

@@ -70,6 +70,7 @@ var castagnoli = crc32.MakeTable(crc32.Castagnoli)
 // Worker is one I/O worker. Tasks receive it from Pool.Submit; it is valid
 // only during the task.
 type Worker struct {
+	// ID numbers the worker within its pool, from 0.
 	ID   int
 	CPU  int // the CPU it is pinned to, or -1
 	pool *Pool

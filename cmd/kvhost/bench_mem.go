@@ -127,12 +127,19 @@ func (m *deviceMemory) ReadAt(p []byte, off int64) error  { return m.copy(p, off
 type ceilingBuffers struct {
 	bufs   [][]byte
 	pinned []*cuda.Pinned
+	rt     *cuda.Runtime // of pinned
 	size   int64
 }
 
 func (b *ceilingBuffers) free() {
-	for _, p := range b.pinned {
-		p.Free()
+	if len(b.pinned) > 0 {
+		// Freed as allocated: on a thread locked to device 0.
+		if unlock, err := b.rt.LockDevice(0); err == nil {
+			for _, p := range b.pinned {
+				p.Free()
+			}
+			unlock()
+		}
 	}
 	if b.pinned == nil {
 		for _, x := range b.bufs {
@@ -154,9 +161,19 @@ func (r *benchRun) buffers(n int, size int64) ([][]byte, error) {
 	}
 	b := &ceilingBuffers{size: size}
 	r.bufs = b
+	if r.useGPU {
+		// Pinned memory is allocated in the current device's context: on
+		// a thread locked to the bench's device 0.
+		b.rt = r.probe.rt
+		unlock, err := b.rt.LockDevice(0)
+		if err != nil {
+			return nil, fmt.Errorf("ceiling buffers: %w", err)
+		}
+		defer unlock()
+	}
 	for range n {
 		if r.useGPU {
-			p, err := r.probe.rt.HostAlloc(int(size))
+			p, err := b.rt.HostAlloc(int(size))
 			if err != nil {
 				return nil, fmt.Errorf("ceiling buffers: %w", err)
 			}

@@ -20,6 +20,7 @@ import (
 	"github.com/kvhost/kvhost/host/engine"
 	"github.com/kvhost/kvhost/internal/bench"
 	"github.com/kvhost/kvhost/internal/cuda"
+	"github.com/kvhost/kvhost/internal/fstype"
 	"github.com/kvhost/kvhost/internal/fsys"
 	"github.com/kvhost/kvhost/staging"
 )
@@ -209,6 +210,10 @@ func checkGPU(rep *checkReport, g config.GPU) *cuda.Runtime {
 	v := rt.Version()
 	rep.add(levelOK, "gpu", fmt.Sprintf("CUDA runtime %s, version %d.%d; batched copies %s, driver API %s",
 		rt.Path(), v/1000, v%1000/10, yesNo(rt.HasBatch()), yesNo(rt.HasDriver())), "")
+	if !rt.HasDriver() {
+		rep.add(levelWarn, "gpu", "no CUDA driver API (libcuda.so.1): the daemon cannot check a CUDA IPC range against its allocation, so it refuses GPU memory registrations",
+			"make the NVIDIA driver's libcuda.so.1 visible to the daemon (on the library path; in a container, as the NVIDIA container toolkit mounts it)")
+	}
 	if b, err := os.ReadFile("/proc/driver/nvidia/version"); err == nil {
 		line, _, _ := strings.Cut(string(b), "\n")
 		rep.add(levelInfo, "gpu", "driver: "+strings.Join(strings.Fields(line), " "), "")
@@ -320,7 +325,7 @@ func checkMount(ctx context.Context, rep *checkReport, o checkOptions, m config.
 		}
 	}
 	effective := min(configuredCapacity(size, int64(m.Capacity)), avail-int64(m.Reserve))
-	if level, what, fix := preallocateFinding(m.Preallocate, fst == "tmpfs" && m.Layout != config.LayoutVLLMFS && o.cfg.Engine.Reuse(), effective); level != "" {
+	if level, what, fix := preallocateFinding(m.Preallocate, keepsSpares(int64(st.Type), m.Layout, o.cfg.Engine.Reuse()), effective); level != "" {
 		rep.add(level, area, what, fix)
 	}
 
@@ -353,6 +358,15 @@ func configuredCapacity(size, capacity int64) int64 {
 		return size * 9 / 10
 	}
 	return capacity
+}
+
+// keepsSpares reports whether the engine keeps spare files on a mount of
+// file system magic fsMagic in layout, with engine.reuse_files reuse: the
+// engine's own rule (a memory file system by its statfs magic, so that
+// ramfs and hugetlbfs count as tmpfs does, in kvhost's layout).
+func keepsSpares(fsMagic int64, layout string, reuse bool) bool {
+	kind, _ := fstype.Of(fsMagic)
+	return kind.Memory && layout != config.LayoutVLLMFS && reuse
 }
 
 // preallocateFinding says what the mount's preallocate setting makes

@@ -12,6 +12,7 @@ import (
 
 	"github.com/kvhost/kvhost/config"
 	"github.com/kvhost/kvhost/internal/cuda/cudatest"
+	"github.com/kvhost/kvhost/internal/fstype"
 )
 
 func goEnv(t *testing.T, key string) string {
@@ -218,6 +219,29 @@ func TestPreallocateFindingSaysWhatIsMadeAhead(t *testing.T) {
 		level, what, _ := preallocateFinding(c.p, c.keeps, c.effective)
 		if level != c.level || !strings.Contains(what, c.want) {
 			t.Errorf("%s: %s %q; want %s containing %q", c.name, level, what, c.level, c.want)
+		}
+	}
+}
+
+func TestCheckKeepsSparesOnTheMemoryFileSystemsTheEngineDoes(t *testing.T) {
+	cases := []struct {
+		name   string
+		magic  int64
+		layout string
+		reuse  bool
+		want   bool
+	}{
+		{"tmpfs", fstype.Tmpfs, config.LayoutKVHost, true, true},
+		{"ramfs", fstype.Ramfs, config.LayoutKVHost, true, true},
+		{"hugetlbfs", fstype.Hugetlbfs, "", true, true},
+		{"ext4", fstype.Ext4, config.LayoutKVHost, true, false},
+		{"tmpfs in vLLM's layout", fstype.Tmpfs, config.LayoutVLLMFS, true, false},
+		{"tmpfs with reuse_files off", fstype.Tmpfs, config.LayoutKVHost, false, false},
+		{"an unknown file system", 0x1234, config.LayoutKVHost, true, false},
+	}
+	for _, c := range cases {
+		if got := keepsSpares(c.magic, c.layout, c.reuse); got != c.want {
+			t.Errorf("%s: keepsSpares = %v, want %v", c.name, got, c.want)
 		}
 	}
 }

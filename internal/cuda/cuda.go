@@ -34,6 +34,10 @@ var (
 	ErrNoBatch = errors.New("cuda: cudaMemcpyBatchAsync unavailable")
 	// ErrBounds: a range lies outside the device allocation it names.
 	ErrBounds = errors.New("cuda: range outside the allocation")
+	// ErrUnchecked: an imported range could not be checked against its
+	// allocation (no driver API, or the driver could not say), so it was
+	// refused.
+	ErrUnchecked = errors.New("cuda: range not checkable against the allocation")
 	// ErrClosed: the memory or runtime was closed.
 	ErrClosed = errors.New("cuda: closed")
 )
@@ -94,11 +98,15 @@ func (e Error) Error() string {
 // CallError is a failed CUDA call: the function, the status code, and the
 // runtime's description when the library gives one. It unwraps to Code.
 type CallError struct {
+	// Func is the CUDA function that failed ("cudaMemcpyAsync").
 	Func string
+	// Code is the status it returned.
 	Code Error
+	// Desc is the library's description of Code ("" where it gives none).
 	Desc string
 }
 
+// Error names the function, the status and its description.
 func (e *CallError) Error() string {
 	if e.Desc != "" {
 		return fmt.Sprintf("cuda: %s: %v (%s)", e.Func, e.Code, e.Desc)

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -620,6 +621,53 @@ func TestDoneAnswersWithoutWaitingAndReportsFailedCopies(t *testing.T) {
 			}
 			if err != nil {
 				t.Fatal(err)
+			}
+		})
+	}
+}
+
+func TestOpenIPCRefusesARangeItCannotCheck(t *testing.T) {
+	path := cudatest.Build(t)
+	cases := []struct {
+		name   string
+		driver []string // the driver API's paths; a missing one: not loaded
+		fail   bool     // cuMemGetAddressRange fails
+	}{
+		{"no driver API", []string{filepath.Join(t.TempDir(), "libcuda-missing.so")}, false},
+		{"the driver cannot say", []string{path}, true},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			r, err := cuda.Open(cuda.Config{Runtime: []string{path}, Driver: c.driver})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer r.Close()
+			fake := cudatest.Open(t, path)
+			w := worker(t, r, 0)
+			ctx := context.Background()
+			err = w.Do(ctx, func(w *cuda.Worker) error {
+				mem, err := r.Malloc(0, 1<<20)
+				if err != nil {
+					return err
+				}
+				defer mem.Close()
+				handle, err := mem.IPCHandle()
+				if err != nil {
+					return err
+				}
+				if c.fail {
+					fake.Fail(cudatest.OpAddressRange, 1, 1)
+					defer fake.Fail(cudatest.OpAddressRange, 0, 0)
+				}
+				m, err := r.OpenIPC(0, handle, 0, 4096, 1<<20)
+				if err == nil {
+					m.Close()
+				}
+				return err
+			})
+			if !errors.Is(err, cuda.ErrUnchecked) {
+				t.Fatalf("OpenIPC = %v, want ErrUnchecked", err)
 			}
 		})
 	}

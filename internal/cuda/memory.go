@@ -130,8 +130,8 @@ type IPCMemory struct {
 	base    uintptr // what cudaIpcOpenMemHandle returned
 	off     int64
 	n       int64
-	// AllocSize is the exported allocation's size: from the driver
-	// (cuMemGetAddressRange) when loaded, else what the client declared.
+	// AllocSize is the exported allocation's size, as the driver
+	// (cuMemGetAddressRange) reports it.
 	AllocSize int64
 
 	once sync.Once
@@ -140,9 +140,11 @@ type IPCMemory struct {
 
 // OpenIPC imports a client's IPC handle on the calling thread's current
 // device (ordinal) and returns the range [off, off+n) of the exported
-// allocation. declared is the allocation size the client reports; where
-// the driver API is loaded the real size is used to check the range, and
-// a declared size larger than the real one is refused too.
+// allocation. declared is the allocation size the client reports; the
+// driver's size of the allocation (cuMemGetAddressRange) checks the
+// range, and a declared size larger than it is refused too. Where the
+// driver API is not loaded, or cannot say, the import is refused with an
+// error wrapping ErrUnchecked.
 //
 // The runtime requires cudaIpcMemLazyEnablePeerAccess, so where the
 // devices have peer access (NVLink) an allocation of another device is
@@ -158,17 +160,25 @@ func (r *Runtime) OpenIPC(ordinal int, handle [IPCHandleSize]byte, off, n, decla
 		return nil, fmt.Errorf("cuda: import IPC handle on device %d: %w", ordinal, err)
 	}
 	m := &IPCMemory{r: r, id: r.nextID.Add(1), ordinal: ordinal, base: p, off: off, n: n, AllocSize: declared}
-	if r.drv != nil {
-		var base uintptr
-		var size uintptr
-		if code := callPPU(r.fn.cuMemGetAddressRange, unsafe.Pointer(&base), unsafe.Pointer(&size), p); code == 0 {
-			if base != p || int64(size) < declared {
-				m.Close()
-				return nil, fmt.Errorf("%w: client declared %d bytes at %#x, the driver says %d bytes at %#x", ErrBounds, declared, p, size, base)
-			}
-			m.AllocSize = int64(size)
-		}
+	// The range is checked against the allocation the driver mapped, or
+	// the import is refused: a range past its end would have the daemon's
+	// copies fault on the device, which breaks its context for every
+	// client (fail closed).
+	if r.drv == nil {
+		m.Close()
+		return nil, fmt.Errorf("%w: the CUDA driver API (libcuda) is not loaded, so [%d, +%d) cannot be checked against the exported allocation", ErrUnchecked, off, n)
 	}
+	var base uintptr
+	var size uintptr
+	if code := callPPU(r.fn.cuMemGetAddressRange, unsafe.Pointer(&base), unsafe.Pointer(&size), p); code != 0 {
+		m.Close()
+		return nil, fmt.Errorf("%w: cuMemGetAddressRange of the imported allocation: %w", ErrUnchecked, r.err("cuMemGetAddressRange", code))
+	}
+	if base != p || int64(size) < declared {
+		m.Close()
+		return nil, fmt.Errorf("%w: client declared %d bytes at %#x, the driver says %d bytes at %#x", ErrBounds, declared, p, size, base)
+	}
+	m.AllocSize = int64(size)
 	return m, nil
 }
 

@@ -99,7 +99,8 @@ func (im *Importer) Imports() int {
 // device ordinal: a server.Config.OpenDevice. A range the driver says lies
 // outside the exported allocation fails with an error wrapping
 // region.ErrBounds; a stale or forged handle, or another device's, with
-// the CUDA error.
+// the CUDA error; a range the driver cannot check (no driver API) with a
+// *protocol.Error of code CodeUnsupported.
 func (im *Importer) Open(ctx context.Context, ordinal int, handle [protocol.CUDAIPCHandleLen]byte, offset, size int64) (server.DeviceMemory, error) {
 	if ordinal < 0 || ordinal >= len(im.workers) {
 		return nil, fmt.Errorf("cudaipc: device %d: serving 0..%d", ordinal, len(im.workers)-1)
@@ -126,8 +127,11 @@ func (im *Importer) Open(ctx context.Context, ordinal int, handle [protocol.CUDA
 			return err
 		})
 		if err != nil {
-			if errors.Is(err, cuda.ErrBounds) {
+			switch {
+			case errors.Is(err, cuda.ErrBounds):
 				return nil, fmt.Errorf("%w: %w", region.ErrBounds, err)
+			case errors.Is(err, cuda.ErrUnchecked):
+				return nil, &protocol.Error{Code: protocol.CodeUnsupported, Message: fmt.Sprintf("device %d: this daemon cannot check CUDA IPC ranges, so it refuses them: %v", ordinal, err)}
 			}
 			return nil, err
 		}

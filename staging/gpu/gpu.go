@@ -117,12 +117,14 @@ const (
 
 // Mover moves plans of device regions through pinned staging buffers.
 type Mover struct {
-	cfg   Config
-	r     *cuda.Runtime
-	pin   *cuda.Pinned
-	bufs  *freeBuffers
-	bsize int // Chunk plus alignment slack
-	devs  map[int]*device
+	cfg Config
+	r   *cuda.Runtime
+	pin *cuda.Pinned
+	// pinDev is the device whose context allocated pin (the first served).
+	pinDev *device
+	bufs   *freeBuffers
+	bsize  int // Chunk plus alignment slack
+	devs   map[int]*device
 	// With the copy kernel, buffer i's segment table (tableEntries
 	// entries) is at tableSize·i after the buffers; 0 without it.
 	tableEntries, tableSize int
@@ -215,17 +217,25 @@ func New(cfg Config) (*Mover, error) {
 	if cfg.Copy == cuda.CopyBatch || cfg.Copy != cuda.CopySegments && m.r.HasBatch() {
 		m.fallback = cuda.CopyBatch
 	}
-	pin, err := m.r.HostAlloc(n * (bsize + tsize))
+	for _, d := range cfg.Devices {
+		m.devs[d] = &device{ordinal: d, idle: make(chan *lane, maxIdleLanes)}
+	}
+	// Pinned memory is allocated in the current device's context: on a
+	// thread locked to the first served device, as every CUDA call here.
+	m.pinDev = m.devs[cfg.Devices[0]]
+	var pin *cuda.Pinned
+	err = m.onDevice(m.pinDev, func() error {
+		var err error
+		pin, err = m.r.HostAlloc(n * (bsize + tsize))
+		return err
+	})
 	if err != nil {
 		return nil, fmt.Errorf("gpu: pinned pool of %d bytes: %w", n*(bsize+tsize), err)
 	}
 	m.pin = pin
-	for _, d := range cfg.Devices {
-		m.devs[d] = &device{ordinal: d, idle: make(chan *lane, maxIdleLanes)}
-	}
 	if entries > 0 {
 		if err := m.loadKernels(); err != nil {
-			m.pin.Free()
+			m.onDevice(m.pinDev, m.pin.Free)
 			return nil, fmt.Errorf("gpu: %w", err)
 		}
 		m.tableEntries, m.tableSize = entries, tsize
@@ -318,7 +328,7 @@ func (m *Mover) Close() error {
 	}
 	errs = append(errs, m.unloadKernels())
 	if m.pin != nil {
-		errs = append(errs, m.pin.Free())
+		errs = append(errs, m.onDevice(m.pinDev, m.pin.Free))
 	}
 	return errors.Join(errs...)
 }

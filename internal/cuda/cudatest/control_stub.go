@@ -11,7 +11,7 @@ type Fake struct{}
 
 // Open skips the test: this build cannot load libraries.
 func Open(t testing.TB, path string) *Fake {
-	t.Skip("cudatest: needs cgo on Linux")
+	Unavailable(t, "cudatest: needs cgo on Linux")
 	return nil
 }
 

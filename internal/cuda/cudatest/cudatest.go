@@ -36,6 +36,7 @@ const (
 	OpModuleLoad             // a cuModuleLoadDataEx (the copy kernel's PTX)
 	OpModuleUnload           // a cuModuleUnload
 	OpQuery                  // a cudaEventQuery
+	OpAddressRange           // a cuMemGetAddressRange (of an imported IPC allocation)
 )
 
 var (
@@ -44,13 +45,29 @@ var (
 	buildErr  string
 )
 
+// RequireEnv names the environment variable that makes a fake library
+// that cannot be built fail the test instead of skipping it: `make test`
+// (and so CI) sets it, so that the tests of the real dlopen path cannot
+// silently stop running.
+const RequireEnv = "KVHOST_REQUIRE_FAKES"
+
+// Unavailable skips t because a fake library cannot be built or loaded
+// here (why), or fails it where RequireEnv is set.
+func Unavailable(t testing.TB, why string) {
+	t.Helper()
+	if os.Getenv(RequireEnv) != "" {
+		t.Fatalf("%s (%s is set: the fake libraries are required)", why, RequireEnv)
+	}
+	t.Skip(why)
+}
+
 // Build compiles the fake library (once per test binary) and returns its
 // path, for both cuda.Config.Runtime and cuda.Config.Driver. It skips the
 // test when no C compiler or cgo is available.
 func Build(t testing.TB) string {
 	t.Helper()
 	if !supported {
-		t.Skip("cudatest: needs cgo on Linux to load the fake CUDA library")
+		Unavailable(t, "cudatest: needs cgo on Linux to load the fake CUDA library")
 	}
 	buildOnce.Do(func() {
 		cc := "cc"
@@ -79,7 +96,7 @@ func Build(t testing.TB) string {
 		built = lib
 	})
 	if built == "" {
-		t.Skipf("cudatest: %s", buildErr)
+		Unavailable(t, "cudatest: "+buildErr)
 	}
 	return built
 }

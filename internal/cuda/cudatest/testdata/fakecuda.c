@@ -31,7 +31,7 @@ enum {
 };
 
 // Kinds of operation, for faults and counters.
-enum { opCopy, opSync, opIpcOpen, opHostAlloc, opHostRegister, opBatch, opSegCall, opRecord, opLaunch, opModuleLoad, opModuleUnload, opQuery, nOps };
+enum { opCopy, opSync, opIpcOpen, opHostAlloc, opHostRegister, opBatch, opSegCall, opRecord, opLaunch, opModuleLoad, opModuleUnload, opQuery, opAddressRange, nOps };
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static long counts[nOps];
@@ -391,6 +391,8 @@ int cuDeviceGetUuid_v2(unsigned char *uuid, int dev) {
 	return 0;
 }
 int cuMemGetAddressRange_v2(uint64_t *base, size_t *size, uint64_t p) {
+	int code = tick(opAddressRange);
+	if (code) return code;
 	pthread_mutex_lock(&mu);
 	alloc *a = find(p);
 	if (a) { *base = a->base; *size = a->size; }
