@@ -6,8 +6,8 @@
 // Open loads libcufile, resolves every symbol it calls and opens the cuFile
 // driver. The Driver owns a refcounted, bounded LRU cache of registered
 // file handles keyed by file identity (invalidated by Forget when the
-// engine removes or replaces a file), the buffers registered once with
-// RegisterBuffer, and one Capability per mount (direct, compat or
+// engine removes or replaces a file), the device buffers registered with
+// RegisterBuffer (none in the daemon), and one Capability per mount (direct, compat or
 // unusable), found once and logged once. A Mover (Driver.NewMover) carries
 // out transfer plans for device regions with cuFileRead and cuFileWrite on
 // its own workers, each locked to an OS thread and bound to its device, or

@@ -347,10 +347,11 @@ func stripJSONComments(b []byte) []byte {
 func (d *Driver) Properties() Properties { return d.props }
 
 // RegisterBuffer registers size bytes of device memory at ptr on the
-// device with cuFile (cuFileBufRegister), once: staging buffers are
-// registered when they are allocated, never per request. Transfers into
-// or out of the buffer then use it directly. It is deregistered by
-// DeregisterBuffer or Close.
+// device with cuFile (cuFileBufRegister). A transfer piece that lies
+// inside a registered buffer is passed to cuFile as the buffer's base and
+// an offset. It is deregistered by DeregisterBuffer or Close. The daemon
+// does not call it: cuFile moves the clients' GPU memory, imported over
+// CUDA IPC, which is not registered (docs/gds.md says why).
 func (d *Driver) RegisterBuffer(ordinal int, ptr uintptr, size int64) error {
 	if ptr == 0 || size <= 0 {
 		return fmt.Errorf("%w: pointer %#x size %d", ErrBuffer, ptr, size)

@@ -9,7 +9,8 @@ package gds
 // and run on a GPU machine (as root, for the udev record cuFile needs on a
 // VM without udev):
 //
-//	printf 'E:ID_FS_USAGE=filesystem\nE:ID_FS_TYPE=ext4\n' > /run/udev/data/b$(stat -c '%Hd:%Ld' /var/tmp)
+//	mkdir -p /run/udev/data
+//	printf 'E:ID_FS_USAGE=filesystem\nE:ID_FS_TYPE=%s\n' "$(stat -f -c %T /var/tmp)" > /run/udev/data/b$(stat -c '%Hd:%Ld' /var/tmp)
 //	./gds-gpu.test -test.v -test.run GPU
 //
 // KVHOST_GPU_DIR (default /var/tmp) is the disk directory, KVHOST_GPU_TMPFS

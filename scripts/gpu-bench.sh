@@ -7,7 +7,7 @@
 #
 # Each part writes a JSON report (kvhost bench --json) and its table under
 # OUT (default ./gpu-bench-out); parts can be switched off: SHM=0 JOBS=0
-# FRESH=0 FULL=0 DISK=0 HUGE=0 COPY=0. Each part runs under a time limit
+# FRESH=0 FULL=0 DISK=0 PATHS=0 HUGE=0 COPY=0. Each part runs under a time limit
 # (LIMIT seconds, default 240) so that one slow part cannot eat the others.
 # PROFILE=1 adds a CPU profile of 2 MiB loads on /dev/shm. WARM (GiB,
 # default 32; 0 skips it) is written once to the memory file system and
@@ -58,6 +58,11 @@ bench() { # name args...: one kvhost bench run, its table on stdout and in OUT/n
 [ "${FULL:-1}" = 1 ] && bench full --dir "$shm" $G --full --tokens-per-key 256,16 --jobs 16 --checksum on,off --total 4GiB --rounds 5
 # The ext4 disk: durable stores, cold loads.
 [ "${DISK:-1}" = 1 ] && bench disk --dir "$disk" $G --tokens-per-key 256,16 --jobs 16 --checksum on,off --total 2GiB --rounds 2 --drop-caches --fsync true
+# The same disk through each GPU data path, 32 MiB keys, checksums on
+# (the default): cuFile (compatibility mode here: a host bounce inside
+# libcufile), kvhost's staging pipeline, and plain POSIX I/O of host
+# copies.
+[ "${PATHS:-1}" = 1 ] && bench disk-paths --dir "$disk" --path cufile,staging,posix --allow-compat --progress off --tokens-per-key 256 --jobs 16 --checksum on --total 1GiB --rounds 2 --drop-caches --fsync true
 # A tmpfs with huge pages.
 if [ "${HUGE:-1}" = 1 ]; then
 	mkdir -p "$huge" && mount -t tmpfs -o size=40G,huge=always tmpfs "$huge" && \

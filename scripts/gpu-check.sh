@@ -8,7 +8,7 @@
 #
 # Every check writes its log under OUT (default ./gpu-out); the summary
 # lines go to stdout. Parts can be switched off: GDS=0 STAGING=0 E2E=0
-# MULTI=0 SPEC=0 BENCH=0 HOSTILE=0 INTERFERENCE=0 LOOKUPS=0 CHURN=0 PREALLOC=0 (MULTI, one daemon serving
+# MULTI=0 SPEC=0 BENCH=0 HOSTILE=0 INTERFERENCE=0 LOOKUPS=0 CHURN=0 PREALLOC=0 MODELS=0 TORCH=0 (MULTI, one daemon serving
 # two GPUs, runs where nvidia-smi lists two or more and says so where not); BATCH=1 adds the cuFile batch measurement (off by
 # default: in compatibility mode a batch can hang inside libcufile, and the
 # check then ends itself after 40 s). The ext4 disk directory is DISK (default /var/tmp/kvhost-gpu),
@@ -97,6 +97,11 @@ stop_daemon() {
 	"$bin/gds-gpu.test" -test.run GPUBatch -test.v -test.timeout 210s
 [ "${STAGING:-1}" = 1 ] && run staging env KVHOST_GPU=1 KVHOST_GPU_TMPFS="$shm" KVHOST_GPU_DISK="$disk" \
 	"$bin/staging-gpu.test" -test.run 'TestGPUCheckAndBenchmark' -test.v
+# CUDA IPC registration from a torch process, with the real runtime: the
+# daemon finds the tensor's bytes in what it imported; bad handles and
+# ranges get clear errors; imports close on unregister and on client exit.
+[ "${TORCH:-1}" = 1 ] && run torch env KVHOST_GPU=1 KVHOST_TORCH_SCRIPT=server/testdata/torch_ipc.py \
+	KVHOST_PYTHONPATH=client/python/src "$bin/server-gpu.test" -test.run TestGPUTorchRegistration -test.v
 
 if [ "${E2E:-1}" = 1 ]; then
 	for dir in "$shm" "$disk"; do
@@ -238,6 +243,35 @@ if [ "${PREALLOC:-1}" = 1 ]; then
 				| tee -a "$out/$name.txt" | sed 's/^/   /'
 			stop_daemon
 		done
+	done
+fi
+if [ "${MODELS:-1}" = 1 ]; then
+	# Two models on one daemon: two processes store and load at once on
+	# the memory mount, one with 32 MiB keys (64 a round) and one with
+	# 2 MiB keys (512 a round), each its own namespace, 6 rounds each
+	# after an idle second; a default daemon (spares shared between the
+	# two namespaces) and one with --preallocate 0. Both processes must
+	# pass; the metrics say how many of the 3456 stores wrote into a spare.
+	sock=/tmp/kvhost-gpu-models.sock
+	for pre in default 0; do
+		name="models-$pre"
+		flags=()
+		[ "$pre" = default ] || flags=(--preallocate "$pre")
+		daemon "$sock" "$out/daemon-$name.log" "$shm/models" --capacity 40GiB ${flags[@]+"${flags[@]}"} --metrics 127.0.0.1:9479
+		python3 scripts/gpu-churn.py "$sock" 6 64 8 256 1 >"$out/$name-32mib.txt" 2>&1 &
+		big=$!
+		python3 scripts/gpu-churn.py "$sock" 6 512 8 16 1 >"$out/$name-2mib.txt" 2>&1 &
+		small=$!
+		echo "== $name"
+		for p in "$big:32mib" "$small:2mib"; do
+			if ! wait "${p%%:*}"; then
+				echo "   FAILED (see $out/$name-${p#*:}.txt)"; status=1
+			fi
+			grep -E 'GB/s|OK|differ' "$out/$name-${p#*:}.txt" | sed "s/^/   ${p#*:} /"
+		done
+		metrics 127.0.0.1:9479 kvhost_stored_keys_total kvhost_gpu_direct kvhost_reused kvhost_spare_files_made kvhost_evictions \
+			| tee -a "$out/$name.txt" | sed 's/^/   /'
+		stop_daemon
 	done
 fi
 [ "${SPEC:-1}" = 1 ] && run spec env KVHOST_GPU=1 KVHOST_BIN="$bin/kvhost" \
