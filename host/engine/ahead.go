@@ -132,7 +132,8 @@ func (e *Engine) wantSpares(m *mount, ns NamespaceID, size int64, full bool) {
 		e.mu.Unlock()
 		return
 	}
-	a := m.aheadNS[ns]
+	was := m.aheadNS[ns]
+	a := was
 	a.failed = false
 	switch {
 	case full:
@@ -140,10 +141,28 @@ func (e *Engine) wantSpares(m *mount, ns NamespaceID, size int64, full bool) {
 	case a.from < sizePartial || a.from == sizePartial && size > a.size:
 		a = nsAhead{size: size, from: sizePartial}
 	}
+	if a == was && !e.makerQuietLocked() {
+		// Nothing changed, and the maker already knows it has work (it
+		// looks again once the files in flight end): a store of a burst
+		// skips the shares' computation under the lock.
+		e.mu.Unlock()
+		return
+	}
 	m.setAheadLocked(ns, a)
 	work := e.spareWorkLocked()
 	e.mu.Unlock()
 	e.wakeMaker(work)
+}
+
+// makerQuietLocked reports whether the maker found nothing to do when it
+// last looked (and nothing marked it busy since).
+func (e *Engine) makerQuietLocked() bool {
+	select {
+	case <-e.maker.quiet:
+		return true
+	default:
+		return false
+	}
 }
 
 // predictSparesLocked guesses the size of the files a newly declared

@@ -55,12 +55,19 @@ type Engine struct {
 	byKey    map[keyID]keyRef
 	byPath   map[string]*entry
 	inflight map[string]*flight // paths being written or removed
-	jobs     map[JobID]*Job
-	lastID   uint64 // entries
-	lastJob  uint64
+	lastID   uint64             // entries
 	lastCach uint64
 	declares int // namespaces counted against Config.MaxNamespaces
-	jobsWG   sync.WaitGroup
+
+	// jobsMu guards the jobs in flight, apart from mu: every store and
+	// load registers and ends a job, and on mu those two took a share of
+	// its traffic that made every other holder wait (RATIONALE, "Why do
+	// the jobs in flight have their own lock?").
+	jobsMu     sync.Mutex
+	jobs       map[JobID]*Job
+	lastJob    uint64
+	jobsClosed bool // Close began: no new job
+	jobsWG     sync.WaitGroup
 
 	st       counters
 	verifyIv atomic.Int64 // Config.VerifyInterval, changed by SetVerifyInterval
@@ -246,6 +253,9 @@ func (e *Engine) Close(ctx context.Context) error {
 	}
 	e.closed = true
 	e.mu.Unlock()
+	e.jobsMu.Lock()
+	e.jobsClosed = true // no jobsWG.Add after this: the Wait below may begin
+	e.jobsMu.Unlock()
 	done := make(chan struct{})
 	go func() { e.jobsWG.Wait(); close(done) }()
 	var err error
@@ -253,11 +263,11 @@ func (e *Engine) Close(ctx context.Context) error {
 	case <-done:
 	case <-ctx.Done():
 		err = ctx.Err()
-		e.mu.Lock()
+		e.jobsMu.Lock()
 		for _, j := range e.jobs {
 			j.cancel()
 		}
-		e.mu.Unlock()
+		e.jobsMu.Unlock()
 		<-done
 	}
 	e.closePins()

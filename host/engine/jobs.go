@@ -44,9 +44,9 @@ func (j *Job) Wait(ctx context.Context) (Result, error) {
 
 func (e *Engine) newJob(ctx context.Context, kind string, n int) (*Job, context.Context, error) {
 	ctx, cancel := context.WithCancel(ctx)
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	if e.closed {
+	e.jobsMu.Lock()
+	defer e.jobsMu.Unlock()
+	if e.jobsClosed {
 		cancel()
 		return nil, nil, ErrClosed
 	}
@@ -70,9 +70,9 @@ func (e *Engine) finish(j *Job) {
 			e.fails.add(j.kind, j.res.Keys[i].Err, time.Now())
 		}
 	}
-	e.mu.Lock()
+	e.jobsMu.Lock()
 	delete(e.jobs, j.id)
-	e.mu.Unlock()
+	e.jobsMu.Unlock()
 	e.observe(j)
 	j.cancel()
 	close(j.done)
