@@ -2,8 +2,10 @@ package gds
 
 import (
 	"container/list"
+	"errors"
 	"fmt"
 	"sync"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -47,7 +49,14 @@ type HandleStats struct {
 	Hits          uint64 // acquisitions served from the cache
 	Evictions     uint64 // unreferenced handles deregistered to keep the bound
 	Forgotten     uint64 // handles dropped by Forget
+	Unlinked      uint64 // unreferenced handles dropped because no name links their file (removed by another node)
 }
+
+// sweepEvery is how often, at most, a registration first drops the
+// cached handles of files that no name links any more. Another node on a
+// shared mount can remove a file this engine never forgets; the cache's
+// descriptor would keep its blocks allocated until evicted.
+const sweepEvery = time.Second
 
 // handleCache is a refcounted cache of cuFile handles keyed by file
 // identity, with an LRU list over the handles no transfer holds, bounded
@@ -64,10 +73,14 @@ type handleCache struct {
 	m   map[handleKey]*handle
 	lru list.List // of *handle, front = most recently released
 	st  HandleStats
+	// sweepEvery is the constant of that name (a field for tests), and
+	// lastSweep when a registration last swept (guarded by mu).
+	sweepEvery time.Duration
+	lastSweep  time.Time
 }
 
 func newHandleCache(a api, max int) *handleCache {
-	return &handleCache{api: a, max: max, m: map[handleKey]*handle{}, onThread: func(f func() error) error { return f() }}
+	return &handleCache{api: a, max: max, m: map[handleKey]*handle{}, onThread: func(f func() error) error { return f() }, sweepEvery: sweepEvery}
 }
 
 // identify returns the key of the file open at fd.
@@ -105,8 +118,15 @@ func (c *handleCache) acquire(fd int, key handleKey) (*handle, error) {
 	}
 	e := &handle{key: key, fd: -1, refs: 1, ready: make(chan struct{})}
 	c.m[key] = e
+	sweep := time.Since(c.lastSweep) >= c.sweepEvery
+	if sweep {
+		c.lastSweep = time.Now()
+	}
 	c.mu.Unlock()
 
+	if sweep {
+		c.dropUnlinked()
+	}
 	e.err = c.register(e, fd)
 
 	c.mu.Lock()
@@ -194,7 +214,12 @@ func (c *handleCache) deregister(hs []*handle) {
 	for _, e := range hs {
 		if e.h != 0 {
 			h := e.h
-			c.onThread(func() error { c.api.handleDeregister(h); return nil })
+			if err := c.onThread(func() error { c.api.handleDeregister(h); return nil }); err != nil {
+				// The thread could not be bound to the device: deregister
+				// here rather than leave a registration over a closed
+				// descriptor.
+				c.api.handleDeregister(h)
+			}
 			e.h = 0
 		}
 		if e.fd >= 0 {
@@ -217,6 +242,46 @@ func (c *handleCache) forget(dev, ino uint64) {
 		}
 		c.st.Forgotten++
 		victims = c.dropLocked(k, e, victims)
+	}
+	c.mu.Unlock()
+	c.deregister(victims)
+}
+
+// dropUnlinked deregisters the unreferenced cached handles whose file no
+// name links any more (st_nlink 0, or ESTALE on a network file system,
+// where another node removed it). The descriptors are checked without
+// the lock: a handle evicted meanwhile is no longer in the cache when the
+// lock is taken again, and is skipped (its descriptor may have been closed
+// and reused under the check).
+func (c *handleCache) dropUnlinked() {
+	type idle struct {
+		e  *handle
+		fd int
+	}
+	c.mu.Lock()
+	idles := make([]idle, 0, c.lru.Len())
+	for el := c.lru.Front(); el != nil; el = el.Next() {
+		e := el.Value.(*handle)
+		idles = append(idles, idle{e, e.fd})
+	}
+	c.mu.Unlock()
+	var gone []*handle
+	for _, x := range idles {
+		var st unix.Stat_t
+		if err := unix.Fstat(x.fd, &st); errors.Is(err, unix.ESTALE) || err == nil && st.Nlink == 0 {
+			gone = append(gone, x.e)
+		}
+	}
+	if len(gone) == 0 {
+		return
+	}
+	var victims []*handle
+	c.mu.Lock()
+	for _, e := range gone {
+		if c.m[e.key] == e && e.refs == 0 && e.elem != nil {
+			victims = c.dropLocked(e.key, e, victims)
+			c.st.Unlinked++
+		}
 	}
 	c.mu.Unlock()
 	c.deregister(victims)

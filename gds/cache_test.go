@@ -4,6 +4,7 @@ package gds
 
 import (
 	"fmt"
+	"log/slog"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
@@ -232,7 +233,7 @@ func TestHandleCacheKeysByAccessMode(t *testing.T) {
 func TestHandleCacheDeregistersOnALockedDeviceThread(t *testing.T) {
 	fs := openFiles(t, 3)
 	g := newGoFake()
-	c := newHandleCache(g, 1)
+	c := newHandleCache(g, 2)
 	onThread := 0
 	c.onThread = func(f func() error) error { onThread++; return f() }
 	held := acquireFile(t, c, fs[0])
@@ -240,8 +241,98 @@ func TestHandleCacheDeregistersOnALockedDeviceThread(t *testing.T) {
 	c.release(acquireFile(t, c, fs[2])) // over the bound: one evicted
 	c.forget(held.key.dev, held.key.ino)
 	c.release(held) // forgotten: deregistered at its last release
-	c.close()       // the cached one
+	if st := c.stats(); st.Cached != 1 || onThread != 2 {
+		t.Fatalf("before close: %d cached, %d deregistrations on a device thread; want 1 and 2", st.Cached, onThread)
+	}
+	c.close() // the cached one
 	if live, _ := g.counts(); live != 0 || onThread != 3 {
 		t.Fatalf("%d handles live, %d deregistrations on a device thread; want 0 and 3", live, onThread)
+	}
+}
+
+func TestDriverDeregistersHandlesOnADeviceBoundThread(t *testing.T) {
+	fs := openFiles(t, 2)
+	g := newGoFake()
+	binds := 0
+	d, err := openAPI(g, Config{MaxHandles: 1, Logger: slog.New(slog.DiscardHandler), NVFSPath: filepath.Join(t.TempDir(), "none"),
+		BindDevice: func(ordinal int) error {
+			if ordinal != 0 {
+				t.Errorf("bound device %d, want 0", ordinal)
+			}
+			binds++
+			return nil
+		}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	before := binds // the driver's own open
+	d.cache.release(acquireFile(t, d.cache, fs[0]))
+	d.cache.release(acquireFile(t, d.cache, fs[1])) // evicts the first
+	if binds-before != 1 {
+		t.Fatalf("%d binds for one eviction's deregistration, want 1", binds-before)
+	}
+	if err := d.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if live, _ := g.counts(); live != 0 {
+		t.Fatalf("%d handles live after Close", live)
+	}
+}
+
+func TestHandleCacheDropsHandlesOfFilesAnotherNodeRemoved(t *testing.T) {
+	fs := openFiles(t, 4)
+	g := newGoFake()
+	c := newHandleCache(g, 8)
+	c.sweepEvery = 0 // every registration sweeps
+	for _, f := range fs[:3] {
+		c.release(acquireFile(t, c, f))
+	}
+	held := acquireFile(t, c, fs[2]) // held: never dropped under a transfer
+	// Another node removes two of the files; this engine forgets neither.
+	for _, f := range fs[1:3] {
+		if err := os.Remove(f.Name()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	c.release(acquireFile(t, c, fs[3])) // a registration: sweeps
+	if st := c.stats(); st.Unlinked != 1 || st.Cached != 3 {
+		t.Fatalf("after the sweep: %+v; want 1 unlinked (the held one kept), 3 cached", st)
+	}
+	if live, _ := g.counts(); live != 3 {
+		t.Fatalf("%d handles live, want 3", live)
+	}
+	if _, err := g.read(held.h, 0, 1, 0, 0); err != nil {
+		t.Fatalf("the held handle of a removed file was deregistered under its transfer: %v", err)
+	}
+	c.release(held)
+	c.release(acquireFile(t, c, fs[0])) // a hit: no registration, no sweep
+	other, err := os.CreateTemp(t.TempDir(), "x")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer other.Close()
+	c.release(acquireFile(t, c, other)) // a registration: the released one goes now
+	if st := c.stats(); st.Unlinked != 2 || st.Cached != 3 {
+		t.Fatalf("after the second sweep: %+v; want 2 unlinked, 3 cached (files 0 and 3, and the new one)", st)
+	}
+}
+
+func TestHandleCacheSweepsForRemovedFilesAtMostOnceASecond(t *testing.T) {
+	fs := openFiles(t, 3)
+	c := newHandleCache(newGoFake(), 8)
+	c.release(acquireFile(t, c, fs[0])) // the first registration sweeps
+	if err := os.Remove(fs[0].Name()); err != nil {
+		t.Fatal(err)
+	}
+	c.release(acquireFile(t, c, fs[1])) // within the second: no sweep
+	if st := c.stats(); st.Unlinked != 0 || st.Cached != 2 {
+		t.Fatalf("%+v: a registration within %v of the last sweep swept again", st, sweepEvery)
+	}
+	c.mu.Lock()
+	c.lastSweep = c.lastSweep.Add(-sweepEvery)
+	c.mu.Unlock()
+	c.release(acquireFile(t, c, fs[2])) // a second later: sweeps
+	if st := c.stats(); st.Unlinked != 1 || st.Cached != 2 {
+		t.Fatalf("%+v: want the removed file's handle dropped once the period passed", st)
 	}
 }

@@ -133,11 +133,13 @@ type ceilingBuffers struct {
 
 func (b *ceilingBuffers) free() {
 	if len(b.pinned) > 0 {
-		// Freed as allocated: on a thread locked to device 0.
-		if unlock, err := b.rt.LockDevice(0); err == nil {
-			for _, p := range b.pinned {
-				p.Free()
-			}
+		// Freed as allocated: on a thread locked to device 0 (on this one
+		// if device 0 cannot be made current, so that it is freed).
+		unlock, err := b.rt.LockDevice(0)
+		for _, p := range b.pinned {
+			p.Free()
+		}
+		if err == nil {
 			unlock()
 		}
 	}

@@ -660,9 +660,13 @@ func TestOpenIPCRefusesARangeItCannotCheck(t *testing.T) {
 					fake.Fail(cudatest.OpAddressRange, 1, 1)
 					defer fake.Fail(cudatest.OpAddressRange, 0, 0)
 				}
+				opened, closed := fake.Count(cudatest.OpIPCOpen), fake.Count(cudatest.OpIPCClose)
 				m, err := r.OpenIPC(0, handle, 0, 4096, 1<<20)
 				if err == nil {
 					m.Close()
+				}
+				if o, c := fake.Count(cudatest.OpIPCOpen)-opened, fake.Count(cudatest.OpIPCClose)-closed; o != c {
+					t.Errorf("%d imports, %d closed: a refused import stays mapped", o, c)
 				}
 				return err
 			})

@@ -155,6 +155,10 @@ func (r *Runtime) OpenIPC(ordinal int, handle [IPCHandleSize]byte, off, n, decla
 	if off < 0 || n <= 0 || declared <= 0 || off > declared || n > declared-off {
 		return nil, fmt.Errorf("%w: [%d, +%d) of a %d-byte allocation", ErrBounds, off, n, declared)
 	}
+	if r.drv == nil {
+		// Refused before anything is mapped: see below.
+		return nil, fmt.Errorf("%w: the CUDA driver API (libcuda) is not loaded, so [%d, +%d) cannot be checked against the exported allocation", ErrUnchecked, off, n)
+	}
 	p, code := ipcOpen(r.fn.ipcOpenMemHandle, &handle, ipcLazyEnablePeerAccess)
 	if err := r.err("cudaIpcOpenMemHandle", code); err != nil {
 		return nil, fmt.Errorf("cuda: import IPC handle on device %d: %w", ordinal, err)
@@ -164,10 +168,6 @@ func (r *Runtime) OpenIPC(ordinal int, handle [IPCHandleSize]byte, off, n, decla
 	// the import is refused: a range past its end would have the daemon's
 	// copies fault on the device, which breaks its context for every
 	// client (fail closed).
-	if r.drv == nil {
-		m.Close()
-		return nil, fmt.Errorf("%w: the CUDA driver API (libcuda) is not loaded, so [%d, +%d) cannot be checked against the exported allocation", ErrUnchecked, off, n)
-	}
 	var base uintptr
 	var size uintptr
 	if code := callPPU(r.fn.cuMemGetAddressRange, unsafe.Pointer(&base), unsafe.Pointer(&size), p); code != 0 {

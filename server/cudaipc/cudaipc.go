@@ -131,7 +131,7 @@ func (im *Importer) Open(ctx context.Context, ordinal int, handle [protocol.CUDA
 			case errors.Is(err, cuda.ErrBounds):
 				return nil, fmt.Errorf("%w: %w", region.ErrBounds, err)
 			case errors.Is(err, cuda.ErrUnchecked):
-				return nil, &protocol.Error{Code: protocol.CodeUnsupported, Message: fmt.Sprintf("device %d: this daemon cannot check CUDA IPC ranges, so it refuses them: %v", ordinal, err)}
+				return nil, &protocol.Error{Code: protocol.CodeUnsupported, Message: fmt.Sprintf("device %d: the range could not be checked against the exported allocation, so it is refused: %v", ordinal, err)}
 			}
 			return nil, err
 		}

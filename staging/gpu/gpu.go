@@ -217,6 +217,9 @@ func New(cfg Config) (*Mover, error) {
 	if cfg.Copy == cuda.CopyBatch || cfg.Copy != cuda.CopySegments && m.r.HasBatch() {
 		m.fallback = cuda.CopyBatch
 	}
+	if len(cfg.Devices) == 0 {
+		return nil, fmt.Errorf("%w: no CUDA device", ErrConfig)
+	}
 	for _, d := range cfg.Devices {
 		m.devs[d] = &device{ordinal: d, idle: make(chan *lane, maxIdleLanes)}
 	}
@@ -235,7 +238,7 @@ func New(cfg Config) (*Mover, error) {
 	m.pin = pin
 	if entries > 0 {
 		if err := m.loadKernels(); err != nil {
-			m.onDevice(m.pinDev, m.pin.Free)
+			m.freePinned()
 			return nil, fmt.Errorf("gpu: %w", err)
 		}
 		m.tableEntries, m.tableSize = entries, tsize
@@ -328,9 +331,21 @@ func (m *Mover) Close() error {
 	}
 	errs = append(errs, m.unloadKernels())
 	if m.pin != nil {
-		errs = append(errs, m.onDevice(m.pinDev, m.pin.Free))
+		errs = append(errs, m.freePinned())
 	}
 	return errors.Join(errs...)
+}
+
+// freePinned frees the pinned pool on a thread with its device current,
+// or, where that device cannot be made current (a fault broke it), on
+// this one: the pool is freed either way.
+func (m *Mover) freePinned() error {
+	freed := false
+	err := m.onDevice(m.pinDev, func() error { freed = true; return m.pin.Free() })
+	if !freed {
+		err = errors.Join(err, m.pin.Free())
+	}
+	return err
 }
 
 // buf returns buffer i's memory and its address.

@@ -37,6 +37,7 @@ const (
 	OpModuleUnload           // a cuModuleUnload
 	OpQuery                  // a cudaEventQuery
 	OpAddressRange           // a cuMemGetAddressRange (of an imported IPC allocation)
+	OpIPCClose               // cudaIpcCloseMemHandle (counted; its fault is ignored)
 )
 
 var (

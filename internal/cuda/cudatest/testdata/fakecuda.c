@@ -31,7 +31,7 @@ enum {
 };
 
 // Kinds of operation, for faults and counters.
-enum { opCopy, opSync, opIpcOpen, opHostAlloc, opHostRegister, opBatch, opSegCall, opRecord, opLaunch, opModuleLoad, opModuleUnload, opQuery, opAddressRange, nOps };
+enum { opCopy, opSync, opIpcOpen, opHostAlloc, opHostRegister, opBatch, opSegCall, opRecord, opLaunch, opModuleLoad, opModuleUnload, opQuery, opAddressRange, opIpcClose, nOps };
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static long counts[nOps];
@@ -359,6 +359,7 @@ int cudaIpcOpenMemHandle(void **p, ipcHandle h, unsigned flags) {
 	return 0;
 }
 int cudaIpcCloseMemHandle(void *p) {
+	tick(opIpcClose);
 	pthread_mutex_lock(&mu);
 	alloc *a = allocs;
 	while (a && a->base != (uintptr_t)p) a = a->next;
