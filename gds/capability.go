@@ -98,6 +98,17 @@ func (cs *capabilities) get(dev uint64) Capability {
 	return Capability{Dev: dev}
 }
 
+// settles reports whether a registration's outcome err says what cuFile
+// can do on the mount: success, or cuFile's own answer (a Status). Other
+// failures (the descriptor could not be duplicated, out of descriptors,
+// the file changed under the check) say nothing of the mount, and would
+// otherwise mark it unusable for the daemon's life: they fail this
+// transfer only, and the next registration settles the mount.
+func settles(err error) bool {
+	var st Status
+	return err == nil || errors.As(err, &st)
+}
+
 // settle records the outcome of the first registration on the mount of the
 // file open at fd (regErr nil: registration worked) and returns the
 // capability now cached: the first outcome wins and is logged once.

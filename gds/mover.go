@@ -331,7 +331,7 @@ func (m *Mover) move(ctx context.Context, f fsys.File, p *transfer.Plan, write b
 	err = m.runOne(ordinal, func() error {
 		var err error
 		h, err = m.d.cache.acquire(fd, key)
-		if capab.Mode == ModeUnknown {
+		if capab.Mode == ModeUnknown && settles(err) {
 			capab = m.d.caps.settle(key.dev, fd, err)
 		}
 		return err

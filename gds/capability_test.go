@@ -1,0 +1,27 @@
+package gds
+
+import (
+	"errors"
+	"fmt"
+	"testing"
+
+	"golang.org/x/sys/unix"
+)
+
+func TestOnlyCuFilesAnswerSettlesAMountsCapability(t *testing.T) {
+	cases := []struct {
+		name string
+		err  error
+		want bool
+	}{
+		{"registered", nil, true},
+		{"cuFile refused", fmt.Errorf("gds: cuFileHandleRegister: %w", StatusIONotSupported), true},
+		{"out of descriptors", fmt.Errorf("gds: dup fd 7: %w", unix.EMFILE), false},
+		{"the file changed under the check", errors.New("gds: fd 7 is no longer the keyed file"), false},
+	}
+	for _, c := range cases {
+		if got := settles(c.err); got != c.want {
+			t.Errorf("%s: settles(%v) = %v, want %v", c.name, c.err, got, c.want)
+		}
+	}
+}
