@@ -17,6 +17,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"golang.org/x/sys/unix"
 
+	"github.com/kvhost/kvhost/gds"
 	"github.com/kvhost/kvhost/host/engine"
 	"github.com/kvhost/kvhost/host/policy"
 	"github.com/kvhost/kvhost/protocol"
@@ -43,6 +44,13 @@ type Sources struct {
 	// GPUFiles reports the files the GPU staging pipeline keeps
 	// registered (gpu.Mover.FileStats; nil without a GPU).
 	GPUFiles func() gpu.FileStats
+	// GPUStaging reports the GPU staging pipeline's pinned buffers in
+	// use, in all, and the size of one (gpu.Mover.PinnedUsage; nil
+	// without a GPU).
+	GPUStaging func() (inUse, total, size int)
+	// CuFile reports cuFile's handle cache (gds.Driver.HandleStats; nil
+	// where cuFile is not loaded).
+	CuFile func() gds.HandleStats
 }
 
 // PolicyState is the placement policy as the daemon runs it.
@@ -248,6 +256,13 @@ var (
 	dGPUFileWaits   = desc("kvhost_gpu_file_registration_waits_total", "Registrations the registrar put off while stores moved through the pinned buffers.")
 	dGPUFileWaited  = desc("kvhost_gpu_file_registration_wait_seconds_total", "Time the registrar waited for stores through the pinned buffers before registering files.")
 	dGPUFileJobs    = desc("kvhost_gpu_direct_file_jobs_total", "Jobs that moved a registered file directly between the GPU and its pages, by direction.", "direction")
+	dGPUPinInUse    = desc("kvhost_gpu_staging_buffers_in_use", "Pinned buffers of the GPU staging pipeline that jobs hold now.")
+	dGPUPinTotal    = desc("kvhost_gpu_staging_buffers", "Pinned buffers of the GPU staging pipeline, allocated once at start (gpu.staging_memory).")
+	dGPUPinSize     = desc("kvhost_gpu_staging_buffer_bytes", "Size of one pinned buffer of the GPU staging pipeline.")
+	dCuFileHandles  = desc("kvhost_cufile_handles", "Files registered with cuFile (cuFileHandleRegister) and cached now.")
+	dCuFileRegs     = desc("kvhost_cufile_handle_registrations_total", "cuFile file registrations, by result (ok, failed).", "result")
+	dCuFileHits     = desc("kvhost_cufile_handle_hits_total", "Transfers served by a cached cuFile handle.")
+	dCuFileDropped  = desc("kvhost_cufile_handles_dropped_total", "Cached cuFile handles deregistered: to keep the bound (evicted), because the engine removed or replaced the file (forgotten), or because no name links the file any more (unlinked: another node removed it).", "reason")
 	dStart          = desc("kvhost_start_time_seconds", "When the daemon's server started, in Unix seconds.")
 	dReloads        = desc("kvhost_reloads_total", "Configuration reloads, by result (ok, failed).", "result")
 )
@@ -367,6 +382,22 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(dGPUFileWaited, prometheus.CounterValue, f.Waited.Seconds())
 		counter(dGPUFileJobs, f.Stores, "store")
 		counter(dGPUFileJobs, f.Loads, "load")
+	}
+	if src.GPUStaging != nil {
+		inUse, total, size := src.GPUStaging()
+		gauge(dGPUPinInUse, float64(inUse))
+		gauge(dGPUPinTotal, float64(total))
+		gauge(dGPUPinSize, float64(size))
+	}
+	if src.CuFile != nil {
+		h := src.CuFile()
+		gauge(dCuFileHandles, float64(h.Cached))
+		counter(dCuFileRegs, h.Registrations, "ok")
+		counter(dCuFileRegs, h.Failures, "failed")
+		counter(dCuFileHits, h.Hits)
+		counter(dCuFileDropped, h.Evictions, "evicted")
+		counter(dCuFileDropped, h.Forgotten, "forgotten")
+		counter(dCuFileDropped, h.Unlinked, "unlinked")
 	}
 	if src.Reloads != nil {
 		ok, failed := src.Reloads()

@@ -11,6 +11,7 @@ import (
 	"github.com/prometheus/common/expfmt"
 	"github.com/prometheus/common/model"
 
+	"github.com/kvhost/kvhost/gds"
 	"github.com/kvhost/kvhost/host/engine"
 	"github.com/kvhost/kvhost/host/policy"
 	"github.com/kvhost/kvhost/protocol"
@@ -119,6 +120,10 @@ func TestMetricsExposeSourcesAndObservations(t *testing.T) {
 		GPUFiles: func() gpu.FileStats {
 			return gpu.FileStats{Files: 6, Bytes: 6 << 25, Limit: 100, Registered: 9, Released: 3, Failed: 1, Deferred: 2, Stores: 12, Loads: 14, Queued: 5, Waits: 4, Waited: 1500 * time.Millisecond}
 		},
+		GPUStaging: func() (int, int, int) { return 3, 31, 4<<20 + 8192 },
+		CuFile: func() gds.HandleStats {
+			return gds.HandleStats{Cached: 7, Registrations: 20, Failures: 2, Hits: 50, Evictions: 8, Forgotten: 4, Unlinked: 1}
+		},
 	})
 	m.SetReady(true)
 	m.ObserveJob(engine.JobEvent{Direction: "store", Memory: region.KindHost, Path: "staging", Bytes: 4096, Duration: time.Millisecond,
@@ -154,6 +159,16 @@ func TestMetricsExposeSourcesAndObservations(t *testing.T) {
 		{"kvhost_gpu_file_registration_wait_seconds_total", nil, 1.5},
 		{"kvhost_gpu_direct_file_jobs_total", map[string]string{"direction": "store"}, 12},
 		{"kvhost_gpu_direct_file_jobs_total", map[string]string{"direction": "load"}, 14},
+		{"kvhost_gpu_staging_buffers_in_use", nil, 3},
+		{"kvhost_gpu_staging_buffers", nil, 31},
+		{"kvhost_gpu_staging_buffer_bytes", nil, 4<<20 + 8192},
+		{"kvhost_cufile_handles", nil, 7},
+		{"kvhost_cufile_handle_registrations_total", map[string]string{"result": "ok"}, 20},
+		{"kvhost_cufile_handle_registrations_total", map[string]string{"result": "failed"}, 2},
+		{"kvhost_cufile_handle_hits_total", nil, 50},
+		{"kvhost_cufile_handles_dropped_total", map[string]string{"reason": "evicted"}, 8},
+		{"kvhost_cufile_handles_dropped_total", map[string]string{"reason": "forgotten"}, 4},
+		{"kvhost_cufile_handles_dropped_total", map[string]string{"reason": "unlinked"}, 1},
 		{"kvhost_mount_capacity_bytes", mount, 1000},
 		{"kvhost_mount_used_bytes", mount, 400},
 		{"kvhost_mount_free_bytes", mount, 600},

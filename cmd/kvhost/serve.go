@@ -226,7 +226,10 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 			},
 		}
 		if gp != nil {
-			src.GPUFiles = gp.staging.FileStats
+			src.GPUFiles, src.GPUStaging = gp.staging.FileStats, gp.staging.PinnedUsage
+			if gp.cufile != nil {
+				src.CuFile = gp.cufile.HandleStats
+			}
 		}
 		d.metrics.SetSources(src)
 	}

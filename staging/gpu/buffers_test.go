@@ -50,3 +50,23 @@ func TestFreeBuffersHandOutTheOneReturnedLastAndMakeTakersWait(t *testing.T) {
 		t.Fatalf("total %d, want 3", f.total())
 	}
 }
+
+func TestPinnedUsageCountsTheBuffersJobsHold(t *testing.T) {
+	e := newEnv(t)
+	m := e.mover(t, Config{Devices: []int{0}, MaxStaging: 4 << 20, Chunk: 1 << 20})
+	inUse, total, size := m.PinnedUsage()
+	if inUse != 0 || total < 2 || size < 1<<20 || int64(total*size) > 4<<20 {
+		t.Fatalf("idle: %d in use of %d buffers of %d bytes; want 0 of at least 2 of a chunk or more, within 4 MiB", inUse, total, size)
+	}
+	i, ok, err := m.bufs.take(context.Background(), true)
+	if err != nil || !ok {
+		t.Fatalf("take: %v %v", ok, err)
+	}
+	if got, _, _ := m.PinnedUsage(); got != 1 {
+		t.Errorf("one buffer taken: %d in use", got)
+	}
+	m.bufs.put(i)
+	if got, _, _ := m.PinnedUsage(); got != 0 {
+		t.Errorf("given back: %d in use", got)
+	}
+}

@@ -560,6 +560,13 @@ func (m *Mover) Prepare(f fsys.File) {
 	}
 }
 
+// PinnedUsage reports the pinned staging buffers: in use by jobs now, in
+// all (gpu.staging_memory), and the bytes of one.
+func (m *Mover) PinnedUsage() (inUse, total, size int) {
+	total = m.bufs.total()
+	return total - m.bufs.free(), total, m.bsize
+}
+
 // FileStats describes the registered files (zero without them).
 func (m *Mover) FileStats() FileStats {
 	if m.files == nil {
