@@ -48,6 +48,9 @@ type Sources struct {
 	// use, in all, and the size of one (gpu.Mover.PinnedUsage; nil
 	// without a GPU).
 	GPUStaging func() (inUse, total, size int)
+	// GPUFaults reports, per device ordinal, the jobs that failed with a
+	// sticky CUDA error (gpu.Mover.DeviceFaults; nil without a GPU).
+	GPUFaults func() map[int]uint64
 	// CuFile reports cuFile's handle cache (gds.Driver.HandleStats; nil
 	// where cuFile is not loaded).
 	CuFile func() gds.HandleStats
@@ -259,6 +262,7 @@ var (
 	dGPUPinInUse    = desc("kvhost_gpu_staging_buffers_in_use", "Pinned buffers of the GPU staging pipeline that jobs hold now.")
 	dGPUPinTotal    = desc("kvhost_gpu_staging_buffers", "Pinned buffers of the GPU staging pipeline, allocated once at start (gpu.staging_memory).")
 	dGPUPinSize     = desc("kvhost_gpu_staging_buffer_bytes", "Size of one pinned buffer of the GPU staging pipeline.")
+	dGPUFaults      = desc("kvhost_gpu_device_faults_total", "Jobs that failed with a sticky CUDA error on the device (an illegal address, a failed launch, an ECC error): its context is broken, and its jobs fail until the daemon restarts.", "device")
 	dCuFileHandles  = desc("kvhost_cufile_handles", "Files registered with cuFile (cuFileHandleRegister) and cached now.")
 	dCuFileRegs     = desc("kvhost_cufile_handle_registrations_total", "cuFile file registrations, by result (ok, failed).", "result")
 	dCuFileHits     = desc("kvhost_cufile_handle_hits_total", "Transfers served by a cached cuFile handle.")
@@ -388,6 +392,11 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 		gauge(dGPUPinInUse, float64(inUse))
 		gauge(dGPUPinTotal, float64(total))
 		gauge(dGPUPinSize, float64(size))
+	}
+	if src.GPUFaults != nil {
+		for d, n := range src.GPUFaults() {
+			counter(dGPUFaults, n, strconv.Itoa(d))
+		}
 	}
 	if src.CuFile != nil {
 		h := src.CuFile()

@@ -121,6 +121,7 @@ func TestMetricsExposeSourcesAndObservations(t *testing.T) {
 			return gpu.FileStats{Files: 6, Bytes: 6 << 25, Limit: 100, Registered: 9, Released: 3, Failed: 1, Deferred: 2, Stores: 12, Loads: 14, Queued: 5, Waits: 4, Waited: 1500 * time.Millisecond}
 		},
 		GPUStaging: func() (int, int, int) { return 3, 31, 4<<20 + 8192 },
+		GPUFaults:  func() map[int]uint64 { return map[int]uint64{0: 0, 1: 2} },
 		CuFile: func() gds.HandleStats {
 			return gds.HandleStats{Cached: 7, Registrations: 20, Failures: 2, Hits: 50, Evictions: 8, Forgotten: 4, Unlinked: 1}
 		},
@@ -162,6 +163,8 @@ func TestMetricsExposeSourcesAndObservations(t *testing.T) {
 		{"kvhost_gpu_staging_buffers_in_use", nil, 3},
 		{"kvhost_gpu_staging_buffers", nil, 31},
 		{"kvhost_gpu_staging_buffer_bytes", nil, 4<<20 + 8192},
+		{"kvhost_gpu_device_faults_total", map[string]string{"device": "0"}, 0},
+		{"kvhost_gpu_device_faults_total", map[string]string{"device": "1"}, 2},
 		{"kvhost_cufile_handles", nil, 7},
 		{"kvhost_cufile_handle_registrations_total", map[string]string{"result": "ok"}, 20},
 		{"kvhost_cufile_handle_registrations_total", map[string]string{"result": "failed"}, 2},

@@ -226,7 +226,7 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 			},
 		}
 		if gp != nil {
-			src.GPUFiles, src.GPUStaging = gp.staging.FileStats, gp.staging.PinnedUsage
+			src.GPUFiles, src.GPUStaging, src.GPUFaults = gp.staging.FileStats, gp.staging.PinnedUsage, gp.staging.DeviceFaults
 			if gp.cufile != nil {
 				src.CuFile = gp.cufile.HandleStats
 			}

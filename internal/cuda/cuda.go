@@ -87,6 +87,27 @@ var errorNames = map[Error]string{
 	ErrorUnknown:               "cudaErrorUnknown",
 }
 
+// Sticky reports whether the code is one of CUDA's sticky errors: a fault
+// on the device (an illegal address, a failed or timed-out launch, a
+// hardware or ECC error) after which the process's context on that device
+// is unusable, and every later call there fails, until the process exits.
+func (e Error) Sticky() bool {
+	switch e {
+	case 214, // cudaErrorECCUncorrectable
+		ErrorIllegalAddress,
+		702, // cudaErrorLaunchTimeout
+		710, // cudaErrorAssert
+		714, // cudaErrorHardwareStackError
+		715, // cudaErrorIllegalInstruction
+		716, // cudaErrorMisalignedAddress
+		717, // cudaErrorInvalidAddressSpace
+		718, // cudaErrorInvalidPc
+		ErrorLaunchFailure:
+		return true
+	}
+	return false
+}
+
 // Error names the code.
 func (e Error) Error() string {
 	if n, ok := errorNames[e]; ok {

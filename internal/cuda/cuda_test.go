@@ -676,3 +676,24 @@ func TestOpenIPCRefusesARangeItCannotCheck(t *testing.T) {
 		})
 	}
 }
+
+func TestStickyErrorsAreTheDeviceFaults(t *testing.T) {
+	cases := []struct {
+		code cuda.Error
+		want bool
+	}{
+		{cuda.ErrorIllegalAddress, true},
+		{cuda.ErrorLaunchFailure, true},
+		{214, true}, // cudaErrorECCUncorrectable
+		{716, true}, // cudaErrorMisalignedAddress
+		{cuda.ErrorInvalidValue, false},
+		{cuda.ErrorMemoryAllocation, false},
+		{cuda.ErrorNotReady, false},
+		{cuda.ErrorMapBufferObjectFailed, false},
+	}
+	for _, c := range cases {
+		if got := c.code.Sticky(); got != c.want {
+			t.Errorf("%v.Sticky() = %v, want %v", c.code, got, c.want)
+		}
+	}
+}

@@ -153,6 +153,9 @@ type device struct {
 	ordinal int
 	idle    chan *lane
 	kernel  *cuda.Kernel
+	// faults counts the jobs that failed with a sticky CUDA error on the
+	// device (cuda.Error.Sticky); the first is logged.
+	faults atomic.Uint64
 }
 
 // New allocates the pinned pool.
@@ -558,6 +561,32 @@ func (m *Mover) Prepare(f fsys.File) {
 	if id, ok := identify(f); ok {
 		m.files.offer(f, id)
 	}
+}
+
+// deviceFault records that a job on dev failed with err, if err is a
+// sticky CUDA error: the process's context on the device is broken, and
+// every later job there fails until the daemon restarts. The first is
+// logged at error level, for the operator.
+func (m *Mover) deviceFault(dev *device, err error) {
+	var code cuda.Error
+	if !errors.As(err, &code) || !code.Sticky() {
+		return
+	}
+	if dev.faults.Add(1) == 1 && m.cfg.Log != nil {
+		m.cfg.Log.Error("gpu: a sticky CUDA error on the device: its context is broken, and its jobs fail until the daemon restarts",
+			"device", dev.ordinal, "err", err.Error())
+	}
+}
+
+// DeviceFaults reports, per device ordinal, the jobs that failed with a
+// sticky CUDA error there (a device that has any needs the daemon
+// restarted, or the GPU reset).
+func (m *Mover) DeviceFaults() map[int]uint64 {
+	out := make(map[int]uint64, len(m.devs))
+	for d, dev := range m.devs {
+		out[d] = dev.faults.Load()
+	}
+	return out
 }
 
 // PinnedUsage reports the pinned staging buffers: in use by jobs now, in

@@ -348,6 +348,7 @@ func TestFailuresFailTheCall(t *testing.T) {
 			if ctx == nil {
 				ctx = context.Background()
 			}
+			faults := m.DeviceFaults()[0]
 			var err error
 			if c.write {
 				_, err = m.WriteFile(ctx, f, p, make([]uint32, p.Sums))
@@ -360,6 +361,15 @@ func TestFailuresFailTheCall(t *testing.T) {
 			var cudaErr cuda.Error
 			if errors.As(c.want, &cudaErr) && len(m.devs[0].idle) != 0 {
 				t.Fatalf("the lane of a call that failed in CUDA was kept for reuse")
+			}
+			// A sticky CUDA error counts once against the device (every
+			// code these cases inject is one); other failures never do.
+			want := faults
+			if errors.As(c.want, &cudaErr) && cudaErr.Sticky() {
+				want++
+			}
+			if got := m.DeviceFaults()[0]; got != want {
+				t.Errorf("device 0's fault count went from %d to %d, want %d", faults, got, want)
 			}
 		})
 	}

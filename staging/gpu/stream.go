@@ -1,6 +1,7 @@
 package gpu
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -135,6 +136,9 @@ type laneRun struct {
 	// error: finish synchronizes the whole stream and destroys the lane,
 	// never reused.
 	broken bool
+	// failed is the first error of a CUDA call on the lane, for the
+	// device's fault count (one per job).
+	failed error
 }
 
 // startRun starts a job's run on ln with slots events (at most
@@ -149,10 +153,12 @@ func (m *Mover) startRun(dev *device, ln *lane, slots int) *laneRun {
 func (r *laneRun) recorded(s int, eerr error) error {
 	r.pending[s] = true
 	rerr := r.m.r.Record(r.ln.events[s], r.ln.stream)
-	if eerr != nil || rerr != nil {
+	err := errors.Join(eerr, rerr)
+	if err != nil {
 		r.broken = true
+		r.failed = cmp.Or(r.failed, err)
 	}
-	return errors.Join(eerr, rerr)
+	return err
 }
 
 // wait retires slot s's copies.
@@ -163,6 +169,7 @@ func (r *laneRun) wait(s int) error {
 	r.pending[s] = false
 	if err := r.m.await(r.ln.events[s]); err != nil {
 		r.broken = true
+		r.failed = cmp.Or(r.failed, err)
 		return err
 	}
 	return nil
@@ -177,13 +184,18 @@ func (r *laneRun) finish() error {
 		errs = append(errs, r.wait(s))
 	}
 	if r.broken {
-		errs = append(errs, r.m.r.Sync(r.ln.stream))
+		serr := r.m.r.Sync(r.ln.stream)
+		r.failed = cmp.Or(r.failed, serr)
+		errs = append(errs, serr)
 	}
 	err := errors.Join(errs...)
 	if err != nil || r.broken {
 		r.m.destroyLane(r.ln)
 		if err == nil {
 			err = errors.New("gpu: a CUDA call on the job's stream failed")
+		}
+		if r.failed != nil {
+			r.m.deviceFault(r.dev, r.failed)
 		}
 		return err
 	}
