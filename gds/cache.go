@@ -125,7 +125,10 @@ func (c *handleCache) acquire(fd int, key handleKey) (*handle, error) {
 	c.mu.Unlock()
 
 	if sweep {
-		c.dropUnlinked()
+		// In the background: the caller is a transfer (on a worker
+		// bound to its device), and on a network file system each fstat
+		// may ask the server.
+		go c.dropUnlinked()
 	}
 	e.err = c.register(e, fd)
 

@@ -10,6 +10,9 @@ import (
 	"path/filepath"
 	"sync"
 	"testing"
+	"time"
+
+	"github.com/kvhost/kvhost/internal/testwait"
 )
 
 // goFake is a cuFile stand-in for the handle cache's tests: it tracks live
@@ -294,10 +297,11 @@ func TestHandleCacheDropsHandlesOfFilesAnotherNodeRemoved(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	c.release(acquireFile(t, c, fs[3])) // a registration: sweeps
-	if st := c.stats(); st.Unlinked != 1 || st.Cached != 3 {
-		t.Fatalf("after the sweep: %+v; want 1 unlinked (the held one kept), 3 cached", st)
-	}
+	c.release(acquireFile(t, c, fs[3])) // a registration: sweeps, in the background
+	testwait.Until(t, "the idle handle of a removed file dropped", 10*time.Second, func() bool {
+		st := c.stats()
+		return st.Unlinked == 1 && st.Cached == 3
+	})
 	if live, _ := g.counts(); live != 3 {
 		t.Fatalf("%d handles live, want 3", live)
 	}
@@ -305,34 +309,47 @@ func TestHandleCacheDropsHandlesOfFilesAnotherNodeRemoved(t *testing.T) {
 		t.Fatalf("the held handle of a removed file was deregistered under its transfer: %v", err)
 	}
 	c.release(held)
-	c.release(acquireFile(t, c, fs[0])) // a hit: no registration, no sweep
 	other, err := os.CreateTemp(t.TempDir(), "x")
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer other.Close()
 	c.release(acquireFile(t, c, other)) // a registration: the released one goes now
-	if st := c.stats(); st.Unlinked != 2 || st.Cached != 3 {
-		t.Fatalf("after the second sweep: %+v; want 2 unlinked, 3 cached (files 0 and 3, and the new one)", st)
+	testwait.Until(t, "the released handle of the other removed file dropped", 10*time.Second, func() bool {
+		st := c.stats()
+		return st.Unlinked == 2 && st.Cached == 3
+	})
+	if live, _ := g.counts(); live != 3 {
+		t.Fatalf("%d handles live, want 3 (files 0 and 3, and the new one)", live)
 	}
 }
 
 func TestHandleCacheSweepsForRemovedFilesAtMostOnceASecond(t *testing.T) {
 	fs := openFiles(t, 3)
 	c := newHandleCache(newGoFake(), 8)
+	lastSweep := func() time.Time {
+		c.mu.Lock()
+		defer c.mu.Unlock()
+		return c.lastSweep
+	}
 	c.release(acquireFile(t, c, fs[0])) // the first registration sweeps
+	first := lastSweep()
+	if first.IsZero() {
+		t.Fatal("the first registration did not sweep")
+	}
 	if err := os.Remove(fs[0].Name()); err != nil {
 		t.Fatal(err)
 	}
 	c.release(acquireFile(t, c, fs[1])) // within the second: no sweep
-	if st := c.stats(); st.Unlinked != 0 || st.Cached != 2 {
-		t.Fatalf("%+v: a registration within %v of the last sweep swept again", st, sweepEvery)
+	if got := lastSweep(); !got.Equal(first) {
+		t.Fatalf("a registration within %v of the last sweep swept again", sweepEvery)
 	}
 	c.mu.Lock()
 	c.lastSweep = c.lastSweep.Add(-sweepEvery)
 	c.mu.Unlock()
 	c.release(acquireFile(t, c, fs[2])) // a second later: sweeps
-	if st := c.stats(); st.Unlinked != 1 || st.Cached != 2 {
-		t.Fatalf("%+v: want the removed file's handle dropped once the period passed", st)
-	}
+	testwait.Until(t, "the removed file's handle dropped once the period passed", 10*time.Second, func() bool {
+		st := c.stats()
+		return st.Unlinked == 1 && st.Cached == 2
+	})
 }

@@ -99,14 +99,26 @@ func (cs *capabilities) get(dev uint64) Capability {
 }
 
 // settles reports whether a registration's outcome err says what cuFile
-// can do on the mount: success, or cuFile's own answer (a Status). Other
+// can do on the mount: success, or cuFile's own refusal (a Status). Other
 // failures (the descriptor could not be duplicated, out of descriptors,
-// the file changed under the check) say nothing of the mount, and would
+// the file changed under the check), and cuFile statuses of a passing
+// condition (no descriptor or memory left, an internal or CUDA driver
+// error, the driver closing), say nothing of the mount, and would
 // otherwise mark it unusable for the daemon's life: they fail this
 // transfer only, and the next registration settles the mount.
 func settles(err error) bool {
 	var st Status
-	return err == nil || errors.As(err, &st)
+	if err == nil {
+		return true
+	}
+	if !errors.As(err, &st) {
+		return false
+	}
+	switch st {
+	case StatusGetNewFDFailed, StatusNoMemory, StatusInternalError, StatusCUDADriverError, StatusDriverClosing:
+		return false
+	}
+	return true
 }
 
 // settle records the outcome of the first registration on the mount of the

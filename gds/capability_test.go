@@ -18,6 +18,9 @@ func TestOnlyCuFilesAnswerSettlesAMountsCapability(t *testing.T) {
 		{"cuFile refused", fmt.Errorf("gds: cuFileHandleRegister: %w", StatusIONotSupported), true},
 		{"out of descriptors", fmt.Errorf("gds: dup fd 7: %w", unix.EMFILE), false},
 		{"the file changed under the check", errors.New("gds: fd 7 is no longer the keyed file"), false},
+		{"cuFile out of descriptors", fmt.Errorf("gds: cuFileHandleRegister: %w", StatusGetNewFDFailed), false},
+		{"cuFile out of memory", fmt.Errorf("gds: cuFileHandleRegister: %w", StatusNoMemory), false},
+		{"cuFile internal error", fmt.Errorf("gds: cuFileHandleRegister: %w", StatusInternalError), false},
 	}
 	for _, c := range cases {
 		if got := settles(c.err); got != c.want {

@@ -218,7 +218,13 @@ func openAPI(a api, cfg Config) (*Driver, error) {
 	}
 	d.inflight = newEntryBudget(batchEntries(cfg.BatchEntries, d.props))
 	d.cache = newHandleCache(a, cfg.MaxHandles)
-	d.cache.onThread = func(f func() error) error { return d.onDevice(0, f) }
+	d.cache.onThread = func(f func() error) error {
+		// On a goroutine of its own: the caller may be a mover worker,
+		// whose thread stays bound to its own device.
+		ch := make(chan error, 1)
+		go func() { ch <- d.onDevice(0, f) }()
+		return <-ch
+	}
 	d.caps = newCapabilities(d)
 	d.log.Info("cufile: driver open", "library", d.props.Library, "version", d.props.Version,
 		"nvidia_fs", d.props.NVFSLoaded, "compat_allowed", d.props.CompatAllowed,

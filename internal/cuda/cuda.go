@@ -108,6 +108,27 @@ func (e Error) Sticky() bool {
 	return false
 }
 
+// HasSticky reports whether err, or any error it wraps or joins, is a
+// sticky Error.
+func HasSticky(err error) bool {
+	switch x := err.(type) {
+	case nil:
+		return false
+	case Error:
+		return x.Sticky()
+	case interface{ Unwrap() []error }:
+		for _, e := range x.Unwrap() {
+			if HasSticky(e) {
+				return true
+			}
+		}
+		return false
+	case interface{ Unwrap() error }:
+		return HasSticky(x.Unwrap())
+	}
+	return false
+}
+
 // Error names the code.
 func (e Error) Error() string {
 	if n, ok := errorNames[e]; ok {

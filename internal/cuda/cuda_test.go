@@ -697,3 +697,26 @@ func TestStickyErrorsAreTheDeviceFaults(t *testing.T) {
 		}
 	}
 }
+
+func TestHasStickyLooksThroughWrappedAndJoinedErrors(t *testing.T) {
+	sticky := &cuda.CallError{Func: "cudaStreamSynchronize", Code: cuda.ErrorIllegalAddress}
+	plain := &cuda.CallError{Func: "cudaMemcpyBatchAsync", Code: cuda.ErrorInvalidValue}
+	cases := []struct {
+		name string
+		err  error
+		want bool
+	}{
+		{"nil", nil, false},
+		{"a plain error", plain, false},
+		{"a sticky call error", sticky, true},
+		{"wrapped", fmt.Errorf("gpu: %w", sticky), true},
+		{"joined after a plain one", errors.Join(plain, sticky), true},
+		{"joined, none sticky", errors.Join(plain, errors.New("x")), false},
+		{"wrapped in a join", errors.Join(plain, fmt.Errorf("sync: %w", sticky)), true},
+	}
+	for _, c := range cases {
+		if got := cuda.HasSticky(c.err); got != c.want {
+			t.Errorf("%s: HasSticky(%v) = %v, want %v", c.name, c.err, got, c.want)
+		}
+	}
+}

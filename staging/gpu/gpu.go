@@ -568,8 +568,7 @@ func (m *Mover) Prepare(f fsys.File) {
 // every later job there fails until the daemon restarts. The first is
 // logged at error level, for the operator.
 func (m *Mover) deviceFault(dev *device, err error) {
-	var code cuda.Error
-	if !errors.As(err, &code) || !code.Sticky() {
+	if !cuda.HasSticky(err) {
 		return
 	}
 	if dev.faults.Add(1) == 1 && m.cfg.Log != nil {

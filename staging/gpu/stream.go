@@ -1,7 +1,6 @@
 package gpu
 
 import (
-	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -136,9 +135,9 @@ type laneRun struct {
 	// error: finish synchronizes the whole stream and destroys the lane,
 	// never reused.
 	broken bool
-	// failed is the first error of a CUDA call on the lane, for the
-	// device's fault count (one per job).
-	failed error
+	// sticky is the first error of the run that holds a sticky CUDA
+	// error, for the device's fault count (one per job).
+	sticky error
 }
 
 // startRun starts a job's run on ln with slots events (at most
@@ -156,9 +155,17 @@ func (r *laneRun) recorded(s int, eerr error) error {
 	err := errors.Join(eerr, rerr)
 	if err != nil {
 		r.broken = true
-		r.failed = cmp.Or(r.failed, err)
+		r.noteSticky(err)
 	}
 	return err
+}
+
+// noteSticky keeps err if it is the run's first holding a sticky CUDA
+// error.
+func (r *laneRun) noteSticky(err error) {
+	if r.sticky == nil && cuda.HasSticky(err) {
+		r.sticky = err
+	}
 }
 
 // wait retires slot s's copies.
@@ -169,7 +176,7 @@ func (r *laneRun) wait(s int) error {
 	r.pending[s] = false
 	if err := r.m.await(r.ln.events[s]); err != nil {
 		r.broken = true
-		r.failed = cmp.Or(r.failed, err)
+		r.noteSticky(err)
 		return err
 	}
 	return nil
@@ -185,7 +192,7 @@ func (r *laneRun) finish() error {
 	}
 	if r.broken {
 		serr := r.m.r.Sync(r.ln.stream)
-		r.failed = cmp.Or(r.failed, serr)
+		r.noteSticky(serr)
 		errs = append(errs, serr)
 	}
 	err := errors.Join(errs...)
@@ -194,8 +201,8 @@ func (r *laneRun) finish() error {
 		if err == nil {
 			err = errors.New("gpu: a CUDA call on the job's stream failed")
 		}
-		if r.failed != nil {
-			r.m.deviceFault(r.dev, r.failed)
+		if r.sticky != nil {
+			r.m.deviceFault(r.dev, r.sticky)
 		}
 		return err
 	}
