@@ -277,10 +277,8 @@ func (e *Engine) spareWorkLocked() bool {
 	if m, _, _ := e.nextSpareLocked(); m == nil {
 		return false
 	}
-	select {
-	case <-e.maker.quiet:
+	if e.makerQuietLocked() {
 		e.maker.quiet = make(chan struct{})
-	default:
 	}
 	return true
 }
@@ -447,12 +445,8 @@ func (e *Engine) makeSpares() {
 	for {
 		e.mu.Lock()
 		m, _, _ := e.nextSpareLocked()
-		if m == nil {
-			select {
-			case <-mk.quiet:
-			default:
-				close(mk.quiet)
-			}
+		if m == nil && !e.makerQuietLocked() {
+			close(mk.quiet)
 		}
 		e.mu.Unlock()
 		if m == nil {

@@ -38,6 +38,9 @@ var (
 	// allocation (no driver API, or the driver could not say), so it was
 	// refused.
 	ErrUnchecked = errors.New("cuda: range not checkable against the allocation")
+	// ErrSticky matches (errors.Is) any sticky Error: a fault that broke
+	// the process's context on its device.
+	ErrSticky = errors.New("cuda: sticky error: the device's context is broken")
 	// ErrClosed: the memory or runtime was closed.
 	ErrClosed = errors.New("cuda: closed")
 )
@@ -108,26 +111,9 @@ func (e Error) Sticky() bool {
 	return false
 }
 
-// HasSticky reports whether err, or any error it wraps or joins, is a
-// sticky Error.
-func HasSticky(err error) bool {
-	switch x := err.(type) {
-	case nil:
-		return false
-	case Error:
-		return x.Sticky()
-	case interface{ Unwrap() []error }:
-		for _, e := range x.Unwrap() {
-			if HasSticky(e) {
-				return true
-			}
-		}
-		return false
-	case interface{ Unwrap() error }:
-		return HasSticky(x.Unwrap())
-	}
-	return false
-}
+// Is makes errors.Is(err, ErrSticky) true for a sticky code anywhere in
+// err's tree (wrapped or joined).
+func (e Error) Is(target error) bool { return target == ErrSticky && e.Sticky() }
 
 // Error names the code.
 func (e Error) Error() string {

@@ -698,7 +698,7 @@ func TestStickyErrorsAreTheDeviceFaults(t *testing.T) {
 	}
 }
 
-func TestHasStickyLooksThroughWrappedAndJoinedErrors(t *testing.T) {
+func TestErrStickyMatchesThroughWrappedAndJoinedErrors(t *testing.T) {
 	sticky := &cuda.CallError{Func: "cudaStreamSynchronize", Code: cuda.ErrorIllegalAddress}
 	plain := &cuda.CallError{Func: "cudaMemcpyBatchAsync", Code: cuda.ErrorInvalidValue}
 	cases := []struct {
@@ -715,8 +715,8 @@ func TestHasStickyLooksThroughWrappedAndJoinedErrors(t *testing.T) {
 		{"wrapped in a join", errors.Join(plain, fmt.Errorf("sync: %w", sticky)), true},
 	}
 	for _, c := range cases {
-		if got := cuda.HasSticky(c.err); got != c.want {
-			t.Errorf("%s: HasSticky(%v) = %v, want %v", c.name, c.err, got, c.want)
+		if got := errors.Is(c.err, cuda.ErrSticky); got != c.want {
+			t.Errorf("%s: errors.Is(%v, ErrSticky) = %v, want %v", c.name, c.err, got, c.want)
 		}
 	}
 }

@@ -163,7 +163,7 @@ func (r *Runtime) OpenIPC(ordinal int, handle [IPCHandleSize]byte, off, n, decla
 	if err := r.err("cudaIpcOpenMemHandle", code); err != nil {
 		return nil, fmt.Errorf("cuda: import IPC handle on device %d: %w", ordinal, err)
 	}
-	m := &IPCMemory{r: r, id: r.nextID.Add(1), ordinal: ordinal, base: p, off: off, n: n, AllocSize: declared}
+	m := &IPCMemory{r: r, id: r.nextID.Add(1), ordinal: ordinal, base: p, off: off, n: n}
 	// The range is checked against the allocation the driver mapped, or
 	// the import is refused: a range past its end would have the daemon's
 	// copies fault on the device, which breaks its context for every

@@ -117,14 +117,12 @@ const (
 
 // Mover moves plans of device regions through pinned staging buffers.
 type Mover struct {
-	cfg Config
-	r   *cuda.Runtime
-	pin *cuda.Pinned
-	// pinDev is the device whose context allocated pin (the first served).
-	pinDev *device
-	bufs   *freeBuffers
-	bsize  int // Chunk plus alignment slack
-	devs   map[int]*device
+	cfg   Config
+	r     *cuda.Runtime
+	pin   *cuda.Pinned // allocated in the first served device's context (pinDevice)
+	bufs  *freeBuffers
+	bsize int // Chunk plus alignment slack
+	devs  map[int]*device
 	// With the copy kernel, buffer i's segment table (tableEntries
 	// entries) is at tableSize·i after the buffers; 0 without it.
 	tableEntries, tableSize int
@@ -228,9 +226,8 @@ func New(cfg Config) (*Mover, error) {
 	}
 	// Pinned memory is allocated in the current device's context: on a
 	// thread locked to the first served device, as every CUDA call here.
-	m.pinDev = m.devs[cfg.Devices[0]]
 	var pin *cuda.Pinned
-	err = m.onDevice(m.pinDev, func() error {
+	err = m.onDevice(m.pinDevice(), func() error {
 		var err error
 		pin, err = m.r.HostAlloc(n * (bsize + tsize))
 		return err
@@ -343,13 +340,16 @@ func (m *Mover) Close() error {
 // or, where that device cannot be made current (a fault broke it), on
 // this one: the pool is freed either way.
 func (m *Mover) freePinned() error {
-	freed := false
-	err := m.onDevice(m.pinDev, func() error { freed = true; return m.pin.Free() })
-	if !freed {
-		err = errors.Join(err, m.pin.Free())
+	unlock, err := m.r.LockDevice(m.pinDevice().ordinal)
+	if err == nil {
+		defer unlock()
 	}
-	return err
+	return errors.Join(err, m.pin.Free())
 }
+
+// pinDevice is the device in whose context the pinned pool lives: the
+// first served.
+func (m *Mover) pinDevice() *device { return m.devs[m.cfg.Devices[0]] }
 
 // buf returns buffer i's memory and its address.
 func (m *Mover) buf(i int) ([]byte, uintptr) {
@@ -563,14 +563,11 @@ func (m *Mover) Prepare(f fsys.File) {
 	}
 }
 
-// deviceFault records that a job on dev failed with err, if err is a
-// sticky CUDA error: the process's context on the device is broken, and
-// every later job there fails until the daemon restarts. The first is
-// logged at error level, for the operator.
+// deviceFault records that a job on dev failed with err, a sticky CUDA
+// error: the process's context on the device is broken, and every later
+// job there fails until the daemon restarts. The first is logged at error
+// level, for the operator.
 func (m *Mover) deviceFault(dev *device, err error) {
-	if !cuda.HasSticky(err) {
-		return
-	}
 	if dev.faults.Add(1) == 1 && m.cfg.Log != nil {
 		m.cfg.Log.Error("gpu: a sticky CUDA error on the device: its context is broken, and its jobs fail until the daemon restarts",
 			"device", dev.ordinal, "err", err.Error())

@@ -1,6 +1,7 @@
 package gpu
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -135,9 +136,10 @@ type laneRun struct {
 	// error: finish synchronizes the whole stream and destroys the lane,
 	// never reused.
 	broken bool
-	// sticky is the first error of the run that holds a sticky CUDA
-	// error, for the device's fault count (one per job).
-	sticky error
+	// failed is the first error of a CUDA call on the lane that the job
+	// saw before finish (an enqueue, a record, a wait), for the device's
+	// fault count.
+	failed error
 }
 
 // startRun starts a job's run on ln with slots events (at most
@@ -155,17 +157,9 @@ func (r *laneRun) recorded(s int, eerr error) error {
 	err := errors.Join(eerr, rerr)
 	if err != nil {
 		r.broken = true
-		r.noteSticky(err)
+		r.failed = cmp.Or(r.failed, err)
 	}
 	return err
-}
-
-// noteSticky keeps err if it is the run's first holding a sticky CUDA
-// error.
-func (r *laneRun) noteSticky(err error) {
-	if r.sticky == nil && cuda.HasSticky(err) {
-		r.sticky = err
-	}
 }
 
 // wait retires slot s's copies.
@@ -176,7 +170,7 @@ func (r *laneRun) wait(s int) error {
 	r.pending[s] = false
 	if err := r.m.await(r.ln.events[s]); err != nil {
 		r.broken = true
-		r.noteSticky(err)
+		r.failed = cmp.Or(r.failed, err)
 		return err
 	}
 	return nil
@@ -191,9 +185,7 @@ func (r *laneRun) finish() error {
 		errs = append(errs, r.wait(s))
 	}
 	if r.broken {
-		serr := r.m.r.Sync(r.ln.stream)
-		r.noteSticky(serr)
-		errs = append(errs, serr)
+		errs = append(errs, r.m.r.Sync(r.ln.stream))
 	}
 	err := errors.Join(errs...)
 	if err != nil || r.broken {
@@ -201,8 +193,8 @@ func (r *laneRun) finish() error {
 		if err == nil {
 			err = errors.New("gpu: a CUDA call on the job's stream failed")
 		}
-		if r.sticky != nil {
-			r.m.deviceFault(r.dev, r.sticky)
+		if all := errors.Join(r.failed, err); errors.Is(all, cuda.ErrSticky) {
+			r.m.deviceFault(r.dev, all)
 		}
 		return err
 	}
