@@ -9,6 +9,7 @@ import (
 	"maps"
 	"os"
 	"path/filepath"
+	"runtime"
 	"runtime/pprof"
 	"slices"
 	"strconv"
@@ -56,6 +57,7 @@ type benchOptions struct {
 	render      string
 	svgOut      string
 	cpuProfile  string
+	mutexProf   string
 	progress    string // auto, on, off
 	cfg         config.Config
 	args        []string
@@ -108,6 +110,7 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	fs.StringVar(&cudaLib, "cuda-library", "", "path of libcudart (default: the configuration's, else the usual places)")
 	fs.StringVar(&cufileLib, "cufile-library", "", "path of libcufile (default: the configuration's, else the usual places)")
 	fs.StringVar(&o.cpuProfile, "cpu-profile", "", "write a CPU profile of the whole run (engine, ceilings and checks; go tool pprof) to this file")
+	fs.StringVar(&o.mutexProf, "mutex-profile", "", "write a profile of the time goroutines waited for locks during the whole run (go tool pprof) to this file")
 	fs.Usage = func() {
 		fmt.Fprintln(stderr, "usage: kvhost bench --dir DIR [flags]\n\nMeasures the engine's stores and loads on DIR next to ceilings measured in the same run (docs/bench.md).\n\nflags:")
 		fs.PrintDefaults()
@@ -255,7 +258,15 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	if err != nil {
 		return bad("--cpu-profile: %v", err)
 	}
+	stopMutex, err := startMutexProfile(o.mutexProf)
+	if err != nil {
+		stopProfile()
+		return bad("--mutex-profile: %v", err)
+	}
 	rep, err := runBenchmark(ctx, o, log, stderr)
+	if perr := stopMutex(); perr != nil {
+		fmt.Fprintf(stderr, "kvhost bench: --mutex-profile: %v\n", perr)
+	}
 	if perr := stopProfile(); perr != nil {
 		fmt.Fprintf(stderr, "kvhost bench: --cpu-profile: %v\n", perr)
 	}
@@ -299,6 +310,25 @@ func startCPUProfile(path string) (stop func() error, err error) {
 	return func() error {
 		pprof.StopCPUProfile()
 		return f.Close()
+	}, nil
+}
+
+// startMutexProfile has the runtime record every lock wait (none when path
+// is empty); the function it returns writes the waits recorded since into
+// path and restores the rate the process had.
+func startMutexProfile(path string) (stop func() error, err error) {
+	if path == "" {
+		return func() error { return nil }, nil
+	}
+	f, err := os.Create(path)
+	if err != nil {
+		return nil, err
+	}
+	was := runtime.SetMutexProfileFraction(1)
+	return func() error {
+		werr := pprof.Lookup("mutex").WriteTo(f, 0)
+		runtime.SetMutexProfileFraction(was)
+		return errors.Join(werr, f.Close())
 	}, nil
 }
 

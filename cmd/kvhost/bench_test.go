@@ -599,34 +599,46 @@ func TestProgressBarDrawsOnlyWhenAsked(t *testing.T) {
 	none.Step(1)
 }
 
-func TestBenchCPUProfileIsAGzippedProfileOfTheRun(t *testing.T) {
-	prof := filepath.Join(t.TempDir(), "cpu.pprof")
-	runBenchJSON(t, "--memory", "host", "--jobs", "2", "--total", "4MiB", "--cpu-profile", prof)
-	f, err := os.Open(prof)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	z, err := gzip.NewReader(f) // pprof's format: a gzipped protocol buffer
-	if err != nil {
-		t.Fatalf("the profile is not gzipped: %v", err)
-	}
-	b, err := io.ReadAll(z)
-	if err != nil || len(b) == 0 {
-		t.Fatalf("the profile holds %d bytes (%v)", len(b), err)
-	}
-	for _, want := range []string{"samples", "cpu", "nanoseconds"} { // its sample and period types
-		if !bytes.Contains(b, []byte(want)) {
-			t.Errorf("the profile's string table lacks %q: not a CPU profile", want)
-		}
+func TestBenchProfilesAreGzippedProfilesOfTheRun(t *testing.T) {
+	for _, tc := range []struct {
+		flag string
+		want []string // the profile's sample and period types
+	}{
+		{"--cpu-profile", []string{"samples", "cpu", "nanoseconds"}},
+		{"--mutex-profile", []string{"contentions", "delay", "nanoseconds"}},
+	} {
+		t.Run(tc.flag, func(t *testing.T) {
+			prof := filepath.Join(t.TempDir(), "prof.pprof")
+			runBenchJSON(t, "--memory", "host", "--jobs", "2", "--total", "4MiB", tc.flag, prof)
+			f, err := os.Open(prof)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer f.Close()
+			z, err := gzip.NewReader(f) // pprof's format: a gzipped protocol buffer
+			if err != nil {
+				t.Fatalf("the profile is not gzipped: %v", err)
+			}
+			b, err := io.ReadAll(z)
+			if err != nil || len(b) == 0 {
+				t.Fatalf("the profile holds %d bytes (%v)", len(b), err)
+			}
+			for _, want := range tc.want {
+				if !bytes.Contains(b, []byte(want)) {
+					t.Errorf("the profile's string table lacks %q: not a %s profile", want, tc.flag)
+				}
+			}
+		})
 	}
 }
 
-func TestBenchCPUProfileInAMissingDirectoryIsRefused(t *testing.T) {
-	var stdout, stderr bytes.Buffer
-	args := append([]string{"bench", "--dir", t.TempDir(), "--cpu-profile", filepath.Join(t.TempDir(), "no", "cpu.pprof")}, tinyBench...)
-	if code := run(context.Background(), args, &stdout, &stderr); code != 2 || !strings.Contains(stderr.String(), "--cpu-profile") {
-		t.Errorf("exit %d, stderr %q: want 2 and a message naming --cpu-profile", code, stderr.String())
+func TestBenchProfileInAMissingDirectoryIsRefused(t *testing.T) {
+	for _, flag := range []string{"--cpu-profile", "--mutex-profile"} {
+		var stdout, stderr bytes.Buffer
+		args := append([]string{"bench", "--dir", t.TempDir(), flag, filepath.Join(t.TempDir(), "no", "prof.pprof")}, tinyBench...)
+		if code := run(context.Background(), args, &stdout, &stderr); code != 2 || !strings.Contains(stderr.String(), flag) {
+			t.Errorf("%s: exit %d, stderr %q: want 2 and a message naming %s", flag, code, stderr.String(), flag)
+		}
 	}
 }
 

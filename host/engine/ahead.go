@@ -24,7 +24,7 @@ import (
 // file is in flight on the engine, it creates files of the sizes the
 // stores write, allocates their pages (fallocate) and tells the movers
 // (transfer.Preparer: the GPU path registers them). Each namespace that
-// stores on the mount has a size (wantSpares: its last file of a whole
+// stores on the mount has a size (wantSparesLocked: its last file of a whole
 // group of keys; until a store, such a file as its declaration says:
 // predictSparesLocked) and an even share of Preallocate, which goes to
 // spares of its size (aheadTargetsLocked), as far as the spares stay
@@ -113,24 +113,24 @@ type nsAhead struct {
 	failed bool
 }
 
-// wantSpares records that a store of namespace ns on m writes a file of
-// size bytes, and wakes the maker if m should have more spares. The
-// namespace's spares are made in the size of its last file that held a
-// whole group of its keys (full): a job's last file may hold fewer, and
-// following it would make spares of a size few stores write (and remove
-// those of the size most do). Until such a file is stored, files of fewer
-// keys set it, over a declaration's guess too (a client whose jobs all
-// hold fewer keys than a group writes only such files), but only ever
-// upwards: jobs of varying length would otherwise have the maker remove
-// and remake the namespace's share in every idle moment.
-func (e *Engine) wantSpares(m *mount, ns NamespaceID, size int64, full bool) {
+// wantSparesLocked records that a store of namespace ns on m writes a
+// file of size bytes, and reports whether the maker should be woken (m
+// should have more spares). The namespace's spares are made in the size
+// of its last file that held a whole group of its keys (full): a job's
+// last file may hold fewer, and following it would make spares of a size
+// few stores write (and remove those of the size most do). Until such a
+// file is stored, files of fewer keys set it, over a declaration's guess
+// too (a client whose jobs all hold fewer keys than a group writes only
+// such files), but only ever upwards: jobs of varying length would
+// otherwise have the maker remove and remake the namespace's share in
+// every idle moment. The caller holds e.mu (reserveFile: once per store,
+// with the reservation and the spare it takes).
+func (e *Engine) wantSparesLocked(m *mount, ns NamespaceID, size int64, full bool) bool {
 	if e.maker == nil || m.ahead <= 0 {
-		return
+		return false
 	}
-	e.mu.Lock() // once per store: the size and the check together
 	if n := e.nss[ns]; !n.declared {
-		e.mu.Unlock()
-		return
+		return false
 	}
 	was := m.aheadNS[ns]
 	a := was
@@ -145,13 +145,10 @@ func (e *Engine) wantSpares(m *mount, ns NamespaceID, size int64, full bool) {
 		// Nothing changed, and the maker already knows it has work (it
 		// looks again once the files in flight end): a store of a burst
 		// skips the shares' computation under the lock.
-		e.mu.Unlock()
-		return
+		return false
 	}
 	m.setAheadLocked(ns, a)
-	work := e.spareWorkLocked()
-	e.mu.Unlock()
-	e.wakeMaker(work)
+	return e.spareWorkLocked()
 }
 
 // makerQuietLocked reports whether the maker found nothing to do when it
@@ -175,7 +172,7 @@ func (e *Engine) makerQuietLocked() bool {
 // mount makes spares ahead: with several, which of them the policy will
 // place files on is not known before it does, and spares on a mount no
 // store reaches would hold its memory for nothing. Any store's size
-// replaces the guess (wantSpares). The caller holds e.mu.
+// replaces the guess (wantSparesLocked). The caller holds e.mu.
 func (e *Engine) predictSparesLocked(ns *namespace) bool {
 	if e.maker == nil || ns.layout != nil {
 		return false

@@ -28,18 +28,28 @@ func (e *Engine) claimLocked(path string) (bool, *flight) {
 func (e *Engine) release(path string) {
 	for {
 		e.mu.Lock()
-		fl := e.inflight[path]
-		orphans := fl.orphans
-		fl.orphans = nil
-		if len(orphans) == 0 {
-			delete(e.inflight, path)
-			e.mu.Unlock()
+		fl, orphans := e.releaseLocked(path)
+		e.mu.Unlock()
+		if fl != nil {
 			close(fl.done)
 			return
 		}
-		e.mu.Unlock()
 		e.removeIfSame(path, orphans)
 	}
+}
+
+// releaseLocked ends the claim on path and returns its flight, whose done
+// the caller closes once it has unlocked e.mu; or, where orphans were left
+// to the claim, keeps the claim and returns them (taken from the flight)
+// for the caller to remove before it releases the path again.
+func (e *Engine) releaseLocked(path string) (*flight, []*entry) {
+	fl := e.inflight[path]
+	if orphans := fl.orphans; len(orphans) > 0 {
+		fl.orphans = nil
+		return nil, orphans
+	}
+	delete(e.inflight, path)
+	return fl, nil
 }
 
 // removeLocked arranges the removal of the file of en, already unindexed:

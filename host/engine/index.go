@@ -188,13 +188,21 @@ func (e *Engine) drop(ctx context.Context, en *entry, remove bool, why string) b
 	return true
 }
 
-// adopt indexes an entry found on disk and tells the policy.
+// adopt indexes an entry found on disk and tells the policy. It returns
+// the indexed entry, or nil where a job of this engine holds the path (a
+// store about to publish there, a removal): only the holder indexes a
+// file at a path it holds, so that a store's view of the file it replaces
+// (group.old) stays true until it publishes.
 func (e *Engine) adopt(ctx context.Context, en *entry) *entry {
 	e.mu.Lock()
 	if old := e.byPath[en.path]; old != nil && old.ident.Same(en.ident) && old.fid == en.fid {
 		e.relinkLocked(old) // found by a key the index had lost
 		e.mu.Unlock()
 		return old
+	}
+	if e.inflight[en.path] != nil {
+		e.mu.Unlock()
+		return nil
 	}
 	id, ok := e.nsByFP[en.fp]
 	if !ok {

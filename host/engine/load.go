@@ -185,7 +185,13 @@ func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 		e.st.vanished.Add(1)
 		e.drop(ctx, en, false, "replaced")
 		if id.Size >= h.FileLen() {
-			en = e.adopt(ctx, e.entryOf(en.mount, en.path, h, id))
+			found := e.entryOf(en.mount, en.path, h, id)
+			if en = e.adopt(ctx, found); en == nil {
+				// A store of this engine holds the path: the file is
+				// read, and left to it to index or replace.
+				found.gone = true
+				en = found
+			}
 		}
 	}
 	// A file shorter than its header says was truncated behind our back:

@@ -173,6 +173,21 @@ func (e *Engine) Lookup(ctx context.Context, ns NamespaceID, keys [][]byte) (int
 	return len(keys), nil
 }
 
+// findAll is find for the keys of the request indices idx, under one hold
+// of the engine's lock: the entry of keys[idx[i]] (nil: none) is the i-th.
+func (e *Engine) findAll(ns *namespace, keys [][]byte, idx []int) []*entry {
+	found := make([]*entry, len(idx))
+	e.mu.RLock()
+	defer e.mu.RUnlock()
+	for t, i := range idx {
+		if ref, ok := e.byKey[keyID{ns.fp, string(keys[i])}]; ok {
+			found[t] = ref.e
+		}
+	}
+	return found
+}
+
+// find returns the entry the index holds for key in ns, or nil.
 func (e *Engine) find(ns *namespace, key []byte) *entry {
 	e.mu.RLock()
 	defer e.mu.RUnlock()
@@ -189,9 +204,9 @@ func (e *Engine) discover(ctx context.Context, ns *namespace, key []byte) *entry
 	if err != nil || errs[0] != nil {
 		return nil
 	}
-	e.mu.Lock()
-	busy := e.inflight[paths[0]] != nil
-	e.mu.Unlock()
+	e.mu.RLock()
+	busy := e.inflight[paths[0]] != nil // adopt looks again
+	e.mu.RUnlock()
 	if busy {
 		return nil
 	}

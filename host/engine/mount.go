@@ -47,7 +47,7 @@ type mount struct {
 	// reportMounts; 0 where m keeps no spares), and aheadFiles the most spares of a size it keeps
 	// (MaxAutoSpareFiles for PreallocateAuto; 0: no bound but ahead's);
 	// aheadNS what each namespace's declaration and stores say about its
-	// files here (ahead.go: wantSpares, predictSparesLocked; dropped at
+	// files here (ahead.go: wantSparesLocked, predictSparesLocked; dropped at
 	// Release, and where making one of its size failed); madeBytes is the
 	// spares made ahead among spares (of any size).
 	ahead, madeBytes int64

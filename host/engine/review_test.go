@@ -554,3 +554,56 @@ func TestDeleteCount(t *testing.T) {
 		t.Fatalf("files left: %v", files)
 	}
 }
+
+// TestAdoptLeavesAPathAJobHoldsToItsHolder: a file found on disk (by a
+// lookup's discovery, or a load that found its file replaced) is not
+// indexed at a path a store or removal of this engine holds: the store
+// decided what it replaces when it claimed the path, and indexing another
+// file there meanwhile would have it write over a file holding keys it
+// never looked at. Once the path is free the file is adopted.
+func TestAdoptLeavesAPathAJobHoldsToItsHolder(t *testing.T) {
+	ctx := context.Background()
+	g := smallGeometry(true)
+	e := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir()}}, Policy: newTestPolicy(1, abi.OrderLayerMajor)})
+	ns, _ := e.Declare(ctx, g)
+	c := newTestCache(t, e, ns, g, 32, layoutPlaneFirst)
+	keys := testKeys("held", 1)
+	storeAndCheck(t, e, c, keys, [][]int{{0, 1, 2, 3}})
+	_, paths, _, _ := e.names(ctx, e.nss[ns], keys)
+	path := paths[0]
+
+	// The index loses the file (as when another file holding its key was
+	// dropped), while the file stays on disk.
+	e.mu.Lock()
+	en := e.byPath[path]
+	e.unindexLocked(en)
+	claimed, _ := e.claimLocked(path) // a store claims the path
+	e.mu.Unlock()
+	if !claimed {
+		t.Fatal("the path was held before the test claimed it")
+	}
+	found, err := e.readEntry(0, path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := e.adopt(ctx, found); got != nil {
+		t.Fatalf("adopt indexed %s while a store held the path", got.path)
+	}
+	e.mu.RLock()
+	indexed := e.byPath[path]
+	e.mu.RUnlock()
+	if indexed != nil {
+		t.Fatalf("the index holds %s at a held path", indexed.path)
+	}
+	if en := e.discover(ctx, e.nss[ns], keys[0]); en != nil {
+		t.Fatal("discover indexed the file at a held path")
+	}
+
+	e.release(path)
+	if en := e.discover(ctx, e.nss[ns], keys[0]); en == nil || en.gone {
+		t.Fatal("discover did not index the file once the path was free")
+	}
+	if n, err := e.Lookup(ctx, ns, keys); err != nil || n != 1 {
+		t.Fatalf("lookup after the path was released: %d, %v; want 1", n, err)
+	}
+}

@@ -204,7 +204,7 @@ func (f *failSizeFile) Allocate(size int64) error {
 
 // BenchmarkSpareWorkPerStore is what every store on a mount that makes
 // spares ahead pays under the engine's lock to ask whether the maker has
-// work (wantSpares → spareWorkLocked), with the spares already made, for
+// work (wantSparesLocked → spareWorkLocked), with the spares already made, for
 // one namespace and for nine sharing the budget.
 func BenchmarkSpareWorkPerStore(b *testing.B) {
 	for _, n := range []int{1, 9} {

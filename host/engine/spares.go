@@ -132,31 +132,23 @@ func (m *mount) takeSpareLocked(size int64) spareFile {
 	return sf
 }
 
-// reuseSpare opens a spare file of exactly size bytes on m as a store's
-// temporary file in dir (renamed, opened with flag extra, flocked, its
-// first page and every byte from end on zeroed), or reports false if m has
-// none or taking it failed (the spare is then removed; the caller creates
-// a fresh file).
-func (e *Engine) reuseSpare(m *mount, dir string, extra int, size, end int64) (fsys.File, string, bool) {
-	e.mu.Lock()
-	sf := m.takeSpareLocked(size)
-	e.mu.Unlock()
-	spare := sf.path
-	if spare == "" {
-		return nil, "", false
-	}
+// useSpare opens sf, a spare of exactly size bytes on m taken for a store
+// (reserveFile), as the store's temporary file in dir (renamed, opened with
+// flag extra, flocked, its first page and every byte from end on zeroed),
+// or reports false if that failed (the spare is then removed; the caller
+// creates a fresh file).
+func (e *Engine) useSpare(sf spareFile, dir string, extra int, size, end int64) (fsys.File, string, bool) {
 	fail := func(path, op string, err error) (fsys.File, string, bool) {
 		e.log.Debug("engine: reuse a spare file", "path", path, "op", op, "err", err)
-		e.forget(sf.id)
-		e.removeTemp(path)
+		e.discardSpare(spareFile{path: path, id: sf.id})
 		return nil, "", false
 	}
 	if err := e.mkdir(dir, false); err != nil {
-		return fail(spare, "mkdir", err)
+		return fail(sf.path, "mkdir", err)
 	}
 	tmp := e.tempName(dir, tmpPrefix)
-	if err := e.fs.Rename(spare, tmp); err != nil {
-		return fail(spare, "rename", err)
+	if err := e.fs.Rename(sf.path, tmp); err != nil {
+		return fail(sf.path, "rename", err)
 	}
 	f, err := e.fs.OpenFile(tmp, os.O_WRONLY|extra, 0)
 	if err != nil {
@@ -174,6 +166,16 @@ func (e *Engine) reuseSpare(m *mount, dir string, extra int, size, end int64) (f
 	}
 	e.st.reused.Add(1)
 	return f, tmp, true
+}
+
+// discardSpare removes the file of sf, a spare taken from its mount's
+// list (takeSpareLocked) that no store will write.
+func (e *Engine) discardSpare(sf spareFile) {
+	if sf.path == "" {
+		return
+	}
+	e.forget(sf.id)
+	e.removeTemp(sf.path)
 }
 
 // clearSpare zeroes what an evicted file's old contents would leave in a
@@ -218,17 +220,14 @@ func zeroRange(f fsys.File, from, to int64) error {
 	return nil
 }
 
-// openTemp opens the temporary file of a store of namespace ns of size
-// bytes, whose payload ends at end, in dir on m: a spare of that size
-// where m has one, else a fresh file (createTemp). full says the file
-// holds a whole group of the namespace's keys (wantSpares). The
-// reservation made room for a fresh file beside the spares (reserve), and
-// keepSpare keeps a spare only where it fits.
-func (e *Engine) openTemp(m *mount, ns NamespaceID, dir string, extra int, size, end int64, full bool) (f fsys.File, tmp, op string, err error) {
-	if e.spareEligible(m) {
-		f, tmp, ok := e.reuseSpare(m, dir, extra, size, end)
-		e.wantSpares(m, ns, size, full)
-		if ok {
+// openTemp opens the temporary file of a store of size bytes, whose
+// payload ends at end, in dir on m: sf, a spare of that size the store
+// took (reserveFile), where it has one, else a fresh file (createTemp).
+// The reservation made room for a fresh file beside the spares (reserve),
+// and keepSpare keeps a spare only where it fits.
+func (e *Engine) openTemp(sf spareFile, dir string, extra int, size, end int64) (f fsys.File, tmp, op string, err error) {
+	if sf.path != "" {
+		if f, tmp, ok := e.useSpare(sf, dir, extra, size, end); ok {
 			return f, tmp, "", nil
 		}
 	}

@@ -15,6 +15,7 @@ import (
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/format"
 	"github.com/kvhost/kvhost/staging"
+	"github.com/kvhost/kvhost/transfer"
 )
 
 // Store stores keys from cache blocks, asynchronously. The request is
@@ -54,6 +55,42 @@ type group struct {
 	path  string
 	hdr   *format.Header
 	held  bool // the first key is in the indexed file at path: not written
+	// old is the entry indexed at path when the store claimed it (nil:
+	// none), the file its own replaces.
+	old *entry
+	// released: the store released path when it indexed its file.
+	released bool
+}
+
+// reserveFile reserves size bytes on m for a store's file of namespace ns
+// (reserve) and, where m keeps spares, takes one of exactly that size for
+// it (none: the zero spareFile) and records the size for the spares made
+// ahead (wantSparesLocked, with full). In the common case, a reservation
+// below the high watermark with the spares still fitting beside it, that
+// is one hold of the engine's lock: every store takes it, and many short
+// holds queue 2 MiB stores on many jobs (RATIONALE.md, "Why does a store
+// take the engine's lock as few times as it can?").
+func (e *Engine) reserveFile(ctx context.Context, m *mount, ns NamespaceID, size int64, full bool) (spareFile, error) {
+	spares := e.spareEligible(m)
+	e.mu.Lock()
+	if m.used+size <= m.high && (!spares || m.used+size+m.spareBytes <= m.capacity) {
+		m.used += size
+	} else {
+		e.mu.Unlock()
+		if err := e.reserve(ctx, m, size); err != nil {
+			return spareFile{}, err
+		}
+		e.mu.Lock()
+	}
+	var sf spareFile
+	work := false
+	if spares {
+		sf = m.takeSpareLocked(size)
+		work = e.wantSparesLocked(m, ns, size, full)
+	}
+	e.mu.Unlock()
+	e.wakeMaker(work)
+	return sf, nil
 }
 
 // maxStoreRounds bounds how many times a store waits for another job that
@@ -95,8 +132,9 @@ func (e *Engine) runStore(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 		// same inode, is never taken for it) are present.
 		var missing []int
 		checked := map[*entry]bool{}
-		for _, i := range todo {
-			en := e.find(c.ns, keys[i])
+		found := e.findAll(c.ns, keys, todo)
+		for t, i := range todo {
+			en := found[t]
 			if en != nil {
 				ok, seen := checked[en]
 				if !seen {
@@ -136,14 +174,16 @@ func (e *Engine) runStore(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 		// the same name is never taken for theirs).
 		var busy []*flight
 		todo, busy = e.storeRound(ctx, j, c, keys, blocks, missing)
-		e.mu.RLock()
-		for i, en := range presentIn {
-			if en.gone {
-				delete(presentIn, i)
-				todo = append(todo, i)
+		if len(presentIn) > 0 {
+			e.mu.RLock()
+			for i, en := range presentIn {
+				if en.gone {
+					delete(presentIn, i)
+					todo = append(todo, i)
+				}
 			}
+			e.mu.RUnlock()
 		}
-		e.mu.RUnlock()
 		slices.Sort(todo) // request order: files are grouped from it
 		if len(busy) > 0 {
 			e.pathWaits.Add(1)
@@ -250,6 +290,9 @@ func (e *Engine) storeRound(ctx context.Context, j *Job, c *cache, keys [][]byte
 		}
 		e.mu.Lock()
 		claimed, fl := e.claimLocked(gr.path)
+		if claimed {
+			gr.old = e.byPath[gr.path]
+		}
 		e.mu.Unlock()
 		if !claimed {
 			// Another job writes (or removes) this path: what it leaves
@@ -267,8 +310,12 @@ func (e *Engine) storeRound(ctx context.Context, j *Job, c *cache, keys [][]byte
 		go func() {
 			defer wg.Done()
 			defer e.releaseSlot()
-			defer e.release(gr.path)
-			if e.heldAt(ctx, ns.fp, keys[gr.idx[0]], gr.path) {
+			defer func() {
+				if !gr.released {
+					e.release(gr.path)
+				}
+			}()
+			if e.heldAt(ctx, ns.fp, keys[gr.idx[0]], gr.old) {
 				gr.held = true
 				return
 			}
@@ -292,18 +339,15 @@ func (e *Engine) storeRound(ctx context.Context, j *Job, c *cache, keys [][]byte
 	return deferred, busy
 }
 
-// heldAt reports whether the indexed file at path, where a new file whose
-// first key is key is about to be written, holds key and is still there
-// (its header is read). The index can lose a key of a file it holds: the
+// heldAt reports whether en, the indexed file at the path where a new
+// file whose first key is key is about to be written (nil: none), holds
+// key and is still there (its header is read). The index can lose a key of a file it holds: the
 // key was indexed in another file too, which was dropped (another node's
 // file holding it, deleted there). Writing would then replace a file that
 // already holds the key, and every other key in it, some maybe answered
 // present by this very store. The file's keys are indexed again instead.
-// The caller holds path.
-func (e *Engine) heldAt(ctx context.Context, fp uint64, key []byte, path string) bool {
-	e.mu.RLock()
-	en := e.byPath[path]
-	e.mu.RUnlock()
+// The caller holds the path.
+func (e *Engine) heldAt(ctx context.Context, fp uint64, key []byte, en *entry) bool {
 	if en == nil {
 		return false
 	}
@@ -321,14 +365,23 @@ func (e *Engine) heldAt(ctx context.Context, fp uint64, key []byte, path string)
 func (e *Engine) storeFile(ctx context.Context, j *Job, c *cache, blocks [][]int, gr *group) error {
 	m := e.mounts[gr.mount]
 	size := gr.hdr.FileLen()
-	if err := e.reserve(ctx, m, size); err != nil {
+	mv, err := m.mover(c.kind)
+	if err != nil {
+		return err
+	}
+	// A file of a whole group of keys is the size later stores most
+	// likely write (a job's last file may hold fewer).
+	full := len(gr.idx) >= c.ns.keysPerFile
+	spare, err := e.reserveFile(ctx, m, c.ns.id, size, full)
+	if err != nil {
 		return err
 	}
 	// The file system may be fuller than the engine knows (other nodes,
 	// other programs): an ENOSPC refreshes the capacity from statfs,
 	// evicts down to it and tries once more.
 	for attempt := 0; ; attempt++ {
-		published, err := e.writeFile(ctx, j, c, blocks, gr)
+		published, err := e.writeFile(ctx, j, c, blocks, gr, mv, spare)
+		spare = spareFile{} // written, or removed
 		if !published {
 			if attempt == 0 && errors.Is(err, syscall.ENOSPC) && ctx.Err() == nil {
 				e.log.Debug("engine: ENOSPC; evicting and trying again", "mount", m.root, "path", gr.path)
@@ -345,19 +398,17 @@ func (e *Engine) storeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 	}
 }
 
-// writeFile writes, publishes and indexes one file; the caller holds the
-// reservation. published says whether the reservation was consumed (the
-// file was indexed, or published and removed again).
-func (e *Engine) writeFile(ctx context.Context, j *Job, c *cache, blocks [][]int, gr *group) (published bool, err error) {
+// writeFile writes, publishes and indexes one file with mv, into spare
+// where it is one (reserveFile); the caller holds the reservation. published says
+// whether the reservation was consumed (the file was indexed, or published
+// and removed again). Indexing the file also releases its path
+// (gr.released).
+func (e *Engine) writeFile(ctx context.Context, j *Job, c *cache, blocks [][]int, gr *group, mv transfer.Mover, spare spareFile) (published bool, err error) {
 	m := e.mounts[gr.mount]
 	h := gr.hdr
 	size := h.FileLen()
 
 	hl := int64(h.Len())
-	mv, err := m.mover(c.kind)
-	if err != nil {
-		return false, err
-	}
 	if !mv.Checksums() {
 		h.Flags &^= format.FlagPayloadSums // the file records it
 	}
@@ -368,10 +419,7 @@ func (e *Engine) writeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 	if m.direct {
 		extra = unix.O_DIRECT
 	}
-	// A file of a whole group of keys is the size later stores most
-	// likely write (a job's last file may hold fewer).
-	full := len(gr.idx) >= c.ns.keysPerFile
-	f, tmp, op, err := e.openTemp(m, c.ns.id, dir, extra, size, hl+h.PayloadLen(), full)
+	f, tmp, op, err := e.openTemp(spare, dir, extra, size, hl+h.PayloadLen())
 	if err != nil {
 		return published, e.ioError(m, op, err)
 	}
@@ -419,11 +467,8 @@ func (e *Engine) writeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 	if err := ctx.Err(); err != nil {
 		return false, err // cancelled: never published
 	}
-	e.mu.Lock()
-	old := e.byPath[gr.path]
-	e.mu.Unlock()
-	if old != nil {
-		e.forget(old.ident) // the rename replaces it
+	if gr.old != nil {
+		e.forget(gr.old.ident) // the rename replaces it
 	}
 	if err := e.fs.Rename(tmp, gr.path); err != nil {
 		if errors.Is(err, syscall.EISDIR) || errors.Is(err, syscall.ENOTEMPTY) || errors.Is(err, syscall.EEXIST) {
@@ -457,7 +502,22 @@ func (e *Engine) writeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 		recs = append(recs, r.access(abi.AccessRemove, en.last))
 	}
 	recs = append(recs, en.access(abi.AccessInsert, en.last))
+	// The path is released in the same hold of the lock: every store
+	// takes it, and many short holds queue 2 MiB stores on many jobs.
+	fl, orphans := e.releaseLocked(gr.path)
 	e.mu.Unlock()
+	gr.released = true
+	if fl != nil {
+		close(fl.done)
+	} else {
+		e.removeIfSame(gr.path, orphans) // not the file just published
+		e.release(gr.path)
+	}
+	for _, r := range replaced {
+		if r != gr.old { // indexed at the path after the claim (adopt)
+			e.forget(r.ident)
+		}
+	}
 	e.access(ctx, recs)
 	e.st.stores.Add(uint64(len(h.Keys)))
 	e.st.written.Add(uint64(h.PayloadLen()))
