@@ -1,6 +1,7 @@
 package metrics
 
 import (
+	"io"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -127,6 +128,9 @@ func TestMetricsExposeSourcesAndObservations(t *testing.T) {
 		},
 	})
 	m.SetReady(true)
+	if got := status(t, ts.URL+"/healthz"); got != http.StatusServiceUnavailable {
+		t.Errorf("/healthz with 2 faults on device 1: %d, want 503", got)
+	}
 	m.ObserveJob(engine.JobEvent{Direction: "store", Memory: region.KindHost, Path: "staging", Bytes: 4096, Duration: time.Millisecond,
 		Outcomes: [engine.OutcomeFailed + 1]int{engine.OutcomeStored: 2, engine.OutcomeNotAdmitted: 1}})
 	m.ObservePolicyCall("kvhost_name", 4, 3*time.Microsecond)
@@ -233,5 +237,41 @@ func TestProfilesServedOnlyWhenAsked(t *testing.T) {
 			t.Errorf("profiling %v: /metrics = %d", profiling, got)
 		}
 		ts.Close()
+	}
+}
+
+// TestHealthzFailsOnceAGPUsContextIsBroken: the liveness probe answers
+// 503, naming the device, once a job failed there with a sticky CUDA
+// error (the context stays broken until the daemon restarts, which the
+// probe's failure brings about); 200 with no GPU or no faults.
+func TestHealthzFailsOnceAGPUsContextIsBroken(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		faults func() map[int]uint64
+		want   int
+		body   string
+	}{
+		{"no GPU", nil, http.StatusOK, "ok"},
+		{"no faults", func() map[int]uint64 { return map[int]uint64{0: 0, 1: 0} }, http.StatusOK, "ok"},
+		{"a broken GPU", func() map[int]uint64 { return map[int]uint64{0: 0, 3: 2} }, http.StatusServiceUnavailable, "GPU 3: 2 jobs failed with a sticky CUDA error"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			m := New("v")
+			m.SetSources(Sources{GPUFaults: tc.faults})
+			ts := httptest.NewServer(m.Handler(false))
+			defer ts.Close()
+			resp, err := http.Get(ts.URL + "/healthz")
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer resp.Body.Close()
+			body, err := io.ReadAll(resp.Body)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if resp.StatusCode != tc.want || !strings.Contains(string(body), tc.body) {
+				t.Fatalf("/healthz: %d %q, want %d and %q", resp.StatusCode, body, tc.want, tc.body)
+			}
+		})
 	}
 }

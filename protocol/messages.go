@@ -656,6 +656,12 @@ type DeviceStats struct {
 	// device-identity section of the reply; zero where the daemon does not
 	// know it or predates the section.
 	UUID [16]byte
+	// Faults counts the jobs on the device that failed with a sticky CUDA
+	// error (an illegal address, a failed launch, an ECC error): the
+	// daemon's context on the device is broken and every later job there
+	// fails, until the daemon restarts. From the device-faults section of
+	// the reply; 0 where the daemon predates it.
+	Faults uint64
 }
 
 // MaxDevices bounds the devices of a Stats reply.
@@ -813,7 +819,9 @@ func (m *Stats) fields() []*uint64 {
 // (after the daemon section only): u64 reused | u32 mount count | per
 // mount: u64 files, u64 bytes | the device-identity section (after the
 // spares section only): u32 device count (that of the devices above) | per
-// device: 16 bytes UUID (zero: unknown).
+// device: 16 bytes UUID (zero: unknown) | u64 spare files made ahead |
+// the device-faults section: u32 device count (that of the devices above)
+// | per device: u64 faults.
 func (m *Stats) AppendBody(b []byte) []byte {
 	for _, p := range m.fields() {
 		b = appendU64(b, *p)
@@ -840,6 +848,10 @@ func (m *Stats) AppendBody(b []byte) []byte {
 				b = append(b, dv.UUID[:]...)
 			}
 			b = appendU64(b, m.Spares.Made)
+			b = appendU32(b, uint32(len(m.Devices)))
+			for _, dv := range m.Devices {
+				b = appendU64(b, dv.Faults)
+			}
 		}
 	}
 	return b
@@ -900,7 +912,13 @@ func (m *Stats) DecodeBody(b []byte) error {
 	if d.err == nil && len(d.b) > 0 && m.Spares != nil {
 		m.Spares.Made = d.u64("spare files made ahead")
 	}
-	// Bytes after the made-ahead section are sections of a later daemon,
+	if d.err == nil && len(d.b) > 0 && m.Spares != nil {
+		n := d.count("faulted device count", len(m.Devices), len(m.Devices), 8)
+		for i := 0; d.err == nil && i < n; i++ {
+			m.Devices[i].Faults = d.u64("device faults")
+		}
+	}
+	// Bytes after the device-faults section are sections of a later daemon,
 	// which this client does not know: ignored, so that growing the reply
 	// never breaks a client (the sections before it are strict).
 	return d.err

@@ -111,19 +111,28 @@ func TestRejects(t *testing.T) {
 		{"stats spares section cut short", TypeStats | TypeReply, append(body(&Stats{Daemon: &DaemonStats{}}), 1, 2, 3)},
 		{"stats spares mounts past the body", TypeStats | TypeReply, func() []byte {
 			b := body(&Stats{Daemon: &DaemonStats{}, Spares: &SpareStats{}})
-			b[len(b)-8-4-4] = 1 // one mount, no bytes for it (before the identities and the made-ahead count)
+			b[len(b)-4-8-4-4] = 2 // two mounts, 16 bytes left for them (the identities, the made-ahead count and the faults)
 			return b
 		}()},
 		{"stats device identities for fewer devices", TypeStats | TypeReply, func() []byte {
 			b := body(&Stats{Devices: []DeviceStats{{Ordinal: 0}, {Ordinal: 1}}, Daemon: &DaemonStats{}, Spares: &SpareStats{}})
-			b[len(b)-8-2*16-4] = 1 // one identity for two devices
+			b[len(b)-(4+2*8)-8-2*16-4] = 1 // one identity for two devices
 			return b
 		}()},
 		{"stats device identity cut short", TypeStats | TypeReply, func() []byte {
 			b := body(&Stats{Devices: []DeviceStats{{Ordinal: 0}}, Daemon: &DaemonStats{}, Spares: &SpareStats{}})
-			return b[:len(b)-8-1]
+			return b[:len(b)-(4+8)-8-1]
 		}()},
 		{"stats made-ahead section cut short", TypeStats | TypeReply, func() []byte {
+			b := body(&Stats{Devices: []DeviceStats{{Ordinal: 0}}, Daemon: &DaemonStats{}, Spares: &SpareStats{}})
+			return b[:len(b)-(4+8)-1]
+		}()},
+		{"stats device faults for fewer devices", TypeStats | TypeReply, func() []byte {
+			b := body(&Stats{Devices: []DeviceStats{{Ordinal: 0}, {Ordinal: 1}}, Daemon: &DaemonStats{}, Spares: &SpareStats{}})
+			b[len(b)-2*8-4] = 1 // faults of one device for two
+			return b
+		}()},
+		{"stats device faults cut short", TypeStats | TypeReply, func() []byte {
 			b := body(&Stats{Devices: []DeviceStats{{Ordinal: 0}}, Daemon: &DaemonStats{}, Spares: &SpareStats{}})
 			return b[:len(b)-1]
 		}()},
@@ -168,7 +177,7 @@ func TestStatsIgnoresSectionsItDoesNotKnow(t *testing.T) {
 func TestStatsOfADaemonBeforeDeviceIdentitiesHasNoUUIDs(t *testing.T) {
 	m := &Stats{Devices: []DeviceStats{{Ordinal: 0, Regions: 1, UUID: [16]byte{9}}}, Daemon: &DaemonStats{Policy: "lru"}, Spares: &SpareStats{Reused: 1}}
 	b := m.AppendBody(nil)
-	b = b[:len(b)-8-4-16] // without the section (and the made-ahead one after it)
+	b = b[:len(b)-(4+8)-8-(4+16)] // without the section (and the made-ahead and device-faults ones after it)
 	got, err := Decode(TypeStats|TypeReply, b)
 	if err != nil {
 		t.Fatal(err)
@@ -181,11 +190,11 @@ func TestStatsOfADaemonBeforeDeviceIdentitiesHasNoUUIDs(t *testing.T) {
 
 // TestStatsOfADaemonBeforeSparesMadeAheadSaysNone: a reply that ends
 // after the device-identity section (a daemon that predates spares made
-// ahead) decodes, with none made.
+// ahead, and device faults) decodes, with none made.
 func TestStatsOfADaemonBeforeSparesMadeAheadSaysNone(t *testing.T) {
 	m := &Stats{Devices: []DeviceStats{{Ordinal: 0, UUID: [16]byte{9}}}, Daemon: &DaemonStats{Policy: "lru"}, Spares: &SpareStats{Reused: 1, Made: 7}}
 	b := m.AppendBody(nil)
-	got, err := Decode(TypeStats|TypeReply, b[:len(b)-8])
+	got, err := Decode(TypeStats|TypeReply, b[:len(b)-(4+8)-8]) // without it and the device-faults section after it
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -196,6 +205,29 @@ func TestStatsOfADaemonBeforeSparesMadeAheadSaysNone(t *testing.T) {
 	full, err := Decode(TypeStats|TypeReply, b)
 	if err != nil || full.(*Stats).Spares.Made != 7 {
 		t.Fatalf("the whole reply: %v, %+v; want 7 made", err, full)
+	}
+}
+
+// TestStatsOfADaemonBeforeDeviceFaultsSaysNone: a reply that ends after
+// the made-ahead count (a daemon that predates the device-faults section)
+// decodes, with no faults on any device; the whole reply carries them.
+func TestStatsOfADaemonBeforeDeviceFaultsSaysNone(t *testing.T) {
+	m := &Stats{Devices: []DeviceStats{{Ordinal: 0, Faults: 2}, {Ordinal: 1, UUID: [16]byte{9}}}, Daemon: &DaemonStats{Policy: "lru"}, Spares: &SpareStats{Made: 7}}
+	b := m.AppendBody(nil)
+	got, err := Decode(TypeStats|TypeReply, b[:len(b)-4-2*8])
+	if err != nil {
+		t.Fatal(err)
+	}
+	st := got.(*Stats)
+	if st.Devices[0].Faults != 0 || st.Devices[1].UUID != [16]byte{9} || st.Spares.Made != 7 {
+		t.Fatalf("decoded %+v (spares %+v), want no faults, device 1's UUID and 7 made", st, st.Spares)
+	}
+	full, err := Decode(TypeStats|TypeReply, b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d := full.(*Stats).Devices; d[0].Faults != 2 || d[1].Faults != 0 {
+		t.Fatalf("the whole reply: devices %+v; want 2 faults on device 0, none on 1", d)
 	}
 }
 
@@ -254,7 +286,7 @@ var update = flag.Bool("update", false, "rewrite the golden files of other langu
 func goldenStats() *Stats {
 	return &Stats{Entries: 1, Keys: 2, Clients: 3, InflightJobs: 4,
 		Mounts:  []MountStats{{Capacity: 10, Used: 5, Entries: 1, Direct: true}},
-		Devices: []DeviceStats{{Ordinal: 0, Regions: 1, Registered: 4096, Limit: 1 << 30, UUID: [16]byte{0: 0xA, 15: 0xA}}, {Ordinal: 1, Limit: 1 << 30}},
+		Devices: []DeviceStats{{Ordinal: 0, Regions: 1, Registered: 4096, Limit: 1 << 30, UUID: [16]byte{0: 0xA, 15: 0xA}}, {Ordinal: 1, Limit: 1 << 30, Faults: 3}},
 		Daemon: &DaemonStats{Started: 1, Policy: "lru", PolicyBackend: "wasm", FallbackReason: "none", LastReload: "ok",
 			Mounts: []MountInfo{{Path: "/dev/shm/kv", Backend: "staging", IO: "direct", Checksums: true, Configured: 1 << 30}}},
 		Spares: &SpareStats{Reused: 3, Mounts: []SpareMount{{Files: 2, Bytes: 1 << 21}}, Made: 5}}

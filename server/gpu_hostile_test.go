@@ -190,14 +190,18 @@ func newGatedGPU(t *testing.T) (*gpu, *gateMover) {
 	t.Helper()
 	gate := &gateMover{open: make(chan struct{}), arrived: make(chan context.Context, 8)}
 	var once sync.Once
-	g := newGPUWith(t, server.Config{}, func(rt *cuda.Runtime, c *engine.Config) {
+	// The daemon reports the mover's device faults, as kvhost serve wires
+	// them (the mover exists once the engine is open, before any Stats).
+	var mover *staginggpu.Mover
+	faults := func() map[int]uint64 { return mover.DeviceFaults() }
+	g := newGPUWith(t, server.Config{DeviceFaults: faults}, func(rt *cuda.Runtime, c *engine.Config) {
 		c.IOWorkers = 4 // the held call must not take every I/O worker
 		c.Movers = map[region.Kind]engine.MoverFactory{region.KindDevice: func(engine.MountInfo) (transfer.Mover, error) {
 			var err error
 			once.Do(func() {
 				var m *staginggpu.Mover
 				if m, err = staginggpu.New(staginggpu.Config{Runtime: rt, MaxStaging: 4 << 20, Chunk: 1 << 20}); err == nil {
-					gate.Mover = m
+					gate.Mover, mover = m, m
 					t.Cleanup(func() { m.Close() })
 				}
 			})
@@ -352,7 +356,8 @@ func TestGPUClientFreesMemoryMidJob(t *testing.T) {
 // error mid-transfer fails that job as failed, and the daemon keeps
 // serving" on CPU: the fake runtime fails one DMA copy of a store, then
 // one of a load (cudaErrorIllegalAddress). Each of those jobs ends with
-// its key failed (the store publishing nothing), and the same client's
+// its key failed (the store publishing nothing) and is counted as a fault
+// of device 0 in Stats (what `kvhost health` reads), and the same client's
 // round trips then succeed byte for byte.
 func TestGPUCopyFaultFailsItsJobAndTheDaemonKeepsServing(t *testing.T) {
 	g, _ := newGatedGPU(t)
@@ -375,6 +380,13 @@ func TestGPUCopyFaultFailsItsJobAndTheDaemonKeepsServing(t *testing.T) {
 	if n, err := c.Lookup(ctx, gc.ns.ID, [][]byte{[]byte("fault-store")}); err != nil || n != 0 {
 		t.Fatalf("the failed store: lookup %d, %v; want nothing stored", n, err)
 	}
+	wantFaults := func(want uint64) {
+		t.Helper()
+		if d := deviceStats(t, c); len(d) != 2 || d[0].Faults != want || d[1].Faults != 0 {
+			t.Fatalf("device stats %+v: want %d faults on device 0, none on device 1", d, want)
+		}
+	}
+	wantFaults(1)
 	g.roundTrip(t, c, gc, [][]byte{[]byte("after-store-fault")})
 
 	g.fake.Fail(cudatest.OpCopy, 1, illegalAddress)
@@ -387,5 +399,6 @@ func TestGPUCopyFaultFailsItsJobAndTheDaemonKeepsServing(t *testing.T) {
 	if err != nil || res.Count(protocol.OutcomeFailed) != 1 {
 		t.Fatalf("load with a failed copy: %+v, %v; want its key failed", res, err)
 	}
+	wantFaults(2)
 	g.roundTrip(t, c, gc, [][]byte{[]byte("after-load-fault-0"), []byte("after-load-fault-1")})
 }

@@ -117,6 +117,11 @@ type Config struct {
 	// so that a client can find the ordinal of its own GPU whatever
 	// CUDA_VISIBLE_DEVICES says; a missing or zero entry is unknown.
 	DeviceUUIDs [][16]byte
+	// DeviceFaults reports, per device ordinal, the jobs that failed
+	// with a sticky CUDA error (the device's context is broken until the
+	// daemon restarts), for Stats replies and so `kvhost health`; nil:
+	// none known.
+	DeviceFaults func() map[int]uint64
 	// MaxDeviceBytes bounds the GPU memory all clients together may
 	// register on each device (default DefaultMaxDeviceBytes; set it to
 	// the device's memory). Registered GPU memory is the clients' own
@@ -300,12 +305,17 @@ func (s *Server) deviceStats() []protocol.DeviceStats {
 		return nil
 	}
 	out := make([]protocol.DeviceStats, len(s.devices))
+	var faults map[int]uint64
+	if s.cfg.DeviceFaults != nil {
+		faults = s.cfg.DeviceFaults()
+	}
 	for i := range s.devices {
 		out[i] = protocol.DeviceStats{Ordinal: uint32(i), Regions: uint64(s.devices[i].regions.Load()),
 			Registered: uint64(s.devices[i].bytes.Load()), Limit: uint64(s.cfg.MaxDeviceBytes)}
 		if i < len(s.cfg.DeviceUUIDs) {
 			out[i].UUID = s.cfg.DeviceUUIDs[i]
 		}
+		out[i].Faults = faults[i]
 	}
 	return out
 }

@@ -210,6 +210,7 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 	if gp != nil {
 		scfg.OpenDevice, scfg.Devices = gp.ipc.Open, gp.ipc.Devices()
 		scfg.DeviceUUIDs = gp.deviceUUIDs(scfg.Devices)
+		scfg.DeviceFaults = gp.staging.DeviceFaults
 	}
 	srv, err := server.New(eng, scfg)
 	if err != nil {

@@ -74,6 +74,9 @@ type statsDevice struct {
 	Registered uint64 `json:"registered_bytes"`
 	Limit      uint64 `json:"limit_bytes"`
 	UUID       string `json:"uuid,omitempty"` // GPU-<uuid>, as nvidia-smi prints it; empty when unknown
+	// Faults counts the jobs that failed with a sticky CUDA error: the
+	// daemon's context on the device is broken until it restarts.
+	Faults uint64 `json:"faults"`
 }
 
 // queryStats connects to the daemon (Hello) and asks for its Stats.
@@ -110,7 +113,7 @@ func queryStats(ctx context.Context, socket string) (statsReport, error) {
 		r.Counters.ReusedFiles, r.Counters.SparesMade = st.Spares.Reused, st.Spares.Made
 	}
 	for _, d := range st.Devices {
-		r.Devices = append(r.Devices, statsDevice{Ordinal: d.Ordinal, Regions: d.Regions, Registered: d.Registered, Limit: d.Limit, UUID: gpuUUID(d.UUID)})
+		r.Devices = append(r.Devices, statsDevice{Ordinal: d.Ordinal, Regions: d.Regions, Registered: d.Registered, Limit: d.Limit, UUID: gpuUUID(d.UUID), Faults: d.Faults})
 	}
 	if d := st.Daemon; d != nil {
 		r.Started = time.Unix(0, d.Started).UTC()
@@ -195,8 +198,16 @@ func printStats(w io.Writer, r statsReport) {
 				name = " (" + d.UUID + ")"
 			}
 			fmt.Fprintf(w, "  device %d%s: %d regions, %s of %s\n", d.Ordinal, name, d.Regions, bytesString(d.Registered), bytesString(d.Limit))
+			if d.Faults > 0 {
+				fmt.Fprintf(w, "    %s\n", d.faultText())
+			}
 		}
 	}
+}
+
+// faultText says what the device's faults mean to an operator.
+func (d statsDevice) faultText() string {
+	return fmt.Sprintf("%d jobs failed with a sticky CUDA error: the daemon's context on GPU %d is broken until the daemon restarts (or the GPU is reset)", d.Faults, d.Ordinal)
 }
 
 // gpuUUID writes a GPU's UUID as nvidia-smi does (GPU-xxxxxxxx-xxxx-xxxx-

@@ -1,6 +1,9 @@
 package main
 
-import "testing"
+import (
+	"strings"
+	"testing"
+)
 
 func TestGPUUUIDIsWrittenAsNvidiaSmiWritesIt(t *testing.T) {
 	cases := []struct {
@@ -16,5 +19,37 @@ func TestGPUUUIDIsWrittenAsNvidiaSmiWritesIt(t *testing.T) {
 		if got := gpuUUID(c.uuid); got != c.want {
 			t.Errorf("%s: gpuUUID = %q, want %q", c.name, got, c.want)
 		}
+	}
+}
+
+// TestHealthFailsOnAFallenBackPolicyOrABrokenGPU: `kvhost health` judges
+// the daemon's Stats: a GPU with a job that failed on a sticky CUDA error
+// (its context broken until the daemon restarts) makes it unhealthy, so
+// that a liveness probe restarts it, unless --allow-device-faults; a
+// fallen-back policy only with --allow-fallback=false.
+func TestHealthFailsOnAFallenBackPolicyOrABrokenGPU(t *testing.T) {
+	healthy := statsReport{Devices: []statsDevice{{Ordinal: 0}, {Ordinal: 1}}}
+	broken := statsReport{Devices: []statsDevice{{Ordinal: 0}, {Ordinal: 1, Faults: 2}}}
+	fellBack := statsReport{}
+	fellBack.Policy.Name, fellBack.Policy.Fallback, fellBack.Policy.FallbackReason = "lfu", true, "trap"
+	for _, tc := range []struct {
+		name                       string
+		r                          statsReport
+		allowFallback, allowFaults bool
+		want                       string // in the reason; "" for healthy
+	}{
+		{"healthy GPUs", healthy, false, false, ""},
+		{"no GPU", statsReport{}, false, false, ""},
+		{"a broken GPU", broken, true, false, "2 jobs failed with a sticky CUDA error: the daemon's context on GPU 1 is broken"},
+		{"a broken GPU, faults allowed", broken, true, true, ""},
+		{"a fallen-back policy", fellBack, false, false, "the policy lfu fell back to native lru: trap"},
+		{"a fallen-back policy, allowed", fellBack, true, false, ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			got := unhealthy(tc.r, tc.allowFallback, tc.allowFaults)
+			if tc.want == "" && got != "" || !strings.Contains(got, tc.want) {
+				t.Fatalf("unhealthy = %q, want %q", got, tc.want)
+			}
+		})
 	}
 }

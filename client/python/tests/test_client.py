@@ -178,8 +178,8 @@ class TestStats(unittest.TestCase):
         self.assertEqual(st["inflight_jobs"], 15)
         self.assertEqual(st["mounts"], [{"capacity": 10, "used": 5, "entries": 1, "direct": True}])
         self.assertEqual(st["devices"], [
-            {"ordinal": 0, "regions": 1, "registered": 4096, "limit": 1 << 30, "uuid": None},
-            {"ordinal": 1, "regions": 0, "registered": 0, "limit": 1 << 30, "uuid": None}])
+            {"ordinal": 0, "regions": 1, "registered": 4096, "limit": 1 << 30, "uuid": None, "faults": 0},
+            {"ordinal": 1, "regions": 0, "registered": 0, "limit": 1 << 30, "uuid": None, "faults": 0}])
 
     def test_decodes_the_daemons_own_encoding(self):
         # testdata/stats.bin is the Go encoder's bytes of a reply with every
@@ -189,8 +189,8 @@ class TestStats(unittest.TestCase):
         self.assertEqual((st["entries"], st["keys"], st["clients"], st["inflight_jobs"]), (1, 2, 3, 4))
         self.assertEqual(st["mounts"], [{"capacity": 10, "used": 5, "entries": 1, "direct": True}])
         self.assertEqual(st["devices"], [
-            {"ordinal": 0, "regions": 1, "registered": 4096, "limit": 1 << 30, "uuid": b"\x0a" + bytes(14) + b"\x0a"},
-            {"ordinal": 1, "regions": 0, "registered": 0, "limit": 1 << 30, "uuid": None}])
+            {"ordinal": 0, "regions": 1, "registered": 4096, "limit": 1 << 30, "uuid": b"\x0a" + bytes(14) + b"\x0a", "faults": 0},
+            {"ordinal": 1, "regions": 0, "registered": 0, "limit": 1 << 30, "uuid": None, "faults": 3}])
 
     def test_decodes_device_uuids_after_the_daemon_and_spares_sections(self):
         uuids = [bytes(range(16)), b"\x00" * 16]  # the second unknown
@@ -202,6 +202,17 @@ class TestStats(unittest.TestCase):
         self.assertEqual([d["uuid"] for d in p.decode_stats(body[:-4 - 32])["devices"]], [None, None])
         # A later daemon's section after them is ignored.
         self.assertEqual(p.decode_stats(body + b"\xde\xad")["devices"][0]["uuid"], uuids[0])
+
+    def test_decodes_device_faults_after_the_made_ahead_count(self):
+        uuids = [bytes(range(16)), b"\x00" * 16]
+        body = stats_body(uuids) + struct.pack("<Q", 5)  # spares made ahead
+        self.assertEqual([d["faults"] for d in p.decode_stats(body)["devices"]], [0, 0])  # an older daemon
+        body += struct.pack("<IQQ", 2, 0, 7)
+        st = p.decode_stats(body)
+        self.assertEqual([d["faults"] for d in st["devices"]], [0, 7])
+        self.assertEqual([d["uuid"] for d in st["devices"]], [uuids[0], None])
+        # A section for another number of devices is not this one.
+        self.assertEqual([d["faults"] for d in p.decode_stats(body[:-20] + struct.pack("<IQ", 1, 7))["devices"]], [0, 0])
 
 
 def str8(s):

@@ -170,6 +170,7 @@ def decode_stats(body):
     out["devices"] = devices
     for d in devices:
         d["uuid"] = None
+        d["faults"] = 0
     try:
         off = _skip_daemon_and_spares(body, off)
     except struct.error:
@@ -177,11 +178,22 @@ def decode_stats(body):
     if off is not None and len(body) >= off + 4:
         (n,) = struct.unpack_from("<I", body, off)
         off += 4
-        if n == len(devices) and len(body) >= off + 16 * n:
-            for d in devices:
-                uuid = bytes(body[off:off + 16])
-                d["uuid"] = uuid if any(uuid) else None
-                off += 16
+        if n != len(devices) or len(body) < off + 16 * n:
+            return out
+        for d in devices:
+            uuid = bytes(body[off:off + 16])
+            d["uuid"] = uuid if any(uuid) else None
+            off += 16
+        off += 8  # spare files made ahead
+        # The device-faults section: jobs that failed with a sticky CUDA
+        # error, per device (the device is broken until the daemon restarts).
+        if len(body) >= off + 4:
+            (n,) = struct.unpack_from("<I", body, off)
+            off += 4
+            if n == len(devices) and len(body) >= off + 8 * n:
+                for d in devices:
+                    (d["faults"],) = struct.unpack_from("<Q", body, off)
+                    off += 8
     return out
 
 
