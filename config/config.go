@@ -55,10 +55,12 @@ type GPU struct {
 	// staging pipeline elsewhere), "off", or "compat" (also where cuFile
 	// runs in compatibility mode, itself a host bounce).
 	CuFile string `toml:"cufile"`
-	// CUDALibrary and CuFileLibrary, if set, are the paths of libcudart and
-	// libcufile (default: the usual CUDA locations).
-	CUDALibrary   string `toml:"cuda_library"`
-	CuFileLibrary string `toml:"cufile_library"`
+	// CUDALibrary, CUDADriverLibrary and CuFileLibrary, if set, are the
+	// paths of libcudart, of the driver API's libcuda and of libcufile
+	// (default: the usual CUDA locations).
+	CUDALibrary       string `toml:"cuda_library"`
+	CUDADriverLibrary string `toml:"cuda_driver_library"`
+	CuFileLibrary     string `toml:"cufile_library"`
 	// StagingMemory bounds the pinned host memory of the GPU staging
 	// pipeline, allocated once at start.
 	StagingMemory Size `toml:"staging_memory"`

@@ -168,9 +168,10 @@ func (m *Metrics) ObserveRequest(t protocol.Type, took time.Duration) {
 }
 
 // Handler serves /metrics (Prometheus text or protobuf), /healthz (200
-// while the process serves HTTP, 503 once a GPU's context is broken:
-// liveness) and /readyz (200 once the daemon accepts clients, 503 before
-// and while it drains: readiness);
+// while the process serves HTTP: liveness), /healthz/gpu (/healthz, but
+// 503 once a GPU's context is broken: liveness for a daemon that should
+// restart then) and /readyz (200 once the daemon accepts clients, 503
+// before and while it drains: readiness);
 // with profiling, also Go's runtime profiles and execution trace under
 // /debug/pprof/ (net/http/pprof).
 func (m *Metrics) Handler(profiling bool) http.Handler {
@@ -184,6 +185,9 @@ func (m *Metrics) Handler(profiling bool) http.Handler {
 	}
 	mux.Handle("GET /metrics", promhttp.HandlerFor(m.reg, promhttp.HandlerOpts{}))
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
+		w.Write([]byte("ok\n"))
+	})
+	mux.HandleFunc("GET /healthz/gpu", func(w http.ResponseWriter, _ *http.Request) {
 		if why := m.broken(); why != "" {
 			http.Error(w, "unhealthy: "+why, http.StatusServiceUnavailable)
 			return
@@ -202,7 +206,7 @@ func (m *Metrics) Handler(profiling bool) http.Handler {
 
 // broken says which GPU has a broken context (a job failed there with a
 // sticky CUDA error: every later job there fails until the daemon
-// restarts, which a liveness probe's failure brings about), or "".
+// restarts), or "".
 func (m *Metrics) broken() string {
 	src := m.src.Load()
 	if src == nil || src.GPUFaults == nil {
@@ -211,7 +215,7 @@ func (m *Metrics) broken() string {
 	faults := src.GPUFaults()
 	for _, d := range slices.Sorted(maps.Keys(faults)) {
 		if n := faults[d]; n > 0 {
-			return fmt.Sprintf("GPU %d: %d jobs failed with a sticky CUDA error; its context is broken until the daemon restarts\n", d, n)
+			return fmt.Sprintf("GPU %d: %d jobs failed with a sticky CUDA error; its context is broken until the daemon restarts", d, n)
 		}
 	}
 	return ""

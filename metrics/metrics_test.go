@@ -128,8 +128,11 @@ func TestMetricsExposeSourcesAndObservations(t *testing.T) {
 		},
 	})
 	m.SetReady(true)
-	if got := status(t, ts.URL+"/healthz"); got != http.StatusServiceUnavailable {
-		t.Errorf("/healthz with 2 faults on device 1: %d, want 503", got)
+	if got := status(t, ts.URL+"/healthz/gpu"); got != http.StatusServiceUnavailable {
+		t.Errorf("/healthz/gpu with 2 faults on device 1: %d, want 503", got)
+	}
+	if got := status(t, ts.URL+"/healthz"); got != http.StatusOK {
+		t.Errorf("/healthz with 2 faults on device 1: %d, want 200 (the process serves)", got)
 	}
 	m.ObserveJob(engine.JobEvent{Direction: "store", Memory: region.KindHost, Path: "staging", Bytes: 4096, Duration: time.Millisecond,
 		Outcomes: [engine.OutcomeFailed + 1]int{engine.OutcomeStored: 2, engine.OutcomeNotAdmitted: 1}})
@@ -240,11 +243,11 @@ func TestProfilesServedOnlyWhenAsked(t *testing.T) {
 	}
 }
 
-// TestHealthzFailsOnceAGPUsContextIsBroken: the liveness probe answers
-// 503, naming the device, once a job failed there with a sticky CUDA
-// error (the context stays broken until the daemon restarts, which the
-// probe's failure brings about); 200 with no GPU or no faults.
-func TestHealthzFailsOnceAGPUsContextIsBroken(t *testing.T) {
+// TestHealthzGPUFailsOnceAGPUsContextIsBroken: /healthz/gpu answers 503,
+// naming the device, once a job failed there with a sticky CUDA error (the
+// context stays broken until the daemon restarts); 200 with no GPU or no
+// faults. /healthz answers 200 whatever the GPUs: the process serves.
+func TestHealthzGPUFailsOnceAGPUsContextIsBroken(t *testing.T) {
 	for _, tc := range []struct {
 		name   string
 		faults func() map[int]uint64
@@ -260,7 +263,7 @@ func TestHealthzFailsOnceAGPUsContextIsBroken(t *testing.T) {
 			m.SetSources(Sources{GPUFaults: tc.faults})
 			ts := httptest.NewServer(m.Handler(false))
 			defer ts.Close()
-			resp, err := http.Get(ts.URL + "/healthz")
+			resp, err := http.Get(ts.URL + "/healthz/gpu")
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -270,7 +273,10 @@ func TestHealthzFailsOnceAGPUsContextIsBroken(t *testing.T) {
 				t.Fatal(err)
 			}
 			if resp.StatusCode != tc.want || !strings.Contains(string(body), tc.body) {
-				t.Fatalf("/healthz: %d %q, want %d and %q", resp.StatusCode, body, tc.want, tc.body)
+				t.Fatalf("/healthz/gpu: %d %q, want %d and %q", resp.StatusCode, body, tc.want, tc.body)
+			}
+			if got := status(t, ts.URL+"/healthz"); got != http.StatusOK {
+				t.Fatalf("/healthz: %d, want 200", got)
 			}
 		})
 	}

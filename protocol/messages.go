@@ -819,9 +819,10 @@ func (m *Stats) fields() []*uint64 {
 // (after the daemon section only): u64 reused | u32 mount count | per
 // mount: u64 files, u64 bytes | the device-identity section (after the
 // spares section only): u32 device count (that of the devices above) | per
-// device: 16 bytes UUID (zero: unknown) | u64 spare files made ahead |
-// the device-faults section: u32 device count (that of the devices above)
-// | per device: u64 faults.
+// device: 16 bytes UUID (zero: unknown) | the made-ahead section (after
+// the device-identity section only): u64 spare files made ahead | the
+// device-faults section (after the made-ahead section only): u32 device
+// count (that of the devices above) | per device: u64 faults.
 func (m *Stats) AppendBody(b []byte) []byte {
 	for _, p := range m.fields() {
 		b = appendU64(b, *p)

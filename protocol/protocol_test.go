@@ -155,12 +155,13 @@ func TestRejects(t *testing.T) {
 	}
 }
 
-// TestStatsIgnoresSectionsItDoesNotKnow: bytes after the device-identity
-// section (a later daemon's sections) are ignored, and everything before
-// them decodes as before.
+// TestStatsIgnoresSectionsItDoesNotKnow: bytes after the last section it
+// knows (device faults; a later daemon's sections) are ignored, and
+// everything before them decodes as before.
 func TestStatsIgnoresSectionsItDoesNotKnow(t *testing.T) {
 	want := &Stats{Clients: 2, Mounts: []MountStats{{Capacity: 10}}, Daemon: &DaemonStats{Policy: "lru", Mounts: []MountInfo{{Path: "/kv"}}},
-		Spares: &SpareStats{Reused: 3, Mounts: []SpareMount{{Files: 2, Bytes: 1 << 21}}}}
+		Devices: []DeviceStats{{Ordinal: 0, UUID: [16]byte{7}, Faults: 1}},
+		Spares:  &SpareStats{Reused: 3, Mounts: []SpareMount{{Files: 2, Bytes: 1 << 21}}, Made: 4}}
 	b := append(want.AppendBody(nil), 0xde, 0xad, 0xbe, 0xef)
 	got, err := Decode(TypeStats|TypeReply, b)
 	if err != nil {

@@ -201,7 +201,7 @@ func checkGPU(rep *checkReport, g config.GPU) *cuda.Runtime {
 	if g.Mode == "on" {
 		missing = levelFail // the daemon would not start
 	}
-	rt, err := cuda.Open(cuda.Config{Runtime: nonEmpty(g.CUDALibrary)})
+	rt, err := cuda.Open(cuda.Config{Runtime: nonEmpty(g.CUDALibrary), Driver: nonEmpty(g.CUDADriverLibrary)})
 	if err != nil {
 		rep.add(missing, "gpu", fmt.Sprintf("no CUDA runtime: %s; kvhost serves host memory only", loadError(err, nonEmpty(g.CUDALibrary), cuda.DefaultRuntimePaths)),
 			"install the NVIDIA driver and the CUDA runtime (libcudart.so.12 or .13), or set gpu.cuda_library; gpu.mode = off silences this")
@@ -212,7 +212,7 @@ func checkGPU(rep *checkReport, g config.GPU) *cuda.Runtime {
 		rt.Path(), v/1000, v%1000/10, yesNo(rt.HasBatch()), yesNo(rt.HasDriver())), "")
 	if !rt.HasDriver() {
 		rep.add(levelWarn, "gpu", "no CUDA driver API (libcuda.so.1): the daemon cannot check a CUDA IPC range against its allocation, so it refuses GPU memory registrations",
-			"make the NVIDIA driver's libcuda.so.1 visible to the daemon (on the library path; in a container, as the NVIDIA container toolkit mounts it)")
+			"make the NVIDIA driver's libcuda.so.1 visible to the daemon (on the library path; in a container, as the NVIDIA container toolkit mounts it), or set gpu.cuda_driver_library")
 	}
 	if b, err := os.ReadFile("/proc/driver/nvidia/version"); err == nil {
 		line, _, _ := strings.Cut(string(b), "\n")

@@ -21,8 +21,9 @@ type gpuOptions struct {
 	// Mode is "auto" (use a GPU when the CUDA runtime loads), "off", or
 	// "on" (fail start-up without one).
 	Mode string
-	// CUDALibrary and CuFileLibrary override the library search paths.
-	CUDALibrary, CuFileLibrary []string
+	// CUDALibrary, CUDADriver and CuFileLibrary override the library
+	// search paths of libcudart, libcuda and libcufile.
+	CUDALibrary, CUDADriver, CuFileLibrary []string
 	// CuFile is "auto" (cuFile on mounts where it has a direct path),
 	// "off", or "compat" (also where cuFile runs in compatibility mode).
 	CuFile string
@@ -54,6 +55,7 @@ func gpuOptionsOf(cfg config.Config) gpuOptions {
 	return gpuOptions{
 		Mode:          c.Mode,
 		CUDALibrary:   nonEmpty(c.CUDALibrary),
+		CUDADriver:    nonEmpty(c.CUDADriverLibrary),
 		CuFileLibrary: nonEmpty(c.CuFileLibrary),
 		CuFile:        c.CuFile,
 		MaxStaging:    int64(c.StagingMemory),
@@ -88,7 +90,7 @@ func openGPU(opts gpuOptions, log *slog.Logger) (*gpuPaths, error) {
 		return nil, nil
 	}
 	required := opts.Mode == "on"
-	rt, err := cuda.Open(cuda.Config{Runtime: opts.CUDALibrary})
+	rt, err := cuda.Open(cuda.Config{Runtime: opts.CUDALibrary, Driver: opts.CUDADriver})
 	if err != nil {
 		if required {
 			return nil, fmt.Errorf("gpu: %w", err)

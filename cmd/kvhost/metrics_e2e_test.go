@@ -105,14 +105,8 @@ func TestMetricsMoveDuringAnEndToEndRun(t *testing.T) {
 	}
 
 	// kvhost stats --json against the same daemon.
+	st := statsJSON(t, ctx, socket)
 	var out, errb bytes.Buffer
-	if code := run(ctx, []string{"stats", "--socket", socket, "--json"}, &out, &errb); code != 0 {
-		t.Fatalf("kvhost stats: exit %d: %s", code, errb.String())
-	}
-	var st statsReport
-	if err := json.Unmarshal(out.Bytes(), &st); err != nil {
-		t.Fatalf("stats --json: %v\n%s", err, out.String())
-	}
 	switch {
 	case st.Policy.Name != "lru" || st.Policy.Backend == "" || st.Policy.Fallback:
 		t.Errorf("stats policy %+v", st.Policy)

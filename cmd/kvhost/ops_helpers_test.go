@@ -73,7 +73,7 @@ func newKVCache(t *testing.T, socket string) *kvCache {
 	}
 	t.Cleanup(func() { c.Close() })
 	bb := opsGeo.BlockBytes()
-	mem, err := client.NewMemfd("kv", int64(opsGeo.Layers)*2*opsBlocks*bb)
+	mem, err := client.NewMemfd("kv", opsCacheBytes())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -82,10 +82,24 @@ func newKVCache(t *testing.T, socket string) *kvCache {
 	if err != nil {
 		t.Fatal(err)
 	}
+	ns, id := registerOpsCache(t, c, rid)
+	return &kvCache{c: c, mem: mem, id: id, ns: ns, bb: bb}
+}
+
+// opsCacheBytes is the size of a region holding an opsGeo cache.
+func opsCacheBytes() int64 { return int64(opsGeo.Layers) * 2 * opsBlocks * opsGeo.BlockBytes() }
+
+// registerOpsCache declares opsGeo and registers a cache of it laid over
+// region rid (opsCacheBytes): per layer a tensor of opsBlocks K blocks,
+// then as many V blocks.
+func registerOpsCache(t *testing.T, c *client.Client, rid client.RegionID) (client.Namespace, client.CacheID) {
+	t.Helper()
+	ctx := context.Background()
 	ns, err := c.Declare(ctx, opsGeo)
 	if err != nil {
 		t.Fatal(err)
 	}
+	bb := opsGeo.BlockBytes()
 	layers := make([]client.Layer, opsGeo.Layers)
 	for l := range layers {
 		layers[l] = client.Layer{Region: uint32(rid), NumBlocks: opsBlocks, Offset: int64(l) * 2 * opsBlocks * bb, BlockStride: bb, PlaneStride: opsBlocks * bb}
@@ -94,7 +108,21 @@ func newKVCache(t *testing.T, socket string) *kvCache {
 	if err != nil {
 		t.Fatal(err)
 	}
-	return &kvCache{c: c, mem: mem, id: id, ns: ns, bb: bb}
+	return ns, id
+}
+
+// statsJSON is `kvhost stats --json` against the daemon at socket, parsed.
+func statsJSON(t *testing.T, ctx context.Context, socket string) statsReport {
+	t.Helper()
+	var out, errb bytes.Buffer
+	if code := run(ctx, []string{"stats", "--socket", socket, "--json"}, &out, &errb); code != 0 {
+		t.Fatalf("kvhost stats: exit %d: %s", code, errb.String())
+	}
+	var st statsReport
+	if err := json.Unmarshal(out.Bytes(), &st); err != nil {
+		t.Fatalf("stats --json: %v\n%s", err, out.String())
+	}
+	return st
 }
 
 // span returns the byte slices of blocks (every layer and plane).

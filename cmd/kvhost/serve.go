@@ -312,7 +312,7 @@ func (d *daemon) serveMetrics(addr string, profiling bool) (stop func(), err err
 	hs := &http.Server{Handler: d.metrics.Handler(profiling), ReadHeaderTimeout: 10 * time.Second,
 		ErrorLog: slog.NewLogLogger(d.log.Handler(), slog.LevelWarn)}
 	go hs.Serve(ln)
-	paths := "/metrics,/healthz,/readyz"
+	paths := "/metrics,/healthz,/healthz/gpu,/readyz"
 	if profiling {
 		paths += ",/debug/pprof/"
 	}

@@ -314,6 +314,8 @@ func TestFailuresFailTheCall(t *testing.T) {
 		{"store sync fault", blocking, true, e.cudaFault(nil, cudatest.OpSync, 3, cuda.ErrorLaunchFailure), nil, cuda.ErrorLaunchFailure},
 		{"store sync fault after polling", briefly, true, neverReady(e.cudaFault(nil, cudatest.OpSync, 3, cuda.ErrorLaunchFailure)), nil, cuda.ErrorLaunchFailure},
 		{"load copy fault", nil, false, e.cudaFault(good, cudatest.OpCopy, 40, cuda.ErrorIllegalAddress), nil, cuda.ErrorIllegalAddress},
+		{"store copy fault, not sticky", nil, true, e.cudaFault(nil, cudatest.OpCopy, 40, cuda.ErrorInvalidValue), nil, cuda.ErrorInvalidValue},
+		{"load copy fault, not sticky", nil, false, e.cudaFault(good, cudatest.OpCopy, 40, cuda.ErrorInvalidValue), nil, cuda.ErrorInvalidValue},
 		{"load query fault", nil, false, e.cudaFault(good, cudatest.OpQuery, 2, cuda.ErrorLaunchFailure), nil, cuda.ErrorLaunchFailure},
 		{"load sync fault", blocking, false, e.cudaFault(good, cudatest.OpSync, 2, cuda.ErrorLaunchFailure), nil, cuda.ErrorLaunchFailure},
 		{"load sync fault after polling", briefly, false, neverReady(e.cudaFault(good, cudatest.OpSync, 2, cuda.ErrorLaunchFailure)), nil, cuda.ErrorLaunchFailure},
@@ -362,8 +364,8 @@ func TestFailuresFailTheCall(t *testing.T) {
 			if errors.As(c.want, &cudaErr) && len(m.devs[0].idle) != 0 {
 				t.Fatalf("the lane of a call that failed in CUDA was kept for reuse")
 			}
-			// A sticky CUDA error counts once against the device (every
-			// code these cases inject is one); other failures never do.
+			// A sticky CUDA error counts once against the device; other
+			// failures, an invalid value from CUDA among them, never do.
 			want := faults
 			if errors.As(c.want, &cudaErr) && cudaErr.Sticky() {
 				want++

@@ -1,0 +1,154 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvhost/kvhost/client"
+	"github.com/kvhost/kvhost/internal/cuda"
+	"github.com/kvhost/kvhost/internal/cuda/cudatest"
+	"github.com/kvhost/kvhost/protocol"
+)
+
+// TestServeReportsAGPUWhoseContextBroke runs the daemon in this process on
+// the fake CUDA library (runtime and driver API, gpu.cuda_driver_library),
+// registers device memory over CUDA IPC as a client process would, and
+// fails one store's DMA copy with cudaErrorIllegalAddress, which on a real
+// GPU breaks the daemon's context on the device. The store's key fails;
+// kvhost stats reports the fault on device 0; kvhost health exits 1
+// naming the device (0 with --allow-device-faults); /healthz/gpu answers
+// 503 while /healthz stays 200; and the daemon keeps serving the client.
+func TestServeReportsAGPUWhoseContextBroke(t *testing.T) {
+	lib := cudatest.Build(t)
+	fake := cudatest.Open(t, lib)
+	dir := t.TempDir()
+	extra := fmt.Sprintf("[gpu]\nmode = \"on\"\ncuda_library = %q\ncuda_driver_library = %q\ncufile = \"off\"\nstaging_memory = \"16MiB\"\n", lib, lib)
+	file, socket, _ := testConfig(t, dir, extra)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	stdout, stderr := newLines(), newLines()
+	exit := make(chan int, 1)
+	go func() {
+		exit <- run(ctx, []string{"serve", "--config", file, "--metrics", "127.0.0.1:0"}, stdout, stderr)
+	}()
+	defer func() {
+		cancel()
+		if code := <-exit; code != 0 {
+			t.Errorf("serve exited %d:\n%s", code, stderr.String())
+		}
+	}()
+	addr, _ := stderr.logLine(t, "metrics listening")["address"].(string)
+	stdout.wait(t, "listening line", func(s string) bool { return s == "kvhost: listening on unix:"+socket })
+
+	// The client process's side: device memory on GPU 0, exported.
+	rt, err := cuda.Open(cuda.Config{Runtime: []string{lib}, Driver: []string{lib}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rt.Close()
+	w, err := rt.NewWorker(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w.Close()
+	size := opsCacheBytes()
+	var mem *cuda.DeviceMemory
+	var handle [cuda.IPCHandleSize]byte
+	err = w.Do(ctx, func(*cuda.Worker) error {
+		var err error
+		if mem, err = rt.Malloc(0, size); err != nil {
+			return err
+		}
+		handle, err = mem.IPCHandle()
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w.Do(context.Background(), func(*cuda.Worker) error { return mem.Close() })
+
+	c, err := client.Dial(ctx, socket, t.Name())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	rid, err := c.RegisterCUDAIPC(ctx, 0, handle, 0, size)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, cache := registerOpsCache(t, c, rid)
+	store := func(key string) client.Result {
+		t.Helper()
+		job, err := c.Store(ctx, cache, [][]byte{[]byte(key)}, [][]uint32{{0, 1}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		res, err := job.Wait(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return res
+	}
+	health := func(args ...string) (int, string) {
+		var out, errb bytes.Buffer
+		code := run(ctx, append([]string{"health", "--socket", socket}, args...), &out, &errb)
+		return code, errb.String()
+	}
+	get := func(path string) (int, string) {
+		t.Helper()
+		resp, err := http.Get("http://" + addr + path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		b, err := io.ReadAll(resp.Body)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return resp.StatusCode, string(b)
+	}
+
+	if res := store("before"); res.Count(protocol.OutcomeStored) != 1 {
+		t.Fatalf("store before the fault: %+v", res)
+	}
+	if code, msg := health(); code != 0 {
+		t.Fatalf("kvhost health before the fault: exit %d: %s", code, msg)
+	}
+	if code, body := get("/healthz/gpu"); code != http.StatusOK {
+		t.Fatalf("/healthz/gpu before the fault: %d %q", code, body)
+	}
+
+	const illegalAddress = 700
+	fake.Fail(cudatest.OpCopy, 1, illegalAddress)
+	res := store("faulted")
+	fake.Fail(cudatest.OpCopy, 0, 0)
+	if res.Count(protocol.OutcomeFailed) != 1 {
+		t.Fatalf("store with an illegal address: %+v, want its key failed", res)
+	}
+
+	if st := statsJSON(t, ctx, socket); len(st.Devices) != 2 || st.Devices[0].Faults != 1 || st.Devices[1].Faults != 0 { // the fake has two GPUs
+		t.Fatalf("kvhost stats devices %+v: want 1 fault on device 0, none on device 1", st.Devices)
+	}
+	if code, msg := health(); code != 1 || !strings.Contains(msg, "sticky CUDA error") || !strings.Contains(msg, "GPU 0") {
+		t.Fatalf("kvhost health after the fault: exit %d, %q; want 1 naming GPU 0", code, msg)
+	}
+	if code, msg := health("--allow-device-faults"); code != 0 {
+		t.Fatalf("kvhost health --allow-device-faults: exit %d: %s", code, msg)
+	}
+	if code, body := get("/healthz/gpu"); code != http.StatusServiceUnavailable || !strings.Contains(body, "GPU 0") {
+		t.Fatalf("/healthz/gpu after the fault: %d %q; want 503 naming GPU 0", code, body)
+	}
+	if code, body := get("/healthz"); code != http.StatusOK {
+		t.Fatalf("/healthz after the fault: %d %q; want 200 (the process serves)", code, body)
+	}
+	// The fake's context is not broken: the daemon serves on.
+	if res := store("after"); res.Count(protocol.OutcomeStored) != 1 {
+		t.Fatalf("store after the fault: %+v", res)
+	}
+}
