@@ -78,21 +78,27 @@ const gpuBlocks = 16
 // process would, fills it with random bytes, and registers it as a cache.
 func (g *gpu) registerGPUCache(t *testing.T, c *client.Client, seed uint64) *gpuCache {
 	t.Helper()
+	return g.registerGPUCacheOn(t, c, seed, 0)
+}
+
+// registerGPUCacheOn is registerGPUCache on device d.
+func (g *gpu) registerGPUCacheOn(t *testing.T, c *client.Client, seed uint64, d int) *gpuCache {
+	t.Helper()
 	ctx := context.Background()
 	bb := int64(geo.TokensPerBlock * geo.KVHeads * geo.HeadSize * geo.DtypeSize)
 	layer := 2 * gpuBlocks * bb
-	mem, h := g.alloc(t, 0, int64(geo.Layers)*layer)
+	mem, h := g.alloc(t, d, int64(geo.Layers)*layer)
 	fill := make([]byte, mem.Len())
 	r := rand.New(rand.NewPCG(seed, 1))
 	for i := range fill {
 		fill[i] = byte(r.Uint32())
 	}
-	g.copyDevice(t, mem.Ptr(), fill, true)
+	g.copyDevice(t, mem, fill, true)
 	ns, err := c.Declare(ctx, geo)
 	if err != nil {
 		t.Fatal(err)
 	}
-	rid, err := c.RegisterCUDAIPC(ctx, 0, h, 0, mem.Len())
+	rid, err := c.RegisterCUDAIPC(ctx, d, h, 0, mem.Len())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -109,10 +115,10 @@ func (g *gpu) registerGPUCache(t *testing.T, c *client.Client, seed uint64) *gpu
 
 // copyDevice copies between host bytes and fake device memory on device
 // 0's client thread.
-func (g *gpu) copyDevice(t *testing.T, dev uintptr, host []byte, toDevice bool) {
+func (g *gpu) copyDevice(t *testing.T, mem *cuda.DeviceMemory, host []byte, toDevice bool) {
 	t.Helper()
-	h := uintptr(unsafe.Pointer(&host[0]))
-	err := g.dev[0].Do(context.Background(), func(*cuda.Worker) error {
+	h, dev := uintptr(unsafe.Pointer(&host[0])), mem.Ptr()
+	err := g.dev[mem.Ordinal()].Do(context.Background(), func(*cuda.Worker) error {
 		if toDevice {
 			return g.rt.CopySync(dev, h, uintptr(len(host)))
 		}
@@ -146,7 +152,7 @@ func (g *gpu) roundTrip(t *testing.T, c *client.Client, gc *gpuCache, keys [][]b
 		t.Fatalf("store: %+v, %v", res, err)
 	}
 	before := make([]byte, gc.mem.Len())
-	g.copyDevice(t, gc.mem.Ptr(), before, false)
+	g.copyDevice(t, gc.mem, before, false)
 	poisoned := bytes.Clone(before)
 	bb := int64(geo.TokensPerBlock * geo.KVHeads * geo.HeadSize * geo.DtypeSize)
 	block := func(l, p int, b uint32) int64 { return int64(l)*2*gpuBlocks*bb + int64(p)*gpuBlocks*bb + int64(b)*bb }
@@ -161,7 +167,7 @@ func (g *gpu) roundTrip(t *testing.T, c *client.Client, gc *gpuCache, keys [][]b
 			}
 		}
 	}
-	g.copyDevice(t, gc.mem.Ptr(), poisoned, true)
+	g.copyDevice(t, gc.mem, poisoned, true)
 	if job, err = c.Load(ctx, gc.cache, keys, dst); err != nil {
 		t.Fatal(err)
 	}
@@ -169,7 +175,7 @@ func (g *gpu) roundTrip(t *testing.T, c *client.Client, gc *gpuCache, keys [][]b
 		t.Fatalf("load: %+v, %v", res, err)
 	}
 	after := make([]byte, gc.mem.Len())
-	g.copyDevice(t, gc.mem.Ptr(), after, false)
+	g.copyDevice(t, gc.mem, after, false)
 	for l := range int(geo.Layers) {
 		for p := range 2 {
 			for k := range src {
@@ -290,7 +296,7 @@ func TestGPUClientFreesMemoryMidJob(t *testing.T) {
 	freer := g.dial(t)
 	freed := g.registerGPUCache(t, freer, 3)
 	orig := make([]byte, freed.mem.Len())
-	g.copyDevice(t, freed.mem.Ptr(), orig, false)
+	g.copyDevice(t, freed.mem, orig, false)
 	gate.lo.Store(freed.mem.Ptr())
 	gate.hi.Store(freed.mem.Ptr() + uintptr(freed.mem.Len()))
 	store, err := freer.Store(ctx, freed.cache, [][]byte{[]byte("freed-0")}, [][]uint32{{0, 1}})
@@ -326,7 +332,7 @@ func TestGPUClientFreesMemoryMidJob(t *testing.T) {
 		t.Fatalf("the other client's load of the key: %+v, %v", res, err)
 	}
 	got := make([]byte, kept.mem.Len())
-	g.copyDevice(t, kept.mem.Ptr(), got, false)
+	g.copyDevice(t, kept.mem, got, false)
 	bb := int64(geo.TokensPerBlock * geo.KVHeads * geo.HeadSize * geo.DtypeSize)
 	for l := range int64(geo.Layers) {
 		for p := range int64(2) {
@@ -401,4 +407,70 @@ func TestGPUCopyFaultFailsItsJobAndTheDaemonKeepsServing(t *testing.T) {
 	}
 	wantFaults(2)
 	g.roundTrip(t, c, gc, [][]byte{[]byte("after-load-fault-0"), []byte("after-load-fault-1")})
+}
+
+// TestGPUBrokenForGoodFailsItsJobsWhileTheOtherServes is issue 8's "a GPU
+// that disappears" on CPU: after the fake runtime breaks device 0 for good
+// (every later CUDA call there fails with cudaErrorIllegalAddress, as a
+// context broken by a sticky error or a lost GPU does), a store and a load
+// on device 0 end as failed rather than hang, each counted as a fault of
+// device 0; the other GPU's round trips still succeed byte for byte, with
+// no fault counted there; and the daemon stops without hanging.
+func TestGPUBrokenForGoodFailsItsJobsWhileTheOtherServes(t *testing.T) {
+	g, _ := newGatedGPU(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	c := g.dial(t)
+	on0 := g.registerGPUCacheOn(t, c, 5, 0)
+	on1 := g.registerGPUCacheOn(t, c, 6, 1)
+	g.roundTrip(t, c, on0, [][]byte{[]byte("before-0")})
+	g.roundTrip(t, c, on1, [][]byte{[]byte("before-1")})
+
+	const illegalAddress = 700
+	g.fake.BreakDevice(0, illegalAddress)
+	mended := false
+	mend := func() {
+		if !mended {
+			g.fake.BreakDevice(0, 0)
+			mended = true
+		}
+	}
+	defer mend() // the library is shared with the binary's other tests
+
+	for _, tc := range []struct {
+		name string
+		run  func() (*client.Job, error)
+	}{
+		{"store", func() (*client.Job, error) {
+			return c.Store(ctx, on0.cache, [][]byte{[]byte("broken-0")}, [][]uint32{{0, 1}})
+		}},
+		{"load", func() (*client.Job, error) {
+			return c.Load(ctx, on0.cache, [][]byte{[]byte("before-0")}, [][]uint32{{12, 13}})
+		}},
+	} {
+		job, err := tc.run()
+		if err != nil {
+			t.Fatal(err)
+		}
+		res, err := job.Wait(ctx)
+		if err != nil || res.Count(protocol.OutcomeFailed) != 1 {
+			t.Fatalf("%s on the broken device: %+v, %v; want its key failed", tc.name, res, err)
+		}
+	}
+	if d := deviceStats(t, c); len(d) != 2 || d[0].Faults != 2 || d[1].Faults != 0 {
+		t.Fatalf("device stats %+v: want 2 faults on device 0, none on device 1", d)
+	}
+	g.roundTrip(t, c, on1, [][]byte{[]byte("after-1a"), []byte("after-1b")})
+	if d := deviceStats(t, c); d[1].Faults != 0 {
+		t.Fatalf("device 1 after its round trip: %+v, want no fault", d[1])
+	}
+
+	stopped := make(chan struct{})
+	go func() { g.stop(t); close(stopped) }()
+	select {
+	case <-stopped:
+	case <-ctx.Done():
+		t.Fatal("the daemon did not stop with device 0 broken")
+	}
+	mend()
 }

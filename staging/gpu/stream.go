@@ -219,6 +219,9 @@ func (m *Mover) onLane(dev *device, job func(ln *lane) (int64, error)) (int64, e
 	defer unlock()
 	ln, err := m.getLane(dev)
 	if err != nil {
+		if errors.Is(err, cuda.ErrSticky) { // its stream or events could not be made
+			m.deviceFault(dev, err)
+		}
 		return 0, err
 	}
 	return job(ln)

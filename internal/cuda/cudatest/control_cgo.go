@@ -8,11 +8,13 @@ typedef long (*count_fn)(int);
 typedef void (*set_peer_fn)(int);
 typedef void (*set_busy_fn)(long);
 typedef long (*hold_fn)(int);
+typedef void (*break_fn)(int, int);
 static void call_set_fault(void *f, int op, long n, int code) { ((set_fault_fn)f)(op, n, code); }
 static long call_count(void *f, int op) { return ((count_fn)f)(op); }
 static void call_set_peer(void *f, int on) { ((set_peer_fn)f)(on); }
 static void call_set_busy(void *f, long n) { ((set_busy_fn)f)(n); }
 static long call_hold(void *f, int on) { return ((hold_fn)f)(on); }
+static void call_break(void *f, int d, int code) { ((break_fn)f)(d, code); }
 */
 import "C"
 
@@ -28,8 +30,8 @@ const supported = true
 // Fake controls a loaded fake library (the same library a cuda.Runtime
 // opened from the path Build returned: dlopen shares one instance).
 type Fake struct {
-	lib                                     *dl.Library
-	setFault, count, setPeer, setBusy, hold unsafe.Pointer
+	lib                                          *dl.Library
+	setFault, count, setPeer, setBusy, hold, brk unsafe.Pointer
 }
 
 // Open opens the fake library for control; it is closed with the test.
@@ -54,6 +56,9 @@ func Open(t testing.TB, path string) *Fake {
 		t.Fatalf("cudatest: %v", err)
 	}
 	if f.hold, err = lib.Sym("fake_hold_registrations"); err != nil {
+		t.Fatalf("cudatest: %v", err)
+	}
+	if f.brk, err = lib.Sym("fake_break_device"); err != nil {
 		t.Fatalf("cudatest: %v", err)
 	}
 	return f
@@ -100,3 +105,9 @@ func (f *Fake) HoldRegistrations(hold bool) {
 // WaitingRegistrations is how many cudaHostRegister calls are waiting
 // (HoldRegistrations).
 func (f *Fake) WaitingRegistrations() int { return int(C.call_hold(f.hold, -1)) }
+
+// BreakDevice makes every later CUDA call on device d fail with code, as
+// a context broken by a sticky error (an illegal address, a lost GPU)
+// does; code 0 mends it, which a real context never is. The library is
+// shared by the tests of a binary: mend it again.
+func (f *Fake) BreakDevice(d int, code int) { C.call_break(f.brk, C.int(d), C.int(code)) }

@@ -32,3 +32,6 @@ func (f *Fake) HoldRegistrations(hold bool) {}
 
 // WaitingRegistrations is 0.
 func (f *Fake) WaitingRegistrations() int { return 0 }
+
+// BreakDevice does nothing.
+func (f *Fake) BreakDevice(d int, code int) {}

@@ -11,7 +11,9 @@
 // does over peer access (NVLink; it then reports the memory as the
 // importing device's), where by default it fails (no peer access);
 // fake_set_busy makes cudaEventQuery answer "not ready" a number of times
-// after each record before it runs the event's copies.
+// after each record before it runs the event's copies; fake_break_device
+// makes every later call on a device fail with one code, as a context
+// broken by a sticky error does.
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -64,6 +66,29 @@ void fake_set_fault(int op, long n, int code) {
 	faultCode[op] = code;
 	pthread_mutex_unlock(&mu);
 }
+
+// broken is, per device, the error every later call there returns (0:
+// none), as a real context does after a sticky error (an illegal
+// address, a GPU lost): fake_break_device.
+#define maxDevices 8
+static int broken[maxDevices];
+
+// fake_break_device makes every later call on device d fail with code
+// (0 mends it, which a real context never is).
+void fake_break_device(int d, int code) {
+	pthread_mutex_lock(&mu);
+	if (d >= 0 && d < maxDevices) broken[d] = code;
+	pthread_mutex_unlock(&mu);
+}
+
+// sticky is device d's broken code, or 0.
+static int sticky(int d) {
+	pthread_mutex_lock(&mu);
+	int code = d >= 0 && d < maxDevices ? broken[d] : 0;
+	pthread_mutex_unlock(&mu);
+	return code;
+}
+#define STICKY(d) do { int c_ = sticky(d); if (c_) return c_; } while (0)
 
 // fake_count is the number of operations of kind op so far.
 long fake_count(int op) {
@@ -119,7 +144,7 @@ static alloc *unlink_alloc(uintptr_t p) {
 // entries of its table, read when the op runs as the GPU reads it.
 typedef struct { void *dst; const void *src; size_t n; const uint64_t *table; } op;
 typedef struct { pthread_mutex_t mu; op *ops; size_t n, cap; size_t done; int device; int err; } stream;
-typedef struct { stream *s; size_t upto; long queries; } event;
+typedef struct { stream *s; size_t upto; long queries; int device; } event;
 
 // run_op runs one op; a kernel entry that is not 16-byte aligned fails
 // it, as the kernel's vector accesses would.
@@ -203,15 +228,32 @@ int cudaDeviceGetAttribute(int *v, int attr, int d) { if (d < 0 || d >= numDevic
 
 int cudaStreamCreateWithFlags(stream **s, unsigned flags) {
 	(void)flags;
+	STICKY(curDevice);
 	*s = calloc(1, sizeof(stream));
 	pthread_mutex_init(&(*s)->mu, NULL);
 	(*s)->device = curDevice;
 	return 0;
 }
-int cudaStreamDestroy(stream *s) { if (!s) return errInvalidResourceHandle; free(s->ops); free(s); return 0; }
-int cudaStreamSynchronize(stream *s) { return drain(s); }
-int cudaEventCreateWithFlags(event **e, unsigned flags) { (void)flags; *e = calloc(1, sizeof(event)); return 0; }
+int cudaStreamDestroy(stream *s) {
+	if (!s) return errInvalidResourceHandle;
+	int code = sticky(s->device); // freed all the same: the fake leaks nothing
+	free(s->ops);
+	free(s);
+	return code;
+}
+int cudaStreamSynchronize(stream *s) {
+	if (s) STICKY(s->device);
+	return drain(s);
+}
+int cudaEventCreateWithFlags(event **e, unsigned flags) {
+	(void)flags;
+	STICKY(curDevice);
+	*e = calloc(1, sizeof(event));
+	(*e)->device = curDevice;
+	return 0;
+}
 int cudaEventRecord(event *e, stream *s) {
+	STICKY(e->device);
 	int code = tick(opRecord);
 	if (code) return code;
 	e->s = s;
@@ -223,8 +265,12 @@ int cudaEventRecord(event *e, stream *s) {
 	}
 	return 0;
 }
-int cudaEventSynchronize(event *e) { return e->s ? drain_upto(e->s, e->upto) : 0; }
+int cudaEventSynchronize(event *e) {
+	STICKY(e->device);
+	return e->s ? drain_upto(e->s, e->upto) : 0;
+}
 int cudaEventQuery(event *e) {
+	STICKY(e->device);
 	int code = tick(opQuery);
 	pthread_mutex_lock(&mu);
 	long busy = busyQueries;
@@ -240,16 +286,24 @@ int cudaEventQuery(event *e) {
 	}
 	return e->s ? run_upto(e->s, e->upto, code) : code;
 }
-int cudaEventDestroy(event *e) { free(e); return 0; }
+int cudaEventDestroy(event *e) {
+	int code = sticky(e->device);
+	free(e);
+	return code;
+}
 
 int cudaHostAlloc(void **p, size_t n, unsigned flags) {
 	(void)flags;
+	STICKY(curDevice);
 	int code = tick(opHostAlloc);
 	if (code) return code;
 	if (posix_memalign(p, 4096, n ? n : 1)) return errMemoryAllocation;
 	return 0;
 }
-int cudaFreeHost(void *p) { free(p); return 0; }
+int cudaFreeHost(void *p) {
+	free(p);
+	return sticky(curDevice);
+}
 static pthread_cond_t regCond = PTHREAD_COND_INITIALIZER;
 static int regHeld;       // registrations wait while set
 static long regWaiting;   // registrations waiting
@@ -268,6 +322,7 @@ long fake_hold_registrations(int on) {
 
 int cudaHostRegister(void *p, size_t n, unsigned flags) {
 	(void)p; (void)n; (void)flags;
+	STICKY(curDevice);
 	pthread_mutex_lock(&mu);
 	regWaiting++;
 	while (regHeld) pthread_cond_wait(&regCond, &mu);
@@ -275,9 +330,13 @@ int cudaHostRegister(void *p, size_t n, unsigned flags) {
 	pthread_mutex_unlock(&mu);
 	return tick(opHostRegister);
 }
-int cudaHostUnregister(void *p) { (void)p; return 0; }
+int cudaHostUnregister(void *p) {
+	(void)p;
+	return sticky(curDevice);
+}
 
 int cudaMalloc(void **p, size_t n) {
+	STICKY(curDevice);
 	if (posix_memalign(p, 256, n ? n : 1)) return errMemoryAllocation;
 	alloc *a = malloc(sizeof(alloc));
 	*a = (alloc){(uintptr_t)*p, n, curDevice, 0, 0, NULL};
@@ -308,17 +367,24 @@ int cudaFree(void *p) {
 
 int cudaMemcpyAsync(void *dst, const void *src, size_t n, int kind, stream *s) {
 	(void)kind;
+	STICKY(s ? s->device : curDevice);
 	int code = tick(opCopy);
 	if (code) return code;
 	return enqueue(s, dst, src, n);
 }
-int cudaMemcpy(void *dst, const void *src, size_t n, int kind) { (void)kind; memcpy(dst, src, n); return 0; }
+int cudaMemcpy(void *dst, const void *src, size_t n, int kind) {
+	(void)kind;
+	STICKY(curDevice);
+	memcpy(dst, src, n);
+	return 0;
+}
 
 // CUDA 13 signature: no failIdx.
 typedef struct { int srcAccessOrder; int srcType, srcId; int dstType, dstId; unsigned flags; } memcpyAttrs;
 int cudaMemcpyBatchAsync(void *const *dsts, const void *const *srcs, const size_t *sizes, size_t count,
 			 memcpyAttrs *attrs, size_t *attrsIdxs, size_t numAttrs, stream *s) {
 	tick(opBatch);
+	if (s) STICKY(s->device);
 	if (!s || numAttrs < 1 || !attrs || !attrsIdxs || attrsIdxs[0] != 0) return errInvalidValue;
 	for (size_t i = 0; i < numAttrs; i++)
 		if (attrs[i].srcAccessOrder < 1 || attrs[i].srcAccessOrder > 3) return errInvalidValue;
@@ -344,6 +410,7 @@ int cudaIpcGetMemHandle(ipcHandle *h, void *p) {
 }
 int cudaIpcOpenMemHandle(void **p, ipcHandle h, unsigned flags) {
 	if (flags != 1) return errInvalidValue; // cudaIpcMemLazyEnablePeerAccess
+	STICKY(curDevice);
 	int code = tick(opIpcOpen);
 	if (code) return code;
 	if (h.magic != IPC_MAGIC) return errMapBufferObjectFailed;
@@ -392,6 +459,7 @@ int cuDeviceGetUuid_v2(unsigned char *uuid, int dev) {
 	return 0;
 }
 int cuMemGetAddressRange_v2(uint64_t *base, size_t *size, uint64_t p) {
+	STICKY(curDevice);
 	int code = tick(opAddressRange);
 	if (code) return code;
 	pthread_mutex_lock(&mu);
@@ -406,6 +474,7 @@ int cuMemGetAddressRange_v2(uint64_t *base, size_t *size, uint64_t p) {
 // entries of the table its one parameter points to.
 int cuModuleLoadDataEx(void **mod, const void *image, unsigned n, int *opts, void **vals) {
 	(void)n; (void)opts; (void)vals;
+	STICKY(curDevice);
 	int code = tick(opModuleLoad);
 	if (code) return code;
 	const char *ptx = image;
@@ -426,6 +495,7 @@ int cuModuleUnload(void *mod) {
 int cuLaunchKernel(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
 		   unsigned shared, stream *s, void **params, void **extra) {
 	(void)shared; (void)extra;
+	STICKY(s ? s->device : curDevice);
 	int code = tick(opLaunch);
 	if (code) return code;
 	if (!fn || !params || gx < 1 || gy < 1 || gy > 65535 || gz != 1 || bx < 1 || bx > 1024 || by != 1 || bz != 1) return 1;
