@@ -3,7 +3,9 @@ package server_test
 import (
 	"bytes"
 	"context"
+	"errors"
 	"math/rand/v2"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -414,8 +416,10 @@ func TestGPUCopyFaultFailsItsJobAndTheDaemonKeepsServing(t *testing.T) {
 // (every later CUDA call there fails with cudaErrorIllegalAddress, as a
 // context broken by a sticky error or a lost GPU does), a store and a load
 // on device 0 end as failed rather than hang, each counted as a fault of
-// device 0; the other GPU's round trips still succeed byte for byte, with
-// no fault counted there; and the daemon stops without hanging.
+// device 0, and a registration there is refused as the daemon's failure
+// (not as a bad handle); the other GPU's round trips still succeed byte
+// for byte, with no fault counted there; and the daemon stops without
+// hanging.
 func TestGPUBrokenForGoodFailsItsJobsWhileTheOtherServes(t *testing.T) {
 	g, _ := newGatedGPU(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
@@ -425,6 +429,7 @@ func TestGPUBrokenForGoodFailsItsJobsWhileTheOtherServes(t *testing.T) {
 	on1 := g.registerGPUCacheOn(t, c, 6, 1)
 	g.roundTrip(t, c, on0, [][]byte{[]byte("before-0")})
 	g.roundTrip(t, c, on1, [][]byte{[]byte("before-1")})
+	_, fresh := g.alloc(t, 0, 1<<16) // exported now, imported after the break
 
 	const illegalAddress = 700
 	g.fake.BreakDevice(0, illegalAddress)
@@ -459,6 +464,13 @@ func TestGPUBrokenForGoodFailsItsJobsWhileTheOtherServes(t *testing.T) {
 	}
 	if d := deviceStats(t, c); len(d) != 2 || d[0].Faults != 2 || d[1].Faults != 0 {
 		t.Fatalf("device stats %+v: want 2 faults on device 0, none on device 1", d)
+	}
+	// A registration there is refused as the daemon's failure, not the
+	// client's handle (the client's own context on device 0 is broken in
+	// the fake too, so the handle is one made before).
+	_, err := c.RegisterCUDAIPC(ctx, 0, fresh, 0, 4096)
+	if !errors.Is(err, &protocol.Error{Code: protocol.CodeInternal}) || !strings.Contains(err.Error(), "context on this GPU is broken") {
+		t.Fatalf("registration on the broken device: %v; want an internal error saying the daemon's context is broken", err)
 	}
 	g.roundTrip(t, c, on1, [][]byte{[]byte("after-1a"), []byte("after-1b")})
 	if d := deviceStats(t, c); d[1].Faults != 0 {
