@@ -47,22 +47,17 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 	var order []*entry
 	var pins []abi.AccessRecord
 	for i, k := range keys {
-		en := e.find(ns, k)
+		// The index's entry is found and pinned in one hold of the lock
+		// (every load takes it); a key it lacks is looked for on disk.
+		e.mu.Lock()
+		en, pinned := e.pinLocked(ns, k, byEntry, &pins)
+		e.mu.Unlock()
 		if en == nil {
-			en = e.discover(ctx, ns, k)
-		}
-		_, pinned := byEntry[en] // once per file: one unpin below
-		if en != nil && !pinned {
-			e.mu.Lock()
-			en = e.currentLocked(en, k) // moved meanwhile: its new file (demote.go)
-			if _, dup := byEntry[en]; dup {
-				pinned = true // another key of this load pinned it
-			} else if !en.gone {
-				en.pins++
-				pinned = true
-				pins = append(pins, en.access(abi.AccessPin, e.now().UnixNano()))
+			if en = e.discover(ctx, ns, k); en != nil {
+				e.mu.Lock()
+				en, pinned = e.pinEntryLocked(en, k, byEntry, &pins)
+				e.mu.Unlock()
 			}
-			e.mu.Unlock()
 		}
 		if !pinned {
 			e.st.misses.Add(1)
@@ -116,6 +111,33 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 	}
 	e.mu.Unlock()
 	e.access(ctx, recs)
+}
+
+// pinLocked finds key's entry in ns in the index and pins it
+// (pinEntryLocked); nil where the index has none.
+func (e *Engine) pinLocked(ns *namespace, key []byte, byEntry map[*entry][]int, pins *[]abi.AccessRecord) (*entry, bool) {
+	ref, ok := e.byKey[keyID{ns.fp, string(key)}]
+	if !ok {
+		return nil, false
+	}
+	return e.pinEntryLocked(ref.e, key, byEntry, pins)
+}
+
+// pinEntryLocked pins en (or the file it moved to meanwhile, demote.go)
+// for a load of key, once per file of the load (byEntry holds the files it
+// pinned already), and appends the policy's pin record to pins. It
+// returns the entry and whether the load holds a pin on it.
+func (e *Engine) pinEntryLocked(en *entry, key []byte, byEntry map[*entry][]int, pins *[]abi.AccessRecord) (*entry, bool) {
+	en = e.currentLocked(en, key)
+	if _, dup := byEntry[en]; dup {
+		return en, true // another key of this load pinned it
+	}
+	if en.gone {
+		return en, false
+	}
+	en.pins++
+	*pins = append(*pins, en.access(abi.AccessPin, e.now().UnixNano()))
+	return en, true
 }
 
 // loadFile reads the keys idx (request indices) from en's file into their
