@@ -130,13 +130,14 @@ func (im *Importer) Open(ctx context.Context, ordinal int, handle [protocol.CUDA
 			switch {
 			case errors.Is(err, cuda.ErrBounds):
 				return nil, fmt.Errorf("%w: %w", region.ErrBounds, err)
-			case errors.Is(err, cuda.ErrUnchecked):
-				return nil, &protocol.Error{Code: protocol.CodeUnsupported, Message: fmt.Sprintf("device %d: the range could not be checked against the exported allocation, so it is refused: %v", ordinal, err)}
 			case errors.Is(err, cuda.ErrSticky):
 				// Not the client's handle: the daemon's own context on the
 				// device is broken (a "bad handle" answer would send the
-				// client looking for a fault of its own).
+				// client looking for a fault of its own). First: a range
+				// check that failed on it is not the range's fault either.
 				return nil, &protocol.Error{Code: protocol.CodeInternal, Message: fmt.Sprintf("device %d: the daemon's CUDA context on this GPU is broken (a sticky error; the GPU may be lost) until the daemon restarts: %v", ordinal, err)}
+			case errors.Is(err, cuda.ErrUnchecked):
+				return nil, &protocol.Error{Code: protocol.CodeUnsupported, Message: fmt.Sprintf("device %d: the range could not be checked against the exported allocation, so it is refused: %v", ordinal, err)}
 			}
 			return nil, err
 		}

@@ -213,18 +213,21 @@ func (m *Mover) onLane(dev *device, job func(ln *lane) (int64, error)) (int64, e
 		return 0, ErrClosed
 	}
 	unlock, err := m.r.LockDevice(dev.ordinal)
-	if err != nil {
-		return 0, fmt.Errorf("gpu: %w", err)
-	}
-	defer unlock()
-	ln, err := m.getLane(dev)
-	if err != nil {
-		if errors.Is(err, cuda.ErrSticky) { // its stream or events could not be made
-			m.deviceFault(dev, err)
+	if err == nil {
+		defer unlock()
+		var ln *lane
+		if ln, err = m.getLane(dev); err == nil {
+			return job(ln)
 		}
-		return 0, err
+	} else {
+		err = fmt.Errorf("gpu: %w", err)
 	}
-	return job(ln)
+	// The device could not be made current, or its stream or events
+	// could not be made: a broken context counts as the job's fault.
+	if errors.Is(err, cuda.ErrSticky) {
+		m.deviceFault(dev, err)
+	}
+	return 0, err
 }
 
 // runStreamed moves the chunks on the calling goroutine's own thread and a

@@ -217,7 +217,11 @@ const char *cudaGetErrorName(int e) {
 const char *cudaGetErrorString(int e) { return e ? "fake failure" : "no error"; }
 int cudaRuntimeGetVersion(int *v) { *v = 13000; return 0; }
 int cudaGetDeviceCount(int *n) { *n = numDevices; return 0; }
-int cudaSetDevice(int d) { if (d < 0 || d >= numDevices) return errInvalidDevice; curDevice = d; return 0; }
+int cudaSetDevice(int d) {
+	if (d < 0 || d >= numDevices) return errInvalidDevice;
+	curDevice = d;
+	return sticky(d); // current all the same: later calls fail there too
+}
 int cudaGetDevice(int *d) { *d = curDevice; return 0; }
 int cudaDeviceGetPCIBusId(char *buf, int len, int d) {
 	if (d < 0 || d >= numDevices) return errInvalidDevice;
