@@ -351,7 +351,8 @@ int cudaMalloc(void **p, size_t n) {
 	return 0;
 }
 int cudaFree(void *p) {
-	if (!p) return 0; // cudaFree(0): initializes the context, frees nothing
+	if (!p) return sticky(curDevice); // cudaFree(0): initializes the context, frees nothing
+	STICKY(curDevice);
 	pthread_mutex_lock(&mu);
 	alloc *a = find((uintptr_t)p);
 	if (!a || a->base != (uintptr_t)p) {
@@ -404,6 +405,7 @@ typedef struct { uint32_t magic; uint32_t pad; uint64_t ptr; uint64_t size; char
 #define IPC_MAGIC 0x6b766970u
 
 int cudaIpcGetMemHandle(ipcHandle *h, void *p) {
+	STICKY(curDevice);
 	pthread_mutex_lock(&mu);
 	alloc *a = find((uintptr_t)p);
 	pthread_mutex_unlock(&mu);
@@ -431,6 +433,7 @@ int cudaIpcOpenMemHandle(void **p, ipcHandle h, unsigned flags) {
 }
 int cudaIpcCloseMemHandle(void *p) {
 	tick(opIpcClose);
+	STICKY(curDevice);
 	pthread_mutex_lock(&mu);
 	alloc *a = allocs;
 	while (a && a->base != (uintptr_t)p) a = a->next;
@@ -494,7 +497,7 @@ int cuModuleGetFunction(void **fn, void *mod, const char *name) {
 int cuModuleUnload(void *mod) {
 	int code = tick(opModuleUnload);
 	free(mod);
-	return code;
+	return code ? code : sticky(curDevice);
 }
 int cuLaunchKernel(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
 		   unsigned shared, stream *s, void **params, void **extra) {
