@@ -191,6 +191,17 @@ func (p *gpuPaths) Close() error {
 	return errors.Join(errs...)
 }
 
+// deviceFaults reports, per device ordinal, what failed there with a
+// sticky CUDA error: the staging pipeline's jobs and the CUDA IPC imports
+// (a device that broke while idle is found by the next import).
+func (p *gpuPaths) deviceFaults() map[int]uint64 {
+	out := p.staging.DeviceFaults()
+	for d, n := range p.ipc.Faults() {
+		out[d] += n
+	}
+	return out
+}
+
 // deviceUUIDs are the UUIDs of devices 0..n-1 (server.Config.DeviceUUIDs),
 // zero where the driver cannot say; that is logged once.
 func (p *gpuPaths) deviceUUIDs(n int) [][16]byte {

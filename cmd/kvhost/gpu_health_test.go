@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -24,6 +25,7 @@ import (
 // kvhost stats reports the fault on device 0; kvhost health exits 1
 // naming the device (0 with --allow-device-faults); /healthz/gpu answers
 // 503 while /healthz stays 200; and the daemon keeps serving the client.
+// A GPU that breaks while idle is found, and counted, by the next import.
 func TestServeReportsAGPUWhoseContextBroke(t *testing.T) {
 	lib := cudatest.Build(t)
 	fake := cudatest.Open(t, lib)
@@ -150,5 +152,34 @@ func TestServeReportsAGPUWhoseContextBroke(t *testing.T) {
 	// The fake's context is not broken: the daemon serves on.
 	if res := store("after"); res.Count(protocol.OutcomeStored) != 1 {
 		t.Fatalf("store after the fault: %+v", res)
+	}
+
+	// GPU 1 breaks while no job runs there: the next import finds it,
+	// and it counts as that device's fault.
+	w1, err := rt.NewWorker(1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer w1.Close()
+	var mem1 *cuda.DeviceMemory
+	var handle1 [cuda.IPCHandleSize]byte
+	if err := w1.Do(ctx, func(*cuda.Worker) error {
+		var err error
+		if mem1, err = rt.Malloc(1, 1<<16); err != nil {
+			return err
+		}
+		handle1, err = mem1.IPCHandle()
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	defer w1.Do(context.Background(), func(*cuda.Worker) error { return mem1.Close() })
+	fake.BreakDevice(1, illegalAddress)
+	defer fake.BreakDevice(1, 0) // deferred after the free: runs before it
+	if _, err := c.RegisterCUDAIPC(ctx, 1, handle1, 0, 4096); !errors.Is(err, &protocol.Error{Code: protocol.CodeInternal}) {
+		t.Fatalf("registration on the broken GPU 1: %v, want an internal error", err)
+	}
+	if st := statsJSON(t, ctx, socket); st.Devices[0].Faults != 1 || st.Devices[1].Faults != 1 {
+		t.Fatalf("kvhost stats devices %+v: want 1 fault on each device", st.Devices)
 	}
 }

@@ -210,7 +210,7 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 	if gp != nil {
 		scfg.OpenDevice, scfg.Devices = gp.ipc.Open, gp.ipc.Devices()
 		scfg.DeviceUUIDs = gp.deviceUUIDs(scfg.Devices)
-		scfg.DeviceFaults = gp.staging.DeviceFaults
+		scfg.DeviceFaults = gp.deviceFaults
 	}
 	srv, err := server.New(eng, scfg)
 	if err != nil {
@@ -227,7 +227,7 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 			},
 		}
 		if gp != nil {
-			src.GPUFiles, src.GPUStaging, src.GPUFaults = gp.staging.FileStats, gp.staging.PinnedUsage, gp.staging.DeviceFaults
+			src.GPUFiles, src.GPUStaging, src.GPUFaults = gp.staging.FileStats, gp.staging.PinnedUsage, gp.deviceFaults
 			if gp.cufile != nil {
 				src.CuFile = gp.cufile.HandleStats
 			}

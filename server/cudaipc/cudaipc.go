@@ -37,6 +37,9 @@ type Importer struct {
 	workers []*cuda.Worker
 	live    atomic.Int64 // regions not yet closed
 	nextID  atomic.Uint64
+	// faults counts, per device, the imports that failed with a sticky
+	// CUDA error: the daemon's context there is broken (Faults).
+	faults []atomic.Uint64
 
 	mu      sync.Mutex // guards imports and closed
 	imports map[importKey]*shared
@@ -70,7 +73,7 @@ func New(rt *cuda.Runtime, devices int) (*Importer, error) {
 	if devices <= 0 || devices > n {
 		return nil, fmt.Errorf("cudaipc: %d devices asked for, the runtime sees %d", devices, n)
 	}
-	im := &Importer{rt: rt, imports: make(map[importKey]*shared)}
+	im := &Importer{rt: rt, imports: make(map[importKey]*shared), faults: make([]atomic.Uint64, devices)}
 	for d := range devices {
 		w, err := rt.NewWorker(d)
 		if err != nil {
@@ -84,6 +87,17 @@ func New(rt *cuda.Runtime, devices int) (*Importer, error) {
 
 // Devices is the number of devices the Importer serves (server.Config.Devices).
 func (im *Importer) Devices() int { return len(im.workers) }
+
+// Faults reports, per device ordinal, the imports that failed with a
+// sticky CUDA error: the daemon's context on the device is broken, which
+// an import may be the first to find (no job ran there since).
+func (im *Importer) Faults() map[int]uint64 {
+	out := make(map[int]uint64, len(im.faults))
+	for d := range im.faults {
+		out[d] = im.faults[d].Load()
+	}
+	return out
+}
 
 // Live is the number of regions Open returned and not yet closed.
 func (im *Importer) Live() int { return int(im.live.Load()) }
@@ -131,6 +145,7 @@ func (im *Importer) Open(ctx context.Context, ordinal int, handle [protocol.CUDA
 			case errors.Is(err, cuda.ErrBounds):
 				return nil, fmt.Errorf("%w: %w", region.ErrBounds, err)
 			case errors.Is(err, cuda.ErrSticky):
+				im.faults[ordinal].Add(1)
 				// Not the client's handle: the daemon's own context on the
 				// device is broken (a "bad handle" answer would send the
 				// client looking for a fault of its own). First: a range

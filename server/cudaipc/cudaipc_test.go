@@ -3,10 +3,12 @@ package cudaipc_test
 import (
 	"context"
 	"errors"
+	"strings"
 	"testing"
 
 	"github.com/kvhost/kvhost/internal/cuda"
 	"github.com/kvhost/kvhost/internal/cuda/cudatest"
+	"github.com/kvhost/kvhost/protocol"
 	"github.com/kvhost/kvhost/region"
 	"github.com/kvhost/kvhost/server/cudaipc"
 )
@@ -163,5 +165,33 @@ func TestOpenSharesOneImportPerAllocation(t *testing.T) {
 	b.Close()
 	if im.Imports() != 0 || im.Live() != 0 {
 		t.Fatalf("after closing both: %d imports, %d regions; want 0, 0", im.Imports(), im.Live())
+	}
+}
+
+// TestAnImportOnABrokenDeviceIsTheDaemonsFaultAndCounted: where the
+// daemon's context on a device is broken (every call there fails with a
+// sticky error), an import is refused as an internal error naming the
+// broken context, not as the client's bad handle, and counted as a fault
+// of that device only: it may be the first sign of a device that broke
+// while no job ran there.
+func TestAnImportOnABrokenDeviceIsTheDaemonsFaultAndCounted(t *testing.T) {
+	rt := open(t)
+	fake := cudatest.Open(t, cudatest.Build(t))
+	im, err := cudaipc.New(rt, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer im.Close()
+	_, h := exportAllocation(t, rt, 1, 1<<16)
+	const illegalAddress = 700
+	fake.BreakDevice(1, illegalAddress)
+	defer fake.BreakDevice(1, 0) // before the allocation is freed
+	_, err = im.Open(context.Background(), 1, h, 0, 4096)
+	var pe *protocol.Error
+	if !errors.As(err, &pe) || pe.Code != protocol.CodeInternal || !strings.Contains(pe.Message, "context on this GPU is broken") {
+		t.Fatalf("import on the broken device: %v; want an internal error naming the broken context", err)
+	}
+	if f := im.Faults(); f[0] != 0 || f[1] != 1 {
+		t.Fatalf("faults %v: want 1 on device 1, none on device 0", f)
 	}
 }
