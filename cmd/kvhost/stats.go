@@ -74,7 +74,8 @@ type statsDevice struct {
 	Registered uint64 `json:"registered_bytes"`
 	Limit      uint64 `json:"limit_bytes"`
 	UUID       string `json:"uuid,omitempty"` // GPU-<uuid>, as nvidia-smi prints it; empty when unknown
-	// Faults counts the jobs that failed with a sticky CUDA error: the
+	// Faults counts the jobs and registrations that failed with a sticky
+	// CUDA error: the
 	// daemon's context on the device is broken until it restarts.
 	Faults uint64 `json:"faults"`
 }
@@ -207,7 +208,7 @@ func printStats(w io.Writer, r statsReport) {
 
 // faultText says what the device's faults mean to an operator.
 func (d statsDevice) faultText() string {
-	return fmt.Sprintf("%d jobs failed with a sticky CUDA error: the daemon's context on GPU %d is broken until the daemon restarts (or the GPU is reset)", d.Faults, d.Ordinal)
+	return fmt.Sprintf("%d jobs or registrations failed with a sticky CUDA error: the daemon's context on GPU %d is broken until the daemon restarts (or the GPU is reset)", d.Faults, d.Ordinal)
 }
 
 // gpuUUID writes a GPU's UUID as nvidia-smi does (GPU-xxxxxxxx-xxxx-xxxx-
