@@ -51,8 +51,9 @@ type Sources struct {
 	// use, in all, and the size of one (gpu.Mover.PinnedUsage; nil
 	// without a GPU).
 	GPUStaging func() (inUse, total, size int)
-	// GPUFaults reports, per device ordinal, the jobs that failed with a
-	// sticky CUDA error (gpu.Mover.DeviceFaults; nil without a GPU).
+	// GPUFaults reports, per device ordinal, the jobs and registrations
+	// that failed with a sticky CUDA error (gpu.Mover.DeviceFaults with
+	// cudaipc.Importer.Faults; nil without a GPU).
 	GPUFaults func() map[int]uint64
 	// CuFile reports cuFile's handle cache (gds.Driver.HandleStats; nil
 	// where cuFile is not loaded).
@@ -204,9 +205,9 @@ func (m *Metrics) Handler(profiling bool) http.Handler {
 	return mux
 }
 
-// broken says which GPU has a broken context (a job failed there with a
-// sticky CUDA error: every later job there fails until the daemon
-// restarts), or "".
+// broken says which GPU has a broken context (a job or registration
+// failed there with a sticky CUDA error: every later job there fails
+// until the daemon restarts), or "".
 func (m *Metrics) broken() string {
 	src := m.src.Load()
 	if src == nil || src.GPUFaults == nil {
@@ -215,7 +216,7 @@ func (m *Metrics) broken() string {
 	faults := src.GPUFaults()
 	for _, d := range slices.Sorted(maps.Keys(faults)) {
 		if n := faults[d]; n > 0 {
-			return fmt.Sprintf("GPU %d: %d jobs failed with a sticky CUDA error; its context is broken until the daemon restarts", d, n)
+			return fmt.Sprintf("GPU %d: %d jobs or registrations failed with a sticky CUDA error; its context is broken until the daemon restarts", d, n)
 		}
 	}
 	return ""

@@ -296,27 +296,29 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 // startCPUProfile starts a CPU profile into path (none when path is
 // empty); the function it returns stops it and closes the file.
 func startCPUProfile(path string) (stop func() error, err error) {
-	if path == "" {
-		return func() error { return nil }, nil
-	}
-	f, err := os.Create(path)
-	if err != nil {
-		return nil, err
-	}
-	if err := pprof.StartCPUProfile(f); err != nil {
-		f.Close()
-		return nil, err
-	}
-	return func() error {
+	return startProfile(path, func(f *os.File) error { return pprof.StartCPUProfile(f) }, func(*os.File) error {
 		pprof.StopCPUProfile()
-		return f.Close()
-	}, nil
+		return nil
+	})
 }
 
 // startMutexProfile has the runtime record every lock wait (none when path
 // is empty); the function it returns writes the waits recorded since into
 // path and restores the rate the process had.
 func startMutexProfile(path string) (stop func() error, err error) {
+	var was int
+	return startProfile(path, func(*os.File) error {
+		was = runtime.SetMutexProfileFraction(1)
+		return nil
+	}, func(f *os.File) error {
+		defer runtime.SetMutexProfileFraction(was)
+		return pprof.Lookup("mutex").WriteTo(f, 0)
+	})
+}
+
+// startProfile creates path (nothing when path is empty) and calls begin
+// with it; the function it returns calls end with the file and closes it.
+func startProfile(path string, begin, end func(*os.File) error) (stop func() error, err error) {
 	if path == "" {
 		return func() error { return nil }, nil
 	}
@@ -324,12 +326,11 @@ func startMutexProfile(path string) (stop func() error, err error) {
 	if err != nil {
 		return nil, err
 	}
-	was := runtime.SetMutexProfileFraction(1)
-	return func() error {
-		werr := pprof.Lookup("mutex").WriteTo(f, 0)
-		runtime.SetMutexProfileFraction(was)
-		return errors.Join(werr, f.Close())
-	}, nil
+	if err := begin(f); err != nil {
+		f.Close()
+		return nil, err
+	}
+	return func() error { return errors.Join(end(f), f.Close()) }, nil
 }
 
 // writeBenchOutputs prints the table (unless the JSON goes to standard

@@ -53,27 +53,9 @@ func TestServeReportsAGPUWhoseContextBroke(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer rt.Close()
-	w, err := rt.NewWorker(0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer w.Close()
+	t.Cleanup(func() { rt.Close() }) // after the allocations' cleanups
 	size := opsCacheBytes()
-	var mem *cuda.DeviceMemory
-	var handle [cuda.IPCHandleSize]byte
-	err = w.Do(ctx, func(*cuda.Worker) error {
-		var err error
-		if mem, err = rt.Malloc(0, size); err != nil {
-			return err
-		}
-		handle, err = mem.IPCHandle()
-		return err
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer w.Do(context.Background(), func(*cuda.Worker) error { return mem.Close() })
+	handle := exportDeviceMemory(t, rt, 0, size)
 
 	c, err := client.Dial(ctx, socket, t.Name())
 	if err != nil {
@@ -156,30 +138,43 @@ func TestServeReportsAGPUWhoseContextBroke(t *testing.T) {
 
 	// GPU 1 breaks while no job runs there: the next import finds it,
 	// and it counts as that device's fault.
-	w1, err := rt.NewWorker(1)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer w1.Close()
-	var mem1 *cuda.DeviceMemory
-	var handle1 [cuda.IPCHandleSize]byte
-	if err := w1.Do(ctx, func(*cuda.Worker) error {
-		var err error
-		if mem1, err = rt.Malloc(1, 1<<16); err != nil {
-			return err
-		}
-		handle1, err = mem1.IPCHandle()
-		return err
-	}); err != nil {
-		t.Fatal(err)
-	}
-	defer w1.Do(context.Background(), func(*cuda.Worker) error { return mem1.Close() })
+	handle1 := exportDeviceMemory(t, rt, 1, 1<<16)
 	fake.BreakDevice(1, illegalAddress)
-	defer fake.BreakDevice(1, 0) // deferred after the free: runs before it
+	defer fake.BreakDevice(1, 0) // before the allocation's cleanup frees it
 	if _, err := c.RegisterCUDAIPC(ctx, 1, handle1, 0, 4096); !errors.Is(err, &protocol.Error{Code: protocol.CodeInternal}) {
 		t.Fatalf("registration on the broken GPU 1: %v, want an internal error", err)
 	}
 	if st := statsJSON(t, ctx, socket); st.Devices[0].Faults != 1 || st.Devices[1].Faults != 1 {
 		t.Fatalf("kvhost stats devices %+v: want 1 fault on each device", st.Devices)
 	}
+}
+
+// exportDeviceMemory allocates n bytes on device d as a client process
+// would (on a worker bound to d) and returns its IPC handle; the memory is
+// freed, and the worker closed, when the test ends.
+func exportDeviceMemory(t *testing.T, rt *cuda.Runtime, d int, n int64) [cuda.IPCHandleSize]byte {
+	t.Helper()
+	w, err := rt.NewWorker(d)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var mem *cuda.DeviceMemory
+	var h [cuda.IPCHandleSize]byte
+	err = w.Do(context.Background(), func(*cuda.Worker) error {
+		var err error
+		if mem, err = rt.Malloc(d, n); err != nil {
+			return err
+		}
+		h, err = mem.IPCHandle()
+		return err
+	})
+	if err != nil {
+		w.Close()
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		w.Do(context.Background(), func(*cuda.Worker) error { return mem.Close() })
+		w.Close()
+	})
+	return h
 }

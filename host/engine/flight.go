@@ -26,16 +26,23 @@ func (e *Engine) claimLocked(path string) (bool, *flight) {
 // release ends this engine's claim on path, first removing the orphans
 // left to it, and wakes the stores waiting for the path.
 func (e *Engine) release(path string) {
-	for {
-		e.mu.Lock()
-		fl, orphans := e.releaseLocked(path)
-		e.mu.Unlock()
-		if fl != nil {
-			close(fl.done)
-			return
-		}
-		e.removeIfSame(path, orphans)
+	e.mu.Lock()
+	fl, orphans := e.releaseLocked(path)
+	e.mu.Unlock()
+	e.endRelease(path, fl, orphans)
+}
+
+// endRelease finishes what releaseLocked began, without the lock: it
+// wakes the stores waiting for the path, or removes the orphans left to
+// the claim (never a file its holder just published: they are entries of
+// files unindexed while it held the path) and releases the path again.
+func (e *Engine) endRelease(path string, fl *flight, orphans []*entry) {
+	if fl != nil {
+		close(fl.done)
+		return
 	}
+	e.removeIfSame(path, orphans)
+	e.release(path)
 }
 
 // releaseLocked ends the claim on path and returns its flight, whose done

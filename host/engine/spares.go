@@ -140,7 +140,8 @@ func (m *mount) takeSpareLocked(size int64) spareFile {
 func (e *Engine) useSpare(sf spareFile, dir string, extra int, size, end int64) (fsys.File, string, bool) {
 	fail := func(path, op string, err error) (fsys.File, string, bool) {
 		e.log.Debug("engine: reuse a spare file", "path", path, "op", op, "err", err)
-		e.discardSpare(spareFile{path: path, id: sf.id})
+		e.forget(sf.id)
+		e.removeTemp(path)
 		return nil, "", false
 	}
 	if err := e.mkdir(dir, false); err != nil {
@@ -166,16 +167,6 @@ func (e *Engine) useSpare(sf spareFile, dir string, extra int, size, end int64) 
 	}
 	e.st.reused.Add(1)
 	return f, tmp, true
-}
-
-// discardSpare removes the file of sf, a spare taken from its mount's
-// list (takeSpareLocked) that no store will write.
-func (e *Engine) discardSpare(sf spareFile) {
-	if sf.path == "" {
-		return
-	}
-	e.forget(sf.id)
-	e.removeTemp(sf.path)
 }
 
 // clearSpare zeroes what an evicted file's old contents would leave in a

@@ -504,20 +504,12 @@ func (e *Engine) writeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 	recs = append(recs, en.access(abi.AccessInsert, en.last))
 	// The path is released in the same hold of the lock: every store
 	// takes it, and many short holds queue 2 MiB stores on many jobs.
+	// Only the path's holder indexes a file there (adopt), so what the
+	// insert replaced is gr.old, forgotten before the rename.
 	fl, orphans := e.releaseLocked(gr.path)
 	e.mu.Unlock()
 	gr.released = true
-	if fl != nil {
-		close(fl.done)
-	} else {
-		e.removeIfSame(gr.path, orphans) // not the file just published
-		e.release(gr.path)
-	}
-	for _, r := range replaced {
-		if r != gr.old { // indexed at the path after the claim (adopt)
-			e.forget(r.ident)
-		}
-	}
+	e.endRelease(gr.path, fl, orphans)
 	e.access(ctx, recs)
 	e.st.stores.Add(uint64(len(h.Keys)))
 	e.st.written.Add(uint64(h.PayloadLen()))

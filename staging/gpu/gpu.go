@@ -563,11 +563,14 @@ func (m *Mover) Prepare(f fsys.File) {
 	}
 }
 
-// deviceFault records that a job on dev failed with err, a sticky CUDA
-// error: the process's context on the device is broken, and every later
-// job there fails until the daemon restarts. The first is logged at error
-// level, for the operator.
+// deviceFault records that a job on dev failed with err if err holds a
+// sticky CUDA error (cuda.ErrSticky): the process's context on the device
+// is broken, and every later job there fails until the daemon restarts.
+// The first is logged at error level, for the operator.
 func (m *Mover) deviceFault(dev *device, err error) {
+	if !errors.Is(err, cuda.ErrSticky) {
+		return
+	}
 	if dev.faults.Add(1) == 1 && m.cfg.Log != nil {
 		m.cfg.Log.Error("gpu: a sticky CUDA error on the device: its context is broken, and its jobs fail until the daemon restarts",
 			"device", dev.ordinal, "err", err.Error())

@@ -193,9 +193,7 @@ func (r *laneRun) finish() error {
 		if err == nil {
 			err = errors.New("gpu: a CUDA call on the job's stream failed")
 		}
-		if all := errors.Join(r.failed, err); errors.Is(all, cuda.ErrSticky) {
-			r.m.deviceFault(r.dev, all)
-		}
+		r.m.deviceFault(r.dev, errors.Join(r.failed, err))
 		return err
 	}
 	r.m.putLane(r.dev, r.ln)
@@ -212,22 +210,21 @@ func (m *Mover) onLane(dev *device, job func(ln *lane) (int64, error)) (int64, e
 	if m.closed {
 		return 0, ErrClosed
 	}
+	// A device that cannot be made current, or whose stream or events
+	// cannot be made, may have a broken context: the job's fault too.
 	unlock, err := m.r.LockDevice(dev.ordinal)
-	if err == nil {
-		defer unlock()
-		var ln *lane
-		if ln, err = m.getLane(dev); err == nil {
-			return job(ln)
-		}
-	} else {
+	if err != nil {
 		err = fmt.Errorf("gpu: %w", err)
-	}
-	// The device could not be made current, or its stream or events
-	// could not be made: a broken context counts as the job's fault.
-	if errors.Is(err, cuda.ErrSticky) {
 		m.deviceFault(dev, err)
+		return 0, err
 	}
-	return 0, err
+	defer unlock()
+	ln, err := m.getLane(dev)
+	if err != nil {
+		m.deviceFault(dev, err)
+		return 0, err
+	}
+	return job(ln)
 }
 
 // runStreamed moves the chunks on the calling goroutine's own thread and a
