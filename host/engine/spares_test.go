@@ -190,6 +190,9 @@ func TestALoadFailsWhenAnotherEngineReusesItsFileMidRead(t *testing.T) {
 		t.Fatal(err)
 	}
 	cb := newTestCache(t, b, nsB, g, 16, layoutPlaneFirst)
+	var releaseOnce sync.Once
+	release := func() { releaseOnce.Do(func() { close(pause.release) }) }
+	t.Cleanup(release)      // a failure below must not leave b's load paused: Close waits for it
 	pause.armed.Store(true) // b's Open read the header already
 	job, err := b.Load(context.Background(), LoadRequest{Cache: cb.id, Keys: victim, Blocks: [][]int{{4, 5, 6, 7}}})
 	if err != nil {
@@ -210,7 +213,7 @@ func TestALoadFailsWhenAnotherEngineReusesItsFileMidRead(t *testing.T) {
 			}
 		}
 	}
-	close(pause.release)
+	release()
 	if !reused {
 		t.Fatal("engine a never reused the victim's file: the test checked nothing")
 	}
