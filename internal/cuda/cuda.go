@@ -196,7 +196,7 @@ type Runtime struct {
 		getErrorName, getErrorString                            unsafe.Pointer
 		runtimeGetVersion, getDeviceCount, setDevice, getDevice unsafe.Pointer
 		deviceGetPCIBusID, deviceGetAttribute                   unsafe.Pointer
-		streamCreate, streamDestroy, streamSync                 unsafe.Pointer
+		streamCreate, streamDestroy, streamSync, streamQuery    unsafe.Pointer
 		eventCreate, eventRecord, eventSync, eventDestroy       unsafe.Pointer
 		eventQuery                                              unsafe.Pointer
 		hostAlloc, freeHost, hostRegister, hostUnregister       unsafe.Pointer
@@ -231,7 +231,7 @@ func Open(cfg Config) (*Runtime, error) {
 		{&f.setDevice, "cudaSetDevice"}, {&f.getDevice, "cudaGetDevice"},
 		{&f.deviceGetPCIBusID, "cudaDeviceGetPCIBusId"}, {&f.deviceGetAttribute, "cudaDeviceGetAttribute"},
 		{&f.streamCreate, "cudaStreamCreateWithFlags"}, {&f.streamDestroy, "cudaStreamDestroy"},
-		{&f.streamSync, "cudaStreamSynchronize"},
+		{&f.streamSync, "cudaStreamSynchronize"}, {&f.streamQuery, "cudaStreamQuery"},
 		{&f.eventCreate, "cudaEventCreateWithFlags"}, {&f.eventRecord, "cudaEventRecord"},
 		{&f.eventSync, "cudaEventSynchronize"}, {&f.eventDestroy, "cudaEventDestroy"},
 		{&f.eventQuery, "cudaEventQuery"},
@@ -444,11 +444,26 @@ func (r *Runtime) Wait(e Event) error {
 // returns Wait's error (and done true: the wait is over); done means
 // nothing beside an error.
 func (r *Runtime) Done(e Event) (bool, error) {
-	code := callU(r.fn.eventQuery, uintptr(e))
+	return r.query("cudaEventQuery", r.fn.eventQuery, uintptr(e))
+}
+
+// StreamDone reports whether everything enqueued on s completed, without
+// waiting (cudaStreamQuery): false while it runs. Like Done, it returns
+// the error of failed work (done true); on a context broken by a sticky
+// error it returns that error, whatever s holds (CUDA's note on the call:
+// it may return errors of earlier asynchronous launches).
+func (r *Runtime) StreamDone(s Stream) (bool, error) {
+	return r.query("cudaStreamQuery", r.fn.streamQuery, uintptr(s))
+}
+
+// query calls fn, a query of event or stream h, reading
+// cudaErrorNotReady as not done.
+func (r *Runtime) query(name string, fn unsafe.Pointer, h uintptr) (bool, error) {
+	code := callU(fn, h)
 	if Error(code) == ErrorNotReady {
 		return false, nil
 	}
-	return true, r.err("cudaEventQuery", code)
+	return true, r.err(name, code)
 }
 
 // DestroyEvent destroys e.

@@ -720,3 +720,31 @@ func TestErrStickyMatchesThroughWrappedAndJoinedErrors(t *testing.T) {
 		}
 	}
 }
+
+// TestStreamDoneReportsABrokenContextOnAnIdleStream: a query of a stream
+// with nothing on it answers done, and a sticky error where the device's
+// context is broken (the probe of a registration that makes no other
+// call), on that device only.
+func TestStreamDoneReportsABrokenContextOnAnIdleStream(t *testing.T) {
+	r, fake := open(t)
+	query := func(w *cuda.Worker) (done bool, err error) {
+		err = w.Do(context.Background(), func(w *cuda.Worker) error {
+			var err error
+			done, err = r.StreamDone(w.Stream())
+			return err
+		})
+		return done, err
+	}
+	w0, w1 := worker(t, r, 0), worker(t, r, 1)
+	if done, err := query(w1); !done || err != nil {
+		t.Fatalf("idle stream: StreamDone = %v, %v; want done", done, err)
+	}
+	fake.BreakDevice(1, int(cuda.ErrorIllegalAddress))
+	defer fake.BreakDevice(1, 0)
+	if done, err := query(w1); !done || !errors.Is(err, cuda.ErrSticky) {
+		t.Fatalf("broken device: StreamDone = %v, %v; want done and the sticky error", done, err)
+	}
+	if done, err := query(w0); !done || err != nil {
+		t.Fatalf("the other device: StreamDone = %v, %v; want done", done, err)
+	}
+}

@@ -249,6 +249,13 @@ int cudaStreamSynchronize(stream *s) {
 	if (s) STICKY(s->device);
 	return drain(s);
 }
+// cudaStreamQuery runs what s holds (the fake's copies complete when
+// looked at) and answers; a broken device answers its sticky error, an
+// idle stream's query included, as a real broken context does.
+int cudaStreamQuery(stream *s) {
+	STICKY(s ? s->device : curDevice);
+	return s ? run_upto(s, (size_t)-1, 0) : 0;
+}
 int cudaEventCreateWithFlags(event **e, unsigned flags) {
 	(void)flags;
 	STICKY(curDevice);
