@@ -37,7 +37,7 @@ type Importer struct {
 	workers []*cuda.Worker
 	live    atomic.Int64 // regions not yet closed
 	nextID  atomic.Uint64
-	// faults counts, per device, the imports that failed with a sticky
+	// faults counts, per device, the registrations refused with a sticky
 	// CUDA error: the daemon's context there is broken (Faults).
 	faults []atomic.Uint64
 
@@ -88,9 +88,10 @@ func New(rt *cuda.Runtime, devices int) (*Importer, error) {
 // Devices is the number of devices the Importer serves (server.Config.Devices).
 func (im *Importer) Devices() int { return len(im.workers) }
 
-// Faults reports, per device ordinal, the imports that failed with a
-// sticky CUDA error: the daemon's context on the device is broken, which
-// an import may be the first to find (no job ran there since).
+// Faults reports, per device ordinal, the registrations refused with a
+// sticky CUDA error (an import's, or the probe's of a handle imported
+// before): the daemon's context on the device is broken, which a
+// registration may be the first to find (no job ran there since).
 func (im *Importer) Faults() map[int]uint64 {
 	out := make(map[int]uint64, len(im.faults))
 	for d := range im.faults {
@@ -114,7 +115,11 @@ func (im *Importer) Imports() int {
 // outside the exported allocation fails with an error wrapping
 // region.ErrBounds; a stale or forged handle, or another device's, with
 // the CUDA error; a range the driver cannot check (no driver API) with a
-// *protocol.Error of code CodeUnsupported.
+// *protocol.Error of code CodeUnsupported. On a device whose context a
+// sticky error broke it fails with a *protocol.Error of code
+// CodeInternal, counted in Faults, whether the handle is imported now or
+// was before (a second region over one allocation makes no import call:
+// the context is probed instead).
 func (im *Importer) Open(ctx context.Context, ordinal int, handle [protocol.CUDAIPCHandleLen]byte, offset, size int64) (server.DeviceMemory, error) {
 	if ordinal < 0 || ordinal >= len(im.workers) {
 		return nil, fmt.Errorf("cudaipc: device %d: serving 0..%d", ordinal, len(im.workers)-1)
@@ -141,29 +146,62 @@ func (im *Importer) Open(ctx context.Context, ordinal int, handle [protocol.CUDA
 			return err
 		})
 		if err != nil {
-			switch {
-			case errors.Is(err, cuda.ErrBounds):
-				return nil, fmt.Errorf("%w: %w", region.ErrBounds, err)
-			case errors.Is(err, cuda.ErrSticky):
-				im.faults[ordinal].Add(1)
-				// Not the client's handle: the daemon's own context on the
-				// device is broken (a "bad handle" answer would send the
-				// client looking for a fault of its own). First: a range
-				// check that failed on it is not the range's fault either.
-				return nil, &protocol.Error{Code: protocol.CodeInternal, Message: fmt.Sprintf("device %d: the daemon's CUDA context on this GPU is broken (a sticky error; the GPU may be lost) until the daemon restarts: %v", ordinal, err)}
-			case errors.Is(err, cuda.ErrUnchecked):
-				return nil, &protocol.Error{Code: protocol.CodeUnsupported, Message: fmt.Sprintf("device %d: the range could not be checked against the exported allocation, so it is refused: %v", ordinal, err)}
-			}
-			return nil, err
+			return nil, im.refusal(ordinal, err)
 		}
 		sh = &shared{key: k, m: m, base: m.Ptr() - uintptr(offset), alloc: m.AllocSize}
 		im.imports[k] = sh
-	} else if offset > sh.alloc || size > sh.alloc-offset {
-		return nil, fmt.Errorf("cudaipc: %w: [%d, +%d) of a %d-byte allocation", region.ErrBounds, offset, size, sh.alloc)
+	} else {
+		if offset > sh.alloc || size > sh.alloc-offset {
+			return nil, fmt.Errorf("cudaipc: %w: [%d, +%d) of a %d-byte allocation", region.ErrBounds, offset, size, sh.alloc)
+		}
+		// No driver call takes this path, so a context broken since the
+		// import would accept the region: ask the device first.
+		if err := im.probe(ctx, ordinal); err != nil {
+			return nil, im.refusal(ordinal, err)
+		}
 	}
 	sh.refs++
 	im.live.Add(1)
 	return &Memory{im: im, sh: sh, id: im.nextID.Add(1), ptr: sh.base + uintptr(offset), n: size}, nil
+}
+
+// refusal is Open's answer to a registration on device ordinal whose
+// driver call (the import, or probe's query) failed with err. A sticky
+// error counts as a fault of the device.
+func (im *Importer) refusal(ordinal int, err error) error {
+	switch {
+	case errors.Is(err, cuda.ErrBounds):
+		return fmt.Errorf("%w: %w", region.ErrBounds, err)
+	case errors.Is(err, cuda.ErrSticky):
+		im.faults[ordinal].Add(1)
+		// Not the client's handle: the daemon's own context on the
+		// device is broken (a "bad handle" answer would send the client
+		// looking for a fault of its own). First: a range check that
+		// failed on it is not the range's fault either.
+		return &protocol.Error{Code: protocol.CodeInternal, Message: fmt.Sprintf("device %d: the daemon's CUDA context on this GPU is broken (a sticky error; the GPU may be lost) until the daemon restarts: %v", ordinal, err)}
+	case errors.Is(err, cuda.ErrUnchecked):
+		return &protocol.Error{Code: protocol.CodeUnsupported, Message: fmt.Sprintf("device %d: the range could not be checked against the exported allocation, so it is refused: %v", ordinal, err)}
+	}
+	return err
+}
+
+// probe asks whether the daemon's context on device ordinal still works,
+// for a registration that makes no driver call of its own (its allocation
+// is imported already). The call is cudaStreamQuery of the device
+// worker's own stream: a query never waits (work still running answers
+// "not ready"), and that stream is non-blocking and holds nothing, so the
+// answer does not depend on the daemon's copies on other streams (the
+// legacy default stream would be tied to blocking streams); yet a broken
+// context answers it with its sticky error (CUDA documents that the call
+// may return errors of earlier asynchronous launches). cudaGetLastError
+// and cudaPeekAtLastError would not do: they return the last error of
+// this thread's own runtime calls, and what breaks a context is a job on
+// another thread. One call per registration: they are rare.
+func (im *Importer) probe(ctx context.Context, ordinal int) error {
+	return im.workers[ordinal].Do(ctx, func(w *cuda.Worker) error {
+		_, err := im.rt.StreamDone(w.Stream())
+		return err
+	})
 }
 
 // release drops a region of sh and closes the import with the last one.

@@ -10,6 +10,7 @@ import (
 	"github.com/kvhost/kvhost/internal/cuda/cudatest"
 	"github.com/kvhost/kvhost/protocol"
 	"github.com/kvhost/kvhost/region"
+	"github.com/kvhost/kvhost/server"
 	"github.com/kvhost/kvhost/server/cudaipc"
 )
 
@@ -22,6 +23,18 @@ func open(t *testing.T) *cuda.Runtime {
 	}
 	t.Cleanup(func() { rt.Close() })
 	return rt
+}
+
+// newImporter starts an Importer of devices 0..devices-1 of rt (0: all),
+// closed when the test ends.
+func newImporter(t *testing.T, rt *cuda.Runtime, devices int) *cudaipc.Importer {
+	t.Helper()
+	im, err := cudaipc.New(rt, devices)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { im.Close() })
+	return im
 }
 
 // exportAllocation allocates n bytes on device ordinal (on a worker of
@@ -93,11 +106,7 @@ func TestNewChecksDevices(t *testing.T) {
 // Close releases it once.
 func TestOpenImportsOnTheNamedDevice(t *testing.T) {
 	rt := open(t)
-	im, err := cudaipc.New(rt, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer im.Close()
+	im := newImporter(t, rt, 0)
 	ctx := context.Background()
 	mem, h := exportAllocation(t, rt, 1, 1<<20)
 	if _, err := im.Open(ctx, 0, h, 0, 4096); err == nil || errors.Is(err, region.ErrBounds) {
@@ -134,11 +143,7 @@ func TestOpenImportsOnTheNamedDevice(t *testing.T) {
 // the allocation's size, and the import is closed with the last range.
 func TestOpenSharesOneImportPerAllocation(t *testing.T) {
 	rt := open(t)
-	im, err := cudaipc.New(rt, 1)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer im.Close()
+	im := newImporter(t, rt, 1)
 	ctx := context.Background()
 	mem, h := exportAllocation(t, rt, 0, 1<<20)
 	a, err := im.Open(ctx, 0, h, 0, 4096)
@@ -170,28 +175,59 @@ func TestOpenSharesOneImportPerAllocation(t *testing.T) {
 
 // TestAnImportOnABrokenDeviceIsTheDaemonsFaultAndCounted: where the
 // daemon's context on a device is broken (every call there fails with a
-// sticky error), an import is refused as an internal error naming the
-// broken context, not as the client's bad handle, and counted as a fault
-// of that device only: it may be the first sign of a device that broke
-// while no job ran there.
+// sticky error), a registration is refused as an internal error naming
+// the broken context, not as the client's bad handle, and counted as a
+// fault of that device only: it may be the first sign of a device that
+// broke while no job ran there. That holds for a handle the daemon
+// imports now and for one it imported before the device broke (a second
+// region over the same allocation: no import call, the context is
+// probed); the earlier region still closes, or fails naming the sticky
+// error.
 func TestAnImportOnABrokenDeviceIsTheDaemonsFaultAndCounted(t *testing.T) {
 	rt := open(t)
 	fake := cudatest.Open(t, cudatest.Build(t))
-	im, err := cudaipc.New(rt, 0)
-	if err != nil {
-		t.Fatal(err)
+	tests := []struct {
+		name     string
+		imported bool // the handle was imported before the device broke
+	}{
+		{"a handle imported now", false},
+		{"a handle already imported", true},
 	}
-	defer im.Close()
-	_, h := exportAllocation(t, rt, 1, 1<<16)
-	const illegalAddress = 700
-	fake.BreakDevice(1, illegalAddress)
-	defer fake.BreakDevice(1, 0) // before the allocation is freed
-	_, err = im.Open(context.Background(), 1, h, 0, 4096)
-	var pe *protocol.Error
-	if !errors.As(err, &pe) || pe.Code != protocol.CodeInternal || !strings.Contains(pe.Message, "context on this GPU is broken") {
-		t.Fatalf("import on the broken device: %v; want an internal error naming the broken context", err)
-	}
-	if f := im.Faults(); f[0] != 0 || f[1] != 1 {
-		t.Fatalf("faults %v: want 1 on device 1, none on device 0", f)
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			im := newImporter(t, rt, 0)
+			ctx := context.Background()
+			_, h := exportAllocation(t, rt, 1, 1<<16)
+			var first server.DeviceMemory
+			if tc.imported {
+				var err error
+				if first, err = im.Open(ctx, 1, h, 0, 4096); err != nil {
+					t.Fatal(err)
+				}
+			}
+			const illegalAddress = 700
+			fake.BreakDevice(1, illegalAddress)
+			defer fake.BreakDevice(1, 0) // before the allocation is freed
+			_, err := im.Open(ctx, 1, h, 8192, 4096)
+			var pe *protocol.Error
+			if !errors.As(err, &pe) || pe.Code != protocol.CodeInternal || !strings.Contains(pe.Message, "context on this GPU is broken") {
+				t.Fatalf("registration on the broken device: %v; want an internal error naming the broken context", err)
+			}
+			if f := im.Faults(); f[0] != 0 || f[1] != 1 {
+				t.Fatalf("faults %v: want 1 on device 1, none on device 0", f)
+			}
+			if first == nil {
+				return
+			}
+			if im.Live() != 1 || im.Imports() != 1 {
+				t.Fatalf("after the refusal: %d regions, %d imports; want the first region's 1, 1", im.Live(), im.Imports())
+			}
+			if err := first.Close(); err != nil && !errors.Is(err, cuda.ErrSticky) {
+				t.Fatalf("closing the first region on the broken device: %v; want success or the sticky error", err)
+			}
+			if im.Live() != 0 || im.Imports() != 0 {
+				t.Fatalf("after closing the first region: %d regions, %d imports; want 0, 0", im.Live(), im.Imports())
+			}
+		})
 	}
 }
