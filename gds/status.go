@@ -4,6 +4,8 @@ import (
 	"errors"
 	"fmt"
 	"syscall"
+
+	"github.com/kvhost/kvhost/internal/cuda"
 )
 
 // Status is a cuFile status code (CUfileOpError). A failed cuFile call
@@ -138,15 +140,16 @@ func (s Status) Error() string {
 }
 
 // statusError converts a CUfileError_t to an error: nil for success, the
-// Status otherwise, with the CUDA driver's result when the code says the
-// CUDA driver failed.
+// Status otherwise, with the CUDA driver's result (a cuda.Result, so a
+// sticky one matches cuda.ErrSticky) when the code says the CUDA driver
+// failed.
 func statusError(code, cuErr int) error {
 	if code == 0 {
 		return nil
 	}
 	st := Status(code)
 	if st == StatusCUDADriverError || cuErr != 0 {
-		return fmt.Errorf("%w (CUresult %d)", st, cuErr)
+		return fmt.Errorf("%w (%w)", st, cuda.Result(cuErr))
 	}
 	return st
 }

@@ -7,6 +7,8 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/kvhost/kvhost/internal/cuda"
 )
 
 func TestStatusPrintsNameNumberAndMeaningWithoutLibrary(t *testing.T) {
@@ -35,8 +37,11 @@ func TestStatusErrorIsMatchableThroughWrapping(t *testing.T) {
 		t.Fatal("status 0 is not success")
 	}
 	cu := statusError(int(StatusCUDADriverError), 700)
-	if !errors.Is(cu, StatusCUDADriverError) || !strings.Contains(cu.Error(), "CUresult 700") {
-		t.Fatalf("CUDA driver error = %v, want the status and CUresult 700", cu)
+	if !errors.Is(cu, StatusCUDADriverError) || !strings.Contains(cu.Error(), "CUresult 700") || !errors.Is(cu, cuda.ErrSticky) {
+		t.Fatalf("CUDA driver error = %v, want the status and CUresult 700, a sticky one", cu)
+	}
+	if oom := statusError(int(StatusCUDADriverError), 2); errors.Is(oom, cuda.ErrSticky) {
+		t.Fatalf("CUDA driver error %v: CUresult 2 (out of memory) taken for a sticky one", oom)
 	}
 	if io := ioError(-5030, nil); !errors.Is(io, StatusInternalError) {
 		t.Fatalf("ioError(-5030) = %v", io)

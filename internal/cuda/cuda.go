@@ -123,6 +123,24 @@ func (e Error) Error() string {
 	return fmt.Sprintf("cudaError(%d)", int(e))
 }
 
+// Result is a CUresult, a status code of the CUDA driver API, as a
+// library built on the driver reports one (cuFile's CUfileError_t.cu_err).
+// The driver numbers its sticky errors as the runtime numbers its own
+// (CUDA_ERROR_ILLEGAL_ADDRESS is 700, CUDA_ERROR_LAUNCH_FAILED 719, as
+// cudaErrorIllegalAddress and cudaErrorLaunchFailure), so errors.Is(err,
+// ErrSticky) holds for the same faults.
+type Result int
+
+// Sticky reports whether the code is one of the driver's sticky errors
+// (Error.Sticky's).
+func (r Result) Sticky() bool { return Error(r).Sticky() }
+
+// Is makes errors.Is(err, ErrSticky) true for a sticky code.
+func (r Result) Is(target error) bool { return target == ErrSticky && r.Sticky() }
+
+// Error prints the code: "CUresult 700".
+func (r Result) Error() string { return fmt.Sprintf("CUresult %d", int(r)) }
+
 // CallError is a failed CUDA call: the function, the status code, and the
 // runtime's description when the library gives one. It unwraps to Code.
 type CallError struct {

@@ -713,6 +713,8 @@ func TestErrStickyMatchesThroughWrappedAndJoinedErrors(t *testing.T) {
 		{"joined after a plain one", errors.Join(plain, sticky), true},
 		{"joined, none sticky", errors.Join(plain, errors.New("x")), false},
 		{"wrapped in a join", errors.Join(plain, fmt.Errorf("sync: %w", sticky)), true},
+		{"a sticky driver result, wrapped", fmt.Errorf("cufile: %w", cuda.Result(700)), true}, // CUDA_ERROR_ILLEGAL_ADDRESS
+		{"a driver result that is not sticky", cuda.Result(2), false},                         // CUDA_ERROR_OUT_OF_MEMORY
 	}
 	for _, c := range cases {
 		if got := errors.Is(c.err, cuda.ErrSticky); got != c.want {
