@@ -68,6 +68,7 @@ type fakeCtl struct {
 	AsyncIOs            int64
 	StreamsRegistered   int64
 	StreamsDeregistered int64
+	CUError             int64
 }
 
 func (c *fakeCtl) set(p *int64, v int64) { atomic.StoreInt64(p, v) }

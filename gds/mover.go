@@ -2,13 +2,16 @@ package gds
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"runtime"
 	"sync"
 	"sync/atomic"
 	"time"
 
+	"github.com/kvhost/kvhost/internal/cuda"
 	"github.com/kvhost/kvhost/internal/fsys"
 	"github.com/kvhost/kvhost/region"
 	"github.com/kvhost/kvhost/transfer"
@@ -100,6 +103,11 @@ type Mover struct {
 
 	mu     sync.RWMutex // held for reading while a job queues tasks
 	closed bool
+
+	faultMu sync.Mutex
+	// faults counts, per device ordinal, the jobs that failed with a
+	// sticky CUDA error there (DeviceFaults).
+	faults map[int]uint64
 }
 
 var (
@@ -150,7 +158,7 @@ func (d *Driver) NewMover(cfg MoverConfig) (*Mover, error) {
 		bs = 128
 	}
 	bs = min(bs, d.inflight.size)
-	m := &Mover{d: d, cfg: cfg, batchSize: bs, tasks: make(chan *task, 4*cfg.Workers)}
+	m := &Mover{d: d, cfg: cfg, batchSize: bs, tasks: make(chan *task, 4*cfg.Workers), faults: map[int]uint64{}}
 	d.mu.Lock()
 	if d.closed {
 		d.mu.Unlock()
@@ -372,11 +380,12 @@ func (m *Mover) move(ctx context.Context, f fsys.File, p *transfer.Plan, write b
 		wg     sync.WaitGroup
 		emu    sync.Mutex
 		first  error
+		where  int // the device of first's unit
 	)
-	fail := func(err error) {
+	fail := func(ordinal int, err error) {
 		emu.Lock()
 		if first == nil {
-			first = err
+			first, where = err, ordinal
 		}
 		emu.Unlock()
 		failed.Store(true)
@@ -386,13 +395,13 @@ func (m *Mover) move(ctx context.Context, f fsys.File, p *transfer.Plan, write b
 			break
 		}
 		if err := ctx.Err(); err != nil {
-			fail(err)
+			fail(u.ordinal, err)
 			break
 		}
 		wg.Add(1)
 		t := &task{ordinal: u.ordinal, done: func(err error) {
 			if err != nil {
-				fail(err)
+				fail(u.ordinal, err)
 			}
 			wg.Done()
 		}}
@@ -409,12 +418,46 @@ func (m *Mover) move(ctx context.Context, f fsys.File, p *transfer.Plan, write b
 		}
 		if err := m.submit(t); err != nil {
 			wg.Done()
-			fail(err)
+			fail(u.ordinal, err)
 			break
 		}
 	}
 	wg.Wait()
+	m.deviceFault(where, first)
 	return moved.Load(), first
+}
+
+// deviceFault records that a job failed with err, first on device
+// ordinal, if err holds a sticky CUDA error (cuda.ErrSticky): the
+// process's context on the device is broken. Only a failed job's error
+// can: cuFile's CUfileError_t carries the CUDA driver's result (the batch
+// calls'), and binding a worker to the device is cudaSetDevice; a failed
+// cuFileRead or cuFileWrite, or a batch entry, says only
+// CU_FILE_CUDA_DRIVER_ERROR, so a broken context there is not seen here.
+// A job the mover passes on (transfer.ErrUnsupported) is not counted: the
+// next mover of the chain runs it and counts its own fault. The first
+// fault of a device is logged at error level, for the operator.
+func (m *Mover) deviceFault(ordinal int, err error) {
+	if !errors.Is(err, cuda.ErrSticky) {
+		return
+	}
+	m.faultMu.Lock()
+	m.faults[ordinal]++
+	n := m.faults[ordinal]
+	m.faultMu.Unlock()
+	if n == 1 {
+		m.d.log.Error("cufile: a sticky CUDA error on the device: its context is broken, and its jobs fail until the daemon restarts",
+			"device", ordinal, "err", err.Error())
+	}
+}
+
+// DeviceFaults reports, per device ordinal, the jobs that failed with a
+// sticky CUDA error there (a device that has any needs the daemon
+// restarted, or the GPU reset); a device without any is absent.
+func (m *Mover) DeviceFaults() map[int]uint64 {
+	m.faultMu.Lock()
+	defer m.faultMu.Unlock()
+	return maps.Clone(m.faults)
 }
 
 // usable says whether the mover may use a mount.

@@ -18,6 +18,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/kvhost/kvhost/internal/cuda"
 	"github.com/kvhost/kvhost/internal/dl"
 	"github.com/kvhost/kvhost/region"
 	"github.com/kvhost/kvhost/transfer"
@@ -509,5 +510,77 @@ func TestMoverConcurrentJobsOnManyFiles(t *testing.T) {
 	}
 	if st := e.d.HandleStats(); st.Cached > 4 || st.Evictions == 0 {
 		t.Fatalf("handle stats %+v: want at most 4 cached and evictions", st)
+	}
+}
+
+// TestMoverCountsJobsFailingWithAStickyCUDAErrorAsDeviceFaults: a job that
+// fails with a sticky CUDA error (a CUresult cuFile reports with
+// CU_FILE_CUDA_DRIVER_ERROR, or a failed binding of a worker to the
+// device) counts once as a fault of the device its failing piece is on,
+// and the first is logged; other failures count nothing, nor does a job
+// the mover passes on (transfer.ErrUnsupported: the staging pipeline runs
+// it, and counts its own fault).
+func TestMoverCountsJobsFailingWithAStickyCUDAErrorAsDeviceFaults(t *testing.T) {
+	const illegalAddress, outOfMemory = 700, 2 // CUresults
+	submitFails := func(cu int64) func(c *fakeCtl) {
+		return func(c *fakeCtl) {
+			c.set(&c.CUError, cu)
+			c.set(&c.BatchSubmitError, int64(StatusCUDADriverError))
+		}
+	}
+	tests := []struct {
+		name        string
+		devices     []int // the plan's regions' devices, in file order
+		setup       func(c *fakeCtl)
+		bindBroken  bool   // binding a thread to device 1 fails with a sticky error
+		unsupported bool   // the mover passes the job on
+		want        uint64 // device 1's faults after the job
+	}{
+		{"batch submission fails with a sticky CUresult", []int{1}, submitFails(illegalAddress), false, false, 1},
+		{"batch submission fails with a CUresult that is not sticky", []int{1}, submitFails(outOfMemory), false, false, 0},
+		{"a batch entry fails with a CUDA driver error (no CUresult)", []int{1}, func(c *fakeCtl) {
+			c.set(&c.BatchFailCode, int64(StatusCUDADriverError))
+			c.set(&c.BatchFailEntry, c.get(&c.BatchEntries)+1)
+		}, false, false, 0},
+		{"binding a worker to the second device of a plan fails", []int{0, 1}, nil, true, false, 1},
+		{"binding for the file's registration fails", []int{1}, nil, true, true, 0},
+		{"the file's registration fails with a sticky CUresult", []int{1}, func(c *fakeCtl) {
+			c.set(&c.CUError, illegalAddress)
+			c.set(&c.RegisterError, int64(StatusCUDADriverError))
+		}, false, true, 0},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			bind := func(ordinal int) error {
+				if tt.bindBroken && ordinal == 1 {
+					return &cuda.CallError{Func: "cudaSetDevice", Code: cuda.ErrorIllegalAddress}
+				}
+				return nil
+			}
+			e := openFake(t, Config{BindDevice: bind}, tt.setup)
+			m := newMover(t, e.d, MoverConfig{Workers: 2, AllowCompat: true, IO: IOBatch, BatchSize: 16})
+			p := &transfer.Plan{}
+			const pages, pageSize = 48, 4096
+			for i, ordinal := range tt.devices {
+				for _, x := range sparsePlan(newHostDevice(t, uint64(i+1), 1<<20, ordinal), pages, pageSize, uint64(i)).Extents {
+					x.FileOff += int64(i * pages * pageSize)
+					p.Extents = append(p.Extents, x)
+				}
+			}
+			f := openFile(t, filepath.Join(t.TempDir(), "key"), os.O_RDWR)
+			_, err := m.WriteFile(context.Background(), f, p, nil)
+			if err == nil || errors.Is(err, transfer.ErrUnsupported) != tt.unsupported {
+				t.Fatalf("WriteFile: %v; want a failure, passed on: %v", err, tt.unsupported)
+			}
+			if sticky := errors.Is(err, cuda.ErrSticky); !tt.unsupported && sticky != (tt.want > 0) {
+				t.Fatalf("WriteFile: %v; sticky %v, want %v", err, sticky, tt.want > 0)
+			}
+			if f := m.DeviceFaults(); f[0] != 0 || f[1] != tt.want {
+				t.Fatalf("faults %v; want %d on device 1, none on device 0", f, tt.want)
+			}
+			if logged := strings.Contains(e.logs.String(), "sticky CUDA error"); logged != (tt.want > 0) {
+				t.Fatalf("the fault logged: %v, want %v; log:\n%s", logged, tt.want > 0, e.logs)
+			}
+		})
 	}
 }

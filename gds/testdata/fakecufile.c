@@ -100,6 +100,9 @@ struct fake_ctl {
 	int64_t async_ios;          /* asynchronous reads and writes enqueued */
 	int64_t streams_registered;
 	int64_t streams_deregistered;
+	/* the CUresult (cu_err) the injected failures above carry: driver_open_error,
+	 * register_error, batch_setup_error, batch_submit_error, async_error */
+	int64_t cu_error;
 };
 
 struct fake_ctl fake_ctl;
@@ -117,10 +120,13 @@ struct fake_handle {
 
 static CUfileError_t ok(void) { CUfileError_t e = {0, 0}; return e; }
 static CUfileError_t fail(int code) { CUfileError_t e = {code, 0}; return e; }
+/* injected is a knob's failure: code, with the CUresult cu_error (as cuFile
+ * reports a CUDA driver call that failed inside it, with 5011). */
+static CUfileError_t injected(int64_t code) { CUfileError_t e = {(int)code, (int)LD(cu_error)}; return e; }
 
 CUfileError_t cuFileDriverOpen(void) {
 	int64_t e = LD(driver_open_error);
-	if (e) return fail((int)e);
+	if (e) return injected(e);
 	ADD(driver_opens, 1);
 	return ok();
 }
@@ -145,7 +151,7 @@ CUfileError_t cuFileHandleRegister(void **fh, CUfileDescr_t *d) {
 	if (e) {
 		int64_t dev = LD(register_fail_dev);
 		struct stat st;
-		if (dev == 0 || (fstat(d->handle.fd, &st) == 0 && (int64_t)st.st_dev == dev)) return fail((int)e);
+		if (dev == 0 || (fstat(d->handle.fd, &st) == 0 && (int64_t)st.st_dev == dev)) return injected(e);
 	}
 	struct fake_handle *h = malloc(sizeof *h);
 	if (!h) return fail(5043);
@@ -289,7 +295,7 @@ static void store_max(int64_t *p, int64_t v) {
 
 CUfileError_t cuFileBatchIOSetUp(void **b, unsigned nr) {
 	int64_t e = LD(batch_setup_error);
-	if (e) return fail((int)e);
+	if (e) return injected(e);
 	if (b == NULL || nr == 0 || nr > 128) return fail(5022);
 	struct fake_batch *fb = calloc(1, sizeof *fb + nr * sizeof(struct fake_entry));
 	if (!fb) return fail(5043);
@@ -335,7 +341,7 @@ CUfileError_t cuFileBatchIOSubmit(void *b, unsigned nr, CUfileIOParams_t *p, uns
 	if (!batch_live_ctx(b)) return fail(5022);
 	struct fake_batch *fb = b;
 	int64_t e = LD(batch_submit_error);
-	if (e) return fail((int)e);
+	if (e) return injected(e);
 	for (unsigned i = 0; i < fb->n; i++)
 		if (!fb->e[i].reaped) { ADD(batch_bad_uses, 1); return fail(5037); }
 	if (nr == 0 || nr > fb->max || flags != 0 || p == NULL) { ADD(batch_bad_uses, 1); return fail(5022); }
@@ -430,7 +436,7 @@ CUfileError_t cuFileStreamDeregister(void *stream) {
 // is the I/O's.
 static CUfileError_t async_io(int write, void *fh, void *base, size_t *n, off_t *off, off_t *boff, ssize_t *done) {
 	int64_t e = LD(async_error);
-	if (e) return fail((int)e);
+	if (e) return injected(e);
 	ADD(async_ios, 1);
 	*done = write ? cuFileWrite(fh, base, *n, *off, *boff) : cuFileRead(fh, base, *n, *off, *boff);
 	return ok();
