@@ -53,7 +53,8 @@ type Sources struct {
 	GPUStaging func() (inUse, total, size int)
 	// GPUFaults reports, per device ordinal, the jobs and registrations
 	// that failed with a sticky CUDA error (gpu.Mover.DeviceFaults with
-	// cudaipc.Importer.Faults; nil without a GPU).
+	// gds.Mover.DeviceFaults and cudaipc.Importer.Faults; nil without a
+	// GPU).
 	GPUFaults func() map[int]uint64
 	// CuFile reports cuFile's handle cache (gds.Driver.HandleStats; nil
 	// where cuFile is not loaded).
@@ -292,7 +293,7 @@ var (
 	dGPUPinInUse    = desc("kvhost_gpu_staging_buffers_in_use", "Pinned buffers of the GPU staging pipeline that jobs hold now.")
 	dGPUPinTotal    = desc("kvhost_gpu_staging_buffers", "Pinned buffers of the GPU staging pipeline, allocated once at start (gpu.staging_memory).")
 	dGPUPinSize     = desc("kvhost_gpu_staging_buffer_bytes", "Size of one pinned buffer of the GPU staging pipeline.")
-	dGPUFaults      = desc("kvhost_gpu_device_faults_total", "Staging jobs and CUDA IPC imports that failed with a sticky CUDA error on the device (an illegal address, a failed launch, an ECC error): its context is broken, and its jobs fail until the daemon restarts.", "device")
+	dGPUFaults      = desc("kvhost_gpu_device_faults_total", "Staging and cuFile jobs and CUDA IPC registrations that failed with a sticky CUDA error on the device (an illegal address, a failed launch, an ECC error): its context is broken, and its jobs fail until the daemon restarts.", "device")
 	dCuFileHandles  = desc("kvhost_cufile_handles", "Files registered with cuFile (cuFileHandleRegister) and cached now.")
 	dCuFileRegs     = desc("kvhost_cufile_handle_registrations_total", "cuFile file registrations, by result (ok, failed).", "result")
 	dCuFileHits     = desc("kvhost_cufile_handle_hits_total", "Transfers that found their file's cuFile handle cached (or being registered by another transfer).")

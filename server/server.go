@@ -117,7 +117,7 @@ type Config struct {
 	// so that a client can find the ordinal of its own GPU whatever
 	// CUDA_VISIBLE_DEVICES says; a missing or zero entry is unknown.
 	DeviceUUIDs [][16]byte
-	// DeviceFaults reports, per device ordinal, the jobs and imports that
+	// DeviceFaults reports, per device ordinal, the jobs and registrations that
 	// failed with a sticky CUDA error (the device's context is broken until the
 	// daemon restarts), for Stats replies and so `kvhost health`; nil:
 	// none known.

@@ -192,12 +192,19 @@ func (p *gpuPaths) Close() error {
 }
 
 // deviceFaults reports, per device ordinal, what failed there with a
-// sticky CUDA error: the staging pipeline's jobs and the CUDA IPC imports
-// (a device that broke while idle is found by the next import).
+// sticky CUDA error: the staging pipeline's jobs, the cuFile mover's
+// where it runs, and the CUDA IPC registrations (a device that broke
+// while idle is found by the next registration).
 func (p *gpuPaths) deviceFaults() map[int]uint64 {
 	out := p.staging.DeviceFaults()
-	for d, n := range p.ipc.Faults() {
-		out[d] += n
+	counts := []map[int]uint64{p.ipc.Faults()}
+	if p.cfMover != nil {
+		counts = append(counts, p.cfMover.DeviceFaults())
+	}
+	for _, c := range counts {
+		for d, n := range c {
+			out[d] += n
+		}
 	}
 	return out
 }

@@ -3,8 +3,10 @@ package main
 import (
 	"bytes"
 	"context"
+	"errors"
 	"log/slog"
 	"math/rand/v2"
+	"os"
 	"path/filepath"
 	"runtime"
 	"strings"
@@ -18,8 +20,10 @@ import (
 	"github.com/kvhost/kvhost/host/policy"
 	"github.com/kvhost/kvhost/internal/cuda"
 	"github.com/kvhost/kvhost/internal/cuda/cudatest"
+	"github.com/kvhost/kvhost/internal/fsys"
 	"github.com/kvhost/kvhost/plugins/lru"
 	"github.com/kvhost/kvhost/staging/gpu"
+	"github.com/kvhost/kvhost/transfer"
 )
 
 func TestOpenGPUModes(t *testing.T) {
@@ -199,5 +203,50 @@ func copyDevice(t *testing.T, rt *cuda.Runtime, dev uintptr, host []byte, toDevi
 	}
 	if err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestCuFileJobsFailingWithAStickyErrorAreDeviceFaults: where the cuFile
+// mover serves GPU memory (the fake libcufile, compatibility mode
+// allowed), a job whose piece on device 1 fails with a sticky CUDA error
+// (its worker cannot make the broken device current) counts as a fault
+// of device 1 in what the daemon reports, beside the staging pipeline's
+// and the CUDA IPC importer's faults.
+func TestCuFileJobsFailingWithAStickyErrorAreDeviceFaults(t *testing.T) {
+	lib, cufileLib := cudatest.Build(t), buildFakeCuFile(t)
+	fake := cudatest.Open(t, lib)
+	gp, err := openGPU(gpuOptions{Mode: "on", CUDALibrary: []string{lib}, CuFileLibrary: []string{cufileLib}, CuFile: "compat",
+		MaxStaging: 16 << 20}, slog.New(slog.DiscardHandler))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer gp.Close()
+	if gp.cfMover == nil {
+		t.Fatal("the cuFile mover did not start on the fake libcufile")
+	}
+	// A plan over both devices: the file's registration runs bound to
+	// device 0, the piece on device 1 on a worker that binds to it.
+	p := &transfer.Plan{}
+	for d := range 2 {
+		mem, err := gp.rt.Malloc(d, 4096)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer mem.Close()
+		p.Extents = append(p.Extents, transfer.Extent{FileOff: int64(d) * 4096, Region: mem, Len: 4096, Sum: -1})
+	}
+	f, err := fsys.OS{}.OpenFile(filepath.Join(t.TempDir(), "key"), os.O_RDWR|os.O_CREATE, 0o600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	const illegalAddress = 700
+	fake.BreakDevice(1, illegalAddress)
+	defer fake.BreakDevice(1, 0) // before the memory is freed
+	if _, err := gp.cfMover.WriteFile(context.Background(), f, p, nil); !errors.Is(err, cuda.ErrSticky) || errors.Is(err, transfer.ErrUnsupported) {
+		t.Fatalf("cuFile job on the broken device: %v; want it failed with the sticky error", err)
+	}
+	if faults := gp.deviceFaults(); faults[0] != 0 || faults[1] != 1 {
+		t.Fatalf("device faults %v; want the cuFile job's on device 1 only", faults)
 	}
 }
