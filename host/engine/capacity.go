@@ -3,6 +3,8 @@ package engine
 import (
 	"context"
 	"fmt"
+	"sync"
+	"sync/atomic"
 
 	"github.com/kvhost/kvhost/abi"
 )
@@ -96,6 +98,7 @@ func (e *Engine) evict(ctx context.Context, m *mount, size int64) {
 		}
 		var freed int64
 		var recs []abi.AccessRecord
+		var claimed []*entry // files to remove (or keep as spares), paths held
 		for _, v := range victims {
 			if freed >= need {
 				break
@@ -110,27 +113,56 @@ func (e *Engine) evict(ctx context.Context, m *mount, size int64) {
 			e.mu.Lock()
 			en := e.entries[v.Entry]
 			ok := en != nil && en.pins == 0 && en.mount == m.idx && !en.gone
-			claimed := false
 			if ok {
 				e.unindexLocked(en)
 				recs = append(recs, en.access(abi.AccessRemove, e.now().UnixNano()))
 				// Hold the path while removing: a store publishing there
 				// meanwhile waits, and its new file is never removed.
-				claimed = e.removeLocked(en)
+				if e.removeLocked(en) {
+					claimed = append(claimed, en)
+				}
 			}
 			e.mu.Unlock()
 			if !ok {
 				continue
 			}
-			if claimed {
-				e.evictClaimed(en)
-			}
 			freed += en.size
 			e.st.evictions.Add(1)
 		}
+		e.evictAll(claimed)
 		e.access(ctx, recs)
 		if freed == 0 {
 			return
 		}
 	}
+}
+
+// evictWorkers is the most evicted files one eviction removes (or keeps
+// as spares) at once (RATIONALE.md, "Why does an eviction remove its
+// files in parallel?").
+const evictWorkers = 8
+
+// evictAll is evictClaimed for every entry of ens, up to evictWorkers at
+// once: each file is a few system calls (open, fstat, a header read,
+// close, then a rename or an unlink), and the stores that need the room
+// wait for all of them.
+func (e *Engine) evictAll(ens []*entry) {
+	if len(ens) <= 1 {
+		for _, en := range ens {
+			e.evictClaimed(en)
+		}
+		return
+	}
+	var next atomic.Int64
+	var wg sync.WaitGroup
+	for range min(evictWorkers, len(ens)) {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := next.Add(1) - 1; i < int64(len(ens)); i = next.Add(1) - 1 {
+				e.evictClaimed(ens[i])
+			}
+		}()
+	}
+	wg.Wait()
 }
