@@ -117,8 +117,11 @@ func (e *Engine) evict(ctx context.Context, m *mount, size int64) {
 				e.unindexLocked(en)
 				recs = append(recs, en.access(abi.AccessRemove, e.now().UnixNano()))
 				// Hold the path while removing: a store publishing there
-				// meanwhile waits, and its new file is never removed.
+				// meanwhile waits, and its new file is never removed. The
+				// file counts as used until evictAll has removed it (or
+				// kept it as a spare): the room is not free before.
 				if e.removeLocked(en) {
+					m.used += en.size
 					claimed = append(claimed, en)
 				}
 			}

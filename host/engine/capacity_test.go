@@ -36,12 +36,13 @@ func (o *overlappingRemoves) Inject(op fsys.Op, path string) fsys.Fault {
 	return fsys.Fault{}
 }
 
-// An eviction of many files removes them in parallel, and every victim's
-// file is gone afterwards while the kept keys still load their own bytes.
-func TestAnEvictionRemovesItsFilesInParallel(t *testing.T) {
+// twentyFileMount opens an engine over a directory holding 20 files of
+// smallGeometry(true) keys (watermarks 0.9 and 0.3, no spares), its file
+// system seen through inj, with a namespace and a cache of keys blocks.
+func twentyFileMount(t *testing.T, inj fsys.Injector, keys int) (*Engine, NamespaceID, *testCache, string, int64) {
+	t.Helper()
 	g := smallGeometry(true)
 	fileLen := int64(4096) + g.KeyBytes()
-	inj := &overlappingRemoves{overlapped: make(chan struct{})}
 	dir := t.TempDir()
 	mounts := []Mount{{Path: dir, Capacity: 20 * fileLen, HighWatermark: 0.9, LowWatermark: 0.3}}
 	e := openEngine(t, Config{Mounts: mounts, Policy: newTestPolicy(1, 0), NoReuse: true, FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj}})
@@ -49,7 +50,14 @@ func TestAnEvictionRemovesItsFilesInParallel(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	c := newTestCache(t, e, ns, g, 4*20, layoutPlaneFirst)
+	return e, ns, newTestCache(t, e, ns, g, 4*keys, layoutPlaneFirst), dir, fileLen
+}
+
+// An eviction of many files removes them in parallel, and every victim's
+// file is gone afterwards while the kept keys still load their own bytes.
+func TestAnEvictionRemovesItsFilesInParallel(t *testing.T) {
+	inj := &overlappingRemoves{overlapped: make(chan struct{})}
+	e, ns, c, dir, fileLen := twentyFileMount(t, inj, 20)
 	r := rand.New(rand.NewPCG(9, 9))
 	keys := testKeys("parallel", 19)
 	want := make([][]byte, len(keys))
@@ -77,5 +85,68 @@ func TestAnEvictionRemovesItsFilesInParallel(t *testing.T) {
 		if n, _ := e.Lookup(context.Background(), ns, keys[i:i+1]); n == 1 {
 			loadAndCompare(t, e, c, keys[i:i+1], [][]int{{76, 77, 78, 79}}, want[i:i+1])
 		}
+	}
+}
+
+// heldRemoves holds every removal of a data file until gate is closed,
+// after saying so on started.
+type heldRemoves struct{ started, gate chan struct{} }
+
+func (h *heldRemoves) Inject(op fsys.Op, path string) fsys.Fault {
+	if op == fsys.OpRemove && strings.HasSuffix(path, ".kv") {
+		select {
+		case h.started <- struct{}{}:
+		default:
+		}
+		<-h.gate
+	}
+	return fsys.Fault{}
+}
+
+// The files an eviction is still removing keep their room: stores that
+// come meanwhile wait for it instead of taking room the files still hold,
+// and the files on disk never exceed the capacity.
+func TestFilesAnEvictionIsStillRemovingKeepTheirRoom(t *testing.T) {
+	inj := &heldRemoves{started: make(chan struct{}, 1), gate: make(chan struct{})}
+	var openGate sync.Once
+	release := func() { openGate.Do(func() { close(inj.gate) }) }
+	e, _, c, dir, _ := twentyFileMount(t, inj, 40)
+	t.Cleanup(release) // runs before the engine's Close, which waits for the held eviction
+	r := rand.New(rand.NewPCG(9, 10))
+	keys := testKeys("room", 40)
+	store := func(i int) *Job {
+		b := []int{4 * i, 4*i + 1, 4*i + 2, 4*i + 3}
+		c.fill(r, b)
+		j, err := e.Store(context.Background(), StoreRequest{Cache: c.id, Keys: keys[i : i+1], Blocks: [][]int{b}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return j
+	}
+	for i := range 18 {
+		wantOutcomes(t, "store", waitJob(t, store(i), nil), OutcomeStored)
+	}
+	jobs := []*Job{store(18)} // crosses the high watermark: evicts 13 files, whose removals are held
+	<-inj.started
+	// More stores while the files are still there: each either ends
+	// (room that was free) or waits for the eviction; stop at the first
+	// that waits.
+	for i := 19; i < 40; i++ {
+		j := store(i)
+		jobs = append(jobs, j)
+		select {
+		case <-j.Done():
+			continue
+		case <-time.After(time.Second):
+		}
+		break
+	}
+	onDisk := len(dataFiles(t, dir))
+	release()
+	for _, j := range jobs {
+		wantOutcomes(t, "store", waitJob(t, j, nil), OutcomeStored)
+	}
+	if onDisk > 20 {
+		t.Fatalf("%d data files on disk while the eviction removed its files, for a capacity of 20", onDisk)
 	}
 }

@@ -78,9 +78,15 @@ func (e *Engine) removeClaimed(en *entry) {
 	e.release(en.path)
 }
 
-// evictClaimed is removeClaimed for an evicted entry: its file may be kept
-// as a spare (spares.go).
+// evictClaimed is removeClaimed for an evicted entry, whose file its
+// mount counts as used until it is gone (evict): the file may be kept as a
+// spare (spares.go), its bytes then moving to the spares; otherwise they
+// stop counting once it is removed.
 func (e *Engine) evictClaimed(en *entry) {
-	e.disposeIfSame(en.path, []*entry{en}, true)
+	if !e.disposeIfSame(en.path, []*entry{en}, en.size) {
+		e.mu.Lock()
+		e.mounts[en.mount].used -= en.size
+		e.mu.Unlock()
+	}
 	e.release(en.path)
 }

@@ -140,21 +140,23 @@ func (e *Engine) seal(f fsys.File, dir string) (fsys.Identity, error) {
 // path between the check and the unlink (a window of one system call,
 // docs/engine.md).
 func (e *Engine) removeIfSame(path string, ens []*entry) {
-	e.disposeIfSame(path, ens, false)
+	e.disposeIfSame(path, ens, 0)
 }
 
-// disposeIfSame is removeIfSame; with spare set, the file is kept as a
-// spare for later stores where its mount keeps spares (spares.go).
-func (e *Engine) disposeIfSame(path string, ens []*entry, spare bool) {
+// disposeIfSame is removeIfSame; with evicted set, the bytes of an evicted
+// file its mount still counts as used (evict), the file is kept as a spare
+// for later stores where its mount keeps spares and it fits (spares.go),
+// the bytes then moving to the spares. It reports whether it kept one.
+func (e *Engine) disposeIfSame(path string, ens []*entry, evicted int64) bool {
 	if len(ens) == 0 {
-		return
+		return false
 	}
 	f, err := e.fs.OpenFile(path, os.O_RDONLY, 0)
 	if err != nil {
 		if !errors.Is(err, os.ErrNotExist) {
 			e.log.Warn("engine: open before remove", "path", path, "err", err)
 		}
-		return
+		return false
 	}
 	id, err := fileIdentity(f)
 	var h *format.Header
@@ -173,21 +175,26 @@ func (e *Engine) disposeIfSame(path string, ens []*entry, spare bool) {
 		match = slices.ContainsFunc(ens, func(en *entry) bool { return en.ident.Dev == id.Dev && en.ident.Ino == id.Ino })
 	default:
 		e.log.Warn("engine: check before remove", "path", path, "err", err)
-		return
+		return false
 	}
 	if !match {
 		e.log.Debug("engine: not removed: the file at the path is another one", "path", path)
-		return
+		return false
 	}
 	// A spare keeps its inode and pages: movers keep what they cache of
 	// it (a registration of its pages) for the store that reuses it.
-	if spare && e.keepSpare(e.mounts[ens[0].mount], path, id) {
-		return
+	if evicted > 0 {
+		kept, at := e.keepSpare(e.mounts[ens[0].mount], path, id, evicted)
+		if kept {
+			return true
+		}
+		path = at
 	}
 	e.forget(id)
 	if err := e.fs.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
 		e.log.Warn("engine: remove", "path", path, "err", err)
 	}
+	return false
 }
 
 // openRegular opens path read-only and returns it with its identity: that

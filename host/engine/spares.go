@@ -57,29 +57,31 @@ func (e *Engine) spareEligible(m *mount) bool {
 }
 
 // keepSpare renames the file at path (its entry already forgotten, its
-// identity id checked) to a temporary name and adds it to m's spares. It
-// reports false where the caller should remove the file instead: spares
-// are off on m, the engine is closing, the spares would not fit in the
-// capacity, or the rename failed.
-func (e *Engine) keepSpare(m *mount, path string, id fsys.Identity) bool {
+// identity id checked; an evicted file of which m counts evicted bytes as
+// used) to a temporary name and adds it to m's spares, the bytes moving
+// from used to the spares. It reports false where the caller should
+// remove the file instead, with the name it has now (path, or the spare's
+// name where it was renamed): spares are off on m, the rename failed, the
+// spare would not fit in the capacity, or the engine is closing. It takes
+// the engine's lock once: evictions call it for each of their files,
+// several at a time (evictAll), beside the stores.
+func (e *Engine) keepSpare(m *mount, path string, id fsys.Identity, evicted int64) (bool, string) {
 	if !e.spareEligible(m) || id.Size <= 0 {
-		return false
-	}
-	e.mu.Lock()
-	fits := !e.closed && m.used+m.spareBytes+id.Size <= m.capacity
-	e.mu.Unlock()
-	if !fits {
-		return false
+		return false, path
 	}
 	spare := e.tempName(filepath.Dir(path), sparePrefix)
 	if err := e.fs.Rename(path, spare); err != nil {
 		e.log.Debug("engine: keep a spare file", "path", path, "err", err)
-		return false
+		return false, path
 	}
 	e.mu.Lock()
-	m.addSpareLocked(spareFile{path: spare, id: id})
+	fits := !e.closed && m.used-evicted+m.spareBytes+id.Size <= m.capacity
+	if fits {
+		m.used -= evicted
+		m.addSpareLocked(spareFile{path: spare, id: id})
+	}
 	e.mu.Unlock()
-	return true
+	return fits, spare
 }
 
 // addSpareLocked adds sf to m's spares.
