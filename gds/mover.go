@@ -380,12 +380,21 @@ func (m *Mover) move(ctx context.Context, f fsys.File, p *transfer.Plan, write b
 		wg     sync.WaitGroup
 		emu    sync.Mutex
 		first  error
-		where  int // the device of first's unit
+		// sticky is the first sticky CUDA error of each device whose
+		// units failed with one: a device is counted even where another
+		// unit's error came first.
+		sticky map[int]error
 	)
 	fail := func(ordinal int, err error) {
 		emu.Lock()
 		if first == nil {
-			first, where = err, ordinal
+			first = err
+		}
+		if errors.Is(err, cuda.ErrSticky) && sticky[ordinal] == nil {
+			if sticky == nil {
+				sticky = map[int]error{}
+			}
+			sticky[ordinal] = err
 		}
 		emu.Unlock()
 		failed.Store(true)
@@ -423,7 +432,9 @@ func (m *Mover) move(ctx context.Context, f fsys.File, p *transfer.Plan, write b
 		}
 	}
 	wg.Wait()
-	m.deviceFault(where, first)
+	for ordinal, err := range sticky {
+		m.deviceFault(ordinal, err)
+	}
 	return moved.Load(), first
 }
 

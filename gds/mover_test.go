@@ -535,30 +535,44 @@ func TestMoverCountsJobsFailingWithAStickyCUDAErrorAsDeviceFaults(t *testing.T) 
 		bindBroken  bool   // binding a thread to device 1 fails with a sticky error
 		unsupported bool   // the mover passes the job on
 		want        uint64 // device 1's faults after the job
+		// bind0: binding a thread to device 0 fails with this error (not
+		// sticky), where not nil; the job's error may then be either.
+		bind0 error
 	}{
-		{"batch submission fails with a sticky CUresult", []int{1}, submitFails(illegalAddress), false, false, 1},
-		{"batch submission fails with a CUresult that is not sticky", []int{1}, submitFails(outOfMemory), false, false, 0},
+		{"batch submission fails with a sticky CUresult", []int{1}, submitFails(illegalAddress), false, false, 1, nil},
+		{"batch submission fails with a CUresult that is not sticky", []int{1}, submitFails(outOfMemory), false, false, 0, nil},
 		{"a batch entry fails with a CUDA driver error (no CUresult)", []int{1}, func(c *fakeCtl) {
 			c.set(&c.BatchFailCode, int64(StatusCUDADriverError))
 			c.set(&c.BatchFailEntry, c.get(&c.BatchEntries)+1)
-		}, false, false, 0},
-		{"binding a worker to the second device of a plan fails", []int{0, 1}, nil, true, false, 1},
-		{"binding for the file's registration fails", []int{1}, nil, true, true, 0},
+		}, false, false, 0, nil},
+		{"binding a worker to the second device of a plan fails", []int{0, 1}, nil, true, false, 1, nil},
+		{"binding for the file's registration fails", []int{1}, nil, true, true, 0, nil},
+		{"device 0 fails with an error that is not sticky, device 1 with a sticky one", []int{0, 1}, nil, true, false, 1,
+			&cuda.CallError{Func: "cudaSetDevice", Code: cuda.ErrorInvalidValue}},
 		{"the file's registration fails with a sticky CUresult", []int{1}, func(c *fakeCtl) {
 			c.set(&c.CUError, illegalAddress)
 			c.set(&c.RegisterError, int64(StatusCUDADriverError))
-		}, false, true, 0},
+		}, false, true, 0, nil},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
+			// The driver's open binds device 0, and so does the file's
+			// registration (the plan's first device): bind0 fails the
+			// binds after those, the units'.
+			var armed atomic.Bool
+			var binds0 atomic.Int64
 			bind := func(ordinal int) error {
-				if tt.bindBroken && ordinal == 1 {
+				switch {
+				case tt.bindBroken && ordinal == 1:
 					return &cuda.CallError{Func: "cudaSetDevice", Code: cuda.ErrorIllegalAddress}
+				case ordinal == 0 && tt.bind0 != nil && armed.Load() && binds0.Add(1) > 1:
+					return tt.bind0
 				}
 				return nil
 			}
 			e := openFake(t, Config{BindDevice: bind}, tt.setup)
 			m := newMover(t, e.d, MoverConfig{Workers: 2, AllowCompat: true, IO: IOBatch, BatchSize: 16})
+			armed.Store(true)
 			p := &transfer.Plan{}
 			const pages, pageSize = 48, 4096
 			for i, ordinal := range tt.devices {
@@ -572,7 +586,7 @@ func TestMoverCountsJobsFailingWithAStickyCUDAErrorAsDeviceFaults(t *testing.T) 
 			if err == nil || errors.Is(err, transfer.ErrUnsupported) != tt.unsupported {
 				t.Fatalf("WriteFile: %v; want a failure, passed on: %v", err, tt.unsupported)
 			}
-			if sticky := errors.Is(err, cuda.ErrSticky); !tt.unsupported && sticky != (tt.want > 0) {
+			if sticky := errors.Is(err, cuda.ErrSticky); !tt.unsupported && tt.bind0 == nil && sticky != (tt.want > 0) {
 				t.Fatalf("WriteFile: %v; sticky %v, want %v", err, sticky, tt.want > 0)
 			}
 			if f := m.DeviceFaults(); f[0] != 0 || f[1] != tt.want {
