@@ -35,6 +35,7 @@ func (e *Engine) reserveUsed(ctx context.Context, m *mount, size int64) error {
 	if e.tryReserve(m, size, func(m *mount) int64 { return m.high }) {
 		return nil
 	}
+	e.evictWaits.Add(1)
 	m.evictMu.Lock()
 	defer m.evictMu.Unlock()
 	e.refreshCapacity(m, false)

@@ -2,6 +2,7 @@ package engine
 
 import (
 	"context"
+	"fmt"
 	"math/rand/v2"
 	"strings"
 	"sync"
@@ -10,6 +11,7 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/internal/testwait"
 )
 
 // overlappingRemoves holds each removal of a data file until another
@@ -131,15 +133,22 @@ func TestFilesAnEvictionIsStillRemovingKeepTheirRoom(t *testing.T) {
 	// More stores while the files are still there: each either ends
 	// (room that was free) or waits for the eviction; stop at the first
 	// that waits.
+	waits := e.evictWaits.Load()
 	for i := 19; i < 40; i++ {
 		j := store(i)
 		jobs = append(jobs, j)
-		select {
-		case <-j.Done():
-			continue
-		case <-time.After(time.Second):
+		done := func() bool {
+			select {
+			case <-j.Done():
+				return true
+			default:
+				return false
+			}
 		}
-		break
+		testwait.Until(t, fmt.Sprintf("store %d to end or wait for the eviction", i), 30*time.Second, func() bool { return done() || e.evictWaits.Load() > waits })
+		if e.evictWaits.Load() > waits {
+			break
+		}
 	}
 	onDisk := len(dataFiles(t, dir))
 	release()

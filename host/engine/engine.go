@@ -79,6 +79,10 @@ type Engine struct {
 	tier      *tierDriver  // ticks and mount updates (demote.go); nil without policy.Tiering
 	tierSt    tierCounters // moves between mounts (demote.go)
 	maker     *spareMaker  // spares made ahead of stores (ahead.go); nil without Mount.Preallocate
+
+	// evictWaits counts the reservations that waited for a mount's
+	// eviction (reserveUsed; tests wait for it instead of sleeping).
+	evictWaits atomic.Int64
 }
 
 type counters struct {
