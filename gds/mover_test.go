@@ -15,6 +15,7 @@ import (
 	"sync/atomic"
 	"syscall"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -556,16 +557,34 @@ func TestMoverCountsJobsFailingWithAStickyCUDAErrorAsDeviceFaults(t *testing.T) 
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			// The driver's open binds device 0, and so does the file's
-			// registration (the plan's first device): bind0 fails the
-			// binds after those, the units'.
+			// The file's registration binds the plan's first device, 0:
+			// bind0 fails the binds after it, the units'. Device 0's
+			// failing bind waits until device 1's unit is binding (the
+			// mover stops queueing units after a failure, so device 1's
+			// might never run), and device 1's until device 0 failed (so
+			// that device 0's error is the job's first). The waits are
+			// bounded: a mover that runs them otherwise still ends.
 			var armed atomic.Bool
 			var binds0 atomic.Int64
+			tried1, failed0 := make(chan struct{}), make(chan struct{})
+			var once1, once0 sync.Once
 			bind := func(ordinal int) error {
 				switch {
 				case tt.bindBroken && ordinal == 1:
+					if tt.bind0 != nil {
+						once1.Do(func() { close(tried1) })
+						select {
+						case <-failed0:
+						case <-time.After(time.Second):
+						}
+					}
 					return &cuda.CallError{Func: "cudaSetDevice", Code: cuda.ErrorIllegalAddress}
 				case ordinal == 0 && tt.bind0 != nil && armed.Load() && binds0.Add(1) > 1:
+					select {
+					case <-tried1:
+					case <-time.After(time.Second):
+					}
+					once0.Do(func() { close(failed0) })
 					return tt.bind0
 				}
 				return nil

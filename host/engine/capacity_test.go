@@ -129,7 +129,11 @@ func TestFilesAnEvictionIsStillRemovingKeepTheirRoom(t *testing.T) {
 		wantOutcomes(t, "store", waitJob(t, store(i), nil), OutcomeStored)
 	}
 	jobs := []*Job{store(18)} // crosses the high watermark: evicts 13 files, whose removals are held
-	<-inj.started
+	select {
+	case <-inj.started:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the eviction never began to remove its files")
+	}
 	// More stores while the files are still there: each either ends
 	// (room that was free) or waits for the eviction; stop at the first
 	// that waits.

@@ -385,9 +385,13 @@ func (e *Engine) storeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 		if !published {
 			if attempt == 0 && errors.Is(err, syscall.ENOSPC) && ctx.Err() == nil {
 				e.log.Debug("engine: ENOSPC; evicting and trying again", "mount", m.root, "path", gr.path)
+				// Under the eviction lock: a running eviction's files,
+				// removed but not yet uncounted, would count twice in the
+				// capacity (free in statfs, and used), and it would keep
+				// spares again right after the trim.
+				m.evictMu.Lock()
 				e.trimSpares(m, func(*mount) bool { return false }) // they hold pages
 				e.refreshCapacity(m, true)
-				m.evictMu.Lock()
 				e.evict(ctx, m, 0)
 				m.evictMu.Unlock()
 				continue
