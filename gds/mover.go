@@ -438,10 +438,10 @@ func (m *Mover) move(ctx context.Context, f fsys.File, p *transfer.Plan, write b
 	return moved.Load(), first
 }
 
-// deviceFault records that a job failed with err, first on device
-// ordinal, if err holds a sticky CUDA error (cuda.ErrSticky): the
-// process's context on the device is broken. Only a failed job's error
-// can: cuFile's CUfileError_t carries the CUDA driver's result (the batch
+// deviceFault records that a job failed on device ordinal with err, a
+// sticky CUDA error (cuda.ErrSticky; move keeps only those): the
+// process's context on the device is broken. Only some failures say so:
+// cuFile's CUfileError_t carries the CUDA driver's result (the batch
 // calls'), and binding a worker to the device is cudaSetDevice; a failed
 // cuFileRead or cuFileWrite, or a batch entry, says only
 // CU_FILE_CUDA_DRIVER_ERROR, so a broken context there is not seen here.
@@ -449,9 +449,6 @@ func (m *Mover) move(ctx context.Context, f fsys.File, p *transfer.Plan, write b
 // next mover of the chain runs it and counts its own fault. The first
 // fault of a device is logged at error level, for the operator.
 func (m *Mover) deviceFault(ordinal int, err error) {
-	if !errors.Is(err, cuda.ErrSticky) {
-		return
-	}
 	m.faultMu.Lock()
 	m.faults[ordinal]++
 	n := m.faults[ordinal]

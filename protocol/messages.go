@@ -656,11 +656,10 @@ type DeviceStats struct {
 	// device-identity section of the reply; zero where the daemon does not
 	// know it or predates the section.
 	UUID [16]byte
-	// Faults counts the jobs and the CUDA IPC imports on the device that
-	// failed with a sticky CUDA error (an illegal address, a failed
-	// launch, an ECC error): the
-	// daemon's context on the device is broken and every later job there
-	// fails, until the daemon restarts. From the device-faults section of
+	// Faults counts the jobs and the CUDA IPC registrations on the device
+	// that failed with a sticky CUDA error (an illegal address, a failed
+	// launch, an ECC error): the daemon's context on the device is broken
+	// and every later job there fails, until the daemon restarts. From the device-faults section of
 	// the reply; 0 where the daemon predates it.
 	Faults uint64
 }

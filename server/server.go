@@ -117,10 +117,10 @@ type Config struct {
 	// so that a client can find the ordinal of its own GPU whatever
 	// CUDA_VISIBLE_DEVICES says; a missing or zero entry is unknown.
 	DeviceUUIDs [][16]byte
-	// DeviceFaults reports, per device ordinal, the jobs and registrations that
-	// failed with a sticky CUDA error (the device's context is broken until the
-	// daemon restarts), for Stats replies and so `kvhost health`; nil:
-	// none known.
+	// DeviceFaults reports, per device ordinal, the jobs and
+	// registrations that failed with a sticky CUDA error (the device's
+	// context is broken until the daemon restarts), for Stats replies and
+	// so `kvhost health`; nil: none known.
 	DeviceFaults func() map[int]uint64
 	// MaxDeviceBytes bounds the GPU memory all clients together may
 	// register on each device (default DefaultMaxDeviceBytes; set it to

@@ -75,8 +75,8 @@ type statsDevice struct {
 	Limit      uint64 `json:"limit_bytes"`
 	UUID       string `json:"uuid,omitempty"` // GPU-<uuid>, as nvidia-smi prints it; empty when unknown
 	// Faults counts the jobs and registrations that failed with a sticky
-	// CUDA error: the
-	// daemon's context on the device is broken until it restarts.
+	// CUDA error: the daemon's context on the device is broken until it
+	// restarts.
 	Faults uint64 `json:"faults"`
 }
 

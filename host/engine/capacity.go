@@ -151,12 +151,6 @@ const evictWorkers = 8
 // close, then a rename or an unlink), and the stores that need the room
 // wait for all of them.
 func (e *Engine) evictAll(ens []*entry) {
-	if len(ens) <= 1 {
-		for _, en := range ens {
-			e.evictClaimed(en)
-		}
-		return
-	}
 	var next atomic.Int64
 	var wg sync.WaitGroup
 	for range min(evictWorkers, len(ens)) {

@@ -80,8 +80,9 @@ type Engine struct {
 	tierSt    tierCounters // moves between mounts (demote.go)
 	maker     *spareMaker  // spares made ahead of stores (ahead.go); nil without Mount.Preallocate
 
-	// evictWaits counts the reservations that waited for a mount's
-	// eviction (reserveUsed; tests wait for it instead of sleeping).
+	// evictWaits counts the reservations that found no room below a
+	// mount's high watermark and went to its eviction lock (reserveUsed;
+	// tests wait for it instead of sleeping).
 	evictWaits atomic.Int64
 }
 

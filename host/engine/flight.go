@@ -83,7 +83,7 @@ func (e *Engine) removeClaimed(en *entry) {
 // spare (spares.go), its bytes then moving to the spares; otherwise they
 // stop counting once it is removed.
 func (e *Engine) evictClaimed(en *entry) {
-	if !e.disposeIfSame(en.path, []*entry{en}, en.size) {
+	if !e.disposeIfSame(en.path, []*entry{en}, true) {
 		e.mu.Lock()
 		e.mounts[en.mount].used -= en.size
 		e.mu.Unlock()

@@ -140,14 +140,15 @@ func (e *Engine) seal(f fsys.File, dir string) (fsys.Identity, error) {
 // path between the check and the unlink (a window of one system call,
 // docs/engine.md).
 func (e *Engine) removeIfSame(path string, ens []*entry) {
-	e.disposeIfSame(path, ens, 0)
+	e.disposeIfSame(path, ens, false)
 }
 
-// disposeIfSame is removeIfSame; with evicted set, the bytes of an evicted
-// file its mount still counts as used (evict), the file is kept as a spare
-// for later stores where its mount keeps spares and it fits (spares.go),
-// the bytes then moving to the spares. It reports whether it kept one.
-func (e *Engine) disposeIfSame(path string, ens []*entry, evicted int64) bool {
+// disposeIfSame is removeIfSame; with spare set (an evicted entry, whose
+// file its mount still counts as used: evict), the file is kept as a
+// spare for later stores where its mount keeps spares and it fits
+// (spares.go), its bytes then moving to the spares. It reports whether it
+// kept one.
+func (e *Engine) disposeIfSame(path string, ens []*entry, spare bool) bool {
 	if len(ens) == 0 {
 		return false
 	}
@@ -183,8 +184,8 @@ func (e *Engine) disposeIfSame(path string, ens []*entry, evicted int64) bool {
 	}
 	// A spare keeps its inode and pages: movers keep what they cache of
 	// it (a registration of its pages) for the store that reuses it.
-	if evicted > 0 {
-		kept, at := e.keepSpare(e.mounts[ens[0].mount], path, id, evicted)
+	if spare {
+		kept, at := e.keepSpare(e.mounts[ens[0].mount], path, id, ens[0].size)
 		if kept {
 			return true
 		}
