@@ -357,8 +357,11 @@ type MountStats struct {
 	Capacity   int64
 	Configured int64 // Mount.Capacity (0: the file system's size)
 	Reserve    int64
-	Used       int64 // bytes of published files plus reservations of stores in flight
-	Entries    int
+	// Used is the bytes of published files, of reservations of stores in
+	// flight, and of files dropped from the index (evicted, deleted, moved
+	// away) that are not yet removed.
+	Used    int64
+	Entries int
 	// SpareFiles and SpareBytes are the evicted files kept for stores to
 	// write into (memory file systems; not part of Used).
 	SpareFiles int

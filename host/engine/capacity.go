@@ -119,10 +119,9 @@ func (e *Engine) evict(ctx context.Context, m *mount, size int64) {
 				recs = append(recs, en.access(abi.AccessRemove, e.now().UnixNano()))
 				// Hold the path while removing: a store publishing there
 				// meanwhile waits, and its new file is never removed. The
-				// file counts as used until evictAll has removed it (or
-				// kept it as a spare): the room is not free before.
+				// file counts as used until evictAll (or the path's
+				// holder) has removed it, or kept it as a spare.
 				if e.removeLocked(en) {
-					m.used += en.size
 					claimed = append(claimed, en)
 				}
 			}

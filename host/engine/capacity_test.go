@@ -2,6 +2,7 @@ package engine
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"strings"
@@ -10,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/internal/fsys"
 	"github.com/kvhost/kvhost/internal/testwait"
 )
@@ -162,4 +164,112 @@ func TestFilesAnEvictionIsStillRemovingKeepTheirRoom(t *testing.T) {
 	if onDisk > 20 {
 		t.Fatalf("%d data files on disk while the eviction removed its files, for a capacity of 20", onDisk)
 	}
+}
+
+// A file the engine has unindexed counts as used on its mount until it is
+// gone from the disk: the room is not free before. Each case catches the
+// moment the file is still there (its removal about to begin, or the
+// move's rename of its copy) and reads the hot mount's usage.
+func TestUnindexedFilesCountAsUsedUntilRemoved(t *testing.T) {
+	ctx := context.Background()
+	g := smallGeometry(true)
+	fileLen := 4096 + g.KeyBytes()
+	cases := []struct {
+		name string
+		// at reports whether op on path, on a hot mount at hot and a cold
+		// one at cold, is the moment to read the usage.
+		at func(op fsys.Op, path, hot, cold string) bool
+		// during runs at that moment, before the usage is read.
+		during func(e *Engine, ns NamespaceID, keys [][]byte)
+		// run sets the case going: a delete or a move of the key's file.
+		run func(t *testing.T, e *Engine, ns NamespaceID, keys [][]byte)
+	}{{
+		name: "deleted",
+		at: func(op fsys.Op, path, hot, _ string) bool {
+			return op == fsys.OpRemove && strings.HasPrefix(path, hot) && strings.HasSuffix(path, ".kv")
+		},
+		run: func(t *testing.T, e *Engine, ns NamespaceID, keys [][]byte) {
+			if n, err := e.Delete(ctx, ns, keys); n != 1 || err != nil {
+				t.Fatalf("delete: %d, %v; want 1 key", n, err)
+			}
+		},
+	}, {
+		name: "moved source",
+		at: func(op fsys.Op, path, hot, _ string) bool {
+			return op == fsys.OpRemove && strings.HasPrefix(path, hot) && strings.HasSuffix(path, ".kv")
+		},
+		run: func(t *testing.T, e *Engine, ns NamespaceID, keys [][]byte) {
+			if _, err := e.move(ctx, entryOf(e, ns, keys[0]).id, 1, true); err != nil {
+				t.Fatalf("move: %v", err)
+			}
+		},
+	}, {
+		// The delete finds the path held by the move: the file becomes an
+		// orphan, which the move removes when it releases the path.
+		name: "deleted while moved",
+		at: func(op fsys.Op, path, _, cold string) bool {
+			return op == fsys.OpRename && strings.HasPrefix(path, cold)
+		},
+		during: func(e *Engine, ns NamespaceID, keys [][]byte) {
+			e.Delete(ctx, ns, keys)
+		},
+		run: func(t *testing.T, e *Engine, ns NamespaceID, keys [][]byte) {
+			if _, err := e.move(ctx, entryOf(e, ns, keys[0]).id, 1, true); !errors.Is(err, errMoveStale) {
+				t.Fatalf("move of a file deleted during it: %v, want errMoveStale", err)
+			}
+		},
+	}}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			hot, cold := t.TempDir(), t.TempDir()
+			var (
+				e     *Engine
+				ns    NamespaceID
+				keys  = testKeys("used", 1)
+				armed atomic.Bool
+				seen  atomic.Int64 // the hot mount's usage at the moment; -1 before
+				onHot atomic.Int64 // data files on the hot mount then
+			)
+			seen.Store(-1)
+			inj := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+				if tc.at(op, path, hot, cold) && armed.CompareAndSwap(true, false) {
+					if tc.during != nil {
+						tc.during(e, ns, keys)
+					}
+					onHot.Store(int64(len(dataFiles(t, hot))))
+					seen.Store(e.Stats().Mounts[0].Used)
+				}
+				return fsys.Fault{}
+			})
+			e = openEngine(t, Config{Mounts: []Mount{{Path: hot}, {Path: cold}}, FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj},
+				Policy: &demotingPolicy{testPolicy: newTestPolicy(1, abi.OrderLayerMajor)}, NoReuse: true})
+			var err error
+			if ns, err = e.Declare(ctx, g); err != nil {
+				t.Fatal(err)
+			}
+			c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
+			storeAndCheck(t, e, c, keys, [][]int{{0, 1, 2, 3}})
+			armed.Store(true)
+			tc.run(t, e, ns, keys)
+			if seen.Load() < 0 {
+				t.Fatal("the moment to read the usage never came")
+			}
+			if onHot.Load() != 1 || seen.Load() != fileLen {
+				t.Fatalf("with %d data files on the hot mount, it counted %d bytes used; want 1 file and its %d bytes", onHot.Load(), seen.Load(), fileLen)
+			}
+			if n := len(dataFiles(t, hot)); n != 0 {
+				t.Fatalf("%d data files left on the hot mount", n)
+			}
+			if used := e.Stats().Mounts[0].Used; used != 0 {
+				t.Fatalf("the hot mount counts %d bytes used with its file gone", used)
+			}
+		})
+	}
+}
+
+// entryOf returns the entry that holds key in namespace ns.
+func entryOf(e *Engine, ns NamespaceID, key []byte) *entry {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.byKey[keyID{e.nss[ns].fp, string(key)}].e
 }

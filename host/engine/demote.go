@@ -358,6 +358,7 @@ func (e *Engine) move(ctx context.Context, id uint64, target int, mayEvict bool)
 	}
 	en2.hits, en2.last = en.hits, en.last
 	e.unindexLocked(en)
+	sm.used += size // the source counts as used until it is removed
 	tm.used -= size // the reservation becomes the entry
 	replaced := e.insertLocked(en2)
 	recs := make([]abi.AccessRecord, 0, len(replaced)+2)
@@ -368,6 +369,9 @@ func (e *Engine) move(ctx context.Context, id uint64, target int, mayEvict bool)
 	e.mu.Unlock()
 	e.access(ctx, recs)
 	e.removeIfSame(en.path, []*entry{en})
+	e.mu.Lock()
+	sm.used -= size
+	e.mu.Unlock()
 	e.spareRoom() // the source's room
 	return size, nil
 }

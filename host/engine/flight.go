@@ -26,7 +26,17 @@ func (e *Engine) claimLocked(path string) (bool, *flight) {
 // release ends this engine's claim on path, first removing the orphans
 // left to it, and wakes the stores waiting for the path.
 func (e *Engine) release(path string) {
+	e.releaseFreed(path, nil)
+}
+
+// releaseFreed is release for a holder that has just removed the files of
+// freed (or found them gone), which their mounts counted as used until
+// then: they stop counting in the same hold of the lock.
+func (e *Engine) releaseFreed(path string, freed []*entry) {
 	e.mu.Lock()
+	for _, en := range freed {
+		e.mounts[en.mount].used -= en.size
+	}
 	fl, orphans := e.releaseLocked(path)
 	e.mu.Unlock()
 	e.endRelease(path, fl, orphans)
@@ -42,7 +52,7 @@ func (e *Engine) endRelease(path string, fl *flight, orphans []*entry) {
 		return
 	}
 	e.removeIfSame(path, orphans)
-	e.release(path)
+	e.releaseFreed(path, orphans)
 }
 
 // releaseLocked ends the claim on path and returns its flight, whose done
@@ -61,9 +71,12 @@ func (e *Engine) releaseLocked(path string) (*flight, []*entry) {
 
 // removeLocked arranges the removal of the file of en, already unindexed:
 // if the path is free it claims it and returns true, and the caller calls
-// removeClaimed without the lock; if the path is held, the holder removes
-// the file when it releases the path, unless the file was replaced.
+// removeClaimed (or evictClaimed) without the lock; if the path is held,
+// the holder removes the file when it releases the path, unless the file
+// was replaced. Either way the file counts as used on its mount again
+// until it is removed: the room is not free before.
 func (e *Engine) removeLocked(en *entry) bool {
+	e.mounts[en.mount].used += en.size
 	ok, fl := e.claimLocked(en.path)
 	if !ok {
 		fl.orphans = append(fl.orphans, en)
@@ -75,18 +88,15 @@ func (e *Engine) removeLocked(en *entry) bool {
 // releases the path claimed by removeLocked.
 func (e *Engine) removeClaimed(en *entry) {
 	e.removeIfSame(en.path, []*entry{en})
-	e.release(en.path)
+	e.releaseFreed(en.path, []*entry{en})
 }
 
-// evictClaimed is removeClaimed for an evicted entry, whose file its
-// mount counts as used until it is gone (evict): the file may be kept as a
-// spare (spares.go), its bytes then moving to the spares; otherwise they
-// stop counting once it is removed.
+// evictClaimed is removeClaimed for an evicted entry: the file may be
+// kept as a spare (spares.go), its bytes then moving to the spares.
 func (e *Engine) evictClaimed(en *entry) {
-	if !e.disposeIfSame(en.path, []*entry{en}, true) {
-		e.mu.Lock()
-		e.mounts[en.mount].used -= en.size
-		e.mu.Unlock()
+	if e.disposeIfSame(en.path, []*entry{en}, true) {
+		e.release(en.path)
+		return
 	}
-	e.release(en.path)
+	e.releaseFreed(en.path, []*entry{en})
 }
