@@ -84,7 +84,7 @@ func (e *Engine) unreserve(m *mount, size int64) {
 func (e *Engine) evict(ctx context.Context, m *mount, size int64) {
 	for round := 0; round < 16; round++ {
 		e.mu.Lock()
-		need := m.used + size - m.low
+		need := m.used - m.orphaned + size - m.low
 		e.mu.Unlock()
 		if need <= 0 {
 			return

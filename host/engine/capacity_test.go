@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/host/policy"
 	"github.com/kvhost/kvhost/internal/fsys"
 	"github.com/kvhost/kvhost/internal/testwait"
 )
@@ -241,13 +242,8 @@ func TestUnindexedFilesCountAsUsedUntilRemoved(t *testing.T) {
 				}
 				return fsys.Fault{}
 			})
-			e = openEngine(t, Config{Mounts: []Mount{{Path: hot}, {Path: cold}}, FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj},
-				Policy: &demotingPolicy{testPolicy: newTestPolicy(1, abi.OrderLayerMajor)}, NoReuse: true})
-			var err error
-			if ns, err = e.Declare(ctx, g); err != nil {
-				t.Fatal(err)
-			}
-			c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
+			var c *testCache
+			e, ns, c = injectedEngine(t, []Mount{{Path: hot}, {Path: cold}}, &demotingPolicy{testPolicy: newTestPolicy(1, abi.OrderLayerMajor)}, inj)
 			storeAndCheck(t, e, c, keys, [][]int{{0, 1, 2, 3}})
 			armed.Store(true)
 			tc.run(t, e, ns, keys)
@@ -267,9 +263,123 @@ func TestUnindexedFilesCountAsUsedUntilRemoved(t *testing.T) {
 	}
 }
 
+// injectedEngine opens an engine over mounts with policy pol, its file
+// system seen through inj, without spares, and declares a namespace of
+// smallGeometry(true) with a cache of 16 blocks.
+func injectedEngine(t *testing.T, mounts []Mount, pol policy.Policy, inj fsys.Injector) (*Engine, NamespaceID, *testCache) {
+	t.Helper()
+	g := smallGeometry(true)
+	e := openEngine(t, Config{Mounts: mounts, FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj}, Policy: pol, NoReuse: true})
+	ns, err := e.Declare(context.Background(), g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return e, ns, newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
+}
+
 // entryOf returns the entry that holds key in namespace ns.
 func entryOf(e *Engine, ns NamespaceID, key []byte) *entry {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	return e.byKey[keyID{e.nss[ns].fp, string(key)}].e
+}
+
+// oneMountPolicy is testPolicy naming every key on mount 0, without
+// demotion.
+type oneMountPolicy struct{ *testPolicy }
+
+func (p *oneMountPolicy) Name(ctx context.Context, recs []abi.NameRecord) error {
+	err := p.testPolicy.Name(ctx, recs)
+	for i := range recs {
+		recs[i].Mount = 0
+	}
+	return err
+}
+
+// A file deleted while a store of its key holds its path (inside the
+// store's look at the file it replaces) is an orphan of that store, which
+// then publishes over it: the mount ends counting the new file alone, and
+// nothing once it is deleted too.
+func TestAnOrphanPublishedOverStopsCounting(t *testing.T) {
+	ctx := context.Background()
+	g := smallGeometry(true)
+	fileLen := 4096 + g.KeyBytes()
+	dir := t.TempDir()
+	var (
+		e     *Engine
+		ns    NamespaceID
+		keys  = testKeys("orphan", 1)
+		armed atomic.Bool
+		fired atomic.Bool
+	)
+	inj := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+		if op == fsys.OpOpen && strings.HasSuffix(path, ".kv") && armed.CompareAndSwap(true, false) {
+			n, err := e.Delete(ctx, ns, keys)
+			fired.Store(n == 1 && err == nil)
+		}
+		return fsys.Fault{}
+	})
+	var c *testCache
+	e, ns, c = injectedEngine(t, []Mount{{Path: dir}}, &oneMountPolicy{newTestPolicy(1, abi.OrderLayerMajor)}, inj)
+	storeAndCheck(t, e, c, keys, [][]int{{0, 1, 2, 3}})
+	armed.Store(true)
+	storeAndCheck(t, e, c, keys, [][]int{{4, 5, 6, 7}})
+	if !fired.Load() {
+		t.Fatal("the delete never ran inside the second store")
+	}
+	st := e.Stats().Mounts[0]
+	if files := len(dataFiles(t, dir)); st.Entries != 1 || files != 1 || st.Used != fileLen {
+		t.Fatalf("%d entries, %d files, %d bytes used; want 1, 1 and %d", st.Entries, files, st.Used, fileLen)
+	}
+	if n, err := e.Delete(ctx, ns, keys); n != 1 || err != nil {
+		t.Fatalf("delete: %d, %v; want 1 key", n, err)
+	}
+	if used := e.Stats().Mounts[0].Used; used != 0 {
+		t.Fatalf("%d bytes used with nothing stored", used)
+	}
+}
+
+// An eviction whose victim is an orphan (its path held by a move) counts
+// it as on its way out: it evicts no other entry for the room the orphan
+// still holds.
+func TestAnEvictionDoesNotEvictAgainForItsOrphans(t *testing.T) {
+	ctx := context.Background()
+	g := smallGeometry(true)
+	fileLen := 4096 + g.KeyBytes()
+	hot, cold := t.TempDir(), t.TempDir()
+	var (
+		armed   atomic.Bool
+		reached = make(chan struct{})
+		resume  = make(chan struct{})
+	)
+	inj := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+		if op == fsys.OpRename && strings.HasPrefix(path, cold) && armed.CompareAndSwap(true, false) {
+			close(reached)
+			<-resume
+		}
+		return fsys.Fault{}
+	})
+	e, ns, c := injectedEngine(t, []Mount{{Path: hot, Capacity: 3 * fileLen, HighWatermark: 0.99, LowWatermark: 0.7}, {Path: cold}},
+		&oneMountPolicy{newTestPolicy(1, abi.OrderLayerMajor)}, inj)
+	keys := testKeys("over", 3)
+	storeAndCheck(t, e, c, keys[:1], [][]int{{0, 1, 2, 3}})
+	storeAndCheck(t, e, c, keys[1:2], [][]int{{4, 5, 6, 7}})
+	armed.Store(true)
+	moved := make(chan error, 1)
+	go func() {
+		_, err := e.move(ctx, entryOf(e, ns, keys[0]).id, 1, true)
+		moved <- err
+	}()
+	<-reached
+	// A third file crosses the high watermark; evicting the oldest
+	// (keys[0], whose path the move holds) brings usage to the low one.
+	storeAndCheck(t, e, c, keys[2:], [][]int{{8, 9, 10, 11}})
+	close(resume)
+	if err := <-moved; !errors.Is(err, errMoveStale) {
+		t.Fatalf("move of an evicted file: %v, want errMoveStale", err)
+	}
+	st := e.Stats().Mounts[0]
+	if files := len(dataFiles(t, hot)); st.Entries != 2 || files != 2 || st.Used != 2*fileLen {
+		t.Fatalf("%d entries, %d files, %d bytes used on the hot mount; want 2, 2 and %d: the eviction took a victim it did not need", st.Entries, files, st.Used, 2*fileLen)
+	}
 }

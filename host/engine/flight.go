@@ -35,7 +35,11 @@ func (e *Engine) release(path string) {
 func (e *Engine) releaseFreed(path string, freed []*entry) {
 	e.mu.Lock()
 	for _, en := range freed {
-		e.mounts[en.mount].used -= en.size
+		m := e.mounts[en.mount]
+		m.used -= en.size
+		if en.orphan {
+			m.orphaned -= en.size
+		}
 	}
 	fl, orphans := e.releaseLocked(path)
 	e.mu.Unlock()
@@ -74,12 +78,16 @@ func (e *Engine) releaseLocked(path string) (*flight, []*entry) {
 // removeClaimed (or evictClaimed) without the lock; if the path is held,
 // the holder removes the file when it releases the path, unless the file
 // was replaced. Either way the file counts as used on its mount again
-// until it is removed: the room is not free before.
+// until it is removed: the room is not free before (but an orphan is on
+// its way out: evictions leave it out of what they must free).
 func (e *Engine) removeLocked(en *entry) bool {
-	e.mounts[en.mount].used += en.size
+	m := e.mounts[en.mount]
+	m.used += en.size
 	ok, fl := e.claimLocked(en.path)
 	if !ok {
 		fl.orphans = append(fl.orphans, en)
+		en.orphan = true
+		m.orphaned += en.size
 	}
 	return ok
 }

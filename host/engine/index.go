@@ -44,6 +44,9 @@ type entry struct {
 	hits   uint32
 	last   int64
 	gone   bool // removed from the index
+	// orphan: unindexed while another job held its path, which removes
+	// the file (flight.go); counted in its mount's orphaned until then.
+	orphan bool
 }
 
 // Index returns the engine's index as a policy host sees it.

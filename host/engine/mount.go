@@ -36,6 +36,11 @@ type mount struct {
 	capacity  int64 // effective: min(configured, what the file system can hold)
 	high, low int64
 	used      int64
+	// orphaned is the part of used that orphans hold: files dropped from
+	// the index while another job held their path, which that job
+	// removes when it lets the path go (flight.go). An eviction does not
+	// evict again for them: they are on their way out.
+	orphaned  int64
 	entries   int
 	refreshed time.Time // last capacity refresh from statfs
 	// spares are evicted files kept for stores to write into, by size
@@ -186,8 +191,10 @@ func (e *Engine) refreshCapacity(m *mount, force bool) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	// Space of stores in flight is part of used but not yet (all) taken
-	// from the file system: counting it as ours errs towards a larger
-	// capacity, which an ENOSPC then corrects.
+	// from the file system, and a file just removed is free there while
+	// used counts it until its remover takes the lock again: counting
+	// them as ours errs towards a larger capacity, which an ENOSPC then
+	// corrects (the store's retry refreshes under the eviction lock).
 	m.setCapacityLocked(e.fsCapacity(m, st, m.used+m.spareBytes))
 }
 
