@@ -12,7 +12,11 @@
 # PROFILE=1 adds a CPU profile of 2 MiB loads on /dev/shm. WARM (GiB,
 # default 32; 0 skips it) is written once to the memory file system and
 # removed before the first part: a fresh VM faults its memory in from the
-# host on first use, which would slow whichever part ran first.
+# host on first use, which would slow whichever part ran first. DISKWARM
+# (GiB, default 16; 0 skips it) is written the same way to the disk, with
+# O_DIRECT and fsync, before the first disk part: on a fresh machine's disk
+# the first run's first half was measured at 0.74-0.92 of its ceilings
+# where the runs after it reached 0.87-1.08 (docs/bench/h100-disk-order.txt).
 set -uo pipefail
 bin=${1:-gpu-bins}
 out=${2:-${OUT:-gpu-bench-out}}
@@ -56,6 +60,10 @@ bench() { # name args...: one kvhost bench run, its table on stdout and in OUT/n
 # A full cache: every round's stores evict the previous round's files and
 # write into them (spare files), which the registrar has registered by then.
 [ "${FULL:-1}" = 1 ] && bench full --dir "$shm" $G --full --tokens-per-key 256,16 --jobs 16 --checksum on,off --total 4GiB --rounds 5
+if [ "${DISKWARM:-16}" -gt 0 ] && { [ "${DISK:-1}" = 1 ] || [ "${PATHS:-1}" = 1 ]; }; then
+	echo "== disk warm-up: ${DISKWARM:-16} GiB written to $disk and removed"
+	dd if=/dev/zero of="$disk/warm" bs=4M count=$((${DISKWARM:-16} * 256)) oflag=direct conv=fsync status=none; rm -f "$disk/warm"
+fi
 # The ext4 disk: durable stores, cold loads.
 [ "${DISK:-1}" = 1 ] && bench disk --dir "$disk" $G --tokens-per-key 256,16 --jobs 16 --checksum on,off --total 2GiB --rounds 2 --drop-caches --fsync true
 # The same disk through each GPU data path, 32 MiB keys, checksums on
