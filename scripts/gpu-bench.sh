@@ -15,8 +15,9 @@
 # host on first use, which would slow whichever part ran first. DISKWARM
 # (GiB, default 16; 0 skips it) is written the same way to the disk, with
 # O_DIRECT and fsync, before the first disk part: on a fresh machine's disk
-# the first run's first half was measured at 0.74-0.92 of its ceilings
-# where the runs after it reached 0.87-1.08 (docs/bench/h100-disk-order.txt).
+# the first run was measured at 0.74-0.94 of its ceilings (loads
+# 0.78-0.86) where the runs after it reached 0.87-1.08
+# (docs/bench/h100-disk-order.txt).
 set -uo pipefail
 bin=${1:-gpu-bins}
 out=${2:-${OUT:-gpu-bench-out}}
