@@ -83,8 +83,11 @@ func (e *Engine) unreserve(m *mount, size int64) {
 // entries are never removed, whatever the policy says.
 func (e *Engine) evict(ctx context.Context, m *mount, size int64) {
 	for round := 0; round < 16; round++ {
+		// Orphans are on their way out (flight.go): room enough below the
+		// low watermark without them, unless the file would not fit
+		// beside them below the capacity.
 		e.mu.Lock()
-		need := m.used - m.orphaned + size - m.low
+		need := max(m.used-m.orphaned+size-m.low, m.used+size-m.capacity)
 		e.mu.Unlock()
 		if need <= 0 {
 			return

@@ -256,8 +256,8 @@ func TestUnindexedFilesCountAsUsedUntilRemoved(t *testing.T) {
 			if n := len(dataFiles(t, hot)); n != 0 {
 				t.Fatalf("%d data files left on the hot mount", n)
 			}
-			if used := e.Stats().Mounts[0].Used; used != 0 {
-				t.Fatalf("the hot mount counts %d bytes used with its file gone", used)
+			if used, orphaned := e.Stats().Mounts[0].Used, orphanedBytes(e, 0); used != 0 || orphaned != 0 {
+				t.Fatalf("the hot mount counts %d bytes used, %d of orphans, with its file gone", used, orphaned)
 			}
 		})
 	}
@@ -296,11 +296,11 @@ func (p *oneMountPolicy) Name(ctx context.Context, recs []abi.NameRecord) error 
 	return err
 }
 
-// A file deleted while a store of its key holds its path (inside the
-// store's look at the file it replaces) is an orphan of that store, which
-// then publishes over it: the mount ends counting the new file alone, and
-// nothing once it is deleted too.
-func TestAnOrphanPublishedOverStopsCounting(t *testing.T) {
+// A file deleted while a store of its key checks that it is still there
+// (the store's first look, before it holds the path) is removed by the
+// delete, and the store writes the key afresh: the mount ends counting the
+// new file alone, and nothing once it is deleted too.
+func TestADeleteDuringAStoresCheckLeavesTheNewFileCounted(t *testing.T) {
 	ctx := context.Background()
 	g := smallGeometry(true)
 	fileLen := 4096 + g.KeyBytes()
@@ -341,45 +341,81 @@ func TestAnOrphanPublishedOverStopsCounting(t *testing.T) {
 
 // An eviction whose victim is an orphan (its path held by a move) counts
 // it as on its way out: it evicts no other entry for the room the orphan
-// still holds.
-func TestAnEvictionDoesNotEvictAgainForItsOrphans(t *testing.T) {
+// still holds, unless the store could not fit beside it below the
+// capacity (watermarks at 1: no room between the low one and the
+// capacity), where it evicts one more and the store succeeds.
+func TestAnEvictionEvictsForItsOrphansOnlyWhatTheCapacityNeeds(t *testing.T) {
 	ctx := context.Background()
 	g := smallGeometry(true)
 	fileLen := 4096 + g.KeyBytes()
-	hot, cold := t.TempDir(), t.TempDir()
-	var (
-		armed   atomic.Bool
-		reached = make(chan struct{})
-		resume  = make(chan struct{})
-	)
-	inj := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
-		if op == fsys.OpRename && strings.HasPrefix(path, cold) && armed.CompareAndSwap(true, false) {
-			close(reached)
-			<-resume
-		}
-		return fsys.Fault{}
-	})
-	e, ns, c := injectedEngine(t, []Mount{{Path: hot, Capacity: 3 * fileLen, HighWatermark: 0.99, LowWatermark: 0.7}, {Path: cold}},
-		&oneMountPolicy{newTestPolicy(1, abi.OrderLayerMajor)}, inj)
-	keys := testKeys("over", 3)
-	storeAndCheck(t, e, c, keys[:1], [][]int{{0, 1, 2, 3}})
-	storeAndCheck(t, e, c, keys[1:2], [][]int{{4, 5, 6, 7}})
-	armed.Store(true)
-	moved := make(chan error, 1)
-	go func() {
-		_, err := e.move(ctx, entryOf(e, ns, keys[0]).id, 1, true)
-		moved <- err
-	}()
-	<-reached
-	// A third file crosses the high watermark; evicting the oldest
-	// (keys[0], whose path the move holds) brings usage to the low one.
-	storeAndCheck(t, e, c, keys[2:], [][]int{{8, 9, 10, 11}})
-	close(resume)
-	if err := <-moved; !errors.Is(err, errMoveStale) {
-		t.Fatalf("move of an evicted file: %v, want errMoveStale", err)
+	cases := []struct {
+		name      string
+		high, low float64
+		before    int // files stored before the move and the store
+		left      int // entries left on the hot mount at the end
+	}{
+		// 3 files cross the high watermark (2.97 files); evicting the
+		// oldest (the orphan) brings usage to the low one (2.1).
+		{name: "room below the capacity", high: 0.99, low: 0.7, before: 2, left: 2},
+		// A 4th file does not fit beside the orphan's: one more goes.
+		{name: "watermarks at the capacity", high: 1, low: 1, before: 3, left: 2},
 	}
-	st := e.Stats().Mounts[0]
-	if files := len(dataFiles(t, hot)); st.Entries != 2 || files != 2 || st.Used != 2*fileLen {
-		t.Fatalf("%d entries, %d files, %d bytes used on the hot mount; want 2, 2 and %d: the eviction took a victim it did not need", st.Entries, files, st.Used, 2*fileLen)
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			hot, cold := t.TempDir(), t.TempDir()
+			var (
+				armed   atomic.Bool
+				reached = make(chan struct{})
+				resume  = make(chan struct{})
+				once    sync.Once
+			)
+			t.Cleanup(func() { once.Do(func() { close(resume) }) }) // before the engine's Close
+			inj := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+				if op == fsys.OpRename && strings.HasPrefix(path, cold) && armed.CompareAndSwap(true, false) {
+					close(reached)
+					<-resume
+				}
+				return fsys.Fault{}
+			})
+			e, ns, c := injectedEngine(t, []Mount{{Path: hot, Capacity: 3 * fileLen, HighWatermark: tc.high, LowWatermark: tc.low}, {Path: cold}},
+				&oneMountPolicy{newTestPolicy(1, abi.OrderLayerMajor)}, inj)
+			keys := testKeys("over", tc.before+1)
+			for i := range tc.before {
+				storeAndCheck(t, e, c, keys[i:i+1], [][]int{{4 * i, 4*i + 1, 4*i + 2, 4*i + 3}})
+			}
+			armed.Store(true)
+			moved := make(chan error, 1)
+			go func() {
+				_, err := e.move(ctx, entryOf(e, ns, keys[0]).id, 1, true)
+				moved <- err
+			}()
+			select {
+			case <-reached:
+			case err := <-moved:
+				t.Fatalf("the move ended before its rename: %v", err)
+			case <-time.After(30 * time.Second):
+				t.Fatal("the move never reached its rename")
+			}
+			i := tc.before
+			storeAndCheck(t, e, c, keys[i:], [][]int{{4 * i, 4*i + 1, 4*i + 2, 4*i + 3}})
+			once.Do(func() { close(resume) })
+			if err := <-moved; !errors.Is(err, errMoveStale) {
+				t.Fatalf("move of an evicted file: %v, want errMoveStale", err)
+			}
+			st := e.Stats().Mounts[0]
+			if files := len(dataFiles(t, hot)); st.Entries != tc.left || files != tc.left || st.Used != int64(tc.left)*fileLen {
+				t.Fatalf("%d entries, %d files, %d bytes used on the hot mount; want %d, %d and %d", st.Entries, files, st.Used, tc.left, tc.left, int64(tc.left)*fileLen)
+			}
+			if n := orphanedBytes(e, 0); n != 0 {
+				t.Fatalf("%d bytes still counted as orphans with every orphan removed", n)
+			}
+		})
 	}
+}
+
+// orphanedBytes returns what mount i counts as orphans' bytes.
+func orphanedBytes(e *Engine, i int) int64 {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return e.mounts[i].orphaned
 }

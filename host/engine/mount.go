@@ -194,7 +194,9 @@ func (e *Engine) refreshCapacity(m *mount, force bool) {
 	// from the file system, and a file just removed is free there while
 	// used counts it until its remover takes the lock again: counting
 	// them as ours errs towards a larger capacity, which an ENOSPC then
-	// corrects (the store's retry refreshes under the eviction lock).
+	// corrects (the store's retry refreshes under the eviction lock, out
+	// of the evictions' removals; other removals may still count twice
+	// for that refresh).
 	m.setCapacityLocked(e.fsCapacity(m, st, m.used+m.spareBytes))
 }
 
