@@ -296,42 +296,52 @@ func (p *oneMountPolicy) Name(ctx context.Context, recs []abi.NameRecord) error 
 	return err
 }
 
-// A file deleted while a store of its key checks that it is still there
-// (the store's first look, before it holds the path) is removed by the
-// delete, and the store writes the key afresh: the mount ends counting the
-// new file alone, and nothing once it is deleted too.
-func TestADeleteDuringAStoresCheckLeavesTheNewFileCounted(t *testing.T) {
+// A store that publishes over an orphan: the index lost a key of a file
+// (as when another file that held it too was dropped), a store of that key
+// claims the file's path, and while it looks at the file there a delete
+// of the file's other key drops it (an orphan of the store, which holds
+// the path). The store writes its own file, renamed over the orphan's;
+// the mount ends counting the new file alone, no orphans, and nothing
+// once it is deleted too.
+func TestAStorePublishedOverAnOrphanLeavesItsFileCounted(t *testing.T) {
 	ctx := context.Background()
 	g := smallGeometry(true)
-	fileLen := 4096 + g.KeyBytes()
+	fileLen := 4096 + 2*g.KeyBytes()
 	dir := t.TempDir()
+	keys := testKeys("orphan", 3) // A, B in the first file; A, D in the store's
 	var (
-		e     *Engine
-		ns    NamespaceID
-		keys  = testKeys("orphan", 1)
-		armed atomic.Bool
-		fired atomic.Bool
+		e       *Engine
+		ns      NamespaceID
+		armed   atomic.Bool
+		deleted atomic.Int64
 	)
 	inj := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
 		if op == fsys.OpOpen && strings.HasSuffix(path, ".kv") && armed.CompareAndSwap(true, false) {
-			n, err := e.Delete(ctx, ns, keys)
-			fired.Store(n == 1 && err == nil)
+			n, _ := e.Delete(ctx, ns, keys[1:2])
+			deleted.Store(int64(n))
 		}
 		return fsys.Fault{}
 	})
 	var c *testCache
-	e, ns, c = injectedEngine(t, []Mount{{Path: dir}}, &oneMountPolicy{newTestPolicy(1, abi.OrderLayerMajor)}, inj)
-	storeAndCheck(t, e, c, keys, [][]int{{0, 1, 2, 3}})
+	e, ns, c = injectedEngine(t, []Mount{{Path: dir}}, &oneMountPolicy{newTestPolicy(2, abi.OrderLayerMajor)}, inj)
+	storeAndCheck(t, e, c, keys[:2], [][]int{{0, 1, 2, 3}, {4, 5, 6, 7}})
+	first := entryOf(e, ns, keys[0])
+	e.mu.Lock()
+	delete(e.byKey, keyID{e.nss[ns].fp, string(keys[0])})
+	e.mu.Unlock()
 	armed.Store(true)
-	storeAndCheck(t, e, c, keys, [][]int{{4, 5, 6, 7}})
-	if !fired.Load() {
-		t.Fatal("the delete never ran inside the second store")
+	storeAndCheck(t, e, c, [][]byte{keys[0], keys[2]}, [][]int{{8, 9, 10, 11}, {12, 13, 14, 15}})
+	e.mu.Lock()
+	orphan := first.orphan
+	e.mu.Unlock()
+	if deleted.Load() != 1 || !orphan {
+		t.Fatalf("the delete during the store removed %d keys, orphan %v: want 1, and the first file an orphan of the store", deleted.Load(), orphan)
 	}
 	st := e.Stats().Mounts[0]
-	if files := len(dataFiles(t, dir)); st.Entries != 1 || files != 1 || st.Used != fileLen {
-		t.Fatalf("%d entries, %d files, %d bytes used; want 1, 1 and %d", st.Entries, files, st.Used, fileLen)
+	if files := len(dataFiles(t, dir)); st.Entries != 1 || files != 1 || st.Used != fileLen || orphanedBytes(e, 0) != 0 {
+		t.Fatalf("%d entries, %d files, %d bytes used, %d of orphans; want 1, 1, %d and 0", st.Entries, files, st.Used, orphanedBytes(e, 0), fileLen)
 	}
-	if n, err := e.Delete(ctx, ns, keys); n != 1 || err != nil {
+	if n, err := e.Delete(ctx, ns, [][]byte{keys[0]}); n != 1 || err != nil {
 		t.Fatalf("delete: %d, %v; want 1 key", n, err)
 	}
 	if used := e.Stats().Mounts[0].Used; used != 0 {
