@@ -38,8 +38,9 @@ type mount struct {
 	used      int64
 	// orphaned is the part of used that orphans hold: files dropped from
 	// the index while another job held their path, which that job
-	// removes when it lets the path go (flight.go). An eviction does not
-	// evict again for them: they are on their way out.
+	// removes when it lets the path go (flight.go). They are on their way
+	// out: an eviction frees room down to the low watermark without them,
+	// but no less than a store needs beside them below the capacity.
 	orphaned  int64
 	entries   int
 	refreshed time.Time // last capacity refresh from statfs
