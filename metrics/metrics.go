@@ -254,7 +254,7 @@ var (
 	dRead           = desc("kvhost_read_bytes_total", "Payload bytes read from files.")
 	dFailures       = desc("kvhost_key_failures_total", "Keys of jobs that failed, by direction and reason.", "direction", "reason")
 	dMountCap       = desc("kvhost_mount_capacity_bytes", "Effective capacity of a mount.", "mount")
-	dMountUsed      = desc("kvhost_mount_used_bytes", "Bytes of published files plus reservations of stores in flight.", "mount")
+	dMountUsed      = desc("kvhost_mount_used_bytes", "Bytes of published files, reservations of stores in flight, and files dropped from the index not yet removed.", "mount")
 	dMountFree      = desc("kvhost_mount_free_bytes", "Capacity left to kvhost on a mount (capacity - used).", "mount")
 	dMountFSFree    = desc("kvhost_mount_fs_available_bytes", "Space the file system of a mount has available (statfs).", "mount")
 	dMountSpare     = desc("kvhost_mount_spare_bytes", "Bytes of evicted files kept for stores to write into (free space that holds pages; not in used).", "mount")
