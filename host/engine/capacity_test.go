@@ -50,12 +50,8 @@ func twentyFileMount(t *testing.T, inj fsys.Injector, keys int) (*Engine, Namesp
 	fileLen := int64(4096) + g.KeyBytes()
 	dir := t.TempDir()
 	mounts := []Mount{{Path: dir, Capacity: 20 * fileLen, HighWatermark: 0.9, LowWatermark: 0.3}}
-	e := openEngine(t, Config{Mounts: mounts, Policy: newTestPolicy(1, 0), NoReuse: true, FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj}})
-	ns, err := e.Declare(context.Background(), g)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return e, ns, newTestCache(t, e, ns, g, 4*keys, layoutPlaneFirst), dir, fileLen
+	e, ns, c := injectedEngine(t, mounts, newTestPolicy(1, 0), inj, 4*keys)
+	return e, ns, c, dir, fileLen
 }
 
 // An eviction of many files removes them in parallel, and every victim's
@@ -243,7 +239,7 @@ func TestUnindexedFilesCountAsUsedUntilRemoved(t *testing.T) {
 				return fsys.Fault{}
 			})
 			var c *testCache
-			e, ns, c = injectedEngine(t, []Mount{{Path: hot}, {Path: cold}}, &demotingPolicy{testPolicy: newTestPolicy(1, abi.OrderLayerMajor)}, inj)
+			e, ns, c = injectedEngine(t, []Mount{{Path: hot}, {Path: cold}}, &demotingPolicy{testPolicy: newTestPolicy(1, abi.OrderLayerMajor)}, inj, 16)
 			storeAndCheck(t, e, c, keys, [][]int{{0, 1, 2, 3}})
 			armed.Store(true)
 			tc.run(t, e, ns, keys)
@@ -265,8 +261,8 @@ func TestUnindexedFilesCountAsUsedUntilRemoved(t *testing.T) {
 
 // injectedEngine opens an engine over mounts with policy pol, its file
 // system seen through inj, without spares, and declares a namespace of
-// smallGeometry(true) with a cache of 16 blocks.
-func injectedEngine(t *testing.T, mounts []Mount, pol policy.Policy, inj fsys.Injector) (*Engine, NamespaceID, *testCache) {
+// smallGeometry(true) with a cache of the given blocks.
+func injectedEngine(t *testing.T, mounts []Mount, pol policy.Policy, inj fsys.Injector, blocks int) (*Engine, NamespaceID, *testCache) {
 	t.Helper()
 	g := smallGeometry(true)
 	e := openEngine(t, Config{Mounts: mounts, FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj}, Policy: pol, NoReuse: true})
@@ -274,7 +270,7 @@ func injectedEngine(t *testing.T, mounts []Mount, pol policy.Policy, inj fsys.In
 	if err != nil {
 		t.Fatal(err)
 	}
-	return e, ns, newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
+	return e, ns, newTestCache(t, e, ns, g, blocks, layoutPlaneFirst)
 }
 
 // entryOf returns the entry that holds key in namespace ns.
@@ -323,7 +319,7 @@ func TestAStorePublishedOverAnOrphanLeavesItsFileCounted(t *testing.T) {
 		return fsys.Fault{}
 	})
 	var c *testCache
-	e, ns, c = injectedEngine(t, []Mount{{Path: dir}}, &oneMountPolicy{newTestPolicy(2, abi.OrderLayerMajor)}, inj)
+	e, ns, c = injectedEngine(t, []Mount{{Path: dir}}, &oneMountPolicy{newTestPolicy(2, abi.OrderLayerMajor)}, inj, 16)
 	storeAndCheck(t, e, c, keys[:2], [][]int{{0, 1, 2, 3}, {4, 5, 6, 7}})
 	first := entryOf(e, ns, keys[0])
 	e.mu.Lock()
@@ -388,7 +384,7 @@ func TestAnEvictionEvictsForItsOrphansOnlyWhatTheCapacityNeeds(t *testing.T) {
 				return fsys.Fault{}
 			})
 			e, ns, c := injectedEngine(t, []Mount{{Path: hot, Capacity: 3 * fileLen, HighWatermark: tc.high, LowWatermark: tc.low}, {Path: cold}},
-				&oneMountPolicy{newTestPolicy(1, abi.OrderLayerMajor)}, inj)
+				&oneMountPolicy{newTestPolicy(1, abi.OrderLayerMajor)}, inj, 16)
 			keys := testKeys("over", tc.before+1)
 			for i := range tc.before {
 				storeAndCheck(t, e, c, keys[i:i+1], [][]int{{4 * i, 4*i + 1, 4*i + 2, 4*i + 3}})
