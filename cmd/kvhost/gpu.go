@@ -197,14 +197,14 @@ func (p *gpuPaths) Close() error {
 // while idle is found by the next registration).
 func (p *gpuPaths) deviceFaults() map[int]uint64 {
 	out := p.staging.DeviceFaults()
-	counts := []map[int]uint64{p.ipc.Faults()}
-	if p.cfMover != nil {
-		counts = append(counts, p.cfMover.DeviceFaults())
-	}
-	for _, c := range counts {
-		for d, n := range c {
+	add := func(counts map[int]uint64) {
+		for d, n := range counts {
 			out[d] += n
 		}
+	}
+	add(p.ipc.Faults())
+	if p.cfMover != nil {
+		add(p.cfMover.DeviceFaults())
 	}
 	return out
 }
