@@ -64,7 +64,7 @@ run() { # name command...: runs, logs, remembers a failure
 	if ! "$@" >"$out/$name.txt" 2>&1; then
 		echo "   FAILED (see $out/$name.txt)"; status=1
 	fi
-	grep -E '^(---|ok|PASS|FAIL|case )|GB/s|OK|differ|lookups of|^alone p50|^round ' "$out/$name.txt" | head -40
+	grep -E '^(---|ok|PASS|FAIL|case |GDSBENCH)|GB/s|OK|differ|lookups of|^alone p50|^round ' "$out/$name.txt" | head -40
 }
 # daemon SOCK LOG DIR [FLAGS...]: starts a daemon on a fresh DIR, sets
 # pid, and waits for its socket; stop_daemon stops it and reports.
