@@ -110,7 +110,9 @@ func TestMeteredLRUMatchesNative(t *testing.T) {
 }
 
 // TestRunawayStopsByFuel checks that an endless loop is stopped by its fuel
-// within a small multiple of the deadline, with a message that says so.
+// (an instruction count, not the clock), with a message that says so, and
+// that the host retries it once on a fresh instance. How long a runaway
+// takes in wall time is a performance figure: BenchmarkRunaway measures it.
 func TestRunawayStopsByFuel(t *testing.T) {
 	const timeout = 50 * time.Millisecond
 	h, err := policy.Open(context.Background(), fixture(t, "loop"), "loop", policytest.NewIndex(),
@@ -119,19 +121,16 @@ func TestRunawayStopsByFuel(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer h.Close(context.Background())
-	start := time.Now()
 	err = h.Name(context.Background(), nameRecords(1, 0))
-	took := time.Since(start)
 	if !errors.Is(err, policy.ErrPlugin) || !strings.Contains(err.Error(), "kvhost_name (shard 0): ran out of fuel: exceeded the call deadline of 50ms") {
 		t.Fatalf("err = %v, want the plugin out of fuel", err)
 	}
-	// Two calls (the retry on a fresh instance) and a rebuild: a runaway
-	// stops at about its deadline, so well under a few seconds even on a
-	// loaded machine. (The figures are in docs/policy-host.md.)
-	if took > 40*timeout {
-		t.Fatalf("two runaway calls took %v, deadline %v", took, timeout)
+	// The call and its retry on a fresh instance (one replacement) both ran
+	// out of fuel. None of this depends on the machine's load.
+	s := h.Stats()
+	if s.Failures != 2 || s.Replacements != 1 || s.Fallback {
+		t.Fatalf("stats after a runaway: %d failures, %d replacements, fallback %v; want 2, 1, false", s.Failures, s.Replacements, s.Fallback)
 	}
-	t.Logf("two runaway calls of deadline %v took %v", timeout, took)
 }
 
 // TestReservedFuelExport checks that a module exporting the meter's reserved
