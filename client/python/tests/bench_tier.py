@@ -142,7 +142,7 @@ def lookup_latency(daemon, keys, row, reps, model):
                         break
                     time.sleep(50e-6)
                 tier_us.append((time.perf_counter() - t0) * 1e6)
-                if tier.get_stats().get("lookup_misses"):
+                if tier.counters().get("lookup_misses"):
                     raise SystemExit("lookup missed a stored key")
                 ns = tier._ns
             finally:

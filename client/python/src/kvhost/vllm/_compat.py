@@ -11,6 +11,7 @@ import dataclasses
 import enum
 import importlib
 import importlib.util
+import inspect
 import types
 import typing
 
@@ -56,7 +57,46 @@ FALLBACK = types.SimpleNamespace(
     name="standalone (vLLM not installed)",
     LookupResult=LookupResult, JobResult=JobResult, OffloadingEvent=OffloadingEvent,
     RequestOffloadingContext=RequestOffloadingContext,
-    SecondaryTierManager=SecondaryTierManager, Medium=None)
+    SecondaryTierManager=SecondaryTierManager, Medium=None, Locality=None,
+    OffloadingConnectorStats=None, OffloadingCounterMetadata=None, OffloadingGaugeMetadata=None)
+
+# Where vLLM keeps OffloadingConnectorStats, the class get_stats must return
+# (vLLM calls is_empty() and aggregate() on it every scheduler step).
+_STATS_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics"
+
+
+def takes(fn, name):
+    """Whether callable fn accepts a keyword argument called name."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def locality(api, value):
+    """vLLM's Locality member for value ("LOCAL", "REMOTE"), None for None;
+    a ValueError naming the members for anything else."""
+    if value is None:
+        return None
+    loc = getattr(api, "Locality", None)
+    if loc is None:
+        return str(value)
+    try:
+        return loc(value) if not isinstance(value, loc) else value
+    except ValueError:
+        raise ValueError(f"kvhost.vllm: locality {value!r}: want one of "
+                         f"{', '.join(m.value for m in loc)}") from None
+
+
+def stats_class():
+    """vLLM's OffloadingConnectorStats, None when it cannot be imported."""
+    try:
+        if importlib.util.find_spec(_STATS_MODULE) is None:
+            return None
+        return getattr(importlib.import_module(_STATS_MODULE), "OffloadingConnectorStats", None)
+    except ImportError:
+        return None
 
 
 def check_api(api):
@@ -93,6 +133,10 @@ def detect():
         OffloadingEvent=getattr(base, "OffloadingEvent", None),
         RequestOffloadingContext=getattr(base, "RequestOffloadingContext", None),
         SecondaryTierManager=getattr(tier, "SecondaryTierManager", None),
-        Medium=getattr(base, "Medium", None))
+        Medium=getattr(base, "Medium", None),
+        Locality=getattr(base, "Locality", None),
+        OffloadingConnectorStats=stats_class(),
+        OffloadingCounterMetadata=getattr(base, "OffloadingCounterMetadata", None),
+        OffloadingGaugeMetadata=getattr(base, "OffloadingGaugeMetadata", None))
     check_api(api)
     return api

@@ -1,66 +1,168 @@
-"""The namespace a vLLM engine's rows live in.
+"""The namespace a vLLM engine's tier rows live in, and the identity rule.
 
-A tier row is one offload key's bytes: every tensor-parallel worker's slot
-of every layer for one chunk, exactly as vLLM's CPU tier lays it out. The
-daemon stores it as an opaque one-segment key, so its declared geometry is
-synthetic; what keeps models apart is the model id, which carries a digest
-of everything that changes the row's meaning (model, dtype, parallel sizes,
-chunk size, KV-cache groups and their layers, row size, hash algorithm).
+A tier row is one offload key's bytes: every worker's slot of every layer
+for one chunk, exactly as vLLM's CPU tier lays it out. The daemon stores it
+as an opaque one-segment key, so its declared geometry is synthetic; what
+keeps models apart is the model id, which carries a digest of everything
+that changes a row's meaning.
+
+The identity is read from what vLLM hands every offloading spec: its
+``config`` (an ``OffloadingConfig``: ``model`` name and dtype, ``parallel``
+sizes, ``groups`` with their layer names and tokens per block, ``cache``
+tokens per hash and blocks per chunk, the canonical and replicated layout
+flags). It is the set of fields vLLM's own fs tier separates directories by
+(the same collapse of parallel sizes where vLLM certifies the bytes
+portable across them), plus the row size, the attention layout where vLLM
+says it, and the operator's ``namespace`` option. A field that cannot be
+read refuses the tier with ``IdentityUnknown`` naming it: two models must
+never share keys on a guess (vLLM's block hashes of one prompt are equal
+across models).
+
+The hash algorithm is not part of the identity: vLLM does not hand it to a
+spec, and keys of different algorithms are different bytes.
 """
 
 import hashlib
 import json
 
 from ..client import Geometry
-from ._common import dtype_of, get as _get, scalar as _scalar
 
-FORMAT = "kvhost-vllm-tier-v1"
+FORMAT = "kvhost-vllm-tier-v2"
 MAX_DIM = 1 << 20
+MAX_MODEL_ID = 128
 
 
-def _dtype(spec):
-    return dtype_of(_get(spec, "vllm_config"))
+class IdentityUnknown(ValueError):
+    """A field that separates models could not be read from vLLM's
+    offloading config: the tier or spec refuses to start."""
 
 
-def _tokens_per_chunk(spec):
-    for path in (("offloaded_block_size",), ("block_size",), ("extra_config", "block_size")):
-        v = _get(spec, *path)
-        if isinstance(v, int) and v > 0:
-            return v
-    gpu = _get(spec, "vllm_config", "cache_config", "block_size")
-    per = _get(spec, "extra_config", "blocks_per_chunk") or 1
-    return gpu * per if isinstance(gpu, int) else None
+def _missing(what, path, got):
+    return IdentityUnknown(
+        f"kvhost.vllm: cannot tell the {what} from vLLM's offloading config "
+        f"(spec.config.{path} is {got!r}); refusing to share KV under a guessed identity. "
+        "This vLLM hands the spec a config kvhost does not understand: see docs/vllm.md "
+        "(supported versions)")
 
 
-def _groups(spec):
-    groups = _get(spec, "kv_cache_config", "kv_cache_groups") or []
+def _attr(obj, path):
+    for name in path.split("."):
+        if obj is None:
+            return None
+        obj = getattr(obj, name, None)
+    return obj
+
+
+def _text(config, path, what):
+    v = _attr(config, path)
+    if not isinstance(v, str) or not v or v == "auto":
+        raise _missing(what, path, v)
+    return v
+
+
+def _count(config, path, what, least=1):
+    v = _attr(config, path)
+    if isinstance(v, bool) or not isinstance(v, int) or v < least:
+        raise _missing(what, path, v)
+    return v
+
+
+def _flag(config, path):
+    v = _attr(config, path)
+    if v is None:
+        return False  # a vLLM without the field has only the default layout
+    if not isinstance(v, bool):
+        raise _missing(path.rsplit(".", 1)[-1], path, v)
+    return v
+
+
+def config_of(spec):
+    """vLLM's OffloadingConfig of an offloading spec (spec.config)."""
+    config = getattr(spec, "config", None)
+    if config is None or getattr(config, "model", None) is None:
+        raise IdentityUnknown(
+            f"kvhost.vllm: the offloading spec handed to kvhost ({type(spec).__name__}) has no "
+            "config.model: this vLLM does not hand its spec an OffloadingConfig as kvhost knows it; "
+            "refusing to share KV under a guessed identity (docs/vllm.md, supported versions)")
+    return config
+
+
+def groups_of(config):
+    """The KV-cache groups: [{"tokens_per_block", "layer_names"}], as vLLM's
+    fs tier records them."""
+    groups = _attr(config, "groups")
+    if not groups:
+        raise _missing("KV-cache groups", "groups", groups)
     out = []
-    for g in groups:
-        out.append({
-            "layer_names": [str(n) for n in (_get(g, "layer_names") or [])],
-            "tokens_per_block": _scalar(_get(g, "kv_cache_spec", "block_size")),
-            "spec": type(_get(g, "kv_cache_spec")).__name__ if _get(g, "kv_cache_spec") is not None else None,
-        })
+    for i, g in enumerate(groups):
+        names = _attr(g, "layer_names")
+        if not names or not all(isinstance(n, str) for n in names):
+            raise _missing(f"layer names of KV-cache group {i}", f"groups[{i}].layer_names", names)
+        out.append({"tokens_per_block": _count(g, "tokens_per_block", f"tokens per block of group {i}"),
+                    "layer_names": list(names)})
     return out
 
 
-def describe(spec, row_bytes, extra=""):
-    """Returns the dict that identifies what a row means (JSON-safe)."""
-    par = _get(spec, "vllm_config", "parallel_config")
-    return {
-        "format": FORMAT,
-        "model": _scalar(_get(spec, "vllm_config", "model_config", "model")),
-        "dtype": _dtype(spec),
-        "tp_size": _scalar(_get(par, "tensor_parallel_size")),
-        "pp_size": _scalar(_get(par, "pipeline_parallel_size")),
-        "pcp_size": _scalar(_get(par, "prefill_context_parallel_size")),
-        "dcp_size": _scalar(_get(par, "decode_context_parallel_size")),
-        "tokens_per_chunk": _tokens_per_chunk(spec),
-        "kv_cache_groups": _groups(spec),
-        "hash_algo": _scalar(_get(spec, "vllm_config", "cache_config", "prefix_caching_hash_algo")),
-        "row_bytes": row_bytes,
-        "namespace": extra,
+def canonical_format(config):
+    """vLLM's canonical format id when the canonical layout is on, else
+    None; refuses when it is on and vLLM cannot name it."""
+    if not _flag(config, "canonical_layout"):
+        return None
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping import canonical_format_id
+        fid = canonical_format_id()
+    except Exception as e:  # vLLM's own helper is the only source of truth
+        raise IdentityUnknown(f"kvhost.vllm: canonical_layout is on but vLLM's canonical format id "
+                              f"cannot be read ({e}); refusing to share KV under a guessed identity") from e
+    if not isinstance(fid, str) or not fid:
+        raise _missing("canonical format", "canonical_layout", fid)
+    return fid
+
+
+def fs_fields(config, canonical=None):
+    """The fields vLLM's fs tier names its directory by, for this config
+    (parallel sizes collapsed to 1 where vLLM certifies the bytes portable
+    across them, as its fs tier does)."""
+    par = "parallel"
+    agnostic = _flag(config, f"{par}.is_parallelism_agnostic") or _flag(config, "replicated_layout")
+    sizes = {k: _count(config, f"{par}.{k}", k.replace("_", " ")) for k in ("tp_size", "pp_size", "pcp_size", "dcp_size")}
+    if agnostic:
+        sizes = dict.fromkeys(sizes, 1)
+    fields = {
+        "model_name": _text(config, "model.name", "model name"),
+        "tokens_per_hash": _count(config, "cache.tokens_per_hash", "tokens per hash"),
+        "blocks_per_file": _count(config, "cache.blocks_per_chunk", "blocks per chunk"),
+        **sizes,
+        "dtype": _text(config, "model.dtype", "KV-cache dtype"),
+        "kv_cache_groups": groups_of(config),
+        "inference_engine": "vllm",
     }
+    if not agnostic:
+        fields["parallel_agnostic"] = False
+    if _flag(config, "replicated_layout"):
+        fields["replicated_layout"] = True
+    if canonical is not None:
+        fields["canonical_format"] = canonical
+    return fields
+
+
+def fs_base(fields):
+    """vLLM's fs-tier base directory name for fields:
+    <model name with '/' -> '_'>_<12 hex of sha256 over their compact JSON>."""
+    text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+    return f"{fields['model_name'].replace('/', '_')}_{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+
+
+def describe(spec, row_bytes, extra=""):
+    """The dict that identifies what a row of spec's engine means
+    (JSON-safe); IdentityUnknown names a field vLLM did not give."""
+    config = config_of(spec)
+    layout = _attr(config, "kv_cache_layout")
+    fields = fs_fields(config, canonical_format(config))
+    desc = {"format": FORMAT, "fields": fields, "row_bytes": int(row_bytes), "namespace": str(extra)}
+    if layout is not None:
+        desc["kv_cache_layout"] = str(layout)
+    return desc
 
 
 def digest(desc):
@@ -70,15 +172,18 @@ def digest(desc):
 
 
 def model_id(desc):
-    """The daemon's model id: readable prefix, then the digest (<= 128 bytes)."""
-    name = str(desc.get("model") or "unknown").encode("ascii", "replace").decode()
-    name = name.replace("/", "_")[:64]
-    return f"vllm:{name}:{digest(desc)[:32]}"
+    """The daemon's model id: "vllm:", the readable model name, then the
+    digest of the whole identity (at most 128 bytes)."""
+    name = desc["fields"]["model_name"].encode("ascii", "replace").decode().replace("/", "_")
+    d = digest(desc)[:32]
+    room = MAX_MODEL_ID - len("vllm::") - len(d)
+    return f"vllm:{name[:room]}:{d}"
 
 
-def geometry(desc):
+def geometry(desc, model=None):
     """The daemon geometry of one row: one layer, one plane, one block per
-    key of exactly row_bytes bytes."""
+    key of exactly row_bytes bytes; model overrides the model id (a
+    vllm-fs mount's "vllm-fs:<base>")."""
     row = desc["row_bytes"]
     if row < 512:
         raise ValueError(f"kvhost.vllm: a row of {row} bytes is below the daemon's 512-byte block minimum")
@@ -89,5 +194,5 @@ def geometry(desc):
     if heads > MAX_DIM:
         raise ValueError(f"kvhost.vllm: a row of {row} bytes cannot be declared "
                          f"(it must be a multiple of {head << 1} up to {MAX_DIM * 4096} bytes)")
-    return Geometry(model=model_id(desc), layers=1, kv_heads=heads, head_size=head, dtype_size=1,
+    return Geometry(model=model or model_id(desc), layers=1, kv_heads=heads, head_size=head, dtype_size=1,
                     tokens_per_block=1, tokens_per_key=1, mla=True)

@@ -28,11 +28,13 @@ import time
 from .. import protocol as p
 from ..client import Client, KvhostError, Layer, default_socket
 from ..memory import HostBuffer
-from . import _compat, _namespace
+from . import _compat, _metrics, _namespace
 from ._common import (daemon_key as _daemon_key, mapping_of as _mapping_of, merge_options,
                       open_mapped as _open_mapped, pick_medium as _pick_medium)
 
-log = logging.getLogger("kvhost.vllm")
+# A child of vLLM's "vllm" logger: vLLM configures only that logger (and
+# stops it propagating), so messages logged here appear in vLLM's own output.
+log = logging.getLogger("vllm.kvhost")
 
 _OWN_KEYS = {
     "socket": None,
@@ -46,9 +48,19 @@ _OWN_KEYS = {
     "medium": None,
     "client_name": "vllm-tier",
     "max_events": 1 << 16,
+    "vllm_fs": False,
 }
-# Keys the factory may pass along with the tier's own ones.
-_IGNORED_KEYS = {"type", "module_path"}
+# Keys vLLM's factory passes to every tier beside the tier's own ones:
+# "type" and "module_path" (older factories), "locality" (LOCAL or REMOTE,
+# honoured), "backpressure_detector" (handed to vLLM's base class where it
+# takes one) and "backpressure" (a factory that does not build the
+# detector itself passes the raw entry; unused). Constructor parameters,
+# not options: see _TierImpl.__init__.
+_IGNORED_KEYS = {"type", "module_path", "backpressure"}
+
+# The model id prefix of a namespace that a daemon's vllm-fs mount serves
+# by its fs-tier directory name (the "vllm_fs" option).
+_VLLM_FS_PREFIX = "vllm-fs:"
 
 _UNITS = {"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40,
           "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "TB": 10 ** 12}
@@ -78,6 +90,8 @@ def _options(own):
     o["zero_copy"] = {True: "on", False: "off"}.get(zc, zc) if isinstance(zc, bool) else str(zc)
     if o["zero_copy"] not in ("off", "auto", "on"):
         raise ValueError(f"kvhost.vllm: zero_copy: want off, auto or on, got {zc!r}")
+    if not isinstance(o["vllm_fs"], bool):
+        raise ValueError(f"kvhost.vllm: vllm_fs: want true or false, got {o['vllm_fs']!r}")
     for k in ("threads", "max_events"):
         if not isinstance(o[k], int) or isinstance(o[k], bool) or o[k] < 1:
             raise ValueError(f"kvhost.vllm: {k}: want an integer >= 1, got {o[k]!r}")
@@ -93,19 +107,27 @@ class _TierImpl:
 
     _api = _compat.FALLBACK
 
-    def __init__(self, offloading_spec, primary_kv_view, tier_type="kvhost", **own):
+    def __init__(self, offloading_spec, primary_kv_view, tier_type="kvhost", locality=None,
+                 backpressure_detector=None, **own):
         import numpy as np  # vLLM depends on numpy; imported here so the module stays light
 
         api = self._api
         _compat.check_api(api)
         base_init = getattr(api.SecondaryTierManager, "__init__", None)
         if base_init is not None and base_init is not object.__init__:
+            kw = {}
+            if backpressure_detector is not None and _compat.takes(base_init, "backpressure_detector"):
+                kw["backpressure_detector"] = backpressure_detector
             base_init(self, offloading_spec=offloading_spec, primary_kv_view=primary_kv_view,
-                      tier_type=tier_type)
+                      tier_type=tier_type, **kw)
         self.tier_type = tier_type
+        self.locality = _compat.locality(api, locality)
         self._spec = offloading_spec
         o = self._opts = _options(own)
         self._medium = _pick_medium(api, o["medium"])
+        # Before anything is allocated: a model whose identity cannot be
+        # read is refused here, naming the field.
+        self._desc = _namespace.describe(offloading_spec, 0, str(o["namespace"]))
 
         arr = np.asarray(primary_kv_view)
         if arr.ndim != 2:
@@ -119,8 +141,9 @@ class _TierImpl:
         self._primary = arr.view(np.uint8) if arr.dtype != np.uint8 else arr
         self._np = np
 
-        self._desc = _namespace.describe(offloading_spec, self._row_bytes, str(o["namespace"]))
-        geom = _namespace.geometry(self._desc)
+        self._desc["row_bytes"] = self._row_bytes
+        self.fs_base = _namespace.fs_base(self._desc["fields"])
+        geom = _namespace.geometry(self._desc, _VLLM_FS_PREFIX + self.fs_base if o["vllm_fs"] else None)
 
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
@@ -135,6 +158,8 @@ class _TierImpl:
         self._finished = []
         self._events = collections.deque()
         self._stats = collections.Counter()
+        self._reported = collections.Counter()
+        self._reported_inflight = None
         self._staging = None
         self._slot_ranges = None
         self._cache = None
@@ -152,14 +177,21 @@ class _TierImpl:
                 raise RuntimeError(f"kvhost.vllm: the daemon derived {self._ns.key_bytes} bytes per key, "
                                    f"want the row's {self._row_bytes}")
             self.data_path = self._setup_data_path(geom)
+        except KvhostError as e:
+            self._release()
+            if o["vllm_fs"]:
+                raise RuntimeError(f"kvhost.vllm: vllm_fs: no vllm-fs mount of the daemon serves this "
+                                   f"model's fs-tier directory {self.fs_base}: {e}") from e
+            raise
         except BaseException:
             self._release()
             raise
         self._pool = concurrent.futures.ThreadPoolExecutor(o["threads"], thread_name_prefix="kvhost-tier")
         self._lookup_thread = threading.Thread(target=self._lookup_loop, name="kvhost-tier-lookup", daemon=True)
         self._lookup_thread.start()
-        log.info("kvhost tier: namespace %s (%d-byte rows), data path %s, socket %s",
-                 geom.model, self._row_bytes, self.data_path, o["socket"])
+        log.info("kvhost tier: namespace %s (%d-byte rows, model %s, vLLM fs-tier directory %s), "
+                 "data path %s, socket %s", geom.model, self._row_bytes,
+                 self._desc["fields"]["model_name"], self.fs_base, self.data_path, o["socket"])
 
     # -- set-up ---------------------------------------------------------------
 
@@ -321,7 +353,10 @@ class _TierImpl:
 
     def _submit(self, job, load):
         keys = [bytes(k) for k in job.keys]
-        rows = [int(b) for b in job.block_ids]
+        ids = getattr(job, "block_ids", None)
+        if ids is None:  # renamed chunk_ids in later vLLM (a row is one chunk)
+            ids = job.chunk_ids
+        rows = [int(b) for b in ids]
         if len(rows) != len(keys):
             raise ValueError(f"kvhost.vllm: job {job.job_id}: {len(keys)} keys, {len(rows)} block ids")
         bad = [b for b in rows if not 0 <= b < self._num_rows]
@@ -482,8 +517,9 @@ class _TierImpl:
             self._events.clear()
         return out
 
-    def get_stats(self):
-        """This tier's counters (no daemon round trip)."""
+    def counters(self):
+        """This tier's counters since it started, as a dict (no daemon
+        round trip): for tests, benchmarks and ``kvhost`` tooling."""
         with self._lock:
             s = dict(self._stats)
             s["inflight_jobs"] = self._inflight
@@ -492,6 +528,27 @@ class _TierImpl:
         if self._zero_copy_error:
             s["zero_copy_error"] = self._zero_copy_error
         return s
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config=None):
+        """The Prometheus metrics get_stats reports (vLLM declares them
+        when the tier is configured): kvhost's own counters, labelled by
+        tier; vLLM's tiering metrics already count this tier's queries,
+        hits, bytes and job failures."""
+        return _metrics.definitions(cls._api)
+
+    def get_stats(self):
+        """What changed since the last call, as vLLM's
+        OffloadingConnectorStats (None when nothing changed or this vLLM
+        has no such class); vLLM calls it every scheduler step."""
+        with self._lock:
+            now = collections.Counter(self._stats)
+            inflight = self._inflight
+            delta = now - self._reported
+            self._reported = now
+            gauge = None if inflight == self._reported_inflight else inflight
+            self._reported_inflight = inflight
+        return _metrics.stats(self._api, delta, gauge, (self.tier_type,))
 
     def daemon_stats(self):
         """The daemon's counters (one round trip; not for the scheduler's hot path)."""
@@ -512,6 +569,10 @@ class _TierImpl:
         self._release()
 
     def _release(self):
+        # Drop every array over vLLM's region first: vLLM releases its
+        # memoryview and closes the mapping after its tiers shut down, which
+        # fails while an export of it is alive.
+        self._primary = self._view = None
         client = getattr(self, "_client", None)
         if client is not None:
             for fn, arg in ((client.unregister_cache, self._cache), (client.unregister_memory, self._region)):

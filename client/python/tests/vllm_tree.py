@@ -1,0 +1,715 @@
+"""Import vLLM's real KV-offloading modules from a vLLM source tree.
+
+vLLM cannot be pip-installed in CI (no package index), so the tests that
+check our integration against vLLM itself point this module at an extracted
+source tree: the directory that CONTAINS the ``vllm`` package, given as
+KVHOST_VLLM_SRC (``make test-vllm VLLM_SRC=DIR``).
+
+Only modules that would pull in the rest of vLLM (GPU platform detection,
+compiled kernels, torch.compile patches, the engine configuration, every KV
+connector) are replaced by small shim modules; each shim says why in its
+docstring and is listed in ``api.shimmed``. Package ``__init__`` files that
+import the world (``vllm.distributed`` and below) are replaced by hollow
+packages: their submodules still load from the tree. Every class under test
+(vllm.v1.kv_offload.*, OffloadingConnectorStats, KVConnectorStats) is vLLM's
+own code, imported from the tree.
+
+When ``import vllm`` works without a tree (vLLM installed), it is used as is,
+without shims.
+
+    api = vllm_tree.load()           # or load("/work/vllm-src/017e9f44")
+    cfg = vllm_tree.make_offloading_config(api, extra_config={...})
+    t = vllm_tree.make_tiering_manager(api, tmpdir, tiers="fs")
+    try: ... t.manager.lookup(...) ...
+    finally: t.close()
+
+This file holds no vLLM code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+import types
+import uuid
+
+SOURCE_ENV = "KVHOST_VLLM_SRC"
+SOURCE = os.environ.get(SOURCE_ENV) or None
+
+SKIP_HINT = f"no vLLM tree: set {SOURCE_ENV}=DIR (make test-vllm VLLM_SRC=DIR)"
+
+# (namespace attribute, module, names wanted). A name the tree lacks is None
+# on the namespace and listed in api.missing; a module that fails to import
+# is listed in api.errors with its exception (not raised).
+MODULES = (
+    ("base", "vllm.v1.kv_offload.base", (
+        "OffloadKey", "make_offload_key", "get_offload_block_hash",
+        "get_offload_group_idx", "Medium", "Locality", "TierMatcher",
+        "TierFilter", "ReqContext", "LookupResult", "OffloadPolicy",
+        "RequestOffloadingContext", "ScheduleEndContext", "LoadStoreSpec",
+        "PrepareStoreOutput", "OffloadingEvent", "OffloadingMetricMetadata",
+        "OffloadingCounterMetadata", "OffloadingGaugeMetadata",
+        "OffloadingHistogramMetadata", "OffloadingKVEventsConfig",
+        "OffloadingManager", "BlockIDsLoadStoreSpec", "GPULoadStoreSpec",
+        "CanonicalKVCacheTensor", "CopyRun", "CanonicalPageMapping",
+        "CanonicalKVCacheRef", "CanonicalKVCaches", "TransferResult",
+        "OffloadingWorker", "OffloadingSpec")),
+    ("config", "vllm.v1.kv_offload.config", (
+        "OffloadingConfig", "OffloadingGroupConfig", "OffloadingModelConfig",
+        "OffloadingCacheConfig", "OffloadingParallelConfig")),
+    ("factory", "vllm.v1.kv_offload.factory", ("OffloadingSpecFactory",)),
+    ("file_mapper", "vllm.v1.kv_offload.file_mapper", ("FileMapper",)),
+    ("cpu_common", "vllm.v1.kv_offload.cpu.common", (
+        "CPULoadStoreSpec", "CPUOffloadingMetrics")),
+    ("cpu_region", "vllm.v1.kv_offload.cpu.shared_offload_region", (
+        "SharedOffloadRegion",)),
+    ("cpu_manager", "vllm.v1.kv_offload.cpu.manager", ("CPUOffloadingManager",)),
+    ("cpu_gpu_worker", "vllm.v1.kv_offload.cpu.gpu_worker", (
+        "CPUOffloadingWorker",)),
+    ("cpu_spec", "vllm.v1.kv_offload.cpu.spec", ("CPUOffloadingSpec",)),
+    ("tiering_base", "vllm.v1.kv_offload.tiering.base", (
+        "TieringOffloadingMetrics", "TransferJob", "JobMetadata", "JobResult",
+        "JobId", "ParentManager", "SecondaryTierManager")),
+    ("tiering_factory", "vllm.v1.kv_offload.tiering.factory", (
+        "SecondaryTierFactory",)),
+    ("tiering_async_lookup", "vllm.v1.kv_offload.tiering.async_lookup", (
+        "LookupState", "AsyncLookupManager")),
+    ("tiering_metrics", "vllm.v1.kv_offload.tiering.metrics", (
+        "TieringMetricsTracker",)),
+    ("tiering_backpressure", "vllm.v1.kv_offload.tiering.backpressure", (
+        "BackpressurePolicy", "DropStorePolicy", "BackpressureDetector",
+        "EMABackpressureDetector")),
+    ("tiering_manager", "vllm.v1.kv_offload.tiering.manager", (
+        "CPUPrimaryTierOffloadingManager", "TieringOffloadingManager")),
+    ("tiering_spec", "vllm.v1.kv_offload.tiering.spec", (
+        "TieringOffloadingSpec",)),
+    ("tiering_example", "vllm.v1.kv_offload.tiering.example.manager", (
+        "ExampleSecondaryTierManager",)),
+    ("tiering_fs", "vllm.v1.kv_offload.tiering.fs.manager", (
+        "FileSystemTierManager",)),
+    ("connector_metrics", "vllm.distributed.kv_transfer.kv_connector.v1.metrics",
+        ("KVConnectorStats", "KVConnectorPromMetrics")),
+    ("offloading_metrics",
+        "vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics",
+        ("OffloadingConnectorStats", "OffloadingConnectorMetrics",
+         "OffloadPromMetrics", "OffloadingOperationMetrics")),
+)
+
+_state: dict = {"src": None, "api": None}
+
+
+# ---------------------------------------------------------------- shims
+
+
+def _shim_module(name: str, doc: str, **attrs) -> types.ModuleType:
+    mod = types.ModuleType(name, f"vllm_tree shim: {doc}")
+    mod.__dict__.update(attrs)
+    mod.__vllm_tree_shim__ = True
+    return mod
+
+
+class _NotInShim:
+    """Placeholder class: only its name is used (annotations, isinstance)."""
+
+    def __init__(self, *a, **kw):
+        raise RuntimeError(
+            f"{type(self).__qualname__} is a vllm_tree placeholder; the real "
+            "one is not importable in this harness")
+
+
+class _HostOnlyPlatform:
+    """What vllm.platforms.current_platform answers on a machine without an
+    accelerator, for the methods the offloading code calls."""
+
+    device_name = "cpu"
+    device_type = "cpu"
+    dispatch_key = "CPU"
+
+    def is_cuda_alike(self):
+        return False
+
+    def is_cuda(self):
+        return False
+
+    def is_rocm(self):
+        return False
+
+    def is_xpu(self):
+        return False
+
+    def is_tpu(self):
+        return False
+
+    def is_cpu(self):
+        return True
+
+    def is_out_of_tree(self):
+        return False
+
+    def is_pin_memory_available(self):
+        return False
+
+    def device_count(self):
+        return 0
+
+    def __getattr__(self, name):
+        raise AttributeError(
+            f"vllm_tree host-only platform shim has no {name!r}: the code "
+            "path under test needs a GPU platform")
+
+
+def _raiser(modname):
+    def __getattr__(attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+
+        def unavailable(*a, **kw):
+            raise RuntimeError(
+                f"{modname}.{attr} is a compiled kernel; vllm_tree has none")
+        unavailable.__name__ = attr
+        return unavailable
+    return __getattr__
+
+
+def _make_shims(src: str, tree_name: str):
+    """name -> factory for the modules replaced by shims. Each factory is
+    only called if the import actually happens."""
+    import torch
+
+    def version():
+        return _shim_module(
+            "vllm._version",
+            "generated by setuptools-scm at build time; a source tree has "
+            "none.", __version__=f"0.0.0+{tree_name}",
+            __version_tuple__=(0, 0, 0, tree_name))
+
+    def env_override():
+        return _shim_module(
+            "vllm.env_override",
+            "patches torch._inductor / torch.compile and process environment "
+            "at import; irrelevant to offloading and breaks on torch 1.13.")
+
+    def platforms():
+        return _shim_module(
+            "vllm.platforms",
+            "platform detection probes CUDA/ROCm/XPU/TPU libraries and "
+            "plugin entry points; the offloading code only asks "
+            "current_platform is_cuda_alike()/is_xpu()/is_pin_memory_"
+            "available(), answered here as a host without an accelerator.",
+            current_platform=_HostOnlyPlatform())
+
+    def custom_ops():
+        m = _shim_module(
+            "vllm._custom_ops",
+            "binds vLLM's compiled CUDA/C++ kernels (vllm._C); a source tree "
+            "has none. Any attribute is a function that raises when called "
+            "(only GPU<->CPU copies in cpu.gpu_worker use them).")
+        m.__getattr__ = _raiser("vllm._custom_ops")
+        return m
+
+    def config():
+        return _shim_module(
+            "vllm.config",
+            "vllm.config imports the whole engine configuration (model "
+            "registry, transformers, pydantic models). The offloading "
+            "modules only name VllmConfig / KVTransferConfig in annotations; "
+            "placeholders stand in.",
+            VllmConfig=type("VllmConfig", (_NotInShim,), {}),
+            KVTransferConfig=type("KVTransferConfig", (_NotInShim,), {}))
+
+    def connector_factory():
+        return _shim_module(
+            "vllm.distributed.kv_transfer.kv_connector.factory",
+            "KVConnectorFactory imports every KV connector and the V1 "
+            "connector base (attention backends, scheduler). The connector "
+            "metrics module only calls it from KVConnectorLogging, which "
+            "the tests do not use.",
+            KVConnectorFactory=type("KVConnectorFactory", (_NotInShim,), {}))
+
+    def shm_broadcast():
+        import shutil
+
+        def check_shm_free_space(required_bytes, shm_path="/dev/shm"):
+            # Same contract as vLLM's: raise RuntimeError when shm_path
+            # exists and has less free space than required_bytes.
+            if not os.path.isdir(shm_path):
+                return
+            free = shutil.disk_usage(shm_path).free
+            if required_bytes > free:
+                raise RuntimeError(
+                    f"Insufficient space in {shm_path}: {required_bytes} "
+                    f"bytes required, {free} free")
+        return _shim_module(
+            "vllm.distributed.device_communicators.shm_broadcast",
+            "the message-queue module imports zmq, torch.distributed "
+            "process groups and vllm.distributed.utils (which needs "
+            "torch.distributed internals newer than torch 1.13). "
+            "SharedOffloadRegion only calls check_shm_free_space, "
+            "reimplemented here with the same contract.",
+            check_shm_free_space=check_shm_free_space)
+
+    def kv_events():
+        consts = _string_constants(os.path.join(
+            src, "vllm", "distributed", "kv_events.py"))
+        return _shim_module(
+            "vllm.distributed.kv_events",
+            "imports msgspec, zmq, vllm.config and the v1 scheduler's "
+            "kv_cache_utils. Offloading modules only import its medium "
+            "name constants (MEDIUM_CPU, MEDIUM_FS, ...), read here from "
+            "the tree's file without running it.", **consts)
+
+    shims = {
+        "vllm._version": version,
+        "vllm.env_override": env_override,
+        "vllm.platforms": platforms,
+        "vllm._custom_ops": custom_ops,
+        "vllm.config": config,
+        "vllm.distributed.kv_transfer.kv_connector.factory": connector_factory,
+        "vllm.distributed.device_communicators.shm_broadcast": shm_broadcast,
+        "vllm.distributed.kv_events": kv_events,
+    }
+    return shims
+
+
+def _string_constants(path):
+    """Module-level NAME = "literal" assignments of a Python file, read
+    with ast (the file is not executed)."""
+    import ast
+    out = {}
+    try:
+        with open(path) as f:
+            tree = ast.parse(f.read(), path)
+    except OSError:
+        return out
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and \
+                isinstance(node.targets[0], ast.Name) and \
+                isinstance(node.value, ast.Constant) and \
+                isinstance(node.value.value, str):
+            out[node.targets[0].id] = node.value.value
+    return out
+
+
+class _ImportTimeStub:
+    """Placeholder set on torch only while one real vLLM module executes
+    (class-body annotations / from-imports evaluated at import); removed
+    right after, so nothing else sees it. Calling it raises."""
+
+    def __init__(self, *a, **kw):
+        raise RuntimeError(
+            "vllm_tree import-time stub: this torch lacks the API; the code "
+            "path needs a newer torch / a GPU")
+
+
+def _import_patches():
+    """real module -> [(object, attribute, reason)]: attributes missing from
+    this torch that the module touches at import time only. Each is set to
+    a stub while that module executes, then removed."""
+    import torch
+    import torch.library
+    patches = {}
+    if not hasattr(torch.library, "infer_schema"):
+        patches["vllm.utils.torch_utils"] = [(
+            torch.library, "infer_schema",
+            "torch < 2.4: imported at module level, only called by "
+            "direct_register_custom_op (custom GPU ops)")]
+    if not hasattr(torch, "Event"):
+        patches["vllm.v1.kv_offload.cpu.gpu_worker"] = [(
+            torch, "Event",
+            "torch < 2.4: dataclass field annotations name torch.Event; "
+            "instances are only made by the worker on a GPU")]
+    return patches
+
+
+# Packages whose __init__ imports the world: loaded hollow (no __init__ code)
+# so that their real submodules still import from the tree.
+HOLLOW = {
+    "vllm.distributed": "its __init__ imports parallel_state / "
+        "communication_op (torch.distributed process groups).",
+    "vllm.distributed.kv_transfer": "its __init__ imports kv_transfer_state "
+        "and with it every connector.",
+    "vllm.distributed.kv_transfer.kv_connector.v1": "its __init__ imports the "
+        "V1 connector base (attention backends, scheduler output) and the "
+        "decode-bench connector.",
+    "vllm.distributed.device_communicators": "kept hollow so that only the "
+        "shm_broadcast shim is needed below it.",
+}
+
+
+class _ShimLoader(importlib.abc.Loader):
+    def __init__(self, finder, factory=None, hollow_doc=None):
+        self.finder, self.factory, self.hollow_doc = finder, factory, hollow_doc
+
+    def create_module(self, spec):
+        if self.factory is not None:
+            return self.factory()
+        return None
+
+    def exec_module(self, module):
+        self.finder.used.append(module.__name__)
+        if self.hollow_doc is not None:
+            module.__doc__ = ("vllm_tree hollow package (its __init__ is not "
+                              "run; submodules are real): " + self.hollow_doc)
+            module.__vllm_tree_shim__ = True
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    """Runs a real module's loader with _import_patches applied."""
+
+    def __init__(self, finder, real, patches):
+        self.finder, self.real, self.patches = finder, real, patches
+
+    def create_module(self, spec):
+        return self.real.create_module(spec)
+
+    def exec_module(self, module):
+        applied = []
+        try:
+            for obj, attr, reason in self.patches:
+                if not hasattr(obj, attr):
+                    setattr(obj, attr, _ImportTimeStub)
+                    applied.append((obj, attr))
+                    self.finder.patched[
+                        f"{getattr(obj, '__name__', obj)}.{attr}"] = (
+                        f"stub while importing {module.__name__}: {reason}")
+            self.real.exec_module(module)
+        finally:
+            for obj, attr in applied:
+                delattr(obj, attr)
+
+
+class _ShimFinder(importlib.abc.MetaPathFinder):
+    def __init__(self, src: str, shims: dict, patches: dict):
+        self.src, self.shims, self.patches = src, shims, patches
+        self.used, self.patched = [], {}
+
+    def find_spec(self, name, path=None, target=None):
+        if name in self.patches:
+            spec = importlib.machinery.PathFinder.find_spec(name, path)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _PatchingLoader(
+                    self, spec.loader, self.patches[name])
+            return spec
+        if name in self.shims:
+            return importlib.machinery.ModuleSpec(
+                name, _ShimLoader(self, self.shims[name]))
+        if name in HOLLOW:
+            d = os.path.join(self.src, *name.split("."))
+            spec = importlib.machinery.ModuleSpec(
+                name, _ShimLoader(self, hollow_doc=HOLLOW[name]),
+                is_package=True)
+            spec.submodule_search_locations = [d]
+            return spec
+        return None
+
+
+# ---------------------------------------------------------------- loading
+
+
+def _snapshot_name(src: str) -> str:
+    base = os.path.basename(os.path.normpath(src))
+    snaps = os.path.join(os.path.dirname(os.path.normpath(src)), "SNAPSHOTS")
+    try:
+        with open(snaps) as f:
+            for line in f:
+                parts = line.split()
+                if parts and parts[0] == base and len(parts) >= 3:
+                    commit = parts[1][:8]
+                    label = base if base.startswith(commit) else \
+                        f"{base} {commit}" if commit not in base else base
+                    return f"vllm {label} ({parts[2]})"
+    except OSError:
+        pass
+    return f"vllm {base}"
+
+
+def _installed_vllm() -> bool:
+    spec = importlib.util.find_spec("vllm")
+    return spec is not None and spec.origin is not None
+
+
+def _resolve(src):
+    if src is None:
+        src = SOURCE
+    if src is None:
+        return None
+    src = os.path.abspath(src)
+    if os.path.basename(src) == "vllm" and os.path.isfile(
+            os.path.join(src, "__init__.py")):
+        src = os.path.dirname(src)  # accept the package dir itself
+    if not os.path.isfile(os.path.join(src, "vllm", "__init__.py")):
+        raise FileNotFoundError(
+            f"{src} does not contain a vllm package (vllm/__init__.py)")
+    return src
+
+
+def skip_reason(src=None):
+    """None when a tree (or an installed vLLM) is configured and loadable,
+    else why not, for unittest.skipUnless / skipIf."""
+    try:
+        path = _resolve(src)
+    except FileNotFoundError as e:
+        return f"{SKIP_HINT} ({e})"
+    if path is None and _state["src"] is None:
+        if not _installed_vllm():
+            return SKIP_HINT
+    try:
+        load(src)
+    except Exception as e:  # noqa: BLE001 - reported as the skip reason
+        return f"vLLM tree {path} does not load: {type(e).__name__}: {e}"
+    return None
+
+
+def load(src=None) -> types.SimpleNamespace:
+    """Import vLLM's offloading modules from src (default KVHOST_VLLM_SRC,
+    else an installed vllm). Idempotent; a second, different tree in the
+    same process raises RuntimeError."""
+    path = _resolve(src)
+    key = path or "<installed>"
+    if _state["api"] is not None:
+        if src is None or key == _state["src"]:
+            return _state["api"]
+        raise RuntimeError(
+            f"vllm_tree already loaded {_state['src']} in this process; "
+            f"cannot load {key} too (run it in a subprocess)")
+    if "vllm" in sys.modules and path is not None:
+        loaded = getattr(sys.modules["vllm"], "__file__", "") or ""
+        if not loaded.startswith(path + os.sep):
+            raise RuntimeError(
+                f"a vllm package is already imported from {loaded}; cannot "
+                f"load the tree {path} in this process")
+
+    finder = None
+    if path is None:
+        if not _installed_vllm():
+            raise RuntimeError(SKIP_HINT)
+        name = "vllm (installed)"
+    else:
+        name = _snapshot_name(path)
+        # Quiet vLLM's own logging config; keep what the caller set.
+        os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+        finder = _ShimFinder(
+            path, _make_shims(path, os.path.basename(path)),
+            _import_patches())
+        sys.meta_path.insert(0, finder)
+        if path in sys.path:
+            sys.path.remove(path)
+        sys.path.insert(0, path)
+        importlib.invalidate_caches()
+
+    api = types.SimpleNamespace(
+        name=name, src=path, shimmed=[], patched={}, modules={}, missing=[],
+        errors={})
+    import vllm  # noqa: F401  (vllm/__init__: version, env_override)
+    if path is not None:
+        mfile = os.path.abspath(vllm.__file__)
+        if not mfile.startswith(path + os.sep):
+            raise RuntimeError(f"imported vllm from {mfile}, not from {path}")
+    for alias, modname, names in MODULES:
+        try:
+            mod = importlib.import_module(modname)
+        except ImportError as e:
+            mod = None
+            # A module this tree simply lacks is "missing"; one that exists
+            # but fails to import is an error worth showing.
+            if getattr(e, "name", None) == modname or \
+                    _module_absent(path, modname):
+                api.missing.append(modname)
+            else:
+                api.errors[modname] = f"{type(e).__name__}: {e}"
+        except Exception as e:  # noqa: BLE001 - reported, not raised
+            mod = None
+            api.errors[modname] = f"{type(e).__name__}: {e}"
+        setattr(api, alias, mod)
+        api.modules[modname] = mod
+        for n in names:
+            v = getattr(mod, n, None) if mod is not None else None
+            if mod is not None and v is None:
+                api.missing.append(f"{modname}.{n}")
+            if getattr(api, n, None) is None:
+                setattr(api, n, v)
+    # Fields that tell the snapshots apart, for tests and reports.
+    api.has_transfer_job = api.TransferJob is not None
+    api.has_successful_keys = (
+        api.JobResult is not None and dataclasses.is_dataclass(api.JobResult)
+        and "successful_keys" in {f.name for f in
+                                  dataclasses.fields(api.JobResult)})
+    if finder is not None:
+        api.shimmed = list(dict.fromkeys(finder.used))
+        api.patched = dict(finder.patched)
+    _state["src"], _state["api"] = key, api
+    return api
+
+
+def _module_absent(path, modname):
+    if path is None:
+        return False
+    p = os.path.join(path, *modname.split("."))
+    return not (os.path.isfile(p + ".py") or os.path.isdir(p))
+
+
+def shim_docs(api) -> dict:
+    """module name -> the shim's docstring, for reports."""
+    return {n: (sys.modules[n].__doc__ or "") for n in api.shimmed
+            if n in sys.modules}
+
+
+# ---------------------------------------------------------------- configs
+
+
+def _fields(cls):
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+def _kw(cls, **values):
+    """cls(**values) keeping only the fields this tree's dataclass has;
+    a required field we do not know raises TypeError from the dataclass."""
+    have = _fields(cls)
+    return cls(**{k: v for k, v in values.items() if k in have})
+
+
+def make_offloading_config(
+    api,
+    *,
+    model="meta-llama/Llama-3.1-8B",
+    dtype="bfloat16",
+    tp=1,
+    pp=1,
+    pcp=1,
+    dcp=1,
+    rank=0,
+    dp_index=0,
+    dp_size=1,
+    dp_rank_local=None,
+    groups=((("model.layers.0.self_attn.attn",
+               "model.layers.1.self_attn.attn"), 16),),
+    tokens_per_hash=16,
+    blocks_per_chunk=1,
+    worker_kv_bytes_per_block=2 * 2 * 8 * 128 * 16,  # 2 layers, K+V, bf16
+    extra_config=None,
+    engine_id=None,
+    enable_kv_cache_events=False,
+    is_parallelism_agnostic=None,
+    canonical_layout=False,
+    replicated_layout=False,
+):
+    """vLLM's OffloadingConfig, filled like build_offloading_config does
+    (vllm/distributed/kv_transfer/kv_connector/v1/offloading/config.py):
+    groups are (layer_names, tokens_per_block) where tokens_per_block is the
+    block size times dcp; world_size = tp * pp * pcp. Only fields this
+    tree's dataclasses have are passed."""
+    if engine_id is None:
+        engine_id = f"kvhost-test-{uuid.uuid4().hex[:12]}"
+    if is_parallelism_agnostic is None:
+        is_parallelism_agnostic = dcp == 1 and pcp == 1
+    extra = dict(extra_config or {})
+    if canonical_layout:
+        extra.setdefault("canonical_layout", True)
+    return _kw(
+        api.OffloadingConfig,
+        groups=tuple(
+            api.OffloadingGroupConfig(
+                tokens_per_block=tpb, layer_names=tuple(names))
+            for names, tpb in groups),
+        worker_kv_bytes_per_block=worker_kv_bytes_per_block,
+        enable_kv_cache_events=enable_kv_cache_events,
+        extra_config=extra,
+        engine_id=engine_id,
+        model=_kw(api.OffloadingModelConfig, name=model, dtype=dtype),
+        cache=_kw(api.OffloadingCacheConfig, tokens_per_hash=tokens_per_hash,
+                  blocks_per_chunk=blocks_per_chunk),
+        parallel=_kw(
+            api.OffloadingParallelConfig,
+            rank=rank, world_size=tp * pp * pcp, tp_size=tp, pp_size=pp,
+            pcp_size=pcp, dcp_size=dcp, data_parallel_index=dp_index,
+            data_parallel_size=dp_size,
+            data_parallel_rank_local=dp_rank_local,
+            is_parallelism_agnostic=is_parallelism_agnostic),
+        replicated_layout=replicated_layout,
+        canonical_layout=canonical_layout,
+    )
+
+
+# ---------------------------------------------------------------- tiering
+
+
+def shm_path(engine_id: str) -> str:
+    """The /dev/shm file SharedOffloadRegion creates for engine_id."""
+    return f"/dev/shm/vllm_offload_{engine_id}.mmap"
+
+
+class TieringHandle:
+    """A real TieringOffloadingSpec and its manager; close() shuts the
+    manager down and removes the shared-memory file."""
+
+    def __init__(self, spec, manager, config):
+        self.spec, self.manager, self.config = spec, manager, config
+        self.engine_id = config.engine_id
+        self.shm_path = shm_path(self.engine_id)
+
+    def close(self):
+        m, self.manager = self.manager, None
+        try:
+            if m is not None and hasattr(m, "shutdown"):
+                m.shutdown()
+        finally:
+            region = getattr(self.spec, "_scheduler_mmap", None)
+            if region is not None:
+                try:
+                    region.cleanup()
+                except Exception:  # noqa: BLE001
+                    pass
+            try:
+                os.unlink(self.shm_path)
+            except FileNotFoundError:
+                pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def fs_tier(root, **kw):
+    """A secondary_tiers entry for vLLM's own file-system tier."""
+    return {"type": "fs", "root_dir": str(root), **kw}
+
+
+def make_tiering_manager(api, *, cpu_bytes_to_use=None, num_cpu_blocks=8,
+                         secondary_tiers=(), config_kwargs=None,
+                         extra_config=None):
+    """vLLM's OffloadingSpecFactory.create_spec(config) with
+    spec_name=TieringOffloadingSpec, then spec.get_manager() (the real
+    TieringOffloadingManager). Returns a TieringHandle; close() it."""
+    if api.TieringOffloadingSpec is None:
+        raise RuntimeError(f"{api.name} has no TieringOffloadingSpec")
+    kw = dict(config_kwargs or {})
+    bpb = kw.get("worker_kv_bytes_per_block", 4096)
+    kw["worker_kv_bytes_per_block"] = bpb
+    align = getattr(api.TieringOffloadingSpec, "BLOCK_SIZE_ALIGNMENT", 4096)
+    per_chunk = -(-bpb * kw.get("blocks_per_chunk", 1) *
+                  kw.get("tp", 1) // align) * align
+    if cpu_bytes_to_use is None:
+        cpu_bytes_to_use = per_chunk * num_cpu_blocks
+    extra = {
+        "spec_name": "TieringOffloadingSpec",
+        "cpu_bytes_to_use": cpu_bytes_to_use,
+        "secondary_tiers": [dict(t) for t in secondary_tiers],
+    }
+    extra.update(extra_config or {})
+    kw["extra_config"] = extra
+    config = make_offloading_config(api, **kw)
+    spec = api.OffloadingSpecFactory.create_spec(config)
+    handle = TieringHandle(spec, None, config)
+    try:
+        handle.manager = spec.get_manager()
+    except BaseException:
+        handle.close()
+        raise
+    return handle
