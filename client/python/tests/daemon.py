@@ -36,7 +36,7 @@ def kvhost_binary():
 class Daemon:
     """kvhost serving dir (a cache root) on a socket in a fresh temp dir."""
 
-    def __init__(self, capacity="1GiB", dir=None, extra_toml=""):
+    def __init__(self, capacity="1GiB", dir=None, extra_toml="", after_toml=""):
         self.tmp = tempfile.mkdtemp(prefix="kvhost-pytest-")
         self.dir = dir or os.path.join(self.tmp, "blocks")
         os.makedirs(self.dir, exist_ok=True)
@@ -45,7 +45,8 @@ class Daemon:
         with open(self.config, "w") as f:
             f.write(f'[server]\nsocket = "{self.socket}"\n\n[log]\nlevel = "warn"\nformat = "json"\n\n'
                     f'[policy]\ncache_dir = "{os.path.join(self.tmp, "wasm-cache")}"\n\n'
-                    f'{extra_toml}\n[[mount]]\npath = "{self.dir}"\ncapacity = "{capacity}"\n')
+                    f'{extra_toml}\n[[mount]]\npath = "{self.dir}"\ncapacity = "{capacity}"\n'
+                    f'{after_toml}\n')
         self.log = open(os.path.join(self.tmp, "kvhost.log"), "w+")
         self.proc = subprocess.Popen([kvhost_binary(), "--config", self.config],
                                      stdout=subprocess.PIPE, stderr=self.log, text=True)

@@ -109,7 +109,7 @@ class StoreLookupPromote(TierCase):
         self.assertEqual(list(res.successful_keys), ks)
         events = writer.take_events()
         self.assertEqual([(list(e.keys), e.removed, e.medium) for e in events],
-                         [(ks, False, S.Medium.DISK)])
+                         [(ks, False, S.Medium.STORAGE)])
 
         # Another engine of the same model on the node: it has not seen the
         # keys, so its first lookup is RETRY, then HIT from the daemon.
@@ -132,7 +132,7 @@ class StoreLookupPromote(TierCase):
             np.testing.assert_array_equal(other[r], region[i], err_msg=f"row {r} (key {i})")
         untouched = [r for r in range(ROWS) if r not in dst]
         self.assertFalse(other[untouched].any(), "a row outside the promotion was written")
-        st = reader.get_stats()
+        st = reader.counters()
         self.assertEqual((st["loaded_keys"], st["bytes_loaded"], st["data_path"]), (8, 8 * ROW, "copy"))
 
     def test_lookup_of_a_key_never_stored_is_retry_then_miss(self):
@@ -212,7 +212,7 @@ class FailedAndPartialPromotions(TierCase):
         ev = t.take_events()
         self.assertIn(([ks[2]], True), [(list(e.keys), e.removed) for e in ev])
         self.assertEqual(t.lookup(ks[2], CTX), S.LookupResult.MISS)
-        self.assertEqual(t.get_stats()["load_missing_keys"], 1)
+        self.assertEqual(t.counters()["load_missing_keys"], 1)
 
     def test_promotion_of_corrupted_files_fails_and_writes_no_row(self):
         t, region, ks = self.stored(2, "corrupt")
@@ -231,7 +231,7 @@ class FailedAndPartialPromotions(TierCase):
         self.assertFalse(res.success)
         self.assertEqual(list(res.successful_keys or []), [])
         np.testing.assert_array_equal(region[20:22], before)
-        self.assertEqual(t.get_stats()["load_failed_keys"], 2)
+        self.assertEqual(t.counters()["load_failed_keys"], 2)
         self.assertGreaterEqual(t.daemon_stats()["corrupt"], 2)
         for f in files:  # leave no corrupt file to the next test (the daemon removed the loaded ones)
             if os.path.exists(f):
@@ -261,7 +261,7 @@ class JobsAndLifecycle(TierCase):
             t.submit_store(j)
             ids.append(j.job_id)
         t.drain_jobs()
-        self.assertEqual(t.get_stats()["inflight_jobs"], 0)
+        self.assertEqual(t.counters()["inflight_jobs"], 0)
         res = t.get_finished_jobs()
         self.assertEqual(sorted(r.job_id for r in res), ids)
         self.assertTrue(all(r.success for r in res))
@@ -307,8 +307,11 @@ class Namespaces(TierCase):
         a = self.tier(region)
         ks = keys(2, "ns")
         self.store(a, ks, range(2))
-        for spec in (S.fake_spec(model="Qwen/Qwen3-8B"), S.fake_spec(dtype="float16"),
-                     S.fake_spec(tp=2), S.fake_spec(layers=5), S.fake_spec(hash_algo="sha256_cbor")):
+        # Every one has the same row size as a: only the identity differs.
+        for spec in (S.fake_spec(model="meta-llama/Llama-3.1-8B"), S.fake_spec(model="Qwen/Qwen3-8B"),
+                     S.fake_spec(dtype="float16"), S.fake_spec(tp=2), S.fake_spec(layers=5),
+                     S.fake_spec(blocks_per_chunk=2), S.fake_spec(tokens_per_block=32),
+                     S.fake_spec(canonical_layout=False, replicated_layout=True)):
             b = self.tier(np.zeros_like(region), spec=spec)
             self.assertNotEqual(b._ns.fingerprint, a._ns.fingerprint)
             self.assertEqual(self.lookup_settled(b, ks[0])[-1], S.LookupResult.MISS)
@@ -326,6 +329,163 @@ class Namespaces(TierCase):
         a = self.tier(random_region())
         b = self.tier(random_region(), namespace="tenant-b")
         self.assertNotEqual(a._ns.fingerprint, b._ns.fingerprint)
+
+
+    def test_two_engines_of_one_model_share_rows(self):
+        region = random_region()
+        a = self.tier(region, spec=S.fake_spec(engine_id="engine-a"))
+        ks = keys(2, "share")
+        self.store(a, ks, range(2))
+        b = self.tier(np.zeros_like(region), spec=S.fake_spec(engine_id="engine-b"))
+        self.assertEqual(self.lookup_settled(b, ks[1])[-1], S.LookupResult.HIT)
+
+    def test_parallel_sizes_collapse_only_where_vllm_certifies_the_row_portable(self):
+        # vLLM's fs tier keeps TP sizes apart unless the config says the
+        # bytes are parallelism-agnostic; kvhost does the same.
+        region = random_region()
+        a = self.tier(region, spec=S.fake_spec(tp=1, agnostic=True))
+        ks = keys(1, "agnostic")
+        self.store(a, ks, [0])
+        b = self.tier(np.zeros_like(region), spec=S.fake_spec(tp=2, agnostic=True))
+        self.assertEqual(b._ns.geometry.model, a._ns.geometry.model)
+        self.assertEqual(self.lookup_settled(b, ks[0])[-1], S.LookupResult.HIT)
+        c = self.tier(np.zeros_like(region), spec=S.fake_spec(tp=2))
+        self.assertEqual(self.lookup_settled(c, ks[0])[-1], S.LookupResult.MISS)
+
+    def test_the_namespace_option_adds_to_the_identity_and_never_replaces_it(self):
+        a = self.tier(random_region(), namespace="shared")
+        b = self.tier(random_region(), spec=S.fake_spec(model="Qwen/Qwen3-8B"), namespace="shared")
+        self.assertNotEqual(a._ns.fingerprint, b._ns.fingerprint)
+
+
+class Identity(unittest.TestCase):
+    """A field that separates models and cannot be read refuses the tier,
+    naming it, before anything connects or registers."""
+
+    def refused(self, spec, field):
+        with self.assertRaisesRegex(kv.IdentityUnknown, field):
+            Tier(offloading_spec=spec, primary_kv_view=memoryview(random_region()),
+                 tier_type="KvhostTier", socket="/nonexistent/kvhost.sock")
+
+    def test_a_spec_without_vllms_offloading_config_is_refused(self):
+        import types
+        old_shape = types.SimpleNamespace(vllm_config=types.SimpleNamespace(), kv_cache_config=None)
+        self.refused(old_shape, "has no config.model")
+
+    def test_each_unreadable_identity_field_is_refused_by_name(self):
+        import dataclasses
+        cfg = S.offloading_config()
+        cases = {
+            "model.name": dataclasses.replace(cfg, model=S.OffloadingModelConfig(name="", dtype="bfloat16")),
+            "model.dtype": dataclasses.replace(cfg, model=S.OffloadingModelConfig(name="m", dtype="auto")),
+            "parallel.tp_size": dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp_size=None)),
+            "cache.blocks_per_chunk": dataclasses.replace(cfg, cache=S.OffloadingCacheConfig(16, 0)),
+            "groups": dataclasses.replace(cfg, groups=()),
+            r"groups\[0\].layer_names": dataclasses.replace(
+                cfg, groups=(S.OffloadingGroupConfig(tokens_per_block=16, layer_names=()),)),
+        }
+        for field, bad in cases.items():
+            with self.subTest(field=field):
+                self.refused(S._TieringSpec(bad), r"spec\.config\." + field)
+
+    def test_canonical_layout_without_vllms_format_id_is_refused(self):
+        self.refused(S.fake_spec(canonical_layout=True), "canonical format id")
+
+
+class Stats(TierCase):
+    """vLLM calls get_stats every scheduler step, then is_empty() and
+    aggregate() on what it gets."""
+
+    def test_get_stats_is_vllms_payload_with_kvhosts_counters_or_none(self):
+        t = self.tier(random_region())
+        self.assertIsNone(t.get_stats(), "nothing happened yet")
+        self.store(t, keys(3, "stats"), range(3))
+        st = t.get_stats()
+        self.assertIsInstance(st, S.OffloadingConnectorStats)
+        data = st.data["data"]
+        self.assertEqual(data["vllm:kv_offload_kvhost_stored_keys"], {("KvhostTier",): 3})
+        self.assertEqual(data["vllm:kv_offload_kvhost_bytes_stored"], {("KvhostTier",): 3 * ROW})
+        self.assertIsNone(t.get_stats(), "a second call with nothing new reports nothing")
+        declared = type(t).build_metric_definitions({})
+        for name, labels in data.items():
+            self.assertIn(name, declared)
+            for lv in labels:
+                self.assertEqual(len(lv), len(declared[name].labelnames))
+
+    def test_a_thousand_steps_under_load_aggregate_every_store_and_hit(self):
+        region = random_region()
+        t = self.tier(region, threads=4, lookup_ttl_s=0.005)
+        total = S.OffloadingConnectorStats()
+
+        def step(key):
+            r = t.lookup(key, CTX)
+            t.get_finished_jobs()
+            st = t.get_stats()
+            if st is not None:
+                self.assertFalse(st.is_empty())
+                total.aggregate(st)
+            return r
+
+        submitted = 0
+        for n in range(1000):
+            if n % 10 == 0 and submitted < 64:
+                ks = keys(2, f"load{submitted}")
+                t.submit_store(self.job(ks, [(2 * submitted) % ROWS, (2 * submitted + 1) % ROWS]))
+                submitted += 1
+            step(keys(1, f"load{n % 64}")[0])
+        t.drain_jobs()
+        # Every key is stored now: steps go on until a lookup is answered HIT.
+        d.wait_for(lambda: step(keys(1, "load0")[0]) is S.LookupResult.HIT, what="a HIT")
+        step(keys(1, "load0")[0])
+        c = t.counters()
+        got = {name[len("vllm:kv_offload_kvhost_"):]: v[("KvhostTier",)] for name, v in total.data["data"].items()}
+        self.assertEqual(got.get("stored_keys", 0) + got.get("present_keys", 0), 2 * submitted)
+        self.assertEqual(got["bytes_stored"], c["bytes_stored"])
+        self.assertGreater(c["lookup_hits"], 0)
+        for k in ("lookup_hits", "lookup_misses", "lookup_retries"):
+            self.assertEqual(got.get(k, 0), c.get(k, 0), k)
+
+
+class Lifecycle(TierCase):
+
+    def test_shutdown_leaves_no_export_of_vllms_region(self):
+        # vLLM's region: a numpy array over an mmap, handed as a memoryview;
+        # at shutdown vLLM releases the memoryview and closes the mmap.
+        size = ROWS * ROW
+        m = mmap.mmap(-1, size)
+        arr = np.frombuffer(m, dtype=np.uint8).reshape(ROWS, ROW)
+        arr[:] = random_region(seed=5)
+        view = memoryview(arr)
+        t = Tier(offloading_spec=S.fake_spec(), primary_kv_view=view, tier_type="KvhostTier",
+                 socket=self.daemon.socket)
+        self.store(t, keys(2, "export"), [0, 1])
+        t.shutdown()
+        del arr
+        view.release()  # raises BufferError while the tier keeps an export
+        m.close()
+
+    def test_vllms_generic_tier_keys_are_accepted_and_locality_honoured(self):
+        detector = object()
+        t = self.tier(random_region(), locality="REMOTE", backpressure_detector=detector,
+                      backpressure={"backpressure_cls": "X"})
+        self.assertIs(t.locality, S.Locality.REMOTE)
+        with self.assertRaisesRegex(ValueError, "locality 'FAR'"):
+            self.tier(random_region(), locality="FAR")
+
+    def test_a_job_with_chunk_ids_instead_of_block_ids_is_moved(self):
+        import dataclasses
+        region = random_region()
+        t = self.tier(region)
+
+        @dataclasses.dataclass
+        class LaterTransferJob:  # vLLM renamed block_ids to chunk_ids
+            job_id: int
+            keys: list
+            chunk_ids: np.ndarray
+            is_promotion: bool
+            req_context: object
+        t.submit_store(LaterTransferJob(900, keys(1, "chunk"), np.asarray([3]), False, CTX))
+        self.assertTrue(self.finished(t, 1)[900].success)
 
 
 class ZeroCopy(TierCase):
@@ -390,7 +550,7 @@ class ZeroCopy(TierCase):
             self.tier(region, zero_copy="on")
         t = self.tier(region, zero_copy="auto")
         self.assertEqual(t.data_path, "copy")
-        self.assertIn("zero_copy_error", t.get_stats())
+        self.assertIn("zero_copy_error", t.counters())
         ks = keys(2, "anon")
         self.store(t, ks, [0, 1])
         j = self.job(ks, [30, 31], promotion=True)
@@ -521,7 +681,7 @@ class VersionWindow(unittest.TestCase):
             print(cls.medium)
         """, [root])
         self.assertEqual(r.returncode, 0, r.stderr)
-        self.assertEqual(r.stdout.strip(), "Medium.DISK")
+        self.assertEqual(r.stdout.strip(), "Medium.STORAGE")
 
     def test_an_installed_vllm_outside_the_window_is_refused_at_load(self):
         root = self.fake_vllm(False)

@@ -159,7 +159,7 @@ class _TierImpl:
         self._events = collections.deque()
         self._stats = collections.Counter()
         self._reported = collections.Counter()
-        self._reported_inflight = None
+        self._reported_inflight = 0
         self._staging = None
         self._slot_ranges = None
         self._cache = None
