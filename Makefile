@@ -111,3 +111,14 @@ clean:
 test-python:
 	@scripts/ensure-python.sh
 	cd client/python && PYTHONPATH=src /usr/bin/python3 -m unittest discover -s tests -v
+
+# The vLLM integration tests (client/python/tests/test_vllm*.py) against
+# vLLM's own offloading code from a source tree: VLLM_SRC is the directory
+# that contains the vllm package (tests/vllm_tree.py says what is shimmed).
+.PHONY: test-vllm
+test-vllm:
+	@test -n "$(VLLM_SRC)" || { echo "test-vllm: set VLLM_SRC=DIR, the directory that contains the vllm package (make test-vllm VLLM_SRC=DIR)" >&2; exit 2; }
+	@test -f "$(VLLM_SRC)/vllm/__init__.py" || { echo "test-vllm: $(VLLM_SRC)/vllm/__init__.py not found; VLLM_SRC must contain the vllm package" >&2; exit 2; }
+	@$(MAKE) --no-print-directory build
+	@scripts/ensure-python.sh
+	cd client/python && KVHOST_BIN=$(CURDIR)/bin/kvhost KVHOST_VLLM_SRC=$(abspath $(VLLM_SRC)) PYTHONPATH=src:tests /usr/bin/python3 -m unittest discover -s tests -p 'test_vllm*.py' -v

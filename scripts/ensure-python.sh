@@ -12,6 +12,8 @@ missing=()
 # The offline-install test builds the client in a fresh venv with pip and
 # setuptools from the system (no package index).
 "$py" -c 'import ensurepip' >/dev/null 2>&1 || missing+=(python3-venv)
+# vLLM's connector metrics (make test-vllm only; the CI tests skip without a vLLM tree).
+"$py" -c 'import prometheus_client' >/dev/null 2>&1 || missing+=(python3-prometheus-client)
 "$py" -c 'import setuptools, wheel' >/dev/null 2>&1 || missing+=(python3-setuptools python3-wheel)
 "$py" -m pip --version >/dev/null 2>&1 || missing+=(python3-pip)
 [ ${#missing[@]} -eq 0 ] && exit 0

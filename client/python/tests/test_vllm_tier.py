@@ -488,6 +488,49 @@ class Lifecycle(TierCase):
         self.assertTrue(self.finished(t, 1)[900].success)
 
 
+class VllmFsMount(unittest.TestCase):
+    """vllm_fs=true: the tier uses the daemon's vllm-fs mount of vLLM's
+    fs-tier directory for its model, named as vLLM's fs tier names it."""
+
+    @classmethod
+    def setUpClass(cls):
+        from kvhost.vllm import _namespace as N
+        cls.fields = N.fs_fields(S.fake_spec().config)
+        cls.base = N.fs_base(cls.fields)
+        cls.root = tempfile.mkdtemp(prefix="kvhost-vllmfs-")
+        f = cls.fields
+        groups = "".join(f'[[mount.vllm_fs.kv_cache_groups]]\ntokens_per_block = {g["tokens_per_block"]}\n'
+                         f'layer_names = {list(g["layer_names"])!r}\n'.replace("'", '"') for g in f["kv_cache_groups"])
+        cls.daemon = d.Daemon(after_toml=(
+            f'[[mount]]\npath = "{cls.root}"\nlayout = "vllm-fs"\ncapacity = "1GiB"\n'
+            f'[mount.vllm_fs]\nmodel_name = "{f["model_name"]}"\ntokens_per_hash = {f["tokens_per_hash"]}\n'
+            f'blocks_per_file = {f["blocks_per_file"]}\ndtype = "{f["dtype"]}"\n{groups}'))
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.daemon.stop()
+        import shutil
+        shutil.rmtree(cls.root, ignore_errors=True)
+
+    def test_rows_land_where_vllms_fs_tier_names_them_and_other_models_are_refused(self):
+        region = random_region(rows=4)
+        t = Tier(offloading_spec=S.fake_spec(), primary_kv_view=memoryview(region), tier_type="KvhostTier",
+                 socket=self.daemon.socket, vllm_fs=True)
+        self.addCleanup(t.shutdown)
+        self.assertEqual(t._ns.geometry.model, "vllm-fs:" + self.base)
+        k = keys(1, "fs")[0]
+        j = S.TransferJob(job_id=1, keys=[k], block_ids=np.asarray([2]), is_promotion=False, req_context=CTX)
+        t.submit_store(j)
+        d.wait_for(lambda: t.get_finished_jobs(), what="the store")
+        h = k[:-4].hex()
+        path = pathlib.Path(self.root, f"{self.base}_r0", h[:3], f"{h[3:5]}_g0", f"{h}.bin")
+        self.assertTrue(path.exists(), f"no {path}")
+        self.assertEqual(path.read_bytes()[:ROW], region[2].tobytes())
+        with self.assertRaisesRegex(RuntimeError, "no vllm-fs mount of the daemon serves this model"):
+            Tier(offloading_spec=S.fake_spec(model="Qwen/Qwen3-8B"), primary_kv_view=memoryview(random_region(rows=4)),
+                 tier_type="KvhostTier", socket=self.daemon.socket, vllm_fs=True)
+
+
 class ZeroCopy(TierCase):
 
     def test_a_memfd_primary_region_is_registered_and_moved_without_staging(self):

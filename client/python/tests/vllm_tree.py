@@ -72,6 +72,9 @@ MODULES = (
     ("cpu_gpu_worker", "vllm.v1.kv_offload.cpu.gpu_worker", (
         "CPUOffloadingWorker",)),
     ("cpu_spec", "vllm.v1.kv_offload.cpu.spec", ("CPUOffloadingSpec",)),
+    # JobMetadata: the per-job record in tiering.base before TransferJob
+    # replaced it (v0.26); later trees have an unrelated NamedTuple of that
+    # name in tiering.manager (not exported here).
     ("tiering_base", "vllm.v1.kv_offload.tiering.base", (
         "TieringOffloadingMetrics", "TransferJob", "JobMetadata", "JobResult",
         "JobId", "ParentManager", "SecondaryTierManager")),
@@ -96,8 +99,7 @@ MODULES = (
         ("KVConnectorStats", "KVConnectorPromMetrics")),
     ("offloading_metrics",
         "vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics",
-        ("OffloadingConnectorStats", "OffloadingConnectorMetrics",
-         "OffloadPromMetrics", "OffloadingOperationMetrics")),
+        ("OffloadingConnectorStats", "OffloadPromMetrics")),
 )
 
 _state: dict = {"src": None, "api": None}
@@ -253,6 +255,22 @@ def _make_shims(src: str, tree_name: str):
             "reimplemented here with the same contract.",
             check_shm_free_space=check_shm_free_space)
 
+    def torch_utils():
+        from vllm.utils.platform_utils import is_pin_memory_available
+
+        def get_dtype_size(dtype):
+            return torch.empty((), dtype=dtype).element_size()
+        return _shim_module(
+            "vllm.utils.torch_utils",
+            "the real module needs torch >= 2.4 at import "
+            "(torch.library.infer_schema, Library(..., 'FRAGMENT'), "
+            "torch.float8_e4m3fn). The offloading code uses PIN_MEMORY "
+            "(computed as vLLM does, from "
+            "platform_utils.is_pin_memory_available()) and, through "
+            "kv_cache_interface, get_dtype_size.",
+            PIN_MEMORY=is_pin_memory_available(),
+            get_dtype_size=get_dtype_size)
+
     def kv_events():
         consts = _string_constants(os.path.join(
             src, "vllm", "distributed", "kv_events.py"))
@@ -263,7 +281,25 @@ def _make_shims(src: str, tree_name: str):
             "name constants (MEDIUM_CPU, MEDIUM_FS, ...), read here from "
             "the tree's file without running it.", **consts)
 
+    def parallel_state():
+        def is_local_first_rank():
+            return True  # one scheduler process: it is the first rank
+
+        def not_initialized(*args, **kwargs):
+            raise RuntimeError("vllm_tree shim: no distributed state in the tests")
+        m = _shim_module(
+            "vllm.distributed.parallel_state",
+            "process groups over torch.distributed (newer internals than "
+            "torch 1.13, NCCL). vllm.logger's *_once helpers ask "
+            "is_local_first_rank() (answered True: one process); every "
+            "other function raises, as in a process whose distributed "
+            "state is not initialized.",
+            is_local_first_rank=is_local_first_rank)
+        m.__getattr__ = lambda name: not_initialized
+        return m
+
     shims = {
+        "vllm.distributed.parallel_state": parallel_state,
         "vllm._version": version,
         "vllm.env_override": env_override,
         "vllm.platforms": platforms,
@@ -273,6 +309,8 @@ def _make_shims(src: str, tree_name: str):
         "vllm.distributed.device_communicators.shm_broadcast": shm_broadcast,
         "vllm.distributed.kv_events": kv_events,
     }
+    if not hasattr(torch.library, "infer_schema"):  # torch < 2.4
+        shims["vllm.utils.torch_utils"] = torch_utils
     return shims
 
 
@@ -313,11 +351,6 @@ def _import_patches():
     import torch
     import torch.library
     patches = {}
-    if not hasattr(torch.library, "infer_schema"):
-        patches["vllm.utils.torch_utils"] = [(
-            torch.library, "infer_schema",
-            "torch < 2.4: imported at module level, only called by "
-            "direct_register_custom_op (custom GPU ops)")]
     if not hasattr(torch, "Event"):
         patches["vllm.v1.kv_offload.cpu.gpu_worker"] = [(
             torch, "Event",
@@ -429,7 +462,10 @@ def _snapshot_name(src: str) -> str:
 
 
 def _installed_vllm() -> bool:
-    spec = importlib.util.find_spec("vllm")
+    try:
+        spec = importlib.util.find_spec("vllm")
+    except (ImportError, ValueError):  # e.g. a stand-in module without spec
+        return False
     return spec is not None and spec.origin is not None
 
 
@@ -448,20 +484,33 @@ def _resolve(src):
     return src
 
 
-def skip_reason(src=None):
-    """None when a tree (or an installed vLLM) is configured and loadable,
-    else why not, for unittest.skipUnless / skipIf."""
+def skip_reason(src=None, *, try_import=False):
+    """None when a tree (src, else KVHOST_VLLM_SRC, else an installed vLLM)
+    is configured, else why not, for unittest.skipUnless / skipIf.
+
+    Cheap and free of side effects by default (checks the tree has
+    vllm/__init__.py and vllm/v1/kv_offload/base.py; imports nothing), so
+    that calling it at test-module import does not put vLLM into
+    sys.modules for every other test module of the run. try_import=True
+    also runs load() and reports its failure."""
+    if _state["api"] is not None and src is None:
+        return None
     try:
         path = _resolve(src)
     except FileNotFoundError as e:
         return f"{SKIP_HINT} ({e})"
-    if path is None and _state["src"] is None:
+    if path is None:
         if not _installed_vllm():
             return SKIP_HINT
-    try:
-        load(src)
-    except Exception as e:  # noqa: BLE001 - reported as the skip reason
-        return f"vLLM tree {path} does not load: {type(e).__name__}: {e}"
+    elif not os.path.isfile(os.path.join(
+            path, "vllm", "v1", "kv_offload", "base.py")):
+        return (f"vLLM tree {path} has no vllm/v1/kv_offload/base.py "
+                "(too old for KV offloading)")
+    if try_import:
+        try:
+            load(src)
+        except Exception as e:  # noqa: BLE001 - reported as the skip reason
+            return f"vLLM at {path} does not load: {type(e).__name__}: {e}"
     return None
 
 
@@ -505,11 +554,21 @@ def load(src=None) -> types.SimpleNamespace:
     api = types.SimpleNamespace(
         name=name, src=path, shimmed=[], patched={}, modules={}, missing=[],
         errors={})
-    import vllm  # noqa: F401  (vllm/__init__: version, env_override)
-    if path is not None:
-        mfile = os.path.abspath(vllm.__file__)
-        if not mfile.startswith(path + os.sep):
-            raise RuntimeError(f"imported vllm from {mfile}, not from {path}")
+    try:
+        import vllm  # noqa: F401  (vllm/__init__: version, env_override)
+        if path is not None:
+            mfile = os.path.abspath(vllm.__file__)
+            if not mfile.startswith(path + os.sep):
+                raise RuntimeError(
+                    f"imported vllm from {mfile}, not from {path}")
+    except BaseException:
+        if finder is not None:
+            sys.meta_path.remove(finder)
+            sys.path.remove(path)
+            for m in [m for m in sys.modules
+                      if m == "vllm" or m.startswith("vllm.")]:
+                del sys.modules[m]
+        raise
     for alias, modname, names in MODULES:
         try:
             mod = importlib.import_module(modname)

@@ -1,0 +1,296 @@
+"""KvhostTier inside vLLM's own code: vLLM's OffloadingSpecFactory builds
+its TieringOffloadingSpec, whose SecondaryTierFactory loads KvhostTier from
+its module path, and the tests drive vLLM's TieringOffloadingManager in the
+scheduler's call order against a real kvhost daemon. No class under test is
+a stand-in; only vLLM's heavy imports are shimmed (vllm_tree.py).
+
+Needs a vLLM source tree: `make test-vllm VLLM_SRC=DIR` (or
+KVHOST_VLLM_SRC=DIR); without one every test here reports itself skipped.
+"""
+
+import logging
+import pathlib
+import sys
+import unittest
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "src"))
+sys.path.insert(0, str(HERE))
+
+import numpy as np  # noqa: E402
+
+import daemon as d  # noqa: E402
+import vllm_tree  # noqa: E402
+
+NO_TREE = vllm_tree.skip_reason()
+LAYERS = 4
+PAGE = 4096                        # bytes per layer per GPU block (one worker)
+WORKER_BYTES = LAYERS * PAGE       # config.worker_kv_bytes_per_block
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+
+
+def names(n=LAYERS):
+    return tuple(f"model.layers.{i}.self_attn.attn" for i in range(n))
+
+
+def key(i, tag="k", group=0):
+    import hashlib
+    return hashlib.sha256(f"{tag}-{i}".encode()).digest() + group.to_bytes(4, "big")
+
+
+@unittest.skipUnless(NO_TREE is None, NO_TREE or "")
+class RealTieringCase(unittest.TestCase):
+    """A daemon per class; engines (vLLM managers) closed after each test."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.api = vllm_tree.load()
+        from kvhost import vllm as kv
+        cls.kv = kv
+        try:
+            kv.detect()
+        except kv.UnsupportedVLLM as e:
+            cls.refused = e
+        else:
+            cls.refused = None
+        cls.daemon = d.Daemon()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.daemon.stop()
+
+    def setUp(self):
+        if self.refused is not None:
+            # kvhost refuses this vLLM (test_refusal checks how); the
+            # scenarios below need a supported one.
+            self.skipTest(f"kvhost refuses {self.api.name}: {self.refused}")
+        self.handles = []
+
+    def tearDown(self):
+        for h in reversed(getattr(self, "handles", [])):
+            h.close()
+
+    def engine(self, model=MODEL, tp=1, worker_bytes=WORKER_BYTES, agnostic=False, tier=None, blocks=16,
+               groups=None):
+        """vLLM's TieringOffloadingManager with KvhostTier as its secondary tier."""
+        entry = {"type": "KvhostTier", "module_path": "kvhost.vllm", "socket": self.daemon.socket}
+        entry.update(tier or {})
+        h = vllm_tree.make_tiering_manager(
+            self.api, num_cpu_blocks=blocks, secondary_tiers=[entry],
+            config_kwargs=dict(model=model, tp=tp, worker_kv_bytes_per_block=worker_bytes,
+                               is_parallelism_agnostic=agnostic,
+                               groups=groups or ((names(), 16),)))
+        self.handles.append(h)
+        return h
+
+    def ctx(self, rid="req-0"):
+        return self.api.ReqContext(req_id=rid)
+
+    def step(self, m, sink=None):
+        """The end of one scheduler step, as vLLM's connector does it."""
+        m.on_schedule_end(self.api.ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
+        st = m.get_stats()
+        if st is not None and sink is not None:
+            sink.aggregate(st)
+        return st
+
+    def rows(self, h):
+        """vLLM's primary CPU region as a (num_blocks, row) uint8 array
+        (dropped by the caller before the engine closes)."""
+        view = h.manager.primary_tier.get_kv_memoryview()
+        return np.asarray(view).view(np.uint8)
+
+    def settle(self, m, k, ctx, sink=None):
+        """lookup every step until it is neither RETRY nor HIT_PENDING."""
+        R = self.api.LookupResult
+        seen = []
+
+        def ask():
+            r = m.lookup(k, ctx)
+            seen.append(r)
+            self.step(m, sink)
+            return r not in (R.RETRY, R.HIT_PENDING)
+        d.wait_for(ask, what=f"a settled lookup (seen {seen[-3:]})")
+        return seen
+
+    def offload(self, h, ks, ctx, seed=0, sink=None):
+        """GPU -> CPU store of ks (bytes written into the rows vLLM's
+        prepare_store picked), then complete_store, which cascades the rows
+        to kvhost; steps until the cascade finishes. Returns the bytes."""
+        m = h.manager
+        out = m.prepare_store(ks, ctx)
+        self.assertIsNotNone(out)
+        self.assertEqual(list(out.keys_to_store), list(ks))
+        rows = self.rows(h)
+        want = np.random.default_rng(seed).integers(0, 256, size=(len(ks), rows.shape[1]), dtype=np.uint8)
+        for i, b in enumerate(out.store_spec.block_ids):
+            rows[int(b)] = want[i]
+        del rows
+        m.complete_store(ks, ctx)
+        d.wait_for(lambda: (self.step(m, sink), not m.has_pending_work())[1], what="the cascade to kvhost")
+        return want
+
+    def promote_and_read(self, h, ks, ctx, sink=None):
+        """Lookups until HIT (a promotion from kvhost), then prepare_load:
+        the bytes vLLM would copy to the GPU."""
+        R = self.api.LookupResult
+        m = h.manager
+        for k in ks:
+            self.assertEqual(self.settle(m, k, ctx, sink)[-1], R.HIT)
+        spec = m.prepare_load(ks, ctx)
+        rows = self.rows(h)
+        got = np.stack([rows[int(b)].copy() for b in spec.block_ids])
+        del rows
+        m.complete_load(ks, ctx)
+        return got
+
+
+class FactoryAndCallOrder(RealTieringCase):
+
+    def test_vllms_factory_builds_the_tier_as_its_secondary_tier_manager(self):
+        h = self.engine()
+        tiers = h.manager.secondary_tiers
+        self.assertEqual(len(tiers), 1)
+        self.assertIsInstance(tiers[0], self.api.SecondaryTierManager)
+        self.assertEqual(type(tiers[0]).__name__, "KvhostTier")
+        self.assertEqual(tiers[0].data_path, "zero-copy", "vLLM's /dev/shm region is registered")
+
+    def test_store_cascade_reset_promotion_in_the_schedulers_order_round_trips_bytes(self):
+        R = self.api.LookupResult
+        h = self.engine()
+        m, ctx = h.manager, self.ctx()
+        m.on_new_request(ctx)
+        ks = [key(i, "order") for i in range(4)]
+        self.assertEqual(self.settle(m, ks[0], ctx)[-1], R.MISS)
+        want = self.offload(h, ks, ctx)
+        m.touch(ks, ctx)
+        # vLLM's reset drains the tiers and empties its CPU tier: the next
+        # hits must come from kvhost.
+        m.reset_cache()
+        got = self.promote_and_read(h, ks, ctx)
+        np.testing.assert_array_equal(got, want)
+        m.on_request_finished(ctx)
+        events = list(m.take_events())
+        self.assertIsInstance(events, list)
+        tier = m.secondary_tiers[0]
+        c = tier.counters()
+        self.assertEqual(c["stored_keys"], 4)
+        self.assertEqual(c["loaded_keys"], 4)
+
+    def test_a_second_engine_of_the_same_model_loads_the_first_ones_rows(self):
+        a, b = self.engine(), self.engine()
+        ctx = self.ctx()
+        a.manager.on_new_request(ctx)
+        ks = [key(i, "share") for i in range(3)]
+        want = self.offload(a, ks, ctx)
+        b.manager.on_new_request(ctx)
+        np.testing.assert_array_equal(self.promote_and_read(b, ks, ctx), want)
+
+
+class Identity(RealTieringCase):
+    """Engines whose rows have the same size but not the same meaning."""
+
+    def stored_by(self, **kw):
+        a = self.engine(**kw)
+        ctx = self.ctx()
+        a.manager.on_new_request(ctx)
+        ks = [key(i, "ident") for i in range(4)]
+        self.offload(a, ks, ctx)
+        return ks
+
+    def miss_all(self, ks, **kw):
+        R = self.api.LookupResult
+        b = self.engine(**kw)
+        ctx = self.ctx("other")
+        b.manager.on_new_request(ctx)
+        for k in ks:
+            self.assertEqual(self.settle(b.manager, k, ctx)[-1], R.MISS)
+        return b
+
+    def test_another_model_of_the_same_row_size_gets_miss(self):
+        ks = self.stored_by()
+        self.miss_all(ks, model="meta-llama/Llama-3.1-8B")
+        self.miss_all(ks, model="mistralai/Mistral-7B-v0.1")
+
+    def test_tp2_of_the_same_model_gets_miss_for_tp1_rows(self):
+        ks = self.stored_by(tp=1)
+        # TP=2: each worker holds half the heads, so the row (both workers'
+        # slots) has the TP=1 row's size.
+        b = self.miss_all(ks, tp=2, worker_bytes=WORKER_BYTES // 2)
+        self.assertEqual(np.asarray(b.manager.primary_tier.get_kv_memoryview()).shape[1],
+                         np.asarray(self.handles[0].manager.primary_tier.get_kv_memoryview()).shape[1])
+
+    def test_tp_sizes_share_where_vllm_certifies_the_bytes_portable(self):
+        R = self.api.LookupResult
+        ks = self.stored_by(tp=1, agnostic=True)
+        b = self.engine(tp=2, worker_bytes=WORKER_BYTES // 2, agnostic=True)
+        ctx = self.ctx("tp2")
+        b.manager.on_new_request(ctx)
+        self.assertEqual(self.settle(b.manager, ks[0], ctx)[-1], R.HIT)
+
+    def test_a_hybrid_models_groups_keep_their_own_keys(self):
+        groups = ((names(2), 16), (tuple(f"model.layers.{i}.sliding" for i in range(2, 4)), 16))
+        h = self.engine(groups=groups, worker_bytes=2 * PAGE)
+        ctx = self.ctx()
+        h.manager.on_new_request(ctx)
+        ks = [key(0, "hy", group=0), key(0, "hy", group=1)]
+        want = self.offload(h, ks, ctx)
+        h.manager.reset_cache()
+        np.testing.assert_array_equal(self.promote_and_read(h, ks, ctx), want)
+        self.miss_all(ks, groups=((names(4), 16),), worker_bytes=2 * PAGE)
+
+
+class StatsAndShutdown(RealTieringCase):
+
+    def test_get_stats_every_step_for_a_thousand_steps_under_load(self):
+        h = self.engine(blocks=64)
+        m = h.manager
+        total = self.api.OffloadingConnectorStats()
+        ctx = self.ctx()
+        m.on_new_request(ctx)
+        stored = 0
+        for n in range(1000):
+            if n % 25 == 0 and stored < 32:
+                ks = [key(stored, "load")]
+                out = m.prepare_store(ks, ctx)
+                if out is not None:
+                    m.complete_store(out.keys_to_store, ctx)
+                    stored += 1
+            m.lookup(key(n % 40, "load"), ctx)
+            self.step(m, total)
+        d.wait_for(lambda: (self.step(m, total), not m.has_pending_work())[1], what="the cascades to finish")
+        self.step(m, total)
+        reduced = total.reduce()
+        self.assertEqual(reduced["vllm:kv_offload_kvhost_stored_keys:('KvhostTier',)"], stored,
+                         sorted(reduced))
+        written = [v for k, v in reduced.items() if "write_bytes" in k and "KvhostTier" in k]
+        self.assertEqual(written, [stored * m.secondary_tiers[0]._row_bytes])
+
+    def test_shutdown_leaves_vllms_region_to_close_without_a_warning(self):
+        h = self.engine()
+        ctx = self.ctx()
+        h.manager.on_new_request(ctx)
+        self.offload(h, [key(0, "bye")], ctx)
+        self.handles.remove(h)
+        with self.assertNoLogs("vllm", level="WARNING"):
+            h.manager.shutdown()  # vLLM releases its memoryview and closes the mmap
+        h.manager = None
+        h.close()
+
+
+@unittest.skipUnless(NO_TREE is None, NO_TREE or "")
+class Refusal(unittest.TestCase):
+
+    def test_a_vllm_without_the_secondary_tier_interface_is_refused_naming_the_window(self):
+        api = vllm_tree.load()
+        from kvhost import vllm as kv
+        if api.has_transfer_job and api.has_successful_keys:
+            kv.detect()  # supported: detect must not raise
+            return
+        with self.assertRaisesRegex(kv.UnsupportedVLLM, "supported: vLLM with the secondary-tier interface"):
+            kv.detect()
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING)
+    unittest.main()
