@@ -83,6 +83,28 @@ class RealTieringCase(unittest.TestCase):
         self.handles.append(h)
         return h
 
+    def region_warnings(self):
+        """A context manager collecting the warnings vLLM's logger gives
+        about its CPU region (e.g. "Failed to close mmap_obj")."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def collect():
+            got = []
+
+            class H(logging.Handler):
+                def emit(self, rec):
+                    if rec.levelno >= logging.WARNING and ("mmap" in rec.getMessage() or rec.exc_info):
+                        got.append(rec.getMessage())
+            h = H()
+            lg = logging.getLogger("vllm")
+            lg.addHandler(h)
+            try:
+                yield got
+            finally:
+                lg.removeHandler(h)
+        return collect()
+
     def ctx(self, rid="req-0"):
         return self.api.ReqContext(req_id=rid)
 
@@ -272,10 +294,47 @@ class StatsAndShutdown(RealTieringCase):
         h.manager.on_new_request(ctx)
         self.offload(h, [key(0, "bye")], ctx)
         self.handles.remove(h)
-        with self.assertNoLogs("vllm", level="WARNING"):
+        with self.region_warnings() as warned:
             h.manager.shutdown()  # vLLM releases its memoryview and closes the mmap
+        self.assertEqual(warned, [])
         h.manager = None
         h.close()
+
+
+class VllmFsInterop(RealTieringCase):
+    """vLLM's own fs tier writes a directory; a kvhost daemon adopts it as a
+    vllm-fs mount; KvhostTier (vllm_fs=true) in another engine of the same
+    model loads vLLM's rows, and an engine of another model never does."""
+
+    def test_rows_vllms_fs_tier_wrote_are_served_to_the_same_model_only(self):
+        import shutil
+        import tempfile
+        R = self.api.LookupResult
+        root = tempfile.mkdtemp(prefix="kvhost-vllm-fs-")
+        self.addCleanup(shutil.rmtree, root, True)
+        writer = vllm_tree.make_tiering_manager(
+            self.api, num_cpu_blocks=16, secondary_tiers=[vllm_tree.fs_tier(root)],
+            config_kwargs=dict(model=MODEL, worker_kv_bytes_per_block=WORKER_BYTES,
+                               is_parallelism_agnostic=False, groups=((names(), 16),)))
+        self.handles.append(writer)
+        ctx = self.ctx()
+        writer.manager.on_new_request(ctx)
+        ks = [key(i, "fs") for i in range(3)]
+        want = self.offload(writer, ks, ctx)
+        daemon = d.Daemon(after_toml=f'[[mount]]\npath = "{root}"\nlayout = "vllm-fs"\ncapacity = "1GiB"\n')
+        self.addCleanup(daemon.stop)
+        entry = {"socket": daemon.socket, "vllm_fs": True}
+        reader = self.engine(tier=entry)
+        reader.manager.on_new_request(ctx)
+        np.testing.assert_array_equal(self.promote_and_read(reader, ks, ctx), want)
+        with self.region_warnings() as warned, \
+                self.assertRaisesRegex(RuntimeError, "no vllm-fs mount of the daemon serves this model"):
+            self.engine(model="meta-llama/Llama-3.1-8B", tier=entry)
+        self.assertEqual(warned, [], "a refused tier left vLLM's region exported")
+        other = self.engine(model="meta-llama/Llama-3.1-8B", tier={"socket": daemon.socket})
+        other.manager.on_new_request(ctx)
+        for k in ks:
+            self.assertEqual(self.settle(other.manager, k, ctx)[-1], R.MISS)
 
 
 @unittest.skipUnless(NO_TREE is None, NO_TREE or "")

@@ -129,16 +129,11 @@ class _TierImpl:
         # read is refused here, naming the field.
         self._desc = _namespace.describe(offloading_spec, 0, str(o["namespace"]))
 
-        arr = np.asarray(primary_kv_view)
-        if arr.ndim != 2:
-            raise ValueError(f"kvhost.vllm: primary_kv_view has shape {arr.shape}: want (num_blocks, row_stride)")
-        self._row_bytes = arr.shape[1] * arr.itemsize
-        self._row_stride = arr.strides[0]
-        self._num_rows = arr.shape[0]
-        if arr.strides[1] != arr.itemsize:
-            raise ValueError("kvhost.vllm: primary_kv_view rows are not contiguous")
-        self._view = primary_kv_view
-        self._primary = arr.view(np.uint8) if arr.dtype != np.uint8 else arr
+        # The array over vLLM's region is held only by self._primary (no
+        # local here): a traceback of a failed start must not keep it
+        # exported, or vLLM's region cleanup fails to close its mapping.
+        self._primary = self._view = None
+        self._adopt_region(np, primary_kv_view)
         self._np = np
 
         self._desc["row_bytes"] = self._row_bytes
@@ -194,6 +189,20 @@ class _TierImpl:
                  self._desc["fields"]["model_name"], self.fs_base, self.data_path, o["socket"])
 
     # -- set-up ---------------------------------------------------------------
+
+    def _adopt_region(self, np, view):
+        """Reads the row geometry of vLLM's region (a (num_blocks,
+        row_stride) memoryview) and keeps a uint8 array over it."""
+        arr = np.asarray(view)
+        if arr.ndim != 2:
+            raise ValueError(f"kvhost.vllm: primary_kv_view has shape {arr.shape}: want (num_blocks, row_stride)")
+        if arr.strides[1] != arr.itemsize:
+            raise ValueError("kvhost.vllm: primary_kv_view rows are not contiguous")
+        self._row_bytes = arr.shape[1] * arr.itemsize
+        self._row_stride = arr.strides[0]
+        self._num_rows = arr.shape[0]
+        self._view = view
+        self._primary = arr.view(np.uint8) if arr.dtype != np.uint8 else arr
 
     def _setup_data_path(self, geom):
         mode = self._opts["zero_copy"]
