@@ -6,8 +6,10 @@ import (
 	"fmt"
 	"hash/fnv"
 	"io/fs"
+	"maps"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 
 	"github.com/kvhost/kvhost/format"
@@ -101,8 +103,16 @@ func (e *Engine) openLayout(mt *mount, v *VLLMFS) error {
 			}
 		}
 		switch {
+		case len(ok) == 0 && len(found) == 0:
+			return fail(errors.New("no base directory with a config.json to adopt under the root; configure the fields"))
 		case len(ok) == 0:
-			return fail(fmt.Errorf("no base directory with a config.json to adopt under the root (%d found unreadable); configure the fields", len(found)))
+			// Say why each one cannot be adopted: an edited config.json
+			// reads fine but hashes to another name.
+			var why []error
+			for _, name := range slices.Sorted(maps.Keys(found)) {
+				why = append(why, found[name].err)
+			}
+			return fail(fmt.Errorf("no base directory under the root can be adopted; configure the fields: %w", errors.Join(why...)))
 		case len(ok) > 1:
 			return fail(fmt.Errorf("%d base directories to adopt (%s): configure the fields of the one to serve", len(ok), strings.Join(ok, ", ")))
 		}

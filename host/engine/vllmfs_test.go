@@ -369,7 +369,10 @@ func TestVLLMFSRefusesMismatch(t *testing.T) {
 		os.WriteFile(p, []byte(strings.Replace(tier.configJSON(), `"tp_size": 1`, `"tp_size": 4`, 1)), 0o644)
 		for _, v := range []*VLLMFS{{Fields: tier.fields()}, {}} {
 			_, err := Open(ctx, Config{Mounts: []Mount{{Path: root, VLLMFS: v}}, Policy: pol(), Logger: testLogger(t)})
-			if !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), "config.json") {
+			// Readable but edited: the error says it hashes to another
+			// name, never that it was unreadable.
+			if !errors.Is(err, ErrInvalid) || !errors.Is(err, vllmfs.ErrMismatch) ||
+				!strings.Contains(err.Error(), "not to the directory's name (edited") || strings.Contains(err.Error(), "unreadable") {
 				t.Fatalf("open (fields %v): %v", v.Fields != nil, err)
 			}
 		}
