@@ -42,11 +42,11 @@ def answer(m, key):
 
 
 def run_transfer(w, job, store, kv_spec, blocks):
-    gpu = S.GPULoadStoreSpec(blocks, [len(blocks)])
+    gpu = S.GPULoadStoreSpec(blocks, [len(blocks)], [0])
     t0 = time.perf_counter()
     ok = w.submit_store(job, gpu, kv_spec) if store else w.submit_load(job, kv_spec, gpu)
     assert ok
-    w.wait([job])
+    w.wait({job})
     res = []
     d.wait_for(lambda: res.extend(w.get_finished()) or res, what="transfer result")
     return res[0], time.perf_counter() - t0
@@ -61,8 +61,8 @@ def check_mount(name, root):
         spec_cls = kv.spec_class(S.SPEC_API)
         spec = spec_cls(S.fake_offloading_config(dm.socket, layers=LAYERS, page_bytes=PAGE))
         big = torch.randint(-128, 128, (LAYERS, BLOCKS, PAGE), dtype=torch.int8, device="cuda")
-        caches = S.CanonicalKVCaches([S.CanonicalKVCacheTensor(big[i]) for i in range(LAYERS)],
-                                     [[(i, PAGE) for i in range(LAYERS)]])
+        caches = S.CanonicalKVCaches([S.CanonicalKVCacheTensor(big[i], PAGE) for i in range(LAYERS)],
+                                     [[S.CanonicalKVCacheRef(i, PAGE) for i in range(LAYERS)]])
         m = spec.get_manager()
         w = spec.get_worker(caches)
         out["namespace"] = w.namespaces[0]
@@ -107,8 +107,11 @@ def check_mount(name, root):
         torch.cuda.synchronize()
         out["ceiling_d2h_GBps"] = round(host.numel() / (time.perf_counter() - t0) / 1e9, 2)
         out["rounds"] = rounds
-        out["manager"] = m.get_stats()
-        out["worker"] = w.get_stats()
+        stats = m.get_stats()  # what vLLM collects every step: its OffloadingConnectorStats
+        out["manager_stats_payload"] = None if stats is None else {
+            name: {",".join(labels): v for labels, v in values.items()} for name, values in stats.data["data"].items()}
+        out["manager"] = m.counters()
+        out["worker"] = w.counters()
         from kvhost import Client
         with Client(dm.socket) as c:
             out["daemon"] = {k: v for k, v in c.stats().items() if not isinstance(v, list)}

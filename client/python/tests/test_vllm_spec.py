@@ -1,15 +1,19 @@
 """KvhostOffloadingSpec driven in vLLM's call order against a real kvhost
 daemon, with CPU torch tensors in shared memory standing in for the GPU
 KV caches (the GPU machine runs the same with CUDA tensors:
-gpu_spec_check.py).
+gpu_spec_check.py). vLLM's classes are the stand-ins of vllm_standins.py
+(vLLM main 017e9f44); test_vllm_real_spec.py runs the same against vLLM's
+own code.
 
-Run: cd client/python && PYTHONPATH=src /usr/bin/python3 -m unittest test_vllm_spec (from tests/)
+Run: cd client/python && PYTHONPATH=src /usr/bin/python3 -m unittest tests.test_vllm_spec -v
 """
 
+import dataclasses
 import importlib.util
 import pathlib
 import pickle
 import sys
+import threading
 import types
 import unittest
 
@@ -19,6 +23,7 @@ sys.path.insert(0, str(HERE))
 
 import kvhost  # noqa: E402
 from kvhost import vllm as kv  # noqa: E402
+from kvhost.vllm import _metrics, _namespace, spec_compat as sc  # noqa: E402
 
 import daemon as d  # noqa: E402
 import vllm_standins as S  # noqa: E402
@@ -34,10 +39,13 @@ def keys(n, prefix="k", group=0):
     return [S.offload_key((prefix, i), group) for i in range(n)]
 
 
-def kv_caches(layers=LAYERS, page=PAGE, blocks=BLOCKS, shared=True, seed=0):
-    """CanonicalKVCaches over int8 (blocks, page) tensors in shared memory:
-    one memfd for every layer (shared=True, views of one storage) or one
-    per layer. Returns (caches, tensors, buffers)."""
+def kv_caches(layers=LAYERS, page=PAGE, blocks=BLOCKS, shared=True, seed=0, groups=1, ref_page=None,
+              tensor_page=None):
+    """CanonicalKVCaches as vLLM's connector builds them, over int8
+    (blocks, page) tensors in shared memory: one memfd for every layer
+    (shared=True, views of one storage) or one per layer. groups > 1 is a
+    hybrid model: every group's layer i uses tensor i (vLLM shares the
+    tensors across groups). Returns (caches, tensors, buffers)."""
     import torch
     g = torch.Generator().manual_seed(seed)
     bufs = []
@@ -53,9 +61,22 @@ def kv_caches(layers=LAYERS, page=PAGE, blocks=BLOCKS, shared=True, seed=0):
             bufs.append(buf)
     for t in tensors:
         t.copy_(torch.randint(-128, 128, t.shape, generator=g, dtype=torch.int8))
-    caches = S.CanonicalKVCaches(tensors=[S.CanonicalKVCacheTensor(t) for t in tensors],
-                                 group_data_refs=[[(i, page) for i in range(layers)]])
+    caches = S.CanonicalKVCaches(
+        tensors=[S.CanonicalKVCacheTensor(t, tensor_page or page) for t in tensors],
+        group_data_refs=[[S.CanonicalKVCacheRef(i, ref_page or page) for i in range(layers)]
+                         for _ in range(groups)])
     return caches, tensors, bufs
+
+
+def config(socket, engine_id=None, agnostic=False, **kw):
+    """S.fake_offloading_config with vLLM's own fields set too: the engine
+    id and whether vLLM calls the bytes parallelism-agnostic."""
+    cfg = S.fake_offloading_config(socket, **kw)
+    if engine_id is not None:
+        cfg = dataclasses.replace(cfg, engine_id=engine_id)
+    if agnostic:
+        cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, is_parallelism_agnostic=True))
+    return cfg
 
 
 def rows(tensors, blocks):
@@ -63,7 +84,13 @@ def rows(tensors, blocks):
     return [bytes(t[b].numpy().tobytes()) for t in tensors for b in blocks]
 
 
-@unittest.skipUnless(HAVE_TORCH, "torch is not installed (Debian: apt-get install python3-torch)")
+def answer_of(m, key, ctx=CTX):
+    """lookup() as the scheduler repeats it: RETRY until the daemon answered."""
+    R = S.LookupResult
+    return d.wait_for(lambda: (lambda r: r if r != R.RETRY else None)(m.lookup(key, ctx)),
+                      what="a lookup answer")
+
+
 class SpecCase(unittest.TestCase):
     capacity = "1GiB"
 
@@ -84,8 +111,7 @@ class SpecCase(unittest.TestCase):
             c()
 
     def spec(self, **kw):
-        s = Spec(S.fake_offloading_config(self.daemon.socket, **kw))
-        return s
+        return Spec(config(self.daemon.socket, **kw))
 
     def manager(self, spec):
         m = spec.get_manager()
@@ -97,50 +123,52 @@ class SpecCase(unittest.TestCase):
         self.closers.append(w.shutdown)
         return w
 
-    def buffers(self, bufs):
+    def caches(self, **kw):
+        caches, tensors, bufs = kv_caches(**kw)
         for b in bufs:
             self.closers.insert(0, b.close)
+        return caches, tensors
 
     def answer(self, m, key, want):
-        """lookup() as the scheduler repeats it: RETRY until the daemon answered."""
-        R = S.LookupResult
-        got = d.wait_for(lambda: (lambda r: r if r != R.RETRY else None)(m.lookup(key, CTX)),
-                         what="a lookup answer")
+        got = answer_of(m, key)
         self.assertEqual(got, want, key.hex())
         return got
 
-    def transfer(self, w, store, kv_spec, blocks):
+    def transfer(self, w, store, kv_spec, blocks, group_sizes=None, block_indices=None):
         """submit_* → wait → get_finished, as vLLM's worker runs a job."""
         self.job += 1
-        gpu = S.GPULoadStoreSpec(blocks, [len(blocks)])
+        sizes = group_sizes or [len(blocks)]
+        gpu = S.GPULoadStoreSpec(blocks, sizes, block_indices or [0] * len(sizes))
         kv_spec = pickle.loads(pickle.dumps(kv_spec))  # it travels to the worker
         if store:
             ok = w.submit_store(self.job, gpu, kv_spec)
         else:
             ok = w.submit_load(self.job, kv_spec, gpu)
         self.assertTrue(ok)
-        w.wait([self.job])
+        w.wait({self.job})
         res = []
         d.wait_for(lambda: res.extend(w.get_finished()) or res, what="the transfer result")
         self.assertEqual(len(res), 1)
         self.assertEqual(res[0].job_id, self.job)
         return res[0]
 
-    def store(self, m, w, ks, blocks):
+    def store(self, m, workers, ks, blocks):
+        """prepare_store → every worker stores → complete_store."""
         out = m.prepare_store(ks, CTX)
         self.assertIsNotNone(out)
-        res = self.transfer(w, True, out.store_spec, [blocks[ks.index(k)] for k in out.keys_to_store])
-        self.assertTrue(res.success)
+        for w in workers if isinstance(workers, list) else [workers]:
+            res = self.transfer(w, True, out.store_spec, [blocks[ks.index(k)] for k in out.keys_to_store])
+            self.assertTrue(res.success)
         m.complete_store(out.keys_to_store, CTX, success=True)
-        return out, res
+        return out
 
 
+@unittest.skipUnless(HAVE_TORCH, "torch is not installed (Debian: apt-get install python3-torch)")
 class TestSchedulerAndWorker(SpecCase):
     def test_store_lookup_load_round_trip_block_for_block(self):
         spec = self.spec()
         m = self.manager(spec)
-        caches, tensors, bufs = kv_caches()
-        self.buffers(bufs)
+        caches, tensors = self.caches()
         w = self.worker(spec, caches)
         ks = keys(8, "round")
         src = list(range(8))
@@ -149,9 +177,12 @@ class TestSchedulerAndWorker(SpecCase):
 
         # prepare_store keeps the input order; its spec is picklable.
         shuffled = [ks[i] for i in (3, 0, 7, 1, 6, 2, 5, 4)]
-        out, res = self.store(m, w, shuffled, [src[ks.index(k)] for k in shuffled])
+        out = m.prepare_store(shuffled, CTX)
         self.assertEqual(out.keys_to_store, shuffled)
         self.assertEqual(out.evicted_keys, [])
+        res = self.transfer(w, True, out.store_spec, [src[ks.index(k)] for k in shuffled])
+        self.assertTrue(res.success)
+        m.complete_store(shuffled, CTX, success=True)
         self.assertEqual(res.transfer_size, 8 * LAYERS * PAGE)
         self.assertGreater(res.transfer_time, 0)
         ev = list(m.take_events())
@@ -173,11 +204,30 @@ class TestSchedulerAndWorker(SpecCase):
         self.assertEqual(res.transfer_size, 8 * LAYERS * PAGE)
         self.assertEqual(rows(tensors, dst), want)
         m.complete_load(ks, CTX)
-        st = m.get_stats()
+        st = m.counters()
         self.assertEqual(st["pinned_now"], 0)
         self.assertEqual(st["loading_now"], 0)
-        ws = w.get_stats()
+        ws = w.counters()
         self.assertEqual((ws["stored_keys"], ws["loaded_keys"], ws["failed_load_jobs"]), (8, 8, 0))
+
+    def test_manager_takes_vllms_calls_and_keeps_the_engine_stepping_while_a_lookup_is_unanswered(self):
+        spec = self.spec()
+        m = self.manager(spec)
+        self.assertIsInstance(m.on_new_request(CTX), S.RequestOffloadingContext)
+        k = keys(1, "calls")[0]
+        self.assertEqual(m.lookup(k, CTX), S.LookupResult.RETRY)
+        # vLLM steps again only while has_pending_work: it must hold until
+        # lookup stops answering RETRY.
+        self.assertTrue(m.has_pending_work() or m.lookup(k, CTX) != S.LookupResult.RETRY)
+        self.answer(m, k, S.LookupResult.MISS)
+        d.wait_for(lambda: not m.has_pending_work(), what="no lookup pending")
+        m.touch([k], CTX)
+        self.assertIsNone(m.on_schedule_end(S.ScheduleEndContext(new_req_ids=["req-0"], preempted_req_ids=[])))
+        self.assertIsNone(m.on_request_finished(CTX))
+        self.assertEqual(list(m.take_events()), [])
+        m.reset_cache()
+        m.shutdown()
+        m.shutdown()  # idempotent
 
     def test_hit_pending_while_this_manager_stores(self):
         spec = self.spec()
@@ -187,41 +237,53 @@ class TestSchedulerAndWorker(SpecCase):
         self.assertEqual(out.keys_to_store, [k])
         self.assertEqual(m.lookup(k, CTX), S.LookupResult.HIT_PENDING)
         m.complete_store([k], CTX, success=False)
-        self.assertEqual(m.get_stats()["store_failed_keys"], 1)
+        self.assertEqual(m.counters()["store_failed_keys"], 1)
         self.answer(m, k, S.LookupResult.MISS)
 
     def test_failed_load_is_reported_and_counted(self):
         spec = self.spec()
-        caches, _, bufs = kv_caches()
-        self.buffers(bufs)
+        caches, _ = self.caches()
         w = self.worker(spec, caches)
         # A load of a key that is not stored: vLLM never asks for one (no
         # HIT), but if it did the worker must not claim success.
         res = self.transfer(w, False, kv.KvhostLoadStoreSpec(keys(1, "never")), [5])
         self.assertFalse(res.success)
-        self.assertEqual(w.get_stats()["failed_load_jobs"], 1)
+        self.assertEqual(w.counters()["failed_load_jobs"], 1)
+
+    def test_partial_chunk_store_is_left_out_and_partial_load_fails_without_raising(self):
+        spec = self.spec(blocks_per_chunk=2)
+        m = self.manager(spec)
+        caches, _ = self.caches()
+        w = self.worker(spec, caches)
+        k = keys(1, "partial")[0]
+        out = m.prepare_store([k], CTX)
+        # One GPU block for a two-block chunk: the key is not stored, the job succeeds.
+        self.assertTrue(self.transfer(w, True, out.store_spec, [4]).success)
+        m.complete_store([k], CTX)
+        self.assertEqual(w.counters()["store_skipped_keys"], 1)
+        # A chunk starting mid-way (block index 1 of 2): nothing to load from.
+        res = self.transfer(w, False, kv.KvhostLoadStoreSpec([k]), [6, 7], block_indices=[1])
+        self.assertFalse(res.success)
 
     def test_reset_cache_releases_pins(self):
         spec = self.spec()
         m = self.manager(spec)
-        caches, _, bufs = kv_caches(shared=False)
-        self.buffers(bufs)
+        caches, _ = self.caches(shared=False)
         w = self.worker(spec, caches)
         ks = keys(3, "reset")
         self.store(m, w, ks, [0, 1, 2])
         for k in ks:
             self.answer(m, k, S.LookupResult.HIT)
-        self.assertEqual(m.get_stats()["pinned_now"], 3)
-        self.assertTrue(m.reset_cache())
-        self.assertEqual(m.get_stats()["pinned_now"], 0)
+        self.assertEqual(m.counters()["pinned_now"], 3)
+        m.reset_cache()
+        self.assertEqual(m.counters()["pinned_now"], 0)
         # Nothing pins them any more: the daemon deletes them. The pin
         # thread sends the releases on its own time, one pin at a time, so
         # a delete can come between two of them: count what every delete
         # removed rather than wait for one that removes all three.
         with kvhost.Client(self.daemon.socket) as c:
-            ns = c.declare(kv.spec_compat.geometry(kv.spec_compat.describe(
-                spec.config, spec._opts, 0, 0)))
-            daemon_keys = [kv.spec_compat.daemon_key(k) for k in ks]
+            ns = c.declare(sc.geometry(sc.describe(spec._ident, 0, 0)))
+            daemon_keys = [sc.daemon_key(k) for k in ks]
             deleted = 0
 
             def all_deleted():
@@ -232,18 +294,279 @@ class TestSchedulerAndWorker(SpecCase):
             self.assertEqual(c.lookup(ns, daemon_keys), 0)
 
 
+@unittest.skipUnless(HAVE_TORCH, "torch is not installed")
+class TestHybridModel(SpecCase):
+    def test_two_groups_round_trip_each_group_in_its_own_namespace(self):
+        spec = self.spec(groups=2)
+        self.assertEqual(spec.tokens_per_block, (16, 16))
+        m = self.manager(spec)
+        caches, tensors = self.caches(groups=2)
+        w = self.worker(spec, caches)
+        self.assertEqual(len(set(w.namespaces)), 2)
+        k0, k1 = keys(2, "hybrid", group=0), keys(2, "hybrid", group=1)
+        ks = k0 + k1  # ordered by group, as vLLM orders them
+        out = m.prepare_store(ks, CTX)
+        self.assertEqual(out.keys_to_store, ks)
+        src = [1, 2, 10, 11]  # group 0's blocks, then group 1's
+        res = self.transfer(w, True, out.store_spec, src, group_sizes=[2, 2], block_indices=[0, 0])
+        self.assertTrue(res.success)
+        self.assertEqual(res.transfer_size, 4 * LAYERS * PAGE)
+        m.complete_store(ks, CTX)
+        for k in ks:
+            self.answer(m, k, S.LookupResult.HIT)
+        # A group-0 key is not a group-1 key: one hash, two groups, two namespaces.
+        other = S.offload_key(("hybrid", 0), 1)[:-4] + (1).to_bytes(4, "big")
+        self.assertEqual(other, k1[0])
+        want = rows(tensors, src)
+        dst = [40, 41, 50, 51]
+        load = m.prepare_load(ks, CTX)
+        res = self.transfer(w, False, load, dst, group_sizes=[2, 2], block_indices=[0, 0])
+        self.assertTrue(res.success)
+        self.assertEqual(rows(tensors, dst), want)
+        m.complete_load(ks, CTX)
+
+
+@unittest.skipUnless(HAVE_TORCH, "torch is not installed")
+class TestIdentity(SpecCase):
+    """Through a real daemon: what one engine stores, which others see."""
+
+    def stored_by(self, ks, **kw):
+        spec = self.spec(**kw)
+        m = self.manager(spec)
+        caches, _ = self.caches(seed=len(self.closers))
+        w = self.worker(spec, caches)
+        self.store(m, w, ks, list(range(len(ks))))
+        for k in ks:
+            self.answer(m, k, S.LookupResult.HIT)
+        return spec
+
+    def test_different_models_with_the_same_page_size_miss_each_others_keys(self):
+        ks = keys(2, "models")
+        self.stored_by(ks, model="meta-llama/Llama-3.1-8B-Instruct")
+        b = self.manager(self.spec(model="mistralai/Mistral-7B-Instruct-v0.3"))
+        for k in ks:
+            self.answer(b, k, S.LookupResult.MISS)
+
+    def test_tp1_and_tp2_of_one_model_miss_each_others_keys(self):
+        ks = keys(2, "tp")
+        self.stored_by(ks, tp=1)
+        b = self.manager(self.spec(tp=2))
+        for k in ks:
+            self.answer(b, k, S.LookupResult.MISS)
+
+    def test_two_engines_of_one_model_share_keys(self):
+        ks = keys(2, "share")
+        a = self.stored_by(ks, engine_id="engine-a")
+        b_spec = self.spec(engine_id="engine-b")
+        self.assertNotEqual(a.config.engine_id, b_spec.config.engine_id)
+        b = self.manager(b_spec)
+        for k in ks:
+            self.answer(b, k, S.LookupResult.HIT)
+
+    def test_the_namespace_option_adds_to_the_identity(self):
+        ks = keys(1, "option")
+        self.stored_by(ks)
+        b = self.manager(self.spec(namespace="tenant-b"))
+        self.answer(b, ks[0], S.LookupResult.MISS)
+        self.assertTrue(all(n.startswith("vllm-spec:meta-llama_Llama-3.1-8B-Instruct:")
+                            for n in b.namespaces.values()))
+
+
+class TestIdentityFields(unittest.TestCase):
+    """What the namespace is made of, without a daemon."""
+
+    def ident(self, **kw):
+        return Spec(config("/nonexistent.sock", **kw))._ident
+
+    def test_a_field_vllm_did_not_give_is_refused_by_name(self):
+        cfg = S.fake_offloading_config("/nonexistent.sock")
+        cases = {
+            "model.dtype": dataclasses.replace(cfg, model=S.OffloadingModelConfig(name=cfg.model.name, dtype=None)),
+            "model.name": dataclasses.replace(cfg, model=S.OffloadingModelConfig(name="", dtype="bfloat16")),
+            "parallel.tp_size": dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp_size=None)),
+            "cache.tokens_per_hash": dataclasses.replace(
+                cfg, cache=S.OffloadingCacheConfig(tokens_per_hash=None, blocks_per_chunk=1)),
+            "groups[0].layer_names": dataclasses.replace(
+                cfg, groups=(S.OffloadingGroupConfig(tokens_per_block=16, layer_names=()),)),
+        }
+        for field, bad in cases.items():
+            with self.subTest(field=field), self.assertRaises(kv.spec_compat.IdentityUnknown) as cm:
+                Spec(bad)
+            self.assertIn(field, str(cm.exception))
+        self.assertIs(kv.spec_compat.IdentityUnknown, _namespace.IdentityUnknown)
+
+    def test_dtype_auto_is_refused(self):
+        cfg = S.fake_offloading_config("/nonexistent.sock")
+        with self.assertRaisesRegex(_namespace.IdentityUnknown, "model.dtype"):
+            Spec(dataclasses.replace(cfg, model=S.OffloadingModelConfig(name=cfg.model.name, dtype="auto")))
+
+    def test_page_size_comes_from_worker_bytes_or_the_page_bytes_option(self):
+        self.assertEqual(self.ident(layers=4, page_bytes=4096)["page_bytes"], 4096)
+        # A hybrid model's groups share tensors: bytes per block = most layers × page.
+        self.assertEqual(self.ident(layers=4, groups=2, page_bytes=8192)["page_bytes"], 8192)
+        cfg = dataclasses.replace(S.fake_offloading_config("/nonexistent.sock"), worker_kv_bytes_per_block=4097 * 4 + 1)
+        with self.assertRaisesRegex(_namespace.IdentityUnknown, '"page_bytes"'):
+            Spec(cfg)
+        cfg = dataclasses.replace(S.fake_offloading_config("/nonexistent.sock", page_bytes=2048), worker_kv_bytes_per_block=0)
+        with self.assertRaisesRegex(_namespace.IdentityUnknown, "worker_kv_bytes_per_block 0"):
+            Spec(cfg)
+        cfg = S.offloading_config(worker_kv_bytes_per_block=0, extra={"socket": "/x.sock", "page_bytes": 2048})
+        self.assertEqual(Spec(cfg)._ident["page_bytes"], 2048)
+
+    def test_every_field_that_separates_engines_changes_the_namespace(self):
+        base = sc.geometry(sc.describe(self.ident(), 0, 0)).model
+        variants = {"model": dict(model="Qwen/Qwen2.5-7B"), "tp": dict(tp=2), "page": dict(page_bytes=8192),
+                    "layers": dict(layers=8), "chunk": dict(blocks_per_chunk=4), "namespace": dict(namespace="x")}
+        for what, kw in variants.items():
+            with self.subTest(what=what):
+                self.assertNotEqual(sc.geometry(sc.describe(self.ident(**kw), 0, 0)).model, base)
+        cfg = S.fake_offloading_config("/nonexistent.sock")
+        for what, c in {"dtype": dataclasses.replace(cfg, model=S.OffloadingModelConfig(cfg.model.name, "float16")),
+                        "tokens_per_hash": dataclasses.replace(cfg, cache=S.OffloadingCacheConfig(32, 1)),
+                        "dcp": dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dcp_size=2))}.items():
+            with self.subTest(what=what):
+                self.assertNotEqual(sc.geometry(sc.describe(Spec(c)._ident, 0, 0)).model, base)
+        # The engine id and the data-parallel index do not separate.
+        same = dataclasses.replace(cfg, engine_id="other", parallel=dataclasses.replace(cfg.parallel, data_parallel_index=3))
+        self.assertEqual(sc.geometry(sc.describe(Spec(same)._ident, 0, 0)).model, base)
+        # Shards of one engine are apart; parallelism-agnostic bytes are not collapsed.
+        ident = self.ident(tp=2)
+        self.assertNotEqual(sc.geometry(sc.describe(ident, 0, 0)).model, sc.geometry(sc.describe(ident, 0, 1)).model)
+        self.assertNotEqual(sc.geometry(sc.describe(self.ident(tp=2, agnostic=True), 0, 0)).model, base)
+
+    def test_canonical_layout_needs_vllms_format_id(self):
+        cfg = dataclasses.replace(S.fake_offloading_config("/nonexistent.sock"), canonical_layout=True)
+        if importlib.util.find_spec("vllm") is None:
+            with self.assertRaisesRegex(_namespace.IdentityUnknown, "canonical"):
+                Spec(cfg)
+
+    def test_kv_cache_layout_of_a_later_vllm_is_part_of_the_identity(self):
+        @dataclasses.dataclass(frozen=True)
+        class Later(S.OffloadingConfig):
+            kv_cache_layout: str = "NHD"
+        cfg = S.fake_offloading_config("/nonexistent.sock")
+        fields = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+        a, b = Later(**fields, kv_cache_layout="NHD"), Later(**fields, kv_cache_layout="HND")
+        ia, ib = Spec(a)._ident, Spec(b)._ident
+        self.assertEqual(ia["kv_cache_layout"], "NHD")
+        self.assertNotEqual(sc.geometry(sc.describe(ia, 0, 0)).model, sc.geometry(sc.describe(ib, 0, 0)).model)
+
+
+class TestOptions(unittest.TestCase):
+    def test_vllms_generic_keys_are_accepted(self):
+        generic = dict(canonical_layout=False, offload_prompt_only=False, self_describing_kv_events=True,
+                       store_threshold=2, max_tracker_size=1000, eviction_policy="lru",
+                       cache_policy_module_path="x.y", cpu_bytes_to_use=1 << 30, block_size=16,
+                       blocks_per_chunk=1, kv_cache_layout="NHD", max_recompute_pending_tokens=128)
+        spec = Spec(S.fake_offloading_config("/nonexistent.sock", **generic))
+        self.assertFalse(spec.offload_prompt_only)  # vLLM's base class read it
+        self.assertTrue(spec.kv_events_config.self_describing_kv_events)
+        self.assertEqual(spec.blocks_per_chunk, 1)
+
+    def test_an_unknown_key_is_refused_by_name(self):
+        with self.assertRaisesRegex(ValueError, "unknown spec option.*pin_leese_s"):
+            Spec(S.fake_offloading_config("/nonexistent.sock", pin_leese_s=3))
+        with self.assertRaisesRegex(ValueError, "unknown spec option.*tp_rank"):
+            Spec(S.fake_offloading_config("/nonexistent.sock", tp_rank=1))  # vLLM's config says the rank
+
+    def test_bad_configs_are_refused_with_the_reason(self):
+        cfg = S.fake_offloading_config("/nonexistent.sock")
+        with self.assertRaisesRegex(ValueError, "pipeline parallelism"):
+            Spec(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, pp_size=2)))
+        with self.assertRaisesRegex(ValueError, "pin_lease_s"):
+            Spec(S.fake_offloading_config("/nonexistent.sock", pin_lease_s=0))
+        with self.assertRaisesRegex(ValueError, "page_bytes"):
+            Spec(S.fake_offloading_config("/nonexistent.sock", **{"page_bytes": "4k"}))
+        with self.assertRaisesRegex(_namespace.IdentityUnknown, "parallel.rank 2 is not below"):
+            Spec(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, rank=2)))
+
+
+@unittest.skipUnless(HAVE_TORCH, "torch is not installed")
+class TestStats(SpecCase):
+    def test_get_stats_returns_vllms_stats_class_or_none(self):
+        m = self.manager(self.spec())
+        self.assertIsNone(m.get_stats())  # nothing happened yet
+        k = keys(1, "stats")[0]
+        self.answer(m, k, S.LookupResult.MISS)
+        s = m.get_stats()
+        self.assertIsInstance(s, S.OffloadingConnectorStats)
+        self.assertFalse(s.is_empty())
+        self.assertEqual(s.data["data"][_metrics.PREFIX + "lookup_misses"], {("scheduler",): 1})
+        self.assertIsNone(m.get_stats())  # reported once
+        self.assertIsInstance(m.counters(), dict)
+
+    def test_without_a_stats_class_get_stats_is_none(self):
+        api = types.SimpleNamespace(**vars(S.SPEC_API))
+        api.OffloadingConnectorStats = None
+        api.OffloadingCounterMetadata = None
+        cls = kv.spec_class(api)
+        self.assertEqual(cls.build_metric_definitions({}), {})
+        m = self.manager(cls(S.fake_offloading_config(self.daemon.socket)))
+        answer_of(m, keys(1, "nostats")[0])
+        self.assertIsNone(m.get_stats())
+
+    def test_aggregate_of_1000_steps_under_load_adds_up_to_the_counters_and_every_name_is_declared(self):
+        spec = self.spec()
+        m = self.manager(spec)
+        caches, _ = self.caches()
+        w = self.worker(spec, caches)
+        defs = Spec.build_metric_definitions(spec.extra_config)
+        self.assertTrue(defs)
+        stop = threading.Event()
+        errors = []
+
+        def load():  # the scheduler's other calls, racing get_stats
+            try:
+                i = 0
+                while not stop.is_set():
+                    ks = keys(4, f"load{i}")
+                    for k in ks:
+                        m.lookup(k, CTX)
+                    out = m.prepare_store(ks, CTX)
+                    m.complete_store(out.keys_to_store, CTX, success=i % 3 != 0)
+                    i += 1
+            except Exception as e:  # reported by the test thread
+                errors.append(e)
+        th = threading.Thread(target=load)
+        th.start()
+        total = S.OffloadingConnectorStats()
+        try:
+            for _ in range(1000):
+                s = m.get_stats()
+                if s is not None:
+                    total.aggregate(s)
+        finally:
+            stop.set()
+            th.join()
+        self.assertEqual(errors, [])
+        d.wait_for(lambda: not m.has_pending_work(), what="the pending lookups to settle")
+        last = m.get_stats()
+        if last is not None:
+            total.aggregate(last)
+        c = m.counters()
+        got = {name[len(_metrics.PREFIX):]: sum(v.values()) for name, v in total.data["data"].items()}
+        for name in ("lookup_retries", "lookup_misses", "stored_keys", "store_failed_keys"):
+            self.assertEqual(got.get(name, 0), c.get(name, 0), name)
+        self.assertGreater(got["lookup_retries"], 0)
+        for name, values in total.data["data"].items():
+            self.assertIn(name, defs)
+            for labels in values:
+                self.assertEqual(len(labels), len(defs[name].labelnames), name)
+        del w
+
+
+@unittest.skipUnless(HAVE_TORCH, "torch is not installed")
 class TestHitWindow(SpecCase):
     def test_an_unused_hit_is_unpinned_after_its_window_and_asked_again(self):
         spec = self.spec(pin_lease_s=1, hit_window_s=0.2)
         m = self.manager(spec)
-        caches, _, bufs = kv_caches()
-        self.buffers(bufs)
+        caches, _ = self.caches()
         w = self.worker(spec, caches)
         k = keys(1, "window")[0]
         self.store(m, w, [k], [0])
         self.answer(m, k, S.LookupResult.HIT)
-        d.wait_for(lambda: m.get_stats().get("pins_expired_unused"), what="the HIT window to pass")
-        self.assertEqual(m.get_stats()["pinned_now"], 0)
+        d.wait_for(lambda: m.counters().get("pins_expired_unused"), what="the HIT window to pass")
+        self.assertEqual(m.counters()["pinned_now"], 0)
         self.assertEqual(m.lookup(k, CTX), S.LookupResult.RETRY)  # asked again
         self.answer(m, k, S.LookupResult.HIT)
 
@@ -256,12 +579,11 @@ class TestDaemonPins(SpecCase):
         super().setUp()
         spec = self.spec()
         m = self.manager(spec)
-        caches, _, bufs = kv_caches()
-        self.buffers(bufs)
+        caches, _ = self.caches()
         w = self.worker(spec, caches)
         self.ks = keys(2, "raw-pin")
         self.store(m, w, self.ks, [0, 1])
-        self.geo = kv.spec_compat.geometry(kv.spec_compat.describe(spec.config, spec._opts, 0, 0))
+        self.geo = sc.geometry(sc.describe(spec._ident, 0, 0))
 
     def test_pin_answers_per_key_and_refuses_delete_until_unpinned(self):
         with kvhost.Client(self.daemon.socket) as c:
@@ -292,14 +614,14 @@ class TestDaemonPins(SpecCase):
             c.pin(1, self.ks, lease_s=-1)
 
 
+@unittest.skipUnless(HAVE_TORCH, "torch is not installed")
 class TestTensorParallel(SpecCase):
     def test_hit_only_when_every_rank_has_the_key(self):
-        specs = [self.spec(tp=2, rank=r) for r in range(2)]
+        specs = [self.spec(tp=2, rank=r) for r in range(2)]  # each worker's config carries its rank
         m = self.manager(specs[0])
         workers = []
         for r in range(2):
-            caches, _, bufs = kv_caches(seed=r)
-            self.buffers(bufs)
+            caches, _ = self.caches(seed=r)
             workers.append(self.worker(specs[r], caches))
         self.assertEqual([w.rank for w in workers], [0, 1])
         self.assertNotEqual(workers[0].namespaces, workers[1].namespaces)
@@ -315,6 +637,7 @@ class TestTensorParallel(SpecCase):
         self.answer(m, k, S.LookupResult.HIT)
 
 
+@unittest.skipUnless(HAVE_TORCH, "torch is not installed")
 class TestEvictionPressure(SpecCase):
     # 16 files' worth: the daemon must evict while we store 40 more keys.
     capacity = f"{16 * FILE_BYTES}B"
@@ -322,8 +645,7 @@ class TestEvictionPressure(SpecCase):
     def test_pinned_key_survives_between_prepare_load_and_complete_load(self):
         spec = self.spec()
         m = self.manager(spec)
-        caches, tensors, bufs = kv_caches()
-        self.buffers(bufs)
+        caches, tensors = self.caches()
         w = self.worker(spec, caches)
         k = keys(1, "precious")[0]
         self.store(m, w, [k], [0])
@@ -334,12 +656,10 @@ class TestEvictionPressure(SpecCase):
         # Another engine fills the daemon far past its capacity.
         spec2 = self.spec(namespace="other-engine")
         m2 = self.manager(spec2)
-        caches2, _, bufs2 = kv_caches(seed=9)
-        self.buffers(bufs2)
+        caches2, _ = self.caches(seed=9)
         w2 = self.worker(spec2, caches2)
         for i in range(5):
-            ks = keys(8, f"pressure{i}")
-            self.store(m2, w2, ks, list(range(8)))
+            self.store(m2, w2, keys(8, f"pressure{i}"), list(range(8)))
         evictions = self.daemon_stats()["evictions"]
         self.assertGreater(evictions, 0, "no eviction: the test proves nothing")
 
@@ -349,7 +669,7 @@ class TestEvictionPressure(SpecCase):
         self.assertTrue(res.success)
         self.assertEqual(rows(tensors, [50]), want)
         m.complete_load([k], CTX)
-        d.wait_for(lambda: m.get_stats().get("daemon_unpins", 0) == m.get_stats()["daemon_pins"],
+        d.wait_for(lambda: m.counters().get("daemon_unpins", 0) == m.counters()["daemon_pins"],
                    what="the manager to release its pins")
 
         # Released, it is evictable again: more pressure removes it.
@@ -365,7 +685,7 @@ class TestEvictionPressure(SpecCase):
 
 class TestRefusals(unittest.TestCase):
     def test_unsupported_vllm_names_the_window(self):
-        @__import__("dataclasses").dataclass
+        @dataclasses.dataclass
         class OldResult:  # a TransferResult without transfer_size/transfer_time
             job_id: int
             success: bool
@@ -386,16 +706,6 @@ class TestRefusals(unittest.TestCase):
             kv.spec_class(api)
         self.assertIn("get_handlers", str(cm.exception))
 
-    def test_bad_configs_are_refused_with_the_reason(self):
-        cfg = S.fake_offloading_config("/nonexistent.sock")
-        cfg.vllm_config.parallel_config.pipeline_parallel_size = 2
-        with self.assertRaisesRegex(ValueError, "pipeline parallelism"):
-            Spec(cfg)
-        with self.assertRaisesRegex(ValueError, "unknown spec option"):
-            Spec(S.fake_offloading_config("/nonexistent.sock", pin_leese_s=3))
-        with self.assertRaisesRegex(ValueError, "pin_lease_s"):
-            Spec(S.fake_offloading_config("/nonexistent.sock", pin_lease_s=0))
-
 
 class TestDaemonWithoutPins(unittest.TestCase):
     def test_the_manager_refuses_a_daemon_that_cannot_pin(self):
@@ -405,7 +715,6 @@ class TestDaemonWithoutPins(unittest.TestCase):
         import socket
         import struct
         import tempfile
-        import threading
         from kvhost import protocol as P
         tmp = tempfile.mkdtemp(prefix="kvhost-old-daemon-")
         self.addCleanup(__import__("shutil").rmtree, tmp, True)
@@ -440,20 +749,64 @@ class TestDaemonWithoutPins(unittest.TestCase):
 
 @unittest.skipUnless(HAVE_TORCH, "torch is not installed")
 class TestWorkerChecks(SpecCase):
-    def test_page_size_mismatch_is_refused(self):
+    def test_page_size_mismatch_is_refused_at_get_worker(self):
         spec = self.spec()
-        caches, _, bufs = kv_caches()
-        self.buffers(bufs)
-        caches.group_data_refs = [[(i, PAGE // 2) for i in range(LAYERS)]]
-        with self.assertRaisesRegex(ValueError, "namespace would differ"):
+        caches, _ = self.caches(ref_page=PAGE // 2, tensor_page=PAGE // 2)
+        with self.assertRaisesRegex(ValueError, r"2048-byte pages .* scheduler's namespace says 4096"):
             spec.get_worker(caches)
+
+    def test_layer_count_mismatch_is_refused_at_get_worker(self):
+        spec = self.spec(layers=4)
+        caches, _ = self.caches(layers=3)
+        with self.assertRaisesRegex(ValueError, "4 layers in vLLM's offloading config but 3"):
+            spec.get_worker(caches)
+
+    def test_padded_pages_move_whole_with_their_padding(self):
+        spec = self.spec()
+        m = self.manager(spec)
+        caches, tensors = self.caches(ref_page=PAGE - 512)  # un-padded page, padded tensor
+        w = self.worker(spec, caches)
+        ks = keys(2, "padded")
+        self.store(m, w, ks, [0, 1])
+        for k in ks:
+            self.answer(m, k, S.LookupResult.HIT)
+        want = rows(tensors, [0, 1])
+        res = self.transfer(w, False, m.prepare_load(ks, CTX), [20, 21])
+        self.assertTrue(res.success)
+        self.assertEqual(rows(tensors, [20, 21]), want)
+        m.complete_load(ks, CTX)
+
+    def test_cross_layer_slab_holds_the_same_bytes_as_per_layer_pages(self):
+        import torch
+        spec = self.spec()
+        m = self.manager(spec)
+        caches, tensors = self.caches()
+        w = self.worker(spec, caches)
+        ks = keys(2, "slab")
+        self.store(m, w, ks, [0, 1])
+        for k in ks:
+            self.answer(m, k, S.LookupResult.HIT)
+        slab, buf = kvhost.torch_host_tensor((BLOCKS, LAYERS * PAGE), torch.int8, name="spec-slab")
+        self.closers.insert(0, buf.close)
+        slab.zero_()
+        # vLLM's cross-layer layout: one tensor, one ref of every layer's page per block.
+        other = self.spec(engine_id="engine-slab")
+        ws = self.worker(other, S.CanonicalKVCaches(
+            tensors=[S.CanonicalKVCacheTensor(slab, LAYERS * PAGE)],
+            group_data_refs=[[S.CanonicalKVCacheRef(0, LAYERS * PAGE)]]))
+        self.assertEqual(ws.namespaces, w.namespaces)
+        res = self.transfer(ws, False, m.prepare_load(ks, CTX), [7, 9])
+        self.assertTrue(res.success)
+        for b, src in ((7, 0), (9, 1)):
+            self.assertEqual(bytes(slab[b].numpy().tobytes()), b"".join(rows(tensors, [src])))
+        m.complete_load(ks, CTX)
 
     def test_private_host_memory_is_refused(self):
         import torch
         spec = self.spec()
         tensors = [torch.zeros((BLOCKS, PAGE), dtype=torch.int8) for _ in range(LAYERS)]
-        caches = S.CanonicalKVCaches([S.CanonicalKVCacheTensor(t) for t in tensors],
-                                     [[(i, PAGE) for i in range(LAYERS)]])
+        caches = S.CanonicalKVCaches([S.CanonicalKVCacheTensor(t, PAGE) for t in tensors],
+                                     [[S.CanonicalKVCacheRef(i, PAGE) for i in range(LAYERS)]])
         with self.assertRaisesRegex(ValueError, "shared memory"):
             spec.get_worker(caches)
 

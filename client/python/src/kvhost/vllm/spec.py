@@ -22,9 +22,16 @@ import time
 
 from .. import protocol as p
 from ..client import Client, ConnectionLost, KvhostError
+from . import _metrics
 from . import spec_compat as sc
 
-log = logging.getLogger("kvhost.vllm")
+# vLLM configures only its "vllm" logger (and stops propagation there):
+# only its children show in vLLM's output.
+log = logging.getLogger("vllm.kvhost")
+
+# Label of the metrics the manager reports through vLLM (get_stats).
+METRIC_LABELS = ("role",)
+MANAGER_LABELS = ("scheduler",)
 
 
 class _PinBatch:
@@ -45,13 +52,14 @@ class SpecManager:
     answered), loads and stores only change that table; bytes move in the
     workers."""
 
-    def __init__(self, config, api=None, opts=None):
+    def __init__(self, config, api=None, opts=None, ident=None):
         self._api = api or sc.SPEC_FALLBACK
         self._opts = o = opts or sc.options(config)
+        self._ident = ident or sc.identity(config, o)
         self._medium = sc.pick_medium(self._api)
         self._lr = self._api.LookupResult
-        self._tp = sc.parallel_of(config)
-        self._groups = sc.groups_of(config, o)
+        self._tp = sc.shards(config)             # every shard must hold a key for a HIT
+        self._groups = self._ident["groups"]
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
         self._pinned = {}                       # key -> (batch, hit until)
@@ -62,6 +70,7 @@ class SpecManager:
         self._queue, self._pending, self._touches, self._releases = [], set(), [], []
         self._events = collections.deque()
         self._stats = collections.Counter()
+        self._reported = collections.Counter()  # what get_stats reported so far
         self._broken = None
         self._closing = False
         try:
@@ -79,7 +88,7 @@ class SpecManager:
             self._ns = {}
             for r in range(self._tp):
                 for g in range(len(self._groups)):
-                    geo = sc.geometry(sc.describe(config, o, g, r))
+                    geo = sc.geometry(sc.describe(self._ident, g, r))
                     self._ns[(r, g)] = self._client.declare(geo)
         except BaseException:
             self._client.close()
@@ -273,8 +282,10 @@ class SpecManager:
     def complete_load(self, keys, req_context=None):
         """The workers have loaded keys: their pins are released (by the
         background thread: no daemon round trip here)."""
+        keys = [bytes(k) for k in keys]
         with self._cv:
-            for k in (bytes(k) for k in keys):
+            self._stats["loaded_keys"] += len(keys)
+            for k in keys:
                 self._loading[k] -= 1
                 if self._loading[k] <= 0:
                     del self._loading[k]
@@ -354,11 +365,24 @@ class SpecManager:
         yield from out
 
     def on_new_request(self, req_context=None):
+        """Every request's blocks are offloaded block by block (vLLM's
+        default policy)."""
         ctx = getattr(self._api, "RequestOffloadingContext", None)
         return ctx() if ctx is not None else None
 
     def on_request_finished(self, req_context=None):
         return None
+
+    def on_schedule_end(self, context=None):
+        """Nothing to flush at a step's end: pins are asked for as lookups
+        come."""
+        return None
+
+    def has_pending_work(self):
+        """True while the daemon has not answered a lookup vLLM was told to
+        RETRY: the engine must keep stepping so that vLLM asks again."""
+        with self._lock:
+            return bool(self._pending) and self._broken is None and not self._closing
 
     def reset_cache(self):
         """Forgets every answer and releases every pin (stored data stays)."""
@@ -371,8 +395,28 @@ class SpecManager:
             self._cv.notify_all()
         return True
 
+    @classmethod
+    def metric_definitions(cls, api):
+        """The Prometheus metrics get_stats reports (declared by the spec
+        class's build_metric_definitions)."""
+        return _metrics.definitions(api, METRIC_LABELS)
+
     def get_stats(self):
-        """The manager's counters (no daemon round trip)."""
+        """What changed since the last call, as vLLM's
+        OffloadingConnectorStats (None when nothing changed or this vLLM has
+        no such class); vLLM calls it every scheduler step. No daemon round
+        trip."""
+        with self._lock:
+            now = collections.Counter(self._stats)
+            delta = now - self._reported
+            self._reported = now
+        # The manager's names for what _metrics counts.
+        delta["lookup_errors"] = delta.get("pin_errors", 0)
+        return _metrics.stats(self._api, delta, None, MANAGER_LABELS)
+
+    def counters(self):
+        """The manager's counters since it started, as a dict (no daemon
+        round trip): for tests, benchmarks and tooling."""
         with self._lock:
             s = dict(self._stats)
             s["pinned_now"] = len(self._pinned)
@@ -397,32 +441,53 @@ class SpecManager:
 
 class _SpecImpl:
     """KvhostOffloadingSpec's logic; spec_class binds it to vLLM's (or
-    stand-in) classes."""
+    stand-in) classes.
+
+    ``config`` is vLLM's OffloadingConfig. Construction checks the options
+    (kv_connector_extra_config) and reads the engine's identity; it raises
+    IdentityUnknown naming a field that separates models and cannot be
+    read, and ValueError for an option that is neither kvhost's nor vLLM's."""
 
     _api = sc.SPEC_FALLBACK
+    _manager_cls = SpecManager
+    _worker_cls = None
 
     def __init__(self, config, *args, **kwargs):
         base = getattr(self._api, "OffloadingSpec", None)
-        if base is not None and not issubclass(_SpecImpl, base):
+        if base is not None and isinstance(self, base):
             base.__init__(self, config, *args, **kwargs)
-        self.config = config
+        else:  # no vLLM: what vLLM's base class would set
+            self.config = config
+            self.extra_config = sc.extra_config_of(config)
+            self.replicated_layout = False
+            self.offload_prompt_only = bool(self.extra_config.get("offload_prompt_only", True))
+        # Every worker stores its own shard (vLLM's single-copy layout is not kvhost's).
+        self.replicated_layout = False
         self._opts = sc.options(config)
-        sc.parallel_of(config)
-        sc.groups_of(config, self._opts)
+        self._ident = sc.identity(config, self._opts)
+        sc.shard_of(config)
         self._manager = None
         self._mlock = threading.Lock()
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config=None):
+        """The Prometheus metrics the manager's get_stats reports (vLLM
+        declares them from this when the spec is configured)."""
+        return SpecManager.metric_definitions(cls._api)
 
     def get_manager(self):
         """The scheduler's manager (one per spec)."""
         with self._mlock:
             if self._manager is None:
-                self._manager = SpecManager(self.config, self._api, self._opts)
+                self._manager = self._manager_cls(self.config, self._api, self._opts, self._ident)
             return self._manager
 
     def get_worker(self, kv_caches):
         """A worker over this GPU worker's CanonicalKVCaches."""
-        from .spec_worker import SpecWorker
-        return SpecWorker(self.config, kv_caches, self._api, self._opts)
+        cls = self._worker_cls
+        if cls is None:
+            from .spec_worker import SpecWorker as cls
+        return cls(self.config, kv_caches, self._api, self._opts, self._ident)
 
 
 def spec_class(api=None):
@@ -430,11 +495,26 @@ def spec_class(api=None):
     stand-ins; None detects the installed vLLM)."""
     api = sc.detect_spec() if api is None else api
     sc.check_spec_api(api)
+    from .spec_worker import SpecWorker
     bases = (_SpecImpl,)
     if getattr(api, "OffloadingSpec", None) is not None:
         bases = (_SpecImpl, api.OffloadingSpec)
+    manager_cls, worker_cls = SpecManager, SpecWorker
+    if getattr(api, "OffloadingManager", None) is not None:
+        manager_cls = type("KvhostSpecManager", (SpecManager, api.OffloadingManager),
+                           {"__module__": __name__, "__doc__": SpecManager.__doc__})
+    if getattr(api, "OffloadingWorker", None) is not None:
+        worker_cls = type("KvhostSpecWorker", (SpecWorker, api.OffloadingWorker),
+                          {"__module__": SpecWorker.__module__, "__doc__": SpecWorker.__doc__})
+    for c in (manager_cls, worker_cls):
+        abstract = sorted(getattr(c, "__abstractmethods__", ()) or ())
+        if abstract:
+            raise sc.UnsupportedVLLM(f"kvhost.vllm: this vLLM ({getattr(api, 'name', '?')}) requires "
+                                     f"{c.__name__} methods kvhost does not implement: {', '.join(abstract)}; "
+                                     f"supported: {sc.SPEC_WINDOW}")
     cls = type("KvhostOffloadingSpec", bases, {"_api": api, "__module__": "kvhost.vllm",
-                                                "__doc__": __doc__})
+                                                "__doc__": __doc__, "_manager_cls": manager_cls,
+                                                "_worker_cls": worker_cls})
     abstract = sorted(getattr(cls, "__abstractmethods__", ()) or ())
     if abstract:
         raise sc.UnsupportedVLLM(f"kvhost.vllm: this vLLM ({getattr(api, 'name', '?')}) requires spec "

@@ -6,31 +6,41 @@ Only vLLM's light ``vllm.v1.kv_offload`` modules are imported, and only when
 below (tests, the GPU check); a vLLM that lacks the full-spec interface this
 package was written for is refused with ``UnsupportedVLLM`` naming the
 supported window.
+
+The namespace of a key — one per (KV-cache group, worker shard) — is built
+only from what vLLM hands every offloading spec: its ``OffloadingConfig``
+(``describe``). A field that separates models and cannot be read refuses
+the spec with ``IdentityUnknown`` naming it: vLLM's block hashes of one
+prompt are equal across models, so a guessed identity would hand one
+model's KV to another.
 """
 
+import collections.abc
 import dataclasses
 import enum
 import hashlib
 import importlib
 import importlib.util
 import json
-import os
 import types
 import typing
 
 from .. import protocol as p
 from ..client import Geometry
+from . import _namespace as ns_
 from ._common import (OffloadingEvent, RequestOffloadingContext, UnsupportedVLLM,  # noqa: F401 (re-exported)
-                      daemon_key, dtype_of, get, merge_options, missing_features, pick_medium,
-                      scalar as _scalar, unsupported, vllm_installed, vllm_version)
+                      daemon_key, merge_options, missing_features, pick_medium, unsupported,
+                      vllm_installed, vllm_version)
+from ._compat import stats_class
+from ._namespace import IdentityUnknown  # noqa: F401 (re-exported)
 
 SPEC_WINDOW = (
     "vLLM with the full offloading-spec interface of main 2026-08-17 (commit 017e9f44, between "
-    "v0.27 and v0.28) and later releases keeping it: OffloadingSpec(config) with get_manager() "
-    "and get_worker(kv_caches: CanonicalKVCaches), a manager with lookup -> LookupResult "
-    "(HIT, MISS, RETRY; HIT_PENDING optional), prepare_load/prepare_store -> PrepareStoreOutput, "
-    "and a worker with submit_store/submit_load/get_finished -> TransferResult(job_id, success, "
-    "transfer_size, transfer_time)/wait")
+    "v0.27 and v0.28) and later releases keeping it: OffloadingSpec(config: OffloadingConfig) with "
+    "get_manager() and get_worker(kv_caches: CanonicalKVCaches), a manager with lookup -> "
+    "LookupResult (HIT, MISS, RETRY; HIT_PENDING optional), prepare_load/prepare_store -> "
+    "PrepareStoreOutput, and a worker with submit_store/submit_load/get_finished -> "
+    "TransferResult(job_id, success, transfer_size, transfer_time)/wait")
 
 # Where vLLM keeps the classes the spec uses; the first module that has a
 # name wins. Modules that do not exist in a vLLM version are skipped.
@@ -39,7 +49,8 @@ _MODULES = ("vllm.v1.kv_offload.base", "vllm.v1.kv_offload.abstract", "vllm.v1.k
             "vllm.v1.kv_offload.worker.base")
 _NAMES = ("LookupResult", "PrepareStoreOutput", "TransferResult", "OffloadingEvent",
           "RequestOffloadingContext", "OffloadingSpec", "OffloadingManager", "LoadStoreSpec",
-          "GPULoadStoreSpec", "Medium", "OffloadingWorker")
+          "GPULoadStoreSpec", "Medium", "OffloadingWorker", "OffloadingCounterMetadata",
+          "OffloadingGaugeMetadata")
 
 
 class LookupResult(enum.Enum):
@@ -72,7 +83,8 @@ SPEC_FALLBACK = types.SimpleNamespace(
     PrepareStoreOutput=PrepareStoreOutput, TransferResult=TransferResult,
     OffloadingEvent=OffloadingEvent, RequestOffloadingContext=RequestOffloadingContext,
     OffloadingSpec=None, OffloadingManager=None, LoadStoreSpec=None, GPULoadStoreSpec=None,
-    Medium=None, OffloadingWorker=None)
+    Medium=None, OffloadingWorker=None, OffloadingConnectorStats=None,
+    OffloadingCounterMetadata=None, OffloadingGaugeMetadata=None)
 
 
 def check_spec_api(api):
@@ -103,6 +115,9 @@ def detect_spec():
             if n not in found and getattr(m, n, None) is not None:
                 found[n] = getattr(m, n)
     api = types.SimpleNamespace(name=f"vllm {vllm_version()}", **{n: found.get(n) for n in _NAMES})
+    # The class get_stats must return (vLLM calls is_empty() and
+    # aggregate() on it every scheduler step): None where this vLLM has none.
+    api.OffloadingConnectorStats = stats_class()
     check_spec_api(api)
     return api
 
@@ -136,7 +151,7 @@ class KvhostLoadStoreSpec:
 
 OPTIONS = {
     "socket": None,             # the daemon's socket (default: $KVHOST_SOCKET, ...)
-    "namespace": "",            # extra text in the namespace digest
+    "namespace": "",            # extra text in the namespace identity (adds to it, never replaces it)
     "pin_lease_s": 600.0,       # lease of every daemon pin (a safety net)
     "hit_window_s": 30.0,       # a pinned key answers HIT this long without a load
     "lookup_wait_s": 0.0,       # how long lookup may block for the daemon's answer
@@ -146,30 +161,42 @@ OPTIONS = {
     "job_timeout_s": 120.0,     # worker: wait() gives up on a job after this
     "client_name": "vllm-spec",
     "max_events": 1 << 16,
-    "tp_rank": None,            # worker: this worker's TP rank when vLLM cannot say
-    "page_bytes": None,         # per-layer page bytes, when the config cannot say
+    "page_bytes": None,         # bytes per layer and GPU block, where the config cannot say
 }
-IGNORED = {"spec_name", "spec_module_path", "block_size", "blocks_per_chunk", "cpu_bytes_to_use",
-           "num_cpu_blocks"}
 
+# kv_connector_extra_config keys that are vLLM's own (its connector,
+# scheduler, factory and other specs read them): accepted, never ours.
+# Block size and blocks per chunk come resolved in config.cache;
+# offload_prompt_only and self_describing_kv_events are the connector's;
+# canonical_layout comes resolved in config.canonical_layout.
+VLLM_KEYS = frozenset({
+    "spec_name", "spec_module_path", "block_size", "blocks_per_chunk", "canonical_layout",
+    "offload_prompt_only", "self_describing_kv_events", "store_threshold", "max_tracker_size",
+    "eviction_policy", "cache_policy_module_path", "cpu_bytes_to_use", "num_cpu_blocks",
+    "kv_cache_layout", "max_recompute_pending_tokens", "secondary_tiers", "backpressure",
+})
 
-def vllm_config_of(config):
-    """The VllmConfig behind an OffloadingConfig (or a VllmConfig itself)."""
-    return get(config, "vllm_config") or config
+IDENTITY_FORMAT = "kvhost-vllm-spec-v2"
 
 
 def extra_config_of(config):
-    for path in (("extra_config",), ("kv_connector_extra_config",),
-                 ("vllm_config", "kv_transfer_config", "kv_connector_extra_config")):
-        v = get(config, *path)
-        if isinstance(v, dict):
-            return v
-    return {}
+    """The spec's options: config.extra_config (vLLM's
+    kv_connector_extra_config), {} when it has none."""
+    extra = getattr(config, "extra_config", None)
+    if extra is None:
+        return {}
+    if not isinstance(extra, collections.abc.Mapping):
+        raise ValueError(f"kvhost.vllm: the offloading config's extra_config is a {type(extra).__name__}, "
+                         "not a mapping of options")
+    return extra
 
 
 def options(config):
+    """The spec's options from config.extra_config, checked. Keys that are
+    vLLM's own are accepted and left to vLLM; any other unknown key is
+    refused by name."""
     extra = extra_config_of(config)
-    o = merge_options(extra, OPTIONS, IGNORED, "spec")
+    o = merge_options(extra, OPTIONS, VLLM_KEYS, "spec")
     if not o["socket"]:
         from .tier import default_socket
         o["socket"] = default_socket()
@@ -186,80 +213,107 @@ def options(config):
     for k in ("max_store_keys_inflight", "max_events"):
         if isinstance(o[k], bool) or not isinstance(o[k], int) or o[k] < 1:
             raise ValueError(f"kvhost.vllm: {k}: want an integer >= 1, got {o[k]!r}")
+    pb = o["page_bytes"]
+    if pb is not None and (isinstance(pb, bool) or not isinstance(pb, int) or pb <= 0):
+        raise ValueError(f"kvhost.vllm: page_bytes: want bytes per layer and GPU block (an integer > 0), "
+                         f"got {pb!r}")
+    if not isinstance(o["namespace"], str):
+        raise ValueError(f"kvhost.vllm: namespace: want a string, got {o['namespace']!r}")
     return o
 
 
 def blocks_per_chunk(config):
-    """GPU blocks per offloaded chunk (one key)."""
-    extra = extra_config_of(config)
-    gpu = get(vllm_config_of(config), "cache_config", "block_size")
-    if isinstance(extra.get("blocks_per_chunk"), int):
-        n = extra["blocks_per_chunk"]
-    elif isinstance(extra.get("block_size"), int) and isinstance(gpu, int) and gpu > 0:
-        if extra["block_size"] % gpu:
-            raise ValueError(f"kvhost.vllm: block_size {extra['block_size']} is not a multiple of the "
-                             f"GPU block size {gpu}")
-        n = extra["block_size"] // gpu
-    else:
-        n = 1
-    if not 1 <= n <= p.MAX_BLOCKS_PER_KEY:
-        raise ValueError(f"kvhost.vllm: blocks_per_chunk {n}: want 1..{p.MAX_BLOCKS_PER_KEY}")
+    """GPU blocks per offloaded chunk (one key): config.cache.blocks_per_chunk,
+    as vLLM resolved it from block_size / blocks_per_chunk."""
+    n = ns_._count(config, "cache.blocks_per_chunk", "blocks per chunk")
+    if n > p.MAX_BLOCKS_PER_KEY:
+        raise ValueError(f"kvhost.vllm: blocks_per_chunk {n}: the daemon takes at most "
+                         f"{p.MAX_BLOCKS_PER_KEY} blocks per key")
     return n
 
 
-def groups_of(config, opts):
-    """Per KV-cache group: (layer names, page bytes per layer per block)."""
-    kc = get(config, "kv_cache_config") or get(vllm_config_of(config), "kv_cache_config")
-    out = []
-    for g in get(kc, "kv_cache_groups") or []:
-        names = [str(n) for n in (get(g, "layer_names") or [])]
-        page = opts.get("page_bytes") or get(g, "kv_cache_spec", "page_size_bytes")
-        if not isinstance(page, int) or page <= 0:
-            raise ValueError("kvhost.vllm: cannot tell the page size of KV-cache group "
-                             f"{len(out)} (kv_cache_spec.page_size_bytes); set the spec option page_bytes")
-        out.append((names, page))
-    if not out:
-        raise ValueError("kvhost.vllm: the offloading config names no KV-cache groups")
-    return out
-
-
-def parallel_of(config):
-    par = get(vllm_config_of(config), "parallel_config")
-    tp = get(par, "tensor_parallel_size") or 1
-    pp = get(par, "pipeline_parallel_size") or 1
+def shards(config):
+    """How many workers hold a different part of each block: tp × pcp
+    (every rank stores its own shard; pipeline parallelism is refused)."""
+    tp = ns_._count(config, "parallel.tp_size", "tp size")
+    pp = ns_._count(config, "parallel.pp_size", "pp size")
+    pcp = ns_._count(config, "parallel.pcp_size", "pcp size")
+    ns_._count(config, "parallel.dcp_size", "dcp size")
     if pp != 1:
         raise ValueError(f"kvhost.vllm: pipeline parallelism ({pp} stages) is not supported by the "
                          "kvhost offloading spec (a stage's layers are not known to the scheduler)")
-    return int(tp)
+    return tp * pcp
 
 
-def describe(config, opts, group, tp_rank):
-    """What a key of one group at one TP rank means (JSON-safe)."""
-    vc = vllm_config_of(config)
-    names, page = groups_of(config, opts)[group]
-    par = get(vc, "parallel_config")
-    return {
-        "format": "kvhost-vllm-spec-v1",
-        "model": _scalar(get(vc, "model_config", "model")),
-        "dtype": dtype_of(vc),
-        "tp_size": parallel_of(config),
-        "tp_rank": tp_rank,
-        "pcp_size": _scalar(get(par, "prefill_context_parallel_size")),
-        "dcp_size": _scalar(get(par, "decode_context_parallel_size")),
-        "gpu_block_tokens": _scalar(get(vc, "cache_config", "block_size")),
+def shard_of(config):
+    """This worker's shard: config.parallel.rank within its engine's
+    tp × pcp workers (0 on the scheduler)."""
+    n = shards(config)
+    rank = ns_._count(config, "parallel.rank", "worker rank", least=0)
+    world = ns_._count(config, "parallel.world_size", "world size")
+    if rank >= world:
+        raise IdentityUnknown(f"kvhost.vllm: the offloading config's parallel.rank {rank} is not below its "
+                              f"world_size {world}; refusing to share KV under a guessed identity")
+    return rank % n
+
+
+def page_bytes(config, opts):
+    """Bytes of one layer's page per GPU block: the option page_bytes, else
+    config.worker_kv_bytes_per_block over the most layers of any group
+    (vLLM gives every layer of every group one page size; a hybrid model's
+    groups share their tensors). IdentityUnknown when it does not divide."""
+    if opts.get("page_bytes"):
+        return int(opts["page_bytes"])
+    groups = ns_.groups_of(config)
+    total = ns_._attr(config, "worker_kv_bytes_per_block")
+    layers = max(len(g["layer_names"]) for g in groups)
+    if isinstance(total, bool) or not isinstance(total, int) or total <= 0 or total % layers:
+        raise IdentityUnknown(
+            f"kvhost.vllm: cannot tell the page size from vLLM's offloading config "
+            f"(worker_kv_bytes_per_block {total!r} over {layers} layers); set the spec option "
+            "\"page_bytes\" (bytes per layer and GPU block) — the scheduler and every worker must agree")
+    return total // layers
+
+
+def identity(config, opts):
+    """The fields every namespace of this engine shares (JSON-safe), read
+    only from vLLM's OffloadingConfig; IdentityUnknown names a field vLLM
+    did not give. The engine id is left out (engines of one model share),
+    and so is the hash algorithm (vLLM does not give it; keys of different
+    algorithms differ anyway)."""
+    par = {k: ns_._count(config, f"parallel.{k}", k.replace("_", " "))
+           for k in ("tp_size", "pp_size", "pcp_size", "dcp_size")}
+    out = {
+        "format": IDENTITY_FORMAT,
+        "model_name": ns_._text(config, "model.name", "model name"),
+        "dtype": ns_._text(config, "model.dtype", "KV-cache dtype"),
+        **par,
+        "tokens_per_hash": ns_._count(config, "cache.tokens_per_hash", "tokens per hash"),
         "blocks_per_chunk": blocks_per_chunk(config),
-        "group": group,
-        "layer_names": names,
-        "page_bytes": page,
-        "hash_algo": _scalar(get(vc, "cache_config", "prefix_caching_hash_algo")),
-        "attention_backend": _scalar(get(vc, "attention_config", "backend")),
+        "page_bytes": page_bytes(config, opts),
+        "groups": ns_.groups_of(config),
         "namespace": str(opts.get("namespace") or ""),
     }
+    fid = ns_.canonical_format(config)
+    if fid is not None:
+        out["canonical_format"] = fid
+    if hasattr(config, "kv_cache_layout"):
+        layout = getattr(config, "kv_cache_layout")
+        out["kv_cache_layout"] = None if layout is None else str(layout)
+    return out
+
+
+def describe(ident, group, shard):
+    """What a key of one group at one worker shard means (JSON-safe)."""
+    g = ident["groups"][group]
+    return {**ident, "group": group, "shard": shard, "layer_names": list(g["layer_names"]),
+            "tokens_per_block": g["tokens_per_block"]}
 
 
 def geometry(desc):
-    """The daemon geometry of one group at one rank: one plane per layer
-    whose block is exactly one page (kv_heads × head_size × 1 byte)."""
+    """The daemon geometry of one group at one shard: one plane per layer
+    whose block is exactly one page (kv_heads × head_size × 1 byte); the
+    model id carries a digest of the whole description."""
     page = desc["page_bytes"]
     if page < 512:
         raise ValueError(f"kvhost.vllm: a page of {page} bytes is below the daemon's 512-byte block minimum")
@@ -272,30 +326,13 @@ def geometry(desc):
                          f"{head * 2} bytes)")
     text = json.dumps(desc, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     digest = hashlib.sha256(text.encode()).hexdigest()[:32]
-    name = str(desc.get("model") or "unknown").encode("ascii", "replace").decode().replace("/", "_")[:64]
-    return Geometry(model=f"vllm-spec:{name}:{digest}", layers=len(desc["layer_names"]) or 1,
+    name = desc["model_name"].encode("ascii", "replace").decode().replace("/", "_")[:64]
+    return Geometry(model=f"vllm-spec:{name}:{digest}", layers=len(desc["layer_names"]),
                     kv_heads=heads, head_size=head, dtype_size=1, tokens_per_block=1,
                     tokens_per_key=desc["blocks_per_chunk"], mla=True,
-                    tp_rank=desc["tp_rank"], tp_size=desc["tp_size"])
+                    tp_rank=desc["shard"], tp_size=desc["tp_size"] * desc["pcp_size"])
 
 
 def key_group(key):
     """The KV-cache group of an OffloadKey: its last 4 bytes, big-endian."""
     return int.from_bytes(bytes(key)[-4:], "big") if len(key) >= 4 else 0
-
-
-def worker_rank(config, opts):
-    """This worker's TP rank: the option, vLLM's parallel state, the
-    config's rank, or 0."""
-    if isinstance(opts.get("tp_rank"), int):
-        return opts["tp_rank"]
-    try:
-        if importlib.util.find_spec("vllm.distributed.parallel_state") is not None:
-            ps = importlib.import_module("vllm.distributed.parallel_state")
-            return int(ps.get_tensor_model_parallel_rank())
-    except Exception:  # not initialized (tests) or another layout: fall through
-        pass
-    r = get(vllm_config_of(config), "parallel_config", "rank")
-    if isinstance(r, int):
-        return r % max(1, parallel_of(config))
-    return int(os.environ.get("KVHOST_TP_RANK", "0"))

@@ -2,7 +2,7 @@
 
 The worker registers its CanonicalKVCaches tensors with the daemon — CUDA
 tensors by CUDA IPC, host tensors by the shared-memory file behind them —
-declares one namespace per KV-cache group at its TP rank (one plane per
+declares one namespace per KV-cache group at its shard (one plane per
 layer whose block is exactly one page) and registers one daemon cache per
 group. Transfers become daemon jobs: a key's blocks are its chunk's GPU
 blocks in that group, and the daemon moves every layer's page of each.
@@ -15,10 +15,10 @@ import time
 
 from .. import protocol as p
 from ..client import Client, ConnectionLost, KvhostError, Layer
-from . import spec_compat as sc
+from . import _namespace, spec_compat as sc
 from ._common import mapping_of as _mapping_of, open_mapped as _open_mapped
 
-log = logging.getLogger("kvhost.vllm")
+log = logging.getLogger("vllm.kvhost")
 
 
 class _Transfer:
@@ -30,68 +30,114 @@ class _Transfer:
         self.jobs, self.t0, self.error, self.reported = [], time.monotonic(), None, False
 
 
-class SpecWorker:
-    """Moves blocks between this worker's KV-cache tensors and the daemon."""
+def _refs_of(kv_caches, ngroups):
+    """Per group: [(tensor index, page bytes)] from CanonicalKVCaches'
+    group_data_refs (CanonicalKVCacheRef, or (index, bytes) pairs)."""
+    refs = getattr(kv_caches, "group_data_refs", None)
+    if refs is None:
+        raise ValueError("kvhost.vllm: the worker's KV caches have no group_data_refs (want vLLM's "
+                         "CanonicalKVCaches)")
+    out = []
+    for g in refs:
+        out.append([(int(r[0]), int(r[1])) if isinstance(r, (tuple, list)) else
+                    (int(getattr(r, "tensor_idx")), int(getattr(r, "page_size_bytes"))) for r in g])
+    if len(out) != ngroups:
+        raise ValueError(f"kvhost.vllm: the worker has {len(out)} KV-cache groups, vLLM's offloading "
+                         f"config {ngroups}")
+    return out
 
-    def __init__(self, config, kv_caches, api=None, opts=None):
+
+class SpecWorker:
+    """Moves blocks between this worker's KV-cache tensors and the daemon.
+
+    Every layer of every group moves page_bytes per GPU block — the page
+    size the scheduler's manager declared too (from the config, or the
+    spec option page_bytes). The worker checks each layer's real page
+    against it and refuses to start when they differ: a namespace whose
+    pages mean something else than the scheduler's would hand wrong KV."""
+
+    def __init__(self, config, kv_caches, api=None, opts=None, ident=None):
         self._api = api or sc.SPEC_FALLBACK
         self._opts = o = opts or sc.options(config)
-        self._bpc = sc.blocks_per_chunk(config)
-        tensors = [getattr(t, "tensor", t) for t in (getattr(kv_caches, "tensors", None) or kv_caches)]
-        if not tensors:
+        self._ident = ident or sc.identity(config, o)
+        self._bpc = self._ident["blocks_per_chunk"]
+        page = self._ident["page_bytes"]
+        entries = list(getattr(kv_caches, "tensors", None) or [])
+        if not entries:
             raise ValueError("kvhost.vllm: the worker got no KV-cache tensors")
-        groups = sc.groups_of(config, o)
-        refs = getattr(kv_caches, "group_data_refs", None)
-        if refs is None:
-            if len(groups) != 1:
-                raise ValueError(f"kvhost.vllm: {len(groups)} KV-cache groups but no group_data_refs")
-            refs = [[(i, groups[0][1]) for i in range(len(tensors))]]
-        refs = [[(int(r[0]), int(r[1])) if isinstance(r, (tuple, list)) else
-                 (int(getattr(r, "tensor_idx")), int(getattr(r, "page_size_bytes"))) for r in g] for g in refs]
-        if len(refs) != len(groups):
-            raise ValueError(f"kvhost.vllm: the worker has {len(refs)} KV-cache groups, the config {len(groups)}")
-        self.rank = sc.worker_rank(config, o)
+        tensors = [getattr(t, "tensor", t) for t in entries]
+        padded = [getattr(t, "page_size_bytes", None) for t in entries]
+        groups = self._ident["groups"]
+        refs = _refs_of(kv_caches, len(groups))
+        self.rank = _namespace._count(config, "parallel.rank", "worker rank", least=0)
+        self.shard = sc.shard_of(config)
         self._tensors = tensors
         self._lock = threading.Lock()
         self._transfers = {}
         self._stats = {k: 0 for k in ("store_jobs", "load_jobs", "store_keys", "stored_keys", "present_keys",
-                                      "not_admitted_keys", "store_failed_keys", "load_keys", "loaded_keys",
-                                      "load_failed_keys", "failed_load_jobs", "bytes_stored", "bytes_loaded")}
+                                      "not_admitted_keys", "store_failed_keys", "store_skipped_keys",
+                                      "load_keys", "loaded_keys", "load_failed_keys", "failed_load_jobs",
+                                      "bytes_stored", "bytes_loaded")}
         self._regions = {}   # storage address -> (region id, offset of the storage in the region)
         self._caches = []    # per group: (cache id, num blocks)
+        # Check every layer before talking to the daemon.
+        planes = [self._planes(g, grp["layer_names"], refs[g], padded, page) for g, grp in enumerate(groups)]
         try:
             self._client = Client(o["socket"], name=f"{o['client_name']}-worker{self.rank}")
         except OSError as e:
             raise ConnectionError(f"kvhost.vllm: cannot connect to the kvhost daemon at {o['socket']}: {e}") from e
         try:
             self.namespaces = []
-            for g, (names, page) in enumerate(groups):
-                if names and len(names) != len(refs[g]):
-                    raise ValueError(f"kvhost.vllm: KV-cache group {g} has {len(names)} layers in the config "
-                                     f"and {len(refs[g])} tensors in the worker")
-                desc = sc.describe(config, o, g, self.rank)
-                if not names:
-                    desc["layer_names"] = [str(i) for i, _ in refs[g]]
-                geo = sc.geometry(desc)
+            for g in range(len(groups)):
+                geo = sc.geometry(sc.describe(self._ident, g, self.shard))
                 ns = self._client.declare(geo)
                 self.namespaces.append(geo.model)
                 layers, blocks = [], None
-                for ti, unpadded in refs[g]:
-                    if unpadded != page:
-                        raise ValueError(f"kvhost.vllm: tensor {ti} of group {g} has {unpadded}-byte pages, the "
-                                         f"config says {page}: the scheduler's namespace would differ")
-                    layers.append(self._layer(tensors[ti], page, ti))
+                for ti, off in planes[g]:
+                    layers.append(self._layer(tensors[ti], page, ti, off))
                     blocks = layers[-1].num_blocks if blocks is None else min(blocks, layers[-1].num_blocks)
                 self._caches.append((self._client.register_cache(ns, layers), blocks))
         except BaseException:
             self._client.close()
             raise
-        log.info("kvhost spec: worker rank %d: %d tensors in %d regions, namespaces %s", self.rank,
-                 len(tensors), len(self._regions), self.namespaces)
+        log.info("kvhost spec: worker rank %d (shard %d): %d tensors in %d regions, namespaces %s", self.rank,
+                 self.shard, len(tensors), len(self._regions), self.namespaces)
+
+    @staticmethod
+    def _planes(g, names, refs, padded, page):
+        """The (tensor index, byte offset in its block) of each of group g's
+        layers, each moving page bytes per block; a ValueError when the
+        worker's pages are not the page size the scheduler declared.
+
+        A layer's ref matches when its page is page bytes, or when it is
+        smaller and its tensor's (padded) page is page bytes: the padding
+        travels with it. One ref of len(names) pages is vLLM's cross-layer
+        layout (one slab per block holding every layer): cut into pages."""
+        n = len(names)
+        if len(refs) == 1 and n > 1 and refs[0][1] == n * page:
+            ti = refs[0][0]
+            return [(ti, i * page) for i in range(n)]
+        if len(refs) != n:
+            raise ValueError(f"kvhost.vllm: KV-cache group {g} has {n} layers in vLLM's offloading config "
+                             f"but {len(refs)} tensor references in the worker's CanonicalKVCaches "
+                             "(a layout kvhost does not know): refusing to start")
+        out = []
+        for (ti, got), name in zip(refs, names):
+            if not 0 <= ti < len(padded):
+                raise ValueError(f"kvhost.vllm: layer {name} of group {g} names tensor {ti} of {len(padded)}")
+            if got != page and not (got < page and padded[ti] == page):
+                raise ValueError(
+                    f"kvhost.vllm: layer {name} of KV-cache group {g} has {got}-byte pages (its tensor "
+                    f"{padded[ti]}) but the scheduler's namespace says {page}: the scheduler's and this "
+                    "worker's namespaces would differ; refusing to start (set the spec option "
+                    "\"page_bytes\" to the layers' page size if vLLM's worker_kv_bytes_per_block does not "
+                    "give it)")
+            out.append((ti, 0))
+        return out
 
     # -- registration ----------------------------------------------------------
 
-    def _layer(self, t, page, ti):
+    def _layer(self, t, page, ti, within=0):
         shape, es = tuple(t.shape), t.element_size()
         if len(shape) < 2 or t.stride(0) <= 0:
             raise ValueError(f"kvhost.vllm: tensor {ti} has shape {shape}: want (num_blocks, page bytes...)")
@@ -99,11 +145,11 @@ class SpecWorker:
         inner = es
         for d in shape[1:]:
             inner *= d
-        if not t[0].is_contiguous() or inner < page or row < page:
+        if not t[0].is_contiguous() or inner < within + page or row < within + page:
             raise ValueError(f"kvhost.vllm: tensor {ti} (shape {shape}, strides {t.stride()}) does not hold "
                              f"contiguous {page}-byte pages")
         region, base = self._region_of(t)
-        off = base + t.storage_offset() * es
+        off = base + t.storage_offset() * es + within
         return Layer(region, offset=off, block_stride=row, plane_stride=0, num_blocks=shape[0])
 
     def _region_of(self, t):
@@ -141,35 +187,60 @@ class SpecWorker:
     # -- transfers -------------------------------------------------------------
 
     def _plan(self, job_id, gpu_spec, kv_spec):
-        """Per group: (cache, keys, blocks per key) of a job."""
+        """Per group: (cache, keys, blocks per key) of a job, and what could
+        not be planned: [(group, keys, why)]. A group's blocks must be whole
+        chunks (block_indices aligned to blocks_per_chunk, blocks_per_chunk
+        blocks per key): the daemon moves whole keys."""
         ids = [int(b) for b in gpu_spec.block_ids]
         sizes = getattr(gpu_spec, "group_sizes", None)
         sizes = [len(ids)] if sizes is None else [int(s) for s in sizes]
+        starts = getattr(gpu_spec, "block_indices", None)
+        starts = [0] * len(sizes) if starts is None else [int(b) for b in starts]
+        by_group = {}
+        for k, kg in zip(kv_spec.keys, kv_spec.groups):
+            by_group.setdefault(kg, []).append(k)
         if sum(sizes) != len(ids):
-            raise ValueError(f"kvhost.vllm: job {job_id}: group sizes {sizes} do not add up to {len(ids)} blocks")
-        out, start = [], 0
-        for g, n in enumerate(sizes):
+            return [], [(None, list(kv_spec.keys), f"group sizes {sizes} do not add up to {len(ids)} blocks")]
+        out, bad, start = [], [], 0
+        for g in sorted(set(by_group) | set(range(len(sizes)))):
+            n = sizes[g] if g < len(sizes) else 0
             gblocks = ids[start:start + n]
             start += n
-            gkeys = [k for k, kg in zip(kv_spec.keys, kv_spec.groups) if kg == g]
+            gkeys = by_group.get(g, [])
             if not gkeys and not gblocks:
                 continue
             if g >= len(self._caches):
-                raise ValueError(f"kvhost.vllm: job {job_id}: group {g} of {len(self._caches)}")
-            if len(gblocks) != len(gkeys) * self._bpc:
-                raise ValueError(f"kvhost.vllm: job {job_id}: group {g} has {len(gkeys)} keys of {self._bpc} blocks "
-                                 f"but {len(gblocks)} GPU blocks (partial chunks are not transferred)")
+                bad.append((g, gkeys, f"group {g} of {len(self._caches)}"))
+                continue
+            if len(gblocks) != len(gkeys) * self._bpc or (n and g < len(starts) and starts[g] % self._bpc):
+                bad.append((g, gkeys, f"group {g} has {len(gkeys)} keys of {self._bpc} blocks but {len(gblocks)} "
+                                      f"GPU blocks from block index {starts[g] if g < len(starts) else '?'} "
+                                      "(partial chunks are not transferred)"))
+                continue
             cache, nblocks = self._caches[g]
-            bad = [b for b in gblocks if not 0 <= b < nblocks]
-            if bad:
-                raise ValueError(f"kvhost.vllm: job {job_id}: block {bad[0]} outside the cache's {nblocks} blocks")
+            outside = [b for b in gblocks if not 0 <= b < nblocks]
+            if outside:
+                bad.append((g, gkeys, f"block {outside[0]} outside the cache's {nblocks} blocks"))
+                continue
             per = [gblocks[i * self._bpc:(i + 1) * self._bpc] for i in range(len(gkeys))]
             out.append((cache, gkeys, per))
-        return out
+        return out, bad
 
     def _submit(self, job_id, gpu_spec, kv_spec, load):
-        plan = self._plan(job_id, gpu_spec, kv_spec)
+        """Starts a job; always True (vLLM asserts it). What cannot be moved
+        is reported by get_finished: a load fails, a store leaves those keys
+        out (they are simply not stored; later lookups miss)."""
+        plan, bad = self._plan(job_id, gpu_spec, kv_spec)
         tr = _Transfer(job_id, load, len(kv_spec.keys))
+        kind = "load" if load else "store"
+        for g, gkeys, why in bad:
+            log.warning("kvhost spec: %s job %d: %s", kind, job_id, why)
+            if load:
+                tr.error = tr.error or f"job {job_id}: {why}"
+            else:
+                tr.nkeys -= len(gkeys)
+                with self._lock:
+                    self._stats["store_skipped_keys"] += len(gkeys)
         try:
             for cache, keys, blocks in plan:
                 for i in range(0, len(keys), p.MAX_KEYS_PER_REQUEST):
@@ -178,7 +249,7 @@ class SpecWorker:
                     tr.jobs.append(fn(cache, keys[sl], blocks[sl]))
         except (KvhostError, ConnectionLost, OSError, TimeoutError) as e:
             tr.error = e
-            log.warning("kvhost spec: %s job %d: %s", "load" if load else "store", job_id, e)
+            log.warning("kvhost spec: %s job %d: %s", kind, job_id, e)
         with self._lock:
             self._transfers[job_id] = tr
             self._stats["load_jobs" if load else "store_jobs"] += 1
@@ -267,12 +338,17 @@ class SpecWorker:
                 except Exception:  # reported by get_finished
                     pass
 
-    def get_stats(self):
+    def counters(self):
+        """The worker's counters since it started, as a dict (no daemon
+        round trip): for tests and tools. vLLM collects no statistics from
+        an offloading worker; its connector counts transfer sizes and times
+        from get_finished's results."""
         with self._lock:
             s = dict(self._stats)
             s["inflight_jobs"] = len(self._transfers)
         s["namespaces"] = list(self.namespaces)
         s["rank"] = self.rank
+        s["shard"] = self.shard
         return s
 
     def shutdown(self):

@@ -1,0 +1,398 @@
+"""KvhostOffloadingSpec inside vLLM's own code: vLLM's OffloadingSpecFactory
+loads it from its module path and builds it from an OffloadingConfig filled
+like build_offloading_config fills it; the tests drive its manager in the
+scheduler's call order and its workers with vLLM's GPULoadStoreSpec and
+CanonicalKVCaches (over CPU int8 tensors in shared memory) against a real
+kvhost daemon, and feed get_stats to vLLM's OffloadingConnectorStats every
+step. No class under test is a stand-in; only vLLM's heavy imports are
+shimmed (vllm_tree.py).
+
+Needs a vLLM source tree: `make test-vllm VLLM_SRC=DIR` (or
+KVHOST_VLLM_SRC=DIR); without one every test here reports itself skipped.
+One tree per process: run once per snapshot.
+"""
+
+import hashlib
+import multiprocessing
+import pathlib
+import pickle
+import sys
+import unittest
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "src"))
+sys.path.insert(0, str(HERE))
+
+import daemon as d  # noqa: E402
+import vllm_tree  # noqa: E402
+
+NO_TREE = vllm_tree.skip_reason()
+LAYERS, PAGE, BLOCKS = 4, 4096, 32
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+
+
+def layer_names(n=LAYERS, start=0):
+    return tuple(f"model.layers.{i}.self_attn.attn" for i in range(start, start + n))
+
+
+def key(i, tag="k", group=0):
+    """An OffloadKey: a 32-byte block hash and the 4-byte group index."""
+    return hashlib.sha256(f"{tag}-{i}".encode()).digest() + group.to_bytes(4, "big")
+
+
+def offloading_config(api, socket, model=MODEL, tp=1, rank=0, groups=1, engine_id=None, **extra):
+    """vLLM's OffloadingConfig as build_offloading_config fills it for a
+    model of LAYERS layers per group (a hybrid model's groups share their
+    tensors: LAYERS pages per block in all), naming kvhost's spec."""
+    extra_config = {"spec_name": "KvhostOffloadingSpec", "spec_module_path": "kvhost.vllm", "socket": socket,
+                    **extra}
+    return vllm_tree.make_offloading_config(
+        api, model=model, tp=tp, rank=rank, engine_id=engine_id,
+        groups=tuple((layer_names(LAYERS, g * LAYERS), 16) for g in range(groups)),
+        worker_kv_bytes_per_block=LAYERS * PAGE, extra_config=extra_config)
+
+
+def canonical_caches(api, seed, groups=1):
+    """vLLM's CanonicalKVCaches over LAYERS int8 (BLOCKS, PAGE) tensors in
+    one shared-memory file (every group's layer i uses tensor i, as a
+    hybrid model's groups do). Returns (caches, tensors, buffer)."""
+    import torch
+    import kvhost
+    big, buf = kvhost.torch_host_tensor((LAYERS, BLOCKS, PAGE), torch.int8, name="real-spec")
+    big.copy_(torch.randint(-128, 128, big.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.int8))
+    tensors = [big[i] for i in range(LAYERS)]
+    caches = api.CanonicalKVCaches(
+        tensors=[api.CanonicalKVCacheTensor(tensor=t, page_size_bytes=PAGE) for t in tensors],
+        group_data_refs=[[api.CanonicalKVCacheRef(tensor_idx=i, page_size_bytes=PAGE) for i in range(LAYERS)]
+                         for _ in range(groups)])
+    return caches, tensors, buf
+
+
+def rows(tensors, blocks):
+    return [bytes(t[b].numpy().tobytes()) for t in tensors for b in blocks]
+
+
+def run_job(worker, job_id, store, kv_spec, gpu_spec):
+    """submit → wait → get_finished as vLLM's connector worker runs it;
+    the TransferResult."""
+    ok = worker.submit_store(job_id, gpu_spec, kv_spec) if store else worker.submit_load(job_id, kv_spec, gpu_spec)
+    assert ok is True
+    worker.wait({job_id})
+    got = []
+    d.wait_for(lambda: got.extend(worker.get_finished()) or got, what=f"job {job_id}'s result")
+    assert [r.job_id for r in got] == [job_id], got
+    return got[0]
+
+
+def rank_process(socket, rank, conn):
+    """One TP rank's worker in its own process (vLLM runs one per GPU): its
+    config carries its rank; it answers ("store"|"load", job, kv spec,
+    blocks) with (success, transfer size, rows of the blocks) and "rows"
+    with the rows of the blocks."""
+    api = vllm_tree.load()
+    spec = api.OffloadingSpecFactory.create_spec(offloading_config(api, socket, tp=2, rank=rank))
+    caches, tensors, buf = canonical_caches(api, seed=100 + rank)
+    worker = spec.get_worker(caches)
+    conn.send(("ready", worker.namespaces))
+    try:
+        while True:
+            msg = conn.recv()
+            if msg[0] == "stop":
+                break
+            if msg[0] == "rows":
+                conn.send(rows(tensors, msg[1]))
+                continue
+            what, job, kv_spec, blocks = msg
+            for t in tensors:
+                if what == "load":
+                    t[blocks].zero_()
+            gpu = api.GPULoadStoreSpec(blocks, group_sizes=[len(blocks)], block_indices=[0])
+            res = run_job(worker, job, what == "store", pickle.loads(kv_spec), gpu)
+            conn.send((res.success, res.transfer_size, rows(tensors, blocks)))
+    finally:
+        worker.shutdown()
+        buf.close()
+        conn.close()
+
+
+@unittest.skipUnless(NO_TREE is None, NO_TREE or "")
+class RealSpecCase(unittest.TestCase):
+    """A daemon per class; managers and workers closed after each test."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.api = vllm_tree.load()
+        from kvhost import vllm as kv
+        cls.kv = kv
+        try:
+            kv.spec_class()
+        except kv.UnsupportedVLLM as e:
+            cls.refused = e
+        else:
+            cls.refused = None
+        cls.daemon = d.Daemon()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.daemon.stop()
+
+    def setUp(self):
+        if self.refused is not None:
+            self.skipTest(f"kvhost refuses {self.api.name}: {self.refused}")
+        self.closers = []
+        self.job = 0
+        self.stats = self.api.OffloadingConnectorStats()
+
+    def tearDown(self):
+        for c in reversed(getattr(self, "closers", [])):
+            c()
+
+    def spec(self, **kw):
+        """The spec as vLLM's connector makes it: OffloadingSpecFactory.create_spec."""
+        spec = self.api.OffloadingSpecFactory.create_spec(offloading_config(self.api, self.daemon.socket, **kw))
+        self.assertIsInstance(spec, self.api.OffloadingSpec)
+        return spec
+
+    def manager(self, spec):
+        m = spec.get_manager()
+        self.assertIsInstance(m, self.api.OffloadingManager)
+        self.closers.append(m.shutdown)
+        return m
+
+    def worker(self, spec, seed=0, groups=1):
+        caches, tensors, buf = canonical_caches(self.api, seed, groups)
+        self.closers.append(buf.close)
+        w = spec.get_worker(caches)
+        self.assertIsInstance(w, self.api.OffloadingWorker)
+        self.closers.append(w.shutdown)
+        return w, tensors
+
+    def step(self, m):
+        """The end of a scheduler step: vLLM's get_stats and on_schedule_end."""
+        s = m.get_stats()
+        if s is not None:
+            self.assertIsInstance(s, self.api.OffloadingConnectorStats)
+            self.assertFalse(s.is_empty())
+            self.stats.aggregate(s)
+        if self.api.ScheduleEndContext is not None:
+            m.on_schedule_end(self.api.ScheduleEndContext(new_req_ids=[], preempted_req_ids=[]))
+
+    def settle(self, m, k, ctx):
+        """lookup until it is not RETRY, stepping between tries as vLLM does
+        while has_pending_work."""
+        R = self.api.LookupResult
+
+        def once():
+            r = m.lookup(k, ctx)
+            if r == R.RETRY:
+                self.step(m)
+                return None
+            return r
+        return d.wait_for(once, what="a settled lookup")
+
+    def gpu(self, blocks, sizes=None):
+        sizes = sizes or [len(blocks)]
+        return self.api.GPULoadStoreSpec(blocks, group_sizes=sizes, block_indices=[0] * len(sizes))
+
+    def transfer(self, w, store, kv_spec, blocks, sizes=None):
+        self.job += 1
+        return run_job(w, self.job, store, pickle.loads(pickle.dumps(kv_spec)), self.gpu(blocks, sizes))
+
+    def stored(self, spec, m, ks, seed=0):
+        """Stores ks through one worker of spec; returns the worker."""
+        ctx = self.api.ReqContext(req_id="store")
+        w, _ = self.worker(spec, seed)
+        out = m.prepare_store(ks, ctx)
+        self.assertTrue(self.transfer(w, True, out.store_spec, list(range(1, len(ks) + 1))).success)
+        m.complete_store(out.keys_to_store, ctx)
+        return w
+
+
+class TestRealSpec(RealSpecCase):
+    def test_vllms_factory_builds_the_spec_and_its_base_class_reads_vllms_keys(self):
+        spec = self.spec(offload_prompt_only=False, self_describing_kv_events=True, blocks_per_chunk=1)
+        self.assertFalse(spec.offload_prompt_only)
+        self.assertEqual(spec.tokens_per_block, (16,))
+        self.assertEqual(spec.blocks_per_chunk, 1)
+        self.assertFalse(spec.replicated_layout)  # every rank stores its own shard
+        extra = spec.extra_config
+        cls = self.api.OffloadingSpecFactory.get_spec_cls(extra)
+        defs = cls.build_metric_definitions(extra)
+        self.assertTrue(defs)
+        for name, meta in defs.items():
+            self.assertIsInstance(meta, self.api.OffloadingMetricMetadata, name)
+
+    def test_an_unknown_key_is_refused_by_name(self):
+        with self.assertRaisesRegex(ValueError, "unknown spec option.*no_such_option"):
+            self.spec(no_such_option=1)
+
+    def test_scheduler_and_worker_round_trip_in_vllms_order(self):
+        api = self.api
+        spec = self.spec()
+        m = self.manager(spec)
+        w, tensors = self.worker(spec)
+        ctx = api.ReqContext(req_id="req-1")
+        self.assertIsInstance(m.on_new_request(ctx), api.RequestOffloadingContext)
+        ks = [key(i, "round") for i in range(6)]
+        self.assertEqual(m.lookup(ks[0], ctx), api.LookupResult.RETRY)
+        self.assertEqual(self.settle(m, ks[0], ctx), api.LookupResult.MISS)
+
+        order = [ks[i] for i in (4, 1, 5, 0, 3, 2)]
+        out = m.prepare_store(order, ctx)
+        self.assertIsInstance(out, api.PrepareStoreOutput)
+        self.assertEqual(list(out.keys_to_store), order)
+        src = [3, 7, 8, 9, 12, 15]
+        res = self.transfer(w, True, out.store_spec, src)
+        self.assertIsInstance(res, api.TransferResult)
+        self.assertTrue(res.success)
+        self.assertEqual(res.transfer_size, 6 * LAYERS * PAGE)
+        m.complete_store(out.keys_to_store, ctx)
+        self.step(m)
+        events = list(m.take_events())
+        self.assertEqual([(sorted(e.keys), e.removed) for e in events], [(sorted(order), False)])
+        self.assertIsInstance(events[0], api.OffloadingEvent)
+
+        for k in order:
+            self.assertEqual(self.settle(m, k, ctx), api.LookupResult.HIT)
+        want = rows(tensors, src)
+        dst = [20, 21, 22, 23, 24, 25]
+        for t in tensors:
+            t[dst].zero_()
+        load = m.prepare_load(order, ctx)
+        res = self.transfer(w, False, load, dst)
+        self.assertTrue(res.success)
+        self.assertEqual(rows(tensors, dst), want)
+        m.complete_load(order, ctx)
+        m.on_request_finished(ctx)
+        self.step(m)
+
+        counts = {n.rsplit("kvhost_", 1)[1]: sum(v.values()) for n, v in self.stats.data["data"].items()}
+        self.assertEqual(counts.get("stored_keys"), 6)
+        self.assertEqual(counts.get("loaded_keys"), 6)
+        self.assertGreaterEqual(counts.get("lookup_hits", 0), 6)
+        self.assertTrue(self.stats.reduce())  # what vLLM's logger does with it
+        m.reset_cache()
+        self.assertEqual(m.counters()["pinned_now"], 0)
+
+    def test_get_stats_survives_vllms_aggregate_every_step(self):
+        spec = self.spec()
+        m = self.manager(spec)
+        ctx = self.api.ReqContext(req_id="steps")
+        for i in range(1000):
+            m.lookup(key(i % 50, "steps"), ctx)
+            self.step(m)
+        d.wait_for(lambda: not m.has_pending_work(), what="the lookups to settle")
+        self.step(m)
+        c = m.counters()
+        got = {n.rsplit("kvhost_", 1)[1]: sum(v.values()) for n, v in self.stats.data["data"].items()}
+        self.assertEqual(got.get("lookup_retries", 0), c.get("lookup_retries", 0))
+        self.assertEqual(got.get("lookup_misses", 0), c.get("lookup_misses", 0))
+
+    def test_hybrid_model_two_groups_round_trip(self):
+        api = self.api
+        spec = self.spec(groups=2)
+        m = self.manager(spec)
+        w, tensors = self.worker(spec, groups=2)
+        self.assertEqual(len(set(w.namespaces)), 2)
+        ctx = api.ReqContext(req_id="hybrid")
+        ks = [key(i, "hyb", 0) for i in range(2)] + [key(i, "hyb", 1) for i in range(2)]
+        out = m.prepare_store(ks, ctx)
+        src = [2, 3, 10, 11]
+        self.assertTrue(self.transfer(w, True, out.store_spec, src, sizes=[2, 2]).success)
+        m.complete_store(out.keys_to_store, ctx)
+        for k in ks:
+            self.assertEqual(self.settle(m, k, ctx), api.LookupResult.HIT)
+        want = rows(tensors, src)
+        dst = [16, 17, 26, 27]
+        res = self.transfer(w, False, m.prepare_load(ks, ctx), dst, sizes=[2, 2])
+        self.assertTrue(res.success)
+        self.assertEqual(rows(tensors, dst), want)
+        m.complete_load(ks, ctx)
+
+    def test_different_models_miss_each_others_keys_and_engines_of_one_model_share(self):
+        api = self.api
+        ks = [key(i, "ident") for i in range(2)]
+        a = self.spec(engine_id="engine-a")
+        ma = self.manager(a)
+        self.stored(a, ma, ks)
+        ctx = api.ReqContext(req_id="ident")
+        mb = self.manager(self.spec(engine_id="engine-b"))
+        other = self.manager(self.spec(model="mistralai/Mistral-7B-Instruct-v0.3"))
+        tp2 = self.manager(self.spec(tp=2))
+        for k in ks:
+            self.assertEqual(self.settle(mb, k, ctx), api.LookupResult.HIT)
+            self.assertEqual(self.settle(other, k, ctx), api.LookupResult.MISS)
+            self.assertEqual(self.settle(tp2, k, ctx), api.LookupResult.MISS)
+
+    def test_tp2_ranks_in_two_processes_hit_only_when_both_stored(self):
+        api = self.api
+        spec = self.spec(tp=2)
+        m = self.manager(spec)
+        mp = multiprocessing.get_context("spawn")
+        procs, conns = [], []
+        for r in range(2):
+            parent, child = mp.Pipe()
+            p = mp.Process(target=rank_process, args=(self.daemon.socket, r, child), daemon=True)
+            p.start()
+            child.close()
+            procs.append(p)
+            conns.append(parent)
+
+        def stop():
+            for c in conns:
+                try:
+                    c.send(("stop",))
+                except OSError:
+                    pass
+            for p in procs:
+                p.join(60)
+                if p.is_alive():
+                    p.kill()
+        self.closers.append(stop)
+        for c in conns:
+            self.assertTrue(c.poll(120), "a rank process did not start")
+        namespaces = [c.recv() for c in conns]
+        self.assertNotEqual(namespaces[0][1], namespaces[1][1])
+
+        ctx = api.ReqContext(req_id="tp2")
+        k = key(0, "tp2")
+        out = m.prepare_store([k], ctx)
+        conns[0].send(("store", 1, pickle.dumps(out.store_spec), [5]))
+        self.assertTrue(conns[0].recv()[0])
+        m.complete_store([k], ctx, success=False)
+        self.assertEqual(self.settle(m, k, ctx), api.LookupResult.MISS)  # rank 1 has not stored it
+
+        out = m.prepare_store([k], ctx)
+        wants = []
+        for c in conns:
+            c.send(("store", 2, pickle.dumps(out.store_spec), [5]))
+            ok, _, src_rows = c.recv()
+            self.assertTrue(ok)
+            wants.append(src_rows)
+        m.complete_store([k], ctx)
+        self.assertEqual(self.settle(m, k, ctx), api.LookupResult.HIT)
+        load = m.prepare_load([k], ctx)
+        for c, want in zip(conns, wants):
+            c.send(("load", 3, pickle.dumps(load), [9]))
+            ok, _, got = c.recv()
+            self.assertTrue(ok)
+            self.assertEqual(got, want)  # each rank got its own shard back
+        self.assertNotEqual(wants[0], wants[1])
+        m.complete_load([k], ctx)
+
+
+@unittest.skipUnless(NO_TREE is None, NO_TREE or "")
+class TestRealSpecWindow(unittest.TestCase):
+    def test_this_vllm_is_supported_or_refused_naming_the_window(self):
+        vllm_tree.load()
+        from kvhost import vllm as kv
+        try:
+            cls = kv.spec_class()
+        except kv.UnsupportedVLLM as e:
+            self.assertIn("2026-08-17", str(e))
+            return
+        self.assertTrue(issubclass(cls, vllm_tree.load().OffloadingSpec))
+
+
+if __name__ == "__main__":
+    unittest.main()
