@@ -13,7 +13,10 @@ tensors (Llama-3.1-8B bf16 geometry: 32 layers, 16-token pages), then:
 lookup (RETRY, MISS) → prepare_store → submit_store → get_finished →
 complete_store → lookup (HIT) → prepare_load → submit_load → wait →
 get_finished → complete_load, and compares every loaded page with its
-source on the GPU. Transfer rates are reported with, from the same run, a
+source on the GPU. With KVHOST_VLLM_SRC=DIR (a vLLM source tree, see
+vllm_tree.py) the classes are vLLM's own: the spec is built by vLLM's
+OffloadingSpecFactory from an OffloadingConfig, and the worker gets vLLM's
+CanonicalKVCaches and GPULoadStoreSpec; without it, the CI stand-ins. Transfer rates are reported with, from the same run, a
 plain torch copy of the same pages GPU → pinned host as the ceiling.
 """
 
@@ -33,16 +36,41 @@ import vllm_standins as S  # noqa: E402
 from kvhost import vllm as kv  # noqa: E402
 
 LAYERS, PAGE, BLOCKS, KEYS, ROUNDS = 32, 64 << 10, 1024, 256, 3
-CTX = S.ReqContext(req_id="gpu-check")
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+
+
+def classes():
+    """(namespace of the vLLM classes used, a function socket -> spec, name):
+    vLLM's own from KVHOST_VLLM_SRC, else the stand-ins."""
+    if os.environ.get("KVHOST_VLLM_SRC"):
+        import vllm_tree
+        api = vllm_tree.load()
+        names = tuple(f"model.layers.{i}.self_attn.attn" for i in range(LAYERS))
+
+        def make_spec(socket):
+            cfg = vllm_tree.make_offloading_config(
+                api, model=MODEL, groups=((names, 16),), worker_kv_bytes_per_block=LAYERS * PAGE,
+                is_parallelism_agnostic=False,
+                extra_config={"spec_name": "KvhostOffloadingSpec", "spec_module_path": "kvhost.vllm",
+                              "socket": socket})
+            return api.OffloadingSpecFactory.create_spec(cfg)
+        return api, make_spec, api.name
+    spec_cls = kv.spec_class(S.SPEC_API)
+    return S, lambda socket: spec_cls(S.fake_offloading_config(socket, layers=LAYERS, page_bytes=PAGE)), "stand-ins"
+
+
+V, MAKE_SPEC, CLASSES = None, None, None
+CTX = None
 
 
 def answer(m, key):
-    R = S.LookupResult
-    return d.wait_for(lambda: (lambda r: r if r != R.RETRY else None)(m.lookup(key, CTX)), what="lookup")
+    R = V.LookupResult
+    return d.wait_for(lambda: (lambda r: r if r not in (R.RETRY, getattr(R, "HIT_PENDING", None)) else None)(
+        m.lookup(key, CTX)), what="lookup")
 
 
 def run_transfer(w, job, store, kv_spec, blocks):
-    gpu = S.GPULoadStoreSpec(blocks, [len(blocks)], [0])
+    gpu = V.GPULoadStoreSpec(blocks, [len(blocks)], [0])
     t0 = time.perf_counter()
     ok = w.submit_store(job, gpu, kv_spec) if store else w.submit_load(job, kv_spec, gpu)
     assert ok
@@ -58,11 +86,11 @@ def check_mount(name, root):
     os.makedirs(root, exist_ok=True)
     dm = d.Daemon(capacity="16GiB", dir=root, extra_toml='[gpu]\nmode = "on"\n')
     try:
-        spec_cls = kv.spec_class(S.SPEC_API)
-        spec = spec_cls(S.fake_offloading_config(dm.socket, layers=LAYERS, page_bytes=PAGE))
+        spec = MAKE_SPEC(dm.socket)
+        out["spec_class"] = f"{type(spec).__module__}.{type(spec).__name__} ({CLASSES})"
         big = torch.randint(-128, 128, (LAYERS, BLOCKS, PAGE), dtype=torch.int8, device="cuda")
-        caches = S.CanonicalKVCaches([S.CanonicalKVCacheTensor(big[i], PAGE) for i in range(LAYERS)],
-                                     [[S.CanonicalKVCacheRef(i, PAGE) for i in range(LAYERS)]])
+        caches = V.CanonicalKVCaches([V.CanonicalKVCacheTensor(big[i], PAGE) for i in range(LAYERS)],
+                                     [[V.CanonicalKVCacheRef(i, PAGE) for i in range(LAYERS)]])
         m = spec.get_manager()
         w = spec.get_worker(caches)
         out["namespace"] = w.namespaces[0]
@@ -91,7 +119,7 @@ def check_mount(name, root):
             gib = st.transfer_size / (1 << 30)
             rounds.append({
                 "first_lookup": first.name, "then": miss.name,
-                "hits": sum(h == S.LookupResult.HIT for h in hits),
+                "hits": sum(h == V.LookupResult.HIT for h in hits),
                 "store_ok": st.success, "load_ok": ld.success, "bytes_equal": equal,
                 "store_bytes": st.transfer_size, "load_bytes": ld.transfer_size,
                 "store_GBps": round(st.transfer_size / st_wall / 1e9, 2),
@@ -136,9 +164,12 @@ def main():
     if not torch.cuda.is_available():
         print("KVHOST_GPU=1 but torch sees no CUDA device")
         return 1
+    global V, MAKE_SPEC, CLASSES, CTX
+    V, MAKE_SPEC, CLASSES = classes()
+    CTX = V.ReqContext(req_id="gpu-check")
     mounts = [("tmpfs", os.environ.get("KVHOST_GPU_TMPFS", "/dev/shm/kvhost-spec")),
               ("disk", os.environ.get("KVHOST_GPU_DISK", "/var/tmp/kvhost-spec"))]
-    report = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+    report = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "classes": CLASSES,
               "layers": LAYERS, "page_bytes": PAGE, "keys_per_job": KEYS,
               "results": [check_mount(n, r) for n, r in mounts]}
     text = json.dumps(report, indent=1, default=str)

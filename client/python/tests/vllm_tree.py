@@ -592,6 +592,12 @@ def load(src=None) -> types.SimpleNamespace:
                 api.missing.append(f"{modname}.{n}")
             if getattr(api, n, None) is None:
                 setattr(api, n, v)
+    if api.errors:
+        # A module the tree has but that fails to import would leave its
+        # classes None and the tests failing far from the cause: say it here.
+        sys.meta_path[:] = [f for f in sys.meta_path if f is not finder]
+        raise RuntimeError(f"vllm_tree: {name}: modules failed to import: "
+                           + "; ".join(f"{m}: {e}" for m, e in api.errors.items()))
     # Fields that tell the snapshots apart, for tests and reports.
     api.has_transfer_job = api.TransferJob is not None
     api.has_successful_keys = (
