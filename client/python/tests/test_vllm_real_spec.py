@@ -116,29 +116,13 @@ def rank_process(socket, rank, conn):
 
 
 @unittest.skipUnless(NO_TREE is None, NO_TREE or "")
-class RealSpecCase(unittest.TestCase):
+class RealSpecCase(vllm_tree.RealCase):
     """A daemon per class; managers and workers closed after each test."""
 
-    @classmethod
-    def setUpClass(cls):
-        cls.api = vllm_tree.load()
-        from kvhost import vllm as kv
-        cls.kv = kv
-        try:
-            kv.spec_class()
-        except kv.UnsupportedVLLM as e:
-            cls.refused = e
-        else:
-            cls.refused = None
-        cls.daemon = d.Daemon()
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.daemon.stop()
+    support = "spec_class"
 
     def setUp(self):
-        if self.refused is not None:
-            self.skipTest(f"kvhost refuses {self.api.name}: {self.refused}")
+        self.require_support()
         self.closers = []
         self.job = 0
         self.stats = self.api.OffloadingConnectorStats()

@@ -39,31 +39,11 @@ def key(i, tag="k", group=0):
 
 
 @unittest.skipUnless(NO_TREE is None, NO_TREE or "")
-class RealTieringCase(unittest.TestCase):
+class RealTieringCase(vllm_tree.RealCase):
     """A daemon per class; engines (vLLM managers) closed after each test."""
 
-    @classmethod
-    def setUpClass(cls):
-        cls.api = vllm_tree.load()
-        from kvhost import vllm as kv
-        cls.kv = kv
-        try:
-            kv.detect()
-        except kv.UnsupportedVLLM as e:
-            cls.refused = e
-        else:
-            cls.refused = None
-        cls.daemon = d.Daemon()
-
-    @classmethod
-    def tearDownClass(cls):
-        cls.daemon.stop()
-
     def setUp(self):
-        if self.refused is not None:
-            # kvhost refuses this vLLM (test_refusal checks how); the
-            # scenarios below need a supported one.
-            self.skipTest(f"kvhost refuses {self.api.name}: {self.refused}")
+        self.require_support()
         self.handles = []
 
     def tearDown(self):

@@ -275,6 +275,71 @@ def offloading_config(model="meta-llama/Llama-3.1-8B-Instruct", dtype="bfloat16"
     return dataclasses.replace(cfg, **fields) if fields else cfg
 
 
+class OffloadingManager(abc.ABC):
+    """The scheduler side of a spec."""
+
+    @abc.abstractmethod
+    def lookup(self, key, req_context): ...
+
+    @abc.abstractmethod
+    def prepare_load(self, keys, req_context): ...
+
+    def touch(self, keys, req_context):
+        return
+
+    def complete_load(self, keys, req_context):
+        return
+
+    @abc.abstractmethod
+    def prepare_store(self, keys, req_context): ...
+
+    def complete_store(self, keys, req_context, success=True):
+        return
+
+    @abc.abstractmethod
+    def on_new_request(self, req_context): ...
+
+    def on_request_finished(self, req_context):
+        return
+
+    def take_events(self):
+        return ()
+
+    def on_schedule_end(self, context):
+        return
+
+    def has_pending_work(self):
+        return False
+
+    def reset_cache(self):
+        return
+
+    def get_stats(self):
+        return None
+
+    def shutdown(self):
+        return
+
+
+class OffloadingWorker(abc.ABC):
+    """The worker side of a spec: transfers for one medium."""
+
+    @abc.abstractmethod
+    def submit_store(self, job_id, src_spec, dst_spec): ...
+
+    @abc.abstractmethod
+    def submit_load(self, job_id, src_spec, dst_spec): ...
+
+    @abc.abstractmethod
+    def get_finished(self): ...
+
+    @abc.abstractmethod
+    def wait(self, job_ids): ...
+
+    def shutdown(self):
+        return
+
+
 class OffloadingSpec(abc.ABC):
     def __init__(self, config):
         self.config = config
@@ -382,8 +447,8 @@ SPEC_API = types.SimpleNamespace(
     name="stand-ins (tests)", LookupResult=LookupResult, PrepareStoreOutput=PrepareStoreOutput,
     TransferResult=TransferResult, OffloadingEvent=OffloadingEvent,
     RequestOffloadingContext=RequestOffloadingContext, OffloadingSpec=OffloadingSpec,
-    OffloadingManager=None, LoadStoreSpec=LoadStoreSpec, GPULoadStoreSpec=GPULoadStoreSpec,
-    Medium=Medium, OffloadingWorker=None, OffloadingConnectorStats=OffloadingConnectorStats,
+    OffloadingManager=OffloadingManager, LoadStoreSpec=LoadStoreSpec, GPULoadStoreSpec=GPULoadStoreSpec,
+    Medium=Medium, OffloadingWorker=OffloadingWorker, OffloadingConnectorStats=OffloadingConnectorStats,
     OffloadingCounterMetadata=OffloadingCounterMetadata, OffloadingGaugeMetadata=OffloadingGaugeMetadata)
 
 

@@ -36,6 +36,7 @@ import importlib.util
 import os
 import sys
 import types
+import unittest
 import uuid
 
 SOURCE_ENV = "KVHOST_VLLM_SRC"
@@ -778,3 +779,36 @@ def make_tiering_manager(api, *, cpu_bytes_to_use=None, num_cpu_blocks=8,
         handle.close()
         raise
     return handle
+
+
+class RealCase(unittest.TestCase):
+    """Base of the tests that run kvhost inside vLLM's own code: loads the
+    tree once per class, asks kvhost.vllm whether it supports this vLLM
+    (``support``: "detect" for the tier, "spec_class" for the spec), and
+    starts one daemon per class. Tests of a class call
+    ``self.require_support()`` first: kvhost refuses some vLLMs on purpose
+    (each suite has a test of how), and the scenarios need a supported one."""
+
+    support = "detect"
+
+    @classmethod
+    def setUpClass(cls):
+        import daemon
+        cls.api = load()
+        from kvhost import vllm as kv
+        cls.kv = kv
+        try:
+            getattr(kv, cls.support)()
+        except kv.UnsupportedVLLM as e:
+            cls.refused = e
+        else:
+            cls.refused = None
+        cls.daemon = daemon.Daemon()
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.daemon.stop()
+
+    def require_support(self):
+        if self.refused is not None:
+            self.skipTest(f"kvhost refuses {self.api.name}: {self.refused}")
