@@ -307,10 +307,11 @@ class VllmFsInterop(RealTieringCase):
         reader = self.engine(tier=entry)
         reader.manager.on_new_request(ctx)
         np.testing.assert_array_equal(self.promote_and_read(reader, ks, ctx), want)
-        with self.region_warnings() as warned, \
-                self.assertRaisesRegex(RuntimeError, "no vllm-fs mount of the daemon serves this model"):
-            self.engine(model="meta-llama/Llama-3.1-8B", tier=entry)
-        self.assertEqual(warned, [], "a refused tier left vLLM's region exported")
+        for other in (dict(model="meta-llama/Llama-3.1-8B"), dict(tp=2, worker_bytes=WORKER_BYTES // 2)):
+            with self.subTest(**other), self.region_warnings() as warned, \
+                    self.assertRaisesRegex(RuntimeError, "no vllm-fs mount of the daemon serves this model"):
+                self.engine(tier=entry, **other)
+            self.assertEqual(warned, [], "a refused tier left vLLM's region exported")
         other = self.engine(model="meta-llama/Llama-3.1-8B", tier={"socket": daemon.socket})
         other.manager.on_new_request(ctx)
         for k in ks:
