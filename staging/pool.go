@@ -113,7 +113,8 @@ func (p *Pool) run(i int, started chan<- error) {
 	w := &Worker{ID: i, pool: p, yield: Yielder{Every: p.cfg.YieldBytes}}
 	if len(p.cfg.CPUs) > 0 {
 		runtime.LockOSThread()
-		defer runtime.UnlockOSThread()
+		prev := threadCPUs() // set back before the thread is unlocked
+		defer unpin(prev)
 		cpu := p.cfg.CPUs[i%len(p.cfg.CPUs)]
 		var set unix.CPUSet
 		set.Set(cpu)
@@ -128,6 +129,25 @@ func (p *Pool) run(i int, started chan<- error) {
 	started <- nil
 	for fn := range p.tasks {
 		fn(w)
+	}
+}
+
+// threadCPUs returns the calling thread's CPU set, or nil if it cannot be read.
+func threadCPUs() *unix.CPUSet {
+	var set unix.CPUSet
+	if unix.SchedGetaffinity(0, &set) != nil {
+		return nil
+	}
+	return &set
+}
+
+// unpin gives the calling goroutine's thread its CPU set prev back and
+// unlocks it. A thread whose set cannot be restored stays locked: the
+// runtime ends it with the goroutine rather than hand it, pinned, to
+// other goroutines (and to the threads it would create).
+func unpin(prev *unix.CPUSet) {
+	if prev != nil && unix.SchedSetaffinity(0, prev) == nil {
+		runtime.UnlockOSThread()
 	}
 }
 
