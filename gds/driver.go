@@ -204,7 +204,8 @@ func openAPI(a api, cfg Config) (*Driver, error) {
 	}
 	d := &Driver{api: a, cfg: cfg, log: cfg.Logger, movers: map[*Mover]struct{}{}}
 	// The driver session belongs to the process, but cuFile initializes
-	// CUDA state on the calling thread: keep it on one thread and device.
+	// CUDA state on the calling thread: open it on a thread bound to
+	// device 0, which ends afterwards (onDevice).
 	err := d.onDevice(0, a.driverOpen)
 	if err != nil {
 		a.unload()
@@ -218,13 +219,9 @@ func openAPI(a api, cfg Config) (*Driver, error) {
 	}
 	d.inflight = newEntryBudget(batchEntries(cfg.BatchEntries, d.props))
 	d.cache = newHandleCache(a, cfg.MaxHandles)
-	d.cache.onThread = func(f func() error) error {
-		// On a goroutine of its own: the caller may be a mover worker,
-		// whose thread stays bound to its own device.
-		ch := make(chan error, 1)
-		go func() { ch <- d.onDevice(0, f) }()
-		return <-ch
-	}
+	// onDevice runs f on a thread of its own: the caller may be a mover
+	// worker, whose thread stays bound to its own device.
+	d.cache.onThread = func(f func() error) error { return d.onDevice(0, f) }
 	d.caps = newCapabilities(d)
 	d.log.Info("cufile: driver open", "library", d.props.Library, "version", d.props.Version,
 		"nvidia_fs", d.props.NVFSLoaded, "compat_allowed", d.props.CompatAllowed,
@@ -232,16 +229,23 @@ func openAPI(a api, cfg Config) (*Driver, error) {
 	return d, nil
 }
 
-// onDevice runs f on a locked OS thread bound to the device.
+// onDevice runs f on a thread of its own bound to the device and waits
+// for it. The thread is never unlocked (BindDevice cannot be undone, and
+// cuFile leaves state on it): it ends with its goroutine. The caller's
+// thread, which may be locked to another device, is not touched.
 func (d *Driver) onDevice(ordinal int, f func() error) error {
-	runtime.LockOSThread()
-	defer runtime.UnlockOSThread()
-	if d.cfg.BindDevice != nil {
-		if err := d.cfg.BindDevice(ordinal); err != nil {
-			return fmt.Errorf("gds: bind device %d: %w", ordinal, err)
+	ch := make(chan error, 1)
+	go func() {
+		runtime.LockOSThread()
+		if d.cfg.BindDevice != nil {
+			if err := d.cfg.BindDevice(ordinal); err != nil {
+				ch <- fmt.Errorf("gds: bind device %d: %w", ordinal, err)
+				return
+			}
 		}
-	}
-	return f()
+		ch <- f()
+	}()
+	return <-ch
 }
 
 // cuFileDrvProps_t control flag bit: compat mode allowed.

@@ -175,11 +175,12 @@ func (d *Driver) NewMover(cfg MoverConfig) (*Mover, error) {
 
 // worker runs tasks on one OS thread, binding it to a task's device when it
 // differs from the thread's current one: once per worker and device, not
-// per request.
+// per request. The thread is never unlocked: its current device and
+// cuFile's state on it are changed, so it ends with the worker
+// (internal/cuda's rule).
 func (m *Mover) worker() {
 	defer m.wg.Done()
 	runtime.LockOSThread()
-	defer runtime.UnlockOSThread()
 	w := &worker{m: m, bound: -1, batches: map[int]batchCtx{}}
 	defer w.closeBatches()
 	for t := range m.tasks {
