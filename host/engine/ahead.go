@@ -467,8 +467,9 @@ func (e *Engine) makeSpares() {
 		case m == nil:
 			continue
 		case stale.path != "":
-			e.forget(stale.id)
-			e.removeTemp(stale.path)
+			if err := e.removeFile(stale.path, stale.id); err != nil {
+				e.log.Warn("engine: remove a spare file", "path", stale.path, "err", err)
+			}
 			continue
 		}
 		if err := e.makeSpare(m, size); err != nil {
@@ -521,9 +522,10 @@ func (e *Engine) makeSpare(m *mount, size int64) error {
 		}
 	}
 	// Not kept: the room went to stores meanwhile, the engine is
-	// closing, or the file failed.
-	e.forget(id)
-	e.removeTemp(path)
+	// closing, or the file failed (a zero id is read from the name).
+	if rerr := e.removeFile(path, id); rerr != nil {
+		e.log.Warn("engine: remove a spare file", "path", path, "err", rerr)
+	}
 	return err
 }
 

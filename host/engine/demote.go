@@ -405,11 +405,11 @@ func (e *Engine) copyFile(en *entry, tm *mount, dst string) (*entry, error) {
 	}
 	published := false
 	defer func() {
+		if !published {
+			e.removeTemp(tmp, f)
+		}
 		if f != nil {
 			f.Close()
-		}
-		if !published {
-			e.removeTemp(tmp)
 		}
 	}()
 	buf := make([]byte, min(int64(copyChunk), max(en.size, 1)))

@@ -191,8 +191,7 @@ func (e *Engine) disposeIfSame(path string, ens []*entry, spare bool) bool {
 		}
 		path = at
 	}
-	e.forget(id)
-	if err := e.fs.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+	if err := e.removeFile(path, id); err != nil {
 		e.log.Warn("engine: remove", "path", path, "err", err)
 	}
 	return false

@@ -74,7 +74,7 @@ func (e *Engine) rebuild(ctx context.Context) error {
 					// Never anyone's data: a spare of a process that
 					// ended (or of one that will find it gone and
 					// write a fresh file instead).
-					if err := e.fs.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+					if err := e.removeFile(path, fsys.Identity{}); err != nil {
 						e.log.Warn("engine: leftover spare file", "path", path, "err", err)
 					} else {
 						cleaned.Add(1)
@@ -204,7 +204,7 @@ func (e *Engine) removeCorrupt(path string, readErr error) bool {
 		return false
 	}
 	e.log.Warn("engine: corrupt file removed at start", "path", path, "err", readErr)
-	if err := e.fs.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+	if err := e.removeFile(path, id); err != nil {
 		e.log.Warn("engine: remove corrupt file", "path", path, "err", err)
 	}
 	return true

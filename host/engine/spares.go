@@ -142,8 +142,9 @@ func (m *mount) takeSpareLocked(size int64) spareFile {
 func (e *Engine) useSpare(sf spareFile, dir string, extra int, size, end int64) (fsys.File, string, bool) {
 	fail := func(path, op string, err error) (fsys.File, string, bool) {
 		e.log.Debug("engine: reuse a spare file", "path", path, "op", op, "err", err)
-		e.forget(sf.id)
-		e.removeTemp(path)
+		if err := e.removeFile(path, sf.id); err != nil {
+			e.log.Warn("engine: remove a spare file", "path", path, "err", err)
+		}
 		return nil, "", false
 	}
 	if err := e.mkdir(dir, false); err != nil {
@@ -258,8 +259,7 @@ func (e *Engine) trimSpares(m *mount, enough func(*mount) bool) {
 			break
 		}
 		e.mu.Unlock()
-		e.forget(sf.id)
-		if err := e.fs.Remove(sf.path); err != nil && !errors.Is(err, os.ErrNotExist) {
+		if err := e.removeFile(sf.path, sf.id); err != nil {
 			e.log.Warn("engine: remove a spare file", "path", sf.path, "err", err)
 		}
 	}

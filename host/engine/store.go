@@ -428,11 +428,11 @@ func (e *Engine) writeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 		return published, e.ioError(m, op, err)
 	}
 	defer func() {
+		if !published {
+			e.removeTemp(tmp, f) // forgotten by the movers, then unlinked
+		}
 		if f != nil {
 			f.Close()
-		}
-		if !published {
-			e.removeTemp(tmp)
 		}
 	}()
 	var sums []uint32

@@ -87,18 +87,11 @@ func (e *Engine) createFile(dir, prefix string, extra int, size int64) (f fsys.F
 		e.log.Debug("engine: flock of a temporary file", "path", tmp, "err", err)
 	}
 	if err := f.Allocate(size); err != nil {
+		e.removeTemp(tmp, f)
 		f.Close()
-		e.removeTemp(tmp)
 		return nil, "", "allocate", err
 	}
 	return f, tmp, "", nil
-}
-
-// removeTemp removes a temporary file that was not published.
-func (e *Engine) removeTemp(tmp string) {
-	if err := e.fs.Remove(tmp); err != nil && !errors.Is(err, os.ErrNotExist) {
-		e.log.Warn("engine: remove temporary file", "path", tmp, "err", err)
-	}
 }
 
 // tempOwner parses the owner of a temporary name (without its prefix):
@@ -184,7 +177,7 @@ func (e *Engine) cleanTemp(path, rest string) (bool, error) {
 	if now, err := fsys.IdentityOf(fi); err != nil || !now.Same(id) {
 		return false, nil
 	}
-	if err := e.fs.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+	if err := e.removeFile(path, id); err != nil {
 		return false, err
 	}
 	return true, nil

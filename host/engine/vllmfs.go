@@ -237,7 +237,7 @@ func (e *Engine) writeConfig(root string, cfg vllmfs.Config) error {
 		err = e.fs.Rename(tmp, filepath.Join(dir, vllmfs.ConfigFile))
 	}
 	if err != nil {
-		e.fs.Remove(tmp)
+		e.removeTemp(tmp, nil)
 		return err
 	}
 	if e.cfg.Fsync {
