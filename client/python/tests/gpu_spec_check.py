@@ -83,7 +83,13 @@ def run_transfer(w, job, store, kv_spec, blocks):
 def check_mount(name, root):
     import torch
     out = {"mount": name, "root": root}
+    # A fresh directory per run: keys are the same every run, and files a
+    # previous run left would answer HIT before the first store.
+    import shutil
+    import tempfile
     os.makedirs(root, exist_ok=True)
+    root = tempfile.mkdtemp(prefix="run-", dir=root)
+    out["root"] = root
     dm = d.Daemon(capacity="16GiB", dir=root, extra_toml='[gpu]\nmode = "on"\n')
     try:
         spec = MAKE_SPEC(dm.socket)
@@ -148,11 +154,13 @@ def check_mount(name, root):
         out["ok"] = all(r["store_ok"] and r["load_ok"] and r["bytes_equal"] and r["hits"] == KEYS
                         and r["then"] == "MISS" for r in rounds)
     except Exception as e:  # report, with the daemon's log
+        import traceback
         out["ok"] = False
-        out["error"] = repr(e)
+        out["error"] = "".join(traceback.format_exception(e))[-3000:]
         out["daemon_log"] = dm.logs()[-4000:]
     finally:
         dm.stop()
+        shutil.rmtree(root, ignore_errors=True)
     return out
 
 
