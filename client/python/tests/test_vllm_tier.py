@@ -464,6 +464,30 @@ class Lifecycle(TierCase):
         view.release()  # raises BufferError while the tier keeps an export
         m.close()
 
+    def test_the_namespace_line_reaches_the_only_logger_vllm_configures(self):
+        # vLLM configures its "vllm" logger alone and stops it propagating.
+        import logging
+        vllm_logger = logging.getLogger("vllm")
+        seen = []
+
+        class Keep(logging.Handler):
+            def emit(self, rec):
+                seen.append(rec.getMessage())
+        h = Keep(level=logging.INFO)
+        old = (vllm_logger.level, vllm_logger.propagate)
+        vllm_logger.addHandler(h)
+        vllm_logger.setLevel(logging.INFO)
+        vllm_logger.propagate = False
+        try:
+            t = self.tier(random_region())
+        finally:
+            vllm_logger.removeHandler(h)
+            vllm_logger.setLevel(old[0])
+            vllm_logger.propagate = old[1]
+        line = [m for m in seen if m.startswith("kvhost tier: namespace ")]
+        self.assertEqual(len(line), 1, seen)
+        self.assertIn(t._ns.geometry.model, line[0])
+
     def test_vllms_generic_tier_keys_are_accepted_and_locality_honoured(self):
         detector = object()
         t = self.tier(random_region(), locality="REMOTE", backpressure_detector=detector,
