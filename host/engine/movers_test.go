@@ -25,6 +25,23 @@ type fakeDevice struct {
 	mem []byte
 }
 
+// registerFakeDevice registers a cache of nb blocks per layer, K and V
+// planes, in fake device memory with the given region id.
+func registerFakeDevice(t *testing.T, e *Engine, ns NamespaceID, g Geometry, id uint64, nb int) (CacheID, *fakeDevice) {
+	t.Helper()
+	bb := g.BlockBytes()
+	dev := &fakeDevice{id: id, mem: make([]byte, int64(g.Layers)*2*int64(nb)*bb)}
+	var layers []LayerTensor
+	for l := range g.Layers {
+		layers = append(layers, LayerTensor{Region: dev, Offset: int64(l) * 2 * int64(nb) * bb, BlockStride: bb, PlaneStride: int64(nb) * bb, NumBlocks: nb})
+	}
+	cid, err := e.RegisterCache(ns, layers)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return cid, dev
+}
+
 func (d *fakeDevice) ID() uint64        { return d.id }
 func (d *fakeDevice) Len() int64        { return int64(len(d.mem)) }
 func (d *fakeDevice) Kind() region.Kind { return region.KindDevice }
@@ -116,17 +133,9 @@ func TestDeviceMover(t *testing.T) {
 	}
 	g := smallGeometry(true)
 	ns, _ := e.Declare(ctx, g)
-	bb := g.BlockBytes()
 	const nb = 32
-	dev := &fakeDevice{id: 77, mem: make([]byte, int64(g.Layers)*2*nb*bb)}
-	var layers []LayerTensor
-	for l := range g.Layers {
-		layers = append(layers, LayerTensor{Region: dev, Offset: int64(l) * 2 * nb * bb, BlockStride: bb, PlaneStride: nb * bb, NumBlocks: nb})
-	}
-	cid, err := e.RegisterCache(ns, layers)
-	if err != nil {
-		t.Fatal(err)
-	}
+	bb := g.BlockBytes()
+	cid, dev := registerFakeDevice(t, e, ns, g, 77, nb)
 	r := rand.New(rand.NewPCG(8, 8))
 	for i := range dev.mem {
 		dev.mem[i] = byte(r.Uint32())

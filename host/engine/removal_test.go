@@ -135,17 +135,7 @@ func openRemovalEnv(t *testing.T, mnt Mount, write func(ctx context.Context, n i
 	if err != nil {
 		t.Fatal(err)
 	}
-	bb := g.BlockBytes()
-	const nb = 64
-	dev := &fakeDevice{id: 91, mem: make([]byte, int64(g.Layers)*2*nb*bb)}
-	var layers []LayerTensor
-	for l := range g.Layers {
-		layers = append(layers, LayerTensor{Region: dev, Offset: int64(l) * 2 * nb * bb, BlockStride: bb, PlaneStride: nb * bb, NumBlocks: nb})
-	}
-	cid, err := e.RegisterCache(ns, layers)
-	if err != nil {
-		t.Fatal(err)
-	}
+	cid, _ := registerFakeDevice(t, e, ns, g, 91, 64)
 	waitEngineSpares(t, e)
 	return &removalEnv{e: e, ns: ns, cid: cid, mv: mv, watch: watch, dir: mnt.Path, fileLen: removalFileLen()}
 }
