@@ -198,3 +198,98 @@ func BenchmarkLookup32Protocol(b *testing.B) {
 		})
 	}
 }
+
+// BenchmarkLookup16BesideLoads is the round trip of a 16-key lookup of
+// stored keys, first alone and then while another client keeps four load
+// jobs in flight, in the same run. It reports the p50 and p99 of each and,
+// as the fraction, the p99 alone over the p99 beside loads: 1 means a
+// lookup never waits behind the data path (the ceiling is the lookup
+// alone).
+func BenchmarkLookup16BesideLoads(b *testing.B) {
+	f := newFixture(b, server.Config{})
+	ctx := context.Background()
+	stored := func(k *cache, prefix string) [][]byte {
+		keys := make([][]byte, 16)
+		blocks := make([][]uint32, 16)
+		for i := range keys {
+			keys[i] = fmt.Appendf(nil, "%s-%02d", prefix, i)
+			blocks[i] = []uint32{uint32(2 * i), uint32(2*i + 1)}
+		}
+		job, err := k.c.Store(ctx, k.id, keys, blocks)
+		if err != nil {
+			b.Fatal(err)
+		}
+		if res, err := job.Wait(ctx); err != nil || res.Keys[0].Outcome != client.OutcomeStored {
+			b.Fatalf("store: %v %+v", err, res)
+		}
+		return keys
+	}
+	lk := newCache(b, f.dial(b))
+	keys := stored(lk, "lookup")
+	ld := newCache(b, f.dial(b))
+	loadKeys := stored(ld, "load")
+	loadBlocks := make([][]uint32, len(loadKeys))
+	for i := range loadBlocks {
+		loadBlocks[i] = []uint32{uint32(2 * i), uint32(2*i + 1)}
+	}
+	lookups := func() []time.Duration {
+		l := make([]time.Duration, 0, b.N)
+		for range b.N {
+			t0 := time.Now()
+			n, err := lk.c.Lookup(ctx, lk.ns.ID, keys)
+			if err != nil || n != len(keys) {
+				b.Fatalf("lookup: %d of %d, %v", n, len(keys), err)
+			}
+			l = append(l, time.Since(t0))
+		}
+		slices.Sort(l)
+		return l
+	}
+	pct := func(l []time.Duration, q float64) time.Duration { return l[min(len(l)-1, int(q*float64(len(l))))] }
+	b.ResetTimer()
+	alone := lookups()
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	var loads sync.Map
+	for w := range 4 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			n := 0
+			for {
+				select {
+				case <-stop:
+					loads.Store(w, n)
+					return
+				default:
+				}
+				job, err := ld.c.Load(ctx, ld.id, loadKeys, loadBlocks)
+				if err == nil {
+					_, err = job.Wait(ctx)
+				}
+				if err != nil {
+					b.Error(err)
+					loads.Store(w, n)
+					return
+				}
+				n++
+			}
+		}()
+	}
+	beside := lookups()
+	close(stop)
+	wg.Wait()
+	b.StopTimer()
+	jobs := 0
+	loads.Range(func(_, v any) bool { jobs += v.(int); return true })
+	if jobs == 0 {
+		b.Fatal("no load ran beside the lookups")
+	}
+	us := func(d time.Duration) float64 { return float64(d.Nanoseconds()) / 1e3 }
+	b.ReportMetric(us(pct(alone, 0.5)), "alone-p50-µs")
+	b.ReportMetric(us(pct(alone, 0.99)), "alone-p99-µs")
+	b.ReportMetric(us(pct(beside, 0.5)), "beside-p50-µs")
+	b.ReportMetric(us(pct(beside, 0.99)), "beside-p99-µs")
+	b.ReportMetric(float64(pct(alone, 0.99))/float64(pct(beside, 0.99)), "of-ceiling")
+	b.ReportMetric(float64(jobs)/float64(b.N), "loads/lookup")
+}

@@ -120,12 +120,19 @@ func (e *Engine) Lookup(ctx context.Context, ns NamespaceID, keys [][]byte) (int
 	if err != nil {
 		return 0, err
 	}
-	hits := make([]abi.AccessRecord, 0, min(len(keys), 64))
-	defer func() { e.hitRec.add(ctx, hits) }()
-	// The entries already counted, to count a file of several keys once:
-	// a short slice (keys of one file are neighbours), a map for long
-	// requests.
-	var seen []*entry
+	// The engine's lock is taken twice, whatever the number of keys: once
+	// to find every key's entry, once to count the hits. Loads and stores
+	// take the same lock; a lookup that took it per key queued behind them
+	// once per key (docs/engine.md, "Lookup and delete").
+	idx := make([]int, len(keys))
+	for i := range idx {
+		idx[i] = i
+	}
+	found := e.findAll(n, keys, idx)
+	// The entries hit, each once: a file of several keys is counted once
+	// (a short slice, keys of one file are neighbours; a map for long
+	// requests).
+	hit := make([]*entry, 0, min(len(keys), 64))
 	var seenMap map[*entry]bool
 	if len(keys) > 64 {
 		seenMap = map[*entry]bool{}
@@ -134,14 +141,20 @@ func (e *Engine) Lookup(ctx context.Context, ns NamespaceID, keys [][]byte) (int
 		if seenMap != nil {
 			return seenMap[en]
 		}
-		return slices.Contains(seen, en)
+		return slices.Contains(hit, en)
 	}
 	now := e.now().UnixNano()
+	stored := len(keys)
 	for i, k := range keys {
 		if err := ctx.Err(); err != nil {
+			e.countHits(ctx, hit, now)
 			return i, err
 		}
-		en := e.find(n, k)
+		en := found[i]
+		if en == nil && i > 0 {
+			// A file discovered for an earlier key may hold this one too.
+			en = e.find(n, k)
+		}
 		if en != nil && !counted(en) && !e.recentlyVerified(en, now) && !e.verify(ctx, en) {
 			// Dropped, or moved to another mount meanwhile (demote.go):
 			// then the key's entry is the new file.
@@ -154,23 +167,36 @@ func (e *Engine) Lookup(ctx context.Context, ns NamespaceID, keys [][]byte) (int
 		}
 		if en == nil {
 			e.st.misses.Add(1)
-			return i, nil
+			stored = i
+			break
 		}
 		e.st.hits.Add(1)
 		if !counted(en) {
 			if seenMap != nil {
 				seenMap[en] = true
-			} else {
-				seen = append(seen, en)
 			}
-			e.mu.Lock()
-			en.hits++
-			en.last = now
-			hits = append(hits, en.access(abi.AccessHit, now))
-			e.mu.Unlock()
+			hit = append(hit, en)
 		}
 	}
-	return len(keys), nil
+	e.countHits(ctx, hit, now)
+	return stored, nil
+}
+
+// countHits counts a hit at time now on each of the entries, under one hold
+// of the engine's lock, and reports them to the policy off the lookup's path.
+func (e *Engine) countHits(ctx context.Context, hit []*entry, now int64) {
+	if len(hit) == 0 {
+		return
+	}
+	recs := make([]abi.AccessRecord, len(hit))
+	e.mu.Lock()
+	for i, en := range hit {
+		en.hits++
+		en.last = now
+		recs[i] = en.access(abi.AccessHit, now)
+	}
+	e.mu.Unlock()
+	e.hitRec.add(ctx, recs)
 }
 
 // findAll is find for the keys of the request indices idx, under one hold
