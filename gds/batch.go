@@ -18,7 +18,8 @@ var (
 	// or errno where the library gave one.
 	ErrBatchEntry = errors.New("gds: batch entry failed")
 	// ErrBatchTimeout: a batch's entries did not all complete within
-	// MoverConfig.BatchTimeout; the batch was canceled.
+	// MoverConfig.BatchTimeout; the batch was canceled, and the job
+	// failed once every entry had come back.
 	ErrBatchTimeout = errors.New("gds: batch timed out")
 )
 
@@ -29,10 +30,13 @@ type BatchStats struct {
 	Entries   uint64 // entries submitted
 	Short     uint64 // entries that moved less than asked (finished per call)
 	Abandoned uint64 // batches canceled: context done, timeout, status error
-	// Leaked counts abandoned batch contexts whose entries did not all come
-	// back after cuFileBatchIOCancel: never destroyed (the library may still
-	// read their entries or move bytes), their memory kept.
-	Leaked uint64
+	// Stuck counts abandoned batches whose entries did not all come back
+	// within the drain after cuFileBatchIOCancel (5 s, or BatchTimeout):
+	// the library may still move bytes into the job's memory, so each
+	// held its job, and with it the job's memory, file handle and batch
+	// context, until they did, and counted as a fault of its device
+	// (Mover.DeviceFaults).
+	Stuck uint64
 	// Refusals counts mounts whose batches the library refused (e.g.
 	// CU_FILE_BATCH_NOCOMPAT_ERROR in compat mode); Fallbacks counts what
 	// went per call instead: every later job that would have batched
@@ -42,7 +46,7 @@ type BatchStats struct {
 
 // batchCounters are a driver's BatchStats, updated atomically.
 type batchCounters struct {
-	setUps, batches, entries, short, abandoned, leaked, refusals, fallbacks atomic.Uint64
+	setUps, batches, entries, short, abandoned, stuck, refusals, fallbacks atomic.Uint64
 }
 
 // BatchStats reports the driver's batch counters.
@@ -50,7 +54,7 @@ func (d *Driver) BatchStats() BatchStats {
 	c := &d.batch
 	return BatchStats{
 		SetUps: c.setUps.Load(), Batches: c.batches.Load(), Entries: c.entries.Load(),
-		Short: c.short.Load(), Abandoned: c.abandoned.Load(), Leaked: c.leaked.Load(),
+		Short: c.short.Load(), Abandoned: c.abandoned.Load(), Stuck: c.stuck.Load(),
 		Refusals: c.refusals.Load(), Fallbacks: c.fallbacks.Load(),
 	}
 }
@@ -170,36 +174,61 @@ func (w *worker) closeBatches() {
 
 // abandonDrain bounds how long the outstanding entries of an abandoned
 // batch are collected after cuFileBatchIOCancel (or BatchTimeout, if
-// shorter).
+// shorter) before the batch is declared stuck.
 const abandonDrain = 5 * time.Second
 
+// stuckPoll is the longest one cuFileBatchIOGetStatus call of a stuck
+// batch waits, and the pause after one that failed.
+const stuckPoll = 100 * time.Millisecond
+
 // abandon cancels the worker's batch after err, with remaining of its
-// entries outstanding, and returns err. Until every entry has come back
-// (complete, failed or canceled) the library may still read the entries or
-// move bytes into the caller's memory, so they are collected first, for at
-// most abandonDrain (or BatchTimeout); then the context is destroyed (its state is unknown
-// now; the next batch sets up a new one). A context whose entries do not
-// all come back is leaked instead — never destroyed, its memory kept —
-// logged and counted (BatchStats.Leaked), and the job's error says so.
+// entries outstanding, and returns err once every entry has come back
+// (complete, failed or canceled): until then the library may still read
+// the entries or move bytes into the job's memory through the job's
+// handle, so the job must not end — its caller would release that memory
+// and the handle. Then the context is destroyed (its state is unknown; the
+// next batch sets up a new one).
+//
+// Entries still out after abandonDrain (or BatchTimeout) make the batch
+// stuck: counted (BatchStats.Stuck), counted as a fault of the device
+// (Mover.DeviceFaults, which makes the daemon unready) and logged at error
+// level, and the worker goes on collecting them, without a bound, holding
+// the job. If they come back, the job's error says after how long.
 func (w *worker) abandon(b batchCtx, remaining int, err error) error {
-	w.m.d.batch.abandoned.Add(1)
+	m := w.m
+	m.d.batch.abandoned.Add(1)
 	if cerr := b.cancel(); cerr != nil {
 		err = fmt.Errorf("%w (cuFileBatchIOCancel: %w)", err, cerr)
 	}
-	for deadline := time.Now().Add(min(abandonDrain, w.m.cfg.BatchTimeout)); remaining > 0 && time.Now().Before(deadline); {
-		n, serr := b.status(1, w.events[:remaining], min(batchPoll, time.Until(deadline)))
-		if serr != nil {
-			break
+	start := time.Now()
+	deadline := start.Add(min(abandonDrain, m.cfg.BatchTimeout))
+	stuck := false
+	var serr error // the last cuFileBatchIOGetStatus error
+	for remaining > 0 {
+		wait := min(batchPoll, time.Until(deadline))
+		if !stuck && wait <= 0 {
+			stuck = true
+			m.d.batch.stuck.Add(1)
+			m.batchStuck(w.bound, remaining, err, serr)
+		}
+		if stuck {
+			wait = stuckPoll
+		}
+		n, e := b.status(1, w.events[:remaining], wait)
+		if e != nil {
+			// Nothing is known of the entries: they may still be
+			// out. Ask again after a pause.
+			serr = e
+			time.Sleep(wait)
+			continue
 		}
 		remaining -= n
 	}
-	if remaining > 0 {
-		w.m.d.batch.leaked.Add(1)
-		delete(w.batches, w.bound)
-		w.m.d.log.Warn("cufile: a canceled batch's entries did not all come back; its context is leaked, not destroyed", "outstanding", remaining)
-		return fmt.Errorf("%w; %d entries still outstanding after cuFileBatchIOCancel: the batch context is leaked", err, remaining)
-	}
 	w.dropBatch()
+	if stuck {
+		return fmt.Errorf("%w; its entries came back %v after cuFileBatchIOCancel, and the job was held until then",
+			err, time.Since(start).Round(time.Millisecond))
+	}
 	return err
 }
 

@@ -320,44 +320,114 @@ func TestMoverBatchCancelsOnContextDoneAndTimeout(t *testing.T) {
 			if su := c.get(&c.BatchSetups); su != 2 {
 				t.Fatalf("%d contexts set up; want 2 (the abandoned one is not reused)", su)
 			}
-			if st := e.d.BatchStats(); st.Abandoned != 1 || st.Leaked != 0 {
-				t.Fatalf("BatchStats.Abandoned = %d, Leaked = %d; want 1, 0", st.Abandoned, st.Leaked)
+			if st := e.d.BatchStats(); st.Abandoned != 1 || st.Stuck != 0 {
+				t.Fatalf("BatchStats.Abandoned = %d, Stuck = %d; want 1, 0", st.Abandoned, st.Stuck)
 			}
 		})
 	}
 }
 
-// TestMoverBatchLeaksAContextWhoseEntriesNeverComeBack: when a canceled
-// batch's entries do not all come back, the context is not destroyed (the
-// library may still use its entries and move bytes), the job fails saying
-// so, the leak is counted, and the next job sets up a fresh context.
-func TestMoverBatchLeaksAContextWhoseEntriesNeverComeBack(t *testing.T) {
+// TestMoverHoldsAJobWhoseCanceledBatchNeverComesBack: when a batch's
+// entries do not come back after cuFileBatchIOCancel, the library may still
+// move bytes into the job's memory through the job's handle, so the job
+// does not end: its handle stays registered (even once the file is
+// forgotten), its context is not destroyed, and the device is counted as
+// faulted, which makes the daemon unready. When the entries come back at
+// last, their bytes have landed, the job fails with the timeout, and only
+// then are the handle and the context let go.
+func TestMoverHoldsAJobWhoseCanceledBatchNeverComesBack(t *testing.T) {
 	e := openFake(t, Config{}, nil)
 	m := newMover(t, e.d, MoverConfig{Workers: 1, AllowCompat: true, IO: IOBatch, BatchTimeout: 30 * time.Millisecond})
-	src := newHostDevice(t, 1, 1<<20, 0)
+	src, dst := newHostDevice(t, 1, 1<<20, 0), newHostDevice(t, 2, 1<<20, 0)
 	fill(src.mem, 15)
+	for i := range dst.mem {
+		dst.mem[i] = 0xA5
+	}
 	p := sparsePlan(src, 32, 4096, 3)
-	f := openFile(t, filepath.Join(t.TempDir(), "key"), os.O_RDWR)
+	path := filepath.Join(t.TempDir(), "key")
+	f := openFile(t, path, os.O_RDWR)
+	if n, err := m.WriteFile(context.Background(), f, p, nil); err != nil || n != p.Bytes() {
+		t.Fatalf("WriteFile = %d, %v", n, err)
+	}
 	c := e.ctl
 	c.set(&c.BatchHold, 1)
 	c.set(&c.BatchCancelIgnored, 1)
-	n, err := m.WriteFile(context.Background(), f, p, nil)
-	if !errors.Is(err, ErrBatchTimeout) || !strings.Contains(err.Error(), "leaked") || n != 0 {
-		t.Fatalf("WriteFile = %d, %v; want 0 and a timeout saying the context is leaked", n, err)
+	type result struct {
+		n   int64
+		err error
+	}
+	res, returned := make(chan result, 1), make(chan struct{})
+	rp := retarget(p, dst)
+	go func() {
+		n, err := m.ReadFile(context.Background(), f, rp, nil)
+		res <- result{n, err}
+		close(returned)
+	}()
+	// Whatever fails below, the held entries run (into dst) before its
+	// memory is unmapped and the mover closed.
+	t.Cleanup(func() { c.set(&c.BatchRelease, 1); <-returned })
+
+	waitFor(t, "the device counted as faulted, or ReadFile returning", func() bool {
+		select {
+		case <-returned:
+			return true
+		default:
+			return m.DeviceFaults()[0] == 1
+		}
+	})
+	select {
+	case r := <-res:
+		t.Fatalf("ReadFile returned (%d, %v) while %d entries were still pending: the job ended while the library may still write into its memory",
+			r.n, r.err, c.get(&c.BatchPending))
+	default:
+	}
+	if cn, pend := c.get(&c.BatchCancels), c.get(&c.BatchPending); cn != 1 || pend != 32 {
+		t.Fatalf("%d cancels, %d entries pending; want 1, 32", cn, pend)
+	}
+	fi, err := os.Stat(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	st := fi.Sys().(*syscall.Stat_t)
+	m.Forget(uint64(st.Dev), st.Ino)
+	if dr, live := c.get(&c.HandlesDeregistered), c.get(&c.HandlesLive); dr != 0 || live != 1 {
+		t.Fatalf("with the entries pending and the file forgotten: %d handles deregistered, %d live; want 0, 1 (the job holds it)", dr, live)
 	}
 	if d, live := c.get(&c.BatchDestroys), c.get(&c.BatchLive); d != 0 || live != 1 {
-		t.Fatalf("%d contexts destroyed, %d live; want 0, 1 (leaked, not destroyed)", d, live)
+		t.Fatalf("with the entries pending: %d contexts destroyed, %d live; want 0, 1", d, live)
 	}
-	if st := e.d.BatchStats(); st.Leaked != 1 {
-		t.Fatalf("BatchStats.Leaked = %d, want 1", st.Leaked)
+	if bs := e.d.BatchStats(); bs.Stuck != 1 {
+		t.Fatalf("BatchStats.Stuck = %d, want 1", bs.Stuck)
 	}
+	if !strings.Contains(e.logs.String(), "did not come back") {
+		t.Fatalf("no log line about the stuck batch:\n%s", e.logs)
+	}
+
+	c.set(&c.BatchRelease, 1)
+	r := <-res
+	if !errors.Is(r.err, ErrBatchTimeout) || !strings.Contains(r.err.Error(), "came back") || r.n != 0 {
+		t.Fatalf("ReadFile = %d, %v; want 0 and the timeout, saying when the entries came back", r.n, r.err)
+	}
+	if !bytes.Equal(gather(rp, dst.mem), gather(p, src.mem)) {
+		t.Fatal("the late entries' bytes are not in the job's memory when it ends")
+	}
+	if pend, d, dr := c.get(&c.BatchPending), c.get(&c.BatchDestroys), c.get(&c.HandlesDeregistered); pend != 0 || d != 1 || dr != 1 {
+		t.Fatalf("after the job: %d entries pending, %d contexts destroyed, %d handles deregistered; want 0, 1, 1", pend, d, dr)
+	}
+	if bad := c.get(&c.BatchBadUses) + c.get(&c.BadHandleUses); bad != 0 {
+		t.Fatalf("%d bad uses of batch contexts or handles", bad)
+	}
+	if n := m.DeviceFaults()[0]; n != 1 {
+		t.Fatalf("DeviceFaults()[0] = %d after the job; want 1 (counted once)", n)
+	}
+
 	c.set(&c.BatchHold, 0)
 	c.set(&c.BatchCancelIgnored, 0)
-	if n, err := m.WriteFile(context.Background(), f, p, nil); err != nil || n != p.Bytes() {
-		t.Fatalf("WriteFile after the leak = %d, %v", n, err)
+	if n, err := m.ReadFile(context.Background(), f, rp, nil); err != nil || n != rp.Bytes() {
+		t.Fatalf("ReadFile after the stuck batch = %d, %v", n, err)
 	}
 	if su := c.get(&c.BatchSetups); su != 2 {
-		t.Fatalf("%d contexts set up; want 2 (the leaked one is never used again)", su)
+		t.Fatalf("%d contexts set up; want 2 (the abandoned one is not reused)", su)
 	}
 }
 

@@ -69,6 +69,7 @@ type fakeCtl struct {
 	StreamsRegistered   int64
 	StreamsDeregistered int64
 	CUError             int64
+	BatchRelease        int64
 }
 
 func (c *fakeCtl) set(p *int64, v int64) { atomic.StoreInt64(p, v) }

@@ -39,8 +39,11 @@ type MoverConfig struct {
 	// none. It is never more than the driver's limit.
 	BatchSize int
 	// BatchTimeout bounds the wait for one batch's completions; at expiry
-	// the batch is canceled and the job fails with ErrBatchTimeout. 0
-	// means one minute. It cannot bound a cuFileBatchIOSubmit that never
+	// the batch is canceled and the job fails with ErrBatchTimeout once
+	// every entry has come back: until then the library may still move
+	// bytes into the job's memory, so the job is held (a batch whose
+	// entries stay out for 5 s, or BatchTimeout, after the cancel also
+	// counts as a device fault, BatchStats.Stuck). 0 means one minute. It cannot bound a cuFileBatchIOSubmit that never
 	// returns (seen in compatibility mode): that call holds its worker
 	// and its share of the driver's entry budget, which is why IOAuto
 	// never batches there.
@@ -205,7 +208,8 @@ func (m *Mover) Checksums() bool { return false }
 // Forget implements transfer.Forgetter.
 func (m *Mover) Forget(dev, ino uint64) { m.d.Forget(dev, ino) }
 
-// Close stops the workers after the jobs in flight.
+// Close stops the workers after the jobs in flight; a job held by a stuck
+// batch (BatchStats.Stuck) holds Close too.
 func (m *Mover) Close() error {
 	m.mu.Lock()
 	if m.closed {
@@ -450,19 +454,42 @@ func (m *Mover) move(ctx context.Context, f fsys.File, p *transfer.Plan, write b
 // next mover of the chain runs it and counts its own fault. The first
 // fault of a device is logged at error level, for the operator.
 func (m *Mover) deviceFault(ordinal int, err error) {
-	m.faultMu.Lock()
-	m.faults[ordinal]++
-	n := m.faults[ordinal]
-	m.faultMu.Unlock()
-	if n == 1 {
+	if m.countFault(ordinal) == 1 {
 		m.d.log.Error("cufile: a sticky CUDA error on the device: its context is broken, and its jobs fail until the daemon restarts",
 			"device", ordinal, "err", err.Error())
 	}
 }
 
+// batchStuck records that a canceled batch on device ordinal still has
+// outstanding of its entries out after the drain (abandon): the job
+// that err (the reason it was abandoned) fails is held until they come
+// back, and the device counts as faulted, for the operator: a GPU or
+// driver that loses I/O is not to be trusted, and a held job says nothing
+// to anyone else. serr is the last cuFileBatchIOGetStatus error, if any.
+// Each is logged at error level.
+func (m *Mover) batchStuck(ordinal, outstanding int, err, serr error) {
+	m.countFault(ordinal)
+	args := []any{"device", ordinal, "outstanding", outstanding, "err", err.Error()}
+	if serr != nil {
+		args = append(args, "status_err", serr.Error())
+	}
+	m.d.log.Error("cufile: a canceled batch's entries did not come back: the library may still move bytes into its job's memory, "+
+		"so the job is held, with its memory and file handle, until they do; the device counts as faulted", args...)
+}
+
+// countFault counts a fault of device ordinal and returns its count.
+func (m *Mover) countFault(ordinal int) uint64 {
+	m.faultMu.Lock()
+	defer m.faultMu.Unlock()
+	m.faults[ordinal]++
+	return m.faults[ordinal]
+}
+
 // DeviceFaults reports, per device ordinal, the jobs that failed with a
-// sticky CUDA error there (a device that has any needs the daemon
-// restarted, or the GPU reset); a device without any is absent.
+// sticky CUDA error there, and the batches there whose entries did not
+// come back after cuFileBatchIOCancel (BatchStats.Stuck; each holds its
+// job until they do): a device that has any needs the daemon restarted,
+// or the GPU reset. A device without any is absent.
 func (m *Mover) DeviceFaults() map[int]uint64 {
 	m.faultMu.Lock()
 	defer m.faultMu.Unlock()

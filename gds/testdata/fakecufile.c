@@ -103,6 +103,10 @@ struct fake_ctl {
 	/* the CUresult (cu_err) the injected failures above carry: driver_open_error,
 	 * register_error, batch_setup_error, batch_submit_error, async_error */
 	int64_t cu_error;
+	/* nonzero: cuFileBatchIOGetStatus runs the entries held pending (by
+	 * batch_hold, and not canceled) before it reports: a late completion,
+	 * whose I/O still reaches the entry's memory and file through its handle */
+	int64_t batch_release;
 };
 
 struct fake_ctl fake_ctl;
@@ -268,6 +272,8 @@ struct fake_entry {
 	int status;
 	ssize_t ret;
 	int reaped;
+	CUfileIOParams_t p; /* kept while held pending, for batch_release */
+	int64_t ordinal;
 };
 
 struct fake_batch {
@@ -311,6 +317,11 @@ CUfileError_t cuFileBatchIOSetUp(void **b, unsigned nr) {
  * and the batch failure knobs. */
 static void run(struct fake_entry *en, const CUfileIOParams_t *p, int64_t ordinal) {
 	struct fake_handle *h = p->fh;
+	if (!live(h)) { /* deregistered while the entry was held: counted */
+		en->status = ST_FAILED;
+		en->ret = -5027;
+		return;
+	}
 	size_t n = p->u.batch.size;
 	off_t off = p->u.batch.file_offset;
 	char *mem = (char *)p->u.batch.devPtr_base + p->u.batch.devPtr_offset;
@@ -361,6 +372,8 @@ CUfileError_t cuFileBatchIOSubmit(void *b, unsigned nr, CUfileIOParams_t *p, uns
 		int64_t ordinal = ADD(batch_entries, 1);
 		if (LD(batch_hold)) {
 			en->status = ST_PENDING;
+			en->p = p[i];
+			en->ordinal = ordinal;
 			ADD(batch_pending, 1);
 			continue;
 		}
@@ -374,6 +387,14 @@ CUfileError_t cuFileBatchIOGetStatus(void *b, unsigned min_nr, unsigned *nr, CUf
 	struct fake_batch *fb = b;
 	if (nr == NULL || ev == NULL || *nr < min_nr) { ADD(batch_bad_uses, 1); return fail(5022); }
 	unsigned got = 0;
+	if (LD(batch_release)) {
+		for (unsigned i = 0; i < fb->n; i++) {
+			struct fake_entry *en = &fb->e[i];
+			if (en->status != ST_PENDING) continue;
+			run(en, &en->p, en->ordinal);
+			ADD(batch_pending, -1);
+		}
+	}
 	for (unsigned k = fb->n; k > 0 && got < *nr; k--) { /* reverse order */
 		struct fake_entry *en = &fb->e[k - 1];
 		if (en->reaped || en->status == ST_PENDING) continue;
