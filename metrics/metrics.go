@@ -52,7 +52,8 @@ type Sources struct {
 	// without a GPU).
 	GPUStaging func() (inUse, total, size int)
 	// GPUFaults reports, per device ordinal, the jobs and registrations
-	// that failed with a sticky CUDA error (gpu.Mover.DeviceFaults with
+	// that failed with a sticky CUDA error, and the cuFile batches whose
+	// I/O did not come back after a cancel (gpu.Mover.DeviceFaults with
 	// gds.Mover.DeviceFaults and cudaipc.Importer.Faults; nil without a
 	// GPU).
 	GPUFaults func() map[int]uint64
@@ -206,9 +207,10 @@ func (m *Metrics) Handler(profiling bool) http.Handler {
 	return mux
 }
 
-// broken says which GPU has a broken context (a job or registration
-// failed there with a sticky CUDA error: every later job there fails
-// until the daemon restarts), or "".
+// broken says which GPU is faulted (a job or registration failed there
+// with a sticky CUDA error, so every later job there fails until the
+// daemon restarts, or a cuFile batch's I/O stayed out after its cancel,
+// holding its job), or "".
 func (m *Metrics) broken() string {
 	src := m.src.Load()
 	if src == nil || src.GPUFaults == nil {
@@ -217,7 +219,7 @@ func (m *Metrics) broken() string {
 	faults := src.GPUFaults()
 	for _, d := range slices.Sorted(maps.Keys(faults)) {
 		if n := faults[d]; n > 0 {
-			return fmt.Sprintf("GPU %d: %d jobs or registrations failed with a sticky CUDA error; its context is broken until the daemon restarts", d, n)
+			return fmt.Sprintf("GPU %d: %d device faults (a sticky CUDA error, or a cuFile batch whose I/O did not come back); restart the daemon", d, n)
 		}
 	}
 	return ""
@@ -293,7 +295,7 @@ var (
 	dGPUPinInUse    = desc("kvhost_gpu_staging_buffers_in_use", "Pinned buffers of the GPU staging pipeline that jobs hold now.")
 	dGPUPinTotal    = desc("kvhost_gpu_staging_buffers", "Pinned buffers of the GPU staging pipeline, allocated once at start (gpu.staging_memory).")
 	dGPUPinSize     = desc("kvhost_gpu_staging_buffer_bytes", "Size of one pinned buffer of the GPU staging pipeline.")
-	dGPUFaults      = desc("kvhost_gpu_device_faults_total", "Staging and cuFile jobs and CUDA IPC registrations that failed with a sticky CUDA error on the device (an illegal address, a failed launch, an ECC error): its context is broken, and its jobs fail until the daemon restarts.", "device")
+	dGPUFaults      = desc("kvhost_gpu_device_faults_total", "Staging and cuFile jobs and CUDA IPC registrations that failed with a sticky CUDA error on the device (an illegal address, a failed launch, an ECC error: its context is broken, and its jobs fail until the daemon restarts), and cuFile batches whose I/O did not come back after their cancel (their jobs are held until it does).", "device")
 	dCuFileHandles  = desc("kvhost_cufile_handles", "Files registered with cuFile (cuFileHandleRegister) and cached now.")
 	dCuFileRegs     = desc("kvhost_cufile_handle_registrations_total", "cuFile file registrations, by result (ok, failed).", "result")
 	dCuFileHits     = desc("kvhost_cufile_handle_hits_total", "Transfers that found their file's cuFile handle cached (or being registered by another transfer).")

@@ -256,7 +256,7 @@ func TestHealthzGPUFailsOnceAGPUsContextIsBroken(t *testing.T) {
 	}{
 		{"no GPU", nil, http.StatusOK, "ok"},
 		{"no faults", func() map[int]uint64 { return map[int]uint64{0: 0, 1: 0} }, http.StatusOK, "ok"},
-		{"a broken GPU", func() map[int]uint64 { return map[int]uint64{0: 0, 3: 2} }, http.StatusServiceUnavailable, "GPU 3: 2 jobs or registrations failed with a sticky CUDA error"},
+		{"a broken GPU", func() map[int]uint64 { return map[int]uint64{0: 0, 3: 2} }, http.StatusServiceUnavailable, "GPU 3: 2 device faults (a sticky CUDA error, or a cuFile batch whose I/O did not come back)"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			m := New("v")

@@ -208,7 +208,7 @@ func printStats(w io.Writer, r statsReport) {
 
 // faultText says what the device's faults mean to an operator.
 func (d statsDevice) faultText() string {
-	return fmt.Sprintf("%d jobs or registrations failed with a sticky CUDA error: the daemon's context on GPU %d is broken until the daemon restarts (or the GPU is reset)", d.Faults, d.Ordinal)
+	return fmt.Sprintf("%d device faults on GPU %d (jobs or registrations that failed with a sticky CUDA error, or cuFile batches whose I/O did not come back): restart the daemon (or reset the GPU)", d.Faults, d.Ordinal)
 }
 
 // gpuUUID writes a GPU's UUID as nvidia-smi does (GPU-xxxxxxxx-xxxx-xxxx-

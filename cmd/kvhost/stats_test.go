@@ -40,7 +40,7 @@ func TestHealthFailsOnAFallenBackPolicyOrABrokenGPU(t *testing.T) {
 	}{
 		{"healthy GPUs", healthy, false, false, ""},
 		{"no GPU", statsReport{}, false, false, ""},
-		{"a broken GPU", broken, true, false, "2 jobs or registrations failed with a sticky CUDA error: the daemon's context on GPU 1 is broken"},
+		{"a broken GPU", broken, true, false, "2 device faults on GPU 1 (jobs or registrations that failed with a sticky CUDA error"},
 		{"a broken GPU, faults allowed", broken, true, true, ""},
 		{"a fallen-back policy", fellBack, false, false, "the policy lfu fell back to native lru: trap"},
 		{"a fallen-back policy, allowed", fellBack, true, false, ""},
