@@ -40,7 +40,7 @@ type benchRun struct {
 	ahead int64
 }
 
-type ceilingPair struct{ read, write bench.Ceiling }
+type ceilingPair struct{ read, reread, write bench.Ceiling }
 
 // runBenchmark runs every combination the options ask for and returns the
 // report.
@@ -475,6 +475,10 @@ func (r *benchRun) keySize(ctx context.Context, eng *engine.Engine, gp *gpuPaths
 		if r.o.load {
 			x := ld.run(base, bench.Load, keys, cp.read, ceil.rround)
 			x.Misses = keys - ld.keys/max(1, ld.rounds)
+			if cp.reread.GBps > 0 {
+				x.CeilingReread = cp.reread
+				x.FractionReread = x.GBps / cp.reread.GBps
+			}
 			r.rep.Runs = append(r.rep.Runs, x)
 		}
 	}

@@ -6,6 +6,7 @@ import (
 	"context"
 	"encoding/xml"
 	"io"
+	"math"
 	"os"
 	"path/filepath"
 	"slices"
@@ -124,6 +125,16 @@ func checkRuns(t *testing.T, rep *bench.Report, want int, mover string) {
 		}
 		if x.JobP99Ms < x.JobP50Ms || x.JobP50Ms <= 0 {
 			t.Errorf("run %+v: job latency percentiles p50 %v p99 %v", x, x.JobP50Ms, x.JobP99Ms)
+		}
+		// A load is held to the second read of the ceiling's files too;
+		// a store has no such ceiling.
+		switch {
+		case x.Direction == bench.Load && (x.CeilingReread.GBps <= 0 || x.CeilingReread.Threads != x.Jobs ||
+			!strings.HasSuffix(x.CeilingReread.Name, "second read") ||
+			math.Abs(x.FractionReread-x.GBps/x.CeilingReread.GBps) > 1e-9):
+			t.Errorf("load %s %d jobs: reread ceiling %+v, fraction %v", x.Path, x.Jobs, x.CeilingReread, x.FractionReread)
+		case x.Direction == bench.Store && (x.CeilingReread.GBps != 0 || x.FractionReread != 0):
+			t.Errorf("store %s %d jobs: a reread ceiling %+v", x.Path, x.Jobs, x.CeilingReread)
 		}
 	}
 }
