@@ -77,16 +77,19 @@ type handleCache struct {
 	// lastSweep when a registration last swept (guarded by mu).
 	sweepEvery time.Duration
 	lastSweep  time.Time
+	// fstat is unix.Fstat (a field for tests, which inject a file system
+	// that reuses inode numbers or hangs).
+	fstat func(fd int, st *unix.Stat_t) error
 }
 
 func newHandleCache(a api, max int) *handleCache {
-	return &handleCache{api: a, max: max, m: map[handleKey]*handle{}, onThread: func(f func() error) error { return f() }, sweepEvery: sweepEvery}
+	return &handleCache{api: a, max: max, m: map[handleKey]*handle{}, onThread: func(f func() error) error { return f() }, sweepEvery: sweepEvery, fstat: unix.Fstat}
 }
 
 // identify returns the key of the file open at fd.
-func identify(fd int) (handleKey, error) {
+func (c *handleCache) identify(fd int) (handleKey, error) {
 	var st unix.Stat_t
-	if err := unix.Fstat(fd, &st); err != nil {
+	if err := c.fstat(fd, &st); err != nil {
 		return handleKey{}, fmt.Errorf("gds: fstat fd %d: %w", fd, err)
 	}
 	fl, err := unix.FcntlInt(uintptr(fd), unix.F_GETFL, 0)
@@ -158,7 +161,7 @@ func (c *handleCache) register(e *handle, fd int) error {
 	if err != nil {
 		return fmt.Errorf("gds: dup fd %d: %w", fd, err)
 	}
-	if k, err := identify(dup); err != nil || k != e.key {
+	if k, err := c.identify(dup); err != nil || k != e.key {
 		unix.Close(dup)
 		if err != nil {
 			return err
@@ -271,7 +274,7 @@ func (c *handleCache) dropUnlinked() {
 	var gone []*handle
 	for _, x := range idles {
 		var st unix.Stat_t
-		if err := unix.Fstat(x.fd, &st); errors.Is(err, unix.ESTALE) || err == nil && st.Nlink == 0 {
+		if err := c.fstat(x.fd, &st); errors.Is(err, unix.ESTALE) || err == nil && st.Nlink == 0 {
 			gone = append(gone, x.e)
 		}
 	}

@@ -96,7 +96,7 @@ func openFiles(t *testing.T, n int) []*os.File {
 }
 
 func acquireFile(t testing.TB, c *handleCache, f *os.File) *handle {
-	key, err := identify(int(f.Fd()))
+	key, err := c.identify(int(f.Fd()))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -120,7 +120,7 @@ func TestHandleCacheHammerNeverUsesADeregisteredHandle(t *testing.T) {
 			r := rand.New(rand.NewPCG(uint64(p), 7))
 			for range loops {
 				f := fs[r.IntN(files)]
-				key, err := identify(int(f.Fd()))
+				key, err := c.identify(int(f.Fd()))
 				if err != nil {
 					t.Error(err)
 					return

@@ -437,7 +437,7 @@ func probeBatch(t *testing.T, d *Driver, cu *testCudart, dir string) {
 		t.Fatal(err)
 	}
 	defer f.Close()
-	key, err := identify(int(f.Fd()))
+	key, err := d.cache.identify(int(f.Fd()))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -332,7 +332,7 @@ func (m *Mover) move(ctx context.Context, f fsys.File, p *transfer.Plan, write b
 		return 0, err
 	}
 	fd := int(f.Fd())
-	key, err := identify(fd)
+	key, err := m.d.cache.identify(fd)
 	if err != nil {
 		return 0, err
 	}

@@ -99,7 +99,7 @@ func TestStreamAPIMovesBytesAndReportsErrorsThroughTheRealBinding(t *testing.T) 
 // driver's handle cache; the caller releases the handle. On a GPU it must
 // run on a thread bound to the device (Driver.onDevice).
 func fileHandle(d *Driver, fd int) (*handle, error) {
-	key, err := identify(fd)
+	key, err := d.cache.identify(fd)
 	if err != nil {
 		return nil, err
 	}
