@@ -8,18 +8,24 @@ import (
 	"time"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/kvhost/kvhost/internal/fsys"
 )
 
-// fileID is a file's identity: device and inode.
-type fileID struct{ dev, ino uint64 }
-
-// handleKey names a cached handle: the file and the access mode of the
-// descriptor it was registered with (O_ACCMODE and O_DIRECT), since a
-// handle of a read-only descriptor cannot write.
+// handleKey names a cached handle: the file (fsys.FileID, with its
+// generation) and the access mode of the descriptor it was registered
+// with (O_ACCMODE and O_DIRECT), since a handle of a read-only descriptor
+// cannot write.
 type handleKey struct {
-	fileID
+	fsys.FileID
 	mode int
 }
+
+// slot is the key's place in the cache: the key without its generation.
+// One handle per inode number and mode is cached; an acquisition that
+// finds another generation in the slot (the number now names another
+// file) drops it and registers its own file.
+func (k handleKey) slot() handleKey { return handleKey{k.FileID.Inode(), k.mode} }
 
 // handleModes are the access modes a handle can have, for Forget.
 var handleModes = [...]int{
@@ -49,6 +55,7 @@ type HandleStats struct {
 	Hits          uint64 // acquisitions served from the cache
 	Evictions     uint64 // unreferenced handles deregistered to keep the bound
 	Forgotten     uint64 // handles dropped by Forget
+	Reused        uint64 // handles dropped because their inode number now names another file (another generation)
 	Unlinked      uint64 // unreferenced handles dropped because no name links their file (removed by another node)
 }
 
@@ -70,8 +77,8 @@ type handleCache struct {
 	onThread func(func() error) error
 
 	mu  sync.Mutex
-	m   map[handleKey]*handle
-	lru list.List // of *handle, front = most recently released
+	m   map[handleKey]*handle // by handleKey.slot
+	lru list.List             // of *handle, front = most recently released
 	st  HandleStats
 	// sweepEvery is the constant of that name (a field for tests), and
 	// lastSweep when a registration last swept (guarded by mu).
@@ -96,15 +103,22 @@ func (c *handleCache) identify(fd int) (handleKey, error) {
 	if err != nil {
 		return handleKey{}, fmt.Errorf("gds: fcntl fd %d: %w", fd, err)
 	}
-	return handleKey{fileID{uint64(st.Dev), st.Ino}, fl & (unix.O_ACCMODE | unix.O_DIRECT)}, nil
+	return handleKey{fsys.FileIDOf(fd, &st), fl & (unix.O_ACCMODE | unix.O_DIRECT)}, nil
 }
 
 // acquire returns the registered handle of the file open at fd (whose key
-// the caller computed with identify), registering it on a miss. The caller
-// must be on a thread bound to the device, and must release the handle.
+// the caller computed with identify), registering it on a miss. A cached
+// handle of another generation under the key's inode number is dropped
+// first: it is another file's. The caller must be on a thread bound to
+// the device, and must release the handle.
 func (c *handleCache) acquire(fd int, key handleKey) (*handle, error) {
 	c.mu.Lock()
-	if e, ok := c.m[key]; ok {
+	slot := key.slot()
+	var victims []*handle
+	if e, ok := c.m[slot]; ok && e.key != key {
+		c.st.Reused++
+		victims = c.dropLocked(slot, e, victims)
+	} else if ok {
 		e.refs++
 		if e.elem != nil {
 			c.lru.Remove(e.elem)
@@ -120,12 +134,13 @@ func (c *handleCache) acquire(fd int, key handleKey) (*handle, error) {
 		return e, nil
 	}
 	e := &handle{key: key, fd: -1, refs: 1, ready: make(chan struct{})}
-	c.m[key] = e
+	c.m[slot] = e
 	sweep := time.Since(c.lastSweep) >= c.sweepEvery
 	if sweep {
 		c.lastSweep = time.Now()
 	}
 	c.mu.Unlock()
+	c.deregister(victims)
 
 	if sweep {
 		// In the background: the caller is a transfer (on a worker
@@ -138,8 +153,8 @@ func (c *handleCache) acquire(fd int, key handleKey) (*handle, error) {
 	c.mu.Lock()
 	if e.err != nil {
 		c.st.Failures++
-		if c.m[key] == e {
-			delete(c.m, key)
+		if c.m[slot] == e {
+			delete(c.m, slot)
 		}
 		e.stale = true
 	} else {
@@ -172,7 +187,7 @@ func (c *handleCache) register(e *handle, fd int) error {
 	if err != nil {
 		unix.Close(dup)
 		return fmt.Errorf("gds: cuFileHandleRegister (dev %d:%d ino %d): %w",
-			unix.Major(e.key.dev), unix.Minor(e.key.dev), e.key.ino, err)
+			unix.Major(e.key.Dev), unix.Minor(e.key.Dev), e.key.Ino, err)
 	}
 	e.fd, e.h = dup, h
 	return nil
@@ -208,7 +223,7 @@ func (c *handleCache) evictLocked() []*handle {
 	for len(c.m) > c.max && c.lru.Len() > 0 {
 		e := c.lru.Remove(c.lru.Back()).(*handle)
 		e.elem = nil
-		delete(c.m, e.key)
+		delete(c.m, e.key.slot())
 		c.st.Evictions++
 		victims = append(victims, e)
 	}
@@ -235,13 +250,13 @@ func (c *handleCache) deregister(hs []*handle) {
 	}
 }
 
-// forget drops every handle of the file; held ones are deregistered when
-// released.
-func (c *handleCache) forget(dev, ino uint64) {
+// forget drops every handle of the file's inode number, of any
+// generation; held ones are deregistered when released.
+func (c *handleCache) forget(id fsys.FileID) {
 	var victims []*handle
 	c.mu.Lock()
 	for _, mode := range handleModes {
-		k := handleKey{fileID{dev, ino}, mode}
+		k := handleKey{id.Inode(), mode}
 		e, ok := c.m[k]
 		if !ok {
 			continue
@@ -284,8 +299,8 @@ func (c *handleCache) dropUnlinked() {
 	var victims []*handle
 	c.mu.Lock()
 	for _, e := range gone {
-		if c.m[e.key] == e && e.refs == 0 && e.elem != nil {
-			victims = c.dropLocked(e.key, e, victims)
+		if k := e.key.slot(); c.m[k] == e && e.refs == 0 && e.elem != nil {
+			victims = c.dropLocked(k, e, victims)
 			c.st.Unlinked++
 		}
 	}
@@ -304,7 +319,7 @@ func (c *handleCache) close() {
 	c.deregister(victims)
 }
 
-// dropLocked removes handle e (key k) from the cache and marks it stale:
+// dropLocked removes handle e (in slot k) from the cache and marks it stale:
 // it is deregistered by the caller (appended to victims) if no transfer
 // holds it, else when its last transfer releases it. c.mu is held.
 func (c *handleCache) dropLocked(k handleKey, e *handle, victims []*handle) []*handle {

@@ -12,6 +12,8 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/kvhost/kvhost/internal/testwait"
 )
 
@@ -126,7 +128,7 @@ func TestHandleCacheHammerNeverUsesADeregisteredHandle(t *testing.T) {
 					return
 				}
 				if r.IntN(10) == 0 {
-					c.forget(key.dev, key.ino)
+					c.forget(key.FileID)
 					continue
 				}
 				h, err := c.acquire(int(f.Fd()), key)
@@ -196,7 +198,7 @@ func TestHandleCacheForgetDefersDeregistrationOfAHeldHandle(t *testing.T) {
 	g := newGoFake()
 	c := newHandleCache(g, 4)
 	h := acquireFile(t, c, fs[0])
-	c.forget(h.key.dev, h.key.ino)
+	c.forget(h.key.FileID)
 	if _, err := g.read(h.h, 0, 1, 0, 0); err != nil {
 		t.Fatalf("forget deregistered a held handle: %v", err)
 	}
@@ -227,7 +229,7 @@ func TestHandleCacheKeysByAccessMode(t *testing.T) {
 	}
 	c.release(hw)
 	c.release(hr)
-	c.forget(hw.key.dev, hw.key.ino)
+	c.forget(hw.key.FileID)
 	if live, _ := g.counts(); live != 0 {
 		t.Fatalf("forget left %d handles of the file", live)
 	}
@@ -242,7 +244,7 @@ func TestHandleCacheDeregistersOnALockedDeviceThread(t *testing.T) {
 	held := acquireFile(t, c, fs[0])
 	c.release(acquireFile(t, c, fs[1]))
 	c.release(acquireFile(t, c, fs[2])) // over the bound: one evicted
-	c.forget(held.key.dev, held.key.ino)
+	c.forget(held.key.FileID)
 	c.release(held) // forgotten: deregistered at its last release
 	if st := c.stats(); st.Cached != 1 || onThread != 2 {
 		t.Fatalf("before close: %d cached, %d deregistrations on a device thread; want 1 and 2", st.Cached, onThread)
@@ -352,4 +354,60 @@ func TestHandleCacheSweepsForRemovedFilesAtMostOnceASecond(t *testing.T) {
 		st := c.stats()
 		return st.Unlinked == 1 && st.Cached == 2
 	})
+}
+
+// fdIno is the inode number the file system gives the file open at fd.
+func fdIno(t testing.TB, fd int) uint64 {
+	t.Helper()
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		t.Fatal(err)
+	}
+	return st.Ino
+}
+
+// TestHandleCacheServesAHandleOnlyToItsOwnFile: where the file system
+// gives a new file the inode number of one removed behind the engine's
+// back (NFS after another node's remove; tmpfs after its 32-bit inode
+// numbers wrap), the cached handle of the removed file must not be served
+// for the new one: its transfers would move the bytes of a dead file. The
+// injected stat reports one inode number for every file.
+func TestHandleCacheServesAHandleOnlyToItsOwnFile(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		reopen  bool // acquire the first file again, else the second
+		wantReg int
+	}{
+		{"the same file again is served its cached handle", true, 1},
+		{"another file with the inode number gets a handle of its own", false, 2},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			fs := openFiles(t, 2)
+			g := newGoFake()
+			c := newHandleCache(g, 8)
+			c.fstat = func(fd int, st *unix.Stat_t) error {
+				err := unix.Fstat(fd, st)
+				st.Ino = 42
+				return err
+			}
+			c.release(acquireFile(t, c, fs[0]))
+			want := fs[1]
+			if tc.reopen {
+				want = fs[0]
+			} else if err := os.Remove(fs[0].Name()); err != nil { // behind the engine's back: no Forget
+				t.Fatal(err)
+			}
+			h := acquireFile(t, c, want)
+			defer c.release(h)
+			g.mu.Lock()
+			fd := g.live[h.h]
+			g.mu.Unlock()
+			if got, wantIno := fdIno(t, fd), fdIno(t, int(want.Fd())); got != wantIno {
+				t.Fatalf("the handle served is registered over inode %d, the file acquired is inode %d", got, wantIno)
+			}
+			if st := c.stats(); st.Registrations != uint64(tc.wantReg) || st.Reused != uint64(tc.wantReg-1) {
+				t.Fatalf("%d registrations, %d handles of a reused inode number dropped; want %d and %d", st.Registrations, st.Reused, tc.wantReg, tc.wantReg-1)
+			}
+		})
+	}
 }

@@ -10,6 +10,8 @@ import (
 	"runtime"
 	"sort"
 	"sync"
+
+	"github.com/kvhost/kvhost/internal/fsys"
 )
 
 // Errors of the package.
@@ -416,10 +418,10 @@ func (d *Driver) registered(ptr uintptr, n int64) (buffer, bool) {
 	return buffer{}, false
 }
 
-// Forget drops the cached handles of a file (device and inode) that the
-// engine is about to remove or replace. A handle in use is deregistered
-// when its last transfer ends.
-func (d *Driver) Forget(dev, ino uint64) { d.cache.forget(dev, ino) }
+// Forget drops the cached handles of a file (its device and inode
+// number, of any generation) that the engine is about to remove or
+// replace. A handle in use is deregistered when its last transfer ends.
+func (d *Driver) Forget(id fsys.FileID) { d.cache.forget(id) }
 
 // HandleStats reports the handle cache's counters.
 func (d *Driver) HandleStats() HandleStats { return d.cache.stats() }

@@ -206,7 +206,7 @@ func (m *Mover) Name() string { return "cufile" }
 func (m *Mover) Checksums() bool { return false }
 
 // Forget implements transfer.Forgetter.
-func (m *Mover) Forget(dev, ino uint64) { m.d.Forget(dev, ino) }
+func (m *Mover) Forget(id fsys.FileID) { m.d.Forget(id) }
 
 // Close stops the workers after the jobs in flight; a job held by a stuck
 // batch (BatchStats.Stuck) holds Close too.
@@ -336,7 +336,7 @@ func (m *Mover) move(ctx context.Context, f fsys.File, p *transfer.Plan, write b
 	if err != nil {
 		return 0, err
 	}
-	capab := m.d.caps.get(key.dev)
+	capab := m.d.caps.get(key.Dev)
 	if err := m.usable(capab); err != nil {
 		return 0, err
 	}
@@ -345,7 +345,7 @@ func (m *Mover) move(ctx context.Context, f fsys.File, p *transfer.Plan, write b
 		var err error
 		h, err = m.d.cache.acquire(fd, key)
 		if capab.Mode == ModeUnknown && settles(err) {
-			capab = m.d.caps.settle(key.dev, fd, err)
+			capab = m.d.caps.settle(key.Dev, fd, err)
 		}
 		return err
 	})
@@ -365,10 +365,10 @@ func (m *Mover) move(ctx context.Context, f fsys.File, p *transfer.Plan, write b
 		run     func(w *worker) (int64, error)
 	}
 	var units []unit
-	if m.useBatch(m.d.caps.get(key.dev)) {
+	if m.useBatch(m.d.caps.get(key.Dev)) {
 		for _, chunk := range chunks(pcs, m.batchSize) {
 			units = append(units, unit{chunk[0].ordinal, func(w *worker) (int64, error) {
-				return w.runBatch(ctx, h, key.dev, chunk, write)
+				return w.runBatch(ctx, h, key.Dev, chunk, write)
 			}})
 		}
 	} else {

@@ -21,6 +21,7 @@ import (
 
 	"github.com/kvhost/kvhost/internal/cuda"
 	"github.com/kvhost/kvhost/internal/dl"
+	"github.com/kvhost/kvhost/internal/fsys"
 	"github.com/kvhost/kvhost/region"
 	"github.com/kvhost/kvhost/transfer"
 )
@@ -446,7 +447,7 @@ func TestMoverForgetDropsTheHandle(t *testing.T) {
 	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
 		t.Fatal(err)
 	}
-	m.Forget(uint64(st.Dev), st.Ino)
+	m.Forget(fsys.FileID{Dev: uint64(st.Dev), Ino: st.Ino})
 	if l := e.ctl.get(&e.ctl.HandlesLive); l != 0 {
 		t.Fatalf("%d handles live after Forget", l)
 	}

@@ -116,10 +116,10 @@ func (c *Chain) Fallbacks() map[string]uint64 {
 }
 
 // Forget forwards to every mover that caches per-file state.
-func (c *Chain) Forget(dev, ino uint64) {
+func (c *Chain) Forget(id fsys.FileID) {
 	for _, m := range c.movers {
 		if f, ok := m.(Forgetter); ok {
-			f.Forget(dev, ino)
+			f.Forget(id)
 		}
 	}
 }

@@ -34,7 +34,7 @@ func (m *fakeMover) ReadFile(_ context.Context, _ fsys.File, p *Plan, _ []uint32
 	m.calls++
 	return m.n, m.err
 }
-func (m *fakeMover) Forget(dev, ino uint64) { m.forgets++ }
+func (m *fakeMover) Forget(fsys.FileID) { m.forgets++ }
 
 func TestChain(t *testing.T) {
 	unsupported := fmt.Errorf("cufile: mount unusable: %w", ErrUnsupported)
@@ -103,7 +103,7 @@ func TestChainChecksumsOnlyIfEveryMoverDoes(t *testing.T) {
 func TestChainForgetReachesEveryMover(t *testing.T) {
 	a, b := &fakeMover{name: "a"}, &fakeMover{name: "b"}
 	ch, _ := NewChain("m", nil, a, b)
-	ch.Forget(1, 2)
+	ch.Forget(fsys.FileID{Dev: 1, Ino: 2})
 	if a.forgets != 1 || b.forgets != 1 {
 		t.Fatalf("forgets = %d, %d", a.forgets, b.forgets)
 	}

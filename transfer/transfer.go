@@ -130,10 +130,15 @@ type Mover interface {
 }
 
 // Forgetter is implemented by movers that cache per-file state (cuFile
-// handles): the engine calls Forget before it removes or replaces a file,
-// with the file's identity (device and inode).
+// handles, CUDA registrations of a file's pages): the engine calls Forget
+// before it removes or replaces a file, with the file's identity. Forget
+// drops what the mover keeps under id's device and inode number whatever
+// its generation (id.Gen may be empty): the engine forgets a file it is
+// about to unlink, and anything kept under that number is either that
+// file's or a dead one's. The movers compare generations where they find
+// a file's state for a job, never serving one file's state to another.
 type Forgetter interface {
-	Forget(dev, ino uint64)
+	Forget(id fsys.FileID)
 }
 
 // Preparer is implemented by movers that set up per-file state ahead of

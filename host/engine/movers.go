@@ -80,7 +80,7 @@ func (e *Engine) forget(id fsys.Identity) {
 	for _, m := range e.mounts {
 		for _, mv := range m.movers {
 			if f, ok := mv.(transfer.Forgetter); ok {
-				f.Forget(id.Dev, id.Ino)
+				f.Forget(fsys.FileID{Dev: id.Dev, Ino: id.Ino})
 			}
 		}
 	}

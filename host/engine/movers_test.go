@@ -95,9 +95,9 @@ func (m *fakeMover) move(f fsys.File, p *transfer.Plan, write bool) (int64, erro
 	return n, nil
 }
 
-func (m *fakeMover) Forget(dev, ino uint64) {
+func (m *fakeMover) Forget(id fsys.FileID) {
 	m.mu.Lock()
-	m.forgotten = append(m.forgotten, ino)
+	m.forgotten = append(m.forgotten, id.Ino)
 	m.mu.Unlock()
 }
 

@@ -87,19 +87,19 @@ const (
 // unlinked or resized behind its back.
 const sweepEvery = time.Second
 
-// fileKey is a file's device and inode number.
-type fileKey struct{ dev, ino uint64 }
-
-// fileID is what identifies a file to the registry: its key, its file
-// handle (name_to_handle_at: on tmpfs the inode number and its
-// generation, so that a recycled 32-bit inode number is not taken for
-// the file that had it) and its size (a file truncated and extended by
-// someone else no longer matches its mapping).
+// fileID is what identifies a file to the registry: its identity
+// (fsys.FileID, whose generation on tmpfs keeps a recycled 32-bit inode
+// number from being taken for the file that had it) and its size (a file
+// truncated and extended by someone else no longer matches its mapping).
+// The registry indexes files by key (fsys.FileID.Inode): one file per
+// inode number, its whole fileID compared when a job finds it.
 type fileID struct {
-	key    fileKey
-	handle string
-	size   int64
+	fsys.FileID
+	size int64
 }
+
+// key is id's index in the registry: device and inode number.
+func (id fileID) key() fsys.FileID { return id.Inode() }
 
 // regFile is a mapped, registered file.
 type regFile struct {
@@ -178,10 +178,10 @@ type files struct {
 	waitCap time.Duration
 
 	mu      sync.Mutex
-	byKey   map[fileKey]*regFile
-	lru     *list.List         // of *regFile, the most recently used first
-	queued  map[fileKey]*offer // offered, not registered yet
-	seen    map[fileKey]bool   // offered once at the bound (admitLocked)
+	byKey   map[fsys.FileID]*regFile
+	lru     *list.List             // of *regFile, the most recently used first
+	queued  map[fsys.FileID]*offer // offered, not registered yet
+	seen    map[fsys.FileID]bool   // offered once at the bound (admitLocked)
 	bytes   int64
 	st      FileStats
 	warned  bool
@@ -200,7 +200,7 @@ func newFiles(m *Mover, limit, device int, log *slog.Logger) *files {
 		m: m, limit: limit, device: device, log: log, sweep: sweepEvery, minIdle: minIdle,
 		streamEnded: make(chan struct{}, 1), lastReg: firstReg, waitCap: maxStoreWait,
 		offers: make(chan *offer, min(limit, maxOffers)), stop: make(chan struct{}), done: make(chan struct{}),
-		byKey: map[fileKey]*regFile{}, lru: list.New(), queued: map[fileKey]*offer{}, seen: map[fileKey]bool{},
+		byKey: map[fsys.FileID]*regFile{}, lru: list.New(), queued: map[fsys.FileID]*offer{}, seen: map[fsys.FileID]bool{},
 	}
 	go g.run()
 	return g
@@ -224,29 +224,16 @@ func fileLimit(want int) int {
 }
 
 // identify returns f's identity and whether it is a linked regular file
-// with a file handle.
+// with a generation (a file without one is never registered: its inode
+// number alone could name another file by the time a job finds it).
 func identify(f fsys.File) (fileID, bool) {
 	var st unix.Stat_t
 	fd := int(f.Fd())
 	if err := unix.Fstat(fd, &st); err != nil || st.Mode&unix.S_IFMT != unix.S_IFREG || st.Nlink == 0 || st.Size <= 0 {
 		return fileID{}, false
 	}
-	h, err := handleOf(fd)
-	if err != nil {
-		return fileID{}, false
-	}
-	return fileID{key: fileKey{uint64(st.Dev), st.Ino}, handle: h, size: st.Size}, true
-}
-
-// handleOf is the file handle of the open file fd, as a comparable
-// string: its type, then its bytes.
-func handleOf(fd int) (string, error) {
-	h, _, err := unix.NameToHandleAt(fd, "", unix.AT_EMPTY_PATH)
-	if err != nil {
-		return "", err
-	}
-	t := h.Type()
-	return string(append([]byte{byte(t), byte(t >> 8), byte(t >> 16), byte(t >> 24)}, h.Bytes()...)), nil
+	id := fileID{fsys.FileIDOf(fd, &st), st.Size}
+	return id, id.Gen != ""
 }
 
 // acquire returns the registered file id whose mapping holds the first
@@ -255,7 +242,7 @@ func handleOf(fd int) (string, error) {
 // resized) is dropped.
 func (g *files) acquire(id fileID, end int64) *regFile {
 	g.mu.Lock()
-	rf := g.byKey[id.key]
+	rf := g.byKey[id.key()]
 	switch {
 	case rf == nil:
 		g.mu.Unlock()
@@ -300,19 +287,19 @@ func (g *files) put(rf *regFile, write, ok bool) {
 // already, the mover is closing, or the queue is full.
 func (g *files) offer(f fsys.File, id fileID) {
 	g.mu.Lock()
-	if g.queued[id.key] != nil || g.stopped || g.byKey[id.key] != nil || !g.admitLocked(id.key) {
+	if g.queued[id.key()] != nil || g.stopped || g.byKey[id.key()] != nil || !g.admitLocked(id.key()) {
 		g.mu.Unlock()
 		return
 	}
 	o := &offer{id: id, fd: -1}
-	g.queued[id.key] = o
+	g.queued[id.key()] = o
 	g.mu.Unlock()
 	// A descriptor of its own, read-write (a store's file is open
 	// write-only, which cannot be mapped shared): the registrar maps it
 	// later, and sweeps it while it is registered.
 	fd, err := unix.Open(fmt.Sprintf("/proc/self/fd/%d", f.Fd()), unix.O_RDWR|unix.O_CLOEXEC, 0)
 	g.mu.Lock()
-	mine := g.queued[id.key] == o // not forgotten, nor the mover closed, meanwhile
+	mine := g.queued[id.key()] == o // not forgotten, nor the mover closed, meanwhile
 	if err == nil && mine && !g.stopped {
 		select {
 		case g.offers <- o:
@@ -323,7 +310,7 @@ func (g *files) offer(f fsys.File, id fileID) {
 		}
 	}
 	if mine {
-		delete(g.queued, id.key)
+		delete(g.queued, id.key())
 	}
 	warn := err != nil && !g.warned
 	g.warned = g.warned || warn
@@ -341,7 +328,7 @@ func (g *files) offer(f fsys.File, id fileID) {
 // is remembered in seen, itself bounded): in a cache of many more files
 // than the bound, files used once would otherwise cost a registration
 // and an unregistration each and save nothing.
-func (g *files) admitLocked(key fileKey) bool {
+func (g *files) admitLocked(key fsys.FileID) bool {
 	if len(g.byKey)+len(g.queued) < g.limit {
 		return true
 	}
@@ -359,7 +346,7 @@ func (g *files) admitLocked(key fileKey) bool {
 
 // forget drops the file key: no job takes its mapping from now on, and it
 // is released now, or when the last job using it ends.
-func (g *files) forget(key fileKey) {
+func (g *files) forget(key fsys.FileID) {
 	g.mu.Lock()
 	fd := -1
 	if o := g.queued[key]; o != nil {
@@ -384,7 +371,7 @@ func (g *files) forget(key fileKey) {
 // dropLocked removes rf from the index and reports whether the caller
 // must release it now (no job uses it; else the last put does).
 func (g *files) dropLocked(rf *regFile) bool {
-	delete(g.byKey, rf.id.key)
+	delete(g.byKey, rf.id.key())
 	g.lru.Remove(rf.elem)
 	g.bytes -= int64(len(rf.mem))
 	rf.gone = true
@@ -485,7 +472,7 @@ func (g *files) run() {
 // used one that no job uses and that has gone unused for minIdle. A file
 // already registered, or none to replace, is not wanted.
 func (g *files) roomLocked(o *offer) (wanted bool, victim *regFile) {
-	if g.byKey[o.id.key] != nil || g.limit == 0 {
+	if g.byKey[o.id.key()] != nil || g.limit == 0 {
 		return false, nil
 	}
 	if len(g.byKey) < g.limit {
@@ -551,7 +538,7 @@ func (g *files) awaitStores() bool {
 func (g *files) register(o *offer) {
 	// An offer that will not be registered is not worth a wait.
 	g.mu.Lock()
-	wait := g.queued[o.id.key] == o
+	wait := g.queued[o.id.key()] == o
 	if wait {
 		wait, _ = g.roomLocked(o)
 	}
@@ -560,7 +547,7 @@ func (g *files) register(o *offer) {
 		return // closing: close closes the offer's descriptor
 	}
 	g.mu.Lock()
-	if g.queued[o.id.key] != o { // forgotten (its descriptor closed) or replaced
+	if g.queued[o.id.key()] != o { // forgotten (its descriptor closed) or replaced
 		g.mu.Unlock()
 		return
 	}
@@ -572,7 +559,7 @@ func (g *files) register(o *offer) {
 	if wanted {
 		o.taken = true
 	} else {
-		delete(g.queued, o.id.key)
+		delete(g.queued, o.id.key())
 		o.fd = -1
 	}
 	g.mu.Unlock()
@@ -592,7 +579,7 @@ func (g *files) register(o *offer) {
 	// Forgotten while it was being registered: released at once, never
 	// used.
 	forgotten := o.forgotten
-	delete(g.queued, o.id.key)
+	delete(g.queued, o.id.key())
 	o.fd = -1 // closed below, or the registered file's now
 	switch {
 	case errors.Is(err, errGone):
@@ -615,7 +602,7 @@ func (g *files) register(o *offer) {
 		g.st.Registered++
 		rf.used = time.Now()
 		rf.elem = g.lru.PushFront(rf)
-		g.byKey[o.id.key] = rf
+		g.byKey[o.id.key()] = rf
 		g.bytes += int64(len(rf.mem))
 		g.mu.Unlock()
 	}
@@ -628,7 +615,7 @@ func (g *files) mapAndRegister(o *offer) (*regFile, error) {
 	if err := unix.Fstat(o.fd, &st); err != nil {
 		return nil, fmt.Errorf("gpu: stat a file to register: %w", err)
 	}
-	if h, err := handleOf(o.fd); err != nil || h != o.id.handle || st.Nlink == 0 || st.Size != o.id.size {
+	if fsys.Generation(o.fd) != o.id.Gen || st.Nlink == 0 || st.Size != o.id.size {
 		return nil, errGone
 	}
 	mem, err := unix.Mmap(o.fd, 0, int(st.Size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED|unix.MAP_POPULATE)
@@ -658,7 +645,7 @@ func (g *files) sweepStale() {
 			continue
 		}
 		g.mu.Lock()
-		release := g.byKey[rf.id.key] == rf && g.dropLocked(rf)
+		release := g.byKey[rf.id.key()] == rf && g.dropLocked(rf)
 		g.mu.Unlock()
 		if release {
 			g.releaseNow(rf)

@@ -213,7 +213,7 @@ func TestRegisteredFilesMoveDirectlyFromTheSecondJob(t *testing.T) {
 	}
 	release()
 
-	m.Forget(kf.id.key.dev, kf.id.key.ino)
+	m.Forget(kf.id.FileID)
 	testwait.Until(t, "the forgotten file released", 10*time.Second, func() bool { return m.FileStats().Released == 1 })
 	if st := m.FileStats(); st.Files != 0 || st.Bytes != 0 {
 		t.Fatalf("after Forget: %+v; want no file", st)
@@ -327,7 +327,7 @@ func TestRegisteredFilesKeepTheMostRecentlyUsed(t *testing.T) {
 	testwait.Until(t, "c's offer handled", 10*time.Second, func() bool {
 		m.files.mu.Lock()
 		defer m.files.mu.Unlock()
-		_, queued := m.files.queued[c.id.key]
+		_, queued := m.files.queued[c.id.key()]
 		return !queued
 	})
 	if st := m.FileStats(); st.Files != 2 || st.Registered != 2 || st.Deferred != 1 {
@@ -452,7 +452,7 @@ func TestRegisteredFilesForgottenInUseWaitForTheirLastJob(t *testing.T) {
 	if rf == nil {
 		t.Fatal("the registered file was not handed out")
 	}
-	m.Forget(kf.id.key.dev, kf.id.key.ino)
+	m.Forget(kf.id.FileID)
 	if st := m.FileStats(); st.Files != 0 || st.Released != 0 {
 		t.Fatalf("after Forget with a job in flight: %+v; want it dropped, not released", st)
 	}
@@ -475,7 +475,7 @@ func TestRegisteredFilesResizedOrReplacedAreDropped(t *testing.T) {
 	e, m, kv, orig, host, kf := registeredFile(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, RegisterFiles: 4})
 
 	other := kf.id
-	other.handle += "-another-file"
+	other.Gen += "-another-file"
 	if m.files.acquire(other, 1) != nil {
 		t.Fatal("a file with another handle got the registered mapping")
 	}
@@ -660,7 +660,7 @@ func TestRegisteredFilesForgottenWhileQueuedGiveTheirDescriptorsBackAtOnce(t *te
 	}
 	before := openDescriptors(t)
 	for _, kf := range kfs { // the engine removes the files
-		m.Forget(kf.id.key.dev, kf.id.key.ino)
+		m.Forget(kf.id.FileID)
 	}
 	if n := before - openDescriptors(t); n != 2 {
 		t.Fatalf("Forget closed %d descriptors while the registrar held its file, want the two waiting offers'", n)
@@ -873,7 +873,7 @@ func TestRegisteredFilesForgottenOffersCostNoWait(t *testing.T) {
 	testwait.Until(t, "the registrar in the first registration", 10*time.Second, func() bool { return e.fake.WaitingRegistrations() == 1 })
 	kfs := storeKeyFiles(t, e, m, kv, 3, host, orig)
 	for _, kf := range kfs {
-		m.Forget(kf.id.key.dev, kf.id.key.ino)
+		m.Forget(kf.id.FileID)
 	}
 	store(t, e, m, kv, newKeyFile(t, kv, dir, "last", 9), host, orig) // queued behind the forgotten ones
 	release()

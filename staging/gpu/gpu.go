@@ -544,9 +544,9 @@ func (m *Mover) run(ctx context.Context, f fsys.File, p *transfer.Plan, sums []u
 
 // Forget implements transfer.Forgetter: the file is being removed or
 // replaced, so its registration (if any) is dropped.
-func (m *Mover) Forget(dev, ino uint64) {
+func (m *Mover) Forget(id fsys.FileID) {
 	if m.files != nil {
-		m.files.forget(fileKey{dev, ino})
+		m.files.forget(id.Inode())
 	}
 }
 
