@@ -62,7 +62,11 @@ type HandleStats struct {
 // sweepEvery is how often, at most, a registration first drops the
 // cached handles of files that no name links any more. Another node on a
 // shared mount can remove a file this engine never forgets; the cache's
-// descriptor would keep its blocks allocated until evicted.
+// descriptor would keep its blocks allocated until evicted. One sweeper
+// runs at a time: a sweep due while it runs is left to it, to run once
+// more when it is done. On a network file system that stopped answering
+// its fstat hangs, and registrations then add no goroutine behind it
+// (RATIONALE: "Why does one sweeper at a time look for unlinked files?").
 const sweepEvery = time.Second
 
 // handleCache is a refcounted cache of cuFile handles keyed by file
@@ -80,10 +84,14 @@ type handleCache struct {
 	m   map[handleKey]*handle // by handleKey.slot
 	lru list.List             // of *handle, front = most recently released
 	st  HandleStats
-	// sweepEvery is the constant of that name (a field for tests), and
-	// lastSweep when a registration last swept (guarded by mu).
+	// sweepEvery is the constant of that name (a field for tests),
+	// lastSweep when a registration last asked for a sweep, sweeping
+	// whether the sweeper runs, and again whether a sweep was asked for
+	// while it ran (guarded by mu).
 	sweepEvery time.Duration
 	lastSweep  time.Time
+	sweeping   bool
+	again      bool
 	// fstat is unix.Fstat (a field for tests, which inject a file system
 	// that reuses inode numbers or hangs).
 	fstat func(fd int, st *unix.Stat_t) error
@@ -135,9 +143,12 @@ func (c *handleCache) acquire(fd int, key handleKey) (*handle, error) {
 	}
 	e := &handle{key: key, fd: -1, refs: 1, ready: make(chan struct{})}
 	c.m[slot] = e
-	sweep := time.Since(c.lastSweep) >= c.sweepEvery
-	if sweep {
+	sweep := false
+	if time.Since(c.lastSweep) >= c.sweepEvery {
 		c.lastSweep = time.Now()
+		sweep = !c.sweeping
+		c.sweeping = true
+		c.again = !sweep
 	}
 	c.mu.Unlock()
 	c.deregister(victims)
@@ -145,8 +156,8 @@ func (c *handleCache) acquire(fd int, key handleKey) (*handle, error) {
 	if sweep {
 		// In the background: the caller is a transfer (on a worker
 		// bound to its device), and on a network file system each fstat
-		// may ask the server.
-		go c.dropUnlinked()
+		// may ask the server, or hang.
+		go c.sweeper()
 	}
 	e.err = c.register(e, fd)
 
@@ -266,6 +277,22 @@ func (c *handleCache) forget(id fsys.FileID) {
 	}
 	c.mu.Unlock()
 	c.deregister(victims)
+}
+
+// sweeper sweeps (dropUnlinked) until no sweep was asked for while it
+// ran: the cache's one sweeping goroutine.
+func (c *handleCache) sweeper() {
+	for {
+		c.dropUnlinked()
+		c.mu.Lock()
+		if !c.again {
+			c.sweeping = false
+			c.mu.Unlock()
+			return
+		}
+		c.again = false
+		c.mu.Unlock()
+	}
 }
 
 // dropUnlinked deregisters the unreferenced cached handles whose file no

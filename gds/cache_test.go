@@ -8,7 +8,9 @@ import (
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"runtime"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -410,4 +412,55 @@ func TestHandleCacheServesAHandleOnlyToItsOwnFile(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestHandleCacheSweepOfAHungFileSystemRunsOneGoroutine: on a network
+// file system that stopped answering, every sweep's fstat hangs; a
+// registration must not start another sweep while one is still running,
+// or every registration leaves one more goroutine (and thread) behind.
+func TestHandleCacheSweepOfAHungFileSystemRunsOneGoroutine(t *testing.T) {
+	const registrations = 50
+	fs := openFiles(t, registrations+1)
+	var (
+		hangMu  sync.Mutex
+		hangFds = map[int]bool{}
+		entered atomic.Int32
+		unblock = make(chan struct{})
+	)
+	g := newGoFake()
+	c := newHandleCache(g, 2*registrations)
+	c.sweepEvery = 0 // every registration sweeps
+	c.fstat = func(fd int, st *unix.Stat_t) error {
+		hangMu.Lock()
+		hang := hangFds[fd]
+		hangMu.Unlock()
+		if hang {
+			entered.Add(1)
+			<-unblock
+		}
+		return unix.Fstat(fd, st)
+	}
+	// The first file's cached descriptor is on the hung file system.
+	h := acquireFile(t, c, fs[0])
+	hangMu.Lock()
+	hangFds[h.fd] = true
+	hangMu.Unlock()
+	c.release(h)
+	base := runtime.NumGoroutine()
+	c.release(acquireFile(t, c, fs[1]))
+	testwait.Until(t, "a sweep stuck in the hung fstat", 10*time.Second, func() bool { return entered.Load() >= 1 })
+	for _, f := range fs[2:] {
+		c.release(acquireFile(t, c, f))
+	}
+	if n := runtime.NumGoroutine() - base; n > 2 {
+		t.Errorf("%d more goroutines after %d registrations beside a hung sweep; want at most the one sweep (and a spare)", n, registrations)
+	}
+	if n := entered.Load(); n > 1 {
+		t.Errorf("%d sweeps entered the hung fstat; want 1", n)
+	}
+	close(unblock)
+	testwait.Until(t, "the sweeps ended once the file system answered", 10*time.Second, func() bool {
+		return runtime.NumGoroutine() <= base
+	})
+	c.close()
 }
