@@ -392,6 +392,9 @@ func TestHandleCacheServesAHandleOnlyToItsOwnFile(t *testing.T) {
 				st.Ino = 42
 				return err
 			}
+			// No sweep: it would drop the removed file's idle handle
+			// before the second acquisition finds it.
+			c.lastSweep, c.sweepEvery = time.Now(), time.Hour
 			c.release(acquireFile(t, c, fs[0]))
 			want := fs[1]
 			if tc.reopen {
