@@ -84,6 +84,17 @@ type handleCache struct {
 	m   map[handleKey]*handle // by handleKey.slot
 	lru list.List             // of *handle, front = most recently released
 	st  HandleStats
+	// live is every registered handle not yet claimed for deregistration,
+	// in the cache or not (a held handle that was forgotten): close
+	// deregisters them all. busy counts the cuFile work close waits for:
+	// registrations under way, claimed deregistrations not yet done, and
+	// calls made through enter (a mount's probe); idle is signalled when
+	// it falls to zero. Once closed, nothing calls cuFile (acquire and
+	// enter refuse, and every registration is gone).
+	live   map[*handle]struct{}
+	busy   int
+	idle   sync.Cond
+	closed bool
 	// sweepEvery is the constant of that name (a field for tests),
 	// lastSweep when a registration last asked for a sweep, sweeping
 	// whether the sweeper runs, and again whether a sweep was asked for
@@ -98,7 +109,10 @@ type handleCache struct {
 }
 
 func newHandleCache(a api, max int) *handleCache {
-	return &handleCache{api: a, max: max, m: map[handleKey]*handle{}, onThread: func(f func() error) error { return f() }, sweepEvery: sweepEvery, fstat: unix.Fstat}
+	c := &handleCache{api: a, max: max, m: map[handleKey]*handle{}, live: map[*handle]struct{}{},
+		onThread: func(f func() error) error { return f() }, sweepEvery: sweepEvery, fstat: unix.Fstat}
+	c.idle.L = &c.mu
+	return c
 }
 
 // identify returns the key of the file open at fd.
@@ -121,6 +135,10 @@ func (c *handleCache) identify(fd int) (handleKey, error) {
 // the device, and must release the handle.
 func (c *handleCache) acquire(fd int, key handleKey) (*handle, error) {
 	c.mu.Lock()
+	if c.closed {
+		c.mu.Unlock()
+		return nil, ErrClosed
+	}
 	slot := key.slot()
 	var victims []*handle
 	if e, ok := c.m[slot]; ok && e.key != key {
@@ -143,6 +161,7 @@ func (c *handleCache) acquire(fd int, key handleKey) (*handle, error) {
 	}
 	e := &handle{key: key, fd: -1, refs: 1, ready: make(chan struct{})}
 	c.m[slot] = e
+	c.busy++ // the registration, until it is recorded below
 	sweep := false
 	if time.Since(c.lastSweep) >= c.sweepEvery {
 		c.lastSweep = time.Now()
@@ -162,17 +181,30 @@ func (c *handleCache) acquire(fd int, key handleKey) (*handle, error) {
 	e.err = c.register(e, fd)
 
 	c.mu.Lock()
-	if e.err != nil {
+	victims = nil
+	switch {
+	case e.err != nil:
 		c.st.Failures++
 		if c.m[slot] == e {
 			delete(c.m, slot)
 		}
 		e.stale = true
-	} else {
+		c.doneLocked(1)
+	case c.closed:
+		// Closed while registering: deregistered at once (busy counts
+		// it until then), never used.
 		c.st.Registrations++
+		e.stale = true
+		e.err = ErrClosed
+		victims = append(victims, e)
+	default:
+		c.st.Registrations++
+		c.live[e] = struct{}{}
+		c.doneLocked(1)
 	}
 	c.mu.Unlock()
 	close(e.ready)
+	c.deregister(victims)
 	if e.err != nil {
 		c.release(e)
 		return nil, e.err
@@ -216,7 +248,9 @@ func (c *handleCache) release(e *handle) {
 	}
 	if e.refs == 0 {
 		if e.stale {
-			victims = append(victims, e)
+			if c.claimLocked(e) {
+				victims = append(victims, e)
+			}
 		} else {
 			e.elem = c.lru.PushFront(e)
 			victims = c.evictLocked()
@@ -236,13 +270,64 @@ func (c *handleCache) evictLocked() []*handle {
 		e.elem = nil
 		delete(c.m, e.key.slot())
 		c.st.Evictions++
-		victims = append(victims, e)
+		if c.claimLocked(e) {
+			victims = append(victims, e)
+		}
 	}
 	return victims
 }
 
-// deregister deregisters handles no one can reach any more.
+// claimLocked claims e's deregistration for the caller, who must pass it
+// to deregister: false if it was claimed already (close deregisters held
+// handles too) or never registered. c.mu is held.
+func (c *handleCache) claimLocked(e *handle) bool {
+	if _, ok := c.live[e]; !ok {
+		return false
+	}
+	delete(c.live, e)
+	c.busy++
+	return true
+}
+
+// doneLocked ends n units of busy work. c.mu is held.
+func (c *handleCache) doneLocked(n int) {
+	c.busy -= n
+	if c.busy == 0 {
+		c.idle.Broadcast()
+	}
+}
+
+// enter counts a cuFile call made outside the cache (a mount's probe) as
+// busy, so that close waits for it; false once closed: the call must not
+// be made. The caller calls exit after the call.
+func (c *handleCache) enter() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		return false
+	}
+	c.busy++
+	return true
+}
+
+// exit ends a call counted by enter.
+func (c *handleCache) exit() {
+	c.mu.Lock()
+	c.doneLocked(1)
+	c.mu.Unlock()
+}
+
+// deregister deregisters handles no one can reach any more, each claimed
+// (claimLocked) by the caller.
 func (c *handleCache) deregister(hs []*handle) {
+	if len(hs) == 0 {
+		return
+	}
+	defer func() {
+		c.mu.Lock()
+		c.doneLocked(len(hs))
+		c.mu.Unlock()
+	}()
 	for _, e := range hs {
 		if e.h != 0 {
 			h := e.h
@@ -285,7 +370,7 @@ func (c *handleCache) sweeper() {
 	for {
 		c.dropUnlinked()
 		c.mu.Lock()
-		if !c.again {
+		if !c.again || c.closed {
 			c.sweeping = false
 			c.mu.Unlock()
 			return
@@ -307,6 +392,10 @@ func (c *handleCache) dropUnlinked() {
 		fd int
 	}
 	c.mu.Lock()
+	if c.closed {
+		c.mu.Unlock()
+		return
+	}
 	idles := make([]idle, 0, c.lru.Len())
 	for el := c.lru.Front(); el != nil; el = el.Next() {
 		e := el.Value.(*handle)
@@ -335,15 +424,32 @@ func (c *handleCache) dropUnlinked() {
 	c.deregister(victims)
 }
 
-// close deregisters every unreferenced handle and marks the rest stale.
+// close deregisters every registered handle, held ones included, and
+// waits for the cuFile work under way (registrations, deregistrations,
+// probes): afterwards nothing calls cuFile, and the driver may be closed
+// and the library unloaded. The caller has closed every mover first, so
+// no transfer uses a held handle any more; its holder only releases it,
+// which then deregisters nothing. Acquisitions fail with ErrClosed.
 func (c *handleCache) close() {
 	var victims []*handle
 	c.mu.Lock()
+	c.closed = true
 	for k, e := range c.m {
 		victims = c.dropLocked(k, e, victims)
 	}
+	for e := range c.live { // held ones, in the cache or forgotten
+		e.stale = true
+		if c.claimLocked(e) {
+			victims = append(victims, e)
+		}
+	}
 	c.mu.Unlock()
 	c.deregister(victims)
+	c.mu.Lock()
+	for c.busy > 0 {
+		c.idle.Wait()
+	}
+	c.mu.Unlock()
 }
 
 // dropLocked removes handle e (in slot k) from the cache and marks it stale:
@@ -353,9 +459,13 @@ func (c *handleCache) dropLocked(k handleKey, e *handle, victims []*handle) []*h
 	delete(c.m, k)
 	e.stale = true
 	if e.refs == 0 {
-		c.lru.Remove(e.elem)
-		e.elem = nil
-		victims = append(victims, e)
+		if e.elem != nil {
+			c.lru.Remove(e.elem)
+			e.elem = nil
+		}
+		if c.claimLocked(e) {
+			victims = append(victims, e)
+		}
 	}
 	return victims
 }

@@ -230,6 +230,12 @@ func (d *Driver) ProbeDir(dir string) (Capability, error) {
 	if c := d.caps.get(dev); c.Mode != ModeUnknown {
 		return c, nil
 	}
+	// Counted as the handle cache's work, so that Close waits for it;
+	// none once Close began, which unloads the library.
+	if !d.cache.enter() {
+		return Capability{}, ErrClosed
+	}
+	defer d.cache.exit()
 	var regErr error
 	err = d.onDevice(0, func() error {
 		h, err := d.api.handleRegister(fd)

@@ -426,8 +426,10 @@ func (d *Driver) Forget(id fsys.FileID) { d.cache.forget(id) }
 // HandleStats reports the handle cache's counters.
 func (d *Driver) HandleStats() HandleStats { return d.cache.stats() }
 
-// Close closes the movers, deregisters every cached handle and registered
-// buffer, closes the cuFile driver and unloads the library.
+// Close closes the movers, deregisters every handle (held ones included)
+// and registered buffer, closes the cuFile driver and unloads the
+// library. Nothing calls cuFile afterwards: a handle released later, a
+// Forget or a probe finds nothing to do or fails with ErrClosed.
 func (d *Driver) Close() error {
 	d.mu.Lock()
 	if d.closed {
@@ -446,6 +448,11 @@ func (d *Driver) Close() error {
 			errs = append(errs, err)
 		}
 	}
+	// Every handle is deregistered, held ones included (no mover runs
+	// any more), and the cuFile calls under way end, before the driver is
+	// closed and the library unloaded: afterwards the cache refuses
+	// acquisitions and probes, and a release, a Forget or a sweep has no
+	// registration left to undo.
 	d.cache.close()
 	d.mu.Lock()
 	bufs := d.bufs

@@ -70,6 +70,8 @@ type fakeCtl struct {
 	StreamsDeregistered int64
 	CUError             int64
 	BatchRelease        int64
+	CallsAfterClose     int64
+	HandlesLiveAtClose  int64
 }
 
 func (c *fakeCtl) set(p *int64, v int64) { atomic.StoreInt64(p, v) }

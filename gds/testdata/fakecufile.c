@@ -107,6 +107,11 @@ struct fake_ctl {
 	 * batch_hold, and not canceled) before it reports: a late completion,
 	 * whose I/O still reaches the entry's memory and file through its handle */
 	int64_t batch_release;
+	/* lifetime counters: calls into the library after cuFileDriverClose
+	 * (until the next cuFileDriverOpen), and the handles still registered
+	 * when the driver was closed */
+	int64_t calls_after_close;
+	int64_t handles_live_at_close;
 };
 
 struct fake_ctl fake_ctl;
@@ -122,6 +127,11 @@ struct fake_handle {
 	int fd;
 };
 
+/* closed: cuFileDriverClose was called; a call after it counts in
+ * calls_after_close (late: the caller could be past dlclose). */
+static int64_t closed;
+#define LATE() do { if (__atomic_load_n(&closed, __ATOMIC_SEQ_CST)) ADD(calls_after_close, 1); } while (0)
+
 static CUfileError_t ok(void) { CUfileError_t e = {0, 0}; return e; }
 static CUfileError_t fail(int code) { CUfileError_t e = {code, 0}; return e; }
 /* injected is a knob's failure: code, with the CUresult cu_error (as cuFile
@@ -132,10 +142,17 @@ CUfileError_t cuFileDriverOpen(void) {
 	int64_t e = LD(driver_open_error);
 	if (e) return injected(e);
 	ADD(driver_opens, 1);
+	__atomic_store_n(&closed, 0, __ATOMIC_SEQ_CST);
 	return ok();
 }
 
-CUfileError_t cuFileDriverClose_v2(void) { ADD(driver_closes, 1); return ok(); }
+CUfileError_t cuFileDriverClose_v2(void) {
+	LATE();
+	__atomic_store_n(&fake_ctl.handles_live_at_close, LD(handles_live), __ATOMIC_SEQ_CST);
+	__atomic_store_n(&closed, 1, __ATOMIC_SEQ_CST);
+	ADD(driver_closes, 1);
+	return ok();
+}
 CUfileError_t cuFileDriverClose(void) { return cuFileDriverClose_v2(); }
 
 CUfileError_t cuFileGetVersion(int *v) { *v = 1151; return ok(); }
@@ -149,6 +166,7 @@ CUfileError_t cuFileDriverGetProperties(CUfileDrvProps_t *p) {
 }
 
 CUfileError_t cuFileHandleRegister(void **fh, CUfileDescr_t *d) {
+	LATE();
 	ADD(register_calls, 1);
 	if (d == NULL || d->type != 1) return fail(5022);
 	int64_t e = LD(register_error);
@@ -179,6 +197,7 @@ static int live(void *fh) {
 /* Deregistered handles are marked dead, never freed, so that a later use
  * is counted instead of touching freed memory. */
 void cuFileHandleDeregister(void *fh) {
+	LATE();
 	if (!live(fh)) return;
 	__atomic_store_n(&((struct fake_handle *)fh)->magic, MAGIC_DEAD, __ATOMIC_SEQ_CST);
 	ADD(handles_deregistered, 1);
@@ -191,6 +210,7 @@ static pthread_mutex_t bufmu = PTHREAD_MUTEX_INITIALIZER;
 
 CUfileError_t cuFileBufRegister(const void *p, size_t n, int flags) {
 	(void)flags;
+	LATE();
 	CUfileError_t r = fail(5043);
 	pthread_mutex_lock(&bufmu);
 	for (int i = 0; i < MAXBUF; i++)
@@ -203,6 +223,7 @@ out:
 }
 
 CUfileError_t cuFileBufDeregister(const void *p) {
+	LATE();
 	CUfileError_t r = fail(5024);
 	pthread_mutex_lock(&bufmu);
 	for (int i = 0; i < MAXBUF; i++)
@@ -213,6 +234,7 @@ CUfileError_t cuFileBufDeregister(const void *p) {
 
 #ifndef FAKE_NO_READ
 ssize_t cuFileRead(void *fh, void *base, size_t n, off_t off, off_t boff) {
+	LATE();
 	if (!live(fh)) return -5027;
 	ADD(reads, 1);
 	int64_t trunc = LD(read_truncate_at);
@@ -233,6 +255,7 @@ ssize_t cuFileRead(void *fh, void *base, size_t n, off_t off, off_t boff) {
 #endif
 
 ssize_t cuFileWrite(void *fh, const void *base, size_t n, off_t off, off_t boff) {
+	LATE();
 	if (!live(fh)) return -5027;
 	ADD(writes, 1);
 	if (LD(write_short) && n > 1) n /= 2;
@@ -300,6 +323,7 @@ static void store_max(int64_t *p, int64_t v) {
 }
 
 CUfileError_t cuFileBatchIOSetUp(void **b, unsigned nr) {
+	LATE();
 	int64_t e = LD(batch_setup_error);
 	if (e) return injected(e);
 	if (b == NULL || nr == 0 || nr > 128) return fail(5022);
@@ -349,6 +373,7 @@ static void run(struct fake_entry *en, const CUfileIOParams_t *p, int64_t ordina
 }
 
 CUfileError_t cuFileBatchIOSubmit(void *b, unsigned nr, CUfileIOParams_t *p, unsigned flags) {
+	LATE();
 	if (!batch_live_ctx(b)) return fail(5022);
 	struct fake_batch *fb = b;
 	int64_t e = LD(batch_submit_error);
@@ -383,6 +408,7 @@ CUfileError_t cuFileBatchIOSubmit(void *b, unsigned nr, CUfileIOParams_t *p, uns
 }
 
 CUfileError_t cuFileBatchIOGetStatus(void *b, unsigned min_nr, unsigned *nr, CUfileIOEvents_t *ev, struct timespec *timeout) {
+	LATE();
 	if (!batch_live_ctx(b)) return fail(5022);
 	struct fake_batch *fb = b;
 	if (nr == NULL || ev == NULL || *nr < min_nr) { ADD(batch_bad_uses, 1); return fail(5022); }
@@ -411,6 +437,7 @@ CUfileError_t cuFileBatchIOGetStatus(void *b, unsigned min_nr, unsigned *nr, CUf
 }
 
 CUfileError_t cuFileBatchIOCancel(void *b) {
+	LATE();
 	if (!batch_live_ctx(b)) return fail(5022);
 	struct fake_batch *fb = b;
 	ADD(batch_cancels, 1);
@@ -427,6 +454,7 @@ CUfileError_t cuFileBatchIOCancel(void *b) {
 
 /* Destroyed contexts are marked dead, never freed (see handles). */
 void cuFileBatchIODestroy(void *b) {
+	LATE();
 	if (!batch_live_ctx(b)) return;
 	struct fake_batch *fb = b;
 	for (unsigned i = 0; i < fb->n; i++) {
@@ -441,12 +469,14 @@ void cuFileBatchIODestroy(void *b) {
 
 #if !defined(FAKE_NO_STREAM) && !defined(FAKE_NO_READ)
 CUfileError_t cuFileStreamRegister(void *stream, unsigned flags) {
+	LATE();
 	(void)stream; (void)flags;
 	ADD(streams_registered, 1);
 	return ok();
 }
 
 CUfileError_t cuFileStreamDeregister(void *stream) {
+	LATE();
 	(void)stream;
 	ADD(streams_deregistered, 1);
 	return ok();
@@ -464,11 +494,13 @@ static CUfileError_t async_io(int write, void *fh, void *base, size_t *n, off_t 
 }
 
 CUfileError_t cuFileReadAsync(void *fh, void *base, size_t *n, off_t *off, off_t *boff, ssize_t *done, void *stream) {
+	LATE();
 	(void)stream;
 	return async_io(0, fh, base, n, off, boff, done);
 }
 
 CUfileError_t cuFileWriteAsync(void *fh, void *base, size_t *n, off_t *off, off_t *boff, ssize_t *done, void *stream) {
+	LATE();
 	(void)stream;
 	return async_io(1, fh, base, n, off, boff, done);
 }
