@@ -161,13 +161,23 @@ func writeCheck(w io.Writer, rep *checkReport) {
 	fmt.Fprintf(w, "kvhost check: %d ok, %d warnings, %d failures\n", rep.OK, rep.Warn, rep.Fail)
 }
 
-// doCheck runs every check.
+// doCheck runs every check. CUDA's current device and cuFile's state are
+// per OS thread: the checks run on a goroutine locked to a thread of its
+// own, with device 0 current, which is never unlocked and so ends with the
+// goroutine (internal/cuda/worker.go's rule); the caller's thread is not
+// touched.
 func doCheck(ctx context.Context, o checkOptions) *checkReport {
+	done := make(chan *checkReport, 1)
+	go func() {
+		runtime.LockOSThread()
+		done <- checkOnThread(ctx, o)
+	}()
+	return <-done
+}
+
+// checkOnThread is doCheck on its locked thread.
+func checkOnThread(ctx context.Context, o checkOptions) *checkReport {
 	rep := &checkReport{Schema: checkSchema, Version: versionString(), Items: []checkItem{}, Speed: []speedResult{}}
-	// CUDA's current device and cuFile's state are per OS thread: every
-	// call here runs on this goroutine's thread, with device 0 current.
-	runtime.LockOSThread()
-	defer runtime.UnlockOSThread()
 	rt := checkGPU(rep, o.cfg.GPU)
 	var drv *gds.Driver
 	if rt != nil {

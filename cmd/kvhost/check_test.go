@@ -7,10 +7,12 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"testing"
 
 	"github.com/kvhost/kvhost/config"
+	"github.com/kvhost/kvhost/internal/cuda"
 	"github.com/kvhost/kvhost/internal/cuda/cudatest"
 	"github.com/kvhost/kvhost/internal/fstype"
 )
@@ -243,5 +245,50 @@ func TestCheckKeepsSparesOnTheMemoryFileSystemsTheEngineDoes(t *testing.T) {
 		if got := keepsSpares(c.magic, c.layout, c.reuse); got != c.want {
 			t.Errorf("%s: keepsSpares = %v, want %v", c.name, got, c.want)
 		}
+	}
+}
+
+// TestCheckLeavesNoCUDAStateOnItsCallersThread: doCheck makes device 0
+// current for its CUDA and cuFile calls. That must happen on a thread of
+// its own that ends afterwards (internal/cuda/worker.go's rule): done on
+// the caller's thread and unlocked on return, the thread goes back to the
+// scheduler with CUDA state on it. The caller here is locked to a thread
+// with device 1 current, and must find it so after the check.
+func TestCheckLeavesNoCUDAStateOnItsCallersThread(t *testing.T) {
+	cudaLib, cufileLib := cudatest.Build(t), buildFakeCuFile(t)
+	rt, err := cuda.Open(cuda.Config{Runtime: []string{cudaLib}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rt.Close()
+	o := checkOptions{cfg: config.Default(), dirs: []string{t.TempDir()}}
+	o.cfg.GPU.CUDALibrary, o.cfg.GPU.CuFileLibrary = cudaLib, cufileLib
+	type result struct {
+		dev int
+		err error
+		rep *checkReport
+	}
+	done := make(chan result, 1)
+	go func() {
+		// Never unlocked: this thread's device is changed here, so it
+		// ends with the goroutine.
+		runtime.LockOSThread()
+		if err := rt.SetDevice(1); err != nil {
+			done <- result{err: err}
+			return
+		}
+		rep := doCheck(context.Background(), o)
+		dev, err := rt.Device()
+		done <- result{dev, err, rep}
+	}()
+	r := <-done
+	if r.err != nil {
+		t.Fatal(r.err)
+	}
+	if r.rep.Fail != 0 {
+		t.Fatalf("the check failed: %+v", r.rep.Items)
+	}
+	if r.dev != 1 {
+		t.Fatalf("after doCheck the caller's thread has device %d current, had 1", r.dev)
 	}
 }
