@@ -17,6 +17,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvhost/kvhost/internal/fsys"
 	"github.com/kvhost/kvhost/internal/testwait"
 	"github.com/kvhost/kvhost/region"
 	"github.com/kvhost/kvhost/transfer"
@@ -389,7 +390,7 @@ func TestMoverHoldsAJobWhoseCanceledBatchNeverComesBack(t *testing.T) {
 		t.Fatal(err)
 	}
 	st := fi.Sys().(*syscall.Stat_t)
-	m.Forget(uint64(st.Dev), st.Ino)
+	m.Forget(fsys.FileID{Dev: uint64(st.Dev), Ino: st.Ino})
 	if dr, live := c.get(&c.HandlesDeregistered), c.get(&c.HandlesLive); dr != 0 || live != 1 {
 		t.Fatalf("with the entries pending and the file forgotten: %d handles deregistered, %d live; want 0, 1 (the job holds it)", dr, live)
 	}
