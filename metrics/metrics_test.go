@@ -119,7 +119,7 @@ func TestMetricsExposeSourcesAndObservations(t *testing.T) {
 		Reloads:   func() (uint64, uint64) { return 4, 1 },
 		Staging:   func() (int, int, int) { return 2, 16, 4 << 20 },
 		GPUFiles: func() gpu.FileStats {
-			return gpu.FileStats{Files: 6, Bytes: 6 << 25, Limit: 100, Registered: 9, Released: 3, Failed: 1, Deferred: 2, Stores: 12, Loads: 14, Queued: 5, Waits: 4, Waited: 1500 * time.Millisecond}
+			return gpu.FileStats{Files: 6, Bytes: 6 << 25, Limit: 100, Registered: 9, Released: 3, Failed: 1, Deferred: 2, Warmed: 7, Stores: 12, Loads: 14, Queued: 5, Waits: 4, Waited: 1500 * time.Millisecond}
 		},
 		GPUStaging: func() (int, int, int) { return 3, 31, 4<<20 + 8192 },
 		GPUFaults:  func() map[int]uint64 { return map[int]uint64{0: 0, 1: 2} },
@@ -163,6 +163,7 @@ func TestMetricsExposeSourcesAndObservations(t *testing.T) {
 		{"kvhost_gpu_file_registrations_total", map[string]string{"result": "released"}, 3},
 		{"kvhost_gpu_file_registrations_total", map[string]string{"result": "failed"}, 1},
 		{"kvhost_gpu_file_registrations_total", map[string]string{"result": "deferred"}, 2},
+		{"kvhost_gpu_file_warm_offers_total", nil, 7},
 		{"kvhost_gpu_file_registration_waits_total", nil, 4},
 		{"kvhost_gpu_file_registration_wait_seconds_total", nil, 1.5},
 		{"kvhost_gpu_direct_file_jobs_total", map[string]string{"direction": "store"}, 12},

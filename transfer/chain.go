@@ -133,3 +133,16 @@ func (c *Chain) Prepare(f fsys.File) {
 		}
 	}
 }
+
+// Warm forwards to every mover that sets up per-file state ahead of a
+// file's first job, and reports whether any of them would take another
+// file.
+func (c *Chain) Warm(f fsys.File) bool {
+	more := false
+	for _, m := range c.movers {
+		if w, ok := m.(Warmer); ok && w.Warm(f) {
+			more = true
+		}
+	}
+	return more
+}

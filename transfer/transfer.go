@@ -152,3 +152,19 @@ type Forgetter interface {
 type Preparer interface {
 	Prepare(f fsys.File)
 }
+
+// Warmer is implemented by movers that set up per-file state ahead of a
+// file's first job (the GPU staging mover registers files on memory file
+// systems with CUDA), for files the engine indexed without moving them:
+// found on a memory file system when it opened, or discovered by a lookup
+// (another process's or node's file). The engine calls Warm off any job's
+// path, the most recently used files first, with f open read-only. Warm
+// must not wait for work on the file (as Prepare), and the engine closes
+// f when it returns. Warm never makes room by dropping what the mover
+// keeps for files jobs used: it reports whether the mover would take
+// another file, false once it keeps or has queued as many as it may, so
+// that the engine offers no more of a batch. The engine calls Forget when
+// it removes the file.
+type Warmer interface {
+	Warm(f fsys.File) bool
+}

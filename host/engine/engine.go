@@ -79,6 +79,7 @@ type Engine struct {
 	tier      *tierDriver  // ticks and mount updates (demote.go); nil without policy.Tiering
 	tierSt    tierCounters // moves between mounts (demote.go)
 	maker     *spareMaker  // spares made ahead of stores (ahead.go); nil without Mount.Preallocate
+	warm      *warmer      // files offered to the movers ahead of jobs (warm.go); nil where none takes them
 
 	// evictWaits counts the reservations that found no room below a
 	// mount's high watermark and went to its eviction lock (reserveUsed;
@@ -216,6 +217,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	e.hitRec = newHitRecorder(e)
 	e.startTiering(ctx)
 	e.startSpareMaker()
+	e.startWarmer()
 	ok = true
 	st := e.Stats()
 	e.log.Info("engine: open", "mounts", len(e.mounts), "entries", st.Entries, "keys", st.Keys, "rebuild", time.Since(start))
@@ -278,6 +280,7 @@ func (e *Engine) Close(ctx context.Context) error {
 	e.closePins()
 	e.stopTiering()
 	e.stopSpareMaker()
+	e.stopWarmer()
 	e.dropSpares()
 	e.hitRec.close()
 	e.host.Close()

@@ -247,7 +247,13 @@ func (e *Engine) discover(ctx context.Context, ns *namespace, key []byte) *entry
 		e.log.Info("engine: file under the key's name belongs to another key or geometry", "path", paths[0], "err", err)
 		return nil
 	}
-	return e.adopt(ctx, en)
+	got := e.adopt(ctx, en)
+	if got == en {
+		// Another process's or node's file, new to the index: its
+		// first load need not go through the pinned buffers.
+		e.warmDiscovered(en)
+	}
+	return got
 }
 
 // Delete removes the files holding any of keys (a file holding several keys

@@ -37,7 +37,11 @@ import (
 // buffers, the mover offers the file to a registrar goroutine, which maps
 // and registers it in the background, and later jobs on the same file
 // (the same inode: an evicted file the engine keeps as a spare and reuses
-// for the next store stays registered) take the direct path.
+// for the next store stays registered) take the direct path. Files no
+// job moved are offered too, below the bound only (Mover.Warm): the
+// engine's spares made ahead of stores (Prepare, as a job's file), the
+// files on a memory mount when the engine opens, and the files of other
+// processes or nodes that a lookup discovers.
 //
 // A registration is only correct while the file keeps the pages it had
 // when it was registered. Writes keep them; truncation and hole punching
@@ -137,6 +141,10 @@ type FileStats struct {
 	// Deferred the offers declined at the bound because they were a
 	// file's first since the bound was reached.
 	Registered, Released, Failed, Deferred uint64
+	// Warmed counts the files offered ahead of any job of the mover
+	// (Mover.Warm: files the engine found on a memory mount when it
+	// opened, or discovered by a lookup) and queued for registration.
+	Warmed uint64
 	// Stores and Loads count the jobs that moved a registered file
 	// directly and succeeded.
 	Stores, Loads uint64
@@ -284,12 +292,29 @@ func (g *files) put(rf *regFile, write, ok bool) {
 }
 
 // offer hands f to the registrar, unless it is registered or queued
-// already, the mover is closing, or the queue is full.
-func (g *files) offer(f fsys.File, id fileID) {
+// already, the mover is closing, or the queue is full. A warm offer (a
+// file no job of this mover moved yet: Mover.Warm) is taken only below
+// the bound: it never takes a place a job's file holds or is promised
+// (admitLocked), and is counted in FileStats.Warmed once queued. offer
+// reports whether the registrar would take another warm offer.
+func (g *files) offer(f fsys.File, id fileID, warm bool) bool {
 	g.mu.Lock()
-	if g.queued[id.key()] != nil || g.stopped || g.byKey[id.key()] != nil || !g.admitLocked(id.key()) {
+	switch {
+	case g.stopped:
 		g.mu.Unlock()
-		return
+		return false
+	case g.queued[id.key()] != nil || g.byKey[id.key()] != nil:
+		more := g.belowBoundLocked()
+		g.mu.Unlock()
+		return more
+	}
+	admit := g.belowBoundLocked()
+	if !warm {
+		admit = g.admitLocked(id.key())
+	}
+	if !admit {
+		g.mu.Unlock()
+		return false
 	}
 	o := &offer{id: id, fd: -1}
 	g.queued[id.key()] = o
@@ -304,8 +329,12 @@ func (g *files) offer(f fsys.File, id fileID) {
 		select {
 		case g.offers <- o:
 			o.fd = fd
+			if warm {
+				g.st.Warmed++
+			}
+			more := g.belowBoundLocked()
 			g.mu.Unlock()
-			return
+			return more
 		default:
 		}
 	}
@@ -320,6 +349,13 @@ func (g *files) offer(f fsys.File, id fileID) {
 	} else if warn {
 		g.log.Warn("gpu: a file could not be reopened for registration: its jobs move through the pinned buffers (logged once)", "err", err)
 	}
+	return false // the queue is full, or the file cannot be reopened
+}
+
+// belowBoundLocked reports whether the files registered and queued are
+// fewer than the bound: a file offered now takes no other's place.
+func (g *files) belowBoundLocked() bool {
+	return !g.stopped && len(g.byKey)+len(g.queued) < g.limit
 }
 
 // admitLocked reports whether a file offered now should be registered.

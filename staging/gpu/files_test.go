@@ -511,7 +511,7 @@ func TestRegisteredFilesCloseReleasesEveryFile(t *testing.T) {
 	if n := before - openDescriptors(t); n != 2 {
 		t.Fatalf("Close closed %d descriptors, want the registrar's 2", n)
 	}
-	m.files.offer(a.f, a.id)
+	m.files.offer(a.f, a.id, false)
 	m.files.mu.Lock()
 	queued := len(m.files.queued)
 	m.files.mu.Unlock()

@@ -521,7 +521,7 @@ func (m *Mover) run(ctx context.Context, f fsys.File, p *transfer.Plan, sums []u
 			file := f
 			defer func() {
 				if err == nil {
-					m.files.offer(file, id)
+					m.files.offer(file, id, false)
 				}
 			}()
 		}
@@ -559,8 +559,29 @@ func (m *Mover) Prepare(f fsys.File) {
 		return
 	}
 	if id, ok := identify(f); ok {
-		m.files.offer(f, id)
+		m.files.offer(f, id, false)
 	}
+}
+
+// Warm implements transfer.Warmer: a file the engine indexed without a
+// job (found on a memory mount at start, or another process's or node's
+// file a lookup discovered) is offered to the registrar, so that its
+// first load already copies straight out of its pages. Unlike a job's
+// file it is taken only while fewer files than the bound are registered
+// and queued: it never displaces a file jobs used, nor counts towards
+// the second offer that admits a file at the bound. Warm reports whether
+// the registrar would take another such file.
+func (m *Mover) Warm(f fsys.File) bool {
+	if m.files == nil {
+		return false
+	}
+	id, ok := identify(f)
+	if !ok {
+		m.files.mu.Lock()
+		defer m.files.mu.Unlock()
+		return m.files.belowBoundLocked()
+	}
+	return m.files.offer(f, id, true)
 }
 
 // deviceFault records that a job on dev failed with err if err holds a
@@ -701,4 +722,5 @@ var (
 	_ transfer.Mover     = (*Mover)(nil)
 	_ transfer.Forgetter = (*Mover)(nil)
 	_ transfer.Preparer  = (*Mover)(nil)
+	_ transfer.Warmer    = (*Mover)(nil)
 )
