@@ -193,7 +193,15 @@ type files struct {
 	bytes   int64
 	st      FileStats
 	warned  bool
-	stopped bool // close began: offers are declined
+	stopped bool // close began: offers are declined, no job takes a mapping
+	// live is every registered file not yet claimed for release
+	// (claimLocked), in the index or dropped while a job held it: close
+	// releases them all. busy counts the releases claimed and not done
+	// (releaseNow), idle is signalled when it falls to 0: close waits
+	// for those it did not claim (a job's, Forget's).
+	live map[*regFile]struct{}
+	busy int
+	idle sync.Cond
 	// minIdle: see the constant.
 	minIdle time.Duration
 }
@@ -209,7 +217,9 @@ func newFiles(m *Mover, limit, device int, log *slog.Logger) *files {
 		streamEnded: make(chan struct{}, 1), lastReg: firstReg, waitCap: maxStoreWait,
 		offers: make(chan *offer, min(limit, maxOffers)), stop: make(chan struct{}), done: make(chan struct{}),
 		byKey: map[fsys.FileID]*regFile{}, lru: list.New(), queued: map[fsys.FileID]*offer{}, seen: map[fsys.FileID]bool{},
+		live: map[*regFile]struct{}{},
 	}
+	g.idle.L = &g.mu
 	go g.run()
 	return g
 }
@@ -252,11 +262,11 @@ func (g *files) acquire(id fileID, end int64) *regFile {
 	g.mu.Lock()
 	rf := g.byKey[id.key()]
 	switch {
-	case rf == nil:
+	case rf == nil || g.stopped:
 		g.mu.Unlock()
 		return nil
 	case rf.id != id:
-		release := g.dropLocked(rf)
+		release := g.dropLocked(rf) && g.claimLocked(rf)
 		g.mu.Unlock()
 		if release {
 			g.releaseNow(rf)
@@ -274,7 +284,8 @@ func (g *files) acquire(id fileID, end int64) *regFile {
 }
 
 // put ends a job's use of rf, counting a successful job a store or a
-// load, and releases rf if it was dropped meanwhile.
+// load, and releases rf if it was dropped meanwhile (unless close
+// released it: a job ends its use after Close too).
 func (g *files) put(rf *regFile, write, ok bool) {
 	g.mu.Lock()
 	switch {
@@ -284,7 +295,7 @@ func (g *files) put(rf *regFile, write, ok bool) {
 		g.st.Loads++
 	}
 	rf.refs--
-	release := rf.refs == 0 && rf.gone
+	release := rf.refs == 0 && rf.gone && g.claimLocked(rf)
 	g.mu.Unlock()
 	if release {
 		g.releaseNow(rf)
@@ -394,7 +405,7 @@ func (g *files) forget(key fsys.FileID) {
 		}
 	}
 	rf := g.byKey[key]
-	release := rf != nil && g.dropLocked(rf)
+	release := rf != nil && g.dropLocked(rf) && g.claimLocked(rf)
 	g.mu.Unlock()
 	if fd >= 0 {
 		unix.Close(fd)
@@ -414,10 +425,23 @@ func (g *files) dropLocked(rf *regFile) bool {
 	return rf.refs == 0
 }
 
-// releaseNow unregisters, unmaps and closes rf, on the calling goroutine
-// (its thread locked, with the device current, for the unregistration):
-// the memory goes back before the caller goes on (an engine that removes
-// a file counts its space as free).
+// claimLocked claims rf's release for the caller, who must then call
+// releaseNow: false where it was claimed already (close releases files
+// jobs still hold).
+func (g *files) claimLocked(rf *regFile) bool {
+	if _, ok := g.live[rf]; !ok {
+		return false
+	}
+	delete(g.live, rf)
+	g.busy++
+	return true
+}
+
+// releaseNow unregisters, unmaps and closes rf, whose release the caller
+// claimed, on the calling goroutine (its thread locked, with the device
+// current, for the unregistration): the memory goes back before the
+// caller goes on (an engine that removes a file counts its space as
+// free).
 func (g *files) releaseNow(rf *regFile) {
 	if unlock, err := g.m.r.LockDevice(g.device); err != nil {
 		g.log.Debug("gpu: unregister a file", "err", err)
@@ -431,6 +455,9 @@ func (g *files) releaseNow(rf *regFile) {
 	unix.Close(rf.fd)
 	g.mu.Lock()
 	g.st.Released++
+	if g.busy--; g.busy == 0 {
+		g.idle.Broadcast()
+	}
 	g.mu.Unlock()
 }
 
@@ -443,8 +470,12 @@ func (g *files) stats() FileStats {
 	return st
 }
 
-// close stops the registrar and releases every file no job uses (the
-// mover's jobs are done; a later put releases its own).
+// close stops the registrar, releases every registered file, those jobs
+// still hold included, and waits for the releases under way elsewhere (a
+// job's, Forget's): afterwards nothing calls CUDA, and the runtime may be
+// unloaded. The mover is closed and no job runs on a lane, where alone
+// jobs touch a mapping: a job holding a file only ends its use (put),
+// which then has nothing to release; no job takes a mapping any more.
 func (g *files) close() {
 	g.mu.Lock()
 	g.stopped = true // a job's offer after this finds no registrar
@@ -460,11 +491,13 @@ func (g *files) close() {
 		}
 	}
 	clear(g.queued)
-	var rel []*regFile
 	for _, rf := range g.byKey {
-		if g.dropLocked(rf) {
-			rel = append(rel, rf)
-		}
+		g.dropLocked(rf)
+	}
+	rel := make([]*regFile, 0, len(g.live))
+	for rf := range g.live {
+		g.claimLocked(rf)
+		rel = append(rel, rf)
 	}
 	g.mu.Unlock()
 	for _, fd := range fds {
@@ -473,6 +506,11 @@ func (g *files) close() {
 	for _, rf := range rel {
 		g.releaseNow(rf)
 	}
+	g.mu.Lock()
+	for g.busy > 0 {
+		g.idle.Wait()
+	}
+	g.mu.Unlock()
 }
 
 // run is the registrar: on its own thread, with the device current, it
@@ -590,6 +628,7 @@ func (g *files) register(o *offer) {
 	wanted, victim := g.roomLocked(o)
 	if victim != nil {
 		g.dropLocked(victim) // released below, outside the lock; no job uses it
+		g.claimLocked(victim)
 	}
 	fd := o.fd
 	if wanted {
@@ -632,10 +671,12 @@ func (g *files) register(o *offer) {
 		}
 	case forgotten:
 		g.st.Registered++
+		g.busy++ // a release as claimed ones are (never live)
 		g.mu.Unlock()
 		g.releaseNow(rf)
 	default:
 		g.st.Registered++
+		g.live[rf] = struct{}{}
 		rf.used = time.Now()
 		rf.elem = g.lru.PushFront(rf)
 		g.byKey[o.id.key()] = rf
@@ -681,7 +722,7 @@ func (g *files) sweepStale() {
 			continue
 		}
 		g.mu.Lock()
-		release := g.byKey[rf.id.key()] == rf && g.dropLocked(rf)
+		release := g.byKey[rf.id.key()] == rf && g.dropLocked(rf) && g.claimLocked(rf)
 		g.mu.Unlock()
 		if release {
 			g.releaseNow(rf)

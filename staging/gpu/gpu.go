@@ -313,8 +313,11 @@ func (m *Mover) Checksums() bool { return !m.cfg.NoChecksums }
 // their kernel segment tables).
 func (m *Mover) PinnedBytes() int64 { return int64(len(m.pin.Bytes())) }
 
-// Close waits for the calls in flight, then destroys the idle lanes and
-// frees the pinned pool; later calls fail with ErrClosed.
+// Close waits for the calls in flight, stops the registrar and releases
+// every registered file (those a job still holds included), destroys the
+// idle lanes and frees the pinned pool; later calls fail with ErrClosed
+// or do nothing. Nothing calls CUDA once it returned: the caller may then
+// unload the runtime.
 func (m *Mover) Close() error {
 	m.mu.Lock()
 	defer m.mu.Unlock()
@@ -322,6 +325,8 @@ func (m *Mover) Close() error {
 		return ErrClosed
 	}
 	m.closed = true
+	// No job runs on a lane now, nor will (the lock waited for those that
+	// did): the mappings are no longer used, held ones included.
 	if m.files != nil {
 		m.files.close()
 	}

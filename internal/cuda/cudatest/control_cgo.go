@@ -30,8 +30,8 @@ const supported = true
 // Fake controls a loaded fake library (the same library a cuda.Runtime
 // opened from the path Build returned: dlopen shares one instance).
 type Fake struct {
-	lib                                          *dl.Library
-	setFault, count, setPeer, setBusy, hold, brk unsafe.Pointer
+	lib                                                  *dl.Library
+	setFault, count, setPeer, setBusy, hold, brk, unload unsafe.Pointer
 }
 
 // Open opens the fake library for control; it is closed with the test.
@@ -59,6 +59,9 @@ func Open(t testing.TB, path string) *Fake {
 		t.Fatalf("cudatest: %v", err)
 	}
 	if f.brk, err = lib.Sym("fake_break_device"); err != nil {
+		t.Fatalf("cudatest: %v", err)
+	}
+	if f.unload, err = lib.Sym("fake_unload"); err != nil {
 		t.Fatalf("cudatest: %v", err)
 	}
 	return f
@@ -111,3 +114,20 @@ func (f *Fake) WaitingRegistrations() int { return int(C.call_hold(f.hold, -1)) 
 // does; code 0 mends it, which a real context never is. The library is
 // shared by the tests of a binary: mend it again.
 func (f *Fake) BreakDevice(d int, code int) { C.call_break(f.brk, C.int(d), C.int(code)) }
+
+// Unload marks the library unloaded, as its user's dlclose would (it
+// stays loaded: the tests of a binary share it), and starts counting the
+// calls made into it (CallsAfterUnload); Unload(false) ends the mark. The
+// library is shared by the tests of a binary: end it again.
+func (f *Fake) Unload(on bool) {
+	v := 0
+	if on {
+		v = 1
+	}
+	C.call_hold(f.unload, C.int(v))
+}
+
+// CallsAfterUnload is how many CUDA calls were made while the library
+// was marked unloaded (Unload), each of which would jump into unmapped
+// code after a real dlclose.
+func (f *Fake) CallsAfterUnload() int { return int(C.call_hold(f.unload, -1)) }

@@ -35,3 +35,9 @@ func (f *Fake) WaitingRegistrations() int { return 0 }
 
 // BreakDevice does nothing.
 func (f *Fake) BreakDevice(d int, code int) {}
+
+// Unload does nothing.
+func (f *Fake) Unload(on bool) {}
+
+// CallsAfterUnload is 0.
+func (f *Fake) CallsAfterUnload() int { return 0 }

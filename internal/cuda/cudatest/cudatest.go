@@ -38,6 +38,7 @@ const (
 	OpQuery                  // a cudaEventQuery
 	OpAddressRange           // a cuMemGetAddressRange (of an imported IPC allocation)
 	OpIPCClose               // cudaIpcCloseMemHandle (counted; its fault is ignored)
+	OpUnregister             // cudaHostUnregister
 )
 
 var (

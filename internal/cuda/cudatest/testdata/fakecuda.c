@@ -13,7 +13,8 @@
 // fake_set_busy makes cudaEventQuery answer "not ready" a number of times
 // after each record before it runs the event's copies; fake_break_device
 // makes every later call on a device fail with one code, as a context
-// broken by a sticky error does.
+// broken by a sticky error does; fake_unload marks the library unloaded,
+// as a dlclose would, and counts the calls made into it after.
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -33,7 +34,7 @@ enum {
 };
 
 // Kinds of operation, for faults and counters.
-enum { opCopy, opSync, opIpcOpen, opHostAlloc, opHostRegister, opBatch, opSegCall, opRecord, opLaunch, opModuleLoad, opModuleUnload, opQuery, opAddressRange, opIpcClose, nOps };
+enum { opCopy, opSync, opIpcOpen, opHostAlloc, opHostRegister, opBatch, opSegCall, opRecord, opLaunch, opModuleLoad, opModuleUnload, opQuery, opAddressRange, opIpcClose, opHostUnregister, nOps };
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static long counts[nOps];
@@ -89,6 +90,30 @@ static int sticky(int d) {
 	return code;
 }
 #define STICKY(d) do { int c_ = sticky(d); if (c_) return c_; } while (0)
+
+// unloaded is set while the library stands for one its user unloaded
+// (fake_unload); callsAfterUnload counts the calls into it since, each
+// of which would jump into unmapped code.
+static int unloaded;
+static long callsAfterUnload;
+
+// late counts a call made while the library is marked unloaded; every
+// CUDA entry point calls it first.
+static void late(void) {
+	if (__atomic_load_n(&unloaded, __ATOMIC_SEQ_CST)) __atomic_add_fetch(&callsAfterUnload, 1, __ATOMIC_SEQ_CST);
+}
+
+// fake_unload marks the library unloaded (on = 1, which zeroes the count)
+// or loaded again (0); on < 0 changes nothing. It returns the calls made
+// while it was marked unloaded.
+long fake_unload(int on) {
+	pthread_mutex_lock(&mu);
+	if (on == 1) __atomic_store_n(&callsAfterUnload, 0, __ATOMIC_SEQ_CST);
+	if (on >= 0) __atomic_store_n(&unloaded, on, __ATOMIC_SEQ_CST);
+	long n = __atomic_load_n(&callsAfterUnload, __ATOMIC_SEQ_CST);
+	pthread_mutex_unlock(&mu);
+	return n;
+}
 
 // fake_count is the number of operations of kind op so far.
 long fake_count(int op) {
@@ -201,6 +226,7 @@ static int run_upto(stream *s, size_t upto, int code) {
 static int drain(stream *s) { return drain_upto(s, (size_t)-1); }
 
 const char *cudaGetErrorName(int e) {
+	late();
 	switch (e) {
 	case errSuccess: return "cudaSuccess";
 	case errInvalidValue: return "cudaErrorInvalidValue";
@@ -214,23 +240,26 @@ const char *cudaGetErrorName(int e) {
 	}
 	return "cudaErrorUnknown";
 }
-const char *cudaGetErrorString(int e) { return e ? "fake failure" : "no error"; }
-int cudaRuntimeGetVersion(int *v) { *v = 13000; return 0; }
-int cudaGetDeviceCount(int *n) { *n = numDevices; return 0; }
+const char *cudaGetErrorString(int e) { late(); return e ? "fake failure" : "no error"; }
+int cudaRuntimeGetVersion(int *v) { late(); *v = 13000; return 0; }
+int cudaGetDeviceCount(int *n) { late(); *n = numDevices; return 0; }
 int cudaSetDevice(int d) {
+	late();
 	if (d < 0 || d >= numDevices) return errInvalidDevice;
 	curDevice = d;
 	return sticky(d); // current all the same: later calls fail there too
 }
-int cudaGetDevice(int *d) { *d = curDevice; return 0; }
+int cudaGetDevice(int *d) { late(); *d = curDevice; return 0; }
 int cudaDeviceGetPCIBusId(char *buf, int len, int d) {
+	late();
 	if (d < 0 || d >= numDevices) return errInvalidDevice;
 	snprintf(buf, len, "0000:%02x:00.0", 0x10 + d);
 	return 0;
 }
-int cudaDeviceGetAttribute(int *v, int attr, int d) { if (d < 0 || d >= numDevices) return errInvalidDevice; *v = attr; return 0; }
+int cudaDeviceGetAttribute(int *v, int attr, int d) { late(); if (d < 0 || d >= numDevices) return errInvalidDevice; *v = attr; return 0; }
 
 int cudaStreamCreateWithFlags(stream **s, unsigned flags) {
+	late();
 	(void)flags;
 	STICKY(curDevice);
 	*s = calloc(1, sizeof(stream));
@@ -239,6 +268,7 @@ int cudaStreamCreateWithFlags(stream **s, unsigned flags) {
 	return 0;
 }
 int cudaStreamDestroy(stream *s) {
+	late();
 	if (!s) return errInvalidResourceHandle;
 	int code = sticky(s->device); // freed all the same: the fake leaks nothing
 	free(s->ops);
@@ -246,6 +276,7 @@ int cudaStreamDestroy(stream *s) {
 	return code;
 }
 int cudaStreamSynchronize(stream *s) {
+	late();
 	if (s) STICKY(s->device);
 	return drain(s);
 }
@@ -253,10 +284,12 @@ int cudaStreamSynchronize(stream *s) {
 // looked at) and answers; a broken device answers its sticky error, an
 // idle stream's query included, as a real broken context does.
 int cudaStreamQuery(stream *s) {
+	late();
 	STICKY(s ? s->device : curDevice);
 	return s ? run_upto(s, (size_t)-1, 0) : 0;
 }
 int cudaEventCreateWithFlags(event **e, unsigned flags) {
+	late();
 	(void)flags;
 	STICKY(curDevice);
 	*e = calloc(1, sizeof(event));
@@ -264,6 +297,7 @@ int cudaEventCreateWithFlags(event **e, unsigned flags) {
 	return 0;
 }
 int cudaEventRecord(event *e, stream *s) {
+	late();
 	STICKY(e->device);
 	int code = tick(opRecord);
 	if (code) return code;
@@ -277,10 +311,12 @@ int cudaEventRecord(event *e, stream *s) {
 	return 0;
 }
 int cudaEventSynchronize(event *e) {
+	late();
 	STICKY(e->device);
 	return e->s ? drain_upto(e->s, e->upto) : 0;
 }
 int cudaEventQuery(event *e) {
+	late();
 	STICKY(e->device);
 	int code = tick(opQuery);
 	pthread_mutex_lock(&mu);
@@ -298,12 +334,14 @@ int cudaEventQuery(event *e) {
 	return e->s ? run_upto(e->s, e->upto, code) : code;
 }
 int cudaEventDestroy(event *e) {
+	late();
 	int code = sticky(e->device);
 	free(e);
 	return code;
 }
 
 int cudaHostAlloc(void **p, size_t n, unsigned flags) {
+	late();
 	(void)flags;
 	STICKY(curDevice);
 	int code = tick(opHostAlloc);
@@ -312,6 +350,7 @@ int cudaHostAlloc(void **p, size_t n, unsigned flags) {
 	return 0;
 }
 int cudaFreeHost(void *p) {
+	late();
 	free(p);
 	return sticky(curDevice);
 }
@@ -332,6 +371,7 @@ long fake_hold_registrations(int on) {
 }
 
 int cudaHostRegister(void *p, size_t n, unsigned flags) {
+	late();
 	(void)p; (void)n; (void)flags;
 	STICKY(curDevice);
 	pthread_mutex_lock(&mu);
@@ -342,11 +382,15 @@ int cudaHostRegister(void *p, size_t n, unsigned flags) {
 	return tick(opHostRegister);
 }
 int cudaHostUnregister(void *p) {
+	late();
 	(void)p;
-	return sticky(curDevice);
+	int code = tick(opHostUnregister);
+	int c = sticky(curDevice); // unregistered all the same
+	return c ? c : code;
 }
 
 int cudaMalloc(void **p, size_t n) {
+	late();
 	STICKY(curDevice);
 	if (posix_memalign(p, 256, n ? n : 1)) return errMemoryAllocation;
 	alloc *a = malloc(sizeof(alloc));
@@ -358,6 +402,7 @@ int cudaMalloc(void **p, size_t n) {
 	return 0;
 }
 int cudaFree(void *p) {
+	late();
 	if (!p) return sticky(curDevice); // cudaFree(0): initializes the context, frees nothing
 	STICKY(curDevice);
 	pthread_mutex_lock(&mu);
@@ -378,6 +423,7 @@ int cudaFree(void *p) {
 }
 
 int cudaMemcpyAsync(void *dst, const void *src, size_t n, int kind, stream *s) {
+	late();
 	(void)kind;
 	STICKY(s ? s->device : curDevice);
 	int code = tick(opCopy);
@@ -385,6 +431,7 @@ int cudaMemcpyAsync(void *dst, const void *src, size_t n, int kind, stream *s) {
 	return enqueue(s, dst, src, n);
 }
 int cudaMemcpy(void *dst, const void *src, size_t n, int kind) {
+	late();
 	(void)kind;
 	STICKY(curDevice);
 	memcpy(dst, src, n);
@@ -395,6 +442,7 @@ int cudaMemcpy(void *dst, const void *src, size_t n, int kind) {
 typedef struct { int srcAccessOrder; int srcType, srcId; int dstType, dstId; unsigned flags; } memcpyAttrs;
 int cudaMemcpyBatchAsync(void *const *dsts, const void *const *srcs, const size_t *sizes, size_t count,
 			 memcpyAttrs *attrs, size_t *attrsIdxs, size_t numAttrs, stream *s) {
+	late();
 	tick(opBatch);
 	if (s) STICKY(s->device);
 	if (!s || numAttrs < 1 || !attrs || !attrsIdxs || attrsIdxs[0] != 0) return errInvalidValue;
@@ -412,6 +460,7 @@ typedef struct { uint32_t magic; uint32_t pad; uint64_t ptr; uint64_t size; char
 #define IPC_MAGIC 0x6b766970u
 
 int cudaIpcGetMemHandle(ipcHandle *h, void *p) {
+	late();
 	STICKY(curDevice);
 	pthread_mutex_lock(&mu);
 	alloc *a = find((uintptr_t)p);
@@ -422,6 +471,7 @@ int cudaIpcGetMemHandle(ipcHandle *h, void *p) {
 	return 0;
 }
 int cudaIpcOpenMemHandle(void **p, ipcHandle h, unsigned flags) {
+	late();
 	if (flags != 1) return errInvalidValue; // cudaIpcMemLazyEnablePeerAccess
 	STICKY(curDevice);
 	int code = tick(opIpcOpen);
@@ -439,6 +489,7 @@ int cudaIpcOpenMemHandle(void **p, ipcHandle h, unsigned flags) {
 	return 0;
 }
 int cudaIpcCloseMemHandle(void *p) {
+	late();
 	tick(opIpcClose);
 	STICKY(curDevice);
 	pthread_mutex_lock(&mu);
@@ -459,20 +510,23 @@ int cudaIpcCloseMemHandle(void *p) {
 }
 
 // Driver API.
-int cuInit(unsigned flags) { (void)flags; return 0; }
+int cuInit(unsigned flags) { late(); (void)flags; return 0; }
 // Device d's UUID is "kvhost-fake-gpu" followed by the byte d.
 int cuDeviceGet(int *dev, int ordinal) {
+	late();
 	if (ordinal < 0 || ordinal >= numDevices) return 101; // CUDA_ERROR_INVALID_DEVICE
 	*dev = ordinal;
 	return 0;
 }
 int cuDeviceGetUuid_v2(unsigned char *uuid, int dev) {
+	late();
 	if (dev < 0 || dev >= numDevices) return 101;
 	memcpy(uuid, "kvhost-fake-gpu", 15);
 	uuid[15] = (unsigned char)dev;
 	return 0;
 }
 int cuMemGetAddressRange_v2(uint64_t *base, size_t *size, uint64_t p) {
+	late();
 	STICKY(curDevice);
 	int code = tick(opAddressRange);
 	if (code) return code;
@@ -487,6 +541,7 @@ int cuMemGetAddressRange_v2(uint64_t *base, size_t *size, uint64_t p) {
 // entry kv_copy_segments; a launch queues a kernel op over gridDimY
 // entries of the table its one parameter points to.
 int cuModuleLoadDataEx(void **mod, const void *image, unsigned n, int *opts, void **vals) {
+	late();
 	(void)n; (void)opts; (void)vals;
 	STICKY(curDevice);
 	int code = tick(opModuleLoad);
@@ -497,17 +552,20 @@ int cuModuleLoadDataEx(void **mod, const void *image, unsigned n, int *opts, voi
 	return 0;
 }
 int cuModuleGetFunction(void **fn, void *mod, const char *name) {
+	late();
 	if (strcmp(name, "kv_copy_segments")) return 500; // CUDA_ERROR_NOT_FOUND
 	*fn = mod;
 	return 0;
 }
 int cuModuleUnload(void *mod) {
+	late();
 	int code = tick(opModuleUnload);
 	free(mod);
 	return code ? code : sticky(curDevice);
 }
 int cuLaunchKernel(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
 		   unsigned shared, stream *s, void **params, void **extra) {
+	late();
 	(void)shared; (void)extra;
 	STICKY(s ? s->device : curDevice);
 	int code = tick(opLaunch);
