@@ -8,7 +8,7 @@
 #
 # Every check writes its log under OUT (default ./gpu-out); the summary
 # lines go to stdout. Parts can be switched off: GDS=0 STAGING=0 E2E=0
-# MULTI=0 SPEC=0 BENCH=0 HOSTILE=0 INTERFERENCE=0 LOOKUPS=0 CHURN=0 PREALLOC=0 MODELS=0 TORCH=0 (MULTI, one daemon serving
+# MULTI=0 SPEC=0 BENCH=0 HOSTILE=0 INTERFERENCE=0 LOOKUPS=0 CHURN=0 PREALLOC=0 MODELS=0 TORCH=0 RESTART=0 (MULTI, one daemon serving
 # two GPUs, runs where nvidia-smi lists two or more and says so where not); BATCH=1 adds the cuFile batch measurement (off by
 # default: in compatibility mode a batch can hang inside libcufile, and the
 # check then ends itself after 40 s). The ext4 disk directory is DISK (default /var/tmp/kvhost-gpu),
@@ -272,6 +272,39 @@ if [ "${MODELS:-1}" = 1 ]; then
 		metrics 127.0.0.1:9479 kvhost_stored_keys_total kvhost_gpu_direct kvhost_reused kvhost_spare_files_made kvhost_evictions \
 			| tee -a "$out/$name.txt" | sed 's/^/   /'
 		stop_daemon
+	done
+fi
+if [ "${RESTART:-1}" = 1 ]; then
+	# Loads after a restart: one daemon stores 256 keys of 32 MiB into
+	# tmpfs, a new daemon on the same directory loads them. With files
+	# registered (the default) the new daemon offers the files it finds at
+	# start to the registrar; it gets an idle moment (until its count of
+	# registered files stops rising) before the load. register_files = 0 is
+	# the pinned pipeline, in the same call. Alternated, two rounds.
+	sock=/tmp/kvhost-gpu-restart.sock
+	for round in 1 2; do
+		for reg in 16384 0; do
+			name="restart-register-$reg-$round"
+			printf '[gpu]\nregister_files = %d\n' "$reg" >"$out/$name.toml"
+			daemon "$sock" "$out/daemon-$name-a.log" "$shm/restart" --config "$out/$name.toml" --capacity 20GiB
+			python3 scripts/gpu-restart.py store "$sock" 256 256 16 >"$out/$name.txt" 2>&1 || status=1
+			stop_daemon >/dev/null
+			"$bin/kvhost" --config "$out/$name.toml" --capacity 20GiB --dir "$shm/restart" --socket "$sock" \
+				--log-format json --metrics 127.0.0.1:9479 >"$out/daemon-$name-b.log" 2>&1 &
+			pid=$!
+			for _ in $(seq 200); do [ -S "$sock" ] && break; sleep 0.1; done
+			last=-1
+			for _ in $(seq 120); do
+				n=$(metrics 127.0.0.1:9479 "kvhost_gpu_registered_files " | awk '{print $2}')
+				[ "$n" = "$last" ] && break
+				last=$n; sleep 1
+			done
+			echo "registered before the load: ${last}" >>"$out/$name.txt"
+			run "$name" sh -c "cat '$out/$name.txt'; python3 scripts/gpu-restart.py load '$sock' 256 256 16"
+			metrics 127.0.0.1:9479 kvhost_gpu_direct "kvhost_gpu_registered_files " kvhost_gpu_file_warm \
+				| tee -a "$out/$name.txt" | sed 's/^/   /'
+			stop_daemon
+		done
 	done
 fi
 [ "${SPEC:-1}" = 1 ] && run spec env KVHOST_GPU=1 KVHOST_BIN="$bin/kvhost" \
