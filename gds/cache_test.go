@@ -302,13 +302,13 @@ func TestHandleCacheDropsHandlesOfFilesAnotherNodeRemoved(t *testing.T) {
 		}
 	}
 	c.release(acquireFile(t, c, fs[3])) // a registration: sweeps, in the background
-	testwait.Until(t, "the idle handle of a removed file dropped", 10*time.Second, func() bool {
+	// The sweep counts a dropped handle before its deregistration
+	// returns (on a thread of the handle's device): wait for both.
+	testwait.Until(t, "the idle handle of a removed file dropped and deregistered", 10*time.Second, func() bool {
 		st := c.stats()
-		return st.Unlinked == 1 && st.Cached == 3
+		live, _ := g.counts()
+		return st.Unlinked == 1 && st.Cached == 3 && live == 3
 	})
-	if live, _ := g.counts(); live != 3 {
-		t.Fatalf("%d handles live, want 3", live)
-	}
 	if _, err := g.read(held.h, 0, 1, 0, 0); err != nil {
 		t.Fatalf("the held handle of a removed file was deregistered under its transfer: %v", err)
 	}
@@ -319,13 +319,11 @@ func TestHandleCacheDropsHandlesOfFilesAnotherNodeRemoved(t *testing.T) {
 	}
 	defer other.Close()
 	c.release(acquireFile(t, c, other)) // a registration: the released one goes now
-	testwait.Until(t, "the released handle of the other removed file dropped", 10*time.Second, func() bool {
+	testwait.Until(t, "the released handle of the other removed file dropped and deregistered (3 live: files 0 and 3, and the new one)", 10*time.Second, func() bool {
 		st := c.stats()
-		return st.Unlinked == 2 && st.Cached == 3
+		live, _ := g.counts()
+		return st.Unlinked == 2 && st.Cached == 3 && live == 3
 	})
-	if live, _ := g.counts(); live != 3 {
-		t.Fatalf("%d handles live, want 3 (files 0 and 3, and the new one)", live)
-	}
 }
 
 func TestHandleCacheSweepsForRemovedFilesAtMostOnceASecond(t *testing.T) {
