@@ -21,8 +21,9 @@ from ._common import (OffloadingEvent, RequestOffloadingContext, UnsupportedVLLM
 # The window this package was written and tested against (by feature, not
 # version string: vLLM's main reports "dev" versions).
 SUPPORTED_WINDOW = (
-    "vLLM with the secondary-tier interface of main 2026-08-17 (commit 017e9f44, between "
-    "v0.27 and v0.28) and later releases keeping it: vllm.v1.kv_offload.tiering.base with "
+    "vLLM with the secondary-tier interface of main 2026-08-10 (commit a123159f, between "
+    "v0.27 and v0.28; run against a123159f, 017e9f44 and 2f41c894) and later releases "
+    "keeping it: vllm.v1.kv_offload.tiering.base with "
     "SecondaryTierManager(offloading_spec, primary_kv_view, tier_type), TransferJob, "
     "JobResult(successful_keys=...), get_finished_jobs/drain_jobs/on_new_request, and "
     "vllm.v1.kv_offload.base.LookupResult with HIT, MISS and RETRY")

@@ -35,8 +35,8 @@ from ._compat import stats_class
 from ._namespace import IdentityUnknown  # noqa: F401 (re-exported)
 
 SPEC_WINDOW = (
-    "vLLM with the full offloading-spec interface of main 2026-08-17 (commit 017e9f44, between "
-    "v0.27 and v0.28) and later releases keeping it: OffloadingSpec(config: OffloadingConfig) with "
+    "vLLM with the full offloading-spec interface of v0.26.0 (2026-07-26; run against v0.26.0, "
+    "a123159f, 017e9f44 and 2f41c894) and later releases keeping it: OffloadingSpec(config: OffloadingConfig) with "
     "get_manager() and get_worker(kv_caches: CanonicalKVCaches), a manager with lookup -> "
     "LookupResult (HIT, MISS, RETRY; HIT_PENDING optional), prepare_load/prepare_store -> "
     "PrepareStoreOutput, and a worker with submit_store/submit_load/get_finished -> "
