@@ -694,7 +694,7 @@ class TestRefusals(unittest.TestCase):
         with self.assertRaises(kv.UnsupportedVLLM) as cm:
             kv.spec_class(api)
         self.assertIn("TransferResult.transfer_size", str(cm.exception))
-        self.assertIn("2026-08-17", str(cm.exception))
+        self.assertIn("v0.26.0 (2026-07-26", str(cm.exception))
 
     def test_spec_without_the_methods_vllm_requires(self):
         class Base(S.OffloadingSpec):
