@@ -2,7 +2,7 @@
 offloading spec (``spec``, ``spec_compat``, ``spec_worker``): finding
 vLLM and checking its classes, the fallback types both use without vLLM,
 the daemon key of a vLLM key, the medium events name, the memory
-mapping behind an address, and reading vLLM's configuration objects.
+mapping behind an address.
 
 Importing this module imports nothing of vLLM.
 """
@@ -146,30 +146,3 @@ def open_mapped(lo, hi, path):
     if path.startswith("/") and not path.endswith("(deleted)"):
         return os.open(path, os.O_RDWR | os.O_CLOEXEC)
     return os.open(f"/proc/self/map_files/{lo:x}-{hi:x}", os.O_RDWR | os.O_CLOEXEC)
-
-
-def get(obj, *path):
-    """obj.path[0].path[1]..., through dicts and attributes; None where a
-    step is missing."""
-    for name in path:
-        if obj is None:
-            return None
-        obj = obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
-    return obj
-
-
-def scalar(v):
-    """v if it is None or a JSON scalar, else str(v)."""
-    if v is None or isinstance(v, (bool, int, float, str)):
-        return v
-    return str(v)
-
-
-def dtype_of(vllm_config):
-    """The KV cache's dtype name: cache_config.cache_dtype unless "auto",
-    else the model's dtype without "torch."; None when neither is known."""
-    cache = get(vllm_config, "cache_config", "cache_dtype")
-    if cache is not None and str(cache) != "auto":
-        return str(cache)
-    d = get(vllm_config, "model_config", "dtype")
-    return None if d is None else str(d).replace("torch.", "")

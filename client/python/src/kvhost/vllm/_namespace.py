@@ -45,7 +45,8 @@ def _missing(what, path, got):
         "(supported versions)")
 
 
-def _attr(obj, path):
+def attr(obj, path):
+    """obj.a.b... for path "a.b...", None where a step is missing."""
     for name in path.split("."):
         if obj is None:
             return None
@@ -53,22 +54,25 @@ def _attr(obj, path):
     return obj
 
 
-def _text(config, path, what):
-    v = _attr(config, path)
+def text(config, path, what):
+    """The non-empty string at path (not "auto"), else IdentityUnknown naming it."""
+    v = attr(config, path)
     if not isinstance(v, str) or not v or v == "auto":
         raise _missing(what, path, v)
     return v
 
 
-def _count(config, path, what, least=1):
-    v = _attr(config, path)
+def count(config, path, what, least=1):
+    """The integer >= least at path, else IdentityUnknown naming it."""
+    v = attr(config, path)
     if isinstance(v, bool) or not isinstance(v, int) or v < least:
         raise _missing(what, path, v)
     return v
 
 
-def _flag(config, path):
-    v = _attr(config, path)
+def flag(config, path):
+    """The bool at path; False where this vLLM's config has no such field."""
+    v = attr(config, path)
     if v is None:
         return False  # a vLLM without the field has only the default layout
     if not isinstance(v, bool):
@@ -90,15 +94,15 @@ def config_of(spec):
 def groups_of(config):
     """The KV-cache groups: [{"tokens_per_block", "layer_names"}], as vLLM's
     fs tier records them."""
-    groups = _attr(config, "groups")
+    groups = attr(config, "groups")
     if not groups:
         raise _missing("KV-cache groups", "groups", groups)
     out = []
     for i, g in enumerate(groups):
-        names = _attr(g, "layer_names")
+        names = attr(g, "layer_names")
         if not names or not all(isinstance(n, str) for n in names):
             raise _missing(f"layer names of KV-cache group {i}", f"groups[{i}].layer_names", names)
-        out.append({"tokens_per_block": _count(g, "tokens_per_block", f"tokens per block of group {i}"),
+        out.append({"tokens_per_block": count(g, "tokens_per_block", f"tokens per block of group {i}"),
                     "layer_names": list(names)})
     return out
 
@@ -106,7 +110,7 @@ def groups_of(config):
 def canonical_format(config):
     """vLLM's canonical format id when the canonical layout is on, else
     None; refuses when it is on and vLLM cannot name it."""
-    if not _flag(config, "canonical_layout"):
+    if not flag(config, "canonical_layout"):
         return None
     try:
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping import canonical_format_id
@@ -119,27 +123,27 @@ def canonical_format(config):
     return fid
 
 
-def fs_fields(config, canonical=None):
+def fs_fields(config, canonical=None, collapse=True):
     """The fields vLLM's fs tier names its directory by, for this config
-    (parallel sizes collapsed to 1 where vLLM certifies the bytes portable
-    across them, as its fs tier does)."""
+    (with collapse, parallel sizes collapsed to 1 where vLLM certifies the
+    bytes portable across them, as its fs tier does)."""
     par = "parallel"
-    agnostic = _flag(config, f"{par}.is_parallelism_agnostic") or _flag(config, "replicated_layout")
-    sizes = {k: _count(config, f"{par}.{k}", k.replace("_", " ")) for k in ("tp_size", "pp_size", "pcp_size", "dcp_size")}
-    if agnostic:
+    agnostic = flag(config, f"{par}.is_parallelism_agnostic") or flag(config, "replicated_layout")
+    sizes = {k: count(config, f"{par}.{k}", k.replace("_", " ")) for k in ("tp_size", "pp_size", "pcp_size", "dcp_size")}
+    if agnostic and collapse:
         sizes = dict.fromkeys(sizes, 1)
     fields = {
-        "model_name": _text(config, "model.name", "model name"),
-        "tokens_per_hash": _count(config, "cache.tokens_per_hash", "tokens per hash"),
-        "blocks_per_file": _count(config, "cache.blocks_per_chunk", "blocks per chunk"),
+        "model_name": text(config, "model.name", "model name"),
+        "tokens_per_hash": count(config, "cache.tokens_per_hash", "tokens per hash"),
+        "blocks_per_file": count(config, "cache.blocks_per_chunk", "blocks per chunk"),
         **sizes,
-        "dtype": _text(config, "model.dtype", "KV-cache dtype"),
+        "dtype": text(config, "model.dtype", "KV-cache dtype"),
         "kv_cache_groups": groups_of(config),
         "inference_engine": "vllm",
     }
     if not agnostic:
         fields["parallel_agnostic"] = False
-    if _flag(config, "replicated_layout"):
+    if flag(config, "replicated_layout"):
         fields["replicated_layout"] = True
     if canonical is not None:
         fields["canonical_format"] = canonical
@@ -153,15 +157,25 @@ def fs_base(fields):
     return f"{fields['model_name'].replace('/', '_')}_{hashlib.sha256(text.encode()).hexdigest()[:12]}"
 
 
+def identity(config, fmt, extra="", collapse=True):
+    """What every key of an engine of this config shares (JSON-safe): the
+    format tag fmt, vLLM's fs-tier fields (collapse as in fs_fields), the
+    attention layout where the config names it, and the operator's extra
+    namespace text; IdentityUnknown names a field vLLM did not give. The
+    tier adds its row size, the spec its page size."""
+    desc = {"format": fmt, "fields": fs_fields(config, canonical_format(config), collapse),
+            "namespace": str(extra)}
+    layout = attr(config, "kv_cache_layout")
+    if layout is not None:
+        desc["kv_cache_layout"] = str(layout)
+    return desc
+
+
 def describe(spec, row_bytes, extra=""):
     """The dict that identifies what a row of spec's engine means
     (JSON-safe); IdentityUnknown names a field vLLM did not give."""
-    config = config_of(spec)
-    layout = _attr(config, "kv_cache_layout")
-    fields = fs_fields(config, canonical_format(config))
-    desc = {"format": FORMAT, "fields": fields, "row_bytes": int(row_bytes), "namespace": str(extra)}
-    if layout is not None:
-        desc["kv_cache_layout"] = str(layout)
+    desc = identity(config_of(spec), FORMAT, extra)
+    desc["row_bytes"] = int(row_bytes)
     return desc
 
 
@@ -171,28 +185,34 @@ def digest(desc):
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def model_id(desc):
-    """The daemon's model id: "vllm:", the readable model name, then the
-    digest of the whole identity (at most 128 bytes)."""
+def model_id(desc, prefix="vllm"):
+    """The daemon's model id: prefix, the readable model name, then the
+    digest of the whole description (at most 128 bytes)."""
     name = desc["fields"]["model_name"].encode("ascii", "replace").decode().replace("/", "_")
     d = digest(desc)[:32]
-    room = MAX_MODEL_ID - len("vllm::") - len(d)
-    return f"vllm:{name[:room]}:{d}"
+    room = MAX_MODEL_ID - len(prefix) - 2 - len(d)
+    return f"{prefix}:{name[:room]}:{d}"
+
+
+def block_shape(nbytes, what):
+    """(kv_heads, head_size) of a one-byte-element block of exactly nbytes:
+    the head the largest power of two up to 4096 dividing it."""
+    if nbytes < 512:
+        raise ValueError(f"kvhost.vllm: a {what} of {nbytes} bytes is below the daemon's 512-byte block minimum")
+    head = 1
+    while head < 4096 and nbytes % (head * 2) == 0:
+        head *= 2
+    heads = nbytes // head
+    if heads > MAX_DIM:
+        raise ValueError(f"kvhost.vllm: a {what} of {nbytes} bytes cannot be declared "
+                         f"(it must be a multiple of {head << 1} up to {MAX_DIM * 4096} bytes)")
+    return heads, head
 
 
 def geometry(desc, model=None):
     """The daemon geometry of one row: one layer, one plane, one block per
     key of exactly row_bytes bytes; model overrides the model id (a
     vllm-fs mount's "vllm-fs:<base>")."""
-    row = desc["row_bytes"]
-    if row < 512:
-        raise ValueError(f"kvhost.vllm: a row of {row} bytes is below the daemon's 512-byte block minimum")
-    head = 1
-    while head < MAX_DIM and row % (head * 2) == 0 and head * 2 <= 4096:
-        head *= 2
-    heads = row // head
-    if heads > MAX_DIM:
-        raise ValueError(f"kvhost.vllm: a row of {row} bytes cannot be declared "
-                         f"(it must be a multiple of {head << 1} up to {MAX_DIM * 4096} bytes)")
+    heads, head = block_shape(desc["row_bytes"], "row")
     return Geometry(model=model or model_id(desc), layers=1, kv_heads=heads, head_size=head, dtype_size=1,
                     tokens_per_block=1, tokens_per_key=1, mla=True)

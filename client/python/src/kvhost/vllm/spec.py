@@ -59,7 +59,7 @@ class SpecManager:
         self._medium = sc.pick_medium(self._api)
         self._lr = self._api.LookupResult
         self._tp = sc.shards(config)             # every shard must hold a key for a HIT
-        self._groups = self._ident["groups"]
+        self._groups = sc.groups(self._ident)
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
         self._pinned = {}                       # key -> (batch, hit until)

@@ -18,10 +18,8 @@ model's KV to another.
 import collections.abc
 import dataclasses
 import enum
-import hashlib
 import importlib
 import importlib.util
-import json
 import types
 import typing
 
@@ -225,7 +223,7 @@ def options(config):
 def blocks_per_chunk(config):
     """GPU blocks per offloaded chunk (one key): config.cache.blocks_per_chunk,
     as vLLM resolved it from block_size / blocks_per_chunk."""
-    n = ns_._count(config, "cache.blocks_per_chunk", "blocks per chunk")
+    n = ns_.count(config, "cache.blocks_per_chunk", "blocks per chunk")
     if n > p.MAX_BLOCKS_PER_KEY:
         raise ValueError(f"kvhost.vllm: blocks_per_chunk {n}: the daemon takes at most "
                          f"{p.MAX_BLOCKS_PER_KEY} blocks per key")
@@ -235,10 +233,10 @@ def blocks_per_chunk(config):
 def shards(config):
     """How many workers hold a different part of each block: tp × pcp
     (every rank stores its own shard; pipeline parallelism is refused)."""
-    tp = ns_._count(config, "parallel.tp_size", "tp size")
-    pp = ns_._count(config, "parallel.pp_size", "pp size")
-    pcp = ns_._count(config, "parallel.pcp_size", "pcp size")
-    ns_._count(config, "parallel.dcp_size", "dcp size")
+    tp = ns_.count(config, "parallel.tp_size", "tp size")
+    pp = ns_.count(config, "parallel.pp_size", "pp size")
+    pcp = ns_.count(config, "parallel.pcp_size", "pcp size")
+    ns_.count(config, "parallel.dcp_size", "dcp size")
     if pp != 1:
         raise ValueError(f"kvhost.vllm: pipeline parallelism ({pp} stages) is not supported by the "
                          "kvhost offloading spec (a stage's layers are not known to the scheduler)")
@@ -249,8 +247,8 @@ def shard_of(config):
     """This worker's shard: config.parallel.rank within its engine's
     tp × pcp workers (0 on the scheduler)."""
     n = shards(config)
-    rank = ns_._count(config, "parallel.rank", "worker rank", least=0)
-    world = ns_._count(config, "parallel.world_size", "world size")
+    rank = ns_.count(config, "parallel.rank", "worker rank", least=0)
+    world = ns_.count(config, "parallel.world_size", "world size")
     if rank >= world:
         raise IdentityUnknown(f"kvhost.vllm: the offloading config's parallel.rank {rank} is not below its "
                               f"world_size {world}; refusing to share KV under a guessed identity")
@@ -265,7 +263,7 @@ def page_bytes(config, opts):
     if opts.get("page_bytes"):
         return int(opts["page_bytes"])
     groups = ns_.groups_of(config)
-    total = ns_._attr(config, "worker_kv_bytes_per_block")
+    total = ns_.attr(config, "worker_kv_bytes_per_block")
     layers = max(len(g["layer_names"]) for g in groups)
     if isinstance(total, bool) or not isinstance(total, int) or total <= 0 or total % layers:
         raise IdentityUnknown(
@@ -276,61 +274,41 @@ def page_bytes(config, opts):
 
 
 def identity(config, opts):
-    """The fields every namespace of this engine shares (JSON-safe), read
-    only from vLLM's OffloadingConfig; IdentityUnknown names a field vLLM
-    did not give. The engine id is left out (engines of one model share),
-    and so is the hash algorithm (vLLM does not give it; keys of different
-    algorithms differ anyway)."""
-    par = {k: ns_._count(config, f"parallel.{k}", k.replace("_", " "))
-           for k in ("tp_size", "pp_size", "pcp_size", "dcp_size")}
-    out = {
-        "format": IDENTITY_FORMAT,
-        "model_name": ns_._text(config, "model.name", "model name"),
-        "dtype": ns_._text(config, "model.dtype", "KV-cache dtype"),
-        **par,
-        "tokens_per_hash": ns_._count(config, "cache.tokens_per_hash", "tokens per hash"),
-        "blocks_per_chunk": blocks_per_chunk(config),
-        "page_bytes": page_bytes(config, opts),
-        "groups": ns_.groups_of(config),
-        "namespace": str(opts.get("namespace") or ""),
-    }
-    fid = ns_.canonical_format(config)
-    if fid is not None:
-        out["canonical_format"] = fid
-    if hasattr(config, "kv_cache_layout"):
-        layout = getattr(config, "kv_cache_layout")
-        out["kv_cache_layout"] = None if layout is None else str(layout)
-    return out
+    """The fields every namespace of this engine shares (JSON-safe): the
+    tier's identity rule (_namespace.identity) with the parallel sizes not
+    collapsed (each shard stores its own bytes), and the page size. The
+    engine id is left out (engines of one model share)."""
+    blocks_per_chunk(config)  # within the daemon's bound
+    ident = ns_.identity(config, IDENTITY_FORMAT, opts.get("namespace") or "", collapse=False)
+    ident["page_bytes"] = page_bytes(config, opts)
+    return ident
+
+
+def groups(ident):
+    """The KV-cache groups of an identity: [{"tokens_per_block", "layer_names"}]."""
+    return ident["fields"]["kv_cache_groups"]
+
+
+def chunk_blocks(ident):
+    """GPU blocks per key (per offloaded chunk) of an identity."""
+    return ident["fields"]["blocks_per_file"]
 
 
 def describe(ident, group, shard):
     """What a key of one group at one worker shard means (JSON-safe)."""
-    g = ident["groups"][group]
-    return {**ident, "group": group, "shard": shard, "layer_names": list(g["layer_names"]),
-            "tokens_per_block": g["tokens_per_block"]}
+    return {**ident, "group": group, "shard": shard}
 
 
 def geometry(desc):
     """The daemon geometry of one group at one shard: one plane per layer
     whose block is exactly one page (kv_heads × head_size × 1 byte); the
     model id carries a digest of the whole description."""
-    page = desc["page_bytes"]
-    if page < 512:
-        raise ValueError(f"kvhost.vllm: a page of {page} bytes is below the daemon's 512-byte block minimum")
-    head = 1
-    while head < 4096 and page % (head * 2) == 0:
-        head *= 2
-    heads = page // head
-    if heads > (1 << 20):
-        raise ValueError(f"kvhost.vllm: a page of {page} bytes cannot be declared (want a multiple of "
-                         f"{head * 2} bytes)")
-    text = json.dumps(desc, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-    digest = hashlib.sha256(text.encode()).hexdigest()[:32]
-    name = desc["model_name"].encode("ascii", "replace").decode().replace("/", "_")[:64]
-    return Geometry(model=f"vllm-spec:{name}:{digest}", layers=len(desc["layer_names"]),
+    heads, head = ns_.block_shape(desc["page_bytes"], "page")
+    f = desc["fields"]
+    return Geometry(model=ns_.model_id(desc, "vllm-spec"), layers=len(groups(desc)[desc["group"]]["layer_names"]),
                     kv_heads=heads, head_size=head, dtype_size=1, tokens_per_block=1,
-                    tokens_per_key=desc["blocks_per_chunk"], mla=True,
-                    tp_rank=desc["shard"], tp_size=desc["tp_size"] * desc["pcp_size"])
+                    tokens_per_key=chunk_blocks(desc), mla=True,
+                    tp_rank=desc["shard"], tp_size=f["tp_size"] * f["pcp_size"])
 
 
 def key_group(key):

@@ -60,16 +60,16 @@ class SpecWorker:
         self._api = api or sc.SPEC_FALLBACK
         self._opts = o = opts or sc.options(config)
         self._ident = ident or sc.identity(config, o)
-        self._bpc = self._ident["blocks_per_chunk"]
+        self._bpc = sc.chunk_blocks(self._ident)
         page = self._ident["page_bytes"]
         entries = list(getattr(kv_caches, "tensors", None) or [])
         if not entries:
             raise ValueError("kvhost.vllm: the worker got no KV-cache tensors")
         tensors = [getattr(t, "tensor", t) for t in entries]
         padded = [getattr(t, "page_size_bytes", None) for t in entries]
-        groups = self._ident["groups"]
+        groups = sc.groups(self._ident)
         refs = _refs_of(kv_caches, len(groups))
-        self.rank = _namespace._count(config, "parallel.rank", "worker rank", least=0)
+        self.rank = _namespace.count(config, "parallel.rank", "worker rank", least=0)
         self.shard = sc.shard_of(config)
         self._tensors = tensors
         self._lock = threading.Lock()
