@@ -124,11 +124,7 @@ func (e *Engine) Lookup(ctx context.Context, ns NamespaceID, keys [][]byte) (int
 	// to find every key's entry, once to count the hits. Loads and stores
 	// take the same lock; a lookup that took it per key queued behind them
 	// once per key (docs/engine.md, "Lookup and delete").
-	idx := make([]int, len(keys))
-	for i := range idx {
-		idx[i] = i
-	}
-	found := e.findAll(n, keys, idx)
+	found := e.findKeys(n, keys)
 	// The entries hit, each once: a file of several keys is counted once
 	// (a short slice, keys of one file are neighbours; a map for long
 	// requests).
@@ -206,21 +202,37 @@ func (e *Engine) findAll(ns *namespace, keys [][]byte, idx []int) []*entry {
 	e.mu.RLock()
 	defer e.mu.RUnlock()
 	for t, i := range idx {
-		if ref, ok := e.byKey[keyID{ns.fp, string(keys[i])}]; ok {
-			found[t] = ref.e
-		}
+		found[t] = e.indexedLocked(ns, keys[i])
 	}
 	return found
+}
+
+// findKeys is find for every key, under one hold of the engine's lock: the
+// entry of keys[i] (nil: none) is the i-th.
+func (e *Engine) findKeys(ns *namespace, keys [][]byte) []*entry {
+	found := make([]*entry, len(keys))
+	e.mu.RLock()
+	defer e.mu.RUnlock()
+	for i, k := range keys {
+		found[i] = e.indexedLocked(ns, k)
+	}
+	return found
+}
+
+// indexedLocked is the entry the index holds for key in ns, or nil. The
+// caller holds e.mu.
+func (e *Engine) indexedLocked(ns *namespace, key []byte) *entry {
+	if ref, ok := e.byKey[keyID{ns.fp, string(key)}]; ok {
+		return ref.e
+	}
+	return nil
 }
 
 // find returns the entry the index holds for key in ns, or nil.
 func (e *Engine) find(ns *namespace, key []byte) *entry {
 	e.mu.RLock()
 	defer e.mu.RUnlock()
-	if ref, ok := e.byKey[keyID{ns.fp, string(key)}]; ok {
-		return ref.e
-	}
-	return nil
+	return e.indexedLocked(ns, key)
 }
 
 // discover looks for key under its policy name and indexes the file if its

@@ -47,8 +47,8 @@ def stats(api, delta, inflight, labelvalues):
     Counter of increases) and the in-flight gauge (None: unchanged); None
     when nothing changed or this vLLM has no such class."""
     cls = getattr(api, "OffloadingConnectorStats", None)
-    if cls is None:
-        return None
+    if cls is None or (inflight is None and not any(delta.get(k, 0) > 0 for k, _ in COUNTERS.values())):
+        return None  # nothing to report: no payload built on vLLM's step
     s = cls()
     for name, (key, _) in COUNTERS.items():
         if delta.get(key, 0) > 0:
