@@ -14,7 +14,7 @@ import torch
 
 sys.path.insert(0, "client/python/src")
 import kvhost  # noqa: E402
-from gpu_paged import LAYERS as layers, PAGE as page, TOKENS_PER_BLOCK as tpb, keys_differ, register, run_jobs, split  # noqa: E402
+from gpu_paged import TOKENS_PER_BLOCK as tpb, keys_differ, random_cache, register, run_jobs, split  # noqa: E402
 
 sock = sys.argv[1]
 tpk = int(sys.argv[2]) if len(sys.argv) > 2 else 256
@@ -23,12 +23,8 @@ jobs = int(sys.argv[4]) if len(sys.argv) > 4 else 8
 bpk = tpk // tpb
 num_blocks = 2 * nkeys * bpk
 
-dev = torch.device("cuda", 0)
 # One allocation for every layer, per-layer views, as vLLM allocates.
-kv = torch.empty((layers, num_blocks, page), dtype=torch.int8, device=dev)
-g = torch.Generator(device=dev).manual_seed(7)
-kv.copy_(torch.randint(-128, 127, kv.shape, generator=g, device=dev, dtype=torch.int8))
-torch.cuda.synchronize()
+kv = random_cache(num_blocks, 7)
 
 with kvhost.Client(sock, name="gpu-e2e") as c:
     ns, cache = register(c, kv, tpk)

@@ -14,8 +14,7 @@ import torch
 
 sys.path.insert(0, "client/python/src")
 import kvhost  # noqa: E402
-from gpu_paged import keys_differ, register, run_jobs, split  # noqa: E402
-from gpu_paged import LAYERS as layers, PAGE as page, TOKENS_PER_BLOCK as tpb  # noqa: E402
+from gpu_paged import TOKENS_PER_BLOCK as tpb, keys_differ, random_cache, register, run_jobs, split  # noqa: E402
 
 
 def main():
@@ -25,11 +24,7 @@ def main():
     jobs = int(sys.argv[5]) if len(sys.argv) > 5 else 16
     bpk = tpk // tpb
     num_blocks = 2 * nkeys * bpk
-    dev = torch.device("cuda", 0)
-    kv = torch.empty((layers, num_blocks, page), dtype=torch.int8, device=dev)
-    g = torch.Generator(device=dev).manual_seed(11)
-    kv.copy_(torch.randint(-128, 127, kv.shape, generator=g, device=dev, dtype=torch.int8))
-    torch.cuda.synchronize()
+    kv = random_cache(num_blocks, 11)
     src = [list(range(i * bpk, (i + 1) * bpk)) for i in range(nkeys)]
     dst = [[num_blocks // 2 + b for b in blocks] for blocks in src]
     keys = [f"gpu-restart-{tpk}-{i}".encode() for i in range(nkeys)]

@@ -19,6 +19,18 @@ def geometry(tokens_per_key):
                            dtype_size=DTYPE_SIZE, tokens_per_block=TOKENS_PER_BLOCK, tokens_per_key=tokens_per_key)
 
 
+def random_cache(num_blocks, seed, device="cuda"):
+    """A CUDA int8 tensor of (LAYERS, num_blocks, PAGE), one allocation as
+    vLLM makes it, filled with random bytes from seed (the same bytes in
+    every process)."""
+    import torch
+    kv = torch.empty((LAYERS, num_blocks, PAGE), dtype=torch.int8, device=device)
+    g = torch.Generator(device=kv.device).manual_seed(seed)
+    kv.copy_(torch.randint(-128, 127, kv.shape, generator=g, device=kv.device, dtype=torch.int8))
+    torch.cuda.synchronize()
+    return kv
+
+
 def register(c, kv, tokens_per_key):
     """Declares the geometry on client c and registers kv, a CUDA int8
     tensor of (LAYERS, num_blocks, PAGE); returns (namespace, cache)."""
