@@ -207,7 +207,25 @@ type Engine struct {
 	// file systems for later stores of the same size to write into
 	// (spare files: docs/engine.md).
 	ReuseFiles *bool `toml:"reuse_files"`
+	// LookupTable, unless set to false, keeps a shared lookup table next
+	// to the socket: clients map it read-only and answer lookups without
+	// a round trip to the daemon (docs/protocol.md, "Shared lookup table").
+	LookupTable *bool `toml:"lookup_table"`
+	// LookupTableSlots is the table's slot count (8 bytes each; rounded up
+	// to a power of two); 0 means DefaultLookupTableSlots. It holds up to
+	// three quarters as many keys; past that, clients ask the daemon
+	// about keys the table lacks.
+	LookupTableSlots int `toml:"lookup_table_slots"`
 }
+
+// DefaultLookupTableSlots is the shared lookup table's slot count when
+// engine.lookup_table_slots is not set: 2 Mi slots, 16 MiB, up to about
+// 1.5 million keys.
+const DefaultLookupTableSlots = 1 << 21
+
+// Lookups reports whether the daemon keeps a shared lookup table
+// (LookupTable unset or true).
+func (e Engine) Lookups() bool { return e.LookupTable == nil || *e.LookupTable }
 
 // Reuse reports whether evicted files are kept for reuse (ReuseFiles unset
 // or true).
@@ -247,6 +265,13 @@ type Mount struct {
 	// Layout is "kvhost" (the default: kvhost's own files) or "vllm-fs"
 	// (vLLM's fs-tier directory, byte for byte; configured by VLLMFS).
 	Layout string `toml:"layout"`
+	// Shared says whether other nodes or programs write files into this
+	// mount (a shared file system, a second daemon on the directory):
+	// then a key missing from the daemon's index may still be on disk, and
+	// clients ask the daemon about it instead of taking the shared lookup
+	// table's miss as final. Unset: true on network and FUSE file systems
+	// and for "vllm-fs" mounts, false elsewhere.
+	Shared *bool `toml:"shared"`
 	// VLLMFS configures a "vllm-fs" mount: the table [mount.vllm_fs].
 	VLLMFS *VLLMFS `toml:"vllm_fs"`
 }
@@ -589,6 +614,8 @@ func (c *Config) Validate() error {
 		return bad("engine.staging_memory", "at least 1MiB", c.Engine.StagingMemory)
 	case c.Engine.YieldBytes != 0 && (c.Engine.YieldBytes < 64<<10 || c.Engine.YieldBytes > 1<<30):
 		return bad("engine.yield_bytes", "0 (never yield) or between 64KiB and 1GiB", c.Engine.YieldBytes)
+	case c.Engine.LookupTableSlots < 0 || c.Engine.LookupTableSlots > 1<<30:
+		return bad("engine.lookup_table_slots", "0 (the default) or a slot count up to 1073741824", c.Engine.LookupTableSlots)
 	case c.Engine.VerifyInterval < 0:
 		return bad("engine.verify_interval", "a non-negative duration", c.Engine.VerifyInterval)
 	case c.Engine.TempGrace < 0:

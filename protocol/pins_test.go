@@ -7,14 +7,21 @@ import (
 )
 
 func TestPinMessagesRoundTrip(t *testing.T) {
-	for _, m := range []Message{
+	checkRoundTrips(t, []Message{
 		&Pin{NS: 3, LeaseMillis: 1500, Keys: [][]byte{[]byte("a"), []byte("bb")}},
 		&Pin{NS: 1, Keys: [][]byte{[]byte("k")}},
 		&Pinned{Pin: 9, State: []uint8{PinHeld, PinMissing}},
 		&Pinned{State: []uint8{PinMissing}},
 		&Unpin{Pin: 9},
 		&Count{T: TypeUnpin | TypeReply, Count: 2},
-	} {
+	})
+}
+
+// checkRoundTrips checks that each message decodes from its encoding to
+// an equal message.
+func checkRoundTrips(t *testing.T, msgs []Message) {
+	t.Helper()
+	for _, m := range msgs {
 		t.Run(m.Type().String(), func(t *testing.T) {
 			got, err := Decode(m.Type(), m.AppendBody(nil))
 			if err != nil {

@@ -128,6 +128,8 @@ func (t Type) name() string {
 		return "pin"
 	case TypeUnpin:
 		return "unpin"
+	case TypeLookupTable:
+		return "lookup-table"
 	}
 	return ""
 }
@@ -248,6 +250,9 @@ func New(t Type) (Message, error) {
 		return new(Completion), nil
 	}
 	if m := newPinMessage(t); m != nil {
+		return m, nil
+	}
+	if m := newTableMessage(t); m != nil {
 		return m, nil
 	}
 	return nil, fmt.Errorf("%w: %s", ErrUnknownType, t)

@@ -26,6 +26,7 @@ func TestTypeNamesAllocateNothingForKnownTypes(t *testing.T) {
 		{TypeUndeclare, "undeclare"},
 		{TypePin, "pin"},
 		{TypeUnpin, "unpin"},
+		{TypeLookupTable, "lookup-table"},
 		{TypeError, "error"},
 		{TypeCompletion, "completion"},
 		{TypeLookup | TypeReply, "lookup-reply"},

@@ -7,14 +7,19 @@ of the stored keys every INTERVAL_MS milliseconds (paced, as a scheduler
 asks once per step, not back to back, so that the probe takes little CPU
 from the loads it measures) and times each lookup. It runs SECONDS alone,
 then SECONDS while JOBS threads keep loading the keys into other blocks.
-The script prints, for both phases, the lookups' median, 99th percentile
-and maximum in microseconds, how many were timed and how many were due
-(SECONDS / INTERVAL_MS: a lookup that ends late makes the probe skip the
-slots it missed, so n below due means lookups were slower than the
-interval), and the loads' GB/s:
+Each phase runs the probe twice, one after the other: answered from the
+daemon's shared lookup table, which the probe maps ("table"), then asking
+the daemon over the socket ("daemon", the client made with
+lookup_table=False). The script prints, for each, the lookups' median, 99th
+percentile and maximum in microseconds, how many were timed and how many
+were due (SECONDS / INTERVAL_MS: a lookup that ends late makes the probe
+skip the slots it missed, so n below due means lookups were slower than
+the interval), and after the loads their GB/s:
 
-    alone p50 120 p99 240 max 900 n 2500 due 2500
-    beside loads p50 60 p99 19000 max 21000 n 700 due 2500 GB/s 7.1
+    alone table p50 14 p99 21 max 80 n 2500 due 2500
+    alone daemon p50 120 p99 240 max 900 n 2500 due 2500
+    beside loads table p50 15 p99 40 max 300 n 2500 due 2500
+    beside loads daemon p50 60 p99 19000 max 21000 n 700 due 2500 GB/s 7.1
 
 Needs no GPU and no torch. Start a daemon first, for example:
 
@@ -51,24 +56,34 @@ def summary(lat):
     return f"p50 {us(lat[len(lat) // 2])} p99 {us(lat[int(len(lat) * 0.99)])} max {us(lat[-1])} n {len(lat)}"
 
 
-def probe(sock, seconds, interval, nkeys):
+VIAS = ("table", "daemon")
+
+
+def probe(sock, seconds, interval, nkeys, via):
     """Times a lookup of the first PROBED stored keys every interval seconds
-    for seconds; prints summary() and the lookups due."""
-    with kvhost.Client(sock, name="lookup-latency-probe") as c:
+    for seconds, answered via the shared lookup table or the daemon; prints
+    summary() and the lookups due. Exits if a lookup took the other way."""
+    with kvhost.Client(sock, name="lookup-latency-probe", lookup_table=(via == "table")) as c:
         ns = c.declare(gpu_paged.geometry(TPK))
         keys = [key(i) for i in range(min(PROBED, nkeys))]
         lat = gpu_paged.time_lookups(c, ns, keys, seconds, interval)
+        counts = c.lookup_counts()
+    if counts[via] != len(lat) or counts["daemon" if via == "table" else "table"]:
+        sys.exit(f"the probe meant to ask the {via} answered {counts}")
     print(summary(lat), "due", round(seconds / interval))
 
 
-def run_probe(sock, seconds, interval, nkeys):
-    """Runs the probe in a process of its own (as a scheduler would be);
-    returns its summary line."""
-    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--probe", sock, str(seconds), str(interval), str(nkeys)],
-                         capture_output=True, text=True)
-    if out.returncode != 0:
-        sys.exit(f"lookup probe failed (exit {out.returncode}): {out.stderr.strip()}")
-    return out.stdout.strip()
+def run_probes(sock, seconds, interval, nkeys):
+    """Runs the probe in a process of its own (as a scheduler would be),
+    once per way of answering; returns their summary lines by way."""
+    lines = {}
+    for via in VIAS:
+        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--probe", sock, str(seconds), str(interval),
+                              str(nkeys), via], capture_output=True, text=True)
+        if out.returncode != 0:
+            sys.exit(f"lookup probe ({via}) failed (exit {out.returncode}): {out.stderr.strip()}")
+        lines[via] = out.stdout.strip()
+    return lines
 
 
 def main():
@@ -97,7 +112,8 @@ def main():
         keys = [key(i) for i in range(nkeys)]
         blocks = [list(range(i * bpk, (i + 1) * bpk)) for i in range(nkeys)]
         c.store(cache, keys, blocks).wait(300)
-        print("alone", run_probe(sock, seconds, interval, nkeys), flush=True)
+        for via, line in run_probes(sock, seconds, interval, nkeys).items():
+            print("alone", via, line, flush=True)
 
         stop, moved, failed = threading.Event(), [0] * jobs, []
         into = [list(range((nkeys + i) * bpk, (nkeys + i + 1) * bpk)) for i in range(nkeys)]
@@ -117,18 +133,20 @@ def main():
         for t in threads:
             t.start()
         try:
-            res = run_probe(sock, seconds, interval, nkeys)
+            res = run_probes(sock, seconds, interval, nkeys)
         finally:
             stop.set()
             for t in threads:
                 t.join()
         if failed:
             sys.exit(f"a load failed: {failed[0]}")
-        print("beside loads", res, "GB/s %.1f" % (sum(moved) / (time.perf_counter() - t0) / 1e9))
+        gbs = sum(moved) / (time.perf_counter() - t0) / 1e9
+        for via in VIAS:
+            print("beside loads", via, res[via], *(["GB/s %.1f" % gbs] if via == VIAS[-1] else []))
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--probe":
-        probe(sys.argv[2], float(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5]))
+        probe(sys.argv[2], float(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5]), sys.argv[6])
     else:
         main()

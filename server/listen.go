@@ -52,7 +52,7 @@ func Listen(path string, mode os.FileMode, group string) (*Socket, error) {
 	path = filepath.Clean(path)
 	gid := -1
 	if group != "" {
-		g, err := lookupGroup(group)
+		g, err := LookupGroup(group)
 		if err != nil {
 			return nil, err
 		}
@@ -153,7 +153,8 @@ func removeStale(path string) error {
 	return nil
 }
 
-func lookupGroup(group string) (int, error) {
+// LookupGroup is the id of group, a name or a numeric id.
+func LookupGroup(group string) (int, error) {
 	if id, err := strconv.Atoi(group); err == nil && id >= 0 {
 		return id, nil
 	}

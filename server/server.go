@@ -141,6 +141,10 @@ type Config struct {
 	// time, policy, reloads); the server fills in its own figures and the
 	// engine's mounts.
 	Daemon func() protocol.DaemonStats
+	// LookupTable, if set, is the path of the daemon's shared lookup
+	// table (internal/lookuptable), which a client asks for once
+	// (protocol.TypeLookupTable) to answer lookups from its own mapping.
+	LookupTable string
 
 	// SharedFiles accepts MemoryShared registrations: memfds and
 	// /dev/shm files not sealed against shrinking, which their owner may

@@ -302,6 +302,12 @@ func (s *session) handle(h protocol.Header, body []byte) bool {
 		reply, err = s.pin(m)
 	case *protocol.Unpin:
 		reply, err = s.unpin(m)
+	case *protocol.LookupTableRequest:
+		if s.srv.cfg.LookupTable == "" {
+			err = perr(protocol.CodeUnsupported, "this daemon keeps no shared lookup table (engine.lookup_table = false)")
+		} else {
+			reply = &protocol.TableLocation{Path: s.srv.cfg.LookupTable}
+		}
 	default:
 		err = perr(protocol.CodeUnknownType, "%s is not a request", h.Type)
 	}

@@ -173,11 +173,22 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 	}
 	d.eng = eng
 	d.pol.swap(build)
+	table, err := openLookupTable(cfg, eng, log)
+	if err != nil {
+		cctx, cancel := context.WithTimeout(context.Background(), time.Duration(cfg.Server.ShutdownTimeout)+10*time.Second)
+		defer cancel()
+		return errors.Join(err, eng.Close(cctx), closeGPU())
+	}
 	closeEngine := func() error {
 		cctx, cancel := context.WithTimeout(context.Background(), time.Duration(cfg.Server.ShutdownTimeout)+10*time.Second)
 		defer cancel()
-		// The engine first: its jobs use the GPU paths until it is closed.
-		return errors.Join(eng.Close(cctx), closeGPU())
+		// The engine first: its jobs use the GPU paths until it is
+		// closed; the table last, told of every key the engine drops.
+		err := errors.Join(eng.Close(cctx), closeGPU())
+		if table != nil {
+			err = errors.Join(err, table.Close())
+		}
+		return err
 	}
 	sock, err := server.Listen(cfg.Server.Socket, os.FileMode(cfg.Server.SocketMode), cfg.Server.SocketGroup)
 	if err != nil {
@@ -203,6 +214,9 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 		SharedFiles:    true,
 		MaxDeviceBytes: int64(cfg.Server.MaxDeviceRegisteredBytes),
 		Daemon:         d.daemonStats,
+	}
+	if table != nil {
+		scfg.LookupTable = table.Path()
 	}
 	if d.metrics != nil {
 		scfg.OnRequest = d.metrics.ObserveRequest

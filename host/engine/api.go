@@ -144,6 +144,15 @@ func AutoPreallocate(capacity int64) int64 { return max(0, min(MaxAutoPreallocat
 // bounded (gpu.register_files).
 const MaxAutoSpareFiles = 4096
 
+// KeySet mirrors the keys of the engine's index (Engine.MirrorKeys): fp is
+// the fingerprint of the key's namespace (protocol Declared.Fingerprint).
+// Its methods are called with the engine's lock held, in the order the
+// index changes: they must be quick and must not call the engine.
+type KeySet interface {
+	Add(fp uint64, key string)
+	Remove(fp uint64, key string)
+}
+
 // Config configures an Engine. The zero value of every optional field is a
 // sensible default.
 type Config struct {

@@ -47,6 +47,7 @@ type Engine struct {
 	// key, a request's namespace and cache) share it; writers (indexing,
 	// pins, claims) hold it alone, briefly.
 	mu       sync.RWMutex
+	keys     KeySet // MirrorKeys's, or nil
 	closed   bool
 	nss      []*namespace // by NamespaceID
 	nsByFP   map[uint64]NamespaceID

@@ -126,6 +126,9 @@ func (e *Engine) insertLocked(en *entry) []*entry {
 	e.byPath[en.path] = en
 	for i, k := range en.keys {
 		e.byKey[keyID{en.fp, k}] = keyRef{e: en, idx: i}
+		if e.keys != nil {
+			e.keys.Add(en.fp, k)
+		}
 	}
 	m := e.mounts[en.mount]
 	m.used += en.size
@@ -143,6 +146,9 @@ func (e *Engine) relinkLocked(en *entry) bool {
 	for i, k := range en.keys {
 		if _, ok := e.byKey[keyID{en.fp, k}]; !ok {
 			e.byKey[keyID{en.fp, k}] = keyRef{e: en, idx: i}
+			if e.keys != nil {
+				e.keys.Add(en.fp, k)
+			}
 		}
 	}
 	return true
@@ -161,6 +167,9 @@ func (e *Engine) unindexLocked(en *entry) {
 	for _, k := range en.keys {
 		if ref, ok := e.byKey[keyID{en.fp, k}]; ok && ref.e == en {
 			delete(e.byKey, keyID{en.fp, k})
+			if e.keys != nil {
+				e.keys.Remove(en.fp, k)
+			}
 		}
 	}
 	m := e.mounts[en.mount]

@@ -228,6 +228,21 @@ func (e *Engine) indexedLocked(ns *namespace, key []byte) *entry {
 	return nil
 }
 
+// MirrorKeys tells ks every key the index holds now and, from then on,
+// every key it gains or loses (the daemon's shared lookup table). A later
+// call replaces ks; nil stops the mirroring.
+func (e *Engine) MirrorKeys(ks KeySet) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	e.keys = ks
+	if ks == nil {
+		return
+	}
+	for k := range e.byKey {
+		ks.Add(k.fp, k.key)
+	}
+}
+
 // find returns the entry the index holds for key in ns, or nil.
 func (e *Engine) find(ns *namespace, key []byte) *entry {
 	e.mu.RLock()

@@ -11,6 +11,7 @@ import struct
 import threading
 
 from . import protocol as p
+from .lookuptable import FormatError, LookupTable
 
 
 class KvhostError(Exception):
@@ -159,9 +160,15 @@ class Client:
     """A connection to the kvhost daemon at path (a Unix socket; None means
     default_socket())."""
 
-    def __init__(self, path=None, name="python", timeout=30.0):
+    def __init__(self, path=None, name="python", timeout=30.0, lookup_table=True):
         if path is None:
             path = default_socket()
+        # The daemon's shared lookup table: None until the first lookup
+        # asks for it, False where there is none to use.
+        self._table = None if lookup_table else False
+        self._fps = {}  # namespace id -> fingerprint
+        self._lookups = {"table": 0, "daemon": 0}
+        self._lookups_lock = threading.Lock()
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._sock.connect(path)
@@ -202,6 +209,9 @@ class Client:
             pass
         self._reader.join()
         self._sock.close()
+        table, self._table = self._table, False
+        if table:
+            table.close()
 
     # -- I/O ---------------------------------------------------------------
 
@@ -368,6 +378,7 @@ class Client:
         """Declares a namespace; returns a Namespace."""
         _, body = self._call(p.T_DECLARE, p.declare(geometry))
         ns, bpk, fp, kb = struct.unpack("<IIQQ", body)
+        self._fps[ns] = fp
         return Namespace(ns, bpk, fp, kb, geometry)
 
     def undeclare(self, ns):
@@ -388,10 +399,65 @@ class Client:
         self._call(p.T_UNREGISTER_CACHE, struct.pack("<I", cache))
 
     def lookup(self, ns, keys):
-        """Returns how many leading keys are stored."""
+        """Returns how many leading keys are stored.
+
+        The keys the daemon's shared lookup table holds are counted from
+        this process's own mapping of it, without a round trip; the daemon
+        is asked about the rest unless the table's misses are final
+        (docs/protocol.md, "Shared lookup table")."""
         ns = ns.id if isinstance(ns, Namespace) else ns
-        _, body = self._call(p.T_LOOKUP, struct.pack("<I", ns) + p.keys_body(keys))
-        return struct.unpack("<I", body)[0]
+        body = p.keys_body(keys)  # checks the keys as the daemon would
+        table = self._table if self._table is not None else self._open_table()
+        fp = self._fps.get(ns)
+        if table and fp is not None:
+            if self._closed is not None:
+                raise self._closed
+            got = table.leading(fp, keys)
+            if got is not None:
+                n, final = got
+                if n == len(keys) or final:
+                    with self._lookups_lock:
+                        self._lookups["table"] += 1
+                    return n
+                return n + self._lookup_daemon(ns, p.keys_body(keys[n:]))
+        return self._lookup_daemon(ns, body)
+
+    def touch(self, ns, keys):
+        """Asks the daemon itself about keys, which counts each hit as an
+        access for its eviction policy (a lookup answered from the shared
+        lookup table is not seen by the daemon); returns how many leading
+        keys are stored."""
+        ns = ns.id if isinstance(ns, Namespace) else ns
+        return self._lookup_daemon(ns, p.keys_body(keys))
+
+    def _lookup_daemon(self, ns, body):
+        with self._lookups_lock:
+            self._lookups["daemon"] += 1
+        _, reply = self._call(p.T_LOOKUP, struct.pack("<I", ns) + body)
+        return struct.unpack("<I", reply)[0]
+
+    def _open_table(self):
+        """Maps the daemon's shared lookup table; False where there is none
+        this process can use (an older daemon, none kept, no permission)."""
+        table = False
+        try:
+            _, body = self._call(p.T_LOOKUP_TABLE, b"")
+            (n,) = struct.unpack_from("<H", body)
+            table = LookupTable(body[2:2 + n].decode())
+        except (KvhostError, OSError, FormatError, struct.error, UnicodeDecodeError):
+            pass
+        with self._lock:
+            if self._table is None:
+                self._table = table
+            elif table:
+                table.close()
+            return self._table
+
+    def lookup_counts(self):
+        """How many lookups the shared lookup table answered alone
+        ("table") and how many asked the daemon ("daemon")."""
+        with self._lookups_lock:
+            return dict(self._lookups)
 
     def delete(self, ns, keys):
         """Deletes keys; returns how many were stored."""

@@ -229,7 +229,7 @@ class SpecManager:
         try:
             for g, gkeys in self._by_group(keys).items():
                 for i in range(0, len(gkeys), p.MAX_KEYS_PER_REQUEST):
-                    self._client.lookup(self._ns[(0, g)], [sc.daemon_key(k) for k in gkeys[i:i + p.MAX_KEYS_PER_REQUEST]])
+                    self._client.touch(self._ns[(0, g)], [sc.daemon_key(k) for k in gkeys[i:i + p.MAX_KEYS_PER_REQUEST]])
         except Exception as e:
             log.debug("kvhost spec: touch: %s", e)
 

@@ -335,7 +335,7 @@ class _TierImpl:
                         rest = rest[len(batch):]
                 for t in touches:
                     for i in range(0, len(t), p.MAX_KEYS_PER_REQUEST):
-                        self._client.lookup(self._ns, [_daemon_key(k) for k in t[i:i + p.MAX_KEYS_PER_REQUEST]])
+                        self._client.touch(self._ns, [_daemon_key(k) for k in t[i:i + p.MAX_KEYS_PER_REQUEST]])
             except Exception as e:  # the daemon is gone or refused: answer MISS, vLLM recomputes
                 log.warning("kvhost tier: lookup failed: %s", e)
                 with self._lock:

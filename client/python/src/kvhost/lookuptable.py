@@ -1,0 +1,104 @@
+"""Read-only mapping of the daemon's shared lookup table.
+
+The daemon keeps, next to its socket, a table of the keys its index holds
+(docs/protocol.md, "Shared lookup table"); a client maps it and answers
+lookups itself, with no round trip and no wait behind the daemon's data
+path. This module reads the format internal/lookuptable writes.
+"""
+
+import hashlib
+import mmap
+import os
+import struct
+
+MAGIC = b"KVHLKT01"
+VERSION = 1
+HEADER_SIZE = 64
+MIN_SLOTS = 1 << 10
+
+FLAG_MISSES_FINAL = 1 << 0
+FLAG_INCOMPLETE = 1 << 1
+FLAG_CLOSED = 1 << 2
+
+_SEQ, _FLAGS = 2, 3  # u64 indices in the header
+_TAG_HOME = struct.Struct("<QQ")
+_FP = struct.Struct("<Q")
+
+
+class FormatError(ValueError):
+    """The file is not a lookup table this client reads."""
+
+
+def key_hash(fp, key):
+    """Returns (tag, home) of key in the namespace with fingerprint fp."""
+    tag, home = _TAG_HOME.unpack_from(hashlib.sha256(_FP.pack(fp) + bytes(key)).digest())
+    if tag <= 1:
+        tag += 2
+    return tag, home
+
+
+class LookupTable:
+    """A read-only mapping of the table at path."""
+
+    def __init__(self, path):
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            size = os.fstat(fd).st_size
+            if size < HEADER_SIZE + 8 * MIN_SLOTS:
+                raise FormatError(f"{path} is {size} bytes: not a lookup table")
+            self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        magic = self._map[:8]
+        version, shift = struct.unpack_from("<II", self._map, 8)
+        problem = None
+        if magic != MAGIC:
+            problem = f"magic {magic!r}"
+        elif version != VERSION:
+            problem = f"version {version}, this client reads {VERSION}"
+        elif shift >= 31 or HEADER_SIZE + (8 << shift) != size:
+            problem = f"2^{shift} slots in {size} bytes"
+        if problem:
+            self._map.close()
+            raise FormatError(f"{path}: {problem}")
+        view = memoryview(self._map)
+        self._header = view[:HEADER_SIZE].cast("Q")
+        self._slots = view[HEADER_SIZE:].cast("Q")
+        self._mask = (1 << shift) - 1
+        self.path = path
+
+    def leading(self, fp, keys):
+        """Returns (n, final): n leading keys are held; final says the next
+        key is not stored either. None: the table cannot answer now (the
+        daemon closed it or rebuilt it meanwhile); ask the daemon."""
+        header, slots, mask = self._header, self._slots, self._mask
+        seq = header[_SEQ]
+        flags = header[_FLAGS]
+        if seq & 1 or flags & FLAG_CLOSED:
+            return None
+        prefix = _FP.pack(fp)
+        sha256, unpack = hashlib.sha256, _TAG_HOME.unpack_from
+        n = len(keys)
+        for i, key in enumerate(keys):
+            tag, home = unpack(sha256(prefix + (key if type(key) is bytes else bytes(key))).digest())
+            if tag <= 1:
+                tag += 2
+            j = home & mask
+            v = slots[j]
+            if v != tag:
+                probes = 0
+                while v != tag and v != 0 and probes <= mask:
+                    j = (j + 1) & mask
+                    v = slots[j]
+                    probes += 1
+                if v != tag:
+                    n = i
+                    break
+        if header[_SEQ] != seq:
+            return None
+        return n, flags & (FLAG_MISSES_FINAL | FLAG_INCOMPLETE) == FLAG_MISSES_FINAL
+
+    def close(self):
+        self._header.release()
+        self._slots.release()
+        self._map.close()

@@ -1,0 +1,134 @@
+"""The client answers lookups from the daemon's shared lookup table and asks
+the daemon only where the table cannot answer (a real daemon each)."""
+
+import os
+import struct
+import tempfile
+import unittest
+
+import kvhost
+from kvhost import lookuptable
+from daemon import Daemon, wait_for
+
+GEOMETRY = kvhost.Geometry(model="test/lookup-table", layers=2, kv_heads=2, head_size=64, dtype_size=2,
+                           tokens_per_block=16, tokens_per_key=16)
+
+
+def stored_client(d, n, **kw):
+    """A client of daemon d that stored n keys; returns (client, ns, keys)."""
+    c = kvhost.Client(d.socket, **kw)
+    ns = c.declare(GEOMETRY)
+    page = 2 * GEOMETRY.block_bytes
+    buf = kvhost.HostBuffer(GEOMETRY.layers * n * page)
+    buf.view[:] = os.urandom(buf.size)
+    region = c.register_buffer(buf)
+    layers = [kvhost.Layer(region, offset=l * n * page, block_stride=page, plane_stride=GEOMETRY.block_bytes,
+                           num_blocks=n) for l in range(GEOMETRY.layers)]
+    cache = c.register_cache(ns.id, layers)
+    keys = [f"table-key-{i}".encode() for i in range(n)]
+    c.store(cache, keys, [[i] for i in range(n)]).wait(60)
+    return c, ns, keys
+
+
+class TestLookupTable(unittest.TestCase):
+    def test_hits_and_final_misses_are_answered_without_the_daemon(self):
+        d = Daemon(capacity="64MiB", after_toml="shared = false")
+        try:
+            c, ns, keys = stored_client(d, 8)
+            with c:
+                self.assertEqual(c.lookup(ns, keys), 8)
+                self.assertEqual(c.lookup(ns, keys + [b"never-stored"]), 8)
+                self.assertEqual(c.lookup(ns, [b"never-stored"] + keys), 0)
+                self.assertEqual(c.lookup_counts(), {"table": 3, "daemon": 0})
+                # A delete reaches the table before the daemon replies.
+                self.assertEqual(c.delete(ns, keys[3:4]), 1)
+                self.assertEqual(c.lookup(ns, keys), 3)
+                # Another connection's view is the same table.
+                with kvhost.Client(d.socket) as other:
+                    ns2 = other.declare(GEOMETRY)
+                    self.assertEqual(other.lookup(ns2, keys[:3]), 3)
+                    self.assertEqual(other.lookup_counts(), {"table": 1, "daemon": 0})
+        finally:
+            d.stop()
+
+    def test_only_touch_counts_hits_at_the_daemon(self):
+        d = Daemon(capacity="64MiB", after_toml="shared = false")
+        try:
+            c, ns, keys = stored_client(d, 3)
+            with c:
+                hits = c.stats()["hits"]
+                self.assertEqual(c.lookup(ns, keys), 3)
+                self.assertEqual(c.stats()["hits"], hits, "a lookup from the table reached the daemon")
+                self.assertEqual(c.touch(ns, keys), 3)
+                wait_for(lambda: c.stats()["hits"] >= hits + 3, what="3 hits counted by touch")
+                self.assertEqual(c.lookup_counts(), {"table": 1, "daemon": 1})
+        finally:
+            d.stop()
+
+    def test_on_a_shared_mount_the_daemon_is_asked_from_the_first_key_the_table_lacks(self):
+        d = Daemon(capacity="64MiB", after_toml="shared = true")
+        try:
+            c, ns, keys = stored_client(d, 4)
+            with c:
+                self.assertEqual(c.lookup(ns, keys), 4)
+                self.assertEqual(c.lookup_counts(), {"table": 1, "daemon": 0})
+                self.assertEqual(c.lookup(ns, keys + [b"elsewhere"]), 4)
+                self.assertEqual(c.lookup_counts(), {"table": 1, "daemon": 1})
+        finally:
+            d.stop()
+
+    def test_the_daemon_answers_where_no_table_is_kept_or_wanted(self):
+        cases = [("kept none", 'lookup_table = false', {}), ("not wanted", "", {"lookup_table": False})]
+        for name, engine, kw in cases:
+            with self.subTest(name):
+                d = Daemon(capacity="64MiB", extra_toml=f"[engine]\n{engine}\n")
+                try:
+                    c, ns, keys = stored_client(d, 2, **kw)
+                    with c:
+                        self.assertEqual(c.lookup(ns, keys), 2)
+                        self.assertEqual(c.lookup(ns, [b"missing"]), 0)
+                        self.assertEqual(c.lookup_counts(), {"table": 0, "daemon": 2})
+                finally:
+                    d.stop()
+
+    def test_the_table_is_readable_by_the_sockets_users_only(self):
+        d = Daemon(capacity="64MiB")
+        try:
+            mode = os.stat(d.socket + ".lookup").st_mode & 0o777
+            self.assertEqual(mode, 0o440, oct(mode))  # the socket's 0660, read bits only
+        finally:
+            d.stop()
+        self.assertFalse(os.path.exists(d.socket + ".lookup"), "the table outlived its daemon")
+
+
+class TestLookupTableFormat(unittest.TestCase):
+    def test_files_that_are_not_tables_are_refused(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            good = bytearray(lookuptable.HEADER_SIZE + 8 * lookuptable.MIN_SLOTS)
+            good[:8] = lookuptable.MAGIC
+            struct.pack_into("<II", good, 8, lookuptable.VERSION, 10)
+            cases = {
+                "short": bytes(good[:100]),
+                "bad magic": b"X" + bytes(good[1:]),
+                "other version": bytes(good[:8]) + struct.pack("<II", 9, 10) + bytes(good[16:]),
+                "size disagrees": bytes(good) + bytes(8),
+            }
+            path = os.path.join(tmp, "t")
+            with open(path, "wb") as f:
+                f.write(good)
+            lookuptable.LookupTable(path).close()  # the well-formed one opens
+            for name, data in cases.items():
+                with self.subTest(name):
+                    with open(path, "wb") as f:
+                        f.write(data)
+                    with self.assertRaises(lookuptable.FormatError):
+                        lookuptable.LookupTable(path)
+
+    def test_key_hash_matches_the_daemons(self):
+        # internal/lookuptable's TestHashIsTheFormatsKnownAnswer holds the
+        # daemon to the same pair.
+        self.assertEqual(lookuptable.key_hash(0x0102030405060708, b"key-1"), (4970651553208285916, 364090413704195124))
+
+
+if __name__ == "__main__":
+    unittest.main()

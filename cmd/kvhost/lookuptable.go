@@ -1,0 +1,79 @@
+package main
+
+import (
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+
+	"github.com/kvhost/kvhost/config"
+	"github.com/kvhost/kvhost/host/engine"
+	"github.com/kvhost/kvhost/internal/fstype"
+	"github.com/kvhost/kvhost/internal/lookuptable"
+	"github.com/kvhost/kvhost/server"
+	"golang.org/x/sys/unix"
+)
+
+// openLookupTable creates the daemon's shared lookup table beside the
+// socket (readable by whoever may use the socket) and mirrors the
+// engine's keys into it; nil where engine.lookup_table is false. Misses
+// read from it are final only where no mount is shared with other
+// writers (sharedMount).
+func openLookupTable(cfg config.Config, eng *engine.Engine, log *slog.Logger) (*lookuptable.Table, error) {
+	if !cfg.Engine.Lookups() {
+		return nil, nil
+	}
+	gid := -1
+	if cfg.Server.SocketGroup != "" {
+		g, err := server.LookupGroup(cfg.Server.SocketGroup)
+		if err != nil {
+			return nil, err
+		}
+		gid = g
+	}
+	path := cfg.Server.Socket + ".lookup"
+	if err := os.MkdirAll(filepath.Dir(path), 0o750); err != nil {
+		return nil, fmt.Errorf("lookup table: %w", err)
+	}
+	slots := cfg.Engine.LookupTableSlots
+	if slots == 0 {
+		slots = config.DefaultLookupTableSlots
+	}
+	final, shared := true, ""
+	for _, m := range cfg.Mounts {
+		if sharedMount(m) {
+			final, shared = false, m.Path
+			break
+		}
+	}
+	// Clients need to read the table only: the socket's read bits.
+	t, err := lookuptable.Create(path, slots, os.FileMode(cfg.Server.SocketMode)&0o444, gid, final)
+	if err != nil {
+		return nil, err
+	}
+	eng.MirrorKeys(t)
+	if final {
+		log.Info("shared lookup table", "path", path, "slots", t.Slots())
+	} else {
+		log.Info("shared lookup table; clients ask the daemon about keys it lacks, a mount being shared", "path", path, "slots", t.Slots(), "shared", shared)
+	}
+	return t, nil
+}
+
+// sharedMount reports whether other nodes or programs may write files into
+// m: its shared setting, else a vllm-fs layout or a network or FUSE file
+// system.
+func sharedMount(m config.Mount) bool {
+	if m.Shared != nil {
+		return *m.Shared
+	}
+	if m.Layout == config.LayoutVLLMFS {
+		return true
+	}
+	var st unix.Statfs_t
+	if err := unix.Statfs(m.Path, &st); err != nil {
+		return true // cannot tell: the safe answer
+	}
+	k, ok := fstype.Of(int64(st.Type))
+	return !ok || k.Network
+}

@@ -1,0 +1,267 @@
+package lookuptable
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sync"
+	"sync/atomic"
+	"testing"
+)
+
+func newTable(t *testing.T, slots int, final bool) (*Table, *Reader) {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "kvhost.sock.lookup")
+	tab, err := Create(path, slots, 0o640, -1, final)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { tab.Close() })
+	r, err := Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { r.Close() })
+	return tab, r
+}
+
+func keysOf(prefix string, n int) [][]byte {
+	keys := make([][]byte, n)
+	for i := range keys {
+		keys[i] = fmt.Appendf(nil, "%s-%06d", prefix, i)
+	}
+	return keys
+}
+
+func TestLeadingCountsKeysUpToTheFirstTheTableLacks(t *testing.T) {
+	const fp = 0x1234
+	tab, r := newTable(t, MinSlots, true)
+	keys := keysOf("k", 8)
+	for _, k := range keys[:5] {
+		tab.Add(fp, string(k))
+	}
+	tab.Add(fp, string(keys[6])) // after the gap: not leading
+	tests := []struct {
+		name string
+		fp   uint64
+		keys [][]byte
+		want int
+	}{
+		{"all held", fp, keys[:5], 5},
+		{"a gap stops the count", fp, keys, 5},
+		{"first missing", fp, keys[5:], 0},
+		{"another namespace holds none", fp + 1, keys[:5], 0},
+		{"no keys", fp, nil, 0},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			n, final, ok := r.Leading(tc.fp, tc.keys)
+			if !ok || !final || n != tc.want {
+				t.Fatalf("Leading = %d, final %v, ok %v; want %d, final, ok", n, final, ok, tc.want)
+			}
+		})
+	}
+	tab.Remove(fp, string(keys[2]))
+	if n, _, _ := r.Leading(fp, keys); n != 2 {
+		t.Fatalf("after removing key 2: Leading = %d, want 2", n)
+	}
+	tab.Add(fp, string(keys[2]))
+	if n, _, _ := r.Leading(fp, keys); n != 5 {
+		t.Fatalf("after adding key 2 again: Leading = %d, want 5", n)
+	}
+}
+
+func TestMissesAreFinalOnlyWhereTheDaemonSaysSo(t *testing.T) {
+	_, r := newTable(t, MinSlots, false)
+	if _, final, ok := r.Leading(1, keysOf("k", 1)); !ok || final {
+		t.Fatalf("final %v ok %v on a table created without missesFinal", final, ok)
+	}
+}
+
+func TestAFullTableDropsKeysAndItsMissesStopBeingFinalUntilItHoldsThemAgain(t *testing.T) {
+	const fp = 7
+	tab, r := newTable(t, MinSlots, true)
+	limit := MinSlots / 4 * 3
+	keys := keysOf("k", limit+10)
+	for _, k := range keys {
+		tab.Add(fp, string(k))
+	}
+	st := tab.Stats()
+	if st.Keys != uint64(limit) || st.Dropped != 10 || st.Lacking != 10 {
+		t.Fatalf("stats %+v: want %d keys, 10 dropped, 10 lacking", st, limit)
+	}
+	if n, final, ok := r.Leading(fp, keys); !ok || final || n != limit {
+		t.Fatalf("full: Leading = %d final %v ok %v; want %d, not final", n, final, ok, limit)
+	}
+	// Each removal makes room for one key the table lacks.
+	for _, k := range keys[:10] {
+		tab.Remove(fp, string(k))
+	}
+	if st := tab.Stats(); st.Lacking != 0 || st.Keys != uint64(limit) {
+		t.Fatalf("after 10 removals: %+v, want 0 lacking, %d keys", st, limit)
+	}
+	n, final, ok := r.Leading(fp, keys[10:])
+	if !ok || !final || n != len(keys)-10 {
+		t.Fatalf("after room was made: Leading = %d final %v ok %v; want %d, final", n, final, ok, len(keys)-10)
+	}
+}
+
+func TestRemovedSlotsAreReclaimedByRebuilds(t *testing.T) {
+	const fp = 3
+	tab, r := newTable(t, MinSlots, true)
+	stable := keysOf("stable", 100)
+	for _, k := range stable {
+		tab.Add(fp, string(k))
+	}
+	// Ten table sizes of churn: without rebuilds removed slots would
+	// fill the table and new keys would be dropped.
+	for i := range 10 * MinSlots {
+		k := fmt.Sprintf("churn-%d", i)
+		tab.Add(fp, k)
+		tab.Remove(fp, k)
+	}
+	st := tab.Stats()
+	if st.Rebuilds == 0 || st.Dropped != 0 || st.Keys != 100 {
+		t.Fatalf("stats %+v: want rebuilds, nothing dropped, 100 keys", st)
+	}
+	if n, final, ok := r.Leading(fp, stable); !ok || !final || n != 100 {
+		t.Fatalf("Leading = %d final %v ok %v; want 100", n, final, ok)
+	}
+}
+
+// TestReadersNeverMissAHeldKeyWhileTheWriterChurns: a reader racing with
+// adds, removes and rebuilds either finds every key held throughout or
+// is told to ask the daemon; it never reports a held key missing.
+func TestReadersNeverMissAHeldKeyWhileTheWriterChurns(t *testing.T) {
+	const fp = 11
+	tab, r := newTable(t, MinSlots, true)
+	stable := keysOf("stable", 64)
+	for _, k := range stable {
+		tab.Add(fp, string(k))
+	}
+	var done atomic.Bool
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		defer done.Store(true)
+		for i := range 20 * MinSlots {
+			k := fmt.Sprintf("churn-%d", i)
+			tab.Add(fp, k)
+			if i%2 == 0 {
+				tab.Remove(fp, k)
+			}
+			if i%64 == 63 {
+				for j := i - 63; j <= i; j += 2 {
+					tab.Remove(fp, fmt.Sprintf("churn-%d", j))
+				}
+			}
+		}
+	}()
+	answered, retried := 0, 0
+	for !done.Load() {
+		n, _, ok := r.Leading(fp, stable)
+		if !ok {
+			retried++
+			continue
+		}
+		answered++
+		if n != len(stable) {
+			t.Fatalf("a reader saw %d of %d held keys during churn", n, len(stable))
+		}
+	}
+	wg.Wait()
+	if tab.Stats().Rebuilds == 0 {
+		t.Fatal("the churn made no rebuild: the test did not race a reader with one")
+	}
+	t.Logf("%d answers, %d retries, %d rebuilds", answered, retried, tab.Stats().Rebuilds)
+}
+
+func TestOpenRefusesFilesThatAreNotTables(t *testing.T) {
+	dir := t.TempDir()
+	good := filepath.Join(dir, "good")
+	tab, err := Create(good, MinSlots, 0o600, -1, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tab.Close()
+	img, err := os.ReadFile(good)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tests := []struct {
+		name  string
+		bytes func([]byte) []byte
+	}{
+		{"short", func(b []byte) []byte { return b[:100] }},
+		{"bad magic", func(b []byte) []byte { b[0] = 'X'; return b }},
+		{"other version", func(b []byte) []byte { binary.LittleEndian.PutUint32(b[offVersion:], 9); return b }},
+		{"size disagrees with the slot count", func(b []byte) []byte { return append(b, make([]byte, 8)...) }},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			p := filepath.Join(dir, "bad")
+			if err := os.WriteFile(p, tc.bytes(append([]byte(nil), img...)), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			if r, err := Open(p); !errors.Is(err, ErrFormat) {
+				if r != nil {
+					r.Close()
+				}
+				t.Fatalf("Open = %v, want ErrFormat", err)
+			}
+		})
+	}
+}
+
+func TestCloseTellsReadersAndLeavesANewerTableInPlace(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "t")
+	old, err := Create(path, MinSlots, 0o600, -1, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	newer, err := Create(path, MinSlots, 0o600, -1, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer newer.Close()
+	if err := old.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, ok := r.Leading(1, keysOf("k", 1)); ok {
+		t.Fatal("a reader of a closed table was answered")
+	}
+	if _, err := os.Stat(path); err != nil {
+		t.Fatalf("closing the old table removed the newer one: %v", err)
+	}
+	old.Add(1, "after close") // no effect, no fault
+}
+
+func TestCreateRoundsTheSlotCountUp(t *testing.T) {
+	for _, n := range []int{0, 1, MinSlots, MinSlots + 1, 5000} {
+		tab, err := Create(filepath.Join(t.TempDir(), "t"), n, 0o600, -1, true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := tab.Slots(); got != slotsFor(n) || got < n {
+			t.Errorf("Create(%d) made %d slots, want %d", n, got, slotsFor(n))
+		}
+		tab.Close()
+	}
+}
+
+// TestHashIsTheFormatsKnownAnswer pins the tag and home of one key: the
+// Python client's test checks its own hash against the same pair.
+func TestHashIsTheFormatsKnownAnswer(t *testing.T) {
+	tag, home := Hash(0x0102030405060708, []byte("key-1"))
+	if tag != 4970651553208285916 || home != 364090413704195124 {
+		t.Fatalf("Hash = (%d, %d), want (4970651553208285916, 364090413704195124)", tag, home)
+	}
+}
