@@ -378,6 +378,13 @@ func (r *benchRun) keySize(ctx context.Context, eng *engine.Engine, gp *gpuPaths
 				if err := r.settle(ctx, eng, gp); err != nil {
 					return err
 				}
+				if r.o.verify && r.o.noGap && r.o.load {
+					// Before the store, so that nothing runs between it
+					// and the load.
+					if err := c.layout.Poison(c.mem); err != nil {
+						return err
+					}
+				}
 				r.prog.Start(fmt.Sprintf("store %s sums=%v %s keys, %d jobs", path, sums, sizeOf(g.KeyBytes()), jobs), keys)
 				cpu := bench.CPUTime()
 				reused, before := eng.Stats().Reused, fileStats(gp)
@@ -399,20 +406,26 @@ func (r *benchRun) keySize(ctx context.Context, eng *engine.Engine, gp *gpuPaths
 			if err != nil {
 				return err
 			}
-			// The ceiling is timed in every round, between the round's
-			// store and its load, and summed like the engine's phases:
-			// engine and ceiling see the same machine at the same time.
-			if err := r.settle(ctx, eng, gp); err != nil {
-				return err
-			}
 			// Stores into files that exist (a full cache's evicted files,
 			// spares made ahead) are held to writes into files that exist:
 			// with spares made ahead, where every file of the round's stores
 			// took a spare (a round that wrote some fresh files is held to
 			// fresh writes, the faster ceiling at 16 jobs on tmpfs).
 			overwrite := r.o.full || (r.ahead > 0 && lastReused > 0 && lastReused >= uint64(len(files)))
-			if err := r.measureCeilings(ctx, files, jobs, eng.Stats().Mounts[0].Direct, overwrite, &ceil); err != nil {
-				return err
+			// The ceiling is timed in every round, between the round's
+			// store and its load (after the load with --no-gap), and
+			// summed like the engine's phases: engine and ceiling see the
+			// same machine at the same time.
+			ceilings := func() error {
+				if err := r.settle(ctx, eng, gp); err != nil {
+					return err
+				}
+				return r.measureCeilings(ctx, files, jobs, eng.Stats().Mounts[0].Direct, overwrite, &ceil)
+			}
+			if !r.o.noGap || !r.o.load {
+				if err := ceilings(); err != nil {
+					return err
+				}
 			}
 			if !r.o.load {
 				continue
@@ -422,13 +435,15 @@ func (r *benchRun) keySize(ctx context.Context, eng *engine.Engine, gp *gpuPaths
 					return err
 				}
 			}
-			if r.o.verify {
+			if r.o.verify && !r.o.noGap {
 				if err := c.layout.Poison(c.mem); err != nil {
 					return err
 				}
 			}
-			if err := r.settle(ctx, eng, gp); err != nil {
-				return err
+			if !r.o.noGap {
+				if err := r.settle(ctx, eng, gp); err != nil {
+					return err
+				}
 			}
 			r.prog.Start(fmt.Sprintf("load %s sums=%v %s keys, %d jobs", path, sums, sizeOf(g.KeyBytes()), jobs), keys)
 			hits := 0
@@ -458,6 +473,11 @@ func (r *benchRun) keySize(ctx context.Context, eng *engine.Engine, gp *gpuPaths
 				}
 			}
 			ld.add(d, lat, int64(hits)*g.KeyBytes(), hits, verified)
+			if r.o.noGap {
+				if err := ceilings(); err != nil {
+					return err
+				}
+			}
 		}
 		mover := r.moverName(gp)
 		io := eng.Stats().Mounts[0].IO
@@ -467,7 +487,7 @@ func (r *benchRun) keySize(ctx context.Context, eng *engine.Engine, gp *gpuPaths
 		cp := ceil.pair(jobs)
 		base := bench.Run{
 			Path: path, Mover: mover, IO: io, Checksums: sums, Checksummed: summed, Jobs: jobs, TokensPerKey: tpk,
-			KeyBytes: g.KeyBytes(), KeysPerJob: r.o.keysPerJob, KeysPerFile: perFile, Keys: keys, Preallocate: r.ahead,
+			KeyBytes: g.KeyBytes(), KeysPerJob: r.o.keysPerJob, KeysPerFile: perFile, Keys: keys, Preallocate: r.ahead, NoGap: r.o.noGap && r.o.load,
 		}
 		if r.o.store {
 			r.rep.Runs = append(r.rep.Runs, st.run(base, bench.Store, keys, cp.write, ceil.wround))

@@ -380,6 +380,44 @@ func TestBenchMovesRegisteredFilesDirectlyAsTheDaemonDoes(t *testing.T) {
 	}
 }
 
+// TestBenchNoGapLoadsRightAfterTheStoreAndSaysSo: with --no-gap every
+// load phase is marked, its bytes verified and held to ceilings measured
+// in the same rounds (after the loads); without, none is marked. (Which
+// path the loads take depends on the registrar's pace: the GPU machine's
+// figures say, not a unit test.)
+func TestBenchNoGapLoadsRightAfterTheStoreAndSaysSo(t *testing.T) {
+	lib := cudatest.Build(t)
+	for _, tc := range []struct {
+		name  string
+		noGap bool
+	}{{"no gap", true}, {"gap", false}} {
+		t.Run(tc.name, func(t *testing.T) {
+			args := []string{"--memory", "gpu", "--cuda-library", lib, "--path", "staging", "--preallocate", "0",
+				"--rounds", "2", "--jobs", "2", "--tokens-per-key", "16", "--total", "4MiB"}
+			if tc.noGap {
+				args = append(args, "--no-gap")
+			}
+			rep := benchOnMemory(t, args...)
+			loads := 0
+			for _, x := range rep.Runs {
+				if x.Direction != bench.Load {
+					continue
+				}
+				loads++
+				if x.NoGap != tc.noGap {
+					t.Errorf("load marked no_gap %v, want %v", x.NoGap, tc.noGap)
+				}
+				if x.VerifiedBytes != int64(x.Keys)*x.KeyBytes || x.Ceiling.GBps <= 0 || x.Fraction <= 0 {
+					t.Errorf("load: %d of %d bytes verified, ceiling %v GB/s, fraction %v", x.VerifiedBytes, int64(x.Keys)*x.KeyBytes, x.Ceiling.GBps, x.Fraction)
+				}
+			}
+			if loads == 0 {
+				t.Fatal("no load phase reported")
+			}
+		})
+	}
+}
+
 // TestBenchStoresIntoSparesMadeAheadWithPreallocate: with --preallocate
 // of a round's bytes, every store of a cache with room writes into a
 // spare file the engine made ahead, and (on the fake CUDA library) every
@@ -537,6 +575,7 @@ func TestBenchRejectsBadFlagsNamingThem(t *testing.T) {
 		{[]string{"--dir", dir, "--preallocate", "-1GiB"}, 2, "--preallocate"},
 		{[]string{"--dir", dir, "--full", "--keys", "8"}, 2, "--full"},
 		{[]string{"--dir", dir, "--full", "--mix", "read"}, 2, "--full"},
+		{[]string{"--dir", dir, "--no-gap", "--mix", "read"}, 2, "--no-gap"},
 		{[]string{"--dir", dir, "--keys-per-file", "257"}, 2, "--keys-per-file 257"},
 		{[]string{"--dir", dir, "--keys-per-file", "-1"}, 2, "--keys-per-file -1"},
 		{[]string{"--dir", dir, "--memory", "gpu", "--cuda-library", missing}, 1, "--memory gpu"},

@@ -383,7 +383,7 @@ func keepsSpares(fsMagic int64, layout string, reuse bool) bool {
 // ahead of stores: spares keeps says the engine keeps spares there (a
 // memory file system in kvhost's layout, engine.reuse_files on), and
 // effective is the capacity the engine will see (auto is an eighth of
-// it, at most 4 GiB).
+// it, at most the larger of 4 GiB and a sixteenth of the machine's memory).
 func preallocateFinding(p config.AutoSize, keeps bool, effective int64) (level, what, fix string) {
 	switch {
 	case !keeps && p.Given && p.Bytes > 0:
@@ -393,12 +393,12 @@ func preallocateFinding(p config.AutoSize, keeps bool, effective int64) (level, 
 		return "", "", ""
 	case p.Given && p.Bytes == 0:
 		return levelInfo, "no spare files made ahead of stores (preallocate = 0): stores into a cache with room write fresh files, through the GPU path's pinned buffers",
-			`leave preallocate unset (or "auto") where the node can hold an eighth of the capacity, at most 4 GiB, before the cache fills`
+			`leave preallocate unset (or "auto") where the node can hold an eighth of the capacity (at most the larger of 4 GiB and a sixteenth of its memory) before the cache fills`
 	case p.Given:
 		return levelOK, fmt.Sprintf("spare files made ahead of stores in idle moments: up to %s, shared evenly by the models (namespaces) storing here", sizeOf(int64(p.Bytes))), ""
 	}
-	budget := engine.AutoPreallocate(effective)
-	return levelOK, fmt.Sprintf("spare files made ahead of stores in idle moments: up to %s (preallocate auto: an eighth of the capacity, at most 4 GiB and %d files of a size), shared evenly by the models (namespaces) storing here",
+	budget := engine.AutoPreallocate(effective, engine.MachineMemory())
+	return levelOK, fmt.Sprintf("spare files made ahead of stores in idle moments: up to %s (preallocate auto: an eighth of the capacity, at most the larger of 4 GiB and a sixteenth of the machine's memory, and %d files of a size), shared evenly by the models (namespaces) storing here",
 		sizeOf(budget), engine.MaxAutoSpareFiles), ""
 }
 

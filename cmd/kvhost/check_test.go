@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"github.com/kvhost/kvhost/host/engine"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -211,7 +212,7 @@ func TestPreallocateFindingSaysWhatIsMadeAhead(t *testing.T) {
 		want      string
 	}{
 		{"auto on tmpfs", config.Auto, true, 16 * gib, levelOK, "up to 2 GiB (preallocate auto"},
-		{"auto on a large tmpfs", config.Auto, true, 100 * gib, levelOK, "up to 4 GiB (preallocate auto"},
+		{"auto on a large tmpfs", config.Auto, true, 100 * gib, levelOK, "up to " + sizeOf(engine.AutoPreallocate(100*gib, engine.MachineMemory())) + " (preallocate auto"},
 		{"a size on tmpfs", config.SizeOf(8 * gib), true, 100 * gib, levelOK, "up to 8 GiB, shared"},
 		{"turned off", config.SizeOf(0), true, 100 * gib, levelInfo, "no spare files made ahead"},
 		{"a size on a disk", config.SizeOf(gib), false, 100 * gib, levelWarn, "has no effect here"},

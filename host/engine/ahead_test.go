@@ -858,24 +858,26 @@ func TestSpareSizeFromFilesOfFewerKeysOnlyGrows(t *testing.T) {
 	}
 }
 
-func TestAutoPreallocateIsAnEighthOfAMemoryMountsCapacityAtMost4GiB(t *testing.T) {
+func TestAutoPreallocateIsAnEighthOfAMemoryMountsCapacityBoundedByMemory(t *testing.T) {
 	g := smallGeometry(false)
 	fileLen := int64(4096) + alignTo(g.KeyBytes(), format.Align)
 	tests := []struct {
 		name        string
 		dir         func(t *testing.T) string
 		huge        bool // the file system says it holds 1 PiB
+		memory      int64
 		capacity    int64
 		preallocate int64
 		noReuse     bool
 		want        int64 // 0: none; -8: an eighth of the effective capacity
 	}{
-		{"auto on a memory mount", tmpfsDir, false, 64 * fileLen, PreallocateAuto, false, -8},
-		{"auto on a memory mount of 1 PiB", tmpfsDir, true, 0, PreallocateAuto, false, MaxAutoPreallocate},
-		{"auto on a disk", func(t *testing.T) string { return t.TempDir() }, false, 64 * fileLen, PreallocateAuto, false, 0},
-		{"auto without reuse_files", tmpfsDir, false, 64 * fileLen, PreallocateAuto, true, 0},
-		{"0 turns it off", tmpfsDir, false, 64 * fileLen, 0, false, 0},
-		{"a size given", tmpfsDir, false, 64 * fileLen, 3 * fileLen, false, 3 * fileLen},
+		{"auto on a memory mount", tmpfsDir, false, 0, 64 * fileLen, PreallocateAuto, false, -8},
+		{"auto on a memory mount of 1 PiB, 32 GiB of memory", tmpfsDir, true, 32 << 30, 0, PreallocateAuto, false, MaxAutoPreallocate},
+		{"auto on a memory mount of 1 PiB, 256 GiB of memory", tmpfsDir, true, 256 << 30, 0, PreallocateAuto, false, 16 << 30},
+		{"auto on a disk", func(t *testing.T) string { return t.TempDir() }, false, 0, 64 * fileLen, PreallocateAuto, false, 0},
+		{"auto without reuse_files", tmpfsDir, false, 0, 64 * fileLen, PreallocateAuto, true, 0},
+		{"0 turns it off", tmpfsDir, false, 0, 64 * fileLen, 0, false, 0},
+		{"a size given", tmpfsDir, false, 0, 64 * fileLen, 3 * fileLen, false, 3 * fileLen},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -884,7 +886,7 @@ func TestAutoPreallocateIsAnEighthOfAMemoryMountsCapacityAtMost4GiB(t *testing.T
 				fs = hugeFS{fs}
 			}
 			e := openEngine(t, Config{Mounts: []Mount{{Path: tt.dir(t), Capacity: tt.capacity, Preallocate: tt.preallocate}},
-				Policy: newTestPolicy(1, 0), NoReuse: tt.noReuse, FS: fs})
+				Policy: newTestPolicy(1, 0), NoReuse: tt.noReuse, FS: fs, Memory: tt.memory})
 			m := e.Stats().Mounts[0]
 			want := tt.want
 			if want == -8 {

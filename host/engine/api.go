@@ -126,17 +126,26 @@ type Mount struct {
 }
 
 // PreallocateAuto is a Mount.Preallocate that lets the engine choose: on
-// a memory file system where it keeps spares, an eighth of the mount's
-// capacity at Open, at most MaxAutoPreallocate bytes, in at most
-// MaxAutoSpareFiles spares of a size; elsewhere none.
+// a memory file system where it keeps spares, AutoPreallocate of the
+// mount's capacity at Open, in at most MaxAutoSpareFiles spares of a size;
+// elsewhere none.
 const PreallocateAuto int64 = -1
 
-// MaxAutoPreallocate is the most bytes PreallocateAuto makes ahead.
+// MaxAutoPreallocate is the most bytes PreallocateAuto makes ahead on a
+// machine of at most 64 GiB of memory; larger machines allow a sixteenth
+// of their memory (AutoPreallocate).
 const MaxAutoPreallocate int64 = 4 << 30
 
 // AutoPreallocate is the budget PreallocateAuto gives a mount that keeps
-// spares, of capacity bytes: an eighth of it, at most MaxAutoPreallocate.
-func AutoPreallocate(capacity int64) int64 { return max(0, min(MaxAutoPreallocate, capacity/8)) }
+// spares, of capacity bytes on a machine of memory bytes (0: unknown): an
+// eighth of the capacity, at most the larger of MaxAutoPreallocate and a
+// sixteenth of the memory. A burst of stores larger than the spares
+// writes fresh files, which reach the GPU path's fast path only once
+// registered: a machine with memory to spare holds more of a burst
+// (docs/engine.md, "Spare files made ahead").
+func AutoPreallocate(capacity, memory int64) int64 {
+	return max(0, min(max(MaxAutoPreallocate, memory/16), capacity/8))
+}
 
 // MaxAutoSpareFiles is the most spares of one size PreallocateAuto keeps
 // made ahead: small keys would otherwise make tens of thousands of files,
@@ -185,6 +194,10 @@ type Config struct {
 	// keeping them for later stores of the same size to write into
 	// (spare files: docs/engine.md).
 	NoReuse bool
+	// Memory is the machine's memory in bytes, which bounds the spares
+	// PreallocateAuto makes ahead (AutoPreallocate); 0 reads it from the
+	// kernel (sysinfo).
+	Memory int64
 	// IOWorkers is the number of I/O workers: files in flight (default:
 	// DefaultIOWorkers).
 	IOWorkers int

@@ -39,6 +39,7 @@ type Engine struct {
 	kvMounts  int // mounts of kvhost's layout: the first ones; the rest are vllm-fs
 	now       func() time.Time
 	node      string    // this node's name in temporary file names
+	memory    int64     // the machine's memory (Config.Memory)
 	lock      fsys.File // Config.LockFile, flocked for the engine's life
 	dirs      sync.Map  // directories known to exist
 	unsynced  sync.Map  // directories created, not yet fsynced (Config.Fsync)
@@ -135,6 +136,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		fs:       cfg.FS,
 		now:      cfg.Now,
 		node:     nodeName(cfg.NodeID),
+		memory:   machineMemory(cfg.Memory),
 		fails:    &failureLog{log: cfg.Logger, interval: 10 * time.Second},
 		nsByFP:   map[uint64]NamespaceID{},
 		caches:   map[CacheID]*cache{},

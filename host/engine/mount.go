@@ -2,6 +2,7 @@ package engine
 
 import (
 	"fmt"
+	"golang.org/x/sys/unix"
 	"path/filepath"
 	"sync"
 	"time"
@@ -222,7 +223,7 @@ func (e *Engine) reportMounts() {
 			}
 			m.ahead = 0
 		case auto:
-			m.ahead, m.aheadFiles = AutoPreallocate(capacity), MaxAutoSpareFiles
+			m.ahead, m.aheadFiles = AutoPreallocate(capacity, e.memory), MaxAutoSpareFiles
 		}
 		e.log.Info("engine: mount", "mount", m.root, "io", m.ioName(), "why", m.ioWhy, "backend", m.backend,
 			"checksums", m.checksums, "capacity", capacity, "used", used, "reserve", m.reserve, "preallocate", m.ahead, "preallocate_auto", auto)
@@ -231,6 +232,24 @@ func (e *Engine) reportMounts() {
 				"mount", m.root, "configured", m.configured, "effective", capacity, "reserve", m.reserve)
 		}
 	}
+}
+
+// machineMemory is configured, or else MachineMemory.
+func machineMemory(configured int64) int64 {
+	if configured > 0 {
+		return configured
+	}
+	return MachineMemory()
+}
+
+// MachineMemory is the machine's memory in bytes as the kernel reports it
+// (sysinfo), or 0 if it cannot.
+func MachineMemory() int64 {
+	var si unix.Sysinfo_t
+	if unix.Sysinfo(&si) != nil {
+		return 0
+	}
+	return int64(si.Totalram) * int64(si.Unit)
 }
 
 // isMemoryFS reports whether file system magic is a memory file system.

@@ -167,6 +167,10 @@ type Run struct {
 	// make them, and the GPU path register them, before each timed phase
 	// and ceiling.
 	Preallocate int64 `json:"preallocate,omitempty"`
+	// NoGap says a load phase began right after its round's store, with
+	// no idle moment for the GPU path to register the new files (the
+	// round's ceilings were measured after the load).
+	NoGap bool `json:"no_gap,omitempty"`
 	// DirectFiles is how many of a phase's files, per round, moved
 	// straight between GPU memory and the file's registered pages
 	// (gpu.register_files) instead of through the pinned buffers.

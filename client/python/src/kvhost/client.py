@@ -406,10 +406,10 @@ class Client:
         is asked about the rest unless the table's misses are final
         (docs/protocol.md, "Shared lookup table")."""
         ns = ns.id if isinstance(ns, Namespace) else ns
-        body = p.keys_body(keys)  # checks the keys as the daemon would
         table = self._table if self._table is not None else self._open_table()
         fp = self._fps.get(ns)
         if table and fp is not None:
+            p.check_keys(keys)  # as the daemon would
             if self._closed is not None:
                 raise self._closed
             got = table.leading(fp, keys)
@@ -420,7 +420,7 @@ class Client:
                         self._lookups["table"] += 1
                     return n
                 return n + self._lookup_daemon(ns, p.keys_body(keys[n:]))
-        return self._lookup_daemon(ns, body)
+        return self._lookup_daemon(ns, p.keys_body(keys))
 
     def touch(self, ns, keys):
         """Asks the daemon itself about keys, which counts each hit as an

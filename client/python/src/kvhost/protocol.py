@@ -73,6 +73,15 @@ def frame(ftype, req_id, body):
     return HEADER.pack(len(body), ftype, 0, req_id) + body
 
 
+def check_keys(keys):
+    """Raises ValueError where keys_body would, without encoding them."""
+    if not 1 <= len(keys) <= MAX_KEYS_PER_REQUEST:
+        raise ValueError(f"{len(keys)} keys: want 1..{MAX_KEYS_PER_REQUEST}")
+    for k in keys:
+        if not 1 <= len(k) <= MAX_KEY_LEN:
+            raise ValueError(f"key of {len(k)} bytes: want 1..{MAX_KEY_LEN}")
+
+
 def keys_body(keys):
     if not 1 <= len(keys) <= MAX_KEYS_PER_REQUEST:
         raise ValueError(f"{len(keys)} keys: want 1..{MAX_KEYS_PER_REQUEST}")
