@@ -51,6 +51,12 @@ func (e *Engine) Declare(ctx context.Context, g Geometry) (NamespaceID, error) {
 	} else if e.kvMounts == 0 {
 		return 0, fmt.Errorf("%w: namespace %q: every mount is a vllm-fs mount serving its own namespace, and none serves this one", ErrInvalid, g.Model)
 	}
+	if sp, ok := e.pol.(*switchPolicy); ok {
+		// A policy swap waits for this declaration to be marked, so
+		// that the new policy is told of it (ReplacePolicy).
+		sp.declMu.RLock()
+		defer sp.declMu.RUnlock()
+	}
 	e.mu.Lock()
 	if e.closed {
 		e.mu.Unlock()

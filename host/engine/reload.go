@@ -13,10 +13,18 @@ import (
 // ReplacePolicy builds a new placement policy from the engine's index and
 // makes it the engine's policy (a configuration reload): calls that begin
 // after the swap go to the new policy; the old one is closed once every
-// call it was serving has returned. If build fails, the engine keeps its
-// policy and ReplacePolicy returns the error, wrapping ErrPolicy. The
-// engine owns (and closes) the new policy. The chunk layout of namespaces
-// declared before the swap does not change.
+// call it was serving has returned. If build (or bringing the new policy
+// up to date) fails, the engine keeps its policy and ReplacePolicy returns
+// the error, wrapping ErrPolicy. The engine owns (and closes) the new
+// policy. The chunk layout of namespaces declared before the swap does not
+// change.
+//
+// The swap is atomic with respect to declarations and events: before it,
+// with Declare held off and no policy call in flight through the engine,
+// the new policy is told every namespace declared while it was built, a
+// RESTORE of every entry stored and a REMOVE of every entry removed since
+// its build read the index, and the current mount description. After it,
+// every event goes to the new policy only.
 //
 // Pins the old policy was told of are not replayed into the new one: its
 // victims are checked against the index, which knows them (policy.Host
@@ -34,17 +42,17 @@ func (e *Engine) ReplacePolicy(ctx context.Context, build func(idx policy.Index)
 	if closed {
 		return ErrClosed
 	}
-	p, err := build(e.Index())
+	view := &buildView{Index: e.Index(), nsSeen: map[uint32]int{}, seen: map[uint64]struct{}{}}
+	p, err := build(view)
 	if err != nil {
 		return fmt.Errorf("%w: new policy: %w", ErrPolicy, err)
 	}
-	old := sp.swap(&heldPolicy{p: p, owned: true})
-	// Entries stored while the new policy was being built were reported
-	// to the old one; telling the new one again is harmless (a restore
-	// record of an entry it knows refreshes it).
-	e.restore(ctx)
-	if e.tier != nil {
-		e.sendMounts(ctx, true) // the new policy's first mount description (demote.go)
+	old, err := e.catchUpAndSwap(ctx, sp, p, view)
+	if err != nil {
+		if cerr := p.Close(context.WithoutCancel(ctx)); cerr != nil {
+			e.log.Warn("engine: closing the policy that failed to catch up", "err", cerr)
+		}
+		return fmt.Errorf("%w: new policy: %w", ErrPolicy, err)
 	}
 	old.calls.Wait()
 	if old.owned {
@@ -53,6 +61,130 @@ func (e *Engine) ReplacePolicy(ctx context.Context, build func(idx policy.Index)
 		}
 	}
 	return nil
+}
+
+// catchUpAndSwap tells p what changed while it was built from view (see
+// ReplacePolicy) and swaps it in, returning the policy it replaced. The
+// locks are taken in the engine's order: declarations (sp.declMu), the
+// mount description (tierDriver.mu), policy calls (sp.mu), the index
+// (e.mu, briefly). Nothing holding e.mu calls the policy.
+func (e *Engine) catchUpAndSwap(ctx context.Context, sp *switchPolicy, p policy.Policy, view *buildView) (*heldPolicy, error) {
+	ctx = context.WithoutCancel(ctx)
+	sp.declMu.Lock() // no Declare between the namespaces told and the swap
+	defer sp.declMu.Unlock()
+	for _, ns := range view.missedNamespaces() {
+		if _, err := p.Namespace(ctx, ns); err != nil {
+			return nil, fmt.Errorf("namespace %d declared during the build: %w", ns.NS, err)
+		}
+	}
+	d := e.tier
+	if d != nil {
+		d.mu.Lock() // no mount description sent to the old policy meanwhile
+		defer d.mu.Unlock()
+	}
+	sp.mu.Lock() // no policy call through the engine until the swap
+	defer sp.mu.Unlock()
+	if recs := view.missedEvents(e); len(recs) > 0 {
+		for len(recs) > 0 {
+			n := min(len(recs), abi.MaxBatch)
+			if err := p.Access(ctx, recs[:n]); err != nil {
+				return nil, fmt.Errorf("entries changed during the build: %w", err)
+			}
+			recs = recs[n:]
+		}
+	}
+	var mounts []abi.MountRecord
+	if t, ok := p.(policy.Tiering); ok && d != nil {
+		mounts = e.mountRecords(d.descs)
+		if err := t.UpdateMounts(ctx, mounts); err != nil {
+			return nil, fmt.Errorf("mount description: %w", err)
+		}
+	}
+	if mounts != nil {
+		d.last = mounts
+		e.tierSt.mountUpdates.Add(1)
+	}
+	old := sp.cur
+	sp.cur = &heldPolicy{p: p, owned: true}
+	return old, nil
+}
+
+// buildView is the index a replacement policy is built from: it records
+// what the build read (the namespaces of each Namespaces call, the entries
+// Range passed on) until done, so that ReplacePolicy can tell the policy
+// what changed since.
+type buildView struct {
+	policy.Index
+	mu     sync.Mutex
+	done   bool
+	calls  int                 // Namespaces calls
+	nsSeen map[uint32]int      // namespace → calls that returned it
+	seen   map[uint64]struct{} // entries passed on by Range
+}
+
+// Namespaces implements policy.Index.
+func (v *buildView) Namespaces() []abi.NamespaceRecord {
+	out := v.Index.Namespaces()
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	if !v.done {
+		v.calls++
+		for _, ns := range out {
+			v.nsSeen[ns.NS]++
+		}
+	}
+	return out
+}
+
+// Range implements policy.Index.
+func (v *buildView) Range(fn func(policy.Entry) bool) {
+	v.Index.Range(func(en policy.Entry) bool {
+		v.mu.Lock()
+		if !v.done {
+			v.seen[en.ID] = struct{}{}
+		}
+		v.mu.Unlock()
+		return fn(en)
+	})
+}
+
+// missedNamespaces returns the namespaces declared now that some read of
+// the build did not return (every one when the build never asked).
+func (v *buildView) missedNamespaces() []abi.NamespaceRecord {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	var out []abi.NamespaceRecord
+	for _, ns := range v.Index.Namespaces() {
+		if v.nsSeen[ns.NS] < v.calls || v.calls == 0 {
+			out = append(out, ns)
+		}
+	}
+	return out
+}
+
+// missedEvents returns, and stops recording, a RESTORE of every entry of
+// the index the build did not read, and a REMOVE of every entry it read
+// that is gone. The caller holds sp.mu: no event is in flight to a policy.
+func (v *buildView) missedEvents(e *Engine) []abi.AccessRecord {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	v.done = true
+	var recs []abi.AccessRecord
+	now := e.now().UnixNano()
+	e.mu.Lock()
+	for id, en := range e.entries {
+		if _, ok := v.seen[id]; !ok {
+			recs = append(recs, en.access(abi.AccessRestore, en.last))
+		}
+	}
+	for id := range v.seen {
+		if _, ok := e.entries[id]; !ok {
+			recs = append(recs, abi.AccessRecord{Entry: id, Time: uint64(now), Kind: abi.AccessRemove})
+		}
+	}
+	e.mu.Unlock()
+	v.seen = nil
+	return recs
 }
 
 // SetVerifyInterval changes Config.VerifyInterval of a running engine.
@@ -72,6 +204,12 @@ type heldPolicy struct {
 // the old one before closing it.
 type switchPolicy struct {
 	replaceMu sync.Mutex // one replacement at a time
+	// declMu is held for reading by Declare from its policy call until
+	// the namespace is marked declared, and for writing by ReplacePolicy
+	// from telling the new policy the namespaces it missed until the
+	// swap: a declaration reaches the old policy and the new one's
+	// catch-up, or the new policy itself.
+	declMu sync.RWMutex
 
 	mu  sync.RWMutex
 	cur *heldPolicy
@@ -89,14 +227,6 @@ func (s *switchPolicy) acquire() *heldPolicy {
 	h.calls.Add(1)
 	s.mu.RUnlock()
 	return h
-}
-
-func (s *switchPolicy) swap(h *heldPolicy) *heldPolicy {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	old := s.cur
-	s.cur = h
-	return old
 }
 
 func (s *switchPolicy) Features() abi.Feature {
