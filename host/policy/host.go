@@ -96,6 +96,23 @@ type Host struct {
 type ledger struct {
 	pins     map[uint64]uint32
 	maxEntry uint64
+	// removed holds the last removedWindow entries the plugin was sent a
+	// REMOVE for (and no INSERT or RESTORE since), oldest first in
+	// removedRing: offering one of them is a plugin failure.
+	removed     map[uint64]struct{}
+	removedRing []uint64
+	removedNext int
+}
+
+// removedWindow is how many removed entries a ledger remembers per shard
+// (16 bytes each in the ring and about 40 in the map): a plugin that
+// ignores REMOVE records offers the entries it last had, the ones removed
+// last, so a window catches it without a set that grows with every
+// eviction of the process's life.
+const removedWindow = 1 << 14
+
+func newLedger() ledger {
+	return ledger{pins: map[uint64]uint32{}, removed: map[uint64]struct{}{}}
 }
 
 // apply records an access record delivered to the plugin.
@@ -112,7 +129,28 @@ func (l *ledger) apply(r *abi.AccessRecord) {
 		}
 	case abi.AccessRemove:
 		delete(l.pins, r.Entry)
+		l.remember(r.Entry)
+	case abi.AccessInsert, abi.AccessRestore:
+		// Told again that it exists (a late RESTORE after a rebuild):
+		// the plugin may offer it; the index says whether it is stale.
+		delete(l.removed, r.Entry)
 	}
+}
+
+// remember adds id to the removed entries, forgetting the oldest beyond
+// removedWindow.
+func (l *ledger) remember(id uint64) {
+	if _, ok := l.removed[id]; ok {
+		return
+	}
+	if len(l.removedRing) < removedWindow {
+		l.removedRing = append(l.removedRing, id)
+	} else {
+		delete(l.removed, l.removedRing[l.removedNext])
+		l.removedRing[l.removedNext] = id
+		l.removedNext = (l.removedNext + 1) % removedWindow
+	}
+	l.removed[id] = struct{}{}
 }
 
 // shard is one instance and the reusable buffers of calls on it.
@@ -195,10 +233,13 @@ func NewNative(newPolicy func() guest.Policy, idx Index, cfg Config) (*Host, err
 
 func start(ctx context.Context, name string, idx Index, cfg Config, b backend, canFallback bool) (*Host, error) {
 	h := &Host{name: name, idx: idx, cfg: cfg, log: cfg.Logger.With("policy", name), canFallback: canFallback}
+	if wb, ok := b.(*wasmBackend); ok {
+		wb.slow = &h.stats.slowCalls // kept when the backend is closed
+	}
 	h.initCfg = make([][]byte, cfg.Shards)
 	h.ledgers = make([]ledger, cfg.Shards)
 	for i := range h.ledgers {
-		h.ledgers[i].pins = map[uint64]uint32{}
+		h.ledgers[i] = newLedger()
 	}
 	for i := range h.initCfg {
 		c, err := cfg.initConfig(i)
@@ -822,9 +863,6 @@ func (h *Host) Stats() Stats {
 	s.Fallback, s.FallbackReason = h.mu.fallback, h.mu.reason
 	if h.mu.backend != nil {
 		s.Backend = h.mu.backend.kind()
-	}
-	if wb, ok := h.mu.backend.(*wasmBackend); ok {
-		s.SlowCalls = wb.slow.Load()
 	}
 	return s
 }

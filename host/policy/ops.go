@@ -1,6 +1,7 @@
 package policy
 
 import (
+	"errors"
 	"fmt"
 	"slices"
 
@@ -149,6 +150,7 @@ func (o *accessOp) write(s *shard, scratch []byte) int32 {
 		copy(abi.View[abi.AccessRecord](scratch, len(o.recs)), o.recs)
 		for i := range o.recs {
 			s.ledger.maxEntry = max(s.ledger.maxEntry, o.recs[i].Entry)
+			delete(s.ledger.removed, o.recs[i].Entry)
 		}
 		return int32(len(o.recs))
 	}
@@ -212,7 +214,7 @@ func (o *evictOp) read(h *Host, s *shard, scratch []byte, st int32) error {
 	}
 	s.seen = s.seen[:0]
 	for i := range v {
-		if err := s.choosable("victim", i, v[i].Entry, o.nshards); err != nil {
+		if err := s.choosable(h, "victim", i, v[i].Entry, o.nshards); err != nil {
 			return err
 		}
 	}
@@ -244,15 +246,24 @@ func (o *evictOp) read(h *Host, s *shard, scratch []byte, st int32) error {
 }
 func (o *evictOp) records(*shard) int { return 1 }
 
+// errRemovedOffered marks a victim or move of an entry the plugin was sent
+// a REMOVE for.
+var errRemovedOffered = errors.New("the plugin was sent its REMOVE: a plugin must forget a removed entry")
+
 // choosable checks that the plugin may name entry id as its i-th what (a
-// victim or a move): an entry reported to this shard, stored and not
-// pinned as far as the plugin was told. It adds id to s.seen.
-func (s *shard) choosable(what string, i int, id uint64, nshards int) error {
+// victim or a move): an entry reported to this shard, stored, not removed
+// and not pinned as far as the plugin was told. It adds id to s.seen. An
+// entry removed in the index but not yet reported is the caller's to skip.
+func (s *shard) choosable(h *Host, what string, i int, id uint64, nshards int) error {
+	_, removed := s.ledger.removed[id]
 	switch told := s.ledger.pins[id]; {
 	case route(id, nshards) != s.id:
 		return fmt.Errorf("%s %d: entry %d was never reported to this shard", what, i, id)
 	case id > s.ledger.maxEntry:
 		return fmt.Errorf("%s %d: entry %d was never reported to this shard (never stored)", what, i, id)
+	case removed:
+		h.stats.removed.Add(1)
+		return fmt.Errorf("%s %d: entry %d was removed: %w", what, i, id, errRemovedOffered)
 	case told > 0:
 		return fmt.Errorf("%s %d: entry %d is pinned (the plugin was told of %d pins)", what, i, id, told)
 	}
@@ -306,7 +317,7 @@ func (o *tickOp) read(h *Host, s *shard, scratch []byte, st int32) error {
 	s.seen = s.seen[:0]
 	for i := range v {
 		m := v[i]
-		if err := s.choosable("move", i, m.Entry, o.nshards); err != nil {
+		if err := s.choosable(h, "move", i, m.Entry, o.nshards); err != nil {
 			return err
 		}
 		switch {

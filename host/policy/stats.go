@@ -48,6 +48,10 @@ type Stats struct {
 	// StaleVictims counts victims skipped because the engine had pinned or
 	// removed them before the plugin could know; not failures.
 	StaleVictims uint64
+	// RemovedOffered counts victims and moves of entries the plugin had
+	// been sent a REMOVE for: each fails the call (a plugin that ignores
+	// REMOVE records), and is also counted in Failures and Rejections.
+	RemovedOffered uint64
 	// SlowCalls counts calls of the wasm plugin that finished within their
 	// fuel but after their wall-clock deadline (an overloaded machine); not
 	// failures.
@@ -68,6 +72,8 @@ type counters struct {
 	rejections   atomic.Uint64
 	replacements atomic.Uint64
 	staleVictims atomic.Uint64
+	slowCalls    atomic.Uint64
+	removed      atomic.Uint64
 }
 
 func (c *counters) snapshot() Stats {
@@ -80,5 +86,7 @@ func (c *counters) snapshot() Stats {
 	s.Rejections = c.rejections.Load()
 	s.Replacements = c.replacements.Load()
 	s.StaleVictims = c.staleVictims.Load()
+	s.SlowCalls = c.slowCalls.Load()
+	s.RemovedOffered = c.removed.Load()
 	return s
 }

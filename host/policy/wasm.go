@@ -47,8 +47,10 @@ type wasmBackend struct {
 	instances  sync.Map // api.Module → *wasmInstance, for hostLog
 	// slow counts calls that finished within their fuel but after their
 	// wall-clock deadline: the machine was slow (preemption, GC), not the
-	// plugin, so they are not failures.
-	slow atomic.Uint64
+	// plugin, so they are not failures. It points into the Host's
+	// counters once a Host runs the backend, so that the count outlives
+	// the backend (a close at reload, a switch to the fallback).
+	slow *atomic.Uint64
 
 	mu    sync.Mutex
 	spare *wasmInstance // the instance probed at load, used by the first shard
@@ -67,7 +69,7 @@ func newWasmBackend(ctx context.Context, module []byte, name string, cfg *Config
 	if err != nil {
 		return nil, fmt.Errorf("%w: %s: %w", ErrModule, name, err)
 	}
-	b := &wasmBackend{name: name, cfg: cfg, log: cfg.Logger.With("policy", name), limitPages: uint32(cfg.MemoryLimit / wasmPage)}
+	b := &wasmBackend{name: name, cfg: cfg, log: cfg.Logger.With("policy", name), limitPages: uint32(cfg.MemoryLimit / wasmPage), slow: new(atomic.Uint64)}
 	cache := cfg.Cache
 	if cache == nil && cfg.CacheDir != "" {
 		if cache, err = wazero.NewCompilationCacheWithDir(cfg.CacheDir); err != nil {
