@@ -16,7 +16,7 @@ import (
 func runHealth(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs := newFlagSet("kvhost health", "usage: kvhost health [--socket PATH] [--timeout D]\n\nExit 0 if the daemon answers (Hello and Stats) and no GPU it serves is broken, else 1 (Kubernetes exec probes).", stderr)
 	df := bindDaemonFlags(fs, 5*time.Second, "fail if the daemon has not answered by then")
-	allowFallback := fs.Bool("allow-fallback", true, "healthy even when the policy plugin fell back to native lru")
+	allowFallback := fs.Bool("allow-fallback", true, "healthy even when the policy plugin fell back to its native fallback (tiered on several mounts, lru on one)")
 	allowFaults := fs.Bool("allow-device-faults", false, "healthy even when a GPU's context is broken (a job failed there with a sticky CUDA error; every later job there fails until the daemon restarts)")
 	quiet := fs.Bool("quiet", false, "print nothing when healthy")
 	if code, ok := parseFlags(fs, args); !ok {
@@ -38,12 +38,12 @@ func runHealth(ctx context.Context, args []string, stdout, stderr io.Writer) int
 }
 
 // unhealthy says why a daemon that answered with r is unhealthy, or ""
-// where it is not: its policy fell back to native lru (unless
+// where it is not: its policy fell back to its native fallback (unless
 // allowFallback), or a GPU it serves has a broken context (unless
 // allowFaults).
 func unhealthy(r statsReport, allowFallback, allowFaults bool) string {
 	if r.Policy.Fallback && !allowFallback {
-		return fmt.Sprintf("the policy %s fell back to native lru: %s", r.Policy.Name, r.Policy.FallbackReason)
+		return fmt.Sprintf("the policy %s fell back to its native fallback: %s", r.Policy.Name, r.Policy.FallbackReason)
 	}
 	if !allowFaults {
 		for _, d := range r.Devices {

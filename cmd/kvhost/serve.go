@@ -28,6 +28,7 @@ import (
 	"github.com/kvhost/kvhost/metrics"
 	"github.com/kvhost/kvhost/plugins"
 	"github.com/kvhost/kvhost/plugins/lru"
+	"github.com/kvhost/kvhost/plugins/tiered"
 	"github.com/kvhost/kvhost/protocol"
 	"github.com/kvhost/kvhost/region"
 	"github.com/kvhost/kvhost/server"
@@ -507,9 +508,9 @@ func (d *daemon) policyBuilder(ctx context.Context, cfg config.Config) (*builtPo
 		Params:        cfg.Policy.PolicyParams(),
 		MaxFailures:   cfg.Policy.MaxFailures,
 		FailureWindow: time.Duration(cfg.Policy.FailureWindow),
-		Fallback:      func() guest.Policy { return lru.New() },
 		Logger:        log,
 	}
+	pcfg.FallbackName, pcfg.Fallback = fallbackPolicy(cfg)
 	if d.metrics != nil {
 		pcfg.OnCall = d.metrics.ObservePolicyCall
 	}
@@ -545,6 +546,29 @@ func (d *daemon) policyBuilder(ctx context.Context, cfg config.Config) (*builtPo
 		return h, err
 	}
 	return b, nil
+}
+
+// fallbackPolicy is the native policy a failing plugin falls back to: on a
+// daemon with several kvhost mounts the mount-aware tiered policy (its
+// defaults: mount 0 hot, mount 1 cold), since lru would put every new file
+// on mount 0 and delete what it evicts there instead of demoting it; lru
+// otherwise. Both name files alike (lru's scheme).
+func fallbackPolicy(cfg config.Config) (string, func() guest.Policy) {
+	if kvhostMounts(cfg) > 1 {
+		return tiered.Name, func() guest.Policy { return tiered.New() }
+	}
+	return "lru", func() guest.Policy { return lru.New() }
+}
+
+// kvhostMounts counts the mounts of kvhost's own layout (not vllm-fs).
+func kvhostMounts(cfg config.Config) int {
+	n := 0
+	for _, m := range cfg.Mounts {
+		if m.Layout != config.LayoutVLLMFS {
+			n++
+		}
+	}
+	return n
 }
 
 // nonEmpty is []string{s}, or nil when s is empty (the default search

@@ -163,7 +163,7 @@ func printStats(w io.Writer, r statsReport) {
 	}
 	pol := r.Policy.Name + " (" + r.Policy.Backend + ")"
 	if r.Policy.Fallback {
-		pol += ", FELL BACK to native lru: " + r.Policy.FallbackReason
+		pol += ", FELL BACK to its native fallback: " + r.Policy.FallbackReason
 	}
 	fmt.Fprintf(tw, "policy\t%s\n", pol)
 	rl := fmt.Sprintf("%d ok, %d failed", r.Reloads.OK, r.Reloads.Failed)

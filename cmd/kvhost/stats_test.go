@@ -42,7 +42,7 @@ func TestHealthFailsOnAFallenBackPolicyOrABrokenGPU(t *testing.T) {
 		{"no GPU", statsReport{}, false, false, ""},
 		{"a broken GPU", broken, true, false, "2 device faults on GPU 1 (jobs or registrations that failed with a sticky CUDA error"},
 		{"a broken GPU, faults allowed", broken, true, true, ""},
-		{"a fallen-back policy", fellBack, false, false, "the policy lfu fell back to native lru: trap"},
+		{"a fallen-back policy", fellBack, false, false, "the policy lfu fell back to its native fallback: trap"},
 		{"a fallen-back policy, allowed", fellBack, true, false, ""},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

@@ -94,6 +94,9 @@ func (e *Engine) Declare(ctx context.Context, g Geometry) (NamespaceID, error) {
 
 	rec, err := e.pol.Namespace(ctx, g.record(id, mounts))
 	if err != nil {
+		// The client sees the error; the operator must too (a plugin
+		// whose shards choose different layouts refuses every model).
+		e.log.Warn("engine: the policy refused a namespace", "ns", id, "model", g.Model, "err", err)
 		return 0, fmt.Errorf("%w: namespace %q: %w", ErrPolicy, g.Model, err)
 	}
 	if lm != nil {

@@ -69,6 +69,9 @@ type Config struct {
 	// when the plugin keeps failing. Nil means no fallback: the Host keeps
 	// replacing failed instances and returns their errors.
 	Fallback func() guest.Policy
+	// FallbackName names Fallback in logs and Stats.FallbackPolicy;
+	// default "native".
+	FallbackName string
 	// Logger receives the host's and the plugin's log messages. Nil means
 	// slog.Default().
 	Logger *slog.Logger

@@ -492,9 +492,17 @@ func (h *Host) switchToFallback(ctx context.Context, cause *Error) error {
 	}
 	_ = h.mu.backend.close(ctx)
 	h.mu.backend, h.mu.shards, h.mu.fallback, h.mu.reason = nb, shards, true, cause.Error()
-	h.log.Error("policy plugin disabled; using the native fallback policy",
+	h.log.Error("policy plugin disabled; using the native fallback policy", "fallback", h.fallbackName(),
 		"failures", h.cfg.MaxFailures, "window", h.cfg.FailureWindow, "reason", cause.Error())
 	return nil
+}
+
+// fallbackName is Config.FallbackName with its default.
+func (h *Host) fallbackName() string {
+	if h.cfg.FallbackName == "" {
+		return "native"
+	}
+	return h.cfg.FallbackName
 }
 
 // withShards runs fn over the current shards, switching to the fallback and
@@ -861,6 +869,9 @@ func (h *Host) Stats() Stats {
 	h.mu.RLock()
 	defer h.mu.RUnlock()
 	s.Fallback, s.FallbackReason = h.mu.fallback, h.mu.reason
+	if s.Fallback {
+		s.FallbackPolicy = h.fallbackName()
+	}
 	if h.mu.backend != nil {
 		s.Backend = h.mu.backend.kind()
 	}

@@ -60,6 +60,9 @@ type Stats struct {
 	Fallback bool
 	// FallbackReason is the failure that caused the switch.
 	FallbackReason string
+	// FallbackPolicy names the fallback (Config.FallbackName), set with
+	// Fallback.
+	FallbackPolicy string
 	// Backend is "wasm" or "native": what answers calls now.
 	Backend string
 }
