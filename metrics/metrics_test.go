@@ -105,7 +105,8 @@ func TestMetricsExposeSourcesAndObservations(t *testing.T) {
 		Engine: func() engine.Stats {
 			return engine.Stats{Entries: 3, Keys: 5, Stores: 5, Hits: 7, Misses: 2, Evictions: 1, BytesWritten: 4096,
 				StoreFailures: engine.Failures{NoSpace: 4},
-				Mounts:        []engine.MountStats{{Path: dir, Capacity: 1000, Used: 400, Entries: 3, IO: "buffered", Backend: "staging", Checksums: true}}}
+				Tiering:       engine.TierStats{Demotions: 74700, Promotions: 12, Moves: 30, MoveFailures: 2, DemotionDeletes: 5},
+				Mounts:        []engine.MountStats{{Path: dir, Capacity: 1000, Used: 400, Entries: 3, IO: "buffered", Backend: "staging", Checksums: true, MovedIn: 8, MovedOut: 9}}}
 		},
 		Server: func() server.Stats {
 			return server.Stats{Clients: 2, InflightJobs: 1, Regions: 3, RegisteredBytes: 1 << 20, Started: started,
@@ -113,7 +114,7 @@ func TestMetricsExposeSourcesAndObservations(t *testing.T) {
 		},
 		Policy: func() PolicyState {
 			return PolicyState{Name: "lru", Stats: policy.Stats{Backend: "native", Fallback: true, FallbackReason: "trap in kvhost_name",
-				Calls: map[string]uint64{"kvhost_name": 11}, Failures: 3, Replacements: 2}}
+				Calls: map[string]uint64{"kvhost_name": 11}, Failures: 3, Replacements: 2, RemovedOffered: 6}}
 		},
 		DataPaths: func() []DataPath { return []DataPath{{Mount: dir, Fallbacks: map[string]uint64{"cufile": 6}}} },
 		Reloads:   func() (uint64, uint64) { return 4, 1 },
@@ -153,6 +154,13 @@ func TestMetricsExposeSourcesAndObservations(t *testing.T) {
 		{"kvhost_hits_total", nil, 7},
 		{"kvhost_misses_total", nil, 2},
 		{"kvhost_evictions_total", nil, 1},
+		{"kvhost_demotions_total", nil, 74700},
+		{"kvhost_promotions_total", nil, 12},
+		{"kvhost_tick_moves_total", nil, 30},
+		{"kvhost_move_failures_total", nil, 2},
+		{"kvhost_demotion_deletes_total", nil, 5},
+		{"kvhost_mount_moved_in_files_total", mount, 8},
+		{"kvhost_mount_moved_out_files_total", mount, 9},
 		{"kvhost_written_bytes_total", nil, 4096},
 		{"kvhost_key_failures_total", map[string]string{"direction": "store", "reason": "no_space"}, 4},
 		{"kvhost_gpu_registered_files", nil, 6},
@@ -189,6 +197,7 @@ func TestMetricsExposeSourcesAndObservations(t *testing.T) {
 		{"kvhost_policy_fallback", map[string]string{"reason": "trap in kvhost_name"}, 1},
 		{"kvhost_policy_calls_total", map[string]string{"hook": "kvhost_name"}, 11},
 		{"kvhost_policy_failures_total", nil, 3},
+		{"kvhost_policy_removed_offered_total", nil, 6},
 		{"kvhost_policy_restarts_total", nil, 2},
 		{"kvhost_clients", nil, 2},
 		{"kvhost_jobs_in_flight", nil, 1},

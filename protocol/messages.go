@@ -683,6 +683,29 @@ type Stats struct {
 	// Spares is the spare-files section, appended after Daemon (sent only
 	// with it); nil in the reply of a daemon that predates it.
 	Spares *SpareStats
+	// Tiering is the tiering section, after the device-faults section
+	// (sent only with Spares); nil in the reply of a daemon that predates
+	// it.
+	Tiering *TierStats
+}
+
+// TierStats is the tiering section of a Stats reply: the files moved
+// between mounts (host/engine.TierStats) and the policy's fallback.
+type TierStats struct {
+	Demotions       uint64 // eviction victims moved to another mount
+	Promotions      uint64 // moves to an earlier (faster) mount
+	Moves           uint64 // moves the policy's tick asked for
+	MoveFailures    uint64
+	DemotionDeletes uint64      // victims deleted because their target was full
+	Mounts          []TierMount // one per Stats.Mounts, in order
+	// FallbackPolicy names the native policy the plugin fell back to
+	// ("" while it has not).
+	FallbackPolicy string
+}
+
+// TierMount is one mount's moves.
+type TierMount struct {
+	MovedIn, MovedOut uint64
 }
 
 // SpareStats is the spare-files section of a Stats reply: evicted files a
@@ -709,6 +732,9 @@ type DaemonStats struct {
 	PolicyBackend  string // what answers policy calls now: "wasm" or "native"
 	Fallback       bool   // the policy fell back to its native build
 	FallbackReason string
+	// FallbackPolicy names that native policy; sent in the tiering
+	// section of the reply (TierStats.FallbackPolicy), not in this one.
+	FallbackPolicy string
 	// Reloads and ReloadFailures count configuration reloads (SIGHUP);
 	// LastReload says how the last one went ("" before any).
 	Reloads, ReloadFailures uint64
@@ -822,7 +848,11 @@ func (m *Stats) fields() []*uint64 {
 // device: 16 bytes UUID (zero: unknown) | the made-ahead section (after
 // the device-identity section only): u64 spare files made ahead | the
 // device-faults section (after the made-ahead section only): u32 device
-// count (that of the devices above) | per device: u64 faults.
+// count (that of the devices above) | per device: u64 faults | the
+// tiering section if Tiering is set (after the device-faults section
+// only): u64 demotions, u64 promotions, u64 moves, u64 move failures, u64
+// demotion deletes | u32 mount count | per mount: u64 moved in, u64 moved
+// out | str8 fallback policy.
 func (m *Stats) AppendBody(b []byte) []byte {
 	for _, p := range m.fields() {
 		b = appendU64(b, *p)
@@ -852,6 +882,14 @@ func (m *Stats) AppendBody(b []byte) []byte {
 			b = appendU32(b, uint32(len(m.Devices)))
 			for _, dv := range m.Devices {
 				b = appendU64(b, dv.Faults)
+			}
+			if t := m.Tiering; t != nil {
+				b = appendU64(appendU64(appendU64(appendU64(appendU64(b, t.Demotions), t.Promotions), t.Moves), t.MoveFailures), t.DemotionDeletes)
+				b = appendU32(b, uint32(len(t.Mounts)))
+				for _, tm := range t.Mounts {
+					b = appendU64(appendU64(b, tm.MovedIn), tm.MovedOut)
+				}
+				b = appendStr8(b, t.FallbackPolicy, MaxName)
 			}
 		}
 	}
@@ -889,7 +927,7 @@ func (m *Stats) DecodeBody(b []byte) error {
 			dv.Limit = d.u64("device limit")
 		}
 	}
-	m.Daemon, m.Spares = nil, nil
+	m.Daemon, m.Spares, m.Tiering = nil, nil, nil
 	if d.err == nil && len(d.b) > 0 {
 		m.Daemon = decodeDaemon(&d)
 	}
@@ -919,7 +957,13 @@ func (m *Stats) DecodeBody(b []byte) error {
 			m.Devices[i].Faults = d.u64("device faults")
 		}
 	}
-	// Bytes after the device-faults section are sections of a later daemon,
+	if d.err == nil && len(d.b) > 0 && m.Spares != nil {
+		m.Tiering = decodeTiering(&d)
+		if m.Daemon != nil {
+			m.Daemon.FallbackPolicy = m.Tiering.FallbackPolicy
+		}
+	}
+	// Bytes after the tiering section are sections of a later daemon,
 	// which this client does not know: ignored, so that growing the reply
 	// never breaks a client (the sections before it are strict).
 	return d.err
@@ -1025,4 +1069,19 @@ func (m *Completion) DecodeBody(b []byte) error {
 	}
 	m.Message = d.str16("message", MaxMessage)
 	return d.end()
+}
+
+// decodeTiering decodes the tiering section of a Stats reply.
+func decodeTiering(d *decoder) *TierStats {
+	t := &TierStats{Demotions: d.u64("demotions"), Promotions: d.u64("promotions"), Moves: d.u64("moves"),
+		MoveFailures: d.u64("move failures"), DemotionDeletes: d.u64("demotion deletes")}
+	n := d.count("tier mount count", 0, maxMounts, 16)
+	if d.err == nil && n > 0 {
+		t.Mounts = make([]TierMount, n)
+		for i := range t.Mounts {
+			t.Mounts[i] = TierMount{MovedIn: d.u64("moved in"), MovedOut: d.u64("moved out")}
+		}
+	}
+	t.FallbackPolicy = d.str8("fallback policy", MaxName)
+	return t
 }

@@ -43,8 +43,10 @@ func sampleMessages() []Message {
 		&Stats{Clients: 2, Mounts: []MountStats{{Capacity: 10}}, Daemon: &DaemonStats{Started: 1 << 60, Policy: "lru", PolicyBackend: "native",
 			Fallback: true, FallbackReason: "trap", Reloads: 3, ReloadFailures: 1, LastReload: "ok; needs restart: server.socket",
 			InflightJobs: 4, Regions: 5, RegisteredBytes: 6 << 20, Mounts: []MountInfo{{Path: "/nvme/kv", Backend: "staging", IO: "direct", Checksums: true, Configured: 1 << 40, Reserve: 1 << 30}}}},
-		&Stats{Mounts: []MountStats{{Capacity: 10}}, Daemon: &DaemonStats{Policy: "lru", Mounts: []MountInfo{{Path: "/dev/shm/kv"}}},
-			Spares: &SpareStats{Reused: 9, Mounts: []SpareMount{{Files: 4, Bytes: 4 << 21}}}},
+		&Stats{Mounts: []MountStats{{Capacity: 10}}, Daemon: &DaemonStats{Policy: "lru", FallbackPolicy: "tiered", Mounts: []MountInfo{{Path: "/dev/shm/kv"}}},
+			Spares: &SpareStats{Reused: 9, Mounts: []SpareMount{{Files: 4, Bytes: 4 << 21}}},
+			Tiering: &TierStats{Demotions: 74700, Promotions: 3, Moves: 4, MoveFailures: 5, DemotionDeletes: 6,
+				Mounts: []TierMount{{MovedIn: 7, MovedOut: 8}}, FallbackPolicy: "tiered"}},
 		&Stats{Devices: []DeviceStats{{Ordinal: 0, UUID: [16]byte{1, 2, 3, 15: 4}}, {Ordinal: 1}},
 			Daemon: &DaemonStats{Policy: "lru"}, Spares: &SpareStats{}},
 		&Empty{T: TypeUnregisterCache | TypeReply},
@@ -156,12 +158,13 @@ func TestRejects(t *testing.T) {
 }
 
 // TestStatsIgnoresSectionsItDoesNotKnow: bytes after the last section it
-// knows (device faults; a later daemon's sections) are ignored, and
+// knows (tiering; a later daemon's sections) are ignored, and
 // everything before them decodes as before.
 func TestStatsIgnoresSectionsItDoesNotKnow(t *testing.T) {
 	want := &Stats{Clients: 2, Mounts: []MountStats{{Capacity: 10}}, Daemon: &DaemonStats{Policy: "lru", Mounts: []MountInfo{{Path: "/kv"}}},
 		Devices: []DeviceStats{{Ordinal: 0, UUID: [16]byte{7}, Faults: 1}},
-		Spares:  &SpareStats{Reused: 3, Mounts: []SpareMount{{Files: 2, Bytes: 1 << 21}}, Made: 4}}
+		Spares:  &SpareStats{Reused: 3, Mounts: []SpareMount{{Files: 2, Bytes: 1 << 21}}, Made: 4},
+		Tiering: &TierStats{Demotions: 5, Mounts: []TierMount{{MovedIn: 1}}}}
 	b := append(want.AppendBody(nil), 0xde, 0xad, 0xbe, 0xef)
 	got, err := Decode(TypeStats|TypeReply, b)
 	if err != nil {
@@ -169,6 +172,20 @@ func TestStatsIgnoresSectionsItDoesNotKnow(t *testing.T) {
 	}
 	if !reflect.DeepEqual(got, want) {
 		t.Fatalf("decoded %+v, want %+v", got, want)
+	}
+}
+
+// TestStatsOfADaemonBeforeTieringHasNoTierStats: a reply that ends after
+// the device-faults section (a daemon that predates the tiering section)
+// decodes, with no tiering section.
+func TestStatsOfADaemonBeforeTieringHasNoTierStats(t *testing.T) {
+	want := &Stats{Mounts: []MountStats{{Capacity: 10}}, Daemon: &DaemonStats{Policy: "lru"}, Spares: &SpareStats{}}
+	got, err := Decode(TypeStats|TypeReply, want.AppendBody(nil))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st := got.(*Stats); st.Tiering != nil {
+		t.Fatalf("tiering section %+v from a reply without one", st.Tiering)
 	}
 }
 

@@ -785,9 +785,13 @@ func (s *session) stats() (protocol.Message, error) {
 		InflightJobs: uint64(inflight), Devices: s.srv.deviceStats(), Daemon: s.srv.daemonStats(st.Mounts),
 	}
 	m.Spares = &protocol.SpareStats{Reused: st.Reused, Made: st.SparesMade}
+	ts := st.Tiering
+	m.Tiering = &protocol.TierStats{Demotions: ts.Demotions, Promotions: ts.Promotions, Moves: ts.Moves,
+		MoveFailures: ts.MoveFailures, DemotionDeletes: ts.DemotionDeletes, FallbackPolicy: m.Daemon.FallbackPolicy}
 	for _, mt := range st.Mounts {
 		m.Mounts = append(m.Mounts, protocol.MountStats{Capacity: uint64(mt.Capacity), Used: uint64(mt.Used), Entries: uint64(mt.Entries), Direct: mt.Direct})
 		m.Spares.Mounts = append(m.Spares.Mounts, protocol.SpareMount{Files: uint64(mt.SpareFiles), Bytes: uint64(max(mt.SpareBytes, 0))})
+		m.Tiering.Mounts = append(m.Tiering.Mounts, protocol.TierMount{MovedIn: mt.MovedIn, MovedOut: mt.MovedOut})
 	}
 	return m, nil
 }

@@ -380,7 +380,7 @@ func (d *daemon) daemonStats() protocol.DaemonStats {
 	defer d.mu.Unlock()
 	return protocol.DaemonStats{
 		Started: d.started.UnixNano(), Policy: ps.Name, PolicyBackend: ps.Stats.Backend,
-		Fallback: ps.Stats.Fallback, FallbackReason: ps.Stats.FallbackReason,
+		Fallback: ps.Stats.Fallback, FallbackReason: ps.Stats.FallbackReason, FallbackPolicy: ps.Stats.FallbackPolicy,
 		Reloads: d.reloads, ReloadFailures: d.reloadFailures, LastReload: d.lastReload,
 	}
 }

@@ -23,6 +23,7 @@ type statsReport struct {
 		Backend        string `json:"backend"`
 		Fallback       bool   `json:"fallback"`
 		FallbackReason string `json:"fallback_reason,omitempty"`
+		FallbackPolicy string `json:"fallback_policy,omitempty"`
 	} `json:"policy"`
 	Reloads struct {
 		OK     uint64 `json:"ok"`
@@ -36,6 +37,7 @@ type statsReport struct {
 	Entries         uint64        `json:"entries"`
 	Keys            uint64        `json:"keys"`
 	Counters        statsCounters `json:"counters"`
+	Tiering         statsTiering  `json:"tiering"`
 	Mounts          []statsMount  `json:"mounts"`
 	Devices         []statsDevice `json:"gpu_devices"`
 }
@@ -55,6 +57,16 @@ type statsCounters struct {
 	BytesRead    uint64 `json:"bytes_read"`
 }
 
+// statsTiering counts the files moved between mounts (zero from a daemon
+// that predates the reply's tiering section).
+type statsTiering struct {
+	Demotions       uint64 `json:"demotions"`
+	Promotions      uint64 `json:"promotions"`
+	TickMoves       uint64 `json:"tick_moves"`
+	MoveFailures    uint64 `json:"move_failures"`
+	DemotionDeletes uint64 `json:"demotion_deletes"`
+}
+
 type statsMount struct {
 	Path       string `json:"path"`
 	Backend    string `json:"backend"`
@@ -66,6 +78,8 @@ type statsMount struct {
 	Entries    uint64 `json:"entries"`
 	SpareFiles uint64 `json:"spare_files"`
 	SpareBytes uint64 `json:"spare_bytes"`
+	MovedIn    uint64 `json:"moved_in_files"`
+	MovedOut   uint64 `json:"moved_out_files"`
 }
 
 type statsDevice struct {
@@ -108,10 +122,18 @@ func queryStats(ctx context.Context, socket string) (statsReport, error) {
 		if sp := st.Spares; sp != nil && i < len(sp.Mounts) {
 			sm.SpareFiles, sm.SpareBytes = sp.Mounts[i].Files, sp.Mounts[i].Bytes
 		}
+		if ts := st.Tiering; ts != nil && i < len(ts.Mounts) {
+			sm.MovedIn, sm.MovedOut = ts.Mounts[i].MovedIn, ts.Mounts[i].MovedOut
+		}
 		r.Mounts = append(r.Mounts, sm)
 	}
 	if st.Spares != nil {
 		r.Counters.ReusedFiles, r.Counters.SparesMade = st.Spares.Reused, st.Spares.Made
+	}
+	if ts := st.Tiering; ts != nil {
+		r.Tiering = statsTiering{Demotions: ts.Demotions, Promotions: ts.Promotions, TickMoves: ts.Moves,
+			MoveFailures: ts.MoveFailures, DemotionDeletes: ts.DemotionDeletes}
+		r.Policy.FallbackPolicy = ts.FallbackPolicy
 	}
 	for _, d := range st.Devices {
 		r.Devices = append(r.Devices, statsDevice{Ordinal: d.Ordinal, Regions: d.Regions, Registered: d.Registered, Limit: d.Limit, UUID: gpuUUID(d.UUID), Faults: d.Faults})
@@ -163,7 +185,11 @@ func printStats(w io.Writer, r statsReport) {
 	}
 	pol := r.Policy.Name + " (" + r.Policy.Backend + ")"
 	if r.Policy.Fallback {
-		pol += ", FELL BACK to its native fallback: " + r.Policy.FallbackReason
+		pol += ", FELL BACK to its native fallback"
+		if r.Policy.FallbackPolicy != "" {
+			pol += " " + r.Policy.FallbackPolicy
+		}
+		pol += ": " + r.Policy.FallbackReason
 	}
 	fmt.Fprintf(tw, "policy\t%s\n", pol)
 	rl := fmt.Sprintf("%d ok, %d failed", r.Reloads.OK, r.Reloads.Failed)
@@ -179,16 +205,19 @@ func printStats(w io.Writer, r statsReport) {
 	fmt.Fprintf(tw, "keys\t%d stored, %d loaded, %d hits, %d misses, %d failed\n", c.StoredKeys, c.LoadedKeys, c.Hits, c.Misses, c.Failures)
 	fmt.Fprintf(tw, "files\t%d evicted, %d reused, %d made ahead, %d corrupt, %d vanished\n", c.Evictions, c.ReusedFiles, c.SparesMade, c.Corrupt, c.Vanished)
 	fmt.Fprintf(tw, "bytes\t%s written, %s read\n", bytesString(c.BytesWritten), bytesString(c.BytesRead))
+	ti := r.Tiering
+	fmt.Fprintf(tw, "tiers\t%d demoted, %d promoted, %d moved by ticks, %d moves failed, %d deleted (demotion target full)\n",
+		ti.Demotions, ti.Promotions, ti.TickMoves, ti.MoveFailures, ti.DemotionDeletes)
 	tw.Flush()
 	fmt.Fprintln(w, "\nmounts:")
 	tw = tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "  path\tbackend\tio\tchecksums\tused\tcapacity\tuse%\tfiles\tspares")
+	fmt.Fprintln(tw, "  path\tbackend\tio\tchecksums\tused\tcapacity\tuse%\tfiles\tspares\tmoved in/out")
 	for _, m := range r.Mounts {
 		pct := 0.0
 		if m.Capacity > 0 {
 			pct = 100 * float64(m.Used) / float64(m.Capacity)
 		}
-		fmt.Fprintf(tw, "  %s\t%s\t%s\t%v\t%s\t%s\t%.1f%%\t%d\t%d (%s)\n", m.Path, m.Backend, m.IO, m.Checksums, bytesString(m.Used), bytesString(m.Capacity), pct, m.Entries, m.SpareFiles, bytesString(m.SpareBytes))
+		fmt.Fprintf(tw, "  %s\t%s\t%s\t%v\t%s\t%s\t%.1f%%\t%d\t%d (%s)\t%d/%d\n", m.Path, m.Backend, m.IO, m.Checksums, bytesString(m.Used), bytesString(m.Capacity), pct, m.Entries, m.SpareFiles, bytesString(m.SpareBytes), m.MovedIn, m.MovedOut)
 	}
 	tw.Flush()
 	if len(r.Devices) > 0 {

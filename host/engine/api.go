@@ -397,6 +397,9 @@ type MountStats struct {
 	Backend     string // the data mover of host memory on this mount ("staging")
 	Checksums   bool   // payload checksums are written and verified
 	Layout      string // LayoutKVHost or LayoutVLLMFS
+	// MovedIn and MovedOut count the files moved to and from the mount
+	// between tiers (demotions, promotions, tick moves).
+	MovedIn, MovedOut uint64
 	// Namespace is the model id a vllm-fs mount serves; Base its base
 	// directory's name (both empty on a kvhost mount).
 	Namespace, Base string
@@ -404,13 +407,16 @@ type MountStats struct {
 
 // Stats are the engine's counters since Open.
 type Stats struct {
-	Mounts       []MountStats
-	Entries      int // files in the index
-	Keys         int // keys in the index
-	Stores       uint64
-	Loads        uint64
-	Hits         uint64 // keys found by Lookup or Load
-	Misses       uint64
+	Mounts  []MountStats
+	Entries int // files in the index
+	Keys    int // keys in the index
+	Stores  uint64
+	Loads   uint64
+	Hits    uint64 // keys found by Lookup or Load
+	Misses  uint64
+	// Evictions counts files deleted to make room; a victim moved to
+	// another mount instead is a demotion (Tiering.Demotions): the key
+	// stays stored.
 	Evictions    uint64
 	Reused       uint64 // stores that wrote into a spare file instead of a fresh one
 	SparesMade   uint64 // spare files made ahead of stores (Mount.Preallocate)
@@ -424,6 +430,8 @@ type Stats struct {
 	// reason every 10 s, saying how many were not logged).
 	StoreFailures Failures
 	LoadFailures  Failures
+	// Tiering counts the moves between mounts (TierStats).
+	Tiering TierStats
 }
 
 // The Engine's methods, for reference (implemented in engine.go, store.go,

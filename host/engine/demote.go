@@ -56,6 +56,9 @@ type TierStats struct {
 	Demotions uint64
 	// Moves counts moves asked by the policy's tick (promotions included).
 	Moves uint64
+	// Promotions counts moves to an earlier (by convention faster) mount,
+	// whatever asked for them.
+	Promotions uint64
 	// MoveFailures counts moves that failed (no space, I/O errors); the
 	// entry stays where it was.
 	MoveFailures uint64
@@ -73,7 +76,7 @@ type TierStats struct {
 
 // tierCounters are the atomic counters behind TierStats.
 type tierCounters struct {
-	demotions, moves, moveFailures, demotionDeletes, deduped, mountUpdates, ticks atomic.Uint64
+	demotions, moves, promotions, moveFailures, demotionDeletes, deduped, mountUpdates, ticks atomic.Uint64
 }
 
 // mountDesc is what a mount's description says besides its usage; fixed
@@ -98,7 +101,7 @@ type tierDriver struct {
 func (e *Engine) TierStats() TierStats {
 	c := &e.tierSt
 	return TierStats{
-		Demotions: c.demotions.Load(), Moves: c.moves.Load(), MoveFailures: c.moveFailures.Load(),
+		Demotions: c.demotions.Load(), Moves: c.moves.Load(), Promotions: c.promotions.Load(), MoveFailures: c.moveFailures.Load(),
 		DemotionDeletes: c.demotionDeletes.Load(), Deduped: c.deduped.Load(),
 		MountUpdates: c.mountUpdates.Load(), Ticks: c.ticks.Load(),
 	}
@@ -358,6 +361,11 @@ func (e *Engine) move(ctx context.Context, id uint64, target int, mayEvict bool)
 	}
 	en2.hits, en2.last = en.hits, en.last
 	e.unindexLocked(en)
+	sm.movedOut++
+	tm.movedIn++
+	if tm.idx < sm.idx {
+		e.tierSt.promotions.Add(1)
+	}
 	sm.used += size // the source counts as used until it is removed
 	tm.used -= size // the reservation becomes the entry
 	replaced := e.insertLocked(en2)

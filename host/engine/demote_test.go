@@ -105,6 +105,11 @@ func TestTieredDemotesAndPromotes(t *testing.T) {
 			if ts.Demotions == 0 || st.Evictions != 0 {
 				t.Fatalf("%d demotions, %d deletions: want demotions only", ts.Demotions, st.Evictions)
 			}
+			// The demotions show in Stats, per mount too (issue 37).
+			if st.Tiering.Demotions != ts.Demotions || st.Mounts[0].MovedOut < ts.Demotions || st.Mounts[1].MovedIn < ts.Demotions {
+				t.Fatalf("Stats: tiering %+v, hot moved out %d, cold moved in %d; want %d demotions",
+					st.Tiering, st.Mounts[0].MovedOut, st.Mounts[1].MovedIn, ts.Demotions)
+			}
 			if st.Entries != n || st.Mounts[0].Entries+st.Mounts[1].Entries != n {
 				t.Fatalf("%d entries (hot %d, cold %d), want %d", st.Entries, st.Mounts[0].Entries, st.Mounts[1].Entries, n)
 			}
@@ -132,8 +137,8 @@ func TestTieredDemotesAndPromotes(t *testing.T) {
 			// loaded once more and promoted at the next tick.
 			loadAndCompare(t, e, c, keys[:1], into, want[:1])
 			testwait.Until(t, "the promotion of the oldest key", 30*time.Second, func() bool { return keyMount(e, ns, keys[0]) == 0 && e.TierStats().Moves > 0 })
-			if ts := e.TierStats(); ts.Ticks == 0 || ts.MountUpdates < 2 {
-				t.Errorf("tier stats %+v: want ticks and several mount updates", ts)
+			if ts := e.TierStats(); ts.Ticks == 0 || ts.MountUpdates < 2 || ts.Promotions == 0 {
+				t.Errorf("tier stats %+v: want ticks, several mount updates and a promotion", ts)
 			}
 			loadAndCompare(t, e, c, keys[:1], into, want[:1])
 			if st := e.Stats(); st.Mounts[0].Used > 8*fileLen || st.Entries != n {

@@ -233,7 +233,7 @@ func (e *Engine) Stats() Stats {
 		Stores: e.st.stores.Load(), Loads: e.st.loads.Load(), Hits: e.st.hits.Load(), Misses: e.st.misses.Load(),
 		Evictions: e.st.evictions.Load(), Reused: e.st.reused.Load(), SparesMade: e.st.made.Load(), Failures: e.st.failures.Load(), Corrupt: e.st.corrupt.Load(),
 		Vanished: e.st.vanished.Load(), BytesWritten: e.st.written.Load(), BytesRead: e.st.read.Load(),
-		StoreFailures: e.fails.stats(0), LoadFailures: e.fails.stats(1),
+		StoreFailures: e.fails.stats(0), LoadFailures: e.fails.stats(1), Tiering: e.TierStats(),
 	}
 	e.mu.Lock()
 	defer e.mu.Unlock()
@@ -243,6 +243,7 @@ func (e *Engine) Stats() Stats {
 			Path: m.root, Capacity: m.capacity, Configured: m.configured, Reserve: m.reserve, Used: m.used, Entries: m.entries,
 			SpareFiles: m.spareFilesLocked(), SpareBytes: m.spareBytes, Preallocate: m.ahead,
 			Direct: m.direct, IO: m.ioName(), Backend: m.backend, Checksums: m.checksums, Layout: LayoutKVHost,
+			MovedIn: m.movedIn, MovedOut: m.movedOut,
 		})
 		if m.raw != nil {
 			ms := &s.Mounts[len(s.Mounts)-1]

@@ -18,6 +18,9 @@ import (
 type mount struct {
 	idx  int
 	root string
+	// movedIn and movedOut count the files moved to and from the mount
+	// (demotions, promotions, tick moves); guarded by Engine.mu.
+	movedIn, movedOut uint64
 	// configured is Mount.Capacity (0: the file system's size); reserve
 	// is Mount.Reserve; highF and lowF the watermarks as fractions.
 	configured, reserve int64
