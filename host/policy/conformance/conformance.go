@@ -303,7 +303,7 @@ const (
 	ruleLoad       = "the module implements ABI v1: required exports with their signatures, kvhost_abi_version 1, known feature bits, allowed imports, a valid scratch area (docs/abi.md: Exports, Imports, The scratch area)"
 	ruleNamespaces = "kvhost_namespace returns keys_per_file 1..256 and order 0 or 1, the same each time a namespace is declared (docs/abi.md: NamespaceRecord)"
 	ruleBatches    = "hooks take 1..1024 records per call, kvhost_evict returns at most max victims, and a key gets the same name in any batch (docs/abi.md: n, max and batches)"
-	ruleNames      = "every path is 1..256 bytes of [A-Za-z0-9._-/], relative, with no empty or dot-led component, on a mount < mount_count; distinct first keys of a namespace get distinct files, for any keys per file (docs/abi.md: NameRecord, Rules the host enforces)"
+	ruleNames      = "every path is 1..256 bytes of [A-Za-z0-9._-/], relative, with no empty or dot-led component, on a mount < mount_count; distinct first keys of a namespace get distinct paths, for any keys per file and across mounts (docs/abi.md: NameRecord, Rules the host enforces)"
 	ruleDeterm     = "naming is a pure function of the name record and the configuration: the same on every shard, in every host, before and after any events; the same events give the same victims (docs/abi.md: Life cycle)"
 	ruleAdmission  = "kvhost_admit writes 0 or 1 into every record, and does not refuse every store (docs/abi.md: AdmitRecord)"
 	ruleCapacity   = "victims are known, unpinned, on the requested mount, listed once, and cover the bytes asked for when enough unpinned entries exist (docs/abi.md: Victim)"
@@ -312,7 +312,7 @@ const (
 	ruleRemoved    = "a removed entry is never offered as a victim again (docs/abi.md: AccessRecord)"
 	rulePinned     = "a pinned entry is never a victim until each of its pins is released (docs/abi.md: AccessRecord, Rules the host enforces)"
 	ruleTiming     = "every call finishes within its fuel (the deterministic form of the deadline), and each hook's median call within the deadline of one call (docs/abi.md: Sandbox)"
-	ruleTiering    = "with the tiering features: mount descriptions are accepted; admission's target is a described mount; a victim's target is NoMount or another described mount, with known flags; a tick moves only known, unpinned entries to another described mount, never twice at once (docs/abi.md: Tiering). A plugin without them passes"
+	ruleTiering    = "with the tiering features: mount descriptions are accepted; admission's target is a described mount; a victim's target is NoMount or another described mount, with known flags; a tick moves at most max entries (the suite asks for 1, 3 and 1024), only known, unpinned entries to another described mount, never twice at once (docs/abi.md: Tiering). A plugin without them passes"
 	ruleRejections = "the host rejects no output and replaces no instance during the run (docs/abi.md: Rules the host enforces)"
 )
 
@@ -547,11 +547,17 @@ func (s *suite) names() (string, error) {
 	}
 	// Distinct keys of a namespace are the first keys of distinct files,
 	// whatever the layout: they need distinct files.
+	// A file keeps its relative path when it moves between mounts, so
+	// the path alone must be unique, whatever the mount.
 	seen := map[string]int{}
 	for i, r := range recs {
 		f := fmt.Sprintf("%d:%s", r.Mount, r.Path())
-		id := fmt.Sprintf("%d/%s", r.NS, f)
+		id := fmt.Sprintf("%d/%s", r.NS, r.Path())
 		if j, dup := seen[id]; dup && string(recs[j].Key()) != string(r.Key()) {
+			if recs[j].Mount != r.Mount {
+				return "", fmt.Errorf("keys %x and %x of namespace %d are both named %s, on mounts %d and %d: paths must be unique across mounts (a file keeps its path when it moves)",
+					recs[j].Key(), r.Key(), r.NS, r.Path(), recs[j].Mount, r.Mount)
+			}
 			return "", fmt.Errorf("keys %x and %x of namespace %d (%d keys per file) would be the first keys of two files, but both are named %s: a store of one replaces the other",
 				recs[j].Key(), r.Key(), r.NS, s.layout(r.NS).KeysPerFile, f)
 		}
@@ -1033,6 +1039,9 @@ func (s *suite) unknownEvents() (string, error) {
 }
 
 func (s *suite) removed() (string, error) {
+	// The host rejects a victim the plugin was sent a REMOVE for and
+	// answers from a rebuilt instance: count what it caught too.
+	before := s.host.Stats().RemovedOffered
 	if err := s.access(s.host, s.inserts(500, 0, 8192)); err != nil {
 		return "", err
 	}
@@ -1075,6 +1084,9 @@ func (s *suite) removed() (string, error) {
 	}
 	if len(v) > 0 {
 		return "", fmt.Errorf("every entry was removed, yet %d victims were offered", len(v))
+	}
+	if n := s.host.Stats().RemovedOffered - before; n > 0 {
+		return "", fmt.Errorf("the plugin offered %d entries it had been sent a REMOVE for (the host rejected them and rebuilt the instance): it ignores REMOVE records", n)
 	}
 	return fmt.Sprintf("%d victims removed; none offered again; none once the cache is empty", len(recs)), nil
 }
@@ -1303,6 +1315,9 @@ func (s *suite) tiering() (string, error) {
 	}
 	if f.Has(abi.FeatureTick) {
 		moves := 0
+		// Small max values too: a tick must honour its max (the daemon
+		// asks for 256 per shard).
+		tickMax := [3]int{1, 3, abi.MaxBatch}
 		for round := range 3 {
 			// Hits, several per entry, on the unpinned entries of mount 1.
 			var hits []abi.AccessRecord
@@ -1320,7 +1335,7 @@ func (s *suite) tiering() (string, error) {
 			s.now += 1000
 			var mv []abi.Move
 			if err := s.timed(func() (err error) {
-				mv, err = h.Tick(s.ctx, abi.TickRequest{Time: s.now, Interval: uint64(time.Second)}, abi.MaxBatch)
+				mv, err = h.Tick(s.ctx, abi.TickRequest{Time: s.now, Interval: uint64(time.Second)}, tickMax[round])
 				return err
 			}); err != nil {
 				return "", err
@@ -1346,7 +1361,7 @@ func (s *suite) tiering() (string, error) {
 			}
 			moves += len(mv)
 		}
-		done = append(done, fmt.Sprintf("3 ticks after hits on mount 1: %d moves, applied as the engine does", moves))
+		done = append(done, fmt.Sprintf("3 ticks (max 1, 3, 1024) after hits on mount 1: %d moves, applied as the engine does", moves))
 	}
 	var unpins []abi.AccessRecord
 	s.idx.Range(func(e policy.Entry) bool {

@@ -73,6 +73,8 @@ func TestHostileFixturesFail(t *testing.T) {
 		// Tiering: each defect fails the tiering check with the host's message.
 		{"badmove", "tiering", "was never reported to this shard"},
 		{"baddemote", "tiering", "target mount 77, but only 4 mounts exist"},
+		// Issue 37: a plugin that ignores REMOVE records.
+		{"noremove", "removed entries", "it ignores REMOVE records"},
 	}
 	reports := map[string]conformance.Report{}
 	for _, tt := range tests {
@@ -121,6 +123,7 @@ func TestSingleDefectFailsOnlyItsCheck(t *testing.T) {
 		{"multikey", []string{"names"}},
 		{"badmove", []string{"tiering", "no host rejections"}},
 		{"baddemote", []string{"tiering", "no host rejections"}},
+		{"noremove", []string{"removed entries", "no host rejections"}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.fixture, func(t *testing.T) {
