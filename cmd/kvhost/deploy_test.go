@@ -9,6 +9,8 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"slices"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -273,5 +275,226 @@ func TestDeployFilesUseRealFlagsAndValidConfigs(t *testing.T) {
 	// serve, health and config check are among them.
 	if invocations < 6 || kinds["unit"] == 0 || kinds["manifest"] == 0 || kinds["dockerfile"] == 0 || kinds["toml"] < 2 {
 		t.Fatalf("found %d kvhost command lines, files %v: want a systemd unit, a manifest and a Dockerfile that run kvhost", invocations, kinds)
+	}
+}
+
+// unitService returns the [Service] settings of a systemd unit file, each
+// key's values in order.
+func unitService(t *testing.T, path string) map[string][]string {
+	t.Helper()
+	src, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := map[string][]string{}
+	section := ""
+	for _, l := range strings.Split(string(src), "\n") {
+		l = strings.TrimSpace(l)
+		switch {
+		case l == "" || strings.HasPrefix(l, "#") || strings.HasPrefix(l, ";"):
+		case strings.HasPrefix(l, "["):
+			section = strings.Trim(l, "[]")
+		case section == "Service":
+			if k, v, ok := strings.Cut(l, "="); ok {
+				out[strings.TrimSpace(k)] = append(out[strings.TrimSpace(k)], strings.TrimSpace(v))
+			}
+		}
+	}
+	return out
+}
+
+// last is the value a systemd setting takes: its last assignment, or def.
+func last(vals []string, def string) string {
+	if len(vals) == 0 {
+		return def
+	}
+	return vals[len(vals)-1]
+}
+
+// TestSystemdSocketReachableByClientGroup plays systemd's and the daemon's
+// part in making the socket of deploy/systemd: systemd creates each
+// RuntimeDirectory owned by User:Group with RuntimeDirectoryMode (0755
+// when unset); the daemon, running as User with Group and its
+// SupplementaryGroups, makes the socket with socket_mode and
+// socket_group. A worker whose only group is socket_group must then be
+// able to search every directory kvhost did not create and write the
+// socket; and the daemon must be a member of socket_group to give it the
+// socket.
+func TestSystemdSocketReachableByClientGroup(t *testing.T) {
+	dir := filepath.Join("..", "..", "deploy", "systemd")
+	svc := unitService(t, filepath.Join(dir, "kvhost.service"))
+	cfg, err := config.Load(filepath.Join(dir, "kvhost.toml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	user, group := last(svc["User"], "root"), last(svc["Group"], last(svc["User"], "root"))
+	var daemonGroups []string
+	daemonGroups = append(daemonGroups, group)
+	for _, v := range svc["SupplementaryGroups"] {
+		daemonGroups = append(daemonGroups, strings.Fields(v)...)
+	}
+	clientGroup := cfg.Server.SocketGroup
+	if clientGroup == "" {
+		t.Fatalf("kvhost.toml: server.socket_group is empty: the socket would belong to the daemon's group %s", group)
+	}
+	if clientGroup == group || user == "root" {
+		t.Fatalf("the daemon runs as %s:%s; the test wants a client group apart from the daemon's own", user, group)
+	}
+	found := false
+	for _, g := range daemonGroups {
+		found = found || g == clientGroup
+	}
+	if !found {
+		t.Errorf("socket_group %s is not among the daemon's groups %v (Group, SupplementaryGroups): it cannot give the socket that group", clientGroup, daemonGroups)
+	}
+	mode, err := strconv.ParseUint(last(svc["RuntimeDirectoryMode"], "0755"), 8, 32)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var runDirs []string
+	for _, v := range svc["RuntimeDirectory"] {
+		for _, d := range strings.Fields(v) {
+			runDirs = append(runDirs, filepath.Join("/run", d))
+		}
+	}
+	sock := cfg.Server.Socket
+	parent := filepath.Dir(sock)
+	if !slices.Contains(runDirs, parent) {
+		t.Fatalf("socket %s is not directly in a RuntimeDirectory %v", sock, runDirs)
+	}
+	// The client is neither the owner nor in the directory's group:
+	// search needs the "other" x bit.
+	if mode&0o001 == 0 {
+		t.Errorf("RuntimeDirectory %s is %s:%s mode %04o: a worker in group %s only cannot search it (permission denied on %s)", parent, user, group, mode, clientGroup, sock)
+	}
+	// The socket: owned by user:socket_group, socket_mode; connecting
+	// needs write permission, through the group bits.
+	if m := uint32(cfg.Server.SocketMode); m&0o020 == 0 {
+		t.Errorf("socket_mode %04o: group %s cannot write (connect to) the socket", m, clientGroup)
+	}
+}
+
+// dockerfile is what the tests read of deploy/docker/Dockerfile: its ARG
+// defaults, its final USER, and the lines of its leading comment.
+type dockerfile struct {
+	args    map[string]string
+	user    string
+	comment []string
+}
+
+func readDockerfile(t *testing.T) dockerfile {
+	t.Helper()
+	src, err := os.ReadFile(filepath.Join("..", "..", "deploy", "docker", "Dockerfile"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	d := dockerfile{args: map[string]string{}}
+	inComment := true
+	for _, l := range strings.Split(string(src), "\n") {
+		if inComment && strings.HasPrefix(l, "#") {
+			d.comment = append(d.comment, strings.TrimSpace(strings.TrimPrefix(l, "#")))
+			continue
+		}
+		inComment = false
+		f := strings.Fields(l)
+		if len(f) < 2 {
+			continue
+		}
+		switch f[0] {
+		case "ARG":
+			if k, v, ok := strings.Cut(f[1], "="); ok {
+				d.args[k] = v
+			}
+		case "USER":
+			d.user = f[1]
+		}
+	}
+	return d
+}
+
+// TestDockerBaseImageHasCUDARuntime checks that the image is built on an
+// nvidia/cuda runtime image (Debian or Ubuntu: the user commands are
+// Debian's), so that the image can use a GPU without the NVIDIA container
+// toolkit mounting a runtime.
+func TestDockerBaseImageHasCUDARuntime(t *testing.T) {
+	d := readDockerfile(t)
+	re := regexp.MustCompile(`^(docker\.io/)?nvidia/cuda:\d+\.\d+(\.\d+)?-(cudnn\d*-)?runtime-(ubuntu|debian)[0-9.]+$`)
+	if base := d.args["BASE"]; !re.MatchString(base) {
+		t.Errorf("ARG BASE=%s: want an nvidia/cuda runtime image on Ubuntu or Debian (nvidia/cuda:X.Y.Z-runtime-ubuntuNN.NN)", base)
+	}
+}
+
+// TestDockerRunHostDirectoriesWritableByImageUser checks the documented
+// docker run: every host directory it mounts must be given, by a
+// documented command before it, to the user the container runs as (the
+// image's USER, or the run's --user), since docker creates missing
+// directories owned by root.
+func TestDockerRunHostDirectoriesWritableByImageUser(t *testing.T) {
+	d := readDockerfile(t)
+	// The documented command: "docker run" and its continuation lines.
+	var run []string
+	start := -1
+	for i, l := range d.comment {
+		if strings.HasPrefix(l, "docker run") {
+			start = i
+			for j := i; j < len(d.comment); j++ {
+				run = append(run, strings.Fields(strings.TrimSuffix(d.comment[j], "\\"))...)
+				if !strings.HasSuffix(d.comment[j], "\\") {
+					break
+				}
+			}
+			break
+		}
+	}
+	if start < 0 {
+		t.Fatal("the Dockerfile documents no docker run")
+	}
+	runAs := d.user
+	var hostDirs []string
+	for i, a := range run {
+		switch {
+		case a == "--user" && i+1 < len(run):
+			runAs = run[i+1]
+		case a == "-v" && i+1 < len(run):
+			host, _, _ := strings.Cut(run[i+1], ":")
+			if strings.HasPrefix(host, "/") {
+				hostDirs = append(hostDirs, host)
+			}
+		}
+	}
+	uid, _, _ := strings.Cut(runAs, ":")
+	if uid == "" || uid == "0" || uid == "root" {
+		t.Fatalf("the container runs as %q: want an unprivileged user", runAs)
+	}
+	if len(hostDirs) == 0 {
+		t.Fatal("the documented docker run mounts no host directory")
+	}
+	// A directory is given to uid by "install -d -o UID ... DIR" or
+	// "chown UID[:GID] DIR" before the docker run.
+	owned := map[string]bool{}
+	for _, l := range d.comment[:start] {
+		f := strings.Fields(strings.TrimPrefix(l, "sudo "))
+		if len(f) < 3 {
+			continue
+		}
+		switch f[0] {
+		case "install":
+			if slices.Contains(f, "-d") {
+				if i := slices.Index(f, "-o"); i >= 0 && i+1 < len(f) && f[i+1] == uid {
+					for _, a := range f[1:] {
+						owned[a] = true
+					}
+				}
+			}
+		case "chown":
+			if u, _, _ := strings.Cut(f[len(f)-2], ":"); u == uid || strings.HasPrefix(f[1], uid) {
+				owned[f[len(f)-1]] = true
+			}
+		}
+	}
+	for _, h := range hostDirs {
+		if !owned[h] {
+			t.Errorf("docker run mounts %s, which no documented command before it gives to uid %s (the container's user): kvhost stops with mkdir ...: permission denied", h, uid)
+		}
 	}
 }
