@@ -53,6 +53,9 @@ func TestConfigCheck(t *testing.T) {
 		{"missing file named", []string{"check", filepath.Join(dir, "nope.toml")}, 1, "", []string{"nope.toml"}},
 		{"no file is a usage error", []string{"check"}, 2, "", []string{"usage"}},
 		{"unknown subcommand", []string{"frobnicate"}, 2, "", []string{"frobnicate"}},
+		{"--help prints the usage", []string{"--help"}, 0, "usage: kvhost config check FILE", nil},
+		{"-h prints the usage", []string{"-h"}, 0, "usage: kvhost config check FILE", nil},
+		{"check --help prints the usage", []string{"check", "--help"}, 0, "usage: kvhost config check FILE", nil},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
@@ -71,4 +74,42 @@ func TestConfigCheck(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestOperatorCommandsTakeTheSocketFromConfig: stats, health and reload
+// given only the daemon's --config file find its socket there (no
+// --socket, and the socket is not the default one).
+func TestOperatorCommandsTakeTheSocketFromConfig(t *testing.T) {
+	file, socket, _ := testConfig(t, t.TempDir(), "")
+	startProc(t, []string{"KVHOST_SOCKET="}, "--config", file)
+	for _, args := range [][]string{
+		{"stats", "--config", file},
+		{"stats", "--json", "--config", file},
+		{"health", "--config", file},
+		{"reload", "--config", file},
+	} {
+		t.Run(strings.Join(args[:len(args)-2], " "), func(t *testing.T) {
+			var out, errb bytes.Buffer
+			if code := run(context.Background(), args, &out, &errb); code != 0 {
+				t.Fatalf("kvhost %s: exit %d, stderr %s", strings.Join(args, " "), code, errb.String())
+			}
+			if args[0] == "stats" && !strings.Contains(out.String(), socket) {
+				t.Errorf("kvhost %s does not show the socket %s:\n%s", strings.Join(args, " "), socket, out.String())
+			}
+		})
+	}
+	t.Run("--socket wins over --config", func(t *testing.T) {
+		var out, errb bytes.Buffer
+		bogus := filepath.Join(t.TempDir(), "none.sock")
+		if code := run(context.Background(), []string{"health", "--config", file, "--socket", bogus}, &out, &errb); code != 1 || !strings.Contains(errb.String(), bogus) {
+			t.Fatalf("exit %d, stderr %q: want 1 naming %s", code, errb.String(), bogus)
+		}
+	})
+	t.Run("a bad file is a usage error", func(t *testing.T) {
+		var out, errb bytes.Buffer
+		missing := filepath.Join(t.TempDir(), "none.toml")
+		if code := run(context.Background(), []string{"stats", "--config", missing}, &out, &errb); code != 2 || !strings.Contains(errb.String(), "none.toml") {
+			t.Fatalf("exit %d, stderr %q: want 2 naming the file", code, errb.String())
+		}
+	})
 }

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/client"
+	"github.com/kvhost/kvhost/config"
 )
 
 // newFlagSet is the flag set of the subcommand name ("kvhost stats"): its
@@ -52,19 +53,48 @@ func parseFlagsOnly(fs *flag.FlagSet, args []string, stderr io.Writer) (code int
 }
 
 // daemonFlags are the flags of a command that talks to a running daemon:
-// its socket and how long the whole command may take.
+// its socket (given, or read from the daemon's configuration file) and
+// how long the whole command may take.
 type daemonFlags struct {
 	socket  *string
+	config  *string
 	timeout *time.Duration
 }
 
-// bindDaemonFlags defines --socket (default client.DefaultSocket()) and
-// --timeout (default timeout, described by timeoutUsage) on fs.
+// bindDaemonFlags defines --socket (default client.DefaultSocket()),
+// --config and --timeout (default timeout, described by timeoutUsage) on
+// fs.
 func bindDaemonFlags(fs *flag.FlagSet, timeout time.Duration, timeoutUsage string) daemonFlags {
 	return daemonFlags{
 		socket:  fs.String("socket", client.DefaultSocket(), "the daemon's Unix socket `path`"),
+		config:  fs.String("config", "", "the daemon's configuration `file`: its server.socket is the socket (--socket wins)"),
 		timeout: fs.Duration("timeout", timeout, timeoutUsage),
 	}
+}
+
+// parse parses args into fs (parseFlags) and then, where --config was
+// given and --socket was not, takes the socket from the configuration
+// file as the daemon would (its default where the file names none). A
+// file that does not load ends the command with exit code 2.
+func (f daemonFlags) parse(fs *flag.FlagSet, args []string, stderr io.Writer) (code int, ok bool) {
+	if code, ok := parseFlags(fs, args); !ok {
+		return code, false
+	}
+	if *f.config == "" {
+		return 0, true
+	}
+	given := false
+	fs.Visit(func(fl *flag.Flag) { given = given || fl.Name == "socket" })
+	if given {
+		return 0, true
+	}
+	cfg, err := config.Load(*f.config)
+	if err != nil {
+		fmt.Fprintf(stderr, "%s: %v\n", fs.Name(), err)
+		return 2, false
+	}
+	*f.socket = cfg.Server.Socket
+	return 0, true
 }
 
 // withTimeout is ctx limited by --timeout.

@@ -14,12 +14,12 @@ import (
 // failed there with a sticky CUDA error; unless --allow-device-faults);
 // 1: otherwise.
 func runHealth(ctx context.Context, args []string, stdout, stderr io.Writer) int {
-	fs := newFlagSet("kvhost health", "usage: kvhost health [--socket PATH] [--timeout D]\n\nExit 0 if the daemon answers (Hello and Stats) and no GPU it serves is broken, else 1 (Kubernetes exec probes).", stderr)
+	fs := newFlagSet("kvhost health", "usage: kvhost health [--socket PATH | --config FILE] [--timeout D]\n\nExit 0 if the daemon answers (Hello and Stats) and no GPU it serves is broken, else 1 (Kubernetes exec probes).", stderr)
 	df := bindDaemonFlags(fs, 5*time.Second, "fail if the daemon has not answered by then")
 	allowFallback := fs.Bool("allow-fallback", true, "healthy even when the policy plugin fell back to its native fallback (tiered on several mounts, lru on one)")
 	allowFaults := fs.Bool("allow-device-faults", false, "healthy even when a GPU's context is broken (a job failed there with a sticky CUDA error; every later job there fails until the daemon restarts)")
 	quiet := fs.Bool("quiet", false, "print nothing when healthy")
-	if code, ok := parseFlags(fs, args); !ok {
+	if code, ok := df.parse(fs, args, stderr); !ok {
 		return code
 	}
 	r, err := df.stats(ctx)

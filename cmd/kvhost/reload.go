@@ -168,9 +168,9 @@ func monotonicUsec() int64 {
 // went. Exit status 0: reloaded; 1: the reload failed (the daemon runs on
 // with its old configuration) or the daemon could not be reached.
 func runReload(ctx context.Context, args []string, stdout, stderr io.Writer) int {
-	fs := newFlagSet("kvhost reload", "usage: kvhost reload [--socket PATH] [--timeout D]\n\nReloads the daemon's configuration (SIGHUP) and reports the result.", stderr)
+	fs := newFlagSet("kvhost reload", "usage: kvhost reload [--socket PATH | --config FILE] [--timeout D]\n\nReloads the daemon's configuration (SIGHUP) and reports the result.", stderr)
 	df := bindDaemonFlags(fs, 2*time.Minute, "how long to wait for the reload")
-	if code, ok := parseFlags(fs, args); !ok {
+	if code, ok := df.parse(fs, args, stderr); !ok {
 		return code
 	}
 	ctx, cancel := df.withTimeout(ctx)
