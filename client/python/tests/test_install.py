@@ -14,6 +14,17 @@ import unittest
 from daemon import Daemon
 
 PKG = pathlib.Path(__file__).resolve().parents[1]
+REPO = PKG.parents[1]
+
+
+def readme_pip_command():
+    """The arguments after "pip" of the top-level README's command that
+    installs the client, with the client's path last."""
+    for line in (REPO / "README.md").read_text().splitlines():
+        words = line.split()
+        if words[:2] == ["pip", "install"] and words[-1].rstrip("/").endswith("client/python"):
+            return words[1:]
+    raise AssertionError("README.md has no pip install ... ./client/python line")
 
 
 def readme_example():
@@ -23,6 +34,12 @@ def readme_example():
     if not m:
         raise AssertionError("README.md has no python example")
     return m.group(1)
+
+
+def files_under(root):
+    """The files under root, relative to it (build/ and *.egg-info
+    included)."""
+    return {str(p.relative_to(root)) for p in pathlib.Path(root).rglob("*") if p.is_file()}
 
 
 class OfflineInstallTest(unittest.TestCase):
@@ -45,9 +62,21 @@ class OfflineInstallTest(unittest.TestCase):
         # *.egg-info), which must stay clean.
         src = os.path.join(self.tmp, "client-python")
         shutil.copytree(PKG, src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
-        r = subprocess.run([py, "-m", "pip", "--isolated", "install", "--no-index", "--no-build-isolation", src],
-                           capture_output=True, text=True)
-        self.assertEqual(r.returncode, 0, f"offline install failed:\n{r.stdout}\n{r.stderr}")
+        before = files_under(src)
+        # The command the top-level README gives, on the copy.
+        args = readme_pip_command()
+        r = subprocess.run([py, "-m", "pip", "--isolated", *args[:-1], src], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, f"offline install ({' '.join(args)}) failed:\n{r.stdout}\n{r.stderr}")
+        # What the build left in the copy would be left in the checkout:
+        # git must ignore it (git status stays clean).
+        made = sorted(files_under(src) - before)
+        if shutil.which("git") and (REPO / ".git").exists():
+            rel = [str(pathlib.Path("client/python") / f) for f in made]
+            if rel:
+                ig = subprocess.run(["git", "-C", str(REPO), "check-ignore", "--no-index", "--stdin"],
+                                    input="\n".join(rel) + "\n", capture_output=True, text=True)
+                untracked = sorted(set(rel) - set(ig.stdout.split()))
+                self.assertEqual(untracked, [], "the install leaves files git does not ignore in the checkout")
 
         d = Daemon()
         self.addCleanup(d.stop)
