@@ -9,10 +9,13 @@ import (
 )
 
 // Example stores one key from a paged cache in a memfd and loads it back.
-// It needs a running daemon, so it is compiled but not run.
+// It needs a running daemon, so it is compiled but not run;
+// examples/go-client is the same as a program to run from this checkout
+// (go run ./examples/go-client). client.DefaultSocket is $KVHOST_SOCKET,
+// else the daemon's own default socket.
 func Example() {
 	ctx := context.Background()
-	c, err := client.Dial(ctx, "/run/kvhost/kvhost.sock", "worker-0")
+	c, err := client.Dial(ctx, client.DefaultSocket(), "worker-0")
 	if err != nil {
 		log.Fatal(err)
 	}

@@ -4,9 +4,13 @@ import (
 	"bytes"
 	"context"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/kvhost/kvhost/client"
+	"github.com/kvhost/kvhost/config"
 )
 
 func TestHelpListsEveryCommandAndTheDaemonFlags(t *testing.T) {
@@ -112,4 +116,51 @@ func TestOperatorCommandsTakeTheSocketFromConfig(t *testing.T) {
 			t.Fatalf("exit %d, stderr %q: want 2 naming the file", code, errb.String())
 		}
 	})
+}
+
+// TestExampleConfigsUseTheDefaultSocket: the configurations under
+// examples/ leave the socket at the default every client connects to
+// when given none, so that a daemon started with one is found without
+// setting KVHOST_SOCKET.
+func TestExampleConfigsUseTheDefaultSocket(t *testing.T) {
+	files, err := filepath.Glob(filepath.Join("..", "..", "examples", "*.toml"))
+	if err != nil || len(files) == 0 {
+		t.Fatalf("no examples/*.toml (%v)", err)
+	}
+	t.Setenv("KVHOST_SOCKET", "")
+	want := client.DefaultSocket()
+	for _, f := range files {
+		c, err := config.Load(f)
+		if err != nil {
+			t.Errorf("%s: %v", f, err)
+			continue
+		}
+		if c.Server.Socket != want {
+			t.Errorf("%s: socket %s, want the clients' default %s", f, c.Server.Socket, want)
+		}
+	}
+}
+
+// TestGoClientExampleStoresAndLoadsThroughKVHOST_SOCKET builds
+// examples/go-client from the checkout as the README says (go run
+// ./examples/go-client) and runs it with only KVHOST_SOCKET naming the
+// daemon's socket: it stores, finds and loads its key.
+func TestGoClientExampleStoresAndLoadsThroughKVHOST_SOCKET(t *testing.T) {
+	file, socket, _ := testConfig(t, t.TempDir(), "")
+	startProc(t, nil, "--config", file)
+	bin := filepath.Join(t.TempDir(), "go-client")
+	build := exec.Command("go", "build", "-o", bin, "./examples/go-client")
+	build.Dir = filepath.Join("..", "..")
+	if out, err := build.CombinedOutput(); err != nil {
+		t.Fatalf("go build ./examples/go-client: %v\n%s", err, out)
+	}
+	cmd := exec.Command(bin)
+	cmd.Env = append(os.Environ(), "KVHOST_SOCKET="+socket)
+	out, err := cmd.CombinedOutput()
+	if err != nil {
+		t.Fatalf("go-client: %v\n%s", err, out)
+	}
+	if want := "store: stored\nlookup: 1\nload: loaded\n"; string(out) != want {
+		t.Fatalf("go-client printed %q, want %q", out, want)
+	}
 }

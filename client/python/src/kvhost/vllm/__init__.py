@@ -6,8 +6,10 @@
     --kv-transfer-config '{"kv_connector":"OffloadingConnector","kv_role":"kv_both",
       "kv_connector_extra_config":{"spec_name":"TieringOffloadingSpec",
         "cpu_bytes_to_use":68719476736,
-        "secondary_tiers":[{"type":"KvhostTier","module_path":"kvhost.vllm",
-                            "socket":"/run/kvhost/kvhost.sock"}]}}'
+        "secondary_tiers":[{"type":"KvhostTier","module_path":"kvhost.vllm"}]}}'
+
+The tier connects to ``$KVHOST_SOCKET``, else the daemon's default socket
+(``default_socket()``), unless its ``"socket"`` key names one.
 
 Importing this package imports no vLLM module. ``KvhostTier`` is built on
 first access: it then imports vLLM's light ``vllm.v1.kv_offload`` modules
