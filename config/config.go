@@ -146,7 +146,7 @@ type Log struct {
 
 // Policy chooses and limits the placement-policy plugin.
 type Policy struct {
-	// Name is a built-in policy name (lru, lfu, ttl, sharded) or the path of a
+	// Name is a built-in policy name (lru, lfu, ttl, sharded, tiered) or the path of a
 	// .wasm file.
 	Name string `toml:"name"`
 	// Shards is the number of plugin instances the state is spread over;

@@ -27,7 +27,7 @@ type Flags struct {
 func BindFlags(fs *flag.FlagSet) *Flags {
 	f := &Flags{fs: fs}
 	fs.StringVar(&f.configPath, "config", "", "TOML configuration `file` (flags override it)")
-	fs.StringVar(&f.policy, "policy", "", "placement policy: a built-in `name` (lru, lfu, ttl, sharded) or a .wasm file")
+	fs.StringVar(&f.policy, "policy", "", "placement policy: a built-in `name` (lru, lfu, ttl, sharded; tiered for several mounts) or a .wasm file")
 	fs.StringVar(&f.socket, "socket", "", "Unix socket `path` clients connect to")
 	fs.StringVar(&f.dir, "dir", "", "cache `directory` (replaces the configured mounts with this one)")
 	fs.Var(&f.capacity, "capacity", "bytes to store under -dir, e.g. 100GiB (0: 90% of the file system)")

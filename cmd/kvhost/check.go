@@ -197,6 +197,7 @@ func checkOnThread(ctx context.Context, o checkOptions) *checkReport {
 	for _, m := range mounts {
 		checkMount(ctx, rep, o, m, drv)
 	}
+	checkPolicyMounts(ctx, rep, o.cfg, mounts)
 	return rep
 }
 

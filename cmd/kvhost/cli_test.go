@@ -18,7 +18,7 @@ func TestHelpListsEveryCommandAndTheDaemonFlags(t *testing.T) {
 	if code := run(context.Background(), []string{"--help"}, &out, &errb); code != 0 {
 		t.Fatalf("exit %d, stderr %s", code, errb.String())
 	}
-	for _, want := range []string{"serve", "policy", "config", "version", "-config", "-dir", "-socket", "-policy", "-capacity"} {
+	for _, want := range []string{"serve", "policy", "config", "version", "-config", "-dir", "-socket", "-policy", "-capacity", "tiered"} {
 		if !strings.Contains(out.String(), want) {
 			t.Errorf("--help does not mention %q:\n%s", want, out.String())
 		}

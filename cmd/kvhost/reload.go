@@ -94,6 +94,7 @@ func (d *daemon) applyReload(ctx context.Context) (string, error) {
 			return "", err
 		}
 		d.pol.swap(build)
+		warnSingleMount(d.log, build, cur.Mounts)
 	}
 	if next.Log.Level != cur.Log.Level {
 		d.level.Set(level)

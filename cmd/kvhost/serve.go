@@ -174,6 +174,7 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 	}
 	d.eng = eng
 	d.pol.swap(build)
+	warnSingleMount(log, build, cfg.Mounts)
 	table, err := openLookupTable(cfg, eng, log)
 	if err != nil {
 		cctx, cancel := context.WithTimeout(context.Background(), time.Duration(cfg.Server.ShutdownTimeout)+10*time.Second)

@@ -1,0 +1,114 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/config"
+)
+
+// TestSingleMountPolicyIsNamedOnlyWithSeveralKvhostMounts: a policy
+// without admission to a mount or demotion is reported when it is given
+// two kvhost mounts, never with one (a vllm-fs mount beside it does not
+// count) nor when it places files by mount.
+func TestSingleMountPolicyIsNamedOnlyWithSeveralKvhostMounts(t *testing.T) {
+	one := []config.Mount{{Path: "/a"}}
+	two := []config.Mount{{Path: "/a"}, {Path: "/b"}}
+	withFS := []config.Mount{{Path: "/a"}, {Path: "/v", Layout: config.LayoutVLLMFS}}
+	for _, tc := range []struct {
+		name   string
+		f      abi.Feature
+		mounts []config.Mount
+		warn   bool
+	}{
+		{"lru, two mounts", abi.FeatureNamespace, two, true},
+		{"native lru (no features), two mounts", 0, two, true},
+		{"lru, one mount", abi.FeatureNamespace, one, false},
+		{"lru, one mount and a vllm-fs mount", abi.FeatureNamespace, withFS, false},
+		{"tiered, two mounts", abi.FeatureNamespace | abi.FeatureAdmit | abi.FeatureMounts | abi.FeatureAdmitMount | abi.FeatureDemote | abi.FeatureTick, two, false},
+		{"admission to a mount only, two mounts", abi.FeatureAdmitMount, two, false},
+		{"demotion only, two mounts", abi.FeatureDemote, two, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			why := singleMountPolicy("lru", tc.f, tc.mounts)
+			if (why != "") != tc.warn {
+				t.Fatalf("singleMountPolicy = %q, want a warning: %v", why, tc.warn)
+			}
+			if tc.warn && (!strings.Contains(why, "/a") || !strings.Contains(why, "tiered")) {
+				t.Errorf("the warning %q names neither the first mount nor the tiered policy", why)
+			}
+		})
+	}
+}
+
+// TestDaemonWarnsAtStartWhenLRUGetsTwoMounts: the default policy with a
+// second [[mount]] logs the warning at start, naming the policy.
+func TestDaemonWarnsAtStartWhenLRUGetsTwoMounts(t *testing.T) {
+	dir := t.TempDir()
+	file, _, _ := testConfig(t, dir, fmt.Sprintf("[[mount]]\npath = %q\ncapacity = \"64MiB\"\n", filepath.Join(dir, "cold")))
+	p := startProc(t, nil, "--config", file)
+	if m := p.stderr.logLine(t, singleMountMsg); m["policy"] != "lru" {
+		t.Fatalf("the warning names the policy %v, want lru: %v", m["policy"], m)
+	}
+}
+
+// TestCheckWarnsWhenASingleMountPolicyGetsTwoMounts: kvhost check gives
+// the same finding from the configuration, and an OK for tiered.
+func TestCheckWarnsWhenASingleMountPolicyGetsTwoMounts(t *testing.T) {
+	dir := t.TempDir()
+	mounts := fmt.Sprintf("[[mount]]\npath = %q\n\n[[mount]]\npath = %q\n", filepath.Join(dir, "hot"), filepath.Join(dir, "cold"))
+	for _, tc := range []struct {
+		policy string
+		level  string
+	}{
+		{"lru", levelWarn},
+		{"tiered", levelOK},
+	} {
+		t.Run(tc.policy, func(t *testing.T) {
+			file := filepath.Join(dir, tc.policy+".toml")
+			if err := os.WriteFile(file, fmt.Appendf(nil, "[policy]\nname = %q\n\n%s", tc.policy, mounts), 0o644); err != nil {
+				t.Fatal(err)
+			}
+			var out, errb bytes.Buffer
+			run(context.Background(), []string{"check", "--config", file, "--json"}, &out, &errb)
+			var rep checkReport
+			if err := json.Unmarshal(out.Bytes(), &rep); err != nil {
+				t.Fatalf("check --json: %v\n%s\n%s", err, out.String(), errb.String())
+			}
+			var got []checkItem
+			for _, it := range rep.Items {
+				if it.Area == "policy" {
+					got = append(got, it)
+				}
+			}
+			if len(got) != 1 || got[0].Level != tc.level {
+				t.Fatalf("policy findings %+v, want one %s", got, tc.level)
+			}
+		})
+	}
+}
+
+// TestTieredExampleIsAMemoryAndDiskDaemon: examples/tiered.toml loads,
+// names the tiered policy with a memory mount first and a second mount,
+// and the built-in tiered module draws no single-mount warning for it.
+func TestTieredExampleIsAMemoryAndDiskDaemon(t *testing.T) {
+	cfg, err := config.Load(filepath.Join("..", "..", "examples", "tiered.toml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if cfg.Policy.Name != "tiered" || len(cfg.Mounts) != 2 || cfg.Mounts[0].DeviceClass != "memory" {
+		t.Fatalf("policy %q, mounts %+v: want tiered over a memory mount and a second one", cfg.Policy.Name, cfg.Mounts)
+	}
+	var rep checkReport
+	checkPolicyMounts(context.Background(), &rep, cfg, cfg.Mounts)
+	if len(rep.Items) != 1 || rep.Items[0].Level != levelOK {
+		t.Fatalf("findings %+v, want one OK (needs the embedded wasm: make build)", rep.Items)
+	}
+}
