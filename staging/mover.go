@@ -2,7 +2,10 @@ package staging
 
 import (
 	"context"
+	"errors"
 	"fmt"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/kvhost/kvhost/internal/fsys"
 	"github.com/kvhost/kvhost/region"
@@ -108,6 +111,13 @@ func (m *Mover) run(ctx context.Context, f fsys.File, p *transfer.Plan, sums []u
 			n, err = w.do(ctx, f, spans, opt, write)
 			return err
 		})
+		// The kernel's side of the same fault: a preadv or pwritev
+		// straight to or from pages of the truncated file fails with
+		// EFAULT. Only region memory reaches those calls from user
+		// space (bounce buffers are the daemon's own, never truncated).
+		if errors.Is(err, unix.EFAULT) && !errors.Is(err, region.ErrFault) {
+			err = fmt.Errorf("%w: %w", region.ErrFault, err)
+		}
 		done <- result{n, err}
 	}); err != nil {
 		return 0, err

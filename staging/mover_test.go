@@ -99,6 +99,27 @@ func TestMoverRoundTrip(t *testing.T) {
 	}
 }
 
+// sharedRegion is a file of size bytes under /dev/shm registered as a
+// shared-file region (skipping the test without /dev/shm); its owner's
+// descriptor truncates it. Both go at the test's end.
+func sharedRegion(t *testing.T, size int64) (*os.File, *region.Host) {
+	t.Helper()
+	shm, err := os.CreateTemp("/dev/shm", "kvhost-truncate-")
+	if err != nil {
+		t.Skipf("no /dev/shm: %v", err)
+	}
+	t.Cleanup(func() { shm.Close(); os.Remove(shm.Name()) })
+	if err := shm.Truncate(size); err != nil {
+		t.Fatal(err)
+	}
+	r, err := region.OpenShared(int(shm.Fd()), size)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { r.Close() })
+	return shm, r
+}
+
 // TestMoverSurvivesTruncatedSharedFile: a client truncates the shared file
 // behind a registered region before (or while) a plan moves it. Every path
 // that touches the region's bytes from user space — fused checksums on a
@@ -128,20 +149,7 @@ func TestMoverSurvivesTruncatedSharedFile(t *testing.T) {
 	}
 	for i, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
-			shm, err := os.CreateTemp("/dev/shm", "kvhost-truncate-")
-			if err != nil {
-				t.Skipf("no /dev/shm: %v", err)
-			}
-			defer os.Remove(shm.Name())
-			defer shm.Close()
-			if err := shm.Truncate(size); err != nil {
-				t.Fatal(err)
-			}
-			r, err := region.OpenShared(int(shm.Fd()), size)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer r.Close()
+			shm, r := sharedRegion(t, size)
 			name := filepath.Join(dir, "f"+string(rune('a'+i)))
 			f, err := fsys.OS{}.OpenFile(name, os.O_RDWR|os.O_CREATE, 0o644)
 			if err != nil {
@@ -288,5 +296,59 @@ func TestMoverLoadsFromMemoryFileSystemsThroughAMapping(t *testing.T) {
 		if _, err := mv.For(false).ReadFile(ctx, rc, &transfer.Plan{Extents: ext(dst, c.small), Sums: 2, Memory: memory}, rs); !errors.Is(err, ErrShortFile) {
 			t.Fatalf("memory file system %v: load of a truncated file: %v, want ErrShortFile", memory, err)
 		}
+	}
+}
+
+// TestMoverReportsAKernelFaultOnATruncatedRegionAsAFault: a plan whose
+// region lies in a shared file truncated before the move fails with
+// region.ErrFault (the server's "bad descriptor") whether the fault is
+// Go's (a copy or checksum of the region's bytes) or the kernel's (a
+// preadv or pwritev straight to or from the missing pages: EFAULT).
+func TestMoverReportsAKernelFaultOnATruncatedRegionAsAFault(t *testing.T) {
+	ctx := context.Background()
+	mv, err := NewMover(Config{Workers: 2, BufferSize: 64 << 10, Buffers: 4})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer mv.Close()
+	const size = 1 << 20
+	dir := t.TempDir()
+	for i, c := range []struct {
+		name  string
+		write bool
+		sum   bool
+	}{
+		{"read, no checksum (preadv into the region)", false, false},
+		{"write, no checksum (pwritev from the region)", true, false},
+		{"read, checksummed", false, true},
+		{"write, checksummed", true, true},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			shm, r := sharedRegion(t, size)
+			f, err := fsys.OS{}.OpenFile(filepath.Join(dir, "f"+string(rune('a'+i))), os.O_RDWR|os.O_CREATE, 0o644)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer f.Close()
+			if _, err := f.WriteAt(make([]byte, size), 0); err != nil {
+				t.Fatal(err)
+			}
+			if err := shm.Truncate(size / 2); err != nil {
+				t.Fatal(err)
+			}
+			x := transfer.Extent{FileOff: 0, Region: r, RegionOff: size / 2, Len: 128 << 10, Sum: -1}
+			p := &transfer.Plan{Extents: []transfer.Extent{x}}
+			var sums []uint32
+			if c.sum {
+				p.Extents[0].Sum, p.Sums, sums = 0, 1, make([]uint32, 1)
+			}
+			move := mv.ReadFile
+			if c.write {
+				move = mv.WriteFile
+			}
+			if _, err := move(ctx, f, p, sums); !errors.Is(err, region.ErrFault) {
+				t.Fatalf("error %v, want region.ErrFault", err)
+			}
+		})
 	}
 }
