@@ -103,6 +103,9 @@ type Server struct {
 	SocketGroup string `toml:"socket_group"`
 	// MaxClients bounds concurrent connections.
 	MaxClients int `toml:"max_clients"`
+	// MaxClientsPerPeer bounds the connections of one client process;
+	// 0: half of MaxClients, at least 1.
+	MaxClientsPerPeer int `toml:"max_clients_per_peer"`
 	// MaxInflightJobs bounds a client's unfinished store and load jobs.
 	MaxInflightJobs int `toml:"max_inflight_jobs"`
 	// MaxRegistrations bounds a client's registered memory regions.
@@ -515,6 +518,8 @@ func (c *Config) Validate() error {
 		return bad("server.socket_mode", "octal permissions that include owner read and write (e.g. \"0660\")", c.Server.SocketMode)
 	case c.Server.MaxClients < 1:
 		return bad("server.max_clients", "at least 1", c.Server.MaxClients)
+	case c.Server.MaxClientsPerPeer < 0 || c.Server.MaxClientsPerPeer > c.Server.MaxClients:
+		return bad("server.max_clients_per_peer", "0 (half of max_clients) to max_clients", c.Server.MaxClientsPerPeer)
 	case c.Server.MaxInflightJobs < 1:
 		return bad("server.max_inflight_jobs", "at least 1", c.Server.MaxInflightJobs)
 	case c.Server.MaxRegistrations < 1:

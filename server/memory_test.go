@@ -94,7 +94,7 @@ func TestRegisteredBytesShare(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			f := newFixture(t, server.Config{MaxClients: tc.clients, MaxRegisteredBytes: tc.perConn, MaxTotalRegisteredBytes: tc.total})
+			f := newFixture(t, server.Config{MaxClients: tc.clients, MaxClientsPerPeer: tc.clients, MaxRegisteredBytes: tc.perConn, MaxTotalRegisteredBytes: tc.total})
 			fd := sparse(t, tc.wantShare)
 			conns := make([]*rawConn, tc.clients)
 			var first uint32

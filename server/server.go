@@ -52,6 +52,12 @@ type Config struct {
 	// MaxClients bounds connections that have completed the handshake
 	// (default 64).
 	MaxClients int
+	// MaxClientsPerPeer bounds the connections through the handshake of
+	// one peer process (its pid, from SO_PEERCRED), so that one client
+	// opening connections cannot take every slot of MaxClients (default
+	// half of MaxClients, at least 1). A peer whose pid the kernel
+	// does not give (another pid namespace) is not bounded by it.
+	MaxClientsPerPeer int
 	// MaxHandshakes bounds connections accepted but not yet through Hello
 	// (default 16). A new connection beyond it closes the oldest of them:
 	// silent connections cannot keep a client that speaks from getting in.
@@ -180,6 +186,7 @@ func (c Config) withDefaults() (Config, error) {
 		}
 	}
 	def(&c.MaxClients, 64)
+	def(&c.MaxClientsPerPeer, max(1, c.MaxClients/2))
 	def(&c.MaxHandshakes, 16)
 	def(&c.MaxFrame, 4<<20)
 	def(&c.MaxRegistrations, 64)
@@ -218,7 +225,7 @@ func (c Config) withDefaults() (Config, error) {
 		return c, errors.New("server: OpenDevice without Devices: say how many GPUs clients may register memory on")
 	case c.MaxFrame < protocol.MinFrame || c.MaxFrame > 1<<30:
 		return c, fmt.Errorf("server: MaxFrame %d: want %d..1GiB", c.MaxFrame, protocol.MinFrame)
-	case c.MaxClients < 0 || c.MaxHandshakes < 0 || c.MaxRegistrations < 0 || c.MaxInflightJobs < 0 || c.MaxNamespaces < 0 || c.MaxCaches < 0:
+	case c.MaxClients < 0 || c.MaxClientsPerPeer < 0 || c.MaxHandshakes < 0 || c.MaxRegistrations < 0 || c.MaxInflightJobs < 0 || c.MaxNamespaces < 0 || c.MaxCaches < 0:
 		return c, errors.New("server: negative limit")
 	case c.ShutdownTimeout < 0 || c.HandshakeTimeout < 0 || c.FrameTimeout < 0 || c.IdleTimeout < 0 || c.WriteTimeout < 0:
 		return c, errors.New("server: negative timeout")
@@ -248,6 +255,7 @@ type Server struct {
 	sessions map[*session]struct{} // every live connection
 	pending  map[*session]uint64   // not through Hello yet, by accept number
 	admitted int                   // sessions through Hello
+	perPeer  map[int32]int         // sessions through Hello by peer pid (known pids only)
 	changed  chan struct{}         // closed and replaced when sessions change
 	stopping bool
 	wg       sync.WaitGroup // sessions
@@ -275,7 +283,7 @@ func New(eng Engine, cfg Config) (*Server, error) {
 	return &Server{
 		eng: eng, cfg: cfg, log: cfg.Logger,
 		sessions: make(map[*session]struct{}), pending: make(map[*session]uint64),
-		changed: make(chan struct{}), nsRefs: make(map[engine.NamespaceID]int),
+		changed: make(chan struct{}), nsRefs: make(map[engine.NamespaceID]int), perPeer: make(map[int32]int),
 		devices: make([]deviceUse, cfg.Devices), started: time.Now(),
 	}, nil
 }
@@ -401,6 +409,7 @@ func (s *Server) start(c *net.UnixConn) *session {
 		delete(s.pending, evict)
 	}
 	sess := newSession(s, c)
+	sess.peer = peerPID(c)
 	s.sessions[sess] = struct{}{}
 	s.pending[sess] = sess.seq
 	s.notifyLocked()
@@ -418,11 +427,33 @@ func (s *Server) start(c *net.UnixConn) *session {
 		delete(s.pending, sess)
 		if sess.admitted {
 			s.admitted--
+			if sess.peer > 0 {
+				if s.perPeer[sess.peer]--; s.perPeer[sess.peer] == 0 {
+					delete(s.perPeer, sess.peer)
+				}
+			}
 		}
 		s.notifyLocked()
 		s.mu.Unlock()
 	}()
 	return sess
+}
+
+// peerPID is the pid of the process at the other end of c (SO_PEERCRED),
+// or 0 where the kernel does not give it (a peer in another pid
+// namespace, an error).
+func peerPID(c *net.UnixConn) int32 {
+	raw, err := c.SyscallConn()
+	if err != nil {
+		return 0
+	}
+	var pid int32
+	raw.Control(func(fd uintptr) {
+		if cred, err := unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED); err == nil {
+			pid = cred.Pid
+		}
+	})
+	return max(pid, 0)
 }
 
 // admit moves a session that said Hello from the handshaking connections to
@@ -440,8 +471,13 @@ func (s *Server) admit(sess *session) *protocol.Error {
 		return perr(protocol.CodeShuttingDown, "the daemon is shutting down")
 	case s.admitted >= s.cfg.MaxClients:
 		return perr(protocol.CodeLimit, "the daemon serves at most %d clients", s.cfg.MaxClients)
+	case sess.peer > 0 && s.perPeer[sess.peer] >= s.cfg.MaxClientsPerPeer:
+		return perr(protocol.CodeLimit, "process %d already has %d connections, the most one process may hold (server.max_clients_per_peer)", sess.peer, s.perPeer[sess.peer])
 	}
 	s.admitted++
+	if sess.peer > 0 {
+		s.perPeer[sess.peer]++
+	}
 	sess.admitted = true
 	s.notifyLocked()
 	return nil

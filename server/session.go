@@ -72,7 +72,8 @@ type session struct {
 	wdead bool         // a write failed: the stream is cut mid-frame
 	wcap  atomic.Int64 // unix ns; writes end by then (set by stop and release)
 
-	admitted   bool // through Hello and counted as a client; guarded by srv.mu
+	admitted   bool  // through Hello and counted as a client; guarded by srv.mu
+	peer       int32 // the peer's pid (SO_PEERCRED), 0 if unknown; set before run
 	hello      bool
 	regions    map[uint32]*memRegion
 	regBytes   int64 // bytes of the regions, counted against the limits

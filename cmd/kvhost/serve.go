@@ -198,6 +198,7 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 	}
 	scfg := server.Config{
 		MaxClients:              cfg.Server.MaxClients,
+		MaxClientsPerPeer:       cfg.Server.MaxClientsPerPeer,
 		MaxFrame:                int(cfg.Server.MaxFrame),
 		MaxRegistrations:        cfg.Server.MaxRegistrations,
 		MaxInflightJobs:         cfg.Server.MaxInflightJobs,
