@@ -17,7 +17,7 @@ func TestExampleConfig(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if c.Server.Socket != "/tmp/kvhost-example/kvhost.sock" || c.Server.SocketMode != 0o660 || len(c.Mounts) != 1 || c.Mounts[0].Capacity != 10<<30 {
+	if c.Server.Socket != config.Default().Server.Socket || c.Server.SocketMode != 0o660 || len(c.Mounts) != 1 || c.Mounts[0].Capacity != 10<<30 {
 		t.Fatalf("example config read as %+v", c)
 	}
 }
