@@ -120,7 +120,7 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 			return err
 		}
 		mounts[i] = engine.Mount{
-			Path: m.Path, Capacity: capacity, HighWatermark: m.HighWatermark, LowWatermark: m.LowWatermark,
+			Path: m.Path, Capacity: capacity, CapacityDerived: m.Capacity == 0, HighWatermark: m.HighWatermark, LowWatermark: m.LowWatermark,
 			Reserve: int64(m.Reserve), IO: m.IO, NoChecksum: !m.Checksums(), DeviceClass: m.DeviceClass,
 			Preallocate: enginePreallocate(m.Preallocate),
 		}

@@ -80,6 +80,10 @@ type Mount struct {
 	// Capacity is the most bytes (file lengths) the engine keeps under Path;
 	// 0 means the size of the file system (statfs) at Open.
 	Capacity int64
+	// CapacityDerived says that Capacity was computed (kvhost's default of
+	// 90% of the file system), not configured: Open then does not warn
+	// that it is more than the file system can hold.
+	CapacityDerived bool
 	// HighWatermark and LowWatermark are fractions of Capacity: when usage
 	// would cross High, the engine evicts until it is at or below Low. Zero
 	// values mean 0.95 and 0.85.

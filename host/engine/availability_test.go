@@ -114,6 +114,34 @@ func (d *smallDisk) Statfs(path string) (fsys.StatFS, error) {
 	return fsys.StatFS{Type: 0xef53, BlockSize: 4096, Total: d.total, Free: free, Avail: free}, nil
 }
 
+// TestDerivedCapacityLargerThanTheFileSystemIsNotReported: a capacity
+// nobody configured (kvhost's 90% of the file system's size, computed
+// before the engine counts what others use there) is cut to what the file
+// system holds without the warning meant for a configured one.
+func TestDerivedCapacityLargerThanTheFileSystemIsNotReported(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		derived bool
+		warned  int64
+	}{
+		{"configured", false, 1},
+		{"derived", true, 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			dir := t.TempDir()
+			disk := &smallDisk{root: dir, total: 4 << 20, foreign: 2 << 20}
+			log, warned := countingLogger(t, "configured capacity is more than")
+			e := openEngine(t, Config{Mounts: []Mount{{Path: dir, Capacity: 9 * (4 << 20) / 10, CapacityDerived: tc.derived}}, Policy: newTestPolicy(1, 0), FS: disk, Logger: log})
+			if m := e.Stats().Mounts[0]; m.Capacity != 2<<20 {
+				t.Fatalf("mount %+v, want capacity 2 MiB (what the file system holds)", m)
+			}
+			if n := warned.Load(); n != tc.warned {
+				t.Fatalf("%d warnings, want %d", n, tc.warned)
+			}
+		})
+	}
+}
+
 // TestCapacityKnowsFileSystem: with a configured capacity of 1 GiB on a
 // 4 MiB file system holding 1 MiB of foreign data and a 512 KiB reserve,
 // the effective capacity is 2.5 MiB, the mismatch is logged once, and

@@ -24,6 +24,7 @@ type mount struct {
 	// configured is Mount.Capacity (0: the file system's size); reserve
 	// is Mount.Reserve; highF and lowF the watermarks as fractions.
 	configured, reserve int64
+	derived             bool // configured was computed, not given (Mount.CapacityDerived)
 	highF, lowF         float64
 	direct              bool
 	// memory: a memory file system (tmpfs). With it, and with buffered
@@ -127,7 +128,7 @@ func (e *Engine) openMount(i int, m Mount) (*mount, error) {
 		return nil, fmt.Errorf("engine: mount %s: %w", root, err)
 	}
 	mt := &mount{
-		idx: i, root: root, configured: m.Capacity, reserve: m.Reserve, highF: high, lowF: low,
+		idx: i, root: root, configured: m.Capacity, derived: m.CapacityDerived, reserve: m.Reserve, highF: high, lowF: low,
 		memory: isMemoryFS(st.Type), checksums: !m.NoChecksum && !e.cfg.NoChecksum, ahead: m.Preallocate,
 	}
 	switch io {
@@ -230,7 +231,7 @@ func (e *Engine) reportMounts() {
 		}
 		e.log.Info("engine: mount", "mount", m.root, "io", m.ioName(), "why", m.ioWhy, "backend", m.backend,
 			"checksums", m.checksums, "capacity", capacity, "used", used, "reserve", m.reserve, "preallocate", m.ahead, "preallocate_auto", auto)
-		if m.configured > capacity {
+		if m.configured > capacity && !m.derived {
 			e.log.Warn("engine: the configured capacity is more than the file system can hold; using what it can hold",
 				"mount", m.root, "configured", m.configured, "effective", capacity, "reserve", m.reserve)
 		}
