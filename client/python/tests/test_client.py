@@ -101,6 +101,14 @@ class TestConnect(unittest.TestCase):
             with self.subTest(env=env), mock.patch.dict(os.environ, env, clear=True):
                 self.assertEqual(kvhost.default_socket(), want)
 
+    def test_connection_error_names_the_socket(self):
+        for path, cls in [("/nonexistent/kvhost.sock", FileNotFoundError)]:
+            with self.assertRaises(cls) as cm:
+                kvhost.Client(path)
+            self.assertIn(path, str(cm.exception))
+            self.assertEqual(cm.exception.filename, path)
+            self.assertIn("KVHOST_SOCKET", str(cm.exception))
+
     def test_client_without_path_uses_kvhost_socket(self):
         d = Daemon()
         try:

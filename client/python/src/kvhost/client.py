@@ -172,6 +172,13 @@ class Client:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._sock.connect(path)
+        except OSError as e:
+            self._sock.close()
+            # The same class (FileNotFoundError, PermissionError,
+            # ConnectionRefusedError: OSError picks it from errno), with
+            # the socket's path in the message.
+            raise OSError(e.errno, f"{e.strerror}: cannot connect to the kvhost daemon's socket "
+                          f"(is it running there? set KVHOST_SOCKET to its path)", path) from None
         except BaseException:
             self._sock.close()
             raise
