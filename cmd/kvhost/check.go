@@ -208,6 +208,16 @@ func checkGPU(rep *checkReport, g config.GPU) *cuda.Runtime {
 		rep.add(levelInfo, "gpu", "GPU paths off by configuration (gpu.mode = off): kvhost serves host memory only", "")
 		return nil
 	}
+	if !gpuBuild {
+		// Installing CUDA would change nothing: the binary cannot load it.
+		level := levelWarn
+		if g.Mode == "on" {
+			level = levelFail
+		}
+		rep.add(level, "gpu", "this kvhost is "+cpuOnlyNote,
+			"rebuild with cgo for GPU memory: a C compiler (Debian: apt install gcc) and CGO_ENABLED=1 make build")
+		return nil
+	}
 	missing := levelWarn
 	if g.Mode == "on" {
 		missing = levelFail // the daemon would not start
@@ -267,6 +277,10 @@ func checkCuFile(rep *checkReport, g config.GPU, rt *cuda.Runtime) *gds.Driver {
 		if err := rt.SetDevice(0); err != nil {
 			rep.add(levelWarn, "cufile", fmt.Sprintf("cannot make device 0 current: %v", err), "")
 		}
+	}
+	if !gpuBuild {
+		rep.add(levelInfo, "cufile", "cuFile unused: this build cannot load CUDA (built without cgo)", "")
+		return nil
 	}
 	d, err := gds.Open(cfg)
 	if err != nil {

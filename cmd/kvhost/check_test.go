@@ -293,3 +293,33 @@ func TestCheckLeavesNoCUDAStateOnItsCallersThread(t *testing.T) {
 		t.Fatalf("after doCheck the caller's thread has device %d current, had 1", r.dev)
 	}
 }
+
+// TestABuildWithoutCgoSaysCPUOnlyAndSuggestsNoCUDAInstall plays a build
+// without cgo (no gcc): kvhost version says it is CPU only, and kvhost
+// check says so too, with a rebuild as the fix instead of installing CUDA
+// (which that binary could not load).
+func TestABuildWithoutCgoSaysCPUOnlyAndSuggestsNoCUDAInstall(t *testing.T) {
+	old := gpuBuild
+	gpuBuild = false
+	t.Cleanup(func() { gpuBuild = old })
+	var out, errb bytes.Buffer
+	if code := run(context.Background(), []string{"version"}, &out, &errb); code != 0 || !strings.Contains(out.String(), "CPU only") {
+		t.Fatalf("version: exit %d, %q: want CPU only", code, out.String())
+	}
+	out.Reset()
+	run(context.Background(), []string{"check", "--dir", t.TempDir(), "--json"}, &out, &errb)
+	var rep checkReport
+	if err := json.Unmarshal(out.Bytes(), &rep); err != nil {
+		t.Fatalf("check --json: %v\n%s", err, errb.String())
+	}
+	cpuOnly := false
+	for _, it := range rep.Items {
+		if strings.Contains(it.Fix, "CUDA runtime") || strings.Contains(it.Fix, "install libcufile") {
+			t.Errorf("check suggests installing CUDA to a binary that cannot load it: %+v", it)
+		}
+		cpuOnly = cpuOnly || it.Area == "gpu" && strings.Contains(it.What, "CPU only")
+	}
+	if !cpuOnly {
+		t.Errorf("check does not say the build is CPU only: %+v", rep.Items)
+	}
+}

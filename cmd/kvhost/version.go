@@ -6,6 +6,8 @@ import (
 	"io"
 	"runtime"
 	"runtime/debug"
+
+	"github.com/kvhost/kvhost/internal/cuda"
 )
 
 // version is the release the binary was built from; the Makefile sets it
@@ -44,8 +46,20 @@ func versionString() string {
 		}
 		s += ")"
 	}
-	return s + " " + runtime.Version() + " " + runtime.GOOS + "/" + runtime.GOARCH
+	s += " " + runtime.Version() + " " + runtime.GOOS + "/" + runtime.GOARCH
+	if !gpuBuild {
+		s += " (" + cpuOnlyNote + ")"
+	}
+	return s
 }
+
+// gpuBuild is whether this binary can load CUDA (cuda.Loadable); a
+// variable so that tests can play a build without cgo.
+var gpuBuild = cuda.Loadable
+
+// cpuOnlyNote says what a build without cgo is, in `kvhost version` and
+// `kvhost check`.
+const cpuOnlyNote = "CPU only: built without cgo, so it cannot load CUDA; serves host memory only"
 
 func runVersion(_ context.Context, _ []string, stdout, _ io.Writer) int {
 	fmt.Fprintln(stdout, versionString())

@@ -104,6 +104,10 @@ import "C"
 
 import "unsafe"
 
+// Loadable reports whether this build can load the CUDA runtime at all:
+// true with cgo on Linux (shim_stub.go has the other case).
+const Loadable = true
+
 // Calls by shape of signature; f is a resolved symbol. Each returns the
 // function's status code.
 

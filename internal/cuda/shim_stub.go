@@ -4,6 +4,11 @@ package cuda
 
 import "unsafe"
 
+// Loadable reports whether this build can load the CUDA runtime at all:
+// false without cgo (CGO_ENABLED=0, or no C compiler at build time) or
+// off Linux, where the binary serves host memory only.
+const Loadable = false
+
 // Without cgo no library can be opened (Open fails first), so none of
 // these is ever reached; each fails as a missing library would.
 
