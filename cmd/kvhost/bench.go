@@ -86,7 +86,7 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	fs.StringVar(&sums, "checksum", "on", "payload checksums: on, off, or on,off")
 	fs.StringVar(&mix, "mix", "write,read", "timed phases: write, read or write,read (a read-only mix stores its keys untimed first)")
 	fs.Float64Var(&o.hitRatio, "hit-ratio", 1, "fraction of loaded keys that are stored (the rest are misses)")
-	fs.IntVar(&o.keys, "keys", 0, "keys per phase (default: --total bytes of keys, at least twice the largest job count)")
+	fs.IntVar(&o.keys, "keys", 0, "keys per phase (default: as many as --total holds; at least twice the largest job count times --keys-per-job, else an error)")
 	totalStr := fs.String("total", "1GiB", "bytes of keys per phase when --keys is 0")
 	preallocate := fs.String("preallocate", "", "bytes of spare files the engine makes ahead of stores on a memory file system, or auto (mount.preallocate; default: the configuration's first mount's, auto unless set: an eighth of the benchmark engine's capacity (what the file system can hold; 1.3 × --total with --full), at most 4GiB; 0: none); with spares the benchmark waits before each timed phase and ceiling until the engine has made them and the GPU path has registered them, as an idle moment would let it; where every store of a round wrote into a spare the write ceiling then overwrites existing files, as with --full")
 	fs.IntVar(&o.keysPerJob, "keys-per-job", 1, "keys per store or load job")

@@ -278,6 +278,24 @@ func (c *benchCache) rename() {
 	}
 }
 
+// benchKeys is the keys of each phase for keys of keyBytes: --keys, or
+// as many as --total holds. Every job count needs two keys per job
+// (keys-per-job each), so a phase of fewer is an error naming what
+// would do, rather than a silently larger run than --total.
+func benchKeys(o benchOptions, keyBytes int64) (int, error) {
+	keys, what := o.keys, fmt.Sprintf("--keys %d", o.keys)
+	if keys == 0 {
+		keys = int(max(1, o.total/keyBytes))
+		what = fmt.Sprintf("--total %s holds %d keys of %s", sizeOf(o.total), keys, sizeOf(keyBytes))
+	}
+	need := 2 * slices.Max(o.jobs) * o.keysPerJob
+	if keys < need {
+		return 0, fmt.Errorf("%s, but --jobs %d needs at least %d keys (%s): raise --total or --keys, or lower --jobs, --keys-per-job or --tokens-per-key",
+			what, slices.Max(o.jobs), need, sizeOf(int64(need)*keyBytes))
+	}
+	return keys, nil
+}
+
 // keySize measures one key size at every job count.
 func (r *benchRun) keySize(ctx context.Context, eng *engine.Engine, gp *gpuPaths, dir, path string, sums bool, tpk int) error {
 	g := engine.Geometry{
@@ -289,11 +307,10 @@ func (r *benchRun) keySize(ctx context.Context, eng *engine.Engine, gp *gpuPaths
 		return err
 	}
 	maxJobs := slices.Max(r.o.jobs)
-	keys := r.o.keys
-	if keys == 0 {
-		keys = int(max(1, r.o.total/g.KeyBytes()))
+	keys, err := benchKeys(r.o, g.KeyBytes())
+	if err != nil {
+		return err
 	}
-	keys = max(keys, 2*maxJobs*r.o.keysPerJob)
 	ns, err := eng.Declare(ctx, g)
 	if err != nil {
 		return err

@@ -727,3 +727,38 @@ func TestBenchFullCacheStoresIntoEvictedFilesOnTmpfsUnlessTurnedOff(t *testing.T
 		})
 	}
 }
+
+// TestBenchKeysHonoursTotal: --total sets the keys of a phase; a total
+// too small for the largest job count is an error naming the sizes, never
+// a silently larger run (--total 256MiB of 32 MiB keys with --jobs 16
+// used to run 1 GiB).
+func TestBenchKeysHonoursTotal(t *testing.T) {
+	const key = 32 << 20
+	for _, tc := range []struct {
+		name         string
+		total        int64
+		keys         int
+		jobs         []int
+		want         int
+		errSubstring string
+	}{
+		{"256MiB at 4 jobs", 256 << 20, 0, []int{1, 4}, 8, ""},
+		{"1GiB at 16 jobs", 1 << 30, 0, []int{1, 8, 16}, 32, ""},
+		{"256MiB at 16 jobs", 256 << 20, 0, []int{1, 8, 16}, 0, "--total 256 MiB holds 8 keys of 32 MiB, but --jobs 16 needs at least 32 keys (1 GiB)"},
+		{"--keys too few", 1 << 30, 4, []int{16}, 0, "--keys 4, but --jobs 16 needs at least 32 keys"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			o := benchOptions{total: tc.total, keys: tc.keys, jobs: tc.jobs, keysPerJob: 1}
+			got, err := benchKeys(o, key)
+			if tc.errSubstring != "" {
+				if err == nil || !strings.Contains(err.Error(), tc.errSubstring) {
+					t.Fatalf("benchKeys = %d, %v; want an error containing %q", got, err, tc.errSubstring)
+				}
+				return
+			}
+			if err != nil || got != tc.want {
+				t.Fatalf("benchKeys = %d, %v; want %d keys", got, err, tc.want)
+			}
+		})
+	}
+}
