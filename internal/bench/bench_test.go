@@ -11,6 +11,7 @@ import (
 	"os"
 	"path/filepath"
 	"reflect"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -413,5 +414,58 @@ func TestLinkFractionIsOverThePinnedCopyOfTheSameDirection(t *testing.T) {
 	}
 	if host.Runs[0].FractionLink != 0 || strings.Contains(b.String(), "of link") {
 		t.Fatalf("a host-memory report: link fraction %v, table:\n%s", host.Runs[0].FractionLink, b.String())
+	}
+}
+
+// TestSVGLegendFitsTheChart: every legend entry, long series names and
+// more entries than one panel row is tall included, lies inside the
+// chart's width and height (at textWidth's bound of a name's width).
+func TestSVGLegendFitsTheChart(t *testing.T) {
+	r := sampleReport()
+	for i := range 24 { // many series: a legend taller than one panel row
+		r.Runs = append(r.Runs, Run{Path: fmt.Sprintf("a path with a long descriptive name %d", i), Mover: "gpu-staging-registered-files",
+			IO: "direct", Checksums: true, Direction: Load, Jobs: 1, KeyBytes: 32 << 20, GBps: 1,
+			Ceiling: Ceiling{Name: fmt.Sprintf("pinned H2D through the long named ceiling %d", i), GBps: 2}})
+	}
+	var b bytes.Buffer
+	if err := r.WriteSVG(&b); err != nil {
+		t.Fatal(err)
+	}
+	dec := xml.NewDecoder(&b)
+	var width, height int
+	for {
+		tok, err := dec.Token()
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		se, ok := tok.(xml.StartElement)
+		if !ok {
+			continue
+		}
+		attr := func(name string) int {
+			for _, a := range se.Attr {
+				if a.Name.Local == name {
+					n, _ := strconv.Atoi(a.Value)
+					return n
+				}
+			}
+			return 0
+		}
+		switch se.Name.Local {
+		case "svg":
+			width, height = attr("width"), attr("height")
+		case "text":
+			x, y := attr("x"), attr("y")
+			var s string
+			if err := dec.DecodeElement(&s, &se); err != nil {
+				t.Fatal(err)
+			}
+			if x+textWidth(s) > width || y > height {
+				t.Errorf("text %q at (%d, %d), %d wide, is cut off by the %d×%d chart", s, x, y, textWidth(s), width, height)
+			}
+		}
 	}
 }

@@ -17,7 +17,9 @@ const (
 	marginR        = 12
 	marginT        = 36
 	marginB        = 40
-	legendW        = 250
+	legendW        = 250 // at least
+	legendLineH    = 16
+	legendTextX    = 34 // from the legend's left edge
 	titleH         = 30
 )
 
@@ -59,8 +61,23 @@ func (r *Report) WriteSVG(w io.Writer) error {
 	}
 	cols := min(2, max(1, len(panels)))
 	rows := (len(panels) + cols - 1) / cols
-	width := cols*panelW + legendW
-	height := titleH + max(1, rows)*panelH
+	// The legend lists every series of every panel: as wide as its
+	// longest name and as tall as its lines need.
+	var names []string
+	for _, x := range r.Runs {
+		names = append(names, x.seriesKey())
+		if x.Ceiling.GBps > 0 {
+			names = append(names, "ceiling "+x.Direction+" "+x.Ceiling.Name)
+		}
+	}
+	slices.Sort(names)
+	names = slices.Compact(names)
+	lw := legendW
+	for _, n := range names {
+		lw = max(lw, legendTextX+textWidth(n)+marginR)
+	}
+	width := cols*panelW + lw
+	height := max(titleH+max(1, rows)*panelH, titleH+marginT+len(names)*legendLineH)
 	bw := bufio.NewWriter(w)
 	p := func(format string, args ...any) { fmt.Fprintf(bw, format, args...) }
 	p(`<svg xmlns="http://www.w3.org/2000/svg" width="%d" height="%d" viewBox="0 0 %d %d" font-family="sans-serif" font-size="11">`+"\n", width, height, width, height)
@@ -112,16 +129,23 @@ func (r *Report) WriteSVG(w io.Writer) error {
 	lx := cols * panelW
 	for i, name := range legendOrder {
 		s := legend[name]
-		y := titleH + marginT + i*16
+		y := titleH + marginT + i*legendLineH
 		dash := ""
 		if s.dashed {
 			dash = ` stroke-dasharray="5,3"`
 		}
 		p(`<line x1="%d" y1="%d" x2="%d" y2="%d" stroke="%s" stroke-width="2"%s/>`+"\n", lx+4, y-4, lx+28, y-4, s.colour, dash)
-		p(`<text x="%d" y="%d">%s</text>`+"\n", lx+34, y, esc(name))
+		p(`<text x="%d" y="%d">%s</text>`+"\n", lx+legendTextX, y, esc(name))
 	}
 	p("</svg>\n")
 	return bw.Flush()
+}
+
+// textWidth is an upper bound of the width of s at the chart's 11-unit
+// sans-serif font: 0.65 em a character, wider than any Latin glyph but W
+// and M on average.
+func textWidth(s string) int {
+	return int(math.Ceil(float64(len([]rune(s))) * 11 * 0.65))
 }
 
 // writePanel draws one panel's axes, grid and lines; x positions are the
