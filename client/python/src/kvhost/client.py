@@ -395,6 +395,7 @@ class Client:
         connection has it declared (closing the connection undeclares all)."""
         ns = ns.id if isinstance(ns, Namespace) else ns
         self._call(p.T_UNDECLARE, struct.pack("<I", ns))
+        self._fps.pop(ns, None)  # lookups in it go to the daemon, which refuses them
 
     def register_cache(self, ns, layers):
         """Registers a paged cache (one Layer per model layer); returns its id."""
