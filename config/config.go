@@ -89,8 +89,12 @@ type GPU struct {
 	// staging pipeline keeps mapped and registered with CUDA, so that a
 	// store into a reused file and a load of a file copy between the GPU
 	// and the file's pages directly, without a pinned bounce (default
-	// 16384); 0 registers none.
+	// 1048576, lowered to what the descriptor and mapping limits allow);
+	// 0 registers none.
 	RegisterFiles int `toml:"register_files"`
+	// RegisterBytes bounds the bytes of those files (their pages stay
+	// pinned while registered); 0 means half of the machine's memory.
+	RegisterBytes Size `toml:"register_bytes"`
 }
 
 // Server configures the daemon's Unix socket and per-client limits.
@@ -370,7 +374,7 @@ func Default() Config {
 			IdleTimeout:      Duration(time.Minute),
 			WriteTimeout:     Duration(10 * time.Second),
 		},
-		GPU: GPU{Mode: "auto", CuFile: "auto", StagingMemory: 256 << 20, Copy: "auto", Poll: Duration(500 * time.Microsecond), RegisterFiles: 16384},
+		GPU: GPU{Mode: "auto", CuFile: "auto", StagingMemory: 256 << 20, Copy: "auto", Poll: Duration(500 * time.Microsecond), RegisterFiles: 1 << 20},
 		Log: Log{Level: "info", Format: "auto"},
 		Policy: Policy{
 			Name:          "lru",

@@ -42,6 +42,9 @@ type gpuOptions struct {
 	// RegisterFiles is gpu.register_files: the most memory-mount files
 	// kept mapped and registered with CUDA.
 	RegisterFiles int
+	// RegisterBytes is gpu.register_bytes resolved: the most bytes of
+	// those files (0 in the configuration: half of the machine's memory).
+	RegisterBytes int64
 	// YieldBytes is engine.yield_bytes: a staging job gives its CPU up
 	// after every YieldBytes it copied or checksummed.
 	YieldBytes int64
@@ -64,6 +67,7 @@ func gpuOptionsOf(cfg config.Config) gpuOptions {
 		Copy:          c.Copy,
 		Poll:          time.Duration(c.Poll),
 		RegisterFiles: c.RegisterFiles,
+		RegisterBytes: registerBytes(int64(c.RegisterBytes)),
 		YieldBytes:    int64(cfg.Engine.YieldBytes),
 	}
 }
@@ -121,7 +125,7 @@ func openGPU(opts gpuOptions, log *slog.Logger) (*gpuPaths, error) {
 		poll = gpu.NoPoll // gpu.poll = "0s"; gpu.Config's zero is its default
 	}
 	p.staging, err = gpu.New(gpu.Config{Runtime: rt, MaxStaging: opts.MaxStaging, NoChecksums: opts.NoChecksum, Depth: opts.Depth, Chunk: opts.Chunk, Copy: mode, Poll: poll,
-		RegisterFiles: opts.RegisterFiles, Log: log, YieldBytes: opts.YieldBytes})
+		RegisterFiles: opts.RegisterFiles, RegisterBytes: opts.RegisterBytes, Log: log, YieldBytes: opts.YieldBytes})
 	if err != nil {
 		rt.Close()
 		return nil, fmt.Errorf("gpu: staging pipeline: %w", err)
@@ -133,7 +137,7 @@ func openGPU(opts gpuOptions, log *slog.Logger) (*gpuPaths, error) {
 	}
 	log.Info("GPU paths ready", "devices", n, "cuda_runtime", rt.Path(), "cuda_version", rt.Version(),
 		"copy", p.staging.CopyMode().String(), "batched_copies", rt.HasBatch(), "pinned_staging_bytes", p.staging.PinnedBytes(),
-		"poll", p.staging.PollTime(), "register_files", p.staging.FileStats().Limit)
+		"poll", p.staging.PollTime(), "register_files", p.staging.FileStats().Limit, "register_bytes", p.staging.FileStats().LimitBytes)
 	if opts.CuFile != "off" {
 		d, err := gds.Open(gds.Config{LibraryPaths: opts.CuFileLibrary, Logger: log, BindDevice: rt.SetDevice})
 		if err != nil {
@@ -222,4 +226,13 @@ func (p *gpuPaths) deviceUUIDs(n int) [][16]byte {
 		out[d] = u
 	}
 	return out
+}
+
+// registerBytes is gpu.register_bytes, or half of the machine's memory
+// where it is 0 (and no bound where the kernel does not say).
+func registerBytes(configured int64) int64 {
+	if configured > 0 {
+		return configured
+	}
+	return engine.MachineMemory() / 2
 }

@@ -133,8 +133,10 @@ type FileStats struct {
 	Files int
 	Bytes int64
 	// Limit is the most files kept (Config.RegisterFiles after the
-	// descriptor and mapping limits).
-	Limit int
+	// descriptor and mapping limits), LimitBytes the most bytes
+	// (Config.RegisterBytes; 0: no bound but Limit).
+	Limit      int
+	LimitBytes int64
 	// Registered counts registrations, Released the files unregistered
 	// since (forgotten, unlinked, resized, dropped for others or at
 	// Close), Failed the files that could not be mapped or registered,
@@ -165,14 +167,15 @@ var errGone = errors.New("gpu: the file was removed or replaced")
 
 // files is the mover's registered files and their registrar.
 type files struct {
-	m      *Mover
-	limit  int
-	device int // the device current on threads that unregister
-	log    *slog.Logger
-	offers chan *offer
-	stop   chan struct{}
-	done   chan struct{}
-	sweep  time.Duration
+	m          *Mover
+	limit      int
+	limitBytes int64 // Config.RegisterBytes; 0: none
+	device     int   // the device current on threads that unregister
+	log        *slog.Logger
+	offers     chan *offer
+	stop       chan struct{}
+	done       chan struct{}
+	sweep      time.Duration
 
 	// streaming counts the stores into memory-mount files moving through
 	// the pinned buffers (beginStore, endStore); streamEnded has a token
@@ -366,7 +369,7 @@ func (g *files) offer(f fsys.File, id fileID, warm bool) bool {
 // belowBoundLocked reports whether the files registered and queued are
 // fewer than the bound: a file offered now takes no other's place.
 func (g *files) belowBoundLocked() bool {
-	return !g.stopped && len(g.byKey)+len(g.queued) < g.limit
+	return !g.stopped && len(g.byKey)+len(g.queued) < g.limit && (g.limitBytes <= 0 || g.bytes < g.limitBytes)
 }
 
 // admitLocked reports whether a file offered now should be registered.
@@ -466,7 +469,7 @@ func (g *files) stats() FileStats {
 	g.mu.Lock()
 	defer g.mu.Unlock()
 	st := g.st
-	st.Files, st.Bytes, st.Limit, st.Queued = len(g.byKey), g.bytes, g.limit, len(g.queued)
+	st.Files, st.Bytes, st.Limit, st.LimitBytes, st.Queued = len(g.byKey), g.bytes, g.limit, g.limitBytes, len(g.queued)
 	return st
 }
 
@@ -542,23 +545,30 @@ func (g *files) run() {
 
 // roomLocked reports whether o's file is to be registered now, and
 // which registered file it would replace: none where there is room (the
-// files registered never outnumber the limit), else the least recently
-// used one that no job uses and that has gone unused for minIdle. A file
-// already registered, or none to replace, is not wanted.
+// files registered never outnumber the limit, nor their bytes the byte
+// limit), else the least recently used one that no job uses, that has
+// gone unused for minIdle and whose place is enough. A file already
+// registered, or none to replace, is not wanted.
 func (g *files) roomLocked(o *offer) (wanted bool, victim *regFile) {
-	if g.byKey[o.id.key()] != nil || g.limit == 0 {
+	if g.byKey[o.id.key()] != nil || g.limit == 0 || (g.limitBytes > 0 && o.id.size > g.limitBytes) {
 		return false, nil
 	}
-	if len(g.byKey) < g.limit {
+	if len(g.byKey) < g.limit && g.fitsLocked(o.id.size, 0) {
 		return true, nil
 	}
 	idle := time.Now().Add(-g.minIdle)
 	for e := g.lru.Back(); e != nil; e = e.Prev() {
-		if rf := e.Value.(*regFile); rf.refs == 0 && rf.used.Before(idle) {
+		if rf := e.Value.(*regFile); rf.refs == 0 && rf.used.Before(idle) && g.fitsLocked(o.id.size, int64(len(rf.mem))) {
 			return true, rf
 		}
 	}
 	return false, nil
+}
+
+// fitsLocked reports whether size more bytes fit the byte limit once
+// freed bytes are released.
+func (g *files) fitsLocked(size, freed int64) bool {
+	return g.limitBytes <= 0 || g.bytes-freed+size <= g.limitBytes
 }
 
 // beginStore counts a store into a memory-mount file moving through the

@@ -353,6 +353,43 @@ func TestRegisteredFilesKeepTheMostRecentlyUsed(t *testing.T) {
 	}
 }
 
+// TestRegisteredFilesStayWithinTheByteLimit: with a byte limit below the
+// count limit, a file that would pass it replaces the least recently used
+// idle file instead of adding to the pinned bytes.
+func TestRegisteredFilesStayWithinTheByteLimit(t *testing.T) {
+	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, RegisterFiles: 8, RegisterBytes: 1 << 30})
+	if st := m.FileStats(); st.LimitBytes != 1<<30 {
+		t.Fatalf("LimitBytes %d, want Config.RegisterBytes %d", st.LimitBytes, 1<<30)
+	}
+	dir := t.TempDir()
+	a, b, c := newKeyFile(t, kv, dir, "a", 1), newKeyFile(t, kv, dir, "b", 2), newKeyFile(t, kv, dir, "c", 3)
+	roundTrip(t, e, m, kv, a, host, orig)
+	testwait.Until(t, "a registered", 10*time.Second, func() bool { return m.FileStats().Registered == 1 })
+	size := m.FileStats().Bytes
+	m.files.mu.Lock()
+	m.files.limitBytes, m.files.minIdle = 2*size, 0 // two files' worth, far below the count
+	m.files.mu.Unlock()
+	roundTrip(t, e, m, kv, b, host, orig)
+	testwait.Until(t, "b registered", 10*time.Second, func() bool { return m.FileStats().Registered == 2 })
+	roundTrip(t, e, m, kv, c, host, orig)
+	testwait.Until(t, "c registered", 10*time.Second, func() bool { return m.FileStats().Registered == 3 })
+	if st := m.FileStats(); st.Files != 2 || st.Bytes != 2*size || st.Released != 1 {
+		t.Fatalf("after a third file at a two-file byte limit: %+v; want 2 files, %d bytes, 1 released", st, 2*size)
+	}
+	for _, x := range []struct {
+		kf   *keyFile
+		want bool
+	}{{a, false}, {b, true}, {c, true}} {
+		rf := m.files.acquire(x.kf.id, 1)
+		if (rf != nil) != x.want {
+			t.Fatalf("%s registered %v, want %v (the least recently used gave its place)", x.kf.path, rf != nil, x.want)
+		}
+		if rf != nil {
+			m.files.put(rf, false, false)
+		}
+	}
+}
+
 // TestRegisteredFilesFailedRegistrationLeavesTheStagedPath: a file the
 // runtime refuses to register is counted, its jobs keep moving through
 // the pinned buffers with the right bytes, and nothing is leaked.

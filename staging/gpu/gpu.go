@@ -98,6 +98,11 @@ type Config struct {
 	// limit and of vm.max_map_count (the registrar holds one descriptor
 	// and one mapping per file).
 	RegisterFiles int
+	// RegisterBytes, if positive, bounds the bytes of the files kept
+	// registered (their pages are pinned while registered): a file that
+	// would pass it replaces the least recently used ones instead, or
+	// waits. 0 bounds the files by RegisterFiles alone.
+	RegisterBytes int64
 	// Log receives the registrar's warnings (default: none).
 	Log *slog.Logger
 	// YieldBytes: a job gives its CPU up (sched_yield) after every
@@ -249,6 +254,7 @@ func New(cfg Config) (*Mover, error) {
 	}
 	if limit := fileLimit(cfg.RegisterFiles); limit > 0 {
 		m.files = newFiles(m, limit, cfg.Devices[0], cfg.Log)
+		m.files.limitBytes = cfg.RegisterBytes
 	}
 	return m, nil
 }
