@@ -714,8 +714,12 @@ func (h *Host) routed(ctx context.Context, s *shard, nshards int, hk hook, n int
 // Victims implements Policy: every shard proposes up to max victims, the
 // host validates them and returns the lowest scores of all, ties broken by
 // entry.
+//
+// It reads no targets, even from a plugin with abi.FeatureDemote: its
+// caller deletes the victims, so the targets the plugin wrote are neither
+// used nor checked (Evictions checks them).
 func (h *Host) Victims(ctx context.Context, req abi.EvictRequest, max int) ([]abi.Victim, error) {
-	evs, err := h.Evictions(ctx, req, max)
+	evs, err := h.evictions(ctx, req, max, false)
 	if err != nil || len(evs) == 0 {
 		return nil, err
 	}
@@ -726,8 +730,16 @@ func (h *Host) Victims(ctx context.Context, req abi.EvictRequest, max int) ([]ab
 	return out, nil
 }
 
-// Evictions implements Tiering: Victims with each victim's target.
+// Evictions implements Tiering: Victims with each victim's target. A
+// target other than NoMount before the first UpdateMounts is a failure of
+// the plugin (it demotes before knowing the mounts).
 func (h *Host) Evictions(ctx context.Context, req abi.EvictRequest, max int) ([]Eviction, error) {
+	return h.evictions(ctx, req, max, true)
+}
+
+// evictions asks every shard for victims, and for their targets when
+// targets is set and the plugin has abi.FeatureDemote.
+func (h *Host) evictions(ctx context.Context, req abi.EvictRequest, max int, targets bool) ([]Eviction, error) {
 	if max < 0 {
 		return nil, fmt.Errorf("%w: victims: max %d < 0", ErrInput, max)
 	}
@@ -739,7 +751,7 @@ func (h *Host) Evictions(ctx context.Context, req abi.EvictRequest, max int) ([]
 	var out []Eviction
 	err := h.withShards(ctx, func(shards []*shard) error {
 		out = make([]Eviction, 0, per*len(shards))
-		demote := h.mu.backend.features().Has(abi.FeatureDemote)
+		demote := targets && h.mu.backend.features().Has(abi.FeatureDemote)
 		for _, s := range shards {
 			err := s.locked(func() error {
 				s.evictOp = evictOp{req: req, max: int32(per), out: &out, base: len(out), nshards: len(shards), demote: demote, mounts: mounts}

@@ -169,10 +169,16 @@ func (o *accessOp) records(s *shard) int {
 	return len(s.pos)
 }
 
+// errUndescribed marks a demotion or move asked for before the host
+// described the mounts (kvhost_mounts): the plugin can only be guessing
+// the hierarchy.
+var errUndescribed = errors.New("demote or move only once the host has described the mounts (kvhost_mounts)")
+
 // evictOp asks one shard for up to max victims and appends the valid ones
 // to *out, from position base (a retry starts over from there). With
-// demote (abi.FeatureDemote) it reads each victim's target too, checked
-// against mounts when that is known (non-zero).
+// demote (abi.FeatureDemote, and a caller that wants targets) it reads
+// each victim's target too, checked against the mounts described: none
+// but NoMount before the first description.
 type evictOp struct {
 	req     abi.EvictRequest
 	max     int32
@@ -207,7 +213,9 @@ func (o *evictOp) read(h *Host, s *shard, scratch []byte, st int32) error {
 			switch {
 			case t.Flags&^abi.MoveDeleteIfFull != 0:
 				return fmt.Errorf("victim %d: target flags %#x: only %#x is defined", i, t.Flags, abi.MoveDeleteIfFull)
-			case t.Mount != abi.NoMount && o.mounts > 0 && int(t.Mount) >= o.mounts:
+			case t.Mount != abi.NoMount && o.mounts == 0:
+				return fmt.Errorf("victim %d: target mount %d before any mount description: %w", i, t.Mount, errUndescribed)
+			case t.Mount != abi.NoMount && int(t.Mount) >= o.mounts:
 				return fmt.Errorf("victim %d: target mount %d, but only %d mounts exist", i, t.Mount, o.mounts)
 			}
 		}
@@ -323,7 +331,9 @@ func (o *tickOp) read(h *Host, s *shard, scratch []byte, st int32) error {
 		switch {
 		case m.Flags != 0:
 			return fmt.Errorf("move %d: flags %#x: none is defined", i, m.Flags)
-		case m.Mount == abi.NoMount || o.mounts > 0 && int(m.Mount) >= o.mounts:
+		case o.mounts == 0:
+			return fmt.Errorf("move %d: to mount %d before any mount description: %w", i, m.Mount, errUndescribed)
+		case m.Mount == abi.NoMount || int(m.Mount) >= o.mounts:
 			return fmt.Errorf("move %d: target mount %d, but only %d mounts exist", i, m.Mount, o.mounts)
 		}
 	}

@@ -101,28 +101,36 @@ func (g *tierGuest) Tick(_ *abi.TickRequest, out []abi.Move) (int, error) {
 }
 
 // TestTieringValidation: the host passes valid tiering outputs through and
-// fails the instance, naming the rule, for each invalid one.
+// fails the instance, naming the rule, for each invalid one; before any
+// mount description (undescribed) a demotion or a move is invalid, and
+// Victims, which reads no targets, is not.
 func TestTieringValidation(t *testing.T) {
 	ctx := context.Background()
 	tests := []struct {
-		name    string
-		g       tierGuest
-		call    string // "admit", "evict", "tick"
-		wantErr string // "" for success
+		name        string
+		g           tierGuest
+		call        string // "admit", "evict", "victims", "tick"
+		wantErr     string // "" for success
+		undescribed bool   // no UpdateMounts
 	}{
-		{"admission to mount 1", tierGuest{target: 1}, "admit", ""},
-		{"admission to mount 2 of 2", tierGuest{target: 2}, "admit", "Target mount 2, but only 2 mounts exist"},
-		{"demotion to mount 1", tierGuest{victimT: abi.VictimTarget{Mount: 1, Flags: abi.MoveDeleteIfFull}}, "evict", ""},
-		{"deletion", tierGuest{victimT: abi.VictimTarget{Mount: abi.NoMount}}, "evict", ""},
-		{"demotion to its own mount", tierGuest{victimT: abi.VictimTarget{Mount: 0}}, "evict", "already on its target mount 0"},
-		{"demotion to mount 5", tierGuest{victimT: abi.VictimTarget{Mount: 5}}, "evict", "target mount 5, but only 2 mounts exist"},
-		{"unknown flag", tierGuest{victimT: abi.VictimTarget{Mount: 1, Flags: 2}}, "evict", "target flags 0x2"},
-		{"promotion", tierGuest{moves: []abi.Move{{Entry: 3, Mount: 1}}}, "tick", ""},
-		{"move of a pinned entry", tierGuest{moves: []abi.Move{{Entry: 2, Mount: 1}}}, "tick", "entry 2 is pinned"},
-		{"move never stored", tierGuest{moves: []abi.Move{{Entry: 99, Mount: 1}}}, "tick", "never stored"},
-		{"move to its own mount", tierGuest{moves: []abi.Move{{Entry: 3, Mount: 0}}}, "tick", "already on mount 0"},
-		{"move twice", tierGuest{moves: []abi.Move{{Entry: 3, Mount: 1}, {Entry: 3, Mount: 1}}}, "tick", "moved more than once"},
-		{"move with flags", tierGuest{moves: []abi.Move{{Entry: 3, Mount: 1, Flags: 1}}}, "tick", "flags 0x1"},
+		{"admission to mount 1", tierGuest{target: 1}, "admit", "", false},
+		{"admission to mount 2 of 2", tierGuest{target: 2}, "admit", "Target mount 2, but only 2 mounts exist", false},
+		{"demotion to mount 1", tierGuest{victimT: abi.VictimTarget{Mount: 1, Flags: abi.MoveDeleteIfFull}}, "evict", "", false},
+		{"deletion", tierGuest{victimT: abi.VictimTarget{Mount: abi.NoMount}}, "evict", "", false},
+		{"demotion to its own mount", tierGuest{victimT: abi.VictimTarget{Mount: 0}}, "evict", "already on its target mount 0", false},
+		{"demotion to mount 5", tierGuest{victimT: abi.VictimTarget{Mount: 5}}, "evict", "target mount 5, but only 2 mounts exist", false},
+		{"unknown flag", tierGuest{victimT: abi.VictimTarget{Mount: 1, Flags: 2}}, "evict", "target flags 0x2", false},
+		{"promotion", tierGuest{moves: []abi.Move{{Entry: 3, Mount: 1}}}, "tick", "", false},
+		{"move of a pinned entry", tierGuest{moves: []abi.Move{{Entry: 2, Mount: 1}}}, "tick", "entry 2 is pinned", false},
+		{"move never stored", tierGuest{moves: []abi.Move{{Entry: 99, Mount: 1}}}, "tick", "never stored", false},
+		{"move to its own mount", tierGuest{moves: []abi.Move{{Entry: 3, Mount: 0}}}, "tick", "already on mount 0", false},
+		{"move twice", tierGuest{moves: []abi.Move{{Entry: 3, Mount: 1}, {Entry: 3, Mount: 1}}}, "tick", "moved more than once", false},
+		{"move with flags", tierGuest{moves: []abi.Move{{Entry: 3, Mount: 1, Flags: 1}}}, "tick", "flags 0x1", false},
+		{"demotion before any description", tierGuest{victimT: abi.VictimTarget{Mount: 1}}, "evict", "target mount 1 before any mount description", true},
+		{"deletion before any description", tierGuest{victimT: abi.VictimTarget{Mount: abi.NoMount}}, "evict", "", true},
+		{"victims, targets unread, before any description", tierGuest{victimT: abi.VictimTarget{Mount: 1}}, "victims", "", true},
+		{"move before any description", tierGuest{moves: []abi.Move{{Entry: 3, Mount: 1}}}, "tick", "to mount 1 before any mount description", true},
+		{"no move before any description", tierGuest{}, "tick", "", true},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -141,11 +149,13 @@ func TestTieringValidation(t *testing.T) {
 			if f := h.Features(); f != want {
 				t.Fatalf("features %s, want %s", f, want)
 			}
-			if err := h.UpdateMounts(ctx, twoMounts); err != nil {
-				t.Fatal(err)
-			}
-			if len(got) != 2 || got[1].Capacity != 1<<40 {
-				t.Fatalf("the plugin got mounts %+v", got)
+			if !tt.undescribed {
+				if err := h.UpdateMounts(ctx, twoMounts); err != nil {
+					t.Fatal(err)
+				}
+				if len(got) != 2 || got[1].Capacity != 1<<40 {
+					t.Fatalf("the plugin got mounts %+v", got)
+				}
 			}
 			insert(t, h, idx, 1, 4, 100, 2)
 			switch tt.call {
@@ -160,6 +170,12 @@ func TestTieringValidation(t *testing.T) {
 				evs, err = h.Evictions(ctx, abi.EvictRequest{Bytes: 1 << 20, Mount: 0}, 16)
 				if err == nil && (len(evs) != 3 || evs[0].Target != tt.g.victimT) {
 					t.Fatalf("evictions %+v: want 3 (one is pinned) with target %+v", evs, tt.g.victimT)
+				}
+			case "victims":
+				var v []abi.Victim
+				v, err = h.Victims(ctx, abi.EvictRequest{Bytes: 1 << 20, Mount: 0}, 16)
+				if err == nil && len(v) != 3 {
+					t.Fatalf("victims %+v: want 3 (one is pinned)", v)
 				}
 			case "tick":
 				var mv []abi.Move

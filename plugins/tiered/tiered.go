@@ -16,9 +16,12 @@
 //     cold mount, its least recently used entries are deleted.
 //   - Promotion (FeatureTick): a cold entry hit promote_hits times within
 //     promote_window is moved back to the hot mount at the next tick.
-//   - Mounts (FeatureMounts): the last description is kept for admission.
+//   - Mounts (FeatureMounts): the last description is kept for admission,
+//     and decides whether the cold mount exists.
 //
-// With a single mount (or cold ≥ the mount count) it behaves as lru.
+// With a single mount (or cold ≥ the mount count) it behaves as lru, and so
+// it does until the host has described the mounts: it never demotes or
+// promotes on a guess of the hierarchy (the host refuses that).
 //
 // # Configuration
 //
@@ -60,8 +63,7 @@ type Policy struct {
 	window      uint64 // nanoseconds
 	names       *policykit.Names
 	track       *policykit.Tracker // one list per mount
-	nsMounts    uint32             // the most mounts a namespace or name record gave
-	mounts      []abi.MountRecord  // the last description (it wins over nsMounts)
+	mounts      []abi.MountRecord  // the last description (nil before the first)
 
 	// win is, per pool slot, the hits of the entry in that slot within the
 	// current window: indexed by slot so that hits allocate nothing.
@@ -140,16 +142,12 @@ func (p *Policy) Namespace(r *abi.NamespaceRecord) error {
 	if p.hot >= max(r.MountCount, 1) {
 		return guest.Unsupported("tiered: hot mount " + strconv.FormatUint(uint64(p.hot), 10) + " is configured but there are only " + strconv.FormatUint(uint64(r.MountCount), 10) + " mounts")
 	}
-	p.nsMounts = max(p.nsMounts, r.MountCount)
 	p.layout.Apply(r)
 	return p.names.Declare(r)
 }
 
 // Name names every key on the hot mount.
 func (p *Policy) Name(recs []abi.NameRecord) error {
-	if len(recs) > 0 {
-		p.nsMounts = max(p.nsMounts, recs[0].MountCount)
-	}
 	return p.names.PutAll(recs, p.hot)
 }
 
@@ -175,13 +173,13 @@ func (p *Policy) Mounts(recs []abi.MountRecord) error {
 	return nil
 }
 
-// tiers reports whether the cold mount exists (and, when described, is not
-// a vllm-fs mount, which takes no other files).
+// tiers reports whether the host has described a cold mount that is not a
+// vllm-fs mount (which takes no other files). Before any description it
+// does not know the hierarchy: a namespace's mount count says how many
+// mounts there are, not which is cold, and abi.md forbids a demotion
+// before the description.
 func (p *Policy) tiers() bool {
-	if len(p.mounts) > 0 {
-		return int(p.cold) < len(p.mounts) && p.mounts[p.cold].Flags&abi.MountVLLMFS == 0
-	}
-	return p.cold < p.nsMounts
+	return int(p.cold) < len(p.mounts) && p.mounts[p.cold].Flags&abi.MountVLLMFS == 0
 }
 
 // Access applies access records and counts the hits of cold entries.

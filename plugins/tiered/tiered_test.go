@@ -204,6 +204,9 @@ func TestPendingBounded(t *testing.T) {
 	if _, err := d.Namespace(policytest.Namespace(0, "m", 1, 0, 2)); err != nil {
 		t.Fatal(err)
 	}
+	if err := d.Mounts(abi.MountRecord{Mount: 0, Capacity: 1 << 30}, abi.MountRecord{Mount: 1, Capacity: 1 << 40}); err != nil {
+		t.Fatal(err)
+	}
 	const n = 5000
 	for start := uint64(1); start <= n; start += 500 {
 		var recs []abi.AccessRecord
@@ -254,5 +257,52 @@ func TestLateHitOfMovedEntry(t *testing.T) {
 	}
 	if got := policytest.Entries(vs); slices.Contains(got, 1) || !slices.Contains(got, 7) {
 		t.Fatalf("victims %v: want the moved entry's new handle 7, never the removed 1", got)
+	}
+}
+
+// TestNoTieringBeforeMountDescription: until the host describes the mounts,
+// tiered neither demotes (a namespace's two mounts say nothing of which is
+// cold, and the host refuses a demotion before a description) nor queues
+// promotions; once described, the same entries are demoted and promoted.
+func TestNoTieringBeforeMountDescription(t *testing.T) {
+	tests := []struct {
+		name       string
+		describe   bool
+		wantTarget abi.VictimTarget
+		wantMoves  int
+	}{
+		{"before any description", false, abi.VictimTarget{Mount: abi.NoMount}, 0},
+		{"once described", true, abi.VictimTarget{Mount: 1, Flags: abi.MoveDeleteIfFull}, 1},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			d := policytest.MustNew(t, tiered.New(), "promote_hits", "1")
+			if _, err := d.Namespace(policytest.Namespace(0, "m", 1, 0, 2)); err != nil {
+				t.Fatal(err)
+			}
+			if tt.describe {
+				if err := d.Mounts(abi.MountRecord{Mount: 0, Capacity: 1000}, abi.MountRecord{Mount: 1, Capacity: 1 << 30}); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if err := d.Access(policytest.Rec(abi.AccessInsert, 1, 1, 100),
+				policytest.OnMount(policytest.Rec(abi.AccessInsert, 2, 2, 100), 1), policytest.Rec(abi.AccessHit, 2, 3, 0)); err != nil {
+				t.Fatal(err)
+			}
+			n, err := d.EvictInPlace(abi.EvictRequest{Bytes: 100, Mount: 0}, 64)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := d.Targets(n); len(got) != 1 || got[0] != tt.wantTarget {
+				t.Errorf("targets of the hot victims %+v, want one %+v", got, tt.wantTarget)
+			}
+			mv, err := d.Tick(10, 256)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(mv) != tt.wantMoves {
+				t.Errorf("tick moves %+v, want %d", mv, tt.wantMoves)
+			}
+		})
 	}
 }
