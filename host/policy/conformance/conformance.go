@@ -303,7 +303,7 @@ const (
 	ruleLoad       = "the module implements ABI v1: required exports with their signatures, kvhost_abi_version 1, known feature bits, allowed imports, a valid scratch area (docs/abi.md: Exports, Imports, The scratch area)"
 	ruleNamespaces = "kvhost_namespace returns keys_per_file 1..256 and order 0 or 1, the same each time a namespace is declared (docs/abi.md: NamespaceRecord)"
 	ruleBatches    = "hooks take 1..1024 records per call, kvhost_evict returns at most max victims, and a key gets the same name in any batch (docs/abi.md: n, max and batches)"
-	ruleNames      = "every path is 1..256 bytes of [A-Za-z0-9._-/], relative, with no empty or dot-led component, on a mount < mount_count; distinct first keys of a namespace get distinct paths, for any keys per file and across mounts (docs/abi.md: NameRecord, Rules the host enforces)"
+	ruleNames      = "every path is 1..256 bytes of [A-Za-z0-9._-/], relative, with no empty or dot-led component, on a mount < mount_count; distinct first keys of a namespace get distinct paths, for any keys per file and across mounts, keys that differ in one byte too (docs/abi.md: NameRecord, Rules the host enforces)"
 	ruleDeterm     = "naming is a pure function of the name record and the configuration: the same on every shard, in every host, before and after any events; the same events give the same victims (docs/abi.md: Life cycle)"
 	ruleAdmission  = "kvhost_admit writes 0 or 1 into every record, and does not refuse every store (docs/abi.md: AdmitRecord)"
 	ruleCapacity   = "victims are known, unpinned, on the requested mount, listed once, and cover the bytes asked for when enough unpinned entries exist (docs/abi.md: Victim)"
@@ -312,7 +312,7 @@ const (
 	ruleRemoved    = "a removed entry is never offered as a victim again (docs/abi.md: AccessRecord)"
 	rulePinned     = "a pinned entry is never a victim until each of its pins is released (docs/abi.md: AccessRecord, Rules the host enforces)"
 	ruleTiming     = "every call finishes within its fuel (the deterministic form of the deadline), and each hook's median call within the deadline of one call (docs/abi.md: Sandbox)"
-	ruleTiering    = "with the tiering features: mount descriptions are accepted; admission's target is a described mount; a victim's target is NoMount or another described mount, with known flags; a tick moves at most max entries (the suite asks for 1, 3 and 1024), only known, unpinned entries to another described mount, never twice at once (docs/abi.md: Tiering). A plugin without them passes"
+	ruleTiering    = "with the tiering features: mount descriptions are accepted; admission's target is a described mount; a victim's target is NoMount or another described mount, with known flags; a tick moves at most max entries (the suite asks for 1, 3 and 1024), only known, unpinned entries to another described mount, never twice at once; before any mount description no victim has a target and a tick moves nothing (docs/abi.md: Tiering, Rules the host enforces). A plugin without them passes"
 	ruleRejections = "the host rejects no output and replaces no instance during the run (docs/abi.md: Rules the host enforces)"
 )
 
@@ -525,12 +525,33 @@ func (s *suite) batches() (string, error) {
 		abi.MaxBatch, abi.MaxBatch+1, abi.MaxBatch+1, abi.MaxBatch), nil
 }
 
-// nameSet returns the name records of the names check: the special keys
-// and 200 keys per namespace.
+// neighbourKeys are keys that differ from each other in one byte only,
+// the first or the last (a block index in a chain of keys, say): a name
+// must depend on every byte, and on bits a plugin also uses to pick the
+// mount (its residue modulo the mount count, say), or two of them share a
+// path, on one mount or across mounts.
+func neighbourKeys(salt byte) [][]byte {
+	var out [][]byte
+	for _, at := range []int{0, 15} {
+		for b := range 16 {
+			k := []byte("neighbour-key-00")
+			k[7] ^= salt
+			k[at] = byte(b)
+			out = append(out, k)
+		}
+	}
+	return out
+}
+
+// nameSet returns the name records of the names check: the special keys,
+// the neighbour keys and 200 keys per namespace.
 func nameSet(nss []abi.NamespaceRecord) []abi.NameRecord {
 	var recs []abi.NameRecord
 	for _, ns := range nss {
 		for _, k := range specialKeys() {
+			recs = append(recs, nameRecord(ns, k))
+		}
+		for _, k := range neighbourKeys(byte(ns.NS)) {
 			recs = append(recs, nameRecord(ns, k))
 		}
 		for _, k := range keys(200, byte(ns.NS)) {
@@ -567,7 +588,7 @@ func (s *suite) names() (string, error) {
 	for _, r := range recs {
 		mounts[r.Mount] = true
 	}
-	return fmt.Sprintf("%d keys in %d namespaces (1-byte, binary, %d-byte, dot and slash keys): valid paths, distinct files per namespace, on %d mounts",
+	return fmt.Sprintf("%d keys in %d namespaces (1-byte, binary, %d-byte, dot, slash and neighbour keys): valid paths, distinct paths per namespace across %d mounts",
 		len(recs), len(s.ns), abi.MaxKeyLen, len(mounts)), nil
 }
 
@@ -1338,7 +1359,7 @@ func (s *suite) tiering() (string, error) {
 				mv, err = h.Tick(s.ctx, abi.TickRequest{Time: s.now, Interval: uint64(time.Second)}, tickMax[round])
 				return err
 			}); err != nil {
-				return "", err
+				return "", fmt.Errorf("tick %d (max %d): %w", round, tickMax[round], err)
 			}
 			var recs []abi.AccessRecord
 			for i, m := range mv {
@@ -1376,5 +1397,63 @@ func (s *suite) tiering() (string, error) {
 	if err := s.removeAll(); err != nil {
 		return "", err
 	}
+	if f&(abi.FeatureDemote|abi.FeatureTick) != 0 {
+		msg, err := s.undescribed(f)
+		if err != nil {
+			return "", err
+		}
+		done = append(done, msg)
+	}
 	return strings.Join(done, "; "), nil
+}
+
+// undescribed asks a fresh host, whose mounts were never described, for
+// victims on mounts 0 and 1 and for a tick: the daemon describes the
+// mounts before any eviction or tick, so a demotion or move before a
+// description guesses the hierarchy, and the host refuses it. A fresh
+// host, so that the suite's own, described since, is not needed.
+func (s *suite) undescribed(f abi.Feature) (string, error) {
+	idx := policytest.NewIndex()
+	h, err := policy.Open(s.ctx, s.module, s.opts.Name, idx, s.config(s.opts.Shards))
+	if err != nil {
+		return "", err
+	}
+	defer h.Close(s.ctx)
+	for _, in := range namespaceFixtures() {
+		out, err := h.Namespace(s.ctx, in)
+		if err != nil {
+			return "", err
+		}
+		idx.AddNamespace(out)
+	}
+	var total [2]uint64
+	for m := range uint32(2) {
+		recs := s.inserts(200, m, 64<<10)
+		for _, r := range recs {
+			total[r.Mount] += r.Size
+		}
+		idx.Apply(recs)
+		if err := s.timed(func() error { return h.Access(s.ctx, recs) }); err != nil {
+			return "", err
+		}
+	}
+	var what []string
+	if f.Has(abi.FeatureDemote) {
+		for m := range uint32(2) {
+			req := abi.EvictRequest{Bytes: total[m], Time: s.now, Mount: m}
+			if err := s.timed(func() error { _, err := h.Evictions(s.ctx, req, abi.MaxBatch); return err }); err != nil {
+				return "", fmt.Errorf("eviction on mount %d before any mount description: %w", m, err)
+			}
+		}
+		what = append(what, "evictions on mounts 0 and 1")
+	}
+	if f.Has(abi.FeatureTick) {
+		s.now += 1000
+		req := abi.TickRequest{Time: s.now, Interval: uint64(time.Second)}
+		if err := s.timed(func() error { _, err := h.Tick(s.ctx, req, abi.MaxBatch); return err }); err != nil {
+			return "", fmt.Errorf("tick before any mount description: %w", err)
+		}
+		what = append(what, "a tick")
+	}
+	return strings.Join(what, " and ") + " before any mount description: no demotion, no move", nil
 }

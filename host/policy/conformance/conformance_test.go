@@ -75,6 +75,15 @@ func TestHostileFixturesFail(t *testing.T) {
 		{"baddemote", "tiering", "target mount 77, but only 4 mounts exist"},
 		// Issue 37: a plugin that ignores REMOVE records.
 		{"noremove", "removed entries", "it ignores REMOVE records"},
+		// Issue 37: the same path on two mounts, a tick that ignores its
+		// max, a demotion before any mount description, a refused memory
+		// grow ignored.
+		{"mountpath", "names", "paths must be unique across mounts"},
+		{"tickmax", "tiering", "tick 0 (max 1): "},
+		{"tickmax", "tiering", "more than the 1 asked for"},
+		{"earlydemote", "tiering", "eviction on mount 0 before any mount description: "},
+		{"earlydemote", "tiering", "demote or move only once the host has described the mounts"},
+		{"growignore", "names", "out of bounds memory access"},
 	}
 	reports := map[string]conformance.Report{}
 	for _, tt := range tests {
@@ -124,6 +133,11 @@ func TestSingleDefectFailsOnlyItsCheck(t *testing.T) {
 		{"badmove", []string{"tiering", "no host rejections"}},
 		{"baddemote", []string{"tiering", "no host rejections"}},
 		{"noremove", []string{"removed entries", "no host rejections"}},
+		{"mountpath", []string{"names"}},
+		{"tickmax", []string{"tiering", "no host rejections"}},
+		// Before any description: the tiering check's fresh host, not the
+		// suite's, refuses the demotion.
+		{"earlydemote", []string{"tiering"}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.fixture, func(t *testing.T) {
