@@ -90,6 +90,18 @@ RELIABILITY_TIMEOUT ?= 90m
 reliability-long:
 	$(GO) test -count=1 -v -timeout $(RELIABILITY_TIMEOUT) -run '$(RELIABILITY_RUN)' ./reliability -long
 
+# The multi-node suite (docs/cluster.md): a one-host CephFS cluster under
+# CLUSTER_DIR (scripts/cephfs.sh, which installs Ceph's Debian packages if
+# missing; needs root and /dev/fuse), mounted three times, one kvhost daemon
+# on each mount; torn down afterwards, whatever the result.
+CLUSTER_DIR ?= /tmp/kvhost-cephfs
+CLUSTER_RUN ?= TestCluster
+.PHONY: test-cluster
+test-cluster:
+	@mounts=$$(scripts/cephfs.sh up $(CLUSTER_DIR) 3) || { scripts/cephfs.sh down $(CLUSTER_DIR); exit 1; }; \
+	KVHOST_CLUSTER_MOUNTS=$$mounts $(GO) test -race -count=1 -v -timeout 20m -run '$(CLUSTER_RUN)' ./reliability; rc=$$?; \
+	scripts/cephfs.sh down $(CLUSTER_DIR); exit $$rc
+
 # GPU check and benchmark binaries for a GPU machine without Go
 # (scripts/gpu-check.sh runs them there): stripped, and packed into
 # gpu-bins.tar.xz to copy over.

@@ -165,23 +165,8 @@ func tortureClient(ctx context.Context, socket string, i int, seq *int, perJob i
 	defer k.close()
 	defer c.Close()
 	for job := 0; ; job++ {
-		keys := make([][]byte, perJob)
-		for j := range keys {
-			keys[j] = fmt.Appendf(nil, "t%d-%09d", i, *seq)
-			*seq++
-		}
-		res, err := k.store(ctx, keys)
-		if err != nil {
-			counts.unacked.Add(int64(len(keys)))
+		if !storeFresh(ctx, k, fmt.Sprintf("t%d", i), seq, perJob, acks, counts) {
 			return
-		}
-		for j, kr := range res.Keys {
-			switch kr.Outcome {
-			case client.OutcomeStored, client.OutcomePresent:
-				acks.add(keys[j])
-			default:
-				counts.unacked.Add(1)
-			}
 		}
 		if job%4 != 3 {
 			continue
@@ -204,6 +189,31 @@ func tortureClient(ctx context.Context, socket string, i int, seq *int, perJob i
 			return
 		}
 	}
+}
+
+// storeFresh stores one job of perJob fresh keys (prefix-number, numbered
+// from *seq), adding every acknowledged key to acks and counting the
+// others as unacknowledged. It reports false when the connection was lost.
+func storeFresh(ctx context.Context, k *kvCache, prefix string, seq *int, perJob int, acks *ackSet, counts *tortureCounts) bool {
+	keys := make([][]byte, perJob)
+	for j := range keys {
+		keys[j] = fmt.Appendf(nil, "%s-%09d", prefix, *seq)
+		*seq++
+	}
+	res, err := k.store(ctx, keys)
+	if err != nil {
+		counts.unacked.Add(int64(len(keys)))
+		return false
+	}
+	for j, kr := range res.Keys {
+		switch kr.Outcome {
+		case client.OutcomeStored, client.OutcomePresent:
+			acks.add(keys[j])
+		default:
+			counts.unacked.Add(1)
+		}
+	}
+	return true
 }
 
 // verifyAcked loads every acknowledged key, spread over workers

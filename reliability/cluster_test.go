@@ -1,0 +1,472 @@
+package reliability
+
+// The multi-node suite: three daemons, each on its own client mount of one
+// distributed file system (KVHOST_CLUSTER_MOUNTS=a:b:c; `make test-cluster`
+// starts a one-host CephFS with scripts/cephfs.sh and mounts it three
+// times). Without the variable every test here skips, so `go test
+// ./reliability` stays fast. docs/cluster.md has the figures of the last run.
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/kvhost/kvhost/client"
+)
+
+// clusterEnv names the variable that lists the cluster's client mounts.
+const clusterEnv = "KVHOST_CLUSTER_MOUNTS"
+
+// clusterWait bounds the waits of the multi-node suite for a condition
+// that must come (a hit on another node, a restart): a failure, never a
+// measurement.
+const clusterWait = 60 * time.Second
+
+// clusterMounts returns the three client mounts of KVHOST_CLUSTER_MOUNTS,
+// each with a fresh directory for this test (made through the first
+// mount, so that the others see one directory): the daemons' mount paths.
+func clusterMounts(t *testing.T) []string {
+	t.Helper()
+	v := os.Getenv(clusterEnv)
+	if v == "" {
+		t.Skipf("the multi-node suite needs %s=a:b:c, three client mounts of one shared file system (make test-cluster)", clusterEnv)
+	}
+	mounts := strings.Split(v, ":")
+	if len(mounts) < 3 {
+		t.Fatalf("%s=%q: the suite needs 3 mounts, got %d", clusterEnv, v, len(mounts))
+	}
+	sub := fmt.Sprintf("kvhost-%s-%d", strings.ReplaceAll(t.Name(), "/", "-"), time.Now().UnixNano())
+	if err := os.Mkdir(filepath.Join(mounts[0], sub), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(filepath.Join(mounts[0], sub)) })
+	out := make([]string, 3)
+	for i := range out {
+		out[i] = filepath.Join(mounts[i], sub)
+		if _, err := os.Stat(out[i]); err != nil {
+			t.Fatalf("the directory made through %s is not seen through %s: %v", mounts[0], mounts[i], err)
+		}
+	}
+	return out
+}
+
+// clusterConfig is node i's daemon on mount: its own node id and socket,
+// one key per file (so that each key is found on another node under its
+// own name), the shared scenarios' verify interval, no eviction.
+func clusterConfig(run, mount string, i int) daemonConfig {
+	node := fmt.Sprintf("node-%d", i+1)
+	return daemonConfig{
+		Socket:         filepath.Join(run, node, "kvhost.sock"),
+		Mount:          mount,
+		Capacity:       "4GiB",
+		KeysPerFile:    1,
+		VerifyInterval: sharedVerify,
+		TempGrace:      10 * time.Minute,
+		Node:           node,
+	}
+}
+
+// startCluster starts one daemon per mount.
+func startCluster(t *testing.T, mounts []string) []*daemon {
+	t.Helper()
+	run := t.TempDir()
+	ds := make([]*daemon, len(mounts))
+	for i, m := range mounts {
+		ds[i] = startDaemon(t, clusterConfig(run, m, i))
+	}
+	return ds
+}
+
+// clusterNode is a connection with a registered cache to one daemon.
+type clusterNode struct {
+	c *client.Client
+	k *kvCache
+}
+
+// dialNodes connects to every daemon; the connections close at the end of
+// the test.
+func dialNodes(t *testing.T, ds []*daemon, name string, slots int) []clusterNode {
+	t.Helper()
+	ns := make([]clusterNode, len(ds))
+	for i, d := range ds {
+		c, k, err := dialCache(context.Background(), d.cfg.Socket, fmt.Sprintf("%s-%d", name, i), slots)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.Close(); k.close() })
+		ns[i] = clusterNode{c, k}
+	}
+	return ns
+}
+
+func (n clusterNode) lookup(ctx context.Context, keys [][]byte) (int, error) {
+	return n.c.Lookup(ctx, n.k.ns.ID, keys)
+}
+
+// checkLoad loads key on node n (node-who in messages): a load with other
+// bytes counts in *wrong, one that does not load in *missing, explained
+// by context.
+func (n clusterNode) checkLoad(t *testing.T, who int, key []byte, wrong, missing *int, context string) {
+	t.Helper()
+	r, err := n.k.load(t.Context(), [][]byte{key})
+	if err != nil {
+		t.Fatal(err)
+	}
+	switch {
+	case r.match[0]:
+	case r.outcomes[0] == client.OutcomeLoaded:
+		*wrong++
+		t.Errorf("node-%d: %s loaded with other bytes", who, key)
+	default:
+		*missing++
+		t.Errorf("node-%d: load of %s (%s): %v (%s)", who, key, context, r.outcomes[0], r.message)
+	}
+}
+
+// percentile returns the p-th percentile (0 < p ≤ 100) of ds, sorted in
+// place; nearest rank.
+func percentile(ds []time.Duration, p float64) time.Duration {
+	if len(ds) == 0 {
+		return 0
+	}
+	slices.Sort(ds)
+	i := int(float64(len(ds))*p/100+0.5) - 1
+	return ds[max(0, min(i, len(ds)-1))]
+}
+
+// TestClusterKeyStoredOnOneNodeHitsAndLoadsOnTheOthers stores keys one at a
+// time, each on the next node in turn, and at once looks each up on the
+// node after it: the lookup is a hit (polled until it is, counting the
+// first lookups that missed), and a load there and on the third node
+// returns the key's bytes. It logs the first lookup's latency (p50/p99),
+// against a second lookup of the same key, now indexed.
+func TestClusterKeyStoredOnOneNodeHitsAndLoadsOnTheOthers(t *testing.T) {
+	mounts := clusterMounts(t)
+	ds := startCluster(t, mounts)
+	nodes := dialNodes(t, ds, "hit", 4)
+	ctx := context.Background()
+	const keys = 100
+	var first, again, ackToHit []time.Duration
+	var firstMisses, wrong, unloaded int
+	for i := range keys {
+		key := fmt.Appendf(nil, "hit-%04d", i)
+		src, dst, third := nodes[i%3], nodes[(i+1)%3], nodes[(i+2)%3]
+		res, err := src.k.store(ctx, [][]byte{key})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if o := res.Keys[0].Outcome; o != client.OutcomeStored {
+			t.Fatalf("node-%d: store of %s: %v (%s)", i%3+1, key, o, res.Message)
+		}
+		acked := time.Now()
+		sent := time.Now()
+		n, err := dst.lookup(ctx, [][]byte{key})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if n == 1 {
+			first = append(first, time.Since(sent))
+		} else {
+			firstMisses++
+			if !waitFor(ctx, clusterWait, 5*time.Millisecond, func() bool {
+				n, err := dst.lookup(ctx, [][]byte{key})
+				return err == nil && n == 1
+			}) {
+				t.Fatalf("node-%d: %s, stored on node-%d, is no hit after %v", (i+1)%3+1, key, i%3+1, clusterWait)
+			}
+		}
+		ackToHit = append(ackToHit, time.Since(acked))
+		sent = time.Now()
+		if n, err := dst.lookup(ctx, [][]byte{key}); err != nil || n != 1 {
+			t.Fatalf("node-%d: second lookup of %s: %d, %v", (i+1)%3+1, key, n, err)
+		}
+		again = append(again, time.Since(sent))
+		for j, n := range []clusterNode{dst, third} {
+			n.checkLoad(t, (i+1+j)%3+1, key, &wrong, &unloaded, fmt.Sprintf("stored on node-%d", i%3+1))
+		}
+	}
+	summary := fmt.Sprintf("cluster cross-node hit: keys=%d first_lookup_misses=%d wrong_bytes=%d unloaded=%d first_hit_p50=%v p99=%v ack_to_hit_p50=%v p99=%v indexed_hit_p50=%v p99=%v",
+		keys, firstMisses, wrong, unloaded,
+		percentile(first, 50).Round(time.Microsecond), percentile(first, 99).Round(time.Microsecond),
+		percentile(ackToHit, 50).Round(time.Microsecond), percentile(ackToHit, 99).Round(time.Microsecond),
+		percentile(again, 50).Round(time.Microsecond), percentile(again, 99).Round(time.Microsecond))
+	t.Log(summary)
+	fmt.Println(summary)
+}
+
+// TestClusterConcurrentStoresOfOneKeyLoadOnEveryNode stores one key from all
+// three nodes at once, round after round, then loads it on every node:
+// every store is `stored` or `present`, and every load returns the key's
+// bytes (0 wrong bytes, 0 acknowledged stores that do not load).
+func TestClusterConcurrentStoresOfOneKeyLoadOnEveryNode(t *testing.T) {
+	mounts := clusterMounts(t)
+	ds := startCluster(t, mounts)
+	nodes := dialNodes(t, ds, "same", 4)
+	ctx := context.Background()
+	rounds := 40
+	if long() {
+		rounds = 400
+	}
+	var stored, present, failed, loads, wrong, lost int
+	for r := range rounds {
+		key := fmt.Appendf(nil, "same-%04d", r)
+		outcomes := make([]client.Outcome, len(nodes))
+		msgs := make([]string, len(nodes))
+		errs := make([]error, len(nodes))
+		var start, wg sync.WaitGroup
+		start.Add(1)
+		for i, n := range nodes {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				start.Wait()
+				res, err := n.k.store(ctx, [][]byte{key})
+				if errs[i] = err; err == nil {
+					outcomes[i], msgs[i] = res.Keys[0].Outcome, res.Message
+				}
+			}()
+		}
+		start.Done()
+		wg.Wait()
+		for i, o := range outcomes {
+			switch {
+			case errs[i] != nil:
+				t.Fatalf("node-%d: store of %s: %v", i+1, key, errs[i])
+			case o == client.OutcomeStored:
+				stored++
+			case o == client.OutcomePresent:
+				present++
+			default:
+				failed++
+				t.Errorf("node-%d: store of %s: %v (%s)", i+1, key, o, msgs[i])
+			}
+		}
+		for i, n := range nodes {
+			loads++
+			n.checkLoad(t, i+1, key, &wrong, &lost, "after three acknowledged stores")
+		}
+	}
+	if tmp := tempFiles(mounts[0]); len(tmp) > 0 {
+		t.Errorf("temporary files left with no store in flight: %v", tmp)
+	}
+	summary := fmt.Sprintf("cluster same key: rounds=%d stores=%d stored=%d present=%d failed=%d loads=%d wrong_bytes=%d lost=%d files=%d",
+		rounds, 3*rounds, stored, present, failed, loads, wrong, lost, len(scanFiles(mounts[0])))
+	t.Log(summary)
+	fmt.Println(summary)
+}
+
+// TestClusterDeleteOnOneNodeRacingStoreOnAnother deletes a key on node 1
+// while node 2 stores it, round after round, beside keys node 3 stored
+// before. The delete starts after a random delay of up to twice the last
+// store's duration, so that it lands before, during and after the store. Either order is right, but afterwards every node agrees with the
+// disk: a key on disk loads with its bytes on every node, a key gone is a
+// miss everywhere within the verify interval; node 3's keys all still load
+// (0 deleted by another key's delete); no temporary file is left.
+func TestClusterDeleteOnOneNodeRacingStoreOnAnother(t *testing.T) {
+	mounts := clusterMounts(t)
+	rng := rand.New(rand.NewPCG(seed(t), 4))
+	ds := startCluster(t, mounts)
+	nodes := dialNodes(t, ds, "race", 16)
+	ctx := context.Background()
+	rounds := 40
+	if long() {
+		rounds = 400
+	}
+	var bystanders [][]byte
+	for i := range 8 {
+		bystanders = append(bystanders, fmt.Appendf(nil, "bystander-%d", i))
+	}
+	mustStore(t, nodes[2].k, "node-3", bystanders)
+	var kept, gone, wrong, disagree, stale int
+	storeTook := 10 * time.Millisecond
+	for r := range rounds {
+		key := fmt.Appendf(nil, "race-%04d", r)
+		// node 1 must know the key for its delete to race: store it there
+		// first half of the time, else let node 1 find node 2's file.
+		if r%2 == 0 {
+			mustStore(t, nodes[0].k, "node-1", [][]byte{key})
+		}
+		var wg sync.WaitGroup
+		var storeErr, delErr error
+		var outcome client.Outcome
+		wg.Add(2)
+		jitter := time.Duration(rng.Int64N(int64(2 * storeTook)))
+		go func() {
+			defer wg.Done()
+			start := time.Now()
+			res, err := nodes[1].k.store(ctx, [][]byte{key})
+			if storeErr = err; err == nil {
+				outcome = res.Keys[0].Outcome
+			}
+			storeTook = max(time.Since(start), time.Millisecond)
+		}()
+		go func() {
+			defer wg.Done()
+			<-time.After(jitter)
+			if r%2 == 1 {
+				nodes[0].lookup(ctx, [][]byte{key})
+			}
+			_, delErr = nodes[0].c.Delete(ctx, nodes[0].k.ns.ID, [][]byte{key})
+		}()
+		wg.Wait()
+		if storeErr != nil || delErr != nil {
+			t.Fatalf("round %d: store %v, delete %v", r, storeErr, delErr)
+		}
+		if outcome != client.OutcomeStored && outcome != client.OutcomePresent {
+			t.Fatalf("round %d: node-2's store of %s: %v", r, key, outcome)
+		}
+		onDisk := len(scanFiles(mounts[0])[string(key)]) > 0
+		if onDisk {
+			kept++
+			for i, n := range nodes {
+				n.checkLoad(t, i+1, key, &wrong, &disagree, "on disk")
+			}
+			continue
+		}
+		gone++
+		for i, n := range nodes {
+			if !waitFor(ctx, sharedVerify+sharedSlack, 10*time.Millisecond, func() bool {
+				h, err := n.lookup(ctx, [][]byte{key})
+				return err == nil && h == 0
+			}) {
+				stale++
+				t.Errorf("node-%d: %s is gone from disk, its lookup still hits after %v", i+1, key, sharedVerify+sharedSlack)
+			}
+			res, err := n.k.load(ctx, [][]byte{key})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if res.outcomes[0] == client.OutcomeLoaded {
+				wrong++
+				t.Errorf("node-%d: %s is gone from disk, yet it loaded", i+1, key)
+			}
+		}
+	}
+	var foreign int
+	for i, n := range nodes {
+		res, err := n.k.load(ctx, bystanders)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for j, ok := range res.match {
+			if !ok {
+				foreign++
+				t.Errorf("node-%d: node-3's %s after the races: %v (%s)", i+1, bystanders[j], res.outcomes[j], res.message)
+			}
+		}
+	}
+	if tmp := tempFiles(mounts[0]); len(tmp) > 0 {
+		t.Errorf("temporary files left with no store in flight: %v", tmp)
+	}
+	summary := fmt.Sprintf("cluster delete vs store: rounds=%d kept=%d deleted=%d wrong_bytes=%d disagree=%d stale_hits=%d foreign_deleted=%d",
+		rounds, kept, gone, wrong, disagree, stale, foreign)
+	t.Log(summary)
+	fmt.Println(summary)
+}
+
+// TestClusterSIGKILLOfOneNodeLosesNoAcknowledgedKey stores fresh keys from
+// clients on all three nodes while node 3's daemon is SIGKILLed at random
+// moments and restarted. Every key any node acknowledged, node 3's
+// included, loads byte for byte on the two survivors; after each restart
+// (stores stopped) no temporary file is left on the shared directory.
+func TestClusterSIGKILLOfOneNodeLosesNoAcknowledgedKey(t *testing.T) {
+	mounts := clusterMounts(t)
+	rng := rand.New(rand.NewPCG(seed(t), 3))
+	run := t.TempDir()
+	cfgs := make([]daemonConfig, 3)
+	ds := make([]*daemon, 3)
+	for i := range cfgs {
+		cfgs[i] = clusterConfig(run, mounts[i], i)
+		ds[i] = startDaemon(t, cfgs[i])
+	}
+	kills, perNode, perJob := 3, 2, 8
+	if long() {
+		kills = 20
+	}
+	var counts tortureCounts
+	acks := &ackSet{}
+	seqs := make([]int, 3*perNode)
+	ctx := context.Background()
+	for counts.kills < kills {
+		var wg sync.WaitGroup
+		stop := make(chan struct{})
+		for node := range 3 {
+			for c := range perNode {
+				i := node*perNode + c
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					clusterStorer(ctx, ds[node].cfg.Socket, i, &seqs[i], perJob, stop, acks, &counts)
+				}()
+			}
+		}
+		// Kill once a few jobs have been acknowledged and a random time
+		// more has passed, then let the survivors go on a little.
+		before := len(acks.snapshot())
+		if !waitFor(ctx, clusterWait, 10*time.Millisecond, func() bool { return len(acks.snapshot()) >= before+3*perNode*perJob }) {
+			close(stop)
+			wg.Wait()
+			t.Fatalf("fewer than %d keys acknowledged in %v after %d kills", 3*perNode*perJob, clusterWait, counts.kills)
+		}
+		<-time.After(time.Duration(rng.Int64N(int64(300 * time.Millisecond))))
+		ds[2].kill()
+		counts.kills++
+		after := len(acks.snapshot())
+		waitFor(ctx, clusterWait, 10*time.Millisecond, func() bool { return len(acks.snapshot()) >= after+perJob })
+		close(stop)
+		wg.Wait()
+		d, err := tryStartDaemon(t, cfgs[2])
+		if err != nil {
+			t.Fatalf("restart of node-3 after kill %d: %v", counts.kills, err)
+		}
+		ds[2] = d
+		if tmp := tempFiles(mounts[0]); len(tmp) > 0 {
+			counts.leftovers += len(tmp)
+			acks.report("after kill %d and node-3's restart: temporary files left: %v", counts.kills, tmp)
+		}
+	}
+	for _, x := range []int{0, 1} {
+		if err := verifyAcked(ctx, cfgs[x].Socket, 2, acks, &counts); err != nil {
+			t.Fatalf("verifying on node-%d: %v", x+1, err)
+		}
+	}
+	counts.acked = len(acks.snapshot())
+	summary := "cluster SIGKILL: " + counts.String()
+	t.Log(summary)
+	fmt.Println(summary)
+	if counts.wrong.Load() > 0 || counts.lost.Load() > 0 || counts.failed.Load() > 0 || counts.leftovers > 0 {
+		t.Fatalf("%s\nexamples:\n%v", summary, acks.bad)
+	}
+	if counts.verified.Load() < 2*int64(counts.acked) {
+		t.Fatalf("only %d verified loads of %d acknowledged keys on 2 survivors", counts.verified.Load(), counts.acked)
+	}
+}
+
+// clusterStorer stores jobs of fresh keys (client i, numbered from *seq)
+// on the daemon at socket until stop is closed or the connection is lost
+// (its daemon killed), adding every acknowledged key to acks.
+func clusterStorer(ctx context.Context, socket string, i int, seq *int, perJob int, stop <-chan struct{}, acks *ackSet, counts *tortureCounts) {
+	c, k, err := dialCache(ctx, socket, fmt.Sprintf("storer-%d", i), 2*perJob)
+	if err != nil {
+		return
+	}
+	defer k.close()
+	defer c.Close()
+	for {
+		select {
+		case <-stop:
+			return
+		default:
+		}
+		if !storeFresh(ctx, k, fmt.Sprintf("c%d", i), seq, perJob, acks, counts) {
+			return
+		}
+	}
+}
