@@ -342,6 +342,14 @@ func checkMount(ctx context.Context, rep *checkReport, o checkOptions, m config.
 	}
 	size, avail := int64(st.Blocks)*int64(st.Bsize), int64(st.Bavail)*int64(st.Bsize)
 	rep.add(levelOK, area, fmt.Sprintf("file system %s, %s of %s free", fst, sizeOf(avail), sizeOf(size)), "")
+	if kind, _ := fstype.Of(int64(st.Type)); kind.Network {
+		grace := time.Duration(o.cfg.Engine.TempGrace)
+		if grace == 0 {
+			grace = engine.DefaultTempGrace
+		}
+		level, what, fix := sharedFinding(int64(st.Type), probeFlock(m.Path), grace)
+		rep.add(level, area, what, fix)
+	}
 	level, what, fix := spaceFinding(size, avail, int64(m.Capacity), int64(m.Reserve))
 	rep.add(level, area, what, fix)
 	if fst == "tmpfs" {

@@ -27,6 +27,7 @@ const (
 	Hugetlbfs = 0x958458f6
 	Ext4      = 0xef53 // ext2 and ext3 share it
 	XFS       = 0x58465342
+	FUSE      = 0x65735546 // every FUSE file system: ceph-fuse, GlusterFS, sshfs, …
 )
 
 var kinds = map[int64]Kind{
@@ -49,7 +50,7 @@ var kinds = map[int64]Kind{
 	0x00c36400: {Name: "ceph", Network: true},
 	0x19830326: {Name: "beegfs", Network: true},
 	0xa501fcf5: {Name: "weka", Network: true},
-	0x65735546: {Name: "fuse", Network: true}, // FUSE file systems are mostly remote
+	FUSE:       {Name: "fuse", Network: true}, // FUSE file systems are mostly remote
 }
 
 // Of is the kind of file system magic; ok is false for one kvhost does
