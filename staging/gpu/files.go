@@ -183,20 +183,25 @@ type files struct {
 	streaming   atomic.Int32
 	streamEnded chan struct{}
 	// lastReg is how long the last successful registration took (the
-	// registrar's own), waitCap the most it waits before one
-	// (maxStoreWait; a field for tests).
-	lastReg time.Duration
+	// registrar's own, in nanoseconds), waitCap the most it waits before
+	// one (maxStoreWait; a field for tests).
+	lastReg atomic.Int64
 	waitCap time.Duration
 
-	mu      sync.Mutex
-	byKey   map[fsys.FileID]*regFile
-	lru     *list.List             // of *regFile, the most recently used first
-	queued  map[fsys.FileID]*offer // offered, not registered yet
-	seen    map[fsys.FileID]bool   // offered once at the bound (admitLocked)
-	bytes   int64
-	st      FileStats
-	warned  bool
-	stopped bool // close began: offers are declined, no job takes a mapping
+	mu     sync.Mutex
+	byKey  map[fsys.FileID]*regFile
+	lru    *list.List             // of *regFile, the most recently used first
+	queued map[fsys.FileID]*offer // offered, not registered yet
+	seen   map[fsys.FileID]bool   // offered once at the bound (admitLocked)
+	bytes  int64
+	// registering and registeringBytes are the files being mapped and
+	// registered now (taken offers), counted against the bounds with
+	// the registered ones: the registrars run at once.
+	registering      int
+	registeringBytes int64
+	st               FileStats
+	warned           bool
+	stopped          bool // close began: offers are declined, no job takes a mapping
 	// live is every registered file not yet claimed for release
 	// (claimLocked), in the index or dropped while a job held it: close
 	// releases them all. busy counts the releases claimed and not done
@@ -209,23 +214,49 @@ type files struct {
 	minIdle time.Duration
 }
 
-// newFiles starts the registrar of at most limit files on a thread with
-// device current.
-func newFiles(m *Mover, limit, device int, log *slog.Logger) *files {
+// newFiles starts the registrars (n threads, 0 for DefaultRegistrars) of
+// at most limit files, each thread with device current.
+func newFiles(m *Mover, limit, n, device int, log *slog.Logger) *files {
+	if n <= 0 {
+		n = DefaultRegistrars
+	}
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
 	g := &files{
 		m: m, limit: limit, device: device, log: log, sweep: sweepEvery, minIdle: minIdle,
-		streamEnded: make(chan struct{}, 1), lastReg: firstReg, waitCap: maxStoreWait,
+		streamEnded: make(chan struct{}, 1), waitCap: maxStoreWait,
 		offers: make(chan *offer, min(limit, maxOffers)), stop: make(chan struct{}), done: make(chan struct{}),
 		byKey: map[fsys.FileID]*regFile{}, lru: list.New(), queued: map[fsys.FileID]*offer{}, seen: map[fsys.FileID]bool{},
 		live: map[*regFile]struct{}{},
 	}
 	g.idle.L = &g.mu
-	go g.run()
+	g.lastReg.Store(int64(firstReg))
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			g.run(i == 0)
+		}()
+	}
+	go func() {
+		wg.Wait()
+		close(g.done)
+	}()
 	return g
 }
+
+// DefaultRegistrars is how many threads register offered files at once
+// (Config.Registrars). On the H100 machine (TestGPURegistrationRate, 64
+// files of 32 MiB on /dev/shm, nothing else running) one thread
+// registered 149 files a second, two 392, four 412 and eight 381. But
+// beside loads it did not pay: a 16 GiB burst loaded right after its
+// stores (twice the spares) had 269 of 512 files registered in time with
+// two registrars against 278 with one, and loaded at 20.2 GB/s against
+// 37.5 (in another call, whose peer and ceilings also ran slower:
+// docs/bench/h100-registrars.txt). One it stays.
+const DefaultRegistrars = 1
 
 // fileLimit bounds want by what one file costs besides its pages: the
 // registrar keeps a descriptor (at most a quarter of the descriptor
@@ -518,8 +549,7 @@ func (g *files) close() {
 
 // run is the registrar: on its own thread, with the device current, it
 // registers the files offered and sweeps for unlinked or resized ones.
-func (g *files) run() {
-	defer close(g.done)
+func (g *files) run(sweeper bool) {
 	unlock, err := g.m.r.LockDevice(g.device)
 	if err != nil {
 		g.log.Warn("gpu: registered files off: no thread for device", "device", g.device, "err", err)
@@ -529,15 +559,19 @@ func (g *files) run() {
 	} else {
 		defer unlock()
 	}
-	tick := time.NewTicker(g.sweep)
-	defer tick.Stop()
+	var sweep <-chan time.Time // one registrar sweeps
+	if sweeper {
+		tick := time.NewTicker(g.sweep)
+		defer tick.Stop()
+		sweep = tick.C
+	}
 	for {
 		select {
 		case <-g.stop:
 			return // close closes the offers' descriptors
 		case o := <-g.offers:
 			g.register(o)
-		case <-tick.C:
+		case <-sweep:
 			g.sweepStale()
 		}
 	}
@@ -553,7 +587,7 @@ func (g *files) roomLocked(o *offer) (wanted bool, victim *regFile) {
 	if g.byKey[o.id.key()] != nil || g.limit == 0 || (g.limitBytes > 0 && o.id.size > g.limitBytes) {
 		return false, nil
 	}
-	if len(g.byKey) < g.limit && g.fitsLocked(o.id.size, 0) {
+	if len(g.byKey)+g.registering < g.limit && g.fitsLocked(o.id.size, 0) {
 		return true, nil
 	}
 	idle := time.Now().Add(-g.minIdle)
@@ -568,7 +602,7 @@ func (g *files) roomLocked(o *offer) (wanted bool, victim *regFile) {
 // fitsLocked reports whether size more bytes fit the byte limit once
 // freed bytes are released.
 func (g *files) fitsLocked(size, freed int64) bool {
-	return g.limitBytes <= 0 || g.bytes-freed+size <= g.limitBytes
+	return g.limitBytes <= 0 || g.bytes+g.registeringBytes-freed+size <= g.limitBytes
 }
 
 // beginStore counts a store into a memory-mount file moving through the
@@ -594,7 +628,7 @@ func (g *files) awaitStores() bool {
 		return true
 	}
 	start := time.Now()
-	timer := time.NewTimer(min(g.waitCap, (storeShare-1)*g.lastReg))
+	timer := time.NewTimer(min(g.waitCap, (storeShare-1)*time.Duration(g.lastReg.Load())))
 	defer timer.Stop()
 	g.mu.Lock()
 	g.st.Waits++
@@ -643,6 +677,8 @@ func (g *files) register(o *offer) {
 	fd := o.fd
 	if wanted {
 		o.taken = true
+		g.registering++
+		g.registeringBytes += o.id.size
 	} else {
 		delete(g.queued, o.id.key())
 		o.fd = -1
@@ -658,9 +694,11 @@ func (g *files) register(o *offer) {
 	start := time.Now()
 	rf, err := g.mapAndRegister(o)
 	if err == nil {
-		g.lastReg = time.Since(start)
+		g.lastReg.Store(int64(time.Since(start)))
 	}
 	g.mu.Lock()
+	g.registering--
+	g.registeringBytes -= o.id.size
 	// Forgotten while it was being registered: released at once, never
 	// used.
 	forgotten := o.forgotten

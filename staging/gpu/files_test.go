@@ -651,6 +651,33 @@ func storeKeyFiles(t *testing.T, e *env, m *Mover, kv *cache, n int, host map[re
 	return kfs
 }
 
+// TestRegisteredFilesTwoRegistrarsKeepTheBound: with two registrars, a
+// file being registered counts against the byte bound: with room for one
+// more file, while its registration is held, the other registrar does not
+// take a second file beside it (nor replace the registered one, in use
+// too recently), and once released two files are registered, not three.
+func TestRegisteredFilesTwoRegistrarsKeepTheBound(t *testing.T) {
+	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, RegisterFiles: 8, Registrars: 2})
+	storeKeyFiles(t, e, m, kv, 1, host, orig)
+	testwait.Until(t, "the first file registered", 10*time.Second, func() bool { return m.FileStats().Registered == 1 })
+	size := m.FileStats().Bytes
+	m.files.mu.Lock()
+	m.files.limitBytes = 2 * size // room for one more
+	m.files.mu.Unlock()
+	release := holdRegistrations(t, e)
+	storeKeyFiles(t, e, m, kv, 2, host, orig)
+	testwait.Until(t, "one registration held and the other offer declined", 10*time.Second, func() bool {
+		m.files.mu.Lock()
+		defer m.files.mu.Unlock()
+		return e.fake.WaitingRegistrations() == 1 && len(m.files.queued) == 1
+	})
+	release()
+	testwait.Until(t, "the held registration done", 10*time.Second, func() bool { return m.FileStats().Registered == 2 })
+	if st := m.FileStats(); st.Files != 2 || st.Bytes > 2*size {
+		t.Fatalf("%+v: want two files within %d bytes", st, 2*size)
+	}
+}
+
 // TestRegisteredFilesABurstOfStoresIsRegisteredWhole: a burst of stores
 // offers its files faster than the registrar registers them (here the
 // fake runtime holds the first registration until every store is done);
@@ -658,7 +685,7 @@ func storeKeyFiles(t *testing.T, e *env, m *Mover, kv *cache, n int, host map[re
 // dropped to move through the pinned buffers at its next job.
 func TestRegisteredFilesABurstOfStoresIsRegisteredWhole(t *testing.T) {
 	const burst = 300 // more than the 256 offers the queue once held
-	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, RegisterFiles: 2 * burst})
+	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, RegisterFiles: 2 * burst, Registrars: 1})
 	release := holdRegistrations(t, e)
 	kfs := storeKeyFiles(t, e, m, kv, burst, host, orig)
 	testwait.Until(t, "the registrar waiting in its first registration", 10*time.Second, func() bool {
@@ -686,7 +713,7 @@ func TestRegisteredFilesABurstOfStoresIsRegisteredWhole(t *testing.T) {
 // when the registrar reaches it, and an offer the registrar has taken is
 // released as soon as it is registered, never used.
 func TestRegisteredFilesForgottenWhileQueuedGiveTheirDescriptorsBackAtOnce(t *testing.T) {
-	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, RegisterFiles: 8})
+	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, RegisterFiles: 8, Registrars: 1})
 	release := holdRegistrations(t, e)
 	kfs := storeKeyFiles(t, e, m, kv, 3, host, orig)
 	testwait.Until(t, "the registrar holding the first file", 10*time.Second, func() bool {
@@ -835,7 +862,8 @@ func heldStore(t *testing.T, m *Mover, kv *cache, dir string, memory bool) (rele
 // store's own file, once the store ends.
 func TestRegisteredFilesWaitForStoresThroughThePinnedBuffers(t *testing.T) {
 	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, RegisterFiles: 4, YieldBytes: 64 << 10})
-	m.files.waitCap, m.files.lastReg = time.Hour, time.Hour // read by the registrar after the offers below
+	m.files.waitCap = time.Hour
+	m.files.lastReg.Store(int64(time.Hour)) // read by the registrar after the offers below
 	dir := t.TempDir()
 	release := heldStore(t, m, kv, dir, true)
 	store(t, e, m, kv, newKeyFile(t, kv, dir, "key", 1), host, orig)
@@ -880,7 +908,8 @@ func TestRegisteredFilesAreRegisteredBesideStoresThatNeverEnd(t *testing.T) {
 // once beside a store to a disk.
 func TestRegisteredFilesDoNotWaitForStoresToDisks(t *testing.T) {
 	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, RegisterFiles: 4, YieldBytes: 64 << 10})
-	m.files.waitCap, m.files.lastReg = time.Hour, time.Hour // read by the registrar after the offer below
+	m.files.waitCap = time.Hour
+	m.files.lastReg.Store(int64(time.Hour)) // read by the registrar after the offer below
 	dir := t.TempDir()
 	release := heldStore(t, m, kv, dir, false)
 	store(t, e, m, kv, newKeyFile(t, kv, dir, "key", 1), host, orig)
@@ -899,9 +928,9 @@ func TestRegisteredFilesDoNotWaitForStoresToDisks(t *testing.T) {
 // fake runtime holds the first registration while the others are
 // offered and forgotten; every wait, however short, is counted.)
 func TestRegisteredFilesForgottenOffersCostNoWait(t *testing.T) {
-	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, RegisterFiles: 8})
-	m.files.lastReg = time.Millisecond // short waits; read by the registrar after the offers below
-	m.files.beginStore()               // a store into a memory-mount file, running throughout
+	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, RegisterFiles: 8, Registrars: 1})
+	m.files.lastReg.Store(int64(time.Millisecond)) // short waits; read by the registrar after the offers below
+	m.files.beginStore()                           // a store into a memory-mount file, running throughout
 	t.Cleanup(m.files.endStore)
 	release := holdRegistrations(t, e)
 	dir := t.TempDir()
@@ -926,7 +955,7 @@ func TestRegisteredFilesForgottenOffersCostNoWait(t *testing.T) {
 func TestRegisteredFilesAFailedRegistrationDoesNotShortenTheWait(t *testing.T) {
 	const lastReg = 50 * time.Millisecond
 	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, RegisterFiles: 8})
-	m.files.lastReg = lastReg
+	m.files.lastReg.Store(int64(lastReg))
 	m.files.beginStore()
 	t.Cleanup(m.files.endStore)
 	e.fake.Fail(cudatest.OpHostRegister, 1, 2) // cudaErrorMemoryAllocation
@@ -946,7 +975,8 @@ func TestRegisteredFilesAFailedRegistrationDoesNotShortenTheWait(t *testing.T) {
 // waiting offer's descriptor is closed.
 func TestRegisteredFilesCloseEndsTheRegistrarsWait(t *testing.T) {
 	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, RegisterFiles: 4})
-	m.files.waitCap, m.files.lastReg = time.Hour, time.Hour
+	m.files.waitCap = time.Hour
+	m.files.lastReg.Store(int64(time.Hour))
 	m.files.beginStore() // counted, and never ended before the close
 	store(t, e, m, kv, newKeyFile(t, kv, t.TempDir(), "key", 1), host, orig)
 	testwait.Until(t, "the registrar waiting", 10*time.Second, func() bool { return m.FileStats().Waits == 1 })

@@ -98,6 +98,9 @@ type Config struct {
 	// limit and of vm.max_map_count (the registrar holds one descriptor
 	// and one mapping per file).
 	RegisterFiles int
+	// Registrars is how many threads register offered files at once
+	// (0 means DefaultRegistrars).
+	Registrars int
 	// RegisterBytes, if positive, bounds the bytes of the files kept
 	// registered (their pages are pinned while registered): a file that
 	// would pass it replaces the least recently used ones instead, or
@@ -253,7 +256,7 @@ func New(cfg Config) (*Mover, error) {
 		return nil, fmt.Errorf("%w: register files %d", ErrConfig, cfg.RegisterFiles)
 	}
 	if limit := fileLimit(cfg.RegisterFiles); limit > 0 {
-		m.files = newFiles(m, limit, cfg.Devices[0], cfg.Log)
+		m.files = newFiles(m, limit, cfg.Registrars, cfg.Devices[0], cfg.Log)
 		m.files.limitBytes = cfg.RegisterBytes
 	}
 	return m, nil
