@@ -17,6 +17,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"runtime"
 	"slices"
 	"sort"
 	"strings"
@@ -324,7 +325,7 @@ func (s *suite) check(name, rule string, fn func() (string, error)) (ok bool) {
 	c := Check{Name: name, Rule: rule}
 	defer func() {
 		if r := recover(); r != nil {
-			c.OK, c.Message = false, fmt.Sprintf("the check could not complete (internal error: %v): the plugin's answers so far break its rule", r)
+			c.OK, c.Message = false, fmt.Sprintf("the check could not complete (internal error: %v, at %s): the plugin's answers so far break its rule", r, panicSite())
 		}
 		c.Duration = time.Since(start)
 		s.report.Checks = append(s.report.Checks, c)
@@ -336,6 +337,23 @@ func (s *suite) check(name, rule string, fn func() (string, error)) (ok bool) {
 		c.Message = err.Error()
 	}
 	return c.OK
+}
+
+// panicSite is the function, file and line where the panic being
+// recovered was raised (the first frame outside the runtime), so that a
+// report of an internal error says where it happened.
+func panicSite() string {
+	pcs := make([]uintptr, 32)
+	frames := runtime.CallersFrames(pcs[:runtime.Callers(3, pcs)])
+	for {
+		f, more := frames.Next()
+		if !strings.HasPrefix(f.Function, "runtime.") {
+			return fmt.Sprintf("%s %s:%d", f.Function, f.File, f.Line)
+		}
+		if !more {
+			return "an unknown place"
+		}
+	}
 }
 
 func (s *suite) run() {
