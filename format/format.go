@@ -8,7 +8,8 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
-	"hash/crc32"
+
+	"github.com/kvhost/kvhost/internal/crc32c"
 )
 
 // Errors of Decode and Match. Returned errors wrap them.
@@ -71,11 +72,6 @@ const (
 
 	knownFlags = FlagPayloadSums
 )
-
-var castagnoli = crc32.MakeTable(crc32.Castagnoli)
-
-// Castagnoli is the CRC-32C table used for every checksum of the format.
-func Castagnoli() *crc32.Table { return castagnoli }
 
 // Key is one key stored in a file and the checksum of its payload bytes.
 type Key struct {
@@ -201,7 +197,7 @@ func (h *Header) Encode(b []byte) error {
 		// e[6:8] reserved
 		copy(e[8:8+MaxKeyLen], k.Key)
 	}
-	le.PutUint32(b[20:], crc32.Checksum(b[:h.UsedLen()], castagnoli))
+	le.PutUint32(b[20:], crc32c.Checksum(b[:h.UsedLen()]))
 	return nil
 }
 
@@ -254,9 +250,9 @@ func Decode(b []byte) (*Header, error) {
 		return nil, &TruncatedError{Have: len(b), Need: used}
 	}
 	want := le.Uint32(b[20:])
-	crc := crc32.Update(0, castagnoli, b[:20])
-	crc = crc32.Update(crc, castagnoli, []byte{0, 0, 0, 0})
-	crc = crc32.Update(crc, castagnoli, b[24:used])
+	crc := crc32c.Update(0, b[:20])
+	crc = crc32c.Update(crc, []byte{0, 0, 0, 0})
+	crc = crc32c.Update(crc, b[24:used])
 	if crc != want {
 		return nil, fmt.Errorf("%w: header checksum 0x%08x, want 0x%08x", ErrCorrupt, crc, want)
 	}

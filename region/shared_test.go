@@ -4,12 +4,13 @@ package region
 
 import (
 	"errors"
-	"hash/crc32"
 	"os"
 	"path/filepath"
 	"testing"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/kvhost/kvhost/internal/crc32c"
 )
 
 // shmFile creates a file of size bytes under /dev/shm, as vLLM creates its
@@ -145,7 +146,7 @@ func TestGuardTurnsTruncationFaultIntoError(t *testing.T) {
 		{"copy out of the missing half", func() error { _, err := SafeCopy(buf, mem); return err }, ErrFault},
 		{"copy into the missing half", func() error { _, err := SafeCopy(mem[size/2:], buf); return err }, ErrFault},
 		{"checksum over the missing half", func() error {
-			return Guard(func() error { crc32.Checksum(mem, crc32.MakeTable(crc32.Castagnoli)); return nil })
+			return Guard(func() error { crc32c.Checksum(mem); return nil })
 		}, ErrFault},
 		{"copy of the half still there", func() error {
 			n, err := SafeCopy(buf, mem[:size/2])

@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"fmt"
-	"hash/crc32"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
@@ -12,6 +11,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/kvhost/kvhost/internal/crc32c"
 	"github.com/kvhost/kvhost/internal/fsys"
 )
 
@@ -69,7 +69,7 @@ func reference(t *testing.T, path string, spans []Span, nsums int) ([]byte, []ui
 			t.Fatal(err)
 		}
 		if s.Sum >= 0 {
-			sums[s.Sum] = crc32.Update(sums[s.Sum], crc32.MakeTable(crc32.Castagnoli), s.Buf)
+			sums[s.Sum] = crc32c.Update(sums[s.Sum], s.Buf)
 		}
 	}
 	data, err := os.ReadFile(path)

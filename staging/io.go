@@ -3,13 +3,13 @@ package staging
 import (
 	"context"
 	"fmt"
-	"hash/crc32"
 	"io"
 	"os"
 	"path/filepath"
 
 	"golang.org/x/sys/unix"
 
+	"github.com/kvhost/kvhost/internal/crc32c"
 	"github.com/kvhost/kvhost/internal/fsys"
 	"github.com/kvhost/kvhost/region"
 )
@@ -64,8 +64,6 @@ const (
 	// chunkMax is the default chunk otherwise.
 	chunkMax = 8 << 20
 )
-
-var castagnoli = crc32.MakeTable(crc32.Castagnoli)
 
 // Worker is one I/O worker. Tasks receive it from Pool.Submit; it is valid
 // only during the task.
@@ -260,7 +258,7 @@ func sum(spans []Span, sums []uint32) {
 	}
 	for _, s := range spans {
 		if s.Sum >= 0 {
-			sums[s.Sum] = UpdateCRC32C(sums[s.Sum], s.Buf)
+			sums[s.Sum] = crc32c.Update(sums[s.Sum], s.Buf)
 		}
 	}
 }
@@ -291,7 +289,7 @@ func (c *cursor) move(buf []byte, out bool) int {
 			k = copy(s.Buf[c.off:], buf[n:])
 		}
 		if c.sums != nil && s.Sum >= 0 {
-			c.sums[s.Sum] = UpdateCRC32C(c.sums[s.Sum], s.Buf[c.off:c.off+k])
+			c.sums[s.Sum] = crc32c.Update(c.sums[s.Sum], s.Buf[c.off:c.off+k])
 		}
 		n += k
 		c.off += k

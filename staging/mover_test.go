@@ -4,13 +4,13 @@ import (
 	"bytes"
 	"context"
 	"errors"
-	"hash/crc32"
 	"os"
 	"path/filepath"
 	"testing"
 
 	"golang.org/x/sys/unix"
 
+	"github.com/kvhost/kvhost/internal/crc32c"
 	"github.com/kvhost/kvhost/internal/fsys"
 	"github.com/kvhost/kvhost/region"
 	"github.com/kvhost/kvhost/transfer"
@@ -72,7 +72,7 @@ func TestMoverRoundTrip(t *testing.T) {
 		t.Fatal(err)
 	}
 	b := src.Bytes()
-	want := []uint32{crc32.Checksum(b[8192:12288], castagnoli), crc32.Update(crc32.Checksum(b[0:4096], castagnoli), castagnoli, b[65536:65536+2560])}
+	want := []uint32{crc32c.Checksum(b[8192:12288]), crc32c.Update(crc32c.Checksum(b[0:4096]), b[65536:65536+2560])}
 	if ws[0] != want[0] || ws[1] != want[1] {
 		t.Fatalf("write sums %x, want %x", ws, want)
 	}

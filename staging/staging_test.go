@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"fmt"
-	"hash/crc32"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
@@ -13,6 +12,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/kvhost/kvhost/internal/crc32c"
 	"github.com/kvhost/kvhost/internal/fsys"
 )
 
@@ -32,7 +32,7 @@ func layout(r *rand.Rand, src []byte, total, unit int, unaligned bool) ([]Span, 
 			}
 		}
 		s := Span{Off: int64(off), Buf: src[start : start+n], Sum: len(spans) % 2}
-		sums[s.Sum] = crc32.Update(sums[s.Sum], castagnoli, s.Buf)
+		sums[s.Sum] = crc32c.Update(sums[s.Sum], s.Buf)
 		spans = append(spans, s)
 		off += n
 	}

@@ -4,10 +4,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"hash/crc32"
 	"io"
 
 	"github.com/kvhost/kvhost/format"
+	"github.com/kvhost/kvhost/internal/crc32c"
 	"github.com/kvhost/kvhost/internal/fsys"
 	"github.com/kvhost/kvhost/staging"
 )
@@ -57,7 +57,7 @@ func recheck(ctx context.Context, f fsys.File, h *format.Header, want []bool) ([
 				}
 			}
 			stop := min(end, at+n)
-			sums[k] = crc32.Update(sums[k], format.Castagnoli(), buf[pos-at:stop-at])
+			sums[k] = crc32c.Update(sums[k], buf[pos-at:stop-at])
 			pos = stop
 		}
 	})

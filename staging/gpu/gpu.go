@@ -33,6 +33,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/kvhost/kvhost/internal/crc32c"
 	"github.com/kvhost/kvhost/internal/cuda"
 	"github.com/kvhost/kvhost/internal/fsys"
 	"github.com/kvhost/kvhost/region"
@@ -469,7 +470,7 @@ func sum(c *chunk, b []byte, lead, lo, hi int, sums []uint32) {
 		}
 		s, e := max(lo, p.bufOff), min(hi, p.bufOff+p.n)
 		if s < e {
-			sums[p.sum] = staging.UpdateCRC32C(sums[p.sum], b[lead+s:lead+e])
+			sums[p.sum] = crc32c.Update(sums[p.sum], b[lead+s:lead+e])
 		}
 	}
 }

@@ -5,7 +5,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"hash/crc32"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
@@ -18,6 +17,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/kvhost/kvhost/internal/crc32c"
 	"github.com/kvhost/kvhost/internal/cuda"
 	"github.com/kvhost/kvhost/internal/cuda/cudatest"
 	"github.com/kvhost/kvhost/internal/fstype"
@@ -26,9 +26,6 @@ import (
 	"github.com/kvhost/kvhost/staging"
 	"github.com/kvhost/kvhost/transfer"
 )
-
-// castagnoli is the CRC-32C table the expected checksums are computed with.
-var castagnoli = crc32.MakeTable(crc32.Castagnoli)
 
 type env struct {
 	r    *cuda.Runtime
@@ -630,7 +627,7 @@ func TestUnalignedDirectLoadFromTmpfs(t *testing.T) {
 			if got := kv.get(t, e.w, 0)[:c.len]; !bytes.Equal(got, want) {
 				t.Fatalf("loaded bytes differ from the file's")
 			}
-			if w := crc32.Checksum(want, castagnoli); sums[0] != w {
+			if w := crc32c.Checksum(want); sums[0] != w {
 				t.Fatalf("checksum %08x, want %08x", sums[0], w)
 			}
 		})
@@ -682,7 +679,7 @@ func TestUnalignedEndDirectWriteIsPadded(t *testing.T) {
 			if tail := got[c.len:]; !bytes.Equal(tail, make([]byte, len(tail))) {
 				t.Fatal("the padding to the block's end is not zeros")
 			}
-			if w := crc32.Checksum(host[1][:c.len], castagnoli); sums[0] != w {
+			if w := crc32c.Checksum(host[1][:c.len]); sums[0] != w {
 				t.Fatalf("checksum %08x, want %08x (the data only)", sums[0], w)
 			}
 		})

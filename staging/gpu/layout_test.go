@@ -3,11 +3,11 @@ package gpu
 import (
 	"context"
 	"fmt"
-	"hash/crc32"
 	"math/rand/v2"
 	"testing"
 	"unsafe"
 
+	"github.com/kvhost/kvhost/internal/crc32c"
 	"github.com/kvhost/kvhost/internal/cuda"
 	"github.com/kvhost/kvhost/region"
 	"github.com/kvhost/kvhost/transfer"
@@ -135,7 +135,7 @@ func expect(p *transfer.Plan, host map[region.Region][]byte) ([]byte, []uint32) 
 		b := host[x.Region][x.RegionOff : x.RegionOff+x.Len]
 		file = append(file, b...)
 		if x.Sum >= 0 {
-			sums[x.Sum] = crc32.Update(sums[x.Sum], castagnoli, b)
+			sums[x.Sum] = crc32c.Update(sums[x.Sum], b)
 		}
 	}
 	return file, sums

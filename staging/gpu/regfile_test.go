@@ -16,10 +16,10 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/kvhost/kvhost/internal/bench"
+	"github.com/kvhost/kvhost/internal/crc32c"
 	"github.com/kvhost/kvhost/internal/cuda"
 	"github.com/kvhost/kvhost/internal/cuda/cudatest"
 	"github.com/kvhost/kvhost/region"
-	"github.com/kvhost/kvhost/staging"
 	"github.com/kvhost/kvhost/transfer"
 )
 
@@ -164,7 +164,7 @@ func registeredOnce(t *testing.T, rep *report, r *cuda.Runtime, kv *cache, w *cu
 				return err
 			}
 			if checksum {
-				crcs[i] = staging.UpdateCRC32C(0, maps[i][g.headerBytes:])
+				crcs[i] = crc32c.Update(0, maps[i][g.headerBytes:])
 			}
 			return nil
 		})

@@ -1,10 +1,10 @@
 //go:build !amd64
 
-package staging
+package crc32c
 
 // hasCLMUL: no carry-less multiply folding on this architecture.
 const hasCLMUL = false
 
 func foldCLMUL(out *[64]byte, p []byte, init uint32, k *[4]uint64) {
-	panic("staging: foldCLMUL without PCLMULQDQ")
+	panic("crc32c: foldCLMUL without PCLMULQDQ")
 }

@@ -1,8 +1,6 @@
-package staging
-
-import "hash/crc32"
-
-// CRC-32C (Castagnoli) of the data path.
+// Package crc32c is kvhost's one CRC-32C (Castagnoli): the checksums of
+// the file format's headers and payloads, of the movers' fused copy and of
+// the engine's recheck all come from here.
 //
 // Where the CPU has AVX-512 carry-less multiplies (VPCLMULQDQ), long inputs
 // are folded 256 bytes at a time, sixteen 16-byte lanes in four registers,
@@ -11,7 +9,10 @@ import "hash/crc32"
 // depends on. Elsewhere, and for short inputs, it is hash/crc32 (its
 // three-way CRC32-instruction loop; a 128-bit PCLMULQDQ fold measured
 // 0.4-0.5x of it on AMD Zen 5, so there is none). The results are
-// hash/crc32's, bit for bit (TestCRC32CMatchesHashCRC32).
+// hash/crc32's, bit for bit (TestMatchesHashCRC32).
+package crc32c
+
+import "hash/crc32"
 
 // clmulMin is the shortest input folded; shorter ones go to hash/crc32,
 // whose per-call cost is lower.
@@ -45,13 +46,19 @@ func foldKey(n int) uint64 {
 	return rev << 1
 }
 
-// UpdateCRC32C returns the CRC-32C (Castagnoli) of p appended to data
-// whose CRC-32C is crc: what crc32.Update(crc,
-// crc32.MakeTable(crc32.Castagnoli), p) returns, faster on CPUs with
-// AVX-512 carry-less multiplies. The movers checksum with it.
-func UpdateCRC32C(crc uint32, p []byte) uint32 {
+// table is hash/crc32's CRC-32C table (computed once by the standard
+// library, shared with every other caller of MakeTable(Castagnoli)).
+var table = crc32.MakeTable(crc32.Castagnoli)
+
+// Checksum returns the CRC-32C of p.
+func Checksum(p []byte) uint32 { return Update(0, p) }
+
+// Update returns the CRC-32C of p appended to data whose CRC-32C is crc:
+// what crc32.Update(crc, crc32.MakeTable(crc32.Castagnoli), p) returns,
+// faster on CPUs with AVX-512 carry-less multiplies.
+func Update(crc uint32, p []byte) uint32 {
 	if !hasCLMUL || len(p) < clmulMin {
-		return crc32.Update(crc, castagnoli, p)
+		return crc32.Update(crc, table, p)
 	}
 	n := len(p) &^ 255
 	// crc32.Update(c, p) is the plain remainder with initial value ^c,
@@ -64,7 +71,7 @@ func UpdateCRC32C(crc uint32, p []byte) uint32 {
 	// time (r passed to hash/crc32 would escape: an allocation per call).
 	c := uint32(0)
 	for _, b := range r {
-		c = castagnoli[byte(c)^b] ^ c>>8
+		c = table[byte(c)^b] ^ c>>8
 	}
-	return crc32.Update(^c, castagnoli, p[n:])
+	return crc32.Update(^c, table, p[n:])
 }
