@@ -70,12 +70,6 @@ func (c Capability) mountName() string {
 	return fmt.Sprintf("dev %d:%d", unix.Major(c.Dev), unix.Minor(c.Dev))
 }
 
-// File systems cuFile can reach with nvidia-fs (direct mode); others run
-// in compat mode at best.
-var fsDirect = map[string]bool{"ext4": true, "xfs": true, "nfs": true, "lustre": true, "gpfs": true, "beegfs": true}
-
-func fsName(t int64) string { return fstype.Name(t) }
-
 // capabilities caches one Capability per mount; the first report of each
 // is logged, once.
 type capabilities struct {
@@ -132,9 +126,11 @@ func (cs *capabilities) settle(dev uint64, fd int, regErr error) Capability {
 	}
 	cs.mu.Unlock()
 	c := Capability{Dev: dev, Mount: mountPoint(dev)}
+	var fs fstype.Kind
 	var sfs unix.Statfs_t
 	if err := unix.Fstatfs(fd, &sfs); err == nil {
-		c.FSType = fsName(int64(sfs.Type))
+		c.FSType = fstype.Name(int64(sfs.Type))
+		fs, _ = fstype.Of(int64(sfs.Type))
 	} else {
 		c.FSType = "unknown"
 	}
@@ -142,7 +138,7 @@ func (cs *capabilities) settle(dev uint64, fd int, regErr error) Capability {
 	switch {
 	case regErr != nil:
 		c.Mode, c.Err = ModeUnusable, regErr
-	case p.NVFSLoaded && fsDirect[c.FSType]:
+	case p.NVFSLoaded && fs.CuFileDirect:
 		c.Mode = ModeDirect
 	case p.CompatAllowed:
 		c.Mode = ModeCompat

@@ -21,6 +21,7 @@ import (
 
 	"github.com/kvhost/kvhost/internal/cuda"
 	"github.com/kvhost/kvhost/internal/dl"
+	"github.com/kvhost/kvhost/internal/fstype"
 	"github.com/kvhost/kvhost/internal/fsys"
 	"github.com/kvhost/kvhost/region"
 	"github.com/kvhost/kvhost/transfer"
@@ -199,11 +200,11 @@ func TestProbeDirReportsDirectWithNVFSAndUnusableWithoutCompat(t *testing.T) {
 		t.Fatal(err)
 	}
 	want := ModeCompat
-	if fsDirect[fsName(int64(sfs.Type))] {
+	if k, _ := fstype.Of(int64(sfs.Type)); k.CuFileDirect {
 		want = ModeDirect
 	}
 	if c, err := e.d.ProbeDir(dir); err != nil || c.Mode != want {
-		t.Fatalf("ProbeDir on %s = %+v, %v; want %v", fsName(int64(sfs.Type)), c, err, want)
+		t.Fatalf("ProbeDir on %s = %+v, %v; want %v", fstype.Name(int64(sfs.Type)), c, err, want)
 	}
 
 	e2 := openFake(t, Config{}, func(c *fakeCtl) { c.set(&c.NoCompat, 1) })

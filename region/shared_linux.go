@@ -9,13 +9,6 @@ import (
 	"github.com/kvhost/kvhost/internal/fstype"
 )
 
-// Magic numbers of the memory file systems OpenShared accepts (statfs
-// f_type): tmpfs and shmem (/dev/shm, memfd) and hugetlbfs.
-const (
-	tmpfsMagic     = fstype.Tmpfs
-	hugetlbfsMagic = fstype.Hugetlbfs
-)
-
 // OpenShared maps size bytes of a shared-memory file received from another
 // process: a memfd, sealed or not, or a regular file on a memory file
 // system (tmpfs, such as /dev/shm, or hugetlbfs). The Host takes ownership
@@ -44,7 +37,8 @@ func OpenShared(fd int, size int64) (*Host, error) {
 	if err := unix.Fstatfs(fd, &fs); err != nil {
 		return nil, fmt.Errorf("region: fstatfs fd %d: %w", fd, err)
 	}
-	if fs.Type != tmpfsMagic && fs.Type != hugetlbfsMagic {
+	// tmpfs is also shmem (/dev/shm, memfd).
+	if fs.Type != fstype.Tmpfs && fs.Type != fstype.Hugetlbfs {
 		return nil, fmt.Errorf("%w: the file is on a file system of type %#x, not tmpfs or hugetlbfs (use a memfd or a file under /dev/shm)", ErrNotShared, fs.Type)
 	}
 	if st.Size < size {

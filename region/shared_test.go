@@ -11,6 +11,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/kvhost/kvhost/internal/crc32c"
+	"github.com/kvhost/kvhost/internal/fstype"
 )
 
 // shmFile creates a file of size bytes under /dev/shm, as vLLM creates its
@@ -59,7 +60,7 @@ func TestOpenSharedAcceptsMemoryFilesOnly(t *testing.T) {
 	defer disk.Close()
 	disk.Truncate(size)
 	var fs unix.Statfs_t
-	onDisk := unix.Fstatfs(int(disk.Fd()), &fs) == nil && fs.Type != tmpfsMagic
+	onDisk := unix.Fstatfs(int(disk.Fd()), &fs) == nil && fs.Type != fstype.Tmpfs
 	diskFd, _ := unix.Dup(int(disk.Fd()))
 	dir, err := unix.Open(filepath.Dir(disk.Name()), unix.O_RDONLY|unix.O_DIRECTORY|unix.O_CLOEXEC, 0)
 	if err != nil {

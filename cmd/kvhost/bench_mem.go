@@ -16,6 +16,7 @@ import (
 	"github.com/kvhost/kvhost/host/policy"
 	"github.com/kvhost/kvhost/internal/bench"
 	"github.com/kvhost/kvhost/internal/cuda"
+	"github.com/kvhost/kvhost/internal/fstype"
 	"github.com/kvhost/kvhost/plugins/lru"
 	"github.com/kvhost/kvhost/region"
 )
@@ -380,13 +381,14 @@ func nvidiaModel(bus string) string {
 	return ""
 }
 
-// fsTypeOf names the file system holding path.
+// fsTypeOf names the file system holding path ("unknown" where statfs
+// fails).
 func fsTypeOf(path string) string {
-	t, err := bench.FSType(path)
+	_, name, err := fstype.OfPath(path)
 	if err != nil {
 		return "unknown"
 	}
-	return t
+	return name
 }
 
 // benchPolicy builds the engine's policy as the daemon does: the configured

@@ -334,31 +334,33 @@ func checkMount(ctx context.Context, rep *checkReport, o checkOptions, m config.
 		rep.add(levelFail, area, "not writable by this user", "give the daemon's user write access (chown, or run as the owner)")
 		return
 	}
-	fst := fsTypeOf(m.Path)
 	var st unix.Statfs_t
 	if err := unix.Statfs(m.Path, &st); err != nil {
 		rep.add(levelFail, area, fmt.Sprintf("statfs: %v", err), "")
 		return
 	}
+	magic := int64(st.Type)
+	fst := fstype.Name(magic)
+	kind, _ := fstype.Of(magic)
 	size, avail := int64(st.Blocks)*int64(st.Bsize), int64(st.Bavail)*int64(st.Bsize)
 	rep.add(levelOK, area, fmt.Sprintf("file system %s, %s of %s free", fst, sizeOf(avail), sizeOf(size)), "")
-	if kind, _ := fstype.Of(int64(st.Type)); kind.Network {
+	if kind.Network {
 		grace := time.Duration(o.cfg.Engine.TempGrace)
 		if grace == 0 {
 			grace = engine.DefaultTempGrace
 		}
-		level, what, fix := sharedFinding(int64(st.Type), probeFlock(m.Path), grace)
+		level, what, fix := sharedFinding(magic, probeFlock(m.Path), grace)
 		rep.add(level, area, what, fix)
 	}
 	level, what, fix := spaceFinding(size, avail, int64(m.Capacity), int64(m.Reserve))
 	rep.add(level, area, what, fix)
-	if fst == "tmpfs" {
+	if magic == fstype.Tmpfs {
 		if level, what, fix := hugePagesFinding(m.Path); level != "" {
 			rep.add(level, area, what, fix)
 		}
 	}
 	effective := min(configuredCapacity(size, int64(m.Capacity)), avail-int64(m.Reserve))
-	if level, what, fix := preallocateFinding(m.Preallocate, keepsSpares(int64(st.Type), m.Layout, o.cfg.Engine.Reuse()), effective); level != "" {
+	if level, what, fix := preallocateFinding(m.Preallocate, keepsSpares(magic, m.Layout, o.cfg.Engine.Reuse()), effective); level != "" {
 		rep.add(level, area, what, fix)
 	}
 
@@ -377,10 +379,10 @@ func checkMount(ctx context.Context, rep *checkReport, o checkOptions, m config.
 		rep.add(levelInfo, area, fmt.Sprintf("O_DIRECT refused by %s: buffered I/O through the page cache", fst), "")
 	}
 	if drv != nil {
-		checkRegistration(rep, area, fst, m.Path, drv)
+		checkRegistration(rep, area, magic, m.Path, drv)
 	}
 	if o.speed {
-		checkSpeed(ctx, rep, o, m, direct && err == nil, avail)
+		checkSpeed(ctx, rep, o, m, direct && err == nil, kind.Memory, avail)
 	}
 }
 
@@ -445,8 +447,9 @@ func spaceFinding(size, avail, capacity, reserve int64) (level, what, fix string
 	return levelOK, fmt.Sprintf("capacity %s, reserve %s: fits in the free space", sizeOf(configured), sizeOf(reserve)), ""
 }
 
-// checkRegistration reports whether cuFile registers a file on the mount.
-func checkRegistration(rep *checkReport, area, fst, dir string, drv *gds.Driver) {
+// checkRegistration reports whether cuFile registers a file on the mount,
+// of file system magic.
+func checkRegistration(rep *checkReport, area string, magic int64, dir string, drv *gds.Driver) {
 	c, err := drv.ProbeDir(dir)
 	if err != nil {
 		rep.add(levelWarn, area, fmt.Sprintf("cuFile probe failed: %v", err), "")
@@ -460,7 +463,7 @@ func checkRegistration(rep *checkReport, area, fst, dir string, drv *gds.Driver)
 	default:
 		fix := ""
 		switch {
-		case fst == "tmpfs":
+		case magic == fstype.Tmpfs:
 			fix = "none needed: cuFile does not serve tmpfs (it registers only block-device file systems); kvhost's staging pipeline does"
 		case errors.Is(c.Err, gds.StatusHandleNotRegistered):
 			var st unix.Stat_t
@@ -468,7 +471,7 @@ func checkRegistration(rep *checkReport, area, fst, dir string, drv *gds.Driver)
 			if unix.Stat(dir, &st) == nil {
 				dev = fmt.Sprintf("b%d:%d", unix.Major(st.Dev), unix.Minor(st.Dev))
 			}
-			fix = fmt.Sprintf("cuFile reads the udev database: where /run/udev is missing (containers, VMs) bind-mount the host's, or write /run/udev/data/%s with E:ID_FS_USAGE=filesystem and E:ID_FS_TYPE=%s", dev, fst)
+			fix = fmt.Sprintf("cuFile reads the udev database: where /run/udev is missing (containers, VMs) bind-mount the host's, or write /run/udev/data/%s with E:ID_FS_USAGE=filesystem and E:ID_FS_TYPE=%s", dev, fstype.Name(magic))
 		}
 		reason := "refused"
 		if c.Err != nil {
@@ -479,8 +482,9 @@ func checkRegistration(rep *checkReport, area, fst, dir string, drv *gds.Driver)
 }
 
 // checkSpeed measures sequential writes and reads of one file, O_DIRECT
-// (where supported) and buffered, each bounded by --speed-time.
-func checkSpeed(ctx context.Context, rep *checkReport, o checkOptions, m config.Mount, direct bool, avail int64) {
+// (where supported) and buffered, each bounded by --speed-time. memory:
+// the mount is a memory file system (its reads are never cold).
+func checkSpeed(ctx context.Context, rep *checkReport, o checkOptions, m config.Mount, direct, memory bool, avail int64) {
 	size := o.speedSize
 	if avail-int64(m.Reserve) < size+(64<<20) {
 		rep.add(levelWarn, m.Path, fmt.Sprintf("speed test skipped: %s free, it needs %s", sizeOf(avail), sizeOf(size)), "free space or pass a smaller --speed-size")
@@ -515,7 +519,7 @@ func checkSpeed(ctx context.Context, rep *checkReport, o checkOptions, m config.
 		cold := ""
 		if !d {
 			_, err := bench.DropCaches([]string{name})
-			if fst := fsTypeOf(m.Path); err == nil && fst != "tmpfs" && fst != "ramfs" {
+			if err == nil && !memory {
 				cold = " (cold)"
 			}
 		}

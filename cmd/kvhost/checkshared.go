@@ -55,7 +55,7 @@ func sharedFinding(magic int64, flockErr error, tempGrace time.Duration) (level,
 	}
 	name := kind.Name
 	if magic == fstype.FUSE {
-		name = "FUSE (f_type 0x65735546: ceph-fuse, GlusterFS, …)"
+		name = fmt.Sprintf("FUSE (f_type %#x: ceph-fuse, GlusterFS, …)", fstype.FUSE)
 	}
 	if flockErr != nil {
 		return levelWarn, fmt.Sprintf("shared file system %s: flock does not work here (%v); another node's stores in flight are protected only by temp_grace (%v)", name, flockErr, tempGrace),

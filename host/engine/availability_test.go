@@ -13,6 +13,7 @@ import (
 	"syscall"
 	"testing"
 
+	"github.com/kvhost/kvhost/internal/fstype"
 	"github.com/kvhost/kvhost/internal/fsys"
 )
 
@@ -111,7 +112,7 @@ func (d *smallDisk) Statfs(path string) (fsys.StatFS, error) {
 		return nil
 	})
 	free := max(0, d.total-d.foreign-used)
-	return fsys.StatFS{Type: 0xef53, BlockSize: 4096, Total: d.total, Free: free, Avail: free}, nil
+	return fsys.StatFS{Type: fstype.Ext4, BlockSize: 4096, Total: d.total, Free: free, Avail: free}, nil
 }
 
 // TestDerivedCapacityLargerThanTheFileSystemIsNotReported: a capacity

@@ -18,6 +18,9 @@ type Kind struct {
 	Memory bool
 	// Network: its files are shared with other nodes (NFS, Lustre, ...).
 	Network bool
+	// CuFileDirect: cuFile reaches it with nvidia-fs (GPUDirect, direct
+	// mode); on others it runs in compatibility mode at best.
+	CuFileDirect bool
 }
 
 // Magic numbers (statfs f_type).
@@ -34,21 +37,21 @@ var kinds = map[int64]Kind{
 	Tmpfs:      {Name: "tmpfs", Memory: true},
 	Ramfs:      {Name: "ramfs", Memory: true},
 	Hugetlbfs:  {Name: "hugetlbfs", Memory: true},
-	Ext4:       {Name: "ext4"},
-	XFS:        {Name: "xfs"},
+	Ext4:       {Name: "ext4", CuFileDirect: true},
+	XFS:        {Name: "xfs", CuFileDirect: true},
 	0x9123683e: {Name: "btrfs"},
 	0xf2f52010: {Name: "f2fs"},
 	0x2fc12fc1: {Name: "zfs"},
 	0x794c7630: {Name: "overlay"},
 	0x5346544e: {Name: "ntfs"},
 	0x6a656a63: {Name: "virtiofs"},
-	0x6969:     {Name: "nfs", Network: true},
+	0x6969:     {Name: "nfs", Network: true, CuFileDirect: true},
 	0xfe534d42: {Name: "smb2", Network: true},
 	0xff534d42: {Name: "cifs", Network: true},
-	0x0bd00bd0: {Name: "lustre", Network: true},
-	0x47504653: {Name: "gpfs", Network: true},
+	0x0bd00bd0: {Name: "lustre", Network: true, CuFileDirect: true},
+	0x47504653: {Name: "gpfs", Network: true, CuFileDirect: true},
 	0x00c36400: {Name: "ceph", Network: true},
-	0x19830326: {Name: "beegfs", Network: true},
+	0x19830326: {Name: "beegfs", Network: true, CuFileDirect: true},
 	0xa501fcf5: {Name: "weka", Network: true},
 	FUSE:       {Name: "fuse", Network: true}, // FUSE file systems are mostly remote
 }

@@ -27,6 +27,21 @@ func TestKnownAndUnknownMagics(t *testing.T) {
 	}
 }
 
+// TestCuFileDirect: the file systems cuFile reaches with nvidia-fs are the
+// ones gds listed by name before the table owned them, and only those.
+func TestCuFileDirect(t *testing.T) {
+	want := map[string]bool{"ext4": true, "xfs": true, "nfs": true, "lustre": true, "gpfs": true, "beegfs": true}
+	for magic, k := range kinds {
+		if k.CuFileDirect != want[k.Name] {
+			t.Errorf("%s (%#x): CuFileDirect %v, want %v", k.Name, magic, k.CuFileDirect, want[k.Name])
+		}
+		delete(want, k.Name)
+	}
+	if len(want) != 0 {
+		t.Errorf("not in the table: %v", want)
+	}
+}
+
 func TestOfPathAgreesWithStatfs(t *testing.T) {
 	dir := t.TempDir()
 	var st unix.Statfs_t
