@@ -69,7 +69,7 @@ low_watermark = 0.8
 	if m := c.Mounts[0]; m.IO != "direct" || m.Checksums() || m.Reserve != 2<<30 || m.Preallocate != SizeOf(4<<30) || c.Engine.NodeID != "gpu-node-7" {
 		t.Fatalf("mount 0 io %q checksums %v reserve %d preallocate %v, node id %q", m.IO, m.Checksums(), m.Reserve, m.Preallocate, c.Engine.NodeID)
 	}
-	if m := c.Mounts[1]; m.IO != "" || !m.Checksums() || m.Reserve != 0 || m.Preallocate != Auto {
+	if m := c.Mounts[1]; m.IO != "" || !m.Checksums() || m.Reserve != 0 || m.Preallocate != Auto() {
 		t.Fatalf("mount 1 defaults: io %q checksums %v reserve %d preallocate %v", m.IO, m.Checksums(), m.Reserve, m.Preallocate)
 	}
 	params := c.Policy.PolicyParams()
@@ -289,15 +289,15 @@ func TestPreallocateIsAutoUnlessASizeIsGiven(t *testing.T) {
 		flag       []string
 		want       AutoSize
 	}{
-		{"unset", "", nil, Auto},
-		{"auto", `preallocate = "auto"`, nil, Auto},
-		{"AUTO", `preallocate = " AUTO "`, nil, Auto},
+		{"unset", "", nil, Auto()},
+		{"auto", `preallocate = "auto"`, nil, Auto()},
+		{"AUTO", `preallocate = " AUTO "`, nil, Auto()},
 		{"zero turns it off", `preallocate = 0`, nil, SizeOf(0)},
 		{"zero as a string", `preallocate = "0"`, nil, SizeOf(0)},
 		{"a size", `preallocate = "4GiB"`, nil, SizeOf(4 << 30)},
 		{"an integer", `preallocate = 1048576`, nil, SizeOf(1 << 20)},
 		{"the flag overrides", `preallocate = "4GiB"`, []string{"-preallocate", "0"}, SizeOf(0)},
-		{"the flag sets auto", `preallocate = "4GiB"`, []string{"-preallocate", "auto"}, Auto},
+		{"the flag sets auto", `preallocate = "4GiB"`, []string{"-preallocate", "auto"}, Auto()},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

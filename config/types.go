@@ -87,8 +87,9 @@ type AutoSize struct {
 	Given bool
 }
 
-// Auto is the AutoSize that leaves the size to kvhost.
-var Auto = AutoSize{}
+// Auto returns the AutoSize that leaves the size to kvhost (its zero
+// value).
+func Auto() AutoSize { return AutoSize{} }
 
 // SizeOf is the AutoSize that gives n bytes.
 func SizeOf(n Size) AutoSize { return AutoSize{Bytes: n, Given: true} }
@@ -96,7 +97,7 @@ func SizeOf(n Size) AutoSize { return AutoSize{Bytes: n, Given: true} }
 // UnmarshalTOML accepts "auto", an integer or a string with a unit.
 func (s *AutoSize) UnmarshalTOML(v any) error {
 	if str, ok := v.(string); ok && isAuto(str) {
-		*s = Auto
+		*s = Auto()
 		return nil
 	}
 	var n Size
@@ -110,7 +111,7 @@ func (s *AutoSize) UnmarshalTOML(v any) error {
 // Set implements flag.Value: "auto" or a size.
 func (s *AutoSize) Set(v string) error {
 	if isAuto(v) {
-		*s = Auto
+		*s = Auto()
 		return nil
 	}
 	n, err := ParseSize(v)

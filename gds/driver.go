@@ -27,15 +27,17 @@ var (
 	ErrBuffer = errors.New("gds: bad buffer registration")
 )
 
-// DefaultLibraryPaths are the places Open looks for libcufile, in order:
-// the dynamic linker's search path first, then the CUDA toolkit's usual
-// locations.
-var DefaultLibraryPaths = []string{
-	"libcufile.so.0",
-	"libcufile.so",
-	"/usr/local/cuda/lib64/libcufile.so.0",
-	"/usr/local/cuda/targets/x86_64-linux/lib/libcufile.so.0",
-	"/usr/local/cuda/targets/sbsa-linux/lib/libcufile.so.0",
+// DefaultLibraryPaths returns the places Open looks for libcufile, in
+// order: the dynamic linker's search path first, then the CUDA toolkit's
+// usual locations. The slice is the caller's.
+func DefaultLibraryPaths() []string {
+	return []string{
+		"libcufile.so.0",
+		"libcufile.so",
+		"/usr/local/cuda/lib64/libcufile.so.0",
+		"/usr/local/cuda/targets/x86_64-linux/lib/libcufile.so.0",
+		"/usr/local/cuda/targets/sbsa-linux/lib/libcufile.so.0",
+	}
 }
 
 // Config configures Open. The zero value is usable.
@@ -178,7 +180,7 @@ type buffer struct {
 func Open(cfg Config) (*Driver, error) {
 	paths := cfg.LibraryPaths
 	if len(paths) == 0 {
-		paths = DefaultLibraryPaths
+		paths = DefaultLibraryPaths()
 	}
 	a, err := loadAPI(paths)
 	if err != nil {

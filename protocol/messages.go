@@ -13,7 +13,7 @@ func (*Hello) Type() Type { return TypeHello }
 
 // AppendBody encodes: magic [8] | u16 version | u16 0 | str8 client.
 func (m *Hello) AppendBody(b []byte) []byte {
-	b = append(b, Magic[:]...)
+	b = append(b, Magic...)
 	b = appendU16(b, m.Version)
 	b = appendU16(b, 0)
 	return appendStr8(b, m.Client, MaxName)
@@ -22,7 +22,7 @@ func (m *Hello) AppendBody(b []byte) []byte {
 // DecodeBody decodes and checks the magic.
 func (m *Hello) DecodeBody(b []byte) error {
 	d := decoder{b: b}
-	if magic := d.take(len(Magic), "magic"); d.err == nil && string(magic) != string(Magic[:]) {
+	if magic := d.take(len(Magic), "magic"); d.err == nil && string(magic) != Magic {
 		d.fail("bad magic %q", magic)
 	}
 	m.Version = d.u16("version")

@@ -21,8 +21,8 @@ import (
 // Version is the protocol version this package speaks.
 const Version = 1
 
-// Magic opens the Hello body.
-var Magic = [8]byte{'K', 'V', 'H', 'O', 'S', 'T', 0, 1}
+// Magic opens the Hello body: "KVHOST", then bytes 0 and 1.
+const Magic = "KVHOST\x00\x01"
 
 // HeaderSize is the size of a frame header.
 const HeaderSize = 16

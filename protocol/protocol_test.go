@@ -329,3 +329,14 @@ func TestStatsGoldenBytesForThePythonClient(t *testing.T) {
 		t.Fatalf("%s differs from the encoding of goldenStats: run go test ./protocol -update, and check the Python client's decoder", path)
 	}
 }
+
+// TestHelloWireBytes: the Hello body is the bytes the Python client
+// (protocol.py MAGIC) and every released daemon write: "KVHOST", 0, 1,
+// u16 version, u16 0, str8 client.
+func TestHelloWireBytes(t *testing.T) {
+	got := (&Hello{Version: 1, Client: "c"}).AppendBody(nil)
+	want := []byte{'K', 'V', 'H', 'O', 'S', 'T', 0, 1, 1, 0, 0, 0, 1, 'c'}
+	if !bytes.Equal(got, want) {
+		t.Fatalf("Hello body % x, want % x", got, want)
+	}
+}

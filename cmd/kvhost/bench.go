@@ -236,7 +236,7 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		return bad("--total %q: want a size such as 1GiB", *totalStr)
 	}
 	o.total = int64(tot)
-	o.preallocate = enginePreallocate(config.Auto)
+	o.preallocate = enginePreallocate(config.Auto())
 	if len(o.cfg.Mounts) > 0 {
 		o.preallocate = enginePreallocate(o.cfg.Mounts[0].Preallocate)
 	}

@@ -224,7 +224,7 @@ func checkGPU(rep *checkReport, g config.GPU) *cuda.Runtime {
 	}
 	rt, err := cuda.Open(cuda.Config{Runtime: nonEmpty(g.CUDALibrary), Driver: nonEmpty(g.CUDADriverLibrary)})
 	if err != nil {
-		rep.add(missing, "gpu", fmt.Sprintf("no CUDA runtime: %s; kvhost serves host memory only", loadError(err, nonEmpty(g.CUDALibrary), cuda.DefaultRuntimePaths)),
+		rep.add(missing, "gpu", fmt.Sprintf("no CUDA runtime: %s; kvhost serves host memory only", loadError(err, nonEmpty(g.CUDALibrary), cuda.DefaultRuntimePaths())),
 			"install the NVIDIA driver and the CUDA runtime (libcudart.so.12 or .13), or set gpu.cuda_library; gpu.mode = off silences this")
 		return nil
 	}
@@ -288,7 +288,7 @@ func checkCuFile(rep *checkReport, g config.GPU, rt *cuda.Runtime) *gds.Driver {
 		if rt == nil {
 			level = levelInfo // no GPU: cuFile would not be used anyway
 		}
-		rep.add(level, "cufile", fmt.Sprintf("cuFile unavailable: %s; GPU memory moves through kvhost's staging pipeline", loadError(err, nonEmpty(g.CuFileLibrary), gds.DefaultLibraryPaths)),
+		rep.add(level, "cufile", fmt.Sprintf("cuFile unavailable: %s; GPU memory moves through kvhost's staging pipeline", loadError(err, nonEmpty(g.CuFileLibrary), gds.DefaultLibraryPaths())),
 			"for GPUDirect Storage install libcufile (the CUDA toolkit's GDS package) and nvidia-fs, or set gpu.cufile_library")
 		return nil
 	}

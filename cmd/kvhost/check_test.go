@@ -211,12 +211,12 @@ func TestPreallocateFindingSaysWhatIsMadeAhead(t *testing.T) {
 		level     string
 		want      string
 	}{
-		{"auto on tmpfs", config.Auto, true, 16 * gib, levelOK, "up to 2 GiB (preallocate auto"},
-		{"auto on a large tmpfs", config.Auto, true, 100 * gib, levelOK, "up to " + sizeOf(engine.AutoPreallocate(100*gib, engine.MachineMemory())) + " (preallocate auto"},
+		{"auto on tmpfs", config.Auto(), true, 16 * gib, levelOK, "up to 2 GiB (preallocate auto"},
+		{"auto on a large tmpfs", config.Auto(), true, 100 * gib, levelOK, "up to " + sizeOf(engine.AutoPreallocate(100*gib, engine.MachineMemory())) + " (preallocate auto"},
 		{"a size on tmpfs", config.SizeOf(8 * gib), true, 100 * gib, levelOK, "up to 8 GiB, shared"},
 		{"turned off", config.SizeOf(0), true, 100 * gib, levelInfo, "no spare files made ahead"},
 		{"a size on a disk", config.SizeOf(gib), false, 100 * gib, levelWarn, "has no effect here"},
-		{"auto on a disk", config.Auto, false, 100 * gib, "", ""},
+		{"auto on a disk", config.Auto(), false, 100 * gib, "", ""},
 	}
 	for _, c := range cases {
 		level, what, _ := preallocateFinding(c.p, c.keeps, c.effective)

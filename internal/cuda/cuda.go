@@ -166,24 +166,30 @@ func (e *CallError) Unwrap() error { return e.Code }
 // Config says where the libraries are. Empty lists use the defaults.
 type Config struct {
 	// Runtime lists paths of libcudart to try in order (default
-	// DefaultRuntimePaths).
+	// DefaultRuntimePaths()).
 	Runtime []string
-	// Driver lists paths of libcuda (default DefaultDriverPaths). The
+	// Driver lists paths of libcuda (default DefaultDriverPaths()). The
 	// driver API is optional: it bounds IPC imports by their allocation.
 	Driver []string
 }
 
-// DefaultRuntimePaths are the usual places of the CUDA runtime.
-var DefaultRuntimePaths = []string{
-	"libcudart.so.13", "libcudart.so.12", "libcudart.so",
-	"/usr/local/cuda/targets/x86_64-linux/lib/libcudart.so.13",
-	"/usr/local/cuda/targets/x86_64-linux/lib/libcudart.so.12",
-	"/usr/local/cuda/lib64/libcudart.so.13", "/usr/local/cuda/lib64/libcudart.so.12",
-	"/usr/local/cuda/lib64/libcudart.so",
+// DefaultRuntimePaths returns the usual places of the CUDA runtime. The
+// slice is the caller's.
+func DefaultRuntimePaths() []string {
+	return []string{
+		"libcudart.so.13", "libcudart.so.12", "libcudart.so",
+		"/usr/local/cuda/targets/x86_64-linux/lib/libcudart.so.13",
+		"/usr/local/cuda/targets/x86_64-linux/lib/libcudart.so.12",
+		"/usr/local/cuda/lib64/libcudart.so.13", "/usr/local/cuda/lib64/libcudart.so.12",
+		"/usr/local/cuda/lib64/libcudart.so",
+	}
 }
 
-// DefaultDriverPaths are the usual places of the driver API library.
-var DefaultDriverPaths = []string{"libcuda.so.1", "libcuda.so", "/usr/lib/x86_64-linux-gnu/libcuda.so.1"}
+// DefaultDriverPaths returns the usual places of the driver API library.
+// The slice is the caller's.
+func DefaultDriverPaths() []string {
+	return []string{"libcuda.so.1", "libcuda.so", "/usr/lib/x86_64-linux-gnu/libcuda.so.1"}
+}
 
 // Copy directions (cudaMemcpyKind).
 const (
@@ -232,7 +238,7 @@ type Runtime struct {
 func Open(cfg Config) (*Runtime, error) {
 	paths := cfg.Runtime
 	if len(paths) == 0 {
-		paths = DefaultRuntimePaths
+		paths = DefaultRuntimePaths()
 	}
 	rt, err := dl.Open(paths...)
 	if err != nil {
@@ -278,7 +284,7 @@ func Open(cfg Config) (*Runtime, error) {
 	}
 	dpaths := cfg.Driver
 	if len(dpaths) == 0 {
-		dpaths = DefaultDriverPaths
+		dpaths = DefaultDriverPaths()
 	}
 	if drv, err := dl.Open(dpaths...); err == nil {
 		a, err1 := drv.Sym("cuInit")

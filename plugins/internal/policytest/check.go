@@ -23,12 +23,14 @@ func MustNew(t testing.TB, p guest.Policy, cfg ...string) *Driver {
 	return d
 }
 
-// EdgeModels are model ids that stress the namespace directory name.
-var EdgeModels = []string{
-	"", "meta-llama/Llama-3.1-8B-Instruct", ".hidden", "..", "a b\tc/d\\e", "\x00\xff",
-	string(bytes.Repeat([]byte("m"), abi.MaxModelLen)),
-	string(bytes.Repeat([]byte("/"), abi.MaxModelLen)),
-	string(bytes.Repeat([]byte("."), abi.MaxModelLen)),
+// EdgeModels returns model ids that stress the namespace directory name.
+func EdgeModels() []string {
+	return []string{
+		"", "meta-llama/Llama-3.1-8B-Instruct", ".hidden", "..", "a b\tc/d\\e", "\x00\xff",
+		string(bytes.Repeat([]byte("m"), abi.MaxModelLen)),
+		string(bytes.Repeat([]byte("/"), abi.MaxModelLen)),
+		string(bytes.Repeat([]byte("."), abi.MaxModelLen)),
+	}
 }
 
 // EdgeKeys are keys that stress file names.
@@ -55,7 +57,7 @@ func CheckNames(t *testing.T, mk Factory, mountCounts []uint32, cfg ...string) {
 		}
 		keys = append(keys, k)
 	}
-	for mi, model := range EdgeModels {
+	for mi, model := range EdgeModels() {
 		for _, mounts := range mountCounts {
 			a, b := MustNew(t, mk(), cfg...), MustNew(t, mk(), cfg...)
 			ns := Namespace(uint32(mi), model, rng.Uint64(), ^uint32(0)-uint32(mi), mounts)
