@@ -487,11 +487,7 @@ func demoteChild(dir string, start int, kill string, nth int) error {
 		return err
 	}
 	fmt.Printf("deduped %d\n", e.TierStats().Deduped)
-	ns, err := e.Declare(ctx, g)
-	if err != nil {
-		return err
-	}
-	c, err := makeTestCache(e, ns, g, 24, layoutPlaneFirst)
+	c, err := childCache(ctx, e, g, 24)
 	if err != nil {
 		return err
 	}
@@ -534,20 +530,11 @@ func TestCrashMidDemotion(t *testing.T) {
 			t.Fatalf("round %d: the child's Open says %q; %d files were on both mounts", round, sc.Text(), onBoth)
 		}
 		if mode == killRandom {
-			for sc.Scan() {
-				if n, err := strconv.Atoi(strings.TrimPrefix(sc.Text(), "stored ")); err == nil {
-					stored = max(stored, n)
-					break
-				}
-			}
+			scanStored(sc, &stored, 1)
 			time.Sleep(time.Duration(rand.IntN(20000)) * time.Microsecond)
 			cmd.Process.Signal(syscall.SIGKILL)
 		}
-		for sc.Scan() {
-			if n, err := strconv.Atoi(strings.TrimPrefix(sc.Text(), "stored ")); err == nil {
-				stored = max(stored, n)
-			}
-		}
+		scanStored(sc, &stored, -1)
 		err := cmd.Wait()
 		if !timer.Stop() {
 			t.Fatalf("round %d (%s): the child never reached its kill point in 60s: %s", round, mode, stderr.String())

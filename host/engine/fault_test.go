@@ -29,29 +29,60 @@ const crashChildEnv = "KVHOST_ENGINE_CRASH_CHILD"
 func TestMain(m *testing.M) {
 	if dir := os.Getenv(crashChildEnv); dir != "" {
 		start, _ := strconv.Atoi(os.Getenv(crashChildEnv + "_START"))
-		if err := crashChild(dir, start); err != nil {
-			fmt.Fprintln(os.Stderr, "crash child:", err)
-			os.Exit(1)
-		}
-		os.Exit(0)
+		runChild("crash child", func() error { return crashChild(dir, start) })
 	}
 	if dir := os.Getenv(demoteChildEnv); dir != "" { // demote_test.go
 		start, _ := strconv.Atoi(os.Getenv(demoteChildEnv + "_START"))
 		nth, _ := strconv.Atoi(os.Getenv(demoteChildEnv + "_NTH"))
-		if err := demoteChild(dir, start, os.Getenv(demoteChildEnv+"_KILL"), nth); err != nil {
-			fmt.Fprintln(os.Stderr, "demote crash child:", err)
-			os.Exit(1)
-		}
-		os.Exit(0)
+		runChild("demote crash child", func() error { return demoteChild(dir, start, os.Getenv(demoteChildEnv+"_KILL"), nth) })
 	}
 	if root := os.Getenv(vllmfsCrashEnv); root != "" {
-		if err := vllmfsCrashChild(root); err != nil {
-			fmt.Fprintln(os.Stderr, "vllm-fs crash child:", err)
-			os.Exit(1)
-		}
-		os.Exit(0)
+		runChild("vllm-fs crash child", func() error { return vllmfsCrashChild(root) })
 	}
 	os.Exit(m.Run())
+}
+
+// runChild runs a crash child's role and exits the process: with status 1
+// and the error on standard error if run fails, else 0 (the looping
+// children only end when killed).
+func runChild(what string, run func() error) {
+	if err := run(); err != nil {
+		fmt.Fprintln(os.Stderr, what+":", err)
+		os.Exit(1)
+	}
+	os.Exit(0)
+}
+
+// childCache declares g on a crash child's engine and makes a cache of
+// blocks blocks in it.
+func childCache(ctx context.Context, e *Engine, g Geometry, blocks int) (*testCache, error) {
+	ns, err := e.Declare(ctx, g)
+	if err != nil {
+		return nil, err
+	}
+	return makeTestCache(e, ns, g, blocks, layoutPlaneFirst)
+}
+
+// scanStored reads a crash child's output until it has read want "stored
+// N" lines (want < 0: until the output ends, the child dead), raising
+// *stored to the highest N; it returns how many such lines it read.
+func scanStored(sc *bufio.Scanner, stored *int, want int) int {
+	read := 0
+	for (want < 0 || read < want) && sc.Scan() {
+		if n, err := strconv.Atoi(strings.TrimPrefix(sc.Text(), "stored ")); err == nil {
+			*stored = max(*stored, n)
+			read++
+		}
+	}
+	return read
+}
+
+// awaitLeftover spins (a store's temporary file may live for only
+// milliseconds) until dir holds a temporary file, for at most d.
+func awaitLeftover(t *testing.T, dir string, d time.Duration) {
+	deadline := time.Now().Add(d)
+	for len(leftovers(t, dir)) == 0 && time.Now().Before(deadline) {
+	}
 }
 
 // keyContent fills blocks with bytes derived from the key alone, so that
@@ -120,11 +151,7 @@ func crashChild(dir string, start int) error {
 	}
 	g := smallGeometry(true)
 	g.Layers = 64 // 2 MiB per key: a kill often lands mid-file
-	ns, err := e.Declare(ctx, g)
-	if err != nil {
-		return err
-	}
-	c, err := makeTestCache(e, ns, g, 64, layoutPlaneFirst)
+	c, err := childCache(ctx, e, g, 64)
 	if err != nil {
 		return err
 	}
@@ -143,31 +170,18 @@ func TestCrashMidStore(t *testing.T) {
 	midStore := 0
 	for round := 0; round < 10 && (round < 4 || midStore < 2); round++ {
 		cmd, sc, stderr := startChild(t, crashChildEnv+"="+dir, fmt.Sprintf("%s_START=%d", crashChildEnv, stored+1))
-		lines := 0
-		for lines < 1 && sc.Scan() {
-			if n, err := strconv.Atoi(strings.TrimPrefix(sc.Text(), "stored ")); err == nil {
-				stored = max(stored, n)
-				lines++
-			}
-		}
-		if lines == 0 {
+		if scanStored(sc, &stored, 1) == 0 {
 			cmd.Wait()
 			t.Fatalf("child stored nothing: %s", stderr.String())
 		}
 		if round%2 == 0 {
 			// Kill as soon as a store is writing a temporary file.
-			deadline := time.Now().Add(10 * time.Second)
-			for len(leftovers(t, dir)) == 0 && time.Now().Before(deadline) {
-			}
+			awaitLeftover(t, dir, 10*time.Second)
 		} else {
 			time.Sleep(time.Duration(rand.IntN(10000)) * time.Microsecond)
 		}
 		cmd.Process.Signal(syscall.SIGKILL)
-		for sc.Scan() {
-			if n, err := strconv.Atoi(strings.TrimPrefix(sc.Text(), "stored ")); err == nil {
-				stored = max(stored, n)
-			}
-		}
+		scanStored(sc, &stored, -1)
 		cmd.Wait()
 		l := len(leftovers(t, dir))
 		if l > 0 {

@@ -498,12 +498,7 @@ func vllmfsCrashChild(root string) error {
 	if err != nil {
 		return err
 	}
-	g := rowGeometry(tierModel, vllmfsCrashRow)
-	ns, err := e.Declare(ctx, g)
-	if err != nil {
-		return err
-	}
-	c, err := makeTestCache(e, ns, g, 4, layoutPlaneFirst)
+	c, err := childCache(ctx, e, rowGeometry(tierModel, vllmfsCrashRow), 4)
 	if err != nil {
 		return err
 	}
@@ -535,20 +530,14 @@ func TestVLLMFSCrashLeavesNoTornRow(t *testing.T) {
 	stored, midStore := -1, 0
 	for round := 0; round < 10 && (round < 3 || midStore == 0); round++ {
 		cmd, sc, stderr := startChild(t, vllmfsCrashEnv+"="+root)
-		if !sc.Scan() {
+		if scanStored(sc, &stored, 1) == 0 {
 			cmd.Wait()
 			t.Fatalf("child stored nothing: %s", stderr.String())
 		}
 		// Kill as soon as a store is writing a temporary file.
-		deadline := time.Now().Add(10 * time.Second)
-		for len(leftovers(t, root)) == 0 && time.Now().Before(deadline) {
-		}
+		awaitLeftover(t, root, 10*time.Second)
 		cmd.Process.Signal(syscall.SIGKILL)
-		for sc.Scan() {
-			if n, err := strconv.Atoi(strings.TrimPrefix(sc.Text(), "stored ")); err == nil {
-				stored = max(stored, n)
-			}
-		}
+		scanStored(sc, &stored, -1)
 		cmd.Wait()
 		if len(leftovers(t, root)) > 0 {
 			midStore++
