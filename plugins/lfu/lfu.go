@@ -75,10 +75,7 @@ func (p *Policy) Init(cfg guest.Config) error {
 	if err := cfg.CheckKeys(append(policykit.LayoutKeys(), "half_life")...); err != nil {
 		return policykit.ConfigFailure(Name, err)
 	}
-	hl, err := cfg.Duration("half_life", DefaultHalfLife)
-	if err == nil && hl == 0 {
-		err = &guest.ConfigError{Key: "half_life", Value: cfg.String("half_life", ""), Want: "a positive duration such as 30m or 2h"}
-	}
+	hl, err := policykit.PositiveDuration(cfg, "half_life", DefaultHalfLife, "30m or 2h")
 	if err != nil {
 		return policykit.ConfigFailure(Name, err)
 	}

@@ -70,14 +70,11 @@ func (p *Policy) Init(cfg guest.Config) error {
 	if err != nil {
 		return policykit.ConfigFailure(Name, err)
 	}
-	mount, err := cfg.Int("mount", 0)
-	if err == nil && (mount < 0 || mount >= policykit.MaxClasses) {
-		err = &guest.ConfigError{Key: "mount", Value: cfg.String("mount", ""), Want: "a mount index from 0 to " + strconv.Itoa(policykit.MaxClasses-1)}
-	}
+	mount, err := policykit.MountIndex(cfg, "mount", 0)
 	if err != nil {
 		return policykit.ConfigFailure(Name, err)
 	}
-	p.layout, p.mount = layout, uint32(mount)
+	p.layout, p.mount = layout, mount
 	return nil
 }
 

@@ -104,18 +104,11 @@ func (p *Policy) Init(cfg guest.Config) error {
 	if err != nil {
 		return policykit.ConfigFailure(Name, err)
 	}
-	mount := func(key string, def int64) (uint32, error) {
-		m, err := cfg.Int(key, def)
-		if err == nil && (m < 0 || m >= policykit.MaxClasses) {
-			err = &guest.ConfigError{Key: key, Value: cfg.String(key, ""), Want: "a mount index from 0 to " + strconv.Itoa(policykit.MaxClasses-1)}
-		}
-		return uint32(m), err
-	}
-	hot, err := mount("hot", 0)
+	hot, err := policykit.MountIndex(cfg, "hot", 0)
 	if err != nil {
 		return policykit.ConfigFailure(Name, err)
 	}
-	cold, err := mount("cold", 1)
+	cold, err := policykit.MountIndex(cfg, "cold", 1)
 	if err != nil {
 		return policykit.ConfigFailure(Name, err)
 	}

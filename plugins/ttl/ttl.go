@@ -62,10 +62,7 @@ func (p *Policy) Init(cfg guest.Config) error {
 	if err := cfg.CheckKeys(append(policykit.LayoutKeys(), "ttl")...); err != nil {
 		return policykit.ConfigFailure(Name, err)
 	}
-	ttl, err := cfg.Duration("ttl", DefaultTTL)
-	if err == nil && ttl == 0 {
-		err = &guest.ConfigError{Key: "ttl", Value: cfg.String("ttl", ""), Want: "a positive duration such as 90s or 2h"}
-	}
+	ttl, err := policykit.PositiveDuration(cfg, "ttl", DefaultTTL, "90s or 2h")
 	if err != nil {
 		return policykit.ConfigFailure(Name, err)
 	}
