@@ -322,5 +322,18 @@ class TestRegisterSharedFile(unittest.TestCase):
             self.assertEqual(c._call.calls, [])
 
 
+class TestImportOrder(unittest.TestCase):
+    def test_memory_does_not_import_client(self):
+        """client imports memory, never the other way round: no import
+        circle, and memory loads on its own."""
+        import ast
+        import kvhost.memory
+        with open(kvhost.memory.__file__) as f:
+            tree = ast.parse(f.read())
+        froms = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        self.assertNotIn("client", froms)
+        self.assertIs(kvhost.seal_shrink, kvhost.memory.seal_shrink)
+
+
 if __name__ == "__main__":
     unittest.main()

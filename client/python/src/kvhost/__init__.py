@@ -4,8 +4,8 @@ Pure Python, standard library only (torch optional). See docs/protocol.md.
 """
 
 from .client import (Client, ConnectionLost, Geometry, Job, KvhostError, Layer, Namespace,
-                     Result, UnsupportedError, default_socket, seal_shrink)
-from .memory import HostBuffer, cuda_ipc_handle, daemon_device, device_uuid, torch_host_tensor
+                     Result, UnsupportedError, default_socket)
+from .memory import HostBuffer, cuda_ipc_handle, daemon_device, device_uuid, seal_shrink, torch_host_tensor
 from .protocol import (OUTCOME_CANCELLED, OUTCOME_FAILED, OUTCOME_LOADED, OUTCOME_MISSING,
                        OUTCOME_NOT_ADMITTED, OUTCOME_PRESENT, OUTCOME_STORED, OUTCOMES, CODES)
 

@@ -10,8 +10,10 @@ import socket
 import struct
 import threading
 
+from . import memory
 from . import protocol as p
 from .lookuptable import FormatError, LookupTable
+from .memory import seal_shrink
 
 
 class KvhostError(Exception):
@@ -359,23 +361,22 @@ class Client:
         tensor's is refused with ValueError: where GPUs have peer access the
         daemon could not tell, and would move the bytes over the peer link.
         torch is imported lazily. See cuda_ipc_handle for what torch gives."""
-        from .memory import cuda_ipc_handle, daemon_device, device_uuid, uuid_text  # memory imports this module
-        dev, handle, offset, size = cuda_ipc_handle(tensor)
-        uuid = device_uuid(tensor)
+        dev, handle, offset, size = memory.cuda_ipc_handle(tensor)
+        uuid = memory.device_uuid(tensor)
         known = {}
         if uuid is not None:
             known = {d["ordinal"]: d["uuid"] for d in self.stats()["devices"] if d.get("uuid")}
         if device is None and known:
             match = [o for o, u in known.items() if u == uuid]
             if not match:
-                raise ValueError(f"the tensor's GPU {uuid_text(uuid)} is not one the daemon serves "
-                                 f"({', '.join(uuid_text(u) for u in known.values())})")
+                raise ValueError(f"the tensor's GPU {memory.uuid_text(uuid)} is not one the daemon serves "
+                                 f"({', '.join(memory.uuid_text(u) for u in known.values())})")
             device = match[0]
         elif device is None:
-            device = daemon_device(dev)
+            device = memory.daemon_device(dev)
         elif device in known and known[device] != uuid:
-            raise ValueError(f"device={device} is {uuid_text(known[device])} to the daemon, "
-                             f"but the tensor lives on {uuid_text(uuid)}")
+            raise ValueError(f"device={device} is {memory.uuid_text(known[device])} to the daemon, "
+                             f"but the tensor lives on {memory.uuid_text(uuid)}")
         return self.register_cuda(device, handle, offset, size)
 
     def unregister_memory(self, region):
@@ -519,19 +520,5 @@ class Client:
         """Returns the daemon's counters as a dict."""
         _, body = self._call(p.T_STATS, b"")
         return p.decode_stats(body)
-
-
-def seal_shrink(fd):
-    """Adds F_SEAL_SHRINK to a memfd (the daemon requires it)."""
-    import fcntl
-    F_ADD_SEALS = getattr(fcntl, "F_ADD_SEALS", 1033)
-    F_GET_SEALS = getattr(fcntl, "F_GET_SEALS", 1034)
-    F_SEAL_SHRINK = getattr(fcntl, "F_SEAL_SHRINK", 2)
-    if fcntl.fcntl(fd, F_GET_SEALS) & F_SEAL_SHRINK:
-        return
-    try:
-        fcntl.fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK)
-    except PermissionError as e:
-        raise ValueError("the memfd cannot be sealed: create it with MFD_ALLOW_SEALING (HostBuffer does)") from e
 
 

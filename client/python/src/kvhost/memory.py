@@ -5,7 +5,19 @@ import mmap
 import os
 import uuid as _uuid
 
-from .client import seal_shrink
+
+def seal_shrink(fd):
+    """Adds F_SEAL_SHRINK to a memfd (the daemon requires it)."""
+    import fcntl
+    F_ADD_SEALS = getattr(fcntl, "F_ADD_SEALS", 1033)
+    F_GET_SEALS = getattr(fcntl, "F_GET_SEALS", 1034)
+    F_SEAL_SHRINK = getattr(fcntl, "F_SEAL_SHRINK", 2)
+    if fcntl.fcntl(fd, F_GET_SEALS) & F_SEAL_SHRINK:
+        return
+    try:
+        fcntl.fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK)
+    except PermissionError as e:
+        raise ValueError("the memfd cannot be sealed: create it with MFD_ALLOW_SEALING (HostBuffer does)") from e
 
 
 class HostBuffer:
