@@ -46,6 +46,19 @@ def config(tmp, hot, cold, sock, shards):
             f'[[mount]]\npath = "{cold}"\ncapacity = "8GiB"\ndevice_class = "ssd"\n')
 
 
+def one_key_cache(c):
+    """Declares GEOMETRY on client c and registers a cache of one key's
+    blocks in host memory; returns (buffer, cache id, blocks per key)."""
+    ns = c.declare(GEOMETRY)
+    n = ns.blocks_per_key
+    page = 2 * GEOMETRY.block_bytes
+    buf = kvhost.HostBuffer(GEOMETRY.layers * n * page)
+    region = c.register_buffer(buf)
+    layers = [kvhost.Layer(region, offset=l * n * page, block_stride=page,
+                           plane_stride=GEOMETRY.block_bytes, num_blocks=n) for l in range(GEOMETRY.layers)]
+    return buf, c.register_cache(ns.id, layers), n
+
+
 METRICS_PORT = 9417
 BIN = os.environ.get("KVHOST_BIN", os.path.join(REPO, "bin", "kvhost"))
 
@@ -78,14 +91,7 @@ def main():
 
         def writer():
             with kvhost.Client(sock, name="storm-writer") as c:
-                ns = c.declare(GEOMETRY)
-                n = ns.blocks_per_key
-                page = 2 * GEOMETRY.block_bytes
-                buf = kvhost.HostBuffer(GEOMETRY.layers * n * page)
-                region = c.register_buffer(buf)
-                layers = [kvhost.Layer(region, offset=l * n * page, block_stride=page,
-                                       plane_stride=GEOMETRY.block_bytes, num_blocks=n) for l in range(GEOMETRY.layers)]
-                cache = c.register_cache(ns.id, layers)
+                buf, cache, n = one_key_cache(c)
                 i = 0
                 while not stop.is_set():
                     data = os.urandom(64) * (len(buf.view) // 64)
@@ -127,14 +133,7 @@ def main():
             t.join()
         wrong = lost = 0
         with kvhost.Client(sock, name="storm-check") as c:
-            ns = c.declare(GEOMETRY)
-            n = ns.blocks_per_key
-            page = 2 * GEOMETRY.block_bytes
-            buf = kvhost.HostBuffer(GEOMETRY.layers * n * page)
-            region = c.register_buffer(buf)
-            layers = [kvhost.Layer(region, offset=l * n * page, block_stride=page,
-                                   plane_stride=GEOMETRY.block_bytes, num_blocks=n) for l in range(GEOMETRY.layers)]
-            cache = c.register_cache(ns.id, layers)
+            buf, cache, n = one_key_cache(c)
             for key, head in stored.items():
                 out = c.load(cache, [key], [list(range(n))]).wait(60).outcomes()
                 if out != ["loaded"]:

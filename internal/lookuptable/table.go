@@ -91,13 +91,17 @@ var ErrFormat = errors.New("lookuptable: not a lookup table")
 
 // Hash is a key's tag and home slot number (before the modulo).
 func Hash(fp uint64, key []byte) (tag, home uint64) {
-	h := sha256.New()
-	var b [8]byte
-	binary.LittleEndian.PutUint64(b[:], fp)
-	h.Write(b[:])
-	h.Write(key)
 	var sum [sha256.Size]byte
-	h.Sum(sum[:0])
+	var buf [8 + 256]byte // keys are at most 255 bytes (protocol.MaxKeyLen): no allocation
+	binary.LittleEndian.PutUint64(buf[:8], fp)
+	if len(key) <= len(buf)-8 {
+		sum = sha256.Sum256(buf[:8+copy(buf[8:], key)])
+	} else {
+		h := sha256.New()
+		h.Write(buf[:8])
+		h.Write(key)
+		h.Sum(sum[:0])
+	}
 	tag = binary.LittleEndian.Uint64(sum[0:8])
 	if tag <= slotRemoved {
 		tag += 2

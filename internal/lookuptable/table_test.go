@@ -1,6 +1,7 @@
 package lookuptable
 
 import (
+	"crypto/sha256"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -263,5 +264,35 @@ func TestHashIsTheFormatsKnownAnswer(t *testing.T) {
 	tag, home := Hash(0x0102030405060708, []byte("key-1"))
 	if tag != 4970651553208285916 || home != 364090413704195124 {
 		t.Fatalf("Hash = (%d, %d), want (4970651553208285916, 364090413704195124)", tag, home)
+	}
+}
+
+// TestHashOfLongKeysMatchesTheStreamedDigest: keys longer than the stack
+// buffer hash as the digest of fingerprint then key, like short ones.
+func TestHashOfLongKeysMatchesTheStreamedDigest(t *testing.T) {
+	for _, n := range []int{255, 256, 257, 1000} {
+		key := make([]byte, n)
+		for i := range key {
+			key[i] = byte(i)
+		}
+		var b [8]byte
+		binary.LittleEndian.PutUint64(b[:], 42)
+		sum := sha256.Sum256(append(b[:], key...))
+		tag, home := Hash(42, key)
+		wantTag := binary.LittleEndian.Uint64(sum[:8])
+		if wantTag <= 1 {
+			wantTag += 2
+		}
+		if tag != wantTag || home != binary.LittleEndian.Uint64(sum[8:16]) {
+			t.Fatalf("%d-byte key: Hash = (%d, %d), want the digest's (%d, %d)", n, tag, home, wantTag, binary.LittleEndian.Uint64(sum[8:16]))
+		}
+	}
+}
+
+func BenchmarkHash(b *testing.B) {
+	key := []byte("0123456789abcdef0123456789abcdef")
+	b.ReportAllocs()
+	for b.Loop() {
+		Hash(7, key)
 	}
 }

@@ -1,6 +1,7 @@
 """The client answers lookups from the daemon's shared lookup table and asks
 the daemon only where the table cannot answer (a real daemon each)."""
 
+import contextlib
 import os
 import struct
 import tempfile
@@ -30,52 +31,50 @@ def stored_client(d, n, **kw):
     return c, ns, keys
 
 
+@contextlib.contextmanager
+def daemon_with_keys(n, shared, **kw):
+    """A daemon (its mount's shared setting given) and a client of it that
+    stored n keys: yields (daemon, client, ns, keys); stops both after."""
+    d = Daemon(capacity="64MiB", after_toml=f"shared = {'true' if shared else 'false'}")
+    try:
+        c, ns, keys = stored_client(d, n, **kw)
+        with c:
+            yield d, c, ns, keys
+    finally:
+        d.stop()
+
+
 class TestLookupTable(unittest.TestCase):
     def test_hits_and_final_misses_are_answered_without_the_daemon(self):
-        d = Daemon(capacity="64MiB", after_toml="shared = false")
-        try:
-            c, ns, keys = stored_client(d, 8)
-            with c:
-                self.assertEqual(c.lookup(ns, keys), 8)
-                self.assertEqual(c.lookup(ns, keys + [b"never-stored"]), 8)
-                self.assertEqual(c.lookup(ns, [b"never-stored"] + keys), 0)
-                self.assertEqual(c.lookup_counts(), {"table": 3, "daemon": 0})
-                # A delete reaches the table before the daemon replies.
-                self.assertEqual(c.delete(ns, keys[3:4]), 1)
-                self.assertEqual(c.lookup(ns, keys), 3)
-                # Another connection's view is the same table.
-                with kvhost.Client(d.socket) as other:
-                    ns2 = other.declare(GEOMETRY)
-                    self.assertEqual(other.lookup(ns2, keys[:3]), 3)
-                    self.assertEqual(other.lookup_counts(), {"table": 1, "daemon": 0})
-        finally:
-            d.stop()
+        with daemon_with_keys(8, shared=False) as (d, c, ns, keys):
+            self.assertEqual(c.lookup(ns, keys), 8)
+            self.assertEqual(c.lookup(ns, keys + [b"never-stored"]), 8)
+            self.assertEqual(c.lookup(ns, [b"never-stored"] + keys), 0)
+            self.assertEqual(c.lookup_counts(), {"table": 3, "daemon": 0})
+            # A delete reaches the table before the daemon replies.
+            self.assertEqual(c.delete(ns, keys[3:4]), 1)
+            self.assertEqual(c.lookup(ns, keys), 3)
+            # Another connection's view is the same table.
+            with kvhost.Client(d.socket) as other:
+                ns2 = other.declare(GEOMETRY)
+                self.assertEqual(other.lookup(ns2, keys[:3]), 3)
+                self.assertEqual(other.lookup_counts(), {"table": 1, "daemon": 0})
 
     def test_only_touch_counts_hits_at_the_daemon(self):
-        d = Daemon(capacity="64MiB", after_toml="shared = false")
-        try:
-            c, ns, keys = stored_client(d, 3)
-            with c:
-                hits = c.stats()["hits"]
-                self.assertEqual(c.lookup(ns, keys), 3)
-                self.assertEqual(c.stats()["hits"], hits, "a lookup from the table reached the daemon")
-                self.assertEqual(c.touch(ns, keys), 3)
-                wait_for(lambda: c.stats()["hits"] >= hits + 3, what="3 hits counted by touch")
-                self.assertEqual(c.lookup_counts(), {"table": 1, "daemon": 1})
-        finally:
-            d.stop()
+        with daemon_with_keys(3, shared=False) as (d, c, ns, keys):
+            hits = c.stats()["hits"]
+            self.assertEqual(c.lookup(ns, keys), 3)
+            self.assertEqual(c.stats()["hits"], hits, "a lookup from the table reached the daemon")
+            self.assertEqual(c.touch(ns, keys), 3)
+            wait_for(lambda: c.stats()["hits"] >= hits + 3, what="3 hits counted by touch")
+            self.assertEqual(c.lookup_counts(), {"table": 1, "daemon": 1})
 
     def test_on_a_shared_mount_the_daemon_is_asked_from_the_first_key_the_table_lacks(self):
-        d = Daemon(capacity="64MiB", after_toml="shared = true")
-        try:
-            c, ns, keys = stored_client(d, 4)
-            with c:
-                self.assertEqual(c.lookup(ns, keys), 4)
-                self.assertEqual(c.lookup_counts(), {"table": 1, "daemon": 0})
-                self.assertEqual(c.lookup(ns, keys + [b"elsewhere"]), 4)
-                self.assertEqual(c.lookup_counts(), {"table": 1, "daemon": 1})
-        finally:
-            d.stop()
+        with daemon_with_keys(4, shared=True) as (d, c, ns, keys):
+            self.assertEqual(c.lookup(ns, keys), 4)
+            self.assertEqual(c.lookup_counts(), {"table": 1, "daemon": 0})
+            self.assertEqual(c.lookup(ns, keys + [b"elsewhere"]), 4)
+            self.assertEqual(c.lookup_counts(), {"table": 1, "daemon": 1})
 
     def test_the_daemon_answers_where_no_table_is_kept_or_wanted(self):
         cases = [("kept none", 'lookup_table = false', {}), ("not wanted", "", {"lookup_table": False})]
