@@ -58,7 +58,7 @@ lint: tools vet
 	$(GOBIN)/staticcheck ./...
 
 # Bounded fuzzing of the decoders that face untrusted input: PKG:FuzzFunc.
-FUZZ_TARGETS ?= ./abi:FuzzCheckPath ./format:FuzzDecodeHeader ./protocol:FuzzDecode ./server:FuzzSession ./host/policy:FuzzOutputValidation ./host/policy/internal/meter:FuzzInstrument
+FUZZ_TARGETS ?= ./abi:FuzzCheckPath ./internal/format:FuzzDecodeHeader ./protocol:FuzzDecode ./internal/server:FuzzSession ./host/policy:FuzzOutputValidation ./host/policy/internal/meter:FuzzInstrument
 FUZZTIME     ?= 10s
 fuzz: wasm
 	@for t in $(FUZZ_TARGETS); do \
@@ -88,7 +88,7 @@ RELIABILITY_RUN     ?= .
 RELIABILITY_TIMEOUT ?= 90m
 .PHONY: reliability-long
 reliability-long:
-	$(GO) test -count=1 -v -timeout $(RELIABILITY_TIMEOUT) -run '$(RELIABILITY_RUN)' ./reliability -long
+	$(GO) test -count=1 -v -timeout $(RELIABILITY_TIMEOUT) -run '$(RELIABILITY_RUN)' ./internal/reliability -long
 
 # The multi-node suite (docs/cluster.md): a one-host CephFS cluster under
 # CLUSTER_DIR (scripts/cephfs.sh, which installs Ceph's Debian packages if
@@ -99,7 +99,7 @@ CLUSTER_RUN ?= TestCluster
 .PHONY: test-cluster
 test-cluster:
 	@mounts=$$(scripts/cephfs.sh up $(CLUSTER_DIR) 3) || { scripts/cephfs.sh down $(CLUSTER_DIR); exit 1; }; \
-	KVHOST_CLUSTER_MOUNTS=$$mounts $(GO) test -race -count=1 -v -timeout 20m -run '$(CLUSTER_RUN)' ./reliability; rc=$$?; \
+	KVHOST_CLUSTER_MOUNTS=$$mounts $(GO) test -race -count=1 -v -timeout 20m -run '$(CLUSTER_RUN)' ./internal/reliability; rc=$$?; \
 	scripts/cephfs.sh down $(CLUSTER_DIR); exit $$rc
 
 # GPU check and benchmark binaries for a GPU machine without Go
@@ -111,7 +111,7 @@ gpu-bins: build
 	cp bin/kvhost $(GPU_BINS)/kvhost
 	$(GO) test -c -tags gpu -ldflags '-s -w' -o $(GPU_BINS)/gds-gpu.test ./gds
 	$(GO) test -c -ldflags '-s -w' -o $(GPU_BINS)/staging-gpu.test ./staging/gpu
-	$(GO) test -c -ldflags '-s -w' -o $(GPU_BINS)/server-gpu.test ./server
+	$(GO) test -c -ldflags '-s -w' -o $(GPU_BINS)/server-gpu.test ./internal/server
 	tar -C $(GPU_BINS) -cJf $(GPU_BINS).tar.xz .
 
 clean:

@@ -22,7 +22,6 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/kvhost/kvhost/protocol"
-	"github.com/kvhost/kvhost/region"
 )
 
 // Errors of the package; errors from the daemon are *protocol.Error values.
@@ -295,14 +294,13 @@ func (c *Client) roundTrip(ctx context.Context, m protocol.Message, fds []int) (
 	}
 }
 
-// RegisterMemfd registers a host region backed by a memfd (a *region.Host
-// or anything with an Fd method). See RegisterFd.
-func (c *Client) RegisterMemfd(ctx context.Context, r region.Region) (RegionID, error) {
-	f, ok := r.(interface{ Fd() int })
-	if !ok || r.Kind() != region.KindHost {
-		return 0, fmt.Errorf("%w: region %d (%s) has no memfd", ErrInvalid, r.ID(), r.Kind())
+// RegisterMemfd registers the memory of m (made by NewMemfd). See
+// RegisterFd.
+func (c *Client) RegisterMemfd(ctx context.Context, m *Memfd) (RegionID, error) {
+	if m == nil {
+		return 0, fmt.Errorf("%w: nil memfd", ErrInvalid)
 	}
-	return c.RegisterFd(ctx, f.Fd(), r.Len())
+	return c.RegisterFd(ctx, m.Fd(), m.Len())
 }
 
 // RegisterFd registers size bytes of the memfd fd. The daemon maps it and

@@ -8,7 +8,6 @@ import (
 	"testing"
 
 	"github.com/kvhost/kvhost/client"
-	"github.com/kvhost/kvhost/region"
 )
 
 // testGeometry is small: 512-byte blocks (the engine's minimum), 2 blocks
@@ -24,7 +23,7 @@ const testBlocks = 64
 // layer l, plane p, block b at l*2*testBlocks*bb + p*testBlocks*bb + b*bb.
 type testCache struct {
 	c     *client.Client
-	mem   *region.Host
+	mem   *client.Memfd
 	ns    client.Namespace
 	cache client.CacheID
 	bb    int64

@@ -6,12 +6,32 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/kvhost/kvhost/region"
+	"github.com/kvhost/kvhost/internal/region"
 )
 
+// Memfd is a mapped, sealable memfd: host memory a client fills with KV
+// blocks and registers with the daemon (RegisterMemfd), which maps the same
+// pages. Close unmaps it and closes the descriptor.
+type Memfd struct {
+	host *region.Host
+}
+
+// Bytes returns the mapping; it is valid until Close.
+func (m *Memfd) Bytes() []byte { return m.host.Bytes() }
+
+// Len returns the size in bytes.
+func (m *Memfd) Len() int64 { return m.host.Len() }
+
+// Fd returns the memfd's descriptor, owned by m.
+func (m *Memfd) Fd() int { return m.host.Fd() }
+
+// Close unmaps the memory and closes the descriptor. A region the daemon
+// registered stays valid there: the daemon holds its own mapping.
+func (m *Memfd) Close() error { return m.host.Close() }
+
 // NewMemfd creates a sealable memfd of size bytes, seals it against
-// shrinking, and maps it: a host region ready for RegisterMemfd.
-func NewMemfd(name string, size int64) (*region.Host, error) {
+// shrinking, and maps it: host memory ready for RegisterMemfd.
+func NewMemfd(name string, size int64) (*Memfd, error) {
 	if size <= 0 {
 		return nil, fmt.Errorf("%w: size %d", ErrInvalid, size)
 	}
@@ -32,7 +52,7 @@ func NewMemfd(name string, size int64) (*region.Host, error) {
 		unix.Close(fd)
 		return nil, err
 	}
-	return h, nil
+	return &Memfd{host: h}, nil
 }
 
 // SealShrink makes sure the memfd fd carries F_SEAL_SHRINK, which the

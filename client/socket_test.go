@@ -4,7 +4,7 @@ import (
 	"testing"
 
 	"github.com/kvhost/kvhost/client"
-	"github.com/kvhost/kvhost/config"
+	"github.com/kvhost/kvhost/internal/config"
 )
 
 // TestDefaultSocketMatchesDaemon: without KVHOST_SOCKET the client

@@ -18,9 +18,9 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/internal/region"
 	"github.com/kvhost/kvhost/internal/testwait"
-	"github.com/kvhost/kvhost/region"
-	"github.com/kvhost/kvhost/transfer"
+	"github.com/kvhost/kvhost/internal/transfer"
 )
 
 // sparsePlan lays pages of pageSize out in file order from random even

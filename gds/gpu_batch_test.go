@@ -31,8 +31,8 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/kvhost/kvhost/internal/fsys"
-	"github.com/kvhost/kvhost/region"
-	"github.com/kvhost/kvhost/transfer"
+	"github.com/kvhost/kvhost/internal/region"
+	"github.com/kvhost/kvhost/internal/transfer"
 )
 
 // pagedPlanAt is a key of pages × 64 KiB in file order from a random

@@ -24,7 +24,7 @@ import (
 
 	"github.com/kvhost/kvhost/internal/bench"
 	"github.com/kvhost/kvhost/internal/fsys"
-	"github.com/kvhost/kvhost/transfer"
+	"github.com/kvhost/kvhost/internal/transfer"
 )
 
 func TestGPUStreamVersusPerCall(t *testing.T) {

@@ -100,7 +100,7 @@ stop_daemon() {
 # CUDA IPC registration from a torch process, with the real runtime: the
 # daemon finds the tensor's bytes in what it imported; bad handles and
 # ranges get clear errors; imports close on unregister and on client exit.
-[ "${TORCH:-1}" = 1 ] && run torch env KVHOST_GPU=1 KVHOST_TORCH_SCRIPT=server/testdata/torch_ipc.py \
+[ "${TORCH:-1}" = 1 ] && run torch env KVHOST_GPU=1 KVHOST_TORCH_SCRIPT=internal/server/testdata/torch_ipc.py \
 	KVHOST_PYTHONPATH=client/python/src "$bin/server-gpu.test" -test.run TestGPUTorchRegistration -test.v
 
 if [ "${E2E:-1}" = 1 ]; then

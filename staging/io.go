@@ -11,7 +11,7 @@ import (
 
 	"github.com/kvhost/kvhost/internal/crc32c"
 	"github.com/kvhost/kvhost/internal/fsys"
-	"github.com/kvhost/kvhost/region"
+	"github.com/kvhost/kvhost/internal/region"
 )
 
 // Span is Buf at file offset Off. Sum, if non-negative, is the index of the

@@ -8,8 +8,8 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/kvhost/kvhost/internal/fsys"
-	"github.com/kvhost/kvhost/region"
-	"github.com/kvhost/kvhost/transfer"
+	"github.com/kvhost/kvhost/internal/region"
+	"github.com/kvhost/kvhost/internal/transfer"
 )
 
 // Mover is the CPU data path as a transfer.Mover: it moves plans of

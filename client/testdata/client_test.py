@@ -2,7 +2,7 @@
 
     python3 client_test.py SOCKET PREFIX roundtrip|checks|shared
 
-(shared runs from server/python_test.go, against a daemon that accepts
+(shared runs from internal/server/python_test.go, against a daemon that accepts
 shared files.)
 """
 

@@ -17,9 +17,9 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/abi"
-	"github.com/kvhost/kvhost/config"
 	"github.com/kvhost/kvhost/internal/bench"
-	"github.com/kvhost/kvhost/logging"
+	"github.com/kvhost/kvhost/internal/config"
+	"github.com/kvhost/kvhost/internal/logging"
 )
 
 // benchOptions are `kvhost bench`'s settings (docs/bench.md).

@@ -12,13 +12,13 @@ import (
 	"unsafe"
 
 	"github.com/kvhost/kvhost/abi/guest"
-	"github.com/kvhost/kvhost/config"
 	"github.com/kvhost/kvhost/host/policy"
 	"github.com/kvhost/kvhost/internal/bench"
+	"github.com/kvhost/kvhost/internal/config"
 	"github.com/kvhost/kvhost/internal/cuda"
 	"github.com/kvhost/kvhost/internal/fstype"
+	"github.com/kvhost/kvhost/internal/region"
 	"github.com/kvhost/kvhost/plugins/lru"
-	"github.com/kvhost/kvhost/region"
 )
 
 // benchMemory is the paged cache's memory: GPU memory (cudaMalloc) or host

@@ -10,7 +10,7 @@ import (
 	"testing"
 
 	"github.com/kvhost/kvhost/client"
-	"github.com/kvhost/kvhost/config"
+	"github.com/kvhost/kvhost/internal/config"
 )
 
 func TestHelpListsEveryCommandAndTheDaemonFlags(t *testing.T) {

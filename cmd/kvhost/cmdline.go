@@ -9,7 +9,7 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/client"
-	"github.com/kvhost/kvhost/config"
+	"github.com/kvhost/kvhost/internal/config"
 )
 
 // newFlagSet is the flag set of the subcommand name ("kvhost stats"): its

@@ -6,7 +6,7 @@ import (
 	"io"
 	"slices"
 
-	"github.com/kvhost/kvhost/config"
+	"github.com/kvhost/kvhost/internal/config"
 )
 
 // configUsage describes `kvhost config`.

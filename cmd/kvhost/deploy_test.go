@@ -14,7 +14,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/kvhost/kvhost/config"
+	"github.com/kvhost/kvhost/internal/config"
 )
 
 // invocation is a kvhost command line found in a deployment file.

@@ -7,9 +7,9 @@ import (
 	"testing"
 
 	"github.com/kvhost/kvhost/abi"
-	"github.com/kvhost/kvhost/config"
 	"github.com/kvhost/kvhost/host/policy"
 	"github.com/kvhost/kvhost/host/policy/policytest"
+	"github.com/kvhost/kvhost/internal/config"
 )
 
 // TestFailingPluginFallsBackToAMountAwarePolicy: a plugin that keeps

@@ -6,11 +6,11 @@ import (
 	"os"
 	"path/filepath"
 
-	"github.com/kvhost/kvhost/config"
 	"github.com/kvhost/kvhost/host/engine"
+	"github.com/kvhost/kvhost/internal/config"
 	"github.com/kvhost/kvhost/internal/fstype"
 	"github.com/kvhost/kvhost/internal/lookuptable"
-	"github.com/kvhost/kvhost/server"
+	"github.com/kvhost/kvhost/internal/server"
 	"golang.org/x/sys/unix"
 )
 

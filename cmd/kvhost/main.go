@@ -21,7 +21,7 @@ import (
 	"os/signal"
 	"syscall"
 
-	"github.com/kvhost/kvhost/config"
+	"github.com/kvhost/kvhost/internal/config"
 )
 
 // command is one subcommand: it gets its arguments (after its name) and

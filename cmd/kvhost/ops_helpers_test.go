@@ -21,7 +21,6 @@ import (
 	"github.com/prometheus/common/model"
 
 	"github.com/kvhost/kvhost/client"
-	"github.com/kvhost/kvhost/region"
 )
 
 // opsGeo is a small geometry: 2 blocks of 512 bytes per layer and plane
@@ -58,7 +57,7 @@ func writeConfig(t *testing.T, file, socket, cache, extra string) {
 // kvCache is a client with a registered memfd cache of opsGeo.
 type kvCache struct {
 	c   *client.Client
-	mem *region.Host
+	mem *client.Memfd
 	id  client.CacheID
 	ns  client.Namespace
 	bb  int64

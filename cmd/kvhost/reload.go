@@ -15,8 +15,8 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/kvhost/kvhost/client"
-	"github.com/kvhost/kvhost/config"
-	"github.com/kvhost/kvhost/logging"
+	"github.com/kvhost/kvhost/internal/config"
+	"github.com/kvhost/kvhost/internal/logging"
 )
 
 // liveKey reports whether a reload applies the setting key to the running

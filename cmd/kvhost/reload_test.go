@@ -5,7 +5,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvhost/kvhost/config"
+	"github.com/kvhost/kvhost/internal/config"
 )
 
 // TestNeedsRestartNamesTheKeysAReloadDoesNotApply: changed keys are named

@@ -6,7 +6,7 @@ import (
 	"path/filepath"
 	"testing"
 
-	"github.com/kvhost/kvhost/config"
+	"github.com/kvhost/kvhost/internal/config"
 	"github.com/kvhost/kvhost/plugins"
 )
 

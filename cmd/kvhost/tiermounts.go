@@ -7,8 +7,8 @@ import (
 	"path/filepath"
 
 	"github.com/kvhost/kvhost/abi"
-	"github.com/kvhost/kvhost/config"
 	"github.com/kvhost/kvhost/host/policy"
+	"github.com/kvhost/kvhost/internal/config"
 	"github.com/kvhost/kvhost/plugins"
 )
 

@@ -11,7 +11,7 @@ import (
 	"testing"
 
 	"github.com/kvhost/kvhost/abi"
-	"github.com/kvhost/kvhost/config"
+	"github.com/kvhost/kvhost/internal/config"
 )
 
 // TestSingleMountPolicyIsNamedOnlyWithSeveralKvhostMounts: a policy

@@ -9,7 +9,7 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/kvhost/kvhost/transfer"
+	"github.com/kvhost/kvhost/internal/transfer"
 )
 
 // Spare files made ahead of stores (Mount.Preallocate; docs/engine.md,

@@ -29,7 +29,7 @@ import (
 
 	"github.com/kvhost/kvhost/host/policy"
 	"github.com/kvhost/kvhost/internal/fsys"
-	"github.com/kvhost/kvhost/region"
+	"github.com/kvhost/kvhost/internal/region"
 )
 
 // Errors returned by the engine. Returned errors wrap them; test with errors.Is.

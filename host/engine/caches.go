@@ -5,7 +5,7 @@ import (
 	"slices"
 
 	"github.com/kvhost/kvhost/abi"
-	"github.com/kvhost/kvhost/region"
+	"github.com/kvhost/kvhost/internal/region"
 )
 
 type cache struct {

@@ -15,7 +15,7 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/internal/fsys"
-	"github.com/kvhost/kvhost/region"
+	"github.com/kvhost/kvhost/internal/region"
 )
 
 // smallGeometry: 4 layers, K and V, 4 blocks per key. With aligned set a

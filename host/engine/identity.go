@@ -8,7 +8,7 @@ import (
 	"os"
 	"slices"
 
-	"github.com/kvhost/kvhost/format"
+	"github.com/kvhost/kvhost/internal/format"
 	"github.com/kvhost/kvhost/internal/fsys"
 )
 

@@ -6,7 +6,7 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/kvhost/kvhost/region"
+	"github.com/kvhost/kvhost/internal/region"
 )
 
 // Job is a store or load in progress.

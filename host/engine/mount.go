@@ -9,9 +9,9 @@ import (
 
 	"github.com/kvhost/kvhost/internal/fstype"
 	"github.com/kvhost/kvhost/internal/fsys"
-	"github.com/kvhost/kvhost/region"
+	"github.com/kvhost/kvhost/internal/region"
+	"github.com/kvhost/kvhost/internal/transfer"
 	"github.com/kvhost/kvhost/staging"
-	"github.com/kvhost/kvhost/transfer"
 )
 
 // mount is one storage root and its space accounting.

@@ -5,10 +5,10 @@ import (
 	"errors"
 	"fmt"
 
-	"github.com/kvhost/kvhost/format"
+	"github.com/kvhost/kvhost/internal/format"
 	"github.com/kvhost/kvhost/internal/fsys"
-	"github.com/kvhost/kvhost/region"
-	"github.com/kvhost/kvhost/transfer"
+	"github.com/kvhost/kvhost/internal/region"
+	"github.com/kvhost/kvhost/internal/transfer"
 )
 
 // Data movers (docs/engine.md, "Data movers"; docs/design.md).

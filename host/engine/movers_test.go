@@ -12,10 +12,10 @@ import (
 	"testing"
 
 	"github.com/kvhost/kvhost/abi"
-	"github.com/kvhost/kvhost/format"
+	"github.com/kvhost/kvhost/internal/format"
 	"github.com/kvhost/kvhost/internal/fsys"
-	"github.com/kvhost/kvhost/region"
-	"github.com/kvhost/kvhost/transfer"
+	"github.com/kvhost/kvhost/internal/region"
+	"github.com/kvhost/kvhost/internal/transfer"
 )
 
 // fakeDevice is "device memory": a region the CPU path cannot address

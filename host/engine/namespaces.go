@@ -6,7 +6,7 @@ import (
 	"strings"
 
 	"github.com/kvhost/kvhost/abi"
-	"github.com/kvhost/kvhost/format"
+	"github.com/kvhost/kvhost/internal/format"
 )
 
 type namespace struct {

@@ -5,7 +5,7 @@ import (
 	"strings"
 	"time"
 
-	"github.com/kvhost/kvhost/region"
+	"github.com/kvhost/kvhost/internal/region"
 )
 
 // Observer is told about every finished store and load job (metrics).

@@ -6,8 +6,8 @@ import (
 	"fmt"
 	"io"
 
-	"github.com/kvhost/kvhost/format"
 	"github.com/kvhost/kvhost/internal/crc32c"
+	"github.com/kvhost/kvhost/internal/format"
 	"github.com/kvhost/kvhost/internal/fsys"
 	"github.com/kvhost/kvhost/staging"
 )

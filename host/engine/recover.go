@@ -13,9 +13,9 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/abi"
-	"github.com/kvhost/kvhost/format"
+	"github.com/kvhost/kvhost/internal/format"
 	"github.com/kvhost/kvhost/internal/fsys"
-	"github.com/kvhost/kvhost/layout/vllmfs"
+	"github.com/kvhost/kvhost/internal/vllmfs"
 )
 
 // rebuild scans every mount: it removes temporary leftovers (older than

@@ -11,7 +11,7 @@ import (
 	"syscall"
 	"testing"
 
-	"github.com/kvhost/kvhost/format"
+	"github.com/kvhost/kvhost/internal/format"
 	"github.com/kvhost/kvhost/internal/fsys"
 )
 

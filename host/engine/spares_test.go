@@ -19,10 +19,10 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvhost/kvhost/format"
+	"github.com/kvhost/kvhost/internal/format"
 	"github.com/kvhost/kvhost/internal/fsys"
-	"github.com/kvhost/kvhost/region"
-	"github.com/kvhost/kvhost/transfer"
+	"github.com/kvhost/kvhost/internal/region"
+	"github.com/kvhost/kvhost/internal/transfer"
 )
 
 // tmpfsDir is shmDir for tests that need a memory file system: spare files

@@ -13,9 +13,9 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/kvhost/kvhost/abi"
-	"github.com/kvhost/kvhost/format"
+	"github.com/kvhost/kvhost/internal/format"
+	"github.com/kvhost/kvhost/internal/transfer"
 	"github.com/kvhost/kvhost/staging"
-	"github.com/kvhost/kvhost/transfer"
 )
 
 // Store stores keys from cache blocks, asynchronously. The request is

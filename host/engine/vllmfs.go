@@ -12,9 +12,9 @@ import (
 	"slices"
 	"strings"
 
-	"github.com/kvhost/kvhost/format"
+	"github.com/kvhost/kvhost/internal/format"
 	"github.com/kvhost/kvhost/internal/fsys"
-	"github.com/kvhost/kvhost/layout/vllmfs"
+	"github.com/kvhost/kvhost/internal/vllmfs"
 )
 
 // vllm-fs mounts (docs/engine.md, "vllm-fs mounts").

@@ -18,7 +18,7 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/abi"
-	"github.com/kvhost/kvhost/layout/vllmfs"
+	"github.com/kvhost/kvhost/internal/vllmfs"
 )
 
 // fsTier is our own reimplementation of vLLM's fs tier on disk, written

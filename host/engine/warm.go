@@ -5,7 +5,7 @@ import (
 	"slices"
 
 	"github.com/kvhost/kvhost/internal/fsys"
-	"github.com/kvhost/kvhost/transfer"
+	"github.com/kvhost/kvhost/internal/transfer"
 )
 
 // Files offered to the movers ahead of any job (transfer.Warmer;

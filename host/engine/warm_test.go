@@ -12,10 +12,10 @@ import (
 
 	"github.com/kvhost/kvhost/internal/cuda"
 	"github.com/kvhost/kvhost/internal/cuda/cudatest"
+	"github.com/kvhost/kvhost/internal/region"
 	"github.com/kvhost/kvhost/internal/testwait"
-	"github.com/kvhost/kvhost/region"
+	"github.com/kvhost/kvhost/internal/transfer"
 	"github.com/kvhost/kvhost/staging/gpu"
-	"github.com/kvhost/kvhost/transfer"
 )
 
 // The tests of files offered to the GPU path ahead of jobs (warm.go) run

@@ -6,7 +6,7 @@ import (
 	"io"
 	"os"
 
-	"github.com/kvhost/kvhost/region"
+	"github.com/kvhost/kvhost/internal/region"
 	"golang.org/x/sys/unix"
 )
 

@@ -16,9 +16,9 @@ import (
 
 	"github.com/kvhost/kvhost/internal/cuda"
 	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/internal/region"
 	"github.com/kvhost/kvhost/internal/testwait"
-	"github.com/kvhost/kvhost/region"
-	"github.com/kvhost/kvhost/transfer"
+	"github.com/kvhost/kvhost/internal/transfer"
 )
 
 // The GPU check and benchmark. It needs a real GPU: run the test binary

@@ -1,0 +1,735 @@
+// Package config is kvhost's configuration: the TOML file an operator writes,
+// its defaults, its validation (errors name the file, line and key), and the
+// command-line flags that override it.
+package config
+
+import (
+	"bufio"
+	"bytes"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/BurntSushi/toml"
+
+	"github.com/kvhost/kvhost/internal/vllmfs"
+)
+
+// ErrInvalid is wrapped by every error about a configuration value.
+var ErrInvalid = errors.New("config: invalid")
+
+// Config is the whole configuration of a kvhost daemon.
+type Config struct {
+	Server  Server  `toml:"server"`
+	Log     Log     `toml:"log"`
+	Policy  Policy  `toml:"policy"`
+	Engine  Engine  `toml:"engine"`
+	Mounts  []Mount `toml:"mount"`
+	GPU     GPU     `toml:"gpu"`
+	Metrics Metrics `toml:"metrics"`
+}
+
+// Metrics configures the optional HTTP listener serving Prometheus metrics
+// (/metrics) and the probes /healthz and /readyz (docs/metrics.md).
+type Metrics struct {
+	// Listen is the TCP address to listen on, e.g. "127.0.0.1:9400"; empty
+	// (the default) serves no metrics.
+	Listen string `toml:"listen"`
+	// Profiling also serves Go's runtime profiles and execution trace
+	// (net/http/pprof) under /debug/pprof/ on the same listener; off by
+	// default.
+	Profiling bool `toml:"profiling"`
+}
+
+// GPU configures the data paths for GPU memory (docs/gpu.md).
+type GPU struct {
+	// Mode is "auto" (serve GPU memory when a CUDA runtime and a device are
+	// found; the default), "off", or "on" (fail start-up without them).
+	Mode string `toml:"mode"`
+	// CuFile is "auto" (cuFile on mounts where it has a direct path; the
+	// staging pipeline elsewhere), "off", or "compat" (also where cuFile
+	// runs in compatibility mode, itself a host bounce).
+	CuFile string `toml:"cufile"`
+	// CUDALibrary, CUDADriverLibrary and CuFileLibrary, if set, are the
+	// paths of libcudart, of the driver API's libcuda and of libcufile
+	// (default: the usual CUDA locations).
+	CUDALibrary       string `toml:"cuda_library"`
+	CUDADriverLibrary string `toml:"cuda_driver_library"`
+	CuFileLibrary     string `toml:"cufile_library"`
+	// StagingMemory bounds the pinned host memory of the GPU staging
+	// pipeline, allocated once at start.
+	StagingMemory Size `toml:"staging_memory"`
+	// Lanes is no longer used: each job of the staging pipeline drives its
+	// own CUDA stream. It is still accepted (and validated) so that
+	// configurations that set it load; the daemon warns when it is set.
+	Lanes int `toml:"lanes"`
+	// Depth is the most pinned buffers one job of the staging pipeline
+	// holds at once; 0 means 2 (double buffering).
+	Depth int `toml:"depth"`
+	// Chunk is the bytes of one pipeline stage, a multiple of 4 KiB; 0
+	// means 4 MiB.
+	Chunk Size `toml:"chunk"`
+	// Copy is how the staging pipeline moves a chunk's pages between its
+	// pinned buffer and the GPU: "auto" (the default: "batch" where the
+	// runtime has it, else "segments"), "batch" (one cudaMemcpyBatchAsync
+	// per chunk), "segments" (one cudaMemcpyAsync per page) or "kernel"
+	// (one launch of kvhost's copy kernel per chunk: faster copies, but on
+	// the GPU's SMs, taking turns with the inference process's kernels).
+	Copy string `toml:"copy"`
+	// Poll is how long a job of the staging pipeline polls for copies it
+	// needs done, its thread on a core, before the thread sleeps until
+	// they complete (default 500us); 0 sleeps at once.
+	Poll Duration `toml:"poll"`
+	// RegisterFiles is the most files on memory file systems (tmpfs) the
+	// staging pipeline keeps mapped and registered with CUDA, so that a
+	// store into a reused file and a load of a file copy between the GPU
+	// and the file's pages directly, without a pinned bounce (default
+	// 1048576, lowered to what the descriptor and mapping limits allow);
+	// 0 registers none.
+	RegisterFiles int `toml:"register_files"`
+	// RegisterBytes bounds the bytes of those files (their pages stay
+	// pinned while registered); 0 means half of the machine's memory.
+	RegisterBytes Size `toml:"register_bytes"`
+}
+
+// Server configures the daemon's Unix socket and per-client limits.
+type Server struct {
+	// Socket is the path of the Unix socket clients connect to.
+	Socket string `toml:"socket"`
+	// SocketMode is the permission of the socket file, octal ("0660").
+	SocketMode FileMode `toml:"socket_mode"`
+	// SocketGroup, if set, is the group that owns the socket.
+	SocketGroup string `toml:"socket_group"`
+	// MaxClients bounds concurrent connections.
+	MaxClients int `toml:"max_clients"`
+	// MaxClientsPerPeer bounds the connections of one client process;
+	// 0: half of MaxClients, at least 1.
+	MaxClientsPerPeer int `toml:"max_clients_per_peer"`
+	// MaxInflightJobs bounds a client's unfinished store and load jobs.
+	MaxInflightJobs int `toml:"max_inflight_jobs"`
+	// MaxRegistrations bounds a client's registered memory regions.
+	MaxRegistrations int `toml:"max_registrations"`
+	// MaxFrame bounds one protocol frame.
+	MaxFrame Size `toml:"max_frame"`
+	// ShutdownTimeout is how long SIGTERM waits for in-flight jobs.
+	ShutdownTimeout Duration `toml:"shutdown_timeout"`
+	// MaxHandshakes bounds connections that have not sent their Hello; a
+	// new one beyond it closes the oldest.
+	MaxHandshakes int `toml:"max_handshakes"`
+	// HandshakeTimeout closes a connection that has not sent its whole
+	// Hello by then.
+	HandshakeTimeout Duration `toml:"handshake_timeout"`
+	// FrameTimeout bounds how long a frame that has begun may take to arrive.
+	FrameTimeout Duration `toml:"frame_timeout"`
+	// IdleTimeout closes a connection that holds no region and no
+	// namespace after this long without a frame.
+	IdleTimeout Duration `toml:"idle_timeout"`
+	// WriteTimeout closes a connection whose replies cannot be written for
+	// this long (a client that stopped reading).
+	WriteTimeout Duration `toml:"write_timeout"`
+	// MaxRegisteredBytes bounds the memory one connection registers (0:
+	// the machine's physical memory); each connection is further limited
+	// to its share, MaxTotalRegisteredBytes / MaxClients.
+	MaxRegisteredBytes Size `toml:"max_registered_bytes"`
+	// MaxTotalRegisteredBytes bounds all registrations together (0: 64 TiB).
+	MaxTotalRegisteredBytes Size `toml:"max_total_registered_bytes"`
+	// MaxDeviceRegisteredBytes bounds the GPU memory all clients together
+	// register on each device (0: 256 GiB).
+	MaxDeviceRegisteredBytes Size `toml:"max_device_registered_bytes"`
+}
+
+// Log configures logging.
+type Log struct {
+	// Level is debug, info, warn or error.
+	Level string `toml:"level"`
+	// Format is auto (colour text on a terminal, JSON otherwise), text or json.
+	Format string `toml:"format"`
+}
+
+// Policy chooses and limits the placement-policy plugin.
+type Policy struct {
+	// Name is a built-in policy name (lru, lfu, ttl, sharded, tiered) or the path of a
+	// .wasm file.
+	Name string `toml:"name"`
+	// Shards is the number of plugin instances the state is spread over;
+	// 0 means 4, at most one per CPU.
+	Shards int `toml:"shards"`
+	// MemoryLimit bounds each instance's linear memory.
+	MemoryLimit Size `toml:"memory_limit"`
+	// CallTimeout bounds every call into the plugin.
+	CallTimeout Duration `toml:"call_timeout"`
+	// CacheDir holds compiled plugins; empty means <cache root>/wasm-cache.
+	CacheDir string `toml:"cache_dir"`
+	// MaxFailures within FailureWindow switch to the native fallback policy.
+	MaxFailures   int      `toml:"max_failures"`
+	FailureWindow Duration `toml:"failure_window"`
+	// Params are passed to the plugin's kvhost_init as key=value lines.
+	Params map[string]any `toml:"params"`
+}
+
+// Engine configures the storage engine's data path.
+type Engine struct {
+	// Fsync makes every store durable (file and directory fsync) before it
+	// completes. It costs a device flush per store.
+	Fsync bool `toml:"fsync"`
+	// IOWorkers is the number of I/O worker threads; 0 means the runtime's
+	// GOMAXPROCS at start (the CPUs it finds), at least 2. The daemon runs
+	// one Go processor more than its workers (docs/config.md).
+	IOWorkers int `toml:"io_workers"`
+	// CPUs, if set, pins the I/O workers to these CPUs (e.g. the GPU's NUMA node).
+	CPUs []int `toml:"cpus"`
+	// StagingMemory bounds the aligned bounce buffers.
+	StagingMemory Size `toml:"staging_memory"`
+	// YieldBytes: a thread copying a transfer's bytes (an I/O worker, a
+	// GPU staging job) gives its CPU up (sched_yield) after every
+	// YieldBytes it copied or checksummed, so that threads woken on that
+	// CPU (the daemon's own lookups, the inference server's) wait for
+	// about one such copy; 0 never yields (docs/config.md).
+	YieldBytes Size `toml:"yield_bytes"`
+	// VerifyInterval is how long a lookup trusts a file it checked (stat)
+	// before checking it again; 0 checks on every lookup. Loads always check.
+	VerifyInterval Duration `toml:"verify_interval"`
+	// TempGrace is the age after which a start removes another node's
+	// unlocked temporary file (or one without an owner in its name) as
+	// abandoned; 0 means the engine's default, 10 minutes. This node's
+	// leftovers go as soon as their process is gone, and a temporary file
+	// whose writer holds its lock is never removed (docs/engine.md).
+	TempGrace Duration `toml:"temp_grace"`
+	// NodeID names this node in temporary file names on shared mounts
+	// (default: the host name). Nodes sharing a mount need distinct ids.
+	NodeID string `toml:"node_id"`
+	// TickInterval is the period of the policy's tick hook (policies that
+	// declare it: ageing, promotion between mounts); 0 means 100ms, a
+	// negative duration never ticks.
+	TickInterval Duration `toml:"tick_interval"`
+	// MountUpdateInterval is how often, at most, changed mount
+	// descriptions are sent to a policy that asks for them; 0 means 1s.
+	MountUpdateInterval Duration `toml:"mount_update_interval"`
+	// ReuseFiles, unless set to false, keeps files evicted from memory
+	// file systems for later stores of the same size to write into
+	// (spare files: docs/engine.md).
+	ReuseFiles *bool `toml:"reuse_files"`
+	// LookupTable, unless set to false, keeps a shared lookup table next
+	// to the socket: clients map it read-only and answer lookups without
+	// a round trip to the daemon (docs/protocol.md, "Shared lookup table").
+	LookupTable *bool `toml:"lookup_table"`
+	// LookupTableSlots is the table's slot count (8 bytes each; rounded up
+	// to a power of two); 0 means DefaultLookupTableSlots. It holds up to
+	// three quarters as many keys; past that, clients ask the daemon
+	// about keys the table lacks.
+	LookupTableSlots int `toml:"lookup_table_slots"`
+}
+
+// DefaultLookupTableSlots is the shared lookup table's slot count when
+// engine.lookup_table_slots is not set: 2 Mi slots, 16 MiB, up to about
+// 1.5 million keys.
+const DefaultLookupTableSlots = 1 << 21
+
+// Lookups reports whether the daemon keeps a shared lookup table
+// (LookupTable unset or true).
+func (e Engine) Lookups() bool { return e.LookupTable == nil || *e.LookupTable }
+
+// Reuse reports whether evicted files are kept for reuse (ReuseFiles unset
+// or true).
+func (e Engine) Reuse() bool { return e.ReuseFiles == nil || *e.ReuseFiles }
+
+// Mount is one cache root.
+type Mount struct {
+	// Path is the directory files are stored under.
+	Path string `toml:"path"`
+	// Capacity is the most bytes kvhost stores there; 0 means 90% of the file
+	// system's size at start.
+	Capacity Size `toml:"capacity"`
+	// Eviction starts when usage exceeds HighWatermark × Capacity and frees
+	// space down to LowWatermark × Capacity.
+	HighWatermark float64 `toml:"high_watermark"`
+	LowWatermark  float64 `toml:"low_watermark"`
+	// Reserve is space kvhost leaves free on the file system: the
+	// effective capacity is the smaller of Capacity and the file system's
+	// available space plus kvhost's own files, minus Reserve.
+	Reserve Size `toml:"reserve"`
+	// Preallocate is the most bytes of empty spare files kvhost makes
+	// ahead of stores on a memory file system (tmpfs), while no file is
+	// in flight, so that stores into a cache with room write into pages
+	// that exist (and that the GPU path has registered). Unset or "auto":
+	// an eighth of the mount's capacity, at most 4 GiB and 4096 spares of
+	// a size, on a memory file system (none elsewhere); 0 makes none.
+	Preallocate AutoSize `toml:"preallocate"`
+	// DeviceClass tells a tiering policy what the mount is: "memory",
+	// "nvme", "ssd", "hdd" or "network"; empty detects it.
+	DeviceClass string `toml:"device_class"`
+	// IO is "auto" (probe O_DIRECT, fall back to buffered; the default),
+	// "direct" or "buffered".
+	IO string `toml:"io"`
+	// Checksum, if set to false, turns payload checksums off on the mount
+	// (default true).
+	Checksum *bool `toml:"checksum"`
+	// Layout is "kvhost" (the default: kvhost's own files) or "vllm-fs"
+	// (vLLM's fs-tier directory, byte for byte; configured by VLLMFS).
+	Layout string `toml:"layout"`
+	// Shared says whether other nodes or programs write files into this
+	// mount (a shared file system, a second daemon on the directory):
+	// then a key missing from the daemon's index may still be on disk, and
+	// clients ask the daemon about it instead of taking the shared lookup
+	// table's miss as final. Unset: true on network and FUSE file systems
+	// and for "vllm-fs" mounts, false elsewhere.
+	Shared *bool `toml:"shared"`
+	// VLLMFS configures a "vllm-fs" mount: the table [mount.vllm_fs].
+	VLLMFS *VLLMFS `toml:"vllm_fs"`
+}
+
+// Mount layouts.
+const (
+	LayoutKVHost = "kvhost"
+	LayoutVLLMFS = "vllm-fs"
+)
+
+// VLLMFS is the [mount.vllm_fs] table of a "vllm-fs" mount: the fs tier's
+// fields (as in its config.json; without model_name, the one base
+// directory under the mount's path is adopted) and kvhost's binding.
+type VLLMFS struct {
+	// Namespace is the model id of the kvhost namespace the mount serves
+	// (default "vllm-fs:<base directory name>").
+	Namespace string `toml:"namespace"`
+	// RowBytes, if set, is the row size the namespace must have.
+	RowBytes Size `toml:"row_bytes"`
+	// Rank is the data directory's rank, <base>_r<rank> (default 0, the
+	// tier's).
+	Rank int `toml:"rank"`
+
+	ModelName     string `toml:"model_name"`
+	TokensPerHash int    `toml:"tokens_per_hash"`
+	// BlocksPerFile, TPSize, PPSize, PCPSize and DCPSize default to 1.
+	BlocksPerFile   int           `toml:"blocks_per_file"`
+	TPSize          int           `toml:"tp_size"`
+	PPSize          int           `toml:"pp_size"`
+	PCPSize         int           `toml:"pcp_size"`
+	DCPSize         int           `toml:"dcp_size"`
+	Dtype           string        `toml:"dtype"`
+	KVCacheGroups   []VLLMFSGroup `toml:"kv_cache_groups"`
+	InferenceEngine string        `toml:"inference_engine"`
+	// ParallelAgnostic leaves "parallel_agnostic": false out of the
+	// fields (the tier writes it for layouts that depend on the
+	// parallel sizes; default false, so it is written).
+	ParallelAgnostic bool   `toml:"parallel_agnostic"`
+	ReplicatedLayout bool   `toml:"replicated_layout"`
+	CanonicalFormat  string `toml:"canonical_format"`
+	StorageFormat    string `toml:"storage_format"`
+}
+
+// VLLMFSGroup is one [[mount.vllm_fs.kv_cache_groups]] entry.
+type VLLMFSGroup struct {
+	TokensPerBlock int      `toml:"tokens_per_block"`
+	LayerNames     []string `toml:"layer_names"`
+}
+
+// Fields returns the fs tier's fields, or nil when model_name is not set
+// (the mount adopts the base directory it finds).
+func (v *VLLMFS) Fields() *vllmfs.Fields {
+	if v == nil || v.ModelName == "" {
+		return nil
+	}
+	one := func(n int) int {
+		if n == 0 {
+			return 1
+		}
+		return n
+	}
+	f := &vllmfs.Fields{
+		ModelName: v.ModelName, TokensPerHash: v.TokensPerHash, BlocksPerFile: one(v.BlocksPerFile),
+		TPSize: one(v.TPSize), PPSize: one(v.PPSize), PCPSize: one(v.PCPSize), DCPSize: one(v.DCPSize),
+		Dtype: v.Dtype, InferenceEngine: v.InferenceEngine, NotParallelAgnostic: !v.ParallelAgnostic,
+		ReplicatedLayout: v.ReplicatedLayout, CanonicalFormat: v.CanonicalFormat, StorageFormat: v.StorageFormat,
+	}
+	for _, g := range v.KVCacheGroups {
+		f.KVCacheGroups = append(f.KVCacheGroups, vllmfs.Group{TokensPerBlock: g.TokensPerBlock, LayerNames: g.LayerNames})
+	}
+	return f
+}
+
+// Checksums reports whether payload checksums are on (Checksum unset or true).
+func (m Mount) Checksums() bool { return m.Checksum == nil || *m.Checksum }
+
+// Default returns the configuration kvhost runs with when given none: the
+// built-in lru policy and one mount under the user's cache directory.
+func Default() Config {
+	root := DefaultRoot()
+	return Config{
+		Server: Server{
+			Socket:           DefaultSocket(root),
+			SocketMode:       0o660,
+			MaxClients:       64,
+			MaxInflightJobs:  256,
+			MaxRegistrations: 64,
+			MaxFrame:         4 << 20,
+			ShutdownTimeout:  Duration(10 * time.Second),
+			MaxHandshakes:    16,
+			HandshakeTimeout: Duration(5 * time.Second),
+			FrameTimeout:     Duration(10 * time.Second),
+			IdleTimeout:      Duration(time.Minute),
+			WriteTimeout:     Duration(10 * time.Second),
+		},
+		GPU: GPU{Mode: "auto", CuFile: "auto", StagingMemory: 256 << 20, Copy: "auto", Poll: Duration(500 * time.Microsecond), RegisterFiles: 1 << 20},
+		Log: Log{Level: "info", Format: "auto"},
+		Policy: Policy{
+			Name:          "lru",
+			Shards:        0,
+			MemoryLimit:   64 << 20,
+			CallTimeout:   Duration(100 * time.Millisecond),
+			MaxFailures:   3,
+			FailureWindow: Duration(time.Minute),
+		},
+		Engine: Engine{StagingMemory: 256 << 20, YieldBytes: 1 << 20, VerifyInterval: Duration(time.Second)},
+		Mounts: []Mount{{Path: filepath.Join(root, "blocks"), HighWatermark: 0.95, LowWatermark: 0.85}},
+	}
+}
+
+// DefaultRoot is the directory kvhost keeps its state under when the
+// configuration names none: $XDG_CACHE_HOME/kvhost or ~/.cache/kvhost, else
+// a directory under the system's temporary directory.
+func DefaultRoot() string {
+	if dir, err := os.UserCacheDir(); err == nil {
+		return filepath.Join(dir, "kvhost")
+	}
+	return filepath.Join(os.TempDir(), "kvhost")
+}
+
+// DefaultSocket is the socket path used when the configuration names none:
+// $KVHOST_SOCKET if that is set, else $XDG_RUNTIME_DIR/kvhost.sock if that
+// is set, else root/kvhost.sock. The Go and Python clients use the same
+// rule.
+func DefaultSocket(root string) string {
+	if p := os.Getenv("KVHOST_SOCKET"); p != "" {
+		return p
+	}
+	if dir := os.Getenv("XDG_RUNTIME_DIR"); dir != "" {
+		return filepath.Join(dir, "kvhost.sock")
+	}
+	return filepath.Join(root, "kvhost.sock")
+}
+
+// Load reads the TOML file at path over Default() and validates the result.
+func Load(path string) (Config, error) {
+	src, err := os.ReadFile(path)
+	if err != nil {
+		return Config{}, fmt.Errorf("config: %w", err)
+	}
+	return Parse(path, src)
+}
+
+// Parse is Load for a file already read; name is used in error messages.
+func Parse(name string, src []byte) (Config, error) {
+	c := Default()
+	explicitMounts := bytes.Contains(src, []byte("[[mount]]"))
+	if explicitMounts {
+		c.Mounts = nil
+	}
+	md, err := toml.NewDecoder(bytes.NewReader(src)).Decode(&c)
+	if err != nil {
+		var pe toml.ParseError
+		if errors.As(err, &pe) {
+			// A value our types refused (sizes, durations, modes) carries
+			// our own error; name the key it was given for.
+			msg := strings.TrimPrefix(pe.Message, ErrInvalid.Error()+": ")
+			if pe.LastKey != "" && !strings.Contains(msg, pe.LastKey) {
+				msg = pe.LastKey + ": " + msg
+			}
+			return Config{}, fmt.Errorf("%w: %s:%d: %s", ErrInvalid, name, pe.Position.Line, msg)
+		}
+		// Type mismatches read "toml: line N (last key "k"): message".
+		msg := strings.TrimPrefix(err.Error(), "toml: ")
+		var line int
+		if _, serr := fmt.Sscanf(msg, "line %d", &line); serr == nil {
+			key := ""
+			if _, after, ok := strings.Cut(msg, `(last key "`); ok {
+				key, _, _ = strings.Cut(after, `"`)
+				key += ": "
+			}
+			if i := strings.Index(msg, "): "); i >= 0 {
+				msg = key + msg[i+3:]
+			}
+			return Config{}, fmt.Errorf("%w: %s:%d: %s", ErrInvalid, name, line, msg)
+		}
+		return Config{}, fmt.Errorf("%w: %s: %s", ErrInvalid, name, msg)
+	}
+	if undecoded := md.Undecoded(); len(undecoded) > 0 {
+		var unknown []string
+		for _, k := range undecoded {
+			if len(k) > 2 && k[0] == "policy" && k[1] == "params" {
+				continue // the plugin validates its own parameters
+			}
+			unknown = append(unknown, k.String())
+		}
+		if len(unknown) > 0 {
+			k := unknown[0]
+			return Config{}, fmt.Errorf("%w: %s:%d: unknown key %q (known keys are listed in docs/config.md)",
+				ErrInvalid, name, lineOf(src, k), k)
+		}
+	}
+	for i := range c.Mounts {
+		if c.Mounts[i].HighWatermark == 0 {
+			c.Mounts[i].HighWatermark = 0.95
+		}
+		if c.Mounts[i].LowWatermark == 0 {
+			c.Mounts[i].LowWatermark = 0.85
+		}
+	}
+	if err := c.Validate(); err != nil {
+		var ve *ValueError
+		if errors.As(err, &ve) {
+			ve.File, ve.Line = name, lineOf(src, ve.Key)
+		}
+		return Config{}, err
+	}
+	return c, nil
+}
+
+// ValueError says which key holds an unacceptable value and what was expected.
+type ValueError struct {
+	File string // set when the value came from a file
+	Line int    // 0 when unknown
+	Key  string // dotted key, e.g. "policy.shards" or "mount.path"
+	Want string
+	Got  any
+}
+
+func (e *ValueError) Error() string {
+	where := ""
+	if e.File != "" {
+		where = e.File
+		if e.Line > 0 {
+			where += fmt.Sprintf(":%d", e.Line)
+		}
+		where += ": "
+	}
+	return fmt.Sprintf("config: %s%s: want %s, got %v", where, e.Key, e.Want, e.Got)
+}
+
+func (e *ValueError) Unwrap() error { return ErrInvalid }
+
+// Validate checks every value and returns a *ValueError for the first bad one.
+func (c *Config) Validate() error {
+	bad := func(key, want string, got any) error { return &ValueError{Key: key, Want: want, Got: got} }
+	switch {
+	case c.Server.Socket == "":
+		return bad("server.socket", "a path", `""`)
+	case c.Server.SocketMode&^0o777 != 0 || c.Server.SocketMode&0o600 != 0o600:
+		return bad("server.socket_mode", "octal permissions that include owner read and write (e.g. \"0660\")", c.Server.SocketMode)
+	case c.Server.MaxClients < 1:
+		return bad("server.max_clients", "at least 1", c.Server.MaxClients)
+	case c.Server.MaxClientsPerPeer < 0 || c.Server.MaxClientsPerPeer > c.Server.MaxClients:
+		return bad("server.max_clients_per_peer", "0 (half of max_clients) to max_clients", c.Server.MaxClientsPerPeer)
+	case c.Server.MaxInflightJobs < 1:
+		return bad("server.max_inflight_jobs", "at least 1", c.Server.MaxInflightJobs)
+	case c.Server.MaxRegistrations < 1:
+		return bad("server.max_registrations", "at least 1", c.Server.MaxRegistrations)
+	case c.Server.MaxFrame < 64<<10 || c.Server.MaxFrame > 1<<30:
+		return bad("server.max_frame", "between 64KiB and 1GiB", c.Server.MaxFrame)
+	case c.Server.ShutdownTimeout < 0:
+		return bad("server.shutdown_timeout", "a non-negative duration", c.Server.ShutdownTimeout)
+	case c.Server.MaxHandshakes < 1:
+		return bad("server.max_handshakes", "at least 1", c.Server.MaxHandshakes)
+	case c.Server.HandshakeTimeout <= 0:
+		return bad("server.handshake_timeout", "a positive duration", c.Server.HandshakeTimeout)
+	case c.Server.FrameTimeout <= 0:
+		return bad("server.frame_timeout", "a positive duration", c.Server.FrameTimeout)
+	case c.Server.IdleTimeout <= 0:
+		return bad("server.idle_timeout", "a positive duration", c.Server.IdleTimeout)
+	case c.Server.WriteTimeout <= 0:
+		return bad("server.write_timeout", "a positive duration", c.Server.WriteTimeout)
+	case c.Server.MaxRegisteredBytes < 0:
+		return bad("server.max_registered_bytes", "a non-negative size", c.Server.MaxRegisteredBytes)
+	case c.Server.MaxTotalRegisteredBytes < 0:
+		return bad("server.max_total_registered_bytes", "a non-negative size", c.Server.MaxTotalRegisteredBytes)
+	case c.Server.MaxDeviceRegisteredBytes < 0:
+		return bad("server.max_device_registered_bytes", "a non-negative size", c.Server.MaxDeviceRegisteredBytes)
+	}
+	switch c.GPU.Mode {
+	case "auto", "on", "off":
+	default:
+		return bad("gpu.mode", "auto, on or off", fmt.Sprintf("%q", c.GPU.Mode))
+	}
+	switch c.GPU.CuFile {
+	case "auto", "off", "compat":
+	default:
+		return bad("gpu.cufile", "auto, off or compat", fmt.Sprintf("%q", c.GPU.CuFile))
+	}
+	switch c.GPU.Copy {
+	case "auto", "kernel", "batch", "segments":
+	default:
+		return bad("gpu.copy", "auto, kernel, batch or segments", fmt.Sprintf("%q", c.GPU.Copy))
+	}
+	if c.GPU.StagingMemory < 8<<20 {
+		return bad("gpu.staging_memory", "at least 8MiB", c.GPU.StagingMemory)
+	}
+	if c.GPU.Lanes < 0 || c.GPU.Lanes > 64 {
+		return bad("gpu.lanes", "between 0 (automatic) and 64", c.GPU.Lanes)
+	}
+	if c.GPU.Depth < 0 || c.GPU.Depth > 64 {
+		return bad("gpu.depth", "between 0 (automatic: 2) and 64", c.GPU.Depth)
+	}
+	if c.GPU.Chunk < 0 || c.GPU.Chunk%4096 != 0 || c.GPU.Chunk > 256<<20 {
+		return bad("gpu.chunk", "a multiple of 4KiB up to 256MiB (0: 4MiB)", c.GPU.Chunk)
+	}
+	if c.GPU.Poll < 0 || c.GPU.Poll > Duration(time.Second) {
+		return bad("gpu.poll", "between 0s (sleep at once) and 1s", c.GPU.Poll)
+	}
+	if c.GPU.RegisterFiles < 0 || c.GPU.RegisterFiles > 1<<20 {
+		return bad("gpu.register_files", "between 0 (none) and 1048576", c.GPU.RegisterFiles)
+	}
+	switch c.Log.Level {
+	case "debug", "info", "warn", "error":
+	default:
+		return bad("log.level", "debug, info, warn or error", fmt.Sprintf("%q", c.Log.Level))
+	}
+	switch c.Log.Format {
+	case "auto", "text", "json":
+	default:
+		return bad("log.format", "auto, text or json", fmt.Sprintf("%q", c.Log.Format))
+	}
+	switch {
+	case c.Policy.Name == "":
+		return bad("policy.name", "a built-in policy name or a .wasm path", `""`)
+	case c.Policy.Shards < 0 || c.Policy.Shards > 64:
+		return bad("policy.shards", "between 0 (automatic) and 64", c.Policy.Shards)
+	case c.Policy.MemoryLimit < 1<<20 || c.Policy.MemoryLimit > 4<<30:
+		return bad("policy.memory_limit", "between 1MiB and 4GiB", c.Policy.MemoryLimit)
+	case c.Policy.CallTimeout <= 0:
+		return bad("policy.call_timeout", "a positive duration", c.Policy.CallTimeout)
+	case c.Policy.MaxFailures < 1:
+		return bad("policy.max_failures", "at least 1", c.Policy.MaxFailures)
+	case c.Policy.FailureWindow <= 0:
+		return bad("policy.failure_window", "a positive duration", c.Policy.FailureWindow)
+	}
+	for k, v := range c.Policy.Params {
+		switch v.(type) {
+		case string, int64, float64, bool:
+		default:
+			return bad("policy.params."+k, "a string, number or boolean", fmt.Sprintf("%T", v))
+		}
+		if strings.ContainsAny(k, "=\n") || strings.HasPrefix(k, "kvhost.") {
+			return bad("policy.params."+k, "a key without '=', newline or the reserved prefix kvhost.", k)
+		}
+	}
+	switch {
+	case c.Engine.IOWorkers < 0 || c.Engine.IOWorkers > 256:
+		return bad("engine.io_workers", "between 0 (automatic) and 256", c.Engine.IOWorkers)
+	case c.Engine.StagingMemory < 1<<20:
+		return bad("engine.staging_memory", "at least 1MiB", c.Engine.StagingMemory)
+	case c.Engine.YieldBytes != 0 && (c.Engine.YieldBytes < 64<<10 || c.Engine.YieldBytes > 1<<30):
+		return bad("engine.yield_bytes", "0 (never yield) or between 64KiB and 1GiB", c.Engine.YieldBytes)
+	case c.Engine.LookupTableSlots < 0 || c.Engine.LookupTableSlots > 1<<30:
+		return bad("engine.lookup_table_slots", "0 (the default) or a slot count up to 1073741824", c.Engine.LookupTableSlots)
+	case c.Engine.VerifyInterval < 0:
+		return bad("engine.verify_interval", "a non-negative duration", c.Engine.VerifyInterval)
+	case c.Engine.TempGrace < 0:
+		return bad("engine.temp_grace", "a non-negative duration", c.Engine.TempGrace)
+	}
+	for _, cpu := range c.Engine.CPUs {
+		if cpu < 0 {
+			return bad("engine.cpus", "CPU numbers ≥ 0", c.Engine.CPUs)
+		}
+	}
+	if c.Metrics.Listen != "" {
+		if _, port, err := net.SplitHostPort(c.Metrics.Listen); err != nil || port == "" {
+			return bad("metrics.listen", `a TCP address "host:port" (e.g. "127.0.0.1:9400", ":9400")`, fmt.Sprintf("%q", c.Metrics.Listen))
+		}
+	}
+	if len(c.Mounts) == 0 {
+		return bad("mount", "at least one [[mount]] table", "none")
+	}
+	seen := map[string]bool{}
+	for _, m := range c.Mounts {
+		switch {
+		case m.Path == "" || !filepath.IsAbs(m.Path):
+			return bad("mount.path", "an absolute directory path", fmt.Sprintf("%q", m.Path))
+		case seen[filepath.Clean(m.Path)]:
+			return bad("mount.path", "each mount once", fmt.Sprintf("%q twice", m.Path))
+		case m.Capacity < 0:
+			return bad("mount.capacity", "a size ≥ 0", m.Capacity)
+		case m.HighWatermark <= 0 || m.HighWatermark > 1:
+			return bad("mount.high_watermark", "a fraction in (0, 1]", m.HighWatermark)
+		case m.LowWatermark <= 0 || m.LowWatermark >= m.HighWatermark:
+			return bad("mount.low_watermark", "a fraction in (0, high_watermark)", m.LowWatermark)
+		case m.Reserve < 0:
+			return bad("mount.reserve", "a size ≥ 0", m.Reserve)
+		case m.Preallocate.Bytes < 0:
+			return bad("mount.preallocate", `a size ≥ 0 or "auto"`, m.Preallocate.Bytes)
+		case m.IO != "" && m.IO != "auto" && m.IO != "direct" && m.IO != "buffered":
+			return bad("mount.io", `"auto", "direct" or "buffered"`, fmt.Sprintf("%q", m.IO))
+		case !slices.Contains([]string{"", "memory", "nvme", "ssd", "hdd", "network"}, m.DeviceClass):
+			return bad("mount.device_class", `"memory", "nvme", "ssd", "hdd" or "network" (or nothing: detected)`, fmt.Sprintf("%q", m.DeviceClass))
+		case m.Layout != "" && m.Layout != LayoutKVHost && m.Layout != LayoutVLLMFS:
+			return bad("mount.layout", `"kvhost" or "vllm-fs"`, fmt.Sprintf("%q", m.Layout))
+		case m.Layout != LayoutVLLMFS && m.VLLMFS != nil:
+			return bad("mount.vllm_fs", `only with layout = "vllm-fs"`, "a [mount.vllm_fs] table")
+		}
+		if m.Layout == LayoutVLLMFS {
+			if m.Checksum != nil && *m.Checksum {
+				return bad("mount.checksum", "unset or false on a vllm-fs mount (the layout has no checksums)", true)
+			}
+			v := m.VLLMFS
+			if v == nil {
+				v = &VLLMFS{}
+			}
+			if v.Rank < 0 || v.RowBytes < 0 {
+				return bad("mount.vllm_fs.rank", "a rank and row_bytes ≥ 0", fmt.Sprint(v.Rank, " ", v.RowBytes))
+			}
+			if f := v.Fields(); f != nil {
+				var fe *vllmfs.FieldError
+				if err := f.Validate(); errors.As(err, &fe) {
+					key, _, _ := strings.Cut(fe.Field, "[")
+					return bad("mount.vllm_fs."+key, fe.Want+" (as in the tier's config.json)", fe.Got)
+				} else if err != nil {
+					return bad("mount.vllm_fs", "the fs tier's fields", err.Error())
+				}
+			}
+		}
+		seen[filepath.Clean(m.Path)] = true
+	}
+	return nil
+}
+
+// PolicyParams renders Policy.Params as the key=value lines kvhost_init takes.
+func (p Policy) PolicyParams() map[string]string {
+	out := make(map[string]string, len(p.Params))
+	for k, v := range p.Params {
+		out[k] = fmt.Sprint(v)
+	}
+	return out
+}
+
+// lineOf finds the line of a dotted key ("policy.shards", "mount.path") in a
+// TOML source: the first line assigning the last component inside a table
+// whose name is the rest. It returns 0 when it cannot tell.
+func lineOf(src []byte, key string) int {
+	table, leaf := "", key
+	if i := strings.LastIndexByte(key, '.'); i >= 0 {
+		table, leaf = key[:i], key[i+1:]
+	}
+	cur := ""
+	sc := bufio.NewScanner(bytes.NewReader(src))
+	for n := 1; sc.Scan(); n++ {
+		line := strings.TrimSpace(sc.Text())
+		if strings.HasPrefix(line, "[") {
+			cur = strings.Trim(line, "[] \t")
+			if i := strings.IndexByte(cur, '#'); i >= 0 {
+				cur = strings.TrimSpace(strings.Trim(cur[:i], "[] \t"))
+			}
+			if cur == key {
+				return n
+			}
+			continue
+		}
+		k, _, ok := strings.Cut(line, "=")
+		if ok && cur == table && strings.Trim(strings.TrimSpace(k), `"`) == leaf {
+			return n
+		}
+	}
+	return 0
+}

@@ -1,0 +1,467 @@
+// Package metrics exposes a kvhost daemon's state to Prometheus: a
+// collector that reads the engine's, the server's and the policy host's
+// counters at every scrape, histograms fed by the engine (Observer) and the
+// policy host (Config.OnCall), and an HTTP handler serving /metrics and the
+// probes /healthz and /readyz. docs/metrics.md lists every name.
+package metrics
+
+import (
+	"fmt"
+	"maps"
+	"net/http"
+	"net/http/pprof"
+	"slices"
+	"strconv"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"golang.org/x/sys/unix"
+
+	"github.com/kvhost/kvhost/gds"
+	"github.com/kvhost/kvhost/host/engine"
+	"github.com/kvhost/kvhost/host/policy"
+	"github.com/kvhost/kvhost/internal/server"
+	"github.com/kvhost/kvhost/protocol"
+	"github.com/kvhost/kvhost/staging/gpu"
+)
+
+// Sources are what the collector reads at every scrape. A nil field leaves
+// its metrics out.
+type Sources struct {
+	Engine func() engine.Stats
+	Server func() server.Stats
+	// Policy is the policy's state; its counters must not go down when a
+	// reload replaces the policy host (the daemon adds the old host's).
+	Policy func() PolicyState
+	// DataPaths are the fallback counts of the GPU data paths, per mount.
+	DataPaths func() []DataPath
+	// Staging reports the CPU staging pipeline's bounce buffers in use,
+	// their limit and size (engine.StagingUsage).
+	Staging func() (inUse, limit, size int)
+	// Reloads counts configuration reloads that took effect and that
+	// failed.
+	Reloads func() (ok, failed uint64)
+	// GPUFiles reports the files the GPU staging pipeline keeps
+	// registered (gpu.Mover.FileStats; nil without a GPU).
+	GPUFiles func() gpu.FileStats
+	// GPUStaging reports the GPU staging pipeline's pinned buffers in
+	// use, in all, and the size of one (gpu.Mover.PinnedUsage; nil
+	// without a GPU).
+	GPUStaging func() (inUse, total, size int)
+	// GPUFaults reports, per device ordinal, the jobs and registrations
+	// that failed with a sticky CUDA error, and the cuFile batches whose
+	// I/O did not come back after a cancel (gpu.Mover.DeviceFaults with
+	// gds.Mover.DeviceFaults and cudaipc.Importer.Faults; nil without a
+	// GPU).
+	GPUFaults func() map[int]uint64
+	// CuFile reports cuFile's handle cache (gds.Driver.HandleStats; nil
+	// where cuFile is not loaded).
+	CuFile func() gds.HandleStats
+}
+
+// PolicyState is the placement policy as the daemon runs it.
+type PolicyState struct {
+	Name  string       // the configured policy
+	Stats policy.Stats // the host's counters (Backend, Fallback...)
+}
+
+// DataPath is the data mover chain of one mount for GPU memory and the
+// plans each of its movers passed on to the next (transfer.Chain).
+type DataPath struct {
+	Mount     string
+	Fallbacks map[string]uint64 // by mover name
+}
+
+// Metrics is a daemon's metrics registry.
+type Metrics struct {
+	reg   *prometheus.Registry
+	src   atomic.Pointer[Sources]
+	ready atomic.Bool
+
+	jobs        *prometheus.CounterVec
+	jobBytes    *prometheus.CounterVec
+	jobDuration *prometheus.HistogramVec
+	jobKeys     *prometheus.CounterVec
+	policyCall  *prometheus.HistogramVec
+	request     *prometheus.HistogramVec
+}
+
+// Histogram buckets, in seconds.
+var (
+	// jobBuckets: 100µs to 6.6s, ×4.
+	jobBuckets = prometheus.ExponentialBuckets(100e-6, 4, 9)
+	// policyBuckets: 1µs to 262ms, ×4.
+	policyBuckets = prometheus.ExponentialBuckets(1e-6, 4, 10)
+	// requestBuckets: 10µs to 164ms, ×2 (a lookup's target is 100µs).
+	requestBuckets = prometheus.ExponentialBuckets(10e-6, 2, 15)
+)
+
+// New returns the registry of a daemon of the given version, with Go
+// runtime and process metrics. Its collector reports nothing but the
+// build until SetSources.
+func New(version string) *Metrics {
+	m := &Metrics{reg: prometheus.NewRegistry()}
+	jobLabels := []string{"direction", "memory", "path"}
+	m.jobs = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvhost_jobs_total",
+		Help: "Store and load jobs finished, by direction, memory kind of the cache and data path."}, jobLabels)
+	m.jobBytes = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvhost_job_bytes_total",
+		Help: "Payload bytes moved by finished jobs."}, jobLabels)
+	m.jobDuration = prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "kvhost_job_duration_seconds",
+		Help: "Job latency from submission to completion.", Buckets: jobBuckets}, jobLabels)
+	m.jobKeys = prometheus.NewCounterVec(prometheus.CounterOpts{Name: "kvhost_job_keys_total",
+		Help: "Keys of finished jobs by outcome (stored, present, not_admitted, loaded, missing, failed)."}, []string{"direction", "outcome"})
+	m.policyCall = prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "kvhost_policy_call_duration_seconds",
+		Help: "Time a policy instance ran per hook call (without the host's validation).", Buckets: policyBuckets}, []string{"hook"})
+	m.request = prometheus.NewHistogramVec(prometheus.HistogramOpts{Name: "kvhost_request_duration_seconds",
+		Help: "Time the daemon took to answer a control request (lookup, delete, declare...), from its frame read to its reply written.", Buckets: requestBuckets}, []string{"request"})
+	build := prometheus.NewGauge(prometheus.GaugeOpts{Name: "kvhost_build_info", Help: "The running build; always 1.",
+		ConstLabels: prometheus.Labels{"version": version}})
+	build.Set(1)
+	m.reg.MustRegister(m.jobs, m.jobBytes, m.jobDuration, m.jobKeys, m.policyCall, m.request, build, &collector{m: m},
+		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	return m
+}
+
+// Registry is the Prometheus registry (tests gather from it).
+func (m *Metrics) Registry() *prometheus.Registry { return m.reg }
+
+// SetSources sets what the collector reads from then on.
+func (m *Metrics) SetSources(s Sources) { m.src.Store(&s) }
+
+// SetReady sets what /readyz answers: ready once the daemon accepts
+// clients, not ready again once it drains.
+func (m *Metrics) SetReady(ready bool) { m.ready.Store(ready) }
+
+// ObserveJob implements engine.Observer.
+func (m *Metrics) ObserveJob(ev engine.JobEvent) {
+	mem := ev.Memory.String()
+	m.jobs.WithLabelValues(ev.Direction, mem, ev.Path).Inc()
+	m.jobBytes.WithLabelValues(ev.Direction, mem, ev.Path).Add(float64(ev.Bytes))
+	m.jobDuration.WithLabelValues(ev.Direction, mem, ev.Path).Observe(ev.Duration.Seconds())
+	for o, n := range ev.Outcomes {
+		if n > 0 {
+			m.jobKeys.WithLabelValues(ev.Direction, outcomeLabel(engine.Outcome(o))).Add(float64(n))
+		}
+	}
+}
+
+var _ engine.Observer = (*Metrics)(nil)
+
+// outcomeLabel is an outcome's name as a label value.
+func outcomeLabel(o engine.Outcome) string {
+	if o == engine.OutcomeNotAdmitted {
+		return "not_admitted"
+	}
+	return o.String()
+}
+
+// ObservePolicyCall is a policy.Config.OnCall: one call into a policy
+// instance.
+func (m *Metrics) ObservePolicyCall(hook string, _ int, took time.Duration) {
+	m.policyCall.WithLabelValues(hook).Observe(took.Seconds())
+}
+
+// ObserveRequest is a server.Config.OnRequest: the daemon answered one
+// control request.
+func (m *Metrics) ObserveRequest(t protocol.Type, took time.Duration) {
+	m.request.WithLabelValues(t.String()).Observe(took.Seconds())
+}
+
+// Handler serves /metrics (Prometheus text or protobuf), /healthz (200
+// while the process serves HTTP: liveness), /healthz/gpu (/healthz, but
+// 503 once a GPU's context is broken: liveness for a daemon that should
+// restart then) and /readyz (200 once the daemon accepts clients, 503
+// before and while it drains: readiness);
+// with profiling, also Go's runtime profiles and execution trace under
+// /debug/pprof/ (net/http/pprof).
+func (m *Metrics) Handler(profiling bool) http.Handler {
+	mux := http.NewServeMux()
+	if profiling {
+		mux.HandleFunc("GET /debug/pprof/", pprof.Index)
+		mux.HandleFunc("GET /debug/pprof/cmdline", pprof.Cmdline)
+		mux.HandleFunc("GET /debug/pprof/profile", pprof.Profile)
+		mux.HandleFunc("GET /debug/pprof/symbol", pprof.Symbol)
+		mux.HandleFunc("GET /debug/pprof/trace", pprof.Trace)
+	}
+	mux.Handle("GET /metrics", promhttp.HandlerFor(m.reg, promhttp.HandlerOpts{}))
+	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
+		w.Write([]byte("ok\n"))
+	})
+	mux.HandleFunc("GET /healthz/gpu", func(w http.ResponseWriter, _ *http.Request) {
+		if why := m.broken(); why != "" {
+			http.Error(w, "unhealthy: "+why, http.StatusServiceUnavailable)
+			return
+		}
+		w.Write([]byte("ok\n"))
+	})
+	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, _ *http.Request) {
+		if !m.ready.Load() {
+			http.Error(w, "not ready: starting or draining", http.StatusServiceUnavailable)
+			return
+		}
+		w.Write([]byte("ready\n"))
+	})
+	return mux
+}
+
+// broken says which GPU is faulted (a job or registration failed there
+// with a sticky CUDA error, so every later job there fails until the
+// daemon restarts, or a cuFile batch's I/O stayed out after its cancel,
+// holding its job), or "".
+func (m *Metrics) broken() string {
+	src := m.src.Load()
+	if src == nil || src.GPUFaults == nil {
+		return ""
+	}
+	faults := src.GPUFaults()
+	for _, d := range slices.Sorted(maps.Keys(faults)) {
+		if n := faults[d]; n > 0 {
+			return fmt.Sprintf("GPU %d: %d device faults (a sticky CUDA error, or a cuFile batch whose I/O did not come back); restart the daemon", d, n)
+		}
+	}
+	return ""
+}
+
+// collector reads the Sources at every scrape.
+type collector struct {
+	m *Metrics
+}
+
+// Describe sends nothing: the collector is unchecked (the label sets of
+// its metrics depend on the mounts, hooks and devices found at scrape).
+func (c *collector) Describe(chan<- *prometheus.Desc) {}
+
+func desc(name, help string, labels ...string) *prometheus.Desc {
+	return prometheus.NewDesc(name, help, labels, nil)
+}
+
+// The collector's metrics (docs/metrics.md).
+var (
+	dReady          = desc("kvhost_ready", "1 while the daemon accepts clients.")
+	dEntries        = desc("kvhost_entries", "Files in the engine's index.")
+	dKeys           = desc("kvhost_keys", "Keys in the engine's index.")
+	dStored         = desc("kvhost_stored_keys_total", "Keys written and published.")
+	dLoaded         = desc("kvhost_loaded_keys_total", "Keys read into their blocks and verified.")
+	dHits           = desc("kvhost_hits_total", "Keys found by lookups and loads.")
+	dMisses         = desc("kvhost_misses_total", "Keys not found by lookups and loads.")
+	dEvictions      = desc("kvhost_evictions_total", "Files evicted to make room.")
+	dReused         = desc("kvhost_reused_files_total", "Stores that wrote into a spare file (an evicted file kept, or one made ahead) instead of a fresh file (memory file systems).")
+	dSparesMade     = desc("kvhost_spare_files_made_total", "Spare files made ahead of stores on memory file systems (mount.preallocate).")
+	dCorrupt        = desc("kvhost_corrupt_files_total", "Files dropped because they failed verification.")
+	dVanished       = desc("kvhost_vanished_files_total", "Files found missing or replaced behind the engine's back.")
+	dWritten        = desc("kvhost_written_bytes_total", "Payload bytes written to files.")
+	dRead           = desc("kvhost_read_bytes_total", "Payload bytes read from files.")
+	dFailures       = desc("kvhost_key_failures_total", "Keys of jobs that failed, by direction and reason.", "direction", "reason")
+	dMountCap       = desc("kvhost_mount_capacity_bytes", "Effective capacity of a mount.", "mount")
+	dMountUsed      = desc("kvhost_mount_used_bytes", "Bytes of published files, reservations of stores in flight, and files dropped from the index not yet removed.", "mount")
+	dMountFree      = desc("kvhost_mount_free_bytes", "Capacity left to kvhost on a mount (capacity - used).", "mount")
+	dMountFSFree    = desc("kvhost_mount_fs_available_bytes", "Space the file system of a mount has available (statfs).", "mount")
+	dMountSpare     = desc("kvhost_mount_spare_bytes", "Bytes of evicted files kept for stores to write into (free space that holds pages; not in used).", "mount")
+	dMountEntries   = desc("kvhost_mount_entries", "Files on a mount.", "mount")
+	dMountMovedIn   = desc("kvhost_mount_moved_in_files_total", "Files moved to a mount from another tier (demotions, promotions, tick moves).", "mount")
+	dMountMovedOut  = desc("kvhost_mount_moved_out_files_total", "Files moved from a mount to another tier (demotions, promotions, tick moves).", "mount")
+	dDemotions      = desc("kvhost_demotions_total", "Eviction victims moved to another mount instead of deleted (they stay stored; not in kvhost_evictions_total).")
+	dPromotions     = desc("kvhost_promotions_total", "Files moved to an earlier (faster) mount.")
+	dTickMoves      = desc("kvhost_tick_moves_total", "Moves the policy's tick asked for and the engine carried out (promotions included).")
+	dMoveFailures   = desc("kvhost_move_failures_total", "Moves between mounts that failed (no space, I/O errors); the file stays where it was.")
+	dDemoteDeletes  = desc("kvhost_demotion_deletes_total", "Victims the policy wanted demoted, deleted because the target had no room (MOVE_DELETE_IF_FULL); also in kvhost_evictions_total.")
+	dMountInfo      = desc("kvhost_mount_info", "A mount's I/O mode, host data mover and checksums; always 1.", "mount", "io", "backend", "checksums")
+	dFallbacks      = desc("kvhost_data_path_fallbacks_total", "Transfer plans a GPU data mover passed on to the next (e.g. cufile to the staging copy).", "mount", "mover")
+	dPolicyInfo     = desc("kvhost_policy_info", "The configured policy and what answers its calls now (wasm or native); always 1.", "policy", "backend")
+	dPolicyFallback = desc("kvhost_policy_fallback", "1 once the policy fell back to its native build; reason is the failure that caused it.", "reason")
+	dPolicyCalls    = desc("kvhost_policy_calls_total", "Policy hook calls, by export.", "hook")
+	dPolicyRecords  = desc("kvhost_policy_records_total", "Records passed to policy hooks, by export.", "hook")
+	dPolicyFailures = desc("kvhost_policy_failures_total", "Failed policy calls: traps, timeouts, failure statuses and rejected outputs.")
+	dPolicyRejected = desc("kvhost_policy_rejections_total", "Policy outputs the host rejected (a subset of the failures).")
+	dPolicyRestarts = desc("kvhost_policy_restarts_total", "Policy instances closed and rebuilt after a failure.")
+	dPolicySlow     = desc("kvhost_policy_slow_calls_total", "Policy calls that finished within their fuel but after their deadline.")
+	dPolicyStale    = desc("kvhost_policy_stale_victims_total", "Victims skipped because the engine had pinned or removed them.")
+	dPolicyRemoved  = desc("kvhost_policy_removed_offered_total", "Victims and moves of entries the plugin had been sent a REMOVE for: each failed its call (a plugin that ignores REMOVE records).")
+	dClients        = desc("kvhost_clients", "Connections through the handshake.")
+	dHandshakes     = desc("kvhost_handshakes", "Connections not through the handshake yet.")
+	dJobsInFlight   = desc("kvhost_jobs_in_flight", "Store and load jobs of all connections not finished.")
+	dRegions        = desc("kvhost_registered_regions", "Host memory regions registered by clients.")
+	dRegBytes       = desc("kvhost_registered_bytes", "Bytes of host memory registered by clients.")
+	dRegLimit       = desc("kvhost_registered_bytes_limit", "The most bytes of host memory all clients may register.")
+	dGPURegions     = desc("kvhost_gpu_registered_regions", "GPU memory regions registered by clients (CUDA IPC), per device.", "device")
+	dGPUBytes       = desc("kvhost_gpu_registered_bytes", "Bytes of GPU memory registered by clients, per device.", "device")
+	dGPULimit       = desc("kvhost_gpu_registered_bytes_limit", "The most bytes of GPU memory clients may register per device.", "device")
+	dStagingInUse   = desc("kvhost_staging_buffers_in_use", "Bounce buffers of the CPU staging pipeline in use.")
+	dStagingLimit   = desc("kvhost_staging_buffers_limit", "The most bounce buffers the CPU staging pipeline may have (engine.staging_memory).")
+	dStagingSize    = desc("kvhost_staging_buffer_bytes", "Size of one bounce buffer.")
+	dGPUFiles       = desc("kvhost_gpu_registered_files", "Memory-mount files kept mapped and registered with CUDA, for direct copies between the GPU and their pages.")
+	dGPUFileBytes   = desc("kvhost_gpu_registered_file_bytes", "Bytes of the memory-mount files kept registered with CUDA.")
+	dGPUFileLimit   = desc("kvhost_gpu_registered_files_limit", "The most files kept registered (gpu.register_files, bounded by the descriptor limit).")
+	dGPUFileQueue   = desc("kvhost_gpu_file_registrations_queued", "Memory-mount files offered for registration and not registered yet (waiting for the registrar, or being registered).")
+	dGPUFileRegs    = desc("kvhost_gpu_file_registrations_total", "Files mapped and registered with CUDA (ok), given back (released), that could not be (failed), or not registered yet because the bound was reached (deferred: a file's first offer there).", "result")
+	dGPUFileWarmed  = desc("kvhost_gpu_file_warm_offers_total", "Memory-mount files offered for registration ahead of any job (found at start, or another process's or node's file a lookup discovered) and queued: their registrations are counted in kvhost_gpu_file_registrations_total.")
+	dGPUFileWaits   = desc("kvhost_gpu_file_registration_waits_total", "Registrations the registrar put off while stores moved through the pinned buffers.")
+	dGPUFileWaited  = desc("kvhost_gpu_file_registration_wait_seconds_total", "Time the registrar waited for stores through the pinned buffers before registering files.")
+	dGPUFileJobs    = desc("kvhost_gpu_direct_file_jobs_total", "Jobs that moved a registered file directly between the GPU and its pages, by direction.", "direction")
+	dGPUPinInUse    = desc("kvhost_gpu_staging_buffers_in_use", "Pinned buffers of the GPU staging pipeline that jobs hold now.")
+	dGPUPinTotal    = desc("kvhost_gpu_staging_buffers", "Pinned buffers of the GPU staging pipeline, allocated once at start (gpu.staging_memory).")
+	dGPUPinSize     = desc("kvhost_gpu_staging_buffer_bytes", "Size of one pinned buffer of the GPU staging pipeline.")
+	dGPUFaults      = desc("kvhost_gpu_device_faults_total", "Staging and cuFile jobs and CUDA IPC registrations that failed with a sticky CUDA error on the device (an illegal address, a failed launch, an ECC error: its context is broken, and its jobs fail until the daemon restarts), and cuFile batches whose I/O did not come back after their cancel (their jobs are held until it does).", "device")
+	dCuFileHandles  = desc("kvhost_cufile_handles", "Files registered with cuFile (cuFileHandleRegister) and cached now.")
+	dCuFileRegs     = desc("kvhost_cufile_handle_registrations_total", "cuFile file registrations, by result (ok, failed).", "result")
+	dCuFileHits     = desc("kvhost_cufile_handle_hits_total", "Transfers that found their file's cuFile handle cached (or being registered by another transfer).")
+	dCuFileDropped  = desc("kvhost_cufile_handles_dropped_total", "Cached cuFile handles deregistered: to keep the bound (evicted), because the engine removed or replaced the file (forgotten), or because no name links the file any more (unlinked: another node removed it).", "reason")
+	dStart          = desc("kvhost_start_time_seconds", "When the daemon's server started, in Unix seconds.")
+	dReloads        = desc("kvhost_reloads_total", "Configuration reloads, by result (ok, failed).", "result")
+)
+
+func (c *collector) Collect(ch chan<- prometheus.Metric) {
+	counter := func(d *prometheus.Desc, v uint64, labels ...string) {
+		ch <- prometheus.MustNewConstMetric(d, prometheus.CounterValue, float64(v), labels...)
+	}
+	gauge := func(d *prometheus.Desc, v float64, labels ...string) {
+		ch <- prometheus.MustNewConstMetric(d, prometheus.GaugeValue, v, labels...)
+	}
+	ready := 0.0
+	if c.m.ready.Load() {
+		ready = 1
+	}
+	gauge(dReady, ready)
+	src := c.m.src.Load()
+	if src == nil {
+		return
+	}
+	if src.Engine != nil {
+		st := src.Engine()
+		gauge(dEntries, float64(st.Entries))
+		gauge(dKeys, float64(st.Keys))
+		counter(dStored, st.Stores)
+		counter(dLoaded, st.Loads)
+		counter(dHits, st.Hits)
+		counter(dMisses, st.Misses)
+		counter(dEvictions, st.Evictions)
+		counter(dReused, st.Reused)
+		counter(dSparesMade, st.SparesMade)
+		counter(dCorrupt, st.Corrupt)
+		counter(dVanished, st.Vanished)
+		counter(dWritten, st.BytesWritten)
+		counter(dRead, st.BytesRead)
+		for dir, f := range map[string]engine.Failures{"store": st.StoreFailures, "load": st.LoadFailures} {
+			counter(dFailures, f.NoSpace, dir, "no_space")
+			counter(dFailures, f.Corrupt, dir, "corrupt")
+			counter(dFailures, f.Policy, dir, "policy")
+			counter(dFailures, f.Canceled, dir, "canceled")
+			counter(dFailures, f.IO, dir, "io")
+			counter(dFailures, f.Other, dir, "other")
+		}
+		counter(dDemotions, st.Tiering.Demotions)
+		counter(dPromotions, st.Tiering.Promotions)
+		counter(dTickMoves, st.Tiering.Moves)
+		counter(dMoveFailures, st.Tiering.MoveFailures)
+		counter(dDemoteDeletes, st.Tiering.DemotionDeletes)
+		for _, mt := range st.Mounts {
+			counter(dMountMovedIn, mt.MovedIn, mt.Path)
+			counter(dMountMovedOut, mt.MovedOut, mt.Path)
+			gauge(dMountCap, float64(mt.Capacity), mt.Path)
+			gauge(dMountUsed, float64(mt.Used), mt.Path)
+			gauge(dMountFree, float64(max(mt.Capacity-mt.Used, 0)), mt.Path)
+			gauge(dMountEntries, float64(mt.Entries), mt.Path)
+			gauge(dMountSpare, float64(mt.SpareBytes), mt.Path)
+			gauge(dMountInfo, 1, mt.Path, mt.IO, mt.Backend, strconv.FormatBool(mt.Checksums))
+			var fs unix.Statfs_t
+			if unix.Statfs(mt.Path, &fs) == nil {
+				gauge(dMountFSFree, float64(fs.Bavail)*float64(fs.Bsize), mt.Path)
+			}
+		}
+	}
+	if src.DataPaths != nil {
+		for _, dp := range src.DataPaths() {
+			for mover, n := range dp.Fallbacks {
+				counter(dFallbacks, n, dp.Mount, mover)
+			}
+		}
+	}
+	if src.Policy != nil {
+		p := src.Policy()
+		gauge(dPolicyInfo, 1, p.Name, p.Stats.Backend)
+		fb := 0.0
+		if p.Stats.Fallback {
+			fb = 1
+		}
+		gauge(dPolicyFallback, fb, p.Stats.FallbackReason)
+		for hook, n := range p.Stats.Calls {
+			counter(dPolicyCalls, n, hook)
+		}
+		for hook, n := range p.Stats.Records {
+			counter(dPolicyRecords, n, hook)
+		}
+		counter(dPolicyFailures, p.Stats.Failures)
+		counter(dPolicyRejected, p.Stats.Rejections)
+		counter(dPolicyRestarts, p.Stats.Replacements)
+		counter(dPolicySlow, p.Stats.SlowCalls)
+		counter(dPolicyStale, p.Stats.StaleVictims)
+		counter(dPolicyRemoved, p.Stats.RemovedOffered)
+	}
+	if src.Server != nil {
+		st := src.Server()
+		gauge(dClients, float64(st.Clients))
+		gauge(dHandshakes, float64(st.Handshakes))
+		gauge(dJobsInFlight, float64(st.InflightJobs))
+		gauge(dRegions, float64(st.Regions))
+		gauge(dRegBytes, float64(st.RegisteredBytes))
+		gauge(dRegLimit, float64(st.RegisteredLimit))
+		gauge(dStart, float64(st.Started.UnixNano())/1e9)
+		for _, d := range st.Devices {
+			dev := strconv.Itoa(int(d.Ordinal))
+			gauge(dGPURegions, float64(d.Regions), dev)
+			gauge(dGPUBytes, float64(d.Registered), dev)
+			gauge(dGPULimit, float64(d.Limit), dev)
+		}
+	}
+	if src.Staging != nil {
+		inUse, limit, size := src.Staging()
+		gauge(dStagingInUse, float64(inUse))
+		gauge(dStagingLimit, float64(limit))
+		gauge(dStagingSize, float64(size))
+	}
+	if src.GPUFiles != nil {
+		f := src.GPUFiles()
+		gauge(dGPUFiles, float64(f.Files))
+		gauge(dGPUFileBytes, float64(f.Bytes))
+		gauge(dGPUFileLimit, float64(f.Limit))
+		gauge(dGPUFileQueue, float64(f.Queued))
+		counter(dGPUFileRegs, f.Registered, "ok")
+		counter(dGPUFileRegs, f.Released, "released")
+		counter(dGPUFileRegs, f.Failed, "failed")
+		counter(dGPUFileRegs, f.Deferred, "deferred")
+		counter(dGPUFileWarmed, f.Warmed)
+		counter(dGPUFileWaits, f.Waits)
+		ch <- prometheus.MustNewConstMetric(dGPUFileWaited, prometheus.CounterValue, f.Waited.Seconds())
+		counter(dGPUFileJobs, f.Stores, "store")
+		counter(dGPUFileJobs, f.Loads, "load")
+	}
+	if src.GPUStaging != nil {
+		inUse, total, size := src.GPUStaging()
+		gauge(dGPUPinInUse, float64(inUse))
+		gauge(dGPUPinTotal, float64(total))
+		gauge(dGPUPinSize, float64(size))
+	}
+	if src.GPUFaults != nil {
+		for d, n := range src.GPUFaults() {
+			counter(dGPUFaults, n, strconv.Itoa(d))
+		}
+	}
+	if src.CuFile != nil {
+		h := src.CuFile()
+		gauge(dCuFileHandles, float64(h.Cached))
+		counter(dCuFileRegs, h.Registrations, "ok")
+		counter(dCuFileRegs, h.Failures, "failed")
+		counter(dCuFileHits, h.Hits)
+		counter(dCuFileDropped, h.Evictions, "evicted")
+		counter(dCuFileDropped, h.Forgotten, "forgotten")
+		counter(dCuFileDropped, h.Unlinked, "unlinked")
+	}
+	if src.Reloads != nil {
+		ok, failed := src.Reloads()
+		counter(dReloads, ok, "ok")
+		counter(dReloads, failed, "failed")
+	}
+}

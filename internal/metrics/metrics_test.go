@@ -1,0 +1,293 @@
+package metrics
+
+import (
+	"io"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+
+	dto "github.com/prometheus/client_model/go"
+	"github.com/prometheus/common/expfmt"
+	"github.com/prometheus/common/model"
+
+	"github.com/kvhost/kvhost/gds"
+	"github.com/kvhost/kvhost/host/engine"
+	"github.com/kvhost/kvhost/host/policy"
+	"github.com/kvhost/kvhost/internal/region"
+	"github.com/kvhost/kvhost/internal/server"
+	"github.com/kvhost/kvhost/protocol"
+	"github.com/kvhost/kvhost/staging/gpu"
+)
+
+// scrape gets url and parses it as the Prometheus text format.
+func scrape(t *testing.T, url string) map[string]*dto.MetricFamily {
+	t.Helper()
+	resp, err := http.Get(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("GET %s: %s", url, resp.Status)
+	}
+	p := expfmt.NewTextParser(model.UTF8Validation)
+	fams, err := p.TextToMetricFamilies(resp.Body)
+	if err != nil {
+		t.Fatalf("parse %s: %v", url, err)
+	}
+	return fams
+}
+
+// value is the value of the metric of fam whose labels include want, or
+// -1 if there is none.
+func value(fams map[string]*dto.MetricFamily, name string, want map[string]string) float64 {
+	f := fams[name]
+	if f == nil {
+		return -1
+	}
+metric:
+	for _, m := range f.Metric {
+		for k, v := range want {
+			found := false
+			for _, l := range m.Label {
+				found = found || (l.GetName() == k && l.GetValue() == v)
+			}
+			if !found {
+				continue metric
+			}
+		}
+		switch {
+		case m.Counter != nil:
+			return m.Counter.GetValue()
+		case m.Gauge != nil:
+			return m.Gauge.GetValue()
+		case m.Histogram != nil:
+			return float64(m.Histogram.GetSampleCount())
+		}
+	}
+	return -1
+}
+
+func status(t *testing.T, url string) int {
+	t.Helper()
+	resp, err := http.Get(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	return resp.StatusCode
+}
+
+// TestMetricsExposeSourcesAndObservations serves a registry over HTTP
+// and checks, in the parsed text format, the collector's snapshot values,
+// the histograms fed by ObserveJob and ObservePolicyCall, and the probes.
+func TestMetricsExposeSourcesAndObservations(t *testing.T) {
+	m := New("v1.2.3")
+	ts := httptest.NewServer(m.Handler(false))
+	defer ts.Close()
+
+	if got := status(t, ts.URL+"/readyz"); got != http.StatusServiceUnavailable {
+		t.Errorf("/readyz before SetReady: %d, want 503", got)
+	}
+	if got := status(t, ts.URL+"/healthz"); got != http.StatusOK {
+		t.Errorf("/healthz: %d, want 200", got)
+	}
+	fams := scrape(t, ts.URL+"/metrics")
+	if value(fams, "kvhost_build_info", map[string]string{"version": "v1.2.3"}) != 1 || value(fams, "kvhost_ready", nil) != 0 {
+		t.Fatalf("build info or ready missing before sources: %v", fams["kvhost_build_info"])
+	}
+
+	dir := t.TempDir()
+	started := time.Unix(1700000000, 0)
+	m.SetSources(Sources{
+		Engine: func() engine.Stats {
+			return engine.Stats{Entries: 3, Keys: 5, Stores: 5, Hits: 7, Misses: 2, Evictions: 1, BytesWritten: 4096,
+				StoreFailures: engine.Failures{NoSpace: 4},
+				Tiering:       engine.TierStats{Demotions: 74700, Promotions: 12, Moves: 30, MoveFailures: 2, DemotionDeletes: 5},
+				Mounts:        []engine.MountStats{{Path: dir, Capacity: 1000, Used: 400, Entries: 3, IO: "buffered", Backend: "staging", Checksums: true, MovedIn: 8, MovedOut: 9}}}
+		},
+		Server: func() server.Stats {
+			return server.Stats{Clients: 2, InflightJobs: 1, Regions: 3, RegisteredBytes: 1 << 20, Started: started,
+				Devices: []protocol.DeviceStats{{Ordinal: 1, Regions: 2, Registered: 5, Limit: 9}}}
+		},
+		Policy: func() PolicyState {
+			return PolicyState{Name: "lru", Stats: policy.Stats{Backend: "native", Fallback: true, FallbackReason: "trap in kvhost_name",
+				Calls: map[string]uint64{"kvhost_name": 11}, Failures: 3, Replacements: 2, RemovedOffered: 6}}
+		},
+		DataPaths: func() []DataPath { return []DataPath{{Mount: dir, Fallbacks: map[string]uint64{"cufile": 6}}} },
+		Reloads:   func() (uint64, uint64) { return 4, 1 },
+		Staging:   func() (int, int, int) { return 2, 16, 4 << 20 },
+		GPUFiles: func() gpu.FileStats {
+			return gpu.FileStats{Files: 6, Bytes: 6 << 25, Limit: 100, Registered: 9, Released: 3, Failed: 1, Deferred: 2, Warmed: 7, Stores: 12, Loads: 14, Queued: 5, Waits: 4, Waited: 1500 * time.Millisecond}
+		},
+		GPUStaging: func() (int, int, int) { return 3, 31, 4<<20 + 8192 },
+		GPUFaults:  func() map[int]uint64 { return map[int]uint64{0: 0, 1: 2} },
+		CuFile: func() gds.HandleStats {
+			return gds.HandleStats{Cached: 7, Registrations: 20, Failures: 2, Hits: 50, Evictions: 8, Forgotten: 4, Unlinked: 1}
+		},
+	})
+	m.SetReady(true)
+	if got := status(t, ts.URL+"/healthz/gpu"); got != http.StatusServiceUnavailable {
+		t.Errorf("/healthz/gpu with 2 faults on device 1: %d, want 503", got)
+	}
+	if got := status(t, ts.URL+"/healthz"); got != http.StatusOK {
+		t.Errorf("/healthz with 2 faults on device 1: %d, want 200 (the process serves)", got)
+	}
+	m.ObserveJob(engine.JobEvent{Direction: "store", Memory: region.KindHost, Path: "staging", Bytes: 4096, Duration: time.Millisecond,
+		Outcomes: [engine.OutcomeFailed + 1]int{engine.OutcomeStored: 2, engine.OutcomeNotAdmitted: 1}})
+	m.ObservePolicyCall("kvhost_name", 4, 3*time.Microsecond)
+	m.ObserveRequest(protocol.TypeLookup, 40*time.Microsecond)
+	m.ObserveRequest(protocol.TypeLookup, 3*time.Millisecond)
+
+	fams = scrape(t, ts.URL+"/metrics")
+	mount := map[string]string{"mount": dir}
+	for _, c := range []struct {
+		name   string
+		labels map[string]string
+		want   float64
+	}{
+		{"kvhost_ready", nil, 1},
+		{"kvhost_entries", nil, 3},
+		{"kvhost_stored_keys_total", nil, 5},
+		{"kvhost_hits_total", nil, 7},
+		{"kvhost_misses_total", nil, 2},
+		{"kvhost_evictions_total", nil, 1},
+		{"kvhost_demotions_total", nil, 74700},
+		{"kvhost_promotions_total", nil, 12},
+		{"kvhost_tick_moves_total", nil, 30},
+		{"kvhost_move_failures_total", nil, 2},
+		{"kvhost_demotion_deletes_total", nil, 5},
+		{"kvhost_mount_moved_in_files_total", mount, 8},
+		{"kvhost_mount_moved_out_files_total", mount, 9},
+		{"kvhost_written_bytes_total", nil, 4096},
+		{"kvhost_key_failures_total", map[string]string{"direction": "store", "reason": "no_space"}, 4},
+		{"kvhost_gpu_registered_files", nil, 6},
+		{"kvhost_gpu_registered_file_bytes", nil, 6 << 25},
+		{"kvhost_gpu_registered_files_limit", nil, 100},
+		{"kvhost_gpu_file_registrations_queued", nil, 5},
+		{"kvhost_gpu_file_registrations_total", map[string]string{"result": "ok"}, 9},
+		{"kvhost_gpu_file_registrations_total", map[string]string{"result": "released"}, 3},
+		{"kvhost_gpu_file_registrations_total", map[string]string{"result": "failed"}, 1},
+		{"kvhost_gpu_file_registrations_total", map[string]string{"result": "deferred"}, 2},
+		{"kvhost_gpu_file_warm_offers_total", nil, 7},
+		{"kvhost_gpu_file_registration_waits_total", nil, 4},
+		{"kvhost_gpu_file_registration_wait_seconds_total", nil, 1.5},
+		{"kvhost_gpu_direct_file_jobs_total", map[string]string{"direction": "store"}, 12},
+		{"kvhost_gpu_direct_file_jobs_total", map[string]string{"direction": "load"}, 14},
+		{"kvhost_gpu_staging_buffers_in_use", nil, 3},
+		{"kvhost_gpu_staging_buffers", nil, 31},
+		{"kvhost_gpu_staging_buffer_bytes", nil, 4<<20 + 8192},
+		{"kvhost_gpu_device_faults_total", map[string]string{"device": "0"}, 0},
+		{"kvhost_gpu_device_faults_total", map[string]string{"device": "1"}, 2},
+		{"kvhost_cufile_handles", nil, 7},
+		{"kvhost_cufile_handle_registrations_total", map[string]string{"result": "ok"}, 20},
+		{"kvhost_cufile_handle_registrations_total", map[string]string{"result": "failed"}, 2},
+		{"kvhost_cufile_handle_hits_total", nil, 50},
+		{"kvhost_cufile_handles_dropped_total", map[string]string{"reason": "evicted"}, 8},
+		{"kvhost_cufile_handles_dropped_total", map[string]string{"reason": "forgotten"}, 4},
+		{"kvhost_cufile_handles_dropped_total", map[string]string{"reason": "unlinked"}, 1},
+		{"kvhost_mount_capacity_bytes", mount, 1000},
+		{"kvhost_mount_used_bytes", mount, 400},
+		{"kvhost_mount_free_bytes", mount, 600},
+		{"kvhost_mount_info", map[string]string{"mount": dir, "io": "buffered", "backend": "staging", "checksums": "true"}, 1},
+		{"kvhost_data_path_fallbacks_total", map[string]string{"mount": dir, "mover": "cufile"}, 6},
+		{"kvhost_policy_info", map[string]string{"policy": "lru", "backend": "native"}, 1},
+		{"kvhost_policy_fallback", map[string]string{"reason": "trap in kvhost_name"}, 1},
+		{"kvhost_policy_calls_total", map[string]string{"hook": "kvhost_name"}, 11},
+		{"kvhost_policy_failures_total", nil, 3},
+		{"kvhost_policy_removed_offered_total", nil, 6},
+		{"kvhost_policy_restarts_total", nil, 2},
+		{"kvhost_clients", nil, 2},
+		{"kvhost_jobs_in_flight", nil, 1},
+		{"kvhost_registered_regions", nil, 3},
+		{"kvhost_gpu_registered_bytes", map[string]string{"device": "1"}, 5},
+		{"kvhost_start_time_seconds", nil, 1700000000},
+		{"kvhost_reloads_total", map[string]string{"result": "failed"}, 1},
+		{"kvhost_staging_buffers_in_use", nil, 2},
+		{"kvhost_staging_buffers_limit", nil, 16},
+		{"kvhost_jobs_total", map[string]string{"direction": "store", "memory": "host", "path": "staging"}, 1},
+		{"kvhost_job_bytes_total", map[string]string{"direction": "store"}, 4096},
+		{"kvhost_job_duration_seconds", map[string]string{"direction": "store"}, 1},
+		{"kvhost_job_keys_total", map[string]string{"direction": "store", "outcome": "stored"}, 2},
+		{"kvhost_job_keys_total", map[string]string{"direction": "store", "outcome": "not_admitted"}, 1},
+		{"kvhost_policy_call_duration_seconds", map[string]string{"hook": "kvhost_name"}, 1},
+		{"kvhost_request_duration_seconds", map[string]string{"request": "lookup"}, 2},
+	} {
+		if got := value(fams, c.name, c.labels); got != c.want {
+			t.Errorf("%s%v = %v, want %v", c.name, c.labels, got, c.want)
+		}
+	}
+	if value(fams, "kvhost_mount_fs_available_bytes", mount) <= 0 {
+		t.Error("no file-system free space for the mount")
+	}
+	if got := status(t, ts.URL+"/readyz"); got != http.StatusOK {
+		t.Errorf("/readyz when ready: %d", got)
+	}
+	for name := range fams {
+		if !strings.HasPrefix(name, "kvhost_") && !strings.HasPrefix(name, "go_") && !strings.HasPrefix(name, "process_") {
+			t.Errorf("metric %s outside the documented prefixes", name)
+		}
+	}
+}
+
+// TestProfilesServedOnlyWhenAsked: /debug/pprof/ answers 404 by default
+// and serves the profile index and a heap profile with profiling on.
+func TestProfilesServedOnlyWhenAsked(t *testing.T) {
+	for _, profiling := range []bool{false, true} {
+		ts := httptest.NewServer(New("v").Handler(profiling))
+		want := http.StatusNotFound
+		if profiling {
+			want = http.StatusOK
+		}
+		for _, path := range []string{"/debug/pprof/", "/debug/pprof/heap", "/debug/pprof/goroutine?debug=1"} {
+			if got := status(t, ts.URL+path); got != want {
+				t.Errorf("profiling %v: GET %s = %d, want %d", profiling, path, got, want)
+			}
+		}
+		if got := status(t, ts.URL+"/metrics"); got != http.StatusOK {
+			t.Errorf("profiling %v: /metrics = %d", profiling, got)
+		}
+		ts.Close()
+	}
+}
+
+// TestHealthzGPUFailsOnceAGPUsContextIsBroken: /healthz/gpu answers 503,
+// naming the device, once a job failed there with a sticky CUDA error (the
+// context stays broken until the daemon restarts); 200 with no GPU or no
+// faults. /healthz answers 200 whatever the GPUs: the process serves.
+func TestHealthzGPUFailsOnceAGPUsContextIsBroken(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		faults func() map[int]uint64
+		want   int
+		body   string
+	}{
+		{"no GPU", nil, http.StatusOK, "ok"},
+		{"no faults", func() map[int]uint64 { return map[int]uint64{0: 0, 1: 0} }, http.StatusOK, "ok"},
+		{"a broken GPU", func() map[int]uint64 { return map[int]uint64{0: 0, 3: 2} }, http.StatusServiceUnavailable, "GPU 3: 2 device faults (a sticky CUDA error, or a cuFile batch whose I/O did not come back)"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			m := New("v")
+			m.SetSources(Sources{GPUFaults: tc.faults})
+			ts := httptest.NewServer(m.Handler(false))
+			defer ts.Close()
+			resp, err := http.Get(ts.URL + "/healthz/gpu")
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer resp.Body.Close()
+			body, err := io.ReadAll(resp.Body)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if resp.StatusCode != tc.want || !strings.Contains(string(body), tc.body) {
+				t.Fatalf("/healthz/gpu: %d %q, want %d and %q", resp.StatusCode, body, tc.want, tc.body)
+			}
+			if got := status(t, ts.URL+"/healthz"); got != http.StatusOK {
+				t.Fatalf("/healthz: %d, want 200", got)
+			}
+		})
+	}
+}

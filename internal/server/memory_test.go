@@ -1,0 +1,126 @@
+package server_test
+
+import (
+	"testing"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/kvhost/kvhost/client"
+	"github.com/kvhost/kvhost/internal/server"
+	"github.com/kvhost/kvhost/protocol"
+)
+
+// hello completes the handshake of a raw connection.
+func (r *rawConn) hello() {
+	r.tb.Helper()
+	r.send(1, &protocol.Hello{Version: protocol.Version})
+	if _, m, err := r.recv(); err != nil || m.Type() != protocol.TypeHello|protocol.TypeReply {
+		r.tb.Fatalf("welcome: %#v %v", m, err)
+	}
+}
+
+// register registers fd's first size bytes and returns the reply: a
+// region id, or the error code.
+func (r *rawConn) register(fd int, size int64) (uint32, protocol.Code) {
+	r.tb.Helper()
+	r.send(2, &protocol.RegisterMemory{Kind: protocol.MemoryMemfd, Size: uint64(size)}, fd)
+	_, m, err := r.recv()
+	if err != nil {
+		r.tb.Fatal(err)
+	}
+	switch m := m.(type) {
+	case *protocol.MemoryRegistered:
+		return m.Region, protocol.CodeOK
+	case *protocol.Error:
+		return 0, m.Code
+	}
+	r.tb.Fatalf("register: %#v", m)
+	return 0, 0
+}
+
+// sparse returns a memfd of size bytes that uses no memory.
+func sparse(tb testing.TB, size int64) int {
+	tb.Helper()
+	m, err := client.NewMemfd("sparse", size)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { m.Close() })
+	return m.Fd()
+}
+
+func ram(tb testing.TB) int64 {
+	var si unix.Sysinfo_t
+	if err := unix.Sysinfo(&si); err != nil {
+		tb.Fatal(err)
+	}
+	return int64(si.Totalram) * int64(si.Unit)
+}
+
+// TestSparseMemfdsDoNotExhaustRegisteredMemory reproduces issue 7 with the
+// default limits: two clients that register sparse memfds the size of the
+// machine's memory (which costs them nothing) used to leave no registered
+// memory for anyone else. Now every client keeps its share.
+func TestSparseMemfdsDoNotExhaustRegisteredMemory(t *testing.T) {
+	f := newFixture(t, server.Config{})
+	size := ram(t)
+	fd := sparse(t, size)
+	for i := 0; i < 3; i++ {
+		r := f.raw(t)
+		r.hello()
+		if _, code := r.register(fd, size); code != protocol.CodeOK {
+			t.Fatalf("client %d: registering %d sparse bytes (the machine's memory): %s", i, size, code)
+		}
+		if _, code := r.register(fd, 4096); code != protocol.CodeLimit {
+			t.Fatalf("client %d: a second registration past its share: got %s, want %s", i, code, protocol.CodeLimit)
+		}
+	}
+}
+
+// TestRegisteredBytesShare: a connection may register at most the smaller
+// of MaxRegisteredBytes and its share of MaxTotalRegisteredBytes; a client
+// that takes all it can leaves every other client its share; bytes come
+// back when a region is unregistered.
+func TestRegisteredBytesShare(t *testing.T) {
+	const gib = 1 << 30
+	tests := []struct {
+		name           string
+		clients        int
+		perConn, total int64
+		wantShare      int64
+	}{
+		{"share below the per-connection limit", 4, 3 * gib, 8 * gib, 2 * gib},
+		{"per-connection limit below the share", 2, 1 * gib, 8 * gib, 1 * gib},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			f := newFixture(t, server.Config{MaxClients: tc.clients, MaxClientsPerPeer: tc.clients, MaxRegisteredBytes: tc.perConn, MaxTotalRegisteredBytes: tc.total})
+			fd := sparse(t, tc.wantShare)
+			conns := make([]*rawConn, tc.clients)
+			var first uint32
+			for i := range conns {
+				r := f.raw(t)
+				r.hello()
+				conns[i] = r
+				id, code := r.register(fd, tc.wantShare)
+				if code != protocol.CodeOK {
+					t.Fatalf("client %d: registering its share: %s", i, code)
+				}
+				if i == 0 {
+					first = id
+				}
+				if _, code := r.register(fd, 4096); code != protocol.CodeLimit {
+					t.Fatalf("client %d: one page past its share: got %s, want %s", i, code, protocol.CodeLimit)
+				}
+			}
+			a := conns[0]
+			a.send(3, &protocol.UnregisterMemory{Region: first})
+			if _, m, err := a.recv(); err != nil || m.Type() != protocol.TypeUnregisterMemory|protocol.TypeReply {
+				t.Fatalf("unregister: %#v %v", m, err)
+			}
+			if _, code := a.register(fd, tc.wantShare); code != protocol.CodeOK {
+				t.Fatalf("registering again after unregistering: %s", code)
+			}
+		})
+	}
+}

@@ -1,0 +1,83 @@
+package server_test
+
+import (
+	"context"
+	"errors"
+	"os"
+	"os/exec"
+	"testing"
+
+	"github.com/kvhost/kvhost/client"
+	"github.com/kvhost/kvhost/internal/server"
+	"github.com/kvhost/kvhost/protocol"
+)
+
+// peerSocketEnv names the socket a re-executed test binary connects to as
+// another process (TestHelperOtherProcessClient).
+const peerSocketEnv = "KVHOST_TEST_PEER_SOCKET"
+
+// TestHelperOtherProcessClient is not a test: run by
+// TestOneProcessCannotTakeEveryClientSlot in a process of its own, it
+// connects to the socket in $KVHOST_TEST_PEER_SOCKET, registers 1 MiB and
+// declares a namespace.
+func TestHelperOtherProcessClient(t *testing.T) {
+	socket := os.Getenv(peerSocketEnv)
+	if socket == "" {
+		t.Skip("run by TestOneProcessCannotTakeEveryClientSlot")
+	}
+	ctx := context.Background()
+	c, err := client.Dial(ctx, socket, "other-process")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	holdMiB(t, c)
+	if _, err := c.Declare(ctx, geo); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// holdMiB registers a 1 MiB memfd on c: the connection then holds a region
+// and is never closed for being idle.
+func holdMiB(tb testing.TB, c *client.Client) {
+	tb.Helper()
+	mem, err := client.NewMemfd("hold", 1<<20)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { mem.Close() })
+	if _, err := c.RegisterMemfd(context.Background(), mem); err != nil {
+		tb.Fatal(err)
+	}
+}
+
+// TestOneProcessCannotTakeEveryClientSlot: one process opening as many
+// connections as the daemon serves clients (64 by default), each holding a
+// 1 MiB region, gets half of them, refused beyond with limit exceeded;
+// another process then still connects and works.
+func TestOneProcessCannotTakeEveryClientSlot(t *testing.T) {
+	f := newFixture(t, server.Config{})
+	const maxClients, perPeer = 64, 32 // the defaults
+	admitted := 0
+	for range maxClients {
+		c, err := client.Dial(context.Background(), f.socket, "greedy")
+		if err != nil {
+			var pe *protocol.Error
+			if !errors.As(err, &pe) || pe.Code != protocol.CodeLimit {
+				t.Fatalf("connection %d: %v, want limit exceeded", admitted+1, err)
+			}
+			continue
+		}
+		t.Cleanup(func() { c.Close() })
+		holdMiB(t, c)
+		admitted++
+	}
+	if admitted != perPeer {
+		t.Errorf("one process got %d of %d client slots, want %d", admitted, maxClients, perPeer)
+	}
+	cmd := exec.Command(os.Args[0], "-test.run=^TestHelperOtherProcessClient$", "-test.count=1")
+	cmd.Env = append(os.Environ(), peerSocketEnv+"="+f.socket)
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("another process is locked out: %v\n%s", err, out)
+	}
+}

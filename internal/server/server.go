@@ -1,0 +1,540 @@
+// Package server is the kvhost daemon's protocol front end: it accepts
+// connections on the Unix socket, runs one session per client, checks every
+// request against what that client registered and its limits, dispatches to
+// the storage engine, and pushes job completions back.
+//
+// A session owns what its client registered: memory regions (mapped
+// memfds and shared-memory files, imported CUDA IPC memory), namespaces
+// and caches, by ids that mean nothing on another
+// connection. When the client goes away, the session cancels its jobs,
+// waits until the engine has finished with every one of them, and only
+// then unregisters its caches and unmaps its regions: a job never touches
+// unmapped memory. One daemon serves every GPU of the node: a GPU
+// registration names its device (Config.OpenDevice).
+package server
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/kvhost/kvhost/host/engine"
+	"github.com/kvhost/kvhost/internal/region"
+	"github.com/kvhost/kvhost/protocol"
+)
+
+// Engine is what a session asks of the storage engine (*engine.Engine).
+type Engine interface {
+	Declare(ctx context.Context, g engine.Geometry) (engine.NamespaceID, error)
+	RegisterCache(ns engine.NamespaceID, layers []engine.LayerTensor) (engine.CacheID, error)
+	UnregisterCache(id engine.CacheID) error
+	Store(ctx context.Context, req engine.StoreRequest) (*engine.Job, error)
+	Load(ctx context.Context, req engine.LoadRequest) (*engine.Job, error)
+	Lookup(ctx context.Context, ns engine.NamespaceID, keys [][]byte) (int, error)
+	Delete(ctx context.Context, ns engine.NamespaceID, keys [][]byte) (int, error)
+	// Release tells the engine that no client uses the namespace any more
+	// (it no longer counts against the engine's namespace limit).
+	Release(ns engine.NamespaceID) error
+	Stats() engine.Stats
+}
+
+var _ Engine = (*engine.Engine)(nil)
+
+// Config configures a Server. Zero fields take the defaults noted.
+type Config struct {
+	// MaxClients bounds connections that have completed the handshake
+	// (default 64).
+	MaxClients int
+	// MaxClientsPerPeer bounds the connections through the handshake of
+	// one peer process (its pid, from SO_PEERCRED), so that one client
+	// opening connections cannot take every slot of MaxClients (default
+	// half of MaxClients, at least 1). A peer whose pid the kernel
+	// does not give (another pid namespace) is not bounded by it.
+	MaxClientsPerPeer int
+	// MaxHandshakes bounds connections accepted but not yet through Hello
+	// (default 16). A new connection beyond it closes the oldest of them:
+	// silent connections cannot keep a client that speaks from getting in.
+	MaxHandshakes int
+	// MaxFrame bounds one frame, header included (default 4 MiB, at least
+	// protocol.MinFrame).
+	MaxFrame int
+	// MaxRegistrations bounds a connection's memory regions (default 64).
+	MaxRegistrations int
+	// MaxInflightJobs bounds a connection's unfinished jobs (default 256).
+	MaxInflightJobs int
+	// MaxNamespaces and MaxCaches bound a connection's declarations and
+	// cache registrations (default 64 each).
+	MaxNamespaces, MaxCaches int
+	// MaxTotalRegisteredBytes bounds the bytes of memory all connections
+	// together may register, that is map into the daemon (default 64 TiB,
+	// half of the x86-64 user address space). Each connection is
+	// guaranteed its share, MaxTotalRegisteredBytes / MaxClients, and may
+	// register at most the smaller of that share and MaxRegisteredBytes
+	// (default: the machine's physical memory): whatever one client
+	// registers, sparse memfds included, every other client can still
+	// register its share. See docs/serve.md.
+	MaxRegisteredBytes, MaxTotalRegisteredBytes int64
+	// HandshakeTimeout is how long a new connection has to complete its
+	// Hello (default 5s).
+	HandshakeTimeout time.Duration
+	// FrameTimeout bounds the time from a frame's first byte to its last
+	// (default 10s): a client that stops in the middle of a frame is
+	// disconnected.
+	FrameTimeout time.Duration
+	// IdleTimeout closes a connection that holds nothing (no memory
+	// region, no namespace) and has sent no frame for this long
+	// (default 60s). Connections holding registrations are never idle-closed.
+	IdleTimeout time.Duration
+	// WriteTimeout closes a connection whose reply or completion could not
+	// be written for this long (default 10s): the client does not read.
+	WriteTimeout time.Duration
+	// ShutdownTimeout is how long Serve, once its context is done, lets
+	// in-flight jobs finish before cancelling them (default 0: cancel at once).
+	ShutdownTimeout time.Duration
+	// Name is sent to clients in the handshake (default "kvhost").
+	Name string
+	// Logger receives the server's logs (default slog.Default()).
+	Logger *slog.Logger
+
+	// OpenDevice imports GPU memory a client registered by CUDA IPC: the
+	// range [offset, offset+size) of the allocation handle names, on
+	// device ordinal. Nil: the daemon has no GPU support and answers CUDA
+	// IPC registrations with CodeUnsupported. The server checks ordinal,
+	// offset and size against its limits before calling it, and closes
+	// the memory it returns (cudaIpcCloseMemHandle) when the client
+	// unregisters it or goes away, after every job using it has ended.
+	// Errors wrapping region.ErrBounds (a range outside the exported
+	// allocation) reach the client as CodeInvalid, *protocol.Error values
+	// as they are, any other as CodeBadHandle (a stale or forged handle,
+	// or another device's). Package server/cudaipc provides one.
+	OpenDevice func(ctx context.Context, ordinal int, handle [protocol.CUDAIPCHandleLen]byte, offset, size int64) (DeviceMemory, error)
+	// Devices is the number of GPUs clients may register memory on: CUDA
+	// IPC registrations name ordinals 0..Devices-1. Required with
+	// OpenDevice.
+	Devices int
+	// DeviceUUIDs are the GPUs' UUIDs by ordinal, reported in Stats replies
+	// so that a client can find the ordinal of its own GPU whatever
+	// CUDA_VISIBLE_DEVICES says; a missing or zero entry is unknown.
+	DeviceUUIDs [][16]byte
+	// DeviceFaults reports, per device ordinal, the jobs and
+	// registrations that failed with a sticky CUDA error (the device's
+	// context is broken until the daemon restarts), for Stats replies and
+	// so `kvhost health`; nil: none known.
+	DeviceFaults func() map[int]uint64
+	// MaxDeviceBytes bounds the GPU memory all clients together may
+	// register on each device (default DefaultMaxDeviceBytes; set it to
+	// the device's memory). Registered GPU memory is the clients' own
+	// allocations, mapped, not copied: the bound catches a client that
+	// registers one allocation over and over.
+	MaxDeviceBytes int64
+
+	// OnRequest, if set, is called after the reply to each control
+	// request (every request after the handshake but Store and Load, whose
+	// jobs the engine's Observer sees) with the request's type and the
+	// time from its frame read to its reply written (metrics:
+	// kvhost_request_duration_seconds). It runs on the connection's
+	// goroutine and must be fast.
+	OnRequest func(t protocol.Type, took time.Duration)
+
+	// Daemon, if set, supplies the daemon section of Stats replies (start
+	// time, policy, reloads); the server fills in its own figures and the
+	// engine's mounts.
+	Daemon func() protocol.DaemonStats
+	// LookupTable, if set, is the path of the daemon's shared lookup
+	// table (internal/lookuptable), which a client asks for once
+	// (protocol.TypeLookupTable) to answer lookups from its own mapping.
+	LookupTable string
+
+	// SharedFiles accepts MemoryShared registrations: memfds and
+	// /dev/shm files not sealed against shrinking, which their owner may
+	// truncate under a job. Set it only when the engine's CPU copies of
+	// shrinkable host regions run under region.Guard, which fails such a
+	// job instead of crashing the daemon on SIGBUS. Without it those
+	// registrations are answered CodeUnsupported.
+	SharedFiles bool
+}
+
+// DeviceMemory is GPU memory a client registered, as OpenDevice imports
+// it: a region.Device the engine's GPU movers copy to and from, closed by
+// the server when no job uses it any more.
+type DeviceMemory interface {
+	region.Device
+	// Close releases the import. It is called once, from any goroutine.
+	Close() error
+}
+
+// DefaultMaxDeviceBytes is Config.MaxDeviceBytes when it is zero: more
+// than the memory of any single GPU of 2026.
+const DefaultMaxDeviceBytes = 256 << 30
+
+// DefaultMaxTotalRegisteredBytes is Config.MaxTotalRegisteredBytes when it
+// is zero: half of the 128 TiB user address space of x86-64 and arm64
+// (4-level page tables).
+const DefaultMaxTotalRegisteredBytes = 64 << 40
+
+func (c Config) withDefaults() (Config, error) {
+	def := func(v *int, d int) {
+		if *v == 0 {
+			*v = d
+		}
+	}
+	def(&c.MaxClients, 64)
+	def(&c.MaxClientsPerPeer, max(1, c.MaxClients/2))
+	def(&c.MaxHandshakes, 16)
+	def(&c.MaxFrame, 4<<20)
+	def(&c.MaxRegistrations, 64)
+	def(&c.MaxInflightJobs, 256)
+	def(&c.MaxNamespaces, 64)
+	def(&c.MaxCaches, 64)
+	defDur := func(v *time.Duration, d time.Duration) {
+		if *v == 0 {
+			*v = d
+		}
+	}
+	defDur(&c.HandshakeTimeout, 5*time.Second)
+	defDur(&c.FrameTimeout, 10*time.Second)
+	defDur(&c.IdleTimeout, 60*time.Second)
+	defDur(&c.WriteTimeout, 10*time.Second)
+	if c.MaxTotalRegisteredBytes == 0 {
+		c.MaxTotalRegisteredBytes = DefaultMaxTotalRegisteredBytes
+	}
+	if c.MaxDeviceBytes == 0 {
+		c.MaxDeviceBytes = DefaultMaxDeviceBytes
+	}
+	if c.MaxRegisteredBytes == 0 {
+		var si unix.Sysinfo_t
+		ram := int64(64 << 30)
+		if err := unix.Sysinfo(&si); err == nil && si.Totalram > 0 {
+			ram = int64(si.Totalram) * int64(si.Unit)
+		}
+		c.MaxRegisteredBytes = ram
+	}
+	switch {
+	case c.MaxRegisteredBytes < 0 || c.MaxTotalRegisteredBytes < 0 || c.MaxDeviceBytes < 0:
+		return c, errors.New("server: negative registered-bytes limit")
+	case c.Devices < 0 || c.Devices > protocol.MaxDevices: // a Stats reply carries at most as many
+		return c, fmt.Errorf("server: Devices %d: want 0..%d", c.Devices, protocol.MaxDevices)
+	case c.OpenDevice != nil && c.Devices == 0:
+		return c, errors.New("server: OpenDevice without Devices: say how many GPUs clients may register memory on")
+	case c.MaxFrame < protocol.MinFrame || c.MaxFrame > 1<<30:
+		return c, fmt.Errorf("server: MaxFrame %d: want %d..1GiB", c.MaxFrame, protocol.MinFrame)
+	case c.MaxClients < 0 || c.MaxClientsPerPeer < 0 || c.MaxHandshakes < 0 || c.MaxRegistrations < 0 || c.MaxInflightJobs < 0 || c.MaxNamespaces < 0 || c.MaxCaches < 0:
+		return c, errors.New("server: negative limit")
+	case c.ShutdownTimeout < 0 || c.HandshakeTimeout < 0 || c.FrameTimeout < 0 || c.IdleTimeout < 0 || c.WriteTimeout < 0:
+		return c, errors.New("server: negative timeout")
+	}
+	if c.Name == "" {
+		c.Name = "kvhost"
+	}
+	if c.Logger == nil {
+		c.Logger = slog.Default()
+	}
+	return c, nil
+}
+
+// regShare is the most bytes one connection may register: its guaranteed
+// share of the daemon's total, or less if MaxRegisteredBytes says so.
+func (c Config) regShare() int64 {
+	return min(c.MaxRegisteredBytes, c.MaxTotalRegisteredBytes/int64(max(c.MaxClients, 1)))
+}
+
+// Server serves the kvhost protocol over a listener.
+type Server struct {
+	eng Engine
+	cfg Config
+	log *slog.Logger
+
+	mu       sync.Mutex
+	sessions map[*session]struct{} // every live connection
+	pending  map[*session]uint64   // not through Hello yet, by accept number
+	admitted int                   // sessions through Hello
+	perPeer  map[int32]int         // sessions through Hello by peer pid (known pids only)
+	changed  chan struct{}         // closed and replaced when sessions change
+	stopping bool
+	wg       sync.WaitGroup // sessions
+	connSeq  atomic.Uint64  // numbers connections in logs
+	regBytes atomic.Int64   // memory registered by all sessions
+	regions  atomic.Int64   // host regions registered by all sessions
+	started  time.Time
+	devices  []deviceUse // per GPU: memory registered by all sessions
+
+	// nsMu serialises declarations and releases, so that a namespace is
+	// never released by one session while another is declaring it.
+	nsMu   sync.Mutex
+	nsRefs map[engine.NamespaceID]int // sessions that declared it
+}
+
+// New returns a Server dispatching to eng.
+func New(eng Engine, cfg Config) (*Server, error) {
+	cfg, err := cfg.withDefaults()
+	if err != nil {
+		return nil, err
+	}
+	if eng == nil {
+		return nil, errors.New("server: nil engine")
+	}
+	return &Server{
+		eng: eng, cfg: cfg, log: cfg.Logger,
+		sessions: make(map[*session]struct{}), pending: make(map[*session]uint64),
+		changed: make(chan struct{}), nsRefs: make(map[engine.NamespaceID]int), perPeer: make(map[int32]int),
+		devices: make([]deviceUse, cfg.Devices), started: time.Now(),
+	}, nil
+}
+
+// deviceUse is the GPU memory registered on one device.
+type deviceUse struct {
+	regions, bytes atomic.Int64
+}
+
+// reserveDevice accounts size bytes registered on device d against
+// MaxDeviceBytes.
+func (s *Server) reserveDevice(d int, size int64) error {
+	u := &s.devices[d]
+	if total := u.bytes.Add(size); total > s.cfg.MaxDeviceBytes {
+		u.bytes.Add(-size)
+		return perr(protocol.CodeLimit, "registering %d bytes on device %d would exceed the daemon's limit of %d bytes of registered GPU memory per device (%d registered)",
+			size, d, s.cfg.MaxDeviceBytes, total-size)
+	}
+	u.regions.Add(1)
+	return nil
+}
+
+func (s *Server) releaseDevice(d int, size int64) {
+	s.devices[d].bytes.Add(-size)
+	s.devices[d].regions.Add(-1)
+}
+
+// deviceStats reports the GPU memory registered on every device.
+func (s *Server) deviceStats() []protocol.DeviceStats {
+	if len(s.devices) == 0 {
+		return nil
+	}
+	out := make([]protocol.DeviceStats, len(s.devices))
+	var faults map[int]uint64
+	if s.cfg.DeviceFaults != nil {
+		faults = s.cfg.DeviceFaults()
+	}
+	for i := range s.devices {
+		out[i] = protocol.DeviceStats{Ordinal: uint32(i), Regions: uint64(s.devices[i].regions.Load()),
+			Registered: uint64(s.devices[i].bytes.Load()), Limit: uint64(s.cfg.MaxDeviceBytes)}
+		if i < len(s.cfg.DeviceUUIDs) {
+			out[i].UUID = s.cfg.DeviceUUIDs[i]
+		}
+		out[i].Faults = faults[i]
+	}
+	return out
+}
+
+// Serve accepts connections on l until ctx is done, then shuts down: it
+// stops accepting, stops reading requests, lets in-flight jobs finish for up
+// to ShutdownTimeout (delivering their completions), cancels the rest, waits
+// for every job to end and releases every session. It returns nil after a
+// shutdown, or the listener's error. Serve closes l.
+func (s *Server) Serve(ctx context.Context, l *net.UnixListener) error {
+	acceptErr := make(chan error, 1)
+	go func() {
+		var backoff time.Duration
+		for {
+			c, err := l.AcceptUnix()
+			if err != nil {
+				if !retryableAccept(err) {
+					acceptErr <- err
+					return
+				}
+				// Out of descriptors or memory for a moment: keep serving
+				// the clients we have and try again, as net/http does.
+				backoff = min(max(2*backoff, 5*time.Millisecond), time.Second)
+				s.log.Warn("accept failed; retrying", "err", err, "in", backoff.String())
+				select {
+				case <-ctx.Done():
+					return
+				case <-time.After(backoff):
+				}
+				continue
+			}
+			backoff = 0
+			s.start(c)
+		}
+	}()
+	var err error
+	select {
+	case <-ctx.Done():
+	case err = <-acceptErr:
+		err = fmt.Errorf("server: accept: %w", err)
+	}
+	l.Close()
+	s.Shutdown()
+	return err
+}
+
+// retryableAccept reports whether an accept error is a passing shortage
+// (descriptors, memory, an aborted connection) rather than a closed listener.
+func retryableAccept(err error) bool {
+	for _, e := range []error{unix.EMFILE, unix.ENFILE, unix.ENOBUFS, unix.ENOMEM, unix.ECONNABORTED, unix.EINTR} {
+		if errors.Is(err, e) {
+			return true
+		}
+	}
+	return false
+}
+
+// start registers and runs a session, or refuses the connection. A
+// connection counts against MaxHandshakes until its Hello and against
+// MaxClients after it; when MaxHandshakes are waiting, the oldest of them
+// is closed to make room.
+func (s *Server) start(c *net.UnixConn) *session {
+	s.mu.Lock()
+	if s.stopping {
+		s.mu.Unlock()
+		c.SetWriteDeadline(time.Now().Add(time.Second))
+		c.Write(protocol.AppendFrame(nil, 0, &protocol.Error{Code: protocol.CodeShuttingDown, Message: "the daemon is shutting down"}))
+		c.Close()
+		return nil
+	}
+	var evict *session
+	if len(s.pending) >= s.cfg.MaxHandshakes {
+		var oldest uint64
+		for p, seq := range s.pending {
+			if evict == nil || seq < oldest {
+				evict, oldest = p, seq
+			}
+		}
+		delete(s.pending, evict)
+	}
+	sess := newSession(s, c)
+	sess.peer = peerPID(c)
+	s.sessions[sess] = struct{}{}
+	s.pending[sess] = sess.seq
+	s.notifyLocked()
+	s.wg.Add(1)
+	s.mu.Unlock()
+	if evict != nil {
+		evict.log.Info("closing a connection that has not said hello: newer connections need the slot", "max_handshakes", s.cfg.MaxHandshakes)
+		evict.abort(perr(protocol.CodeTimeout, "no hello before %d newer connections arrived", s.cfg.MaxHandshakes))
+	}
+	go func() {
+		defer s.wg.Done()
+		sess.run()
+		s.mu.Lock()
+		delete(s.sessions, sess)
+		delete(s.pending, sess)
+		if sess.admitted {
+			s.admitted--
+			if sess.peer > 0 {
+				if s.perPeer[sess.peer]--; s.perPeer[sess.peer] == 0 {
+					delete(s.perPeer, sess.peer)
+				}
+			}
+		}
+		s.notifyLocked()
+		s.mu.Unlock()
+	}()
+	return sess
+}
+
+// peerPID is the pid of the process at the other end of c (SO_PEERCRED),
+// or 0 where the kernel does not give it (a peer in another pid
+// namespace, an error).
+func peerPID(c *net.UnixConn) int32 {
+	raw, err := c.SyscallConn()
+	if err != nil {
+		return 0
+	}
+	var pid int32
+	raw.Control(func(fd uintptr) {
+		if cred, err := unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED); err == nil {
+			pid = cred.Pid
+		}
+	})
+	return max(pid, 0)
+}
+
+// admit moves a session that said Hello from the handshaking connections to
+// the clients, or says why it cannot be a client.
+func (s *Server) admit(sess *session) *protocol.Error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if _, ok := s.pending[sess]; !ok {
+		// Closed to make room while its Hello was being read.
+		return perr(protocol.CodeTimeout, "no hello before %d newer connections arrived", s.cfg.MaxHandshakes)
+	}
+	delete(s.pending, sess)
+	switch {
+	case s.stopping:
+		return perr(protocol.CodeShuttingDown, "the daemon is shutting down")
+	case s.admitted >= s.cfg.MaxClients:
+		return perr(protocol.CodeLimit, "the daemon serves at most %d clients", s.cfg.MaxClients)
+	case sess.peer > 0 && s.perPeer[sess.peer] >= s.cfg.MaxClientsPerPeer:
+		return perr(protocol.CodeLimit, "process %d already has %d connections, the most one process may hold (server.max_clients_per_peer)", sess.peer, s.perPeer[sess.peer])
+	}
+	s.admitted++
+	if sess.peer > 0 {
+		s.perPeer[sess.peer]++
+	}
+	sess.admitted = true
+	s.notifyLocked()
+	return nil
+}
+
+func (s *Server) notifyLocked() {
+	close(s.changed)
+	s.changed = make(chan struct{})
+}
+
+// declare declares g for a session and counts the session as a user of
+// the namespace.
+func (s *Server) declare(ctx context.Context, g engine.Geometry) (engine.NamespaceID, error) {
+	s.nsMu.Lock()
+	defer s.nsMu.Unlock()
+	id, err := s.eng.Declare(ctx, g)
+	if err != nil {
+		return 0, err
+	}
+	s.nsRefs[id]++
+	return id, nil
+}
+
+// undeclare drops a session's use of a namespace and releases it in the
+// engine when no session uses it any more.
+func (s *Server) undeclare(id engine.NamespaceID) {
+	s.nsMu.Lock()
+	defer s.nsMu.Unlock()
+	s.nsRefs[id]--
+	if s.nsRefs[id] > 0 {
+		return
+	}
+	delete(s.nsRefs, id)
+	if err := s.eng.Release(id); err != nil {
+		s.log.Warn("release namespace", "ns", id, "err", err)
+	}
+}
+
+// Shutdown stops every session as Serve does after its context ends and
+// waits for them. New connections are refused from then on.
+func (s *Server) Shutdown() {
+	s.mu.Lock()
+	s.stopping = true
+	sessions := make([]*session, 0, len(s.sessions))
+	for sess := range s.sessions {
+		sessions = append(sessions, sess)
+	}
+	s.mu.Unlock()
+	for _, sess := range sessions {
+		sess.stop(s.cfg.ShutdownTimeout)
+	}
+	s.wg.Wait()
+}
+
+// clients is the number of sessions through the handshake.
+func (s *Server) clients() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.admitted
+}
