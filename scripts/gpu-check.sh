@@ -187,6 +187,10 @@ if [ "${LOOKUPS:-1}" = 1 ]; then
 			run "lookups-spare-$spare-$round" python3 scripts/lookup-latency.py "$sock" 5 16 2
 			stop_daemon
 		done
+		# The same, looked up back to back (a busy scheduler's CPU).
+		daemon "$sock" "$out/daemon-lookups-b2b-$round.log" "$shm/lookups"
+		run "lookups-b2b-$round" python3 scripts/lookup-latency.py "$sock" 5 16 0
+		stop_daemon
 	done
 fi
 if [ "${CHURN:-1}" = 1 ]; then
