@@ -26,7 +26,8 @@ type Manifest struct {
 type Row struct {
 	Name string `toml:"name"` // the table's first cell, short
 	// Calls are the calls whose figures the row reads, each "FILE#N": call
-	// N of docs/bench/FILE.
+	// N of docs/bench/FILE. A report row without a peer may also name a
+	// `kvhost bench --json` report, "FILE.json", and read its phases.
 	Calls []string `toml:"calls"`
 
 	// Exactly one of Report, Figure and Lookups says what the row reads.
@@ -38,6 +39,9 @@ type Row struct {
 	Report string `toml:"report"`
 	Phase  string `toml:"phase"`
 	Sums   string `toml:"sums"`
+	// KeyMiB picks the key size of a JSON report's phases (0: the report
+	// must have one).
+	KeyMiB int `toml:"key_mib"`
 	// Figure is a regular expression over the labels of "LABEL: X Y GB/s"
 	// lines.
 	Figure string `toml:"figure"`
@@ -74,13 +78,18 @@ type Goal struct {
 	MaxUS float64 `toml:"max_us"` // a p99 below this many µs
 }
 
-// A callRef is one parsed "FILE#N".
+// A callRef is one parsed "FILE#N", or "FILE.json" (N 0).
 type callRef struct {
 	File string
 	N    int
 }
 
-func (c callRef) String() string { return fmt.Sprintf("%s#%d", c.File, c.N) }
+func (c callRef) String() string {
+	if c.N == 0 {
+		return c.File
+	}
+	return fmt.Sprintf("%s#%d", c.File, c.N)
+}
 
 // ParseManifest decodes and checks a manifest; an unknown key, a bad
 // regular expression or a row that reads nothing is an error naming the row.
@@ -148,9 +157,16 @@ func (r *Row) check() error {
 		return errors.New("no calls")
 	}
 	for _, c := range r.Calls {
-		if _, err := parseCallRef(c); err != nil {
+		ref, err := parseCallRef(c)
+		if err != nil {
 			return err
 		}
+		if ref.N == 0 && (r.kind() != "report" || r.Peer != "") {
+			return fmt.Errorf("%s: a JSON report has no llm-d figures and no other lines; only a report row without a peer reads one", c)
+		}
+	}
+	if r.KeyMiB < 0 {
+		return fmt.Errorf("key_mib = %d", r.KeyMiB)
 	}
 	for _, re := range []string{r.Report, r.Figure, r.Peer} {
 		if _, err := regexp.Compile(re); err != nil {
@@ -179,8 +195,8 @@ func (r *Row) check() error {
 			return errors.New("a lookups row has no peer and no link goal")
 		}
 	}
-	if r.kind() != "report" && (r.Phase != "" || r.Sums != "" || r.Ceiling != "" || len(r.Reports) > 0) {
-		return errors.New("phase, sums, ceiling and reports are for report rows")
+	if r.kind() != "report" && (r.Phase != "" || r.Sums != "" || r.KeyMiB != 0 || r.Ceiling != "" || len(r.Reports) > 0) {
+		return errors.New("phase, sums, key_mib, ceiling and reports are for report rows")
 	}
 	if r.kind() != "lookups" && r.Goal.MaxUS != 0 {
 		return errors.New("goal.max_us is for lookups rows")
@@ -198,10 +214,13 @@ func (r *Row) check() error {
 }
 
 func parseCallRef(s string) (callRef, error) {
+	if strings.HasSuffix(s, ".json") && !strings.ContainsAny(s, `#/\`) {
+		return callRef{s, 0}, nil
+	}
 	file, num, ok := strings.Cut(s, "#")
 	n, err := strconv.Atoi(num)
 	if !ok || file == "" || err != nil || n < 1 || strings.ContainsAny(file, `/\`) {
-		return callRef{}, fmt.Errorf("call %q: want FILE#N, a file in docs/bench and a call number", s)
+		return callRef{}, fmt.Errorf("call %q: want FILE#N (a file in docs/bench and a call number) or FILE.json", s)
 	}
 	return callRef{file, n}, nil
 }

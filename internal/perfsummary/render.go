@@ -177,7 +177,12 @@ func status(res Result) string {
 func rawCell(res Result, link string) string {
 	var files []string
 	nums := map[string][]string{}
+	var reports []string
 	for _, c := range res.Calls {
+		if c.N == 0 {
+			reports = append(reports, c.File)
+			continue
+		}
 		if _, ok := nums[c.File]; !ok {
 			files = append(files, c.File)
 		}
@@ -191,9 +196,10 @@ func rawCell(res Result, link string) string {
 		}
 		parts = append(parts, fmt.Sprintf("[%s %s](%s%s)", word, strings.Join(nums[f], ", "), link, f))
 	}
-	for i, rep := range res.Row.Reports {
+	reports = append(reports, res.Row.Reports...)
+	for i, rep := range reports {
 		label := "report"
-		if len(res.Row.Reports) > 1 {
+		if len(reports) > 1 {
 			label = fmt.Sprintf("report %d", i+1)
 		}
 		parts = append(parts, fmt.Sprintf("[%s](%s%s)", label, link, rep))

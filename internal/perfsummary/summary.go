@@ -79,6 +79,21 @@ func computeRow(r *Row, load func(string) (*CallFile, error), dir fs.FS) (Result
 		if err != nil {
 			return res, err
 		}
+		if ref.N == 0 {
+			runs, commit, date, err := jsonRuns(r, dir, ref)
+			if err != nil {
+				return res, fmt.Errorf("%s: %w", ref, err)
+			}
+			res.Calls = append(res.Calls, ref)
+			if !slices.Contains(res.Dates, date) {
+				res.Dates = append(res.Dates, date)
+			}
+			if !slices.Contains(res.Commits, commit) {
+				res.Commits = append(res.Commits, commit)
+			}
+			res.Runs = append(res.Runs, runs...)
+			continue
+		}
 		f, err := load(ref.File)
 		if err != nil {
 			return res, err
@@ -106,8 +121,14 @@ func computeRow(r *Row, load func(string) (*CallFile, error), dir fs.FS) (Result
 	}
 	slices.Sort(res.Peer)
 	res.Peer = slices.Compact(res.Peer)
+	var txtRefs []callRef
+	for _, ref := range res.Calls {
+		if ref.N != 0 {
+			txtRefs = append(txtRefs, ref)
+		}
+	}
 	for _, name := range r.Reports {
-		if err := checkReport(r, name, dir, res.Calls, calls); err != nil {
+		if err := checkReport(r, name, dir, txtRefs, calls); err != nil {
 			return res, err
 		}
 	}
@@ -238,21 +259,66 @@ func sumsMatch(want, line string) bool {
 	return want == "" || want == line
 }
 
+// readReport reads a `kvhost bench --json` report of this schema and the
+// commit its version names.
+func readReport(dir fs.FS, name string) (*bench.Report, string, error) {
+	b, err := fs.ReadFile(dir, name)
+	if err != nil {
+		return nil, "", err
+	}
+	var rep bench.Report
+	if err := json.Unmarshal(b, &rep); err != nil {
+		return nil, "", fmt.Errorf("%s: %w", name, err)
+	}
+	if rep.Schema != bench.Schema {
+		return nil, "", fmt.Errorf("%s: schema %q, want %q", name, rep.Schema, bench.Schema)
+	}
+	v := strings.Fields(rep.Version)
+	if len(v) < 2 {
+		return nil, "", fmt.Errorf("%s: version %q names no commit", name, rep.Version)
+	}
+	return &rep, strings.TrimSuffix(v[1], "-dirty"), nil
+}
+
+// jsonRuns reads a report row's phases straight from a JSON report.
+func jsonRuns(r *Row, dir fs.FS, ref callRef) (runs []RunFigure, commit, date string, err error) {
+	rep, commit, err := readReport(dir, ref.File)
+	if err != nil {
+		return nil, "", "", err
+	}
+	sizes := map[int64]bool{}
+	for _, run := range rep.Runs {
+		sums := "off"
+		if run.Checksums {
+			sums = "on"
+		}
+		if run.Direction != r.Phase || !sumsMatch(r.Sums, sums) || (r.KeyMiB != 0 && run.KeyBytes != int64(r.KeyMiB)<<20) {
+			continue
+		}
+		sizes[run.KeyBytes] = true
+		f := RunFigure{Value: run.GBps, Ceiling: run.FractionLink, Call: ref}
+		if r.Ceiling == "file" {
+			f.Ceiling = run.Ceiling.GBps
+		}
+		runs = append(runs, f)
+	}
+	if len(runs) == 0 {
+		return nil, "", "", fmt.Errorf("no %s phase (sums %q, key_mib %d)", r.Phase, r.Sums, r.KeyMiB)
+	}
+	if len(sizes) > 1 {
+		return nil, "", "", fmt.Errorf("%s phases of %d key sizes: set key_mib", r.Phase, len(sizes))
+	}
+	return runs, commit, rep.Started.Format("2006-01-02"), nil
+}
+
 // checkReport holds a `kvhost bench --json` report against the lines the
 // call that ran it printed: the same report name (its --json file), a call
 // of the same commit, every phase's GB/s and link fraction equal to the
 // line's two decimals.
 func checkReport(r *Row, name string, dir fs.FS, refs []callRef, calls []*Call) error {
-	b, err := fs.ReadFile(dir, name)
+	rep, commit, err := readReport(dir, name)
 	if err != nil {
 		return err
-	}
-	var rep bench.Report
-	if err := json.Unmarshal(b, &rep); err != nil {
-		return fmt.Errorf("%s: %w", name, err)
-	}
-	if rep.Schema != bench.Schema {
-		return fmt.Errorf("%s: schema %q, want %q", name, rep.Schema, bench.Schema)
 	}
 	var written string
 	for i, a := range rep.Command {
@@ -263,11 +329,6 @@ func checkReport(r *Row, name string, dir fs.FS, refs []callRef, calls []*Call) 
 	if written == "" {
 		return fmt.Errorf("%s: its command has no --json FILE", name)
 	}
-	v := strings.Fields(rep.Version)
-	if len(v) < 2 {
-		return fmt.Errorf("%s: version %q names no commit", name, rep.Version)
-	}
-	commit := strings.TrimSuffix(v[1], "-dirty")
 	for i, c := range calls {
 		if !strings.HasPrefix(c.Commit, commit) && !strings.HasPrefix(commit, c.Commit) {
 			continue

@@ -185,6 +185,7 @@ func TestParseManifestRefusesRowsThatReadNothingOrTooMuch(t *testing.T) {
 		{"peer goal without peer", head + "figure = 'a'\ngoal = { peer = 1.5 }\n", "goal.peer needs a peer"},
 		{"lookups with a peer", head + "lookups = \"alone\"\nanswer = \"table\"\npeer = 'x'\npeer_phase = \"load\"\n", "no peer"},
 		{"no setup", "[[row]]\nname = \"r\"\ncalls = [\"c.txt#1\"]\nfigure = 'a'\n", "no setup"},
+		{"JSON report with a peer", "setup = \"s\"\n[[row]]\nname = \"r\"\ncalls = [\"r.json\"]\nreport = 'a'\nphase = \"load\"\nceiling = \"link\"\npeer = 'x'\npeer_phase = \"load\"\n", "only a report row without a peer"},
 		{"too many readme rows", "readme_rows = 2\n" + head + "figure = 'a'\n", "readme_rows = 2"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -209,5 +210,45 @@ func TestReplaceRewritesOnlyBetweenTheMarkers(t *testing.T) {
 		if _, err := Replace(bad, perfBegin, perfEnd, "x\n"); err == nil {
 			t.Errorf("Replace(%q) took it", bad)
 		}
+	}
+}
+
+func TestComputeReadsAJSONReportsPhases(t *testing.T) {
+	rep := bench.Report{
+		Schema:  bench.Schema,
+		Version: "kvhost abcdef0-dirty go1.26 linux/amd64",
+		Runs: []bench.Run{
+			{Direction: "store", Checksums: true, KeyBytes: 32 << 20, GBps: 40, FractionLink: 0.7},
+			{Direction: "load", Checksums: true, KeyBytes: 32 << 20, GBps: 45, FractionLink: 0.8},
+			{Direction: "load", Checksums: false, KeyBytes: 32 << 20, GBps: 50, FractionLink: 0.9},
+			{Direction: "load", Checksums: true, KeyBytes: 2 << 20, GBps: 30, FractionLink: 0.5},
+		},
+	}
+	b, err := json.Marshal(rep)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := fstest.MapFS{"r.json": {Data: b}}
+	row := func(mod func(*Row)) *Manifest {
+		return testRow(func(r *Row) {
+			r.Calls, r.Phase, r.Peer, r.PeerPhase, r.Goal = []string{"r.json"}, "load", "", "", Goal{Link: 0.85}
+			mod(r)
+		})
+	}
+	res, err := Compute(row(func(r *Row) { r.KeyMiB, r.Sums = 32, "on" }), dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := valueRange(res[0]) + " " + ceilingCell(res[0]) + " " + strings.Join(res[0].Commits, ","); got != "45.0 GB/s 0.80 of link abcdef0" {
+		t.Errorf("got %q", got)
+	}
+	if got := rawCell(res[0], "bench/"); got != "[report](bench/r.json)" {
+		t.Errorf("raw %q", got)
+	}
+	if _, err := Compute(row(func(r *Row) { r.Sums = "on" }), dir); err == nil || !strings.Contains(err.Error(), "set key_mib") {
+		t.Errorf("two key sizes: error %v, want one asking for key_mib", err)
+	}
+	if _, err := Compute(row(func(r *Row) { r.KeyMiB = 8 }), dir); err == nil || !strings.Contains(err.Error(), "no load phase") {
+		t.Errorf("no such key size: error %v", err)
 	}
 }
