@@ -8,7 +8,7 @@
 #
 # Every check writes its log under OUT (default ./gpu-out); the summary
 # lines go to stdout. Parts can be switched off: GDS=0 STAGING=0 E2E=0
-# MULTI=0 SPEC=0 BENCH=0 HOSTILE=0 INTERFERENCE=0 LOOKUPS=0 CHURN=0 PREALLOC=0 MODELS=0 TORCH=0 RESTART=0 (MULTI, one daemon serving
+# MULTI=0 SPEC=0 BENCH=0 HOSTILE=0 INTERFERENCE=0 LOOKUPS=0 CHURN=0 PREALLOC=0 MODELS=0 TORCH=0 RESTART=0 FOREIGN=0 (MULTI, one daemon serving
 # two GPUs, runs where nvidia-smi lists two or more and says so where not); BATCH=1 adds the cuFile batch measurement (off by
 # default: in compatibility mode a batch can hang inside libcufile, and the
 # check then ends itself after 40 s). The ext4 disk directory is DISK (default /var/tmp/kvhost-gpu),
@@ -291,7 +291,7 @@ if [ "${RESTART:-1}" = 1 ]; then
 			name="restart-register-$reg-$round"
 			printf '[gpu]\nregister_files = %d\n' "$reg" >"$out/$name.toml"
 			daemon "$sock" "$out/daemon-$name-a.log" "$shm/restart" --config "$out/$name.toml" --capacity 20GiB
-			python3 scripts/gpu-restart.py store "$sock" 256 256 16 >"$out/$name.txt" 2>&1 || status=1
+			python3 scripts/gpu-restart.py store "$sock" 256 256 16 >"$out/$name-store.txt" 2>&1 || status=1
 			stop_daemon >/dev/null
 			"$bin/kvhost" --config "$out/$name.toml" --capacity 20GiB --dir "$shm/restart" --socket "$sock" \
 				--log-format json --metrics 127.0.0.1:9479 >"$out/daemon-$name-b.log" 2>&1 &
@@ -303,12 +303,49 @@ if [ "${RESTART:-1}" = 1 ]; then
 				[ "$n" = "$last" ] && break
 				last=$n; sleep 1
 			done
-			echo "registered before the load: ${last}" >>"$out/$name.txt"
-			run "$name" sh -c "cat '$out/$name.txt'; python3 scripts/gpu-restart.py load '$sock' 256 256 16"
+			echo "registered before the load: ${last}" >>"$out/$name-store.txt"
+			run "$name" sh -c "cat '$out/$name-store.txt'; python3 scripts/gpu-restart.py load '$sock' 256 256 16"
 			metrics 127.0.0.1:9479 kvhost_gpu_direct "kvhost_gpu_registered_files " kvhost_gpu_file_warm \
 				| tee -a "$out/$name.txt" | sed 's/^/   /'
 			stop_daemon
 		done
+	done
+fi
+if [ "${FOREIGN:-1}" = 1 ]; then
+	# Loads of another process's files: daemon A (node-a) stores 256 keys
+	# of 32 MiB into a shared tmpfs directory; daemon B (node-b), running
+	# beside it on the same directory, is asked for them at once: its
+	# lookups find A's files, and the load follows with no idle moment
+	# (registered files only where B's registrar got there first). Then
+	# the same load again after B's count of registered files stops rising.
+	# Two rounds.
+	for round in 1 2; do
+		name="foreign-$round"
+		for node in a b; do
+			printf '[engine]\nnode_id = "node-%s"\n[[mount]]\npath = "%s"\nshared = true\ncapacity = "20GiB"\n' \
+				"$node" "$shm/foreign" >"$out/$name-$node.toml"
+		done
+		rm -rf "$shm/foreign" && mkdir -p "$shm/foreign"
+		"$bin/kvhost" --config "$out/$name-a.toml" --socket /tmp/kvhost-gpu-fa.sock \
+			--log-format json >"$out/daemon-$name-a.log" 2>&1 &
+		pida=$!
+		for _ in $(seq 200); do [ -S /tmp/kvhost-gpu-fa.sock ] && break; sleep 0.1; done
+		"$bin/kvhost" --config "$out/$name-b.toml" --socket /tmp/kvhost-gpu-fb.sock \
+			--log-format json --metrics 127.0.0.1:9481 >"$out/daemon-$name-b.log" 2>&1 &
+		pid=$!
+		for _ in $(seq 200); do [ -S /tmp/kvhost-gpu-fb.sock ] && break; sleep 0.1; done
+		python3 scripts/gpu-restart.py store /tmp/kvhost-gpu-fa.sock 256 256 16 >"$out/$name-store.txt" 2>&1 || status=1
+		run "$name" sh -c "cat '$out/$name-store.txt'; python3 scripts/gpu-restart.py load /tmp/kvhost-gpu-fb.sock 256 256 16"
+		metrics 127.0.0.1:9481 kvhost_gpu_direct "kvhost_gpu_registered_files " | sed 's/^/   /'
+		last=-1
+		for _ in $(seq 120); do
+			n=$(metrics 127.0.0.1:9481 "kvhost_gpu_registered_files " | awk '{print $2}')
+			[ "$n" = "$last" ] && break
+			last=$n; sleep 1
+		done
+		run "$name-idle" sh -c "echo 'registered before the load: $last'; python3 scripts/gpu-restart.py load /tmp/kvhost-gpu-fb.sock 256 256 16"
+		stop_daemon
+		kill -TERM "$pida"; wait "$pida"
 	done
 fi
 [ "${SPEC:-1}" = 1 ] && run spec env KVHOST_GPU=1 KVHOST_BIN="$bin/kvhost" \

@@ -1,7 +1,8 @@
 """Loads after a daemon restart, on a GPU: the first phase stores keys from a
 vLLM-shaped paged cache in GPU memory (registered over CUDA IPC); the
-second, run by a new process against a new daemon on the same directory,
-loads every key into poisoned blocks, times it, and compares with the
+second, run by a new process against a new daemon on the same directory
+(or, on a shared mount, against another daemon beside the first), looks
+every key up (untimed) and then loads it into poisoned blocks, times it, and compares with the
 source on the GPU, byte for byte. The cache's contents come from a fixed
 seed, so both processes hold the same source bytes.
 
@@ -37,6 +38,13 @@ def main():
             print(f"store: {nkeys} keys of {ns.key_bytes >> 20} MiB in {jobs} jobs: "
                   f"{nkeys * ns.key_bytes / secs / 1e9:.2f} GB/s")
             return 0
+        # A scheduler looks its keys up before it loads them: on a daemon
+        # that did not store them (after a restart, or another process's
+        # files on a shared mount) the lookup is what finds them.
+        found = sum(c.lookup(ns, k) for k in split(keys, max(1, nkeys // 32)))
+        if found != nkeys:
+            print(f"lookup found {found} of {nkeys} keys")
+            return 1
         kv[:, num_blocks // 2:].fill_(-91)  # poisoned destinations
         torch.cuda.synchronize()
         secs, res = run_jobs(c, "load", [(cache, k, b) for k, b in zip(split(keys, jobs), split(dst, jobs))])
