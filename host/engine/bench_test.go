@@ -206,8 +206,123 @@ func benchModes(b *testing.B, fn func(b *testing.B, noDirect, noChecksum bool)) 
 	}
 }
 
-// BenchmarkStore: the engine's store of 32 MiB keys against a plain write.
+// Full-cache benchmarks: the engine alone (no ceiling), on a mount whose
+// capacity holds fullBatches batches, filled before the timer starts, so
+// that every store evicts (a batch's worth of files, kept as spares on
+// tmpfs) and every load finds its files among a full index. A batch is
+// the bytes of benchKeys keys of 32 MiB, in keys of 2 MiB (Llama-3.1-8B
+// bf16, 16 tokens per key) or 32 MiB (256 tokens per key).
+const fullBatches = 4
+
+// fullSizes are the key sizes of the full-cache benchmarks: their names
+// and tokens per key of llama8B.
+var fullSizes = []struct {
+	name   string
+	tokens int
+}{{"2MiB-full", 16}, {"32MiB-full", 256}}
+
+// fullEnv is an engine whose mount is full of keys of one size.
+type fullEnv struct {
+	e     *Engine
+	ns    NamespaceID
+	c     *testCache
+	keys  int // keys per batch
+	bpk   int // blocks per key
+	batch int64
+	n     int // batches stored so far
+}
+
+func newFullEnv(b *testing.B, tokens int) *fullEnv {
+	dir := benchDir(b)
+	g := llama8B()
+	g.TokensPerKey = tokens
+	keys := benchKeys * 256 / tokens
+	// The capacity in files: a key's file is its payload and a header
+	// page or two.
+	fileLen := g.KeyBytes() + 8<<10
+	ctx := context.Background()
+	e, err := Open(ctx, Config{
+		Mounts:    []Mount{{Path: dir, Capacity: fullBatches * int64(keys) * fileLen}},
+		Policy:    newTestPolicy(1, abi.OrderLayerMajor),
+		IOWorkers: max(2, runtime.GOMAXPROCS(0)), Logger: testLogger(b),
+	})
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { e.Close(context.Background()) })
+	ns, err := e.Declare(ctx, g)
+	if err != nil {
+		b.Fatal(err)
+	}
+	bpk := g.BlocksPerKey()
+	c := newTestCache(b, e, ns, g, 2*keys*bpk, layoutPlaneFirst)
+	all := make([]int, 2*keys*bpk)
+	for i := range all {
+		all[i] = i
+	}
+	c.fill(rand.New(rand.NewPCG(1, 1)), all)
+	env := &fullEnv{e: e, ns: ns, c: c, keys: keys, bpk: bpk, batch: int64(keys) * g.KeyBytes()}
+	for range fullBatches + 1 {
+		env.store(b)
+	}
+	if st := e.Stats(); st.Evictions == 0 {
+		b.Fatalf("the cache is not full: %+v", st.Mounts[0])
+	}
+	return env
+}
+
+// blocks returns the blocks of a batch in one half of the cache.
+func (env *fullEnv) blocks(half int) [][]int {
+	blocks := make([][]int, env.keys)
+	for i := range blocks {
+		for j := range env.bpk {
+			blocks[i] = append(blocks[i], (half*env.keys+i)*env.bpk+j)
+		}
+	}
+	return blocks
+}
+
+// store stores the next batch of new keys from the first half of the
+// cache and returns its keys.
+func (env *fullEnv) store(b *testing.B) [][]byte {
+	keys := testKeys(fmt.Sprintf("full%d-", env.n), env.keys)
+	env.n++
+	res := wait(b)(env.e.Store(context.Background(), StoreRequest{Cache: env.c.id, Keys: keys, Blocks: env.blocks(0)}))
+	if res.Count(OutcomeStored) != env.keys {
+		b.Fatalf("store: %v", res.Err())
+	}
+	return keys
+}
+
+func benchStoreFull(b *testing.B, tokens int) {
+	env := newFullEnv(b, tokens)
+	b.SetBytes(env.batch)
+	evicted := env.e.Stats().Evictions
+	for b.Loop() {
+		env.store(b)
+	}
+	b.ReportMetric(float64(env.e.Stats().Evictions-evicted)/float64(b.N), "evictions/op")
+}
+
+func benchLoadFull(b *testing.B, tokens int) {
+	env := newFullEnv(b, tokens)
+	b.SetBytes(env.batch)
+	keys := env.store(b) // the newest: never evicted
+	into := env.blocks(1)
+	for b.Loop() {
+		res := wait(b)(env.e.Load(context.Background(), LoadRequest{Cache: env.c.id, Keys: keys, Blocks: into}))
+		if res.Count(OutcomeLoaded) != env.keys {
+			b.Fatalf("load: %v", res.Err())
+		}
+	}
+}
+
+// BenchmarkStore: the engine's store of 32 MiB keys against a plain write,
+// and stores into a full cache (2MiB-full, 32MiB-full).
 func BenchmarkStore(b *testing.B) {
+	for _, sz := range fullSizes {
+		b.Run(sz.name, func(b *testing.B) { benchStoreFull(b, sz.tokens) })
+	}
 	benchModes(b, func(b *testing.B, noDirect, noChecksum bool) {
 		env := newBenchEnv(b, noDirect, noChecksum)
 		b.SetBytes(int64(benchKeys) * env.keyLen)
@@ -246,8 +361,12 @@ func BenchmarkStore(b *testing.B) {
 	})
 }
 
-// BenchmarkLoad: the engine's load of 32 MiB keys against a plain read.
+// BenchmarkLoad: the engine's load of 32 MiB keys against a plain read,
+// and loads from a full cache (2MiB-full, 32MiB-full).
 func BenchmarkLoad(b *testing.B) {
+	for _, sz := range fullSizes {
+		b.Run(sz.name, func(b *testing.B) { benchLoadFull(b, sz.tokens) })
+	}
 	benchModes(b, func(b *testing.B, noDirect, noChecksum bool) {
 		env := newBenchEnv(b, noDirect, noChecksum)
 		b.SetBytes(int64(benchKeys) * env.keyLen)
