@@ -1,11 +1,8 @@
 package engine
 
 import (
-	"cmp"
 	"context"
 	"fmt"
-	"maps"
-	"slices"
 	"sync/atomic"
 	"time"
 
@@ -58,10 +55,6 @@ type spareMaker struct {
 	// is aheadQuiet (a field for tests).
 	lastEnd  atomic.Int64
 	quietFor atomic.Int64
-	// quiet is closed while the maker has nothing to do (WaitSpares);
-	// guarded by Engine.mu, replaced by an open channel when work
-	// appears.
-	quiet chan struct{}
 	// waitedIdle counts the times it began to wait for the files in
 	// flight (tests wait for it).
 	waitedIdle atomic.Int64
@@ -70,12 +63,13 @@ type spareMaker struct {
 // startSpareMaker starts the maker if a mount makes spares ahead.
 func (e *Engine) startSpareMaker() {
 	for _, m := range e.mounts {
-		if m.ahead > 0 {
+		if m.sp.ahead > 0 {
 			quiet := make(chan struct{})
 			close(quiet)
+			e.space.quiet = quiet // before the maker and any job
 			mk := &spareMaker{
 				wake: make(chan struct{}, 1), idle: make(chan struct{}, 1),
-				stop: make(chan struct{}), done: make(chan struct{}), quiet: quiet,
+				stop: make(chan struct{}), done: make(chan struct{}),
 			}
 			mk.quietFor.Store(int64(aheadQuiet))
 			e.maker = mk
@@ -123,16 +117,17 @@ type nsAhead struct {
 // too (a client whose jobs all hold fewer keys than a group writes only
 // such files), but only ever upwards: jobs of varying length would
 // otherwise have the maker remove and remake the namespace's share in
-// every idle moment. The caller holds e.mu (reserveFile: once per store,
-// with the reservation and the spare it takes).
+// every idle moment. The caller holds e.mu for reading and space.mu
+// (reserveFile: once per store, with the reservation and the spare it
+// takes).
 func (e *Engine) wantSparesLocked(m *mount, ns NamespaceID, size int64, full bool) bool {
-	if e.maker == nil || m.ahead <= 0 {
+	if e.maker == nil || m.sp.ahead <= 0 {
 		return false
 	}
 	if n := e.nss[ns]; !n.declared {
 		return false
 	}
-	was := m.aheadNS[ns]
+	was := m.sp.aheadNS[ns]
 	a := was
 	a.failed = false
 	switch {
@@ -141,25 +136,14 @@ func (e *Engine) wantSparesLocked(m *mount, ns NamespaceID, size int64, full boo
 	case a.from < sizePartial || a.from == sizePartial && size > a.size:
 		a = nsAhead{size: size, from: sizePartial}
 	}
-	if a == was && !e.makerQuietLocked() {
+	if a == was && !e.space.makerQuietLocked() {
 		// Nothing changed, and the maker already knows it has work (it
 		// looks again once the files in flight end): a store of a burst
 		// skips the shares' computation under the lock.
 		return false
 	}
-	m.setAheadLocked(ns, a)
-	return e.spareWorkLocked()
-}
-
-// makerQuietLocked reports whether the maker found nothing to do when it
-// last looked (and nothing marked it busy since).
-func (e *Engine) makerQuietLocked() bool {
-	select {
-	case <-e.maker.quiet:
-		return true
-	default:
-		return false
-	}
+	m.sp.setAheadLocked(ns, a)
+	return e.space.spareWorkLocked()
 }
 
 // predictSparesLocked guesses the size of the files a newly declared
@@ -177,83 +161,37 @@ func (e *Engine) predictSparesLocked(ns *namespace) bool {
 	if e.maker == nil || ns.layout != nil {
 		return false
 	}
-	var only *mount
+	var only *mountSpace
 	for _, m := range e.mounts {
-		if m.ahead > 0 {
+		if m.sp.ahead > 0 {
 			if only != nil {
 				return false
 			}
-			only = m
+			only = m.sp
 		}
 	}
+	e.space.mu.Lock()
+	defer e.space.mu.Unlock()
 	if only == nil || only.aheadNS[ns.id].from != sizeUnknown {
 		return false
 	}
 	only.setAheadLocked(ns.id, nsAhead{size: ns.wholeFileLen(), from: sizeGuessed})
-	return e.spareWorkLocked()
+	return e.space.spareWorkLocked()
 }
 
 // forgetAheadLocked drops what every mount knows of released namespace
 // ns's files (its share of the spares goes to the others), and reports
-// whether the maker then has work.
+// whether the maker then has work. The caller holds e.mu.
 func (e *Engine) forgetAheadLocked(ns NamespaceID) bool {
 	if e.maker == nil {
 		return false
 	}
+	e.space.mu.Lock()
+	defer e.space.mu.Unlock()
 	for _, m := range e.mounts {
-		delete(m.aheadNS, ns)
+		delete(m.sp.aheadNS, ns)
 	}
-	return e.spareWorkLocked()
-}
-
-// setAheadLocked records what namespace ns says about its files on m.
-func (m *mount) setAheadLocked(ns NamespaceID, a nsAhead) {
-	if m.aheadNS == nil {
-		m.aheadNS = map[NamespaceID]nsAhead{}
-	}
-	m.aheadNS[ns] = a
-}
-
-// aheadTargetsLocked returns the bytes of spares of each size m makes
-// ahead: Preallocate split evenly between the namespaces whose file size
-// on m is known, each share going to its namespace's size.
-func (m *mount) aheadTargetsLocked() map[int64]int64 {
-	k := int64(0)
-	for _, a := range m.aheadNS {
-		if a.size > 0 {
-			k++
-		}
-	}
-	if k == 0 {
-		return nil
-	}
-	t := make(map[int64]int64, k)
-	for _, a := range m.aheadNS {
-		if a.size > 0 {
-			t[a.size] += m.ahead / k
-		}
-	}
-	return t
-}
-
-// failedLocked reports whether every namespace of size on m failed to get one.
-func (m *mount) failedLocked(size int64) bool {
-	for _, a := range m.aheadNS {
-		if a.size == size && !a.failed {
-			return false
-		}
-	}
-	return true
-}
-
-// aheadWantLocked is how many spares of size m keeps for target bytes:
-// as many as fit in them, at most aheadFiles where that bounds them.
-func (m *mount) aheadWantLocked(size, target int64) int {
-	n := int(target / size)
-	if m.aheadFiles > 0 {
-		n = min(n, m.aheadFiles)
-	}
-	return n
+	return e.space.spareWorkLocked()
 }
 
 // spareRoom wakes the maker if it has work (a delete or a move freed
@@ -262,22 +200,7 @@ func (e *Engine) spareRoom() {
 	if e.maker == nil {
 		return
 	}
-	e.mu.Lock()
-	work := e.spareWorkLocked()
-	e.mu.Unlock()
-	e.wakeMaker(work)
-}
-
-// spareWorkLocked reports whether the maker has work, and if so marks it
-// busy for WaitSpares.
-func (e *Engine) spareWorkLocked() bool {
-	if m, _, _ := e.nextSpareLocked(); m == nil {
-		return false
-	}
-	if e.makerQuietLocked() {
-		e.maker.quiet = make(chan struct{})
-	}
-	return true
+	e.wakeMaker(e.space.spareWork())
 }
 
 // wakeMaker wakes the maker if work says it has some.
@@ -309,100 +232,6 @@ func (e *Engine) fileEnded() {
 		default:
 		}
 	}
-}
-
-// nextSpareLocked returns the mount whose spares the maker should work
-// on, or nil, the size of the spare to make there, and a made spare
-// beyond its size's share to remove first (no path: make one of size). A
-// mount wants a spare of a size while its spares of that size (made or
-// evicted) are fewer than that size's share of Preallocate holds (and
-// than aheadFiles, where that bounds them), the spares it made ahead (of
-// any size) leave room for one more within Preallocate, and one more
-// stays below the low watermark. Of the sizes that want one, the one with
-// the least of its share comes first.
-func (e *Engine) nextSpareLocked() (*mount, int64, spareFile) {
-	if e.closed {
-		return nil, 0, spareFile{}
-	}
-	for _, m := range e.mounts {
-		if m.ahead <= 0 {
-			continue
-		}
-		targets := m.aheadTargetsLocked()
-		type cand struct {
-			size int64
-			f    float64
-		}
-		var cands []cand
-		for sz, target := range targets {
-			if m.failedLocked(sz) {
-				continue
-			}
-			want := m.aheadWantLocked(sz, target)
-			have := len(m.spares[sz])
-			if have >= want {
-				continue // enough of that size
-			}
-			cands = append(cands, cand{sz, float64(have) / float64(want)})
-		}
-		slices.SortFunc(cands, func(a, b cand) int {
-			if a.f != b.f {
-				return cmp.Compare(a.f, b.f)
-			}
-			return cmp.Compare(a.size, b.size)
-		})
-		for _, c := range cands {
-			size := c.size
-			if m.madeFitsLocked(size) {
-				return m, size, spareFile{}
-			}
-			// Made spares beyond their sizes' shares take the room:
-			// remove them, but only where one of this size then fits
-			// (else they would go for nothing).
-			sf, excess := m.excessMadeLocked(targets, size)
-			if excess > 0 && m.madeBytes-excess+size <= m.ahead && m.used+m.spareBytes-excess+size <= m.low {
-				return m, size, sf
-			}
-		}
-	}
-	return nil, 0, spareFile{}
-}
-
-// madeFitsLocked reports whether one more spare of size made ahead stays
-// within Preallocate and, beside m's files, reservations and spares,
-// below the low watermark.
-func (m *mount) madeFitsLocked(size int64) bool {
-	return m.madeBytes+size <= m.ahead && m.used+m.spareBytes+size <= m.low
-}
-
-// excessMadeLocked returns the bytes of m's spares made ahead beyond
-// their sizes' shares (targets), of sizes other than size, and one of
-// them (the made spares of a size beyond its share: at most as many as
-// its spares beyond what the share holds).
-func (m *mount) excessMadeLocked(targets map[int64]int64, size int64) (spareFile, int64) {
-	var one spareFile
-	var excess int64
-	sizes := slices.Sorted(maps.Keys(m.spares))
-	for _, sz := range sizes {
-		list := m.spares[sz]
-		if sz == size {
-			continue
-		}
-		over := len(list) - m.aheadWantLocked(sz, targets[sz])
-		for _, sf := range list {
-			if over <= 0 {
-				break
-			}
-			if sf.zeroed {
-				if one.path == "" {
-					one = sf
-				}
-				excess += sz
-				over--
-			}
-		}
-	}
-	return one, excess
 }
 
 // awaitQuiet waits until no file has been in flight for the quiet
@@ -439,14 +268,15 @@ func (e *Engine) awaitQuiet() bool {
 func (e *Engine) makeSpares() {
 	mk := e.maker
 	defer close(mk.done)
+	sp := e.space
 	for {
-		e.mu.Lock()
-		m, _, _ := e.nextSpareLocked()
-		if m == nil && !e.makerQuietLocked() {
-			close(mk.quiet)
+		sp.mu.Lock()
+		ms, _, _ := sp.nextSpareLocked()
+		if ms == nil && !sp.makerQuietLocked() {
+			close(sp.quiet)
 		}
-		e.mu.Unlock()
-		if m == nil {
+		sp.mu.Unlock()
+		if ms == nil {
 			select {
 			case <-mk.wake:
 				continue
@@ -457,14 +287,14 @@ func (e *Engine) makeSpares() {
 		if !e.awaitQuiet() {
 			return
 		}
-		e.mu.Lock()
-		m, size, stale := e.nextSpareLocked() // again: the quiet took time
-		if m != nil && stale.path != "" {
-			m.removeSpareLocked(stale)
+		sp.mu.Lock()
+		ms, size, stale := sp.nextSpareLocked() // again: the quiet took time
+		if ms != nil && stale.path != "" {
+			ms.removeSpareLocked(stale)
 		}
-		e.mu.Unlock()
+		sp.mu.Unlock()
 		switch {
-		case m == nil:
+		case ms == nil:
 			continue
 		case stale.path != "":
 			if err := e.removeFile(stale.path, stale.id); err != nil {
@@ -472,19 +302,20 @@ func (e *Engine) makeSpares() {
 			}
 			continue
 		}
+		m := e.mounts[ms.idx]
 		if err := e.makeSpare(m, size); err != nil {
 			// Not again until the next store of a namespace of that
 			// size on m, or the next namespace declared: a full file
 			// system, or one that refuses fallocate, would otherwise
 			// have the maker retry without end.
-			e.mu.Lock()
-			for ns, a := range m.aheadNS {
+			sp.mu.Lock()
+			for ns, a := range ms.aheadNS {
 				if a.size == size {
 					a.failed = true
-					m.aheadNS[ns] = a
+					ms.aheadNS[ns] = a
 				}
 			}
-			e.mu.Unlock()
+			sp.mu.Unlock()
 			e.log.Debug("engine: make a spare file ahead of stores", "mount", m.root, "size", size, "err", err)
 		}
 	}
@@ -510,12 +341,12 @@ func (e *Engine) makeSpare(m *mount, size int64) error {
 		err = cerr
 	}
 	if err == nil {
-		e.mu.Lock()
-		keep := !e.closed && m.madeFitsLocked(size) // stores may have taken the room meanwhile
+		e.space.mu.Lock()
+		keep := !e.space.closed && m.sp.madeFitsLocked(size) // stores may have taken the room meanwhile
 		if keep {
-			m.addSpareLocked(spareFile{path: path, id: id, zeroed: true})
+			m.sp.addSpareLocked(spareFile{path: path, id: id, zeroed: true})
 		}
-		e.mu.Unlock()
+		e.space.mu.Unlock()
 		if keep {
 			e.st.made.Add(1)
 			return nil
@@ -541,15 +372,16 @@ func (e *Engine) WaitSpares(ctx context.Context) error {
 		return nil
 	}
 	e.spareRoom() // room an eviction or a capacity refresh freed, which wakes no one
+	sp := e.space
 	for {
-		e.mu.Lock()
-		quiet := mk.quiet
-		e.mu.Unlock()
+		sp.mu.Lock()
+		quiet := sp.quiet
+		sp.mu.Unlock()
 		select {
 		case <-quiet:
-			e.mu.Lock()
-			same := mk.quiet == quiet
-			e.mu.Unlock()
+			sp.mu.Lock()
+			same := sp.quiet == quiet
+			sp.mu.Unlock()
 			if same {
 				return nil
 			}

@@ -25,57 +25,38 @@ func (e *Engine) reserve(ctx context.Context, m *mount, size int64) error {
 	// beside them (a store may then reuse one; a move between mounts
 	// writes a fresh file).
 	if e.spareEligible(m) {
-		e.trimSpares(m, (*mount).sparesFitLocked)
+		e.trimSpares(m, (*mountSpace).sparesFitLocked)
 	}
 	return nil
 }
 
 // reserveUsed is reserve without the spares.
 func (e *Engine) reserveUsed(ctx context.Context, m *mount, size int64) error {
-	if e.tryReserve(m, size, func(m *mount) int64 { return m.high }) {
+	if e.space.reserveBelow(m.sp, size, high) {
 		return nil
 	}
 	e.evictWaits.Add(1)
 	m.evictMu.Lock()
 	defer m.evictMu.Unlock()
 	e.refreshCapacity(m, false)
-	if e.tryReserve(m, size, func(m *mount) int64 { return m.high }) { // another store evicted meanwhile
+	if e.space.reserveBelow(m.sp, size, high) { // another store evicted meanwhile
 		return nil
 	}
-	e.mu.Lock()
-	capacity := m.capacity
-	e.mu.Unlock()
-	if size > capacity {
+	if _, capacity := e.space.usage(m.sp); size > capacity {
 		return fmt.Errorf("%w: mount %s: a file of %d bytes exceeds the capacity of %d", ErrNoSpace, m.root, size, capacity)
 	}
 	e.evict(ctx, m, size)
-	if e.tryReserve(m, size, func(m *mount) int64 { return m.capacity }) {
+	if e.space.reserveBelow(m.sp, size, capacity) {
 		return nil
 	}
-	e.mu.Lock()
-	used, capacity := m.used, m.capacity
-	e.mu.Unlock()
+	used, capacity := e.space.usage(m.sp)
 	return fmt.Errorf("%w: mount %s: %d of %d bytes used, %d more needed, no evictable entry left", ErrNoSpace, m.root, used, capacity, size)
-}
-
-func (e *Engine) tryReserve(m *mount, size int64, limit func(*mount) int64) bool {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	if m.used+size <= limit(m) {
-		m.used += size
-		return true
-	}
-	return false
 }
 
 // unreserve gives back a reservation of size bytes on m that no file took
 // (a store or a move failed), and wakes the spare maker for the room.
 func (e *Engine) unreserve(m *mount, size int64) {
-	e.mu.Lock()
-	m.used -= size
-	work := e.maker != nil && e.spareWorkLocked() // room for spares made ahead
-	e.mu.Unlock()
-	e.wakeMaker(work)
+	e.wakeMaker(e.space.unreserve(m.sp, size)) // room for spares made ahead
 }
 
 // evict removes policy-chosen victims on m until usage plus size is at or
@@ -86,9 +67,7 @@ func (e *Engine) evict(ctx context.Context, m *mount, size int64) {
 		// Orphans are on their way out (flight.go): room enough below the
 		// low watermark without them, unless the file would not fit
 		// beside them below the capacity.
-		e.mu.Lock()
-		need := max(m.used-m.orphaned+size-m.low, m.used+size-m.capacity)
-		e.mu.Unlock()
+		need := e.space.need(m.sp, size)
 		if need <= 0 {
 			return
 		}
@@ -114,21 +93,20 @@ func (e *Engine) evict(ctx context.Context, m *mount, size int64) {
 					continue
 				}
 			}
-			e.mu.Lock()
-			en := e.entries[v.Entry]
+			e.ix.mu.Lock()
+			en := e.ix.entries[v.Entry]
 			ok := en != nil && en.pins == 0 && en.mount == m.idx && !en.gone
 			if ok {
-				e.unindexLocked(en)
-				recs = append(recs, en.access(abi.AccessRemove, e.now().UnixNano()))
 				// Hold the path while removing: a store publishing there
 				// meanwhile waits, and its new file is never removed. The
 				// file counts as used until evictAll (or the path's
 				// holder) has removed it, or kept it as a spare.
-				if e.removeLocked(en) {
+				if _, c := e.ix.dropLocked(en, true); c {
 					claimed = append(claimed, en)
 				}
+				recs = append(recs, en.access(abi.AccessRemove, e.now().UnixNano()))
 			}
-			e.mu.Unlock()
+			e.ix.mu.Unlock()
 			if !ok {
 				continue
 			}

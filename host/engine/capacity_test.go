@@ -275,9 +275,9 @@ func injectedEngine(t *testing.T, mounts []Mount, pol policy.Policy, inj fsys.In
 
 // entryOf returns the entry that holds key in namespace ns.
 func entryOf(e *Engine, ns NamespaceID, key []byte) *entry {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	return e.byKey[keyID{e.nss[ns].fp, string(key)}].e
+	e.ix.mu.Lock()
+	defer e.ix.mu.Unlock()
+	return e.ix.byKey[keyID{e.nss[ns].fp, string(key)}].e
 }
 
 // oneMountPolicy is testPolicy naming every key on mount 0, without
@@ -322,14 +322,14 @@ func TestAStorePublishedOverAnOrphanLeavesItsFileCounted(t *testing.T) {
 	e, ns, c = injectedEngine(t, []Mount{{Path: dir}}, &oneMountPolicy{newTestPolicy(2, abi.OrderLayerMajor)}, inj, 16)
 	storeAndCheck(t, e, c, keys[:2], [][]int{{0, 1, 2, 3}, {4, 5, 6, 7}})
 	first := entryOf(e, ns, keys[0])
-	e.mu.Lock()
-	delete(e.byKey, keyID{e.nss[ns].fp, string(keys[0])})
-	e.mu.Unlock()
+	e.ix.mu.Lock()
+	delete(e.ix.byKey, keyID{e.nss[ns].fp, string(keys[0])})
+	e.ix.mu.Unlock()
 	armed.Store(true)
 	storeAndCheck(t, e, c, [][]byte{keys[0], keys[2]}, [][]int{{8, 9, 10, 11}, {12, 13, 14, 15}})
-	e.mu.Lock()
+	e.ix.mu.Lock()
 	orphan := first.orphan
-	e.mu.Unlock()
+	e.ix.mu.Unlock()
 	if deleted.Load() != 1 || !orphan {
 		t.Fatalf("the delete during the store removed %d keys, orphan %v: want 1, and the first file an orphan of the store", deleted.Load(), orphan)
 	}
@@ -421,7 +421,7 @@ func TestAnEvictionEvictsForItsOrphansOnlyWhatTheCapacityNeeds(t *testing.T) {
 
 // orphanedBytes returns what mount i counts as orphans' bytes.
 func orphanedBytes(e *Engine, i int) int64 {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	return e.mounts[i].orphaned
+	e.space.mu.Lock()
+	defer e.space.mu.Unlock()
+	return e.mounts[i].sp.orphaned
 }

@@ -177,9 +177,10 @@ func (e *Engine) tickInterval() time.Duration {
 // mountRecords describes every mount as it is now.
 func (e *Engine) mountRecords(descs []mountDesc) []abi.MountRecord {
 	recs := make([]abi.MountRecord, len(e.mounts))
-	e.mu.Lock()
-	defer e.mu.Unlock()
+	e.space.mu.Lock()
+	defer e.space.mu.Unlock()
 	for i, m := range e.mounts {
+		sp := m.sp
 		r := &recs[i]
 		r.Mount = uint32(i)
 		if m.direct {
@@ -191,9 +192,9 @@ func (e *Engine) mountRecords(descs []mountDesc) []abi.MountRecord {
 		if m.raw != nil {
 			r.Flags |= abi.MountVLLMFS
 		}
-		r.Capacity, r.Used = uint64(max(m.capacity, 0)), uint64(max(m.used, 0))
-		r.Free = uint64(max(m.capacity-m.used, 0))
-		r.High, r.Low, r.Entries = uint64(max(m.high, 0)), uint64(max(m.low, 0)), uint64(max(m.entries, 0))
+		r.Capacity, r.Used = uint64(max(sp.capacity, 0)), uint64(max(sp.used, 0))
+		r.Free = uint64(max(sp.capacity-sp.used, 0))
+		r.High, r.Low, r.Entries = uint64(max(sp.high, 0)), uint64(max(sp.low, 0)), uint64(max(sp.entries, 0))
 		r.Class, r.FSType = descs[i].class, descs[i].fsType
 		copy(r.FSName[:], descs[i].fsName)
 		copy(r.Backend[:], m.backend)
@@ -304,34 +305,35 @@ func (e *Engine) move(ctx context.Context, id uint64, target int, mayEvict bool)
 		return 0, fmt.Errorf("%w: move to mount %d: the kvhost mounts are 0..%d", ErrPolicy, target, e.kvMounts-1)
 	}
 	tm := e.mounts[target]
-	e.mu.Lock()
-	en := e.entries[id]
+	ix := e.ix
+	ix.mu.Lock()
+	en := ix.entries[id]
 	if en == nil || en.gone || en.pins > 0 || en.mount == target || en.mount >= e.kvMounts {
-		e.mu.Unlock()
+		ix.mu.Unlock()
 		return 0, errMoveStale
 	}
 	sm := e.mounts[en.mount]
 	rel, err := filepath.Rel(sm.root, en.path)
 	if err != nil || rel == ".." || strings.HasPrefix(rel, ".."+string(filepath.Separator)) {
-		e.mu.Unlock()
+		ix.mu.Unlock()
 		return 0, fmt.Errorf("engine: move: %s is not under its mount %s", en.path, sm.root)
 	}
 	dst := filepath.Join(tm.root, rel)
-	if e.byPath[dst] != nil {
-		e.mu.Unlock()
+	if ix.byPath[dst] != nil {
+		ix.mu.Unlock()
 		return 0, fmt.Errorf("%w: move of %s: mount %s already holds a file at that path", ErrPolicy, en.path, tm.root)
 	}
-	if ok, _ := e.claimLocked(en.path); !ok {
-		e.mu.Unlock()
+	if ok, _ := ix.claimLocked(en.path); !ok {
+		ix.mu.Unlock()
 		return 0, errMoveStale
 	}
-	if ok, _ := e.claimLocked(dst); !ok {
-		e.mu.Unlock()
+	if ok, _ := ix.claimLocked(dst); !ok {
+		ix.mu.Unlock()
 		e.release(en.path)
 		return 0, errMoveStale
 	}
 	size := en.size
-	e.mu.Unlock()
+	ix.mu.Unlock()
 	defer e.release(en.path)
 	defer e.release(dst)
 
@@ -339,7 +341,7 @@ func (e *Engine) move(ctx context.Context, id uint64, target int, mayEvict bool)
 		if err := e.reserve(ctx, tm, size); err != nil {
 			return 0, err
 		}
-	} else if !e.tryReserve(tm, size, func(m *mount) int64 { return m.high }) {
+	} else if !e.space.reserveBelow(tm.sp, size, high) {
 		return 0, fmt.Errorf("%w: mount %s: no room below the high watermark for a move of %d bytes", ErrNoSpace, tm.root, size)
 	}
 	e.moving.Add(1) // a file in flight that takes no slot (fileEnded)
@@ -350,49 +352,47 @@ func (e *Engine) move(ctx context.Context, id uint64, target int, mayEvict bool)
 		e.unreserve(tm, size)
 		return 0, err
 	}
-	e.mu.Lock()
+	ix.mu.Lock()
 	if en.gone || en.pins > 0 {
 		// Deleted, evicted or pinned by a load while it was copied: the
 		// copy goes; the source stays (or goes with its own removal).
-		e.mu.Unlock()
+		ix.mu.Unlock()
 		e.removeIfSame(dst, []*entry{en2})
 		e.unreserve(tm, size)
 		return 0, errMoveStale
 	}
 	en2.hits, en2.last = en.hits, en.last
-	e.unindexLocked(en)
-	sm.movedOut++
-	tm.movedIn++
+	ix.unindexLocked(en, false)
 	if tm.idx < sm.idx {
 		e.tierSt.promotions.Add(1)
 	}
-	sm.used += size // the source counts as used until it is removed
-	tm.used -= size // the reservation becomes the entry
-	replaced := e.insertLocked(en2)
+	// The source counts as used until it is removed; the reservation
+	// becomes the copy's entry.
+	e.space.moved(sm.sp, tm.sp, size)
+	replaced := ix.insertLocked(en2, false)
 	recs := make([]abi.AccessRecord, 0, len(replaced)+2)
 	for _, r := range replaced {
 		recs = append(recs, r.access(abi.AccessRemove, en2.last))
 	}
 	recs = append(recs, en.access(abi.AccessRemove, en2.last), en2.access(abi.AccessInsert, en2.last))
-	e.mu.Unlock()
+	ix.mu.Unlock()
 	e.access(ctx, recs)
 	e.removeIfSame(en.path, []*entry{en})
-	e.mu.Lock()
-	sm.used -= size
-	e.mu.Unlock()
+	e.space.free(sm.sp, size, false)
 	e.spareRoom() // the source's room
 	return size, nil
 }
 
 // currentLocked returns the entry that holds key now if en, found for
 // it, was moved meanwhile (unindexed, and the key's entry is a copy of the
-// same file: the same header id); otherwise en. The caller holds e.mu.
-func (e *Engine) currentLocked(en *entry, key []byte) *entry {
+// same file: the same header id); otherwise en. The caller holds
+// index.mu.
+func (ix *index) currentLocked(en *entry, key []byte) *entry {
 	if !en.gone || en.fid == 0 {
 		return en
 	}
-	if ref, ok := e.byKey[keyID{en.fp, string(key)}]; ok && ref.e.fid == en.fid && !ref.e.gone {
-		return ref.e
+	if cur := ix.getLocked(en.fp, key); cur != nil && cur.fid == en.fid && !cur.gone {
+		return cur
 	}
 	return en
 }

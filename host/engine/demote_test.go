@@ -47,9 +47,9 @@ func tieredPolicies(t testing.TB, params map[string]string) map[string]func(poli
 // keyMount returns the mount of key's file in ns, or -1 if it is not
 // indexed.
 func keyMount(e *Engine, ns NamespaceID, key []byte) int {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	ref, ok := e.byKey[keyID{e.nss[ns].fp, string(key)}]
+	e.ix.mu.Lock()
+	defer e.ix.mu.Unlock()
+	ref, ok := e.ix.byKey[keyID{e.nss[ns].fp, string(key)}]
 	if !ok {
 		return -1
 	}
@@ -716,9 +716,9 @@ func TestLookupDuringMove(t *testing.T) {
 	c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
 	keys := testKeys("mid", 1)
 	storeAndCheck(t, e, c, keys, [][]int{{0, 1, 2, 3}})
-	e.mu.Lock()
-	en := e.byKey[keyID{e.nss[ns].fp, string(keys[0])}].e
-	e.mu.Unlock()
+	e.ix.mu.Lock()
+	en := e.ix.byKey[keyID{e.nss[ns].fp, string(keys[0])}].e
+	e.ix.mu.Unlock()
 	armed.Store(en)
 	if n, err := e.Lookup(ctx, ns, keys); n != 1 || err != nil {
 		t.Fatalf("lookup during a move: %d, %v; want a hit", n, err)
@@ -760,9 +760,9 @@ func TestDeleteDuringMove(t *testing.T) {
 	}
 	c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
 	storeAndCheck(t, e, c, keys, [][]int{{0, 1, 2, 3}})
-	e.mu.Lock()
-	id := e.byKey[keyID{e.nss[ns].fp, string(keys[0])}].e.id
-	e.mu.Unlock()
+	e.ix.mu.Lock()
+	id := e.ix.byKey[keyID{e.nss[ns].fp, string(keys[0])}].e.id
+	e.ix.mu.Unlock()
 	armed.Store(true)
 	if _, err := e.move(ctx, id, 1, true); !errors.Is(err, errMoveStale) {
 		t.Fatalf("move of a file deleted during it: %v, want errMoveStale", err)

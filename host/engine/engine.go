@@ -44,22 +44,27 @@ type Engine struct {
 	dirs      sync.Map  // directories known to exist
 	unsynced  sync.Map  // directories created, not yet fsynced (Config.Fsync)
 
-	// mu guards the index and the engine's tables. Readers (a lookup's
-	// key, a request's namespace and cache) share it; writers (indexing,
-	// pins, claims) hold it alone, briefly.
+	// The engine's state in parts, each with its own lock; the lock
+	// order is evictMu (per mount, in mount order) > pinTab.mu > mu >
+	// ix.mu > space.mu (docs/engine.md, "The engine's parts"). Nothing
+	// holding one of them calls the policy.
+	//
+	// mu guards the engine-wide tables: namespaces, caches, and closed.
+	// Readers (a request's namespace and cache) share it; writers
+	// (Declare, Release, RegisterCache, Close) hold it alone, briefly.
 	mu       sync.RWMutex
-	keys     KeySet // MirrorKeys's, or nil
 	closed   bool
 	nss      []*namespace // by NamespaceID
 	nsByFP   map[uint64]NamespaceID
 	caches   map[CacheID]*cache
-	entries  map[uint64]*entry
-	byKey    map[keyID]keyRef
-	byPath   map[string]*entry
-	inflight map[string]*flight // paths being written or removed
-	lastID   uint64             // entries
 	lastCach uint64
 	declares int // namespaces counted against Config.MaxNamespaces
+	// ix is what is stored: entries by id, key and path, and the paths
+	// jobs hold (index.go).
+	ix *index
+	// space is the room on every mount: capacity, used, reservations,
+	// orphans, spares (space.go).
+	space *space
 
 	// jobsMu guards the jobs in flight, apart from mu: every store and
 	// load registers and ends a job, and on mu those two took a share of
@@ -131,21 +136,19 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		cfg.TempGrace = DefaultTempGrace
 	}
 	e := &Engine{
-		cfg:      cfg,
-		log:      cfg.Logger,
-		fs:       cfg.FS,
-		now:      cfg.Now,
-		node:     nodeName(cfg.NodeID),
-		memory:   machineMemory(cfg.Memory),
-		fails:    &failureLog{log: cfg.Logger, interval: 10 * time.Second},
-		nsByFP:   map[uint64]NamespaceID{},
-		caches:   map[CacheID]*cache{},
-		entries:  map[uint64]*entry{},
-		byKey:    map[keyID]keyRef{},
-		byPath:   map[string]*entry{},
-		inflight: map[string]*flight{},
-		jobs:     map[JobID]*Job{},
+		cfg:    cfg,
+		log:    cfg.Logger,
+		fs:     cfg.FS,
+		now:    cfg.Now,
+		node:   nodeName(cfg.NodeID),
+		memory: machineMemory(cfg.Memory),
+		fails:  &failureLog{log: cfg.Logger, interval: 10 * time.Second},
+		nsByFP: map[uint64]NamespaceID{},
+		caches: map[CacheID]*cache{},
+		space:  &space{},
+		jobs:   map[JobID]*Job{},
 	}
+	e.ix = newIndex(e.space)
 	// The node-local lock first: a second daemon on this node stops here,
 	// before it touches a mount.
 	if cfg.LockFile != "" {
@@ -181,6 +184,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 			e.kvMounts++
 		}
 		e.mounts = append(e.mounts, mt)
+		e.space.mounts = append(e.space.mounts, mt.sp)
 	}
 	const bufSize = 4 << 20
 	host, err := staging.NewMover(staging.Config{
@@ -235,15 +239,16 @@ func (e *Engine) Stats() Stats {
 		Vanished: e.st.vanished.Load(), BytesWritten: e.st.written.Load(), BytesRead: e.st.read.Load(),
 		StoreFailures: e.fails.stats(0), LoadFailures: e.fails.stats(1), Tiering: e.TierStats(),
 	}
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	s.Entries, s.Keys = len(e.entries), len(e.byKey)
+	s.Entries, s.Keys = e.ix.size()
+	e.space.mu.Lock()
+	defer e.space.mu.Unlock()
 	for _, m := range e.mounts {
+		sp := m.sp
 		s.Mounts = append(s.Mounts, MountStats{
-			Path: m.root, Capacity: m.capacity, Configured: m.configured, Reserve: m.reserve, Used: m.used, Entries: m.entries,
-			SpareFiles: m.spareFilesLocked(), SpareBytes: m.spareBytes, Preallocate: m.ahead,
+			Path: m.root, Capacity: sp.capacity, Configured: sp.configured, Reserve: sp.reserve, Used: sp.used, Entries: sp.entries,
+			SpareFiles: sp.spareFilesLocked(), SpareBytes: sp.spareBytes, Preallocate: sp.ahead,
 			Direct: m.direct, IO: m.ioName(), Backend: m.backend, Checksums: m.checksums, Layout: LayoutKVHost,
-			MovedIn: m.movedIn, MovedOut: m.movedOut,
+			MovedIn: sp.movedIn, MovedOut: sp.movedOut,
 		})
 		if m.raw != nil {
 			ms := &s.Mounts[len(s.Mounts)-1]
@@ -263,6 +268,7 @@ func (e *Engine) Close(ctx context.Context) error {
 		return nil
 	}
 	e.closed = true
+	e.space.close() // no spare kept or made from now on
 	e.mu.Unlock()
 	e.jobsMu.Lock()
 	e.jobsClosed = true // no jobsWG.Add after this: the Wait below may begin
@@ -297,7 +303,47 @@ func (e *Engine) Close(ctx context.Context) error {
 	return err
 }
 
+// Index returns the engine's index as a policy host sees it.
+func (e *Engine) Index() policy.Index { return indexView{e} }
+
+// indexView implements policy.Index over the engine.
+type indexView struct{ e *Engine }
+
 var _ policy.Index = indexView{}
+
+// Lookup returns the entry with the given id.
+func (v indexView) Lookup(id uint64) (policy.Entry, bool) { return v.e.ix.policyEntry(id) }
+
+// Range calls fn for every entry until fn returns false. fn runs without the
+// index's lock held, on a snapshot.
+func (v indexView) Range(fn func(policy.Entry) bool) {
+	for _, en := range v.e.ix.policyEntries() {
+		if !fn(en) {
+			return
+		}
+	}
+}
+
+// Namespaces returns every declared namespace.
+func (v indexView) Namespaces() []abi.NamespaceRecord {
+	e := v.e
+	e.mu.RLock()
+	defer e.mu.RUnlock()
+	var out []abi.NamespaceRecord
+	for _, ns := range e.nss {
+		if ns.declared {
+			out = append(out, ns.rec)
+		}
+	}
+	return out
+}
+
+// check returns the first broken invariant of the engine's parts: the
+// index's, the space's, and, where no job holds a path, that each
+// mount's room holds exactly its indexed files. Tests call it.
+func (e *Engine) check() error {
+	return errors.Join(e.ix.check(), e.space.check(), e.ix.checkAtRest())
+}
 
 // access reports events to the policy, in batches. A policy failure here is
 // logged, never fatal to the operation that caused it.

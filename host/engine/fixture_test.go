@@ -170,7 +170,13 @@ func openEngine(t testing.TB, cfg Config) *Engine {
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { e.Close(context.Background()) })
+	t.Cleanup(func() {
+		e.Close(context.Background())
+		// Every test's engine ends with its parts consistent.
+		if err := e.check(); err != nil {
+			t.Error(err)
+		}
+	})
 	return e
 }
 

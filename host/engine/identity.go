@@ -4,12 +4,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"math/rand/v2"
 	"os"
 	"slices"
 
 	"github.com/kvhost/kvhost/internal/format"
 	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/staging"
 )
 
 // File identity (docs/engine.md, "File identity").
@@ -214,4 +216,66 @@ func (e *Engine) openRegular(path string) (fsys.File, fsys.Identity, error) {
 		return nil, fsys.Identity{}, err
 	}
 	return f, id, nil
+}
+
+// errNotRegular: a name where a kvhost file should be is not a regular
+// file (a directory, a socket...).
+var errNotRegular = errors.New("engine: not a regular file")
+
+// readEntry reads the header of the file at path into an unindexed entry.
+func (e *Engine) readEntry(mnt int, path string) (*entry, error) {
+	if e.mounts[mnt].raw != nil {
+		return e.rawEntry(mnt, path)
+	}
+	// The identity is that of the file whose header is read.
+	f, id, err := e.openRegular(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	h, err := readHeader(f)
+	if err != nil {
+		return nil, err
+	}
+	if id.Size < h.FileLen() {
+		return nil, fmt.Errorf("%w: %s: %d bytes, header says %d", ErrCorrupt, path, id.Size, h.FileLen())
+	}
+	return e.entryOf(mnt, path, h, id), nil
+}
+
+// entryOf returns an unindexed entry for the file at path with header h
+// and identity id.
+func (e *Engine) entryOf(mnt int, path string, h *format.Header, id fsys.Identity) *entry {
+	en := &entry{fp: h.Fingerprint, mount: mnt, path: path, size: id.Size, ident: id, fid: h.ID, last: id.Mtime}
+	en.verified.Store(e.now().UnixNano())
+	for _, k := range h.Keys {
+		en.keys = append(en.keys, string(k.Key))
+	}
+	return en
+}
+
+// readHeader reads and decodes the header at the start of f, with aligned
+// buffers so that it works on files opened with O_DIRECT.
+func readHeader(f fsys.File) (*format.Header, error) {
+	buf := staging.AlignedBuffer(format.Align)
+	n, err := f.ReadAt(buf, 0)
+	if n < format.FixedLen {
+		if err == nil || errors.Is(err, io.EOF) {
+			err = format.ErrTruncated
+		}
+		return nil, fmt.Errorf("%w: %w", ErrCorrupt, err)
+	}
+	h, err := format.Decode(buf[:n])
+	var te *format.TruncatedError
+	if errors.As(err, &te) && te.Need <= format.MaxHeaderLen && n == len(buf) {
+		buf = staging.AlignedBuffer((te.Need + format.Align - 1) / format.Align * format.Align)
+		if n, _ = f.ReadAt(buf, 0); n < te.Need {
+			return nil, fmt.Errorf("%w: %w", ErrCorrupt, format.ErrTruncated)
+		}
+		h, err = format.Decode(buf[:n])
+	}
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrCorrupt, err)
+	}
+	return h, nil
 }

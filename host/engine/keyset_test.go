@@ -31,21 +31,21 @@ func (m *keyMirror) Remove(fp uint64, key string) {
 // checkMirror fails unless m holds exactly the keys of e's index.
 func checkMirror(t *testing.T, what string, e *Engine, m *keyMirror) {
 	t.Helper()
-	e.mu.RLock()
-	defer e.mu.RUnlock()
+	e.ix.mu.RLock()
+	defer e.ix.mu.RUnlock()
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	for k := range e.byKey {
+	for k := range e.ix.byKey {
 		if !m.keys[k] {
 			t.Errorf("%s: the index holds %q, the key set does not", what, k.key)
 		}
 	}
 	for k := range m.keys {
-		if _, ok := e.byKey[k]; !ok {
+		if _, ok := e.ix.byKey[k]; !ok {
 			t.Errorf("%s: the key set holds %q, the index does not", what, k.key)
 		}
 	}
-	if len(e.byKey) == 0 {
+	if len(e.ix.byKey) == 0 {
 		t.Errorf("%s: the index is empty: nothing was compared", what)
 	}
 }

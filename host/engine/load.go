@@ -49,14 +49,14 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 	for i, k := range keys {
 		// The index's entry is found and pinned in one hold of the lock
 		// (every load takes it); a key it lacks is looked for on disk.
-		e.mu.Lock()
+		e.ix.mu.Lock()
 		en, pinned := e.pinLocked(ns, k, byEntry, &pins)
-		e.mu.Unlock()
+		e.ix.mu.Unlock()
 		if en == nil {
 			if en = e.discover(ctx, ns, k); en != nil {
-				e.mu.Lock()
+				e.ix.mu.Lock()
 				en, pinned = e.pinEntryLocked(en, k, byEntry, &pins)
-				e.mu.Unlock()
+				e.ix.mu.Unlock()
 			}
 		}
 		if !pinned {
@@ -91,7 +91,7 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 
 	// Unpin; loaded entries count as hits.
 	var recs []abi.AccessRecord
-	e.mu.Lock()
+	e.ix.mu.Lock()
 	now := e.now().UnixNano()
 	for _, en := range order {
 		en.pins--
@@ -109,26 +109,28 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 		}
 		recs = append(recs, en.access(abi.AccessUnpin, now))
 	}
-	e.mu.Unlock()
+	e.ix.mu.Unlock()
 	e.access(ctx, recs)
 }
 
 // pinLocked finds key's entry in ns in the index and pins it
-// (pinEntryLocked); nil where the index has none.
+// (pinEntryLocked); nil where the index has none. The caller holds
+// index.mu.
 func (e *Engine) pinLocked(ns *namespace, key []byte, byEntry map[*entry][]int, pins *[]abi.AccessRecord) (*entry, bool) {
-	ref, ok := e.byKey[keyID{ns.fp, string(key)}]
-	if !ok {
+	en := e.ix.getLocked(ns.fp, key)
+	if en == nil {
 		return nil, false
 	}
-	return e.pinEntryLocked(ref.e, key, byEntry, pins)
+	return e.pinEntryLocked(en, key, byEntry, pins)
 }
 
 // pinEntryLocked pins en (or the file it moved to meanwhile, demote.go)
 // for a load of key, once per file of the load (byEntry holds the files it
 // pinned already), and appends the policy's pin record to pins. It
-// returns the entry and whether the load holds a pin on it.
+// returns the entry and whether the load holds a pin on it. The caller
+// holds index.mu.
 func (e *Engine) pinEntryLocked(en *entry, key []byte, byEntry map[*entry][]int, pins *[]abi.AccessRecord) (*entry, bool) {
-	en = e.currentLocked(en, key)
+	en = e.ix.currentLocked(en, key)
 	if _, dup := byEntry[en]; dup {
 		return en, true // another key of this load pinned it
 	}

@@ -80,10 +80,7 @@ func (e *Engine) verify(ctx context.Context, en *entry) bool {
 			return true
 		}
 	}
-	e.mu.RLock()
-	gone := en.gone
-	e.mu.RUnlock()
-	if gone {
+	if e.ix.gone(en) {
 		return false // removed or moved (demote.go) since it was found: not vanished
 	}
 	why := "vanished"
@@ -120,11 +117,11 @@ func (e *Engine) Lookup(ctx context.Context, ns NamespaceID, keys [][]byte) (int
 	if err != nil {
 		return 0, err
 	}
-	// The engine's lock is taken twice, whatever the number of keys: once
+	// The index's lock is taken twice, whatever the number of keys: once
 	// to find every key's entry, once to count the hits. Loads and stores
 	// take the same lock; a lookup that took it per key queued behind them
 	// once per key (docs/engine.md, "Lookup and delete").
-	found := e.findKeys(n, keys)
+	found := e.ix.getAll(n.fp, keys, nil)
 	// The entries hit, each once: a file of several keys is counted once
 	// (a short slice, keys of one file are neighbours; a map for long
 	// requests).
@@ -179,76 +176,29 @@ func (e *Engine) Lookup(ctx context.Context, ns NamespaceID, keys [][]byte) (int
 }
 
 // countHits counts a hit at time now on each of the entries, under one hold
-// of the engine's lock, and reports them to the policy off the lookup's path.
+// of the index's lock, and reports them to the policy off the lookup's path.
 func (e *Engine) countHits(ctx context.Context, hit []*entry, now int64) {
 	if len(hit) == 0 {
 		return
 	}
 	recs := make([]abi.AccessRecord, len(hit))
-	e.mu.Lock()
+	e.ix.mu.Lock()
 	for i, en := range hit {
 		en.hits++
 		en.last = now
 		recs[i] = en.access(abi.AccessHit, now)
 	}
-	e.mu.Unlock()
+	e.ix.mu.Unlock()
 	e.hitRec.add(ctx, recs)
-}
-
-// findAll is find for the keys of the request indices idx, under one hold
-// of the engine's lock: the entry of keys[idx[i]] (nil: none) is the i-th.
-func (e *Engine) findAll(ns *namespace, keys [][]byte, idx []int) []*entry {
-	found := make([]*entry, len(idx))
-	e.mu.RLock()
-	defer e.mu.RUnlock()
-	for t, i := range idx {
-		found[t] = e.indexedLocked(ns, keys[i])
-	}
-	return found
-}
-
-// findKeys is find for every key, under one hold of the engine's lock: the
-// entry of keys[i] (nil: none) is the i-th.
-func (e *Engine) findKeys(ns *namespace, keys [][]byte) []*entry {
-	found := make([]*entry, len(keys))
-	e.mu.RLock()
-	defer e.mu.RUnlock()
-	for i, k := range keys {
-		found[i] = e.indexedLocked(ns, k)
-	}
-	return found
-}
-
-// indexedLocked is the entry the index holds for key in ns, or nil. The
-// caller holds e.mu.
-func (e *Engine) indexedLocked(ns *namespace, key []byte) *entry {
-	if ref, ok := e.byKey[keyID{ns.fp, string(key)}]; ok {
-		return ref.e
-	}
-	return nil
 }
 
 // MirrorKeys tells ks every key the index holds now and, from then on,
 // every key it gains or loses (the daemon's shared lookup table). A later
 // call replaces ks; nil stops the mirroring.
-func (e *Engine) MirrorKeys(ks KeySet) {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	e.keys = ks
-	if ks == nil {
-		return
-	}
-	for k := range e.byKey {
-		ks.Add(k.fp, k.key)
-	}
-}
+func (e *Engine) MirrorKeys(ks KeySet) { e.ix.mirror(ks) }
 
 // find returns the entry the index holds for key in ns, or nil.
-func (e *Engine) find(ns *namespace, key []byte) *entry {
-	e.mu.RLock()
-	defer e.mu.RUnlock()
-	return e.indexedLocked(ns, key)
-}
+func (e *Engine) find(ns *namespace, key []byte) *entry { return e.ix.get(ns.fp, key) }
 
 // discover looks for key under its policy name and indexes the file if its
 // header says it holds the key in this geometry.
@@ -257,10 +207,8 @@ func (e *Engine) discover(ctx context.Context, ns *namespace, key []byte) *entry
 	if err != nil || errs[0] != nil {
 		return nil
 	}
-	e.mu.RLock()
-	busy := e.inflight[paths[0]] != nil // adopt looks again
-	e.mu.RUnlock()
-	if busy {
+	if e.ix.held(paths[0]) { // adopt looks again
+
 		return nil
 	}
 	en, err := e.readEntry(mounts[0], paths[0])
@@ -323,4 +271,32 @@ func (e *Engine) Delete(ctx context.Context, ns NamespaceID, keys [][]byte) (int
 		e.spareRoom() // room for spares made ahead
 	}
 	return removed, nil
+}
+
+// adopt indexes an entry found on disk and tells the policy. It returns
+// the indexed entry, or nil where a job of this engine holds the path (a
+// store about to publish there, a removal): only the holder indexes a
+// file at a path it holds, so that a store's view of the file it replaces
+// (group.old) stays true until it publishes.
+func (e *Engine) adopt(ctx context.Context, en *entry) *entry {
+	en.ns = e.namespaceOf(en.fp)
+	e.ix.mu.Lock()
+	if old := e.ix.byPath[en.path]; old != nil && old.ident.Same(en.ident) && old.fid == en.fid {
+		e.ix.relinkLocked(old) // found by a key the index had lost
+		e.ix.mu.Unlock()
+		return old
+	}
+	if e.ix.heldLocked(en.path) {
+		e.ix.mu.Unlock()
+		return nil
+	}
+	replaced := e.ix.insertLocked(en, false)
+	var recs []abi.AccessRecord
+	for _, r := range replaced {
+		recs = append(recs, r.access(abi.AccessRemove, en.last))
+	}
+	recs = append(recs, en.access(abi.AccessInsert, en.last))
+	e.ix.mu.Unlock()
+	e.access(ctx, recs)
+	return en
 }

@@ -185,6 +185,18 @@ func (e *Engine) Release(ns NamespaceID) error {
 	return nil
 }
 
+// namespaceOf returns the namespace of files of fingerprint fp, created
+// (undeclared, not counted against Config.MaxNamespaces) if there is none:
+// files found on disk are indexed in the namespace of their geometry.
+func (e *Engine) namespaceOf(fp uint64) NamespaceID {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	if id, ok := e.nsByFP[fp]; ok {
+		return id
+	}
+	return e.newNamespaceLocked(fp)
+}
+
 func (e *Engine) newNamespaceLocked(fp uint64) NamespaceID {
 	id := NamespaceID(len(e.nss))
 	e.nss = append(e.nss, &namespace{id: id, fp: fp})

@@ -14,7 +14,7 @@ import (
 type PinID uint64
 
 // pinTable holds the engine's client pins. Its mutex is taken before
-// Engine.mu, never while holding it.
+// index.mu, never while holding it.
 type pinTable struct {
 	mu     sync.Mutex
 	last   uint64
@@ -64,13 +64,13 @@ func (e *Engine) Pin(ctx context.Context, ns NamespaceID, keys [][]byte, lease t
 			continue
 		}
 		if _, ok := byEntry[en]; !ok {
-			e.mu.Lock()
+			e.ix.mu.Lock()
 			gone := en.gone
 			if !gone {
 				en.pins++
 				en.leases++
 			}
-			e.mu.Unlock()
+			e.ix.mu.Unlock()
 			if gone {
 				continue
 			}
@@ -87,7 +87,7 @@ func (e *Engine) Pin(ctx context.Context, ns NamespaceID, keys [][]byte, lease t
 	now := e.now().UnixNano()
 	var recs []abi.AccessRecord
 	pinned := 0
-	e.mu.Lock()
+	e.ix.mu.Lock()
 	for _, en := range order {
 		for _, i := range byEntry[en] {
 			held[i] = true
@@ -99,7 +99,7 @@ func (e *Engine) Pin(ctx context.Context, ns NamespaceID, keys [][]byte, lease t
 			recs = append(recs, en.access(abi.AccessHit, now), en.access(abi.AccessPin, now))
 		}
 	}
-	e.mu.Unlock()
+	e.ix.mu.Unlock()
 	e.st.hits.Add(uint64(pinned))
 	e.st.misses.Add(uint64(len(keys) - pinned))
 	e.access(ctx, recs)
@@ -154,7 +154,7 @@ func (e *Engine) unpinEntries(ctx context.Context, ens []*entry, tell bool) {
 		return
 	}
 	var recs []abi.AccessRecord
-	e.mu.Lock()
+	e.ix.mu.Lock()
 	now := e.now().UnixNano()
 	for _, en := range ens {
 		en.pins--
@@ -163,7 +163,7 @@ func (e *Engine) unpinEntries(ctx context.Context, ens []*entry, tell bool) {
 			recs = append(recs, en.access(abi.AccessUnpin, now))
 		}
 	}
-	e.mu.Unlock()
+	e.ix.mu.Unlock()
 	e.access(ctx, recs)
 }
 
@@ -178,7 +178,7 @@ func (e *Engine) PinStats() (pins, keys int) {
 	return len(t.pins), keys
 }
 
-// clientPinned reports whether en is held by a client pin. Engine.mu is held.
+// clientPinned reports whether en is held by a client pin. index.mu is held.
 func (en *entry) clientPinned() bool { return en.leases > 0 }
 
 // closePins releases every client pin when the engine closes, without
@@ -200,20 +200,18 @@ func (e *Engine) closePins() {
 
 // deleteUnpinned drops en and removes its file, as Delete does, unless a
 // client pin holds it; the check and the unindexing are one step under
-// Engine.mu, so a pin that took hold is never deleted under it. It
+// index.mu, so a pin that took hold is never deleted under it. It
 // reports whether this call dropped en.
 func (e *Engine) deleteUnpinned(ctx context.Context, en *entry) bool {
-	e.mu.Lock()
+	e.ix.mu.Lock()
 	if en.clientPinned() {
-		e.mu.Unlock()
+		e.ix.mu.Unlock()
 		e.log.Debug("engine: delete refused: pinned", "path", en.path)
 		return false
 	}
-	was := !en.gone
-	e.unindexLocked(en)
+	was, claimed := e.ix.dropLocked(en, true)
 	rec := en.access(abi.AccessRemove, e.now().UnixNano())
-	claimed := was && e.removeLocked(en)
-	e.mu.Unlock()
+	e.ix.mu.Unlock()
 	if !was {
 		return false
 	}

@@ -147,16 +147,14 @@ func (e *Engine) rebuild(ctx context.Context) error {
 	// hand) the newest wins the key; both stay indexed by path.
 	slices.SortFunc(found, func(a, b *entry) int { return cmp.Compare(a.last, b.last) })
 	found = e.dedupe(found) // copies left by a move cut short (demote.go)
-	e.mu.Lock()
-	defer e.mu.Unlock()
 	for _, en := range found {
-		id, ok := e.nsByFP[en.fp]
-		if !ok {
-			id = e.newNamespaceLocked(en.fp)
-		}
-		en.ns = id
-		e.insertLocked(en)
+		en.ns = e.namespaceOf(en.fp)
 	}
+	e.ix.mu.Lock()
+	for _, en := range found {
+		e.ix.insertLocked(en, false)
+	}
+	e.ix.mu.Unlock()
 	e.st.corrupt.Add(uint64(corrupt))
 	e.log.Info("engine: index rebuilt", "files", len(found), "skipped", skipped, "corrupt_removed", corrupt, "leftovers_removed", cleaned.Load(), "took", time.Since(start))
 	return nil
@@ -164,13 +162,7 @@ func (e *Engine) rebuild(ctx context.Context) error {
 
 // restore tells the policy about every indexed entry (AccessRestore).
 func (e *Engine) restore(ctx context.Context) {
-	e.mu.Lock()
-	recs := make([]abi.AccessRecord, 0, len(e.entries))
-	for _, en := range e.entries {
-		recs = append(recs, en.access(abi.AccessRestore, en.last))
-	}
-	e.mu.Unlock()
-	e.access(ctx, recs)
+	e.access(ctx, e.ix.records(abi.AccessRestore))
 }
 
 // removeCorrupt removes, at rebuild, a file that is a kvhost file (its

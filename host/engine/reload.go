@@ -67,7 +67,8 @@ func (e *Engine) ReplacePolicy(ctx context.Context, build func(idx policy.Index)
 // ReplacePolicy) and swaps it in, returning the policy it replaced. The
 // locks are taken in the engine's order: declarations (sp.declMu), the
 // mount description (tierDriver.mu), policy calls (sp.mu), the index
-// (e.mu, briefly). Nothing holding e.mu calls the policy.
+// (index.mu, briefly) and the space (space.mu, briefly). Nothing holding
+// the engine's own locks calls the policy.
 func (e *Engine) catchUpAndSwap(ctx context.Context, sp *switchPolicy, p policy.Policy, view *buildView) (*heldPolicy, error) {
 	ctx = context.WithoutCancel(ctx)
 	sp.declMu.Lock() // no Declare between the namespaces told and the swap
@@ -171,18 +172,18 @@ func (v *buildView) missedEvents(e *Engine) []abi.AccessRecord {
 	v.done = true
 	var recs []abi.AccessRecord
 	now := e.now().UnixNano()
-	e.mu.Lock()
-	for id, en := range e.entries {
+	e.ix.mu.RLock()
+	for id, en := range e.ix.entries {
 		if _, ok := v.seen[id]; !ok {
 			recs = append(recs, en.access(abi.AccessRestore, en.last))
 		}
 	}
 	for id := range v.seen {
-		if _, ok := e.entries[id]; !ok {
+		if _, ok := e.ix.entries[id]; !ok {
 			recs = append(recs, abi.AccessRecord{Entry: id, Time: uint64(now), Kind: abi.AccessRemove})
 		}
 	}
-	e.mu.Unlock()
+	e.ix.mu.RUnlock()
 	v.seen = nil
 	return recs
 }

@@ -161,10 +161,10 @@ func TestReplacePolicyTellsTheNewPolicyOfChangesDuringItsBuild(t *testing.T) {
 
 // entryIDs returns the ids of the indexed entries.
 func (e *Engine) entryIDs() []uint64 {
-	e.mu.Lock()
-	defer e.mu.Unlock()
+	e.ix.mu.Lock()
+	defer e.ix.mu.Unlock()
 	var out []uint64
-	for id := range e.entries {
+	for id := range e.ix.entries {
 		out = append(out, id)
 	}
 	return out

@@ -574,11 +574,11 @@ func TestAdoptLeavesAPathAJobHoldsToItsHolder(t *testing.T) {
 
 	// The index loses the file (as when another file holding its key was
 	// dropped), while the file stays on disk.
-	e.mu.Lock()
-	en := e.byPath[path]
-	e.unindexLocked(en)
-	claimed, _ := e.claimLocked(path) // a store claims the path
-	e.mu.Unlock()
+	e.ix.mu.Lock()
+	en := e.ix.byPath[path]
+	e.ix.unindexLocked(en, false)
+	claimed, _ := e.ix.claimLocked(path) // a store claims the path
+	e.ix.mu.Unlock()
 	if !claimed {
 		t.Fatal("the path was held before the test claimed it")
 	}
@@ -589,9 +589,9 @@ func TestAdoptLeavesAPathAJobHoldsToItsHolder(t *testing.T) {
 	if got := e.adopt(ctx, found); got != nil {
 		t.Fatalf("adopt indexed %s while a store held the path", got.path)
 	}
-	e.mu.RLock()
-	indexed := e.byPath[path]
-	e.mu.RUnlock()
+	e.ix.mu.RLock()
+	indexed := e.ix.byPath[path]
+	e.ix.mu.RUnlock()
 	if indexed != nil {
 		t.Fatalf("the index holds %s at a held path", indexed.path)
 	}

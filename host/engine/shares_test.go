@@ -22,10 +22,10 @@ func fileLenOf(g Geometry) int64 { return int64(4096) + alignTo(g.KeyBytes(), fo
 
 // sparesBySize counts e's first mount's spares of each size.
 func sparesBySize(e *Engine) map[int64]int {
-	e.mu.Lock()
-	defer e.mu.Unlock()
+	e.space.mu.Lock()
+	defer e.space.mu.Unlock()
 	out := map[int64]int{}
-	for sz, l := range e.mounts[0].spares {
+	for sz, l := range e.mounts[0].sp.spares {
 		out[sz] = len(l)
 	}
 	return out
@@ -101,10 +101,10 @@ func TestAStoreInFlightGivesAReleasedNamespaceNoShare(t *testing.T) {
 	close(inj.release)
 	waitJob(t, j, nil)
 	f.waitSpares(t)
-	f.e.mu.Lock()
-	_, has := f.e.mounts[0].aheadNS[ns2]
+	f.e.space.mu.Lock()
+	_, has := f.e.mounts[0].sp.aheadNS[ns2]
 	declared := f.e.nss[ns2].declared
-	f.e.mu.Unlock()
+	f.e.space.mu.Unlock()
 	t.Logf("after release: entry for ns2 %v, declared %v, spares %v", has, declared, sparesBySize(f.e))
 	if has && !declared {
 		t.Errorf("released namespace %d keeps a share", ns2)
@@ -233,9 +233,9 @@ func BenchmarkSpareWorkPerStore(b *testing.B) {
 			}
 			b.ResetTimer()
 			for range b.N {
-				e.mu.Lock()
-				e.spareWorkLocked()
-				e.mu.Unlock()
+				e.space.mu.Lock()
+				e.space.spareWorkLocked()
+				e.space.mu.Unlock()
 			}
 		})
 	}

@@ -4,7 +4,6 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
-	"slices"
 
 	"github.com/kvhost/kvhost/internal/format"
 	"github.com/kvhost/kvhost/internal/fsys"
@@ -42,15 +41,6 @@ import (
 // may be open in a reader that is not kvhost, which must keep reading the
 // bytes it opened.
 
-// spareFile is a spare: its name and the identity of the file.
-type spareFile struct {
-	path string
-	id   fsys.Identity
-	// zeroed: made ahead of stores (ahead.go), never written: every
-	// byte is zero and no reader has it open.
-	zeroed bool
-}
-
 // spareEligible reports whether m keeps evicted files as spares.
 func (e *Engine) spareEligible(m *mount) bool {
 	return m.memory && m.raw == nil && !e.cfg.NoReuse
@@ -59,12 +49,12 @@ func (e *Engine) spareEligible(m *mount) bool {
 // keepSpare renames the file at path (its entry already forgotten, its
 // identity id checked; an evicted file of which m counts evicted bytes as
 // used) to a temporary name and adds it to m's spares, the bytes moving
-// from used to the spares. It reports false where the caller should
-// remove the file instead, with the name it has now (path, or the spare's
-// name where it was renamed): spares are off on m, the rename failed, the
-// spare would not fit in the capacity, or the engine is closing. It takes
-// the engine's lock once: evictions call it for each of their files,
-// several at a time (evictAll), beside the stores.
+// from used to the spares (space.keepSpare). It reports false where the
+// caller should remove the file instead, with the name it has now (path,
+// or the spare's name where it was renamed): spares are off on m, the
+// rename failed, the spare would not fit in the capacity, or the engine
+// is closing. Evictions call it for each of their files, several at a
+// time (evictAll), beside the stores.
 func (e *Engine) keepSpare(m *mount, path string, id fsys.Identity, evicted int64) (bool, string) {
 	if !e.spareEligible(m) || id.Size <= 0 {
 		return false, path
@@ -74,64 +64,7 @@ func (e *Engine) keepSpare(m *mount, path string, id fsys.Identity, evicted int6
 		e.log.Debug("engine: keep a spare file", "path", path, "err", err)
 		return false, path
 	}
-	e.mu.Lock()
-	fits := !e.closed && m.used-evicted+m.spareBytes+id.Size <= m.capacity
-	if fits {
-		m.used -= evicted
-		m.addSpareLocked(spareFile{path: spare, id: id})
-	}
-	e.mu.Unlock()
-	return fits, spare
-}
-
-// addSpareLocked adds sf to m's spares.
-func (m *mount) addSpareLocked(sf spareFile) {
-	if m.spares == nil {
-		m.spares = map[int64][]spareFile{}
-	}
-	m.spares[sf.id.Size] = append(m.spares[sf.id.Size], sf)
-	m.spareBytes += sf.id.Size
-	if sf.zeroed {
-		m.madeBytes += sf.id.Size
-	}
-}
-
-// removeSpareLocked removes sf from m's spares, if it is one.
-func (m *mount) removeSpareLocked(sf spareFile) {
-	size := sf.id.Size
-	list := m.spares[size]
-	i := slices.IndexFunc(list, func(x spareFile) bool { return x.path == sf.path })
-	if i < 0 {
-		return
-	}
-	if i == 0 { // the oldest (takeSpareLocked): no copy
-		list = list[1:]
-	} else {
-		list = append(list[:i:i], list[i+1:]...)
-	}
-	if len(list) == 0 {
-		delete(m.spares, size)
-	} else {
-		m.spares[size] = list
-	}
-	m.spareBytes -= size
-	if sf.zeroed {
-		m.madeBytes -= size
-	}
-}
-
-// takeSpareLocked removes from m's spares one of exactly size bytes and
-// returns it, or one with no path if there is none. It takes the oldest:
-// the GPU path registers a spare in the background after it is kept or
-// made, and the oldest has had the longest to be registered.
-func (m *mount) takeSpareLocked(size int64) spareFile {
-	list := m.spares[size]
-	if len(list) == 0 {
-		return spareFile{}
-	}
-	sf := list[0]
-	m.removeSpareLocked(sf)
-	return sf
+	return e.space.keepSpare(m.sp, spareFile{path: spare, id: id}, evicted), spare
 }
 
 // useSpare opens sf, a spare of exactly size bytes on m taken for a store
@@ -228,10 +161,6 @@ func (e *Engine) openTemp(sf spareFile, dir string, extra int, size, end int64) 
 	return e.createTemp(dir, extra, size)
 }
 
-// sparesFitLocked reports whether m's files, reservations and spares fit
-// in its capacity.
-func (m *mount) sparesFitLocked() bool { return m.used+m.spareBytes <= m.capacity }
-
 // rewrittenUnder reports whether the file f, whose header h a load read
 // before its payload, was rewritten meanwhile (a spare reused by another
 // engine on the directory): its header no longer decodes, or names
@@ -245,20 +174,13 @@ func (e *Engine) rewrittenUnder(m *mount, f fsys.File, h *format.Header) bool {
 }
 
 // trimSpares removes m's spares until enough reports true (called with
-// Engine.mu held) or none is left.
-func (e *Engine) trimSpares(m *mount, enough func(*mount) bool) {
+// space.mu held) or none is left.
+func (e *Engine) trimSpares(m *mount, enough func(*mountSpace) bool) {
 	for {
-		e.mu.Lock()
-		if len(m.spares) == 0 || enough(m) {
-			e.mu.Unlock()
+		sf, ok := e.space.trimOne(m.sp, enough)
+		if !ok {
 			return
 		}
-		var sf spareFile
-		for size := range m.spares {
-			sf = m.takeSpareLocked(size)
-			break
-		}
-		e.mu.Unlock()
 		if err := e.removeFile(sf.path, sf.id); err != nil {
 			e.log.Warn("engine: remove a spare file", "path", sf.path, "err", err)
 		}
@@ -268,6 +190,6 @@ func (e *Engine) trimSpares(m *mount, enough func(*mount) bool) {
 // dropSpares removes every spare file (Close).
 func (e *Engine) dropSpares() {
 	for _, m := range e.mounts {
-		e.trimSpares(m, func(*mount) bool { return false })
+		e.trimSpares(m, func(*mountSpace) bool { return false })
 	}
 }

@@ -67,28 +67,43 @@ type group struct {
 // it (none: the zero spareFile) and records the size for the spares made
 // ahead (wantSparesLocked, with full). In the common case, a reservation
 // below the high watermark with the spares still fitting beside it, that
-// is one hold of the engine's lock: every store takes it, and many short
-// holds queue 2 MiB stores on many jobs (RATIONALE.md, "Why does a store
-// take the engine's lock as few times as it can?").
+// is one hold of the space's lock (and, where m makes spares ahead, a
+// shared hold of the engine's, for the namespace): every store takes it,
+// and many short holds queue 2 MiB stores on many jobs (RATIONALE.md,
+// "Why does a store take the engine's lock as few times as it can?").
 func (e *Engine) reserveFile(ctx context.Context, m *mount, ns NamespaceID, size int64, full bool) (spareFile, error) {
 	spares := e.spareEligible(m)
-	e.mu.Lock()
-	if m.used+size <= m.high && (!spares || m.used+size+m.spareBytes <= m.capacity) {
-		m.used += size
+	ahead := spares && e.maker != nil && m.sp.ahead > 0
+	sp, ms := e.space, m.sp
+	lock := func() {
+		if ahead {
+			e.mu.RLock() // wantSparesLocked reads the namespace
+		}
+		sp.mu.Lock()
+	}
+	unlock := func() {
+		sp.mu.Unlock()
+		if ahead {
+			e.mu.RUnlock()
+		}
+	}
+	lock()
+	if ms.used+size <= ms.high && (!spares || ms.used+size+ms.spareBytes <= ms.capacity) {
+		ms.used += size
 	} else {
-		e.mu.Unlock()
+		unlock()
 		if err := e.reserve(ctx, m, size); err != nil {
 			return spareFile{}, err
 		}
-		e.mu.Lock()
+		lock()
 	}
 	var sf spareFile
 	work := false
 	if spares {
-		sf = m.takeSpareLocked(size)
+		sf = ms.takeSpareLocked(size)
 		work = e.wantSparesLocked(m, ns, size, full)
 	}
-	e.mu.Unlock()
+	unlock()
 	e.wakeMaker(work)
 	return sf, nil
 }
@@ -132,7 +147,7 @@ func (e *Engine) runStore(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 		// same inode, is never taken for it) are present.
 		var missing []int
 		checked := map[*entry]bool{}
-		found := e.findAll(c.ns, keys, todo)
+		found := e.ix.getAll(c.ns.fp, keys, todo)
 		for t, i := range todo {
 			en := found[t]
 			if en != nil {
@@ -175,14 +190,14 @@ func (e *Engine) runStore(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 		var busy []*flight
 		todo, busy = e.storeRound(ctx, j, c, keys, blocks, missing)
 		if len(presentIn) > 0 {
-			e.mu.RLock()
+			e.ix.mu.RLock()
 			for i, en := range presentIn {
 				if en.gone {
 					delete(presentIn, i)
 					todo = append(todo, i)
 				}
 			}
-			e.mu.RUnlock()
+			e.ix.mu.RUnlock()
 		}
 		slices.Sort(todo) // request order: files are grouped from it
 		if len(busy) > 0 {
@@ -288,12 +303,12 @@ func (e *Engine) storeRound(ctx context.Context, j *Job, c *cache, keys [][]byte
 			failAll(gr.idx, ctx.Err())
 			continue
 		}
-		e.mu.Lock()
-		claimed, fl := e.claimLocked(gr.path)
+		e.ix.mu.Lock()
+		claimed, fl := e.ix.claimLocked(gr.path)
 		if claimed {
-			gr.old = e.byPath[gr.path]
+			gr.old = e.ix.byPath[gr.path]
 		}
-		e.mu.Unlock()
+		e.ix.mu.Unlock()
 		if !claimed {
 			// Another job writes (or removes) this path: what it leaves
 			// there decides, once it is done, which keys are stored.
@@ -354,9 +369,9 @@ func (e *Engine) heldAt(ctx context.Context, fp uint64, key []byte, en *entry) b
 	if _, err := en.match(fp, key); err != nil || !e.confirm(ctx, en) {
 		return false
 	}
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	return e.relinkLocked(en)
+	e.ix.mu.Lock()
+	defer e.ix.mu.Unlock()
+	return e.ix.relinkLocked(en)
 }
 
 // storeFile writes one file: payload, then header (which carries the
@@ -390,7 +405,7 @@ func (e *Engine) storeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 				// capacity (free in statfs, and used), and it would keep
 				// spares again right after the trim.
 				m.evictMu.Lock()
-				e.trimSpares(m, func(*mount) bool { return false }) // they hold pages
+				e.trimSpares(m, func(*mountSpace) bool { return false }) // they hold pages
 				e.refreshCapacity(m, true)
 				e.evict(ctx, m, 0)
 				m.evictMu.Unlock()
@@ -498,9 +513,8 @@ func (e *Engine) writeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 	for _, k := range h.Keys {
 		en.keys = append(en.keys, string(k.Key))
 	}
-	e.mu.Lock()
-	m.used -= size // the reservation becomes the entry
-	replaced := e.insertLocked(en)
+	e.ix.mu.Lock()
+	replaced := e.ix.insertLocked(en, true) // the reservation becomes the entry
 	recs := make([]abi.AccessRecord, 0, len(replaced)+1)
 	for _, r := range replaced {
 		recs = append(recs, r.access(abi.AccessRemove, en.last))
@@ -510,8 +524,8 @@ func (e *Engine) writeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 	// takes it, and many short holds queue 2 MiB stores on many jobs.
 	// Only the path's holder indexes a file there (adopt), so what the
 	// insert replaced is gr.old, forgotten before the rename.
-	fl, orphans := e.releaseLocked(gr.path)
-	e.mu.Unlock()
+	fl, orphans := e.ix.releaseLocked(gr.path, nil)
+	e.ix.mu.Unlock()
 	gr.released = true
 	e.endRelease(gr.path, fl, orphans)
 	e.access(ctx, recs)
