@@ -214,26 +214,6 @@ func (e *Engine) wakeMaker(work bool) {
 	}
 }
 
-// filesInFlight reports whether a file is in flight: a store's or a
-// load's (a slot of e.files), or a copy between mounts.
-func (e *Engine) filesInFlight() bool { return len(e.files) > 0 || e.moving.Load() > 0 }
-
-// fileEnded is called after a file in flight released its slot, and
-// after a copy between mounts ended.
-func (e *Engine) fileEnded() {
-	mk := e.maker
-	if mk == nil {
-		return
-	}
-	mk.lastEnd.Store(time.Now().UnixNano())
-	if !e.filesInFlight() {
-		select {
-		case mk.idle <- struct{}{}:
-		default:
-		}
-	}
-}
-
 // awaitQuiet waits until no file has been in flight for the quiet
 // period, and reports false if the maker was stopped first.
 func (e *Engine) awaitQuiet() bool {

@@ -9,7 +9,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/host/policy"
 	"github.com/kvhost/kvhost/internal/fsys"
 	"github.com/kvhost/kvhost/internal/region"
@@ -24,6 +23,24 @@ const (
 )
 
 // Engine stores and loads KV-cache blocks. It is safe for concurrent use.
+//
+// Its files are layered so that calls go one way, downwards (only the
+// eviction and a move between mounts call each other, in capacity.go and
+// demote.go: an eviction may demote its victim, and a move reserves room
+// on its target, which may evict there). From the bottom:
+//
+//   - declarations: api.go, geometry.go, failures.go;
+//   - state: space.go (room on the mounts), then index.go and flight.go
+//     (entries, paths held);
+//   - plumbing: hits.go (policy events), observe.go, movers.go, jobs.go,
+//     recheck.go;
+//   - files: identity.go, removal.go, tempfiles.go, vllmfs.go,
+//     headers.go, mount.go;
+//   - room: spares.go, ahead.go, warm.go, drop.go, capacity.go and
+//     demote.go;
+//   - requests: namespaces.go, caches.go, lookup.go, pins.go, store.go,
+//     load.go, delete.go;
+//   - life: recover.go, reload.go, engine.go.
 type Engine struct {
 	cfg       Config
 	log       *slog.Logger
@@ -303,56 +320,9 @@ func (e *Engine) Close(ctx context.Context) error {
 	return err
 }
 
-// Index returns the engine's index as a policy host sees it.
-func (e *Engine) Index() policy.Index { return indexView{e} }
-
-// indexView implements policy.Index over the engine.
-type indexView struct{ e *Engine }
-
-var _ policy.Index = indexView{}
-
-// Lookup returns the entry with the given id.
-func (v indexView) Lookup(id uint64) (policy.Entry, bool) { return v.e.ix.policyEntry(id) }
-
-// Range calls fn for every entry until fn returns false. fn runs without the
-// index's lock held, on a snapshot.
-func (v indexView) Range(fn func(policy.Entry) bool) {
-	for _, en := range v.e.ix.policyEntries() {
-		if !fn(en) {
-			return
-		}
-	}
-}
-
-// Namespaces returns every declared namespace.
-func (v indexView) Namespaces() []abi.NamespaceRecord {
-	e := v.e
-	e.mu.RLock()
-	defer e.mu.RUnlock()
-	var out []abi.NamespaceRecord
-	for _, ns := range e.nss {
-		if ns.declared {
-			out = append(out, ns.rec)
-		}
-	}
-	return out
-}
-
 // check returns the first broken invariant of the engine's parts: the
 // index's, the space's, and, where no job holds a path, that each
 // mount's room holds exactly its indexed files. Tests call it.
 func (e *Engine) check() error {
 	return errors.Join(e.ix.check(), e.space.check(), e.ix.checkAtRest())
-}
-
-// access reports events to the policy, in batches. A policy failure here is
-// logged, never fatal to the operation that caused it.
-func (e *Engine) access(ctx context.Context, recs []abi.AccessRecord) {
-	for len(recs) > 0 {
-		n := min(len(recs), abi.MaxBatch)
-		if err := e.pol.Access(context.WithoutCancel(ctx), recs[:n]); err != nil {
-			e.log.Warn("engine: policy access", "err", err)
-		}
-		recs = recs[n:]
-	}
 }

@@ -6,6 +6,7 @@ import (
 	"hash/fnv"
 
 	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/internal/format"
 )
 
 // Geometry is the KV-cache shape of one model at one tensor-parallel rank.
@@ -162,4 +163,38 @@ func (g Geometry) record(ns NamespaceID, mounts int) abi.NamespaceRecord {
 	r.KeyBytes = uint64(g.KeyBytes())
 	r.SetModelID(g.Model)
 	return r
+}
+
+type namespace struct {
+	id          NamespaceID
+	fp          uint64
+	declared    bool
+	geo         Geometry
+	rec         abi.NamespaceRecord
+	keysPerFile int
+	order       uint32
+	// counted: created or claimed by Declare, so it counts against
+	// Config.MaxNamespaces (namespaces of files found on disk do not).
+	counted bool
+	// layout: the vllm-fs mount serving the namespace (nil: the policy
+	// places and names its files on the kvhost mounts). Set by Declare.
+	layout *mount
+}
+
+// header is the header of a file of ns's keys written at now (Unix
+// nanoseconds), without its keys.
+func (ns *namespace) header(now int64) *format.Header {
+	return &format.Header{
+		Fingerprint: ns.fp, Order: ns.order, Layers: uint32(ns.geo.Layers), Planes: uint32(ns.geo.Planes()),
+		BlocksPerKey: uint32(ns.geo.BlocksPerKey()), BlockBytes: uint64(ns.geo.BlockBytes()), Created: now,
+	}
+}
+
+// wholeFileLen is the length of a file that holds a whole group of ns's
+// keys (KeysPerFile): key entries have a fixed length, so it depends on
+// the geometry and the number of keys alone.
+func (ns *namespace) wholeFileLen() int64 {
+	h := ns.header(0)
+	h.Keys = make([]format.Key, ns.keysPerFile)
+	return h.FileLen()
 }

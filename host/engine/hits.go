@@ -89,3 +89,15 @@ func (r *hitRecorder) close() {
 	}
 	<-r.done
 }
+
+// access reports events to the policy, in batches. A policy failure here is
+// logged, never fatal to the operation that caused it.
+func (e *Engine) access(ctx context.Context, recs []abi.AccessRecord) {
+	for len(recs) > 0 {
+		n := min(len(recs), abi.MaxBatch)
+		if err := e.pol.Access(context.WithoutCancel(ctx), recs[:n]); err != nil {
+			e.log.Warn("engine: policy access", "err", err)
+		}
+		recs = recs[n:]
+	}
+}

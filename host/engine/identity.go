@@ -1,13 +1,11 @@
 package engine
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"io"
 	"math/rand/v2"
 	"os"
-	"slices"
 
 	"github.com/kvhost/kvhost/internal/format"
 	"github.com/kvhost/kvhost/internal/fsys"
@@ -57,60 +55,6 @@ func (en *entry) sameFile(id fsys.Identity, h *format.Header) bool {
 // errReplaced: the file at an entry's path is not the entry's file.
 var errReplaced = errors.New("engine: file replaced")
 
-// openSame opens the file at en's path and checks that it is en's file
-// (identity and header id). It returns the open file and its header, or an
-// error wrapping os.ErrNotExist (vanished), errReplaced, ErrCorrupt (the
-// file at the path does not decode) or the I/O error.
-func (e *Engine) openSame(en *entry, flag int) (fsys.File, *format.Header, error) {
-	f, err := e.fs.OpenFile(en.path, flag, 0)
-	if err != nil {
-		return nil, nil, err
-	}
-	id, err := fileIdentity(f)
-	if err != nil {
-		f.Close()
-		return nil, nil, err
-	}
-	if !id.Mode.IsRegular() {
-		f.Close()
-		return nil, nil, fmt.Errorf("%w: %s is not a regular file", errReplaced, en.path)
-	}
-	h, err := e.fileHeader(en.mount, en.path, f, id)
-	if err != nil {
-		f.Close()
-		if !en.ident.Same(id) {
-			return nil, nil, fmt.Errorf("%w: %s", errReplaced, en.path)
-		}
-		return nil, nil, err
-	}
-	if !en.sameFile(id, h) {
-		f.Close()
-		return nil, nil, fmt.Errorf("%w: %s: inode %d id %#x, indexed inode %d id %#x", errReplaced, en.path, id.Ino, h.ID, en.ident.Ino, en.fid)
-	}
-	return f, h, nil
-}
-
-// confirm checks, reading the header, that en's file is still the one
-// indexed; a file removed or replaced drops the entry (false). It is the
-// check before a store answers present. An I/O error other than "not
-// found" is false but keeps the entry.
-func (e *Engine) confirm(ctx context.Context, en *entry) bool {
-	f, _, err := e.openSame(en, os.O_RDONLY)
-	if err == nil {
-		f.Close()
-		en.verified.Store(e.now().UnixNano())
-		return true
-	}
-	switch {
-	case errors.Is(err, os.ErrNotExist), errors.Is(err, errReplaced):
-		e.st.vanished.Add(1)
-		e.drop(ctx, en, false, err.Error())
-	default:
-		e.log.Warn("engine: check of an indexed file", "path", en.path, "err", err)
-	}
-	return false
-}
-
 // fileIdentity is the identity of an open file (fstat).
 func fileIdentity(f fsys.File) (fsys.Identity, error) {
 	fi, err := fsys.Fstat(f)
@@ -135,70 +79,6 @@ func (e *Engine) seal(f fsys.File, dir string) (fsys.Identity, error) {
 	return id, err
 }
 
-// removeIfSame removes the file at path if it is the file of one of ens
-// (same identity and header id): a file at the path is never removed by
-// name alone. The caller holds the path, so no store of this engine
-// publishes there meanwhile; another node may still rename a file onto the
-// path between the check and the unlink (a window of one system call,
-// docs/engine.md).
-func (e *Engine) removeIfSame(path string, ens []*entry) {
-	e.disposeIfSame(path, ens, false)
-}
-
-// disposeIfSame is removeIfSame; with spare set (an evicted entry, whose
-// file its mount still counts as used: evict), the file is kept as a
-// spare for later stores where its mount keeps spares and it fits
-// (spares.go), its bytes then moving to the spares. It reports whether it
-// kept one.
-func (e *Engine) disposeIfSame(path string, ens []*entry, spare bool) bool {
-	if len(ens) == 0 {
-		return false
-	}
-	f, err := e.fs.OpenFile(path, os.O_RDONLY, 0)
-	if err != nil {
-		if !errors.Is(err, os.ErrNotExist) {
-			e.log.Warn("engine: open before remove", "path", path, "err", err)
-		}
-		return false
-	}
-	id, err := fileIdentity(f)
-	var h *format.Header
-	if err == nil {
-		h, err = e.fileHeader(ens[0].mount, path, f, id)
-	}
-	f.Close()
-	match := false
-	switch {
-	case err == nil:
-		match = slices.ContainsFunc(ens, func(en *entry) bool { return en.sameFile(id, h) })
-	case errors.Is(err, ErrCorrupt):
-		// A corrupt file at the inode indexed (a corrupt file being
-		// dropped; writing into it changed its ctime): its header cannot
-		// say more, and a corrupt file is no one's data.
-		match = slices.ContainsFunc(ens, func(en *entry) bool { return en.ident.Dev == id.Dev && en.ident.Ino == id.Ino })
-	default:
-		e.log.Warn("engine: check before remove", "path", path, "err", err)
-		return false
-	}
-	if !match {
-		e.log.Debug("engine: not removed: the file at the path is another one", "path", path)
-		return false
-	}
-	// A spare keeps its inode and pages: movers keep what they cache of
-	// it (a registration of its pages) for the store that reuses it.
-	if spare {
-		kept, at := e.keepSpare(e.mounts[ens[0].mount], path, id, ens[0].size)
-		if kept {
-			return true
-		}
-		path = at
-	}
-	if err := e.removeFile(path, id); err != nil {
-		e.log.Warn("engine: remove", "path", path, "err", err)
-	}
-	return false
-}
-
 // openRegular opens path read-only and returns it with its identity: that
 // of the open file, not of the name (the name may be replaced meanwhile),
 // from one fstat that also refuses anything but a regular file.
@@ -221,38 +101,6 @@ func (e *Engine) openRegular(path string) (fsys.File, fsys.Identity, error) {
 // errNotRegular: a name where a kvhost file should be is not a regular
 // file (a directory, a socket...).
 var errNotRegular = errors.New("engine: not a regular file")
-
-// readEntry reads the header of the file at path into an unindexed entry.
-func (e *Engine) readEntry(mnt int, path string) (*entry, error) {
-	if e.mounts[mnt].raw != nil {
-		return e.rawEntry(mnt, path)
-	}
-	// The identity is that of the file whose header is read.
-	f, id, err := e.openRegular(path)
-	if err != nil {
-		return nil, err
-	}
-	defer f.Close()
-	h, err := readHeader(f)
-	if err != nil {
-		return nil, err
-	}
-	if id.Size < h.FileLen() {
-		return nil, fmt.Errorf("%w: %s: %d bytes, header says %d", ErrCorrupt, path, id.Size, h.FileLen())
-	}
-	return e.entryOf(mnt, path, h, id), nil
-}
-
-// entryOf returns an unindexed entry for the file at path with header h
-// and identity id.
-func (e *Engine) entryOf(mnt int, path string, h *format.Header, id fsys.Identity) *entry {
-	en := &entry{fp: h.Fingerprint, mount: mnt, path: path, size: id.Size, ident: id, fid: h.ID, last: id.Mtime}
-	en.verified.Store(e.now().UnixNano())
-	for _, k := range h.Keys {
-		en.keys = append(en.keys, string(k.Key))
-	}
-	return en
-}
 
 // readHeader reads and decodes the header at the start of f, with aligned
 // buffers so that it works on files opened with O_DIRECT.

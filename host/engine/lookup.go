@@ -4,12 +4,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"github.com/kvhost/kvhost/abi"
-	"github.com/kvhost/kvhost/internal/fsys"
 	"os"
 	"path/filepath"
 	"slices"
 	"strings"
+
+	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/internal/fsys"
 )
 
 // resolve joins a policy-chosen relative path under its mount, re-checking
@@ -229,48 +230,6 @@ func (e *Engine) discover(ctx context.Context, ns *namespace, key []byte) *entry
 		e.warmDiscovered(en)
 	}
 	return got
-}
-
-// Delete removes the files holding any of keys (a file holding several keys
-// goes with all of them) and returns how many of the requested keys were
-// stored and are now removed: a key repeated in keys counts once, and the
-// other keys of a removed file are not counted. A key whose file a client
-// pin holds (Pin) is refused: it stays stored and is not counted. A load that has not yet
-// opened a deleted file reports it missing.
-func (e *Engine) Delete(ctx context.Context, ns NamespaceID, keys [][]byte) (int, error) {
-	n, err := e.namespace(ns)
-	if err != nil {
-		return 0, err
-	}
-	// The entries first: removing a file unindexes its other keys.
-	byEntry := map[*entry]int{} // requested keys held by each entry
-	var order []*entry
-	seen := map[string]bool{}
-	for _, k := range keys {
-		if seen[string(k)] {
-			continue
-		}
-		seen[string(k)] = true
-		if en := e.find(n, k); en != nil {
-			if byEntry[en] == 0 {
-				order = append(order, en)
-			}
-			byEntry[en]++
-		}
-	}
-	removed := 0
-	for _, en := range order {
-		if err := ctx.Err(); err != nil {
-			return removed, err
-		}
-		if e.deleteUnpinned(ctx, en) {
-			removed += byEntry[en]
-		}
-	}
-	if removed > 0 {
-		e.spareRoom() // room for spares made ahead
-	}
-	return removed, nil
 }
 
 // adopt indexes an entry found on disk and tells the policy. It returns

@@ -2,9 +2,10 @@ package engine
 
 import (
 	"fmt"
-	"golang.org/x/sys/unix"
 	"path/filepath"
 	"sync"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/kvhost/kvhost/internal/fstype"
 	"github.com/kvhost/kvhost/internal/region"
@@ -186,4 +187,9 @@ func MachineMemory() int64 {
 func isMemoryFS(magic int64) bool {
 	k, _ := fstype.Of(magic)
 	return k.Memory
+}
+
+// spareEligible reports whether m keeps evicted files as spares.
+func (e *Engine) spareEligible(m *mount) bool {
+	return m.memory && m.raw == nil && !e.cfg.NoReuse
 }

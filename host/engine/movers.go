@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/kvhost/kvhost/internal/format"
 	"github.com/kvhost/kvhost/internal/fsys"
@@ -139,3 +140,23 @@ func (e *Engine) releaseSlot() {
 
 // isShort reports whether a mover's error says the file ended early.
 func isShort(err error) bool { return errors.Is(err, transfer.ErrShortFile) }
+
+// filesInFlight reports whether a file is in flight: a store's or a
+// load's (a slot of e.files), or a copy between mounts.
+func (e *Engine) filesInFlight() bool { return len(e.files) > 0 || e.moving.Load() > 0 }
+
+// fileEnded is called after a file in flight released its slot, and
+// after a copy between mounts ended.
+func (e *Engine) fileEnded() {
+	mk := e.maker
+	if mk == nil {
+		return
+	}
+	mk.lastEnd.Store(time.Now().UnixNano())
+	if !e.filesInFlight() {
+		select {
+		case mk.idle <- struct{}{}:
+		default:
+		}
+	}
+}

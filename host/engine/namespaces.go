@@ -6,24 +6,7 @@ import (
 	"strings"
 
 	"github.com/kvhost/kvhost/abi"
-	"github.com/kvhost/kvhost/internal/format"
 )
-
-type namespace struct {
-	id          NamespaceID
-	fp          uint64
-	declared    bool
-	geo         Geometry
-	rec         abi.NamespaceRecord
-	keysPerFile int
-	order       uint32
-	// counted: created or claimed by Declare, so it counts against
-	// Config.MaxNamespaces (namespaces of files found on disk do not).
-	counted bool
-	// layout: the vllm-fs mount serving the namespace (nil: the policy
-	// places and names its files on the kvhost mounts). Set by Declare.
-	layout *mount
-}
 
 // Declare registers a geometry and returns its namespace. Declaring the same
 // geometry again returns the same id.
@@ -127,24 +110,6 @@ func (e *Engine) Declare(ctx context.Context, g Geometry) (NamespaceID, error) {
 	e.mu.Unlock()
 	e.wakeMaker(work)
 	return id, nil
-}
-
-// header is the header of a file of ns's keys written at now (Unix
-// nanoseconds), without its keys.
-func (ns *namespace) header(now int64) *format.Header {
-	return &format.Header{
-		Fingerprint: ns.fp, Order: ns.order, Layers: uint32(ns.geo.Layers), Planes: uint32(ns.geo.Planes()),
-		BlocksPerKey: uint32(ns.geo.BlocksPerKey()), BlockBytes: uint64(ns.geo.BlockBytes()), Created: now,
-	}
-}
-
-// wholeFileLen is the length of a file that holds a whole group of ns's
-// keys (KeysPerFile): key entries have a fixed length, so it depends on
-// the geometry and the number of keys alone.
-func (ns *namespace) wholeFileLen() int64 {
-	h := ns.header(0)
-	h.Keys = make([]format.Key, ns.keysPerFile)
-	return h.FileLen()
 }
 
 // Release ends the declaration of namespace ns: the server calls it when

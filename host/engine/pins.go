@@ -198,31 +198,6 @@ func (e *Engine) closePins() {
 	}
 }
 
-// deleteUnpinned drops en and removes its file, as Delete does, unless a
-// client pin holds it; the check and the unindexing are one step under
-// index.mu, so a pin that took hold is never deleted under it. It
-// reports whether this call dropped en.
-func (e *Engine) deleteUnpinned(ctx context.Context, en *entry) bool {
-	e.ix.mu.Lock()
-	if en.clientPinned() {
-		e.ix.mu.Unlock()
-		e.log.Debug("engine: delete refused: pinned", "path", en.path)
-		return false
-	}
-	was, claimed := e.ix.dropLocked(en, true)
-	rec := en.access(abi.AccessRemove, e.now().UnixNano())
-	e.ix.mu.Unlock()
-	if !was {
-		return false
-	}
-	if claimed {
-		e.removeClaimed(en)
-	}
-	e.log.Debug("engine: entry dropped", "path", en.path, "why", "deleted")
-	e.access(ctx, []abi.AccessRecord{rec})
-	return true
-}
-
 // PinHeld reports whether id is a pin still held (not unpinned, lease not
 // ended).
 func (e *Engine) PinHeld(id PinID) bool {

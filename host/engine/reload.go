@@ -321,3 +321,38 @@ var (
 	_ policy.Policy  = (*switchPolicy)(nil)
 	_ policy.Tiering = (*switchPolicy)(nil)
 )
+
+// Index returns the engine's index as a policy host sees it.
+func (e *Engine) Index() policy.Index { return indexView{e} }
+
+// indexView implements policy.Index over the engine.
+type indexView struct{ e *Engine }
+
+var _ policy.Index = indexView{}
+
+// Lookup returns the entry with the given id.
+func (v indexView) Lookup(id uint64) (policy.Entry, bool) { return v.e.ix.policyEntry(id) }
+
+// Range calls fn for every entry until fn returns false. fn runs without the
+// index's lock held, on a snapshot.
+func (v indexView) Range(fn func(policy.Entry) bool) {
+	for _, en := range v.e.ix.policyEntries() {
+		if !fn(en) {
+			return
+		}
+	}
+}
+
+// Namespaces returns every declared namespace.
+func (v indexView) Namespaces() []abi.NamespaceRecord {
+	e := v.e
+	e.mu.RLock()
+	defer e.mu.RUnlock()
+	var out []abi.NamespaceRecord
+	for _, ns := range e.nss {
+		if ns.declared {
+			out = append(out, ns.rec)
+		}
+	}
+	return out
+}

@@ -41,11 +41,6 @@ import (
 // may be open in a reader that is not kvhost, which must keep reading the
 // bytes it opened.
 
-// spareEligible reports whether m keeps evicted files as spares.
-func (e *Engine) spareEligible(m *mount) bool {
-	return m.memory && m.raw == nil && !e.cfg.NoReuse
-}
-
 // keepSpare renames the file at path (its entry already forgotten, its
 // identity id checked; an evicted file of which m counts evicted bytes as
 // used) to a temporary name and adds it to m's spares, the bytes moving

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
 	"path/filepath"
 	"slices"
 	"sync"
@@ -533,78 +532,4 @@ func (e *Engine) writeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 	e.st.written.Add(uint64(h.PayloadLen()))
 	j.bytes.Add(h.PayloadLen())
 	return true, nil
-}
-
-// ioError wraps a file-system error of a store; ENOSPC also wraps ErrNoSpace
-// and names the mount.
-func (e *Engine) ioError(m *mount, op string, err error) error {
-	if errors.Is(err, syscall.ENOSPC) {
-		return fmt.Errorf("%w: mount %s: %s: %w", ErrNoSpace, m.root, op, err)
-	}
-	return fmt.Errorf("engine: store on mount %s: %s: %w", m.root, op, err)
-}
-
-// mkdir creates dir (and parents) once; force re-creates it. With
-// Config.Fsync, every directory it creates is fsynced, and so is its
-// parent, before mkdir returns: a file published there and reported durable
-// cannot vanish with its directory on a power loss.
-func (e *Engine) mkdir(dir string, force bool) error {
-	if !force {
-		if _, ok := e.dirs.Load(dir); ok {
-			return nil
-		}
-	}
-	if e.cfg.Fsync {
-		// The directories about to be created: from dir up to the first
-		// that exists. They stay listed until synced, so that a failed
-		// sync is tried again by the next store.
-		for d := dir; ; {
-			if _, err := e.fs.Stat(d); err == nil {
-				break
-			} else if !errors.Is(err, os.ErrNotExist) {
-				return err
-			}
-			e.unsynced.Store(d, struct{}{})
-			p := filepath.Dir(d)
-			if p == d {
-				break
-			}
-			d = p
-		}
-	}
-	if err := e.fs.MkdirAll(dir, 0o755); err != nil {
-		return err
-	}
-	if e.cfg.Fsync {
-		if err := e.syncNewDirs(dir); err != nil {
-			return err
-		}
-	}
-	e.dirs.Store(dir, struct{}{})
-	return nil
-}
-
-// syncNewDirs fsyncs every directory from dir upwards that mkdir created
-// and has not synced yet, and its parent (which holds its entry).
-func (e *Engine) syncNewDirs(dir string) error {
-	synced := map[string]bool{}
-	for d := dir; ; {
-		p := filepath.Dir(d)
-		if _, ok := e.unsynced.Load(d); ok {
-			for _, s := range []string{d, p} {
-				if synced[s] {
-					continue
-				}
-				if err := e.fs.SyncDir(s); err != nil {
-					return fmt.Errorf("fsync of new directory: %w", err)
-				}
-				synced[s] = true
-			}
-			e.unsynced.Delete(d)
-		}
-		if p == d {
-			return nil
-		}
-		d = p
-	}
 }

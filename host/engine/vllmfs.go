@@ -13,7 +13,6 @@ import (
 	"strings"
 
 	"github.com/kvhost/kvhost/internal/format"
-	"github.com/kvhost/kvhost/internal/fsys"
 	"github.com/kvhost/kvhost/internal/vllmfs"
 )
 
@@ -341,16 +340,4 @@ func (e *Engine) rawHeader(m *mount, path string, size int64) (*format.Header, e
 	}
 	e.mu.RUnlock()
 	return h, nil
-}
-
-// fileHeader returns the header of the open file f at path on mount mnt,
-// whose identity id the caller took (fileIdentity, one fstat per open):
-// read from the file on a kvhost mount, made from the layout and id.Size
-// on a vllm-fs mount.
-func (e *Engine) fileHeader(mnt int, path string, f fsys.File, id fsys.Identity) (*format.Header, error) {
-	m := e.mounts[mnt]
-	if m.raw == nil {
-		return readHeader(f)
-	}
-	return e.rawHeader(m, path, id.Size)
 }

@@ -1,0 +1,77 @@
+package engine
+
+import (
+	"context"
+
+	"github.com/kvhost/kvhost/abi"
+)
+
+// Deleting keys at a client's request: their entries are dropped and their
+// files removed (drop.go), except where a client pin holds them (pins.go).
+
+// Delete removes the files holding any of keys (a file holding several keys
+// goes with all of them) and returns how many of the requested keys were
+// stored and are now removed: a key repeated in keys counts once, and the
+// other keys of a removed file are not counted. A key whose file a client
+// pin holds (Pin) is refused: it stays stored and is not counted. A load that has not yet
+// opened a deleted file reports it missing.
+func (e *Engine) Delete(ctx context.Context, ns NamespaceID, keys [][]byte) (int, error) {
+	n, err := e.namespace(ns)
+	if err != nil {
+		return 0, err
+	}
+	// The entries first: removing a file unindexes its other keys.
+	byEntry := map[*entry]int{} // requested keys held by each entry
+	var order []*entry
+	seen := map[string]bool{}
+	for _, k := range keys {
+		if seen[string(k)] {
+			continue
+		}
+		seen[string(k)] = true
+		if en := e.find(n, k); en != nil {
+			if byEntry[en] == 0 {
+				order = append(order, en)
+			}
+			byEntry[en]++
+		}
+	}
+	removed := 0
+	for _, en := range order {
+		if err := ctx.Err(); err != nil {
+			return removed, err
+		}
+		if e.deleteUnpinned(ctx, en) {
+			removed += byEntry[en]
+		}
+	}
+	if removed > 0 {
+		e.spareRoom() // room for spares made ahead
+	}
+	return removed, nil
+}
+
+// deleteUnpinned drops en and removes its file, as Delete does, unless a
+// client pin holds it; the check and the unindexing are one step under
+// index.mu, so a pin that took hold is never deleted under it. It
+// reports whether this call dropped en.
+func (e *Engine) deleteUnpinned(ctx context.Context, en *entry) bool {
+	e.ix.mu.Lock()
+	if en.clientPinned() {
+		e.ix.mu.Unlock()
+		e.log.Debug("engine: delete refused: pinned", "path", en.path)
+		return false
+	}
+	was, claimed := e.ix.dropLocked(en, true)
+	rec := en.access(abi.AccessRemove, e.now().UnixNano())
+	e.ix.mu.Unlock()
+	if !was {
+		return false
+	}
+	if claimed {
+		e.removeClaimed(en)
+	}
+	e.log.Debug("engine: entry dropped", "path", en.path, "why", "deleted")
+	e.access(ctx, []abi.AccessRecord{rec})
+	return true
+}

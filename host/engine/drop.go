@@ -1,0 +1,170 @@
+package engine
+
+import (
+	"context"
+	"errors"
+	"os"
+	"slices"
+
+	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/internal/format"
+)
+
+// Dropping entries and removing their files (docs/engine.md, "Lookup and
+// delete", "File identity"): an entry leaves the index and its file is
+// removed while this engine holds its path (index.dropLocked), and only
+// if the file at the path is still the entry's (removeIfSame). A file is
+// never removed by name alone; the unlink itself is removeFile's
+// (removal.go).
+
+// drop removes en from the index, tells the policy, and, if remove is set,
+// removes its file (holding its path meanwhile, so that a store publishing
+// a new file there waits and its file is never the one removed). It
+// reports whether en was still indexed, that is, whether this call
+// dropped it.
+func (e *Engine) drop(ctx context.Context, en *entry, remove bool, why string) bool {
+	e.ix.mu.Lock()
+	was, claimed := e.ix.dropLocked(en, remove)
+	rec := en.access(abi.AccessRemove, e.now().UnixNano())
+	e.ix.mu.Unlock()
+	if !was {
+		return false
+	}
+	if claimed {
+		e.removeClaimed(en)
+	}
+	e.log.Debug("engine: entry dropped", "path", en.path, "why", why)
+	e.access(ctx, []abi.AccessRecord{rec})
+	return true
+}
+
+// release ends this engine's claim on path, first removing the orphans
+// left to it, and wakes the stores waiting for the path.
+func (e *Engine) release(path string) {
+	e.releaseFreed(path, nil)
+}
+
+// releaseFreed is release for a holder that has just removed the files of
+// freed (or found them gone), which their mounts counted as used until
+// then: they stop counting in the same hold of the index's lock.
+func (e *Engine) releaseFreed(path string, freed []*entry) {
+	e.ix.mu.Lock()
+	fl, orphans := e.ix.releaseLocked(path, freed)
+	e.ix.mu.Unlock()
+	e.endRelease(path, fl, orphans)
+}
+
+// endRelease finishes what index.releaseLocked began, without the lock:
+// it wakes the stores waiting for the path, or removes the orphans left
+// to the claim (never a file its holder just published: they are entries
+// of files unindexed while it held the path) and releases the path again.
+func (e *Engine) endRelease(path string, fl *flight, orphans []*entry) {
+	if fl != nil {
+		close(fl.done)
+		return
+	}
+	e.removeIfSame(path, orphans)
+	e.releaseFreed(path, orphans)
+}
+
+// removeClaimed removes en's file (if it is still the file at its path) and
+// releases the path claimed by index.dropLocked.
+func (e *Engine) removeClaimed(en *entry) {
+	e.removeIfSame(en.path, []*entry{en})
+	e.releaseFreed(en.path, []*entry{en})
+}
+
+// evictClaimed is removeClaimed for an evicted entry: the file may be
+// kept as a spare (spares.go), its bytes then moving to the spares.
+func (e *Engine) evictClaimed(en *entry) {
+	if e.disposeIfSame(en.path, []*entry{en}, true) {
+		e.release(en.path)
+		return
+	}
+	e.releaseFreed(en.path, []*entry{en})
+}
+
+// confirm checks, reading the header, that en's file is still the one
+// indexed; a file removed or replaced drops the entry (false). It is the
+// check before a store answers present. An I/O error other than "not
+// found" is false but keeps the entry.
+func (e *Engine) confirm(ctx context.Context, en *entry) bool {
+	f, _, err := e.openSame(en, os.O_RDONLY)
+	if err == nil {
+		f.Close()
+		en.verified.Store(e.now().UnixNano())
+		return true
+	}
+	switch {
+	case errors.Is(err, os.ErrNotExist), errors.Is(err, errReplaced):
+		e.st.vanished.Add(1)
+		e.drop(ctx, en, false, err.Error())
+	default:
+		e.log.Warn("engine: check of an indexed file", "path", en.path, "err", err)
+	}
+	return false
+}
+
+// removeIfSame removes the file at path if it is the file of one of ens
+// (same identity and header id): a file at the path is never removed by
+// name alone. The caller holds the path, so no store of this engine
+// publishes there meanwhile; another node may still rename a file onto the
+// path between the check and the unlink (a window of one system call,
+// docs/engine.md).
+func (e *Engine) removeIfSame(path string, ens []*entry) {
+	e.disposeIfSame(path, ens, false)
+}
+
+// disposeIfSame is removeIfSame; with spare set (an evicted entry, whose
+// file its mount still counts as used: evict), the file is kept as a
+// spare for later stores where its mount keeps spares and it fits
+// (spares.go), its bytes then moving to the spares. It reports whether it
+// kept one.
+func (e *Engine) disposeIfSame(path string, ens []*entry, spare bool) bool {
+	if len(ens) == 0 {
+		return false
+	}
+	f, err := e.fs.OpenFile(path, os.O_RDONLY, 0)
+	if err != nil {
+		if !errors.Is(err, os.ErrNotExist) {
+			e.log.Warn("engine: open before remove", "path", path, "err", err)
+		}
+		return false
+	}
+	id, err := fileIdentity(f)
+	var h *format.Header
+	if err == nil {
+		h, err = e.fileHeader(ens[0].mount, path, f, id)
+	}
+	f.Close()
+	match := false
+	switch {
+	case err == nil:
+		match = slices.ContainsFunc(ens, func(en *entry) bool { return en.sameFile(id, h) })
+	case errors.Is(err, ErrCorrupt):
+		// A corrupt file at the inode indexed (a corrupt file being
+		// dropped; writing into it changed its ctime): its header cannot
+		// say more, and a corrupt file is no one's data.
+		match = slices.ContainsFunc(ens, func(en *entry) bool { return en.ident.Dev == id.Dev && en.ident.Ino == id.Ino })
+	default:
+		e.log.Warn("engine: check before remove", "path", path, "err", err)
+		return false
+	}
+	if !match {
+		e.log.Debug("engine: not removed: the file at the path is another one", "path", path)
+		return false
+	}
+	// A spare keeps its inode and pages: movers keep what they cache of
+	// it (a registration of its pages) for the store that reuses it.
+	if spare {
+		kept, at := e.keepSpare(e.mounts[ens[0].mount], path, id, ens[0].size)
+		if kept {
+			return true
+		}
+		path = at
+	}
+	if err := e.removeFile(path, id); err != nil {
+		e.log.Warn("engine: remove", "path", path, "err", err)
+	}
+	return false
+}

@@ -1,0 +1,89 @@
+package engine
+
+import (
+	"fmt"
+
+	"github.com/kvhost/kvhost/internal/format"
+	"github.com/kvhost/kvhost/internal/fsys"
+)
+
+// Reading a file's header and entry, whatever the mount's layout: the
+// header in the file on a kvhost mount, or made from the layout and the
+// file's name and size on a vllm-fs mount (vllmfs.go).
+
+// openSame opens the file at en's path and checks that it is en's file
+// (identity and header id). It returns the open file and its header, or an
+// error wrapping os.ErrNotExist (vanished), errReplaced, ErrCorrupt (the
+// file at the path does not decode) or the I/O error.
+func (e *Engine) openSame(en *entry, flag int) (fsys.File, *format.Header, error) {
+	f, err := e.fs.OpenFile(en.path, flag, 0)
+	if err != nil {
+		return nil, nil, err
+	}
+	id, err := fileIdentity(f)
+	if err != nil {
+		f.Close()
+		return nil, nil, err
+	}
+	if !id.Mode.IsRegular() {
+		f.Close()
+		return nil, nil, fmt.Errorf("%w: %s is not a regular file", errReplaced, en.path)
+	}
+	h, err := e.fileHeader(en.mount, en.path, f, id)
+	if err != nil {
+		f.Close()
+		if !en.ident.Same(id) {
+			return nil, nil, fmt.Errorf("%w: %s", errReplaced, en.path)
+		}
+		return nil, nil, err
+	}
+	if !en.sameFile(id, h) {
+		f.Close()
+		return nil, nil, fmt.Errorf("%w: %s: inode %d id %#x, indexed inode %d id %#x", errReplaced, en.path, id.Ino, h.ID, en.ident.Ino, en.fid)
+	}
+	return f, h, nil
+}
+
+// readEntry reads the header of the file at path into an unindexed entry.
+func (e *Engine) readEntry(mnt int, path string) (*entry, error) {
+	if e.mounts[mnt].raw != nil {
+		return e.rawEntry(mnt, path)
+	}
+	// The identity is that of the file whose header is read.
+	f, id, err := e.openRegular(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	h, err := readHeader(f)
+	if err != nil {
+		return nil, err
+	}
+	if id.Size < h.FileLen() {
+		return nil, fmt.Errorf("%w: %s: %d bytes, header says %d", ErrCorrupt, path, id.Size, h.FileLen())
+	}
+	return e.entryOf(mnt, path, h, id), nil
+}
+
+// entryOf returns an unindexed entry for the file at path with header h
+// and identity id.
+func (e *Engine) entryOf(mnt int, path string, h *format.Header, id fsys.Identity) *entry {
+	en := &entry{fp: h.Fingerprint, mount: mnt, path: path, size: id.Size, ident: id, fid: h.ID, last: id.Mtime}
+	en.verified.Store(e.now().UnixNano())
+	for _, k := range h.Keys {
+		en.keys = append(en.keys, string(k.Key))
+	}
+	return en
+}
+
+// fileHeader returns the header of the open file f at path on mount mnt,
+// whose identity id the caller took (fileIdentity, one fstat per open):
+// read from the file on a kvhost mount, made from the layout and id.Size
+// on a vllm-fs mount.
+func (e *Engine) fileHeader(mnt int, path string, f fsys.File, id fsys.Identity) (*format.Header, error) {
+	m := e.mounts[mnt]
+	if m.raw == nil {
+		return readHeader(f)
+	}
+	return e.rawHeader(m, path, id.Size)
+}
