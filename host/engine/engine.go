@@ -83,15 +83,7 @@ type Engine struct {
 	// orphans, spares (space.go).
 	space *space
 
-	// jobsMu guards the jobs in flight, apart from mu: every store and
-	// load registers and ends a job, and on mu those two took a share of
-	// its traffic that made every other holder wait (RATIONALE, "Why do
-	// the jobs in flight have their own lock?").
-	jobsMu     sync.Mutex
-	jobs       map[JobID]*Job
-	lastJob    uint64
-	jobsClosed bool // Close began: no new job
-	jobsWG     sync.WaitGroup
+	jobs jobTable // the jobs in flight (jobs.go)
 
 	st       counters
 	verifyIv atomic.Int64 // Config.VerifyInterval, changed by SetVerifyInterval
@@ -163,7 +155,6 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		nsByFP: map[uint64]NamespaceID{},
 		caches: map[CacheID]*cache{},
 		space:  &space{},
-		jobs:   map[JobID]*Job{},
 	}
 	e.ix = newIndex(e.space)
 	// The node-local lock first: a second daemon on this node stops here,
@@ -287,21 +278,15 @@ func (e *Engine) Close(ctx context.Context) error {
 	e.closed = true
 	e.space.close() // no spare kept or made from now on
 	e.mu.Unlock()
-	e.jobsMu.Lock()
-	e.jobsClosed = true // no jobsWG.Add after this: the Wait below may begin
-	e.jobsMu.Unlock()
+	e.jobs.close()
 	done := make(chan struct{})
-	go func() { e.jobsWG.Wait(); close(done) }()
+	go func() { e.jobs.wg.Wait(); close(done) }()
 	var err error
 	select {
 	case <-done:
 	case <-ctx.Done():
 		err = ctx.Err()
-		e.jobsMu.Lock()
-		for _, j := range e.jobs {
-			j.cancel()
-		}
-		e.jobsMu.Unlock()
+		e.jobs.cancelAll()
 		<-done
 	}
 	e.closePins()

@@ -3,6 +3,7 @@ package engine
 import (
 	"context"
 	"fmt"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -42,19 +43,67 @@ func (j *Job) Wait(ctx context.Context) (Result, error) {
 	}
 }
 
+// jobTable is the engine's jobs in flight. Its lock is apart from the
+// engine's others and taken with none of them held: every store and load
+// registers and ends a job, and on the engine's lock those two took a
+// share of its traffic that made every other holder wait (RATIONALE,
+// "Why do the jobs in flight have their own lock?").
+type jobTable struct {
+	mu     sync.Mutex
+	jobs   map[JobID]*Job
+	last   uint64
+	closed bool           // Close began: no new job
+	wg     sync.WaitGroup // one count per job in the table
+}
+
+// add registers a new job of kind with n keys, or fails with ErrClosed.
+func (t *jobTable) add(kind string, n int, cancel context.CancelFunc) (*Job, error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.closed {
+		return nil, ErrClosed
+	}
+	if t.jobs == nil {
+		t.jobs = map[JobID]*Job{}
+	}
+	t.last++
+	j := &Job{id: JobID(t.last), kind: kind, done: make(chan struct{}), cancel: cancel, start: time.Now()}
+	j.res.Keys = make([]KeyResult, n)
+	t.jobs[j.id] = j
+	t.wg.Add(1)
+	return j, nil
+}
+
+// remove unregisters j; the caller then calls t.wg.Done.
+func (t *jobTable) remove(j *Job) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	delete(t.jobs, j.id)
+}
+
+// close refuses new jobs: no wg.Add after it, so that wg.Wait may begin.
+func (t *jobTable) close() {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.closed = true
+}
+
+// cancelAll cancels every job in flight.
+func (t *jobTable) cancelAll() {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for _, j := range t.jobs {
+		j.cancel()
+	}
+}
+
 func (e *Engine) newJob(ctx context.Context, kind string, n int) (*Job, context.Context, error) {
 	ctx, cancel := context.WithCancel(ctx)
-	e.jobsMu.Lock()
-	defer e.jobsMu.Unlock()
-	if e.jobsClosed {
+	j, err := e.jobs.add(kind, n, cancel)
+	if err != nil {
 		cancel()
-		return nil, nil, ErrClosed
+		return nil, nil, err
 	}
-	e.lastJob++
-	j := &Job{id: JobID(e.lastJob), kind: kind, done: make(chan struct{}), cancel: cancel, start: time.Now()}
-	j.res.Keys = make([]KeyResult, n)
-	e.jobs[j.id] = j
-	e.jobsWG.Add(1)
 	return j, ctx, nil
 }
 
@@ -70,11 +119,9 @@ func (e *Engine) finish(j *Job) {
 			e.fails.add(j.kind, j.res.Keys[i].Err, time.Now())
 		}
 	}
-	e.jobsMu.Lock()
-	delete(e.jobs, j.id)
-	e.jobsMu.Unlock()
+	e.jobs.remove(j)
 	e.observe(j)
 	j.cancel()
 	close(j.done)
-	e.jobsWG.Done()
+	e.jobs.wg.Done()
 }

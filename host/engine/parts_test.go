@@ -1,0 +1,129 @@
+package engine
+
+import (
+	"strings"
+	"testing"
+
+	"github.com/kvhost/kvhost/internal/fsys"
+)
+
+// newParts returns an index over a space of one mount of 1000 bytes, with
+// two entries of 100 bytes: one of keys a and b at /m/x, one of key c at
+// /m/y.
+func newParts(t *testing.T) (*index, *space) {
+	t.Helper()
+	ms := &mountSpace{root: "/m", highF: 0.9, lowF: 0.8}
+	ms.setCapacityLocked(1000)
+	sp := &space{mounts: []*mountSpace{ms}}
+	ix := newIndex(sp)
+	ix.mu.Lock()
+	ix.insertLocked(&entry{fp: 1, path: "/m/x", size: 100, keys: []string{"a", "b"}}, false)
+	ix.insertLocked(&entry{fp: 1, path: "/m/y", size: 100, keys: []string{"c"}}, false)
+	ix.mu.Unlock()
+	if err := errorsOf(ix, sp); err != "" {
+		t.Fatalf("a fresh index: %s", err)
+	}
+	return ix, sp
+}
+
+func errorsOf(ix *index, sp *space) string {
+	var out []string
+	for _, err := range []error{ix.check(), sp.check(), ix.checkAtRest()} {
+		if err != nil {
+			out = append(out, err.Error())
+		}
+	}
+	return strings.Join(out, "; ")
+}
+
+func TestPartsCheckFindsEachBrokenInvariant(t *testing.T) {
+	for _, tt := range []struct {
+		name    string
+		corrupt func(ix *index, sp *space)
+		want    string
+	}{
+		{"an indexed entry marked gone", func(ix *index, _ *space) { ix.byPath["/m/x"].gone = true }, "indexed and gone"},
+		{"an entry under another id", func(ix *index, _ *space) { ix.byPath["/m/x"].id = 7 }, "under id"},
+		{"a path mapping to another entry", func(ix *index, _ *space) { ix.byPath["/m/x"] = ix.byPath["/m/y"] }, "maps to"},
+		{"a key of an entry that does not hold it", func(ix *index, _ *space) {
+			ix.byKey[keyID{1, "c"}] = keyRef{e: ix.byPath["/m/x"], idx: 0}
+		}, "does not hold it"},
+		{"a key of another fingerprint", func(ix *index, _ *space) {
+			ix.byKey[keyID{2, "a"}] = keyRef{e: ix.byPath["/m/x"], idx: 0}
+		}, "does not hold it"},
+		{"more leases than pins", func(ix *index, _ *space) { ix.byPath["/m/x"].leases = 1 }, "leases"},
+		{"an orphan still indexed", func(ix *index, _ *space) {
+			ix.inflight["/m/x"] = &flight{orphans: []*entry{ix.byPath["/m/x"]}}
+		}, "orphan"},
+		{"more orphaned bytes than used", func(_ *index, sp *space) { sp.mounts[0].orphaned = 300 }, "orphaned"},
+		{"a negative count of entries", func(_ *index, sp *space) { sp.mounts[0].entries = -1 }, "entries"},
+		{"a high watermark above the capacity", func(_ *index, sp *space) { sp.mounts[0].high = 2000 }, "high"},
+		{"spare bytes not their files'", func(_ *index, sp *space) {
+			sp.mounts[0].addSpareLocked(spareFile{path: "/m/.spare-1", id: fsys.Identity{Size: 50}})
+			sp.mounts[0].spareBytes++
+		}, "spares of 50 bytes"},
+		{"a spare under another size", func(_ *index, sp *space) {
+			sp.mounts[0].spares = map[int64][]spareFile{60: {{path: "/m/.spare-1", id: fsys.Identity{Size: 50}}}}
+		}, "listed under"},
+		{"used beside the files at rest", func(_ *index, sp *space) { sp.mounts[0].used += 10 }, "at rest"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			ix, sp := newParts(t)
+			ix.mu.Lock()
+			sp.mu.Lock()
+			tt.corrupt(ix, sp)
+			sp.mu.Unlock()
+			ix.mu.Unlock()
+			if got := errorsOf(ix, sp); !strings.Contains(got, tt.want) {
+				t.Fatalf("check after %s: %q, want an error containing %q", tt.name, got, tt.want)
+			}
+		})
+	}
+}
+
+func TestIndexKeepsTheSpaceOfItsEntries(t *testing.T) {
+	ix, sp := newParts(t)
+	ms := sp.mounts[0]
+	x, y := ix.get(1, []byte("a")), ix.get(1, []byte("c"))
+	ix.mu.Lock()
+	// A file replacing x at its path (its bytes a reservation already
+	// counted), then y dropped for removal with its path held by a job.
+	if !sp.reserveBelow(ms, 100, high) {
+		t.Fatal("no room for a reservation of 100 bytes")
+	}
+	replaced := ix.insertLocked(&entry{fp: 1, path: "/m/x", size: 100, keys: []string{"a"}}, true)
+	ix.claimLocked("/m/y")
+	was, claimed := ix.dropLocked(y, true)
+	ix.mu.Unlock()
+	if len(replaced) != 1 || replaced[0] != x || !x.gone {
+		t.Fatalf("insert at x's path replaced %v, want x", replaced)
+	}
+	if !was || claimed || !y.orphan {
+		t.Fatalf("drop of y with its path held: was %v, claimed %v, orphan %v; want an orphan of the holder", was, claimed, y.orphan)
+	}
+	if got := ix.get(1, []byte("b")); got != nil {
+		t.Fatalf("key b of the replaced file still maps to %s", got.path)
+	}
+	if used, _ := sp.usage(ms); used != 200 || ms.entries != 1 || ms.orphaned != 100 {
+		t.Fatalf("used %d, entries %d, orphaned %d; want 200 (the new file and the orphan), 1, 100", used, ms.entries, ms.orphaned)
+	}
+	if err := errorsOf(ix, sp); err != "" {
+		t.Fatalf("check with y's path held: %s", err)
+	}
+	// The holder removes the orphan and lets the path go.
+	ix.mu.Lock()
+	fl, orphans := ix.releaseLocked("/m/y", nil)
+	if fl != nil || len(orphans) != 1 {
+		t.Fatalf("release of a path with an orphan: flight %v, orphans %d; want the orphan to remove first", fl, len(orphans))
+	}
+	if fl, _ = ix.releaseLocked("/m/y", orphans); fl == nil {
+		t.Fatal("the second release kept the path")
+	}
+	ix.mu.Unlock()
+	if err := errorsOf(ix, sp); err != "" {
+		t.Fatalf("check at rest after the release: %s", err)
+	}
+	if used, _ := sp.usage(ms); used != 100 {
+		t.Fatalf("used %d at rest, want 100 (the new file)", used)
+	}
+}
