@@ -442,27 +442,16 @@ func (e *Engine) copyFile(en *entry, tm *mount, dst string) (*entry, error) {
 	if err := unix.Futimes(int(f.Fd()), []unix.Timeval{mt, mt}); err != nil {
 		e.log.Debug("engine: move: keep the modification time", "path", tmp, "err", err)
 	}
-	if e.cfg.Fsync {
-		if err := f.Sync(); err != nil {
-			return nil, e.ioError(tm, "move: fsync", err)
-		}
-	}
-	if err := e.fs.Rename(tmp, dst); err != nil {
-		return nil, e.ioError(tm, "move: rename", err)
-	}
-	published = true
+	// Not cancelled once copied: the move finishes what it began (the
+	// source stays where the copy fails).
 	en2 := &entry{ns: en.ns, fp: en.fp, mount: tm.idx, path: dst, size: en.size, keys: en.keys, fid: en.fid}
-	en2.ident, err = e.seal(f, filepath.Dir(dst))
-	f = nil
-	if err != nil {
-		// Published but not vouched for: remove the copy if it is still
-		// ours; the source stays.
-		if en2.ident.Ino != 0 {
-			e.removeIfSame(dst, []*entry{en2})
-		}
-		return nil, e.ioError(tm, "move: publish", err)
+	published, err = e.publish(context.Background(), tm, f, tmp, en2, nil, "move: ")
+	if published {
+		f = nil // closed
 	}
-	en2.verified.Store(e.now().UnixNano())
+	if err != nil {
+		return nil, err
+	}
 	return en2, nil
 }
 

@@ -36,8 +36,8 @@ const (
 //     recheck.go;
 //   - files: identity.go, removal.go, tempfiles.go, vllmfs.go,
 //     headers.go, mount.go;
-//   - room: spares.go, ahead.go, warm.go, drop.go, capacity.go and
-//     demote.go;
+//   - room: spares.go, ahead.go, warm.go, drop.go, publish.go,
+//     capacity.go and demote.go;
 //   - requests: namespaces.go, caches.go, lookup.go, pins.go, store.go,
 //     load.go, delete.go;
 //   - life: recover.go, reload.go, engine.go.

@@ -64,21 +64,6 @@ func fileIdentity(f fsys.File) (fsys.Identity, error) {
 	return fsys.IdentityOf(fi)
 }
 
-// seal finishes publishing f, just renamed into directory dir: it takes
-// f's identity (after the rename, which sets its ctime: never a stat of
-// the name, which may already be another's), closes f and, with
-// Config.Fsync, syncs dir. The identity is zero where the fstat failed.
-func (e *Engine) seal(f fsys.File, dir string) (fsys.Identity, error) {
-	id, err := fileIdentity(f)
-	if cerr := f.Close(); err == nil {
-		err = cerr
-	}
-	if err == nil && e.cfg.Fsync {
-		err = e.fs.SyncDir(dir)
-	}
-	return id, err
-}
-
 // openRegular opens path read-only and returns it with its identity: that
 // of the open file, not of the name (the name may be replaced meanwhile),
 // from one fstat that also refuses anything but a regular file.

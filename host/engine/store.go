@@ -477,38 +477,20 @@ func (e *Engine) writeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 			return published, e.ioError(m, "write header", err)
 		}
 	}
-	if e.cfg.Fsync {
-		if err := f.Sync(); err != nil {
-			return published, e.ioError(m, "fsync", err)
-		}
-	}
-	if err := ctx.Err(); err != nil {
-		return false, err // cancelled: never published
-	}
-	if gr.old != nil {
-		e.forget(gr.old.ident) // the rename replaces it
-	}
-	if err := e.fs.Rename(tmp, gr.path); err != nil {
-		if errors.Is(err, syscall.EISDIR) || errors.Is(err, syscall.ENOTEMPTY) || errors.Is(err, syscall.EEXIST) {
-			return false, fmt.Errorf("%w: store on mount %s: %s is a directory, not a kvhost file: the policy's name for key %q collides with it", ErrPolicy, m.root, gr.path, h.Keys[0].Key)
-		}
-		return false, e.ioError(m, "rename", err)
-	}
-	published = true // the temporary name is gone; the file is visible
 	en := &entry{fp: h.Fingerprint, ns: c.ns.id, mount: gr.mount, path: gr.path, size: size, fid: h.ID, last: e.now().UnixNano()}
-	en.ident, err = e.seal(f, dir)
-	f = nil
-	if err != nil {
-		// Visible but not indexed (or not durable): remove it rather than
-		// report a store we cannot vouch for, if it is still ours (we hold
-		// the path; another node may have replaced it).
-		if en.ident.Ino != 0 {
-			e.removeIfSame(gr.path, []*entry{en})
-		}
-		e.unreserve(m, size)
-		return true, e.ioError(m, "publish", err)
+	published, err = e.publish(ctx, m, f, tmp, en, gr.old, "")
+	if published {
+		f = nil // closed
 	}
-	en.verified.Store(en.last)
+	switch {
+	case err != nil && !published && (errors.Is(err, syscall.EISDIR) || errors.Is(err, syscall.ENOTEMPTY) || errors.Is(err, syscall.EEXIST)):
+		return false, fmt.Errorf("%w: store on mount %s: %s is a directory, not a kvhost file: the policy's name for key %q collides with it", ErrPolicy, m.root, gr.path, h.Keys[0].Key)
+	case err != nil && published:
+		e.unreserve(m, size) // the file was removed again
+		return true, err
+	case err != nil:
+		return false, err
+	}
 	for _, k := range h.Keys {
 		en.keys = append(en.keys, string(k.Key))
 	}

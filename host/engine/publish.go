@@ -1,0 +1,66 @@
+package engine
+
+import (
+	"context"
+	"path/filepath"
+
+	"github.com/kvhost/kvhost/internal/fsys"
+)
+
+// Publishing a file: a store's new file and a move's copy are written
+// under an owned temporary name (createTemp, or a spare taken for a
+// store), then published by publish — fsync (Config.Fsync), rename into
+// place, and the identity of the file renamed, read from the open file.
+
+// publish makes tmp, open as f and fully written, the file of en (whose
+// path is where it goes, on mount m): it fsyncs f (Config.Fsync), renames
+// tmp to en.path and sets en.ident from the open file (seal), unless ctx
+// ended first. replaces is the entry of the file the rename replaces
+// (nil: none), which the movers forget first. published reports whether
+// the rename happened: the temporary name is gone and f is closed. A
+// failure after it removes the file again if it is still en's (the
+// caller holds the path; another node may have replaced it) and returns
+// the error with published true. op prefixes the failed step's name in
+// the error (ioError).
+func (e *Engine) publish(ctx context.Context, m *mount, f fsys.File, tmp string, en, replaces *entry, op string) (published bool, err error) {
+	if e.cfg.Fsync {
+		if err := f.Sync(); err != nil {
+			return false, e.ioError(m, op+"fsync", err)
+		}
+	}
+	if err := ctx.Err(); err != nil {
+		return false, err // cancelled: never published
+	}
+	if replaces != nil {
+		e.forget(replaces.ident) // the rename replaces it
+	}
+	if err := e.fs.Rename(tmp, en.path); err != nil {
+		return false, e.ioError(m, op+"rename", err)
+	}
+	en.ident, err = e.seal(f, filepath.Dir(en.path))
+	if err != nil {
+		// Visible but not vouched for (not durable, or its identity
+		// unknown): removed rather than indexed, if it is still ours.
+		if en.ident.Ino != 0 {
+			e.removeIfSame(en.path, []*entry{en})
+		}
+		return true, e.ioError(m, op+"publish", err)
+	}
+	en.verified.Store(e.now().UnixNano())
+	return true, nil
+}
+
+// seal finishes publishing f, just renamed into directory dir: it takes
+// f's identity (after the rename, which sets its ctime: never a stat of
+// the name, which may already be another's), closes f and, with
+// Config.Fsync, syncs dir. The identity is zero where the fstat failed.
+func (e *Engine) seal(f fsys.File, dir string) (fsys.Identity, error) {
+	id, err := fileIdentity(f)
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil && e.cfg.Fsync {
+		err = e.fs.SyncDir(dir)
+	}
+	return id, err
+}
