@@ -969,18 +969,32 @@ func (m *Stats) DecodeBody(b []byte) error {
 	return d.err
 }
 
-// Outcome is what happened to one key of a job (host/engine.Outcome).
+// Outcome is what happened to one key of a job: the engine's outcome
+// (host/engine.Outcome is this type), sent to the client in a Completion.
 type Outcome uint8
 
-// Outcomes. The values are the engine's.
+// Outcomes of a key in a job. The values are on the wire.
 const (
-	OutcomePending     Outcome = 0
-	OutcomeStored      Outcome = 1
-	OutcomePresent     Outcome = 2
+	// OutcomePending: the job has not finished the key (never in the
+	// result of a finished job).
+	OutcomePending Outcome = 0
+	// OutcomeStored: the key was written and published.
+	OutcomeStored Outcome = 1
+	// OutcomePresent: the key was already stored, by an earlier job or by
+	// another job writing its file, which this one waited for; nothing was
+	// written.
+	OutcomePresent Outcome = 2
+	// OutcomeNotAdmitted: the policy declined the key.
 	OutcomeNotAdmitted Outcome = 3
-	OutcomeLoaded      Outcome = 4
-	OutcomeMissing     Outcome = 5
-	OutcomeFailed      Outcome = 6
+	// OutcomeLoaded: the key was read into its blocks and verified.
+	OutcomeLoaded Outcome = 4
+	// OutcomeMissing: the key is not stored (or its file vanished or
+	// belongs to another geometry); its blocks were not written.
+	OutcomeMissing Outcome = 5
+	// OutcomeFailed: the key failed (the engine's KeyResult.Err, the
+	// Completion's Code, say why). A failed load may have written into its
+	// blocks: their content is undefined.
+	OutcomeFailed Outcome = 6
 	// OutcomeCancelled: the job was cancelled before the key was done.
 	OutcomeCancelled Outcome = 7
 )
