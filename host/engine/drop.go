@@ -145,7 +145,7 @@ func (e *Engine) disposeIfSame(path string, ens []*entry, spare bool) bool {
 		// A corrupt file at the inode indexed (a corrupt file being
 		// dropped; writing into it changed its ctime): its header cannot
 		// say more, and a corrupt file is no one's data.
-		match = slices.ContainsFunc(ens, func(en *entry) bool { return en.ident.Dev == id.Dev && en.ident.Ino == id.Ino })
+		match = slices.ContainsFunc(ens, func(en *entry) bool { return en.ident.Inode() == id.Inode() })
 	default:
 		e.log.Warn("engine: check before remove", "path", path, "err", err)
 		return false

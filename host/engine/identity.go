@@ -39,7 +39,7 @@ func newFileID() uint64 {
 // must match.
 func (en *entry) sameFile(id fsys.Identity, h *format.Header) bool {
 	if en.fid != 0 || h.ID != 0 {
-		return en.fid == h.ID && en.ident.Dev == id.Dev && en.ident.Ino == id.Ino
+		return en.fid == h.ID && en.ident.Inode() == id.Inode()
 	}
 	if !en.ident.Same(id) || h.Fingerprint != en.fp || len(h.Keys) != len(en.keys) {
 		return false

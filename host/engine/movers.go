@@ -76,12 +76,13 @@ func (m *mount) mover(kind region.Kind) (transfer.Mover, error) {
 }
 
 // forget tells every mover that caches per-file state that the file with
-// identity id is being removed or replaced.
+// identity id is being removed or replaced (movers key their state by
+// inode: fsys.FileID.Inode).
 func (e *Engine) forget(id fsys.Identity) {
 	for _, m := range e.mounts {
 		for _, mv := range m.movers {
 			if f, ok := mv.(transfer.Forgetter); ok {
-				f.Forget(fsys.FileID{Dev: id.Dev, Ino: id.Ino})
+				f.Forget(id.FileID)
 			}
 		}
 	}

@@ -55,3 +55,26 @@ func TestFileIDKeepsItsGenerationWhileTheFileLives(t *testing.T) {
 		t.Fatalf("Inode kept the generation: %+v", first.Inode())
 	}
 }
+
+func TestIdentitySameComparesGenerationsOnlyWhereBothHaveOne(t *testing.T) {
+	at := func(gen string, size, ctime int64) Identity {
+		return Identity{FileID: FileID{Dev: 1, Ino: 2, Gen: gen}, Size: size, Ctime: ctime}
+	}
+	for _, tt := range []struct {
+		name string
+		a, b Identity
+		same bool
+	}{
+		{"no generations", at("", 10, 5), at("", 10, 5), true},
+		{"one generation", at("h1", 10, 5), at("", 10, 5), true},
+		{"equal generations", at("h1", 10, 5), at("h1", 10, 5), true},
+		{"other generations", at("h1", 10, 5), at("h2", 10, 5), false},
+		{"other size", at("", 10, 5), at("", 11, 5), false},
+		{"other ctime", at("", 10, 5), at("", 10, 6), false},
+		{"other inode", at("", 10, 5), Identity{FileID: FileID{Dev: 1, Ino: 3}, Size: 10, Ctime: 5}, false},
+	} {
+		if got := tt.a.Same(tt.b); got != tt.same {
+			t.Errorf("%s: Same = %v, want %v", tt.name, got, tt.same)
+		}
+	}
+}

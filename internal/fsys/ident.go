@@ -9,23 +9,29 @@ import (
 )
 
 // Identity is what the file system says identifies a file at one moment:
-// device, inode, size and status-change time. ext4 reuses an inode number
+// the file (FileID: device and inode, and its generation where the caller
+// read one), its size and status-change time. ext4 reuses an inode number
 // as soon as it is freed, so (Dev, Ino) alone names a different file after
 // a remove and a create; Ctime (nanoseconds, set by the kernel at create,
 // write and rename, never by a user) tells them apart on file systems with
 // fine timestamps, and the file's own id (format.Header.ID) everywhere.
+// IdentityOf leaves Gen empty: reading it is one more system call, and
+// the engine tells files apart by Ctime and the header's id; the data
+// movers, which keep state per file, read it (FileIDOf).
 type Identity struct {
-	Dev, Ino uint64
-	Size     int64
-	Ctime    int64 // Unix nanoseconds
-	Mtime    int64 // Unix nanoseconds
-	Mode     fs.FileMode
+	FileID
+	Size  int64
+	Ctime int64 // Unix nanoseconds
+	Mtime int64 // Unix nanoseconds
+	Mode  fs.FileMode
 }
 
 // Same reports whether two identities name the same file in the same state:
-// same device, inode, size and ctime.
+// same device, inode, size and ctime, and the same generation where both
+// have one.
 func (a Identity) Same(b Identity) bool {
-	return a.Dev == b.Dev && a.Ino == b.Ino && a.Size == b.Size && a.Ctime == b.Ctime
+	return a.Dev == b.Dev && a.Ino == b.Ino && a.Size == b.Size && a.Ctime == b.Ctime &&
+		(a.Gen == b.Gen || a.Gen == "" || b.Gen == "")
 }
 
 // IdentityOf extracts the identity from a FileInfo returned by FS.Stat or
@@ -36,7 +42,7 @@ func IdentityOf(fi os.FileInfo) (Identity, error) {
 		return Identity{}, fmt.Errorf("fsys: %s: no stat data (%T)", fi.Name(), fi.Sys())
 	}
 	return Identity{
-		Dev: uint64(st.Dev), Ino: st.Ino, Size: st.Size,
+		FileID: FileID{Dev: uint64(st.Dev), Ino: st.Ino}, Size: st.Size,
 		Ctime: st.Ctim.Nano(), Mtime: st.Mtim.Nano(), Mode: fi.Mode(),
 	}, nil
 }
