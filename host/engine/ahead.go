@@ -219,7 +219,7 @@ func (e *Engine) wakeMaker(work bool) {
 func (e *Engine) awaitQuiet() bool {
 	mk := e.maker
 	for {
-		if e.filesInFlight() {
+		if e.slots.busy() {
 			mk.waitedIdle.Add(1)
 			select {
 			case <-mk.idle:

@@ -704,7 +704,7 @@ func TestNoSparesAreMadeAheadWhileAFileMovesBetweenMounts(t *testing.T) {
 	e.ix.mu.Unlock()
 	// From here the move's copy is the only file in flight: every wait
 	// of the maker's is for it.
-	testwait.Until(t, "the store's file slot to be released", 10*time.Second, func() bool { return !e.filesInFlight() })
+	testwait.Until(t, "the store's file slot to be released", 10*time.Second, func() bool { return !e.slots.busy() })
 	waited := e.maker.waitedIdle.Load()
 	moved := make(chan error, 1)
 	go func() {

@@ -344,9 +344,9 @@ func (e *Engine) move(ctx context.Context, id uint64, target int, mayEvict bool)
 	} else if !e.space.reserveBelow(tm.sp, size, high) {
 		return 0, fmt.Errorf("%w: mount %s: no room below the high watermark for a move of %d bytes", ErrNoSpace, tm.root, size)
 	}
-	e.moving.Add(1) // a file in flight that takes no slot (fileEnded)
+	e.slots.moving.Add(1) // a file in flight that takes no slot (fileEnded)
 	en2, err := e.copyFile(en, tm, dst)
-	e.moving.Add(-1)
+	e.slots.moving.Add(-1)
 	e.fileEnded()
 	if err != nil {
 		e.unreserve(tm, size)

@@ -50,8 +50,7 @@ type Engine struct {
 	hitRec    *hitRecorder           // lookup hits, reported off the lookup's path
 	host      *staging.Mover         // the CPU path; its pool is the engine's I/O workers
 	paths     map[region.Kind]string // pathName of each kind with a mover, set with the movers
-	files     chan struct{}          // one token per file in flight (Config.IOWorkers)
-	moving    atomic.Int64           // files being copied between mounts (move); they take no token
+	slots     fileSlots              // the files in flight (movers.go)
 	mounts    []*mount
 	kvMounts  int // mounts of kvhost's layout: the first ones; the rest are vllm-fs
 	now       func() time.Time
@@ -206,7 +205,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		return nil, fmt.Errorf("engine: %w", err)
 	}
 	e.host = host
-	e.files = make(chan struct{}, cfg.IOWorkers)
+	e.slots.tokens = make(chan struct{}, cfg.IOWorkers)
 	pool := host
 	if err := e.buildMovers(); err != nil {
 		pool.Close()

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync/atomic"
 	"time"
 
 	"github.com/kvhost/kvhost/internal/format"
@@ -123,28 +124,37 @@ func (c *cache) plan(h *format.Header, want []bool, blocks func(k int) []int, m 
 	return p
 }
 
-// acquire takes one of the engine's file slots (Config.IOWorkers files in
-// flight), or fails with ctx's error.
-func (e *Engine) acquire(ctx context.Context) error {
+// fileSlots bounds the files in flight: a store or a load moves a file
+// while it holds a slot (Config.IOWorkers of them); a copy between mounts
+// takes none but counts as in flight (moving), so that the spare maker
+// waits for it too.
+type fileSlots struct {
+	tokens chan struct{}
+	moving atomic.Int64
+}
+
+// acquire takes a slot, or fails with ctx's error.
+func (s *fileSlots) acquire(ctx context.Context) error {
 	select {
-	case e.files <- struct{}{}:
+	case s.tokens <- struct{}{}:
 		return nil
 	case <-ctx.Done():
 		return ctx.Err()
 	}
 }
 
+// busy reports whether a file is in flight: a slot taken, or a copy
+// between mounts.
+func (s *fileSlots) busy() bool { return len(s.tokens) > 0 || s.moving.Load() > 0 }
+
+// releaseSlot gives back a slot e.slots.acquire took.
 func (e *Engine) releaseSlot() {
-	<-e.files
+	<-e.slots.tokens
 	e.fileEnded()
 }
 
 // isShort reports whether a mover's error says the file ended early.
 func isShort(err error) bool { return errors.Is(err, transfer.ErrShortFile) }
-
-// filesInFlight reports whether a file is in flight: a store's or a
-// load's (a slot of e.files), or a copy between mounts.
-func (e *Engine) filesInFlight() bool { return len(e.files) > 0 || e.moving.Load() > 0 }
 
 // fileEnded is called after a file in flight released its slot, and
 // after a copy between mounts ended.
@@ -154,7 +164,7 @@ func (e *Engine) fileEnded() {
 		return
 	}
 	mk.lastEnd.Store(time.Now().UnixNano())
-	if !e.filesInFlight() {
+	if !e.slots.busy() {
 		select {
 		case mk.idle <- struct{}{}:
 		default:
