@@ -88,25 +88,6 @@ func (e *Engine) stopSpareMaker() {
 	<-e.maker.done
 }
 
-// sizeSource is what set the size of a namespace's files on a mount.
-type sizeSource uint8
-
-const (
-	sizeUnknown sizeSource = iota
-	sizeGuessed            // a declaration (predictSparesLocked)
-	sizePartial            // a stored file of fewer keys than a group
-	sizeWhole              // a stored file of a whole group of keys
-)
-
-// nsAhead is what a namespace's declaration and stores say about the
-// files it stores on a mount that makes spares ahead: their size (0:
-// unknown), and what set it.
-type nsAhead struct {
-	size   int64
-	from   sizeSource
-	failed bool
-}
-
 // wantSparesLocked records that a store of namespace ns on m writes a
 // file of size bytes, and reports whether the maker should be woken (m
 // should have more spares). The namespace's spares are made in the size
@@ -170,13 +151,10 @@ func (e *Engine) predictSparesLocked(ns *namespace) bool {
 			only = m.sp
 		}
 	}
-	e.space.mu.Lock()
-	defer e.space.mu.Unlock()
-	if only == nil || only.aheadNS[ns.id].from != sizeUnknown {
+	if only == nil {
 		return false
 	}
-	only.setAheadLocked(ns.id, nsAhead{size: ns.wholeFileLen(), from: sizeGuessed})
-	return e.space.spareWorkLocked()
+	return e.space.guessAhead(only, ns.id, ns.wholeFileLen())
 }
 
 // forgetAheadLocked drops what every mount knows of released namespace
@@ -186,12 +164,7 @@ func (e *Engine) forgetAheadLocked(ns NamespaceID) bool {
 	if e.maker == nil {
 		return false
 	}
-	e.space.mu.Lock()
-	defer e.space.mu.Unlock()
-	for _, m := range e.mounts {
-		delete(m.sp.aheadNS, ns)
-	}
-	return e.space.spareWorkLocked()
+	return e.space.forgetAhead(ns)
 }
 
 // spareRoom wakes the maker if it has work (a delete or a move freed
@@ -250,13 +223,7 @@ func (e *Engine) makeSpares() {
 	defer close(mk.done)
 	sp := e.space
 	for {
-		sp.mu.Lock()
-		ms, _, _ := sp.nextSpareLocked()
-		if ms == nil && !sp.makerQuietLocked() {
-			close(sp.quiet)
-		}
-		sp.mu.Unlock()
-		if ms == nil {
+		if !sp.spareWorkOrQuiet() {
 			select {
 			case <-mk.wake:
 				continue
@@ -267,12 +234,7 @@ func (e *Engine) makeSpares() {
 		if !e.awaitQuiet() {
 			return
 		}
-		sp.mu.Lock()
-		ms, size, stale := sp.nextSpareLocked() // again: the quiet took time
-		if ms != nil && stale.path != "" {
-			ms.removeSpareLocked(stale)
-		}
-		sp.mu.Unlock()
+		ms, size, stale := sp.nextSpare() // again: the quiet took time
 		switch {
 		case ms == nil:
 			continue
@@ -288,14 +250,7 @@ func (e *Engine) makeSpares() {
 			// size on m, or the next namespace declared: a full file
 			// system, or one that refuses fallocate, would otherwise
 			// have the maker retry without end.
-			sp.mu.Lock()
-			for ns, a := range ms.aheadNS {
-				if a.size == size {
-					a.failed = true
-					ms.aheadNS[ns] = a
-				}
-			}
-			sp.mu.Unlock()
+			sp.failedAhead(ms, size)
 			e.log.Debug("engine: make a spare file ahead of stores", "mount", m.root, "size", size, "err", err)
 		}
 	}
@@ -321,13 +276,8 @@ func (e *Engine) makeSpare(m *mount, size int64) error {
 		err = cerr
 	}
 	if err == nil {
-		e.space.mu.Lock()
-		keep := !e.space.closed && m.sp.madeFitsLocked(size) // stores may have taken the room meanwhile
-		if keep {
-			m.sp.addSpareLocked(spareFile{path: path, id: id, zeroed: true})
-		}
-		e.space.mu.Unlock()
-		if keep {
+		// Stores may have taken the room meanwhile.
+		if e.space.keepMade(m.sp, spareFile{path: path, id: id, zeroed: true}) {
 			e.st.made.Add(1)
 			return nil
 		}
@@ -354,15 +304,10 @@ func (e *Engine) WaitSpares(ctx context.Context) error {
 	e.spareRoom() // room an eviction or a capacity refresh freed, which wakes no one
 	sp := e.space
 	for {
-		sp.mu.Lock()
-		quiet := sp.quiet
-		sp.mu.Unlock()
+		quiet := sp.quietChan()
 		select {
 		case <-quiet:
-			sp.mu.Lock()
-			same := sp.quiet == quiet
-			sp.mu.Unlock()
-			if same {
+			if sp.quietChan() == quiet {
 				return nil
 			}
 		case <-mk.done:

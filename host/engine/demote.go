@@ -177,10 +177,9 @@ func (e *Engine) tickInterval() time.Duration {
 // mountRecords describes every mount as it is now.
 func (e *Engine) mountRecords(descs []mountDesc) []abi.MountRecord {
 	recs := make([]abi.MountRecord, len(e.mounts))
-	e.space.mu.Lock()
-	defer e.space.mu.Unlock()
+	rooms := e.space.usages()
 	for i, m := range e.mounts {
-		sp := m.sp
+		sp := rooms[i]
 		r := &recs[i]
 		r.Mount = uint32(i)
 		if m.direct {

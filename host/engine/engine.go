@@ -247,13 +247,12 @@ func (e *Engine) Stats() Stats {
 		StoreFailures: e.fails.stats(0), LoadFailures: e.fails.stats(1), Tiering: e.TierStats(),
 	}
 	s.Entries, s.Keys = e.ix.size()
-	e.space.mu.Lock()
-	defer e.space.mu.Unlock()
-	for _, m := range e.mounts {
-		sp := m.sp
+	rooms := e.space.usages()
+	for i, m := range e.mounts {
+		sp := rooms[i]
 		s.Mounts = append(s.Mounts, MountStats{
 			Path: m.root, Capacity: sp.capacity, Configured: sp.configured, Reserve: sp.reserve, Used: sp.used, Entries: sp.entries,
-			SpareFiles: sp.spareFilesLocked(), SpareBytes: sp.spareBytes, Preallocate: sp.ahead,
+			SpareFiles: sp.spareFiles, SpareBytes: sp.spareBytes, Preallocate: sp.ahead,
 			Direct: m.direct, IO: m.ioName(), Backend: m.backend, Checksums: m.checksums, Layout: LayoutKVHost,
 			MovedIn: sp.movedIn, MovedOut: sp.movedOut,
 		})

@@ -100,6 +100,25 @@ type spareFile struct {
 	zeroed bool
 }
 
+// sizeSource is what set the size of a namespace's files on a mount.
+type sizeSource uint8
+
+const (
+	sizeUnknown sizeSource = iota
+	sizeGuessed            // a declaration (predictSparesLocked)
+	sizePartial            // a stored file of fewer keys than a group
+	sizeWhole              // a stored file of a whole group of keys
+)
+
+// nsAhead is what a namespace's declaration and stores say about the
+// files it stores on a mount that makes spares ahead: their size (0:
+// unknown), and what set it.
+type nsAhead struct {
+	size   int64
+	from   sizeSource
+	failed bool
+}
+
 // fsCapacity is the capacity of ms given what statfs says and used, the
 // bytes the engine holds on it: the configured capacity (or the file
 // system's size), but at most what the file system can hold for us, free
@@ -233,6 +252,30 @@ func (s *space) usage(ms *mountSpace) (used, capacity int64) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return ms.used, ms.capacity
+}
+
+// usage is a mount's room at one moment (space.usages).
+type usage struct {
+	capacity, configured, reserve, high, low, used int64
+	entries, spareFiles                            int
+	spareBytes, ahead                              int64
+	movedIn, movedOut                              uint64
+}
+
+// usages returns every mount's room, by mount index, in one hold of the
+// lock (Stats, the policy's mount descriptions).
+func (s *space) usages() []usage {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := make([]usage, len(s.mounts))
+	for i, ms := range s.mounts {
+		out[i] = usage{
+			capacity: ms.capacity, configured: ms.configured, reserve: ms.reserve, high: ms.high, low: ms.low, used: ms.used,
+			entries: ms.entries, spareFiles: ms.spareFilesLocked(), spareBytes: ms.spareBytes, ahead: ms.ahead,
+			movedIn: ms.movedIn, movedOut: ms.movedOut,
+		}
+	}
+	return out
 }
 
 // close marks the space closed: no spare is kept or made from now on.
@@ -481,6 +524,90 @@ func (s *space) nextSpareLocked() (*mountSpace, int64, spareFile) {
 		}
 	}
 	return nil, 0, spareFile{}
+}
+
+// guessAhead records a declaration's guess of namespace ns's file size on
+// ms, where ms knows nothing of ns yet, and reports whether the maker then
+// has work (Engine.predictSparesLocked).
+func (s *space) guessAhead(ms *mountSpace, ns NamespaceID, size int64) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if ms.aheadNS[ns].from != sizeUnknown {
+		return false
+	}
+	ms.setAheadLocked(ns, nsAhead{size: size, from: sizeGuessed})
+	return s.spareWorkLocked()
+}
+
+// forgetAhead drops what every mount knows of released namespace ns's
+// files, and reports whether the maker then has work.
+func (s *space) forgetAhead(ns NamespaceID) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, ms := range s.mounts {
+		delete(ms.aheadNS, ns)
+	}
+	return s.spareWorkLocked()
+}
+
+// failedAhead marks that making a spare of size on ms failed: not again
+// until a namespace of that size stores there again (wantSparesLocked).
+func (s *space) failedAhead(ms *mountSpace, size int64) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for ns, a := range ms.aheadNS {
+		if a.size == size {
+			a.failed = true
+			ms.aheadNS[ns] = a
+		}
+	}
+}
+
+// keepMade adds sf, a spare just made ahead, to ms's spares if it still
+// fits (madeFitsLocked: stores may have taken the room while it was
+// made) and the space is not closed, and reports whether it did.
+func (s *space) keepMade(ms *mountSpace, sf spareFile) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed || !ms.madeFitsLocked(sf.id.Size) {
+		return false
+	}
+	ms.addSpareLocked(sf)
+	return true
+}
+
+// spareWorkOrQuiet reports whether the maker has a spare to make or
+// remove; if not, it marks the maker quiet (WaitSpares returns), in the
+// same step, so that work added after the look reopens it.
+func (s *space) spareWorkOrQuiet() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if ms, _, _ := s.nextSpareLocked(); ms != nil {
+		return true
+	}
+	if !s.makerQuietLocked() {
+		close(s.quiet)
+	}
+	return false
+}
+
+// nextSpare is nextSpareLocked, the made spare to remove first (if any)
+// taken from the spares for the caller to remove.
+func (s *space) nextSpare() (*mountSpace, int64, spareFile) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	ms, size, stale := s.nextSpareLocked()
+	if ms != nil && stale.path != "" {
+		ms.removeSpareLocked(stale)
+	}
+	return ms, size, stale
+}
+
+// quietChan is the channel closed while the maker is quiet (WaitSpares).
+func (s *space) quietChan() chan struct{} {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.quiet
 }
 
 // makerQuietLocked reports whether the maker found nothing to do when it
