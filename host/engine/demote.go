@@ -361,14 +361,14 @@ func (e *Engine) move(ctx context.Context, id uint64, target int, mayEvict bool)
 		return 0, errMoveStale
 	}
 	en2.hits, en2.last = en.hits, en.last
-	ix.unindexLocked(en, false)
+	// The source counts as used until it is removed (free, below); the
+	// reservation becomes the copy's entry.
+	ix.unindexLocked(en, true)
+	e.space.moved(sm.sp, tm.sp)
+	replaced := ix.insertLocked(en2, true)
 	if tm.idx < sm.idx {
 		e.tierSt.promotions.Add(1)
 	}
-	// The source counts as used until it is removed; the reservation
-	// becomes the copy's entry.
-	e.space.moved(sm.sp, tm.sp, size)
-	replaced := ix.insertLocked(en2, false)
 	recs := make([]abi.AccessRecord, 0, len(replaced)+2)
 	for _, r := range replaced {
 		recs = append(recs, r.access(abi.AccessRemove, en2.last))

@@ -175,8 +175,11 @@ func (ix *index) relinkLocked(en *entry) bool {
 }
 
 // unindexLocked removes en from the index and reports whether it was
-// indexed. With remove, en's file is to be removed (dropLocked): its
-// bytes stay counted as used until then.
+// indexed. Without remove, en's file is gone (replaced or vanished): its
+// mount stops counting it. With remove, the file is still there, on its
+// way out (dropLocked; a move's source): its bytes stay counted as used
+// until it is removed, and the caller updates its mount's count of files
+// (space.unindexed, space.moved).
 func (ix *index) unindexLocked(en *entry, remove bool) bool {
 	if en.gone {
 		return false

@@ -226,16 +226,15 @@ func (s *space) unindexed(ms *mountSpace, size int64, removing, orphan bool) {
 	}
 }
 
-// moved counts a file moved from src to dst, whose size its copy's
-// reservation on dst held: the reservation becomes the copy, and the
-// source counts as used on src until it is removed (free).
-func (s *space) moved(src, dst *mountSpace, size int64) {
+// moved counts a file moved from src to dst: its entry left src's index
+// (its bytes count as used on src until the source is removed: free) and
+// its copy, indexed on dst, holds the reservation made there.
+func (s *space) moved(src, dst *mountSpace) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	src.movedOut++
+	src.entries--
 	dst.movedIn++
-	src.used += size
-	dst.used -= size
 }
 
 // need is how many bytes an eviction on ms must free for a file of size
