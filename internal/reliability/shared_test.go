@@ -6,6 +6,7 @@ import (
 	"math/rand/v2"
 	"path/filepath"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -22,27 +23,35 @@ const (
 	sharedSlack  = 800 * time.Millisecond
 )
 
-// startNodes starts two daemons, "node-a" and "node-b", on one directory:
-// each with its own socket, keys_per_file = 4, a short verify interval, and
-// temp_grace set as docs/serve.md asks for shared mounts.
-func startNodes(t *testing.T, mount string) (a, b *daemon) {
+// startNodes starts one daemon per entry of mounts, "node-a", "node-b", …,
+// each with its own socket and node identity, keys_per_file = 4, a short
+// verify interval, and temp_grace set as docs/serve.md asks for shared
+// mounts. mounts[i] is node i's path to the one shared directory: the
+// same directory n times for daemons of one kernel, or one client mount
+// each of a distributed file system (cluster_test.go).
+func startNodes(t *testing.T, mounts []string) []*daemon {
 	t.Helper()
 	run := t.TempDir()
-	cfg := func(node string) daemonConfig {
-		return daemonConfig{
+	if nodeSetting("node-a") == "" {
+		t.Log("the configuration has no node identity key (tried [engine] " + fmt.Sprint(nodeKeys) + "): the daemons run without one")
+	}
+	ds := make([]*daemon, len(mounts))
+	for i, m := range mounts {
+		node := "node-" + strings.ToLower(nodeName(i))
+		ds[i] = startDaemon(t, daemonConfig{
 			Socket:         filepath.Join(run, node, "kvhost.sock"),
-			Mount:          mount,
+			Mount:          m,
 			KeysPerFile:    4,
 			VerifyInterval: sharedVerify,
 			TempGrace:      10 * time.Minute,
 			Node:           node,
-		}
+		})
 	}
-	if nodeSetting("node-a") == "" {
-		t.Log("the configuration has no node identity key (tried [engine] " + fmt.Sprint(nodeKeys) + "): the daemons run without one")
-	}
-	return startDaemon(t, cfg("node-a")), startDaemon(t, cfg("node-b"))
+	return ds
 }
+
+// nodeName names node i in messages: "A", "B", ….
+func nodeName(i int) string { return string(rune('A' + i)) }
 
 // sharedCounts are the shared-directory scenarios' results.
 type sharedCounts struct {
@@ -87,82 +96,105 @@ func mustStore(t *testing.T, k *kvCache, who string, keys [][]byte) {
 	}
 }
 
-// TestSharedDirInodeReuse runs the inode-reuse case of two daemons sharing
-// an ext4 directory with keys_per_file = 4: B stores [a,b,c,d]; A deletes a
-// and stores [a,x,y,z], which ext4 puts in a file at the same path with the
-// same inode number and size. Then B's view of b must follow the disk: a
-// lookup of b becomes a miss within the verify interval; a store of b that
-// answers `present` is followed by a load that loads it; a delete of b
-// removes none of A's keys.
+// TestSharedDirInodeReuse runs the inode-reuse scenario (inodeReuse) on
+// two daemons sharing an ext4 directory, where a deleted file's inode
+// number goes to the next new file at once.
 func TestSharedDirInodeReuse(t *testing.T) {
 	mnt, err := mountExt4(t, 128)
 	if err != nil {
 		t.Skipf("the inode-reuse case needs ext4, which hands a deleted file's inode number to the next file at once: %v", err)
 	}
-	a, b := startNodes(t, mnt)
+	inodeReuse(t, []string{mnt, mnt})
+}
+
+// inodeReuse runs the inode-reuse and stale-attribute cases on one daemon
+// per mount (mounts[i] is node i's path to one shared directory) with
+// keys_per_file = 4. In each subtest a node B stores [a,b,c,d]; the next
+// node, A, finds a, deletes it and stores [a,x,y,z], which lands at the
+// same path with the same size (and, on ext4, the same inode number).
+// Then B's view of b must follow the disk:
+//
+//   - lookup: B's lookup of b becomes a miss within the verify interval;
+//   - store: B's store of b that answers `present` or `stored` is followed
+//     by a load on B that loads it;
+//   - delete: B's delete of b removes none of A's keys;
+//   - load: B, which loaded b (its client has the old file's attributes
+//     and pages cached) before A replaced the file, loads b again at once:
+//     b's bytes or a miss, never another key's bytes, and A's keys load on A.
+//
+// Subtest i uses B = node i mod n and A = node i+1 mod n, so that with
+// three nodes every node plays both parts.
+func inodeReuse(t *testing.T, mounts []string) {
+	ds := startNodes(t, mounts)
 	ctx := context.Background()
-	ca, ka, err := dialCache(ctx, a.cfg.Socket, "node-a", 16)
-	if err != nil {
-		t.Fatal(err)
+	ks := make([]*kvCache, len(ds))
+	for i, d := range ds {
+		c, k, err := dialCache(ctx, d.cfg.Socket, "node-"+nodeName(i), 16)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.Close(); k.close() })
+		ks[i] = k
 	}
-	defer ka.close()
-	defer ca.Close()
-	cb, kb, err := dialCache(ctx, b.cfg.Socket, "node-b", 16)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer kb.close()
-	defer cb.Close()
 	var counts sharedCounts
 	defer func() { t.Log(counts.String()); fmt.Println(counts.String()) }()
+	scan := func() map[string][]onDisk { return scanFiles(mounts[0]) }
 
 	// setup runs the reproduction up to the point where B holds a stale
-	// entry for b: keys p-a … p-z.
-	setup := func(t *testing.T, p string) {
+	// entry for b: keys p-a … p-z. It returns B's and A's caches.
+	setup := func(t *testing.T, round int, p string, before func(kb *kvCache)) (kb, ka *kvCache, nb, na string) {
 		t.Helper()
+		ib, ia := round%len(ks), (round+1)%len(ks)
+		kb, ka, nb, na = ks[ib], ks[ia], nodeName(ib), nodeName(ia)
 		key := func(s string) string { return p + "-" + s }
-		mustStore(t, kb, "B", keyList(key("a"), key("b"), key("c"), key("d")))
-		files := scanFiles(mnt)[key("a")]
+		mustStore(t, kb, nb, keyList(key("a"), key("b"), key("c"), key("d")))
+		counts.stores.Add(1)
+		if before != nil {
+			before(kb)
+		}
+		files := scan()[key("a")]
 		if len(files) != 1 {
-			t.Fatalf("%d files on disk hold %s after B stored it", len(files), key("a"))
+			t.Fatalf("%d files on disk hold %s after %s stored it", len(files), key("a"), nb)
 		}
-		before := files[0]
-		if n, err := ca.Lookup(ctx, ka.ns.ID, keyList(key("a"))); err != nil || n != 1 {
-			t.Fatalf("A's lookup of %s (B's file): %d, %v; want 1", key("a"), n, err)
+		old := files[0]
+		if n, err := ka.c.Lookup(ctx, ka.ns.ID, keyList(key("a"))); err != nil || n != 1 {
+			t.Fatalf("%s's lookup of %s (%s's file): %d, %v; want 1", na, key("a"), nb, n, err)
 		}
-		if n, err := ca.Delete(ctx, ka.ns.ID, keyList(key("a"))); err != nil || n != 1 {
-			t.Fatalf("A's delete of %s: %d, %v; want 1", key("a"), n, err)
+		if n, err := ka.c.Delete(ctx, ka.ns.ID, keyList(key("a"))); err != nil || n != 1 {
+			t.Fatalf("%s's delete of %s: %d, %v; want 1", na, key("a"), n, err)
 		}
-		mustStore(t, ka, "A", keyList(key("a"), key("x"), key("y"), key("z")))
-		files = scanFiles(mnt)[key("a")]
+		counts.deletes.Add(1)
+		mustStore(t, ka, na, keyList(key("a"), key("x"), key("y"), key("z")))
+		counts.stores.Add(1)
+		files = scan()[key("a")]
 		if len(files) != 1 {
-			t.Fatalf("%d files on disk hold %s after A stored it", len(files), key("a"))
+			t.Fatalf("%d files on disk hold %s after %s stored it", len(files), key("a"), na)
 		}
-		after := files[0]
-		if after.path == before.path && after.ino == before.ino {
+		if now := files[0]; now.path == old.path && now.ino == old.ino {
 			counts.inodeReused.Add(1)
-			t.Logf("A's file %s got B's deleted file's inode %d", after.path, after.ino)
+			t.Logf("%s's file %s got %s's deleted file's inode %d", na, now.path, nb, now.ino)
 		} else {
-			t.Logf("inode not reused this time (%s ino %d, was %s ino %d): the round checks the plain replacement", after.path, after.ino, before.path, before.ino)
+			t.Logf("inode not reused this time (%s ino %d, was %s ino %d): the round checks the plain replacement", now.path, now.ino, old.path, old.ino)
 		}
+		return kb, ka, nb, na
 	}
 
 	t.Run("lookup", func(t *testing.T) {
-		setup(t, "lk")
+		kb, _, nb, na := setup(t, 0, "lk", nil)
 		start := time.Now()
 		counts.lookups.Add(1)
 		miss := waitFor(ctx, sharedVerify+sharedSlack, 10*time.Millisecond, func() bool {
-			n, err := cb.Lookup(ctx, kb.ns.ID, keyList("lk-b"))
+			n, err := kb.c.Lookup(ctx, kb.ns.ID, keyList("lk-b"))
 			return err == nil && n == 0
 		})
 		if !miss {
 			counts.staleHits.Add(1)
-			t.Fatalf("B's lookup of lk-b still hits %v after A replaced the file (verify_interval %v)", time.Since(start).Round(time.Millisecond), sharedVerify)
+			t.Fatalf("%s's lookup of lk-b still hits %v after %s replaced the file (verify_interval %v)", nb, time.Since(start).Round(time.Millisecond), na, sharedVerify)
 		}
-		t.Logf("B's lookup of lk-b missed after %v", time.Since(start).Round(time.Millisecond))
+		t.Logf("%s's lookup of lk-b missed after %v", nb, time.Since(start).Round(time.Millisecond))
 	})
 	t.Run("store", func(t *testing.T) {
-		setup(t, "st")
+		kb, _, nb, _ := setup(t, 1, "st", nil)
 		res, err := kb.store(ctx, keyList("st-b"))
 		if err != nil {
 			t.Fatal(err)
@@ -170,7 +202,7 @@ func TestSharedDirInodeReuse(t *testing.T) {
 		counts.stores.Add(1)
 		o := res.Keys[0].Outcome
 		if o != client.OutcomeStored && o != client.OutcomePresent {
-			t.Fatalf("B's store of st-b: %v (%s)", o, res.Message)
+			t.Fatalf("%s's store of st-b: %v (%s)", nb, o, res.Message)
 		}
 		r, err := kb.load(ctx, keyList("st-b"))
 		if err != nil {
@@ -183,17 +215,17 @@ func TestSharedDirInodeReuse(t *testing.T) {
 			} else {
 				counts.lostStored.Add(1)
 			}
-			t.Fatalf("B's store of st-b answered %v, the next load on B: %v (%s)", o, r.outcomes[0], r.message)
+			t.Fatalf("%s's store of st-b answered %v, the next load on %s: %v (%s)", nb, o, nb, r.outcomes[0], r.message)
 		}
 	})
 	t.Run("delete", func(t *testing.T) {
-		setup(t, "dl")
-		before := scanFiles(mnt)
-		if _, err := cb.Delete(ctx, kb.ns.ID, keyList("dl-b")); err != nil {
+		kb, ka, nb, na := setup(t, 2, "dl", nil)
+		before := scan()
+		if _, err := kb.c.Delete(ctx, kb.ns.ID, keyList("dl-b")); err != nil {
 			t.Fatal(err)
 		}
 		counts.deletes.Add(1)
-		after := scanFiles(mnt)
+		after := scan()
 		var gone []string
 		for _, k := range []string{"dl-a", "dl-x", "dl-y", "dl-z"} {
 			if _, ok := after[k]; !ok {
@@ -202,21 +234,64 @@ func TestSharedDirInodeReuse(t *testing.T) {
 		}
 		counts.foreignDeleted.Add(int64(len(gone)))
 		if len(gone) > 0 {
-			t.Fatalf("B's delete of dl-b removed A's keys %v (file %s, inode %d)", gone, before["dl-a"][0].path, before["dl-a"][0].ino)
+			t.Fatalf("%s's delete of dl-b removed %s's keys %v (file %s, inode %d)", nb, na, gone, before["dl-a"][0].path, before["dl-a"][0].ino)
 		}
-		r, err := ka.load(ctx, keyList("dl-a", "dl-x", "dl-y", "dl-z"))
+		checkLoaded(t, ka, na, keyList("dl-a", "dl-x", "dl-y", "dl-z"), &counts)
+	})
+	t.Run("load", func(t *testing.T) {
+		cached := func(kb *kvCache) {
+			r, err := kb.load(ctx, keyList("ld-b", "ld-d"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			counts.loads.Add(2)
+			if !r.match[0] || !r.match[1] {
+				t.Fatalf("load of ld-b, ld-d right after storing them: %v (%s)", r.outcomes, r.message)
+			}
+		}
+		kb, ka, nb, na := setup(t, 3, "ld", cached)
+		r, err := kb.load(ctx, keyList("ld-b", "ld-d"))
 		if err != nil {
 			t.Fatal(err)
 		}
-		counts.loads.Add(4)
-		for i, ok := range r.match {
-			if !ok {
-				t.Fatalf("A's key %d after B's delete of dl-b: %v (%s)", i, r.outcomes[i], r.message)
+		counts.loads.Add(2)
+		for i, o := range r.outcomes {
+			switch {
+			case r.match[i]:
+				t.Logf("%s's load of key %d of its replaced file: loaded from the file it still has open", nb, i)
+			case o == client.OutcomeLoaded:
+				counts.wrong.Add(1)
+				t.Errorf("%s's load of key %d right after %s replaced its file: other bytes", nb, i, na)
+			default:
+				t.Logf("%s's load of key %d right after %s replaced its file: %v", nb, i, na, o)
 			}
 		}
+		checkLoaded(t, ka, na, keyList("ld-a", "ld-x", "ld-y", "ld-z"), &counts)
 	})
 	if counts.inodeReused.Load() == 0 {
-		t.Log("ext4 reused no inode in any round: the rounds checked replacements by a new inode only")
+		t.Log("no inode number was reused in any round: the rounds checked replacements by a new inode only")
+	}
+}
+
+// checkLoaded loads keys on k (node who) and fails the test unless every
+// one loads byte for byte, counting the loads and any wrong bytes.
+func checkLoaded(t *testing.T, k *kvCache, who string, keys [][]byte, counts *sharedCounts) {
+	t.Helper()
+	r, err := k.load(context.Background(), keys)
+	if err != nil {
+		t.Fatal(err)
+	}
+	counts.loads.Add(int64(len(keys)))
+	for i, ok := range r.match {
+		if ok {
+			continue
+		}
+		if r.outcomes[i] == client.OutcomeLoaded {
+			counts.wrong.Add(1)
+		} else {
+			counts.lostStored.Add(1)
+		}
+		t.Errorf("%s's %s: %v (%s)", who, keys[i], r.outcomes[i], r.message)
 	}
 }
 
@@ -241,26 +316,34 @@ func (g *sharedGroup) refresh(disk map[string][]onDisk, now time.Time) {
 	}
 }
 
-// TestSharedDirMixedWorkload runs random stores, loads, lookups and deletes
-// of one key space on two daemons sharing a directory (ext4 when it can
-// mount one, else a temporary directory). Keys have equal lengths so that
-// files of equal key counts have equal sizes. It checks every answer
-// against what the files on disk hold: no lookup hit on a key gone for
-// longer than the verify interval, every `present` or `stored` answer
-// followed by a successful load on that daemon, no delete removing a key
-// of another file, no wrong byte.
+// TestSharedDirMixedWorkload runs the mixed workload (mixedWorkload) on
+// two daemons sharing a directory: ext4 when it can mount one, else a
+// temporary directory.
 func TestSharedDirMixedWorkload(t *testing.T) {
 	mnt, err := mountExt4(t, 256)
 	if err != nil {
 		t.Logf("running on a temporary directory instead of ext4: %v", err)
 		mnt = t.TempDir()
 	}
-	duration, workers, groups := 8*time.Second, 4, 32
+	duration := 8 * time.Second
 	if long() {
 		duration = 3 * time.Minute
 	}
+	mixedWorkload(t, []string{mnt, mnt}, duration)
+}
+
+// mixedWorkload runs random stores, loads, lookups and deletes of one key
+// space for duration on one daemon per mount (mounts[i] is node i's path
+// to one shared directory). Keys have equal lengths so that files of equal
+// key counts have equal sizes. It checks every answer against what the
+// files on disk hold (read through mounts[0]): no lookup hit on a key gone
+// for longer than the verify interval, every `present` or `stored` answer
+// followed by a successful load on that daemon, no delete removing a key
+// of another file, no wrong byte.
+func mixedWorkload(t *testing.T, mounts []string, duration time.Duration) {
+	workers, groups := 4, 32
 	rng := rand.New(rand.NewPCG(seed(t), 2))
-	a, b := startNodes(t, mnt)
+	ds := startNodes(t, mounts)
 	gs := make([]*sharedGroup, groups)
 	for i := range gs {
 		g := &sharedGroup{present: map[string]bool{}, changed: map[string]time.Time{}}
@@ -288,7 +371,7 @@ func TestSharedDirMixedWorkload(t *testing.T) {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			errs <- mixedWorker(ctx, w, wrng, [2]*daemon{a, b}, mnt, gs, &counts, report)
+			errs <- mixedWorker(ctx, w, wrng, ds, mounts[0], gs, &counts, report)
 		}()
 	}
 	wg.Wait()
@@ -310,13 +393,11 @@ func TestSharedDirMixedWorkload(t *testing.T) {
 
 // mixer is one worker of the mixed workload: a connection to each daemon.
 type mixer struct {
-	ks     [2]*kvCache
+	ks     []*kvCache
 	mnt    string
 	counts *sharedCounts
 	report func(string, ...any)
 }
-
-var nodeName = [2]string{"A", "B"}
 
 // store stores keys on daemon x, then loads them there: a key answered
 // `stored` or `present` must load, byte for byte.
@@ -324,26 +405,26 @@ func (m *mixer) store(ctx context.Context, x int, keys [][]byte) error {
 	k := m.ks[x]
 	res, err := k.store(ctx, keys)
 	if err != nil {
-		return fmt.Errorf("%s store: %w", nodeName[x], err)
+		return fmt.Errorf("%s store: %w", nodeName(x), err)
 	}
 	m.counts.stores.Add(1)
 	r, err := k.load(ctx, keys)
 	if err != nil {
-		return fmt.Errorf("%s load: %w", nodeName[x], err)
+		return fmt.Errorf("%s load: %w", nodeName(x), err)
 	}
 	m.counts.loads.Add(int64(len(keys)))
 	for i, kr := range res.Keys {
 		switch {
 		case r.outcomes[i] == client.OutcomeLoaded && !r.match[i]:
 			m.counts.wrong.Add(1)
-			m.report("%s: %s loaded with other bytes", nodeName[x], keys[i])
+			m.report("%s: %s loaded with other bytes", nodeName(x), keys[i])
 		case r.match[i]:
 		case kr.Outcome == client.OutcomePresent:
 			m.counts.falsePresent.Add(1)
-			m.report("%s: store of %s answered present, the next load: %v (%s)", nodeName[x], keys[i], r.outcomes[i], r.message)
+			m.report("%s: store of %s answered present, the next load: %v (%s)", nodeName(x), keys[i], r.outcomes[i], r.message)
 		case kr.Outcome == client.OutcomeStored:
 			m.counts.lostStored.Add(1)
-			m.report("%s: store of %s answered stored, the next load: %v (%s)", nodeName[x], keys[i], r.outcomes[i], r.message)
+			m.report("%s: store of %s answered stored, the next load: %v (%s)", nodeName(x), keys[i], r.outcomes[i], r.message)
 		}
 	}
 	return nil
@@ -356,7 +437,7 @@ func (m *mixer) delete(ctx context.Context, x int, g *sharedGroup, key []byte) (
 	k := m.ks[x]
 	before := scanFiles(m.mnt)
 	if _, err := k.c.Delete(ctx, k.ns.ID, [][]byte{key}); err != nil {
-		return nil, fmt.Errorf("%s delete: %w", nodeName[x], err)
+		return nil, fmt.Errorf("%s delete: %w", nodeName(x), err)
 	}
 	m.counts.deletes.Add(1)
 	after := scanFiles(m.mnt)
@@ -371,7 +452,7 @@ func (m *mixer) delete(ctx context.Context, x int, g *sharedGroup, key []byte) (
 		for _, f := range before[other] {
 			if !own[f.id()] {
 				m.counts.foreignDeleted.Add(1)
-				m.report("%s: delete of %s removed %s (file %s inode %d)", nodeName[x], key, other, f.path, f.ino)
+				m.report("%s: delete of %s removed %s (file %s inode %d)", nodeName(x), key, other, f.path, f.ino)
 				break
 			}
 		}
@@ -386,13 +467,13 @@ func (m *mixer) lookup(ctx context.Context, x int, g *sharedGroup, key []byte) e
 	sent := time.Now()
 	n, err := k.c.Lookup(ctx, k.ns.ID, [][]byte{key})
 	if err != nil {
-		return fmt.Errorf("%s lookup: %w", nodeName[x], err)
+		return fmt.Errorf("%s lookup: %w", nodeName(x), err)
 	}
 	m.counts.lookups.Add(1)
 	if n == 1 && !g.present[string(key)] {
 		if gone := sent.Sub(g.changed[string(key)]); gone > sharedVerify+sharedSlack {
 			m.counts.staleHits.Add(1)
-			m.report("%s: lookup of %s hits, gone from disk for %v", nodeName[x], key, gone.Round(time.Millisecond))
+			m.report("%s: lookup of %s hits, gone from disk for %v", nodeName(x), key, gone.Round(time.Millisecond))
 		}
 	}
 	return nil
@@ -403,14 +484,14 @@ func (m *mixer) lookup(ctx context.Context, x int, g *sharedGroup, key []byte) e
 func (m *mixer) load(ctx context.Context, x int, g *sharedGroup, keys [][]byte) error {
 	r, err := m.ks[x].load(ctx, keys)
 	if err != nil {
-		return fmt.Errorf("%s load: %w", nodeName[x], err)
+		return fmt.Errorf("%s load: %w", nodeName(x), err)
 	}
 	m.counts.loads.Add(int64(len(keys)))
 	for i := range keys {
 		switch {
 		case r.outcomes[i] == client.OutcomeLoaded && !r.match[i]:
 			m.counts.wrong.Add(1)
-			m.report("%s: %s loaded with other bytes", nodeName[x], keys[i])
+			m.report("%s: %s loaded with other bytes", nodeName(x), keys[i])
 		case r.outcomes[i] != client.OutcomeLoaded && g.present[string(keys[i])]:
 			m.counts.unfound.Add(1)
 		}
@@ -425,7 +506,7 @@ func (m *mixer) replace(ctx context.Context, x int, g *sharedGroup, keys [][]byt
 	k := m.ks[x]
 	before := scanFiles(m.mnt)
 	if _, err := k.c.Lookup(ctx, k.ns.ID, keys[:1]); err != nil {
-		return fmt.Errorf("%s lookup: %w", nodeName[x], err)
+		return fmt.Errorf("%s lookup: %w", nodeName(x), err)
 	}
 	m.counts.lookups.Add(1)
 	mid, err := m.delete(ctx, x, g, keys[0])
@@ -451,8 +532,8 @@ func (m *mixer) replace(ctx context.Context, x int, g *sharedGroup, keys [][]byt
 // mixedWorker runs random operations on random groups until ctx ends. Each
 // operation runs to completion under its group's lock (not cut by ctx), so
 // that every answer is checked against the disk.
-func mixedWorker(ctx context.Context, w int, rng *rand.Rand, ds [2]*daemon, mnt string, gs []*sharedGroup, counts *sharedCounts, report func(string, ...any)) error {
-	m := &mixer{mnt: mnt, counts: counts, report: report}
+func mixedWorker(ctx context.Context, w int, rng *rand.Rand, ds []*daemon, mnt string, gs []*sharedGroup, counts *sharedCounts, report func(string, ...any)) error {
+	m := &mixer{ks: make([]*kvCache, len(ds)), mnt: mnt, counts: counts, report: report}
 	for i, d := range ds {
 		c, k, err := dialCache(context.Background(), d.cfg.Socket, fmt.Sprintf("mixed-%d-%d", w, i), 16)
 		if err != nil {
@@ -465,7 +546,7 @@ func mixedWorker(ctx context.Context, w int, rng *rand.Rand, ds [2]*daemon, mnt 
 	octx := context.Background()
 	for ctx.Err() == nil {
 		g := gs[rng.IntN(len(gs))]
-		x := rng.IntN(2)
+		x := rng.IntN(len(ds))
 		pick := func(n int) [][]byte {
 			var out [][]byte
 			for _, i := range rng.Perm(len(g.keys))[:n] {
