@@ -349,8 +349,10 @@ func checkMount(ctx context.Context, rep *checkReport, o checkOptions, m config.
 		if grace == 0 {
 			grace = engine.DefaultTempGrace
 		}
-		level, what, fix := sharedFinding(magic, probeFlock(m.Path), grace)
-		rep.add(level, area, what, fix)
+		mnt, mntErr := fstype.MountOf(m.Path)
+		for _, it := range sharedFindings(magic, mnt, mntErr, probeFlock(m.Path), grace) {
+			rep.add(it.Level, area, it.What, it.Fix)
+		}
 	}
 	level, what, fix := spaceFinding(size, avail, int64(m.Capacity), int64(m.Reserve))
 	rep.add(level, area, what, fix)

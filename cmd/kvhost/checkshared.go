@@ -44,23 +44,60 @@ func probeFlock(dir string) error {
 	return nil
 }
 
-// sharedFinding says, for a file system of magic that kvhost takes for a
-// shared one, what guards another node's stores in flight: flock where
-// the file system shares it (flockErr is the local probe's result), the
-// temp_grace age otherwise. level is "" for a local file system.
-func sharedFinding(magic int64, flockErr error, tempGrace time.Duration) (level, what, fix string) {
+// sharedFindings says, for a file system of magic that kvhost takes for a
+// shared one, which file system it is (for FUSE, from its mount's type:
+// mnt, or mntErr where /proc/self/mountinfo did not say), what its clients
+// see of each other's files, what guards another node's stores in flight
+// (flock where the file system shares it, flockErr being the local
+// probe's result; the temp_grace age otherwise), and which GPU paths
+// apply. It returns nothing for a local file system.
+func sharedFindings(magic int64, mnt fstype.Mount, mntErr error, flockErr error, tempGrace time.Duration) []checkItem {
 	kind, ok := fstype.Of(magic)
 	if !ok || !kind.Network {
-		return "", "", ""
+		return nil
 	}
+	var out []checkItem
+	add := func(level, what, fix string) { out = append(out, checkItem{Level: level, What: what, Fix: fix}) }
 	name := kind.Name
+	var fuse fstype.FUSEKind
+	known := false
 	if magic == fstype.FUSE {
-		name = fmt.Sprintf("FUSE (f_type %#x: ceph-fuse, GlusterFS, …)", fstype.FUSE)
+		switch sub := mnt.Subtype(); {
+		case mntErr != nil:
+			name = fmt.Sprintf("FUSE (f_type %#x; which one is unknown: %v)", fstype.FUSE, mntErr)
+			add(levelInfo, "shared file system "+name, "")
+		case sub == "":
+			name = fmt.Sprintf("FUSE (f_type %#x, mounted as %q)", fstype.FUSE, mnt.Type)
+			add(levelInfo, "shared file system "+name, "")
+		default:
+			fuse, known = fstype.FUSEOf(sub)
+			if !known {
+				name = fmt.Sprintf("%s through FUSE (f_type %#x; %s at %s)", sub, fstype.FUSE, mnt.Type, mnt.Point)
+				add(levelInfo, "shared file system "+name+": kvhost knows nothing more of it", "")
+				break
+			}
+			name = fuse.Name
+			what := fmt.Sprintf("shared file system %s through FUSE (f_type %#x; %s at %s): %s", fuse.Name, fstype.FUSE, mnt.Type, mnt.Point, fuse.Coherence)
+			if fuse.Advice != "" {
+				add(levelWarn, what, fuse.Advice)
+			} else {
+				add(levelInfo, what, "")
+			}
+		}
 	}
-	if flockErr != nil {
-		return levelWarn, fmt.Sprintf("shared file system %s: flock does not work here (%v); another node's stores in flight are protected only by temp_grace (%v)", name, flockErr, tempGrace),
-			"set [engine] temp_grace above the longest store on any node"
+	switch {
+	case flockErr != nil:
+		add(levelWarn, fmt.Sprintf("%s: flock does not work here (%v); another node's stores in flight are protected only by temp_grace (%v)", name, flockErr, tempGrace),
+			"set [engine] temp_grace above the longest store on any node")
+	case known && fuse.SharedFlock:
+		add(levelOK, fmt.Sprintf("%s: flock works on this node (probed) and a lock taken through one client excludes one through another (the file system shares it): another node's stores in flight keep their temporary files; temp_grace (%v) is the second guard", name, tempGrace),
+			"")
+	default:
+		add(levelInfo, fmt.Sprintf("%s: flock works on this node (probed); whether other nodes see it depends on the file system (CephFS: yes), which one node cannot probe, so temp_grace (%v) also guards other nodes' stores in flight", name, tempGrace),
+			"give every node its own [engine] node_id and a temp_grace above the longest store")
 	}
-	return levelInfo, fmt.Sprintf("shared file system %s: flock works on this node (probed); whether other nodes see it depends on the file system (CephFS: yes), which one node cannot probe, so temp_grace (%v) also guards other nodes' stores in flight", name, tempGrace),
-		"give every node its own [engine] node_id and a temp_grace above the longest store"
+	if !kind.CuFileDirect && !kind.Memory {
+		add(levelInfo, fmt.Sprintf("%s: GPU memory moves through the staging pipeline's pinned buffers here: cuFile has no GPUDirect path to this file system (compatibility mode at best), and files are mapped and registered with CUDA only on memory file systems", name), "")
+	}
+	return out
 }

@@ -34,16 +34,64 @@ func tempFilesIn(t *testing.T, dir string) []string {
 	return names
 }
 
-func TestSharedFindingNamesFUSEAndWhatGuardsOtherNodesStores(t *testing.T) {
-	if level, _, _ := sharedFinding(fstype.Ext4, nil, time.Minute); level != "" {
-		t.Errorf("ext4: level %q, want none", level)
-	}
-	level, what, fix := sharedFinding(fstype.FUSE, nil, 10*time.Minute)
-	if level != levelInfo || !strings.Contains(what, "0x65735546") || !strings.Contains(what, "flock works") || !strings.Contains(what, "10m0s") || fix == "" {
-		t.Errorf("FUSE with flock: %q %q %q", level, what, fix)
-	}
-	level, what, _ = sharedFinding(fstype.FUSE, errors.New("operation not supported"), time.Minute)
-	if level != levelWarn || !strings.Contains(what, "only by temp_grace") {
-		t.Errorf("FUSE without flock: %q %q", level, what)
+func TestSharedFindingsNameTheFUSEFileSystemAndWhatGuardsOtherNodesStores(t *testing.T) {
+	ceph := fstype.Mount{Point: "/mnt/cephfs", Type: "fuse.ceph-fuse", Source: "ceph-fuse"}
+	gluster := fstype.Mount{Point: "/mnt/gv", Type: "fuse.glusterfs", Source: "srv:/gv"}
+	sshfs := fstype.Mount{Point: "/mnt/s", Type: "fuse.sshfs", Source: "me@host:"}
+	noFlock := errors.New("operation not supported")
+	// want: each finding's level and a piece of its text, in order.
+	type want struct{ level, text string }
+	for _, c := range []struct {
+		name     string
+		magic    int64
+		mnt      fstype.Mount
+		mntErr   error
+		flockErr error
+		want     []want
+	}{
+		{"ext4", fstype.Ext4, fstype.Mount{Point: "/", Type: "ext4"}, nil, nil, nil},
+		{"ceph-fuse", fstype.FUSE, ceph, nil, nil, []want{
+			{levelInfo, "CephFS (ceph-fuse) through FUSE (f_type 0x65735546; fuse.ceph-fuse at /mnt/cephfs): the MDS's capabilities"},
+			{levelOK, "excludes one through another"},
+			{levelInfo, "staging pipeline"},
+		}},
+		{"ceph-fuse without flock", fstype.FUSE, ceph, nil, noFlock, []want{
+			{levelInfo, "CephFS"},
+			{levelWarn, "only by temp_grace (10m0s)"},
+			{levelInfo, "staging pipeline"},
+		}},
+		{"glusterfs", fstype.FUSE, gluster, nil, nil, []want{
+			{levelWarn, "GlusterFS through FUSE"},
+			{levelInfo, "whether other nodes see it depends on the file system"},
+			{levelInfo, "staging pipeline"},
+		}},
+		{"unknown FUSE", fstype.FUSE, sshfs, nil, nil, []want{
+			{levelInfo, "sshfs through FUSE"},
+			{levelInfo, "whether other nodes see it"},
+			{levelInfo, "staging pipeline"},
+		}},
+		{"no mountinfo", fstype.FUSE, fstype.Mount{}, errors.New("no mount holds it"), nil, []want{
+			{levelInfo, "which one is unknown: no mount holds it"},
+			{levelInfo, "whether other nodes see it"},
+			{levelInfo, "staging pipeline"},
+		}},
+		{"nfs", 0x6969, fstype.Mount{Point: "/mnt/n", Type: "nfs4"}, nil, nil, []want{
+			{levelInfo, "nfs: flock works on this node"},
+		}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			got := sharedFindings(c.magic, c.mnt, c.mntErr, c.flockErr, 10*time.Minute)
+			if len(got) != len(c.want) {
+				t.Fatalf("%d findings, want %d: %+v", len(got), len(c.want), got)
+			}
+			for i, w := range c.want {
+				if got[i].Level != w.level || !strings.Contains(got[i].What, w.text) {
+					t.Errorf("finding %d: %s %q; want %s containing %q", i, got[i].Level, got[i].What, w.level, w.text)
+				}
+				if got[i].Level == levelWarn && got[i].Fix == "" {
+					t.Errorf("finding %d: a warning without a fix: %q", i, got[i].What)
+				}
+			}
+		})
 	}
 }

@@ -56,6 +56,43 @@ var kinds = map[int64]Kind{
 	FUSE:       {Name: "fuse", Network: true}, // FUSE file systems are mostly remote
 }
 
+// FUSEKind is what kvhost knows of a FUSE file system, by the subtype
+// /proc/self/mountinfo gives it (Mount.Subtype): statfs says only "FUSE".
+type FUSEKind struct {
+	// Name is the file system as its users call it.
+	Name string
+	// SharedFlock: a flock taken through one client of the file system
+	// excludes one taken through another client, as on another node
+	// (checked on a test cluster: docs/cluster.md).
+	SharedFlock bool
+	// Coherence is what another client sees of files written, renamed
+	// or removed through one, in a sentence.
+	Coherence string
+	// Advice, where not empty, is what to set for the clients to see
+	// each other's files as kvhost needs (settings kvhost cannot read).
+	Advice string
+}
+
+var fuseKinds = map[string]FUSEKind{
+	"ceph-fuse": {
+		Name:        "CephFS (ceph-fuse)",
+		SharedFlock: true,
+		Coherence:   "the MDS's capabilities make a rename or removal through one client visible to the next stat through another",
+	},
+	"glusterfs": {
+		Name:      "GlusterFS",
+		Coherence: "with its default caches a client can see stale sizes, removed entries and old versions of files renamed through another client",
+		Advice:    "turn the client caches off: mount with attribute-timeout=0,entry-timeout=0,negative-timeout=0 and set the volume's performance caches off (docs/cluster.md lists them)",
+	},
+}
+
+// FUSEOf is what kvhost knows of the FUSE file system subtype
+// ("ceph-fuse"); ok is false for one it does not know.
+func FUSEOf(subtype string) (k FUSEKind, ok bool) {
+	k, ok = fuseKinds[subtype]
+	return k, ok
+}
+
 // Of is the kind of file system magic; ok is false for one kvhost does
 // not know.
 func Of(magic int64) (k Kind, ok bool) {

@@ -1,6 +1,9 @@
 package fstype
 
 import (
+	"errors"
+	"path/filepath"
+	"strings"
 	"testing"
 
 	"golang.org/x/sys/unix"
@@ -54,5 +57,96 @@ func TestOfPathAgreesWithStatfs(t *testing.T) {
 	}
 	if _, _, err := OfPath(dir + "/missing"); err == nil {
 		t.Fatalf("OfPath of a missing path: no error")
+	}
+}
+
+func TestParseMountInfoReadsTypeSourceAndEscapedPoints(t *testing.T) {
+	const info = `22 1 252:1 / / rw,relatime shared:1 - ext4 /dev/vda rw
+42 27 0:39 / /tmp/kvc/node1 rw,nosuid,nodev,relatime - fuse.ceph-fuse ceph-fuse rw,user_id=0,group_id=0,allow_other
+50 22 0:50 / /mnt/gluster\040vol rw,relatime shared:7 master:3 - fuse.glusterfs server:/vol rw,user_id=0
+51 22 0:51 / /mnt/plain rw - fuse sshfs#me@host: rw
+`
+	ms, err := ParseMountInfo(strings.NewReader(info))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := []struct{ point, typ, source, subtype string }{
+		{"/", "ext4", "/dev/vda", ""},
+		{"/tmp/kvc/node1", "fuse.ceph-fuse", "ceph-fuse", "ceph-fuse"},
+		{"/mnt/gluster vol", "fuse.glusterfs", "server:/vol", "glusterfs"},
+		{"/mnt/plain", "fuse", "sshfs#me@host:", "sshfs#me@host:"},
+	}
+	if len(ms) != len(want) {
+		t.Fatalf("%d mounts, want %d: %+v", len(ms), len(want), ms)
+	}
+	for i, w := range want {
+		if m := ms[i]; m.Point != w.point || m.Type != w.typ || m.Source != w.source || m.Subtype() != w.subtype {
+			t.Errorf("line %d: %+v subtype %q; want %+v", i+1, m, m.Subtype(), w)
+		}
+	}
+}
+
+func TestParseMountInfoRefusesALineWithoutSeparator(t *testing.T) {
+	_, err := ParseMountInfo(strings.NewReader("42 27 0:39 / /mnt rw,relatime fuse.ceph-fuse ceph-fuse rw\n"))
+	if !errors.Is(err, errMountInfo) || !strings.Contains(err.Error(), "line 1") {
+		t.Fatalf("err = %v, want errMountInfo naming line 1", err)
+	}
+}
+
+func TestContainingPicksTheLongestLastMountPoint(t *testing.T) {
+	ms := []Mount{
+		{Point: "/", Type: "ext4"},
+		{Point: "/mnt/a", Type: "tmpfs"},
+		{Point: "/mnt/ab", Type: "xfs"},
+		{Point: "/mnt/a", Type: "fuse.ceph-fuse"}, // mounted over the tmpfs
+	}
+	for _, c := range []struct {
+		path, typ string
+	}{
+		{"/", "ext4"},
+		{"/mnt", "ext4"},
+		{"/mnt/a", "fuse.ceph-fuse"},
+		{"/mnt/a/x/y", "fuse.ceph-fuse"},
+		{"/mnt/ab/x", "xfs"},
+		{"/mnt/abc", "ext4"},
+	} {
+		m, ok := Containing(ms, c.path)
+		if !ok || m.Type != c.typ {
+			t.Errorf("Containing(%s) = %+v, %v; want type %s", c.path, m, ok, c.typ)
+		}
+	}
+	if _, ok := Containing(ms[1:], "/etc"); ok {
+		t.Error("Containing found a mount for a path no mount point holds")
+	}
+}
+
+func TestMountOfNamesAMountPointHoldingThePath(t *testing.T) {
+	dir, err := filepath.EvalSymlinks(t.TempDir())
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := MountOf(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m.Type == "" || (m.Point != "/" && dir != m.Point && !strings.HasPrefix(dir, m.Point+"/")) {
+		t.Fatalf("MountOf(%s) = %+v: not a mount point holding it", dir, m)
+	}
+}
+
+func TestFUSEKindsKnowCephFUSEAndGlusterFS(t *testing.T) {
+	for _, c := range []struct {
+		subtype string
+		known   bool
+		flock   bool
+	}{
+		{"ceph-fuse", true, true},
+		{"glusterfs", true, false},
+		{"sshfs", false, false},
+	} {
+		k, ok := FUSEOf(c.subtype)
+		if ok != c.known || k.SharedFlock != c.flock || (ok && (k.Name == "" || k.Coherence == "")) {
+			t.Errorf("FUSEOf(%q) = %+v, %v; want known %v, shared flock %v", c.subtype, k, ok, c.known, c.flock)
+		}
 	}
 }

@@ -1,0 +1,128 @@
+package fstype
+
+import (
+	"bufio"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+)
+
+// Mount is one line of /proc/self/mountinfo: where a file system is
+// mounted, its type as the kernel names it ("ext4", "fuse.ceph-fuse") and
+// its source ("/dev/nvme0n1p1", "ceph-fuse", "server:/volume").
+type Mount struct {
+	Point  string
+	Type   string
+	Source string
+}
+
+// Subtype is a FUSE mount's file system: the part after "fuse." of its
+// type ("ceph-fuse", "glusterfs", "sshfs"), or its source where the type
+// is plain "fuse" or "fuseblk"; "" for a mount that is not FUSE.
+func (m Mount) Subtype() string {
+	switch {
+	case strings.HasPrefix(m.Type, "fuse."):
+		return strings.TrimPrefix(m.Type, "fuse.")
+	case strings.HasPrefix(m.Type, "fuseblk."):
+		return strings.TrimPrefix(m.Type, "fuseblk.")
+	case m.Type == "fuse" || m.Type == "fuseblk":
+		return m.Source
+	}
+	return ""
+}
+
+// errMountInfo: a mountinfo line is not in the kernel's format.
+var errMountInfo = errors.New("fstype: malformed mountinfo line")
+
+// ParseMountInfo reads mountinfo lines (proc(5)): mount ID, parent ID,
+// major:minor, root, mount point, options, optional fields up to "-",
+// type, source, super options. Octal escapes (\040 for a space) in the
+// mount point and source are decoded.
+func ParseMountInfo(r io.Reader) ([]Mount, error) {
+	var out []Mount
+	sc := bufio.NewScanner(r)
+	sc.Buffer(make([]byte, 64<<10), 1<<20)
+	for n := 1; sc.Scan(); n++ {
+		f := strings.Fields(sc.Text())
+		sep := -1
+		for i := 6; i < len(f); i++ {
+			if f[i] == "-" {
+				sep = i
+				break
+			}
+		}
+		if len(f) < 6 || sep < 0 || sep+2 >= len(f) {
+			return nil, fmt.Errorf("%w %d: %q", errMountInfo, n, sc.Text())
+		}
+		out = append(out, Mount{Point: unescape(f[4]), Type: f[sep+1], Source: unescape(f[sep+2])})
+	}
+	if err := sc.Err(); err != nil {
+		return nil, fmt.Errorf("fstype: reading mountinfo: %w", err)
+	}
+	return out, nil
+}
+
+// unescape decodes mountinfo's \NNN octal escapes.
+func unescape(s string) string {
+	if !strings.Contains(s, `\`) {
+		return s
+	}
+	var b strings.Builder
+	for i := 0; i < len(s); i++ {
+		if s[i] == '\\' && i+4 <= len(s) {
+			if v, err := strconv.ParseUint(s[i+1:i+4], 8, 8); err == nil {
+				b.WriteByte(byte(v))
+				i += 3
+				continue
+			}
+		}
+		b.WriteByte(s[i])
+	}
+	return b.String()
+}
+
+// Containing returns the mount of mounts that holds path (absolute, with
+// symbolic links resolved): the one with the longest mount point that is
+// path or one of its parents, the last listed where several share it
+// (a later mount hides an earlier one). ok is false when none does.
+func Containing(mounts []Mount, path string) (m Mount, ok bool) {
+	best := -1
+	for _, c := range mounts {
+		p := c.Point
+		if path == p || p == "/" || strings.HasPrefix(path, strings.TrimSuffix(p, "/")+"/") {
+			if len(p) >= best {
+				m, ok, best = c, true, len(p)
+			}
+		}
+	}
+	return m, ok
+}
+
+// MountOf returns the mount that holds path, from /proc/self/mountinfo.
+func MountOf(path string) (Mount, error) {
+	abs, err := filepath.Abs(path)
+	if err != nil {
+		return Mount{}, fmt.Errorf("fstype: %w", err)
+	}
+	if r, err := filepath.EvalSymlinks(abs); err == nil {
+		abs = r
+	}
+	f, err := os.Open("/proc/self/mountinfo")
+	if err != nil {
+		return Mount{}, fmt.Errorf("fstype: %w", err)
+	}
+	defer f.Close()
+	ms, err := ParseMountInfo(f)
+	if err != nil {
+		return Mount{}, err
+	}
+	m, ok := Containing(ms, abs)
+	if !ok {
+		return Mount{}, fmt.Errorf("fstype: no mount in /proc/self/mountinfo holds %s", abs)
+	}
+	return m, nil
+}
