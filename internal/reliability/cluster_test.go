@@ -8,6 +8,7 @@ package reliability
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"os"
@@ -18,7 +19,10 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/kvhost/kvhost/client"
+	"github.com/kvhost/kvhost/internal/fstype"
 )
 
 // clusterEnv names the variable that lists the cluster's client mounts.
@@ -33,7 +37,7 @@ const clusterWait = 60 * time.Second
 // at least; `make test-cluster` gives three, `make test` two), each with a
 // fresh directory for this test (made through the first mount, so that
 // the others see one directory): the daemons' mount paths, one per node.
-func clusterMounts(t *testing.T) []string {
+func clusterMounts(t testing.TB) []string {
 	t.Helper()
 	v := os.Getenv(clusterEnv)
 	if v == "" {
@@ -528,4 +532,67 @@ func TestClusterSharedMixedWorkload(t *testing.T) {
 		duration = 3 * time.Minute
 	}
 	mixedWorkload(t, clusterMounts(t), duration)
+}
+
+// TestClusterFlockSharingMatchesTheFUSETable takes an exclusive flock on a
+// file through the first client mount and tries one through each other
+// client: whether it is refused (the lock is shared between clients, as
+// between nodes) must be what package fstype's table says of the file
+// system, which `kvhost check` reports. Once the first lock is released,
+// the others' lock is granted.
+func TestClusterFlockSharingMatchesTheFUSETable(t *testing.T) {
+	mounts := clusterMounts(t)
+	mnt, err := fstype.MountOf(mounts[0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	kind, known := fstype.FUSEOf(mnt.Subtype())
+	name := filepath.Join(mounts[0], "flock-probe")
+	first, err := os.OpenFile(name, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer first.Close()
+	if err := unix.Flock(int(first.Fd()), unix.LOCK_EX|unix.LOCK_NB); err != nil {
+		t.Fatalf("flock through %s: %v", mounts[0], err)
+	}
+	others := make([]*os.File, 0, len(mounts)-1)
+	shared := 0
+	for _, m := range mounts[1:] {
+		f, err := os.OpenFile(filepath.Join(m, "flock-probe"), os.O_RDWR, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+		others = append(others, f)
+		switch err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB); {
+		case errors.Is(err, unix.EWOULDBLOCK):
+			shared++
+		case err != nil:
+			t.Fatalf("flock through %s: %v", m, err)
+		default:
+			unix.Flock(int(f.Fd()), unix.LOCK_UN)
+		}
+	}
+	t.Logf("%s (%s): a flock through one client refused through %d of %d others", mnt.Type, mnt.Point, shared, len(others))
+	switch {
+	case !known:
+		t.Logf("package fstype does not know %q: nothing to compare", mnt.Subtype())
+	case kind.SharedFlock && shared != len(others):
+		t.Errorf("%s: the table says flock is shared between clients, but %d of %d other clients got the lock", kind.Name, len(others)-shared, len(others))
+	case !kind.SharedFlock && shared > 0:
+		t.Errorf("%s: the table says flock is not shared between clients, but %d of %d other clients were refused", kind.Name, shared, len(others))
+	}
+	if shared == 0 {
+		return
+	}
+	if err := unix.Flock(int(first.Fd()), unix.LOCK_UN); err != nil {
+		t.Fatal(err)
+	}
+	f := others[0]
+	if !waitFor(t.Context(), clusterWait, 10*time.Millisecond, func() bool {
+		return unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB) == nil
+	}) {
+		t.Fatalf("the lock released through %s is still refused through %s after %v", mounts[0], mounts[1], clusterWait)
+	}
 }
