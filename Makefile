@@ -84,6 +84,7 @@ fuzz: wasm
 # fail, rather than skip, where their fake libraries cannot be built.
 test: tools build wasm lint
 	KVHOST_REQUIRE_FAKES=1 $(GO) test -race -count=1 ./...
+	$(MAKE) --no-print-directory test-cluster-bounded
 	$(MAKE) --no-print-directory test-python
 	$(MAKE) --no-print-directory fuzz
 
@@ -108,6 +109,23 @@ test-cluster:
 	@mounts=$$(scripts/cephfs.sh up $(CLUSTER_DIR) 3) || { scripts/cephfs.sh down $(CLUSTER_DIR); exit 1; }; \
 	KVHOST_CLUSTER_MOUNTS=$$mounts $(GO) test -race -count=1 -v -timeout 20m -run '$(CLUSTER_RUN)' ./internal/reliability; rc=$$?; \
 	scripts/cephfs.sh down $(CLUSTER_DIR); exit $$rc
+
+# The bounded part of the multi-node suite, run by `make test`: two
+# ceph-fuse clients of a one-host CephFS on a fresh directory and its own
+# monitor ports (CLUSTER_BOUNDED_PORTS, v1 and v2, so that a `make
+# test-cluster` cluster may run beside it); the cross-node hit, flock
+# sharing between clients and the shared-directory mixed workload (about
+# 50 s with the cluster's start and stop on 2 cores). scripts/cephfs.sh
+# installs Ceph's Debian packages when missing; only where they cannot be
+# installed (no apt-get, apt-get failing, not root) does it print a
+# SKIPPED banner and pass. Any other failure fails.
+CLUSTER_BOUNDED_RUN   ?= TestClusterKeyStoredOnOneNodeHitsAndLoadsOnTheOthers|TestClusterFlockSharingMatchesTheFUSETable|TestClusterSharedMixedWorkload
+CLUSTER_BOUNDED_PORTS ?= 6791 3302
+.PHONY: test-cluster-bounded
+test-cluster-bounded:
+	@set -- $(CLUSTER_BOUNDED_PORTS); CEPHFS_MON_PORT=$$1 CEPHFS_MON_PORT2=$$2 \
+	scripts/cephfs.sh run --skip-uninstallable 2 \
+		$(GO) test -race -count=1 -v -timeout 5m -run '$(CLUSTER_BOUNDED_RUN)' ./internal/reliability
 
 # GPU check and benchmark binaries for a GPU machine without Go
 # (scripts/gpu-check.sh runs them there): stripped, and packed into

@@ -10,6 +10,15 @@
 #                                the mount points joined by ':' on stdout
 #   scripts/cephfs.sh down DIR   unmount, stop every daemon, remove DIR
 #   scripts/cephfs.sh status DIR the cluster's status (ceph -s)
+#   scripts/cephfs.sh install    only install the packages; exit status 3
+#                                when they cannot be installed here
+#   scripts/cephfs.sh run [--skip-uninstallable] N CMD...
+#                                up N on a fresh directory under /tmp, CMD
+#                                with KVHOST_CLUSTER_MOUNTS set to the
+#                                mounts, down whatever happens; CMD's exit
+#                                status. --skip-uninstallable: where the
+#                                packages cannot be installed (or not root)
+#                                print a SKIPPED banner and exit 0
 #
 # Both are idempotent: every step checks whether it is already done (a
 # daemon whose pid file names a live process, a pool or file system that
@@ -37,7 +46,7 @@ die() {
 }
 
 usage() {
-	echo "usage: $0 up DIR N | down DIR | status DIR" >&2
+	echo "usage: $0 up DIR N | down DIR | status DIR | install | run [--skip-uninstallable] N CMD..." >&2
 	exit 2
 }
 
@@ -81,17 +90,26 @@ logtail() {
 	return 1
 }
 
+# install_packages installs the missing Debian packages with apt-get. It
+# returns 3 when they cannot be installed (no dpkg or apt-get, not root and
+# no sudo, apt-get failed), which `install` turns into its exit status.
 install_packages() {
 	local missing=()
+	command -v dpkg-query >/dev/null 2>&1 || { echo "cephfs: cannot install ${PACKAGES[*]}: no dpkg (not Debian)" >&2; return 3; }
 	for p in "${PACKAGES[@]}"; do
 		dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
 	done
 	[ ${#missing[@]} -eq 0 ] && return 0
+	command -v apt-get >/dev/null 2>&1 || { echo "cephfs: cannot install ${missing[*]}: no apt-get" >&2; return 3; }
 	local sudo=""
-	[ "$(id -u)" -eq 0 ] || sudo="sudo"
+	if [ "$(id -u)" -ne 0 ]; then
+		sudo -n true 2>/dev/null || { echo "cephfs: cannot install ${missing[*]}: not root and no password-less sudo" >&2; return 3; }
+		sudo="sudo -n"
+	fi
 	echo "cephfs: installing ${missing[*]} with apt-get" >&2
-	$sudo apt-get update -qq || return 1
-	DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+	$sudo apt-get update -qq || { echo "cephfs: cannot install ${missing[*]}: apt-get update failed" >&2; return 3; }
+	DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null ||
+		{ echo "cephfs: cannot install ${missing[*]}: apt-get install failed" >&2; return 3; }
 }
 
 ceph_() { ceph --conf "$DIR/ceph.conf" --connect-timeout 10 "$@"; }
@@ -284,7 +302,59 @@ stop_daemons() {
 	done
 }
 
+# skipped REASON: the banner of a suite that cannot run here.
+skipped() {
+	local bar='################################################################################'
+	printf '%s\n' "$bar" "## SKIPPED: the multi-node suite on CephFS did not run: $1." \
+		"## It needs root (FUSE mounts) and Ceph's Debian packages (ceph-mon ceph-mgr" \
+		"## ceph-osd ceph-mds ceph-fuse ceph-common), which it installs with apt-get." "$bar" >&2
+}
+
+# run_suite [--skip-uninstallable] N CMD...: up on a fresh directory, CMD
+# with KVHOST_CLUSTER_MOUNTS set, down whatever happens; CMD's exit status.
+run_suite() {
+	local skip=false
+	if [ "${1:-}" = --skip-uninstallable ]; then
+		skip=true
+		shift
+	fi
+	local n=${1:-}
+	[[ "$n" =~ ^[1-9][0-9]*$ ]] && [ $# -ge 2 ] || usage
+	shift
+	if [ "$(id -u)" -ne 0 ]; then
+		$skip || die "run needs root (FUSE mounts, apt-get)"
+		skipped "not root"
+		return 0
+	fi
+	local rc=0
+	install_packages || rc=$?
+	if [ "$rc" -eq 3 ] && $skip; then
+		skipped "the packages cannot be installed here (the reason is above)"
+		return 0
+	fi
+	[ "$rc" -eq 0 ] || return "$rc"
+	local mounts
+	RUN_DIR=$(mktemp -d /tmp/kvhost-ceph-XXXXXX)
+	trap '"$0" down "$RUN_DIR"' EXIT
+	trap 'exit 130' INT TERM
+	mounts=$("$0" up "$RUN_DIR" "$n") || return 1
+	KVHOST_CLUSTER_MOUNTS=$mounts "$@" || rc=$?
+	return "$rc"
+}
+
 cmd=${1:-}
+case "$cmd" in
+install)
+	# Exit status 3: the packages cannot be installed here.
+	install_packages
+	exit
+	;;
+run)
+	shift
+	run_suite "$@"
+	exit
+	;;
+esac
 DIR=${2:-}
 [ -n "$cmd" ] && [ -n "$DIR" ] || usage
 DIR=$(realpath -m "$DIR")
