@@ -101,14 +101,17 @@ reliability-long:
 # The multi-node suite (docs/cluster.md): a one-host CephFS cluster under
 # CLUSTER_DIR (scripts/cephfs.sh, which installs Ceph's Debian packages if
 # missing; needs root and /dev/fuse), mounted three times, one kvhost daemon
-# on each mount; torn down afterwards, whatever the result.
-CLUSTER_DIR ?= /tmp/kvhost-cephfs
+# on each mount; torn down afterwards, whatever the result. CLUSTER_FS =
+# glusterfs runs it on a one-host GlusterFS volume instead
+# (scripts/glusterfs.sh, its client caches off).
+CLUSTER_FS  ?= cephfs
+CLUSTER_DIR ?= /tmp/kvhost-$(CLUSTER_FS)
 CLUSTER_RUN ?= TestCluster
 .PHONY: test-cluster
 test-cluster:
-	@mounts=$$(scripts/cephfs.sh up $(CLUSTER_DIR) 3) || { scripts/cephfs.sh down $(CLUSTER_DIR); exit 1; }; \
+	@mounts=$$(scripts/$(CLUSTER_FS).sh up $(CLUSTER_DIR) 3) || { scripts/$(CLUSTER_FS).sh down $(CLUSTER_DIR); exit 1; }; \
 	KVHOST_CLUSTER_MOUNTS=$$mounts $(GO) test -race -count=1 -v -timeout 20m -run '$(CLUSTER_RUN)' ./internal/reliability; rc=$$?; \
-	scripts/cephfs.sh down $(CLUSTER_DIR); exit $$rc
+	scripts/$(CLUSTER_FS).sh down $(CLUSTER_DIR); exit $$rc
 
 # The bounded part of the multi-node suite, run by `make test`: two
 # ceph-fuse clients of a one-host CephFS on a fresh directory and its own

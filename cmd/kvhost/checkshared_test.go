@@ -62,7 +62,7 @@ func TestSharedFindingsNameTheFUSEFileSystemAndWhatGuardsOtherNodesStores(t *tes
 		}},
 		{"glusterfs", fstype.FUSE, gluster, nil, nil, []want{
 			{levelWarn, "GlusterFS through FUSE"},
-			{levelInfo, "whether other nodes see it depends on the file system"},
+			{levelOK, "excludes one through another"},
 			{levelInfo, "staging pipeline"},
 		}},
 		{"unknown FUSE", fstype.FUSE, sshfs, nil, nil, []want{

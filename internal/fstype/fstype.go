@@ -80,9 +80,10 @@ var fuseKinds = map[string]FUSEKind{
 		Coherence:   "the MDS's capabilities make a rename or removal through one client visible to the next stat through another",
 	},
 	"glusterfs": {
-		Name:      "GlusterFS",
-		Coherence: "with its default caches a client can see stale sizes, removed entries and old versions of files renamed through another client",
-		Advice:    "turn the client caches off: mount with attribute-timeout=0,entry-timeout=0,negative-timeout=0 and set the volume's performance caches off (docs/cluster.md lists them)",
+		Name:        "GlusterFS",
+		SharedFlock: true,
+		Coherence:   "with its default caches a client can see stale sizes, removed entries and old versions of files renamed through another client",
+		Advice:      "turn the client caches off: mount with attribute-timeout=0,entry-timeout=0,negative-timeout=0 and set the volume's performance caches off (docs/cluster.md lists them)",
 	},
 }
 

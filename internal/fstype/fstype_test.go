@@ -141,7 +141,7 @@ func TestFUSEKindsKnowCephFUSEAndGlusterFS(t *testing.T) {
 		flock   bool
 	}{
 		{"ceph-fuse", true, true},
-		{"glusterfs", true, false},
+		{"glusterfs", true, true},
 		{"sshfs", false, false},
 	} {
 		k, ok := FUSEOf(c.subtype)
