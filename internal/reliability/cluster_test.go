@@ -199,8 +199,8 @@ func TestClusterKeyStoredOnOneNodeHitsAndLoadsOnTheOthers(t *testing.T) {
 			nodes[x].checkLoad(t, x+1, key, &wrong, &unloaded, fmt.Sprintf("stored on node-%d", i%nn+1))
 		}
 	}
-	summary := fmt.Sprintf("cluster cross-node hit: keys=%d first_lookup_misses=%d wrong_bytes=%d unloaded=%d first_hit_p50=%v p99=%v ack_to_hit_p50=%v p99=%v indexed_hit_p50=%v p99=%v",
-		keys, firstMisses, wrong, unloaded,
+	summary := fmt.Sprintf("cluster cross-node hit: nodes=%d keys=%d loads=%d first_lookup_misses=%d wrong_bytes=%d unloaded=%d first_hit_p50=%v p99=%v ack_to_hit_p50=%v p99=%v indexed_hit_p50=%v p99=%v",
+		nn, keys, keys*(nn-1), firstMisses, wrong, unloaded,
 		percentile(first, 50).Round(time.Microsecond), percentile(first, 99).Round(time.Microsecond),
 		percentile(ackToHit, 50).Round(time.Microsecond), percentile(ackToHit, 99).Round(time.Microsecond),
 		percentile(again, 50).Round(time.Microsecond), percentile(again, 99).Round(time.Microsecond))
@@ -293,6 +293,7 @@ func TestClusterDeleteOnOneNodeRacingStoreOnAnother(t *testing.T) {
 	last := len(nodes) - 1
 	mustStore(t, nodes[last].k, fmt.Sprintf("node-%d", last+1), bystanders)
 	var kept, gone, wrong, disagree, stale int
+	stores, loads := len(bystanders), 0
 	storeTook := 10 * time.Millisecond
 	for r := range rounds {
 		key := fmt.Appendf(nil, "race-%04d", r)
@@ -300,6 +301,7 @@ func TestClusterDeleteOnOneNodeRacingStoreOnAnother(t *testing.T) {
 		// first half of the time, else let node 1 find node 2's file.
 		if r%2 == 0 {
 			mustStore(t, nodes[0].k, "node-1", [][]byte{key})
+			stores++
 		}
 		var wg sync.WaitGroup
 		var storeErr, delErr error
@@ -330,10 +332,12 @@ func TestClusterDeleteOnOneNodeRacingStoreOnAnother(t *testing.T) {
 		if outcome != client.OutcomeStored && outcome != client.OutcomePresent {
 			t.Fatalf("round %d: node-2's store of %s: %v", r, key, outcome)
 		}
+		stores++
 		onDisk := len(scanFiles(mounts[0])[string(key)]) > 0
 		if onDisk {
 			kept++
 			for i, n := range nodes {
+				loads++
 				n.checkLoad(t, i+1, key, &wrong, &disagree, "on disk")
 			}
 			continue
@@ -351,6 +355,7 @@ func TestClusterDeleteOnOneNodeRacingStoreOnAnother(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
+			loads++
 			if res.outcomes[0] == client.OutcomeLoaded {
 				wrong++
 				t.Errorf("node-%d: %s is gone from disk, yet it loaded", i+1, key)
@@ -363,6 +368,7 @@ func TestClusterDeleteOnOneNodeRacingStoreOnAnother(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
+		loads += len(bystanders)
 		for j, ok := range res.match {
 			if !ok {
 				foreign++
@@ -373,8 +379,8 @@ func TestClusterDeleteOnOneNodeRacingStoreOnAnother(t *testing.T) {
 	if tmp := tempFiles(mounts[0]); len(tmp) > 0 {
 		t.Errorf("temporary files left with no store in flight: %v", tmp)
 	}
-	summary := fmt.Sprintf("cluster delete vs store: rounds=%d kept=%d deleted=%d wrong_bytes=%d disagree=%d stale_hits=%d foreign_deleted=%d",
-		rounds, kept, gone, wrong, disagree, stale, foreign)
+	summary := fmt.Sprintf("cluster delete vs store: rounds=%d stores=%d loads=%d kept=%d deleted=%d wrong_bytes=%d disagree=%d stale_hits=%d foreign_deleted=%d",
+		rounds, stores, loads, kept, gone, wrong, disagree, stale, foreign)
 	t.Log(summary)
 	fmt.Println(summary)
 }
