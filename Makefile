@@ -117,8 +117,8 @@ test-cluster:
 # ceph-fuse clients of a one-host CephFS on a fresh directory and its own
 # monitor ports (CLUSTER_BOUNDED_PORTS, v1 and v2, so that a `make
 # test-cluster` cluster may run beside it); the cross-node hit, flock
-# sharing between clients and the shared-directory mixed workload (about
-# 50 s with the cluster's start and stop on 2 cores). scripts/cephfs.sh
+# sharing between clients and the shared-directory mixed workload (43 s
+# with the cluster's start and stop on 2 cores). scripts/cephfs.sh
 # installs Ceph's Debian packages when missing; only where they cannot be
 # installed (no apt-get, apt-get failing, not root) does it print a
 # SKIPPED banner and pass. Any other failure fails.

@@ -4,7 +4,7 @@ package reliability
 // one per client mount of KVHOST_CLUSTER_MOUNTS, store and load keys from
 // CPU memory (memfd regions), next to plain writes and reads of files of
 // the same sizes through the same mounts in the same run (the ceiling).
-// docs/cluster.md has the figures; `make bench-cluster` runs it.
+// docs/cluster.md has the figures and the command.
 
 import (
 	"bytes"
@@ -171,17 +171,17 @@ func (k *bulkCache) run(ctx context.Context, keys [][]byte, load bool) (time.Dur
 				}
 				var job *client.Job
 				var err error
-				want := client.OutcomeStored
+				op, want := "store", client.OutcomeStored
 				if load {
+					op, want = "load", client.OutcomeLoaded
 					job, err = k.c.Load(ctx, k.id, keys[s:s+1], [][]uint32{k.blocks(k.keys + s)})
-					want = client.OutcomeLoaded
 				} else {
 					job, err = k.c.Store(ctx, k.id, keys[s:s+1], [][]uint32{k.blocks(s)})
 				}
 				if err == nil {
 					var res client.Result
 					if res, err = job.Wait(ctx); err == nil && res.Keys[0].Outcome != want {
-						err = fmt.Errorf("%w: %s of %s: %v (%s)", errThroughputOutcome, map[bool]string{false: "store", true: "load"}[load], keys[s], res.Keys[0].Outcome, res.Message)
+						err = fmt.Errorf("%w: %s of %s: %v (%s)", errThroughputOutcome, op, keys[s], res.Keys[0].Outcome, res.Message)
 					}
 				}
 				if err != nil {
