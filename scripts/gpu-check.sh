@@ -318,8 +318,8 @@ if [ "${FOREIGN:-1}" = 1 ]; then
 	# lookups find A's files, and the load follows with no idle moment
 	# (registered files only where B's registrar got there first). Then
 	# the same load again after B's count of registered files stops rising.
-	# Two rounds.
-	for round in 1 2; do
+	# FOREIGN_ROUNDS rounds (default 2).
+	for round in $(seq "${FOREIGN_ROUNDS:-2}"); do
 		name="foreign-$round"
 		for node in a b; do
 			printf '[engine]\nnode_id = "node-%s"\n[[mount]]\npath = "%s"\nshared = true\ncapacity = "20GiB"\n' \
