@@ -48,9 +48,7 @@ func (e *Engine) release(path string) {
 // freed (or found them gone), which their mounts counted as used until
 // then: they stop counting in the same hold of the index's lock.
 func (e *Engine) releaseFreed(path string, freed []*entry) {
-	e.ix.mu.Lock()
-	fl, orphans := e.ix.releaseLocked(path, freed)
-	e.ix.mu.Unlock()
+	fl, orphans := e.ix.release(path, freed)
 	e.endRelease(path, fl, orphans)
 }
 

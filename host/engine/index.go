@@ -227,6 +227,64 @@ func (ix *index) dropLocked(en *entry, remove bool) (was, claimed bool) {
 	return true, claimed
 }
 
+// each calls fn for every indexed entry, under the index's lock held for
+// reading: fn reads the entry's fields and calls nothing of the engine
+// (the policy's view, a rebuild's or a reload's walk).
+func (ix *index) each(fn func(*entry)) {
+	ix.mu.RLock()
+	defer ix.mu.RUnlock()
+	for _, en := range ix.entries {
+		fn(en)
+	}
+}
+
+// insertAll indexes the entries found at Open (rebuild), in order: where
+// two files hold one key, the later wins it.
+func (ix *index) insertAll(ens []*entry) {
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	for _, en := range ens {
+		ix.insertLocked(en, false)
+	}
+}
+
+// hit counts a hit at now on each of ens and returns the policy's
+// records of them.
+func (ix *index) hit(ens []*entry, now int64) []abi.AccessRecord {
+	recs := make([]abi.AccessRecord, len(ens))
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	for i, en := range ens {
+		en.hits++
+		en.last = now
+		recs[i] = en.access(abi.AccessHit, now)
+	}
+	return recs
+}
+
+// unpinClient drops one client pin of each of ens (Engine.Pin) and, with
+// tell, returns the policy's unpin records of those still indexed.
+func (ix *index) unpinClient(ens []*entry, now int64, tell bool) []abi.AccessRecord {
+	var recs []abi.AccessRecord
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	for _, en := range ens {
+		en.pins--
+		en.leases--
+		if tell && !en.gone {
+			recs = append(recs, en.access(abi.AccessUnpin, now))
+		}
+	}
+	return recs
+}
+
+// release is releaseLocked taking the lock.
+func (ix *index) release(path string, freed []*entry) (*flight, []*entry) {
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	return ix.releaseLocked(path, freed)
+}
+
 // mirror makes ks the index's KeySet: it is told every key now and every
 // change from then on (nil: none).
 func (ix *index) mirror(ks KeySet) {
@@ -261,24 +319,16 @@ func (ix *index) policyEntry(id uint64) (policy.Entry, bool) {
 
 // policyEntries returns the policy's view of every entry, a snapshot.
 func (ix *index) policyEntries() []policy.Entry {
-	ix.mu.RLock()
-	defer ix.mu.RUnlock()
-	snap := make([]policy.Entry, 0, len(ix.entries))
-	for _, en := range ix.entries {
-		snap = append(snap, en.policyEntry())
-	}
+	var snap []policy.Entry
+	ix.each(func(en *entry) { snap = append(snap, en.policyEntry()) })
 	return snap
 }
 
 // records returns an access record of kind for every entry, at its last
 // access.
 func (ix *index) records(kind uint32) []abi.AccessRecord {
-	ix.mu.RLock()
-	defer ix.mu.RUnlock()
-	recs := make([]abi.AccessRecord, 0, len(ix.entries))
-	for _, en := range ix.entries {
-		recs = append(recs, en.access(kind, en.last))
-	}
+	var recs []abi.AccessRecord
+	ix.each(func(en *entry) { recs = append(recs, en.access(kind, en.last)) })
 	return recs
 }
 

@@ -182,15 +182,7 @@ func (e *Engine) countHits(ctx context.Context, hit []*entry, now int64) {
 	if len(hit) == 0 {
 		return
 	}
-	recs := make([]abi.AccessRecord, len(hit))
-	e.ix.mu.Lock()
-	for i, en := range hit {
-		en.hits++
-		en.last = now
-		recs[i] = en.access(abi.AccessHit, now)
-	}
-	e.ix.mu.Unlock()
-	e.hitRec.add(ctx, recs)
+	e.hitRec.add(ctx, e.ix.hit(hit, now))
 }
 
 // MirrorKeys tells ks every key the index holds now and, from then on,

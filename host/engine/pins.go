@@ -153,18 +153,7 @@ func (e *Engine) unpinEntries(ctx context.Context, ens []*entry, tell bool) {
 	if len(ens) == 0 {
 		return
 	}
-	var recs []abi.AccessRecord
-	e.ix.mu.Lock()
-	now := e.now().UnixNano()
-	for _, en := range ens {
-		en.pins--
-		en.leases--
-		if tell && !en.gone {
-			recs = append(recs, en.access(abi.AccessUnpin, now))
-		}
-	}
-	e.ix.mu.Unlock()
-	e.access(ctx, recs)
+	e.access(ctx, e.ix.unpinClient(ens, e.now().UnixNano(), tell))
 }
 
 // PinStats returns the client pins held and the keys they hold.

@@ -150,11 +150,7 @@ func (e *Engine) rebuild(ctx context.Context) error {
 	for _, en := range found {
 		en.ns = e.namespaceOf(en.fp)
 	}
-	e.ix.mu.Lock()
-	for _, en := range found {
-		e.ix.insertLocked(en, false)
-	}
-	e.ix.mu.Unlock()
+	e.ix.insertAll(found)
 	e.st.corrupt.Add(uint64(corrupt))
 	e.log.Info("engine: index rebuilt", "files", len(found), "skipped", skipped, "corrupt_removed", corrupt, "leftovers_removed", cleaned.Load(), "took", time.Since(start))
 	return nil

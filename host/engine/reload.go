@@ -172,18 +172,18 @@ func (v *buildView) missedEvents(e *Engine) []abi.AccessRecord {
 	v.done = true
 	var recs []abi.AccessRecord
 	now := e.now().UnixNano()
-	e.ix.mu.RLock()
-	for id, en := range e.ix.entries {
-		if _, ok := v.seen[id]; !ok {
+	indexed := map[uint64]bool{}
+	e.ix.each(func(en *entry) {
+		indexed[en.id] = true
+		if _, ok := v.seen[en.id]; !ok {
 			recs = append(recs, en.access(abi.AccessRestore, en.last))
 		}
-	}
+	})
 	for id := range v.seen {
-		if _, ok := e.ix.entries[id]; !ok {
+		if !indexed[id] {
 			recs = append(recs, abi.AccessRecord{Entry: id, Time: uint64(now), Kind: abi.AccessRemove})
 		}
 	}
-	e.ix.mu.RUnlock()
 	v.seen = nil
 	return recs
 }

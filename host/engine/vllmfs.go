@@ -274,14 +274,12 @@ func (e *Engine) bindLayoutLocked(m *mount, g Geometry) error {
 	}
 	want := vllmfs.FileLen(g.KeyBytes())
 	bad, example := 0, ""
-	e.ix.mu.RLock()
-	for _, en := range e.ix.entries {
+	e.ix.each(func(en *entry) {
 		if en.mount == m.idx && en.size != want {
 			bad++
 			example = fmt.Sprintf("%s is %d bytes", en.path, en.size)
 		}
-	}
-	e.ix.mu.RUnlock()
+	})
 	if bad > 0 {
 		return fail("%d files of the directory are not rows of %d bytes (padded to %d), e.g. %s: the directory holds another geometry", bad, g.KeyBytes(), want, example)
 	}

@@ -76,13 +76,11 @@ func (e *Engine) startWarmer() {
 		last int64
 	}
 	var start []found
-	e.ix.mu.RLock()
-	for _, en := range e.ix.entries {
+	e.ix.each(func(en *entry) {
 		if m := e.mounts[en.mount]; m.memory {
 			start = append(start, found{warmFile{en.mount, en.path, en.ident}, en.last})
 		}
-	}
-	e.ix.mu.RUnlock()
+	})
 	slices.SortFunc(start, func(a, b found) int { return cmp.Compare(b.last, a.last) })
 	files := make([]warmFile, len(start))
 	for i, f := range start {
