@@ -382,20 +382,6 @@ func (e *Engine) move(ctx context.Context, id uint64, target int, mayEvict bool)
 	return size, nil
 }
 
-// currentLocked returns the entry that holds key now if en, found for
-// it, was moved meanwhile (unindexed, and the key's entry is a copy of the
-// same file: the same header id); otherwise en. The caller holds
-// index.mu.
-func (ix *index) currentLocked(en *entry, key []byte) *entry {
-	if !en.gone || en.fid == 0 {
-		return en
-	}
-	if cur := ix.getLocked(en.fp, key); cur != nil && cur.fid == en.fid && !cur.gone {
-		return cur
-	}
-	return en
-}
-
 // copyFile copies en's file (checked to be en's by identity and header id)
 // to dst on mount tm: an owned temporary file, fsynced with Config.Fsync,
 // renamed into place. It returns the unindexed entry of the copy. The

@@ -424,3 +424,17 @@ func (ix *index) checkAtRest() error {
 	}
 	return nil
 }
+
+// currentLocked returns the entry that holds key now if en, found for
+// it, was moved meanwhile (unindexed, and the key's entry is a copy of the
+// same file: the same header id); otherwise en. The caller holds
+// index.mu.
+func (ix *index) currentLocked(en *entry, key []byte) *entry {
+	if !en.gone || en.fid == 0 {
+		return en
+	}
+	if cur := ix.getLocked(en.fp, key); cur != nil && cur.fid == en.fid && !cur.gone {
+		return cur
+	}
+	return en
+}
