@@ -839,44 +839,71 @@ func holdFirstYield(t *testing.T, m *Mover) (reached <-chan struct{}, release fu
 // that stops at its first yield (holdFirstYield) and waits until it is
 // there; release lets it finish and returns its error.
 func heldStore(t *testing.T, m *Mover, kv *cache, dir string, memory bool) (release func() error) {
+	return heldJob(t, m, kv, dir, memory, true)
+}
+
+// heldJob is heldStore for a store (write) or a load of a new key file,
+// which the load reads through a descriptor of its own.
+func heldJob(t *testing.T, m *Mover, kv *cache, dir string, memory, write bool) (release func() error) {
 	t.Helper()
 	reached, let := holdFirstYield(t, m)
 	kf := newKeyFile(t, kv, dir, "held", 99)
 	kf.p.Memory = memory
+	f := kf.f
+	if !write {
+		r, err := fsys.OS{}.OpenFile(kf.path, os.O_RDONLY, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { r.Close() })
+		f = r
+	}
 	done := make(chan error, 1)
 	go func() {
-		_, err := m.WriteFile(jobContext(t), kf.f, kf.p, make([]uint32, kf.p.Sums))
+		var err error
+		if write {
+			_, err = m.WriteFile(jobContext(t), f, kf.p, make([]uint32, kf.p.Sums))
+		} else {
+			_, err = m.ReadFile(jobContext(t), f, kf.p, make([]uint32, kf.p.Sums))
+		}
 		done <- err
 	}()
 	select {
 	case <-reached:
 	case err := <-done:
-		t.Fatalf("the store ended (%v) before its first yield", err)
+		t.Fatalf("the job ended (%v) before its first yield", err)
 	}
 	return func() error { let(); return <-done }
 }
 
-// TestRegisteredFilesWaitForStoresThroughThePinnedBuffers: while a store
-// moves through the pinned buffers, the registrar puts a file's
-// registration off (here for up to an hour) and registers it, and the
-// store's own file, once the store ends.
-func TestRegisteredFilesWaitForStoresThroughThePinnedBuffers(t *testing.T) {
-	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, RegisterFiles: 4, YieldBytes: 64 << 10})
-	m.files.waitCap = time.Hour
-	m.files.lastReg.Store(int64(time.Hour)) // read by the registrar after the offers below
-	dir := t.TempDir()
-	release := heldStore(t, m, kv, dir, true)
-	store(t, e, m, kv, newKeyFile(t, kv, dir, "key", 1), host, orig)
-	testwait.Until(t, "the registrar waiting for the held store", 10*time.Second, func() bool { return m.FileStats().Waits == 1 })
-	if st := m.FileStats(); e.fake.Count(cudatest.OpHostRegister) != 0 || st.Files != 0 || st.Queued != 1 {
-		t.Fatalf("%+v, %d registrations while the store runs; want the offer queued and nothing registered", st, e.fake.Count(cudatest.OpHostRegister))
-	}
-	if err := release(); err != nil {
-		t.Fatal(err)
-	}
-	testwait.Until(t, "both files registered once the store ended", 10*time.Second, func() bool { return m.FileStats().Files == 2 })
-	if st := m.FileStats(); st.Waited <= 0 || st.Waits != 1 {
-		t.Fatalf("%+v: want one wait of some time", st)
+// TestRegisteredFilesWaitForJobsThroughThePinnedBuffers: while a store or
+// a load moves a memory-mount file through the pinned buffers, the
+// registrar puts a file's registration off (here for up to an hour) and
+// registers it, and the job's own file, once the job ends.
+func TestRegisteredFilesWaitForJobsThroughThePinnedBuffers(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		write bool
+	}{{"store", true}, {"load", false}} {
+		t.Run(tc.name, func(t *testing.T) {
+			e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, RegisterFiles: 4, YieldBytes: 64 << 10})
+			m.files.waitCap = time.Hour
+			m.files.lastReg.Store(int64(time.Hour)) // read by the registrar after the offers below
+			dir := t.TempDir()
+			release := heldJob(t, m, kv, dir, true, tc.write)
+			store(t, e, m, kv, newKeyFile(t, kv, dir, "key", 1), host, orig)
+			testwait.Until(t, "the registrar waiting for the held job", 10*time.Second, func() bool { return m.FileStats().Waits == 1 })
+			if st := m.FileStats(); e.fake.Count(cudatest.OpHostRegister) != 0 || st.Files != 0 || st.Queued != 1 {
+				t.Fatalf("%+v, %d registrations while the job runs; want the offer queued and nothing registered", st, e.fake.Count(cudatest.OpHostRegister))
+			}
+			if err := release(); err != nil {
+				t.Fatal(err)
+			}
+			testwait.Until(t, "both files registered once the job ended", 10*time.Second, func() bool { return m.FileStats().Files == 2 })
+			if st := m.FileStats(); st.Waited <= 0 || st.Waits != 1 {
+				t.Fatalf("%+v: want one wait of some time", st)
+			}
+		})
 	}
 }
 
@@ -930,8 +957,8 @@ func TestRegisteredFilesDoNotWaitForStoresToDisks(t *testing.T) {
 func TestRegisteredFilesForgottenOffersCostNoWait(t *testing.T) {
 	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, RegisterFiles: 8, Registrars: 1})
 	m.files.lastReg.Store(int64(time.Millisecond)) // short waits; read by the registrar after the offers below
-	m.files.beginStore()                           // a store into a memory-mount file, running throughout
-	t.Cleanup(m.files.endStore)
+	m.files.beginStream()                          // a store into a memory-mount file, running throughout
+	t.Cleanup(m.files.endStream)
 	release := holdRegistrations(t, e)
 	dir := t.TempDir()
 	first := newKeyFile(t, kv, dir, "first", 1)
@@ -956,8 +983,8 @@ func TestRegisteredFilesAFailedRegistrationDoesNotShortenTheWait(t *testing.T) {
 	const lastReg = 50 * time.Millisecond
 	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, RegisterFiles: 8})
 	m.files.lastReg.Store(int64(lastReg))
-	m.files.beginStore()
-	t.Cleanup(m.files.endStore)
+	m.files.beginStream()
+	t.Cleanup(m.files.endStream)
 	e.fake.Fail(cudatest.OpHostRegister, 1, 2) // cudaErrorMemoryAllocation
 	dir := t.TempDir()
 	store(t, e, m, kv, newKeyFile(t, kv, dir, "a", 1), host, orig)
@@ -965,7 +992,7 @@ func TestRegisteredFilesAFailedRegistrationDoesNotShortenTheWait(t *testing.T) {
 	store(t, e, m, kv, newKeyFile(t, kv, dir, "b", 2), host, orig)
 	testwait.Until(t, "the second file registered", 10*time.Second, func() bool { return m.FileStats().Files == 1 })
 	// Each wait ran to its timer (the store never ends), which never fires early.
-	if st, want := m.FileStats(), 2*(storeShare-1)*lastReg; st.Waits != 2 || st.Waited < want {
+	if st, want := m.FileStats(), 2*(streamShare-1)*lastReg; st.Waits != 2 || st.Waited < want {
 		t.Fatalf("%+v: want two waits of %v in all at least", st, want)
 	}
 }
@@ -977,7 +1004,7 @@ func TestRegisteredFilesCloseEndsTheRegistrarsWait(t *testing.T) {
 	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, RegisterFiles: 4})
 	m.files.waitCap = time.Hour
 	m.files.lastReg.Store(int64(time.Hour))
-	m.files.beginStore() // counted, and never ended before the close
+	m.files.beginStream() // counted, and never ended before the close
 	store(t, e, m, kv, newKeyFile(t, kv, t.TempDir(), "key", 1), host, orig)
 	testwait.Until(t, "the registrar waiting", 10*time.Second, func() bool { return m.FileStats().Waits == 1 })
 	before := openDescriptors(t)
@@ -994,5 +1021,5 @@ func TestRegisteredFilesCloseEndsTheRegistrarsWait(t *testing.T) {
 	if after := openDescriptors(t); after != before-1 {
 		t.Fatalf("%d descriptors open after Close, %d before; want the waiting offer's closed", after, before)
 	}
-	m.files.endStore()
+	m.files.endStream()
 }

@@ -546,13 +546,14 @@ func (m *Mover) run(ctx context.Context, f fsys.File, p *transfer.Plan, sums []u
 		f, release = p.ReadSource(f)
 		defer release()
 	}
-	if write && m.files != nil && p.Memory {
-		// The registrar waits for these stores (storeShare). Stores to
-		// a disk are not counted: they run at the disk's speed, and a
-		// slow disk's stores would hold the memory mounts' registrations
-		// back (their cost beside registrations was not measured).
-		m.files.beginStore()
-		defer m.files.endStore()
+	if m.files != nil && p.Memory {
+		// The registrar waits for these stores and loads (streamShare).
+		// Jobs on a disk are not counted: they run at the disk's speed,
+		// and a slow disk's jobs would hold the memory mounts'
+		// registrations back (their cost beside registrations was not
+		// measured).
+		m.files.beginStream()
+		defer m.files.endStream()
 	}
 	return m.runStreamed(ctx, f, chunks, dev, sums, write, fused)
 }
