@@ -735,7 +735,7 @@ func completionOf(id uint64, kind protocol.JobKind, nkeys int, res engine.Result
 		default:
 			k = engine.KeyResult{Outcome: engine.OutcomeFailed, Err: errors.New("server: the engine returned no outcome for the key")}
 		}
-		o := protocol.Outcome(k.Outcome)
+		o := k.Outcome
 		var code protocol.Code
 		if errors.Is(k.Err, context.Canceled) || k.Outcome == engine.OutcomePending {
 			o, code = protocol.OutcomeCancelled, protocol.CodeCancelled
