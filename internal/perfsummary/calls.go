@@ -8,9 +8,20 @@ import (
 	"strings"
 )
 
-// A CallFile is one raw .txt file of calls that ran kvhost and llm-d's
-// engine alternately (docs/bench/h100-peer-*.txt): a prose header, then
-// one section per call, each opened by a line "== call N: kvhost at COMMIT".
+// A CallFile is one raw .txt file of one or more device calls. It comes in
+// three formats, told apart by their section headers:
+//
+//   - a call file (docs/bench/h100-peer-c568fe6.txt): a prose header, then
+//     one section per call, each opened by "== call N: kvhost at COMMIT";
+//   - a sweep file, the raw output of the sweep driver that alternates
+//     llm-d's engine and kvhost in one call (docs/bench/h100-peer-b1233ba.txt):
+//     sections "== kvhost-VARIANT NAME: ARGS", "== llmd NAME: ARGS" and
+//     "== foreign VARIANT" (see ParseSweepFile);
+//   - a check file, the output of scripts/gpu-check.sh
+//     (docs/bench/h100-check-f9555a2.txt), whose "== lookups-NAME.txt"
+//     sections hold lookup latencies (see ParseCheckFile).
+//
+// A sweep or check file is one call, number 1.
 type CallFile struct {
 	Name  string // the file's name under docs/bench
 	Date  string // the first YYYY-MM-DD of the header, "" if none
@@ -19,15 +30,15 @@ type CallFile struct {
 
 // A Call is one section of a CallFile: the figures of one device call.
 type Call struct {
-	N      int    // the call's number in its file
-	Commit string // the kvhost commit it ran
-	Line   int    // the line of its "== call" header (1-based)
-	KV     []KVLine
-	Peer   []PeerLine
-	Figure []FigureLine
-	// Lookups holds the lookup latency lines by situation: "alone" and
-	// "beside" (beside host loads).
-	Lookups map[string]LookupLine
+	N int // the call's number in its file
+	// Commit is the kvhost commit it ran; "" where the file does not say
+	// (a sweep file), and the manifest's row must.
+	Commit  string
+	Line    int // the line of its "== call" header (1-based)
+	KV      []KVLine
+	Peer    []PeerLine
+	Figure  []FigureLine
+	Lookups []LookupLine
 }
 
 // A KVLine is one phase of one `kvhost bench` report as a call's summary
@@ -43,6 +54,9 @@ type KVLine struct {
 	CeilingGBps float64
 	Link        float64 // the fraction of the pinned host–GPU link
 	NoGap       bool
+	// Args are the `kvhost bench` arguments of a sweep file's section,
+	// "" in a call file (whose reports carry a commit instead).
+	Args string
 }
 
 // A PeerLine is one line of llm-d's figures: "llmd 32 MiB pair 2 store
@@ -58,6 +72,9 @@ type PeerLine struct {
 type PeerPhase struct {
 	Name string // "store", "store+sync", "load", "cold load"
 	GBps []float64
+	// Bad says why some of the runs are not figures (a run whose bytes
+	// differed); "" where all are. A row that reads such a phase fails.
+	Bad string
 }
 
 // A FigureLine is a labelled list of GB/s: "  registered (default, ...):
@@ -66,14 +83,21 @@ type FigureLine struct {
 	Line  int
 	Label string
 	GBps  []float64
+	// Bad says why the line is not a figure (keys missed or differed); ""
+	// where it is. A row that reads such a line fails.
+	Bad string
 }
 
 // A LookupLine holds the p50/p99 pairs, in µs, of lookups answered from
-// the shared lookup table and by the daemon.
+// the shared lookup table and by the daemon, in one situation.
 type LookupLine struct {
-	Line   int
-	Table  []P50P99
-	Daemon []P50P99
+	Line      int
+	Situation string // "alone" or "beside" (beside host loads)
+	// BackToBack is true where each lookup followed the last at once; false
+	// where they were paced (one every 2 ms).
+	BackToBack bool
+	Table      []P50P99
+	Daemon     []P50P99
 }
 
 // P50P99 is one run's lookup latency percentiles in µs.
@@ -91,6 +115,26 @@ var (
 	reBeside = regexp.MustCompile(`^\s+beside\b.*:\s*$`)
 	reTable  = regexp.MustCompile(`^\s+table\s+((?:\d+/\d+\s*)+?)\s+daemon\s+((?:\d+/\d+\s*)+)$`)
 )
+
+var (
+	reCallHeader  = regexp.MustCompile(`(?m)^== call `)
+	reSweepHeader = regexp.MustCompile(`(?m)^== (?:kvhost-\S+|llmd) \S+:`)
+	reCheckHeader = regexp.MustCompile(`(?m)^== lookups-\S+\.txt\s*$`)
+)
+
+// ParseFile reads a raw .txt file of any of the three formats (see
+// CallFile), choosing by its section headers.
+func ParseFile(name, text string) (*CallFile, error) {
+	switch {
+	case reCallHeader.MatchString(text):
+		return ParseCallFile(name, text)
+	case reSweepHeader.MatchString(text):
+		return ParseSweepFile(name, text)
+	case reCheckHeader.MatchString(text):
+		return ParseCheckFile(name, text)
+	}
+	return nil, fmt.Errorf("%s: no \"== call N: kvhost at COMMIT\", \"== kvhost-VARIANT NAME: ARGS\", \"== llmd NAME: ARGS\" or \"== lookups-NAME.txt\" section: not a format the summary reads", name)
+}
 
 // ParseCallFile reads a call file. A line that starts like a figure line
 // (llmd, a kv-*.json report, alone/beside lookups) but does not parse is an
@@ -121,7 +165,7 @@ func ParseCallFile(name, text string) (*CallFile, error) {
 					return nil, fmt.Errorf("%s:%d: call %d appears twice (first at line %d)", name, n, num, c.Line)
 				}
 			}
-			f.Calls = append(f.Calls, Call{N: num, Commit: m[2], Line: n, Lookups: map[string]LookupLine{}})
+			f.Calls = append(f.Calls, Call{N: num, Commit: m[2], Line: n})
 			cur = &f.Calls[len(f.Calls)-1]
 			pendingBeside = 0
 			continue
@@ -134,11 +178,11 @@ func ParseCallFile(name, text string) (*CallFile, error) {
 			if m == nil {
 				return nil, fmt.Errorf("%s:%d: the lookups \"beside\" line %d must be followed by a \"table P50/P99 ... daemon P50/P99 ...\" line: %q", name, n, pendingBeside, line)
 			}
-			l, err := lookupLine(pendingBeside, m[1], m[2])
+			l, err := lookupLine(pendingBeside, "beside", m[1], m[2])
 			if err != nil {
 				return nil, fmt.Errorf("%s:%d: %w", name, n, err)
 			}
-			cur.Lookups["beside"] = l
+			cur.Lookups = append(cur.Lookups, l)
 			pendingBeside = 0
 			continue
 		}
@@ -181,11 +225,11 @@ func ParseCallFile(name, text string) (*CallFile, error) {
 			if m == nil {
 				return nil, fmt.Errorf("%s:%d: a lookups line must read \"alone table P50/P99 ... daemon P50/P99 ...\": %q", name, n, line)
 			}
-			l, err := lookupLine(n, m[1], m[2])
+			l, err := lookupLine(n, "alone", m[1], m[2])
 			if err != nil {
 				return nil, fmt.Errorf("%s:%d: %w", name, n, err)
 			}
-			cur.Lookups["alone"] = l
+			cur.Lookups = append(cur.Lookups, l)
 		case reBeside.MatchString(line):
 			pendingBeside = n
 		default:
@@ -232,8 +276,8 @@ func floats(s string) ([]float64, error) {
 	return out, nil
 }
 
-func lookupLine(line int, table, daemon string) (LookupLine, error) {
-	l := LookupLine{Line: line}
+func lookupLine(line int, situation, table, daemon string) (LookupLine, error) {
+	l := LookupLine{Line: line, Situation: situation}
 	for _, part := range []struct {
 		s   string
 		dst *[]P50P99

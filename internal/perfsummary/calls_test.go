@@ -37,7 +37,7 @@ func TestParseCallFileReadsEveryKindOfLine(t *testing.T) {
 	if c1.N != 1 || c1.Commit != "20519c0" || c2.N != 2 || c2.Commit != "c568fe6" {
 		t.Errorf("calls %d at %s, %d at %s", c1.N, c1.Commit, c2.N, c2.Commit)
 	}
-	wantPeer := PeerLine{Line: 4, Label: "32 MiB", Phases: []PeerPhase{{"store", []float64{25.70, 25.30}}, {"load", []float64{25.17, 25.01}}}}
+	wantPeer := PeerLine{Line: 4, Label: "32 MiB", Phases: []PeerPhase{{Name: "store", GBps: []float64{25.70, 25.30}}, {Name: "load", GBps: []float64{25.17, 25.01}}}}
 	if !reflect.DeepEqual(c1.Peer, []PeerLine{wantPeer}) {
 		t.Errorf("call 1 llmd: %+v, want %+v", c1.Peer, wantPeer)
 	}
@@ -45,13 +45,12 @@ func TestParseCallFileReadsEveryKindOfLine(t *testing.T) {
 	if len(c1.KV) != 2 || c1.KV[1] != wantKV {
 		t.Errorf("call 1 reports: %+v, want the second %+v", c1.KV, wantKV)
 	}
-	wantAlone := LookupLine{Line: 8, Table: []P50P99{{60, 97}, {53, 95}}, Daemon: []P50P99{{172, 310}, {186, 321}}}
-	if !reflect.DeepEqual(c1.Lookups["alone"], wantAlone) {
-		t.Errorf("alone: %+v, want %+v", c1.Lookups["alone"], wantAlone)
+	wantLookups := []LookupLine{
+		{Line: 8, Situation: "alone", Table: []P50P99{{60, 97}, {53, 95}}, Daemon: []P50P99{{172, 310}, {186, 321}}},
+		{Line: 9, Situation: "beside", Table: []P50P99{{63, 167}, {65, 178}}, Daemon: []P50P99{{210, 5030}, {203, 4532}}},
 	}
-	wantBeside := LookupLine{Line: 9, Table: []P50P99{{63, 167}, {65, 178}}, Daemon: []P50P99{{210, 5030}, {203, 4532}}}
-	if !reflect.DeepEqual(c1.Lookups["beside"], wantBeside) {
-		t.Errorf("beside: %+v, want %+v", c1.Lookups["beside"], wantBeside)
+	if !reflect.DeepEqual(c1.Lookups, wantLookups) {
+		t.Errorf("lookups: %+v, want %+v", c1.Lookups, wantLookups)
 	}
 	if len(c2.Peer) != 2 || c2.Peer[0].Pair != 2 || c2.Peer[0].Label != "32 MiB pair 2" {
 		t.Errorf("call 2 llmd pair: %+v", c2.Peer)

@@ -49,6 +49,13 @@ type Row struct {
 	// of the answers from Answer ("table" or "daemon").
 	Lookups string `toml:"lookups"`
 	Answer  string `toml:"answer"`
+	// BackToBack picks the lookups that followed one another at once
+	// rather than the paced ones (one every 2 ms).
+	BackToBack bool `toml:"back_to_back"`
+
+	// Commit is the kvhost commit of the runs the row reads from calls
+	// whose file names none (a sweep file, which can hold several builds).
+	Commit string `toml:"commit"`
 
 	// Peer is a regular expression over the labels of the call's llmd
 	// lines, and PeerPhase the phase of them to compare with ("store",
@@ -77,6 +84,8 @@ type Goal struct {
 	Link  float64 `toml:"link"`   // at least this fraction of the link
 	MaxUS float64 `toml:"max_us"` // a p99 below this many µs
 }
+
+var reCommit = regexp.MustCompile(`^[0-9a-f]{7,40}$`)
 
 // A callRef is one parsed "FILE#N", or "FILE.json" (N 0).
 type callRef struct {
@@ -197,6 +206,12 @@ func (r *Row) check() error {
 	}
 	if r.kind() != "report" && (r.Phase != "" || r.Sums != "" || r.KeyMiB != 0 || r.Ceiling != "" || len(r.Reports) > 0) {
 		return errors.New("phase, sums, key_mib, ceiling and reports are for report rows")
+	}
+	if r.kind() != "lookups" && r.BackToBack {
+		return errors.New("back_to_back is for lookups rows")
+	}
+	if r.Commit != "" && !reCommit.MatchString(r.Commit) {
+		return fmt.Errorf("commit = %q, want 7 to 40 hexadecimal digits", r.Commit)
 	}
 	if r.kind() != "lookups" && r.Goal.MaxUS != 0 {
 		return errors.New("goal.max_us is for lookups rows")

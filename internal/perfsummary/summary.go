@@ -52,7 +52,7 @@ func Compute(m *Manifest, dir fs.FS) ([]Result, error) {
 		if err != nil {
 			return nil, err
 		}
-		f, err := ParseCallFile(name, string(b))
+		f, err := ParseFile(name, string(b))
 		if err != nil {
 			return nil, err
 		}
@@ -102,13 +102,20 @@ func computeRow(r *Row, load func(string) (*CallFile, error), dir fs.FS) (Result
 		if err != nil {
 			return res, err
 		}
+		commit := c.Commit
+		switch {
+		case commit == "" && r.Commit == "":
+			return res, fmt.Errorf("%s: the file names no commit (it may hold several builds): set the row's commit", ref)
+		case commit == "":
+			commit = r.Commit
+		}
 		calls = append(calls, c)
 		res.Calls = append(res.Calls, ref)
 		if !slices.Contains(res.Dates, f.Date) && f.Date != "" {
 			res.Dates = append(res.Dates, f.Date)
 		}
-		if !slices.Contains(res.Commits, c.Commit) {
-			res.Commits = append(res.Commits, c.Commit)
+		if !slices.Contains(res.Commits, commit) {
+			res.Commits = append(res.Commits, commit)
 		}
 		runs, err := rowRuns(r, c, ref)
 		if err != nil {
@@ -147,6 +154,11 @@ func rowRuns(r *Row, c *Call, ref callRef) ([]RunFigure, error) {
 		}
 		if len(peers) == 0 {
 			return nil, fmt.Errorf("no llmd line labelled %q with a %q phase", r.Peer, r.PeerPhase)
+		}
+		for _, p := range peers {
+			if bad := p.phase(r.PeerPhase).Bad; bad != "" {
+				return nil, fmt.Errorf("llmd %s (line %d) %s is no figure: %s", p.Label, p.Line, r.PeerPhase, bad)
+			}
 		}
 	}
 	// peerFor is the llm-d figures a run is compared with: those of its
@@ -209,6 +221,9 @@ func rowRuns(r *Row, c *Call, ref callRef) ([]RunFigure, error) {
 			if !re.MatchString(f.Label) {
 				continue
 			}
+			if f.Bad != "" {
+				return nil, fmt.Errorf("%q (line %d) is no figure: %s", f.Label, f.Line, f.Bad)
+			}
 			var p []float64
 			if r.Peer != "" {
 				var err error
@@ -224,19 +239,29 @@ func rowRuns(r *Row, c *Call, ref callRef) ([]RunFigure, error) {
 			return nil, fmt.Errorf("no \"LABEL: X GB/s\" line whose label matches %q", r.Figure)
 		}
 	case "lookups":
-		l, ok := c.Lookups[r.Lookups]
-		if !ok {
-			return nil, fmt.Errorf("no %q lookups line", r.Lookups)
+		pace := "paced"
+		if r.BackToBack {
+			pace = "back-to-back"
 		}
-		ps := l.Table
-		if r.Answer == "daemon" {
-			ps = l.Daemon
+		var found bool
+		for _, l := range c.Lookups {
+			if l.Situation != r.Lookups || l.BackToBack != r.BackToBack {
+				continue
+			}
+			found = true
+			ps := l.Table
+			if r.Answer == "daemon" {
+				ps = l.Daemon
+			}
+			for _, p := range ps {
+				runs = append(runs, RunFigure{Value: p.P99, Call: ref})
+			}
 		}
-		for _, p := range ps {
-			runs = append(runs, RunFigure{Value: p.P99, Call: ref})
+		if !found {
+			return nil, fmt.Errorf("no %s %q lookups line", pace, r.Lookups)
 		}
 		if len(runs) == 0 {
-			return nil, fmt.Errorf("the %q lookups line has no %s figures", r.Lookups, r.Answer)
+			return nil, fmt.Errorf("the %s %q lookups lines have no %s figures", pace, r.Lookups, r.Answer)
 		}
 	}
 	return runs, nil
@@ -277,7 +302,26 @@ func readReport(dir fs.FS, name string) (*bench.Report, string, error) {
 	if len(v) < 2 {
 		return nil, "", fmt.Errorf("%s: version %q names no commit", name, rep.Version)
 	}
+	if v[1] == "devel" {
+		return &rep, "", nil // built outside a checkout: no commit
+	}
 	return &rep, strings.TrimSuffix(v[1], "-dirty"), nil
+}
+
+// benchArgs are a report's `kvhost bench` arguments less --progress and
+// --json, which do not change what ran, spaces collapsed.
+func benchArgs(cmd []string) string {
+	var out []string
+	for i := 0; i < len(cmd); i++ {
+		switch {
+		case i < 2 && (cmd[i] == "kvhost" || cmd[i] == "bench" || strings.HasSuffix(cmd[i], "/kvhost")):
+		case (cmd[i] == "--progress" || cmd[i] == "--json") && i+1 < len(cmd):
+			i++
+		default:
+			out = append(out, cmd[i])
+		}
+	}
+	return strings.Join(out, " ")
 }
 
 // jsonRuns reads a report row's phases straight from a JSON report.
@@ -285,6 +329,9 @@ func jsonRuns(r *Row, dir fs.FS, ref callRef) (runs []RunFigure, commit, date st
 	rep, commit, err := readReport(dir, ref.File)
 	if err != nil {
 		return nil, "", "", err
+	}
+	if commit == "" {
+		return nil, "", "", fmt.Errorf("version %q names no commit", rep.Version)
 	}
 	sizes := map[int64]bool{}
 	for _, run := range rep.Runs {
@@ -329,9 +376,17 @@ func checkReport(r *Row, name string, dir fs.FS, refs []callRef, calls []*Call) 
 	if written == "" {
 		return fmt.Errorf("%s: its command has no --json FILE", name)
 	}
+	args := benchArgs(rep.Command)
 	for i, c := range calls {
-		if !strings.HasPrefix(c.Commit, commit) && !strings.HasPrefix(commit, c.Commit) {
+		callCommit := c.Commit
+		if callCommit == "" {
+			callCommit = r.Commit
+		}
+		switch {
+		case commit != "" && !strings.HasPrefix(callCommit, commit) && !strings.HasPrefix(commit, callCommit):
 			continue
+		case commit == "" && c.Commit != "":
+			continue // a report without a commit matches by its arguments, in a sweep file
 		}
 		var lines []KVLine
 		for _, k := range c.KV {
@@ -341,6 +396,9 @@ func checkReport(r *Row, name string, dir fs.FS, refs []callRef, calls []*Call) 
 		}
 		if len(lines) == 0 {
 			continue
+		}
+		if commit == "" && lines[0].Args != args {
+			return fmt.Errorf("%s names no commit, and its arguments %q differ from those of %s in %s (line %d): %q", name, args, written, refs[i], lines[0].Line, lines[0].Args)
 		}
 		if len(lines) != len(rep.Runs) {
 			return fmt.Errorf("%s: %d phases, but %s prints %d lines of %s", name, len(rep.Runs), refs[i], len(lines), written)
@@ -366,6 +424,9 @@ func checkReport(r *Row, name string, dir fs.FS, refs []callRef, calls []*Call) 
 			}
 		}
 		return nil
+	}
+	if commit == "" {
+		commit = "no commit"
 	}
 	return fmt.Errorf("%s (%s at %s) is in none of the row's calls", name, written, commit)
 }

@@ -160,7 +160,7 @@ func TestComputeFailsOnARowItCannotFind(t *testing.T) {
 		{"no lookups", func(r *Row) {
 			r.Report, r.Phase, r.Ceiling, r.Peer, r.PeerPhase, r.Goal = "", "", "", "", "", Goal{}
 			r.Lookups, r.Answer = "alone", "table"
-		}, "no \"alone\" lookups line"},
+		}, "no paced \"alone\" lookups line"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			dir := fstest.MapFS{"c.txt": {Data: []byte(pairedCalls)}}
