@@ -186,6 +186,8 @@ func TestParseManifestRefusesRowsThatReadNothingOrTooMuch(t *testing.T) {
 		{"lookups with a peer", head + "lookups = \"alone\"\nanswer = \"table\"\npeer = 'x'\npeer_phase = \"load\"\n", "no peer"},
 		{"no setup", "[[row]]\nname = \"r\"\ncalls = [\"c.txt#1\"]\nfigure = 'a'\n", "no setup"},
 		{"JSON report with a peer", "setup = \"s\"\n[[row]]\nname = \"r\"\ncalls = [\"r.json\"]\nreport = 'a'\nphase = \"load\"\nceiling = \"link\"\npeer = 'x'\npeer_phase = \"load\"\n", "only a report row without a peer"},
+		{"back to back on a figure row", head + "figure = 'a'\nback_to_back = true\n", "back_to_back is for lookups rows"},
+		{"bad commit", head + "figure = 'a'\ncommit = \"HEAD\"\n", "commit = \"HEAD\""},
 		{"too many readme rows", "readme_rows = 2\n" + head + "figure = 'a'\n", "readme_rows = 2"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

@@ -1,0 +1,166 @@
+package main
+
+import (
+	"encoding/json"
+	"reflect"
+	"strings"
+	"testing"
+	"testing/fstest"
+
+	"github.com/kvhost/kvhost/internal/bench"
+)
+
+// A sweep file in the sweep driver's format: every kind of section, a
+// table with both optional columns (a store row leaves of reread blank)
+// and one with neither note nor header but all ten figures.
+const sampleSweep = `# H100 machine, 2026-11-24, one call.
+build done at 83 s
+== llmd shm32: /dev/shm/sw/ll 8 16 2
+llmd store GB/s 23.14 files 256 round 1 ok True
+llmd load GB/s 21.40 files 256 round 1 ok True layers_differ 0
+llmd store GB/s 22.87 files 256 round 2 ok True
+llmd load GB/s 20.91 files 256 round 2 ok True layers_differ 0
+== kvhost-final shm32: --dir /dev/shm/sw --tokens-per-key 256   --no-gap
+  auto  gpu-staging  direct    on  32MiB    16  store  256/256  47.15         19.85      2.37     2.37                0.86    10.1    20.9        259        768         0  pwrite O_DIRECT ↔ pinned  1.86 2.37 2.88
+  auto  gpu-staging  direct    on  32MiB    16   load  256/256  48.96         22.85      2.14     2.14       1.27     0.91     9.9    21.5        225        684      8GiB   pread O_DIRECT ↔ pinned  2.12 2.14 2.17
+of reread: of the same files read plainly a second time (loads)
+of link: of the pinned copy ceiling of the same direction
+elapsed 237 s
+== kvhost-after big: --total 16GiB
+  auto  gpu-staging  direct   off  32MiB    16   load  512/512  29.98         24.39      1.23     1.23       0.81     0.55    16.4    37.0        351        637     16GiB   pread O_DIRECT ↔ pinned
+== foreign final
+store: 256 keys of 32 MiB in 16 jobs: 20.61 GB/s
+load after restart: 256/256 keys of 32 MiB in 16 jobs: 27.61 GB/s; 0 keys differ
+   kvhost_gpu_registered_files 261
+load after restart: 256/256 keys of 32 MiB in 16 jobs: 44.95 GB/s; 0 keys differ
+load after restart: 256/256 keys of 32 MiB in 16 jobs: 26.94 GB/s; 3 keys differ
+load after restart: 256/256 keys of 32 MiB in 16 jobs: 47.76 GB/s; 0 keys differ
+`
+
+func TestParseSweepFileReadsEverySection(t *testing.T) {
+	f, err := ParseFile("sweep.txt", sampleSweep)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if f.Date != "2026-11-24" || len(f.Calls) != 1 || f.Calls[0].N != 1 || f.Calls[0].Commit != "" {
+		t.Fatalf("date %q, calls %+v; want 2026-11-24 and one call 1 without a commit", f.Date, f.Calls)
+	}
+	c := f.Calls[0]
+	wantPeer := []PeerLine{{Line: 3, Label: "shm32", Phases: []PeerPhase{
+		{Name: "store", GBps: []float64{23.14, 22.87}}, {Name: "load", GBps: []float64{21.40, 20.91}}}}}
+	if !reflect.DeepEqual(c.Peer, wantPeer) {
+		t.Errorf("llmd: %+v, want %+v", c.Peer, wantPeer)
+	}
+	args := "--dir /dev/shm/sw --tokens-per-key 256 --no-gap"
+	wantKV := []KVLine{
+		{Line: 9, Report: "kv-final-shm32.json", Direction: "store", Sums: "on", GBps: 47.15, CeilingName: "pwrite O_DIRECT ↔ pinned", CeilingGBps: 19.85, Link: 0.86, NoGap: true, Args: args},
+		{Line: 10, Report: "kv-final-shm32.json", Direction: "load", Sums: "on", GBps: 48.96, CeilingName: "pread O_DIRECT ↔ pinned", CeilingGBps: 22.85, Link: 0.91, NoGap: true, Args: args},
+		{Line: 15, Report: "kv-after-big.json", Direction: "load", Sums: "off", GBps: 29.98, CeilingName: "pread O_DIRECT ↔ pinned", CeilingGBps: 24.39, Link: 0.55, Args: "--total 16GiB"},
+	}
+	if !reflect.DeepEqual(c.KV, wantKV) {
+		t.Errorf("kvhost rows:\n %+v\nwant\n %+v", c.KV, wantKV)
+	}
+	wantFig := []FigureLine{
+		{Line: 17, Label: "foreign final store", GBps: []float64{20.61}},
+		{Line: 18, Label: "foreign final load right after lookup", GBps: []float64{27.61}},
+		{Line: 20, Label: "foreign final load after registrar settled", GBps: []float64{44.95}},
+		{Line: 21, Label: "foreign final load right after lookup", GBps: []float64{26.94}, Bad: "line 21 loaded 256 of 256 keys, 3 differing"},
+		{Line: 22, Label: "foreign final load after registrar settled", GBps: []float64{47.76}},
+	}
+	if !reflect.DeepEqual(c.Figure, wantFig) {
+		t.Errorf("foreign:\n %+v\nwant\n %+v", c.Figure, wantFig)
+	}
+}
+
+func TestParseSweepFileRefusesLinesItCannotRead(t *testing.T) {
+	const kv = "== kvhost-final a: --x\n"
+	const row = "  auto  gpu  direct  on  32MiB  16  load  1/1  48.96  22.85  2.14  2.14  %s  9.9  21.5  225  684  8GiB  pread O_DIRECT ↔ pinned\n"
+	for _, tc := range []struct {
+		name, text, want string
+	}{
+		{"unknown section", "== kvhost-a b: x\n== something else\n", "s.txt:2: a section header must read"},
+		{"llmd line cut short", "== llmd a: x\nllmd store GB/s 1.0 files 2\n", "s.txt:2: an llmd line must read"},
+		{"llmd rounds out of order", "== llmd a: x\nllmd store GB/s 1.0 files 2 round 2 ok True\n", "s.txt:2: llmd store round 2 follows 0 rounds"},
+		{"llmd section without figures", "== llmd a: x\nprose\n== kvhost-a b: x\n", "s.txt:1: the llmd section has no"},
+		{"the same kvhost section twice", kv + strings.Replace(row, "%s", "1.27  0.91", 1) + kv, "s.txt:3: kvhost-final a appears twice"},
+		{"nine figures, columns untold", kv + strings.Replace(row, "%s", "0.91", 1), "s.txt:2: 9 figures, and no header or note says"},
+		{"too few figures for the notes", kv + strings.Replace(row, "%s", "", 1) + "of link: x\n", "s.txt:2: 8 figures, want 9"},
+		{"bad dir column", kv + strings.Replace(strings.Replace(row, "load", "both", 1), "%s", "1.27  0.91", 1), "column dir is \"both\""},
+		{"two figures after the ceiling", kv + strings.Replace(strings.Replace(row, "pinned", "pinned 1 2", 1), "%s", "1.27  0.91", 1), "2 figures after the ceiling's name"},
+		{"foreign load cut short", "== foreign final\nload after restart: 256/256 keys of 32 MiB: 3 GB/s\n", "s.txt:2: a foreign load line must read"},
+		{"foreign store cut short", "== foreign final\nstore: 256 keys 3 GB/s\n", "s.txt:2: a foreign store line must read"},
+		{"foreign loads not in pairs", "== foreign final\nload after restart: 1/1 keys of 32 MiB in 1 jobs: 3 GB/s; 0 keys differ\n", "s.txt:1: the foreign section has 1 \"load after restart\" lines"},
+		{"foreign indented prose", "== foreign final\n   something\n", "s.txt:2: an indented line in a foreign section"},
+		{"llmd line before any section", "llmd store GB/s 1.0\n== kvhost-a b: x\n", "s.txt:1: a figure line before any section"},
+		{"no figure", "== kvhost-a b: x\n", "no figure in any section"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := ParseSweepFile("s.txt", tc.text)
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("error %v, want one containing %q", err, tc.want)
+			}
+		})
+	}
+}
+
+func TestComputeReadsASweepFileWithTheRowsCommit(t *testing.T) {
+	dir := fstest.MapFS{
+		"s.txt":               {Data: []byte(sampleSweep)},
+		"kv-final-shm32.json": {Data: sweepReport(t, "--progress", "off", "--dir", "/dev/shm/sw", "--tokens-per-key", "256", "--no-gap", "--json", "/out/kv-final-shm32.json")},
+	}
+	row := Row{Name: "row", Calls: []string{"s.txt#1"}, Report: `kv-final-shm32\.json`, Phase: "store",
+		Peer: "shm32", PeerPhase: "store", Ceiling: "link", Commit: "b1233ba", Reports: []string{"kv-final-shm32.json"}}
+	res, err := Compute(&Manifest{Rows: []Row{row}}, dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := res[0]
+	if len(r.Runs) != 1 || r.Runs[0].Value != 47.15 || r.Runs[0].Ceiling != 0.86 || !reflect.DeepEqual(r.Peer, []float64{22.87, 23.14}) || !reflect.DeepEqual(r.Commits, []string{"b1233ba"}) {
+		t.Errorf("runs %+v, peer %v, commits %v", r.Runs, r.Peer, r.Commits)
+	}
+
+	for _, tc := range []struct {
+		name string
+		edit func(*Row, fstest.MapFS)
+		want string
+	}{
+		{"no commit", func(r *Row, _ fstest.MapFS) { r.Commit = "" }, "the file names no commit"},
+		{"report of other arguments", func(_ *Row, d fstest.MapFS) {
+			d["kv-final-shm32.json"] = &fstest.MapFile{Data: sweepReport(t, "--dir", "/x", "--json", "/out/kv-final-shm32.json")}
+		}, "its arguments \"--dir /x\" differ"},
+		{"a load whose keys differ", func(r *Row, _ fstest.MapFS) {
+			*r = Row{Name: "row", Calls: []string{"s.txt#1"}, Figure: "^foreign final load right after lookup$", Commit: "b1233ba"}
+		}, "is no figure: line 21 loaded 256 of 256 keys, 3 differing"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r, d := row, fstest.MapFS{}
+			for k, v := range dir {
+				d[k] = v
+			}
+			tc.edit(&r, d)
+			_, err := Compute(&Manifest{Rows: []Row{r}}, d)
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("error %v, want one containing %q", err, tc.want)
+			}
+		})
+	}
+}
+
+// sweepReport is the report of sampleSweep's kvhost-final shm32, built
+// outside a checkout (no commit), that ran `kvhost bench args...`.
+func sweepReport(t *testing.T, args ...string) []byte {
+	t.Helper()
+	b, err := json.Marshal(bench.Report{
+		Schema:  bench.Schema,
+		Version: "kvhost devel go1.26 linux/amd64",
+		Command: append([]string{"kvhost", "bench"}, args...),
+		Runs: []bench.Run{
+			{Direction: "store", Checksums: true, GBps: 47.149, FractionLink: 0.862},
+			{Direction: "load", Checksums: true, GBps: 48.958, FractionLink: 0.908},
+		},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return b
+}
