@@ -38,6 +38,7 @@ const (
 	ExportEvict      = "kvhost_evict"       // (max i32) -> i32 count or status
 	ExportMounts     = "kvhost_mounts"      // (n i32) -> i32 status, FeatureMounts
 	ExportTick       = "kvhost_tick"        // (max i32) -> i32 count or status, FeatureTick
+	ExportRank       = "kvhost_rank"        // (n i32) -> i32 status, FeatureRank
 )
 
 // Names of the host functions in ImportModule.
@@ -76,9 +77,14 @@ const (
 	// periodically (at a rate it sets) with the time; the plugin may answer
 	// with Moves of entries between mounts.
 	FeatureTick Feature = 1 << 5
+	// FeatureRank: the plugin exports kvhost_rank, which gives entries an
+	// eviction rank comparable across nodes (RankRecord): the host uses it
+	// to bound a mount that several nodes share. Without it the host ranks
+	// an entry by its last access time.
+	FeatureRank Feature = 1 << 6
 
 	// KnownFeatures is every feature bit ABI v1 defines.
-	KnownFeatures = FeatureNamespace | FeatureAdmit | FeatureMounts | FeatureAdmitMount | FeatureDemote | FeatureTick
+	KnownFeatures = FeatureNamespace | FeatureAdmit | FeatureMounts | FeatureAdmitMount | FeatureDemote | FeatureTick | FeatureRank
 )
 
 // Has reports whether every bit of g is set in f.
@@ -110,6 +116,9 @@ func (f Feature) String() string {
 	}
 	if f.Has(FeatureTick) {
 		add("tick")
+	}
+	if f.Has(FeatureRank) {
+		add("rank")
 	}
 	if rest := f &^ KnownFeatures; rest != 0 {
 		add("unknown(0x" + hex64(uint64(rest)) + ")")

@@ -22,6 +22,7 @@ func TestRecordSizes(t *testing.T) {
 		{"VictimTarget", unsafe.Sizeof(VictimTarget{}), VictimTargetSize},
 		{"TickRequest", unsafe.Sizeof(TickRequest{}), TickHeaderSize},
 		{"Move", unsafe.Sizeof(Move{}), MoveSize},
+		{"RankRecord", unsafe.Sizeof(RankRecord{}), RankRecordSize},
 	}
 	for _, tt := range tests {
 		if int(tt.got) != tt.want {
@@ -42,6 +43,7 @@ func TestRecordOffsets(t *testing.T) {
 	var vt VictimTarget
 	var tr TickRequest
 	var mv Move
+	var rk RankRecord
 	tests := []struct {
 		field string
 		got   uintptr
@@ -113,6 +115,10 @@ func TestRecordOffsets(t *testing.T) {
 		{"Move.Entry", unsafe.Offsetof(mv.Entry), 0},
 		{"Move.Mount", unsafe.Offsetof(mv.Mount), 8},
 		{"Move.Flags", unsafe.Offsetof(mv.Flags), 12},
+		{"RankRecord.Entry", unsafe.Offsetof(rk.Entry), 0},
+		{"RankRecord.Time", unsafe.Offsetof(rk.Time), 8},
+		{"RankRecord.Rank", unsafe.Offsetof(rk.Rank), 16},
+		{"RankRecord.State", unsafe.Offsetof(rk.State), 24},
 	}
 	for _, tt := range tests {
 		if tt.got != tt.want {
@@ -206,6 +212,9 @@ func TestStatusAndFeatureStrings(t *testing.T) {
 	if got := (FeatureMounts | FeatureAdmitMount | FeatureDemote | FeatureTick).String(); got != "mounts,admit-mount,demote,tick" {
 		t.Errorf("tiering features = %q", got)
 	}
+	if got := (FeatureRank | 1<<9).String(); got != "rank,unknown(0x200)" {
+		t.Errorf("rank feature = %q", got)
+	}
 }
 
 // TestScratchHoldsTieringInputs: the v1 scratch size holds every input and
@@ -219,6 +228,7 @@ func TestScratchHoldsTieringInputs(t *testing.T) {
 		{"mounts", MaxMounts * MountRecordSize},
 		{"evict with targets", EvictTargetsOffset + MaxBatch*VictimTargetSize},
 		{"tick", TickHeaderSize + MaxBatch*MoveSize},
+		{"rank", MaxBatch * RankRecordSize},
 	} {
 		if tt.need > ScratchSize {
 			t.Errorf("%s needs %d bytes, more than ScratchSize %d", tt.name, tt.need, ScratchSize)

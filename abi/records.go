@@ -13,6 +13,7 @@ const (
 	VictimTargetSize    = 8
 	TickHeaderSize      = 32
 	MoveSize            = 16
+	RankRecordSize      = 32
 )
 
 // NamespaceRecord describes one model namespace: a model, its KV-cache
@@ -226,6 +227,34 @@ type Move struct {
 	Entry uint64
 	Mount uint32 // the target mount
 	Flags uint32 // reserved: write 0
+}
+
+// States of a RankRecord (RankRecord.State).
+const (
+	// RankKnown: the plugin ranked the entry (RankRecord.Rank holds it).
+	RankKnown uint32 = 0
+	// RankUnknown: the plugin does not know the entry (it was not told of
+	// it yet); the host ranks it by its own last access time.
+	RankUnknown uint32 = 1
+	// RankUnset is what the host writes into State before the call: a
+	// hook that leaves it fails.
+	RankUnset uint32 = 0xFFFFFFFF
+)
+
+// RankRecord asks for the eviction rank of one entry (kvhost_rank,
+// FeatureRank). The host fills Entry and Time; the guest writes Rank and
+// State. Ranks are compared across nodes that share a mount: a rank must
+// depend only on the entry's access history and Time, never on this
+// instance (handles, shard, position in a list, counts of entries); see
+// docs/abi.md.
+type RankRecord struct {
+	Entry uint64 // handle of the entry, as in AccessRecord
+	Time  uint64 // now, Unix nanoseconds; the same in every record of a call
+
+	// Output.
+	Rank  uint64 // lower is evicted first, on the scale of Unix nanoseconds
+	State uint32 // RankKnown or RankUnknown; the host writes RankUnset
+	_     uint32
 }
 
 // KeyHash is the 64-bit FNV-1a hash of key, the KeyHash field of records.

@@ -5,7 +5,7 @@ import "unsafe"
 // Record is the set of fixed-width record types of ABI v1.
 type Record interface {
 	NamespaceRecord | NameRecord | AdmitRecord | AccessRecord | EvictRequest | Victim |
-		MountRecord | VictimTarget | TickRequest | Move
+		MountRecord | VictimTarget | TickRequest | Move | RankRecord
 }
 
 // View returns the first n records of b as a []T that aliases b. It panics if

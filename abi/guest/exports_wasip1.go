@@ -82,3 +82,6 @@ func exportMounts(n int32) int32 { return plugin.Mounts(n) }
 
 //go:wasmexport kvhost_tick
 func exportTick(max int32) int32 { return plugin.Tick(max) }
+
+//go:wasmexport kvhost_rank
+func exportRank(n int32) int32 { return plugin.Rank(n) }

@@ -1,8 +1,8 @@
 // Package guest is the Go SDK for kvhost policy plugins.
 //
-// A plugin author implements Policy (and, optionally, Namespacer and Admitter)
-// in an ordinary Go package, registers it from a main package, and builds it
-// with
+// A plugin author implements Policy (and, optionally, Namespacer, Admitter,
+// the tiering interfaces and Ranker) in an ordinary Go package, registers it
+// from a main package, and builds it with
 //
 //	GOOS=wasip1 GOARCH=wasm go build -buildmode=c-shared -o policy.wasm ./cmd/policy
 //
@@ -72,6 +72,15 @@ type Ticker interface {
 	Tick(req *abi.TickRequest, out []abi.Move) (int, error)
 }
 
+// Ranker is implemented by policies that rank entries for a bound shared
+// by several nodes (abi.FeatureRank): Rank writes Rank and State of every
+// record. A rank must depend only on the entry's access history and the
+// record's Time, so that two nodes running the same policy and
+// configuration rank alike (docs/abi.md, "RankRecord").
+type Ranker interface {
+	Rank(recs []abi.RankRecord) error
+}
+
 // Featurer lets a policy declare feature bits that need no hook of their
 // own: abi.FeatureAdmitMount (its Admit writes AdmitRecord.Target). Other
 // bits it returns are ignored: those come from the interfaces implemented.
@@ -117,6 +126,9 @@ func Features(p Policy) abi.Feature {
 	if _, ok := p.(Ticker); ok {
 		f |= abi.FeatureTick
 	}
+	if _, ok := p.(Ranker); ok {
+		f |= abi.FeatureRank
+	}
 	return f
 }
 
@@ -130,6 +142,7 @@ type Dispatcher struct {
 	mw      MountWatcher
 	dem     Demoter
 	tick    Ticker
+	rank    Ranker
 	scratch []byte
 	// Log, if set, receives the message of every error a hook returns.
 	Log func(level int32, msg string)
@@ -143,6 +156,7 @@ func NewDispatcher(p Policy) *Dispatcher {
 	d.mw, _ = p.(MountWatcher)
 	d.dem, _ = p.(Demoter)
 	d.tick, _ = p.(Ticker)
+	d.rank, _ = p.(Ranker)
 	return d
 }
 
@@ -282,6 +296,18 @@ func (d *Dispatcher) Tick(max int32) int32 {
 		return d.fail(&StatusError{Status: abi.StatusInternal, Msg: "Tick returned a count outside its output"})
 	}
 	return int32(n)
+}
+
+// Rank implements kvhost_rank.
+func (d *Dispatcher) Rank(n int32) int32 {
+	if d.rank == nil {
+		return int32(abi.StatusUnsupported)
+	}
+	recs, st := view[abi.RankRecord](d.scratch, 0, n)
+	if st != abi.StatusOK {
+		return int32(st)
+	}
+	return d.fail(d.rank.Rank(recs))
 }
 
 func (d *Dispatcher) fail(err error) int32 {

@@ -27,14 +27,14 @@ func TestPolicyCommand(t *testing.T) {
 			[]string{"abi version: 2", "kvhost_abi_version returned 2, want 1"}, nil, false},
 		{"inspect unknown builtin", []string{"inspect", "nosuch"}, 1, nil, []string{"no built-in policy", `"nosuch"`}, true},
 		{"test well-behaved", []string{"test", testdata + "wellbehaved.wasm"}, 0,
-			[]string{"ok   pinned entries", "PASS: " + testdata + "wellbehaved.wasm: 14 passed, 0 failed"}, nil, false},
+			[]string{"ok   pinned entries", "PASS: " + testdata + "wellbehaved.wasm: 15 passed, 0 failed"}, nil, false},
 		{"test traversal", []string{"test", testdata + "traversal.wasm"}, 1,
 			[]string{"FAIL names", `invalid path "../../etc/passwd"`, "FAIL: "}, nil, false},
 		{"test loop", []string{"test", "-timeout", "30ms", testdata + "loop.wasm"}, 1,
 			[]string{"exceeded the call deadline of 30ms"}, nil, false},
 		{"test missing file", []string{"test", "nosuch/x.wasm"}, 1, nil, []string{"no such file"}, true},
 		{"test bad flag", []string{"test", "-param", "novalue", "lru"}, 2, nil, []string{"want key=value"}, true},
-		{"test builtin", []string{"test", "lru"}, 0, []string{"PASS: lru: 14 passed, 0 failed"}, nil, false},
+		{"test builtin", []string{"test", "lru"}, 0, []string{"PASS: lru: 15 passed, 0 failed"}, nil, false},
 		// Issue 11: a layout above 256 keys per file is a failed check, not a
 		// Go panic; the report ends with the host's counters.
 		{"test layout 300", []string{"test", testdata + "layout300.wasm"}, 1,

@@ -122,7 +122,8 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 		mounts[i] = engine.Mount{
 			Path: m.Path, Capacity: capacity, CapacityDerived: m.Capacity == 0, HighWatermark: m.HighWatermark, LowWatermark: m.LowWatermark,
 			Reserve: int64(m.Reserve), IO: m.IO, NoChecksum: !m.Checksums(), DeviceClass: m.DeviceClass,
-			Preallocate: enginePreallocate(m.Preallocate),
+			Preallocate:     enginePreallocate(m.Preallocate),
+			ClusterCapacity: int64(m.ClusterCapacity), ClusterInterval: time.Duration(m.ClusterInterval),
 		}
 		if m.Layout == config.LayoutVLLMFS {
 			v := m.VLLMFS

@@ -128,6 +128,14 @@ type Mount struct {
 	// stores of that size write into them (docs/engine.md, "Spare files
 	// made ahead"). 0 makes none; PreallocateAuto lets the engine choose.
 	Preallocate int64
+	// ClusterCapacity, if set, bounds the files of every node sharing the
+	// mount together (docs/cluster.md, "Cluster-wide capacity"): each
+	// node publishes a summary of its own files under .kvhost-cluster in
+	// the mount every ClusterInterval (0: DefaultClusterInterval), and
+	// removes only its own files, those ranked lowest across the cluster.
+	// The watermarks apply to it too. Nodes need distinct NodeIDs.
+	ClusterCapacity int64
+	ClusterInterval time.Duration
 }
 
 // PreallocateAuto is a Mount.Preallocate that lets the engine choose: on

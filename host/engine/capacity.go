@@ -7,6 +7,7 @@ import (
 	"sync/atomic"
 
 	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/host/policy"
 )
 
 // victimBatch is the most victims asked of the policy at once.
@@ -32,6 +33,11 @@ func (e *Engine) reserve(ctx context.Context, m *mount, size int64) error {
 
 // reserveUsed is reserve without the spares.
 func (e *Engine) reserveUsed(ctx context.Context, m *mount, size int64) error {
+	if m.cluster != nil { // the cluster-wide bound first (cluster.go)
+		if err := e.clusterReserve(ctx, m, size); err != nil {
+			return err
+		}
+	}
 	if e.space.reserveBelow(m.sp, size, high) {
 		return nil
 	}
@@ -74,7 +80,14 @@ func (e *Engine) evict(ctx context.Context, m *mount, size int64) {
 		if e.hitRec != nil {
 			e.hitRec.flush() // rank with every hit reported so far
 		}
-		victims, err := e.evictions(context.WithoutCancel(ctx), abi.EvictRequest{Bytes: uint64(need), Time: uint64(e.now().UnixNano()), Mount: uint32(m.idx)})
+		req := abi.EvictRequest{Bytes: uint64(need), Time: uint64(e.now().UnixNano()), Mount: uint32(m.idx)}
+		var victims []policy.Eviction
+		var err error
+		if m.cluster != nil {
+			victims = e.clusterVictims(m, req) // never another live node's file
+		} else {
+			victims, err = e.evictions(context.WithoutCancel(ctx), req)
+		}
 		if err != nil {
 			e.log.Warn("engine: policy victims", "mount", m.root, "err", err)
 			return
@@ -95,7 +108,7 @@ func (e *Engine) evict(ctx context.Context, m *mount, size int64) {
 			}
 			e.ix.mu.Lock()
 			en := e.ix.entries[v.Entry]
-			ok := en != nil && en.pins == 0 && en.mount == m.idx && !en.gone
+			ok := en != nil && en.pins == 0 && en.mount == m.idx && !en.gone && e.mayEvict(m, en)
 			if ok {
 				// Hold the path while removing: a store publishing there
 				// meanwhile waits, and its new file is never removed. The

@@ -88,13 +88,14 @@ type Engine struct {
 	verifyIv atomic.Int64 // Config.VerifyInterval, changed by SetVerifyInterval
 	// pathWaits counts the times a store waited for another job holding
 	// its file's path (tests wait for it instead of sleeping).
-	pathWaits atomic.Int64
-	fails     *failureLog
-	pinTab    pinTable     // client pins (pins.go)
-	tier      *tierDriver  // ticks and mount updates (demote.go); nil without policy.Tiering
-	tierSt    tierCounters // moves between mounts (demote.go)
-	maker     *spareMaker  // spares made ahead of stores (ahead.go); nil without Mount.Preallocate
-	warm      *warmer      // files offered to the movers ahead of jobs (warm.go); nil where none takes them
+	pathWaits  atomic.Int64
+	fails      *failureLog
+	pinTab     pinTable     // client pins (pins.go)
+	tier       *tierDriver  // ticks and mount updates (demote.go); nil without policy.Tiering
+	tierSt     tierCounters // moves between mounts (demote.go)
+	maker      *spareMaker  // spares made ahead of stores (ahead.go); nil without Mount.Preallocate
+	warm       *warmer      // files offered to the movers ahead of jobs (warm.go); nil where none takes them
+	clusterRun clusterRun   // loops of the cluster mounts (cluster.go)
 
 	// evictWaits counts the reservations that found no room below a
 	// mount's high watermark and went to its eviction lock (reserveUsed;
@@ -226,12 +227,17 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	}
 	e.pol, e.ownPolicy = newSwitchPolicy(e.pol, e.ownPolicy), true // ReplacePolicy
 	e.verifyIv.Store(int64(cfg.VerifyInterval))
+	if err := e.openCluster(ctx); err != nil {
+		pool.Close()
+		return nil, err
+	}
 	e.reportMounts()
 	e.restore(ctx)
 	e.hitRec = newHitRecorder(e)
 	e.startTiering(ctx)
 	e.startSpareMaker()
 	e.startWarmer()
+	e.startCluster(ctx)
 	ok = true
 	st := e.Stats()
 	e.log.Info("engine: open", "mounts", len(e.mounts), "entries", st.Entries, "keys", st.Keys, "rebuild", time.Since(start))
@@ -291,6 +297,7 @@ func (e *Engine) Close(ctx context.Context) error {
 	e.stopTiering()
 	e.stopSpareMaker()
 	e.stopWarmer()
+	e.closeCluster()
 	e.dropSpares()
 	e.hitRec.close()
 	e.host.Close()

@@ -33,6 +33,7 @@ type mount struct {
 	// after ENOSPC); the first of the engine's locks, taken in mount
 	// order (demoteVictim).
 	evictMu sync.Mutex
+	cluster *clusterMount // Mount.ClusterCapacity's state (cluster.go); nil without
 }
 
 func (m *mount) ioName() string {

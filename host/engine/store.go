@@ -87,8 +87,8 @@ func (e *Engine) reserveFile(ctx context.Context, m *mount, ns NamespaceID, size
 		}
 	}
 	lock()
-	if ms.used+size <= ms.high && (!spares || ms.used+size+ms.spareBytes <= ms.capacity) {
-		ms.used += size
+	if m.cluster == nil && ms.used+size <= ms.high && (!spares || ms.used+size+ms.spareBytes <= ms.capacity) {
+		ms.used += size // a cluster mount claims first (cluster.go)
 	} else {
 		unlock()
 		if err := e.reserve(ctx, m, size); err != nil {
@@ -468,7 +468,7 @@ func (e *Engine) writeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 		}
 	}
 	if !h.Raw { // a vllm-fs row has no header, hence no file id
-		h.ID = newFileID()
+		h.ID = e.fileID()
 		hdr := staging.AlignedBuffer(int(hl))
 		if err := h.Encode(hdr); err != nil {
 			return false, err

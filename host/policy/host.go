@@ -23,6 +23,7 @@ const _ = uint(scratchSize - max(abi.MaxBatch*abi.NameRecordSize,
 	abi.EvictHeaderSize+abi.MaxBatch*abi.VictimSize,
 	abi.MaxBatch*abi.AccessRecordSize,
 	abi.MaxBatch*abi.AdmitRecordSize,
+	abi.MaxBatch*abi.RankRecordSize,
 	abi.NamespaceRecordSize,
 	abi.MaxConfigLen))
 
@@ -170,6 +171,7 @@ type shard struct {
 	evictOp  evictOp
 	mountsOp mountsOp
 	tickOp   tickOp
+	rankOp   rankOp
 }
 
 // locked runs fn with s locked.
@@ -872,6 +874,34 @@ func (h *Host) Tick(ctx context.Context, req abi.TickRequest, max int) ([]abi.Mo
 	return out, nil
 }
 
+// Rank implements Ranker: records are routed to shards by Entry, the
+// shard that was told of the entry. Without abi.FeatureRank every record
+// is abi.RankUnknown.
+func (h *Host) Rank(ctx context.Context, recs []abi.RankRecord) error {
+	if len(recs) == 0 {
+		return nil
+	}
+	return h.withShards(ctx, func(shards []*shard) error {
+		if !h.mu.backend.features().Has(abi.FeatureRank) {
+			for i := range recs {
+				recs[i].Rank, recs[i].State = 0, abi.RankUnknown
+			}
+			return nil
+		}
+		for _, s := range shards {
+			err := s.locked(func() error {
+				s.rankOp = rankOp{recs: recs}
+				defer func() { s.rankOp = rankOp{} }() // drop the caller's records
+				return h.routed(ctx, s, len(shards), hookRank, len(recs), func(i int) uint64 { return recs[i].Entry }, &s.rankOp)
+			})
+			if err != nil {
+				return err
+			}
+		}
+		return nil
+	})
+}
+
 // Shards returns the number of instances the policy state is spread over.
 func (h *Host) Shards() int { return h.cfg.Shards }
 
@@ -914,4 +944,5 @@ func (h *Host) Close(ctx context.Context) error {
 var (
 	_ Policy  = (*Host)(nil)
 	_ Tiering = (*Host)(nil)
+	_ Ranker  = (*Host)(nil)
 )

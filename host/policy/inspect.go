@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"slices"
 	"strings"
+	"sync/atomic"
 
 	"github.com/tetratelabs/wazero"
 	"github.com/tetratelabs/wazero/api"
@@ -70,6 +71,7 @@ var abiExports = []abiExport{
 	{abi.ExportEvict, []api.ValueType{i32}, []api.ValueType{i32}, 0},
 	{abi.ExportMounts, []api.ValueType{i32}, []api.ValueType{i32}, abi.FeatureMounts},
 	{abi.ExportTick, []api.ValueType{i32}, []api.ValueType{i32}, abi.FeatureTick},
+	{abi.ExportRank, []api.ValueType{i32}, []api.ValueType{i32}, abi.FeatureRank},
 }
 
 // describe lists a compiled module's exports, imports and memory, and
@@ -181,7 +183,8 @@ func Inspect(ctx context.Context, module []byte) (Info, error) {
 			return info, nil // no instance to ask
 		}
 	}
-	b := &wasmBackend{name: "inspect", cfg: &cfg, log: cfg.Logger, r: r, cm: cm, limitPages: uint32(cfg.MemoryLimit / wasmPage)}
+	b := &wasmBackend{name: "inspect", cfg: &cfg, log: cfg.Logger, r: r, cm: cm, limitPages: uint32(cfg.MemoryLimit / wasmPage),
+		slow: new(atomic.Uint64)} // a slow call (a loaded machine) is counted, not a crash
 	if err := instantiateHostModules(ctx, r, b.hostLog); err != nil {
 		return info, err
 	}

@@ -91,6 +91,8 @@ func (in *nativeInstance) call(_ context.Context, h hook, arg int32) (st int32, 
 		return in.d.Mounts(arg), nil
 	case hookTick:
 		return in.d.Tick(arg), nil
+	case hookRank:
+		return in.d.Rank(arg), nil
 	}
 	return 0, fmt.Errorf("unknown hook %d", h)
 }

@@ -354,3 +354,37 @@ func (o *tickOp) read(h *Host, s *shard, scratch []byte, st int32) error {
 	return nil
 }
 func (o *tickOp) records(*shard) int { return 1 }
+
+// rankOp asks for the ranks of the records of recs at positions s.pos
+// (kvhost_rank, abi.FeatureRank).
+type rankOp struct{ recs []abi.RankRecord }
+
+func (o *rankOp) write(s *shard, scratch []byte) int32 {
+	v := abi.View[abi.RankRecord](scratch, len(s.pos))
+	for j, p := range s.pos {
+		v[j] = abi.RankRecord{Entry: o.recs[p].Entry, Time: o.recs[p].Time, State: abi.RankUnset}
+	}
+	return int32(len(s.pos))
+}
+
+func (o *rankOp) read(_ *Host, s *shard, scratch []byte, _ int32) error {
+	v := abi.View[abi.RankRecord](scratch, len(s.pos))
+	for j, p := range s.pos {
+		switch st := v[j].State; {
+		case st == abi.RankUnset:
+			return fmt.Errorf("record %d (entry %d): State was not written", p, o.recs[p].Entry)
+		case st != abi.RankKnown && st != abi.RankUnknown:
+			return fmt.Errorf("record %d (entry %d): State %d is neither %d (known) nor %d (unknown)", p, o.recs[p].Entry, st, abi.RankKnown, abi.RankUnknown)
+		case v[j].Entry != o.recs[p].Entry:
+			return fmt.Errorf("record %d: Entry %d was overwritten with %d: it is an input", p, o.recs[p].Entry, v[j].Entry)
+		}
+	}
+	for j, p := range s.pos {
+		o.recs[p].Rank, o.recs[p].State = v[j].Rank, v[j].State
+		if v[j].State == abi.RankUnknown {
+			o.recs[p].Rank = 0
+		}
+	}
+	return nil
+}
+func (o *rankOp) records(s *shard) int { return len(s.pos) }

@@ -61,6 +61,17 @@ type Index interface {
 	Namespaces() []abi.NamespaceRecord
 }
 
+// Ranker is the part of a policy that ranks entries for a bound several
+// nodes share (abi.FeatureRank). Host implements it.
+type Ranker interface {
+	// Rank fills Rank and State of every record (Entry and Time are the
+	// caller's): abi.RankKnown with the plugin's rank, or abi.RankUnknown
+	// where the plugin does not know the entry, and for every record when
+	// the policy has no abi.FeatureRank (the caller then ranks the entry
+	// itself, by its last access).
+	Rank(ctx context.Context, recs []abi.RankRecord) error
+}
+
 // Eviction is one victim and what to do with it: delete it (Target.Mount
 // abi.NoMount) or move its file to another mount (abi.FeatureDemote).
 type Eviction struct {

@@ -14,6 +14,7 @@ const (
 	hookEvict
 	hookMounts
 	hookTick
+	hookRank
 	numHooks
 )
 
@@ -26,6 +27,7 @@ var hookNames = [numHooks]string{
 	hookEvict:     "kvhost_evict",
 	hookMounts:    "kvhost_mounts",
 	hookTick:      "kvhost_tick",
+	hookRank:      "kvhost_rank",
 }
 
 func (h hook) String() string { return hookNames[h] }

@@ -281,6 +281,13 @@ type Mount struct {
 	Shared *bool `toml:"shared"`
 	// VLLMFS configures a "vllm-fs" mount: the table [mount.vllm_fs].
 	VLLMFS *VLLMFS `toml:"vllm_fs"`
+	// ClusterCapacity, if set, is the most bytes every node sharing this
+	// mount keeps there together (docs/cluster.md, "Cluster-wide
+	// capacity"); 0: each node bounds only its own files (capacity).
+	ClusterCapacity Size `toml:"cluster_capacity"`
+	// ClusterInterval is how often a node publishes its summary on a
+	// mount with a cluster capacity; 0 means 1s.
+	ClusterInterval Duration `toml:"cluster_interval"`
 }
 
 // Mount layouts.
@@ -668,6 +675,10 @@ func (c *Config) Validate() error {
 			return bad("mount.layout", `"kvhost" or "vllm-fs"`, fmt.Sprintf("%q", m.Layout))
 		case m.Layout != LayoutVLLMFS && m.VLLMFS != nil:
 			return bad("mount.vllm_fs", `only with layout = "vllm-fs"`, "a [mount.vllm_fs] table")
+		case m.ClusterCapacity < 0 || (m.ClusterCapacity > 0 && m.Layout == LayoutVLLMFS):
+			return bad("mount.cluster_capacity", "a size ≥ 0, on a mount of kvhost's layout", m.ClusterCapacity)
+		case m.ClusterInterval < 0:
+			return bad("mount.cluster_interval", "a duration ≥ 0", m.ClusterInterval)
 		}
 		if m.Layout == LayoutVLLMFS {
 			if m.Checksum != nil && *m.Checksum {

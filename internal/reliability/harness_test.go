@@ -80,6 +80,10 @@ type daemonConfig struct {
 	TempGrace      time.Duration
 	Node           string // node identity, where the configuration has one
 	LogLevel       string // "" is info
+	// ClusterCapacity and ClusterInterval set the mount's cluster_capacity
+	// and cluster_interval ("" and 0 leave them out).
+	ClusterCapacity string
+	ClusterInterval time.Duration
 }
 
 // toml renders c. The policy's compilation cache is shared by the run.
@@ -106,6 +110,12 @@ func (c daemonConfig) toml() string {
 	fmt.Fprintf(&b, "\n[[mount]]\npath = %q\n", c.Mount)
 	if c.Capacity != "" {
 		fmt.Fprintf(&b, "capacity = %q\n", c.Capacity)
+	}
+	if c.ClusterCapacity != "" {
+		fmt.Fprintf(&b, "cluster_capacity = %q\n", c.ClusterCapacity)
+	}
+	if c.ClusterInterval > 0 {
+		fmt.Fprintf(&b, "cluster_interval = %q\n", c.ClusterInterval.String())
 	}
 	return b.String()
 }

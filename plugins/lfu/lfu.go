@@ -12,13 +12,18 @@
 //     host knows. Entries are kept on frequency levels: level
 //     bits.Len(accesses), at most 15 (so levels are powers of two: 1, 2-3,
 //     4-7, ...), each level a list in last-access order.
-//   - Aging: whenever the record times advance by half_life, every count is
-//     halved (an entry moves down one level). Time comes from the records, as
-//     the sandbox has no clock.
+//   - Aging: at every multiple of half_life since the Unix epoch that the
+//     record times pass, every count is halved (an entry moves down one
+//     level). Time comes from the records, as the sandbox has no clock; the
+//     epochs are the same on every node, so nodes age alike.
 //   - Evict: level 0 first, least recent first within a level; pinned
 //     entries and entries on other mounts are skipped; stop when the victims'
 //     sizes cover the bytes asked for. Score = level<<56 | last access>>8, so
 //     that victims of several instances merge into one LFU order.
+//   - Rank (for a mount several nodes share): last access + level ×
+//     half_life: each doubling of an entry's (aged) count is worth one
+//     half-life of recency, so ranks stay on the scale of access times and
+//     compare across nodes, with the host's last-access ranks too.
 //
 // # Configuration
 //
@@ -48,7 +53,8 @@ const Levels = 16
 // Policy is the LFU policy. The zero value is not usable; call New.
 type Policy struct {
 	halfLife uint64 // nanoseconds
-	lastAged uint64 // record time of the last aging; 0 before the first record
+	lastAged uint64 // the last aging epoch passed (a multiple of halfLife)
+	started  bool   // a record with a time has set lastAged
 	layout   policykit.Layout
 	names    *policykit.Names
 	track    *policykit.Tracker
@@ -119,8 +125,8 @@ func (p *Policy) age(now uint64) error {
 	if now == 0 {
 		return nil // pins, unpins and removes may carry no time
 	}
-	if p.lastAged == 0 {
-		p.lastAged = now
+	if !p.started {
+		p.lastAged, p.started = now-now%p.halfLife, true // epochs shared by every node
 		return nil
 	}
 	if now < p.lastAged {
@@ -163,4 +169,32 @@ func (p *Policy) Evict(req *abi.EvictRequest, out []abi.Victim) (int, error) {
 // Score orders victims by level, then by last access (at 256 ns resolution).
 func Score(level uint32, time uint64) uint64 {
 	return uint64(level)<<56 | min(time>>8, 1<<56-1)
+}
+
+// Rank ranks entries by last access plus one half-life per frequency level
+// (abi.FeatureRank).
+func (p *Policy) Rank(recs []abi.RankRecord) error {
+	if len(recs) > 0 {
+		if err := p.age(recs[0].Time); err != nil {
+			return err
+		}
+	}
+	p.track.Rank(recs, func(e *policykit.Entry, _ uint64) uint64 {
+		return Rank(level(e), e.Time, p.halfLife)
+	})
+	return nil
+}
+
+// Rank is an entry's cluster rank: its last access plus level half-lives,
+// saturating.
+func Rank(level uint32, time, halfLife uint64) uint64 {
+	hi, lo := bits.Mul64(uint64(level), halfLife)
+	if hi != 0 {
+		return ^uint64(0)
+	}
+	r, carry := bits.Add64(time, lo, 0)
+	if carry != 0 {
+		return ^uint64(0)
+	}
+	return r
 }

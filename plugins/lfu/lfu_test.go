@@ -105,3 +105,42 @@ func TestScore(t *testing.T) {
 }
 
 func BenchmarkHooks(b *testing.B) { policytest.BenchHooks(b, mk, 1) }
+
+func TestRank(t *testing.T) { policytest.CheckRank(t, mk) }
+
+// TestRankFrequencyIsWorthHalfLives: an entry hit 2^k times more than
+// another ranks k half-lives above it at the same last access, and the
+// rank saturates instead of wrapping.
+func TestRankFrequencyIsWorthHalfLives(t *testing.T) {
+	hl := uint64(time.Minute)
+	tests := []struct {
+		level      uint32
+		time, want uint64
+	}{
+		{0, 5, 5},
+		{1, 5, 5 + hl},
+		{4, 5, 5 + 4*hl},
+		{15, ^uint64(0) - hl, ^uint64(0)},
+	}
+	for _, tt := range tests {
+		if got := lfu.Rank(tt.level, tt.time, hl); got != tt.want {
+			t.Errorf("Rank(level %d, time %d) = %d, want %d", tt.level, tt.time, got, tt.want)
+		}
+	}
+	d := policytest.MustNew(t, lfu.New(), "half_life", "1m")
+	now := 100 * hl
+	evs := []abi.AccessRecord{policytest.Rec(abi.AccessInsert, 1, now, 10), policytest.Rec(abi.AccessInsert, 2, now, 10)}
+	for range 3 {
+		evs = append(evs, policytest.Rec(abi.AccessHit, 2, now, 10)) // 4 accesses: level 3
+	}
+	if err := d.Access(evs...); err != nil {
+		t.Fatal(err)
+	}
+	recs, err := d.Rank(now, 1, 2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := recs[1].Rank - recs[0].Rank; got != 2*hl {
+		t.Errorf("level 3 ranks %d ns above level 1 at the same time, want 2 half-lives (%d)", got, 2*hl)
+	}
+}

@@ -24,6 +24,8 @@
 //     entries on other mounts, until the victims' sizes cover the bytes asked
 //     for. A victim's Score is its last access time, so the host can merge the
 //     victims of several instances (shards) into one global LRU order.
+//   - Rank (for a mount several nodes share): an entry's last access time,
+//     comparable across nodes whose clocks agree.
 //
 // # Configuration
 //
@@ -114,4 +116,10 @@ func (p *Policy) Evict(req *abi.EvictRequest, out []abi.Victim) (int, error) {
 		freed += e.Size
 	}
 	return n, nil
+}
+
+// Rank ranks entries by their last access time (abi.FeatureRank).
+func (p *Policy) Rank(recs []abi.RankRecord) error {
+	p.track.Rank(recs, policykit.LastAccess)
+	return nil
 }

@@ -196,3 +196,5 @@ func hash(e uint64) []byte {
 }
 
 func BenchmarkHooks(b *testing.B) { policytest.BenchHooks(b, mk, 1) }
+
+func TestRank(t *testing.T) { policytest.CheckRank(t, mk) }

@@ -294,3 +294,10 @@ func (p *Policy) Tick(req *abi.TickRequest, out []abi.Move) (int, error) {
 	p.pending = append(kept, p.pending[i:]...) // the rest waits for the next tick
 	return n, nil
 }
+
+// Rank ranks entries by their last access time, as eviction orders them
+// (abi.FeatureRank).
+func (p *Policy) Rank(recs []abi.RankRecord) error {
+	p.track.Rank(recs, policykit.LastAccess)
+	return nil
+}

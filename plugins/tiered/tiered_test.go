@@ -20,7 +20,7 @@ func TestNames(t *testing.T) { policytest.CheckNames(t, mk, []uint32{1, 2, 4}) }
 func TestAllocs(t *testing.T) { policytest.CheckAllocs(t, mk, 2) }
 
 func TestFeatures(t *testing.T) {
-	want := abi.FeatureNamespace | abi.FeatureAdmit | abi.FeatureAdmitMount | abi.FeatureMounts | abi.FeatureDemote | abi.FeatureTick
+	want := abi.FeatureNamespace | abi.FeatureAdmit | abi.FeatureAdmitMount | abi.FeatureMounts | abi.FeatureDemote | abi.FeatureTick | abi.FeatureRank
 	if got := guest.Features(tiered.New()); got != want {
 		t.Errorf("features %s, want %s", got, want)
 	}
@@ -306,3 +306,5 @@ func TestNoTieringBeforeMountDescription(t *testing.T) {
 		})
 	}
 }
+
+func TestRank(t *testing.T) { policytest.CheckRank(t, mk) }

@@ -70,6 +70,8 @@ extern "C" {
 #define KVHOST_FEATURE_ADMIT_MOUNT (UINT64_C(1) << 3) /* kvhost_admit writes target (needs ADMIT) */
 #define KVHOST_FEATURE_DEMOTE (UINT64_C(1) << 4)      /* kvhost_evict writes victim targets */
 #define KVHOST_FEATURE_TICK (UINT64_C(1) << 5)        /* exports kvhost_tick */
+/* Cluster-wide capacity (docs/abi.md, "RankRecord"): */
+#define KVHOST_FEATURE_RANK (UINT64_C(1) << 6) /* exports kvhost_rank */
 
 /* Status codes: every hook returns one; kvhost_evict returns a count >= 0
  * instead of KVHOST_STATUS_OK. A negative status is a failure of the
@@ -235,6 +237,24 @@ typedef struct kvhost_move {
 	uint32_t flags; /* 0 */
 } kvhost_move;
 
+/* kvhost_rank_record.state values. The host writes KVHOST_RANK_UNSET
+ * before the call; a hook that leaves it fails. */
+#define KVHOST_RANK_KNOWN 0u
+#define KVHOST_RANK_UNKNOWN 1u /* not told of the entry yet: the host ranks it */
+#define KVHOST_RANK_UNSET 0xFFFFFFFFu
+
+/* RankRecord, 32 bytes each from offset 0 for kvhost_rank
+ * (KVHOST_FEATURE_RANK). rank must depend only on the entry's access
+ * history and time (never on the handle, shard or instance), so that every
+ * node running the same policy ranks alike: for LRU, the last access time. */
+typedef struct kvhost_rank_record {
+	uint64_t entry; /* the entry's handle */
+	uint64_t time;  /* now, Unix nanoseconds */
+	uint64_t rank;  /* out: lower is evicted first, on the scale of Unix ns */
+	uint32_t state; /* out: KVHOST_RANK_KNOWN or KVHOST_RANK_UNKNOWN */
+	uint32_t reserved;
+} kvhost_rank_record;
+
 /* The offsets of docs/abi.md, checked at compile time. */
 #define KVHOST_CHECK(type, field, off) \
 	_Static_assert(offsetof(type, field) == (off), #type "." #field " is not at offset " #off)
@@ -284,6 +304,9 @@ _Static_assert(sizeof(kvhost_victim_target) == 8, "VictimTarget is 8 bytes");
 _Static_assert(sizeof(kvhost_tick_request) == 32, "TickRequest is 32 bytes");
 _Static_assert(sizeof(kvhost_move) == 16, "Move is 16 bytes");
 KVHOST_CHECK(kvhost_move, mount, 8);
+_Static_assert(sizeof(kvhost_rank_record) == 32, "RankRecord is 32 bytes");
+KVHOST_CHECK(kvhost_rank_record, rank, 16);
+KVHOST_CHECK(kvhost_rank_record, state, 24);
 _Static_assert(KVHOST_SCRATCH_SIZE == KVHOST_MAX_BATCH * sizeof(kvhost_name_record), "scratch holds a full batch of name records");
 #undef KVHOST_CHECK
 
@@ -315,8 +338,6 @@ __attribute__((import_module("kvhost"), import_name("log"))) void kvhost_log(int
  *     KVHOST_EXPORT("kvhost_access") int32_t kvhost_access(int32_t n);
  *         apply n kvhost_access_records in order.
  *     KVHOST_EXPORT("kvhost_evict") int32_t kvhost_evict(int32_t max);
-int32_t kvhost_mounts(int32_t n);
-int32_t kvhost_tick(int32_t max);
  *         write up to max kvhost_victims from KVHOST_VICTIMS_OFFSET for the
  *         kvhost_evict_request at offset 0; return how many.
  *   with KVHOST_FEATURE_NAMESPACE:
@@ -334,6 +355,9 @@ int32_t kvhost_tick(int32_t max);
  *     KVHOST_EXPORT("kvhost_tick") int32_t kvhost_tick(int32_t max);
  *         the kvhost_tick_request at offset 0; write up to max kvhost_moves
  *         from KVHOST_MOVES_OFFSET; return how many.
+ *   with KVHOST_FEATURE_RANK:
+ *     KVHOST_EXPORT("kvhost_rank") int32_t kvhost_rank(int32_t n);
+ *         set rank and state of each of n kvhost_rank_records from offset 0.
  *   with KVHOST_FEATURE_DEMOTE, kvhost_evict also writes, for victim i, the
  *   kvhost_victim_target at KVHOST_VICTIM_TARGETS_OFFSET + 8 * i.
  */
@@ -348,6 +372,7 @@ int32_t kvhost_access(int32_t n);
 int32_t kvhost_evict(int32_t max);
 int32_t kvhost_mounts(int32_t n);
 int32_t kvhost_tick(int32_t max);
+int32_t kvhost_rank(int32_t n);
 
 /* kvhost_key_hash is FNV-1a 64 of len bytes, the key_hash of the records. */
 static inline uint64_t kvhost_key_hash(const uint8_t *key, uint32_t len) {

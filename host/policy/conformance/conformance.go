@@ -275,7 +275,7 @@ func (s *suite) timing() []HookTiming {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	var out []HookTiming
-	for _, hook := range []string{"kvhost_init", "kvhost_namespace", "kvhost_name", "kvhost_admit", "kvhost_access", "kvhost_evict", "kvhost_mounts", "kvhost_tick"} {
+	for _, hook := range []string{"kvhost_init", "kvhost_namespace", "kvhost_name", "kvhost_admit", "kvhost_access", "kvhost_evict", "kvhost_mounts", "kvhost_tick", "kvhost_rank"} {
 		d := slices.Clone(s.times[hook])
 		if len(d) == 0 {
 			continue
@@ -314,6 +314,7 @@ const (
 	rulePinned     = "a pinned entry is never a victim until each of its pins is released (docs/abi.md: AccessRecord, Rules the host enforces)"
 	ruleTiming     = "every call finishes within its fuel (the deterministic form of the deadline), and each hook's median call within the deadline of one call (docs/abi.md: Sandbox)"
 	ruleTiering    = "with the tiering features: mount descriptions are accepted; admission's target is a described mount; a victim's target is NoMount or another described mount, with known flags; a tick moves at most max entries (the suite asks for 1, 3 and 1024), only known, unpinned entries to another described mount, never twice at once; before any mount description no victim has a target and a tick moves nothing (docs/abi.md: Tiering, Rules the host enforces). A plugin without them passes"
+	ruleRank       = "with FeatureRank: kvhost_rank writes a state (known or unknown) into every record, knows every entry it was told of, ranks an entry by its access history and the time only (the same history under other handles, in a host of another shard count, ranks alike) and never lower after a hit (docs/abi.md: RankRecord). A plugin without it passes"
 	ruleRejections = "the host rejects no output and replaces no instance during the run (docs/abi.md: Rules the host enforces)"
 )
 
@@ -375,6 +376,7 @@ func (s *suite) run() {
 	s.check("removed entries", ruleRemoved, s.needNamespaces(s.removed))
 	s.check("pinned entries", rulePinned, s.needNamespaces(s.pinned))
 	s.check("tiering", ruleTiering, s.needNamespaces(s.tiering))
+	s.check("rank", ruleRank, s.needNamespaces(s.rank))
 	s.check("call timing", ruleTiming, s.callTiming)
 	s.check("no host rejections", ruleRejections, s.rejections)
 }
@@ -1474,4 +1476,112 @@ func (s *suite) undescribed(f abi.Feature) (string, error) {
 		what = append(what, "a tick")
 	}
 	return strings.Join(what, " and ") + " before any mount description: no demotion, no move", nil
+}
+
+// rankEntries is how many entries the rank check tells two hosts of: more
+// than one batch per shard.
+const rankEntries = 1500
+
+// rank tells two fresh hosts (the configured shards and 1) the same
+// history under different handles and compares their ranks; then hits
+// some entries and checks that their ranks did not drop.
+func (s *suite) rank() (string, error) {
+	if !s.host.Features().Has(abi.FeatureRank) {
+		return "no FeatureRank declared: the host ranks entries by their last access; nothing to check", nil
+	}
+	type side struct {
+		h    *policy.Host
+		idx  *policytest.Index
+		base uint64 // handle of entry i: base + step*i
+		step uint64
+	}
+	sides := []*side{{base: 1, step: 1}, {base: 1_000_001, step: 3}}
+	for i, sd := range sides {
+		sd.idx = policytest.NewIndex()
+		for _, ns := range s.ns {
+			sd.idx.AddNamespace(ns)
+		}
+		shards := s.opts.Shards
+		if i == 1 {
+			shards = 1
+		}
+		h, err := policy.Open(s.ctx, s.module, s.opts.Name, sd.idx, s.config(shards))
+		if err != nil {
+			return "", fmt.Errorf("opening a host of %d shards: %w", shards, err)
+		}
+		defer h.Close(s.ctx)
+		sd.h = h
+	}
+	base := s.now
+	history := func(sd *side, i uint64, kind uint32, at uint64) abi.AccessRecord {
+		ns := s.ns[i%uint64(len(s.ns))]
+		return abi.AccessRecord{Entry: sd.base + sd.step*i, Time: at, Size: 4096 * (1 + i%5),
+			KeyHash: abi.KeyHash(fmt.Appendf(nil, "ranked-%d", i)), Kind: kind, NS: ns.NS}
+	}
+	tell := func(sd *side, recs []abi.AccessRecord) error {
+		sd.idx.Apply(recs)
+		return s.timed(func() error { return sd.h.Access(s.ctx, recs) })
+	}
+	ranks := func(sd *side, now uint64, n uint64) ([]abi.RankRecord, error) {
+		recs := make([]abi.RankRecord, n)
+		for i := range recs {
+			recs[i] = abi.RankRecord{Entry: sd.base + sd.step*uint64(i), Time: now}
+		}
+		err := s.timed(func() error { return sd.h.Rank(s.ctx, recs) })
+		return recs, err
+	}
+	for _, sd := range sides {
+		var recs []abi.AccessRecord
+		for i := range uint64(rankEntries) {
+			recs = append(recs, history(sd, i, abi.AccessInsert, base+i*1000))
+		}
+		for i := uint64(0); i < rankEntries; i += 3 {
+			recs = append(recs, history(sd, i, abi.AccessHit, base+(rankEntries+i)*1000))
+			if i%7 == 0 {
+				recs = append(recs, history(sd, i, abi.AccessHit, base+(2*rankEntries+i)*1000))
+			}
+		}
+		if err := tell(sd, recs); err != nil {
+			return "", err
+		}
+	}
+	now := base + 4*rankEntries*1000
+	a, err := ranks(sides[0], now, rankEntries)
+	if err != nil {
+		return "", err
+	}
+	b, err := ranks(sides[1], now, rankEntries)
+	if err != nil {
+		return "", err
+	}
+	for i := range a {
+		switch {
+		case a[i].State != abi.RankKnown:
+			return "", fmt.Errorf("entry %d, told to the plugin: state %d, want %d (known)", a[i].Entry, a[i].State, abi.RankKnown)
+		case b[i].State != abi.RankKnown:
+			return "", fmt.Errorf("entry %d, told to the plugin: state %d, want %d (known)", b[i].Entry, b[i].State, abi.RankKnown)
+		case a[i].Rank != b[i].Rank:
+			return "", fmt.Errorf("the same history ranks %d as entry %d (%d shards) and %d as entry %d (1 shard): a rank must depend only on the history and the time",
+				a[i].Rank, a[i].Entry, s.opts.Shards, b[i].Rank, b[i].Entry)
+		}
+	}
+	var hits []abi.AccessRecord
+	for i := range uint64(100) {
+		hits = append(hits, history(sides[0], i, abi.AccessHit, now+i))
+	}
+	if err := tell(sides[0], hits); err != nil {
+		return "", err
+	}
+	after, err := ranks(sides[0], now+1000, 100)
+	if err != nil {
+		return "", err
+	}
+	for i := range after {
+		if after[i].State != abi.RankKnown || after[i].Rank < a[i].Rank {
+			return "", fmt.Errorf("entry %d ranks %d (state %d) after a hit, %d before: a hit must not lower a rank",
+				after[i].Entry, after[i].Rank, after[i].State, a[i].Rank)
+		}
+	}
+	s.now = now + 1000
+	return fmt.Sprintf("%d entries rank alike under other handles in hosts of %d and 1 shards; 100 hits lowered no rank", rankEntries, s.opts.Shards), nil
 }

@@ -67,6 +67,7 @@ func TestHostileFixturesFail(t *testing.T) {
 		{"layout300", "namespaces", "KeysPerFile 300 is outside [1, 256]"},
 		{"layout300", "names", "not run: it needs the layouts of the 3 namespaces"},
 		{"refuse", "admission", "every store refused"},
+		{"rankhandle", "rank", "a rank must depend only on the history and the time"},
 		{"admitbad", "admission", "Admit 2 is neither 0 nor 1"},
 		{"shardname", "determinism", "names must not depend on the shard"},
 		{"multikey", "names", "(4 keys per file) would be the first keys of two files"},
@@ -138,6 +139,7 @@ func TestSingleDefectFailsOnlyItsCheck(t *testing.T) {
 		// Before any description: the tiering check's fresh host, not the
 		// suite's, refuses the demotion.
 		{"earlydemote", []string{"tiering"}},
+		{"rankhandle", []string{"rank"}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.fixture, func(t *testing.T) {

@@ -210,3 +210,23 @@ func (t *Tracker) Reclassify() error {
 func Eligible(e *Entry, req *abi.EvictRequest) bool {
 	return e.Pins == 0 && (req.Mount == abi.AnyMount || req.Mount == e.Mount)
 }
+
+// Rank answers a kvhost_rank batch (abi.FeatureRank): each known entry
+// gets score(e, r.Time) and abi.RankKnown, each entry the tracker does not
+// know abi.RankUnknown (the host then ranks it by its own last access).
+// score must depend only on the entry's access history and the time, so
+// that ranks are comparable across nodes (docs/abi.md, "RankRecord").
+func (t *Tracker) Rank(recs []abi.RankRecord, score func(e *Entry, now uint64) uint64) {
+	for i := range recs {
+		r := &recs[i]
+		j, ok := t.Pool.Lookup(r.Entry)
+		if !ok {
+			r.Rank, r.State = 0, abi.RankUnknown
+			continue
+		}
+		r.Rank, r.State = score(t.Pool.At(j), r.Time), abi.RankKnown
+	}
+}
+
+// LastAccess is the rank of an LRU policy: the entry's last access time.
+func LastAccess(e *Entry, _ uint64) uint64 { return e.Time }

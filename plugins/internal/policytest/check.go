@@ -270,3 +270,63 @@ func CheckAllocs(t *testing.T, mk Factory, mounts uint32, cfg ...string) {
 		t.Errorf("Evict: %v allocations per call, want 0", n)
 	}
 }
+
+// CheckRank checks a policy's kvhost_rank (abi.FeatureRank): every record
+// is answered, an entry the policy was never told of is RankUnknown, two
+// instances told the same history under other handles (another node)
+// rank it alike, and a hit never lowers an entry's rank.
+func CheckRank(t *testing.T, mk Factory, cfg ...string) {
+	t.Helper()
+	if _, ok := mk().(guest.Ranker); !ok {
+		t.Fatal("the policy does not implement guest.Ranker")
+	}
+	const size, now = 100, uint64(1) << 62
+	history := func(t *testing.T, base uint64) *Driver {
+		t.Helper()
+		d := MustNew(t, mk(), cfg...)
+		for e := uint64(1); e <= 6; e++ {
+			if err := d.Access(Rec(abi.AccessInsert, base+e, now-100+e, size)); err != nil {
+				t.Fatal(err)
+			}
+		}
+		for _, e := range []uint64{2, 2, 5} {
+			if err := d.Access(Rec(abi.AccessHit, base+e, now-50+e, size)); err != nil {
+				t.Fatal(err)
+			}
+		}
+		return d
+	}
+	rank := func(t *testing.T, d *Driver, entries ...uint64) []abi.RankRecord {
+		t.Helper()
+		recs, err := d.Rank(now, entries...)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return recs
+	}
+	a, b := history(t, 0), history(t, 1000)
+	ra := rank(t, a, 1, 2, 3, 4, 5, 6, 99)
+	rb := rank(t, b, 1001, 1002, 1003, 1004, 1005, 1006)
+	for i, r := range ra[:6] {
+		if r.State != abi.RankKnown {
+			t.Errorf("entry %d: state %d, want %d (known)", r.Entry, r.State, abi.RankKnown)
+		}
+		if r.Rank != rb[i].Rank || rb[i].State != abi.RankKnown {
+			t.Errorf("entry %d ranks %d, the same history under handle %d on another instance %d (state %d): ranks must not depend on handles",
+				r.Entry, r.Rank, rb[i].Entry, rb[i].Rank, rb[i].State)
+		}
+	}
+	if ra[6].State != abi.RankUnknown {
+		t.Errorf("entry 99, never reported: state %d, want %d (unknown)", ra[6].State, abi.RankUnknown)
+	}
+	before := rank(t, a, 3)[0].Rank
+	if err := a.Access(Rec(abi.AccessHit, 3, now-1, size)); err != nil {
+		t.Fatal(err)
+	}
+	if after := rank(t, a, 3)[0].Rank; after < before {
+		t.Errorf("entry 3 ranks %d after a hit, %d before: a hit must not lower a rank", after, before)
+	}
+	if cold, hot := ra[0].Rank, ra[1].Rank; hot < cold {
+		t.Errorf("entry 2 (inserted later, hit twice) ranks %d, below entry 1 (inserted first, never hit) at %d", hot, cold)
+	}
+}

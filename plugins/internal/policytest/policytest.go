@@ -186,3 +186,16 @@ func (d *Driver) Tick(now uint64, max int) ([]abi.Move, error) {
 	}
 	return append([]abi.Move(nil), abi.View[abi.Move](d.scratch[abi.TickHeaderSize:], int(st))...), nil
 }
+
+// Rank asks for the ranks of entries at time now (kvhost_rank) and returns
+// a copy of the records, their outputs filled.
+func (d *Driver) Rank(now uint64, entries ...uint64) ([]abi.RankRecord, error) {
+	v := abi.View[abi.RankRecord](d.scratch, len(entries))
+	for i, e := range entries {
+		v[i] = abi.RankRecord{Entry: e, Time: now, State: abi.RankUnset}
+	}
+	if st := d.D.Rank(int32(len(entries))); st != 0 {
+		return nil, fmt.Errorf("policytest: kvhost_rank: %v", abi.Status(st))
+	}
+	return append([]abi.RankRecord(nil), v...), nil
+}

@@ -1,0 +1,631 @@
+package engine
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/host/policy"
+	"github.com/kvhost/kvhost/internal/clustercap"
+)
+
+// Cluster-wide capacity (docs/cluster.md, "Cluster-wide capacity").
+//
+// A mount with Mount.ClusterCapacity is shared by several nodes whose
+// files together stay within that bound. Each node publishes a summary of
+// its own files (package clustercap) every ClusterInterval and whenever a
+// store needs more than it claimed; a node that finds the cluster over the
+// high watermark evicts its own files ranked below the cut-off that every
+// node's summaries give, and the others follow the cut-off it publishes.
+// A node removes only its own files (the owner tag in the file id) and
+// those of nodes proven dead (summary stale, lock file free).
+//
+// Ranks come from the policy (policy.Ranker, abi.FeatureRank): comparable
+// across nodes, lower evicted first. An entry the policy does not rank (a
+// plugin without the feature, an entry it was not told of yet, a failed
+// call) is ranked by its last access time.
+
+// DefaultClusterInterval is Mount.ClusterInterval when it is zero.
+const DefaultClusterInterval = time.Second
+
+// clusterMount is the cluster state of one mount.
+type clusterMount struct {
+	dir      *clustercap.Dir
+	bound    clustercap.Bound
+	interval time.Duration
+	tag      uint32
+
+	mu    sync.Mutex // guards the rest; one claim or tick at a time
+	own   int64      // own bytes at the last count, plus reservations since
+	claim int64
+	seq   uint64
+	pub   *clustercap.Summary   // the last summary published
+	peers []*clustercap.Summary // the live others, as last read
+	// dead holds the tags of the dead nodes this node adopted (it holds
+	// their adoption locks: their files are its to count and evict);
+	// replaced whole under mu, read anywhere (mayEvict holds e.mu).
+	dead  atomic.Pointer[map[uint32]bool]
+	lost  bool  // the last read or write of the directory failed
+	since int64 // foreign uses after this time are reported (Unix ns)
+	// floor holds, per file id of this node's, the highest rank another
+	// node reported for its use of the file (Touch.Rank): the file ranks
+	// at least that high here. Entries of files gone are dropped by count.
+	floor map[uint64]uint64
+	// rankFailed: the policy's last rank call failed (logged once until
+	// it succeeds again).
+	rankFailed bool
+}
+
+// clusterRun is the engine's cluster loops.
+type clusterRun struct {
+	stop chan struct{}
+	wg   sync.WaitGroup
+}
+
+// fileID draws the id of a file about to be written: with a cluster
+// mount, tagged with this node's owner tag.
+func (e *Engine) fileID() uint64 {
+	for _, m := range e.mounts {
+		if m.cluster != nil {
+			return clustercap.FileID(m.cluster.tag, rand.Uint64())
+		}
+	}
+	return newFileID()
+}
+
+// openCluster sets up the cluster state of every mount with a cluster
+// capacity: its directory and lock, its first summary (after the rebuild,
+// so that it counts the files already there), and checks that no live
+// node shares this node's tag.
+func (e *Engine) openCluster(ctx context.Context) error {
+	for i, cm := range e.cfg.Mounts {
+		if cm.ClusterCapacity == 0 {
+			continue
+		}
+		m := e.mounts[i]
+		if cm.ClusterCapacity < 0 || cm.ClusterInterval < 0 || m.raw != nil {
+			return fmt.Errorf("%w: mount %s: cluster capacity %d, interval %v: want >= 0, on a mount of kvhost's layout", ErrInvalid, m.root, cm.ClusterCapacity, cm.ClusterInterval)
+		}
+		b, err := clustercap.NewBound(cm.ClusterCapacity, m.sp.highF, m.sp.lowF)
+		if err != nil {
+			return fmt.Errorf("%w: mount %s: %w", ErrInvalid, m.root, err)
+		}
+		dir, err := clustercap.OpenDir(m.root, e.node)
+		if err != nil {
+			return fmt.Errorf("engine: mount %s: %w", m.root, err)
+		}
+		c := &clusterMount{dir: dir, bound: b, interval: cm.ClusterInterval, tag: clustercap.Tag(e.node), floor: map[uint64]uint64{}}
+		c.dead.Store(&map[uint32]bool{})
+		if c.interval == 0 {
+			c.interval = DefaultClusterInterval
+		}
+		m.cluster = c
+		peers, _, err := dir.ReadAll()
+		if err != nil {
+			e.closeCluster()
+			return fmt.Errorf("engine: mount %s: %w", m.root, err)
+		}
+		for _, p := range peers {
+			if live, _ := clustercap.Live(p, e.now().UnixNano(), dir.LockFree); live && p.Tag == c.tag {
+				e.closeCluster()
+				return fmt.Errorf("%w: mount %s: node ids %q and %q share the owner tag %#x: give this node another node_id", ErrInvalid, m.root, e.node, p.Node, c.tag)
+			}
+		}
+		c.tick(ctx, e, m)
+	}
+	return nil
+}
+
+// startCluster starts one loop per cluster mount.
+func (e *Engine) startCluster(ctx context.Context) {
+	e.clusterRun.stop = make(chan struct{})
+	for _, m := range e.mounts {
+		if m.cluster == nil {
+			continue
+		}
+		e.clusterRun.wg.Add(1)
+		go func() {
+			defer e.clusterRun.wg.Done()
+			t := time.NewTicker(m.cluster.interval)
+			defer t.Stop()
+			for {
+				select {
+				case <-e.clusterRun.stop:
+					return
+				case <-t.C:
+					m.cluster.tick(context.WithoutCancel(ctx), e, m)
+				}
+			}
+		}()
+	}
+}
+
+// closeCluster stops the loops and releases every cluster lock; the
+// summaries stay (this node's files do).
+func (e *Engine) closeCluster() {
+	if e.clusterRun.stop != nil {
+		close(e.clusterRun.stop)
+		e.clusterRun.wg.Wait()
+		e.clusterRun.stop = nil
+	}
+	for _, m := range e.mounts {
+		if m.cluster != nil {
+			m.cluster.dir.Close()
+		}
+	}
+}
+
+// mayEvict reports whether this node may remove en's file: on a cluster
+// mount, only its own files and those of the dead nodes it adopted.
+// Called with e.mu held.
+func (e *Engine) mayEvict(m *mount, en *entry) bool {
+	c := m.cluster
+	if c == nil {
+		return true
+	}
+	o, ok := clustercap.Owner(en.fid)
+	return ok && (o == c.tag || (*c.dead.Load())[o])
+}
+
+// ranked is one of this node's entries with its eviction rank.
+type ranked struct {
+	en   *entry
+	rank uint64
+}
+
+// rank is en's eviction rank without the policy: its last access (Unix
+// nanoseconds).
+func rank(en *entry) uint64 { return uint64(max(en.last, 0)) }
+
+// count takes stock of m for c: this node's evictable entries by rank,
+// its bytes (with stores in flight) and the other nodes' files it used
+// since c.since. Called with c.mu held.
+func (c *clusterMount) count(ctx context.Context, e *Engine, m *mount) (own []ranked, bytes int64, touches []clustercap.Touch) {
+	dead := *c.dead.Load()
+	var foreign []ranked // used since c.since: touches
+	e.ix.mu.RLock()
+	var indexed int64
+	for _, en := range e.ix.entries {
+		if en.mount != m.idx || en.gone {
+			continue
+		}
+		indexed += en.size
+		o, ok := clustercap.Owner(en.fid)
+		switch {
+		case ok && (o == c.tag || dead[o]):
+			own = append(own, ranked{en, rank(en)})
+			bytes += en.size
+		case ok && en.last > c.since && len(foreign) < clustercap.MaxTouches:
+			foreign = append(foreign, ranked{en, rank(en)})
+			touches = append(touches, clustercap.Touch{ID: en.fid, Time: en.last})
+		}
+	}
+	e.ix.mu.RUnlock()
+	e.space.mu.Lock()
+	used := m.sp.used
+	e.space.mu.Unlock()
+	bytes += max(0, used-indexed) // reservations, files on their way out
+
+	c.policyRanks(ctx, e, m, own, foreign)
+	for i := range foreign {
+		touches[i].Rank = foreign[i].rank
+	}
+	kept := make(map[uint64]uint64, len(c.floor))
+	for i := range own {
+		if f, ok := c.floor[own[i].en.fid]; ok {
+			own[i].rank = max(own[i].rank, f)
+			kept[own[i].en.fid] = f
+		}
+	}
+	c.floor = kept
+	slices.SortFunc(own, func(a, b ranked) int {
+		switch {
+		case a.rank < b.rank:
+			return -1
+		case a.rank > b.rank:
+			return 1
+		}
+		return 0
+	})
+	return own, bytes, touches
+}
+
+// policyRanks replaces the last-access ranks of own and foreign by the
+// policy's where it gives one (policy.Ranker): in batches, in one call.
+// A failed call leaves every rank as it was. Called with c.mu held.
+func (c *clusterMount) policyRanks(ctx context.Context, e *Engine, m *mount, own, foreign []ranked) {
+	n := len(own) + len(foreign)
+	if n == 0 {
+		return
+	}
+	now := uint64(e.now().UnixNano())
+	recs := make([]abi.RankRecord, 0, n)
+	for _, set := range [][]ranked{own, foreign} {
+		for _, r := range set {
+			recs = append(recs, abi.RankRecord{Entry: r.en.id, Time: now})
+		}
+	}
+	ok, err := e.policyRank(ctx, recs)
+	switch {
+	case err != nil:
+		if !c.rankFailed {
+			e.log.Warn("engine: policy ranks unavailable; ranking this node's files by last access", "mount", m.root, "err", err)
+		}
+		c.rankFailed = true
+		return
+	case !ok:
+		return
+	}
+	c.rankFailed = false
+	i := 0
+	for _, set := range [][]ranked{own, foreign} {
+		for j := range set {
+			if recs[i].State == abi.RankKnown {
+				set[j].rank = recs[i].Rank
+			}
+			i++
+		}
+	}
+}
+
+// policyRank asks the engine's policy for the ranks of recs. It reports
+// false, asking nothing, when the policy cannot rank (no policy.Ranker, or
+// no abi.FeatureRank).
+func (e *Engine) policyRank(ctx context.Context, recs []abi.RankRecord) (bool, error) {
+	p := e.pol
+	if sp, ok := p.(*switchPolicy); ok {
+		h := sp.acquire()
+		defer h.calls.Done()
+		p = h.p
+	}
+	r, ok := p.(policy.Ranker)
+	if !ok || !p.Features().Has(abi.FeatureRank) {
+		return false, nil
+	}
+	if err := r.Rank(ctx, recs); err != nil {
+		return false, err
+	}
+	return true, nil
+}
+
+// read reads the other nodes' summaries: the live ones become c.peers;
+// of the dead ones (summary stale, lock free), those whose adoption lock
+// this node holds or takes become c.dead, and their files on the mount
+// are indexed when newly adopted (they may have been written after this
+// node's start); a node adopted before that runs again is released.
+// Touches of this node's files raise their last access. Called with c.mu
+// held.
+func (c *clusterMount) read(ctx context.Context, e *Engine, m *mount) error {
+	sums, bad, err := c.dir.ReadAll()
+	if err != nil {
+		return err
+	}
+	for _, b := range bad {
+		e.log.Warn("engine: cluster summary skipped", "mount", m.root, "err", b)
+	}
+	now := e.now().UnixNano()
+	c.peers = c.peers[:0]
+	was := *c.dead.Load()
+	dead := map[uint32]bool{}
+	fresh := map[uint32]bool{} // adopted now
+	defer func() {
+		// The adopted tags are published once their files are indexed:
+		// a node counted as adopted is counted whole.
+		defer c.dead.Store(&dead)
+		if len(fresh) == 0 {
+			return
+		}
+		n, err := e.adoptFiles(ctx, m, fresh)
+		if err != nil {
+			e.log.Warn("engine: cluster: indexing a dead node's files", "mount", m.root, "err", err)
+		}
+		e.log.Info("engine: cluster: adopted the files of dead nodes", "mount", m.root, "files", n)
+		// They are this node's bytes from now on, before its next count:
+		// their owners' summaries no longer count them.
+		e.ix.mu.RLock()
+		for _, en := range e.ix.entries {
+			if o, ok := clustercap.Owner(en.fid); ok && fresh[o] && en.mount == m.idx && !en.gone {
+				c.own += en.size
+			}
+		}
+		e.ix.mu.RUnlock()
+	}()
+	touched := map[uint64]clustercap.Touch{} // by file id: the latest use, the highest rank
+	for _, s := range sums {
+		live, err := clustercap.Live(s, now, c.dir.LockFree)
+		if err != nil {
+			e.log.Warn("engine: cluster lock probe", "mount", m.root, "node", s.Node, "err", err)
+		}
+		if !live {
+			ok, err := c.dir.Adopt(s.Node)
+			if err != nil {
+				e.log.Warn("engine: cluster: adoption lock", "mount", m.root, "node", s.Node, "err", err)
+			}
+			if ok {
+				dead[s.Tag] = true
+				if !was[s.Tag] {
+					fresh[s.Tag] = true
+				}
+			}
+			continue
+		}
+		if err := c.dir.Release(s.Node); err != nil { // it runs again: its files are its own
+			e.log.Warn("engine: cluster: adoption lock", "mount", m.root, "node", s.Node, "err", err)
+		}
+		c.peers = append(c.peers, s)
+		for _, t := range s.Touches {
+			if o, ok := clustercap.Owner(t.ID); ok && o == c.tag {
+				u := touched[t.ID]
+				touched[t.ID] = clustercap.Touch{ID: t.ID, Time: max(u.Time, t.Time), Rank: max(u.Rank, t.Rank)}
+			}
+		}
+	}
+	if len(touched) == 0 {
+		return nil
+	}
+	var recs []abi.AccessRecord
+	e.ix.mu.Lock()
+	for _, en := range e.ix.entries {
+		t, ok := touched[en.fid]
+		if !ok || en.mount != m.idx || en.gone {
+			continue
+		}
+		// The use is an access of the file: the policy hears of it as a
+		// hit at its time, and the file ranks at least as the user ranks it.
+		c.floor[en.fid] = max(c.floor[en.fid], t.Rank)
+		if t.Time > en.last {
+			en.last = t.Time
+			recs = append(recs, en.access(abi.AccessHit, en.last))
+		}
+	}
+	e.ix.mu.Unlock()
+	e.access(ctx, recs)
+	return nil
+}
+
+// publish writes c's summary with bytes and c.claim; cut, if non-zero, is
+// a cut-off this node computed now. Called with c.mu held.
+func (c *clusterMount) publish(e *Engine, sketch clustercap.Sketch, touches []clustercap.Touch, cut uint64) error {
+	c.seq++
+	c.claim = max(c.claim, c.own)
+	s := &clustercap.Summary{Version: clustercap.SummaryVersion, Node: e.node, Tag: c.tag, Seq: c.seq, Time: e.now().UnixNano(),
+		Interval: int64(c.interval), Bytes: c.own, Claim: c.claim, Sketch: sketch, Touches: touches}
+	switch {
+	case cut > 0:
+		s.Cut, s.CutTime = cut, s.Time
+	case c.pub != nil:
+		s.Cut, s.CutTime = c.pub.Cut, c.pub.CutTime
+	}
+	if err := c.dir.Publish(s); err != nil {
+		return err
+	}
+	c.pub = s
+	return nil
+}
+
+// tick is the periodic work on a cluster mount: count, read the others,
+// evict below the cut-off, publish. A failed read or write leaves the
+// node on its last claim (reserve evicts its own files to stay within it).
+func (c *clusterMount) tick(ctx context.Context, e *Engine, m *mount) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	start := e.now().UnixNano()
+	own, bytes, touches := c.count(ctx, e, m)
+	c.own = bytes
+	if err := c.read(ctx, e, m); err != nil {
+		c.lose(e, m, err)
+		return
+	}
+	items := make([]clustercap.Item, len(own))
+	for i, r := range own {
+		items[i] = clustercap.Item{Rank: r.rank, Bytes: r.en.size}
+	}
+	sketch := clustercap.NewSketch(items, clustercap.SketchPoints)
+	p := c.bound.Decide(start, sketch, c.own, c.peers, 2*int64(c.interval))
+	if p.Cut > 0 {
+		if freed := c.evict(ctx, e, m, own, p.Cut, 0); freed > 0 {
+			own, c.own, _ = c.count(ctx, e, m)
+			items = items[:0]
+			for _, r := range own {
+				items = append(items, clustercap.Item{Rank: r.rank, Bytes: r.en.size})
+			}
+			sketch = clustercap.NewSketch(items, clustercap.SketchPoints)
+		}
+	}
+	// A tick only lowers the claim: raising it is reserve's write-then-read.
+	c.claim = min(c.claim, c.own+c.bound.Grant(len(c.peers)+1, 0))
+	cut := uint64(0)
+	if p.Computed {
+		cut = p.Cut
+	}
+	if err := c.publish(e, sketch, touches, cut); err != nil {
+		c.lose(e, m, err)
+		return
+	}
+	c.since = start
+	if c.lost {
+		c.lost = false
+		e.log.Info("engine: cluster summaries readable again", "mount", m.root)
+	}
+}
+
+// lose records a failed read or write of the cluster directory.
+func (c *clusterMount) lose(e *Engine, m *mount, err error) {
+	if !c.lost {
+		e.log.Warn("engine: cluster summaries unavailable; evicting this node's files within its last claim", "mount", m.root, "claim", c.claim, "err", err)
+	}
+	c.lost = true
+}
+
+// evict removes this node's entries of own (sorted by rank) ranked below
+// cut, then more of the lowest until need bytes are freed. It returns the
+// bytes freed. Pinned entries stay. Called with c.mu held.
+func (c *clusterMount) evict(ctx context.Context, e *Engine, m *mount, own []ranked, cut uint64, need int64) int64 {
+	var freed int64
+	var recs []abi.AccessRecord
+	var claimed []*entry
+	now := e.now().UnixNano()
+	for _, r := range own {
+		if r.rank >= cut && freed >= need {
+			break
+		}
+		en := r.en
+		e.ix.mu.Lock()
+		ok := en.pins == 0 && en.mount == m.idx && !en.gone
+		if ok {
+			if _, c := e.ix.dropLocked(en, true); c {
+				claimed = append(claimed, en)
+			}
+			recs = append(recs, en.access(abi.AccessRemove, now))
+		}
+		e.ix.mu.Unlock()
+		if ok {
+			freed += en.size
+			e.st.evictions.Add(1)
+		}
+	}
+	e.evictAll(claimed)
+	e.access(ctx, recs)
+	c.own -= freed
+	return freed
+}
+
+// clusterReserve accounts size more bytes of this node's on a cluster
+// mount before a store or move reserves them on the mount. Beyond its
+// claim the node publishes a higher claim first and then reads the
+// others' (two nodes raising theirs at once cannot both miss the other);
+// if the claims do not fit the bound, it evicts its files below the
+// cut-off, and then its lowest-ranked, until they do. Without the
+// directory (lost) it stays within its last claim.
+func (e *Engine) clusterReserve(ctx context.Context, m *mount, size int64) error {
+	c := m.cluster
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.own+size <= c.claim {
+		c.own += size
+		return nil
+	}
+	last := c.claim
+	c.claim = c.own + size + c.bound.Grant(len(c.peers)+1, size)
+	err := c.publish(e, c.lastSketch(), nil, 0)
+	if err == nil {
+		err = c.read(ctx, e, m)
+	}
+	var limit int64 // the most this node may hold
+	if err != nil {
+		c.lose(e, m, err)
+		c.claim = last
+		limit = last
+	} else {
+		limit = c.bound.Capacity - clustercap.Claims(c.peers)
+	}
+	if c.own+size > limit || (err == nil && !c.bound.Fits(c.claim, c.peers)) {
+		cut := uint64(0)
+		computed := false
+		if err == nil {
+			p := c.bound.Decide(e.now().UnixNano(), c.lastSketch(), c.own, c.peers, 2*int64(c.interval))
+			cut, computed = p.Cut, p.Computed
+		}
+		own, bytes, _ := c.count(ctx, e, m)
+		c.own = bytes
+		c.evict(ctx, e, m, own, cut, c.own+size-limit)
+		if c.own+size > limit {
+			c.claim = max(last, c.own)
+			return fmt.Errorf("%w: mount %s: this node holds %d bytes and may hold %d of the cluster's %d, %d more needed, no evictable file of its own left",
+				ErrNoSpace, m.root, c.own, limit, c.bound.Capacity, size)
+		}
+		c.claim = min(c.claim, limit)
+		if err == nil {
+			if !computed {
+				cut = 0
+			}
+			if perr := c.publish(e, c.lastSketch(), nil, cut); perr != nil {
+				c.lose(e, m, perr)
+			}
+		}
+	}
+	c.own += size
+	return nil
+}
+
+// clusterVictims is policy.Evictions for a cluster mount's own eviction
+// (its local capacity): this node's files, lowest rank first. The policy's
+// victims could be other nodes' files it indexed, which it must not remove.
+func (e *Engine) clusterVictims(m *mount, req abi.EvictRequest) []policy.Eviction {
+	c := m.cluster
+	c.mu.Lock()
+	// The caller's eviction has no context of its own to pass here; the
+	// policy's calls are bounded by their own deadline.
+	own, _, _ := c.count(context.Background(), e, m)
+	c.mu.Unlock()
+	var out []policy.Eviction
+	var sum uint64
+	for _, r := range own {
+		if sum >= req.Bytes || len(out) == victimBatch {
+			break
+		}
+		out = append(out, policy.Eviction{Victim: abi.Victim{Entry: r.en.id, Score: r.rank}, Target: abi.VictimTarget{Mount: abi.NoMount}})
+		sum += uint64(r.en.size)
+	}
+	return out
+}
+
+// lastSketch is the sketch of c's last summary (none before the first).
+// Called with c.mu held.
+func (c *clusterMount) lastSketch() clustercap.Sketch {
+	if c.pub == nil {
+		return clustercap.Sketch{}
+	}
+	return c.pub.Sketch
+}
+
+// adoptFiles indexes the files on m whose owner tag is in tags (dead
+// nodes this node has just adopted): a dead node's files written after
+// this node's start are not in its index. A file that cannot be read is
+// skipped (removed meanwhile, or not a kvhost file: the rebuild's
+// business). It returns how many files it indexed.
+func (e *Engine) adoptFiles(ctx context.Context, m *mount, tags map[uint32]bool) (int, error) {
+	n := 0
+	var walk func(dir string) error
+	walk = func(dir string) error {
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		ents, err := e.fs.ReadDir(dir)
+		if err != nil {
+			return err
+		}
+		for _, d := range ents {
+			name := d.Name()
+			if strings.HasPrefix(name, ".") {
+				continue // metadata, temporaries, spares
+			}
+			path := filepath.Join(dir, name)
+			if d.IsDir() {
+				if err := walk(path); err != nil {
+					return err
+				}
+				continue
+			}
+			if !d.Type().IsRegular() {
+				continue
+			}
+			en, err := e.readEntry(m.idx, path)
+			if err != nil {
+				continue
+			}
+			if o, ok := clustercap.Owner(en.fid); ok && tags[o] && e.adopt(ctx, en) != nil {
+				n++
+			}
+		}
+		return nil
+	}
+	return n, walk(m.root)
+}

@@ -1,0 +1,251 @@
+package engine
+
+import (
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/host/policy"
+	"github.com/kvhost/kvhost/internal/clustercap"
+)
+
+// clusterNode opens an engine as node id on dir with a cluster capacity
+// of capacity bytes, publishing every interval.
+func clusterNode(t *testing.T, dir, id string, capacity int64, interval time.Duration) *node {
+	t.Helper()
+	e := openEngine(t, Config{Mounts: []Mount{{Path: dir, ClusterCapacity: capacity, ClusterInterval: interval}},
+		Policy: newTestPolicy(1, abi.OrderLayerMajor), NodeID: id})
+	g := smallGeometry(true)
+	ns, err := e.Declare(context.Background(), g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &node{e: e, ns: ns, c: newTestCache(t, e, ns, g, 64, layoutPlaneFirst)}
+}
+
+// diskBytes is the bytes of the data files under dir (not the cluster's
+// summaries and locks).
+func diskBytes(t *testing.T, dir string) int64 {
+	t.Helper()
+	var n int64
+	for _, p := range dataFiles(t, dir) {
+		if strings.Contains(p, "/"+clustercap.DirName+"/") {
+			continue
+		}
+		if fi, err := os.Stat(p); err == nil {
+			n += fi.Size()
+		}
+	}
+	return n
+}
+
+// TestClusterCapacityBoundsTheMountAndKeepsAnotherLiveNodesFiles has a
+// busy node store far past a cluster capacity of 8 files beside an idle
+// node whose 2 files are the oldest (and that never publishes again): the
+// files on the mount never pass the capacity, and the idle node's files,
+// which the busy node has indexed, stay — the busy node evicts its own.
+func TestClusterCapacityBoundsTheMountAndKeepsAnotherLiveNodesFiles(t *testing.T) {
+	ctx := context.Background()
+	probe := openNode(t, t.TempDir(), "probe", nil, 1)
+	storeAndCheck(t, probe.e, probe.c, testKeys("p", 1), [][]int{{0, 1, 2, 3}})
+	fileSize := probe.e.Stats().Mounts[0].Used
+	capacity := 8 * fileSize
+
+	dir := t.TempDir()
+	idle := clusterNode(t, dir, "idle", capacity, time.Hour)
+	busy := clusterNode(t, dir, "busy", capacity, 20*time.Millisecond)
+	r := rand.New(rand.NewPCG(36, 36))
+	idleKeys := testKeys("idle", 2)
+	for i, k := range idleKeys {
+		bl := []int{4 * i, 4*i + 1, 4*i + 2, 4*i + 3}
+		idle.c.fill(r, bl)
+		storeAndCheck(t, idle.e, idle.c, [][]byte{k}, [][]int{bl})
+	}
+	if n, _ := busy.e.Lookup(ctx, busy.ns, idleKeys[:1]); n != 1 {
+		t.Fatalf("the busy node does not find the idle node's file: lookup %d", n)
+	}
+	for i := range 24 {
+		bl := []int{4 * (i % 16), 4*(i%16) + 1, 4*(i%16) + 2, 4*(i%16) + 3}
+		busy.c.fill(r, bl)
+		storeAndCheck(t, busy.e, busy.c, testKeys("busy"+string(rune('a'+i)), 1), [][]int{bl})
+		if got := diskBytes(t, dir); got > capacity {
+			t.Fatalf("after store %d: %d bytes of files on the mount, over the cluster capacity of %d", i, got, capacity)
+		}
+	}
+	for _, k := range idleKeys {
+		if n, _ := idle.e.Lookup(ctx, idle.ns, [][]byte{k}); n != 1 {
+			t.Fatalf("the idle node's key %s is gone: another node removed a live node's file", k)
+		}
+	}
+	if ev := busy.e.Stats().Evictions; ev < 24-6 {
+		t.Fatalf("busy node evicted %d files, want at least %d of its own", ev, 24-6)
+	}
+}
+
+// rankingPolicy is testPolicy with abi.FeatureRank: an entry ranks by its
+// last access, plus 2^60 for the keys in keep (the policy wants them
+// kept, whatever their age).
+type rankingPolicy struct {
+	*testPolicy
+	keep  map[uint64]bool // key hashes
+	calls atomic.Int64
+}
+
+func (p *rankingPolicy) Features() abi.Feature { return p.testPolicy.Features() | abi.FeatureRank }
+
+func (p *rankingPolicy) Rank(_ context.Context, recs []abi.RankRecord) error {
+	p.calls.Add(1)
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for i := range recs {
+		e := p.entries[recs[i].Entry]
+		if e == nil {
+			recs[i].State = abi.RankUnknown
+			continue
+		}
+		recs[i].Rank, recs[i].State = e.Time, abi.RankKnown
+		if p.keep[e.KeyHash] {
+			recs[i].Rank += 1 << 60
+		}
+	}
+	return nil
+}
+
+// TestClusterEvictionFollowsThePolicysRank: node A stores P, then Q; node
+// B then stores until the cluster passes its bound and A evicts. With a
+// policy that ranks P above everything (abi.FeatureRank), A evicts Q and
+// keeps P, although P is the oldest file on the mount; with the same
+// policy without the feature, ranks are last accesses and P goes first.
+func TestClusterEvictionFollowsThePolicysRank(t *testing.T) {
+	probe := openNode(t, t.TempDir(), "probe", nil, 1)
+	storeAndCheck(t, probe.e, probe.c, testKeys("p", 1), [][]int{{0, 1, 2, 3}})
+	fileSize := probe.e.Stats().Mounts[0].Used
+	capacity := 6 * fileSize
+	p, q := []byte("keep-me"), []byte("evict-me")
+	tests := []struct {
+		name  string
+		rank  bool
+		keepP bool
+	}{
+		{"the policy ranks P above the rest", true, true},
+		{"no FeatureRank: last access ranks P lowest", false, false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			ctx := context.Background()
+			dir := t.TempDir()
+			tp := newTestPolicy(1, abi.OrderLayerMajor)
+			rp := &rankingPolicy{testPolicy: tp, keep: map[uint64]bool{abi.KeyHash(p): true}}
+			var pol policy.Policy = tp
+			if tt.rank {
+				pol = rp
+			}
+			ea := openEngine(t, Config{Mounts: []Mount{{Path: dir, ClusterCapacity: capacity, ClusterInterval: 20 * time.Millisecond}},
+				Policy: pol, NodeID: "a"})
+			g := smallGeometry(true)
+			ns, err := ea.Declare(ctx, g)
+			if err != nil {
+				t.Fatal(err)
+			}
+			a := &node{e: ea, ns: ns, c: newTestCache(t, ea, ns, g, 64, layoutPlaneFirst)}
+			b := clusterNode(t, dir, "b", capacity, 20*time.Millisecond)
+			r := rand.New(rand.NewPCG(37, 37))
+			for i, k := range [][]byte{p, q} {
+				bl := []int{4 * i, 4*i + 1, 4*i + 2, 4*i + 3}
+				a.c.fill(r, bl)
+				storeAndCheck(t, a.e, a.c, [][]byte{k}, [][]int{bl})
+			}
+			deadline := time.Now().Add(30 * time.Second)
+			for i := 0; a.e.Stats().Evictions == 0; i++ {
+				if time.Now().After(deadline) {
+					t.Fatalf("node A evicted nothing after node B's %d stores", i)
+				}
+				if i < 40 {
+					bl := []int{4 * (i % 16), 4*(i%16) + 1, 4*(i%16) + 2, 4*(i%16) + 3}
+					b.c.fill(r, bl)
+					storeAndCheck(t, b.e, b.c, testKeys(fmt.Sprintf("b%02d", i), 1), [][]int{bl})
+				} else {
+					time.Sleep(10 * time.Millisecond) // wait for A's next tick
+				}
+			}
+			hitP, _ := a.e.Lookup(ctx, a.ns, [][]byte{p})
+			hitQ, _ := a.e.Lookup(ctx, a.ns, [][]byte{q})
+			if got := hitP == 1; got != tt.keepP {
+				t.Errorf("P kept: %v, want %v (Q kept: %v)", got, tt.keepP, hitQ == 1)
+			}
+			if tt.rank && hitQ == 1 {
+				t.Errorf("A evicted a file but Q, the file its policy ranks lowest, is still there")
+			}
+			if tt.rank && rp.calls.Load() == 0 {
+				t.Errorf("the policy's Rank was never called")
+			}
+		})
+	}
+}
+
+// TestClusterAdoptsADeadNodesFiles: node D stores 3 files after node A
+// started (A's index has none of them) and stops. Once D's summary is
+// stale and its lock free, A takes D's adoption lock and indexes D's
+// files; A's stores then push the cluster past its bound and A evicts
+// D's files (the oldest) along with its own, the files on the mount never
+// passing the bound. Without adoption D's files would stay, uncounted.
+func TestClusterAdoptsADeadNodesFiles(t *testing.T) {
+	ctx := context.Background()
+	probe := openNode(t, t.TempDir(), "probe", nil, 1)
+	storeAndCheck(t, probe.e, probe.c, testKeys("p", 1), [][]int{{0, 1, 2, 3}})
+	fileSize := probe.e.Stats().Mounts[0].Used
+	capacity := 8 * fileSize
+
+	dir := t.TempDir()
+	a := clusterNode(t, dir, "a", capacity, 20*time.Millisecond)
+	d := clusterNode(t, dir, "d", capacity, 20*time.Millisecond)
+	r := rand.New(rand.NewPCG(38, 38))
+	for i, k := range testKeys("dead", 3) {
+		bl := []int{4 * i, 4*i + 1, 4*i + 2, 4*i + 3}
+		d.c.fill(r, bl)
+		storeAndCheck(t, d.e, d.c, [][]byte{k}, [][]int{bl})
+	}
+	var deadFiles []string
+	for _, p := range dataFiles(t, dir) {
+		if !strings.Contains(p, "/"+clustercap.DirName+"/") {
+			deadFiles = append(deadFiles, p)
+		}
+	}
+	if len(deadFiles) != 3 {
+		t.Fatalf("%d data files after node D's 3 stores: %v", len(deadFiles), deadFiles)
+	}
+	if err := d.e.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	m := a.e.mounts[0]
+	adopted := func() bool { return (*m.cluster.dead.Load())[clustercap.Tag("d")] }
+	deadline := time.Now().Add(30 * time.Second)
+	for !adopted() {
+		if time.Now().After(deadline) {
+			t.Fatal("node A did not adopt node D within 30 s of D's stop")
+		}
+		time.Sleep(10 * time.Millisecond) // wait for A's next tick
+	}
+	if got := a.e.Stats().Mounts[0].Entries; got < 3 {
+		t.Fatalf("node A indexes %d files after adopting D, want D's 3", got)
+	}
+	for i := range 12 {
+		bl := []int{4 * (i % 16), 4*(i%16) + 1, 4*(i%16) + 2, 4*(i%16) + 3}
+		a.c.fill(r, bl)
+		storeAndCheck(t, a.e, a.c, testKeys(fmt.Sprintf("a%02d", i), 1), [][]int{bl})
+		if got := diskBytes(t, dir); got > capacity {
+			t.Fatalf("after A's store %d: %d bytes of files on the mount, over the cluster capacity of %d", i, got, capacity)
+		}
+	}
+	for _, p := range deadFiles {
+		if _, err := os.Stat(p); err == nil {
+			t.Errorf("dead node D's file %s is still on the mount after A's 12 stores against a bound of 8 files", p)
+		}
+	}
+}

@@ -1,0 +1,90 @@
+package clustercap
+
+import (
+	"fmt"
+	"os"
+	"path/filepath"
+	"sync"
+)
+
+const adoptSuffix = ".adopt"
+
+// adoptions are the adoption locks a Dir holds, by dead node name.
+type adoptions struct {
+	mu    sync.Mutex
+	locks map[string]*os.File
+}
+
+// Adopt takes the adoption lock of node, a node proven dead (Live is
+// false): an exclusive flock on .kvhost-cluster/<node>.adopt, held until
+// Release or Close. The holder counts the dead node's files as its own
+// and may evict them; exactly one live node holds it, so the files are
+// counted once. It reports false when another process holds it, true
+// when this Dir holds it (already or now).
+func (d *Dir) Adopt(node string) (bool, error) {
+	if err := checkNode(node); err != nil {
+		return false, err
+	}
+	d.adopted.mu.Lock()
+	defer d.adopted.mu.Unlock()
+	if d.adopted.locks[node] != nil {
+		return true, nil
+	}
+	path := filepath.Join(d.path, node+adoptSuffix)
+	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE, 0o644)
+	if err != nil {
+		return false, fmt.Errorf("clustercap: adopt %q: %w", node, err)
+	}
+	ok, err := tryLock(f)
+	if err != nil || !ok {
+		f.Close()
+		if err != nil {
+			return false, fmt.Errorf("clustercap: adopt %q: lock %s: %w", node, path, err)
+		}
+		return false, nil
+	}
+	if d.adopted.locks == nil {
+		d.adopted.locks = map[string]*os.File{}
+	}
+	d.adopted.locks[node] = f
+	return true, nil
+}
+
+// Release gives up the adoption of node (it runs again): another node,
+// or the node itself, counts its files from now on. Releasing a node not
+// adopted does nothing.
+func (d *Dir) Release(node string) error {
+	d.adopted.mu.Lock()
+	defer d.adopted.mu.Unlock()
+	f := d.adopted.locks[node]
+	if f == nil {
+		return nil
+	}
+	delete(d.adopted.locks, node)
+	return f.Close()
+}
+
+// Adopted lists the nodes this Dir holds the adoption of.
+func (d *Dir) Adopted() []string {
+	d.adopted.mu.Lock()
+	defer d.adopted.mu.Unlock()
+	out := make([]string, 0, len(d.adopted.locks))
+	for n := range d.adopted.locks {
+		out = append(out, n)
+	}
+	return out
+}
+
+// releaseAll closes every adoption lock.
+func (d *Dir) releaseAll() error {
+	d.adopted.mu.Lock()
+	defer d.adopted.mu.Unlock()
+	var first error
+	for n, f := range d.adopted.locks {
+		if err := f.Close(); err != nil && first == nil {
+			first = err
+		}
+		delete(d.adopted.locks, n)
+	}
+	return first
+}

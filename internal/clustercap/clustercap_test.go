@@ -1,0 +1,236 @@
+package clustercap
+
+import (
+	"errors"
+	"testing"
+)
+
+func TestSketchBelowIsExactAtPointsAndNeverDecreases(t *testing.T) {
+	var items []Item
+	for r := uint64(1); r <= 1000; r++ {
+		items = append(items, Item{Rank: r * 10, Bytes: 4})
+	}
+	s := NewSketch(items, 16)
+	if err := s.Validate(); err != nil {
+		t.Fatal(err)
+	}
+	if s.Total() != 4000 || len(s.Ranks) > 18 {
+		t.Fatalf("total %d in %d points: want 4000 in at most 18", s.Total(), len(s.Ranks))
+	}
+	for i, r := range s.Ranks {
+		if got := s.Below(r + 1); got != s.Bytes[i] {
+			t.Fatalf("Below(%d) = %d, want %d (point %d)", r+1, got, s.Bytes[i], i)
+		}
+	}
+	prev := int64(0)
+	for r := uint64(0); r <= 10010; r += 7 {
+		got := s.Below(r)
+		exact := int64(0)
+		if r > 10 {
+			exact = int64(min((r-1)/10, 1000)) * 4
+		}
+		if got < prev || got-exact > 4000/16+4 || exact-got > 4000/16+4 {
+			t.Fatalf("Below(%d) = %d after %d: want non-decreasing, within one point's bytes of %d", r, got, prev, exact)
+		}
+		prev = got
+	}
+}
+
+func TestCutoffCoversTheExcessAcrossNodes(t *testing.T) {
+	// Node a's files are old (ranks 0..99), b's recent (100..199): a
+	// cut-off for 150 bytes takes every byte of a and half of b.
+	var a, b []Item
+	for r := range uint64(100) {
+		a = append(a, Item{Rank: r, Bytes: 1})
+		b = append(b, Item{Rank: 100 + r, Bytes: 1})
+	}
+	sa, sb := NewSketch(a, 200), NewSketch(b, 200)
+	tests := []struct {
+		excess int64
+		want   uint64
+		ok     bool
+	}{
+		{0, 0, true},
+		{50, 50, true},
+		{150, 150, true},
+		{200, 200, true},
+		{201, 200, false},
+	}
+	for _, tc := range tests {
+		got, ok := Cutoff([]Sketch{sa, sb}, tc.excess)
+		if got != tc.want || ok != tc.ok {
+			t.Errorf("Cutoff(excess %d) = %d, %v; want %d, %v", tc.excess, got, ok, tc.want, tc.ok)
+		}
+	}
+}
+
+func TestDecideCutsOnlyAboveTheHighWatermarkAndFollowsAPeersRecentCut(t *testing.T) {
+	b, err := NewBound(1000, 0.9, 0.8)
+	if err != nil {
+		t.Fatal(err)
+	}
+	items := func(lo, n uint64) Sketch {
+		var it []Item
+		for r := lo; r < lo+n; r++ {
+			it = append(it, Item{Rank: r, Bytes: 1})
+		}
+		return NewSketch(it, SketchPoints)
+	}
+	peer := func(lo, n uint64, cut uint64, cutTime int64) *Summary {
+		return &Summary{Version: SummaryVersion, Node: "p", Tag: Tag("p"), Interval: 10, Bytes: int64(n), Claim: int64(n), Sketch: items(lo, n), Cut: cut, CutTime: cutTime}
+	}
+	tests := []struct {
+		name     string
+		own      uint64 // own files: ranks 1000..1000+own
+		peer     *Summary
+		want     uint64
+		computed bool
+	}{
+		{"below high", 400, peer(0, 400, 0, 0), 0, false},
+		{"above high: the old peer's files go first", 500, peer(0, 450, 0, 0), 150, true},
+		{"a peer's recent cut", 400, peer(0, 400, 77, 95), 77, false},
+		{"a peer's old cut is ignored", 400, peer(0, 400, 77, 50), 0, false},
+	}
+	for _, tc := range tests {
+		p := b.Decide(100, items(1000, tc.own), int64(tc.own), []*Summary{tc.peer}, 20)
+		if p.Cut != tc.want || p.Computed != tc.computed {
+			t.Errorf("%s: cut %d computed %v, want %d %v", tc.name, p.Cut, p.Computed, tc.want, tc.computed)
+		}
+	}
+}
+
+func TestFileIDCarriesItsOwnersTag(t *testing.T) {
+	for _, node := range []string{"node-1", "node-2", "a", "x.y_z"} {
+		tag := Tag(node)
+		for _, r := range []uint64{0, 1, ^uint64(0), 0x123456789abcdef} {
+			id := FileID(tag, r)
+			got, ok := Owner(id)
+			if id == 0 || !ok || got != tag {
+				t.Fatalf("FileID(Tag(%q), %#x) = %#x: owner %#x %v, want %#x", node, r, id, got, ok, tag)
+			}
+		}
+	}
+	if _, ok := Owner(0); ok {
+		t.Fatal("Owner(0) reports an owner: want none (a file written before ids)")
+	}
+}
+
+func TestSummaryRoundTripsAndBadOnesAreNamed(t *testing.T) {
+	good := Summary{Version: SummaryVersion, Node: "n1", Tag: Tag("n1"), Seq: 3, Time: 5, Interval: 1e9, Bytes: 10, Claim: 20,
+		Sketch: NewSketch([]Item{{1, 4}, {2, 6}}, 8), Touches: []Touch{{ID: 7, Rank: 9}}}
+	b, err := Encode(&good)
+	if err != nil {
+		t.Fatal(err)
+	}
+	back, err := Decode(b)
+	if err != nil || back.Claim != 20 || back.Sketch.Total() != 10 || len(back.Touches) != 1 {
+		t.Fatalf("round trip: %+v, %v", back, err)
+	}
+	tests := []struct {
+		name string
+		edit func(s *Summary)
+	}{
+		{"version", func(s *Summary) { s.Version = 2 }},
+		{"tag", func(s *Summary) { s.Tag++ }},
+		{"claim below bytes", func(s *Summary) { s.Claim = 5 }},
+		{"interval", func(s *Summary) { s.Interval = 0 }},
+		{"sketch", func(s *Summary) { s.Sketch.Bytes = s.Sketch.Bytes[:1] }},
+	}
+	for _, tc := range tests {
+		s := good
+		s.Sketch = Sketch{Ranks: append([]uint64(nil), good.Sketch.Ranks...), Bytes: append([]int64(nil), good.Sketch.Bytes...)}
+		tc.edit(&s)
+		if _, err := Encode(&s); !errors.Is(err, ErrSummary) {
+			t.Errorf("%s: Encode error %v, want ErrSummary", tc.name, err)
+		}
+	}
+	if _, err := Decode([]byte("{")); !errors.Is(err, ErrSummary) {
+		t.Errorf("truncated: Decode error %v, want ErrSummary", err)
+	}
+}
+
+func TestDirPublishesReadsAndTellsALiveNodeFromADeadOne(t *testing.T) {
+	root := t.TempDir()
+	a, err := OpenDir(root, "a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close()
+	if _, err := OpenDir(root, "a"); !errors.Is(err, ErrNodeLocked) {
+		t.Fatalf("second OpenDir of node a: %v, want ErrNodeLocked", err)
+	}
+	b, err := OpenDir(root, "b")
+	if err != nil {
+		t.Fatal(err)
+	}
+	sum := &Summary{Version: SummaryVersion, Node: "b", Tag: Tag("b"), Time: 1, Interval: 10, Bytes: 3, Claim: 4, Sketch: NewSketch([]Item{{5, 3}}, 8)}
+	if err := b.Publish(sum); err != nil {
+		t.Fatal(err)
+	}
+	got, bad, err := a.ReadAll()
+	if err != nil || len(bad) != 0 || len(got) != 1 || got[0].Node != "b" || got[0].Claim != 4 {
+		t.Fatalf("ReadAll: %v %v %v, want b's summary", got, bad, err)
+	}
+	// Stale but locked: live. Stale and unlocked: dead.
+	live, err := Live(got[0], 1000, a.LockFree)
+	if err != nil || !live {
+		t.Fatalf("stale summary of a running node: live %v (%v), want live", live, err)
+	}
+	b.Close()
+	live, err = Live(got[0], 1000, a.LockFree)
+	if err != nil || live {
+		t.Fatalf("stale summary of a closed node: live %v (%v), want dead", live, err)
+	}
+	if live, _ := Live(got[0], 20, a.LockFree); !live {
+		t.Fatal("a fresh summary of a closed node: dead, want live until it is stale")
+	}
+}
+
+// TestAdoptionLockIsHeldByOneNodeAtATime: once node x's lock is free, one
+// of two live nodes takes its adoption lock, the other is refused until
+// the first releases it (or closes); the holder is told it holds it again.
+func TestAdoptionLockIsHeldByOneNodeAtATime(t *testing.T) {
+	root := t.TempDir()
+	x, err := OpenDir(root, "x")
+	if err != nil {
+		t.Fatal(err)
+	}
+	x.Close() // x dies: its lock is free
+	y, err := OpenDir(root, "y")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer y.Close()
+	z, err := OpenDir(root, "z")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer z.Close()
+	steps := []struct {
+		name string
+		d    *Dir
+		op   func(d *Dir) (bool, error)
+		want bool
+	}{
+		{"y adopts x", y, func(d *Dir) (bool, error) { return d.Adopt("x") }, true},
+		{"y adopts x again", y, func(d *Dir) (bool, error) { return d.Adopt("x") }, true},
+		{"z is refused while y holds it", z, func(d *Dir) (bool, error) { return d.Adopt("x") }, false},
+		{"y releases", y, func(d *Dir) (bool, error) { return true, d.Release("x") }, true},
+		{"z adopts x", z, func(d *Dir) (bool, error) { return d.Adopt("x") }, true},
+		{"y is refused", y, func(d *Dir) (bool, error) { return d.Adopt("x") }, false},
+		{"z closes", z, func(d *Dir) (bool, error) { return true, d.Close() }, true},
+		{"y adopts x after z closed", y, func(d *Dir) (bool, error) { return d.Adopt("x") }, true},
+	}
+	for _, s := range steps {
+		got, err := s.op(s.d)
+		if err != nil || got != s.want {
+			t.Fatalf("%s: %v, %v; want %v", s.name, got, err, s.want)
+		}
+	}
+	if got := y.Adopted(); len(got) != 1 || got[0] != "x" {
+		t.Fatalf("y holds the adoption of %v, want [x]", got)
+	}
+	if _, err := y.Adopt("../x"); err == nil {
+		t.Fatal("a node name with '/' was accepted")
+	}
+}

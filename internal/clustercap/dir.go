@@ -1,0 +1,184 @@
+package clustercap
+
+import (
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"strings"
+	"syscall"
+
+	"golang.org/x/sys/unix"
+)
+
+// DirName is the metadata directory under a mount's root. Its name starts
+// with '.', so the engine's scan of the mount skips it.
+const DirName = ".kvhost-cluster"
+
+const (
+	summarySuffix = ".summary"
+	lockSuffix    = ".lock"
+)
+
+// Dir is a mount's metadata directory as one node uses it: it publishes
+// the node's summary, reads everyone's and holds the node's lock file for
+// as long as the node runs.
+type Dir struct {
+	path    string
+	node    string
+	lock    *os.File
+	adopted adoptions
+}
+
+// OpenDir creates (if missing) the metadata directory under root and takes
+// node's lock file in it: an exclusive flock, held until Close. It fails
+// with ErrNodeLocked if another process holds it (the same node id runs
+// twice on the mount).
+func OpenDir(root, node string) (*Dir, error) {
+	if err := checkNode(node); err != nil {
+		return nil, err
+	}
+	d := &Dir{path: filepath.Join(root, DirName), node: node}
+	if err := os.MkdirAll(d.path, 0o755); err != nil {
+		return nil, fmt.Errorf("clustercap: %w", err)
+	}
+	f, err := os.OpenFile(d.lockPath(node), os.O_RDWR|os.O_CREATE, 0o644)
+	if err != nil {
+		return nil, fmt.Errorf("clustercap: %w", err)
+	}
+	ok, err := tryLock(f)
+	if err != nil {
+		f.Close()
+		return nil, fmt.Errorf("clustercap: lock %s: %w", d.lockPath(node), err)
+	}
+	if !ok {
+		f.Close()
+		return nil, fmt.Errorf("%w: %s: node %q already runs on this mount", ErrNodeLocked, d.lockPath(node), node)
+	}
+	d.lock = f
+	return d, nil
+}
+
+// checkNode checks a node name: it names files in the directory.
+func checkNode(node string) error {
+	if node == "" || strings.ContainsAny(node, "/\x00") || strings.HasPrefix(node, ".") {
+		return fmt.Errorf("clustercap: node name %q: want a non-empty name without '/' that does not start with '.'", node)
+	}
+	return nil
+}
+
+// ErrNodeLocked: another process holds the node's lock file.
+var ErrNodeLocked = errors.New("clustercap: node lock held")
+
+// Path is the directory's path.
+func (d *Dir) Path() string { return d.path }
+
+// Close releases the node's lock and its adoption locks. Its summary stays: its files are still
+// on the mount, and another node takes them as a dead node's only once the
+// summary is stale.
+func (d *Dir) Close() error {
+	err := d.releaseAll()
+	if d.lock == nil {
+		return err
+	}
+	if cerr := d.lock.Close(); err == nil {
+		err = cerr
+	}
+	d.lock = nil
+	return err
+}
+
+func (d *Dir) lockPath(node string) string    { return filepath.Join(d.path, node+lockSuffix) }
+func (d *Dir) summaryPath(node string) string { return filepath.Join(d.path, node+summarySuffix) }
+
+// Publish writes s as this node's summary: a temporary file renamed over
+// the last one, so that a reader sees one whole summary or the other.
+func (d *Dir) Publish(s *Summary) error {
+	if s.Node != d.node {
+		return fmt.Errorf("clustercap: publish node %q's summary from node %q", s.Node, d.node)
+	}
+	b, err := Encode(s)
+	if err != nil {
+		return err
+	}
+	tmp := filepath.Join(d.path, fmt.Sprintf(".%s.tmp-%016x", d.node, rand.Uint64()))
+	if err := os.WriteFile(tmp, b, 0o644); err != nil {
+		os.Remove(tmp)
+		return fmt.Errorf("clustercap: publish: %w", err)
+	}
+	if err := os.Rename(tmp, d.summaryPath(d.node)); err != nil {
+		os.Remove(tmp)
+		return fmt.Errorf("clustercap: publish: %w", err)
+	}
+	return nil
+}
+
+// ReadAll reads every node's summary but this node's. A summary that does
+// not decode is skipped and its error returned beside the others (a node
+// of another version, a file damaged by hand); a directory that cannot be
+// read is an error with no summaries.
+func (d *Dir) ReadAll() ([]*Summary, []error, error) {
+	ents, err := os.ReadDir(d.path)
+	if err != nil {
+		return nil, nil, fmt.Errorf("clustercap: %w", err)
+	}
+	var out []*Summary
+	var bad []error
+	for _, ent := range ents {
+		name := ent.Name()
+		node, ok := strings.CutSuffix(name, summarySuffix)
+		if !ok || strings.HasPrefix(name, ".") || node == d.node {
+			continue
+		}
+		b, err := os.ReadFile(filepath.Join(d.path, name))
+		if errors.Is(err, os.ErrNotExist) {
+			continue // removed meanwhile
+		}
+		if err != nil {
+			return nil, nil, fmt.Errorf("clustercap: %w", err)
+		}
+		s, err := Decode(b)
+		if err == nil && s.Node != node {
+			err = fmt.Errorf("%w: %s holds node %q's summary", ErrSummary, name, s.Node)
+		}
+		if err != nil {
+			bad = append(bad, fmt.Errorf("%s: %w", name, err))
+			continue
+		}
+		out = append(out, s)
+	}
+	return out, bad, nil
+}
+
+// LockFree reports whether node's lock file is free: no process holds it
+// (taken without waiting and released at once). A lock file that does not
+// exist is free.
+func (d *Dir) LockFree(node string) (bool, error) {
+	f, err := os.OpenFile(d.lockPath(node), os.O_RDONLY|syscall.O_NOFOLLOW, 0)
+	if errors.Is(err, os.ErrNotExist) {
+		return true, nil
+	}
+	if err != nil {
+		return false, err
+	}
+	defer f.Close()
+	return tryLock(f)
+}
+
+// tryLock takes an exclusive flock on f without waiting; it reports false
+// if another open file holds one.
+func tryLock(f *os.File) (bool, error) {
+	for {
+		err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB)
+		switch {
+		case err == nil:
+			return true, nil
+		case errors.Is(err, unix.EINTR):
+			continue
+		case errors.Is(err, unix.EWOULDBLOCK):
+			return false, nil
+		}
+		return false, err
+	}
+}

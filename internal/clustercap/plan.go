@@ -1,0 +1,105 @@
+package clustercap
+
+import "fmt"
+
+// StaleIntervals is how many of its publication intervals a node's summary
+// may age before the node may be dead: it is dead once its summary is that
+// stale and its lock file is free (Live).
+const StaleIntervals = 3
+
+// Bound is the cluster-wide bound of a shared mount: the most bytes every
+// node's files may take together, and the watermarks between which
+// eviction runs (usage above High evicts down to Low).
+type Bound struct {
+	Capacity, High, Low int64
+}
+
+// NewBound returns the bound of capacity bytes with watermarks high and
+// low, fractions with 0 < low <= high <= 1.
+func NewBound(capacity int64, high, low float64) (Bound, error) {
+	if capacity <= 0 || low <= 0 || low > high || high > 1 {
+		return Bound{}, fmt.Errorf("clustercap: capacity %d, watermarks high %v low %v: want capacity > 0, 0 < low <= high <= 1", capacity, high, low)
+	}
+	return Bound{Capacity: capacity, High: int64(float64(capacity) * high), Low: int64(float64(capacity) * low)}, nil
+}
+
+// Grant is the headroom one of nodes live nodes claims beyond its bytes:
+// an equal share of the room between the high watermark and the capacity,
+// at least min (a node must be able to claim one file).
+func (b Bound) Grant(nodes int, min int64) int64 {
+	g := (b.Capacity - b.High) / int64(max(nodes, 1))
+	return max(g, min)
+}
+
+// Live reports whether the node of summary s may still be running at now
+// (Unix nanoseconds): its summary is younger than StaleIntervals of its
+// intervals, or its lock is held (lockFree says whether it is free; it is
+// asked only for a stale summary).
+func Live(s *Summary, now int64, lockFree func(node string) (bool, error)) (bool, error) {
+	if now-s.Time < StaleIntervals*s.Interval {
+		return true, nil
+	}
+	free, err := lockFree(s.Node)
+	if err != nil {
+		return true, err // unknown: never take a live node's files
+	}
+	return !free, nil
+}
+
+// Claims is the sum of the claims of peers (live nodes' summaries).
+func Claims(peers []*Summary) int64 {
+	var n int64
+	for _, p := range peers {
+		n += p.Claim
+	}
+	return n
+}
+
+// Fits reports whether a node claiming claim bytes beside peers (every
+// other live node's summary) stays within the bound's capacity.
+func (b Bound) Fits(claim int64, peers []*Summary) bool {
+	return claim+Claims(peers) <= b.Capacity
+}
+
+// Plan is what a node does about the cluster's usage now.
+type Plan struct {
+	// Total is the cluster's bytes as the node sees them: its own now and
+	// every peer's last summary.
+	Total int64
+	// Cut is the rank below which the node evicts its files (0: none):
+	// the cut-off it computed, or a peer's recent one, whichever is higher.
+	Cut uint64
+	// Computed says the node computed Cut itself (the cluster is over the
+	// high watermark): it publishes it with its next summary.
+	Computed bool
+}
+
+// Decide plans a node's eviction at now (Unix nanoseconds): its own bytes
+// and sketch (fresh), the summaries of every other live node (peers), and
+// window, how long a peer's cut-off stays in force (its interval or two:
+// every node applies it at its next summary). If the cluster is above the
+// high watermark, the cut-off is the rank below which every node's files
+// together cover the excess down to the low watermark (Cutoff); each node
+// evicts its own files below it, so the cluster loses its lowest-ranked
+// bytes whoever holds them.
+func (b Bound) Decide(now int64, own Sketch, ownBytes int64, peers []*Summary, window int64) Plan {
+	p := Plan{Total: ownBytes}
+	sketches := make([]Sketch, 0, len(peers)+1)
+	sketches = append(sketches, own)
+	for _, s := range peers {
+		p.Total += s.Bytes
+		sketches = append(sketches, s.Sketch)
+		if s.Cut > 0 && now-s.CutTime <= window {
+			p.Cut = max(p.Cut, s.Cut)
+		}
+	}
+	if p.Total > b.High {
+		// Bytes a peer holds beyond its sketch (stores in flight) are not
+		// ranked: the excess counts them but only sketched bytes can go.
+		cut, _ := Cutoff(sketches, p.Total-b.Low)
+		if cut > p.Cut {
+			p.Cut, p.Computed = cut, true
+		}
+	}
+	return p
+}

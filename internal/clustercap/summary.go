@@ -1,0 +1,100 @@
+package clustercap
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+)
+
+// SummaryVersion is the version of the summary format this package writes
+// and reads.
+const SummaryVersion = 1
+
+// MaxTouches bounds Summary.Touches: the other nodes' files a node reports
+// having used since its last summary (the most recent first are kept).
+const MaxTouches = 4096
+
+// ErrSummary: a summary file does not decode or is inconsistent.
+var ErrSummary = errors.New("clustercap: bad summary")
+
+// Summary is what one node publishes about its files on a shared mount.
+type Summary struct {
+	Version int    `json:"version"`
+	Node    string `json:"node"`
+	Tag     uint32 `json:"tag"`
+	// Seq grows with every summary the node publishes.
+	Seq uint64 `json:"seq"`
+	// Time is when it was published (Unix nanoseconds, the node's clock);
+	// Interval the node's publication period (nanoseconds).
+	Time     int64 `json:"time"`
+	Interval int64 `json:"interval"`
+	// Bytes is what the node's own files (and its stores in flight) take;
+	// Claim is the most it may hold before it publishes again (>= Bytes).
+	Bytes int64 `json:"bytes"`
+	Claim int64 `json:"claim"`
+	// Cut is the cut-off rank the node evicted below when it last found
+	// the cluster over its bound, at CutTime (0: none).
+	Cut     uint64 `json:"cut,omitempty"`
+	CutTime int64  `json:"cut_time,omitempty"`
+	// Sketch is the node's bytes by rank.
+	Sketch Sketch `json:"sketch"`
+	// Touches are other nodes' files this node used since its previous
+	// summary, with their rank here: the owner ranks them at least that
+	// high, so a file hot on another node is not evicted as cold.
+	Touches []Touch `json:"touches,omitempty"`
+}
+
+// Touch is a use of another node's file: its file id, its rank after the
+// use on the node that used it (the policy's, or for LRU the time of the
+// use) and the time of the use (Unix nanoseconds; 0 from nodes that did
+// not send it), which the owner reports to its policy as a hit.
+type Touch struct {
+	ID   uint64 `json:"id"`
+	Rank uint64 `json:"rank"`
+	Time int64  `json:"time,omitempty"`
+}
+
+// Encode validates s and returns its encoding.
+func Encode(s *Summary) ([]byte, error) {
+	if err := s.Validate(); err != nil {
+		return nil, err
+	}
+	return json.Marshal(s)
+}
+
+// Decode decodes and validates a summary.
+func Decode(b []byte) (*Summary, error) {
+	var s Summary
+	if err := json.Unmarshal(b, &s); err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrSummary, err)
+	}
+	if err := s.Validate(); err != nil {
+		return nil, err
+	}
+	return &s, nil
+}
+
+// Validate checks the summary's fields.
+func (s *Summary) Validate() error {
+	bad := func(format string, args ...any) error {
+		return fmt.Errorf("%w: node %q: %s", ErrSummary, s.Node, fmt.Sprintf(format, args...))
+	}
+	switch {
+	case s.Version != SummaryVersion:
+		return bad("version %d, want %d", s.Version, SummaryVersion)
+	case s.Node == "" || len(s.Node) > 64:
+		return bad("node name of %d bytes, want 1..64", len(s.Node))
+	case s.Tag != Tag(s.Node):
+		return bad("tag %#x, want %#x (the tag of its name)", s.Tag, Tag(s.Node))
+	case s.Interval <= 0:
+		return bad("interval %d, want > 0", s.Interval)
+	case s.Bytes < 0 || s.Claim < s.Bytes:
+		return bad("bytes %d, claim %d: want 0 <= bytes <= claim", s.Bytes, s.Claim)
+	case len(s.Touches) > MaxTouches:
+		return bad("%d touches, want at most %d", len(s.Touches), MaxTouches)
+	}
+	if err := s.Sketch.Validate(); err != nil {
+		return bad("%v", err)
+	}
+	return nil
+}
