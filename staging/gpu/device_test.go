@@ -242,7 +242,7 @@ func TestGPUCheckAndBenchmark(t *testing.T) {
 					if mode != modes[len(modes)-1] && jobs != 16 {
 						continue // fewer jobs: the default mode only
 					}
-					m, err := New(Config{Runtime: r, Devices: []int{0}, MaxStaging: int64(jobs) * 2 * (8<<20 + 2*Align), Copy: mode, NoChecksums: nosums})
+					m, err := New(Config{Runtime: r, Devices: []int{0}, MaxStaging: int64(jobs) * 2 * (8<<20 + 2*align), Copy: mode, NoChecksums: nosums})
 					if err != nil {
 						t.Fatal(err)
 					}
@@ -313,7 +313,7 @@ func registeredPass(t *testing.T, rep *report, r *cuda.Runtime, kv *cache, w *cu
 		q.Memory = true
 		memory[i] = &q
 	}
-	m, err := New(Config{Runtime: r, Devices: []int{0}, MaxStaging: int64(jobs) * 2 * (8<<20 + 2*Align), NoChecksums: nosums, RegisterFiles: len(paths)})
+	m, err := New(Config{Runtime: r, Devices: []int{0}, MaxStaging: int64(jobs) * 2 * (8<<20 + 2*align), NoChecksums: nosums, RegisterFiles: len(paths)})
 	if err != nil {
 		t.Fatal(err)
 	}

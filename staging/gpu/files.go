@@ -853,7 +853,7 @@ func (m *Mover) runMapped(ctx context.Context, mem []byte, p *transfer.Plan, chu
 			// As writeChunk: a direct plan ending inside a block is written
 			// to the block's end, the tail as zeros.
 			if err := region.Guard(func() error {
-				clear(mem[end:min(int64(len(mem)), (end+Align-1)/Align*Align)])
+				clear(mem[end:min(int64(len(mem)), (end+align-1)/align*align)])
 				return nil
 			}); err != nil {
 				return 0, fmt.Errorf("gpu: registered file: %w", err)

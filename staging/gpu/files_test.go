@@ -261,7 +261,7 @@ func TestPreparingWithoutRegisteredFilesDoesNothing(t *testing.T) {
 // load of it (one batch) brings them back. (How many chunks are in flight
 // at once is not observed here.)
 func TestRegisteredFilesStoreChunkByChunk(t *testing.T) {
-	e, m, kv, _, _, kf := registeredFile(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, Chunk: 3 * Align, Copy: cuda.CopyBatch, RegisterFiles: 4})
+	e, m, kv, _, _, kf := registeredFile(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, Chunk: 3 * align, Copy: cuda.CopyBatch, RegisterFiles: 4})
 	orig := kv.randomize(t, e.w, 2) // new bytes: the direct store must write them
 	host := hostCopies(kv, orig)
 	chunks, _, err := m.plan(kf.p, true)
@@ -447,7 +447,7 @@ func TestFileLimitLeavesMostDescriptorsAndMappingsToOthers(t *testing.T) {
 // wait in a direct store or load fails that job with the CUDA error, and
 // the next job on the file succeeds (the failed lane was not reused).
 func TestRegisteredFilesCopyFailuresFailTheJob(t *testing.T) {
-	e, m, kv, orig, host, kf := registeredFile(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, Chunk: 3 * Align, Copy: cuda.CopyBatch, RegisterFiles: 4})
+	e, m, kv, orig, host, kf := registeredFile(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, Chunk: 3 * align, Copy: cuda.CopyBatch, RegisterFiles: 4})
 	for _, c := range []struct {
 		name  string
 		op    cudatest.Op
@@ -520,7 +520,7 @@ func TestRegisteredFilesResizedOrReplacedAreDropped(t *testing.T) {
 	store(t, e, m, kv, kf, host, orig)
 	testwait.Until(t, "the file registered again", 10*time.Second, func() bool { return m.FileStats().Files == 1 })
 
-	if err := os.Truncate(kf.path, kf.p.End()+2*Align); err != nil {
+	if err := os.Truncate(kf.path, kf.p.End()+2*align); err != nil {
 		t.Fatal(err)
 	}
 	stores := m.FileStats().Stores

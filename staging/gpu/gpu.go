@@ -43,17 +43,17 @@ import (
 
 // Errors of the package.
 var (
-	// ErrClosed: the mover is closed.
-	ErrClosed = errors.New("gpu: mover closed")
-	// ErrUnaligned: a direct write whose file range does not start on a
+	// errClosed: the mover is closed.
+	errClosed = errors.New("gpu: mover closed")
+	// errUnaligned: a direct write whose file range does not start on a
 	// 4 KiB block.
-	ErrUnaligned = errors.New("gpu: unaligned direct write")
-	// ErrConfig: the configuration is invalid.
-	ErrConfig = errors.New("gpu: invalid configuration")
+	errUnaligned = errors.New("gpu: unaligned direct write")
+	// errConfig: the configuration is invalid.
+	errConfig = errors.New("gpu: invalid configuration")
 )
 
-// Align is the alignment of pinned buffers and of direct I/O.
-const Align = staging.Align
+// align is the alignment of pinned buffers and of direct I/O.
+const align = staging.Align
 
 // Config configures a Mover.
 type Config struct {
@@ -168,13 +168,13 @@ type device struct {
 // New allocates the pinned pool.
 func New(cfg Config) (*Mover, error) {
 	if cfg.Runtime == nil {
-		return nil, fmt.Errorf("%w: no CUDA runtime", ErrConfig)
+		return nil, fmt.Errorf("%w: no CUDA runtime", errConfig)
 	}
 	if cfg.Chunk == 0 {
 		cfg.Chunk = 4 << 20
 	}
-	if cfg.Chunk < Align || cfg.Chunk%Align != 0 {
-		return nil, fmt.Errorf("%w: chunk %d is not a positive multiple of %d", ErrConfig, cfg.Chunk, Align)
+	if cfg.Chunk < align || cfg.Chunk%align != 0 {
+		return nil, fmt.Errorf("%w: chunk %d is not a positive multiple of %d", errConfig, cfg.Chunk, align)
 	}
 	if cfg.MaxStaging == 0 {
 		cfg.MaxStaging = 256 << 20
@@ -186,27 +186,27 @@ func New(cfg Config) (*Mover, error) {
 		cfg.Poll = DefaultPoll
 	}
 	if cfg.Depth < 1 {
-		return nil, fmt.Errorf("%w: depth %d", ErrConfig, cfg.Depth)
+		return nil, fmt.Errorf("%w: depth %d", errConfig, cfg.Depth)
 	}
 	if cfg.Copy == cuda.CopyBatch && !cfg.Runtime.HasBatch() {
-		return nil, fmt.Errorf("%w: %w", ErrConfig, cuda.ErrNoBatch)
+		return nil, fmt.Errorf("%w: %w", errConfig, cuda.ErrNoBatch)
 	}
 	if cfg.Copy == cuda.CopyKernel && !cfg.Runtime.HasKernel() {
-		return nil, fmt.Errorf("%w: %w", ErrConfig, cuda.ErrNoKernel)
+		return nil, fmt.Errorf("%w: %w", errConfig, cuda.ErrNoKernel)
 	}
-	bsize := cfg.Chunk + 2*Align // a read's aligned range around a chunk
+	bsize := cfg.Chunk + 2*align // a read's aligned range around a chunk
 	// With the copy kernel, each buffer has a segment table: an entry per
 	// 4 KiB of chunk and two more (the partial pages at its ends), enough
 	// for any cache whose pages are 4 KiB or larger. The tables live in
 	// the same pinned allocation, after the buffers.
 	entries, tsize := 0, 0
 	if cfg.Copy == cuda.CopyKernel {
-		entries = cfg.Chunk/Align + 2
+		entries = cfg.Chunk/align + 2
 		tsize = (entries*cuda.KernelEntryBytes + 63) &^ 63
 	}
 	n := int(cfg.MaxStaging / int64(bsize+tsize))
 	if n < 1 {
-		return nil, fmt.Errorf("%w: max staging %d bytes holds no %d-byte buffer", ErrConfig, cfg.MaxStaging, bsize+tsize)
+		return nil, fmt.Errorf("%w: max staging %d bytes holds no %d-byte buffer", errConfig, cfg.MaxStaging, bsize+tsize)
 	}
 	count, err := cfg.Runtime.DeviceCount()
 	if err != nil {
@@ -219,7 +219,7 @@ func New(cfg Config) (*Mover, error) {
 	}
 	for _, d := range cfg.Devices {
 		if d < 0 || d >= count {
-			return nil, fmt.Errorf("%w: device %d: the runtime sees %d devices", ErrConfig, d, count)
+			return nil, fmt.Errorf("%w: device %d: the runtime sees %d devices", errConfig, d, count)
 		}
 	}
 	m := &Mover{cfg: cfg, r: cfg.Runtime, bsize: bsize, bufs: newFreeBuffers(n), devs: map[int]*device{}}
@@ -228,7 +228,7 @@ func New(cfg Config) (*Mover, error) {
 		m.fallback = cuda.CopyBatch
 	}
 	if len(cfg.Devices) == 0 {
-		return nil, fmt.Errorf("%w: no CUDA device", ErrConfig)
+		return nil, fmt.Errorf("%w: no CUDA device", errConfig)
 	}
 	for _, d := range cfg.Devices {
 		m.devs[d] = &device{ordinal: d, idle: make(chan *lane, maxIdleLanes)}
@@ -254,7 +254,7 @@ func New(cfg Config) (*Mover, error) {
 	}
 	if cfg.RegisterFiles < 0 {
 		m.Close()
-		return nil, fmt.Errorf("%w: register files %d", ErrConfig, cfg.RegisterFiles)
+		return nil, fmt.Errorf("%w: register files %d", errConfig, cfg.RegisterFiles)
 	}
 	if limit := fileLimit(cfg.RegisterFiles); limit > 0 {
 		m.files = newFiles(m, limit, cfg.Registrars, cfg.Devices[0], cfg.Log)
@@ -325,14 +325,14 @@ func (m *Mover) PinnedBytes() int64 { return int64(len(m.pin.Bytes())) }
 
 // Close waits for the calls in flight, stops the registrar and releases
 // every registered file (those a job still holds included), destroys the
-// idle lanes and frees the pinned pool; later calls fail with ErrClosed
+// idle lanes and frees the pinned pool; later calls fail with errClosed
 // or do nothing. Nothing calls CUDA once it returned: the caller may then
 // unload the runtime.
 func (m *Mover) Close() error {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	if m.closed {
-		return ErrClosed
+		return errClosed
 	}
 	m.closed = true
 	// No job runs on a lane now, nor will (the lock waited for those that
@@ -438,11 +438,11 @@ func (m *Mover) plan(p *transfer.Plan, write bool) ([]chunk, *device, error) {
 			// A direct write must start on a block; a plan that ends
 			// inside one is written to the block's end with zeros
 			// (transfer.Plan.Direct), as writeChunk does.
-			if write && c.off%Align != 0 {
-				return nil, nil, fmt.Errorf("%w: [%d, %d)", ErrUnaligned, c.off, c.end)
+			if write && c.off%align != 0 {
+				return nil, nil, fmt.Errorf("%w: [%d, %d)", errUnaligned, c.off, c.end)
 			}
-			c.aoff = c.off / Align * Align
-			c.aend = (c.end + Align - 1) / Align * Align
+			c.aoff = c.off / align * align
+			c.aend = (c.end + align - 1) / align * align
 		}
 	}
 	if len(chunks) == 0 {
@@ -479,7 +479,7 @@ func sum(c *chunk, b []byte, lead, lo, hi int, sums []uint32) {
 // any I/O to a memory file system), a chunk's system calls are cut into
 // pieces of this size, each checksummed right after the kernel copied it,
 // while it is in cache (as package staging does). It is a multiple of
-// Align, so that direct pieces stay aligned.
+// align, so that direct pieces stay aligned.
 const fuseBatch = 256 << 10
 
 // fusedIO reports whether a plan's file I/O goes in pieces, each

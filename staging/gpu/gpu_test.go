@@ -156,19 +156,19 @@ func TestRoundTripScatteredPlan(t *testing.T) {
 		{"batch", cuda.CopyBatch, false, false, 0, ""},
 		{"segments", cuda.CopySegments, false, false, 0, ""},
 		{"batch-direct", cuda.CopyBatch, true, false, 0, ""},
-		{"segments-direct-small-chunks", cuda.CopySegments, true, false, 3 * Align, ""},
+		{"segments-direct-small-chunks", cuda.CopySegments, true, false, 3 * align, ""},
 		{"batch-no-checksums", cuda.CopyBatch, false, true, 1 << 20, ""},
 		{"batch-o-direct-tmpfs", cuda.CopyBatch, true, false, 0, "tmpfs"},
-		{"batch-o-direct-tmpfs-odd-chunks", cuda.CopyBatch, true, false, 67 * Align, "tmpfs"},
+		{"batch-o-direct-tmpfs-odd-chunks", cuda.CopyBatch, true, false, 67 * align, "tmpfs"},
 		{"batch-o-direct-disk", cuda.CopyBatch, true, false, 0, "disk"},
 		// Reads from memory file systems go in pieces without checksums too.
 		{"batch-o-direct-tmpfs-no-checksums", cuda.CopyBatch, true, true, 0, "tmpfs"},
-		{"segments-o-direct-tmpfs-no-checksums-odd-chunks", cuda.CopySegments, true, true, 67 * Align, "tmpfs"},
-		{"batch-buffered-no-checksums-odd-chunks", cuda.CopyBatch, false, true, 67 * Align, ""},
+		{"segments-o-direct-tmpfs-no-checksums-odd-chunks", cuda.CopySegments, true, true, 67 * align, "tmpfs"},
+		{"batch-buffered-no-checksums-odd-chunks", cuda.CopyBatch, false, true, 67 * align, ""},
 		// The copy kernel: one launch per chunk.
 		{"kernel", cuda.CopyKernel, false, false, 0, ""},
-		{"kernel-direct-small-chunks", cuda.CopyKernel, true, false, 3 * Align, ""},
-		{"kernel-o-direct-tmpfs-odd-chunks", cuda.CopyKernel, true, false, 67 * Align, "tmpfs"},
+		{"kernel-direct-small-chunks", cuda.CopyKernel, true, false, 3 * align, ""},
+		{"kernel-o-direct-tmpfs-odd-chunks", cuda.CopyKernel, true, false, 67 * align, "tmpfs"},
 		{"kernel-o-direct-disk-no-checksums", cuda.CopyKernel, true, true, 0, "disk"},
 		{"auto", cuda.CopyAuto, false, false, 0, ""},
 	}
@@ -420,7 +420,7 @@ func TestPlansTheMoverCannotServeAreRefused(t *testing.T) {
 		want error
 	}{
 		{"host region", &transfer.Plan{Extents: []transfer.Extent{{Region: host, Len: 4096, Sum: -1}}}, transfer.ErrUnsupported},
-		{"unaligned direct write", &transfer.Plan{Direct: true, Extents: []transfer.Extent{{FileOff: 100, Region: kv.layers[0], Len: 4096, Sum: -1}}}, ErrUnaligned},
+		{"unaligned direct write", &transfer.Plan{Direct: true, Extents: []transfer.Extent{{FileOff: 100, Region: kv.layers[0], Len: 4096, Sum: -1}}}, errUnaligned},
 		{"out of region", &transfer.Plan{Extents: []transfer.Extent{{Region: kv.layers[0], RegionOff: 4096, Len: 4 * 4096, Sum: -1}}}, region.ErrBounds},
 	}
 	for _, c := range cases {
@@ -441,7 +441,7 @@ func TestPinnedPoolAllocatedOnceAndHammered(t *testing.T) {
 	e := newEnv(t)
 	g := geometry{layers: 4, numBlocks: 256, pageBytes: 8 << 10, blocksPerKey: 8, headerBytes: 4096}
 	allocs, regs := e.fake.Count(cudatest.OpHostAlloc), e.fake.Count(cudatest.OpHostRegister)
-	m := e.mover(t, Config{Devices: []int{0}, MaxStaging: 3 * (32<<10 + 2*Align), Chunk: 32 << 10})
+	m := e.mover(t, Config{Devices: []int{0}, MaxStaging: 3 * (32<<10 + 2*align), Chunk: 32 << 10})
 	if got := e.fake.Count(cudatest.OpHostAlloc) - allocs; got != 1 {
 		t.Fatalf("New made %d pinned allocations, want 1", got)
 	}
@@ -611,7 +611,7 @@ func TestUnalignedDirectLoadFromTmpfs(t *testing.T) {
 	}{
 		{"inside-one-piece", 100, 3000, 0},
 		{"across-pieces", 4096 + 17, 700 << 10, 0},
-		{"across-chunks", 123, 1<<20 - 5, 67 * Align},
+		{"across-chunks", 123, 1<<20 - 5, 67 * align},
 		{"to-the-end", 2<<20 - 9999, 9999, 0},
 	}
 	for _, c := range cases {
@@ -651,7 +651,7 @@ func TestUnalignedEndDirectWriteIsPadded(t *testing.T) {
 		memFS bool
 	}{
 		{"one-block-tmpfs", 100, 0, true},
-		{"across-chunks-tmpfs", 3*Align + 5, 2 * Align, true},
+		{"across-chunks-tmpfs", 3*align + 5, 2 * align, true},
 		{"across-pieces-disk", 700<<10 + 1, 0, false},
 	} {
 		t.Run(c.name, func(t *testing.T) {
@@ -668,7 +668,7 @@ func TestUnalignedEndDirectWriteIsPadded(t *testing.T) {
 			if n, err := m.WriteFile(context.Background(), f, p, sums); err != nil || n != c.len {
 				t.Fatalf("WriteFile = %d, %v; want %d", n, err, c.len)
 			}
-			padded := (c.len + Align - 1) / Align * Align
+			padded := (c.len + align - 1) / align * align
 			got := make([]byte, padded)
 			if _, err := f.ReadAt(got, 0); err != nil {
 				t.Fatal(err)

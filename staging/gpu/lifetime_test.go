@@ -43,8 +43,8 @@ func TestMoverCloseLeavesNoCUDACallForAfterTheRuntimeIsUnloaded(t *testing.T) {
 			t.Cleanup(func() { e.fake.Unload(false) })
 			tc.after(m, kf)
 			m.files.put(rf, true, false)
-			if _, err := m.WriteFile(jobContext(t), kf.f, kf.p, nil); !errors.Is(err, ErrClosed) {
-				t.Errorf("WriteFile after Close: %v, want ErrClosed", err)
+			if _, err := m.WriteFile(jobContext(t), kf.f, kf.p, nil); !errors.Is(err, errClosed) {
+				t.Errorf("WriteFile after Close: %v, want errClosed", err)
 			}
 			m.Prepare(kf.f)
 			if n := e.fake.CallsAfterUnload(); n != 0 {

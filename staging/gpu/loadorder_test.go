@@ -52,7 +52,7 @@ func TestGPURegisteredLoadOrder(t *testing.T) {
 	if _, err := hostPass(r, paths, keyBytes, gk, 16, true, false); err != nil {
 		t.Fatal(err)
 	}
-	m, err := New(Config{Runtime: r, Devices: []int{0}, MaxStaging: 16 * 2 * (8<<20 + 2*Align), RegisterFiles: len(paths)})
+	m, err := New(Config{Runtime: r, Devices: []int{0}, MaxStaging: 16 * 2 * (8<<20 + 2*align), RegisterFiles: len(paths)})
 	if err != nil {
 		t.Fatal(err)
 	}

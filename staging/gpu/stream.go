@@ -208,7 +208,7 @@ func (m *Mover) onLane(dev *device, job func(ln *lane) (int64, error)) (int64, e
 	m.mu.RLock()
 	defer m.mu.RUnlock()
 	if m.closed {
-		return 0, ErrClosed
+		return 0, errClosed
 	}
 	// A device that cannot be made current, or whose stream or events
 	// cannot be made, may have a broken context: the job's fault too.

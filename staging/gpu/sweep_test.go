@@ -45,7 +45,7 @@ func TestGPUSweep(t *testing.T) {
 			t.Fatal(err)
 		}
 		m, err := New(Config{Runtime: r, Devices: []int{0}, Chunk: c.chunk, Depth: c.depth,
-			MaxStaging: int64(jobs*c.depth) * int64(c.chunk+2*Align)})
+			MaxStaging: int64(jobs*c.depth) * int64(c.chunk+2*align)})
 		if err != nil {
 			t.Fatal(err)
 		}
