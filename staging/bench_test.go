@@ -39,16 +39,16 @@ func BenchmarkFused(b *testing.B) {
 	}
 	r := rand.New(rand.NewPCG(1, 1))
 	perm := r.Perm(segs * spread)
-	spans := make([]Span, segs)
+	spans := make([]span, segs)
 	for i := range spans {
-		spans[i] = Span{Off: int64(i) * seg, Buf: mem[perm[i]*seg : (perm[i]+1)*seg], Sum: i / 256}
+		spans[i] = span{Off: int64(i) * seg, Buf: mem[perm[i]*seg : (perm[i]+1)*seg], Sum: i / 256}
 	}
 	f, err := fsys.OS{}.OpenFile(filepath.Join(dir, "f"), os.O_RDWR|os.O_CREATE|os.O_TRUNC, 0o600)
 	if err != nil {
 		b.Fatal(err)
 	}
 	defer f.Close()
-	w := &Worker{}
+	w := &worker{}
 	ctx := context.Background()
 	sums := make([]uint32, 4)
 	for _, write := range []bool{true, false} {
@@ -59,15 +59,15 @@ func BenchmarkFused(b *testing.B) {
 			}
 			b.Run(name, func(b *testing.B) {
 				b.SetBytes(seg * segs)
-				if _, err := w.do(ctx, f, spans, Options{}, true); err != nil {
+				if _, err := w.do(ctx, f, spans, options{}, true); err != nil {
 					b.Fatal(err)
 				}
 				var with, without time.Duration
 				for i := 0; b.Loop(); i++ {
 					for k := range 2 {
-						opt := Options{}
+						opt := options{}
 						if (i+k)%2 == 0 { // alternate who goes first
-							opt = Options{Sums: sums, Chunk: chunk}
+							opt = options{Sums: sums, Chunk: chunk}
 						}
 						start := time.Now()
 						if _, err := w.do(ctx, f, spans, opt, write); err != nil {

@@ -20,8 +20,8 @@ import (
 // (then every size, offset and address is a multiple of Align), at most
 // maxSpan bytes long, each feeding
 // one of sums checksums or none (-1). Some spans are empty.
-func randomSpans(r *rand.Rand, src []byte, count, maxSpan, sums int, aligned bool) []Span {
-	var spans []Span
+func randomSpans(r *rand.Rand, src []byte, count, maxSpan, sums int, aligned bool) []span {
+	var spans []span
 	var off int64
 	mem := 0
 	for range count {
@@ -40,7 +40,7 @@ func randomSpans(r *rand.Rand, src []byte, count, maxSpan, sums int, aligned boo
 		if mem+n > len(src) {
 			mem = 0
 		}
-		spans = append(spans, Span{Off: off, Buf: src[mem : mem+n], Sum: r.IntN(sums+1) - 1})
+		spans = append(spans, span{Off: off, Buf: src[mem : mem+n], Sum: r.IntN(sums+1) - 1})
 		mem += n
 		off += int64(n)
 		if r.IntN(8) == 0 { // a gap: a new run
@@ -56,7 +56,7 @@ func randomSpans(r *rand.Rand, src []byte, count, maxSpan, sums int, aligned boo
 
 // reference writes spans one by one with plain pwrite and checksums them in
 // span order, the straightforward way.
-func reference(t *testing.T, path string, spans []Span, nsums int) ([]byte, []uint32) {
+func reference(t *testing.T, path string, spans []span, nsums int) ([]byte, []uint32) {
 	t.Helper()
 	f, err := os.Create(path)
 	if err != nil {
@@ -134,10 +134,10 @@ func TestFusedMatchesReference(t *testing.T) {
 					t.Fatal(err)
 				}
 				defer f.Close()
-				w := &Worker{}
+				w := &worker{}
 				sums := make([]uint32, nsums)
-				opt := Options{Direct: tc.direct, Sums: sums, Chunk: tc.chunk}
-				n, err := w.Write(ctx, f, spans, opt)
+				opt := options{Direct: tc.direct, Sums: sums, Chunk: tc.chunk}
+				n, err := w.write(ctx, f, spans, opt)
 				if err != nil {
 					t.Fatal(err)
 				}
@@ -162,17 +162,17 @@ func TestFusedMatchesReference(t *testing.T) {
 				// Read back into other memory of the same shapes, spans not
 				// overlapping, unaligned unless direct.
 				dst := AlignedBuffer(int(total) + 16*len(spans))
-				rspans := make([]Span, len(spans))
+				rspans := make([]span, len(spans))
 				mem := 0
 				for i, s := range spans {
 					if !tc.direct {
 						mem += 1 + i%13
 					}
-					rspans[i] = Span{Off: s.Off, Buf: dst[mem : mem+len(s.Buf)], Sum: s.Sum}
+					rspans[i] = span{Off: s.Off, Buf: dst[mem : mem+len(s.Buf)], Sum: s.Sum}
 					mem += len(s.Buf)
 				}
 				rsums := make([]uint32, nsums)
-				if _, err := w.Read(ctx, f, rspans, Options{Direct: tc.direct, Sums: rsums, Chunk: tc.chunk}); err != nil {
+				if _, err := w.read(ctx, f, rspans, options{Direct: tc.direct, Sums: rsums, Chunk: tc.chunk}); err != nil {
 					t.Fatal(err)
 				}
 				for i, s := range rspans {
@@ -214,18 +214,18 @@ func (m *memFile) ReadvAt(bufs [][]byte, off int64) (int, error) {
 // however many batches it takes.
 func TestFusedAllocs(t *testing.T) {
 	src := make([]byte, 4<<20)
-	var spans []Span
+	var spans []span
 	for off := 0; off < len(src); off += 32 << 10 {
-		spans = append(spans, Span{Off: int64(off), Buf: src[off : off+32<<10], Sum: off / (1 << 20)})
+		spans = append(spans, span{Off: int64(off), Buf: src[off : off+32<<10], Sum: off / (1 << 20)})
 	}
 	f := &memFile{data: make([]byte, len(src))}
-	w := &Worker{}
+	w := &worker{}
 	ctx := context.Background()
 	sums := make([]uint32, 4)
 	for _, write := range []bool{true, false} {
 		for _, chunk := range []int{0, 48 << 10} {
 			allocs := testing.AllocsPerRun(10, func() {
-				if _, err := w.do(ctx, f, spans, Options{Sums: sums, Chunk: chunk}, write); err != nil {
+				if _, err := w.do(ctx, f, spans, options{Sums: sums, Chunk: chunk}, write); err != nil {
 					t.Fatal(err)
 				}
 			})

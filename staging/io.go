@@ -14,17 +14,17 @@ import (
 	"github.com/kvhost/kvhost/internal/region"
 )
 
-// Span is Buf at file offset Off. Sum, if non-negative, is the index of the
-// checksum (in the sums passed to Write or Read) that the span's bytes feed,
+// span is Buf at file offset Off. Sum, if non-negative, is the index of the
+// checksum (in the sums passed to write or read) that the span's bytes feed,
 // in span order.
-type Span struct {
+type span struct {
 	Off int64
 	Buf []byte
 	Sum int
 }
 
-// Options of one Write or Read.
-type Options struct {
+// options of one write or read.
+type options struct {
 	// Direct: the file is open with O_DIRECT; spans that are not aligned go
 	// through bounce buffers.
 	Direct bool
@@ -53,7 +53,7 @@ type Options struct {
 
 const (
 	iovMax = 1024 // IOV_MAX on Linux
-	// fuseBatch is the default batch of a fused checksum (Options.Chunk):
+	// fuseBatch is the default batch of a fused checksum (options.Chunk):
 	// small enough that the batch and the page-cache pages the kernel
 	// copies it to or from (twice the batch) stay in a core's L2 cache
 	// (1–2 MiB on current server CPUs) until the checksum has read them;
@@ -65,9 +65,9 @@ const (
 	chunkMax = 8 << 20
 )
 
-// Worker is one I/O worker. Tasks receive it from Pool.Submit; it is valid
+// worker is one I/O worker. Tasks receive it from Pool.submit; it is valid
 // only during the task.
-type Worker struct {
+type worker struct {
 	// ID numbers the worker within its pool, from 0.
 	ID   int
 	CPU  int // the CPU it is pinned to, or -1
@@ -75,23 +75,23 @@ type Worker struct {
 	// The current batch, reused from batch to batch: iov for the system
 	// call (which may trim it), pieces for the checksums.
 	iov    [][]byte
-	pieces []Span
+	pieces []span
 	yield  Yielder
 }
 
-// Write writes every span to f. Spans must be sorted by offset and must not
+// write writes every span to f. Spans must be sorted by offset and must not
 // overlap; runs of contiguous spans become single large writes.
-func (w *Worker) Write(ctx context.Context, f fsys.File, spans []Span, opt Options) (int64, error) {
+func (w *worker) write(ctx context.Context, f fsys.File, spans []span, opt options) (int64, error) {
 	return w.do(ctx, f, spans, opt, true)
 }
 
-// Read fills every span from f. Spans must be sorted by offset and must not
+// read fills every span from f. Spans must be sorted by offset and must not
 // overlap. Reading past the end of the file fails with ErrShortFile.
-func (w *Worker) Read(ctx context.Context, f fsys.File, spans []Span, opt Options) (int64, error) {
+func (w *worker) read(ctx context.Context, f fsys.File, spans []span, opt options) (int64, error) {
 	return w.do(ctx, f, spans, opt, false)
 }
 
-func (w *Worker) do(ctx context.Context, f fsys.File, spans []Span, opt Options, write bool) (int64, error) {
+func (w *worker) do(ctx context.Context, f fsys.File, spans []span, opt options, write bool) (int64, error) {
 	var total int64
 	for i := 0; i < len(spans); {
 		// A run: spans contiguous in the file.
@@ -126,7 +126,7 @@ func (w *Worker) do(ctx context.Context, f fsys.File, spans []Span, opt Options,
 // batch ends, each checksummed right after its transfer, from cache.
 // Overlap: batches of whole spans, checksummed on a helper goroutine while
 // the next batch is in flight. Otherwise: batches of whole spans.
-func (w *Worker) vector(ctx context.Context, f fsys.File, run []Span, opt Options, write bool) (total int64, err error) {
+func (w *worker) vector(ctx context.Context, f fsys.File, run []span, opt options, write bool) (total int64, err error) {
 	fused := opt.Sums != nil && !opt.Overlap
 	limit := int64(chunkMax)
 	if fused {
@@ -139,10 +139,10 @@ func (w *Worker) vector(ctx context.Context, f fsys.File, run []Span, opt Option
 		// Split points must keep direct I/O aligned.
 		limit = max(Align, limit/Align*Align)
 	}
-	var pending chan []Span
+	var pending chan []span
 	var sumDone chan struct{}
 	if opt.Sums != nil && opt.Overlap {
-		pending, sumDone = make(chan []Span, 1), make(chan struct{})
+		pending, sumDone = make(chan []span, 1), make(chan struct{})
 		var sumErr error // set before sumDone closes
 		go func() {
 			defer close(sumDone)
@@ -193,7 +193,7 @@ func (w *Worker) vector(ctx context.Context, f fsys.File, run []Span, opt Option
 // that crosses limit is cut there; otherwise batches hold whole spans (a
 // first span longer than limit alone). It returns where the next batch
 // starts and the batch's length.
-func (w *Worker) batch(run []Span, i, at int, limit int64, split bool) (int, int, int64) {
+func (w *worker) batch(run []span, i, at int, limit int64, split bool) (int, int, int64) {
 	w.iov, w.pieces = w.iov[:0], w.pieces[:0]
 	var n int64
 	for i < len(run) && len(w.iov) < iovMax && n < limit {
@@ -208,7 +208,7 @@ func (w *Worker) batch(run []Span, i, at int, limit int64, split bool) (int, int
 		}
 		if len(b) > 0 {
 			w.iov = append(w.iov, b)
-			w.pieces = append(w.pieces, Span{Off: s.Off + int64(at), Buf: b, Sum: s.Sum})
+			w.pieces = append(w.pieces, span{Off: s.Off + int64(at), Buf: b, Sum: s.Sum})
 		}
 		n += int64(len(b))
 		at += len(b)
@@ -252,7 +252,7 @@ func rw(f fsys.File, iov [][]byte, off int64, write bool) error {
 	return nil
 }
 
-func sum(spans []Span, sums []uint32) {
+func sum(spans []span, sums []uint32) {
 	if sums == nil {
 		return
 	}
@@ -265,7 +265,7 @@ func sum(spans []Span, sums []uint32) {
 
 // cursor walks the bytes of a run of spans in order.
 type cursor struct {
-	spans []Span
+	spans []span
 	i     int // current span
 	off   int // offset in it
 	sums  []uint32
@@ -313,7 +313,7 @@ type chunk struct {
 // chunk with the I/O of another: for a write a helper goroutine gathers
 // while the worker writes; for a read the worker reads while a helper
 // scatters.
-func (w *Worker) bounce(ctx context.Context, f fsys.File, run []Span, opt Options, write bool) (int64, error) {
+func (w *worker) bounce(ctx context.Context, f fsys.File, run []span, opt options, write bool) (int64, error) {
 	start := run[0].Off
 	var length int64
 	for _, s := range run {
@@ -321,7 +321,7 @@ func (w *Worker) bounce(ctx context.Context, f fsys.File, run []Span, opt Option
 	}
 	end := start + length
 	if write && start%Align != 0 {
-		return 0, fmt.Errorf("%w: write of [%d, %d)", ErrUnaligned, start, end)
+		return 0, fmt.Errorf("%w: write of [%d, %d)", errUnaligned, start, end)
 	}
 	astart := start / Align * Align
 	aend := (end + Align - 1) / Align * Align
@@ -337,7 +337,7 @@ func (w *Worker) bounce(ctx context.Context, f fsys.File, run []Span, opt Option
 		go func() { // gather
 			defer close(full)
 			for off := astart; off < aend; off += size {
-				buf, err := bufs.Get(ctx)
+				buf, err := bufs.get(ctx)
 				if err != nil {
 					full <- chunk{err: err}
 					return
@@ -365,7 +365,7 @@ func (w *Worker) bounce(ctx context.Context, f fsys.File, run []Span, opt Option
 				err = rw(f, [][]byte{c.buf[:c.n]}, c.off, true)
 			}
 			if c.buf != nil {
-				bufs.Put(c.buf)
+				bufs.put(c.buf)
 			}
 			if err != nil {
 				cancel()
@@ -385,20 +385,20 @@ func (w *Worker) bounce(ctx context.Context, f fsys.File, run []Span, opt Option
 					return nil
 				})
 			}
-			bufs.Put(c.buf)
+			bufs.put(c.buf)
 		}
 		done <- err
 	}()
 	var err error
 	for off := astart; off < aend && err == nil; off += size {
 		var buf []byte
-		buf, err = bufs.Get(ctx)
+		buf, err = bufs.get(ctx)
 		if err != nil {
 			break
 		}
 		n := min(size, aend-off)
 		if err = rw(f, [][]byte{buf[:n]}, off, false); err != nil {
-			bufs.Put(buf)
+			bufs.put(buf)
 			break
 		}
 		// The bytes of the run: skip the lead of the first chunk and the

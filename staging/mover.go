@@ -29,7 +29,7 @@ var _ transfer.Mover = (*Mover)(nil)
 
 // NewMover starts a pool (Config) and returns a Mover over it.
 func NewMover(cfg Config) (*Mover, error) {
-	p, err := New(cfg)
+	p, err := newPool(cfg)
 	if err != nil {
 		return nil, err
 	}
@@ -49,7 +49,7 @@ func (m *Mover) Pool() *Pool { return m.pool }
 // Close stops the pool (of the Mover NewMover returned; views do nothing).
 func (m *Mover) Close() {
 	if m.owner {
-		m.pool.Close()
+		m.pool.close()
 	}
 }
 
@@ -73,7 +73,7 @@ func (m *Mover) run(ctx context.Context, f fsys.File, p *transfer.Plan, sums []u
 	if sums != nil && len(sums) < p.Sums {
 		return 0, fmt.Errorf("staging: %d checksum slots for a plan of %d", len(sums), p.Sums)
 	}
-	spans := make([]Span, len(p.Extents))
+	spans := make([]span, len(p.Extents))
 	var mem []byte
 	var last region.Region
 	for i, x := range p.Extents {
@@ -90,9 +90,9 @@ func (m *Mover) run(ctx context.Context, f fsys.File, p *transfer.Plan, sums []u
 		if x.RegionOff < 0 || x.Len < 0 || x.RegionOff > int64(len(mem)) || x.Len > int64(len(mem))-x.RegionOff {
 			return 0, fmt.Errorf("staging: extent %d: %w: [%d, +%d) in %d bytes", i, region.ErrBounds, x.RegionOff, x.Len, len(mem))
 		}
-		spans[i] = Span{Off: x.FileOff, Buf: mem[x.RegionOff : x.RegionOff+x.Len : x.RegionOff+x.Len], Sum: x.Sum}
+		spans[i] = span{Off: x.FileOff, Buf: mem[x.RegionOff : x.RegionOff+x.Len : x.RegionOff+x.Len], Sum: x.Sum}
 	}
-	opt := Options{Direct: p.Direct, Sums: sums, Overlap: m.overlap && p.Direct}
+	opt := options{Direct: p.Direct, Sums: sums, Overlap: m.overlap && p.Direct}
 	if !write {
 		var release func()
 		f, release = p.ReadSource(f)
@@ -103,7 +103,7 @@ func (m *Mover) run(ctx context.Context, f fsys.File, p *transfer.Plan, sums []u
 		err error
 	}
 	done := make(chan result, 1)
-	if err := m.pool.Submit(ctx, func(w *Worker) {
+	if err := m.pool.submit(ctx, func(w *worker) {
 		// Guarded: a client may truncate the shared file behind a region
 		// under a running job; the fault fails this plan, not the daemon.
 		var n int64

@@ -172,11 +172,11 @@ func TestMoverSurvivesTruncatedSharedFile(t *testing.T) {
 			}
 			var n int64
 			sums := make([]uint32, 1)
-			opt := Options{Direct: c.direct, Sums: sums, Overlap: c.overlap}
+			opt := options{Direct: c.direct, Sums: sums, Overlap: c.overlap}
 			done := make(chan error, 1)
-			if err := mv.Pool().Submit(ctx, func(w *Worker) {
+			if err := mv.Pool().submit(ctx, func(w *worker) {
 				done <- region.Guard(func() (err error) {
-					spans := []Span{{Off: 0, Buf: r.Bytes()[off : off+128<<10], Sum: 0}}
+					spans := []span{{Off: 0, Buf: r.Bytes()[off : off+128<<10], Sum: 0}}
 					n, err = w.do(ctx, f, spans, opt, c.write)
 					return err
 				})

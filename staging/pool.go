@@ -24,11 +24,11 @@ import (
 
 // Errors of the package.
 var (
-	// ErrClosed: the pool is closed.
-	ErrClosed = errors.New("staging: closed")
-	// ErrUnaligned: a direct write whose file range does not start on a
+	// errClosed: the pool is closed.
+	errClosed = errors.New("staging: closed")
+	// errUnaligned: a direct write whose file range does not start on a
 	// 4 KiB boundary.
-	ErrUnaligned = errors.New("staging: unaligned direct I/O")
+	errUnaligned = errors.New("staging: unaligned direct I/O")
 	// ErrShortFile: a read reached the end of the file early. It is
 	// transfer.ErrShortFile, what every mover returns.
 	ErrShortFile = transfer.ErrShortFile
@@ -57,7 +57,7 @@ type Config struct {
 // Pool is a fixed set of I/O workers and a bounded set of bounce buffers.
 type Pool struct {
 	cfg   Config
-	tasks chan func(*Worker)
+	tasks chan func(*worker)
 	bufs  *Buffers
 	wg    sync.WaitGroup
 
@@ -69,8 +69,8 @@ type Pool struct {
 // is 0: runtime.GOMAXPROCS as it is now, at least 2.
 func DefaultWorkers() int { return max(2, runtime.GOMAXPROCS(0)) }
 
-// New starts the workers. It fails if a worker cannot be pinned.
-func New(cfg Config) (*Pool, error) {
+// newPool starts the workers. It fails if a worker cannot be pinned.
+func newPool(cfg Config) (*Pool, error) {
 	if cfg.Workers <= 0 {
 		cfg.Workers = DefaultWorkers()
 	}
@@ -89,8 +89,8 @@ func New(cfg Config) (*Pool, error) {
 	}
 	p := &Pool{
 		cfg:   cfg,
-		tasks: make(chan func(*Worker), cfg.QueueLen),
-		bufs:  NewBuffers(cfg.BufferSize, cfg.Buffers),
+		tasks: make(chan func(*worker), cfg.QueueLen),
+		bufs:  newBuffers(cfg.BufferSize, cfg.Buffers),
 	}
 	errs := make(chan error, cfg.Workers)
 	for i := range cfg.Workers {
@@ -102,7 +102,7 @@ func New(cfg Config) (*Pool, error) {
 		err = errors.Join(err, <-errs)
 	}
 	if err != nil {
-		p.Close()
+		p.close()
 		return nil, err
 	}
 	return p, nil
@@ -110,7 +110,7 @@ func New(cfg Config) (*Pool, error) {
 
 func (p *Pool) run(i int, started chan<- error) {
 	defer p.wg.Done()
-	w := &Worker{ID: i, pool: p, yield: Yielder{Every: p.cfg.YieldBytes}}
+	w := &worker{ID: i, pool: p, yield: Yielder{Every: p.cfg.YieldBytes}}
 	if len(p.cfg.CPUs) > 0 {
 		runtime.LockOSThread()
 		prev := threadCPUs() // set back before the thread is unlocked
@@ -151,19 +151,16 @@ func unpin(prev *unix.CPUSet) {
 	}
 }
 
-// Workers returns the number of workers.
-func (p *Pool) Workers() int { return p.cfg.Workers }
-
 // Buffers returns the pool's bounce buffers.
 func (p *Pool) Buffers() *Buffers { return p.bufs }
 
-// Submit queues fn to run on a worker, waiting while the queue is full. It
-// returns ctx's error if ctx ends first, or ErrClosed.
-func (p *Pool) Submit(ctx context.Context, fn func(*Worker)) error {
+// submit queues fn to run on a worker, waiting while the queue is full. It
+// returns ctx's error if ctx ends first, or errClosed.
+func (p *Pool) submit(ctx context.Context, fn func(*worker)) error {
 	p.mu.RLock()
 	defer p.mu.RUnlock()
 	if p.closed {
-		return ErrClosed
+		return errClosed
 	}
 	select {
 	case p.tasks <- fn:
@@ -173,8 +170,8 @@ func (p *Pool) Submit(ctx context.Context, fn func(*Worker)) error {
 	}
 }
 
-// Close runs the queued tasks, stops the workers and waits for them.
-func (p *Pool) Close() {
+// close runs the queued tasks, stops the workers and waits for them.
+func (p *Pool) close() {
 	p.mu.Lock()
 	if !p.closed {
 		p.closed = true
@@ -191,17 +188,17 @@ type Buffers struct {
 	free chan []byte
 }
 
-// NewBuffers returns a pool of at most n buffers of size bytes, allocated
+// newBuffers returns a pool of at most n buffers of size bytes, allocated
 // on first use.
-func NewBuffers(size, n int) *Buffers {
+func newBuffers(size, n int) *Buffers {
 	return &Buffers{size: size, sem: make(chan struct{}, n), free: make(chan []byte, n)}
 }
 
 // Size is the size of every buffer.
 func (b *Buffers) Size() int { return b.size }
 
-// Get returns a buffer, waiting while all are in use.
-func (b *Buffers) Get(ctx context.Context) ([]byte, error) {
+// get returns a buffer, waiting while all are in use.
+func (b *Buffers) get(ctx context.Context) ([]byte, error) {
 	select {
 	case buf := <-b.free:
 		return buf, nil
@@ -217,8 +214,8 @@ func (b *Buffers) Get(ctx context.Context) ([]byte, error) {
 	}
 }
 
-// Put returns a buffer obtained from Get.
-func (b *Buffers) Put(buf []byte) { b.free <- buf[:b.size] }
+// put returns a buffer obtained from get.
+func (b *Buffers) put(buf []byte) { b.free <- buf[:b.size] }
 
 // AlignedBuffer returns n zeroed bytes whose address is Align-aligned.
 func AlignedBuffer(n int) []byte {

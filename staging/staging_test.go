@@ -19,8 +19,8 @@ import (
 // layout returns spans covering [0, total) made of pieces of random sizes
 // (multiples of unit), backed by buffers at random offsets of src when
 // unaligned is set, and the expected checksums of two interleaved groups.
-func layout(r *rand.Rand, src []byte, total, unit int, unaligned bool) ([]Span, []uint32) {
-	var spans []Span
+func layout(r *rand.Rand, src []byte, total, unit int, unaligned bool) ([]span, []uint32) {
+	var spans []span
 	sums := make([]uint32, 2)
 	for off := 0; off < total; {
 		n := min(total-off, unit*(1+r.IntN(8)))
@@ -31,7 +31,7 @@ func layout(r *rand.Rand, src []byte, total, unit int, unaligned bool) ([]Span, 
 				start = off
 			}
 		}
-		s := Span{Off: int64(off), Buf: src[start : start+n], Sum: len(spans) % 2}
+		s := span{Off: int64(off), Buf: src[start : start+n], Sum: len(spans) % 2}
 		sums[s.Sum] = crc32c.Update(sums[s.Sum], s.Buf)
 		spans = append(spans, s)
 		off += n
@@ -48,11 +48,11 @@ func TestWriteRead(t *testing.T) {
 			dirs["shm"] = d
 		}
 	}
-	p, err := New(Config{Workers: 2, BufferSize: 64 << 10, Buffers: 3})
+	p, err := newPool(Config{Workers: 2, BufferSize: 64 << 10, Buffers: 3})
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer p.Close()
+	defer p.close()
 	ctx := context.Background()
 	for name, dir := range dirs {
 		direct, err := ProbeDirect(fsys.OS{}, dir)
@@ -82,19 +82,19 @@ func TestWriteRead(t *testing.T) {
 					t.Fatal(err)
 				}
 				defer f.Close()
-				run := func(fn func(*Worker)) {
+				run := func(fn func(*worker)) {
 					var wg sync.WaitGroup
 					wg.Add(1)
-					if err := p.Submit(ctx, func(w *Worker) { defer wg.Done(); fn(w) }); err != nil {
+					if err := p.submit(ctx, func(w *worker) { defer wg.Done(); fn(w) }); err != nil {
 						t.Fatal(err)
 					}
 					wg.Wait()
 				}
 				sums := make([]uint32, 2)
-				run(func(w *Worker) {
-					n, err := w.Write(ctx, f, spans, Options{Direct: direct, Sums: sums, Overlap: tc.overlap, Chunk: 8192 * (1 + tc.unit%3)})
+				run(func(w *worker) {
+					n, err := w.write(ctx, f, spans, options{Direct: direct, Sums: sums, Overlap: tc.overlap, Chunk: 8192 * (1 + tc.unit%3)})
 					if err != nil || n != int64(total) {
-						t.Errorf("Write: %d, %v", n, err)
+						t.Errorf("write: %d, %v", n, err)
 					}
 				})
 				if sums[0] != want[0] || sums[1] != want[1] {
@@ -102,13 +102,13 @@ func TestWriteRead(t *testing.T) {
 				}
 				// Read into fresh memory with the same span shapes.
 				dst := AlignedBuffer(len(src))
-				rspans := make([]Span, len(spans))
+				rspans := make([]span, len(spans))
 				for i, s := range spans {
 					start := int(s.Off)
 					if tc.unaligned {
 						start += 7 // memory misaligned against the file
 					}
-					rspans[i] = Span{Off: s.Off, Buf: dst[start : start+len(s.Buf)], Sum: s.Sum}
+					rspans[i] = span{Off: s.Off, Buf: dst[start : start+len(s.Buf)], Sum: s.Sum}
 				}
 				// Read back a subset too: every other span (gaps in the file).
 				for _, subset := range []bool{false, true} {
@@ -121,9 +121,9 @@ func TestWriteRead(t *testing.T) {
 						}
 					}
 					got := make([]uint32, 2)
-					run(func(w *Worker) {
-						if _, err := w.Read(ctx, f, rs, Options{Direct: direct, Sums: got, Overlap: tc.overlap}); err != nil {
-							t.Errorf("Read: %v", err)
+					run(func(w *worker) {
+						if _, err := w.read(ctx, f, rs, options{Direct: direct, Sums: got, Overlap: tc.overlap}); err != nil {
+							t.Errorf("read: %v", err)
 						}
 					})
 					for i, s := range rs {
@@ -158,11 +158,11 @@ func TestShortWrites(t *testing.T) {
 		}
 		return fsys.Fault{}
 	})}
-	p, err := New(Config{Workers: 1})
+	p, err := newPool(Config{Workers: 1})
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer p.Close()
+	defer p.close()
 	f, err := fs.OpenFile(filepath.Join(t.TempDir(), "f"), os.O_RDWR|os.O_CREATE, 0o600)
 	if err != nil {
 		t.Fatal(err)
@@ -172,10 +172,10 @@ func TestShortWrites(t *testing.T) {
 	for i := range src {
 		src[i] = byte(i * 31)
 	}
-	spans := []Span{{Off: 0, Buf: src[:3000], Sum: -1}, {Off: 3000, Buf: src[3000:], Sum: -1}}
+	spans := []span{{Off: 0, Buf: src[:3000], Sum: -1}, {Off: 3000, Buf: src[3000:], Sum: -1}}
 	done := make(chan error, 1)
-	if err := p.Submit(context.Background(), func(w *Worker) {
-		_, err := w.Write(context.Background(), f, spans, Options{})
+	if err := p.submit(context.Background(), func(w *worker) {
+		_, err := w.write(context.Background(), f, spans, options{})
 		done <- err
 	}); err != nil {
 		t.Fatal(err)
@@ -193,32 +193,32 @@ func TestShortWrites(t *testing.T) {
 }
 
 func TestBuffersBounded(t *testing.T) {
-	b := NewBuffers(4096, 2)
+	b := newBuffers(4096, 2)
 	ctx := context.Background()
-	x, _ := b.Get(ctx)
-	y, _ := b.Get(ctx)
+	x, _ := b.get(ctx)
+	y, _ := b.get(ctx)
 	if !aligned(x) || !aligned(y) {
 		t.Fatal("unaligned buffer")
 	}
 	cctx, cancel := context.WithCancel(ctx)
 	cancel()
-	if _, err := b.Get(cctx); err == nil {
+	if _, err := b.get(cctx); err == nil {
 		t.Fatal("third buffer handed out")
 	}
-	b.Put(x)
-	if z, err := b.Get(ctx); err != nil || &z[0] != &x[0] {
+	b.put(x)
+	if z, err := b.get(ctx); err != nil || &z[0] != &x[0] {
 		t.Fatalf("buffer not reused: %v", err)
 	}
 }
 
 func TestPinned(t *testing.T) {
-	p, err := New(Config{Workers: 2, CPUs: []int{0}})
+	p, err := newPool(Config{Workers: 2, CPUs: []int{0}})
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer p.Close()
+	defer p.close()
 	got := make(chan int, 1)
-	if err := p.Submit(context.Background(), func(w *Worker) {
+	if err := p.submit(context.Background(), func(w *worker) {
 		var set unix.CPUSet
 		if err := unix.SchedGetaffinity(0, &set); err != nil || set.Count() != 1 || !set.IsSet(0) || w.CPU != 0 {
 			got <- -1

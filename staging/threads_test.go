@@ -80,20 +80,20 @@ func TestPoolHandsNoPinnedThreadBackAfterClose(t *testing.T) {
 	for _, tt := range []struct {
 		name string
 		cpus []int
-		fail bool // New fails (after pinning the workers it could)
+		fail bool // newPool fails (after pinning the workers it could)
 	}{
 		{name: "pool closed", cpus: []int{pin}},
 		{name: "pool whose pinning failed", cpus: []int{pin, bad}, fail: true},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			if off := threadsOffStartAffinity(t); len(off) > 0 {
-				t.Fatalf("before New, threads already off the start affinity %s: %v", cpuList(startAffinity), off)
+				t.Fatalf("before newPool, threads already off the start affinity %s: %v", cpuList(startAffinity), off)
 			}
-			p, err := New(Config{Workers: workers, CPUs: tt.cpus})
+			p, err := newPool(Config{Workers: workers, CPUs: tt.cpus})
 			if tt.fail {
 				if err == nil {
-					p.Close()
-					t.Fatalf("New pinning to %v succeeded; want a failure", tt.cpus)
+					p.close()
+					t.Fatalf("newPool pinning to %v succeeded; want a failure", tt.cpus)
 				}
 			} else {
 				if err != nil {
@@ -103,7 +103,7 @@ func TestPoolHandsNoPinnedThreadBackAfterClose(t *testing.T) {
 				if off := threadsOffStartAffinity(t); len(off) < workers {
 					t.Fatalf("%d threads pinned while the pool is open; want at least %d: %v", len(off), workers, off)
 				}
-				p.Close()
+				p.close()
 			}
 			if off := threadsOffStartAffinity(t); len(off) > 0 {
 				t.Fatalf("after the pool closed, %d threads are not on the start affinity %s: %v", len(off), cpuList(startAffinity), off)

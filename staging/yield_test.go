@@ -44,11 +44,11 @@ func TestYielderYieldsOncePerEveryBytes(t *testing.T) {
 // every Config.YieldBytes they move, with checksums fused (256 KiB
 // batches) and the bytes unchanged.
 func TestWorkersYieldEveryYieldBytes(t *testing.T) {
-	p, err := New(Config{Workers: 1, YieldBytes: 512 << 10})
+	p, err := newPool(Config{Workers: 1, YieldBytes: 512 << 10})
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer p.Close()
+	defer p.close()
 	f, err := fsys.OS{}.OpenFile(filepath.Join(t.TempDir(), "f"), os.O_RDWR|os.O_CREATE, 0o600)
 	if err != nil {
 		t.Fatal(err)
@@ -61,13 +61,13 @@ func TestWorkersYieldEveryYieldBytes(t *testing.T) {
 		err           error
 	}
 	done := make(chan result, 1)
-	if err := p.Submit(context.Background(), func(w *Worker) {
+	if err := p.submit(context.Background(), func(w *worker) {
 		var r result
 		w.yield.Yield = func() { r.writes++ }
 		sums := make([]uint32, 1)
-		if _, r.err = w.Write(context.Background(), f, []Span{{Off: 0, Buf: src, Sum: 0}}, Options{Sums: sums}); r.err == nil {
+		if _, r.err = w.write(context.Background(), f, []span{{Off: 0, Buf: src, Sum: 0}}, options{Sums: sums}); r.err == nil {
 			w.yield.Yield = func() { r.reads++ }
-			_, r.err = w.Read(context.Background(), f, []Span{{Off: 0, Buf: dst, Sum: 0}}, Options{Sums: sums})
+			_, r.err = w.read(context.Background(), f, []span{{Off: 0, Buf: dst, Sum: 0}}, options{Sums: sums})
 		}
 		done <- r
 	}); err != nil {
