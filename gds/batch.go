@@ -13,18 +13,18 @@ import (
 
 // Errors of the batch path.
 var (
-	// ErrBatchEntry: an entry of a batch completed as failed, invalid,
+	// errBatchEntry: an entry of a batch completed as failed, invalid,
 	// canceled or timed out. Errors wrap it with the entry's cuFile status
 	// or errno where the library gave one.
-	ErrBatchEntry = errors.New("gds: batch entry failed")
-	// ErrBatchTimeout: a batch's entries did not all complete within
+	errBatchEntry = errors.New("gds: batch entry failed")
+	// errBatchTimeout: a batch's entries did not all complete within
 	// MoverConfig.BatchTimeout; the batch was canceled, and the job
 	// failed once every entry had come back.
-	ErrBatchTimeout = errors.New("gds: batch timed out")
+	errBatchTimeout = errors.New("gds: batch timed out")
 )
 
-// BatchStats counts a driver's batch I/O.
-type BatchStats struct {
+// batchStats counts a driver's batch I/O.
+type batchStats struct {
 	SetUps    uint64 // batch contexts set up (cuFileBatchIOSetUp)
 	Batches   uint64 // batches submitted
 	Entries   uint64 // entries submitted
@@ -44,15 +44,15 @@ type BatchStats struct {
 	Refusals, Fallbacks uint64
 }
 
-// batchCounters are a driver's BatchStats, updated atomically.
+// batchCounters are a driver's batchStats, updated atomically.
 type batchCounters struct {
 	setUps, batches, entries, short, abandoned, stuck, refusals, fallbacks atomic.Uint64
 }
 
-// BatchStats reports the driver's batch counters.
-func (d *Driver) BatchStats() BatchStats {
+// batchStats reports the driver's batch counters.
+func (d *Driver) batchStats() batchStats {
 	c := &d.batch
-	return BatchStats{
+	return batchStats{
 		SetUps: c.setUps.Load(), Batches: c.batches.Load(), Entries: c.entries.Load(),
 		Short: c.short.Load(), Abandoned: c.abandoned.Load(), Stuck: c.stuck.Load(),
 		Refusals: c.refusals.Load(), Fallbacks: c.fallbacks.Load(),
@@ -70,7 +70,7 @@ func (m *Mover) useBatch(c Capability) bool {
 	if !m.wantBatch(c) {
 		return false
 	}
-	if c.Batch == BatchRefused {
+	if c.batch == batchStateRefused {
 		m.d.batch.fallbacks.Add(1)
 		return false
 	}
@@ -120,8 +120,8 @@ func chunks(pcs []piece, size int) [][]piece {
 // such (nothing was submitted), not an I/O failure: per-call I/O may
 // then serve the same entries.
 func batchRefused(err error) bool {
-	for _, st := range []Status{StatusBatchNoCompatError, StatusAsyncNotSupported, StatusPlatformNotSupported,
-		StatusIONotSupported, StatusDriverNotInitialized} {
+	for _, st := range []Status{statusBatchNoCompatError, statusAsyncNotSupported, statusPlatformNotSupported,
+		statusIONotSupported, statusDriverNotInitialized} {
 		if errors.Is(err, st) {
 			return true
 		}
@@ -190,7 +190,7 @@ const stuckPoll = 100 * time.Millisecond
 // next batch sets up a new one).
 //
 // Entries still out after abandonDrain (or BatchTimeout) make the batch
-// stuck: counted (BatchStats.Stuck), counted as a fault of the device
+// stuck: counted (batchStats.Stuck), counted as a fault of the device
 // (Mover.DeviceFaults, which makes the daemon unready) and logged at error
 // level, and the worker goes on collecting them, without a bound, holding
 // the job. If they come back, the job's error says after how long.
@@ -241,7 +241,7 @@ func (w *worker) abandon(b batchCtx, remaining int, err error) error {
 // call. It returns the bytes moved.
 func (w *worker) runBatch(ctx context.Context, h *handle, dev uint64, pcs []piece, write bool) (int64, error) {
 	m := w.m
-	if m.d.caps.get(dev).Batch == BatchRefused {
+	if m.d.caps.get(dev).batch == batchStateRefused {
 		m.d.batch.fallbacks.Add(1)
 		return w.perCall(h, pcs, write)
 	}
@@ -288,7 +288,7 @@ func (w *worker) runBatch(ctx context.Context, h *handle, dev uint64, pcs []piec
 		}
 		wait := min(batchPoll, time.Until(deadline))
 		if wait <= 0 {
-			return moved, w.abandon(b, remaining, fmt.Errorf("%w: %d of %d entries outstanding after %v", ErrBatchTimeout, remaining, len(pcs), m.cfg.BatchTimeout))
+			return moved, w.abandon(b, remaining, fmt.Errorf("%w: %d of %d entries outstanding after %v", errBatchTimeout, remaining, len(pcs), m.cfg.BatchTimeout))
 		}
 		ev := w.events[:remaining]
 		n, err := b.status(remaining, ev, wait)
@@ -374,11 +374,11 @@ func entryError(e batchEvent, pc piece) error {
 	}
 	switch {
 	case cause != nil:
-		return fmt.Errorf("%w: %s: %w", ErrBatchEntry, e.status, cause)
+		return fmt.Errorf("%w: %s: %w", errBatchEntry, e.status, cause)
 	case e.status == batchComplete:
-		return fmt.Errorf("%w: %s with %d bytes of %d", ErrBatchEntry, e.status, e.ret, pc.n)
+		return fmt.Errorf("%w: %s with %d bytes of %d", errBatchEntry, e.status, e.ret, pc.n)
 	}
-	return fmt.Errorf("%w: %s", ErrBatchEntry, e.status)
+	return fmt.Errorf("%w: %s", errBatchEntry, e.status)
 }
 
 // batchEntries is the driver's bound on batch entries in flight: the

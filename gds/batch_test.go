@@ -112,8 +112,8 @@ func TestMoverBatchRoundTripsInBatchesOfAtMostTheBatchSize(t *testing.T) {
 			if bad := c.get(&c.BatchBadUses) + c.get(&c.BadHandleUses); bad != 0 {
 				t.Errorf("%d bad uses of batch contexts or handles", bad)
 			}
-			if st := e.d.BatchStats(); st.Batches != uint64(3*2*tt.wantBatches) || st.Refusals != 0 || st.Short != 0 {
-				t.Errorf("BatchStats = %+v", st)
+			if st := e.d.batchStats(); st.Batches != uint64(3*2*tt.wantBatches) || st.Refusals != 0 || st.Short != 0 {
+				t.Errorf("batchStats = %+v", st)
 			}
 			ctl := e.ctl
 			if err := m.Close(); err != nil {
@@ -131,8 +131,8 @@ func TestMoverBatchRefusalFallsBackPerCallAndIsLoggedOnce(t *testing.T) {
 		name  string
 		setup func(c *fakeCtl)
 	}{
-		{"setup refused (compat mode)", func(c *fakeCtl) { c.set(&c.BatchSetupError, int64(StatusBatchNoCompatError)) }},
-		{"submit refused (compat mode)", func(c *fakeCtl) { c.set(&c.BatchSubmitError, int64(StatusBatchNoCompatError)) }},
+		{"setup refused (compat mode)", func(c *fakeCtl) { c.set(&c.BatchSetupError, int64(statusBatchNoCompatError)) }},
+		{"submit refused (compat mode)", func(c *fakeCtl) { c.set(&c.BatchSubmitError, int64(statusBatchNoCompatError)) }},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -155,12 +155,12 @@ func TestMoverBatchRefusalFallsBackPerCallAndIsLoggedOnce(t *testing.T) {
 			if n := strings.Count(logs, "batch I/O refused"); n != 1 || !strings.Contains(logs, "CU_FILE_BATCH_NOCOMPAT_ERROR (5049)") {
 				t.Fatalf("refusal logged %d times, want once with 5049; logs:\n%s", n, logs)
 			}
-			st := e.d.BatchStats()
+			st := e.d.batchStats()
 			if st.Refusals != 1 || st.Fallbacks < 5 {
-				t.Fatalf("BatchStats = %+v; want 1 refusal and a fallback for each later job", st)
+				t.Fatalf("batchStats = %+v; want 1 refusal and a fallback for each later job", st)
 			}
-			capab, err := e.d.Capability(dir)
-			if err != nil || capab.Batch != BatchRefused || !errors.Is(capab.BatchErr, StatusBatchNoCompatError) {
+			capab, err := e.d.capability(dir)
+			if err != nil || capab.batch != batchStateRefused || !errors.Is(capab.batchErr, statusBatchNoCompatError) {
 				t.Fatalf("Capability = %+v, %v; want batch refused with 5049", capab, err)
 			}
 		})
@@ -175,16 +175,16 @@ func TestMoverBatchFailuresFailTheJob(t *testing.T) {
 		check func(err error) bool
 	}{
 		{"read entry fails with a cuFile status", false, func(c *fakeCtl, entries int64) {
-			c.set(&c.BatchFailCode, int64(StatusIOError))
+			c.set(&c.BatchFailCode, int64(statusIOError))
 			c.set(&c.BatchFailEntry, entries+5)
-		}, func(err error) bool { return errors.Is(err, ErrBatchEntry) && errors.Is(err, StatusIOError) }},
+		}, func(err error) bool { return errors.Is(err, errBatchEntry) && errors.Is(err, statusIOError) }},
 		{"write entry fails with an errno", true, func(c *fakeCtl, entries int64) {
 			c.set(&c.BatchFailCode, int64(syscall.EIO))
 			c.set(&c.BatchFailEntry, entries+20)
-		}, func(err error) bool { return errors.Is(err, ErrBatchEntry) && errors.Is(err, syscall.EIO) }},
+		}, func(err error) bool { return errors.Is(err, errBatchEntry) && errors.Is(err, syscall.EIO) }},
 		{"submit fails with an internal error", true, func(c *fakeCtl, _ int64) {
-			c.set(&c.BatchSubmitError, int64(StatusInternalError))
-		}, func(err error) bool { return errors.Is(err, StatusInternalError) }},
+			c.set(&c.BatchSubmitError, int64(statusInternalError))
+		}, func(err error) bool { return errors.Is(err, statusInternalError) }},
 		{"read past the end of the file", false, func(c *fakeCtl, _ int64) {
 			c.set(&c.ReadTruncateAt, 10*4096+100)
 		}, func(err error) bool {
@@ -218,7 +218,7 @@ func TestMoverBatchFailuresFailTheJob(t *testing.T) {
 			if errors.Is(err, transfer.ErrUnsupported) || !tt.check(err) {
 				t.Fatalf("transfer error %v: wrong kind (must fail with the cause, not fall back)", err)
 			}
-			if e.d.BatchStats().Refusals != 0 {
+			if e.d.batchStats().Refusals != 0 {
 				t.Fatal("a failure was taken for a refusal")
 			}
 			if tt.name != "read past the end of the file" {
@@ -262,8 +262,8 @@ func TestMoverBatchShortEntryIsFinishedPerCall(t *testing.T) {
 			if !bytes.Equal(gather(rp, dst.mem), gather(p, src.mem)) {
 				t.Fatal("bytes differ after a short entry")
 			}
-			if st := e.d.BatchStats(); st.Short != 1 {
-				t.Fatalf("BatchStats.Short = %d, want 1", st.Short)
+			if st := e.d.batchStats(); st.Short != 1 {
+				t.Fatalf("batchStats.Short = %d, want 1", st.Short)
 			}
 			if pc := c.get(&c.Writes) + c.get(&c.Reads); pc != 1 {
 				t.Fatalf("%d per-call I/Os; want 1 for the short entry's rest", pc)
@@ -280,7 +280,7 @@ func TestMoverBatchCancelsOnContextDoneAndTimeout(t *testing.T) {
 		want    error
 	}{
 		{"context canceled", time.Minute, true, context.Canceled},
-		{"batch timeout", 30 * time.Millisecond, false, ErrBatchTimeout},
+		{"batch timeout", 30 * time.Millisecond, false, errBatchTimeout},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -321,8 +321,8 @@ func TestMoverBatchCancelsOnContextDoneAndTimeout(t *testing.T) {
 			if su := c.get(&c.BatchSetups); su != 2 {
 				t.Fatalf("%d contexts set up; want 2 (the abandoned one is not reused)", su)
 			}
-			if st := e.d.BatchStats(); st.Abandoned != 1 || st.Stuck != 0 {
-				t.Fatalf("BatchStats.Abandoned = %d, Stuck = %d; want 1, 0", st.Abandoned, st.Stuck)
+			if st := e.d.batchStats(); st.Abandoned != 1 || st.Stuck != 0 {
+				t.Fatalf("batchStats.Abandoned = %d, Stuck = %d; want 1, 0", st.Abandoned, st.Stuck)
 			}
 		})
 	}
@@ -397,8 +397,8 @@ func TestMoverHoldsAJobWhoseCanceledBatchNeverComesBack(t *testing.T) {
 	if d, live := c.get(&c.BatchDestroys), c.get(&c.BatchLive); d != 0 || live != 1 {
 		t.Fatalf("with the entries pending: %d contexts destroyed, %d live; want 0, 1", d, live)
 	}
-	if bs := e.d.BatchStats(); bs.Stuck != 1 {
-		t.Fatalf("BatchStats.Stuck = %d, want 1", bs.Stuck)
+	if bs := e.d.batchStats(); bs.Stuck != 1 {
+		t.Fatalf("batchStats.Stuck = %d, want 1", bs.Stuck)
 	}
 	if !strings.Contains(e.logs.String(), "did not come back") {
 		t.Fatalf("no log line about the stuck batch:\n%s", e.logs)
@@ -406,7 +406,7 @@ func TestMoverHoldsAJobWhoseCanceledBatchNeverComesBack(t *testing.T) {
 
 	c.set(&c.BatchRelease, 1)
 	r := <-res
-	if !errors.Is(r.err, ErrBatchTimeout) || !strings.Contains(r.err.Error(), "came back") || r.n != 0 {
+	if !errors.Is(r.err, errBatchTimeout) || !strings.Contains(r.err.Error(), "came back") || r.n != 0 {
 		t.Fatalf("ReadFile = %d, %v; want 0 and the timeout, saying when the entries came back", r.n, r.err)
 	}
 	if !bytes.Equal(gather(rp, dst.mem), gather(p, src.mem)) {
@@ -453,22 +453,22 @@ func TestMoverAutoBatchesOnlyWhereItPays(t *testing.T) {
 		api      bool
 		features uint32
 		mode     Mode
-		batch    BatchState
+		batch    batchState
 		want     bool
 	}{
-		{"auto, direct, driver supports batches", IOAuto, true, featureBatchIO, ModeDirect, BatchUnknown, true},
-		{"auto, direct, driver does not", IOAuto, true, 0, ModeDirect, BatchUnknown, false},
-		{"auto, compat: as measured", IOAuto, true, featureBatchIO, ModeCompat, BatchUnknown, autoBatchCompat},
-		{"batch, compat", IOBatch, true, 0, ModeCompat, BatchUnknown, true},
-		{"batch, refused mount", IOBatch, true, featureBatchIO, ModeCompat, BatchRefused, false},
-		{"batch, no batch API", IOBatch, false, featureBatchIO, ModeDirect, BatchUnknown, false},
-		{"per-call, direct", IOPerCall, true, featureBatchIO, ModeDirect, BatchUnknown, false},
+		{"auto, direct, driver supports batches", IOAuto, true, featureBatchIO, ModeDirect, batchStateUnknown, true},
+		{"auto, direct, driver does not", IOAuto, true, 0, ModeDirect, batchStateUnknown, false},
+		{"auto, compat: as measured", IOAuto, true, featureBatchIO, ModeCompat, batchStateUnknown, autoBatchCompat},
+		{"batch, compat", IOBatch, true, 0, ModeCompat, batchStateUnknown, true},
+		{"batch, refused mount", IOBatch, true, featureBatchIO, ModeCompat, batchStateRefused, false},
+		{"batch, no batch API", IOBatch, false, featureBatchIO, ModeDirect, batchStateUnknown, false},
+		{"per-call, direct", IOPerCall, true, featureBatchIO, ModeDirect, batchStateUnknown, false},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			d := &Driver{props: Properties{BatchAPI: tt.api, FeatureFlags: tt.features}}
 			m := &Mover{d: d, cfg: MoverConfig{IO: tt.io}}
-			if got := m.useBatch(Capability{Mode: tt.mode, Batch: tt.batch}); got != tt.want {
+			if got := m.useBatch(Capability{Mode: tt.mode, batch: tt.batch}); got != tt.want {
 				t.Fatalf("useBatch = %v, want %v", got, tt.want)
 			}
 		})

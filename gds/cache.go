@@ -137,7 +137,7 @@ func (c *handleCache) acquire(fd int, key handleKey) (*handle, error) {
 	c.mu.Lock()
 	if c.closed {
 		c.mu.Unlock()
-		return nil, ErrClosed
+		return nil, errClosed
 	}
 	slot := key.slot()
 	var victims []*handle
@@ -195,7 +195,7 @@ func (c *handleCache) acquire(fd int, key handleKey) (*handle, error) {
 		// it until then), never used.
 		c.st.Registrations++
 		e.stale = true
-		e.err = ErrClosed
+		e.err = errClosed
 		victims = append(victims, e)
 	default:
 		c.st.Registrations++
@@ -429,7 +429,7 @@ func (c *handleCache) dropUnlinked() {
 // probes): afterwards nothing calls cuFile, and the driver may be closed
 // and the library unloaded. The caller has closed every mover first, so
 // no transfer uses a held handle any more; its holder only releases it,
-// which then deregisters nothing. Acquisitions fail with ErrClosed.
+// which then deregisters nothing. Acquisitions fail with errClosed.
 func (c *handleCache) close() {
 	var victims []*handle
 	c.mu.Lock()

@@ -28,24 +28,24 @@ type Capability struct {
 	FSType string
 	// Err is why the mount is unusable (the registration error), or nil.
 	Err error
-	// Batch is what is known of batch I/O on the mount; BatchErr is the
-	// library's refusal when Batch is BatchRefused.
-	Batch    BatchState
-	BatchErr error
+	// batch is what is known of batch I/O on the mount; BatchErr is the
+	// library's refusal when batch is batchStateRefused.
+	batch    batchState
+	batchErr error
 }
 
-// BatchState is what a mount is known to do with cuFile's batch API.
-type BatchState int
+// batchState is what a mount is known to do with cuFile's batch API.
+type batchState int
 
 // Batch states.
 const (
-	BatchUnknown BatchState = iota // no batch tried yet (or batches not used)
-	BatchRefused                   // the library refused a batch: per-call I/O only
+	batchStateUnknown batchState = iota // no batch tried yet (or batches not used)
+	batchStateRefused                   // the library refused a batch: per-call I/O only
 )
 
 // String names the state.
-func (b BatchState) String() string {
-	if b == BatchRefused {
+func (b batchState) String() string {
+	if b == batchStateRefused {
 		return "refused"
 	}
 	return "unknown"
@@ -57,8 +57,8 @@ func (c Capability) String() string {
 	if c.Err != nil {
 		s += ": " + c.Err.Error()
 	}
-	if c.Batch == BatchRefused {
-		s += "; batch I/O refused: " + c.BatchErr.Error()
+	if c.batch == batchStateRefused {
+		s += "; batch I/O refused: " + c.batchErr.Error()
 	}
 	return s
 }
@@ -109,7 +109,7 @@ func settles(err error) bool {
 		return false
 	}
 	switch st {
-	case StatusGetNewFDFailed, StatusNoMemory, StatusInternalError, StatusCUDADriverError, StatusDriverClosing:
+	case statusGetNewFDFailed, statusNoMemory, statusInternalError, statusCUDADriverError, statusDriverClosing:
 		return false
 	}
 	return true
@@ -169,14 +169,14 @@ func (cs *capabilities) settle(dev uint64, fd int, regErr error) Capability {
 func (cs *capabilities) refuseBatch(dev uint64, err error) {
 	cs.mu.Lock()
 	c, ok := cs.m[dev]
-	if !ok || c.Batch == BatchRefused {
+	if !ok || c.batch == batchStateRefused {
 		// Refused already (or, impossibly, not settled: a transfer
 		// settles its mount before any I/O).
 		cs.mu.Unlock()
 		cs.d.batch.fallbacks.Add(1)
 		return
 	}
-	c.Batch, c.BatchErr = BatchRefused, err
+	c.batch, c.batchErr = batchStateRefused, err
 	cs.m[dev] = c
 	cs.mu.Unlock()
 	cs.d.batch.refusals.Add(1)
@@ -185,9 +185,9 @@ func (cs *capabilities) refuseBatch(dev uint64, err error) {
 		"mount", c.mountName(), "mode", c.Mode.String())
 }
 
-// Capability returns the cached capability of the mount holding path,
+// capability returns the cached capability of the mount holding path,
 // probing it (ProbeDir) if it is not known yet.
-func (d *Driver) Capability(dir string) (Capability, error) {
+func (d *Driver) capability(dir string) (Capability, error) {
 	var st unix.Stat_t
 	if err := unix.Stat(dir, &st); err != nil {
 		return Capability{}, fmt.Errorf("gds: stat %s: %w", dir, err)
@@ -229,7 +229,7 @@ func (d *Driver) ProbeDir(dir string) (Capability, error) {
 	// Counted as the handle cache's work, so that Close waits for it;
 	// none once Close began, which unloads the library.
 	if !d.cache.enter() {
-		return Capability{}, ErrClosed
+		return Capability{}, errClosed
 	}
 	defer d.cache.exit()
 	var regErr error

@@ -20,11 +20,11 @@ var (
 	// missing, a required symbol missing), or this build cannot load
 	// libraries (no cgo). Errors wrap it with the loader's text.
 	ErrUnavailable = errors.New("gds: cuFile unavailable")
-	// ErrClosed: the driver or mover was closed.
-	ErrClosed = errors.New("gds: closed")
-	// ErrBuffer: a buffer registration was refused (overlap, unknown
+	// errClosed: the driver or mover was closed.
+	errClosed = errors.New("gds: closed")
+	// errBuffer: a buffer registration was refused (overlap, unknown
 	// pointer, bad size).
-	ErrBuffer = errors.New("gds: bad buffer registration")
+	errBuffer = errors.New("gds: bad buffer registration")
 )
 
 // DefaultLibraryPaths returns the places Open looks for libcufile, in
@@ -360,25 +360,25 @@ func stripJSONComments(b []byte) []byte {
 // Properties returns what Open found.
 func (d *Driver) Properties() Properties { return d.props }
 
-// RegisterBuffer registers size bytes of device memory at ptr on the
+// registerBuffer registers size bytes of device memory at ptr on the
 // device with cuFile (cuFileBufRegister). A transfer piece that lies
 // inside a registered buffer is passed to cuFile as the buffer's base and
-// an offset. It is deregistered by DeregisterBuffer or Close. The daemon
+// an offset. It is deregistered by deregisterBuffer or Close. The daemon
 // does not call it: cuFile moves the clients' GPU memory, imported over
 // CUDA IPC, which is not registered (docs/gds.md says why).
-func (d *Driver) RegisterBuffer(ordinal int, ptr uintptr, size int64) error {
+func (d *Driver) registerBuffer(ordinal int, ptr uintptr, size int64) error {
 	if ptr == 0 || size <= 0 {
-		return fmt.Errorf("%w: pointer %#x size %d", ErrBuffer, ptr, size)
+		return fmt.Errorf("%w: pointer %#x size %d", errBuffer, ptr, size)
 	}
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if d.closed {
-		return ErrClosed
+		return errClosed
 	}
 	i := sort.Search(len(d.bufs), func(i int) bool { return d.bufs[i].ptr >= ptr })
 	if (i < len(d.bufs) && ptr+uintptr(size) > d.bufs[i].ptr) ||
 		(i > 0 && d.bufs[i-1].ptr+uintptr(d.bufs[i-1].size) > ptr) {
-		return fmt.Errorf("%w: [%#x, +%d) overlaps a registered buffer", ErrBuffer, ptr, size)
+		return fmt.Errorf("%w: [%#x, +%d) overlaps a registered buffer", errBuffer, ptr, size)
 	}
 	if err := d.onDevice(ordinal, func() error { return d.api.bufRegister(ptr, size, 0) }); err != nil {
 		return fmt.Errorf("gds: cuFileBufRegister [%#x, +%d) on device %d: %w", ptr, size, ordinal, err)
@@ -389,13 +389,13 @@ func (d *Driver) RegisterBuffer(ordinal int, ptr uintptr, size int64) error {
 	return nil
 }
 
-// DeregisterBuffer deregisters a buffer registered at ptr.
-func (d *Driver) DeregisterBuffer(ptr uintptr) error {
+// deregisterBuffer deregisters a buffer registered at ptr.
+func (d *Driver) deregisterBuffer(ptr uintptr) error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	i := sort.Search(len(d.bufs), func(i int) bool { return d.bufs[i].ptr >= ptr })
 	if i == len(d.bufs) || d.bufs[i].ptr != ptr {
-		return fmt.Errorf("%w: %#x is not registered", ErrBuffer, ptr)
+		return fmt.Errorf("%w: %#x is not registered", errBuffer, ptr)
 	}
 	b := d.bufs[i]
 	d.bufs = append(d.bufs[:i], d.bufs[i+1:]...)
@@ -420,10 +420,10 @@ func (d *Driver) registered(ptr uintptr, n int64) (buffer, bool) {
 	return buffer{}, false
 }
 
-// Forget drops the cached handles of a file (its device and inode
+// forget drops the cached handles of a file (its device and inode
 // number, of any generation) that the engine is about to remove or
 // replace. A handle in use is deregistered when its last transfer ends.
-func (d *Driver) Forget(id fsys.FileID) { d.cache.forget(id) }
+func (d *Driver) forget(id fsys.FileID) { d.cache.forget(id) }
 
 // HandleStats reports the handle cache's counters.
 func (d *Driver) HandleStats() HandleStats { return d.cache.stats() }
@@ -431,12 +431,12 @@ func (d *Driver) HandleStats() HandleStats { return d.cache.stats() }
 // Close closes the movers, deregisters every handle (held ones included)
 // and registered buffer, closes the cuFile driver and unloads the
 // library. Nothing calls cuFile afterwards: a handle released later, a
-// Forget or a probe finds nothing to do or fails with ErrClosed.
+// Forget or a probe finds nothing to do or fails.
 func (d *Driver) Close() error {
 	d.mu.Lock()
 	if d.closed {
 		d.mu.Unlock()
-		return ErrClosed
+		return errClosed
 	}
 	d.closed = true
 	movers := make([]*Mover, 0, len(d.movers))
@@ -446,7 +446,7 @@ func (d *Driver) Close() error {
 	d.mu.Unlock()
 	var errs []error
 	for _, m := range movers {
-		if err := m.Close(); err != nil && !errors.Is(err, ErrClosed) {
+		if err := m.Close(); err != nil && !errors.Is(err, errClosed) {
 			errs = append(errs, err)
 		}
 	}

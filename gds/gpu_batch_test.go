@@ -275,12 +275,12 @@ func TestGPUBatchVersusPerCall(t *testing.T) {
 	for _, m := range movers {
 		m.Close()
 	}
-	st := d.BatchStats()
+	st := d.batchStats()
 	fmt.Printf("BATCHBENCH batch stats: %+v\n", st)
-	capab, _ := d.Capability(dir)
+	capab, _ := d.capability(dir)
 	fmt.Printf("BATCHBENCH disk after: %v\n", capab)
-	if capab.Batch == BatchRefused {
-		fmt.Printf("BATCHBENCH NOTE: the library refused batches on this mount (%v); the batch rows ran per call\n", capab.BatchErr)
+	if capab.batch == batchStateRefused {
+		fmt.Printf("BATCHBENCH NOTE: the library refused batches on this mount (%v); the batch rows ran per call\n", capab.batchErr)
 	}
 	if n := strings.Count(logs.String(), "batch I/O refused"); n > 1 {
 		t.Errorf("batch refusal logged %d times, want at most once", n)

@@ -83,9 +83,9 @@ func TestGPUStreamVersusPerCall(t *testing.T) {
 	}
 	regBufs := func(on bool) error {
 		if !on {
-			return errors.Join(d.DeregisterBuffer(src.ptr), d.DeregisterBuffer(dst.ptr))
+			return errors.Join(d.deregisterBuffer(src.ptr), d.deregisterBuffer(dst.ptr))
 		}
-		return errors.Join(d.RegisterBuffer(0, src.ptr, src.size), d.RegisterBuffer(0, dst.ptr, dst.size))
+		return errors.Join(d.registerBuffer(0, src.ptr, src.size), d.registerBuffer(0, dst.ptr, dst.size))
 	}
 	newStream := func(st setup) (uintptr, error) {
 		var s uintptr

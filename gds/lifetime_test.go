@@ -25,12 +25,12 @@ func TestDriverCloseLeavesNoCallForAfterTheLibraryIsGone(t *testing.T) {
 			e.d.cache.release(h)
 		}},
 		{"its file is forgotten", func(t *testing.T, e *fakeEnv, h *handle, _ string) {
-			e.d.Forget(h.key.FileID)
+			e.d.forget(h.key.FileID)
 			e.d.cache.release(h)
 		}},
 		{"a mount is probed", func(t *testing.T, e *fakeEnv, h *handle, dir string) {
-			if _, err := e.d.ProbeDir(dir); !errors.Is(err, ErrClosed) {
-				t.Errorf("ProbeDir after Close: %v, want ErrClosed", err)
+			if _, err := e.d.ProbeDir(dir); !errors.Is(err, errClosed) {
+				t.Errorf("ProbeDir after Close: %v, want errClosed", err)
 			}
 			e.d.cache.release(h)
 		}},

@@ -39,14 +39,14 @@ type MoverConfig struct {
 	// none. It is never more than the driver's limit.
 	BatchSize int
 	// BatchTimeout bounds the wait for one batch's completions; at expiry
-	// the batch is canceled and the job fails with ErrBatchTimeout once
+	// the batch is canceled and the job fails (a batch timeout) once
 	// every entry has come back: until then the library may still move
 	// bytes into the job's memory, so the job is held (a batch whose
 	// entries stay out for 5 s, or BatchTimeout, after the cancel also
-	// counts as a device fault, BatchStats.Stuck). 0 means one minute. It cannot bound a cuFileBatchIOSubmit that never
-	// returns (seen in compatibility mode): that call holds its worker
-	// and its share of the driver's entry budget, which is why IOAuto
-	// never batches there.
+	// counts as a device fault). 0 means one minute. It cannot bound a
+	// cuFileBatchIOSubmit that never returns (seen in compatibility
+	// mode): that call holds its worker and its share of the driver's
+	// entry budget, which is why IOAuto never batches there.
 	BatchTimeout time.Duration
 }
 
@@ -165,7 +165,7 @@ func (d *Driver) NewMover(cfg MoverConfig) (*Mover, error) {
 	d.mu.Lock()
 	if d.closed {
 		d.mu.Unlock()
-		return nil, ErrClosed
+		return nil, errClosed
 	}
 	d.movers[m] = struct{}{}
 	d.mu.Unlock()
@@ -206,15 +206,15 @@ func (m *Mover) Name() string { return "cufile" }
 func (m *Mover) Checksums() bool { return false }
 
 // Forget implements transfer.Forgetter.
-func (m *Mover) Forget(id fsys.FileID) { m.d.Forget(id) }
+func (m *Mover) Forget(id fsys.FileID) { m.d.forget(id) }
 
 // Close stops the workers after the jobs in flight; a job held by a stuck
-// batch (BatchStats.Stuck) holds Close too.
+// batch holds Close too.
 func (m *Mover) Close() error {
 	m.mu.Lock()
 	if m.closed {
 		m.mu.Unlock()
-		return ErrClosed
+		return errClosed
 	}
 	m.closed = true
 	close(m.tasks)
@@ -300,7 +300,7 @@ func (m *Mover) submit(t *task) error {
 	m.mu.RLock()
 	defer m.mu.RUnlock()
 	if m.closed {
-		return ErrClosed
+		return errClosed
 	}
 	m.tasks <- t
 	return nil
@@ -487,7 +487,7 @@ func (m *Mover) countFault(ordinal int) uint64 {
 
 // DeviceFaults reports, per device ordinal, the jobs that failed with a
 // sticky CUDA error there, and the batches there whose entries did not
-// come back after cuFileBatchIOCancel (BatchStats.Stuck; each holds its
+// come back after cuFileBatchIOCancel (each holds its
 // job until they do): a device that has any needs the daemon restarted,
 // or the GPU reset. A device without any is absent.
 func (m *Mover) DeviceFaults() map[int]uint64 {

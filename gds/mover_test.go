@@ -158,7 +158,7 @@ func TestMoverFallsBackOnUnusableMountAndLogsOnce(t *testing.T) {
 	if got := strings.Count(logs, "unusable: "); got != 1 || !strings.Contains(logs, "CU_FILE_HANDLE_NOT_REGISTERED (5027)") {
 		t.Fatalf("unusable mount reported %d times, want once; logs:\n%s", got, logs)
 	}
-	c, err := e.d.Capability(dir)
+	c, err := e.d.capability(dir)
 	if err != nil || c.Mode != ModeUnusable || !errors.Is(c.Err, StatusHandleNotRegistered) {
 		t.Fatalf("Capability = %+v, %v; want unusable with 5027", c, err)
 	}
@@ -174,7 +174,7 @@ func TestProbeDirFindsCompatModeAndCachesIt(t *testing.T) {
 	if live := e.ctl.get(&e.ctl.HandlesLive); live != 0 {
 		t.Fatalf("probe left %d handles registered", live)
 	}
-	if _, err := e.d.Capability(dir); err != nil {
+	if _, err := e.d.capability(dir); err != nil {
 		t.Fatal(err)
 	}
 	if calls := e.ctl.get(&e.ctl.RegisterCalls); calls != 1 {
@@ -225,7 +225,7 @@ func TestOpenReadsPropertiesAndCloseReleasesEverything(t *testing.T) {
 	}
 	m := newMover(t, e.d, MoverConfig{Workers: 2, AllowCompat: true})
 	src := newHostDevice(t, 1, 1<<20, 0)
-	if err := e.d.RegisterBuffer(0, src.Ptr(), src.Len()); err != nil {
+	if err := e.d.registerBuffer(0, src.Ptr(), src.Len()); err != nil {
 		t.Fatal(err)
 	}
 	f := openFile(t, filepath.Join(t.TempDir(), "key"), os.O_RDWR)
@@ -242,8 +242,8 @@ func TestOpenReadsPropertiesAndCloseReleasesEverything(t *testing.T) {
 	if l, b, c := ctl.get(&ctl.HandlesLive), ctl.get(&ctl.BufsLive), ctl.get(&ctl.DriverCloses); l != 0 || b != 0 || c != 1 {
 		t.Fatalf("after close: %d handles, %d buffers live, %d driver closes; want 0, 0, 1", l, b, c)
 	}
-	if _, err := m.WriteFile(context.Background(), f, scatterPlan(src, 8, 4096, 1), nil); !errors.Is(err, ErrClosed) {
-		t.Fatalf("WriteFile after Close = %v, want ErrClosed", err)
+	if _, err := m.WriteFile(context.Background(), f, scatterPlan(src, 8, 4096, 1), nil); !errors.Is(err, errClosed) {
+		t.Fatalf("WriteFile after Close = %v, want errClosed", err)
 	}
 }
 
@@ -258,9 +258,9 @@ func TestOpenFailsWhenARequiredSymbolIsMissing(t *testing.T) {
 func TestOpenFailsWhenDriverOpenFails(t *testing.T) {
 	lib := buildFake(t)
 	ctl := fakeControl(t, lib)
-	ctl.set(&ctl.DriverOpenError, int64(StatusDriverNotInitialized))
+	ctl.set(&ctl.DriverOpenError, int64(statusDriverNotInitialized))
 	_, err := Open(Config{LibraryPaths: []string{lib}})
-	if !errors.Is(err, ErrUnavailable) || !errors.Is(err, StatusDriverNotInitialized) {
+	if !errors.Is(err, ErrUnavailable) || !errors.Is(err, statusDriverNotInitialized) {
 		t.Fatalf("Open with cuFileDriverOpen failing = %v", err)
 	}
 }
@@ -269,11 +269,11 @@ func TestRegisterBufferOnceAndUseItsBaseAndOffset(t *testing.T) {
 	e := openFake(t, Config{}, nil)
 	m := newMover(t, e.d, MoverConfig{Workers: 2, AllowCompat: true})
 	buf := newHostDevice(t, 1, 1<<20, 0)
-	if err := e.d.RegisterBuffer(0, buf.Ptr(), buf.Len()); err != nil {
+	if err := e.d.registerBuffer(0, buf.Ptr(), buf.Len()); err != nil {
 		t.Fatal(err)
 	}
-	if err := e.d.RegisterBuffer(0, buf.Ptr()+4096, 4096); !errors.Is(err, ErrBuffer) {
-		t.Fatalf("overlapping registration = %v, want ErrBuffer", err)
+	if err := e.d.registerBuffer(0, buf.Ptr()+4096, 4096); !errors.Is(err, errBuffer) {
+		t.Fatalf("overlapping registration = %v, want errBuffer", err)
 	}
 	if b, ok := e.d.registered(buf.Ptr()+8192, 4096); !ok || b.ptr != buf.Ptr() {
 		t.Fatalf("registered lookup inside the buffer = %+v, %v", b, ok)
@@ -292,11 +292,11 @@ func TestRegisterBufferOnceAndUseItsBaseAndOffset(t *testing.T) {
 	if !bytes.Equal(gather(p, buf.mem), gather(p, want)) {
 		t.Fatal("round trip through a registered buffer (base + offset) lost bytes")
 	}
-	if err := e.d.DeregisterBuffer(buf.Ptr()); err != nil || e.ctl.get(&e.ctl.BufsLive) != 0 {
-		t.Fatalf("DeregisterBuffer = %v, %d live", err, e.ctl.get(&e.ctl.BufsLive))
+	if err := e.d.deregisterBuffer(buf.Ptr()); err != nil || e.ctl.get(&e.ctl.BufsLive) != 0 {
+		t.Fatalf("deregisterBuffer = %v, %d live", err, e.ctl.get(&e.ctl.BufsLive))
 	}
-	if err := e.d.DeregisterBuffer(buf.Ptr()); !errors.Is(err, ErrBuffer) {
-		t.Fatalf("second DeregisterBuffer = %v, want ErrBuffer", err)
+	if err := e.d.deregisterBuffer(buf.Ptr()); !errors.Is(err, errBuffer) {
+		t.Fatalf("second DeregisterBuffer = %v, want errBuffer", err)
 	}
 }
 
@@ -307,9 +307,9 @@ func TestMoverReadFailuresFailTheTransfer(t *testing.T) {
 		check func(err error) bool
 	}{
 		{"cufile status midway", func(c *fakeCtl, total int64) {
-			c.set(&c.ReadFailCode, int64(StatusInternalError))
+			c.set(&c.ReadFailCode, int64(statusInternalError))
 			c.set(&c.ReadFailAfter, total/2)
-		}, func(err error) bool { return errors.Is(err, StatusInternalError) }},
+		}, func(err error) bool { return errors.Is(err, statusInternalError) }},
 		{"errno midway", func(c *fakeCtl, total int64) {
 			c.set(&c.ReadFailCode, -1)
 			c.set(&c.ReadFailAfter, total/2)
@@ -368,7 +368,7 @@ func TestMoverWriteFailureFailsAndShortWritesComplete(t *testing.T) {
 	e.ctl.set(&e.ctl.WriteShort, 0)
 	e.ctl.set(&e.ctl.WriteFailAfter, e.ctl.get(&e.ctl.BytesWritten)+p.Bytes()/2)
 	n, err := m.WriteFile(context.Background(), f, p, nil)
-	if err == nil || !errors.Is(err, StatusIOError) || errors.Is(err, transfer.ErrUnsupported) || n >= p.Bytes() {
+	if err == nil || !errors.Is(err, statusIOError) || errors.Is(err, transfer.ErrUnsupported) || n >= p.Bytes() {
 		t.Fatalf("WriteFile failing midway = %d, %v; want a CU_FILE_IO_ERROR failure", n, err)
 	}
 }
@@ -528,7 +528,7 @@ func TestMoverCountsJobsFailingWithAStickyCUDAErrorAsDeviceFaults(t *testing.T) 
 	submitFails := func(cu int64) func(c *fakeCtl) {
 		return func(c *fakeCtl) {
 			c.set(&c.CUError, cu)
-			c.set(&c.BatchSubmitError, int64(StatusCUDADriverError))
+			c.set(&c.BatchSubmitError, int64(statusCUDADriverError))
 		}
 	}
 	tests := []struct {
@@ -545,7 +545,7 @@ func TestMoverCountsJobsFailingWithAStickyCUDAErrorAsDeviceFaults(t *testing.T) 
 		{"batch submission fails with a sticky CUresult", []int{1}, submitFails(illegalAddress), false, false, 1, nil},
 		{"batch submission fails with a CUresult that is not sticky", []int{1}, submitFails(outOfMemory), false, false, 0, nil},
 		{"a batch entry fails with a CUDA driver error (no CUresult)", []int{1}, func(c *fakeCtl) {
-			c.set(&c.BatchFailCode, int64(StatusCUDADriverError))
+			c.set(&c.BatchFailCode, int64(statusCUDADriverError))
 			c.set(&c.BatchFailEntry, c.get(&c.BatchEntries)+1)
 		}, false, false, 0, nil},
 		{"binding a worker to the second device of a plan fails", []int{0, 1}, nil, true, false, 1, nil},
@@ -554,7 +554,7 @@ func TestMoverCountsJobsFailingWithAStickyCUDAErrorAsDeviceFaults(t *testing.T) 
 			&cuda.CallError{Func: "cudaSetDevice", Code: cuda.ErrorInvalidValue}},
 		{"the file's registration fails with a sticky CUresult", []int{1}, func(c *fakeCtl) {
 			c.set(&c.CUError, illegalAddress)
-			c.set(&c.RegisterError, int64(StatusCUDADriverError))
+			c.set(&c.RegisterError, int64(statusCUDADriverError))
 		}, false, true, 0, nil},
 	}
 	for _, tt := range tests {

@@ -16,109 +16,111 @@ import (
 //	cufile: CU_FILE_HANDLE_NOT_REGISTERED (5027): file handle not registered
 type Status int
 
-// cuFile status codes, numbered as cufile.h numbers them (5000 + n).
+// cuFile status codes, numbered as cufile.h numbers them (5000 + n). The
+// package exports the codes its importers test for; Error and Name print
+// every code, and errors.As finds the Status of any.
 const (
-	StatusSuccess                   Status = 0
-	StatusDriverNotInitialized      Status = 5001
-	StatusDriverInvalidProps        Status = 5002
-	StatusDriverUnsupportedLimit    Status = 5003
-	StatusDriverVersionMismatch     Status = 5004
-	StatusDriverVersionReadError    Status = 5005
-	StatusDriverClosing             Status = 5006
-	StatusPlatformNotSupported      Status = 5007
-	StatusIONotSupported            Status = 5008
-	StatusDeviceNotSupported        Status = 5009
-	StatusNVFSDriverError           Status = 5010
-	StatusCUDADriverError           Status = 5011
-	StatusCUDAPointerInvalid        Status = 5012
-	StatusCUDAMemoryTypeInvalid     Status = 5013
-	StatusCUDAPointerRangeError     Status = 5014
-	StatusCUDAContextMismatch       Status = 5015
-	StatusInvalidMappingSize        Status = 5016
-	StatusInvalidMappingRange       Status = 5017
-	StatusInvalidFileType           Status = 5018
-	StatusInvalidFileOpenFlag       Status = 5019
-	StatusDIONotSet                 Status = 5020
-	StatusInvalidValue              Status = 5022
-	StatusMemoryAlreadyRegistered   Status = 5023
-	StatusMemoryNotRegistered       Status = 5024
-	StatusPermissionDenied          Status = 5025
-	StatusDriverAlreadyOpen         Status = 5026
+	statusSuccess                   Status = 0
+	statusDriverNotInitialized      Status = 5001
+	statusDriverInvalidProps        Status = 5002
+	statusDriverUnsupportedLimit    Status = 5003
+	statusDriverVersionMismatch     Status = 5004
+	statusDriverVersionReadError    Status = 5005
+	statusDriverClosing             Status = 5006
+	statusPlatformNotSupported      Status = 5007
+	statusIONotSupported            Status = 5008
+	statusDeviceNotSupported        Status = 5009
+	statusNVFSDriverError           Status = 5010
+	statusCUDADriverError           Status = 5011
+	statusCUDAPointerInvalid        Status = 5012
+	statusCUDAMemoryTypeInvalid     Status = 5013
+	statusCUDAPointerRangeError     Status = 5014
+	statusCUDAContextMismatch       Status = 5015
+	statusInvalidMappingSize        Status = 5016
+	statusInvalidMappingRange       Status = 5017
+	statusInvalidFileType           Status = 5018
+	statusInvalidFileOpenFlag       Status = 5019
+	statusDIONotSet                 Status = 5020
+	statusInvalidValue              Status = 5022
+	statusMemoryAlreadyRegistered   Status = 5023
+	statusMemoryNotRegistered       Status = 5024
+	statusPermissionDenied          Status = 5025
+	statusDriverAlreadyOpen         Status = 5026
 	StatusHandleNotRegistered       Status = 5027
-	StatusHandleAlreadyRegistered   Status = 5028
-	StatusDeviceNotFound            Status = 5029
-	StatusInternalError             Status = 5030
-	StatusGetNewFDFailed            Status = 5031
-	StatusNVFSSetupError            Status = 5033
-	StatusIODisabled                Status = 5034
-	StatusBatchSubmitFailed         Status = 5035
-	StatusGPUMemoryPinningFailed    Status = 5036
-	StatusBatchFull                 Status = 5037
-	StatusAsyncNotSupported         Status = 5038
-	StatusInternalBatchSetupError   Status = 5039
-	StatusInternalBatchSubmitError  Status = 5040
-	StatusInternalBatchGetStatusErr Status = 5041
-	StatusInternalBatchCancelError  Status = 5042
-	StatusNoMemory                  Status = 5043
-	StatusIOError                   Status = 5044
-	StatusInternalBufRegisterError  Status = 5045
-	StatusHashOperationError        Status = 5046
-	StatusInvalidContextError       Status = 5047
-	StatusNVFSInternalDriverError   Status = 5048
-	StatusBatchNoCompatError        Status = 5049
-	StatusIOMaxError                Status = 5050
+	statusHandleAlreadyRegistered   Status = 5028
+	statusDeviceNotFound            Status = 5029
+	statusInternalError             Status = 5030
+	statusGetNewFDFailed            Status = 5031
+	statusNVFSSetupError            Status = 5033
+	statusIODisabled                Status = 5034
+	statusBatchSubmitFailed         Status = 5035
+	statusGPUMemoryPinningFailed    Status = 5036
+	statusBatchFull                 Status = 5037
+	statusAsyncNotSupported         Status = 5038
+	statusInternalBatchSetupError   Status = 5039
+	statusInternalBatchSubmitError  Status = 5040
+	statusInternalBatchGetStatusErr Status = 5041
+	statusInternalBatchCancelError  Status = 5042
+	statusNoMemory                  Status = 5043
+	statusIOError                   Status = 5044
+	statusInternalBufRegisterError  Status = 5045
+	statusHashOperationError        Status = 5046
+	statusInvalidContextError       Status = 5047
+	statusNVFSInternalDriverError   Status = 5048
+	statusBatchNoCompatError        Status = 5049
+	statusIOMaxError                Status = 5050
 )
 
 var statusText = map[Status][2]string{
-	StatusSuccess:                   {"CU_FILE_SUCCESS", "success"},
-	StatusDriverNotInitialized:      {"CU_FILE_DRIVER_NOT_INITIALIZED", "nvidia-fs driver is not loaded"},
-	StatusDriverInvalidProps:        {"CU_FILE_DRIVER_INVALID_PROPS", "invalid property"},
-	StatusDriverUnsupportedLimit:    {"CU_FILE_DRIVER_UNSUPPORTED_LIMIT", "property range error"},
-	StatusDriverVersionMismatch:     {"CU_FILE_DRIVER_VERSION_MISMATCH", "nvidia-fs driver version mismatch"},
-	StatusDriverVersionReadError:    {"CU_FILE_DRIVER_VERSION_READ_ERROR", "nvidia-fs driver version read error"},
-	StatusDriverClosing:             {"CU_FILE_DRIVER_CLOSING", "driver shutdown in progress"},
-	StatusPlatformNotSupported:      {"CU_FILE_PLATFORM_NOT_SUPPORTED", "GPUDirect Storage not supported on this platform"},
-	StatusIONotSupported:            {"CU_FILE_IO_NOT_SUPPORTED", "GPUDirect Storage not supported on this file"},
-	StatusDeviceNotSupported:        {"CU_FILE_DEVICE_NOT_SUPPORTED", "GPUDirect Storage not supported on this GPU"},
-	StatusNVFSDriverError:           {"CU_FILE_NVFS_DRIVER_ERROR", "nvidia-fs driver ioctl error"},
-	StatusCUDADriverError:           {"CU_FILE_CUDA_DRIVER_ERROR", "CUDA driver API error"},
-	StatusCUDAPointerInvalid:        {"CU_FILE_CUDA_POINTER_INVALID", "invalid device pointer"},
-	StatusCUDAMemoryTypeInvalid:     {"CU_FILE_CUDA_MEMORY_TYPE_INVALID", "invalid pointer memory type"},
-	StatusCUDAPointerRangeError:     {"CU_FILE_CUDA_POINTER_RANGE_ERROR", "pointer range exceeds allocated address range"},
-	StatusCUDAContextMismatch:       {"CU_FILE_CUDA_CONTEXT_MISMATCH", "CUDA context mismatch"},
-	StatusInvalidMappingSize:        {"CU_FILE_INVALID_MAPPING_SIZE", "access beyond maximum pinned size"},
-	StatusInvalidMappingRange:       {"CU_FILE_INVALID_MAPPING_RANGE", "access beyond mapped size"},
-	StatusInvalidFileType:           {"CU_FILE_INVALID_FILE_TYPE", "unsupported file type"},
-	StatusInvalidFileOpenFlag:       {"CU_FILE_INVALID_FILE_OPEN_FLAG", "unsupported file open flags"},
-	StatusDIONotSet:                 {"CU_FILE_DIO_NOT_SET", "file not opened with O_DIRECT"},
-	StatusInvalidValue:              {"CU_FILE_INVALID_VALUE", "invalid API argument"},
-	StatusMemoryAlreadyRegistered:   {"CU_FILE_MEMORY_ALREADY_REGISTERED", "device pointer already registered"},
-	StatusMemoryNotRegistered:       {"CU_FILE_MEMORY_NOT_REGISTERED", "device pointer lookup failure"},
-	StatusPermissionDenied:          {"CU_FILE_PERMISSION_DENIED", "driver or file access error"},
-	StatusDriverAlreadyOpen:         {"CU_FILE_DRIVER_ALREADY_OPEN", "driver is already open"},
+	statusSuccess:                   {"CU_FILE_SUCCESS", "success"},
+	statusDriverNotInitialized:      {"CU_FILE_DRIVER_NOT_INITIALIZED", "nvidia-fs driver is not loaded"},
+	statusDriverInvalidProps:        {"CU_FILE_DRIVER_INVALID_PROPS", "invalid property"},
+	statusDriverUnsupportedLimit:    {"CU_FILE_DRIVER_UNSUPPORTED_LIMIT", "property range error"},
+	statusDriverVersionMismatch:     {"CU_FILE_DRIVER_VERSION_MISMATCH", "nvidia-fs driver version mismatch"},
+	statusDriverVersionReadError:    {"CU_FILE_DRIVER_VERSION_READ_ERROR", "nvidia-fs driver version read error"},
+	statusDriverClosing:             {"CU_FILE_DRIVER_CLOSING", "driver shutdown in progress"},
+	statusPlatformNotSupported:      {"CU_FILE_PLATFORM_NOT_SUPPORTED", "GPUDirect Storage not supported on this platform"},
+	statusIONotSupported:            {"CU_FILE_IO_NOT_SUPPORTED", "GPUDirect Storage not supported on this file"},
+	statusDeviceNotSupported:        {"CU_FILE_DEVICE_NOT_SUPPORTED", "GPUDirect Storage not supported on this GPU"},
+	statusNVFSDriverError:           {"CU_FILE_NVFS_DRIVER_ERROR", "nvidia-fs driver ioctl error"},
+	statusCUDADriverError:           {"CU_FILE_CUDA_DRIVER_ERROR", "CUDA driver API error"},
+	statusCUDAPointerInvalid:        {"CU_FILE_CUDA_POINTER_INVALID", "invalid device pointer"},
+	statusCUDAMemoryTypeInvalid:     {"CU_FILE_CUDA_MEMORY_TYPE_INVALID", "invalid pointer memory type"},
+	statusCUDAPointerRangeError:     {"CU_FILE_CUDA_POINTER_RANGE_ERROR", "pointer range exceeds allocated address range"},
+	statusCUDAContextMismatch:       {"CU_FILE_CUDA_CONTEXT_MISMATCH", "CUDA context mismatch"},
+	statusInvalidMappingSize:        {"CU_FILE_INVALID_MAPPING_SIZE", "access beyond maximum pinned size"},
+	statusInvalidMappingRange:       {"CU_FILE_INVALID_MAPPING_RANGE", "access beyond mapped size"},
+	statusInvalidFileType:           {"CU_FILE_INVALID_FILE_TYPE", "unsupported file type"},
+	statusInvalidFileOpenFlag:       {"CU_FILE_INVALID_FILE_OPEN_FLAG", "unsupported file open flags"},
+	statusDIONotSet:                 {"CU_FILE_DIO_NOT_SET", "file not opened with O_DIRECT"},
+	statusInvalidValue:              {"CU_FILE_INVALID_VALUE", "invalid API argument"},
+	statusMemoryAlreadyRegistered:   {"CU_FILE_MEMORY_ALREADY_REGISTERED", "device pointer already registered"},
+	statusMemoryNotRegistered:       {"CU_FILE_MEMORY_NOT_REGISTERED", "device pointer lookup failure"},
+	statusPermissionDenied:          {"CU_FILE_PERMISSION_DENIED", "driver or file access error"},
+	statusDriverAlreadyOpen:         {"CU_FILE_DRIVER_ALREADY_OPEN", "driver is already open"},
 	StatusHandleNotRegistered:       {"CU_FILE_HANDLE_NOT_REGISTERED", "file handle not registered"},
-	StatusHandleAlreadyRegistered:   {"CU_FILE_HANDLE_ALREADY_REGISTERED", "file handle already registered"},
-	StatusDeviceNotFound:            {"CU_FILE_DEVICE_NOT_FOUND", "GPU device not found"},
-	StatusInternalError:             {"CU_FILE_INTERNAL_ERROR", "internal error"},
-	StatusGetNewFDFailed:            {"CU_FILE_GETNEWFD_FAILED", "failed to obtain a new file descriptor"},
-	StatusNVFSSetupError:            {"CU_FILE_NVFS_SETUP_ERROR", "nvidia-fs driver initialization error"},
-	StatusIODisabled:                {"CU_FILE_IO_DISABLED", "GPUDirect Storage disabled by config on this file"},
-	StatusBatchSubmitFailed:         {"CU_FILE_BATCH_SUBMIT_FAILED", "failed to submit batch operation"},
-	StatusGPUMemoryPinningFailed:    {"CU_FILE_GPU_MEMORY_PINNING_FAILED", "failed to allocate pinned GPU memory"},
-	StatusBatchFull:                 {"CU_FILE_BATCH_FULL", "queue full for batch operation"},
-	StatusAsyncNotSupported:         {"CU_FILE_ASYNC_NOT_SUPPORTED", "asynchronous I/O not supported"},
-	StatusInternalBatchSetupError:   {"CU_FILE_INTERNAL_BATCH_SETUP_ERROR", "internal batch setup error"},
-	StatusInternalBatchSubmitError:  {"CU_FILE_INTERNAL_BATCH_SUBMIT_ERROR", "internal batch submit error"},
-	StatusInternalBatchGetStatusErr: {"CU_FILE_INTERNAL_BATCH_GETSTATUS_ERROR", "internal batch status error"},
-	StatusInternalBatchCancelError:  {"CU_FILE_INTERNAL_BATCH_CANCEL_ERROR", "internal batch cancel error"},
-	StatusNoMemory:                  {"CU_FILE_NOMEM_ERROR", "out of memory"},
-	StatusIOError:                   {"CU_FILE_IO_ERROR", "I/O error"},
-	StatusInternalBufRegisterError:  {"CU_FILE_INTERNAL_BUF_REGISTER_ERROR", "internal buffer registration error"},
-	StatusHashOperationError:        {"CU_FILE_HASH_OPR_ERROR", "internal hash table error"},
-	StatusInvalidContextError:       {"CU_FILE_INVALID_CONTEXT_ERROR", "invalid CUDA context"},
-	StatusNVFSInternalDriverError:   {"CU_FILE_NVFS_INTERNAL_DRIVER_ERROR", "nvidia-fs internal driver error"},
-	StatusBatchNoCompatError:        {"CU_FILE_BATCH_NOCOMPAT_ERROR", "batch I/O not supported in compatibility mode"},
-	StatusIOMaxError:                {"CU_FILE_IO_MAX_ERROR", "maximum error code"},
+	statusHandleAlreadyRegistered:   {"CU_FILE_HANDLE_ALREADY_REGISTERED", "file handle already registered"},
+	statusDeviceNotFound:            {"CU_FILE_DEVICE_NOT_FOUND", "GPU device not found"},
+	statusInternalError:             {"CU_FILE_INTERNAL_ERROR", "internal error"},
+	statusGetNewFDFailed:            {"CU_FILE_GETNEWFD_FAILED", "failed to obtain a new file descriptor"},
+	statusNVFSSetupError:            {"CU_FILE_NVFS_SETUP_ERROR", "nvidia-fs driver initialization error"},
+	statusIODisabled:                {"CU_FILE_IO_DISABLED", "GPUDirect Storage disabled by config on this file"},
+	statusBatchSubmitFailed:         {"CU_FILE_BATCH_SUBMIT_FAILED", "failed to submit batch operation"},
+	statusGPUMemoryPinningFailed:    {"CU_FILE_GPU_MEMORY_PINNING_FAILED", "failed to allocate pinned GPU memory"},
+	statusBatchFull:                 {"CU_FILE_BATCH_FULL", "queue full for batch operation"},
+	statusAsyncNotSupported:         {"CU_FILE_ASYNC_NOT_SUPPORTED", "asynchronous I/O not supported"},
+	statusInternalBatchSetupError:   {"CU_FILE_INTERNAL_BATCH_SETUP_ERROR", "internal batch setup error"},
+	statusInternalBatchSubmitError:  {"CU_FILE_INTERNAL_BATCH_SUBMIT_ERROR", "internal batch submit error"},
+	statusInternalBatchGetStatusErr: {"CU_FILE_INTERNAL_BATCH_GETSTATUS_ERROR", "internal batch status error"},
+	statusInternalBatchCancelError:  {"CU_FILE_INTERNAL_BATCH_CANCEL_ERROR", "internal batch cancel error"},
+	statusNoMemory:                  {"CU_FILE_NOMEM_ERROR", "out of memory"},
+	statusIOError:                   {"CU_FILE_IO_ERROR", "I/O error"},
+	statusInternalBufRegisterError:  {"CU_FILE_INTERNAL_BUF_REGISTER_ERROR", "internal buffer registration error"},
+	statusHashOperationError:        {"CU_FILE_HASH_OPR_ERROR", "internal hash table error"},
+	statusInvalidContextError:       {"CU_FILE_INVALID_CONTEXT_ERROR", "invalid CUDA context"},
+	statusNVFSInternalDriverError:   {"CU_FILE_NVFS_INTERNAL_DRIVER_ERROR", "nvidia-fs internal driver error"},
+	statusBatchNoCompatError:        {"CU_FILE_BATCH_NOCOMPAT_ERROR", "batch I/O not supported in compatibility mode"},
+	statusIOMaxError:                {"CU_FILE_IO_MAX_ERROR", "maximum error code"},
 }
 
 // Name is the code's name in cufile.h ("CU_FILE_HANDLE_NOT_REGISTERED"),
@@ -148,7 +150,7 @@ func statusError(code, cuErr int) error {
 		return nil
 	}
 	st := Status(code)
-	if st == StatusCUDADriverError || cuErr != 0 {
+	if st == statusCUDADriverError || cuErr != 0 {
 		return fmt.Errorf("%w (%w)", st, cuda.Result(cuErr))
 	}
 	return st

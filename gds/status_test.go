@@ -17,8 +17,8 @@ func TestStatusPrintsNameNumberAndMeaningWithoutLibrary(t *testing.T) {
 		want string
 	}{
 		{StatusHandleNotRegistered, "cufile: CU_FILE_HANDLE_NOT_REGISTERED (5027): file handle not registered"},
-		{StatusInternalError, "cufile: CU_FILE_INTERNAL_ERROR (5030): internal error"},
-		{StatusDriverNotInitialized, "cufile: CU_FILE_DRIVER_NOT_INITIALIZED (5001): nvidia-fs driver is not loaded"},
+		{statusInternalError, "cufile: CU_FILE_INTERNAL_ERROR (5030): internal error"},
+		{statusDriverNotInitialized, "cufile: CU_FILE_DRIVER_NOT_INITIALIZED (5001): nvidia-fs driver is not loaded"},
 		{Status(5999), "cufile: CU_FILE_UNKNOWN (5999): unknown status"},
 	}
 	for _, tt := range tests {
@@ -36,14 +36,14 @@ func TestStatusErrorIsMatchableThroughWrapping(t *testing.T) {
 	if statusError(0, 0) != nil {
 		t.Fatal("status 0 is not success")
 	}
-	cu := statusError(int(StatusCUDADriverError), 700)
-	if !errors.Is(cu, StatusCUDADriverError) || !strings.Contains(cu.Error(), "CUresult 700") || !errors.Is(cu, cuda.ErrSticky) {
+	cu := statusError(int(statusCUDADriverError), 700)
+	if !errors.Is(cu, statusCUDADriverError) || !strings.Contains(cu.Error(), "CUresult 700") || !errors.Is(cu, cuda.ErrSticky) {
 		t.Fatalf("CUDA driver error = %v, want the status and CUresult 700, a sticky one", cu)
 	}
-	if oom := statusError(int(StatusCUDADriverError), 2); errors.Is(oom, cuda.ErrSticky) {
+	if oom := statusError(int(statusCUDADriverError), 2); errors.Is(oom, cuda.ErrSticky) {
 		t.Fatalf("CUDA driver error %v: CUresult 2 (out of memory) taken for a sticky one", oom)
 	}
-	if io := ioError(-5030, nil); !errors.Is(io, StatusInternalError) {
+	if io := ioError(-5030, nil); !errors.Is(io, statusInternalError) {
 		t.Fatalf("ioError(-5030) = %v", io)
 	}
 }

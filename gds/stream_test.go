@@ -62,18 +62,18 @@ func TestStreamAPIMovesBytesAndReportsErrorsThroughTheRealBinding(t *testing.T) 
 	}
 
 	e.ctl.set(&e.ctl.ReadFailAfter, 1)
-	e.ctl.set(&e.ctl.ReadFailCode, int64(StatusInternalError))
-	if _, err := move(false, 2*n, n); !errors.Is(err, StatusInternalError) {
-		t.Fatalf("a failed read: %v; want %v", err, StatusInternalError)
+	e.ctl.set(&e.ctl.ReadFailCode, int64(statusInternalError))
+	if _, err := move(false, 2*n, n); !errors.Is(err, statusInternalError) {
+		t.Fatalf("a failed read: %v; want %v", err, statusInternalError)
 	}
 	e.ctl.set(&e.ctl.ReadFailCode, int64(syscall.EIO)) // a count of -5: a negated errno
 	if _, err := move(false, 2*n, n); !errors.Is(err, syscall.EIO) {
 		t.Fatalf("a read failed with -EIO: %v; want EIO", err)
 	}
 	e.ctl.set(&e.ctl.ReadFailAfter, 0)
-	e.ctl.set(&e.ctl.AsyncError, int64(StatusAsyncNotSupported))
-	if _, err := move(true, 0, 0); !errors.Is(err, StatusAsyncNotSupported) {
-		t.Fatalf("a refused enqueue: %v; want %v", err, StatusAsyncNotSupported)
+	e.ctl.set(&e.ctl.AsyncError, int64(statusAsyncNotSupported))
+	if _, err := move(true, 0, 0); !errors.Is(err, statusAsyncNotSupported) {
+		t.Fatalf("a refused enqueue: %v; want %v", err, statusAsyncNotSupported)
 	}
 	e.ctl.set(&e.ctl.AsyncError, 0)
 	if err := e.d.api.streamDeregister(stream); err != nil {

@@ -103,10 +103,10 @@ func TestNoThreadOutlivesItsWorkOnAnotherDevice(t *testing.T) {
 		}},
 		{"buffer registered and deregistered", func(t *testing.T, e *fakeEnv) {
 			buf := newHostDevice(t, 1, 1<<20, 1)
-			if err := e.d.RegisterBuffer(1, buf.Ptr(), buf.Len()); err != nil {
+			if err := e.d.registerBuffer(1, buf.Ptr(), buf.Len()); err != nil {
 				t.Fatal(err)
 			}
-			if err := e.d.DeregisterBuffer(buf.Ptr()); err != nil {
+			if err := e.d.deregisterBuffer(buf.Ptr()); err != nil {
 				t.Fatal(err)
 			}
 		}},
@@ -140,7 +140,7 @@ func TestDriverCallsLeaveTheCallersThreadOnItsDevice(t *testing.T) {
 		}},
 		{"RegisterBuffer on device 0", func(t *testing.T, e *fakeEnv, tr *threadDevices) {
 			buf := newHostDevice(t, 1, 1<<20, 0)
-			if err := e.d.RegisterBuffer(0, buf.Ptr(), buf.Len()); err != nil {
+			if err := e.d.registerBuffer(0, buf.Ptr(), buf.Len()); err != nil {
 				t.Fatal(err)
 			}
 		}},
