@@ -37,6 +37,7 @@ func (e *Engine) reserveUsed(ctx context.Context, m *mount, size int64) error {
 		if err := e.clusterReserve(ctx, m, size); err != nil {
 			return err
 		}
+		defer m.cluster.settle(size) // the mount's space counts it from here (or the store failed)
 	}
 	if e.space.reserveBelow(m.sp, size, high) {
 		return nil

@@ -42,12 +42,16 @@ type clusterMount struct {
 	interval time.Duration
 	tag      uint32
 
-	mu    sync.Mutex // guards the rest; one claim or tick at a time
-	own   int64      // own bytes at the last count, plus reservations since
-	claim int64
-	seq   uint64
-	pub   *clustercap.Summary   // the last summary published
-	peers []*clustercap.Summary // the live others, as last read
+	mu  sync.Mutex // guards the rest; one claim or tick at a time
+	own int64      // own bytes at the last count, plus reservations since
+	// pending is the bytes clusterReserve granted whose reservation on the
+	// mount's space may not be made yet (settle): a count in between must
+	// not take them for freed.
+	pending int64
+	claim   int64
+	seq     uint64
+	pub     *clustercap.Summary   // the last summary published
+	peers   []*clustercap.Summary // the live others, as last read
 	// dead holds the tags of the dead nodes this node adopted (it holds
 	// their adoption locks: their files are its to count and evict);
 	// replaced whole under mu, read anywhere (mayEvict holds e.mu).
@@ -211,7 +215,9 @@ func (c *clusterMount) count(ctx context.Context, e *Engine, m *mount) (own []ra
 	e.space.mu.Lock()
 	used := m.sp.used
 	e.space.mu.Unlock()
-	bytes += max(0, used-indexed) // reservations, files on their way out
+	// Reservations and files on their way out; granted reservations the
+	// space may not hold yet count at least (pending).
+	bytes += max(0, used-indexed, c.pending)
 
 	c.policyRanks(ctx, e, m, own, foreign)
 	for i := range foreign {
@@ -510,6 +516,7 @@ func (e *Engine) clusterReserve(ctx context.Context, m *mount, size int64) error
 	defer c.mu.Unlock()
 	if c.own+size <= c.claim {
 		c.own += size
+		c.pending += size
 		return nil
 	}
 	last := c.claim
@@ -552,7 +559,16 @@ func (e *Engine) clusterReserve(ctx context.Context, m *mount, size int64) error
 		}
 	}
 	c.own += size
+	c.pending += size
 	return nil
+}
+
+// settle ends size bytes of a grant of clusterReserve once the mount's
+// space has reserved them (or the store gave up).
+func (c *clusterMount) settle(size int64) {
+	c.mu.Lock()
+	c.pending -= size
+	c.mu.Unlock()
 }
 
 // clusterVictims is policy.Evictions for a cluster mount's own eviction
