@@ -13,6 +13,7 @@ import (
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/host/policy"
 	"github.com/kvhost/kvhost/internal/clustercap"
+	"github.com/kvhost/kvhost/internal/testwait"
 )
 
 // clusterNode opens an engine as node id on dir with a cluster capacity
@@ -161,19 +162,12 @@ func TestClusterEvictionFollowsThePolicysRank(t *testing.T) {
 				a.c.fill(r, bl)
 				storeAndCheck(t, a.e, a.c, [][]byte{k}, [][]int{bl})
 			}
-			deadline := time.Now().Add(30 * time.Second)
-			for i := 0; a.e.Stats().Evictions == 0; i++ {
-				if time.Now().After(deadline) {
-					t.Fatalf("node A evicted nothing after node B's %d stores", i)
-				}
-				if i < 40 {
-					bl := []int{4 * (i % 16), 4*(i%16) + 1, 4*(i%16) + 2, 4*(i%16) + 3}
-					b.c.fill(r, bl)
-					storeAndCheck(t, b.e, b.c, testKeys(fmt.Sprintf("b%02d", i), 1), [][]int{bl})
-				} else {
-					time.Sleep(10 * time.Millisecond) // wait for A's next tick
-				}
+			for i := 0; i < 40 && a.e.Stats().Evictions == 0; i++ {
+				bl := []int{4 * (i % 16), 4*(i%16) + 1, 4*(i%16) + 2, 4*(i%16) + 3}
+				b.c.fill(r, bl)
+				storeAndCheck(t, b.e, b.c, testKeys(fmt.Sprintf("b%02d", i), 1), [][]int{bl})
 			}
+			testwait.Until(t, "node A evicting after node B's stores", 30*time.Second, func() bool { return a.e.Stats().Evictions > 0 })
 			hitP, _ := a.e.Lookup(ctx, a.ns, [][]byte{p})
 			hitQ, _ := a.e.Lookup(ctx, a.ns, [][]byte{q})
 			if got := hitP == 1; got != tt.keepP {
@@ -225,13 +219,7 @@ func TestClusterAdoptsADeadNodesFiles(t *testing.T) {
 	}
 	m := a.e.mounts[0]
 	adopted := func() bool { return (*m.cluster.dead.Load())[clustercap.Tag("d")] }
-	deadline := time.Now().Add(30 * time.Second)
-	for !adopted() {
-		if time.Now().After(deadline) {
-			t.Fatal("node A did not adopt node D within 30 s of D's stop")
-		}
-		time.Sleep(10 * time.Millisecond) // wait for A's next tick
-	}
+	testwait.Until(t, "node A adopting node D after D's stop", 30*time.Second, adopted)
 	if got := a.e.Stats().Mounts[0].Entries; got < 3 {
 		t.Fatalf("node A indexes %d files after adopting D, want D's 3", got)
 	}
