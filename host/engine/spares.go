@@ -86,7 +86,7 @@ func (e *Engine) useSpare(sf spareFile, dir string, extra int, size, end int64) 
 	if err != nil {
 		return fail(tmp, "open", err)
 	}
-	if _, err := lockFile(f); err != nil {
+	if _, err := fsys.TryLock(f); err != nil {
 		e.log.Debug("engine: flock of a temporary file", "path", tmp, "err", err)
 	}
 	// A spare made ahead never had a header, nor any byte but zeros.

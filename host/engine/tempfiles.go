@@ -83,7 +83,7 @@ func (e *Engine) createFile(dir, prefix string, extra int, size int64) (f fsys.F
 	if err != nil {
 		return nil, "", "create", err
 	}
-	if _, err := lockFile(f); err != nil {
+	if _, err := fsys.TryLock(f); err != nil {
 		e.log.Debug("engine: flock of a temporary file", "path", tmp, "err", err)
 	}
 	if err := f.Allocate(size); err != nil {
@@ -119,23 +119,6 @@ func processAlive(pid int) bool {
 	return err == nil || errors.Is(err, unix.EPERM)
 }
 
-// lockFile takes an exclusive flock on f without waiting; it reports
-// false if another open file holds a lock on it.
-func lockFile(f fsys.File) (bool, error) {
-	for {
-		err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB)
-		switch {
-		case err == nil:
-			return true, nil
-		case errors.Is(err, unix.EINTR):
-			continue
-		case errors.Is(err, unix.EWOULDBLOCK):
-			return false, nil
-		}
-		return false, err
-	}
-}
-
 // cleanTemp applies the leftover rule to the temporary file at path with
 // name's part after its prefix. It reports whether it removed the file.
 func (e *Engine) cleanTemp(path, rest string) (bool, error) {
@@ -147,7 +130,7 @@ func (e *Engine) cleanTemp(path, rest string) (bool, error) {
 		return false, err
 	}
 	defer f.Close() // releases the lock, after the remove
-	free, err := lockFile(f)
+	free, err := fsys.TryLock(f)
 	if err != nil || !free {
 		return false, err // in use by a writer (or locks do not work: keep)
 	}
@@ -194,7 +177,7 @@ func lockNode(fs fsys.FS, path string) (fsys.File, error) {
 	if err != nil {
 		return nil, fmt.Errorf("engine: lock file: %w", err)
 	}
-	free, err := lockFile(f)
+	free, err := fsys.TryLock(f)
 	if err != nil {
 		f.Close()
 		return nil, fmt.Errorf("engine: lock file %s: flock: %w", path, err)

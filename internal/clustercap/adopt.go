@@ -5,6 +5,8 @@ import (
 	"os"
 	"path/filepath"
 	"sync"
+
+	"github.com/kvhost/kvhost/internal/fsys"
 )
 
 const adoptSuffix = ".adopt"
@@ -35,7 +37,7 @@ func (d *Dir) Adopt(node string) (bool, error) {
 	if err != nil {
 		return false, fmt.Errorf("clustercap: adopt %q: %w", node, err)
 	}
-	ok, err := tryLock(f)
+	ok, err := fsys.TryLock(f)
 	if err != nil || !ok {
 		f.Close()
 		if err != nil {

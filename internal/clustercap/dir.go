@@ -9,7 +9,7 @@ import (
 	"strings"
 	"syscall"
 
-	"golang.org/x/sys/unix"
+	"github.com/kvhost/kvhost/internal/fsys"
 )
 
 // DirName is the metadata directory under a mount's root. Its name starts
@@ -47,7 +47,7 @@ func OpenDir(root, node string) (*Dir, error) {
 	if err != nil {
 		return nil, fmt.Errorf("clustercap: %w", err)
 	}
-	ok, err := tryLock(f)
+	ok, err := fsys.TryLock(f)
 	if err != nil {
 		f.Close()
 		return nil, fmt.Errorf("clustercap: lock %s: %w", d.lockPath(node), err)
@@ -163,22 +163,5 @@ func (d *Dir) LockFree(node string) (bool, error) {
 		return false, err
 	}
 	defer f.Close()
-	return tryLock(f)
-}
-
-// tryLock takes an exclusive flock on f without waiting; it reports false
-// if another open file holds one.
-func tryLock(f *os.File) (bool, error) {
-	for {
-		err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB)
-		switch {
-		case err == nil:
-			return true, nil
-		case errors.Is(err, unix.EINTR):
-			continue
-		case errors.Is(err, unix.EWOULDBLOCK):
-			return false, nil
-		}
-		return false, err
-	}
+	return fsys.TryLock(f)
 }
