@@ -35,6 +35,10 @@
 set -euo pipefail
 
 PACKAGES=(ceph-mon ceph-mgr ceph-osd ceph-mds ceph-fuse ceph-common)
+FS=CephFS
+RUN_PREFIX=kvhost-ceph
+# shellcheck source=scripts/cluster-common.sh
+. "$(dirname "$0")/cluster-common.sh"
 MON_PORT=${CEPHFS_MON_PORT:-6789}
 MON_PORT2=${CEPHFS_MON_PORT2:-3300}
 OSD_SIZE=${CEPHFS_OSD_SIZE:-8G}
@@ -88,28 +92,6 @@ logtail() {
 	local f="$DIR/log/$1.log"
 	[ -f "$f" ] && { echo "--- tail of $f" >&2; tail -n 20 "$f" >&2; }
 	return 1
-}
-
-# install_packages installs the missing Debian packages with apt-get. It
-# returns 3 when they cannot be installed (no dpkg or apt-get, not root and
-# no sudo, apt-get failed), which `install` turns into its exit status.
-install_packages() {
-	local missing=()
-	command -v dpkg-query >/dev/null 2>&1 || { echo "cephfs: cannot install ${PACKAGES[*]}: no dpkg (not Debian)" >&2; return 3; }
-	for p in "${PACKAGES[@]}"; do
-		dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
-	done
-	[ ${#missing[@]} -eq 0 ] && return 0
-	command -v apt-get >/dev/null 2>&1 || { echo "cephfs: cannot install ${missing[*]}: no apt-get" >&2; return 3; }
-	local sudo=""
-	if [ "$(id -u)" -ne 0 ]; then
-		sudo -n true 2>/dev/null || { echo "cephfs: cannot install ${missing[*]}: not root and no password-less sudo" >&2; return 3; }
-		sudo="sudo -n"
-	fi
-	echo "cephfs: installing ${missing[*]} with apt-get" >&2
-	$sudo apt-get update -qq || { echo "cephfs: cannot install ${missing[*]}: apt-get update failed" >&2; return 3; }
-	DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null ||
-		{ echo "cephfs: cannot install ${missing[*]}: apt-get install failed" >&2; return 3; }
 }
 
 ceph_() { ceph --conf "$DIR/ceph.conf" --connect-timeout 10 "$@"; }
@@ -300,46 +282,6 @@ stop_daemons() {
 	for d in osd.0 mgr.x mon.a; do
 		step "stop $d" stop "$d"
 	done
-}
-
-# skipped REASON: the banner of a suite that cannot run here.
-skipped() {
-	local bar='################################################################################'
-	printf '%s\n' "$bar" "## SKIPPED: the multi-node suite on CephFS did not run: $1." \
-		"## It needs root (FUSE mounts) and Ceph's Debian packages (ceph-mon ceph-mgr" \
-		"## ceph-osd ceph-mds ceph-fuse ceph-common), which it installs with apt-get." "$bar" >&2
-}
-
-# run_suite [--skip-uninstallable] N CMD...: up on a fresh directory, CMD
-# with KVHOST_CLUSTER_MOUNTS set, down whatever happens; CMD's exit status.
-run_suite() {
-	local skip=false
-	if [ "${1:-}" = --skip-uninstallable ]; then
-		skip=true
-		shift
-	fi
-	local n=${1:-}
-	[[ "$n" =~ ^[1-9][0-9]*$ ]] && [ $# -ge 2 ] || usage
-	shift
-	if [ "$(id -u)" -ne 0 ]; then
-		$skip || die "run needs root (FUSE mounts, apt-get)"
-		skipped "not root"
-		return 0
-	fi
-	local rc=0
-	install_packages || rc=$?
-	if [ "$rc" -eq 3 ] && $skip; then
-		skipped "the packages cannot be installed here (the reason is above)"
-		return 0
-	fi
-	[ "$rc" -eq 0 ] || return "$rc"
-	local mounts
-	RUN_DIR=$(mktemp -d /tmp/kvhost-ceph-XXXXXX)
-	trap '"$0" down "$RUN_DIR"' EXIT
-	trap 'exit 130' INT TERM
-	mounts=$("$0" up "$RUN_DIR" "$n") || return 1
-	KVHOST_CLUSTER_MOUNTS=$mounts "$@" || rc=$?
-	return "$rc"
 }
 
 cmd=${1:-}

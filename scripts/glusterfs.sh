@@ -26,6 +26,10 @@
 set -euo pipefail
 
 PACKAGES=(glusterfs-server glusterfs-client)
+FS=GlusterFS
+RUN_PREFIX=kvhost-gluster
+# shellcheck source=scripts/cluster-common.sh
+. "$(dirname "$0")/cluster-common.sh"
 TIMEOUT=${GLUSTERFS_TIMEOUT:-60}
 CACHES=${GLUSTERFS_CACHES:-off}
 VOLUME=kvhost
@@ -68,23 +72,6 @@ waitfor() {
 		fi
 		sleep 0.2
 	done
-}
-
-# install_packages installs the missing packages with apt-get; 3 when they
-# cannot be installed here.
-install_packages() {
-	local missing=()
-	command -v dpkg-query >/dev/null 2>&1 || { echo "glusterfs: cannot install ${PACKAGES[*]}: no dpkg (not Debian)" >&2; return 3; }
-	for p in "${PACKAGES[@]}"; do
-		dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
-	done
-	[ ${#missing[@]} -eq 0 ] && return 0
-	command -v apt-get >/dev/null 2>&1 || { echo "glusterfs: cannot install ${missing[*]}: no apt-get" >&2; return 3; }
-	[ "$(id -u)" -eq 0 ] || { echo "glusterfs: cannot install ${missing[*]}: not root" >&2; return 3; }
-	echo "glusterfs: installing ${missing[*]} with apt-get" >&2
-	apt-get update -qq || { echo "glusterfs: cannot install ${missing[*]}: apt-get update failed" >&2; return 3; }
-	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null ||
-		{ echo "glusterfs: cannot install ${missing[*]}: apt-get install failed" >&2; return 3; }
 }
 
 gluster_() { gluster --mode=script "$@"; }
@@ -173,44 +160,6 @@ stop_volume() {
 		gluster_ volume delete "$VOLUME" >/dev/null 2>&1 || true
 	fi
 	stop "$DIR/run/glusterd.pid"
-}
-
-# skipped REASON: the banner of a suite that cannot run here.
-skipped() {
-	local bar='################################################################################'
-	printf '%s\n' "$bar" "## SKIPPED: the multi-node suite on GlusterFS did not run: $1." \
-		"## It needs root (FUSE mounts) and Debian's glusterfs-server and" \
-		"## glusterfs-client, which it installs with apt-get." "$bar" >&2
-}
-
-run_suite() {
-	local skip=false
-	if [ "${1:-}" = --skip-uninstallable ]; then
-		skip=true
-		shift
-	fi
-	local n=${1:-}
-	[[ "$n" =~ ^[1-9][0-9]*$ ]] && [ $# -ge 2 ] || usage
-	shift
-	if [ "$(id -u)" -ne 0 ]; then
-		$skip || die "run needs root (FUSE mounts, apt-get)"
-		skipped "not root"
-		return 0
-	fi
-	local rc=0
-	install_packages || rc=$?
-	if [ "$rc" -eq 3 ] && $skip; then
-		skipped "the packages cannot be installed here (the reason is above)"
-		return 0
-	fi
-	[ "$rc" -eq 0 ] || return "$rc"
-	local mounts
-	RUN_DIR=$(mktemp -d /tmp/kvhost-gluster-XXXXXX)
-	trap '"$0" down "$RUN_DIR"' EXIT
-	trap 'exit 130' INT TERM
-	mounts=$("$0" up "$RUN_DIR" "$n") || return 1
-	KVHOST_CLUSTER_MOUNTS=$mounts "$@" || rc=$?
-	return "$rc"
 }
 
 cmd=${1:-}
