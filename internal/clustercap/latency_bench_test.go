@@ -71,6 +71,39 @@ func reportLatency(b *testing.B, ds []time.Duration) {
 	b.ReportMetric(float64(ds[len(ds)-1].Microseconds()), "max-µs")
 }
 
+// otherNodes opens a Dir for each name on dirs[first+i%len] (the other
+// client mounts), publishes its first summary, and calls each(o, s) every
+// period until the returned stop is called; stop waits for them.
+func otherNodes(b *testing.B, dirs []string, first int, names []string, period time.Duration, each func(o *Dir, s *Summary)) (stop func()) {
+	b.Helper()
+	done := make(chan struct{})
+	var wg sync.WaitGroup
+	for i, name := range names {
+		o, err := OpenDir(dirs[first+i%(len(dirs)-first)], name)
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.Cleanup(func() { o.Close() })
+		s := benchSummary(name, 1)
+		if err := o.Publish(s); err != nil {
+			b.Fatal(err)
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				select {
+				case <-done:
+					return
+				case <-time.After(period):
+					each(o, s)
+				}
+			}
+		}()
+	}
+	return func() { close(done); wg.Wait() }
+}
+
 // BenchmarkSummaryPublish measures one node's summary publication (write a
 // temporary file, rename it over the last summary) while two other nodes,
 // through the other client mounts, read every summary every 10 ms.
@@ -81,30 +114,7 @@ func BenchmarkSummaryPublish(b *testing.B) {
 		b.Fatal(err)
 	}
 	defer d.Close()
-	stop := make(chan struct{})
-	var wg sync.WaitGroup
-	for i, name := range []string{"n2", "n3"} {
-		o, err := OpenDir(dirs[1+i], name)
-		if err != nil {
-			b.Fatal(err)
-		}
-		defer o.Close()
-		if err := o.Publish(benchSummary(name, 1)); err != nil {
-			b.Fatal(err)
-		}
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for {
-				select {
-				case <-stop:
-					return
-				case <-time.After(10 * time.Millisecond):
-					o.ReadAll()
-				}
-			}
-		}()
-	}
+	stop := otherNodes(b, dirs, 1, []string{"n2", "n3"}, 10*time.Millisecond, func(o *Dir, _ *Summary) { o.ReadAll() })
 	s := benchSummary("n1", 0)
 	enc, _ := json.Marshal(s)
 	b.SetBytes(int64(len(enc)))
@@ -119,8 +129,7 @@ func BenchmarkSummaryPublish(b *testing.B) {
 		ds = append(ds, time.Since(start))
 	}
 	b.StopTimer()
-	close(stop)
-	wg.Wait()
+	stop()
 	reportLatency(b, ds)
 }
 
@@ -134,32 +143,10 @@ func BenchmarkSummaryReadAll(b *testing.B) {
 		b.Fatal(err)
 	}
 	defer d.Close()
-	stop := make(chan struct{})
-	var wg sync.WaitGroup
-	for i, name := range []string{"n1", "n2", "n3"} {
-		o, err := OpenDir(dirs[1+i%2], name)
-		if err != nil {
-			b.Fatal(err)
-		}
-		defer o.Close()
-		s := benchSummary(name, 1)
-		if err := o.Publish(s); err != nil {
-			b.Fatal(err)
-		}
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			for {
-				select {
-				case <-stop:
-					return
-				case <-time.After(100 * time.Millisecond):
-					s.Seq++
-					o.Publish(s)
-				}
-			}
-		}()
-	}
+	stop := otherNodes(b, dirs, 1, []string{"n1", "n2", "n3"}, 100*time.Millisecond, func(o *Dir, s *Summary) {
+		s.Seq++
+		o.Publish(s)
+	})
 	ds := make([]time.Duration, 0, b.N)
 	b.ResetTimer()
 	for range b.N {
@@ -174,7 +161,6 @@ func BenchmarkSummaryReadAll(b *testing.B) {
 		ds = append(ds, time.Since(start))
 	}
 	b.StopTimer()
-	close(stop)
-	wg.Wait()
+	stop()
 	reportLatency(b, ds)
 }
