@@ -64,6 +64,10 @@ type Row struct {
 	// pair N only (llm-d ran right before it).
 	Peer      string `toml:"peer"`
 	PeerPhase string `toml:"peer_phase"`
+	// Unpaired compares every run with all the matching llmd lines of its
+	// call, pairs or not: for runs that had no llm-d run of their own
+	// (another variant of a workload llm-d ran in pairs).
+	Unpaired bool `toml:"unpaired"`
 
 	// Ceiling is what the ceiling column shows for report rows: "link"
 	// (the fraction of the pinned host–GPU copy ceiling) or "file" (the

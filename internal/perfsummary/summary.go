@@ -204,7 +204,7 @@ func rowRuns(r *Row, c *Call, ref callRef) ([]RunFigure, error) {
 				run.Ceiling = k.CeilingGBps
 			}
 			if r.Peer != "" {
-				p, err := peerFor(k.Report, true)
+				p, err := peerFor(k.Report, !r.Unpaired)
 				if err != nil {
 					return nil, err
 				}

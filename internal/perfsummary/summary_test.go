@@ -91,6 +91,21 @@ func TestComputeComparesEachRunWithItsPair(t *testing.T) {
 	}
 }
 
+// TestComputeComparesAnUnpairedRowWithTheWholeCall: with unpaired, a run
+// that names no pair (kv-b) is compared with every matching llmd line of
+// its call instead of being refused.
+func TestComputeComparesAnUnpairedRowWithTheWholeCall(t *testing.T) {
+	dir := fstest.MapFS{"c.txt": {Data: []byte(pairedCalls)}}
+	res, err := Compute(testRow(func(r *Row) { r.Report, r.Unpaired = `kv-b\.json`, true }), dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// kv-b (30) against all four stores (20, 25, 10, 10): 1.20 to 3.00.
+	if got := ratioCell(res[0]); got != "1.20–3.00" {
+		t.Errorf("ratios %s, want 1.20–3.00", got)
+	}
+}
+
 func TestComputeStatusCountsTheRunsThatMiss(t *testing.T) {
 	dir := fstest.MapFS{"c.txt": {Data: []byte(pairedCalls)}}
 	res, err := Compute(testRow(func(r *Row) { r.Goal = Goal{Peer: 1.7, Link: 0.7} }), dir)

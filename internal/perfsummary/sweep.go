@@ -13,6 +13,7 @@ var (
 	reSweepKV      = regexp.MustCompile(`^== kvhost-(\S+) (\S+):\s*(.*)$`)
 	reSweepLLMD    = regexp.MustCompile(`^== llmd (\S+):\s*(.*)$`)
 	reSweepForeign = regexp.MustCompile(`^== foreign (\S+)\s*$`)
+	reSweepPairN   = regexp.MustCompile(`-(\d+)$`)
 	reSweepPeer    = regexp.MustCompile(`^llmd (store|load) GB/s ([0-9.]+) files (\d+) round (\d+) ok (True|False)(?: layers_differ (\d+))?\s*$`)
 	reSweepStore   = regexp.MustCompile(`^store: (\d+) keys of (\d+ [KMG]iB) in (\d+) jobs: ([0-9.]+) GB/s\s*$`)
 	reSweepLoad    = regexp.MustCompile(`^load after restart: (\d+)/(\d+) keys of (\d+ [KMG]iB) in (\d+) jobs: ([0-9.]+) GB/s; (\d+) keys differ\s*$`)
@@ -40,7 +41,9 @@ const (
 //     (or the table's header, where kept) say which optional columns the
 //     rows have.
 //   - "== llmd NAME: ARGS": "llmd store|load GB/s X files N round R ok
-//     True [layers_differ 0]" lines; one PeerLine labelled NAME.
+//     True [layers_differ 0]" lines; one PeerLine labelled NAME, of pair
+//     N where NAME ends in "-N"; with --cold in ARGS its loads are the
+//     phase "cold load", with --sync its stores "store+sync".
 //   - "== foreign VARIANT": scripts/gpu-check.sh FOREIGN: "store: ..."
 //     lines (the other daemon's stores) and "load after restart: A/B keys
 //     ... X GB/s; N keys differ" lines in pairs, the first right after the
@@ -55,12 +58,13 @@ func ParseSweepFile(name, text string) (*CallFile, error) {
 	f := &CallFile{Name: name}
 	c := Call{N: 1, Line: 1}
 	var (
-		sec     string // "kvhost", "llmd", "foreign" or "" before the first
-		tab     sweepTable
-		peer    *PeerLine
-		variant string
-		loads   int // "load after restart" lines in this foreign section
-		lastSec int // the line of the current section's header
+		sec      string // "kvhost", "llmd", "foreign" or "" before the first
+		tab      sweepTable
+		peer     *PeerLine
+		peerArgs []string // the llmd section's driver arguments
+		variant  string
+		loads    int // "load after restart" lines in this foreign section
+		lastSec  int // the line of the current section's header
 	)
 	endSection := func() error {
 		switch sec {
@@ -73,6 +77,18 @@ func ParseSweepFile(name, text string) (*CallFile, error) {
 		case "llmd":
 			if len(peer.Phases) == 0 {
 				return fmt.Errorf("%s:%d: the llmd section has no \"llmd store|load GB/s ...\" line", name, lastSec)
+			}
+			// The driver's --cold drops the page cache before each load
+			// and --sync counts a sync in each store: their phases are
+			// named as the peer call files name them.
+			for i := range peer.Phases {
+				ph := &peer.Phases[i]
+				switch {
+				case ph.Name == "load" && slices.Contains(peerArgs, "--cold"):
+					ph.Name = "cold load"
+				case ph.Name == "store" && slices.Contains(peerArgs, "--sync"):
+					ph.Name = "store+sync"
+				}
 			}
 			c.Peer = append(c.Peer, *peer)
 		case "foreign":
@@ -116,7 +132,12 @@ func ParseSweepFile(name, text string) (*CallFile, error) {
 						return nil, fmt.Errorf("%s:%d: llmd %s appears twice (first at line %d)", name, n, m[1], p.Line)
 					}
 				}
-				sec, peer = "llmd", &PeerLine{Line: n, Label: m[1]}
+				sec, peer, peerArgs = "llmd", &PeerLine{Line: n, Label: m[1]}, strings.Fields(m[2])
+				// "NAME-N": llm-d's run of pair N, which the driver runs
+				// right before kvhost's "NAME-N" runs.
+				if pm := reSweepPairN.FindStringSubmatch(m[1]); pm != nil {
+					peer.Pair, _ = strconv.Atoi(pm[1])
+				}
 				continue
 			}
 			if m := reSweepForeign.FindStringSubmatch(line); m != nil {

@@ -72,6 +72,36 @@ func TestParseSweepFileReadsEverySection(t *testing.T) {
 	}
 }
 
+// TestParseSweepFileNamesPairsAndColdPhases: an llmd section "NAME-N" is
+// pair N (the kvhost runs "...-N" that follow it are compared with it
+// alone), and the driver's --cold and --sync name its phases as the peer
+// call files do ("cold load", "store+sync").
+func TestParseSweepFileNamesPairsAndColdPhases(t *testing.T) {
+	cases := []struct {
+		header string
+		want   PeerLine
+	}{
+		{"== llmd disk-2: /var/tmp/sw/ll 2 16 1 --cold --sync", PeerLine{Line: 1, Label: "disk-2", Pair: 2,
+			Phases: []PeerPhase{{Name: "store+sync", GBps: []float64{1.9}}, {Name: "cold load", GBps: []float64{1.57}}}}},
+		{"== llmd shm32-1: /dev/shm/sw/ll 8 16 1", PeerLine{Line: 1, Label: "shm32-1", Pair: 1,
+			Phases: []PeerPhase{{Name: "store", GBps: []float64{1.9}}, {Name: "load", GBps: []float64{1.57}}}}},
+		{"== llmd shm32b: /dev/shm/sw/ll 8 16 1 --cold", PeerLine{Line: 1, Label: "shm32b",
+			Phases: []PeerPhase{{Name: "store", GBps: []float64{1.9}}, {Name: "cold load", GBps: []float64{1.57}}}}},
+	}
+	for _, c := range cases {
+		t.Run(c.want.Label, func(t *testing.T) {
+			text := c.header + "\nllmd store GB/s 1.90 files 64 round 1 ok True\nllmd load GB/s 1.57 files 64 round 1 ok True layers_differ 0\n"
+			f, err := ParseSweepFile("sweep.txt", text)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := f.Calls[0].Peer; !reflect.DeepEqual(got, []PeerLine{c.want}) {
+				t.Errorf("llmd: %+v, want %+v", got, c.want)
+			}
+		})
+	}
+}
+
 func TestParseSweepFileRefusesLinesItCannotRead(t *testing.T) {
 	const kv = "== kvhost-final a: --x\n"
 	const row = "  auto  gpu  direct  on  32MiB  16  load  1/1  48.96  22.85  2.14  2.14  %s  9.9  21.5  225  684  8GiB  pread O_DIRECT ↔ pinned\n"
