@@ -398,27 +398,13 @@ type chunk struct {
 // plan cuts a Plan into chunks of at most Chunk bytes of contiguous file
 // range, and finds the device every extent lives on.
 func (m *Mover) plan(p *transfer.Plan, write bool) ([]chunk, *device, error) {
-	return m.planChunks(p, write, int64(m.cfg.Chunk))
-}
-
-// memoryChunk bounds a pipeline stage through the pinned buffers for a
-// file on a memory file system (Config.Chunk still bounds it where it is
-// smaller, and bounds stages to a device and the batches of a registered
-// file). On the H100 machine, 16 jobs on /dev/shm moving files that were
-// not registered stored at 25.0-25.1 GB/s and loaded at 32.8-34.0 in
-// 2 MiB stages, against 20.4-23.3 and 30.6-32.4 in 4 MiB ones (three and
-// four runs, two calls). RATIONALE.md, "Why do stages through the pinned
-// buffers hold 2 MiB for memory file systems?".
-const memoryChunk = 2 << 20
-
-// planChunks is plan with chunks of at most limit bytes.
-func (m *Mover) planChunks(p *transfer.Plan, write bool, limit int64) ([]chunk, *device, error) {
 	if err := p.Check(); err != nil {
 		return nil, nil, err
 	}
 	ordinal := -1
 	var chunks []chunk
 	var cur *chunk
+	limit := int64(m.cfg.Chunk)
 	for i := range p.Extents {
 		x := &p.Extents[i]
 		if x.Len == 0 {
@@ -553,11 +539,6 @@ func (m *Mover) run(ctx context.Context, f fsys.File, p *transfer.Plan, sums []u
 					m.files.offer(file, id, false)
 				}
 			}()
-		}
-	}
-	if p.Memory && int64(m.cfg.Chunk) > memoryChunk {
-		if chunks, _, err = m.planChunks(p, write, memoryChunk); err != nil {
-			return 0, err
 		}
 	}
 	if !write {
