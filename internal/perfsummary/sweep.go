@@ -53,7 +53,9 @@ const (
 //
 // Other lines are prose. A line of one of these kinds that does not parse,
 // or a table whose columns cannot be told, is an error naming the line.
-// The file names no commit: the rows that read it say which they ran.
+// A file of one build may name its commit in a "#" header line ("commit
+// HEX", the first one); a file that names none may hold several builds,
+// and the rows that read it say which they ran.
 func ParseSweepFile(name, text string) (*CallFile, error) {
 	f := &CallFile{Name: name}
 	c := Call{N: 1, Line: 1}
@@ -107,6 +109,11 @@ func ParseSweepFile(name, text string) (*CallFile, error) {
 		if f.Date == "" {
 			if m := reDate.FindStringSubmatch(line); m != nil {
 				f.Date = m[1]
+			}
+		}
+		if strings.HasPrefix(line, "#") && c.Commit == "" {
+			if m := reCheckCommit.FindStringSubmatch(line); m != nil {
+				c.Commit = m[1]
 			}
 		}
 		if strings.HasPrefix(line, "== ") {

@@ -102,6 +102,27 @@ func TestParseSweepFileNamesPairsAndColdPhases(t *testing.T) {
 	}
 }
 
+// TestParseSweepFileTakesTheCommitItsHeaderNames: a sweep file of one
+// build may say its commit in its "#" header; one that does not leaves
+// the commit to the rows.
+func TestParseSweepFileTakesTheCommitItsHeaderNames(t *testing.T) {
+	body := "== llmd shm32-1: DIR 8 16 1\nllmd store GB/s 1.90 files 64 round 1 ok True\n"
+	cases := []struct{ header, want string }{
+		{"# H100 machine, 2026-11-24, kvhost at commit 23afb60.\n", "23afb60"},
+		{"# H100 machine, 2026-11-24: 'old' is 91f4606 as committed, 'ra' an experiment.\n", ""},
+		{"# first at commit abcdef0\n# then commit 1234567\n", "abcdef0"},
+	}
+	for _, c := range cases {
+		f, err := ParseSweepFile("sweep.txt", c.header+body)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := f.Calls[0].Commit; got != c.want {
+			t.Errorf("header %q: commit %q, want %q", c.header, got, c.want)
+		}
+	}
+}
+
 func TestParseSweepFileRefusesLinesItCannotRead(t *testing.T) {
 	const kv = "== kvhost-final a: --x\n"
 	const row = "  auto  gpu  direct  on  32MiB  16  load  1/1  48.96  22.85  2.14  2.14  %s  9.9  21.5  225  684  8GiB  pread O_DIRECT ↔ pinned\n"
