@@ -234,6 +234,7 @@ func (e *Engine) makeSpares() {
 		if !e.awaitQuiet() {
 			return
 		}
+		sp.endBursts()                    // the budget follows the burst that just ended
 		ms, size, stale := sp.nextSpare() // again: the quiet took time
 		switch {
 		case ms == nil:

@@ -991,3 +991,63 @@ func TestTwoNamespacesWhoseStoresAlternateKeepSparesOfBothSizes(t *testing.T) {
 		t.Fatalf("12 stores: %d into spares, %d spares made, %d left (%d before); want every store into a spare and none removed", reused, made, st.Mounts[0].SpareFiles, before.Mounts[0].SpareFiles)
 	}
 }
+
+// TestAutoPreallocateFollowsTheLargestRecentBurst: with PreallocateAuto,
+// a burst of stores larger than the budget raises it to the burst, at
+// most AutoPreallocateMax; a smaller burst then lowers it by a quarter at
+// most; a size given stays as given.
+func TestAutoPreallocateFollowsTheLargestRecentBurst(t *testing.T) {
+	g := smallGeometry(false)
+	fileLen := int64(4096) + alignTo(g.KeyBytes(), format.Align)
+	const capFiles = 32 // auto: 4 files' budget (an eighth), at most 8 (a quarter)
+	type burst struct {
+		keys      int
+		wantFiles float64 // the budget after it, in files
+	}
+	for _, tt := range []struct {
+		name        string
+		preallocate int64
+		bursts      []burst
+	}{
+		// 12 is capped at 8; then 6 is three quarters of 8, 4.5 of 6, and
+		// the budget never goes below the 4 it started at.
+		{"auto", PreallocateAuto, []burst{{6, 6}, {12, 8}, {2, 6}, {1, 4.5}, {1, 4}}},
+		{"a size given", 4 * fileLen, []burst{{6, 4}, {12, 4}}},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			e := openEngine(t, Config{Mounts: []Mount{{Path: tmpfsDir(t), Capacity: capFiles * fileLen, HighWatermark: 0.9, LowWatermark: 0.8, Preallocate: tt.preallocate}},
+				Policy: newTestPolicy(1, 0), Memory: 1 << 40})
+			// A burst is what comes between quiet moments; a long quiet
+			// period keeps a slow machine's pauses inside one job from
+			// splitting it.
+			e.maker.quietFor.Store(int64(time.Second))
+			ns, err := e.Declare(context.Background(), g)
+			if err != nil {
+				t.Fatal(err)
+			}
+			c := newTestCache(t, e, ns, g, 64, layoutPlaneFirst)
+			waitEngineSpares(t, e)
+			if got := e.Stats().Mounts[0].Preallocate; got != 4*fileLen {
+				t.Fatalf("budget at start %d, want %d (4 files)", got, 4*fileLen)
+			}
+			r := rand.New(rand.NewPCG(5, 6))
+			for i, b := range tt.bursts {
+				keys := make([][]byte, b.keys)
+				blocks := make([][]int, b.keys)
+				for k := range keys {
+					keys[k] = fmt.Appendf(nil, "burst-%d-key-%d", i, k)
+					blocks[k] = []int{(4 * k) % 64, (4*k + 1) % 64, (4*k + 2) % 64, (4*k + 3) % 64}
+					c.fill(r, blocks[k])
+				}
+				storeAndCheck(t, e, c, keys, blocks) // one job: one burst
+				waitEngineSpares(t, e)
+				if got := e.Stats().Mounts[0].Preallocate; got != int64(b.wantFiles*float64(fileLen)) {
+					t.Fatalf("after a burst of %d files: budget %d (%.3f files), want %g files", b.keys, got, float64(got)/float64(fileLen), b.wantFiles)
+				}
+				if _, err := e.Delete(context.Background(), ns, keys); err != nil {
+					t.Fatal(err)
+				}
+			}
+		})
+	}
+}

@@ -160,6 +160,15 @@ func AutoPreallocate(capacity, memory int64) int64 {
 	return max(0, min(max(MaxAutoPreallocate, memory/16), capacity/8))
 }
 
+// AutoPreallocateMax is the most PreallocateAuto's budget grows to where
+// bursts of stores are larger than AutoPreallocate: a quarter of the
+// capacity, at most the larger of MaxAutoPreallocate and an eighth of the
+// memory (0: unknown). The budget follows the largest recent bursts
+// within it (docs/engine.md, "Spare files made ahead").
+func AutoPreallocateMax(capacity, memory int64) int64 {
+	return max(0, min(max(MaxAutoPreallocate, memory/8), capacity/4))
+}
+
 // MaxAutoSpareFiles is the most spares of one size PreallocateAuto keeps
 // made ahead: small keys would otherwise make tens of thousands of files,
 // each one offered to the GPU path's registrar, whose registered files are

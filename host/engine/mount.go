@@ -156,9 +156,10 @@ func (e *Engine) reportMounts() {
 			sp.ahead = 0
 		case auto:
 			sp.ahead, sp.aheadFiles = AutoPreallocate(capacity, e.memory), MaxAutoSpareFiles
+			sp.aheadMax = AutoPreallocateMax(capacity, e.memory)
 		}
 		e.log.Info("engine: mount", "mount", m.root, "io", m.ioName(), "why", m.ioWhy, "backend", m.backend,
-			"checksums", m.checksums, "capacity", capacity, "used", used, "reserve", sp.reserve, "preallocate", sp.ahead, "preallocate_auto", auto)
+			"checksums", m.checksums, "capacity", capacity, "used", used, "reserve", sp.reserve, "preallocate", sp.ahead, "preallocate_auto", auto, "preallocate_max", max(sp.ahead, sp.aheadMax))
 		if sp.configured > capacity && !sp.derived {
 			e.log.Warn("engine: the configured capacity is more than the file system can hold; using what it can hold",
 				"mount", m.root, "configured", sp.configured, "effective", capacity, "reserve", sp.reserve)

@@ -44,8 +44,8 @@ type space struct {
 }
 
 // mountSpace is one mount's room. Fields from capacity on are guarded by
-// space.mu; the others are fixed at Open (reportMounts sets ahead and
-// aheadFiles before any job).
+// space.mu; the others are fixed at Open (reportMounts sets ahead,
+// aheadFiles and aheadMax before any job).
 type mountSpace struct {
 	idx  int
 	root string
@@ -60,6 +60,10 @@ type mountSpace struct {
 	// PreallocateAuto; 0: no bound but ahead's).
 	ahead      int64
 	aheadFiles int
+	// aheadMax is the most the budget grows to after bursts of stores
+	// larger than ahead (AutoPreallocateMax for PreallocateAuto; ahead
+	// where a size was given: that budget is fixed).
+	aheadMax int64
 
 	// guarded by space.mu
 	capacity  int64 // effective: min(configured, what the file system can hold)
@@ -86,6 +90,11 @@ type mountSpace struct {
 	// its files here (ahead.go: wantSparesLocked, predictSparesLocked;
 	// dropped at Release, and where making one of its size failed).
 	aheadNS map[NamespaceID]nsAhead
+	// burst is the bytes of the stores reserved on the mount since it was
+	// last quiet (a mount that makes spares ahead); grown is what earlier
+	// bursts left the budget at (budgetLocked, endBurstLocked).
+	burst, grown int64
+	lastAdd      int64 // when the last store was added to the burst (UnixNano)
 	// movedIn and movedOut count the files moved to and from the mount
 	// (demotions, promotions, tick moves).
 	movedIn, movedOut uint64
@@ -270,7 +279,7 @@ func (s *space) usages() []usage {
 	for i, ms := range s.mounts {
 		out[i] = usage{
 			capacity: ms.capacity, configured: ms.configured, reserve: ms.reserve, high: ms.high, low: ms.low, used: ms.used,
-			entries: ms.entries, spareFiles: ms.spareFilesLocked(), spareBytes: ms.spareBytes, ahead: ms.ahead,
+			entries: ms.entries, spareFiles: ms.spareFilesLocked(), spareBytes: ms.spareBytes, ahead: ms.budgetLocked(),
 			movedIn: ms.movedIn, movedOut: ms.movedOut,
 		}
 	}
@@ -389,6 +398,62 @@ func (ms *mountSpace) setAheadLocked(ns NamespaceID, a nsAhead) {
 	ms.aheadNS[ns] = a
 }
 
+// budgetLocked is the bytes of spares ms makes ahead now: Preallocate,
+// or more where bursts of stores were larger (at most aheadMax), the
+// burst in progress included. A workload whose bursts outgrow the spares
+// writes the rest of each burst into fresh files, which the GPU path
+// moves through its pinned buffers; spares sized to the bursts it shows
+// take whole bursts (docs/engine.md, "Spare files made ahead").
+func (ms *mountSpace) budgetLocked() int64 {
+	return min(max(ms.ahead, ms.grown, ms.burst), max(ms.ahead, ms.aheadMax))
+}
+
+// addBurstLocked counts a store of size bytes reserved on ms at now
+// (UnixNano), where the last file in flight ended at lastEnd: where
+// neither that nor the burst's last store came within quiet before it,
+// the engine was quiet, and the previous burst ended first.
+func (ms *mountSpace) addBurstLocked(size, now, lastEnd int64, quiet time.Duration) {
+	if q := int64(quiet); now-ms.lastAdd > q && now-lastEnd > q {
+		ms.endBurstLocked()
+	}
+	ms.burst += size
+	ms.lastAdd = now
+}
+
+// endBurstLocked ends the burst in progress, if any: the budget keeps the
+// larger of it and three quarters of what it was, so that it follows the
+// largest recent bursts down a quarter per burst.
+func (ms *mountSpace) endBurstLocked() {
+	if ms.burst == 0 {
+		return
+	}
+	if ms.aheadMax > ms.ahead {
+		ms.grown = min(ms.aheadMax, max(ms.burst, ms.grown-ms.grown/4))
+	}
+	ms.burst = 0
+}
+
+// burstPendingLocked reports whether a mount whose budget follows bursts
+// has one to fold in (endBursts): work for the maker once the engine is
+// quiet, whether or not it then makes a spare.
+func (s *space) burstPendingLocked() bool {
+	for _, ms := range s.mounts {
+		if ms.burst > 0 && ms.aheadMax > ms.ahead {
+			return true
+		}
+	}
+	return false
+}
+
+// endBursts ends every mount's burst in progress: the engine is quiet.
+func (s *space) endBursts() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, ms := range s.mounts {
+		ms.endBurstLocked()
+	}
+}
+
 // aheadTargetsLocked returns the bytes of spares of each size ms makes
 // ahead: Preallocate split evenly between the namespaces whose file size
 // on ms is known, each share going to its namespace's size.
@@ -403,9 +468,10 @@ func (ms *mountSpace) aheadTargetsLocked() map[int64]int64 {
 		return nil
 	}
 	t := make(map[int64]int64, k)
+	budget := ms.budgetLocked()
 	for _, a := range ms.aheadNS {
 		if a.size > 0 {
-			t[a.size] += ms.ahead / k
+			t[a.size] += budget / k
 		}
 	}
 	return t
@@ -435,7 +501,7 @@ func (ms *mountSpace) aheadWantLocked(size, target int64) int {
 // within Preallocate and, beside ms's files, reservations and spares,
 // below the low watermark.
 func (ms *mountSpace) madeFitsLocked(size int64) bool {
-	return ms.madeBytes+size <= ms.ahead && ms.used+ms.spareBytes+size <= ms.low
+	return ms.madeBytes+size <= ms.budgetLocked() && ms.used+ms.spareBytes+size <= ms.low
 }
 
 // excessMadeLocked returns the bytes of ms's spares made ahead beyond
@@ -517,7 +583,7 @@ func (s *space) nextSpareLocked() (*mountSpace, int64, spareFile) {
 			// remove them, but only where one of this size then fits
 			// (else they would go for nothing).
 			sf, excess := ms.excessMadeLocked(targets, size)
-			if excess > 0 && ms.madeBytes-excess+size <= ms.ahead && ms.used+ms.spareBytes-excess+size <= ms.low {
+			if excess > 0 && ms.madeBytes-excess+size <= ms.budgetLocked() && ms.used+ms.spareBytes-excess+size <= ms.low {
 				return ms, size, sf
 			}
 		}
@@ -581,7 +647,7 @@ func (s *space) keepMade(ms *mountSpace, sf spareFile) bool {
 func (s *space) spareWorkOrQuiet() bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if ms, _, _ := s.nextSpareLocked(); ms != nil {
+	if ms, _, _ := s.nextSpareLocked(); ms != nil || s.burstPendingLocked() {
 		return true
 	}
 	if !s.makerQuietLocked() {
@@ -626,7 +692,7 @@ func (s *space) spareWorkLocked() bool {
 	if s.quiet == nil {
 		return false
 	}
-	if ms, _, _ := s.nextSpareLocked(); ms == nil {
+	if ms, _, _ := s.nextSpareLocked(); ms == nil && !s.burstPendingLocked() {
 		return false
 	}
 	if s.makerQuietLocked() {

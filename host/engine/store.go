@@ -8,6 +8,7 @@ import (
 	"slices"
 	"sync"
 	"syscall"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -100,6 +101,10 @@ func (e *Engine) reserveFile(ctx context.Context, m *mount, ns NamespaceID, size
 	work := false
 	if spares {
 		sf = ms.takeSpareLocked(size)
+		if ahead {
+			mk := e.maker
+			ms.addBurstLocked(size, time.Now().UnixNano(), mk.lastEnd.Load(), time.Duration(mk.quietFor.Load()))
+		}
 		work = e.wantSparesLocked(m, ns, size, full)
 	}
 	unlock()
