@@ -504,7 +504,7 @@ func (r *benchRun) keySize(ctx context.Context, eng *engine.Engine, gp *gpuPaths
 		cp := ceil.pair(jobs)
 		base := bench.Run{
 			Path: path, Mover: mover, IO: io, Checksums: sums, Checksummed: summed, Jobs: jobs, TokensPerKey: tpk,
-			KeyBytes: g.KeyBytes(), KeysPerJob: r.o.keysPerJob, KeysPerFile: perFile, Keys: keys, Preallocate: r.ahead, NoGap: r.o.noGap && r.o.load,
+			KeyBytes: g.KeyBytes(), KeysPerJob: r.o.keysPerJob, KeysPerFile: perFile, Keys: keys, Preallocate: eng.Stats().Mounts[0].Preallocate, NoGap: r.o.noGap && r.o.load,
 		}
 		if r.o.store {
 			r.rep.Runs = append(r.rep.Runs, st.run(base, bench.Store, keys, cp.write, ceil.wround))

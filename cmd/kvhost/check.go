@@ -425,8 +425,12 @@ func preallocateFinding(p config.AutoSize, keeps bool, effective int64) (level, 
 		return levelOK, fmt.Sprintf("spare files made ahead of stores in idle moments: up to %s, shared evenly by the models (namespaces) storing here", sizeOf(int64(p.Bytes))), ""
 	}
 	budget := engine.AutoPreallocate(effective, engine.MachineMemory())
-	return levelOK, fmt.Sprintf("spare files made ahead of stores in idle moments: up to %s (preallocate auto: an eighth of the capacity, at most the larger of 4 GiB and a sixteenth of the machine's memory, and %d files of a size), shared evenly by the models (namespaces) storing here",
-		sizeOf(budget), engine.MaxAutoSpareFiles), ""
+	growth := ""
+	if grown := engine.AutoPreallocateMax(effective, engine.MachineMemory()); grown > budget {
+		growth = ", up to " + sizeOf(grown) + " after larger bursts of stores"
+	}
+	return levelOK, fmt.Sprintf("spare files made ahead of stores in idle moments: up to %s%s (preallocate auto: an eighth of the capacity, at most the larger of 4 GiB and a sixteenth of the machine's memory, growing to the largest recent burst within a quarter of the capacity and the larger of 4 GiB and an eighth of memory; %d files of a size), shared evenly by the models (namespaces) storing here",
+		sizeOf(budget), growth, engine.MaxAutoSpareFiles), ""
 }
 
 // spaceFinding judges the free space against the configured capacity and

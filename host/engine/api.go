@@ -381,8 +381,9 @@ type MountStats struct {
 	SpareFiles int
 	SpareBytes int64
 	// Preallocate is the most bytes of spares the engine makes ahead of
-	// stores on this mount (Mount.Preallocate, PreallocateAuto resolved;
-	// 0 where it makes none).
+	// stores on this mount now (Mount.Preallocate, PreallocateAuto
+	// resolved and grown after larger bursts of stores; 0 where it makes
+	// none).
 	Preallocate int64
 	Direct      bool   // O_DIRECT is used on this mount
 	IO          string // "direct" or "buffered"

@@ -162,8 +162,9 @@ type Run struct {
 	// instead of fresh ones (evicted files in a full cache, and files made
 	// ahead, on a memory file system), per round.
 	ReusedFiles int `json:"reused_files,omitempty"`
-	// Preallocate is the most bytes of spare files the engine makes ahead
-	// of stores (mount.preallocate, auto resolved); with it the benchmark let the engine
+	// Preallocate is the most bytes of spare files the engine made ahead
+	// of stores when the phases ended (mount.preallocate, auto resolved and
+	// grown after larger bursts, such as the warm-up's); with it the benchmark let the engine
 	// make them, and the GPU path register them, before each timed phase
 	// and ceiling.
 	Preallocate int64 `json:"preallocate,omitempty"`
