@@ -51,13 +51,24 @@ type spareMaker struct {
 	idle chan struct{} // a token: the last file in flight ended
 	stop chan struct{}
 	done chan struct{}
-	// lastEnd is when the last file in flight ended (UnixNano); quietFor
+	// lastEnd is when the last file in flight ended, or a store last
+	// reserved a file where the budget follows bursts (UnixNano); quietFor
 	// is aheadQuiet (a field for tests).
 	lastEnd  atomic.Int64
 	quietFor atomic.Int64
 	// waitedIdle counts the times it began to wait for the files in
 	// flight (tests wait for it).
 	waitedIdle atomic.Int64
+}
+
+// activeAt moves lastEnd to now (UnixNano) unless it is later already.
+func (mk *spareMaker) activeAt(now int64) {
+	for {
+		old := mk.lastEnd.Load()
+		if now <= old || mk.lastEnd.CompareAndSwap(old, now) {
+			return
+		}
+	}
 }
 
 // startSpareMaker starts the maker if a mount makes spares ahead.
@@ -234,8 +245,8 @@ func (e *Engine) makeSpares() {
 		if !e.awaitQuiet() {
 			return
 		}
-		sp.endBursts()                    // the budget follows the burst that just ended
-		ms, size, stale := sp.nextSpare() // again: the quiet took time
+		sp.endBursts(time.Now().UnixNano(), time.Duration(mk.quietFor.Load())) // the budget follows the burst that just ended
+		ms, size, stale := sp.nextSpare()                                      // again: the quiet took time
 		switch {
 		case ms == nil:
 			continue

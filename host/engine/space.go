@@ -61,8 +61,8 @@ type mountSpace struct {
 	ahead      int64
 	aheadFiles int
 	// aheadMax is the most the budget grows to after bursts of stores
-	// larger than ahead (AutoPreallocateMax for PreallocateAuto; ahead
-	// where a size was given: that budget is fixed).
+	// larger than ahead (AutoPreallocateMax for PreallocateAuto; 0 where
+	// a size was given: that budget is fixed).
 	aheadMax int64
 
 	// guarded by space.mu
@@ -409,12 +409,11 @@ func (ms *mountSpace) budgetLocked() int64 {
 }
 
 // addBurstLocked counts a store of size bytes reserved on ms at now
-// (UnixNano), where the last file in flight ended at lastEnd: where
-// neither that nor the burst's last store came within quiet before it,
-// the engine was quiet, and the previous burst ended first.
-func (ms *mountSpace) addBurstLocked(size, now, lastEnd int64, quiet time.Duration) {
-	if q := int64(quiet); now-ms.lastAdd > q && now-lastEnd > q {
-		ms.endBurstLocked()
+// (UnixNano), where the budget follows bursts. The maker ends the burst
+// once the engine is quiet (endBursts): a burst pending is work for it.
+func (ms *mountSpace) addBurstLocked(size, now int64) {
+	if ms.aheadMax <= ms.ahead {
+		return
 	}
 	ms.burst += size
 	ms.lastAdd = now
@@ -445,12 +444,18 @@ func (s *space) burstPendingLocked() bool {
 	return false
 }
 
-// endBursts ends every mount's burst in progress: the engine is quiet.
-func (s *space) endBursts() {
+// endBursts ends every mount's burst in progress at now (UnixNano), the
+// engine having been quiet for quiet: a mount whose last store came
+// within quiet before now (one that began after the quiet moment was
+// seen) keeps its burst for the next one, so that one burst is not
+// ended twice.
+func (s *space) endBursts(now int64, quiet time.Duration) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	for _, ms := range s.mounts {
-		ms.endBurstLocked()
+		if now-ms.lastAdd > int64(quiet) {
+			ms.endBurstLocked()
+		}
 	}
 }
 

@@ -101,9 +101,12 @@ func (e *Engine) reserveFile(ctx context.Context, m *mount, ns NamespaceID, size
 	work := false
 	if spares {
 		sf = ms.takeSpareLocked(size)
-		if ahead {
-			mk := e.maker
-			ms.addBurstLocked(size, time.Now().UnixNano(), mk.lastEnd.Load(), time.Duration(mk.quietFor.Load()))
+		if ahead && ms.aheadMax > ms.ahead {
+			// The reservation is activity too: the maker's quiet period
+			// starts after it, so a burst it ends has ended.
+			now := time.Now().UnixNano()
+			ms.addBurstLocked(size, now)
+			e.maker.activeAt(now)
 		}
 		work = e.wantSparesLocked(m, ns, size, full)
 	}
