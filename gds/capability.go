@@ -1,13 +1,11 @@
 package gds
 
 import (
-	"bufio"
 	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
 	"strconv"
-	"strings"
 	"sync"
 
 	"golang.org/x/sys/unix"
@@ -250,38 +248,15 @@ func (d *Driver) ProbeDir(dir string) (Capability, error) {
 
 // mountPoint finds the mount point of a device in /proc/self/mountinfo.
 func mountPoint(dev uint64) string {
-	f, err := os.Open("/proc/self/mountinfo")
+	ms, err := fstype.Mounts()
 	if err != nil {
 		return ""
 	}
-	defer f.Close()
 	want := strconv.FormatUint(uint64(unix.Major(dev)), 10) + ":" + strconv.FormatUint(uint64(unix.Minor(dev)), 10)
-	sc := bufio.NewScanner(f)
-	for sc.Scan() {
-		// id parent major:minor root mountpoint ...
-		fs := strings.Fields(sc.Text())
-		if len(fs) >= 5 && fs[2] == want {
-			return filepath.Clean(unescapeMount(fs[4]))
+	for _, m := range ms {
+		if m.Dev == want {
+			return filepath.Clean(m.Point)
 		}
 	}
 	return ""
-}
-
-// unescapeMount undoes mountinfo's octal escapes (\040 for a space).
-func unescapeMount(s string) string {
-	if !strings.Contains(s, `\`) {
-		return s
-	}
-	var b strings.Builder
-	for i := 0; i < len(s); i++ {
-		if s[i] == '\\' && i+3 < len(s) {
-			if v, err := strconv.ParseUint(s[i+1:i+4], 8, 8); err == nil {
-				b.WriteByte(byte(v))
-				i += 3
-				continue
-			}
-		}
-		b.WriteByte(s[i])
-	}
-	return b.String()
 }

@@ -60,7 +60,7 @@ func TestOfPathAgreesWithStatfs(t *testing.T) {
 	}
 }
 
-func TestParseMountInfoReadsTypeSourceAndEscapedPoints(t *testing.T) {
+func TestParseMountInfoReadsTypeSourceDeviceAndEscapedPoints(t *testing.T) {
 	const info = `22 1 252:1 / / rw,relatime shared:1 - ext4 /dev/vda rw
 42 27 0:39 / /tmp/kvc/node1 rw,nosuid,nodev,relatime - fuse.ceph-fuse ceph-fuse rw,user_id=0,group_id=0,allow_other
 50 22 0:50 / /mnt/gluster\040vol rw,relatime shared:7 master:3 - fuse.glusterfs server:/vol rw,user_id=0
@@ -70,17 +70,17 @@ func TestParseMountInfoReadsTypeSourceAndEscapedPoints(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	want := []struct{ point, typ, source, subtype string }{
-		{"/", "ext4", "/dev/vda", ""},
-		{"/tmp/kvc/node1", "fuse.ceph-fuse", "ceph-fuse", "ceph-fuse"},
-		{"/mnt/gluster vol", "fuse.glusterfs", "server:/vol", "glusterfs"},
-		{"/mnt/plain", "fuse", "sshfs#me@host:", "sshfs#me@host:"},
+	want := []struct{ point, typ, source, subtype, dev string }{
+		{"/", "ext4", "/dev/vda", "", "252:1"},
+		{"/tmp/kvc/node1", "fuse.ceph-fuse", "ceph-fuse", "ceph-fuse", "0:39"},
+		{"/mnt/gluster vol", "fuse.glusterfs", "server:/vol", "glusterfs", "0:50"},
+		{"/mnt/plain", "fuse", "sshfs#me@host:", "sshfs#me@host:", "0:51"},
 	}
 	if len(ms) != len(want) {
 		t.Fatalf("%d mounts, want %d: %+v", len(ms), len(want), ms)
 	}
 	for i, w := range want {
-		if m := ms[i]; m.Point != w.point || m.Type != w.typ || m.Source != w.source || m.Subtype() != w.subtype {
+		if m := ms[i]; m.Point != w.point || m.Type != w.typ || m.Source != w.source || m.Subtype() != w.subtype || m.Dev != w.dev {
 			t.Errorf("line %d: %+v subtype %q; want %+v", i+1, m, m.Subtype(), w)
 		}
 	}

@@ -13,11 +13,13 @@ import (
 
 // Mount is one line of /proc/self/mountinfo: where a file system is
 // mounted, its type as the kernel names it ("ext4", "fuse.ceph-fuse") and
-// its source ("/dev/nvme0n1p1", "ceph-fuse", "server:/volume").
+// its source ("/dev/nvme0n1p1", "ceph-fuse", "server:/volume"), and the
+// device it is on as "major:minor".
 type Mount struct {
 	Point  string
 	Type   string
 	Source string
+	Dev    string
 }
 
 // Subtype is a FUSE mount's file system: the part after "fuse." of its
@@ -58,7 +60,7 @@ func ParseMountInfo(r io.Reader) ([]Mount, error) {
 		if len(f) < 6 || sep < 0 || sep+2 >= len(f) {
 			return nil, fmt.Errorf("%w %d: %q", errMountInfo, n, sc.Text())
 		}
-		out = append(out, Mount{Point: unescape(f[4]), Type: f[sep+1], Source: unescape(f[sep+2])})
+		out = append(out, Mount{Point: unescape(f[4]), Type: f[sep+1], Source: unescape(f[sep+2]), Dev: f[2]})
 	}
 	if err := sc.Err(); err != nil {
 		return nil, fmt.Errorf("fstype: reading mountinfo: %w", err)
@@ -111,12 +113,7 @@ func MountOf(path string) (Mount, error) {
 	if r, err := filepath.EvalSymlinks(abs); err == nil {
 		abs = r
 	}
-	f, err := os.Open("/proc/self/mountinfo")
-	if err != nil {
-		return Mount{}, fmt.Errorf("fstype: %w", err)
-	}
-	defer f.Close()
-	ms, err := ParseMountInfo(f)
+	ms, err := Mounts()
 	if err != nil {
 		return Mount{}, err
 	}
@@ -125,4 +122,14 @@ func MountOf(path string) (Mount, error) {
 		return Mount{}, fmt.Errorf("fstype: no mount in /proc/self/mountinfo holds %s", abs)
 	}
 	return m, nil
+}
+
+// Mounts reads this process's mounts from /proc/self/mountinfo.
+func Mounts() ([]Mount, error) {
+	f, err := os.Open("/proc/self/mountinfo")
+	if err != nil {
+		return nil, fmt.Errorf("fstype: %w", err)
+	}
+	defer f.Close()
+	return ParseMountInfo(f)
 }
