@@ -149,10 +149,8 @@ func ParseCallFile(name, text string) (*CallFile, error) {
 	for sc.Scan() {
 		n++
 		line := sc.Text()
-		if cur == nil && f.Date == "" {
-			if m := reDate.FindStringSubmatch(line); m != nil {
-				f.Date = m[1]
-			}
+		if cur == nil {
+			f.noteDate(line)
 		}
 		if strings.HasPrefix(line, "== call") {
 			m := reCall.FindStringSubmatch(line)
@@ -296,4 +294,23 @@ func lookupLine(line int, situation, table, daemon string) (LookupLine, error) {
 		}
 	}
 	return l, nil
+}
+
+// noteDate takes the file's date from line, the first a line gives.
+func (f *CallFile) noteDate(line string) {
+	if f.Date == "" {
+		if m := reDate.FindStringSubmatch(line); m != nil {
+			f.Date = m[1]
+		}
+	}
+}
+
+// noteCommit takes the call's commit from a header line ("commit HEX"),
+// the first a line gives.
+func (c *Call) noteCommit(line string) {
+	if c.Commit == "" {
+		if m := reCheckCommit.FindStringSubmatch(line); m != nil {
+			c.Commit = m[1]
+		}
+	}
 }

@@ -44,12 +44,8 @@ func ParseCheckFile(name, text string) (*CallFile, error) {
 		n++
 		line := sc.Text()
 		if strings.HasPrefix(line, "#") {
-			if m := reDate.FindStringSubmatch(line); m != nil && f.Date == "" {
-				f.Date = m[1]
-			}
-			if m := reCheckCommit.FindStringSubmatch(line); m != nil && c.Commit == "" {
-				c.Commit = m[1]
-			}
+			f.noteDate(line)
+			c.noteCommit(line)
 			continue
 		}
 		if strings.HasPrefix(line, "== ") {

@@ -106,15 +106,9 @@ func ParseSweepFile(name, text string) (*CallFile, error) {
 	for sc.Scan() {
 		n++
 		line := sc.Text()
-		if f.Date == "" {
-			if m := reDate.FindStringSubmatch(line); m != nil {
-				f.Date = m[1]
-			}
-		}
-		if strings.HasPrefix(line, "#") && c.Commit == "" {
-			if m := reCheckCommit.FindStringSubmatch(line); m != nil {
-				c.Commit = m[1]
-			}
+		f.noteDate(line)
+		if strings.HasPrefix(line, "#") {
+			c.noteCommit(line)
 		}
 		if strings.HasPrefix(line, "== ") {
 			if err := endSection(); err != nil {
