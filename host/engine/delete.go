@@ -2,8 +2,6 @@ package engine
 
 import (
 	"context"
-
-	"github.com/kvhost/kvhost/abi"
 )
 
 // Deleting keys at a client's request: their entries are dropped and their
@@ -62,16 +60,5 @@ func (e *Engine) deleteUnpinned(ctx context.Context, en *entry) bool {
 		e.log.Debug("engine: delete refused: pinned", "path", en.path)
 		return false
 	}
-	was, claimed := e.ix.dropLocked(en, true)
-	rec := en.access(abi.AccessRemove, e.now().UnixNano())
-	e.ix.mu.Unlock()
-	if !was {
-		return false
-	}
-	if claimed {
-		e.removeClaimed(en)
-	}
-	e.log.Debug("engine: entry dropped", "path", en.path, "why", "deleted")
-	e.access(ctx, []abi.AccessRecord{rec})
-	return true
+	return e.dropAndUnlock(ctx, en, true, "deleted")
 }

@@ -24,6 +24,12 @@ import (
 // dropped it.
 func (e *Engine) drop(ctx context.Context, en *entry, remove bool, why string) bool {
 	e.ix.mu.Lock()
+	return e.dropAndUnlock(ctx, en, remove, why)
+}
+
+// dropAndUnlock is drop for a caller that holds index.mu (to check
+// something about en in the same step), which it releases.
+func (e *Engine) dropAndUnlock(ctx context.Context, en *entry, remove bool, why string) bool {
 	was, claimed := e.ix.dropLocked(en, remove)
 	rec := en.access(abi.AccessRemove, e.now().UnixNano())
 	e.ix.mu.Unlock()
