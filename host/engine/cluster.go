@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"math/rand/v2"
@@ -231,15 +232,7 @@ func (c *clusterMount) count(ctx context.Context, e *Engine, m *mount) (own []ra
 		}
 	}
 	c.floor = kept
-	slices.SortFunc(own, func(a, b ranked) int {
-		switch {
-		case a.rank < b.rank:
-			return -1
-		case a.rank > b.rank:
-			return 1
-		}
-		return 0
-	})
+	slices.SortFunc(own, func(a, b ranked) int { return cmp.Compare(a.rank, b.rank) })
 	return own, bytes, touches
 }
 

@@ -1,6 +1,7 @@
 package clustercap
 
 import (
+	"cmp"
 	"fmt"
 	"slices"
 	"sort"
@@ -31,15 +32,7 @@ type Sketch struct {
 // most points points: the first and last item's ranks, and the ranks at
 // which the cumulative bytes pass each 1/points of the total.
 func NewSketch(items []Item, points int) Sketch {
-	slices.SortFunc(items, func(a, b Item) int {
-		switch {
-		case a.Rank < b.Rank:
-			return -1
-		case a.Rank > b.Rank:
-			return 1
-		}
-		return 0
-	})
+	slices.SortFunc(items, func(a, b Item) int { return cmp.Compare(a.Rank, b.Rank) })
 	var total int64
 	for _, it := range items {
 		total += max(it.Bytes, 0)
