@@ -2,8 +2,9 @@
 # Installs what the Python tests (client/python/tests) need on a Debian
 # machine, for /usr/bin/python3: numpy (required), CPU torch (optional:
 # the torch tests skip with a message naming the package when it cannot be
-# installed), and venv, pip, setuptools and wheel for the offline-install
-# test. Idempotent: asks apt only for what is missing.
+# installed), venv, pip, setuptools and wheel for the offline-install
+# test, and Python's headers for the C lookup probe. Idempotent: asks
+# apt only for what is missing.
 set -euo pipefail
 py=${PYTHON:-/usr/bin/python3}
 missing=()
@@ -15,6 +16,9 @@ missing=()
 # vLLM's connector metrics (make test-vllm only; the CI tests skip without a vLLM tree).
 "$py" -c 'import prometheus_client' >/dev/null 2>&1 || missing+=(python3-prometheus-client)
 "$py" -c 'import setuptools, wheel' >/dev/null 2>&1 || missing+=(python3-setuptools python3-wheel)
+# Python's headers, to build the client's C lookup probe (make python-ext).
+"$py" -c 'import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
+	>/dev/null 2>&1 || missing+=(python3-dev)
 "$py" -m pip --version >/dev/null 2>&1 || missing+=(python3-pip)
 [ ${#missing[@]} -eq 0 ] && exit 0
 if ! command -v apt-get >/dev/null 2>&1; then

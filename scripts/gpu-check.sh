@@ -175,7 +175,12 @@ if [ "${LOOKUPS:-1}" = 1 ]; then
 	# Lookups paced like a scheduler's (one every 2 ms) beside host-memory
 	# loads of 16 threads, with the daemon's spare Go processor and
 	# without it (GOMAXPROCS = the CPUs in its environment, as before the
-	# spare), alternated.
+	# spare), alternated. The client's C lookup probe is built first (as
+	# make python-ext does) where a compiler and Python's headers are
+	# there; each probe then also runs through the Python probe.
+	(cd client/python && python3 setup.py -q build_ext --inplace >/dev/null 2>&1) ||
+		echo "   the C lookup probe did not build: lookups probe in Python"
+	echo "   lookup probe: $(PYTHONPATH=client/python/src python3 -c 'from kvhost import lookuptable as t; print(t.NATIVE or "python")')"
 	sock=/tmp/kvhost-gpu-lookups.sock
 	for round in 1 2; do
 		for spare in yes no; do

@@ -8,9 +8,11 @@ asks once per step, not back to back, so that the probe takes little CPU
 from the loads it measures) and times each lookup. It runs SECONDS alone,
 then SECONDS while JOBS threads keep loading the keys into other blocks.
 Each phase runs the probe twice, one after the other: answered from the
-daemon's shared lookup table, which the probe maps ("table"), then asking
-the daemon over the socket ("daemon", the client made with
-lookup_table=False). The script prints, for each, the lookups' median, 99th
+daemon's shared lookup table, which the probe maps ("table": by the
+client's C probe where it is built, make python-ext), then, where the C
+probe answered, from the table by the client's Python probe
+("table-python"), then asking the daemon over the socket ("daemon", the
+client made with lookup_table=False). The script prints, for each, the lookups' median, 99th
 percentile and maximum in microseconds, how many were timed and how many
 were due (SECONDS / INTERVAL_MS: a lookup that ends late makes the probe
 skip the slots it missed, so n below due means lookups were slower than
@@ -58,19 +60,29 @@ def summary(lat):
     return f"p50 {us(lat[len(lat) // 2])} p99 {us(lat[int(len(lat) * 0.99)])} max {us(lat[-1])} n {len(lat)}"
 
 
-VIAS = ("table", "daemon")
+from kvhost import lookuptable  # noqa: E402
+
+# The ways a lookup is answered, in the order the probes run.
+VIAS = ("table", "table-python", "daemon") if lookuptable.NATIVE else ("table", "daemon")
 
 
 def probe(sock, seconds, interval, nkeys, via):
     """Times a lookup of the first PROBED stored keys every interval seconds
     for seconds, answered via the shared lookup table or the daemon; prints
     summary() and the lookups due. Exits if a lookup took the other way."""
-    with kvhost.Client(sock, name="lookup-latency-probe", lookup_table=(via == "table")) as c:
+    with kvhost.Client(sock, name="lookup-latency-probe", lookup_table=(via != "daemon")) as c:
         ns = c.declare(gpu_paged.geometry(TPK))
         keys = [key(i) for i in range(min(PROBED, nkeys))]
+        if via == "table-python":
+            # The client's own mapping, swapped for one that probes in
+            # Python (a benchmark's reach into the client, on purpose).
+            t = c._open_table()
+            c._table = lookuptable.LookupTable(t.path, native=False)
+            t.close()
         lat = gpu_paged.time_lookups(c, ns, keys, seconds, interval)
         counts = c.lookup_counts()
-    if counts[via] != len(lat) or counts["daemon" if via == "table" else "table"]:
+    asked = "daemon" if via == "daemon" else "table"
+    if counts[asked] != len(lat) or counts["table" if asked == "daemon" else "daemon"]:
         sys.exit(f"the probe meant to ask the {via} answered {counts}")
     print(summary(lat), "due", round(seconds / interval) if interval else "-")
 

@@ -89,7 +89,8 @@ type FigureLine struct {
 }
 
 // A LookupLine holds the p50/p99 pairs, in µs, of lookups answered from
-// the shared lookup table and by the daemon, in one situation.
+// the shared lookup table (by the client's C probe where it was built, and
+// by its Python probe) and by the daemon, in one situation.
 type LookupLine struct {
 	Line      int
 	Situation string // "alone" or "beside" (beside host loads)
@@ -97,6 +98,7 @@ type LookupLine struct {
 	// where they were paced (one every 2 ms).
 	BackToBack bool
 	Table      []P50P99
+	Python     []P50P99 // the table through the Python probe
 	Daemon     []P50P99
 }
 

@@ -250,7 +250,10 @@ func rowRuns(r *Row, c *Call, ref callRef) ([]RunFigure, error) {
 			}
 			found = true
 			ps := l.Table
-			if r.Answer == "daemon" {
+			switch r.Answer {
+			case "python":
+				ps = l.Python
+			case "daemon":
 				ps = l.Daemon
 			}
 			for _, p := range ps {

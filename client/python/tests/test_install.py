@@ -61,7 +61,8 @@ class OfflineInstallTest(unittest.TestCase):
         # From a copy: setuptools builds in the source tree (build/,
         # *.egg-info), which must stay clean.
         src = os.path.join(self.tmp, "client-python")
-        shutil.copytree(PKG, src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+        # Without a probe built in place (make python-ext): pip builds it.
+        shutil.copytree(PKG, src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__", "*.so"))
         before = files_under(src)
         # The command the top-level README gives, on the copy.
         args = readme_pip_command()
@@ -95,6 +96,11 @@ class OfflineInstallTest(unittest.TestCase):
         where = subprocess.run([py, "-c", "import kvhost; print(kvhost.__file__)"], capture_output=True, text=True,
                                env=env, cwd=self.tmp, check=True).stdout
         self.assertIn(venv, where, "the example did not use the installed package")
+        # pip built the C lookup probe (a compiler and Python's headers are
+        # here: scripts/ensure-python.sh).
+        native = subprocess.run([py, "-c", "from kvhost import lookuptable; print(lookuptable.NATIVE)"],
+                                capture_output=True, text=True, env=env, cwd=self.tmp, check=True).stdout.strip()
+        self.assertIn(native, ("sha-ni", "portable"), "pip install did not build kvhost._lookup")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 the daemon only where the table cannot answer (a real daemon each)."""
 
 import contextlib
+import hashlib
 import os
+import random
 import struct
 import tempfile
 import unittest
@@ -127,6 +129,109 @@ class TestLookupTableFormat(unittest.TestCase):
         # internal/lookuptable's TestHashIsTheFormatsKnownAnswer holds the
         # daemon to the same pair.
         self.assertEqual(lookuptable.key_hash(0x0102030405060708, b"key-1"), (4970651553208285916, 364090413704195124))
+
+
+def write_table(path, shift, fp, keys, seq=2, flags=lookuptable.FLAG_MISSES_FINAL):
+    """Writes a table of 2^shift slots holding keys of namespace fp, in the
+    daemon's format (internal/lookuptable: linear probing from the home
+    slot)."""
+    mask = (1 << shift) - 1
+    slots = [0] * (1 << shift)
+    for k in keys:
+        tag, home = lookuptable.key_hash(fp, k)
+        j = home & mask
+        while slots[j] not in (0, tag):
+            j = (j + 1) & mask
+        slots[j] = tag
+    header = bytearray(lookuptable.HEADER_SIZE)
+    header[:8] = lookuptable.MAGIC
+    struct.pack_into("<IIQQ", header, 8, lookuptable.VERSION, shift, seq, flags)
+    with open(path, "wb") as f:
+        f.write(bytes(header) + struct.pack(f"<{len(slots)}Q", *slots))
+
+
+def need_native(test):
+    """Fails test where the build promised the C probe (make sets
+    KVHOST_EXPECT_NATIVE=1) and it is missing; skips it elsewhere."""
+    if lookuptable.NATIVE is None:
+        if os.environ.get("KVHOST_EXPECT_NATIVE") == "1":
+            test.fail("kvhost._lookup is not built (make python-ext builds it)")
+        test.skipTest("kvhost._lookup is not built here (make python-ext)")
+
+
+class TestNativeProbe(unittest.TestCase):
+    def test_digests_match_hashlib_for_every_key_length(self):
+        need_native(self)
+        from kvhost import _lookup
+        rng = random.Random(1)
+        for n in range(1, 65):  # 1 and 2 blocks, both sides of the 55-byte edge
+            for _ in range(20):
+                key, fp = rng.randbytes(n), rng.getrandbits(64)
+                want = hashlib.sha256(struct.pack("<Q", fp) + key).digest()
+                self.assertEqual(_lookup.digest(fp, key), want, f"{_lookup.SHA256}, {n}-byte key")
+                self.assertEqual(_lookup.digest(fp, key, portable=True), want, f"portable, {n}-byte key")
+
+    def test_native_and_python_probes_answer_alike(self):
+        need_native(self)
+        rng = random.Random(2)
+        fp = rng.getrandbits(64)
+        # 700 keys in 1024 slots: long probe chains, wrapping at the end.
+        stored = [rng.randbytes(rng.randint(1, 64)) for _ in range(700)]
+        absent = [rng.randbytes(32) for _ in range(50)]
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "t")
+            for flags in (lookuptable.FLAG_MISSES_FINAL, 0,
+                          lookuptable.FLAG_MISSES_FINAL | lookuptable.FLAG_INCOMPLETE):
+                write_table(path, 10, fp, stored, flags=flags)
+                native, python = lookuptable.LookupTable(path), lookuptable.LookupTable(path, native=False)
+                self.assertTrue(native.native)
+                self.assertFalse(python.native)
+                for _ in range(300):
+                    keys = rng.sample(stored, rng.randint(1, 16))
+                    if rng.random() < 0.5:
+                        keys.insert(rng.randint(0, len(keys)), rng.choice(absent))
+                    want = python.leading(fp, keys)
+                    self.assertEqual(native.leading(fp, keys), want, flags)
+                    self.assertEqual(native.leading(fp, tuple(keys)), want)
+                    self.assertEqual(native.leading(fp, [bytearray(k) for k in keys]), want)
+                self.assertEqual(native.leading(fp, stored), (700, flags == lookuptable.FLAG_MISSES_FINAL))
+                for at in (31, 32, 100):  # a miss past the C probe's first batch of 32
+                    keys = stored[:at] + absent[:1] + stored[at:at + 40]
+                    self.assertEqual(native.leading(fp, keys), python.leading(fp, keys))
+                    self.assertEqual(native.leading(fp, keys)[0], at)
+                self.assertEqual(native.leading(fp ^ 1, stored[:5])[0], 0, "another namespace's keys")
+                native.close()
+                python.close()
+
+    def test_a_table_being_rebuilt_or_closed_sends_the_probe_to_the_daemon(self):
+        need_native(self)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "t")
+            for name, seq, flags in [("rebuilding", 3, lookuptable.FLAG_MISSES_FINAL),
+                                     ("closed", 2, lookuptable.FLAG_CLOSED)]:
+                with self.subTest(name):
+                    write_table(path, 10, 7, [b"k"], seq=seq, flags=flags)
+                    for native in (True, False):
+                        t = lookuptable.LookupTable(path, native=native)
+                        self.assertIsNone(t.leading(7, [b"k"]), f"native={native}")
+                        t.close()
+
+    def test_keys_the_protocol_refuses_are_refused(self):
+        need_native(self)
+        from kvhost import _lookup
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "t")
+            write_table(path, 10, 7, [b"k"])
+            t = lookuptable.LookupTable(path)
+            cases = [("empty", [b""], ValueError), ("65 bytes", [b"x" * 65], ValueError),
+                     ("not bytes", [17], TypeError), ("not a sequence", 17, TypeError)]
+            for name, keys, err in cases:
+                with self.subTest(name):
+                    with self.assertRaises(err):
+                        t.leading(7, keys)
+            with self.assertRaises(ValueError):  # a buffer shorter than its slots
+                _lookup.leading(bytes(100), 10, 7, [b"k"])
+            t.close()
 
 
 if __name__ == "__main__":

@@ -418,10 +418,9 @@ class Client:
         table = self._table if self._table is not None else self._open_table()
         fp = self._fps.get(ns)
         if table and fp is not None:
-            p.check_keys(keys)  # as the daemon would
             if self._closed is not None:
                 raise self._closed
-            got = table.leading(fp, keys)
+            got = table.leading(fp, keys)  # checks the keys as the daemon would
             if got is not None:
                 n, final = got
                 if n == len(keys) or final:

@@ -4,12 +4,20 @@ The daemon keeps, next to its socket, a table of the keys its index holds
 (docs/protocol.md, "Shared lookup table"); a client maps it and answers
 lookups itself, with no round trip and no wait behind the daemon's data
 path. This module reads the format internal/lookuptable writes.
+
+The probe runs in C (kvhost._lookup) where that module was built (pip
+install builds it when a C compiler and Python's headers are present;
+`make python-ext` in a checkout) and in Python otherwise, with the same
+answers; NATIVE says which this process uses.
 """
 
+import functools
 import hashlib
 import mmap
 import os
 import struct
+
+from kvhost.protocol import check_keys
 
 MAGIC = b"KVHLKT01"
 VERSION = 1
@@ -25,6 +33,16 @@ _TAG_HOME = struct.Struct("<QQ")
 _FP = struct.Struct("<Q")
 
 
+try:
+    from kvhost import _lookup
+except ImportError:  # not built: the Python probe below
+    _lookup = None
+
+# NATIVE names the C probe's SHA-256 ("sha-ni" or "portable"), or is None
+# where the C module is not built and lookups probe in Python.
+NATIVE = _lookup.SHA256 if _lookup is not None else None
+
+
 class FormatError(ValueError):
     """The file is not a lookup table this client reads."""
 
@@ -38,9 +56,10 @@ def key_hash(fp, key):
 
 
 class LookupTable:
-    """A read-only mapping of the table at path."""
+    """A read-only mapping of the table at path. native=False probes in
+    Python even where the C probe is built (tests compare the two)."""
 
-    def __init__(self, path):
+    def __init__(self, path, native=True):
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             size = os.fstat(fd).st_size
@@ -66,12 +85,19 @@ class LookupTable:
         self._slots = view[HEADER_SIZE:].cast("Q")
         self._mask = (1 << shift) - 1
         self._prefixes = {}  # fp -> sha256 of its 8 bytes, copied per key
+        self.native = native and _lookup is not None
+        if self.native:
+            # The C probe, called with no Python frame between.
+            self.leading = functools.partial(_lookup.leading, self._map, shift)
         self.path = path
 
     def leading(self, fp, keys):
         """Returns (n, final): n leading keys are held; final says the next
         key is not stored either. None: the table cannot answer now (the
-        daemon closed it or rebuilt it meanwhile); ask the daemon."""
+        daemon closed it or rebuilt it meanwhile); ask the daemon. The
+        keys' number and lengths are checked first, as the daemon checks
+        them (ValueError)."""
+        check_keys(keys)
         header, slots, mask = self._header, self._slots, self._mask
         seq = header[_SEQ]
         flags = header[_FLAGS]

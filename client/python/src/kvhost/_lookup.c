@@ -1,0 +1,381 @@
+/*
+ * kvhost._lookup: the shared lookup table's probe (kvhost.lookuptable) in C.
+ *
+ * The same work as LookupTable.leading in Python: SHA-256 of the
+ * namespace's fingerprint (8 bytes, little-endian) followed by the key, its
+ * first 8 bytes the tag and the next 8 the home slot, then linear probing.
+ * Why C: a scheduler asks between other work, when the interpreter's and
+ * OpenSSL's code and data are no longer in the CPU's caches; that reload,
+ * not the hashing, is most of a 16-key lookup then (RATIONALE.md, "Why is
+ * the lookup table's probe in C?"). This module touches a few kilobytes.
+ *
+ * SHA-256 uses the CPU's SHA extensions where it has them (x86-64 SHA-NI,
+ * checked with CPUID at import) and portable C otherwise; digest() exposes
+ * both so that tests hold each to hashlib.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define KVH_SHA_NI 1
+#include <cpuid.h>
+#include <immintrin.h>
+#endif
+
+/* The table's format (internal/lookuptable, docs/protocol.md). */
+#define HEADER_WORDS 8 /* 64 bytes */
+#define SEQ_WORD 2
+#define FLAGS_WORD 3
+#define FLAG_MISSES_FINAL 1u
+#define FLAG_INCOMPLETE 2u
+#define FLAG_CLOSED 4u
+#define MAX_KEY_LEN 64 /* the protocol's */
+#define MAX_KEYS 4096   /* per request, the protocol's */
+#define PROBE_BATCH 32  /* keys hashed before their slots are probed */
+
+static const uint32_t K[64] = {
+    0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5,
+    0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe, 0x9bdc06a7, 0xc19bf174,
+    0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f, 0x4a7484aa, 0x5cb0a9dc, 0x76f988da,
+    0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7, 0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967,
+    0x27b70a85, 0x2e1b2138, 0x4d2c6dfc, 0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85,
+    0xa2bfe8a1, 0xa81a664b, 0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070,
+    0x19a4c116, 0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
+    0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7, 0xc67178f2,
+};
+
+static const uint32_t H0[8] = {
+    0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a, 0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19,
+};
+
+typedef void (*compress_fn)(uint32_t state[8], const uint8_t *data, size_t blocks);
+
+static inline uint32_t ror(uint32_t x, int n) { return (x >> n) | (x << (32 - n)); }
+
+static inline uint32_t load_be32(const uint8_t *p) {
+    return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | (uint32_t)p[3];
+}
+
+/* compress_portable is FIPS 180-4's compression function, block by block. */
+static void compress_portable(uint32_t state[8], const uint8_t *data, size_t blocks) {
+    uint32_t w[64];
+    for (; blocks > 0; blocks--, data += 64) {
+        for (int i = 0; i < 16; i++)
+            w[i] = load_be32(data + 4 * i);
+        for (int i = 16; i < 64; i++) {
+            uint32_t s0 = ror(w[i - 15], 7) ^ ror(w[i - 15], 18) ^ (w[i - 15] >> 3);
+            uint32_t s1 = ror(w[i - 2], 17) ^ ror(w[i - 2], 19) ^ (w[i - 2] >> 10);
+            w[i] = w[i - 16] + s0 + w[i - 7] + s1;
+        }
+        uint32_t a = state[0], b = state[1], c = state[2], d = state[3];
+        uint32_t e = state[4], f = state[5], g = state[6], h = state[7];
+        for (int i = 0; i < 64; i++) {
+            uint32_t t1 = h + (ror(e, 6) ^ ror(e, 11) ^ ror(e, 25)) + ((e & f) ^ (~e & g)) + K[i] + w[i];
+            uint32_t t2 = (ror(a, 2) ^ ror(a, 13) ^ ror(a, 22)) + ((a & b) ^ (a & c) ^ (b & c));
+            h = g;
+            g = f;
+            f = e;
+            e = d + t1;
+            d = c;
+            c = b;
+            b = a;
+            a = t1 + t2;
+        }
+        state[0] += a;
+        state[1] += b;
+        state[2] += c;
+        state[3] += d;
+        state[4] += e;
+        state[5] += f;
+        state[6] += g;
+        state[7] += h;
+    }
+}
+
+#ifdef KVH_SHA_NI
+/*
+ * compress_shani is the same function with the SHA extensions: the state
+ * as the two registers the instructions work on (ABEF, CDGH), four rounds
+ * per group of message words, the schedule extended four words at a time.
+ */
+__attribute__((target("sha,sse4.1"))) static void compress_shani(uint32_t state[8], const uint8_t *data,
+                                                                 size_t blocks) {
+    const __m128i swap = _mm_set_epi64x(0x0c0d0e0f08090a0bLL, 0x0405060700010203LL);
+    __m128i tmp = _mm_loadu_si128((const __m128i *)&state[0]);  /* DCBA */
+    __m128i st1 = _mm_loadu_si128((const __m128i *)&state[4]);  /* HGFE */
+    tmp = _mm_shuffle_epi32(tmp, 0xB1);                          /* CDAB */
+    st1 = _mm_shuffle_epi32(st1, 0x1B);                          /* EFGH */
+    __m128i st0 = _mm_alignr_epi8(tmp, st1, 8);                  /* ABEF */
+    st1 = _mm_blend_epi16(st1, tmp, 0xF0);                       /* CDGH */
+    for (; blocks > 0; blocks--, data += 64) {
+        __m128i save0 = st0, save1 = st1;
+        __m128i w[4];
+        for (int g = 0; g < 16; g++) {
+            __m128i m;
+            if (g < 4) {
+                m = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(data + 16 * g)), swap);
+            } else {
+                /* W[g] = msg2(msg1(W[g-4], W[g-3]) + W[g-2..g-1] shifted by one word, W[g-1]) */
+                __m128i w4 = w[g & 3], w3 = w[(g + 1) & 3], w2 = w[(g + 2) & 3], w1 = w[(g + 3) & 3];
+                m = _mm_add_epi32(_mm_sha256msg1_epu32(w4, w3), _mm_alignr_epi8(w1, w2, 4));
+                m = _mm_sha256msg2_epu32(m, w1);
+            }
+            w[g & 3] = m;
+            __m128i k = _mm_add_epi32(m, _mm_loadu_si128((const __m128i *)&K[4 * g]));
+            st1 = _mm_sha256rnds2_epu32(st1, st0, k);
+            st0 = _mm_sha256rnds2_epu32(st0, st1, _mm_shuffle_epi32(k, 0x0E));
+        }
+        st0 = _mm_add_epi32(st0, save0);
+        st1 = _mm_add_epi32(st1, save1);
+    }
+    tmp = _mm_shuffle_epi32(st0, 0x1B);       /* FEBA */
+    st1 = _mm_shuffle_epi32(st1, 0xB1);       /* DCHG */
+    st0 = _mm_blend_epi16(tmp, st1, 0xF0);    /* DCBA */
+    st1 = _mm_alignr_epi8(st1, tmp, 8);       /* HGFE */
+    _mm_storeu_si128((__m128i *)&state[0], st0);
+    _mm_storeu_si128((__m128i *)&state[4], st1);
+}
+
+static int cpu_has_shani(void) {
+    unsigned int a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & bit_SSE4_1) || !(c & bit_SSSE3))
+        return 0;
+    if (__get_cpuid_max(0, NULL) < 7)
+        return 0;
+    __cpuid_count(7, 0, a, b, c, d);
+    return (b & bit_SHA) != 0;
+}
+#endif
+
+/* The compression function chosen at import. */
+static compress_fn best_compress = compress_portable;
+
+/* digest writes SHA-256(fp as 8 little-endian bytes || key) to out; key is
+ * at most MAX_KEY_LEN bytes, so the message and its padding fit 2 blocks. */
+static void digest(compress_fn compress, uint64_t fp, const uint8_t *key, size_t n, uint8_t out[32]) {
+    uint8_t buf[128];
+    size_t len = 8 + n;
+    for (int i = 0; i < 8; i++)
+        buf[i] = (uint8_t)(fp >> (8 * i));
+    memcpy(buf + 8, key, n);
+    size_t blocks = len + 9 <= 64 ? 1 : 2;
+    memset(buf + len, 0, 64 * blocks - len);
+    buf[len] = 0x80;
+    uint64_t bits = (uint64_t)len * 8;
+    for (int i = 0; i < 8; i++)
+        buf[64 * blocks - 1 - i] = (uint8_t)(bits >> (8 * i));
+    uint32_t st[8];
+    memcpy(st, H0, sizeof st);
+    compress(st, buf, blocks);
+    for (int i = 0; i < 8; i++) {
+        out[4 * i] = (uint8_t)(st[i] >> 24);
+        out[4 * i + 1] = (uint8_t)(st[i] >> 16);
+        out[4 * i + 2] = (uint8_t)(st[i] >> 8);
+        out[4 * i + 3] = (uint8_t)st[i];
+    }
+}
+
+static inline uint64_t load_le64(const uint8_t *p) {
+    uint64_t v;
+    memcpy(&v, p, 8);
+#if __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    v = __builtin_bswap64(v);
+#endif
+    return v;
+}
+
+/* key_bytes gives a key's bytes: bytes directly, anything else through
+ * the buffer protocol (released by the caller when *view is set). */
+static int key_bytes(PyObject *key, const uint8_t **p, Py_ssize_t *n, Py_buffer *view, int *held) {
+    *held = 0;
+    if (PyBytes_Check(key)) {
+        *p = (const uint8_t *)PyBytes_AS_STRING(key);
+        *n = PyBytes_GET_SIZE(key);
+    } else {
+        if (PyObject_GetBuffer(key, view, PyBUF_SIMPLE) < 0)
+            return -1;
+        *held = 1;
+        *p = view->buf;
+        *n = view->len;
+    }
+    if (*n < 1 || *n > MAX_KEY_LEN) {
+        PyErr_Format(PyExc_ValueError, "key of %zd bytes: want 1..%d", *n, MAX_KEY_LEN);
+        if (*held)
+            PyBuffer_Release(view);
+        *held = 0;
+        return -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(leading_doc,
+             "leading(table, shift, fp, keys) -> (n, final) or None\n\n"
+             "The shared lookup table's probe: table is the whole mapped file (a\n"
+             "buffer), shift its slots' log2, fp the namespace's fingerprint, keys a\n"
+             "list of keys. n leading keys are held; final says the next key is not\n"
+             "stored either. None: the table cannot answer now (closed, or being\n"
+             "rebuilt); ask the daemon. keys: a list or tuple (any other sequence\n"
+             "is copied into one); their number and lengths are checked as the\n"
+             "daemon checks them (ValueError).");
+
+static PyObject *leading(PyObject *self, PyObject *args) {
+    Py_buffer table;
+    unsigned int shift;
+    unsigned long long fp;
+    PyObject *keys;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*IKO", &table, &shift, &fp, &keys))
+        return NULL;
+    keys = PySequence_Fast(keys, "keys must be a sequence");
+    if (keys == NULL) {
+        PyBuffer_Release(&table);
+        return NULL;
+    }
+    if (shift >= 31 || table.len < (Py_ssize_t)(8 * HEADER_WORDS + (8ull << shift))) {
+        Py_DECREF(keys);
+        PyBuffer_Release(&table);
+        PyErr_Format(PyExc_ValueError, "a table of 2^%u slots in %zd bytes", shift, table.len);
+        return NULL;
+    }
+    const uint64_t *header = table.buf;
+    const uint64_t *slots = header + HEADER_WORDS;
+    const uint64_t mask = ((uint64_t)1 << shift) - 1;
+    /* The daemon writes the sequence odd, then slots and flags, then the
+     * next even sequence; a probe that sees the same even sequence before
+     * and after read a consistent table. */
+    uint64_t seq = __atomic_load_n(&header[SEQ_WORD], __ATOMIC_ACQUIRE);
+    uint64_t flags = __atomic_load_n(&header[FLAGS_WORD], __ATOMIC_ACQUIRE);
+    PyObject **items = PySequence_Fast_ITEMS(keys);
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(keys), n = count;
+    /* Every key is checked as the daemon would, before the first probe
+     * (the answer may stop at the first miss). */
+    if (count < 1 || count > MAX_KEYS) {
+        PyErr_Format(PyExc_ValueError, "%zd keys: want 1..%d", count, MAX_KEYS);
+        Py_DECREF(keys);
+        PyBuffer_Release(&table);
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        Py_ssize_t kn = PyBytes_Check(items[i]) ? PyBytes_GET_SIZE(items[i]) : PyObject_Length(items[i]);
+        if (kn < 1 || kn > MAX_KEY_LEN) {
+            if (kn >= 0)
+                PyErr_Format(PyExc_ValueError, "key of %zd bytes: want 1..%d", kn, MAX_KEY_LEN);
+            Py_DECREF(keys);
+            PyBuffer_Release(&table);
+            return NULL;
+        }
+    }
+    if ((seq & 1) || (flags & FLAG_CLOSED)) {
+        Py_DECREF(keys);
+        PyBuffer_Release(&table);
+        Py_RETURN_NONE;
+    }
+    /* Keys are hashed a batch at a time and their home slots prefetched
+     * before the first is probed, so that the batch's cache misses on the
+     * table overlap instead of following one another. */
+    uint64_t tags[PROBE_BATCH], homes[PROBE_BATCH];
+    for (Py_ssize_t base = 0; base < count && n == count; base += PROBE_BATCH) {
+        Py_ssize_t batch = count - base < PROBE_BATCH ? count - base : PROBE_BATCH;
+        for (Py_ssize_t b = 0; b < batch; b++) {
+            const uint8_t *kp;
+            Py_ssize_t kn;
+            Py_buffer view;
+            int held;
+            if (key_bytes(items[base + b], &kp, &kn, &view, &held) < 0) {
+                Py_DECREF(keys);
+                PyBuffer_Release(&table);
+                return NULL;
+            }
+            uint8_t d[32];
+            digest(best_compress, fp, kp, (size_t)kn, d);
+            if (held)
+                PyBuffer_Release(&view);
+            tags[b] = load_le64(d);
+            if (tags[b] <= 1)
+                tags[b] += 2;
+            homes[b] = load_le64(d + 8) & mask;
+            __builtin_prefetch(&slots[homes[b]]);
+        }
+        for (Py_ssize_t b = 0; b < batch; b++) {
+            uint64_t tag = tags[b], j = homes[b];
+            uint64_t v = __atomic_load_n(&slots[j], __ATOMIC_RELAXED);
+            for (uint64_t probes = 0; v != tag && v != 0 && probes <= mask; probes++) {
+                j = (j + 1) & mask;
+                v = __atomic_load_n(&slots[j], __ATOMIC_RELAXED);
+            }
+            if (v != tag) {
+                n = base + b;
+                break;
+            }
+        }
+    }
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    uint64_t again = __atomic_load_n(&header[SEQ_WORD], __ATOMIC_ACQUIRE);
+    Py_DECREF(keys);
+    PyBuffer_Release(&table);
+    if (again != seq)
+        Py_RETURN_NONE;
+    int final = (flags & (FLAG_MISSES_FINAL | FLAG_INCOMPLETE)) == FLAG_MISSES_FINAL;
+    return Py_BuildValue("(nO)", n, final ? Py_True : Py_False);
+}
+
+PyDoc_STRVAR(digest_doc,
+             "digest(fp, key, portable=False) -> bytes\n\n"
+             "SHA-256 of fp (8 bytes, little-endian) followed by key, by the\n"
+             "compression this module chose at import, or by its portable C one.");
+
+static PyObject *py_digest(PyObject *self, PyObject *args, PyObject *kw) {
+    static char *names[] = {"fp", "key", "portable", NULL};
+    unsigned long long fp;
+    PyObject *key;
+    int portable = 0;
+    (void)self;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "KO|p", names, &fp, &key, &portable))
+        return NULL;
+    const uint8_t *kp;
+    Py_ssize_t kn;
+    Py_buffer view;
+    int held;
+    if (key_bytes(key, &kp, &kn, &view, &held) < 0)
+        return NULL;
+    uint8_t d[32];
+    digest(portable ? compress_portable : best_compress, fp, kp, (size_t)kn, d);
+    if (held)
+        PyBuffer_Release(&view);
+    return PyBytes_FromStringAndSize((const char *)d, 32);
+}
+
+static PyMethodDef methods[] = {
+    {"leading", leading, METH_VARARGS, leading_doc},
+    {"digest", (PyCFunction)(void (*)(void))py_digest, METH_VARARGS | METH_KEYWORDS, digest_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "kvhost._lookup",
+    .m_doc = "The shared lookup table's probe in C (see kvhost.lookuptable).",
+    .m_size = -1,
+    .m_methods = methods,
+};
+
+PyMODINIT_FUNC PyInit__lookup(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    const char *sha = "portable";
+#ifdef KVH_SHA_NI
+    if (cpu_has_shani()) {
+        best_compress = compress_shani;
+        sha = "sha-ni";
+    }
+#endif
+    if (PyModule_AddStringConstant(m, "SHA256", sha) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
