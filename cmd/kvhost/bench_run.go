@@ -184,6 +184,11 @@ func (r *benchRun) engineFor(ctx context.Context, path string, sums bool) (*engi
 	}
 	if len(r.o.cfg.Mounts) > 0 {
 		m.Reserve = int64(r.o.cfg.Mounts[0].Reserve)
+		// The configuration's I/O mode, except for the posix path, which
+		// is buffered by definition.
+		if mio := r.o.cfg.Mounts[0].IO; mio != "" && path != "posix" {
+			m.IO = mio
+		}
 	}
 	m.Preallocate = r.o.preallocate
 	cfg := r.o.cfg

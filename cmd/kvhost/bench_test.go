@@ -5,6 +5,7 @@ import (
 	"compress/gzip"
 	"context"
 	"encoding/xml"
+	"fmt"
 	"io"
 	"math"
 	"os"
@@ -15,6 +16,8 @@ import (
 
 	"github.com/kvhost/kvhost/internal/bench"
 	"github.com/kvhost/kvhost/internal/cuda/cudatest"
+	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/staging"
 )
 
 // tinyBench is a small geometry: 4 layers of 8 KiB blocks (two heads of
@@ -758,6 +761,32 @@ func TestBenchKeysHonoursTotal(t *testing.T) {
 			}
 			if err != nil || got != tc.want {
 				t.Fatalf("benchKeys = %d, %v; want %d keys", got, err, tc.want)
+			}
+		})
+	}
+}
+
+func TestBenchTakesTheConfiguredMountsIOMode(t *testing.T) {
+	for _, mode := range []string{"buffered", "direct"} {
+		t.Run(mode, func(t *testing.T) {
+			dir := t.TempDir()
+			if mode == "direct" {
+				if ok, err := staging.ProbeDirect(fsys.OS{}, dir); err != nil || !ok {
+					t.Skipf("%s refuses O_DIRECT (%v): nothing to force", dir, err)
+				}
+			}
+			cfg := filepath.Join(dir, "kvhost.toml")
+			body := fmt.Sprintf("[[mount]]\npath = %q\nio = %q\n", filepath.Join(dir, "data"), mode)
+			if err := os.WriteFile(cfg, []byte(body), 0o600); err != nil {
+				t.Fatal(err)
+			}
+			rep, _ := benchReport(t, filepath.Join(dir, "data"), "--memory", "host", "--config", cfg, "--path", "auto,posix", "--jobs", "1", "--total", "4MiB")
+			ios := map[string]string{}
+			for _, x := range rep.Runs {
+				ios[x.Path] = x.IO
+			}
+			if ios["auto"] != mode || ios["posix"] != "buffered" {
+				t.Errorf("paths ran with io %v, want auto %s and posix buffered", ios, mode)
 			}
 		})
 	}

@@ -25,6 +25,7 @@ import queue
 import threading
 import time
 
+from .. import lookuptable
 from .. import protocol as p
 from ..client import Client, KvhostError, Layer, default_socket
 from ..memory import HostBuffer
@@ -185,8 +186,10 @@ class _TierImpl:
         self._lookup_thread = threading.Thread(target=self._lookup_loop, name="kvhost-tier-lookup", daemon=True)
         self._lookup_thread.start()
         log.info("kvhost tier: namespace %s (%d-byte rows, model %s, vLLM fs-tier directory %s), "
-                 "data path %s, socket %s", geom.model, self._row_bytes,
-                 self._desc["fields"]["model_name"], self.fs_base, self.data_path, o["socket"])
+                 "data path %s, socket %s, lookup probe %s", geom.model, self._row_bytes,
+                 self._desc["fields"]["model_name"], self.fs_base, self.data_path, o["socket"],
+                 lookuptable.NATIVE or "python (kvhost._lookup not built: install gcc and python3-dev, "
+                 "then the client again)")
 
     # -- set-up ---------------------------------------------------------------
 
