@@ -231,6 +231,8 @@ class TestNativeProbe(unittest.TestCase):
                         t.leading(7, keys)
             with self.assertRaises(ValueError):  # a buffer shorter than its slots
                 _lookup.leading(bytes(100), 10, 7, [b"k"])
+            with self.assertRaises(ValueError):  # slots not 8-byte aligned
+                _lookup.leading(memoryview(bytes(64 + 8 * 1024 + 8))[1:], 10, 7, [b"k"])
             t.close()
 
 

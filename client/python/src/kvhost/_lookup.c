@@ -240,6 +240,12 @@ static PyObject *leading(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "a table of 2^%u slots in %zd bytes", shift, table.len);
         return NULL;
     }
+    if ((uintptr_t)table.buf % 8 != 0) { /* a mapping is page-aligned */
+        Py_DECREF(keys);
+        PyBuffer_Release(&table);
+        PyErr_SetString(PyExc_ValueError, "the table's buffer is not 8-byte aligned");
+        return NULL;
+    }
     const uint64_t *header = table.buf;
     const uint64_t *slots = header + HEADER_WORDS;
     const uint64_t mask = ((uint64_t)1 << shift) - 1;
