@@ -1,6 +1,8 @@
 """kvhost: client of the kvhost node-local KV-cache storage daemon.
 
-Pure Python, standard library only (torch optional). See docs/protocol.md.
+Python, standard library only (torch optional), with one optional C module
+(kvhost._lookup, the shared lookup table's probe; kvhost.lookuptable falls
+back to Python without it). See docs/protocol.md.
 """
 
 from .client import (Client, ConnectionLost, Geometry, Job, KvhostError, Layer, Namespace,
