@@ -77,11 +77,13 @@ def run_jobs(c, op, plan, timeout=300):
     return time.perf_counter() - t0, results
 
 
-def time_lookups(c, ns, keys, seconds, interval=0.0):
+def time_lookups(c, ns, keys, seconds, interval=0.0, spin=False):
     """Looks up keys (all stored) on client c for seconds, one lookup every
     interval seconds (0: back to back; a lookup that ends late skips the
-    slots it missed), and returns each lookup's time in seconds. Exits if a
-    lookup misses a key."""
+    slots it missed), and returns each lookup's time in seconds. Between
+    lookups it sleeps, or with spin keeps its CPU busy reading the clock
+    (as a scheduler busy with other work between its lookups would). Exits
+    if a lookup misses a key."""
     lat, t0 = [], time.perf_counter()
     next_at = t0
     while time.perf_counter() - t0 < seconds:
@@ -93,7 +95,11 @@ def time_lookups(c, ns, keys, seconds, interval=0.0):
         next_at += interval
         pause = next_at - time.perf_counter()
         if pause > 0:
-            time.sleep(pause)
+            if spin:
+                while time.perf_counter() < next_at:
+                    pass
+            else:
+                time.sleep(pause)
         else:
             next_at = time.perf_counter()
     return lat

@@ -30,7 +30,11 @@ Needs no GPU and no torch. Start a daemon first, for example:
     bin/kvhost --dir /dev/shm/kvlat --socket /tmp/kvlat.sock &
     python3 scripts/lookup-latency.py /tmp/kvlat.sock
 
-usage: python3 scripts/lookup-latency.py SOCKET [SECONDS] [JOBS] [INTERVAL_MS] [KEYS]
+PACE (default sleep) is how the probe waits between paced lookups: sleep,
+or spin (its CPU kept busy, as a scheduler busy between its lookups keeps
+its own; the lookup then does not start on a CPU that was idle).
+
+usage: python3 scripts/lookup-latency.py SOCKET [SECONDS] [JOBS] [INTERVAL_MS] [KEYS] [PACE]
 """
 import os
 import subprocess
@@ -66,7 +70,7 @@ from kvhost import lookuptable  # noqa: E402
 VIAS = ("table", "table-python", "daemon") if lookuptable.NATIVE else ("table", "daemon")
 
 
-def probe(sock, seconds, interval, nkeys, via):
+def probe(sock, seconds, interval, nkeys, via, pace):
     """Times a lookup of the first PROBED stored keys every interval seconds
     for seconds, answered via the shared lookup table or the daemon; prints
     summary() and the lookups due. Exits if a lookup took the other way."""
@@ -79,7 +83,7 @@ def probe(sock, seconds, interval, nkeys, via):
             t = c._open_table()
             c._table = lookuptable.LookupTable(t.path, native=False)
             t.close()
-        lat = gpu_paged.time_lookups(c, ns, keys, seconds, interval)
+        lat = gpu_paged.time_lookups(c, ns, keys, seconds, interval, spin=(pace == "spin"))
         counts = c.lookup_counts()
     asked = "daemon" if via == "daemon" else "table"
     if counts[asked] != len(lat) or counts["table" if asked == "daemon" else "daemon"]:
@@ -87,13 +91,13 @@ def probe(sock, seconds, interval, nkeys, via):
     print(summary(lat), "due", round(seconds / interval) if interval else "-")
 
 
-def run_probes(sock, seconds, interval, nkeys):
+def run_probes(sock, seconds, interval, nkeys, pace):
     """Runs the probe in a process of its own (as a scheduler would be),
     once per way of answering; returns their summary lines by way."""
     lines = {}
     for via in VIAS:
         out = subprocess.run([sys.executable, os.path.abspath(__file__), "--probe", sock, str(seconds), str(interval),
-                              str(nkeys), via], capture_output=True, text=True)
+                              str(nkeys), via, pace], capture_output=True, text=True)
         if out.returncode != 0:
             sys.exit(f"lookup probe ({via}) failed (exit {out.returncode}): {out.stderr.strip()}")
         lines[via] = out.stdout.strip()
@@ -106,8 +110,9 @@ def main():
     jobs = int(sys.argv[3]) if len(sys.argv) > 3 else 4
     interval = (float(sys.argv[4]) if len(sys.argv) > 4 else 2) / 1e3
     nkeys = int(sys.argv[5]) if len(sys.argv) > 5 else 16
-    if not (seconds > 0 and interval >= 0 and 1 <= jobs <= nkeys):
-        sys.exit(f"want SECONDS > 0, INTERVAL_MS >= 0 and 1 <= JOBS <= KEYS, got {sys.argv[2:]}")
+    pace = sys.argv[6] if len(sys.argv) > 6 else "sleep"
+    if not (seconds > 0 and interval >= 0 and 1 <= jobs <= nkeys and pace in ("sleep", "spin")):
+        sys.exit(f"want SECONDS > 0, INTERVAL_MS >= 0, 1 <= JOBS <= KEYS and PACE sleep or spin, got {sys.argv[2:]}")
     bpk = TPK // gpu_paged.TOKENS_PER_BLOCK
     nb = 2 * nkeys * bpk  # the stored blocks, then as many to load into
     page = gpu_paged.PAGE
@@ -126,7 +131,7 @@ def main():
         keys = [key(i) for i in range(nkeys)]
         blocks = [list(range(i * bpk, (i + 1) * bpk)) for i in range(nkeys)]
         c.store(cache, keys, blocks).wait(300)
-        for via, line in run_probes(sock, seconds, interval, nkeys).items():
+        for via, line in run_probes(sock, seconds, interval, nkeys, pace).items():
             print("alone", via, line, flush=True)
 
         stop, moved, failed = threading.Event(), [0] * jobs, []
@@ -147,7 +152,7 @@ def main():
         for t in threads:
             t.start()
         try:
-            res = run_probes(sock, seconds, interval, nkeys)
+            res = run_probes(sock, seconds, interval, nkeys, pace)
         finally:
             stop.set()
             for t in threads:
@@ -161,6 +166,6 @@ def main():
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--probe":
-        probe(sys.argv[2], float(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5]), sys.argv[6])
+        probe(sys.argv[2], float(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5]), sys.argv[6], sys.argv[7])
     else:
         main()

@@ -16,10 +16,15 @@ LINE = r"p50 (\d+) p99 (\d+) max (\d+) n (\d+) due (\d+)"
 
 class TestLookupLatencyScript(unittest.TestCase):
     def test_reports_lookups_alone_and_beside_loads_that_moved_bytes(self):
+        for pace in ("sleep", "spin"):  # how the probe waits between lookups
+            with self.subTest(pace):
+                self.check_run(pace)
+
+    def check_run(self, pace):
         d = Daemon(capacity="512MiB")
         try:
             out = subprocess.run([sys.executable, str(REPO / "scripts" / "lookup-latency.py"), d.socket,
-                                  "0.3", "1", "5", "2"],
+                                  "0.3", "1", "5", "2", pace],
                                  capture_output=True, text=True, timeout=300)
         finally:
             d.stop()
