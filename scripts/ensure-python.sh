@@ -32,8 +32,8 @@ echo "ensure-python: installing ${missing[*]} with apt-get" >&2
 $sudo apt-get update -qq || true
 for pkg in "${missing[@]}"; do
 	if ! DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "$pkg" >/dev/null; then
-		if [ "$pkg" = python3-numpy ]; then
-			echo "ensure-python: cannot install python3-numpy (required by the tests)" >&2
+		if [ "$pkg" = python3-numpy ] || [ "$pkg" = python3-dev ]; then
+			echo "ensure-python: cannot install $pkg (required by the tests)" >&2
 			exit 1
 		fi
 		echo "ensure-python: cannot install $pkg; the tests that need it will skip" >&2

@@ -1,11 +1,13 @@
 """The client answers lookups from the daemon's shared lookup table and asks
 the daemon only where the table cannot answer (a real daemon each)."""
 
+import array
 import contextlib
 import hashlib
 import os
 import random
 import struct
+import sys
 import tempfile
 import unittest
 
@@ -131,18 +133,22 @@ class TestLookupTableFormat(unittest.TestCase):
         self.assertEqual(lookuptable.key_hash(0x0102030405060708, b"key-1"), (4970651553208285916, 364090413704195124))
 
 
-def write_table(path, shift, fp, keys, seq=2, flags=lookuptable.FLAG_MISSES_FINAL):
+def write_table(path, shift, fp, keys, seq=2, flags=lookuptable.FLAG_MISSES_FINAL, removed=()):
     """Writes a table of 2^shift slots holding keys of namespace fp, in the
     daemon's format (internal/lookuptable: linear probing from the home
-    slot)."""
+    slot), then marks the slots of the keys in removed as removed (1)."""
     mask = (1 << shift) - 1
     slots = [0] * (1 << shift)
+    at = {}
     for k in keys:
         tag, home = lookuptable.key_hash(fp, k)
         j = home & mask
         while slots[j] not in (0, tag):
             j = (j + 1) & mask
         slots[j] = tag
+        at[k] = j
+    for k in removed:
+        slots[at[k]] = 1
     header = bytearray(lookuptable.HEADER_SIZE)
     header[:8] = lookuptable.MAGIC
     struct.pack_into("<IIQQ", header, 8, lookuptable.VERSION, shift, seq, flags)
@@ -163,6 +169,9 @@ class TestNativeProbe(unittest.TestCase):
     def test_digests_match_hashlib_for_every_key_length(self):
         need_native(self)
         from kvhost import _lookup
+        if _lookup.SHA256 != "sha-ni":
+            with self.subTest("sha-ni"):
+                self.skipTest(f"this CPU has no SHA extensions ({_lookup.SHA256}): only the portable compression runs")
         rng = random.Random(1)
         for n in range(1, 65):  # 1 and 2 blocks, both sides of the 55-byte edge
             for _ in range(20):
@@ -203,6 +212,42 @@ class TestNativeProbe(unittest.TestCase):
                 native.close()
                 python.close()
 
+    def test_removed_slots_are_passed_over_and_their_keys_miss(self):
+        need_native(self)
+        rng = random.Random(3)
+        fp = rng.getrandbits(64)
+        stored = [rng.randbytes(32) for _ in range(700)]
+        removed = stored[::7]
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "t")
+            write_table(path, 10, fp, stored, removed=removed)
+            native, python = lookuptable.LookupTable(path), lookuptable.LookupTable(path, native=False)
+            for k in stored:
+                want = (0, True) if k in removed else (1, True)
+                self.assertEqual(python.leading(fp, [k]), want)
+                self.assertEqual(native.leading(fp, [k]), want)
+            native.close()
+            python.close()
+
+    def test_a_key_whose_buffer_empties_the_list_cannot_pull_it_from_under_the_probe(self):
+        need_native(self)
+        if sys.version_info < (3, 12):
+            self.skipTest("before Python 3.12 a key's buffer runs no Python code (no __buffer__)")
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "t")
+            write_table(path, 10, 7, [b"a", b"b"])
+            t = lookuptable.LookupTable(path)
+            keys = [b"a"]
+
+            class Emptying:
+                def __buffer__(self, flags):
+                    keys.clear()  # runs while the probe reads the keys
+                    return memoryview(b"b")
+
+            keys += [Emptying(), b"c" * 8]
+            self.assertEqual(t.leading(7, keys), (2, True))  # the keys as passed
+            t.close()
+
     def test_a_table_being_rebuilt_or_closed_sends_the_probe_to_the_daemon(self):
         need_native(self)
         with tempfile.TemporaryDirectory() as tmp:
@@ -223,12 +268,22 @@ class TestNativeProbe(unittest.TestCase):
             path = os.path.join(tmp, "t")
             write_table(path, 10, 7, [b"k"])
             t = lookuptable.LookupTable(path)
+            wide = array.array("Q", range(9))  # 9 items, 72 bytes
             cases = [("empty", [b""], ValueError), ("65 bytes", [b"x" * 65], ValueError),
-                     ("not bytes", [17], TypeError), ("not a sequence", 17, TypeError)]
+                     ("not bytes", [17], TypeError), ("not a sequence", 17, TypeError),
+                     ("an iterator", iter([b"k"]), TypeError), ("72 bytes in 9 items", [wide], ValueError),
+                     ("after a miss", [b"absent", b"x" * 65], ValueError)]
             for name, keys, err in cases:
-                with self.subTest(name):
-                    with self.assertRaises(err):
-                        t.leading(7, keys)
+                for native in (True, False):
+                    with self.subTest(name, native=native):
+                        probe = lookuptable.LookupTable(path, native=native)
+                        with self.assertRaises(err):
+                            probe.leading(7, keys)
+                        probe.close()
+            with self.assertRaises(OverflowError):  # a fingerprint is a u64
+                t.leading(-1, [b"k"])
+            with self.assertRaises(OverflowError):
+                t.leading(1 << 64, [b"k"])
             with self.assertRaises(ValueError):  # a buffer shorter than its slots
                 _lookup.leading(bytes(100), 10, 7, [b"k"])
             with self.assertRaises(ValueError):  # slots not 8-byte aligned

@@ -36,6 +36,9 @@
 #define MAX_KEYS 4096   /* per request, the protocol's */
 #define PROBE_BATCH 32  /* keys hashed before their slots are probed */
 
+/* digest's buffer holds the fingerprint, the longest key and the padding. */
+_Static_assert(8 + MAX_KEY_LEN + 9 <= 128, "a key and its padding must fit digest's two blocks");
+
 static const uint32_t K[64] = {
     0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5,
     0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe, 0x9bdc06a7, 0xc19bf174,
@@ -217,24 +220,58 @@ PyDoc_STRVAR(leading_doc,
              "buffer), shift its slots' log2, fp the namespace's fingerprint, keys a\n"
              "list of keys. n leading keys are held; final says the next key is not\n"
              "stored either. None: the table cannot answer now (closed, or being\n"
-             "rebuilt); ask the daemon. keys: a list or tuple (any other sequence\n"
-             "is copied into one); their number and lengths are checked as the\n"
-             "daemon checks them (ValueError).");
+             "rebuilt); ask the daemon. keys: a sequence of bytes-like keys; their\n"
+             "number and byte lengths are checked as the daemon checks them\n"
+             "(ValueError); fp must fit 64 bits (OverflowError).");
+
+/* key_seq returns keys as a sequence whose items stay alive and in place
+ * for the whole probe: a list of bytes itself (nothing the probe calls
+ * runs Python code, so nothing can change it meanwhile), otherwise a
+ * tuple (a key that is not bytes has Python code behind its buffer, which
+ * could change a list under the probe). Anything but a list or tuple is
+ * copied into one; what is not a sequence (an iterator) is refused, as
+ * len() refuses it in the Python probe. A new reference, or NULL. */
+static PyObject *key_seq(PyObject *keys) {
+    if (PyTuple_CheckExact(keys)) {
+        Py_INCREF(keys);
+        return keys;
+    }
+    if (PyList_CheckExact(keys)) {
+        Py_ssize_t n = PyList_GET_SIZE(keys);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (!PyBytes_CheckExact(PyList_GET_ITEM(keys, i)))
+                return PyList_AsTuple(keys);
+        }
+        Py_INCREF(keys);
+        return keys;
+    }
+    if (!PySequence_Check(keys) || PyIter_Check(keys)) {
+        PyErr_Format(PyExc_TypeError, "keys must be a sequence, not %.100s", Py_TYPE(keys)->tp_name);
+        return NULL;
+    }
+    return PySequence_Tuple(keys);
+}
 
 static PyObject *leading(PyObject *self, PyObject *args) {
     Py_buffer table;
     unsigned int shift;
-    unsigned long long fp;
-    PyObject *keys;
+    PyObject *fpo, *keys;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*IKO", &table, &shift, &fp, &keys))
+    if (!PyArg_ParseTuple(args, "y*IOO", &table, &shift, &fpo, &keys))
         return NULL;
-    keys = PySequence_Fast(keys, "keys must be a sequence");
+    /* The fingerprint is a u64: a negative or larger one is refused, as
+     * struct.pack("<Q") refuses it in the Python probe. */
+    unsigned long long fp = PyLong_AsUnsignedLongLong(fpo);
+    if (fp == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyBuffer_Release(&table);
+        return NULL;
+    }
+    keys = key_seq(keys);
     if (keys == NULL) {
         PyBuffer_Release(&table);
         return NULL;
     }
-    if (shift >= 31 || table.len < (Py_ssize_t)(8 * HEADER_WORDS + (8ull << shift))) {
+    if (shift >= 31 || (uint64_t)table.len < 8 * HEADER_WORDS + ((uint64_t)8 << shift)) {
         Py_DECREF(keys);
         PyBuffer_Release(&table);
         PyErr_Format(PyExc_ValueError, "a table of 2^%u slots in %zd bytes", shift, table.len);
@@ -256,8 +293,8 @@ static PyObject *leading(PyObject *self, PyObject *args) {
     uint64_t flags = __atomic_load_n(&header[FLAGS_WORD], __ATOMIC_ACQUIRE);
     PyObject **items = PySequence_Fast_ITEMS(keys);
     Py_ssize_t count = PySequence_Fast_GET_SIZE(keys), n = count;
-    /* Every key is checked as the daemon would, before the first probe
-     * (the answer may stop at the first miss). */
+    /* Every key is checked as the daemon would, by its bytes, before the
+     * first probe (the answer may stop at the first miss). */
     if (count < 1 || count > MAX_KEYS) {
         PyErr_Format(PyExc_ValueError, "%zd keys: want 1..%d", count, MAX_KEYS);
         Py_DECREF(keys);
@@ -265,14 +302,17 @@ static PyObject *leading(PyObject *self, PyObject *args) {
         return NULL;
     }
     for (Py_ssize_t i = 0; i < count; i++) {
-        Py_ssize_t kn = PyBytes_Check(items[i]) ? PyBytes_GET_SIZE(items[i]) : PyObject_Length(items[i]);
-        if (kn < 1 || kn > MAX_KEY_LEN) {
-            if (kn >= 0)
-                PyErr_Format(PyExc_ValueError, "key of %zd bytes: want 1..%d", kn, MAX_KEY_LEN);
+        const uint8_t *kp;
+        Py_ssize_t kn;
+        Py_buffer view;
+        int held;
+        if (key_bytes(items[i], &kp, &kn, &view, &held) < 0) {
             Py_DECREF(keys);
             PyBuffer_Release(&table);
             return NULL;
         }
+        if (held)
+            PyBuffer_Release(&view);
     }
     if ((seq & 1) || (flags & FLAG_CLOSED)) {
         Py_DECREF(keys);

@@ -74,12 +74,15 @@ def frame(ftype, req_id, body):
 
 
 def check_keys(keys):
-    """Raises ValueError where keys_body would, without encoding them."""
+    """Raises ValueError where keys_body would, without encoding them: a
+    key's length is its bytes' (an array of 8-byte items counts 8 per
+    item)."""
     if not 1 <= len(keys) <= MAX_KEYS_PER_REQUEST:
         raise ValueError(f"{len(keys)} keys: want 1..{MAX_KEYS_PER_REQUEST}")
     for k in keys:
-        if not 1 <= len(k) <= MAX_KEY_LEN:
-            raise ValueError(f"key of {len(k)} bytes: want 1..{MAX_KEY_LEN}")
+        n = len(k) if type(k) is bytes else memoryview(k).nbytes
+        if not 1 <= n <= MAX_KEY_LEN:
+            raise ValueError(f"key of {n} bytes: want 1..{MAX_KEY_LEN}")
 
 
 def keys_body(keys):
