@@ -408,36 +408,36 @@ func (ms *mountSpace) budgetLocked() int64 {
 	return min(max(ms.ahead, ms.grown, ms.burst), max(ms.ahead, ms.aheadMax))
 }
 
+// followsBursts reports whether ms's budget grows after bursts of stores
+// (PreallocateAuto with room above its starting budget); fixed at Open.
+func (ms *mountSpace) followsBursts() bool { return ms.aheadMax > ms.ahead }
+
 // addBurstLocked counts a store of size bytes reserved on ms at now
-// (UnixNano), where the budget follows bursts. The maker ends the burst
+// (UnixNano); the caller checked followsBursts. The maker ends the burst
 // once the engine is quiet (endBursts): a burst pending is work for it.
 func (ms *mountSpace) addBurstLocked(size, now int64) {
-	if ms.aheadMax <= ms.ahead {
-		return
-	}
 	ms.burst += size
 	ms.lastAdd = now
 }
 
 // endBurstLocked ends the burst in progress, if any: the budget keeps the
 // larger of it and three quarters of what it was, so that it follows the
-// largest recent bursts down a quarter per burst.
+// largest recent bursts down a quarter per burst. Only a mount that
+// follows bursts has one (addBurstLocked).
 func (ms *mountSpace) endBurstLocked() {
 	if ms.burst == 0 {
 		return
 	}
-	if ms.aheadMax > ms.ahead {
-		ms.grown = min(ms.aheadMax, max(ms.burst, ms.grown-ms.grown/4))
-	}
+	ms.grown = min(ms.aheadMax, max(ms.burst, ms.grown-ms.grown/4))
 	ms.burst = 0
 }
 
-// burstPendingLocked reports whether a mount whose budget follows bursts
-// has one to fold in (endBursts): work for the maker once the engine is
-// quiet, whether or not it then makes a spare.
+// burstPendingLocked reports whether a mount has a burst to fold in
+// (endBursts): work for the maker once the engine is quiet, whether or not
+// it then makes a spare.
 func (s *space) burstPendingLocked() bool {
 	for _, ms := range s.mounts {
-		if ms.burst > 0 && ms.aheadMax > ms.ahead {
+		if ms.burst > 0 {
 			return true
 		}
 	}

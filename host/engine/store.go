@@ -101,7 +101,7 @@ func (e *Engine) reserveFile(ctx context.Context, m *mount, ns NamespaceID, size
 	work := false
 	if spares {
 		sf = ms.takeSpareLocked(size)
-		if ahead && ms.aheadMax > ms.ahead {
+		if ahead && ms.followsBursts() {
 			// The reservation is activity too: the maker's quiet period
 			// starts after it, so a burst it ends has ended.
 			now := time.Now().UnixNano()
