@@ -78,20 +78,28 @@ def run_jobs(c, op, plan, timeout=300):
 
 
 def time_lookups(c, ns, keys, seconds, interval=0.0, spin=False):
-    """Looks up keys (all stored) on client c for seconds, one lookup every
-    interval seconds (0: back to back; a lookup that ends late skips the
-    slots it missed), and returns each lookup's time in seconds. Between
-    lookups it sleeps, or with spin keeps its CPU busy reading the clock
-    (as a scheduler busy with other work between its lookups would). Exits
-    if a lookup misses a key."""
+    """Looks up keys (all stored) on client c for seconds, paced as
+    time_paced paces, and returns each lookup's time in seconds. Exits if a
+    lookup misses a key."""
+    def one():
+        got = c.lookup(ns, keys)
+        if got != len(keys):
+            sys.exit(f"lookup found {got} of {len(keys)} stored keys")
+    return time_paced(one, seconds, interval, spin)
+
+
+def time_paced(fn, seconds, interval=0.0, spin=False):
+    """Calls fn for seconds, once every interval seconds (0: back to back;
+    a call that ends late skips the slots it missed), and returns each
+    call's time in seconds. Between calls it sleeps, or with spin keeps its
+    CPU busy reading the clock (as a scheduler busy with other work between
+    its lookups would)."""
     lat, t0 = [], time.perf_counter()
     next_at = t0
     while time.perf_counter() - t0 < seconds:
         s = time.perf_counter()
-        got = c.lookup(ns, keys)
+        fn()
         lat.append(time.perf_counter() - s)
-        if got != len(keys):
-            sys.exit(f"lookup found {got} of {len(keys)} stored keys")
         next_at += interval
         pause = next_at - time.perf_counter()
         if pause > 0:

@@ -12,8 +12,15 @@ daemon's shared lookup table, which the probe maps ("table": by the
 client's C probe where it is built, make python-ext), then, where the C
 probe answered, from the table by the client's Python probe
 ("table-python"), then asking the daemon over the socket ("daemon", the
-client made with lookup_table=False). The script prints, for each, the lookups' median, 99th
-percentile and maximum in microseconds, how many were timed and how many
+client made with lookup_table=False). After the table's lookups, the
+same process times a stand-in ("stand-in"), paced the same way: Python
+arithmetic that touches no table and asks no daemon, its amount set so
+that it takes, back to back, as long as the table's lookups do back to
+back. What delays the stand-in (a CPU slow to resume after the pause,
+caches others used meanwhile, interrupts, another tenant of the core)
+delays any code of that length on the machine: its tail is the floor
+under the lookups' tail in the same run. The script prints, for each,
+the lookups' median, 99th percentile and maximum in microseconds, how many were timed and how many
 were due (SECONDS / INTERVAL_MS: a lookup that ends late makes the probe
 skip the slots it missed, so n below due means lookups were slower than
 the interval; INTERVAL_MS 0 looks up back to back, as a scheduler whose
@@ -21,6 +28,7 @@ thread is busy between its lookups would find its CPU: then due is "-"),
 and after the loads their GB/s:
 
     alone table p50 14 p99 21 max 80 n 2500 due 2500
+    alone stand-in p50 14 p99 19 max 75 n 2500 due 2500
     alone daemon p50 120 p99 240 max 900 n 2500 due 2500
     beside loads table p50 15 p99 40 max 300 n 2500 due 2500
     beside loads daemon p50 60 p99 19000 max 21000 n 700 due 2500 GB/s 7.1
@@ -68,12 +76,46 @@ from kvhost import lookuptable  # noqa: E402
 
 # The ways a lookup is answered, in the order the probes run.
 VIAS = ("table", "table-python", "daemon") if lookuptable.NATIVE else ("table", "daemon")
+# The lines each phase prints, in order: the table probe's process also
+# times the stand-in.
+LINES = VIAS[:1] + ("stand-in",) + VIAS[1:]
+
+
+def hot_median(fn, n=2000):
+    """fn's median time in seconds over n calls back to back."""
+    lat = []
+    for _ in range(n):
+        s = time.perf_counter()
+        fn()
+        lat.append(time.perf_counter() - s)
+    return sorted(lat)[n // 2]
+
+
+def arithmetic(n):
+    """A callable that adds n integers: work of a fixed amount, whose time
+    grows when the CPU is slow or interrupted, as a lookup's does."""
+    def add():
+        x = 0
+        for i in range(n):
+            x += i
+        return x
+    return add
+
+
+def stand_in(lookup):
+    """arithmetic() of the amount that takes as long as lookup back to
+    back (both measured here, hot)."""
+    target, n = hot_median(lookup), 1000
+    for _ in range(3):  # the loop's fixed cost makes one ratio overshoot or fall short
+        n = max(1, round(n * target / hot_median(arithmetic(n))))
+    return arithmetic(n)
 
 
 def probe(sock, seconds, interval, nkeys, via, pace):
     """Times a lookup of the first PROBED stored keys every interval seconds
     for seconds, answered via the shared lookup table or the daemon; prints
-    summary() and the lookups due. Exits if a lookup took the other way."""
+    "VIA summary() due D", and after the table's lookups the stand-in's
+    line the same way. Exits if a lookup took the other way."""
     with kvhost.Client(sock, name="lookup-latency-probe", lookup_table=(via != "daemon")) as c:
         ns = c.declare(gpu_paged.geometry(TPK))
         keys = [key(i) for i in range(min(PROBED, nkeys))]
@@ -83,24 +125,33 @@ def probe(sock, seconds, interval, nkeys, via, pace):
             t = c._open_table()
             c._table = lookuptable.LookupTable(t.path, native=False)
             t.close()
+        work = stand_in(lambda: c.lookup(ns, keys)) if via == "table" else None
+        before = c.lookup_counts()
         lat = gpu_paged.time_lookups(c, ns, keys, seconds, interval, spin=(pace == "spin"))
-        counts = c.lookup_counts()
+        counts = {k: n - before[k] for k, n in c.lookup_counts().items()}
     asked = "daemon" if via == "daemon" else "table"
     if counts[asked] != len(lat) or counts["table" if asked == "daemon" else "daemon"]:
         sys.exit(f"the probe meant to ask the {via} answered {counts}")
-    print(summary(lat), "due", round(seconds / interval) if interval else "-")
+    due = round(seconds / interval) if interval else "-"
+    print(via, summary(lat), "due", due)
+    if work is not None:
+        print("stand-in", summary(gpu_paged.time_paced(work, seconds, interval, pace == "spin")), "due", due)
 
 
 def run_probes(sock, seconds, interval, nkeys, pace):
     """Runs the probe in a process of its own (as a scheduler would be),
-    once per way of answering; returns their summary lines by way."""
+    once per way of answering; returns their summary lines by LINES' name."""
     lines = {}
     for via in VIAS:
         out = subprocess.run([sys.executable, os.path.abspath(__file__), "--probe", sock, str(seconds), str(interval),
                               str(nkeys), via, pace], capture_output=True, text=True)
         if out.returncode != 0:
             sys.exit(f"lookup probe ({via}) failed (exit {out.returncode}): {out.stderr.strip()}")
-        lines[via] = out.stdout.strip()
+        for line in out.stdout.splitlines():
+            name, _, rest = line.partition(" ")
+            lines[name] = rest
+    if set(lines) != set(LINES):
+        sys.exit(f"lookup probes printed {sorted(lines)}, want {sorted(LINES)}")
     return lines
 
 
@@ -131,8 +182,9 @@ def main():
         keys = [key(i) for i in range(nkeys)]
         blocks = [list(range(i * bpk, (i + 1) * bpk)) for i in range(nkeys)]
         c.store(cache, keys, blocks).wait(300)
-        for via, line in run_probes(sock, seconds, interval, nkeys, pace).items():
-            print("alone", via, line, flush=True)
+        alone = run_probes(sock, seconds, interval, nkeys, pace)
+        for name in LINES:
+            print("alone", name, alone[name], flush=True)
 
         stop, moved, failed = threading.Event(), [0] * jobs, []
         into = [list(range((nkeys + i) * bpk, (nkeys + i + 1) * bpk)) for i in range(nkeys)]
@@ -160,8 +212,8 @@ def main():
         if failed:
             sys.exit(f"a load failed: {failed[0]}")
         gbs = sum(moved) / (time.perf_counter() - t0) / 1e9
-        for via in VIAS:
-            print("beside loads", via, res[via], *(["GB/s %.1f" % gbs] if via == VIAS[-1] else []))
+        for name in LINES:
+            print("beside loads", name, res[name], *(["GB/s %.1f" % gbs] if name == LINES[-1] else []))
 
 
 if __name__ == "__main__":

@@ -90,7 +90,9 @@ type FigureLine struct {
 
 // A LookupLine holds the p50/p99 pairs, in µs, of lookups answered from
 // the shared lookup table (by the client's C probe where it was built, and
-// by its Python probe) and by the daemon, in one situation.
+// by its Python probe) and by the daemon, in one situation, and of the
+// table probe's stand-in (fixed Python arithmetic as long as its lookups
+// back to back, paced the same way).
 type LookupLine struct {
 	Line      int
 	Situation string // "alone" or "beside" (beside host loads)
@@ -100,6 +102,7 @@ type LookupLine struct {
 	Table      []P50P99
 	Python     []P50P99 // the table through the Python probe
 	Daemon     []P50P99
+	StandIn    []P50P99
 }
 
 // P50P99 is one run's lookup latency percentiles in µs.

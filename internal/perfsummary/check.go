@@ -11,16 +11,17 @@ import (
 var (
 	reCheckCommit = regexp.MustCompile(`\bcommit ([0-9a-f]{7,40})\b`)
 	reCheckPart   = regexp.MustCompile(`^== (lookups-\S+)\.txt\s*$`)
-	reCheckLookup = regexp.MustCompile(`^(alone|beside loads) (table|table-python|daemon) p50 (\d+(?:\.\d+)?) p99 (\d+(?:\.\d+)?) max \d+(?:\.\d+)? n \d+ due (\d+|-)(?: GB/s [0-9.]+)?\s*$`)
+	reCheckLookup = regexp.MustCompile(`^(alone|beside loads) (table|table-python|stand-in|daemon) p50 (\d+(?:\.\d+)?) p99 (\d+(?:\.\d+)?) max \d+(?:\.\d+)? n \d+ due (\d+|-)(?: GB/s [0-9.]+)?\s*$`)
 )
 
 // ParseCheckFile reads the output of scripts/gpu-check.sh: "#" lines (the
 // first "commit HEX" in them is the commit it ran), gpu-check's parts, and
 // after them the lookups parts' raw lines, each under "== lookups-NAME.txt":
-// "alone|beside loads table|table-python|daemon p50 X p99 Y max Z n N due
-// D|- [GB/s G]" (µs; due "-": back to back, else paced; table-python: the
-// table through the client's Python probe where the C one answered
-// "table"). Only those sections
+// "alone|beside loads table|table-python|stand-in|daemon p50 X p99 Y max Z
+// n N due D|- [GB/s G]" (µs; due "-": back to back, else paced;
+// table-python: the table through the client's Python probe where the C
+// one answered "table"; stand-in: the table probe's stand-in). Only those
+// sections
 // are read: each gives a LookupLine per situation. A line in them that does
 // not parse, a part that mixes paced and back-to-back lines, or a figure
 // given twice is an error naming the line.
@@ -62,7 +63,7 @@ func ParseCheckFile(name, text string) (*CallFile, error) {
 		}
 		m := reCheckLookup.FindStringSubmatch(line)
 		if m == nil {
-			return nil, fmt.Errorf("%s:%d: a line of %s.txt must read \"alone|beside loads table|daemon p50 X p99 Y max Z n N due D|- [GB/s G]\": %q", name, n, part, line)
+			return nil, fmt.Errorf("%s:%d: a line of %s.txt must read \"alone|beside loads table|table-python|stand-in|daemon p50 X p99 Y max Z n N due D|- [GB/s G]\": %q", name, n, part, line)
 		}
 		if due != "" && m[5] != due {
 			return nil, fmt.Errorf("%s:%d: due %s in %s.txt, whose earlier lines say due %s: a part is paced or back to back, not both", name, n, m[5], part, due)
@@ -79,6 +80,8 @@ func ParseCheckFile(name, text string) (*CallFile, error) {
 		switch m[2] {
 		case "table-python":
 			dst = &l.Python
+		case "stand-in":
+			dst = &l.StandIn
 		case "daemon":
 			dst = &l.Daemon
 		}

@@ -22,6 +22,7 @@ beside loads table p50 28 p99 101 max 3638 n 156876 due -
 beside loads daemon p50 147 p99 2396 max 16582 n 18107 due - GB/s 20.7
 == lookups-spare-no-1.txt
 alone table p50 61 p99 434 max 2582 n 2492 due 2500
+alone stand-in p50 40 p99 300 max 900 n 2500 due 2500
 alone table-python p50 70 p99 500 max 2600 n 2490 due 2500
 alone daemon p50 260 p99 3370 max 7075 n 2430 due 2500
 `
@@ -37,7 +38,7 @@ func TestParseCheckFileReadsTheLookupsParts(t *testing.T) {
 	want := []LookupLine{
 		{Line: 7, Situation: "alone", BackToBack: true, Table: []P50P99{{28, 86}}, Daemon: []P50P99{{92, 465}}},
 		{Line: 9, Situation: "beside", BackToBack: true, Table: []P50P99{{28, 101}}, Daemon: []P50P99{{147, 2396}}},
-		{Line: 12, Situation: "alone", Table: []P50P99{{61, 434}}, Python: []P50P99{{70, 500}}, Daemon: []P50P99{{260, 3370}}},
+		{Line: 12, Situation: "alone", Table: []P50P99{{61, 434}}, Python: []P50P99{{70, 500}}, StandIn: []P50P99{{40, 300}}, Daemon: []P50P99{{260, 3370}}},
 	}
 	if !reflect.DeepEqual(f.Calls[0].Lookups, want) {
 		t.Errorf("lookups:\n %+v\nwant\n %+v", f.Calls[0].Lookups, want)
@@ -76,7 +77,7 @@ func TestComputePicksPacedOrBackToBackLookups(t *testing.T) {
 		backToBack bool
 		answer     string
 		want       float64
-	}{{true, "table", 86}, {true, "daemon", 465}, {false, "table", 434}, {false, "python", 500}, {false, "daemon", 3370}} {
+	}{{true, "table", 86}, {true, "daemon", 465}, {false, "table", 434}, {false, "python", 500}, {false, "stand-in", 300}, {false, "daemon", 3370}} {
 		row := Row{Name: "row", Calls: []string{"check.txt#1"}, Lookups: "alone", Answer: tc.answer, BackToBack: tc.backToBack}
 		res, err := Compute(&Manifest{Rows: []Row{row}}, dir)
 		if err != nil {

@@ -47,7 +47,8 @@ type Row struct {
 	Figure string `toml:"figure"`
 	// Lookups is "alone" or "beside": the lookup latency lines, p99 in µs,
 	// of the answers from Answer ("table", "python": the table through the
-	// client's Python probe, or "daemon").
+	// client's Python probe, "stand-in": the table probe's stand-in, or
+	// "daemon").
 	Lookups string `toml:"lookups"`
 	Answer  string `toml:"answer"`
 	// BackToBack picks the lookups that followed one another at once
@@ -202,8 +203,8 @@ func (r *Row) check() error {
 		if r.Lookups != "alone" && r.Lookups != "beside" {
 			return fmt.Errorf("lookups = %q, want alone or beside", r.Lookups)
 		}
-		if r.Answer != "table" && r.Answer != "python" && r.Answer != "daemon" {
-			return fmt.Errorf("answer = %q, want table, python or daemon", r.Answer)
+		if r.Answer != "table" && r.Answer != "python" && r.Answer != "stand-in" && r.Answer != "daemon" {
+			return fmt.Errorf("answer = %q, want table, python, stand-in or daemon", r.Answer)
 		}
 		if r.Peer != "" || r.Goal.Peer != 0 || r.Goal.Link != 0 {
 			return errors.New("a lookups row has no peer and no link goal")

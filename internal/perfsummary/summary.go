@@ -253,6 +253,8 @@ func rowRuns(r *Row, c *Call, ref callRef) ([]RunFigure, error) {
 			switch r.Answer {
 			case "python":
 				ps = l.Python
+			case "stand-in":
+				ps = l.StandIn
 			case "daemon":
 				ps = l.Daemon
 			}
