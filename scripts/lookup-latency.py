@@ -104,7 +104,9 @@ def arithmetic(n):
 
 def stand_in(lookup):
     """arithmetic() of the amount that takes as long as lookup back to
-    back (both measured here, hot)."""
+    back (both measured here, hot: after a warm-up, since a process's
+    first lookups ran at twice the time of later ones on the H100 machine)."""
+    gpu_paged.time_paced(lookup, 0.5)
     target, n = hot_median(lookup), 1000
     for _ in range(3):  # the loop's fixed cost makes one ratio overshoot or fall short
         n = max(1, round(n * target / hot_median(arithmetic(n))))
