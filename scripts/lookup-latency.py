@@ -17,15 +17,17 @@ same process times a stand-in ("stand-in"), paced the same way: Python
 arithmetic that touches no table and asks no daemon, its amount set so
 that it takes, back to back, as long as the table's lookups do back to
 back. What delays the stand-in (a CPU slow to resume after the pause,
-caches others used meanwhile, interrupts, another tenant of the core)
-delays any code of that length on the machine: its tail is the floor
-under the lookups' tail in the same run. The script prints, for each,
-the lookups' median, 99th percentile and maximum in microseconds, how many were timed and how many
-were due (SECONDS / INTERVAL_MS: a lookup that ends late makes the probe
-skip the slots it missed, so n below due means lookups were slower than
-the interval; INTERVAL_MS 0 looks up back to back, as a scheduler whose
-thread is busy between its lookups would find its CPU: then due is "-"),
-and after the loads their GB/s:
+an interrupt, a virtual CPU held by its host) delays any code of that
+length on the machine; a lookup also reloads its own code and data, of
+which the stand-in has little. Its tail, beside the lookups', says how
+much of theirs the machine gives any code of their length. The script
+prints, for each, the lookups' median, 99th percentile and maximum in
+microseconds, how many were timed and how many were due (SECONDS /
+INTERVAL_MS: a lookup that ends late makes the probe skip the slots it
+missed, so n below due means lookups were slower than the interval;
+INTERVAL_MS 0 looks up back to back, as a scheduler whose thread is busy
+between its lookups would find its CPU: then due is "-"), and after the
+loads their GB/s:
 
     alone table p50 14 p99 21 max 80 n 2500 due 2500
     alone stand-in p50 14 p99 19 max 75 n 2500 due 2500
