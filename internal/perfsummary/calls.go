@@ -105,6 +105,23 @@ type LookupLine struct {
 	StandIn    []P50P99
 }
 
+// answer is the figures of one way of answering, by the name a summary
+// row gives it ("table", "python", "stand-in" or "daemon"); nil for any
+// other name.
+func (l *LookupLine) answer(name string) *[]P50P99 {
+	switch name {
+	case "table":
+		return &l.Table
+	case "python":
+		return &l.Python
+	case "stand-in":
+		return &l.StandIn
+	case "daemon":
+		return &l.Daemon
+	}
+	return nil
+}
+
 // P50P99 is one run's lookup latency percentiles in µs.
 type P50P99 struct{ P50, P99 float64 }
 

@@ -76,15 +76,8 @@ func ParseCheckFile(name, text string) (*CallFile, error) {
 			lines[situation] = l
 			order = append(order, situation)
 		}
-		dst := &l.Table
-		switch m[2] {
-		case "table-python":
-			dst = &l.Python
-		case "stand-in":
-			dst = &l.StandIn
-		case "daemon":
-			dst = &l.Daemon
-		}
+		// The raw lines say "table-python" where the rows say "python".
+		dst := l.answer(strings.TrimPrefix(m[2], "table-"))
 		if len(*dst) > 0 {
 			return nil, fmt.Errorf("%s:%d: a second %s %s line in %s.txt", name, n, m[1], m[2], part)
 		}

@@ -203,7 +203,7 @@ func (r *Row) check() error {
 		if r.Lookups != "alone" && r.Lookups != "beside" {
 			return fmt.Errorf("lookups = %q, want alone or beside", r.Lookups)
 		}
-		if r.Answer != "table" && r.Answer != "python" && r.Answer != "stand-in" && r.Answer != "daemon" {
+		if (&LookupLine{}).answer(r.Answer) == nil {
 			return fmt.Errorf("answer = %q, want table, python, stand-in or daemon", r.Answer)
 		}
 		if r.Peer != "" || r.Goal.Peer != 0 || r.Goal.Link != 0 {

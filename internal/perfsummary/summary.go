@@ -249,16 +249,7 @@ func rowRuns(r *Row, c *Call, ref callRef) ([]RunFigure, error) {
 				continue
 			}
 			found = true
-			ps := l.Table
-			switch r.Answer {
-			case "python":
-				ps = l.Python
-			case "stand-in":
-				ps = l.StandIn
-			case "daemon":
-				ps = l.Daemon
-			}
-			for _, p := range ps {
+			for _, p := range *l.answer(r.Answer) {
 				runs = append(runs, RunFigure{Value: p.P99, Call: ref})
 			}
 		}
