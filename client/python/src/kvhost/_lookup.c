@@ -6,8 +6,9 @@
  * first 8 bytes the tag and the next 8 the home slot, then linear probing.
  * Why C: a scheduler asks between other work, when the interpreter's and
  * OpenSSL's code and data are no longer in the CPU's caches; that reload,
- * not the hashing, is most of a 16-key lookup then (RATIONALE.md, "Why is
- * the lookup table's probe in C?"). This module touches a few kilobytes.
+ * not the hashing, is most of a 16-key lookup then (RATIONALE.md, "Why does
+ * the Python client probe the table in C, with a Python probe beside it?").
+ * This module touches a few kilobytes.
  *
  * SHA-256 uses the CPU's SHA extensions where it has them (x86-64 SHA-NI,
  * checked with CPUID at import) and portable C otherwise; digest() exposes
@@ -252,38 +253,19 @@ static PyObject *key_seq(PyObject *keys) {
     return PySequence_Tuple(keys);
 }
 
-static PyObject *leading(PyObject *self, PyObject *args) {
-    Py_buffer table;
-    unsigned int shift;
-    PyObject *fpo, *keys;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "y*IOO", &table, &shift, &fpo, &keys))
-        return NULL;
-    /* The fingerprint is a u64: a negative or larger one is refused, as
-     * struct.pack("<Q") refuses it in the Python probe. */
-    unsigned long long fp = PyLong_AsUnsignedLongLong(fpo);
-    if (fp == (unsigned long long)-1 && PyErr_Occurred()) {
-        PyBuffer_Release(&table);
+/* probe is leading's work on the table's buffer and the keys (a list or
+ * tuple from key_seq), which the caller holds and releases: a new
+ * reference, or NULL with an error set. */
+static PyObject *probe(const Py_buffer *tb, unsigned int shift, uint64_t fp, PyObject *keys) {
+    if (shift >= 31 || (uint64_t)tb->len < 8 * HEADER_WORDS + ((uint64_t)8 << shift)) {
+        PyErr_Format(PyExc_ValueError, "a table of 2^%u slots in %zd bytes", shift, tb->len);
         return NULL;
     }
-    keys = key_seq(keys);
-    if (keys == NULL) {
-        PyBuffer_Release(&table);
-        return NULL;
-    }
-    if (shift >= 31 || (uint64_t)table.len < 8 * HEADER_WORDS + ((uint64_t)8 << shift)) {
-        Py_DECREF(keys);
-        PyBuffer_Release(&table);
-        PyErr_Format(PyExc_ValueError, "a table of 2^%u slots in %zd bytes", shift, table.len);
-        return NULL;
-    }
-    if ((uintptr_t)table.buf % 8 != 0) { /* a mapping is page-aligned */
-        Py_DECREF(keys);
-        PyBuffer_Release(&table);
+    if ((uintptr_t)tb->buf % 8 != 0) { /* a mapping is page-aligned */
         PyErr_SetString(PyExc_ValueError, "the table's buffer is not 8-byte aligned");
         return NULL;
     }
-    const uint64_t *header = table.buf;
+    const uint64_t *header = tb->buf;
     const uint64_t *slots = header + HEADER_WORDS;
     const uint64_t mask = ((uint64_t)1 << shift) - 1;
     /* The daemon writes the sequence odd, then slots and flags, then the
@@ -297,8 +279,6 @@ static PyObject *leading(PyObject *self, PyObject *args) {
      * first probe (the answer may stop at the first miss). */
     if (count < 1 || count > MAX_KEYS) {
         PyErr_Format(PyExc_ValueError, "%zd keys: want 1..%d", count, MAX_KEYS);
-        Py_DECREF(keys);
-        PyBuffer_Release(&table);
         return NULL;
     }
     for (Py_ssize_t i = 0; i < count; i++) {
@@ -306,19 +286,13 @@ static PyObject *leading(PyObject *self, PyObject *args) {
         Py_ssize_t kn;
         Py_buffer view;
         int held;
-        if (key_bytes(items[i], &kp, &kn, &view, &held) < 0) {
-            Py_DECREF(keys);
-            PyBuffer_Release(&table);
+        if (key_bytes(items[i], &kp, &kn, &view, &held) < 0)
             return NULL;
-        }
         if (held)
             PyBuffer_Release(&view);
     }
-    if ((seq & 1) || (flags & FLAG_CLOSED)) {
-        Py_DECREF(keys);
-        PyBuffer_Release(&table);
+    if ((seq & 1) || (flags & FLAG_CLOSED))
         Py_RETURN_NONE;
-    }
     /* Keys are hashed a batch at a time and their home slots prefetched
      * before the first is probed, so that the batch's cache misses on the
      * table overlap instead of following one another. */
@@ -330,11 +304,8 @@ static PyObject *leading(PyObject *self, PyObject *args) {
             Py_ssize_t kn;
             Py_buffer view;
             int held;
-            if (key_bytes(items[base + b], &kp, &kn, &view, &held) < 0) {
-                Py_DECREF(keys);
-                PyBuffer_Release(&table);
+            if (key_bytes(items[base + b], &kp, &kn, &view, &held) < 0)
                 return NULL;
-            }
             uint8_t d[32];
             digest(best_compress, fp, kp, (size_t)kn, d);
             if (held)
@@ -359,13 +330,35 @@ static PyObject *leading(PyObject *self, PyObject *args) {
         }
     }
     __atomic_thread_fence(__ATOMIC_ACQUIRE);
-    uint64_t again = __atomic_load_n(&header[SEQ_WORD], __ATOMIC_ACQUIRE);
-    Py_DECREF(keys);
-    PyBuffer_Release(&table);
-    if (again != seq)
+    if (__atomic_load_n(&header[SEQ_WORD], __ATOMIC_ACQUIRE) != seq)
         Py_RETURN_NONE;
     int final = (flags & (FLAG_MISSES_FINAL | FLAG_INCOMPLETE)) == FLAG_MISSES_FINAL;
     return Py_BuildValue("(nO)", n, final ? Py_True : Py_False);
+}
+
+static PyObject *leading(PyObject *self, PyObject *args) {
+    Py_buffer table;
+    unsigned int shift;
+    PyObject *fpo, *keys;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*IOO", &table, &shift, &fpo, &keys))
+        return NULL;
+    /* The fingerprint is a u64: a negative or larger one is refused, as
+     * struct.pack("<Q") refuses it in the Python probe. */
+    unsigned long long fp = PyLong_AsUnsignedLongLong(fpo);
+    if (fp == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyBuffer_Release(&table);
+        return NULL;
+    }
+    keys = key_seq(keys);
+    if (keys == NULL) {
+        PyBuffer_Release(&table);
+        return NULL;
+    }
+    PyObject *result = probe(&table, shift, fp, keys);
+    Py_DECREF(keys);
+    PyBuffer_Release(&table);
+    return result;
 }
 
 PyDoc_STRVAR(digest_doc,
