@@ -83,14 +83,10 @@ VIAS = ("table", "table-python", "daemon") if lookuptable.NATIVE else ("table", 
 LINES = VIAS[:1] + ("stand-in",) + VIAS[1:]
 
 
-def hot_median(fn, n=2000):
-    """fn's median time in seconds over n calls back to back."""
-    lat = []
-    for _ in range(n):
-        s = time.perf_counter()
-        fn()
-        lat.append(time.perf_counter() - s)
-    return sorted(lat)[n // 2]
+def hot_median(fn, seconds=0.1):
+    """fn's median time in seconds over calls back to back for seconds."""
+    lat = sorted(gpu_paged.time_paced(fn, seconds))
+    return lat[len(lat) // 2]
 
 
 def arithmetic(n):
