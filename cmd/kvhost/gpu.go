@@ -31,6 +31,9 @@ type gpuOptions struct {
 	MaxStaging int64
 	// NoChecksum turns payload checksums off on the staging pipeline.
 	NoChecksum bool
+	// SumsOnDevice is gpu.checksum_on = "gpu": the staging pipeline's
+	// checksums computed by the checksum kernel on the GPU.
+	SumsOnDevice bool
 	// Depth and Chunk tune the staging pipeline (0: its defaults).
 	Depth int
 	Chunk int
@@ -65,6 +68,7 @@ func gpuOptionsOf(cfg config.Config) gpuOptions {
 		Depth:         c.Depth,
 		Chunk:         int(c.Chunk),
 		Copy:          c.Copy,
+		SumsOnDevice:  c.ChecksumOn == "gpu",
 		Poll:          time.Duration(c.Poll),
 		RegisterFiles: c.RegisterFiles,
 		RegisterBytes: registerBytes(int64(c.RegisterBytes)),
@@ -124,7 +128,7 @@ func openGPU(opts gpuOptions, log *slog.Logger) (*gpuPaths, error) {
 	if poll == 0 {
 		poll = gpu.NoPoll // gpu.poll = "0s"; gpu.Config's zero is its default
 	}
-	p.staging, err = gpu.New(gpu.Config{Runtime: rt, MaxStaging: opts.MaxStaging, NoChecksums: opts.NoChecksum, Depth: opts.Depth, Chunk: opts.Chunk, Copy: mode, Poll: poll,
+	p.staging, err = gpu.New(gpu.Config{Runtime: rt, MaxStaging: opts.MaxStaging, NoChecksums: opts.NoChecksum, SumsOnDevice: opts.SumsOnDevice, Depth: opts.Depth, Chunk: opts.Chunk, Copy: mode, Poll: poll,
 		RegisterFiles: opts.RegisterFiles, RegisterBytes: opts.RegisterBytes, Log: log, YieldBytes: opts.YieldBytes})
 	if err != nil {
 		rt.Close()
@@ -136,7 +140,7 @@ func openGPU(opts gpuOptions, log *slog.Logger) (*gpuPaths, error) {
 		return nil, fmt.Errorf("gpu: %w", err)
 	}
 	log.Info("GPU paths ready", "devices", n, "cuda_runtime", rt.Path(), "cuda_version", rt.Version(),
-		"copy", p.staging.CopyMode().String(), "batched_copies", rt.HasBatch(), "pinned_staging_bytes", p.staging.PinnedBytes(),
+		"copy", p.staging.CopyMode().String(), "checksum_on", p.staging.ChecksumOn(), "batched_copies", rt.HasBatch(), "pinned_staging_bytes", p.staging.PinnedBytes(),
 		"poll", p.staging.PollTime(), "register_files", p.staging.FileStats().Limit, "register_bytes", p.staging.FileStats().LimitBytes)
 	if opts.CuFile != "off" {
 		d, err := gds.Open(gds.Config{LibraryPaths: opts.CuFileLibrary, Logger: log, BindDevice: rt.SetDevice})

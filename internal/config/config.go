@@ -81,6 +81,13 @@ type GPU struct {
 	// (one launch of kvhost's copy kernel per chunk: faster copies, but on
 	// the GPU's SMs, taking turns with the inference process's kernels).
 	Copy string `toml:"copy"`
+	// ChecksumOn is where the staging pipeline computes payload checksums
+	// of GPU stores and loads: "cpu" (the default: from the file's bytes
+	// in host memory) or "gpu" (kvhost's checksum kernel, from the GPU
+	// memory the bytes leave or arrive in: the CPU reads none of them,
+	// but the kernel runs on the GPU's SMs, taking turns with the
+	// inference process's kernels).
+	ChecksumOn string `toml:"checksum_on"`
 	// Poll is how long a job of the staging pipeline polls for copies it
 	// needs done, its thread on a core, before the thread sleeps until
 	// they complete (default 500us); 0 sleeps at once.
@@ -381,7 +388,7 @@ func Default() Config {
 			IdleTimeout:      Duration(time.Minute),
 			WriteTimeout:     Duration(10 * time.Second),
 		},
-		GPU: GPU{Mode: "auto", CuFile: "auto", StagingMemory: 256 << 20, Copy: "auto", Poll: Duration(500 * time.Microsecond), RegisterFiles: 1 << 20},
+		GPU: GPU{Mode: "auto", CuFile: "auto", StagingMemory: 256 << 20, Copy: "auto", ChecksumOn: "cpu", Poll: Duration(500 * time.Microsecond), RegisterFiles: 1 << 20},
 		Log: Log{Level: "info", Format: "auto"},
 		Policy: Policy{
 			Name:          "lru",
@@ -570,6 +577,11 @@ func (c *Config) Validate() error {
 	case "auto", "kernel", "batch", "segments":
 	default:
 		return bad("gpu.copy", "auto, kernel, batch or segments", fmt.Sprintf("%q", c.GPU.Copy))
+	}
+	switch c.GPU.ChecksumOn {
+	case "cpu", "gpu":
+	default:
+		return bad("gpu.checksum_on", "cpu or gpu", fmt.Sprintf("%q", c.GPU.ChecksumOn))
 	}
 	if c.GPU.StagingMemory < 8<<20 {
 		return bad("gpu.staging_memory", "at least 8MiB", c.GPU.StagingMemory)

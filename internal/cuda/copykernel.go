@@ -191,39 +191,54 @@ type Kernel struct {
 // thread's current device (its primary context, the one the runtime
 // uses). A PTX the driver refuses is a *DriverError with the JIT's log.
 func (r *Runtime) LoadCopyKernel() (*Kernel, error) {
-	if !r.HasKernel() {
-		return nil, ErrNoKernel
-	}
-	// Make the runtime create the device's primary context and make it
-	// current, so the driver API loads the module there.
-	if err := r.err("cudaFree", callU(r.fn.free, 0)); err != nil {
+	mod, fn, err := r.loadModule(copyKernelPTX, copyKernelName)
+	if err != nil {
 		return nil, err
-	}
-	mod, log, code := moduleLoad(r.fn.cuModuleLoadDataEx, copyKernelPTX)
-	if code != 0 {
-		return nil, &DriverError{Func: "cuModuleLoadDataEx", Code: code, Log: log}
-	}
-	fn, code := moduleFunction(r.fn.cuModuleGetFunction, mod, copyKernelName)
-	if code != 0 {
-		callU(r.fn.cuModuleUnload, mod)
-		return nil, &DriverError{Func: "cuModuleGetFunction", Code: code}
 	}
 	return &Kernel{r: r, mod: mod, fn: fn}, nil
 }
 
-// Unload unloads the kernel, on a thread with its device current, after
-// every launch of it completed.
-func (k *Kernel) Unload() error {
-	if k.mod == 0 {
+// loadModule compiles ptx with the driver's JIT on the calling thread's
+// current device (its primary context, the one the runtime uses) and
+// finds its entry name. A PTX the driver refuses is a *DriverError with
+// the JIT's log.
+func (r *Runtime) loadModule(ptx, name string) (mod, fn uintptr, err error) {
+	if !r.HasKernel() {
+		return 0, 0, ErrNoKernel
+	}
+	// Make the runtime create the device's primary context and make it
+	// current, so the driver API loads the module there.
+	if err := r.err("cudaFree", callU(r.fn.free, 0)); err != nil {
+		return 0, 0, err
+	}
+	mod, log, code := moduleLoad(r.fn.cuModuleLoadDataEx, ptx)
+	if code != 0 {
+		return 0, 0, &DriverError{Func: "cuModuleLoadDataEx", Code: code, Log: log}
+	}
+	fn, code = moduleFunction(r.fn.cuModuleGetFunction, mod, name)
+	if code != 0 {
+		callU(r.fn.cuModuleUnload, mod)
+		return 0, 0, &DriverError{Func: "cuModuleGetFunction", Code: code}
+	}
+	return mod, fn, nil
+}
+
+// unloadModule unloads *mod and clears it and *fn.
+func (r *Runtime) unloadModule(mod, fn *uintptr) error {
+	if *mod == 0 {
 		return ErrClosed
 	}
-	code := callU(k.r.fn.cuModuleUnload, k.mod)
-	k.mod, k.fn = 0, 0
+	code := callU(r.fn.cuModuleUnload, *mod)
+	*mod, *fn = 0, 0
 	if code != 0 {
 		return &DriverError{Func: "cuModuleUnload", Code: code}
 	}
 	return nil
 }
+
+// Unload unloads the kernel, on a thread with its device current, after
+// every launch of it completed.
+func (k *Kernel) Unload() error { return k.r.unloadModule(&k.mod, &k.fn) }
 
 // KernelCopyable reports whether the kernel can move every copy of c:
 // at most maxEntries of them, each address and length a multiple of

@@ -812,9 +812,15 @@ func (m *Mover) runMapped(ctx context.Context, mem []byte, p *transfer.Plan, chu
 		}()
 		wait := run.wait
 		y := staging.Yielder{Every: m.cfg.YieldBytes, Yield: m.yieldHook}
+		onDevice := sums != nil && m.sumsOnDevice(dev, ln, chunks)
+		cpuSums := sums
+		if onDevice {
+			cpuSums = nil
+		}
 		var cp cuda.Copies
-		// enqueue enqueues chunks [from, to) and records event s after them.
-		enqueue := func(from, to, s int) error {
+		// enqueue enqueues chunks [from, to), then (sum) the checksum
+		// kernel, and records event s after them.
+		enqueue := func(from, to, s int, sum bool) error {
 			cp.Reset()
 			for k := from; k < to; k++ {
 				c := &chunks[k]
@@ -827,18 +833,23 @@ func (m *Mover) runMapped(ctx context.Context, mem []byte, p *transfer.Plan, chu
 					}
 				}
 			}
-			return run.recorded(s, m.r.Enqueue(&cp, !write, m.fallback, ln.stream))
+			eerr := m.r.Enqueue(&cp, !write, m.fallback, ln.stream)
+			if eerr == nil && sum {
+				eerr = ln.sums.launch(dev, ln)
+			}
+			return run.recorded(s, eerr)
 		}
-		// sumChunk folds chunk k's file bytes into their checksum slots,
-		// piece by piece (the yields' granularity), and counts the chunk.
+		// sumChunk folds chunk k's file bytes into their checksum slots
+		// (unless the device checksums them), piece by piece (the yields'
+		// granularity), and counts the chunk.
 		sumChunk := func(k int) error {
 			c := &chunks[k]
 			n := int(c.end - c.off)
-			if sums != nil {
+			if cpuSums != nil {
 				if err := region.Guard(func() error {
 					for lo := 0; lo < n; lo += fuseBatch {
 						hi := min(n, lo+fuseBatch)
-						sum(c, mem[c.off:c.end:c.end], 0, lo, hi, sums)
+						sum(c, mem[c.off:c.end:c.end], 0, lo, hi, cpuSums)
 						y.Moved(int64(hi - lo))
 					}
 					return nil
@@ -860,10 +871,12 @@ func (m *Mover) runMapped(ctx context.Context, mem []byte, p *transfer.Plan, chu
 			}
 		}
 		if !write {
-			if err := enqueue(0, len(chunks), 0); err != nil {
+			// With checksums on the device, the kernel runs after every
+			// copy, over the bytes that arrived.
+			if err := enqueue(0, len(chunks), 0, onDevice); err != nil {
 				return 0, err
 			}
-			if sums != nil && m.sumAfterCopy(len(chunks)) {
+			if onDevice || cpuSums != nil && m.sumAfterCopy(len(chunks)) {
 				if err := wait(0); err != nil {
 					return 0, err
 				}
@@ -873,10 +886,20 @@ func (m *Mover) runMapped(ctx context.Context, mem []byte, p *transfer.Plan, chu
 					return 0, err
 				}
 			}
+			if onDevice {
+				ln.sums.fold(sums)
+			}
 			return total, nil // the deferred wait reports the copies' errors
 		}
+		if onDevice {
+			// Before the copies, on the same stream: the kernel reads the
+			// bytes the store takes, and is done by chunk 0's event.
+			if err := run.launched(ln.sums.launch(dev, ln)); err != nil {
+				return 0, err
+			}
+		}
 		for k := range min(d, len(chunks)) {
-			if err := enqueue(k, k+1, k); err != nil {
+			if err := enqueue(k, k+1, k, false); err != nil {
 				return 0, err
 			}
 		}
@@ -889,13 +912,16 @@ func (m *Mover) runMapped(ctx context.Context, mem []byte, p *transfer.Plan, chu
 				return 0, err
 			}
 			if k+d < len(chunks) {
-				if err := enqueue(k+d, k+d+1, s); err != nil {
+				if err := enqueue(k+d, k+d+1, s, false); err != nil {
 					return 0, err
 				}
 			}
 			if err := sumChunk(k); err != nil {
 				return 0, err
 			}
+		}
+		if onDevice {
+			ln.sums.fold(sums)
 		}
 		return total, nil
 	})

@@ -83,6 +83,15 @@ type Config struct {
 	Copy cuda.CopyMode
 	// NoChecksums turns checksums off (Checksums reports false).
 	NoChecksums bool
+	// SumsOnDevice computes a job's checksums on the GPU, with kvhost's
+	// checksum kernel, from the job's device memory: after a load's copies
+	// (the bytes that arrived) and before a store's (the bytes that
+	// leave), in one launch per job, so the CPU never reads the bytes
+	// for them. A job whose spans the kernel cannot take (not 16-byte
+	// aligned, or more than cuda.SumMaxEntries of them) is checksummed by
+	// the CPU. Like the copy kernel, it runs on the SMs in the mover's own
+	// context (docs/gpu.md, "Checksums on the GPU").
+	SumsOnDevice bool
 	// Poll is how long a job polls the event of copies it needs done
 	// (cudaEventQuery in a loop, its thread on a core and its goroutine
 	// holding a Go processor) before it blocks on the event, its thread
@@ -160,6 +169,8 @@ type device struct {
 	ordinal int
 	idle    chan *lane
 	kernel  *cuda.Kernel
+	// sum is the checksum kernel loaded there (nil: the CPU checksums).
+	sum *cuda.SumKernel
 	// faults counts the jobs that failed with a sticky CUDA error on the
 	// device (cuda.Error.Sticky); the first is logged.
 	faults atomic.Uint64
@@ -252,6 +263,12 @@ func New(cfg Config) (*Mover, error) {
 		}
 		m.tableEntries, m.tableSize = entries, tsize
 	}
+	if cfg.SumsOnDevice && !cfg.NoChecksums {
+		if err := m.loadSumKernels(); err != nil {
+			m.Close()
+			return nil, fmt.Errorf("gpu: %w", err)
+		}
+	}
 	if cfg.RegisterFiles < 0 {
 		m.Close()
 		return nil, fmt.Errorf("%w: register files %d", errConfig, cfg.RegisterFiles)
@@ -277,13 +294,32 @@ func (m *Mover) loadKernels() error {
 	return nil
 }
 
-// unloadKernels unloads the copy kernel from every device that has it.
+// loadSumKernels loads the checksum kernel on every device (Close
+// unloads those loaded if one fails).
+func (m *Mover) loadSumKernels() error {
+	for _, d := range m.devs {
+		if err := m.onDevice(d, func() (err error) {
+			d.sum, err = m.r.LoadSumKernel()
+			return err
+		}); err != nil {
+			return fmt.Errorf("checksum kernel on device %d: %w", d.ordinal, err)
+		}
+	}
+	return nil
+}
+
+// unloadKernels unloads the copy and checksum kernels from every device
+// that has them.
 func (m *Mover) unloadKernels() error {
 	var errs []error
 	for _, d := range m.devs {
 		if d.kernel != nil {
 			errs = append(errs, m.onDevice(d, d.kernel.Unload))
 			d.kernel = nil
+		}
+		if d.sum != nil {
+			errs = append(errs, m.onDevice(d, d.sum.Unload))
+			d.sum = nil
 		}
 	}
 	return errors.Join(errs...)
@@ -318,6 +354,18 @@ func (m *Mover) Name() string { return "gpu-staging" }
 
 // Checksums reports whether checksums are computed (the default).
 func (m *Mover) Checksums() bool { return !m.cfg.NoChecksums }
+
+// ChecksumOn says where the mover computes checksums: "gpu" (the
+// checksum kernel, Config.SumsOnDevice), "cpu", or "off".
+func (m *Mover) ChecksumOn() string {
+	switch {
+	case m.cfg.NoChecksums:
+		return "off"
+	case m.cfg.SumsOnDevice:
+		return "gpu"
+	}
+	return "cpu"
+}
 
 // PinnedBytes is the pinned host memory the mover holds (its buffers and
 // their kernel segment tables).

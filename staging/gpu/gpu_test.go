@@ -152,29 +152,39 @@ func TestRoundTripScatteredPlan(t *testing.T) {
 		// an O_DIRECT file (direct) on a memory file system (fused
 		// checksums) or not (a checksum pass per chunk).
 		fs string
+		// onDevice: checksums on the device (Config.SumsOnDevice).
+		onDevice bool
 	}{
-		{"batch", cuda.CopyBatch, false, false, 0, ""},
-		{"segments", cuda.CopySegments, false, false, 0, ""},
-		{"batch-direct", cuda.CopyBatch, true, false, 0, ""},
-		{"segments-direct-small-chunks", cuda.CopySegments, true, false, 3 * align, ""},
-		{"batch-no-checksums", cuda.CopyBatch, false, true, 1 << 20, ""},
-		{"batch-o-direct-tmpfs", cuda.CopyBatch, true, false, 0, "tmpfs"},
-		{"batch-o-direct-tmpfs-odd-chunks", cuda.CopyBatch, true, false, 67 * align, "tmpfs"},
-		{"batch-o-direct-disk", cuda.CopyBatch, true, false, 0, "disk"},
+		{"batch", cuda.CopyBatch, false, false, 0, "", false},
+		{"segments", cuda.CopySegments, false, false, 0, "", false},
+		{"batch-direct", cuda.CopyBatch, true, false, 0, "", false},
+		{"segments-direct-small-chunks", cuda.CopySegments, true, false, 3 * align, "", false},
+		{"batch-no-checksums", cuda.CopyBatch, false, true, 1 << 20, "", false},
+		{"batch-o-direct-tmpfs", cuda.CopyBatch, true, false, 0, "tmpfs", false},
+		{"batch-o-direct-tmpfs-odd-chunks", cuda.CopyBatch, true, false, 67 * align, "tmpfs", false},
+		{"batch-o-direct-disk", cuda.CopyBatch, true, false, 0, "disk", false},
 		// Reads from memory file systems go in pieces without checksums too.
-		{"batch-o-direct-tmpfs-no-checksums", cuda.CopyBatch, true, true, 0, "tmpfs"},
-		{"segments-o-direct-tmpfs-no-checksums-odd-chunks", cuda.CopySegments, true, true, 67 * align, "tmpfs"},
-		{"batch-buffered-no-checksums-odd-chunks", cuda.CopyBatch, false, true, 67 * align, ""},
+		{"batch-o-direct-tmpfs-no-checksums", cuda.CopyBatch, true, true, 0, "tmpfs", false},
+		{"segments-o-direct-tmpfs-no-checksums-odd-chunks", cuda.CopySegments, true, true, 67 * align, "tmpfs", false},
+		{"batch-buffered-no-checksums-odd-chunks", cuda.CopyBatch, false, true, 67 * align, "", false},
 		// The copy kernel: one launch per chunk.
-		{"kernel", cuda.CopyKernel, false, false, 0, ""},
-		{"kernel-direct-small-chunks", cuda.CopyKernel, true, false, 3 * align, ""},
-		{"kernel-o-direct-tmpfs-odd-chunks", cuda.CopyKernel, true, false, 67 * align, "tmpfs"},
-		{"kernel-o-direct-disk-no-checksums", cuda.CopyKernel, true, true, 0, "disk"},
-		{"auto", cuda.CopyAuto, false, false, 0, ""},
+		{"kernel", cuda.CopyKernel, false, false, 0, "", false},
+		{"kernel-direct-small-chunks", cuda.CopyKernel, true, false, 3 * align, "", false},
+		{"kernel-o-direct-tmpfs-odd-chunks", cuda.CopyKernel, true, false, 67 * align, "tmpfs", false},
+		{"kernel-o-direct-disk-no-checksums", cuda.CopyKernel, true, true, 0, "disk", false},
+		{"auto", cuda.CopyAuto, false, false, 0, "", false},
+		// Checksums on the device: one launch of the checksum kernel per
+		// job, after a load's copies, before a store's.
+		{"batch-sums-on-device", cuda.CopyBatch, false, false, 0, "", true},
+		{"segments-sums-on-device-direct-small-chunks", cuda.CopySegments, true, false, 3 * align, "", true},
+		{"batch-sums-on-device-o-direct-tmpfs-odd-chunks", cuda.CopyBatch, true, false, 67 * align, "tmpfs", true},
+		{"batch-sums-on-device-o-direct-disk", cuda.CopyBatch, true, false, 0, "disk", true},
+		{"kernel-sums-on-device", cuda.CopyKernel, false, false, 0, "", true},
+		{"batch-sums-on-device-no-checksums", cuda.CopyBatch, false, true, 0, "", true},
 	}
 	for i, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
-			m := e.mover(t, Config{Devices: []int{0}, MaxStaging: 64 << 20, Chunk: c.chunk, Copy: c.mode, NoChecksums: c.nosums})
+			m := e.mover(t, Config{Devices: []int{0}, MaxStaging: 64 << 20, Chunk: c.chunk, Copy: c.mode, NoChecksums: c.nosums, SumsOnDevice: c.onDevice})
 			wantMode := c.mode
 			if c.mode == cuda.CopyAuto {
 				wantMode = cuda.CopyBatch // never the kernel: it would take turns with inference kernels
@@ -183,10 +193,17 @@ func TestRoundTripScatteredPlan(t *testing.T) {
 				t.Fatalf("CopyMode() = %v, want %v", m.CopyMode(), wantMode)
 			}
 			launches, batches := e.fake.Count(cudatest.OpLaunch), e.fake.Count(cudatest.OpBatch)
+			sumLaunches := 0 // a store's and a load's
+			if c.onDevice && !c.nosums {
+				sumLaunches = 2
+			}
 			defer func() {
-				launched, batched := e.fake.Count(cudatest.OpLaunch) > launches, e.fake.Count(cudatest.OpBatch) > batches
-				if launched != (wantMode == cuda.CopyKernel) || batched != (wantMode == cuda.CopyBatch) {
-					t.Errorf("mode %v: kernel launches %v, batched copies %v", wantMode, launched, batched)
+				launched, batched := e.fake.Count(cudatest.OpLaunch)-launches, e.fake.Count(cudatest.OpBatch) > batches
+				if (launched > sumLaunches) != (wantMode == cuda.CopyKernel) || batched != (wantMode == cuda.CopyBatch) {
+					t.Errorf("mode %v: %d kernel launches (%d of them checksums), batched copies %v", wantMode, launched, sumLaunches, batched)
+				}
+				if wantMode != cuda.CopyKernel && launched != sumLaunches {
+					t.Errorf("%d launches, want %d of the checksum kernel", launched, sumLaunches)
 				}
 			}()
 			kv := newCache(t, e.w, g)

@@ -17,6 +17,9 @@ import (
 type lane struct {
 	stream cuda.Stream
 	events []cuda.Event
+	// sums is the lane's checksum table (Config.SumsOnDevice), kept with
+	// the lane for its next jobs.
+	sums devSums
 }
 
 // maxIdleLanes bounds the lanes a device keeps for reuse.
@@ -80,6 +83,7 @@ func (m *Mover) destroyLane(ln *lane) {
 		m.r.DestroyEvent(e)
 	}
 	m.r.DestroyStream(ln.stream)
+	ln.sums.free()
 }
 
 // await waits for event e: it polls e for up to Config.Poll, then sleeps
@@ -155,6 +159,16 @@ func (r *laneRun) recorded(s int, eerr error) error {
 	r.pending[s] = true
 	rerr := r.m.r.Record(r.ln.events[s], r.ln.stream)
 	err := errors.Join(eerr, rerr)
+	if err != nil {
+		r.broken = true
+		r.failed = cmp.Or(r.failed, err)
+	}
+	return err
+}
+
+// launched notes a kernel launch on the lane that returned err: a
+// failed one breaks the lane, as a failed enqueue does.
+func (r *laneRun) launched(err error) error {
 	if err != nil {
 		r.broken = true
 		r.failed = cmp.Or(r.failed, err)
@@ -263,8 +277,18 @@ func (m *Mover) runStreamed(ctx context.Context, f fsys.File, chunks []chunk, de
 		}()
 		wait := run.wait
 		y := staging.Yielder{Every: m.cfg.YieldBytes, Yield: m.yieldHook}
+		// With checksums on the device the CPU reads no byte for them; a
+		// store's writes then go unfused.
+		onDevice := sums != nil && m.sumsOnDevice(dev, ln, chunks)
+		cpuSums := sums
+		if onDevice {
+			cpuSums = nil
+			fused = fused && !write
+		}
 		var cp cuda.Copies
-		enqueue := func(k int, h2d bool) error {
+		// enqueue enqueues chunk k's copies, then (sum) the checksum
+		// kernel, and records the slot's event after them.
+		enqueue := func(k int, h2d, sum bool) error {
 			s := k % d
 			_, ptr := m.buf(bufs[s])
 			copies(&cp, &chunks[k], ptr, h2d)
@@ -276,11 +300,21 @@ func (m *Mover) runStreamed(ctx context.Context, f fsys.File, chunks []chunk, de
 			} else {
 				eerr = m.r.Enqueue(&cp, h2d, m.fallback, ln.stream)
 			}
+			if eerr == nil && sum {
+				eerr = ln.sums.launch(dev, ln)
+			}
 			return run.recorded(s, eerr)
+		}
+		if write && onDevice {
+			// Before the gathers, on the same stream: the kernel reads
+			// the bytes the store takes, and is done by chunk 0's event.
+			if err := run.launched(ln.sums.launch(dev, ln)); err != nil {
+				return 0, err
+			}
 		}
 		if write { // prime: the first d gathers in flight before any write
 			for k := range min(d, len(chunks)) {
-				if err := enqueue(k, false); err != nil {
+				if err := enqueue(k, false, false); err != nil {
 					return 0, err
 				}
 			}
@@ -295,23 +329,31 @@ func (m *Mover) runStreamed(ctx context.Context, f fsys.File, chunks []chunk, de
 			}
 			st := &stage{c: &chunks[k], buf: bufs[s]}
 			if write {
-				if err := m.writeChunk(f, st, sums, fused, &y); err != nil {
+				if err := m.writeChunk(f, st, cpuSums, fused, &y); err != nil {
 					return 0, err
 				}
 				if k+d < len(chunks) {
-					if err := enqueue(k+d, false); err != nil {
+					if err := enqueue(k+d, false, false); err != nil {
 						return 0, err
 					}
 				}
 			} else {
-				if err := m.readChunk(f, st, sums, fused, &y); err != nil {
+				if err := m.readChunk(f, st, cpuSums, fused, &y); err != nil {
 					return 0, err
 				}
-				if err := enqueue(k, true); err != nil {
+				// After the last chunk's copies, the kernel reads every
+				// byte the load delivered.
+				if err := enqueue(k, true, onDevice && k == len(chunks)-1); err != nil {
 					return 0, err
 				}
 			}
 			total += chunks[k].end - chunks[k].off
+		}
+		if onDevice {
+			if err := wait((len(chunks) - 1) % d); err != nil {
+				return 0, err
+			}
+			ln.sums.fold(sums)
 		}
 		return total, nil // the deferred waits report the last copies' errors
 	})

@@ -165,17 +165,48 @@ static alloc *unlink_alloc(uintptr_t p) {
 // copies ever run; an event records how many had been enqueued when it was
 // recorded (upto) and its synchronization runs those only, as the real
 // one waits for the work before the record and not for later work.
-// An op is a copy, or (table set) a launch of the copy kernel over n
-// entries of its table, read when the op runs as the GPU reads it.
-typedef struct { void *dst; const void *src; size_t n; const uint64_t *table; } op;
+// An op is a copy, or (table set) a launch of the copy kernel (or, sum
+// set, of the checksum kernel) over n entries of its table, read when the
+// op runs as the GPU reads it.
+typedef struct { void *dst; const void *src; size_t n; const uint64_t *table; int sum; } op;
 typedef struct { pthread_mutex_t mu; op *ops; size_t n, cap; size_t done; int device; int err; } stream;
 typedef struct { stream *s; size_t upto; long queries; int device; } event;
 
+// crc_table is the CRC-32C table, a byte at a time, made when the
+// library loads.
+static uint32_t crc_table[256];
+__attribute__((constructor)) static void make_crc_table(void) {
+	for (uint32_t i = 0; i < 256; i++) {
+		uint32_t r = i;
+		for (int b = 0; b < 8; b++) r = (r >> 1) ^ (0x82F63B78u & -(r & 1));
+		crc_table[i] = r;
+	}
+}
+
+// crc_register is the CRC-32C register of n bytes from state 0, with no
+// inversions: what the checksum kernel computes.
+static uint32_t crc_register(const uint8_t *p, size_t n) {
+	uint32_t r = 0;
+	for (size_t i = 0; i < n; i++) r = crc_table[(r ^ p[i]) & 0xff] ^ (r >> 8);
+	return r;
+}
+
 // run_op runs one op; a kernel entry that is not 16-byte aligned fails
-// it, as the kernel's vector accesses would.
+// it, as the kernel's vector accesses would, and so does a checksum
+// entry that is empty or longer than 64 KiB.
 static int run_op(const op *o) {
 	if (!o->table) {
 		memcpy(o->dst, o->src, o->n);
+		return 0;
+	}
+	if (o->sum) {
+		for (size_t i = 0; i < o->n; i++) {
+			uint64_t *e = (uint64_t *)o->table + 2 * i;
+			uint32_t n = (uint32_t)e[1];
+			if ((e[0] | n) % 16 || n == 0 || n > 65536) return errLaunchFailure;
+			uint32_t reg = crc_register((const uint8_t *)(uintptr_t)e[0], n);
+			memcpy((char *)e + 12, &reg, 4);
+		}
 		return 0;
 	}
 	for (size_t i = 0; i < o->n; i++) {
@@ -199,7 +230,7 @@ static int push(stream *s, op o) {
 	return 0;
 }
 
-static int enqueue(stream *s, void *dst, const void *src, size_t n) { return push(s, (op){dst, src, n, NULL}); }
+static int enqueue(stream *s, void *dst, const void *src, size_t n) { return push(s, (op){dst, src, n, NULL, 0}); }
 
 // drain_upto runs the queued copies up to the upto-th ever enqueued (all
 // with (size_t)-1). A failed synchronization drops what it would have run.
@@ -537,9 +568,10 @@ int cuMemGetAddressRange_v2(uint64_t *base, size_t *size, uint64_t p) {
 	return a ? 0 : 1;
 }
 
-// The copy kernel: a module is a copy of its PTX, which must define the
-// entry kv_copy_segments; a launch queues a kernel op over gridDimY
-// entries of the table its one parameter points to.
+// The kernels: a module is a copy of its PTX, which must define the entry
+// kv_copy_segments or kv_crc32c_spans; a launch queues a kernel op over
+// gridDimY entries of the table its one parameter points to. A function
+// is its module's address, plus one for the checksum kernel.
 int cuModuleLoadDataEx(void **mod, const void *image, unsigned n, int *opts, void **vals) {
 	late();
 	(void)n; (void)opts; (void)vals;
@@ -547,14 +579,17 @@ int cuModuleLoadDataEx(void **mod, const void *image, unsigned n, int *opts, voi
 	int code = tick(opModuleLoad);
 	if (code) return code;
 	const char *ptx = image;
-	if (!strstr(ptx, ".version") || !strstr(ptx, ".entry kv_copy_segments(")) return 218; // CUDA_ERROR_INVALID_PTX
+	if (!strstr(ptx, ".version") || (!strstr(ptx, ".entry kv_copy_segments(") && !strstr(ptx, ".entry kv_crc32c_spans(")))
+		return 218; // CUDA_ERROR_INVALID_PTX
 	*mod = strdup(ptx);
 	return 0;
 }
 int cuModuleGetFunction(void **fn, void *mod, const char *name) {
 	late();
-	if (strcmp(name, "kv_copy_segments")) return 500; // CUDA_ERROR_NOT_FOUND
-	*fn = mod;
+	char entry[64];
+	snprintf(entry, sizeof entry, ".entry %s(", name);
+	if (!strstr(mod, entry) || (strcmp(name, "kv_copy_segments") && strcmp(name, "kv_crc32c_spans"))) return 500; // CUDA_ERROR_NOT_FOUND
+	*fn = (char *)mod + (strcmp(name, "kv_crc32c_spans") == 0);
 	return 0;
 }
 int cuModuleUnload(void *mod) {
@@ -572,5 +607,5 @@ int cuLaunchKernel(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
 	if (code) return code;
 	if (!fn || !params || gx < 1 || gy < 1 || gy > 65535 || gz != 1 || bx < 1 || bx > 1024 || by != 1 || bz != 1) return 1;
 	const uint64_t *table = (const uint64_t *)(uintptr_t)(*(uint64_t *)params[0]);
-	return push(s, (op){NULL, NULL, gy, table});
+	return push(s, (op){NULL, NULL, gy, table, (uintptr_t)fn & 1});
 }

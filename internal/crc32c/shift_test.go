@@ -1,0 +1,58 @@
+package crc32c
+
+import (
+	"hash/crc32"
+	"math/rand/v2"
+	"testing"
+)
+
+// TestExtendJoinsPartsAsUpdate: the checksum of a buffer cut anywhere into
+// parts, each known only by its register and length, equals Update's.
+func TestExtendJoinsPartsAsUpdate(t *testing.T) {
+	rng := rand.New(rand.NewPCG(1, 2))
+	data := make([]byte, 300<<10)
+	for i := range data {
+		data[i] = byte(rng.Uint32())
+	}
+	for _, tc := range []struct {
+		name string
+		cuts []int
+	}{
+		{"whole", nil},
+		{"empty parts", []int{0, 0, 5, 5}},
+		{"one byte", []int{1}},
+		{"16 KiB parts", []int{16 << 10, 32 << 10, 48 << 10, 64 << 10}},
+		{"odd parts", []int{3, 1000, 4093, 70001, 200000}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			for _, init := range []uint32{0, 0xFFFFFFFF, 0x12345678} {
+				want := crc32.Update(init, crc32.MakeTable(crc32.Castagnoli), data)
+				got, lo := init, 0
+				for _, hi := range append(tc.cuts, len(data)) {
+					got = Extend(got, Register(data[lo:hi]), int64(hi-lo))
+					lo = hi
+				}
+				if got != want {
+					t.Fatalf("init %#x: joined %#x, Update %#x", init, got, want)
+				}
+			}
+		})
+	}
+}
+
+// TestShiftIsZeroBytes: shifting a register past n bytes is feeding it n
+// zero bytes, for lengths across several bits of n.
+func TestShiftIsZeroBytes(t *testing.T) {
+	tab := crc32.MakeTable(crc32.Castagnoli)
+	for _, n := range []int64{0, 1, 2, 3, 16, 255, 4080, 4096, 65536, 100003} {
+		for _, r := range []uint32{1, 0x80000000, 0xDEADBEEF} {
+			want := r
+			for range n {
+				want = tab[byte(want)] ^ want>>8
+			}
+			if got := Shift(r, n); got != want {
+				t.Errorf("Shift(%#x, %d) = %#x, zero bytes give %#x", r, n, got, want)
+			}
+		}
+	}
+}
