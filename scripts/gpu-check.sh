@@ -158,12 +158,14 @@ fi
 if [ "${INTERFERENCE:-1}" = 1 ]; then
 	# What kvhost's copies cost the inference process's kernels and the
 	# daemon's lookups: matmuls and lookups alone and beside loads through
-	# a daemon, with the default DMA copies, with gpu.copy = "kernel", and
-	# with DMA copies whose waits never poll (gpu.poll = "0s").
-	for mode in batch kernel batch-nopoll; do
+	# a daemon, with the default DMA copies, with gpu.copy = "kernel", with
+	# DMA copies whose waits never poll (gpu.poll = "0s"), and with the
+	# checksums computed on the GPU (gpu.checksum_on = "gpu").
+	for mode in batch kernel batch-nopoll batch-gpu-sums; do
 		sock=/tmp/kvhost-gpu-interference.sock
 		case $mode in
 		batch-nopoll) printf '[gpu]\ncopy = "batch"\npoll = "0s"\n' >"$out/copy-$mode.toml" ;;
+		batch-gpu-sums) printf '[gpu]\ncopy = "batch"\nchecksum_on = "gpu"\n' >"$out/copy-$mode.toml" ;;
 		*) printf '[gpu]\ncopy = "%s"\n' "$mode" >"$out/copy-$mode.toml" ;;
 		esac
 		daemon "$sock" "$out/daemon-interference-$mode.log" "$shm/interference" --config "$out/copy-$mode.toml"
@@ -323,12 +325,15 @@ if [ "${FOREIGN:-1}" = 1 ]; then
 	# lookups find A's files, and the load follows with no idle moment
 	# (registered files only where B's registrar got there first). Then
 	# the same load again after B's count of registered files stops rising.
-	# FOREIGN_ROUNDS rounds (default 2).
+	# FOREIGN_ROUNDS rounds (default 2); FOREIGN_CHECKSUM_ON (cpu or gpu,
+	# default cpu) is both daemons' gpu.checksum_on.
+	sums=${FOREIGN_CHECKSUM_ON:-cpu}
 	for round in $(seq "${FOREIGN_ROUNDS:-2}"); do
 		name="foreign-$round"
+		[ "$sums" = cpu ] || name="foreign-$sums-sums-$round"
 		for node in a b; do
-			printf '[engine]\nnode_id = "node-%s"\n[[mount]]\npath = "%s"\nshared = true\ncapacity = "20GiB"\n' \
-				"$node" "$shm/foreign" >"$out/$name-$node.toml"
+			printf '[engine]\nnode_id = "node-%s"\n[gpu]\nchecksum_on = "%s"\n[[mount]]\npath = "%s"\nshared = true\ncapacity = "20GiB"\n' \
+				"$node" "$sums" "$shm/foreign" >"$out/$name-$node.toml"
 		done
 		rm -rf "$shm/foreign" && mkdir -p "$shm/foreign"
 		"$bin/kvhost" --config "$out/$name-a.toml" --socket /tmp/kvhost-gpu-fa.sock \
