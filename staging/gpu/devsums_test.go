@@ -12,6 +12,7 @@ import (
 	"github.com/kvhost/kvhost/internal/cuda"
 	"github.com/kvhost/kvhost/internal/cuda/cudatest"
 	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/internal/region"
 	"github.com/kvhost/kvhost/internal/testwait"
 )
 
@@ -44,12 +45,7 @@ func TestSumsOnDeviceForRegisteredFiles(t *testing.T) {
 // pinned buffers and through a registered mapping alike.
 func TestSumsOnDeviceSeeTheBytesThatArrived(t *testing.T) {
 	for _, registered := range []bool{false, true} {
-		e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, Copy: cuda.CopyBatch, RegisterFiles: fileBound(registered), SumsOnDevice: true})
-		kf := newKeyFile(t, kv, t.TempDir(), "key", 1)
-		store(t, e, m, kv, kf, host, orig)
-		if registered {
-			waitRegistered(t, m, 1)
-		}
+		_, m, _, _, host, kf := storedKeyFile(t, registered)
 		_, want := expect(kf.p, host)
 		// One byte of the first extent's data, changed in the file.
 		f, err := os.OpenFile(kf.path, os.O_RDWR, 0)
@@ -118,12 +114,7 @@ func TestSumsOnDeviceLeaveUnalignedSpansToTheCPU(t *testing.T) {
 // lane is not reused, and the next jobs succeed.
 func TestSumsOnDeviceLaunchFailuresFailTheJob(t *testing.T) {
 	for _, registered := range []bool{false, true} {
-		e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, Copy: cuda.CopyBatch, RegisterFiles: fileBound(registered), SumsOnDevice: true})
-		kf := newKeyFile(t, kv, t.TempDir(), "key", 1)
-		store(t, e, m, kv, kf, host, orig)
-		if registered {
-			waitRegistered(t, m, 1)
-		}
+		e, m, kv, orig, host, kf := storedKeyFile(t, registered)
 		for _, write := range []bool{true, false} {
 			e.fake.Fail(cudatest.OpLaunch, 1, 719)
 			sums := make([]uint32, kf.p.Sums)
@@ -148,17 +139,20 @@ func TestSumsOnDeviceLaunchFailuresFailTheJob(t *testing.T) {
 	}
 }
 
-// fileBound is Config.RegisterFiles for a test whose file is
-// registered, or not.
-func fileBound(registered bool) int {
-	if registered {
-		return 4
-	}
-	return 0
-}
-
-// waitRegistered waits until m has n registered files.
-func waitRegistered(t *testing.T, m *Mover, n int) {
+// storedKeyFile is filesSetup with checksums on the device and one key
+// file, stored once and then, if registered, registered by the registrar
+// (without, the mover keeps no registered files).
+func storedKeyFile(t *testing.T, registered bool) (*env, *Mover, *cache, [][]byte, map[region.Region][]byte, *keyFile) {
 	t.Helper()
-	testwait.Until(t, "the file registered", 10*time.Second, func() bool { return m.FileStats().Files == n })
+	bound := 0
+	if registered {
+		bound = 4
+	}
+	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, Copy: cuda.CopyBatch, RegisterFiles: bound, SumsOnDevice: true})
+	kf := newKeyFile(t, kv, t.TempDir(), "key", 1)
+	store(t, e, m, kv, kf, host, orig)
+	if registered {
+		testwait.Until(t, "the file registered", 10*time.Second, func() bool { return m.FileStats().Files == 1 })
+	}
+	return e, m, kv, orig, host, kf
 }

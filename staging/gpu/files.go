@@ -31,7 +31,8 @@ import (
 // the GPU's copy engines reach directly: a store then copies the paged
 // device layout straight into the file and a load straight out of it, one
 // batched DMA copy per file, with no pinned bounce buffer and no CPU copy;
-// the CPU only reads the pages once for the checksums. Registration costs
+// the CPU only reads the pages once for the checksums (not at all with
+// checksums on the device, devsums.go). Registration costs
 // tens of milliseconds per 32 MiB file, more than a store, so it is never
 // done on a job's path: after a job moved a file through the pinned
 // buffers, the mover offers the file to a registrar goroutine, which maps
@@ -796,7 +797,9 @@ func (m *Mover) sumAfterCopy(chunks int) bool {
 // as its copies are done, while the next ones run. A load enqueues all
 // its copies at once; a file of several chunks is checksummed while they
 // run, a file of one chunk only after them while other jobs are in
-// flight (sumAfterCopy).
+// flight (sumAfterCopy). With checksums on the device the checksum
+// kernel runs once, before a store's copies or after a load's, and the
+// CPU reads no byte.
 func (m *Mover) runMapped(ctx context.Context, mem []byte, p *transfer.Plan, chunks []chunk, dev *device, sums []uint32, write bool) (int64, error) {
 	if err := ctx.Err(); err != nil {
 		return 0, err
