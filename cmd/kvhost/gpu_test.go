@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"io/fs"
 	"log/slog"
 	"math/rand/v2"
 	"os"
@@ -58,14 +59,23 @@ func TestOpenGPUModes(t *testing.T) {
 // TestGPUMemoryRoundTripsThroughTheEngine wires the daemon's GPU paths to an
 // engine as serve does, with the fake CUDA library (device memory is host
 // memory there), and moves a paged cache in device memory to files and back
-// into poisoned blocks.
+// into poisoned blocks, with the checksums computed on the CPU and on the
+// GPU (gpu.checksum_on). Then a byte of one key's payload is changed in
+// its file: that key's load fails its checksum and the other still loads.
 func TestGPUMemoryRoundTripsThroughTheEngine(t *testing.T) {
+	for _, on := range []string{"cpu", "gpu"} {
+		t.Run("checksum_on="+on, func(t *testing.T) { gpuRoundTripThroughTheEngine(t, on) })
+	}
+}
+
+func gpuRoundTripThroughTheEngine(t *testing.T, checksumOn string) {
 	lib := cudatest.Build(t)
+	fake := cudatest.Open(t, lib)
 	ctx := context.Background()
 	var logs bytes.Buffer
 	log := slog.New(slog.NewTextHandler(&logs, nil))
-	gp, err := openGPU(gpuOptions{Mode: "on", CUDALibrary: []string{lib}, CuFile: "off", MaxStaging: 16 << 20,
-		Poll: time.Duration(config.Default().GPU.Poll)}, log)
+	gp, err := openGPU(gpuOptions{Mode: "on", CUDALibrary: []string{lib}, CUDADriver: []string{lib}, CuFile: "off", MaxStaging: 16 << 20,
+		Poll: time.Duration(config.Default().GPU.Poll), SumsOnDevice: checksumOn == "gpu"}, log)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -152,8 +162,52 @@ func TestGPUMemoryRoundTripsThroughTheEngine(t *testing.T) {
 			}
 		}
 	}
-	if !strings.Contains(logs.String(), "GPU paths ready") {
-		t.Errorf("no start-up line for the GPU paths:\n%s", logs.String())
+	// Two keys stored and loaded: one launch of the checksum kernel per
+	// file and job on the GPU, none on the CPU.
+	if n, want := fake.Count(cudatest.OpLaunch), map[string]int{"cpu": 0, "gpu": 4}[checksumOn]; n != want {
+		t.Errorf("checksums on the %s: %d kernel launches, want %d", checksumOn, n, want)
+	}
+	if want := "checksum_on=" + checksumOn; !strings.Contains(logs.String(), "GPU paths ready") || !strings.Contains(logs.String(), want) {
+		t.Errorf("no start-up line for the GPU paths naming %s:\n%s", want, logs.String())
+	}
+
+	// One payload byte changed in one key's file (the payload starts at
+	// 4096, after the header area of a one-key file).
+	var keyFiles []string
+	filepath.WalkDir(dir, func(path string, d fs.DirEntry, err error) error {
+		if info, ierr := d.Info(); err == nil && ierr == nil && info.Mode().IsRegular() && info.Size() > 4096 {
+			keyFiles = append(keyFiles, path)
+		}
+		return nil
+	})
+	if len(keyFiles) != 2 {
+		t.Fatalf("key files %q, want 2", keyFiles)
+	}
+	f, err := os.OpenFile(keyFiles[0], os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b := []byte{0}
+	if _, err := f.ReadAt(b, 4096+100); err != nil {
+		t.Fatal(err)
+	}
+	b[0] ^= 0x5A
+	if _, err := f.WriteAt(b, 4096+100); err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+	job, err = eng.Load(ctx, engine.LoadRequest{Cache: cid, Keys: keys, Blocks: [][]int{{8, 9, 10, 11}, {12, 13, 14, 15}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	res, _ = job.Wait(ctx)
+	if res.Count(engine.OutcomeLoaded) != 1 || res.Count(engine.OutcomeFailed) != 1 {
+		t.Fatalf("load after a payload byte changed in one file: %+v; want one key loaded, one failed", res)
+	}
+	for _, k := range res.Keys {
+		if k.Outcome == engine.OutcomeFailed && (k.Err == nil || !strings.Contains(k.Err.Error(), "payload checksum")) {
+			t.Fatalf("the changed key failed with %v, want a payload checksum mismatch", k.Err)
+		}
 	}
 }
 

@@ -146,6 +146,7 @@ func TestParseErrors(t *testing.T) {
 		{"gpu mode", "[gpu]\nmode = \"maybe\"", `kvhost.toml:2: gpu.mode: want auto, on or off, got "maybe"`},
 		{"cufile mode", "[gpu]\ncufile = \"direct\"", `kvhost.toml:2: gpu.cufile: want auto, off or compat, got "direct"`},
 		{"copy mode", "[gpu]\ncopy = \"dma\"", `kvhost.toml:2: gpu.copy: want auto, kernel, batch or segments, got "dma"`},
+		{"checksum place", "[gpu]\nchecksum_on = \"tpu\"", `kvhost.toml:2: gpu.checksum_on: want cpu or gpu, got "tpu"`},
 		{"gpu staging", "[gpu]\nstaging_memory = \"1MiB\"", "kvhost.toml:2: gpu.staging_memory: want at least 8MiB"},
 		{"gpu poll", "[gpu]\npoll = \"2s\"", "kvhost.toml:2: gpu.poll: want between 0s (sleep at once) and 1s, got 2s"},
 		{"negative gpu poll", "[gpu]\npoll = \"-1ms\"", "kvhost.toml:2: gpu.poll: want between 0s (sleep at once) and 1s"},

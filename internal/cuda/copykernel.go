@@ -10,9 +10,10 @@ import (
 	"github.com/kvhost/kvhost/internal/dl"
 )
 
-// ErrNoKernel is returned where the driver API lacks what the copy kernel
-// needs (no libcuda, or one without module loading and kernel launches).
-var ErrNoKernel = errors.New("cuda: copy kernel unavailable (no driver API)")
+// ErrNoKernel is returned where the driver API lacks what kvhost's
+// kernels (the copy and the checksum kernel) need: no libcuda, or one
+// without module loading and kernel launches.
+var ErrNoKernel = errors.New("cuda: kernels unavailable (no driver API)")
 
 // Kernel copies: every address and length must be a multiple of
 // KernelAlign; one launch copies at most KernelMaxEntries segments, each
