@@ -163,10 +163,15 @@ if [ "${INTERFERENCE:-1}" = 1 ]; then
 	# daemon's lookups: matmuls and lookups alone and beside loads through
 	# a daemon, with the default DMA copies, with gpu.copy = "kernel", with
 	# DMA copies whose waits never poll (gpu.poll = "0s"), and with the
-	# checksums computed on the GPU (gpu.checksum_on = "gpu").
+	# checksums computed on the GPU (gpu.checksum_on = "gpu"). The keys are
+	# registered files by the time they load, which move by DMA copies in
+	# every copy mode, so the kernel's daemon registers none
+	# (register_files = 0): its loads go through the pinned buffers, where
+	# the kernel moves them.
 	for mode in batch kernel batch-nopoll batch-gpu-sums; do
 		sock=/tmp/kvhost-gpu-interference.sock
 		case $mode in
+		kernel) printf '[gpu]\ncopy = "kernel"\nregister_files = 0\n' >"$out/copy-$mode.toml" ;;
 		batch-nopoll) printf '[gpu]\ncopy = "batch"\npoll = "0s"\n' >"$out/copy-$mode.toml" ;;
 		batch-gpu-sums) printf '[gpu]\ncopy = "batch"\nchecksum_on = "gpu"\n' >"$out/copy-$mode.toml" ;;
 		*) printf '[gpu]\ncopy = "%s"\n' "$mode" >"$out/copy-$mode.toml" ;;

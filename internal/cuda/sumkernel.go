@@ -62,9 +62,9 @@ func sumTables() []uint32 {
 	return t
 }
 
-// sumKernelPTX returns the checksum kernel, written in PTX by hand (with
-// its repeated lookups spelled out by lookup) and compiled by the
-// driver's JIT, as the copy kernel is. Block y reads entry y of the table
+// sumKernelPTX returns the checksum kernel, written in PTX by hand (its
+// repeated table lookups spelled out by sharedLookups and globalLookups)
+// and compiled by the driver's JIT, as the copy kernel is. Block y reads entry y of the table
 // (address: u64, length: u32, register: u32, little-endian) and writes
 // the CRC-32C register of the span's bytes (crc32c.Register) into the
 // entry's last word.
