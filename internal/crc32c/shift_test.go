@@ -1,6 +1,7 @@
 package crc32c
 
 import (
+	"fmt"
 	"hash/crc32"
 	"math/rand/v2"
 	"testing"
@@ -54,5 +55,19 @@ func TestShiftIsZeroBytes(t *testing.T) {
 				t.Errorf("Shift(%#x, %d) = %#x, zero bytes give %#x", r, n, got, want)
 			}
 		}
+	}
+}
+
+// BenchmarkExtend is the cost of joining one span's register into a
+// checksum (the GPU checksums' per-span work on the CPU), for the span
+// lengths the mover uses most.
+func BenchmarkExtend(b *testing.B) {
+	for _, n := range []int64{16 << 10, 64 << 10, 48 << 10} {
+		b.Run(fmt.Sprintf("%dKiB", n>>10), func(b *testing.B) {
+			crc := uint32(0x12345678)
+			for b.Loop() {
+				crc = Extend(crc, 0x9ABCDEF0, n)
+			}
+		})
 	}
 }
