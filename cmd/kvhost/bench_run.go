@@ -506,9 +506,16 @@ func (r *benchRun) keySize(ctx context.Context, eng *engine.Engine, gp *gpuPaths
 		// The engine writes payload checksums only where the mover
 		// computes them: cuFile never lets the CPU see the bytes.
 		summed := eng.Stats().Mounts[0].Checksums && mover != "cufile"
+		sumsOn := ""
+		if summed {
+			sumsOn = "cpu"
+			if mover == "gpu-staging" && gp != nil && gp.staging != nil {
+				sumsOn = gp.staging.ChecksumOn()
+			}
+		}
 		cp := ceil.pair(jobs)
 		base := bench.Run{
-			Path: path, Mover: mover, IO: io, Checksums: sums, Checksummed: summed, Jobs: jobs, TokensPerKey: tpk,
+			Path: path, Mover: mover, IO: io, Checksums: sums, Checksummed: summed, ChecksumOn: sumsOn, Jobs: jobs, TokensPerKey: tpk,
 			KeyBytes: g.KeyBytes(), KeysPerJob: r.o.keysPerJob, KeysPerFile: perFile, Keys: keys, Preallocate: eng.Stats().Mounts[0].Preallocate, NoGap: r.o.noGap && r.o.load,
 		}
 		if r.o.store {

@@ -334,6 +334,44 @@ func TestBenchGPUMemoryThroughTheDaemonsPathsOnFakeCUDA(t *testing.T) {
 	}
 }
 
+// TestBenchReportsWhereChecksumsRan: each run of the report says where its
+// checksums were computed: on the CPU by default, by the checksum kernel
+// with gpu.checksum_on = "gpu", and nowhere with checksums off.
+func TestBenchReportsWhereChecksumsRan(t *testing.T) {
+	lib := cudatest.Build(t)
+	missing := filepath.Join(t.TempDir(), "libcufile.so.0")
+	gpuSums := filepath.Join(t.TempDir(), "gpu-sums.toml")
+	if err := os.WriteFile(gpuSums, []byte(fmt.Sprintf("[gpu]\nchecksum_on = \"gpu\"\ncuda_driver_library = %q\n", lib)), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		name string
+		args []string
+		want string // where runs with checksums on computed them
+	}{
+		{"defaults", nil, "cpu"},
+		{"gpu.checksum_on = gpu", []string{"--config", gpuSums}, "gpu"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			args := append([]string{"--memory", "gpu", "--cuda-library", lib, "--cufile-library", missing,
+				"--jobs", "1", "--path", "staging", "--checksum", "on,off", "--total", "8MiB"}, c.args...)
+			rep, _ := runBenchJSON(t, args...)
+			if len(rep.Runs) == 0 {
+				t.Fatal("no runs")
+			}
+			for _, x := range rep.Runs {
+				want := c.want
+				if !x.Checksums {
+					want = ""
+				}
+				if x.ChecksumOn != want {
+					t.Errorf("%s run, checksums %v: checksum_on %q, want %q", x.Direction, x.Checksums, x.ChecksumOn, want)
+				}
+			}
+		})
+	}
+}
+
 // TestBenchMovesRegisteredFilesDirectlyAsTheDaemonDoes: on a memory file
 // system the benchmark opens the GPU paths with the daemon's
 // gpu.register_files, so that later jobs on a file move it straight

@@ -98,9 +98,13 @@ type Run struct {
 	// Checksummed says the files were written with payload checksums (and
 	// loads verified them): false where the mover never lets the CPU see
 	// the bytes (cuFile), whatever Checksums asked.
-	Checksummed bool   `json:"checksummed"`
-	Direction   string `json:"direction"` // store or load
-	Jobs        int    `json:"jobs"`      // concurrent jobs
+	Checksummed bool `json:"checksummed"`
+	// ChecksumOn says where the checksums were computed: "cpu", or "gpu"
+	// for the staging pipeline's checksum kernel (gpu.checksum_on);
+	// empty where the files carry none.
+	ChecksumOn string `json:"checksum_on,omitempty"`
+	Direction  string `json:"direction"` // store or load
+	Jobs       int    `json:"jobs"`      // concurrent jobs
 	// TokensPerKey and KeyBytes size one key (one file unless KeysPerFile
 	// packs several).
 	TokensPerKey int   `json:"tokens_per_key"`
