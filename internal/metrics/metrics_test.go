@@ -122,8 +122,9 @@ func TestMetricsExposeSourcesAndObservations(t *testing.T) {
 		GPUFiles: func() gpu.FileStats {
 			return gpu.FileStats{Files: 6, Bytes: 6 << 25, Limit: 100, Registered: 9, Released: 3, Failed: 1, Deferred: 2, Warmed: 7, Stores: 12, Loads: 14, Queued: 5, Waits: 4, Waited: 1500 * time.Millisecond}
 		},
-		GPUStaging: func() (int, int, int) { return 3, 31, 4<<20 + 8192 },
-		GPUFaults:  func() map[int]uint64 { return map[int]uint64{0: 0, 1: 2} },
+		GPUStaging:      func() (int, int, int) { return 3, 31, 4<<20 + 8192 },
+		GPUChecksumJobs: func() (uint64, uint64) { return 17, 5 },
+		GPUFaults:       func() map[int]uint64 { return map[int]uint64{0: 0, 1: 2} },
 		CuFile: func() gds.HandleStats {
 			return gds.HandleStats{Cached: 7, Registrations: 20, Failures: 2, Hits: 50, Evictions: 8, Forgotten: 4, Unlinked: 1}
 		},
@@ -176,6 +177,8 @@ func TestMetricsExposeSourcesAndObservations(t *testing.T) {
 		{"kvhost_gpu_file_registration_wait_seconds_total", nil, 1.5},
 		{"kvhost_gpu_direct_file_jobs_total", map[string]string{"direction": "store"}, 12},
 		{"kvhost_gpu_direct_file_jobs_total", map[string]string{"direction": "load"}, 14},
+		{"kvhost_gpu_checksum_jobs_total", map[string]string{"on": "cpu"}, 17},
+		{"kvhost_gpu_checksum_jobs_total", map[string]string{"on": "gpu"}, 5},
 		{"kvhost_gpu_staging_buffers_in_use", nil, 3},
 		{"kvhost_gpu_staging_buffers", nil, 31},
 		{"kvhost_gpu_staging_buffer_bytes", nil, 4<<20 + 8192},

@@ -36,6 +36,10 @@ func TestSumsOnDeviceForRegisteredFiles(t *testing.T) {
 		if n := e.fake.Count(cudatest.OpLaunch) - launches; n != 2 {
 			t.Fatalf("chunk %d: %d launches for a direct store and load, want one each", chunk, n)
 		}
+		// The first store (through the pinned buffers) and these two.
+		if onCPU, onGPU := m.SumJobs(); onCPU != 0 || onGPU != 3 {
+			t.Fatalf("chunk %d: jobs checksummed on the CPU %d, on the GPU %d; want 0 and 3", chunk, onCPU, onGPU)
+		}
 	}
 }
 
@@ -106,6 +110,9 @@ func TestSumsOnDeviceLeaveUnalignedSpansToTheCPU(t *testing.T) {
 	}
 	if n := e.fake.Count(cudatest.OpLaunch) - launches; n != 0 {
 		t.Fatalf("%d launches for spans the kernel cannot read", n)
+	}
+	if onCPU, onGPU := m.SumJobs(); onCPU != 2 || onGPU != 0 {
+		t.Fatalf("jobs checksummed on the CPU %d, on the GPU %d; want 2 and 0", onCPU, onGPU)
 	}
 }
 

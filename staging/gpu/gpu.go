@@ -158,6 +158,9 @@ type Mover struct {
 	yieldHook func()
 	// jobs counts the jobs in flight (run).
 	jobs atomic.Int32
+	// sumJobs counts the jobs with checksums by where they were computed:
+	// [0] the CPU, [1] the checksum kernel (SumJobs).
+	sumJobs [2]atomic.Uint64
 
 	mu     sync.RWMutex
 	closed bool
@@ -365,6 +368,22 @@ func (m *Mover) ChecksumOn() string {
 		return "gpu"
 	}
 	return "cpu"
+}
+
+// SumJobs counts the jobs that computed checksums, by where: with
+// Config.SumsOnDevice, onCPU counts the jobs the kernel could not take
+// (pieces not 16-byte aligned, too many spans, no pinned table).
+func (m *Mover) SumJobs() (onCPU, onGPU uint64) {
+	return m.sumJobs[0].Load(), m.sumJobs[1].Load()
+}
+
+// countSums counts a job with checksums computed on the device or not.
+func (m *Mover) countSums(onDevice bool) {
+	if onDevice {
+		m.sumJobs[1].Add(1)
+	} else {
+		m.sumJobs[0].Add(1)
+	}
 }
 
 // PinnedBytes is the pinned host memory the mover holds (its buffers and
