@@ -25,20 +25,11 @@ func TestGPUSumKernel(t *testing.T) {
 		t.Skip("GPU check: set KVHOST_GPU=1 on a machine with a CUDA GPU to run it")
 	}
 	rep := newReport(t, ".sums")
-	r, err := cuda.Open(envCUDA())
-	if err != nil {
-		t.Fatalf("cuda.Open: %v", err)
-	}
-	defer r.Close()
-	w, err := r.NewWorker(0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer w.Close()
+	r, w := openGPU(t, envCUDA())
 	ctx := context.Background()
 	const size = 64 << 20
 	rng := rand.New(rand.NewPCG(7, 8))
-	err = w.Do(ctx, func(w *cuda.Worker) error {
+	err := w.Do(ctx, func(w *cuda.Worker) error {
 		k, err := r.LoadSumKernel()
 		if err != nil {
 			return err

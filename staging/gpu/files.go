@@ -897,7 +897,7 @@ func (m *Mover) runMapped(ctx context.Context, mem []byte, p *transfer.Plan, chu
 		if onDevice {
 			// Before the copies, on the same stream: the kernel reads the
 			// bytes the store takes, and is done by chunk 0's event.
-			if err := run.launched(ln.sums.launch(dev, ln)); err != nil {
+			if err := run.called(ln.sums.launch(dev, ln)); err != nil {
 				return 0, err
 			}
 		}

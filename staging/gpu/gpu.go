@@ -259,18 +259,12 @@ func New(cfg Config) (*Mover, error) {
 		return nil, fmt.Errorf("gpu: pinned pool of %d bytes: %w", n*(bsize+tsize), err)
 	}
 	m.pin = pin
-	if entries > 0 {
-		if err := m.loadKernels(); err != nil {
+	if sums := cfg.SumsOnDevice && !cfg.NoChecksums; entries > 0 || sums {
+		if err := m.loadKernels(entries > 0, sums); err != nil {
 			m.freePinned()
 			return nil, fmt.Errorf("gpu: %w", err)
 		}
 		m.tableEntries, m.tableSize = entries, tsize
-	}
-	if cfg.SumsOnDevice && !cfg.NoChecksums {
-		if err := m.loadSumKernels(); err != nil {
-			m.Close()
-			return nil, fmt.Errorf("gpu: %w", err)
-		}
 	}
 	if cfg.RegisterFiles < 0 {
 		m.Close()
@@ -283,29 +277,25 @@ func New(cfg Config) (*Mover, error) {
 	return m, nil
 }
 
-// loadKernels loads the copy kernel on every device, or on none.
-func (m *Mover) loadKernels() error {
+// loadKernels loads the copy kernel (copy) and the checksum kernel (sum)
+// on every device, or, if one fails, none.
+func (m *Mover) loadKernels(copy, sum bool) error {
 	for _, d := range m.devs {
 		if err := m.onDevice(d, func() (err error) {
-			d.kernel, err = m.r.LoadCopyKernel()
-			return err
+			if copy {
+				if d.kernel, err = m.r.LoadCopyKernel(); err != nil {
+					return fmt.Errorf("copy kernel: %w", err)
+				}
+			}
+			if sum {
+				if d.sum, err = m.r.LoadSumKernel(); err != nil {
+					return fmt.Errorf("checksum kernel: %w", err)
+				}
+			}
+			return nil
 		}); err != nil {
 			m.unloadKernels()
-			return fmt.Errorf("copy kernel on device %d: %w", d.ordinal, err)
-		}
-	}
-	return nil
-}
-
-// loadSumKernels loads the checksum kernel on every device (Close
-// unloads those loaded if one fails).
-func (m *Mover) loadSumKernels() error {
-	for _, d := range m.devs {
-		if err := m.onDevice(d, func() (err error) {
-			d.sum, err = m.r.LoadSumKernel()
-			return err
-		}); err != nil {
-			return fmt.Errorf("checksum kernel on device %d: %w", d.ordinal, err)
+			return fmt.Errorf("device %d: %w", d.ordinal, err)
 		}
 	}
 	return nil

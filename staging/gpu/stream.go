@@ -158,17 +158,13 @@ func (m *Mover) startRun(dev *device, ln *lane, slots int) *laneRun {
 func (r *laneRun) recorded(s int, eerr error) error {
 	r.pending[s] = true
 	rerr := r.m.r.Record(r.ln.events[s], r.ln.stream)
-	err := errors.Join(eerr, rerr)
-	if err != nil {
-		r.broken = true
-		r.failed = cmp.Or(r.failed, err)
-	}
-	return err
+	return r.called(errors.Join(eerr, rerr))
 }
 
-// launched notes a kernel launch on the lane that returned err: a
-// failed one breaks the lane, as a failed enqueue does.
-func (r *laneRun) launched(err error) error {
+// called notes a CUDA call on the lane (an enqueue, a launch, a record, a
+// wait) that returned err: a failed one breaks the lane, and the first
+// failure is kept for the device's fault count.
+func (r *laneRun) called(err error) error {
 	if err != nil {
 		r.broken = true
 		r.failed = cmp.Or(r.failed, err)
@@ -182,12 +178,7 @@ func (r *laneRun) wait(s int) error {
 		return nil
 	}
 	r.pending[s] = false
-	if err := r.m.await(r.ln.events[s]); err != nil {
-		r.broken = true
-		r.failed = cmp.Or(r.failed, err)
-		return err
-	}
-	return nil
+	return r.called(r.m.await(r.ln.events[s]))
 }
 
 // finish waits for every copy the job enqueued (the whole stream after a
@@ -308,7 +299,7 @@ func (m *Mover) runStreamed(ctx context.Context, f fsys.File, chunks []chunk, de
 		if write && onDevice {
 			// Before the gathers, on the same stream: the kernel reads
 			// the bytes the store takes, and is done by chunk 0's event.
-			if err := run.launched(ln.sums.launch(dev, ln)); err != nil {
+			if err := run.called(ln.sums.launch(dev, ln)); err != nil {
 				return 0, err
 			}
 		}
