@@ -342,9 +342,14 @@ func TestHandleCacheSweepsForRemovedFilesAtMostOnceASecond(t *testing.T) {
 	if err := os.Remove(fs[0].Name()); err != nil {
 		t.Fatal(err)
 	}
-	c.release(acquireFile(t, c, fs[1])) // within the second: no sweep
-	if got := lastSweep(); !got.Equal(first) {
-		t.Fatalf("a registration within %v of the last sweep swept again", sweepEvery)
+	// A registration within the second does not sweep. The machine may
+	// be slow enough that the second has passed by now: the check is on
+	// the sweeps' times, not on how fast this registration comes, so a
+	// sweep counts against the bound only if it began within sweepEvery
+	// of the last one.
+	c.release(acquireFile(t, c, fs[1]))
+	if got := lastSweep(); !got.Equal(first) && got.Sub(first) < sweepEvery {
+		t.Fatalf("a registration %v after the last sweep swept again (at most one sweep per %v)", got.Sub(first), sweepEvery)
 	}
 	c.mu.Lock()
 	c.lastSweep = c.lastSweep.Add(-sweepEvery)

@@ -516,6 +516,11 @@ func TestMoverConcurrentJobsOnManyFiles(t *testing.T) {
 	}
 }
 
+// bindWait bounds the waits of the binds in
+// TestMoverCountsJobsFailingWithAStickyCUDAErrorAsDeviceFaults for each
+// other: a hang guard, never reached by a mover that runs both units.
+const bindWait = 60 * time.Second
+
 // TestMoverCountsJobsFailingWithAStickyCUDAErrorAsDeviceFaults: a job that
 // fails with a sticky CUDA error (a CUresult cuFile reports with
 // CU_FILE_CUDA_DRIVER_ERROR, or a failed binding of a worker to the
@@ -564,8 +569,11 @@ func TestMoverCountsJobsFailingWithAStickyCUDAErrorAsDeviceFaults(t *testing.T) 
 			// failing bind waits until device 1's unit is binding (the
 			// mover stops queueing units after a failure, so device 1's
 			// might never run), and device 1's until device 0 failed (so
-			// that device 0's error is the job's first). The waits are
-			// bounded: a mover that runs them otherwise still ends.
+			// that device 0's error is the job's first). A mover that
+			// runs both units does both without help from the clock; the
+			// waits are bounded (a hang guard, long enough for any slow
+			// machine) only so that a mover that runs them otherwise
+			// still ends, and then fails the checks below.
 			var armed atomic.Bool
 			var binds0 atomic.Int64
 			tried1, failed0 := make(chan struct{}), make(chan struct{})
@@ -577,14 +585,14 @@ func TestMoverCountsJobsFailingWithAStickyCUDAErrorAsDeviceFaults(t *testing.T) 
 						once1.Do(func() { close(tried1) })
 						select {
 						case <-failed0:
-						case <-time.After(time.Second):
+						case <-time.After(bindWait):
 						}
 					}
 					return &cuda.CallError{Func: "cudaSetDevice", Code: cuda.ErrorIllegalAddress}
 				case ordinal == 0 && tt.bind0 != nil && armed.Load() && binds0.Add(1) > 1:
 					select {
 					case <-tried1:
-					case <-time.After(time.Second):
+					case <-time.After(bindWait):
 					}
 					once0.Do(func() { close(failed0) })
 					return tt.bind0

@@ -1017,10 +1017,12 @@ func TestAutoPreallocateFollowsTheLargestRecentBurst(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			e := openEngine(t, Config{Mounts: []Mount{{Path: tmpfsDir(t), Capacity: capFiles * fileLen, HighWatermark: 0.9, LowWatermark: 0.8, Preallocate: tt.preallocate}},
 				Policy: newTestPolicy(1, 0), Memory: 1 << 40})
-			// A burst is what comes between quiet moments; a long quiet
-			// period keeps a slow machine's pauses inside one job from
-			// splitting it.
-			e.maker.quietFor.Store(int64(time.Second))
+			// A burst is what comes between quiet moments. The test says
+			// when they are: the quiet period is an hour while a burst's
+			// job runs, so that no pause of a slow machine inside the job
+			// splits it, and none once the job has ended, so that the
+			// maker ends the burst at once.
+			e.maker.quietFor.Store(0)
 			ns, err := e.Declare(context.Background(), g)
 			if err != nil {
 				t.Fatal(err)
@@ -1039,8 +1041,10 @@ func TestAutoPreallocateFollowsTheLargestRecentBurst(t *testing.T) {
 					blocks[k] = []int{(4 * k) % 64, (4*k + 1) % 64, (4*k + 2) % 64, (4*k + 3) % 64}
 					c.fill(r, blocks[k])
 				}
+				e.maker.quietFor.Store(int64(time.Hour))
 				storeAndCheck(t, e, c, keys, blocks) // one job: one burst
-				waitEngineSpares(t, e)
+				e.maker.quietFor.Store(0)
+				waitEngineSpares(t, e) // wakes the maker, which ends the burst
 				m := e.Stats().Mounts[0]
 				if m.Preallocate != int64(b.wantFiles*float64(fileLen)) {
 					t.Fatalf("after a burst of %d files: budget %d (%.3f files), want %g files", b.keys, m.Preallocate, float64(m.Preallocate)/float64(fileLen), b.wantFiles)

@@ -18,13 +18,20 @@ import (
 )
 
 // overlappingRemoves holds each removal of a data file until another
-// one is in flight too (overlapped is then closed), or until a bound
-// passes: removals one after another never overlap.
+// one is in flight too (overlapped is then closed). Removals one after
+// another never overlap: the first that waits for overlapWait (a hang
+// guard, which removals in parallel never reach however slow the
+// machine) gives up, and no removal waits after it, so that such an
+// engine ends the test soon, failing it.
 type overlappingRemoves struct {
 	inflight   atomic.Int64
 	once       sync.Once
 	overlapped chan struct{}
+	gaveUp     atomic.Bool
 }
+
+// overlapWait is how long a removal waits for another to overlap it.
+const overlapWait = 60 * time.Second
 
 func (o *overlappingRemoves) Inject(op fsys.Op, path string) fsys.Fault {
 	if op != fsys.OpRemove || !strings.HasSuffix(path, ".kv") {
@@ -33,9 +40,12 @@ func (o *overlappingRemoves) Inject(op fsys.Op, path string) fsys.Fault {
 	if o.inflight.Add(1) >= 2 {
 		o.once.Do(func() { close(o.overlapped) })
 	}
-	select {
-	case <-o.overlapped:
-	case <-time.After(2 * time.Second):
+	if !o.gaveUp.Load() {
+		select {
+		case <-o.overlapped:
+		case <-time.After(overlapWait):
+			o.gaveUp.Store(true)
+		}
 	}
 	o.inflight.Add(-1)
 	return fsys.Fault{}

@@ -6,6 +6,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -20,8 +21,15 @@ import (
 // of capacity bytes, publishing every interval.
 func clusterNode(t *testing.T, dir, id string, capacity int64, interval time.Duration) *node {
 	t.Helper()
+	return clusterNodeAt(t, dir, id, capacity, interval, nil)
+}
+
+// clusterNodeAt is clusterNode with the engine's clock now (Config.Now;
+// nil: the wall clock).
+func clusterNodeAt(t *testing.T, dir, id string, capacity int64, interval time.Duration, now func() time.Time) *node {
+	t.Helper()
 	e := openEngine(t, Config{Mounts: []Mount{{Path: dir, ClusterCapacity: capacity, ClusterInterval: interval}},
-		Policy: newTestPolicy(1, abi.OrderLayerMajor), NodeID: id})
+		Policy: newTestPolicy(1, abi.OrderLayerMajor), NodeID: id, Now: now})
 	g := smallGeometry(true)
 	ns, err := e.Declare(context.Background(), g)
 	if err != nil {
@@ -129,11 +137,15 @@ func TestClusterEvictionFollowsThePolicysRank(t *testing.T) {
 	fileSize := probe.e.Stats().Mounts[0].Used
 	capacity := 6 * fileSize
 	p, q := []byte("keep-me"), []byte("evict-me")
-	// A cut another node published counts for two of its intervals. With
-	// ticks of 20 ms, on a machine loaded with busy loops beside the race
-	// detector, this test failed in 2 of about 55 runs: B, at its claim,
-	// evicted its own files (37 of them) and A kept its 2 lower-ranked
-	// ones, for 60 s of further stores by B. With 100 ms: 0 of 140.
+	// A cut another node published counts for two of its intervals. On the
+	// wall clock, on a machine loaded with busy loops beside the race
+	// detector, this test failed (2 of about 55 runs with ticks of 20 ms):
+	// A's tick came too late for B's cut, and B, at its claim, evicted its
+	// own files (37 of them) while A kept its 2 lower-ranked ones. So the
+	// nodes share a clock (Config.Now) that moves a microsecond per
+	// reading: summaries and cuts age by the engines' work, not by how
+	// slowly the machine runs them, and ranks still follow the order of
+	// the accesses. The ticks themselves still come every interval.
 	const interval = 100 * time.Millisecond
 	tests := []struct {
 		name  string
@@ -147,6 +159,14 @@ func TestClusterEvictionFollowsThePolicysRank(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			ctx := context.Background()
 			dir := t.TempDir()
+			var mu sync.Mutex
+			now := time.Now()
+			clock := func() time.Time {
+				mu.Lock()
+				defer mu.Unlock()
+				now = now.Add(time.Microsecond)
+				return now
+			}
 			tp := newTestPolicy(1, abi.OrderLayerMajor)
 			rp := &rankingPolicy{testPolicy: tp, keep: map[uint64]bool{abi.KeyHash(p): true}}
 			var pol policy.Policy = tp
@@ -154,20 +174,27 @@ func TestClusterEvictionFollowsThePolicysRank(t *testing.T) {
 				pol = rp
 			}
 			ea := openEngine(t, Config{Mounts: []Mount{{Path: dir, ClusterCapacity: capacity, ClusterInterval: interval}},
-				Policy: pol, NodeID: "a"})
+				Policy: pol, NodeID: "a", Now: clock})
 			g := smallGeometry(true)
 			ns, err := ea.Declare(ctx, g)
 			if err != nil {
 				t.Fatal(err)
 			}
 			a := &node{e: ea, ns: ns, c: newTestCache(t, ea, ns, g, 64, layoutPlaneFirst)}
-			b := clusterNode(t, dir, "b", capacity, interval)
+			b := clusterNodeAt(t, dir, "b", capacity, interval, clock)
 			r := rand.New(rand.NewPCG(37, 37))
 			for i, k := range [][]byte{p, q} {
 				bl := []int{4 * i, 4*i + 1, 4*i + 2, 4*i + 3}
 				a.c.fill(r, bl)
 				storeAndCheck(t, a.e, a.c, [][]byte{k}, [][]int{bl})
 			}
+			// B stores once A's summary ranks P and Q (A's next tick):
+			// B's cut-offs before that cannot reach them, and B, storing
+			// faster than a slow machine runs A's ticker, would make its
+			// room by evicting its own files alone.
+			testwait.Until(t, "node A publishing the ranks of P and Q", 30*time.Second, func() bool {
+				return publishedBytes(a.e) == 2*fileSize
+			})
 			for i := 0; i < 40 && a.e.Stats().Evictions == 0; i++ {
 				bl := []int{4 * (i % 16), 4*(i%16) + 1, 4*(i%16) + 2, 4*(i%16) + 3}
 				b.c.fill(r, bl)
@@ -187,6 +214,15 @@ func TestClusterEvictionFollowsThePolicysRank(t *testing.T) {
 			}
 		})
 	}
+}
+
+// publishedBytes is the bytes of the files that e's last published summary
+// ranks on its first mount (its sketch).
+func publishedBytes(e *Engine) int64 {
+	c := e.mounts[0].cluster
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.lastSketch().Total()
 }
 
 // TestClusterAdoptsADeadNodesFiles: node D stores 3 files after node A

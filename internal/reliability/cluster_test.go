@@ -343,13 +343,16 @@ func TestClusterDeleteOnOneNodeRacingStoreOnAnother(t *testing.T) {
 			continue
 		}
 		gone++
+		seen := time.Now() // the scan saw the file gone
 		for i, n := range nodes {
-			if !waitFor(ctx, sharedVerify+sharedSlack, 10*time.Millisecond, func() bool {
-				h, err := n.lookup(ctx, [][]byte{key})
-				return err == nil && h == 0
-			}) {
+			missed, late := awaitMiss(ctx, seen, func() (int, error) { return n.lookup(ctx, [][]byte{key}) })
+			switch {
+			case late > 0:
 				stale++
-				t.Errorf("node-%d: %s is gone from disk, its lookup still hits after %v", i+1, key, sharedVerify+sharedSlack)
+				t.Errorf("node-%d: %s is gone from disk, its lookup sent %v later still hits (verify_interval %v, slack %v)", i+1, key, late.Round(time.Millisecond), sharedVerify, sharedSlack)
+			case !missed:
+				stale++
+				t.Errorf("node-%d: %s is gone from disk, its lookup neither missed nor answered within %v", i+1, key, clusterWait)
 			}
 			res, err := n.k.load(ctx, [][]byte{key})
 			if err != nil {

@@ -21,8 +21,14 @@ import (
 
 // serveDeadline is how long a well-behaved new client may take to be
 // served (dial, handshake, register, declare, store, load) while hostile
-// clients hold the daemon: refusals are retried until then.
-const serveDeadline = 15 * time.Second
+// clients hold the daemon: refusals are retried until then. It bounds the
+// daemon's closing of hostile connections too. Where the daemon frees
+// slots by a deadline of its own (frame_timeout, 10 s by default, for
+// frames begun and not finished), a client is served only after it: the
+// bound is 4.5 times that, so that a slow machine cannot make a correct
+// daemon miss it, and below idle_timeout (60 s), so that a daemon that
+// frees those slots only when they go idle still fails.
+const serveDeadline = 45 * time.Second
 
 // hostileCounts are one hostile case's results.
 type hostileCounts struct {

@@ -16,12 +16,46 @@ import (
 )
 
 // sharedVerify is the daemons' verify_interval in the shared-directory
-// scenarios, and sharedSlack what a hit may take beyond it on a loaded
-// machine before it counts as stale.
+// scenarios. sharedSlack is a margin beyond it for the file system, whose
+// clients may show another client's change a moment late (a distributed
+// file system's attribute caches): a lookup sent more than both after a
+// key's file was seen removed or replaced must miss. It is no allowance
+// for a slow machine: the checks bound when a lookup was sent, never how
+// long anything took (staleHit).
 const (
 	sharedVerify = 200 * time.Millisecond
 	sharedSlack  = 800 * time.Millisecond
 )
+
+// staleHit reports whether a lookup hit sent at sent, on a key whose file
+// was seen removed or replaced at gone, is stale. The daemon checks a hit
+// against the disk when the entry's last check is more than verify_interval
+// older than the lookup; that check came before gone (a later one would have
+// seen the change), and the daemon reads its clock after sent: so past
+// the bound every hit is stale, however slowly the machine runs the
+// daemons or the test.
+func staleHit(sent, gone time.Time) bool { return sent.Sub(gone) > sharedVerify+sharedSlack }
+
+// awaitMiss polls lookup until it misses and reports whether it did, or
+// the age (since gone, when the key's file was seen removed or replaced)
+// of the first stale hit (staleHit), which ends the wait. clusterWait
+// bounds the wait, a hang guard for lookups that keep failing.
+func awaitMiss(ctx context.Context, gone time.Time, lookup func() (int, error)) (missed bool, stale time.Duration) {
+	waitFor(ctx, clusterWait, 10*time.Millisecond, func() bool {
+		sent := time.Now()
+		n, err := lookup()
+		switch {
+		case err != nil:
+			return false
+		case n == 0:
+			missed = true
+		case staleHit(sent, gone):
+			stale = sent.Sub(gone)
+		}
+		return missed || stale > 0
+	})
+	return missed, stale
+}
 
 // startNodes starts one daemon per entry of mounts, "node-a", "node-b", …,
 // each with its own socket and node identity, keys_per_file = 4, a short
@@ -56,7 +90,7 @@ func nodeName(i int) string { return string(rune('A' + i)) }
 // sharedCounts are the shared-directory scenarios' results.
 type sharedCounts struct {
 	ops, lookups, stores, deletes, loads atomic.Int64
-	staleHits                            atomic.Int64 // lookup hits on a key gone for longer than the verify interval (+ slack)
+	staleHits                            atomic.Int64 // lookup hits sent longer than the verify interval (+ slack) after the key was seen gone
 	falsePresent                         atomic.Int64 // `present` answers whose next load on that daemon did not load the key
 	lostStored                           atomic.Int64 // `stored` answers whose next load on that daemon did not load the key
 	foreignDeleted                       atomic.Int64 // keys removed by a delete of a key in another file
@@ -181,17 +215,19 @@ func inodeReuse(t *testing.T, mounts []string) {
 
 	t.Run("lookup", func(t *testing.T) {
 		kb, _, nb, na := setup(t, 0, "lk", nil)
-		start := time.Now()
+		replaced := time.Now() // A's store has answered: the file is A's
 		counts.lookups.Add(1)
-		miss := waitFor(ctx, sharedVerify+sharedSlack, 10*time.Millisecond, func() bool {
-			n, err := kb.c.Lookup(ctx, kb.ns.ID, keyList("lk-b"))
-			return err == nil && n == 0
+		miss, stale := awaitMiss(ctx, replaced, func() (int, error) {
+			return kb.c.Lookup(ctx, kb.ns.ID, keyList("lk-b"))
 		})
-		if !miss {
+		switch {
+		case stale > 0:
 			counts.staleHits.Add(1)
-			t.Fatalf("%s's lookup of lk-b still hits %v after %s replaced the file (verify_interval %v)", nb, time.Since(start).Round(time.Millisecond), na, sharedVerify)
+			t.Fatalf("%s's lookup of lk-b, sent %v after %s replaced the file, still hits (verify_interval %v, slack %v)", nb, stale.Round(time.Millisecond), na, sharedVerify, sharedSlack)
+		case !miss:
+			t.Fatalf("%s's lookup of lk-b neither missed nor answered within %v", nb, clusterWait)
 		}
-		t.Logf("%s's lookup of lk-b missed after %v", nb, time.Since(start).Round(time.Millisecond))
+		t.Logf("%s's lookup of lk-b missed after %v", nb, time.Since(replaced).Round(time.Millisecond))
 	})
 	t.Run("store", func(t *testing.T) {
 		kb, _, nb, _ := setup(t, 1, "st", nil)
@@ -460,8 +496,9 @@ func (m *mixer) delete(ctx context.Context, x int, g *sharedGroup, key []byte) (
 	return after, nil
 }
 
-// lookup looks key up on daemon x: a hit on a key gone from disk for longer
-// than the verify interval (and slack) is stale.
+// lookup looks key up on daemon x: a hit on a key gone from disk, sent
+// longer than the verify interval (and slack) after a scan saw it gone, is
+// stale (staleHit).
 func (m *mixer) lookup(ctx context.Context, x int, g *sharedGroup, key []byte) error {
 	k := m.ks[x]
 	sent := time.Now()
@@ -471,9 +508,9 @@ func (m *mixer) lookup(ctx context.Context, x int, g *sharedGroup, key []byte) e
 	}
 	m.counts.lookups.Add(1)
 	if n == 1 && !g.present[string(key)] {
-		if gone := sent.Sub(g.changed[string(key)]); gone > sharedVerify+sharedSlack {
+		if changed := g.changed[string(key)]; staleHit(sent, changed) {
 			m.counts.staleHits.Add(1)
-			m.report("%s: lookup of %s hits, gone from disk for %v", nodeName(x), key, gone.Round(time.Millisecond))
+			m.report("%s: lookup of %s hits, gone from disk for %v", nodeName(x), key, sent.Sub(changed).Round(time.Millisecond))
 		}
 	}
 	return nil

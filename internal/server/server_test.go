@@ -607,9 +607,12 @@ func TestNoLeaks(t *testing.T) {
 }
 
 // TestShutdownWithStuckClient: a client that sends requests but never reads
-// replies cannot hold the daemon's shutdown beyond the grace period.
+// replies cannot hold the daemon's shutdown beyond the grace period. The
+// write timeout is an hour, so the grace period is the only thing that can
+// end the stuck session: the wait for the shutdown is a hang guard, not a
+// measurement.
 func TestShutdownWithStuckClient(t *testing.T) {
-	f := newFixture(t, server.Config{ShutdownTimeout: 100 * time.Millisecond})
+	f := newFixture(t, server.Config{ShutdownTimeout: 100 * time.Millisecond, WriteTimeout: time.Hour})
 	r := f.raw(t)
 	r.send(1, &protocol.Hello{Version: protocol.Version})
 	frame := protocol.AppendFrame(nil, 2, &protocol.StatsRequest{})
@@ -628,7 +631,7 @@ func TestShutdownWithStuckClient(t *testing.T) {
 	go func() { f.stop(t); close(done) }()
 	select {
 	case <-done:
-	case <-time.After(10 * time.Second):
+	case <-time.After(60 * time.Second):
 		t.Fatal("shutdown blocked by a client that does not read")
 	}
 }
