@@ -95,11 +95,11 @@ stop_daemon() {
 	"$bin/gds-gpu.test" -test.run GPU -test.v
 [ "${BATCH:-0}" = 1 ] && run gds-batch env KVHOST_GPU_BATCH=1 KVHOST_GPU_DIR="$disk" \
 	"$bin/gds-gpu.test" -test.run GPUBatch -test.v -test.timeout 210s
-# The staging pipeline's check and benchmark, and the checksum kernel
-# (its registers against the CPU's, its speed, the mover with checksums on
-# the GPU).
+# The staging pipeline's check and benchmark, the checksum kernel (its
+# registers against the CPU's, its speed, the mover with checksums on the
+# GPU), and what registering files costs copies on other streams.
 [ "${STAGING:-1}" = 1 ] && run staging env KVHOST_GPU=1 KVHOST_GPU_TMPFS="$shm" KVHOST_GPU_DISK="$disk" \
-	"$bin/staging-gpu.test" -test.run 'TestGPUCheckAndBenchmark|TestGPUSumKernel' -test.v
+	"$bin/staging-gpu.test" -test.run 'TestGPUCheckAndBenchmark|TestGPUSumKernel|TestGPURegistrationBesideCopies' -test.v
 # CUDA IPC registration from a torch process, with the real runtime: the
 # daemon finds the tensor's bytes in what it imported; bad handles and
 # ranges get clear errors; imports close on unregister and on client exit.

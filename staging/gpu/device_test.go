@@ -393,6 +393,20 @@ func errorsJoin(a, b error) error {
 	return fmt.Errorf("%w; %w", a, b)
 }
 
+// benchDir is an empty directory for a GPU test's files, name under
+// KVHOST_GPU_TMPFS (default /dev/shm/kvhost-gpu-bench), removed with what
+// it holds when the test ends.
+func benchDir(t *testing.T, name string) string {
+	t.Helper()
+	dir := filepath.Join(envOr("KVHOST_GPU_TMPFS", "/dev/shm/kvhost-gpu-bench"), name)
+	os.RemoveAll(dir)
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	return dir
+}
+
 func envOr(k, def string) string {
 	if v := os.Getenv(k); v != "" {
 		return v

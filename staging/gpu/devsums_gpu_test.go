@@ -106,12 +106,7 @@ func TestGPUSumKernel(t *testing.T) {
 	}
 
 	// The mover, checksums on the device, files on a memory mount.
-	dir := filepath.Join(envOr("KVHOST_GPU_TMPFS", "/dev/shm/kvhost-gpu-bench"), "sums")
-	os.RemoveAll(dir)
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		t.Fatal(err)
-	}
-	defer os.RemoveAll(dir)
+	dir := benchDir(t, "sums")
 	g := llama8B()
 	g.numBlocks = 32
 	kv := newCache(t, w, g)

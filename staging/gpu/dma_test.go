@@ -70,12 +70,7 @@ func TestGPUWritesBesideDMA(t *testing.T) {
 	for i := range wb {
 		wb[i] = byte(i*7 + 3)
 	}
-	dir := envOr("KVHOST_GPU_TMPFS", "/dev/shm/kvhost-gpu-dma")
-	os.RemoveAll(dir)
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		t.Fatal(err)
-	}
-	defer os.RemoveAll(dir)
+	dir := benchDir(t, "dma")
 
 	pass := 0
 	run := func(name string, dma int, rate float64) {

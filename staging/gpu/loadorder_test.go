@@ -3,7 +3,6 @@ package gpu
 import (
 	"fmt"
 	"os"
-	"path/filepath"
 	"testing"
 )
 
@@ -30,12 +29,7 @@ func TestGPURegisteredLoadOrder(t *testing.T) {
 	}
 	kv := newCache(t, w, g)
 	orig := kv.randomize(t, w, 3)
-	dir := filepath.Join(envOr("KVHOST_GPU_TMPFS", "/dev/shm/kvhost-gpu-bench"), "loadorder")
-	os.RemoveAll(dir)
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		t.Fatal(err)
-	}
-	defer os.RemoveAll(dir)
+	dir := benchDir(t, "loadorder")
 	files := 1024
 	if small {
 		files = 8

@@ -26,17 +26,8 @@ func TestGPURegistrationThreads(t *testing.T) {
 		t.Skip("set KVHOST_GPU=1 on a machine with a CUDA GPU to run it")
 	}
 	rep := newReport(t, "")
-	r, err := cuda.Open(envCUDA())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer r.Close()
-	dir := filepath.Join(envOr("KVHOST_GPU_TMPFS", "/dev/shm/kvhost-gpu-bench"), "regrate")
-	os.RemoveAll(dir)
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		t.Fatal(err)
-	}
-	defer os.RemoveAll(dir)
+	r, _ := openGPU(t, envCUDA())
+	dir := benchDir(t, "regrate")
 	const total = 1 << 30
 	for _, size := range []int{2 << 20, 32 << 20} {
 		paths := make([]string, total/size)

@@ -22,10 +22,7 @@ func TestGPUSweep(t *testing.T) {
 	g := llama8B()
 	kv := newCache(t, w, g)
 	kv.randomize(t, w, 1)
-	dir := envOr("KVHOST_GPU_TMPFS", "/dev/shm/kvhost-gpu-sweep")
-	os.RemoveAll(dir)
-	os.MkdirAll(dir, 0o755)
-	defer os.RemoveAll(dir)
+	dir := benchDir(t, "sweep")
 	const files, jobs = 128, 16
 	rnd := rand.New(rand.NewPCG(3, 3))
 	plans := make([]*transfer.Plan, files)

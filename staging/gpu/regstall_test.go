@@ -1,0 +1,203 @@
+package gpu
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/kvhost/kvhost/internal/cuda"
+)
+
+// TestGPURegistrationBesideCopies measures whether registering memory
+// with CUDA holds up the copies other streams have in flight, which is
+// what the registrar's rule of waiting only for jobs through the pinned
+// buffers assumes it does not do much of: 8 workers, each on its own
+// stream, copy 32 MiB from pinned memory to the device back to back for
+// a second, with nothing beside them, and while one more thread maps,
+// registers, unregisters and unmaps files of 2 MiB or of 32 MiB on
+// KVHOST_GPU_TMPFS one after another, as the registrar does. Three
+// rounds, the order turned each round. Every registration must succeed
+// and map its own file, and each device buffer must hold its worker's
+// bytes at the end. KVHOST_GPU=1 runs it.
+func TestGPURegistrationBesideCopies(t *testing.T) {
+	if os.Getenv("KVHOST_GPU") != "1" {
+		t.Skip("set KVHOST_GPU=1 on a machine with a CUDA GPU to run it")
+	}
+	rep := newReport(t, "")
+	r, _ := openGPU(t, envCUDA())
+	dir := benchDir(t, "regstall")
+	files := map[int][]string{}
+	for _, size := range []int{2 << 20, 32 << 20} {
+		page := make([]byte, size)
+		for i := range (256 << 20) / size {
+			p := filepath.Join(dir, fmt.Sprintf("f%03d-%d", i, size))
+			page[0] = byte(i)
+			if err := os.WriteFile(p, page, 0o644); err != nil {
+				t.Fatal(err)
+			}
+			files[size] = append(files[size], p)
+		}
+	}
+
+	const workers, n = 8, 32 << 20
+	ws := make([]*cuda.Worker, workers)
+	host := make([]*cuda.Pinned, workers)
+	dev := make([]*cuda.DeviceMemory, workers)
+	for i := range ws {
+		w, err := r.NewWorker(0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer w.Close()
+		ws[i] = w
+		if err := w.Do(context.Background(), func(w *cuda.Worker) error {
+			if host[i], err = r.HostAlloc(n); err != nil {
+				return err
+			}
+			dev[i], err = r.Malloc(0, n)
+			return err
+		}); err != nil {
+			t.Fatal(err)
+		}
+		defer host[i].Free()
+		defer dev[i].Close()
+		b := host[i].Bytes()[:n]
+		for j := range b {
+			b[j] = byte(i + j)
+		}
+	}
+
+	// copyFor copies from every worker's pinned buffer to its device
+	// buffer, one synchronized 32 MiB copy after another, until d has
+	// passed, and returns the bytes copied and the time it took.
+	copyFor := func(d time.Duration) (int64, time.Duration) {
+		var total atomic.Int64
+		errs := make([]error, workers)
+		var wg sync.WaitGroup
+		start := time.Now()
+		end := start.Add(d)
+		for i, w := range ws {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				errs[i] = w.Do(context.Background(), func(w *cuda.Worker) error {
+					for time.Now().Before(end) {
+						if err := r.CopyH2D(dev[i].Ptr(), host[i].Ptr(), n, w.Stream()); err != nil {
+							return err
+						}
+						if err := r.Sync(w.Stream()); err != nil {
+							return err
+						}
+						total.Add(n)
+					}
+					return nil
+				})
+			}()
+		}
+		wg.Wait()
+		took := time.Since(start)
+		if err := errors.Join(errs...); err != nil {
+			t.Fatal(err)
+		}
+		return total.Load(), took
+	}
+
+	// register maps and registers the files in turn, then unregisters
+	// and unmaps each, on a thread with device 0 current, until stop is
+	// closed; it returns how many it registered.
+	register := func(paths []string, size int, stop <-chan struct{}) (int, error) {
+		unlock, err := r.LockDevice(0)
+		if err != nil {
+			return 0, err
+		}
+		defer unlock()
+		for k := 0; ; k++ {
+			select {
+			case <-stop:
+				return k, nil
+			default:
+			}
+			i := k % len(paths)
+			fd, err := unix.Open(paths[i], unix.O_RDWR|unix.O_CLOEXEC, 0)
+			if err != nil {
+				return k, err
+			}
+			mem, err := unix.Mmap(fd, 0, size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED|unix.MAP_POPULATE)
+			unix.Close(fd)
+			if err != nil {
+				return k, err
+			}
+			err = r.HostRegister(mem)
+			if err == nil && mem[0] != byte(i) {
+				err = fmt.Errorf("%s maps byte %d, want %d", paths[i], mem[0], byte(i))
+			}
+			if err == nil {
+				err = r.HostUnregister(mem)
+			}
+			if err = errors.Join(err, unix.Munmap(mem)); err != nil {
+				return k, err
+			}
+		}
+	}
+
+	copyFor(200 * time.Millisecond) // warm-up
+	beside := []int{0, 2 << 20, 32 << 20}
+	for round := range 3 {
+		for k := range beside {
+			size := beside[(k+round)%len(beside)]
+			stop := make(chan struct{})
+			type result struct {
+				n   int
+				err error
+			}
+			done := make(chan result, 1)
+			if size > 0 {
+				go func() {
+					n, err := register(files[size], size, stop)
+					done <- result{n, err}
+				}()
+			}
+			moved, took := copyFor(time.Second)
+			close(stop)
+			what, rate := "nothing", ""
+			if size > 0 {
+				res := <-done
+				if res.err != nil {
+					t.Fatal(res.err)
+				}
+				what = fmt.Sprintf("registrations of %d MiB", size>>20)
+				rate = fmt.Sprintf(": %.0f registrations/s", float64(res.n)/took.Seconds())
+			}
+			rep.printf("copies H2D, %d streams of 32 MiB, round %d, beside %-26s %6.2f GB/s%s", workers, round, what+":", gbps(moved, took), rate)
+		}
+	}
+
+	// Every device buffer holds its worker's bytes.
+	check, err := r.HostAlloc(n)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer check.Free()
+	for i, w := range ws {
+		if err := w.Do(context.Background(), func(w *cuda.Worker) error {
+			if err := r.CopyD2H(check.Ptr(), dev[i].Ptr(), n, w.Stream()); err != nil {
+				return err
+			}
+			return r.Sync(w.Stream())
+		}); err != nil {
+			t.Fatal(err)
+		}
+		if !bytes.Equal(check.Bytes()[:n], host[i].Bytes()[:n]) {
+			t.Fatalf("device buffer %d does not hold its worker's bytes", i)
+		}
+	}
+}
