@@ -606,7 +606,7 @@ func (m *Mover) run(ctx context.Context, f fsys.File, p *transfer.Plan, sums []u
 	if m.files != nil && p.Memory {
 		// The registrar waits for these stores and loads (streamShare).
 		// Jobs on registered files are not counted: a registration
-		// beside them costs them 2–9% (TestGPURegistrationBesideCopies).
+		// beside them costs them 2–10% (TestGPURegistrationBesideCopies).
 		// Jobs on a disk are not counted: they run at the disk's speed,
 		// and a slow disk's jobs would hold the memory mounts'
 		// registrations back (their cost beside registrations was not

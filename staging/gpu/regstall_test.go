@@ -24,8 +24,9 @@ import (
 // stream, copy 32 MiB from pinned memory to the device back to back for
 // a second, with nothing beside them, and while one more thread maps,
 // registers, unregisters and unmaps files of 2 MiB or of 32 MiB on
-// KVHOST_GPU_TMPFS one after another, as the registrar does. Three
-// rounds, the order turned each round. Every registration must succeed
+// KVHOST_GPU_TMPFS one after another, as the registrar does; then that
+// thread alone, for the registrations' own rate with no copies beside
+// them. Three rounds, the order turned each round. Every registration must succeed
 // and map its own file, and each device buffer must hold its worker's
 // bytes at the end. KVHOST_GPU=1 runs it.
 func TestGPURegistrationBesideCopies(t *testing.T) {
@@ -150,15 +151,28 @@ func TestGPURegistrationBesideCopies(t *testing.T) {
 	}
 
 	copyFor(200 * time.Millisecond) // warm-up
+	type result struct {
+		n   int
+		err error
+	}
+	// registerFor registers files of size in turn for d, with nothing
+	// beside it, and returns the registrations a second.
+	registerFor := func(size int, d time.Duration) float64 {
+		stop := make(chan struct{})
+		timer := time.AfterFunc(d, func() { close(stop) })
+		defer timer.Stop()
+		start := time.Now()
+		n, err := register(files[size], size, stop)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return float64(n) / time.Since(start).Seconds()
+	}
 	beside := []int{0, 2 << 20, 32 << 20}
 	for round := range 3 {
 		for k := range beside {
 			size := beside[(k+round)%len(beside)]
 			stop := make(chan struct{})
-			type result struct {
-				n   int
-				err error
-			}
 			done := make(chan result, 1)
 			if size > 0 {
 				go func() {
@@ -178,6 +192,9 @@ func TestGPURegistrationBesideCopies(t *testing.T) {
 				rate = fmt.Sprintf(": %.0f registrations/s", float64(res.n)/took.Seconds())
 			}
 			rep.printf("copies H2D, %d streams of 32 MiB, round %d, beside %-26s %6.2f GB/s%s", workers, round, what+":", gbps(moved, took), rate)
+		}
+		for _, size := range beside[1:] {
+			rep.printf("registrations of %2d MiB, round %d, with no copies beside them: %.0f registrations/s", size>>20, round, registerFor(size, time.Second))
 		}
 	}
 
