@@ -305,7 +305,7 @@ var (
 	dGPUFileWaits   = desc("kvhost_gpu_file_registration_waits_total", "Registrations the registrar put off while stores moved through the pinned buffers.")
 	dGPUFileWaited  = desc("kvhost_gpu_file_registration_wait_seconds_total", "Time the registrar waited for stores through the pinned buffers before registering files.")
 	dGPUFileJobs    = desc("kvhost_gpu_direct_file_jobs_total", "Jobs that moved a registered file directly between the GPU and its pages, by direction.", "direction")
-	dGPUSumJobs     = desc("kvhost_gpu_checksum_jobs_total", "GPU staging jobs with payload checksums, by where they were computed: cpu or gpu (gpu.checksum_on).", "on")
+	dGPUSumJobs     = desc("kvhost_gpu_checksum_jobs_total", "GPU staging jobs that succeeded with payload checksums, by where they were computed: cpu or gpu (gpu.checksum_on).", "on")
 	dGPUPinInUse    = desc("kvhost_gpu_staging_buffers_in_use", "Pinned buffers of the GPU staging pipeline that jobs hold now.")
 	dGPUPinTotal    = desc("kvhost_gpu_staging_buffers", "Pinned buffers of the GPU staging pipeline, allocated once at start (gpu.staging_memory).")
 	dGPUPinSize     = desc("kvhost_gpu_staging_buffer_bytes", "Size of one pinned buffer of the GPU staging pipeline.")

@@ -31,8 +31,7 @@ type devSums struct {
 // a table that holds them. It reports false, and the CPU checksums the
 // job, where dev has no checksum kernel, where the kernel cannot take
 // every span, or where no table could be allocated.
-func (m *Mover) sumsOnDevice(dev *device, ln *lane, chunks []chunk) (ok bool) {
-	defer func() { m.countSums(ok) }()
+func (m *Mover) sumsOnDevice(dev *device, ln *lane, chunks []chunk) bool {
 	if dev.sum == nil {
 		return false
 	}

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"math/rand/v2"
 	"os"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -162,4 +163,41 @@ func storedKeyFile(t *testing.T, registered bool) (*env, *Mover, *cache, [][]byt
 		testwait.Until(t, "the file registered", 10*time.Second, func() bool { return m.FileStats().Files == 1 })
 	}
 	return e, m, kv, orig, host, kf
+}
+
+// TestSumJobsCountOnlyJobsThatComputedChecksums: the checksum-jobs count
+// (kvhost_gpu_checksum_jobs_total) takes a job once it succeeded, by
+// where its checksums were computed: not a job whose launch failed, nor
+// one none of whose extents feeds a checksum (nothing was computed).
+func TestSumJobsCountOnlyJobsThatComputedChecksums(t *testing.T) {
+	e, m, kv, orig, host, kf := storedKeyFile(t, false)
+	onCPU, onGPU := m.SumJobs()
+	unchanged := func(what string) {
+		t.Helper()
+		if c, g := m.SumJobs(); c != onCPU || g != onGPU {
+			t.Fatalf("%s: jobs checksummed on the CPU %d → %d, on the GPU %d → %d; want no change", what, onCPU, c, onGPU, g)
+		}
+	}
+	e.fake.Fail(cudatest.OpLaunch, 1, 719)
+	_, err := m.WriteFile(context.Background(), kf.f, kf.p, make([]uint32, kf.p.Sums))
+	e.fake.Fail(cudatest.OpLaunch, 0, 0)
+	if err == nil {
+		t.Fatal("a store whose launch failed succeeded")
+	}
+	unchanged("a store whose launch failed")
+
+	p := *kf.p
+	p.Extents = slices.Clone(p.Extents)
+	for i := range p.Extents {
+		p.Extents[i].Sum = -1
+	}
+	if _, err := m.WriteFile(context.Background(), kf.f, &p, make([]uint32, p.Sums)); err != nil {
+		t.Fatal(err)
+	}
+	unchanged("a store with no extent feeding a checksum")
+
+	roundTrip(t, e, m, kv, kf, host, orig)
+	if c, g := m.SumJobs(); c != onCPU || g != onGPU+2 {
+		t.Fatalf("after a store and a load: on the CPU %d, on the GPU %d; want %d and %d", c, g, onCPU, onGPU+2)
+	}
 }

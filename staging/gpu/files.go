@@ -808,14 +808,18 @@ func (m *Mover) runMapped(ctx context.Context, mem []byte, p *transfer.Plan, chu
 		base := uintptr(unsafe.Pointer(unsafe.SliceData(mem)))
 		d := len(ln.events)
 		run := m.startRun(dev, ln, d)
+		var onDevice bool
 		defer func() {
 			if werr := run.finish(); err == nil && werr != nil {
 				total, err = 0, werr
 			}
+			if err == nil {
+				m.countSums(chunks, sums, onDevice)
+			}
 		}()
 		wait := run.wait
 		y := staging.Yielder{Every: m.cfg.YieldBytes, Yield: m.yieldHook}
-		onDevice := sums != nil && m.sumsOnDevice(dev, ln, chunks)
+		onDevice = sums != nil && m.sumsOnDevice(dev, ln, chunks)
 		cpuSums := sums
 		if onDevice {
 			cpuSums = nil

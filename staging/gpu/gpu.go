@@ -360,20 +360,37 @@ func (m *Mover) ChecksumOn() string {
 	return "cpu"
 }
 
-// SumJobs counts the jobs that computed checksums, by where: with
-// Config.SumsOnDevice, onCPU counts the jobs the kernel could not take
-// (pieces not 16-byte aligned, too many spans, no pinned table).
+// SumJobs counts the jobs that succeeded and computed checksums, by
+// where: with Config.SumsOnDevice, onCPU counts the jobs the kernel could
+// not take (pieces not 16-byte aligned, too many spans, no pinned table).
 func (m *Mover) SumJobs() (onCPU, onGPU uint64) {
 	return m.sumJobs[0].Load(), m.sumJobs[1].Load()
 }
 
-// countSums counts a job with checksums computed on the device or not.
-func (m *Mover) countSums(onDevice bool) {
+// countSums counts a job that succeeded by where its checksums were
+// computed; a job none of whose pieces feeds a checksum computed none,
+// and is not counted.
+func (m *Mover) countSums(chunks []chunk, sums []uint32, onDevice bool) {
+	if sums == nil || !feedsSums(chunks) {
+		return
+	}
 	if onDevice {
 		m.sumJobs[1].Add(1)
 	} else {
 		m.sumJobs[0].Add(1)
 	}
+}
+
+// feedsSums reports whether a piece of chunks feeds a checksum.
+func feedsSums(chunks []chunk) bool {
+	for i := range chunks {
+		for _, p := range chunks[i].pieces {
+			if p.sum >= 0 {
+				return true
+			}
+		}
+	}
+	return false
 }
 
 // PinnedBytes is the pinned host memory the mover holds (its buffers and

@@ -257,6 +257,7 @@ func (m *Mover) runStreamed(ctx context.Context, f fsys.File, chunks []chunk, de
 		}
 		d := len(bufs)
 		run := m.startRun(dev, ln, d)
+		var onDevice bool
 		defer func() {
 			werr := run.finish()
 			for _, b := range bufs { // every copy that could touch them is done
@@ -265,12 +266,15 @@ func (m *Mover) runStreamed(ctx context.Context, f fsys.File, chunks []chunk, de
 			if err == nil && werr != nil {
 				total, err = 0, werr
 			}
+			if err == nil {
+				m.countSums(chunks, sums, onDevice)
+			}
 		}()
 		wait := run.wait
 		y := staging.Yielder{Every: m.cfg.YieldBytes, Yield: m.yieldHook}
 		// With checksums on the device the CPU reads no byte for them; a
 		// store's writes then go unfused.
-		onDevice := sums != nil && m.sumsOnDevice(dev, ln, chunks)
+		onDevice = sums != nil && m.sumsOnDevice(dev, ln, chunks)
 		cpuSums := sums
 		if onDevice {
 			cpuSums = nil
