@@ -393,8 +393,10 @@ func feedsSums(chunks []chunk) bool {
 	return false
 }
 
-// PinnedBytes is the pinned host memory the mover holds (its buffers and
-// their kernel segment tables).
+// PinnedBytes is the pinned host memory of the mover's staging pool (its
+// buffers and their kernel segment tables), allocated by New; the lanes'
+// checksum tables (Config.SumsOnDevice) and registered files are pinned
+// outside it.
 func (m *Mover) PinnedBytes() int64 { return int64(len(m.pin.Bytes())) }
 
 // Close waits for the calls in flight, stops the registrar and releases
