@@ -22,13 +22,15 @@ import (
 // what the registrar's rule of waiting only for jobs through the pinned
 // buffers assumes it does not do much of: 8 workers, each on its own
 // stream, copy 32 MiB from pinned memory to the device back to back for
-// a second, with nothing beside them, and while one more thread maps,
-// registers, unregisters and unmaps files of 2 MiB or of 32 MiB on
-// KVHOST_GPU_TMPFS one after another, as the registrar does; then that
-// thread alone, for the registrations' own rate with no copies beside
-// them. Three rounds, the order turned each round. Every registration must succeed
-// and map its own file, and each device buffer must hold its worker's
-// bytes at the end. KVHOST_GPU=1 runs it.
+// a second (then copies of 4 MiB, the pipeline's chunk), with nothing
+// beside them, and while one more thread maps, registers, unregisters
+// and unmaps files of 2 MiB or of 32 MiB on KVHOST_GPU_TMPFS one after
+// another, as the registrar does, timing its register and unregister
+// calls; then that thread alone, for the registrations' own rate with
+// no copies beside them. Two rounds per copy size, the order turned each
+// round. Every registration must succeed and map its own file, and each
+// device buffer must hold its worker's bytes at the end. KVHOST_GPU=1
+// runs it.
 func TestGPURegistrationBesideCopies(t *testing.T) {
 	if os.Getenv("KVHOST_GPU") != "1" {
 		t.Skip("set KVHOST_GPU=1 on a machine with a CUDA GPU to run it")
@@ -77,10 +79,10 @@ func TestGPURegistrationBesideCopies(t *testing.T) {
 		}
 	}
 
-	// copyFor copies from every worker's pinned buffer to its device
-	// buffer, one synchronized 32 MiB copy after another, until d has
+	// copyFor copies size bytes from every worker's pinned buffer to its
+	// device buffer, one synchronized copy after another, until d has
 	// passed, and returns the bytes copied and the time it took.
-	copyFor := func(d time.Duration) (int64, time.Duration) {
+	copyFor := func(d time.Duration, size int) (int64, time.Duration) {
 		var total atomic.Int64
 		errs := make([]error, workers)
 		var wg sync.WaitGroup
@@ -92,13 +94,13 @@ func TestGPURegistrationBesideCopies(t *testing.T) {
 				defer wg.Done()
 				errs[i] = w.Do(context.Background(), func(w *cuda.Worker) error {
 					for time.Now().Before(end) {
-						if err := r.CopyH2D(dev[i].Ptr(), host[i].Ptr(), n, w.Stream()); err != nil {
+						if err := r.CopyH2D(dev[i].Ptr(), host[i].Ptr(), uintptr(size), w.Stream()); err != nil {
 							return err
 						}
 						if err := r.Sync(w.Stream()); err != nil {
 							return err
 						}
-						total.Add(n)
+						total.Add(int64(size))
 					}
 					return nil
 				})
@@ -114,87 +116,111 @@ func TestGPURegistrationBesideCopies(t *testing.T) {
 
 	// register maps and registers the files in turn, then unregisters
 	// and unmaps each, on a thread with device 0 current, until stop is
-	// closed; it returns how many it registered.
-	register := func(paths []string, size int, stop <-chan struct{}) (int, error) {
+	// closed; it returns how many it registered and the time spent in
+	// the register and the unregister calls.
+	type registered struct {
+		n          int
+		reg, unreg time.Duration
+	}
+	register := func(paths []string, size int, stop <-chan struct{}) (st registered, err error) {
 		unlock, err := r.LockDevice(0)
 		if err != nil {
-			return 0, err
+			return st, err
 		}
 		defer unlock()
-		for k := 0; ; k++ {
+		for ; ; st.n++ {
 			select {
 			case <-stop:
-				return k, nil
+				return st, nil
 			default:
 			}
+			k := st.n
 			i := k % len(paths)
 			fd, err := unix.Open(paths[i], unix.O_RDWR|unix.O_CLOEXEC, 0)
 			if err != nil {
-				return k, err
+				return st, err
 			}
 			mem, err := unix.Mmap(fd, 0, size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED|unix.MAP_POPULATE)
 			unix.Close(fd)
 			if err != nil {
-				return k, err
+				return st, err
 			}
+			t0 := time.Now()
 			err = r.HostRegister(mem)
+			st.reg += time.Since(t0)
 			if err == nil && mem[0] != byte(i) {
 				err = fmt.Errorf("%s maps byte %d, want %d", paths[i], mem[0], byte(i))
 			}
 			if err == nil {
+				t0 = time.Now()
 				err = r.HostUnregister(mem)
+				st.unreg += time.Since(t0)
 			}
 			if err = errors.Join(err, unix.Munmap(mem)); err != nil {
-				return k, err
+				return st, err
 			}
 		}
 	}
 
-	copyFor(200 * time.Millisecond) // warm-up
+	copyFor(200*time.Millisecond, n) // warm-up
 	type result struct {
-		n   int
+		st  registered
 		err error
 	}
+	// perCall says a thread's registrations a second over took and the
+	// mean time of each register and unregister call.
+	perCall := func(st registered, took time.Duration) string {
+		n := time.Duration(max(st.n, 1))
+		return fmt.Sprintf("%.0f registrations/s (register %v, unregister %v each)",
+			float64(st.n)/took.Seconds(), (st.reg / n).Round(time.Microsecond), (st.unreg / n).Round(time.Microsecond))
+	}
 	// registerFor registers files of size in turn for d, with nothing
-	// beside it, and returns the registrations a second.
-	registerFor := func(size int, d time.Duration) float64 {
+	// beside it, and says how fast.
+	registerFor := func(size int, d time.Duration) string {
 		stop := make(chan struct{})
 		timer := time.AfterFunc(d, func() { close(stop) })
 		defer timer.Stop()
 		start := time.Now()
-		n, err := register(files[size], size, stop)
+		st, err := register(files[size], size, stop)
 		if err != nil {
 			t.Fatal(err)
 		}
-		return float64(n) / time.Since(start).Seconds()
+		return perCall(st, time.Since(start))
 	}
 	beside := []int{0, 2 << 20, 32 << 20}
-	for round := range 3 {
-		for k := range beside {
-			size := beside[(k+round)%len(beside)]
-			stop := make(chan struct{})
-			done := make(chan result, 1)
-			if size > 0 {
-				go func() {
-					n, err := register(files[size], size, stop)
-					done <- result{n, err}
-				}()
-			}
-			moved, took := copyFor(time.Second)
-			close(stop)
-			what, rate := "nothing", ""
-			if size > 0 {
-				res := <-done
-				if res.err != nil {
-					t.Fatal(res.err)
+	round := 0
+	// Copies of 32 MiB, then of 4 MiB (the pipeline's default chunk): a
+	// registration that waited for the copies in flight would take
+	// about one copy's time, and so less beside the shorter copies.
+	for _, copySize := range []int{n, 4 << 20} {
+		for range 2 {
+			for k := range beside {
+				size := beside[(k+round)%len(beside)]
+				stop := make(chan struct{})
+				done := make(chan result, 1)
+				if size > 0 {
+					go func() {
+						st, err := register(files[size], size, stop)
+						done <- result{st, err}
+					}()
 				}
-				what = fmt.Sprintf("registrations of %d MiB", size>>20)
-				rate = fmt.Sprintf(": %.0f registrations/s", float64(res.n)/took.Seconds())
+				moved, took := copyFor(time.Second, copySize)
+				close(stop)
+				what, rate := "nothing", ""
+				if size > 0 {
+					res := <-done
+					if res.err != nil {
+						t.Fatal(res.err)
+					}
+					what = fmt.Sprintf("registrations of %d MiB", size>>20)
+					rate = ": " + perCall(res.st, took)
+				}
+				rep.printf("copies H2D, %d streams of %2d MiB, round %d, beside %-26s %6.2f GB/s%s", workers, copySize>>20, round, what+":", gbps(moved, took), rate)
 			}
-			rep.printf("copies H2D, %d streams of 32 MiB, round %d, beside %-26s %6.2f GB/s%s", workers, round, what+":", gbps(moved, took), rate)
-		}
-		for _, size := range beside[1:] {
-			rep.printf("registrations of %2d MiB, round %d, with no copies beside them: %.0f registrations/s", size>>20, round, registerFor(size, time.Second))
+			for _, size := range beside[1:] {
+				rep.printf("registrations of %2d MiB, round %d, with no copies beside them: %s", size>>20, round, registerFor(size, time.Second))
+			}
+			round++
 		}
 	}
 
