@@ -97,9 +97,9 @@ stop_daemon() {
 	"$bin/gds-gpu.test" -test.run GPUBatch -test.v -test.timeout 210s
 # The staging pipeline's check and benchmark, the checksum kernel (its
 # registers against the CPU's, its speed, the mover with checksums on the
-# GPU), and what registering files costs copies on other streams.
+# GPU), and what registering files costs copies and jobs on other streams.
 [ "${STAGING:-1}" = 1 ] && run staging env KVHOST_GPU=1 KVHOST_GPU_TMPFS="$shm" KVHOST_GPU_DISK="$disk" \
-	"$bin/staging-gpu.test" -test.run 'TestGPUCheckAndBenchmark|TestGPUSumKernel|TestGPURegistrationBesideCopies' -test.v
+	"$bin/staging-gpu.test" -test.run 'TestGPUCheckAndBenchmark|TestGPUSumKernel|TestGPURegistrationBesideCopies|TestGPURegisteredJobsBesideRegistrations' -test.v
 # CUDA IPC registration from a torch process, with the real runtime: the
 # daemon finds the tensor's bytes in what it imported; bad handles and
 # ranges get clear errors; imports close on unregister and on client exit.

@@ -624,10 +624,10 @@ func (m *Mover) run(ctx context.Context, f fsys.File, p *transfer.Plan, sums []u
 	}
 	if m.files != nil && p.Memory {
 		// The registrar waits for these stores and loads (streamShare).
-		// Jobs on registered files are not counted; what registrations
-		// cost copies is measured by TestGPURegistrationBesideCopies
-		// (RATIONALE: 0–14% beside 32 MiB copies, up to 37% beside
-		// 4 MiB ones).
+		// Jobs on registered files are not counted: registrations beside
+		// them cost them about a tenth, less than putting the
+		// registrations off would cost the pinned path's jobs
+		// (TestGPURegisteredJobsBesideRegistrations, RATIONALE).
 		// Jobs on a disk are not counted: they run at the disk's speed,
 		// and a slow disk's jobs would hold the memory mounts'
 		// registrations back (their cost beside registrations was not

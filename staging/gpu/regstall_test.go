@@ -38,18 +38,7 @@ func TestGPURegistrationBesideCopies(t *testing.T) {
 	rep := newReport(t, "")
 	r, _ := openGPU(t, envCUDA())
 	dir := benchDir(t, "regstall")
-	files := map[int][]string{}
-	for _, size := range []int{2 << 20, 32 << 20} {
-		page := make([]byte, size)
-		for i := range (256 << 20) / size {
-			p := filepath.Join(dir, fmt.Sprintf("f%03d-%d", i, size))
-			page[0] = byte(i)
-			if err := os.WriteFile(p, page, 0o644); err != nil {
-				t.Fatal(err)
-			}
-			files[size] = append(files[size], p)
-		}
-	}
+	files := registrationFiles(t, dir)
 
 	const workers, n = 8, 32 << 20
 	ws := make([]*cuda.Worker, workers)
@@ -114,52 +103,8 @@ func TestGPURegistrationBesideCopies(t *testing.T) {
 		return total.Load(), took
 	}
 
-	// register maps and registers the files in turn, then unregisters
-	// and unmaps each, on a thread with device 0 current, until stop is
-	// closed; it returns how many it registered and the time spent in
-	// the register and the unregister calls.
-	type registered struct {
-		n          int
-		reg, unreg time.Duration
-	}
-	register := func(paths []string, size int, stop <-chan struct{}) (st registered, err error) {
-		unlock, err := r.LockDevice(0)
-		if err != nil {
-			return st, err
-		}
-		defer unlock()
-		for ; ; st.n++ {
-			select {
-			case <-stop:
-				return st, nil
-			default:
-			}
-			k := st.n
-			i := k % len(paths)
-			fd, err := unix.Open(paths[i], unix.O_RDWR|unix.O_CLOEXEC, 0)
-			if err != nil {
-				return st, err
-			}
-			mem, err := unix.Mmap(fd, 0, size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED|unix.MAP_POPULATE)
-			unix.Close(fd)
-			if err != nil {
-				return st, err
-			}
-			t0 := time.Now()
-			err = r.HostRegister(mem)
-			st.reg += time.Since(t0)
-			if err == nil && mem[0] != byte(i) {
-				err = fmt.Errorf("%s maps byte %d, want %d", paths[i], mem[0], byte(i))
-			}
-			if err == nil {
-				t0 = time.Now()
-				err = r.HostUnregister(mem)
-				st.unreg += time.Since(t0)
-			}
-			if err = errors.Join(err, unix.Munmap(mem)); err != nil {
-				return st, err
-			}
-		}
+	register := func(paths []string, size int, stop <-chan struct{}) (registered, error) {
+		return registerInTurn(r, paths, size, stop)
 	}
 
 	copyFor(200*time.Millisecond, n) // warm-up
@@ -242,5 +187,166 @@ func TestGPURegistrationBesideCopies(t *testing.T) {
 		if !bytes.Equal(check.Bytes()[:n], host[i].Bytes()[:n]) {
 			t.Fatalf("device buffer %d does not hold its worker's bytes", i)
 		}
+	}
+}
+
+// registered is what registerInTurn did: how many files it registered
+// and the time spent in the register and the unregister calls.
+type registered struct {
+	n          int
+	reg, unreg time.Duration
+}
+
+// registerInTurn maps and registers the files of size in turn, then
+// unregisters and unmaps each, on a thread with device 0 current, as the
+// registrar does, until stop is closed. Each mapping must hold its
+// file's first byte (the file's index).
+func registerInTurn(r *cuda.Runtime, paths []string, size int, stop <-chan struct{}) (st registered, err error) {
+	unlock, err := r.LockDevice(0)
+	if err != nil {
+		return st, err
+	}
+	defer unlock()
+	for ; ; st.n++ {
+		select {
+		case <-stop:
+			return st, nil
+		default:
+		}
+		i := st.n % len(paths)
+		fd, err := unix.Open(paths[i], unix.O_RDWR|unix.O_CLOEXEC, 0)
+		if err != nil {
+			return st, err
+		}
+		mem, err := unix.Mmap(fd, 0, size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED|unix.MAP_POPULATE)
+		unix.Close(fd)
+		if err != nil {
+			return st, err
+		}
+		t0 := time.Now()
+		err = r.HostRegister(mem)
+		st.reg += time.Since(t0)
+		if err == nil && mem[0] != byte(i) {
+			err = fmt.Errorf("%s maps byte %d, want %d", paths[i], mem[0], byte(i))
+		}
+		if err == nil {
+			t0 = time.Now()
+			err = r.HostUnregister(mem)
+			st.unreg += time.Since(t0)
+		}
+		if err = errors.Join(err, unix.Munmap(mem)); err != nil {
+			return st, err
+		}
+	}
+}
+
+// registrationFiles writes 256 MiB of files of each size (2 MiB and
+// 32 MiB) in dir for registerInTurn, file i's first byte i.
+func registrationFiles(t *testing.T, dir string) map[int][]string {
+	t.Helper()
+	files := map[int][]string{}
+	for _, size := range []int{2 << 20, 32 << 20} {
+		page := make([]byte, size)
+		for i := range (256 << 20) / size {
+			p := filepath.Join(dir, fmt.Sprintf("f%03d-%d", i, size))
+			page[0] = byte(i)
+			if err := os.WriteFile(p, page, 0o644); err != nil {
+				t.Fatal(err)
+			}
+			files[size] = append(files[size], p)
+		}
+	}
+	return files
+}
+
+// TestGPURegisteredJobsBesideRegistrations measures what registrations
+// cost the jobs the registrar does not wait for, those on registered
+// files (one batch of copies per job): 16 jobs load 128 registered keys
+// of 32 MiB through the mover, over and over for a second, with nothing
+// beside them and while one more thread registers and unregisters tmpfs
+// files of 2 MiB or 32 MiB as the registrar does (registerInTurn).
+// Three rounds, the order turned each round. Every load must move its
+// file directly, and every loaded page must hold its bytes at the end.
+// KVHOST_GPU=1 runs it.
+func TestGPURegisteredJobsBesideRegistrations(t *testing.T) {
+	if os.Getenv("KVHOST_GPU") != "1" {
+		t.Skip("set KVHOST_GPU=1 on a machine with a CUDA GPU to run it")
+	}
+	rep := newReport(t, "")
+	r, w := openGPU(t, envCUDA())
+	g := llama8B()
+	kv := newCache(t, w, g)
+	orig := kv.randomize(t, w, 1)
+	dir := benchDir(t, "regjobs")
+	gk := g
+	gk.blocksPerKey = 16
+	const keys, jobs = 128, 16
+	plans, paths := keyFiles(kv, gk, dir, keys, 9, false)
+	for _, p := range plans {
+		p.Memory = true
+	}
+	m, err := New(Config{Runtime: r, Devices: []int{0}, MaxStaging: jobs * 2 * (8<<20 + 2*align), RegisterFiles: keys})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	registerAll(t, m, paths, plans, jobs, "keys to load")
+	files := registrationFiles(t, benchDir(t, "regjobs-other"))
+	keyBytes := int64(gk.layers * gk.blocksPerKey * gk.pageBytes)
+
+	// loadFor loads every key, again and again, until d has passed.
+	passes := 0
+	loadFor := func(d time.Duration) float64 {
+		var moved int64
+		start := time.Now()
+		for time.Since(start) < d {
+			if _, err := moverPass(m, paths, plans, jobs, false, false); err != nil {
+				t.Fatal(err)
+			}
+			moved += keyBytes * keys
+			passes++
+		}
+		return gbps(moved, time.Since(start))
+	}
+	before := m.FileStats()
+	beside := []int{0, 2 << 20, 32 << 20}
+	for round := range 3 {
+		for k := range beside {
+			size := beside[(k+round)%len(beside)]
+			stop := make(chan struct{})
+			type result struct {
+				st  registered
+				err error
+			}
+			done := make(chan result, 1)
+			start := time.Now()
+			if size > 0 {
+				go func() {
+					st, err := registerInTurn(r, files[size], size, stop)
+					done <- result{st, err}
+				}()
+			}
+			rate := loadFor(time.Second)
+			took := time.Since(start)
+			close(stop)
+			what, regs := "nothing", ""
+			if size > 0 {
+				res := <-done
+				if res.err != nil {
+					t.Fatal(res.err)
+				}
+				what = fmt.Sprintf("registrations of %d MiB", size>>20)
+				regs = fmt.Sprintf(": %.0f registrations/s", float64(res.st.n)/took.Seconds())
+			}
+			rep.printf("loads of registered files, %d jobs of 32 MiB, round %d, beside %-26s %6.2f GB/s%s", jobs, round, what+":", rate, regs)
+		}
+	}
+	kv.poison(t, w)
+	if _, err := moverPass(m, paths, plans, jobs, false, false); err != nil {
+		t.Fatal(err)
+	}
+	checkLoaded(t, kv, w, plans, orig, "after the loads beside registrations")
+	if st, want := m.FileStats(), uint64((passes+1)*keys); st.Loads-before.Loads != want || st.Files != keys {
+		t.Fatalf("%d loads moved their files directly, of %d; %d files registered, want %d", st.Loads-before.Loads, want, st.Files, keys)
 	}
 }
