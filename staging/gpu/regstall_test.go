@@ -103,10 +103,6 @@ func TestGPURegistrationBesideCopies(t *testing.T) {
 		return total.Load(), took
 	}
 
-	register := func(paths []string, size int, stop <-chan struct{}) (registered, error) {
-		return registerInTurn(r, paths, size, stop)
-	}
-
 	copyFor(200*time.Millisecond, n) // warm-up
 	type result struct {
 		st  registered
@@ -126,7 +122,7 @@ func TestGPURegistrationBesideCopies(t *testing.T) {
 		timer := time.AfterFunc(d, func() { close(stop) })
 		defer timer.Stop()
 		start := time.Now()
-		st, err := register(files[size], size, stop)
+		st, err := registerInTurn(r, files[size], size, stop)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -145,7 +141,7 @@ func TestGPURegistrationBesideCopies(t *testing.T) {
 				done := make(chan result, 1)
 				if size > 0 {
 					go func() {
-						st, err := register(files[size], size, stop)
+						st, err := registerInTurn(r, files[size], size, stop)
 						done <- result{st, err}
 					}()
 				}
