@@ -71,6 +71,17 @@ func (m *Mover) sumsOnDevice(dev *device, ln *lane, chunks []chunk) bool {
 	return true
 }
 
+// sumsWhere decides where a job's checksums are computed: by the
+// checksum kernel on dev (onDevice; the CPU then fills no slot, cpuSums
+// nil) where sumsOnDevice takes the job, else by the CPU (cpuSums is
+// sums).
+func (m *Mover) sumsWhere(dev *device, ln *lane, chunks []chunk, sums []uint32) (cpuSums []uint32, onDevice bool) {
+	if sums != nil && m.sumsOnDevice(dev, ln, chunks) {
+		return nil, true
+	}
+	return sums, false
+}
+
 // launch enqueues the checksum kernel over ln's spans on its stream.
 func (d *devSums) launch(dev *device, ln *lane) error {
 	return dev.sum.Launch(d.spans, d.table.Bytes(), ln.stream)

@@ -808,7 +808,7 @@ func (m *Mover) runMapped(ctx context.Context, mem []byte, p *transfer.Plan, chu
 		base := uintptr(unsafe.Pointer(unsafe.SliceData(mem)))
 		d := len(ln.events)
 		run := m.startRun(dev, ln, d)
-		var onDevice bool
+		cpuSums, onDevice := m.sumsWhere(dev, ln, chunks, sums)
 		defer func() {
 			if werr := run.finish(); err == nil && werr != nil {
 				total, err = 0, werr
@@ -819,11 +819,6 @@ func (m *Mover) runMapped(ctx context.Context, mem []byte, p *transfer.Plan, chu
 		}()
 		wait := run.wait
 		y := staging.Yielder{Every: m.cfg.YieldBytes, Yield: m.yieldHook}
-		onDevice = sums != nil && m.sumsOnDevice(dev, ln, chunks)
-		cpuSums := sums
-		if onDevice {
-			cpuSums = nil
-		}
 		var cp cuda.Copies
 		// enqueue enqueues chunks [from, to), then (sum) the checksum
 		// kernel, and records event s after them.

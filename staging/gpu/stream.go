@@ -257,7 +257,7 @@ func (m *Mover) runStreamed(ctx context.Context, f fsys.File, chunks []chunk, de
 		}
 		d := len(bufs)
 		run := m.startRun(dev, ln, d)
-		var onDevice bool
+		cpuSums, onDevice := m.sumsWhere(dev, ln, chunks, sums)
 		defer func() {
 			werr := run.finish()
 			for _, b := range bufs { // every copy that could touch them is done
@@ -272,12 +272,9 @@ func (m *Mover) runStreamed(ctx context.Context, f fsys.File, chunks []chunk, de
 		}()
 		wait := run.wait
 		y := staging.Yielder{Every: m.cfg.YieldBytes, Yield: m.yieldHook}
-		// With checksums on the device the CPU reads no byte for them; a
-		// store's writes then go unfused.
-		onDevice = sums != nil && m.sumsOnDevice(dev, ln, chunks)
-		cpuSums := sums
 		if onDevice {
-			cpuSums = nil
+			// The CPU reads no byte for checksums: a store's writes go
+			// unfused.
 			fused = fused && !write
 		}
 		var cp cuda.Copies
