@@ -8,7 +8,6 @@ import (
 	"os"
 	"path/filepath"
 	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
@@ -21,13 +20,13 @@ import (
 // with CUDA holds up the copies other streams have in flight, which is
 // what the registrar's rule of waiting only for jobs through the pinned
 // buffers assumes it does not do much of: 8 workers, each on its own
-// stream, copy 32 MiB from pinned memory to the device back to back for
-// a second (then copies of 4 MiB, the pipeline's chunk), with nothing
+// stream, copy 6 GiB from pinned memory to the device in back-to-back
+// copies of 32 MiB (then of 4 MiB, the pipeline's chunk), with nothing
 // beside them, and while one more thread maps, registers, unregisters
 // and unmaps files of 2 MiB or of 32 MiB on KVHOST_GPU_TMPFS one after
 // another, as the registrar does, timing its register and unregister
-// calls; then that thread alone, for the registrations' own rate with
-// no copies beside them. Two rounds per copy size, the order turned each
+// calls; then that thread alone for a fixed number of files, for the
+// registrations' own rate with no copies beside them. Two rounds per copy size, the order turned each
 // round. Every registration must succeed and map its own file, and each
 // device buffer must hold its worker's bytes at the end. KVHOST_GPU=1
 // runs it.
@@ -68,28 +67,26 @@ func TestGPURegistrationBesideCopies(t *testing.T) {
 		}
 	}
 
-	// copyFor copies size bytes from every worker's pinned buffer to its
-	// device buffer, one synchronized copy after another, until d has
-	// passed, and returns the bytes copied and the time it took.
-	copyFor := func(d time.Duration, size int) (int64, time.Duration) {
-		var total atomic.Int64
+	// copyFor copies perWorker bytes from every worker's pinned buffer to
+	// its device buffer, size bytes at a time, one synchronized copy after
+	// another, and returns the bytes copied and the time it took.
+	copyFor := func(perWorker int64, size int) (int64, time.Duration) {
+		copies := int(perWorker / int64(size))
 		errs := make([]error, workers)
 		var wg sync.WaitGroup
 		start := time.Now()
-		end := start.Add(d)
 		for i, w := range ws {
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
 				errs[i] = w.Do(context.Background(), func(w *cuda.Worker) error {
-					for time.Now().Before(end) {
+					for range copies {
 						if err := r.CopyH2D(dev[i].Ptr(), host[i].Ptr(), uintptr(size), w.Stream()); err != nil {
 							return err
 						}
 						if err := r.Sync(w.Stream()); err != nil {
 							return err
 						}
-						total.Add(int64(size))
 					}
 					return nil
 				})
@@ -100,10 +97,13 @@ func TestGPURegistrationBesideCopies(t *testing.T) {
 		if err := errors.Join(errs...); err != nil {
 			t.Fatal(err)
 		}
-		return total.Load(), took
+		return int64(workers*copies) * int64(size), took
 	}
 
-	copyFor(200*time.Millisecond, n) // warm-up
+	// Each phase moves 6 GiB per worker (about a second on the H100);
+	// the warm-up 1 GiB.
+	const perWorker = 6 << 30
+	copyFor(1<<30, n)
 	type result struct {
 		st  registered
 		err error
@@ -115,19 +115,19 @@ func TestGPURegistrationBesideCopies(t *testing.T) {
 		return fmt.Sprintf("%.0f registrations/s (register %v, unregister %v each)",
 			float64(st.n)/took.Seconds(), (st.reg / n).Round(time.Microsecond), (st.unreg / n).Round(time.Microsecond))
 	}
-	// registerFor registers files of size in turn for d, with nothing
+	// registerFor registers count files of size in turn, with nothing
 	// beside it, and says how fast.
-	registerFor := func(size int, d time.Duration) string {
-		stop := make(chan struct{})
-		timer := time.AfterFunc(d, func() { close(stop) })
-		defer timer.Stop()
+	registerFor := func(size, count int) string {
 		start := time.Now()
-		st, err := registerInTurn(r, files[size], size, stop)
+		st, err := registerInTurn(r, files[size], size, nil, count)
 		if err != nil {
 			t.Fatal(err)
 		}
 		return perCall(st, time.Since(start))
 	}
+	// alone is how many files of each size registerFor registers (about
+	// a second each on the H100).
+	alone := map[int]int{2 << 20: 2000, 32 << 20: 200}
 	beside := []int{0, 2 << 20, 32 << 20}
 	round := 0
 	// Copies of 32 MiB, then of 4 MiB (the pipeline's default chunk): a
@@ -141,11 +141,11 @@ func TestGPURegistrationBesideCopies(t *testing.T) {
 				done := make(chan result, 1)
 				if size > 0 {
 					go func() {
-						st, err := registerInTurn(r, files[size], size, stop)
+						st, err := registerInTurn(r, files[size], size, stop, 0)
 						done <- result{st, err}
 					}()
 				}
-				moved, took := copyFor(time.Second, copySize)
+				moved, took := copyFor(perWorker, copySize)
 				close(stop)
 				what, rate := "nothing", ""
 				if size > 0 {
@@ -159,7 +159,7 @@ func TestGPURegistrationBesideCopies(t *testing.T) {
 				rep.printf("copies H2D, %d streams of %2d MiB, round %d, beside %-26s %6.2f GB/s%s", workers, copySize>>20, round, what+":", gbps(moved, took), rate)
 			}
 			for _, size := range beside[1:] {
-				rep.printf("registrations of %2d MiB, round %d, with no copies beside them: %s", size>>20, round, registerFor(size, time.Second))
+				rep.printf("registrations of %2d MiB, round %d, with no copies beside them: %s", size>>20, round, registerFor(size, alone[size]))
 			}
 			round++
 		}
@@ -195,15 +195,15 @@ type registered struct {
 
 // registerInTurn maps and registers the files of size in turn, then
 // unregisters and unmaps each, on a thread with device 0 current, as the
-// registrar does, until stop is closed. Each mapping must hold its
-// file's first byte (the file's index).
-func registerInTurn(r *cuda.Runtime, paths []string, size int, stop <-chan struct{}) (st registered, err error) {
+// registrar does, until stop is closed or, if count > 0, count files are
+// done. Each mapping must hold its file's first byte (the file's index).
+func registerInTurn(r *cuda.Runtime, paths []string, size int, stop <-chan struct{}, count int) (st registered, err error) {
 	unlock, err := r.LockDevice(0)
 	if err != nil {
 		return st, err
 	}
 	defer unlock()
-	for ; ; st.n++ {
+	for ; count <= 0 || st.n < count; st.n++ {
 		select {
 		case <-stop:
 			return st, nil
@@ -234,6 +234,7 @@ func registerInTurn(r *cuda.Runtime, paths []string, size int, stop <-chan struc
 			return st, err
 		}
 	}
+	return st, nil
 }
 
 // registrationFiles writes 256 MiB of files of each size (2 MiB and
@@ -258,7 +259,7 @@ func registrationFiles(t *testing.T, dir string) map[int][]string {
 // TestGPURegisteredJobsBesideRegistrations measures what registrations
 // cost the jobs the registrar does not wait for, those on registered
 // files (one batch of copies per job): 16 jobs load 128 registered keys
-// of 32 MiB through the mover, over and over for a second, with nothing
+// of 32 MiB through the mover, ten times over (40 GiB), with nothing
 // beside them and while one more thread registers and unregisters tmpfs
 // files of 2 MiB or 32 MiB as the registrar does (registerInTurn).
 // Three rounds, the order turned each round. Every load must move its
@@ -290,19 +291,18 @@ func TestGPURegisteredJobsBesideRegistrations(t *testing.T) {
 	files := registrationFiles(t, benchDir(t, "regjobs-other"))
 	keyBytes := int64(gk.layers * gk.blocksPerKey * gk.pageBytes)
 
-	// loadFor loads every key, again and again, until d has passed.
+	// loadFor loads every key count times over (10 times, 40 GiB, is
+	// about a second on the H100).
 	passes := 0
-	loadFor := func(d time.Duration) float64 {
-		var moved int64
+	loadFor := func(count int) float64 {
 		start := time.Now()
-		for time.Since(start) < d {
+		for range count {
 			if _, err := moverPass(m, paths, plans, jobs, false, false); err != nil {
 				t.Fatal(err)
 			}
-			moved += keyBytes * keys
-			passes++
 		}
-		return gbps(moved, time.Since(start))
+		passes += count
+		return gbps(keyBytes*keys*int64(count), time.Since(start))
 	}
 	before := m.FileStats()
 	beside := []int{0, 2 << 20, 32 << 20}
@@ -318,11 +318,11 @@ func TestGPURegisteredJobsBesideRegistrations(t *testing.T) {
 			start := time.Now()
 			if size > 0 {
 				go func() {
-					st, err := registerInTurn(r, files[size], size, stop)
+					st, err := registerInTurn(r, files[size], size, stop, 0)
 					done <- result{st, err}
 				}()
 			}
-			rate := loadFor(time.Second)
+			rate := loadFor(10)
 			took := time.Since(start)
 			close(stop)
 			what, regs := "nothing", ""
