@@ -62,9 +62,7 @@ func envCUDA() cuda.Config {
 func gbps(bytes int64, d time.Duration) float64 { return float64(bytes) / d.Seconds() / 1e9 }
 
 func TestGPUCheckAndBenchmark(t *testing.T) {
-	if os.Getenv("KVHOST_GPU") != "1" {
-		t.Skip("GPU check: set KVHOST_GPU=1 on a machine with a CUDA GPU to run it")
-	}
+	needGPU(t)
 	rep := newReport(t, "")
 	small := os.Getenv("KVHOST_GPU_SMALL") == "1"
 	r, err := cuda.Open(envCUDA())
@@ -391,6 +389,15 @@ func errorsJoin(a, b error) error {
 		return a
 	}
 	return fmt.Errorf("%w; %w", a, b)
+}
+
+// needGPU skips t unless KVHOST_GPU=1 (a machine with a CUDA GPU, or
+// KVHOST_GPU_CUDART naming another runtime, such as the fake one).
+func needGPU(t *testing.T) {
+	t.Helper()
+	if os.Getenv("KVHOST_GPU") != "1" {
+		t.Skip("set KVHOST_GPU=1 on a machine with a CUDA GPU to run it")
+	}
 }
 
 // benchDir is an empty directory for a GPU test's files, name under

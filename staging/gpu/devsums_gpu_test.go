@@ -21,9 +21,7 @@ import (
 // the device, through the pinned buffers and through a registered file,
 // bytes and checksums compared with the CPU's.
 func TestGPUSumKernel(t *testing.T) {
-	if os.Getenv("KVHOST_GPU") != "1" {
-		t.Skip("GPU check: set KVHOST_GPU=1 on a machine with a CUDA GPU to run it")
-	}
+	needGPU(t)
 	rep := newReport(t, ".sums")
 	r, w := openGPU(t, envCUDA())
 	ctx := context.Background()

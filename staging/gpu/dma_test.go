@@ -30,9 +30,7 @@ import (
 // directory is KVHOST_GPU_TMPFS (default /dev/shm/kvhost-gpu-dma), and
 // KVHOST_GPU_FAKE=1 runs it on the fake CUDA library instead.
 func TestGPUWritesBesideDMA(t *testing.T) {
-	if os.Getenv("KVHOST_GPU") != "1" {
-		t.Skip("set KVHOST_GPU=1 on a machine with a CUDA GPU to run it")
-	}
+	needGPU(t)
 	rep := newReport(t, ".dma")
 	const (
 		size    = 32 << 20

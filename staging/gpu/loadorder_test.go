@@ -17,9 +17,7 @@ import (
 // loaded page is checked. KVHOST_GPU=1 runs it; KVHOST_GPU_OUT names a
 // file for the report (suffix "-loadorder").
 func TestGPURegisteredLoadOrder(t *testing.T) {
-	if os.Getenv("KVHOST_GPU") != "1" {
-		t.Skip("GPU benchmark: set KVHOST_GPU=1 on a machine with a CUDA GPU to run it")
-	}
+	needGPU(t)
 	rep := newReport(t, "-loadorder")
 	small := os.Getenv("KVHOST_GPU_SMALL") == "1"
 	r, w := openGPU(t, envCUDA())

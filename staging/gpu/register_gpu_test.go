@@ -24,9 +24,7 @@ import (
 // directory is KVHOST_GPU_TMPFS, default /dev/shm); KVHOST_GPU_FAKE=1 runs
 // it on the fake CUDA library.
 func TestGPURegistrationRate(t *testing.T) {
-	if os.Getenv("KVHOST_GPU") != "1" {
-		t.Skip("set KVHOST_GPU=1 on a machine with a CUDA GPU to run it")
-	}
+	needGPU(t)
 	rep := newReport(t, ".register")
 	cfg := envCUDA()
 	if os.Getenv("KVHOST_GPU_FAKE") == "1" {

@@ -22,9 +22,7 @@ import (
 // file. KVHOST_GPU=1 runs it (KVHOST_GPU_CUDART: another CUDA runtime,
 // such as the fake one).
 func TestGPURegistrationThreads(t *testing.T) {
-	if os.Getenv("KVHOST_GPU") != "1" {
-		t.Skip("set KVHOST_GPU=1 on a machine with a CUDA GPU to run it")
-	}
+	needGPU(t)
 	rep := newReport(t, "")
 	r, _ := openGPU(t, envCUDA())
 	dir := benchDir(t, "regrate")

@@ -31,9 +31,7 @@ import (
 // device buffer must hold its worker's bytes at the end. KVHOST_GPU=1
 // runs it.
 func TestGPURegistrationBesideCopies(t *testing.T) {
-	if os.Getenv("KVHOST_GPU") != "1" {
-		t.Skip("set KVHOST_GPU=1 on a machine with a CUDA GPU to run it")
-	}
+	needGPU(t)
 	rep := newReport(t, "")
 	r, _ := openGPU(t, envCUDA())
 	dir := benchDir(t, "regstall")
@@ -266,9 +264,7 @@ func registrationFiles(t *testing.T, dir string) map[int][]string {
 // file directly, and every loaded page must hold its bytes at the end.
 // KVHOST_GPU=1 runs it.
 func TestGPURegisteredJobsBesideRegistrations(t *testing.T) {
-	if os.Getenv("KVHOST_GPU") != "1" {
-		t.Skip("set KVHOST_GPU=1 on a machine with a CUDA GPU to run it")
-	}
+	needGPU(t)
 	rep := newReport(t, "")
 	r, w := openGPU(t, envCUDA())
 	g := llama8B()

@@ -3,7 +3,6 @@ package gpu
 import (
 	"fmt"
 	"math/rand/v2"
-	"os"
 	"path/filepath"
 	"testing"
 
@@ -14,9 +13,7 @@ import (
 // TestGPUSweep measures the mover's pipeline settings (chunk, depth) on tmpfs, 128 × 32 MiB keys, 16 jobs, checksums on, next to the
 // host ceilings of the same run. KVHOST_GPU=1 runs it.
 func TestGPUSweep(t *testing.T) {
-	if os.Getenv("KVHOST_GPU") != "1" {
-		t.Skip("GPU sweep: set KVHOST_GPU=1 on a machine with a CUDA GPU to run it")
-	}
+	needGPU(t)
 	rep := newReport(t, ".sweep")
 	r, w := openGPU(t, cuda.Config{})
 	g := llama8B()
