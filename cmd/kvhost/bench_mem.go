@@ -212,6 +212,12 @@ type ceilingTotals struct {
 	r2cpu   time.Duration
 	// Each round's passes (one measureCeilings call): write and read GB/s.
 	wround, rround []float64
+	// With a GPU, the staged passes (bench.StagedRead, bench.StagedWrite)
+	// of the same files: each pass's bytes, time and CPU time, summed.
+	stagedName       [2]string // write, read
+	swbytes, srbytes int64
+	swtime, srtime   time.Duration
+	swcpu, srcpu     time.Duration
 }
 
 // pair is the ceilings: bytes over time of every pass.
@@ -221,6 +227,8 @@ func (t *ceilingTotals) pair(jobs int) ceilingPair {
 		read:  bench.Ceiling{Name: t.name[1], GBps: bench.GBps(t.rbytes, t.rtime), Threads: jobs, CPUMsPerGB: bench.CPUMsPerGB(t.rcpu, t.rbytes)},
 		reread: bench.Ceiling{Name: t.name[1] + ", second read", GBps: bench.GBps(t.r2bytes, t.r2time), Threads: jobs,
 			CPUMsPerGB: bench.CPUMsPerGB(t.r2cpu, t.r2bytes)},
+		stagedWrite: bench.Ceiling{Name: t.stagedName[0], GBps: bench.GBps(t.swbytes, t.swtime), Threads: jobs, CPUMsPerGB: bench.CPUMsPerGB(t.swcpu, t.swbytes)},
+		stagedRead:  bench.Ceiling{Name: t.stagedName[1], GBps: bench.GBps(t.srbytes, t.srtime), Threads: jobs, CPUMsPerGB: bench.CPUMsPerGB(t.srcpu, t.srbytes)},
 	}
 }
 
@@ -235,7 +243,10 @@ func (t *ceilingTotals) pair(jobs int) ceilingPair {
 // the page), so reading the engine's files here would speed up the load
 // that follows. With overwrite the writes go into files that exist
 // (created untimed), as a full cache's stores and stores into spares made
-// ahead do.
+// ahead do. With a GPU each pass then moves the same files through pinned
+// buffers and the GPU plainly (the staged ceilings): a staged read of the
+// files, then a staged write, into fresh files or, with overwrite, into
+// the files that exist.
 func (r *benchRun) measureCeilings(ctx context.Context, files []string, jobs int, direct, overwrite bool, t *ceilingTotals) error {
 	sizes := make([]int64, len(files))
 	var largest int64
@@ -246,6 +257,16 @@ func (r *benchRun) measureCeilings(ctx context.Context, files []string, jobs int
 		}
 		sizes[i] = fi.Size()
 		largest = max(largest, fi.Size())
+	}
+	var stagers []bench.Stager
+	chunk := r.stagedChunk()
+	if r.useGPU {
+		// The staged passes use two chunks of the same buffers.
+		largest = max(largest, 2*chunk)
+		var err error
+		if stagers, err = r.stagers(ctx, jobs, chunk); err != nil {
+			return err
+		}
 	}
 	bufs, err := r.buffers(jobs, largest)
 	if err != nil {
@@ -288,6 +309,11 @@ func (r *benchRun) measureCeilings(ctx context.Context, files []string, jobs int
 	if r.o.dropCaches {
 		t.name[1] += " (cold)"
 	}
+	t.stagedName[0] = fmt.Sprintf("D2H → pinned → %s, %s chunks", strings.TrimSuffix(t.name[0], mem), sizeOf(chunk))
+	t.stagedName[1] = fmt.Sprintf("%s → pinned → H2D, %s chunks", strings.TrimSuffix(t.name[1], mem), sizeOf(chunk))
+	if r.o.dropCaches {
+		t.stagedName[1] = fmt.Sprintf("pread %s (cold) → pinned → H2D, %s chunks", mode, sizeOf(chunk))
+	}
 	var wb0, wt0, rb0, rt0 = t.wbytes, t.wtime, t.rbytes, t.rtime
 	defer func() {
 		t.wround = append(t.wround, bench.GBps(t.wbytes-wb0, t.wtime-wt0))
@@ -317,6 +343,9 @@ func (r *benchRun) measureCeilings(ctx context.Context, files []string, jobs int
 			r2b, r2d, err = bench.ReadFiles(ctx, cpaths, bufs, direct)
 			t.r2bytes, t.r2time, t.r2cpu = t.r2bytes+r2b, t.r2time+r2d, t.r2cpu+bench.CPUTime()-cpu
 		}
+		if err == nil && stagers != nil {
+			err = r.stagedPasses(ctx, cpaths, sizes, bufs, stagers, direct, overwrite, t)
+		}
 		if !overwrite { // the next pass writes fresh files again
 			for _, p := range cpaths {
 				os.Remove(p)
@@ -329,6 +358,46 @@ func (r *benchRun) measureCeilings(ctx context.Context, files []string, jobs int
 		r.prog.Step(1)
 	}
 	return nil
+}
+
+// stagedPasses times a staged read of the ceiling's files (cold when
+// reads are), then a staged write: into fresh files of the same names
+// (the files are removed first) or, with overwrite, into the files.
+func (r *benchRun) stagedPasses(ctx context.Context, cpaths []string, sizes []int64, bufs [][]byte, stagers []bench.Stager, direct, overwrite bool, t *ceilingTotals) error {
+	chunk := r.stagedChunk()
+	if r.o.dropCaches {
+		if _, err := bench.DropCaches(cpaths); err != nil {
+			return err
+		}
+	}
+	cpu := bench.CPUTime()
+	rb, rd, err := bench.StagedRead(ctx, cpaths, bufs, chunk, stagers, direct)
+	if err != nil {
+		return err
+	}
+	t.srbytes, t.srtime, t.srcpu = t.srbytes+rb, t.srtime+rd, t.srcpu+bench.CPUTime()-cpu
+	if !overwrite {
+		for _, p := range cpaths {
+			if err := os.Remove(p); err != nil {
+				return err
+			}
+		}
+	}
+	cpu = bench.CPUTime()
+	wb, wd, err := bench.StagedWrite(ctx, cpaths, sizes, bufs, chunk, stagers, direct, r.o.fsync, overwrite)
+	if err != nil {
+		return err
+	}
+	t.swbytes, t.swtime, t.swcpu = t.swbytes+wb, t.swtime+wd, t.swcpu+bench.CPUTime()-cpu
+	return nil
+}
+
+// stagedChunk is the staged ceilings' chunk: the staging pipeline's.
+func (r *benchRun) stagedChunk() int64 {
+	if r.probe != nil && r.probe.staging != nil {
+		return int64(r.probe.staging.ChunkBytes())
+	}
+	return 4 << 20
 }
 
 // pinnedCeilings times pinned host ↔ GPU copies of 256 MiB, best of 5.

@@ -32,6 +32,7 @@ type benchRun struct {
 	root   string // the working directory under --dir
 	useGPU bool
 	bufs   *ceilingBuffers
+	staged []*gpuStager // the staged ceilings' threads (with a GPU)
 	warmed map[int]bool // tokens per key warmed up
 	seq    int          // engine directories made
 	probe  *gpuPaths    // open for the whole run when a GPU is used
@@ -40,7 +41,9 @@ type benchRun struct {
 	ahead int64
 }
 
-type ceilingPair struct{ read, reread, write bench.Ceiling }
+// ceilingPair is a combination's file ceilings: the plain write, read
+// and second read, and with a GPU the staged write and read.
+type ceilingPair struct{ read, reread, write, stagedRead, stagedWrite bench.Ceiling }
 
 // runBenchmark runs every combination the options ask for and returns the
 // report.
@@ -98,6 +101,9 @@ func runBenchmark(ctx context.Context, o benchOptions, log *slog.Logger, stderr 
 		defer probe.Close()
 	}
 	defer func() {
+		if err := r.closeStagers(); err != nil {
+			log.Warn("staged ceilings", "err", err)
+		}
 		if r.bufs != nil {
 			r.bufs.free()
 		}
@@ -519,7 +525,9 @@ func (r *benchRun) keySize(ctx context.Context, eng *engine.Engine, gp *gpuPaths
 			KeyBytes: g.KeyBytes(), KeysPerJob: r.o.keysPerJob, KeysPerFile: perFile, Keys: keys, Preallocate: eng.Stats().Mounts[0].Preallocate, NoGap: r.o.noGap && r.o.load,
 		}
 		if r.o.store {
-			r.rep.Runs = append(r.rep.Runs, st.run(base, bench.Store, keys, cp.write, ceil.wround))
+			x := st.run(base, bench.Store, keys, cp.write, ceil.wround)
+			x.CeilingStaged, x.FractionStaged = againstStaged(x.GBps, cp.stagedWrite)
+			r.rep.Runs = append(r.rep.Runs, x)
 		}
 		if r.o.load {
 			x := ld.run(base, bench.Load, keys, cp.read, ceil.rround)
@@ -528,10 +536,20 @@ func (r *benchRun) keySize(ctx context.Context, eng *engine.Engine, gp *gpuPaths
 				x.CeilingReread = cp.reread
 				x.FractionReread = x.GBps / cp.reread.GBps
 			}
+			x.CeilingStaged, x.FractionStaged = againstStaged(x.GBps, cp.stagedRead)
 			r.rep.Runs = append(r.rep.Runs, x)
 		}
 	}
 	return r.deleteAll(ctx, eng, c)
+}
+
+// againstStaged returns a run's staged ceiling and its fraction of it,
+// or nothing where none was measured (host memory).
+func againstStaged(gbps float64, c bench.Ceiling) (bench.Ceiling, float64) {
+	if c.GBps <= 0 {
+		return bench.Ceiling{}, 0
+	}
+	return c, gbps / c.GBps
 }
 
 // phaseTotals sums the rounds of one phase.

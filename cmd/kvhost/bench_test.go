@@ -139,6 +139,18 @@ func checkRuns(t *testing.T, rep *bench.Report, want int, mover string) {
 		case x.Direction == bench.Store && (x.CeilingReread.GBps != 0 || x.FractionReread != 0):
 			t.Errorf("store %s %d jobs: a reread ceiling %+v", x.Path, x.Jobs, x.CeilingReread)
 		}
+		// GPU memory is held to the same files moved plainly through
+		// pinned buffers and the GPU, in the run's direction; host memory
+		// has no such ceiling.
+		want := map[string]string{bench.Load: "→ pinned → H2D", bench.Store: "D2H → pinned → pwrite"}[x.Direction]
+		switch {
+		case rep.Memory == "gpu" && (x.CeilingStaged.GBps <= 0 || x.CeilingStaged.Threads != x.Jobs ||
+			!strings.Contains(x.CeilingStaged.Name, want) || x.CeilingStaged.CPUMsPerGB <= 0 ||
+			math.Abs(x.FractionStaged-x.GBps/x.CeilingStaged.GBps) > 1e-9):
+			t.Errorf("%s %s %d jobs on GPU memory: staged ceiling %+v, fraction %v; want one named %q", x.Direction, x.Path, x.Jobs, x.CeilingStaged, x.FractionStaged, want)
+		case rep.Memory != "gpu" && (x.CeilingStaged != bench.Ceiling{} || x.FractionStaged != 0):
+			t.Errorf("%s %s %d jobs on host memory: a staged ceiling %+v", x.Direction, x.Path, x.Jobs, x.CeilingStaged)
+		}
 	}
 }
 

@@ -65,19 +65,22 @@ func ReadFiles(ctx context.Context, paths []string, bufs [][]byte, direct bool) 
 }
 
 // readFull preads b from offset 0 until it is full or the file ends.
-func readFull(f *os.File, b []byte) (int64, error) {
-	var off int64
-	for off < int64(len(b)) {
-		n, err := f.ReadAt(b[off:], off)
-		off += int64(n)
-		if err == io.EOF || (err == nil && n == 0) {
+func readFull(f *os.File, b []byte) (int64, error) { return readAt(f, b, 0) }
+
+// readAt preads b from offset off until it is full or the file ends.
+func readAt(f *os.File, b []byte, off int64) (int64, error) {
+	var n int64
+	for n < int64(len(b)) {
+		k, err := f.ReadAt(b[n:], off+n)
+		n += int64(k)
+		if err == io.EOF || (err == nil && k == 0) {
 			break
 		}
 		if err != nil {
-			return off, err
+			return n, err
 		}
 	}
-	return off, nil
+	return n, nil
 }
 
 // WriteFiles creates (or truncates) paths[i] and writes sizes[i] bytes

@@ -155,6 +155,18 @@ type Run struct {
 	// it. FractionReread is GBps over it. Zero for stores.
 	CeilingReread  Ceiling `json:"ceiling_reread,omitzero"`
 	FractionReread float64 `json:"fraction_reread,omitempty"`
+	// CeilingStaged is, for GPU memory, the same files moved plainly
+	// through pinned buffers with as many threads as jobs (StagedRead for
+	// a load, StagedWrite for a store): each thread reads a chunk (the
+	// staging pipeline's chunk size) into a pinned buffer and copies it
+	// to the GPU while it reads the next, or copies from the GPU and
+	// writes. It bounds any path through pinned host memory, where the
+	// CPU's copy and the GPU's share the host's memory, as the engine's
+	// pinned buffers and llm-d's engine are; a path that copies straight
+	// between the GPU and registered file pages may pass it.
+	// FractionStaged is GBps over it. Zero for host memory.
+	CeilingStaged  Ceiling `json:"ceiling_staged,omitzero"`
+	FractionStaged float64 `json:"fraction_staged,omitempty"`
 	// JobP50Ms and JobP99Ms are percentiles of the jobs' completion times.
 	JobP50Ms float64 `json:"job_p50_ms"`
 	JobP99Ms float64 `json:"job_p99_ms"`
@@ -336,15 +348,19 @@ func (r *Report) WriteTable(w io.Writer) error {
 	}
 	fmt.Fprintln(w)
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
-	footnote, spread, link, reread := false, false, false, false
+	footnote, spread, link, reread, staged := false, false, false, false, false
 	for _, x := range r.Runs {
 		spread = spread || len(x.RoundFractions) > 1
 		link = link || x.FractionLink > 0
 		reread = reread || x.FractionReread > 0
+		staged = staged || x.FractionStaged > 0
 	}
 	header := "path\tmover\tio\tsums\tkey\tjobs\tdir\tkeys\tGB/s\tceiling GB/s\tfraction\tof best\t"
 	if reread {
 		header += "of reread\t"
+	}
+	if staged {
+		header += "of staged\t"
 	}
 	if link {
 		header += "of link\t"
@@ -363,13 +379,7 @@ func (r *Report) WriteTable(w io.Writer) error {
 			sums = "on*"
 			footnote = true
 		}
-		ofLink := ""
-		if reread {
-			ofLink = "\t"
-			if x.FractionReread > 0 {
-				ofLink = fmt.Sprintf("%.2f\t", x.FractionReread)
-			}
-		}
+		ofLink := column(reread, x.FractionReread) + column(staged, x.FractionStaged)
 		if link {
 			ofLink += fmt.Sprintf("%.2f\t", x.FractionLink)
 		}
@@ -384,6 +394,9 @@ func (r *Report) WriteTable(w io.Writer) error {
 	fmt.Fprintln(w, "fraction: of the ceiling with as many threads as jobs; of best: of the best ceiling over every thread count")
 	if reread {
 		fmt.Fprintln(w, "of reread: of the same files read plainly a second time (loads): a first read of fresh pages on a memory file system costs more than later ones")
+	}
+	if staged {
+		fmt.Fprintln(w, "of staged: of the same files moved plainly through pinned buffers and the GPU, a chunk at a time, double-buffered (the bound of any path through pinned host memory)")
 	}
 	if link {
 		fmt.Fprintln(w, "of link: of the pinned copy ceiling of the same direction (H2D for loads, D2H for stores), which every byte crosses")
@@ -403,6 +416,18 @@ func (r *Report) WriteTable(w io.Writer) error {
 	}
 	_, err := fmt.Fprintf(w, "took %.1f s\n", r.Seconds)
 	return err
+}
+
+// column is a fraction's cell in the table where the column is shown
+// (empty where the run has none), or nothing where it is not.
+func column(shown bool, f float64) string {
+	switch {
+	case !shown:
+		return ""
+	case f > 0:
+		return fmt.Sprintf("%.2f\t", f)
+	}
+	return "\t"
 }
 
 // sizeString prints a byte count in binary units ("32MiB").

@@ -342,6 +342,10 @@ func (m *Mover) CopyMode() cuda.CopyMode {
 // them (Config.Poll after defaults); 0: it blocks at once.
 func (m *Mover) PollTime() time.Duration { return max(m.cfg.Poll, 0) }
 
+// ChunkBytes is the bytes of one pipeline stage (Config.Chunk after
+// defaults).
+func (m *Mover) ChunkBytes() int { return m.cfg.Chunk }
+
 // Name is "gpu-staging".
 func (m *Mover) Name() string { return "gpu-staging" }
 
