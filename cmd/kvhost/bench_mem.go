@@ -244,9 +244,9 @@ func (t *ceilingTotals) pair(jobs int) ceilingPair {
 // that follows. With overwrite the writes go into files that exist
 // (created untimed), as a full cache's stores and stores into spares made
 // ahead do. With a GPU each pass then moves the same files through pinned
-// buffers and the GPU plainly (the staged ceilings): a staged read of the
-// files, then a staged write, into fresh files or, with overwrite, into
-// the files that exist.
+// buffers and the GPU plainly (the staged ceilings): a staged write, into
+// fresh files or, with overwrite, into the files that exist, then a
+// staged read of them.
 func (r *benchRun) measureCeilings(ctx context.Context, files []string, jobs int, direct, overwrite bool, t *ceilingTotals) error {
 	sizes := make([]int64, len(files))
 	var largest int64
@@ -360,22 +360,13 @@ func (r *benchRun) measureCeilings(ctx context.Context, files []string, jobs int
 	return nil
 }
 
-// stagedPasses times a staged read of the ceiling's files (cold when
-// reads are), then a staged write: into fresh files of the same names
-// (the files are removed first) or, with overwrite, into the files.
+// stagedPasses times a staged write, into fresh files of the same names
+// (the files are removed first) or, with overwrite, into the files, then
+// a staged read of what it wrote (cold when reads are): the read finds
+// its pages as the plain first read and the engine's loads do, written
+// and not yet read.
 func (r *benchRun) stagedPasses(ctx context.Context, cpaths []string, sizes []int64, bufs [][]byte, stagers []bench.Stager, direct, overwrite bool, t *ceilingTotals) error {
 	chunk := r.stagedChunk()
-	if r.o.dropCaches {
-		if _, err := bench.DropCaches(cpaths); err != nil {
-			return err
-		}
-	}
-	cpu := bench.CPUTime()
-	rb, rd, err := bench.StagedRead(ctx, cpaths, bufs, chunk, stagers, direct)
-	if err != nil {
-		return err
-	}
-	t.srbytes, t.srtime, t.srcpu = t.srbytes+rb, t.srtime+rd, t.srcpu+bench.CPUTime()-cpu
 	if !overwrite {
 		for _, p := range cpaths {
 			if err := os.Remove(p); err != nil {
@@ -383,12 +374,23 @@ func (r *benchRun) stagedPasses(ctx context.Context, cpaths []string, sizes []in
 			}
 		}
 	}
-	cpu = bench.CPUTime()
+	cpu := bench.CPUTime()
 	wb, wd, err := bench.StagedWrite(ctx, cpaths, sizes, bufs, chunk, stagers, direct, r.o.fsync, overwrite)
 	if err != nil {
 		return err
 	}
 	t.swbytes, t.swtime, t.swcpu = t.swbytes+wb, t.swtime+wd, t.swcpu+bench.CPUTime()-cpu
+	if r.o.dropCaches {
+		if _, err := bench.DropCaches(cpaths); err != nil {
+			return err
+		}
+	}
+	cpu = bench.CPUTime()
+	rb, rd, err := bench.StagedRead(ctx, cpaths, bufs, chunk, stagers, direct)
+	if err != nil {
+		return err
+	}
+	t.srbytes, t.srtime, t.srcpu = t.srbytes+rb, t.srtime+rd, t.srcpu+bench.CPUTime()-cpu
 	return nil
 }
 
