@@ -448,7 +448,8 @@ func (r *benchRun) keySize(ctx context.Context, eng *engine.Engine, gp *gpuPaths
 				if err := r.settle(ctx, eng, gp); err != nil {
 					return err
 				}
-				return r.measureCeilings(ctx, files, jobs, eng.Stats().Mounts[0].Direct, overwrite, &ceil)
+				ms := eng.Stats().Mounts[0]
+				return r.measureCeilings(ctx, files, jobs, ms.Direct, ms.Direct && !ms.Memory, overwrite, &ceil)
 			}
 			if !r.o.noGap || !r.o.load {
 				if err := ceilings(); err != nil {

@@ -386,6 +386,7 @@ type MountStats struct {
 	// none).
 	Preallocate int64
 	Direct      bool   // O_DIRECT is used on this mount
+	Memory      bool   // a memory file system (tmpfs): the kernel's I/O is a CPU copy
 	IO          string // "direct" or "buffered"
 	Backend     string // the data mover of host memory on this mount ("staging")
 	Checksums   bool   // payload checksums are written and verified

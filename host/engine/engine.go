@@ -259,7 +259,7 @@ func (e *Engine) Stats() Stats {
 		s.Mounts = append(s.Mounts, MountStats{
 			Path: m.root, Capacity: sp.capacity, Configured: sp.configured, Reserve: sp.reserve, Used: sp.used, Entries: sp.entries,
 			SpareFiles: sp.spareFiles, SpareBytes: sp.spareBytes, Preallocate: sp.ahead,
-			Direct: m.direct, IO: m.ioName(), Backend: m.backend, Checksums: m.checksums, Layout: LayoutKVHost,
+			Direct: m.direct, Memory: m.memory, IO: m.ioName(), Backend: m.backend, Checksums: m.checksums, Layout: LayoutKVHost,
 			MovedIn: sp.movedIn, MovedOut: sp.movedOut,
 		})
 		if m.raw != nil {

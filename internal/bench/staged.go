@@ -35,13 +35,20 @@ var errStagedBuffer = errors.New("bench: staged ceiling: buffer smaller than two
 // moves a load: each thread reads a file chunk by chunk into one half of
 // its buffer (bufs[t], two chunks of chunk bytes) and copies that chunk to
 // the GPU (stagers[t]) while it reads the next into the other half; a
-// file counts once its last copy is done. It is the bound of any load
-// that goes through pinned host memory: the file's bytes are copied by
+// file counts once its last copy is done. A chunk is read in system calls
+// of piece bytes (a multiple of Align; 0: one per chunk). It is a load
+// through pinned host memory done plainly: the file's bytes are copied by
 // the CPU into memory the GPU then reads, so the read and the copy share
 // the host's memory. It returns the bytes read and the wall time.
-func StagedRead(ctx context.Context, paths []string, bufs [][]byte, chunk int64, stagers []Stager, direct bool) (int64, time.Duration, error) {
+func StagedRead(ctx context.Context, paths []string, bufs [][]byte, chunk, piece int64, stagers []Stager, direct bool) (int64, time.Duration, error) {
 	if err := checkStaged(bufs, chunk, stagers); err != nil {
 		return 0, 0, err
+	}
+	if piece < 0 || piece%Align != 0 {
+		return 0, 0, fmt.Errorf("bench: staged read: pieces of %d bytes, want a multiple of %d", piece, Align)
+	}
+	if piece == 0 || piece > chunk {
+		piece = chunk
 	}
 	flags := os.O_RDONLY
 	if direct {
@@ -72,9 +79,13 @@ func StagedRead(ctx context.Context, paths []string, bufs [][]byte, chunk int64,
 					want = RoundUp(n)
 				}
 				slot := bufs[t][int64(s)*chunk : int64(s)*chunk+want]
-				got, err := readAt(f, slot, off)
-				if err != nil {
-					return err
+				var got int64
+				for lo := int64(0); lo < want && got == lo; lo += piece {
+					k, err := readAt(f, slot[lo:min(want, lo+piece)], off+lo)
+					if err != nil {
+						return err
+					}
+					got += k
 				}
 				if got < n {
 					return fmt.Errorf("%w: %d of %d bytes at %d", ErrShort, got, n, off)

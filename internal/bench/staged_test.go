@@ -98,7 +98,8 @@ func stagedSetup(t *testing.T, threads int, chunk int64) ([]Stager, []*lazyStage
 
 // TestStagedReadCopiesEveryChunkOfEveryFileToTheDevice: every chunk of
 // every file reaches the device whole, including files that end inside a
-// chunk and an empty file, however late the copies run.
+// chunk and an empty file, however late the copies run, whether a chunk
+// is read in one call or in pieces (one that does not divide it too).
 func TestStagedReadCopiesEveryChunkOfEveryFileToTheDevice(t *testing.T) {
 	const chunk = 8 << 10
 	dir := t.TempDir()
@@ -120,10 +121,13 @@ func TestStagedReadCopiesEveryChunkOfEveryFileToTheDevice(t *testing.T) {
 		}
 		paths, total = append(paths, p), total+size
 	}
-	for _, threads := range []int{1, 3} {
-		t.Run(fmt.Sprintf("%d threads", threads), func(t *testing.T) {
-			st, _, bufs, chunks := stagedSetup(t, threads, chunk)
-			n, _, err := StagedRead(context.Background(), paths, bufs, chunk, st, false)
+	for _, tc := range []struct {
+		threads int
+		piece   int64
+	}{{1, 0}, {3, 0}, {3, 4096}, {2, 3 * 4096}} {
+		t.Run(fmt.Sprintf("%d threads, pieces of %d", tc.threads, tc.piece), func(t *testing.T) {
+			st, _, bufs, chunks := stagedSetup(t, tc.threads, chunk)
+			n, _, err := StagedRead(context.Background(), paths, bufs, chunk, tc.piece, st, false)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -230,7 +234,7 @@ func TestStagedCeilingsRefuseBadArgumentsAndNameFailures(t *testing.T) {
 		want string
 	}{
 		{"small buffer", func() error {
-			_, _, err := StagedRead(ctx, []string{p}, [][]byte{bufs[0][:chunk], bufs[1]}, chunk, st, false)
+			_, _, err := StagedRead(ctx, []string{p}, [][]byte{bufs[0][:chunk], bufs[1]}, chunk, 0, st, false)
 			if !errors.Is(err, errStagedBuffer) {
 				t.Errorf("want errStagedBuffer, got %v", err)
 			}
@@ -240,12 +244,16 @@ func TestStagedCeilingsRefuseBadArgumentsAndNameFailures(t *testing.T) {
 			_, _, err := StagedWrite(ctx, []string{p}, []int64{chunk}, bufs, chunk+1, st, false, false, true)
 			return err
 		}, "multiple of 4096"},
+		{"unaligned pieces", func() error {
+			_, _, err := StagedRead(ctx, []string{p}, bufs, chunk, 100, st, false)
+			return err
+		}, "pieces of 100 bytes"},
 		{"stagers missing", func() error {
-			_, _, err := StagedRead(ctx, []string{p}, bufs, chunk, st[:1], false)
+			_, _, err := StagedRead(ctx, []string{p}, bufs, chunk, 0, st[:1], false)
 			return err
 		}, "1 stagers for 2 threads"},
 		{"missing file", func() error {
-			_, _, err := StagedRead(ctx, []string{filepath.Join(dir, "nope")}, bufs, chunk, st, false)
+			_, _, err := StagedRead(ctx, []string{filepath.Join(dir, "nope")}, bufs, chunk, 0, st, false)
 			return err
 		}, "nope"},
 		{"failing copy", func() error {

@@ -53,7 +53,11 @@ type KVLine struct {
 	CeilingName string // the file ceiling: "pread O_DIRECT ↔ pinned (cold)"
 	CeilingGBps float64
 	Link        float64 // the fraction of the pinned host–GPU link
-	NoGap       bool
+	// Staged is the fraction of the staged ceiling (the same files moved
+	// plainly through pinned buffers and the GPU); 0 where the line has
+	// none.
+	Staged float64
+	NoGap  bool
 	// Args are the `kvhost bench` arguments of a sweep file's section,
 	// "" in a call file (whose reports carry a commit instead).
 	Args string

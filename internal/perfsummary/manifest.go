@@ -72,8 +72,10 @@ type Row struct {
 	Unpaired bool `toml:"unpaired"`
 
 	// Ceiling is what the ceiling column shows for report rows: "link"
-	// (the fraction of the pinned host–GPU copy ceiling) or "file" (the
-	// plain file transfer of the same run, in GB/s).
+	// (the fraction of the pinned host–GPU copy ceiling), "file" (the
+	// plain file transfer of the same run, in GB/s) or "staged" (the
+	// fraction of the same files moved plainly through pinned buffers
+	// and the GPU).
 	Ceiling string `toml:"ceiling"`
 	Goal    Goal   `toml:"goal"`
 	// Reports are `kvhost bench --json` reports of the row's runs, linked
@@ -196,8 +198,8 @@ func (r *Row) check() error {
 		if r.Sums != "" && r.Sums != "on" && r.Sums != "off" {
 			return fmt.Errorf("sums = %q, want on, off or nothing", r.Sums)
 		}
-		if r.Ceiling != "link" && r.Ceiling != "file" {
-			return fmt.Errorf("ceiling = %q, want link or file", r.Ceiling)
+		if r.Ceiling != "link" && r.Ceiling != "file" && r.Ceiling != "staged" {
+			return fmt.Errorf("ceiling = %q, want link, file or staged", r.Ceiling)
 		}
 	case "lookups":
 		if r.Lookups != "alone" && r.Lookups != "beside" {

@@ -73,18 +73,14 @@ func span(v []float64, prec int) string {
 }
 
 func ceilingCell(res Result) string {
+	c := make([]float64, len(res.Runs))
+	for i, r := range res.Runs {
+		c[i] = r.Ceiling
+	}
 	switch res.Row.Ceiling {
-	case "link":
-		c := make([]float64, len(res.Runs))
-		for i, r := range res.Runs {
-			c[i] = r.Ceiling
-		}
-		return span(c, 2) + " of link"
+	case "link", "staged":
+		return span(c, 2) + " of " + res.Row.Ceiling
 	case "file":
-		c := make([]float64, len(res.Runs))
-		for i, r := range res.Runs {
-			c[i] = r.Ceiling
-		}
 		return gbps(c) + " GB/s file"
 	}
 	return "—"

@@ -200,8 +200,11 @@ func rowRuns(r *Row, c *Call, ref callRef) ([]RunFigure, error) {
 				continue
 			}
 			run := RunFigure{Value: k.GBps, Ceiling: k.Link, Call: ref}
-			if r.Ceiling == "file" {
+			switch r.Ceiling {
+			case "file":
 				run.Ceiling = k.CeilingGBps
+			case "staged":
+				run.Ceiling = k.Staged
 			}
 			if r.Peer != "" {
 				p, err := peerFor(k.Report, !r.Unpaired)
@@ -340,8 +343,11 @@ func jsonRuns(r *Row, dir fs.FS, ref callRef) (runs []RunFigure, commit, date st
 		}
 		sizes[run.KeyBytes] = true
 		f := RunFigure{Value: run.GBps, Ceiling: run.FractionLink, Call: ref}
-		if r.Ceiling == "file" {
+		switch r.Ceiling {
+		case "file":
 			f.Ceiling = run.Ceiling.GBps
+		case "staged":
+			f.Ceiling = run.FractionStaged
 		}
 		runs = append(runs, f)
 	}
@@ -356,8 +362,8 @@ func jsonRuns(r *Row, dir fs.FS, ref callRef) (runs []RunFigure, commit, date st
 
 // checkReport holds a `kvhost bench --json` report against the lines the
 // call that ran it printed: the same report name (its --json file), a call
-// of the same commit, every phase's GB/s and link fraction equal to the
-// line's two decimals.
+// of the same commit, every phase's GB/s, link fraction and staged
+// fraction equal to the line's two decimals.
 func checkReport(r *Row, name string, dir fs.FS, refs []callRef, calls []*Call) error {
 	rep, commit, err := readReport(dir, name)
 	if err != nil {
@@ -410,9 +416,9 @@ func checkReport(r *Row, name string, dir fs.FS, refs []callRef, calls []*Call) 
 					continue
 				}
 				found = true
-				if round2(run.GBps) != k.GBps || round2(run.FractionLink) != k.Link {
-					return fmt.Errorf("%s: %s (sums %s) at %.2f GB/s, %.2f of link; %s line %d says %.2f, %.2f",
-						name, run.Direction, sums, run.GBps, run.FractionLink, refs[i], k.Line, k.GBps, k.Link)
+				if round2(run.GBps) != k.GBps || round2(run.FractionLink) != k.Link || round2(run.FractionStaged) != k.Staged {
+					return fmt.Errorf("%s: %s (sums %s) at %.2f GB/s, %.2f of link, %.2f of staged; %s line %d says %.2f, %.2f, %.2f",
+						name, run.Direction, sums, run.GBps, run.FractionLink, run.FractionStaged, refs[i], k.Line, k.GBps, k.Link, k.Staged)
 				}
 			}
 			if !found {

@@ -196,6 +196,7 @@ func TestParseManifestRefusesRowsThatReadNothingOrTooMuch(t *testing.T) {
 		{"two kinds", head + "report = 'a'\nfigure = 'b'\n", "exactly one of report, figure and lookups"},
 		{"bad expression", head + "figure = '('\n", "regular expression"},
 		{"bad phase", head + "report = 'a'\nphase = \"both\"\nceiling = \"link\"\n", "phase = \"both\""},
+		{"bad ceiling", head + "report = 'a'\nphase = \"load\"\nceiling = \"reread\"\n", "want link, file or staged"},
 		{"bad call", "setup = \"s\"\n[[row]]\nname = \"r\"\ncalls = [\"c.txt\"]\nfigure = 'a'\n", "want FILE#N"},
 		{"peer goal without peer", head + "figure = 'a'\ngoal = { peer = 1.5 }\n", "goal.peer needs a peer"},
 		{"lookups with a peer", head + "lookups = \"alone\"\nanswer = \"table\"\npeer = 'x'\npeer_phase = \"load\"\n", "no peer"},

@@ -253,8 +253,8 @@ type sweepTable struct {
 	noGap        bool
 	rows         []sweepRow
 	// known is true once the header or a note named the optional
-	// columns; reread and link say which are there.
-	known, reread, link bool
+	// columns; reread, staged and link say which are there.
+	known, reread, staged, link bool
 }
 
 type sweepRow struct {
@@ -268,6 +268,8 @@ func (t *sweepTable) add(n int, line string) error {
 	switch {
 	case strings.HasPrefix(line, "of reread:"):
 		t.known, t.reread = true, true
+	case strings.HasPrefix(line, "of staged:"):
+		t.known, t.staged = true, true
 	case strings.HasPrefix(line, "of link:"):
 		t.known, t.link = true, true
 	case strings.HasPrefix(line, "fraction:"), strings.HasPrefix(line, "CPU ms/GB:"):
@@ -279,6 +281,7 @@ func (t *sweepTable) add(n int, line string) error {
 		if f := strings.Fields(line); f[0] == "path" {
 			t.known = true
 			t.reread = strings.Contains(line, "of reread")
+			t.staged = strings.Contains(line, "of staged")
 			t.link = strings.Contains(line, "of link")
 			return nil
 		}
@@ -288,9 +291,10 @@ func (t *sweepTable) add(n int, line string) error {
 }
 
 // lines reads the gathered rows. A row's columns: path mover io sums key
-// jobs dir hits/keys GB/s ceiling fraction of-best [of-reread] [of-link]
-// p50 p99 CPU ceiling's-CPU verified ceiling-name... [3 by-round
-// figures]; of reread may be blank on a row.
+// jobs dir hits/keys GB/s ceiling fraction of-best [of-reread]
+// [of-staged] [of-link] p50 p99 CPU ceiling's-CPU verified
+// ceiling-name... [3 by-round figures]; of reread is blank on a store's
+// row, of staged and of link never are where the table has them.
 func (t *sweepTable) lines(file string) ([]KVLine, error) {
 	var out []KVLine
 	for _, r := range t.rows {
@@ -338,35 +342,37 @@ func (t *sweepTable) parse(text string) (KVLine, error) {
 		}
 	}
 	// Eight figures always: GB/s, ceiling, fraction, of best, p50, p99,
-	// CPU and the ceiling's CPU; of reread and of link where the table
-	// has them.
-	var link int // index of "of link" in figs, -1 where none
-	switch n := len(figs); {
-	case !t.known && n == 8:
-		link = -1
-	case !t.known && n == 10:
-		link = 5
-	case !t.known:
-		return k, fmt.Errorf("%d figures, and no header or note says whether the table has the \"of reread\" and \"of link\" columns", n)
-	case t.reread && t.link && (n == 10 || n == 9):
-		link = n - 5 // a blank of reread drops one
-	case t.link && !t.reread && n == 9:
-		link = 4
-	case !t.link && t.reread && (n == 9 || n == 8):
-		link = -1
-	case !t.link && !t.reread && n == 8:
-		link = -1
-	default:
-		return k, fmt.Errorf("%d figures, want %d for a table with of reread %v and of link %v", n, 8+btoi(t.reread)+btoi(t.link), t.reread, t.link)
+	// CPU and the ceiling's CPU; of reread, of staged and of link where
+	// the table has them. Of link is the fifth figure from the end, of
+	// staged the one before it.
+	n := len(figs)
+	reread, staged, link := t.reread, t.staged, t.link
+	if !t.known {
+		// Tables printed before the staged ceiling, their notes cut off:
+		// 8 figures, or 10 with of reread and of link.
+		switch n {
+		case 8:
+		case 10:
+			reread, link = true, true
+		default:
+			return k, fmt.Errorf("%d figures, and no header or note says whether the table has the \"of reread\", \"of staged\" and \"of link\" columns", n)
+		}
 	}
-	var v [3]float64
+	// Of reread is blank on a store's row.
+	if want := 8 + btoi(reread && k.Direction == "load") + btoi(staged) + btoi(link); n != want {
+		return k, fmt.Errorf("%d figures, want %d for a %s row of a table with of reread %v, of staged %v and of link %v", n, want, k.Direction, reread, staged, link)
+	}
+	var v [4]float64
 	for j, s := range []string{figs[0], figs[1]} {
 		v[j], _ = strconv.ParseFloat(s, 64)
 	}
-	if link >= 0 {
-		v[2], _ = strconv.ParseFloat(figs[link], 64)
+	if link {
+		v[2], _ = strconv.ParseFloat(figs[n-5], 64)
 	}
-	k.GBps, k.CeilingGBps, k.Link = v[0], v[1], v[2]
+	if staged {
+		v[3], _ = strconv.ParseFloat(figs[n-5-btoi(link)], 64)
+	}
+	k.GBps, k.CeilingGBps, k.Link, k.Staged = v[0], v[1], v[2], v[3]
 	// The ceiling's name, then the by-round spread (three figures) if any.
 	rest := f[i:]
 	j := len(rest)

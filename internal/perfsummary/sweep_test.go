@@ -72,6 +72,53 @@ func TestParseSweepFileReadsEverySection(t *testing.T) {
 	}
 }
 
+// stagedSweep: tables with the staged ceiling's column, one with its
+// header (a store leaves of reread blank), one with only its notes.
+const stagedSweep = `# H100 machine, 2026-11-25, kvhost at commit 8ba5175.
+== llmd shm32-1: /dev/shm/sw/ll 8 16 2
+llmd store GB/s 22.71 files 256 round 1 ok True
+llmd load GB/s 21.70 files 256 round 1 ok True layers_differ 0
+== kvhost-pinned shm32-1: --dir /dev/shm/sw --no-gap
+  path        mover      io  sums    key  jobs    dir     keys   GB/s  ceiling GB/s  fraction  of best  of reread  of staged  of link  p50 ms  p99 ms  CPU ms/GB  ceiling's  verified                ceiling is        by round
+  auto  gpu-staging  direct    on  32MiB    16  store  256/256  23.07         27.76      0.83     0.83                  0.89     0.42    22.0    41.2        641        553         0  pwrite O_DIRECT ↔ pinned  0.79 0.83 0.87
+  auto  gpu-staging  direct    on  32MiB    16   load  256/256  33.40         25.71      1.30     1.30       0.84       1.41     0.61    14.8    26.6        367        597      8GiB   pread O_DIRECT ↔ pinned  1.27 1.30 1.33
+staged ceiling of 32MiB store, 16 jobs: D2H → pinned → pwrite O_DIRECT, 4 MiB chunks 25.97 GB/s, 601 CPU ms/GB
+== kvhost-cur shm32-1: --dir /dev/shm/sw
+  auto  gpu-staging  direct    on  32MiB    16   load  256/256  48.42         35.83      1.35     1.35       1.44       1.32     0.88     9.8    21.4        237        426      8GiB   pread O_DIRECT ↔ pinned
+of reread: of the same files read plainly a second time (loads)
+of staged: of the same files moved plainly through pinned buffers and the GPU
+of link: of the pinned copy ceiling of the same direction
+`
+
+// TestParseSweepFileReadsTheStagedColumn: a table with "of staged" gives
+// each row its staged fraction beside its link fraction, from its header
+// or its notes, whether of reread is blank (stores) or not.
+func TestParseSweepFileReadsTheStagedColumn(t *testing.T) {
+	f, err := ParseSweepFile("s.txt", stagedSweep)
+	if err != nil {
+		t.Fatal(err)
+	}
+	type fig struct {
+		report, dir            string
+		gbps, link, staged, ce float64
+	}
+	var got []fig
+	for _, k := range f.Calls[0].KV {
+		got = append(got, fig{k.Report, k.Direction, k.GBps, k.Link, k.Staged, k.CeilingGBps})
+	}
+	want := []fig{
+		{"kv-pinned-shm32-1.json", "store", 23.07, 0.42, 0.89, 27.76},
+		{"kv-pinned-shm32-1.json", "load", 33.40, 0.61, 1.41, 25.71},
+		{"kv-cur-shm32-1.json", "load", 48.42, 0.88, 1.32, 35.83},
+	}
+	if !reflect.DeepEqual(got, want) {
+		t.Errorf("rows:\n %+v\nwant\n %+v", got, want)
+	}
+	if c := f.Calls[0].Commit; c != "8ba5175" {
+		t.Errorf("commit %q, want 8ba5175", c)
+	}
+}
+
 // TestParseSweepFileNamesPairsAndColdPhases: an llmd section "NAME-N" is
 // pair N (the kvhost runs "...-N" that follow it are compared with it
 // alone), and the driver's --cold and --sync name its phases as the peer
@@ -136,6 +183,7 @@ func TestParseSweepFileRefusesLinesItCannotRead(t *testing.T) {
 		{"the same kvhost section twice", kv + strings.Replace(row, "%s", "1.27  0.91", 1) + kv, "s.txt:3: kvhost-final a appears twice"},
 		{"nine figures, columns untold", kv + strings.Replace(row, "%s", "0.91", 1), "s.txt:2: 9 figures, and no header or note says"},
 		{"too few figures for the notes", kv + strings.Replace(row, "%s", "", 1) + "of link: x\n", "s.txt:2: 8 figures, want 9"},
+		{"no staged figure for the notes", kv + strings.Replace(row, "%s", "1.27  0.91", 1) + "of reread: x\nof staged: x\nof link: x\n", "s.txt:2: 10 figures, want 11"},
 		{"bad dir column", kv + strings.Replace(strings.Replace(row, "load", "both", 1), "%s", "1.27  0.91", 1), "column dir is \"both\""},
 		{"two figures after the ceiling", kv + strings.Replace(strings.Replace(row, "pinned", "pinned 1 2", 1), "%s", "1.27  0.91", 1), "2 figures after the ceiling's name"},
 		{"foreign load cut short", "== foreign final\nload after restart: 256/256 keys of 32 MiB: 3 GB/s\n", "s.txt:2: a foreign load line must read"},
@@ -214,4 +262,24 @@ func sweepReport(t *testing.T, args ...string) []byte {
 		t.Fatal(err)
 	}
 	return b
+}
+
+// TestComputeHoldsAStagedRowToItsStagedFractions: a row with ceiling =
+// "staged" shows its runs' fractions of the staged ceiling.
+func TestComputeHoldsAStagedRowToItsStagedFractions(t *testing.T) {
+	dir := fstest.MapFS{"s.txt": {Data: []byte(stagedSweep)}}
+	m := testRow(func(r *Row) {
+		r.Calls, r.Report, r.Phase = []string{"s.txt#1"}, `kv-pinned-shm32-\d+\.json`, "load"
+		r.Peer, r.PeerPhase, r.Ceiling = `shm32-\d+`, "load", "staged"
+	})
+	res, err := Compute(m, dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := ceilingCell(res[0]); got != "1.41 of staged" {
+		t.Errorf("ceiling %q, want 1.41 of staged", got)
+	}
+	if got := ratioCell(res[0]); got != "1.54" {
+		t.Errorf("× llm-d %q, want 1.54 (33.40 over 21.70)", got)
+	}
 }
