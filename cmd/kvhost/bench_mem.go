@@ -295,34 +295,31 @@ func (r *benchRun) measureCeilings(ctx context.Context, files []string, jobs int
 	if direct {
 		mode = "O_DIRECT"
 	}
-	t.name[0] = "pwrite " + mode + mem
+	pwrite, sync, cold := "pwrite "+mode, "", ""
 	write := bench.WriteFiles
 	if overwrite {
 		// A full cache's stores write into evicted files (spare files),
 		// and with preallocation into spares made ahead: the ceiling
 		// overwrites files that exist, created untimed.
-		t.name[0] = "pwrite into existing files " + mode + mem
+		pwrite = "pwrite into existing files " + mode
 		if _, _, err := bench.WriteFiles(ctx, cpaths, sizes, bufs, direct, false); err != nil {
 			return err
 		}
 		write = bench.OverwriteFiles
 	}
 	if r.o.fsync {
-		t.name[0] += " + fsync"
+		sync = " + fsync"
 	}
-	t.name[1] = "pread " + mode + mem
 	if r.o.dropCaches {
-		t.name[1] += " (cold)"
+		cold = " (cold)"
 	}
+	t.name[0] = pwrite + mem + sync
+	t.name[1] = "pread " + mode + mem + cold
 	piece, pieces := int64(stagedPiece), fmt.Sprintf(" in %s pieces", sizeOf(stagedPiece))
 	if wholeChunks {
 		piece, pieces = 0, ""
 	}
-	cold := ""
-	if r.o.dropCaches {
-		cold = " (cold)"
-	}
-	t.stagedName[0] = fmt.Sprintf("D2H → pinned → %s, %s chunks", strings.TrimSuffix(t.name[0], mem), sizeOf(chunk))
+	t.stagedName[0] = fmt.Sprintf("D2H → pinned → %s%s, %s chunks", pwrite, sync, sizeOf(chunk))
 	t.stagedName[1] = fmt.Sprintf("pread %s%s%s → pinned → H2D, %s chunks", mode, pieces, cold, sizeOf(chunk))
 	var wb0, wt0, rb0, rt0 = t.wbytes, t.wtime, t.rbytes, t.rtime
 	defer func() {

@@ -148,6 +148,8 @@ func checkRuns(t *testing.T, rep *bench.Report, want int, mover string) {
 			!strings.Contains(x.CeilingStaged.Name, want) || x.CeilingStaged.CPUMsPerGB <= 0 ||
 			math.Abs(x.FractionStaged-x.GBps/x.CeilingStaged.GBps) > 1e-9):
 			t.Errorf("%s %s %d jobs on GPU memory: staged ceiling %+v, fraction %v; want one named %q", x.Direction, x.Path, x.Jobs, x.CeilingStaged, x.FractionStaged, want)
+		case rep.Memory == "gpu" && strings.Contains(x.CeilingStaged.Name, "↔"):
+			t.Errorf("%s %s %d jobs: staged ceiling %q names the plain ceiling's buffer", x.Direction, x.Path, x.Jobs, x.CeilingStaged.Name)
 		case rep.Memory != "gpu" && (x.CeilingStaged != bench.Ceiling{} || x.FractionStaged != 0):
 			t.Errorf("%s %s %d jobs on host memory: a staged ceiling %+v", x.Direction, x.Path, x.Jobs, x.CeilingStaged)
 		}
@@ -342,6 +344,23 @@ func TestBenchGPUMemoryThroughTheDaemonsPathsOnFakeCUDA(t *testing.T) {
 	for _, x := range rep.Runs {
 		if !strings.Contains(x.Ceiling.Name, "pinned") {
 			t.Errorf("run %+v: with a GPU the file ceiling reads into pinned buffers", x)
+		}
+	}
+}
+
+// TestBenchStagedCeilingsNameDurableAndColdPasses: with durable stores
+// and cold reads the staged ceilings say so, as the plain ones do, and
+// name their own path.
+func TestBenchStagedCeilingsNameDurableAndColdPasses(t *testing.T) {
+	lib := cudatest.Build(t)
+	missing := filepath.Join(t.TempDir(), "libcufile.so.0")
+	rep, _ := runBenchJSON(t, "--memory", "gpu", "--cuda-library", lib, "--cufile-library", missing,
+		"--jobs", "2", "--path", "staging", "--checksum", "on", "--total", "8MiB", "--fsync", "true", "--drop-caches")
+	checkRuns(t, rep, 4, "gpu-staging")
+	for _, x := range rep.Runs {
+		want := map[string]string{bench.Store: " + fsync, ", bench.Load: " (cold) → pinned"}[x.Direction]
+		if !strings.Contains(x.CeilingStaged.Name, want) {
+			t.Errorf("%s: staged ceiling %q, want one naming %q", x.Direction, x.CeilingStaged.Name, want)
 		}
 	}
 }
