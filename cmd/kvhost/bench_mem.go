@@ -369,9 +369,10 @@ func (r *benchRun) measureCeilings(ctx context.Context, files []string, jobs int
 
 // stagedPasses times a staged write, into fresh files of the same names
 // (the files are removed first) or, with overwrite, into the files, then
-// a staged read of what it wrote (cold when reads are): the read finds
-// its pages as the plain first read and the engine's loads do, written
-// and not yet read.
+// a staged read of what it wrote (cold when reads are). Into fresh files
+// the read finds its pages as the plain first read and the engine's loads
+// do, written and not yet read; with overwrite the plain passes have read
+// those files just before.
 func (r *benchRun) stagedPasses(ctx context.Context, cpaths []string, sizes []int64, bufs [][]byte, stagers []bench.Stager, piece int64, direct, overwrite bool, t *ceilingTotals) error {
 	chunk := r.stagedChunk()
 	if !overwrite {

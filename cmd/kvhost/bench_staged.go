@@ -27,7 +27,7 @@ type gpuStager struct {
 func newGPUStager(ctx context.Context, rt *cuda.Runtime, chunk int64) (*gpuStager, error) {
 	w, err := rt.NewWorker(0)
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("staged ceiling: %w", err)
 	}
 	s := &gpuStager{w: w, chunk: chunk}
 	err = w.Do(ctx, func(w *cuda.Worker) error {
@@ -44,8 +44,7 @@ func newGPUStager(ctx context.Context, rt *cuda.Runtime, chunk int64) (*gpuStage
 		return nil
 	})
 	if err != nil {
-		s.close()
-		return nil, fmt.Errorf("staged ceiling: %w", err)
+		return nil, fmt.Errorf("staged ceiling: %w", errors.Join(err, s.close()))
 	}
 	return s, nil
 }
@@ -56,7 +55,9 @@ func (s *gpuStager) Do(ctx context.Context, fn func() error) error {
 }
 
 // Start enqueues slot i's copy on the worker's stream and records the
-// slot's event after it.
+// slot's event after it. A copy enqueued whose event could not be
+// recorded is waited for here, so that Wait never returns while a copy
+// of the slot may run.
 func (s *gpuStager) Start(i int, p []byte, toDevice bool) error {
 	if int64(len(p)) > s.chunk {
 		return fmt.Errorf("staged ceiling: %d bytes in a %d-byte slot", len(p), s.chunk)
@@ -72,11 +73,14 @@ func (s *gpuStager) Start(i int, p []byte, toDevice bool) error {
 	} else {
 		err = r.CopyD2H(host, dev, n, st)
 	}
-	if err == nil {
-		err = r.Record(s.events[i], st)
+	if err != nil {
+		return err
 	}
-	s.pending[i] = err == nil
-	return err
+	if err := r.Record(s.events[i], st); err != nil {
+		return errors.Join(err, r.Sync(st))
+	}
+	s.pending[i] = true
+	return nil
 }
 
 // Wait waits for slot i's last copy.

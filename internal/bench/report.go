@@ -354,8 +354,8 @@ func (r *Report) WriteTable(w io.Writer) error {
 	for _, x := range r.Runs {
 		spread = spread || len(x.RoundFractions) > 1
 		link = link || x.FractionLink > 0
-		reread = reread || x.FractionReread > 0
-		staged = staged || x.FractionStaged > 0
+		reread = reread || x.CeilingReread.GBps > 0
+		staged = staged || x.CeilingStaged.GBps > 0
 	}
 	header := "path\tmover\tio\tsums\tkey\tjobs\tdir\tkeys\tGB/s\tceiling GB/s\tfraction\tof best\t"
 	if reread {
@@ -381,7 +381,7 @@ func (r *Report) WriteTable(w io.Writer) error {
 			sums = "on*"
 			footnote = true
 		}
-		ofLink := column(reread, x.FractionReread) + column(staged, x.FractionStaged)
+		ofLink := column(reread, x.CeilingReread, x.FractionReread) + column(staged, x.CeilingStaged, x.FractionStaged)
 		if link {
 			ofLink += fmt.Sprintf("%.2f\t", x.FractionLink)
 		}
@@ -415,7 +415,11 @@ func (r *Report) WriteTable(w io.Writer) error {
 	}
 	for _, x := range r.Runs {
 		if c := x.CeilingStaged; c.GBps > 0 {
-			fmt.Fprintf(w, "staged ceiling of %s %s, %d jobs: %s %.2f GB/s, %.0f CPU ms/GB\n", sizeString(x.KeyBytes), x.Direction, x.Jobs, c.Name, c.GBps, c.CPUMsPerGB)
+			sums := "off"
+			if x.Checksums {
+				sums = "on"
+			}
+			fmt.Fprintf(w, "staged ceiling of %s sums=%s %s %s, %d jobs: %s %.2f GB/s, %.0f CPU ms/GB\n", x.Path, sums, sizeString(x.KeyBytes), x.Direction, x.Jobs, c.Name, c.GBps, c.CPUMsPerGB)
 		}
 	}
 	if r.Partial {
@@ -425,13 +429,15 @@ func (r *Report) WriteTable(w io.Writer) error {
 	return err
 }
 
-// column is a fraction's cell in the table where the column is shown
-// (empty where the run has none), or nothing where it is not.
-func column(shown bool, f float64) string {
+// column is a fraction's cell in the table where the column is shown:
+// the fraction where the run has the ceiling (0.00 for a run that moved
+// nothing), empty where it has none; nothing where the column is not
+// shown.
+func column(shown bool, c Ceiling, f float64) string {
 	switch {
 	case !shown:
 		return ""
-	case f > 0:
+	case c.GBps > 0:
 		return fmt.Sprintf("%.2f\t", f)
 	}
 	return "\t"

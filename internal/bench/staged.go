@@ -31,7 +31,7 @@ type Stager interface {
 // errStagedBuffer: a thread's buffer cannot hold its two slots.
 var errStagedBuffer = errors.New("bench: staged ceiling: buffer smaller than two chunks")
 
-// StagedRead reads every file as a pipeline through pinned buffers
+// StagedRead reads every file the way a pipeline through pinned buffers
 // moves a load: each thread reads a file chunk by chunk into one half of
 // its buffer (bufs[t], two chunks of chunk bytes) and copies that chunk to
 // the GPU (stagers[t]) while it reads the next into the other half; a
@@ -39,7 +39,8 @@ var errStagedBuffer = errors.New("bench: staged ceiling: buffer smaller than two
 // of piece bytes (a multiple of Align; 0: one per chunk). It is a load
 // through pinned host memory done plainly: the file's bytes are copied by
 // the CPU into memory the GPU then reads, so the read and the copy share
-// the host's memory. It returns the bytes read and the wall time.
+// the host's memory. It returns the bytes read and the wall time; when it
+// returns, no copy it started is still running, whatever failed.
 func StagedRead(ctx context.Context, paths []string, bufs [][]byte, chunk, piece int64, stagers []Stager, direct bool) (int64, time.Duration, error) {
 	if err := checkStaged(bufs, chunk, stagers); err != nil {
 		return 0, 0, err
@@ -57,7 +58,16 @@ func StagedRead(ctx context.Context, paths []string, bufs [][]byte, chunk, piece
 	var total atomic.Int64
 	d, err := parallel(ctx, len(paths), len(bufs), func(t, i int) error {
 		st := stagers[t]
-		err := st.Do(ctx, func() error {
+		err := st.Do(ctx, func() (err error) {
+			// Every copy has finished before the buffer is reused or
+			// handed back, whatever failed.
+			defer func() {
+				for s := range 2 {
+					if werr := st.Wait(s); err == nil {
+						err = werr
+					}
+				}
+			}()
 			f, err := os.OpenFile(paths[i], flags, 0)
 			if err != nil {
 				return err
@@ -81,11 +91,11 @@ func StagedRead(ctx context.Context, paths []string, bufs [][]byte, chunk, piece
 				slot := bufs[t][int64(s)*chunk : int64(s)*chunk+want]
 				var got int64
 				for lo := int64(0); lo < want && got == lo; lo += piece {
-					k, err := readAt(f, slot[lo:min(want, lo+piece)], off+lo)
+					m, err := readAt(f, slot[lo:min(want, lo+piece)], off+lo)
 					if err != nil {
 						return err
 					}
-					got += k
+					got += m
 				}
 				if got < n {
 					return fmt.Errorf("%w: %d of %d bytes at %d", ErrShort, got, n, off)
@@ -94,11 +104,10 @@ func StagedRead(ctx context.Context, paths []string, bufs [][]byte, chunk, piece
 					return err
 				}
 			}
-			if err := st.Wait(0); err != nil {
-				return err
-			}
-			if err := st.Wait(1); err != nil {
-				return err
+			for s := range 2 { // the file counts once its copies are done
+				if err := st.Wait(s); err != nil {
+					return err
+				}
 			}
 			total.Add(size)
 			return nil
@@ -111,16 +120,21 @@ func StagedRead(ctx context.Context, paths []string, bufs [][]byte, chunk, piece
 	return total.Load(), d, err
 }
 
-// StagedWrite writes sizes[i] bytes to paths[i] as a pipeline through
-// pinned buffers moves a store: each thread copies a chunk from the GPU
-// into one half of its buffer (stagers[t]) and writes it to the file while
-// the GPU copies the next into the other half; with fsync the file is
-// synced before it counts. With overwrite the files must exist and are
-// not truncated (writes into spare files); else they are created or
-// truncated. It returns the bytes written and the wall time.
+// StagedWrite writes sizes[i] bytes to paths[i] the way a pipeline
+// through pinned buffers moves a store: each thread copies a chunk from
+// the GPU into one half of its buffer (stagers[t]) and writes it to the
+// file while the GPU copies the next into the other half; with fsync the
+// file is synced before it counts. With overwrite the files must exist
+// and are not truncated (writes into spare files); else they are created
+// or truncated. Direct writes round each size up to Align. It returns the
+// bytes written and the wall time; when it returns, no copy it started
+// is still running, whatever failed.
 func StagedWrite(ctx context.Context, paths []string, sizes []int64, bufs [][]byte, chunk int64, stagers []Stager, direct, fsync, overwrite bool) (int64, time.Duration, error) {
 	if err := checkStaged(bufs, chunk, stagers); err != nil {
 		return 0, 0, err
+	}
+	if len(sizes) != len(paths) {
+		return 0, 0, fmt.Errorf("bench: staged write: %d sizes for %d files", len(sizes), len(paths))
 	}
 	flags := os.O_WRONLY
 	if !overwrite {

@@ -9,9 +9,12 @@ import (
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
+
+	"golang.org/x/sys/unix"
 )
 
 // lazyStager is a Stager whose copies happen as late as a stream may run
@@ -31,8 +34,13 @@ type lazyStager struct {
 		toDevice bool
 		started  bool
 	}
-	fail error // Start returns it
+	fail      error // Start returns it, after failAfter starts
+	failAfter int
+	starts    int
 }
+
+// busy reports whether a started copy was never waited for.
+func (s *lazyStager) busy() bool { return s.pending[0].started || s.pending[1].started }
 
 func (s *lazyStager) Do(ctx context.Context, fn func() error) error {
 	s.inside = true
@@ -47,7 +55,7 @@ func (s *lazyStager) Start(i int, p []byte, toDevice bool) error {
 	if s.pending[i].started {
 		s.t.Errorf("Start on slot %d before its last copy was waited for", i)
 	}
-	if s.fail != nil {
+	if s.starts++; s.fail != nil && s.starts > s.failAfter {
 		return s.fail
 	}
 	s.pending[i].p, s.pending[i].toDevice, s.pending[i].started = p, toDevice, true
@@ -278,5 +286,151 @@ func TestStagedCeilingsRefuseBadArgumentsAndNameFailures(t *testing.T) {
 				t.Fatalf("err %v, want one naming %q", err, tc.want)
 			}
 		})
+	}
+}
+
+// TestStagedCeilingsLeaveNoCopyRunningWhenACopyFails: a copy that fails
+// to start in the middle of a file fails the pass, and by then every copy
+// started before it has been waited for (the caller's buffers are free),
+// reading and writing alike.
+func TestStagedCeilingsLeaveNoCopyRunningWhenACopyFails(t *testing.T) {
+	const chunk = 8 << 10
+	dir := t.TempDir()
+	p := filepath.Join(dir, "f")
+	if err := os.WriteFile(p, make([]byte, 5*chunk), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	broken := errors.New("copy engine on fire")
+	for _, tc := range []struct {
+		name string
+		run  func([]Stager, [][]byte) error
+	}{
+		{"read", func(st []Stager, bufs [][]byte) error {
+			_, _, err := StagedRead(context.Background(), []string{p}, bufs, chunk, 0, st, false)
+			return err
+		}},
+		{"write", func(st []Stager, bufs [][]byte) error {
+			_, _, err := StagedWrite(context.Background(), []string{p}, []int64{5 * chunk}, bufs, chunk, st, false, false, true)
+			return err
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			st, lazy, bufs, _ := stagedSetup(t, 1, chunk)
+			lazy[0].fail, lazy[0].failAfter = broken, 2 // the third chunk's copy
+			if err := tc.run(st, bufs); !errors.Is(err, broken) {
+				t.Fatalf("err %v, want the copy's", err)
+			}
+			if lazy[0].busy() {
+				t.Fatal("a copy started before the failure was still running when the pass returned")
+			}
+		})
+	}
+}
+
+// TestStagedCeilingsWithODirect: with direct I/O the staged read and write
+// move whole aligned chunks, the tail of a size that ends inside a block
+// rounded up, and every byte of the file reaches the device. It skips where
+// the test's directory refuses O_DIRECT.
+func TestStagedCeilingsWithODirect(t *testing.T) {
+	const chunk = 8 << 10
+	dir := t.TempDir()
+	probe := filepath.Join(dir, "probe")
+	f, err := os.OpenFile(probe, os.O_CREATE|os.O_WRONLY|unix.O_DIRECT, 0o600)
+	if err != nil {
+		t.Skipf("O_DIRECT refused here: %v", err)
+	}
+	f.Close()
+	paths := []string{filepath.Join(dir, "a"), filepath.Join(dir, "b")}
+	sizes := []int64{3*chunk + 100, chunk}
+	st, _, _, chunks := stagedSetup(t, 2, chunk)
+	var bufs [][]byte
+	for range 2 {
+		b, err := AlignedBuffer(2 * chunk)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { FreeBuffer(b) })
+		bufs = append(bufs, b)
+	}
+	n, _, err := StagedWrite(context.Background(), paths, sizes, bufs, chunk, st, true, false, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := RoundUp(sizes[0]) + sizes[1]; n != want {
+		t.Errorf("wrote %d bytes, want %d (the first size rounded up to %d)", n, want, Align)
+	}
+	var total int64
+	want := map[string]int{}
+	for _, p := range paths {
+		b, err := os.ReadFile(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if int64(len(b))%Align != 0 {
+			t.Errorf("%s: %d bytes, not whole blocks", p, len(b))
+		}
+		for off := 0; off < len(b); off += chunk {
+			want[string(b[off:min(off+chunk, len(b))])]++
+		}
+		total += int64(len(b))
+	}
+	n, _, err = StagedRead(context.Background(), paths, bufs, chunk, 4096, st, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n != total {
+		t.Errorf("read %d bytes, want %d", n, total)
+	}
+	got := map[string]int{}
+	for _, c := range *chunks {
+		got[string(c)]++
+	}
+	for c, k := range want {
+		if got[c] != k {
+			t.Errorf("a %d-byte chunk of the files reached the device %d times, want %d", len(c), got[c], k)
+		}
+	}
+}
+
+// TestTableKeepsEveryCellOfARunThatMovedNothing: a load that moved
+// nothing (--hit-ratio 0) still prints its reread and staged fractions
+// (0.00), so its row has as many figures as any load's; a store leaves
+// only of reread empty.
+func TestTableKeepsEveryCellOfARunThatMovedNothing(t *testing.T) {
+	staged := Ceiling{Name: "staged", GBps: 20, Threads: 16}
+	r := &Report{Schema: Schema, Dir: "/x", FSType: "tmpfs", Memory: "gpu", Ceilings: []Ceiling{{Name: CeilingH2D, GBps: 55}, {Name: CeilingD2H, GBps: 55}}}
+	r.Runs = []Run{
+		{Path: "auto", Mover: "gpu-staging", IO: "direct", Direction: Store, Jobs: 16, KeyBytes: 32 << 20, Keys: 8, Hits: 8, GBps: 20,
+			Ceiling: Ceiling{Name: "pwrite", GBps: 25, Threads: 16}, Fraction: 0.8, CeilingStaged: staged, FractionStaged: 1},
+		{Path: "auto", Mover: "gpu-staging", IO: "direct", Direction: Load, Jobs: 16, KeyBytes: 32 << 20, Keys: 8,
+			Ceiling: Ceiling{Name: "pread", GBps: 25, Threads: 16}, CeilingReread: Ceiling{Name: "pread, second read", GBps: 35, Threads: 16}, CeilingStaged: staged},
+	}
+	r.Finish()
+	var b bytes.Buffer
+	if err := r.WriteTable(&b); err != nil {
+		t.Fatal(err)
+	}
+	want := map[string]int{Store: 10, Load: 11} // 8 always, of reread (loads), of staged, of link
+	rows := 0
+	for _, line := range strings.Split(b.String(), "\n") {
+		f := strings.Fields(line)
+		if len(f) < 8 || (f[6] != Store && f[6] != Load) {
+			continue
+		}
+		rows++
+		n := 0
+		for _, x := range f[8:] {
+			if _, err := strconv.ParseFloat(x, 64); err != nil {
+				break
+			}
+			n++
+		}
+		n-- // the verified size ("0" here) ends the figures
+		if n != want[f[6]] {
+			t.Errorf("%s row has %d figures before its verified size, want %d:\n%s", f[6], n, want[f[6]], b.String())
+		}
+	}
+	if rows != 2 {
+		t.Fatalf("%d rows, want 2:\n%s", rows, b.String())
 	}
 }

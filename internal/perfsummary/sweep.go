@@ -37,9 +37,9 @@ const (
 //   - "== kvhost-VARIANT NAME: ARGS": `kvhost bench ARGS` of that build; its
 //     table rows (indented, without their header) become KVLines named
 //     "kv-VARIANT-NAME.json", the name the driver gives the --json report
-//     of the run. The "of reread:" and "of link:" notes after the rows
-//     (or the table's header, where kept) say which optional columns the
-//     rows have.
+//     of the run. The "of reread:", "of staged:" and "of link:" notes
+//     after the rows (or the table's header, where kept) say which
+//     optional columns the rows have.
 //   - "== llmd NAME: ARGS": "llmd store|load GB/s X files N round R ok
 //     True [layers_differ 0]" lines; one PeerLine labelled NAME, of pair
 //     N where NAME ends in "-N"; with --cold in ARGS its loads are the
