@@ -139,21 +139,7 @@ func TestStagedReadCopiesEveryChunkOfEveryFileToTheDevice(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if n != total {
-				t.Errorf("read %d bytes, want %d", n, total)
-			}
-			got := map[string]int{}
-			for _, c := range *chunks {
-				got[string(c)]++
-			}
-			if len(got) != len(want) {
-				t.Errorf("%d distinct chunks reached the device, want %d", len(got), len(want))
-			}
-			for c, k := range want {
-				if got[c] != k {
-					t.Errorf("a %d-byte chunk reached the device %d times, want %d", len(c), got[c], k)
-				}
-			}
+			checkDevice(t, n, total, *chunks, want)
 		})
 	}
 }
@@ -378,12 +364,22 @@ func TestStagedCeilingsWithODirect(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	checkDevice(t, n, total, *chunks, want)
+}
+
+// checkDevice checks a staged read: n bytes read of total, and the
+// chunks that reached the device are want's, each as many times.
+func checkDevice(t *testing.T, n, total int64, chunks [][]byte, want map[string]int) {
+	t.Helper()
 	if n != total {
 		t.Errorf("read %d bytes, want %d", n, total)
 	}
 	got := map[string]int{}
-	for _, c := range *chunks {
+	for _, c := range chunks {
 		got[string(c)]++
+	}
+	if len(got) != len(want) {
+		t.Errorf("%d distinct chunks reached the device, want %d", len(got), len(want))
 	}
 	for c, k := range want {
 		if got[c] != k {
