@@ -247,12 +247,9 @@ func (t *ceilingTotals) pair(jobs int) ceilingPair {
 // buffers and the GPU plainly (the staged ceilings): a staged write, into
 // fresh files or, with overwrite, into the files that exist, then a
 // staged read of them.
-//
-// wholeChunks says the engine reads a chunk of the staging pipeline in one
-// system call (O_DIRECT on a device, where the DMA leaves nothing in the
-// CPU's caches); elsewhere it reads in 256 KiB pieces, each still in the
-// CPU's caches when it is checksummed, and the staged read does the same.
-func (r *benchRun) measureCeilings(ctx context.Context, files []string, jobs int, direct, wholeChunks, overwrite bool, t *ceilingTotals) error {
+// The staged read cuts a chunk into system calls of piece bytes, as the
+// staging pipeline does on the mount (gpu.PieceBytes; 0: one per chunk).
+func (r *benchRun) measureCeilings(ctx context.Context, files []string, jobs int, direct bool, piece int64, overwrite bool, t *ceilingTotals) error {
 	sizes := make([]int64, len(files))
 	var largest int64
 	for i, f := range files {
@@ -315,9 +312,9 @@ func (r *benchRun) measureCeilings(ctx context.Context, files []string, jobs int
 	}
 	t.name[0] = pwrite + mem + sync
 	t.name[1] = "pread " + mode + mem + cold
-	piece, pieces := int64(stagedPiece), fmt.Sprintf(" in %s pieces", sizeOf(stagedPiece))
-	if wholeChunks {
-		piece, pieces = 0, ""
+	pieces := ""
+	if piece > 0 {
+		pieces = fmt.Sprintf(" in %s pieces", sizeOf(piece))
 	}
 	t.stagedName[0] = fmt.Sprintf("D2H → pinned → %s%s, %s chunks", pwrite, sync, sizeOf(chunk))
 	t.stagedName[1] = fmt.Sprintf("pread %s%s%s → pinned → H2D, %s chunks", mode, pieces, cold, sizeOf(chunk))
@@ -351,7 +348,7 @@ func (r *benchRun) measureCeilings(ctx context.Context, files []string, jobs int
 			t.r2bytes, t.r2time, t.r2cpu = t.r2bytes+r2b, t.r2time+r2d, t.r2cpu+bench.CPUTime()-cpu
 		}
 		if err == nil && stagers != nil {
-			err = r.stagedPasses(ctx, cpaths, sizes, bufs, stagers, piece, direct, overwrite, t)
+			err = r.stagedPasses(ctx, cpaths, sizes, bufs, stagers, chunk, piece, direct, overwrite, t)
 		}
 		if !overwrite { // the next pass writes fresh files again
 			for _, p := range cpaths {
@@ -373,8 +370,7 @@ func (r *benchRun) measureCeilings(ctx context.Context, files []string, jobs int
 // the read finds its pages as the plain first read and the engine's loads
 // do, written and not yet read; with overwrite the plain passes have read
 // those files just before.
-func (r *benchRun) stagedPasses(ctx context.Context, cpaths []string, sizes []int64, bufs [][]byte, stagers []bench.Stager, piece int64, direct, overwrite bool, t *ceilingTotals) error {
-	chunk := r.stagedChunk()
+func (r *benchRun) stagedPasses(ctx context.Context, cpaths []string, sizes []int64, bufs [][]byte, stagers []bench.Stager, chunk, piece int64, direct, overwrite bool, t *ceilingTotals) error {
 	if !overwrite {
 		for _, p := range cpaths {
 			if err := os.Remove(p); err != nil {
@@ -401,10 +397,6 @@ func (r *benchRun) stagedPasses(ctx context.Context, cpaths []string, sizes []in
 	t.srbytes, t.srtime, t.srcpu = t.srbytes+rb, t.srtime+rd, t.srcpu+bench.CPUTime()-cpu
 	return nil
 }
-
-// stagedPiece is the staged read's system call where the engine reads a
-// chunk in pieces: the staging pipeline's (gpu.fuseBatch).
-const stagedPiece = 256 << 10
 
 // stagedChunk is the staged ceilings' chunk: the staging pipeline's.
 func (r *benchRun) stagedChunk() int64 {

@@ -449,7 +449,7 @@ func (r *benchRun) keySize(ctx context.Context, eng *engine.Engine, gp *gpuPaths
 					return err
 				}
 				ms := eng.Stats().Mounts[0]
-				return r.measureCeilings(ctx, files, jobs, ms.Direct, ms.Direct && !ms.Memory, overwrite, &ceil)
+				return r.measureCeilings(ctx, files, jobs, ms.Direct, int64(gpu.PieceBytes(ms.Direct, ms.Memory)), overwrite, &ceil)
 			}
 			if !r.o.noGap || !r.o.load {
 				if err := ceilings(); err != nil {

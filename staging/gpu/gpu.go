@@ -570,7 +570,18 @@ const fuseBatch = 256 << 10
 // O_DIRECT since Linux 6.6) copies with the CPU either way, so a direct
 // file there is fused too: checksumming a chunk after its one large read
 // would be a second pass over memory.
-func fusedIO(p *transfer.Plan) bool { return !p.Direct || p.Memory }
+func fusedIO(p *transfer.Plan) bool { return PieceBytes(p.Direct, p.Memory) > 0 }
+
+// PieceBytes is the size of the system calls a chunk's file I/O is cut
+// into on a mount (fusedIO): 256 KiB where the kernel's transfer is a CPU
+// copy (buffered I/O, or a memory file system), 0 (one call per chunk)
+// for O_DIRECT on a device.
+func PieceBytes(direct, memory bool) int {
+	if direct && !memory {
+		return 0
+	}
+	return fuseBatch
+}
 
 // WriteFile gathers the plan's device extents into pinned buffers and
 // writes them to f, checksumming on the way.

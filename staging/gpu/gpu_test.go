@@ -130,6 +130,9 @@ func TestFusedUnlessDirectToADevice(t *testing.T) {
 			if got := fusedIO(&transfer.Plan{Direct: c.direct, Memory: c.memory}); got != c.want {
 				t.Fatalf("fusedIO = %v, want %v", got, c.want)
 			}
+			if got, want := PieceBytes(c.direct, c.memory), map[bool]int{true: fuseBatch, false: 0}[c.want]; got != want {
+				t.Fatalf("PieceBytes = %d, want %d", got, want)
+			}
 		})
 	}
 }
