@@ -62,10 +62,8 @@ func StagedRead(ctx context.Context, paths []string, bufs [][]byte, chunk, piece
 			// Every copy has finished before the buffer is reused or
 			// handed back, whatever failed.
 			defer func() {
-				for s := range 2 {
-					if werr := st.Wait(s); err == nil {
-						err = werr
-					}
+				if derr := drain(st); err == nil {
+					err = derr
 				}
 			}()
 			f, err := os.OpenFile(paths[i], flags, 0)
@@ -104,10 +102,8 @@ func StagedRead(ctx context.Context, paths []string, bufs [][]byte, chunk, piece
 					return err
 				}
 			}
-			for s := range 2 { // the file counts once its copies are done
-				if err := st.Wait(s); err != nil {
-					return err
-				}
+			if err := drain(st); err != nil { // the file counts once its copies are done
+				return err
 			}
 			total.Add(size)
 			return nil
@@ -164,10 +160,8 @@ func StagedWrite(ctx context.Context, paths []string, sizes []int64, bufs [][]by
 			defer func() {
 				// Every copy has finished before the buffer is reused,
 				// whatever failed.
-				for s := range 2 {
-					if werr := st.Wait(s); err == nil {
-						err = werr
-					}
+				if derr := drain(st); err == nil {
+					err = derr
 				}
 				if cerr := f.Close(); err == nil {
 					err = cerr
@@ -203,6 +197,16 @@ func StagedWrite(ctx context.Context, paths []string, sizes []int64, bufs [][]by
 		return nil
 	})
 	return total.Load(), d, err
+}
+
+// drain waits for the copies of both of st's slots and returns the first
+// error.
+func drain(st Stager) error {
+	err0 := st.Wait(0)
+	if err1 := st.Wait(1); err0 == nil {
+		return err1
+	}
+	return err0
 }
 
 // checkStaged says what is wrong with a staged ceiling's arguments.
