@@ -375,7 +375,9 @@ func (m *Mover) SumJobs() (onCPU, onGPU uint64) {
 // computed; a job none of whose pieces feeds a checksum computed none,
 // and is not counted.
 func (m *Mover) countSums(chunks []chunk, sums []uint32, onDevice bool) {
-	if sums == nil || !feedsSums(chunks) {
+	// A job the kernel took has spans (sumsOnDevice): only the CPU's jobs
+	// need the look at their pieces.
+	if sums == nil || !onDevice && !feedsSums(chunks) {
 		return
 	}
 	if onDevice {
