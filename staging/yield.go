@@ -30,7 +30,10 @@ func (y *Yielder) Moved(n int64) {
 	if y.since < y.Every {
 		return
 	}
-	y.since = 0
+	// The remainder counts toward the next yield, so that pieces which do
+	// not divide Every (a chunk's first piece, cut short at an aligned
+	// offset) still yield once per Every bytes.
+	y.since %= y.Every
 	if y.Yield != nil {
 		y.Yield()
 		return

@@ -23,6 +23,8 @@ func TestYielderYieldsOncePerEveryBytes(t *testing.T) {
 		{"four pieces a yield", 1 << 20, []int64{256 << 10, 256 << 10, 256 << 10, 256 << 10, 256 << 10, 256 << 10, 256 << 10, 256 << 10}, 2},
 		{"a large move yields once", 1 << 20, []int64{8 << 20}, 1},
 		{"short of Every", 1 << 20, []int64{512 << 10, 511 << 10}, 0},
+		{"uneven pieces keep their remainder", 1 << 20, []int64{252 << 10, 256 << 10, 256 << 10, 256 << 10, 256 << 10, 256 << 10, 256 << 10, 256 << 10, 4 << 10}, 2},
+		{"a large move yields once, its remainder counts", 1 << 20, []int64{(8 << 20) + (512 << 10), 512 << 10}, 2},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			n := 0
