@@ -49,6 +49,12 @@ type options struct {
 	// spans) on a helper goroutine while batch i+1 is in flight: the right
 	// choice for devices, where the CPU waits on I/O.
 	Overlap bool
+	// Folio, for a write, is the size of the file's large page-cache
+	// folios (transfer.Plan.Folio), or 0. With it a write's batches are
+	// cut at file offsets that are multiples of a multiple of Folio (at
+	// least Chunk's batch), so that no folio is first written in part:
+	// the kernel would zero the rest of it before the write.
+	Folio int64
 }
 
 const (
@@ -139,6 +145,12 @@ func (w *worker) vector(ctx context.Context, f fsys.File, run []span, opt option
 		// Split points must keep direct I/O aligned.
 		limit = max(Align, limit/Align*Align)
 	}
+	// Overlap hands whole spans to its helper, so its batches stay whole
+	// (it serves devices, which have no folios to fill).
+	folios := write && opt.Folio > 0 && !(opt.Sums != nil && opt.Overlap)
+	if folios {
+		limit = max(opt.Folio, limit/opt.Folio*opt.Folio)
+	}
 	var pending chan []span
 	var sumDone chan struct{}
 	if opt.Sums != nil && opt.Overlap {
@@ -170,7 +182,12 @@ func (w *worker) vector(ctx context.Context, f fsys.File, run []span, opt option
 		}
 		first := i
 		var n int64
-		i, at, n = w.batch(run, i, at, limit, fused)
+		if folios {
+			// Batches end where the folios do, spans split there.
+			i, at, n = w.batch(run, i, at, limit-off%limit, true)
+		} else {
+			i, at, n = w.batch(run, i, at, limit, fused)
+		}
 		if err := rw(f, w.iov, off, write); err != nil {
 			return total, err
 		}

@@ -92,7 +92,7 @@ func (m *Mover) run(ctx context.Context, f fsys.File, p *transfer.Plan, sums []u
 		}
 		spans[i] = span{Off: x.FileOff, Buf: mem[x.RegionOff : x.RegionOff+x.Len : x.RegionOff+x.Len], Sum: x.Sum}
 	}
-	opt := options{Direct: p.Direct, Sums: sums, Overlap: m.overlap && p.Direct}
+	opt := options{Direct: p.Direct, Sums: sums, Overlap: m.overlap && p.Direct, Folio: p.Folio}
 	if !write {
 		var release func()
 		f, release = p.ReadSource(f)

@@ -23,7 +23,11 @@ type mount struct {
 	// memory: a memory file system (tmpfs). With it, and with buffered
 	// I/O, checksums are computed inline in small chunks, in cache; with
 	// O_DIRECT to a device they overlap the next transfer instead.
-	memory    bool
+	memory bool
+	// folio is the size of the page-cache folios writes allocate where
+	// larger than a page (a tmpfs with huge pages), else 0
+	// (transfer.Plan.Folio).
+	folio     int64
 	checksums bool   // payload checksums on this mount (Mount.NoChecksum, the mover)
 	backend   string // the host mover's name
 	movers    map[region.Kind]transfer.Mover
@@ -116,6 +120,14 @@ func (e *Engine) openMount(i int, m Mount) (*mount, error) {
 			mt.direct, mt.ioWhy = true, "direct: probed"
 		}
 	}
+	if mt.memory {
+		folio, err := fstype.LargeFolioOf(root)
+		if err != nil {
+			// Small folios: stores cut as on any tmpfs, still correct.
+			e.log.Debug("engine: the mount's page size", "mount", root, "err", err)
+		}
+		mt.folio = folio
+	}
 	mt.sp.setCapacityLocked(mt.sp.fsCapacity(st, 0)) // not shared yet
 	return mt, nil
 }
@@ -159,7 +171,7 @@ func (e *Engine) reportMounts() {
 			sp.aheadMax = AutoPreallocateMax(capacity, e.memory)
 		}
 		e.log.Info("engine: mount", "mount", m.root, "io", m.ioName(), "why", m.ioWhy, "backend", m.backend,
-			"checksums", m.checksums, "capacity", capacity, "used", used, "reserve", sp.reserve, "preallocate", sp.ahead, "preallocate_auto", auto, "preallocate_max", max(sp.ahead, sp.aheadMax))
+			"checksums", m.checksums, "large_folio", m.folio, "capacity", capacity, "used", used, "reserve", sp.reserve, "preallocate", sp.ahead, "preallocate_auto", auto, "preallocate_max", max(sp.ahead, sp.aheadMax))
 		if sp.configured > capacity && !sp.derived {
 			e.log.Warn("engine: the configured capacity is more than the file system can hold; using what it can hold",
 				"mount", m.root, "configured", sp.configured, "effective", capacity, "reserve", sp.reserve)

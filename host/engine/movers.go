@@ -108,7 +108,7 @@ func (c *cache) plan(h *format.Header, want []bool, blocks func(k int) []int, m 
 		}
 		n *= k
 	}
-	p := &transfer.Plan{Extents: make([]transfer.Extent, 0, n), Sums: len(h.Keys), Direct: m.direct, Memory: m.memory}
+	p := &transfer.Plan{Extents: make([]transfer.Extent, 0, n), Sums: len(h.Keys), Direct: m.direct, Memory: m.memory, Folio: m.folio}
 	h.Walk(want, func(k, b, l, pl int, off int64) {
 		t := &c.layers[l]
 		x := transfer.Extent{FileOff: hl + off, Region: t.Region, RegionOff: t.Offset + int64(pl)*t.PlaneStride + int64(blocks(k)[b])*t.BlockStride, Len: bb, Sum: k}

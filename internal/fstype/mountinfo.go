@@ -14,12 +14,26 @@ import (
 // Mount is one line of /proc/self/mountinfo: where a file system is
 // mounted, its type as the kernel names it ("ext4", "fuse.ceph-fuse") and
 // its source ("/dev/nvme0n1p1", "ceph-fuse", "server:/volume"), and the
-// device it is on as "major:minor".
+// device it is on as "major:minor", and its super options as the kernel
+// lists them ("rw,size=4194304k,huge=within_size").
 type Mount struct {
-	Point  string
-	Type   string
-	Source string
-	Dev    string
+	Point   string
+	Type    string
+	Source  string
+	Dev     string
+	Options string
+}
+
+// Option returns the value of the super option key ("huge" of
+// "rw,huge=within_size" is "within_size"), and whether the option is set.
+func (m Mount) Option(key string) (string, bool) {
+	for _, o := range strings.Split(m.Options, ",") {
+		k, v, _ := strings.Cut(o, "=")
+		if k == key {
+			return v, true
+		}
+	}
+	return "", false
 }
 
 // Subtype is a FUSE mount's file system: the part after "fuse." of its
@@ -60,7 +74,11 @@ func ParseMountInfo(r io.Reader) ([]Mount, error) {
 		if len(f) < 6 || sep < 0 || sep+2 >= len(f) {
 			return nil, fmt.Errorf("%w %d: %q", errMountInfo, n, sc.Text())
 		}
-		out = append(out, Mount{Point: unescape(f[4]), Type: f[sep+1], Source: unescape(f[sep+2]), Dev: f[2]})
+		mt := Mount{Point: unescape(f[4]), Type: f[sep+1], Source: unescape(f[sep+2]), Dev: f[2]}
+		if sep+3 < len(f) {
+			mt.Options = f[sep+3]
+		}
+		out = append(out, mt)
 	}
 	if err := sc.Err(); err != nil {
 		return nil, fmt.Errorf("fstype: reading mountinfo: %w", err)

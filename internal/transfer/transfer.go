@@ -59,6 +59,13 @@ type Plan struct {
 	// a CPU copy even with Direct, so a mover that checksums should do it
 	// right after each system call, while the bytes are in cache.
 	Memory bool
+	// Folio is the size of the page-cache folios that writes allocate on
+	// the file's mount where they are larger than a page (a tmpfs with
+	// huge pages: fstype.LargeFolio), else 0. The first write into such
+	// a folio that covers only part of it makes the kernel zero the rest,
+	// so a mover that writes in parts should cut them at file offsets
+	// that are multiples of Folio.
+	Folio int64
 }
 
 // Bytes is the payload length of the plan.

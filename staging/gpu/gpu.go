@@ -487,6 +487,11 @@ func (m *Mover) plan(p *transfer.Plan, write bool) ([]chunk, *device, error) {
 	var chunks []chunk
 	var cur *chunk
 	limit := int64(m.cfg.Chunk)
+	// Written to large folios, chunks end at file offsets that are
+	// multiples of limit (a multiple of the folio), so that no folio is
+	// first written in part by one chunk and then by the next: the kernel
+	// would zero the rest of it in between (transfer.Plan.Folio).
+	aligned := write && p.Folio > 0 && limit%p.Folio == 0
 	for i := range p.Extents {
 		x := &p.Extents[i]
 		if x.Len == 0 {
@@ -503,11 +508,15 @@ func (m *Mover) plan(p *transfer.Plan, write bool) ([]chunk, *device, error) {
 		}
 		off, roff, rest := x.FileOff, x.RegionOff, x.Len
 		for rest > 0 {
-			if cur == nil || cur.end != off || cur.end-cur.off >= limit {
+			if cur == nil || cur.end != off || cur.end-cur.off >= limit || aligned && cur.end > cur.off && cur.end%limit == 0 {
 				chunks = append(chunks, chunk{off: off, end: off})
 				cur = &chunks[len(chunks)-1]
 			}
-			n := min(rest, limit-(cur.end-cur.off))
+			room := limit - (cur.end - cur.off)
+			if aligned {
+				room = min(room, limit-cur.end%limit)
+			}
+			n := min(rest, room)
 			cur.pieces = append(cur.pieces, piece{dev: d.Ptr() + uintptr(roff), bufOff: int(cur.end - cur.off), n: int(n), sum: x.Sum})
 			cur.end += n
 			off, roff, rest = off+n, roff+n, rest-n
@@ -652,7 +661,7 @@ func (m *Mover) run(ctx context.Context, f fsys.File, p *transfer.Plan, sums []u
 		m.files.beginStream()
 		defer m.files.endStream()
 	}
-	return m.runStreamed(ctx, f, chunks, dev, sums, write, fused)
+	return m.runStreamed(ctx, f, chunks, dev, sums, write, fused, p.Folio)
 }
 
 // Forget implements transfer.Forgetter: the file is being removed or
@@ -738,8 +747,11 @@ func (m *Mover) FileStats() FileStats {
 }
 
 // writeChunk writes a gathered chunk and checksums it: fused, piece by
-// piece right after each write (fuses).
-func (m *Mover) writeChunk(f fsys.File, st *stage, sums []uint32, fused bool, y *staging.Yielder) error {
+// piece right after each write; else in one write. Fused pieces end at
+// file offsets that are multiples of their size: fuseBatch, or folio
+// where that is larger (transfer.Plan.Folio: a piece that began or ended
+// inside a large folio would make the kernel zero the rest of it first).
+func (m *Mover) writeChunk(f fsys.File, st *stage, sums []uint32, fused bool, folio int64, y *staging.Yielder) error {
 	b, _ := m.buf(st.buf)
 	c := st.c
 	n := int(c.end - c.off)
@@ -748,12 +760,12 @@ func (m *Mover) writeChunk(f fsys.File, st *stage, sums []uint32, fused bool, y 
 	// old bytes. The checksums cover the data only.
 	total := int(c.aend - c.off)
 	clear(b[n:total])
-	step := total
-	if fused {
-		step = fuseBatch
-	}
-	for lo := 0; lo < total; lo += step {
-		hi := min(total, lo+step)
+	for lo := 0; lo < total; {
+		hi := total
+		if fused {
+			step := max(fuseBatch, folio)
+			hi = min(total, lo+int(step-(c.off+int64(lo))%step))
+		}
 		if err := writeFull(f, b[lo:hi], c.off+int64(lo)); err != nil {
 			return err
 		}
@@ -761,6 +773,7 @@ func (m *Mover) writeChunk(f fsys.File, st *stage, sums []uint32, fused bool, y 
 			sum(c, b, 0, lo, min(hi, n), sums)
 		}
 		y.Moved(int64(hi - lo))
+		lo = hi
 	}
 	return nil
 }

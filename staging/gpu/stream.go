@@ -237,7 +237,7 @@ func (m *Mover) onLane(dev *device, job func(ln *lane) (int64, error)) (int64, e
 // (before its write) and waited for (await: polled, then asleep on a
 // blocking event) only when its buffer is needed again, so no job waits
 // for another's copies.
-func (m *Mover) runStreamed(ctx context.Context, f fsys.File, chunks []chunk, dev *device, sums []uint32, write, fused bool) (int64, error) {
+func (m *Mover) runStreamed(ctx context.Context, f fsys.File, chunks []chunk, dev *device, sums []uint32, write, fused bool, folio int64) (int64, error) {
 	return m.onLane(dev, func(ln *lane) (total int64, err error) {
 		// Buffers: one, waiting if need be, then as many more up to Depth as
 		// are free now (a job holding none always gets one: no deadlock).
@@ -321,7 +321,7 @@ func (m *Mover) runStreamed(ctx context.Context, f fsys.File, chunks []chunk, de
 			}
 			st := &stage{c: &chunks[k], buf: bufs[s]}
 			if write {
-				if err := m.writeChunk(f, st, cpuSums, fused, &y); err != nil {
+				if err := m.writeChunk(f, st, cpuSums, fused, folio, &y); err != nil {
 					return 0, err
 				}
 				if k+d < len(chunks) {

@@ -1,0 +1,58 @@
+package fstype
+
+import (
+	"strings"
+	"testing"
+)
+
+func TestLargeFolioFollowsTheMountAndTheKernelSetting(t *testing.T) {
+	const pmd = 2 << 20
+	const never = "always within_size advise [never] deny force"
+	cases := []struct {
+		name    string
+		typ     string
+		options string
+		enabled string
+		want    int64
+	}{
+		{"tmpfs without huge", "tmpfs", "rw,relatime,size=4194304k", never, 0},
+		{"huge=within_size", "tmpfs", "rw,size=40g,huge=within_size", never, pmd},
+		{"huge=always", "tmpfs", "rw,huge=always", never, pmd},
+		{"huge=advise: writes get small pages", "tmpfs", "rw,huge=advise", never, 0},
+		{"huge=never", "tmpfs", "rw,huge=never", never, 0},
+		{"force makes every tmpfs huge", "tmpfs", "rw", "always within_size advise never deny [force]", pmd},
+		{"deny overrides the mount", "tmpfs", "rw,huge=always", "always within_size advise never [deny] force", 0},
+		{"not tmpfs", "ext4", "rw,huge=always", "always within_size advise never deny [force]", 0},
+		{"ramfs", "ramfs", "rw", "always within_size advise never deny [force]", 0},
+		{"no bracket: the bare word", "tmpfs", "rw", "force\n", pmd},
+	}
+	for _, c := range cases {
+		t.Run(c.name, func(t *testing.T) {
+			m := Mount{Point: "/mnt/kv", Type: c.typ, Options: c.options}
+			if got := LargeFolio(m, c.enabled, pmd); got != c.want {
+				t.Errorf("LargeFolio = %d, want %d", got, c.want)
+			}
+		})
+	}
+	if got := LargeFolio(Mount{Type: "tmpfs", Options: "huge=always"}, never, 0); got != 0 {
+		t.Errorf("without a huge page size: %d, want 0", got)
+	}
+}
+
+func TestParseMountInfoKeepsSuperOptions(t *testing.T) {
+	const info = "60 22 0:60 / /mnt/kvh rw,relatime - tmpfs kvh rw,size=41943040k,huge=within_size,inode64\n" +
+		"61 22 0:61 / /mnt/bare rw - tmpfs bare\n"
+	ms, err := ParseMountInfo(strings.NewReader(info))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if v, ok := ms[0].Option("huge"); !ok || v != "within_size" {
+		t.Errorf("huge = %q, %v; want within_size", v, ok)
+	}
+	if _, ok := ms[0].Option("hug"); ok {
+		t.Error("a prefix of an option's name matched")
+	}
+	if ms[1].Options != "" {
+		t.Errorf("a line without super options: %q", ms[1].Options)
+	}
+}
