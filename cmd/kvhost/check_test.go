@@ -172,32 +172,35 @@ func TestSpaceFinding(t *testing.T) {
 	}
 }
 
-func TestTmpfsHugeReadsTheMountHoldingThePath(t *testing.T) {
-	const info = `22 1 254:0 / / rw,relatime shared:1 - ext4 /dev/vda rw
-25 22 0:21 / /dev/shm rw,nosuid,nodev shared:4 - tmpfs tmpfs rw,inode64
-31 22 0:30 / /mnt/kv rw,relatime shared:9 - tmpfs tmpfs rw,size=41943040k,huge=always,inode64
-32 31 0:31 / /mnt/kv/small rw,relatime shared:10 - tmpfs tmpfs rw,size=1024k,huge=within_size
-33 22 0:32 / /mnt/with\040space rw - tmpfs tmpfs rw,huge=advise
-34 22 0:33 / /mnt/over rw - tmpfs tmpfs rw
-35 34 0:34 / /mnt/over rw - tmpfs tmpfs rw,huge=within_size
-`
+func TestHugePagesJudgementFollowsTheEnginesRule(t *testing.T) {
+	const pmd = 2 << 20
 	for _, c := range []struct {
-		path, want, mp string
-		ok             bool
+		name    string
+		options string
+		folio   int64
+		level   string
+		want    string
 	}{
-		{"/dev/shm/kvhost", "never", "/dev/shm", true},
-		{"/dev/shm", "never", "/dev/shm", true},
-		{"/mnt/kv/cache", "always", "/mnt/kv", true},
-		{"/mnt/kv/small/x", "within_size", "/mnt/kv/small", true},
-		{"/mnt/kvx", "never", "/", true}, // on /, not /mnt/kv
-		{"/mnt/with space/c", "advise", "/mnt/with space", true},
-		{"relative", "", "", false},
-		{"/mnt/over/kv", "within_size", "/mnt/over", true}, // mounted over: the top one counts
+		{"no huge option", "rw,inode64", 0, levelInfo, "tmpfs with 4 KiB pages (huge=never)"},
+		{"huge=advise: writes get small pages", "rw,huge=advise", 0, levelInfo, "tmpfs with 4 KiB pages (huge=advise)"},
+		{"huge=within_size", "rw,size=41943040k,huge=within_size", pmd, levelOK, "tmpfs with huge pages (huge=within_size)"},
+		{"huge=always", "rw,huge=always", pmd, levelOK, "tmpfs with huge pages (huge=always)"},
+		{"forced by the kernel", "rw", pmd, levelOK, "the kernel forces them"},
+		{"denied by the kernel", "rw,huge=always", 0, levelInfo, "the kernel gives tmpfs no huge pages"},
 	} {
-		huge, mp, ok := tmpfsHuge(info, c.path)
-		if huge != c.want || mp != c.mp || ok != c.ok {
-			t.Errorf("tmpfsHuge(%q) = %q, %q, %v; want %q, %q, %v", c.path, huge, mp, ok, c.want, c.mp, c.ok)
-		}
+		t.Run(c.name, func(t *testing.T) {
+			m := fstype.Mount{Point: "/mnt/kv", Type: "tmpfs", Options: c.options}
+			level, what, fix := hugePagesJudgement(m, c.folio)
+			if level != c.level || !strings.Contains(what, c.want) {
+				t.Fatalf("%s %q; want %s containing %q", level, what, c.level, c.want)
+			}
+			if (level == levelOK) != (fix == "") {
+				t.Fatalf("level %s with fix %q", level, fix)
+			}
+			if strings.Contains(c.want, "4 KiB pages") && !strings.Contains(fix, "remount,huge=within_size /mnt/kv") {
+				t.Fatalf("fix %q does not name the mount point", fix)
+			}
+		})
 	}
 }
 
