@@ -17,9 +17,10 @@ import (
 // large folios (transfer.Plan.Folio), a store's first write into each
 // folio covers all of the folio the store writes, behind a header and
 // across chunks, with checksums (fused pieces) and without (a write per
-// chunk), direct and buffered; the file's bytes and checksums are those
-// of the pages. Without Folio, the same stores cut folios (the check
-// sees the cost it guards against).
+// chunk), direct and buffered, and with a chunk size the folio does not
+// divide; the file's bytes and checksums are those of the pages. Without
+// Folio, the same stores cut folios (the check sees the cost it guards
+// against).
 func TestStoresFillLargeFoliosInOneWrite(t *testing.T) {
 	const folio = 512 << 10 // scaled down: larger than fuseBatch, a divisor of the chunk
 	e := newEnv(t)
@@ -31,17 +32,19 @@ func TestStoresFillLargeFoliosInOneWrite(t *testing.T) {
 	for _, c := range []struct {
 		name   string
 		folio  int64
+		chunk  int
 		direct bool
 		nosums bool
 	}{
-		{"fused pieces", folio, false, false},
-		{"fused pieces, direct", folio, true, false},
-		{"a write per chunk", folio, false, true},
-		{"without Folio", 0, false, false},
-		{"without Folio, a write per chunk", 0, false, true},
+		{"fused pieces", folio, 1 << 20, false, false},
+		{"fused pieces, direct", folio, 1 << 20, true, false},
+		{"a write per chunk", folio, 1 << 20, false, true},
+		{"a chunk size that is not a multiple of the folio", folio, 768 << 10, false, true},
+		{"without Folio", 0, 1 << 20, false, false},
+		{"without Folio, a write per chunk", 0, 1 << 20, false, true},
 	} {
 		t.Run(c.name, func(t *testing.T) {
-			m := e.mover(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, Chunk: 1 << 20, Copy: cuda.CopyBatch, NoChecksums: c.nosums})
+			m := e.mover(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, Chunk: c.chunk, Copy: cuda.CopyBatch, NoChecksums: c.nosums})
 			p := kv.plan(keyBlocks(rand.New(rand.NewPCG(7, 1)), g.numBlocks, g.blocksPerKey), c.direct)
 			p.Memory, p.Folio = true, c.folio
 			want, wantSums := expect(p, host)

@@ -487,11 +487,16 @@ func (m *Mover) plan(p *transfer.Plan, write bool) ([]chunk, *device, error) {
 	var chunks []chunk
 	var cur *chunk
 	limit := int64(m.cfg.Chunk)
-	// Written to large folios, chunks end at file offsets that are
-	// multiples of limit (a multiple of the folio), so that no folio is
+	// Written to large folios, chunks hold a whole number of folios and end
+	// at file offsets that are multiples of their size, so that no folio is
 	// first written in part by one chunk and then by the next: the kernel
-	// would zero the rest of it in between (transfer.Plan.Folio).
-	aligned := write && p.Folio > 0 && limit%p.Folio == 0
+	// would zero the rest of it in between (transfer.Plan.Folio). A chunk
+	// size that is not a multiple of the folio is rounded down to one; one
+	// smaller than a folio leaves the chunks as they are.
+	aligned := write && p.Folio > 0 && limit >= p.Folio
+	if aligned {
+		limit = limit / p.Folio * p.Folio
+	}
 	for i := range p.Extents {
 		x := &p.Extents[i]
 		if x.Len == 0 {
