@@ -123,8 +123,9 @@ func (e *Engine) openMount(i int, m Mount) (*mount, error) {
 	if mt.memory {
 		folio, err := fstype.LargeFolioOf(root)
 		if err != nil {
-			// Small folios: stores cut as on any tmpfs, still correct.
-			e.log.Debug("engine: the mount's page size", "mount", root, "err", err)
+			// Small folios: stores cut as on any tmpfs, still correct,
+			// but slower on huge pages the kernel gives unseen.
+			e.log.Info("engine: the mount's huge pages are unknown; stores write as on small pages", "mount", root, "err", err)
 		}
 		mt.folio = folio
 	}

@@ -13,6 +13,12 @@ const (
 	pmdSizePath      = "/sys/kernel/mm/transparent_hugepage/hpage_pmd_size"
 )
 
+// MaxLargeFolio is the largest folio LargeFolio reports. Writes cut at
+// multiples of a larger one (512 MiB with 64 KiB base pages on arm64)
+// would no longer fit a staging chunk, so such mounts count as small-page
+// ones.
+const MaxLargeFolio = 32 << 20
+
 // LargeFolio returns the size of the page-cache folios that writes to a
 // file of m allocate when they are larger than a page, or 0. It is the
 // huge page size (pmd, hpage_pmd_size) on a tmpfs that the kernel lets
@@ -28,7 +34,7 @@ const (
 // pieces smaller than its folios, or not aligned to them, writes much of
 // it twice.
 func LargeFolio(m Mount, shmemEnabled string, pmd int64) int64 {
-	if m.Type != "tmpfs" || pmd <= 0 {
+	if m.Type != "tmpfs" || pmd <= 0 || pmd > MaxLargeFolio {
 		return 0
 	}
 	switch selected(shmemEnabled) {
@@ -57,8 +63,10 @@ func selected(s string) string {
 }
 
 // LargeFolioOf is LargeFolio for the mount that holds path, with this
-// machine's settings. A kernel without transparent huge pages (no
-// settings to read) gives 0 and no error.
+// machine's settings. Where those cannot be read (a kernel without
+// transparent huge pages, or a container that hides them), it returns 0,
+// and an error only if the mount asks for huge pages, which the kernel
+// may then give it unseen.
 func LargeFolioOf(path string) (int64, error) {
 	m, err := MountOf(path)
 	if err != nil {
@@ -67,23 +75,29 @@ func LargeFolioOf(path string) (int64, error) {
 	if m.Type != "tmpfs" {
 		return 0, nil
 	}
-	en, err := os.ReadFile(shmemEnabledPath)
-	if os.IsNotExist(err) {
+	en, pmd, err := hugeSettings()
+	if err != nil {
+		if v, _ := m.Option("huge"); v == "always" || v == "within_size" {
+			return 0, fmt.Errorf("fstype: %s is mounted with huge=%s, but the kernel's settings cannot be read: %w", m.Point, v, err)
+		}
 		return 0, nil
 	}
+	return LargeFolio(m, en, pmd), nil
+}
+
+// hugeSettings reads shmem_enabled and the huge page size.
+func hugeSettings() (shmemEnabled string, pmd int64, err error) {
+	en, err := os.ReadFile(shmemEnabledPath)
 	if err != nil {
-		return 0, fmt.Errorf("fstype: %w", err)
+		return "", 0, err
 	}
 	ps, err := os.ReadFile(pmdSizePath)
-	if os.IsNotExist(err) {
-		return 0, nil
-	}
 	if err != nil {
-		return 0, fmt.Errorf("fstype: %w", err)
+		return "", 0, err
 	}
-	pmd, err := strconv.ParseInt(strings.TrimSpace(string(ps)), 10, 64)
+	pmd, err = strconv.ParseInt(strings.TrimSpace(string(ps)), 10, 64)
 	if err != nil {
-		return 0, fmt.Errorf("fstype: %s: %w", pmdSizePath, err)
+		return "", 0, fmt.Errorf("%s: %w", pmdSizePath, err)
 	}
-	return LargeFolio(m, string(en), pmd), nil
+	return string(en), pmd, nil
 }

@@ -37,6 +37,9 @@ func TestLargeFolioFollowsTheMountAndTheKernelSetting(t *testing.T) {
 	if got := LargeFolio(Mount{Type: "tmpfs", Options: "huge=always"}, never, 0); got != 0 {
 		t.Errorf("without a huge page size: %d, want 0", got)
 	}
+	if got := LargeFolio(Mount{Type: "tmpfs", Options: "huge=always"}, never, 512<<20); got != 0 {
+		t.Errorf("512 MiB huge pages (arm64, 64 KiB base pages): %d, want 0 (above MaxLargeFolio)", got)
+	}
 }
 
 func TestParseMountInfoKeepsSuperOptions(t *testing.T) {
