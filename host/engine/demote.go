@@ -405,7 +405,9 @@ func (e *Engine) copyFile(en *entry, tm *mount, dst string) (*entry, error) {
 			f.Close()
 		}
 	}()
-	buf := make([]byte, min(int64(copyChunk), max(en.size, 1)))
+	// Whole large folios on the target (a tmpfs with huge pages): a write
+	// of part of one would have the kernel zero the rest first.
+	buf := make([]byte, min(max(int64(copyChunk), tm.folio), max(en.size, 1)))
 	for off := int64(0); off < en.size; {
 		n, rerr := src.ReadAt(buf[:min(int64(len(buf)), en.size-off)], off)
 		if n > 0 {

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"os"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -54,6 +55,7 @@ type fakeMover struct {
 	forgotten []uint64
 	prepared  []uint64
 	plans     int
+	folios    []int64 // each plan's Folio
 }
 
 func (m *fakeMover) Name() string    { return "fake-gpu" }
@@ -73,6 +75,7 @@ func (m *fakeMover) move(f fsys.File, p *transfer.Plan, write bool) (int64, erro
 	}
 	m.mu.Lock()
 	m.plans++
+	m.folios = append(m.folios, p.Folio)
 	m.mu.Unlock()
 	var n int64
 	for _, x := range p.Extents {
@@ -179,6 +182,31 @@ func TestDeviceMover(t *testing.T) {
 	defer mv.mu.Unlock()
 	if mv.plans != 2 || len(mv.forgotten) != 1 || mv.forgotten[0] != id.Ino {
 		t.Fatalf("mover saw %d plans, forgot %v, want 2 plans and inode %d", mv.plans, mv.forgotten, id.Ino)
+	}
+}
+
+// TestPlansCarryTheMountsLargeFolio: the plans of a store and a load on a
+// mount whose writes allocate large folios carry the folio size
+// (transfer.Plan.Folio), and a mount without them carries 0.
+func TestPlansCarryTheMountsLargeFolio(t *testing.T) {
+	for _, folio := range []int64{0, 2 << 20} {
+		ctx := context.Background()
+		mv := &fakeMover{}
+		e := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir(), IO: IOBuffered}}, Policy: newTestPolicy(2, abi.OrderBlockMajor),
+			Movers: map[region.Kind]MoverFactory{region.KindDevice: func(MountInfo) (transfer.Mover, error) { return mv, nil }}})
+		e.mounts[0].folio = folio // as openMount finds on a tmpfs with huge pages
+		g := smallGeometry(true)
+		ns, _ := e.Declare(ctx, g)
+		cid, _ := registerFakeDevice(t, e, ns, g, 78, 32)
+		keys := testKeys("folio", 2)
+		wantOutcomes(t, "store", wait(t)(e.Store(ctx, StoreRequest{Cache: cid, Keys: keys, Blocks: [][]int{{0, 1, 2, 3}, {4, 5, 6, 7}}})), OutcomeStored)
+		wantOutcomes(t, "load", wait(t)(e.Load(ctx, LoadRequest{Cache: cid, Keys: keys, Blocks: [][]int{{8, 9, 10, 11}, {12, 13, 14, 15}}})), OutcomeLoaded)
+		mv.mu.Lock()
+		got := slices.Clone(mv.folios)
+		mv.mu.Unlock()
+		if len(got) != 2 || got[0] != folio || got[1] != folio {
+			t.Fatalf("mount folio %d: plans carried %v, want it on a store's and a load's", folio, got)
+		}
 	}
 }
 
