@@ -53,7 +53,10 @@ type options struct {
 	// folios (transfer.Plan.Folio), or 0. With it a write's batches are
 	// cut at file offsets that are multiples of a multiple of Folio (at
 	// least Chunk's batch), so that no folio is first written in part:
-	// the kernel would zero the rest of it before the write.
+	// the kernel would zero the rest of it before the write. It is best
+	// effort: a batch that reaches iovMax pieces first (spans of under
+	// 2 KiB for 2 MiB folios) ends inside a folio, and direct writes of
+	// unaligned spans (bounced) and Overlap's batches are not cut.
 	Folio int64
 }
 

@@ -21,7 +21,9 @@ type Yielder struct {
 }
 
 // Moved counts n bytes moved and yields once they add up to Every, at
-// most once per call: loops report pieces no larger than Every.
+// most once per call. Loops report pieces no larger than Every where they
+// can; a larger piece (a store's whole 2 MiB folio on a tmpfs with huge
+// pages, a chunk written in one call) yields once.
 func (y *Yielder) Moved(n int64) {
 	if y.Every <= 0 {
 		return
