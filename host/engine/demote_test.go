@@ -783,3 +783,59 @@ func TestDeleteDuringMove(t *testing.T) {
 		t.Fatal("the deleted key is found")
 	}
 }
+
+// TestMovesCopyInWholeLargeFolios: a move onto a mount whose writes
+// allocate large folios (a tmpfs with huge pages) copies the file in
+// pieces of the folio, so that no folio is first written in part; onto
+// one without, in pieces of copyChunk. The moved key loads byte-equal.
+func TestMovesCopyInWholeLargeFolios(t *testing.T) {
+	ctx := context.Background()
+	// 4 MiB of payload behind a 4 KiB header.
+	g := Geometry{Model: "test/folio", Layers: 4, KVHeads: 16, HeadSize: 64, DtypeSize: 2, TokensPerBlock: 16, TokensPerKey: 256, TPSize: 1}
+	blocks := make([]int, 16)
+	for i := range blocks {
+		blocks[i] = i
+	}
+	for _, folio := range []int64{0, 2 << 20} {
+		hot, cold := t.TempDir(), t.TempDir()
+		var writes atomic.Int64
+		inj := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+			if op == fsys.OpWrite && strings.HasPrefix(path, cold+string(filepath.Separator)) {
+				writes.Add(1)
+			}
+			return fsys.Fault{}
+		})
+		e := openEngine(t, Config{Mounts: []Mount{{Path: hot}, {Path: cold}}, FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj},
+			Policy: newTestPolicy(1, abi.OrderLayerMajor)})
+		e.mounts[1].folio = folio // as openMount finds on a tmpfs with huge pages
+		ns, err := e.Declare(ctx, g)
+		if err != nil {
+			t.Fatal(err)
+		}
+		c := newTestCache(t, e, ns, g, 32, layoutPlaneFirst)
+		c.fill(rand.New(rand.NewPCG(5, 5)), blocks)
+		want := c.data(blocks)
+		keys := testKeys("folio-move", 1)
+		storeAndCheck(t, e, c, keys, [][]int{blocks})
+		e.ix.mu.Lock()
+		en := e.ix.byKey[keyID{e.nss[ns].fp, string(keys[0])}].e
+		id, size := en.id, en.size
+		e.ix.mu.Unlock()
+		writes.Store(0) // the start's O_DIRECT probe wrote there too
+		if _, err := e.move(ctx, id, 1, true); err != nil {
+			t.Fatalf("folio %d: move: %v", folio, err)
+		}
+		if keyMount(e, ns, keys[0]) != 1 {
+			t.Fatalf("folio %d: the key is on mount %d after the move, want 1", folio, keyMount(e, ns, keys[0]))
+		}
+		piece := max(int64(copyChunk), folio)
+		if n, wantN := writes.Load(), (size+piece-1)/piece; n != wantN {
+			t.Fatalf("folio %d: the move wrote a %d-byte file in %d writes, want %d of up to %d bytes", folio, size, n, wantN, piece)
+		}
+		into := make([]int, 16)
+		for i := range into {
+			into[i] = 16 + i
+		}
+		loadAndCompare(t, e, c, keys, [][]int{into}, [][]byte{want})
+	}
+}
