@@ -172,7 +172,11 @@ func TestSpaceFinding(t *testing.T) {
 	}
 }
 
-func TestHugePagesJudgementFollowsTheEnginesRule(t *testing.T) {
+// TestHugePagesJudgementNamesWhatTheKernelGives: a tmpfs whose stores fill
+// huge pages (the folio LargeFolio found) is fine whether its mount or the
+// kernel asked for them; one without gets a fix naming the mount point,
+// and a mount that asks for them in vain is told why.
+func TestHugePagesJudgementNamesWhatTheKernelGives(t *testing.T) {
 	const pmd = 2 << 20
 	for _, c := range []struct {
 		name    string
@@ -186,7 +190,7 @@ func TestHugePagesJudgementFollowsTheEnginesRule(t *testing.T) {
 		{"huge=within_size", "rw,size=41943040k,huge=within_size", pmd, levelOK, "tmpfs with huge pages (huge=within_size)"},
 		{"huge=always", "rw,huge=always", pmd, levelOK, "tmpfs with huge pages (huge=always)"},
 		{"forced by the kernel", "rw", pmd, levelOK, "the kernel forces them"},
-		{"denied by the kernel", "rw,huge=always", 0, levelInfo, "the kernel gives tmpfs no huge pages"},
+		{"denied by the kernel", "rw,huge=always", 0, levelInfo, "no huge pages that kvhost's stores fill"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			m := fstype.Mount{Point: "/mnt/kv", Type: "tmpfs", Options: c.options}

@@ -7,7 +7,8 @@ import (
 // hugePagesFinding judges the pages of the tmpfs mount holding path, by
 // the rule the engine uses to cut its stores (fstype.LargeFolio): the
 // mount's huge= option and the kernel's shmem_enabled. It says nothing
-// where the mount or the kernel's settings cannot be read.
+// where the mount cannot be read, and says so where the kernel's settings
+// cannot be read for a mount that asks for huge pages.
 func hugePagesFinding(path string) (level, what, fix string) {
 	m, err := fstype.MountOf(path)
 	if err != nil || m.Type != "tmpfs" {
@@ -15,7 +16,8 @@ func hugePagesFinding(path string) (level, what, fix string) {
 	}
 	folio, err := fstype.LargeFolioOf(path)
 	if err != nil {
-		return "", "", ""
+		return levelInfo, "tmpfs whose huge pages kvhost cannot see: " + err.Error() + "; stores write as on 4 KiB pages",
+			"let the daemon read /sys/kernel/mm/transparent_hugepage (shmem_enabled, hpage_pmd_size)"
 	}
 	return hugePagesJudgement(m, folio)
 }
@@ -39,8 +41,8 @@ func hugePagesJudgement(m fstype.Mount, folio int64) (level, what, fix string) {
 	case folio > 0:
 		return levelOK, "tmpfs with huge pages (huge=" + huge + ", but the kernel forces them: shmem_enabled is force)", ""
 	case asked:
-		return levelInfo, "tmpfs mounted with huge=" + huge + ", but the kernel gives tmpfs no huge pages (shmem_enabled is deny, or transparent huge pages are off): 4 KiB pages",
-			"set /sys/kernel/mm/transparent_hugepage/shmem_enabled to anything but deny (the mount's option then counts)"
+		return levelInfo, "tmpfs mounted with huge=" + huge + ", but no huge pages that kvhost's stores fill: the kernel's shmem_enabled is deny, or its huge pages are larger than 32 MiB",
+			"where shmem_enabled (/sys/kernel/mm/transparent_hugepage) is deny, set it to anything else: the mount's option then counts"
 	}
 	return levelInfo, "tmpfs with 4 KiB pages (huge=" + huge + "): with huge pages, stores ran 1.2–1.5× and loads 1.6–1.9× faster on the GPU test machine, a first read of freshly written files 2.6–3.0×",
 		mountFix

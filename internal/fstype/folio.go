@@ -13,10 +13,9 @@ const (
 	pmdSizePath      = "/sys/kernel/mm/transparent_hugepage/hpage_pmd_size"
 )
 
-// MaxLargeFolio is the largest folio LargeFolio reports. Writes cut at
-// multiples of a larger one (512 MiB with 64 KiB base pages on arm64)
-// would no longer fit a staging chunk, so such mounts count as small-page
-// ones.
+// MaxLargeFolio is the largest folio LargeFolio reports. A larger one
+// (512 MiB with 64 KiB base pages on arm64) is beyond any write kvhost
+// makes, so such mounts count as small-page ones.
 const MaxLargeFolio = 32 << 20
 
 // LargeFolio returns the size of the page-cache folios that writes to a
@@ -72,10 +71,16 @@ func LargeFolioOf(path string) (int64, error) {
 	if err != nil {
 		return 0, err
 	}
+	return largeFolioFor(m, hugeSettings)
+}
+
+// largeFolioFor is LargeFolioOf for mount m, with the settings read by
+// settings.
+func largeFolioFor(m Mount, settings func() (string, int64, error)) (int64, error) {
 	if m.Type != "tmpfs" {
 		return 0, nil
 	}
-	en, pmd, err := hugeSettings()
+	en, pmd, err := settings()
 	if err != nil {
 		if v, _ := m.Option("huge"); v == "always" || v == "within_size" {
 			return 0, fmt.Errorf("fstype: %s is mounted with huge=%s, but the kernel's settings cannot be read: %w", m.Point, v, err)

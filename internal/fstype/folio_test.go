@@ -1,6 +1,8 @@
 package fstype
 
 import (
+	"errors"
+	"io/fs"
 	"strings"
 	"testing"
 )
@@ -57,5 +59,30 @@ func TestParseMountInfoKeepsSuperOptions(t *testing.T) {
 	}
 	if ms[1].Options != "" {
 		t.Errorf("a line without super options: %q", ms[1].Options)
+	}
+}
+
+func TestUnreadableSettingsAreAnErrorOnlyWhereTheMountAsksForHugePages(t *testing.T) {
+	hidden := func() (string, int64, error) { return "", 0, fs.ErrNotExist }
+	for _, c := range []struct {
+		options string
+		wantErr bool
+	}{
+		{"rw,huge=within_size", true},
+		{"rw,huge=always", true},
+		{"rw,huge=advise", false},
+		{"rw", false},
+	} {
+		folio, err := largeFolioFor(Mount{Point: "/mnt/kv", Type: "tmpfs", Options: c.options}, hidden)
+		if folio != 0 || (err != nil) != c.wantErr {
+			t.Errorf("%s: %d, %v; want 0 and an error %v", c.options, folio, err, c.wantErr)
+		}
+		if err != nil && (!errors.Is(err, fs.ErrNotExist) || !strings.Contains(err.Error(), "/mnt/kv")) {
+			t.Errorf("%s: error %v does not wrap the cause or name the mount", c.options, err)
+		}
+	}
+	readable := func() (string, int64, error) { return "always within_size advise [never] deny force", 2 << 20, nil }
+	if folio, err := largeFolioFor(Mount{Type: "tmpfs", Options: "huge=within_size"}, readable); folio != 2<<20 || err != nil {
+		t.Errorf("readable settings: %d, %v; want 2 MiB", folio, err)
 	}
 }
