@@ -741,8 +741,9 @@ func TestRegisteredFilesForgottenWhileQueuedGiveTheirDescriptorsBackAtOnce(t *te
 
 // TestJobsYieldEveryYieldBytesOfCPUWork: with Config.YieldBytes a job
 // gives its CPU up once per YieldBytes of bytes its thread copied or
-// checksummed: staged stores and loads (the pinned-buffer copies), and
-// stores and loads of a registered file (its checksums).
+// checksummed: staged stores and loads (the pinned-buffer copies), a
+// staged store written in folios larger than YieldBytes, and stores and
+// loads of a registered file (its checksums).
 func TestJobsYieldEveryYieldBytesOfCPUWork(t *testing.T) {
 	const every = 512 << 10
 	var yields atomic.Int64
@@ -761,6 +762,17 @@ func TestJobsYieldEveryYieldBytesOfCPUWork(t *testing.T) {
 		want := (kf.p.End() - int64(kv.g.headerBytes)) / every
 		count(t, "store", func() { store(t, e, m, kv, kf, host, orig) }, want)
 		count(t, "load", func() { load(t, e, m, kv, kf, host, orig) }, want)
+	})
+	t.Run("staged store in large folios", func(t *testing.T) {
+		// Pieces of 1 MiB folios, eight times YieldBytes: still a yield
+		// per YieldBytes.
+		const small = 128 << 10
+		e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, Copy: cuda.CopyBatch, YieldBytes: small})
+		m.yieldHook = func() { yields.Add(1) }
+		kf := newKeyFile(t, kv, t.TempDir(), "key", 1)
+		kf.p.Folio = 1 << 20
+		want := (kf.p.End() - int64(kv.g.headerBytes)) / small
+		count(t, "store", func() { store(t, e, m, kv, kf, host, orig) }, want)
 	})
 	t.Run("registered", func(t *testing.T) {
 		e, m, kv, orig, host, kf := registeredFile(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, Copy: cuda.CopyBatch, RegisterFiles: 4, YieldBytes: every})

@@ -774,10 +774,23 @@ func (m *Mover) writeChunk(f fsys.File, st *stage, sums []uint32, fused bool, fo
 		if err := writeFull(f, b[lo:hi], c.off+int64(lo)); err != nil {
 			return err
 		}
+		done := lo
 		if sums != nil && lo < n {
-			sum(c, b, 0, lo, min(hi, n), sums)
+			// In steps of at most fuseBatch and YieldBytes, each reported
+			// to the yielder: a piece of a large folio still yields every
+			// YieldBytes of CPU work.
+			step := fuseBatch
+			if y.Every > 0 {
+				step = min(step, int(y.Every))
+			}
+			for done < min(hi, n) {
+				e := min(done+step, hi, n)
+				sum(c, b, 0, done, e, sums)
+				y.Moved(int64(e - done))
+				done = e
+			}
 		}
-		y.Moved(int64(hi - lo))
+		y.Moved(int64(hi - done))
 		lo = hi
 	}
 	return nil
