@@ -14,7 +14,7 @@ func hugePagesFinding(path string) (level, what, fix string) {
 	if err != nil || m.Type != "tmpfs" {
 		return "", "", ""
 	}
-	folio, err := fstype.LargeFolioOf(path)
+	folio, err := fstype.LargeFolioOfMount(m)
 	if err != nil {
 		return levelInfo, "tmpfs whose huge pages kvhost cannot see: " + err.Error() + "; stores write as on 4 KiB pages",
 			"let the daemon read /sys/kernel/mm/transparent_hugepage (shmem_enabled, hpage_pmd_size)"

@@ -71,11 +71,13 @@ func LargeFolioOf(path string) (int64, error) {
 	if err != nil {
 		return 0, err
 	}
-	return largeFolioFor(m, hugeSettings)
+	return LargeFolioOfMount(m)
 }
 
-// largeFolioFor is LargeFolioOf for mount m, with the settings read by
-// settings.
+// LargeFolioOfMount is LargeFolioOf for a mount already found (MountOf).
+func LargeFolioOfMount(m Mount) (int64, error) { return largeFolioFor(m, hugeSettings) }
+
+// largeFolioFor is LargeFolioOfMount with the settings read by settings.
 func largeFolioFor(m Mount, settings func() (string, int64, error)) (int64, error) {
 	if m.Type != "tmpfs" {
 		return 0, nil
