@@ -194,18 +194,43 @@ func (w *worker) vector(ctx context.Context, f fsys.File, run []span, opt option
 		if err := rw(f, w.iov, off, write); err != nil {
 			return total, err
 		}
+		reported := int64(0)
 		switch {
 		case pending != nil:
 			pending <- run[first:i] // whole spans: at is 0
 		case fused:
 			// The bytes the kernel just copied, still in cache.
-			sum(w.pieces, opt.Sums)
+			reported = w.sumPieces(opt.Sums)
 		}
 		total += n
 		off += n
-		w.yield.Moved(n)
+		w.yield.Moved(n - reported)
 	}
 	return total, nil
+}
+
+// sumPieces checksums the batch's pieces (w.pieces) in steps of at most
+// the yielder's Every bytes, reporting each step to it, so that a batch
+// larger than Every (a 2 MiB folio's) still yields once per Every bytes
+// of CPU work. It returns the bytes it reported.
+func (w *worker) sumPieces(sums []uint32) int64 {
+	var reported int64
+	for _, s := range w.pieces {
+		if s.Sum < 0 {
+			continue
+		}
+		for b := s.Buf; len(b) > 0; {
+			k := len(b)
+			if w.yield.Every > 0 {
+				k = min(k, int(w.yield.Every))
+			}
+			sums[s.Sum] = crc32c.Update(sums[s.Sum], b[:k])
+			w.yield.Moved(int64(k))
+			reported += int64(k)
+			b = b[k:]
+		}
+	}
+	return reported
 }
 
 // batch fills w.iov and w.pieces with the next bytes of run, from byte at

@@ -22,8 +22,8 @@ type Yielder struct {
 
 // Moved counts n bytes moved and yields once they add up to Every, at
 // most once per call. Loops report pieces no larger than Every where they
-// can; a larger piece (a chunk written in one call, a CPU-path batch of
-// a 2 MiB folio on a tmpfs with huge pages) yields once.
+// can (checksums in steps of at most Every); a larger piece (a chunk
+// written or read in one system call) yields once.
 func (y *Yielder) Moved(n int64) {
 	if y.Every <= 0 {
 		return

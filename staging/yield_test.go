@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"testing"
 
+	"github.com/kvhost/kvhost/internal/crc32c"
 	"github.com/kvhost/kvhost/internal/fsys"
 )
 
@@ -44,42 +45,57 @@ func TestYielderYieldsOncePerEveryBytes(t *testing.T) {
 
 // TestWorkersYieldEveryYieldBytes: a pool's workers yield their CPU after
 // every Config.YieldBytes they move, with checksums fused (256 KiB
-// batches) and the bytes unchanged.
+// batches) and in the 2 MiB batches of a tmpfs with huge pages (Folio:
+// the checksum goes in steps of YieldBytes), the bytes unchanged.
 func TestWorkersYieldEveryYieldBytes(t *testing.T) {
-	p, err := newPool(Config{Workers: 1, YieldBytes: 512 << 10})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer p.close()
-	f, err := fsys.OS{}.OpenFile(filepath.Join(t.TempDir(), "f"), os.O_RDWR|os.O_CREATE, 0o600)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	src := bytes.Repeat([]byte("kvhost!!"), (4<<20)/8)
-	dst := make([]byte, len(src))
-	type result struct {
-		writes, reads int
-		err           error
-	}
-	done := make(chan result, 1)
-	if err := p.submit(context.Background(), func(w *worker) {
-		var r result
-		w.yield.Yield = func() { r.writes++ }
-		sums := make([]uint32, 1)
-		if _, r.err = w.write(context.Background(), f, []span{{Off: 0, Buf: src, Sum: 0}}, options{Sums: sums}); r.err == nil {
-			w.yield.Yield = func() { r.reads++ }
-			_, r.err = w.read(context.Background(), f, []span{{Off: 0, Buf: dst, Sum: 0}}, options{Sums: sums})
-		}
-		done <- r
-	}); err != nil {
-		t.Fatal(err)
-	}
-	r := <-done
-	if r.err != nil {
-		t.Fatal(r.err)
-	}
-	if r.writes != 8 || r.reads != 8 || !bytes.Equal(dst, src) {
-		t.Fatalf("4 MiB written and read with YieldBytes 512 KiB: %d and %d yields (want 8 each), bytes equal %v", r.writes, r.reads, bytes.Equal(dst, src))
+	for _, tc := range []struct {
+		name  string
+		folio int64
+	}{
+		{"fused batches", 0},
+		{"2 MiB folio batches", 2 << 20},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			p, err := newPool(Config{Workers: 1, YieldBytes: 512 << 10})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer p.close()
+			f, err := fsys.OS{}.OpenFile(filepath.Join(t.TempDir(), "f"), os.O_RDWR|os.O_CREATE, 0o600)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer f.Close()
+			src := bytes.Repeat([]byte("kvhost!!"), (4<<20)/8)
+			dst := make([]byte, len(src))
+			type result struct {
+				writes, reads int
+				wsum, rsum    uint32
+				err           error
+			}
+			done := make(chan result, 1)
+			if err := p.submit(context.Background(), func(w *worker) {
+				var r result
+				w.yield.Yield = func() { r.writes++ }
+				wsums, rsums := make([]uint32, 1), make([]uint32, 1)
+				if _, r.err = w.write(context.Background(), f, []span{{Off: 0, Buf: src, Sum: 0}}, options{Sums: wsums, Folio: tc.folio}); r.err == nil {
+					w.yield.Yield = func() { r.reads++ }
+					_, r.err = w.read(context.Background(), f, []span{{Off: 0, Buf: dst, Sum: 0}}, options{Sums: rsums})
+				}
+				r.wsum, r.rsum = wsums[0], rsums[0]
+				done <- r
+			}); err != nil {
+				t.Fatal(err)
+			}
+			r := <-done
+			if r.err != nil {
+				t.Fatal(r.err)
+			}
+			want := crc32c.Update(0, src)
+			if r.writes != 8 || r.reads != 8 || !bytes.Equal(dst, src) || r.wsum != want || r.rsum != want {
+				t.Fatalf("4 MiB written and read with YieldBytes 512 KiB: %d and %d yields (want 8 each), bytes equal %v, checksums %08x and %08x (want %08x)",
+					r.writes, r.reads, bytes.Equal(dst, src), r.wsum, r.rsum, want)
+			}
+		})
 	}
 }
