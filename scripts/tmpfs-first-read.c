@@ -17,13 +17,18 @@
 // (fallocate one page per 2 MiB, then MADV_COLLAPSE the file into huge
 // pages before writing it), fcollapse (fallocate all, collapse, write),
 // wcollapse (write, then collapse), pconly and fconly (allocate and
-// collapse, write nothing).
+// collapse, write nothing), mapw and mapwseq (ftruncate, map and copy into
+// the mapping; the second after MADV_SEQUENTIAL).
 //
 // READ: pread (256 KiB calls), pread4m (4 MiB calls), noreuse (pread after
 // POSIX_FADV_NOREUSE), splice (through a pipe), mmap (map and copy),
 // mmapmadv (map, MADV_POPULATE_READ, copy), mmaprand and mmapseq (the same
 // after MADV_RANDOM or MADV_SEQUENTIAL), mmapnoreuse (after
-// POSIX_FADV_NOREUSE), mmapchunk (populate 4 MiB at a time), pop+pread (an untimed-apart
+// POSIX_FADV_NOREUSE), mmapchunk (populate 4 MiB at a time), mmapfault,
+// mmapfseq and mmapfrand (map and copy, the pages faulted in by the copy
+// itself, none populated; the last two after MADV_SEQUENTIAL or
+// MADV_RANDOM), mixedN (every Nth thread preads, the others mmapfseq),
+// pop+pread (an untimed-apart
 // MADV_POPULATE_READ pass, printed as "poponly", then pread), zero (check
 // that every byte is zero: for pconly and fconly).
 #define _GNU_SOURCE
@@ -87,6 +92,19 @@ static void *writer(void *a) {
     if (!strcmp(mode, "fconly") && fallocate(fd, 0, 0, fsize)) die("fallocate");
     if (!strcmp(mode, "collapse") || !strcmp(mode, "fcollapse") || !strncmp(mode, "pc", 2) || !strcmp(mode, "fconly")) collapse(fd);
     if (!strcmp(mode, "pconly") || !strcmp(mode, "fconly")) { close(fd); continue; }
+    if (!strncmp(mode, "mapw", 4)) {
+      if (ftruncate(fd, fsize)) die("ftruncate");
+      char *m = mmap(0, fsize, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+      if (m == MAP_FAILED) die("mmap w");
+      if (!strcmp(mode, "mapwseq") && madvise(m, fsize, MADV_SEQUENTIAL)) die("madv seq w");
+      for (long off = 0; off < fsize; off += chunk) {
+        memset(b, (int)(i + off / chunk), 64);
+        memcpy(m + off, b, chunk);
+      }
+      munmap(m, fsize);
+      close(fd);
+      continue;
+    }
     for (long off = 0; off < fsize; off += chunk) {
       memset(b, (int)(i + off / chunk), 64);
       if (strstr(mode, "256")) {
@@ -100,7 +118,7 @@ static void *writer(void *a) {
   return 0;
 }
 
-static const char *rmode;
+static const char *rmode, *read_mode;
 static volatile uint64_t sink;
 
 static void *reader(void *a) {
@@ -108,6 +126,12 @@ static void *reader(void *a) {
   char *b = bufs[t];
   char p[256];
   uint64_t x = 0;
+  const char *rmode = read_mode;
+  long every = 0;
+  if (!strncmp(rmode, "mixed", 5)) {
+    every = atol(rmode + 5);
+    rmode = t % every ? "mmapfseq" : "pread";
+  }
   for (long i = t; i < files; i += threads) {
     path(p, i);
     int fd = open(p, O_RDONLY);
@@ -147,6 +171,8 @@ static void *reader(void *a) {
       if (!strcmp(rmode, "mmappop")) flags |= MAP_POPULATE;
       char *m = mmap(0, fsize, PROT_READ, flags, fd, 0);
       if (m == MAP_FAILED) die("mmap");
+      if (!strcmp(rmode, "mmapfseq") && madvise(m, fsize, MADV_SEQUENTIAL)) die("madv fseq");
+      if (!strcmp(rmode, "mmapfrand") && madvise(m, fsize, MADV_RANDOM)) die("madv frand");
       if (!strcmp(rmode, "mmaprand") || !strcmp(rmode, "mmapseq")) {
         if (madvise(m, fsize, !strcmp(rmode, "mmaprand") ? MADV_RANDOM : MADV_SEQUENTIAL)) die("madv rand");
         if (madvise(m, fsize, MADV_POPULATE_READ)) die("madvise");
@@ -161,7 +187,7 @@ static void *reader(void *a) {
       if (!strcmp(rmode, "mmapmadv") && madvise(m, fsize, MADV_POPULATE_READ)) die("madvise");
       for (long off = 0; off < fsize; off += chunk) {
         if (!strcmp(rmode, "mmapchunk")) madvise(m + off, chunk, MADV_POPULATE_READ);
-        memcpy(b, m + off, chunk);
+        memcpy(b, m + off, fsize - off < (long)chunk ? (size_t)(fsize - off) : chunk);
       }
       munmap(m, fsize);
     }
@@ -189,6 +215,7 @@ static void vm(uint64_t *v) {
 static void run(void *(*fn)(void *), const char *label) {
   pthread_t th[256];
   uint64_t a[8], b[8];
+  read_mode = rmode;
   vm(a);
   double t0 = now();
   for (long t = 0; t < threads; t++) pthread_create(&th[t], 0, fn, (void *)t);
