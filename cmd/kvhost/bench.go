@@ -48,6 +48,7 @@ type benchOptions struct {
 	warmup        bool
 	full          bool // a full cache: rounds evict the previous round's files
 	noGap         bool // loads right after stores: no settle, ceilings after the load
+	restart       bool // loads in a new engine and GPU paths opened after the store
 	// preallocate is the mount's Preallocate (PreallocateAuto of
 	// package engine for auto): spares made ahead of stores, which the benchmark waits
 	// for before each timed phase.
@@ -100,6 +101,7 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	fs.StringVar(&fsync, "fsync", "", "durable stores (true/false; default: the configuration's engine.fsync)")
 	fs.BoolVar(&o.allowCompat, "allow-compat", false, "let cuFile serve mounts in compatibility mode (gpu.cufile = compat)")
 	fs.BoolVar(&o.noGap, "no-gap", false, "load each round's keys right after storing them, as a request that follows its own prefill would: no idle moment for the GPU path to register the new files first (the round's ceilings are measured after its load instead of between store and load)")
+	fs.BoolVar(&o.restart, "restart", false, "load each round's keys as a restarted daemon would: after the store, close the engine and its GPU paths and open new ones on the same directory, which rebuild the index from the files and offer those on a memory file system to the new registrar; the load then starts once the registrar has taken them (with --no-gap: as soon as the engine is open)")
 	fs.BoolVar(&o.full, "full", false, "a full cache: the mount holds one round of --total bytes, and each round stores new keys that evict the previous round's files instead of deleting them (on a memory file system stores then write into evicted files: engine.reuse_files); needs --rounds 2 or more to measure it")
 	fs.BoolVar(&o.warmup, "warmup", true, "store and delete every key once, untimed, before the first measured phase of each key size (where the engine makes spare files ahead, of each key size in each path and checksum setting)")
 	fs.BoolVar(&o.keep, "keep", false, "keep the benchmark's files")
@@ -208,6 +210,10 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		return bad("--full evicts by storing new keys every round: --mix must include write")
 	case o.noGap && !(o.store && o.load):
 		return bad("--no-gap loads each round's keys right after storing them: --mix must be write,read")
+	case o.restart && !o.load:
+		return bad("--restart reopens the engine before each round's load: --mix must include read")
+	case o.restart && o.full:
+		return bad("--restart and --full cannot be combined: a full cache's rounds evict through one engine")
 	case o.keys < 0:
 		return bad("--keys %d: want 0 (automatic) or more", o.keys)
 	case o.keysPerJob < 1:

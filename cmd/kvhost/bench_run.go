@@ -157,31 +157,57 @@ func (r *benchRun) openGPU(path string, sums, required bool) (*gpuPaths, error) 
 	return openGPU(opts, r.log)
 }
 
+// benchEngine is the engine a combination runs on, with its GPU paths
+// and directory; with --restart both are replaced before each load.
+type benchEngine struct {
+	eng  *engine.Engine
+	gp   *gpuPaths // nil: host memory
+	dir  string
+	path string
+	sums bool
+}
+
 // engineFor opens an engine on a fresh directory for one path and checksum
 // setting, wired as the daemon wires it.
-func (r *benchRun) engineFor(ctx context.Context, path string, sums bool) (*engine.Engine, *gpuPaths, string, error) {
-	var gp *gpuPaths
-	var movers map[region.Kind]engine.MoverFactory
+func (r *benchRun) engineFor(ctx context.Context, path string, sums bool) (*benchEngine, error) {
+	be := &benchEngine{path: path, sums: sums}
 	if r.useGPU {
 		var err error
-		if gp, err = r.openGPU(path, sums, true); err != nil {
-			return nil, nil, "", err
+		if be.gp, err = r.openGPU(path, sums, true); err != nil {
+			return nil, err
 		}
-		movers = gp.movers()
 	}
 	r.seq++
-	dir := filepath.Join(r.root, fmt.Sprintf("engine-%d", r.seq))
+	be.dir = filepath.Join(r.root, fmt.Sprintf("engine-%d", r.seq))
 	if path == "cufile" {
-		if err := requireCuFile(gp, dir, r.o.allowCompat); err != nil {
-			gp.Close()
-			return nil, nil, "", err
+		if err := requireCuFile(be.gp, be.dir, r.o.allowCompat); err != nil {
+			be.gp.Close()
+			return nil, err
 		}
 	}
+	eng, err := r.openEngine(ctx, be)
+	if err != nil {
+		if be.gp != nil {
+			be.gp.Close()
+		}
+		return nil, err
+	}
+	be.eng = eng
+	return be, nil
+}
+
+// openEngine opens an engine on be's directory with be's GPU paths'
+// movers (as they are now), as the daemon opens one.
+func (r *benchRun) openEngine(ctx context.Context, be *benchEngine) (*engine.Engine, error) {
+	var movers map[region.Kind]engine.MoverFactory
+	if be.gp != nil {
+		movers = be.gp.movers()
+	}
 	io := "auto"
-	if path == "posix" {
+	if be.path == "posix" {
 		io = "buffered"
 	}
-	m := engine.Mount{Path: dir, IO: io, NoChecksum: !sums, HighWatermark: 0.95, LowWatermark: 0.85}
+	m := engine.Mount{Path: be.dir, IO: io, NoChecksum: !be.sums, HighWatermark: 0.95, LowWatermark: 0.85}
 	if r.o.full {
 		// One round of keys and their headers fills about 0.8 of it:
 		// below the low watermark, so a round's loads find all its keys,
@@ -192,7 +218,7 @@ func (r *benchRun) engineFor(ctx context.Context, path string, sums bool) (*engi
 		m.Reserve = int64(r.o.cfg.Mounts[0].Reserve)
 		// The configuration's I/O mode, except for the posix path, which
 		// is buffered by definition.
-		if mio := r.o.cfg.Mounts[0].IO; mio != "" && path != "posix" {
+		if mio := r.o.cfg.Mounts[0].IO; mio != "" && be.path != "posix" {
 			m.IO = mio
 		}
 	}
@@ -204,13 +230,54 @@ func (r *benchRun) engineFor(ctx context.Context, path string, sums bool) (*engi
 		StagingBytes: int64(cfg.Engine.StagingMemory), Logger: r.log, Movers: movers, NoReuse: !cfg.Engine.Reuse(),
 	})
 	if err != nil {
-		if gp != nil {
-			gp.Close()
-		}
-		return nil, nil, "", fmt.Errorf("open engine: %w", err)
+		return nil, fmt.Errorf("open engine: %w", err)
 	}
 	r.ahead = eng.Stats().Mounts[0].Preallocate
-	return eng, gp, dir, nil
+	return eng, nil
+}
+
+// restart does what a daemon's restart does to the files of c's round:
+// it closes the engine and its GPU paths' movers, opens new ones on the
+// same directory (the engine rebuilds its index from the files and offers
+// those on a memory mount to the new registrar), and declares c's
+// namespace and registers its memory again, as the client does on
+// reconnecting. It returns the files the new engine indexed.
+func (r *benchRun) restart(ctx context.Context, be *benchEngine, c *benchCache, tensors []engine.LayerTensor) (int, error) {
+	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Minute)
+	err := be.eng.Close(cctx)
+	cancel()
+	be.eng = nil
+	if err != nil {
+		return 0, fmt.Errorf("restart: close the engine: %w", err)
+	}
+	if be.gp != nil {
+		if err := be.gp.restartMovers(); err != nil {
+			return 0, fmt.Errorf("restart: the GPU paths: %w", err)
+		}
+	}
+	eng, err := r.openEngine(ctx, be)
+	if err != nil {
+		return 0, fmt.Errorf("restart: %w", err)
+	}
+	be.eng = eng
+	found := eng.Stats().Entries
+	if c.ns, err = eng.Declare(ctx, c.g); err != nil {
+		return 0, fmt.Errorf("restart: %w", err)
+	}
+	if c.cache, err = eng.RegisterCache(c.ns, tensors); err != nil {
+		return 0, fmt.Errorf("restart: %w", err)
+	}
+	return found, nil
+}
+
+// awaitWarmed waits until a reopened engine has offered the files it
+// found to the GPU path and the registrar has taken every offer: the idle
+// moment a restarted daemon has before its first load.
+func (r *benchRun) awaitWarmed(ctx context.Context, be *benchEngine) error {
+	if err := be.eng.WaitWarmed(ctx); err != nil {
+		return fmt.Errorf("wait for the files found at open to be offered: %w", err)
+	}
+	return awaitRegistrar(ctx, be.gp)
 }
 
 // requireCuFile fails unless cuFile loaded and can serve dir's mount.
@@ -243,23 +310,25 @@ func requireCuFile(gp *gpuPaths, dir string, allowCompat bool) error {
 // combination runs every key size and job count for one path and checksum
 // setting on its own engine.
 func (r *benchRun) combination(ctx context.Context, path string, sums bool) (err error) {
-	eng, gp, dir, err := r.engineFor(ctx, path, sums)
+	be, err := r.engineFor(ctx, path, sums)
 	if err != nil {
 		return err
 	}
 	defer func() {
 		cctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 		defer cancel()
-		err = errors.Join(err, eng.Close(cctx))
-		if gp != nil {
-			err = errors.Join(err, gp.Close())
+		if be.eng != nil { // nil after a restart that failed to reopen it
+			err = errors.Join(err, be.eng.Close(cctx))
+		}
+		if be.gp != nil {
+			err = errors.Join(err, be.gp.Close())
 		}
 		if !r.o.keep {
-			os.RemoveAll(dir)
+			os.RemoveAll(be.dir)
 		}
 	}()
 	for _, tpk := range r.o.tokensPerKey {
-		if err := r.keySize(ctx, eng, gp, dir, path, sums, tpk); err != nil {
+		if err := r.keySize(ctx, be, tpk); err != nil {
 			return err
 		}
 	}
@@ -308,7 +377,8 @@ func benchKeys(o benchOptions, keyBytes int64) (int, error) {
 }
 
 // keySize measures one key size at every job count.
-func (r *benchRun) keySize(ctx context.Context, eng *engine.Engine, gp *gpuPaths, dir, path string, sums bool, tpk int) error {
+func (r *benchRun) keySize(ctx context.Context, be *benchEngine, tpk int) error {
+	eng, gp, dir, path, sums := be.eng, be.gp, be.dir, be.path, be.sums
 	g := engine.Geometry{
 		Model: "kvhost-bench", Layers: r.o.geometry.Layers, KVHeads: r.o.geometry.KVHeads,
 		HeadSize: r.o.geometry.HeadSize, DtypeSize: r.o.geometry.DtypeSize,
@@ -361,9 +431,12 @@ func (r *benchRun) keySize(ctx context.Context, eng *engine.Engine, gp *gpuPaths
 	// between the namespaces it knows, and the next key size's runs get
 	// the whole budget, as a daemon serving one model gives it.
 	defer func() {
-		if err := eng.UnregisterCache(c.cache); err != nil {
+		if be.eng == nil { // a restart failed to reopen it
+			return
+		}
+		if err := be.eng.UnregisterCache(c.cache); err != nil {
 			r.log.Warn("bench: unregister the cache", "err", err)
-		} else if err := eng.Release(ns); err != nil {
+		} else if err := be.eng.Release(c.ns); err != nil {
 			r.log.Warn("bench: release the namespace", "err", err)
 		}
 	}()
@@ -459,6 +532,20 @@ func (r *benchRun) keySize(ctx context.Context, eng *engine.Engine, gp *gpuPaths
 			if !r.o.load {
 				continue
 			}
+			if r.o.restart {
+				found, err := r.restart(ctx, be, c, tensors)
+				if err != nil {
+					return err
+				}
+				eng = be.eng
+				ld.found += found
+				if !r.o.noGap {
+					if err := r.awaitWarmed(ctx, be); err != nil {
+						return err
+					}
+				}
+				ld.warmed += fileStats(gp).Warmed // the new registrar's, before the load
+			}
 			if r.o.dropCaches {
 				if _, err := bench.DropCaches(files); err != nil {
 					return err
@@ -538,6 +625,10 @@ func (r *benchRun) keySize(ctx context.Context, eng *engine.Engine, gp *gpuPaths
 				x.FractionReread = x.GBps / cp.reread.GBps
 			}
 			x.CeilingStaged, x.FractionStaged = againstStaged(x.GBps, cp.stagedRead)
+			if r.o.restart {
+				x.Restart, x.FilesAtRestart = true, ld.found/max(1, ld.rounds)
+				x.RegisteredAtRestart = int(ld.warmed / uint64(max(1, ld.rounds)))
+			}
 			r.rep.Runs = append(r.rep.Runs, x)
 		}
 	}
@@ -565,6 +656,8 @@ type phaseTotals struct {
 	reused   uint64        // stores into spare files over the phases
 	direct   uint64        // jobs on registered files over the phases
 	waits    uint64        // the registrar's waits for stores over the phases
+	found    int           // files the engines reopened before loads found (--restart)
+	warmed   uint64        // of those, taken by the new registrars before the loads
 	gbps     []float64     // each round's GB/s
 }
 
@@ -624,6 +717,12 @@ func (r *benchRun) settle(ctx context.Context, eng *engine.Engine, gp *gpuPaths)
 	if err := eng.WaitSpares(ctx); err != nil {
 		return fmt.Errorf("wait for the spare files made ahead: %w", err)
 	}
+	return awaitRegistrar(ctx, gp)
+}
+
+// awaitRegistrar waits until the GPU path's registrar has taken every
+// file offered to it (none queued); at once without one.
+func awaitRegistrar(ctx context.Context, gp *gpuPaths) error {
 	// The registrar has no completion signal to wait on: its queue is
 	// read every millisecond, a negligible cost beside registrations of
 	// milliseconds each.

@@ -490,6 +490,52 @@ func TestBenchNoGapLoadsRightAfterTheStoreAndSaysSo(t *testing.T) {
 	}
 }
 
+// TestBenchRestartLoadsWhatANewEngineFoundAtOpen: with --restart each
+// round's load runs in an engine opened after the store, which found the
+// round's files on the directory (files_at_restart), and every loaded byte
+// is verified; in host memory and in (fake) GPU memory, where the new
+// GPU paths' registrar has taken every file found before a load with a
+// gap, so that all of them move straight from their pages, and with
+// --no-gap the load starts at once.
+func TestBenchRestartLoadsWhatANewEngineFoundAtOpen(t *testing.T) {
+	lib := cudatest.Build(t)
+	for _, tc := range []struct {
+		name   string
+		args   []string
+		direct bool // every load copies from registered pages
+	}{
+		{"host memory", []string{"--memory", "host"}, false},
+		{"gpu memory", []string{"--memory", "gpu", "--cuda-library", lib, "--path", "staging", "--preallocate", "0"}, true},
+		{"gpu memory, no gap", []string{"--memory", "gpu", "--cuda-library", lib, "--path", "staging", "--preallocate", "0", "--no-gap"}, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			args := append([]string{"--restart", "--rounds", "2", "--jobs", "2", "--tokens-per-key", "16", "--total", "4MiB"}, tc.args...)
+			rep := benchOnMemory(t, args...)
+			loads := 0
+			for _, x := range rep.Runs {
+				if x.Direction != bench.Load {
+					if x.Restart {
+						t.Errorf("store marked restart")
+					}
+					continue
+				}
+				loads++
+				if !x.Restart || x.FilesAtRestart != x.Keys || x.VerifiedBytes != int64(x.Keys)*x.KeyBytes {
+					t.Errorf("load: restart %v, %d files found at restart, %d of %d keys' bytes verified; want a restart that found every key's file, every byte verified",
+						x.Restart, x.FilesAtRestart, x.VerifiedBytes/x.KeyBytes, x.Keys)
+				}
+				if tc.direct && (x.RegisteredAtRestart != x.Keys || x.DirectFiles != x.Keys) {
+					t.Errorf("load after the new registrar took the files found: %d of %d files taken at restart, %d direct per round; want all",
+						x.RegisteredAtRestart, x.Keys, x.DirectFiles)
+				}
+			}
+			if loads == 0 {
+				t.Fatal("no load phase reported")
+			}
+		})
+	}
+}
+
 // TestBenchStoresIntoSparesMadeAheadWithPreallocate: with --preallocate
 // of a round's bytes, every store of a cache with room writes into a
 // spare file the engine made ahead, and (on the fake CUDA library) every
@@ -648,6 +694,8 @@ func TestBenchRejectsBadFlagsNamingThem(t *testing.T) {
 		{[]string{"--dir", dir, "--full", "--keys", "8"}, 2, "--full"},
 		{[]string{"--dir", dir, "--full", "--mix", "read"}, 2, "--full"},
 		{[]string{"--dir", dir, "--no-gap", "--mix", "read"}, 2, "--no-gap"},
+		{[]string{"--dir", dir, "--restart", "--mix", "write"}, 2, "--restart"},
+		{[]string{"--dir", dir, "--restart", "--full"}, 2, "--restart and --full"},
 		{[]string{"--dir", dir, "--keys-per-file", "257"}, 2, "--keys-per-file 257"},
 		{[]string{"--dir", dir, "--keys-per-file", "-1"}, 2, "--keys-per-file -1"},
 		{[]string{"--dir", dir, "--memory", "gpu", "--cuda-library", missing}, 1, "--memory gpu"},

@@ -119,46 +119,92 @@ func openGPU(opts gpuOptions, log *slog.Logger) (*gpuPaths, error) {
 		return nil, nil
 	}
 	p := &gpuPaths{log: log, rt: rt, devices: n, opts: opts}
-	mode, err := cuda.ParseCopyMode(opts.Copy)
-	if err != nil {
+	if err := p.openMovers(); err != nil {
 		rt.Close()
-		return nil, fmt.Errorf("gpu: %w", err)
-	}
-	poll := opts.Poll
-	if poll == 0 {
-		poll = gpu.NoPoll // gpu.poll = "0s"; gpu.Config's zero is its default
-	}
-	p.staging, err = gpu.New(gpu.Config{Runtime: rt, MaxStaging: opts.MaxStaging, NoChecksums: opts.NoChecksum, SumsOnDevice: opts.SumsOnDevice, Depth: opts.Depth, Chunk: opts.Chunk, Copy: mode, Poll: poll,
-		RegisterFiles: opts.RegisterFiles, RegisterBytes: opts.RegisterBytes, Log: log, YieldBytes: opts.YieldBytes})
-	if err != nil {
-		rt.Close()
-		return nil, fmt.Errorf("gpu: staging pipeline: %w", err)
+		return nil, err
 	}
 	if p.ipc, err = cudaipc.New(rt, n); err != nil {
-		p.staging.Close()
+		p.closeMovers()
 		rt.Close()
 		return nil, fmt.Errorf("gpu: %w", err)
 	}
 	log.Info("GPU paths ready", "devices", n, "cuda_runtime", rt.Path(), "cuda_version", rt.Version(),
 		"copy", p.staging.CopyMode().String(), "checksum_on", p.staging.ChecksumOn(), "batched_copies", rt.HasBatch(), "pinned_staging_bytes", p.staging.PinnedBytes(),
 		"poll", p.staging.PollTime(), "register_files", p.staging.FileStats().Limit, "register_bytes", p.staging.FileStats().LimitBytes)
-	if opts.CuFile != "off" {
-		d, err := gds.Open(gds.Config{LibraryPaths: opts.CuFileLibrary, Logger: log, BindDevice: rt.SetDevice})
-		if err != nil {
-			log.Info("cuFile unavailable: GPU memory moves through the staging pipeline", "reason", err.Error())
-		} else {
-			mv, err := d.NewMover(gds.MoverConfig{AllowCompat: opts.CuFile == "compat"})
-			if err != nil {
-				d.Close()
-				log.Warn("cuFile mover unavailable: GPU memory moves through the staging pipeline", "reason", err.Error())
-			} else {
-				p.cufile, p.cfMover = d, mv
-				pr := d.Properties()
-				log.Info("cuFile loaded", "library", pr.Library, "version", pr.Version, "nvidia_fs", pr.NVFSLoaded, "compat_allowed", pr.CompatAllowed)
-			}
-		}
-	}
 	return p, nil
+}
+
+// openMovers opens the staging pipeline and, unless gpu.cufile is off,
+// the cuFile mover where the library loads, on p's runtime.
+func (p *gpuPaths) openMovers() error {
+	opts, log := p.opts, p.log
+	mode, err := cuda.ParseCopyMode(opts.Copy)
+	if err != nil {
+		return fmt.Errorf("gpu: %w", err)
+	}
+	poll := opts.Poll
+	if poll == 0 {
+		poll = gpu.NoPoll // gpu.poll = "0s"; gpu.Config's zero is its default
+	}
+	p.staging, err = gpu.New(gpu.Config{Runtime: p.rt, MaxStaging: opts.MaxStaging, NoChecksums: opts.NoChecksum, SumsOnDevice: opts.SumsOnDevice, Depth: opts.Depth, Chunk: opts.Chunk, Copy: mode, Poll: poll,
+		RegisterFiles: opts.RegisterFiles, RegisterBytes: opts.RegisterBytes, Log: log, YieldBytes: opts.YieldBytes})
+	if err != nil {
+		return fmt.Errorf("gpu: staging pipeline: %w", err)
+	}
+	if opts.CuFile == "off" {
+		return nil
+	}
+	d, err := gds.Open(gds.Config{LibraryPaths: opts.CuFileLibrary, Logger: log, BindDevice: p.rt.SetDevice})
+	if err != nil {
+		log.Info("cuFile unavailable: GPU memory moves through the staging pipeline", "reason", err.Error())
+		return nil
+	}
+	mv, err := d.NewMover(gds.MoverConfig{AllowCompat: opts.CuFile == "compat"})
+	if err != nil {
+		d.Close()
+		log.Warn("cuFile mover unavailable: GPU memory moves through the staging pipeline", "reason", err.Error())
+		return nil
+	}
+	p.cufile, p.cfMover = d, mv
+	pr := d.Properties()
+	log.Info("cuFile loaded", "library", pr.Library, "version", pr.Version, "nvidia_fs", pr.NVFSLoaded, "compat_allowed", pr.CompatAllowed)
+	return nil
+}
+
+// closeMovers closes what openMovers opened.
+func (p *gpuPaths) closeMovers() error {
+	err := p.closeCuFile()
+	if p.staging != nil {
+		err = errors.Join(err, p.staging.Close())
+		p.staging = nil
+	}
+	return err
+}
+
+// closeCuFile closes the cuFile mover and library, if open.
+func (p *gpuPaths) closeCuFile() error {
+	var errs []error
+	if p.cfMover != nil {
+		errs = append(errs, p.cfMover.Close())
+	}
+	if p.cufile != nil {
+		errs = append(errs, p.cufile.Close())
+	}
+	p.cfMover, p.cufile = nil, nil
+	return errors.Join(errs...)
+}
+
+// restartMovers closes the movers and opens new ones on the same runtime,
+// as a restarted daemon has them: no registered file, no cached cuFile
+// handle, no pinned buffer of the old ones. The runtime, and the GPU
+// memory allocated with it, stay (they are the client's, which outlives a
+// daemon's restart). Engines must not move bytes meanwhile; an engine
+// opened after it takes the new movers.
+func (p *gpuPaths) restartMovers() error {
+	if err := p.closeMovers(); err != nil {
+		return err
+	}
+	return p.openMovers()
 }
 
 // movers returns the engine's mover factory for device memory: per mount,
@@ -188,15 +234,11 @@ func (p *gpuPaths) movers() map[region.Kind]engine.MoverFactory {
 
 // Close releases the GPU paths.
 func (p *gpuPaths) Close() error {
-	var errs []error
-	if p.cfMover != nil {
-		errs = append(errs, p.cfMover.Close())
-	}
-	if p.cufile != nil {
-		errs = append(errs, p.cufile.Close())
-	}
-	errs = append(errs, p.ipc.Close(), p.staging.Close(), p.rt.Close())
-	return errors.Join(errs...)
+	// cuFile's buffer registrations go before the imports of the memory
+	// they name; the staging pipeline after them, as before.
+	cf := p.closeCuFile()
+	ipc := p.ipc.Close()
+	return errors.Join(cf, ipc, p.closeMovers(), p.rt.Close())
 }
 
 // deviceFaults reports, per device ordinal, what failed there with a

@@ -2,7 +2,9 @@ package engine
 
 import (
 	"cmp"
+	"context"
 	"slices"
+	"sync"
 
 	"github.com/kvhost/kvhost/internal/fsys"
 	"github.com/kvhost/kvhost/internal/transfer"
@@ -40,9 +42,10 @@ type warmFile struct {
 
 // warmer is the goroutine that offers files ahead of jobs.
 type warmer struct {
-	found chan warmFile // discovered by lookups
-	stop  chan struct{}
-	done  chan struct{}
+	found   chan warmFile // discovered by lookups
+	stop    chan struct{}
+	started chan struct{} // closed once the files found at start are offered
+	done    chan struct{}
 }
 
 // warmers returns the distinct movers of m that take files ahead of
@@ -86,9 +89,31 @@ func (e *Engine) startWarmer() {
 	for i, f := range start {
 		files[i] = f.warmFile
 	}
-	w := &warmer{found: make(chan warmFile, warmQueue), stop: make(chan struct{}), done: make(chan struct{})}
+	w := &warmer{found: make(chan warmFile, warmQueue), stop: make(chan struct{}), started: make(chan struct{}), done: make(chan struct{})}
 	e.warm = w
 	go e.runWarmer(w, files)
+}
+
+// WaitWarmed waits until the files indexed at Open on memory mounts have
+// been offered to the movers that take files ahead of jobs (as many as
+// they take), or ctx ends; at once where there is no such mover. The
+// movers' registrations of those files are their own background work,
+// not waited for.
+func (e *Engine) WaitWarmed(ctx context.Context) error {
+	if e.warm == nil {
+		return nil
+	}
+	select {
+	case <-e.warm.started: // first, so that an ended ctx never hides it
+		return nil
+	default:
+	}
+	select {
+	case <-e.warm.started:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
 }
 
 // stopWarmer stops the warmer and waits for the offer it is making.
@@ -117,6 +142,8 @@ func (e *Engine) warmDiscovered(en *entry) {
 // files reports that it takes no more, then each discovered file.
 func (e *Engine) runWarmer(w *warmer, start []warmFile) {
 	defer close(w.done)
+	started := sync.OnceFunc(func() { close(w.started) })
+	defer started() // stopped before the start files were all offered
 	full := map[transfer.Warmer]bool{}
 	all := map[transfer.Warmer]bool{}
 	for _, m := range e.mounts {
@@ -135,6 +162,7 @@ func (e *Engine) runWarmer(w *warmer, start []warmFile) {
 		}
 		e.offerWarm(f, full)
 	}
+	started()
 	for {
 		select {
 		case <-w.stop:

@@ -3,15 +3,19 @@ package engine
 import (
 	"bytes"
 	"context"
+	"errors"
 	"math/rand/v2"
 	"os"
 	"runtime"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 	"unsafe"
 
 	"github.com/kvhost/kvhost/internal/cuda"
 	"github.com/kvhost/kvhost/internal/cuda/cudatest"
+	"github.com/kvhost/kvhost/internal/fsys"
 	"github.com/kvhost/kvhost/internal/region"
 	"github.com/kvhost/kvhost/internal/testwait"
 	"github.com/kvhost/kvhost/internal/transfer"
@@ -258,5 +262,53 @@ func TestWarmRegistersDiscoveredFileBeforeItsLoad(t *testing.T) {
 	loadDevice(t, e, c, keys, want)
 	if st := mv.FileStats(); st.Loads != 2 {
 		t.Fatalf("registrar %+v: the loads of the discovered files should have copied from their pages", st)
+	}
+}
+
+// gatedWarmer is a device-memory mover that takes every file offered
+// ahead of jobs, each offer held until gate closes; it moves no bytes.
+type gatedWarmer struct {
+	gate  chan struct{}
+	calls atomic.Int64
+}
+
+func (w *gatedWarmer) Name() string    { return "gated" }
+func (w *gatedWarmer) Checksums() bool { return false }
+func (w *gatedWarmer) WriteFile(context.Context, fsys.File, *transfer.Plan, []uint32) (int64, error) {
+	return 0, errors.New("gatedWarmer moves no bytes")
+}
+func (w *gatedWarmer) ReadFile(context.Context, fsys.File, *transfer.Plan, []uint32) (int64, error) {
+	return 0, errors.New("gatedWarmer moves no bytes")
+}
+func (w *gatedWarmer) Warm(fsys.File) bool {
+	w.calls.Add(1)
+	<-w.gate
+	return true
+}
+
+// TestWaitWarmedWaitsForTheOffersOfTheFilesFoundAtOpen: WaitWarmed does
+// not return while a file found at Open is still being offered (a context
+// that ended is its error then), and returns once every one was offered.
+func TestWaitWarmedWaitsForTheOffersOfTheFilesFoundAtOpen(t *testing.T) {
+	dir := warmShm(t)
+	const n = 3
+	storeHostFiles(t, dir, smallGeometry(true), n)
+	w := &gatedWarmer{gate: make(chan struct{})}
+	movers := map[region.Kind]MoverFactory{region.KindDevice: func(MountInfo) (transfer.Mover, error) { return w, nil }}
+	e := openEngine(t, Config{Mounts: []Mount{{Path: dir, IO: IOBuffered}}, Policy: newTestPolicy(1, 0), Movers: movers})
+	release := sync.OnceFunc(func() { close(w.gate) })
+	t.Cleanup(release) // before the engine closes (cleanups run last-in first-out): its warmer must not stay held
+	testwait.Until(t, "the first file offered", 10*time.Second, func() bool { return w.calls.Load() >= 1 })
+	ended, cancel := context.WithCancel(context.Background())
+	cancel()
+	if err := e.WaitWarmed(ended); !errors.Is(err, context.Canceled) {
+		t.Fatalf("WaitWarmed while the first of %d offers is held: %v, want context.Canceled", n, err)
+	}
+	release()
+	if err := e.WaitWarmed(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if got := w.calls.Load(); got != n {
+		t.Fatalf("WaitWarmed returned after %d offers, want %d", got, n)
 	}
 }

@@ -190,6 +190,21 @@ type Run struct {
 	// no idle moment for the GPU path to register the new files (the
 	// round's ceilings were measured after the load).
 	NoGap bool `json:"no_gap,omitempty"`
+	// Restart says a load phase ran in a new engine, with new GPU paths,
+	// opened on the directory after its round's store (--restart): it
+	// found the files at open, as a restarted daemon does. With NoGap the
+	// load began as soon as the engine was open; without, once the files
+	// found had been offered to the GPU path and its registrar had taken
+	// them.
+	Restart bool `json:"restart,omitempty"`
+	// FilesAtRestart is how many files the reopened engine indexed at
+	// open, per round (Restart).
+	FilesAtRestart int `json:"files_at_restart,omitempty"`
+	// RegisteredAtRestart is how many of those files the new GPU path's
+	// registrar had taken, offered ahead of any job, when the load began,
+	// per round (with NoGap, those it took in the moment the engine took
+	// to open).
+	RegisteredAtRestart int `json:"registered_at_restart,omitempty"`
 	// DirectFiles is how many of a phase's files, per round, moved
 	// straight between GPU memory and the file's registered pages
 	// (gpu.register_files) instead of through the pinned buffers.
@@ -385,8 +400,12 @@ func (r *Report) WriteTable(w io.Writer) error {
 		if link {
 			ofLink += fmt.Sprintf("%.2f\t", x.FractionLink)
 		}
+		dir := x.Direction
+		if x.Restart {
+			dir += " (restart)"
+		}
 		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%d\t%s\t%d/%d\t%.2f\t%.2f\t%.2f\t%.2f\t%s%.1f\t%.1f\t%.0f\t%.0f\t%s\t%s\t%s\n",
-			x.Path, x.Mover, x.IO, sums, sizeString(x.KeyBytes), x.Jobs, x.Direction, x.Hits, x.Keys,
+			x.Path, x.Mover, x.IO, sums, sizeString(x.KeyBytes), x.Jobs, dir, x.Hits, x.Keys,
 			x.GBps, x.Ceiling.GBps, x.Fraction, x.FractionBest, ofLink, x.JobP50Ms, x.JobP99Ms, x.CPUMsPerGB, x.Ceiling.CPUMsPerGB,
 			sizeString(x.VerifiedBytes), x.Ceiling.Name, roundSpread(x.RoundFractions, spread))
 	}
@@ -404,6 +423,12 @@ func (r *Report) WriteTable(w io.Writer) error {
 		fmt.Fprintln(w, "of link: of the pinned copy ceiling of the same direction (H2D for loads, D2H for stores), which every byte crosses")
 	}
 	fmt.Fprintln(w, "CPU ms/GB: the process's CPU time per GB moved, the engine's and the ceiling's")
+	for _, x := range r.Runs {
+		if x.Restart {
+			fmt.Fprintln(w, "load (restart): in a new engine and GPU paths opened on the directory after the store, as after a daemon restart")
+			break
+		}
+	}
 	if spread {
 		fmt.Fprintln(w, "by round: the least, median and greatest of the rounds' fractions, each of a round's GB/s over its own ceiling")
 	}
