@@ -310,6 +310,12 @@ func (t *sweepTable) lines(file string) ([]KVLine, error) {
 
 func (t *sweepTable) parse(text string) (KVLine, error) {
 	f := strings.Fields(text)
+	// A load after a restart (kvhost bench --restart) says so in its dir
+	// column: "load (restart)", two words.
+	restart := len(f) > 7 && f[6] == "load" && f[7] == "(restart)"
+	if restart {
+		f = slices.Delete(f, 7, 8)
+	}
 	if len(f) < 9 {
 		return KVLine{}, fmt.Errorf("a kvhost bench row has %d columns, want at least 9 (path mover io sums key jobs dir hits/keys GB/s ...)", len(f))
 	}
