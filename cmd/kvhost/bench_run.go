@@ -254,19 +254,33 @@ func (r *benchRun) restart(ctx context.Context, be *benchEngine, c *benchCache, 
 		if err := be.gp.restartMovers(); err != nil {
 			return 0, fmt.Errorf("restart: the GPU paths: %w", err)
 		}
+		if be.path == "cufile" {
+			// The new cuFile mover must serve the mount as the first did,
+			// or the loads would move through the staging pipeline under
+			// --path cufile.
+			if err := requireCuFile(be.gp, be.dir, r.o.allowCompat); err != nil {
+				return 0, fmt.Errorf("restart: %w", err)
+			}
+		}
 	}
 	eng, err := r.openEngine(ctx, be)
 	if err != nil {
 		return 0, fmt.Errorf("restart: %w", err)
 	}
-	be.eng = eng
 	found := eng.Stats().Entries
-	if c.ns, err = eng.Declare(ctx, c.g); err != nil {
-		return 0, fmt.Errorf("restart: %w", err)
+	ns, err := eng.Declare(ctx, c.g)
+	var cache engine.CacheID
+	if err == nil {
+		cache, err = eng.RegisterCache(ns, tensors)
 	}
-	if c.cache, err = eng.RegisterCache(c.ns, tensors); err != nil {
-		return 0, fmt.Errorf("restart: %w", err)
+	if err != nil {
+		// No engine for keySize's and combination's clean-ups to
+		// unregister from or close: this one closes here.
+		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Minute)
+		defer cancel()
+		return 0, errors.Join(fmt.Errorf("restart: %w", err), eng.Close(cctx))
 	}
+	be.eng, c.ns, c.cache = eng, ns, cache
 	return found, nil
 }
 
@@ -544,7 +558,10 @@ func (r *benchRun) keySize(ctx context.Context, be *benchEngine, tpk int) error 
 						return err
 					}
 				}
-				ld.warmed += fileStats(gp).Warmed // the new registrar's, before the load
+				// The new registrar's counts, from zero: the files it took
+				// ahead of any job and has registered, when the load begins.
+				st := fileStats(gp)
+				ld.warmed += min(st.Warmed, st.Registered)
 			}
 			if r.o.dropCaches {
 				if _, err := bench.DropCaches(files); err != nil {
@@ -657,7 +674,7 @@ type phaseTotals struct {
 	direct   uint64        // jobs on registered files over the phases
 	waits    uint64        // the registrar's waits for stores over the phases
 	found    int           // files the engines reopened before loads found (--restart)
-	warmed   uint64        // of those, taken by the new registrars before the loads
+	warmed   uint64        // of those, registered by the new registrars before the loads
 	gbps     []float64     // each round's GB/s
 }
 

@@ -493,10 +493,10 @@ func TestBenchNoGapLoadsRightAfterTheStoreAndSaysSo(t *testing.T) {
 // TestBenchRestartLoadsWhatANewEngineFoundAtOpen: with --restart each
 // round's load runs in an engine opened after the store, which found the
 // round's files on the directory (files_at_restart), and every loaded byte
-// is verified; in host memory and in (fake) GPU memory, where the new
-// GPU paths' registrar has taken every file found before a load with a
-// gap, so that all of them move straight from their pages, and with
-// --no-gap the load starts at once.
+// is verified; in host memory and in (fake) GPU memory, with and without
+// --no-gap; with a gap the new GPU paths' registrar has registered every
+// file found before the load, so that all of them move straight from
+// their pages.
 func TestBenchRestartLoadsWhatANewEngineFoundAtOpen(t *testing.T) {
 	lib := cudatest.Build(t)
 	for _, tc := range []struct {
@@ -525,7 +525,7 @@ func TestBenchRestartLoadsWhatANewEngineFoundAtOpen(t *testing.T) {
 						x.Restart, x.FilesAtRestart, x.VerifiedBytes/x.KeyBytes, x.Keys)
 				}
 				if tc.direct && (x.RegisteredAtRestart != x.Keys || x.DirectFiles != x.Keys) {
-					t.Errorf("load after the new registrar took the files found: %d of %d files taken at restart, %d direct per round; want all",
+					t.Errorf("load after the new registrar took the files found: %d of %d files registered at restart, %d direct per round; want all",
 						x.RegisteredAtRestart, x.Keys, x.DirectFiles)
 				}
 			}

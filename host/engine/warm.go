@@ -96,7 +96,8 @@ func (e *Engine) startWarmer() {
 
 // WaitWarmed waits until the files indexed at Open on memory mounts have
 // been offered to the movers that take files ahead of jobs (as many as
-// they take), or ctx ends; at once where there is no such mover. The
+// they take), the engine closed, or ctx ended; at once where there is no
+// such mover. The
 // movers' registrations of those files are their own background work,
 // not waited for.
 func (e *Engine) WaitWarmed(ctx context.Context) error {

@@ -201,9 +201,9 @@ type Run struct {
 	// open, per round (Restart).
 	FilesAtRestart int `json:"files_at_restart,omitempty"`
 	// RegisteredAtRestart is how many of those files the new GPU path's
-	// registrar had taken, offered ahead of any job, when the load began,
-	// per round (with NoGap, those it took in the moment the engine took
-	// to open).
+	// registrar, offered them ahead of any job, had registered when the
+	// load began, per round (with NoGap, those it registered in the
+	// moment the engine took to open).
 	RegisteredAtRestart int `json:"registered_at_restart,omitempty"`
 	// DirectFiles is how many of a phase's files, per round, moved
 	// straight between GPU memory and the file's registered pages

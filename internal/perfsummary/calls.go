@@ -58,6 +58,9 @@ type KVLine struct {
 	// none.
 	Staged float64
 	NoGap  bool
+	// Restart says a sweep table's load ran after a restart (its dir
+	// column "load (restart)": kvhost bench --restart).
+	Restart bool
 	// Args are the `kvhost bench` arguments of a sweep file's section,
 	// "" in a call file (whose reports carry a commit instead).
 	Args string

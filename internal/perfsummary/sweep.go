@@ -319,7 +319,7 @@ func (t *sweepTable) parse(text string) (KVLine, error) {
 	if len(f) < 9 {
 		return KVLine{}, fmt.Errorf("a kvhost bench row has %d columns, want at least 9 (path mover io sums key jobs dir hits/keys GB/s ...)", len(f))
 	}
-	k := KVLine{Report: t.report, Direction: f[6], Args: t.args, NoGap: t.noGap}
+	k := KVLine{Report: t.report, Direction: f[6], Args: t.args, NoGap: t.noGap, Restart: restart}
 	if k.Direction != "store" && k.Direction != "load" {
 		return k, fmt.Errorf("column dir is %q, want store or load", f[6])
 	}

@@ -59,7 +59,7 @@ func TestParseSweepFileReadsEverySection(t *testing.T) {
 		{Line: 9, Report: "kv-final-shm32.json", Direction: "store", Sums: "on", GBps: 47.15, CeilingName: "pwrite O_DIRECT ↔ pinned", CeilingGBps: 19.85, Link: 0.86, NoGap: true, Args: args},
 		{Line: 10, Report: "kv-final-shm32.json", Direction: "load", Sums: "on", GBps: 48.96, CeilingName: "pread O_DIRECT ↔ pinned", CeilingGBps: 22.85, Link: 0.91, NoGap: true, Args: args},
 		{Line: 15, Report: "kv-after-big.json", Direction: "load", Sums: "off", GBps: 29.98, CeilingName: "pread O_DIRECT ↔ pinned", CeilingGBps: 24.39, Link: 0.55, Args: "--total 16GiB"},
-		{Line: 24, Report: "kv-restart-shm32.json", Direction: "load", Sums: "on", GBps: 47.48, CeilingName: "pread O_DIRECT ↔ pinned", CeilingGBps: 28.63, Link: 0.88, Args: "--restart"},
+		{Line: 24, Report: "kv-restart-shm32.json", Direction: "load", Sums: "on", GBps: 47.48, CeilingName: "pread O_DIRECT ↔ pinned", CeilingGBps: 28.63, Link: 0.88, Restart: true, Args: "--restart"},
 	}
 	if !reflect.DeepEqual(c.KV, wantKV) {
 		t.Errorf("kvhost rows:\n %+v\nwant\n %+v", c.KV, wantKV)
