@@ -165,6 +165,9 @@ type benchEngine struct {
 	dir  string
 	path string
 	sums bool
+	// opened is the files the engine indexed at Open (--foreign's second
+	// engine: those it did not find on its load).
+	opened int
 }
 
 // engineFor opens an engine on a fresh directory for one path and checksum
@@ -185,7 +188,7 @@ func (r *benchRun) engineFor(ctx context.Context, path string, sums bool) (*benc
 			return nil, err
 		}
 	}
-	eng, err := r.openEngine(ctx, be)
+	eng, err := r.openEngine(ctx, be, "", r.o.preallocate)
 	if err != nil {
 		if be.gp != nil {
 			be.gp.Close()
@@ -193,12 +196,14 @@ func (r *benchRun) engineFor(ctx context.Context, path string, sums bool) (*benc
 		return nil, err
 	}
 	be.eng = eng
+	r.ahead = eng.Stats().Mounts[0].Preallocate
 	return be, nil
 }
 
 // openEngine opens an engine on be's directory with be's GPU paths'
-// movers (as they are now), as the daemon opens one.
-func (r *benchRun) openEngine(ctx context.Context, be *benchEngine) (*engine.Engine, error) {
+// movers (as they are now), as the daemon opens one, as node nodeID (""
+// the default: the host's name) making preallocate bytes of spares ahead.
+func (r *benchRun) openEngine(ctx context.Context, be *benchEngine, nodeID string, preallocate int64) (*engine.Engine, error) {
 	var movers map[region.Kind]engine.MoverFactory
 	if be.gp != nil {
 		movers = be.gp.movers()
@@ -222,17 +227,16 @@ func (r *benchRun) openEngine(ctx context.Context, be *benchEngine) (*engine.Eng
 			m.IO = mio
 		}
 	}
-	m.Preallocate = r.o.preallocate
+	m.Preallocate = preallocate
 	cfg := r.o.cfg
 	eng, err := engine.Open(ctx, engine.Config{
-		Mounts: []engine.Mount{m}, NewPolicy: benchPolicy(ctx, cfg, r.log),
+		Mounts: []engine.Mount{m}, NewPolicy: benchPolicy(ctx, cfg, r.log), NodeID: nodeID,
 		Fsync: r.o.fsync, IOWorkers: cfg.Engine.IOWorkers, CPUs: cfg.Engine.CPUs, YieldBytes: int64(cfg.Engine.YieldBytes),
 		StagingBytes: int64(cfg.Engine.StagingMemory), Logger: r.log, Movers: movers, NoReuse: !cfg.Engine.Reuse(),
 	})
 	if err != nil {
 		return nil, fmt.Errorf("open engine: %w", err)
 	}
-	r.ahead = eng.Stats().Mounts[0].Preallocate
 	return eng, nil
 }
 
@@ -263,10 +267,11 @@ func (r *benchRun) restart(ctx context.Context, be *benchEngine, c *benchCache, 
 			}
 		}
 	}
-	eng, err := r.openEngine(ctx, be)
+	eng, err := r.openEngine(ctx, be, "", r.o.preallocate)
 	if err != nil {
 		return 0, fmt.Errorf("restart: %w", err)
 	}
+	r.ahead = eng.Stats().Mounts[0].Preallocate
 	found := eng.Stats().Entries
 	ns, err := eng.Declare(ctx, c.g)
 	var cache engine.CacheID
@@ -282,6 +287,62 @@ func (r *benchRun) restart(ctx context.Context, be *benchEngine, c *benchCache, 
 	}
 	be.eng, c.ns, c.cache = eng, ns, cache
 	return found, nil
+}
+
+// otherNode is the node id of --foreign's second engine.
+const otherNode = "kvhost-bench-other"
+
+// openOther opens --foreign's second engine on be's directory: GPU paths
+// of its own (another registrar, other pinned buffers), another node's
+// id, no spares made ahead (it only loads); and declares c's namespace and
+// registers c's memory with it. It returns the engine and a copy of c
+// that names them; close it with closeOther. Opening an engine removes
+// the spare files it finds on the mount (engine.Open: a spare is never
+// anyone's data), the first engine's among them, as another daemon
+// starting on the directory would: the round's stores then write fresh
+// files.
+func (r *benchRun) openOther(ctx context.Context, be *benchEngine, c *benchCache, tensors []engine.LayerTensor) (*benchEngine, *benchCache, error) {
+	o := &benchEngine{dir: be.dir, path: be.path, sums: be.sums}
+	fail := func(err error) (*benchEngine, *benchCache, error) {
+		return nil, nil, errors.Join(fmt.Errorf("--foreign: %w", err), r.closeOther(o))
+	}
+	var err error
+	if be.gp != nil {
+		if o.gp, err = r.openGPU(be.path, be.sums, true); err != nil {
+			return fail(err)
+		}
+		if be.path == "cufile" {
+			if err := requireCuFile(o.gp, o.dir, r.o.allowCompat); err != nil {
+				return fail(err)
+			}
+		}
+	}
+	if o.eng, err = r.openEngine(ctx, o, otherNode, 0); err != nil {
+		return fail(err)
+	}
+	o.opened = o.eng.Stats().Entries
+	oc := *c
+	if oc.ns, err = o.eng.Declare(ctx, c.g); err == nil {
+		oc.cache, err = o.eng.RegisterCache(oc.ns, tensors)
+	}
+	if err != nil {
+		return fail(err)
+	}
+	return o, &oc, nil
+}
+
+// closeOther closes what openOther opened.
+func (r *benchRun) closeOther(o *benchEngine) error {
+	cctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	var err error
+	if o.eng != nil {
+		err = o.eng.Close(cctx)
+	}
+	if o.gp != nil {
+		err = errors.Join(err, o.gp.Close())
+	}
+	return err
 }
 
 // awaitWarmed waits until a reopened engine has offered the files it
@@ -476,6 +537,16 @@ func (r *benchRun) keySize(ctx context.Context, be *benchEngine, tpk int) error 
 	}
 	stored := false
 	var lastReused uint64 // files the last store phase wrote into spares
+	// --foreign's second engine, open from a round's store to its load.
+	var other *benchEngine
+	var oc *benchCache
+	defer func() {
+		if other != nil {
+			if err := r.closeOther(other); err != nil {
+				r.log.Warn("bench: close the second engine", "err", err)
+			}
+		}
+	}()
 	for _, jobs := range r.o.jobs {
 		var st, ld phaseTotals
 		var ceil ceilingTotals
@@ -490,6 +561,13 @@ func (r *benchRun) keySize(ctx context.Context, be *benchEngine, tpk int) error 
 				stored = false
 			}
 			if !stored {
+				if r.o.foreign {
+					// Before the store: its files are then none of the
+					// second engine's at open, and its load finds them.
+					if other, oc, err = r.openOther(ctx, be, c, tensors); err != nil {
+						return err
+					}
+				}
 				if err := r.settle(ctx, eng, gp); err != nil {
 					return err
 				}
@@ -585,13 +663,17 @@ func (r *benchRun) keySize(ctx context.Context, be *benchEngine, tpk int) error 
 					hits++
 				}
 			}
-			cpu, before := bench.CPUTime(), fileStats(gp)
-			d, lat, err := r.phase(ctx, eng, c, bench.Load, jobs)
+			loadEng, loadC, loadGP := eng, c, gp
+			if other != nil {
+				loadEng, loadC, loadGP = other.eng, oc, other.gp
+			}
+			cpu, before := bench.CPUTime(), fileStats(loadGP)
+			d, lat, err := r.phase(ctx, loadEng, loadC, bench.Load, jobs)
 			if err != nil {
 				return err
 			}
 			ld.cpu += bench.CPUTime() - cpu
-			after := fileStats(gp)
+			after := fileStats(loadGP)
 			ld.direct += after.Loads - before.Loads
 			ld.waits += after.Waits - before.Waits
 			var verified int64
@@ -606,6 +688,16 @@ func (r *benchRun) keySize(ctx context.Context, be *benchEngine, tpk int) error 
 				}
 			}
 			ld.add(d, lat, int64(hits)*g.KeyBytes(), hits, verified)
+			if other != nil {
+				// The files it holds beyond those it found at open (none:
+				// it opened before the store) it found on the load.
+				ld.found += other.eng.Stats().Entries - other.opened
+				err := r.closeOther(other)
+				other = nil
+				if err != nil {
+					return fmt.Errorf("--foreign: close the second engine: %w", err)
+				}
+			}
 			if r.o.noGap {
 				if err := ceilings(); err != nil {
 					return err
@@ -642,6 +734,9 @@ func (r *benchRun) keySize(ctx context.Context, be *benchEngine, tpk int) error 
 				x.FractionReread = x.GBps / cp.reread.GBps
 			}
 			x.CeilingStaged, x.FractionStaged = againstStaged(x.GBps, cp.stagedRead)
+			if r.o.foreign {
+				x.Foreign, x.FilesDiscovered = true, ld.found/max(1, ld.rounds)
+			}
 			if r.o.restart {
 				x.Restart, x.FilesAtRestart = true, ld.found/max(1, ld.rounds)
 				x.RegisteredAtRestart = int(ld.warmed / uint64(max(1, ld.rounds)))
@@ -673,7 +768,7 @@ type phaseTotals struct {
 	reused   uint64        // stores into spare files over the phases
 	direct   uint64        // jobs on registered files over the phases
 	waits    uint64        // the registrar's waits for stores over the phases
-	found    int           // files the engines reopened before loads found (--restart)
+	found    int           // files the engines reopened before loads found (--restart), or the second engines found on their loads (--foreign)
 	warmed   uint64        // of those, registered by the new registrars before the loads
 	gbps     []float64     // each round's GB/s
 }

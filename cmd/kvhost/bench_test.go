@@ -490,43 +490,63 @@ func TestBenchNoGapLoadsRightAfterTheStoreAndSaysSo(t *testing.T) {
 	}
 }
 
-// TestBenchRestartLoadsWhatANewEngineFoundAtOpen: with --restart each
-// round's load runs in an engine opened after the store, which found the
-// round's files on the directory (files_at_restart), and every loaded byte
-// is verified; in host memory and in (fake) GPU memory, with and without
-// --no-gap; with a gap the new GPU paths' registrar has registered every
-// file found before the load, so that all of them move straight from
-// their pages.
-func TestBenchRestartLoadsWhatANewEngineFoundAtOpen(t *testing.T) {
+// TestBenchRestartAndForeignLoadsFindTheirFilesAsADaemonWould: with
+// --restart each round's load runs in an engine opened after the store,
+// which found the round's files on the directory (files_at_restart); with
+// a gap its new GPU paths' registrar has registered every one before the
+// load, so that all move straight from their pages. With --foreign the
+// load runs through a second engine (another node's, with GPU paths of its
+// own) opened before the store, which found every file on the load itself
+// (files_discovered). Every loaded byte is verified, in host memory and in
+// (fake) GPU memory.
+func TestBenchRestartAndForeignLoadsFindTheirFilesAsADaemonWould(t *testing.T) {
 	lib := cudatest.Build(t)
+	gpuArgs := []string{"--memory", "gpu", "--cuda-library", lib, "--path", "staging"}
+	restarted := func(direct bool) func(x bench.Run) string {
+		return func(x bench.Run) string {
+			switch {
+			case !x.Restart || x.Foreign || x.FilesAtRestart != x.Keys:
+				return fmt.Sprintf("restart %v, foreign %v, %d files found at restart; want a restart that found every key's file", x.Restart, x.Foreign, x.FilesAtRestart)
+			case direct && (x.RegisteredAtRestart != x.Keys || x.DirectFiles != x.Keys):
+				return fmt.Sprintf("%d files registered at restart, %d direct per round; want all %d", x.RegisteredAtRestart, x.DirectFiles, x.Keys)
+			}
+			return ""
+		}
+	}
+	foreign := func(x bench.Run) string {
+		if !x.Foreign || x.Restart || x.FilesDiscovered != x.Keys {
+			return fmt.Sprintf("foreign %v, restart %v, %d files found on the load; want every key's file found by the second engine", x.Foreign, x.Restart, x.FilesDiscovered)
+		}
+		return ""
+	}
 	for _, tc := range []struct {
-		name   string
-		args   []string
-		direct bool // every load copies from registered pages
+		name  string
+		args  []string
+		check func(bench.Run) string
 	}{
-		{"host memory", []string{"--memory", "host"}, false},
-		{"gpu memory", []string{"--memory", "gpu", "--cuda-library", lib, "--path", "staging", "--preallocate", "0"}, true},
-		{"gpu memory, no gap", []string{"--memory", "gpu", "--cuda-library", lib, "--path", "staging", "--preallocate", "0", "--no-gap"}, false},
+		{"restart, host memory", []string{"--restart", "--memory", "host"}, restarted(false)},
+		{"restart, gpu memory", append([]string{"--restart", "--preallocate", "0"}, gpuArgs...), restarted(true)},
+		{"restart, gpu memory, no gap", append([]string{"--restart", "--preallocate", "0", "--no-gap"}, gpuArgs...), restarted(false)},
+		{"foreign, host memory", []string{"--foreign", "--memory", "host"}, foreign},
+		{"foreign, gpu memory", append([]string{"--foreign"}, gpuArgs...), foreign},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			args := append([]string{"--restart", "--rounds", "2", "--jobs", "2", "--tokens-per-key", "16", "--total", "4MiB"}, tc.args...)
+			args := append([]string{"--rounds", "2", "--jobs", "2", "--tokens-per-key", "16", "--total", "4MiB"}, tc.args...)
 			rep := benchOnMemory(t, args...)
 			loads := 0
 			for _, x := range rep.Runs {
 				if x.Direction != bench.Load {
-					if x.Restart {
-						t.Errorf("store marked restart")
+					if x.Restart || x.Foreign {
+						t.Errorf("store marked restart %v, foreign %v", x.Restart, x.Foreign)
 					}
 					continue
 				}
 				loads++
-				if !x.Restart || x.FilesAtRestart != x.Keys || x.VerifiedBytes != int64(x.Keys)*x.KeyBytes {
-					t.Errorf("load: restart %v, %d files found at restart, %d of %d keys' bytes verified; want a restart that found every key's file, every byte verified",
-						x.Restart, x.FilesAtRestart, x.VerifiedBytes/x.KeyBytes, x.Keys)
+				if x.VerifiedBytes != int64(x.Keys)*x.KeyBytes {
+					t.Errorf("load: %d of %d keys' bytes verified", x.VerifiedBytes/x.KeyBytes, x.Keys)
 				}
-				if tc.direct && (x.RegisteredAtRestart != x.Keys || x.DirectFiles != x.Keys) {
-					t.Errorf("load after the new registrar took the files found: %d of %d files registered at restart, %d direct per round; want all",
-						x.RegisteredAtRestart, x.Keys, x.DirectFiles)
+				if why := tc.check(x); why != "" {
+					t.Errorf("load: %s", why)
 				}
 			}
 			if loads == 0 {
@@ -696,6 +716,8 @@ func TestBenchRejectsBadFlagsNamingThem(t *testing.T) {
 		{[]string{"--dir", dir, "--no-gap", "--mix", "read"}, 2, "--no-gap"},
 		{[]string{"--dir", dir, "--restart", "--mix", "write"}, 2, "--restart"},
 		{[]string{"--dir", dir, "--restart", "--full"}, 2, "--restart and --full"},
+		{[]string{"--dir", dir, "--foreign", "--mix", "read"}, 2, "--foreign"},
+		{[]string{"--dir", dir, "--foreign", "--restart"}, 2, "--foreign cannot be combined"},
 		{[]string{"--dir", dir, "--keys-per-file", "257"}, 2, "--keys-per-file 257"},
 		{[]string{"--dir", dir, "--keys-per-file", "-1"}, 2, "--keys-per-file -1"},
 		{[]string{"--dir", dir, "--memory", "gpu", "--cuda-library", missing}, 1, "--memory gpu"},

@@ -197,6 +197,15 @@ type Run struct {
 	// found had been offered to the GPU path and its registrar had taken
 	// them.
 	Restart bool `json:"restart,omitempty"`
+	// Foreign says a load phase ran through a second engine, with GPU
+	// paths of its own and another node's id, opened on the directory
+	// before its round's store (--foreign): it found the files on the
+	// load, as a daemon loads another process's or node's files right
+	// after its lookup.
+	Foreign bool `json:"foreign,omitempty"`
+	// FilesDiscovered is how many files that second engine found on its
+	// load, per round (Foreign).
+	FilesDiscovered int `json:"files_discovered,omitempty"`
 	// FilesAtRestart is how many files the reopened engine indexed at
 	// open, per round (Restart).
 	FilesAtRestart int `json:"files_at_restart,omitempty"`
@@ -401,8 +410,11 @@ func (r *Report) WriteTable(w io.Writer) error {
 			ofLink += fmt.Sprintf("%.2f\t", x.FractionLink)
 		}
 		dir := x.Direction
-		if x.Restart {
+		switch {
+		case x.Restart:
 			dir += " (restart)"
+		case x.Foreign:
+			dir += " (foreign)"
 		}
 		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%d\t%s\t%d/%d\t%.2f\t%.2f\t%.2f\t%.2f\t%s%.1f\t%.1f\t%.0f\t%.0f\t%s\t%s\t%s\n",
 			x.Path, x.Mover, x.IO, sums, sizeString(x.KeyBytes), x.Jobs, dir, x.Hits, x.Keys,
@@ -423,11 +435,15 @@ func (r *Report) WriteTable(w io.Writer) error {
 		fmt.Fprintln(w, "of link: of the pinned copy ceiling of the same direction (H2D for loads, D2H for stores), which every byte crosses")
 	}
 	fmt.Fprintln(w, "CPU ms/GB: the process's CPU time per GB moved, the engine's and the ceiling's")
+	restart, foreign := false, false
 	for _, x := range r.Runs {
-		if x.Restart {
-			fmt.Fprintln(w, "load (restart): in a new engine and GPU paths opened on the directory after the store, as after a daemon restart")
-			break
-		}
+		restart, foreign = restart || x.Restart, foreign || x.Foreign
+	}
+	if restart {
+		fmt.Fprintln(w, "load (restart): in a new engine and GPU movers opened on the directory after the store, as after a daemon restart")
+	}
+	if foreign {
+		fmt.Fprintln(w, "load (foreign): by a second engine, another node's with GPU movers of its own, opened before the store: it found the files on the load")
 	}
 	if spread {
 		fmt.Fprintln(w, "by round: the least, median and greatest of the rounds' fractions, each of a round's GB/s over its own ceiling")

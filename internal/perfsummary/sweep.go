@@ -310,10 +310,11 @@ func (t *sweepTable) lines(file string) ([]KVLine, error) {
 
 func (t *sweepTable) parse(text string) (KVLine, error) {
 	f := strings.Fields(text)
-	// A load after a restart (kvhost bench --restart) says so in its dir
-	// column: "load (restart)", two words.
+	// A load after a restart (kvhost bench --restart) or by a second
+	// engine (--foreign) says so in its dir column: "load (restart)",
+	// "load (foreign)", two words.
 	restart := len(f) > 7 && f[6] == "load" && f[7] == "(restart)"
-	if restart {
+	if restart || len(f) > 7 && f[6] == "load" && f[7] == "(foreign)" {
 		f = slices.Delete(f, 7, 8)
 	}
 	if len(f) < 9 {

@@ -12,8 +12,9 @@ import (
 
 // A sweep file in the sweep driver's format: every kind of section, a
 // table with both optional columns (a store row leaves of reread blank),
-// one with neither note nor header but all ten figures, and a load after
-// a restart ("load (restart)" in its dir column).
+// one with neither note nor header but all ten figures, and loads after
+// a restart and by a second engine ("load (restart)", "load (foreign)" in
+// their dir column).
 const sampleSweep = `# H100 machine, 2026-11-24, one call.
 build done at 83 s
 == llmd shm32: /dev/shm/sw/ll 8 16 2
@@ -38,6 +39,8 @@ load after restart: 256/256 keys of 32 MiB in 16 jobs: 26.94 GB/s; 3 keys differ
 load after restart: 256/256 keys of 32 MiB in 16 jobs: 47.76 GB/s; 0 keys differ
 == kvhost-restart shm32: --restart
   auto  gpu-staging  direct    on  32MiB    16  load (restart)  256/256  47.48         28.63      1.66     1.66       1.24     0.88     9.9    23.1        226        539      8GiB   pread O_DIRECT ↔ pinned  1.49 1.67 1.85
+== kvhost-foreign shm32: --foreign
+  auto  gpu-staging  direct    on  32MiB    16  load (foreign)  256/256  30.12         28.63      1.05     1.05       0.74     0.55    17.2    33.0        390        539      8GiB   pread O_DIRECT ↔ pinned
 `
 
 func TestParseSweepFileReadsEverySection(t *testing.T) {
@@ -60,6 +63,7 @@ func TestParseSweepFileReadsEverySection(t *testing.T) {
 		{Line: 10, Report: "kv-final-shm32.json", Direction: "load", Sums: "on", GBps: 48.96, CeilingName: "pread O_DIRECT ↔ pinned", CeilingGBps: 22.85, Link: 0.91, NoGap: true, Args: args},
 		{Line: 15, Report: "kv-after-big.json", Direction: "load", Sums: "off", GBps: 29.98, CeilingName: "pread O_DIRECT ↔ pinned", CeilingGBps: 24.39, Link: 0.55, Args: "--total 16GiB"},
 		{Line: 24, Report: "kv-restart-shm32.json", Direction: "load", Sums: "on", GBps: 47.48, CeilingName: "pread O_DIRECT ↔ pinned", CeilingGBps: 28.63, Link: 0.88, Restart: true, Args: "--restart"},
+		{Line: 26, Report: "kv-foreign-shm32.json", Direction: "load", Sums: "on", GBps: 30.12, CeilingName: "pread O_DIRECT ↔ pinned", CeilingGBps: 28.63, Link: 0.55, Args: "--foreign"},
 	}
 	if !reflect.DeepEqual(c.KV, wantKV) {
 		t.Errorf("kvhost rows:\n %+v\nwant\n %+v", c.KV, wantKV)
