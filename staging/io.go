@@ -209,26 +209,20 @@ func (w *worker) vector(ctx context.Context, f fsys.File, run []span, opt option
 	return total, nil
 }
 
-// sumPieces checksums the batch's pieces (w.pieces) in steps of at most
-// the yielder's Every bytes, reporting each step to it, so that a batch
-// larger than Every (a 2 MiB folio's) still yields once per Every bytes
-// of CPU work. It returns the bytes it reported.
+// sumPieces checksums the batch's pieces (w.pieces) in the yielder's
+// steps (Yielder.Steps), so that a batch larger than Every (a 2 MiB
+// folio's) still yields once per Every bytes of CPU work. It returns the
+// bytes it reported.
 func (w *worker) sumPieces(sums []uint32) int64 {
 	var reported int64
 	for _, s := range w.pieces {
 		if s.Sum < 0 {
 			continue
 		}
-		for b := s.Buf; len(b) > 0; {
-			k := len(b)
-			if w.yield.Every > 0 {
-				k = min(k, int(w.yield.Every))
-			}
-			sums[s.Sum] = crc32c.Update(sums[s.Sum], b[:k])
-			w.yield.Moved(int64(k))
-			reported += int64(k)
-			b = b[k:]
-		}
+		w.yield.Steps(len(s.Buf), 0, func(lo, hi int) {
+			sums[s.Sum] = crc32c.Update(sums[s.Sum], s.Buf[lo:hi])
+		})
+		reported += int64(len(s.Buf))
 	}
 	return reported
 }

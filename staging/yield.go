@@ -22,8 +22,8 @@ type Yielder struct {
 
 // Moved counts n bytes moved and yields once they add up to Every, at
 // most once per call. Loops report pieces no larger than Every where they
-// can (checksums in steps of at most Every); a larger piece (a chunk
-// written or read in one system call) yields once.
+// can (CPU work through Steps); a larger piece (a chunk written or read
+// in one system call) yields once.
 func (y *Yielder) Moved(n int64) {
 	if y.Every <= 0 {
 		return
@@ -41,4 +41,24 @@ func (y *Yielder) Moved(n int64) {
 		return
 	}
 	unix.Syscall(unix.SYS_SCHED_YIELD, 0, 0, 0) // cannot fail on Linux
+}
+
+// Steps runs do over [0, n) in consecutive ranges of at most limit bytes
+// (0: no limit) and of at most Every, reporting each range to Moved
+// after do ran: CPU work on a piece larger than Every (a checksum of a
+// 2 MiB folio) still yields once per Every bytes.
+func (y *Yielder) Steps(n, limit int, do func(lo, hi int)) {
+	step := n
+	if limit > 0 {
+		step = min(step, limit)
+	}
+	if y.Every > 0 {
+		step = min(step, int(y.Every))
+	}
+	for lo := 0; lo < n; {
+		hi := min(lo+step, n)
+		do(lo, hi)
+		y.Moved(int64(hi - lo))
+		lo = hi
+	}
 }

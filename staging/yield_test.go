@@ -43,6 +43,39 @@ func TestYielderYieldsOncePerEveryBytes(t *testing.T) {
 	y.Moved(1)
 }
 
+// TestYielderStepsCutWorkAtEveryAndLimit: Steps covers [0, n) in order
+// in ranges no longer than limit or Every, and yields once per Every.
+func TestYielderStepsCutWorkAtEveryAndLimit(t *testing.T) {
+	for _, tc := range []struct {
+		name         string
+		every        int64
+		n, limit     int
+		steps, yield int
+	}{
+		{"Every cuts", 512 << 10, 2 << 20, 0, 4, 4},
+		{"limit cuts below Every", 1 << 20, 2 << 20, 256 << 10, 8, 2},
+		{"no Every, no limit: one step", 0, 2 << 20, 0, 1, 0},
+		{"a short tail", 1 << 20, (2 << 20) + 4096, 0, 3, 2},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			yields := 0
+			y := Yielder{Every: tc.every, Yield: func() { yields++ }}
+			var got [][2]int
+			y.Steps(tc.n, tc.limit, func(lo, hi int) { got = append(got, [2]int{lo, hi}) })
+			next := 0
+			for _, r := range got {
+				if r[0] != next || r[1] <= r[0] || tc.limit > 0 && r[1]-r[0] > tc.limit || tc.every > 0 && int64(r[1]-r[0]) > tc.every {
+					t.Fatalf("ranges %v: not consecutive, empty or too long", got)
+				}
+				next = r[1]
+			}
+			if next != tc.n || len(got) != tc.steps || yields != tc.yield {
+				t.Fatalf("ranges %v cover [0, %d), %d yields; want [0, %d) in %d ranges, %d yields", got, next, yields, tc.n, tc.steps, tc.yield)
+			}
+		})
+	}
+}
+
 // TestWorkersYieldEveryYieldBytes: a pool's workers yield their CPU after
 // every Config.YieldBytes they move, with checksums fused (256 KiB
 // batches) and in the 2 MiB batches of a tmpfs with huge pages (Folio:

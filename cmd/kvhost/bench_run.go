@@ -247,9 +247,7 @@ func (r *benchRun) openEngine(ctx context.Context, be *benchEngine, nodeID strin
 // namespace and registers its memory again, as the client does on
 // reconnecting. It returns the files the new engine indexed.
 func (r *benchRun) restart(ctx context.Context, be *benchEngine, c *benchCache, tensors []engine.LayerTensor) (int, error) {
-	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Minute)
-	err := be.eng.Close(cctx)
-	cancel()
+	err := closeEngine(be.eng)
 	be.eng = nil
 	if err != nil {
 		return 0, fmt.Errorf("restart: close the engine: %w", err)
@@ -273,20 +271,33 @@ func (r *benchRun) restart(ctx context.Context, be *benchEngine, c *benchCache, 
 	}
 	r.ahead = eng.Stats().Mounts[0].Preallocate
 	found := eng.Stats().Entries
-	ns, err := eng.Declare(ctx, c.g)
-	var cache engine.CacheID
-	if err == nil {
-		cache, err = eng.RegisterCache(ns, tensors)
-	}
+	ns, cache, err := declareCache(ctx, eng, c, tensors)
 	if err != nil {
 		// No engine for keySize's and combination's clean-ups to
 		// unregister from or close: this one closes here.
-		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Minute)
-		defer cancel()
-		return 0, errors.Join(fmt.Errorf("restart: %w", err), eng.Close(cctx))
+		return 0, errors.Join(fmt.Errorf("restart: %w", err), closeEngine(eng))
 	}
 	be.eng, c.ns, c.cache = eng, ns, cache
 	return found, nil
+}
+
+// declareCache declares c's namespace on eng and registers c's memory
+// there (tensors), as a client does on connecting.
+func declareCache(ctx context.Context, eng *engine.Engine, c *benchCache, tensors []engine.LayerTensor) (engine.NamespaceID, engine.CacheID, error) {
+	ns, err := eng.Declare(ctx, c.g)
+	if err != nil {
+		return ns, 0, err
+	}
+	cache, err := eng.RegisterCache(ns, tensors)
+	return ns, cache, err
+}
+
+// closeEngine closes eng, giving it a minute whatever the benchmark's
+// context (an interrupted run still closes its engines).
+func closeEngine(eng *engine.Engine) error {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	return eng.Close(ctx)
 }
 
 // otherNode is the node id of --foreign's second engine.
@@ -322,10 +333,7 @@ func (r *benchRun) openOther(ctx context.Context, be *benchEngine, c *benchCache
 	}
 	o.opened = o.eng.Stats().Entries
 	oc := *c
-	if oc.ns, err = o.eng.Declare(ctx, c.g); err == nil {
-		oc.cache, err = o.eng.RegisterCache(oc.ns, tensors)
-	}
-	if err != nil {
+	if oc.ns, oc.cache, err = declareCache(ctx, o.eng, c, tensors); err != nil {
 		return fail(err)
 	}
 	return o, &oc, nil
@@ -333,11 +341,9 @@ func (r *benchRun) openOther(ctx context.Context, be *benchEngine, c *benchCache
 
 // closeOther closes what openOther opened.
 func (r *benchRun) closeOther(o *benchEngine) error {
-	cctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
 	var err error
 	if o.eng != nil {
-		err = o.eng.Close(cctx)
+		err = closeEngine(o.eng)
 	}
 	if o.gp != nil {
 		err = errors.Join(err, o.gp.Close())
@@ -390,10 +396,8 @@ func (r *benchRun) combination(ctx context.Context, path string, sums bool) (err
 		return err
 	}
 	defer func() {
-		cctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-		defer cancel()
 		if be.eng != nil { // nil after a restart that failed to reopen it
-			err = errors.Join(err, be.eng.Close(cctx))
+			err = errors.Join(err, closeEngine(be.eng))
 		}
 		if be.gp != nil {
 			err = errors.Join(err, be.gp.Close())
@@ -639,7 +643,7 @@ func (r *benchRun) keySize(ctx context.Context, be *benchEngine, tpk int) error 
 				// The new registrar's counts, from zero: the files it took
 				// ahead of any job and has registered, when the load begins.
 				st := fileStats(gp)
-				ld.warmed += min(st.Warmed, st.Registered)
+				ld.registered += min(st.Warmed, st.Registered)
 			}
 			if r.o.dropCaches {
 				if _, err := bench.DropCaches(files); err != nil {
@@ -739,7 +743,7 @@ func (r *benchRun) keySize(ctx context.Context, be *benchEngine, tpk int) error 
 			}
 			if r.o.restart {
 				x.Restart, x.FilesAtRestart = true, ld.found/max(1, ld.rounds)
-				x.RegisteredAtRestart = int(ld.warmed / uint64(max(1, ld.rounds)))
+				x.RegisteredAtRestart = int(ld.registered / uint64(max(1, ld.rounds)))
 			}
 			r.rep.Runs = append(r.rep.Runs, x)
 		}
@@ -758,19 +762,19 @@ func againstStaged(gbps float64, c bench.Ceiling) (bench.Ceiling, float64) {
 
 // phaseTotals sums the rounds of one phase.
 type phaseTotals struct {
-	d        time.Duration
-	lat      []time.Duration
-	bytes    int64
-	keys     int
-	verified int64
-	rounds   int
-	cpu      time.Duration // process CPU time over the phases
-	reused   uint64        // stores into spare files over the phases
-	direct   uint64        // jobs on registered files over the phases
-	waits    uint64        // the registrar's waits for stores over the phases
-	found    int           // files the engines reopened before loads found (--restart), or the second engines found on their loads (--foreign)
-	warmed   uint64        // of those, registered by the new registrars before the loads
-	gbps     []float64     // each round's GB/s
+	d          time.Duration
+	lat        []time.Duration
+	bytes      int64
+	keys       int
+	verified   int64
+	rounds     int
+	cpu        time.Duration // process CPU time over the phases
+	reused     uint64        // stores into spare files over the phases
+	direct     uint64        // jobs on registered files over the phases
+	waits      uint64        // the registrar's waits for stores over the phases
+	found      int           // files the engines reopened before loads found (--restart), or the second engines found on their loads (--foreign)
+	registered uint64        // of those, registered by the new registrars before the loads
+	gbps       []float64     // each round's GB/s
 }
 
 func (t *phaseTotals) add(d time.Duration, lat []time.Duration, bytes int64, keys int, verified int64) {

@@ -29,12 +29,8 @@ func hugePagesFinding(path string) (level, what, fix string) {
 // of freshly written files ran 2.6–3.0× faster: the kernel's per-page work
 // (allocation, the page cache, its LRU lists) dominates tmpfs I/O.
 func hugePagesJudgement(m fstype.Mount, folio int64) (level, what, fix string) {
-	huge, set := m.Option("huge")
-	if !set {
-		huge = "never"
-	}
+	huge, asked := fstype.HugeOption(m)
 	mountFix := "remount it with huge pages (mount -o remount,huge=within_size " + m.Point + "), or give kvhost a tmpfs of its own: mount -t tmpfs -o size=64G,huge=within_size tmpfs /mnt/kvcache"
-	asked := huge == "always" || huge == "within_size"
 	switch {
 	case folio > 0 && asked:
 		return levelOK, "tmpfs with huge pages (huge=" + huge + ")", ""

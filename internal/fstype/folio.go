@@ -42,11 +42,21 @@ func LargeFolio(m Mount, shmemEnabled string, pmd int64) int64 {
 	case "force":
 		return pmd
 	}
-	switch v, _ := m.Option("huge"); v {
-	case "always", "within_size":
+	if _, asks := HugeOption(m); asks {
 		return pmd
 	}
 	return 0
+}
+
+// HugeOption returns m's huge= option ("never", tmpfs's default, where it
+// has none) and whether it asks for huge pages under files written with
+// write(2): always or within_size.
+func HugeOption(m Mount) (huge string, asks bool) {
+	huge, set := m.Option("huge")
+	if !set {
+		huge = "never"
+	}
+	return huge, huge == "always" || huge == "within_size"
 }
 
 // selected returns the bracketed choice of a sysfs setting ("always
@@ -84,7 +94,7 @@ func largeFolioFor(m Mount, settings func() (string, int64, error)) (int64, erro
 	}
 	en, pmd, err := settings()
 	if err != nil {
-		if v, _ := m.Option("huge"); v == "always" || v == "within_size" {
+		if v, asks := HugeOption(m); asks {
 			return 0, fmt.Errorf("fstype: %s is mounted with huge=%s, but the kernel's settings cannot be read: %w", m.Point, v, err)
 		}
 		return 0, nil

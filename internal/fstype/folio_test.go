@@ -86,3 +86,24 @@ func TestUnreadableSettingsAreAnErrorOnlyWhereTheMountAsksForHugePages(t *testin
 		t.Errorf("readable settings: %d, %v; want 2 MiB", folio, err)
 	}
 }
+
+// TestHugeOptionReadsTheMountsHugeSetting: a tmpfs without huge= is
+// "never"; always and within_size ask for huge pages, advise and never do
+// not.
+func TestHugeOptionReadsTheMountsHugeSetting(t *testing.T) {
+	for _, tc := range []struct {
+		options, huge string
+		asks          bool
+	}{
+		{"rw,size=4194304k", "never", false},
+		{"rw,huge=always", "always", true},
+		{"rw,size=1g,huge=within_size", "within_size", true},
+		{"rw,huge=advise", "advise", false},
+		{"rw,huge=never", "never", false},
+	} {
+		huge, asks := HugeOption(Mount{Type: "tmpfs", Options: tc.options})
+		if huge != tc.huge || asks != tc.asks {
+			t.Errorf("%q: huge %q, asks %v; want %q, %v", tc.options, huge, asks, tc.huge, tc.asks)
+		}
+	}
+}

@@ -779,16 +779,8 @@ func (m *Mover) writeChunk(f fsys.File, st *stage, sums []uint32, fused bool, fo
 			// In steps of at most fuseBatch and YieldBytes, each reported
 			// to the yielder: a piece of a large folio still yields every
 			// YieldBytes of CPU work.
-			step := fuseBatch
-			if y.Every > 0 {
-				step = min(step, int(y.Every))
-			}
-			for done < min(hi, n) {
-				e := min(done+step, hi, n)
-				sum(c, b, 0, done, e, sums)
-				y.Moved(int64(e - done))
-				done = e
-			}
+			done = min(hi, n)
+			y.Steps(done-lo, fuseBatch, func(a, e int) { sum(c, b, 0, lo+a, lo+e, sums) })
 		}
 		y.Moved(int64(hi - done))
 		lo = hi
