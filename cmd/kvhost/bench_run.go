@@ -636,9 +636,11 @@ func (r *benchRun) keySize(ctx context.Context, be *benchEngine, tpk int) error 
 				eng = be.eng
 				ld.found += found
 				if !r.o.noGap {
+					start := time.Now()
 					if err := r.awaitWarmed(ctx, be); err != nil {
 						return err
 					}
+					ld.warming += time.Since(start)
 				}
 				// The new registrar's counts, from zero: the files it took
 				// ahead of any job and has registered, when the load begins.
@@ -744,6 +746,7 @@ func (r *benchRun) keySize(ctx context.Context, be *benchEngine, tpk int) error 
 			if r.o.restart {
 				x.Restart, x.FilesAtRestart = true, ld.found/max(1, ld.rounds)
 				x.RegisteredAtRestart = int(ld.registered / uint64(max(1, ld.rounds)))
+				x.RestartWarmMs = float64(ld.warming) / float64(time.Millisecond) / float64(max(1, ld.rounds))
 			}
 			r.rep.Runs = append(r.rep.Runs, x)
 		}
@@ -774,6 +777,7 @@ type phaseTotals struct {
 	waits      uint64        // the registrar's waits for stores over the phases
 	found      int           // files the engines reopened before loads found (--restart), or the second engines found on their loads (--foreign)
 	registered uint64        // of those, registered by the new registrars before the loads
+	warming    time.Duration // the waits, after the reopens, until the new registrars had taken the files found
 	gbps       []float64     // each round's GB/s
 }
 

@@ -502,13 +502,15 @@ func TestBenchNoGapLoadsRightAfterTheStoreAndSaysSo(t *testing.T) {
 func TestBenchRestartAndForeignLoadsFindTheirFilesAsADaemonWould(t *testing.T) {
 	lib := cudatest.Build(t)
 	gpuArgs := []string{"--memory", "gpu", "--cuda-library", lib, "--path", "staging"}
-	restarted := func(direct bool) func(x bench.Run) string {
+	restarted := func(direct, gap bool) func(x bench.Run) string {
 		return func(x bench.Run) string {
 			switch {
 			case !x.Restart || x.Foreign || x.FilesAtRestart != x.Keys:
 				return fmt.Sprintf("restart %v, foreign %v, %d files found at restart; want a restart that found every key's file", x.Restart, x.Foreign, x.FilesAtRestart)
 			case direct && (x.RegisteredAtRestart != x.Keys || x.DirectFiles != x.Keys):
 				return fmt.Sprintf("%d files registered at restart, %d direct per round; want all %d", x.RegisteredAtRestart, x.DirectFiles, x.Keys)
+			case gap != (x.RestartWarmMs > 0):
+				return fmt.Sprintf("restart_warm_ms %v with a gap %v; want it timed exactly where the load waited", x.RestartWarmMs, gap)
 			}
 			return ""
 		}
@@ -524,9 +526,9 @@ func TestBenchRestartAndForeignLoadsFindTheirFilesAsADaemonWould(t *testing.T) {
 		args  []string
 		check func(bench.Run) string
 	}{
-		{"restart, host memory", []string{"--restart", "--memory", "host"}, restarted(false)},
-		{"restart, gpu memory", append([]string{"--restart", "--preallocate", "0"}, gpuArgs...), restarted(true)},
-		{"restart, gpu memory, no gap", append([]string{"--restart", "--preallocate", "0", "--no-gap"}, gpuArgs...), restarted(false)},
+		{"restart, host memory", []string{"--restart", "--memory", "host"}, restarted(false, true)},
+		{"restart, gpu memory", append([]string{"--restart", "--preallocate", "0"}, gpuArgs...), restarted(true, true)},
+		{"restart, gpu memory, no gap", append([]string{"--restart", "--preallocate", "0", "--no-gap"}, gpuArgs...), restarted(false, false)},
 		{"foreign, host memory", []string{"--foreign", "--memory", "host"}, foreign},
 		{"foreign, gpu memory", append([]string{"--foreign"}, gpuArgs...), foreign},
 	} {

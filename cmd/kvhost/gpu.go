@@ -48,6 +48,9 @@ type gpuOptions struct {
 	// RegisterBytes is gpu.register_bytes resolved: the most bytes of
 	// those files (0 in the configuration: half of the machine's memory).
 	RegisterBytes int64
+	// IdleRegistrars is gpu.idle_registrars: threads that register those
+	// files only while no staging job runs.
+	IdleRegistrars int
 	// YieldBytes is engine.yield_bytes: a staging job gives its CPU up
 	// after every YieldBytes it copied or checksummed.
 	YieldBytes int64
@@ -59,20 +62,21 @@ type gpuOptions struct {
 func gpuOptionsOf(cfg config.Config) gpuOptions {
 	c := cfg.GPU
 	return gpuOptions{
-		Mode:          c.Mode,
-		CUDALibrary:   nonEmpty(c.CUDALibrary),
-		CUDADriver:    nonEmpty(c.CUDADriverLibrary),
-		CuFileLibrary: nonEmpty(c.CuFileLibrary),
-		CuFile:        c.CuFile,
-		MaxStaging:    int64(c.StagingMemory),
-		Depth:         c.Depth,
-		Chunk:         int(c.Chunk),
-		Copy:          c.Copy,
-		SumsOnDevice:  c.ChecksumOn == "gpu",
-		Poll:          time.Duration(c.Poll),
-		RegisterFiles: c.RegisterFiles,
-		RegisterBytes: registerBytes(int64(c.RegisterBytes)),
-		YieldBytes:    int64(cfg.Engine.YieldBytes),
+		Mode:           c.Mode,
+		CUDALibrary:    nonEmpty(c.CUDALibrary),
+		CUDADriver:     nonEmpty(c.CUDADriverLibrary),
+		CuFileLibrary:  nonEmpty(c.CuFileLibrary),
+		CuFile:         c.CuFile,
+		MaxStaging:     int64(c.StagingMemory),
+		Depth:          c.Depth,
+		Chunk:          int(c.Chunk),
+		Copy:           c.Copy,
+		SumsOnDevice:   c.ChecksumOn == "gpu",
+		Poll:           time.Duration(c.Poll),
+		RegisterFiles:  c.RegisterFiles,
+		RegisterBytes:  registerBytes(int64(c.RegisterBytes)),
+		IdleRegistrars: c.IdleRegistrars,
+		YieldBytes:     int64(cfg.Engine.YieldBytes),
 	}
 }
 
@@ -147,7 +151,7 @@ func (p *gpuPaths) openMovers() error {
 		poll = gpu.NoPoll // gpu.poll = "0s"; gpu.Config's zero is its default
 	}
 	p.staging, err = gpu.New(gpu.Config{Runtime: p.rt, MaxStaging: opts.MaxStaging, NoChecksums: opts.NoChecksum, SumsOnDevice: opts.SumsOnDevice, Depth: opts.Depth, Chunk: opts.Chunk, Copy: mode, Poll: poll,
-		RegisterFiles: opts.RegisterFiles, RegisterBytes: opts.RegisterBytes, Log: log, YieldBytes: opts.YieldBytes})
+		RegisterFiles: opts.RegisterFiles, RegisterBytes: opts.RegisterBytes, IdleRegistrars: opts.IdleRegistrars, Log: log, YieldBytes: opts.YieldBytes})
 	if err != nil {
 		return fmt.Errorf("gpu: staging pipeline: %w", err)
 	}

@@ -214,6 +214,12 @@ type Run struct {
 	// load began, per round (with NoGap, those it registered in the
 	// moment the engine took to open).
 	RegisteredAtRestart int `json:"registered_at_restart,omitempty"`
+	// RestartWarmMs is how long, per round, the reopened engine and its
+	// registrar took, once open, to offer and register the files found
+	// (Restart without NoGap): the idle moment a restarted daemon needs
+	// before its loads copy straight out of the files' pages. The load's
+	// time does not include it.
+	RestartWarmMs float64 `json:"restart_warm_ms,omitempty"`
 	// DirectFiles is how many of a phase's files, per round, moved
 	// straight between GPU memory and the file's registered pages
 	// (gpu.register_files) instead of through the pinned buffers.
@@ -441,6 +447,12 @@ func (r *Report) WriteTable(w io.Writer) error {
 	}
 	if restart {
 		fmt.Fprintln(w, "load (restart): in a new engine and GPU movers opened on the directory after the store, as after a daemon restart")
+		for _, x := range r.Runs {
+			if x.Restart && x.RestartWarmMs > 0 {
+				fmt.Fprintf(w, "load (restart), %s keys, %d jobs: %d files found at open, %d registered when the load began, %.0f ms a round to register them (not in the load's time)\n",
+					sizeString(x.KeyBytes), x.Jobs, x.FilesAtRestart, x.RegisteredAtRestart, x.RestartWarmMs)
+			}
+		}
 	}
 	if foreign {
 		fmt.Fprintln(w, "load (foreign): by a second engine, another node's with GPU movers of its own, opened before the store: it found the files on the load")

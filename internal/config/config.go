@@ -102,6 +102,10 @@ type GPU struct {
 	// RegisterBytes bounds the bytes of those files (their pages stay
 	// pinned while registered); 0 means half of the machine's memory.
 	RegisterBytes Size `toml:"register_bytes"`
+	// IdleRegistrars is how many threads, besides the one that registers
+	// those files in the background, register them only while no job of
+	// the staging pipeline runs (default 1); 0: none.
+	IdleRegistrars int `toml:"idle_registrars"`
 }
 
 // Server configures the daemon's Unix socket and per-client limits.
@@ -388,7 +392,7 @@ func Default() Config {
 			IdleTimeout:      Duration(time.Minute),
 			WriteTimeout:     Duration(10 * time.Second),
 		},
-		GPU: GPU{Mode: "auto", CuFile: "auto", StagingMemory: 256 << 20, Copy: "auto", ChecksumOn: "cpu", Poll: Duration(500 * time.Microsecond), RegisterFiles: 1 << 20},
+		GPU: GPU{Mode: "auto", CuFile: "auto", StagingMemory: 256 << 20, Copy: "auto", ChecksumOn: "cpu", Poll: Duration(500 * time.Microsecond), RegisterFiles: 1 << 20, IdleRegistrars: 1},
 		Log: Log{Level: "info", Format: "auto"},
 		Policy: Policy{
 			Name:          "lru",
@@ -600,6 +604,9 @@ func (c *Config) Validate() error {
 	}
 	if c.GPU.RegisterFiles < 0 || c.GPU.RegisterFiles > 1<<20 {
 		return bad("gpu.register_files", "between 0 (none) and 1048576", c.GPU.RegisterFiles)
+	}
+	if c.GPU.IdleRegistrars < 0 || c.GPU.IdleRegistrars > 8 {
+		return bad("gpu.idle_registrars", "between 0 (none) and 8", c.GPU.IdleRegistrars)
 	}
 	switch c.Log.Level {
 	case "debug", "info", "warn", "error":

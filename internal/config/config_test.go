@@ -99,6 +99,7 @@ cufile = "compat"
 cuda_library = "/opt/cuda/lib64/libcudart.so.13"
 staging_memory = "1GiB"
 poll = "0s"
+idle_registrars = 0
 `
 	c, err := Parse("kvhost.toml", []byte(src))
 	if err != nil {
@@ -110,11 +111,11 @@ poll = "0s"
 		s.MaxRegisteredBytes != 64<<30 || s.MaxTotalRegisteredBytes != 1<<40 {
 		t.Errorf("server limits decoded as %+v", s)
 	}
-	if g.Mode != "on" || g.CuFile != "compat" || g.CUDALibrary != "/opt/cuda/lib64/libcudart.so.13" || g.StagingMemory != 1<<30 || g.Poll != 0 {
+	if g.Mode != "on" || g.CuFile != "compat" || g.CUDALibrary != "/opt/cuda/lib64/libcudart.so.13" || g.StagingMemory != 1<<30 || g.Poll != 0 || g.IdleRegistrars != 0 {
 		t.Errorf("gpu decoded as %+v", g)
 	}
 	d := Default()
-	if d.GPU.Mode != "auto" || d.GPU.CuFile != "auto" || time.Duration(d.GPU.Poll) != 500*time.Microsecond || d.Server.MaxHandshakes != 16 {
+	if d.GPU.Mode != "auto" || d.GPU.CuFile != "auto" || time.Duration(d.GPU.Poll) != 500*time.Microsecond || d.GPU.IdleRegistrars != 1 || d.Server.MaxHandshakes != 16 {
 		t.Errorf("defaults: gpu %+v, max_handshakes %d", d.GPU, d.Server.MaxHandshakes)
 	}
 }
@@ -150,6 +151,7 @@ func TestParseErrors(t *testing.T) {
 		{"gpu staging", "[gpu]\nstaging_memory = \"1MiB\"", "kvhost.toml:2: gpu.staging_memory: want at least 8MiB"},
 		{"gpu poll", "[gpu]\npoll = \"2s\"", "kvhost.toml:2: gpu.poll: want between 0s (sleep at once) and 1s, got 2s"},
 		{"negative gpu poll", "[gpu]\npoll = \"-1ms\"", "kvhost.toml:2: gpu.poll: want between 0s (sleep at once) and 1s"},
+		{"idle registrars", "[gpu]\nidle_registrars = 9", "kvhost.toml:2: gpu.idle_registrars: want between 0 (none) and 8, got 9"},
 		{"metrics address", "[metrics]\nlisten = \"9400\"", `kvhost.toml:2: metrics.listen: want a TCP address "host:port"`},
 	}
 	for _, tt := range tests {

@@ -678,6 +678,42 @@ func TestRegisteredFilesTwoRegistrarsKeepTheBound(t *testing.T) {
 	}
 }
 
+// TestIdleRegistrarsRegisterOnlyWhileNoJobRuns: an idle registrar
+// (Config.IdleRegistrars) takes no offer while a job of the mover runs,
+// so that only the registrar registers beside jobs; once the mover is
+// idle it registers beside the registrar, two files at once.
+func TestIdleRegistrarsRegisterOnlyWhileNoJobRuns(t *testing.T) {
+	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, RegisterFiles: 8, Registrars: 1, IdleRegistrars: 1})
+	release := holdRegistrations(t, e)
+	m.act.begin() // a job in flight throughout the stores below
+	ended := false
+	defer func() {
+		if !ended {
+			m.act.end()
+		}
+	}()
+	testwait.Until(t, "the idle registrar waiting for the mover to fall idle", 10*time.Second, func() bool {
+		return m.files.idleParked.Load() == 1
+	})
+	storeKeyFiles(t, e, m, kv, 3, host, orig)
+	testwait.Until(t, "the registrar holding the first file", 10*time.Second, func() bool {
+		return e.fake.WaitingRegistrations() == 1
+	})
+	if n, q, parked := e.fake.WaitingRegistrations(), m.FileStats().Queued, m.files.idleParked.Load(); n != 1 || q != 3 || parked != 1 {
+		t.Fatalf("with a job in flight: %d registrations under way, %d files queued, %d idle registrars waiting; want 1, 3 and 1", n, q, parked)
+	}
+	m.act.end()
+	ended = true
+	testwait.Until(t, "the idle registrar registering a second file beside the registrar", 10*time.Second, func() bool {
+		return e.fake.WaitingRegistrations() == 2
+	})
+	release()
+	testwait.Until(t, "every file registered", 10*time.Second, func() bool { return m.FileStats().Registered == 3 })
+	if st := m.FileStats(); st.Files != 3 || st.Queued != 0 {
+		t.Fatalf("%+v: want the three files registered, none queued", st)
+	}
+}
+
 // TestRegisteredFilesABurstOfStoresIsRegisteredWhole: a burst of stores
 // offers its files faster than the registrar registers them (here the
 // fake runtime holds the first registration until every store is done);
@@ -791,7 +827,7 @@ func TestJobsYieldEveryYieldBytesOfCPUWork(t *testing.T) {
 // are in flight; a lone load, a file of several chunks and the
 // benchmark's switch checksum beside the copy.
 func TestSmallLoadsChecksumAfterTheirCopyOnlyBesideOtherJobs(t *testing.T) {
-	var m Mover
+	m := Mover{act: newActivity()}
 	for _, tc := range []struct {
 		chunks int
 		jobs   int32
@@ -805,7 +841,7 @@ func TestSmallLoadsChecksumAfterTheirCopyOnlyBesideOtherJobs(t *testing.T) {
 		{chunks: 8, jobs: 2, want: false},
 		{chunks: 1, jobs: 16, beside: true, want: false},
 	} {
-		m.jobs.Store(tc.jobs)
+		m.act.n.Store(tc.jobs)
 		m.sumsBesideLoad = tc.beside
 		if got := m.sumAfterCopy(tc.chunks); got != tc.want {
 			t.Errorf("%d chunks, %d jobs in flight, switch %v: after = %v, want %v", tc.chunks, tc.jobs, tc.beside, got, tc.want)
@@ -819,10 +855,10 @@ func TestSmallLoadsChecksumAfterTheirCopyOnlyBesideOtherJobs(t *testing.T) {
 func TestJobsInFlightCountEachJobWhileItRuns(t *testing.T) {
 	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, Copy: cuda.CopyBatch, YieldBytes: 64 << 10})
 	var seen atomic.Int32
-	m.yieldHook = func() { seen.Store(m.jobs.Load()) }
+	m.yieldHook = func() { seen.Store(m.act.jobs()) }
 	kf := newKeyFile(t, kv, t.TempDir(), "key", 1)
 	store(t, e, m, kv, kf, host, orig)
-	if got, after := seen.Load(), m.jobs.Load(); got != 1 || after != 0 {
+	if got, after := seen.Load(), m.act.jobs(); got != 1 || after != 0 {
 		t.Fatalf("jobs in flight during a lone store %d, after it %d; want 1 and 0", got, after)
 	}
 }

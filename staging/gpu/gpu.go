@@ -111,6 +111,13 @@ type Config struct {
 	// Registrars is how many threads register offered files at once
 	// (0 means DefaultRegistrars).
 	Registrars int
+	// IdleRegistrars is how many more threads register offered files,
+	// each only while the mover runs no job (0: none): registrations
+	// beside jobs slow them, so Registrars stays small, but a mover with
+	// files to register and no job to slow (a daemon just restarted, the
+	// idle moment after a burst) registers them about twice as fast with
+	// one more thread (DefaultIdleRegistrars).
+	IdleRegistrars int
 	// RegisterBytes, if positive, bounds the bytes of the files kept
 	// registered (their pages are pinned while registered): a file that
 	// would pass it replaces the least recently used ones instead, or
@@ -156,8 +163,9 @@ type Mover struct {
 	sumsBesideLoad bool
 	// yieldHook, if set (tests), is called instead of sched_yield.
 	yieldHook func()
-	// jobs counts the jobs in flight (run).
-	jobs atomic.Int32
+	// act counts the jobs in flight (run), for sumAfterCopy and the
+	// idle registrars.
+	act *activity
 	// sumJobs counts the jobs with checksums by where they were computed:
 	// [0] the CPU, [1] the checksum kernel (SumJobs).
 	sumJobs [2]atomic.Uint64
@@ -236,7 +244,7 @@ func New(cfg Config) (*Mover, error) {
 			return nil, fmt.Errorf("%w: device %d: the runtime sees %d devices", errConfig, d, count)
 		}
 	}
-	m := &Mover{cfg: cfg, r: cfg.Runtime, bsize: bsize, bufs: newFreeBuffers(n), devs: map[int]*device{}}
+	m := &Mover{cfg: cfg, r: cfg.Runtime, bsize: bsize, bufs: newFreeBuffers(n), devs: map[int]*device{}, act: newActivity()}
 	m.fallback = cuda.CopySegments
 	if cfg.Copy == cuda.CopyBatch || cfg.Copy != cuda.CopySegments && m.r.HasBatch() {
 		m.fallback = cuda.CopyBatch
@@ -271,7 +279,7 @@ func New(cfg Config) (*Mover, error) {
 		return nil, fmt.Errorf("%w: register files %d", errConfig, cfg.RegisterFiles)
 	}
 	if limit := fileLimit(cfg.RegisterFiles); limit > 0 {
-		m.files = newFiles(m, limit, cfg.Registrars, cfg.Devices[0], cfg.Log)
+		m.files = newFiles(m, limit, cfg.Registrars, cfg.IdleRegistrars, cfg.Devices[0], cfg.Log)
 		m.files.limitBytes = cfg.RegisterBytes
 	}
 	return m, nil
@@ -622,8 +630,8 @@ func (m *Mover) run(ctx context.Context, f fsys.File, p *transfer.Plan, sums []u
 	if err != nil || len(chunks) == 0 {
 		return 0, err
 	}
-	m.jobs.Add(1)
-	defer m.jobs.Add(-1)
+	m.act.begin()
+	defer m.act.end()
 	// Reads from memory file systems and buffered files go in pieces
 	// whether or not there are checksums (the CPU copy is the same; the
 	// pieces measured faster, BenchmarkTmpfsDirect/load/sums=off); writes
