@@ -307,11 +307,10 @@ const otherNode = "kvhost-bench-other"
 // of its own (another registrar, other pinned buffers), another node's
 // id, no spares made ahead (it only loads); and declares c's namespace and
 // registers c's memory with it. It returns the engine and a copy of c
-// that names them; close it with closeOther. Opening an engine removes
-// the spare files it finds on the mount (engine.Open: a spare is never
-// anyone's data), the first engine's among them, as another daemon
-// starting on the directory would: the round's stores then write fresh
-// files.
+// that names them; close it with closeOther. It leaves the first
+// engine's spare files, whose owner file that engine holds, as another
+// daemon starting on the directory does: the round's stores write into
+// them as without --foreign.
 func (r *benchRun) openOther(ctx context.Context, be *benchEngine, c *benchCache, tensors []engine.LayerTensor) (*benchEngine, *benchCache, error) {
 	o := &benchEngine{dir: be.dir, path: be.path, sums: be.sums}
 	fail := func(err error) (*benchEngine, *benchCache, error) {

@@ -541,6 +541,11 @@ func TestBenchRestartAndForeignLoadsFindTheirFilesAsADaemonWould(t *testing.T) {
 					if x.Restart || x.Foreign {
 						t.Errorf("store marked restart %v, foreign %v", x.Restart, x.Foreign)
 					}
+					if x.Preallocate > 0 && x.ReusedFiles != x.Keys {
+						// The second engine (--foreign) leaves the first
+						// engine's spares: their owner runs.
+						t.Errorf("store: %d of %d files per round written into spares, want all", x.ReusedFiles, x.Keys)
+					}
 					continue
 				}
 				loads++

@@ -54,11 +54,13 @@ type Engine struct {
 	mounts    []*mount
 	kvMounts  int // mounts of kvhost's layout: the first ones; the rest are vllm-fs
 	now       func() time.Time
-	node      string    // this node's name in temporary file names
-	memory    int64     // the machine's memory (Config.Memory)
-	lock      fsys.File // Config.LockFile, flocked for the engine's life
-	dirs      sync.Map  // directories known to exist
-	unsynced  sync.Map  // directories created, not yet fsynced (Config.Fsync)
+	node      string      // this node's name in temporary file names
+	memory    int64       // the machine's memory (Config.Memory)
+	lock      fsys.File   // Config.LockFile, flocked for the engine's life
+	token     string      // names this engine's owner files and spares (owner.go)
+	owners    []ownerFile // this engine's owner files, flocked for its life
+	dirs      sync.Map    // directories known to exist
+	unsynced  sync.Map    // directories created, not yet fsynced (Config.Fsync)
 
 	// The engine's state in parts, each with its own lock; the lock
 	// order is evictMu (per mount, in mount order) > pinTab.mu > mu >
@@ -166,8 +168,12 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		}
 		e.lock = lock
 	}
+	e.token = newToken()
 	ok := false
 	defer func() {
+		if !ok {
+			e.closeOwners()
+		}
 		if !ok && e.lock != nil {
 			e.lock.Close()
 		}
@@ -212,6 +218,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		pool.Close()
 		return nil, err
 	}
+	e.openOwners() // before the walk, which keeps live owners' spares
 	start := time.Now()
 	if err := e.rebuild(ctx); err != nil {
 		pool.Close()
@@ -299,6 +306,7 @@ func (e *Engine) Close(ctx context.Context) error {
 	e.stopWarmer()
 	e.closeCluster()
 	e.dropSpares()
+	e.closeOwners() // after the spares: none is left for another engine to find live
 	e.hitRec.close()
 	e.host.Close()
 	if e.ownPolicy {

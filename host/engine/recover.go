@@ -33,6 +33,7 @@ func (e *Engine) rebuild(ctx context.Context) error {
 		skipped int
 		corrupt int
 		cleaned atomic.Int64 // by the walkers, one per mount
+		owners  liveOwners   // the owner files the walkers asked about
 	)
 	var readers sync.WaitGroup
 	for range max(4, 2*e.cfg.IOWorkers) {
@@ -70,10 +71,22 @@ func (e *Engine) rebuild(ctx context.Context) error {
 			name := d.Name()
 			path := filepath.Join(dir, name)
 			if strings.HasPrefix(name, ".") {
-				if strings.HasPrefix(name, sparePrefix) && d.Type().IsRegular() {
-					// Never anyone's data: a spare of a process that
-					// ended (or of one that will find it gone and
-					// write a fresh file instead).
+				if strings.HasPrefix(name, ownerPrefix) && d.Type().IsRegular() {
+					if dir == e.mounts[mount].root && !e.ownOwner(name) && !owners.held(e, path) {
+						// An ended engine's owner file: its flock is free.
+						if err := e.removeFile(path, fsys.Identity{}); err == nil {
+							cleaned.Add(1)
+						}
+					}
+					continue
+				}
+				if rest, ok := strings.CutPrefix(name, sparePrefix); ok && d.Type().IsRegular() {
+					if e.spareLive(&owners, e.mounts[mount].root, rest) {
+						continue // a running engine's, about to be written
+					}
+					// Never anyone's data: a spare of an engine that
+					// ended (or, named before owners, of one that will
+					// find it gone and write a fresh file instead).
 					if err := e.removeFile(path, fsys.Identity{}); err != nil {
 						e.log.Warn("engine: leftover spare file", "path", path, "err", err)
 					} else {

@@ -34,8 +34,9 @@ import (
 // the mount's used bytes; after every reservation the engine removes
 // spares until its files, its reservations and its spares fit in the
 // capacity, and an eviction keeps a spare only where it fits. Close
-// removes every spare, and Open removes every spare it finds (a crashed
-// process's, even one whose pid this process now has). Only evictions
+// removes every spare, and Open removes every spare it finds but those
+// of engines still running (owner.go: a crashed process's go, even one
+// whose pid this process now has). Only evictions
 // make spares (a client's delete frees its
 // space), and only on memory mounts in kvhost's layout: a vllm-fs file
 // may be open in a reader that is not kvhost, which must keep reading the

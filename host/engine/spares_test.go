@@ -12,6 +12,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -529,5 +530,82 @@ func TestEngineNeverTruncatesItsFiles(t *testing.T) {
 	}
 	if found == 0 {
 		t.Fatal("found not even the node lock's Ftruncate: the check reads nothing")
+	}
+}
+
+// ownerFiles lists the spare owner files under dir.
+func ownerFiles(t *testing.T, dir string) []string {
+	t.Helper()
+	out, err := filepath.Glob(filepath.Join(dir, ownerPrefix+"*"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+// TestOpenKeepsTheSparesOfAnEngineStillRunning: a second engine opening
+// on the directory (another daemon of the node, with its own socket)
+// leaves the first engine's spares, whose owner file the first engine
+// holds, and the first engine's next store writes into one of them.
+// Both engines' owner files go with their Close, and the spares with
+// them.
+func TestOpenKeepsTheSparesOfAnEngineStillRunning(t *testing.T) {
+	dir := tmpfsDir(t)
+	a, _, ca, _, _ := spareChurn(t, dir, Config{}, 12)
+	before := spareFiles(t, dir)
+	if len(before) == 0 {
+		t.Fatal("the first engine kept no spare: nothing to check")
+	}
+	b := openEngine(t, Config{Mounts: []Mount{{Path: dir}}, Policy: newTestPolicy(1, 0), NodeID: "other"})
+	if after := spareFiles(t, dir); !slices.Equal(after, before) {
+		t.Fatalf("the first engine's spares after the second opened: %v, want %v", after, before)
+	}
+	if o := ownerFiles(t, dir); len(o) != 2 {
+		t.Fatalf("owner files with two engines open: %v, want two", o)
+	}
+	reused := a.Stats().Reused
+	ca.fill(rand.New(rand.NewPCG(9, 9)), []int{0, 1, 2, 3})
+	storeAndCheck(t, a, ca, testKeys("after-b", 1), [][]int{{0, 1, 2, 3}})
+	if a.Stats().Reused != reused+1 {
+		t.Fatalf("the first engine's store after the second opened reused %d spares, want 1", a.Stats().Reused-reused)
+	}
+	for _, e := range []*Engine{b, a} {
+		if err := e.Close(context.Background()); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if l, o := leftovers(t, dir), ownerFiles(t, dir); len(l) != 0 || len(o) != 0 {
+		t.Fatalf("after both closed: leftovers %v, owner files %v; want none", l, o)
+	}
+}
+
+// TestOpenRemovesTheSparesOfEnginesThatEnded: spares whose owner file is
+// not locked (the engine crashed: the kernel released its flock) or gone,
+// and spares named before owner files, are removed at Open, and so is
+// the ended engine's owner file.
+func TestOpenRemovesTheSparesOfEnginesThatEnded(t *testing.T) {
+	dir := tmpfsDir(t)
+	const node, pid = "crashed", 4194000
+	crashed, gone := strings.Repeat("a", tokenLen), strings.Repeat("b", tokenLen)
+	owner := filepath.Join(dir, ownerName(node, pid, crashed))
+	names := []string{
+		owner,
+		filepath.Join(dir, fmt.Sprintf("%s%s-%d-%s%016x", sparePrefix, node, pid, crashed, 1)),
+		filepath.Join(dir, fmt.Sprintf("%s%s-%d-%s%016x", sparePrefix, node, pid, gone, 2)),
+		filepath.Join(dir, fmt.Sprintf("%s%s-%d-%016x", sparePrefix, node, pid, 3)), // before owners
+	}
+	for _, p := range names {
+		if err := os.WriteFile(p, make([]byte, 8192), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	e := openEngine(t, Config{Mounts: []Mount{{Path: dir}}, Policy: newTestPolicy(1, 0)})
+	for _, p := range names {
+		if _, err := os.Stat(p); !errors.Is(err, os.ErrNotExist) {
+			t.Errorf("%s after Open: %v, want removed", filepath.Base(p), err)
+		}
+	}
+	if o := ownerFiles(t, dir); len(o) != 1 || !e.ownOwner(filepath.Base(o[0])) {
+		t.Fatalf("owner files after Open: %v, want only the engine's own", o)
 	}
 }

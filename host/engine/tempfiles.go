@@ -50,10 +50,15 @@ func nodeName(name string) string {
 	return string(b)
 }
 
-// tempName returns a fresh temporary name with prefix (tmpPrefix or
-// probePrefix) in dir, owned by this process.
+// tempName returns a fresh temporary name with prefix (tmpPrefix,
+// probePrefix or sparePrefix) in dir, owned by this process; a spare's
+// random part begins with the engine's owner token (owner.go).
 func (e *Engine) tempName(dir, prefix string) string {
-	return filepath.Join(dir, fmt.Sprintf("%s%s-%d-%016x", prefix, e.node, os.Getpid(), rand.Uint64()))
+	token := ""
+	if prefix == sparePrefix {
+		token = e.token
+	}
+	return filepath.Join(dir, fmt.Sprintf("%s%s-%d-%s%016x", prefix, e.node, os.Getpid(), token, rand.Uint64()))
 }
 
 // createTemp creates an owned temporary file (O_EXCL, plus extra flags)

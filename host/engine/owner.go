@@ -1,0 +1,167 @@
+package engine
+
+import (
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+
+	"github.com/kvhost/kvhost/internal/fsys"
+)
+
+// Spare owners (docs/engine.md, "Spare files").
+//
+// Several engines may share a memory mount's directory: one daemon per
+// GPU of a node, each with its own socket, or a benchmark's second
+// engine. Each keeps spares there, files no index holds. An engine that
+// opens must remove the spares of engines that ended (a crashed one's
+// would hold their pages forever) and keep those of engines still
+// running, whose stores are about to write into them. Neither a spare's
+// pid nor its node can tell which is which: a restarted container's
+// daemon often has its predecessor's pid and host name. So each engine
+// holds an owner file in the root of every mount it makes spares on,
+// .owner-<node>-<pid>-<token>, flocked for its life, and names its spares
+// .spare-<node>-<pid>-<token><random>. A spare is live exactly while its
+// owner file exists and its flock is held: the kernel drops the flock
+// when the process ends, however it ends. A spare without a token (named
+// before owners) is removed, as every spare was then.
+
+// ownerPrefix names an engine's owner file (spare owners above).
+const ownerPrefix = ".owner-"
+
+// tokenLen is the length of an owner token in hex digits.
+const tokenLen = 16
+
+// newToken returns a fresh owner token.
+func newToken() string {
+	var b [tokenLen / 2]byte
+	rand.Read(b[:])
+	return hex.EncodeToString(b[:])
+}
+
+// ownerName is the owner file's name for node, pid and token.
+func ownerName(node string, pid int, token string) string {
+	return ownerPrefix + node + "-" + strconv.Itoa(pid) + "-" + token
+}
+
+// openOwners makes and flocks this engine's owner file in the root of
+// every mount it may keep spares on; closeOwners removes them. The file
+// is made under a temporary name, locked, then renamed, so that no other
+// engine's walk finds it unlocked. Where it cannot be made or locked the
+// engine's spares are unprotected, as all spares were before owners:
+// another engine's Open removes them, and a store that finds its spare
+// gone writes a fresh file.
+func (e *Engine) openOwners() {
+	name := ownerName(e.node, os.Getpid(), e.token)
+	for _, m := range e.mounts {
+		if !e.spareEligible(m) {
+			continue
+		}
+		path := filepath.Join(m.root, name)
+		tmp := e.tempName(m.root, tmpPrefix)
+		f, err := e.fs.OpenFile(tmp, os.O_RDONLY|os.O_CREATE|os.O_EXCL, 0o644)
+		if err == nil {
+			var free bool
+			if free, err = fsys.TryLock(f); err == nil && !free {
+				err = errors.New("locked by another")
+			}
+			if err == nil {
+				err = e.fs.Rename(tmp, path)
+			}
+			if err != nil {
+				f.Close()
+				e.fs.Remove(tmp)
+			}
+		}
+		if err != nil {
+			e.log.Warn("engine: no spare owner file: another engine opening on the mount removes this one's spares", "mount", m.root, "err", err)
+			continue
+		}
+		e.owners = append(e.owners, ownerFile{path: path, f: f})
+	}
+}
+
+// ownerFile is an owner file this engine holds.
+type ownerFile struct {
+	path string
+	f    fsys.File
+}
+
+// closeOwners removes this engine's owner files and releases their
+// flocks: its spares are then anyone's to remove.
+func (e *Engine) closeOwners() {
+	for _, o := range e.owners {
+		if err := e.fs.Remove(o.path); err != nil && !errors.Is(err, os.ErrNotExist) {
+			e.log.Warn("engine: remove the spare owner file", "path", o.path, "err", err)
+		}
+		o.f.Close()
+	}
+	e.owners = nil
+}
+
+// liveOwners remembers, during Open's walk of the mounts, which owner
+// files are held by a running engine.
+type liveOwners struct {
+	mu   sync.Mutex
+	live map[string]bool // owner file path → held
+}
+
+// spareLive reports whether the spare named .spare-<rest> on the mount
+// rooted at root belongs to an engine still running: its name has an
+// owner token, and that owner's file in root is flocked.
+func (e *Engine) spareLive(lo *liveOwners, root, rest string) bool {
+	node, pid, ok := tempOwner(rest)
+	if !ok {
+		return false
+	}
+	suffix := rest[strings.LastIndexByte(rest, '-')+1:]
+	if len(suffix) != 2*tokenLen {
+		return false // named before owners
+	}
+	return lo.held(e, filepath.Join(root, ownerName(node, pid, suffix[:tokenLen])))
+}
+
+// held reports whether the owner file at path is held by a running
+// engine (ownerHeld), asking each path once.
+func (lo *liveOwners) held(e *Engine, path string) bool {
+	lo.mu.Lock()
+	defer lo.mu.Unlock()
+	if held, ok := lo.live[path]; ok {
+		return held
+	}
+	held := e.ownerHeld(path)
+	if lo.live == nil {
+		lo.live = map[string]bool{}
+	}
+	lo.live[path] = held
+	return held
+}
+
+// ownerHeld reports whether the owner file at path exists and another
+// open of it (another engine's, in this process or another) holds its
+// flock.
+func (e *Engine) ownerHeld(path string) bool {
+	for _, o := range e.owners {
+		if o.path == path {
+			return true
+		}
+	}
+	f, err := e.fs.OpenFile(path, os.O_RDONLY|syscall.O_NOFOLLOW, 0)
+	if err != nil {
+		return false
+	}
+	defer f.Close() // releases the flock taken below, if any
+	free, err := fsys.TryLock(f)
+	return err == nil && !free
+}
+
+// ownOwner reports whether the owner file name (in a mount's root) is
+// this engine's.
+func (e *Engine) ownOwner(name string) bool {
+	return name == ownerName(e.node, os.Getpid(), e.token)
+}
