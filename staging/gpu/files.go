@@ -275,10 +275,13 @@ const DefaultRegistrars = 1
 // DefaultIdleRegistrars is the daemon's Config.IdleRegistrars
 // (gpu.idle_registrars): one more thread registers offered files while
 // the mover runs no job. Alone, on the H100 machine, two threads
-// registered 392 files of 32 MiB a second against one thread's 149, and
-// four threads 412 (see DefaultRegistrars): with no job to slow, a second
-// thread takes a restarted daemon's files, or a burst's, in less than
-// half the time; more threads add little.
+// registered 374–392 files of 32 MiB a second against one thread's
+// 149–150, and four threads 393–412 (TestGPURegistrationRate; see
+// DefaultRegistrars). In the engine the gain was smaller: after a restart
+// (kvhost bench --restart) the registrar and an idle one took the 256
+// files found in 0.51–0.64 s against 0.64–0.75 s for the registrar alone,
+// and 4.2–4.4 s against 4.7–4.9 s with the spares made at open (which
+// the fallocates pace). More threads were not tried in the engine.
 const DefaultIdleRegistrars = 1
 
 // fileLimit bounds want by what one file costs besides its pages: the
