@@ -509,8 +509,8 @@ func TestBenchRestartAndForeignLoadsFindTheirFilesAsADaemonWould(t *testing.T) {
 				return fmt.Sprintf("restart %v, foreign %v, %d files found at restart; want a restart that found every key's file", x.Restart, x.Foreign, x.FilesAtRestart)
 			case direct && (x.RegisteredAtRestart != x.Keys || x.DirectFiles != x.Keys):
 				return fmt.Sprintf("%d files registered at restart, %d direct per round; want all %d", x.RegisteredAtRestart, x.DirectFiles, x.Keys)
-			case gap != (x.RestartWarmMs > 0):
-				return fmt.Sprintf("restart_warm_ms %v with a gap %v; want it timed exactly where the load waited", x.RestartWarmMs, gap)
+			case (direct && gap) != (x.RestartWarmMs > 0):
+				return fmt.Sprintf("restart_warm_ms %v (GPU paths %v, a gap %v); want it timed exactly where the load waited for a registrar", x.RestartWarmMs, direct, gap)
 			}
 			return ""
 		}

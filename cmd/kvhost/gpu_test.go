@@ -304,3 +304,12 @@ func TestCuFileJobsFailingWithAStickyErrorAreDeviceFaults(t *testing.T) {
 		t.Fatalf("device faults %v; want the cuFile job's on device 1 only", faults)
 	}
 }
+
+// TestDefaultConfigurationSetsTheMoversDefaultIdleRegistrars: the
+// configuration's default gpu.idle_registrars, which reaches the mover
+// through gpuOptionsOf, is the mover's documented default.
+func TestDefaultConfigurationSetsTheMoversDefaultIdleRegistrars(t *testing.T) {
+	if got := gpuOptionsOf(config.Default()).IdleRegistrars; got != gpu.DefaultIdleRegistrars {
+		t.Fatalf("default gpu.idle_registrars reaches the mover as %d, want gpu.DefaultIdleRegistrars (%d)", got, gpu.DefaultIdleRegistrars)
+	}
+}

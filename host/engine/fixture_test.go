@@ -176,6 +176,13 @@ func openEngine(t testing.TB, cfg Config) *Engine {
 		if err := e.check(); err != nil {
 			t.Error(err)
 		}
+		// And takes its spare owner files with it.
+		for _, m := range e.mounts {
+			mine, _ := filepath.Glob(filepath.Join(m.root, ownerPrefix+"*-"+e.token))
+			if len(mine) != 0 {
+				t.Errorf("owner files left after Close: %v", mine)
+			}
+		}
 	})
 	return e
 }

@@ -29,7 +29,11 @@ import (
 // .spare-<node>-<pid>-<token><random>. A spare is live exactly while its
 // owner file exists and its flock is held: the kernel drops the flock
 // when the process ends, however it ends. A spare without a token (named
-// before owners) is removed, as every spare was then.
+// before owners) is removed, as every spare was then. An owner file is
+// looked for in the root of the mount whose walk found the spare: engines
+// whose mount roots nest on one file system (one on /dev/shm, another on
+// /dev/shm/b) do not see each other's owners, and remove each other's
+// spares as before.
 
 // ownerPrefix names an engine's owner file (spare owners above).
 const ownerPrefix = ".owner-"
@@ -66,11 +70,9 @@ func (e *Engine) openOwners() {
 		tmp := e.tempName(m.root, tmpPrefix)
 		f, err := e.fs.OpenFile(tmp, os.O_RDONLY|os.O_CREATE|os.O_EXCL, 0o644)
 		if err == nil {
-			var free bool
-			if free, err = fsys.TryLock(f); err == nil && !free {
-				err = errors.New("locked by another")
-			}
-			if err == nil {
+			// Waiting: another engine's walk may hold the new file's flock
+			// a moment to check it (cleanTemp), and lets it go.
+			if err = fsys.Lock(f); err == nil {
 				err = e.fs.Rename(tmp, path)
 			}
 			if err != nil {
@@ -144,20 +146,29 @@ func (lo *liveOwners) held(e *Engine, path string) bool {
 
 // ownerHeld reports whether the owner file at path exists and another
 // open of it (another engine's, in this process or another) holds its
-// flock.
+// flock. Where that cannot be told (the flock fails) it reports held: a
+// live engine's spares are worth more than a dead one's room. While it
+// checks a dead owner's file it holds that file's flock a moment, so a
+// second engine opening at the same instant may keep the dead spares,
+// for the next Open to remove.
 func (e *Engine) ownerHeld(path string) bool {
 	for _, o := range e.owners {
 		if o.path == path {
 			return true
 		}
 	}
-	f, err := e.fs.OpenFile(path, os.O_RDONLY|syscall.O_NOFOLLOW, 0)
+	// O_NONBLOCK: a FIFO planted under the name must not stall Open.
+	f, err := e.fs.OpenFile(path, os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0)
 	if err != nil {
 		return false
 	}
 	defer f.Close() // releases the flock taken below, if any
 	free, err := fsys.TryLock(f)
-	return err == nil && !free
+	if err != nil {
+		e.log.Warn("engine: flock a spare owner file: its spares are kept", "path", path, "err", err)
+		return true
+	}
+	return !free
 }
 
 // ownOwner reports whether the owner file name (in a mount's root) is

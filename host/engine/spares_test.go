@@ -20,6 +20,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvhost/kvhost/host/policy"
 	"github.com/kvhost/kvhost/internal/format"
 	"github.com/kvhost/kvhost/internal/fsys"
 	"github.com/kvhost/kvhost/internal/region"
@@ -607,5 +608,21 @@ func TestOpenRemovesTheSparesOfEnginesThatEnded(t *testing.T) {
 	}
 	if o := ownerFiles(t, dir); len(o) != 1 || !e.ownOwner(filepath.Base(o[0])) {
 		t.Fatalf("owner files after Open: %v, want only the engine's own", o)
+	}
+}
+
+// TestOpenThatFailsLeavesNoOwnerFile: an Open that fails after it made
+// its owner file (here its policy fails to start) removes it.
+func TestOpenThatFailsLeavesNoOwnerFile(t *testing.T) {
+	dir := tmpfsDir(t)
+	_, err := Open(context.Background(), Config{
+		Mounts: []Mount{{Path: dir}}, IOWorkers: 2, Logger: testLogger(t),
+		NewPolicy: func(policy.Index) (policy.Policy, error) { return nil, errors.New("no policy today") },
+	})
+	if err == nil {
+		t.Fatal("Open succeeded with a policy that fails to start")
+	}
+	if o, l := ownerFiles(t, dir), leftovers(t, dir); len(o) != 0 || len(l) != 0 {
+		t.Fatalf("after the failed Open: owner files %v, leftovers %v; want none", o, l)
 	}
 }

@@ -23,3 +23,16 @@ func TryLock(f interface{ Fd() uintptr }) (bool, error) {
 		return false, err
 	}
 }
+
+// Lock takes an exclusive flock on the open file f, waiting while another
+// open file description holds one (retrying a call an interrupt cut
+// short). For a file the caller just created, whose other holders can
+// only be checkers that hold it a moment.
+func Lock(f interface{ Fd() uintptr }) error {
+	for {
+		err := unix.Flock(int(f.Fd()), unix.LOCK_EX)
+		if !errors.Is(err, unix.EINTR) {
+			return err
+		}
+	}
+}

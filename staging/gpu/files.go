@@ -193,6 +193,9 @@ type files struct {
 	// idleParked counts the idle registrars waiting for the mover to
 	// fall idle (runIdle; for tests).
 	idleParked atomic.Int32
+	// idleTook, if set (tests), is called when an idle registrar has
+	// taken an offer, before it looks whether a job started meanwhile.
+	idleTook func()
 
 	mu     sync.Mutex
 	byKey  map[fsys.FileID]*regFile
@@ -611,7 +614,7 @@ func (g *files) run(sweeper bool) {
 func (g *files) runIdle() {
 	unlock, err := g.m.r.LockDevice(g.device)
 	if err != nil {
-		g.log.Debug("gpu: an idle registrar has no thread for the device", "device", g.device, "err", err)
+		g.log.Warn("gpu: an idle registrar has no thread for the device: files are registered by the registrar alone", "device", g.device, "err", err)
 		return
 	}
 	defer unlock()
@@ -631,6 +634,9 @@ func (g *files) runIdle() {
 			return
 		case <-busy: // a job started: wait for the next idle moment
 		case o := <-g.offers:
+			if g.idleTook != nil {
+				g.idleTook()
+			}
 			if g.m.act.jobs() > 0 {
 				// A job started as the offer came: leave it to the
 				// registrar, unless the queue filled meanwhile.

@@ -714,6 +714,34 @@ func TestIdleRegistrarsRegisterOnlyWhileNoJobRuns(t *testing.T) {
 	}
 }
 
+// TestIdleRegistrarsLeaveAnOfferTakenAsAJobStartsToTheRegistrar: an
+// idle registrar that takes an offer in the instant a job starts puts it
+// back and waits for the mover to fall idle again, instead of
+// registering beside the job.
+func TestIdleRegistrarsLeaveAnOfferTakenAsAJobStartsToTheRegistrar(t *testing.T) {
+	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, RegisterFiles: 8, Registrars: 1, IdleRegistrars: 1})
+	release := holdRegistrations(t, e)
+	var took atomic.Int32
+	m.files.idleTook = func() {
+		if took.Add(1) == 1 {
+			m.act.begin() // a job starts as the idle registrar takes its first offer
+		}
+	}
+	storeKeyFiles(t, e, m, kv, 2, host, orig)
+	testwait.Until(t, "the idle registrar back to waiting, its offer put back, the registrar holding a file", 10*time.Second, func() bool {
+		return took.Load() == 1 && m.files.idleParked.Load() == 1 && e.fake.WaitingRegistrations() == 1 && len(m.files.offers) == 1
+	})
+	if q := m.FileStats().Queued; q != 2 {
+		t.Fatalf("%d files queued or in registration with the job running, want 2", q)
+	}
+	m.act.end()
+	testwait.Until(t, "the idle registrar registering the offer it put back", 10*time.Second, func() bool {
+		return took.Load() == 2 && e.fake.WaitingRegistrations() == 2
+	})
+	release()
+	testwait.Until(t, "both files registered", 10*time.Second, func() bool { return m.FileStats().Registered == 2 })
+}
+
 // TestRegisteredFilesABurstOfStoresIsRegisteredWhole: a burst of stores
 // offers its files faster than the registrar registers them (here the
 // fake runtime holds the first registration until every store is done);

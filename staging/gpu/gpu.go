@@ -115,8 +115,8 @@ type Config struct {
 	// each only while the mover runs no job (0: none): registrations
 	// beside jobs slow them, so Registrars stays small, but a mover with
 	// files to register and no job to slow (a daemon just restarted, the
-	// idle moment after a burst) registers them about twice as fast with
-	// one more thread (DefaultIdleRegistrars).
+	// idle moment after a burst) registers them sooner with one more
+	// thread (DefaultIdleRegistrars says by how much).
 	IdleRegistrars int
 	// RegisterBytes, if positive, bounds the bytes of the files kept
 	// registered (their pages are pinned while registered): a file that
