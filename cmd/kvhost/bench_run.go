@@ -675,14 +675,11 @@ func (r *benchRun) keySize(ctx context.Context, be *benchEngine, tpk int) error 
 				loadEng, loadC, loadGP = other.eng, oc, other.gp
 			}
 			cpu, before := bench.CPUTime(), fileStats(loadGP)
-			mapped0, pread0 := readCounts(loadGP)
 			d, lat, err := r.phase(ctx, loadEng, loadC, bench.Load, jobs)
 			if err != nil {
 				return err
 			}
 			ld.cpu += bench.CPUTime() - cpu
-			mapped1, pread1 := readCounts(loadGP)
-			ld.mapped, ld.pread = ld.mapped+mapped1-mapped0, ld.pread+pread1-pread0
 			after := fileStats(loadGP)
 			ld.direct += after.Loads - before.Loads
 			ld.waits += after.Waits - before.Waits
@@ -782,8 +779,6 @@ type phaseTotals struct {
 	found      int           // files the engines reopened before loads found (--restart), or the second engines found on their loads (--foreign)
 	registered uint64        // of those, registered by the new registrars before the loads
 	warming    time.Duration // the waits, after the reopens, until the new registrars had taken the files found
-	mapped     uint64        // loads through the pinned buffers that read their file through a mapping
-	pread      uint64        // and those that read it with pread
 	gbps       []float64     // each round's GB/s
 }
 
@@ -816,7 +811,6 @@ func (t *phaseTotals) run(base bench.Run, dir string, keys int, ceiling bench.Ce
 	x.VerifiedBytes = t.verified / int64(max(1, t.rounds))
 	x.ReusedFiles = int(t.reused / uint64(max(1, t.rounds)))
 	x.DirectFiles = int(t.direct / uint64(max(1, t.rounds)))
-	x.MappedReads, x.PreadReads = int(t.mapped/uint64(max(1, t.rounds))), int(t.pread/uint64(max(1, t.rounds)))
 	x.RegistrationWaits = int(t.waits / uint64(max(1, t.rounds)))
 	x.CPUMsPerGB = bench.CPUMsPerGB(t.cpu, t.bytes)
 	if len(t.gbps) > 1 && len(t.gbps) == len(ceilingRounds) {
@@ -863,15 +857,6 @@ func awaitRegistrar(ctx context.Context, gp *gpuPaths) error {
 		}
 	}
 	return nil
-}
-
-// readCounts is how the GPU staging mover's loads through the pinned
-// buffers have read their files so far; zero without one.
-func readCounts(gp *gpuPaths) (mapped, pread uint64) {
-	if gp == nil || gp.staging == nil {
-		return 0, 0
-	}
-	return gp.staging.ReadCounts()
 }
 
 // fileStats is what the GPU staging mover's registered files have done

@@ -555,9 +555,6 @@ func TestBenchRestartAndForeignLoadsFindTheirFilesAsADaemonWould(t *testing.T) {
 				if why := tc.check(x); why != "" {
 					t.Errorf("load: %s", why)
 				}
-				if strings.Contains(tc.name, "gpu") && x.MappedReads+x.PreadReads+x.DirectFiles != x.Keys {
-					t.Errorf("load: %d files read through a mapping, %d with pread, %d direct per round; want the %d keys' files between them", x.MappedReads, x.PreadReads, x.DirectFiles, x.Keys)
-				}
 			}
 			if loads == 0 {
 				t.Fatal("no load phase reported")

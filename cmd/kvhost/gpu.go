@@ -51,9 +51,6 @@ type gpuOptions struct {
 	// IdleRegistrars is gpu.idle_registrars: threads that register those
 	// files only while no staging job runs.
 	IdleRegistrars int
-	// PinnedReads is gpu.pinned_reads: how loads read memory-mount files
-	// into the pinned buffers.
-	PinnedReads string
 	// YieldBytes is engine.yield_bytes: a staging job gives its CPU up
 	// after every YieldBytes it copied or checksummed.
 	YieldBytes int64
@@ -79,7 +76,6 @@ func gpuOptionsOf(cfg config.Config) gpuOptions {
 		RegisterFiles:  c.RegisterFiles,
 		RegisterBytes:  registerBytes(int64(c.RegisterBytes)),
 		IdleRegistrars: c.IdleRegistrars,
-		PinnedReads:    c.PinnedReads,
 		YieldBytes:     int64(cfg.Engine.YieldBytes),
 	}
 }
@@ -150,16 +146,12 @@ func (p *gpuPaths) openMovers() error {
 	if err != nil {
 		return fmt.Errorf("gpu: %w", err)
 	}
-	reads, err := gpu.ParseReadWay(opts.PinnedReads)
-	if err != nil {
-		return fmt.Errorf("gpu: %w", err)
-	}
 	poll := opts.Poll
 	if poll == 0 {
 		poll = gpu.NoPoll // gpu.poll = "0s"; gpu.Config's zero is its default
 	}
 	p.staging, err = gpu.New(gpu.Config{Runtime: p.rt, MaxStaging: opts.MaxStaging, NoChecksums: opts.NoChecksum, SumsOnDevice: opts.SumsOnDevice, Depth: opts.Depth, Chunk: opts.Chunk, Copy: mode, Poll: poll,
-		RegisterFiles: opts.RegisterFiles, RegisterBytes: opts.RegisterBytes, IdleRegistrars: opts.IdleRegistrars, Reads: reads, Log: log, YieldBytes: opts.YieldBytes})
+		RegisterFiles: opts.RegisterFiles, RegisterBytes: opts.RegisterBytes, IdleRegistrars: opts.IdleRegistrars, Log: log, YieldBytes: opts.YieldBytes})
 	if err != nil {
 		return fmt.Errorf("gpu: staging pipeline: %w", err)
 	}

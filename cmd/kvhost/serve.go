@@ -247,7 +247,6 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 		if gp != nil {
 			src.GPUFiles, src.GPUStaging, src.GPUFaults = gp.staging.FileStats, gp.staging.PinnedUsage, gp.deviceFaults
 			src.GPUChecksumJobs = gp.staging.SumJobs
-			src.GPUPinnedReads = gp.staging.ReadCounts
 			if gp.cufile != nil {
 				src.CuFile = gp.cufile.HandleStats
 			}

@@ -224,11 +224,6 @@ type Run struct {
 	// straight between GPU memory and the file's registered pages
 	// (gpu.register_files) instead of through the pinned buffers.
 	DirectFiles int `json:"direct_files,omitempty"`
-	// MappedReads and PreadReads are how many of a load phase's files,
-	// per round, moved through the pinned buffers read through a mapping
-	// or with pread (gpu.pinned_reads).
-	MappedReads int `json:"mapped_reads,omitempty"`
-	PreadReads  int `json:"pread_reads,omitempty"`
 	// RegistrationWaits is how many times per round the registrar of
 	// registered files put a registration off during the phase, waiting
 	// for stores into memory-mount files that moved through the pinned

@@ -106,10 +106,6 @@ type GPU struct {
 	// those files in the background, register them only while no job of
 	// the staging pipeline runs (default 1); 0: none.
 	IdleRegistrars int `toml:"idle_registrars"`
-	// PinnedReads is how a load reads a memory-mount file that is not
-	// registered into the pinned buffers: "auto" (default: both ways
-	// measured, the faster taken), "mapped" or "pread".
-	PinnedReads string `toml:"pinned_reads"`
 }
 
 // Server configures the daemon's Unix socket and per-client limits.
@@ -396,7 +392,7 @@ func Default() Config {
 			IdleTimeout:      Duration(time.Minute),
 			WriteTimeout:     Duration(10 * time.Second),
 		},
-		GPU: GPU{Mode: "auto", CuFile: "auto", StagingMemory: 256 << 20, Copy: "auto", ChecksumOn: "cpu", Poll: Duration(500 * time.Microsecond), RegisterFiles: 1 << 20, IdleRegistrars: 1, PinnedReads: "auto"},
+		GPU: GPU{Mode: "auto", CuFile: "auto", StagingMemory: 256 << 20, Copy: "auto", ChecksumOn: "cpu", Poll: Duration(500 * time.Microsecond), RegisterFiles: 1 << 20, IdleRegistrars: 1},
 		Log: Log{Level: "info", Format: "auto"},
 		Policy: Policy{
 			Name:          "lru",
@@ -608,11 +604,6 @@ func (c *Config) Validate() error {
 	}
 	if c.GPU.RegisterFiles < 0 || c.GPU.RegisterFiles > 1<<20 {
 		return bad("gpu.register_files", "between 0 (none) and 1048576", c.GPU.RegisterFiles)
-	}
-	switch c.GPU.PinnedReads {
-	case "auto", "mapped", "pread":
-	default:
-		return bad("gpu.pinned_reads", "auto, mapped or pread", fmt.Sprintf("%q", c.GPU.PinnedReads))
 	}
 	if c.GPU.IdleRegistrars < 0 || c.GPU.IdleRegistrars > 8 {
 		return bad("gpu.idle_registrars", "between 0 (none) and 8", c.GPU.IdleRegistrars)

@@ -151,7 +151,6 @@ func TestParseErrors(t *testing.T) {
 		{"gpu staging", "[gpu]\nstaging_memory = \"1MiB\"", "kvhost.toml:2: gpu.staging_memory: want at least 8MiB"},
 		{"gpu poll", "[gpu]\npoll = \"2s\"", "kvhost.toml:2: gpu.poll: want between 0s (sleep at once) and 1s, got 2s"},
 		{"negative gpu poll", "[gpu]\npoll = \"-1ms\"", "kvhost.toml:2: gpu.poll: want between 0s (sleep at once) and 1s"},
-		{"pinned reads", "[gpu]\npinned_reads = \"mmap\"", `kvhost.toml:2: gpu.pinned_reads: want auto, mapped or pread, got "mmap"`},
 		{"idle registrars", "[gpu]\nidle_registrars = 9", "kvhost.toml:2: gpu.idle_registrars: want between 0 (none) and 8, got 9"},
 		{"metrics address", "[metrics]\nlisten = \"9400\"", `kvhost.toml:2: metrics.listen: want a TCP address "host:port"`},
 	}

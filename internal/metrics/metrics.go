@@ -51,10 +51,6 @@ type Sources struct {
 	// checksums by where they were computed (gpu.Mover.SumJobs; nil
 	// without a GPU).
 	GPUChecksumJobs func() (onCPU, onGPU uint64)
-	// GPUPinnedReads counts the GPU staging pipeline's loads of
-	// memory-mount files through the pinned buffers, by how they read
-	// their file (gpu.pinned_reads).
-	GPUPinnedReads func() (mapped, pread uint64)
 	// GPUStaging reports the GPU staging pipeline's pinned buffers in
 	// use, in all, and the size of one (gpu.Mover.PinnedUsage; nil
 	// without a GPU).
@@ -310,7 +306,6 @@ var (
 	dGPUFileWaited  = desc("kvhost_gpu_file_registration_wait_seconds_total", "Time the registrar waited for stores through the pinned buffers before registering files.")
 	dGPUFileJobs    = desc("kvhost_gpu_direct_file_jobs_total", "Jobs that moved a registered file directly between the GPU and its pages, by direction.", "direction")
 	dGPUSumJobs     = desc("kvhost_gpu_checksum_jobs_total", "GPU staging jobs that succeeded with payload checksums, by where they were computed: cpu or gpu (gpu.checksum_on).", "on")
-	dGPUReads       = desc("kvhost_gpu_pinned_reads_total", "GPU staging loads of memory-mount files through the pinned buffers that succeeded, by how they read their file: mapped or pread (gpu.pinned_reads).", "way")
 	dGPUPinInUse    = desc("kvhost_gpu_staging_buffers_in_use", "Pinned buffers of the GPU staging pipeline that jobs hold now.")
 	dGPUPinTotal    = desc("kvhost_gpu_staging_buffers", "Pinned buffers of the GPU staging pipeline, allocated once at start (gpu.staging_memory).")
 	dGPUPinSize     = desc("kvhost_gpu_staging_buffer_bytes", "Size of one pinned buffer of the GPU staging pipeline.")
@@ -452,11 +447,6 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 		onCPU, onGPU := src.GPUChecksumJobs()
 		counter(dGPUSumJobs, onCPU, "cpu")
 		counter(dGPUSumJobs, onGPU, "gpu")
-	}
-	if src.GPUPinnedReads != nil {
-		mapped, pread := src.GPUPinnedReads()
-		counter(dGPUReads, mapped, "mapped")
-		counter(dGPUReads, pread, "pread")
 	}
 	if src.GPUStaging != nil {
 		inUse, total, size := src.GPUStaging()

@@ -124,7 +124,6 @@ func TestMetricsExposeSourcesAndObservations(t *testing.T) {
 		},
 		GPUStaging:      func() (int, int, int) { return 3, 31, 4<<20 + 8192 },
 		GPUChecksumJobs: func() (uint64, uint64) { return 17, 5 },
-		GPUPinnedReads:  func() (uint64, uint64) { return 8, 3 },
 		GPUFaults:       func() map[int]uint64 { return map[int]uint64{0: 0, 1: 2} },
 		CuFile: func() gds.HandleStats {
 			return gds.HandleStats{Cached: 7, Registrations: 20, Failures: 2, Hits: 50, Evictions: 8, Forgotten: 4, Unlinked: 1}
@@ -180,8 +179,6 @@ func TestMetricsExposeSourcesAndObservations(t *testing.T) {
 		{"kvhost_gpu_direct_file_jobs_total", map[string]string{"direction": "load"}, 14},
 		{"kvhost_gpu_checksum_jobs_total", map[string]string{"on": "cpu"}, 17},
 		{"kvhost_gpu_checksum_jobs_total", map[string]string{"on": "gpu"}, 5},
-		{"kvhost_gpu_pinned_reads_total", map[string]string{"way": "mapped"}, 8},
-		{"kvhost_gpu_pinned_reads_total", map[string]string{"way": "pread"}, 3},
 		{"kvhost_gpu_staging_buffers_in_use", nil, 3},
 		{"kvhost_gpu_staging_buffers", nil, 31},
 		{"kvhost_gpu_staging_buffer_bytes", nil, 4<<20 + 8192},

@@ -123,10 +123,6 @@ type Config struct {
 	// would pass it replaces the least recently used ones instead, or
 	// waits. 0 bounds the files by RegisterFiles alone.
 	RegisterBytes int64
-	// Reads says how loads of memory-mount files that are not registered
-	// read them into the pinned buffers (reads.go): the zero value
-	// measures both ways and takes the faster.
-	Reads ReadWay
 	// Log receives the registrar's warnings (default: none).
 	Log *slog.Logger
 	// YieldBytes: a job gives its CPU up (sched_yield) after every
@@ -170,8 +166,6 @@ type Mover struct {
 	// act counts the jobs in flight (run), for sumAfterCopy and the
 	// idle registrars.
 	act *activity
-	// reads picks how loads read files into the pinned buffers.
-	reads *readChoice
 	// sumJobs counts the jobs with checksums by where they were computed:
 	// [0] the CPU, [1] the checksum kernel (SumJobs).
 	sumJobs [2]atomic.Uint64
@@ -250,7 +244,7 @@ func New(cfg Config) (*Mover, error) {
 			return nil, fmt.Errorf("%w: device %d: the runtime sees %d devices", errConfig, d, count)
 		}
 	}
-	m := &Mover{cfg: cfg, r: cfg.Runtime, bsize: bsize, bufs: newFreeBuffers(n), devs: map[int]*device{}, act: newActivity(), reads: &readChoice{way: cfg.Reads}}
+	m := &Mover{cfg: cfg, r: cfg.Runtime, bsize: bsize, bufs: newFreeBuffers(n), devs: map[int]*device{}, act: newActivity()}
 	m.fallback = cuda.CopySegments
 	if cfg.Copy == cuda.CopyBatch || cfg.Copy != cuda.CopySegments && m.r.HasBatch() {
 		m.fallback = cuda.CopyBatch
@@ -663,23 +657,9 @@ func (m *Mover) run(ctx context.Context, f fsys.File, p *transfer.Plan, sums []u
 		}
 	}
 	if !write {
-		// A memory mount's file large enough to map (ReadSource) is read
-		// through a mapping or with pread, as m.reads picks (reads.go).
-		choice := p.Memory && p.End() >= fsys.MapMin
-		mapped := false
-		if !choice || m.reads.pick() {
-			src, release := p.ReadSource(f)
-			defer release()
-			mapped, f = src != f, src
-		}
-		if p.Memory {
-			start := time.Now()
-			defer func() {
-				if err == nil {
-					m.reads.record(mapped, choice, n, time.Since(start))
-				}
-			}()
-		}
+		var release func()
+		f, release = p.ReadSource(f)
+		defer release()
 	}
 	if m.files != nil && p.Memory {
 		// The registrar waits for these stores and loads (streamShare).
@@ -762,13 +742,6 @@ func (m *Mover) DeviceFaults() map[int]uint64 {
 		out[d] = dev.faults.Load()
 	}
 	return out
-}
-
-// ReadCounts reports the loads of memory-mount files through the pinned
-// buffers that succeeded, by how they read their file (Config.Reads):
-// through a mapping, or with pread.
-func (m *Mover) ReadCounts() (mapped, pread uint64) {
-	return m.reads.mapped.Load(), m.reads.pread.Load()
 }
 
 // PinnedUsage reports the pinned staging buffers: in use by jobs now, in
