@@ -382,6 +382,19 @@ func (e *Engine) move(ctx context.Context, id uint64, target int, mayEvict bool)
 	return size, nil
 }
 
+// copyBuffer returns a buffer of n bytes for a move's copy, reused from
+// earlier moves where one is large enough, and put to give it back.
+// Moves run many at a time and one after another; a fresh buffer per
+// move was a megabyte or more of garbage each.
+func (e *Engine) copyBuffer(n int64) (buf []byte, put func()) {
+	p, _ := e.copyBufs.Get().(*[]byte)
+	if p == nil || int64(cap(*p)) < n {
+		b := make([]byte, n)
+		p = &b
+	}
+	return (*p)[:n], func() { e.copyBufs.Put(p) }
+}
+
 // copyFile copies en's file (checked to be en's by identity and header id)
 // to dst on mount tm: an owned temporary file, fsynced with Config.Fsync,
 // renamed into place. It returns the unindexed entry of the copy. The
@@ -407,7 +420,8 @@ func (e *Engine) copyFile(en *entry, tm *mount, dst string) (*entry, error) {
 	}()
 	// Whole large folios on the target (a tmpfs with huge pages): a write
 	// of part of one would have the kernel zero the rest first.
-	buf := make([]byte, min(max(int64(copyChunk), tm.folio), max(en.size, 1)))
+	buf, put := e.copyBuffer(min(max(int64(copyChunk), tm.folio), max(en.size, 1)))
+	defer put()
 	for off := int64(0); off < en.size; {
 		n, rerr := src.ReadAt(buf[:min(int64(len(buf)), en.size-off)], off)
 		if n > 0 {

@@ -839,3 +839,23 @@ func TestMovesCopyInWholeLargeFolios(t *testing.T) {
 		loadAndCompare(t, e, c, keys, [][]int{into}, [][]byte{want})
 	}
 }
+
+// TestCopyBuffersHaveTheSizeAskedAndAreNeverShared: a move's copy
+// buffer has the length it asked for whatever buffers earlier moves gave
+// back, and two moves at once never share one.
+func TestCopyBuffersHaveTheSizeAskedAndAreNeverShared(t *testing.T) {
+	var e Engine
+	for _, sizes := range [][]int64{{1 << 20, 1 << 20}, {4096, 1 << 20}, {2 << 20, 4096}, {1, 2 << 20}} {
+		a, putA := e.copyBuffer(sizes[0])
+		b, putB := e.copyBuffer(sizes[1])
+		if int64(len(a)) != sizes[0] || int64(len(b)) != sizes[1] {
+			t.Fatalf("sizes %v: buffers of %d and %d bytes", sizes, len(a), len(b))
+		}
+		a[0], b[0] = 1, 2
+		if a[0] != 1 {
+			t.Fatalf("sizes %v: two moves at once share a buffer", sizes)
+		}
+		putA()
+		putB()
+	}
+}

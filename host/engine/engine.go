@@ -61,6 +61,7 @@ type Engine struct {
 	owners    []ownerFile // this engine's owner files, flocked for its life
 	dirs      sync.Map    // directories known to exist
 	unsynced  sync.Map    // directories created, not yet fsynced (Config.Fsync)
+	copyBufs  sync.Pool   // *[]byte: moves' copy buffers (copyFile), reused
 
 	// The engine's state in parts, each with its own lock; the lock
 	// order is evictMu (per mount, in mount order) > pinTab.mu > mu >
