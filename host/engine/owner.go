@@ -145,18 +145,14 @@ func (lo *liveOwners) held(e *Engine, path string) bool {
 }
 
 // ownerHeld reports whether the owner file at path exists and another
-// open of it (another engine's, in this process or another) holds its
-// flock. Where that cannot be told (the flock fails) it reports held: a
-// live engine's spares are worth more than a dead one's room. While it
-// checks a dead owner's file it holds that file's flock a moment, so a
-// second engine opening at the same instant may keep the dead spares,
-// for the next Open to remove.
+// open of it holds its flock: another engine's, in this process or
+// another, this engine's own included (flocks conflict between open
+// file descriptions of one process). Where that cannot be told (the
+// flock fails) it reports held: a live engine's spares are worth more
+// than a dead one's room. While it checks a dead owner's file it holds
+// that file's flock a moment, so a second engine opening at the same
+// instant may keep the dead spares, for the next Open to remove.
 func (e *Engine) ownerHeld(path string) bool {
-	for _, o := range e.owners {
-		if o.path == path {
-			return true
-		}
-	}
 	// O_NONBLOCK: a FIFO planted under the name must not stall Open.
 	f, err := e.fs.OpenFile(path, os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0)
 	if err != nil {
