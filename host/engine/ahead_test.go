@@ -1062,3 +1062,40 @@ func TestAutoPreallocateFollowsTheLargestRecentBurst(t *testing.T) {
 		})
 	}
 }
+
+// Each spare made ahead has its pages put on the active list and is
+// marked so before any store writes into it; a store into it keeps the
+// mark (the file is the spare's inode), so that later loads of the key,
+// by this engine or another, read it with pread.
+func TestSparesMadeAheadAreMarkedActiveAndKeepTheMarkWhenStoredInto(t *testing.T) {
+	f := newAheadFixture(t, Config{}, 40, 3, 0.85)
+	marked := func(p string) bool {
+		t.Helper()
+		file, err := fsys.OS{}.OpenFile(p, os.O_RDONLY, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer file.Close()
+		return fsys.PagesActive(file)
+	}
+	spares := spareFiles(t, f.dir)
+	if len(spares) != 3 {
+		t.Fatalf("spare files %v, want 3", spares)
+	}
+	for _, p := range spares {
+		if !marked(p) {
+			t.Fatalf("spare %s is not marked active", p)
+		}
+	}
+	if st := f.e.Stats(); st.SparesActivated != st.SparesMade || st.SparesActivated != 3 {
+		t.Fatalf("%d spares activated of %d made, want 3 of 3", st.SparesActivated, st.SparesMade)
+	}
+	f.store(t, []byte("into a spare"))
+	if st := f.e.Stats(); st.Reused != 1 {
+		t.Fatalf("%d stores into spares, want 1", st.Reused)
+	}
+	data := dataFiles(t, f.dir)
+	if len(data) != 1 || !marked(data[0]) {
+		t.Fatalf("stored files %v: want one, marked active", data)
+	}
+}

@@ -62,3 +62,40 @@ func TestPlanReadSourceMapsLargeMemoryPlansOnly(t *testing.T) {
 		}
 	}
 }
+
+// A memory file whose pages the engine put on the active list (marked by
+// fsys.MarkPagesActive) is read with pread however large the plan: read(2)
+// of active pages is faster than a mapping.
+func TestPlanReadSourceReadsMarkedMemoryFilesWithoutAMapping(t *testing.T) {
+	dir := t.TempDir()
+	open := func(name string) fsys.File {
+		f, err := fsys.OS{}.OpenFile(filepath.Join(dir, name), os.O_RDWR|os.O_CREATE, 0o600)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { f.Close() })
+		if err := f.Allocate(fsys.MapMin); err != nil {
+			t.Fatal(err)
+		}
+		return f
+	}
+	marked, plain := open("marked"), open("plain")
+	if err := fsys.MarkPagesActive(marked); err != nil {
+		t.Fatal(err)
+	}
+	p := &Plan{Extents: []Extent{{FileOff: 0, Len: fsys.MapMin}}, Memory: true}
+	for _, c := range []struct {
+		name       string
+		f          fsys.File
+		wantMapped bool
+	}{
+		{"marked", marked, false},
+		{"not marked", plain, true},
+	} {
+		src, release := p.ReadSource(c.f)
+		release()
+		if mapped := src != c.f; mapped != c.wantMapped {
+			t.Errorf("%s: mapped %v, want %v", c.name, mapped, c.wantMapped)
+		}
+	}
+}
