@@ -2,13 +2,10 @@ package engine
 
 import (
 	"context"
-	"errors"
 	"fmt"
-	"os"
 	"sync/atomic"
 	"time"
 
-	"github.com/kvhost/kvhost/internal/fsys"
 	"github.com/kvhost/kvhost/internal/transfer"
 )
 
@@ -279,7 +276,6 @@ func (e *Engine) makeSpare(m *mount, size int64) error {
 	if err != nil {
 		return fmt.Errorf("%s: %w", op, err)
 	}
-	e.activateSpare(path, size)
 	id, err := fileIdentity(f)
 	if err == nil {
 		for _, mv := range m.movers {
@@ -304,33 +300,6 @@ func (e *Engine) makeSpare(m *mount, size int64) error {
 		e.log.Warn("engine: remove a spare file", "path", path, "err", rerr)
 	}
 	return err
-}
-
-// activateSpare puts the pages of the spare at path on the kernel's active
-// list and marks it so (fsys.ActivatePages), before the movers prepare it:
-// a later load of whatever is stored in it, by this engine through the
-// pinned buffers or by another process, then reads it with pread at the
-// speed of a second read (fsys/active.go says why). The maker runs only
-// while no file is in flight, so the two passes over the pages take no
-// job's time. A file system that cannot (no mapping, no user extended
-// attributes) leaves the spare as it was.
-func (e *Engine) activateSpare(path string, size int64) {
-	f, err := e.fs.OpenFile(path, os.O_RDONLY, 0)
-	if err != nil {
-		e.log.Debug("engine: open a spare file to activate its pages", "path", path, "err", err)
-		return
-	}
-	defer f.Close()
-	if _, err = fsys.ActivatePages(f, size); err == nil {
-		err = fsys.MarkPagesActive(f)
-	}
-	if err != nil {
-		if !errors.Is(err, fsys.ErrNoActivation) {
-			e.log.Debug("engine: activate a spare file's pages", "path", path, "err", err)
-		}
-		return
-	}
-	e.st.activated.Add(1)
 }
 
 // WaitSpares waits until the engine has made the spare files it makes

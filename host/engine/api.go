@@ -411,18 +411,14 @@ type Stats struct {
 	// Evictions counts files deleted to make room; a victim moved to
 	// another mount instead is a demotion (Tiering.Demotions): the key
 	// stays stored.
-	Evictions  uint64
-	Reused     uint64 // stores that wrote into a spare file instead of a fresh one
-	SparesMade uint64 // spare files made ahead of stores (Mount.Preallocate)
-	// SparesActivated counts the spares made ahead whose pages were put
-	// on the kernel's active list and marked so (fsys.ActivatePages), which
-	// later loads of them read with pread.
-	SparesActivated uint64
-	Failures        uint64 // keys that ended OutcomeFailed
-	Corrupt         uint64 // files dropped because they failed verification
-	Vanished        uint64 // files found missing or replaced behind the engine's back
-	BytesWritten    uint64
-	BytesRead       uint64
+	Evictions    uint64
+	Reused       uint64 // stores that wrote into a spare file instead of a fresh one
+	SparesMade   uint64 // spare files made ahead of stores (Mount.Preallocate)
+	Failures     uint64 // keys that ended OutcomeFailed
+	Corrupt      uint64 // files dropped because they failed verification
+	Vanished     uint64 // files found missing or replaced behind the engine's back
+	BytesWritten uint64
+	BytesRead    uint64
 	// StoreFailures and LoadFailures break Failures down by reason. Every
 	// failed key is counted, and logged (warning; at most one line per
 	// reason every 10 s, saying how many were not logged).

@@ -107,7 +107,7 @@ type Engine struct {
 }
 
 type counters struct {
-	stores, loads, hits, misses, evictions, reused, made, activated, failures, corrupt, vanished, written, read atomic.Uint64
+	stores, loads, hits, misses, evictions, reused, made, failures, corrupt, vanished, written, read atomic.Uint64
 }
 
 // DefaultIOWorkers is the number of I/O workers of a Config whose
@@ -256,7 +256,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 func (e *Engine) Stats() Stats {
 	s := Stats{
 		Stores: e.st.stores.Load(), Loads: e.st.loads.Load(), Hits: e.st.hits.Load(), Misses: e.st.misses.Load(),
-		Evictions: e.st.evictions.Load(), Reused: e.st.reused.Load(), SparesMade: e.st.made.Load(), SparesActivated: e.st.activated.Load(), Failures: e.st.failures.Load(), Corrupt: e.st.corrupt.Load(),
+		Evictions: e.st.evictions.Load(), Reused: e.st.reused.Load(), SparesMade: e.st.made.Load(), Failures: e.st.failures.Load(), Corrupt: e.st.corrupt.Load(),
 		Vanished: e.st.vanished.Load(), BytesWritten: e.st.written.Load(), BytesRead: e.st.read.Load(),
 		StoreFailures: e.fails.stats(0), LoadFailures: e.fails.stats(1), Tiering: e.TierStats(),
 	}

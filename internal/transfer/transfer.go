@@ -89,12 +89,10 @@ func (p *Plan) End() int64 {
 
 // ReadSource returns f as a mover should read the plan from it: on a
 // memory file system through a mapping of its first End bytes where that
-// pays (fsys.MapForRead says when, and fsys.Mapping why), unless f's
-// pages were put on the kernel's active list (fsys.PagesActive: read(2)
-// of such pages is faster than a mapping); else f itself. release undoes
-// it once the reads are done.
+// pays (fsys.MapForRead says when, and fsys.Mapping why), else f itself.
+// release undoes it once the reads are done.
 func (p *Plan) ReadSource(f fsys.File) (src fsys.File, release func()) {
-	if !p.Memory || p.End() < fsys.MapMin || fsys.PagesActive(f) {
+	if !p.Memory {
 		return f, func() {}
 	}
 	return fsys.MapForRead(f, p.End())
