@@ -379,7 +379,22 @@ func checkReport(r *Row, name string, dir fs.FS, refs []callRef, calls []*Call) 
 		return fmt.Errorf("%s: its command has no --json FILE", name)
 	}
 	args := benchArgs(rep.Command)
-	for i, c := range calls {
+	// A report named after its raw file (RAW-kv-NAME.json, the rule for
+	// new ones) is held against that file's calls only: two calls of one
+	// commit may both have run a kv-NAME.json.
+	order := make([]int, 0, len(calls))
+	for i := range calls {
+		if strings.HasPrefix(name, strings.TrimSuffix(refs[i].File, ".txt")+"-") {
+			order = append(order, i)
+		}
+	}
+	if len(order) == 0 {
+		for i := range calls {
+			order = append(order, i)
+		}
+	}
+	for _, i := range order {
+		c := calls[i]
 		callCommit := c.Commit
 		if callCommit == "" {
 			callCommit = r.Commit

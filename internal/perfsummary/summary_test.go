@@ -160,6 +160,42 @@ func TestComputeChecksReportsAgainstTheirLines(t *testing.T) {
 	}
 }
 
+// TestComputeHoldsAReportNamedAfterItsFileAgainstThatFile: two calls of
+// one commit both ran a kv-a-1.json; a report named after its raw file
+// (RAW-kv-a-1.json) is held against that file's line only.
+func TestComputeHoldsAReportNamedAfterItsFileAgainstThatFile(t *testing.T) {
+	other := strings.Replace(pairedCalls, "kv-a-1.json  store  40.00 GB/s", "kv-a-1.json  store  45.00 GB/s", 1)
+	for _, tc := range []struct {
+		name    string
+		gbps    float64
+		wantErr string
+	}{
+		{"the second file's figures", 45, ""},
+		{"the first file's figures", 40, "d.txt#1 line"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			dir := fstest.MapFS{
+				"c.txt":         {Data: []byte(pairedCalls)},
+				"d.txt":         {Data: []byte(other)},
+				"d-kv-a-1.json": {Data: reportJSON(t, "kv-a-1.json", "abcdef0", tc.gbps, 0.80)},
+			}
+			_, err := Compute(testRow(func(r *Row) {
+				r.Calls = []string{"c.txt#1", "d.txt#1"}
+				r.Reports = []string{"d-kv-a-1.json"}
+			}), dir)
+			if tc.wantErr == "" {
+				if err != nil {
+					t.Fatal(err)
+				}
+				return
+			}
+			if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
+				t.Fatalf("error %v, want one containing %q", err, tc.wantErr)
+			}
+		})
+	}
+}
+
 func TestComputeFailsOnARowItCannotFind(t *testing.T) {
 	for _, tc := range []struct {
 		name    string
