@@ -379,12 +379,13 @@ func checkReport(r *Row, name string, dir fs.FS, refs []callRef, calls []*Call) 
 		return fmt.Errorf("%s: its command has no --json FILE", name)
 	}
 	args := benchArgs(rep.Command)
-	// A report named after its raw file (RAW-kv-NAME.json, the rule for
-	// new ones) is held against that file's calls only: two calls of one
-	// commit may both have run a kv-NAME.json.
+	// A report kept as RAW-WRITTEN (its raw file's name, less .txt, then
+	// the name it was written under: the rule for new ones) is held
+	// against that file's calls only: two calls of one commit may both
+	// have written a kv-NAME.json.
 	order := make([]int, 0, len(calls))
 	for i := range calls {
-		if strings.HasPrefix(name, strings.TrimSuffix(refs[i].File, ".txt")+"-") {
+		if path.Base(name) == strings.TrimSuffix(refs[i].File, ".txt")+"-"+written {
 			order = append(order, i)
 		}
 	}

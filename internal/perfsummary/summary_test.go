@@ -147,52 +147,55 @@ func TestComputeChecksReportsAgainstTheirLines(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			dir := fstest.MapFS{"c.txt": {Data: []byte(pairedCalls)}, "r.json": {Data: tc.report}}
 			_, err := Compute(testRow(func(r *Row) { r.Reports = []string{"r.json"} }), dir)
-			if tc.wantErr == "" {
-				if err != nil {
-					t.Fatal(err)
-				}
-				return
-			}
-			if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
-				t.Fatalf("error %v, want one containing %q", err, tc.wantErr)
-			}
+			checkError(t, err, tc.wantErr)
 		})
 	}
 }
 
 // TestComputeHoldsAReportNamedAfterItsFileAgainstThatFile: two calls of
-// one commit both ran a kv-a-1.json; a report named after its raw file
-// (RAW-kv-a-1.json) is held against that file's line only.
+// one commit both wrote a kv-a-1.json; a report kept as RAW-kv-a-1.json is
+// held against RAW.txt's line only, also where another raw file's name
+// is a prefix of RAW (c.txt and c-b.txt).
 func TestComputeHoldsAReportNamedAfterItsFileAgainstThatFile(t *testing.T) {
 	other := strings.Replace(pairedCalls, "kv-a-1.json  store  40.00 GB/s", "kv-a-1.json  store  45.00 GB/s", 1)
 	for _, tc := range []struct {
 		name    string
+		report  string
 		gbps    float64
 		wantErr string
 	}{
-		{"the second file's figures", 45, ""},
-		{"the first file's figures", 40, "d.txt#1 line"},
+		{"the second file's report, its figures", "c-b-kv-a-1.json", 45, ""},
+		{"the second file's report, the first's figures", "c-b-kv-a-1.json", 40, "c-b.txt#1 line"},
+		{"the first file's report, its figures", "c-kv-a-1.json", 40, ""},
+		{"the first file's report, the second's figures", "c-kv-a-1.json", 45, "c.txt#1 line"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			dir := fstest.MapFS{
-				"c.txt":         {Data: []byte(pairedCalls)},
-				"d.txt":         {Data: []byte(other)},
-				"d-kv-a-1.json": {Data: reportJSON(t, "kv-a-1.json", "abcdef0", tc.gbps, 0.80)},
+				"c.txt":   {Data: []byte(pairedCalls)},
+				"c-b.txt": {Data: []byte(other)},
+				tc.report: {Data: reportJSON(t, "kv-a-1.json", "abcdef0", tc.gbps, 0.80)},
 			}
 			_, err := Compute(testRow(func(r *Row) {
-				r.Calls = []string{"c.txt#1", "d.txt#1"}
-				r.Reports = []string{"d-kv-a-1.json"}
+				r.Calls = []string{"c.txt#1", "c-b.txt#1"}
+				r.Reports = []string{tc.report}
 			}), dir)
-			if tc.wantErr == "" {
-				if err != nil {
-					t.Fatal(err)
-				}
-				return
-			}
-			if err == nil || !strings.Contains(err.Error(), tc.wantErr) {
-				t.Fatalf("error %v, want one containing %q", err, tc.wantErr)
-			}
+			checkError(t, err, tc.wantErr)
 		})
+	}
+}
+
+// checkError fails t unless err is nil where want is empty, or an error
+// whose text contains want.
+func checkError(t *testing.T, err error, want string) {
+	t.Helper()
+	if want == "" {
+		if err != nil {
+			t.Fatal(err)
+		}
+		return
+	}
+	if err == nil || !strings.Contains(err.Error(), want) {
+		t.Fatalf("error %v, want one containing %q", err, want)
 	}
 }
 
