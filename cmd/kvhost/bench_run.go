@@ -813,6 +813,9 @@ func (t *phaseTotals) run(base bench.Run, dir string, keys int, ceiling bench.Ce
 	x.DirectFiles = int(t.direct / uint64(max(1, t.rounds)))
 	x.RegistrationWaits = int(t.waits / uint64(max(1, t.rounds)))
 	x.CPUMsPerGB = bench.CPUMsPerGB(t.cpu, t.bytes)
+	if len(t.gbps) > 1 {
+		x.RoundGBps = slices.Clone(t.gbps)
+	}
 	if len(t.gbps) > 1 && len(t.gbps) == len(ceilingRounds) {
 		for i, g := range t.gbps {
 			f := 0.0 // a round whose ceiling moved no bytes has no fraction

@@ -191,6 +191,13 @@ func TestBenchRoundFractionsBracketTheSummedFraction(t *testing.T) {
 		if lo <= 0 || x.Fraction < lo*(1-1e-9) || x.Fraction > hi*(1+1e-9) {
 			t.Errorf("%s: fraction %v outside its rounds' %v", x.Direction, x.Fraction, x.RoundFractions)
 		}
+		// So does the summed GB/s between the rounds' own.
+		if len(x.RoundGBps) != 3 {
+			t.Fatalf("%s: %d round GB/s, want one per round (3)", x.Direction, len(x.RoundGBps))
+		}
+		if lo, hi := slices.Min(x.RoundGBps), slices.Max(x.RoundGBps); lo <= 0 || x.GBps < lo*(1-1e-9) || x.GBps > hi*(1+1e-9) {
+			t.Errorf("%s: %v GB/s outside its rounds' %v", x.Direction, x.GBps, x.RoundGBps)
+		}
 	}
 	var table bytes.Buffer
 	if err := rep.WriteTable(&table); err != nil {
@@ -202,8 +209,8 @@ func TestBenchRoundFractionsBracketTheSummedFraction(t *testing.T) {
 	// One round: nothing to spread, and no column for it.
 	rep, _ = runBenchJSON(t, "--memory", "host", "--jobs", "2", "--total", "8MiB", "--tokens-per-key", "16")
 	for _, x := range rep.Runs {
-		if x.RoundFractions != nil {
-			t.Errorf("one round: round fractions %v, want none", x.RoundFractions)
+		if x.RoundFractions != nil || x.RoundGBps != nil {
+			t.Errorf("one round: round fractions %v, round GB/s %v, want none", x.RoundFractions, x.RoundGBps)
 		}
 	}
 	table.Reset()

@@ -132,6 +132,11 @@ type Run struct {
 	// ceiling writes more files as the cache fills) it lies between their
 	// least and greatest.
 	RoundFractions []float64 `json:"round_fractions,omitempty"`
+	// RoundGBps is each round's GB/s, in round order, where there were two
+	// rounds or more: GBps is over their summed bytes and time, so where
+	// every round moves the same bytes it lies between their least and
+	// greatest.
+	RoundGBps []float64 `json:"round_gbps,omitempty"`
 	// CeilingBest is the best ceiling of the same operation, key size and
 	// I/O mode over every thread count of the report (issue 8's "best
 	// thread count"), and FractionBest is GBps over it. The engine may
