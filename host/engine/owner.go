@@ -166,9 +166,3 @@ func (e *Engine) ownerHeld(path string) bool {
 	}
 	return !free
 }
-
-// ownOwner reports whether the owner file name (in a mount's root) is
-// this engine's.
-func (e *Engine) ownOwner(name string) bool {
-	return name == ownerName(e.node, os.Getpid(), e.token)
-}

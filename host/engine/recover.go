@@ -72,8 +72,9 @@ func (e *Engine) rebuild(ctx context.Context) error {
 			path := filepath.Join(dir, name)
 			if strings.HasPrefix(name, ".") {
 				if strings.HasPrefix(name, ownerPrefix) && d.Type().IsRegular() {
-					if dir == e.mounts[mount].root && !e.ownOwner(name) && !owners.held(e, path) {
-						// An ended engine's owner file: its flock is free.
+					if dir == e.mounts[mount].root && !owners.held(e, path) {
+						// An ended engine's owner file: its flock is free
+						// (this engine's own reads as held: ownerHeld).
 						if err := e.removeFile(path, fsys.Identity{}); err == nil {
 							cleaned.Add(1)
 						}

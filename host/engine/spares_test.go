@@ -606,7 +606,7 @@ func TestOpenRemovesTheSparesOfEnginesThatEnded(t *testing.T) {
 			t.Errorf("%s after Open: %v, want removed", filepath.Base(p), err)
 		}
 	}
-	if o := ownerFiles(t, dir); len(o) != 1 || !e.ownOwner(filepath.Base(o[0])) {
+	if o := ownerFiles(t, dir); len(o) != 1 || filepath.Base(o[0]) != ownerName(e.node, os.Getpid(), e.token) {
 		t.Fatalf("owner files after Open: %v, want only the engine's own", o)
 	}
 }
