@@ -50,6 +50,7 @@ type benchOptions struct {
 	noGap         bool // loads right after stores: no settle, ceilings after the load
 	restart       bool // loads in a new engine and GPU paths opened after the store
 	foreign       bool // loads by a second engine, another node's, opened before the store
+	readFirst     bool // a plain read of the load's own files, timed before each load
 	// preallocate is the mount's Preallocate (PreallocateAuto of
 	// package engine for auto): spares made ahead of stores, which the benchmark waits
 	// for before each timed phase.
@@ -104,6 +105,7 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	fs.BoolVar(&o.noGap, "no-gap", false, "load each round's keys right after storing them, as a request that follows its own prefill would: no idle moment for the GPU path to register the new files first (the round's ceilings are measured after its load instead of between store and load)")
 	fs.BoolVar(&o.restart, "restart", false, "load each round's keys as a restarted daemon would: after the store, close the engine and its GPU movers (pinned buffers, registered files, cuFile handles; the CUDA runtime and the GPU memory stay) and open new ones on the same directory, which rebuild the index from the files and offer those on a memory file system to the new registrar; the load then starts once the registrar has taken them (with --no-gap: as soon as the engine is open)")
 	fs.BoolVar(&o.foreign, "foreign", false, "load each round's keys through a second engine, with GPU movers of its own and another node's id, opened on the directory before the round's store: it finds the files on its load, as a daemon loads another process's or node's files right after its lookup (it leaves the first engine's spare files, whose owner runs, as another daemon does)")
+	fs.BoolVar(&o.readFirst, "read-first", false, "before each round's load, time a plain read of the very files it loads (pread, --jobs threads, into the ceilings' buffers), in the state the store and the scenario left their pages: the bound a load that copies with the CPU has on them then, which the ceilings' own freshly written files may not share (a diagnostic: the load that follows finds its pages read once, and the GPU path had that much longer to register files)")
 	fs.BoolVar(&o.full, "full", false, "a full cache: the mount holds one round of --total bytes, and each round stores new keys that evict the previous round's files instead of deleting them (on a memory file system stores then write into evicted files: engine.reuse_files); needs --rounds 2 or more to measure it")
 	fs.BoolVar(&o.warmup, "warmup", true, "store and delete every key once, untimed, before the first measured phase of each key size (where the engine makes spare files ahead, of each key size in each path and checksum setting)")
 	fs.BoolVar(&o.keep, "keep", false, "keep the benchmark's files")
@@ -216,6 +218,8 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		return bad("--restart reopens the engine before each round's load: --mix must include read")
 	case o.foreign && !(o.store && o.load):
 		return bad("--foreign opens its second engine before each round's store: --mix must be write,read")
+	case o.readFirst && !o.load:
+		return bad("--read-first reads the files of each round's load: --mix must include read")
 	case o.foreign && (o.restart || o.full):
 		return bad("--foreign cannot be combined with --restart or --full")
 	case o.restart && o.full:

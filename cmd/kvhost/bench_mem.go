@@ -364,6 +364,49 @@ func (r *benchRun) measureCeilings(ctx context.Context, files []string, jobs int
 	return nil
 }
 
+// readFirst times a plain read of files, the round's load's own, with
+// jobs threads (O_DIRECT where the engine uses it) into the ceilings'
+// buffers, and adds it to ld (--read-first).
+func (r *benchRun) readFirst(ctx context.Context, files []string, jobs int, direct bool, ld *phaseTotals) error {
+	var largest int64
+	for _, f := range files {
+		fi, err := os.Stat(f)
+		if err != nil {
+			return fmt.Errorf("--read-first: %w", err)
+		}
+		largest = max(largest, fi.Size())
+	}
+	bufs, err := r.buffers(jobs, largest)
+	if err != nil {
+		return err
+	}
+	cpu := bench.CPUTime()
+	n, d, err := bench.ReadFiles(ctx, files, bufs, direct)
+	if err != nil {
+		return fmt.Errorf("--read-first: %w", err)
+	}
+	ld.readFirst.bytes += n
+	ld.readFirst.d += d
+	ld.readFirst.cpu += bench.CPUTime() - cpu
+	return nil
+}
+
+// readFirstName names the read --read-first times, as the read ceiling
+// is named.
+func readFirstName(direct, gpu, cold bool) string {
+	name := "pread buffered"
+	if direct {
+		name = "pread O_DIRECT"
+	}
+	if gpu {
+		name += " ↔ pinned"
+	}
+	if cold {
+		name += " (cold)"
+	}
+	return name + " of the load's own files"
+}
+
 // stagedPasses times a staged write, into fresh files of the same names
 // (the files are removed first) or, with overwrite, into the files, then
 // a staged read of what it wrote (cold when reads are). Into fresh files

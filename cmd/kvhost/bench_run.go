@@ -674,6 +674,16 @@ func (r *benchRun) keySize(ctx context.Context, be *benchEngine, tpk int) error 
 			if other != nil {
 				loadEng, loadC, loadGP = other.eng, oc, other.gp
 			}
+			if r.o.readFirst {
+				if err := r.readFirst(ctx, files, jobs, eng.Stats().Mounts[0].Direct, &ld); err != nil {
+					return err
+				}
+				if r.o.dropCaches { // the load stays cold
+					if _, err := bench.DropCaches(files); err != nil {
+						return err
+					}
+				}
+			}
 			cpu, before := bench.CPUTime(), fileStats(loadGP)
 			d, lat, err := r.phase(ctx, loadEng, loadC, bench.Load, jobs)
 			if err != nil {
@@ -744,6 +754,9 @@ func (r *benchRun) keySize(ctx context.Context, be *benchEngine, tpk int) error 
 			if r.o.foreign {
 				x.Foreign, x.FilesDiscovered = true, ld.found/max(1, ld.rounds)
 			}
+			if rf := ld.readFirst; rf.d > 0 {
+				x.ReadFirst = bench.Ceiling{Name: readFirstName(eng.Stats().Mounts[0].Direct, r.useGPU, r.o.dropCaches), GBps: bench.GBps(rf.bytes, rf.d), Threads: jobs, CPUMsPerGB: bench.CPUMsPerGB(rf.cpu, rf.bytes)}
+			}
 			if r.o.restart {
 				x.Restart, x.FilesAtRestart = true, ld.found/max(1, ld.rounds)
 				x.RegisteredAtRestart = int(ld.registered / uint64(max(1, ld.rounds)))
@@ -780,6 +793,13 @@ type phaseTotals struct {
 	registered uint64        // of those, registered by the new registrars before the loads
 	warming    time.Duration // the waits, after the reopens, until the new registrars had taken the files found
 	gbps       []float64     // each round's GB/s
+	// readFirst sums the plain reads of the load's own files timed
+	// before each round's load (--read-first).
+	readFirst struct {
+		bytes int64
+		d     time.Duration
+		cpu   time.Duration
+	}
 }
 
 func (t *phaseTotals) add(d time.Duration, lat []time.Duration, bytes int64, keys int, verified int64) {

@@ -222,6 +222,41 @@ func TestBenchRoundFractionsBracketTheSummedFraction(t *testing.T) {
 	}
 }
 
+func TestBenchReadFirstReportsAPlainReadBeforeEachLoad(t *testing.T) {
+	for _, extra := range [][]string{nil, {"--foreign"}} {
+		args := append([]string{"--memory", "host", "--jobs", "2", "--rounds", "2", "--total", "8MiB", "--tokens-per-key", "16", "--read-first"}, extra...)
+		rep, stdout := benchReport(t, filepath.Join(t.TempDir(), "data"), args...)
+		checkRuns(t, rep, 2, "staging")
+		for _, x := range rep.Runs {
+			rf := x.ReadFirst
+			switch x.Direction {
+			case bench.Load:
+				if rf.GBps <= 0 || rf.Threads != x.Jobs || !strings.Contains(rf.Name, "of the load's own files") {
+					t.Errorf("%v: load's read first %+v, want a plain read of its files with %d threads", extra, rf, x.Jobs)
+				}
+				// The read leaves the load's files as they were.
+				if x.VerifiedBytes != int64(x.Keys)*x.KeyBytes || x.Hits != x.Keys {
+					t.Errorf("%v: load after the read first: %d of %d keys hit, %d bytes verified", extra, x.Hits, x.Keys, x.VerifiedBytes)
+				}
+			default:
+				if rf != (bench.Ceiling{}) {
+					t.Errorf("%v: %s has a read first %+v, want none", extra, x.Direction, rf)
+				}
+			}
+		}
+		if !strings.Contains(stdout, "read first, before the load") {
+			t.Errorf("%v: the table does not show the read first:\n%s", extra, stdout)
+		}
+	}
+	// Without the flag, none.
+	rep, _ := runBenchJSON(t, "--memory", "host", "--jobs", "2", "--total", "8MiB", "--tokens-per-key", "16")
+	for _, x := range rep.Runs {
+		if x.ReadFirst != (bench.Ceiling{}) {
+			t.Errorf("no --read-first: %s has a read first %+v", x.Direction, x.ReadFirst)
+		}
+	}
+}
+
 func TestBenchAppendMergesTwoInvocations(t *testing.T) {
 	dir := t.TempDir()
 	data := filepath.Join(dir, "data")
@@ -732,6 +767,7 @@ func TestBenchRejectsBadFlagsNamingThem(t *testing.T) {
 		{[]string{"--dir", dir, "--restart", "--full"}, 2, "--restart and --full"},
 		{[]string{"--dir", dir, "--foreign", "--mix", "read"}, 2, "--foreign"},
 		{[]string{"--dir", dir, "--foreign", "--restart"}, 2, "--foreign cannot be combined"},
+		{[]string{"--dir", dir, "--read-first", "--mix", "write"}, 2, "--read-first"},
 		{[]string{"--dir", dir, "--keys-per-file", "257"}, 2, "--keys-per-file 257"},
 		{[]string{"--dir", dir, "--keys-per-file", "-1"}, 2, "--keys-per-file -1"},
 		{[]string{"--dir", dir, "--memory", "gpu", "--cuda-library", missing}, 1, "--memory gpu"},
