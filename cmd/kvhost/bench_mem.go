@@ -250,15 +250,9 @@ func (t *ceilingTotals) pair(jobs int) ceilingPair {
 // The staged read cuts a chunk into system calls of piece bytes, as the
 // staging pipeline does on the mount (gpu.PieceBytes; 0: one per chunk).
 func (r *benchRun) measureCeilings(ctx context.Context, files []string, jobs int, direct bool, piece int64, overwrite bool, t *ceilingTotals) error {
-	sizes := make([]int64, len(files))
-	var largest int64
-	for i, f := range files {
-		fi, err := os.Stat(f)
-		if err != nil {
-			return err
-		}
-		sizes[i] = fi.Size()
-		largest = max(largest, fi.Size())
+	sizes, largest, err := fileSizes(files)
+	if err != nil {
+		return err
 	}
 	var stagers []bench.Stager
 	chunk := r.stagedChunk()
@@ -311,7 +305,7 @@ func (r *benchRun) measureCeilings(ctx context.Context, files []string, jobs int
 		cold = " (cold)"
 	}
 	t.name[0] = pwrite + mem + sync
-	t.name[1] = "pread " + mode + mem + cold
+	t.name[1] = plainReadName(direct, r.useGPU, r.o.dropCaches)
 	pieces := ""
 	if piece > 0 {
 		pieces = fmt.Sprintf(" in %s pieces", sizeOf(piece))
@@ -368,13 +362,9 @@ func (r *benchRun) measureCeilings(ctx context.Context, files []string, jobs int
 // jobs threads (O_DIRECT where the engine uses it) into the ceilings'
 // buffers, and adds it to ld (--read-first).
 func (r *benchRun) readFirst(ctx context.Context, files []string, jobs int, direct bool, ld *phaseTotals) error {
-	var largest int64
-	for _, f := range files {
-		fi, err := os.Stat(f)
-		if err != nil {
-			return fmt.Errorf("--read-first: %w", err)
-		}
-		largest = max(largest, fi.Size())
+	_, largest, err := fileSizes(files)
+	if err != nil {
+		return fmt.Errorf("--read-first: %w", err)
 	}
 	bufs, err := r.buffers(jobs, largest)
 	if err != nil {
@@ -391,9 +381,23 @@ func (r *benchRun) readFirst(ctx context.Context, files []string, jobs int, dire
 	return nil
 }
 
-// readFirstName names the read --read-first times, as the read ceiling
-// is named.
-func readFirstName(direct, gpu, cold bool) string {
+// fileSizes returns each file's size and the largest.
+func fileSizes(files []string) (sizes []int64, largest int64, err error) {
+	sizes = make([]int64, len(files))
+	for i, f := range files {
+		fi, err := os.Stat(f)
+		if err != nil {
+			return nil, 0, err
+		}
+		sizes[i] = fi.Size()
+		largest = max(largest, fi.Size())
+	}
+	return sizes, largest, nil
+}
+
+// plainReadName names a plain read of files with jobs threads, as the
+// read ceiling and --read-first time it: "pread O_DIRECT ↔ pinned (cold)".
+func plainReadName(direct, gpu, cold bool) string {
 	name := "pread buffered"
 	if direct {
 		name = "pread O_DIRECT"
@@ -404,7 +408,7 @@ func readFirstName(direct, gpu, cold bool) string {
 	if cold {
 		name += " (cold)"
 	}
-	return name + " of the load's own files"
+	return name
 }
 
 // stagedPasses times a staged write, into fresh files of the same names

@@ -755,7 +755,7 @@ func (r *benchRun) keySize(ctx context.Context, be *benchEngine, tpk int) error 
 				x.Foreign, x.FilesDiscovered = true, ld.found/max(1, ld.rounds)
 			}
 			if rf := ld.readFirst; rf.d > 0 {
-				x.ReadFirst = bench.Ceiling{Name: readFirstName(eng.Stats().Mounts[0].Direct, r.useGPU, r.o.dropCaches), GBps: bench.GBps(rf.bytes, rf.d), Threads: jobs, CPUMsPerGB: bench.CPUMsPerGB(rf.cpu, rf.bytes)}
+				x.ReadFirst = bench.Ceiling{Name: plainReadName(eng.Stats().Mounts[0].Direct, r.useGPU, r.o.dropCaches) + " of the load's own files", GBps: bench.GBps(rf.bytes, rf.d), Threads: jobs, CPUMsPerGB: bench.CPUMsPerGB(rf.cpu, rf.bytes)}
 			}
 			if r.o.restart {
 				x.Restart, x.FilesAtRestart = true, ld.found/max(1, ld.rounds)
