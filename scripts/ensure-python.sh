@@ -3,8 +3,9 @@
 # machine, for /usr/bin/python3: numpy (required), CPU torch (optional:
 # the torch tests skip with a message naming the package when it cannot be
 # installed), venv, pip, setuptools and wheel for the offline-install
-# test, and Python's headers for the C lookup probe. Idempotent: asks
-# apt only for what is missing.
+# test, Python's headers for the C lookup probe, and for make test-vllm
+# the two packages vLLM's own modules import (prometheus_client, regex).
+# Idempotent: asks apt only for what is missing.
 set -euo pipefail
 py=${PYTHON:-/usr/bin/python3}
 missing=()
@@ -15,6 +16,8 @@ missing=()
 "$py" -c 'import ensurepip' >/dev/null 2>&1 || missing+=(python3-venv)
 # vLLM's connector metrics (make test-vllm only; the CI tests skip without a vLLM tree).
 "$py" -c 'import prometheus_client' >/dev/null 2>&1 || missing+=(python3-prometheus-client)
+# vLLM's modules import regex in place of re (make test-vllm only).
+"$py" -c 'import regex' >/dev/null 2>&1 || missing+=(python3-regex)
 "$py" -c 'import setuptools, wheel' >/dev/null 2>&1 || missing+=(python3-setuptools python3-wheel)
 # Python's headers, to build the client's C lookup probe (make python-ext).
 "$py" -c 'import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
