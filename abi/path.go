@@ -6,6 +6,7 @@ type PathError struct {
 	Reason string
 }
 
+// Error quotes the path and says why it was refused.
 func (e *PathError) Error() string {
 	return "abi: invalid path " + quote(e.Path) + ": " + e.Reason
 }

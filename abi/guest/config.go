@@ -19,6 +19,7 @@ type ConfigError struct {
 	Key, Value, Want string
 }
 
+// Error names the key, its value and what was expected.
 func (e *ConfigError) Error() string {
 	return "config " + e.Key + " = " + strconv.Quote(e.Value) + ": want " + e.Want
 }

@@ -95,6 +95,7 @@ type StatusError struct {
 	Msg    string
 }
 
+// Error is the status followed by the message.
 func (e *StatusError) Error() string { return e.Status.String() + ": " + e.Msg }
 
 // Errorf-free helpers for the common statuses.

@@ -30,6 +30,7 @@ type Error struct {
 	Err    error  // the reason
 }
 
+// Error names the plugin, the hook and the shard before the cause.
 func (e *Error) Error() string {
 	return "policy " + e.Plugin + ": " + e.Hook + " (shard " + strconv.Itoa(e.Shard) + "): " + e.Err.Error()
 }

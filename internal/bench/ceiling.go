@@ -16,7 +16,7 @@ import (
 // Align is the alignment of O_DIRECT offsets, lengths and buffers.
 const Align = 4096
 
-// ErrShort: a file was shorter than the ceiling pass expected.
+// ErrShort means a file was shorter than the ceiling pass expected.
 var ErrShort = errors.New("bench: short file")
 
 // RoundUp rounds n up to a multiple of Align.

@@ -6,7 +6,7 @@ import (
 	"math/rand/v2"
 )
 
-// ErrMismatch: a loaded block does not hold the bytes its key was stored
+// ErrMismatch means a loaded block does not hold the bytes its key was stored
 // from, or a missed key's block was written.
 var ErrMismatch = errors.New("bench: loaded bytes differ")
 

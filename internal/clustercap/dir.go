@@ -68,7 +68,7 @@ func checkNode(node string) error {
 	return nil
 }
 
-// ErrNodeLocked: another process holds the node's lock file.
+// ErrNodeLocked means another process holds the node's lock file.
 var ErrNodeLocked = errors.New("clustercap: node lock held")
 
 // Path is the directory's path.

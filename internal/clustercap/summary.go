@@ -14,7 +14,7 @@ const SummaryVersion = 1
 // having used since its last summary (the most recent first are kept).
 const MaxTouches = 4096
 
-// ErrSummary: a summary file does not decode or is inconsistent.
+// ErrSummary means a summary file does not decode or is inconsistent.
 var ErrSummary = errors.New("clustercap: bad summary")
 
 // Summary is what one node publishes about its files on a shared mount.

@@ -268,8 +268,9 @@ type Mount struct {
 	// ahead of stores on a memory file system (tmpfs), while no file is
 	// in flight, so that stores into a cache with room write into pages
 	// that exist (and that the GPU path has registered). Unset or "auto":
-	// an eighth of the mount's capacity, at most 4 GiB and 4096 spares of
-	// a size, on a memory file system (none elsewhere); 0 makes none.
+	// an eighth of the mount's capacity, at most the larger of 4 GiB and a
+	// sixteenth of the machine's memory and 4096 spares of a size, on a
+	// memory file system (none elsewhere); 0 makes none.
 	Preallocate AutoSize `toml:"preallocate"`
 	// DeviceClass tells a tiering policy what the mount is: "memory",
 	// "nvme", "ssd", "hdd" or "network"; empty detects it.
@@ -516,6 +517,7 @@ type ValueError struct {
 	Got  any
 }
 
+// Error names the file, line and key (where known) and what was expected.
 func (e *ValueError) Error() string {
 	where := ""
 	if e.File != "" {
@@ -528,6 +530,7 @@ func (e *ValueError) Error() string {
 	return fmt.Sprintf("config: %s%s: want %s, got %v", where, e.Key, e.Want, e.Got)
 }
 
+// Unwrap returns ErrInvalid, so that errors.Is(err, ErrInvalid) holds.
 func (e *ValueError) Unwrap() error { return ErrInvalid }
 
 // Validate checks every value and returns a *ValueError for the first bad one.

@@ -9,10 +9,10 @@ package dl
 
 import "errors"
 
-// ErrUnavailable: the library could not be opened (not installed, or a
+// ErrUnavailable means the library could not be opened (not installed, or a
 // dependency is missing), or dynamic loading is not supported by this build
 // (no cgo, not Linux). Errors wrap it with dlerror's text.
 var ErrUnavailable = errors.New("dl: library unavailable")
 
-// ErrSymbol: the library lacks a required symbol. Errors name the symbol.
+// ErrSymbol means the library lacks a required symbol. Errors name the symbol.
 var ErrSymbol = errors.New("dl: symbol not found")

@@ -206,6 +206,7 @@ type TruncatedError struct {
 	Have, Need int
 }
 
+// Error says how many bytes the header had and needed.
 func (e *TruncatedError) Error() string {
 	return fmt.Sprintf("format: truncated header: have %d bytes, need %d", e.Have, e.Need)
 }

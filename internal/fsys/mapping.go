@@ -20,7 +20,7 @@ type Mapper interface {
 	MapRead(n int64) (*Mapping, error)
 }
 
-// ErrMapping: a mapping's bytes could not be read (a file truncated under
+// ErrMapping means a mapping's bytes could not be read (a file truncated under
 // it: the fault is caught and the read fails).
 var ErrMapping = errors.New("fsys: mapped read failed")
 

@@ -86,7 +86,7 @@ const (
 	MaxSlots = 1 << 30
 )
 
-// ErrFormat: a file is not a lookup table this package reads.
+// ErrFormat means a file is not a lookup table this package reads.
 var ErrFormat = errors.New("lookuptable: not a lookup table")
 
 // Hash is a key's tag and home slot number (before the modulo).

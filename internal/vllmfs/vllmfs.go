@@ -105,6 +105,7 @@ type FieldError struct {
 	Want  string
 }
 
+// Error names the field, its value and what was expected.
 func (e *FieldError) Error() string {
 	return fmt.Sprintf("%v: %s = %v: want %s", ErrConfig, e.Field, e.Got, e.Want)
 }

@@ -21,7 +21,7 @@ import (
 	"github.com/kvhost/kvhost/protocol"
 )
 
-// ErrClosed: the Importer was closed.
+// ErrClosed means the Importer was closed.
 var ErrClosed = errors.New("cudaipc: importer closed")
 
 // Importer imports CUDA IPC handles on the devices of one runtime.
