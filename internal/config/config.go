@@ -168,7 +168,8 @@ type Policy struct {
 	// .wasm file.
 	Name string `toml:"name"`
 	// Shards is the number of plugin instances the state is spread over;
-	// 0 means 4, at most one per CPU.
+	// 0 means 4, at most one per Go processor (GOMAXPROCS: the daemon
+	// runs at least its I/O workers plus one, and no fewer than the CPUs).
 	Shards int `toml:"shards"`
 	// MemoryLimit bounds each instance's linear memory.
 	MemoryLimit Size `toml:"memory_limit"`
