@@ -19,11 +19,20 @@ REPO = PKG.parents[1]
 
 def readme_pip_command():
     """The arguments after "pip" of the top-level README's command that
-    installs the client, with the client's path last."""
+    installs the client, with the client's path last. Where the line makes
+    the virtual environment first, it must make it as this test does
+    (python3 -m venv --system-site-packages), so that the test runs what
+    the README says."""
     for line in (REPO / "README.md").read_text().splitlines():
         words = line.split()
-        if words[:2] == ["pip", "install"] and words[-1].rstrip("/").endswith("client/python"):
-            return words[1:]
+        if not words or not words[-1].rstrip("/").endswith("client/python"):
+            continue
+        for i in range(len(words) - 1):
+            if (words[i] == "pip" or words[i].endswith("/pip")) and words[i + 1] == "install":
+                if "venv" in words[:i]:
+                    if "--system-site-packages" not in words[:i]:
+                        raise AssertionError(f"README.md's venv lacks --system-site-packages: {line.strip()}")
+                return words[i + 1:]
     raise AssertionError("README.md has no pip install ... ./client/python line")
 
 
