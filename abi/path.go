@@ -2,8 +2,8 @@ package abi
 
 // PathError says why a path returned by a plugin is not acceptable.
 type PathError struct {
-	Path   string
-	Reason string
+	Path   string // the path as the plugin returned it
+	Reason string // why it was refused, e.g. "absolute"
 }
 
 // Error quotes the path and says why it was refused.

@@ -23,18 +23,19 @@ type NamespaceRecord struct {
 	NS             uint32 // host-assigned namespace id, small and dense
 	Flags          uint32 // NamespaceMLA, ...
 	Fingerprint    uint64 // stable hash of the whole geometry and model id
-	Layers         uint32
-	KVHeads        uint32
-	HeadSize       uint32
+	Layers         uint32 // model layers
+	KVHeads        uint32 // KV heads on this rank (1 for MLA's latent)
+	HeadSize       uint32 // elements per head
 	DtypeSize      uint32 // bytes per element
 	TokensPerBlock uint32 // tokens in one GPU (paged) block
 	TokensPerKey   uint32 // tokens covered by one key
-	TPRank         uint32
-	TPSize         uint32
+	TPRank         uint32 // tensor-parallel rank, < TPSize
+	TPSize         uint32 // tensor-parallel size
 	MountCount     uint32 // number of mounts configured
 	ModelLen       uint32 // bytes used in Model
 	KeyBytes       uint64 // payload bytes of one key
-	Model          [MaxModelLen]byte
+	// Model is the model id, ModelLen bytes used.
+	Model [MaxModelLen]byte
 
 	// Output.
 	KeysPerFile uint32 // 1..MaxKeysPerFile keys share one file
@@ -53,17 +54,18 @@ func (r *NamespaceRecord) SetModelID(id string) {
 // NameRecord asks for the file name of one key. The host fills the input
 // fields; the guest writes Mount, PathLen and Path.
 type NameRecord struct {
-	NS          uint32
-	KeyLen      uint32
+	NS          uint32 // namespace id
+	KeyLen      uint32 // bytes used in KeyBuf, 1..MaxKeyLen
 	KeyHash     uint64 // KeyHash(Key())
 	Fingerprint uint64 // NamespaceRecord.Fingerprint of NS
-	TPRank      uint32
-	MountCount  uint32
-	KeyBuf      [MaxKeyLen]byte
+	TPRank      uint32 // NamespaceRecord.TPRank of NS
+	MountCount  uint32 // number of mounts configured (>= 1)
+	// KeyBuf holds the key, KeyLen bytes used.
+	KeyBuf [MaxKeyLen]byte
 
 	// Output.
 	Mount   uint32 // index of the mount, < MountCount
-	PathLen uint32
+	PathLen uint32 // bytes used in PathBuf, 1..MaxPathLen
 	_       uint64
 	PathBuf [MaxPathLen]byte // relative path under the mount's root
 }
@@ -82,10 +84,10 @@ func (r *NameRecord) SetKey(key []byte) {
 
 // AdmitRecord asks whether one key should be stored. The guest writes Admit.
 type AdmitRecord struct {
-	KeyHash uint64
+	KeyHash uint64 // KeyHash of the file's first key
 	Size    uint64 // bytes the file will take
 	Time    uint64 // Unix nanoseconds
-	NS      uint32
+	NS      uint32 // namespace id
 	Mount   uint32 // the mount the name hook chose
 
 	// Output.
@@ -124,8 +126,8 @@ type AccessRecord struct {
 	Size    uint64 // bytes on disk
 	KeyHash uint64 // KeyHash of the entry's first key
 	Kind    uint32 // Access*
-	Mount   uint32
-	NS      uint32
+	Mount   uint32 // index of the entry's mount
+	NS      uint32 // namespace id; may be one kvhost_namespace was not called for
 	Hits    uint32 // AccessRestore: accesses known to the host
 }
 
@@ -141,7 +143,7 @@ type EvictRequest struct {
 // Victim is one eviction candidate the guest writes after the EvictRequest.
 // The host removes victims in ascending Score order across all instances.
 type Victim struct {
-	Entry uint64
+	Entry uint64 // handle of an entry to remove, as in AccessRecord
 	Score uint64 // lower is evicted first
 }
 
@@ -175,9 +177,12 @@ type MountRecord struct {
 	Entries  uint64 // files on the mount
 	Class    uint32 // Class*
 	FSType   uint32 // statfs f_type magic (0xEF53 ext4, 0x58465342 xfs, 0x01021994 tmpfs, 0x6969 nfs, ...)
-	FSName   [16]byte
-	Backend  [16]byte
-	_        [32]byte
+	// FSName is the file system's name (xfs, nfs, ...), NUL-padded; empty
+	// when unknown.
+	FSName [16]byte
+	// Backend is the host's data mover (staging, gds, ...), NUL-padded.
+	Backend [16]byte
+	_       [32]byte
 }
 
 // FSNameString returns FSName up to its first NUL.
@@ -207,8 +212,8 @@ const (
 // (FeatureDemote): Mount NoMount (what the host writes before the call)
 // deletes it, any other mount moves its file there.
 type VictimTarget struct {
-	Mount uint32
-	Flags uint32
+	Mount uint32 // NoMount deletes the victim; another mount moves its file there
+	Flags uint32 // MoveDeleteIfFull or 0
 }
 
 // TickRequest is the header of a kvhost_tick call, at scratch offset 0
@@ -224,7 +229,7 @@ type TickRequest struct {
 // Move asks the host to move an entry's file to another mount: kvhost_tick
 // output, from offset TickHeaderSize.
 type Move struct {
-	Entry uint64
+	Entry uint64 // handle of the entry to move, as in AccessRecord
 	Mount uint32 // the target mount
 	Flags uint32 // reserved: write 0
 }

@@ -60,10 +60,10 @@ type (
 
 // Namespace is a declared geometry.
 type Namespace struct {
-	ID           NamespaceID
-	BlocksPerKey int
-	Fingerprint  uint64
-	KeyBytes     int64
+	ID           NamespaceID // this connection's id for the namespace
+	BlocksPerKey int         // GPU blocks one key covers
+	Fingerprint  uint64      // the geometry's fingerprint (docs/format.md)
+	KeyBytes     int64       // payload bytes of one key: every layer, plane and block
 }
 
 // Client is a connection to a kvhost daemon.
@@ -525,15 +525,15 @@ func (c *Client) DeviceByUUID(ctx context.Context, uuid [16]byte) (int, error) {
 
 // KeyResult is the outcome of one key.
 type KeyResult struct {
-	Outcome Outcome
+	Outcome Outcome       // what happened to the key
 	Code    protocol.Code // why the key failed (OutcomeFailed)
 }
 
 // Result is the outcome of a completed job.
 type Result struct {
-	Keys     []KeyResult
-	Bytes    int64
-	Duration time.Duration
+	Keys     []KeyResult   // one per request key, in request order
+	Bytes    int64         // payload bytes moved
+	Duration time.Duration // from submission to completion, as the daemon measured it
 	// Message is the daemon's text for the first failed key or, if none
 	// failed, why the first missing key is missing.
 	Message string
@@ -622,8 +622,8 @@ const (
 // Pin is a client pin (Client.Pin): Keys[i] of the request is pinned when
 // Held[i] is true. ID is 0 when no key was pinned.
 type Pin struct {
-	ID   uint64
-	Held []bool
+	ID   uint64 // the daemon's id of the pin, for Unpin
+	Held []bool // per request key, whether it is pinned
 }
 
 // Pin pins the stored keys of namespace ns: the daemon neither evicts nor

@@ -97,7 +97,9 @@ type Properties struct {
 	MaxDirectIO int64
 	// MaxBatchIO is the most entries of one batch (0: unknown), and
 	// BatchTimeoutMsecs its timeout.
-	MaxBatchIO        int
+	MaxBatchIO int
+	// BatchTimeoutMsecs is cuFile's batch I/O timeout in milliseconds
+	// (max_batch_io_timeout_msecs; 0: unknown).
 	BatchTimeoutMsecs int
 	// PollThreshold is the size up to which cuFile polls for completion.
 	PollThreshold int64

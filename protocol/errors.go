@@ -48,7 +48,7 @@ func (c Code) String() string {
 
 // Error is the reply to a failed request; it is also a Go error.
 type Error struct {
-	Code    Code
+	Code    Code   // why the request failed; never CodeOK
 	Message string // at most MaxMessage bytes
 }
 

@@ -33,7 +33,7 @@ func (*LookupTableRequest) DecodeBody(b []byte) error {
 // TableLocation is the reply to LookupTableRequest: the table file's
 // path, for the client to map read-only.
 type TableLocation struct {
-	Path string
+	Path string // the table file's path; never empty
 }
 
 // Type is the reply to TypeLookupTable.

@@ -4,7 +4,7 @@ import "fmt"
 
 // Hello opens a connection: the client's magic, protocol version and name.
 type Hello struct {
-	Version uint16
+	Version uint16 // the protocol version the client speaks (Version)
 	Client  string // free-form, at most MaxName bytes (logged)
 }
 
@@ -33,14 +33,14 @@ func (m *Hello) DecodeBody(b []byte) error {
 
 // Welcome is the reply to Hello: the version spoken and the daemon's limits.
 type Welcome struct {
-	Version          uint16
+	Version          uint16 // the protocol version the daemon speaks on the connection
 	MaxFrame         uint32 // most bytes of one frame, header included
 	MaxRegistrations uint32 // memory regions per connection
 	MaxInflightJobs  uint32 // unfinished store and load jobs per connection
 	MaxNamespaces    uint32 // declared namespaces per connection
 	MaxCaches        uint32 // registered caches per connection
 	MaxKeys          uint32 // keys per request
-	MaxKeyLen        uint32
+	MaxKeyLen        uint32 // longest key, in bytes (MaxKeyLen)
 	Server           string // daemon name and version, at most MaxName bytes
 }
 
@@ -113,10 +113,11 @@ func (k MemoryKind) String() string {
 
 // RegisterMemory registers a memory region.
 type RegisterMemory struct {
-	Kind   MemoryKind
-	Device uint32 // CUDA device ordinal (MemoryCUDAIPC), else 0
-	Size   uint64 // bytes of the region
-	Offset uint64 // CUDA: offset into the IPC allocation; memfd: 0
+	Kind   MemoryKind // memfd, CUDA IPC or shared file
+	Device uint32     // CUDA device ordinal (MemoryCUDAIPC), else 0
+	Size   uint64     // bytes of the region
+	Offset uint64     // CUDA: offset into the IPC allocation; memfd: 0
+	// Handle is the cudaIpcMemHandle_t (MemoryCUDAIPC), else all zero.
 	Handle [CUDAIPCHandleLen]byte
 }
 
@@ -179,7 +180,9 @@ func (m *MemoryRegistered) DecodeBody(b []byte) error {
 }
 
 // UnregisterMemory releases a region no cache uses any more.
-type UnregisterMemory struct{ Region uint32 }
+type UnregisterMemory struct {
+	Region uint32 // the region's id, from its MemoryRegistered
+}
 
 // Type is TypeUnregisterMemory.
 func (*UnregisterMemory) Type() Type { return TypeUnregisterMemory }
@@ -197,16 +200,16 @@ func (m *UnregisterMemory) DecodeBody(b []byte) error {
 // Geometry is the KV-cache shape of one model at one tensor-parallel rank
 // (host/engine.Geometry on the wire).
 type Geometry struct {
-	Model          string
-	Layers         uint32
-	KVHeads        uint32
-	HeadSize       uint32
-	DtypeSize      uint32
-	MLA            bool
-	TokensPerBlock uint32
-	TokensPerKey   uint32
-	TPRank         uint32
-	TPSize         uint32
+	Model          string // model id, 1..MaxModelLen bytes
+	Layers         uint32 // layers of the model
+	KVHeads        uint32 // KV heads on this rank (1 for MLA's latent)
+	HeadSize       uint32 // elements per head
+	DtypeSize      uint32 // bytes per element
+	MLA            bool   // one latent plane per layer instead of K and V
+	TokensPerBlock uint32 // tokens in one GPU (paged) block
+	TokensPerKey   uint32 // tokens one key covers; a multiple of TokensPerBlock
+	TPRank         uint32 // this worker's tensor-parallel rank, below TPSize
+	TPSize         uint32 // number of tensor-parallel ranks
 }
 
 // BlocksPerKey is TokensPerKey / TokensPerBlock (0 if TokensPerBlock is 0).
@@ -231,7 +234,9 @@ func (g Geometry) Planes() int {
 }
 
 // Declare declares a namespace: a geometry.
-type Declare struct{ Geometry Geometry }
+type Declare struct {
+	Geometry Geometry // the namespace's geometry
+}
 
 // Type is TypeDeclare.
 func (*Declare) Type() Type { return TypeDeclare }
@@ -276,9 +281,9 @@ func (m *Declare) DecodeBody(b []byte) error {
 // Declared is the reply to Declare.
 type Declared struct {
 	NS           uint32 // the connection's id for the namespace
-	BlocksPerKey uint32
-	Fingerprint  uint64
-	KeyBytes     uint64
+	BlocksPerKey uint32 // GPU blocks one key covers (Geometry.BlocksPerKey)
+	Fingerprint  uint64 // the geometry's fingerprint (docs/format.md)
+	KeyBytes     uint64 // payload bytes of one key: every layer, plane and block
 }
 
 // Type is the reply to TypeDeclare.
@@ -302,11 +307,11 @@ func (m *Declared) DecodeBody(b []byte) error {
 // Layer is the tensor of one layer of a paged cache in a registered region:
 // block i of plane p is at Offset + p*PlaneStride + i*BlockStride.
 type Layer struct {
-	Region      uint32
-	NumBlocks   uint32
-	Offset      int64
-	BlockStride int64
-	PlaneStride int64
+	Region      uint32 // the registered region that holds the tensor
+	NumBlocks   uint32 // blocks of the layer (at least 1); block ids are below it
+	Offset      int64  // bytes from the region's start to block 0 of plane 0
+	BlockStride int64  // bytes from one block to the next
+	PlaneStride int64  // bytes from plane 0 (K) to plane 1 (V)
 }
 
 // layerSize is the encoded size of a Layer.
@@ -314,8 +319,8 @@ const layerSize = 32
 
 // RegisterCache registers a paged KV cache of a declared namespace.
 type RegisterCache struct {
-	NS     uint32
-	Layers []Layer
+	NS     uint32  // the namespace id, from Declared
+	Layers []Layer // one per layer of the namespace's geometry
 }
 
 // Type is TypeRegisterCache.
@@ -352,7 +357,9 @@ func (m *RegisterCache) DecodeBody(b []byte) error {
 }
 
 // CacheRegistered is the reply to RegisterCache.
-type CacheRegistered struct{ Cache uint32 }
+type CacheRegistered struct {
+	Cache uint32 // the connection's id for the cache
+}
 
 // Type is the reply to TypeRegisterCache.
 func (*CacheRegistered) Type() Type { return TypeRegisterCache | TypeReply }
@@ -368,7 +375,9 @@ func (m *CacheRegistered) DecodeBody(b []byte) error {
 }
 
 // UnregisterCache releases a cache with no job in flight.
-type UnregisterCache struct{ Cache uint32 }
+type UnregisterCache struct {
+	Cache uint32 // the cache's id, from its CacheRegistered
+}
 
 // Type is TypeUnregisterCache.
 func (*UnregisterCache) Type() Type { return TypeUnregisterCache }
@@ -386,7 +395,9 @@ func (m *UnregisterCache) DecodeBody(b []byte) error {
 // Undeclare gives up a namespace that no registered cache of the
 // connection uses; the daemon forgets the geometry once no connection has
 // it declared. Stored data is kept.
-type Undeclare struct{ NS uint32 }
+type Undeclare struct {
+	NS uint32 // the namespace id, from Declared
+}
 
 // Type is TypeUndeclare.
 func (*Undeclare) Type() Type { return TypeUndeclare }
@@ -403,8 +414,8 @@ func (m *Undeclare) DecodeBody(b []byte) error {
 
 // Lookup asks how many leading keys are stored in a namespace.
 type Lookup struct {
-	NS   uint32
-	Keys [][]byte
+	NS   uint32   // the namespace id, from Declared
+	Keys [][]byte // the keys; the reply counts the leading ones stored
 }
 
 // Type is TypeLookup.
@@ -423,8 +434,8 @@ func (m *Lookup) DecodeBody(b []byte) error {
 
 // Delete removes keys from a namespace.
 type Delete struct {
-	NS   uint32
-	Keys [][]byte
+	NS   uint32   // the namespace id, from Declared
+	Keys [][]byte // the keys to remove
 }
 
 // Type is TypeDelete.
@@ -444,8 +455,8 @@ func (m *Delete) DecodeBody(b []byte) error {
 // Count is the reply to Lookup (leading keys stored) and Delete (keys
 // removed).
 type Count struct {
-	T     Type // TypeLookup|TypeReply or TypeDelete|TypeReply
-	Count uint32
+	T     Type   // TypeLookup|TypeReply or TypeDelete|TypeReply
+	Count uint32 // leading keys stored (Lookup), keys removed (Delete) or keys the pin held (Unpin)
 }
 
 // Type is T.
@@ -484,10 +495,10 @@ func (k JobKind) String() string {
 // Transfer is a Store or Load request: key i moves from or to the cache
 // blocks Blocks[i] (BlocksPerKey of them).
 type Transfer struct {
-	Kind   JobKind
-	Cache  uint32
-	Keys   [][]byte
-	Blocks [][]uint32
+	Kind   JobKind    // JobStore or JobLoad: the frame type, not in the body
+	Cache  uint32     // the cache id, from CacheRegistered
+	Keys   [][]byte   // the keys to store or load
+	Blocks [][]uint32 // per key, its block ids in the cache
 }
 
 // Type is TypeStore or TypeLoad.
@@ -546,8 +557,8 @@ func (m *Transfer) DecodeBody(b []byte) error {
 // JobAccepted is the reply to Store and Load: the job's id. Its Completion
 // follows on the same connection.
 type JobAccepted struct {
-	T   Type // TypeStore|TypeReply or TypeLoad|TypeReply
-	Job uint64
+	T   Type   // TypeStore|TypeReply or TypeLoad|TypeReply
+	Job uint64 // the daemon's id of the job, named by its Completion
 }
 
 // Type is T.
@@ -564,7 +575,9 @@ func (m *JobAccepted) DecodeBody(b []byte) error {
 }
 
 // Cancel asks to cancel a job of this connection.
-type Cancel struct{ Job uint64 }
+type Cancel struct {
+	Job uint64 // the job's id, from its JobAccepted
+}
 
 // Type is TypeCancel.
 func (*Cancel) Type() Type { return TypeCancel }
@@ -623,7 +636,9 @@ func (*StatsRequest) DecodeBody(b []byte) error { d := decoder{b: b}; return d.e
 
 // Empty is the body-less reply of UnregisterMemory, UnregisterCache and
 // Undeclare.
-type Empty struct{ T Type }
+type Empty struct {
+	T Type // the request's type with TypeReply set
+}
 
 // Type is T.
 func (m *Empty) Type() Type { return m.T }
@@ -636,10 +651,10 @@ func (*Empty) DecodeBody(b []byte) error { d := decoder{b: b}; return d.end() }
 
 // MountStats describes one mount (by index: the protocol carries no paths).
 type MountStats struct {
-	Capacity uint64
-	Used     uint64
-	Entries  uint64
-	Direct   bool
+	Capacity uint64 // effective capacity, in bytes
+	Used     uint64 // bytes used on the mount
+	Entries  uint64 // files indexed on the mount
+	Direct   bool   // O_DIRECT is used on the mount
 }
 
 // maxMounts bounds the mounts of a Stats reply.
@@ -648,7 +663,7 @@ const maxMounts = 256
 // DeviceStats is the GPU memory clients registered (CUDA IPC) on one
 // device, over all connections, and the daemon's bound for it.
 type DeviceStats struct {
-	Ordinal    uint32
+	Ordinal    uint32 // the daemon's CUDA device ordinal
 	Regions    uint64 // registered regions on the device
 	Registered uint64 // their bytes
 	Limit      uint64 // the most bytes clients may register on the device
@@ -670,12 +685,22 @@ const MaxDevices = 1024
 // Stats is the reply to StatsRequest: the engine's counters and this
 // connection's usage.
 type Stats struct {
-	Entries, Keys                          uint64
-	Stores, Loads, Hits, Misses            uint64
-	Evictions, Failures, Corrupt           uint64
-	Vanished, BytesWritten, BytesRead      uint64
+	// Entries and Keys are the files and the keys in the daemon's index.
+	Entries, Keys uint64
+	// Stores and Loads count keys stored and loaded; Hits and Misses,
+	// keys found and not found by lookups, loads and pins.
+	Stores, Loads, Hits, Misses uint64
+	// Evictions counts files deleted to make room, Failures keys that
+	// ended OutcomeFailed, Corrupt files that failed verification.
+	Evictions, Failures, Corrupt uint64
+	// Vanished counts files found missing or replaced behind the
+	// daemon's back; BytesWritten and BytesRead the payload bytes stored
+	// and loaded.
+	Vanished, BytesWritten, BytesRead uint64
+	// Clients is the connections now past the handshake; Regions, Caches
+	// and InflightJobs are this connection's.
 	Clients, Regions, Caches, InflightJobs uint64
-	Mounts                                 []MountStats
+	Mounts                                 []MountStats  // one per mount, in configuration order
 	Devices                                []DeviceStats // GPUs the daemon serves; none without GPU support
 	// Daemon is the daemon-wide section, appended after Devices; nil in
 	// the reply of a daemon that predates it.
@@ -692,10 +717,10 @@ type Stats struct {
 // TierStats is the tiering section of a Stats reply: the files moved
 // between mounts (host/engine.TierStats) and the policy's fallback.
 type TierStats struct {
-	Demotions       uint64 // eviction victims moved to another mount
-	Promotions      uint64 // moves to an earlier (faster) mount
-	Moves           uint64 // moves the policy's tick asked for
-	MoveFailures    uint64
+	Demotions       uint64      // eviction victims moved to another mount
+	Promotions      uint64      // moves to an earlier (faster) mount
+	Moves           uint64      // moves the policy's tick asked for
+	MoveFailures    uint64      // moves that failed; the file stays where it was
 	DemotionDeletes uint64      // victims deleted because their target was full
 	Mounts          []TierMount // one per Stats.Mounts, in order
 	// FallbackPolicy names the native policy the plugin fell back to
@@ -705,6 +730,7 @@ type TierStats struct {
 
 // TierMount is one mount's moves.
 type TierMount struct {
+	// MovedIn and MovedOut count the files moved to and from the mount.
 	MovedIn, MovedOut uint64
 }
 
@@ -721,6 +747,8 @@ type SpareStats struct {
 
 // SpareMount is one mount's spare files.
 type SpareMount struct {
+	// Files and Bytes are the spare files kept on the mount and their
+	// bytes (not part of MountStats.Used).
 	Files, Bytes uint64
 }
 
@@ -731,14 +759,14 @@ type DaemonStats struct {
 	Policy         string // the configured policy's name
 	PolicyBackend  string // what answers policy calls now: "wasm" or "native"
 	Fallback       bool   // the policy fell back to its native build
-	FallbackReason string
+	FallbackReason string // the failure that made the policy fall back ("" while it has not)
 	// FallbackPolicy names that native policy; sent in the tiering
 	// section of the reply (TierStats.FallbackPolicy), not in this one.
 	FallbackPolicy string
 	// Reloads and ReloadFailures count configuration reloads (SIGHUP);
 	// LastReload says how the last one went ("" before any).
 	Reloads, ReloadFailures uint64
-	LastReload              string
+	LastReload              string      // how the last reload went ("" before any)
 	InflightJobs            uint64      // of all connections (Stats.InflightJobs is this connection's)
 	Regions                 uint64      // host memory regions registered by all connections
 	RegisteredBytes         uint64      // their bytes
@@ -747,12 +775,12 @@ type DaemonStats struct {
 
 // MountInfo is what DaemonStats says about one mount.
 type MountInfo struct {
-	Path       string
+	Path       string // the mount's root directory
 	Backend    string // the data mover of host memory ("staging")
 	IO         string // "direct" or "buffered"
-	Checksums  bool
+	Checksums  bool   // payload checksums are written and verified
 	Configured uint64 // configured capacity (0: the file system's size)
-	Reserve    uint64
+	Reserve    uint64 // bytes left free on the file system
 }
 
 // Bounds of DaemonStats strings.
@@ -1024,18 +1052,18 @@ func (o Outcome) String() string {
 
 // KeyOutcome is the outcome of one key and, when it failed, an error code.
 type KeyOutcome struct {
-	Outcome Outcome
-	Code    Code // CodeOK unless Outcome is OutcomeFailed
+	Outcome Outcome // what happened to the key
+	Code    Code    // CodeOK unless Outcome is OutcomeFailed
 }
 
 // Completion ends a job: one outcome per request key, in request order.
 type Completion struct {
-	Job      uint64
-	Kind     JobKind
-	Bytes    uint64 // payload bytes moved
-	Duration uint64 // nanoseconds from submission to completion
-	Keys     []KeyOutcome
-	Message  string // the first failure's text, at most MaxMessage bytes
+	Job      uint64       // the job's id, from its JobAccepted
+	Kind     JobKind      // JobStore or JobLoad
+	Bytes    uint64       // payload bytes moved
+	Duration uint64       // nanoseconds from submission to completion
+	Keys     []KeyOutcome // one per request key, in request order
+	Message  string       // the first failure's text, at most MaxMessage bytes
 }
 
 // Type is TypeCompletion.

@@ -30,9 +30,9 @@ const (
 // Pin pins keys of a namespace for LeaseMillis milliseconds (0: until
 // Unpin or the end of the connection).
 type Pin struct {
-	NS          uint32
-	LeaseMillis uint32
-	Keys        [][]byte
+	NS          uint32   // the namespace id, from Declared
+	LeaseMillis uint32   // the lease in milliseconds (0: none), at most MaxLeaseMillis
+	Keys        [][]byte // the keys to pin
 }
 
 // Type is TypePin.
@@ -58,8 +58,8 @@ func (m *Pin) DecodeBody(b []byte) error {
 // Pinned is the reply to Pin: the pin's id (0 when no key was pinned) and,
 // per requested key in order, PinHeld or PinMissing.
 type Pinned struct {
-	Pin   uint64
-	State []uint8
+	Pin   uint64  // this connection's id of the pin; 0 when no key was pinned
+	State []uint8 // per requested key, in order: PinHeld or PinMissing
 }
 
 // Type is the reply to TypePin.
@@ -88,7 +88,7 @@ func (m *Pinned) DecodeBody(b []byte) error {
 
 // Unpin releases a pin.
 type Unpin struct {
-	Pin uint64
+	Pin uint64 // the pin's id, from its Pinned
 }
 
 // Type is TypeUnpin.

@@ -148,7 +148,7 @@ var (
 // Header is a decoded frame header.
 type Header struct {
 	Len   uint32 // body length
-	Type  Type
+	Type  Type   // frame type
 	Flags uint16 // reserved: 0
 	ID    uint64 // request id
 }

@@ -16,7 +16,7 @@ type Config struct {
 
 // ConfigError names the key whose value could not be used.
 type ConfigError struct {
-	Key, Value, Want string
+	Key, Value, Want string // the key, the value that could not be used, and what was expected
 }
 
 // Error names the key, its value and what was expected.

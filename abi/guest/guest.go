@@ -78,6 +78,7 @@ type Ticker interface {
 // record's Time, so that two nodes running the same policy and
 // configuration rank alike (docs/abi.md, "RankRecord").
 type Ranker interface {
+	// Rank writes Rank and State of every record in recs.
 	Rank(recs []abi.RankRecord) error
 }
 
@@ -85,14 +86,19 @@ type Ranker interface {
 // own: abi.FeatureAdmitMount (its Admit writes AdmitRecord.Target). Other
 // bits it returns are ignored: those come from the interfaces implemented.
 type Featurer interface {
+	// ExtraFeatures returns the extra feature bits; only
+	// abi.FeatureAdmitMount is kept.
 	ExtraFeatures() abi.Feature
 }
 
 // StatusError is an error that maps to a specific abi.Status. Errors that are
 // not StatusErrors are reported as abi.StatusInternal.
 type StatusError struct {
+	// Status is the status the hook returns; one that is not negative is
+	// reported as abi.StatusInternal.
 	Status abi.Status
-	Msg    string
+	// Msg says what went wrong; Error prefixes it with Status.
+	Msg string
 }
 
 // Error is the status followed by the message.

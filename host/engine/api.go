@@ -135,6 +135,8 @@ type Mount struct {
 	// removes only its own files, those ranked lowest across the cluster.
 	// The watermarks apply to it too. Nodes need distinct NodeIDs.
 	ClusterCapacity int64
+	// ClusterInterval is how often the node publishes its summary on a
+	// mount with a ClusterCapacity (0: DefaultClusterInterval).
 	ClusterInterval time.Duration
 }
 
@@ -180,7 +182,11 @@ const MaxAutoSpareFiles = 4096
 // Its methods are called with the engine's lock held, in the order the
 // index changes: they must be quick and must not call the engine.
 type KeySet interface {
+	// Add is called for a key the index gains (and, at MirrorKeys, for
+	// every key it holds).
 	Add(fp uint64, key string)
+	// Remove is called for a key the index loses (its file dropped,
+	// replaced or vanished).
 	Remove(fp uint64, key string)
 }
 
@@ -286,9 +292,16 @@ const DefaultMaxNamespaces = 1024
 // BlockBytes; [num_blocks, 2, ...] has BlockStride = 2*BlockBytes and
 // PlaneStride = BlockBytes.
 type LayerTensor struct {
-	Region      region.Region
-	Offset      int64
+	// Region is the memory the tensor lives in; the layers of one cache
+	// are all in memory of one kind.
+	Region region.Region
+	// Offset is where block 0 of plane 0 starts in Region, in bytes.
+	Offset int64
+	// BlockStride is the distance in bytes from one block of a plane to
+	// the next (at least BlockBytes where NumBlocks > 1).
 	BlockStride int64
+	// PlaneStride is the distance in bytes from the K plane to the V plane
+	// (at least BlockBytes; unused with MLA's single plane).
 	PlaneStride int64
 	// NumBlocks is the number of GPU blocks in the tensor; block ids in
 	// requests must be below it.
@@ -298,15 +311,26 @@ type LayerTensor struct {
 // StoreRequest stores Keys[i] from the cache blocks Blocks[i]
 // (len(Blocks[i]) == Geometry.BlocksPerKey()).
 type StoreRequest struct {
-	Cache  CacheID
-	Keys   [][]byte
+	// Cache is the registered cache (Engine.RegisterCache) the blocks are
+	// read from.
+	Cache CacheID
+	// Keys are the keys to store, each 1..abi.MaxKeyLen bytes.
+	Keys [][]byte
+	// Blocks[i] are the block ids holding Keys[i], in order; each is
+	// below every layer tensor's NumBlocks.
 	Blocks [][]int
 }
 
 // LoadRequest loads Keys[i] into the cache blocks Blocks[i].
 type LoadRequest struct {
-	Cache  CacheID
-	Keys   [][]byte
+	// Cache is the registered cache (Engine.RegisterCache) the blocks are
+	// written to.
+	Cache CacheID
+	// Keys are the keys to load, each 1..abi.MaxKeyLen bytes.
+	Keys [][]byte
+	// Blocks[i] are the block ids Keys[i] is loaded into
+	// (Geometry.BlocksPerKey() of them, each below every layer tensor's
+	// NumBlocks); no block may appear twice in one request.
 	Blocks [][]int
 }
 
@@ -329,8 +353,8 @@ const (
 
 // KeyResult is the outcome of one key.
 type KeyResult struct {
-	Outcome Outcome
-	Err     error // set when Outcome is OutcomeFailed (or explains a miss)
+	Outcome Outcome // what happened to the key
+	Err     error   // set when Outcome is OutcomeFailed (or explains a miss)
 }
 
 // Result is the outcome of a finished job.
@@ -364,22 +388,23 @@ func (r Result) Count(o Outcome) int {
 
 // MountStats describes one mount.
 type MountStats struct {
+	// Path is the mount's root (Mount.Path made absolute).
 	Path string
 	// Capacity is the effective limit: the smaller of Configured (or the
 	// file system's size) and what the file system can hold for the
 	// engine (available space plus its own files, minus Reserve).
 	Capacity   int64
 	Configured int64 // Mount.Capacity (0: the file system's size)
-	Reserve    int64
+	Reserve    int64 // Mount.Reserve: bytes left free on the file system
 	// Used is the bytes of published files, of reservations of stores in
 	// flight, and of files dropped from the index (evicted, deleted, moved
 	// away) that are not yet removed.
 	Used    int64
-	Entries int
+	Entries int // the mount's files in the index
 	// SpareFiles and SpareBytes are the evicted files kept for stores to
 	// write into (memory file systems; not part of Used).
 	SpareFiles int
-	SpareBytes int64
+	SpareBytes int64 // their total size
 	// Preallocate is the most bytes of spares the engine makes ahead of
 	// stores on this mount now (Mount.Preallocate, PreallocateAuto
 	// resolved and grown after larger bursts of stores; 0 where it makes
@@ -401,13 +426,13 @@ type MountStats struct {
 
 // Stats are the engine's counters since Open.
 type Stats struct {
-	Mounts  []MountStats
-	Entries int // files in the index
-	Keys    int // keys in the index
-	Stores  uint64
-	Loads   uint64
-	Hits    uint64 // keys found by Lookup or Load
-	Misses  uint64
+	Mounts  []MountStats // one per mount, in Config.Mounts order
+	Entries int          // files in the index
+	Keys    int          // keys in the index
+	Stores  uint64       // keys written to files by stores
+	Loads   uint64       // keys loaded (read and verified)
+	Hits    uint64       // keys found by Lookup or Load
+	Misses  uint64       // keys not found by Lookup, Load or Pin
 	// Evictions counts files deleted to make room; a victim moved to
 	// another mount instead is a demotion (Tiering.Demotions): the key
 	// stays stored.
@@ -417,13 +442,13 @@ type Stats struct {
 	Failures     uint64 // keys that ended OutcomeFailed
 	Corrupt      uint64 // files dropped because they failed verification
 	Vanished     uint64 // files found missing or replaced behind the engine's back
-	BytesWritten uint64
-	BytesRead    uint64
+	BytesWritten uint64 // payload bytes stored (no headers or padding)
+	BytesRead    uint64 // payload bytes of the keys loaded
 	// StoreFailures and LoadFailures break Failures down by reason. Every
 	// failed key is counted, and logged (warning; at most one line per
 	// reason every 10 s, saying how many were not logged).
 	StoreFailures Failures
-	LoadFailures  Failures
+	LoadFailures  Failures // failed keys of loads, by reason
 	// Tiering counts the moves between mounts (TierStats).
 	Tiering TierStats
 }

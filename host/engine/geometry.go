@@ -15,14 +15,14 @@ import (
 // plane when MLA is set.
 type Geometry struct {
 	Model          string // model id, at most abi.MaxModelLen bytes
-	Layers         int
-	KVHeads        int // KV heads on this rank (1 for MLA's latent)
-	HeadSize       int // elements per head (MLA: latent + rope dims)
-	DtypeSize      int // bytes per element
-	MLA            bool
-	TokensPerBlock int // tokens in one GPU (paged) block
-	TokensPerKey   int // tokens one key covers; a multiple of TokensPerBlock
-	TPRank, TPSize int
+	Layers         int    // layers, one LayerTensor each (1..4096)
+	KVHeads        int    // KV heads on this rank (1 for MLA's latent)
+	HeadSize       int    // elements per head (MLA: latent + rope dims)
+	DtypeSize      int    // bytes per element
+	MLA            bool   // one latent plane instead of K and V (multi-head latent attention)
+	TokensPerBlock int    // tokens in one GPU (paged) block
+	TokensPerKey   int    // tokens one key covers; a multiple of TokensPerBlock
+	TPRank, TPSize int    // tensor-parallel rank and size (0 <= TPRank < TPSize)
 }
 
 // Validate reports the first field that is out of range.

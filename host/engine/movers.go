@@ -23,10 +23,10 @@ import (
 
 // MountInfo describes a mount to a MoverFactory.
 type MountInfo struct {
-	Index  int
-	Path   string
-	Direct bool // files are opened with O_DIRECT
-	Memory bool // a memory file system (tmpfs)
+	Index  int    // the mount's index in Config.Mounts
+	Path   string // the mount's root, absolute
+	Direct bool   // files are opened with O_DIRECT
+	Memory bool   // a memory file system (tmpfs)
 }
 
 // MoverFactory builds the data mover of one mount for one region kind. The

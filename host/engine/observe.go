@@ -13,6 +13,7 @@ import (
 // so that a caller that waited for a job sees it observed; it must be fast
 // and safe for concurrent use.
 type Observer interface {
+	// ObserveJob receives the event of one finished job.
 	ObserveJob(JobEvent)
 }
 
@@ -30,7 +31,7 @@ type JobEvent struct {
 	// Bytes is the payload moved; Duration runs from submission to
 	// completion.
 	Bytes    int64
-	Duration time.Duration
+	Duration time.Duration // Result.Duration: from submission to completion
 	// Outcomes counts the job's keys by outcome (indexed by Outcome).
 	Outcomes [OutcomeFailed + 1]int
 }

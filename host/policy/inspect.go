@@ -23,7 +23,7 @@ type Info struct {
 	// ABIVersion is what kvhost_abi_version returned; valid when
 	// VersionKnown.
 	ABIVersion   int32
-	VersionKnown bool
+	VersionKnown bool // an instance was asked: ABIVersion and Features are set
 	// Features is what kvhost_features returned.
 	Features abi.Feature
 	// Hooks lists the ABI exports present, in ABI order.
@@ -35,8 +35,8 @@ type Info struct {
 	// MemoryMin and MemoryMax are the exported memory's limits in 64 KiB
 	// pages; MemoryMax is valid when MemoryMaxSet.
 	MemoryMin    uint32
-	MemoryMax    uint32
-	MemoryMaxSet bool
+	MemoryMax    uint32 // maximum in pages, when MemoryMaxSet
+	MemoryMaxSet bool   // the memory declares a maximum
 	// Problems lists every way the module falls short of ABI v1; empty
 	// when Open would accept it.
 	Problems []string

@@ -40,13 +40,13 @@ type Policy interface {
 // Entry is what the engine's index knows about one stored entry (a file).
 type Entry struct {
 	ID         uint64 // the handle the policy sees as AccessRecord.Entry
-	KeyHash    uint64
-	Size       uint64
-	Mount      uint32
-	NS         uint32
+	KeyHash    uint64 // abi.KeyHash of the entry's first key
+	Size       uint64 // bytes of the file
+	Mount      uint32 // index of the entry's mount
+	NS         uint32 // namespace id
 	LastAccess uint64 // Unix nanoseconds
-	Hits       uint32
-	Pins       uint32
+	Hits       uint32 // accesses counted so far (AccessRecord.Hits of a restore)
+	Pins       uint32 // outstanding pins; a pinned entry is never a victim
 }
 
 // Index is the engine's view of what is stored. A policy host uses it to
@@ -76,7 +76,7 @@ type Ranker interface {
 // abi.NoMount) or move its file to another mount (abi.FeatureDemote).
 type Eviction struct {
 	abi.Victim
-	Target abi.VictimTarget
+	Target abi.VictimTarget // Mount abi.NoMount deletes the victim; another mount moves it there
 }
 
 // Tiering is the part of a policy that uses the ABI's tiering features

@@ -29,12 +29,12 @@ type Memory interface {
 // key i is loaded into Dst[i]. No page serves two keys, so every load can
 // be checked byte for byte after the phase.
 type Layout struct {
-	Layers       int
-	PageBytes    int64
-	BlocksPerKey int
-	Keys         int
-	NumBlocks    int
-	Src, Dst     [][]int
+	Layers       int     // layers, one after the other in memory
+	PageBytes    int64   // bytes of one page (the K block then the V block)
+	BlocksPerKey int     // pages of one key in each layer
+	Keys         int     // keys laid out, one entry each in Src and Dst
+	NumBlocks    int     // pages per layer: 2 × Keys × BlocksPerKey
+	Src, Dst     [][]int // per key, the BlocksPerKey pages it is stored from (lower half) and loaded into (upper half)
 }
 
 // NewLayout scatters keys × blocksPerKey source pages and as many

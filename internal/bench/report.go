@@ -37,7 +37,7 @@ const (
 // Report is the whole result of one `kvhost bench` invocation, as written
 // by --json (docs/bench.md documents every field).
 type Report struct {
-	Schema  string   `json:"schema"`
+	Schema  string   `json:"schema"`  // Schema, or SchemaV1 in an older report
 	Version string   `json:"version"` // kvhost's version
 	Command []string `json:"command"` // the arguments it ran with
 	// MoreCommands are the invocations whose runs were appended (--append).
@@ -69,11 +69,11 @@ type Report struct {
 
 // Geometry is the model shape of the benchmark's keys.
 type Geometry struct {
-	Layers         int `json:"layers"`
-	KVHeads        int `json:"kv_heads"`
-	HeadSize       int `json:"head_size"`
-	DtypeSize      int `json:"dtype_size"`
-	TokensPerBlock int `json:"tokens_per_block"`
+	Layers         int `json:"layers"`           // model layers
+	KVHeads        int `json:"kv_heads"`         // KV heads (the benchmark runs at TP size 1)
+	HeadSize       int `json:"head_size"`        // elements per head
+	DtypeSize      int `json:"dtype_size"`       // bytes per element
+	TokensPerBlock int `json:"tokens_per_block"` // tokens in one GPU (paged) block
 }
 
 // Ceiling is a bound measured in the same run.
@@ -108,8 +108,8 @@ type Run struct {
 	// TokensPerKey and KeyBytes size one key (one file unless KeysPerFile
 	// packs several).
 	TokensPerKey int   `json:"tokens_per_key"`
-	KeyBytes     int64 `json:"key_bytes"`
-	KeysPerJob   int   `json:"keys_per_job"`
+	KeyBytes     int64 `json:"key_bytes"`    // payload bytes of one key
+	KeysPerJob   int   `json:"keys_per_job"` // keys each job stores or loads
 	// KeysPerFile is how many keys of a job share one file: the policy's
 	// keys_per_file, at most KeysPerJob (a file never holds two jobs'
 	// keys); 0 in reports that predate it, which means 1.
@@ -124,7 +124,7 @@ type Run struct {
 	// Ceiling is the same operation done plainly on the same files with
 	// the same number of threads; Fraction is GBps / Ceiling.GBps.
 	Ceiling  Ceiling `json:"ceiling"`
-	Fraction float64 `json:"fraction"`
+	Fraction float64 `json:"fraction"` // GBps / Ceiling.GBps; 0 without a ceiling
 	// RoundFractions is each round's GB/s over the same round's ceiling,
 	// in round order, where there were two rounds or more: how much the
 	// fraction moved from round to round. Fraction is over their sums, so
@@ -144,7 +144,7 @@ type Run struct {
 	// at low job counts; FractionBest says how close the engine came to
 	// what the storage can do at all.
 	CeilingBest  Ceiling `json:"ceiling_best"`
-	FractionBest float64 `json:"fraction_best"`
+	FractionBest float64 `json:"fraction_best"` // GBps / CeilingBest.GBps
 	// FractionLink is GBps over the pinned copy ceiling of the phase's
 	// direction (CeilingH2D for loads, CeilingD2H for stores), for GPU
 	// memory: the share of the host–GPU link the phase used. Every byte
@@ -159,7 +159,7 @@ type Run struct {
 	// (registered files) pays neither, so the first read is no bound for
 	// it. FractionReread is GBps over it. Zero for stores.
 	CeilingReread  Ceiling `json:"ceiling_reread,omitzero"`
-	FractionReread float64 `json:"fraction_reread,omitempty"`
+	FractionReread float64 `json:"fraction_reread,omitempty"` // GBps / CeilingReread.GBps; zero for stores
 	// CeilingStaged is, for GPU memory, the same files moved plainly
 	// through pinned buffers with as many threads as jobs (StagedRead for
 	// a load, StagedWrite for a store): each thread reads a chunk (the
@@ -173,7 +173,7 @@ type Run struct {
 	// registered file pages moves each byte through host memory once and
 	// may pass it. FractionStaged is GBps over it. Zero for host memory.
 	CeilingStaged  Ceiling `json:"ceiling_staged,omitzero"`
-	FractionStaged float64 `json:"fraction_staged,omitempty"`
+	FractionStaged float64 `json:"fraction_staged,omitempty"` // GBps / CeilingStaged.GBps; zero for host memory
 	// ReadFirst is, for a load with --read-first, a plain read of the
 	// load's own files (pread, as many threads as jobs), timed right
 	// before each round's load and summed over the rounds: what a read
@@ -186,7 +186,7 @@ type Run struct {
 	ReadFirst Ceiling `json:"read_first,omitzero"`
 	// JobP50Ms and JobP99Ms are percentiles of the jobs' completion times.
 	JobP50Ms float64 `json:"job_p50_ms"`
-	JobP99Ms float64 `json:"job_p99_ms"`
+	JobP99Ms float64 `json:"job_p99_ms"` // 99th percentile, in milliseconds
 	// VerifiedBytes is how many loaded bytes were compared with what was
 	// stored (every byte of every hit when verification is on); a miss's
 	// destination blocks are checked to be untouched too.

@@ -11,7 +11,7 @@ const StaleIntervals = 3
 // node's files may take together, and the watermarks between which
 // eviction runs (usage above High evicts down to Low).
 type Bound struct {
-	Capacity, High, Low int64
+	Capacity, High, Low int64 // bytes: the bound, the high watermark and the low watermark
 }
 
 // NewBound returns the bound of capacity bytes with watermarks high and

@@ -11,8 +11,8 @@ import (
 // Ranks are comparable across nodes (the policy's cluster rank, or the
 // last access time in Unix nanoseconds).
 type Item struct {
-	Rank  uint64
-	Bytes int64
+	Rank  uint64 // the file's rank
+	Bytes int64  // the file's size in bytes
 }
 
 // SketchPoints is the number of points NewSketch keeps: the bytes of a
@@ -24,8 +24,8 @@ const SketchPoints = 128
 // ascending, Bytes strictly ascending, and the last point holds every
 // byte. Between points the bytes are interpolated linearly.
 type Sketch struct {
-	Ranks []uint64 `json:"ranks"`
-	Bytes []int64  `json:"bytes"`
+	Ranks []uint64 `json:"ranks"` // ranks of the points, ascending
+	Bytes []int64  `json:"bytes"` // bytes of files ranked at most Ranks[i], strictly ascending
 }
 
 // NewSketch returns the sketch of items (which it sorts by rank) with at

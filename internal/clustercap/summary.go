@@ -19,23 +19,23 @@ var ErrSummary = errors.New("clustercap: bad summary")
 
 // Summary is what one node publishes about its files on a shared mount.
 type Summary struct {
-	Version int    `json:"version"`
-	Node    string `json:"node"`
-	Tag     uint32 `json:"tag"`
+	Version int    `json:"version"` // SummaryVersion
+	Node    string `json:"node"`    // the node's id, 1..64 bytes
+	Tag     uint32 `json:"tag"`     // Tag(Node), the owner tag of the node's file ids
 	// Seq grows with every summary the node publishes.
 	Seq uint64 `json:"seq"`
 	// Time is when it was published (Unix nanoseconds, the node's clock);
 	// Interval the node's publication period (nanoseconds).
 	Time     int64 `json:"time"`
-	Interval int64 `json:"interval"`
+	Interval int64 `json:"interval"` // publication period, nanoseconds (> 0)
 	// Bytes is what the node's own files (and its stores in flight) take;
 	// Claim is the most it may hold before it publishes again (>= Bytes).
 	Bytes int64 `json:"bytes"`
-	Claim int64 `json:"claim"`
+	Claim int64 `json:"claim"` // bytes, >= Bytes
 	// Cut is the cut-off rank the node evicted below when it last found
 	// the cluster over its bound, at CutTime (0: none).
 	Cut     uint64 `json:"cut,omitempty"`
-	CutTime int64  `json:"cut_time,omitempty"`
+	CutTime int64  `json:"cut_time,omitempty"` // Unix nanoseconds when Cut was computed; 0 without one
 	// Sketch is the node's bytes by rank.
 	Sketch Sketch `json:"sketch"`
 	// Touches are other nodes' files this node used since its previous
@@ -49,9 +49,9 @@ type Summary struct {
 // use) and the time of the use (Unix nanoseconds; 0 from nodes that did
 // not send it), which the owner reports to its policy as a hit.
 type Touch struct {
-	ID   uint64 `json:"id"`
-	Rank uint64 `json:"rank"`
-	Time int64  `json:"time,omitempty"`
+	ID   uint64 `json:"id"`             // the file's id (its header's, owner tag in the high bits)
+	Rank uint64 `json:"rank"`           // its rank after the use, on the node that used it
+	Time int64  `json:"time,omitempty"` // Unix nanoseconds of the use; 0 if not sent
 }
 
 // Encode validates s and returns its encoding.

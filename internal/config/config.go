@@ -25,13 +25,13 @@ var ErrInvalid = errors.New("config: invalid")
 
 // Config is the whole configuration of a kvhost daemon.
 type Config struct {
-	Server  Server  `toml:"server"`
-	Log     Log     `toml:"log"`
-	Policy  Policy  `toml:"policy"`
-	Engine  Engine  `toml:"engine"`
-	Mounts  []Mount `toml:"mount"`
-	GPU     GPU     `toml:"gpu"`
-	Metrics Metrics `toml:"metrics"`
+	Server  Server  `toml:"server"`  // [server]: the socket and per-client limits
+	Log     Log     `toml:"log"`     // [log]: level and format
+	Policy  Policy  `toml:"policy"`  // [policy]: the placement policy
+	Engine  Engine  `toml:"engine"`  // [engine]: the storage engine's data path
+	Mounts  []Mount `toml:"mount"`   // [[mount]]: the cache roots; without any, <cache root>/blocks
+	GPU     GPU     `toml:"gpu"`     // [gpu]: the data paths for GPU memory
+	Metrics Metrics `toml:"metrics"` // [metrics]: the metrics and probes listener
 }
 
 // Metrics configures the optional HTTP listener serving Prometheus metrics
@@ -59,8 +59,8 @@ type GPU struct {
 	// paths of libcudart, of the driver API's libcuda and of libcufile
 	// (default: the usual CUDA locations).
 	CUDALibrary       string `toml:"cuda_library"`
-	CUDADriverLibrary string `toml:"cuda_driver_library"`
-	CuFileLibrary     string `toml:"cufile_library"`
+	CUDADriverLibrary string `toml:"cuda_driver_library"` // path of libcuda; empty: the usual locations
+	CuFileLibrary     string `toml:"cufile_library"`      // path of libcufile; empty: the usual locations
 	// StagingMemory bounds the pinned host memory of the GPU staging
 	// pipeline, allocated once at start.
 	StagingMemory Size `toml:"staging_memory"`
@@ -179,7 +179,7 @@ type Policy struct {
 	CacheDir string `toml:"cache_dir"`
 	// MaxFailures within FailureWindow switch to the native fallback policy.
 	MaxFailures   int      `toml:"max_failures"`
-	FailureWindow Duration `toml:"failure_window"`
+	FailureWindow Duration `toml:"failure_window"` // the window MaxFailures are counted in; default 1m
 	// Params are passed to the plugin's kvhost_init as key=value lines.
 	Params map[string]any `toml:"params"`
 }
@@ -260,7 +260,7 @@ type Mount struct {
 	// Eviction starts when usage exceeds HighWatermark × Capacity and frees
 	// space down to LowWatermark × Capacity.
 	HighWatermark float64 `toml:"high_watermark"`
-	LowWatermark  float64 `toml:"low_watermark"`
+	LowWatermark  float64 `toml:"low_watermark"` // fraction in (0, HighWatermark); 0 means 0.85
 	// Reserve is space kvhost leaves free on the file system: the
 	// effective capacity is the smaller of Capacity and the file system's
 	// available space plus kvhost's own files, minus Reserve.
@@ -322,30 +322,30 @@ type VLLMFS struct {
 	// tier's).
 	Rank int `toml:"rank"`
 
-	ModelName     string `toml:"model_name"`
-	TokensPerHash int    `toml:"tokens_per_hash"`
+	ModelName     string `toml:"model_name"`      // the model's name; empty adopts the one base directory under the mount's path
+	TokensPerHash int    `toml:"tokens_per_hash"` // tokens per block hash
 	// BlocksPerFile, TPSize, PPSize, PCPSize and DCPSize default to 1.
 	BlocksPerFile   int           `toml:"blocks_per_file"`
-	TPSize          int           `toml:"tp_size"`
-	PPSize          int           `toml:"pp_size"`
-	PCPSize         int           `toml:"pcp_size"`
-	DCPSize         int           `toml:"dcp_size"`
-	Dtype           string        `toml:"dtype"`
-	KVCacheGroups   []VLLMFSGroup `toml:"kv_cache_groups"`
-	InferenceEngine string        `toml:"inference_engine"`
+	TPSize          int           `toml:"tp_size"`          // tensor-parallel size
+	PPSize          int           `toml:"pp_size"`          // pipeline-parallel size
+	PCPSize         int           `toml:"pcp_size"`         // prefill-context-parallel size
+	DCPSize         int           `toml:"dcp_size"`         // decode-context-parallel size
+	Dtype           string        `toml:"dtype"`            // the effective dtype, e.g. "bfloat16"
+	KVCacheGroups   []VLLMFSGroup `toml:"kv_cache_groups"`  // one per [[mount.vllm_fs.kv_cache_groups]] table
+	InferenceEngine string        `toml:"inference_engine"` // empty means "vllm"
 	// ParallelAgnostic leaves "parallel_agnostic": false out of the
 	// fields (the tier writes it for layouts that depend on the
 	// parallel sizes; default false, so it is written).
 	ParallelAgnostic bool   `toml:"parallel_agnostic"`
-	ReplicatedLayout bool   `toml:"replicated_layout"`
-	CanonicalFormat  string `toml:"canonical_format"`
-	StorageFormat    string `toml:"storage_format"`
+	ReplicatedLayout bool   `toml:"replicated_layout"` // true writes "replicated_layout": true
+	CanonicalFormat  string `toml:"canonical_format"`  // written as "canonical_format" when set
+	StorageFormat    string `toml:"storage_format"`    // written as "storage_format" when set
 }
 
 // VLLMFSGroup is one [[mount.vllm_fs.kv_cache_groups]] entry.
 type VLLMFSGroup struct {
-	TokensPerBlock int      `toml:"tokens_per_block"`
-	LayerNames     []string `toml:"layer_names"`
+	TokensPerBlock int      `toml:"tokens_per_block"` // tokens in one block of the group
+	LayerNames     []string `toml:"layer_names"`      // the group's layer names, as vLLM gives them
 }
 
 // Fields returns the fs tier's fields, or nil when model_name is not set
@@ -514,8 +514,8 @@ type ValueError struct {
 	File string // set when the value came from a file
 	Line int    // 0 when unknown
 	Key  string // dotted key, e.g. "policy.shards" or "mount.path"
-	Want string
-	Got  any
+	Want string // what was expected, e.g. "at least 1"
+	Got  any    // the value found
 }
 
 // Error names the file, line and key (where known) and what was expected.

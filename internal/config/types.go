@@ -84,7 +84,7 @@ func (s Size) String() string {
 // 0 included, is used as it is.
 type AutoSize struct {
 	Bytes Size // the size given (meaningful only where Given)
-	Given bool
+	Given bool // a size was given; false leaves it to kvhost
 }
 
 // Auto returns the AutoSize that leaves the size to kvhost (its zero

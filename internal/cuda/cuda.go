@@ -559,6 +559,9 @@ func ParseCopyMode(s string) (CopyMode, error) {
 // Copies is a list of copies, one direction, to enqueue together: Dst[i]
 // ← Src[i], Size[i] bytes. Reuse it with Reset to avoid allocation.
 type Copies struct {
+	// Dst, Src and Size hold, for copy i, its destination and source
+	// addresses (host or device, by the direction) and its length in
+	// bytes.
 	Dst, Src, Size []uintptr
 }
 

@@ -224,8 +224,8 @@ func (k *SumKernel) Unload() error { return k.r.unloadModule(&k.mod, &k.fn) }
 // SumSpan is one span of device memory whose CRC-32C register a launch
 // computes.
 type SumSpan struct {
-	Addr uintptr
-	Len  int
+	Addr uintptr // device address of the span's first byte
+	Len  int     // length in bytes (Summable says which spans Launch takes)
 }
 
 // Summable reports whether the kernel can checksum span: address and

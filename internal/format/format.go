@@ -75,18 +75,18 @@ const (
 
 // Key is one key stored in a file and the checksum of its payload bytes.
 type Key struct {
-	Key []byte
-	Sum uint32
+	Key []byte // the key, 1..MaxKeyLen bytes
+	Sum uint32 // CRC-32C of the key's payload bytes with FlagPayloadSums, else 0
 }
 
 // Header describes one file.
 type Header struct {
-	Flags        Flags
+	Flags        Flags  // FlagPayloadSums or none
 	Fingerprint  uint64 // geometry fingerprint of the namespace
 	Order        uint32 // OrderLayerMajor or OrderBlockMajor
-	Layers       uint32
+	Layers       uint32 // layers of the geometry
 	Planes       uint32 // 2 (K, V) or 1 (MLA)
-	BlocksPerKey uint32
+	BlocksPerKey uint32 // GPU blocks one key covers
 	BlockBytes   uint64 // one plane of one layer of one block
 	Created      int64  // Unix nanoseconds; informational
 	// ID identifies the file: a random non-zero number the writer draws for
@@ -203,7 +203,7 @@ func (h *Header) Encode(b []byte) error {
 
 // TruncatedError says that Decode needs Need bytes.
 type TruncatedError struct {
-	Have, Need int
+	Have, Need int // bytes given, and bytes needed
 }
 
 // Error says how many bytes the header had and needed.

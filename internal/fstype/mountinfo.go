@@ -17,11 +17,11 @@ import (
 // device it is on as "major:minor", and its super options as the kernel
 // lists them ("rw,size=4194304k,huge=within_size").
 type Mount struct {
-	Point   string
-	Type    string
-	Source  string
-	Dev     string
-	Options string
+	Point   string // mount point, octal escapes decoded
+	Type    string // file system type ("ext4", "fuse.ceph-fuse")
+	Source  string // mount source ("/dev/nvme0n1p1", "server:/volume"), escapes decoded
+	Dev     string // device as "major:minor"
+	Options string // super options ("rw,size=4194304k"); empty if the line has none
 }
 
 // Option returns the value of the super option key ("huge" of

@@ -51,6 +51,8 @@ type Fault struct {
 // Injector decides the fault of each operation; the zero Fault lets it run.
 // It must be safe for concurrent use.
 type Injector interface {
+	// Inject returns the fault for op on path (Rename's new path; for a
+	// file's operations, the name it was opened by).
 	Inject(op Op, path string) Fault
 }
 
@@ -63,10 +65,10 @@ func (f InjectorFunc) Inject(op Op, path string) Fault { return f(op, path) }
 // Counter counts the operations in Ops and returns Fault for the At-th one
 // (0-based) and, if Sticky, every later one. It is safe for concurrent use.
 type Counter struct {
-	Ops    []Op
-	At     int
-	Fault  Fault
-	Sticky bool
+	Ops    []Op  // the operations counted; empty counts every operation
+	At     int   // 0-based index, among counted operations, of the one that fails
+	Fault  Fault // what the At-th operation (and, if Sticky, every later one) gets
+	Sticky bool  // fail every counted operation after the At-th too
 
 	mu    sync.Mutex
 	n     int
@@ -109,8 +111,8 @@ func (c *Counter) Fired() int {
 
 // Faulty wraps an FS and injects the faults its Injector decides.
 type Faulty struct {
-	FS  FS
-	Inj Injector
+	FS  FS       // the file system operations reach unless Inj fails them
+	Inj Injector // decides each operation's fault
 }
 
 var _ FS = (*Faulty)(nil)

@@ -28,8 +28,8 @@ import (
 // writes in place (a spare reused) would look like another file at each
 // store.
 type FileID struct {
-	Dev, Ino uint64
-	Gen      string
+	Dev, Ino uint64 // st_dev and st_ino
+	Gen      string // "h" and the file handle, "b" and the birth time, or empty
 }
 
 // Inode is id without its generation: the key under which a mover keeps

@@ -14,11 +14,18 @@ type FS interface {
 	// OpenFile opens name with os.OpenFile-style flags (which may include
 	// syscall.O_DIRECT).
 	OpenFile(name string, flag int, perm os.FileMode) (File, error)
+	// Rename renames oldpath to newpath, replacing newpath (os.Rename).
 	Rename(oldpath, newpath string) error
+	// Remove removes the file or empty directory name (os.Remove).
 	Remove(name string) error
+	// MkdirAll creates path and any missing parents (os.MkdirAll).
 	MkdirAll(path string, perm os.FileMode) error
+	// ReadDir lists the directory name, sorted by file name (os.ReadDir).
 	ReadDir(name string) ([]fs.DirEntry, error)
+	// Stat returns name's FileInfo, following symbolic links (os.Stat);
+	// its Sys() is a *syscall.Stat_t.
 	Stat(name string) (os.FileInfo, error)
+	// Statfs describes the file system that holds path (statfs(2)).
 	Statfs(path string) (StatFS, error)
 	// SyncDir fsyncs a directory, making renames in it durable.
 	SyncDir(path string) error
@@ -26,7 +33,12 @@ type FS interface {
 
 // File is an open file. Positional methods are safe for concurrent use.
 type File interface {
+	// ReadAt reads len(p) bytes at off (pread, repeated until done); as
+	// io.ReaderAt, it returns an error (io.EOF at end of file) when it
+	// reads fewer.
 	ReadAt(p []byte, off int64) (int, error)
+	// WriteAt writes p at off (pwrite, repeated until done); as
+	// io.WriterAt, it returns an error when it writes fewer bytes.
 	WriteAt(p []byte, off int64) (int, error)
 	// WritevAt writes the buffers in order at off (pwritev). Like pwritev
 	// it may write less than asked without an error; callers loop.
@@ -39,7 +51,10 @@ type File interface {
 	// full file system fails before any data is written. File systems
 	// without fallocate return nil.
 	Allocate(size int64) error
+	// Sync flushes the file's data and metadata to the device (fsync).
 	Sync() error
+	// Close closes the descriptor (close(2)); it is gone even when Close
+	// fails.
 	Close() error
 	// Fd is the OS file descriptor, for backends that register files
 	// (cuFile). Data must not be moved through it behind the FS's back.
@@ -49,7 +64,7 @@ type File interface {
 // StatFS is what statfs says of a file system.
 type StatFS struct {
 	Type      int64 // f_type magic (e.g. TMPFS_MAGIC)
-	BlockSize int64
+	BlockSize int64 // f_bsize: the unit statfs counts blocks in, in bytes
 	Total     int64 // bytes
 	Free      int64 // bytes free
 	Avail     int64 // bytes available to unprivileged users

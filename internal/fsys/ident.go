@@ -20,10 +20,10 @@ import (
 // movers, which keep state per file, read it (FileIDOf).
 type Identity struct {
 	FileID
-	Size  int64
-	Ctime int64 // Unix nanoseconds
-	Mtime int64 // Unix nanoseconds
-	Mode  fs.FileMode
+	Size  int64       // bytes
+	Ctime int64       // Unix nanoseconds
+	Mtime int64       // Unix nanoseconds
+	Mode  fs.FileMode // type and permission bits (FileInfo.Mode)
 }
 
 // Same reports whether two identities name the same file in the same state:
@@ -49,6 +49,8 @@ func IdentityOf(fi os.FileInfo) (Identity, error) {
 
 // Stater is implemented by Files that can stat themselves (fstat).
 type Stater interface {
+	// Stat returns the open file's FileInfo, whose Sys() is a
+	// *syscall.Stat_t.
 	Stat() (os.FileInfo, error)
 }
 

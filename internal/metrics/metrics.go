@@ -31,8 +31,8 @@ import (
 // Sources are what the collector reads at every scrape. A nil field leaves
 // its metrics out.
 type Sources struct {
-	Engine func() engine.Stats
-	Server func() server.Stats
+	Engine func() engine.Stats // the storage engine's stats (engine.Engine.Stats)
+	Server func() server.Stats // the socket server's stats (server.Server.Stats)
 	// Policy is the policy's state; its counters must not go down when a
 	// reload replaces the policy host (the daemon adds the old host's).
 	Policy func() PolicyState
@@ -75,7 +75,7 @@ type PolicyState struct {
 // DataPath is the data mover chain of one mount for GPU memory and the
 // plans each of its movers passed on to the next (transfer.Chain).
 type DataPath struct {
-	Mount     string
+	Mount     string            // the mount's path, the metrics' mount label
 	Fallbacks map[string]uint64 // by mover name
 }
 

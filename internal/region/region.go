@@ -73,9 +73,9 @@ type Addressable interface {
 
 // Segment is Length bytes at Offset in Region.
 type Segment struct {
-	Region Region
-	Offset int64
-	Length int64
+	Region Region // the memory the segment lies in
+	Offset int64  // where the segment starts in Region, in bytes
+	Length int64  // the segment's size in bytes
 }
 
 // Check reports whether the segment lies inside its region.

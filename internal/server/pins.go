@@ -12,8 +12,14 @@ import (
 // frames); *engine.Engine implements it. A server whose engine does not
 // answers them with Error(unsupported).
 type Pinner interface {
+	// Pin pins the stored keys of ns until Unpin or the lease ends (lease
+	// > 0); it returns the pin's id (0 when no key was stored) and, per
+	// key, whether it is pinned.
 	Pin(ctx context.Context, ns engine.NamespaceID, keys [][]byte, lease time.Duration) (engine.PinID, []bool, error)
+	// Unpin releases a pin and returns how many keys it held; 0 if id is
+	// not a pin any more.
 	Unpin(ctx context.Context, id engine.PinID) int
+	// PinHeld reports whether id is a pin still held.
 	PinHeld(id engine.PinID) bool
 }
 

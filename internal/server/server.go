@@ -32,16 +32,30 @@ import (
 
 // Engine is what a session asks of the storage engine (*engine.Engine).
 type Engine interface {
+	// Declare returns the namespace of g, the same id for the same
+	// geometry.
 	Declare(ctx context.Context, g engine.Geometry) (engine.NamespaceID, error)
+	// RegisterCache registers a worker's paged KV cache for ns, one tensor
+	// per layer.
 	RegisterCache(ns engine.NamespaceID, layers []engine.LayerTensor) (engine.CacheID, error)
+	// UnregisterCache forgets a cache; jobs already submitted keep using
+	// it.
 	UnregisterCache(id engine.CacheID) error
+	// Store starts storing keys from cache blocks; the Job reports each
+	// key's outcome.
 	Store(ctx context.Context, req engine.StoreRequest) (*engine.Job, error)
+	// Load starts loading keys into cache blocks; the Job reports each
+	// key's outcome.
 	Load(ctx context.Context, req engine.LoadRequest) (*engine.Job, error)
+	// Lookup returns how many leading keys of ns are stored.
 	Lookup(ctx context.Context, ns engine.NamespaceID, keys [][]byte) (int, error)
+	// Delete removes the files holding keys and returns how many of the
+	// keys were stored and are now removed.
 	Delete(ctx context.Context, ns engine.NamespaceID, keys [][]byte) (int, error)
 	// Release tells the engine that no client uses the namespace any more
 	// (it no longer counts against the engine's namespace limit).
 	Release(ns engine.NamespaceID) error
+	// Stats returns the engine's counters and per-mount usage.
 	Stats() engine.Stats
 }
 

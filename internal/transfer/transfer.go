@@ -37,16 +37,17 @@ var ErrShortFile = errors.New("transfer: file shorter than the plan")
 // Sum indexes the checksum (in the sums given to WriteFile or ReadFile) that
 // the extent's bytes feed, in plan order, or is -1 for none.
 type Extent struct {
-	FileOff   int64
-	Region    region.Region
-	RegionOff int64
-	Len       int64
-	Sum       int
+	FileOff   int64         // where the extent starts in the file, in bytes
+	Region    region.Region // the memory the extent's bytes come from or go to
+	RegionOff int64         // where the extent starts in Region, in bytes
+	Len       int64         // the extent's length in bytes
+	Sum       int           // the checksum slot its bytes feed, -1 for none
 }
 
 // Plan is every payload extent of one file, sorted by FileOff and not
 // overlapping. It is built once per file and not modified by movers.
 type Plan struct {
+	// Extents are the file's payload extents, by file offset.
 	Extents []Extent
 	// Sums is the number of checksum slots the extents index.
 	Sums int
@@ -145,6 +146,7 @@ type Mover interface {
 // file's or a dead one's. The movers compare generations where they find
 // a file's state for a job, never serving one file's state to another.
 type Forgetter interface {
+	// Forget drops what the mover keeps under id's device and inode.
 	Forget(id fsys.FileID)
 }
 
@@ -157,6 +159,7 @@ type Forgetter interface {
 // its own, and the engine closes f when Prepare returns. The engine calls
 // Forget when it removes the file.
 type Preparer interface {
+	// Prepare sets up the mover's state for f, a spare file made ahead.
 	Prepare(f fsys.File)
 }
 
@@ -173,5 +176,7 @@ type Preparer interface {
 // that the engine offers no more of a batch. The engine calls Forget when
 // it removes the file.
 type Warmer interface {
+	// Warm sets up the mover's state for f, and reports whether the
+	// mover would take another file.
 	Warm(f fsys.File) bool
 }

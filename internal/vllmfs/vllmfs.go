@@ -95,14 +95,14 @@ type Fields struct {
 	// CanonicalFormat ("canonical_format", e.g. "v1-hnd") and
 	// StorageFormat ("storage_format") are written when not empty.
 	CanonicalFormat string
-	StorageFormat   string
+	StorageFormat   string // written as "storage_format" when not empty
 }
 
 // FieldError is a field out of range; it wraps ErrConfig.
 type FieldError struct {
 	Field string // the JSON name, e.g. "tp_size" or "kv_cache_groups[0].layer_names"
-	Got   any
-	Want  string
+	Got   any    // the value found
+	Want  string // what was expected, e.g. "a positive size"
 }
 
 // Error names the field, its value and what was expected.

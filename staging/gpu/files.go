@@ -134,12 +134,12 @@ type offer struct {
 type FileStats struct {
 	// Files and Bytes are the files mapped and registered now.
 	Files int
-	Bytes int64
+	Bytes int64 // the bytes of their mappings
 	// Limit is the most files kept (Config.RegisterFiles after the
 	// descriptor and mapping limits), LimitBytes the most bytes
 	// (Config.RegisterBytes; 0: no bound but Limit).
 	Limit      int
-	LimitBytes int64
+	LimitBytes int64 // Config.RegisterBytes; 0: no bound but Limit
 	// Registered counts registrations, Released the files unregistered
 	// since (forgotten, unlinked, resized, dropped for others or at
 	// Close), Failed the files that could not be mapped or registered,
@@ -161,7 +161,7 @@ type FileStats struct {
 	// then registered, or found forgotten or not wanted any more), and
 	// Waited is how long it waited.
 	Waits  uint64
-	Waited time.Duration
+	Waited time.Duration // how long the registrar waited, summed over Waits
 }
 
 // errGone: a file offered for registration was removed or replaced

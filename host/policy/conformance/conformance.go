@@ -42,7 +42,7 @@ type Options struct {
 	// CallTimeout and MemoryLimit are the host's limits; zero means the
 	// host's defaults.
 	CallTimeout time.Duration
-	MemoryLimit int64
+	MemoryLimit int64 // bytes of linear memory per instance
 	// Params is the plugin configuration passed to kvhost_init.
 	Params map[string]string
 	// Entries is the number of entries of the capacity-pressure check;
@@ -57,20 +57,20 @@ type Options struct {
 
 // Check is the result of one named check.
 type Check struct {
-	Name string
+	Name string // the check's name, as the report lists it
 	// Rule is the rule of docs/abi.md the check enforces.
 	Rule     string
-	OK       bool
-	Message  string // why it failed, or what it established
-	Duration time.Duration
+	OK       bool          // the check passed
+	Message  string        // why it failed, or what it established
+	Duration time.Duration // how long the check ran
 }
 
 // HookTiming is the time of the calls into the plugin of one hook, over the
 // whole run, against the deadline of one call.
 type HookTiming struct {
 	Hook    string // export name, "kvhost_name", ...
-	Calls   int
-	Records int
+	Calls   int    // calls into the plugin
+	Records int    // records passed in those calls
 	// P50, P99 and Max are the median, 99th percentile and slowest call.
 	P50, P99, Max time.Duration
 	// OverDeadline counts the calls that took longer than the deadline.
@@ -79,10 +79,10 @@ type HookTiming struct {
 
 // Report is the result of a run.
 type Report struct {
-	Plugin string
+	Plugin string // the plugin's name, Options.Name
 	// Info describes the module (what `kvhost policy inspect` prints).
 	Info   policy.Info
-	Checks []Check
+	Checks []Check // every check run, in order
 	// Deadline is the deadline of one call the run used.
 	Deadline time.Duration
 	// Timing has one entry per hook the plugin was called with.
@@ -90,7 +90,7 @@ type Report struct {
 	// Stats are the counters of the suite's main host at the end of the
 	// run; valid when HasStats (the module loaded).
 	Stats    policy.Stats
-	HasStats bool
+	HasStats bool // Stats is set: the module loaded
 }
 
 // OK reports whether every check passed.

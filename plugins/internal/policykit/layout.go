@@ -11,7 +11,7 @@ import (
 //	keys_per_file = 1..256  (default 1)
 //	order         = layer | block  (default layer)
 type Layout struct {
-	KeysPerFile uint32
+	KeysPerFile uint32 // 1..abi.MaxKeysPerFile keys share one file
 	Order       uint32 // abi.OrderLayerMajor or abi.OrderBlockMajor
 }
 

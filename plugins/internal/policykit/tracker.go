@@ -27,8 +27,8 @@ const MaxClasses = 1024
 //     A pin on an unknown entry learns it, already pinned.
 //   - AccessRemove forgets the entry; removing an unknown entry is a no-op.
 type Tracker struct {
-	Pool  Pool
-	Lists []List
+	Pool  Pool   // every entry tracked
+	Lists []List // one list per class, indexed by Entry.Class
 	// IgnoreUnknownHits makes a hit on an unknown entry a no-op instead of
 	// learning it. A policy whose entries move between mounts sets it: a
 	// lookup's hit delivered after the REMOVE of a moved (or evicted)

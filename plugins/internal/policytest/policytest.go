@@ -14,7 +14,7 @@ import (
 
 // Driver runs one policy instance.
 type Driver struct {
-	D       *guest.Dispatcher
+	D       *guest.Dispatcher // the dispatcher the policy runs behind
 	scratch []byte
 }
 
