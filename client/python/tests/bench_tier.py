@@ -144,7 +144,7 @@ def lookup_latency(daemon, keys, row, reps, model):
                 tier_us.append((time.perf_counter() - t0) * 1e6)
                 if tier.counters().get("lookup_misses"):
                     raise SystemExit("lookup missed a stored key")
-                ns = tier._ns
+                ns = tier.namespace
             finally:
                 tier.shutdown()
         cns = c.declare(ns.geometry)

@@ -48,12 +48,28 @@ class Daemon:
                     f'{extra_toml}\n[[mount]]\npath = "{self.dir}"\ncapacity = "{capacity}"\n'
                     f'{after_toml}\n')
         self.log = open(os.path.join(self.tmp, "kvhost.log"), "w+")
+        self._start()
+
+    def _start(self):
         self.proc = subprocess.Popen([kvhost_binary(), "--config", self.config],
                                      stdout=subprocess.PIPE, stderr=self.log, text=True)
         line = self.proc.stdout.readline().strip()
         if line != f"kvhost: listening on unix:{self.socket}":
             self.stop()
             raise RuntimeError(f"kvhost did not start: {line!r}\n{self.logs()}")
+
+    def halt(self, sig=signal.SIGTERM):
+        """Stops the daemon with sig (SIGKILL: a crash), keeping its
+        directory and configuration for start_again."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(30)
+        self.proc.stdout.close()
+
+    def start_again(self):
+        """A new daemon process on the same directory, socket and
+        configuration (after halt): a restart, as an upgrade does."""
+        self._start()
 
     def logs(self):
         self.log.flush()

@@ -9,6 +9,7 @@ import struct
 import tempfile
 import unittest
 import warnings
+import weakref
 from unittest import mock
 
 import kvhost
@@ -117,6 +118,41 @@ class TestConnect(unittest.TestCase):
                     self.assertEqual(c.stats()["clients"], 1)
         finally:
             d.stop()
+
+
+class TestLostConnection(unittest.TestCase):
+    def test_errors_after_the_daemon_left_are_fresh_and_keep_no_callers_frames(self):
+        # The client keeps the error that closed its connection and raises
+        # it to every later call. Raising the one object again chained each
+        # caller's frames onto its traceback, which the client holds: a
+        # caller's locals (a vLLM tier, vLLM's region) then lived until the
+        # garbage collector ran.
+        d = Daemon()
+        self.addCleanup(d.stop)
+        c = kvhost.Client(d.socket)
+        self.addCleanup(c.close)
+        d.halt()
+        gc.disable()
+        self.addCleanup(gc.enable)
+
+        class Held:
+            pass
+
+        def call(held):
+            try:
+                c.stats()
+            except kvhost.ConnectionLost as e:
+                return str(e)  # the caller is done with e: nothing else holds this frame
+            self.fail("a request after the daemon left succeeded")
+
+        said, refs = [], []
+        for _ in range(3):
+            held = Held()
+            refs.append(weakref.ref(held))
+            said.append(call(held))
+            del held
+        self.assertEqual(said, [said[0]] * 3, "each call after the loss says why")
+        self.assertEqual([r() for r in refs], [None] * 3, "a caller's locals kept alive by the client")
 
 
 class TestRegisterCudaTensor(unittest.TestCase):

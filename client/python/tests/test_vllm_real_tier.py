@@ -281,6 +281,40 @@ class StatsAndShutdown(RealTieringCase):
         h.close()
 
 
+class DaemonRestart(RealTieringCase):
+
+    def test_a_daemon_restart_under_vllms_manager_is_survived_and_its_region_closes_cleanly(self):
+        # The daemon restarts (SIGTERM, then a new process on the same
+        # socket and directory) while vLLM's TieringOffloadingManager runs
+        # with the tier: lookups answer MISS while it is gone, the tier
+        # connects again by itself, the rows stored before come back byte
+        # for byte, and vLLM's region still closes without a warning.
+        R = self.api.LookupResult
+        h = self.engine(tier={"reconnect_s": 0.05})
+        m, ctx = h.manager, self.ctx()
+        m.on_new_request(ctx)
+        tier = m.secondary_tiers[0]
+        ks = [key(i, "restart") for i in range(3)]
+        want = self.offload(h, ks, ctx)
+        m.reset_cache()  # the next hits must come from kvhost
+        self.daemon.halt()
+        try:
+            self.assertEqual(self.settle(m, key(9, "restart"), ctx)[-1], R.MISS)
+            d.wait_for(lambda: not tier.counters()["connected"], what="the tier to notice the daemon left")
+            self.assertEqual(self.settle(m, ks[0], ctx)[-1], R.MISS, "a lookup while the daemon is gone")
+        finally:
+            self.daemon.start_again()
+        d.wait_for(lambda: tier.counters()["connected"], what="the tier to connect again")
+        np.testing.assert_array_equal(self.promote_and_read(h, ks, ctx), want)
+        self.assertEqual(tier.counters()["reconnects"], 1)
+        self.handles.remove(h)
+        with self.region_warnings() as warned:
+            h.manager.shutdown()
+        self.assertEqual(warned, [])
+        h.manager = None
+        h.close()
+
+
 class VllmFsInterop(RealTieringCase):
     """vLLM's own fs tier writes a directory; a kvhost daemon adopts it as a
     vllm-fs mount; KvhostTier (vllm_fs=true) in another engine of the same

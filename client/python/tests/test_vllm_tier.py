@@ -3,14 +3,17 @@
 Run: cd client/python && PYTHONPATH=src /usr/bin/python3 -m unittest discover -s tests
 """
 
+import gc
 import importlib.util
 import mmap
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import unittest
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -196,7 +199,7 @@ class FailedAndPartialPromotions(TierCase):
         # Between the lookup and the load, another client removes key 2.
         other = kvhost.Client(self.daemon.socket)
         self.addCleanup(other.close)
-        ns = other.declare(t._ns.geometry)
+        ns = other.declare(t.namespace.geometry)
         self.assertEqual(other.delete(ns, [ks[2]]), 1)
 
         dst = [10, 11, 12, 13]
@@ -313,22 +316,22 @@ class Namespaces(TierCase):
                      S.fake_spec(blocks_per_chunk=2), S.fake_spec(tokens_per_block=32),
                      S.fake_spec(canonical_layout=False, replicated_layout=True)):
             b = self.tier(np.zeros_like(region), spec=spec)
-            self.assertNotEqual(b._ns.fingerprint, a._ns.fingerprint)
+            self.assertNotEqual(b.namespace.fingerprint, a.namespace.fingerprint)
             self.assertEqual(self.lookup_settled(b, ks[0])[-1], S.LookupResult.MISS)
         same = self.tier(np.zeros_like(region))
-        self.assertEqual(same._ns.fingerprint, a._ns.fingerprint)
+        self.assertEqual(same.namespace.fingerprint, a.namespace.fingerprint)
         self.assertEqual(self.lookup_settled(same, ks[0])[-1], S.LookupResult.HIT)
 
     def test_a_different_row_size_is_a_different_namespace(self):
         a = self.tier(random_region())
         b = self.tier(random_region(row=2 * ROW))
-        self.assertNotEqual(a._ns.fingerprint, b._ns.fingerprint)
-        self.assertEqual(b._ns.key_bytes, 2 * ROW)
+        self.assertNotEqual(a.namespace.fingerprint, b.namespace.fingerprint)
+        self.assertEqual(b.namespace.key_bytes, 2 * ROW)
 
     def test_the_namespace_option_separates_equal_geometries(self):
         a = self.tier(random_region())
         b = self.tier(random_region(), namespace="tenant-b")
-        self.assertNotEqual(a._ns.fingerprint, b._ns.fingerprint)
+        self.assertNotEqual(a.namespace.fingerprint, b.namespace.fingerprint)
 
 
     def test_two_engines_of_one_model_share_rows(self):
@@ -347,7 +350,7 @@ class Namespaces(TierCase):
         ks = keys(1, "agnostic")
         self.store(a, ks, [0])
         b = self.tier(np.zeros_like(region), spec=S.fake_spec(tp=2, agnostic=True))
-        self.assertEqual(b._ns.geometry.model, a._ns.geometry.model)
+        self.assertEqual(b.namespace.geometry.model, a.namespace.geometry.model)
         self.assertEqual(self.lookup_settled(b, ks[0])[-1], S.LookupResult.HIT)
         c = self.tier(np.zeros_like(region), spec=S.fake_spec(tp=2))
         self.assertEqual(self.lookup_settled(c, ks[0])[-1], S.LookupResult.MISS)
@@ -355,7 +358,7 @@ class Namespaces(TierCase):
     def test_the_namespace_option_adds_to_the_identity_and_never_replaces_it(self):
         a = self.tier(random_region(), namespace="shared")
         b = self.tier(random_region(), spec=S.fake_spec(model="Qwen/Qwen3-8B"), namespace="shared")
-        self.assertNotEqual(a._ns.fingerprint, b._ns.fingerprint)
+        self.assertNotEqual(a.namespace.fingerprint, b.namespace.fingerprint)
 
 
 class Identity(unittest.TestCase):
@@ -486,7 +489,7 @@ class Lifecycle(TierCase):
             vllm_logger.propagate = old[1]
         line = [m for m in seen if m.startswith("kvhost tier: namespace ")]
         self.assertEqual(len(line), 1, seen)
-        self.assertIn(t._ns.geometry.model, line[0])
+        self.assertIn(t.namespace.geometry.model, line[0])
 
     def test_vllms_generic_tier_keys_are_accepted_and_locality_honoured(self):
         detector = object()
@@ -541,7 +544,7 @@ class VllmFsMount(unittest.TestCase):
         t = Tier(offloading_spec=S.fake_spec(), primary_kv_view=memoryview(region), tier_type="KvhostTier",
                  socket=self.daemon.socket, vllm_fs=True)
         self.addCleanup(t.shutdown)
-        self.assertEqual(t._ns.geometry.model, "vllm-fs:" + self.base)
+        self.assertEqual(t.namespace.geometry.model, "vllm-fs:" + self.base)
         k = keys(1, "fs")[0]
         j = S.TransferJob(job_id=1, keys=[k], block_ids=np.asarray([2]), is_promotion=False, req_context=CTX)
         t.submit_store(j)
@@ -553,6 +556,142 @@ class VllmFsMount(unittest.TestCase):
         with self.assertRaisesRegex(RuntimeError, "no vllm-fs mount of the daemon serves this model"):
             Tier(offloading_spec=S.fake_spec(model="Qwen/Qwen3-8B"), primary_kv_view=memoryview(random_region(rows=4)),
                  tier_type="KvhostTier", socket=self.daemon.socket, vllm_fs=True)
+
+
+class DaemonRestart(TierCase):
+    """The daemon stops under a running tier (an upgrade's restart, or a
+    crash) and a new one starts on the same socket and directory: while it
+    is gone, lookups answer MISS and jobs fail at once; the tier connects
+    again by itself and then serves the rows stored before and stores new
+    ones, on either data path."""
+
+    def trigger_loss(self, t, tag):
+        """A lookup the tier must ask the daemon about: it finds the
+        connection gone and answers MISS."""
+        self.assertEqual(self.lookup_settled(t, S.offload_key(("gone", tag)))[-1], S.LookupResult.MISS)
+        d.wait_for(lambda: not t.counters()["connected"], what="the tier to notice the daemon is gone")
+
+    def restart_under(self, t, region, sig, tag):
+        ks = keys(4, tag)
+        self.store(t, ks, range(4))
+        want = region[:4].copy()
+        self.daemon.halt(sig)
+        self.trigger_loss(t, tag)
+        self.assertEqual(t.lookup(ks[0], CTX), S.LookupResult.MISS, "a lookup while the daemon is gone")
+        j = self.job(keys(2, tag + "-down"), [6, 7])
+        t.submit_store(j)
+        self.assertFalse(self.finished(t, 1)[j.job_id].success, "a store while the daemon is gone")
+
+        self.daemon.start_again()
+        d.wait_for(lambda: t.counters()["connected"], what="the tier to connect again")
+        st = t.counters()
+        self.assertEqual((st["disconnects"], st["reconnects"]), (1, 1))
+        for k in ks:
+            self.assertEqual(self.lookup_settled(t, k)[-1], S.LookupResult.HIT, "a row stored before the restart")
+        region[20:24] = 0
+        j = self.job(ks, [20, 21, 22, 23], promotion=True)
+        t.submit_load(j)
+        res = self.finished(t, 1)[j.job_id]
+        self.assertTrue(res.success, res)
+        np.testing.assert_array_equal(region[20:24], want)
+        more = keys(2, tag + "-after")
+        self.store(t, more, [4, 5])
+        for k in more:
+            self.assertEqual(self.lookup_settled(t, k)[-1], S.LookupResult.HIT, "a row stored after the restart")
+
+    def test_a_restart_and_a_crash_are_survived_on_the_copy_path(self):
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            with self.subTest(sig=sig.name):
+                region = random_region(seed=21)
+                t = self.tier(region, zero_copy="off", reconnect_s=0.05)
+                self.assertEqual(t.data_path, "copy")
+                self.restart_under(t, region, sig, f"copy-{sig.name}")
+
+    def test_a_restart_is_survived_on_the_zero_copy_path(self):
+        buf = kvhost.HostBuffer(ROWS * ROW)
+        self.addCleanup(buf.close)
+        region = np.frombuffer(buf.mmap, dtype=np.uint8).reshape(ROWS, ROW)
+        region[:] = random_region(seed=22)
+        t = self.tier(region, zero_copy="on", reconnect_s=0.05)
+        self.assertEqual(t.data_path, "zero-copy")
+        self.restart_under(t, region, signal.SIGTERM, "zc")
+        t.shutdown()
+        self.tiers.remove(t)
+        del region
+
+    def test_reconnect_s_zero_stays_disconnected_and_shutdown_returns_while_the_daemon_is_gone(self):
+        never = self.tier(random_region(seed=23), zero_copy="off", reconnect_s=0)
+        trying = self.tier(random_region(seed=24), zero_copy="off", reconnect_s=0.05)
+        self.daemon.halt(signal.SIGTERM)
+        try:
+            for t, tag in ((never, "never"), (trying, "trying")):
+                self.trigger_loss(t, tag)
+            done = threading.Event()
+            threading.Thread(target=lambda: (trying.shutdown(), done.set()), daemon=True).start()
+            d.wait_for(done.is_set, what="shutdown while the tier tries to connect again")
+            self.assertEqual([r for r in trying._reconnectors if r.is_alive()], [],
+                             "a reconnect thread outlived shutdown")
+        finally:
+            self.daemon.start_again()
+        j = self.job(keys(1, "never"), [0])
+        never.submit_store(j)
+        self.assertFalse(self.finished(never, 1)[j.job_id].success, "reconnect_s = 0 connected again")
+        st = never.counters()
+        self.assertEqual((st["connected"], st.get("reconnects", 0)), (False, 0))
+
+
+class LostOrLate(unittest.TestCase):
+    """Which errors end a session: a late job or reply (TimeoutError,
+    an OSError too) leaves a working connection alone."""
+
+    class Client:
+        def __init__(self, up):
+            self.up = up
+
+        def connected(self):
+            return self.up
+
+    def test_only_errors_of_a_gone_connection_count_as_lost(self):
+        from kvhost.vllm.tier import _lost_connection
+        cases = [
+            ("connection lost", kvhost.ConnectionLost("daemon closed the connection"), True, True),
+            ("broken pipe", BrokenPipeError(), True, True),
+            ("a job past job_timeout_s", TimeoutError("job 3 not complete after 60s"), True, False),
+            ("a refusal", kvhost.KvhostError(1, "bad request"), True, False),
+            ("any error once the client says it is closed", TimeoutError(), False, True),
+        ]
+        for name, err, up, want in cases:
+            with self.subTest(name):
+                self.assertEqual(_lost_connection(err, self.Client(up)), want)
+
+
+class LostConnectionLeavesNoExport(TierCase):
+
+    def test_a_job_that_met_the_lost_connection_keeps_no_view_of_vllms_region_after_shutdown(self):
+        # The error a job meets passes through the frame holding the array
+        # over vLLM's region: kept whole, it would keep the region exported
+        # and vLLM's close of its mapping would fail.
+        f = tempfile.TemporaryFile()
+        self.addCleanup(f.close)
+        os.ftruncate(f.fileno(), ROWS * ROW)
+        m = mmap.mmap(f.fileno(), ROWS * ROW)
+        region = np.frombuffer(m, dtype=np.uint8).reshape(ROWS, ROW)
+        t = Tier(offloading_spec=S.fake_spec(), primary_kv_view=memoryview(region), tier_type="KvhostTier",
+                 socket=self.daemon.socket, zero_copy="off", reconnect_s=0)
+        del region
+        self.daemon.halt()
+        try:
+            j = self.job(keys(1, "leak"), [0])
+            t.submit_store(j)
+            self.assertFalse(self.finished(t, 1)[j.job_id].success)
+            self.assertFalse(t.counters()["connected"], "the job did not find the connection lost")
+            gc.disable()
+            self.addCleanup(gc.enable)
+            t.shutdown()
+            del t
+            m.close()  # BufferError while anything still exports the mapping
+        finally:
+            self.daemon.start_again()
 
 
 class ZeroCopy(TierCase):

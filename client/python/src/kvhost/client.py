@@ -34,6 +34,17 @@ class ConnectionLost(Exception):
     """The connection to the daemon is closed."""
 
 
+def _again(err):
+    """A new exception equal to err, the error that closed a connection,
+    for one more caller. Raising the stored one again would chain every
+    caller's frames onto its one traceback, which the client keeps: their
+    locals (a vLLM tier and the region it was given, say) would stay alive
+    until the garbage collector finds the cycle."""
+    if isinstance(err, KvhostError):
+        return type(err)(err.code, err.message)
+    return type(err)(*err.args)
+
+
 @dataclasses.dataclass(frozen=True)
 class Geometry:
     """A model's KV-cache shape at one tensor-parallel rank."""
@@ -120,7 +131,7 @@ class Job:
         if not self._event.wait(timeout):
             raise TimeoutError(f"job {self.id} not complete after {timeout}s")
         if self._error is not None:
-            raise self._error
+            raise _again(self._error)
         return self._result
 
     def cancel(self):
@@ -280,7 +291,7 @@ class Client:
     def _call(self, ftype, body, fds=None):
         with self._lock:
             if self._closed is not None:
-                raise self._closed
+                raise _again(self._closed)
             self._next += 1
             req_id = self._next
             pend = _Pending()
@@ -300,7 +311,7 @@ class Client:
         if not pend.event.wait(self._timeout):
             raise TimeoutError(f"no reply to request {req_id} after {self._timeout}s")
         if pend.error is not None:
-            raise pend.error
+            raise _again(pend.error)
         if pend.ftype == p.T_ERROR:
             code, msg = p.decode_error(pend.body)
             if code == p.CODE_UNSUPPORTED:
@@ -419,7 +430,7 @@ class Client:
         fp = self._fps.get(ns)
         if table and fp is not None:
             if self._closed is not None:
-                raise self._closed
+                raise _again(self._closed)
             got = table.leading(fp, keys)  # checks the keys as the daemon would
             if got is not None:
                 n, final = got

@@ -24,6 +24,8 @@ COUNTERS = {
     "lookup_retries": ("lookup_retries", "Lookups kvhost answered RETRY (its answer pending)."),
     "lookup_errors": ("lookup_errors", "Daemon lookups that failed (answered MISS)."),
     "job_errors": ("job_errors", "Jobs that failed on an error talking to the daemon."),
+    "disconnects": ("disconnects", "Times the connection to the kvhost daemon was lost."),
+    "reconnects": ("reconnects", "Times the connection to the kvhost daemon was made again after it was lost."),
 }
 PREFIX = "vllm:kv_offload_kvhost_"
 INFLIGHT = PREFIX + "inflight_jobs"

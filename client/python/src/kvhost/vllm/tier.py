@@ -27,7 +27,7 @@ import time
 
 from .. import lookuptable
 from .. import protocol as p
-from ..client import Client, KvhostError, Layer, default_socket
+from ..client import Client, ConnectionLost, KvhostError, Layer, default_socket
 from ..memory import HostBuffer
 from . import _compat, _metrics, _namespace
 from ._common import (daemon_key as _daemon_key, mapping_of as _mapping_of, merge_options,
@@ -50,6 +50,7 @@ _OWN_KEYS = {
     "client_name": "vllm-tier",
     "max_events": 1 << 16,
     "vllm_fs": False,
+    "reconnect_s": 1.0,
 }
 # Keys vLLM's factory passes to every tier beside the tier's own ones:
 # "type" and "module_path" (older factories), "locality" (LOCAL or REMOTE,
@@ -96,10 +97,41 @@ def _options(own):
     for k in ("threads", "max_events"):
         if not isinstance(o[k], int) or isinstance(o[k], bool) or o[k] < 1:
             raise ValueError(f"kvhost.vllm: {k}: want an integer >= 1, got {o[k]!r}")
-    for k in ("lookup_ttl_s", "lookup_wait_s", "job_timeout_s"):
+    for k in ("lookup_ttl_s", "lookup_wait_s", "job_timeout_s", "reconnect_s"):
         if not isinstance(o[k], (int, float)) or o[k] < 0:
             raise ValueError(f"kvhost.vllm: {k}: want seconds >= 0, got {o[k]!r}")
     return o
+
+
+class _Session:
+    """One connection to the daemon and what the tier holds on it: the
+    namespace declared, the memory registered and the cache over it. A
+    reconnection builds a new one and swaps it in whole."""
+
+    __slots__ = ("client", "ns", "region", "cache")
+
+    def __init__(self, client):
+        self.client, self.ns, self.region, self.cache = client, None, None, None
+
+    def release(self):
+        """Unregisters what it holds (where the connection still works)
+        and closes the connection."""
+        for fn, arg in ((self.client.unregister_cache, self.cache), (self.client.unregister_memory, self.region)):
+            if arg is not None:
+                try:
+                    fn(arg)
+                except Exception as e:  # the connection's end releases them anyway
+                    log.debug("kvhost tier: release: %s", e)
+        self.client.close()
+
+
+def _lost_connection(e, client):
+    """Whether e (raised talking to the daemon over client) means the
+    connection is gone, rather than a request refused or a job or reply
+    late (TimeoutError, an OSError too, leaves the connection as it is)."""
+    if not client.connected() or isinstance(e, ConnectionLost):
+        return True
+    return isinstance(e, OSError) and not isinstance(e, TimeoutError)
 
 
 class _TierImpl:
@@ -158,21 +190,14 @@ class _TierImpl:
         self._reported_inflight = 0
         self._staging = None
         self._slot_ranges = None
-        self._cache = None
-        self._region = None
         self._zero_copy_error = None
+        self._s = None             # the connection in use (_Session)
+        self._down = None          # what lost it (text), until a reconnection
+        self._reconnectors = []    # the threads connecting again (shutdown joins them)
+        self._geom = geom
 
         try:
-            self._client = Client(o["socket"], name=o["client_name"])
-        except OSError as e:
-            raise ConnectionError(f"kvhost.vllm: cannot connect to the kvhost daemon at {o['socket']}: {e} "
-                                  f"(set the tier's \"socket\" key or KVHOST_SOCKET)") from e
-        try:
-            self._ns = self._client.declare(geom)
-            if self._ns.key_bytes != self._row_bytes:
-                raise RuntimeError(f"kvhost.vllm: the daemon derived {self._ns.key_bytes} bytes per key, "
-                                   f"want the row's {self._row_bytes}")
-            self.data_path = self._setup_data_path(geom)
+            self._s = self._connect(first=True)
         except KvhostError as e:
             self._release()
             if o["vllm_fs"]:
@@ -191,7 +216,40 @@ class _TierImpl:
                  lookuptable.NATIVE or "python (kvhost._lookup not built: install gcc and python3-dev, "
                  "then the client again)")
 
+    @property
+    def namespace(self):
+        """The kvhost namespace this tier declared (kvhost.Namespace): its
+        geometry, model id and fingerprint."""
+        return self._s.ns
+
     # -- set-up ---------------------------------------------------------------
+
+    def _connect(self, first):
+        """A new session: connects, declares the namespace and registers
+        the data path's memory (on the first connection choosing the data
+        path, later the same one again). Nothing of it stays on failure."""
+        o = self._opts
+        try:
+            client = Client(o["socket"], name=o["client_name"])
+        except OSError as e:
+            raise ConnectionError(f"kvhost.vllm: cannot connect to the kvhost daemon at {o['socket']}: {e} "
+                                  f"(set the tier's \"socket\" key or KVHOST_SOCKET)") from e
+        s = _Session(client)
+        try:
+            s.ns = client.declare(self._geom)
+            if s.ns.key_bytes != self._row_bytes:
+                raise RuntimeError(f"kvhost.vllm: the daemon derived {s.ns.key_bytes} bytes per key, "
+                                   f"want the row's {self._row_bytes}")
+            if first:
+                self.data_path = self._setup_data_path(s)
+            elif self.data_path == "zero-copy":
+                self._register_primary(s)
+            else:
+                self._register_staging(s)
+        except BaseException:
+            s.release()
+            raise
+        return s
 
     def _adopt_region(self, np, view):
         """Reads the row geometry of vLLM's region (a (num_blocks,
@@ -207,11 +265,11 @@ class _TierImpl:
         self._view = view
         self._primary = arr.view(np.uint8) if arr.dtype != np.uint8 else arr
 
-    def _setup_data_path(self, geom):
+    def _setup_data_path(self, s):
         mode = self._opts["zero_copy"]
         if mode != "off":
             try:
-                self._register_primary()
+                self._register_primary(s)
                 return "zero-copy"
             except (OSError, KvhostError, ValueError) as e:
                 self._zero_copy_error = str(e)
@@ -220,9 +278,10 @@ class _TierImpl:
                                        f"the daemon: {e}") from e
                 log.warning("kvhost tier: zero-copy unavailable (%s); copying through a kvhost memfd", e)
         self._setup_staging()
+        self._register_staging(s)
         return "copy"
 
-    def _register_primary(self):
+    def _register_primary(self, s):
         """Registers the memory behind primary_kv_view with the daemon: the
         file the mapping comes from (vLLM's /dev/shm region) or, for a memfd,
         the mapping itself through /proc/self/map_files."""
@@ -238,23 +297,24 @@ class _TierImpl:
             size = file_off + length
             if os.fstat(fd).st_size < size:
                 raise ValueError(f"{path or 'the region'} holds {os.fstat(fd).st_size} bytes, want {size}")
-            self._region = self._register_fd(fd, size)
+            s.region = self._register_fd(s.client, fd, size)
         finally:
             os.close(fd)
-        self._cache = self._client.register_cache(self._ns, [Layer(
-            self._region, offset=file_off, block_stride=self._row_stride, plane_stride=0,
+        s.cache = s.client.register_cache(s.ns, [Layer(
+            s.region, offset=file_off, block_stride=self._row_stride, plane_stride=0,
             num_blocks=self._num_rows)])
 
-    def _register_fd(self, fd, size):
+    @staticmethod
+    def _register_fd(client, fd, size):
         try:
             sealed = fcntl.fcntl(fd, getattr(fcntl, "F_GET_SEALS", 1034)) & getattr(fcntl, "F_SEAL_SHRINK", 2)
         except OSError:
             sealed = 0
         if sealed:
-            return self._client.register_memfd(fd, size)
+            return client.register_memfd(fd, size)
         # A plain shared-memory file cannot be sealed: register it unsealed
         # (a daemon that cannot guard its copies answers unsupported).
-        return self._client.register_shared_file(fd, size)
+        return client.register_shared_file(fd, size)
 
     def _setup_staging(self):
         o = self._opts
@@ -264,12 +324,81 @@ class _TierImpl:
         self._staging = HostBuffer(slots * self._row_bytes, name="kvhost-vllm-staging")
         self._staging_rows = self._np.frombuffer(self._staging.mmap, dtype=self._np.uint8).reshape(
             slots, self._row_bytes)
-        self._region = self._client.register_buffer(self._staging)
-        self._cache = self._client.register_cache(self._ns, [Layer(
-            self._region, offset=0, block_stride=self._row_bytes, plane_stride=0, num_blocks=slots)])
         self._slot_ranges = queue.SimpleQueue()
         for i in range(threads):
             self._slot_ranges.put((i * per, per))
+
+    def _register_staging(self, s):
+        """Registers the staging memfd on s and a cache of its rows."""
+        s.region = s.client.register_buffer(self._staging)
+        s.cache = s.client.register_cache(s.ns, [Layer(
+            s.region, offset=0, block_stride=self._row_bytes, plane_stride=0,
+            num_blocks=len(self._staging_rows))])
+
+    # -- losing the daemon and finding it again ---------------------------------
+
+    def _lost(self, s, e):
+        """Session s lost its connection (e): from now on lookups answer MISS
+        and jobs fail at once, without waiting on a dead socket, and a
+        thread connects again every reconnect_s (0: never) until a daemon
+        answers on the socket; then the tier goes on as before."""
+        with self._cv:
+            if self._closing or self._s is not s or self._down is not None:
+                return
+            # Its text only: the exception's traceback holds the frames of
+            # the job that met it, and through them vLLM's region.
+            self._down = f"{type(e).__name__}: {e}"
+            self._answers.clear()
+            self._stats["disconnects"] += 1
+            every = self._opts["reconnect_s"]
+            if every > 0:
+                t = threading.Thread(target=self._reconnect, args=(s,), name="kvhost-tier-reconnect",
+                                     daemon=True)
+                # An earlier one may still be releasing its old session.
+                self._reconnectors = [r for r in self._reconnectors if r.is_alive()] + [t]
+                t.start()
+            self._cv.notify_all()
+        if every > 0:
+            log.warning("kvhost tier: lost the daemon connection (%s): lookups answer MISS and jobs fail "
+                        "until it is back; connecting again every %gs", e, every)
+        else:
+            log.warning("kvhost tier: lost the daemon connection (%s): lookups answer MISS and jobs fail "
+                        "from now on (reconnect_s = 0)", e)
+
+    def _reconnect(self, old):
+        """Connects again until it succeeds or the tier shuts down; swaps
+        the new session in and releases the old one."""
+        tries, since, said = 0, time.monotonic(), time.monotonic()
+        while True:
+            with self._cv:
+                # The whole interval: jobs and lookups notify the condition.
+                deadline = time.monotonic() + self._opts["reconnect_s"]
+                while not self._closing and (left := deadline - time.monotonic()) > 0:
+                    self._cv.wait(left)
+                if self._closing:
+                    return
+            tries += 1
+            try:
+                s = self._connect(first=False)
+            except Exception as e:  # no daemon yet, or one that refuses: try again
+                if time.monotonic() - said >= 60:
+                    said = time.monotonic()
+                    log.warning("kvhost tier: still no daemon connection after %d tries: %s", tries, e)
+                continue
+            with self._cv:
+                closing = self._closing
+                if not closing:
+                    self._s, self._down = s, None
+                    self._answers.clear()  # MISS answered while down
+                    self._stats["reconnects"] += 1
+                    self._cv.notify_all()
+            if closing:
+                s.release()
+                return
+            old.release()
+            log.info("kvhost tier: connected to the daemon again after %.1fs (%d tries): namespace %s",
+                     time.monotonic() - since, tries, s.ns.geometry.model)
+            return
 
     # -- lookups ---------------------------------------------------------------
 
@@ -285,6 +414,9 @@ class _TierImpl:
                 if self._storing[key]:
                     self._stats["lookup_retries"] += 1
                     return R.RETRY
+                if self._down is not None:  # no daemon: vLLM computes the blocks
+                    self._stats["lookup_misses"] += 1
+                    return R.MISS
                 a = self._answers.get(key)
                 now = time.monotonic()
                 if a is not None and a[1] > now:
@@ -309,8 +441,9 @@ class _TierImpl:
         if not keys:
             return
         with self._cv:
-            self._touch_queue.append(keys)
-            self._cv.notify_all()
+            if self._down is None:
+                self._touch_queue.append(keys)
+                self._cv.notify_all()
 
     def _lookup_loop(self):
         while True:
@@ -321,12 +454,15 @@ class _TierImpl:
                     return
                 keys, self._lookup_queue = self._lookup_queue, []
                 touches, self._touch_queue = self._touch_queue, []
+                s, down = self._s, self._down
             answers = {}
             try:
                 rest = keys
+                if down is not None:  # no daemon: MISS below, nobody to touch
+                    rest, touches = [], []
                 while rest:
                     batch = rest[:p.MAX_KEYS_PER_REQUEST]
-                    n = self._client.lookup(self._ns, [_daemon_key(k) for k in batch])
+                    n = s.client.lookup(s.ns, [_daemon_key(k) for k in batch])
                     with self._lock:
                         self._stats["daemon_lookups"] += 1
                     for k in batch[:n]:
@@ -338,11 +474,14 @@ class _TierImpl:
                         rest = rest[len(batch):]
                 for t in touches:
                     for i in range(0, len(t), p.MAX_KEYS_PER_REQUEST):
-                        self._client.touch(self._ns, [_daemon_key(k) for k in t[i:i + p.MAX_KEYS_PER_REQUEST]])
+                        s.client.touch(s.ns, [_daemon_key(k) for k in t[i:i + p.MAX_KEYS_PER_REQUEST]])
             except Exception as e:  # the daemon is gone or refused: answer MISS, vLLM recomputes
-                log.warning("kvhost tier: lookup failed: %s", e)
                 with self._lock:
                     self._stats["lookup_errors"] += 1
+                if _lost_connection(e, s.client):
+                    self._lost(s, e)
+                else:
+                    log.warning("kvhost tier: lookup failed: %s", e)
             expiry = time.monotonic() + self._opts["lookup_ttl_s"]
             with self._cv:
                 for k in keys:
@@ -387,29 +526,36 @@ class _TierImpl:
     def _run(self, job_id, keys, rows, load):
         t0 = time.monotonic()
         outcomes = [p.OUTCOME_FAILED] * len(keys)
+        with self._lock:
+            s, down = self._s, self._down
         try:
-            if self._staging is None:
+            if down is not None:  # no daemon: the job fails at once (counted by _finish)
+                pass
+            elif self._staging is None:
                 for i in range(0, len(keys), p.MAX_KEYS_PER_REQUEST):
                     sl = slice(i, i + p.MAX_KEYS_PER_REQUEST)
-                    outcomes[sl] = self._transfer(keys[sl], rows[sl], load)
+                    outcomes[sl] = self._transfer(s, keys[sl], rows[sl], load)
             else:
                 base, per = self._slot_ranges.get()
                 try:
                     for i in range(0, len(keys), per):
                         sl = slice(i, i + per)
-                        outcomes[sl] = self._staged(keys[sl], rows[sl], base, load)
+                        outcomes[sl] = self._staged(s, keys[sl], rows[sl], base, load)
                 finally:
                     self._slot_ranges.put((base, per))
         except Exception as e:
-            log.warning("kvhost tier: %s job %d failed: %s", "load" if load else "store", job_id, e)
             with self._lock:
                 self._stats["job_errors"] += 1
+            if _lost_connection(e, s.client):
+                self._lost(s, e)
+            else:
+                log.warning("kvhost tier: %s job %d failed: %s", "load" if load else "store", job_id, e)
         self._finish(job_id, keys, outcomes, load, time.monotonic() - t0)
 
-    def _transfer(self, keys, blocks, load):
+    def _transfer(self, s, keys, blocks, load):
         dk = [_daemon_key(k) for k in keys]
         bl = [[b] for b in blocks]
-        job = self._client.load(self._cache, dk, bl) if load else self._client.store(self._cache, dk, bl)
+        job = s.client.load(s.cache, dk, bl) if load else s.client.store(s.cache, dk, bl)
         try:
             res = job.wait(self._opts["job_timeout_s"] or None)
         except TimeoutError:
@@ -417,14 +563,14 @@ class _TierImpl:
             res = job.wait(self._opts["job_timeout_s"] or None)
         return [o for o, _ in res.keys]
 
-    def _staged(self, keys, rows, base, load):
+    def _staged(self, session, keys, rows, base, load):
         np = self._np
         st, pr = self._staging_rows, self._primary
         slots = list(range(base, base + len(keys)))
         if not load:
             for s, r in zip(slots, rows):
                 np.copyto(st[s], pr[r])
-        out = self._transfer(keys, slots, load)
+        out = self._transfer(session, keys, slots, load)
         if load:
             for s, r, o in zip(slots, rows, out):
                 if o == p.OUTCOME_LOADED:
@@ -535,8 +681,10 @@ class _TierImpl:
         with self._lock:
             s = dict(self._stats)
             s["inflight_jobs"] = self._inflight
+            s["connected"] = self._down is None
+            session = self._s
         s["data_path"] = self.data_path
-        s["namespace"] = self._ns.geometry.model
+        s["namespace"] = session.ns.geometry.model
         if self._zero_copy_error:
             s["zero_copy_error"] = self._zero_copy_error
         return s
@@ -564,7 +712,7 @@ class _TierImpl:
 
     def daemon_stats(self):
         """The daemon's counters (one round trip; not for the scheduler's hot path)."""
-        return self._client.stats()
+        return self._s.client.stats()
 
     def shutdown(self):
         """Waits for jobs (up to job_timeout_s each), then releases the
@@ -578,6 +726,10 @@ class _TierImpl:
             self._closing = True
             self._cv.notify_all()
         self._lookup_thread.join()
+        with self._lock:
+            reconnectors = list(self._reconnectors)
+        for t in reconnectors:
+            t.join()
         self._release()
 
     def _release(self):
@@ -585,15 +737,9 @@ class _TierImpl:
         # memoryview and closes the mapping after its tiers shut down, which
         # fails while an export of it is alive.
         self._primary = self._view = None
-        client = getattr(self, "_client", None)
-        if client is not None:
-            for fn, arg in ((client.unregister_cache, self._cache), (client.unregister_memory, self._region)):
-                if arg is not None:
-                    try:
-                        fn(arg)
-                    except Exception as e:  # the connection's end releases them anyway
-                        log.debug("kvhost tier: release: %s", e)
-            client.close()
+        s = getattr(self, "_s", None)
+        if s is not None:
+            s.release()
         if self._staging is not None:
             self._staging_rows = None
             self._staging.close()
