@@ -258,6 +258,44 @@ class TestRealSpec(RealSpecCase):
         m.reset_cache()
         self.assertEqual(m.counters()["pinned_now"], 0)
 
+    def test_a_daemon_restart_under_vllms_manager_and_worker_is_survived(self):
+        # The daemon restarts under the spec vLLM's factory made: while it
+        # is gone lookups answer MISS and prepare_store None; manager and
+        # worker connect again by themselves and keys stored before the
+        # restart load byte for byte, counted in vLLM's metrics.
+        api = self.api
+        spec = self.spec(reconnect_s=0.05)
+        m = self.manager(spec)
+        w, tensors = self.worker(spec, seed=5)
+        ctx = api.ReqContext(req_id="restart")
+        ks = [key(i, "restart") for i in range(3)]
+        out = m.prepare_store(ks, ctx)
+        self.assertTrue(self.transfer(w, True, out.store_spec, [1, 2, 3]).success)
+        m.complete_store(out.keys_to_store, ctx)
+        want = rows(tensors, [1, 2, 3])
+        self.daemon.halt()
+        try:
+            self.assertEqual(self.settle(m, ks[0], ctx), api.LookupResult.MISS)
+            self.assertIsNone(m.prepare_store([key(9, "restart")], ctx))
+        finally:
+            self.daemon.start_again()
+        d.wait_for(lambda: m.counters()["connected"], what="the manager to connect again")
+        probe = m.prepare_store([key(8, "restart")], ctx)
+        self.assertTrue(self.transfer(w, True, probe.store_spec, [8]).success)  # finds the worker's loss
+        m.complete_store(probe.keys_to_store, ctx)
+        d.wait_for(lambda: w.counters()["connected"], what="the worker to connect again")
+        for k in ks:
+            self.assertEqual(self.settle(m, k, ctx), api.LookupResult.HIT)
+        dst = [20, 21, 22]
+        for t in tensors:
+            t[dst].zero_()
+        self.assertTrue(self.transfer(w, False, m.prepare_load(ks, ctx), dst).success)
+        self.assertEqual(rows(tensors, dst), want)
+        m.complete_load(ks, ctx)
+        self.step(m)
+        counts = {n.rsplit("kvhost_", 1)[1]: sum(v.values()) for n, v in self.stats.data["data"].items()}
+        self.assertEqual((counts.get("disconnects"), counts.get("reconnects")), (1, 1))
+
     def test_get_stats_survives_vllms_aggregate_every_step(self):
         spec = self.spec()
         m = self.manager(spec)

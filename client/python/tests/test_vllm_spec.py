@@ -12,6 +12,7 @@ import dataclasses
 import importlib.util
 import pathlib
 import pickle
+import signal
 import sys
 import threading
 import types
@@ -292,6 +293,59 @@ class TestSchedulerAndWorker(SpecCase):
                 return deleted == 3 or None
             d.wait_for(all_deleted, what="the daemon to delete the released keys")
             self.assertEqual(c.lookup(ns, daemon_keys), 0)
+
+
+@unittest.skipUnless(HAVE_TORCH, "torch is not installed")
+class TestDaemonRestart(SpecCase):
+    """The daemon restarts under a running scheduler manager and worker
+    (SIGTERM or SIGKILL, then a new daemon on the same socket and
+    directory): while it is gone lookups answer MISS and prepare_store
+    None; both connect again by themselves, the worker registers its
+    tensors anew, and keys stored before the restart load byte for byte."""
+
+    def test_a_restart_and_a_crash_are_survived_and_keys_stored_before_load(self):
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            with self.subTest(sig=sig.name):
+                spec = self.spec(reconnect_s=0.05)
+                m = self.manager(spec)
+                caches, tensors = self.caches(seed=31)
+                w = self.worker(spec, caches)
+                ks = keys(4, f"restart-{sig.name}")
+                self.store(m, w, ks, [0, 1, 2, 3])
+                want = rows(tensors, [0, 1, 2, 3])
+
+                self.daemon.halt(sig)
+                try:
+                    d.wait_for(lambda: m.lookup(ks[0], CTX) == S.LookupResult.MISS,
+                               what="the manager to answer MISS with the daemon gone")
+                    self.assertFalse(m.counters()["connected"])
+                    self.assertIsNone(m.prepare_store(keys(1, f"down-{sig.name}"), CTX))
+                finally:
+                    self.daemon.start_again()
+                d.wait_for(lambda: m.counters()["connected"], what="the manager to connect again")
+                # The worker finds out at its next job: a store then moves
+                # nothing and still succeeds for vLLM.
+                out = m.prepare_store(keys(1, f"probe-{sig.name}"), CTX)
+                self.assertIsNotNone(out)
+                self.transfer(w, True, out.store_spec, [5])
+                m.complete_store(out.keys_to_store, CTX, success=True)
+                d.wait_for(lambda: w.counters()["connected"] and w.counters().get("reconnects", 0) == 1,
+                           what="the worker to connect again")
+
+                for k in ks:
+                    self.answer(m, k, S.LookupResult.HIT)
+                dst = [40, 41, 42, 43]
+                for t in tensors:
+                    t[dst[0]:dst[-1] + 1].zero_()
+                res = self.transfer(w, False, m.prepare_load(ks, CTX), dst)
+                self.assertTrue(res.success)
+                self.assertEqual(rows(tensors, dst), want)
+                m.complete_load(ks, CTX)
+                self.assertEqual((m.counters()["disconnects"], m.counters()["reconnects"]), (1, 1))
+                more = keys(2, f"after-{sig.name}")
+                self.store(m, w, more, [6, 7])
+                for k in more:
+                    self.answer(m, k, S.LookupResult.HIT)
 
 
 @unittest.skipUnless(HAVE_TORCH, "torch is not installed")

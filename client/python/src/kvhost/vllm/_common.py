@@ -2,7 +2,8 @@
 offloading spec (``spec``, ``spec_compat``, ``spec_worker``): finding
 vLLM and checking its classes, the fallback types both use without vLLM,
 the daemon key of a vLLM key, the medium events name, the memory
-mapping behind an address.
+mapping behind an address, and connecting to the daemon again after a
+lost connection.
 
 Importing this module imports nothing of vLLM.
 """
@@ -11,10 +12,16 @@ import dataclasses
 import hashlib
 import importlib.util
 import inspect
+import logging
 import os
+import threading
+import time
 import typing
 
 from .. import protocol as p
+
+# A child of vLLM's "vllm" logger, the one vLLM configures.
+_log = logging.getLogger("vllm.kvhost")
 
 
 class UnsupportedVLLM(RuntimeError):
@@ -146,3 +153,96 @@ def open_mapped(lo, hi, path):
     if path.startswith("/") and not path.endswith("(deleted)"):
         return os.open(path, os.O_RDWR | os.O_CLOEXEC)
     return os.open(f"/proc/self/map_files/{lo:x}-{hi:x}", os.O_RDWR | os.O_CLOEXEC)
+
+
+def lost_connection(e, client):
+    """Whether e, raised talking to the daemon over client, means the
+    connection is gone, rather than a request refused or a job or reply
+    late (a TimeoutError, an OSError too, leaves the connection as it is)."""
+    from ..client import ConnectionLost  # the client imports nothing of this module
+    if not client.connected() or isinstance(e, ConnectionLost):
+        return True
+    return isinstance(e, OSError) and not isinstance(e, TimeoutError)
+
+
+def connect_again(cv, closing, every, connect, log, what):
+    """The loop of a thread that connects to the daemon again after a lost
+    connection: waits every seconds (the whole interval, though others
+    notify cv), then calls connect(), until it returns or closing() (read
+    under cv) is true. Returns connect's result, or None once closing. A
+    failed try is logged at most once a minute, naming what ("tier",
+    "spec manager") and how many tries failed."""
+    tries, said = 0, time.monotonic()
+    while True:
+        with cv:
+            deadline = time.monotonic() + every
+            while not closing() and (left := deadline - time.monotonic()) > 0:
+                cv.wait(left)
+            if closing():
+                return None
+        tries += 1
+        try:
+            return connect()
+        except Exception as e:  # no daemon yet, or one that refuses: try again
+            if time.monotonic() - said >= 60:
+                said = time.monotonic()
+                log.warning("kvhost %s: still no daemon connection after %d tries: %s", what, tries, e)
+
+
+class Reconnects:
+    """What the tier, the spec's manager and its workers share about a lost
+    daemon connection: noticing it once, connecting again on a thread of
+    its own every reconnect_s (0: never), and swapping the new connection
+    in. The class sets _cv (a Condition), _closing, _stats (a Counter or
+    dict with "disconnects" and "reconnects"), _opts (with "reconnect_s"),
+    _broken (None while connected, else why not, as text), _reconnectors
+    (a list) and _what (its name in logs), and defines _current() (the
+    connection in use, compared by identity), _open() (a new one),
+    _swap_locked(new), and _drop(conn) for a connection it no longer uses."""
+
+    def _lost_locked(self, conn, why):
+        """conn's connection is gone (why): marks the object broken and
+        starts connecting again. Ignored for a connection already replaced,
+        or while closing. Called with _cv held."""
+        if self._closing or conn is not self._current() or self._broken is not None:
+            return
+        self._broken = why
+        self._stats["disconnects"] += 1
+        every = self._opts["reconnect_s"]
+        if every > 0:
+            t = threading.Thread(target=self._reconnect, args=(conn,), name=f"kvhost-{self._what}-reconnect",
+                                 daemon=True)
+            # An earlier one may still be releasing its old connection.
+            self._reconnectors = [r for r in self._reconnectors if r.is_alive()] + [t]
+            t.start()
+            _log.warning("kvhost %s: lost the daemon connection (%s); connecting again every %gs",
+                         self._what, why, every)
+        else:
+            _log.warning("kvhost %s: lost the daemon connection (%s); not connecting again (reconnect_s = 0)",
+                         self._what, why)
+        self._cv.notify_all()
+
+    def _reconnect(self, old):
+        since = time.monotonic()
+        new = connect_again(self._cv, lambda: self._closing, self._opts["reconnect_s"], self._open, _log,
+                            self._what)
+        if new is None:
+            return
+        with self._cv:
+            closing = self._closing
+            if not closing:
+                self._swap_locked(new)
+                self._broken = None
+                self._stats["reconnects"] += 1
+                self._cv.notify_all()
+        self._drop(new if closing else old)
+        if not closing:
+            _log.info("kvhost %s: connected to the daemon again after %.1fs", self._what,
+                      time.monotonic() - since)
+
+    def _join_reconnectors(self):
+        """Waits for the reconnect threads (after _closing was set)."""
+        with self._cv:
+            threads = list(self._reconnectors)
+        for t in threads:
+            t.join()

@@ -21,9 +21,10 @@ import threading
 import time
 
 from .. import protocol as p
-from ..client import Client, ConnectionLost, KvhostError
+from ..client import Client, KvhostError
 from . import _metrics
 from . import spec_compat as sc
+from ._common import Reconnects, lost_connection
 
 # vLLM configures only its "vllm" logger (and stops propagation there):
 # only its children show in vLLM's output.
@@ -44,13 +45,15 @@ class _PinBatch:
         self.refs = refs
 
 
-class SpecManager:
+class SpecManager(Reconnects):
     """The scheduler side of KvhostOffloadingSpec (vLLM's OffloadingManager).
 
     Every method vLLM calls returns at once: lookups are answered from a
     table a background thread fills with daemon pins (RETRY until it has
     answered), loads and stores only change that table; bytes move in the
     workers."""
+
+    _what = "spec manager"
 
     def __init__(self, config, api=None, opts=None, ident=None):
         self._api = api or sc.SPEC_FALLBACK
@@ -71,32 +74,60 @@ class SpecManager:
         self._events = collections.deque()
         self._stats = collections.Counter()
         self._reported = collections.Counter()  # what get_stats reported so far
-        self._broken = None
+        self._broken = None          # why the connection is gone (text), until a reconnection
         self._closing = False
+        self._reconnectors = []      # threads connecting again (shutdown joins them)
+        self._client, self._ns = self._open()
+        self.namespaces = {k: ns.geometry.model for k, ns in self._ns.items()}
+        log.info("kvhost spec: manager on %s, namespaces %s", o["socket"], sorted(set(self.namespaces.values())))
+        self._thread = threading.Thread(target=self._loop, name="kvhost-spec-pins", daemon=True)
+        self._thread.start()
+
+    def _open(self):
+        """A connection that pins, with every namespace (rank × group)
+        declared: (client, {(rank, group): Namespace})."""
+        o = self._opts
         try:
-            self._client = Client(o["socket"], name=o["client_name"])
+            client = Client(o["socket"], name=o["client_name"])
         except OSError as e:
             raise ConnectionError(f"kvhost.vllm: cannot connect to the kvhost daemon at {o['socket']}: {e} "
                                   "(set the spec option \"socket\" or KVHOST_SOCKET)") from e
         try:
             try:
-                self._client.unpin(0)  # a daemon without pins answers "unknown type"
+                client.unpin(0)  # a daemon without pins answers "unknown type"
             except KvhostError as e:
                 raise RuntimeError(f"kvhost.vllm: the kvhost daemon at {o['socket']} does not support pins "
                                    f"({e}): the offloading spec needs a daemon with Pin/Unpin "
                                    "(docs/protocol.md); upgrade it") from e
-            self._ns = {}
+            ns = {}
             for r in range(self._tp):
                 for g in range(len(self._groups)):
-                    geo = sc.geometry(sc.describe(self._ident, g, r))
-                    self._ns[(r, g)] = self._client.declare(geo)
+                    ns[(r, g)] = client.declare(sc.geometry(sc.describe(self._ident, g, r)))
         except BaseException:
-            self._client.close()
+            client.close()
             raise
-        self.namespaces = {k: ns.geometry.model for k, ns in self._ns.items()}
-        log.info("kvhost spec: manager on %s, namespaces %s", o["socket"], sorted(set(self.namespaces.values())))
-        self._thread = threading.Thread(target=self._loop, name="kvhost-spec-pins", daemon=True)
-        self._thread.start()
+        return client, ns
+
+    # -- losing the daemon and finding it again (Reconnects) ----------------------
+
+    def _current(self):
+        return self._client
+
+    def _swap_locked(self, new):
+        """The new connection in; the old pins died with the old one: keys
+        not being loaded are forgotten (asked again), those being loaded
+        keep their entry without a pin to release (an old pin id is never
+        sent to the new connection, where it may name a pin of its own)."""
+        self._client, self._ns = new
+        for batch, _ in self._pinned.values():
+            batch.pins = []
+        self._pinned = {k: e for k, e in self._pinned.items() if self._loading[k]}
+        self._releases = []
+        self._missing.clear()
+
+    @staticmethod
+    def _drop(conn):
+        (conn[0] if isinstance(conn, tuple) else conn).close()
 
     # -- lookups -------------------------------------------------------------
 
@@ -122,6 +153,8 @@ class SpecManager:
                 if self._storing[key]:
                     self._stats["lookup_hit_pending"] += 1
                     return self._hit_pending()
+                if self._broken is None and not self._client.connected():
+                    self._lost_locked(self._client, "the daemon closed the connection")
                 if self._broken is not None or self._closing:
                     self._stats["lookup_misses"] += 1
                     return R.MISS
@@ -177,30 +210,38 @@ class SpecManager:
 
     def _pin_round(self, keys, lease):
         t0 = time.monotonic()
-        pins, held = [], dict.fromkeys(keys, True)
+        pins, held, answered = [], dict.fromkeys(keys, True), True
+        with self._lock:
+            client, nss = self._client, self._ns
         try:
             for g, gkeys in self._by_group(keys).items():
                 for r in range(self._tp):
-                    ns = self._ns[(r, g)]
+                    ns = nss[(r, g)]
                     for i in range(0, len(gkeys), p.MAX_KEYS_PER_REQUEST):
                         chunk = gkeys[i:i + p.MAX_KEYS_PER_REQUEST]
-                        pin_id, ok = self._client.pin(ns, [sc.daemon_key(k) for k in chunk], lease)
+                        pin_id, ok = client.pin(ns, [sc.daemon_key(k) for k in chunk], lease)
                         if pin_id:
                             pins.append(pin_id)
                         for k, h in zip(chunk, ok):
                             held[k] = held[k] and h
         except Exception as e:  # the daemon is gone or refused: MISS, vLLM recomputes
-            log.warning("kvhost spec: pin failed: %s", e)
-            held = dict.fromkeys(keys, False)
-            with self._lock:
+            held, answered = dict.fromkeys(keys, False), False
+            lost = lost_connection(e, client)
+            if lost:
+                pins = []  # they ended with the connection
+            else:
+                log.warning("kvhost spec: pin failed: %s", e)
+            with self._cv:
                 self._stats["pin_errors"] += 1
-                if isinstance(e, (ConnectionLost, OSError)):
-                    self._broken = e
+                if lost:
+                    self._lost_locked(client, f"{type(e).__name__}: {e}")
         now = time.monotonic()
         until = t0 + self._opts["hit_window_s"]
-        batch = _PinBatch(pins, {k for k, h in held.items() if h})
         release = []
         with self._cv:
+            if client is not self._client:  # pinned on a connection since replaced
+                held, pins, answered = dict.fromkeys(keys, False), [], False
+            batch = _PinBatch(pins, {k for k, h in held.items() if h})
             s = self._stats
             s["daemon_pins"] += len(pins)
             for k, h in held.items():
@@ -215,7 +256,7 @@ class SpecManager:
                 else:
                     self._missing[k] = now + self._opts["miss_ttl_s"]
                     s["missing_keys"] += 1
-                    if self._stored_at.pop(k, None) is not None:
+                    if answered and self._stored_at.pop(k, None) is not None:
                         # Stored by this manager, gone now (evicted): tell vLLM.
                         self._event_locked([k], removed=True)
             if not batch.refs:
@@ -302,7 +343,7 @@ class SpecManager:
         now = time.monotonic()
         with self._lock:
             if self._broken is None and not self._client.connected():
-                self._broken = ConnectionError("the daemon closed the connection")
+                self._lost_locked(self._client, "the daemon closed the connection")
             if self._broken is not None or self._closing:
                 self._stats["store_refused"] += 1
                 return None
@@ -422,8 +463,10 @@ class SpecManager:
             s["pinned_now"] = len(self._pinned)
             s["loading_now"] = sum(self._loading.values())
             s["storing_now"] = sum(self._storing.values())
-        if self._broken is not None:
-            s["daemon_error"] = str(self._broken)
+            s["connected"] = self._broken is None
+            broken = self._broken
+        if broken is not None:
+            s["daemon_error"] = broken
         s["namespaces"] = sorted(set(self.namespaces.values()))
         return s
 
@@ -436,6 +479,7 @@ class SpecManager:
             self._closing = True
             self._cv.notify_all()
         self._thread.join()
+        self._join_reconnectors()
         self._client.close()
 
 

@@ -16,7 +16,7 @@ import time
 from .. import protocol as p
 from ..client import Client, ConnectionLost, KvhostError, Layer
 from . import _namespace, spec_compat as sc
-from ._common import mapping_of as _mapping_of, open_mapped as _open_mapped
+from ._common import Reconnects, lost_connection, mapping_of as _mapping_of, open_mapped as _open_mapped
 
 log = logging.getLogger("vllm.kvhost")
 
@@ -47,7 +47,7 @@ def _refs_of(kv_caches, ngroups):
     return out
 
 
-class SpecWorker:
+class SpecWorker(Reconnects):
     """Moves blocks between this worker's KV-cache tensors and the daemon.
 
     Every layer of every group moves page_bytes per GPU block — the page
@@ -70,36 +70,26 @@ class SpecWorker:
         groups = sc.groups(self._ident)
         refs = _refs_of(kv_caches, len(groups))
         self.rank = _namespace.count(config, "parallel.rank", "worker rank", least=0)
+        self._what = f"spec worker {self.rank}"
         self.shard = sc.shard_of(config)
         self._tensors = tensors
         self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+        self._broken = None          # why the connection is gone (text), until a reconnection
+        self._closing = False
+        self._reconnectors = []      # threads connecting again (shutdown joins them)
         self._transfers = {}
         self._stats = {k: 0 for k in ("store_jobs", "load_jobs", "store_keys", "stored_keys", "present_keys",
                                       "not_admitted_keys", "store_failed_keys", "store_skipped_keys",
                                       "load_keys", "loaded_keys", "load_failed_keys", "failed_load_jobs",
-                                      "bytes_stored", "bytes_loaded")}
-        self._regions = {}   # storage address -> (region id, offset of the storage in the region)
-        self._caches = []    # per group: (cache id, num blocks)
+                                      "bytes_stored", "bytes_loaded", "disconnects", "reconnects")}
         # Check every layer before talking to the daemon.
-        planes = [self._planes(g, grp["layer_names"], refs[g], padded, page) for g, grp in enumerate(groups)]
-        try:
-            self._client = Client(o["socket"], name=f"{o['client_name']}-worker{self.rank}")
-        except OSError as e:
-            raise ConnectionError(f"kvhost.vllm: cannot connect to the kvhost daemon at {o['socket']}: {e}") from e
-        try:
-            self.namespaces = []
-            for g in range(len(groups)):
-                geo = sc.geometry(sc.describe(self._ident, g, self.shard))
-                ns = self._client.declare(geo)
-                self.namespaces.append(geo.model)
-                layers, blocks = [], None
-                for ti, off in planes[g]:
-                    layers.append(self._layer(tensors[ti], page, ti, off))
-                    blocks = layers[-1].num_blocks if blocks is None else min(blocks, layers[-1].num_blocks)
-                self._caches.append((self._client.register_cache(ns, layers), blocks))
-        except BaseException:
-            self._client.close()
-            raise
+        self._layer_planes = [self._planes(g, grp["layer_names"], refs[g], padded, page)
+                              for g, grp in enumerate(groups)]
+        self._page = page
+        # _regions: storage address -> (region id, offset of the storage in
+        # the region); _caches: per group, (cache id, num blocks).
+        self._client, self._regions, self._caches, self.namespaces = self._open()
         log.info("kvhost spec: worker rank %d (shard %d): %d tensors in %d regions, namespaces %s", self.rank,
                  self.shard, len(tensors), len(self._regions), self.namespaces)
 
@@ -137,7 +127,31 @@ class SpecWorker:
 
     # -- registration ----------------------------------------------------------
 
-    def _layer(self, t, page, ti, within=0):
+    def _open(self):
+        """A connection with every group's namespace declared and its
+        tensors registered: (client, regions, caches, namespace models)."""
+        o = self._opts
+        try:
+            client = Client(o["socket"], name=f"{o['client_name']}-worker{self.rank}")
+        except OSError as e:
+            raise ConnectionError(f"kvhost.vllm: cannot connect to the kvhost daemon at {o['socket']}: {e}") from e
+        regions, caches, names = {}, [], []
+        try:
+            for g, planes in enumerate(self._layer_planes):
+                geo = sc.geometry(sc.describe(self._ident, g, self.shard))
+                ns = client.declare(geo)
+                names.append(geo.model)
+                layers, blocks = [], None
+                for ti, off in planes:
+                    layers.append(self._layer(client, regions, self._tensors[ti], self._page, ti, off))
+                    blocks = layers[-1].num_blocks if blocks is None else min(blocks, layers[-1].num_blocks)
+                caches.append((client.register_cache(ns, layers), blocks))
+        except BaseException:
+            client.close()
+            raise
+        return client, regions, caches, names
+
+    def _layer(self, client, regions, t, page, ti, within=0):
         shape, es = tuple(t.shape), t.element_size()
         if len(shape) < 2 or t.stride(0) <= 0:
             raise ValueError(f"kvhost.vllm: tensor {ti} has shape {shape}: want (num_blocks, page bytes...)")
@@ -148,23 +162,24 @@ class SpecWorker:
         if not t[0].is_contiguous() or inner < within + page or row < within + page:
             raise ValueError(f"kvhost.vllm: tensor {ti} (shape {shape}, strides {t.stride()}) does not hold "
                              f"contiguous {page}-byte pages")
-        region, base = self._region_of(t)
+        region, base = self._region_of(client, regions, t)
         off = base + t.storage_offset() * es + within
         return Layer(region, offset=off, block_stride=row, plane_stride=0, num_blocks=shape[0])
 
-    def _region_of(self, t):
+    def _region_of(self, client, regions, t):
         st = t.untyped_storage() if hasattr(t, "untyped_storage") else t.storage()
         addr = st.data_ptr()
-        if addr in self._regions:
-            return self._regions[addr]
+        if addr in regions:
+            return regions[addr]
         if getattr(t, "is_cuda", False):
-            reg = (self._client.register_cuda_tensor(t), 0)
+            reg = (client.register_cuda_tensor(t), 0)
         else:
-            reg = self._register_host(addr, st.nbytes())
-        self._regions[addr] = reg
+            reg = self._register_host(client, addr, st.nbytes())
+        regions[addr] = reg
         return reg
 
-    def _register_host(self, addr, size):
+    @staticmethod
+    def _register_host(client, addr, size):
         """Host memory: the shared-memory file behind the mapping (a memfd or a
         /dev/shm file), registered unsealed."""
         m = _mapping_of(addr, size)
@@ -179,14 +194,14 @@ class SpecWorker:
         fd = _open_mapped(lo, hi, path)
         try:
             file_off = off + (addr - lo)
-            region = self._client.register_shared_file(fd, file_off + size)
+            region = client.register_shared_file(fd, file_off + size)
         finally:
             os.close(fd)
         return region, file_off
 
     # -- transfers -------------------------------------------------------------
 
-    def _plan(self, job_id, gpu_spec, kv_spec):
+    def _plan(self, job_id, gpu_spec, kv_spec, caches):
         """Per group: (cache, keys, blocks per key) of a job, and what could
         not be planned: [(group, keys, why)]. A group's blocks must be whole
         chunks (block_indices aligned to blocks_per_chunk, blocks_per_chunk
@@ -209,15 +224,15 @@ class SpecWorker:
             gkeys = by_group.get(g, [])
             if not gkeys and not gblocks:
                 continue
-            if g >= len(self._caches):
-                bad.append((g, gkeys, f"group {g} of {len(self._caches)}"))
+            if g >= len(caches):
+                bad.append((g, gkeys, f"group {g} of {len(caches)}"))
                 continue
             if len(gblocks) != len(gkeys) * self._bpc or (n and g < len(starts) and starts[g] % self._bpc):
                 bad.append((g, gkeys, f"group {g} has {len(gkeys)} keys of {self._bpc} blocks but {len(gblocks)} "
                                       f"GPU blocks from block index {starts[g] if g < len(starts) else '?'} "
                                       "(partial chunks are not transferred)"))
                 continue
-            cache, nblocks = self._caches[g]
+            cache, nblocks = caches[g]
             outside = [b for b in gblocks if not 0 <= b < nblocks]
             if outside:
                 bad.append((g, gkeys, f"block {outside[0]} outside the cache's {nblocks} blocks"))
@@ -230,9 +245,15 @@ class SpecWorker:
         """Starts a job; always True (vLLM asserts it). What cannot be moved
         is reported by get_finished: a load fails, a store leaves those keys
         out (they are simply not stored; later lookups miss)."""
-        plan, bad = self._plan(job_id, gpu_spec, kv_spec)
+        with self._lock:
+            if self._broken is None and not self._client.connected():
+                self._lost_locked(self._client, "the daemon closed the connection")
+            client, caches, broken = self._client, self._caches, self._broken
+        plan, bad = self._plan(job_id, gpu_spec, kv_spec, caches)
         tr = _Transfer(job_id, load, len(kv_spec.keys))
         kind = "load" if load else "store"
+        if broken is not None:  # no daemon: nothing moves (a load fails; a store's keys are not stored)
+            plan, tr.error = [], f"no daemon connection ({broken})"
         for g, gkeys, why in bad:
             log.warning("kvhost spec: %s job %d: %s", kind, job_id, why)
             if load:
@@ -245,11 +266,14 @@ class SpecWorker:
             for cache, keys, blocks in plan:
                 for i in range(0, len(keys), p.MAX_KEYS_PER_REQUEST):
                     sl = slice(i, i + p.MAX_KEYS_PER_REQUEST)
-                    fn = self._client.load if load else self._client.store
+                    fn = client.load if load else client.store
                     tr.jobs.append(fn(cache, keys[sl], blocks[sl]))
         except (KvhostError, ConnectionLost, OSError, TimeoutError) as e:
-            tr.error = e
+            tr.error = f"{type(e).__name__}: {e}"
             log.warning("kvhost spec: %s job %d: %s", kind, job_id, e)
+            if lost_connection(e, client):
+                with self._lock:
+                    self._lost_locked(client, tr.error)
         with self._lock:
             self._transfers[job_id] = tr
             self._stats["load_jobs" if load else "store_jobs"] += 1
@@ -274,7 +298,9 @@ class SpecWorker:
             try:
                 r = j.wait(0)
             except Exception as e:  # the connection was lost under the job
-                err = err or e
+                err = err or f"{type(e).__name__}: {e}"
+                if lost_connection(e, j._client):
+                    self._lost_locked(j._client, err)
                 continue
             outcomes += [o for o, _ in r.keys]
             nbytes += r.bytes
@@ -346,10 +372,25 @@ class SpecWorker:
         with self._lock:
             s = dict(self._stats)
             s["inflight_jobs"] = len(self._transfers)
+            s["connected"] = self._broken is None
         s["namespaces"] = list(self.namespaces)
         s["rank"] = self.rank
         s["shard"] = self.shard
         return s
+
+    # -- losing the daemon and finding it again (Reconnects) ----------------------
+
+    def _current(self):
+        return self._client
+
+    def _swap_locked(self, new):
+        """The new connection, with the tensors registered on it anew (CUDA
+        IPC imports and regions belong to a connection)."""
+        self._client, self._regions, self._caches, self.namespaces = new
+
+    @staticmethod
+    def _drop(conn):
+        (conn[0] if isinstance(conn, tuple) else conn).close()
 
     def shutdown(self):
         """Waits for the jobs in flight, then closes the connection (the
@@ -357,4 +398,10 @@ class SpecWorker:
         with self._lock:
             ids = list(self._transfers)
         self.wait(ids)
-        self._client.close()
+        with self._cv:
+            self._closing = True
+            self._cv.notify_all()
+        self._join_reconnectors()
+        with self._lock:
+            client = self._client
+        client.close()

@@ -27,11 +27,12 @@ import time
 
 from .. import lookuptable
 from .. import protocol as p
-from ..client import Client, ConnectionLost, KvhostError, Layer, default_socket
+from ..client import Client, KvhostError, Layer, default_socket
 from ..memory import HostBuffer
 from . import _compat, _metrics, _namespace
-from ._common import (daemon_key as _daemon_key, mapping_of as _mapping_of, merge_options,
-                      open_mapped as _open_mapped, pick_medium as _pick_medium)
+from ._common import (Reconnects, daemon_key as _daemon_key, lost_connection as _lost_connection,
+                      mapping_of as _mapping_of, merge_options, open_mapped as _open_mapped,
+                      pick_medium as _pick_medium)
 
 # A child of vLLM's "vllm" logger: vLLM configures only that logger (and
 # stops it propagating), so messages logged here appear in vLLM's own output.
@@ -125,20 +126,12 @@ class _Session:
         self.client.close()
 
 
-def _lost_connection(e, client):
-    """Whether e (raised talking to the daemon over client) means the
-    connection is gone, rather than a request refused or a job or reply
-    late (TimeoutError, an OSError too, leaves the connection as it is)."""
-    if not client.connected() or isinstance(e, ConnectionLost):
-        return True
-    return isinstance(e, OSError) and not isinstance(e, TimeoutError)
-
-
-class _TierImpl:
+class _TierImpl(Reconnects):
     """The tier's logic; kvhost.vllm.tier_class binds it to vLLM's (or
     stand-in) classes."""
 
     _api = _compat.FALLBACK
+    _what = "tier"
 
     def __init__(self, offloading_spec, primary_kv_view, tier_type="kvhost", locality=None,
                  backpressure_detector=None, **own):
@@ -192,7 +185,7 @@ class _TierImpl:
         self._slot_ranges = None
         self._zero_copy_error = None
         self._s = None             # the connection in use (_Session)
-        self._down = None          # what lost it (text), until a reconnection
+        self._broken = None        # why the connection is gone (text), until a reconnection
         self._reconnectors = []    # the threads connecting again (shutdown joins them)
         self._geom = geom
 
@@ -338,67 +331,27 @@ class _TierImpl:
     # -- losing the daemon and finding it again ---------------------------------
 
     def _lost(self, s, e):
-        """Session s lost its connection (e): from now on lookups answer MISS
-        and jobs fail at once, without waiting on a dead socket, and a
-        thread connects again every reconnect_s (0: never) until a daemon
-        answers on the socket; then the tier goes on as before."""
+        """Session s met e, which ended its connection: from now on lookups
+        answer MISS and jobs fail at once, without waiting on a dead socket,
+        until a reconnection (Reconnects) swaps a new session in. Only the
+        text of e is kept: its traceback holds the frames of the job that
+        met it, and through them vLLM's region."""
         with self._cv:
-            if self._closing or self._s is not s or self._down is not None:
-                return
-            # Its text only: the exception's traceback holds the frames of
-            # the job that met it, and through them vLLM's region.
-            self._down = f"{type(e).__name__}: {e}"
-            self._answers.clear()
-            self._stats["disconnects"] += 1
-            every = self._opts["reconnect_s"]
-            if every > 0:
-                t = threading.Thread(target=self._reconnect, args=(s,), name="kvhost-tier-reconnect",
-                                     daemon=True)
-                # An earlier one may still be releasing its old session.
-                self._reconnectors = [r for r in self._reconnectors if r.is_alive()] + [t]
-                t.start()
-            self._cv.notify_all()
-        if every > 0:
-            log.warning("kvhost tier: lost the daemon connection (%s): lookups answer MISS and jobs fail "
-                        "until it is back; connecting again every %gs", e, every)
-        else:
-            log.warning("kvhost tier: lost the daemon connection (%s): lookups answer MISS and jobs fail "
-                        "from now on (reconnect_s = 0)", e)
+            self._lost_locked(s, f"{type(e).__name__}: {e}")
 
-    def _reconnect(self, old):
-        """Connects again until it succeeds or the tier shuts down; swaps
-        the new session in and releases the old one."""
-        tries, since, said = 0, time.monotonic(), time.monotonic()
-        while True:
-            with self._cv:
-                # The whole interval: jobs and lookups notify the condition.
-                deadline = time.monotonic() + self._opts["reconnect_s"]
-                while not self._closing and (left := deadline - time.monotonic()) > 0:
-                    self._cv.wait(left)
-                if self._closing:
-                    return
-            tries += 1
-            try:
-                s = self._connect(first=False)
-            except Exception as e:  # no daemon yet, or one that refuses: try again
-                if time.monotonic() - said >= 60:
-                    said = time.monotonic()
-                    log.warning("kvhost tier: still no daemon connection after %d tries: %s", tries, e)
-                continue
-            with self._cv:
-                closing = self._closing
-                if not closing:
-                    self._s, self._down = s, None
-                    self._answers.clear()  # MISS answered while down
-                    self._stats["reconnects"] += 1
-                    self._cv.notify_all()
-            if closing:
-                s.release()
-                return
-            old.release()
-            log.info("kvhost tier: connected to the daemon again after %.1fs (%d tries): namespace %s",
-                     time.monotonic() - since, tries, s.ns.geometry.model)
-            return
+    def _current(self):
+        return self._s
+
+    def _open(self):
+        return self._connect(first=False)
+
+    def _swap_locked(self, s):
+        self._s = s
+        self._answers.clear()  # MISS answered while down
+
+    @staticmethod
+    def _drop(s):
+        s.release()
 
     # -- lookups ---------------------------------------------------------------
 
@@ -414,7 +367,7 @@ class _TierImpl:
                 if self._storing[key]:
                     self._stats["lookup_retries"] += 1
                     return R.RETRY
-                if self._down is not None:  # no daemon: vLLM computes the blocks
+                if self._broken is not None:  # no daemon: vLLM computes the blocks
                     self._stats["lookup_misses"] += 1
                     return R.MISS
                 a = self._answers.get(key)
@@ -441,7 +394,7 @@ class _TierImpl:
         if not keys:
             return
         with self._cv:
-            if self._down is None:
+            if self._broken is None:
                 self._touch_queue.append(keys)
                 self._cv.notify_all()
 
@@ -454,7 +407,7 @@ class _TierImpl:
                     return
                 keys, self._lookup_queue = self._lookup_queue, []
                 touches, self._touch_queue = self._touch_queue, []
-                s, down = self._s, self._down
+                s, down = self._s, self._broken
             answers = {}
             try:
                 rest = keys
@@ -527,7 +480,7 @@ class _TierImpl:
         t0 = time.monotonic()
         outcomes = [p.OUTCOME_FAILED] * len(keys)
         with self._lock:
-            s, down = self._s, self._down
+            s, down = self._s, self._broken
         try:
             if down is not None:  # no daemon: the job fails at once (counted by _finish)
                 pass
@@ -681,7 +634,7 @@ class _TierImpl:
         with self._lock:
             s = dict(self._stats)
             s["inflight_jobs"] = self._inflight
-            s["connected"] = self._down is None
+            s["connected"] = self._broken is None
             session = self._s
         s["data_path"] = self.data_path
         s["namespace"] = session.ns.geometry.model
@@ -726,10 +679,7 @@ class _TierImpl:
             self._closing = True
             self._cv.notify_all()
         self._lookup_thread.join()
-        with self._lock:
-            reconnectors = list(self._reconnectors)
-        for t in reconnectors:
-            t.join()
+        self._join_reconnectors()
         self._release()
 
     def _release(self):
