@@ -273,22 +273,21 @@ class TestRealSpec(RealSpecCase):
         self.assertTrue(self.transfer(w, True, out.store_spec, [1, 2, 3]).success)
         m.complete_store(out.keys_to_store, ctx)
         want = rows(tensors, [1, 2, 3])
+        for k in ks:
+            self.assertEqual(self.settle(m, k, ctx), api.LookupResult.HIT)  # pinned
         self.daemon.halt()
         try:
-            self.assertEqual(self.settle(m, ks[0], ctx), api.LookupResult.MISS)
+            d.wait_for(lambda: m.lookup(ks[0], ctx) == api.LookupResult.MISS, what="MISS for a pinned key")
             self.assertIsNone(m.prepare_store([key(9, "restart")], ctx))
         finally:
             self.daemon.start_again()
         d.wait_for(lambda: m.counters()["connected"], what="the manager to connect again")
-        probe = m.prepare_store([key(8, "restart")], ctx)
-        self.assertTrue(self.transfer(w, True, probe.store_spec, [8]).success)  # finds the worker's loss
-        m.complete_store(probe.keys_to_store, ctx)
-        d.wait_for(lambda: w.counters()["connected"], what="the worker to connect again")
         for k in ks:
             self.assertEqual(self.settle(m, k, ctx), api.LookupResult.HIT)
         dst = [20, 21, 22]
         for t in tensors:
             t[dst].zero_()
+        # The worker's first job after the restart is this load.
         self.assertTrue(self.transfer(w, False, m.prepare_load(ks, ctx), dst).success)
         self.assertEqual(rows(tensors, dst), want)
         m.complete_load(ks, ctx)

@@ -208,6 +208,7 @@ class Reconnects:
             return
         self._broken = why
         self._stats["disconnects"] += 1
+        self._on_lost_locked()
         every = self._opts["reconnect_s"]
         if every > 0:
             t = threading.Thread(target=self._reconnect, args=(conn,), name=f"kvhost-{self._what}-reconnect",
@@ -222,23 +223,53 @@ class Reconnects:
                          self._what, why)
         self._cv.notify_all()
 
+    def _on_lost_locked(self):
+        """Called with _cv held when the connection is found gone; the
+        class forgets here what died with it."""
+
     def _reconnect(self, old):
         since = time.monotonic()
-        new = connect_again(self._cv, lambda: self._closing, self._opts["reconnect_s"], self._open, _log,
-                            self._what)
+
+        def stale():  # shutting down, or someone connected again already (connect_now)
+            return self._closing or self._current() is not old
+        new = connect_again(self._cv, stale, self._opts["reconnect_s"], self._open, _log, self._what)
         if new is None:
             return
+        if self._swap_in(old, new):
+            _log.info("kvhost %s: connected to the daemon again after %.1fs", self._what,
+                      time.monotonic() - since)
+
+    def _swap_in(self, old, new):
+        """Swaps new in for old if old is still the broken connection in
+        use; drops whichever is left over. Reports whether new was used."""
         with self._cv:
-            closing = self._closing
-            if not closing:
+            used = not self._closing and self._broken is not None and self._current() is old
+            if used:
                 self._swap_locked(new)
                 self._broken = None
                 self._stats["reconnects"] += 1
                 self._cv.notify_all()
-        self._drop(new if closing else old)
-        if not closing:
-            _log.info("kvhost %s: connected to the daemon again after %.1fs", self._what,
-                      time.monotonic() - since)
+        self._drop(old if used else new)
+        return used
+
+    def _connect_now(self):
+        """Connects again at once, on the caller's thread, for a caller that
+        cannot wait for the reconnect thread (a worker's load: vLLM stops a
+        worker whose load fails). Reports whether a connection is up."""
+        with self._cv:
+            if self._broken is None:
+                return True
+            if self._closing:
+                return False
+            old = self._current()
+        try:
+            new = self._open()
+        except Exception as e:  # still no daemon
+            _log.warning("kvhost %s: no daemon connection: %s", self._what, e)
+            return False
+        self._swap_in(old, new)
+        with self._cv:
+            return self._broken is None
 
     def _join_reconnectors(self):
         """Waits for the reconnect threads (after _closing was set)."""

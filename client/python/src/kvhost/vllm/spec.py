@@ -113,16 +113,19 @@ class SpecManager(Reconnects):
     def _current(self):
         return self._client
 
-    def _swap_locked(self, new):
-        """The new connection in; the old pins died with the old one: keys
-        not being loaded are forgotten (asked again), those being loaded
-        keep their entry without a pin to release (an old pin id is never
-        sent to the new connection, where it may name a pin of its own)."""
-        self._client, self._ns = new
+    def _on_lost_locked(self):
+        """The pins died with the connection: keys not being loaded are
+        forgotten (asked again once connected), those being loaded keep
+        their entry without a pin, which answers no HIT and has nothing to
+        release (an old pin id is never sent to a new connection, where it
+        may name a pin of its own)."""
         for batch, _ in self._pinned.values():
             batch.pins = []
         self._pinned = {k: e for k, e in self._pinned.items() if self._loading[k]}
         self._releases = []
+
+    def _swap_locked(self, new):
+        self._client, self._ns = new
         self._missing.clear()
 
     @staticmethod
@@ -146,18 +149,18 @@ class SpecManager(Reconnects):
             self._stats["lookups"] += 1
             while True:
                 now = time.monotonic()
+                if self._broken is None and not self._client.connected():
+                    self._lost_locked(self._client, "the daemon closed the connection")
+                if self._broken is not None or self._closing:  # no pin can be trusted
+                    self._stats["lookup_misses"] += 1
+                    return R.MISS
                 e = self._pinned.get(key)
-                if e is not None and (e[1] > now or self._loading[key]):
+                if e is not None and e[0].pins and (e[1] > now or self._loading[key]):
                     self._stats["lookup_hits"] += 1
                     return R.HIT
                 if self._storing[key]:
                     self._stats["lookup_hit_pending"] += 1
                     return self._hit_pending()
-                if self._broken is None and not self._client.connected():
-                    self._lost_locked(self._client, "the daemon closed the connection")
-                if self._broken is not None or self._closing:
-                    self._stats["lookup_misses"] += 1
-                    return R.MISS
                 m = self._missing.get(key)
                 if m is not None and m > now:
                     self._stats["lookup_misses"] += 1

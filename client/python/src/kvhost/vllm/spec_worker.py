@@ -248,6 +248,10 @@ class SpecWorker(Reconnects):
         with self._lock:
             if self._broken is None and not self._client.connected():
                 self._lost_locked(self._client, "the daemon closed the connection")
+            broken = self._broken
+        if broken is not None and load:
+            self._connect_now()  # a failed load stops vLLM's worker: try at once
+        with self._lock:
             client, caches, broken = self._client, self._caches, self._broken
         plan, bad = self._plan(job_id, gpu_spec, kv_spec, caches)
         tr = _Transfer(job_id, load, len(kv_spec.keys))
@@ -340,6 +344,8 @@ class SpecWorker(Reconnects):
     def get_finished(self):
         """Results of the jobs finished since the last call."""
         with self._lock:
+            if self._broken is None and not self._client.connected():  # vLLM calls this every step
+                self._lost_locked(self._client, "the daemon closed the connection")
             done = [tr for tr in self._transfers.values() if all(j.done() for j in tr.jobs)]
             for tr in done:
                 del self._transfers[tr.job_id]
