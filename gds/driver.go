@@ -95,8 +95,7 @@ type Properties struct {
 	CompatSource string
 	// MaxDirectIO is the largest single direct I/O in bytes (0: unknown).
 	MaxDirectIO int64
-	// MaxBatchIO is the most entries of one batch (0: unknown), and
-	// BatchTimeoutMsecs its timeout.
+	// MaxBatchIO is the most entries of one batch (0: unknown).
 	MaxBatchIO int
 	// BatchTimeoutMsecs is cuFile's batch I/O timeout in milliseconds
 	// (max_batch_io_timeout_msecs; 0: unknown).

@@ -132,14 +132,16 @@ type offer struct {
 
 // FileStats describes the registered files (Mover.FileStats).
 type FileStats struct {
-	// Files and Bytes are the files mapped and registered now.
+	// Files is the number of files mapped and registered now.
 	Files int
-	Bytes int64 // the bytes of their mappings
+	// Bytes is the size of their mappings.
+	Bytes int64
 	// Limit is the most files kept (Config.RegisterFiles after the
-	// descriptor and mapping limits), LimitBytes the most bytes
-	// (Config.RegisterBytes; 0: no bound but Limit).
-	Limit      int
-	LimitBytes int64 // Config.RegisterBytes; 0: no bound but Limit
+	// descriptor and mapping limits).
+	Limit int
+	// LimitBytes is the most bytes kept (Config.RegisterBytes; 0: no
+	// bound but Limit).
+	LimitBytes int64
 	// Registered counts registrations, Released the files unregistered
 	// since (forgotten, unlinked, resized, dropped for others or at
 	// Close), Failed the files that could not be mapped or registered,
@@ -158,10 +160,10 @@ type FileStats struct {
 	Queued int
 	// Waits counts the registrations the registrar put off while stores
 	// into memory-mount files moved through the pinned buffers (offers it
-	// then registered, or found forgotten or not wanted any more), and
-	// Waited is how long it waited.
-	Waits  uint64
-	Waited time.Duration // how long the registrar waited, summed over Waits
+	// then registered, or found forgotten or not wanted any more).
+	Waits uint64
+	// Waited is how long the registrar waited, summed over Waits.
+	Waited time.Duration
 }
 
 // errGone: a file offered for registration was removed or replaced
