@@ -485,9 +485,10 @@ class Client:
         return struct.unpack("<I", body)[0]
 
     def connected(self):
-        """False once the connection is closed or lost."""
-        with self._lock:
-            return self._closed is None
+        """False once the connection is closed or lost. Takes no lock (one
+        attribute read, set once): the vLLM integrations ask it on every
+        lookup and step."""
+        return self._closed is None
 
     def pin(self, ns, keys, lease_s=0.0):
         """Pins the stored keys of ns: the daemon neither evicts nor deletes

@@ -19,6 +19,7 @@ import time
 import typing
 
 from .. import protocol as p
+from ..client import ConnectionLost
 
 # A child of vLLM's "vllm" logger, the one vLLM configures.
 _log = logging.getLogger("vllm.kvhost")
@@ -159,10 +160,16 @@ def lost_connection(e, client):
     """Whether e, raised talking to the daemon over client, means the
     connection is gone, rather than a request refused or a job or reply
     late (a TimeoutError, an OSError too, leaves the connection as it is)."""
-    from ..client import ConnectionLost  # the client imports nothing of this module
     if not client.connected() or isinstance(e, ConnectionLost):
         return True
     return isinstance(e, OSError) and not isinstance(e, TimeoutError)
+
+
+def reason(e):
+    """The text kept of an error that ended a connection: never the
+    exception itself, whose traceback holds the frames that met it (and
+    through them, say, vLLM's region)."""
+    return f"{type(e).__name__}: {e}"
 
 
 def connect_again(cv, closing, every, connect, log, what):
@@ -198,7 +205,8 @@ class Reconnects:
     _broken (None while connected, else why not, as text), _reconnectors
     (a list) and _what (its name in logs), and defines _current() (the
     connection in use, compared by identity), _open() (a new one),
-    _swap_locked(new), and _drop(conn) for a connection it no longer uses."""
+    _swap_locked(new), and, where a connection is more than the client
+    _current() returns, _drop(conn) for one it no longer uses."""
 
     def _lost_locked(self, conn, why):
         """conn's connection is gone (why): marks the object broken and
@@ -270,6 +278,12 @@ class Reconnects:
         self._swap_in(old, new)
         with self._cv:
             return self._broken is None
+
+    @staticmethod
+    def _drop(conn):
+        """Closes a connection: a client, or what _open() returned, the
+        client first."""
+        (conn[0] if isinstance(conn, tuple) else conn).close()
 
     def _join_reconnectors(self):
         """Waits for the reconnect threads (after _closing was set)."""

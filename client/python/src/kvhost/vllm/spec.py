@@ -24,7 +24,7 @@ from .. import protocol as p
 from ..client import Client, KvhostError
 from . import _metrics
 from . import spec_compat as sc
-from ._common import Reconnects, lost_connection
+from ._common import Reconnects, lost_connection, reason
 
 # vLLM configures only its "vllm" logger (and stops propagation there):
 # only its children show in vLLM's output.
@@ -127,10 +127,6 @@ class SpecManager(Reconnects):
     def _swap_locked(self, new):
         self._client, self._ns = new
         self._missing.clear()
-
-    @staticmethod
-    def _drop(conn):
-        (conn[0] if isinstance(conn, tuple) else conn).close()
 
     # -- lookups -------------------------------------------------------------
 
@@ -237,7 +233,7 @@ class SpecManager(Reconnects):
             with self._cv:
                 self._stats["pin_errors"] += 1
                 if lost:
-                    self._lost_locked(client, f"{type(e).__name__}: {e}")
+                    self._lost_locked(client, reason(e))
         now = time.monotonic()
         until = t0 + self._opts["hit_window_s"]
         release = []

@@ -16,7 +16,7 @@ import time
 from .. import protocol as p
 from ..client import Client, ConnectionLost, KvhostError, Layer
 from . import _namespace, spec_compat as sc
-from ._common import Reconnects, lost_connection, mapping_of as _mapping_of, open_mapped as _open_mapped
+from ._common import Reconnects, lost_connection, mapping_of as _mapping_of, open_mapped as _open_mapped, reason
 
 log = logging.getLogger("vllm.kvhost")
 
@@ -273,7 +273,7 @@ class SpecWorker(Reconnects):
                     fn = client.load if load else client.store
                     tr.jobs.append(fn(cache, keys[sl], blocks[sl]))
         except (KvhostError, ConnectionLost, OSError, TimeoutError) as e:
-            tr.error = f"{type(e).__name__}: {e}"
+            tr.error = reason(e)
             log.warning("kvhost spec: %s job %d: %s", kind, job_id, e)
             if lost_connection(e, client):
                 with self._lock:
@@ -302,7 +302,7 @@ class SpecWorker(Reconnects):
             try:
                 r = j.wait(0)
             except Exception as e:  # the connection was lost under the job
-                err = err or f"{type(e).__name__}: {e}"
+                err = err or reason(e)
                 if lost_connection(e, j._client):
                     self._lost_locked(j._client, err)
                 continue
@@ -393,10 +393,6 @@ class SpecWorker(Reconnects):
         """The new connection, with the tensors registered on it anew (CUDA
         IPC imports and regions belong to a connection)."""
         self._client, self._regions, self._caches, self.namespaces = new
-
-    @staticmethod
-    def _drop(conn):
-        (conn[0] if isinstance(conn, tuple) else conn).close()
 
     def shutdown(self):
         """Waits for the jobs in flight, then closes the connection (the

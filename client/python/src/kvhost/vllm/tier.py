@@ -32,7 +32,7 @@ from ..memory import HostBuffer
 from . import _compat, _metrics, _namespace
 from ._common import (Reconnects, daemon_key as _daemon_key, lost_connection as _lost_connection,
                       mapping_of as _mapping_of, merge_options, open_mapped as _open_mapped,
-                      pick_medium as _pick_medium)
+                      pick_medium as _pick_medium, reason)
 
 # A child of vLLM's "vllm" logger: vLLM configures only that logger (and
 # stops it propagating), so messages logged here appear in vLLM's own output.
@@ -333,11 +333,9 @@ class _TierImpl(Reconnects):
     def _lost(self, s, e):
         """Session s met e, which ended its connection: from now on lookups
         answer MISS and jobs fail at once, without waiting on a dead socket,
-        until a reconnection (Reconnects) swaps a new session in. Only the
-        text of e is kept: its traceback holds the frames of the job that
-        met it, and through them vLLM's region."""
+        until a reconnection (Reconnects) swaps a new session in."""
         with self._cv:
-            self._lost_locked(s, f"{type(e).__name__}: {e}")
+            self._lost_locked(s, reason(e))
 
     def _current(self):
         return self._s
@@ -481,29 +479,32 @@ class _TierImpl(Reconnects):
         outcomes = [p.OUTCOME_FAILED] * len(keys)
         with self._lock:
             s, down = self._s, self._broken
-        try:
-            if down is not None:  # no daemon: the job fails at once (counted by _finish)
-                pass
-            elif self._staging is None:
-                for i in range(0, len(keys), p.MAX_KEYS_PER_REQUEST):
-                    sl = slice(i, i + p.MAX_KEYS_PER_REQUEST)
-                    outcomes[sl] = self._transfer(s, keys[sl], rows[sl], load)
-            else:
-                base, per = self._slot_ranges.get()
-                try:
-                    for i in range(0, len(keys), per):
-                        sl = slice(i, i + per)
-                        outcomes[sl] = self._staged(s, keys[sl], rows[sl], base, load)
-                finally:
-                    self._slot_ranges.put((base, per))
-        except Exception as e:
-            with self._lock:
-                self._stats["job_errors"] += 1
-            if _lost_connection(e, s.client):
-                self._lost(s, e)
-            else:
-                log.warning("kvhost tier: %s job %d failed: %s", "load" if load else "store", job_id, e)
+        if down is None:  # else no daemon: the job fails at once (counted by _finish)
+            try:
+                self._move(s, keys, rows, load, outcomes)
+            except Exception as e:
+                with self._lock:
+                    self._stats["job_errors"] += 1
+                if _lost_connection(e, s.client):
+                    self._lost(s, e)
+                else:
+                    log.warning("kvhost tier: %s job %d failed: %s", "load" if load else "store", job_id, e)
         self._finish(job_id, keys, outcomes, load, time.monotonic() - t0)
+
+    def _move(self, s, keys, rows, load, outcomes):
+        """Moves the job's rows on session s, filling outcomes."""
+        if self._staging is None:
+            for i in range(0, len(keys), p.MAX_KEYS_PER_REQUEST):
+                sl = slice(i, i + p.MAX_KEYS_PER_REQUEST)
+                outcomes[sl] = self._transfer(s, keys[sl], rows[sl], load)
+            return
+        base, per = self._slot_ranges.get()
+        try:
+            for i in range(0, len(keys), per):
+                sl = slice(i, i + per)
+                outcomes[sl] = self._staged(s, keys[sl], rows[sl], base, load)
+        finally:
+            self._slot_ranges.put((base, per))
 
     def _transfer(self, s, keys, blocks, load):
         dk = [_daemon_key(k) for k in keys]
