@@ -58,11 +58,18 @@ class Daemon:
             self.stop()
             raise RuntimeError(f"kvhost did not start: {line!r}\n{self.logs()}")
 
+    def freeze(self):
+        """Stops the daemon process where it is (SIGSTOP): requests sent to
+        it wait unread until halt."""
+        self.proc.send_signal(signal.SIGSTOP)
+
     def halt(self, sig=signal.SIGTERM):
         """Stops the daemon with sig (SIGKILL: a crash), keeping its
-        directory and configuration for start_again."""
+        directory and configuration for start_again. A frozen daemon
+        resumes to receive sig."""
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
+            self.proc.send_signal(signal.SIGCONT)
             self.proc.wait(30)
         self.proc.stdout.close()
 

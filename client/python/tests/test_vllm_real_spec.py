@@ -16,7 +16,9 @@ import hashlib
 import multiprocessing
 import pathlib
 import pickle
+import signal
 import sys
+import threading
 import unittest
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -182,6 +184,22 @@ class RealSpecCase(vllm_tree.RealCase):
         self.job += 1
         return run_job(w, self.job, store, pickle.loads(pickle.dumps(kv_spec)), self.gpu(blocks, sizes))
 
+    def pinned(self, tag, seed):
+        """A manager and worker (reconnecting every 0.05 s) with three keys
+        stored from blocks 1-3 and answered HIT (pinned): (manager, worker,
+        tensors, context, keys, the blocks' rows)."""
+        spec = self.spec(reconnect_s=0.05)
+        m = self.manager(spec)
+        w, tensors = self.worker(spec, seed=seed)
+        ctx = self.api.ReqContext(req_id=tag)
+        ks = [key(i, tag) for i in range(3)]
+        out = m.prepare_store(ks, ctx)
+        self.assertTrue(self.transfer(w, True, out.store_spec, [1, 2, 3]).success)
+        m.complete_store(out.keys_to_store, ctx)
+        for k in ks:
+            self.assertEqual(self.settle(m, k, ctx), self.api.LookupResult.HIT)
+        return m, w, tensors, ctx, ks, rows(tensors, [1, 2, 3])
+
     def stored(self, spec, m, ks, seed=0):
         """Stores ks through one worker of spec; returns the worker."""
         ctx = self.api.ReqContext(req_id="store")
@@ -264,17 +282,7 @@ class TestRealSpec(RealSpecCase):
         # worker connect again by themselves and keys stored before the
         # restart load byte for byte, counted in vLLM's metrics.
         api = self.api
-        spec = self.spec(reconnect_s=0.05)
-        m = self.manager(spec)
-        w, tensors = self.worker(spec, seed=5)
-        ctx = api.ReqContext(req_id="restart")
-        ks = [key(i, "restart") for i in range(3)]
-        out = m.prepare_store(ks, ctx)
-        self.assertTrue(self.transfer(w, True, out.store_spec, [1, 2, 3]).success)
-        m.complete_store(out.keys_to_store, ctx)
-        want = rows(tensors, [1, 2, 3])
-        for k in ks:
-            self.assertEqual(self.settle(m, k, ctx), api.LookupResult.HIT)  # pinned
+        m, w, tensors, ctx, ks, want = self.pinned("restart", seed=5)
         self.daemon.halt()
         try:
             d.wait_for(lambda: m.lookup(ks[0], ctx) == api.LookupResult.MISS, what="MISS for a pinned key")
@@ -294,6 +302,39 @@ class TestRealSpec(RealSpecCase):
         self.step(m)
         counts = {n.rsplit("kvhost_", 1)[1]: sum(v.values()) for n, v in self.stats.data["data"].items()}
         self.assertEqual((counts.get("disconnects"), counts.get("reconnects")), (1, 1))
+
+    def test_a_load_lost_with_a_killed_daemon_is_loaded_again_not_failed(self):
+        # vLLM's connector asserts every TransferResult's success: a load
+        # lost with the daemon (sent, unanswered, then the daemon killed)
+        # must wait for the new daemon and load byte for byte.
+        api = self.api
+        m, w, tensors, ctx, ks, want = self.pinned("lost-load", seed=6)
+        dst = [20, 21, 22]
+        for t in tensors:
+            t[dst].zero_()
+        self.job += 1
+        job, load = self.job, pickle.loads(pickle.dumps(m.prepare_load(ks, ctx)))
+        self.daemon.freeze()
+        sent = threading.Thread(target=w.submit_load, args=(job, load, self.gpu(dst)))
+        try:
+            sent.start()
+            d.wait_for(lambda: w._client._pending, what="the load request to be sent")
+        finally:
+            self.daemon.halt(signal.SIGKILL)
+        sent.join()
+        got = []
+        try:
+            d.wait_for(lambda: got.extend(w.get_finished()) or not w.counters()["connected"],
+                       what="the worker to notice the daemon gone")
+            got += w.get_finished()
+            self.assertEqual(got, [])
+        finally:
+            self.daemon.start_again()
+        d.wait_for(lambda: got.extend(w.get_finished()) or got, what="the load's result")
+        self.assertEqual([(r.job_id, r.success) for r in got], [(job, True)])
+        self.assertEqual(rows(tensors, dst), want)
+        self.assertEqual(w.counters()["failed_load_jobs"], 0)
+        m.complete_load(ks, ctx)
 
     def test_get_stats_survives_vllms_aggregate_every_step(self):
         spec = self.spec()

@@ -346,6 +346,126 @@ class TestDaemonRestart(SpecCase):
                     self.answer(m, k, S.LookupResult.HIT)
 
 
+    def pinned(self, m, w, prefix, tensors):
+        """Four keys stored and answered HIT (pinned): (keys, their rows)."""
+        ks = keys(4, prefix)
+        self.store(m, w, ks, [0, 1, 2, 3])
+        for k in ks:
+            self.answer(m, k, S.LookupResult.HIT)
+        return ks, rows(tensors, [0, 1, 2, 3])
+
+    def submit_load(self, w, kv_spec, dst):
+        self.job += 1
+        gpu = S.GPULoadStoreSpec(dst, [len(dst)], [0])
+        self.assertTrue(w.submit_load(self.job, pickle.loads(pickle.dumps(kv_spec)), gpu))
+        return self.job
+
+    def finished(self, w, job):
+        res = []
+        d.wait_for(lambda: res.extend(w.get_finished()) or res, what="the load's result", timeout=60)
+        self.assertEqual([r.job_id for r in res], [job])
+        return res[0]
+
+    def test_a_load_lost_with_the_daemon_is_loaded_again_on_the_new_one(self):
+        """A load sent to a daemon that goes before answering it (frozen,
+        then killed or stopped) is not reported failed — vLLM would stop the
+        worker — but loaded again once a new daemon answers, byte for
+        byte."""
+        for sig in (signal.SIGKILL, signal.SIGTERM):
+            with self.subTest(sig=sig.name):
+                spec = self.spec(reconnect_s=0.05)
+                m = self.manager(spec)
+                caches, tensors = self.caches(seed=37)
+                w = self.worker(spec, caches)
+                ks, want = self.pinned(m, w, f"lost-load-{sig.name}", tensors)
+                dst = [40, 41, 42, 43]
+                for t in tensors:
+                    t[dst[0]:dst[-1] + 1].zero_()
+                load = m.prepare_load(ks, CTX)
+                self.daemon.freeze()
+                sent = threading.Thread(target=self.submit_load, args=(w, load, dst))
+                try:
+                    sent.start()
+                    # The request is on the socket, its answer pending.
+                    d.wait_for(lambda: w._client._pending, what="the load request to be sent")
+                finally:
+                    self.daemon.halt(sig)
+                sent.join()
+                job = self.job
+                early = []
+                try:
+                    d.wait_for(lambda: early.extend(w.get_finished()) or not w.counters()["connected"],
+                               what="the worker to notice the daemon gone")
+                    early += w.get_finished()
+                    # Killed: the load waits, not failed. Stopped: the
+                    # daemon may have read and run it in its grace period.
+                    self.assertTrue(early == [] or (sig == signal.SIGTERM and early[0].success), early)
+                finally:
+                    self.daemon.start_again()
+                res = early[0] if early else self.finished(w, job)
+                self.assertEqual(res.job_id, job)
+                self.assertTrue(res.success)
+                self.assertEqual(rows(tensors, dst), want)
+                m.complete_load(ks, CTX)
+                c = w.counters()
+                self.assertGreaterEqual(c["load_retries"], 0 if early else 1)
+                self.assertEqual((c["failed_load_jobs"], c["inflight_jobs"]), (0, 0))
+
+    def test_a_load_sent_while_the_daemon_is_gone_waits_for_it(self):
+        """The HIT came just before the daemon went: the load finds no
+        daemon, waits, and loads once one is back."""
+        spec = self.spec(reconnect_s=0.05)
+        m = self.manager(spec)
+        caches, tensors = self.caches(seed=41)
+        w = self.worker(spec, caches)
+        ks, want = self.pinned(m, w, "gone-load", tensors)
+        load = m.prepare_load(ks, CTX)
+        self.daemon.halt(signal.SIGKILL)
+        try:
+            job = self.submit_load(w, load, [50, 51, 52, 53])
+            self.assertEqual(w.get_finished(), [])
+        finally:
+            self.daemon.start_again()
+        res = self.finished(w, job)
+        self.assertTrue(res.success)
+        self.assertEqual(rows(tensors, [50, 51, 52, 53]), want)
+        m.complete_load(ks, CTX)
+
+    def test_a_lost_load_fails_once_load_retry_s_has_passed(self):
+        """load_retry_s bounds the wait (0: fail at once); no daemon in that
+        time reports the load failed."""
+        for limit in (0.3, 0):
+            with self.subTest(load_retry_s=limit):
+                spec = self.spec(reconnect_s=0.05, load_retry_s=limit)
+                m = self.manager(spec)
+                caches, tensors = self.caches(seed=43)
+                w = self.worker(spec, caches)
+                ks, _ = self.pinned(m, w, f"late-load-{limit}", tensors)
+                load = m.prepare_load(ks, CTX)
+                self.daemon.halt(signal.SIGKILL)
+                try:
+                    job = self.submit_load(w, load, [50, 51, 52, 53])
+                    res = self.finished(w, job)
+                finally:
+                    self.daemon.start_again()
+                self.assertFalse(res.success)
+                c = w.counters()
+                self.assertEqual((c["failed_load_jobs"], c["load_retries"], c["inflight_jobs"]), (1, 0, 0))
+
+    def test_a_load_that_misses_on_the_new_daemon_is_not_loaded_again(self):
+        """Only a lost connection makes a load wait: a key the daemon does
+        not have fails the load at once, as before."""
+        spec = self.spec(reconnect_s=0.05)
+        m = self.manager(spec)
+        caches, _ = self.caches(seed=47)
+        w = self.worker(spec, caches)
+        ghost = sc.KvhostLoadStoreSpec(keys(1, "never-stored"), [0])
+        job = self.submit_load(w, ghost, [8])
+        res = self.finished(w, job)
+        self.assertFalse(res.success)
+        self.assertEqual(w.counters()["load_retries"], 0)
+
+
 @unittest.skipUnless(HAVE_TORCH, "torch is not installed")
 class TestHybridModel(SpecCase):
     def test_two_groups_round_trip_each_group_in_its_own_namespace(self):

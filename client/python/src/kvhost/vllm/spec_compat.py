@@ -158,6 +158,7 @@ OPTIONS = {
     "max_store_keys_inflight": 1 << 16,  # prepare_store answers None beyond
     "job_timeout_s": 120.0,     # worker: wait() gives up on a job after this
     "reconnect_s": 1.0,         # after a lost daemon connection, how often to connect again (0: never)
+    "load_retry_s": 30.0,       # worker: a load lost with the connection is loaded again for this long
     "client_name": "vllm-spec",
     "max_events": 1 << 16,
     "page_bytes": None,         # bytes per layer and GPU block, where the config cannot say
@@ -200,7 +201,7 @@ def options(config):
         from .tier import default_socket
         o["socket"] = default_socket()
     for k in ("pin_lease_s", "hit_window_s", "lookup_wait_s", "stored_ttl_s", "miss_ttl_s", "job_timeout_s",
-              "reconnect_s"):
+              "reconnect_s", "load_retry_s"):
         if isinstance(o[k], bool) or not isinstance(o[k], (int, float)) or o[k] < 0:
             raise ValueError(f"kvhost.vllm: {k}: want seconds >= 0, got {o[k]!r}")
     if not 0 < o["hit_window_s"] <= o["pin_lease_s"] / 2:

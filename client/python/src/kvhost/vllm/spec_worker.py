@@ -22,12 +22,27 @@ log = logging.getLogger("vllm.kvhost")
 
 
 class _Transfer:
-    """One vLLM job: its daemon jobs and what the result needs."""
-    __slots__ = ("job_id", "load", "jobs", "nkeys", "t0", "error", "reported")
+    """One vLLM job: its daemon jobs and what the result needs. A load
+    keeps its specs: when the connection it ran on is lost, it is loaded
+    again on the next one (lost_at: when its first loss was seen)."""
+    __slots__ = ("job_id", "load", "jobs", "nkeys", "t0", "error", "specs", "lost", "lost_at", "cancelled",
+                 "retries")
 
-    def __init__(self, job_id, load, nkeys):
-        self.job_id, self.load, self.nkeys = job_id, load, nkeys
-        self.jobs, self.t0, self.error, self.reported = [], time.monotonic(), None, False
+    def __init__(self, job_id, load, nkeys, specs=None):
+        self.job_id, self.load, self.nkeys, self.specs = job_id, load, nkeys, specs
+        self.jobs, self.t0, self.error = [], time.monotonic(), None
+        self.lost = False        # this run of it met a lost connection, or the daemon cancelled it
+        self.lost_at = None      # when a lost connection first failed it
+        self.cancelled = False   # the worker cancelled it (wait's timeout): never loaded again
+        self.retries = 0
+
+
+class _Collected:
+    """What a transfer's finished daemon jobs said."""
+    __slots__ = ("outcomes", "nbytes", "error", "lost")
+
+    def __init__(self, outcomes, nbytes, error, lost):
+        self.outcomes, self.nbytes, self.error, self.lost = outcomes, nbytes, error, lost
 
 
 def _refs_of(kv_caches, ngroups):
@@ -82,7 +97,8 @@ class SpecWorker(Reconnects):
         self._stats = {k: 0 for k in ("store_jobs", "load_jobs", "store_keys", "stored_keys", "present_keys",
                                       "not_admitted_keys", "store_failed_keys", "store_skipped_keys",
                                       "load_keys", "loaded_keys", "load_failed_keys", "failed_load_jobs",
-                                      "bytes_stored", "bytes_loaded", "disconnects", "reconnects")}
+                                      "bytes_stored", "bytes_loaded", "load_retries", "disconnects",
+                                      "reconnects")}
         # Check every layer before talking to the daemon.
         self._layer_planes = [self._planes(g, grp["layer_names"], refs[g], padded, page)
                               for g, grp in enumerate(groups)]
@@ -246,22 +262,32 @@ class SpecWorker(Reconnects):
         is reported by get_finished: a load fails, a store leaves those keys
         out (they are simply not stored; later lookups miss)."""
         with self._lock:
-            if self._broken is None and not self._client.connected():
-                self._lost_locked(self._client, "the daemon closed the connection")
+            self._check_locked()
             broken = self._broken
         if broken is not None and load:
             self._connect_now()  # a failed load stops vLLM's worker: try at once
+        tr = _Transfer(job_id, load, len(kv_spec.keys), (gpu_spec, kv_spec) if load else None)
+        self._start(tr, gpu_spec, kv_spec)
+        with self._lock:
+            self._transfers[job_id] = tr
+            self._stats["load_jobs" if load else "store_jobs"] += 1
+        return True
+
+    def _start(self, tr, gpu_spec, kv_spec):
+        """Submits tr's daemon jobs on the connection in use (its first run,
+        or a load's run again after a lost connection)."""
         with self._lock:
             client, caches, broken = self._client, self._caches, self._broken
-        plan, bad = self._plan(job_id, gpu_spec, kv_spec, caches)
-        tr = _Transfer(job_id, load, len(kv_spec.keys))
-        kind = "load" if load else "store"
-        if broken is not None:  # no daemon: nothing moves (a load fails; a store's keys are not stored)
-            plan, tr.error = [], f"no daemon connection ({broken})"
+        plan, bad = self._plan(tr.job_id, gpu_spec, kv_spec, caches)
+        kind = "load" if tr.load else "store"
+        tr.jobs, tr.error, tr.lost = [], None, False
+        if broken is not None:  # no daemon: nothing moves (a load waits or fails; a store's keys are not stored)
+            plan, tr.error, tr.lost = [], f"no daemon connection ({broken})", True
         for g, gkeys, why in bad:
-            log.warning("kvhost spec: %s job %d: %s", kind, job_id, why)
-            if load:
-                tr.error = tr.error or f"job {job_id}: {why}"
+            log.warning("kvhost spec: %s job %d: %s", kind, tr.job_id, why)
+            if tr.load:
+                tr.error = f"job {tr.job_id}: {why}"
+                tr.lost = False  # no connection makes this load possible
             else:
                 tr.nkeys -= len(gkeys)
                 with self._lock:
@@ -270,18 +296,15 @@ class SpecWorker(Reconnects):
             for cache, keys, blocks in plan:
                 for i in range(0, len(keys), p.MAX_KEYS_PER_REQUEST):
                     sl = slice(i, i + p.MAX_KEYS_PER_REQUEST)
-                    fn = client.load if load else client.store
+                    fn = client.load if tr.load else client.store
                     tr.jobs.append(fn(cache, keys[sl], blocks[sl]))
         except (KvhostError, ConnectionLost, OSError, TimeoutError) as e:
             tr.error = reason(e)
-            log.warning("kvhost spec: %s job %d: %s", kind, job_id, e)
+            log.warning("kvhost spec: %s job %d: %s", kind, tr.job_id, e)
             if lost_connection(e, client):
+                tr.lost = True
                 with self._lock:
                     self._lost_locked(client, tr.error)
-        with self._lock:
-            self._transfers[job_id] = tr
-            self._stats["load_jobs" if load else "store_jobs"] += 1
-        return True
 
     def submit_store(self, job_id, src_spec, dst_spec):
         """Starts storing the GPU blocks of src_spec under dst_spec's keys."""
@@ -291,25 +314,53 @@ class SpecWorker(Reconnects):
         """Starts loading src_spec's keys into the GPU blocks of dst_spec."""
         return self._submit(job_id, dst_spec, src_spec, load=True)
 
-    def _result(self, tr):
-        """TransferResult of a finished transfer. A store that failed (wholly
-        or for some keys) still succeeds for vLLM — the keys are simply not
-        stored and later lookups miss — and is counted; a load succeeds only
-        when every key loaded (vLLM crashes the worker otherwise: its blocks
-        hold no valid data)."""
-        outcomes, nbytes, err = [], 0, tr.error
+    def _collect_locked(self, tr):
+        """What tr's finished daemon jobs said (called with _lock held)."""
+        outcomes, nbytes, err, lost = [], 0, tr.error, tr.lost
         for j in tr.jobs:
             try:
                 r = j.wait(0)
             except Exception as e:  # the connection was lost under the job
                 err = err or reason(e)
                 if lost_connection(e, j._client):
+                    lost = True
                     self._lost_locked(j._client, err)
                 continue
             outcomes += [o for o, _ in r.keys]
             nbytes += r.bytes
-            if r.message and any(o == p.OUTCOME_FAILED for o, _ in r.keys):
+            if r.message and any(o in (p.OUTCOME_FAILED, p.OUTCOME_CANCELLED) for o, _ in r.keys):
                 err = err or r.message
+            if not tr.cancelled and any(o == p.OUTCOME_CANCELLED for o, _ in r.keys):
+                lost = True  # the daemon gave it up: it is shutting down
+        return _Collected(outcomes, nbytes, err, lost)
+
+    def _again_locked(self, tr, got, now):
+        """Whether tr, a load that failed, is to be loaded again on a new
+        connection: its failure came from a lost connection (or a daemon
+        that cancelled it), it was not cancelled by the worker, and
+        load_retry_s has not passed since its first loss. vLLM stops the
+        worker on a failed load, so a load waits for a daemon rather than
+        fail."""
+        if not (tr.load and got.lost) or tr.cancelled:
+            return False
+        if got.outcomes and all(o == p.OUTCOME_LOADED for o in got.outcomes) and len(got.outcomes) == tr.nkeys:
+            return False
+        limit = self._opts["load_retry_s"]
+        if limit <= 0 or self._opts["reconnect_s"] <= 0:
+            return False
+        if tr.lost_at is None:
+            tr.lost_at = now
+            log.warning("kvhost spec: load job %d lost the daemon connection (%s); loading it again once "
+                        "connected (for up to %gs)", tr.job_id, got.error, limit)
+        return now - tr.lost_at < limit
+
+    def _result(self, tr, got):
+        """TransferResult of a finished transfer. A store that failed (wholly
+        or for some keys) still succeeds for vLLM — the keys are simply not
+        stored and later lookups miss — and is counted; a load succeeds only
+        when every key loaded (vLLM crashes the worker otherwise: its blocks
+        hold no valid data)."""
+        outcomes, nbytes, err = got.outcomes, got.nbytes, got.error
         missing = tr.nkeys - len(outcomes)
         s = self._stats
         if tr.load:
@@ -323,6 +374,9 @@ class SpecWorker(Reconnects):
                 s["failed_load_jobs"] += 1
                 log.error("kvhost spec: load job %d failed: %d of %d keys loaded (%s)", tr.job_id, loaded,
                           tr.nkeys, err or "missing keys")
+            elif tr.retries:
+                log.info("kvhost spec: load job %d loaded after %d retries on a new connection", tr.job_id,
+                         tr.retries)
         else:
             ok = True
             stored = sum(1 for o in outcomes if o == p.OUTCOME_STORED)
@@ -341,15 +395,37 @@ class SpecWorker(Reconnects):
         return self._api.TransferResult(job_id=tr.job_id, success=ok, transfer_size=nbytes,
                                         transfer_time=time.monotonic() - tr.t0)
 
+    def _check_locked(self):
+        """Notices a connection the daemon closed (vLLM calls get_finished
+        every step; submit checks too)."""
+        if self._broken is None and not self._client.connected():
+            self._lost_locked(self._client, "the daemon closed the connection")
+
     def get_finished(self):
-        """Results of the jobs finished since the last call."""
+        """Results of the jobs finished since the last call. A load lost
+        with the connection is not finished: it is started again here once
+        a new connection is up, and reported when that run ends (or failed
+        once load_retry_s has passed since it was lost)."""
+        now = time.monotonic()
+        results, again = [], []
         with self._lock:
-            if self._broken is None and not self._client.connected():  # vLLM calls this every step
-                self._lost_locked(self._client, "the daemon closed the connection")
-            done = [tr for tr in self._transfers.values() if all(j.done() for j in tr.jobs)]
-            for tr in done:
+            self._check_locked()
+            for tr in [tr for tr in self._transfers.values() if all(j.done() for j in tr.jobs)]:
+                got = self._collect_locked(tr)
+                if self._again_locked(tr, got, now):
+                    if self._broken is None:
+                        again.append(tr)
+                    else:
+                        tr.jobs, tr.error, tr.lost = [], got.error, True  # waits for the reconnect thread
+                    continue
                 del self._transfers[tr.job_id]
-            return [self._result(tr) for tr in done]
+                results.append(self._result(tr, got))
+            for tr in again:
+                tr.retries += 1
+                self._stats["load_retries"] += 1
+        for tr in again:
+            self._start(tr, *tr.specs)
+        return results
 
     def wait(self, job_ids):
         """Blocks until the jobs finished (each given job_timeout_s, then
@@ -362,6 +438,7 @@ class SpecWorker(Reconnects):
                 try:
                     j.wait(timeout)
                 except TimeoutError:
+                    tr.cancelled = True
                     try:
                         j.cancel()
                         j.wait(timeout)
