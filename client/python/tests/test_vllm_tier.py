@@ -619,6 +619,47 @@ class DaemonRestart(TierCase):
         self.tiers.remove(t)
         del region
 
+    def test_a_new_daemon_that_refuses_vllms_region_is_served_on_the_copy_path(self):
+        """zero_copy = "auto" and a new daemon whose max_registered_bytes is
+        below vLLM's region: the tier copies through its own memfd, as it
+        would have at start, instead of trying the region forever."""
+        dm = d.Daemon()
+        self.addCleanup(dm.stop)
+        buf = kvhost.HostBuffer(ROWS * ROW)
+        self.addCleanup(buf.close)
+        region = np.frombuffer(buf.mmap, dtype=np.uint8).reshape(ROWS, ROW)
+        region[:] = random_region(seed=25)
+        t = self.tier(region, socket=dm.socket, reconnect_s=0.05, staging_bytes=4 * ROW, threads=1)
+        self.assertEqual(t.data_path, "zero-copy")
+        ks = keys(4, "refused")
+        self.store(t, ks, range(4))
+        want = region[:4].copy()
+        dm.halt(signal.SIGTERM)
+        self.trigger_loss(t, "refused")
+        with open(dm.config) as f:
+            text = f.read()
+        with open(dm.config, "w") as f:
+            f.write(text.replace("[server]\n", f'[server]\nmax_registered_bytes = {ROWS * ROW // 2}\n', 1))
+        dm.start_again()
+        d.wait_for(lambda: t.counters()["connected"], what="the tier to connect again")
+        st = t.counters()
+        self.assertEqual((t.data_path, st["data_path"], st["reconnects"]), ("copy", "copy", 1))
+        self.assertIn("limit", st["zero_copy_error"])
+        for k in ks:
+            self.assertEqual(self.lookup_settled(t, k)[-1], S.LookupResult.HIT)
+        region[20:24] = 0
+        j = self.job(ks, [20, 21, 22, 23], promotion=True)
+        t.submit_load(j)
+        self.assertTrue(self.finished(t, 1)[j.job_id].success)
+        np.testing.assert_array_equal(region[20:24], want)
+        more = keys(2, "refused-after")
+        self.store(t, more, [4, 5])
+        for k in more:
+            self.assertEqual(self.lookup_settled(t, k)[-1], S.LookupResult.HIT)
+        t.shutdown()
+        self.tiers.remove(t)
+        del region
+
     def test_reconnect_s_zero_stays_disconnected_and_shutdown_returns_while_the_daemon_is_gone(self):
         never = self.tier(random_region(seed=23), zero_copy="off", reconnect_s=0)
         trying = self.tier(random_region(seed=24), zero_copy="off", reconnect_s=0.05)

@@ -109,20 +109,26 @@ class _Session:
     namespace declared, the memory registered and the cache over it. A
     reconnection builds a new one and swaps it in whole."""
 
-    __slots__ = ("client", "ns", "region", "cache")
+    __slots__ = ("client", "ns", "region", "cache", "staged")
 
     def __init__(self, client):
         self.client, self.ns, self.region, self.cache = client, None, None, None
+        self.staged = False  # the cache is over the staging memfd (copy path), not vLLM's region
 
-    def release(self):
-        """Unregisters what it holds (where the connection still works)
-        and closes the connection."""
+    def unregister(self):
+        """Unregisters the cache and the memory it holds (where the
+        connection still works)."""
         for fn, arg in ((self.client.unregister_cache, self.cache), (self.client.unregister_memory, self.region)):
             if arg is not None:
                 try:
                     fn(arg)
                 except Exception as e:  # the connection's end releases them anyway
-                    log.debug("kvhost tier: release: %s", e)
+                    log.debug("kvhost tier: unregister: %s", e)
+        self.cache = self.region = None
+
+    def release(self):
+        """Unregisters what it holds and closes the connection."""
+        self.unregister()
         self.client.close()
 
 
@@ -236,7 +242,7 @@ class _TierImpl(Reconnects):
             if first:
                 self.data_path = self._setup_data_path(s)
             elif self.data_path == "zero-copy":
-                self._register_primary(s)
+                self._register_primary_again(s)
             else:
                 self._register_staging(s)
         except BaseException:
@@ -270,9 +276,28 @@ class _TierImpl(Reconnects):
                     raise RuntimeError(f"kvhost.vllm: zero_copy=on: cannot register vLLM's CPU region with "
                                        f"the daemon: {e}") from e
                 log.warning("kvhost tier: zero-copy unavailable (%s); copying through a kvhost memfd", e)
+                s.unregister()  # a region registered before its cache was refused
         self._setup_staging()
         self._register_staging(s)
         return "copy"
+
+    def _register_primary_again(self, s):
+        """vLLM's region on a new daemon, which may refuse it (a lower
+        max_registered_bytes, say): with zero_copy = "auto" the tier then
+        copies through its own memfd, as it would have at start; with "on"
+        the refusal is raised and the tier keeps trying."""
+        try:
+            self._register_primary(s)
+        except (OSError, KvhostError, ValueError) as e:
+            if self._opts["zero_copy"] == "on" or not s.client.connected():
+                raise
+            self._zero_copy_error = str(e)
+            log.warning("kvhost tier: the new daemon refuses vLLM's region (%s); copying through a kvhost "
+                        "memfd", e)
+            s.unregister()
+            if self._staging is None:
+                self._setup_staging()
+            self._register_staging(s)
 
     def _register_primary(self, s):
         """Registers the memory behind primary_kv_view with the daemon: the
@@ -327,6 +352,7 @@ class _TierImpl(Reconnects):
         s.cache = s.client.register_cache(s.ns, [Layer(
             s.region, offset=0, block_stride=self._row_bytes, plane_stride=0,
             num_blocks=len(self._staging_rows))])
+        s.staged = True
 
     # -- losing the daemon and finding it again ---------------------------------
 
@@ -345,6 +371,7 @@ class _TierImpl(Reconnects):
 
     def _swap_locked(self, s):
         self._s = s
+        self.data_path = "copy" if s.staged else "zero-copy"
         self._answers.clear()  # MISS answered while down
 
     @staticmethod
@@ -493,7 +520,7 @@ class _TierImpl(Reconnects):
 
     def _move(self, s, keys, rows, load, outcomes):
         """Moves the job's rows on session s, filling outcomes."""
-        if self._staging is None:
+        if not s.staged:
             for i in range(0, len(keys), p.MAX_KEYS_PER_REQUEST):
                 sl = slice(i, i + p.MAX_KEYS_PER_REQUEST)
                 outcomes[sl] = self._transfer(s, keys[sl], rows[sl], load)
