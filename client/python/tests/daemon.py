@@ -63,6 +63,10 @@ class Daemon:
         it wait unread until halt."""
         self.proc.send_signal(signal.SIGSTOP)
 
+    def thaw(self):
+        """Resumes a frozen daemon (SIGCONT)."""
+        self.proc.send_signal(signal.SIGCONT)
+
     def halt(self, sig=signal.SIGTERM):
         """Stops the daemon with sig (SIGKILL: a crash), keeping its
         directory and configuration for start_again. A frozen daemon

@@ -13,7 +13,11 @@ tensors (Llama-3.1-8B bf16 geometry: 32 layers, 16-token pages), then:
 lookup (RETRY, MISS) → prepare_store → submit_store → get_finished →
 complete_store → lookup (HIT) → prepare_load → submit_load → wait →
 get_finished → complete_load, and compares every loaded page with its
-source on the GPU. With KVHOST_VLLM_SRC=DIR (a vLLM source tree, see
+source on the GPU. Then the daemon restarts under the worker's CUDA
+tensors twice: killed (SIGKILL) with a load sent and unanswered (the
+daemon frozen first), which the worker must load again on the new
+daemon rather than fail; and stopped (SIGTERM) between jobs, after which
+the keys stored before load again. Both loads are compared on the GPU. With KVHOST_VLLM_SRC=DIR (a vLLM source tree, see
 vllm_tree.py) the classes are vLLM's own: the spec is built by vLLM's
 OffloadingSpecFactory from an OffloadingConfig, and the worker gets vLLM's
 CanonicalKVCaches and GPULoadStoreSpec; without it, the CI stand-ins. Transfer rates are reported with, from the same run, a
@@ -23,6 +27,7 @@ plain torch copy of the same pages GPU → pinned host as the ceiling.
 import json
 import os
 import pathlib
+import signal
 import sys
 import time
 
@@ -52,11 +57,12 @@ def classes():
                 api, model=MODEL, groups=((names, 16),), worker_kv_bytes_per_block=LAYERS * PAGE,
                 is_parallelism_agnostic=False,
                 extra_config={"spec_name": "KvhostOffloadingSpec", "spec_module_path": "kvhost.vllm",
-                              "socket": socket})
+                              "socket": socket, "reconnect_s": 0.05})
             return api.OffloadingSpecFactory.create_spec(cfg)
         return api, make_spec, api.name
     spec_cls = kv.spec_class(S.SPEC_API)
-    return S, lambda socket: spec_cls(S.fake_offloading_config(socket, layers=LAYERS, page_bytes=PAGE)), "stand-ins"
+    return S, lambda socket: spec_cls(S.fake_offloading_config(socket, layers=LAYERS, page_bytes=PAGE,
+                                                               reconnect_s=0.05)), "stand-ins"
 
 
 V, MAKE_SPEC, CLASSES = None, None, None
@@ -80,6 +86,59 @@ def run_transfer(w, job, store, kv_spec, blocks):
     return res[0], time.perf_counter() - t0
 
 
+def restarts(dm, m, w, big, stored):
+    """The daemon restarts under the worker's CUDA tensors: a load lost with
+    a killed daemon is loaded again, and keys stored before a SIGTERM
+    restart load after it. stored: [(keys, source blocks)] of the rounds.
+    Returns the phase's report."""
+    import torch
+    R = V.LookupResult
+    dst = list(range(2 * KEYS, 3 * KEYS))
+    phases = []
+    for (keys, src), sig in zip(stored[-2:], (signal.SIGKILL, signal.SIGTERM)):
+        ph = {"signal": sig.name}
+        if sig == signal.SIGTERM:  # between jobs: the next job is this load
+            dm.halt(sig)
+            # The manager notices at a lookup, which answers MISS meanwhile.
+            d.wait_for(lambda: m.lookup(keys[0], CTX) == R.MISS and not m.counters()["connected"],
+                       what="the manager to notice the daemon gone")
+            t0 = time.perf_counter()
+            dm.start_again()
+            d.wait_for(lambda: m.counters()["connected"], what="the manager to connect again", timeout=60)
+        hits = [answer(m, k) for k in keys]
+        ph["hits"] = sum(h == R.HIT for h in hits)
+        big[:, dst[0]:dst[-1] + 1].zero_()
+        torch.cuda.synchronize()
+        load_spec = m.prepare_load(keys, CTX)
+        job = 1000 + len(phases)
+        gpu = V.GPULoadStoreSpec(dst, [len(dst)], [0])
+        got = []
+        if sig == signal.SIGKILL:  # a load sent to a daemon that dies before answering
+            dm.freeze()
+            try:
+                assert w.submit_load(job, load_spec, gpu)  # sent; no answer from a frozen daemon
+            finally:
+                dm.halt(sig)
+            d.wait_for(lambda: got.extend(w.get_finished()) or not w.counters()["connected"],
+                       what="the worker to notice the daemon gone")
+            ph["reported_while_gone"] = len(got)
+            t0 = time.perf_counter()
+            dm.start_again()
+        else:
+            w.submit_load(job, load_spec, gpu)
+        d.wait_for(lambda: got.extend(w.get_finished()) or got, what="the load's result", timeout=120)
+        ph["restart_to_loaded_s"] = round(time.perf_counter() - t0, 3)
+        torch.cuda.synchronize()
+        ph["load_ok"] = [(r.job_id, r.success) for r in got] == [(job, True)]
+        ph["bytes_equal"] = bool(torch.equal(big[:, dst[0]:dst[-1] + 1], big[:, src[0]:src[-1] + 1]))
+        m.complete_load(keys, CTX)
+        ph["worker"] = {k: w.counters()[k] for k in ("load_retries", "disconnects", "reconnects",
+                                                     "failed_load_jobs")}
+        ph["ok"] = ph["load_ok"] and ph["bytes_equal"] and ph["hits"] == KEYS and not ph.get("reported_while_gone")
+        phases.append(ph)
+    return phases
+
+
 def check_mount(name, root):
     import torch
     out = {"mount": name, "root": root}
@@ -100,7 +159,7 @@ def check_mount(name, root):
         m = spec.get_manager()
         w = spec.get_worker(caches)
         out["namespace"] = w.namespaces[0]
-        rounds = []
+        rounds, stored = [], []
         job = 0
         for r in range(ROUNDS):
             keys = [S.offload_key((name, r, i)) for i in range(KEYS)]
@@ -122,6 +181,7 @@ def check_mount(name, root):
             torch.cuda.synchronize()
             equal = bool(torch.equal(big[:, KEYS:2 * KEYS], big[:, :KEYS]))
             m.complete_load(keys, CTX)
+            stored.append((keys, src))
             gib = st.transfer_size / (1 << 30)
             rounds.append({
                 "first_lookup": first.name, "then": miss.name,
@@ -141,6 +201,7 @@ def check_mount(name, root):
         torch.cuda.synchronize()
         out["ceiling_d2h_GBps"] = round(host.numel() / (time.perf_counter() - t0) / 1e9, 2)
         out["rounds"] = rounds
+        out["restarts"] = restarts(dm, m, w, big, stored)
         stats = m.get_stats()  # what vLLM collects every step: its OffloadingConnectorStats
         out["manager_stats_payload"] = None if stats is None else {
             name: {",".join(labels): v for labels, v in values.items()} for name, values in stats.data["data"].items()}
@@ -152,7 +213,7 @@ def check_mount(name, root):
         w.shutdown()
         m.shutdown()
         out["ok"] = all(r["store_ok"] and r["load_ok"] and r["bytes_equal"] and r["hits"] == KEYS
-                        and r["then"] == "MISS" for r in rounds)
+                        and r["then"] == "MISS" for r in rounds) and all(ph["ok"] for ph in out["restarts"])
     except Exception as e:  # report, with the daemon's log
         import traceback
         out["ok"] = False

@@ -155,6 +155,86 @@ class TestLostConnection(unittest.TestCase):
         self.assertEqual([r() for r in refs], [None] * 3, "a caller's locals kept alive by the client")
 
 
+GEOMETRY = kvhost.Geometry(model="test/client", layers=1, kv_heads=2, head_size=64, dtype_size=2,
+                           tokens_per_block=16, tokens_per_key=16)
+
+
+def cache_client(d, blocks=8, **kw):
+    """A client of daemon d with a cache of blocks blocks over a host
+    buffer: (client, cache id, buffer)."""
+    c = kvhost.Client(d.socket, **kw)
+    ns = c.declare(GEOMETRY)
+    page = 2 * GEOMETRY.block_bytes
+    buf = kvhost.HostBuffer(blocks * page)
+    region = c.register_buffer(buf)
+    cache = c.register_cache(ns.id, [kvhost.Layer(region, offset=0, block_stride=page,
+                                                  plane_stride=GEOMETRY.block_bytes, num_blocks=blocks)])
+    return c, cache, buf
+
+
+class TestJobsWithoutBlocking(unittest.TestCase):
+    """store/load with block=False: the caller (vLLM's worker thread) never
+    waits on the daemon's answer."""
+
+    def setUp(self):
+        self.d = Daemon()
+        self.addCleanup(self.d.stop)
+
+    def client(self, **kw):
+        c, cache, buf = cache_client(self.d, **kw)
+        self.addCleanup(buf.close)
+        self.addCleanup(c.close)
+        return c, cache
+
+    def test_a_job_sent_to_a_frozen_daemon_returns_at_once_and_completes_once_it_runs(self):
+        # With block=True the call waits for the daemon's acceptance: on a
+        # frozen daemon, the client's timeout (2 s here), then TimeoutError.
+        c, cache = self.client(timeout=2)
+        self.d.freeze()
+        try:
+            job = c.store(cache, [b"frozen-0", b"frozen-1"], [[0], [1]], block=False)
+            self.assertIsNone(job.id)
+            self.assertFalse(job.done())
+        finally:
+            self.d.thaw()
+        res = job.wait(30)
+        self.assertIsNotNone(job.id)
+        self.assertEqual(res.outcomes(), ["stored", "stored"])
+        got = c.load(cache, [b"frozen-0"], [[2]], block=False).wait(30)
+        self.assertEqual(got.outcomes(), ["loaded"])
+
+    def test_a_refused_job_raises_the_daemons_error_from_wait(self):
+        c, cache = self.client()
+        job = c.load(cache + 99, [b"no-such-cache"], [[0]], block=False)
+        with self.assertRaises(kvhost.KvhostError) as e:
+            job.wait(30)
+        self.assertIn("cache", str(e.exception))
+        self.assertFalse(job.cancel(), "a refused job is not in flight")
+        self.assertTrue(c.connected(), "a refusal keeps the connection")
+
+    def test_a_daemon_that_reads_nothing_for_the_timeout_loses_the_connection(self):
+        # Sends fill the socket's buffer of a frozen daemon; the one that
+        # cannot go on within the client's timeout closes the connection
+        # (part of a frame may be on the socket) instead of blocking its
+        # caller for good, and every job sent ends with ConnectionLost.
+        c, cache = self.client(timeout=0.5)
+        keys = [b"k%07d" % i for i in range(p.MAX_KEYS_PER_REQUEST)]
+        blocks = [[0]] * len(keys)
+        self.d.freeze()
+        jobs = []
+        try:
+            with self.assertRaises(kvhost.ConnectionLost):
+                for _ in range(10000):
+                    jobs.append(c.store(cache, keys, blocks, block=False))
+        finally:
+            self.d.thaw()
+        self.assertFalse(c.connected())
+        self.assertTrue(jobs, "the socket's buffer took no request")
+        for j in jobs:
+            with self.assertRaises(kvhost.ConnectionLost):
+                j.wait(30)
+
+
 class TestRegisterCudaTensor(unittest.TestCase):
     def test_sends_handle_offset_size_and_device(self):
         handle = bytes(range(64))

@@ -18,7 +18,6 @@ import pathlib
 import pickle
 import signal
 import sys
-import threading
 import unittest
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -315,13 +314,10 @@ class TestRealSpec(RealSpecCase):
         self.job += 1
         job, load = self.job, pickle.loads(pickle.dumps(m.prepare_load(ks, ctx)))
         self.daemon.freeze()
-        sent = threading.Thread(target=w.submit_load, args=(job, load, self.gpu(dst)))
         try:
-            sent.start()
-            d.wait_for(lambda: w._client._pending, what="the load request to be sent")
+            self.assertTrue(w.submit_load(job, load, self.gpu(dst)))  # sent; no answer from a frozen daemon
         finally:
             self.daemon.halt(signal.SIGKILL)
-        sent.join()
         got = []
         try:
             d.wait_for(lambda: got.extend(w.get_finished()) or not w.counters()["connected"],

@@ -383,15 +383,10 @@ class TestDaemonRestart(SpecCase):
                     t[dst[0]:dst[-1] + 1].zero_()
                 load = m.prepare_load(ks, CTX)
                 self.daemon.freeze()
-                sent = threading.Thread(target=self.submit_load, args=(w, load, dst))
                 try:
-                    sent.start()
-                    # The request is on the socket, its answer pending.
-                    d.wait_for(lambda: w._client._pending, what="the load request to be sent")
+                    job = self.submit_load(w, load, dst)  # sent; no answer from a frozen daemon
                 finally:
                     self.daemon.halt(sig)
-                sent.join()
-                job = self.job
                 early = []
                 try:
                     d.wait_for(lambda: early.extend(w.get_finished()) or not w.counters()["connected"],

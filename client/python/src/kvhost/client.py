@@ -109,25 +109,37 @@ class Result:
 
 
 class Job:
-    """A store or load job in flight on the daemon."""
+    """A store or load job in flight on the daemon. A job sent without
+    waiting for the daemon to accept it (block=False) has id None until
+    the daemon's answer comes; a refusal then ends it, raised by wait()."""
 
     def __init__(self, client, job_id):
         self._client = client
         self.id = job_id
         self._event = threading.Event()
+        self._accepted = threading.Event()  # id known, or the job over
+        if job_id is not None:
+            self._accepted.set()
         self._result = None
         self._error = None
+
+    def _accept(self, job_id):
+        self.id = job_id
+        self._accepted.set()
 
     def _finish(self, result, error):
         self._result, self._error = result, error
         self._event.set()
+        self._accepted.set()
 
     def done(self):
+        """Whether the job is over: completed, refused, or its connection lost."""
         return self._event.is_set()
 
     def wait(self, timeout=None):
         """Waits for the completion and returns its Result; raises
-        TimeoutError, or ConnectionLost when no completion can come."""
+        TimeoutError, KvhostError when the daemon refused the job, or
+        ConnectionLost when no completion can come."""
         if not self._event.wait(timeout):
             raise TimeoutError(f"job {self.id} not complete after {timeout}s")
         if self._error is not None:
@@ -135,15 +147,37 @@ class Job:
         return self._result
 
     def cancel(self):
+        """Asks the daemon to cancel the job; True if it was still in
+        flight. A job not yet accepted waits for the daemon's answer first
+        (up to the client's timeout, then TimeoutError)."""
+        if not self._accepted.wait(self._client._timeout):
+            raise TimeoutError(f"the daemon has not accepted the job after {self._client._timeout}s")
+        if self.id is None or self._event.is_set():
+            return False
         return self._client.cancel(self)
 
 
-class _Pending:
-    __slots__ = ("event", "ftype", "body", "job", "error")
+def _refusal(ftype, body, asked=None):
+    """The error of a request answered with ftype and body instead of its
+    reply: the daemon's Error frame, else a ProtocolError."""
+    if ftype == p.T_ERROR:
+        code, msg = p.decode_error(body)
+        if code == p.CODE_UNSUPPORTED:
+            return UnsupportedError(code, msg)
+        return KvhostError(code, msg)
+    what = "?" if asked is None else f"{asked:#x}"
+    return p.ProtocolError(f"request type {what} answered with {ftype:#x}")
 
-    def __init__(self):
+
+class _Pending:
+    __slots__ = ("event", "ftype", "body", "job", "error", "unanswered")
+
+    def __init__(self, unanswered=None):
         self.event = threading.Event()
         self.ftype = self.body = self.job = self.error = None
+        # A job sent with block=False: the reader accepts or ends it, as
+        # no caller waits for this request's answer.
+        self.unanswered = unanswered
 
 
 SOCKET_ENV = "KVHOST_SOCKET"
@@ -196,6 +230,11 @@ class Client:
             self._sock.close()
             raise
         self._timeout = timeout
+        if timeout:
+            # A daemon that reads nothing for this long is not waited for
+            # forever by a send: the connection is closed as lost (_send).
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                                  struct.pack("ll", int(timeout), int(timeout % 1 * 1e6)))
         self._wlock = threading.Lock()
         self._lock = threading.Lock()
         self._next = 0
@@ -220,13 +259,7 @@ class Client:
 
     def close(self):
         """Closes the connection; the daemon cancels unfinished jobs."""
-        with self._lock:
-            if self._closed is None:
-                self._closed = ConnectionLost("client closed")
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
+        self._lose(ConnectionLost("client closed"))
         self._reader.join()
         self._sock.close()
         table, self._table = self._table, False
@@ -266,12 +299,16 @@ class Client:
                     pend = self._pending.pop(req_id, None)
                     if pend is not None and ftype in (p.T_STORE | p.T_REPLY, p.T_LOAD | p.T_REPLY):
                         (job_id,) = struct.unpack("<Q", body)
-                        pend.job = Job(self, job_id)
+                        pend.job = pend.unanswered or Job(self, job_id)
+                        pend.job._accept(job_id)
                         self._jobs[job_id] = pend.job
                 if pend is None:
                     if req_id == 0 and ftype == p.T_ERROR:
                         raise KvhostError(*p.decode_error(body))
                     raise p.ProtocolError(f"reply to unknown request {req_id}")
+                if pend.unanswered is not None and pend.job is None:  # refused, or answered oddly
+                    pend.unanswered._finish(None, _refusal(ftype, body))
+                    continue
                 pend.ftype, pend.body = ftype, body
                 pend.event.set()
         except (OSError, ConnectionLost, p.ProtocolError, KvhostError, struct.error) as e:
@@ -285,16 +322,20 @@ class Client:
         for pend in pending.values():
             pend.error = closed
             pend.event.set()
+            if pend.unanswered is not None:
+                pend.unanswered._finish(None, closed)
         for job in jobs.values():
             job._finish(None, closed)
 
-    def _call(self, ftype, body, fds=None):
+    def _send(self, ftype, body, fds=None, unanswered=None):
+        """Sends a request; returns (its id, its _Pending), which the reader
+        answers."""
         with self._lock:
             if self._closed is not None:
                 raise _again(self._closed)
             self._next += 1
             req_id = self._next
-            pend = _Pending()
+            pend = _Pending(unanswered)
             self._pending[req_id] = pend
         data = p.frame(ftype, req_id, body)
         if len(data) > self.limits["max_frame"]:
@@ -302,26 +343,51 @@ class Client:
                 self._pending.pop(req_id, None)
             raise ValueError(f"frame of {len(data)} bytes exceeds the daemon's limit {self.limits['max_frame']}")
         with self._wlock:
-            if fds:
-                sent = socket.send_fds(self._sock, [data], fds)
-                if sent < len(data):
-                    self._sock.sendall(data[sent:])
-            else:
-                self._sock.sendall(data)
+            try:
+                if fds:
+                    sent = socket.send_fds(self._sock, [data], fds)
+                    if sent < len(data):
+                        self._sock.sendall(data[sent:])
+                else:
+                    self._sock.sendall(data)
+            except OSError as e:
+                # Part of a frame may be on the socket: the stream is lost.
+                self._lose(ConnectionLost(f"cannot send to the daemon ({type(e).__name__}: {e}): "
+                                          "closed the connection"))
+                raise _again(self._closed) from None
+        return req_id, pend
+
+    def _lose(self, err):
+        """Ends the connection with err: the reader fails every request and
+        job in flight with it."""
+        with self._lock:
+            if self._closed is None:
+                self._closed = err
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def _call(self, ftype, body, fds=None):
+        req_id, pend = self._send(ftype, body, fds)
         if not pend.event.wait(self._timeout):
             raise TimeoutError(f"no reply to request {req_id} after {self._timeout}s")
         if pend.error is not None:
             raise _again(pend.error)
-        if pend.ftype == p.T_ERROR:
-            code, msg = p.decode_error(pend.body)
-            if code == p.CODE_UNSUPPORTED:
-                raise UnsupportedError(code, msg)
-            raise KvhostError(code, msg)
         if pend.ftype != ftype | p.T_REPLY:
-            raise p.ProtocolError(f"request type {ftype:#x} answered with {pend.ftype:#x}")
+            raise _refusal(pend.ftype, pend.body, ftype)
         if pend.job is not None:
             return pend.job
         return pend.ftype, pend.body
+
+    def _job(self, ftype, body, block):
+        """A store or load: the Job once the daemon accepted it (block), or
+        at once, sent, with its acceptance or refusal still to come."""
+        if block:
+            return self._call(ftype, body)
+        job = Job(self, None)
+        self._send(ftype, body, unanswered=job)
+        return job
 
     # -- operations ----------------------------------------------------------
 
@@ -514,13 +580,17 @@ class Client:
         _, body = self._call(p.T_UNPIN, struct.pack("<Q", pin_id))
         return struct.unpack("<I", body)[0]
 
-    def store(self, cache, keys, blocks):
-        """Starts storing keys[i] from cache blocks blocks[i]; returns a Job."""
-        return self._call(p.T_STORE, p.transfer(cache, keys, blocks))
+    def store(self, cache, keys, blocks, block=True):
+        """Starts storing keys[i] from cache blocks blocks[i]; returns a Job.
+        block=False returns as soon as the request is sent, without waiting
+        for the daemon to accept it: a refusal is then raised by the Job's
+        wait(), and a daemon that stopped answering holds up no caller."""
+        return self._job(p.T_STORE, p.transfer(cache, keys, blocks), block)
 
-    def load(self, cache, keys, blocks):
-        """Starts loading keys[i] into cache blocks blocks[i]; returns a Job."""
-        return self._call(p.T_LOAD, p.transfer(cache, keys, blocks))
+    def load(self, cache, keys, blocks, block=True):
+        """Starts loading keys[i] into cache blocks blocks[i]; returns a Job
+        (block as for store)."""
+        return self._job(p.T_LOAD, p.transfer(cache, keys, blocks), block)
 
     def cancel(self, job):
         """Asks to cancel a job; True if it was still in flight."""

@@ -297,7 +297,8 @@ class SpecWorker(Reconnects):
                 for i in range(0, len(keys), p.MAX_KEYS_PER_REQUEST):
                     sl = slice(i, i + p.MAX_KEYS_PER_REQUEST)
                     fn = client.load if tr.load else client.store
-                    tr.jobs.append(fn(cache, keys[sl], blocks[sl]))
+                    # Sent, not waited for: vLLM's thread never waits on the daemon.
+                    tr.jobs.append(fn(cache, keys[sl], blocks[sl], block=False))
         except (KvhostError, ConnectionLost, OSError, TimeoutError) as e:
             tr.error = reason(e)
             log.warning("kvhost spec: %s job %d: %s", kind, tr.job_id, e)
