@@ -2,6 +2,7 @@
 checkout (or taken from $KVHOST_BIN), started on a temporary directory and
 socket with a TOML configuration, stopped with SIGTERM."""
 
+import logging
 import os
 import pathlib
 import shutil
@@ -59,9 +60,14 @@ class Daemon:
             raise RuntimeError(f"kvhost did not start: {line!r}\n{self.logs()}")
 
     def freeze(self):
-        """Stops the daemon process where it is (SIGSTOP): requests sent to
-        it wait unread until halt."""
+        """Stops the daemon process where it is (SIGSTOP) and returns once
+        it is stopped: requests sent to it wait unread until thaw or halt."""
         self.proc.send_signal(signal.SIGSTOP)
+
+        def stopped():
+            with open(f"/proc/{self.proc.pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+        wait_for(stopped, what="the daemon to stop")
 
     def thaw(self):
         """Resumes a frozen daemon (SIGCONT)."""
@@ -119,3 +125,24 @@ def wait_for(cond, timeout=30.0, what="condition"):
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(delay)
         delay = min(delay * 2, 0.05)
+
+
+class LogRecords(logging.Handler):
+    """Keeps the messages logged to the logger named (until close)."""
+
+    def __init__(self, name):
+        super().__init__(logging.DEBUG)
+        self.messages = []
+        self._logger = logging.getLogger(name)
+        self._logger.addHandler(self)
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+    def has(self, text):
+        """Whether a message logged so far contains text."""
+        return any(text in m for m in list(self.messages))
+
+    def close(self):
+        self._logger.removeHandler(self)
+        super().close()

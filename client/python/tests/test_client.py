@@ -7,6 +7,7 @@ import gc
 import os
 import struct
 import tempfile
+import threading
 import unittest
 import warnings
 import weakref
@@ -212,11 +213,14 @@ class TestJobsWithoutBlocking(unittest.TestCase):
         self.assertFalse(job.cancel(), "a refused job is not in flight")
         self.assertTrue(c.connected(), "a refusal keeps the connection")
 
-    def test_a_daemon_that_reads_nothing_for_the_timeout_loses_the_connection(self):
+    def test_a_daemon_that_reads_nothing_for_the_timeout_stops_the_sending_not_its_jobs(self):
         # Sends fill the socket's buffer of a frozen daemon; the one that
-        # cannot go on within the client's timeout closes the connection
+        # cannot go on within the client's timeout raises ConnectionLost
         # (part of a frame may be on the socket) instead of blocking its
-        # caller for good, and every job sent ends with ConnectionLost.
+        # caller for good, and no request is sent after it. The jobs sent
+        # before stay in flight until the daemon ends them: it may run
+        # them when it resumes, and their memory is not the caller's again
+        # before that.
         c, cache = self.client(timeout=0.5)
         keys = [b"k%07d" % i for i in range(p.MAX_KEYS_PER_REQUEST)]
         blocks = [[0]] * len(keys)
@@ -226,13 +230,44 @@ class TestJobsWithoutBlocking(unittest.TestCase):
             with self.assertRaises(kvhost.ConnectionLost):
                 for _ in range(10000):
                     jobs.append(c.store(cache, keys, blocks, block=False))
+            self.assertTrue(jobs, "the socket's buffer took no request")
+            self.assertFalse(c.connected())
+            with self.assertRaises(kvhost.ConnectionLost):
+                c.stats()
+            # No job ends while the daemon is frozen (ending them at the
+            # client's own error took well under this half second).
+            with self.assertRaises(TimeoutError):
+                jobs[0].wait(0.5)
+            self.assertEqual([j for j in jobs if j.done()], [], "a job ended before the daemon ran")
         finally:
             self.d.thaw()
-        self.assertFalse(c.connected())
-        self.assertTrue(jobs, "the socket's buffer took no request")
-        for j in jobs:
-            with self.assertRaises(kvhost.ConnectionLost):
-                j.wait(30)
+        for j in jobs:  # each ends: run, cancelled, or with the connection the daemon closed
+            try:
+                j.wait(60)
+            except kvhost.ConnectionLost:
+                pass
+
+    def test_cancel_of_a_job_not_yet_accepted_waits_for_its_acceptance(self):
+        c, cache = self.client()
+        self.d.freeze()
+        try:
+            job = c.store(cache, [b"cancel-me"], [[0]], block=False)
+            got = []
+            t = threading.Thread(target=lambda: got.append(job.cancel()))
+            t.start()
+            self.assertIsNone(job.id)
+        finally:
+            self.d.thaw()
+        t.join(60)
+        self.assertFalse(t.is_alive())
+        self.assertIn(got, ([True], [False]))  # cancelled, or done already
+        self.assertIsNotNone(job.id)
+        job.wait(30)
+
+    def test_a_timeout_that_is_not_positive_is_refused_before_connecting(self):
+        for bad in (0, -1, 0.0):
+            with self.subTest(timeout=bad), self.assertRaises(ValueError):
+                kvhost.Client(self.d.socket, timeout=bad)
 
 
 class TestRegisterCudaTensor(unittest.TestCase):

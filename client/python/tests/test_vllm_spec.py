@@ -15,6 +15,7 @@ import pickle
 import signal
 import sys
 import threading
+import time
 import types
 import unittest
 
@@ -439,13 +440,100 @@ class TestDaemonRestart(SpecCase):
                 load = m.prepare_load(ks, CTX)
                 self.daemon.halt(signal.SIGKILL)
                 try:
+                    t0 = time.monotonic()
                     job = self.submit_load(w, load, [50, 51, 52, 53])
+                    if limit:
+                        self.assertEqual(w.get_finished(), [], "failed before load_retry_s")
                     res = self.finished(w, job)
+                    waited = time.monotonic() - t0
                 finally:
                     self.daemon.start_again()
+                self.assertGreaterEqual(waited, limit)
                 self.assertFalse(res.success)
                 c = w.counters()
                 self.assertEqual((c["failed_load_jobs"], c["load_retries"], c["inflight_jobs"]), (1, 0, 0))
+
+    def test_a_load_the_daemon_cancelled_waits_for_the_next_connection(self):
+        """A load whose keys the daemon answered CANCELLED (it was shutting
+        down) without the worker asking is held, not sent again on the
+        same connection, and loaded on the next one; one the worker
+        cancelled itself fails."""
+        from kvhost.client import Result
+        spec = self.spec(reconnect_s=0.05)
+        m = self.manager(spec)
+        caches, tensors = self.caches(seed=53)
+        w = self.worker(spec, caches)
+        ks, want = self.pinned(m, w, "cancelled-load", tensors)
+        dst = [44, 45, 46, 47]
+        load = pickle.loads(pickle.dumps(m.prepare_load(ks, CTX)))
+        gpu = S.GPULoadStoreSpec(dst, [len(dst)], [0])
+
+        class Cancelled:  # a daemon job that ended with every key cancelled
+            def __init__(self, client):
+                self._client = client
+
+            def done(self):
+                return True
+
+            def wait(self, timeout=None):
+                return Result([(kvhost.OUTCOME_CANCELLED, 0)] * len(ks), 0, 0, "key 0: context canceled")
+
+        from kvhost.vllm.spec_worker import _Transfer
+        for by_worker in (False, True):
+            tr = _Transfer(900 + by_worker, True, len(ks), (gpu, load))
+            tr.client, tr.cancelled = w._client, by_worker
+            tr.jobs = [Cancelled(w._client)]
+            with w._lock:
+                w._transfers[tr.job_id] = tr
+            if by_worker:
+                self.assertEqual([(r.job_id, r.success) for r in w.get_finished()], [(tr.job_id, False)])
+                continue
+            self.assertEqual(w.get_finished(), [])
+            self.assertEqual((tr.jobs, w.counters()["load_retries"]), ([], 0), "sent again on the same connection")
+            self.daemon.halt(signal.SIGTERM)
+            try:
+                d.wait_for(lambda: w.get_finished() == [] and not w.counters()["connected"],
+                           what="the worker to notice the daemon gone")
+            finally:
+                self.daemon.start_again()
+            res = self.finished(w, tr.job_id)
+            self.assertTrue(res.success)
+            self.assertEqual(rows(tensors, dst), want)
+            self.assertEqual(w.counters()["load_retries"], 1)
+        m.complete_load(ks, CTX)
+
+    def test_wait_returns_only_once_the_daemon_ended_the_store(self):
+        """vLLM reuses a store's blocks after wait: past job_timeout_s on a
+        frozen daemon, wait says so in the log and goes on waiting; it
+        returns once the daemon ran the store, which get_finished reports
+        stored."""
+        spec = self.spec(job_timeout_s=0.1)
+        m = self.manager(spec)
+        caches, tensors = self.caches(seed=59)
+        w = self.worker(spec, caches)
+        ks = keys(2, "fence")
+        out = m.prepare_store(ks, CTX)
+        said = d.LogRecords("vllm.kvhost")
+        self.addCleanup(said.close)
+        self.daemon.freeze()
+        self.job += 1
+        gpu = S.GPULoadStoreSpec([5, 6], [2], [0])
+        done = threading.Event()
+        try:
+            self.assertTrue(w.submit_store(self.job, gpu, pickle.loads(pickle.dumps(out.store_spec))))
+            waiter = threading.Thread(target=lambda: (w.wait({self.job}), done.set()))
+            waiter.start()
+            d.wait_for(lambda: said.has("not done after 0.1s"), what="wait to pass job_timeout_s")
+            self.assertFalse(done.is_set(), "wait returned before the daemon ended the store")
+        finally:
+            self.daemon.thaw()
+        waiter.join(60)
+        self.assertTrue(done.is_set())
+        res = []
+        d.wait_for(lambda: res.extend(w.get_finished()) or res, what="the store's result")
+        self.assertEqual([(r.job_id, r.success) for r in res], [(self.job, True)])
+        self.assertEqual(w.counters()["stored_keys"], 2)
+        m.complete_store(ks, CTX)
 
     def test_a_load_that_misses_on_the_new_daemon_is_not_loaded_again(self):
         """Only a lost connection makes a load wait: a key the daemon does

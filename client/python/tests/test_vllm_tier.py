@@ -660,6 +660,31 @@ class DaemonRestart(TierCase):
         self.tiers.remove(t)
         del region
 
+    def test_a_job_past_job_timeout_s_keeps_its_rows_until_the_daemon_ends_it(self):
+        """A promotion sent to a frozen daemon is not reported failed when
+        job_timeout_s passes (vLLM would hand its rows to other blocks
+        while the daemon, once resumed, could still write them): the tier
+        says so in the log and reports the job once the daemon ran it."""
+        region = random_region(seed=26)
+        t = self.tier(region, zero_copy="off", job_timeout_s=0.1)
+        ks = keys(2, "fenced")
+        self.store(t, ks, [0, 1])
+        want = region[:2].copy()
+        region[10:12] = 0
+        said = d.LogRecords("vllm.kvhost")
+        self.addCleanup(said.close)
+        self.daemon.freeze()
+        try:
+            j = self.job(ks, [10, 11], promotion=True)
+            t.submit_load(j)
+            d.wait_for(lambda: said.has("not done after 0.1s"), what="the tier to wait past job_timeout_s")
+            self.assertEqual(t.get_finished_jobs(), [], "a job reported before the daemon ended it")
+        finally:
+            self.daemon.thaw()
+        res = self.finished(t, 1)[j.job_id]
+        self.assertTrue(res.success, res)
+        np.testing.assert_array_equal(region[10:12], want)
+
     def test_reconnect_s_zero_stays_disconnected_and_shutdown_returns_while_the_daemon_is_gone(self):
         never = self.tier(random_region(seed=23), zero_copy="off", reconnect_s=0)
         trying = self.tier(random_region(seed=24), zero_copy="off", reconnect_s=0.05)

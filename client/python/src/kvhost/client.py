@@ -141,7 +141,8 @@ class Job:
         TimeoutError, KvhostError when the daemon refused the job, or
         ConnectionLost when no completion can come."""
         if not self._event.wait(timeout):
-            raise TimeoutError(f"job {self.id} not complete after {timeout}s")
+            what = "not yet accepted" if self.id is None else self.id
+            raise TimeoutError(f"job {what} not complete after {timeout}s")
         if self._error is not None:
             raise _again(self._error)
         return self._result
@@ -210,6 +211,8 @@ class Client:
     def __init__(self, path=None, name="python", timeout=30.0, lookup_table=True):
         if path is None:
             path = default_socket()
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"timeout {timeout!r}: want seconds > 0, or None for none")
         # The daemon's shared lookup table: None until the first lookup
         # asks for it, False where there is none to use.
         self._table = None if lookup_table else False
@@ -230,11 +233,12 @@ class Client:
             self._sock.close()
             raise
         self._timeout = timeout
-        if timeout:
+        if timeout is not None:
             # A daemon that reads nothing for this long is not waited for
-            # forever by a send: the connection is closed as lost (_send).
+            # forever by a send: the client stops sending (_send).
+            sec, usec = int(timeout), int(timeout % 1 * 1e6)
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
-                                  struct.pack("ll", int(timeout), int(timeout % 1 * 1e6)))
+                                  struct.pack("ll", sec, usec if sec or usec else 1))
         self._wlock = threading.Lock()
         self._lock = threading.Lock()
         self._next = 0
@@ -258,9 +262,32 @@ class Client:
         self.close()
 
     def close(self):
-        """Closes the connection; the daemon cancels unfinished jobs."""
-        self._lose(ConnectionLost("client closed"))
+        """Closes the connection; the daemon cancels unfinished jobs. Jobs
+        in flight end at once with ConnectionLost, though the daemon may
+        still be running them: close_after_jobs is the one for a client
+        whose jobs' memory is to be used again."""
+        self._stop_sending(ConnectionLost("client closed"))
+        try:
+            self._sock.shutdown(socket.SHUT_RD)
+        except OSError:
+            pass
         self._reader.join()
+        self._finish_close()
+
+    def close_after_jobs(self):
+        """Closes the connection once the daemon has ended its jobs, and
+        returns at once: sending stops now (the daemon, seeing the end of
+        the connection, cancels what it has not finished), each job in
+        flight ends with its completion or when the daemon closes the
+        connection, and then the socket is closed on a thread of its own."""
+        self._stop_sending(ConnectionLost("client closed"))
+
+        def finish():
+            self._reader.join()
+            self._finish_close()
+        threading.Thread(target=finish, name="kvhost-close", daemon=True).start()
+
+    def _finish_close(self):
         self._sock.close()
         table, self._table = self._table, False
         if table:
@@ -351,20 +378,27 @@ class Client:
                 else:
                     self._sock.sendall(data)
             except OSError as e:
-                # Part of a frame may be on the socket: the stream is lost.
-                self._lose(ConnectionLost(f"cannot send to the daemon ({type(e).__name__}: {e}): "
-                                          "closed the connection"))
+                # Part of a frame may be on the socket: nothing more can be
+                # sent. The reader goes on: jobs the daemon accepted end
+                # with their completions, or when it closes the connection.
+                if isinstance(e, (BrokenPipeError, ConnectionResetError)):
+                    err = ConnectionLost("daemon closed the connection")
+                else:
+                    err = ConnectionLost(f"cannot send to the daemon ({type(e).__name__}: {e}): stopped "
+                                         "sending on this connection")
+                self._stop_sending(err)
                 raise _again(self._closed) from None
         return req_id, pend
 
-    def _lose(self, err):
-        """Ends the connection with err: the reader fails every request and
-        job in flight with it."""
+    def _stop_sending(self, err):
+        """No request is sent after this (each raises err): the write side
+        is shut, so the daemon reads to the end of the connection, cancels
+        what it has not finished and closes it once its jobs ended."""
         with self._lock:
             if self._closed is None:
                 self._closed = err
         try:
-            self._sock.shutdown(socket.SHUT_RDWR)
+            self._sock.shutdown(socket.SHUT_WR)
         except OSError:
             pass
 

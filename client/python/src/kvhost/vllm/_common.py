@@ -260,30 +260,13 @@ class Reconnects:
         self._drop(old if used else new)
         return used
 
-    def _connect_now(self):
-        """Connects again at once, on the caller's thread, for a caller that
-        cannot wait for the reconnect thread (a worker's load: vLLM stops a
-        worker whose load fails). Reports whether a connection is up."""
-        with self._cv:
-            if self._broken is None:
-                return True
-            if self._closing:
-                return False
-            old = self._current()
-        try:
-            new = self._open()
-        except Exception as e:  # still no daemon
-            _log.warning("kvhost %s: no daemon connection: %s", self._what, e)
-            return False
-        self._swap_in(old, new)
-        with self._cv:
-            return self._broken is None
-
     @staticmethod
     def _drop(conn):
-        """Closes a connection: a client, or what _open() returned, the
-        client first."""
-        (conn[0] if isinstance(conn, tuple) else conn).close()
+        """Closes a connection no longer used: a client, or what _open()
+        returned, the client first. Once the daemon has ended its jobs:
+        a connection this side stopped sending on may still have jobs
+        running, whose memory must not be used again before they end."""
+        (conn[0] if isinstance(conn, tuple) else conn).close_after_jobs()
 
     def _join_reconnectors(self):
         """Waits for the reconnect threads (after _closing was set)."""

@@ -25,13 +25,14 @@ class _Transfer:
     """One vLLM job: its daemon jobs and what the result needs. A load
     keeps its specs: when the connection it ran on is lost, it is loaded
     again on the next one (lost_at: when its first loss was seen)."""
-    __slots__ = ("job_id", "load", "jobs", "nkeys", "t0", "error", "specs", "lost", "lost_at", "cancelled",
-                 "retries")
+    __slots__ = ("job_id", "load", "jobs", "nkeys", "t0", "error", "specs", "client", "lost", "lost_at",
+                 "cancelled", "retries")
 
     def __init__(self, job_id, load, nkeys, specs=None):
         self.job_id, self.load, self.nkeys, self.specs = job_id, load, nkeys, specs
         self.jobs, self.t0, self.error = [], time.monotonic(), None
-        self.lost = False        # this run of it met a lost connection, or the daemon cancelled it
+        self.client = None       # the connection its last run went to
+        self.lost = False        # that run met a lost connection, or the daemon cancelled it
         self.lost_at = None      # when a lost connection first failed it
         self.cancelled = False   # the worker cancelled it (wait's timeout): never loaded again
         self.retries = 0
@@ -263,9 +264,6 @@ class SpecWorker(Reconnects):
         out (they are simply not stored; later lookups miss)."""
         with self._lock:
             self._check_locked()
-            broken = self._broken
-        if broken is not None and load:
-            self._connect_now()  # a failed load stops vLLM's worker: try at once
         tr = _Transfer(job_id, load, len(kv_spec.keys), (gpu_spec, kv_spec) if load else None)
         self._start(tr, gpu_spec, kv_spec)
         with self._lock:
@@ -280,8 +278,8 @@ class SpecWorker(Reconnects):
             client, caches, broken = self._client, self._caches, self._broken
         plan, bad = self._plan(tr.job_id, gpu_spec, kv_spec, caches)
         kind = "load" if tr.load else "store"
-        tr.jobs, tr.error, tr.lost = [], None, False
-        if broken is not None:  # no daemon: nothing moves (a load waits or fails; a store's keys are not stored)
+        tr.jobs, tr.error, tr.lost, tr.client = [], None, False, client
+        if broken is not None:  # no daemon: nothing moves (a load waits; a store's keys are not stored)
             plan, tr.error, tr.lost = [], f"no daemon connection ({broken})", True
         for g, gkeys, why in bad:
             log.warning("kvhost spec: %s job %d: %s", kind, tr.job_id, why)
@@ -297,7 +295,7 @@ class SpecWorker(Reconnects):
                 for i in range(0, len(keys), p.MAX_KEYS_PER_REQUEST):
                     sl = slice(i, i + p.MAX_KEYS_PER_REQUEST)
                     fn = client.load if tr.load else client.store
-                    # Sent, not waited for: vLLM's thread never waits on the daemon.
+                    # Sent; the daemon's acceptance is not waited for on vLLM's thread.
                     tr.jobs.append(fn(cache, keys[sl], blocks[sl], block=False))
         except (KvhostError, ConnectionLost, OSError, TimeoutError) as e:
             tr.error = reason(e)
@@ -336,12 +334,13 @@ class SpecWorker(Reconnects):
         return _Collected(outcomes, nbytes, err, lost)
 
     def _again_locked(self, tr, got, now):
-        """Whether tr, a load that failed, is to be loaded again on a new
+        """Whether tr, a load that failed, is to be loaded again on the next
         connection: its failure came from a lost connection (or a daemon
         that cancelled it), it was not cancelled by the worker, and
         load_retry_s has not passed since its first loss. vLLM stops the
         worker on a failed load, so a load waits for a daemon rather than
-        fail."""
+        fail. Its daemon jobs have all ended: the old daemon writes no more
+        into its blocks."""
         if not (tr.load and got.lost) or tr.cancelled:
             return False
         if got.outcomes and all(o == p.OUTCOME_LOADED for o in got.outcomes) and len(got.outcomes) == tr.nkeys:
@@ -414,10 +413,10 @@ class SpecWorker(Reconnects):
             for tr in [tr for tr in self._transfers.values() if all(j.done() for j in tr.jobs)]:
                 got = self._collect_locked(tr)
                 if self._again_locked(tr, got, now):
-                    if self._broken is None:
+                    if self._broken is None and self._client is not tr.client:
                         again.append(tr)
-                    else:
-                        tr.jobs, tr.error, tr.lost = [], got.error, True  # waits for the reconnect thread
+                    else:  # waits for the next connection (the reconnect thread's)
+                        tr.jobs, tr.error, tr.lost = [], got.error, True
                     continue
                 del self._transfers[tr.job_id]
                 results.append(self._result(tr, got))
@@ -429,24 +428,44 @@ class SpecWorker(Reconnects):
         return results
 
     def wait(self, job_ids):
-        """Blocks until the jobs finished (each given job_timeout_s, then
-        cancelled); get_finished reports them."""
+        """Blocks until the daemon has ended the jobs (get_finished reports
+        them): vLLM reuses their blocks next, and a store still reading
+        them would store other bytes under its keys. A job not done after
+        job_timeout_s is asked to cancel, and waited for still, said in the
+        log every job_timeout_s."""
+        self._wait(job_ids, None)
+
+    def _wait(self, job_ids, until):
+        """wait, giving up at until (monotonic; None: never)."""
         timeout = self._opts["job_timeout_s"] or None
         with self._lock:
             trs = [self._transfers[j] for j in job_ids if j in self._transfers]
         for tr in trs:
             for j in tr.jobs:
-                try:
-                    j.wait(timeout)
-                except TimeoutError:
-                    tr.cancelled = True
+                asked = False
+                while True:
+                    step = timeout
+                    if until is not None:
+                        step = max(0.0, until - time.monotonic())
+                        step = step if timeout is None else min(step, timeout)
                     try:
-                        j.cancel()
-                        j.wait(timeout)
-                    except Exception as e:
-                        log.warning("kvhost spec: job %d: %s", tr.job_id, e)
-                except Exception:  # reported by get_finished
-                    pass
+                        j.wait(step)
+                        break
+                    except TimeoutError:
+                        if until is not None and time.monotonic() >= until:
+                            return
+                        if not asked and j.id is not None:  # a job not yet accepted is asked next time
+                            asked = True
+                            try:
+                                if j.cancel():
+                                    tr.cancelled = True
+                            except Exception as e:  # no answer: keep waiting for the job
+                                log.warning("kvhost spec: job %d: cancel: %s", tr.job_id, e)
+                        log.warning("kvhost spec: %s job %d not done after %gs; waiting for the daemon to end "
+                                    "it%s", "load" if tr.load else "store", tr.job_id, timeout,
+                                    " (asked to cancel it)" if asked else "")
+                    except Exception:  # ended (refused, or the connection closed): get_finished says
+                        break
 
     def counters(self):
         """The worker's counters since it started, as a dict (no daemon
@@ -473,11 +492,13 @@ class SpecWorker(Reconnects):
         self._client, self._regions, self._caches, self.namespaces = new
 
     def shutdown(self):
-        """Waits for the jobs in flight, then closes the connection (the
+        """Waits for the jobs in flight (job_timeout_s in all: the process
+        is going, and its memory with it), then closes the connection (the
         daemon drops the registrations). Idempotent."""
         with self._lock:
             ids = list(self._transfers)
-        self.wait(ids)
+        limit = self._opts["job_timeout_s"]
+        self._wait(ids, time.monotonic() + limit if limit else None)
         with self._cv:
             self._closing = True
             self._cv.notify_all()

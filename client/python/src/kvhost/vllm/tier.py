@@ -126,10 +126,14 @@ class _Session:
                     log.debug("kvhost tier: unregister: %s", e)
         self.cache = self.region = None
 
-    def release(self):
-        """Unregisters what it holds and closes the connection."""
+    def release(self, after_jobs=False):
+        """Unregisters what it holds and closes the connection (once the
+        daemon ended its jobs, with after_jobs: Client.close_after_jobs)."""
         self.unregister()
-        self.client.close()
+        if after_jobs:
+            self.client.close_after_jobs()
+        else:
+            self.client.close()
 
 
 class _TierImpl(Reconnects):
@@ -288,7 +292,7 @@ class _TierImpl(Reconnects):
         the refusal is raised and the tier keeps trying."""
         try:
             self._register_primary(s)
-        except (OSError, KvhostError, ValueError) as e:
+        except (KvhostError, ValueError) as e:  # refused; a lost or late answer is retried
             if self._opts["zero_copy"] == "on" or not s.client.connected():
                 raise
             self._zero_copy_error = str(e)
@@ -376,7 +380,7 @@ class _TierImpl(Reconnects):
 
     @staticmethod
     def _drop(s):
-        s.release()
+        s.release(after_jobs=True)
 
     # -- lookups ---------------------------------------------------------------
 
@@ -536,13 +540,37 @@ class _TierImpl(Reconnects):
     def _transfer(self, s, keys, blocks, load):
         dk = [_daemon_key(k) for k in keys]
         bl = [[b] for b in blocks]
-        job = s.client.load(s.cache, dk, bl) if load else s.client.store(s.cache, dk, bl)
-        try:
-            res = job.wait(self._opts["job_timeout_s"] or None)
-        except TimeoutError:
-            job.cancel()
-            res = job.wait(self._opts["job_timeout_s"] or None)
-        return [o for o, _ in res.keys]
+        # Not waiting for the acceptance: a request the daemon has not
+        # answered may still run, so only the job's end frees its rows.
+        fn = s.client.load if load else s.client.store
+        job = fn(s.cache, dk, bl, block=False)
+        return [o for o, _ in self._wait(job).keys]
+
+    def _wait(self, job):
+        """The job's result, once the daemon has ended it: its rows (vLLM's,
+        or the staging slots) are used again after this, and a job still
+        running could write into them. After job_timeout_s the daemon is
+        asked to cancel it, and it is waited for still, said in the log
+        every job_timeout_s; only while the tier shuts down does a job not
+        done then fail (TimeoutError), the memory going with vLLM."""
+        timeout = self._opts["job_timeout_s"] or None
+        asked, late = False, 0
+        while True:
+            try:
+                return job.wait(timeout)
+            except TimeoutError:
+                late += 1
+                if late > 1 and self._closed:
+                    raise
+                if not asked and job.id is not None:  # a job not yet accepted is asked next time
+                    asked = True
+                    try:
+                        job.cancel()
+                    except Exception as e:  # the daemon does not answer: keep waiting for the job
+                        log.debug("kvhost tier: cancel job %s: %s", job.id, e)
+                log.warning("kvhost tier: daemon job %s not done after %gs; waiting for the daemon to end "
+                            "it%s", job.id if job.id is not None else "(not yet accepted)", timeout,
+                            " (asked to cancel it)" if asked else "")
 
     def _staged(self, session, keys, rows, base, load):
         np = self._np
