@@ -141,7 +141,11 @@ class LogRecords(logging.Handler):
 
     def has(self, text):
         """Whether a message logged so far contains text."""
-        return any(text in m for m in list(self.messages))
+        return self.count(text) > 0
+
+    def count(self, text):
+        """How many messages logged so far contain text."""
+        return sum(text in m for m in list(self.messages))
 
     def close(self):
         self._logger.removeHandler(self)

@@ -5,6 +5,7 @@ daemon without GPU support answers)."""
 import fcntl
 import gc
 import os
+import socket
 import struct
 import tempfile
 import threading
@@ -16,7 +17,7 @@ from unittest import mock
 import kvhost
 from kvhost import protocol as p
 
-from daemon import Daemon
+from daemon import Daemon, wait_for
 
 F_GET_SEALS = getattr(fcntl, "F_GET_SEALS", 1034)
 F_SEAL_SHRINK = getattr(fcntl, "F_SEAL_SHRINK", 2)
@@ -268,6 +269,76 @@ class TestJobsWithoutBlocking(unittest.TestCase):
         for bad in (0, -1, 0.0):
             with self.subTest(timeout=bad), self.assertRaises(ValueError):
                 kvhost.Client(self.d.socket, timeout=bad)
+
+
+class FakeDaemon:
+    """A socket that answers a client's Hello and its jobs' acceptance,
+    then says what the test tells it to: for what a daemon may send."""
+
+    def __init__(self):
+        self.dir = tempfile.mkdtemp(prefix="kvhost-fake-")
+        self.path = os.path.join(self.dir, "fake.sock")
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(self.path)
+        self.listener.listen(1)
+        self.conn = None
+
+    def accept(self):
+        self.conn, _ = self.listener.accept()
+
+    def read_frame(self):
+        head = self._exact(p.HEADER_SIZE)
+        length, ftype, _, req_id = p.HEADER.unpack(head)
+        return ftype, req_id, self._exact(length)
+
+    def _exact(self, n):
+        buf = b""
+        while len(buf) < n:
+            got = self.conn.recv(n - len(buf))
+            if not got:
+                raise EOFError
+            buf += got
+        return buf
+
+    def reply(self, ftype, req_id, body):
+        self.conn.sendall(p.frame(ftype, req_id, body))
+
+    def welcome(self):
+        ftype, req_id, _ = self.read_frame()
+        assert ftype == p.T_HELLO
+        self.reply(p.T_HELLO | p.T_REPLY, req_id,
+                   struct.pack("<HH7I", 1, 0, 4 << 20, 64, 256, 16, 16, 4096, 64) + bytes([4]) + b"fake")
+
+    def close(self):
+        for s in (self.conn, self.listener):
+            if s is not None:
+                s.close()
+
+
+class TestUnreadableStream(unittest.TestCase):
+    def test_a_frame_not_understood_stops_sending_and_jobs_end_only_when_the_daemon_closes(self):
+        # After a frame the client cannot follow, it can read nothing on;
+        # the daemon may still be running its jobs on the caller's memory,
+        # so they end when the daemon closes the connection, not before.
+        fake = FakeDaemon()
+        self.addCleanup(fake.close)
+        t = threading.Thread(target=lambda: (fake.accept(), fake.welcome()))
+        t.start()
+        c = kvhost.Client(fake.path, timeout=5)
+        self.addCleanup(c.close)
+        t.join()
+        job = c.store(1, [b"k"], [[0]], block=False)
+        ftype, req_id, _ = fake.read_frame()
+        self.assertEqual(ftype, p.T_STORE)
+        fake.reply(p.T_STORE | p.T_REPLY, req_id, struct.pack("<Q", 7))
+        fake.reply(p.T_COMPLETION, 0, b"\x00" * 3)  # not a completion the client can read
+        wait_for(lambda: not c.connected(), what="the client to stop sending")
+        with self.assertRaises(TimeoutError):  # ending it at the client's error took well under this
+            job.wait(0.5)
+        self.assertEqual(job.id, 7)
+        fake.conn.close()  # the daemon closes once its jobs ended
+        with self.assertRaises(kvhost.ConnectionLost):
+            job.wait(30)
 
 
 class TestRegisterCudaTensor(unittest.TestCase):

@@ -666,7 +666,7 @@ class DaemonRestart(TierCase):
         while the daemon, once resumed, could still write them): the tier
         says so in the log and reports the job once the daemon ran it."""
         region = random_region(seed=26)
-        t = self.tier(region, zero_copy="off", job_timeout_s=0.1)
+        t = self.tier(region, zero_copy="off", job_timeout_s=0.1, request_timeout_s=0.3)
         ks = keys(2, "fenced")
         self.store(t, ks, [0, 1])
         want = region[:2].copy()
@@ -677,13 +677,42 @@ class DaemonRestart(TierCase):
         try:
             j = self.job(ks, [10, 11], promotion=True)
             t.submit_load(j)
-            d.wait_for(lambda: said.has("not done after 0.1s"), what="the tier to wait past job_timeout_s")
+            # Ten warnings: a second, past job_timeout_s and request_timeout_s both.
+            d.wait_for(lambda: said.count("not done after 0.1s") >= 10, what="the tier to wait on")
             self.assertEqual(t.get_finished_jobs(), [], "a job reported before the daemon ended it")
         finally:
             self.daemon.thaw()
         res = self.finished(t, 1)[j.job_id]
         self.assertTrue(res.success, res)
         np.testing.assert_array_equal(region[10:12], want)
+
+    def test_shutdown_gives_up_on_a_frozen_daemon_without_handing_its_staging_rows_on(self):
+        """Shutdown gives up on a job the daemon has not ended after
+        job_timeout_s, but the staging rows it held go to no later job: a
+        store queued behind it fails instead of copying its rows there,
+        where the resumed daemon would read them as the first store's."""
+        region = random_region(seed=27)
+        t = self.tier(region, zero_copy="off", threads=1, staging_bytes=2 * ROW, job_timeout_s=0.1)
+        first, second = keys(2, "given-up"), keys(2, "queued")
+        self.daemon.freeze()
+        done = threading.Event()
+        try:
+            ja, jb = self.job(first, [0, 1]), self.job(second, [2, 3])
+            t.submit_store(ja)
+            t.submit_store(jb)
+            threading.Thread(target=lambda: (t.shutdown(), done.set()), daemon=True).start()
+            d.wait_for(done.is_set, what="shutdown to give up on the frozen daemon")
+        finally:
+            self.daemon.thaw()
+        self.tiers.remove(t)
+        fresh = self.tier(random_region(seed=28), zero_copy="off")
+        for k, row in zip(first + second, [0, 1, 2, 3]):
+            if self.lookup_settled(fresh, k)[-1] != S.LookupResult.HIT:
+                continue  # not stored (cancelled): a miss is fine, wrong bytes are not
+            j = self.job([k], [9], promotion=True)
+            fresh.submit_load(j)
+            self.assertTrue(self.finished(fresh, 1)[j.job_id].success)
+            self.assertEqual(fresh._primary[9].tobytes(), region[row].tobytes(), f"key {k!r} holds other bytes")
 
     def test_reconnect_s_zero_stays_disconnected_and_shutdown_returns_while_the_daemon_is_gone(self):
         never = self.tier(random_region(seed=23), zero_copy="off", reconnect_s=0)

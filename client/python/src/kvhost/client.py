@@ -340,6 +340,17 @@ class Client:
                 pend.event.set()
         except (OSError, ConnectionLost, p.ProtocolError, KvhostError, struct.error) as e:
             err = e
+        if not isinstance(err, (OSError, ConnectionLost)):
+            # The stream cannot be read on (a frame not understood, or the
+            # daemon's error about the connection itself): send nothing
+            # more and read to its end, since the daemon ends the jobs it
+            # runs on the caller's memory only before it closes.
+            self._stop_sending(err if isinstance(err, KvhostError) else ConnectionLost(str(err)))
+            try:
+                while self._sock.recv(1 << 16):
+                    pass
+            except OSError:
+                pass
         with self._lock:
             if self._closed is None:
                 self._closed = err if isinstance(err, (ConnectionLost, KvhostError)) else ConnectionLost(str(err))
@@ -370,14 +381,14 @@ class Client:
                 self._pending.pop(req_id, None)
             raise ValueError(f"frame of {len(data)} bytes exceeds the daemon's limit {self.limits['max_frame']}")
         with self._wlock:
-            try:
+            try:  # KeyboardInterrupt too: a frame cut short leaves the stream unusable
                 if fds:
                     sent = socket.send_fds(self._sock, [data], fds)
                     if sent < len(data):
                         self._sock.sendall(data[sent:])
                 else:
                     self._sock.sendall(data)
-            except OSError as e:
+            except BaseException as e:
                 # Part of a frame may be on the socket: nothing more can be
                 # sent. The reader goes on: jobs the daemon accepted end
                 # with their completions, or when it closes the connection.
@@ -387,6 +398,8 @@ class Client:
                     err = ConnectionLost(f"cannot send to the daemon ({type(e).__name__}: {e}): stopped "
                                          "sending on this connection")
                 self._stop_sending(err)
+                if not isinstance(e, Exception):
+                    raise
                 raise _again(self._closed) from None
         return req_id, pend
 
@@ -416,11 +429,20 @@ class Client:
 
     def _job(self, ftype, body, block):
         """A store or load: the Job once the daemon accepted it (block), or
-        at once, sent, with its acceptance or refusal still to come."""
-        if block:
-            return self._call(ftype, body)
+        at once, sent, with its acceptance or refusal still to come. A
+        TimeoutError for an acceptance that did not come carries the job
+        (e.job): the daemon may still run it."""
         job = Job(self, None)
         self._send(ftype, body, unanswered=job)
+        if not block:
+            return job
+        if not job._accepted.wait(self._timeout):
+            e = TimeoutError(f"the daemon has not accepted the job after {self._timeout}s; it may still run "
+                             "it: its memory is in use until e.job ends")
+            e.job = job
+            raise e
+        if job.id is None:  # ended unaccepted: refused, or the connection closed
+            job.wait(0)
         return job
 
     # -- operations ----------------------------------------------------------

@@ -238,7 +238,7 @@ class Reconnects:
     def _reconnect(self, old):
         since = time.monotonic()
 
-        def stale():  # shutting down, or someone connected again already (connect_now)
+        def stale():  # shutting down, or the connection in use is another one already
             return self._closing or self._current() is not old
         new = connect_again(self._cv, stale, self._opts["reconnect_s"], self._open, _log, self._what)
         if new is None:

@@ -88,7 +88,7 @@ class SpecManager(Reconnects):
         declared: (client, {(rank, group): Namespace})."""
         o = self._opts
         try:
-            client = Client(o["socket"], name=o["client_name"])
+            client = Client(o["socket"], name=o["client_name"], timeout=o["request_timeout_s"])
         except OSError as e:
             raise ConnectionError(f"kvhost.vllm: cannot connect to the kvhost daemon at {o['socket']}: {e} "
                                   "(set the spec option \"socket\" or KVHOST_SOCKET)") from e

@@ -156,8 +156,9 @@ OPTIONS = {
     "stored_ttl_s": 30.0,       # prepare_store skips keys stored this recently
     "miss_ttl_s": 1.0,          # a MISS is answered this long before asking again
     "max_store_keys_inflight": 1 << 16,  # prepare_store answers None beyond
-    "job_timeout_s": 120.0,     # worker: wait() gives up on a job after this
+    "job_timeout_s": 120.0,     # worker: wait() asks to cancel a job not done after this (and waits on)
     "reconnect_s": 1.0,         # after a lost daemon connection, how often to connect again (0: never)
+    "request_timeout_s": 30.0,  # how long a request waits for the daemon's reply, a send for its reading
     "load_retry_s": 30.0,       # worker: a load lost with the connection is loaded again for this long
     "client_name": "vllm-spec",
     "max_events": 1 << 16,
@@ -204,6 +205,9 @@ def options(config):
               "reconnect_s", "load_retry_s"):
         if isinstance(o[k], bool) or not isinstance(o[k], (int, float)) or o[k] < 0:
             raise ValueError(f"kvhost.vllm: {k}: want seconds >= 0, got {o[k]!r}")
+    t = o["request_timeout_s"]
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+        raise ValueError(f"kvhost.vllm: request_timeout_s: want seconds > 0, got {t!r}")
     if not 0 < o["hit_window_s"] <= o["pin_lease_s"] / 2:
         raise ValueError(f"kvhost.vllm: hit_window_s: want > 0 and at most half of pin_lease_s "
                          f"({o['pin_lease_s']}), got {o['hit_window_s']!r}")

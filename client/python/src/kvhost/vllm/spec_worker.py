@@ -149,7 +149,8 @@ class SpecWorker(Reconnects):
         tensors registered: (client, regions, caches, namespace models)."""
         o = self._opts
         try:
-            client = Client(o["socket"], name=f"{o['client_name']}-worker{self.rank}")
+            client = Client(o["socket"], name=f"{o['client_name']}-worker{self.rank}",
+                            timeout=o["request_timeout_s"])
         except OSError as e:
             raise ConnectionError(f"kvhost.vllm: cannot connect to the kvhost daemon at {o['socket']}: {e}") from e
         regions, caches, names = {}, [], []
@@ -297,7 +298,7 @@ class SpecWorker(Reconnects):
                     fn = client.load if tr.load else client.store
                     # Sent; the daemon's acceptance is not waited for on vLLM's thread.
                     tr.jobs.append(fn(cache, keys[sl], blocks[sl], block=False))
-        except (KvhostError, ConnectionLost, OSError, TimeoutError) as e:
+        except (KvhostError, ConnectionLost, OSError, ValueError) as e:  # ValueError: a request the client refuses
             tr.error = reason(e)
             log.warning("kvhost spec: %s job %d: %s", kind, tr.job_id, e)
             if lost_connection(e, client):

@@ -52,6 +52,7 @@ _OWN_KEYS = {
     "max_events": 1 << 16,
     "vllm_fs": False,
     "reconnect_s": 1.0,
+    "request_timeout_s": 30.0,
 }
 # Keys vLLM's factory passes to every tier beside the tier's own ones:
 # "type" and "module_path" (older factories), "locality" (LOCAL or REMOTE,
@@ -101,6 +102,9 @@ def _options(own):
     for k in ("lookup_ttl_s", "lookup_wait_s", "job_timeout_s", "reconnect_s"):
         if not isinstance(o[k], (int, float)) or o[k] < 0:
             raise ValueError(f"kvhost.vllm: {k}: want seconds >= 0, got {o[k]!r}")
+    t = o["request_timeout_s"]
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
+        raise ValueError(f"kvhost.vllm: request_timeout_s: want seconds > 0, got {t!r}")
     return o
 
 
@@ -126,10 +130,12 @@ class _Session:
                     log.debug("kvhost tier: unregister: %s", e)
         self.cache = self.region = None
 
-    def release(self, after_jobs=False):
-        """Unregisters what it holds and closes the connection (once the
-        daemon ended its jobs, with after_jobs: Client.close_after_jobs)."""
-        self.unregister()
+    def release(self, after_jobs=True):
+        """Closes the connection, which releases what the session holds on
+        the daemon (asking first would wait on a daemon that does not
+        answer): once the daemon ended its jobs (Client.close_after_jobs),
+        or at once (after_jobs=False: a session that ran no job, or the
+        tier's end)."""
         if after_jobs:
             self.client.close_after_jobs()
         else:
@@ -180,6 +186,7 @@ class _TierImpl(Reconnects):
         self._cv = threading.Condition(self._lock)
         self._closing = False
         self._closed = False
+        self._give_up_at = None      # shutdown: when jobs the daemon has not ended are given up
         self._answers = {}
         self._pending_lookups = set()
         self._lookup_queue = []
@@ -233,7 +240,7 @@ class _TierImpl(Reconnects):
         path, later the same one again). Nothing of it stays on failure."""
         o = self._opts
         try:
-            client = Client(o["socket"], name=o["client_name"])
+            client = Client(o["socket"], name=o["client_name"], timeout=o["request_timeout_s"])
         except OSError as e:
             raise ConnectionError(f"kvhost.vllm: cannot connect to the kvhost daemon at {o['socket']}: {e} "
                                   f"(set the tier's \"socket\" key or KVHOST_SOCKET)") from e
@@ -250,7 +257,7 @@ class _TierImpl(Reconnects):
             else:
                 self._register_staging(s)
         except BaseException:
-            s.release()
+            s.release(after_jobs=False)  # it ran no job
             raise
         return s
 
@@ -292,8 +299,10 @@ class _TierImpl(Reconnects):
         the refusal is raised and the tier keeps trying."""
         try:
             self._register_primary(s)
-        except (KvhostError, ValueError) as e:  # refused; a lost or late answer is retried
-            if self._opts["zero_copy"] == "on" or not s.client.connected():
+        except (KvhostError, ValueError, OSError) as e:
+            # Refused, or the region cannot be opened here any more; a late
+            # answer or a lost connection is tried again.
+            if self._opts["zero_copy"] == "on" or isinstance(e, TimeoutError) or not s.client.connected():
                 raise
             self._zero_copy_error = str(e)
             log.warning("kvhost tier: the new daemon refuses vLLM's region (%s); copying through a kvhost "
@@ -380,7 +389,7 @@ class _TierImpl(Reconnects):
 
     @staticmethod
     def _drop(s):
-        s.release(after_jobs=True)
+        s.release()
 
     # -- lookups ---------------------------------------------------------------
 
@@ -529,13 +538,24 @@ class _TierImpl(Reconnects):
                 sl = slice(i, i + p.MAX_KEYS_PER_REQUEST)
                 outcomes[sl] = self._transfer(s, keys[sl], rows[sl], load)
             return
-        base, per = self._slot_ranges.get()
+        got = self._slot_ranges.get()
+        if got is None:  # the tier gave up on a job at shutdown (below): pass it on, fail
+            self._slot_ranges.put(None)
+            raise TimeoutError("the tier is shutting down with daemon jobs not ended")
+        base, per = got
         try:
             for i in range(0, len(keys), per):
                 sl = slice(i, i + per)
                 outcomes[sl] = self._staged(s, keys[sl], rows[sl], base, load)
-        finally:
+        except TimeoutError:
+            # Given up at shutdown: the daemon may still write these slots,
+            # so no later job gets them; the jobs waiting for slots fail.
+            self._slot_ranges.put(None)
+            raise
+        except BaseException:  # the job ended (refused, connection closed): its slots are free
             self._slot_ranges.put((base, per))
+            raise
+        self._slot_ranges.put((base, per))
 
     def _transfer(self, s, keys, blocks, load):
         dk = [_daemon_key(k) for k in keys]
@@ -551,16 +571,19 @@ class _TierImpl(Reconnects):
         or the staging slots) are used again after this, and a job still
         running could write into them. After job_timeout_s the daemon is
         asked to cancel it, and it is waited for still, said in the log
-        every job_timeout_s; only while the tier shuts down does a job not
-        done then fail (TimeoutError), the memory going with vLLM."""
+        every job_timeout_s. Only once the tier's shutdown has waited
+        job_timeout_s does a job not done fail (TimeoutError; the memory
+        goes with vLLM, and no staging slot it held is used again)."""
         timeout = self._opts["job_timeout_s"] or None
-        asked, late = False, 0
+        asked = False
         while True:
+            step = timeout
+            if self._closed and timeout is not None:
+                step = max(0.0, min(timeout, self._give_up_at - time.monotonic()))
             try:
-                return job.wait(timeout)
+                return job.wait(step)
             except TimeoutError:
-                late += 1
-                if late > 1 and self._closed:
+                if self._closed and timeout is not None and time.monotonic() >= self._give_up_at:
                     raise
                 if not asked and job.id is not None:  # a job not yet accepted is asked next time
                     asked = True
@@ -724,11 +747,14 @@ class _TierImpl(Reconnects):
         return self._s.client.stats()
 
     def shutdown(self):
-        """Waits for jobs (up to job_timeout_s each), then releases the
-        daemon connection, registrations and staging memory. Idempotent."""
+        """Waits for jobs (job_timeout_s in all, about: a job that was
+        waiting one job_timeout_s step when shutdown began finishes it; 0
+        waits for every job to end), then releases the daemon connection,
+        registrations and staging memory. Idempotent."""
         with self._cv:
             if self._closed:
                 return
+            self._give_up_at = time.monotonic() + self._opts["job_timeout_s"]
             self._closed = True
         self._pool.shutdown(wait=True)
         with self._cv:
@@ -745,7 +771,7 @@ class _TierImpl(Reconnects):
         self._primary = self._view = None
         s = getattr(self, "_s", None)
         if s is not None:
-            s.release()
+            s.release(after_jobs=False)  # its jobs ended, or shutdown gave up on them
         if self._staging is not None:
             self._staging_rows = None
             self._staging.close()
