@@ -5,6 +5,7 @@ daemon without GPU support answers)."""
 import fcntl
 import gc
 import os
+import shutil
 import socket
 import struct
 import tempfile
@@ -313,6 +314,7 @@ class FakeDaemon:
         for s in (self.conn, self.listener):
             if s is not None:
                 s.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 class TestUnreadableStream(unittest.TestCase):
@@ -320,6 +322,12 @@ class TestUnreadableStream(unittest.TestCase):
         # After a frame the client cannot follow, it can read nothing on;
         # the daemon may still be running its jobs on the caller's memory,
         # so they end when the daemon closes the connection, not before.
+        for name, bad in (("short body", b"\x00" * 3),
+                          ("more keys than its body holds", struct.pack("<QBxxxIQQ", 7, 1, 5, 0, 0))):
+            with self.subTest(name):
+                self.unreadable(bad)
+
+    def unreadable(self, bad):
         fake = FakeDaemon()
         self.addCleanup(fake.close)
         t = threading.Thread(target=lambda: (fake.accept(), fake.welcome()))
@@ -331,8 +339,9 @@ class TestUnreadableStream(unittest.TestCase):
         ftype, req_id, _ = fake.read_frame()
         self.assertEqual(ftype, p.T_STORE)
         fake.reply(p.T_STORE | p.T_REPLY, req_id, struct.pack("<Q", 7))
-        fake.reply(p.T_COMPLETION, 0, b"\x00" * 3)  # not a completion the client can read
+        fake.reply(p.T_COMPLETION, 0, bad)  # not a completion the client can read
         wait_for(lambda: not c.connected(), what="the client to stop sending")
+        self.assertEqual(fake.conn.recv(1), b"", "the client's side still open for writing")
         with self.assertRaises(TimeoutError):  # ending it at the client's error took well under this
             job.wait(0.5)
         self.assertEqual(job.id, 7)

@@ -733,6 +733,9 @@ class TestOptions(unittest.TestCase):
             Spec(S.fake_offloading_config("/nonexistent.sock", pin_lease_s=0))
         with self.assertRaisesRegex(ValueError, "page_bytes"):
             Spec(S.fake_offloading_config("/nonexistent.sock", **{"page_bytes": "4k"}))
+        for bad in (0, -1, float("inf"), True):
+            with self.assertRaisesRegex(ValueError, "request_timeout_s"):
+                Spec(S.fake_offloading_config("/nonexistent.sock", request_timeout_s=bad))
         with self.assertRaisesRegex(_namespace.IdentityUnknown, "parallel.rank 2 is not below"):
             Spec(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, rank=2)))
 

@@ -692,8 +692,17 @@ class DaemonRestart(TierCase):
         store queued behind it fails instead of copying its rows there,
         where the resumed daemon would read them as the first store's."""
         region = random_region(seed=27)
+        fresh = self.tier(random_region(seed=28), zero_copy="off")
         t = self.tier(region, zero_copy="off", threads=1, staging_bytes=2 * ROW, job_timeout_s=0.1)
         first, second = keys(2, "given-up"), keys(2, "queued")
+        real_release = t._release
+
+        def release():  # the daemon resumes before the connection goes, and runs what it read
+            self.daemon.thaw()
+            d.wait_for(lambda: all(self.lookup_settled(fresh, k)[-1] == S.LookupResult.HIT for k in first),
+                       what="the resumed daemon to store the given-up job's keys")
+            real_release()
+        t._release = release
         self.daemon.freeze()
         done = threading.Event()
         try:
@@ -705,10 +714,10 @@ class DaemonRestart(TierCase):
         finally:
             self.daemon.thaw()
         self.tiers.remove(t)
-        fresh = self.tier(random_region(seed=28), zero_copy="off")
-        for k, row in zip(first + second, [0, 1, 2, 3]):
-            if self.lookup_settled(fresh, k)[-1] != S.LookupResult.HIT:
-                continue  # not stored (cancelled): a miss is fine, wrong bytes are not
+        self.assertEqual({r.job_id: r.success for r in t.get_finished_jobs()}, {ja.job_id: False, jb.job_id: False})
+        for k in second:
+            self.assertEqual(self.lookup_settled(fresh, k)[-1], S.LookupResult.MISS, "the queued store was sent")
+        for k, row in zip(first, [0, 1]):
             j = self.job([k], [9], promotion=True)
             fresh.submit_load(j)
             self.assertTrue(self.finished(fresh, 1)[j.job_id].success)
@@ -907,6 +916,12 @@ class Options(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, "zero_copy: want off, auto or on"):
             Tier(offloading_spec=S.fake_spec(), primary_kv_view=memoryview(random_region()),
                  tier_type="KvhostTier", zero_copy="maybe", socket="/x")
+
+    def test_a_request_timeout_that_is_not_a_positive_finite_number_is_refused(self):
+        for bad in (0, -1, float("inf"), True, "30"):
+            with self.subTest(request_timeout_s=bad), self.assertRaisesRegex(ValueError, "request_timeout_s"):
+                Tier(offloading_spec=S.fake_spec(), primary_kv_view=memoryview(random_region()),
+                     tier_type="KvhostTier", request_timeout_s=bad, socket="/x")
 
 
 class VersionWindow(unittest.TestCase):

@@ -171,11 +171,12 @@ def _refusal(ftype, body, asked=None):
 
 
 class _Pending:
-    __slots__ = ("event", "ftype", "body", "job", "error", "unanswered")
+    __slots__ = ("event", "asked", "ftype", "body", "error", "unanswered")
 
-    def __init__(self, unanswered=None):
+    def __init__(self, asked, unanswered=None):
         self.event = threading.Event()
-        self.ftype = self.body = self.job = self.error = None
+        self.asked = asked  # the request's type
+        self.ftype = self.body = self.error = None
         # A job sent with block=False: the reader accepts or ends it, as
         # no caller waits for this request's answer.
         self.unanswered = unanswered
@@ -211,8 +212,8 @@ class Client:
     def __init__(self, path=None, name="python", timeout=30.0, lookup_table=True):
         if path is None:
             path = default_socket()
-        if timeout is not None and not timeout > 0:
-            raise ValueError(f"timeout {timeout!r}: want seconds > 0, or None for none")
+        if timeout is not None and not 0 < timeout < 1e9:
+            raise ValueError(f"timeout {timeout!r}: want seconds > 0 (finite), or None for none")
         # The daemon's shared lookup table: None until the first lookup
         # asks for it, False where there is none to use.
         self._table = None if lookup_table else False
@@ -324,28 +325,31 @@ class Client:
                     continue
                 with self._lock:
                     pend = self._pending.pop(req_id, None)
-                    if pend is not None and ftype in (p.T_STORE | p.T_REPLY, p.T_LOAD | p.T_REPLY):
+                    job = pend.unanswered if pend is not None else None
+                    if job is not None and ftype == pend.asked | p.T_REPLY:  # a store or load accepted
                         (job_id,) = struct.unpack("<Q", body)
-                        pend.job = pend.unanswered or Job(self, job_id)
-                        pend.job._accept(job_id)
-                        self._jobs[job_id] = pend.job
+                        job._accept(job_id)
+                        self._jobs[job_id] = job
                 if pend is None:
                     if req_id == 0 and ftype == p.T_ERROR:
                         raise KvhostError(*p.decode_error(body))
                     raise p.ProtocolError(f"reply to unknown request {req_id}")
-                if pend.unanswered is not None and pend.job is None:  # refused, or answered oddly
-                    pend.unanswered._finish(None, _refusal(ftype, body))
+                if job is not None:
+                    if job.id is None:  # refused, or answered oddly
+                        job._finish(None, _refusal(ftype, body, pend.asked))
                     continue
                 pend.ftype, pend.body = ftype, body
                 pend.event.set()
-        except (OSError, ConnectionLost, p.ProtocolError, KvhostError, struct.error) as e:
+        except Exception as e:  # a frame not understood too (struct.error, IndexError ...)
             err = e
         if not isinstance(err, (OSError, ConnectionLost)):
             # The stream cannot be read on (a frame not understood, or the
             # daemon's error about the connection itself): send nothing
             # more and read to its end, since the daemon ends the jobs it
             # runs on the caller's memory only before it closes.
-            self._stop_sending(err if isinstance(err, KvhostError) else ConnectionLost(str(err)))
+            if not isinstance(err, KvhostError):
+                err = ConnectionLost(f"a frame from the daemon could not be read ({type(err).__name__}: {err})")
+            self._stop_sending(err)
             try:
                 while self._sock.recv(1 << 16):
                     pass
@@ -373,7 +377,7 @@ class Client:
                 raise _again(self._closed)
             self._next += 1
             req_id = self._next
-            pend = _Pending(unanswered)
+            pend = _Pending(ftype, unanswered)
             self._pending[req_id] = pend
         data = p.frame(ftype, req_id, body)
         if len(data) > self.limits["max_frame"]:
@@ -423,8 +427,6 @@ class Client:
             raise _again(pend.error)
         if pend.ftype != ftype | p.T_REPLY:
             raise _refusal(pend.ftype, pend.body, ftype)
-        if pend.job is not None:
-            return pend.job
         return pend.ftype, pend.body
 
     def _job(self, ftype, body, block):

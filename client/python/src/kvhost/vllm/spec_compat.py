@@ -206,8 +206,8 @@ def options(config):
         if isinstance(o[k], bool) or not isinstance(o[k], (int, float)) or o[k] < 0:
             raise ValueError(f"kvhost.vllm: {k}: want seconds >= 0, got {o[k]!r}")
     t = o["request_timeout_s"]
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
-        raise ValueError(f"kvhost.vllm: request_timeout_s: want seconds > 0, got {t!r}")
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < 1e9:
+        raise ValueError(f"kvhost.vllm: request_timeout_s: want seconds > 0 (finite), got {t!r}")
     if not 0 < o["hit_window_s"] <= o["pin_lease_s"] / 2:
         raise ValueError(f"kvhost.vllm: hit_window_s: want > 0 and at most half of pin_lease_s "
                          f"({o['pin_lease_s']}), got {o['hit_window_s']!r}")

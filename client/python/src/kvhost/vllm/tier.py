@@ -103,8 +103,8 @@ def _options(own):
         if not isinstance(o[k], (int, float)) or o[k] < 0:
             raise ValueError(f"kvhost.vllm: {k}: want seconds >= 0, got {o[k]!r}")
     t = o["request_timeout_s"]
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0:
-        raise ValueError(f"kvhost.vllm: request_timeout_s: want seconds > 0, got {t!r}")
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < 1e9:
+        raise ValueError(f"kvhost.vllm: request_timeout_s: want seconds > 0 (finite), got {t!r}")
     return o
 
 
@@ -282,6 +282,8 @@ class _TierImpl(Reconnects):
                 self._register_primary(s)
                 return "zero-copy"
             except (OSError, KvhostError, ValueError) as e:
+                if isinstance(e, TimeoutError) or not s.client.connected():
+                    raise  # not a refusal: the daemon did not answer
                 self._zero_copy_error = str(e)
                 if mode == "on":
                     raise RuntimeError(f"kvhost.vllm: zero_copy=on: cannot register vLLM's CPU region with "
@@ -519,7 +521,8 @@ class _TierImpl(Reconnects):
         outcomes = [p.OUTCOME_FAILED] * len(keys)
         with self._lock:
             s, down = self._s, self._broken
-        if down is None:  # else no daemon: the job fails at once (counted by _finish)
+            over = self._closed and self._give_up_at is not None and time.monotonic() >= self._give_up_at
+        if down is None and not over:  # else no daemon, or shutdown gave up: the job fails at once
             try:
                 self._move(s, keys, rows, load, outcomes)
             except Exception as e:
@@ -754,7 +757,8 @@ class _TierImpl(Reconnects):
         with self._cv:
             if self._closed:
                 return
-            self._give_up_at = time.monotonic() + self._opts["job_timeout_s"]
+            limit = self._opts["job_timeout_s"]
+            self._give_up_at = time.monotonic() + limit if limit else None  # 0: wait for every job
             self._closed = True
         self._pool.shutdown(wait=True)
         with self._cv:
