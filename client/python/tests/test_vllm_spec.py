@@ -551,6 +551,33 @@ class TestDaemonRestart(SpecCase):
 
 
 @unittest.skipUnless(HAVE_TORCH, "torch is not installed")
+class TestStreamFence(SpecCase):
+    """The daemon copies CUDA blocks outside vLLM's streams: every job
+    waits for the current stream before it is sent (the GPU check runs it
+    with CUDA tensors; here the fence is recorded)."""
+
+    def test_host_memory_needs_no_fence(self):
+        spec = self.spec()
+        caches, _ = self.caches(seed=61)
+        self.assertIsNone(self.worker(spec, caches)._fence)
+
+    def test_each_job_waits_for_the_fence_before_it_is_sent(self):
+        spec = self.spec()
+        m = self.manager(spec)
+        caches, tensors = self.caches(seed=62)
+        w = self.worker(spec, caches)
+        in_flight = []  # daemon jobs and requests in flight when the fence ran
+        w._fence = lambda: in_flight.append(len(w._client._jobs) + len(w._client._pending))
+        ks = keys(2, "fenced-order")
+        self.store(m, w, ks, [0, 1])
+        for k in ks:
+            self.answer(m, k, S.LookupResult.HIT)
+        self.assertTrue(self.transfer(w, False, m.prepare_load(ks, CTX), [8, 9]).success)
+        m.complete_load(ks, CTX)
+        self.assertEqual(in_flight, [0, 0], "a job sent before its fence, or a job without one")
+
+
+@unittest.skipUnless(HAVE_TORCH, "torch is not installed")
 class TestHybridModel(SpecCase):
     def test_two_groups_round_trip_each_group_in_its_own_namespace(self):
         spec = self.spec(groups=2)

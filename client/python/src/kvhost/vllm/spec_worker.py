@@ -63,6 +63,22 @@ def _refs_of(kv_caches, ngroups):
     return out
 
 
+def _stream_fence(tensors):
+    """For CUDA KV caches, a function that returns once the work queued so
+    far on the current CUDA stream of their device has run; None for host
+    memory. The daemon copies the blocks from another process, outside
+    vLLM's streams: a store must not read KV the model has not finished
+    writing, nor a load write blocks that queued work (zeroing) will
+    write after it, so each job waits for the stream first, as vLLM's own
+    offloading worker makes its copy stream wait for it."""
+    cuda = [t for t in tensors if getattr(t, "is_cuda", False)]
+    if not cuda:
+        return None
+    import torch
+    device = cuda[0].device
+    return lambda: torch.cuda.current_stream(device).synchronize()
+
+
 class SpecWorker(Reconnects):
     """Moves blocks between this worker's KV-cache tensors and the daemon.
 
@@ -89,6 +105,7 @@ class SpecWorker(Reconnects):
         self._what = f"spec worker {self.rank}"
         self.shard = sc.shard_of(config)
         self._tensors = tensors
+        self._fence = _stream_fence(tensors)
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
         self._broken = None          # why the connection is gone (text), until a reconnection
@@ -265,6 +282,8 @@ class SpecWorker(Reconnects):
         out (they are simply not stored; later lookups miss)."""
         with self._lock:
             self._check_locked()
+        if self._fence is not None:
+            self._fence()
         tr = _Transfer(job_id, load, len(kv_spec.keys), (gpu_spec, kv_spec) if load else None)
         self._start(tr, gpu_spec, kv_spec)
         with self._lock:
