@@ -307,10 +307,7 @@ class TestDaemonRestart(SpecCase):
     def test_a_restart_and_a_crash_are_survived_and_keys_stored_before_load(self):
         for sig in (signal.SIGTERM, signal.SIGKILL):
             with self.subTest(sig=sig.name):
-                spec = self.spec(reconnect_s=0.05)
-                m = self.manager(spec)
-                caches, tensors = self.caches(seed=31)
-                w = self.worker(spec, caches)
+                m, w, tensors = self.restarting(31)
                 ks = keys(4, f"restart-{sig.name}")
                 self.store(m, w, ks, [0, 1, 2, 3])
                 want = rows(tensors, [0, 1, 2, 3])
@@ -347,6 +344,14 @@ class TestDaemonRestart(SpecCase):
                     self.answer(m, k, S.LookupResult.HIT)
 
 
+    def restarting(self, seed, **kw):
+        """A manager and a worker that connect again every 0.05 s (spec
+        options kw): (manager, worker, the worker's tensors)."""
+        spec = self.spec(reconnect_s=0.05, **kw)
+        m = self.manager(spec)
+        caches, tensors = self.caches(seed=seed)
+        return m, self.worker(spec, caches), tensors
+
     def pinned(self, m, w, prefix, tensors):
         """Four keys stored and answered HIT (pinned): (keys, their rows)."""
         ks = keys(4, prefix)
@@ -374,10 +379,7 @@ class TestDaemonRestart(SpecCase):
         byte."""
         for sig in (signal.SIGKILL, signal.SIGTERM):
             with self.subTest(sig=sig.name):
-                spec = self.spec(reconnect_s=0.05)
-                m = self.manager(spec)
-                caches, tensors = self.caches(seed=37)
-                w = self.worker(spec, caches)
+                m, w, tensors = self.restarting(37)
                 ks, want = self.pinned(m, w, f"lost-load-{sig.name}", tensors)
                 dst = [40, 41, 42, 43]
                 for t in tensors:
@@ -410,10 +412,7 @@ class TestDaemonRestart(SpecCase):
     def test_a_load_sent_while_the_daemon_is_gone_waits_for_it(self):
         """The HIT came just before the daemon went: the load finds no
         daemon, waits, and loads once one is back."""
-        spec = self.spec(reconnect_s=0.05)
-        m = self.manager(spec)
-        caches, tensors = self.caches(seed=41)
-        w = self.worker(spec, caches)
+        m, w, tensors = self.restarting(41)
         ks, want = self.pinned(m, w, "gone-load", tensors)
         load = m.prepare_load(ks, CTX)
         self.daemon.halt(signal.SIGKILL)
@@ -432,10 +431,7 @@ class TestDaemonRestart(SpecCase):
         time reports the load failed."""
         for limit in (0.3, 0):
             with self.subTest(load_retry_s=limit):
-                spec = self.spec(reconnect_s=0.05, load_retry_s=limit)
-                m = self.manager(spec)
-                caches, tensors = self.caches(seed=43)
-                w = self.worker(spec, caches)
+                m, w, tensors = self.restarting(43, load_retry_s=limit)
                 ks, _ = self.pinned(m, w, f"late-load-{limit}", tensors)
                 load = m.prepare_load(ks, CTX)
                 self.daemon.halt(signal.SIGKILL)
@@ -459,10 +455,7 @@ class TestDaemonRestart(SpecCase):
         same connection, and loaded on the next one; one the worker
         cancelled itself fails."""
         from kvhost.client import Result
-        spec = self.spec(reconnect_s=0.05)
-        m = self.manager(spec)
-        caches, tensors = self.caches(seed=53)
-        w = self.worker(spec, caches)
+        m, w, tensors = self.restarting(53)
         ks, want = self.pinned(m, w, "cancelled-load", tensors)
         dst = [44, 45, 46, 47]
         load = pickle.loads(pickle.dumps(m.prepare_load(ks, CTX)))

@@ -172,6 +172,37 @@ def reason(e):
     return f"{type(e).__name__}: {e}"
 
 
+def wait_ended(job, timeout, until, what, on_cancel=None):
+    """job's result once the daemon has ended it (its error raised, as
+    Job.wait raises it): the memory it moves is used again after this, and
+    a job still running could touch it. Past timeout (seconds; None: none)
+    the daemon is asked once to cancel it (once it accepted it; on_cancel()
+    runs if it did cancel), and the job is waited for still, said in the
+    log every timeout under what ("tier", "spec: store job 7"). until() is when to
+    give up (monotonic; None: never): then TimeoutError."""
+    asked = False
+    while True:
+        step, deadline = timeout, until()
+        if deadline is not None:
+            left = max(0.0, deadline - time.monotonic())
+            step = left if timeout is None else min(timeout, left)
+        try:
+            return job.wait(step)
+        except TimeoutError:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise
+            if not asked and job.id is not None:  # a job not yet accepted is asked next time
+                asked = True
+                try:
+                    if job.cancel() and on_cancel is not None:
+                        on_cancel()
+                except Exception as e:  # the daemon does not answer: keep waiting for the job
+                    _log.debug("kvhost %s: cancel: %s", what, e)
+            _log.warning("kvhost %s: daemon job %s not done after %gs; waiting for the daemon to end it%s", what,
+                         job.id if job.id is not None else "(not yet accepted)", timeout,
+                         " (asked to cancel it)" if asked else "")
+
+
 def connect_again(cv, closing, every, connect, log, what):
     """The loop of a thread that connects to the daemon again after a lost
     connection: waits every seconds (the whole interval, though others

@@ -16,7 +16,8 @@ import time
 from .. import protocol as p
 from ..client import Client, ConnectionLost, KvhostError, Layer
 from . import _namespace, spec_compat as sc
-from ._common import Reconnects, lost_connection, mapping_of as _mapping_of, open_mapped as _open_mapped, reason
+from ._common import (Reconnects, lost_connection, mapping_of as _mapping_of, open_mapped as _open_mapped, reason,
+                      wait_ended)
 
 log = logging.getLogger("vllm.kvhost")
 
@@ -461,31 +462,15 @@ class SpecWorker(Reconnects):
         with self._lock:
             trs = [self._transfers[j] for j in job_ids if j in self._transfers]
         for tr in trs:
+            kind = "load" if tr.load else "store"
             for j in tr.jobs:
-                asked = False
-                while True:
-                    step = timeout
-                    if until is not None:
-                        step = max(0.0, until - time.monotonic())
-                        step = step if timeout is None else min(step, timeout)
-                    try:
-                        j.wait(step)
-                        break
-                    except TimeoutError:
-                        if until is not None and time.monotonic() >= until:
-                            return
-                        if not asked and j.id is not None:  # a job not yet accepted is asked next time
-                            asked = True
-                            try:
-                                if j.cancel():
-                                    tr.cancelled = True
-                            except Exception as e:  # no answer: keep waiting for the job
-                                log.warning("kvhost spec: job %d: cancel: %s", tr.job_id, e)
-                        log.warning("kvhost spec: %s job %d not done after %gs; waiting for the daemon to end "
-                                    "it%s", "load" if tr.load else "store", tr.job_id, timeout,
-                                    " (asked to cancel it)" if asked else "")
-                    except Exception:  # ended (refused, or the connection closed): get_finished says
-                        break
+                try:
+                    wait_ended(j, timeout, lambda: until, f"spec: {kind} job {tr.job_id}",
+                               on_cancel=lambda tr=tr: setattr(tr, "cancelled", True))
+                except TimeoutError:  # past until: shutdown gives up
+                    return
+                except Exception:  # ended (refused, or the connection closed): get_finished says
+                    pass
 
     def counters(self):
         """The worker's counters since it started, as a dict (no daemon

@@ -32,7 +32,7 @@ from ..memory import HostBuffer
 from . import _compat, _metrics, _namespace
 from ._common import (Reconnects, daemon_key as _daemon_key, lost_connection as _lost_connection,
                       mapping_of as _mapping_of, merge_options, open_mapped as _open_mapped,
-                      pick_medium as _pick_medium, reason)
+                      pick_medium as _pick_medium, reason, wait_ended)
 
 # A child of vLLM's "vllm" logger: vLLM configures only that logger (and
 # stops it propagating), so messages logged here appear in vLLM's own output.
@@ -570,33 +570,13 @@ class _TierImpl(Reconnects):
         return [o for o, _ in self._wait(job).keys]
 
     def _wait(self, job):
-        """The job's result, once the daemon has ended it: its rows (vLLM's,
-        or the staging slots) are used again after this, and a job still
-        running could write into them. After job_timeout_s the daemon is
-        asked to cancel it, and it is waited for still, said in the log
-        every job_timeout_s. Only once the tier's shutdown has waited
-        job_timeout_s does a job not done fail (TimeoutError; the memory
-        goes with vLLM, and no staging slot it held is used again)."""
-        timeout = self._opts["job_timeout_s"] or None
-        asked = False
-        while True:
-            step = timeout
-            if self._closed and timeout is not None:
-                step = max(0.0, min(timeout, self._give_up_at - time.monotonic()))
-            try:
-                return job.wait(step)
-            except TimeoutError:
-                if self._closed and timeout is not None and time.monotonic() >= self._give_up_at:
-                    raise
-                if not asked and job.id is not None:  # a job not yet accepted is asked next time
-                    asked = True
-                    try:
-                        job.cancel()
-                    except Exception as e:  # the daemon does not answer: keep waiting for the job
-                        log.debug("kvhost tier: cancel job %s: %s", job.id, e)
-                log.warning("kvhost tier: daemon job %s not done after %gs; waiting for the daemon to end "
-                            "it%s", job.id if job.id is not None else "(not yet accepted)", timeout,
-                            " (asked to cancel it)" if asked else "")
+        """The job's result, once the daemon has ended it (wait_ended): its
+        rows (vLLM's, or the staging slots) are used again after this. Only
+        once the tier's shutdown has waited job_timeout_s does a job not
+        done fail (TimeoutError; the memory goes with vLLM, and no staging
+        slot it held is used again)."""
+        return wait_ended(job, self._opts["job_timeout_s"] or None,
+                          lambda: self._give_up_at if self._closed else None, "tier")
 
     def _staged(self, session, keys, rows, base, load):
         np = self._np
