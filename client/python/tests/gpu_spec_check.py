@@ -17,7 +17,12 @@ source on the GPU. Then the daemon restarts under the worker's CUDA
 tensors twice: killed (SIGKILL) with a load sent and unanswered (the
 daemon frozen first), which the worker must load again on the new
 daemon rather than fail; and stopped (SIGTERM) between jobs, after which
-the keys stored before load again. Both loads are compared on the GPU. With KVHOST_VLLM_SRC=DIR (a vLLM source tree, see
+the keys stored before load again. Both loads are compared on the GPU.
+Before the restarts, a store and a load are submitted behind 0.1 s of GPU
+work queued on the current stream (a spin, then the copy or zeroing of
+their blocks): bytes must be equal and submit_* must return while that
+work still runs; the same with the worker's stream marks replaced by
+marks that never wait is the control that shows the check can fail. With KVHOST_VLLM_SRC=DIR (a vLLM source tree, see
 vllm_tree.py) the classes are vLLM's own: the spec is built by vLLM's
 OffloadingSpecFactory from an OffloadingConfig, and the worker gets vLLM's
 CanonicalKVCaches and GPULoadStoreSpec; without it, the CI stand-ins. Transfer rates are reported with, from the same run, a
@@ -41,6 +46,7 @@ import vllm_standins as S  # noqa: E402
 from kvhost import vllm as kv  # noqa: E402
 
 LAYERS, PAGE, BLOCKS, KEYS, ROUNDS = 32, 64 << 10, 1024, 256, 3
+SPIN_CYCLES = 200_000_000  # the GPU work queued ahead of a job: about 0.1 s on an H100
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
 
@@ -139,6 +145,71 @@ def restarts(dm, m, w, big, stored):
     return phases
 
 
+class _Passed:
+    """A mark that never waits: the control run without the fence."""
+
+    def synchronize(self):
+        pass
+
+
+def queued(m, w, big, name, fenced=True):
+    """A store and a load submitted behind GPU work still queued on the
+    current stream, as vLLM submits them at the start of a step while the
+    last one runs (async scheduling): a spin kernel, then the copy that
+    writes the blocks the store reads, or the zeroing of the blocks the
+    load writes. The store must hold the copied bytes and the load's
+    blocks the loaded ones; submit_* must return without waiting for the
+    GPU. fenced=False replaces the worker's stream marks with marks that
+    never wait (the control: the check must see the difference)."""
+    import torch
+    keys = [S.offload_key((name, "queued", fenced, i)) for i in range(KEYS)]
+    # Blocks the restarts phase does not compare: its sources are 0..KEYS-1.
+    src, dst = list(range(BLOCKS - KEYS, BLOCKS)), list(range(KEYS, 2 * KEYS))
+    pattern = torch.randint(-128, 128, (LAYERS, KEYS, PAGE), dtype=torch.int8, device="cuda")
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    torch.cuda._sleep(SPIN_CYCLES)
+    torch.cuda.synchronize()
+    out = {"fenced": fenced, "gpu_ahead_s": round(time.perf_counter() - t0, 4)}
+    own = w._fence
+    if not fenced:
+        w._fence = _Passed
+    try:
+        answer(m, keys[0])
+        prep = m.prepare_store(keys, CTX)
+        torch.cuda._sleep(SPIN_CYCLES)
+        big[:, src[0]:src[-1] + 1].copy_(pattern)
+        t0 = time.perf_counter()
+        assert w.submit_store(5000, V.GPULoadStoreSpec(src, [len(src)], [0]), prep.store_spec)
+        out["submit_store_s"] = round(time.perf_counter() - t0, 6)
+        out["gpu_busy_after_store_submit"] = not torch.cuda.current_stream().query()
+        w.wait({5000})
+        got = []
+        d.wait_for(lambda: got.extend(w.get_finished()) or got, what="the store's result")
+        m.complete_store(prep.keys_to_store, CTX, success=got[0].success)
+        out["store_ok"] = got[0].success
+        out["hits"] = sum(answer(m, k) == V.LookupResult.HIT for k in keys)
+        load = m.prepare_load(keys, CTX)
+        torch.cuda._sleep(SPIN_CYCLES)
+        big[:, dst[0]:dst[-1] + 1].zero_()
+        t0 = time.perf_counter()
+        assert w.submit_load(5001, load, V.GPULoadStoreSpec(dst, [len(dst)], [0]))
+        out["submit_load_s"] = round(time.perf_counter() - t0, 6)
+        out["gpu_busy_after_load_submit"] = not torch.cuda.current_stream().query()
+        w.wait({5001})
+        got = []
+        d.wait_for(lambda: got.extend(w.get_finished()) or got, what="the load's result")
+        torch.cuda.synchronize()
+        m.complete_load(keys, CTX)
+        out["load_ok"] = got[0].success
+        out["bytes_equal"] = bool(torch.equal(big[:, dst[0]:dst[-1] + 1], pattern))
+    finally:
+        w._fence = own
+    out["ok"] = (out["store_ok"] and out["load_ok"] and out["hits"] == KEYS and out["bytes_equal"]
+                 and out["gpu_busy_after_store_submit"] and out["gpu_busy_after_load_submit"])
+    return out
+
+
 def check_mount(name, root):
     import torch
     out = {"mount": name, "root": root}
@@ -201,6 +272,8 @@ def check_mount(name, root):
         torch.cuda.synchronize()
         out["ceiling_d2h_GBps"] = round(host.numel() / (time.perf_counter() - t0) / 1e9, 2)
         out["rounds"] = rounds
+        out["queued"] = queued(m, w, big, name)
+        out["queued_unfenced_control"] = queued(m, w, big, name, fenced=False)
         out["restarts"] = restarts(dm, m, w, big, stored)
         stats = m.get_stats()  # what vLLM collects every step: its OffloadingConnectorStats
         out["manager_stats_payload"] = None if stats is None else {
@@ -213,7 +286,8 @@ def check_mount(name, root):
         w.shutdown()
         m.shutdown()
         out["ok"] = all(r["store_ok"] and r["load_ok"] and r["bytes_equal"] and r["hits"] == KEYS
-                        and r["then"] == "MISS" for r in rounds) and all(ph["ok"] for ph in out["restarts"])
+                        and r["then"] == "MISS" for r in rounds) and all(ph["ok"] for ph in out["restarts"]) \
+            and out["queued"]["ok"]
     except Exception as e:  # report, with the daemon's log
         import traceback
         out["ok"] = False

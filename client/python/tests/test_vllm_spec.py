@@ -543,31 +543,151 @@ class TestDaemonRestart(SpecCase):
         self.assertEqual(w.counters()["load_retries"], 0)
 
 
+class Mark:
+    """A stand-in for a CUDA event recorded on vLLM's stream: synchronize()
+    blocks until the test passes it (or raises what the test set), and
+    notes the thread that waited."""
+
+    def __init__(self, fail=None):
+        self.passed = threading.Event()
+        self.fail = fail
+        self.waited_by = []
+
+    def synchronize(self):
+        self.waited_by.append(threading.current_thread())
+        if not self.passed.wait(60):
+            raise AssertionError("a mark the test never passed")
+        if self.fail is not None:
+            raise self.fail
+
+
 @unittest.skipUnless(HAVE_TORCH, "torch is not installed")
 class TestStreamFence(SpecCase):
-    """The daemon copies CUDA blocks outside vLLM's streams: every job
-    waits for the current stream before it is sent (the GPU check runs it
-    with CUDA tensors; here the fence is recorded)."""
+    """The daemon copies CUDA blocks outside vLLM's streams: each job is
+    marked on vLLM's current stream when submitted and sent only once the
+    GPU has passed the mark, by the worker's sender thread, so vLLM's
+    thread does not wait for the GPU (the GPU check runs it with CUDA
+    tensors and events; here the marks are stand-ins)."""
+
+    def fenced(self, seed, **kw):
+        spec = self.spec(**kw)
+        m = self.manager(spec)
+        caches, tensors = self.caches(seed=seed)
+        w = self.worker(spec, caches)
+        marks = []
+        w._fence = lambda: marks.append(Mark()) or marks[-1]
+        return m, w, tensors, marks
+
+    def submit(self, w, store, kv_spec, blocks):
+        self.job += 1
+        gpu = S.GPULoadStoreSpec(blocks, [len(blocks)], [0])
+        ok = w.submit_store(self.job, gpu, kv_spec) if store else w.submit_load(self.job, kv_spec, gpu)
+        self.assertTrue(ok)
+        return self.job
+
+    def in_flight(self, w):
+        """Daemon jobs and requests sent on the worker's connection and not ended."""
+        return len(w._client._jobs) + len(w._client._pending)
 
     def test_host_memory_needs_no_fence(self):
         spec = self.spec()
         caches, _ = self.caches(seed=61)
         self.assertIsNone(self.worker(spec, caches)._fence)
 
-    def test_each_job_waits_for_the_fence_before_it_is_sent(self):
-        spec = self.spec()
-        m = self.manager(spec)
-        caches, tensors = self.caches(seed=62)
-        w = self.worker(spec, caches)
-        in_flight = []  # daemon jobs and requests in flight when the fence ran
-        w._fence = lambda: in_flight.append(len(w._client._jobs) + len(w._client._pending))
+    def test_a_job_is_sent_by_the_sender_thread_only_once_its_mark_is_passed(self):
+        m, w, tensors, marks = self.fenced(62)
         ks = keys(2, "fenced-order")
-        self.store(m, w, ks, [0, 1])
+        out = m.prepare_store(ks, CTX)
+        job = self.submit(w, True, out.store_spec, [0, 1])  # returns with the mark not passed
+        self.assertEqual(len(marks), 1)
+        d.wait_for(lambda: marks[0].waited_by, what="the sender to wait on the mark")
+        self.assertIsNot(marks[0].waited_by[0], threading.current_thread(), "vLLM's thread waited for the GPU")
+        self.assertEqual(self.in_flight(w), 0, "a job sent before its mark was passed")
+        self.assertEqual(w.counters()["unsent_jobs"], 1)
+        self.assertEqual(w.get_finished(), [], "a job reported before it was sent")
+        marks[0].passed.set()
+        w.wait({job})
+        res = []
+        d.wait_for(lambda: res.extend(w.get_finished()) or res, what="the store's result")
+        self.assertEqual([(r.job_id, r.success) for r in res], [(job, True)])
+        self.assertEqual(w.counters()["stored_keys"], 2)
+        m.complete_store(ks, CTX, success=True)
         for k in ks:
             self.answer(m, k, S.LookupResult.HIT)
-        self.assertTrue(self.transfer(w, False, m.prepare_load(ks, CTX), [8, 9]).success)
+
+    def test_jobs_are_sent_in_the_order_they_were_submitted(self):
+        m, w, tensors, marks = self.fenced(63)
+        batches = [keys(1, f"fenced-{i}") for i in range(3)]
+        jobs = [self.submit(w, True, m.prepare_store(ks, CTX).store_spec, [i]) for i, ks in enumerate(batches)]
+        marks[2].passed.set()  # a later mark passed first does not send its job ahead
+        d.wait_for(lambda: marks[0].waited_by, what="the sender to wait on the first mark")
+        self.assertEqual(self.in_flight(w), 0)
+        self.assertEqual([bool(mk.waited_by) for mk in marks], [True, False, False])
+        marks[0].passed.set()
+        marks[1].passed.set()
+        w.wait(set(jobs))
+        self.assertEqual([len(mk.waited_by) for mk in marks], [1, 1, 1])
+        res = []
+        d.wait_for(lambda: res.extend(w.get_finished()) or len(res) == 3, what="the stores' results")
+        self.assertEqual(sorted(r.job_id for r in res), jobs)
+        self.assertTrue(all(r.success for r in res))
+
+    def test_wait_returns_only_after_a_job_waiting_for_its_mark_ran(self):
+        """vLLM's wait fences block reuse: a store still waiting for the
+        GPU is a store that will read the blocks."""
+        m, w, tensors, marks = self.fenced(64)
+        ks = keys(2, "fenced-wait")
+        out = m.prepare_store(ks, CTX)
+        job = self.submit(w, True, out.store_spec, [3, 4])
+        waited = threading.Event()
+        t = threading.Thread(target=lambda: (w.wait({job}), waited.set()), daemon=True)
+        t.start()
+        d.wait_for(lambda: marks[0].waited_by, what="the sender to wait on the mark")
+        self.assertFalse(waited.wait(0.3), "wait returned before the job was sent")
+        marks[0].passed.set()
+        self.assertTrue(waited.wait(30))
+        self.assertEqual(w.counters()["unsent_jobs"], 0)
+        res = []
+        d.wait_for(lambda: res.extend(w.get_finished()) or res, what="the store's result")
+        self.assertTrue(res[0].success)
+        self.assertEqual(w.counters()["stored_keys"], 2)
+
+    def test_a_load_whose_mark_fails_fails_and_moves_nothing(self):
+        m, w, tensors, marks = self.fenced(65)
+        ks = keys(2, "fenced-fail")
+        for t in tensors:
+            t[20:22] = 7
+        marks_of_store = len(marks)
+        job = self.submit(w, True, m.prepare_store(ks, CTX).store_spec, [0, 1])
+        marks[marks_of_store].passed.set()
+        w.wait({job})
+        d.wait_for(lambda: w.get_finished(), what="the store's result")
+        m.complete_store(ks, CTX, success=True)
+        for k in ks:
+            self.answer(m, k, S.LookupResult.HIT)
+        w._fence = lambda: marks.append(Mark(fail=RuntimeError("CUDA error: an illegal memory access"))) or marks[-1]
+        job = self.submit(w, False, m.prepare_load(ks, CTX), [20, 21])
+        marks[-1].passed.set()
+        w.wait({job})
+        res = []
+        d.wait_for(lambda: res.extend(w.get_finished()) or res, what="the load's result")
+        self.assertEqual([(r.job_id, r.success) for r in res], [(job, False)])
+        self.assertTrue(all((t[20:22] == 7).all() for t in tensors), "a load moved bytes after its mark failed")
         m.complete_load(ks, CTX)
-        self.assertEqual(in_flight, [0, 0], "a job sent before its fence, or a job without one")
+
+    def test_shutdown_gives_up_on_a_mark_never_passed_and_never_sends_its_job(self):
+        m, w, tensors, marks = self.fenced(66, job_timeout_s=0.2)
+        ks = keys(2, "fenced-shutdown")
+        self.submit(w, True, m.prepare_store(ks, CTX).store_spec, [0, 1])
+        d.wait_for(lambda: marks[0].waited_by, what="the sender to wait on the mark")
+        w.shutdown()
+        self.assertEqual(self.in_flight(w), 0)
+        marks[0].passed.set()  # the GPU passes it after the worker shut down
+        d.wait_for(lambda: not w._sender.is_alive(), what="the sender thread to end")
+        self.assertEqual(self.in_flight(w), 0, "a job sent after shutdown")
+        m2 = self.manager(self.spec())
+        for k in ks:
+            self.answer(m2, k, S.LookupResult.MISS)
 
 
 @unittest.skipUnless(HAVE_TORCH, "torch is not installed")

@@ -8,6 +8,7 @@ group. Transfers become daemon jobs: a key's blocks are its chunk's GPU
 blocks in that group, and the daemon moves every layer's page of each.
 """
 
+import collections
 import logging
 import os
 import threading
@@ -27,11 +28,12 @@ class _Transfer:
     keeps its specs: when the connection it ran on is lost, it is loaded
     again on the next one (lost_at: when its first loss was seen)."""
     __slots__ = ("job_id", "load", "jobs", "nkeys", "t0", "error", "specs", "client", "lost", "lost_at",
-                 "cancelled", "retries")
+                 "cancelled", "retries", "sent")
 
     def __init__(self, job_id, load, nkeys, specs=None):
         self.job_id, self.load, self.nkeys, self.specs = job_id, load, nkeys, specs
         self.jobs, self.t0, self.error = [], time.monotonic(), None
+        self.sent = True         # its first run was submitted (False while it waits for vLLM's stream)
         self.client = None       # the connection its last run went to
         self.lost = False        # that run met a lost connection, or the daemon cancelled it
         self.lost_at = None      # when a lost connection first failed it
@@ -65,19 +67,27 @@ def _refs_of(kv_caches, ngroups):
 
 
 def _stream_fence(tensors):
-    """For CUDA KV caches, a function that returns once the work queued so
-    far on the current CUDA stream of their device has run; None for host
-    memory. The daemon copies the blocks from another process, outside
-    vLLM's streams: a store must not read KV the model has not finished
-    writing, nor a load write blocks that queued work (zeroing) will
-    write after it, so each job waits for the stream first, as vLLM's own
-    offloading worker makes its copy stream wait for it."""
+    """For CUDA KV caches, a function that marks the work queued so far on
+    the current CUDA stream of their device and returns the mark: an
+    object whose synchronize() returns once that work has run. None for
+    host memory. The daemon copies the blocks from another process,
+    outside vLLM's streams: a store must not read KV the model has not
+    finished writing, nor a load write blocks that queued work (zeroing)
+    will write after it. So each job is sent only once its mark is
+    passed, as vLLM's own offloading worker makes its copy stream wait for
+    the compute stream. Marking does not wait: vLLM's thread goes on."""
     cuda = [t for t in tensors if getattr(t, "is_cuda", False)]
     if not cuda:
         return None
     import torch
     device = cuda[0].device
-    return lambda: torch.cuda.current_stream(device).synchronize()
+
+    def mark():
+        # blocking: the thread that waits on it sleeps instead of spinning a core.
+        ev = torch.cuda.Event(blocking=True)
+        ev.record(torch.cuda.current_stream(device))
+        return ev
+    return mark
 
 
 class SpecWorker(Reconnects):
@@ -113,6 +123,10 @@ class SpecWorker(Reconnects):
         self._closing = False
         self._reconnectors = []      # threads connecting again (shutdown joins them)
         self._transfers = {}
+        # Jobs waiting for their stream's mark, in submission order:
+        # (transfer, gpu spec, kv spec, mark); one thread sends them.
+        self._fenced = collections.deque()
+        self._sender = None
         self._stats = {k: 0 for k in ("store_jobs", "load_jobs", "store_keys", "stored_keys", "present_keys",
                                       "not_admitted_keys", "store_failed_keys", "store_skipped_keys",
                                       "load_keys", "loaded_keys", "load_failed_keys", "failed_load_jobs",
@@ -280,17 +294,62 @@ class SpecWorker(Reconnects):
     def _submit(self, job_id, gpu_spec, kv_spec, load):
         """Starts a job; always True (vLLM asserts it). What cannot be moved
         is reported by get_finished: a load fails, a store leaves those keys
-        out (they are simply not stored; later lookups miss)."""
+        out (they are simply not stored; later lookups miss). With CUDA KV
+        caches the job is marked on vLLM's stream here and sent by the
+        worker's sender thread once the GPU has passed the mark."""
         with self._lock:
             self._check_locked()
-        if self._fence is not None:
-            self._fence()
         tr = _Transfer(job_id, load, len(kv_spec.keys), (gpu_spec, kv_spec) if load else None)
-        self._start(tr, gpu_spec, kv_spec)
+        mark = None
+        if self._fence is None:
+            self._start(tr, gpu_spec, kv_spec)
+        else:
+            try:
+                mark = self._fence()
+            except Exception as e:  # a CUDA error: nothing moves
+                tr.error = f"marking vLLM's CUDA stream: {e}"
+                log.error("kvhost spec: job %d: %s", job_id, tr.error)
         with self._lock:
             self._transfers[job_id] = tr
             self._stats["load_jobs" if load else "store_jobs"] += 1
+            if mark is not None:
+                tr.sent = False
+                self._fenced.append((tr, gpu_spec, kv_spec, mark))
+                if self._sender is None:
+                    self._sender = threading.Thread(target=self._send_fenced, daemon=True,
+                                                    name=f"kvhost-{self._what}-sender")
+                    self._sender.start()
+                self._cv.notify_all()
         return True
+
+    def _send_fenced(self):
+        """The sender thread: sends each marked job, in submission order,
+        once the GPU has passed its mark. After shutdown (closing) a job
+        still waiting is not sent: it ends with an error."""
+        while True:
+            with self._cv:
+                while not self._fenced and not self._closing:
+                    self._cv.wait()
+                if not self._fenced:
+                    return
+                tr, gpu_spec, kv_spec, mark = self._fenced[0]
+            why = None
+            try:
+                mark.synchronize()
+            except Exception as e:  # a CUDA error: the job moves nothing
+                why = f"waiting for vLLM's CUDA stream: {e}"
+                log.error("kvhost spec: job %d: %s", tr.job_id, why)
+            with self._lock:
+                if self._closing:
+                    why = "the worker shut down before the job was sent"
+            if why is None:
+                self._start(tr, gpu_spec, kv_spec)
+            else:
+                tr.jobs, tr.error, tr.lost = [], why, False
+            with self._cv:
+                self._fenced.popleft()
+                tr.sent = True
+                self._cv.notify_all()
 
     def _start(self, tr, gpu_spec, kv_spec):
         """Submits tr's daemon jobs on the connection in use (its first run,
@@ -431,7 +490,7 @@ class SpecWorker(Reconnects):
         results, again = [], []
         with self._lock:
             self._check_locked()
-            for tr in [tr for tr in self._transfers.values() if all(j.done() for j in tr.jobs)]:
+            for tr in [tr for tr in self._transfers.values() if tr.sent and all(j.done() for j in tr.jobs)]:
                 got = self._collect_locked(tr)
                 if self._again_locked(tr, got, now):
                     if self._broken is None and self._client is not tr.client:
@@ -463,6 +522,8 @@ class SpecWorker(Reconnects):
             trs = [self._transfers[j] for j in job_ids if j in self._transfers]
         for tr in trs:
             kind = "load" if tr.load else "store"
+            if not self._wait_sent(tr, until):
+                return
             for j in tr.jobs:
                 try:
                     wait_ended(j, timeout, lambda: until, f"spec: {kind} job {tr.job_id}",
@@ -472,6 +533,17 @@ class SpecWorker(Reconnects):
                 except Exception:  # ended (refused, or the connection closed): get_finished says
                     pass
 
+    def _wait_sent(self, tr, until):
+        """Waits until tr's first run was submitted (its stream's mark
+        passed); False when until (monotonic; None: never) came first."""
+        with self._cv:
+            while not tr.sent:
+                left = None if until is None else until - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cv.wait(left)
+        return True
+
     def counters(self):
         """The worker's counters since it started, as a dict (no daemon
         round trip): for tests and tools. vLLM collects no statistics from
@@ -480,6 +552,7 @@ class SpecWorker(Reconnects):
         with self._lock:
             s = dict(self._stats)
             s["inflight_jobs"] = len(self._transfers)
+            s["unsent_jobs"] = len(self._fenced)  # waiting for vLLM's stream to pass their mark
             s["connected"] = self._broken is None
         s["namespaces"] = list(self.namespaces)
         s["rank"] = self.rank
@@ -503,11 +576,17 @@ class SpecWorker(Reconnects):
         with self._lock:
             ids = list(self._transfers)
         limit = self._opts["job_timeout_s"]
-        self._wait(ids, time.monotonic() + limit if limit else None)
+        until = time.monotonic() + limit if limit else None
+        self._wait(ids, until)
         with self._cv:
             self._closing = True
             self._cv.notify_all()
+            sender = self._sender
         self._join_reconnectors()
+        if sender is not None:
+            # It ends once the mark it waits on (if any) is passed; a GPU
+            # that never passes it must not hold the process's exit.
+            sender.join(None if until is None else max(0.0, until - time.monotonic()))
         with self._lock:
             client = self._client
         client.close()
