@@ -2,8 +2,11 @@ package main
 
 import (
 	"fmt"
+	"math"
 	"net"
 	"os"
+	"strconv"
+	"time"
 )
 
 // sdNotify sends state to systemd's notification socket ($NOTIFY_SOCKET,
@@ -26,4 +29,23 @@ func sdNotify(state string) error {
 		return fmt.Errorf("sd_notify: %w", err)
 	}
 	return nil
+}
+
+// systemdWatchdog is half of the watchdog timeout systemd keeps on this
+// process ($WATCHDOG_USEC, for the process $WATCHDOG_PID names if it is
+// set; sd_watchdog_enabled(3)): how often to tell it WATCHDOG=1. 0 where
+// systemd keeps none on it.
+func systemdWatchdog() (time.Duration, error) {
+	usec := os.Getenv("WATCHDOG_USEC")
+	if usec == "" {
+		return 0, nil
+	}
+	if pid := os.Getenv("WATCHDOG_PID"); pid != "" && pid != strconv.Itoa(os.Getpid()) {
+		return 0, nil // meant for another process
+	}
+	n, err := strconv.ParseUint(usec, 10, 63)
+	if err != nil || n == 0 || n > math.MaxInt64/uint64(time.Microsecond) {
+		return 0, fmt.Errorf("WATCHDOG_USEC=%q: want a positive number of microseconds", usec)
+	}
+	return time.Duration(n) * time.Microsecond / 2, nil
 }

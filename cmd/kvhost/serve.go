@@ -29,6 +29,7 @@ import (
 	"github.com/kvhost/kvhost/internal/region"
 	"github.com/kvhost/kvhost/internal/server"
 	"github.com/kvhost/kvhost/internal/transfer"
+	"github.com/kvhost/kvhost/internal/watchdog"
 	"github.com/kvhost/kvhost/plugins"
 	"github.com/kvhost/kvhost/plugins/lru"
 	"github.com/kvhost/kvhost/plugins/tiered"
@@ -235,9 +236,15 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 		sock.Close()
 		return errors.Join(err, closeEngine())
 	}
+	wd, err := newWatchdog(cfg, eng, srv, log)
+	if err != nil {
+		sock.Close()
+		return errors.Join(err, closeEngine())
+	}
 	if d.metrics != nil {
 		src := metrics.Sources{
 			Engine: eng.Stats, Server: srv.Stats, Policy: d.pol.state, DataPaths: d.dataPaths, Staging: eng.StagingUsage,
+			Stalled: func() string { return wd.Unhealthy(time.Now()) },
 			Reloads: func() (uint64, uint64) {
 				d.mu.Lock()
 				defer d.mu.Unlock()
@@ -282,8 +289,17 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 	// accepts connections (the listener is open); Serve takes them. The
 	// logs go to stderr in the configured format.
 	d.setReady(true)
+	wctx, stopWatchdog := context.WithCancel(ctx)
+	var wdWG sync.WaitGroup
+	wdWG.Add(1)
+	go func() {
+		defer wdWG.Done()
+		wd.Run(wctx)
+	}()
 	fmt.Fprintf(d.stdout, "kvhost: listening on unix:%s\n", sock.Path())
 	serveErr := srv.Serve(ctx, sock.UnixListener)
+	stopWatchdog()
+	wdWG.Wait()
 	close(done)
 	sigWG.Wait()
 	log.Info("kvhost shutting down")
@@ -295,6 +311,48 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 		log.Info("kvhost stopped")
 	}
 	return err
+}
+
+// healthCheckEvery is how often the watchdog checks the daemon where
+// systemd asks for nothing more often.
+const healthCheckEvery = 5 * time.Second
+
+// newWatchdog returns the daemon's watchdog: every healthCheckEvery (or
+// half of systemd's watchdog timeout, if shorter) it takes the engine's
+// and the server's stats (their locks answer) and looks for a data path
+// that moves nothing for server.stall_timeout with jobs in flight; while
+// both pass it tells systemd WATCHDOG=1 (where systemd keeps a watchdog
+// on the daemon), and /healthz answers 200.
+func newWatchdog(cfg config.Config, eng *engine.Engine, srv *server.Server, log *slog.Logger) (*watchdog.Watchdog, error) {
+	every := healthCheckEvery
+	var notify func(string) error
+	half, err := systemdWatchdog()
+	switch {
+	case err != nil:
+		log.Warn("systemd's watchdog settings ignored", "err", err)
+	case half > 0:
+		every, notify = min(every, half), sdNotify
+	}
+	wd, err := watchdog.New(watchdog.Config{
+		Every: every,
+		Progress: func() watchdog.Progress {
+			a := eng.Activity()
+			return watchdog.Progress{Jobs: a.Jobs, Oldest: a.Oldest, Moved: a.Moved}
+		},
+		StallAfter: time.Duration(cfg.Server.StallTimeout),
+		Probe: func(context.Context) error {
+			eng.Stats()
+			srv.Stats()
+			return nil
+		},
+		Notify: notify,
+		Logger: log,
+	})
+	if err != nil {
+		return nil, err
+	}
+	log.Info("watchdog", "every", every, "stall_timeout", time.Duration(cfg.Server.StallTimeout), "systemd", notify != nil)
+	return wd, nil
 }
 
 // serverName is the daemon's name and version in the handshake.

@@ -108,6 +108,9 @@ type Engine struct {
 
 type counters struct {
 	stores, loads, hits, misses, evictions, reused, made, failures, corrupt, vanished, written, read atomic.Uint64
+
+	// ended counts the jobs finished (Activity).
+	ended atomic.Uint64
 }
 
 // DefaultIOWorkers is the number of I/O workers of a Config whose

@@ -120,8 +120,37 @@ func (e *Engine) finish(j *Job) {
 		}
 	}
 	e.jobs.remove(j)
+	e.st.ended.Add(1)
 	e.observe(j)
 	j.cancel()
 	close(j.done)
 	e.jobs.wg.Done()
+}
+
+// Activity is what the data path is doing: enough for a watchdog to tell
+// an engine that has stopped from a busy one.
+type Activity struct {
+	// Jobs is how many store and load jobs are in flight.
+	Jobs int
+	// Oldest is when the oldest of them began; zero with none.
+	Oldest time.Time
+	// Moved grows with every file stored or loaded (by its payload
+	// bytes), evicted, and every job ended; its value means nothing
+	// else.
+	Moved uint64
+}
+
+// Activity reports the jobs in flight and how much the data path has
+// moved so far.
+func (e *Engine) Activity() Activity {
+	a := Activity{Moved: e.st.written.Load() + e.st.read.Load() + e.st.evictions.Load() + e.st.ended.Load()}
+	e.jobs.mu.Lock()
+	defer e.jobs.mu.Unlock()
+	for _, j := range e.jobs.jobs {
+		a.Jobs++
+		if a.Oldest.IsZero() || j.start.Before(a.Oldest) {
+			a.Oldest = j.start
+		}
+	}
+	return a
 }

@@ -129,6 +129,11 @@ type Server struct {
 	MaxFrame Size `toml:"max_frame"`
 	// ShutdownTimeout is how long SIGTERM waits for in-flight jobs.
 	ShutdownTimeout Duration `toml:"shutdown_timeout"`
+	// StallTimeout is how long jobs may be in flight with the data path
+	// moving nothing before the daemon calls itself stalled: /healthz
+	// answers 503 and systemd's watchdog is no longer told it lives, so
+	// that its supervisor restarts it. 0 never calls it stalled.
+	StallTimeout Duration `toml:"stall_timeout"`
 	// MaxHandshakes bounds connections that have not sent their Hello; a
 	// new one beyond it closes the oldest.
 	MaxHandshakes int `toml:"max_handshakes"`
@@ -388,6 +393,7 @@ func Default() Config {
 			MaxRegistrations: 64,
 			MaxFrame:         4 << 20,
 			ShutdownTimeout:  Duration(10 * time.Second),
+			StallTimeout:     Duration(time.Minute),
 			MaxHandshakes:    16,
 			HandshakeTimeout: Duration(5 * time.Second),
 			FrameTimeout:     Duration(10 * time.Second),
@@ -554,6 +560,8 @@ func (c *Config) Validate() error {
 		return bad("server.max_frame", "between 64KiB and 1GiB", c.Server.MaxFrame)
 	case c.Server.ShutdownTimeout < 0:
 		return bad("server.shutdown_timeout", "a non-negative duration", c.Server.ShutdownTimeout)
+	case c.Server.StallTimeout < 0:
+		return bad("server.stall_timeout", "a non-negative duration (0: never)", c.Server.StallTimeout)
 	case c.Server.MaxHandshakes < 1:
 		return bad("server.max_handshakes", "at least 1", c.Server.MaxHandshakes)
 	case c.Server.HandshakeTimeout <= 0:

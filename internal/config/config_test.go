@@ -142,6 +142,7 @@ func TestParseErrors(t *testing.T) {
 		{"reserved param", "[policy.params]\n\"kvhost.shard\" = 1", "reserved prefix"},
 		{"wrong type", "[server]\nmax_clients = \"many\"", "kvhost.toml:2: server.max_clients: incompatible types"},
 		{"handshake timeout", "[server]\nhandshake_timeout = \"0s\"", "kvhost.toml:2: server.handshake_timeout: want a positive duration"},
+		{"stall timeout", "[server]\nstall_timeout = \"-1s\"", "kvhost.toml:2: server.stall_timeout: want a non-negative duration (0: never)"},
 		{"max handshakes", "[server]\n\nmax_handshakes = 0", "kvhost.toml:3: server.max_handshakes: want at least 1, got 0"},
 		{"device class", "[[mount]]\npath = \"/a\"\ndevice_class = \"tape\"", `kvhost.toml:3: mount.device_class: want "memory"`},
 		{"gpu mode", "[gpu]\nmode = \"maybe\"", `kvhost.toml:2: gpu.mode: want auto, on or off, got "maybe"`},

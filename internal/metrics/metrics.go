@@ -64,6 +64,10 @@ type Sources struct {
 	// CuFile reports cuFile's handle cache (gds.Driver.HandleStats; nil
 	// where cuFile is not loaded).
 	CuFile func() gds.HandleStats
+	// Stalled says why the daemon is not serving (its watchdog: a data
+	// path that moves nothing with jobs in flight, a check that does not
+	// answer), or ""; nil never.
+	Stalled func() string
 }
 
 // PolicyState is the placement policy as the daemon runs it.
@@ -175,8 +179,9 @@ func (m *Metrics) ObserveRequest(t protocol.Type, took time.Duration) {
 }
 
 // Handler serves /metrics (Prometheus text or protobuf), /healthz (200
-// while the process serves HTTP: liveness), /healthz/gpu (/healthz, but
-// 503 once a GPU's context is broken: liveness for a daemon that should
+// while the process serves HTTP and its watchdog finds it serving, 503
+// once it is stalled: liveness), /healthz/gpu (/healthz, but 503 also
+// once a GPU's context is broken: liveness for a daemon that should
 // restart then) and /readyz (200 once the daemon accepts clients, 503
 // before and while it drains: readiness);
 // with profiling, also Go's runtime profiles and execution trace under
@@ -192,10 +197,18 @@ func (m *Metrics) Handler(profiling bool) http.Handler {
 	}
 	mux.Handle("GET /metrics", promhttp.HandlerFor(m.reg, promhttp.HandlerOpts{}))
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
+		if why := m.stalled(); why != "" {
+			http.Error(w, "unhealthy: "+why, http.StatusServiceUnavailable)
+			return
+		}
 		w.Write([]byte("ok\n"))
 	})
 	mux.HandleFunc("GET /healthz/gpu", func(w http.ResponseWriter, _ *http.Request) {
-		if why := m.broken(); why != "" {
+		why := m.stalled()
+		if why == "" {
+			why = m.broken()
+		}
+		if why != "" {
 			http.Error(w, "unhealthy: "+why, http.StatusServiceUnavailable)
 			return
 		}
@@ -209,6 +222,14 @@ func (m *Metrics) Handler(profiling bool) http.Handler {
 		w.Write([]byte("ready\n"))
 	})
 	return mux
+}
+
+// stalled says why the daemon's watchdog finds it not serving, or "".
+func (m *Metrics) stalled() string {
+	if src := m.src.Load(); src != nil && src.Stalled != nil {
+		return src.Stalled()
+	}
+	return ""
 }
 
 // broken says which GPU is faulted (a job or registration failed there

@@ -5,6 +5,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -292,5 +293,40 @@ func TestHealthzGPUFailsOnceAGPUsContextIsBroken(t *testing.T) {
 				t.Fatalf("/healthz: %d, want 200", got)
 			}
 		})
+	}
+}
+
+// TestHealthzAnswers503WhileTheWatchdogFindsTheDaemonStalled: /healthz
+// and /healthz/gpu follow Sources.Stalled, saying why; /readyz does not.
+func TestHealthzAnswers503WhileTheWatchdogFindsTheDaemonStalled(t *testing.T) {
+	m := New("v1")
+	ts := httptest.NewServer(m.Handler(false))
+	defer ts.Close()
+	why := "2 jobs in flight, the oldest for 1m5s, and the data path has moved nothing for 1m0s"
+	stalled := ""
+	var mu sync.Mutex
+	m.SetSources(Sources{Stalled: func() string { mu.Lock(); defer mu.Unlock(); return stalled }})
+	m.SetReady(true)
+	for _, path := range []string{"/healthz", "/healthz/gpu", "/readyz"} {
+		if got := status(t, ts.URL+path); got != http.StatusOK {
+			t.Errorf("%s serving: %d, want 200", path, got)
+		}
+	}
+	mu.Lock()
+	stalled = why
+	mu.Unlock()
+	for _, path := range []string{"/healthz", "/healthz/gpu"} {
+		resp, err := http.Get(ts.URL + path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusServiceUnavailable || !strings.Contains(string(body), why) {
+			t.Errorf("%s stalled: %d %q, want 503 saying why", path, resp.StatusCode, body)
+		}
+	}
+	if got := status(t, ts.URL+"/readyz"); got != http.StatusOK {
+		t.Errorf("/readyz stalled: %d, want 200 (liveness restarts a stalled daemon; readiness is about accepting clients)", got)
 	}
 }
