@@ -589,6 +589,19 @@ class TestStreamFence(SpecCase):
         """Daemon jobs and requests sent on the worker's connection and not ended."""
         return len(w._client._jobs) + len(w._client._pending)
 
+    def record_sends(self, w):
+        """The keys of each store and load the worker asks its client to
+        send, in order, with whether the worker was closing then."""
+        sent = []
+        for name in ("store", "load"):
+            real = getattr(w._client, name)
+
+            def send(cache, ks, blocks, real=real, **kw):
+                sent.append(([bytes(k) for k in ks], w._closing))
+                return real(cache, ks, blocks, **kw)
+            setattr(w._client, name, send)
+        return sent
+
     def test_host_memory_needs_no_fence(self):
         spec = self.spec()
         caches, _ = self.caches(seed=61)
@@ -617,16 +630,17 @@ class TestStreamFence(SpecCase):
 
     def test_jobs_are_sent_in_the_order_they_were_submitted(self):
         m, w, tensors, marks = self.fenced(63)
+        sent = self.record_sends(w)
         batches = [keys(1, f"fenced-{i}") for i in range(3)]
         jobs = [self.submit(w, True, m.prepare_store(ks, CTX).store_spec, [i]) for i, ks in enumerate(batches)]
         marks[2].passed.set()  # a later mark passed first does not send its job ahead
         d.wait_for(lambda: marks[0].waited_by, what="the sender to wait on the first mark")
-        self.assertEqual(self.in_flight(w), 0)
+        self.assertEqual(sent, [])
         self.assertEqual([bool(mk.waited_by) for mk in marks], [True, False, False])
         marks[0].passed.set()
         marks[1].passed.set()
         w.wait(set(jobs))
-        self.assertEqual([len(mk.waited_by) for mk in marks], [1, 1, 1])
+        self.assertEqual([ks for ks, _ in sent], batches)
         res = []
         d.wait_for(lambda: res.extend(w.get_finished()) or len(res) == 3, what="the stores' results")
         self.assertEqual(sorted(r.job_id for r in res), jobs)
@@ -677,17 +691,59 @@ class TestStreamFence(SpecCase):
 
     def test_shutdown_gives_up_on_a_mark_never_passed_and_never_sends_its_job(self):
         m, w, tensors, marks = self.fenced(66, job_timeout_s=0.2)
+        sent = self.record_sends(w)
         ks = keys(2, "fenced-shutdown")
         self.submit(w, True, m.prepare_store(ks, CTX).store_spec, [0, 1])
         d.wait_for(lambda: marks[0].waited_by, what="the sender to wait on the mark")
         w.shutdown()
-        self.assertEqual(self.in_flight(w), 0)
         marks[0].passed.set()  # the GPU passes it after the worker shut down
         d.wait_for(lambda: not w._sender.is_alive(), what="the sender thread to end")
-        self.assertEqual(self.in_flight(w), 0, "a job sent after shutdown")
+        self.assertEqual(sent, [], "a job sent after shutdown gave up on it")
         m2 = self.manager(self.spec())
         for k in ks:
             self.answer(m2, k, S.LookupResult.MISS)
+        # A job submitted after shutdown is not left waiting for a sender
+        # that is gone: it ends, failed.
+        job = self.submit(w, False, m.prepare_load(ks, CTX), [8, 9])
+        waited = threading.Thread(target=w.wait, args=({job},), daemon=True)
+        waited.start()
+        waited.join(60)
+        self.assertFalse(waited.is_alive(), "wait hangs on a job submitted after shutdown")
+        res = w.get_finished()
+        # The store given up ends too: for vLLM a success whose keys are not stored.
+        self.assertEqual(sorted((r.job_id, r.success) for r in res), [(1, True), (job, False)])
+        self.assertEqual((w.counters()["stored_keys"], w.counters()["store_failed_keys"]), (0, 2))
+
+    def test_an_error_sending_one_job_fails_it_and_the_next_jobs_are_still_sent(self):
+        """The sender thread survives what the send raises: the job ends
+        failed (for vLLM: a store whose keys are not stored) and every
+        later job is sent; wait never hangs on a job nothing will send."""
+        m, w, tensors, marks = self.fenced(67)
+        plan, calls = w._plan, []
+
+        def failing_once(*a):
+            calls.append(1)
+            if len(calls) == 1:
+                raise TypeError("injected: a spec the worker cannot read")
+            return plan(*a)
+        w._plan = failing_once
+        first, second = keys(1, "fenced-raise-1"), keys(1, "fenced-raise-2")
+        j1 = self.submit(w, True, m.prepare_store(first, CTX).store_spec, [0])
+        j2 = self.submit(w, True, m.prepare_store(second, CTX).store_spec, [1])
+        for mk in marks:
+            mk.passed.set()
+        waited = threading.Thread(target=w.wait, args=({j1, j2},), daemon=True)
+        waited.start()
+        waited.join(60)
+        self.assertFalse(waited.is_alive(), "wait hangs on a job the sender will never send")
+        res = []
+        d.wait_for(lambda: res.extend(w.get_finished()) or len(res) == 2, what="both stores' results")
+        self.assertTrue(all(r.success for r in res), res)  # a store vLLM sees fail would stop it
+        self.assertTrue(w._sender.is_alive())
+        c = w.counters()
+        self.assertEqual((c["stored_keys"], c["store_failed_keys"], c["unsent_jobs"]), (1, 1, 0))
+        m.complete_store(second, CTX, success=True)
+        self.answer(m, second[0], S.LookupResult.HIT)
 
 
 @unittest.skipUnless(HAVE_TORCH, "torch is not installed")

@@ -127,6 +127,7 @@ class SpecWorker(Reconnects):
         # (transfer, gpu spec, kv spec, mark); one thread sends them.
         self._fenced = collections.deque()
         self._sender = None
+        self._send_lock = threading.Lock()  # held by the sender thread while it sends (shutdown waits on it)
         self._stats = {k: 0 for k in ("store_jobs", "load_jobs", "store_keys", "stored_keys", "present_keys",
                                       "not_admitted_keys", "store_failed_keys", "store_skipped_keys",
                                       "load_keys", "loaded_keys", "load_failed_keys", "failed_load_jobs",
@@ -310,22 +311,29 @@ class SpecWorker(Reconnects):
                 tr.error = f"marking vLLM's CUDA stream: {e}"
                 log.error("kvhost spec: job %d: %s", job_id, tr.error)
         with self._lock:
+            if mark is not None and self._closing:  # the sender is gone: nothing would send it
+                mark, tr.error = None, "the worker was shut down"
+            if mark is not None and self._sender is None:
+                # Started before the job is queued: a thread that cannot
+                # start fails this submit, not every later job.
+                t = threading.Thread(target=self._send_fenced, daemon=True, name=f"kvhost-{self._what}-sender")
+                t.start()
+                self._sender = t
             self._transfers[job_id] = tr
             self._stats["load_jobs" if load else "store_jobs"] += 1
             if mark is not None:
                 tr.sent = False
                 self._fenced.append((tr, gpu_spec, kv_spec, mark))
-                if self._sender is None:
-                    self._sender = threading.Thread(target=self._send_fenced, daemon=True,
-                                                    name=f"kvhost-{self._what}-sender")
-                    self._sender.start()
                 self._cv.notify_all()
         return True
 
     def _send_fenced(self):
         """The sender thread: sends each marked job, in submission order,
-        once the GPU has passed its mark. After shutdown (closing) a job
-        still waiting is not sent: it ends with an error."""
+        once the GPU has passed its mark. Once shutdown has begun closing,
+        a job not yet sent is not sent (nor its mark waited for): it ends
+        with an error. Sends happen under _send_lock, so that shutdown,
+        having set _closing, waits for one under way and then knows no
+        other begins."""
         while True:
             with self._cv:
                 while not self._fenced and not self._closing:
@@ -333,23 +341,37 @@ class SpecWorker(Reconnects):
                 if not self._fenced:
                     return
                 tr, gpu_spec, kv_spec, mark = self._fenced[0]
-            why = None
+                closing = self._closing
+            why, started = None, False
             try:
-                mark.synchronize()
-            except Exception as e:  # a CUDA error: the job moves nothing
-                why = f"waiting for vLLM's CUDA stream: {e}"
-                log.error("kvhost spec: job %d: %s", tr.job_id, why)
-            with self._lock:
-                if self._closing:
+                if closing:
                     why = "the worker shut down before the job was sent"
-            if why is None:
-                self._start(tr, gpu_spec, kv_spec)
-            else:
-                tr.jobs, tr.error, tr.lost = [], why, False
-            with self._cv:
-                self._fenced.popleft()
-                tr.sent = True
-                self._cv.notify_all()
+                if why is None:
+                    try:
+                        mark.synchronize()
+                    except Exception as e:  # a CUDA error: the job moves nothing
+                        why = f"waiting for vLLM's CUDA stream: {e}"
+                        log.error("kvhost spec: job %d: %s", tr.job_id, why)
+                with self._send_lock:
+                    with self._lock:
+                        if why is None and self._closing:
+                            why = "the worker shut down before the job was sent"
+                    if why is None:
+                        started = True
+                        self._start(tr, gpu_spec, kv_spec)
+            except BaseException as e:  # never leave this job, and every one after it, unsent
+                why = f"sending the job: {e!r}"
+                log.exception("kvhost spec: job %d: %s", tr.job_id, why)
+            finally:
+                if why is not None:
+                    if not started:
+                        tr.jobs, tr.lost = [], False
+                    # else its daemon jobs sent before the error stay: it ends with them
+                    tr.error = why
+                with self._cv:
+                    self._fenced.popleft()
+                    tr.sent = True
+                    self._cv.notify_all()
 
     def _start(self, tr, gpu_spec, kv_spec):
         """Submits tr's daemon jobs on the connection in use (its first run,
@@ -582,6 +604,8 @@ class SpecWorker(Reconnects):
             self._closing = True
             self._cv.notify_all()
             sender = self._sender
+        with self._send_lock:  # a send under way ends first; no other begins
+            pass
         self._join_reconnectors()
         if sender is not None:
             # It ends once the mark it waits on (if any) is passed; a GPU
