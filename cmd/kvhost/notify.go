@@ -25,6 +25,11 @@ func sdNotify(state string) error {
 		return fmt.Errorf("sd_notify: %w", err)
 	}
 	defer conn.Close()
+	// A notification socket that does not take it in a second would hold
+	// the watchdog's check (and a reload) behind systemd.
+	if err := conn.SetWriteDeadline(time.Now().Add(time.Second)); err != nil {
+		return fmt.Errorf("sd_notify: %w", err)
+	}
 	if _, err := conn.Write([]byte(state)); err != nil {
 		return fmt.Errorf("sd_notify: %w", err)
 	}

@@ -2,8 +2,14 @@ package engine
 
 import (
 	"context"
+	"math/rand/v2"
+	"strings"
+	"sync"
 	"testing"
 	"time"
+
+	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/internal/fsys"
 )
 
 // TestActivityShowsAHeldJobAndMovesOnlyAsWorkEnds: a store held in its
@@ -37,12 +43,71 @@ func TestActivityShowsAHeldJobAndMovesOnlyAsWorkEnds(t *testing.T) {
 	if during.Moved != before.Moved {
 		t.Errorf("Moved went from %d to %d while the only job was held", before.Moved, during.Moved)
 	}
+	if during.OldestIO.IsZero() || during.OldestIO.Before(during.Oldest) {
+		t.Errorf("the held write is not the oldest I/O in flight: %+v", during)
+	}
 	close(release)
 	if res, err := job.Wait(context.Background()); err != nil || res.Keys[0].Outcome != OutcomeStored {
 		t.Fatalf("the store: %+v, %v", res, err)
 	}
 	after := env.e.Activity()
-	if after.Jobs != 0 || after.Moved <= during.Moved {
+	if after.Jobs != 0 || after.Moved <= during.Moved || !after.OldestIO.IsZero() {
 		t.Errorf("after the store ended: %+v (Moved was %d)", after, during.Moved)
+	}
+}
+
+// TestActivityMovesWhileAStoreDemotesFilesToTheColdMount: a store whose
+// reservation demotes files one after another (its job in flight the
+// whole time, nothing of its own moved) shows the demotions in Moved,
+// so that a watchdog does not take a long demotion pass for a stall.
+func TestActivityMovesWhileAStoreDemotesFilesToTheColdMount(t *testing.T) {
+	ctx := context.Background()
+	g := smallGeometry(true)
+	fileLen := 4096 + g.KeyBytes()
+	cold := t.TempDir()
+	var e *Engine
+	var mu sync.Mutex
+	var seen []Activity // at the start of each demotion's copy to the cold mount
+	armed := false
+	inj := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+		if op == fsys.OpOpen && strings.HasPrefix(path, cold) && strings.Contains(path, tmpPrefix) {
+			mu.Lock()
+			if armed {
+				seen = append(seen, e.Activity())
+			}
+			mu.Unlock()
+		}
+		return fsys.Fault{}
+	})
+	pol := &demotingPolicy{testPolicy: newTestPolicy(1, abi.OrderLayerMajor)}
+	e = openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir(), Capacity: 10 * fileLen, HighWatermark: 0.95, LowWatermark: 0.05}, {Path: cold}},
+		Policy: pol, FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj}})
+	ns, err := e.Declare(ctx, g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := newTestCache(t, e, ns, g, 64, layoutPlaneFirst)
+	r := rand.New(rand.NewPCG(3, 4))
+	keys := testKeys("d", 10)
+	for i := range 9 {
+		b := [][]int{{0, 1, 2, 3}}
+		c.fill(r, b[0])
+		wait(t)(e.Store(ctx, StoreRequest{Cache: c.id, Keys: keys[i : i+1], Blocks: b}))
+	}
+	mu.Lock()
+	armed = true
+	mu.Unlock()
+	b := [][]int{{0, 1, 2, 3}}
+	c.fill(r, b[0])
+	wait(t)(e.Store(ctx, StoreRequest{Cache: c.id, Keys: keys[9:10], Blocks: b}))
+	mu.Lock()
+	defer mu.Unlock()
+	if len(seen) < 2 {
+		t.Fatalf("the store's reservation demoted %d files, want several", len(seen))
+	}
+	for i := 1; i < len(seen); i++ {
+		if seen[i].Jobs == 0 || seen[i].Moved <= seen[i-1].Moved {
+			t.Errorf("demotion %d: %+v; Moved did not grow since the last (%d)", i, seen[i], seen[i-1].Moved)
+		}
 	}
 }

@@ -627,6 +627,7 @@ func (e *Engine) adoptFiles(ctx context.Context, m *mount, tags map[uint32]bool)
 				continue
 			}
 			en, err := e.readEntry(m.idx, path)
+			e.st.scanned.Add(1) // progress for Activity: the walk may take minutes, stores waiting on it
 			if err != nil {
 				continue
 			}

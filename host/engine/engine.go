@@ -86,6 +86,7 @@ type Engine struct {
 	space *space
 
 	jobs jobTable // the jobs in flight (jobs.go)
+	io   ioWatch  // the movers' calls in flight (Activity)
 
 	st       counters
 	verifyIv atomic.Int64 // Config.VerifyInterval, changed by SetVerifyInterval
@@ -109,8 +110,9 @@ type Engine struct {
 type counters struct {
 	stores, loads, hits, misses, evictions, reused, made, failures, corrupt, vanished, written, read atomic.Uint64
 
-	// ended counts the jobs finished (Activity).
-	ended atomic.Uint64
+	// ended counts the jobs finished (Activity); scanned, the files a
+	// cluster adoption walk read.
+	ended, scanned atomic.Uint64
 }
 
 // DefaultIOWorkers is the number of I/O workers of a Config whose

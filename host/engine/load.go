@@ -285,7 +285,10 @@ func (e *Engine) loadRound(ctx context.Context, j *Job, c *cache, blocks [][]int
 	if check {
 		sums = make([]uint32, len(h.Keys))
 	}
-	if _, err := mv.ReadFile(ctx, f, plan, sums); err != nil {
+	io := e.io.begin()
+	_, err = mv.ReadFile(ctx, f, plan, sums)
+	e.io.end(io)
+	if err != nil {
 		ok := true
 		if isShort(err) {
 			// Truncated while we read it.

@@ -461,7 +461,10 @@ func (e *Engine) writeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 	if h.Flags&format.FlagPayloadSums != 0 {
 		sums = make([]uint32, len(h.Keys))
 	}
-	if _, err := mv.WriteFile(ctx, f, plan, sums); err != nil {
+	io := e.io.begin()
+	_, err = mv.WriteFile(ctx, f, plan, sums)
+	e.io.end(io)
+	if err != nil {
 		return published, e.ioError(m, "write", err)
 	}
 	if pad := size - hl - h.PayloadLen(); pad > 0 && !m.direct {

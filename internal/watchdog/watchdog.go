@@ -20,14 +20,20 @@ type Progress struct {
 	Jobs int
 	// Oldest is when the oldest of them began (zero with no job).
 	Oldest time.Time
+	// OldestIO is when the oldest read or write of one file's bytes in
+	// flight began (zero with none).
+	OldestIO time.Time
 	// Moved grows whenever the data path ends a piece of work (a file
 	// stored or loaded, a job ended); its value means nothing else.
 	Moved uint64
 }
 
-// Stall finds a data path that has stopped: jobs in flight, and nothing
-// moved for After, counted from the later of the last move seen and the
-// oldest job's start. The zero Stall with After set is ready; Check is
+// Stall finds a data path that has stopped: one read or write of a
+// file's bytes in flight for After (a hung mount, a copy that never
+// completes: found while other jobs go on), or jobs in flight and
+// nothing moved for After, counted from the later of the last move seen
+// and the oldest job's start (the engine stuck elsewhere: a lock, an
+// open, an fsync). The zero Stall with After set is ready; Check is
 // called from one goroutine.
 type Stall struct {
 	// After is how long jobs may be in flight with nothing moved; 0
@@ -40,6 +46,12 @@ type Stall struct {
 
 // Check returns why the data path seen as p at now is stalled, or "".
 func (s *Stall) Check(now time.Time, p Progress) string {
+	if s.After > 0 && !p.OldestIO.IsZero() {
+		if held := now.Sub(p.OldestIO); held >= s.After {
+			return fmt.Sprintf("a read or write of one file has not returned for %s (%d jobs in flight)",
+				held.Round(time.Second), p.Jobs)
+		}
+	}
 	if s.since.IsZero() || p.Moved != s.moved {
 		s.moved, s.since = p.Moved, now
 		return ""
@@ -89,9 +101,10 @@ type Watchdog struct {
 	out      chan error
 	outSince time.Time
 
-	mu   sync.Mutex
-	why  string    // why the last check failed; "" if it passed
-	last time.Time // when the last check ended (zero before the first)
+	mu      sync.Mutex
+	why     string    // why the last check failed; "" if it passed
+	last    time.Time // when the last check ended (zero before the first)
+	stopped bool      // Run returned: no more checks, nothing to say
 }
 
 // New returns a Watchdog for cfg.
@@ -109,6 +122,11 @@ func New(cfg Config) (*Watchdog, error) {
 func (w *Watchdog) Run(ctx context.Context) {
 	t := time.NewTicker(w.cfg.Every)
 	defer t.Stop()
+	defer func() {
+		w.mu.Lock()
+		w.stopped = true
+		w.mu.Unlock()
+	}()
 	for {
 		w.Check(ctx, time.Now())
 		select {
@@ -182,11 +200,12 @@ func (w *Watchdog) probe(ctx context.Context) string {
 
 // Unhealthy says why the daemon is not serving at now, or "": the last
 // check failed, or no check has ended for three intervals (one is stuck).
-// Before the first check it is healthy.
+// Before the first check, and once Run has returned (the daemon drains),
+// it is healthy.
 func (w *Watchdog) Unhealthy(now time.Time) string {
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	if w.last.IsZero() {
+	if w.last.IsZero() || w.stopped {
 		return ""
 	}
 	if late := now.Sub(w.last); late > 3*w.cfg.Every {

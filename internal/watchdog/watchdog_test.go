@@ -46,9 +46,17 @@ func TestStallFindsJobsInFlightWithNothingMovedForAfter(t *testing.T) {
 		{"the first observation is never a stall", time.Second, []obs{
 			{100, Progress{Jobs: 1, Oldest: at(0), Moved: 1}, false},
 			{101, Progress{Jobs: 1, Oldest: at(0), Moved: 1}, true}}},
+		{"one I/O held for after while other jobs move", 10 * time.Second, []obs{
+			{0, Progress{Jobs: 5, Oldest: at(0), OldestIO: at(0), Moved: 1}, false},
+			{5, Progress{Jobs: 5, Oldest: at(0), OldestIO: at(0), Moved: 50}, false},
+			{10, Progress{Jobs: 5, Oldest: at(0), OldestIO: at(0), Moved: 99}, true}}},
+		{"I/Os that each return in time", 10 * time.Second, []obs{
+			{0, Progress{Jobs: 5, Oldest: at(0), OldestIO: at(0), Moved: 1}, false},
+			{9, Progress{Jobs: 5, Oldest: at(0), OldestIO: at(8), Moved: 2}, false},
+			{18, Progress{Jobs: 5, Oldest: at(0), OldestIO: at(17), Moved: 3}, false}}},
 		{"after 0 finds none", 0, []obs{
-			{0, Progress{Jobs: 1, Oldest: at(0), Moved: 1}, false},
-			{1000, Progress{Jobs: 1, Oldest: at(0), Moved: 1}, false}}},
+			{0, Progress{Jobs: 1, Oldest: at(0), OldestIO: at(0), Moved: 1}, false},
+			{1000, Progress{Jobs: 1, Oldest: at(0), OldestIO: at(0), Moved: 1}, false}}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			s := Stall{After: tc.after}
@@ -57,7 +65,7 @@ func TestStallFindsJobsInFlightWithNothingMovedForAfter(t *testing.T) {
 				if (why != "") != o.stalled {
 					t.Fatalf("at %ds, %+v: Check = %q, want stalled %v", o.at, o.p, why, o.stalled)
 				}
-				if why != "" && !strings.Contains(why, "jobs in flight") {
+				if why != "" && !strings.Contains(why, "in flight") {
 					t.Errorf("at %ds: %q does not say what is stalled", o.at, why)
 				}
 			}
@@ -228,5 +236,25 @@ func TestNewRefusesBadIntervals(t *testing.T) {
 		if _, err := New(tc.cfg); err == nil || !strings.Contains(err.Error(), tc.want) {
 			t.Errorf("New(%+v) = %v, want an error about the %s", tc.cfg, err, tc.want)
 		}
+	}
+}
+
+// TestUnhealthyIsSilentOnceRunReturned: the daemon drains after its
+// watchdog stops; a liveness probe then must not restart it.
+func TestUnhealthyIsSilentOnceRunReturned(t *testing.T) {
+	w, err := New(Config{Every: time.Millisecond, Probe: func(context.Context) error { return errors.New("broken") }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { w.Run(ctx); close(done) }()
+	for w.Unhealthy(time.Now()) == "" {
+		time.Sleep(time.Millisecond)
+	}
+	cancel()
+	<-done
+	if why := w.Unhealthy(time.Now().Add(time.Hour)); why != "" {
+		t.Errorf("after Run returned: %q", why)
 	}
 }
