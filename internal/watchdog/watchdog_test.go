@@ -9,6 +9,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/kvhost/kvhost/internal/testwait"
 )
 
 // TestStallFindsJobsInFlightWithNothingMovedForAfter checks Stall.Check
@@ -249,9 +251,7 @@ func TestUnhealthyIsSilentOnceRunReturned(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() { w.Run(ctx); close(done) }()
-	for w.Unhealthy(time.Now()) == "" {
-		time.Sleep(time.Millisecond)
-	}
+	testwait.Until(t, "a failed check", time.Minute, func() bool { return w.Unhealthy(time.Now()) != "" })
 	cancel()
 	<-done
 	if why := w.Unhealthy(time.Now().Add(time.Hour)); why != "" {
