@@ -5,7 +5,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"net/http"
 	"strings"
 	"testing"
@@ -84,19 +83,7 @@ func TestServeReportsAGPUWhoseContextBroke(t *testing.T) {
 		code := run(ctx, append([]string{"health", "--socket", socket}, args...), &out, &errb)
 		return code, errb.String()
 	}
-	get := func(path string) (int, string) {
-		t.Helper()
-		resp, err := http.Get("http://" + addr + path)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer resp.Body.Close()
-		b, err := io.ReadAll(resp.Body)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return resp.StatusCode, string(b)
-	}
+	get := func(path string) (int, string) { return httpGet(t, addr, path) }
 
 	if res := store("before"); res.Count(protocol.OutcomeStored) != 1 {
 		t.Fatalf("store before the fault: %+v", res)

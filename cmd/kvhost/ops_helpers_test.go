@@ -383,3 +383,19 @@ func (p *proc) waitExit(t *testing.T) error {
 }
 
 var _ io.Writer = (*lines)(nil)
+
+// httpGet asks the daemon's metrics listener at addr for path: the
+// status code and the body.
+func httpGet(t *testing.T, addr, path string) (int, string) {
+	t.Helper()
+	resp, err := http.Get("http://" + addr + path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return resp.StatusCode, string(b)
+}

@@ -24,6 +24,7 @@ import (
 	"github.com/kvhost/kvhost/host/engine"
 	"github.com/kvhost/kvhost/host/policy"
 	"github.com/kvhost/kvhost/internal/config"
+	"github.com/kvhost/kvhost/internal/fsys"
 	"github.com/kvhost/kvhost/internal/logging"
 	"github.com/kvhost/kvhost/internal/metrics"
 	"github.com/kvhost/kvhost/internal/region"
@@ -43,6 +44,12 @@ import (
 // goroutine's stack to the log and goes on; SIGUSR1, SIGUSR2 and SIGPIPE
 // are ignored (docs/serve.md, "Signals").
 func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	return runServeOn(ctx, nil, args, stdout, stderr)
+}
+
+// runServeOn is runServe with the engine on files (nil: the operating
+// system's file system; tests hold or fail operations in it).
+func runServeOn(ctx context.Context, files fsys.FS, args []string, stdout, stderr io.Writer) int {
 	// Signals first: a SIGHUP during start-up (a long index rebuild) is a
 	// reload once the daemon serves, not the end of the process.
 	sigs := make(chan os.Signal, 8)
@@ -59,7 +66,7 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		fmt.Fprintf(stderr, "kvhost: %v\n", err)
 		return 2
 	}
-	d := &daemon{flags: flags, stdout: stdout, stderr: stderr, sigs: sigs, started: time.Now()}
+	d := &daemon{flags: flags, stdout: stdout, stderr: stderr, sigs: sigs, started: time.Now(), fs: files}
 	lvl, err := logging.ParseLevel(cfg.Log.Level)
 	if err != nil {
 		fmt.Fprintf(stderr, "kvhost: %v\n", err)
@@ -87,6 +94,7 @@ type daemon struct {
 	level   slog.LevelVar
 	log     *slog.Logger
 	metrics *metrics.Metrics // nil without [metrics] listen
+	fs      fsys.FS          // the engine's file system; nil: the operating system's
 	eng     *engine.Engine
 	pol     policyState
 
@@ -166,6 +174,7 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 		LockFile: cfg.Server.Socket + ".lock",
 		Logger:   log,
 		Movers:   movers,
+		FS:       d.fs,
 	}
 	if d.metrics != nil {
 		ecfg.Observer = d.metrics

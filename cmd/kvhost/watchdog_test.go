@@ -1,11 +1,20 @@
 package main
 
 import (
+	"context"
+	"fmt"
+	"net/http"
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/internal/fsys/fsystest"
+	"github.com/kvhost/kvhost/internal/testwait"
+	"github.com/kvhost/kvhost/protocol"
 )
 
 // TestServeTellsSystemdsWatchdogItLives: under a systemd watchdog
@@ -46,4 +55,102 @@ func TestSystemdWatchdogReadsHalfOfWatchdogUsecForThisProcess(t *testing.T) {
 			t.Errorf("WATCHDOG_USEC=%q WATCHDOG_PID=%q: %s, %v; want %s, error naming %q", tc.usec, tc.pid, got, err, tc.want, tc.err)
 		}
 	}
+}
+
+// TestServeStopsTellingSystemdItLivesWhileAFileOperationHangs runs the
+// daemon in this process under a systemd watchdog, on a file system that
+// holds a store's fsync as a hung mount would. Once the fsync has been
+// held for server.stall_timeout, the daemon stops sending WATCHDOG=1
+// (systemd would kill and restart it), /healthz answers 503 saying a
+// file operation has not returned, and the log says so. When the fsync
+// returns, the store ends stored, WATCHDOG=1 comes again and /healthz
+// answers 200.
+func TestServeStopsTellingSystemdItLivesWhileAFileOperationHangs(t *testing.T) {
+	dir := t.TempDir()
+	socket, cache, file := filepath.Join(dir, "run", "kvhost.sock"), filepath.Join(dir, "blocks"), filepath.Join(dir, "kvhost.toml")
+	src := fmt.Sprintf("[server]\nsocket = %q\nstall_timeout = \"300ms\"\n\n[log]\nformat = \"json\"\n\n[engine]\nfsync = true\n\n"+
+		"[policy]\ncache_dir = %q\n\n[[mount]]\npath = %q\ncapacity = \"256MiB\"\n", socket, filepath.Join(dir, "wasm-cache"), cache)
+	if err := os.WriteFile(file, []byte(src), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	notify := newNotifySocket(t)
+	t.Setenv("NOTIFY_SOCKET", notify.path)
+	t.Setenv("WATCHDOG_USEC", "200000") // a check every 100ms
+	t.Setenv("WATCHDOG_PID", strconv.Itoa(os.Getpid()))
+	hold := &fsystest.Hold{}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	stdout, stderr := newLines(), newLines()
+	exit := make(chan int, 1)
+	go func() {
+		exit <- runServeOn(ctx, &fsys.Faulty{FS: fsys.OS{}, Inj: hold}, []string{"--config", file, "--metrics", "127.0.0.1:0"}, stdout, stderr)
+	}()
+	defer func() {
+		hold.Release() // a failed check must not leave the daemon held
+		cancel()
+		if code := <-exit; code != 0 {
+			t.Errorf("serve exited %d:\n%s", code, stderr.String())
+		}
+	}()
+	addr, _ := stderr.logLine(t, "metrics listening")["address"].(string)
+	stdout.wait(t, "listening line", func(s string) bool { return s == "kvhost: listening on unix:"+socket })
+	healthz := func() (int, string) { return httpGet(t, addr, "/healthz") }
+	notify.expect(t, "WATCHDOG=1")
+	if code, body := healthz(); code != http.StatusOK {
+		t.Fatalf("/healthz before the hang: %d %q", code, body)
+	}
+
+	k := newKVCache(t, socket)
+	hold.Arm(fsys.OpSync)
+	job, err := k.c.Store(ctx, k.id, [][]byte{[]byte("held")}, [][]uint32{{0, 1}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	testwait.Until(t, "the store's fsync to be held", time.Minute, hold.Holding)
+	var body string
+	testwait.Until(t, "/healthz to answer 503", time.Minute, func() bool {
+		var code int
+		code, body = healthz()
+		return code == http.StatusServiceUnavailable
+	})
+	if !strings.Contains(body, "has not returned") {
+		t.Errorf("/healthz while the fsync hangs: %q, want it to say a file operation has not returned", body)
+	}
+	stderr.logLine(t, "watchdog: the daemon is not serving; its supervisor is no longer told it lives")
+	// No WATCHDOG=1 while it hangs: those sent before the 503 are
+	// drained, then ten checks' time passes with at most one (sent by a
+	// check before the 503 and read only now).
+	for drained := false; !drained; {
+		select {
+		case <-notify.msgs:
+		default:
+			drained = true
+		}
+	}
+	sent, quiet := 0, time.After(time.Second)
+	for waiting := true; waiting; {
+		select {
+		case m := <-notify.msgs:
+			if strings.Contains(m, "WATCHDOG=1") {
+				sent++
+			}
+		case <-quiet:
+			waiting = false
+		}
+	}
+	if sent > 1 {
+		t.Fatalf("%d WATCHDOG=1 sent in 1s while the store's fsync hangs (/healthz 503)", sent)
+	}
+
+	hold.Release()
+	res, err := job.Wait(ctx)
+	if err != nil || res.Count(protocol.OutcomeStored) != 1 {
+		t.Fatalf("the store after its fsync returned: %+v, %v", res, err)
+	}
+	notify.expect(t, "WATCHDOG=1")
+	testwait.Until(t, "/healthz to answer 200 again", time.Minute, func() bool {
+		code, _ := healthz()
+		return code == http.StatusOK
+	})
+	stderr.logLine(t, "watchdog: the daemon serves again")
 }

@@ -10,6 +10,8 @@ import (
 
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/internal/fsys/fsystest"
+	"github.com/kvhost/kvhost/internal/testwait"
 )
 
 // TestActivityShowsAHeldJobAndMovesOnlyAsWorkEnds: a store held in its
@@ -109,5 +111,72 @@ func TestActivityMovesWhileAStoreDemotesFilesToTheColdMount(t *testing.T) {
 		if seen[i].Jobs == 0 || seen[i].Moved <= seen[i-1].Moved {
 			t.Errorf("demotion %d: %+v; Moved did not grow since the last (%d)", i, seen[i], seen[i-1].Moved)
 		}
+	}
+}
+
+// TestActivityShowsAHeldFileOperation: a store or load held in any
+// operation on its file (here by an injector: the open, the fsync, the
+// rename, the close, the read of a header) is Activity's OldestIO while
+// held, and none is once it returns; the job then ends as it would have.
+// A hung mount holds these, not only the movers' copies.
+func TestActivityShowsAHeldFileOperation(t *testing.T) {
+	g := smallGeometry(false)
+	ctx := context.Background()
+	for _, tc := range []struct {
+		name string
+		load bool
+		op   fsys.Op
+	}{
+		{"store's open", false, fsys.OpOpen},
+		{"store's fsync", false, fsys.OpSync},
+		{"store's rename", false, fsys.OpRename},
+		{"store's close", false, fsys.OpClose},
+		{"load's open", true, fsys.OpOpen},
+		{"load's close", true, fsys.OpClose},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			hold := &fsystest.Hold{}
+			e := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir()}}, Policy: newTestPolicy(1, 0), Fsync: true,
+				FS: &fsys.Faulty{FS: fsys.OS{}, Inj: hold}})
+			ns, _ := e.Declare(ctx, g)
+			c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
+			r := rand.New(rand.NewPCG(1, 2))
+			keys, blocks := testKeys("held", 1), blockLists(r, 1, 4, 0)
+			c.fill(r, blocks[0])
+			if tc.load {
+				storeAndCheck(t, e, c, keys, blocks)
+			}
+			before := e.Activity()
+			if !before.OldestIO.IsZero() {
+				t.Fatalf("before the job: %+v", before)
+			}
+			hold.Arm(tc.op)
+			var job *Job
+			var err error
+			if tc.load {
+				job, err = e.Load(ctx, LoadRequest{Cache: c.id, Keys: keys, Blocks: [][]int{{8, 9, 10, 11}}})
+			} else {
+				job, err = e.Store(ctx, StoreRequest{Cache: c.id, Keys: keys, Blocks: blocks})
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			testwait.Until(t, "the "+tc.name+" to be held", 10*time.Second, hold.Holding)
+			if during := e.Activity(); during.Jobs != 1 || during.OldestIO.IsZero() {
+				t.Errorf("a held %s: %+v, want one job and an I/O in flight", tc.name, during)
+			}
+			hold.Release()
+			res := wait(t)(job, nil)
+			want := OutcomeStored
+			if tc.load {
+				want = OutcomeLoaded
+			}
+			if res.Keys[0].Outcome != want {
+				t.Fatalf("after the held %s: %+v", tc.name, res)
+			}
+			if after := e.Activity(); after.Jobs != 0 || !after.OldestIO.IsZero() {
+				t.Errorf("after the %s returned: %+v", tc.name, after)
+			}
+		})
 	}
 }

@@ -44,7 +44,7 @@ const (
 type Engine struct {
 	cfg       Config
 	log       *slog.Logger
-	fs        fsys.FS
+	fs        fsys.FS // Config.FS, watched: its calls in flight are in io
 	pol       policy.Policy
 	ownPolicy bool
 	hitRec    *hitRecorder           // lookup hits, reported off the lookup's path
@@ -85,8 +85,8 @@ type Engine struct {
 	// orphans, spares (space.go).
 	space *space
 
-	jobs jobTable // the jobs in flight (jobs.go)
-	io   ioWatch  // the movers' calls in flight (Activity)
+	jobs jobTable      // the jobs in flight (jobs.go)
+	io   fsys.InFlight // file operations and movers' calls in flight (Activity)
 
 	st       counters
 	verifyIv atomic.Int64 // Config.VerifyInterval, changed by SetVerifyInterval
@@ -155,7 +155,6 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	e := &Engine{
 		cfg:    cfg,
 		log:    cfg.Logger,
-		fs:     cfg.FS,
 		now:    cfg.Now,
 		node:   nodeName(cfg.NodeID),
 		memory: machineMemory(cfg.Memory),
@@ -164,6 +163,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		caches: map[CacheID]*cache{},
 		space:  &space{},
 	}
+	e.fs = fsys.Watched(cfg.FS, &e.io)
 	e.ix = newIndex(e.space)
 	// The node-local lock first: a second daemon on this node stops here,
 	// before it touches a mount.

@@ -134,8 +134,10 @@ type Activity struct {
 	Jobs int
 	// Oldest is when the oldest of them began; zero with none.
 	Oldest time.Time
-	// OldestIO is when the oldest of the movers' calls in flight (the
-	// read or write of one file's bytes) began; zero with none.
+	// OldestIO is when the oldest file operation in flight began (an
+	// open, read, write, fsync, rename, close, remove or listing of the
+	// engine's file system, or a mover's read or write of one file's
+	// bytes); zero with none.
 	OldestIO time.Time
 	// Moved grows with every file stored or loaded (by its payload
 	// bytes), evicted, demoted, promoted or moved between mounts, read by
@@ -151,7 +153,7 @@ func (e *Engine) Activity() Activity {
 	a := Activity{
 		Moved: e.st.written.Load() + e.st.read.Load() + e.st.evictions.Load() + e.st.ended.Load() + e.st.scanned.Load() +
 			ts.demotions.Load() + ts.demotionDeletes.Load() + ts.promotions.Load() + ts.moves.Load() + ts.moveFailures.Load(),
-		OldestIO: e.io.oldest(),
+		OldestIO: e.io.Oldest(),
 	}
 	e.jobs.mu.Lock()
 	defer e.jobs.mu.Unlock()
@@ -162,45 +164,4 @@ func (e *Engine) Activity() Activity {
 		}
 	}
 	return a
-}
-
-// ioWatch is the movers' calls in flight, by when each began: one that
-// does not return (a hung network file system, a copy that never
-// completes) shows as OldestIO while other jobs go on.
-type ioWatch struct {
-	mu    sync.Mutex
-	next  uint64
-	begun map[uint64]time.Time
-}
-
-// begin records a call beginning now; end(id) its return.
-func (w *ioWatch) begin() uint64 {
-	now := time.Now()
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	if w.begun == nil {
-		w.begun = map[uint64]time.Time{}
-	}
-	w.next++
-	w.begun[w.next] = now
-	return w.next
-}
-
-func (w *ioWatch) end(id uint64) {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	delete(w.begun, id)
-}
-
-// oldest is when the oldest call in flight began; zero with none.
-func (w *ioWatch) oldest() time.Time {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	var t time.Time
-	for _, b := range w.begun {
-		if t.IsZero() || b.Before(t) {
-			t = b
-		}
-	}
-	return t
 }

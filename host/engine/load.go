@@ -285,9 +285,9 @@ func (e *Engine) loadRound(ctx context.Context, j *Job, c *cache, blocks [][]int
 	if check {
 		sums = make([]uint32, len(h.Keys))
 	}
-	io := e.io.begin()
+	io := e.io.Begin()
 	_, err = mv.ReadFile(ctx, f, plan, sums)
-	e.io.end(io)
+	e.io.End(io)
 	if err != nil {
 		ok := true
 		if isShort(err) {

@@ -461,9 +461,9 @@ func (e *Engine) writeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 	if h.Flags&format.FlagPayloadSums != 0 {
 		sums = make([]uint32, len(h.Keys))
 	}
-	io := e.io.begin()
+	io := e.io.Begin()
 	_, err = mv.WriteFile(ctx, f, plan, sums)
-	e.io.end(io)
+	e.io.End(io)
 	if err != nil {
 		return published, e.ioError(m, "write", err)
 	}

@@ -129,9 +129,9 @@ type Server struct {
 	MaxFrame Size `toml:"max_frame"`
 	// ShutdownTimeout is how long SIGTERM waits for in-flight jobs.
 	ShutdownTimeout Duration `toml:"shutdown_timeout"`
-	// StallTimeout is how long one read or write of a file's bytes may
-	// stay in flight, or jobs with the data path moving nothing, before
-	// the daemon calls itself stalled: /healthz
+	// StallTimeout is how long one file operation (open, read, write,
+	// fsync, rename...) may stay in flight, or jobs with the data path
+	// moving nothing, before the daemon calls itself stalled: /healthz
 	// answers 503 and systemd's watchdog is no longer told it lives, so
 	// that its supervisor restarts it. 0 never calls it stalled.
 	StallTimeout Duration `toml:"stall_timeout"`

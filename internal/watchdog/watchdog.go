@@ -20,20 +20,20 @@ type Progress struct {
 	Jobs int
 	// Oldest is when the oldest of them began (zero with no job).
 	Oldest time.Time
-	// OldestIO is when the oldest read or write of one file's bytes in
-	// flight began (zero with none).
+	// OldestIO is when the oldest file operation in flight (an open,
+	// read, write, fsync, rename, close...) began (zero with none).
 	OldestIO time.Time
 	// Moved grows whenever the data path ends a piece of work (a file
 	// stored or loaded, a job ended); its value means nothing else.
 	Moved uint64
 }
 
-// Stall finds a data path that has stopped: one read or write of a
-// file's bytes in flight for After (a hung mount, a copy that never
-// completes: found while other jobs go on), or jobs in flight and
-// nothing moved for After, counted from the later of the last move seen
-// and the oldest job's start (the engine stuck elsewhere: a lock, an
-// open, an fsync). The zero Stall with After set is ready; Check is
+// Stall finds a data path that has stopped: one file operation (an
+// open, a read or write of its bytes, an fsync, a rename...) in flight
+// for After (a hung mount, a copy that never completes: found while
+// other jobs go on), or jobs in flight and nothing moved for After,
+// counted from the later of the last move seen and the oldest job's
+// start (the engine stuck elsewhere: a lock, a policy call). The zero Stall with After set is ready; Check is
 // called from one goroutine.
 type Stall struct {
 	// After is how long jobs may be in flight with nothing moved; 0
@@ -48,8 +48,8 @@ type Stall struct {
 func (s *Stall) Check(now time.Time, p Progress) string {
 	if s.After > 0 && !p.OldestIO.IsZero() {
 		if held := now.Sub(p.OldestIO); held >= s.After {
-			return fmt.Sprintf("a read or write of one file has not returned for %s (%d jobs in flight)",
-				held.Round(time.Second), p.Jobs)
+			return fmt.Sprintf("a file operation (open, read, write, fsync, rename...) has not returned for %s (%d jobs in flight)",
+				readable(held), p.Jobs)
 		}
 	}
 	if s.since.IsZero() || p.Moved != s.moved {
@@ -65,7 +65,7 @@ func (s *Stall) Check(now time.Time, p Progress) string {
 	}
 	if still := now.Sub(from); still >= s.After {
 		return fmt.Sprintf("%d jobs in flight, the oldest for %s, and the data path has moved nothing for %s",
-			p.Jobs, now.Sub(p.Oldest).Round(time.Second), still.Round(time.Second))
+			p.Jobs, readable(now.Sub(p.Oldest)), readable(still))
 	}
 	return ""
 }
@@ -209,7 +209,7 @@ func (w *Watchdog) Unhealthy(now time.Time) string {
 		return ""
 	}
 	if late := now.Sub(w.last); late > 3*w.cfg.Every {
-		return fmt.Sprintf("no check has ended for %s (the last: %s)", late.Round(time.Second), w.whyOrOK())
+		return fmt.Sprintf("no check has ended for %s (the last: %s)", readable(late), w.whyOrOK())
 	}
 	return w.why
 }
@@ -219,4 +219,13 @@ func (w *Watchdog) whyOrOK() string {
 		return "ok"
 	}
 	return w.why
+}
+
+// readable rounds d for a message: to the second from 10s, to 100ms
+// below (a stall timeout under a second reads "300ms", not "0s").
+func readable(d time.Duration) time.Duration {
+	if d >= 10*time.Second {
+		return d.Round(time.Second)
+	}
+	return d.Round(100 * time.Millisecond)
 }
