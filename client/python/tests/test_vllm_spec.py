@@ -409,6 +409,43 @@ class TestDaemonRestart(SpecCase):
                 self.assertGreaterEqual(c["load_retries"], 0 if early else 1)
                 self.assertEqual((c["failed_load_jobs"], c["inflight_jobs"]), (0, 0))
 
+    def test_keys_being_loaded_are_pinned_again_on_the_new_daemon(self):
+        """A load prepared before the daemon went: once the manager is
+        connected to the new daemon it pins the load's keys there again
+        (the new daemon refuses to delete them, as it would refuse to
+        evict them) until complete_load releases them; then the worker's
+        load runs byte for byte."""
+        spec = self.spec(reconnect_s=0.05)
+        m = self.manager(spec)
+        caches, tensors = self.caches(seed=43)
+        w = self.worker(spec, caches)
+        ks, want = self.pinned(m, w, "repin", tensors)
+        load = m.prepare_load(ks, CTX)
+        self.daemon.halt(signal.SIGKILL)
+        try:
+            d.wait_for(lambda: m.lookup(keys(1, "repin-probe")[0], CTX) == S.LookupResult.MISS
+                       and not m.counters()["connected"], what="the manager to see the daemon gone")
+        finally:
+            self.daemon.start_again()
+        d.wait_for(lambda: m.counters()["connected"], what="the manager to connect again")
+        self.assertEqual(m.counters()["repinned_keys"], len(ks))
+        geo = sc.geometry(sc.describe(spec._ident, 0, 0))
+        daemon_keys = [sc.daemon_key(k) for k in ks]
+        with kvhost.Client(self.daemon.socket) as c:
+            ns = c.declare(geo)
+            self.assertEqual(c.lookup(ns, daemon_keys), len(ks))
+            d.wait_for(lambda: m.counters()["daemon_pins"] >= 2, what="the manager's pin on the new daemon")
+            self.assertEqual(c.delete(ns, daemon_keys), 0, "a key being loaded is not pinned on the new daemon")
+            dst = [40, 41, 42, 43]
+            for t in tensors:
+                t[dst[0]:dst[-1] + 1].zero_()
+            res = self.transfer(w, False, load, dst)
+            self.assertTrue(res.success)
+            self.assertEqual(rows(tensors, dst), want)
+            m.complete_load(ks, CTX)
+            d.wait_for(lambda: c.delete(ns, daemon_keys) == len(ks) or None,
+                       what="complete_load to release the new pin")
+
     def test_a_load_sent_while_the_daemon_is_gone_waits_for_it(self):
         """The HIT came just before the daemon went: the load finds no
         daemon, waits, and loads once one is back."""

@@ -125,8 +125,17 @@ class SpecManager(Reconnects):
         self._releases = []
 
     def _swap_locked(self, new):
+        """The new connection is in use: keys still being loaded lost their
+        pins with the old one and are pinned again here (by the background
+        thread, which notify_all wakes), so that no eviction on the new
+        daemon comes between it and the workers' loads run again on it."""
         self._client, self._ns = new
         self._missing.clear()
+        again = [k for k in self._pinned if self._loading[k] and k not in self._pending]
+        for k in again:
+            self._pending.add(k)
+            self._queue.append(k)
+        self._stats["repinned_keys"] += len(again)
 
     # -- lookups -------------------------------------------------------------
 
