@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -59,8 +60,9 @@ func TestSystemdWatchdogReadsHalfOfWatchdogUsecForThisProcess(t *testing.T) {
 
 // TestServeStopsTellingSystemdItLivesWhileAFileOperationHangs runs the
 // daemon in this process under a systemd watchdog, on a file system that
-// holds a store's fsync as a hung mount would. Once the fsync has been
-// held for server.stall_timeout, the daemon stops sending WATCHDOG=1
+// holds a store's fsync as a hung mount would, while other stores go on.
+// Once the fsync has been held for server.stall_timeout, the daemon
+// stops sending WATCHDOG=1
 // (systemd would kill and restart it), /healthz answers 503 saying a
 // file operation has not returned, and the log says so. When the fsync
 // returns, the store ends stored, WATCHDOG=1 comes again and /healthz
@@ -107,15 +109,32 @@ func TestServeStopsTellingSystemdItLivesWhileAFileOperationHangs(t *testing.T) {
 		t.Fatal(err)
 	}
 	testwait.Until(t, "the store's fsync to be held", time.Minute, hold.Holding)
+	// Other stores go on meanwhile (a hung mount beside a working one):
+	// the data path keeps moving, so only the held operation's own age
+	// can make the daemon stalled.
+	stop, moved := make(chan struct{}), make(chan error, 1)
+	var stored atomic.Int64
+	go func() {
+		for i := 0; ; i++ {
+			select {
+			case <-stop:
+				moved <- nil
+				return
+			default:
+			}
+			if _, err := k.do(ctx, true, fmt.Sprintf("moving-%d", i), []uint32{2, 3}); err != nil {
+				moved <- err
+				return
+			}
+			stored.Add(1)
+		}
+	}()
 	var body string
-	testwait.Until(t, "/healthz to answer 503", time.Minute, func() bool {
+	testwait.Until(t, "/healthz to answer 503 saying a file operation has not returned", time.Minute, func() bool {
 		var code int
 		code, body = healthz()
-		return code == http.StatusServiceUnavailable
+		return code == http.StatusServiceUnavailable && strings.Contains(body, "has not returned")
 	})
-	if !strings.Contains(body, "has not returned") {
-		t.Errorf("/healthz while the fsync hangs: %q, want it to say a file operation has not returned", body)
-	}
 	stderr.logLine(t, "watchdog: the daemon is not serving; its supervisor is no longer told it lives")
 	// No WATCHDOG=1 while it hangs: those sent before the 503 are
 	// drained, then ten checks' time passes with at most one (sent by a
@@ -142,6 +161,13 @@ func TestServeStopsTellingSystemdItLivesWhileAFileOperationHangs(t *testing.T) {
 		t.Fatalf("%d WATCHDOG=1 sent in 1s while the store's fsync hangs (/healthz 503)", sent)
 	}
 
+	close(stop)
+	if err := <-moved; err != nil {
+		t.Fatalf("a store beside the held one: %v", err)
+	}
+	if n := stored.Load(); n < 2 {
+		t.Errorf("%d stores ended beside the held one, want the data path moving", n)
+	}
 	hold.Release()
 	res, err := job.Wait(ctx)
 	if err != nil || res.Count(protocol.OutcomeStored) != 1 {

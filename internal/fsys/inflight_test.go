@@ -88,3 +88,26 @@ func BenchmarkInFlight(b *testing.B) {
 	b.ReportMetric(float64(piece.Nanoseconds()), "piece-ns")
 	b.ReportMetric(float64(perPair)/float64(piece), "of-piece")
 }
+
+// TestInFlightTakesNoLockUntilEverySlotIsTaken: 64 calls at once all get
+// a slot; the 65th goes to the map.
+func TestInFlightTakesNoLockUntilEverySlotIsTaken(t *testing.T) {
+	var w InFlight
+	calls := make([]Call, inFlightSlots+1)
+	for i := range inFlightSlots {
+		calls[i] = w.Begin()
+		if calls[i].slot == 0 {
+			t.Fatalf("call %d of %d went to the map with slots free", i+1, inFlightSlots)
+		}
+	}
+	calls[inFlightSlots] = w.Begin()
+	if calls[inFlightSlots].slot != 0 || len(w.more) != 1 {
+		t.Fatalf("call %d with every slot taken: slot %d, %d in the map", inFlightSlots+1, calls[inFlightSlots].slot, len(w.more))
+	}
+	for _, c := range calls {
+		w.End(c)
+	}
+	if got := w.Oldest(); !got.IsZero() {
+		t.Fatalf("Oldest = %v with every call ended", got)
+	}
+}

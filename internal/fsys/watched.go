@@ -34,9 +34,8 @@ var errNotMapper = errors.New("fsys: the file cannot be mapped")
 
 // OpenFile implements FS.
 func (f *watchedFS) OpenFile(name string, flag int, perm os.FileMode) (File, error) {
-	c := f.w.Begin()
+	defer f.w.End(f.w.Begin())
 	file, err := f.fs.OpenFile(name, flag, perm)
-	f.w.End(c)
 	if err != nil {
 		return nil, err
 	}

@@ -421,6 +421,7 @@ class TestDaemonRestart(SpecCase):
         w = self.worker(spec, caches)
         ks, want = self.pinned(m, w, "repin", tensors)
         load = m.prepare_load(ks, CTX)
+        pins_before = m.counters()["daemon_pins"]
         self.daemon.halt(signal.SIGKILL)
         try:
             d.wait_for(lambda: m.lookup(keys(1, "repin-probe")[0], CTX) == S.LookupResult.MISS
@@ -434,7 +435,7 @@ class TestDaemonRestart(SpecCase):
         with kvhost.Client(self.daemon.socket) as c:
             ns = c.declare(geo)
             self.assertEqual(c.lookup(ns, daemon_keys), len(ks))
-            d.wait_for(lambda: m.counters()["daemon_pins"] >= 2, what="the manager's pin on the new daemon")
+            d.wait_for(lambda: m.counters()["daemon_pins"] > pins_before, what="the manager's pin on the new daemon")
             self.assertEqual(c.delete(ns, daemon_keys), 0, "a key being loaded is not pinned on the new daemon")
             dst = [40, 41, 42, 43]
             for t in tensors:
@@ -445,6 +446,51 @@ class TestDaemonRestart(SpecCase):
             m.complete_load(ks, CTX)
             d.wait_for(lambda: c.delete(ns, daemon_keys) == len(ks) or None,
                        what="complete_load to release the new pin")
+
+    def test_keys_being_loaded_are_pinned_on_the_newest_daemon_after_two_losses(self):
+        """The re-pin round for the first new daemon is still running when
+        that daemon goes too: its keys, which the second swap finds pending,
+        are queued again when the round ends, and pinned on the newest
+        daemon."""
+        spec = self.spec(reconnect_s=0.05)
+        m = self.manager(spec)
+        caches, tensors = self.caches(seed=47)
+        w = self.worker(spec, caches)
+        ks, _ = self.pinned(m, w, "repin-twice", tensors)
+        m.prepare_load(ks, CTX)
+        entered, gate = threading.Event(), threading.Event()
+        real_pin = kvhost.Client.pin
+
+        def pin(client, ns, dkeys, *a, **kw):  # holds the first round that pins the load's keys again
+            if sc.daemon_key(ks[0]) in dkeys and not entered.is_set():
+                entered.set()
+                gate.wait(30)
+            return real_pin(client, ns, dkeys, *a, **kw)
+
+        kvhost.Client.pin = pin
+        try:
+            for i in range(2):
+                self.daemon.halt(signal.SIGKILL)
+                try:
+                    d.wait_for(lambda: m.lookup(keys(1, f"repin-twice-probe-{i}")[0], CTX) == S.LookupResult.MISS
+                               and not m.counters()["connected"], what="the manager to see the daemon gone")
+                finally:
+                    self.daemon.start_again()
+                d.wait_for(lambda: m.counters()["connected"], what="the manager to connect again")
+                if i == 0:
+                    self.assertTrue(entered.wait(30), "no re-pin round began on the first new daemon")
+            pins_before = m.counters()["daemon_pins"]
+            gate.set()
+            d.wait_for(lambda: m.counters()["daemon_pins"] > pins_before, what="a pin on the newest daemon")
+        finally:
+            gate.set()
+            kvhost.Client.pin = real_pin
+        geo = sc.geometry(sc.describe(spec._ident, 0, 0))
+        with kvhost.Client(self.daemon.socket) as c:
+            ns = c.declare(geo)
+            self.assertEqual(c.delete(ns, [sc.daemon_key(k) for k in ks]), 0,
+                             "a key being loaded is not pinned on the newest daemon")
+        m.complete_load(ks, CTX)
 
     def test_a_load_sent_while_the_daemon_is_gone_waits_for_it(self):
         """The HIT came just before the daemon went: the load finds no

@@ -16,14 +16,15 @@ type Hold struct {
 	armed    bool
 	held     bool
 	released chan struct{}
-	release  sync.Once
+	closed   bool // released is closed
 }
 
-// Arm makes the next op held until Release. A Hold is armed once.
+// Arm makes the next op held until Release; arming again after a
+// Release holds one more.
 func (h *Hold) Arm(op fsys.Op) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	h.op, h.armed, h.released = op, true, make(chan struct{})
+	h.op, h.armed, h.held, h.released, h.closed = op, true, false, make(chan struct{}), false
 }
 
 // Holding reports whether the armed operation is being held (or was, and
@@ -38,11 +39,11 @@ func (h *Hold) Holding() bool {
 // called more than once, and before anything is held.
 func (h *Hold) Release() {
 	h.mu.Lock()
-	ch := h.released
+	defer h.mu.Unlock()
 	h.armed = false
-	h.mu.Unlock()
-	if ch != nil {
-		h.release.Do(func() { close(ch) })
+	if h.released != nil && !h.closed {
+		close(h.released)
+		h.closed = true
 	}
 }
 

@@ -126,9 +126,11 @@ class SpecManager(Reconnects):
 
     def _swap_locked(self, new):
         """The new connection is in use: keys still being loaded lost their
-        pins with the old one and are pinned again here (by the background
-        thread, which notify_all wakes), so that no eviction on the new
-        daemon comes between it and the workers' loads run again on it."""
+        pins with the old one and are queued to be pinned again (by the
+        background thread, which notify_all wakes), so that no eviction on
+        the new daemon comes between it and the workers' loads run again on
+        it. A key a pin round has pending is queued again when that round
+        ends (_pin_round: it pinned on a replaced connection)."""
         self._client, self._ns = new
         self._missing.clear()
         again = [k for k in self._pinned if self._loading[k] and k not in self._pending]
@@ -247,12 +249,20 @@ class SpecManager(Reconnects):
         until = t0 + self._opts["hit_window_s"]
         release = []
         with self._cv:
+            again = set()
             if client is not self._client:  # pinned on a connection since replaced
                 held, pins, answered = dict.fromkeys(keys, False), [], False
+                # Keys being loaded are pinned again on the connection in
+                # use: its swap skipped them, as this round had them.
+                again = {k for k in keys if self._loading[k]}
+                self._queue += again
+                self._stats["repinned_keys"] += len(again)
             batch = _PinBatch(pins, {k for k, h in held.items() if h})
             s = self._stats
             s["daemon_pins"] += len(pins)
             for k, h in held.items():
+                if k in again:
+                    continue  # still pending, queued again
                 self._pending.discard(k)
                 if h:
                     old = self._pinned.get(k)
