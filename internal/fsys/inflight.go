@@ -14,8 +14,8 @@ const inFlightSlots = 64
 // InFlight tracks calls in flight by when each began, so that a
 // supervisor can find one that has not returned (a hung mount, a copy
 // that never completes) while other calls go on. Begin and End take no
-// lock while fewer than 64 calls are in flight (Begin tries the slots
-// from a random one on, most often finding the first free). The zero
+// lock while at most 64 calls are in flight (Begin tries the slots from
+// a random one on, most often finding the first free). The zero
 // InFlight is ready and safe for concurrent use.
 type InFlight struct {
 	once  sync.Once
@@ -28,8 +28,8 @@ type InFlight struct {
 }
 
 // inFlightSlot holds when its call began (1 + ns since InFlight.base),
-// 0 when free; one
-// cache line each, so that calls on different CPUs do not share one.
+// 0 when free; one cache line each, so that calls on different CPUs do
+// not share one.
 type inFlightSlot struct {
 	began atomic.Int64
 	_     [56]byte
@@ -48,7 +48,7 @@ func (w *InFlight) Begin() Call {
 	// shared counter would be one cache line every call on every CPU
 	// writes (on 16 CPUs at once, 2 µs of processor time per pair).
 	start := rand.Uint32()
-	for i := range uint32(inFlightSlots) { // 7 is prime to 64: every slot once
+	for i := range uint32(inFlightSlots) { // 7 and 64 are coprime: every slot once
 		s := int((start + i*7) % inFlightSlots)
 		if w.slots[s].began.CompareAndSwap(0, now) {
 			return Call{slot: s + 1}
