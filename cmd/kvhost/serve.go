@@ -328,9 +328,9 @@ const healthCheckEvery = 5 * time.Second
 
 // newWatchdog returns the daemon's watchdog: every healthCheckEvery (or
 // half of systemd's watchdog timeout, if shorter) it takes the engine's
-// and the server's stats (their locks answer) and looks for a read or
-// write of a file that has not returned for server.stall_timeout, or a
-// data path that moves nothing for that long with jobs in flight; while
+// and the server's stats (their locks answer) and looks for a file
+// operation that has not returned for server.stall_timeout, or a data
+// path that moves nothing for that long with jobs in flight; while
 // both pass it tells systemd WATCHDOG=1 (where systemd keeps a watchdog
 // on the daemon), and /healthz answers 200.
 func newWatchdog(cfg config.Config, eng *engine.Engine, srv *server.Server, log *slog.Logger) (*watchdog.Watchdog, error) {

@@ -157,8 +157,8 @@ func (e *Engine) Activity() Activity {
 	}
 	e.jobs.mu.Lock()
 	defer e.jobs.mu.Unlock()
+	a.Jobs = len(e.jobs.jobs)
 	for _, j := range e.jobs.jobs {
-		a.Jobs++
 		if a.Oldest.IsZero() || j.start.Before(a.Oldest) {
 			a.Oldest = j.start
 		}

@@ -64,9 +64,10 @@ type Sources struct {
 	// CuFile reports cuFile's handle cache (gds.Driver.HandleStats; nil
 	// where cuFile is not loaded).
 	CuFile func() gds.HandleStats
-	// Stalled says why the daemon is not serving (its watchdog: a data
-	// path that moves nothing with jobs in flight, a check that does not
-	// answer), or ""; nil never.
+	// Stalled says why the daemon is not serving (its watchdog: a file
+	// operation that has not returned, a data path that moves nothing
+	// with jobs in flight, a check that does not answer), or ""; nil
+	// never.
 	Stalled func() string
 }
 

@@ -174,7 +174,8 @@ class _Pending:
     __slots__ = ("event", "asked", "ftype", "body", "error", "unanswered")
 
     def __init__(self, asked, unanswered=None):
-        self.event = threading.Event()
+        # What a caller waits on (_call); a job's Job is its own signal.
+        self.event = threading.Event() if unanswered is None else None
         self.asked = asked  # the request's type
         self.ftype = self.body = self.error = None
         # A job sent with block=False: the reader accepts or ends it, as
@@ -363,9 +364,10 @@ class Client:
             self._pending, self._jobs = {}, {}
         for pend in pending.values():
             pend.error = closed
-            pend.event.set()
             if pend.unanswered is not None:
                 pend.unanswered._finish(None, closed)
+            else:
+                pend.event.set()
         for job in jobs.values():
             job._finish(None, closed)
 

@@ -130,16 +130,6 @@ class _Session:
                     log.debug("kvhost tier: unregister: %s", e)
         self.cache = self.region = None
 
-    def release(self, after_jobs=True):
-        """Closes the connection, which releases what the session holds on
-        the daemon (asking first would wait on a daemon that does not
-        answer): once the daemon ended its jobs (Client.close_after_jobs),
-        or at once (after_jobs=False: a session that ran no job, or the
-        tier's end)."""
-        if after_jobs:
-            self.client.close_after_jobs()
-        else:
-            self.client.close()
 
 
 class _TierImpl(Reconnects):
@@ -257,7 +247,7 @@ class _TierImpl(Reconnects):
             else:
                 self._register_staging(s)
         except BaseException:
-            s.release(after_jobs=False)  # it ran no job
+            s.client.close()  # it ran no job: what it holds on the daemon goes with the connection
             raise
         return s
 
@@ -391,7 +381,10 @@ class _TierImpl(Reconnects):
 
     @staticmethod
     def _drop(s):
-        s.release()
+        # Closing releases what the session holds on the daemon (asking
+        # first would wait on a daemon that does not answer), once the
+        # daemon ended its jobs.
+        s.client.close_after_jobs()
 
     # -- lookups ---------------------------------------------------------------
 
@@ -521,7 +514,7 @@ class _TierImpl(Reconnects):
         outcomes = [p.OUTCOME_FAILED] * len(keys)
         with self._lock:
             s, down = self._s, self._broken
-            over = self._closed and self._give_up_at is not None and time.monotonic() >= self._give_up_at
+            over = self._give_up_at is not None and time.monotonic() >= self._give_up_at
         if down is None and not over:  # else no daemon, or shutdown gave up: the job fails at once
             try:
                 self._move(s, keys, rows, load, outcomes)
@@ -546,6 +539,7 @@ class _TierImpl(Reconnects):
             self._slot_ranges.put(None)
             raise TimeoutError("the tier is shutting down with daemon jobs not ended")
         base, per = got
+        free = got  # the job ended (done, refused, connection closed): its slots are free
         try:
             for i in range(0, len(keys), per):
                 sl = slice(i, i + per)
@@ -553,12 +547,10 @@ class _TierImpl(Reconnects):
         except TimeoutError:
             # Given up at shutdown: the daemon may still write these slots,
             # so no later job gets them; the jobs waiting for slots fail.
-            self._slot_ranges.put(None)
+            free = None
             raise
-        except BaseException:  # the job ended (refused, connection closed): its slots are free
-            self._slot_ranges.put((base, per))
-            raise
-        self._slot_ranges.put((base, per))
+        finally:
+            self._slot_ranges.put(free)
 
     def _transfer(self, s, keys, blocks, load):
         dk = [_daemon_key(k) for k in keys]
@@ -575,8 +567,7 @@ class _TierImpl(Reconnects):
         once the tier's shutdown has waited job_timeout_s does a job not
         done fail (TimeoutError; the memory goes with vLLM, and no staging
         slot it held is used again)."""
-        return wait_ended(job, self._opts["job_timeout_s"] or None,
-                          lambda: self._give_up_at if self._closed else None, "tier")
+        return wait_ended(job, self._opts["job_timeout_s"] or None, lambda: self._give_up_at, "tier")
 
     def _staged(self, session, keys, rows, base, load):
         np = self._np
@@ -755,7 +746,7 @@ class _TierImpl(Reconnects):
         self._primary = self._view = None
         s = getattr(self, "_s", None)
         if s is not None:
-            s.release(after_jobs=False)  # its jobs ended, or shutdown gave up on them
+            s.client.close()  # its jobs ended, or shutdown gave up on them
         if self._staging is not None:
             self._staging_rows = None
             self._staging.close()
