@@ -165,6 +165,7 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 		StagingBytes:        int64(cfg.Engine.StagingMemory),
 		VerifyInterval:      time.Duration(cfg.Engine.VerifyInterval),
 		TempGrace:           time.Duration(cfg.Engine.TempGrace),
+		RestartHold:         time.Duration(cfg.Engine.RestartHold),
 		NodeID:              cfg.Engine.NodeID,
 		TickInterval:        time.Duration(cfg.Engine.TickInterval),
 		MountUpdateInterval: time.Duration(cfg.Engine.MountUpdateInterval),

@@ -244,6 +244,13 @@ type Config struct {
 	// as soon as their process is gone; a file whose flock is held is never
 	// removed (docs/engine.md, "Temporary files").
 	TempGrace time.Duration
+	// RestartHold, if positive, pins every file Open finds for that long
+	// after it returns: none is evicted, demoted or moved to make room
+	// meanwhile, so that a client that was loading keys when the last
+	// process went can pin them again before the room is needed (a store
+	// that finds no other room fails with ErrNoSpace). Delete still
+	// removes a held file. HeldFound reports the files still held.
+	RestartHold time.Duration
 	// NodeID names this node in temporary file names (default: the host
 	// name). Nodes sharing a mount must have distinct ids.
 	NodeID string
@@ -451,6 +458,9 @@ type Stats struct {
 	LoadFailures  Failures // failed keys of loads, by reason
 	// Tiering counts the moves between mounts (TierStats).
 	Tiering TierStats
+	// HeldFound is the files found at start that the restart hold still
+	// pins (Config.RestartHold).
+	HeldFound int
 }
 
 // The Engine's methods, for reference (implemented in engine.go, store.go,

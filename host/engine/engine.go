@@ -66,7 +66,8 @@ type Engine struct {
 	// The engine's state in parts, each with its own lock; the lock
 	// order is evictMu (per mount, in mount order) > pinTab.mu > mu >
 	// ix.mu > space.mu (docs/engine.md, "The engine's parts"). Nothing
-	// holding one of them calls the policy.
+	// holding one of them calls the policy. hold.mu (hold.go) is taken
+	// before ix.mu and held across the policy call of a release.
 	//
 	// mu guards the engine-wide tables: namespaces, caches, and closed.
 	// Readers (a request's namespace and cache) share it; writers
@@ -95,6 +96,7 @@ type Engine struct {
 	pathWaits  atomic.Int64
 	fails      *failureLog
 	pinTab     pinTable     // client pins (pins.go)
+	hold       restartHold  // the files found at start, pinned for Config.RestartHold (hold.go)
 	tier       *tierDriver  // ticks and mount updates (demote.go); nil without policy.Tiering
 	tierSt     tierCounters // moves between mounts (demote.go)
 	maker      *spareMaker  // spares made ahead of stores (ahead.go); nil without Mount.Preallocate
@@ -246,6 +248,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	}
 	e.reportMounts()
 	e.restore(ctx)
+	e.holdFound(ctx, cfg.RestartHold)
 	e.hitRec = newHitRecorder(e)
 	e.startTiering(ctx)
 	e.startSpareMaker()
@@ -263,7 +266,7 @@ func (e *Engine) Stats() Stats {
 		Stores: e.st.stores.Load(), Loads: e.st.loads.Load(), Hits: e.st.hits.Load(), Misses: e.st.misses.Load(),
 		Evictions: e.st.evictions.Load(), Reused: e.st.reused.Load(), SparesMade: e.st.made.Load(), Failures: e.st.failures.Load(), Corrupt: e.st.corrupt.Load(),
 		Vanished: e.st.vanished.Load(), BytesWritten: e.st.written.Load(), BytesRead: e.st.read.Load(),
-		StoreFailures: e.fails.stats(0), LoadFailures: e.fails.stats(1), Tiering: e.TierStats(),
+		StoreFailures: e.fails.stats(0), LoadFailures: e.fails.stats(1), Tiering: e.TierStats(), HeldFound: e.HeldFound(),
 	}
 	s.Entries, s.Keys = e.ix.size()
 	rooms := e.space.usages()
@@ -307,6 +310,7 @@ func (e *Engine) Close(ctx context.Context) error {
 		<-done
 	}
 	e.closePins()
+	e.releaseFound(false)
 	e.stopTiering()
 	e.stopSpareMaker()
 	e.stopWarmer()

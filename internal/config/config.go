@@ -218,6 +218,11 @@ type Engine struct {
 	// leftovers go as soon as their process is gone, and a temporary file
 	// whose writer holds its lock is never removed (docs/engine.md).
 	TempGrace Duration `toml:"temp_grace"`
+	// RestartHold is how long after start the files found there are not
+	// evicted, so that clients that were loading keys when the last
+	// daemon went can pin them again first; 0 holds none
+	// (docs/config.md).
+	RestartHold Duration `toml:"restart_hold"`
 	// NodeID names this node in temporary file names on shared mounts
 	// (default: the host name). Nodes sharing a mount need distinct ids.
 	NodeID string `toml:"node_id"`
@@ -411,7 +416,7 @@ func Default() Config {
 			MaxFailures:   3,
 			FailureWindow: Duration(time.Minute),
 		},
-		Engine: Engine{StagingMemory: 256 << 20, YieldBytes: 1 << 20, VerifyInterval: Duration(time.Second)},
+		Engine: Engine{StagingMemory: 256 << 20, YieldBytes: 1 << 20, VerifyInterval: Duration(time.Second), RestartHold: Duration(10 * time.Second)},
 		Mounts: []Mount{{Path: filepath.Join(root, "blocks"), HighWatermark: 0.95, LowWatermark: 0.85}},
 	}
 }
@@ -668,6 +673,8 @@ func (c *Config) Validate() error {
 		return bad("engine.verify_interval", "a non-negative duration", c.Engine.VerifyInterval)
 	case c.Engine.TempGrace < 0:
 		return bad("engine.temp_grace", "a non-negative duration", c.Engine.TempGrace)
+	case c.Engine.RestartHold < 0 || c.Engine.RestartHold > Duration(time.Hour):
+		return bad("engine.restart_hold", "a duration between 0s (hold none) and 1h", c.Engine.RestartHold)
 	}
 	for _, cpu := range c.Engine.CPUs {
 		if cpu < 0 {

@@ -118,6 +118,9 @@ idle_registrars = 0
 	if d.GPU.Mode != "auto" || d.GPU.CuFile != "auto" || time.Duration(d.GPU.Poll) != 500*time.Microsecond || d.GPU.IdleRegistrars != 1 || d.Server.MaxHandshakes != 16 {
 		t.Errorf("defaults: gpu %+v, max_handshakes %d", d.GPU, d.Server.MaxHandshakes)
 	}
+	if time.Duration(d.Engine.RestartHold) != 10*time.Second {
+		t.Errorf("defaults: engine.restart_hold %v, want 10s", time.Duration(d.Engine.RestartHold))
+	}
 }
 
 func TestParseErrors(t *testing.T) {
@@ -132,6 +135,7 @@ func TestParseErrors(t *testing.T) {
 		{"bad mode", "[server]\nsocket_mode = \"999\"", `file mode "999"`},
 		{"range", "[policy]\n\nshards = 65", "kvhost.toml:3: policy.shards: want between 0 (automatic) and 64, got 65"},
 		{"relative mount", "[[mount]]\npath = \"rel\"", `kvhost.toml:2: mount.path: want an absolute directory path, got "rel"`},
+		{"restart hold", "[engine]\nrestart_hold = \"2h\"", "engine.restart_hold: want a duration between 0s (hold none) and 1h"},
 		{"watermarks", "[[mount]]\npath = \"/a\"\nhigh_watermark = 0.5\nlow_watermark = 0.6", "mount.low_watermark"},
 		{"duplicate mount", "[[mount]]\npath = \"/a\"\n[[mount]]\npath = \"/a/\"", "each mount once"},
 		{"io mode", "[[mount]]\npath = \"/a\"\nio = \"fast\"", `kvhost.toml:3: mount.io: want "auto", "direct" or "buffered", got "fast"`},

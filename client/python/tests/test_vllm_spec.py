@@ -8,6 +8,7 @@ own code.
 Run: cd client/python && PYTHONPATH=src /usr/bin/python3 -m unittest tests.test_vllm_spec -v
 """
 
+import contextlib
 import dataclasses
 import importlib.util
 import pathlib
@@ -164,6 +165,54 @@ class SpecCase(unittest.TestCase):
         m.complete_store(out.keys_to_store, CTX, success=True)
         return out
 
+    @contextlib.contextmanager
+    def held_pin_round(self, key):
+        """Within it, the first daemon pin that carries key (the manager's
+        round that pins a load's keys again) waits, up to 30 s, for the
+        gate: yields (entered, gate), two threading.Events."""
+        entered, gate = threading.Event(), threading.Event()
+        real_pin = kvhost.Client.pin
+
+        def pin(client, ns, dkeys, *a, **kw):
+            if sc.daemon_key(key) in dkeys and not entered.is_set():
+                entered.set()
+                gate.wait(30)
+            return real_pin(client, ns, dkeys, *a, **kw)
+
+        kvhost.Client.pin = pin
+        try:
+            yield entered, gate
+        finally:
+            gate.set()
+            kvhost.Client.pin = real_pin
+
+    def crash_and_start_again(self, m, probe):
+        """SIGKILL the daemon, wait for manager m to see it gone (a lookup
+        of a key named probe answers MISS), start a new daemon on the same
+        directory and wait for m to connect to it."""
+        self.daemon.halt(signal.SIGKILL)
+        try:
+            d.wait_for(lambda: m.lookup(keys(1, probe)[0], CTX) == S.LookupResult.MISS
+                       and not m.counters()["connected"], what="the manager to see the daemon gone")
+        finally:
+            self.daemon.start_again()
+        d.wait_for(lambda: m.counters()["connected"], what="the manager to connect again")
+
+    def restarting(self, seed, **kw):
+        """A manager and a worker that connect again every 0.05 s (spec
+        options kw): (manager, worker, the worker's tensors)."""
+        spec = self.spec(reconnect_s=0.05, **kw)
+        m = self.manager(spec)
+        caches, tensors = self.caches(seed=seed)
+        return m, self.worker(spec, caches), tensors
+
+    def pinned(self, m, w, prefix, tensors):
+        """Four keys stored and answered HIT (pinned): (keys, their rows)."""
+        ks = keys(4, prefix)
+        self.store(m, w, ks, [0, 1, 2, 3])
+        for k in ks:
+            self.answer(m, k, S.LookupResult.HIT)
+        return ks, rows(tensors, [0, 1, 2, 3])
 
 @unittest.skipUnless(HAVE_TORCH, "torch is not installed (Debian: apt-get install python3-torch)")
 class TestSchedulerAndWorker(SpecCase):
@@ -344,22 +393,6 @@ class TestDaemonRestart(SpecCase):
                     self.answer(m, k, S.LookupResult.HIT)
 
 
-    def restarting(self, seed, **kw):
-        """A manager and a worker that connect again every 0.05 s (spec
-        options kw): (manager, worker, the worker's tensors)."""
-        spec = self.spec(reconnect_s=0.05, **kw)
-        m = self.manager(spec)
-        caches, tensors = self.caches(seed=seed)
-        return m, self.worker(spec, caches), tensors
-
-    def pinned(self, m, w, prefix, tensors):
-        """Four keys stored and answered HIT (pinned): (keys, their rows)."""
-        ks = keys(4, prefix)
-        self.store(m, w, ks, [0, 1, 2, 3])
-        for k in ks:
-            self.answer(m, k, S.LookupResult.HIT)
-        return ks, rows(tensors, [0, 1, 2, 3])
-
     def submit_load(self, w, kv_spec, dst):
         self.job += 1
         gpu = S.GPULoadStoreSpec(dst, [len(dst)], [0])
@@ -422,13 +455,7 @@ class TestDaemonRestart(SpecCase):
         ks, want = self.pinned(m, w, "repin", tensors)
         load = m.prepare_load(ks, CTX)
         pins_before = m.counters()["daemon_pins"]
-        self.daemon.halt(signal.SIGKILL)
-        try:
-            d.wait_for(lambda: m.lookup(keys(1, "repin-probe")[0], CTX) == S.LookupResult.MISS
-                       and not m.counters()["connected"], what="the manager to see the daemon gone")
-        finally:
-            self.daemon.start_again()
-        d.wait_for(lambda: m.counters()["connected"], what="the manager to connect again")
+        self.crash_and_start_again(m, "repin-probe")
         self.assertEqual(m.counters()["repinned_keys"], len(ks))
         geo = sc.geometry(sc.describe(spec._ident, 0, 0))
         daemon_keys = [sc.daemon_key(k) for k in ks]
@@ -458,33 +485,14 @@ class TestDaemonRestart(SpecCase):
         w = self.worker(spec, caches)
         ks, _ = self.pinned(m, w, "repin-twice", tensors)
         m.prepare_load(ks, CTX)
-        entered, gate = threading.Event(), threading.Event()
-        real_pin = kvhost.Client.pin
-
-        def pin(client, ns, dkeys, *a, **kw):  # holds the first round that pins the load's keys again
-            if sc.daemon_key(ks[0]) in dkeys and not entered.is_set():
-                entered.set()
-                gate.wait(30)
-            return real_pin(client, ns, dkeys, *a, **kw)
-
-        kvhost.Client.pin = pin
-        try:
+        with self.held_pin_round(ks[0]) as (entered, gate):
             for i in range(2):
-                self.daemon.halt(signal.SIGKILL)
-                try:
-                    d.wait_for(lambda: m.lookup(keys(1, f"repin-twice-probe-{i}")[0], CTX) == S.LookupResult.MISS
-                               and not m.counters()["connected"], what="the manager to see the daemon gone")
-                finally:
-                    self.daemon.start_again()
-                d.wait_for(lambda: m.counters()["connected"], what="the manager to connect again")
+                self.crash_and_start_again(m, f"repin-twice-probe-{i}")
                 if i == 0:
                     self.assertTrue(entered.wait(30), "no re-pin round began on the first new daemon")
             pins_before = m.counters()["daemon_pins"]
             gate.set()
             d.wait_for(lambda: m.counters()["daemon_pins"] > pins_before, what="a pin on the newest daemon")
-        finally:
-            gate.set()
-            kvhost.Client.pin = real_pin
         geo = sc.geometry(sc.describe(spec._ident, 0, 0))
         with kvhost.Client(self.daemon.socket) as c:
             ns = c.declare(geo)
@@ -1219,6 +1227,72 @@ class TestEvictionPressure(SpecCase):
     def daemon_stats(self):
         with kvhost.Client(self.daemon.socket) as c:
             return c.stats()
+
+
+class RestartHoldCase(SpecCase):
+    # 16 files' worth: another engine's 40 keys must evict.
+    capacity = f"{16 * FILE_BYTES}B"
+    restart_hold = "10m"  # far beyond the test, however slow the machine
+
+    @classmethod
+    def setUpClass(cls):
+        cls.daemon = d.Daemon(capacity=cls.capacity, extra_toml=f'[engine]\nrestart_hold = "{cls.restart_hold}"\n')
+
+    def load_after_pressure_before_repin(self, tag):
+        """A load prepared before the daemon crashed; on the new daemon,
+        with the manager's pin round that would pin the load's keys again
+        held back, another engine stores 40 keys into room for 16. Then the
+        pin round goes on and the worker loads. Returns (the load's result,
+        whether its rows are the stored ones, the evictions meanwhile)."""
+        m, w, tensors = self.restarting(61)
+        ks, want = self.pinned(m, w, f"held-{tag}", tensors)
+        load = m.prepare_load(ks, CTX)
+        with self.held_pin_round(ks[0]) as (entered, _):
+            self.crash_and_start_again(m, f"held-{tag}-probe")
+            self.assertTrue(entered.wait(30), "no re-pin round began on the new daemon")
+            with kvhost.Client(self.daemon.socket) as c:
+                before = c.stats()["evictions"]
+            spec2 = self.spec(namespace="other-engine")
+            m2 = self.manager(spec2)
+            caches2, _ = self.caches(seed=9)
+            w2 = self.worker(spec2, caches2)
+            for i in range(5):
+                self.store(m2, w2, keys(8, f"{tag}-pressure{i}"), list(range(8)))
+            with kvhost.Client(self.daemon.socket) as c:
+                evictions = c.stats()["evictions"] - before
+        dst = [50, 51, 52, 53]
+        for t in tensors:
+            t[dst[0]:dst[-1] + 1].zero_()
+        res = self.transfer(w, False, load, dst)
+        m.complete_load(ks, CTX)
+        return res, rows(tensors, dst) == want, evictions
+
+
+@unittest.skipUnless(HAVE_TORCH, "torch is not installed")
+class TestRestartHold(RestartHoldCase):
+    def test_a_new_daemon_evicts_no_found_key_before_the_manager_pins_it(self):
+        """The daemon's restart_hold (10 s by default; 10 minutes here)
+        keeps the files it found at start from eviction: the other engine's stores evict only
+        each other, and the worker's load, retried on the new daemon, loads
+        byte for byte."""
+        res, same, evictions = self.load_after_pressure_before_repin("on")
+        self.assertGreater(evictions, 0, "no eviction: the test proves nothing")
+        self.assertTrue(res.success)
+        self.assertTrue(same)
+
+
+@unittest.skipUnless(HAVE_TORCH, "torch is not installed")
+class TestWithoutRestartHold(RestartHoldCase):
+    """The same with restart_hold = "0s": the other engine's stores evict
+    the load's keys before the manager pins them, and the load fails, which
+    would stop vLLM's worker. This is the window the hold closes, and it
+    shows that the pressure of TestRestartHold reaches the keys."""
+    restart_hold = "0s"
+
+    def test_without_the_hold_the_pressure_evicts_the_keys_being_loaded(self):
+        res, _, evictions = self.load_after_pressure_before_repin("off")
+        self.assertGreater(evictions, 0)
+        self.assertFalse(res.success)
 
 
 class TestRefusals(unittest.TestCase):

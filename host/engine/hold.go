@@ -1,0 +1,91 @@
+package engine
+
+import (
+	"context"
+	"sync"
+	"time"
+
+	"github.com/kvhost/kvhost/abi"
+)
+
+// Holding the files found at start (Config.RestartHold): each is pinned
+// once when Open ends and unpinned when the hold ends, so that nothing is
+// evicted, demoted or moved to make room before clients that were
+// loading keys when the last process went have pinned them again. A pin
+// of the hold is not a client pin: Delete still removes a held file.
+
+// restartHold is the pin of the files found at start.
+type restartHold struct {
+	// mu is held across a release, so that Close returns only after a
+	// release that the timer began has told the policy.
+	mu    sync.Mutex
+	ens   []*entry // held; nil once released
+	timer *time.Timer
+}
+
+// holdFound pins every indexed entry for d and tells the policy
+// (AccessPin), then arms the release. Called by Open after the policy is
+// restored, before any request.
+func (e *Engine) holdFound(ctx context.Context, d time.Duration) {
+	if d <= 0 {
+		return
+	}
+	now := e.now().UnixNano()
+	e.ix.mu.Lock()
+	ens := make([]*entry, 0, len(e.ix.entries))
+	recs := make([]abi.AccessRecord, 0, len(e.ix.entries))
+	for _, en := range e.ix.entries {
+		en.pins++
+		ens = append(ens, en)
+		recs = append(recs, en.access(abi.AccessPin, now))
+	}
+	e.ix.mu.Unlock()
+	if len(ens) == 0 {
+		return
+	}
+	e.access(ctx, recs)
+	h := &e.hold
+	h.mu.Lock()
+	h.ens = ens
+	h.timer = time.AfterFunc(d, func() { e.releaseFound(true) })
+	h.mu.Unlock()
+	e.log.Info("engine: files found at start are held from eviction", "files", len(ens), "for", d)
+}
+
+// releaseFound ends the hold of the files found at start, once: each
+// loses its pin, and with tell the policy is told of those still indexed
+// (AccessUnpin). Close calls it without telling (the policy is closing).
+func (e *Engine) releaseFound(tell bool) {
+	h := &e.hold
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	ens := h.ens
+	if ens == nil {
+		return
+	}
+	h.ens = nil
+	h.timer.Stop()
+	var recs []abi.AccessRecord
+	now := e.now().UnixNano()
+	e.ix.mu.Lock()
+	for _, en := range ens {
+		en.pins--
+		if tell && !en.gone {
+			recs = append(recs, en.access(abi.AccessUnpin, now))
+		}
+	}
+	e.ix.mu.Unlock()
+	e.access(context.Background(), recs)
+	if tell {
+		e.log.Info("engine: files found at start may be evicted again", "files", len(ens))
+	}
+}
+
+// HeldFound is the number of files found at start that the restart hold
+// still pins (Config.RestartHold); 0 once it has ended.
+func (e *Engine) HeldFound() int {
+	h := &e.hold
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return len(h.ens)
+}

@@ -1,0 +1,176 @@
+package engine
+
+import (
+	"context"
+	"errors"
+	"math/rand/v2"
+	"testing"
+	"time"
+
+	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/internal/testwait"
+)
+
+// holdFixture is a directory that one engine filled with found files,
+// and a second engine opened on it with a restart hold, a capacity of
+// capFiles files and a hostile policy (it offers pinned entries as
+// victims first, so only the engine's pins keep them).
+type holdFixture struct {
+	e      *Engine
+	pol    *testPolicy
+	ns     NamespaceID
+	c      *testCache
+	keys   [][]byte
+	blocks [][]int
+	paths  []string
+	want   [][]byte // the found keys' bytes
+}
+
+// newHoldFixture stores found keys with a first engine (room for all),
+// closes it and opens a second one on the same directory with hold and
+// room for capFiles files, eviction from 6 of 8 eighths of it.
+func newHoldFixture(t *testing.T, found, capFiles int, hold time.Duration) *holdFixture {
+	t.Helper()
+	ctx := context.Background()
+	g := smallGeometry(true)
+	fileLen := int64(4096 + g.KeyBytes())
+	dir := t.TempDir()
+	f := &holdFixture{keys: testKeys("hold", 24)}
+	r := rand.New(rand.NewPCG(5, 6))
+	f.blocks = blockLists(r, len(f.keys), 4, 0)
+
+	first, err := Open(ctx, Config{
+		Mounts: []Mount{{Path: dir, Capacity: 64 * fileLen}}, Policy: newTestPolicy(1, abi.OrderLayerMajor),
+		IOWorkers: 2, Logger: testLogger(t),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ns, err := first.Declare(ctx, g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := newTestCache(t, first, ns, g, 160, layoutPlaneFirst)
+	for _, b := range f.blocks {
+		c.fill(r, b)
+	}
+	for i := range found {
+		storeAndCheck(t, first, c, f.keys[i:i+1], f.blocks[i:i+1])
+		f.want = append(f.want, c.data(f.blocks[i]))
+	}
+	if err := first.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+
+	f.pol = newTestPolicy(1, abi.OrderLayerMajor)
+	f.pol.hostile = true
+	f.e = openEngine(t, Config{
+		Mounts:      []Mount{{Path: dir, Capacity: int64(capFiles) * fileLen, HighWatermark: 0.75, LowWatermark: 0.5}},
+		Policy:      f.pol,
+		RestartHold: hold,
+	})
+	if f.ns, err = f.e.Declare(ctx, g); err != nil {
+		t.Fatal(err)
+	}
+	// The same bytes in the second engine's cache: the blocks are refilled
+	// from the same seed.
+	f.c = newTestCache(t, f.e, f.ns, g, 160, layoutPlaneFirst)
+	r = rand.New(rand.NewPCG(5, 6))
+	blockLists(r, len(f.keys), 4, 0)
+	for _, b := range f.blocks {
+		f.c.fill(r, b)
+	}
+	_, f.paths, _, _ = f.e.names(ctx, f.e.nss[f.ns], f.keys)
+	return f
+}
+
+// policyPins is how many pins the policy was told of, over all entries.
+func (p *testPolicy) policyPins() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	n := 0
+	for _, c := range p.pins {
+		n += c
+	}
+	return n
+}
+
+// loadFound loads the found keys and compares them with their bytes.
+func (f *holdFixture) loadFound(t *testing.T, found int) {
+	t.Helper()
+	into := make([][]int, found)
+	for i := range into {
+		into[i] = []int{100 + 4*i, 101 + 4*i, 102 + 4*i, 103 + 4*i}
+	}
+	loadAndCompare(t, f.e, f.c, f.keys[:found], into, f.want)
+}
+
+func TestRestartHoldKeepsFoundFilesFromEviction(t *testing.T) {
+	const found = 4
+	f := newHoldFixture(t, found, 8, time.Hour)
+	if n := f.e.HeldFound(); n != found {
+		t.Fatalf("HeldFound = %d, want %d", n, found)
+	}
+	if n := f.pol.policyPins(); n != found {
+		t.Fatalf("the policy was told of %d pins, want %d (one per found file)", n, found)
+	}
+	for i := found; i < len(f.keys); i++ {
+		storeAndCheck(t, f.e, f.c, f.keys[i:i+1], f.blocks[i:i+1])
+	}
+	if f.e.Stats().Evictions == 0 {
+		t.Fatal("the stores evicted nothing: the test proves nothing")
+	}
+	for i := range found {
+		if !exists(f.paths[i]) {
+			t.Fatalf("found file %d was evicted during the hold", i)
+		}
+	}
+	f.loadFound(t, found)
+	// A hold is no client pin: Delete removes a held file.
+	if n, err := f.e.Delete(context.Background(), f.ns, f.keys[:1]); err != nil || n != 1 {
+		t.Fatalf("Delete of a held key = %d, %v; want 1", n, err)
+	}
+	if exists(f.paths[0]) {
+		t.Fatal("the deleted held key's file is still there")
+	}
+}
+
+func TestRestartHoldFailsAStoreRatherThanEvictAFoundFile(t *testing.T) {
+	const found = 8
+	f := newHoldFixture(t, found, found, time.Hour) // full at start
+	res := wait(t)(f.e.Store(context.Background(), StoreRequest{Cache: f.c.id, Keys: f.keys[found : found+1], Blocks: f.blocks[found : found+1]}))
+	if k := res.Keys[0]; k.Outcome != OutcomeFailed || !errors.Is(k.Err, ErrNoSpace) {
+		t.Fatalf("store into a mount full of held files: %v (%v), want failed with ErrNoSpace", k.Outcome, k.Err)
+	}
+	if n := f.e.Stats().Evictions; n != 0 {
+		t.Fatalf("%d evictions during the hold, want 0", n)
+	}
+	f.loadFound(t, found)
+}
+
+func TestRestartHoldEnds(t *testing.T) {
+	const found = 4
+	f := newHoldFixture(t, found, 8, 20*time.Millisecond)
+	testwait.Until(t, "the restart hold to end", 10*time.Second, func() bool { return f.e.HeldFound() == 0 })
+	if n := f.pol.policyPins(); n != 0 {
+		t.Fatalf("the policy still counts %d pins after the hold ended", n)
+	}
+	for i := found; i < len(f.keys); i++ {
+		storeAndCheck(t, f.e, f.c, f.keys[i:i+1], f.blocks[i:i+1])
+	}
+	for i := range found {
+		if exists(f.paths[i]) {
+			t.Fatalf("found file %d survived eviction after the hold ended", i)
+		}
+	}
+}
+
+func TestRestartHoldOffHoldsNothing(t *testing.T) {
+	f := newHoldFixture(t, 4, 8, 0)
+	if n := f.e.HeldFound(); n != 0 {
+		t.Fatalf("HeldFound = %d with no hold, want 0", n)
+	}
+	if n := f.pol.policyPins(); n != 0 {
+		t.Fatalf("the policy was told of %d pins with no hold", n)
+	}
+}
