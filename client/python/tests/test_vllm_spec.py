@@ -457,6 +457,8 @@ class TestDaemonRestart(SpecCase):
         pins_before = m.counters()["daemon_pins"]
         self.crash_and_start_again(m, "repin-probe")
         self.assertEqual(m.counters()["repinned_keys"], len(ks))
+        reported = m.get_stats().data["data"]  # vLLM's metrics carry it too
+        self.assertEqual(reported[_metrics.PREFIX + "repinned_keys"], {("scheduler",): len(ks)})
         geo = sc.geometry(sc.describe(spec._ident, 0, 0))
         daemon_keys = [sc.daemon_key(k) for k in ks]
         with kvhost.Client(self.daemon.socket) as c:

@@ -26,6 +26,7 @@ COUNTERS = {
     "job_errors": ("job_errors", "Jobs that failed on an error talking to the daemon."),
     "disconnects": ("disconnects", "Times the connection to the kvhost daemon was lost."),
     "reconnects": ("reconnects", "Times the connection to the kvhost daemon was made again after it was lost."),
+    "repinned_keys": ("repinned_keys", "Keys being loaded that the manager queued to pin again on a new daemon."),
 }
 PREFIX = "vllm:kv_offload_kvhost_"
 INFLIGHT = PREFIX + "inflight_jobs"
