@@ -102,7 +102,7 @@ func (e *Engine) openCluster(ctx context.Context) error {
 		if err != nil {
 			return fmt.Errorf("%w: mount %s: %w", ErrInvalid, m.root, err)
 		}
-		dir, err := clustercap.OpenDir(m.root, e.node)
+		dir, err := clustercap.OpenDir(e.fs, m.root, e.node)
 		if err != nil {
 			return fmt.Errorf("engine: mount %s: %w", m.root, err)
 		}

@@ -519,7 +519,10 @@ type stepInjector struct {
 }
 
 func (s *stepInjector) Inject(op fsys.Op, _ string) fsys.Fault {
-	if !s.armed.Load() {
+	// A temporary file's flock may fail without failing its store (it
+	// only keeps another node's clean-up away: tempfiles.go); it is not
+	// one of the steps.
+	if !s.armed.Load() || op == fsys.OpLock {
 		return fsys.Fault{}
 	}
 	if s.n.Add(1)-1 == s.at {
@@ -533,7 +536,7 @@ func (s *stepInjector) Inject(op fsys.Op, _ string) fsys.Fault {
 }
 
 // TestInjectedFaults steps a failure (ENOSPC, EIO, a short write) through
-// every file operation of a store workload: each failure surfaces as a
+// every file operation of a store workload but its flocks: each failure surfaces as a
 // failed key (ENOSPC as ErrNoSpace), leaves no temporary file, and every
 // block stored before, or reported stored, stays loadable.
 func TestInjectedFaults(t *testing.T) {
@@ -809,4 +812,32 @@ func TestVerifyInterval(t *testing.T) {
 	if n, _ := e.Lookup(ctx, ns, keys[1:]); n != 0 {
 		t.Fatalf("after the interval: lookup %d, want 0", n)
 	}
+}
+
+// TestAStoreOutlivesAFailedFlockOfItsTemporaryFile: the flock of a store's
+// temporary file only keeps another node's clean-up away; a file system
+// that refuses it (EIO on every flock) still stores, byte for byte.
+func TestAStoreOutlivesAFailedFlockOfItsTemporaryFile(t *testing.T) {
+	ctx := context.Background()
+	g := smallGeometry(true)
+	locks := &fsys.Counter{Ops: []fsys.Op{fsys.OpLock}, Fault: fsys.Fault{Err: syscall.EIO}, Sticky: true}
+	e := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir()}}, Policy: newTestPolicy(1, abi.OrderLayerMajor),
+		FS: &fsys.Faulty{FS: fsys.OS{}, Inj: locks}})
+	ns, err := e.Declare(ctx, g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := newTestCache(t, e, ns, g, 64, layoutPlaneFirst)
+	r := rand.New(rand.NewPCG(7, 8))
+	keys, blocks := testKeys("nolock", 3), blockLists(r, 3, 4, 0)
+	for _, b := range blocks {
+		c.fill(r, b)
+	}
+	before := locks.Fired()
+	storeAndCheck(t, e, c, keys, blocks)
+	if locks.Fired() == before {
+		t.Fatal("no flock was refused: the test proves nothing")
+	}
+	loadAndCompare(t, e, c, keys, [][]int{{40, 41, 42, 43}, {44, 45, 46, 47}, {48, 49, 50, 51}},
+		[][]byte{c.data(blocks[0]), c.data(blocks[1]), c.data(blocks[2])})
 }

@@ -14,7 +14,7 @@ const adoptSuffix = ".adopt"
 // adoptions are the adoption locks a Dir holds, by dead node name.
 type adoptions struct {
 	mu    sync.Mutex
-	locks map[string]*os.File
+	locks map[string]fsys.File
 }
 
 // Adopt takes the adoption lock of node, a node proven dead (Live is
@@ -33,7 +33,7 @@ func (d *Dir) Adopt(node string) (bool, error) {
 		return true, nil
 	}
 	path := filepath.Join(d.path, node+adoptSuffix)
-	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE, 0o644)
+	f, err := d.fs.OpenFile(path, os.O_RDWR|os.O_CREATE, 0o644)
 	if err != nil {
 		return false, fmt.Errorf("clustercap: adopt %q: %w", node, err)
 	}
@@ -46,7 +46,7 @@ func (d *Dir) Adopt(node string) (bool, error) {
 		return false, nil
 	}
 	if d.adopted.locks == nil {
-		d.adopted.locks = map[string]*os.File{}
+		d.adopted.locks = map[string]fsys.File{}
 	}
 	d.adopted.locks[node] = f
 	return true, nil

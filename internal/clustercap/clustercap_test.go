@@ -2,7 +2,10 @@ package clustercap
 
 import (
 	"errors"
+	"syscall"
 	"testing"
+
+	"github.com/kvhost/kvhost/internal/fsys"
 )
 
 func TestSketchBelowIsExactAtPointsAndNeverDecreases(t *testing.T) {
@@ -151,15 +154,15 @@ func TestSummaryRoundTripsAndBadOnesAreNamed(t *testing.T) {
 
 func TestDirPublishesReadsAndTellsALiveNodeFromADeadOne(t *testing.T) {
 	root := t.TempDir()
-	a, err := OpenDir(root, "a")
+	a, err := OpenDir(fsys.OS{}, root, "a")
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer a.Close()
-	if _, err := OpenDir(root, "a"); !errors.Is(err, ErrNodeLocked) {
+	if _, err := OpenDir(fsys.OS{}, root, "a"); !errors.Is(err, ErrNodeLocked) {
 		t.Fatalf("second OpenDir of node a: %v, want ErrNodeLocked", err)
 	}
-	b, err := OpenDir(root, "b")
+	b, err := OpenDir(fsys.OS{}, root, "b")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -191,17 +194,17 @@ func TestDirPublishesReadsAndTellsALiveNodeFromADeadOne(t *testing.T) {
 // the first releases it (or closes); the holder is told it holds it again.
 func TestAdoptionLockIsHeldByOneNodeAtATime(t *testing.T) {
 	root := t.TempDir()
-	x, err := OpenDir(root, "x")
+	x, err := OpenDir(fsys.OS{}, root, "x")
 	if err != nil {
 		t.Fatal(err)
 	}
 	x.Close() // x dies: its lock is free
-	y, err := OpenDir(root, "y")
+	y, err := OpenDir(fsys.OS{}, root, "y")
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer y.Close()
-	z, err := OpenDir(root, "z")
+	z, err := OpenDir(fsys.OS{}, root, "z")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -233,4 +236,74 @@ func TestAdoptionLockIsHeldByOneNodeAtATime(t *testing.T) {
 	if _, err := y.Adopt("../x"); err == nil {
 		t.Fatal("a node name with '/' was accepted")
 	}
+}
+
+// TestDirGoesThroughItsFileSystem: each kind of operation the Dir makes
+// reaches the file system it was given (here one that fails that kind
+// with EIO), so that the engine's, which times every call, sees a hung
+// shared mount in any of them.
+func TestDirGoesThroughItsFileSystem(t *testing.T) {
+	sum := &Summary{Version: SummaryVersion, Node: "b", Tag: Tag("b"), Time: 1, Interval: 10, Bytes: 3, Claim: 4, Sketch: NewSketch([]Item{{5, 3}}, 8)}
+	for _, tc := range []struct {
+		op  fsys.Op
+		run func(root string, fs fsys.FS) error // the operation fails within it
+	}{
+		{fsys.OpMkdir, func(root string, fs fsys.FS) error { _, err := OpenDir(fs, root, "b"); return err }},
+		{fsys.OpLock, func(root string, fs fsys.FS) error { _, err := OpenDir(fs, root, "b"); return err }},
+		{fsys.OpWrite, func(root string, fs fsys.FS) error { return openAndPublish(fs, root, sum) }},
+		{fsys.OpRename, func(root string, fs fsys.FS) error { return openAndPublish(fs, root, sum) }},
+		{fsys.OpReadDir, func(root string, fs fsys.FS) error { return openPublishAndRead(fs, root, sum) }},
+		{fsys.OpRead, func(root string, fs fsys.FS) error { return openPublishAndRead(fs, root, sum) }},
+		{fsys.OpOpen, func(root string, fs fsys.FS) error {
+			d, err := OpenDir(fsys.OS{}, root, "a")
+			if err != nil {
+				return err
+			}
+			defer d.Close()
+			d.fs = fs // the lock file of a node, opened to test it
+			_, err = d.LockFree("b")
+			return err
+		}},
+	} {
+		t.Run(tc.op.String(), func(t *testing.T) {
+			root := t.TempDir()
+			if tc.op == fsys.OpOpen { // b's lock file exists, so LockFree opens it
+				b, err := OpenDir(fsys.OS{}, root, "b")
+				if err != nil {
+					t.Fatal(err)
+				}
+				b.Close()
+			}
+			fs := &fsys.Faulty{FS: fsys.OS{}, Inj: &fsys.Counter{Ops: []fsys.Op{tc.op}, Fault: fsys.Fault{Err: syscall.EIO}, Sticky: true}}
+			if err := tc.run(root, fs); !errors.Is(err, syscall.EIO) {
+				t.Fatalf("with every %s failing: %v, want EIO", tc.op, err)
+			}
+		})
+	}
+}
+
+// openAndPublish opens node s.Node's Dir on fs and publishes s.
+func openAndPublish(fs fsys.FS, root string, s *Summary) error {
+	d, err := OpenDir(fs, root, s.Node)
+	if err != nil {
+		return err
+	}
+	defer d.Close()
+	return d.Publish(s)
+}
+
+// openPublishAndRead publishes s with the operating system's file
+// system, then reads every summary through node a's Dir on fs.
+func openPublishAndRead(fs fsys.FS, root string, s *Summary) error {
+	if err := openAndPublish(fsys.OS{}, root, s); err != nil {
+		return err
+	}
+	d, err := OpenDir(fsys.OS{}, root, "a")
+	if err != nil {
+		return err
+	}
+	defer d.Close()
+	d.fs = fs
+	_, _, err = d.ReadAll()
+	return err
 }

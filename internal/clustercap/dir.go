@@ -3,6 +3,7 @@ package clustercap
 import (
 	"errors"
 	"fmt"
+	"io"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
@@ -25,25 +26,27 @@ const (
 // the node's summary, reads everyone's and holds the node's lock file for
 // as long as the node runs.
 type Dir struct {
+	fs      fsys.FS
 	path    string
 	node    string
-	lock    *os.File
+	lock    fsys.File
 	adopted adoptions
 }
 
 // OpenDir creates (if missing) the metadata directory under root and takes
 // node's lock file in it: an exclusive flock, held until Close. It fails
 // with ErrNodeLocked if another process holds it (the same node id runs
-// twice on the mount).
-func OpenDir(root, node string) (*Dir, error) {
+// twice on the mount). Every file operation of the Dir goes through fs
+// (the engine's, which times each one: a hung shared mount shows).
+func OpenDir(fs fsys.FS, root, node string) (*Dir, error) {
 	if err := checkNode(node); err != nil {
 		return nil, err
 	}
-	d := &Dir{path: filepath.Join(root, DirName), node: node}
-	if err := os.MkdirAll(d.path, 0o755); err != nil {
+	d := &Dir{fs: fs, path: filepath.Join(root, DirName), node: node}
+	if err := fs.MkdirAll(d.path, 0o755); err != nil {
 		return nil, fmt.Errorf("clustercap: %w", err)
 	}
-	f, err := os.OpenFile(d.lockPath(node), os.O_RDWR|os.O_CREATE, 0o644)
+	f, err := fs.OpenFile(d.lockPath(node), os.O_RDWR|os.O_CREATE, 0o644)
 	if err != nil {
 		return nil, fmt.Errorf("clustercap: %w", err)
 	}
@@ -103,15 +106,46 @@ func (d *Dir) Publish(s *Summary) error {
 		return err
 	}
 	tmp := filepath.Join(d.path, fmt.Sprintf(".%s.tmp-%016x", d.node, rand.Uint64()))
-	if err := os.WriteFile(tmp, b, 0o644); err != nil {
-		os.Remove(tmp)
+	if err := d.writeFile(tmp, b); err != nil {
+		d.fs.Remove(tmp)
 		return fmt.Errorf("clustercap: publish: %w", err)
 	}
-	if err := os.Rename(tmp, d.summaryPath(d.node)); err != nil {
-		os.Remove(tmp)
+	if err := d.fs.Rename(tmp, d.summaryPath(d.node)); err != nil {
+		d.fs.Remove(tmp)
 		return fmt.Errorf("clustercap: publish: %w", err)
 	}
 	return nil
+}
+
+// writeFile creates path (or truncates it) and writes b into it.
+func (d *Dir) writeFile(path string, b []byte) error {
+	f, err := d.fs.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o644)
+	if err != nil {
+		return err
+	}
+	_, err = f.WriteAt(b, 0)
+	return errors.Join(err, f.Close())
+}
+
+// readFile reads the whole file at path.
+func (d *Dir) readFile(path string) ([]byte, error) {
+	f, err := d.fs.OpenFile(path, os.O_RDONLY, 0)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	var out []byte
+	buf := make([]byte, 64<<10)
+	for {
+		n, err := f.ReadAt(buf, int64(len(out)))
+		out = append(out, buf[:n]...)
+		if errors.Is(err, io.EOF) {
+			return out, nil
+		}
+		if err != nil {
+			return nil, err
+		}
+	}
 }
 
 // ReadAll reads every node's summary but this node's. A summary that does
@@ -119,7 +153,7 @@ func (d *Dir) Publish(s *Summary) error {
 // of another version, a file damaged by hand); a directory that cannot be
 // read is an error with no summaries.
 func (d *Dir) ReadAll() ([]*Summary, []error, error) {
-	ents, err := os.ReadDir(d.path)
+	ents, err := d.fs.ReadDir(d.path)
 	if err != nil {
 		return nil, nil, fmt.Errorf("clustercap: %w", err)
 	}
@@ -131,7 +165,7 @@ func (d *Dir) ReadAll() ([]*Summary, []error, error) {
 		if !ok || strings.HasPrefix(name, ".") || node == d.node {
 			continue
 		}
-		b, err := os.ReadFile(filepath.Join(d.path, name))
+		b, err := d.readFile(filepath.Join(d.path, name))
 		if errors.Is(err, os.ErrNotExist) {
 			continue // removed meanwhile
 		}
@@ -155,7 +189,7 @@ func (d *Dir) ReadAll() ([]*Summary, []error, error) {
 // (taken without waiting and released at once). A lock file that does not
 // exist is free.
 func (d *Dir) LockFree(node string) (bool, error) {
-	f, err := os.OpenFile(d.lockPath(node), os.O_RDONLY|syscall.O_NOFOLLOW, 0)
+	f, err := d.fs.OpenFile(d.lockPath(node), os.O_RDONLY|syscall.O_NOFOLLOW, 0)
 	if errors.Is(err, os.ErrNotExist) {
 		return true, nil
 	}

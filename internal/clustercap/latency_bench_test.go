@@ -9,6 +9,8 @@ import (
 	"sync"
 	"testing"
 	"time"
+
+	"github.com/kvhost/kvhost/internal/fsys"
 )
 
 // benchDirsEnv names the variable that lists client mounts of one shared
@@ -79,7 +81,7 @@ func otherNodes(b *testing.B, dirs []string, first int, names []string, period t
 	done := make(chan struct{})
 	var wg sync.WaitGroup
 	for i, name := range names {
-		o, err := OpenDir(dirs[first+i%(len(dirs)-first)], name)
+		o, err := OpenDir(fsys.OS{}, dirs[first+i%(len(dirs)-first)], name)
 		if err != nil {
 			b.Fatal(err)
 		}
@@ -109,7 +111,7 @@ func otherNodes(b *testing.B, dirs []string, first int, names []string, period t
 // through the other client mounts, read every summary every 10 ms.
 func BenchmarkSummaryPublish(b *testing.B) {
 	dirs := benchDirs(b)
-	d, err := OpenDir(dirs[0], "n1")
+	d, err := OpenDir(fsys.OS{}, dirs[0], "n1")
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -138,7 +140,7 @@ func BenchmarkSummaryPublish(b *testing.B) {
 // theirs every 100 ms (renames over the files being read).
 func BenchmarkSummaryReadAll(b *testing.B) {
 	dirs := benchDirs(b)
-	d, err := OpenDir(dirs[0], "n0")
+	d, err := OpenDir(fsys.OS{}, dirs[0], "n0")
 	if err != nil {
 		b.Fatal(err)
 	}

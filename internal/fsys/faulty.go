@@ -25,10 +25,11 @@ const (
 	OpStatfs
 	OpSyncDir
 	OpAllocate
+	OpLock // a flock, taken or tried
 	numOps
 )
 
-var opNames = [numOps]string{"open", "read", "write", "sync", "close", "rename", "remove", "mkdir", "readdir", "stat", "statfs", "syncdir", "allocate"}
+var opNames = [numOps]string{"open", "read", "write", "sync", "close", "rename", "remove", "mkdir", "readdir", "stat", "statfs", "syncdir", "allocate", "lock"}
 
 // String names the operation.
 func (o Op) String() string {
@@ -259,6 +260,22 @@ func (f *faultyFile) Sync() error {
 		return err
 	}
 	return f.File.Sync()
+}
+
+// TryLock implements Locker (OpLock).
+func (f *faultyFile) TryLock() (bool, error) {
+	if err := f.fs.check(OpLock, f.name); err != nil {
+		return false, err
+	}
+	return TryLock(f.File)
+}
+
+// Lock implements Locker (OpLock).
+func (f *faultyFile) Lock() error {
+	if err := f.fs.check(OpLock, f.name); err != nil {
+		return err
+	}
+	return Lock(f.File)
 }
 
 // Stat implements Stater; it fails like FS.Stat (OpStat).

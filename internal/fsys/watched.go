@@ -7,11 +7,12 @@ import (
 )
 
 // Watched wraps an FS so that every call it and its files make — opens,
-// renames, reads, writes, fsyncs, fstats, closes — is in w while it
+// renames, reads, writes, fsyncs, fstats, flocks, closes — is in w while it
 // runs: a call on a hung mount shows as w.Oldest, whatever else still
-// moves. Its files are Staters, and Mappers where the wrapped files are
-// (reads through a mapping are not watched). Fd is not watched; what is
-// done through the descriptor is the caller's to watch.
+// moves. Its files are Staters and Lockers (TryLock and Lock go through
+// them), and Mappers where the wrapped files are (reads through a mapping
+// are not watched). Fd is not watched; what else is done through the
+// descriptor is the caller's to watch.
 func Watched(fsys FS, w *InFlight) FS {
 	return &watchedFS{fs: fsys, w: w}
 }
@@ -25,6 +26,7 @@ var (
 	_ FS     = (*watchedFS)(nil)
 	_ Stater = (*watchedFile)(nil)
 	_ Mapper = (*watchedFile)(nil)
+	_ Locker = (*watchedFile)(nil)
 )
 
 // errNotMapper is MapRead's error where the wrapped file cannot be
@@ -122,6 +124,19 @@ func (f *watchedFile) Sync() error {
 func (f *watchedFile) Close() error {
 	defer f.w.End(f.w.Begin())
 	return f.File.Close()
+}
+
+// TryLock implements Locker: the wrapped file's flock, watched.
+func (f *watchedFile) TryLock() (bool, error) {
+	defer f.w.End(f.w.Begin())
+	return TryLock(f.File)
+}
+
+// Lock implements Locker: the wrapped file's flock, watched (a wait for
+// another holder counts as in flight).
+func (f *watchedFile) Lock() error {
+	defer f.w.End(f.w.Begin())
+	return Lock(f.File)
 }
 
 // Stat implements Stater: the wrapped file's fstat.

@@ -2,6 +2,7 @@ package fsys_test
 
 import (
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"testing"
@@ -49,6 +50,14 @@ func TestWatchedHoldsEveryOperationInFlight(t *testing.T) {
 		{"writev", fsys.OpWrite, func(_ fsys.FS, f fsys.File) error { _, err := f.WritevAt([][]byte{buf}, 0); return err }},
 		{"allocate", fsys.OpAllocate, func(_ fsys.FS, f fsys.File) error { return f.Allocate(8192) }},
 		{"sync", fsys.OpSync, func(_ fsys.FS, f fsys.File) error { return f.Sync() }},
+		{"fstat", fsys.OpStat, func(_ fsys.FS, f fsys.File) error { _, err := fsys.Fstat(f); return err }},
+		{"trylock", fsys.OpLock, func(_ fsys.FS, f fsys.File) error {
+			if ok, err := fsys.TryLock(f); err != nil || !ok {
+				return fmt.Errorf("TryLock = %v, %v; want true", ok, err)
+			}
+			return nil
+		}},
+		{"lock", fsys.OpLock, func(_ fsys.FS, f fsys.File) error { return fsys.Lock(f) }},
 		{"close", fsys.OpClose, func(_ fsys.FS, f fsys.File) error { return f.Close() }},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
