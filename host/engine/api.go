@@ -245,8 +245,8 @@ type Config struct {
 	// removed (docs/engine.md, "Temporary files").
 	TempGrace time.Duration
 	// RestartHold, if positive, pins every file Open finds for that long
-	// after it returns: none is evicted, demoted or moved to make room
-	// meanwhile, so that a client that was loading keys when the last
+	// after it returns: none is evicted (by a store or the cluster's
+	// count), demoted, promoted or moved to make room meanwhile, so that a client that was loading keys when the last
 	// process went can pin them again before the room is needed (a store
 	// that finds no other room fails with ErrNoSpace). Delete still
 	// removes a held file. HeldFound reports the files still held.

@@ -40,7 +40,7 @@ const (
 //     capacity.go and demote.go;
 //   - requests: namespaces.go, caches.go, lookup.go, pins.go, store.go,
 //     load.go, delete.go;
-//   - life: recover.go, reload.go, engine.go.
+//   - life: recover.go, hold.go, reload.go, engine.go.
 type Engine struct {
 	cfg       Config
 	log       *slog.Logger
@@ -242,13 +242,15 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	}
 	e.pol, e.ownPolicy = newSwitchPolicy(e.pol, e.ownPolicy), true // ReplacePolicy
 	e.verifyIv.Store(int64(cfg.VerifyInterval))
+	e.reportMounts()
+	e.restore(ctx)
+	// Before the cluster's first count, which may evict this node's files.
+	e.holdFound(ctx, cfg.RestartHold)
 	if err := e.openCluster(ctx); err != nil {
+		e.releaseFound(false)
 		pool.Close()
 		return nil, err
 	}
-	e.reportMounts()
-	e.restore(ctx)
-	e.holdFound(ctx, cfg.RestartHold)
 	e.hitRec = newHitRecorder(e)
 	e.startTiering(ctx)
 	e.startSpareMaker()

@@ -9,15 +9,18 @@ import (
 )
 
 // Holding the files found at start (Config.RestartHold): each is pinned
-// once when Open ends and unpinned when the hold ends, so that nothing is
-// evicted, demoted or moved to make room before clients that were
-// loading keys when the last process went have pinned them again. A pin
-// of the hold is not a client pin: Delete still removes a held file.
+// once before anything may evict (the cluster's first count included)
+// and unpinned when the hold ends, so that nothing is evicted, demoted,
+// promoted or moved to make room before clients that were loading keys
+// when the last process went have pinned them again. A pin of the hold
+// is not a client pin: Delete still removes a held file. Held entries
+// are marked (entry.held, counted in index.held), so that a policy that
+// replaces the current one is told of their pins (reload.go).
 
 // restartHold is the pin of the files found at start.
 type restartHold struct {
-	// mu is held across a release, so that Close returns only after a
-	// release that the timer began has told the policy.
+	// mu serializes the release: Close returns only after a release the
+	// timer began has told the policy. Nothing else waits on it.
 	mu    sync.Mutex
 	ens   []*entry // held; nil once released
 	timer *time.Timer
@@ -25,7 +28,7 @@ type restartHold struct {
 
 // holdFound pins every indexed entry for d and tells the policy
 // (AccessPin), then arms the release. Called by Open after the policy is
-// restored, before any request.
+// restored, before the cluster's first count and any request.
 func (e *Engine) holdFound(ctx context.Context, d time.Duration) {
 	if d <= 0 {
 		return
@@ -36,9 +39,11 @@ func (e *Engine) holdFound(ctx context.Context, d time.Duration) {
 	recs := make([]abi.AccessRecord, 0, len(e.ix.entries))
 	for _, en := range e.ix.entries {
 		en.pins++
+		en.held = true
 		ens = append(ens, en)
 		recs = append(recs, en.access(abi.AccessPin, now))
 	}
+	e.ix.heldFound = len(ens)
 	e.ix.mu.Unlock()
 	if len(ens) == 0 {
 		return
@@ -54,7 +59,8 @@ func (e *Engine) holdFound(ctx context.Context, d time.Duration) {
 
 // releaseFound ends the hold of the files found at start, once: each
 // loses its pin, and with tell the policy is told of those still indexed
-// (AccessUnpin). Close calls it without telling (the policy is closing).
+// (AccessUnpin). Close calls it without telling (the policy is closing),
+// as does a failed Open.
 func (e *Engine) releaseFound(tell bool) {
 	h := &e.hold
 	h.mu.Lock()
@@ -70,6 +76,10 @@ func (e *Engine) releaseFound(tell bool) {
 	e.ix.mu.Lock()
 	for _, en := range ens {
 		en.pins--
+		if en.held {
+			en.held = false
+			e.ix.heldFound--
+		}
 		if tell && !en.gone {
 			recs = append(recs, en.access(abi.AccessUnpin, now))
 		}
@@ -82,10 +92,10 @@ func (e *Engine) releaseFound(tell bool) {
 }
 
 // HeldFound is the number of files found at start that the restart hold
-// still pins (Config.RestartHold); 0 once it has ended.
+// still pins and that are still stored (Config.RestartHold); 0 once it
+// has ended. It waits for no policy call.
 func (e *Engine) HeldFound() int {
-	h := &e.hold
-	h.mu.Lock()
-	defer h.mu.Unlock()
-	return len(h.ens)
+	e.ix.mu.RLock()
+	defer e.ix.mu.RUnlock()
+	return e.ix.heldFound
 }

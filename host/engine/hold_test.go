@@ -3,12 +3,17 @@ package engine
 import (
 	"context"
 	"errors"
+	"fmt"
 	"math/rand/v2"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/abi/guest"
+	"github.com/kvhost/kvhost/host/policy"
 	"github.com/kvhost/kvhost/internal/testwait"
+	"github.com/kvhost/kvhost/plugins/lru"
 )
 
 // holdFixture is a directory that one engine filled with found files,
@@ -150,7 +155,11 @@ func TestRestartHoldFailsAStoreRatherThanEvictAFoundFile(t *testing.T) {
 
 func TestRestartHoldEnds(t *testing.T) {
 	const found = 4
-	f := newHoldFixture(t, found, 8, 20*time.Millisecond)
+	f := newHoldFixture(t, found, 8, time.Hour)
+	if n := f.e.HeldFound(); n != found {
+		t.Fatalf("HeldFound = %d, want %d", n, found)
+	}
+	f.e.hold.timer.Reset(time.Millisecond) // the hour is up
 	testwait.Until(t, "the restart hold to end", 10*time.Second, func() bool { return f.e.HeldFound() == 0 })
 	if n := f.pol.policyPins(); n != 0 {
 		t.Fatalf("the policy still counts %d pins after the hold ended", n)
@@ -173,4 +182,123 @@ func TestRestartHoldOffHoldsNothing(t *testing.T) {
 	if n := f.pol.policyPins(); n != 0 {
 		t.Fatalf("the policy was told of %d pins with no hold", n)
 	}
+}
+
+// TestRestartHoldReachesAReplacementPolicy: a policy that replaces the
+// current one during the hold (a reload) is told of the held files'
+// pins, so that it offers the newer files as victims: stores go on
+// evicting them rather than fail with no space. It fails when the new
+// policy is told only of the files.
+func TestRestartHoldReachesAReplacementPolicy(t *testing.T) {
+	ctx := context.Background()
+	g := smallGeometry(true)
+	fileLen := int64(4096 + g.KeyBytes())
+	dir := t.TempDir()
+	const found = 300 // more than one batch of the policy's victims
+	newLRU := func(idx policy.Index) (policy.Policy, error) {
+		return policy.NewNative(func() guest.Policy { return lru.New() }, idx, policy.Config{Shards: 1, Logger: testLogger(t)})
+	}
+	first := openEngine(t, Config{Mounts: []Mount{{Path: dir, Capacity: 1024 * fileLen}}, NewPolicy: newLRU})
+	ns, err := first.Declare(ctx, g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := newTestCache(t, first, ns, g, 8, layoutPlaneFirst)
+	keys := testKeys("found", found)
+	for i := range keys {
+		storeAndCheck(t, first, c, keys[i:i+1], [][]int{{0, 1, 2, 3}})
+	}
+	first.Close(ctx)
+
+	e := openEngine(t, Config{Mounts: []Mount{{Path: dir, Capacity: (found + 20) * fileLen, HighWatermark: 0.99, LowWatermark: 0.98}},
+		NewPolicy: newLRU, RestartHold: time.Hour})
+	if ns, err = e.Declare(ctx, g); err != nil {
+		t.Fatal(err)
+	}
+	c = newTestCache(t, e, ns, g, 8, layoutPlaneFirst)
+	store := func(what string, i int) {
+		t.Helper()
+		k := []byte(fmt.Sprintf("%s-%d", what, i))
+		res := wait(t)(e.Store(ctx, StoreRequest{Cache: c.id, Keys: [][]byte{k}, Blocks: [][]int{{0, 1, 2, 3}}}))
+		if err := res.Keys[0].Err; err != nil {
+			t.Fatalf("store %d %s: %v", i, what, err)
+		}
+	}
+	for i := range 40 {
+		store("before the reload", i)
+	}
+	if e.Stats().Evictions == 0 {
+		t.Fatal("the stores evicted nothing: the test proves nothing")
+	}
+	if err := e.ReplacePolicy(ctx, newLRU); err != nil {
+		t.Fatal(err)
+	}
+	for i := range 40 {
+		store("after the reload", i)
+	}
+	if n := e.HeldFound(); n != found {
+		t.Fatalf("HeldFound = %d, want %d: a found file was evicted", n, found)
+	}
+}
+
+// TestRestartHoldComesBeforeTheClustersFirstCount: on a mount whose
+// cluster is above its bound at start, Open's first count evicts none of
+// the files it found while the hold lasts.
+func TestRestartHoldComesBeforeTheClustersFirstCount(t *testing.T) {
+	ctx := context.Background()
+	probe := openNode(t, t.TempDir(), "probe", nil, 1)
+	storeAndCheck(t, probe.e, probe.c, testKeys("p", 1), [][]int{{0, 1, 2, 3}})
+	fileSize := probe.e.Stats().Mounts[0].Used
+	dir := t.TempDir()
+	a := clusterNode(t, dir, "a", 16*fileSize, time.Hour)
+	for i := range 8 {
+		storeAndCheck(t, a.e, a.c, testKeys(fmt.Sprintf("found%d", i), 1), [][]int{{0, 1, 2, 3}})
+	}
+	a.e.Close(ctx)
+	e := openEngine(t, Config{Mounts: []Mount{{Path: dir, ClusterCapacity: 4 * fileSize, ClusterInterval: time.Hour}},
+		Policy: newTestPolicy(1, abi.OrderLayerMajor), NodeID: "a", RestartHold: time.Hour})
+	if st := e.Stats(); st.Evictions != 0 || st.Entries != 8 || st.HeldFound != 8 {
+		t.Fatalf("after Open: %d evictions, %d entries, %d held; want 0, 8, 8", st.Evictions, st.Entries, st.HeldFound)
+	}
+}
+
+// unpinGate is a test policy whose first call with an unpin waits for
+// release.
+type unpinGate struct {
+	*testPolicy
+	once             sync.Once
+	entered, release chan struct{}
+}
+
+func (p *unpinGate) Access(ctx context.Context, recs []abi.AccessRecord) error {
+	for _, r := range recs {
+		if r.Kind == abi.AccessUnpin {
+			p.once.Do(func() { close(p.entered); <-p.release })
+			break
+		}
+	}
+	return p.testPolicy.Access(ctx, recs)
+}
+
+// TestStatsWaitsForNoPolicyCallOfTheRestartHold: while the hold's release
+// is in its policy call, Stats (the watchdog's probe, /metrics) answers.
+func TestStatsWaitsForNoPolicyCallOfTheRestartHold(t *testing.T) {
+	f := newHoldFixture(t, 4, 8, time.Hour)
+	dir := f.e.mounts[0].root
+	f.e.Close(context.Background())
+	pol := &unpinGate{testPolicy: newTestPolicy(1, abi.OrderLayerMajor), entered: make(chan struct{}), release: make(chan struct{})}
+	e := openEngine(t, Config{Mounts: []Mount{{Path: dir}}, Policy: pol, RestartHold: time.Hour})
+	e.hold.timer.Reset(time.Millisecond)
+	<-pol.entered
+	done := make(chan Stats, 1)
+	go func() { done <- e.Stats() }()
+	select {
+	case st := <-done:
+		if st.HeldFound != 0 {
+			t.Errorf("HeldFound = %d during the release, want 0", st.HeldFound)
+		}
+	case <-time.After(time.Minute):
+		t.Error("Stats waited for the restart hold's policy call")
+	}
+	close(pol.release)
 }

@@ -42,6 +42,9 @@ type entry struct {
 	hits   uint32
 	last   int64
 	gone   bool // removed from the index
+	// held: pinned by the restart hold (hold.go), counted in index.held
+	// while indexed.
+	held bool
 	// orphan: unindexed while another job held its path, which removes
 	// the file (flight.go); counted in its mount's orphaned until then.
 	orphan bool
@@ -67,17 +70,19 @@ type entry struct {
 //   - byKey maps each key to an indexed entry that holds it, at the
 //     key's position in its file and of the key's fingerprint (an
 //     indexed entry may have lost a key to a newer file: relinkLocked);
-//   - 0 <= leases <= pins for every entry;
+//   - 0 <= leases <= pins for every entry, leases < pins where the
+//     restart hold holds it (held), and heldFound counts those entries;
 //   - the orphans left to a path held are gone and marked orphan.
 type index struct {
-	mu       sync.RWMutex
-	sp       *space
-	entries  map[uint64]*entry
-	byKey    map[keyID]keyRef
-	byPath   map[string]*entry
-	inflight map[string]*flight // paths being written or removed
-	lastID   uint64
-	keys     KeySet // MirrorKeys's, or nil
+	mu        sync.RWMutex
+	sp        *space
+	entries   map[uint64]*entry
+	byKey     map[keyID]keyRef
+	byPath    map[string]*entry
+	inflight  map[string]*flight // paths being written or removed
+	lastID    uint64
+	keys      KeySet // MirrorKeys's, or nil
+	heldFound int    // indexed entries the restart hold pins (hold.go)
 }
 
 func newIndex(sp *space) *index {
@@ -185,6 +190,10 @@ func (ix *index) unindexLocked(en *entry, remove bool) bool {
 		return false
 	}
 	en.gone = true
+	if en.held {
+		en.held = false // its pin stays until the hold ends; it counts no more
+		ix.heldFound--
+	}
 	delete(ix.entries, en.id)
 	if ix.byPath[en.path] == en {
 		delete(ix.byPath, en.path)
@@ -365,10 +374,20 @@ func (ix *index) check() error {
 			}
 		}
 	}
+	held := 0
 	for _, en := range ix.entries {
+		if en.held {
+			held++
+		}
+		if en.held && en.pins <= en.leases {
+			return fmt.Errorf("index: entry %d (%s): held by the restart hold with pins %d, leases %d", en.id, en.path, en.pins, en.leases)
+		}
 		if en.leases < 0 || en.pins < en.leases {
 			return fmt.Errorf("index: entry %d (%s): pins %d, leases %d", en.id, en.path, en.pins, en.leases)
 		}
+	}
+	if held != ix.heldFound {
+		return fmt.Errorf("index: %d entries held by the restart hold, counted %d", held, ix.heldFound)
 	}
 	return nil
 }

@@ -26,9 +26,10 @@ import (
 // its build read the index, and the current mount description. After it,
 // every event goes to the new policy only.
 //
-// Pins the old policy was told of are not replayed into the new one: its
-// victims are checked against the index, which knows them (policy.Host
-// skips a pinned victim).
+// Pins of loads and clients the old policy was told of are not replayed
+// into the new one: they are few and short, and its victims are checked
+// against the index, which knows them (policy.Host skips a pinned
+// victim). The restart hold's are (hold.go): they may be every file.
 func (e *Engine) ReplacePolicy(ctx context.Context, build func(idx policy.Index) (policy.Policy, error)) error {
 	sp, ok := e.pol.(*switchPolicy)
 	if !ok {
@@ -164,8 +165,10 @@ func (v *buildView) missedNamespaces() []abi.NamespaceRecord {
 }
 
 // missedEvents returns, and stops recording, a RESTORE of every entry of
-// the index the build did not read, and a REMOVE of every entry it read
-// that is gone. The caller holds sp.mu: no event is in flight to a policy.
+// the index the build did not read, a REMOVE of every entry it read that
+// is gone, and a PIN of every entry the restart hold holds (its unpin,
+// when the hold ends, reaches the new policy). The caller holds sp.mu: no
+// event is in flight to a policy.
 func (v *buildView) missedEvents(e *Engine) []abi.AccessRecord {
 	v.mu.Lock()
 	defer v.mu.Unlock()
@@ -173,10 +176,14 @@ func (v *buildView) missedEvents(e *Engine) []abi.AccessRecord {
 	var recs []abi.AccessRecord
 	now := e.now().UnixNano()
 	indexed := map[uint64]bool{}
+	var held []abi.AccessRecord
 	e.ix.each(func(en *entry) {
 		indexed[en.id] = true
 		if _, ok := v.seen[en.id]; !ok {
 			recs = append(recs, en.access(abi.AccessRestore, en.last))
+		}
+		if en.held {
+			held = append(held, en.access(abi.AccessPin, now))
 		}
 	})
 	for id := range v.seen {
@@ -185,7 +192,7 @@ func (v *buildView) missedEvents(e *Engine) []abi.AccessRecord {
 		}
 	}
 	v.seen = nil
-	return recs
+	return append(recs, held...)
 }
 
 // SetVerifyInterval changes Config.VerifyInterval of a running engine.
