@@ -246,10 +246,11 @@ type Config struct {
 	TempGrace time.Duration
 	// RestartHold, if positive, pins every file Open finds for that long
 	// after it returns: none is evicted (by a store or the cluster's
-	// count), demoted, promoted or moved to make room meanwhile, so that a client that was loading keys when the last
-	// process went can pin them again before the room is needed (a store
-	// that finds no other room fails with ErrNoSpace). Delete still
-	// removes a held file. HeldFound reports the files still held.
+	// count), demoted, promoted or moved to make room meanwhile, so that
+	// a client that was loading keys when the last process went can pin
+	// them again before the room is needed (a store that finds no other
+	// room fails with ErrNoSpace). Delete still removes a held file.
+	// HeldFound reports the files still held.
 	RestartHold time.Duration
 	// NodeID names this node in temporary file names (default: the host
 	// name). Nodes sharing a mount must have distinct ids.
@@ -459,7 +460,7 @@ type Stats struct {
 	// Tiering counts the moves between mounts (TierStats).
 	Tiering TierStats
 	// HeldFound is the files found at start that the restart hold still
-	// pins (Config.RestartHold).
+	// pins and that are still stored (Config.RestartHold).
 	HeldFound int
 }
 

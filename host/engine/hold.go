@@ -14,7 +14,7 @@ import (
 // promoted or moved to make room before clients that were loading keys
 // when the last process went have pinned them again. A pin of the hold
 // is not a client pin: Delete still removes a held file. Held entries
-// are marked (entry.held, counted in index.held), so that a policy that
+// are marked (entry.held, counted in index.heldFound), so that a policy that
 // replaces the current one is told of their pins (reload.go).
 
 // restartHold is the pin of the files found at start.

@@ -42,8 +42,8 @@ type entry struct {
 	hits   uint32
 	last   int64
 	gone   bool // removed from the index
-	// held: pinned by the restart hold (hold.go), counted in index.held
-	// while indexed.
+	// held: pinned by the restart hold (hold.go), counted in
+	// index.heldFound while indexed.
 	held bool
 	// orphan: unindexed while another job held its path, which removes
 	// the file (flight.go); counted in its mount's orphaned until then.

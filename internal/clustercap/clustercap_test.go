@@ -1,7 +1,10 @@
 package clustercap
 
 import (
+	"bytes"
 	"errors"
+	"os"
+	"path/filepath"
 	"syscall"
 	"testing"
 
@@ -306,4 +309,20 @@ func openPublishAndRead(fs fsys.FS, root string, s *Summary) error {
 	d.fs = fs
 	_, _, err = d.ReadAll()
 	return err
+}
+
+// TestDirReadsWholeFilesOfAnySize: readFile returns every byte of files
+// empty, below, at and above its first buffer, and many times it.
+func TestDirReadsWholeFilesOfAnySize(t *testing.T) {
+	d := &Dir{fs: fsys.OS{}}
+	for _, n := range []int{0, 1, 4095, 4096, 4097, 8192, 100000} {
+		p := filepath.Join(t.TempDir(), "f")
+		want := bytes.Repeat([]byte{7}, n)
+		if err := os.WriteFile(p, want, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		if got, err := d.readFile(p); err != nil || !bytes.Equal(got, want) {
+			t.Fatalf("a file of %d bytes: read %d bytes, %v", n, len(got), err)
+		}
+	}
 }

@@ -127,18 +127,20 @@ func (d *Dir) writeFile(path string, b []byte) error {
 	return errors.Join(err, f.Close())
 }
 
-// readFile reads the whole file at path.
+// readFile reads the whole file at path (a summary: a few KiB).
 func (d *Dir) readFile(path string) ([]byte, error) {
 	f, err := d.fs.OpenFile(path, os.O_RDONLY, 0)
 	if err != nil {
 		return nil, err
 	}
 	defer f.Close()
-	var out []byte
-	buf := make([]byte, 64<<10)
+	out := make([]byte, 0, 4<<10)
 	for {
-		n, err := f.ReadAt(buf, int64(len(out)))
-		out = append(out, buf[:n]...)
+		if len(out) == cap(out) {
+			out = append(out, 0)[:len(out)] // room to read into
+		}
+		n, err := f.ReadAt(out[len(out):cap(out)], int64(len(out)))
+		out = out[:len(out)+n]
 		if errors.Is(err, io.EOF) {
 			return out, nil
 		}
