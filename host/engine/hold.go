@@ -17,13 +17,13 @@ import (
 // are marked (entry.held, counted in index.heldFound), so that a policy that
 // replaces the current one is told of their pins (reload.go).
 
-// restartHold is the pin of the files found at start.
+// restartHold is the pin of the files found at start; the files it holds
+// are the index's entries marked held.
 type restartHold struct {
 	// mu serializes the release: Close returns only after a release the
 	// timer began has told the policy. Nothing else waits on it.
 	mu    sync.Mutex
-	ens   []*entry // held; nil once released
-	timer *time.Timer
+	timer *time.Timer // the release; nil before the hold and once released
 }
 
 // holdFound pins every indexed entry for d and tells the policy
@@ -35,59 +35,58 @@ func (e *Engine) holdFound(ctx context.Context, d time.Duration) {
 	}
 	now := e.now().UnixNano()
 	e.ix.mu.Lock()
-	ens := make([]*entry, 0, len(e.ix.entries))
 	recs := make([]abi.AccessRecord, 0, len(e.ix.entries))
 	for _, en := range e.ix.entries {
 		en.pins++
 		en.held = true
-		ens = append(ens, en)
 		recs = append(recs, en.access(abi.AccessPin, now))
 	}
-	e.ix.heldFound = len(ens)
+	e.ix.heldFound = len(recs)
 	e.ix.mu.Unlock()
-	if len(ens) == 0 {
+	if len(recs) == 0 {
 		return
 	}
 	e.access(ctx, recs)
 	h := &e.hold
 	h.mu.Lock()
-	h.ens = ens
 	h.timer = time.AfterFunc(d, func() { e.releaseFound(true) })
 	h.mu.Unlock()
-	e.log.Info("engine: files found at start are held from eviction", "files", len(ens), "for", d)
+	e.log.Info("engine: files found at start are held from eviction", "files", len(recs), "for", d)
 }
 
 // releaseFound ends the hold of the files found at start, once: each
-// loses its pin, and with tell the policy is told of those still indexed
-// (AccessUnpin). Close calls it without telling (the policy is closing),
-// as does a failed Open.
+// still indexed loses its pin (one removed meanwhile lost it then:
+// index.unindexLocked), and with tell the policy is told (AccessUnpin).
+// Close calls it without telling (the policy is closing), as does a
+// failed Open.
 func (e *Engine) releaseFound(tell bool) {
 	h := &e.hold
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	ens := h.ens
-	if ens == nil {
+	if h.timer == nil {
 		return
 	}
-	h.ens = nil
 	h.timer.Stop()
+	h.timer = nil
 	var recs []abi.AccessRecord
 	now := e.now().UnixNano()
 	e.ix.mu.Lock()
-	for _, en := range ens {
-		en.pins--
-		if en.held {
-			en.held = false
-			e.ix.heldFound--
+	n := e.ix.heldFound
+	for _, en := range e.ix.entries {
+		if !en.held {
+			continue
 		}
-		if tell && !en.gone {
+		en.pins--
+		en.held = false
+		if tell {
 			recs = append(recs, en.access(abi.AccessUnpin, now))
 		}
 	}
+	e.ix.heldFound = 0
 	e.ix.mu.Unlock()
 	e.access(context.Background(), recs)
 	if tell {
-		e.log.Info("engine: files found at start may be evicted again", "files", len(ens))
+		e.log.Info("engine: files found at start may be evicted again", "files", n)
 	}
 }
 

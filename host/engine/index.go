@@ -190,8 +190,9 @@ func (ix *index) unindexLocked(en *entry, remove bool) bool {
 		return false
 	}
 	en.gone = true
-	if en.held {
-		en.held = false // its pin stays until the hold ends; it counts no more
+	if en.held { // the restart hold lets it go now
+		en.held = false
+		en.pins--
 		ix.heldFound--
 	}
 	delete(ix.entries, en.id)

@@ -33,8 +33,8 @@ type Progress struct {
 // for After (a hung mount, a copy that never completes: found while
 // other jobs go on), or jobs in flight and nothing moved for After,
 // counted from the later of the last move seen and the oldest job's
-// start (the engine stuck elsewhere: a lock, a policy call). The zero Stall with After set is ready; Check is
-// called from one goroutine.
+// start (the engine stuck elsewhere: a lock, a policy call). The zero
+// Stall with After set is ready; Check is called from one goroutine.
 type Stall struct {
 	// After is how long jobs may be in flight with nothing moved; 0
 	// never finds a stall.

@@ -186,6 +186,22 @@ class SpecCase(unittest.TestCase):
             gate.set()
             kvhost.Client.pin = real_pin
 
+    def daemon_stats(self):
+        with kvhost.Client(self.daemon.socket) as c:
+            return c.stats()
+
+    def other_engine_stores(self, prefix):
+        """Another engine (namespace "other-engine": a manager and a
+        worker of its own) stores 40 keys named prefix: (its manager, its
+        worker)."""
+        spec = self.spec(namespace="other-engine")
+        m = self.manager(spec)
+        caches, _ = self.caches(seed=9)
+        w = self.worker(spec, caches)
+        for i in range(5):
+            self.store(m, w, keys(8, f"{prefix}{i}"), list(range(8)))
+        return m, w
+
     def crash_and_start_again(self, m, probe):
         """SIGKILL the daemon, wait for manager m to see it gone (a lookup
         of a key named probe answers MISS), start a new daemon on the same
@@ -1202,12 +1218,7 @@ class TestEvictionPressure(SpecCase):
         load_spec = m.prepare_load([k], CTX)
 
         # Another engine fills the daemon far past its capacity.
-        spec2 = self.spec(namespace="other-engine")
-        m2 = self.manager(spec2)
-        caches2, _ = self.caches(seed=9)
-        w2 = self.worker(spec2, caches2)
-        for i in range(5):
-            self.store(m2, w2, keys(8, f"pressure{i}"), list(range(8)))
+        m2, w2 = self.other_engine_stores("pressure")
         evictions = self.daemon_stats()["evictions"]
         self.assertGreater(evictions, 0, "no eviction: the test proves nothing")
 
@@ -1225,10 +1236,6 @@ class TestEvictionPressure(SpecCase):
             self.store(m2, w2, keys(8, f"pressure{i}"), list(range(8)))
         self.answer(m, k, S.LookupResult.MISS)
         self.assertEqual([e.removed for e in m.take_events()], [False, True])
-
-    def daemon_stats(self):
-        with kvhost.Client(self.daemon.socket) as c:
-            return c.stats()
 
 
 class RestartHoldCase(SpecCase):
@@ -1252,16 +1259,9 @@ class RestartHoldCase(SpecCase):
         with self.held_pin_round(ks[0]) as (entered, _):
             self.crash_and_start_again(m, f"held-{tag}-probe")
             self.assertTrue(entered.wait(30), "no re-pin round began on the new daemon")
-            with kvhost.Client(self.daemon.socket) as c:
-                before = c.stats()["evictions"]
-            spec2 = self.spec(namespace="other-engine")
-            m2 = self.manager(spec2)
-            caches2, _ = self.caches(seed=9)
-            w2 = self.worker(spec2, caches2)
-            for i in range(5):
-                self.store(m2, w2, keys(8, f"{tag}-pressure{i}"), list(range(8)))
-            with kvhost.Client(self.daemon.socket) as c:
-                evictions = c.stats()["evictions"] - before
+            before = self.daemon_stats()["evictions"]
+            self.other_engine_stores(f"{tag}-pressure")
+            evictions = self.daemon_stats()["evictions"] - before
         dst = [50, 51, 52, 53]
         for t in tensors:
             t[dst[0]:dst[-1] + 1].zero_()
