@@ -302,3 +302,75 @@ func TestStatsWaitsForNoPolicyCallOfTheRestartHold(t *testing.T) {
 	}
 	close(pol.release)
 }
+
+// TestCloseWaitsForTheRestartHoldsRelease: a Close that comes while the
+// hold's timer is telling the policy of its unpins returns only after
+// that call, so that a caller may close its policy once Close returns;
+// nothing is told the policy after Close.
+func TestCloseWaitsForTheRestartHoldsRelease(t *testing.T) {
+	f := newHoldFixture(t, 4, 8, time.Hour)
+	dir := f.e.mounts[0].root
+	f.e.Close(context.Background())
+	pol := &unpinGate{testPolicy: newTestPolicy(1, abi.OrderLayerMajor), entered: make(chan struct{}), release: make(chan struct{})}
+	e, err := Open(context.Background(), Config{Mounts: []Mount{{Path: dir}}, Policy: pol, RestartHold: time.Hour,
+		IOWorkers: 2, Logger: testLogger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := pol.policyPins(); got != 4 {
+		t.Fatalf("policy told of %d pins after Open, want 4 (the found files)", got)
+	}
+	e.hold.timer.Reset(time.Millisecond)
+	<-pol.entered // the release is in its policy call
+	closed := make(chan error, 1)
+	go func() { closed <- e.Close(context.Background()) }()
+	select {
+	case err := <-closed:
+		t.Fatalf("Close returned (%v) while the hold's release was in its policy call", err)
+	case <-time.After(100 * time.Millisecond): // a check of absence: a slow machine can only pass it
+	}
+	close(pol.release)
+	if err := <-closed; err != nil {
+		t.Fatal(err)
+	}
+	if got := pol.policyPins(); got != 0 {
+		t.Errorf("policy holds %d pins after the release and Close, want 0", got)
+	}
+	if e.hold.timer != nil || e.HeldFound() != 0 {
+		t.Errorf("after Close: timer %v, %d held; want none", e.hold.timer, e.HeldFound())
+	}
+}
+
+// TestCloseBeforeTheRestartHoldEndsTellsThePolicyNothing: Close during the
+// hold stops its timer and unpins without a policy call (the policy is
+// closing), and the timer never fires after it.
+func TestCloseBeforeTheRestartHoldEndsTellsThePolicyNothing(t *testing.T) {
+	f := newHoldFixture(t, 4, 8, time.Hour)
+	dir := f.e.mounts[0].root
+	f.e.Close(context.Background())
+	pol := &unpinGate{testPolicy: newTestPolicy(1, abi.OrderLayerMajor), entered: make(chan struct{}), release: make(chan struct{})}
+	close(pol.release) // never wait: entered closes on the first unpin
+	e, err := Open(context.Background(), Config{Mounts: []Mount{{Path: dir}}, Policy: pol, RestartHold: time.Hour,
+		IOWorkers: 2, Logger: testLogger(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	timer := e.hold.timer
+	if err := e.Close(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if timer.Stop() {
+		t.Error("the hold's timer was still armed after Close")
+	}
+	select {
+	case <-pol.entered:
+		t.Error("the policy was told of an unpin by Close")
+	default:
+	}
+	if got := pol.policyPins(); got != 4 {
+		t.Errorf("policy told of %d pins at Close, want the 4 of Open unchanged", got)
+	}
+	if e.HeldFound() != 0 {
+		t.Errorf("%d held after Close, want 0", e.HeldFound())
+	}
+}

@@ -3,8 +3,11 @@ package clustercap
 import (
 	"bytes"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
+	"sync"
 	"syscall"
 	"testing"
 
@@ -248,16 +251,17 @@ func TestAdoptionLockIsHeldByOneNodeAtATime(t *testing.T) {
 func TestDirGoesThroughItsFileSystem(t *testing.T) {
 	sum := &Summary{Version: SummaryVersion, Node: "b", Tag: Tag("b"), Time: 1, Interval: 10, Bytes: 3, Claim: 4, Sketch: NewSketch([]Item{{5, 3}}, 8)}
 	for _, tc := range []struct {
-		op  fsys.Op
-		run func(root string, fs fsys.FS) error // the operation fails within it
+		op   fsys.Op
+		what string
+		run  func(root string, fs fsys.FS) error // the operation fails within it
 	}{
-		{fsys.OpMkdir, func(root string, fs fsys.FS) error { _, err := OpenDir(fs, root, "b"); return err }},
-		{fsys.OpLock, func(root string, fs fsys.FS) error { _, err := OpenDir(fs, root, "b"); return err }},
-		{fsys.OpWrite, func(root string, fs fsys.FS) error { return openAndPublish(fs, root, sum) }},
-		{fsys.OpRename, func(root string, fs fsys.FS) error { return openAndPublish(fs, root, sum) }},
-		{fsys.OpReadDir, func(root string, fs fsys.FS) error { return openPublishAndRead(fs, root, sum) }},
-		{fsys.OpRead, func(root string, fs fsys.FS) error { return openPublishAndRead(fs, root, sum) }},
-		{fsys.OpOpen, func(root string, fs fsys.FS) error {
+		{fsys.OpMkdir, "open dir", func(root string, fs fsys.FS) error { _, err := OpenDir(fs, root, "b"); return err }},
+		{fsys.OpLock, "open dir", func(root string, fs fsys.FS) error { _, err := OpenDir(fs, root, "b"); return err }},
+		{fsys.OpWrite, "publish", func(root string, fs fsys.FS) error { return openAndPublish(fs, root, sum) }},
+		{fsys.OpRename, "publish", func(root string, fs fsys.FS) error { return openAndPublish(fs, root, sum) }},
+		{fsys.OpReadDir, "read all", func(root string, fs fsys.FS) error { return openPublishAndRead(fs, root, sum) }},
+		{fsys.OpRead, "read all", func(root string, fs fsys.FS) error { return openPublishAndRead(fs, root, sum) }},
+		{fsys.OpOpen, "lock free", func(root string, fs fsys.FS) error {
 			d, err := OpenDir(fsys.OS{}, root, "a")
 			if err != nil {
 				return err
@@ -267,8 +271,28 @@ func TestDirGoesThroughItsFileSystem(t *testing.T) {
 			_, err = d.LockFree("b")
 			return err
 		}},
+		{fsys.OpOpen, "adopt", func(root string, fs fsys.FS) error { return openAndAdopt(fs, root, "b") }},
+		{fsys.OpLock, "adopt", func(root string, fs fsys.FS) error { return openAndAdopt(fs, root, "b") }},
+		{fsys.OpClose, "close dir", func(root string, fs fsys.FS) error {
+			d, err := OpenDir(fs, root, "a") // the node's lock file, closed by Close
+			if err != nil {
+				return err
+			}
+			return d.Close()
+		}},
+		{fsys.OpClose, "close adoption", func(root string, fs fsys.FS) error {
+			d, err := OpenDir(fsys.OS{}, root, "a")
+			if err != nil {
+				return err
+			}
+			d.fs = fs // an adoption lock, closed by Close
+			if ok, err := d.Adopt("b"); !ok || err != nil {
+				return fmt.Errorf("adopt: %v, %w", ok, err)
+			}
+			return d.Close()
+		}},
 	} {
-		t.Run(tc.op.String(), func(t *testing.T) {
+		t.Run(tc.what+"/"+tc.op.String(), func(t *testing.T) {
 			root := t.TempDir()
 			if tc.op == fsys.OpOpen { // b's lock file exists, so LockFree opens it
 				b, err := OpenDir(fsys.OS{}, root, "b")
@@ -293,6 +317,69 @@ func openAndPublish(fs fsys.FS, root string, s *Summary) error {
 	}
 	defer d.Close()
 	return d.Publish(s)
+}
+
+// openAndAdopt opens node a's Dir with the operating system's file system
+// and adopts node through fs.
+func openAndAdopt(fs fsys.FS, root, node string) error {
+	d, err := OpenDir(fsys.OS{}, root, "a")
+	if err != nil {
+		return err
+	}
+	defer d.Close()
+	d.fs = fs
+	_, err = d.Adopt(node)
+	return err
+}
+
+// TestPublishRemovesItsTemporaryFileThroughItsFileSystem: a Publish whose
+// write fails removes its temporary file, through the Dir's file system,
+// and leaves the last summary in place.
+func TestPublishRemovesItsTemporaryFileThroughItsFileSystem(t *testing.T) {
+	root := t.TempDir()
+	first := &Summary{Version: SummaryVersion, Node: "b", Tag: Tag("b"), Time: 1, Interval: 10, Bytes: 3, Claim: 4, Sketch: NewSketch([]Item{{5, 3}}, 8)}
+	if err := openAndPublish(fsys.OS{}, root, first); err != nil {
+		t.Fatal(err)
+	}
+	var mu sync.Mutex
+	var removed []string
+	fs := &fsys.Faulty{FS: fsys.OS{}, Inj: fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+		switch op {
+		case fsys.OpWrite:
+			return fsys.Fault{Err: syscall.EIO}
+		case fsys.OpRemove:
+			mu.Lock()
+			removed = append(removed, filepath.Base(path))
+			mu.Unlock()
+		}
+		return fsys.Fault{}
+	})}
+	second := *first
+	second.Time = 2
+	if err := openAndPublish(fs, root, &second); !errors.Is(err, syscall.EIO) {
+		t.Fatalf("publish with every write failing: %v, want EIO", err)
+	}
+	if len(removed) != 1 || !strings.HasPrefix(removed[0], ".b.tmp-") {
+		t.Fatalf("removed through the Dir's file system: %q, want one temporary file", removed)
+	}
+	ents, err := os.ReadDir(filepath.Join(root, DirName))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range ents {
+		if strings.Contains(e.Name(), ".tmp-") {
+			t.Errorf("temporary file %s left behind", e.Name())
+		}
+	}
+	d, err := OpenDir(fsys.OS{}, root, "a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.Close()
+	sums, _, err := d.ReadAll()
+	if err != nil || len(sums) != 1 || sums[0].Time != 1 {
+		t.Fatalf("summaries after the failed publish: %+v, %v; want b's first", sums, err)
+	}
 }
 
 // openPublishAndRead publishes s with the operating system's file
