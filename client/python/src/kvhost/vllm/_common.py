@@ -109,6 +109,23 @@ def merge_options(given, defaults, ignored, what):
     return o
 
 
+def check_seconds(o, keys):
+    """Raises ValueError naming the first option of keys in o that is not
+    a number of seconds >= 0 (a bool, a string or NaN is none)."""
+    for k in keys:
+        v = o[k]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+            raise ValueError(f"kvhost.vllm: {k}: want seconds >= 0, got {v!r}")
+
+
+def check_request_timeout(o):
+    """Raises ValueError unless o's request_timeout_s is a finite number of
+    seconds > 0, as Client's timeout takes it."""
+    t = o["request_timeout_s"]
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < 1e9:
+        raise ValueError(f"kvhost.vllm: request_timeout_s: want seconds > 0 (finite), got {t!r}")
+
+
 def daemon_key(key):
     """The daemon's key for a vLLM key (hashed when longer than the
     daemon's maximum key length)."""

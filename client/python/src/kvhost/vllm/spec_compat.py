@@ -27,8 +27,8 @@ from .. import protocol as p
 from ..client import Geometry
 from . import _namespace as ns_
 from ._common import (OffloadingEvent, RequestOffloadingContext, UnsupportedVLLM,  # noqa: F401 (re-exported)
-                      daemon_key, merge_options, missing_features, pick_medium, unsupported,
-                      vllm_installed, vllm_version)
+                      check_request_timeout, check_seconds, daemon_key, merge_options, missing_features,
+                      pick_medium, unsupported, vllm_installed, vllm_version)
 from ._compat import stats_class
 from ._namespace import IdentityUnknown  # noqa: F401 (re-exported)
 
@@ -201,13 +201,9 @@ def options(config):
     if not o["socket"]:
         from .tier import default_socket
         o["socket"] = default_socket()
-    for k in ("pin_lease_s", "hit_window_s", "lookup_wait_s", "stored_ttl_s", "miss_ttl_s", "job_timeout_s",
-              "reconnect_s", "load_retry_s"):
-        if isinstance(o[k], bool) or not isinstance(o[k], (int, float)) or o[k] < 0:
-            raise ValueError(f"kvhost.vllm: {k}: want seconds >= 0, got {o[k]!r}")
-    t = o["request_timeout_s"]
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < 1e9:
-        raise ValueError(f"kvhost.vllm: request_timeout_s: want seconds > 0 (finite), got {t!r}")
+    check_seconds(o, ("pin_lease_s", "hit_window_s", "lookup_wait_s", "stored_ttl_s", "miss_ttl_s", "job_timeout_s",
+                      "reconnect_s", "load_retry_s"))
+    check_request_timeout(o)
     if not 0 < o["hit_window_s"] <= o["pin_lease_s"] / 2:
         raise ValueError(f"kvhost.vllm: hit_window_s: want > 0 and at most half of pin_lease_s "
                          f"({o['pin_lease_s']}), got {o['hit_window_s']!r}")

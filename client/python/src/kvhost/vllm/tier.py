@@ -30,8 +30,8 @@ from .. import protocol as p
 from ..client import Client, KvhostError, Layer, default_socket
 from ..memory import HostBuffer
 from . import _compat, _metrics, _namespace
-from ._common import (Reconnects, daemon_key as _daemon_key, lost_connection as _lost_connection,
-                      mapping_of as _mapping_of, merge_options, open_mapped as _open_mapped,
+from ._common import (Reconnects, check_request_timeout, check_seconds, daemon_key as _daemon_key,
+                      lost_connection as _lost_connection, mapping_of as _mapping_of, merge_options, open_mapped as _open_mapped,
                       pick_medium as _pick_medium, reason, wait_ended)
 
 # A child of vLLM's "vllm" logger: vLLM configures only that logger (and
@@ -99,12 +99,8 @@ def _options(own):
     for k in ("threads", "max_events"):
         if not isinstance(o[k], int) or isinstance(o[k], bool) or o[k] < 1:
             raise ValueError(f"kvhost.vllm: {k}: want an integer >= 1, got {o[k]!r}")
-    for k in ("lookup_ttl_s", "lookup_wait_s", "job_timeout_s", "reconnect_s"):
-        if not isinstance(o[k], (int, float)) or o[k] < 0:
-            raise ValueError(f"kvhost.vllm: {k}: want seconds >= 0, got {o[k]!r}")
-    t = o["request_timeout_s"]
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < 1e9:
-        raise ValueError(f"kvhost.vllm: request_timeout_s: want seconds > 0 (finite), got {t!r}")
+    check_seconds(o, ("lookup_ttl_s", "lookup_wait_s", "job_timeout_s", "reconnect_s"))
+    check_request_timeout(o)
     return o
 
 
