@@ -63,7 +63,7 @@ func (m *module) instrumentCode(out, p []byte, fuel uint32) ([]byte, error) {
 		return nil, err
 	}
 	out = appendU32(out, n)
-	var w walker
+	w := walker{globals: fuel}
 	var body []byte
 	for i := range n {
 		fn := m.importedFuncs + int(i)
@@ -90,8 +90,9 @@ func (m *module) instrumentCode(out, p []byte, fuel uint32) ([]byte, error) {
 
 // walker instruments function bodies; it keeps its buffers between bodies.
 type walker struct {
-	sites  []site
-	frames []byte
+	globals uint32 // the module's globals (imported and defined): the fuel global's index
+	sites   []site
+	frames  []byte
 }
 
 // instrument appends the metered version of body to out.
@@ -209,11 +210,25 @@ func (w *walker) scan(r *reader) error {
 			acc++
 			continue
 		case op >= opLocalGet && op <= opGlobalSet:
-			if op >= opGlobalGet {
-				acc++
+			if op < opGlobalGet {
+				if err := r.skipU32(); err != nil {
+					return err
+				}
+				continue
 			}
-			if err := r.skipU32(); err != nil {
+			acc++
+			g, err := r.u32()
+			if err != nil {
 				return err
+			}
+			if g >= w.globals {
+				// The fuel global's index, or past it: valid only once
+				// metered, and a global.set of it would refill the fuel.
+				name := "get"
+				if op == opGlobalSet {
+					name = "set"
+				}
+				return fmt.Errorf("%w: global.%s of global %d; the module has %d", ErrMalformed, name, g, w.globals)
 			}
 			continue
 		case op >= 0x28 && op <= 0x3e: // loads, stores

@@ -18,6 +18,11 @@
 // memory.init, memory.grow, table.fill, table.copy, table.init, table.grow)
 // also charge in proportion to it.
 //
+// Instrument also lowers the maxima of the module's tables so that they
+// hold at most MaxTableElements elements together, and refuses a global
+// index that only the fuel global would make valid (a module could
+// otherwise set its own fuel).
+//
 // No function, global or type index changes, so branches, calls, the name
 // section and every other section stay valid and are copied unchanged.
 // Instructions outside the features the host's wazero supports (exceptions,
@@ -34,6 +39,14 @@ import (
 // ExportName is the export under which Instrument exposes the fuel global.
 // A module that already exports this name is refused.
 const ExportName = "kvhost_fuel"
+
+// MaxTableElements bounds the elements of a module's tables, all of them
+// together (Instrument lowers their maxima; see boundTables). The runtime
+// keeps a table as a slice of 8-byte references in the host's memory,
+// which the host's memory limit, for linear memory only, does not bound:
+// 2^20 elements are 8 MiB per instance. Toolchains declare one table of
+// the functions called indirectly, a few thousand for a Go plugin.
+const MaxTableElements = 1 << 20
 
 // InitialFuel is the fuel global's initial value: what a module's start
 // function, which runs before the host can set the fuel, may spend.
@@ -58,6 +71,9 @@ var (
 	ErrUnsupported = errors.New("meter: unsupported feature")
 	// ErrReserved: the module already exports ExportName.
 	ErrReserved = errors.New("meter: reserved export name " + ExportName)
+	// ErrLimit: the module declares more than the host bounds
+	// (MaxTableElements).
+	ErrLimit = errors.New("meter: over a limit")
 )
 
 // Section ids.
@@ -156,6 +172,12 @@ func Instrument(wasm []byte) ([]byte, error) {
 			}
 		}
 		switch s.id {
+		case secTable:
+			p, err := boundTables(s.payload)
+			if err != nil {
+				return nil, fmt.Errorf("table section: %w", err)
+			}
+			out = appendSection(out, s.id, p)
 		case secGlobal:
 			p, err := appendToVec(s.payload, appendFuelGlobal)
 			if err != nil {
@@ -322,9 +344,9 @@ func (m *module) parseImports(r *reader) error {
 			if _, err := r.valType(); err != nil {
 				return err
 			}
-			err = r.limits()
+			_, _, _, err = r.limits()
 		case 0x02: // memory
-			err = r.limits()
+			_, _, _, err = r.limits()
 		case 0x03: // global
 			if _, err := r.valType(); err != nil {
 				return err
@@ -379,14 +401,78 @@ func (m *module) parseExports(r *reader) error {
 		if string(name) == ExportName {
 			return ErrReserved
 		}
-		if _, err := r.byte(); err != nil {
+		kind, err := r.byte()
+		if err != nil {
 			return err
 		}
-		if _, err := r.u32(); err != nil {
+		idx, err := r.u32()
+		if err != nil {
 			return err
+		}
+		if kind == 0x03 && int(idx) >= m.globals { // the fuel global's index, or past it
+			return fmt.Errorf("%w: export %q of global %d; the module has %d", ErrMalformed, name, idx, m.globals)
 		}
 	}
 	return nil
+}
+
+// boundTables returns the table section payload p with every table's
+// maximum lowered so that the tables' maxima add up to at most
+// MaxTableElements: each table gets its minimum and an equal share of
+// what the minima leave. A table.grow past its maximum fails (returns
+// -1), as a memory.grow past the host's memory limit does. Minima that
+// add up to more are refused.
+func boundTables(p []byte) ([]byte, error) {
+	r := reader{b: p}
+	n, err := r.u32()
+	if err != nil {
+		return nil, err
+	}
+	type table struct {
+		ref    byte
+		lo, hi uint32
+		hasMax bool
+	}
+	tables := make([]table, 0, min(n, 16))
+	var sum uint64
+	for i := range n {
+		ref, err := r.byte()
+		if err != nil {
+			return nil, err
+		}
+		if ref != typeFuncref && ref != typeExternref {
+			return nil, fmt.Errorf("%w: table %d of type %#x", ErrMalformed, i, ref)
+		}
+		lo, hi, hasMax, err := r.limits()
+		if err != nil {
+			return nil, fmt.Errorf("table %d: %w", i, err)
+		}
+		if hasMax && hi < lo {
+			return nil, fmt.Errorf("%w: table %d: maximum %d below its minimum %d", ErrMalformed, i, hi, lo)
+		}
+		sum += uint64(lo)
+		if sum > MaxTableElements {
+			return nil, fmt.Errorf("%w: tables of more than %d elements at start", ErrLimit, MaxTableElements)
+		}
+		tables = append(tables, table{ref, lo, hi, hasMax})
+	}
+	if r.pos != len(p) {
+		return nil, fmt.Errorf("%w: %d bytes after the last table", ErrMalformed, len(p)-r.pos)
+	}
+	out := appendU32(make([]byte, 0, len(p)+4*len(tables)), n)
+	if n == 0 {
+		return out, nil
+	}
+	share := (MaxTableElements - sum) / uint64(n)
+	for _, t := range tables {
+		hi := uint64(t.lo) + share
+		if t.hasMax && uint64(t.hi) < hi {
+			hi = uint64(t.hi)
+		}
+		out = append(out, t.ref, 0x01)
+		out = appendU32(appendU32(out, t.lo), uint32(hi))
+	}
+	return out, nil
 }
 
 // appendToVec returns the vector payload p with one more element, appended

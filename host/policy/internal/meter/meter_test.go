@@ -224,6 +224,12 @@ func TestInstrumentErrors(t *testing.T) {
 		{"unterminated body", withBody(0x01), meter.ErrMalformed, "unexpected end"},
 		{"stray else", withBody(0x05, 0x0b), meter.ErrMalformed, "else outside if"},
 		{"trailing bytes", withBody(0x0b, 0x01), meter.ErrMalformed, "after the body"},
+		// A module that sets the global the meter appends would refill its
+		// own fuel: invalid as written, valid once metered.
+		{"global.set of the fuel", withBody(0x42, 0x00, 0x24, 0x00, 0x0b), meter.ErrMalformed, "global.set of global 0; the module has 0"},
+		{"global.get of the fuel", withBody(0x23, 0x00, 0x1a, 0x0b), meter.ErrMalformed, "global.get of global 0"},
+		{"export of the fuel", append(append([]byte{}, header...), 7, 5, 1, 1, 'x', 0x03, 0), meter.ErrMalformed, `export "x" of global 0`},
+		{"tables over the bound", withTable(header, meter.MaxTableElements+1), meter.ErrLimit, "tables of more than"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			_, err := meter.Instrument(tc.in)
@@ -242,6 +248,68 @@ func TestInstrumentErrors(t *testing.T) {
 	defer r.Close(ctx)
 	if _, err := r.CompileModule(ctx, out); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// withTable returns header followed by a table section of one funcref
+// table of at least lo elements and no maximum.
+func withTable(header []byte, lo uint32) []byte {
+	limits := []byte{0x70, 0x00}
+	for ; lo >= 0x80; lo >>= 7 {
+		limits = append(limits, byte(lo)|0x80)
+	}
+	limits = append(limits, byte(lo))
+	b := append(append([]byte{}, header...), 4, byte(len(limits)+1), 1)
+	return append(b, limits...)
+}
+
+// TestInstrumentBoundsTables: a table declared without a maximum grows
+// within MaxTableElements and no further, once metered; the runtime keeps
+// tables in the host's memory, which the memory limit does not bound.
+func TestInstrumentBoundsTables(t *testing.T) {
+	header := []byte{0, 'a', 's', 'm', 1, 0, 0, 0}
+	// (func (export "grow") (param i32) (result i32)
+	//   (table.grow (ref.null func) (local.get 0)))
+	typ := []byte{1, 0x60, 1, 0x7f, 1, 0x7f}
+	b := append(append(append([]byte{}, header...), 1, byte(len(typ))), typ...)
+	b = append(b, 3, 2, 1, 0)            // function section
+	b = append(b, withTable(nil, 16)...) // table section
+	b = append(b, 7, 8, 1, 4, 'g', 'r', 'o', 'w', 0x00, 0)
+	body := []byte{0, 0xd0, 0x70, 0x20, 0x00, 0xfc, 15, 0x00, 0x0b}
+	b = append(b, 10, byte(len(body)+2), 1, byte(len(body)))
+	b = append(b, body...)
+	out, err := meter.Instrument(b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx := context.Background()
+	r := wazero.NewRuntimeWithConfig(ctx, wazero.NewRuntimeConfigInterpreter())
+	defer r.Close(ctx)
+	mod, err := r.Instantiate(ctx, out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fuel, ok := mod.ExportedGlobal(meter.ExportName).(api.MutableGlobal)
+	if !ok {
+		t.Fatalf("%s is not an exported mutable global", meter.ExportName)
+	}
+	fuel.Set(1 << 40)
+	grow := mod.ExportedFunction("grow")
+	for _, tc := range []struct {
+		by   uint32
+		want int32 // the size before, or -1 where the grow fails
+	}{
+		{meter.MaxTableElements, -1}, // 16 + 2^20 > the bound
+		{meter.MaxTableElements - 16, 16},
+		{1, -1},
+	} {
+		res, err := grow.Call(ctx, uint64(tc.by))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := int32(res[0]); got != tc.want {
+			t.Fatalf("table.grow by %d = %d, want %d", tc.by, got, tc.want)
+		}
 	}
 }
 

@@ -112,22 +112,24 @@ func (r *reader) valTypes() (int, error) {
 	return int(n), nil
 }
 
-// limits reads the limits of a table or memory.
-func (r *reader) limits() error {
+// limits reads the limits of a table or memory: the minimum, and the
+// maximum where hasMax.
+func (r *reader) limits() (lo, hi uint32, hasMax bool, err error) {
 	flag, err := r.byte()
 	if err != nil {
-		return err
+		return 0, 0, false, err
 	}
 	if flag > 1 {
-		return fmt.Errorf("%w: limits flag %#x (shared memory or memory64)", ErrUnsupported, flag)
+		return 0, 0, false, fmt.Errorf("%w: limits flag %#x (shared memory or memory64)", ErrUnsupported, flag)
 	}
-	if _, err := r.u32(); err != nil {
-		return err
+	if lo, err = r.u32(); err != nil {
+		return 0, 0, false, err
 	}
 	if flag == 1 {
-		_, err = r.u32()
+		hi, err = r.u32()
+		hasMax = true
 	}
-	return err
+	return lo, hi, hasMax, err
 }
 
 func appendU32(b []byte, v uint32) []byte {
