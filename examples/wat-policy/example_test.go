@@ -189,7 +189,7 @@ func TestFIFO(t *testing.T) {
 		{"unpinned", []abi.AccessRecord{rec(abi.AccessPin, 2, 0, 0), rec(abi.AccessUnpin, 2, 0, 0), rec(abi.AccessUnpin, 2, 0, 0)}, abi.EvictRequest{Bytes: 1 << 40, Mount: anyMount}, 64, []uint64{1, 2, 3, 4, 5, 6}},
 		{"removed", []abi.AccessRecord{rec(abi.AccessRemove, 1, 0, 0), rec(abi.AccessRemove, 4, 0, 0), rec(abi.AccessRemove, 99, 0, 0)}, abi.EvictRequest{Bytes: 1 << 40, Mount: anyMount}, 64, []uint64{2, 3, 5, 6}},
 		{"hit without size keeps size", []abi.AccessRecord{{Kind: abi.AccessHit, Entry: 1}, {Kind: abi.AccessHit, Entry: 2}}, abi.EvictRequest{Bytes: 25, Mount: anyMount}, 64, []uint64{1, 2, 3}},
-		{"pin learns an unknown entry, pinned", []abi.AccessRecord{rec(abi.AccessPin, 7, 10, 0)}, abi.EvictRequest{Bytes: 1 << 40, Mount: anyMount}, 64, []uint64{1, 2, 3, 4, 5, 6}},
+		{"a pin of an unknown entry offers nothing new", []abi.AccessRecord{rec(abi.AccessPin, 7, 10, 0)}, abi.EvictRequest{Bytes: 1 << 40, Mount: anyMount}, 64, []uint64{1, 2, 3, 4, 5, 6}},
 		{"zero bytes", nil, abi.EvictRequest{Mount: anyMount}, 64, []uint64{}},
 	}
 	for _, tt := range tests {

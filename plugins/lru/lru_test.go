@@ -110,6 +110,7 @@ func TestOrder(t *testing.T) {
 	ins := func(e, time uint64) abi.AccessRecord { return policytest.Rec(abi.AccessInsert, e, time, size) }
 	hit := func(e, time uint64) abi.AccessRecord { return policytest.Rec(abi.AccessHit, e, time, size) }
 	restore := func(e, time uint64) abi.AccessRecord { return policytest.Rec(abi.AccessRestore, e, time, size) }
+	rem := func(e, time uint64) abi.AccessRecord { return policytest.Rec(abi.AccessRemove, e, time, size) }
 	tests := []struct {
 		name   string
 		events []abi.AccessRecord
@@ -119,7 +120,8 @@ func TestOrder(t *testing.T) {
 		{"insert order", []abi.AccessRecord{ins(1, 1), ins(2, 2), ins(3, 3)}, 100, []uint64{1, 2, 3}},
 		{"hit moves to back", []abi.AccessRecord{ins(1, 1), ins(2, 2), ins(3, 3), hit(1, 4)}, 100, []uint64{2, 3, 1}},
 		{"reinsert moves to back", []abi.AccessRecord{ins(1, 1), ins(2, 2), ins(1, 3)}, 100, []uint64{2, 1}},
-		{"hit learns unknown", []abi.AccessRecord{ins(1, 1), hit(9, 2)}, 100, []uint64{1, 9}},
+		{"hit of an unknown entry ignored", []abi.AccessRecord{ins(1, 1), hit(9, 2)}, 100, []uint64{1}},
+		{"hit after remove ignored", []abi.AccessRecord{ins(1, 1), ins(2, 2), rem(1, 3), hit(1, 4)}, 100, []uint64{2}},
 		{"bytes covered", []abi.AccessRecord{ins(1, 1), ins(2, 2), ins(3, 3)}, size + 1, []uint64{1, 2}},
 		{"exact bytes", []abi.AccessRecord{ins(1, 1), ins(2, 2), ins(3, 3)}, size, []uint64{1}},
 		{"restore sorts by time", []abi.AccessRecord{restore(5, 50), restore(1, 10), restore(3, 30), restore(2, 20)}, 100, []uint64{1, 2, 3, 5}},

@@ -91,7 +91,6 @@ func New() *Policy {
 		names:       names,
 	}
 	p.track = policykit.NewTracker(2, func(e *policykit.Entry) uint32 { return e.Mount })
-	p.track.IgnoreUnknownHits = true // moved entries' late hits (policykit.Tracker)
 	return p
 }
 

@@ -193,6 +193,47 @@ func TestTrackerClasses(t *testing.T) {
 	}
 }
 
+// TestTrackerIgnoresWhatItDoesNotKnow: a hit or pin of an unknown entry
+// (a lookup's hit delivered after the entry's REMOVE) learns nothing, and
+// a hit older than the entry's last access keeps its time (times are not
+// monotonic; a rank never goes down after a hit).
+func TestTrackerIgnoresWhatItDoesNotKnow(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		recs     []abi.AccessRecord
+		entries  int
+		time1    uint64 // entry 1's Time, where it is tracked
+		pinsOf1  uint32
+		tracked1 bool
+	}{
+		{"hit after remove", []abi.AccessRecord{{Kind: abi.AccessInsert, Entry: 1, Time: 10, Size: 1},
+			{Kind: abi.AccessRemove, Entry: 1, Time: 12}, {Kind: abi.AccessHit, Entry: 1, Time: 11, Size: 1}}, 0, 0, 0, false},
+		{"pin of an unknown entry", []abi.AccessRecord{{Kind: abi.AccessPin, Entry: 1, Time: 10, Size: 1}}, 0, 0, 0, false},
+		{"late hit", []abi.AccessRecord{{Kind: abi.AccessInsert, Entry: 1, Time: 10, Size: 1},
+			{Kind: abi.AccessHit, Entry: 1, Time: 20}, {Kind: abi.AccessHit, Entry: 1, Time: 15}}, 1, 20, 0, true},
+		{"reinsert sets the time", []abi.AccessRecord{{Kind: abi.AccessInsert, Entry: 1, Time: 20, Size: 1},
+			{Kind: abi.AccessInsert, Entry: 1, Time: 15, Size: 1}}, 1, 15, 0, true},
+		{"pin of a known entry", []abi.AccessRecord{{Kind: abi.AccessInsert, Entry: 1, Time: 10, Size: 1},
+			{Kind: abi.AccessPin, Entry: 1, Time: 11}}, 1, 10, 1, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			tr := NewTracker(1, nil)
+			if err := tr.ApplyAll(tc.recs); err != nil {
+				t.Fatal(err)
+			}
+			i, ok := tr.Pool.Lookup(1)
+			if tr.Pool.Len() != tc.entries || ok != tc.tracked1 {
+				t.Fatalf("%d entries, entry 1 tracked %v; want %d, %v", tr.Pool.Len(), ok, tc.entries, tc.tracked1)
+			}
+			if ok {
+				if e := tr.Pool.At(i); e.Time != tc.time1 || e.Pins != tc.pinsOf1 {
+					t.Errorf("entry 1: time %d, %d pins; want %d, %d", e.Time, e.Pins, tc.time1, tc.pinsOf1)
+				}
+			}
+		})
+	}
+}
+
 func TestPutHex(t *testing.T) {
 	rng := rand.New(rand.NewPCG(9, 9))
 	for n := range abi.MaxKeyLen + 1 {

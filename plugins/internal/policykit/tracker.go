@@ -18,23 +18,21 @@ const MaxClasses = 1024
 //
 // The rules every built-in policy shares live here:
 //   - AccessInsert and AccessHit touch the entry (it moves to the back of its
-//     list, Time is updated, Hits grows); an insert also sets Size and Mount.
-//     A hit on an unknown entry learns it (with the record's Size and Mount),
-//     so that an instance rebuilt without a full restore converges.
+//     list, Hits grows, Time becomes the record's where that is later: times
+//     are not monotonic, and a late hit must not lower a rank); an insert
+//     also sets Size and Mount and Time. A hit on an unknown entry is
+//     ignored: hosts deliver lookups' hits late, after the REMOVE of an
+//     entry evicted, moved or deleted meanwhile, and learning it would
+//     bring back a phantom entry offered as a victim.
 //   - AccessRestore sets the entry's Time and Hits from the record; the lists
 //     are re-sorted by time before the next eviction (Sorted).
-//   - AccessPin and AccessUnpin nest; an unpin without a pin is ignored.
-//     A pin on an unknown entry learns it, already pinned.
+//   - AccessPin and AccessUnpin nest; an unpin without a pin, and a pin of
+//     an unknown entry, are ignored (the host never offers a pinned entry's
+//     removal, and a pinned entry is never a victim).
 //   - AccessRemove forgets the entry; removing an unknown entry is a no-op.
 type Tracker struct {
 	Pool  Pool   // every entry tracked
 	Lists []List // one list per class, indexed by Entry.Class
-	// IgnoreUnknownHits makes a hit on an unknown entry a no-op instead of
-	// learning it. A policy whose entries move between mounts sets it: a
-	// lookup's hit delivered after the REMOVE of a moved (or evicted)
-	// entry would otherwise bring back a phantom entry the host no longer
-	// has, offered as a victim forever.
-	IgnoreUnknownHits bool
 
 	classOf  func(e *Entry) uint32
 	unsorted bool
@@ -63,7 +61,7 @@ func (t *Tracker) ApplyAll(recs []abi.AccessRecord) error {
 func (t *Tracker) Apply(r *abi.AccessRecord) error {
 	switch r.Kind {
 	case abi.AccessInsert, abi.AccessHit:
-		if r.Kind == abi.AccessHit && t.IgnoreUnknownHits {
+		if r.Kind == abi.AccessHit {
 			if _, ok := t.Pool.Lookup(r.Entry); !ok {
 				return nil
 			}
@@ -73,11 +71,12 @@ func (t *Tracker) Apply(r *abi.AccessRecord) error {
 			return err
 		}
 		e := t.Pool.At(i)
-		e.Time = r.Time
 		if r.Kind == abi.AccessInsert {
 			// A hit keeps what the insert said: hosts need not repeat the
 			// size and mount in hit records.
-			e.Size, e.Mount = r.Size, r.Mount
+			e.Time, e.Size, e.Mount = r.Time, r.Size, r.Mount
+		} else {
+			e.Time = max(e.Time, r.Time)
 		}
 		if e.Hits != ^uint32(0) {
 			e.Hits++
@@ -93,12 +92,10 @@ func (t *Tracker) Apply(r *abi.AccessRecord) error {
 		t.unsorted = true
 		return t.place(i)
 	case abi.AccessPin:
-		i, err := t.learn(r)
-		if err != nil {
-			return err
-		}
-		if e := t.Pool.At(i); e.Pins != ^uint32(0) {
-			e.Pins++
+		if i, ok := t.Pool.Lookup(r.Entry); ok {
+			if e := t.Pool.At(i); e.Pins != ^uint32(0) {
+				e.Pins++
+			}
 		}
 		return nil
 	case abi.AccessUnpin:

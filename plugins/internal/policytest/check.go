@@ -146,7 +146,7 @@ func CheckCommon(t *testing.T, mk Factory, cfg ...string) {
 			{Kind: abi.AccessHit, Entry: 1, Time: 7}, {Kind: abi.AccessHit, Entry: 2, Time: 8}, {Kind: abi.AccessHit, Entry: 3, Time: 9},
 			{Kind: abi.AccessHit, Entry: 4, Time: 10}, {Kind: abi.AccessHit, Entry: 5, Time: 11},
 		}, abi.EvictRequest{Bytes: 2*size + 1, Mount: abi.AnyMount}, 64, []uint64{1, 2, 6}},
-		{"pin learns an unknown entry, pinned", []abi.AccessRecord{OnMount(Rec(abi.AccessPin, 9, 9, size), 1)}, abi.EvictRequest{Bytes: 1 << 40, Mount: 1}, 64, []uint64{1, 3, 5}},
+		{"a pin of an unknown entry offers nothing new", []abi.AccessRecord{OnMount(Rec(abi.AccessPin, 9, 9, size), 1)}, abi.EvictRequest{Bytes: 1 << 40, Mount: 1}, 64, []uint64{1, 3, 5}},
 		{"all pinned", []abi.AccessRecord{Rec(abi.AccessPin, 1, 0, 0), Rec(abi.AccessPin, 2, 0, 0), Rec(abi.AccessPin, 3, 0, 0), Rec(abi.AccessPin, 4, 0, 0), Rec(abi.AccessPin, 5, 0, 0), Rec(abi.AccessPin, 6, 0, 0)}, anyMount, 64, nil},
 	}
 	for _, tt := range tests {
