@@ -155,11 +155,22 @@ func (o *accessOp) write(s *shard, scratch []byte) int32 {
 		return int32(len(o.recs))
 	}
 	v := abi.View[abi.AccessRecord](scratch, len(s.pos))
-	for j, p := range s.pos {
-		v[j] = o.recs[p]
-		s.ledger.apply(&v[j])
+	n := 0
+	for _, p := range s.pos {
+		r := &o.recs[p]
+		if k := r.Kind; k == abi.AccessHit || k == abi.AccessPin {
+			if _, gone := s.ledger.removed[r.Entry]; gone {
+				// A lookup's hit flushed after the entry's REMOVE: a
+				// plugin that learns unknown entries (the ABI says to
+				// ignore them) would bring back a phantom and offer it.
+				continue
+			}
+		}
+		v[n] = *r
+		s.ledger.apply(&v[n])
+		n++
 	}
-	return int32(len(s.pos))
+	return int32(n)
 }
 func (o *accessOp) read(*Host, *shard, []byte, int32) error { return nil }
 func (o *accessOp) records(s *shard) int {
