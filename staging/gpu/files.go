@@ -654,22 +654,31 @@ func (g *files) runIdle() {
 }
 
 // roomLocked reports whether o's file is to be registered now, and
-// which registered file it would replace: none where there is room (the
+// which registered files it would replace: none where there is room (the
 // files registered never outnumber the limit, nor their bytes the byte
-// limit), else the least recently used one that no job uses, that has
-// gone unused for minIdle and whose place is enough. A file already
-// registered, or none to replace, is not wanted.
-func (g *files) roomLocked(o *offer) (wanted bool, victim *regFile) {
+// limit), else the least recently used ones that no job uses and that
+// have gone unused for minIdle, as many as make room. A file already
+// registered, or one for which the idle files cannot make room, is not
+// wanted.
+func (g *files) roomLocked(o *offer) (wanted bool, victims []*regFile) {
 	if g.byKey[o.id.key()] != nil || g.limit == 0 || (g.limitBytes > 0 && o.id.size > g.limitBytes) {
 		return false, nil
 	}
-	if len(g.byKey)+g.registering < g.limit && g.fitsLocked(o.id.size, 0) {
+	count := len(g.byKey) + g.registering
+	if count < g.limit && g.fitsLocked(o.id.size, 0) {
 		return true, nil
 	}
 	idle := time.Now().Add(-g.minIdle)
+	var freed int64
 	for e := g.lru.Back(); e != nil; e = e.Prev() {
-		if rf := e.Value.(*regFile); rf.refs == 0 && rf.used.Before(idle) && g.fitsLocked(o.id.size, int64(len(rf.mem))) {
-			return true, rf
+		rf := e.Value.(*regFile)
+		if rf.refs != 0 || !rf.used.Before(idle) {
+			continue
+		}
+		victims = append(victims, rf)
+		freed += int64(len(rf.mem))
+		if count-len(victims) < g.limit && g.fitsLocked(o.id.size, freed) {
+			return true, victims
 		}
 	}
 	return false, nil
@@ -745,10 +754,13 @@ func (g *files) register(o *offer) {
 		g.mu.Unlock()
 		return
 	}
-	wanted, victim := g.roomLocked(o)
-	if victim != nil {
-		g.dropLocked(victim) // released below, outside the lock; no job uses it
-		g.claimLocked(victim)
+	wanted, victims := g.roomLocked(o)
+	var release []*regFile
+	for _, rf := range victims {
+		g.dropLocked(rf) // released below, outside the lock; no job uses it
+		if g.claimLocked(rf) {
+			release = append(release, rf)
+		}
 	}
 	fd := o.fd
 	if wanted {
@@ -760,8 +772,8 @@ func (g *files) register(o *offer) {
 		o.fd = -1
 	}
 	g.mu.Unlock()
-	if victim != nil {
-		g.releaseNow(victim)
+	for _, rf := range release {
+		g.releaseNow(rf)
 	}
 	if !wanted {
 		unix.Close(fd)

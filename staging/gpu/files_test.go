@@ -390,6 +390,47 @@ func TestRegisteredFilesStayWithinTheByteLimit(t *testing.T) {
 	}
 }
 
+// TestRegisteredFilesMakeRoomWithSeveralIdleFiles: a file larger than any
+// one idle registered file, at the byte limit, replaces as many of the
+// least recently used idle files as make room for it.
+func TestRegisteredFilesMakeRoomWithSeveralIdleFiles(t *testing.T) {
+	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, RegisterFiles: 8, RegisterBytes: 1 << 30})
+	dir := t.TempDir()
+	a, b, c := newKeyFile(t, kv, dir, "a", 1), newKeyFile(t, kv, dir, "b", 2), newKeyFile(t, kv, dir, "c", 3)
+	roundTrip(t, e, m, kv, a, host, orig)
+	testwait.Until(t, "a registered", 10*time.Second, func() bool { return m.FileStats().Registered == 1 })
+	size := m.FileStats().Bytes
+	if err := c.f.Allocate(2 * size); err != nil { // c is twice as large as a and b
+		t.Fatal(err)
+	}
+	var ok bool
+	if c.id, ok = identify(c.f); !ok || c.id.size != 2*size {
+		t.Fatalf("c: identity %+v, %v; want a size of %d", c.id, ok, 2*size)
+	}
+	m.files.mu.Lock()
+	m.files.limitBytes, m.files.minIdle = 2*size, 0 // two of a's size, far below the count
+	m.files.mu.Unlock()
+	roundTrip(t, e, m, kv, b, host, orig)
+	testwait.Until(t, "b registered", 10*time.Second, func() bool { return m.FileStats().Registered == 2 })
+	roundTrip(t, e, m, kv, c, host, orig)
+	testwait.Until(t, "c registered in a and b's place", 10*time.Second, func() bool { return m.FileStats().Registered == 3 })
+	if st := m.FileStats(); st.Files != 1 || st.Bytes != 2*size || st.Released != 2 {
+		t.Fatalf("after a file of two at a limit of two: %+v; want 1 file, %d bytes, 2 released", st, 2*size)
+	}
+	for _, x := range []struct {
+		kf   *keyFile
+		want bool
+	}{{a, false}, {b, false}, {c, true}} {
+		rf := m.files.acquire(x.kf.id, 1)
+		if (rf != nil) != x.want {
+			t.Fatalf("%s registered %v, want %v", x.kf.path, rf != nil, x.want)
+		}
+		if rf != nil {
+			m.files.put(rf, false, false)
+		}
+	}
+}
+
 // TestRegisteredFilesFailedRegistrationLeavesTheStagedPath: a file the
 // runtime refuses to register is counted, its jobs keep moving through
 // the pinned buffers with the right bytes, and nothing is leaked.
