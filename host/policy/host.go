@@ -393,8 +393,10 @@ func (h *Host) pluginError(s *shard, hook string, err error) *Error {
 func (h *Host) invoke(ctx context.Context, s *shard, hk hook, op batchOp) error {
 	var last error
 	for attempt := range 2 {
+		built := false
 		if s.inst == nil {
 			h.stats.replacements.Add(1)
+			built = true
 			inst, err := h.build(ctx, h.mu.backend, s)
 			if err != nil {
 				if err := callerDone(ctx); err != nil {
@@ -407,11 +409,11 @@ func (h *Host) invoke(ctx context.Context, s *shard, hk hook, op batchOp) error 
 			}
 			s.inst = inst
 		}
-		if attempt > 0 && (hk == hookAccess || hk == hookMounts) {
-			// The replacement was rebuilt from the Index and the ledger,
-			// which already hold these records: sending them again would
-			// count their pins twice. (Mount descriptions are replayed
-			// by build too.)
+		if built && hk == hookAccess || attempt > 0 && hk == hookMounts {
+			// The instance was built from the Index and the ledger, which
+			// already hold these records (routed records a batch in the
+			// ledger before invoke): sending them again would count their
+			// pins twice. (Mount descriptions are replayed by build too.)
 			return nil
 		}
 		err := h.callOnce(ctx, s, s.inst, hk, op)
@@ -673,17 +675,38 @@ func (h *Host) Access(ctx context.Context, recs []abi.AccessRecord) error {
 		return nil
 	}
 	return h.withShardsOnce(ctx, func(shards []*shard) error {
+		// Every shard's ledger gets its records, whatever fails: a
+		// shard that fails is rebuilt from its ledger on next use, and a
+		// switch to the fallback builds every shard from the ledgers, so
+		// a record left out of one would be lost (an unpin lost pins an
+		// entry in the policy for good). After a switch the shards left
+		// are only recorded: their plugin is being replaced.
+		var sw *switchError
+		var errs []error
 		for _, s := range shards {
 			err := s.locked(func() error {
 				s.accessOp = accessOp{recs: recs}
 				defer func() { s.accessOp = accessOp{} }() // drop the caller's records
-				return h.routed(ctx, s, len(shards), hookAccess, len(recs), func(i int) uint64 { return recs[i].Entry }, &s.accessOp)
+				var skip error
+				if sw != nil {
+					skip = sw
+				}
+				return h.routedAfter(ctx, s, len(shards), hookAccess, len(recs), func(i int) uint64 { return recs[i].Entry }, &s.accessOp, skip)
 			})
+			if e, ok := err.(*switchError); ok {
+				if sw == nil {
+					sw = e
+				}
+				continue
+			}
 			if err != nil {
-				return err
+				errs = append(errs, err)
 			}
 		}
-		return nil
+		if sw != nil {
+			return sw
+		}
+		return errors.Join(errs...)
 	}, false)
 }
 
@@ -691,6 +714,33 @@ func (h *Host) Access(ctx context.Context, recs []abi.AccessRecord) error {
 // routing key, key(i), maps to s, in batches of at most abi.MaxBatch whose
 // positions op finds in s.pos.
 func (h *Host) routed(ctx context.Context, s *shard, nshards int, hk hook, n int, key func(int) uint64, op batchOp) error {
+	return h.routedAfter(ctx, s, nshards, hk, n, key, op, nil)
+}
+
+// ledgered is a batchOp whose records the shard's ledger holds (accessOp):
+// record puts the batch at s.pos in it, before the batch is sent or
+// instead of it.
+type ledgered interface {
+	record(s *shard)
+}
+
+// routedAfter is routed after a failure, skip, where it is not nil: then,
+// and from a batch that fails on, the batches of an op that is ledgered
+// are only recorded in the ledger (the instance that failed is rebuilt
+// from it), and other ops stop at once. It returns skip or the first
+// failure.
+func (h *Host) routedAfter(ctx context.Context, s *shard, nshards int, hk hook, n int, key func(int) uint64, op batchOp, skip error) error {
+	l, isLedgered := op.(ledgered)
+	err := skip
+	flush := func() {
+		if isLedgered {
+			l.record(s)
+		}
+		if err == nil && len(s.pos) > 0 {
+			err = h.invoke(ctx, s, hk, op)
+		}
+		s.pos = s.pos[:0]
+	}
 	s.pos = s.pos[:0]
 	for i := range n {
 		if route(key(i), nshards) != s.id {
@@ -698,18 +748,15 @@ func (h *Host) routed(ctx context.Context, s *shard, nshards int, hk hook, n int
 		}
 		s.pos = append(s.pos, int32(i))
 		if len(s.pos) == abi.MaxBatch {
-			err := h.invoke(ctx, s, hk, op)
-			s.pos = s.pos[:0]
-			if err != nil {
+			flush()
+			if err != nil && !isLedgered {
 				return err
 			}
 		}
 	}
-	if len(s.pos) == 0 {
-		return nil
+	if len(s.pos) > 0 {
+		flush()
 	}
-	err := h.invoke(ctx, s, hk, op)
-	s.pos = s.pos[:0]
 	return err
 }
 

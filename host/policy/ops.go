@@ -155,22 +155,30 @@ func (o *accessOp) write(s *shard, scratch []byte) int32 {
 		return int32(len(o.recs))
 	}
 	v := abi.View[abi.AccessRecord](scratch, len(s.pos))
-	n := 0
+	for j, p := range s.pos {
+		v[j] = o.recs[p]
+	}
+	return int32(len(s.pos))
+}
+
+// record puts the records at s.pos in the shard's ledger, before they are
+// sent (routedAfter), and drops from s.pos a HIT or PIN of an entry the
+// plugin was sent a REMOVE for: a lookup's hit flushed after the entry's
+// REMOVE, which a plugin that learns unknown entries (the ABI says to
+// ignore them) would bring back as a phantom and offer.
+func (o *accessOp) record(s *shard) {
+	kept := s.pos[:0]
 	for _, p := range s.pos {
 		r := &o.recs[p]
 		if k := r.Kind; k == abi.AccessHit || k == abi.AccessPin {
 			if _, gone := s.ledger.removed[r.Entry]; gone {
-				// A lookup's hit flushed after the entry's REMOVE: a
-				// plugin that learns unknown entries (the ABI says to
-				// ignore them) would bring back a phantom and offer it.
 				continue
 			}
 		}
-		v[n] = *r
-		s.ledger.apply(&v[n])
-		n++
+		s.ledger.apply(r)
+		kept = append(kept, p)
 	}
-	return int32(n)
+	s.pos = kept
 }
 func (o *accessOp) read(*Host, *shard, []byte, int32) error { return nil }
 func (o *accessOp) records(s *shard) int {
