@@ -62,7 +62,7 @@ type (
 type Namespace struct {
 	ID           NamespaceID // this connection's id for the namespace
 	BlocksPerKey int         // GPU blocks one key covers
-	Fingerprint  uint64      // the geometry's fingerprint (docs/format.md)
+	Fingerprint  uint64      // the fingerprint its keys are indexed under: the lookup table's (docs/protocol.md)
 	KeyBytes     int64       // payload bytes of one key: every layer, plane and block
 }
 

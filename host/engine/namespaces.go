@@ -184,6 +184,20 @@ func (e *Engine) KeysPerFile(ns NamespaceID) (int, error) {
 	return n.keysPerFile, nil
 }
 
+// Fingerprint is the fingerprint ns's keys are indexed and mirrored into
+// a lookup table under (MirrorKeys): its geometry's (Geometry.Fingerprint),
+// or for a namespace a vllm-fs mount serves, the mount's files'. It fails
+// as KeysPerFile does.
+func (e *Engine) Fingerprint(ns NamespaceID) (uint64, error) {
+	e.mu.RLock()
+	defer e.mu.RUnlock()
+	n, err := e.namespaceLocked(ns)
+	if err != nil {
+		return 0, err
+	}
+	return n.fp, nil
+}
+
 func (e *Engine) namespace(id NamespaceID) (*namespace, error) {
 	e.mu.RLock()
 	defer e.mu.RUnlock()

@@ -35,6 +35,9 @@ type Engine interface {
 	// Declare returns the namespace of g, the same id for the same
 	// geometry.
 	Declare(ctx context.Context, g engine.Geometry) (engine.NamespaceID, error)
+	// Fingerprint is the fingerprint ns's keys are indexed and mirrored
+	// into the lookup table under (the Declared reply's).
+	Fingerprint(ns engine.NamespaceID) (uint64, error)
 	// RegisterCache registers a worker's paged KV cache for ns, one tensor
 	// per layer.
 	RegisterCache(ns engine.NamespaceID, layers []engine.LayerTensor) (engine.CacheID, error)

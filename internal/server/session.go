@@ -505,12 +505,18 @@ func (s *session) declare(m *protocol.Declare) (protocol.Message, error) {
 	if err := geo.Validate(); err != nil {
 		return nil, err
 	}
-	reply := func(id uint32) *protocol.Declared {
-		return &protocol.Declared{NS: id, BlocksPerKey: uint32(geo.BlocksPerKey()), Fingerprint: geo.Fingerprint(), KeyBytes: uint64(geo.KeyBytes())}
+	// The fingerprint the namespace's keys are indexed (and mirrored into
+	// the lookup table) under: a vllm-fs mount's files carry the mount's.
+	reply := func(id uint32, ns engine.NamespaceID) (protocol.Message, error) {
+		fp, err := s.srv.eng.Fingerprint(ns)
+		if err != nil {
+			return nil, err
+		}
+		return &protocol.Declared{NS: id, BlocksPerKey: uint32(geo.BlocksPerKey()), Fingerprint: fp, KeyBytes: uint64(geo.KeyBytes())}, nil
 	}
 	for id, ns := range s.namespaces {
 		if ns.geo == geo {
-			return reply(id), nil
+			return reply(id, ns.id)
 		}
 	}
 	if len(s.namespaces) >= s.srv.cfg.MaxNamespaces {
@@ -522,7 +528,7 @@ func (s *session) declare(m *protocol.Declare) (protocol.Message, error) {
 	}
 	id := s.newID()
 	s.namespaces[id] = &namespace{id: nsID, geo: geo}
-	return reply(id), nil
+	return reply(id, nsID)
 }
 
 func (s *session) undeclare(m *protocol.Undeclare) (protocol.Message, error) {
