@@ -6,6 +6,15 @@
 // A Client is safe for concurrent use: requests from many goroutines are
 // pipelined on one connection, and one reader goroutine hands each reply to
 // its caller by request id and each job completion to its Job.
+//
+// Every call returns when its context ends: while it waits for its turn
+// to write (nothing is sent), while its write blocks on a daemon that
+// does not read (the write is cut off, and the connection, its stream out
+// of step, closed), or while it waits for the reply. A pin, region or
+// cache the daemon made for a call that gave up is given back when the
+// reply comes; a Store or Load whose request went out returns its Job
+// with the context's error and cancels it (the daemon may be using the
+// blocks until the Job ends).
 package client
 
 import (
@@ -72,8 +81,8 @@ type Client struct {
 	limits protocol.Welcome
 	nextID atomic.Uint64
 
-	wmu  sync.Mutex // serializes writes
-	wbuf []byte
+	wsem chan struct{} // a token: serializes writes; a caller waits for it as long as its context lets it
+	wbuf []byte        // the frame being written, under wsem
 
 	mu      sync.Mutex
 	pending map[uint64]chan reply
@@ -106,6 +115,7 @@ func Dial(ctx context.Context, path, name string) (*Client, error) {
 		pending: make(map[uint64]chan reply),
 		jobs:    make(map[uint64]*Job),
 		done:    make(chan struct{}),
+		wsem:    make(chan struct{}, 1),
 	}
 	c.limits.MaxFrame = protocol.MinFrame
 	go c.readLoop()
@@ -229,69 +239,155 @@ func (c *Client) deliver(h protocol.Header, m protocol.Message) error {
 // call sends m (with fds as SCM_RIGHTS, if any) and waits for its reply.
 // An Error reply is returned as a *protocol.Error.
 func (c *Client) call(ctx context.Context, m protocol.Message, fds []int) (protocol.Message, error) {
-	r, err := c.roundTrip(ctx, m, fds)
+	r, err := c.roundTrip(ctx, m, fds, nil)
 	return r.msg, err
 }
 
 // roundTrip is call that also returns the Job of a Store or Load reply.
-func (c *Client) roundTrip(ctx context.Context, m protocol.Message, fds []int) (reply, error) {
+// If ctx ends after m was sent, before its reply, and undo is set, undo
+// is called with the reply when it comes (not an Error): what the daemon
+// made for a caller that no longer waits (a pin, a region) is given back.
+func (c *Client) roundTrip(ctx context.Context, m protocol.Message, fds []int, undo func(protocol.Message)) (reply, error) {
+	ch, err := c.send(ctx, m, fds)
+	if err != nil {
+		return reply{}, err
+	}
+	select {
+	case r := <-ch:
+		return checkReply(m, r)
+	case <-ctx.Done():
+		// The reply will arrive and be dropped by deliver (channel is
+		// buffered); a Store or Load still registers its Job, which the
+		// caller no longer sees; its completion is discarded.
+		if undo != nil {
+			go func() {
+				if r, err := checkReply(m, <-ch); err == nil {
+					undo(r.msg)
+				}
+			}()
+		}
+		return reply{}, ctx.Err()
+	}
+}
+
+// create is call for a request that makes something on the daemon (a
+// pin, a region, a cache): if ctx ends after the request was sent, undo
+// gives back what the reply, when it comes, says was made, so that a
+// caller that gave up holds nothing it cannot name. (Declare is not one:
+// declaring a geometry again answers the namespace already declared.)
+func (c *Client) create(ctx context.Context, m protocol.Message, fds []int, undo func(protocol.Message)) (protocol.Message, error) {
+	r, err := c.roundTrip(ctx, m, fds, undo)
+	return r.msg, err
+}
+
+// undoTimeout bounds a request that gives back what an abandoned request
+// made.
+const undoTimeout = 30 * time.Second
+
+// undo runs req, which gives back what an abandoned request made, with
+// its own deadline; a connection lost meanwhile gave it back already.
+func (c *Client) undo(req func(ctx context.Context) error) {
+	ctx, cancel := context.WithTimeout(context.Background(), undoTimeout)
+	defer cancel()
+	req(ctx)
+}
+
+// unregisterAbandoned unregisters the region of an abandoned
+// RegisterMemory's reply.
+func (c *Client) unregisterAbandoned(r protocol.Message) {
+	c.undo(func(ctx context.Context) error {
+		return c.UnregisterMemory(ctx, RegionID(r.(*protocol.MemoryRegistered).Region))
+	})
+}
+
+// checkReply returns r, or the error it carries or is.
+func checkReply(m protocol.Message, r reply) (reply, error) {
+	if r.err != nil {
+		return reply{}, r.err
+	}
+	if e, ok := r.msg.(*protocol.Error); ok {
+		return reply{}, e
+	}
+	if r.msg.Type() != m.Type()|protocol.TypeReply {
+		return reply{}, fmt.Errorf("%w: %s answered with %s", ErrClosed, m.Type(), r.msg.Type())
+	}
+	return r, nil
+}
+
+// longAgo is a deadline in the past: it cuts off a write in progress.
+var longAgo = time.Unix(1, 0)
+
+// send writes m as a request and returns the channel its reply comes on. It gives up when ctx ends, while waiting for another write or
+// during its own: a write cut off with nothing sent leaves the connection
+// as it was; one cut off part way leaves the stream out of step, so the
+// connection is closed (ErrClosed).
+func (c *Client) send(ctx context.Context, m protocol.Message, fds []int) (chan reply, error) {
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
+	select {
+	case c.wsem <- struct{}{}:
+	case <-ctx.Done():
+		return nil, ctx.Err()
+	}
+	defer func() { <-c.wsem }()
+	if err := ctx.Err(); err != nil {
+		return nil, err
+	}
 	id := c.nextID.Add(1)
 	ch := make(chan reply, 1)
 	c.mu.Lock()
 	if c.err != nil {
 		err := c.err
 		c.mu.Unlock()
-		return reply{}, err
+		return nil, err
 	}
 	c.pending[id] = ch
 	maxFrame := int(c.limits.MaxFrame)
 	c.mu.Unlock()
 
-	c.wmu.Lock()
 	c.wbuf = protocol.AppendFrame(c.wbuf[:0], id, m)
 	var err error
+	sent := 0
 	if len(c.wbuf) > maxFrame {
 		err = fmt.Errorf("%w: %s frame of %d bytes exceeds the daemon's limit of %d", ErrInvalid, m.Type(), len(c.wbuf), maxFrame)
-	} else if len(fds) > 0 {
-		var n int
-		n, _, err = c.conn.WriteMsgUnix(c.wbuf, unix.UnixRights(fds...), nil)
-		if err == nil && n < len(c.wbuf) {
-			_, err = c.conn.Write(c.wbuf[n:])
-		}
 	} else {
-		_, err = c.conn.Write(c.wbuf)
+		stop := context.AfterFunc(ctx, func() { c.conn.SetWriteDeadline(longAgo) })
+		if len(fds) > 0 {
+			sent, _, err = c.conn.WriteMsgUnix(c.wbuf, unix.UnixRights(fds...), nil)
+		}
+		if err == nil && sent < len(c.wbuf) {
+			var n int
+			n, err = c.conn.Write(c.wbuf[sent:])
+			sent += n
+		}
+		if !stop() { // the deadline was set: clear it for the next write
+			c.conn.SetWriteDeadline(time.Time{})
+			if err != nil {
+				err = ctx.Err()
+			}
+		}
 	}
+	full := len(c.wbuf)
 	if cap(c.wbuf) > 1<<20 {
 		c.wbuf = nil
 	}
-	c.wmu.Unlock()
-	if err != nil {
-		c.mu.Lock()
-		delete(c.pending, id)
-		c.mu.Unlock()
-		if errors.Is(err, ErrInvalid) {
-			return reply{}, err
-		}
-		return reply{}, fmt.Errorf("%w: send: %w", ErrClosed, err)
+	if err == nil {
+		return ch, nil
 	}
-	select {
-	case r := <-ch:
-		if r.err != nil {
-			return reply{}, r.err
-		}
-		if e, ok := r.msg.(*protocol.Error); ok {
-			return reply{}, e
-		}
-		if r.msg.Type() != m.Type()|protocol.TypeReply {
-			return reply{}, fmt.Errorf("%w: %s answered with %s", ErrClosed, m.Type(), r.msg.Type())
-		}
-		return r, nil
-	case <-ctx.Done():
-		// The reply will arrive and be dropped by deliver (channel is
-		// buffered); a Store or Load still registers its Job, which the
-		// caller no longer sees; its completion is discarded.
-		return reply{}, ctx.Err()
+	c.mu.Lock()
+	delete(c.pending, id)
+	c.mu.Unlock()
+	switch {
+	case errors.Is(err, ErrInvalid):
+		return nil, err
+	case sent == 0 && ctx.Err() != nil && errors.Is(err, ctx.Err()):
+		return nil, err // nothing sent: the connection is as it was
+	case sent > 0 && sent < full && ctx.Err() != nil:
+		c.conn.Close() // the read loop ends and fails the rest
+		return nil, fmt.Errorf("%w: send of %s cut off after %d of %d bytes: %w", ErrClosed, m.Type(), sent, full, err)
 	}
+	return nil, fmt.Errorf("%w: send: %w", ErrClosed, err)
 }
 
 // RegisterMemfd registers the memory of m (made by NewMemfd). See
@@ -315,7 +411,7 @@ func (c *Client) RegisterFd(ctx context.Context, fd int, size int64) (RegionID, 
 	if err := SealShrink(fd); err != nil {
 		return 0, err
 	}
-	m, err := c.call(ctx, &protocol.RegisterMemory{Kind: protocol.MemoryMemfd, Size: uint64(size)}, []int{fd})
+	m, err := c.create(ctx, &protocol.RegisterMemory{Kind: protocol.MemoryMemfd, Size: uint64(size)}, []int{fd}, c.unregisterAbandoned)
 	if err != nil {
 		return 0, err
 	}
@@ -332,7 +428,7 @@ func (c *Client) RegisterShared(ctx context.Context, fd int, size int64) (Region
 	if size <= 0 || fd < 0 {
 		return 0, fmt.Errorf("%w: fd %d size %d", ErrInvalid, fd, size)
 	}
-	m, err := c.call(ctx, &protocol.RegisterMemory{Kind: protocol.MemoryShared, Size: uint64(size)}, []int{fd})
+	m, err := c.create(ctx, &protocol.RegisterMemory{Kind: protocol.MemoryShared, Size: uint64(size)}, []int{fd}, c.unregisterAbandoned)
 	if err != nil {
 		return 0, err
 	}
@@ -355,7 +451,7 @@ func (c *Client) RegisterCUDAIPC(ctx context.Context, device int, handle [protoc
 	if size <= 0 || offset < 0 || device < 0 {
 		return 0, fmt.Errorf("%w: device %d offset %d size %d", ErrInvalid, device, offset, size)
 	}
-	m, err := c.call(ctx, &protocol.RegisterMemory{Kind: protocol.MemoryCUDAIPC, Device: uint32(device), Size: uint64(size), Offset: uint64(offset), Handle: handle}, nil)
+	m, err := c.create(ctx, &protocol.RegisterMemory{Kind: protocol.MemoryCUDAIPC, Device: uint32(device), Size: uint64(size), Offset: uint64(offset), Handle: handle}, nil, c.unregisterAbandoned)
 	if err != nil {
 		return 0, err
 	}
@@ -396,7 +492,11 @@ func (c *Client) RegisterCache(ctx context.Context, ns NamespaceID, layers []Lay
 	if len(layers) == 0 || len(layers) > protocol.MaxLayers {
 		return 0, fmt.Errorf("%w: %d layers", ErrInvalid, len(layers))
 	}
-	m, err := c.call(ctx, &protocol.RegisterCache{NS: uint32(ns), Layers: layers}, nil)
+	m, err := c.create(ctx, &protocol.RegisterCache{NS: uint32(ns), Layers: layers}, nil, func(r protocol.Message) {
+		c.undo(func(ctx context.Context) error {
+			return c.UnregisterCache(ctx, CacheID(r.(*protocol.CacheRegistered).Cache))
+		})
+	})
 	if err != nil {
 		return 0, err
 	}
@@ -468,7 +568,12 @@ func (c *Client) transfer(ctx context.Context, kind protocol.JobKind, cache Cach
 	// Once the request is sent the daemon may start using the blocks, so
 	// the caller must get the Job even if ctx ends meanwhile: wait for the
 	// daemon's answer (it comes at once), then cancel the job if ctx ended.
-	r, err := c.roundTrip(context.WithoutCancel(ctx), &protocol.Transfer{Kind: kind, Cache: uint32(cache), Keys: keys, Blocks: blocks}, nil)
+	m := &protocol.Transfer{Kind: kind, Cache: uint32(cache), Keys: keys, Blocks: blocks}
+	ch, err := c.send(ctx, m, nil) // a send ctx cut off sent nothing: no job
+	if err != nil {
+		return nil, err
+	}
+	r, err := checkReply(m, <-ch)
 	if err != nil {
 		return nil, err
 	}
@@ -642,7 +747,9 @@ func (c *Client) Pin(ctx context.Context, ns NamespaceID, keys [][]byte, lease t
 	if lease > 0 && ms == 0 {
 		ms = 1
 	}
-	m, err := c.call(ctx, &protocol.Pin{NS: uint32(ns), LeaseMillis: ms, Keys: keys}, nil)
+	m, err := c.create(ctx, &protocol.Pin{NS: uint32(ns), LeaseMillis: ms, Keys: keys}, nil, func(r protocol.Message) {
+		c.undo(func(ctx context.Context) error { _, err := c.Unpin(ctx, r.(*protocol.Pinned).Pin); return err })
+	})
 	if err != nil {
 		return Pin{}, err
 	}

@@ -545,15 +545,18 @@ func TestDefaultCommand(t *testing.T) {
 	}
 }
 
-// flipContext is live when first asked and cancelled ever after: it ends
-// "while" the request is in flight.
+// flipContext is live for its first live asks and cancelled ever after:
+// it ends "while" the request is in flight. A Store asks once before its
+// send and twice in it (before and after waiting for its turn to write),
+// then once after the reply.
 type flipContext struct {
 	context.Context
+	live  int32
 	asked atomic.Int32
 }
 
 func (f *flipContext) Err() error {
-	if f.asked.Add(1) == 1 {
+	if f.asked.Add(1) <= f.live {
 		return nil
 	}
 	return context.Canceled
@@ -573,7 +576,7 @@ func TestTransferContextEndsInFlight(t *testing.T) {
 		blocks[j] = uint32(j)
 	}
 	tc.fill(rng, blocks)
-	job, err := c.Store(&flipContext{Context: context.Background()}, tc.cache, [][]byte{[]byte("flip")}, [][]uint32{blocks})
+	job, err := c.Store(&flipContext{Context: context.Background(), live: 3}, tc.cache, [][]byte{[]byte("flip")}, [][]uint32{blocks})
 	if !errors.Is(err, context.Canceled) || job == nil {
 		t.Fatalf("Store with a context that ended in flight: job %v, err %v; want the job and context.Canceled", job, err)
 	}

@@ -30,7 +30,6 @@ const (
 	CodeInternal      Code = 20 // anything else; the message says what
 	CodeTimeout       Code = 21 // the connection missed a deadline (handshake, frame, idle, write)
 	CodeBadHandle     Code = 22 // a CUDA IPC handle names no live memory on that device (stale, forged, another device's)
-	codeMax                = CodeBadHandle
 )
 
 // String names the code.
@@ -81,7 +80,9 @@ func (e *Error) DecodeBody(b []byte) error {
 	e.Code = Code(d.u8("code"))
 	d.zero(1)
 	e.Message = d.str16("message", MaxMessage)
-	if d.err == nil && (e.Code == CodeOK || e.Code > codeMax) {
+	if d.err == nil && e.Code == CodeOK {
+		// Codes above the last this package names are a newer daemon's
+		// (docs/protocol.md, Versioning): an error still.
 		d.fail("error code %d", e.Code)
 	}
 	return d.end()

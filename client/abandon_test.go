@@ -1,0 +1,196 @@
+package client_test
+
+import (
+	"context"
+	"errors"
+	"io"
+	"net"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/kvhost/kvhost/client"
+	"github.com/kvhost/kvhost/protocol"
+)
+
+// fakeDaemon answers the Hello on the first connection to a new socket,
+// then runs after with the connection.
+func fakeDaemon(t *testing.T, after func(c *net.UnixConn)) string {
+	t.Helper()
+	sock := filepath.Join(t.TempDir(), "d.sock")
+	l, err := net.ListenUnix("unix", &net.UnixAddr{Name: sock, Net: "unix"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	go func() {
+		c, err := l.AcceptUnix()
+		if err != nil {
+			return
+		}
+		t.Cleanup(func() { c.Close() })
+		if _, _, err := readRequest(c); err != nil {
+			return
+		}
+		c.Write(protocol.AppendFrame(nil, 1, &protocol.Welcome{Version: protocol.Version, MaxFrame: 4 << 20, MaxKeys: 4096, MaxKeyLen: 64, Server: "fake"}))
+		after(c)
+	}()
+	return sock
+}
+
+// readRequest reads one frame from c.
+func readRequest(c *net.UnixConn) (protocol.Header, protocol.Message, error) {
+	var hdr [protocol.HeaderSize]byte
+	if _, err := io.ReadFull(c, hdr[:]); err != nil {
+		return protocol.Header{}, nil, err
+	}
+	h, err := protocol.ParseHeader(hdr[:], 8<<20)
+	if err != nil {
+		return h, nil, err
+	}
+	body := make([]byte, h.Len)
+	if _, err := io.ReadFull(c, body); err != nil {
+		return h, nil, err
+	}
+	m, err := protocol.Decode(h.Type, body)
+	return h, m, err
+}
+
+// within returns what ch gives, failing the test if that takes a minute
+// (a call that ignores its context never returns).
+func within(t *testing.T, ch chan error) error {
+	t.Helper()
+	select {
+	case err := <-ch:
+		return err
+	case <-time.After(time.Minute):
+		t.Fatal("the call has not returned a minute after its context ended")
+		return nil
+	}
+}
+
+// TestACallReturnsWhenItsContextEndsWhileTheSendBlocks: a daemon that
+// reads nothing (busy on a request, a hung mount) leaves a large frame's
+// write blocked; the call returns when its context ends, and the
+// connection, its stream cut part way, is closed.
+func TestACallReturnsWhenItsContextEndsWhileTheSendBlocks(t *testing.T) {
+	started := make(chan struct{})
+	sock := fakeDaemon(t, func(c *net.UnixConn) {
+		io.ReadFull(c, make([]byte, 1024)) // the write has begun; nothing more is read
+		close(started)
+	})
+	c, err := client.Dial(context.Background(), sock, "t")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	keys := make([][]byte, protocol.MaxKeysPerRequest)
+	for i := range keys {
+		keys[i] = make([]byte, protocol.MaxKeyLen)
+		keys[i][0], keys[i][1] = byte(i), byte(i>>8)
+	}
+	done := make(chan error, 1) // the ~270 KB frame exceeds the socket's buffer
+	ctx, cancel := context.WithCancel(context.Background())
+	go func() {
+		_, err := c.Lookup(ctx, 1, keys)
+		done <- err
+	}()
+	<-started
+	// A second call waits behind the blocked write; its own context ends
+	// it there, with nothing sent.
+	short, cancelShort := context.WithCancel(context.Background())
+	second := make(chan error, 1)
+	go func() {
+		_, err := c.Stats(short)
+		second <- err
+	}()
+	cancelShort()
+	if err := within(t, second); !errors.Is(err, context.Canceled) {
+		t.Fatalf("a call waiting for the blocked write: %v, want %v", err, context.Canceled)
+	}
+	cancel()
+	if err := within(t, done); !errors.Is(err, context.Canceled) || !errors.Is(err, client.ErrClosed) {
+		t.Fatalf("the blocked lookup: %v, want the connection closed for a send cut off by %v", err, context.Canceled)
+	}
+	if _, err := c.Stats(context.Background()); !errors.Is(err, client.ErrClosed) {
+		t.Fatalf("a call after the cut-off send: %v, want %v", err, client.ErrClosed)
+	}
+}
+
+// TestAnUnknownErrorCodeIsAnErrorNotALostConnection: a newer daemon's
+// error code (docs/protocol.md, Versioning) fails the call and keeps the
+// connection.
+func TestAnUnknownErrorCodeIsAnErrorNotALostConnection(t *testing.T) {
+	sock := fakeDaemon(t, func(c *net.UnixConn) {
+		for _, cd := range []protocol.Code{200, protocol.CodeInvalid} {
+			h, _, err := readRequest(c)
+			if err != nil {
+				return
+			}
+			c.Write(protocol.AppendFrame(nil, h.ID, &protocol.Error{Code: cd, Message: "a newer daemon's error"}))
+		}
+	})
+	c, err := client.Dial(context.Background(), sock, "t")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	var pe *protocol.Error
+	if _, err = c.Stats(context.Background()); !errors.As(err, &pe) || pe.Code != 200 {
+		t.Errorf("first call: %v, want a *protocol.Error with code 200", err)
+	}
+	if _, err = c.Stats(context.Background()); !errors.As(err, &pe) || pe.Code != protocol.CodeInvalid {
+		t.Errorf("second call: %v, want the daemon's %s (the connection still up)", err, protocol.CodeInvalid)
+	}
+}
+
+// TestAPinAbandonedAfterItsSendIsUnpinned: a Pin whose context ends after
+// the request went out returns the context's error, and when the Pinned
+// reply comes the client unpins it: the caller holds no pin it cannot
+// name.
+func TestAPinAbandonedAfterItsSendIsUnpinned(t *testing.T) {
+	got := make(chan protocol.Message, 2)
+	answer := make(chan struct{})
+	sock := fakeDaemon(t, func(c *net.UnixConn) {
+		h, m, err := readRequest(c)
+		if err != nil {
+			return
+		}
+		got <- m
+		<-answer
+		c.Write(protocol.AppendFrame(nil, h.ID, &protocol.Pinned{Pin: 7, State: []uint8{protocol.PinHeld}}))
+		h, m, err = readRequest(c)
+		if err != nil {
+			return
+		}
+		got <- m
+		c.Write(protocol.AppendFrame(nil, h.ID, &protocol.Count{T: protocol.TypeUnpin | protocol.TypeReply, Count: 1}))
+	})
+	c, err := client.Dial(context.Background(), sock, "t")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	pinned := make(chan error, 1)
+	go func() {
+		_, err := c.Pin(ctx, 1, [][]byte{[]byte("key")}, 0)
+		pinned <- err
+	}()
+	if m := <-got; m.Type() != protocol.TypePin {
+		t.Fatalf("first request %s, want a pin", m.Type())
+	}
+	cancel()
+	if err := within(t, pinned); !errors.Is(err, context.Canceled) {
+		t.Fatalf("Pin: %v, want %v", err, context.Canceled)
+	}
+	close(answer)
+	select {
+	case m := <-got:
+		if u, ok := m.(*protocol.Unpin); !ok || u.Pin != 7 {
+			t.Fatalf("after the abandoned pin's reply: %#v, want an unpin of pin 7", m)
+		}
+	case <-time.After(time.Minute):
+		t.Fatal("no unpin of the abandoned pin")
+	}
+}
