@@ -64,7 +64,7 @@ class Captured:
     def __init__(self):
         self.calls = []
 
-    def __call__(self, ftype, body, fds=None):
+    def __call__(self, ftype, body, fds=None, undo=None):
         self.calls.append((ftype, body, fds))
         return ftype | p.T_REPLY, struct.pack("<IIQ", 7, 0, 0)
 
@@ -350,6 +350,41 @@ class TestUnreadableStream(unittest.TestCase):
             job.wait(30)
 
 
+class TestAbandonedRequests(unittest.TestCase):
+    def test_a_pin_whose_reply_comes_after_the_timeout_is_unpinned(self):
+        # The caller got a TimeoutError and no pin id: when the reply
+        # comes, the client gives the pin back rather than leave the
+        # daemon holding keys nobody can name until the connection closes.
+        fake = FakeDaemon()
+        self.addCleanup(fake.close)
+        t = threading.Thread(target=lambda: (fake.accept(), fake.welcome()))
+        t.start()
+        c = kvhost.Client(fake.path, timeout=0.2)
+        self.addCleanup(c.close)
+        t.join()
+        got = {}
+
+        def daemon():
+            got["pin"] = fake.read_frame()
+            got["timed_out"].wait(60)
+            ftype, req_id, _ = got["pin"]
+            fake.reply(ftype | p.T_REPLY, req_id, struct.pack("<QI", 9, 1) + bytes([p.PIN_HELD]))
+            got["unpin"] = fake.read_frame()
+            fake.reply(got["unpin"][0] | p.T_REPLY, got["unpin"][1], struct.pack("<I", 1))
+
+        got["timed_out"] = threading.Event()
+        d = threading.Thread(target=daemon)
+        d.start()
+        with self.assertRaises(TimeoutError):
+            c.pin(1, [b"k"])
+        got["timed_out"].set()
+        d.join(60)
+        self.assertEqual(got["pin"][0], p.T_PIN)
+        self.assertIn("unpin", got, "no unpin of the pin whose reply came late")
+        self.assertEqual(got["unpin"][0], p.T_UNPIN)
+        self.assertEqual(struct.unpack("<Q", got["unpin"][2])[0], 9)
+
+
 class TestRegisterCudaTensor(unittest.TestCase):
     def test_sends_handle_offset_size_and_device(self):
         handle = bytes(range(64))
@@ -486,7 +521,7 @@ class StatsCaptured(Captured):
         super().__init__()
         self.body = body
 
-    def __call__(self, ftype, body, fds=None):
+    def __call__(self, ftype, body, fds=None, undo=None):
         if ftype == p.T_STATS:
             self.calls.append((ftype, body, fds))
             return ftype | p.T_REPLY, self.body

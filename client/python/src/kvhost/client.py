@@ -5,6 +5,7 @@ every job completion to its Job.
 """
 
 import dataclasses
+import logging
 import os
 import socket
 import struct
@@ -14,6 +15,8 @@ from . import memory
 from . import protocol as p
 from .lookuptable import FormatError, LookupTable
 from .memory import seal_shrink
+
+_log = logging.getLogger("kvhost")
 
 
 class KvhostError(Exception):
@@ -421,15 +424,34 @@ class Client:
         except OSError:
             pass
 
-    def _call(self, ftype, body, fds=None):
+    def _call(self, ftype, body, fds=None, undo=None):
+        """Sends a request and returns the reply's (type, body). On a
+        timeout, undo (if given) is called with the reply's body when the
+        reply comes: what the daemon made for a caller that gave up (a pin,
+        a region, a cache) is given back, not held until the connection
+        closes."""
         req_id, pend = self._send(ftype, body, fds)
         if not pend.event.wait(self._timeout):
+            if undo is not None:
+                threading.Thread(target=self._undo_late, args=(pend, ftype, undo), daemon=True,
+                                 name=f"kvhost-undo-{req_id}").start()
             raise TimeoutError(f"no reply to request {req_id} after {self._timeout}s")
         if pend.error is not None:
             raise _again(pend.error)
         if pend.ftype != ftype | p.T_REPLY:
             raise _refusal(pend.ftype, pend.body, ftype)
         return pend.ftype, pend.body
+
+    def _undo_late(self, pend, ftype, undo):
+        """Waits for the reply of a request whose caller gave up (it comes,
+        or the connection closes and the daemon gives everything back) and
+        calls undo with its body."""
+        pend.event.wait()
+        if pend.error is None and pend.ftype == ftype | p.T_REPLY:
+            try:
+                undo(pend.body)
+            except Exception as e:  # the connection went meanwhile: given back with it
+                _log.debug("kvhost: giving back what an abandoned request made: %s", e)
 
     def _job(self, ftype, body, block):
         """A store or load: the Job once the daemon accepted it (block), or
@@ -455,7 +477,8 @@ class Client:
         """Registers size bytes of a memfd (sealed against shrinking here if
         not already); returns the region id."""
         seal_shrink(fd)
-        _, body = self._call(p.T_REGISTER_MEMORY, p.register_memory(p.MEMORY_MEMFD, size), [fd])
+        _, body = self._call(p.T_REGISTER_MEMORY, p.register_memory(p.MEMORY_MEMFD, size), [fd],
+                             undo=self._unregister_late)
         return struct.unpack_from("<I", body)[0]
 
     def register_buffer(self, buf):
@@ -471,7 +494,8 @@ class Client:
         region id."""
         if size <= 0:
             raise ValueError(f"size {size}: want > 0")
-        _, body = self._call(p.T_REGISTER_MEMORY, p.register_memory(p.MEMORY_SHARED, size), [fd])
+        _, body = self._call(p.T_REGISTER_MEMORY, p.register_memory(p.MEMORY_SHARED, size), [fd],
+                             undo=self._unregister_late)
         return struct.unpack_from("<I", body)[0]
 
     def register_cuda(self, device, handle, offset, size):
@@ -480,7 +504,8 @@ class Client:
         names, on device as the daemon numbers its GPUs. Daemons without GPU
         support raise UnsupportedError; a stale, forged or other device's
         handle raises KvhostError with code "bad IPC handle"."""
-        _, body = self._call(p.T_REGISTER_MEMORY, p.register_memory(p.MEMORY_CUDA_IPC, size, device, offset, handle))
+        _, body = self._call(p.T_REGISTER_MEMORY, p.register_memory(p.MEMORY_CUDA_IPC, size, device, offset, handle),
+                             undo=self._unregister_late)
         return struct.unpack_from("<I", body)[0]
 
     def register_cuda_tensor(self, tensor, device=None):
@@ -516,6 +541,14 @@ class Client:
                              f"but the tensor lives on {memory.uuid_text(uuid)}")
         return self.register_cuda(device, handle, offset, size)
 
+    def _unregister_late(self, body):
+        self.unregister_memory(struct.unpack_from("<I", body)[0])
+
+    def _unpin_late(self, body):
+        (pin_id,) = struct.unpack_from("<Q", body)
+        if pin_id:
+            self.unpin(pin_id)
+
     def unregister_memory(self, region):
         self._call(p.T_UNREGISTER_MEMORY, struct.pack("<I", region))
 
@@ -538,7 +571,8 @@ class Client:
     def register_cache(self, ns, layers):
         """Registers a paged cache (one Layer per model layer); returns its id."""
         ns = ns.id if isinstance(ns, Namespace) else ns
-        _, body = self._call(p.T_REGISTER_CACHE, p.register_cache(ns, layers))
+        _, body = self._call(p.T_REGISTER_CACHE, p.register_cache(ns, layers),
+                             undo=lambda b: self.unregister_cache(struct.unpack_from("<I", b)[0]))
         return struct.unpack("<I", body)[0]
 
     def unregister_cache(self, cache):
@@ -628,7 +662,7 @@ class Client:
             ms = 1
         if not 0 <= ms <= p.MAX_LEASE_MS:
             raise ValueError(f"lease {lease_s}s: want 0..{p.MAX_LEASE_MS // 1000}s")
-        _, body = self._call(p.T_PIN, struct.pack("<II", ns, ms) + p.keys_body(keys))
+        _, body = self._call(p.T_PIN, struct.pack("<II", ns, ms) + p.keys_body(keys), undo=self._unpin_late)
         pin_id, n = struct.unpack_from("<QI", body)
         if n != len(keys) or len(body) != 12 + n:
             raise p.ProtocolError(f"pin reply of {len(body)} bytes for {len(keys)} keys")
