@@ -298,7 +298,8 @@ func (e *Engine) demoteVictim(ctx context.Context, m *mount, v policy.Eviction) 
 // its root) and returns its size. mayEvict lets the reservation on the
 // target evict there; without it the move takes only room below the
 // target's high watermark. It fails with errMoveStale when the entry is
-// gone, pinned or busy, and with ErrNoSpace when the target has no room.
+// gone, pinned, busy or another live node's, and with ErrNoSpace when the
+// target has no room.
 func (e *Engine) move(ctx context.Context, id uint64, target int, mayEvict bool) (int64, error) {
 	if target < 0 || target >= e.kvMounts {
 		return 0, fmt.Errorf("%w: move to mount %d: the kvhost mounts are 0..%d", ErrPolicy, target, e.kvMounts-1)
@@ -307,7 +308,10 @@ func (e *Engine) move(ctx context.Context, id uint64, target int, mayEvict bool)
 	ix := e.ix
 	ix.mu.Lock()
 	en := ix.entries[id]
-	if en == nil || en.gone || en.pins > 0 || en.mount == target || en.mount >= e.kvMounts {
+	// A move removes its source, so it needs the right an eviction needs:
+	// on a cluster mount, only this node's files and those of a dead node
+	// it adopted (a policy knows other nodes' files it found).
+	if en == nil || en.gone || en.pins > 0 || en.mount == target || en.mount >= e.kvMounts || !e.mayEvict(e.mounts[en.mount], en) {
 		ix.mu.Unlock()
 		return 0, errMoveStale
 	}
