@@ -271,7 +271,7 @@ type Mount struct {
 	// Eviction starts when usage exceeds HighWatermark × Capacity and frees
 	// space down to LowWatermark × Capacity.
 	HighWatermark float64 `toml:"high_watermark"`
-	LowWatermark  float64 `toml:"low_watermark"` // fraction in (0, HighWatermark); 0 means 0.85
+	LowWatermark  float64 `toml:"low_watermark"` // fraction in (0, HighWatermark); unset: 0.85, or 0.1 below a HighWatermark at or under that
 	// Reserve is space kvhost leaves free on the file system: the
 	// effective capacity is the smaller of Capacity and the file system's
 	// available space plus kvhost's own files, minus Reserve.
@@ -417,7 +417,7 @@ func Default() Config {
 			FailureWindow: Duration(time.Minute),
 		},
 		Engine: Engine{StagingMemory: 256 << 20, YieldBytes: 1 << 20, VerifyInterval: Duration(time.Second), RestartHold: Duration(10 * time.Second)},
-		Mounts: []Mount{{Path: filepath.Join(root, "blocks"), HighWatermark: 0.95, LowWatermark: 0.85}},
+		Mounts: []Mount{{Path: filepath.Join(root, "blocks"), HighWatermark: DefaultHighWatermark, LowWatermark: DefaultLowWatermark}},
 	}
 }
 
@@ -457,7 +457,7 @@ func Load(path string) (Config, error) {
 // Parse is Load for a file already read; name is used in error messages.
 func Parse(name string, src []byte) (Config, error) {
 	c := Default()
-	explicitMounts := bytes.Contains(src, []byte("[[mount]]"))
+	explicitMounts, mountSets := mountKeys(src)
 	if explicitMounts {
 		c.Mounts = nil
 	}
@@ -504,11 +504,14 @@ func Parse(name string, src []byte) (Config, error) {
 		}
 	}
 	for i := range c.Mounts {
-		if c.Mounts[i].HighWatermark == 0 {
-			c.Mounts[i].HighWatermark = 0.95
+		m := &c.Mounts[i]
+		sets := func(k string) bool { return i < len(mountSets) && mountSets[i][k] }
+		// A value given, 0 included, is Validate's to judge.
+		if !sets("high_watermark") {
+			m.HighWatermark = DefaultHighWatermark
 		}
-		if c.Mounts[i].LowWatermark == 0 {
-			c.Mounts[i].LowWatermark = 0.85
+		if !sets("low_watermark") {
+			m.LowWatermark = defaultLowWatermark(m.HighWatermark)
 		}
 	}
 	if err := c.Validate(); err != nil {
@@ -519,6 +522,47 @@ func Parse(name string, src []byte) (Config, error) {
 		return Config{}, err
 	}
 	return c, nil
+}
+
+// Default watermarks of a mount: eviction starts above DefaultHighWatermark
+// of its capacity and frees down to DefaultLowWatermark, or to 0.1 below a
+// high watermark given at or under it (half of one at or under 0.1).
+const (
+	DefaultHighWatermark = 0.95
+	DefaultLowWatermark  = 0.85
+)
+
+// defaultLowWatermark is the low watermark of a mount that sets none.
+func defaultLowWatermark(high float64) float64 {
+	switch {
+	case high > DefaultLowWatermark:
+		return DefaultLowWatermark
+	case high > 0.1:
+		return high - 0.1
+	default:
+		return high / 2
+	}
+}
+
+// mountKeys reports whether src defines mount tables (a [[mount]] in a
+// comment or a string does not), and the keys each sets, in order. A file
+// that does not parse is Decode's to report.
+func mountKeys(src []byte) (defined bool, sets []map[string]bool) {
+	var probe struct {
+		Mount []map[string]any `toml:"mount"`
+	}
+	md, err := toml.NewDecoder(bytes.NewReader(src)).Decode(&probe)
+	if err != nil || !md.IsDefined("mount") {
+		return false, nil
+	}
+	for _, m := range probe.Mount {
+		keys := make(map[string]bool, len(m))
+		for k := range m {
+			keys[k] = true
+		}
+		sets = append(sets, keys)
+	}
+	return true, sets
 }
 
 // ValueError says which key holds an unacceptable value and what was expected.
@@ -690,8 +734,11 @@ func (c *Config) Validate() error {
 		return bad("mount", "at least one [[mount]] table", "none")
 	}
 	seen := map[string]bool{}
+	vllmFS := false // a vllm-fs mount came before
 	for _, m := range c.Mounts {
 		switch {
+		case vllmFS && m.Layout != LayoutVLLMFS:
+			return bad("mount.layout", "every vllm-fs mount after every mount of kvhost's layout", fmt.Sprintf("mount %q after a vllm-fs mount", m.Path))
 		case m.Path == "" || !filepath.IsAbs(m.Path):
 			return bad("mount.path", "an absolute directory path", fmt.Sprintf("%q", m.Path))
 		case seen[filepath.Clean(m.Path)]:
@@ -741,6 +788,7 @@ func (c *Config) Validate() error {
 			}
 		}
 		seen[filepath.Clean(m.Path)] = true
+		vllmFS = vllmFS || m.Layout == LayoutVLLMFS
 	}
 	return nil
 }

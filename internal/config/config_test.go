@@ -3,6 +3,7 @@ package config
 import (
 	"errors"
 	"flag"
+	"math"
 	"os"
 	"path/filepath"
 	"strings"
@@ -158,6 +159,10 @@ func TestParseErrors(t *testing.T) {
 		{"negative gpu poll", "[gpu]\npoll = \"-1ms\"", "kvhost.toml:2: gpu.poll: want between 0s (sleep at once) and 1s"},
 		{"idle registrars", "[gpu]\nidle_registrars = 9", "kvhost.toml:2: gpu.idle_registrars: want between 0 (none) and 8, got 9"},
 		{"metrics address", "[metrics]\nlisten = \"9400\"", `kvhost.toml:2: metrics.listen: want a TCP address "host:port"`},
+		{"high watermark zero", "[[mount]]\npath = \"/a\"\nhigh_watermark = 0", "kvhost.toml:3: mount.high_watermark: want a fraction in (0, 1], got 0"},
+		{"low watermark zero", "[[mount]]\npath = \"/a\"\nlow_watermark = 0", "kvhost.toml:3: mount.low_watermark: want a fraction in (0, high_watermark), got 0"},
+		{"vllm-fs mount first", "[[mount]]\npath = \"/v\"\nlayout = \"vllm-fs\"\n[[mount]]\npath = \"/k\"",
+			`mount.layout: want every vllm-fs mount after every mount of kvhost's layout, got mount "/k" after a vllm-fs mount`},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -170,6 +175,40 @@ func TestParseErrors(t *testing.T) {
 			}
 			if !strings.Contains(err.Error(), tt.want) {
 				t.Errorf("error %q does not contain %q", err, tt.want)
+			}
+		})
+	}
+}
+
+// TestMountDefaults: a mount's watermarks default where the file sets
+// none (the low one below a high one given at or under 0.85), and a
+// [[mount]] in a comment keeps the default mount.
+func TestMountDefaults(t *testing.T) {
+	for _, tc := range []struct {
+		name      string
+		src       string
+		path      string // of the only mount
+		high, low float64
+	}{
+		{"none set", "[[mount]]\npath = \"/a\"", "/a", 0.95, 0.85},
+		{"high above the low default", "[[mount]]\npath = \"/a\"\nhigh_watermark = 0.9", "/a", 0.9, 0.85},
+		{"high at the low default", "[[mount]]\npath = \"/a\"\nhigh_watermark = 0.85", "/a", 0.85, 0.75},
+		{"high below it", "[[mount]]\npath = \"/a\"\nhigh_watermark = 0.5", "/a", 0.5, 0.4},
+		{"high tiny", "[[mount]]\npath = \"/a\"\nhigh_watermark = 0.05", "/a", 0.05, 0.025},
+		{"low set", "[[mount]]\npath = \"/a\"\nlow_watermark = 0.5", "/a", 0.95, 0.5},
+		{"a mount only in a comment", "# [[mount]]\n# path = \"/nvme/kvhost\"\n[server]\nmax_clients = 8", Default().Mounts[0].Path, 0.95, 0.85},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c, err := Parse("kvhost.toml", []byte(tc.src))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(c.Mounts) != 1 {
+				t.Fatalf("%d mounts, want 1", len(c.Mounts))
+			}
+			m := c.Mounts[0]
+			if m.Path != tc.path || math.Abs(m.HighWatermark-tc.high) > 1e-9 || math.Abs(m.LowWatermark-tc.low) > 1e-9 {
+				t.Errorf("mount %s, watermarks %v/%v; want %s, %v/%v", m.Path, m.HighWatermark, m.LowWatermark, tc.path, tc.high, tc.low)
 			}
 		})
 	}
