@@ -180,6 +180,12 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 	if d.metrics != nil {
 		ecfg.Observer = d.metrics
 	}
+	// The socket's directories first: the engine's lock and the lookup
+	// table go next to the socket, and a directory made for them would
+	// not be given to socket_group.
+	if _, err := server.PrepareSocketDir(cfg.Server.Socket, cfg.Server.SocketGroup); err != nil {
+		return errors.Join(err, closeGPU())
+	}
 	eng, err := engine.Open(ctx, ecfg)
 	if err != nil {
 		return errors.Join(fmt.Errorf("open engine: %w", err), closeGPU())

@@ -50,15 +50,8 @@ func Listen(path string, mode os.FileMode, group string) (*Socket, error) {
 		return nil, fmt.Errorf("server: socket mode %o: want permission bits only", mode)
 	}
 	path = filepath.Clean(path)
-	gid := -1
-	if group != "" {
-		g, err := LookupGroup(group)
-		if err != nil {
-			return nil, err
-		}
-		gid = g
-	}
-	if err := socketDir(filepath.Dir(path), gid); err != nil {
+	gid, err := PrepareSocketDir(path, group)
+	if err != nil {
 		return nil, err
 	}
 	if err := removeStale(path); err != nil {
@@ -97,6 +90,27 @@ func Listen(path string, mode os.FileMode, group string) (*Socket, error) {
 		return cleanup(fmt.Errorf("server: listener: %w", err))
 	}
 	return &Socket{UnixListener: l.(*net.UnixListener), path: path, dev: st.Dev, ino: st.Ino}, nil
+}
+
+// PrepareSocketDir creates the directories of the socket at path that are
+// missing as Listen does (0750 whatever the umask and, if group is not
+// empty, given to that group), and returns the group's id (-1 for none).
+// A daemon that puts other files next to the socket (its lock, its lookup
+// table) calls it first, so that the directories it creates are the
+// group's too.
+func PrepareSocketDir(path, group string) (int, error) {
+	gid := -1
+	if group != "" {
+		g, err := LookupGroup(group)
+		if err != nil {
+			return -1, err
+		}
+		gid = g
+	}
+	if err := socketDir(filepath.Dir(filepath.Clean(path)), gid); err != nil {
+		return -1, err
+	}
+	return gid, nil
 }
 
 // socketDir creates dir and its missing parents, mode 0750 whatever the
