@@ -500,7 +500,7 @@ func Parse(name string, src []byte) (Config, error) {
 		if len(unknown) > 0 {
 			k := unknown[0]
 			return Config{}, fmt.Errorf("%w: %s:%d: unknown key %q (known keys are listed in docs/config.md)",
-				ErrInvalid, name, lineOf(src, k), k)
+				ErrInvalid, name, lineOf(src, k, 0), k)
 		}
 	}
 	for i := range c.Mounts {
@@ -517,7 +517,7 @@ func Parse(name string, src []byte) (Config, error) {
 	if err := c.Validate(); err != nil {
 		var ve *ValueError
 		if errors.As(err, &ve) {
-			ve.File, ve.Line = name, lineOf(src, ve.Key)
+			ve.File, ve.Line = name, lineOf(src, ve.Key, ve.Mount)
 		}
 		return Config{}, err
 	}
@@ -572,6 +572,8 @@ type ValueError struct {
 	Key  string // dotted key, e.g. "policy.shards" or "mount.path"
 	Want string // what was expected, e.g. "at least 1"
 	Got  any    // the value found
+	// Mount is, for a key of a mount, the index of its [[mount]] table.
+	Mount int
 }
 
 // Error names the file, line and key (where known) and what was expected.
@@ -735,7 +737,8 @@ func (c *Config) Validate() error {
 	}
 	seen := map[string]bool{}
 	vllmFS := false // a vllm-fs mount came before
-	for _, m := range c.Mounts {
+	for i, m := range c.Mounts {
+		bad := func(key, want string, got any) error { return &ValueError{Key: key, Want: want, Got: got, Mount: i} }
 		switch {
 		case vllmFS && m.Layout != LayoutVLLMFS:
 			return bad("mount.layout", "every vllm-fs mount after every mount of kvhost's layout", fmt.Sprintf("mount %q after a vllm-fs mount", m.Path))
@@ -804,13 +807,16 @@ func (p Policy) PolicyParams() map[string]string {
 
 // lineOf finds the line of a dotted key ("policy.shards", "mount.path") in a
 // TOML source: the first line assigning the last component inside a table
-// whose name is the rest. It returns 0 when it cannot tell.
-func lineOf(src []byte, key string) int {
+// whose name is the rest, for a mount's key inside its mount'th [[mount]]
+// table. It returns 0 when it cannot tell.
+func lineOf(src []byte, key string, mount int) int {
 	table, leaf := "", key
 	if i := strings.LastIndexByte(key, '.'); i >= 0 {
 		table, leaf = key[:i], key[i+1:]
 	}
 	cur := ""
+	mounts := -1 // the [[mount]] tables seen, less one
+	inMount := func() bool { return table != "mount" && !strings.HasPrefix(table, "mount.") || mounts == mount }
 	sc := bufio.NewScanner(bytes.NewReader(src))
 	for n := 1; sc.Scan(); n++ {
 		line := strings.TrimSpace(sc.Text())
@@ -819,13 +825,16 @@ func lineOf(src []byte, key string) int {
 			if i := strings.IndexByte(cur, '#'); i >= 0 {
 				cur = strings.TrimSpace(strings.Trim(cur[:i], "[] \t"))
 			}
-			if cur == key {
+			if cur == "mount" && strings.HasPrefix(line, "[[") {
+				mounts++
+			}
+			if cur == key && inMount() {
 				return n
 			}
 			continue
 		}
 		k, _, ok := strings.Cut(line, "=")
-		if ok && cur == table && strings.Trim(strings.TrimSpace(k), `"`) == leaf {
+		if ok && cur == table && strings.Trim(strings.TrimSpace(k), `"`) == leaf && inMount() {
 			return n
 		}
 	}

@@ -159,6 +159,8 @@ func TestParseErrors(t *testing.T) {
 		{"negative gpu poll", "[gpu]\npoll = \"-1ms\"", "kvhost.toml:2: gpu.poll: want between 0s (sleep at once) and 1s"},
 		{"idle registrars", "[gpu]\nidle_registrars = 9", "kvhost.toml:2: gpu.idle_registrars: want between 0 (none) and 8, got 9"},
 		{"metrics address", "[metrics]\nlisten = \"9400\"", `kvhost.toml:2: metrics.listen: want a TCP address "host:port"`},
+		{"io mode of a second mount", "[[mount]]\npath = \"/a\"\nio = \"direct\"\n\n[[mount]]\npath = \"/b\"\nio = \"directt\"", `kvhost.toml:7: mount.io: want "auto", "direct" or "buffered", got "directt"`},
+		{"a second mount's duplicate path", "[[mount]]\npath = \"/a\"\n[[mount]]\npath = \"/a/\"", "kvhost.toml:4: mount.path: want each mount once"},
 		{"high watermark zero", "[[mount]]\npath = \"/a\"\nhigh_watermark = 0", "kvhost.toml:3: mount.high_watermark: want a fraction in (0, 1], got 0"},
 		{"low watermark zero", "[[mount]]\npath = \"/a\"\nlow_watermark = 0", "kvhost.toml:3: mount.low_watermark: want a fraction in (0, high_watermark), got 0"},
 		{"vllm-fs mount first", "[[mount]]\npath = \"/v\"\nlayout = \"vllm-fs\"\n[[mount]]\npath = \"/k\"",
