@@ -841,3 +841,64 @@ func TestAStoreOutlivesAFailedFlockOfItsTemporaryFile(t *testing.T) {
 	loadAndCompare(t, e, c, keys, [][]int{{40, 41, 42, 43}, {44, 45, 46, 47}, {48, 49, 50, 51}},
 		[][]byte{c.data(blocks[0]), c.data(blocks[1]), c.data(blocks[2])})
 }
+
+// onePathPolicy names every key's file "one.kv": a store of a new key
+// replaces the file of another.
+type onePathPolicy struct{ *testPolicy }
+
+func (p onePathPolicy) Name(ctx context.Context, recs []abi.NameRecord) error {
+	if err := p.testPolicy.Name(ctx, recs); err != nil {
+		return err
+	}
+	for i := range recs {
+		recs[i].PathLen = uint32(copy(recs[i].PathBuf[:], "one.kv"))
+	}
+	return nil
+}
+
+// TestAStoreFailingAfterItsRenameUnindexesTheFileItReplaced: a store whose
+// new file replaces another key's file at its path and then fails to close
+// (after the rename): the new file is removed, and the old one, gone, is
+// no longer indexed or counted (a lookup of its key does not find it, the
+// mount's used bytes are 0).
+func TestAStoreFailingAfterItsRenameUnindexesTheFileItReplaced(t *testing.T) {
+	ctx := context.Background()
+	g := smallGeometry(true)
+	var failClose atomic.Bool
+	inj := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+		// The close of a temporary file: only seal's, after the rename.
+		if op == fsys.OpClose && failClose.Load() && strings.HasPrefix(filepath.Base(path), tmpPrefix) {
+			return fsys.Fault{Err: syscall.EIO}
+		}
+		return fsys.Fault{}
+	})
+	e := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir()}}, Policy: onePathPolicy{newTestPolicy(1, abi.OrderLayerMajor)},
+		FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj}})
+	ns, err := e.Declare(ctx, g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := newTestCache(t, e, ns, g, 32, layoutPlaneFirst)
+	r := rand.New(rand.NewPCG(3, 4))
+	keys, blocks := testKeys("replaced", 2), blockLists(r, 2, 4, 0)
+	for _, b := range blocks {
+		c.fill(r, b)
+	}
+	storeAndCheck(t, e, c, keys[:1], blocks[:1])
+	failClose.Store(true)
+	res := wait(t)(e.Store(ctx, StoreRequest{Cache: c.id, Keys: keys[1:], Blocks: blocks[1:]}))
+	failClose.Store(false)
+	if res.Keys[0].Outcome != OutcomeFailed {
+		t.Fatalf("the store whose close failed after its rename: %+v, want failed", res.Keys[0])
+	}
+	// Before any lookup, which would find the file gone and drop it.
+	if st := e.Stats(); st.Entries != 0 || st.Mounts[0].Used != 0 {
+		t.Errorf("after the failed store: %d entries, %d bytes used; want none", st.Entries, st.Mounts[0].Used)
+	}
+	if n, err := e.Lookup(ctx, ns, keys[:1]); err != nil || n != 0 {
+		t.Errorf("lookup of the replaced key after the failed store: %d, %v; want 0", n, err)
+	}
+	if err := e.check(); err != nil {
+		t.Error(err)
+	}
+}

@@ -498,6 +498,11 @@ func (e *Engine) writeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 		return false, fmt.Errorf("%w: store on mount %s: %s is a directory, not a kvhost file: the policy's name for key %q collides with it", ErrPolicy, m.root, gr.path, h.Keys[0].Key)
 	case err != nil && published:
 		e.unreserve(m, size) // the file was removed again
+		if gr.old != nil {
+			// The rename replaced the old file: it is gone, with any
+			// keys of it this store did not write again.
+			e.drop(ctx, gr.old, false, "replaced by a store that failed after its rename")
+		}
 		return true, err
 	case err != nil:
 		return false, err
