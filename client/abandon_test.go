@@ -194,3 +194,35 @@ func TestAPinAbandonedAfterItsSendIsUnpinned(t *testing.T) {
 		t.Fatal("no unpin of the abandoned pin")
 	}
 }
+
+// TestACancelRacingASendLeavesNoDeadline: a context that ends while a
+// small request is written (the write completes anyway) leaves no past
+// write deadline on the connection: the next call, its context live, is
+// answered. The cut runs on its own goroutine, which may set the deadline
+// after the write returned.
+func TestACancelRacingASendLeavesNoDeadline(t *testing.T) {
+	sock := fakeDaemon(t, func(c *net.UnixConn) {
+		for {
+			h, _, err := readRequest(c)
+			if err != nil {
+				return
+			}
+			c.Write(protocol.AppendFrame(nil, h.ID, &protocol.Error{Code: protocol.CodeInvalid, Message: "x"}))
+		}
+	})
+	c, err := client.Dial(context.Background(), sock, "t")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	for i := range 2000 {
+		ctx, cancel := context.WithCancel(context.Background())
+		go cancel()
+		c.Stats(ctx)
+		cancel()
+		var pe *protocol.Error
+		if _, err := c.Stats(context.Background()); !errors.As(err, &pe) {
+			t.Fatalf("round %d: a call with a live context after a cancelled one: %v, want the daemon's answer", i, err)
+		}
+	}
+}

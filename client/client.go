@@ -352,7 +352,8 @@ func (c *Client) send(ctx context.Context, m protocol.Message, fds []int) (chan 
 	if len(c.wbuf) > maxFrame {
 		err = fmt.Errorf("%w: %s frame of %d bytes exceeds the daemon's limit of %d", ErrInvalid, m.Type(), len(c.wbuf), maxFrame)
 	} else {
-		stop := context.AfterFunc(ctx, func() { c.conn.SetWriteDeadline(longAgo) })
+		cut := make(chan struct{}) // closed once the deadline is set
+		stop := context.AfterFunc(ctx, func() { c.conn.SetWriteDeadline(longAgo); close(cut) })
 		if len(fds) > 0 {
 			sent, _, err = c.conn.WriteMsgUnix(c.wbuf, unix.UnixRights(fds...), nil)
 		}
@@ -361,7 +362,10 @@ func (c *Client) send(ctx context.Context, m protocol.Message, fds []int) (chan 
 			n, err = c.conn.Write(c.wbuf[sent:])
 			sent += n
 		}
-		if !stop() { // the deadline was set: clear it for the next write
+		if !stop() {
+			// The cut began: once it has set the deadline, clear it for
+			// the next write (stop returns before the function ends).
+			<-cut
 			c.conn.SetWriteDeadline(time.Time{})
 			if err != nil {
 				err = ctx.Err()
@@ -383,8 +387,11 @@ func (c *Client) send(ctx context.Context, m protocol.Message, fds []int) (chan 
 		return nil, err
 	case sent == 0 && ctx.Err() != nil && errors.Is(err, ctx.Err()):
 		return nil, err // nothing sent: the connection is as it was
-	case sent > 0 && sent < full && ctx.Err() != nil:
-		c.conn.Close() // the read loop ends and fails the rest
+	}
+	// A write that failed may have sent part of the frame: the stream is
+	// out of step. The read loop ends and fails the rest.
+	c.conn.Close()
+	if sent > 0 && sent < full && ctx.Err() != nil {
 		return nil, fmt.Errorf("%w: send of %s cut off after %d of %d bytes: %w", ErrClosed, m.Type(), sent, full, err)
 	}
 	return nil, fmt.Errorf("%w: send: %w", ErrClosed, err)
