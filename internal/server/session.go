@@ -527,8 +527,13 @@ func (s *session) declare(m *protocol.Declare) (protocol.Message, error) {
 		return nil, err
 	}
 	id := s.newID()
+	r, err := reply(id, nsID)
+	if err != nil { // the engine is closing: the declaration is not kept
+		s.srv.undeclare(nsID)
+		return nil, err
+	}
 	s.namespaces[id] = &namespace{id: nsID, geo: geo}
-	return reply(id, nsID)
+	return r, nil
 }
 
 func (s *session) undeclare(m *protocol.Undeclare) (protocol.Message, error) {
