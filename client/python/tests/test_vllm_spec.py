@@ -1042,7 +1042,7 @@ class TestOptions(unittest.TestCase):
             with self.assertRaisesRegex(ValueError, "request_timeout_s"):
                 Spec(S.fake_offloading_config("/nonexistent.sock", request_timeout_s=bad))
         for k in ("lookup_wait_s", "stored_ttl_s", "job_timeout_s", "reconnect_s", "load_retry_s"):
-            for bad in (-1, float("nan"), True, "30"):
+            for bad in (-1, float("nan"), float("inf"), True, "30"):
                 with self.subTest(option=k, value=bad), self.assertRaisesRegex(ValueError, f"{k}: want seconds >= 0"):
                     Spec(S.fake_offloading_config("/nonexistent.sock", **{k: bad}))
         with self.assertRaisesRegex(_namespace.IdentityUnknown, "parallel.rank 2 is not below"):

@@ -925,7 +925,7 @@ class Options(unittest.TestCase):
 
     def test_a_duration_that_is_not_seconds_at_least_zero_is_refused(self):
         for k in ("lookup_ttl_s", "lookup_wait_s", "job_timeout_s", "reconnect_s"):
-            for bad in (-1, float("nan"), True, "30"):
+            for bad in (-1, float("nan"), float("inf"), True, "30"):
                 with self.subTest(option=k, value=bad), self.assertRaisesRegex(ValueError, f"{k}: want seconds >= 0"):
                     Tier(offloading_spec=S.fake_spec(), primary_kv_view=memoryview(random_region()),
                          tier_type="KvhostTier", socket="/x", **{k: bad})

@@ -111,11 +111,12 @@ def merge_options(given, defaults, ignored, what):
 
 def check_seconds(o, keys):
     """Raises ValueError naming the first option of keys in o that is not
-    a number of seconds >= 0 (a bool, a string or NaN is none)."""
+    a finite number of seconds >= 0 (a bool, a string, NaN or infinity is
+    none: a wait of infinite seconds overflows)."""
     for k in keys:
         v = o[k]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
-            raise ValueError(f"kvhost.vllm: {k}: want seconds >= 0, got {v!r}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1e9:
+            raise ValueError(f"kvhost.vllm: {k}: want seconds >= 0 (finite), got {v!r}")
 
 
 def check_request_timeout(o):
