@@ -71,8 +71,8 @@ func within(t *testing.T, ch chan error) error {
 
 // TestACallReturnsWhenItsContextEndsWhileTheSendBlocks: a daemon that
 // reads nothing (busy on a request, a hung mount) leaves a large frame's
-// write blocked; the call returns when its context ends, and the
-// connection, its stream cut part way, is closed.
+// write blocked; the call returns when its context ends, and the client,
+// its stream cut part way, sends nothing more (ErrClosed).
 func TestACallReturnsWhenItsContextEndsWhileTheSendBlocks(t *testing.T) {
 	started := make(chan struct{})
 	sock := fakeDaemon(t, func(c *net.UnixConn) {
@@ -110,7 +110,7 @@ func TestACallReturnsWhenItsContextEndsWhileTheSendBlocks(t *testing.T) {
 	}
 	cancel()
 	if err := within(t, done); !errors.Is(err, context.Canceled) || !errors.Is(err, client.ErrClosed) {
-		t.Fatalf("the blocked lookup: %v, want the connection closed for a send cut off by %v", err, context.Canceled)
+		t.Fatalf("the blocked lookup: %v, want ErrClosed for a send cut off by %v", err, context.Canceled)
 	}
 	if _, err := c.Stats(context.Background()); !errors.Is(err, client.ErrClosed) {
 		t.Fatalf("a call after the cut-off send: %v, want %v", err, client.ErrClosed)
@@ -224,5 +224,55 @@ func TestACancelRacingASendLeavesNoDeadline(t *testing.T) {
 		if _, err := c.Stats(context.Background()); !errors.As(err, &pe) {
 			t.Fatalf("round %d: a call with a live context after a cancelled one: %v, want the daemon's answer", i, err)
 		}
+	}
+}
+
+// TestAJobAcceptedBeforeAFailedSendStillCompletes: once a write fails
+// part way, nothing more is sent, but the connection is read on: a job
+// the daemon accepted before ends with its completion, not ErrClosed.
+func TestAJobAcceptedBeforeAFailedSendStillCompletes(t *testing.T) {
+	started := make(chan struct{})
+	complete := make(chan struct{})
+	sock := fakeDaemon(t, func(c *net.UnixConn) {
+		h, _, err := readRequest(c) // the store
+		if err != nil {
+			return
+		}
+		c.Write(protocol.AppendFrame(nil, h.ID, &protocol.JobAccepted{T: protocol.TypeStore | protocol.TypeReply, Job: 5}))
+		io.ReadFull(c, make([]byte, 1024)) // a large frame's write has begun; nothing more is read
+		close(started)
+		<-complete
+		c.Write(protocol.AppendFrame(nil, 0, &protocol.Completion{Job: 5, Kind: protocol.JobStore,
+			Keys: []protocol.KeyOutcome{{Outcome: protocol.OutcomeStored}}}))
+	})
+	c, err := client.Dial(context.Background(), sock, "t")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	job, err := c.Store(context.Background(), 1, [][]byte{[]byte("k")}, [][]uint32{{0}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	keys := make([][]byte, protocol.MaxKeysPerRequest)
+	for i := range keys {
+		keys[i] = make([]byte, protocol.MaxKeyLen)
+		keys[i][0], keys[i][1] = byte(i), byte(i>>8)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() {
+		_, err := c.Lookup(ctx, 1, keys)
+		done <- err
+	}()
+	<-started
+	cancel()
+	if err := within(t, done); !errors.Is(err, client.ErrClosed) {
+		t.Fatalf("the cut-off lookup: %v, want %v", err, client.ErrClosed)
+	}
+	close(complete)
+	res, err := job.Wait(context.Background())
+	if err != nil || res.Keys[0].Outcome != client.OutcomeStored {
+		t.Fatalf("the job accepted before the failed send: %+v, %v; want it stored", res, err)
 	}
 }

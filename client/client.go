@@ -9,8 +9,10 @@
 //
 // Every call returns when its context ends: while it waits for its turn
 // to write (nothing is sent), while its write blocks on a daemon that
-// does not read (the write is cut off, and the connection, its stream out
-// of step, closed), or while it waits for the reply. A pin, region or
+// does not read (the write is cut off; its stream out of step, the client
+// sends nothing more and fails later calls with ErrClosed, while jobs the
+// daemon accepted still end with their completions), or while it waits
+// for the reply. A pin, region or
 // cache the daemon made for a call that gave up is given back when the
 // reply comes; a Store or Load whose request went out returns its Job
 // with the context's error and cancels it (the daemon may be using the
@@ -81,8 +83,9 @@ type Client struct {
 	limits protocol.Welcome
 	nextID atomic.Uint64
 
-	wsem chan struct{} // a token: serializes writes; a caller waits for it as long as its context lets it
-	wbuf []byte        // the frame being written, under wsem
+	wsem    chan struct{} // a token: serializes writes; a caller waits for it as long as its context lets it
+	wbuf    []byte        // the frame being written, under wsem
+	sendErr error         // under wsem: set once a write failed part way; nothing is sent after it
 
 	mu      sync.Mutex
 	pending map[uint64]chan reply
@@ -334,6 +337,9 @@ func (c *Client) send(ctx context.Context, m protocol.Message, fds []int) (chan 
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
+	if c.sendErr != nil {
+		return nil, c.sendErr
+	}
 	id := c.nextID.Add(1)
 	ch := make(chan reply, 1)
 	c.mu.Lock()
@@ -389,12 +395,18 @@ func (c *Client) send(ctx context.Context, m protocol.Message, fds []int) (chan 
 		return nil, err // nothing sent: the connection is as it was
 	}
 	// A write that failed may have sent part of the frame: the stream is
-	// out of step. The read loop ends and fails the rest.
-	c.conn.Close()
+	// out of step, and nothing more is sent. The write side is shut, so
+	// the daemon reads to the end, ends what it runs and closes; the read
+	// loop goes on until then, so jobs the daemon accepted still end with
+	// their completions.
 	if sent > 0 && sent < full && ctx.Err() != nil {
-		return nil, fmt.Errorf("%w: send of %s cut off after %d of %d bytes: %w", ErrClosed, m.Type(), sent, full, err)
+		err = fmt.Errorf("%w: send of %s cut off after %d of %d bytes: %w", ErrClosed, m.Type(), sent, full, err)
+	} else {
+		err = fmt.Errorf("%w: send: %w", ErrClosed, err)
 	}
-	return nil, fmt.Errorf("%w: send: %w", ErrClosed, err)
+	c.sendErr = err
+	c.conn.CloseWrite()
+	return nil, err
 }
 
 // RegisterMemfd registers the memory of m (made by NewMemfd). See
