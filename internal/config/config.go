@@ -780,6 +780,18 @@ func (c *Config) Validate() error {
 			if v.Rank < 0 || v.RowBytes < 0 {
 				return bad("mount.vllm_fs.rank", "a rank and row_bytes ≥ 0", fmt.Sprint(v.Rank, " ", v.RowBytes))
 			}
+			if v.ParallelAgnostic {
+				// vLLM's file mapper then hashes sizes of 1 and writes
+				// rank 0's directory, whatever its parallelism.
+				for _, f := range []struct {
+					key string
+					n   int
+				}{{"tp_size", v.TPSize}, {"pp_size", v.PPSize}, {"pcp_size", v.PCPSize}, {"dcp_size", v.DCPSize}, {"rank", v.Rank}} {
+					if f.n > 1 || (f.key == "rank" && f.n != 0) {
+						return bad("mount.vllm_fs."+f.key, "1 (rank 0), or unset, with parallel_agnostic = true (vLLM hashes those, whatever its parallelism)", f.n)
+					}
+				}
+			}
 			if f := v.Fields(); f != nil {
 				var fe *vllmfs.FieldError
 				if err := f.Validate(); errors.As(err, &fe) {

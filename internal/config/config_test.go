@@ -322,6 +322,8 @@ func TestParseVLLMFSErrors(t *testing.T) {
 		{"group without layers", head + "[[mount.vllm_fs.kv_cache_groups]]\ntokens_per_block = 16\n", "mount.vllm_fs.kv_cache_groups: want the group's layer names"},
 		{"checksums on", "[[mount]]\npath = \"/a\"\nlayout = \"vllm-fs\"\nchecksum = true", "mount.checksum: want unset or false on a vllm-fs mount"},
 		{"unknown field", head + "hash_block_size = 16\n" + group, `unknown key "mount.vllm_fs.hash_block_size"`},
+		{"parallel agnostic with a size", head + "parallel_agnostic = true\ntp_size = 2\n" + group, "kvhost.toml:9: mount.vllm_fs.tp_size: want 1 (rank 0), or unset, with parallel_agnostic = true"},
+		{"parallel agnostic with a rank", "[[mount]]\npath = \"/a\"\nlayout = \"vllm-fs\"\n[mount.vllm_fs]\nrank = 1\nparallel_agnostic = true\n", "kvhost.toml:5: mount.vllm_fs.rank: want 1 (rank 0), or unset, with parallel_agnostic = true"},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			_, err := Parse("kvhost.toml", []byte(tt.src))
