@@ -612,7 +612,11 @@ func (d *daemon) policyBuilder(ctx context.Context, cfg config.Config) (*builtPo
 			if ctx.Err() != nil {
 				return nil, fmt.Errorf("policy %s: %w", name, ctx.Err())
 			}
-			if !builtin || name != plugins.Default {
+			// An init the plugin refused (its [policy.params]) would be
+			// refused by the native build too: only a module that does
+			// not load is worth the fallback.
+			var pe *policy.Error
+			if !builtin || name != plugins.Default || (errors.As(err, &pe) && pe.Hook == "kvhost_init") {
 				return nil, fmt.Errorf("policy %s: %w", name, err)
 			}
 			log.Warn("the built-in wasm policy does not load; running its native build", "policy", name, "err", err)
