@@ -21,6 +21,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/host/policy"
 	"github.com/kvhost/kvhost/internal/fsys"
 )
 
@@ -814,25 +815,32 @@ func TestVerifyInterval(t *testing.T) {
 	}
 }
 
+// faultyStore opens an engine on one mount whose file system injects
+// inj's faults, with pol, declares smallGeometry and returns a cache of
+// numBlocks blocks holding n keys' random bytes (seeded by seed).
+func faultyStore(t *testing.T, pol policy.Policy, inj fsys.Injector, name string, n, numBlocks int, seed uint64) (*Engine, NamespaceID, *testCache, [][]byte, [][]int) {
+	t.Helper()
+	g := smallGeometry(true)
+	e := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir()}}, Policy: pol, FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj}})
+	ns, err := e.Declare(context.Background(), g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := newTestCache(t, e, ns, g, numBlocks, layoutPlaneFirst)
+	r := rand.New(rand.NewPCG(seed, seed+1))
+	keys, blocks := testKeys(name, n), blockLists(r, n, 4, 0)
+	for _, b := range blocks {
+		c.fill(r, b)
+	}
+	return e, ns, c, keys, blocks
+}
+
 // TestAStoreOutlivesAFailedFlockOfItsTemporaryFile: the flock of a store's
 // temporary file only keeps another node's clean-up away; a file system
 // that refuses it (EIO on every flock) still stores, byte for byte.
 func TestAStoreOutlivesAFailedFlockOfItsTemporaryFile(t *testing.T) {
-	ctx := context.Background()
-	g := smallGeometry(true)
 	locks := &fsys.Counter{Ops: []fsys.Op{fsys.OpLock}, Fault: fsys.Fault{Err: syscall.EIO}, Sticky: true}
-	e := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir()}}, Policy: newTestPolicy(1, abi.OrderLayerMajor),
-		FS: &fsys.Faulty{FS: fsys.OS{}, Inj: locks}})
-	ns, err := e.Declare(ctx, g)
-	if err != nil {
-		t.Fatal(err)
-	}
-	c := newTestCache(t, e, ns, g, 64, layoutPlaneFirst)
-	r := rand.New(rand.NewPCG(7, 8))
-	keys, blocks := testKeys("nolock", 3), blockLists(r, 3, 4, 0)
-	for _, b := range blocks {
-		c.fill(r, b)
-	}
+	e, _, c, keys, blocks := faultyStore(t, newTestPolicy(1, abi.OrderLayerMajor), locks, "nolock", 3, 64, 7)
 	before := locks.Fired()
 	storeAndCheck(t, e, c, keys, blocks)
 	if locks.Fired() == before {
@@ -863,7 +871,6 @@ func (p onePathPolicy) Name(ctx context.Context, recs []abi.NameRecord) error {
 // mount's used bytes are 0).
 func TestAStoreFailingAfterItsRenameUnindexesTheFileItReplaced(t *testing.T) {
 	ctx := context.Background()
-	g := smallGeometry(true)
 	var failClose atomic.Bool
 	inj := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
 		// The close of a temporary file: only seal's, after the rename.
@@ -872,18 +879,7 @@ func TestAStoreFailingAfterItsRenameUnindexesTheFileItReplaced(t *testing.T) {
 		}
 		return fsys.Fault{}
 	})
-	e := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir()}}, Policy: onePathPolicy{newTestPolicy(1, abi.OrderLayerMajor)},
-		FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj}})
-	ns, err := e.Declare(ctx, g)
-	if err != nil {
-		t.Fatal(err)
-	}
-	c := newTestCache(t, e, ns, g, 32, layoutPlaneFirst)
-	r := rand.New(rand.NewPCG(3, 4))
-	keys, blocks := testKeys("replaced", 2), blockLists(r, 2, 4, 0)
-	for _, b := range blocks {
-		c.fill(r, b)
-	}
+	e, ns, c, keys, blocks := faultyStore(t, onePathPolicy{newTestPolicy(1, abi.OrderLayerMajor)}, inj, "replaced", 2, 32, 3)
 	storeAndCheck(t, e, c, keys[:1], blocks[:1])
 	failClose.Store(true)
 	res := wait(t)(e.Store(ctx, StoreRequest{Cache: c.id, Keys: keys[1:], Blocks: blocks[1:]}))

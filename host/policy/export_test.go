@@ -41,3 +41,6 @@ func (in *countingInstance) call(ctx context.Context, h hook, arg int32) (int32,
 	in.c.fuel.Add(fuelFor(in.b.cfg.CallTimeout) - int64(in.fuel.Get()))
 	return r, err
 }
+
+// Route is the shard among n that a record of id x goes to.
+func Route(x uint64, n int) int { return route(x, n) }

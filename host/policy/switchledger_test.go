@@ -21,16 +21,6 @@ const trap777Wasm = "" +
 	"\x00\x41\x7f\x0b\x04\x00\x41\x00\x0b\x31\x01\x01\x7f\x02\x40\x03\x40\x20\x01\x20\x00\x4f\x0d\x01\x41\x80\x80\x04\x20\x01\x41\x30" +
 	"\x6c\x6a\x29\x03\x08\x42\x89\x06\x51\x04\x40\x00\x0b\x20\x01\x41\x01\x6a\x21\x01\x0c\x00\x0b\x0b\x41\x00\x0b"
 
-// routeOf is host.go's route (splitmix64 finaliser mod n).
-func routeOf(x uint64, n int) int {
-	x ^= x >> 30
-	x *= 0xbf58476d1ce4e5b9
-	x ^= x >> 27
-	x *= 0x94d049bb133111eb
-	x ^= x >> 31
-	return int(x % uint64(n))
-}
-
 // TestASwitchInAnAccessBatchKeepsTheLaterShardsRecords: an Access batch
 // whose record for shard 0 makes the plugin fail and switches the Host to
 // its fallback still puts the later shards' records in their ledgers, from
@@ -47,9 +37,9 @@ func TestASwitchInAnAccessBatchKeepsTheLaterShardsRecords(t *testing.T) {
 	defer h.Close(ctx)
 	var x, y uint64 // x on shard 1, y on shard 0
 	for id := uint64(1); x == 0 || y == 0; id++ {
-		if routeOf(id, 2) == 1 && x == 0 {
+		if policy.Route(id, 2) == 1 && x == 0 {
 			x = id
-		} else if routeOf(id, 2) == 0 && y == 0 {
+		} else if policy.Route(id, 2) == 0 && y == 0 {
 			y = id
 		}
 	}
