@@ -358,8 +358,12 @@ func (c *Client) send(ctx context.Context, m protocol.Message, fds []int) (chan 
 	if len(c.wbuf) > maxFrame {
 		err = fmt.Errorf("%w: %s frame of %d bytes exceeds the daemon's limit of %d", ErrInvalid, m.Type(), len(c.wbuf), maxFrame)
 	} else {
-		cut := make(chan struct{}) // closed once the deadline is set
-		stop := context.AfterFunc(ctx, func() { c.conn.SetWriteDeadline(longAgo); close(cut) })
+		stop := func() bool { return true }
+		var cut chan struct{}  // closed once the deadline is set
+		if ctx.Done() != nil { // a context that can end: a cut armed for the write
+			cut = make(chan struct{})
+			stop = context.AfterFunc(ctx, func() { c.conn.SetWriteDeadline(longAgo); close(cut) })
+		}
 		if len(fds) > 0 {
 			sent, _, err = c.conn.WriteMsgUnix(c.wbuf, unix.UnixRights(fds...), nil)
 		}
