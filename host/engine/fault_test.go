@@ -815,18 +815,11 @@ func TestVerifyInterval(t *testing.T) {
 	}
 }
 
-// faultyStore opens an engine on one mount whose file system injects
-// inj's faults, with pol, declares smallGeometry and returns a cache of
-// numBlocks blocks holding n keys' random bytes (seeded by seed).
+// faultyStore is injectedEngine on one mount, its cache holding n keys'
+// random bytes (seeded by seed).
 func faultyStore(t *testing.T, pol policy.Policy, inj fsys.Injector, name string, n, numBlocks int, seed uint64) (*Engine, NamespaceID, *testCache, [][]byte, [][]int) {
 	t.Helper()
-	g := smallGeometry(true)
-	e := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir()}}, Policy: pol, FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj}})
-	ns, err := e.Declare(context.Background(), g)
-	if err != nil {
-		t.Fatal(err)
-	}
-	c := newTestCache(t, e, ns, g, numBlocks, layoutPlaneFirst)
+	e, ns, c := injectedEngine(t, []Mount{{Path: t.TempDir()}}, pol, inj, numBlocks)
 	r := rand.New(rand.NewPCG(seed, seed+1))
 	keys, blocks := testKeys(name, n), blockLists(r, n, 4, 0)
 	for _, b := range blocks {
