@@ -260,9 +260,9 @@ type Config struct {
 	// holds until Close: a second engine given the same file fails with
 	// ErrLocked before it cleans or writes anything.
 	LockFile string
-	// MaxNamespaces bounds the namespaces Declare creates over the life of
-	// the engine (default DefaultMaxNamespaces): each one holds state in
-	// the engine and in every policy shard until the engine closes.
+	// MaxNamespaces bounds the namespaces declared and not yet released
+	// at one time (default DefaultMaxNamespaces): each one holds state in
+	// the engine and in every policy shard.
 	// Namespaces of files found on disk do not count until declared.
 	MaxNamespaces int
 	// Logger receives the engine's logs (default: slog.Default()).

@@ -36,7 +36,8 @@ const (
 //     recheck.go;
 //   - files: identity.go, removal.go, tempfiles.go, vllmfs.go,
 //     headers.go, mount.go;
-//   - room: spares.go, ahead.go, warm.go, drop.go, publish.go,
+//   - room: spares.go, owner.go (whose spares are live), ahead.go,
+//     warm.go, drop.go, publish.go, cluster.go (cluster-wide capacity),
 //     capacity.go and demote.go;
 //   - requests: namespaces.go, caches.go, lookup.go, pins.go, store.go,
 //     load.go, delete.go;
