@@ -15,7 +15,9 @@ import (
 	"github.com/kvhost/kvhost/staging"
 )
 
-// Names the engine owns under a mount root: every name starting with '.'.
+// Names the engine owns under a mount root: every name starting with '.'
+// (on a vllm-fs mount, vLLM's base directory may start with '.' too:
+// baseDirs).
 const (
 	tmpPrefix   = ".tmp-"
 	probePrefix = ".probe-direct-"

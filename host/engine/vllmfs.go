@@ -159,7 +159,11 @@ type baseConfig struct {
 }
 
 // baseDirs reads the config.json of every directory directly under root
-// that has one: its fields must hash to the directory's name.
+// that has one: its fields must hash to the directory's name. Names
+// starting with '.' are read too: vLLM names the base directory of a model
+// given as a relative path ("./models/llama") "._models_llama_<hash>", and
+// the engine's own names under a root are files, or a directory without a
+// config.json (the cluster directory).
 func (e *Engine) baseDirs(root string) (map[string]baseConfig, error) {
 	ents, err := e.fs.ReadDir(root)
 	if err != nil {
@@ -167,7 +171,7 @@ func (e *Engine) baseDirs(root string) (map[string]baseConfig, error) {
 	}
 	out := map[string]baseConfig{}
 	for _, d := range ents {
-		if !d.IsDir() || strings.HasPrefix(d.Name(), ".") {
+		if !d.IsDir() {
 			continue
 		}
 		p := filepath.Join(root, d.Name(), vllmfs.ConfigFile)

@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/internal/clustercap"
 	"github.com/kvhost/kvhost/internal/vllmfs"
 )
 
@@ -262,6 +263,62 @@ func TestVLLMFSAdoptsServesEvicts(t *testing.T) {
 			}
 			if _, err := os.Stat(stray); err != nil {
 				t.Errorf("vLLM's temporary file was touched: %v", err)
+			}
+		})
+	}
+}
+
+// TestVLLMFSAdoptsModelOfRelativePath: vLLM names the base directory of a
+// model given as a relative path with its '/' replaced, so it starts with
+// '.' ("._models_llama_<hash>" for "./models/llama"). Such a directory is
+// adopted and its rows indexed, and another geometry of the model beside
+// it is refused, while the host's own dot names under the root (a
+// temporary file, the cluster directory) are still not taken for base
+// directories.
+func TestVLLMFSAdoptsModelOfRelativePath(t *testing.T) {
+	ctx := context.Background()
+	for _, model := range []string{"./models/llama", "../llama"} {
+		t.Run(model, func(t *testing.T) {
+			root := t.TempDir()
+			tier := newFSTier(root, 8192)
+			tier.model = model
+			if base := filepath.Base(tier.base()); !strings.HasPrefix(base, ".") {
+				t.Fatalf("base directory %s does not start with '.'", base)
+			}
+			tier.init(t)
+			keys := tierKeys(1, 3)
+			for _, k := range keys {
+				tier.store(t, k, make([]byte, 8192))
+			}
+			os.WriteFile(filepath.Join(root, tmpPrefix+"x"), nil, 0o644)
+			os.Mkdir(filepath.Join(root, clustercap.DirName), 0o755)
+
+			e := openEngine(t, Config{Mounts: []Mount{{Path: root, VLLMFS: &VLLMFS{Namespace: tierModel}}}, Policy: newTestPolicy(1, abi.OrderBlockMajor)})
+			if st := e.Stats(); st.Entries != len(keys) || st.Mounts[0].Base != filepath.Base(tier.base()) {
+				t.Fatalf("adopted: %d entries, mount %+v", st.Entries, st.Mounts[0])
+			}
+			g := rowGeometry(tierModel, 8192)
+			ns, err := e.Declare(ctx, g)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got, err := e.Lookup(ctx, ns, keys); err != nil || got != len(keys) {
+				t.Fatalf("lookup: %d of %d, %v", got, len(keys), err)
+			}
+			c := newTestCache(t, e, ns, g, 1, layoutPlaneFirst)
+			c.fill(rand.New(rand.NewPCG(1, 2)), []int{0})
+			fresh := tierKeys(2, 1)
+			storeAndCheck(t, e, c, fresh, [][]int{{0}})
+			if got := tier.load(t, fresh[0]); !bytes.Equal(got, c.data([]int{0})) {
+				t.Fatal("the stored row is not in the tier's layout")
+			}
+			e.Close(ctx)
+
+			other := tier
+			other.tp = 2
+			_, err = Open(ctx, Config{Mounts: []Mount{{Path: root, VLLMFS: &VLLMFS{Fields: other.fields()}}}, Policy: newTestPolicy(1, abi.OrderBlockMajor), Logger: testLogger(t)})
+			if !errors.Is(err, vllmfs.ErrMismatch) || !strings.Contains(err.Error(), "tp_size: 1, not 2") {
+				t.Fatalf("open with another geometry of the model: %v", err)
 			}
 		})
 	}
