@@ -230,6 +230,7 @@ type Runtime struct {
 		cuDeviceGet, cuDeviceGetUuid                            unsafe.Pointer
 		cuModuleLoadDataEx, cuModuleGetFunction, cuModuleUnload unsafe.Pointer
 		cuLaunchKernel                                          unsafe.Pointer
+		cuCtxGetCurrent, cuCtxSetCurrent                        unsafe.Pointer
 	}
 }
 
@@ -298,6 +299,12 @@ func Open(cfg Config) (*Runtime, error) {
 						f.cuDeviceGet, f.cuDeviceGetUuid = g, u
 						break
 					}
+				}
+			}
+			// Optional, both or neither: the thread's context (LockDevice).
+			if g, err := drv.Sym("cuCtxGetCurrent"); err == nil {
+				if c, err := drv.Sym("cuCtxSetCurrent"); err == nil {
+					f.cuCtxGetCurrent, f.cuCtxSetCurrent = g, c
 				}
 			}
 			// Optional, all four or none: the copy kernel (copykernel.go).

@@ -6,6 +6,8 @@ import (
 	"errors"
 	"fmt"
 	"path/filepath"
+	"runtime"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -150,6 +152,42 @@ func TestLockDeviceRestoresTheThreadsDevice(t *testing.T) {
 	}
 	if _, err := r.LockDevice(9); !errors.Is(err, cuda.ErrorInvalidDevice) {
 		t.Fatalf("LockDevice(9): %v, want ErrorInvalidDevice", err)
+	}
+}
+
+// TestLockDeviceOnANewThreadMakesNoOtherContext: on a thread that never
+// had a device (cudaGetDevice answers 0 there without a context),
+// LockDevice(1) and its unlock make a context on device 1 only, never on
+// device 0, which a process serving only device 1 must not touch, and
+// hand the thread back with no context current, as it was.
+func TestLockDeviceOnANewThreadMakesNoOtherContext(t *testing.T) {
+	r, fake := open(t)
+	done := make(chan error)
+	go func() {
+		runtime.LockOSThread() // for the fake's view of this thread; never handed back
+		done <- func() error {
+			fake.NewThread()
+			fake.ForgetContexts()
+			unlock, err := r.LockDevice(1)
+			if err != nil {
+				return err
+			}
+			if d := fake.CurrentContext(); d != 1 {
+				unlock()
+				return fmt.Errorf("inside LockDevice(1): context of device %d current", d)
+			}
+			unlock()
+			if got := fake.Contexts(); !slices.Equal(got, []int{1}) {
+				return fmt.Errorf("contexts made on devices %v, want [1]", got)
+			}
+			if d := fake.CurrentContext(); d != -1 {
+				return fmt.Errorf("after unlock: context of device %d current, want none as before", d)
+			}
+			return nil
+		}()
+	}()
+	if err := <-done; err != nil {
+		t.Fatal(err)
 	}
 }
 

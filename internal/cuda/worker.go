@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"runtime"
 	"sync"
+	"unsafe"
 )
 
 // Worker is a goroutine locked to its OS thread with a device made
@@ -108,18 +109,29 @@ func (w *Worker) Close() error {
 // LockDevice locks the calling goroutine to its OS thread and makes device
 // ordinal current there, for a goroutine that calls CUDA itself for a
 // while (a job driving its own stream) rather than through a Worker.
-// unlock makes the thread's previous device current again (so a caller
+// unlock gives the thread back its previous CUDA state (so a caller
 // already locked to a thread, such as a Worker's function, keeps its
-// device) and releases the lock taken here.
+// device) and releases the lock taken here: the previous device current
+// again, or, on a thread that had no context current, none (with the
+// driver API; without it, the device cudaGetDevice answered, 0 on such a
+// thread, whose context that makes).
 func (r *Runtime) LockDevice(ordinal int) (unlock func(), err error) {
 	runtime.LockOSThread()
 	prev, perr := r.Device()
+	// cudaGetDevice answers 0 on a thread without a context: making device
+	// 0 current again would make its primary context, GPU memory on a
+	// device the caller may never use. The driver tells.
+	var ctx uintptr
+	none := r.fn.cuCtxGetCurrent != nil && callP(r.fn.cuCtxGetCurrent, unsafe.Pointer(&ctx)) == 0 && ctx == 0
 	if err := r.SetDevice(ordinal); err != nil {
 		runtime.UnlockOSThread()
 		return nil, fmt.Errorf("cuda: device %d: %w", ordinal, err)
 	}
 	return func() {
-		if perr == nil && prev != ordinal {
+		switch {
+		case none:
+			callU(r.fn.cuCtxSetCurrent, 0)
+		case perr == nil && prev != ordinal:
 			r.SetDevice(prev)
 		}
 		runtime.UnlockOSThread()

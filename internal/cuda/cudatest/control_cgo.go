@@ -32,6 +32,7 @@ const supported = true
 type Fake struct {
 	lib                                                  *dl.Library
 	setFault, count, setPeer, setBusy, hold, brk, unload unsafe.Pointer
+	contexts, thread                                     unsafe.Pointer
 }
 
 // Open opens the fake library for control; it is closed with the test.
@@ -62,6 +63,12 @@ func Open(t testing.TB, path string) *Fake {
 		t.Fatalf("cudatest: %v", err)
 	}
 	if f.unload, err = lib.Sym("fake_unload"); err != nil {
+		t.Fatalf("cudatest: %v", err)
+	}
+	if f.contexts, err = lib.Sym("fake_contexts"); err != nil {
+		t.Fatalf("cudatest: %v", err)
+	}
+	if f.thread, err = lib.Sym("fake_thread"); err != nil {
 		t.Fatalf("cudatest: %v", err)
 	}
 	return f
@@ -131,3 +138,30 @@ func (f *Fake) Unload(on bool) {
 // was marked unloaded (Unload), each of which would jump into unmapped
 // code after a real dlclose.
 func (f *Fake) CallsAfterUnload() int { return int(C.call_hold(f.unload, -1)) }
+
+// Contexts lists the devices on which a primary context was made (as
+// cudaSetDevice makes one since CUDA 12, taking GPU memory there) since
+// the last ForgetContexts, in order.
+func (f *Fake) Contexts() []int {
+	m := int64(C.call_hold(f.contexts, 0))
+	var out []int
+	for d := 0; m != 0; d, m = d+1, m>>1 {
+		if m&1 != 0 {
+			out = append(out, d)
+		}
+	}
+	return out
+}
+
+// ForgetContexts empties Contexts. The library is shared by the tests of
+// a binary, which made contexts before.
+func (f *Fake) ForgetContexts() { C.call_hold(f.contexts, 1) }
+
+// CurrentContext is the device of the calling thread's current context,
+// or -1 for none. Call it from a goroutine locked to its thread.
+func (f *Fake) CurrentContext() int { return int(C.call_hold(f.thread, 0)) }
+
+// NewThread gives the calling thread a new thread's CUDA state: no
+// context current, device 0 chosen (so cudaGetDevice answers 0). Call it
+// from a goroutine locked to its thread.
+func (f *Fake) NewThread() { C.call_hold(f.thread, 1) }

@@ -41,3 +41,15 @@ func (f *Fake) Unload(on bool) {}
 
 // CallsAfterUnload is 0.
 func (f *Fake) CallsAfterUnload() int { return 0 }
+
+// Contexts is nil.
+func (f *Fake) Contexts() []int { return nil }
+
+// ForgetContexts does nothing.
+func (f *Fake) ForgetContexts() {}
+
+// CurrentContext is -1.
+func (f *Fake) CurrentContext() int { return -1 }
+
+// NewThread does nothing.
+func (f *Fake) NewThread() {}

@@ -14,7 +14,9 @@
 // after each record before it runs the event's copies; fake_break_device
 // makes every later call on a device fail with one code, as a context
 // broken by a sticky error does; fake_unload marks the library unloaded,
-// as a dlclose would, and counts the calls made into it after.
+// as a dlclose would, and counts the calls made into it after;
+// fake_contexts reports on which devices a primary context was made and
+// fake_thread which one is current on the calling thread.
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -41,6 +43,13 @@ static long counts[nOps];
 static long faultAt[nOps]; // fail when counts reaches this (1-based); 0: none
 static int faultCode[nOps];
 static __thread int curDevice;
+// curCtx is the calling thread's current context: 0 none (a new thread's
+// state, whatever cudaGetDevice answers), else its device + 1. made is the
+// devices whose primary context was made (bit d), as cudaSetDevice does
+// since CUDA 12, taking GPU memory there; ctxs stand for those contexts.
+static __thread int curCtx;
+static long made;
+static char ctxs[8];
 static int numDevices = 2;
 static int peerAccess;
 static long busyQueries; // "not ready" answers per event record
@@ -278,9 +287,15 @@ int cudaSetDevice(int d) {
 	late();
 	if (d < 0 || d >= numDevices) return errInvalidDevice;
 	curDevice = d;
+	curCtx = d + 1;
+	pthread_mutex_lock(&mu);
+	made |= 1L << d;
+	pthread_mutex_unlock(&mu);
 	return sticky(d); // current all the same: later calls fail there too
 }
-int cudaGetDevice(int *d) { late(); *d = curDevice; return 0; }
+// cudaGetDevice makes no context: without one current it answers the
+// device last chosen on the thread, 0 on a new thread.
+int cudaGetDevice(int *d) { late(); *d = curCtx ? curCtx - 1 : curDevice; return 0; }
 int cudaDeviceGetPCIBusId(char *buf, int len, int d) {
 	late();
 	if (d < 0 || d >= numDevices) return errInvalidDevice;
@@ -542,6 +557,38 @@ int cudaIpcCloseMemHandle(void *p) {
 
 // Driver API.
 int cuInit(unsigned flags) { late(); (void)flags; return 0; }
+int cuCtxGetCurrent(void **ctx) { late(); *ctx = curCtx ? &ctxs[curCtx - 1] : NULL; return 0; }
+// cuCtxSetCurrent binds a context made before (one of ctxs), or none.
+int cuCtxSetCurrent(void *ctx) {
+	late();
+	if (!ctx) {
+		curCtx = 0;
+		return 0;
+	}
+	int d = (int)((char *)ctx - ctxs);
+	if (d < 0 || d >= numDevices) return 201; // CUDA_ERROR_INVALID_CONTEXT
+	curCtx = d + 1;
+	curDevice = d;
+	return 0;
+}
+
+// fake_contexts returns the devices whose primary context was made (bit
+// d), and forgets them when reset is 1.
+long fake_contexts(int reset) {
+	pthread_mutex_lock(&mu);
+	long m = made;
+	if (reset) made = 0;
+	pthread_mutex_unlock(&mu);
+	return m;
+}
+
+// fake_thread returns the device of the calling thread's current context,
+// or -1 for none; with forget 1 it first gives the thread a new thread's
+// state (no context current, device 0 chosen).
+long fake_thread(int forget) {
+	if (forget) curCtx = curDevice = 0;
+	return curCtx - 1;
+}
 // Device d's UUID is "kvhost-fake-gpu" followed by the byte d.
 int cuDeviceGet(int *dev, int ordinal) {
 	late();
