@@ -664,7 +664,9 @@ func (h *Host) Admit(ctx context.Context, recs []abi.AdmitRecord) error {
 	})
 }
 
-// Access implements Policy. Records are routed to shards by Entry.
+// Access implements Policy. Records are routed to shards by Entry. They are
+// delivered whatever becomes of ctx: the index already holds them, and a
+// shard that missed them would have to be rebuilt from it.
 func (h *Host) Access(ctx context.Context, recs []abi.AccessRecord) error {
 	for i := range recs {
 		if k := recs[i].Kind; k < abi.AccessInsert || k > abi.AccessUnpin {
@@ -673,6 +675,13 @@ func (h *Host) Access(ctx context.Context, recs []abi.AccessRecord) error {
 	}
 	if len(recs) == 0 {
 		return nil
+	}
+	// A caller's cancel would leave the records in the ledgers but not in
+	// the plugins, whose instances would then be rebuilt, or, before the
+	// first shard, out of both: an unpin lost pins an entry for good. (A
+	// context that cannot end is kept: wrapping it would allocate.)
+	if ctx.Done() != nil {
+		ctx = context.WithoutCancel(ctx)
 	}
 	return h.withShardsOnce(ctx, func(shards []*shard) error {
 		// Every shard's ledger gets its records, whatever fails: a

@@ -188,6 +188,49 @@ func TestCallerCancel(t *testing.T) {
 	}
 }
 
+// TestAccessDeliversItsRecordsWhenItsCallerCancels checks that an Access
+// whose caller's context ends, before the call or while its records go to
+// the shards, still delivers every record, counts no failure and discards
+// no instance: the plugins keep a state that agrees with the index.
+func TestAccessDeliversItsRecordsWhenItsCallerCancels(t *testing.T) {
+	for _, when := range []string{"before", "during"} {
+		t.Run(when, func(t *testing.T) {
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			var armed atomic.Bool
+			onCall := func(hook string, _ int, _ time.Duration) {
+				if armed.Load() && hook == "kvhost_access" {
+					cancel() // after the first shard's call
+				}
+			}
+			idx := policytest.NewIndex()
+			h, err := policy.Open(context.Background(), fixture(t, "wellbehaved"), "wellbehaved", idx,
+				policy.Config{Shards: 4, Logger: quietLogger(), OnCall: onCall})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer h.Close(context.Background())
+			insert(t, h, idx, 1, 64, 100, 3, 4)
+			recs := []abi.AccessRecord{{Entry: 3, Time: 6000, Kind: abi.AccessUnpin}}
+			for id := uint64(1); id <= 64; id++ {
+				recs = append(recs, abi.AccessRecord{Entry: id, Time: 6000 + id, Kind: abi.AccessHit})
+			}
+			idx.Apply(recs)
+			if when == "before" {
+				cancel()
+			}
+			armed.Store(true)
+			if err := h.Access(ctx, recs); err != nil {
+				t.Fatalf("Access: %v", err)
+			}
+			armed.Store(false)
+			checkAnswers(t, h, idx)
+			if s := h.Stats(); s.Failures != 0 || s.Replacements != 0 || s.Fallback {
+				t.Fatalf("stats %+v after a caller's cancel: want no failure, no replacement", s)
+			}
+		})
+	}
+}
 func TestInputErrors(t *testing.T) {
 	ctx := context.Background()
 	h := hosts(t, 1)["wasm"].p
