@@ -15,7 +15,8 @@
 //     instead if the cold mount has no room, abi.MoveDeleteIfFull); on the
 //     cold mount, its least recently used entries are deleted.
 //   - Promotion (FeatureTick): a cold entry hit promote_hits times within
-//     promote_window is moved back to the hot mount at the next tick.
+//     promote_window of the first of those hits is moved back to the hot
+//     mount at the next tick; a hit past the window starts a new count.
 //   - Mounts (FeatureMounts): the last description is kept for admission,
 //     and decides whether the cold mount exists.
 //
@@ -72,7 +73,8 @@ type Policy struct {
 	heads   []int32  // scratch cursors of a merged walk over the lists
 }
 
-// hitWindow counts an entry's hits since start.
+// hitWindow counts an entry's hits since start, the time of the first of
+// them (none yet when hits is 0).
 type hitWindow struct {
 	start  uint64
 	hits   uint32
@@ -192,12 +194,14 @@ func (p *Policy) Access(recs []abi.AccessRecord) error {
 		w := &p.win[slot]
 		switch r.Kind {
 		case abi.AccessInsert, abi.AccessRestore:
-			*w = hitWindow{start: r.Time}
+			*w = hitWindow{}
 		case abi.AccessHit:
 			if p.promoteHits == 0 || t.Pool.At(slot).Mount != p.cold || !p.tiers() {
 				continue
 			}
-			if r.Time-w.start > p.window || r.Time < w.start {
+			// The window opens at the first hit it counts: an entry
+			// demoted long ago has not used up its window.
+			if w.hits == 0 || r.Time-w.start > p.window || r.Time < w.start {
 				w.start, w.hits = r.Time, 0
 			}
 			w.hits++

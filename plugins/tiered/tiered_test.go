@@ -111,6 +111,7 @@ func TestPromotion(t *testing.T) {
 		{"three hits in the window", []abi.AccessRecord{hit(5, 100), hit(5, 200), hit(5, 300)}, []abi.Move{{Entry: 5, Mount: 0}}},
 		{"two hits", []abi.AccessRecord{hit(5, 100), hit(5, 200)}, nil},
 		{"hits wider than the window", []abi.AccessRecord{hit(5, 100), hit(5, 100+w/2), hit(5, 100+2*w)}, nil},
+		{"three hits in the window, first long after the demotion", []abi.AccessRecord{hit(5, w), hit(5, w+10), hit(5, w+20)}, []abi.Move{{Entry: 5, Mount: 0}}},
 		{"hot entry", []abi.AccessRecord{hit(1, 100), hit(1, 200), hit(1, 300)}, nil},
 		{"removed before the tick", []abi.AccessRecord{hit(6, 100), hit(6, 200), hit(6, 300), policytest.Rec(abi.AccessRemove, 6, 0, 0)}, nil},
 		{"two entries", []abi.AccessRecord{hit(5, 1), hit(6, 2), hit(5, 3), hit(6, 4), hit(5, 5), hit(6, 6), hit(6, 7)}, []abi.Move{{Entry: 5, Mount: 0}, {Entry: 6, Mount: 0}}},
