@@ -18,6 +18,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"net"
 	"sync"
 	"sync/atomic"
@@ -244,6 +245,9 @@ func (c Config) withDefaults() (Config, error) {
 		return c, fmt.Errorf("server: MaxFrame %d: want %d..1GiB", c.MaxFrame, protocol.MinFrame)
 	case c.MaxClients < 0 || c.MaxClientsPerPeer < 0 || c.MaxHandshakes < 0 || c.MaxRegistrations < 0 || c.MaxInflightJobs < 0 || c.MaxNamespaces < 0 || c.MaxCaches < 0:
 		return c, errors.New("server: negative limit")
+	case int64(c.MaxRegistrations)+int64(c.MaxNamespaces)+int64(c.MaxCaches) >= math.MaxUint32:
+		// A connection's ids are u32 and never 0: a free one must remain.
+		return c, fmt.Errorf("server: MaxRegistrations + MaxNamespaces + MaxCaches %d: want less than %d", int64(c.MaxRegistrations)+int64(c.MaxNamespaces)+int64(c.MaxCaches), uint32(math.MaxUint32))
 	case c.ShutdownTimeout < 0 || c.HandshakeTimeout < 0 || c.FrameTimeout < 0 || c.IdleTimeout < 0 || c.WriteTimeout < 0:
 		return c, errors.New("server: negative timeout")
 	}

@@ -322,9 +322,20 @@ func (s *session) handle(h protocol.Header, body []byte) bool {
 	return true
 }
 
+// newID returns the next region, namespace or cache id: one counter for
+// all three, never 0 and, once the counter has wrapped, never an id still
+// in use. A free id always exists: a session holds fewer than 2^32-1
+// (Config.withDefaults bounds MaxRegistrations + MaxNamespaces +
+// MaxCaches).
 func (s *session) newID() uint32 {
-	s.nextID++
-	return s.nextID
+	for {
+		s.nextID++
+		id := s.nextID
+		if id == 0 || s.regions[id] != nil || s.namespaces[id] != nil || s.caches[id] != nil {
+			continue
+		}
+		return id
+	}
 }
 
 func (s *session) registerMemory(m *protocol.RegisterMemory) (protocol.Message, error) {
