@@ -18,9 +18,15 @@ import (
 const maxFdsPerMsg = 8
 
 // frameReader reads frames from a Unix stream and collects the descriptors
-// that arrive with them (SCM_RIGHTS) in order. A descriptor arrives with
-// the first byte of the frame it belongs to, so once a RegisterMemory frame
-// has been read, its memfd is the oldest descriptor not yet taken.
+// that arrive with them (SCM_RIGHTS) in order. A descriptor belongs to the
+// frame whose first byte it is sent with. The kernel hands it over with
+// the read that brings the first bytes of the sendmsg it came in, a read
+// that may begin with earlier bytes but takes nothing sent after that
+// sendmsg; so the frame it belongs to begins within that read. A frame takes
+// (takeFd) only descriptors whose read began at or before the frame's
+// first byte, and once it is answered (done) the descriptors whose read
+// ended within it or before are closed, claimed or not: they belong to it
+// or to a frame before it, never to a later one.
 //
 // Reads are bounded in time: the wait for a frame's first byte ends at a
 // deadline the caller gives (the handshake or idle limit), and once that
@@ -32,7 +38,9 @@ type frameReader struct {
 	buf          []byte
 	r, w         int
 	oob          []byte
-	fds          []int
+	fds          []rights // unclaimed, oldest first
+	pos          int64    // stream offset of buf[w]: the bytes read so far
+	frame        [2]int64 // stream offsets of the frame last read: [start, end)
 	maxFds       int
 	maxFrame     int
 	frameTimeout time.Duration
@@ -48,6 +56,13 @@ func newFrameReader(c *net.UnixConn, maxFrame, maxFds int, frameTimeout time.Dur
 		maxFrame:     maxFrame,
 		frameTimeout: frameTimeout,
 	}
+}
+
+// rights is a descriptor received and the stream offsets [start, end) of
+// the read that brought it.
+type rights struct {
+	fd         int
+	start, end int64
 }
 
 var (
@@ -73,8 +88,10 @@ func (f *frameReader) fill() error {
 		f.r, f.w = 0, 0
 	}
 	n, oobn, flags, _, err := f.conn.ReadMsgUnix(f.buf[f.w:], f.oob)
+	start := f.pos
+	f.pos += int64(n)
 	if oobn > 0 {
-		if perr := f.takeRights(f.oob[:oobn]); perr != nil {
+		if perr := f.takeRights(f.oob[:oobn], start, f.pos); perr != nil {
 			return perr
 		}
 	}
@@ -91,7 +108,7 @@ func (f *frameReader) fill() error {
 	return err
 }
 
-func (f *frameReader) takeRights(oob []byte) error {
+func (f *frameReader) takeRights(oob []byte, start, end int64) error {
 	msgs, err := unix.ParseSocketControlMessage(oob)
 	if err != nil {
 		return fmt.Errorf("%w: control message: %w", errProtocol, err)
@@ -108,7 +125,7 @@ func (f *frameReader) takeRights(oob []byte) error {
 				bad = fmt.Errorf("%w: more than %d descriptors not yet claimed by a registration", errProtocol, f.maxFds)
 				continue
 			}
-			f.fds = append(f.fds, fd)
+			f.fds = append(f.fds, rights{fd: fd, start: start, end: end})
 		}
 	}
 	return bad
@@ -156,6 +173,7 @@ func (f *frameReader) next(wait, by time.Time) (protocol.Header, []byte, error) 
 			return protocol.Header{}, nil, err
 		}
 	}
+	f.frame[0] = f.offset()
 	var dl time.Time // the frame's deadline, once one is needed
 	var hdr [protocol.HeaderSize]byte
 	if err := f.readFull(hdr[:], &dl, by); err != nil {
@@ -175,23 +193,39 @@ func (f *frameReader) next(wait, by time.Time) (protocol.Header, []byte, error) 
 		}
 		return h, nil, err
 	}
+	f.frame[1] = f.offset()
 	return h, body, nil
 }
 
-// takeFd returns the oldest unclaimed descriptor, or -1.
+// offset is the stream offset of the next byte to be read from buf.
+func (f *frameReader) offset() int64 { return f.pos - int64(f.w-f.r) }
+
+// takeFd claims for the frame last read the oldest unclaimed descriptor
+// that can belong to it, or returns -1.
 func (f *frameReader) takeFd() int {
-	if len(f.fds) == 0 {
-		return -1
+	if len(f.fds) == 0 || f.fds[0].start > f.frame[0] {
+		return -1 // none, or it came after the frame began: a later frame's
 	}
-	fd := f.fds[0]
+	fd := f.fds[0].fd
 	f.fds = f.fds[1:]
 	return fd
 }
 
+// done closes the descriptors that belong to the frame last read, or to
+// one before it, and that no handler claimed: the frame has been answered.
+func (f *frameReader) done() {
+	n := 0
+	for n < len(f.fds) && f.fds[n].end <= f.frame[1] {
+		unix.Close(f.fds[n].fd)
+		n++
+	}
+	f.fds = f.fds[n:]
+}
+
 // closeFds closes every unclaimed descriptor.
 func (f *frameReader) closeFds() {
-	for _, fd := range f.fds {
-		unix.Close(fd)
+	for _, r := range f.fds {
+		unix.Close(r.fd)
 	}
 	f.fds = nil
 }

@@ -1,6 +1,9 @@
 package server_test
 
 import (
+	"os"
+	"strconv"
+	"strings"
 	"testing"
 
 	"golang.org/x/sys/unix"
@@ -123,4 +126,127 @@ func TestRegisteredBytesShare(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestStrayDescriptorIsNotTakenByTheNextRegistration: a descriptor sent
+// with a frame that does not take it (one answered with an error before a
+// registration could claim it, or one that takes none) belongs to that
+// frame and is closed once the frame is answered. The next memfd
+// registration maps its own descriptor, not the stray one, which used to
+// wait in the queue for it; so when the client sends it at once, before
+// the answer (pipelined).
+func TestStrayDescriptorIsNotTakenByTheNextRegistration(t *testing.T) {
+	const size = 4096
+	tests := []struct {
+		name  string
+		frame protocol.Message // sent with the stray descriptor
+		want  protocol.Code    // its answer
+	}{
+		{"hello", &protocol.Hello{Version: protocol.Version}, protocol.CodeOK},
+		{"malformed", &protocol.Lookup{NS: 1}, protocol.CodeMalformed},
+		{"malformed registration", &protocol.RegisterMemory{Kind: protocol.MemoryMemfd}, protocol.CodeMalformed},
+		{"unknown type", &protocol.Count{T: protocol.TypeLookup | protocol.TypeReply}, protocol.CodeUnknownType},
+		{"invalid geometry", &protocol.Declare{Geometry: protocol.Geometry{Model: "m"}}, protocol.CodeInvalid},
+		{"GPU registration", &protocol.RegisterMemory{Kind: protocol.MemoryCUDAIPC, Size: size}, protocol.CodeUnsupported},
+		{"request that takes none", &protocol.StatsRequest{}, protocol.CodeOK},
+	}
+	f := newFixture(t, server.Config{})
+	for _, tc := range tests {
+		for _, pipelined := range []bool{false, true} {
+			name := tc.name
+			if pipelined {
+				name += ", pipelined"
+			}
+			t.Run(name, func(t *testing.T) {
+				stray, err := client.NewMemfd("stray", size)
+				if err != nil {
+					t.Fatal(err)
+				}
+				var st unix.Stat_t
+				if err := unix.Fstat(stray.Fd(), &st); err != nil {
+					t.Fatal(err)
+				}
+				strayIno := st.Ino
+				r := f.raw(t)
+				if tc.frame.Type() != protocol.TypeHello {
+					r.hello()
+				}
+				r.send(3, tc.frame, stray.Fd())
+				stray.Close() // the daemon's copy is the only one left
+				good := sparse(t, size)
+				reg := &protocol.RegisterMemory{Kind: protocol.MemoryMemfd, Size: size}
+				if pipelined {
+					r.send(4, reg, good)
+				}
+				_, m, err := r.recv()
+				if err != nil {
+					t.Fatal(err)
+				}
+				if e, ok := m.(*protocol.Error); ok != (tc.want != protocol.CodeOK) || ok && e.Code != tc.want {
+					t.Fatalf("%s with a descriptor answered %#v, want %s", tc.frame.Type(), m, tc.want)
+				}
+				if !pipelined {
+					r.send(4, reg, good)
+				}
+				if err := unix.Fstat(good, &st); err != nil {
+					t.Fatal(err)
+				}
+				_, m, err = r.recv()
+				if err != nil {
+					t.Fatal(err)
+				}
+				got, ok := m.(*protocol.MemoryRegistered)
+				if !ok {
+					t.Fatalf("registration after the stray descriptor: %#v", m)
+				}
+				if got.Inode != st.Ino {
+					t.Fatalf("registration mapped inode %d (the stray descriptor's is %d), want its own %d", got.Inode, strayIno, st.Ino)
+				}
+				if fd := openMemfd(t, strayIno); fd >= 0 {
+					t.Fatalf("the stray descriptor is still open (descriptor %d) after its frame was answered", fd)
+				}
+			})
+		}
+	}
+}
+
+// TestRegistrationPipelinedAfterAFrameWithoutDescriptorsGetsItsOwn: a
+// descriptor that the daemon reads together with the frames before its
+// own (a read that begins with them) is kept for its frame, not closed
+// when those are answered.
+func TestRegistrationPipelinedAfterAFrameWithoutDescriptorsGetsItsOwn(t *testing.T) {
+	f := newFixture(t, server.Config{})
+	r := f.raw(t)
+	r.hello()
+	for i := range 20 {
+		good := sparse(t, 4096)
+		r.send(2, &protocol.StatsRequest{})
+		r.send(3, &protocol.RegisterMemory{Kind: protocol.MemoryMemfd, Size: 4096}, good)
+		if _, m, err := r.recv(); err != nil || m.Type() != protocol.TypeStats|protocol.TypeReply {
+			t.Fatalf("stats: %#v %v", m, err)
+		}
+		if _, m, err := r.recv(); err != nil || m.Type() != protocol.TypeRegisterMemory|protocol.TypeReply {
+			t.Fatalf("registration %d after a stats request: %#v %v", i, m, err)
+		}
+	}
+}
+
+// openMemfd returns a descriptor of this process open on the memfd of
+// inode ino, or -1.
+func openMemfd(t *testing.T, ino uint64) int {
+	t.Helper()
+	ents, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range ents {
+		path := "/proc/self/fd/" + e.Name()
+		var st unix.Stat_t
+		if link, err := os.Readlink(path); err != nil || !strings.HasPrefix(link, "/memfd:") || unix.Stat(path, &st) != nil || st.Ino != ino {
+			continue // closed meanwhile, or another file
+		}
+		fd, _ := strconv.Atoi(e.Name())
+		return fd
+	}
+	return -1
 }

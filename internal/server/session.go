@@ -179,7 +179,9 @@ func (s *session) run() {
 			}
 			return
 		}
-		if !s.handle(h, body) {
+		ok := s.handle(h, body)
+		s.rd.done()
+		if !ok {
 			return
 		}
 	}
@@ -271,9 +273,7 @@ func (s *session) handle(h protocol.Header, body []byte) bool {
 			code = protocol.CodeUnknownType
 		}
 		s.send(h.ID, perr(code, "%v", err))
-		// A malformed registration may have brought a descriptor that
-		// would be taken by the next one: the stream is out of step.
-		return h.Type != protocol.TypeRegisterMemory
+		return true
 	}
 	var reply protocol.Message
 	switch m := m.(type) {
