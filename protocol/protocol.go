@@ -48,6 +48,10 @@ const (
 	CUDAIPCHandleLen = 64
 	// MinFrame is the smallest max_frame a daemon may announce.
 	MinFrame = 64 << 10
+	// MaxHandshakeFrame bounds a frame, header included, before the
+	// handshake completes: the client does not know the daemon's max_frame
+	// until Welcome announces it, and no daemon announces less.
+	MaxHandshakeFrame = MinFrame
 )
 
 // Type is a frame type.

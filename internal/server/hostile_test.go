@@ -1,7 +1,9 @@
 package server_test
 
 import (
+	"bytes"
 	"context"
+	"encoding/binary"
 	"errors"
 	"io"
 	"syscall"
@@ -208,4 +210,33 @@ func TestClientThatDoesNotReadIsClosed(t *testing.T) {
 	if err := f.srv.WaitSessions(ctx, 0); err != nil {
 		t.Fatalf("the session of a client that does not read was not ended: %v", err)
 	}
+}
+
+// TestFrameBeforeHelloIsBoundedByTheHandshakeLimit: before its Hello a
+// connection may send frames of at most protocol.MaxHandshakeFrame bytes,
+// whatever MaxFrame says: a larger header is answered with
+// Error(malformed) and the connection closed, without waiting for (and
+// allocating) its body. After the Hello, frames up to MaxFrame are read.
+func TestFrameBeforeHelloIsBoundedByTheHandshakeLimit(t *testing.T) {
+	f := newFixture(t, server.Config{MaxFrame: 4 << 20})
+	r := f.raw(t)
+	hdr := protocol.AppendFrame(nil, 1, &protocol.Hello{Version: protocol.Version})[:protocol.HeaderSize]
+	binary.LittleEndian.PutUint32(hdr, protocol.MaxHandshakeFrame-protocol.HeaderSize+1)
+	r.write(hdr)
+	if errs := r.closedWith(); len(errs) != 1 || errs[0].Code != protocol.CodeMalformed {
+		t.Fatalf("a %d-byte frame before hello: closed with %v, want one %s error", protocol.MaxHandshakeFrame+1, errs, protocol.CodeMalformed)
+	}
+
+	r = f.raw(t)
+	r.hello()
+	keys := make([][]byte, protocol.MaxKeysPerRequest)
+	for i := range keys {
+		keys[i] = bytes.Repeat([]byte{byte(i)}, protocol.MaxKeyLen)
+	}
+	lookup := protocol.AppendFrame(nil, 2, &protocol.Lookup{NS: 1, Keys: keys})
+	if len(lookup) <= protocol.MaxHandshakeFrame {
+		t.Fatalf("lookup frame of %d bytes: want more than %d", len(lookup), protocol.MaxHandshakeFrame)
+	}
+	r.write(lookup)
+	r.expectCode(protocol.CodeUnknownNS)
 }

@@ -95,13 +95,17 @@ type session struct {
 func newSession(s *Server, c *net.UnixConn) *session {
 	ctx, cancel := context.WithCancel(context.Background())
 	seq := s.connSeq.Add(1)
+	// Until its Hello, a connection's frames are bounded by the
+	// handshake's limit, not MaxFrame: a peer that has not said who it is
+	// cannot make the daemon read (and allocate) MaxFrame bytes for each of
+	// MaxHandshakes connections.
 	return &session{
 		srv:        s,
 		conn:       c,
 		seq:        seq,
 		born:       time.Now(),
 		log:        s.log.With("conn", seq),
-		rd:         newFrameReader(c, s.cfg.MaxFrame, s.cfg.MaxRegistrations+maxFdsPerMsg, s.cfg.FrameTimeout),
+		rd:         newFrameReader(c, protocol.MaxHandshakeFrame, s.cfg.MaxRegistrations+maxFdsPerMsg, s.cfg.FrameTimeout),
 		ctx:        ctx,
 		stopCtx:    cancel,
 		regions:    make(map[uint32]*memRegion),
@@ -171,6 +175,9 @@ func (s *session) run() {
 				s.log.Warn("closing a connection that stopped in the middle of a frame", "err", err)
 				s.send(0, perr(protocol.CodeTimeout, "a frame did not complete within %v: %v", cfg.FrameTimeout, err))
 			case errors.Is(err, io.EOF), errors.Is(err, net.ErrClosed):
+			case errors.Is(err, protocol.ErrTooLarge) && !s.hello:
+				s.log.Info("closing a connection whose first frame exceeds the handshake's limit", "err", err)
+				s.send(h.ID, perr(protocol.CodeMalformed, "before the handshake: %v", err))
 			case errors.Is(err, protocol.ErrTooLarge), errors.Is(err, protocol.ErrMalformed), errors.Is(err, errProtocol):
 				s.log.Warn("closing connection", "err", err)
 				s.send(h.ID, &protocol.Error{Code: protocol.CodeMalformed, Message: err.Error()})
@@ -249,6 +256,7 @@ func (s *session) handle(h protocol.Header, body []byte) bool {
 		s.hello = true
 		s.log = s.log.With("name", m.Client)
 		c := s.srv.cfg
+		s.rd.maxFrame = c.MaxFrame
 		s.send(h.ID, &protocol.Welcome{
 			Version: protocol.Version, MaxFrame: uint32(c.MaxFrame),
 			MaxRegistrations: uint32(c.MaxRegistrations), MaxInflightJobs: uint32(c.MaxInflightJobs),
