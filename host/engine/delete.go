@@ -21,6 +21,7 @@ func (e *Engine) Delete(ctx context.Context, ns NamespaceID, keys [][]byte) (int
 	// The entries first: removing a file unindexes its other keys.
 	byEntry := map[*entry]int{} // requested keys held by each entry
 	var order []*entry
+	keyOf := map[*entry][]byte{} // a requested key of each entry
 	seen := map[string]bool{}
 	for _, k := range keys {
 		if seen[string(k)] {
@@ -30,6 +31,7 @@ func (e *Engine) Delete(ctx context.Context, ns NamespaceID, keys [][]byte) (int
 		if en := e.find(n, k); en != nil {
 			if byEntry[en] == 0 {
 				order = append(order, en)
+				keyOf[en] = k
 			}
 			byEntry[en]++
 		}
@@ -39,7 +41,7 @@ func (e *Engine) Delete(ctx context.Context, ns NamespaceID, keys [][]byte) (int
 		if err := ctx.Err(); err != nil {
 			return removed, err
 		}
-		if e.deleteUnpinned(ctx, en) {
+		if e.deleteUnpinned(ctx, en, keyOf[en]) {
 			removed += byEntry[en]
 		}
 	}
@@ -49,12 +51,15 @@ func (e *Engine) Delete(ctx context.Context, ns NamespaceID, keys [][]byte) (int
 	return removed, nil
 }
 
-// deleteUnpinned drops en and removes its file, as Delete does, unless a
-// client pin holds it; the check and the unindexing are one step under
-// index.mu, so a pin that took hold is never deleted under it. It
-// reports whether this call dropped en.
-func (e *Engine) deleteUnpinned(ctx context.Context, en *entry) bool {
+// deleteUnpinned drops en, found for key, and removes its file, as Delete
+// does, unless a client pin holds it; the check and the unindexing are one
+// step under index.mu, so a pin that took hold is never deleted under it.
+// Where en's file moved to another mount since it was found (demote.go),
+// the moved file is the one dropped. It reports whether this call dropped
+// en (or its moved file).
+func (e *Engine) deleteUnpinned(ctx context.Context, en *entry, key []byte) bool {
 	e.ix.mu.Lock()
+	en = e.ix.currentLocked(en, key)
 	if en.clientPinned() {
 		e.ix.mu.Unlock()
 		e.log.Debug("engine: delete refused: pinned", "path", en.path)

@@ -859,3 +859,110 @@ func TestCopyBuffersHaveTheSizeAskedAndAreNeverShared(t *testing.T) {
 		putB()
 	}
 }
+
+// TestDeleteRemovesAKeyMovedAfterItWasFound deletes two keys of two files
+// and, while the first file is removed, moves the second key's file to the
+// other mount: the delete, which found the second key's entry before the
+// move, removes the moved file, and both keys are gone.
+func TestDeleteRemovesAKeyMovedAfterItWasFound(t *testing.T) {
+	ctx := context.Background()
+	g := smallGeometry(true)
+	hot, cold := t.TempDir(), t.TempDir()
+	var (
+		e     *Engine
+		armed atomic.Pointer[entry]
+		moved atomic.Bool
+	)
+	keys := testKeys("delmoved", 2)
+	inj := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+		if en := armed.Load(); op == fsys.OpRemove && en != nil && path != en.path && armed.CompareAndSwap(en, nil) {
+			_, err := e.move(ctx, en.id, 1, true)
+			moved.Store(err == nil)
+		}
+		return fsys.Fault{}
+	})
+	e = openEngine(t, Config{Mounts: []Mount{{Path: hot}, {Path: cold}}, FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj},
+		Policy: &demotingPolicy{testPolicy: newTestPolicy(1, abi.OrderLayerMajor)}})
+	ns, err := e.Declare(ctx, g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
+	storeAndCheck(t, e, c, keys, [][]int{{0, 1, 2, 3}, {4, 5, 6, 7}})
+	armed.Store(entryOf(e, ns, keys[1]))
+	n, err := e.Delete(ctx, ns, keys)
+	if !moved.Load() {
+		t.Fatal("the second key's file was not moved during the delete: the test proves nothing")
+	}
+	if n != 2 || err != nil {
+		t.Fatalf("Delete = %d, %v; want 2", n, err)
+	}
+	if f := append(dataFiles(t, hot), dataFiles(t, cold)...); len(f) != 0 {
+		t.Fatalf("files left after the delete: %v", f)
+	}
+	if got, _ := e.Lookup(ctx, ns, keys[1:]); got != 0 {
+		t.Fatal("the deleted key moved during the delete is still found")
+	}
+}
+
+// insertHook is demotingPolicy calling onInsert, when set, with the entry
+// of each insert it is told of, before it takes the record.
+type insertHook struct {
+	*demotingPolicy
+	onInsert atomic.Pointer[func(id uint64)]
+}
+
+func (p *insertHook) Access(ctx context.Context, recs []abi.AccessRecord) error {
+	if fn := p.onInsert.Load(); fn != nil {
+		for _, r := range recs {
+			if r.Kind == abi.AccessInsert {
+				(*fn)(r.Entry)
+			}
+		}
+	}
+	return p.demotingPolicy.Access(ctx, recs)
+}
+
+// TestPinHoldsAKeyMovedAfterItWasFound pins a key whose file the index has
+// lost, so that the pin finds it on disk, and moves the file to the other
+// mount as soon as it is indexed, before the pin takes hold: the pin holds
+// the moved file, which an eviction then leaves alone.
+func TestPinHoldsAKeyMovedAfterItWasFound(t *testing.T) {
+	ctx := context.Background()
+	g := smallGeometry(true)
+	var (
+		e     *Engine
+		moved atomic.Bool
+	)
+	pol := &insertHook{demotingPolicy: &demotingPolicy{testPolicy: newTestPolicy(1, abi.OrderLayerMajor)}}
+	e = openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir()}, {Path: t.TempDir()}}, Policy: pol})
+	ns, err := e.Declare(ctx, g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
+	keys := testKeys("pinmoved", 1)
+	storeAndCheck(t, e, c, keys, [][]int{{0, 1, 2, 3}})
+	e.drop(ctx, entryOf(e, ns, keys[0]), false, "forgotten by the test") // the file stays
+	move := func(id uint64) {
+		pol.onInsert.Store(nil)
+		_, err := e.move(ctx, id, 1, true)
+		moved.Store(err == nil)
+	}
+	pol.onInsert.Store(&move)
+	id, held, err := e.Pin(ctx, ns, keys, 0)
+	if !moved.Load() {
+		t.Fatal("the key's file was not moved during the pin: the test proves nothing")
+	}
+	if err != nil || id == 0 || !held[0] {
+		t.Fatalf("Pin = %d, %v, %v; want the moved key pinned", id, held, err)
+	}
+	e.ix.mu.Lock()
+	en := e.ix.byKey[keyID{e.nss[ns].fp, string(keys[0])}].e
+	mount, pinned := en.mount, en.clientPinned()
+	e.ix.mu.Unlock()
+	if mount != 1 || !pinned {
+		t.Fatalf("the key's entry after the pin: mount %d, pinned %v; want mount 1, pinned", mount, pinned)
+	}
+	e.Unpin(ctx, id)
+}

@@ -63,14 +63,16 @@ func (e *Engine) Pin(ctx context.Context, ns NamespaceID, keys [][]byte, lease t
 		if en == nil {
 			continue
 		}
-		if _, ok := byEntry[en]; !ok {
-			e.ix.mu.Lock()
-			gone := en.gone
-			if !gone {
-				en.pins++
-				en.leases++
-			}
-			e.ix.mu.Unlock()
+		e.ix.mu.Lock()
+		en = e.ix.currentLocked(en, k) // moved since it was found (demote.go)
+		_, dup := byEntry[en]
+		gone := en.gone
+		if !dup && !gone {
+			en.pins++
+			en.leases++
+		}
+		e.ix.mu.Unlock()
+		if !dup {
 			if gone {
 				continue
 			}
