@@ -444,14 +444,18 @@ type Stats struct {
 	// Evictions counts files deleted to make room; a victim moved to
 	// another mount instead is a demotion (Tiering.Demotions): the key
 	// stays stored.
-	Evictions    uint64
-	Reused       uint64 // stores that wrote into a spare file instead of a fresh one
-	SparesMade   uint64 // spare files made ahead of stores (Mount.Preallocate)
-	Failures     uint64 // keys that ended OutcomeFailed
-	Corrupt      uint64 // files dropped because they failed verification
-	Vanished     uint64 // files found missing or replaced behind the engine's back
-	BytesWritten uint64 // payload bytes stored (no headers or padding)
-	BytesRead    uint64 // payload bytes of the keys loaded
+	Evictions  uint64
+	Reused     uint64 // stores that wrote into a spare file instead of a fresh one
+	SparesMade uint64 // spare files made ahead of stores (Mount.Preallocate)
+	Failures   uint64 // keys that ended OutcomeFailed
+	Corrupt    uint64 // files dropped because they failed verification
+	Vanished   uint64 // files found missing or replaced behind the engine's back
+	// RemoveFailures counts data files whose removal failed (an unlink
+	// refused: EACCES, EIO, a read-only file system). Such a file stays
+	// counted as used on its mount, and an eviction there tries again.
+	RemoveFailures uint64
+	BytesWritten   uint64 // payload bytes stored (no headers or padding)
+	BytesRead      uint64 // payload bytes of the keys loaded
 	// StoreFailures and LoadFailures break Failures down by reason. Every
 	// failed key is counted, and logged (warning; at most one line per
 	// reason every 10 s, saying how many were not logged).

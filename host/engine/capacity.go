@@ -70,6 +70,7 @@ func (e *Engine) unreserve(m *mount, size int64) {
 // below the low watermark, or the policy has nothing more to offer. Pinned
 // entries are never removed, whatever the policy says.
 func (e *Engine) evict(ctx context.Context, m *mount, size int64) {
+	e.retryLeft(m) // files whose removal failed first: no one's data
 	for round := 0; round < 16; round++ {
 		// Orphans are on their way out (flight.go): room enough below the
 		// low watermark without them, unless the file would not fit

@@ -8,6 +8,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -173,24 +174,24 @@ func TestFilesAnEvictionIsStillRemovingKeepTheirRoom(t *testing.T) {
 	}
 }
 
-// A file the engine has unindexed counts as used on its mount until it is
-// gone from the disk: the room is not free before. Each case catches the
-// moment the file is still there (its removal about to begin, or the
-// move's rename of its copy) and reads the hot mount's usage.
-func TestUnindexedFilesCountAsUsedUntilRemoved(t *testing.T) {
-	ctx := context.Background()
-	g := smallGeometry(true)
-	fileLen := 4096 + g.KeyBytes()
-	cases := []struct {
-		name string
-		// at reports whether op on path, on a hot mount at hot and a cold
-		// one at cold, is the moment to read the usage.
-		at func(op fsys.Op, path, hot, cold string) bool
-		// during runs at that moment, before the usage is read.
-		during func(e *Engine, ns NamespaceID, keys [][]byte)
-		// run sets the case going: a delete or a move of the key's file.
-		run func(t *testing.T, e *Engine, ns NamespaceID, keys [][]byte)
-	}{{
+// unindexedCase is a way the engine unindexes a key's file on a hot mount
+// (mount 0 of a demotingPolicy engine) and removes it.
+type unindexedCase struct {
+	name string
+	// at reports whether op on path, on a hot mount at hot and a cold
+	// one at cold, is the moment the file is still there.
+	at func(op fsys.Op, path, hot, cold string) bool
+	// during runs at that moment.
+	during func(e *Engine, ns NamespaceID, keys [][]byte)
+	// run sets the case going: a delete or a move of the key's file.
+	run func(t *testing.T, e *Engine, ns NamespaceID, keys [][]byte)
+}
+
+// unindexedCases: a delete, a move (its source), and a delete during a
+// move (the file becomes an orphan, which the move removes when it
+// releases the path).
+func unindexedCases(ctx context.Context) []unindexedCase {
+	return []unindexedCase{{
 		name: "deleted",
 		at: func(op fsys.Op, path, hot, _ string) bool {
 			return op == fsys.OpRemove && strings.HasPrefix(path, hot) && strings.HasSuffix(path, ".kv")
@@ -226,7 +227,17 @@ func TestUnindexedFilesCountAsUsedUntilRemoved(t *testing.T) {
 			}
 		},
 	}}
-	for _, tc := range cases {
+}
+
+// A file the engine has unindexed counts as used on its mount until it is
+// gone from the disk: the room is not free before. Each case catches the
+// moment the file is still there (its removal about to begin, or the
+// move's rename of its copy) and reads the hot mount's usage.
+func TestUnindexedFilesCountAsUsedUntilRemoved(t *testing.T) {
+	ctx := context.Background()
+	g := smallGeometry(true)
+	fileLen := 4096 + g.KeyBytes()
+	for _, tc := range unindexedCases(ctx) {
 		t.Run(tc.name, func(t *testing.T) {
 			hot, cold := t.TempDir(), t.TempDir()
 			var (
@@ -267,6 +278,96 @@ func TestUnindexedFilesCountAsUsedUntilRemoved(t *testing.T) {
 			}
 		})
 	}
+}
+
+// A file whose removal fails stays on disk, and its mount goes on
+// counting its bytes as used (not as an orphan's) until a later eviction
+// there removes it; each failure is counted.
+func TestAFileWhoseRemovalFailsStaysCounted(t *testing.T) {
+	ctx := context.Background()
+	g := smallGeometry(true)
+	fileLen := 4096 + g.KeyBytes()
+	for _, tc := range unindexedCases(ctx) {
+		t.Run(tc.name, func(t *testing.T) {
+			hot, cold := t.TempDir(), t.TempDir()
+			var (
+				e       *Engine
+				ns      NamespaceID
+				keys    = testKeys("stuck", 4)
+				armed   atomic.Bool
+				failing atomic.Bool
+			)
+			inj := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+				if tc.during != nil && tc.at(op, path, hot, cold) && armed.CompareAndSwap(true, false) {
+					tc.during(e, ns, keys[:1])
+				}
+				if op == fsys.OpRemove && failing.Load() && strings.HasPrefix(path, hot) && strings.HasSuffix(path, ".kv") {
+					return fsys.Fault{Err: syscall.EACCES}
+				}
+				return fsys.Fault{}
+			})
+			var c *testCache
+			// The hot mount evicts (demotes) from its fourth file on.
+			mounts := []Mount{{Path: hot, Capacity: 4 * fileLen, HighWatermark: 0.75, LowWatermark: 0.5}, {Path: cold}}
+			e, ns, c = injectedEngine(t, mounts, &demotingPolicy{testPolicy: newTestPolicy(1, abi.OrderLayerMajor)}, inj, 16)
+			storeAndCheck(t, e, c, keys[:1], [][]int{{0, 1, 2, 3}})
+			stuck := dataFiles(t, hot)
+			armed.Store(true)
+			failing.Store(true)
+			tc.run(t, e, ns, keys[:1])
+			failing.Store(false)
+			if n := len(dataFiles(t, hot)); n != 1 {
+				t.Fatalf("%d data files on the hot mount after a failed removal, want 1", n)
+			}
+			if st := e.Stats(); st.Mounts[0].Used != fileLen || orphanedBytes(e, 0) != 0 || st.RemoveFailures != 1 {
+				t.Fatalf("with the file left on disk, the hot mount counts %d bytes used, %d of orphans, %d failed removals; want %d, 0 and 1",
+					st.Mounts[0].Used, orphanedBytes(e, 0), st.RemoveFailures, fileLen)
+			}
+			// Three more files: an eviction on the hot mount, which
+			// removes the file now.
+			storeAndCheck(t, e, c, keys[1:], [][]int{{4, 5, 6, 7}, {8, 9, 10, 11}, {12, 13, 14, 15}})
+			if exists(stuck[0]) {
+				t.Fatal("the eviction did not remove the file left on disk")
+			}
+			if n, used := int64(len(dataFiles(t, hot))), e.Stats().Mounts[0].Used; n*fileLen != used {
+				t.Fatalf("%d data files on the hot mount, %d bytes used; want %d", n, used, n*fileLen)
+			}
+		})
+	}
+}
+
+// An eviction whose removals fail leaves the mount counting the files it
+// could not remove: the bytes on disk are the bytes used.
+func TestAnEvictionWhoseRemovalsFailKeepsTheirBytesCounted(t *testing.T) {
+	var failing atomic.Bool
+	inj := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+		if op == fsys.OpRemove && failing.Load() && strings.HasSuffix(path, ".kv") {
+			return fsys.Fault{Err: syscall.EIO}
+		}
+		return fsys.Fault{}
+	})
+	e, _, c, dir, fileLen := twentyFileMount(t, inj, 20)
+	keys := testKeys("evstuck", 20)
+	onDisk := func(when string) {
+		t.Helper()
+		if n, used := int64(len(dataFiles(t, dir))), e.Stats().Mounts[0].Used; n*fileLen != used {
+			t.Fatalf("%s: %d data files (%d bytes) on the mount, %d bytes used", when, n, n*fileLen, used)
+		}
+	}
+	failing.Store(true)
+	for i := range 19 { // the 19th crosses the high watermark
+		storeAndCheck(t, e, c, keys[i:i+1], [][]int{{4 * i, 4*i + 1, 4*i + 2, 4*i + 3}})
+	}
+	if st := e.Stats(); st.Evictions == 0 {
+		t.Fatal("no eviction: the test proves nothing")
+	}
+	onDisk("after an eviction whose removals failed")
+	if st := e.Stats(); st.RemoveFailures != st.Evictions {
+		t.Fatalf("%d evictions, %d failed removals; want one per eviction", st.Evictions, st.RemoveFailures)
+	}
+	failing.Store(false)
+	storeAndCheck(t, e, c, keys[19:], [][]int{{76, 77, 78, 79}})
+	onDisk("after the next eviction")
 }
 
 // injectedEngine opens an engine over mounts with policy pol, its file

@@ -360,8 +360,11 @@ func (e *Engine) move(ctx context.Context, id uint64, target int, mayEvict bool)
 		// Deleted, evicted or pinned by a load while it was copied: the
 		// copy goes; the source stays (or goes with its own removal).
 		ix.mu.Unlock()
-		e.removeIfSame(dst, []*entry{en2})
-		e.unreserve(tm, size)
+		if left := e.removeIfSame(dst, []*entry{en2}); left != nil {
+			ix.leave(left, dst) // the reservation counts the copy left
+		} else {
+			e.unreserve(tm, size)
+		}
 		return 0, errMoveStale
 	}
 	en2.hits, en2.last = en.hits, en.last
@@ -380,8 +383,11 @@ func (e *Engine) move(ctx context.Context, id uint64, target int, mayEvict bool)
 	recs = append(recs, en.access(abi.AccessRemove, en2.last), en2.access(abi.AccessInsert, en2.last))
 	ix.mu.Unlock()
 	e.access(ctx, recs)
-	e.removeIfSame(en.path, []*entry{en})
-	e.space.free(sm.sp, size, false)
+	if left := e.removeIfSame(en.path, []*entry{en}); left != nil {
+		ix.leave(left, en.path) // still counted: an eviction tries again
+	} else {
+		e.space.free(sm.sp, size, false)
+	}
 	e.spareRoom() // the source's room
 	return size, nil
 }

@@ -58,6 +58,15 @@ func (e *Engine) releaseFreed(path string, freed []*entry) {
 	e.endRelease(path, fl, orphans)
 }
 
+// releaseRemoved is releaseFreed for a holder that has just tried to
+// remove the file of one of ens: left, where not nil, is the one whose
+// file is still there, at at (disposeIfSame), which its mount goes on
+// counting (index.leaveLocked); the others stop counting.
+func (e *Engine) releaseRemoved(path string, ens []*entry, left *entry, at string) {
+	fl, orphans := e.ix.releaseLeaving(path, ens, left, at)
+	e.endRelease(path, fl, orphans)
+}
+
 // endRelease finishes what index.releaseLocked began, without the lock:
 // it wakes the stores waiting for the path, or removes the orphans left
 // to the claim (never a file its holder just published: they are entries
@@ -67,25 +76,36 @@ func (e *Engine) endRelease(path string, fl *flight, orphans []*entry) {
 		close(fl.done)
 		return
 	}
-	e.removeIfSame(path, orphans)
-	e.releaseFreed(path, orphans)
+	_, left, at := e.disposeIfSame(path, orphans, false)
+	e.releaseRemoved(path, orphans, left, at)
 }
 
 // removeClaimed removes en's file (if it is still the file at its path) and
 // releases the path claimed by index.dropLocked.
 func (e *Engine) removeClaimed(en *entry) {
-	e.removeIfSame(en.path, []*entry{en})
-	e.releaseFreed(en.path, []*entry{en})
+	_, left, at := e.disposeIfSame(en.path, []*entry{en}, false)
+	e.releaseRemoved(en.path, []*entry{en}, left, at)
 }
 
 // evictClaimed is removeClaimed for an evicted entry: the file may be
 // kept as a spare (spares.go), its bytes then moving to the spares.
 func (e *Engine) evictClaimed(en *entry) {
-	if e.disposeIfSame(en.path, []*entry{en}, true) {
+	kept, left, at := e.disposeIfSame(en.path, []*entry{en}, true)
+	if kept {
 		e.release(en.path)
 		return
 	}
-	e.releaseFreed(en.path, []*entry{en})
+	e.releaseRemoved(en.path, []*entry{en}, left, at)
+}
+
+// retryLeft tries again to remove m's files whose removal failed
+// (index.left), but those whose path a job holds now. An eviction calls
+// it before it asks for victims.
+func (e *Engine) retryLeft(m *mount) {
+	for at, en := range e.ix.takeLeft(m.idx) {
+		_, left, now := e.disposeIfSame(at, []*entry{en}, false)
+		e.releaseRemoved(at, []*entry{en}, left, now)
+	}
 }
 
 // confirm checks, reading the header, that en's file is still the one
@@ -114,26 +134,38 @@ func (e *Engine) confirm(ctx context.Context, en *entry) bool {
 // name alone. The caller holds the path, so no store of this engine
 // publishes there meanwhile; another node may still rename a file onto the
 // path between the check and the unlink (a window of one system call,
-// docs/engine.md).
-func (e *Engine) removeIfSame(path string, ens []*entry) {
-	e.disposeIfSame(path, ens, false)
+// docs/engine.md). It returns the entry whose file it could not remove,
+// or nil (disposeIfSame).
+func (e *Engine) removeIfSame(path string, ens []*entry) *entry {
+	_, left, _ := e.disposeIfSame(path, ens, false)
+	return left
 }
 
 // disposeIfSame is removeIfSame; with spare set (an evicted entry, whose
 // file its mount still counts as used: evict), the file is kept as a
 // spare for later stores where its mount keeps spares and it fits
 // (spares.go), its bytes then moving to the spares. It reports whether it
-// kept one.
-func (e *Engine) disposeIfSame(path string, ens []*entry, spare bool) bool {
+// kept one. left is the entry of ens whose file may still be there, at
+// at (path, or the spare's name it was renamed to), because a step failed
+// with an I/O error (an open or read other than "not found", the unlink
+// itself): the caller goes on counting its bytes (index.leaveLocked),
+// for an eviction to try again (retryLeft). Each such failure counts in
+// Stats.RemoveFailures.
+func (e *Engine) disposeIfSame(path string, ens []*entry, spare bool) (kept bool, left *entry, at string) {
 	if len(ens) == 0 {
-		return false
+		return false, nil, ""
+	}
+	fail := func(op string, en *entry, at string, err error) (bool, *entry, string) {
+		e.st.removeFailures.Add(1)
+		e.log.Warn("engine: "+op, "path", at, "err", err)
+		return false, en, at
 	}
 	f, err := e.fs.OpenFile(path, os.O_RDONLY, 0)
 	if err != nil {
 		if !errors.Is(err, os.ErrNotExist) {
-			e.log.Warn("engine: open before remove", "path", path, "err", err)
+			return fail("open before remove", ens[0], path, err)
 		}
-		return false
+		return false, nil, ""
 	}
 	id, err := fileIdentity(f)
 	var h *format.Header
@@ -141,34 +173,33 @@ func (e *Engine) disposeIfSame(path string, ens []*entry, spare bool) bool {
 		h, err = e.fileHeader(ens[0].mount, path, f, id)
 	}
 	f.Close()
-	match := false
+	match := -1 // the index in ens of the file's entry
 	switch {
 	case err == nil:
-		match = slices.ContainsFunc(ens, func(en *entry) bool { return en.sameFile(id, h) })
+		match = slices.IndexFunc(ens, func(en *entry) bool { return en.sameFile(id, h) })
 	case errors.Is(err, ErrCorrupt):
 		// A corrupt file at the inode indexed (a corrupt file being
 		// dropped; writing into it changed its ctime): its header cannot
 		// say more, and a corrupt file is no one's data.
-		match = slices.ContainsFunc(ens, func(en *entry) bool { return en.ident.Inode() == id.Inode() })
+		match = slices.IndexFunc(ens, func(en *entry) bool { return en.ident.Inode() == id.Inode() })
 	default:
-		e.log.Warn("engine: check before remove", "path", path, "err", err)
-		return false
+		return fail("check before remove", ens[0], path, err)
 	}
-	if !match {
+	if match < 0 {
 		e.log.Debug("engine: not removed: the file at the path is another one", "path", path)
-		return false
+		return false, nil, ""
 	}
 	// A spare keeps its inode and pages: movers keep what they cache of
 	// it (a registration of its pages) for the store that reuses it.
 	if spare {
 		kept, at := e.keepSpare(e.mounts[ens[0].mount], path, id, ens[0].size)
 		if kept {
-			return true
+			return true, nil, ""
 		}
 		path = at
 	}
 	if err := e.removeFile(path, id); err != nil {
-		e.log.Warn("engine: remove", "path", path, "err", err)
+		return fail("remove", ens[match], path, err)
 	}
-	return false
+	return false, nil, ""
 }

@@ -113,7 +113,7 @@ type Engine struct {
 }
 
 type counters struct {
-	stores, loads, hits, misses, evictions, reused, made, failures, corrupt, vanished, written, read atomic.Uint64
+	stores, loads, hits, misses, evictions, reused, made, failures, corrupt, vanished, removeFailures, written, read atomic.Uint64
 
 	// ended counts the jobs finished (Activity); scanned, the files a
 	// cluster adoption walk read.
@@ -270,7 +270,7 @@ func (e *Engine) Stats() Stats {
 	s := Stats{
 		Stores: e.st.stores.Load(), Loads: e.st.loads.Load(), Hits: e.st.hits.Load(), Misses: e.st.misses.Load(),
 		Evictions: e.st.evictions.Load(), Reused: e.st.reused.Load(), SparesMade: e.st.made.Load(), Failures: e.st.failures.Load(), Corrupt: e.st.corrupt.Load(),
-		Vanished: e.st.vanished.Load(), BytesWritten: e.st.written.Load(), BytesRead: e.st.read.Load(),
+		Vanished: e.st.vanished.Load(), RemoveFailures: e.st.removeFailures.Load(), BytesWritten: e.st.written.Load(), BytesRead: e.st.read.Load(),
 		StoreFailures: e.fails.stats(0), LoadFailures: e.fails.stats(1), Tiering: e.TierStats(), HeldFound: e.HeldFound(),
 	}
 	s.Entries, s.Keys = e.ix.size()

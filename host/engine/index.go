@@ -2,6 +2,7 @@ package engine
 
 import (
 	"fmt"
+	"slices"
 	"sync"
 	"sync/atomic"
 
@@ -72,14 +73,20 @@ type entry struct {
 //     indexed entry may have lost a key to a newer file: relinkLocked);
 //   - 0 <= leases <= pins for every entry, leases < pins where the
 //     restart hold holds it (held), and heldFound counts those entries;
-//   - the orphans left to a path held are gone and marked orphan.
+//   - the orphans left to a path held are gone and marked orphan;
+//   - left holds no indexed entry, nor an orphan.
 type index struct {
-	mu        sync.RWMutex
-	sp        *space
-	entries   map[uint64]*entry
-	byKey     map[keyID]keyRef
-	byPath    map[string]*entry
-	inflight  map[string]*flight // paths being written or removed
+	mu       sync.RWMutex
+	sp       *space
+	entries  map[uint64]*entry
+	byKey    map[keyID]keyRef
+	byPath   map[string]*entry
+	inflight map[string]*flight // paths being written or removed
+	// left holds the entries dropped from the index whose file could not
+	// be removed (drop.go, disposeIfSame), by the file's path: their
+	// mounts count their bytes as used until an eviction there removes
+	// them (retryLeft) or a file indexed at the path replaces them.
+	left      map[string]*entry
 	lastID    uint64
 	keys      KeySet // MirrorKeys's, or nil
 	heldFound int    // indexed entries the restart hold pins (hold.go)
@@ -92,6 +99,7 @@ func newIndex(sp *space) *index {
 		byKey:    map[keyID]keyRef{},
 		byPath:   map[string]*entry{},
 		inflight: map[string]*flight{},
+		left:     map[string]*entry{},
 	}
 }
 
@@ -146,6 +154,10 @@ func (ix *index) insertLocked(en *entry, reserved bool) []*entry {
 	if old := ix.byPath[en.path]; old != nil {
 		ix.unindexLocked(old, false)
 		replaced = append(replaced, old)
+	}
+	if old := ix.left[en.path]; old != nil { // this file took its place
+		delete(ix.left, en.path)
+		ix.sp.free(ix.sp.mounts[old.mount], old.size, false)
 	}
 	ix.lastID++
 	en.id = ix.lastID
@@ -235,6 +247,64 @@ func (ix *index) dropLocked(en *entry, remove bool) (was, claimed bool) {
 	}
 	ix.sp.unindexed(ix.sp.mounts[en.mount], en.size, true, en.orphan)
 	return true, claimed
+}
+
+// leaveLocked records that the file of en, dropped from the index, could
+// not be removed and is at path at: its mount goes on counting its bytes
+// as used, no longer as an orphan's (no job removes it now).
+func (ix *index) leaveLocked(en *entry, at string) {
+	if en.orphan {
+		en.orphan = false
+		ix.sp.unorphan(ix.sp.mounts[en.mount], en.size)
+	}
+	if old := ix.left[at]; old != nil && old != en { // one file at a path
+		ix.sp.free(ix.sp.mounts[old.mount], old.size, false)
+	}
+	ix.left[at] = en
+}
+
+// leave is leaveLocked taking the lock.
+func (ix *index) leave(en *entry, at string) {
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	ix.leaveLocked(en, at)
+}
+
+// releaseLeaving is release for a holder that has just tried to remove
+// the file of one of ens: left (nil: none) is the one whose file is still
+// there, at at (leaveLocked); the others are freed.
+func (ix *index) releaseLeaving(path string, ens []*entry, left *entry, at string) (*flight, []*entry) {
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	freed := ens
+	if left != nil {
+		freed = slices.DeleteFunc(slices.Clone(ens), func(en *entry) bool { return en == left })
+		ix.leaveLocked(left, at)
+	}
+	return ix.releaseLocked(path, freed)
+}
+
+// takeLeft takes from left the entries of mount whose path it claims
+// (none that a job holds now), by path, for the caller to remove and
+// release (retryLeft).
+func (ix *index) takeLeft(mount int) map[string]*entry {
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	var took map[string]*entry
+	for at, en := range ix.left {
+		if en.mount != mount {
+			continue
+		}
+		if ok, _ := ix.claimLocked(at); !ok {
+			continue
+		}
+		delete(ix.left, at)
+		if took == nil {
+			took = map[string]*entry{}
+		}
+		took[at] = en
+	}
+	return took
 }
 
 // each calls fn for every indexed entry, under the index's lock held for
@@ -375,6 +445,11 @@ func (ix *index) check() error {
 			}
 		}
 	}
+	for at, en := range ix.left {
+		if ix.entries[en.id] == en || en.orphan {
+			return fmt.Errorf("index: file %s left on disk: its entry %d is indexed (%v) or an orphan (%v)", at, en.id, ix.entries[en.id] == en, en.orphan)
+		}
+	}
 	held := 0
 	for _, en := range ix.entries {
 		if en.held {
@@ -421,7 +496,8 @@ func (en *entry) match(fp uint64, key []byte) (int, error) {
 
 // checkAtRest returns an error where, with no path held by a job (no
 // store, move or removal in flight), a mount's room does not hold exactly
-// its indexed files: used the sum of their sizes, entries their number.
+// its indexed files and those left on disk: used the sum of their sizes,
+// entries the number of the indexed ones.
 // Tests call it (Engine.check).
 func (ix *index) checkAtRest() error {
 	ix.mu.RLock()
@@ -434,6 +510,9 @@ func (ix *index) checkAtRest() error {
 	for _, en := range ix.entries {
 		used[en.mount] += en.size
 		n[en.mount]++
+	}
+	for _, en := range ix.left {
+		used[en.mount] += en.size
 	}
 	ix.sp.mu.Lock()
 	defer ix.sp.mu.Unlock()

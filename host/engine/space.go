@@ -208,6 +208,14 @@ func (s *space) free(ms *mountSpace, size int64, orphan bool) {
 	}
 }
 
+// unorphan uncounts size bytes of an orphan of ms from orphaned: its
+// removal failed, and its bytes stay in used (index.leaveLocked).
+func (s *space) unorphan(ms *mountSpace, size int64) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	ms.orphaned -= size
+}
+
 // indexed counts a file of size bytes indexed on ms; reserved: its bytes
 // are those of a reservation, already in used. Called by the index.
 func (s *space) indexed(ms *mountSpace, size int64, reserved bool) {
