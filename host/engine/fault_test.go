@@ -891,3 +891,36 @@ func TestAStoreFailingAfterItsRenameUnindexesTheFileItReplaced(t *testing.T) {
 		t.Error(err)
 	}
 }
+
+// TestAStoreWhoseFstatFailsAfterItsRenameLeavesNoFile: a store whose fstat
+// of its file, just renamed into place, fails (so that the file's identity
+// is unknown) fails, and its file is removed, as after a failed close: not
+// left on disk unindexed and uncounted. The key stores again afterwards.
+func TestAStoreWhoseFstatFailsAfterItsRenameLeavesNoFile(t *testing.T) {
+	ctx := context.Background()
+	var renamed, failed atomic.Bool
+	inj := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+		switch {
+		case op == fsys.OpRename && strings.HasSuffix(path, ".kv"):
+			renamed.Store(true)
+		case op == fsys.OpStat && renamed.Load() && strings.HasPrefix(filepath.Base(path), tmpPrefix) && failed.CompareAndSwap(false, true):
+			return fsys.Fault{Err: syscall.EIO} // seal's fstat, after the rename
+		}
+		return fsys.Fault{}
+	})
+	e, ns, c, keys, blocks := faultyStore(t, newTestPolicy(1, abi.OrderLayerMajor), inj, "nofstat", 1, 16, 5)
+	res := wait(t)(e.Store(ctx, StoreRequest{Cache: c.id, Keys: keys, Blocks: blocks}))
+	if !failed.Load() {
+		t.Fatal("no fstat after the rename failed: the test proves nothing")
+	}
+	if res.Keys[0].Outcome != OutcomeFailed {
+		t.Fatalf("the store whose fstat failed after its rename: %+v, want failed", res.Keys[0])
+	}
+	if files, st := dataFiles(t, e.mounts[0].root), e.Stats(); len(files) != 0 || st.Entries != 0 || st.Mounts[0].Used != 0 {
+		t.Fatalf("after the failed store: data files %v, %d entries, %d bytes used; want none", files, st.Entries, st.Mounts[0].Used)
+	}
+	if n, _ := e.Lookup(ctx, ns, keys); n != 0 {
+		t.Fatal("the key of the failed store is found")
+	}
+	storeAndCheck(t, e, c, keys, blocks)
+}

@@ -19,9 +19,10 @@ import (
 // (nil: none), which the movers forget first. published reports whether
 // the rename happened: the temporary name is gone and f is closed. A
 // failure after it removes the file again if it is still en's (the
-// caller holds the path; another node may have replaced it) and returns
-// the error with published true. op prefixes the failed step's name in
-// the error (ioError).
+// caller holds the path; another node may have replaced it; where the
+// fstat failed, the header's file id decides) and returns the error with
+// published true. op prefixes the failed step's name in the error
+// (ioError).
 func (e *Engine) publish(ctx context.Context, m *mount, f fsys.File, tmp string, en, replaces *entry, op string) (published bool, err error) {
 	if e.cfg.Fsync {
 		if err := f.Sync(); err != nil {
@@ -41,6 +42,13 @@ func (e *Engine) publish(ctx context.Context, m *mount, f fsys.File, tmp string,
 	if err != nil {
 		// Visible but not vouched for (not durable, or its identity
 		// unknown): removed rather than indexed, if it is still ours.
+		if en.ident.Ino == 0 && en.fid != 0 {
+			// The fstat failed: the name's identity, which the header's
+			// file id, read before the removal, proves ours or not.
+			if fi, serr := e.fs.Stat(en.path); serr == nil {
+				en.ident, _ = fsys.IdentityOf(fi)
+			}
+		}
 		if en.ident.Ino != 0 {
 			e.removeIfSame(en.path, []*entry{en})
 		}
