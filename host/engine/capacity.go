@@ -31,6 +31,27 @@ func (e *Engine) reserve(ctx context.Context, m *mount, size int64) error {
 	return nil
 }
 
+// reserveFree is reserve without evicting, for a move to an earlier mount
+// within an eviction (demote.go): it takes room below m's high watermark
+// and, on a cluster mount, within this node's claim (never raising it,
+// which may evict there), and trims m's spares as reserve does. It fails
+// with ErrNoSpace where there is no such room.
+func (e *Engine) reserveFree(m *mount, size int64) error {
+	if c := m.cluster; c != nil {
+		if !c.reserveClaimed(size) {
+			return fmt.Errorf("%w: mount %s: no room within this node's cluster claim for a move of %d bytes", ErrNoSpace, m.root, size)
+		}
+		defer c.settle(size)
+	}
+	if !e.space.reserveBelow(m.sp, size, high) {
+		return fmt.Errorf("%w: mount %s: no room below the high watermark for a move of %d bytes", ErrNoSpace, m.root, size)
+	}
+	if e.spareEligible(m) {
+		e.trimSpares(m, (*mountSpace).sparesFitLocked)
+	}
+	return nil
+}
+
 // reserveUsed is reserve without the spares.
 func (e *Engine) reserveUsed(ctx context.Context, m *mount, size int64) error {
 	if m.cluster != nil { // the cluster-wide bound first (cluster.go)

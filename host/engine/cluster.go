@@ -556,6 +556,20 @@ func (e *Engine) clusterReserve(ctx context.Context, m *mount, size int64) error
 	return nil
 }
 
+// reserveClaimed is clusterReserve within this node's claim only: it
+// neither raises the claim nor evicts (Engine.reserveFree). It reports
+// whether it granted size bytes, which the caller settles.
+func (c *clusterMount) reserveClaimed(size int64) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.own+size > c.claim {
+		return false
+	}
+	c.own += size
+	c.pending += size
+	return true
+}
+
 // settle ends size bytes of a grant of clusterReserve once the mount's
 // space has reserved them (or the store gave up).
 func (c *clusterMount) settle(size int64) {

@@ -296,8 +296,8 @@ func (e *Engine) demoteVictim(ctx context.Context, m *mount, v policy.Eviction) 
 
 // move moves entry id's file to mount target (the same relative path under
 // its root) and returns its size. mayEvict lets the reservation on the
-// target evict there; without it the move takes only room below the
-// target's high watermark. It fails with errMoveStale when the entry is
+// target evict there; without it the move takes only free room there
+// (reserveFree). It fails with errMoveStale when the entry is
 // gone, pinned, busy or another live node's, and with ErrNoSpace when the
 // target has no room.
 func (e *Engine) move(ctx context.Context, id uint64, target int, mayEvict bool) (int64, error) {
@@ -344,8 +344,8 @@ func (e *Engine) move(ctx context.Context, id uint64, target int, mayEvict bool)
 		if err := e.reserve(ctx, tm, size); err != nil {
 			return 0, err
 		}
-	} else if !e.space.reserveBelow(tm.sp, size, high) {
-		return 0, fmt.Errorf("%w: mount %s: no room below the high watermark for a move of %d bytes", ErrNoSpace, tm.root, size)
+	} else if err := e.reserveFree(tm, size); err != nil {
+		return 0, err
 	}
 	e.slots.moving.Add(1) // a file in flight that takes no slot (fileEnded)
 	en2, err := e.copyFile(en, tm, dst)

@@ -966,3 +966,114 @@ func TestPinHoldsAKeyMovedAfterItWasFound(t *testing.T) {
 	}
 	e.Unpin(ctx, id)
 }
+
+// evictPromotingPolicy is demotingPolicy naming "hot" keys to mount 0 and the
+// others to mount 1; an eviction on mount 1 moves its victims to mount 0
+// (an earlier mount), one on mount 0 evicts them.
+type evictPromotingPolicy struct{ *demotingPolicy }
+
+func (p *evictPromotingPolicy) Name(ctx context.Context, recs []abi.NameRecord) error {
+	err := p.testPolicy.Name(ctx, recs)
+	for i := range recs {
+		recs[i].Mount = 1
+		if bytes.HasPrefix(recs[i].Key(), []byte("hot")) {
+			recs[i].Mount = 0
+		}
+	}
+	return err
+}
+
+func (p *evictPromotingPolicy) Admit(ctx context.Context, recs []abi.AdmitRecord) error {
+	err := p.testPolicy.Admit(ctx, recs)
+	for i := range recs {
+		recs[i].Target = recs[i].Mount
+	}
+	return err
+}
+
+func (p *evictPromotingPolicy) Evictions(ctx context.Context, req abi.EvictRequest, max int) ([]policy.Eviction, error) {
+	vs, err := p.Victims(ctx, req, max)
+	out := make([]policy.Eviction, len(vs))
+	for i, v := range vs {
+		out[i] = policy.Eviction{Victim: v, Target: abi.VictimTarget{Mount: abi.NoMount}}
+		if req.Mount == 1 {
+			out[i].Target.Mount = 0
+		}
+	}
+	return out, err
+}
+
+// TestMovesToAnEarlierMountTrimItsSpares: an eviction on mount 1 moves its
+// victims to mount 0, a memory mount holding spares: the moves take room
+// below its high watermark and trim its spares as a store's reservation
+// does, so that its files and spares stay within its capacity.
+func TestMovesToAnEarlierMountTrimItsSpares(t *testing.T) {
+	ctx := context.Background()
+	g := smallGeometry(true)
+	fileLen := 4096 + g.KeyBytes()
+	pol := &evictPromotingPolicy{&demotingPolicy{testPolicy: newTestPolicy(1, abi.OrderLayerMajor)}}
+	e := openEngine(t, Config{Mounts: []Mount{
+		{Path: tmpfsDir(t), Capacity: 10 * fileLen, HighWatermark: 0.9, LowWatermark: 0.5},
+		{Path: t.TempDir(), Capacity: 4 * fileLen, HighWatermark: 0.75, LowWatermark: 0.25},
+	}, Policy: pol})
+	ns, err := e.Declare(ctx, g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
+	// Ten files on mount 0: the tenth evicts five, kept as spares, and
+	// takes one of them.
+	for _, k := range testKeys("hot", 10) {
+		storeAndCheck(t, e, c, [][]byte{k}, [][]int{{0, 1, 2, 3}})
+	}
+	if m := e.Stats().Mounts[0]; m.SpareBytes < 3*fileLen {
+		t.Fatalf("mount 0 keeps %d bytes of spares: the test proves nothing", m.SpareBytes)
+	}
+	// Four files on mount 1: the fourth moves three to mount 0.
+	for _, k := range testKeys("cold", 4) {
+		storeAndCheck(t, e, c, [][]byte{k}, [][]int{{0, 1, 2, 3}})
+	}
+	if p := e.TierStats().Promotions; p < 2 {
+		t.Fatalf("%d moves to mount 0: the test proves nothing", p)
+	}
+	if m := e.Stats().Mounts[0]; m.Used+m.SpareBytes > m.Capacity {
+		t.Fatalf("mount 0: used %d + spares %d > capacity %d", m.Used, m.SpareBytes, m.Capacity)
+	}
+}
+
+// TestMovesToAnEarlierClusterMountStayWithinTheClusterCapacity: an
+// eviction on mount 1 moves its victims to mount 0, a cluster mount whose
+// bound this node's files fill: the moves, which may not evict there,
+// take room only within this node's claim, and the files on the cluster
+// mount stay within its capacity (the victims stay where they are).
+func TestMovesToAnEarlierClusterMountStayWithinTheClusterCapacity(t *testing.T) {
+	ctx := context.Background()
+	g := smallGeometry(true)
+	fileLen := 4096 + g.KeyBytes()
+	shared := t.TempDir()
+	pol := &evictPromotingPolicy{&demotingPolicy{testPolicy: newTestPolicy(1, abi.OrderLayerMajor)}}
+	e := openEngine(t, Config{Mounts: []Mount{
+		{Path: shared, ClusterCapacity: 3 * fileLen, ClusterInterval: time.Hour},
+		{Path: t.TempDir(), Capacity: 4 * fileLen, HighWatermark: 0.75, LowWatermark: 0.25},
+	}, Policy: pol, NodeID: "a"})
+	ns, err := e.Declare(ctx, g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
+	for _, k := range testKeys("hot", 3) { // the cluster's bound
+		storeAndCheck(t, e, c, [][]byte{k}, [][]int{{0, 1, 2, 3}})
+	}
+	for _, k := range testKeys("cold", 4) { // the fourth evicts on mount 1
+		storeAndCheck(t, e, c, [][]byte{k}, [][]int{{0, 1, 2, 3}})
+	}
+	var n int64
+	for _, p := range dataFiles(t, shared) {
+		if strings.HasSuffix(p, ".kv") { // not the cluster's summaries
+			n++
+		}
+	}
+	if n*fileLen > 3*fileLen {
+		t.Fatalf("%d files on the cluster mount, whose capacity is 3 (%d moves to it)", n, e.TierStats().Promotions)
+	}
+}
