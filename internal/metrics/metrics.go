@@ -279,6 +279,7 @@ var (
 	dSparesMade     = desc("kvhost_spare_files_made_total", "Spare files made ahead of stores on memory file systems (mount.preallocate).")
 	dCorrupt        = desc("kvhost_corrupt_files_total", "Files dropped because they failed verification.")
 	dVanished       = desc("kvhost_vanished_files_total", "Files found missing or replaced behind the engine's back.")
+	dRemoveFailed   = desc("kvhost_remove_failures_total", "Removals of data files that failed (the file stays counted as used; an eviction on its mount tries again).")
 	dWritten        = desc("kvhost_written_bytes_total", "Payload bytes written to files.")
 	dRead           = desc("kvhost_read_bytes_total", "Payload bytes read from files.")
 	dFailures       = desc("kvhost_key_failures_total", "Keys of jobs that failed, by direction and reason.", "direction", "reason")
@@ -371,6 +372,7 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 		counter(dSparesMade, st.SparesMade)
 		counter(dCorrupt, st.Corrupt)
 		counter(dVanished, st.Vanished)
+		counter(dRemoveFailed, st.RemoveFailures)
 		counter(dWritten, st.BytesWritten)
 		counter(dRead, st.BytesRead)
 		for dir, f := range map[string]engine.Failures{"store": st.StoreFailures, "load": st.LoadFailures} {

@@ -104,7 +104,7 @@ func TestMetricsExposeSourcesAndObservations(t *testing.T) {
 	started := time.Unix(1700000000, 0)
 	m.SetSources(Sources{
 		Engine: func() engine.Stats {
-			return engine.Stats{Entries: 3, Keys: 5, Stores: 5, Hits: 7, Misses: 2, Evictions: 1, BytesWritten: 4096,
+			return engine.Stats{Entries: 3, Keys: 5, Stores: 5, Hits: 7, Misses: 2, Evictions: 1, RemoveFailures: 13, BytesWritten: 4096,
 				StoreFailures: engine.Failures{NoSpace: 4},
 				Tiering:       engine.TierStats{Demotions: 74700, Promotions: 12, Moves: 30, MoveFailures: 2, DemotionDeletes: 5},
 				Mounts:        []engine.MountStats{{Path: dir, Capacity: 1000, Used: 400, Entries: 3, IO: "buffered", Backend: "staging", Checksums: true, MovedIn: 8, MovedOut: 9}}}
@@ -156,6 +156,7 @@ func TestMetricsExposeSourcesAndObservations(t *testing.T) {
 		{"kvhost_hits_total", nil, 7},
 		{"kvhost_misses_total", nil, 2},
 		{"kvhost_evictions_total", nil, 1},
+		{"kvhost_remove_failures_total", nil, 13},
 		{"kvhost_demotions_total", nil, 74700},
 		{"kvhost_promotions_total", nil, 12},
 		{"kvhost_tick_moves_total", nil, 30},
