@@ -387,3 +387,64 @@ func BenchmarkTieringOverhead(b *testing.B) {
 		}
 	}
 }
+
+// BenchmarkVictimsAfterAnOldInsert measures the fuel of a Victims call of
+// the lru plugin holding n entries, each call after the insert of an entry
+// with a last access older than every other (a file found on disk or
+// moved), which must come out first. A call has 200,000,000 units at the
+// default deadline (docs/abi.md, "fuel"); the benchmark's deadline is long
+// enough for any cost to show.
+func BenchmarkVictimsAfterAnOldInsert(b *testing.B) {
+	ctx := context.Background()
+	mod, err := plugins.Wasm("lru")
+	if err != nil {
+		b.Fatalf("%v (build the plugins with `make wasm`)", err)
+	}
+	for _, n := range []int{1 << 16, 1 << 18, 1 << 20, 1 << 22} {
+		b.Run(fmt.Sprint("entries=", n), func(b *testing.B) {
+			idx := policytest.NewIndex()
+			cfg := policy.Config{Shards: 1, CallTimeout: time.Minute, MemoryLimit: 2 << 30, Logger: quietLogger()}
+			h, err := policy.Open(ctx, mod, "lru", idx, cfg)
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer h.Close(ctx)
+			ns, err := h.Namespace(ctx, testNS)
+			if err != nil {
+				b.Fatal(err)
+			}
+			idx.AddNamespace(ns)
+			const recent = 1 << 40 // the entries' times; the old inserts' are lower
+			access := func(recs []abi.AccessRecord) {
+				idx.Apply(recs)
+				if err := h.Access(ctx, recs); err != nil {
+					b.Fatal(err)
+				}
+			}
+			recs := make([]abi.AccessRecord, 0, abi.MaxBatch)
+			for id := uint64(1); id <= uint64(n); id++ {
+				recs = append(recs, abi.AccessRecord{Entry: id, Time: recent + id, Size: 1 << 20, KeyHash: id * 0x9E3779B97F4A7C15, Kind: abi.AccessInsert})
+				if len(recs) == cap(recs) || id == uint64(n) {
+					access(recs)
+					recs = recs[:0]
+				}
+			}
+			read := policy.CountFuel(h)
+			var fuel int64
+			for i := 0; b.Loop(); i++ {
+				id := uint64(n + 1 + i)
+				access([]abi.AccessRecord{{Entry: id, Time: uint64(i + 1), Size: 1 << 20, KeyHash: id * 0x9E3779B97F4A7C15, Kind: abi.AccessInsert}})
+				before, _ := read()
+				v, err := h.Victims(ctx, abi.EvictRequest{Bytes: 1, Mount: abi.AnyMount}, 1)
+				after, _ := read()
+				fuel += after - before
+				if err != nil || len(v) != 1 || v[0].Entry != id {
+					b.Fatalf("victims %v, %v; want the old entry %d", v, err, id)
+				}
+				access([]abi.AccessRecord{{Entry: id, Kind: abi.AccessRemove}})
+			}
+			b.ReportMetric(float64(fuel)/float64(b.N), "units/victims")
+			b.ReportMetric(float64(fuel)/float64(b.N)/float64(2*policy.DefaultCallTimeout.Nanoseconds()), "of-fuel")
+		})
+	}
+}

@@ -133,6 +133,52 @@ func TestRunawayStopsByFuel(t *testing.T) {
 	}
 }
 
+// TestEvictionsOverManyEntriesStayWithinTheirFuel: an eviction of the
+// built-in lru plugin holding 2^18 entries (more memory than the default
+// gives room for them), after they were restored (in
+// the index's order, not by time) and after an insert older than all of
+// them (a file found on disk or moved), stays within the fuel of the
+// default deadline: the plugin keeps its list in time order record by
+// record, where a sort of every entry before the eviction took about
+// twice that fuel and failed the call.
+func TestEvictionsOverManyEntriesStayWithinTheirFuel(t *testing.T) {
+	const n = 1 << 18
+	ctx := context.Background()
+	mod, err := plugins.Wasm("lru")
+	if err != nil {
+		t.Fatalf("%v (build the plugins with `make wasm`)", err)
+	}
+	idx := policytest.NewIndex()
+	idx.AddNamespace(testNS)
+	recs := make([]abi.AccessRecord, n)
+	for k := range recs {
+		id := uint64(k + 1)
+		// An odd multiple modulo n is a permutation: times in no id order,
+		// the oldest (1<<40) that of entry n.
+		recs[k] = abi.AccessRecord{Entry: id, Time: 1<<40 + id*0x9E3779B97F4A7C15%n, Size: 1, KeyHash: id, Kind: abi.AccessInsert}
+	}
+	idx.Apply(recs)
+	h, err := policy.Open(ctx, mod, "lru", idx, policy.Config{Shards: 1, MemoryLimit: 128 << 20, Logger: quietLogger()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h.Close(ctx)
+	evict := func(want uint64) {
+		t.Helper()
+		vs, err := h.Victims(ctx, abi.EvictRequest{Bytes: 1, Mount: abi.AnyMount}, 1)
+		if err != nil || len(vs) != 1 || vs[0].Entry != want || h.Stats().Failures != 0 {
+			t.Fatalf("Victims = %v, %v, %d failures; want entry %d and no failure", vs, err, h.Stats().Failures, want)
+		}
+	}
+	evict(n)
+	old := []abi.AccessRecord{{Entry: n + 1, Time: 1, Size: 1, KeyHash: n + 1, Kind: abi.AccessInsert}}
+	idx.Apply(old)
+	if err := h.Access(ctx, old); err != nil {
+		t.Fatal(err)
+	}
+	evict(n + 1)
+}
+
 // TestReservedFuelExport checks that a module exporting the meter's reserved
 // name is refused by Open and reported by Inspect.
 func TestReservedFuelExport(t *testing.T) {

@@ -147,10 +147,9 @@ func (p *Policy) age(now uint64) error {
 // their sizes cover req.Bytes or out is full.
 func (p *Policy) Evict(req *abi.EvictRequest, out []abi.Victim) (int, error) {
 	t := p.track
-	t.Sorted()
 	n, freed := 0, uint64(0)
 	for lv := range t.Lists {
-		for i := t.Lists[lv].Front(); i >= 0; i = t.Pool.Next(i) {
+		for i := t.Lists[lv].Front(&t.Pool); i >= 0; i = t.Pool.Next(i) {
 			if n == len(out) || freed >= req.Bytes {
 				return n, nil
 			}

@@ -104,9 +104,8 @@ func (p *Policy) Access(recs []abi.AccessRecord) error {
 // their sizes cover req.Bytes or out is full.
 func (p *Policy) Evict(req *abi.EvictRequest, out []abi.Victim) (int, error) {
 	t := p.track
-	t.Sorted()
 	n, freed := 0, uint64(0)
-	for i := t.Lists[0].Front(); i >= 0 && n < len(out) && freed < req.Bytes; i = t.Pool.Next(i) {
+	for i := t.Lists[0].Front(&t.Pool); i >= 0 && n < len(out) && freed < req.Bytes; i = t.Pool.Next(i) {
 		e := t.Pool.At(i)
 		if !policykit.Eligible(e, req) {
 			continue

@@ -193,13 +193,12 @@ func (p *Policy) Access(recs []abi.AccessRecord) error {
 // req.Bytes or out is full.
 func (p *Policy) Evict(req *abi.EvictRequest, out []abi.Victim) (int, error) {
 	t := p.track
-	t.Sorted()
 	n, freed := 0, uint64(0)
 	if req.Mount != abi.AnyMount {
 		if req.Mount >= uint32(len(t.Lists)) {
 			return 0, nil
 		}
-		for i := t.Lists[req.Mount].Front(); i >= 0 && n < len(out) && freed < req.Bytes; i = t.Pool.Next(i) {
+		for i := t.Lists[req.Mount].Front(&t.Pool); i >= 0 && n < len(out) && freed < req.Bytes; i = t.Pool.Next(i) {
 			if e := t.Pool.At(i); e.Pins == 0 {
 				out[n] = abi.Victim{Entry: e.ID, Score: e.Time}
 				n++
@@ -214,7 +213,7 @@ func (p *Policy) Evict(req *abi.EvictRequest, out []abi.Victim) (int, error) {
 	}
 	cur := p.cursors[:len(t.Lists)]
 	for m := range t.Lists {
-		cur[m] = t.Lists[m].Front()
+		cur[m] = t.Lists[m].Front(&t.Pool)
 	}
 	for n < len(out) && freed < req.Bytes {
 		best := -1

@@ -233,11 +233,10 @@ func (p *Policy) EvictTo(req *abi.EvictRequest, out []abi.Victim, targets []abi.
 // their targets when targets is not nil.
 func (p *Policy) walk(req *abi.EvictRequest, out []abi.Victim, targets []abi.VictimTarget) int {
 	t := p.track
-	t.Sorted()
 	p.heads = p.heads[:0]
 	for c := range t.Lists {
 		if req.Mount == abi.AnyMount || uint32(c) == req.Mount {
-			p.heads = append(p.heads, t.Lists[c].Front())
+			p.heads = append(p.heads, t.Lists[c].Front(&t.Pool))
 		}
 	}
 	n, freed := 0, uint64(0)

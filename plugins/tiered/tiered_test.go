@@ -79,6 +79,30 @@ func TestEvictDemotesHotDeletesCold(t *testing.T) {
 	}
 }
 
+// TestADemotedEntryKeepsItsAgeOnTheColdMount: an entry demoted (inserted
+// on the cold mount with its last access) goes among the cold entries by
+// that time, not behind the ones used since.
+func TestADemotedEntryKeepsItsAgeOnTheColdMount(t *testing.T) {
+	d := seeded(t)
+	for _, r := range []abi.AccessRecord{
+		policytest.Rec(abi.AccessHit, 4, 50, 100),
+		policytest.OnMount(policytest.Rec(abi.AccessHit, 5, 100, 100), 1),
+		policytest.Rec(abi.AccessRemove, 4, 110, 0),
+		policytest.OnMount(policytest.Rec(abi.AccessInsert, 7, 50, 100), 1), // entry 4, moved
+	} {
+		if err := d.Access(r); err != nil {
+			t.Fatal(err)
+		}
+	}
+	n, err := d.EvictInPlace(abi.EvictRequest{Bytes: 1 << 40, Mount: 1}, 64)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := policytest.Entries(d.Victims(n)); !slices.Equal(got, []uint64{6, 7, 5}) {
+		t.Errorf("victims %v, want [6 7 5]: the demoted entry 7 between 6 and the entry 5 hit later", got)
+	}
+}
+
 // TestSingleMountDeletes: with one mount there is nowhere to demote to.
 func TestSingleMountDeletes(t *testing.T) {
 	d := policytest.MustNew(t, tiered.New())

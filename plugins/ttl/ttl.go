@@ -94,11 +94,10 @@ func (p *Policy) Access(recs []abi.AccessRecord) error {
 // bytes are covered.
 func (p *Policy) Evict(req *abi.EvictRequest, out []abi.Victim) (int, error) {
 	t := p.track
-	t.Sorted()
 	n, freed := 0, uint64(0)
 	// The list is in last-access order, so the expired entries are a prefix
 	// of it and LRU order continues from where they end: one walk does both.
-	for i := t.Lists[0].Front(); i >= 0 && n < len(out); i = t.Pool.Next(i) {
+	for i := t.Lists[0].Front(&t.Pool); i >= 0 && n < len(out); i = t.Pool.Next(i) {
 		e := t.Pool.At(i)
 		expired := e.Time+p.ttl < req.Time && e.Time+p.ttl >= e.Time // no wrap
 		if !expired && freed >= req.Bytes {

@@ -70,6 +70,11 @@ func TestExpiry(t *testing.T) {
 		{"expired, then LRU", []abi.AccessRecord{ins(1, 1*h), ins(2, 3*h), ins(3, 4*h)}, 3 * h, 2*size + 1, []uint64{1, 2, 3}},
 		{"hit renews", []abi.AccessRecord{ins(1, 1*h), ins(2, 2*h), hit(1, 3*h)}, 4*h + 1, 0, []uint64{2}},
 		{"pinned expired entry stays", []abi.AccessRecord{ins(1, 1*h), ins(2, 2*h), pin(1)}, 4*h + 1, 0, []uint64{2}},
+		// The engine reports a lookup's hit after later inserts, and
+		// inserts a file found on disk or moved with its last access.
+		{"late hit behind a newer entry", []abi.AccessRecord{ins(1, 1*h), ins(2, 3*h), hit(1, 1*h+1)}, 3*h + 2, 0, []uint64{1}},
+		{"old insert behind a newer entry", []abi.AccessRecord{ins(1, 3*h), ins(2, 1*h)}, 3*h + 1, 0, []uint64{2}},
+		{"old insert between entries", []abi.AccessRecord{ins(1, 1*h), ins(2, 5*h), ins(3, 2*h)}, 4*h + 1, 0, []uint64{1, 3}},
 		{"restored times", []abi.AccessRecord{policytest.Rec(abi.AccessRestore, 1, 5*h, size), policytest.Rec(abi.AccessRestore, 2, 1*h, size)}, 3*h + 1, 0, []uint64{2}},
 	}
 	for _, tt := range tests {
@@ -86,6 +91,29 @@ func TestExpiry(t *testing.T) {
 				t.Errorf("victims %v, want %v", got, tt.want)
 			}
 		})
+	}
+}
+
+// TestExpiryOfAnOldInsertBehindManyEntries: an entry inserted with an old
+// last access, behind more newer entries than the tracker walks past, is
+// still offered first.
+func TestExpiryOfAnOldInsertBehindManyEntries(t *testing.T) {
+	h := uint64(time.Hour)
+	d := policytest.MustNew(t, ttl.New(), "ttl", "2h")
+	for e := uint64(1); e <= 1000; e++ {
+		if err := d.Access(policytest.Rec(abi.AccessInsert, e, 3*h+e, 1)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := d.Access(policytest.Rec(abi.AccessInsert, 1001, 1*h, 1)); err != nil {
+		t.Fatal(err)
+	}
+	vs, err := d.Evict(abi.EvictRequest{Time: 3*h + 1, Mount: abi.AnyMount}, 64)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := policytest.Entries(vs); !slices.Equal(got, []uint64{1001}) {
+		t.Errorf("victims %v, want the expired entry 1001", got)
 	}
 }
 

@@ -72,37 +72,144 @@ func TestPoolReusesSlots(t *testing.T) {
 	_ = b
 }
 
-func TestSortByTime(t *testing.T) {
-	for _, n := range []int{0, 1, 2, 3, 7, 64, 1000} {
-		rng := rand.New(rand.NewPCG(uint64(n), 1))
+// prev returns the slot before i on its list, or -1 at the front.
+func (p *Pool) prev(i int32) int32 {
+	e := p.entries
+	if l := e[i].left; l != none {
+		for i = l; e[i].right != none; i = e[i].right {
+		}
+		return i
+	}
+	for e[i].up != none && e[e[i].up].left == i {
+		i = e[i].up
+	}
+	return e[i].up
+}
+
+// listOrder returns the ids of l front to back, after checking that l is
+// a whole treap: links that agree both ways, the priorities a heap, the
+// walks from either end the same entries in time order, Len their number.
+func listOrder(t *testing.T, p *Pool, l *List) []uint64 {
+	t.Helper()
+	var walk func(i, up int32) int
+	walk = func(i, up int32) int {
+		if i == none {
+			return 0
+		}
+		e := p.At(i)
+		if e.up != up || up != none && priority(up) < priority(i) {
+			t.Fatalf("slot %d: up %d, want %d; or a priority above its parent's", i, e.up, up)
+		}
+		return 1 + walk(e.left, i) + walk(e.right, i)
+	}
+	if n := walk(l.root, none); n != l.Len() {
+		t.Fatalf("%d entries in the tree, Len %d", n, l.Len())
+	}
+	var ids []uint64
+	for i := l.Front(p); i >= 0; i = p.Next(i) {
+		if len(ids) > 0 && p.At(i).Time < p.At(p.prev(i)).Time {
+			t.Fatalf("entry %d out of time order", p.At(i).ID)
+		}
+		ids = append(ids, p.At(i).ID)
+	}
+	back, tail := []uint64(nil), l.root
+	for tail != none && p.At(tail).right != none {
+		tail = p.At(tail).right
+	}
+	if l.tail != none && l.tail != tail {
+		t.Fatalf("tail %d, want %d", l.tail, tail)
+	}
+	for i := tail; i >= 0; i = p.prev(i) {
+		back = append(back, p.At(i).ID)
+	}
+	slices.Reverse(back)
+	if !slices.Equal(ids, back) || len(ids) != l.Len() {
+		t.Fatalf("list %v, backwards %v, Len %d", ids, back, l.Len())
+	}
+	return ids
+}
+
+// TestListAgainstASortedSlice runs random inserts (with ties), removes and
+// touches (remove, new time, insert) against a slice kept in time order,
+// equal times in insertion order.
+func TestListAgainstASortedSlice(t *testing.T) {
+	for _, span := range []uint64{4, 1000, 1 << 40} {
+		rng := rand.New(rand.NewPCG(span, 3))
 		var p Pool
 		l := NewList()
-		for k := range n {
-			i, _ := p.Add(uint64(k))
-			p.At(i).Time = rng.Uint64N(uint64(n/2 + 1)) // with ties
-			l.PushBack(&p, i)
+		var ref []int32 // slots in list order
+		insert := func(i int32) {
+			tm := p.At(i).Time
+			k, _ := slices.BinarySearchFunc(ref, tm, func(j int32, tm uint64) int {
+				if p.At(j).Time <= tm {
+					return -1
+				}
+				return 1
+			})
+			ref = slices.Insert(ref, k, i)
+			l.Insert(&p, i)
 		}
-		l.SortByTime(&p)
-		var got []Entry
-		for i := l.Front(); i >= 0; i = p.Next(i) {
-			got = append(got, *p.At(i))
-		}
-		if len(got) != n || l.Len() != n {
-			t.Fatalf("n=%d: %d entries after sort", n, len(got))
-		}
-		for k := 1; k < n; k++ {
-			if got[k].Time < got[k-1].Time || got[k].Time == got[k-1].Time && got[k].ID < got[k-1].ID {
-				t.Fatalf("n=%d: not a stable sort by time at %d", n, k)
+		for op := range 5000 {
+			switch {
+			case len(ref) == 0 || rng.IntN(3) == 0:
+				i, _ := p.Add(uint64(op))
+				p.At(i).Time = rng.Uint64N(span)
+				insert(i)
+			case rng.IntN(2) == 0:
+				k := rng.IntN(len(ref))
+				i := ref[k]
+				ref = slices.Delete(ref, k, k+1)
+				l.Remove(&p, i)
+				p.Delete(i)
+			default:
+				k := rng.IntN(len(ref))
+				i := ref[k]
+				ref = slices.Delete(ref, k, k+1)
+				l.Remove(&p, i)
+				p.At(i).Time = rng.Uint64N(span)
+				insert(i)
+			}
+			if op%97 == 0 || op == 4999 {
+				want := make([]uint64, len(ref))
+				for k, i := range ref {
+					want[k] = p.At(i).ID
+				}
+				if got := listOrder(t, &p, &l); !slices.Equal(got, want) {
+					t.Fatalf("span %d, op %d: list %v, want %v", span, op, got, want)
+				}
 			}
 		}
-		// Back links: walk from the tail.
-		count := 0
-		for i := l.tail; i >= 0; i = p.At(i).prev {
-			count++
-		}
-		if count != n {
-			t.Fatalf("n=%d: %d entries walking back", n, count)
-		}
+	}
+}
+
+// TestListInsert: an entry inserted goes in front of the entries with a
+// later time, after those with an equal one, however many it passes.
+func TestListInsert(t *testing.T) {
+	tests := []struct {
+		name  string
+		times []uint64 // the last is the entry inserted last
+		want  []uint64 // ids front to back
+	}{
+		{"alone", []uint64{5}, []uint64{0}},
+		{"in place", []uint64{1, 2, 3}, []uint64{0, 1, 2}},
+		{"after an equal time", []uint64{1, 2, 2}, []uint64{0, 1, 2}},
+		{"middle", []uint64{1, 3, 4, 2}, []uint64{0, 3, 1, 2}},
+		{"front", []uint64{3, 4, 1}, []uint64{2, 0, 1}},
+		{"behind many", []uint64{3, 4, 5, 6, 7, 8, 9, 10, 1}, []uint64{8, 0, 1, 2, 3, 4, 5, 6, 7}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			var p Pool
+			l := NewList()
+			for k, tm := range tt.times {
+				i, _ := p.Add(uint64(k))
+				p.At(i).Time = tm
+				l.Insert(&p, i)
+			}
+			if got := listOrder(t, &p, &l); !slices.Equal(got, tt.want) {
+				t.Errorf("list %v, want %v", got, tt.want)
+			}
+		})
 	}
 }
 
@@ -190,6 +297,16 @@ func TestTrackerClasses(t *testing.T) {
 	}
 	if err := tr.Apply(rec(abi.AccessInsert, 3, MaxClasses)); err == nil || tr.Pool.Len() != 2 {
 		t.Errorf("class beyond MaxClasses: %v, %d entries; want an error and no entry", err, tr.Pool.Len())
+	}
+	// A known entry asked onto a class beyond the limit stays on its list,
+	// in the place of its new time.
+	r := rec(abi.AccessInsert, 2, MaxClasses)
+	r.Time = 0
+	if err := tr.Apply(r); err == nil || tr.Pool.Len() != 2 {
+		t.Errorf("known entry to a class beyond MaxClasses: %v, %d entries; want an error and both entries", err, tr.Pool.Len())
+	}
+	if got := listOrder(t, &tr.Pool, &tr.Lists[3]); !slices.Equal(got, []uint64{2, 1}) {
+		t.Errorf("class 3 %v, want [2 1]: entry 2 before 1 by its new time", got)
 	}
 }
 

@@ -10,10 +10,11 @@ type Entry struct {
 	Hits  uint32 // accesses (policy-defined: LFU ages them)
 	Class uint32 // the list the entry is on (a mount, a frequency level)
 
-	prev, next int32
+	left, right, up int32 // links of the entry's List (a tree)
 }
 
-// none is the nil link; freed marks (in prev) a slot on the free list.
+// none is the nil link; freed marks (in up) a slot on the free list, which
+// is linked through right.
 const (
 	none  int32 = -1
 	freed int32 = -2
@@ -52,12 +53,12 @@ func (p *Pool) Add(id uint64) (slot int32, created bool) {
 	}
 	if p.free != none {
 		slot = p.free
-		p.free = p.entries[slot].next
+		p.free = p.entries[slot].right
 	} else {
 		slot = int32(len(p.entries))
 		p.entries = append(p.entries, Entry{})
 	}
-	p.entries[slot] = Entry{ID: id, prev: none, next: none}
+	p.entries[slot] = Entry{ID: id, left: none, right: none, up: none}
 	p.index.Put(id, slot)
 	p.live++
 	return slot, true
@@ -66,7 +67,7 @@ func (p *Pool) Add(id uint64) (slot int32, created bool) {
 // Delete frees slot i. The entry must not be on a list.
 func (p *Pool) Delete(i int32) {
 	p.index.Delete(p.entries[i].ID)
-	p.entries[i] = Entry{prev: freed, next: p.free}
+	p.entries[i] = Entry{up: freed, right: p.free}
 	p.free = i
 	p.live--
 }
@@ -75,128 +76,167 @@ func (p *Pool) Delete(i int32) {
 // not add or delete entries.
 func (p *Pool) Range(fn func(i int32)) {
 	for i := range p.entries {
-		if p.entries[i].prev != freed {
+		if p.entries[i].up != freed {
 			fn(int32(i))
 		}
 	}
 }
 
-// List is a doubly linked list of pool entries, front = least recently
-// touched. An entry is on at most one list at a time. The zero List is not
-// usable: create lists with NewList.
+// List is a list of pool entries in ascending Time, entries of equal Time
+// in the order they were inserted: front = least recent. An entry is on at
+// most one list at a time, and its Time must not change while it is on
+// one (Remove it, change it, Insert it). The zero List is not usable:
+// create lists with NewList.
+//
+// The list is a treap in the entries' links, each slot's priority a fixed
+// hash of the slot, so that the engine's records, whose times are not
+// monotonic, are placed by time at O(log n) expected cost and the list
+// never needs a sort. An Insert at the back (a time not before the
+// back's, the common case) and a Remove take O(1) expected rotations.
 type List struct {
-	head, tail int32
+	root, tail int32 // tail is none where not known (after its Remove)
 	n          int
 }
 
 // NewList returns an empty list.
-func NewList() List { return List{head: none, tail: none} }
+func NewList() List { return List{root: none, tail: none} }
 
 // Len returns the number of entries on the list.
 func (l *List) Len() int { return l.n }
 
-// Front returns the first slot, or -1 if the list is empty.
-func (l *List) Front() int32 { return l.head }
-
-// Next returns the slot after i, or -1 at the end of the list.
-func (p *Pool) Next(i int32) int32 { return p.entries[i].next }
-
-// PushBack appends slot i.
-func (l *List) PushBack(p *Pool, i int32) {
-	e := &p.entries[i]
-	e.prev, e.next = l.tail, none
-	if l.tail != none {
-		p.entries[l.tail].next = i
-	} else {
-		l.head = i
+// Front returns the first slot, or -1 if the list is empty: O(log n)
+// expected.
+func (l *List) Front(p *Pool) int32 {
+	i := l.root
+	for i != none && p.entries[i].left != none {
+		i = p.entries[i].left
 	}
-	l.tail = i
+	return i
+}
+
+// Next returns the slot after i on its list, or -1 at the end of the list:
+// O(1) amortized over a walk of the list, O(log n) expected at worst.
+func (p *Pool) Next(i int32) int32 {
+	e := p.entries
+	if r := e[i].right; r != none {
+		for i = r; e[i].left != none; i = e[i].left {
+		}
+		return i
+	}
+	for e[i].up != none && e[e[i].up].right == i {
+		i = e[i].up
+	}
+	return e[i].up
+}
+
+// priority is slot i's treap priority: a bijective mix of the slot (the
+// finalizer of MurmurHash3), so no two slots tie.
+func priority(i int32) uint32 {
+	h := uint32(i)
+	h ^= h >> 16
+	h *= 0x85ebca6b
+	h ^= h >> 13
+	h *= 0xc2b2ae35
+	return h ^ h>>16
+}
+
+// Insert puts slot i, on no list, after every entry whose Time is not
+// later than its own.
+func (l *List) Insert(p *Pool, i int32) {
+	e := p.entries
+	t := e[i].Time
+	e[i].left, e[i].right, e[i].up = none, none, none
 	l.n++
+	if l.root == none {
+		l.root, l.tail = i, i
+		return
+	}
+	if l.tail == none {
+		for l.tail = l.root; e[l.tail].right != none; l.tail = e[l.tail].right {
+		}
+	}
+	at, right := l.tail, true // the back has no right child
+	if e[at].Time > t {
+		for at = l.root; ; {
+			if right = e[at].Time <= t; right && e[at].right != none {
+				at = e[at].right
+			} else if !right && e[at].left != none {
+				at = e[at].left
+			} else {
+				break
+			}
+		}
+	}
+	e[i].up = at
+	if right {
+		e[at].right = i
+	} else {
+		e[at].left = i
+	}
+	if t >= e[l.tail].Time {
+		l.tail = i
+	}
+	for e[i].up != none && priority(e[i].up) < priority(i) {
+		l.rotateUp(p, i)
+	}
 }
 
 // Remove unlinks slot i, which must be on l.
 func (l *List) Remove(p *Pool, i int32) {
-	e := &p.entries[i]
-	if e.prev != none {
-		p.entries[e.prev].next = e.next
-	} else {
-		l.head = e.next
+	e := p.entries
+	if l.tail == i {
+		l.tail = none
 	}
-	if e.next != none {
-		p.entries[e.next].prev = e.prev
-	} else {
-		l.tail = e.prev
+	for e[i].left != none && e[i].right != none {
+		c := e[i].left
+		if priority(e[i].right) > priority(c) {
+			c = e[i].right
+		}
+		l.rotateUp(p, c)
 	}
-	e.prev, e.next = none, none
+	c := e[i].left
+	if c == none {
+		c = e[i].right
+	}
+	l.replace(p, i, c)
+	e[i].left, e[i].right, e[i].up = none, none, none
 	l.n--
 }
 
-// MoveToBack moves slot i, which must be on l, to the back.
-func (l *List) MoveToBack(p *Pool, i int32) {
-	if l.tail == i {
-		return
+// rotateUp rotates slot x above its parent, keeping the order.
+func (l *List) rotateUp(p *Pool, x int32) {
+	e := p.entries
+	y := e[x].up
+	if e[y].left == x {
+		b := e[x].right
+		if e[y].left = b; b != none {
+			e[b].up = y
+		}
+		e[x].right = y
+	} else {
+		b := e[x].left
+		if e[y].right = b; b != none {
+			e[b].up = y
+		}
+		e[x].left = y
 	}
-	l.Remove(p, i)
-	l.PushBack(p, i)
+	l.replace(p, y, x)
+	e[y].up = x
 }
 
-// SortByTime sorts the list by ascending Entry.Time, keeping the order of
-// equal times (a stable bottom-up merge sort of the links: O(n log n), no
-// allocation). Policies call it after AccessRestore records, which arrive in
-// the host's index order rather than in time order.
-func (l *List) SortByTime(p *Pool) {
-	if l.n < 2 {
-		return
-	}
+// replace puts slot c (or none) where slot i hangs from i's parent.
+func (l *List) replace(p *Pool, i, c int32) {
 	e := p.entries
-	head := l.head
-	for width := 1; width < l.n; width *= 2 {
-		var newHead, newTail int32 = none, none
-		appendRun := func(i int32) {
-			if newTail == none {
-				newHead = i
-			} else {
-				e[newTail].next = i
-			}
-			newTail = i
-		}
-		a := head
-		for a != none {
-			// Split off run a (width entries) and run b (up to width entries).
-			b := a
-			for k := 0; k < width && b != none; k++ {
-				b = e[b].next
-			}
-			rest := b
-			for k := 0; k < width && rest != none; k++ {
-				rest = e[rest].next
-			}
-			na, nb := width, width
-			for (na > 0 && a != none) || (nb > 0 && b != none && b != rest) {
-				takeA := nb == 0 || b == none || b == rest ||
-					(na > 0 && a != none && e[a].Time <= e[b].Time)
-				if takeA {
-					next := e[a].next
-					appendRun(a)
-					a = next
-					na--
-				} else {
-					next := e[b].next
-					appendRun(b)
-					b = next
-					nb--
-				}
-			}
-			a = rest
-		}
-		e[newTail].next = none
-		head = newHead
+	g := e[i].up
+	if c != none {
+		e[c].up = g
 	}
-	// Rebuild the back links.
-	prev := none
-	for i := head; i != none; i = e[i].next {
-		e[i].prev = prev
-		prev = i
+	switch {
+	case g == none:
+		l.root = c
+	case e[g].left == i:
+		e[g].left = c
+	default:
+		e[g].right = c
 	}
-	l.head, l.tail = head, prev
 }

@@ -14,18 +14,20 @@ const MaxClasses = 1024
 // Tracker applies access records to a Pool of entries kept on recency lists,
 // one list per class. A policy chooses the class of an entry (its mount, its
 // frequency level) with the function given to NewTracker; within a list,
-// entries are in the order they were last touched, least recent first.
+// entries are in ascending Time (last access), in the order they were last
+// touched where times are equal, whatever order the records come in (see
+// List).
 //
 // The rules every built-in policy shares live here:
-//   - AccessInsert and AccessHit touch the entry (it moves to the back of its
-//     list, Hits grows, Time becomes the record's where that is later: times
-//     are not monotonic, and a late hit must not lower a rank); an insert
-//     also sets Size and Mount and Time. A hit on an unknown entry is
+//   - AccessInsert and AccessHit touch the entry (it moves behind the
+//     entries of its list with a time not later than its own, Hits grows,
+//     Time becomes the record's where that is later: times are not
+//     monotonic, and a late hit must not lower a rank); an insert also sets
+//     Size and Mount and Time. A hit on an unknown entry is
 //     ignored: hosts deliver lookups' hits late, after the REMOVE of an
 //     entry evicted, moved or deleted meanwhile, and learning it would
 //     bring back a phantom entry offered as a victim.
-//   - AccessRestore sets the entry's Time and Hits from the record; the lists
-//     are re-sorted by time before the next eviction (Sorted).
+//   - AccessRestore sets the entry's Time and Hits from the record.
 //   - AccessPin and AccessUnpin nest; an unpin without a pin, and a pin of
 //     an unknown entry, are ignored (the host never offers a pinned entry's
 //     removal, and a pinned entry is never a victim).
@@ -34,8 +36,7 @@ type Tracker struct {
 	Pool  Pool   // every entry tracked
 	Lists []List // one list per class, indexed by Entry.Class
 
-	classOf  func(e *Entry) uint32
-	unsorted bool
+	classOf func(e *Entry) uint32
 }
 
 // NewTracker returns a Tracker with classes lists (more are added when
@@ -66,10 +67,7 @@ func (t *Tracker) Apply(r *abi.AccessRecord) error {
 				return nil
 			}
 		}
-		i, err := t.learn(r)
-		if err != nil {
-			return err
-		}
+		i, created := t.learn(r)
 		e := t.Pool.At(i)
 		if r.Kind == abi.AccessInsert {
 			// A hit keeps what the insert said: hosts need not repeat the
@@ -81,16 +79,12 @@ func (t *Tracker) Apply(r *abi.AccessRecord) error {
 		if e.Hits != ^uint32(0) {
 			e.Hits++
 		}
-		return t.place(i)
+		return t.place(i, !created)
 	case abi.AccessRestore:
-		i, err := t.learn(r)
-		if err != nil {
-			return err
-		}
+		i, created := t.learn(r)
 		e := t.Pool.At(i)
 		e.Time, e.Size, e.Mount, e.Hits = r.Time, r.Size, r.Mount, r.Hits
-		t.unsorted = true
-		return t.place(i)
+		return t.place(i, !created)
 	case abi.AccessPin:
 		if i, ok := t.Pool.Lookup(r.Entry); ok {
 			if e := t.Pool.At(i); e.Pins != ^uint32(0) {
@@ -115,41 +109,37 @@ func (t *Tracker) Apply(r *abi.AccessRecord) error {
 	return guest.InvalidInput("access kind " + strconv.FormatUint(uint64(r.Kind), 10) + " is not defined by ABI v1")
 }
 
-// learn returns the slot of the record's entry, adding it (with the record's
-// fields, on its class's list) if it is new.
-func (t *Tracker) learn(r *abi.AccessRecord) (int32, error) {
-	i, created := t.Pool.Add(r.Entry)
-	if !created {
-		return i, nil
+// learn returns the slot of the record's entry, adding it with the
+// record's fields, on no list, if it is new (created).
+func (t *Tracker) learn(r *abi.AccessRecord) (i int32, created bool) {
+	i, created = t.Pool.Add(r.Entry)
+	if created {
+		e := t.Pool.At(i)
+		e.Time, e.Size, e.Mount = r.Time, r.Size, r.Mount
 	}
-	e := t.Pool.At(i)
-	e.Time, e.Size, e.Mount = r.Time, r.Size, r.Mount
-	c := t.class(e)
-	if err := t.ensure(c); err != nil {
-		t.Pool.Delete(i)
-		return 0, err
-	}
-	e = t.Pool.At(i)
-	e.Class = c
-	t.Lists[c].PushBack(&t.Pool, i)
-	return i, nil
+	return i, created
 }
 
-// place moves slot i to the back of the list of its (possibly new) class.
-func (t *Tracker) place(i int32) error {
+// place puts slot i, whose fields have just changed, on the list of its
+// (possibly new) class, in time order: off its list first if listed. A new
+// entry of a class beyond MaxClasses is forgotten; a known one stays in
+// its class.
+func (t *Tracker) place(i int32, listed bool) error {
 	e := t.Pool.At(i)
 	c := t.class(e)
-	if c == e.Class {
-		t.Lists[c].MoveToBack(&t.Pool, i)
-		return nil
-	}
-	if err := t.ensure(c); err != nil {
+	err := t.ensure(c)
+	if err != nil && !listed {
+		t.Pool.Delete(i)
 		return err
 	}
-	t.Lists[e.Class].Remove(&t.Pool, i)
-	e.Class = c
-	t.Lists[c].PushBack(&t.Pool, i)
-	return nil
+	if listed {
+		t.Lists[e.Class].Remove(&t.Pool, i)
+	}
+	if err == nil {
+		e.Class = c
+	}
+	t.Lists[e.Class].Insert(&t.Pool, i)
+	return err
 }
 
 func (t *Tracker) class(e *Entry) uint32 {
@@ -169,21 +159,9 @@ func (t *Tracker) ensure(c uint32) error {
 	return nil
 }
 
-// Sorted sorts every list by time if restores have arrived since the last
-// call. Call it before walking the lists for victims.
-func (t *Tracker) Sorted() {
-	if !t.unsorted {
-		return
-	}
-	for c := range t.Lists {
-		t.Lists[c].SortByTime(&t.Pool)
-	}
-	t.unsorted = false
-}
-
 // Reclassify puts every entry back on the list its class function now
 // chooses (after a policy changed what the function depends on, such as an
-// LFU's aging). Lists are re-sorted by time before the next eviction.
+// LFU's aging): O(n log n), like a sort of every entry.
 func (t *Tracker) Reclassify() error {
 	for c := range t.Lists {
 		t.Lists[c] = NewList()
@@ -196,9 +174,8 @@ func (t *Tracker) Reclassify() error {
 			c, err = 0, err2
 		}
 		e.Class = c
-		t.Lists[c].PushBack(&t.Pool, i)
+		t.Lists[c].Insert(&t.Pool, i)
 	})
-	t.unsorted = true
 	return err
 }
 
