@@ -92,7 +92,7 @@ func New() *Policy {
 		window:      uint64(DefaultPromoteWindow),
 		names:       names,
 	}
-	p.track = policykit.NewTracker(2, func(e *policykit.Entry) uint32 { return e.Mount })
+	p.track = policykit.NewTracker(2, func(e *policykit.Entry) uint32 { return uint32(e.Mount) })
 	return p
 }
 
@@ -196,7 +196,7 @@ func (p *Policy) Access(recs []abi.AccessRecord) error {
 		case abi.AccessInsert, abi.AccessRestore:
 			*w = hitWindow{}
 		case abi.AccessHit:
-			if p.promoteHits == 0 || t.Pool.At(slot).Mount != p.cold || !p.tiers() {
+			if p.promoteHits == 0 || uint32(t.Pool.At(slot).Mount) != p.cold || !p.tiers() {
 				continue
 			}
 			// The window opens at the first hit it counts: an entry
@@ -259,7 +259,7 @@ func (p *Policy) walk(req *abi.EvictRequest, out []abi.Victim, targets []abi.Vic
 		out[n] = abi.Victim{Entry: e.ID, Score: e.Time}
 		if targets != nil {
 			targets[n] = abi.VictimTarget{Mount: abi.NoMount}
-			if e.Mount == p.hot && p.tiers() {
+			if uint32(e.Mount) == p.hot && p.tiers() {
 				targets[n] = abi.VictimTarget{Mount: p.cold, Flags: abi.MoveDeleteIfFull}
 			}
 		}
@@ -283,7 +283,7 @@ func (p *Policy) Tick(req *abi.TickRequest, out []abi.Move) (int, error) {
 		}
 		e := t.Pool.At(slot)
 		switch {
-		case e.Mount != p.cold || !p.tiers():
+		case uint32(e.Mount) != p.cold || !p.tiers():
 			p.win[slot].queued = false
 		case e.Pins > 0:
 			kept = append(kept, id) // next tick

@@ -5,7 +5,9 @@ import (
 	"errors"
 	"math/rand/v2"
 	"slices"
+	"strings"
 	"testing"
+	"unsafe"
 
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/abi/guest"
@@ -283,7 +285,7 @@ func TestParseLayoutErrors(t *testing.T) {
 }
 
 func TestTrackerClasses(t *testing.T) {
-	tr := NewTracker(1, func(e *Entry) uint32 { return e.Mount })
+	tr := NewTracker(1, func(e *Entry) uint32 { return uint32(e.Mount) })
 	rec := func(kind uint32, e uint64, mount uint32) *abi.AccessRecord {
 		return &abi.AccessRecord{Kind: kind, Entry: e, Time: e, Size: 1, Mount: mount}
 	}
@@ -308,6 +310,63 @@ func TestTrackerClasses(t *testing.T) {
 	if got := listOrder(t, &tr.Pool, &tr.Lists[3]); !slices.Equal(got, []uint64{2, 1}) {
 		t.Errorf("class 3 %v, want [2 1]: entry 2 before 1 by its new time", got)
 	}
+}
+
+// TestEntryIs48Bytes: an entry's size sets how many entries a plugin
+// instance's memory holds (RATIONALE.md); Mount and Class are indexes that
+// take 16 bits each.
+func TestEntryIs48Bytes(t *testing.T) {
+	if n := unsafe.Sizeof(Entry{}); n != 48 {
+		t.Errorf("an Entry takes %d bytes, want 48", n)
+	}
+}
+
+// TestTrackerRefusesAMountBeyondMaxMount: an insert or restore whose mount
+// does not fit an Entry (above MaxMount) is refused, naming the mount, and
+// changes nothing; a hit's mount, which the tracker does not keep, is not
+// looked at.
+func TestTrackerRefusesAMountBeyondMaxMount(t *testing.T) {
+	const bad = MaxMount + 1
+	tests := []struct {
+		name  string
+		kind  uint32
+		entry uint64 // 1 is known (mount 3, time 1), 2 is not
+	}{
+		{"insert", abi.AccessInsert, 2},
+		{"restore", abi.AccessRestore, 2},
+		{"insert of a known entry", abi.AccessInsert, 1},
+		{"restore of a known entry", abi.AccessRestore, 1},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			tr := NewTracker(1, nil)
+			if err := tr.Apply(&abi.AccessRecord{Kind: abi.AccessInsert, Entry: 1, Time: 1, Size: 1, Mount: 3}); err != nil {
+				t.Fatal(err)
+			}
+			err := tr.Apply(&abi.AccessRecord{Kind: tt.kind, Entry: tt.entry, Time: 2, Size: 2, Mount: bad})
+			var se *guest.StatusError
+			if !errors.As(err, &se) || se.Status != abi.StatusInvalidInput || !strings.Contains(err.Error(), "mount 65536 ") {
+				t.Errorf("error %v, want invalid input naming mount 65536", err)
+			}
+			i, ok := tr.Pool.Lookup(1)
+			e := *tr.Pool.At(i)
+			e.left, e.right, e.up = 0, 0, 0
+			if tr.Pool.Len() != 1 || !ok || e != (Entry{ID: 1, Time: 1, Size: 1, Mount: 3, Hits: 1}) {
+				t.Errorf("%d entries, entry 1 %+v; want entry 1 alone, unchanged", tr.Pool.Len(), e)
+			}
+		})
+	}
+	t.Run("hit", func(t *testing.T) {
+		tr := NewTracker(1, nil)
+		for _, r := range []abi.AccessRecord{{Kind: abi.AccessInsert, Entry: 1, Time: 1, Size: 1, Mount: 3}, {Kind: abi.AccessHit, Entry: 1, Time: 2, Mount: bad}} {
+			if err := tr.Apply(&r); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if i, _ := tr.Pool.Lookup(1); tr.Pool.At(i).Mount != 3 || tr.Pool.At(i).Time != 2 {
+			t.Errorf("entry 1 %+v, want mount 3 and time 2", *tr.Pool.At(i))
+		}
+	})
 }
 
 // TestTrackerIgnoresWhatItDoesNotKnow: a hit or pin of an unknown entry

@@ -5,10 +5,10 @@ type Entry struct {
 	ID    uint64 // AccessRecord.Entry
 	Time  uint64 // last access, Unix nanoseconds
 	Size  uint64 // bytes on disk
-	Mount uint32 // the mount the entry is on
+	Mount uint16 // the mount the entry is on, at most MaxMount
+	Class uint16 // the list the entry is on (a mount, a frequency level)
 	Pins  uint32 // AccessPin minus AccessUnpin; pinned entries are never victims
 	Hits  uint32 // accesses (policy-defined: LFU ages them)
-	Class uint32 // the list the entry is on (a mount, a frequency level)
 
 	left, right, up int32 // links of the entry's List (a tree)
 }

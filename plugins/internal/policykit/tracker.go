@@ -1,6 +1,7 @@
 package policykit
 
 import (
+	"math"
 	"strconv"
 
 	"github.com/kvhost/kvhost/abi"
@@ -10,6 +11,14 @@ import (
 // MaxClasses bounds the number of lists a Tracker keeps (mounts, frequency
 // levels), so that a bad record cannot make it allocate without limit.
 const MaxClasses = 1024
+
+// MaxMount is the highest mount a Tracker keeps in an Entry: an insert or
+// restore of an entry on a higher mount is refused. A host describes at
+// most abi.MaxMounts mounts.
+const MaxMount = math.MaxUint16
+
+// Entry.Class holds every class below MaxClasses.
+const _ uint16 = MaxClasses - 1
 
 // Tracker applies access records to a Pool of entries kept on recency lists,
 // one list per class. A policy chooses the class of an entry (its mount, its
@@ -28,6 +37,8 @@ const MaxClasses = 1024
 //     entry evicted, moved or deleted meanwhile, and learning it would
 //     bring back a phantom entry offered as a victim.
 //   - AccessRestore sets the entry's Time and Hits from the record.
+//   - An AccessInsert or AccessRestore on a mount above MaxMount is refused
+//     (abi.StatusInvalidInput) and changes nothing.
 //   - AccessPin and AccessUnpin nest; an unpin without a pin, and a pin of
 //     an unknown entry, are ignored (the host never offers a pinned entry's
 //     removal, and a pinned entry is never a victim).
@@ -66,13 +77,15 @@ func (t *Tracker) Apply(r *abi.AccessRecord) error {
 			if _, ok := t.Pool.Lookup(r.Entry); !ok {
 				return nil
 			}
+		} else if err := checkMount(r); err != nil {
+			return err
 		}
 		i, created := t.learn(r)
 		e := t.Pool.At(i)
 		if r.Kind == abi.AccessInsert {
 			// A hit keeps what the insert said: hosts need not repeat the
 			// size and mount in hit records.
-			e.Time, e.Size, e.Mount = r.Time, r.Size, r.Mount
+			e.Time, e.Size, e.Mount = r.Time, r.Size, uint16(r.Mount)
 		} else {
 			e.Time = max(e.Time, r.Time)
 		}
@@ -81,9 +94,12 @@ func (t *Tracker) Apply(r *abi.AccessRecord) error {
 		}
 		return t.place(i, !created)
 	case abi.AccessRestore:
+		if err := checkMount(r); err != nil {
+			return err
+		}
 		i, created := t.learn(r)
 		e := t.Pool.At(i)
-		e.Time, e.Size, e.Mount, e.Hits = r.Time, r.Size, r.Mount, r.Hits
+		e.Time, e.Size, e.Mount, e.Hits = r.Time, r.Size, uint16(r.Mount), r.Hits
 		return t.place(i, !created)
 	case abi.AccessPin:
 		if i, ok := t.Pool.Lookup(r.Entry); ok {
@@ -109,13 +125,21 @@ func (t *Tracker) Apply(r *abi.AccessRecord) error {
 	return guest.InvalidInput("access kind " + strconv.FormatUint(uint64(r.Kind), 10) + " is not defined by ABI v1")
 }
 
+// checkMount refuses an insert or restore on a mount an Entry cannot hold.
+func checkMount(r *abi.AccessRecord) error {
+	if r.Mount > MaxMount {
+		return guest.InvalidInput("access record of entry " + strconv.FormatUint(r.Entry, 10) + ": mount " + strconv.FormatUint(uint64(r.Mount), 10) + " is beyond the limit of " + strconv.Itoa(MaxMount))
+	}
+	return nil
+}
+
 // learn returns the slot of the record's entry, adding it with the
 // record's fields, on no list, if it is new (created).
 func (t *Tracker) learn(r *abi.AccessRecord) (i int32, created bool) {
 	i, created = t.Pool.Add(r.Entry)
 	if created {
 		e := t.Pool.At(i)
-		e.Time, e.Size, e.Mount = r.Time, r.Size, r.Mount
+		e.Time, e.Size, e.Mount = r.Time, r.Size, uint16(r.Mount)
 	}
 	return i, created
 }
@@ -136,7 +160,7 @@ func (t *Tracker) place(i int32, listed bool) error {
 		t.Lists[e.Class].Remove(&t.Pool, i)
 	}
 	if err == nil {
-		e.Class = c
+		e.Class = uint16(c)
 	}
 	t.Lists[e.Class].Insert(&t.Pool, i)
 	return err
@@ -173,7 +197,7 @@ func (t *Tracker) Reclassify() error {
 		if err2 := t.ensure(c); err2 != nil {
 			c, err = 0, err2
 		}
-		e.Class = c
+		e.Class = uint16(c)
 		t.Lists[c].Insert(&t.Pool, i)
 	})
 	return err
@@ -182,7 +206,7 @@ func (t *Tracker) Reclassify() error {
 // Eligible reports whether e may be a victim of req: unpinned, and on the
 // requested mount unless req.Mount is abi.AnyMount.
 func Eligible(e *Entry, req *abi.EvictRequest) bool {
-	return e.Pins == 0 && (req.Mount == abi.AnyMount || req.Mount == e.Mount)
+	return e.Pins == 0 && (req.Mount == abi.AnyMount || req.Mount == uint32(e.Mount))
 }
 
 // Rank answers a kvhost_rank batch (abi.FeatureRank): each known entry
