@@ -74,20 +74,6 @@ func TestPoolReusesSlots(t *testing.T) {
 	_ = b
 }
 
-// prev returns the slot before i on its list, or -1 at the front.
-func (p *Pool) prev(i int32) int32 {
-	e := p.entries
-	if l := e[i].left; l != none {
-		for i = l; e[i].right != none; i = e[i].right {
-		}
-		return i
-	}
-	for e[i].up != none && e[e[i].up].left == i {
-		i = e[i].up
-	}
-	return e[i].up
-}
-
 // listOrder returns the ids of l front to back, after checking that l is
 // a whole treap: links that agree both ways, the priorities a heap, the
 // walks from either end the same entries in time order, Len their number.
@@ -118,7 +104,7 @@ func listOrder(t *testing.T, p *Pool, l *List) []uint64 {
 	for tail != none && p.At(tail).right != none {
 		tail = p.At(tail).right
 	}
-	if l.tail != none && l.tail != tail {
+	if l.tail != tail {
 		t.Fatalf("tail %d, want %d", l.tail, tail)
 	}
 	for i := tail; i >= 0; i = p.prev(i) {
@@ -132,15 +118,17 @@ func listOrder(t *testing.T, p *Pool, l *List) []uint64 {
 }
 
 // TestListAgainstASortedSlice runs random inserts (with ties), removes and
-// touches (remove, new time, insert) against a slice kept in time order,
-// equal times in insertion order.
+// touches (remove, new time, insert; or Touch, often of the back or with
+// the time unchanged or a little later) against a slice kept in time
+// order, equal times in insertion order.
 func TestListAgainstASortedSlice(t *testing.T) {
 	for _, span := range []uint64{4, 1000, 1 << 40} {
 		rng := rand.New(rand.NewPCG(span, 3))
 		var p Pool
 		l := NewList()
 		var ref []int32 // slots in list order
-		insert := func(i int32) {
+		// place puts slot i in ref by its time; insert also in l.
+		place := func(i int32) {
 			tm := p.At(i).Time
 			k, _ := slices.BinarySearchFunc(ref, tm, func(j int32, tm uint64) int {
 				if p.At(j).Time <= tm {
@@ -149,6 +137,9 @@ func TestListAgainstASortedSlice(t *testing.T) {
 				return 1
 			})
 			ref = slices.Insert(ref, k, i)
+		}
+		insert := func(i int32) {
+			place(i)
 			l.Insert(&p, i)
 		}
 		for op := range 5000 {
@@ -163,13 +154,29 @@ func TestListAgainstASortedSlice(t *testing.T) {
 				ref = slices.Delete(ref, k, k+1)
 				l.Remove(&p, i)
 				p.Delete(i)
-			default:
+			case rng.IntN(2) == 0:
 				k := rng.IntN(len(ref))
 				i := ref[k]
 				ref = slices.Delete(ref, k, k+1)
 				l.Remove(&p, i)
 				p.At(i).Time = rng.Uint64N(span)
 				insert(i)
+			default:
+				k := rng.IntN(len(ref))
+				if rng.IntN(3) == 0 {
+					k = len(ref) - 1
+				}
+				i := ref[k]
+				ref = slices.Delete(ref, k, k+1)
+				old := p.At(i).Time
+				switch rng.IntN(3) {
+				case 0:
+					p.At(i).Time = rng.Uint64N(span)
+				case 1:
+					p.At(i).Time = min(old+rng.Uint64N(3), span-1)
+				}
+				place(i)
+				l.Touch(&p, i, old)
 			}
 			if op%97 == 0 || op == 4999 {
 				want := make([]uint64, len(ref))
@@ -427,5 +434,36 @@ func TestPutHex(t *testing.T) {
 				t.Fatalf("putHex(%x) = %s", key, dst)
 			}
 		}
+	}
+}
+
+// BenchmarkTrackerHit measures a hit, at a time later than any before, on
+// a tracker of 2^16 entries on one list: on the least recent entry (which
+// goes from the front to the back: the lru plugin's common touch), and on
+// the most recent one (already at the back).
+func BenchmarkTrackerHit(b *testing.B) {
+	const n = 1 << 16
+	for _, tc := range []struct {
+		name  string
+		entry func(k uint64) uint64 // of the hit that follows k hits
+	}{
+		{"front to back", func(k uint64) uint64 { return k%n + 1 }},
+		{"back again", func(uint64) uint64 { return n }},
+	} {
+		b.Run(tc.name, func(b *testing.B) {
+			tr := NewTracker(1, nil)
+			for id := uint64(1); id <= n; id++ {
+				if err := tr.Apply(&abi.AccessRecord{Kind: abi.AccessInsert, Entry: id, Time: id, Size: 1}); err != nil {
+					b.Fatal(err)
+				}
+			}
+			r := abi.AccessRecord{Kind: abi.AccessHit}
+			for k := uint64(0); b.Loop(); k++ {
+				r.Entry, r.Time = tc.entry(k), n+1+k
+				if err := tr.Apply(&r); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
 	}
 }

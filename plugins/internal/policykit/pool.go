@@ -85,8 +85,8 @@ func (p *Pool) Range(fn func(i int32)) {
 // List is a list of pool entries in ascending Time, entries of equal Time
 // in the order they were inserted: front = least recent. An entry is on at
 // most one list at a time, and its Time must not change while it is on
-// one (Remove it, change it, Insert it). The zero List is not usable:
-// create lists with NewList.
+// one (Remove it, change it, Insert it; or change it and Touch it at once).
+// The zero List is not usable: create lists with NewList.
 //
 // The list is a treap in the entries' links, each slot's priority a fixed
 // hash of the slot, so that the engine's records, whose times are not
@@ -94,7 +94,7 @@ func (p *Pool) Range(fn func(i int32)) {
 // never needs a sort. An Insert at the back (a time not before the
 // back's, the common case) and a Remove take O(1) expected rotations.
 type List struct {
-	root, tail int32 // tail is none where not known (after its Remove)
+	root, tail int32 // tail: the back, none if the list is empty
 	n          int
 }
 
@@ -129,6 +129,21 @@ func (p *Pool) Next(i int32) int32 {
 	return e[i].up
 }
 
+// prev returns the slot before i on its list, or -1 at the front: O(1)
+// expected for the back.
+func (p *Pool) prev(i int32) int32 {
+	e := p.entries
+	if l := e[i].left; l != none {
+		for i = l; e[i].right != none; i = e[i].right {
+		}
+		return i
+	}
+	for e[i].up != none && e[e[i].up].left == i {
+		i = e[i].up
+	}
+	return e[i].up
+}
+
 // priority is slot i's treap priority: a bijective mix of the slot (the
 // finalizer of MurmurHash3), so no two slots tie.
 func priority(i int32) uint32 {
@@ -151,10 +166,6 @@ func (l *List) Insert(p *Pool, i int32) {
 		l.root, l.tail = i, i
 		return
 	}
-	if l.tail == none {
-		for l.tail = l.root; e[l.tail].right != none; l.tail = e[l.tail].right {
-		}
-	}
 	at, right := l.tail, true // the back has no right child
 	if e[at].Time > t {
 		for at = l.root; ; {
@@ -176,16 +187,38 @@ func (l *List) Insert(p *Pool, i int32) {
 	if t >= e[l.tail].Time {
 		l.tail = i
 	}
-	for e[i].up != none && priority(e[i].up) < priority(i) {
+	for pi := priority(i); e[i].up != none && priority(e[i].up) < pi; {
 		l.rotateUp(p, i)
 	}
+}
+
+// Touch puts slot i, on l, in its place after its Time changed from old
+// (as Remove, then Insert): where it is still after every entry whose Time
+// is not later than its own and before the others, it stays. An entry at
+// the back touched at a time not before its own costs O(1).
+func (l *List) Touch(p *Pool, i int32, old uint64) {
+	e := p.entries
+	if t := e[i].Time; t >= old {
+		if i == l.tail {
+			return
+		}
+		// Entries up to i are not later than old, hence t; the back is
+		// after i, so where it is not later than t, i moves.
+		if e[l.tail].Time > t {
+			if n := p.Next(i); e[n].Time > t {
+				return
+			}
+		}
+	}
+	l.Remove(p, i)
+	l.Insert(p, i)
 }
 
 // Remove unlinks slot i, which must be on l.
 func (l *List) Remove(p *Pool, i int32) {
 	e := p.entries
 	if l.tail == i {
-		l.tail = none
+		l.tail = p.prev(i)
 	}
 	for e[i].left != none && e[i].right != none {
 		c := e[i].left

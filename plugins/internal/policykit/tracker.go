@@ -73,15 +73,20 @@ func (t *Tracker) ApplyAll(recs []abi.AccessRecord) error {
 func (t *Tracker) Apply(r *abi.AccessRecord) error {
 	switch r.Kind {
 	case abi.AccessInsert, abi.AccessHit:
+		var i int32
+		created := false
 		if r.Kind == abi.AccessHit {
-			if _, ok := t.Pool.Lookup(r.Entry); !ok {
+			var ok bool
+			if i, ok = t.Pool.Lookup(r.Entry); !ok {
 				return nil
 			}
 		} else if err := checkMount(r); err != nil {
 			return err
+		} else {
+			i, created = t.learn(r)
 		}
-		i, created := t.learn(r)
 		e := t.Pool.At(i)
+		old := e.Time
 		if r.Kind == abi.AccessInsert {
 			// A hit keeps what the insert said: hosts need not repeat the
 			// size and mount in hit records.
@@ -92,15 +97,16 @@ func (t *Tracker) Apply(r *abi.AccessRecord) error {
 		if e.Hits != ^uint32(0) {
 			e.Hits++
 		}
-		return t.place(i, !created)
+		return t.place(i, !created, old)
 	case abi.AccessRestore:
 		if err := checkMount(r); err != nil {
 			return err
 		}
 		i, created := t.learn(r)
 		e := t.Pool.At(i)
+		old := e.Time
 		e.Time, e.Size, e.Mount, e.Hits = r.Time, r.Size, uint16(r.Mount), r.Hits
-		return t.place(i, !created)
+		return t.place(i, !created, old)
 	case abi.AccessPin:
 		if i, ok := t.Pool.Lookup(r.Entry); ok {
 			if e := t.Pool.At(i); e.Pins != ^uint32(0) {
@@ -145,12 +151,16 @@ func (t *Tracker) learn(r *abi.AccessRecord) (i int32, created bool) {
 }
 
 // place puts slot i, whose fields have just changed, on the list of its
-// (possibly new) class, in time order: off its list first if listed. A new
-// entry of a class beyond MaxClasses is forgotten; a known one stays in
-// its class.
-func (t *Tracker) place(i int32, listed bool) error {
+// (possibly new) class, in time order: off its list first if listed (with
+// the Time old). A new entry of a class beyond MaxClasses is forgotten; a
+// known one stays in its class.
+func (t *Tracker) place(i int32, listed bool, old uint64) error {
 	e := t.Pool.At(i)
 	c := t.class(e)
+	if listed && c == uint32(e.Class) {
+		t.Lists[c].Touch(&t.Pool, i, old)
+		return nil
+	}
 	err := t.ensure(c)
 	if err != nil && !listed {
 		t.Pool.Delete(i)
