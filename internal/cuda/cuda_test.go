@@ -159,7 +159,7 @@ func TestLockDeviceRestoresTheThreadsDevice(t *testing.T) {
 // had a device (cudaGetDevice answers 0 there without a context),
 // LockDevice(1) and its unlock make a context on device 1 only, never on
 // device 0, which a process serving only device 1 must not touch, and
-// hand the thread back with no context current, as it was.
+// hand the thread back with no context current, as before.
 func TestLockDeviceOnANewThreadMakesNoOtherContext(t *testing.T) {
 	r, fake := open(t)
 	done := make(chan error)

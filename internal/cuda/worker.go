@@ -109,12 +109,14 @@ func (w *Worker) Close() error {
 // LockDevice locks the calling goroutine to its OS thread and makes device
 // ordinal current there, for a goroutine that calls CUDA itself for a
 // while (a job driving its own stream) rather than through a Worker.
-// unlock gives the thread back its previous CUDA state (so a caller
+// unlock releases the lock taken here and gives the thread back its
+// previous context: the previous device current again (so a caller
 // already locked to a thread, such as a Worker's function, keeps its
-// device) and releases the lock taken here: the previous device current
-// again, or, on a thread that had no context current, none (with the
+// device), or, on a thread that had no context current, none (with the
 // driver API; without it, the device cudaGetDevice answered, 0 on such a
-// thread, whose context that makes).
+// thread, whose context that makes). The runtime's per-thread device then
+// stays ordinal, which makes nothing: whoever calls CUDA on the thread
+// next sets its own device first, as this package's rule says.
 func (r *Runtime) LockDevice(ordinal int) (unlock func(), err error) {
 	runtime.LockOSThread()
 	prev, perr := r.Device()
