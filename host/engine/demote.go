@@ -348,11 +348,15 @@ func (e *Engine) move(ctx context.Context, id uint64, target int, mayEvict bool)
 		return 0, err
 	}
 	e.slots.moving.Add(1) // a file in flight that takes no slot (fileEnded)
-	en2, err := e.copyFile(en, tm, dst)
+	en2, left, err := e.copyFile(en, tm, dst)
 	e.slots.moving.Add(-1)
 	e.fileEnded()
 	if err != nil {
-		e.unreserve(tm, size)
+		if left != nil {
+			ix.leave(left, dst) // the reservation counts the copy left
+		} else {
+			e.unreserve(tm, size)
+		}
 		return 0, err
 	}
 	ix.mu.Lock()
@@ -407,17 +411,18 @@ func (e *Engine) copyBuffer(n int64) (buf []byte, put func()) {
 
 // copyFile copies en's file (checked to be en's by identity and header id)
 // to dst on mount tm: an owned temporary file, fsynced with Config.Fsync,
-// renamed into place. It returns the unindexed entry of the copy. The
-// caller holds both paths.
-func (e *Engine) copyFile(en *entry, tm *mount, dst string) (*entry, error) {
+// renamed into place. It returns the unindexed entry of the copy, or an
+// error and, where the copy was published and could not be removed again,
+// its entry left (publish). The caller holds both paths.
+func (e *Engine) copyFile(en *entry, tm *mount, dst string) (en2, left *entry, err error) {
 	src, _, err := e.openSame(en, os.O_RDONLY)
 	if err != nil {
-		return nil, fmt.Errorf("engine: move: open %s: %w", en.path, err)
+		return nil, nil, fmt.Errorf("engine: move: open %s: %w", en.path, err)
 	}
 	defer src.Close()
 	f, tmp, op, err := e.createTemp(filepath.Dir(dst), 0, en.size)
 	if err != nil {
-		return nil, e.ioError(tm, "move: "+op, err)
+		return nil, nil, e.ioError(tm, "move: "+op, err)
 	}
 	published := false
 	defer func() {
@@ -436,7 +441,7 @@ func (e *Engine) copyFile(en *entry, tm *mount, dst string) (*entry, error) {
 		n, rerr := src.ReadAt(buf[:min(int64(len(buf)), en.size-off)], off)
 		if n > 0 {
 			if _, err := f.WriteAt(buf[:n], off); err != nil {
-				return nil, e.ioError(tm, "move: write", err)
+				return nil, nil, e.ioError(tm, "move: write", err)
 			}
 			off += int64(n)
 		}
@@ -444,7 +449,7 @@ func (e *Engine) copyFile(en *entry, tm *mount, dst string) (*entry, error) {
 			if errors.Is(rerr, io.EOF) {
 				rerr = fmt.Errorf("%w: %s shrank to %d bytes while it was copied", ErrCorrupt, en.path, off)
 			}
-			return nil, fmt.Errorf("engine: move: read %s: %w", en.path, rerr)
+			return nil, nil, fmt.Errorf("engine: move: read %s: %w", en.path, rerr)
 		}
 	}
 	// The copy keeps the source's modification time, which Open takes for
@@ -455,15 +460,15 @@ func (e *Engine) copyFile(en *entry, tm *mount, dst string) (*entry, error) {
 	}
 	// Not cancelled once copied: the move finishes what it began (the
 	// source stays where the copy fails).
-	en2 := &entry{ns: en.ns, fp: en.fp, mount: tm.idx, path: dst, size: en.size, keys: en.keys, fid: en.fid}
-	published, err = e.publish(context.Background(), tm, f, tmp, en2, nil, "move: ")
+	en2 = &entry{ns: en.ns, fp: en.fp, mount: tm.idx, path: dst, size: en.size, keys: en.keys, fid: en.fid}
+	published, left, err = e.publish(context.Background(), tm, f, tmp, en2, nil, "move: ")
 	if published {
 		f = nil // closed
 	}
 	if err != nil {
-		return nil, err
+		return nil, left, err
 	}
-	return en2, nil
+	return en2, nil, nil
 }
 
 // dedupe drops, from the files found at Open, every second copy of a file

@@ -21,22 +21,24 @@ import (
 // failure after it removes the file again if it is still en's (the
 // caller holds the path; another node may have replaced it; where the
 // fstat failed, the header's file id decides) and returns the error with
-// published true. op prefixes the failed step's name in the error
-// (ioError).
-func (e *Engine) publish(ctx context.Context, m *mount, f fsys.File, tmp string, en, replaces *entry, op string) (published bool, err error) {
+// published true; left is en where that removal failed (disposeIfSame):
+// the file is still at en.path, and the caller keeps its reservation
+// counted as the file's (index.leave) instead of giving it back. op
+// prefixes the failed step's name in the error (ioError).
+func (e *Engine) publish(ctx context.Context, m *mount, f fsys.File, tmp string, en, replaces *entry, op string) (published bool, left *entry, err error) {
 	if e.cfg.Fsync {
 		if err := f.Sync(); err != nil {
-			return false, e.ioError(m, op+"fsync", err)
+			return false, nil, e.ioError(m, op+"fsync", err)
 		}
 	}
 	if err := ctx.Err(); err != nil {
-		return false, err // cancelled: never published
+		return false, nil, err // cancelled: never published
 	}
 	if replaces != nil {
 		e.forget(replaces.ident) // the rename replaces it
 	}
 	if err := e.fs.Rename(tmp, en.path); err != nil {
-		return false, e.ioError(m, op+"rename", err)
+		return false, nil, e.ioError(m, op+"rename", err)
 	}
 	en.ident, err = e.seal(f, filepath.Dir(en.path))
 	if err != nil {
@@ -50,12 +52,12 @@ func (e *Engine) publish(ctx context.Context, m *mount, f fsys.File, tmp string,
 			}
 		}
 		if en.ident.Ino != 0 {
-			e.removeIfSame(en.path, []*entry{en})
+			left = e.removeIfSame(en.path, []*entry{en})
 		}
-		return true, e.ioError(m, op+"publish", err)
+		return true, left, e.ioError(m, op+"publish", err)
 	}
 	en.verified.Store(e.now().UnixNano())
-	return true, nil
+	return true, nil, nil
 }
 
 // seal finishes publishing f, just renamed into directory dir: it takes

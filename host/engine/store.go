@@ -489,7 +489,7 @@ func (e *Engine) writeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 		}
 	}
 	en := &entry{fp: h.Fingerprint, ns: c.ns.id, mount: gr.mount, path: gr.path, size: size, fid: h.ID, last: e.now().UnixNano()}
-	published, err = e.publish(ctx, m, f, tmp, en, gr.old, "")
+	published, left, err := e.publish(ctx, m, f, tmp, en, gr.old, "")
 	if published {
 		f = nil // closed
 	}
@@ -497,7 +497,11 @@ func (e *Engine) writeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 	case err != nil && !published && (errors.Is(err, syscall.EISDIR) || errors.Is(err, syscall.ENOTEMPTY) || errors.Is(err, syscall.EEXIST)):
 		return false, fmt.Errorf("%w: store on mount %s: %s is a directory, not a kvhost file: the policy's name for key %q collides with it", ErrPolicy, m.root, gr.path, h.Keys[0].Key)
 	case err != nil && published:
-		e.unreserve(m, size) // the file was removed again
+		if left != nil {
+			e.ix.leave(left, gr.path) // the reservation counts the file left
+		} else {
+			e.unreserve(m, size) // the file was removed again
+		}
 		if gr.old != nil {
 			// The rename replaced the old file: it is gone, with any
 			// keys of it this store did not write again.
