@@ -967,6 +967,47 @@ func TestPinHoldsAKeyMovedAfterItWasFound(t *testing.T) {
 	e.Unpin(ctx, id)
 }
 
+// TestAStoreOfAKeyMovedAfterItWasFoundAnswersPresent stores a key again
+// and moves its file to the other mount just as the store opens it to
+// confirm it: the store follows the key to the moved copy and answers
+// present, with no file counted vanished and no second copy written.
+func TestAStoreOfAKeyMovedAfterItWasFoundAnswersPresent(t *testing.T) {
+	ctx := context.Background()
+	g := smallGeometry(true)
+	hot, cold := t.TempDir(), t.TempDir()
+	var (
+		e     *Engine
+		armed atomic.Pointer[entry]
+		moved atomic.Bool
+	)
+	keys := testKeys("storemoved", 1)
+	inj := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+		if en := armed.Load(); op == fsys.OpOpen && en != nil && path == en.path && armed.CompareAndSwap(en, nil) {
+			_, err := e.move(ctx, en.id, 1, true)
+			moved.Store(err == nil)
+		}
+		return fsys.Fault{}
+	})
+	e = openEngine(t, Config{Mounts: []Mount{{Path: hot}, {Path: cold}}, FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj},
+		Policy: &demotingPolicy{testPolicy: newTestPolicy(1, abi.OrderLayerMajor)}})
+	ns, err := e.Declare(ctx, g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
+	storeAndCheck(t, e, c, keys, [][]int{{0, 1, 2, 3}})
+	armed.Store(entryOf(e, ns, keys[0]))
+	res := wait(t)(e.Store(ctx, StoreRequest{Cache: c.id, Keys: keys, Blocks: [][]int{{0, 1, 2, 3}}}))
+	if !moved.Load() {
+		t.Fatal("the key's file was not moved during the store: the test proves nothing")
+	}
+	files := append(dataFiles(t, hot), dataFiles(t, cold)...)
+	if st := e.Stats(); res.Keys[0].Outcome != OutcomePresent || st.Vanished != 0 || len(files) != 1 {
+		t.Fatalf("store of a key moved after it was found: outcome %v, %d vanished, data files %v; want present, 0, one file",
+			res.Keys[0].Outcome, st.Vanished, files)
+	}
+}
+
 // evictPromotingPolicy is demotingPolicy naming "hot" keys to mount 0 and the
 // others to mount 1; an eviction on mount 1 moves its victims to mount 0
 // (an earlier mount), one on mount 0 evicts them.

@@ -109,9 +109,11 @@ func (e *Engine) retryLeft(m *mount) {
 }
 
 // confirm checks, reading the header, that en's file is still the one
-// indexed; a file removed or replaced drops the entry (false). It is the
-// check before a store answers present. An I/O error other than "not
-// found" is false but keeps the entry.
+// indexed; a file removed or replaced drops the entry (false), and counts
+// it vanished unless this engine dropped it first (a move, a delete, an
+// eviction since it was found). It is the check before a store answers
+// present. An I/O error other than "not found" is false but keeps the
+// entry.
 func (e *Engine) confirm(ctx context.Context, en *entry) bool {
 	f, _, err := e.openSame(en, os.O_RDONLY)
 	if err == nil {
@@ -121,8 +123,9 @@ func (e *Engine) confirm(ctx context.Context, en *entry) bool {
 	}
 	switch {
 	case errors.Is(err, os.ErrNotExist), errors.Is(err, errReplaced):
-		e.st.vanished.Add(1)
-		e.drop(ctx, en, false, err.Error())
+		if e.drop(ctx, en, false, err.Error()) {
+			e.st.vanished.Add(1)
+		}
 	default:
 		e.log.Warn("engine: check of an indexed file", "path", en.path, "err", err)
 	}

@@ -157,15 +157,24 @@ func (e *Engine) runStore(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 		found := e.ix.getAll(c.ns.fp, keys, todo)
 		for t, i := range todo {
 			en := found[t]
-			if en != nil {
+			for en != nil {
 				ok, seen := checked[en]
 				if !seen {
 					ok = e.confirm(ctx, en)
 					checked[en] = ok
 				}
-				if !ok {
-					en = nil
+				if ok {
+					break
 				}
+				// Moved to another mount since it was found (demote.go):
+				// the key's entry is then the copy, checked in turn.
+				e.ix.mu.RLock()
+				cur := e.ix.currentLocked(en, keys[i])
+				e.ix.mu.RUnlock()
+				if cur == en {
+					cur = nil
+				}
+				en = cur
 			}
 			if en != nil {
 				j.res.Keys[i] = KeyResult{Outcome: OutcomePresent}
