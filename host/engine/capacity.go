@@ -37,13 +37,15 @@ func (e *Engine) reserve(ctx context.Context, m *mount, size int64) error {
 // which may evict there), and trims m's spares as reserve does. It fails
 // with ErrNoSpace where there is no such room.
 func (e *Engine) reserveFree(m *mount, size int64) error {
-	if c := m.cluster; c != nil {
-		if !c.reserveClaimed(size) {
-			return fmt.Errorf("%w: mount %s: no room within this node's cluster claim for a move of %d bytes", ErrNoSpace, m.root, size)
-		}
-		defer c.settle(size)
+	c := m.cluster
+	if c != nil && !c.reserveClaimed(size) {
+		return fmt.Errorf("%w: mount %s: no room within this node's cluster claim for a move of %d bytes", ErrNoSpace, m.root, size)
 	}
-	if !e.space.reserveBelow(m.sp, size, high) {
+	ok := e.space.reserveBelow(m.sp, size, high)
+	if c != nil {
+		c.settle(size, ok)
+	}
+	if !ok {
 		return fmt.Errorf("%w: mount %s: no room below the high watermark for a move of %d bytes", ErrNoSpace, m.root, size)
 	}
 	if e.spareEligible(m) {
@@ -53,12 +55,13 @@ func (e *Engine) reserveFree(m *mount, size int64) error {
 }
 
 // reserveUsed is reserve without the spares.
-func (e *Engine) reserveUsed(ctx context.Context, m *mount, size int64) error {
+func (e *Engine) reserveUsed(ctx context.Context, m *mount, size int64) (err error) {
 	if m.cluster != nil { // the cluster-wide bound first (cluster.go)
 		if err := e.clusterReserve(ctx, m, size); err != nil {
 			return err
 		}
-		defer m.cluster.settle(size) // the mount's space counts it from here (or the store failed)
+		// The mount's space counts it from here, or the grant goes back.
+		defer func() { m.cluster.settle(size, err == nil) }()
 	}
 	if e.space.reserveBelow(m.sp, size, high) {
 		return nil

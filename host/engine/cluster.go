@@ -570,11 +570,16 @@ func (c *clusterMount) reserveClaimed(size int64) bool {
 	return true
 }
 
-// settle ends size bytes of a grant of clusterReserve once the mount's
-// space has reserved them (or the store gave up).
-func (c *clusterMount) settle(size int64) {
+// settle ends size bytes of a grant of clusterReserve (or
+// reserveClaimed) once the mount's space has reserved them (reserved), or
+// could not (ErrNoSpace): then the node's count gives them back, as no
+// file of this node will hold them.
+func (c *clusterMount) settle(size int64, reserved bool) {
 	c.mu.Lock()
 	c.pending -= size
+	if !reserved {
+		c.own -= size
+	}
 	c.mu.Unlock()
 }
 

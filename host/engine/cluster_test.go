@@ -2,6 +2,7 @@ package engine
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"os"
@@ -277,5 +278,37 @@ func TestClusterAdoptsADeadNodesFiles(t *testing.T) {
 		if _, err := os.Stat(p); err == nil {
 			t.Errorf("dead node D's file %s is still on the mount after A's 12 stores against a bound of 8 files", p)
 		}
+	}
+}
+
+// TestAStoreRefusedForRoomOnAClusterMountGivesItsClusterGrantBack: a
+// store that the cluster's bound admits but that finds no room on the
+// mount itself (its one file pinned) fails with ErrNoSpace, and leaves the
+// node's count of its bytes there as it was.
+func TestAStoreRefusedForRoomOnAClusterMountGivesItsClusterGrantBack(t *testing.T) {
+	ctx := context.Background()
+	g := smallGeometry(true)
+	fileLen := 4096 + g.KeyBytes()
+	e := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir(), Capacity: fileLen + fileLen/2, ClusterCapacity: 100 * fileLen, ClusterInterval: time.Hour}},
+		Policy: newTestPolicy(1, abi.OrderLayerMajor), NodeID: "a"})
+	ns, err := e.Declare(ctx, g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
+	keys := testKeys("pinned", 2)
+	storeAndCheck(t, e, c, keys[:1], [][]int{{0, 1, 2, 3}})
+	id, _, err := e.Pin(ctx, ns, keys[:1], 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer e.Unpin(ctx, id)
+	before := ownBytes(e.mounts[0])
+	res := wait(t)(e.Store(ctx, StoreRequest{Cache: c.id, Keys: keys[1:], Blocks: [][]int{{4, 5, 6, 7}}}))
+	if kr := res.Keys[0]; kr.Outcome != OutcomeFailed || !errors.Is(kr.Err, ErrNoSpace) {
+		t.Fatalf("store beside a pinned file filling the mount: %v, %v; want failed, ErrNoSpace", kr.Outcome, kr.Err)
+	}
+	if after := ownBytes(e.mounts[0]); after != before {
+		t.Fatalf("after a store refused for room, the node counts %d bytes of its own on the cluster mount, %d before", after, before)
 	}
 }

@@ -1118,3 +1118,44 @@ func TestMovesToAnEarlierClusterMountStayWithinTheClusterCapacity(t *testing.T) 
 		t.Fatalf("%d files on the cluster mount, whose capacity is 3 (%d moves to it)", n, e.TierStats().Promotions)
 	}
 }
+
+// ownBytes is the node's count of its bytes on m's cluster mount.
+func ownBytes(m *mount) int64 {
+	m.cluster.mu.Lock()
+	defer m.cluster.mu.Unlock()
+	return m.cluster.own
+}
+
+// TestAFailedMoveToAnEarlierClusterMountGivesItsClusterGrantBack: moves
+// to a cluster mount that has room within the node's claim but none below
+// its own high watermark fail, and leave the node's count of its bytes
+// there (which its claim must cover) as it was.
+func TestAFailedMoveToAnEarlierClusterMountGivesItsClusterGrantBack(t *testing.T) {
+	ctx := context.Background()
+	g := smallGeometry(true)
+	fileLen := 4096 + g.KeyBytes()
+	pol := &evictPromotingPolicy{&demotingPolicy{testPolicy: newTestPolicy(1, abi.OrderLayerMajor)}}
+	e := openEngine(t, Config{Mounts: []Mount{
+		{Path: t.TempDir(), Capacity: 3 * fileLen, HighWatermark: 0.75, LowWatermark: 0.5, ClusterCapacity: 100 * fileLen, ClusterInterval: time.Hour},
+		{Path: t.TempDir(), Capacity: 4 * fileLen, HighWatermark: 0.75, LowWatermark: 0.25},
+	}, Policy: pol, NodeID: "a"})
+	ns, err := e.Declare(ctx, g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
+	for _, k := range testKeys("hot", 2) { // mount 0 at its high watermark
+		storeAndCheck(t, e, c, [][]byte{k}, [][]int{{0, 1, 2, 3}})
+	}
+	before := ownBytes(e.mounts[0])
+	for _, k := range testKeys("cold", 4) { // the fourth evicts on mount 1: moves to mount 0 fail
+		storeAndCheck(t, e, c, [][]byte{k}, [][]int{{0, 1, 2, 3}})
+	}
+	ts := e.TierStats()
+	if ts.MoveFailures == 0 || ts.Promotions != 0 {
+		t.Fatalf("%d moves to mount 0 failed, %d were made; want failures only", ts.MoveFailures, ts.Promotions)
+	}
+	if after := ownBytes(e.mounts[0]); after != before {
+		t.Fatalf("after %d failed moves to the cluster mount, the node counts %d bytes of its own there, %d before", ts.MoveFailures, after, before)
+	}
+}
