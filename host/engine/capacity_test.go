@@ -336,6 +336,45 @@ func TestAFileWhoseRemovalFailsStaysCounted(t *testing.T) {
 	}
 }
 
+// A deleted key whose file could not be removed stays deleted: a lookup,
+// a load or a pin that finds the file under the key's name does not index
+// it again. A store of the key writes a new file in its place, which its
+// mount counts instead.
+func TestADeletedKeyWhoseFileCouldNotBeRemovedStaysDeleted(t *testing.T) {
+	ctx := context.Background()
+	var failing atomic.Bool
+	inj := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+		if op == fsys.OpRemove && failing.Load() && strings.HasSuffix(path, ".kv") {
+			return fsys.Fault{Err: syscall.EACCES}
+		}
+		return fsys.Fault{}
+	})
+	e, ns, c, keys, blocks := faultyStore(t, newTestPolicy(1, abi.OrderLayerMajor), inj, "delstuck", 1, 16, 5)
+	storeAndCheck(t, e, c, keys, blocks)
+	failing.Store(true)
+	if n, err := e.Delete(ctx, ns, keys); n != 1 || err != nil {
+		t.Fatalf("Delete = %d, %v; want 1", n, err)
+	}
+	if len(dataFiles(t, e.mounts[0].root)) != 1 || e.Stats().RemoveFailures != 1 {
+		t.Fatal("the deleted key's file was removed: the test proves nothing")
+	}
+	if n, err := e.Lookup(ctx, ns, keys); n != 0 || err != nil {
+		t.Fatalf("Lookup of the deleted key = %d, %v; want 0", n, err)
+	}
+	res := wait(t)(e.Load(ctx, LoadRequest{Cache: c.id, Keys: keys, Blocks: [][]int{{8, 9, 10, 11}}}))
+	if kr := res.Keys[0]; kr.Outcome != OutcomeMissing {
+		t.Fatalf("Load of the deleted key: %v, %v; want missing", kr.Outcome, kr.Err)
+	}
+	if id, held, err := e.Pin(ctx, ns, keys, 0); err != nil || held[0] {
+		e.Unpin(ctx, id)
+		t.Fatalf("Pin of the deleted key = %v, %v; want it not held", held, err)
+	}
+	storeAndCheck(t, e, c, keys, blocks)
+	if st := e.Stats(); st.Entries != 1 || st.Mounts[0].Used != 4096+smallGeometry(true).KeyBytes() {
+		t.Fatalf("after the key is stored again: %d entries, %d bytes used; want one file's", st.Entries, st.Mounts[0].Used)
+	}
+}
+
 // An eviction whose removals fail leaves the mount counting the files it
 // could not remove: the bytes on disk are the bytes used.
 func TestAnEvictionWhoseRemovalsFailKeepsTheirBytesCounted(t *testing.T) {

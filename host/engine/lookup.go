@@ -228,16 +228,19 @@ func (e *Engine) discover(ctx context.Context, ns *namespace, key []byte) *entry
 // the indexed entry, or nil where a job of this engine holds the path (a
 // store about to publish there, a removal): only the holder indexes a
 // file at a path it holds, so that a store's view of the file it replaces
-// (group.old) stays true until it publishes.
+// (group.old) stays true until it publishes. It returns nil too where the
+// file is one this engine dropped and could not remove (index.left): its
+// keys were deleted or evicted, and stay so.
 func (e *Engine) adopt(ctx context.Context, en *entry) *entry {
 	en.ns = e.namespaceOf(en.fp)
 	e.ix.mu.Lock()
-	if old := e.ix.byPath[en.path]; old != nil && old.ident.Same(en.ident) && old.fid == en.fid {
+	same := func(old *entry) bool { return old != nil && old.ident.Same(en.ident) && old.fid == en.fid }
+	if old := e.ix.byPath[en.path]; same(old) {
 		e.ix.relinkLocked(old) // found by a key the index had lost
 		e.ix.mu.Unlock()
 		return old
 	}
-	if e.ix.heldLocked(en.path) {
+	if e.ix.heldLocked(en.path) || same(e.ix.left[en.path]) {
 		e.ix.mu.Unlock()
 		return nil
 	}
