@@ -375,6 +375,70 @@ func TestADeletedKeyWhoseFileCouldNotBeRemovedStaysDeleted(t *testing.T) {
 	}
 }
 
+// A file whose removal keeps failing (a read-only remount) counts once in
+// Stats.RemoveFailures, and the evictions that follow try it again at most
+// once per leftRetryInterval, however many they are; once the interval
+// has passed and the removal works, the next eviction removes it.
+func TestAFileWhoseRemovalKeepsFailingCountsOnceAndIsTriedOncePerInterval(t *testing.T) {
+	ctx := context.Background()
+	var (
+		mu    sync.Mutex
+		now   = time.Unix(1_700_000_000, 0)
+		stuck atomic.Pointer[string]
+		tries atomic.Int64
+	)
+	clock := func() time.Time { mu.Lock(); defer mu.Unlock(); return now }
+	inj := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+		if p := stuck.Load(); op == fsys.OpRemove && p != nil && path == *p {
+			tries.Add(1)
+			return fsys.Fault{Err: syscall.EROFS}
+		}
+		return fsys.Fault{}
+	})
+	g := smallGeometry(true)
+	fileLen := 4096 + g.KeyBytes()
+	dir := t.TempDir()
+	e := openEngine(t, Config{Mounts: []Mount{{Path: dir, Capacity: 4 * fileLen, HighWatermark: 0.75, LowWatermark: 0.5}},
+		FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj}, Policy: newTestPolicy(1, abi.OrderLayerMajor), NoReuse: true, Now: clock})
+	ns, err := e.Declare(ctx, g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
+	keys := testKeys("rofs", 1)
+	storeAndCheck(t, e, c, keys, [][]int{{0, 1, 2, 3}})
+	path := entryOf(e, ns, keys[0]).path
+	stuck.Store(&path)
+	if n, err := e.Delete(ctx, ns, keys); n != 1 || err != nil {
+		t.Fatalf("Delete = %d, %v; want 1", n, err)
+	}
+	// Every store from the third evicts, with the stuck file counted.
+	for i, k := range testKeys("more", 12) {
+		storeAndCheck(t, e, c, [][]byte{k}, [][]int{{4 + i%3*4, 5 + i%3*4, 6 + i%3*4, 7 + i%3*4}})
+	}
+	st := e.Stats()
+	if st.Evictions < 4 {
+		t.Fatalf("%d evictions: the test proves nothing", st.Evictions)
+	}
+	if st.RemoveFailures != 1 || tries.Load() != 2 {
+		t.Fatalf("after %d evictions, %d removals of the stuck file tried, %d failed removals counted; want 2 (the delete's, one retry) and 1",
+			st.Evictions, tries.Load(), st.RemoveFailures)
+	}
+	if !exists(path) {
+		t.Fatal("the stuck file is gone")
+	}
+	mu.Lock()
+	now = now.Add(leftRetryInterval)
+	mu.Unlock()
+	stuck.Store(nil)
+	for i, k := range testKeys("last", 2) {
+		storeAndCheck(t, e, c, [][]byte{k}, [][]int{{4 + i*4, 5 + i*4, 6 + i*4, 7 + i*4}})
+	}
+	if exists(path) {
+		t.Fatal("the stuck file is still there once the interval passed and its removal works")
+	}
+}
+
 // An eviction whose removals fail leaves the mount counting the files it
 // could not remove: the bytes on disk are the bytes used.
 func TestAnEvictionWhoseRemovalsFailKeepsTheirBytesCounted(t *testing.T) {

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"os"
 	"slices"
+	"time"
 
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/internal/format"
@@ -99,10 +100,12 @@ func (e *Engine) evictClaimed(en *entry) {
 }
 
 // retryLeft tries again to remove m's files whose removal failed
-// (index.left), but those whose path a job holds now. An eviction calls
-// it before it asks for victims.
+// (index.left), but those whose path a job holds now and those it tried
+// within leftRetryInterval. An eviction calls it before it asks for
+// victims.
 func (e *Engine) retryLeft(m *mount) {
-	for at, en := range e.ix.takeLeft(m.idx) {
+	now := e.now().UnixNano()
+	for at, en := range e.ix.takeLeft(m.idx, now, now+int64(leftRetryInterval)) {
 		_, left, now := e.disposeIfSame(at, []*entry{en}, false)
 		e.releaseRemoved(at, []*entry{en}, left, now)
 	}
@@ -152,15 +155,20 @@ func (e *Engine) removeIfSame(path string, ens []*entry) *entry {
 // at (path, or the spare's name it was renamed to), because a step failed
 // with an I/O error (an open or read other than "not found", the unlink
 // itself): the caller goes on counting its bytes (index.leaveLocked),
-// for an eviction to try again (retryLeft). Each such failure counts in
-// Stats.RemoveFailures.
+// for an eviction to try again (retryLeft). The first such failure of a
+// file counts in Stats.RemoveFailures and logs a warning; a retry's
+// failure is logged at debug level only.
 func (e *Engine) disposeIfSame(path string, ens []*entry, spare bool) (kept bool, left *entry, at string) {
 	if len(ens) == 0 {
 		return false, nil, ""
 	}
 	fail := func(op string, en *entry, at string, err error) (bool, *entry, string) {
-		e.st.removeFailures.Add(1)
-		e.log.Warn("engine: "+op, "path", at, "err", err)
+		if en.removeFailed.CompareAndSwap(false, true) {
+			e.st.removeFailures.Add(1)
+			e.log.Warn("engine: "+op, "path", at, "err", err)
+		} else {
+			e.log.Debug("engine: "+op+" (tried again)", "path", at, "err", err)
+		}
 		return false, en, at
 	}
 	f, err := e.fs.OpenFile(path, os.O_RDONLY, 0)
@@ -206,3 +214,13 @@ func (e *Engine) disposeIfSame(path string, ens []*entry, spare bool) (kept bool
 	}
 	return false, nil, ""
 }
+
+// leftRetryInterval is the least time between two tries of retryLeft at
+// one file whose removal failed. Evictions come as often as stores cross
+// the high watermark, many a second on a busy mount, and each try is a
+// few system calls per file left; on a read-only remount every evicted
+// file is left. The first retry comes at the next eviction (a passing
+// failure frees the room at once), later ones at most once an interval:
+// a lasting cause (EROFS, EACCES) then costs a few calls per file every
+// 10 s, and the room comes back within 10 s of its fix.
+const leftRetryInterval = 10 * time.Second

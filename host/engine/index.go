@@ -24,7 +24,8 @@ type keyRef struct {
 }
 
 // entry is one published file. Fields other than pins, leases, hits,
-// last, gone, orphan and verified are immutable after it is indexed.
+// last, gone, orphan, retryAt, verified and removeFailed are immutable
+// after it is indexed.
 type entry struct {
 	id    uint64
 	ns    NamespaceID
@@ -37,6 +38,9 @@ type entry struct {
 	fid   uint64        // the header's file id (0: written before ids)
 	// verified is when the file was last checked (Unix nanoseconds).
 	verified atomic.Int64
+	// removeFailed: a removal of the file failed (disposeIfSame), which
+	// counted in Stats.RemoveFailures; later failures are retries.
+	removeFailed atomic.Bool
 	// guarded by index.mu
 	pins   int32
 	leases int32 // client pins (Engine.Pin), also counted in pins
@@ -49,6 +53,9 @@ type entry struct {
 	// orphan: unindexed while another job held its path, which removes
 	// the file (flight.go); counted in its mount's orphaned until then.
 	orphan bool
+	// retryAt: in left, when retryLeft may try to remove the file again
+	// (Unix nanoseconds; 0: at the next eviction on its mount).
+	retryAt int64
 }
 
 // index is what the engine knows is stored: the published files
@@ -284,21 +291,22 @@ func (ix *index) releaseLeaving(path string, ens []*entry, left *entry, at strin
 	return ix.releaseLocked(path, freed)
 }
 
-// takeLeft takes from left the entries of mount whose path it claims
-// (none that a job holds now), by path, for the caller to remove and
-// release (retryLeft).
-func (ix *index) takeLeft(mount int) map[string]*entry {
+// takeLeft takes from left the entries of mount due a try at time now
+// (retryAt) whose path it claims (none that a job holds now), by path, for
+// the caller to remove and release (retryLeft); each is next due next.
+func (ix *index) takeLeft(mount int, now, next int64) map[string]*entry {
 	ix.mu.Lock()
 	defer ix.mu.Unlock()
 	var took map[string]*entry
 	for at, en := range ix.left {
-		if en.mount != mount {
+		if en.mount != mount || en.retryAt > now {
 			continue
 		}
 		if ok, _ := ix.claimLocked(at); !ok {
 			continue
 		}
 		delete(ix.left, at)
+		en.retryAt = next
 		if took == nil {
 			took = map[string]*entry{}
 		}
