@@ -458,3 +458,67 @@ func BenchmarkVictimsAfterAnOldInsert(b *testing.B) {
 		})
 	}
 }
+
+// BenchmarkLFUAgingOverManyEntries measures the fuel of the Access call of
+// the lfu plugin holding n entries, restored over every frequency level,
+// whose record's time crosses a half-life, so that the counts age. A call
+// has 200,000,000 units at the default deadline (docs/abi.md, "fuel"); the
+// benchmark's deadline is long enough for any cost to show.
+func BenchmarkLFUAgingOverManyEntries(b *testing.B) {
+	ctx := context.Background()
+	mod, err := plugins.Wasm("lfu")
+	if err != nil {
+		b.Fatalf("%v (build the plugins with `make wasm`)", err)
+	}
+	for _, n := range []int{1 << 16, 1 << 18, 1 << 20} {
+		b.Run(fmt.Sprint("entries=", n), func(b *testing.B) {
+			idx := lfuIndex(n)
+			start := time.Now()
+			h, err := policy.Open(ctx, mod, "lfu", idx, policy.Config{Shards: 1, CallTimeout: time.Minute, MemoryLimit: 2 << 30, Logger: quietLogger()})
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer h.Close(ctx)
+			b.Logf("%d entries restored in %v", n, time.Since(start))
+			read := policy.CountFuel(h)
+			var fuel int64
+			for i := 0; b.Loop(); i++ {
+				before, _ := read()
+				if err := h.Access(ctx, []abi.AccessRecord{lfuCrossing(uint64(i + 1))}); err != nil {
+					b.Fatal(err)
+				}
+				after, _ := read()
+				fuel += after - before
+			}
+			b.ReportMetric(float64(fuel)/float64(b.N), "units/aging")
+			b.ReportMetric(float64(fuel)/float64(b.N)/float64(2*policy.DefaultCallTimeout.Nanoseconds()), "of-fuel")
+		})
+	}
+}
+
+// lfuEpoch is the start of a half-life (the default hour) at which the
+// entries of lfuIndex were last accessed.
+const lfuEpoch = 1 << 40 / uint64(time.Hour) * uint64(time.Hour)
+
+// lfuIndex returns an index of n entries of testNS, last accessed within
+// the half-life from lfuEpoch in no id order, with counts over every
+// frequency level of the lfu plugin.
+func lfuIndex(n int) *policytest.Index {
+	idx := policytest.NewIndex()
+	idx.AddNamespace(testNS)
+	recs := make([]abi.AccessRecord, n)
+	for k := range recs {
+		id := uint64(k + 1)
+		// An odd multiple modulo n is a permutation: times in no id order.
+		recs[k] = abi.AccessRecord{Entry: id, Time: lfuEpoch + id*0x9E3779B97F4A7C15%uint64(n), Size: 1, KeyHash: id,
+			Hits: 1 << (id % 16), Kind: abi.AccessRestore}
+	}
+	idx.Apply(recs)
+	return idx
+}
+
+// lfuCrossing is a hit of entry 1 in the k-th half-life after lfuEpoch, the
+// first record of that half-life.
+func lfuCrossing(k uint64) abi.AccessRecord {
+	return abi.AccessRecord{Entry: 1, Time: lfuEpoch + k*uint64(time.Hour), Kind: abi.AccessHit}
+}

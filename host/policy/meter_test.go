@@ -179,6 +179,36 @@ func TestEvictionsOverManyEntriesStayWithinTheirFuel(t *testing.T) {
 	evict(n + 1)
 }
 
+// TestLFUAgingOverManyEntriesStaysWithinItsFuel: the Access call of the
+// built-in lfu plugin holding 2^18 entries, restored over every frequency
+// level, whose record crosses a half-life (so that every count halves)
+// stays within the fuel of the default deadline, as does the eviction
+// after it, which puts the entries of a count halved to zero first, least
+// recent first. Halving every count and putting every entry back on its
+// level in that one call took about 1.3 times its fuel and failed it.
+func TestLFUAgingOverManyEntriesStaysWithinItsFuel(t *testing.T) {
+	const n = 1 << 18
+	ctx := context.Background()
+	mod, err := plugins.Wasm("lfu")
+	if err != nil {
+		t.Fatalf("%v (build the plugins with `make wasm`)", err)
+	}
+	h, err := policy.Open(ctx, mod, "lfu", lfuIndex(n), policy.Config{Shards: 1, MemoryLimit: 128 << 20, Logger: quietLogger()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h.Close(ctx)
+	if err := h.Access(ctx, []abi.AccessRecord{lfuCrossing(1)}); err != nil || h.Stats().Failures != 0 {
+		t.Fatalf("Access across a half-life: %v, %d failures; want no failure", err, h.Stats().Failures)
+	}
+	// Entries with one access (id%16 == 0) are down to none; the least
+	// recent of them (time lfuEpoch+0, that of entry n) goes first.
+	vs, err := h.Victims(ctx, abi.EvictRequest{Bytes: 1, Mount: abi.AnyMount}, 1)
+	if err != nil || len(vs) != 1 || vs[0].Entry != n || h.Stats().Failures != 0 {
+		t.Fatalf("Victims = %v, %v, %d failures; want entry %d and no failure", vs, err, h.Stats().Failures, n)
+	}
+}
+
 // TestReservedFuelExport checks that a module exporting the meter's reserved
 // name is refused by Open and reported by Inspect.
 func TestReservedFuelExport(t *testing.T) {

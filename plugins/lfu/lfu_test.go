@@ -2,6 +2,8 @@ package lfu_test
 
 import (
 	"cmp"
+	"math/bits"
+	"math/rand/v2"
 	"slices"
 	"strings"
 	"testing"
@@ -142,5 +144,116 @@ func TestRankFrequencyIsWorthHalfLives(t *testing.T) {
 	}
 	if got := recs[1].Rank - recs[0].Rank; got != 2*hl {
 		t.Errorf("level 3 ranks %d ns above level 1 at the same time, want 2 half-lives (%d)", got, 2*hl)
+	}
+}
+
+// TestAgingMatchesHalvingEveryCount runs random records, over many
+// half-lives and with counts above the top level, through the policy and
+// through a model that halves every count at each aging, and checks that
+// both give the same victims, scores and ranks: aging lazily changes no
+// order.
+func TestAgingMatchesHalvingEveryCount(t *testing.T) {
+	const entries, hl = 3000, uint64(time.Minute) // more than an Access call drains
+	type entry struct {
+		time  uint64
+		hits  uint32
+		pins  uint32
+		known bool
+	}
+	rng := rand.New(rand.NewPCG(1, 2))
+	d := policytest.MustNew(t, lfu.New(), "half_life", "1m")
+	var model [entries]entry
+	clock := 1000 * hl
+	lastAged := clock - clock%hl
+	var recs []abi.AccessRecord
+	for id := range uint64(entries) {
+		clock++
+		r := policytest.Rec(abi.AccessRestore, id, clock, 10)
+		r.Hits = uint32(rng.IntN(4)) << rng.IntN(30)
+		model[id] = entry{known: true, time: clock, hits: r.Hits}
+		if err := d.Access(r); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for round := range 200 {
+		for range 1 + rng.IntN(20) {
+			clock += 1 + uint64(rng.IntN(int(hl/4))) // times of no two records alike
+			if rng.IntN(30) == 0 {
+				clock += uint64(rng.IntN(40)) * hl // a lull: several agings at once
+			}
+			if halvings := (clock - lastAged) / hl; halvings > 0 {
+				lastAged += halvings * hl
+				for i := range model {
+					model[i].hits >>= min(halvings, 32)
+				}
+			}
+			id := uint64(rng.IntN(entries))
+			m := &model[id]
+			r := policytest.Rec(abi.AccessHit, id, clock, 10)
+			switch k := rng.IntN(10); {
+			case k < 4:
+				r.Kind = abi.AccessInsert
+				m.known, m.time, m.hits = true, clock, m.hits+1
+			case k < 7:
+				if m.known {
+					m.time, m.hits = max(m.time, clock), m.hits+1
+				}
+			case k == 7:
+				r.Kind, r.Hits = abi.AccessRestore, uint32(rng.IntN(4))<<(rng.IntN(30))
+				m.known, m.time, m.hits = true, clock, r.Hits
+			case k == 8:
+				r.Kind = abi.AccessRemove
+				*m = entry{}
+			default:
+				r.Kind = abi.AccessPin
+				if rng.IntN(2) == 0 {
+					r.Kind = abi.AccessUnpin
+				}
+				if m.known && r.Kind == abi.AccessPin {
+					m.pins++
+				} else if m.known && m.pins > 0 {
+					m.pins--
+				}
+			}
+			recs = append(recs, r)
+		}
+		if err := d.Access(recs...); err != nil {
+			t.Fatal(err)
+		}
+		recs = recs[:0]
+		var want []abi.Victim
+		var ids []uint64
+		for id, m := range model {
+			if m.known {
+				ids = append(ids, uint64(id))
+				if m.pins == 0 {
+					lv := min(uint32(bits.Len32(m.hits)), lfu.Levels-1)
+					want = append(want, abi.Victim{Entry: uint64(id), Score: lfu.Score(lv, m.time)})
+				}
+			}
+		}
+		slices.SortFunc(want, func(a, b abi.Victim) int { return cmp.Or(cmp.Compare(a.Score, b.Score), cmp.Compare(a.Entry, b.Entry)) })
+		want = want[:rng.IntN(min(len(want), abi.MaxBatch)+1)]
+		got, err := d.Evict(abi.EvictRequest{Bytes: 10 * uint64(len(want)), Mount: abi.AnyMount}, abi.MaxBatch)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !slices.Equal(got, want) {
+			t.Fatalf("round %d: victims\n%v\nwant\n%v", round, got, want)
+		}
+		for len(ids) > 0 {
+			n := min(len(ids), abi.MaxBatch)
+			ranks, err := d.Rank(clock, ids[:n]...)
+			if err != nil {
+				t.Fatal(err)
+			}
+			ids = ids[n:]
+			for _, r := range ranks {
+				m := model[r.Entry]
+				if want := lfu.Rank(min(uint32(bits.Len32(m.hits)), lfu.Levels-1), m.time, hl); r.Rank != want {
+					t.Fatalf("round %d: entry %d ranks %d, want %d", round, r.Entry, r.Rank, want)
+				}
+			}
+		}
 	}
 }
