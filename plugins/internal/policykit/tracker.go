@@ -193,26 +193,6 @@ func (t *Tracker) ensure(c uint32) error {
 	return nil
 }
 
-// Reclassify puts every entry back on the list its class function now
-// chooses (after a policy changed what the function depends on, such as an
-// LFU's aging): O(n log n), like a sort of every entry.
-func (t *Tracker) Reclassify() error {
-	for c := range t.Lists {
-		t.Lists[c] = NewList()
-	}
-	var err error
-	t.Pool.Range(func(i int32) {
-		e := t.Pool.At(i)
-		c := t.class(e)
-		if err2 := t.ensure(c); err2 != nil {
-			c, err = 0, err2
-		}
-		e.Class = uint16(c)
-		t.Lists[c].Insert(&t.Pool, i)
-	})
-	return err
-}
-
 // Eligible reports whether e may be a victim of req: unpinned, and on the
 // requested mount unless req.Mount is abi.AnyMount.
 func Eligible(e *Entry, req *abi.EvictRequest) bool {
