@@ -20,10 +20,12 @@
 // first 8 bytes of the digest (2 added where they read 0 or 1), the home
 // slot the next 8 modulo the slot count. A reader probes from the home
 // slot to the first empty slot: the tag found is a hit, an empty slot a
-// miss. The writer keeps at most three quarters of the slots in use, so
-// every probe ends; where removed slots fill it up it rebuilds the slots
-// in place between two increments of the sequence, and a reader that saw
-// the sequence odd or changed asks the daemon instead.
+// miss. The writer holds keys in at most three quarters of the slots and
+// lets a new key take a removed slot on its probe; once an eighth of the
+// slots are removed it rebuilds the slots in place, between two
+// increments of the sequence, so that at most seven eighths are ever in
+// use and every probe ends. A reader that saw the sequence odd or changed
+// asks the daemon instead.
 package lookuptable
 
 import (
@@ -237,32 +239,38 @@ func (t *Table) Add(fp uint64, key string) {
 	}
 }
 
-// addLocked places tag if the table has room for it (rebuilding the slots
-// where removed ones take that room) and reports whether it did. The
-// caller holds t.mu.
+// addLocked places tag if the table has room for it and reports whether
+// it did. The caller holds t.mu.
+//
+// At most three quarters of the slots hold keys. A new key takes the
+// first removed or empty slot of its probe: a removed one leaves as many
+// slots in use; where it would take an empty one and an eighth of the
+// slots are removed, the slots are rebuilt first. So at most seven
+// eighths of the slots are ever in use (every probe ends), and a rebuild,
+// which rewrites every slot, follows at least an eighth of the slots'
+// worth of removals.
 func (t *Table) addLocked(tag, home uint64) bool {
-	limit := len(t.slots) / 4 * 3
-	if len(t.where)+1 > limit {
+	if len(t.where)+1 > len(t.slots)/4*3 {
 		return false
 	}
-	if len(t.where)+t.removed+1 > limit {
+	i := t.freeLocked(home)
+	if atomic.LoadUint64(&t.slots[i]) == slotRemoved {
+		t.removed--
+	} else if t.removed >= len(t.slots)/8 {
 		t.rebuildLocked()
+		i = t.freeLocked(home)
 	}
-	t.where[tag] = placed{t.placeLocked(tag, home), home}
+	atomic.StoreUint64(&t.slots[i], tag)
+	t.where[tag] = placed{i, home}
 	t.storeHeader(offKeys, uint64(len(t.where)))
 	return true
 }
 
-// placeLocked writes tag into the first free slot of its probe from home
-// and returns that slot. The caller holds t.mu and has room.
-func (t *Table) placeLocked(tag, home uint64) uint32 {
+// freeLocked returns the first removed or empty slot of the probe from
+// home. The caller holds t.mu, and the table has one.
+func (t *Table) freeLocked(home uint64) uint32 {
 	for i := home & t.mask; ; i = (i + 1) & t.mask {
-		switch atomic.LoadUint64(&t.slots[i]) {
-		case slotRemoved:
-			t.removed--
-			fallthrough
-		case slotEmpty:
-			atomic.StoreUint64(&t.slots[i], tag)
+		if atomic.LoadUint64(&t.slots[i]) <= slotRemoved {
 			return uint32(i)
 		}
 	}
@@ -307,7 +315,8 @@ func (t *Table) rebuildLocked() {
 	}
 	t.removed = 0
 	for tag, p := range t.where {
-		p.slot = t.placeLocked(tag, p.home)
+		p.slot = t.freeLocked(p.home)
+		atomic.StoreUint64(&t.slots[p.slot], tag)
 		t.where[tag] = p
 	}
 	atomic.AddUint64(seq, 1)

@@ -132,6 +132,53 @@ func TestRemovedSlotsAreReclaimedByRebuilds(t *testing.T) {
 	}
 }
 
+// TestChurnAtTheLimitRebuildsOnceAnEighthOfTheSlotsWereRemoved: at the
+// three-quarters limit, whether the index holds more keys than that (each
+// removal lets a key the table lacks in) or one fewer (a removal, then an
+// add), the slots are rebuilt once per eighth of the slots removed, not
+// once per removal: a rebuild rewrites every slot under the engine's
+// index lock while readers ask the daemon.
+func TestChurnAtTheLimitRebuildsOnceAnEighthOfTheSlotsWereRemoved(t *testing.T) {
+	const (
+		fp       = 5
+		slots    = MinSlots
+		limit    = slots / 4 * 3
+		removals = 2 * slots
+	)
+	tests := []struct {
+		name string
+		held int  // keys the index holds throughout the churn
+		add  bool // whether each removal is followed by an add
+	}{
+		{"the table lacks keys the index holds", limit + removals, false},
+		{"one key below the limit", limit - 1, true},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			tab, r := newTable(t, slots, true)
+			keys := keysOf("k", tc.held+removals+1)
+			for _, k := range keys[:tc.held] {
+				tab.Add(fp, string(k))
+			}
+			before := tab.Stats().Rebuilds
+			for i := range removals {
+				tab.Remove(fp, string(keys[i]))
+				if tc.add {
+					tab.Add(fp, string(keys[tc.held+i]))
+				}
+			}
+			if got, most := tab.Stats().Rebuilds-before, uint64(removals/(slots/8)+1); got > most {
+				t.Errorf("%d removals rebuilt the slots %d times, want at most %d", removals, got, most)
+			}
+			kept := min(tc.held, limit)
+			n, final, ok := r.Leading(fp, keys[removals:removals+kept+1])
+			if !ok || !final || n != kept {
+				t.Fatalf("after the churn: Leading = %d final %v ok %v; want %d, final", n, final, ok, kept)
+			}
+		})
+	}
+}
+
 // TestReadersNeverMissAHeldKeyWhileTheWriterChurns: a reader racing with
 // adds, removes and rebuilds either finds every key held throughout or
 // is told to ask the daemon; it never reports a held key missing.
