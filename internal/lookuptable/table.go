@@ -35,6 +35,7 @@ import (
 	"fmt"
 	"math/bits"
 	"os"
+	"path/filepath"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -160,11 +161,13 @@ func Create(path string, slots int, perm os.FileMode, gid int, missesFinal bool)
 	shift := bits.TrailingZeros(uint(n))
 	size := HeaderSize + 8*n
 	// A fresh name then a rename: a reader never maps a half-made file.
-	tmp := fmt.Sprintf("%s.%d.tmp", path, os.Getpid())
-	f, err := os.OpenFile(tmp, os.O_RDWR|os.O_CREATE|os.O_TRUNC, perm&0o666)
+	// The name is random and made exclusively (O_EXCL), so that nothing
+	// planted in a directory others can write (a link) is followed.
+	f, err := os.CreateTemp(filepath.Dir(path), filepath.Base(path)+".*.tmp")
 	if err != nil {
-		return nil, fmt.Errorf("lookuptable: create %s: %w", tmp, err)
+		return nil, fmt.Errorf("lookuptable: create beside %s: %w", path, err)
 	}
+	tmp := f.Name()
 	defer f.Close()
 	fail := func(err error) (*Table, error) {
 		os.Remove(tmp)

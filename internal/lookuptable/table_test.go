@@ -292,6 +292,32 @@ func TestCloseTellsReadersAndLeavesANewerTableInPlace(t *testing.T) {
 	old.Add(1, "after close") // no effect, no fault
 }
 
+// TestCreateDoesNotFollowALinkPlantedWhereItMakesTheFile: in a directory
+// others can write, a link planted at the name of the file Create makes
+// (then renames into place) would have it truncate and map the file the
+// link names.
+func TestCreateDoesNotFollowALinkPlantedWhereItMakesTheFile(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "kvhost.sock.lookup")
+	victim := filepath.Join(dir, "victim")
+	if err := os.WriteFile(victim, []byte("not a table"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(victim, fmt.Sprintf("%s.%d.tmp", path, os.Getpid())); err != nil {
+		t.Fatal(err)
+	}
+	tab, err := Create(path, MinSlots, 0o600, -1, true)
+	if err == nil {
+		defer tab.Close()
+	}
+	if b, err := os.ReadFile(victim); err != nil || string(b) != "not a table" {
+		t.Fatalf("the link's target now reads %.20q (%v), want it untouched", b, err)
+	}
+	if fi, err := os.Lstat(path); err == nil && fi.Mode()&os.ModeSymlink != 0 {
+		t.Fatalf("the table's path is the planted link")
+	}
+}
+
 func TestCreateRoundsTheSlotCountUp(t *testing.T) {
 	for _, n := range []int{0, 1, MinSlots, MinSlots + 1, 5000} {
 		tab, err := Create(filepath.Join(t.TempDir(), "t"), n, 0o600, -1, true)
