@@ -15,7 +15,7 @@ import (
 )
 
 // openLookupTable creates the daemon's shared lookup table beside the
-// socket (readable by whoever may use the socket) and mirrors the
+// socket (readable by whoever may connect to the socket) and mirrors the
 // engine's keys into it; nil where engine.lookup_table is false. Misses
 // read from it are final only where no mount is shared with other
 // writers (sharedMount).
@@ -46,8 +46,10 @@ func openLookupTable(cfg config.Config, eng *engine.Engine, log *slog.Logger) (*
 			break
 		}
 	}
-	// Clients need to read the table only: the socket's read bits.
-	t, err := lookuptable.Create(path, slots, os.FileMode(cfg.Server.SocketMode)&0o444, gid, final)
+	// Clients need to read the table only, and whoever may connect to the
+	// socket may ask what it holds: a read bit for each write bit of the
+	// socket's (connecting to a Unix socket takes write permission).
+	t, err := lookuptable.Create(path, slots, (os.FileMode(cfg.Server.SocketMode)&0o222)<<1, gid, final)
 	if err != nil {
 		return nil, err
 	}
