@@ -4,7 +4,9 @@
 // holds. A client answers a lookup from its own mapping, without a round
 // trip to the daemon and without waiting behind the daemon's data path.
 //
-// The file (little-endian; docs/protocol.md, "Shared lookup table"):
+// The file (docs/protocol.md, "Shared lookup table"; the u32 fields
+// little-endian, the u64 words in the machine's byte order: the daemon and
+// its readers share a machine, and a u64 is stored and loaded atomically):
 //
 //	0   magic "KVHLKT01"
 //	8   u32 version (1)
@@ -95,7 +97,7 @@ var ErrFormat = errors.New("lookuptable: not a lookup table")
 // Hash is a key's tag and home slot number (before the modulo).
 func Hash(fp uint64, key []byte) (tag, home uint64) {
 	var sum [sha256.Size]byte
-	var buf [8 + 256]byte // keys are at most 255 bytes (protocol.MaxKeyLen): no allocation
+	var buf [8 + 256]byte // protocol keys (at most protocol.MaxKeyLen, 64 bytes) fit: no allocation
 	binary.LittleEndian.PutUint64(buf[:8], fp)
 	if len(key) <= len(buf)-8 {
 		sum = sha256.Sum256(buf[:8+copy(buf[8:], key)])
