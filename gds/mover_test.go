@@ -314,6 +314,12 @@ func TestMoverReadFailuresFailTheTransfer(t *testing.T) {
 			c.set(&c.ReadFailCode, -1)
 			c.set(&c.ReadFailAfter, total/2)
 		}, func(err error) bool { return errors.Is(err, syscall.EIO) }},
+		{"negated errno midway", func(c *fakeCtl, total int64) {
+			// cuFile's compat path returns -errno itself, as its
+			// asynchronous I/O does: -5 is EIO, not a Status.
+			c.set(&c.ReadFailCode, int64(syscall.EIO))
+			c.set(&c.ReadFailAfter, total/2)
+		}, func(err error) bool { return errors.Is(err, syscall.EIO) }},
 		{"short file", func(c *fakeCtl, total int64) {
 			c.set(&c.ReadTruncateAt, total/2+100)
 		}, func(err error) bool {

@@ -157,21 +157,26 @@ func statusError(code, cuErr int) error {
 }
 
 // ioError converts a negative return of cuFileRead or cuFileWrite: -1 means
-// errno (given) says what failed; other negative values are -Status.
+// errno (given) says what failed. cuFile's codes start at 5000; between
+// them and -1 the return is a negated errno (compat mode returns what its
+// POSIX call failed with, -5 for EIO, as asynchronous I/O does); from
+// -5000 down it is -Status.
 func ioError(ret int64, errno error) error {
-	if ret == -1 {
+	switch {
+	case ret == -1:
 		if errno == nil {
 			return errors.New("cufile: I/O failed with -1 and no errno")
 		}
 		return fmt.Errorf("cufile: %w", errno)
+	case -ret < 5000:
+		return fmt.Errorf("cufile: %w", syscall.Errno(-ret))
 	}
 	return Status(-ret)
 }
 
-// asyncError is the error of an asynchronous I/O's byte count ret < 0.
-// cuFile's codes start at 5000; between them and -1 (an error whose errno
-// an asynchronous I/O cannot leave behind) the count is a negated errno
-// (compat mode reported -5, EIO).
+// asyncError is the error of an asynchronous I/O's byte count ret < 0,
+// read as ioError reads a synchronous one's, but for -1: an asynchronous
+// I/O leaves no errno behind.
 func asyncError(ret int64) error {
 	if ret < -1 && -ret < 5000 {
 		return fmt.Errorf("cufile: asynchronous I/O: %w", syscall.Errno(-ret))

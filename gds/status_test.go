@@ -6,6 +6,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 
 	"github.com/kvhost/kvhost/internal/cuda"
@@ -45,6 +46,25 @@ func TestStatusErrorIsMatchableThroughWrapping(t *testing.T) {
 	}
 	if io := ioError(-5030, nil); !errors.Is(io, statusInternalError) {
 		t.Fatalf("ioError(-5030) = %v", io)
+	}
+}
+
+func TestIOErrorTellsErrnosFromStatuses(t *testing.T) {
+	tests := []struct {
+		ret   int64
+		errno error
+		want  error
+	}{
+		{-1, syscall.EBADF, syscall.EBADF},
+		{-int64(syscall.EIO), nil, syscall.EIO},
+		{-int64(syscall.ENOSPC), nil, syscall.ENOSPC},
+		{-int64(statusIOError), nil, statusIOError},
+		{-int64(statusInternalError), nil, statusInternalError},
+	}
+	for _, tt := range tests {
+		if err := ioError(tt.ret, tt.errno); !errors.Is(err, tt.want) {
+			t.Errorf("ioError(%d, %v) = %v, want it to match %v", tt.ret, tt.errno, err, tt.want)
+		}
 	}
 }
 
