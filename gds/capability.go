@@ -199,7 +199,10 @@ func (d *Driver) capability(dir string) (Capability, error) {
 // ProbeDir finds what cuFile can do on the mount holding directory dir, if
 // not known yet: it creates a small file there (O_DIRECT where the file
 // system allows it), registers it with cuFile, deregisters and removes it.
-// The result is cached per mount and logged once.
+// The result is cached per mount and logged once. A registration failure
+// that says nothing of the mount (see settles: out of memory or
+// descriptors, an internal error) is returned as the error, and nothing
+// is cached.
 func (d *Driver) ProbeDir(dir string) (Capability, error) {
 	f, err := os.CreateTemp(dir, ".kvhost-cufile-probe-*")
 	if err != nil {
@@ -242,6 +245,11 @@ func (d *Driver) ProbeDir(dir string) (Capability, error) {
 	})
 	if err != nil {
 		return Capability{}, err
+	}
+	if !settles(regErr) {
+		// A passing failure says nothing of the mount: the next probe
+		// or registration settles it.
+		return Capability{}, fmt.Errorf("gds: probe %s: %w", dir, regErr)
 	}
 	return d.caps.settle(dev, fd, regErr), nil
 }

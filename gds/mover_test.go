@@ -185,6 +185,20 @@ func TestProbeDirFindsCompatModeAndCachesIt(t *testing.T) {
 	}
 }
 
+// A registration failure that says nothing of the mount (settles) is the
+// probe's error, not the mount's capability: the next probe settles it.
+func TestProbeDirDoesNotSettleOnATransientFailure(t *testing.T) {
+	e := openFake(t, Config{}, func(c *fakeCtl) { c.set(&c.RegisterError, int64(statusNoMemory)) })
+	dir := t.TempDir()
+	if c, err := e.d.ProbeDir(dir); !errors.Is(err, statusNoMemory) {
+		t.Errorf("ProbeDir with cuFile out of memory = %v, %v; want the CU_FILE_NOMEM_ERROR as its error", c, err)
+	}
+	e.ctl.set(&e.ctl.RegisterError, 0)
+	if c, err := e.d.ProbeDir(dir); err != nil || c.Mode != ModeCompat {
+		t.Errorf("ProbeDir once registration works = %v, %v; want compat", c, err)
+	}
+}
+
 func TestProbeDirReportsDirectWithNVFSAndUnusableWithoutCompat(t *testing.T) {
 	nvfs := filepath.Join(t.TempDir(), "version")
 	if err := os.WriteFile(nvfs, []byte("2.17\n"), 0o600); err != nil {
