@@ -3,10 +3,12 @@
 package gds
 
 import (
+	"context"
 	"errors"
 	"os"
 	"path/filepath"
 	"testing"
+	"time"
 )
 
 // TestDriverCloseLeavesNoCallForAfterTheLibraryIsGone: Close releases
@@ -54,5 +56,44 @@ func TestDriverCloseLeavesNoCallForAfterTheLibraryIsGone(t *testing.T) {
 				t.Errorf("%d cuFile calls after the driver was closed", n)
 			}
 		})
+	}
+}
+
+// TestDriverCloseWaitsForAMoverClosingMeanwhile: Driver.Close closes every
+// mover and relies on that having waited for its workers. A mover whose
+// Close is already under way (waiting for a job held by a batch) answers
+// the driver's second Close; that one must wait too, or the driver closes
+// and the library is unloaded under the running job.
+func TestDriverCloseWaitsForAMoverClosingMeanwhile(t *testing.T) {
+	e := openFake(t, Config{}, nil)
+	m, err := e.d.NewMover(MoverConfig{Workers: 1, AllowCompat: true, IO: IOBatch, BatchTimeout: 300 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	src := newHostDevice(t, 1, 1<<20, 0)
+	p := sparsePlan(src, 8, 4096, 1)
+	f := openFile(t, filepath.Join(t.TempDir(), "key"), os.O_RDWR)
+	c := e.ctl
+	c.set(&c.BatchHold, 1) // the batch stays in flight until its timeout
+	res := make(chan error, 1)
+	go func() {
+		_, err := m.WriteFile(context.Background(), f, p, nil)
+		res <- err
+	}()
+	waitFor(t, "the batch's entries pending", func() bool { return c.get(&c.BatchPending) == 8 })
+	mclosed := make(chan error, 1)
+	go func() { mclosed <- m.Close() }()
+	waitFor(t, "Mover.Close under way", func() bool { m.mu.RLock(); defer m.mu.RUnlock(); return m.closed })
+	if err := e.d.Close(); err != nil {
+		t.Errorf("Driver.Close: %v", err)
+	}
+	if err := <-res; !errors.Is(err, errBatchTimeout) {
+		t.Errorf("the held job's WriteFile = %v, want a batch timeout", err)
+	}
+	if err := <-mclosed; err != nil {
+		t.Errorf("the first Mover.Close = %v", err)
+	}
+	if n := c.get(&c.CallsAfterClose); n != 0 {
+		t.Errorf("%d cuFile calls after cuFileDriverClose: Driver.Close did not wait for the mover's job", n)
 	}
 }

@@ -103,6 +103,9 @@ type Mover struct {
 	batchSize int
 	tasks     chan *task
 	wg        sync.WaitGroup
+	// stopped is closed once the workers have ended, after the first
+	// Close: every Close waits for it.
+	stopped chan struct{}
 
 	mu     sync.RWMutex // held for reading while a job queues tasks
 	closed bool
@@ -161,7 +164,7 @@ func (d *Driver) NewMover(cfg MoverConfig) (*Mover, error) {
 		bs = 128
 	}
 	bs = min(bs, d.inflight.size)
-	m := &Mover{d: d, cfg: cfg, batchSize: bs, tasks: make(chan *task, 4*cfg.Workers), faults: map[int]uint64{}}
+	m := &Mover{d: d, cfg: cfg, batchSize: bs, tasks: make(chan *task, 4*cfg.Workers), stopped: make(chan struct{}), faults: map[int]uint64{}}
 	d.mu.Lock()
 	if d.closed {
 		d.mu.Unlock()
@@ -209,11 +212,13 @@ func (m *Mover) Checksums() bool { return false }
 func (m *Mover) Forget(id fsys.FileID) { m.d.forget(id) }
 
 // Close stops the workers after the jobs in flight; a job held by a stuck
-// batch holds Close too.
+// batch holds Close too. A later Close waits for the workers as the first
+// does (Driver.Close relies on it), and returns errClosed.
 func (m *Mover) Close() error {
 	m.mu.Lock()
 	if m.closed {
 		m.mu.Unlock()
+		<-m.stopped
 		return errClosed
 	}
 	m.closed = true
@@ -223,6 +228,7 @@ func (m *Mover) Close() error {
 	m.d.mu.Lock()
 	delete(m.d.movers, m)
 	m.d.mu.Unlock()
+	close(m.stopped)
 	return nil
 }
 
