@@ -295,10 +295,17 @@ func (w *worker) runBatch(ctx context.Context, h *handle, dev uint64, pcs []piec
 		if err != nil {
 			return moved, w.abandon(b, remaining, fmt.Errorf("gds: cuFileBatchIOGetStatus: %w", err))
 		}
+		// An event for an entry the batch does not have (or has back)
+		// abandons the batch, but only once the call's other events
+		// are counted: abandon waits for the entries still out.
+		var odd error
 		for _, e := range ev[:n] {
 			i := int(e.cookie)
 			if e.cookie >= uintptr(len(pcs)) || done[i] {
-				return moved, w.abandon(b, remaining, fmt.Errorf("gds: cuFileBatchIOGetStatus: event for unknown entry %d", e.cookie))
+				if odd == nil {
+					odd = fmt.Errorf("gds: cuFileBatchIOGetStatus: event for unknown entry %d", e.cookie)
+				}
+				continue
 			}
 			done[i] = true
 			remaining--
@@ -323,6 +330,9 @@ func (w *worker) runBatch(ctx context.Context, h *handle, dev uint64, pcs []piec
 					first = fmt.Errorf("gds: %s: %w", pieceName(pc, write), eerr)
 				}
 			}
+		}
+		if odd != nil {
+			return moved, w.abandon(b, remaining, odd)
 		}
 	}
 	if first != nil {

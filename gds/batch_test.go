@@ -7,6 +7,7 @@ import (
 	"context"
 	"errors"
 	"io"
+	"log/slog"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
@@ -429,6 +430,94 @@ func TestMoverHoldsAJobWhoseCanceledBatchNeverComesBack(t *testing.T) {
 	}
 	if su := c.get(&c.BatchSetups); su != 2 {
 		t.Fatalf("%d contexts set up; want 2 (the abandoned one is not reused)", su)
+	}
+}
+
+// oddEventFake's batches report, in their first status call, the first
+// two entries' completions, an event for a cookie the batch never had and
+// the third entry's completion; the second call reports the fourth entry.
+// Later calls report nothing (after waiting their timeout) until release
+// is closed, then one completion each.
+type oddEventFake struct {
+	*goFake
+	release chan struct{}
+}
+
+func (g *oddEventFake) hasBatch() bool                   { return true }
+func (g *oddEventFake) batchSetUp(int) (batchCtx, error) { return &oddEventBatch{g: g}, nil }
+
+type oddEventBatch struct {
+	g     *oddEventFake
+	ios   []batchIO
+	calls int
+}
+
+func (b *oddEventBatch) submit(ios []batchIO) error {
+	b.ios, b.calls = slices.Clone(ios), 0
+	return nil
+}
+func (b *oddEventBatch) cancel() error { return nil }
+func (b *oddEventBatch) destroy()      {}
+
+func (b *oddEventBatch) status(_ int, ev []batchEvent, timeout time.Duration) (int, error) {
+	done := func(io batchIO) batchEvent { return batchEvent{cookie: io.cookie, status: batchComplete, ret: io.n} }
+	b.calls++
+	switch b.calls {
+	case 1:
+		return copy(ev, []batchEvent{done(b.ios[0]), done(b.ios[1]), {cookie: 999, status: batchComplete}, done(b.ios[2])}), nil
+	case 2:
+		return copy(ev, []batchEvent{done(b.ios[3])}), nil
+	}
+	select {
+	case <-b.g.release:
+		return copy(ev, []batchEvent{done(b.ios[0])}), nil
+	case <-time.After(timeout):
+		return 0, nil
+	}
+}
+
+// An event for an entry the batch does not have fails the job, and the
+// batch is abandoned with the entries still out: the real completions
+// that came in the same status call are counted first, or the job would
+// wait for entries the library already gave back, held for good with its
+// device counted as faulted.
+func TestMoverCountsABatchsCompletionsAfterAnUnknownEvent(t *testing.T) {
+	g := &oddEventFake{goFake: newGoFake(), release: make(chan struct{})}
+	d, err := openAPI(g, Config{Logger: slog.New(slog.DiscardHandler), NVFSPath: filepath.Join(t.TempDir(), "none"), ConfigJSON: filepath.Join(t.TempDir(), "none.json")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { d.Close() })
+	m := newMover(t, d, MoverConfig{Workers: 1, AllowCompat: true, IO: IOBatch})
+	src := newHostDevice(t, 1, 1<<20, 0)
+	p := sparsePlan(src, 4, 4096, 1)
+	f := openFile(t, filepath.Join(t.TempDir(), "key"), os.O_RDWR)
+	res := make(chan error, 1)
+	go func() { _, err := m.WriteFile(context.Background(), f, p, nil); res <- err }()
+	var jobErr error
+	returned := false
+	waitFor(t, "WriteFile returning, or its batch stuck", func() bool {
+		select {
+		case jobErr = <-res:
+			returned = true
+			return true
+		default:
+			return d.batchStats().Stuck > 0
+		}
+	})
+	if !returned {
+		t.Errorf("WriteFile held after every entry came back: batch stuck (device faults %v)", m.DeviceFaults())
+		close(g.release)
+		jobErr = <-res
+	}
+	if jobErr == nil || !strings.Contains(jobErr.Error(), "unknown entry 999") {
+		t.Errorf("WriteFile = %v, want the unknown entry's error", jobErr)
+	}
+	if st := d.batchStats(); st.Abandoned != 1 || st.Stuck != 0 {
+		t.Errorf("batchStats = %+v, want 1 abandoned, none stuck", st)
+	}
+	if faults := m.DeviceFaults(); len(faults) != 0 {
+		t.Errorf("DeviceFaults = %v, want none", faults)
 	}
 }
 
