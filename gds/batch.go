@@ -78,7 +78,8 @@ func (m *Mover) useBatch(c Capability) bool {
 }
 
 // wantBatch says whether the mover's IO mode batches on a mount of
-// capability c, refusals aside.
+// capability c, as the job's file meets it (Capability.forFile), refusals
+// aside.
 func (m *Mover) wantBatch(c Capability) bool {
 	if !m.d.props.BatchAPI {
 		return false

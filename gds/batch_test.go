@@ -18,6 +18,8 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/kvhost/kvhost/internal/fsys"
 	"github.com/kvhost/kvhost/internal/region"
 	"github.com/kvhost/kvhost/internal/testwait"
@@ -557,10 +559,15 @@ func TestMoverAutoBatchesOnlyWhereItPays(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			d := &Driver{props: Properties{BatchAPI: tt.api, FeatureFlags: tt.features}}
 			m := &Mover{d: d, cfg: MoverConfig{IO: tt.io}}
-			if got := m.useBatch(Capability{Mode: tt.mode, batch: tt.batch}); got != tt.want {
+			if got := m.useBatch(Capability{Mode: tt.mode, batch: tt.batch}.forFile(unix.O_RDWR | unix.O_DIRECT)); got != tt.want {
 				t.Fatalf("useBatch = %v, want %v", got, tt.want)
 			}
 		})
+	}
+	// A file open without O_DIRECT meets a direct mount as compat.
+	m := &Mover{d: &Driver{props: Properties{BatchAPI: true, FeatureFlags: featureBatchIO}}, cfg: MoverConfig{IO: IOAuto}}
+	if got := m.useBatch(Capability{Mode: ModeDirect}.forFile(unix.O_RDWR)); got != autoBatchCompat {
+		t.Errorf("useBatch for a buffered file on a direct mount = %v, want %v (compat's)", got, autoBatchCompat)
 	}
 }
 

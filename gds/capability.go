@@ -30,6 +30,21 @@ type Capability struct {
 	// library's refusal when batch is batchStateRefused.
 	batch    batchState
 	batchErr error
+	// buffered says the capability is a file's, open without O_DIRECT,
+	// on a direct mount: compat for that file (forFile).
+	buffered bool
+}
+
+// forFile is the capability as a file open with flags mode (a
+// handleKey's: O_ACCMODE and O_DIRECT) meets it. nvidia-fs moves only
+// O_DIRECT I/O: on a direct mount, a file open without O_DIRECT can only
+// take cuFile's POSIX path, compat mode, and is treated as compat
+// (AllowCompat, and no batches where compat has none).
+func (c Capability) forFile(mode int) Capability {
+	if c.Mode == ModeDirect && mode&unix.O_DIRECT == 0 {
+		c.Mode, c.buffered = ModeCompat, true
+	}
+	return c
 }
 
 // batchState is what a mount is known to do with cuFile's batch API.
@@ -52,6 +67,9 @@ func (b batchState) String() string {
 // String is the capability as logged: "mount /x (ext4): compat".
 func (c Capability) String() string {
 	s := fmt.Sprintf("mount %s (%s): %s", c.mountName(), c.FSType, c.Mode)
+	if c.buffered {
+		s += " (direct mount, file not open with O_DIRECT)"
+	}
 	if c.Err != nil {
 		s += ": " + c.Err.Error()
 	}

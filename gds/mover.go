@@ -343,7 +343,7 @@ func (m *Mover) move(ctx context.Context, f fsys.File, p *transfer.Plan, write b
 		return 0, err
 	}
 	capab := m.d.caps.get(key.Dev)
-	if err := m.usable(capab); err != nil {
+	if err := m.usable(capab.forFile(key.mode)); err != nil {
 		return 0, err
 	}
 	var h *handle
@@ -361,7 +361,7 @@ func (m *Mover) move(ctx context.Context, f fsys.File, p *transfer.Plan, write b
 		return 0, fmt.Errorf("%w: %w", transfer.ErrUnsupported, err)
 	}
 	defer m.d.cache.release(h)
-	if err := m.usable(capab); err != nil {
+	if err := m.usable(capab.forFile(key.mode)); err != nil {
 		return 0, err
 	}
 
@@ -371,7 +371,7 @@ func (m *Mover) move(ctx context.Context, f fsys.File, p *transfer.Plan, write b
 		run     func(w *worker) (int64, error)
 	}
 	var units []unit
-	if m.useBatch(m.d.caps.get(key.Dev)) {
+	if m.useBatch(m.d.caps.get(key.Dev).forFile(key.mode)) {
 		for _, chunk := range chunks(pcs, m.batchSize) {
 			units = append(units, unit{chunk[0].ordinal, func(w *worker) (int64, error) {
 				return w.runBatch(ctx, h, key.Dev, chunk, write)
@@ -502,7 +502,8 @@ func (m *Mover) DeviceFaults() map[int]uint64 {
 	return maps.Clone(m.faults)
 }
 
-// usable says whether the mover may use a mount.
+// usable says whether the mover may use a mount, as a file meets it
+// (Capability.forFile).
 func (m *Mover) usable(c Capability) error {
 	switch c.Mode {
 	case ModeUnusable:

@@ -135,6 +135,35 @@ func TestMoverRefusesCompatMountUnlessAllowed(t *testing.T) {
 	}
 }
 
+// A file open without O_DIRECT on a direct mount can only go through
+// cuFile's POSIX (compat) path: the mover treats it as compat, and so
+// answers ErrUnsupported unless AllowCompat, before anything moves.
+func TestMoverTreatsABufferedFileOnADirectMountAsCompat(t *testing.T) {
+	nvfs := filepath.Join(t.TempDir(), "nvidia-fs-version")
+	if err := os.WriteFile(nvfs, []byte("2.17\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	e := openFake(t, Config{NVFSPath: nvfs}, nil)
+	dir := t.TempDir()
+	if c, err := e.d.ProbeDir(dir); err != nil || c.Mode != ModeDirect {
+		t.Skipf("the test directory's mount is not direct for cuFile: %v, %v", c, err)
+	}
+	m := newMover(t, e.d, MoverConfig{Workers: 1}) // the daemon's gpu.cufile = "auto"
+	src := newHostDevice(t, 1, 1<<20, 0)
+	p := sparsePlan(src, 4, 4096, 1)
+	f := openFile(t, filepath.Join(dir, "key"), os.O_RDWR) // no O_DIRECT
+	if n, err := m.WriteFile(context.Background(), f, p, nil); !errors.Is(err, transfer.ErrUnsupported) || n != 0 {
+		t.Errorf("WriteFile through a buffered descriptor on a direct mount = %d, %v; want 0, ErrUnsupported", n, err)
+	}
+	if w := e.ctl.get(&e.ctl.Writes); w != 0 {
+		t.Errorf("%d writes issued", w)
+	}
+	mc := newMover(t, e.d, MoverConfig{Workers: 1, AllowCompat: true})
+	if n, err := mc.WriteFile(context.Background(), f, p, nil); err != nil || n != p.Bytes() {
+		t.Errorf("WriteFile with AllowCompat = %d, %v; want %d", n, err, p.Bytes())
+	}
+}
+
 func TestMoverFallsBackOnUnusableMountAndLogsOnce(t *testing.T) {
 	e := openFake(t, Config{}, func(c *fakeCtl) { c.set(&c.RegisterError, int64(StatusHandleNotRegistered)) })
 	m := newMover(t, e.d, MoverConfig{Workers: 2, AllowCompat: true})
