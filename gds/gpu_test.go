@@ -313,3 +313,136 @@ func randomBytes(b []byte, seed1, seed2 uint64) {
 		}
 	}
 }
+
+// TestGPUCuFileMovesOrPassesOnPlansOfAnyBlockSize (KVHOST_GPU=1): plans of
+// block sizes the engine accepts (down to 512 bytes; MLA's 16 × 576 × 2 =
+// 18432), on files open with O_DIRECT and without, either move byte for
+// byte or, on an O_DIRECT file whose pieces are not 4 KiB aligned, are
+// passed on (ErrUnsupported, nothing moved) to the staging pipeline,
+// which bounces them. Then cuFileRead and cuFileWrite are made to fail,
+// and each error must read as an errno or a cuFile status this package
+// knows, not as an unknown status (a negated errno taken for one).
+func TestGPUCuFileMovesOrPassesOnPlansOfAnyBlockSize(t *testing.T) {
+	if os.Getenv("KVHOST_GPU") != "1" {
+		t.Skip("block-size check skipped: set KVHOST_GPU=1 to run it on a GPU machine")
+	}
+	cu, d, dir, _ := openDiskDriver(t, "BLOCKS", "kvhost-gds-blocks-")
+	m := newMover(t, d, MoverConfig{Workers: 16, AllowCompat: true, IO: IOPerCall})
+	const regionSize, hl = 64 << 20, 4096
+	src, dst, host := deviceSrcDst(t, cu, regionSize, regionSize, 7)
+	back := make([]byte, regionSize)
+	ctx := context.Background()
+	for _, bb := range []int64{4096, 18432, 1536, 512, 6144} {
+		for _, direct := range []bool{true, false} {
+			t.Run(fmt.Sprintf("%d-byte blocks, O_DIRECT %v", bb, direct), func(t *testing.T) {
+				n := min(512, (8<<20)/bb)
+				pw := rand.New(rand.NewPCG(uint64(bb), 1)).Perm(int(regionSize / bb))
+				pr := rand.New(rand.NewPCG(uint64(bb), 2)).Perm(int(regionSize / bb))
+				wp, rp := &transfer.Plan{Direct: direct}, &transfer.Plan{Direct: direct}
+				for i := range n {
+					wp.Extents = append(wp.Extents, transfer.Extent{FileOff: hl + i*bb, Region: src, RegionOff: int64(pw[i]) * bb, Len: bb, Sum: -1})
+					rp.Extents = append(rp.Extents, transfer.Extent{FileOff: hl + i*bb, Region: dst, RegionOff: int64(pr[i]) * bb, Len: bb, Sum: -1})
+				}
+				path := filepath.Join(dir, fmt.Sprintf("blocks-%d-%v", bb, direct))
+				fl := os.O_RDWR | os.O_CREATE
+				if direct {
+					fl |= unix.O_DIRECT
+				}
+				f, err := fsys.OS{}.OpenFile(path, fl, 0o600)
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer f.Close()
+				if err := unix.Fallocate(int(f.Fd()), 0, 0, hl+(n*bb+4095)/4096*4096); err != nil {
+					t.Fatal(err)
+				}
+				nw, werr := m.WriteFile(ctx, f, wp, nil)
+				t.Logf("WriteFile of %d blocks: %d, %v", n, nw, werr)
+				if direct && bb%directAlign != 0 {
+					if !errors.Is(werr, transfer.ErrUnsupported) || nw != 0 {
+						t.Errorf("WriteFile = %d, %v; want 0, ErrUnsupported", nw, werr)
+					}
+					if nr, rerr := m.ReadFile(ctx, f, rp, nil); !errors.Is(rerr, transfer.ErrUnsupported) || nr != 0 {
+						t.Errorf("ReadFile = %d, %v; want 0, ErrUnsupported", nr, rerr)
+					}
+					return
+				}
+				if werr != nil || nw != wp.Bytes() {
+					t.Fatalf("WriteFile = %d, %v; want %d", nw, werr, wp.Bytes())
+				}
+				file, err := os.ReadFile(path)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if err := cu.memsetDev(dst.ptr, 0xA5, regionSize); err != nil {
+					t.Fatal(err)
+				}
+				if nr, rerr := m.ReadFile(ctx, f, rp, nil); rerr != nil || nr != rp.Bytes() {
+					t.Fatalf("ReadFile = %d, %v; want %d", nr, rerr, rp.Bytes())
+				}
+				if err := cu.toHost(back, dst.ptr); err != nil {
+					t.Fatal(err)
+				}
+				for i := range wp.Extents {
+					w, r := wp.Extents[i], rp.Extents[i]
+					want := host[w.RegionOff : w.RegionOff+w.Len]
+					if !bytes.Equal(file[w.FileOff:w.FileOff+w.Len], want) {
+						t.Fatalf("block %d: file bytes differ from the GPU source", i)
+					}
+					if !bytes.Equal(back[r.RegionOff:r.RegionOff+r.Len], want) {
+						t.Fatalf("block %d: bytes read back into the GPU differ", i)
+					}
+				}
+			})
+		}
+	}
+
+	// Failing calls: a write-only descriptor read, a read-only one
+	// written, unaligned O_DIRECT I/O, a read past the end of the file.
+	path := filepath.Join(dir, "raw")
+	if err := os.WriteFile(path, make([]byte, 1<<20), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name   string
+		flags  int
+		write  bool
+		off, n int64
+	}{
+		{"read of a write-only descriptor", unix.O_WRONLY, false, 0, 4096},
+		{"write of a read-only descriptor", unix.O_RDONLY, true, 0, 4096},
+		{"unaligned O_DIRECT read", unix.O_RDONLY | unix.O_DIRECT, false, 4096 + 512, 18432},
+		{"unaligned O_DIRECT write", unix.O_WRONLY | unix.O_DIRECT, true, 4096 + 512, 18432},
+		{"O_DIRECT read past the end", unix.O_RDONLY | unix.O_DIRECT, false, 2 << 20, 4096},
+	} {
+		fd, err := unix.Open(path, tc.flags|unix.O_CLOEXEC, 0)
+		if err != nil {
+			t.Errorf("%s: open: %v", tc.name, err)
+			continue
+		}
+		err = d.onDevice(0, func() error {
+			h, err := d.api.handleRegister(fd)
+			if err != nil {
+				t.Logf("%s: cuFileHandleRegister: %v", tc.name, err)
+				return nil
+			}
+			defer d.api.handleDeregister(h)
+			var n int64
+			if tc.write {
+				n, err = d.api.write(h, src.ptr, tc.n, tc.off, 0)
+			} else {
+				n, err = d.api.read(h, src.ptr, tc.n, tc.off, 0)
+			}
+			t.Logf("%s: %d, %v", tc.name, n, err)
+			var st Status
+			if errors.As(err, &st) && st.Name() == "CU_FILE_UNKNOWN" {
+				t.Errorf("%s: %v reads as an unknown cuFile status", tc.name, err)
+			}
+			return nil
+		})
+		unix.Close(fd)
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+}

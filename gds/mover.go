@@ -301,6 +301,29 @@ func (m *Mover) pieces(p *transfer.Plan) ([]piece, int, error) {
 	return split, ordinal, nil
 }
 
+// directAlign is the alignment of O_DIRECT I/O that transfer.Plan.Direct
+// promises movers handle.
+const directAlign = 4096
+
+// directAligned answers transfer.ErrUnsupported if a piece of a Direct
+// plan has a file offset or length that is not a multiple of
+// directAlign, before anything is registered or moved. cuFile would pass
+// such I/O to the O_DIRECT descriptor unchanged (a POSIX path fails with
+// EINVAL where the device's block is 4 KiB, and two workers' pieces
+// would share a block), and nothing would write the plan's zero tail:
+// the staging pipeline, next in the chain, bounces them. The plan's
+// contract is on file offsets and lengths; device addresses are not
+// checked.
+func directAligned(pcs []piece) error {
+	for _, pc := range pcs {
+		if pc.fileOff%directAlign != 0 || pc.n%directAlign != 0 {
+			return fmt.Errorf("%w: cufile: O_DIRECT piece of %d bytes at file offset %d is not %d-byte aligned",
+				transfer.ErrUnsupported, pc.n, pc.fileOff, directAlign)
+		}
+	}
+	return nil
+}
+
 // submit queues t on the workers, unless the mover is closed.
 func (m *Mover) submit(t *task) error {
 	m.mu.RLock()
@@ -333,6 +356,11 @@ func (m *Mover) move(ctx context.Context, f fsys.File, p *transfer.Plan, write b
 	pcs, ordinal, err := m.pieces(p)
 	if err != nil || len(pcs) == 0 {
 		return 0, err
+	}
+	if p.Direct {
+		if err := directAligned(pcs); err != nil {
+			return 0, err
+		}
 	}
 	if err := ctx.Err(); err != nil {
 		return 0, err

@@ -164,6 +164,60 @@ func TestMoverTreatsABufferedFileOnADirectMountAsCompat(t *testing.T) {
 	}
 }
 
+// A plan on an O_DIRECT file (Plan.Direct) whose pieces are not 4 KiB
+// multiples in file offset or length, as the engine makes for a
+// BlockBytes that is not one (MLA's 16 × 576 × 2 = 18432), is passed on
+// (ErrUnsupported) before anything is registered or moved: cuFile would
+// hand it to O_DIRECT unchanged (EINVAL) and never write the plan's zero
+// tail, which the staging pipeline does. Aligned plans are moved.
+func TestMoverPassesOnADirectPlanWithUnalignedPieces(t *testing.T) {
+	const hl = 4096
+	for _, tc := range []struct {
+		name    string
+		block   int64
+		aligned bool
+	}{
+		{"2500-byte blocks", 2500, false},
+		{"MLA 18432-byte blocks", 18432, false},
+		{"4 KiB blocks", 4096, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			e := openFake(t, Config{}, nil)
+			m := newMover(t, e.d, MoverConfig{Workers: 2, AllowCompat: true, IO: IOPerCall})
+			src := newHostDevice(t, 1, 4<<20, 0)
+			fill(src.mem, 9)
+			p := &transfer.Plan{Direct: true}
+			for i := range int64(8) {
+				// Memory 4 KiB aligned and never adjacent: one piece per block.
+				p.Extents = append(p.Extents, transfer.Extent{FileOff: hl + i*tc.block, Region: src, RegionOff: i * 64 << 10, Len: tc.block, Sum: -1})
+			}
+			f, err := fsys.OS{}.OpenFile(filepath.Join(t.TempDir(), "key"), os.O_RDWR|os.O_CREATE|unix.O_DIRECT, 0o600)
+			if err != nil {
+				t.Skipf("no O_DIRECT here: %v", err)
+			}
+			t.Cleanup(func() { f.Close() })
+			ctx := context.Background()
+			n, err := m.WriteFile(ctx, f, p, nil)
+			if tc.aligned {
+				if err != nil || n != p.Bytes() {
+					t.Fatalf("WriteFile of an aligned Direct plan = %d, %v; want %d", n, err, p.Bytes())
+				}
+				return
+			}
+			if !errors.Is(err, transfer.ErrUnsupported) || n != 0 {
+				t.Errorf("WriteFile of a Direct plan of %d-byte blocks = %d, %v; want 0, ErrUnsupported", tc.block, n, err)
+			}
+			if n, err := m.ReadFile(ctx, f, p, nil); !errors.Is(err, transfer.ErrUnsupported) || n != 0 {
+				t.Errorf("ReadFile of a Direct plan of %d-byte blocks = %d, %v; want 0, ErrUnsupported", tc.block, n, err)
+			}
+			c := e.ctl
+			if r, w, reg := c.get(&c.Reads), c.get(&c.Writes), c.get(&c.RegisterCalls); r != 0 || w != 0 || reg != 0 {
+				t.Errorf("%d reads, %d writes, %d registrations for plans passed on; want none", r, w, reg)
+			}
+		})
+	}
+}
+
 func TestMoverFallsBackOnUnusableMountAndLogsOnce(t *testing.T) {
 	e := openFake(t, Config{}, func(c *fakeCtl) { c.set(&c.RegisterError, int64(StatusHandleNotRegistered)) })
 	m := newMover(t, e.d, MoverConfig{Workers: 2, AllowCompat: true})
