@@ -268,6 +268,9 @@ func (w *worker) runBatch(ctx context.Context, h *handle, dev uint64, pcs []piec
 			m.d.caps.refuseBatch(dev, fmt.Errorf("cuFileBatchIOSubmit: %w", err))
 			return w.perCall(h, pcs, write)
 		}
+		// The context's state is unknown: the next batch sets up a
+		// fresh one.
+		w.dropBatch()
 		return 0, fmt.Errorf("gds: cuFileBatchIOSubmit of %d entries: %w", len(ios), err)
 	}
 	m.d.batch.batches.Add(1)

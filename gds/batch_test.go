@@ -233,6 +233,32 @@ func TestMoverBatchFailuresFailTheJob(t *testing.T) {
 	}
 }
 
+// A batch context whose submission failed (not a refusal) is in a state
+// no one knows: it is destroyed, and the next batch sets up a fresh one.
+func TestMoverDropsABatchContextWhoseSubmitFailed(t *testing.T) {
+	e := openFake(t, Config{}, nil)
+	m := newMover(t, e.d, MoverConfig{Workers: 1, AllowCompat: true, IO: IOBatch, BatchSize: 16})
+	src := newHostDevice(t, 1, 1<<20, 0)
+	p := sparsePlan(src, 16, 4096, 1)
+	f := openFile(t, filepath.Join(t.TempDir(), "key"), os.O_RDWR)
+	ctx := context.Background()
+	c := e.ctl
+	if _, err := m.WriteFile(ctx, f, p, nil); err != nil {
+		t.Fatal(err)
+	}
+	c.set(&c.BatchSubmitError, int64(statusInternalError))
+	if _, err := m.WriteFile(ctx, f, p, nil); !errors.Is(err, statusInternalError) {
+		t.Fatalf("WriteFile with the submission failing = %v", err)
+	}
+	c.set(&c.BatchSubmitError, 0)
+	if _, err := m.WriteFile(ctx, f, p, nil); err != nil {
+		t.Fatal(err)
+	}
+	if su, d := c.get(&c.BatchSetups), c.get(&c.BatchDestroys); su != 2 || d != 1 {
+		t.Errorf("%d contexts set up, %d destroyed; want 2, 1 (the failed one not reused)", su, d)
+	}
+}
+
 func TestMoverBatchShortEntryIsFinishedPerCall(t *testing.T) {
 	for _, write := range []bool{false, true} {
 		name := "read"
