@@ -390,7 +390,9 @@ func (d *Driver) registerBuffer(ordinal int, ptr uintptr, size int64) error {
 	return nil
 }
 
-// deregisterBuffer deregisters a buffer registered at ptr.
+// deregisterBuffer deregisters a buffer registered at ptr. If cuFile
+// fails to, the buffer stays recorded, as cuFile still holds it: a later
+// call, or Close, tries again.
 func (d *Driver) deregisterBuffer(ptr uintptr) error {
 	d.mu.Lock()
 	defer d.mu.Unlock()
@@ -399,10 +401,10 @@ func (d *Driver) deregisterBuffer(ptr uintptr) error {
 		return fmt.Errorf("%w: %#x is not registered", errBuffer, ptr)
 	}
 	b := d.bufs[i]
-	d.bufs = append(d.bufs[:i], d.bufs[i+1:]...)
 	if err := d.onDevice(b.ordinal, func() error { return d.api.bufDeregister(b.ptr) }); err != nil {
 		return fmt.Errorf("gds: cuFileBufDeregister %#x: %w", b.ptr, err)
 	}
+	d.bufs = append(d.bufs[:i], d.bufs[i+1:]...)
 	return nil
 }
 

@@ -7,6 +7,7 @@ import (
 	"context"
 	"errors"
 	"io"
+	"log/slog"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
@@ -394,6 +395,49 @@ func TestRegisterBufferOnceAndUseItsBaseAndOffset(t *testing.T) {
 	}
 	if err := e.d.deregisterBuffer(buf.Ptr()); !errors.Is(err, errBuffer) {
 		t.Fatalf("second DeregisterBuffer = %v, want errBuffer", err)
+	}
+}
+
+// derefusingFake's cuFileBufDeregister fails while fail is set.
+type derefusingFake struct {
+	*goFake
+	fail atomic.Bool
+}
+
+func (g *derefusingFake) bufDeregister(uintptr) error {
+	if g.fail.Load() {
+		return statusInternalError
+	}
+	return nil
+}
+
+// A buffer whose deregistration failed is still registered with cuFile:
+// the driver keeps its record (pieces inside it still go as base and
+// offset), and a later deregistration, or Close, tries again.
+func TestDeregisterBufferKeepsTheRecordWhenCuFileFails(t *testing.T) {
+	g := &derefusingFake{goFake: newGoFake()}
+	d, err := openAPI(g, Config{Logger: slog.New(slog.DiscardHandler), NVFSPath: filepath.Join(t.TempDir(), "none"), ConfigJSON: filepath.Join(t.TempDir(), "none.json")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { d.Close() })
+	const ptr, size = 1 << 20, 1 << 16
+	if err := d.registerBuffer(0, ptr, size); err != nil {
+		t.Fatal(err)
+	}
+	g.fail.Store(true)
+	if err := d.deregisterBuffer(ptr); !errors.Is(err, statusInternalError) {
+		t.Fatalf("deregisterBuffer with cuFile failing = %v", err)
+	}
+	if _, ok := d.registered(ptr+4096, 4096); !ok {
+		t.Errorf("the buffer's record is gone though cuFile did not deregister it")
+	}
+	g.fail.Store(false)
+	if err := d.deregisterBuffer(ptr); err != nil {
+		t.Fatalf("deregisterBuffer once cuFile works = %v", err)
+	}
+	if _, ok := d.registered(ptr+4096, 4096); ok {
+		t.Errorf("the buffer is still recorded after its deregistration")
 	}
 }
 
