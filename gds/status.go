@@ -157,7 +157,8 @@ func statusError(code, cuErr int) error {
 }
 
 // ioError converts a negative return of cuFileRead or cuFileWrite: -1 means
-// errno (given) says what failed. cuFile's codes start at 5000; between
+// errno (given) says what failed, an errno or, from 5000 up, a cuFile
+// status. cuFile's codes start at 5000; between
 // them and -1 the return is a negated errno (compat mode returns what its
 // POSIX call failed with, -5 for EIO, as asynchronous I/O does); from
 // -5000 down it is -Status.
@@ -166,6 +167,12 @@ func ioError(ret int64, errno error) error {
 	case ret == -1:
 		if errno == nil {
 			return errors.New("cufile: I/O failed with -1 and no errno")
+		}
+		// cuFile 1.15 in compatibility mode sets errno to one of its
+		// statuses (5019 reading through a write-only descriptor, on the
+		// H100 machine).
+		if e, ok := errno.(syscall.Errno); ok && e >= 5000 {
+			return Status(e)
 		}
 		return fmt.Errorf("cufile: %w", errno)
 	case -ret < 5000:

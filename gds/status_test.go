@@ -56,6 +56,9 @@ func TestIOErrorTellsErrnosFromStatuses(t *testing.T) {
 		want  error
 	}{
 		{-1, syscall.EBADF, syscall.EBADF},
+		// cuFile 1.15 in compatibility mode, reading through a write-only
+		// descriptor on the H100: -1 with errno set to a cuFile status.
+		{-1, syscall.Errno(statusIOError), statusIOError},
 		{-int64(syscall.EIO), nil, syscall.EIO},
 		{-int64(syscall.ENOSPC), nil, syscall.ENOSPC},
 		{-int64(statusIOError), nil, statusIOError},
