@@ -409,16 +409,19 @@ func (c *clusterMount) publish(e *Engine, sketch clustercap.Sketch, touches []cl
 	return nil
 }
 
-// tick is the periodic work on a cluster mount: count, read the others,
-// evict below the cut-off, publish. A failed read or write leaves the
-// node on its last claim (reserve evicts its own files to stay within it).
+// tick is the periodic work on a cluster mount: read the others, count,
+// evict below the cut-off, publish. It reads first: the count is then of
+// the nodes adopted now, none that the read found running again. A failed
+// read or write leaves the node on its last claim (reserve evicts its own
+// files to stay within it).
 func (c *clusterMount) tick(ctx context.Context, e *Engine, m *mount) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	start := e.now().UnixNano()
+	err := c.read(ctx, e, m)
 	own, bytes, touches := c.count(ctx, e, m)
 	c.own = bytes
-	if err := c.read(ctx, e, m); err != nil {
+	if err != nil {
 		c.lose(e, m, err)
 		return
 	}
@@ -465,7 +468,8 @@ func (c *clusterMount) lose(e *Engine, m *mount, err error) {
 
 // evict removes this node's entries of own (sorted by rank) ranked below
 // cut, then more of the lowest until need bytes are freed. It returns the
-// bytes freed. Pinned entries stay. Called with c.mu held.
+// bytes freed. Pinned entries stay, and entries this node may no longer
+// evict (mayEvict: their node runs again). Called with c.mu held.
 func (c *clusterMount) evict(ctx context.Context, e *Engine, m *mount, own []ranked, cut uint64, need int64) int64 {
 	var freed int64
 	var recs []abi.AccessRecord
@@ -477,7 +481,7 @@ func (c *clusterMount) evict(ctx context.Context, e *Engine, m *mount, own []ran
 		}
 		en := r.en
 		e.ix.mu.Lock()
-		ok := en.pins == 0 && en.mount == m.idx && !en.gone
+		ok := en.pins == 0 && en.mount == m.idx && !en.gone && e.mayEvict(m, en)
 		if ok {
 			if _, c := e.ix.dropLocked(en, true); c {
 				claimed = append(claimed, en)

@@ -15,6 +15,7 @@ import (
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/host/policy"
 	"github.com/kvhost/kvhost/internal/clustercap"
+	"github.com/kvhost/kvhost/internal/fsys"
 	"github.com/kvhost/kvhost/internal/testwait"
 )
 
@@ -310,5 +311,97 @@ func TestAStoreRefusedForRoomOnAClusterMountGivesItsClusterGrantBack(t *testing.
 	}
 	if after := ownBytes(e.mounts[0]); after != before {
 		t.Fatalf("after a store refused for room, the node counts %d bytes of its own on the cluster mount, %d before", after, before)
+	}
+}
+
+// testClock is a clock for Config.Now that moves only when told.
+type testClock struct {
+	mu sync.Mutex
+	t  time.Time
+}
+
+func newTestClock() *testClock { return &testClock{t: time.Now()} }
+
+func (c *testClock) now() time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.t
+}
+
+func (c *testClock) advance(d time.Duration) {
+	c.mu.Lock()
+	c.t = c.t.Add(d)
+	c.mu.Unlock()
+}
+
+// oneFileBytes is the bytes one key of smallGeometry takes on a mount.
+func oneFileBytes(t *testing.T) int64 {
+	t.Helper()
+	probe := openNode(t, t.TempDir(), "probe", nil, 1)
+	storeAndCheck(t, probe.e, probe.c, testKeys("p", 1), [][]int{{0, 1, 2, 3}})
+	return probe.e.Stats().Mounts[0].Used
+}
+
+// storeKeys stores one key per file on n: keys prefix-0000 and on, with
+// blocks of their own.
+func storeKeys(t *testing.T, n *node, prefix string, count int, r *rand.Rand) [][]byte {
+	t.Helper()
+	keys := testKeys(prefix, count)
+	for i, k := range keys {
+		bl := []int{4 * (i % 16), 4*(i%16) + 1, 4*(i%16) + 2, 4*(i%16) + 3}
+		n.c.fill(r, bl)
+		storeAndCheck(t, n.e, n.c, [][]byte{k}, [][]int{bl})
+	}
+	return keys
+}
+
+// isAdopted reports whether e holds the adoption of node on its first
+// mount.
+func isAdopted(e *Engine, node string) bool {
+	return (*e.mounts[0].cluster.dead.Load())[clustercap.Tag(node)]
+}
+
+// TestClusterTickLeavesTheFilesOfANodeItFindsLiveAgain: node A adopted
+// dead node D (3 files). D runs again (its lock held, a fresh summary
+// counting its 3 files). A's next tick must take D's files for D's: the
+// cluster then holds 6 files against a bound of 5, and A's cut-off must
+// not remove any of D's.
+func TestClusterTickLeavesTheFilesOfANodeItFindsLiveAgain(t *testing.T) {
+	ctx := context.Background()
+	fileSize := oneFileBytes(t)
+	capacity := 5 * fileSize
+	dir := t.TempDir()
+	clock := newTestClock()
+	a := clusterNodeAt(t, dir, "a", capacity, time.Hour, clock.now)
+	d := clusterNode(t, dir, "d", capacity, time.Hour)
+	storeKeys(t, d, "d", 3, rand.New(rand.NewPCG(11, 11)))
+	files := dataFiles(t, dir)
+	if err := d.e.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	clock.advance(4 * time.Hour) // D's summary: stale
+	m := a.e.mounts[0]
+	m.cluster.tick(ctx, a.e, m)
+	if !isAdopted(a.e, "d") || a.e.Stats().Mounts[0].Entries != 3 {
+		t.Fatalf("A did not adopt D")
+	}
+	// D runs again: its lock, a fresh summary of its 3 files.
+	dd, err := clustercap.OpenDir(fsys.OS{}, dir, "d")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer dd.Close()
+	if err := dd.Publish(&clustercap.Summary{Version: clustercap.SummaryVersion, Node: "d", Tag: clustercap.Tag("d"), Seq: 100,
+		Time: time.Now().UnixNano(), Interval: int64(time.Hour), Bytes: 3 * fileSize, Claim: 3 * fileSize}); err != nil {
+		t.Fatal(err)
+	}
+	m.cluster.tick(ctx, a.e, m)
+	for _, f := range files {
+		if _, err := os.Stat(f); err != nil {
+			t.Fatalf("A's tick, whose read found D live again, removed D's file %s", f)
+		}
+	}
+	if got := ownBytes(m); got != 0 {
+		t.Errorf("after D runs again A counts %d bytes of its own, want 0", got)
 	}
 }
