@@ -41,9 +41,13 @@ func (e *Engine) reserveFree(m *mount, size int64) error {
 	if c != nil && !c.reserveClaimed(size) {
 		return fmt.Errorf("%w: mount %s: no room within this node's cluster claim for a move of %d bytes", ErrNoSpace, m.root, size)
 	}
-	ok := e.space.reserveBelow(m.sp, size, high)
+	var ok bool
 	if c != nil {
-		c.settle(size, ok)
+		if ok = c.reserveGrant(e, m, size, high); !ok {
+			c.giveBack(size)
+		}
+	} else {
+		ok = e.space.reserveBelow(m.sp, size, high)
 	}
 	if !ok {
 		return fmt.Errorf("%w: mount %s: no room below the high watermark for a move of %d bytes", ErrNoSpace, m.root, size)
@@ -56,28 +60,34 @@ func (e *Engine) reserveFree(m *mount, size int64) error {
 
 // reserveUsed is reserve without the spares.
 func (e *Engine) reserveUsed(ctx context.Context, m *mount, size int64) (err error) {
-	if m.cluster != nil { // the cluster-wide bound first (cluster.go)
+	reserve := func(limit func(*mountSpace) int64) bool { return e.space.reserveBelow(m.sp, size, limit) }
+	if c := m.cluster; c != nil { // the cluster-wide bound first (cluster.go)
 		if err := e.clusterReserve(ctx, m, size); err != nil {
 			return err
 		}
-		// The mount's space counts it from here, or the grant goes back.
-		defer func() { m.cluster.settle(size, err == nil) }()
+		// The mount's space takes the grant, or it goes back.
+		reserve = func(limit func(*mountSpace) int64) bool { return c.reserveGrant(e, m, size, limit) }
+		defer func() {
+			if err != nil {
+				c.giveBack(size)
+			}
+		}()
 	}
-	if e.space.reserveBelow(m.sp, size, high) {
+	if reserve(high) {
 		return nil
 	}
 	e.evictWaits.Add(1)
 	m.evictMu.Lock()
 	defer m.evictMu.Unlock()
 	e.refreshCapacity(m, false)
-	if e.space.reserveBelow(m.sp, size, high) { // another store evicted meanwhile
+	if reserve(high) { // another store evicted meanwhile
 		return nil
 	}
 	if _, capacity := e.space.usage(m.sp); size > capacity {
 		return fmt.Errorf("%w: mount %s: a file of %d bytes exceeds the capacity of %d", ErrNoSpace, m.root, size, capacity)
 	}
 	e.evict(ctx, m, size)
-	if e.space.reserveBelow(m.sp, size, capacity) {
+	if reserve(capacity) {
 		return nil
 	}
 	used, capacity := e.space.usage(m.sp)

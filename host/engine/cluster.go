@@ -45,9 +45,9 @@ type clusterMount struct {
 
 	mu  sync.Mutex // guards the rest; one claim or tick at a time
 	own int64      // own bytes at the last count, plus reservations since
-	// pending is the bytes clusterReserve granted whose reservation on the
-	// mount's space may not be made yet (settle): a count in between must
-	// not take them for freed.
+	// pending is the bytes clusterReserve granted that the mount's space
+	// has not reserved yet (reserveGrant takes them there, giveBack drops
+	// them): a count adds them to the space's reservations.
 	pending int64
 	claim   int64
 	seq     uint64
@@ -216,9 +216,10 @@ func (c *clusterMount) count(ctx context.Context, e *Engine, m *mount) (own []ra
 	e.space.mu.Lock()
 	used := m.sp.used
 	e.space.mu.Unlock()
-	// Reservations and files on their way out; granted reservations the
-	// space may not hold yet count at least (pending).
-	bytes += max(0, used-indexed, c.pending)
+	// Reservations and files on their way out, and grants the space has
+	// not reserved yet: a grant moves from pending to used in one hold of
+	// c.mu (reserveGrant), which this count holds, so it counts once.
+	bytes += max(0, used-indexed) + c.pending
 
 	c.policyRanks(ctx, e, m, own, foreign)
 	for i := range foreign {
@@ -562,7 +563,8 @@ func (e *Engine) clusterReserve(ctx context.Context, m *mount, size int64) error
 
 // reserveClaimed is clusterReserve within this node's claim only: it
 // neither raises the claim nor evicts (Engine.reserveFree). It reports
-// whether it granted size bytes, which the caller settles.
+// whether it granted size bytes, which the caller reserves on the space
+// (reserveGrant) or gives back.
 func (c *clusterMount) reserveClaimed(size int64) bool {
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -574,16 +576,28 @@ func (c *clusterMount) reserveClaimed(size int64) bool {
 	return true
 }
 
-// settle ends size bytes of a grant of clusterReserve (or
-// reserveClaimed) once the mount's space has reserved them (reserved), or
-// could not (ErrNoSpace): then the node's count gives them back, as no
-// file of this node will hold them.
-func (c *clusterMount) settle(size int64, reserved bool) {
+// reserveGrant reserves size bytes of a grant of clusterReserve (or
+// reserveClaimed) on m's space if its usage stays at or below limit
+// (space.reserveBelow). The bytes leave pending as the space takes them,
+// in one hold of c.mu: a count sees them once, never twice nor not at
+// all. It reports whether the space took them; if not, the grant stays
+// pending (the caller may evict and try again, or give it back).
+func (c *clusterMount) reserveGrant(e *Engine, m *mount, size int64, limit func(*mountSpace) int64) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if !e.space.reserveBelow(m.sp, size, limit) {
+		return false
+	}
+	c.pending -= size
+	return true
+}
+
+// giveBack ends size bytes of a grant that the mount's space could not
+// reserve (ErrNoSpace): no file of this node will hold them.
+func (c *clusterMount) giveBack(size int64) {
 	c.mu.Lock()
 	c.pending -= size
-	if !reserved {
-		c.own -= size
-	}
+	c.own -= size
 	c.mu.Unlock()
 }
 

@@ -405,3 +405,43 @@ func TestClusterTickLeavesTheFilesOfANodeItFindsLiveAgain(t *testing.T) {
 		t.Errorf("after D runs again A counts %d bytes of its own, want 0", got)
 	}
 }
+
+// TestClusterCountsReservedAndGrantedBytesOnceEach: one store's grant is
+// reserved on the mount's space (its file not indexed yet), another's is
+// granted by the cluster but not yet reserved there. A tick in between
+// counts both; and the second grant, given back after the tick, leaves
+// the first counted.
+func TestClusterCountsReservedAndGrantedBytesOnceEach(t *testing.T) {
+	const s = 1 << 20
+	tests := []struct {
+		name     string
+		giveBack bool // the second grant goes back after the tick
+		want     int64
+	}{
+		{"both held", false, 2 * s},
+		{"the granted one given back", true, s},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			ctx := context.Background()
+			n := clusterNode(t, t.TempDir(), "a", 1<<30, time.Hour)
+			m := n.e.mounts[0]
+			if err := n.e.reserveUsed(ctx, m, s); err != nil { // granted, reserved
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { n.e.unreserve(m, s) })
+			if err := n.e.clusterReserve(ctx, m, s); err != nil { // granted only
+				t.Fatal(err)
+			}
+			m.cluster.tick(ctx, n.e, m)
+			if tt.giveBack {
+				m.cluster.giveBack(s)
+			} else {
+				t.Cleanup(func() { m.cluster.giveBack(s) })
+			}
+			if got := ownBytes(m); got != tt.want {
+				t.Fatalf("the node counts %d bytes of its own, want %d", got, tt.want)
+			}
+		})
+	}
+}
