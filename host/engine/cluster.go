@@ -300,11 +300,13 @@ func (e *Engine) policyRank(ctx context.Context, recs []abi.RankRecord) (bool, e
 // this node holds or takes become c.dead, and their files on the mount
 // are indexed when newly adopted (they may have been written after this
 // node's start); a node adopted before that runs again is released.
-// Touches of this node's files raise their last access. Called with c.mu
-// held.
+// Touches of this node's files raise their last access. A read that fails
+// releases every adopted node: this node cannot tell whether they run
+// again. Called with c.mu held.
 func (c *clusterMount) read(ctx context.Context, e *Engine, m *mount) error {
 	sums, bad, err := c.dir.ReadAll()
 	if err != nil {
+		c.releaseAll(e, m)
 		return err
 	}
 	for _, b := range bad {
@@ -388,6 +390,18 @@ func (c *clusterMount) read(ctx context.Context, e *Engine, m *mount) error {
 	e.ix.mu.Unlock()
 	e.access(ctx, recs)
 	return nil
+}
+
+// releaseAll gives up the adoption of every dead node: their files are no
+// longer this node's to count or evict (its next count leaves them out).
+// Called with c.mu held.
+func (c *clusterMount) releaseAll(e *Engine, m *mount) {
+	c.dead.Store(&map[uint32]bool{})
+	for _, node := range c.dir.Adopted() {
+		if err := c.dir.Release(node); err != nil {
+			e.log.Warn("engine: cluster: adoption lock", "mount", m.root, "node", node, "err", err)
+		}
+	}
 }
 
 // publish writes c's summary with bytes and c.claim; cut, if non-zero, is

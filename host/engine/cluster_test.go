@@ -9,6 +9,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -443,5 +444,59 @@ func TestClusterCountsReservedAndGrantedBytesOnceEach(t *testing.T) {
 				t.Fatalf("the node counts %d bytes of its own, want %d", got, tt.want)
 			}
 		})
+	}
+}
+
+// entriesOf lists e's entries on its first mount of node's files.
+func entriesOf(e *Engine, node string) []*entry {
+	e.ix.mu.RLock()
+	defer e.ix.mu.RUnlock()
+	var out []*entry
+	for _, en := range e.ix.entries {
+		if o, ok := clustercap.Owner(en.fid); ok && o == clustercap.Tag(node) && en.mount == 0 && !en.gone {
+			out = append(out, en)
+		}
+	}
+	return out
+}
+
+// TestClusterAnAdopterThatCannotReadLetsGoOfTheNodesItAdopted: node A
+// adopted dead node D; then A's reads of the cluster directory fail
+// (ESTALE) and D starts again. A cannot tell whether D runs: from its
+// first failed read it must neither count nor evict D's files, nor hold
+// D's adoption.
+func TestClusterAnAdopterThatCannotReadLetsGoOfTheNodesItAdopted(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	var fail atomic.Bool
+	inj := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+		if fail.Load() && op == fsys.OpReadDir && strings.HasSuffix(path, clustercap.DirName) {
+			return fsys.Fault{Err: syscall.ESTALE}
+		}
+		return fsys.Fault{}
+	})
+	clock := newTestClock()
+	a := openEngine(t, Config{Mounts: []Mount{{Path: dir, ClusterCapacity: 1 << 30, ClusterInterval: time.Hour}},
+		Policy: newTestPolicy(1, abi.OrderLayerMajor), NodeID: "a", FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj}, Now: clock.now})
+	d := clusterNode(t, dir, "d", 1<<30, time.Hour)
+	storeKeys(t, d, "d", 1, rand.New(rand.NewPCG(4, 4)))
+	if err := d.e.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	clock.advance(4 * time.Hour) // D's summary: stale
+	m := a.mounts[0]
+	m.cluster.tick(ctx, a, m)
+	ens := entriesOf(a, "d")
+	if !isAdopted(a, "d") || len(ens) != 1 {
+		t.Fatalf("A did not adopt D: adopted %v, %d of D's files indexed", isAdopted(a, "d"), len(ens))
+	}
+	fail.Store(true)
+	clusterNode(t, dir, "d", 1<<30, time.Hour) // D runs again
+	m.cluster.tick(ctx, a, m)
+	if a.mayEvict(m, ens[0]) || isAdopted(a, "d") || len(m.cluster.dir.Adopted()) > 0 {
+		t.Fatalf("A, its read failing, may still evict the file of D, which runs again (adoption lock held: %v)", m.cluster.dir.Adopted())
+	}
+	if got := ownBytes(m); got != 0 {
+		t.Errorf("A, its read failing, counts %d bytes of its own, want 0 (D's file is D's)", got)
 	}
 }
