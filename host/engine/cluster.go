@@ -3,6 +3,7 @@ package engine
 import (
 	"cmp"
 	"context"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"path/filepath"
@@ -56,9 +57,13 @@ type clusterMount struct {
 	// dead holds the tags of the dead nodes this node adopted (it holds
 	// their adoption locks: their files are its to count and evict);
 	// replaced whole under mu, read anywhere (mayEvict holds e.mu).
-	dead  atomic.Pointer[map[uint32]bool]
-	lost  bool  // the last read or write of the directory failed
-	since int64 // foreign uses after this time are reported (Unix ns)
+	dead atomic.Pointer[map[uint32]bool]
+	// walked holds the adopted tags whose files a walk of the mount has
+	// indexed whole (adoptFiles without an error): the others are walked
+	// again at the next read.
+	walked map[uint32]bool
+	lost   bool  // the last read or write of the directory failed
+	since  int64 // foreign uses after this time are reported (Unix ns)
 	// floor holds, per file id of this node's, the highest rank another
 	// node reported for its use of the file (Touch.Rank): the file ranks
 	// at least that high here. Entries of files gone are dropped by count.
@@ -106,7 +111,7 @@ func (e *Engine) openCluster(ctx context.Context) error {
 		if err != nil {
 			return fmt.Errorf("engine: mount %s: %w", m.root, err)
 		}
-		c := &clusterMount{dir: dir, bound: b, interval: cm.ClusterInterval, tag: clustercap.Tag(e.node), floor: map[uint64]uint64{}}
+		c := &clusterMount{dir: dir, bound: b, interval: cm.ClusterInterval, tag: clustercap.Tag(e.node), floor: map[uint64]uint64{}, walked: map[uint32]bool{}}
 		c.dead.Store(&map[uint32]bool{})
 		if c.interval == 0 {
 			c.interval = DefaultClusterInterval
@@ -299,7 +304,8 @@ func (e *Engine) policyRank(ctx context.Context, recs []abi.RankRecord) (bool, e
 // of the dead ones (summary stale, lock free), those whose adoption lock
 // this node holds or takes become c.dead, and their files on the mount
 // are indexed when newly adopted (they may have been written after this
-// node's start); a node adopted before that runs again is released.
+// node's start), and again at each read until a walk of the mount
+// completes; a node adopted before that runs again is released.
 // Touches of this node's files raise their last access. A read that fails
 // releases every adopted node: this node cannot tell whether they run
 // again. Called with c.mu held.
@@ -316,28 +322,37 @@ func (c *clusterMount) read(ctx context.Context, e *Engine, m *mount) error {
 	c.peers = c.peers[:0]
 	was := *c.dead.Load()
 	dead := map[uint32]bool{}
-	fresh := map[uint32]bool{} // adopted now
+	walk := map[uint32]bool{} // adopted, their files not all indexed yet
 	defer func() {
 		// The adopted tags are published once their files are indexed:
 		// a node counted as adopted is counted whole.
 		defer c.dead.Store(&dead)
-		if len(fresh) == 0 {
-			return
-		}
-		n, err := e.adoptFiles(ctx, m, fresh)
-		if err != nil {
-			e.log.Warn("engine: cluster: indexing a dead node's files", "mount", m.root, "err", err)
-		}
-		e.log.Info("engine: cluster: adopted the files of dead nodes", "mount", m.root, "files", n)
-		// They are this node's bytes from now on, before its next count:
-		// their owners' summaries no longer count them.
-		e.ix.mu.RLock()
-		for _, en := range e.ix.entries {
-			if o, ok := clustercap.Owner(en.fid); ok && fresh[o] && en.mount == m.idx && !en.gone {
-				c.own += en.size
+		for tag := range c.walked {
+			if !dead[tag] {
+				delete(c.walked, tag) // released: walked again if adopted again
 			}
 		}
-		e.ix.mu.RUnlock()
+		if len(walk) == 0 {
+			return
+		}
+		// Their files are this node's bytes from now on, before its next
+		// count: their owners' summaries no longer count them. Those
+		// indexed of the tags adopted before are counted already.
+		again := map[uint32]bool{}
+		for tag := range walk {
+			again[tag] = was[tag]
+		}
+		before := e.bytesOf(m, again)
+		n, err := e.adoptFiles(ctx, m, walk)
+		if err != nil {
+			e.log.Warn("engine: cluster: indexing a dead node's files; walking the mount again at the next read", "mount", m.root, "err", err)
+		} else {
+			for tag := range walk {
+				c.walked[tag] = true
+			}
+		}
+		e.log.Info("engine: cluster: adopted the files of dead nodes", "mount", m.root, "files", n)
+		c.own += e.bytesOf(m, walk) - before
 	}()
 	touched := map[uint64]clustercap.Touch{} // by file id: the latest use, the highest rank
 	for _, s := range sums {
@@ -352,8 +367,8 @@ func (c *clusterMount) read(ctx context.Context, e *Engine, m *mount) error {
 			}
 			if ok {
 				dead[s.Tag] = true
-				if !was[s.Tag] {
-					fresh[s.Tag] = true
+				if !c.walked[s.Tag] {
+					walk[s.Tag] = true
 				}
 			}
 			continue
@@ -397,6 +412,7 @@ func (c *clusterMount) read(ctx context.Context, e *Engine, m *mount) error {
 // Called with c.mu held.
 func (c *clusterMount) releaseAll(e *Engine, m *mount) {
 	c.dead.Store(&map[uint32]bool{})
+	clear(c.walked)
 	for _, node := range c.dir.Adopted() {
 		if err := c.dir.Release(node); err != nil {
 			e.log.Warn("engine: cluster: adoption lock", "mount", m.root, "node", node, "err", err)
@@ -646,13 +662,29 @@ func (c *clusterMount) lastSketch() clustercap.Sketch {
 	return c.pub.Sketch
 }
 
+// bytesOf is the bytes of the entries on m whose owner tag is in tags.
+func (e *Engine) bytesOf(m *mount, tags map[uint32]bool) int64 {
+	var n int64
+	e.ix.mu.RLock()
+	defer e.ix.mu.RUnlock()
+	for _, en := range e.ix.entries {
+		if o, ok := clustercap.Owner(en.fid); ok && tags[o] && en.mount == m.idx && !en.gone {
+			n += en.size
+		}
+	}
+	return n
+}
+
 // adoptFiles indexes the files on m whose owner tag is in tags (dead
 // nodes this node has just adopted): a dead node's files written after
 // this node's start are not in its index. A file that cannot be read is
 // skipped (removed meanwhile, or not a kvhost file: the rebuild's
-// business). It returns how many files it indexed.
+// business); so is a directory that cannot be read, whose error it
+// returns with the others' once the walk is done (the caller walks
+// again). It returns how many files it indexed.
 func (e *Engine) adoptFiles(ctx context.Context, m *mount, tags map[uint32]bool) (int, error) {
 	n := 0
+	var errs []error
 	var walk func(dir string) error
 	walk = func(dir string) error {
 		if err := ctx.Err(); err != nil {
@@ -660,7 +692,8 @@ func (e *Engine) adoptFiles(ctx context.Context, m *mount, tags map[uint32]bool)
 		}
 		ents, err := e.fs.ReadDir(dir)
 		if err != nil {
-			return err
+			errs = append(errs, err)
+			return nil
 		}
 		for _, d := range ents {
 			name := d.Name()
@@ -688,5 +721,6 @@ func (e *Engine) adoptFiles(ctx context.Context, m *mount, tags map[uint32]bool)
 		}
 		return nil
 	}
-	return n, walk(m.root)
+	err := walk(m.root)
+	return n, errors.Join(append(errs, err)...)
 }

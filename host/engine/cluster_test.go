@@ -500,3 +500,38 @@ func TestClusterAnAdopterThatCannotReadLetsGoOfTheNodesItAdopted(t *testing.T) {
 		t.Errorf("A, its read failing, counts %d bytes of its own, want 0 (D's file is D's)", got)
 	}
 }
+
+// TestClusterAnAdoptionWalkCutShortIsDoneAgain: node A adopts dead node
+// D (8 files); one directory read of A's walk of the mount fails
+// (ESTALE, once). The walk goes on past that directory, and A's next
+// tick walks again: A then indexes all 8 of D's files.
+func TestClusterAnAdoptionWalkCutShortIsDoneAgain(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	var armed atomic.Bool
+	inj := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+		if op == fsys.OpReadDir && path != dir && !strings.Contains(path, clustercap.DirName) && armed.CompareAndSwap(true, false) {
+			return fsys.Fault{Err: syscall.ESTALE}
+		}
+		return fsys.Fault{}
+	})
+	clock := newTestClock()
+	a := openEngine(t, Config{Mounts: []Mount{{Path: dir, ClusterCapacity: 1 << 30, ClusterInterval: time.Hour}},
+		Policy: newTestPolicy(1, abi.OrderLayerMajor), NodeID: "a", FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj}, Now: clock.now})
+	d := clusterNode(t, dir, "d", 1<<30, time.Hour)
+	storeKeys(t, d, "d", 8, rand.New(rand.NewPCG(9, 9)))
+	if err := d.e.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	clock.advance(4 * time.Hour) // D's summary: stale
+	m := a.mounts[0]
+	armed.Store(true)
+	m.cluster.tick(ctx, a, m)
+	if armed.Load() || !isAdopted(a, "d") {
+		t.Fatalf("A's first tick: adopted D %v, a directory read failed %v", isAdopted(a, "d"), !armed.Load())
+	}
+	m.cluster.tick(ctx, a, m)
+	if got := len(entriesOf(a, "d")); got != 8 {
+		t.Fatalf("A adopted D (8 files on the mount) but indexes %d of them, a tick after one failed directory read of its walk", got)
+	}
+}
