@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"os"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -62,8 +63,13 @@ type clusterMount struct {
 	// indexed whole (adoptFiles without an error): the others are walked
 	// again at the next read.
 	walked map[uint32]bool
-	lost   bool  // the last read or write of the directory failed
-	since  int64 // foreign uses after this time are reported (Unix ns)
+	// temps holds the temporary files of adopted nodes that a walk found
+	// and that are not gone yet (younger than temp_grace, or their removal
+	// failed), with their owner's tag: each read tries them again
+	// (cleanTemp).
+	temps map[string]uint32
+	lost  bool  // the last read or write of the directory failed
+	since int64 // foreign uses after this time are reported (Unix ns)
 	// floor holds, per file id of this node's, the highest rank another
 	// node reported for its use of the file (Touch.Rank): the file ranks
 	// at least that high here. Entries of files gone are dropped by count.
@@ -111,7 +117,7 @@ func (e *Engine) openCluster(ctx context.Context) error {
 		if err != nil {
 			return fmt.Errorf("engine: mount %s: %w", m.root, err)
 		}
-		c := &clusterMount{dir: dir, bound: b, interval: cm.ClusterInterval, tag: clustercap.Tag(e.node), floor: map[uint64]uint64{}, walked: map[uint32]bool{}}
+		c := &clusterMount{dir: dir, bound: b, interval: cm.ClusterInterval, tag: clustercap.Tag(e.node), floor: map[uint64]uint64{}, walked: map[uint32]bool{}, temps: map[string]uint32{}}
 		c.dead.Store(&map[uint32]bool{})
 		if c.interval == 0 {
 			c.interval = DefaultClusterInterval
@@ -332,27 +338,27 @@ func (c *clusterMount) read(ctx context.Context, e *Engine, m *mount) error {
 				delete(c.walked, tag) // released: walked again if adopted again
 			}
 		}
-		if len(walk) == 0 {
-			return
-		}
-		// Their files are this node's bytes from now on, before its next
-		// count: their owners' summaries no longer count them. Those
-		// indexed of the tags adopted before are counted already.
-		again := map[uint32]bool{}
-		for tag := range walk {
-			again[tag] = was[tag]
-		}
-		before := e.bytesOf(m, again)
-		n, err := e.adoptFiles(ctx, m, walk)
-		if err != nil {
-			e.log.Warn("engine: cluster: indexing a dead node's files; walking the mount again at the next read", "mount", m.root, "err", err)
-		} else {
+		if len(walk) > 0 {
+			// Their files are this node's bytes from now on, before its
+			// next count: their owners' summaries no longer count them.
+			// Those indexed of the tags adopted before are counted already.
+			again := map[uint32]bool{}
 			for tag := range walk {
-				c.walked[tag] = true
+				again[tag] = was[tag]
 			}
+			before := e.bytesOf(m, again)
+			n, err := e.adoptFiles(ctx, m, walk, c.temps)
+			if err != nil {
+				e.log.Warn("engine: cluster: indexing a dead node's files; walking the mount again at the next read", "mount", m.root, "err", err)
+			} else {
+				for tag := range walk {
+					c.walked[tag] = true
+				}
+			}
+			e.log.Info("engine: cluster: adopted the files of dead nodes", "mount", m.root, "files", n)
+			c.own += e.bytesOf(m, walk) - before
 		}
-		e.log.Info("engine: cluster: adopted the files of dead nodes", "mount", m.root, "files", n)
-		c.own += e.bytesOf(m, walk) - before
+		c.cleanTemps(e, dead)
 	}()
 	touched := map[uint64]clustercap.Touch{} // by file id: the latest use, the highest rank
 	for _, s := range sums {
@@ -662,6 +668,27 @@ func (c *clusterMount) lastSketch() clustercap.Sketch {
 	return c.pub.Sketch
 }
 
+// cleanTemps applies the leftover rule (cleanTemp: flock free, older than
+// temp_grace) to the adopted nodes' temporary files in c.temps, and
+// forgets those gone and those of nodes no longer in dead (released).
+// Called with c.mu held.
+func (c *clusterMount) cleanTemps(e *Engine, dead map[uint32]bool) {
+	for path, tag := range c.temps {
+		if !dead[tag] {
+			delete(c.temps, path)
+			continue
+		}
+		rest, _ := tempRest(filepath.Base(path))
+		removed, err := e.cleanTemp(path, rest)
+		if err != nil {
+			e.log.Warn("engine: cluster: a dead node's temporary file", "path", path, "err", err)
+		}
+		if _, serr := e.fs.Stat(path); removed || errors.Is(serr, os.ErrNotExist) {
+			delete(c.temps, path)
+		}
+	}
+}
+
 // bytesOf is the bytes of the entries on m whose owner tag is in tags.
 func (e *Engine) bytesOf(m *mount, tags map[uint32]bool) int64 {
 	var n int64
@@ -681,8 +708,10 @@ func (e *Engine) bytesOf(m *mount, tags map[uint32]bool) int64 {
 // skipped (removed meanwhile, or not a kvhost file: the rebuild's
 // business); so is a directory that cannot be read, whose error it
 // returns with the others' once the walk is done (the caller walks
-// again). It returns how many files it indexed.
-func (e *Engine) adoptFiles(ctx context.Context, m *mount, tags map[uint32]bool) (int, error) {
+// again). The temporary files of those nodes it adds to temps, with
+// their owner's tag (clusterMount.cleanTemps). It returns how many files
+// it indexed.
+func (e *Engine) adoptFiles(ctx context.Context, m *mount, tags map[uint32]bool, temps map[string]uint32) (int, error) {
 	n := 0
 	var errs []error
 	var walk func(dir string) error
@@ -697,10 +726,15 @@ func (e *Engine) adoptFiles(ctx context.Context, m *mount, tags map[uint32]bool)
 		}
 		for _, d := range ents {
 			name := d.Name()
-			if strings.HasPrefix(name, ".") {
-				continue // metadata, temporaries, spares
-			}
 			path := filepath.Join(dir, name)
+			if strings.HasPrefix(name, ".") { // metadata, temporaries, spares
+				if rest, ok := tempRest(name); ok && d.Type().IsRegular() {
+					if node, _, owned := tempOwner(rest); owned && tags[clustercap.Tag(node)] {
+						temps[path] = clustercap.Tag(node)
+					}
+				}
+				continue
+			}
 			if d.IsDir() {
 				if err := walk(path); err != nil {
 					return err

@@ -535,3 +535,38 @@ func TestClusterAnAdoptionWalkCutShortIsDoneAgain(t *testing.T) {
 		t.Fatalf("A adopted D (8 files on the mount) but indexes %d of them, a tick after one failed directory read of its walk", got)
 	}
 }
+
+// TestClusterReclaimsTheAbandonedTemporaryFilesOfADeadNode: node D dies
+// with a store in flight, leaving its temporary file (its flock gone with
+// the process). Node A adopts D: it keeps the file while it is younger
+// than temp_grace (another node's store may still finish it) and removes
+// it once it is older, without a daemon's start.
+func TestClusterReclaimsTheAbandonedTemporaryFilesOfADeadNode(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	clock := newTestClock()
+	a := clusterNodeAt(t, dir, "a", 1<<30, time.Hour, clock.now)
+	d := clusterNode(t, dir, "d", 1<<30, time.Second)
+	f, tmp, _, err := d.e.createTemp(dir, 0, 1<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.Close() // the process died: its flock went with it
+	if err := d.e.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	clock.advance(time.Minute) // D's summary: stale
+	m := a.e.mounts[0]
+	m.cluster.tick(ctx, a.e, m)
+	if !isAdopted(a.e, "d") {
+		t.Fatal("A did not adopt D")
+	}
+	if _, err := os.Stat(tmp); err != nil {
+		t.Fatalf("A removed dead node D's temporary file, younger than temp_grace: %v", err)
+	}
+	clock.advance(time.Hour)
+	m.cluster.tick(ctx, a.e, m)
+	if _, err := os.Stat(tmp); err == nil {
+		t.Fatalf("dead node D's abandoned temporary file, an hour past temp_grace, is still on the mount after A adopted D")
+	}
+}

@@ -95,10 +95,7 @@ func (e *Engine) rebuild(ctx context.Context) error {
 					}
 					continue
 				}
-				rest, tmp := strings.CutPrefix(name, tmpPrefix)
-				if !tmp {
-					rest, tmp = strings.CutPrefix(name, probePrefix)
-				}
+				rest, tmp := tempRest(name)
 				if !d.Type().IsRegular() || !tmp {
 					continue // the host's other names, never a policy's
 				}

@@ -117,6 +117,16 @@ func tempOwner(rest string) (node string, pid int, ok bool) {
 	return rest[:j], pid, true
 }
 
+// tempRest is the part of a temporary file's name after its prefix
+// (tmpPrefix or probePrefix); ok is false for other names.
+func tempRest(name string) (rest string, ok bool) {
+	rest, ok = strings.CutPrefix(name, tmpPrefix)
+	if !ok {
+		rest, ok = strings.CutPrefix(name, probePrefix)
+	}
+	return rest, ok
+}
+
 // processAlive reports whether a process with this pid exists on this
 // node (a reused pid reads as alive: the safe side).
 func processAlive(pid int) bool {
