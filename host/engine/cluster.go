@@ -385,8 +385,11 @@ func (c *clusterMount) read(ctx context.Context, e *Engine, m *mount) error {
 		c.peers = append(c.peers, s)
 		for _, t := range s.Touches {
 			if o, ok := clustercap.Owner(t.ID); ok && o == c.tag {
+				// A use is at most now: a time in this node's future (the
+				// other node's clock ahead) would outrank every use here
+				// until this node's clock caught up.
 				u := touched[t.ID]
-				touched[t.ID] = clustercap.Touch{ID: t.ID, Time: max(u.Time, t.Time), Rank: max(u.Rank, t.Rank)}
+				touched[t.ID] = clustercap.Touch{ID: t.ID, Time: max(u.Time, min(t.Time, now)), Rank: max(u.Rank, t.Rank)}
 			}
 		}
 	}

@@ -570,3 +570,35 @@ func TestClusterReclaimsTheAbandonedTemporaryFilesOfADeadNode(t *testing.T) {
 		t.Fatalf("dead node D's abandoned temporary file, an hour past temp_grace, is still on the mount after A adopted D")
 	}
 }
+
+// TestClusterAnotherNodesUseFromItsFutureCountsAsNow: node B, its clock
+// an hour ahead of node A's, reports a use of A's file. A takes the use
+// for an access at its own now, not an hour into its future (where the
+// file would outrank every file used in that hour).
+func TestClusterAnotherNodesUseFromItsFutureCountsAsNow(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	clock := newTestClock()
+	a := clusterNodeAt(t, dir, "a", 1<<30, time.Hour, clock.now)
+	storeKeys(t, a, "a", 1, rand.New(rand.NewPCG(5, 5)))
+	en := entriesOf(a.e, "a")[0]
+	b, err := clustercap.OpenDir(fsys.OS{}, dir, "b")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer b.Close()
+	now := clock.now()
+	use := clustercap.Touch{ID: en.fid, Time: now.Add(time.Hour).UnixNano(), Rank: 1}
+	if err := b.Publish(&clustercap.Summary{Version: clustercap.SummaryVersion, Node: "b", Tag: clustercap.Tag("b"), Seq: 1,
+		Time: now.Add(time.Hour).UnixNano(), Interval: int64(time.Hour), Touches: []clustercap.Touch{use}}); err != nil {
+		t.Fatal(err)
+	}
+	m := a.e.mounts[0]
+	m.cluster.tick(ctx, a.e, m)
+	a.e.ix.mu.RLock()
+	last := en.last
+	a.e.ix.mu.RUnlock()
+	if last > now.UnixNano() {
+		t.Fatalf("A's file, used by B at B's clock an hour ahead, was last accessed %v after A's now", time.Duration(last-now.UnixNano()))
+	}
+}
