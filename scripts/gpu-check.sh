@@ -91,7 +91,7 @@ stop_daemon() {
 	fi
 }
 
-[ "${GDS:-1}" = 1 ] && run gds env KVHOST_GPU_DIR="$disk" KVHOST_GPU_TMPFS="$shm" \
+[ "${GDS:-1}" = 1 ] && run gds env KVHOST_GPU=1 KVHOST_GPU_DIR="$disk" KVHOST_GPU_TMPFS="$shm" \
 	"$bin/gds-gpu.test" -test.run GPU -test.v
 [ "${BATCH:-0}" = 1 ] && run gds-batch env KVHOST_GPU_BATCH=1 KVHOST_GPU_DIR="$disk" \
 	"$bin/gds-gpu.test" -test.run GPUBatch -test.v -test.timeout 210s
