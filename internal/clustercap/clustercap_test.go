@@ -2,8 +2,10 @@ package clustercap
 
 import (
 	"bytes"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"math"
 	"os"
 	"path/filepath"
 	"strings"
@@ -144,6 +146,16 @@ func TestSummaryRoundTripsAndBadOnesAreNamed(t *testing.T) {
 		{"claim below bytes", func(s *Summary) { s.Claim = 5 }},
 		{"interval", func(s *Summary) { s.Interval = 0 }},
 		{"sketch", func(s *Summary) { s.Sketch.Bytes = s.Sketch.Bytes[:1] }},
+		{"claim beyond MaxBytes", func(s *Summary) { s.Claim = MaxBytes + 1 }},
+		{"bytes beyond MaxBytes", func(s *Summary) { s.Bytes, s.Claim = MaxBytes+1, MaxBytes+1 }},
+		{"sketch beyond MaxBytes", func(s *Summary) { s.Sketch = Sketch{Ranks: []uint64{1}, Bytes: []int64{MaxBytes + 1}} }},
+		{"sketch of too many points", func(s *Summary) {
+			s.Sketch = Sketch{}
+			for i := range MaxSketchPoints + 1 {
+				s.Sketch.Ranks = append(s.Sketch.Ranks, uint64(i))
+				s.Sketch.Bytes = append(s.Sketch.Bytes, int64(i+1))
+			}
+		}},
 	}
 	for _, tc := range tests {
 		s := good
@@ -155,6 +167,34 @@ func TestSummaryRoundTripsAndBadOnesAreNamed(t *testing.T) {
 	}
 	if _, err := Decode([]byte("{")); !errors.Is(err, ErrSummary) {
 		t.Errorf("truncated: Decode error %v, want ErrSummary", err)
+	}
+}
+
+// TestClaimsOfPeersNeverWrapSoFitsRefusesPastTheCapacity: a claim of
+// MaxInt64 does not decode, and peers claiming the most a summary may
+// state, summed, still leave no room under a bound of 1 GiB.
+func TestClaimsOfPeersNeverWrapSoFitsRefusesPastTheCapacity(t *testing.T) {
+	huge := &Summary{Version: SummaryVersion, Node: "x", Tag: Tag("x"), Time: 1, Interval: 1, Claim: math.MaxInt64}
+	b, err := json.Marshal(huge)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := Decode(b); !errors.Is(err, ErrSummary) {
+		t.Fatalf("a claim of MaxInt64 bytes decodes (%v): want ErrSummary", err)
+	}
+	bound := Bound{Capacity: 1 << 30, High: 1 << 29, Low: 1 << 28}
+	var peers []*Summary
+	for range 4 {
+		peers = append(peers, &Summary{Claim: MaxBytes, Bytes: MaxBytes})
+	}
+	if bound.Fits(1<<20, peers) {
+		t.Fatalf("peers claiming %d bytes each leave room for 1 MiB more under a bound of 1 GiB (the sum wrapped)", int64(MaxBytes))
+	}
+	if got := Claims(peers); got != math.MaxInt64 {
+		t.Fatalf("Claims of 4 peers at MaxBytes = %d, want MaxInt64 (saturated)", got)
+	}
+	if p := bound.Decide(1, Sketch{}, 1, peers, 1); p.Total != math.MaxInt64 {
+		t.Fatalf("Decide's total of 4 peers at MaxBytes = %d, want MaxInt64 (saturated)", p.Total)
 	}
 }
 
@@ -411,5 +451,18 @@ func TestDirReadsWholeFilesOfAnySize(t *testing.T) {
 		if got, err := d.readFile(p); err != nil || !bytes.Equal(got, want) {
 			t.Fatalf("a file of %d bytes: read %d bytes, %v", n, len(got), err)
 		}
+	}
+}
+
+// TestDirRefusesASummaryFileLargerThanMaxSummarySize: readFile stops
+// reading past MaxSummarySize bytes and reports ErrSummary.
+func TestDirRefusesASummaryFileLargerThanMaxSummarySize(t *testing.T) {
+	d := &Dir{fs: fsys.OS{}}
+	p := filepath.Join(t.TempDir(), "f")
+	if err := os.WriteFile(p, bytes.Repeat([]byte{' '}, MaxSummarySize+1), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if got, err := d.readFile(p); !errors.Is(err, ErrSummary) {
+		t.Fatalf("a file of %d bytes: read %d bytes, %v; want ErrSummary", MaxSummarySize+1, len(got), err)
 	}
 }

@@ -127,7 +127,8 @@ func (d *Dir) writeFile(path string, b []byte) error {
 	return errors.Join(err, f.Close())
 }
 
-// readFile reads the whole file at path (a summary: a few KiB).
+// readFile reads the whole file at path (a summary: a few KiB), failing
+// with ErrSummary past MaxSummarySize bytes.
 func (d *Dir) readFile(path string) ([]byte, error) {
 	f, err := d.fs.OpenFile(path, os.O_RDONLY, 0)
 	if err != nil {
@@ -136,10 +137,14 @@ func (d *Dir) readFile(path string) ([]byte, error) {
 	defer f.Close()
 	out := make([]byte, 0, 4<<10)
 	for {
+		if len(out) > MaxSummarySize {
+			return nil, fmt.Errorf("%w: %s: more than %d bytes", ErrSummary, filepath.Base(path), MaxSummarySize)
+		}
 		if len(out) == cap(out) {
 			out = append(out, 0)[:len(out)] // room to read into
 		}
-		n, err := f.ReadAt(out[len(out):cap(out)], int64(len(out)))
+		// Read at most one byte past the limit: enough to tell.
+		n, err := f.ReadAt(out[len(out):min(cap(out), MaxSummarySize+1)], int64(len(out)))
 		out = out[:len(out)+n]
 		if errors.Is(err, io.EOF) {
 			return out, nil
@@ -171,10 +176,13 @@ func (d *Dir) ReadAll() ([]*Summary, []error, error) {
 		if errors.Is(err, os.ErrNotExist) {
 			continue // removed meanwhile
 		}
-		if err != nil {
+		if err != nil && !errors.Is(err, ErrSummary) {
 			return nil, nil, fmt.Errorf("clustercap: %w", err)
 		}
-		s, err := Decode(b)
+		var s *Summary
+		if err == nil {
+			s, err = Decode(b)
+		}
 		if err == nil && s.Node != node {
 			err = fmt.Errorf("%w: %s holds node %q's summary", ErrSummary, name, s.Node)
 		}

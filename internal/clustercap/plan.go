@@ -1,6 +1,9 @@
 package clustercap
 
-import "fmt"
+import (
+	"fmt"
+	"math"
+)
 
 // StaleIntervals is how many of its publication intervals a node's summary
 // may age before the node may be dead: it is dead once its summary is that
@@ -46,19 +49,29 @@ func Live(s *Summary, now int64, lockFree func(node string) (bool, error)) (bool
 	return !free, nil
 }
 
-// Claims is the sum of the claims of peers (live nodes' summaries).
+// Claims is the sum of the claims of peers (live nodes' summaries),
+// math.MaxInt64 if it passes that.
 func Claims(peers []*Summary) int64 {
 	var n int64
 	for _, p := range peers {
-		n += p.Claim
+		n = addSat(n, p.Claim)
 	}
 	return n
+}
+
+// addSat returns a+b for byte counts a, b >= 0, or math.MaxInt64 where
+// the sum passes it.
+func addSat(a, b int64) int64 {
+	if s := a + b; s >= a {
+		return s
+	}
+	return math.MaxInt64
 }
 
 // Fits reports whether a node claiming claim bytes beside peers (every
 // other live node's summary) stays within the bound's capacity.
 func (b Bound) Fits(claim int64, peers []*Summary) bool {
-	return claim+Claims(peers) <= b.Capacity
+	return addSat(claim, Claims(peers)) <= b.Capacity
 }
 
 // Plan is what a node does about the cluster's usage now.
@@ -87,7 +100,7 @@ func (b Bound) Decide(now int64, own Sketch, ownBytes int64, peers []*Summary, w
 	sketches := make([]Sketch, 0, len(peers)+1)
 	sketches = append(sketches, own)
 	for _, s := range peers {
-		p.Total += s.Bytes
+		p.Total = addSat(p.Total, s.Bytes)
 		sketches = append(sketches, s.Sketch)
 		if s.Cut > 0 && now-s.CutTime <= window {
 			p.Cut = max(p.Cut, s.Cut)

@@ -19,6 +19,9 @@ type Item struct {
 // node are known at every 1/SketchPoints of them, exactly below the first.
 const SketchPoints = 128
 
+// MaxSketchPoints bounds the points of a sketch a summary carries.
+const MaxSketchPoints = 4 * SketchPoints
+
 // Sketch is a node's cumulative bytes by rank, compact: Bytes[i] is the
 // bytes of the node's files whose rank is at most Ranks[i]. Ranks are
 // ascending, Bytes strictly ascending, and the last point holds every
@@ -94,6 +97,12 @@ func (s Sketch) Validate() error {
 	if len(s.Ranks) != len(s.Bytes) {
 		return fmt.Errorf("sketch: %d ranks but %d byte counts", len(s.Ranks), len(s.Bytes))
 	}
+	if len(s.Ranks) > MaxSketchPoints {
+		return fmt.Errorf("sketch: %d points, want at most %d", len(s.Ranks), MaxSketchPoints)
+	}
+	if s.Total() > MaxBytes {
+		return fmt.Errorf("sketch: %d bytes, want at most %d", s.Total(), int64(MaxBytes))
+	}
 	for i := range s.Ranks {
 		if s.Bytes[i] <= 0 {
 			return fmt.Errorf("sketch: point %d: %d bytes, want > 0", i, s.Bytes[i])
@@ -117,7 +126,7 @@ func Cutoff(sketches []Sketch, excess int64) (uint64, bool) {
 	below := func(r uint64) int64 {
 		var n int64
 		for _, s := range sketches {
-			n += s.Below(r)
+			n = addSat(n, s.Below(r))
 		}
 		return n
 	}

@@ -14,6 +14,15 @@ const SummaryVersion = 1
 // having used since its last summary (the most recent first are kept).
 const MaxTouches = 4096
 
+// MaxBytes bounds the byte counts a summary states (Bytes, Claim and its
+// sketch's): sums of a few such counts stay far from overflow, and the
+// sums this package makes saturate at math.MaxInt64 beyond them.
+const MaxBytes = 1 << 62
+
+// MaxSummarySize bounds a summary file: a reader reads at most this many
+// bytes of one (a full summary takes a few hundred KiB at most).
+const MaxSummarySize = 1 << 20
+
 // ErrSummary means a summary file does not decode or is inconsistent.
 var ErrSummary = errors.New("clustercap: bad summary")
 
@@ -88,8 +97,8 @@ func (s *Summary) Validate() error {
 		return bad("tag %#x, want %#x (the tag of its name)", s.Tag, Tag(s.Node))
 	case s.Interval <= 0:
 		return bad("interval %d, want > 0", s.Interval)
-	case s.Bytes < 0 || s.Claim < s.Bytes:
-		return bad("bytes %d, claim %d: want 0 <= bytes <= claim", s.Bytes, s.Claim)
+	case s.Bytes < 0 || s.Claim < s.Bytes || s.Claim > MaxBytes:
+		return bad("bytes %d, claim %d: want 0 <= bytes <= claim <= %d", s.Bytes, s.Claim, int64(MaxBytes))
 	case len(s.Touches) > MaxTouches:
 		return bad("%d touches, want at most %d", len(s.Touches), MaxTouches)
 	}
