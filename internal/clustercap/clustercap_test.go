@@ -88,7 +88,7 @@ func TestDecideCutsOnlyAboveTheHighWatermarkAndFollowsAPeersRecentCut(t *testing
 		return NewSketch(it, SketchPoints)
 	}
 	peer := func(lo, n uint64, cut uint64, cutTime int64) *Summary {
-		return &Summary{Version: SummaryVersion, Node: "p", Tag: Tag("p"), Interval: 10, Bytes: int64(n), Claim: int64(n), Sketch: items(lo, n), Cut: cut, CutTime: cutTime}
+		return &Summary{Version: SummaryVersion, Node: "p", Tag: Tag("p"), Time: 100, Interval: 10, Bytes: int64(n), Claim: int64(n), Sketch: items(lo, n), Cut: cut, CutTime: cutTime}
 	}
 	tests := []struct {
 		name     string
@@ -106,6 +106,33 @@ func TestDecideCutsOnlyAboveTheHighWatermarkAndFollowsAPeersRecentCut(t *testing
 		p := b.Decide(100, items(1000, tc.own), int64(tc.own), []*Summary{tc.peer}, 20)
 		if p.Cut != tc.want || p.Computed != tc.computed {
 			t.Errorf("%s: cut %d computed %v, want %d %v", tc.name, p.Cut, p.Computed, tc.want, tc.computed)
+		}
+	}
+}
+
+// TestDecideJudgesAPeersCutAgeOnThePeersClock: a peer's cut is in force
+// while its summary's time is within the window of the cut's time, both
+// on the peer's clock, however far that clock is from this node's.
+func TestDecideJudgesAPeersCutAgeOnThePeersClock(t *testing.T) {
+	const iv = int64(1e9)
+	now := int64(1_800_000_000) * iv
+	b := Bound{Capacity: 1000, High: 900, Low: 800}
+	for _, tc := range []struct {
+		name     string
+		skew     int64 // the peer's clock minus this node's
+		cutAge   int64 // the cut's age at the peer's summary, on its clock
+		wantsCut bool
+	}{
+		{"clock an hour ahead, cut 10 intervals old", 3600 * iv, 10 * iv, false},
+		{"clock an hour ahead, cut 1 interval old", 3600 * iv, iv, true},
+		{"clock an hour behind, cut 10 intervals old", -3600 * iv, 10 * iv, false},
+		{"clock an hour behind, cut 1 interval old", -3600 * iv, iv, true},
+	} {
+		p := &Summary{Version: SummaryVersion, Node: "a", Tag: Tag("a"), Time: now + tc.skew, Interval: iv, Bytes: 10, Claim: 10,
+			Cut: 12345, CutTime: now + tc.skew - tc.cutAge, Sketch: Sketch{Ranks: []uint64{1}, Bytes: []int64{10}}}
+		pl := b.Decide(now, Sketch{}, 0, []*Summary{p}, 2*iv)
+		if got := pl.Cut == 12345; got != tc.wantsCut {
+			t.Errorf("%s: cut %d, want the peer's cut in force: %v", tc.name, pl.Cut, tc.wantsCut)
 		}
 	}
 }

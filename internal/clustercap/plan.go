@@ -90,7 +90,8 @@ type Plan struct {
 // Decide plans a node's eviction at now (Unix nanoseconds): its own bytes
 // and sketch (fresh), the summaries of every other live node (peers), and
 // window, how long a peer's cut-off stays in force (its interval or two:
-// every node applies it at its next summary). If the cluster is above the
+// every node applies it at its next summary), measured on the peer's
+// clock, from the cut's time to its summary's. If the cluster is above the
 // high watermark, the cut-off is the rank below which every node's files
 // together cover the excess down to the low watermark (Cutoff); each node
 // evicts its own files below it, so the cluster loses its lowest-ranked
@@ -102,7 +103,9 @@ func (b Bound) Decide(now int64, own Sketch, ownBytes int64, peers []*Summary, w
 	for _, s := range peers {
 		p.Total = addSat(p.Total, s.Bytes)
 		sketches = append(sketches, s.Sketch)
-		if s.Cut > 0 && now-s.CutTime <= window {
+		// The cut's age on the peer's own clock: a clock skewed from
+		// this node's neither keeps a cut in force nor drops it early.
+		if age := s.Time - s.CutTime; s.Cut > 0 && age >= 0 && age <= window {
 			p.Cut = max(p.Cut, s.Cut)
 		}
 	}
