@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 
@@ -260,6 +261,55 @@ func TestDirPublishesReadsAndTellsALiveNodeFromADeadOne(t *testing.T) {
 	if live, _ := Live(got[0], 20, a.LockFree); !live {
 		t.Fatal("a fresh summary of a closed node: dead, want live until it is stale")
 	}
+}
+
+// TestOpenDirWaitsOutAnotherNodesProbeOfItsLock: node a probes dead node
+// d's lock (LockFree takes it a moment) while d starts again; d's OpenDir
+// waits for the probe to let go instead of failing with ErrNodeLocked.
+func TestOpenDirWaitsOutAnotherNodesProbeOfItsLock(t *testing.T) {
+	root := t.TempDir()
+	d, err := OpenDir(fsys.OS{}, root, "d")
+	if err != nil {
+		t.Fatal(err)
+	}
+	d.Close() // d dies
+	inProbe, release := make(chan struct{}), make(chan struct{})
+	slowClose := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+		if op == fsys.OpClose && strings.HasSuffix(path, "/d.lock") {
+			close(inProbe)
+			<-release // the probe's close on a shared mount: a round trip
+		}
+		return fsys.Fault{}
+	})
+	a, err := OpenDir(&fsys.Faulty{FS: fsys.OS{}, Inj: slowClose}, root, "a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close()
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		if free, err := a.LockFree("d"); !free || err != nil {
+			t.Errorf("probe: free %v, %v", free, err)
+		}
+	}()
+	<-inProbe
+	var tries atomic.Int32
+	letGo := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+		if op == fsys.OpLock && tries.Add(1) == 2 {
+			close(release) // the probe ends after d's first try
+		}
+		return fsys.Fault{}
+	})
+	d2, err := OpenDir(&fsys.Faulty{FS: fsys.OS{}, Inj: letGo}, root, "d")
+	if tries.Load() < 2 {
+		close(release)
+	}
+	<-done
+	if err != nil {
+		t.Fatalf("node d starting again while node a probes its lock: %v", err)
+	}
+	d2.Close()
 }
 
 // TestAdoptionLockIsHeldByOneNodeAtATime: once node x's lock is free, one

@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"strings"
 	"syscall"
+	"time"
 
 	"github.com/kvhost/kvhost/internal/fsys"
 )
@@ -33,11 +34,18 @@ type Dir struct {
 	adopted adoptions
 }
 
+// LockWait is how long OpenDir tries a node's lock file that another
+// process holds before it fails: other nodes probe a stopped node's lock
+// (LockFree holds it for a round trip each interval), and a node starting
+// again must not take a probe for a second copy of itself.
+const LockWait = 2 * time.Second
+
 // OpenDir creates (if missing) the metadata directory under root and takes
 // node's lock file in it: an exclusive flock, held until Close. It fails
-// with ErrNodeLocked if another process holds it (the same node id runs
-// twice on the mount). Every file operation of the Dir goes through fs
-// (the engine's, which times each one: a hung shared mount shows).
+// with ErrNodeLocked if another process holds it for LockWait (the same
+// node id runs twice on the mount). Every file operation of the Dir goes
+// through fs (the engine's, which times each one: a hung shared mount
+// shows).
 func OpenDir(fs fsys.FS, root, node string) (*Dir, error) {
 	if err := checkNode(node); err != nil {
 		return nil, err
@@ -50,12 +58,20 @@ func OpenDir(fs fsys.FS, root, node string) (*Dir, error) {
 	if err != nil {
 		return nil, fmt.Errorf("clustercap: %w", err)
 	}
-	ok, err := fsys.TryLock(f)
-	if err != nil {
-		f.Close()
-		return nil, fmt.Errorf("clustercap: lock %s: %w", d.lockPath(node), err)
-	}
-	if !ok {
+	deadline := time.Now().Add(LockWait)
+	for pause := time.Millisecond; ; pause = min(2*pause, 100*time.Millisecond) {
+		ok, err := fsys.TryLock(f)
+		if err != nil {
+			f.Close()
+			return nil, fmt.Errorf("clustercap: lock %s: %w", d.lockPath(node), err)
+		}
+		if ok {
+			break
+		}
+		if left := time.Until(deadline); left > 0 {
+			time.Sleep(min(pause, left))
+			continue
+		}
 		f.Close()
 		return nil, fmt.Errorf("%w: %s: node %q already runs on this mount", ErrNodeLocked, d.lockPath(node), node)
 	}
