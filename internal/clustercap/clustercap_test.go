@@ -375,6 +375,7 @@ func TestDirGoesThroughItsFileSystem(t *testing.T) {
 		{fsys.OpMkdir, "open dir", func(root string, fs fsys.FS) error { _, err := OpenDir(fs, root, "b"); return err }},
 		{fsys.OpLock, "open dir", func(root string, fs fsys.FS) error { _, err := OpenDir(fs, root, "b"); return err }},
 		{fsys.OpWrite, "publish", func(root string, fs fsys.FS) error { return openAndPublish(fs, root, sum) }},
+		{fsys.OpSync, "publish", func(root string, fs fsys.FS) error { return openAndPublish(fs, root, sum) }},
 		{fsys.OpRename, "publish", func(root string, fs fsys.FS) error { return openAndPublish(fs, root, sum) }},
 		{fsys.OpReadDir, "read all", func(root string, fs fsys.FS) error { return openPublishAndRead(fs, root, sum) }},
 		{fsys.OpRead, "read all", func(root string, fs fsys.FS) error { return openPublishAndRead(fs, root, sum) }},

@@ -111,8 +111,9 @@ func (d *Dir) Close() error {
 func (d *Dir) lockPath(node string) string    { return filepath.Join(d.path, node+lockSuffix) }
 func (d *Dir) summaryPath(node string) string { return filepath.Join(d.path, node+summarySuffix) }
 
-// Publish writes s as this node's summary: a temporary file renamed over
-// the last one, so that a reader sees one whole summary or the other.
+// Publish writes s as this node's summary: a temporary file, fsynced and
+// renamed over the last one, so that a reader sees one whole summary or
+// the other, after a crash too.
 func (d *Dir) Publish(s *Summary) error {
 	if s.Node != d.node {
 		return fmt.Errorf("clustercap: publish node %q's summary from node %q", s.Node, d.node)
@@ -133,13 +134,18 @@ func (d *Dir) Publish(s *Summary) error {
 	return nil
 }
 
-// writeFile creates path (or truncates it) and writes b into it.
+// writeFile creates path (or truncates it), writes b into it and fsyncs
+// it: renamed over a summary, it must not become an empty or partial one
+// in a crash of the node or the file system.
 func (d *Dir) writeFile(path string, b []byte) error {
 	f, err := d.fs.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o644)
 	if err != nil {
 		return err
 	}
 	_, err = f.WriteAt(b, 0)
+	if err == nil {
+		err = f.Sync()
+	}
 	return errors.Join(err, f.Close())
 }
 
