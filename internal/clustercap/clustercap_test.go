@@ -312,6 +312,27 @@ func TestOpenDirWaitsOutAnotherNodesProbeOfItsLock(t *testing.T) {
 	d2.Close()
 }
 
+// TestReadAllNamesTheNodeOfASummaryThatDoesNotDecode: a truncated summary
+// is reported as a *SummaryError naming its node, wrapping ErrSummary and
+// giving the file's modification time, so that a caller can find the node
+// dead by its lock.
+func TestReadAllNamesTheNodeOfASummaryThatDoesNotDecode(t *testing.T) {
+	root := t.TempDir()
+	a, err := OpenDir(fsys.OS{}, root, "a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close()
+	if err := os.WriteFile(filepath.Join(a.Path(), "x"+summarySuffix), []byte(`{"version":1,`), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	got, bad, err := a.ReadAll()
+	var se *SummaryError
+	if err != nil || len(got) != 0 || len(bad) != 1 || !errors.As(bad[0], &se) || se.Node != "x" || !errors.Is(se, ErrSummary) || se.ModTime.IsZero() {
+		t.Fatalf("ReadAll of a truncated summary: %v %v %v, want a *SummaryError of node x with ErrSummary and its time", got, bad, err)
+	}
+}
+
 // TestAdoptionLockIsHeldByOneNodeAtATime: once node x's lock is free, one
 // of two live nodes takes its adoption lock, the other is refused until
 // the first releases it (or closes); the holder is told it holds it again.

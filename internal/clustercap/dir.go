@@ -177,10 +177,11 @@ func (d *Dir) readFile(path string) ([]byte, error) {
 	}
 }
 
-// ReadAll reads every node's summary but this node's. A summary that does
-// not decode is skipped and its error returned beside the others (a node
-// of another version, a file damaged by hand); a directory that cannot be
-// read is an error with no summaries.
+// ReadAll reads every node's summary but this node's. A summary file that
+// does not decode is skipped and reported beside the others as a
+// *SummaryError naming its node (a node of another version, a file left
+// truncated by a crash); a directory that cannot be read is an error with
+// no summaries.
 func (d *Dir) ReadAll() ([]*Summary, []error, error) {
 	ents, err := d.fs.ReadDir(d.path)
 	if err != nil {
@@ -194,7 +195,8 @@ func (d *Dir) ReadAll() ([]*Summary, []error, error) {
 		if !ok || strings.HasPrefix(name, ".") || node == d.node {
 			continue
 		}
-		b, err := d.readFile(filepath.Join(d.path, name))
+		path := filepath.Join(d.path, name)
+		b, err := d.readFile(path)
 		if errors.Is(err, os.ErrNotExist) {
 			continue // removed meanwhile
 		}
@@ -209,13 +211,35 @@ func (d *Dir) ReadAll() ([]*Summary, []error, error) {
 			err = fmt.Errorf("%w: %s holds node %q's summary", ErrSummary, name, s.Node)
 		}
 		if err != nil {
-			bad = append(bad, fmt.Errorf("%s: %w", name, err))
+			se := &SummaryError{Node: node, Err: err}
+			if fi, err := d.fs.Stat(path); err == nil {
+				se.ModTime = fi.ModTime()
+			}
+			bad = append(bad, se)
 			continue
 		}
 		out = append(out, s)
 	}
 	return out, bad, nil
 }
+
+// SummaryError is a node's summary file that ReadAll could not use: it
+// does not decode (Err wraps ErrSummary: a node of another version, a
+// file left empty or truncated by a crash, one over MaxSummarySize). A
+// node whose summary file does not decode and whose lock is free
+// (LockFree) is not running: a running node holds its lock, and a
+// stopped node of this version left its last summary whole.
+type SummaryError struct {
+	Node    string    // the node the file is named for
+	ModTime time.Time // the file's modification time (the file system's clock); zero if unknown
+	Err     error     // why it could not be used
+}
+
+// Error names the file and says why it could not be used.
+func (e *SummaryError) Error() string { return e.Node + summarySuffix + ": " + e.Err.Error() }
+
+// Unwrap returns e.Err.
+func (e *SummaryError) Unwrap() error { return e.Err }
 
 // LockFree reports whether node's lock file is free: no process holds it
 // (taken without waiting and released at once). A lock file that does not
