@@ -312,6 +312,96 @@ func TestOpenDirWaitsOutAnotherNodesProbeOfItsLock(t *testing.T) {
 	d2.Close()
 }
 
+// TestReadAllRetriesAStaleFileHandle: an ESTALE from the directory's
+// listing or a summary's open or read (a shared mount whose file was
+// replaced under a cached handle) is retried, not reported.
+func TestReadAllRetriesAStaleFileHandle(t *testing.T) {
+	sum := &Summary{Version: SummaryVersion, Node: "b", Tag: Tag("b"), Time: 1, Interval: 10, Bytes: 3, Claim: 4, Sketch: NewSketch([]Item{{5, 3}}, 8)}
+	for _, op := range []fsys.Op{fsys.OpReadDir, fsys.OpOpen, fsys.OpRead} {
+		t.Run(op.String(), func(t *testing.T) {
+			root := t.TempDir()
+			if err := openAndPublish(fsys.OS{}, root, sum); err != nil {
+				t.Fatal(err)
+			}
+			a, err := OpenDir(fsys.OS{}, root, "a")
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer a.Close()
+			a.fs = &fsys.Faulty{FS: fsys.OS{}, Inj: &fsys.Counter{Ops: []fsys.Op{op}, Fault: fsys.Fault{Err: syscall.ESTALE}}}
+			got, bad, err := a.ReadAll()
+			if err != nil || len(bad) != 0 || len(got) != 1 || got[0].Node != "b" {
+				t.Fatalf("ReadAll with one ESTALE on %s: %v %v %v, want b's summary", op, got, bad, err)
+			}
+		})
+	}
+}
+
+// TestReadAllReadsPastASummaryThatKeepsFailing: a summary file whose
+// every open fails is reported by its node's name beside the others, not
+// as a failed read; the last summary of it that was read stands in for
+// it, and with none read before it is left out.
+func TestReadAllReadsPastASummaryThatKeepsFailing(t *testing.T) {
+	root := t.TempDir()
+	for _, n := range []string{"b", "c"} {
+		s := &Summary{Version: SummaryVersion, Node: n, Tag: Tag(n), Time: 1, Interval: 10, Bytes: 3, Claim: 4, Sketch: NewSketch([]Item{{5, 3}}, 8)}
+		if err := openAndPublish(fsys.OS{}, root, s); err != nil {
+			t.Fatal(err)
+		}
+	}
+	a, err := OpenDir(fsys.OS{}, root, "a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close()
+	if got, bad, err := a.ReadAll(); err != nil || len(bad) != 0 || len(got) != 2 {
+		t.Fatalf("first ReadAll: %v %v %v, want b's and c's summaries", got, bad, err)
+	}
+	b2 := &Summary{Version: SummaryVersion, Node: "b", Tag: Tag("b"), Time: 2, Interval: 10, Bytes: 3, Claim: 4, Sketch: NewSketch([]Item{{5, 3}}, 8)}
+	if err := openAndPublish(fsys.OS{}, root, b2); err != nil {
+		t.Fatal(err)
+	}
+	eio := &fsys.Faulty{FS: fsys.OS{}, Inj: fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+		if op == fsys.OpOpen && strings.HasSuffix(path, "/c"+summarySuffix) {
+			return fsys.Fault{Err: syscall.EIO}
+		}
+		return fsys.Fault{}
+	})}
+	fresh, err := OpenDir(fsys.OS{}, root, "f") // has read none of them
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer fresh.Close()
+	for _, tc := range []struct {
+		name  string
+		d     *Dir
+		wantC bool // c's last summary stands in for it
+	}{
+		{"c read before", a, true},
+		{"c never read", fresh, false},
+	} {
+		tc.d.fs = eio
+		got, bad, err := tc.d.ReadAll()
+		if err != nil {
+			t.Fatalf("%s: ReadAll with c's summary failing: %v, want the others", tc.name, err)
+		}
+		var se *SummaryError
+		if len(bad) != 1 || !errors.As(bad[0], &se) || se.Node != "c" || !errors.Is(bad[0], syscall.EIO) {
+			t.Fatalf("%s: errors %v, want c's EIO as a *SummaryError", tc.name, bad)
+		}
+		byNode := map[string]*Summary{}
+		for _, s := range got {
+			byNode[s.Node] = s
+		}
+		if byNode["b"] == nil || byNode["b"].Time != 2 {
+			t.Fatalf("%s: b's summary %+v, want its second", tc.name, byNode["b"])
+		}
+		if c := byNode["c"]; (c != nil) != tc.wantC || len(got) != len(byNode) {
+			t.Fatalf("%s: summaries %v, want c's last one: %v", tc.name, got, tc.wantC)
+		}
+	}
+}
+
 // TestReadAllNamesTheNodeOfASummaryThatDoesNotDecode: a truncated summary
 // is reported as a *SummaryError naming its node, wrapping ErrSummary and
 // giving the file's modification time, so that a caller can find the node
@@ -533,8 +623,8 @@ func openPublishAndRead(fs fsys.FS, root string, s *Summary) error {
 	}
 	defer d.Close()
 	d.fs = fs
-	_, _, err = d.ReadAll()
-	return err
+	_, bad, err := d.ReadAll()
+	return errors.Join(append([]error{err}, bad...)...)
 }
 
 // TestDirReadsWholeFilesOfAnySize: readFile returns every byte of files

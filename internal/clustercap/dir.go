@@ -4,10 +4,12 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 
@@ -32,6 +34,10 @@ type Dir struct {
 	node    string
 	lock    fsys.File
 	adopted adoptions
+	read    struct {
+		mu   sync.Mutex
+		last map[string]*Summary // by node: its last summary ReadAll decoded
+	}
 }
 
 // LockWait is how long OpenDir tries a node's lock file that another
@@ -178,15 +184,26 @@ func (d *Dir) readFile(path string) ([]byte, error) {
 }
 
 // ReadAll reads every node's summary but this node's. A summary file that
-// does not decode is skipped and reported beside the others as a
-// *SummaryError naming its node (a node of another version, a file left
-// truncated by a crash); a directory that cannot be read is an error with
-// no summaries.
+// does not decode (a node of another version, a file left truncated by a
+// crash) or cannot be read is reported beside the others as a
+// *SummaryError naming its node, and the last summary of that node this
+// Dir read, if any, stands in for it: one file failing does not fail the
+// read. A stale file handle (ESTALE, a shared mount's file replaced under
+// a cached handle) is retried. A directory that cannot be listed is an
+// error with no summaries.
 func (d *Dir) ReadAll() ([]*Summary, []error, error) {
-	ents, err := d.fs.ReadDir(d.path)
+	var ents []fs.DirEntry
+	err := retryStale(func() (err error) {
+		ents, err = d.fs.ReadDir(d.path)
+		return err
+	})
 	if err != nil {
 		return nil, nil, fmt.Errorf("clustercap: %w", err)
 	}
+	d.read.mu.Lock()
+	defer d.read.mu.Unlock()
+	last := d.read.last
+	d.read.last = make(map[string]*Summary, len(last))
 	var out []*Summary
 	var bad []error
 	for _, ent := range ents {
@@ -196,12 +213,13 @@ func (d *Dir) ReadAll() ([]*Summary, []error, error) {
 			continue
 		}
 		path := filepath.Join(d.path, name)
-		b, err := d.readFile(path)
+		var b []byte
+		err := retryStale(func() (err error) {
+			b, err = d.readFile(path)
+			return err
+		})
 		if errors.Is(err, os.ErrNotExist) {
 			continue // removed meanwhile
-		}
-		if err != nil && !errors.Is(err, ErrSummary) {
-			return nil, nil, fmt.Errorf("clustercap: %w", err)
 		}
 		var s *Summary
 		if err == nil {
@@ -216,19 +234,39 @@ func (d *Dir) ReadAll() ([]*Summary, []error, error) {
 				se.ModTime = fi.ModTime()
 			}
 			bad = append(bad, se)
+			if s := last[node]; s != nil {
+				d.read.last[node] = s
+				out = append(out, s)
+			}
 			continue
 		}
+		d.read.last[node] = s
 		out = append(out, s)
 	}
 	return out, bad, nil
 }
 
+// staleTries is how many times retryStale calls its function.
+const staleTries = 3
+
+// retryStale calls f until it returns an error other than ESTALE, at most
+// staleTries times: a new lookup of the path gets a fresh handle.
+func retryStale(f func() error) error {
+	err := f()
+	for i := 1; i < staleTries && errors.Is(err, syscall.ESTALE); i++ {
+		err = f()
+	}
+	return err
+}
+
 // SummaryError is a node's summary file that ReadAll could not use: it
 // does not decode (Err wraps ErrSummary: a node of another version, a
-// file left empty or truncated by a crash, one over MaxSummarySize). A
-// node whose summary file does not decode and whose lock is free
-// (LockFree) is not running: a running node holds its lock, and a
-// stopped node of this version left its last summary whole.
+// file left empty or truncated by a crash, one over MaxSummarySize), or
+// it could not be read (Err is the file system's error). A node whose
+// summary file does not decode and whose lock is free (LockFree) is not
+// running: a running node holds its lock, and a stopped node of this
+// version left its last summary whole. One whose file could not be read
+// is unknown.
 type SummaryError struct {
 	Node    string    // the node the file is named for
 	ModTime time.Time // the file's modification time (the file system's clock); zero if unknown
