@@ -1,6 +1,7 @@
 package clustercap
 
 import (
+	"errors"
 	"fmt"
 	"os"
 	"path/filepath"
@@ -32,17 +33,11 @@ func (d *Dir) Adopt(node string) (bool, error) {
 	if d.adopted.locks[node] != nil {
 		return true, nil
 	}
-	path := filepath.Join(d.path, node+adoptSuffix)
-	f, err := d.fs.OpenFile(path, os.O_RDWR|os.O_CREATE, 0o644)
+	f, ok, err := d.tryLockPath(filepath.Join(d.path, node+adoptSuffix), os.O_RDWR)
 	if err != nil {
 		return false, fmt.Errorf("clustercap: adopt %q: %w", node, err)
 	}
-	ok, err := fsys.TryLock(f)
-	if err != nil || !ok {
-		f.Close()
-		if err != nil {
-			return false, fmt.Errorf("clustercap: adopt %q: lock %s: %w", node, path, err)
-		}
+	if !ok {
 		return false, nil
 	}
 	if d.adopted.locks == nil {
@@ -89,4 +84,47 @@ func (d *Dir) releaseAll() error {
 		delete(d.adopted.locks, n)
 	}
 	return first
+}
+
+// Retire removes the metadata of node, a dead node whose adoption this
+// Dir holds and whose files are gone from the mount (the caller knows):
+// its summary, its summary temporaries, its lock file and its adoption
+// file, and releases the adoption. It holds node's lock while it removes
+// them, so that the node cannot start meanwhile; it reports false,
+// removing nothing, when another process holds that lock (the node runs
+// again). Nothing then remains of the node for any reader to read or
+// probe. An error leaves the adoption held; what was removed stays so.
+func (d *Dir) Retire(node string) (bool, error) {
+	if err := checkNode(node); err != nil {
+		return false, err
+	}
+	d.adopted.mu.Lock()
+	defer d.adopted.mu.Unlock()
+	adopt := d.adopted.locks[node]
+	if adopt == nil {
+		return false, fmt.Errorf("clustercap: retire %q: not adopted by node %q", node, d.node)
+	}
+	lock, ok, err := d.tryLockPath(d.lockPath(node), os.O_RDONLY)
+	if err != nil || !ok {
+		if err != nil {
+			err = fmt.Errorf("clustercap: retire %q: %w", node, err)
+		}
+		return false, err
+	}
+	defer lock.Close()
+	for _, path := range []string{d.summaryPath(node), d.lockPath(node), filepath.Join(d.path, node+adoptSuffix)} {
+		if path == d.lockPath(node) {
+			if err := d.removeTemps(node); err != nil {
+				return false, fmt.Errorf("clustercap: retire %q: %w", node, err)
+			}
+		}
+		if err := d.fs.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+			return false, fmt.Errorf("clustercap: retire %q: %w", node, err)
+		}
+	}
+	delete(d.adopted.locks, node)
+	if err := adopt.Close(); err != nil {
+		return true, fmt.Errorf("clustercap: retire %q: %w", node, err)
+	}
+	return true, nil
 }

@@ -472,6 +472,180 @@ func TestAdoptionLockIsHeldByOneNodeAtATime(t *testing.T) {
 	}
 }
 
+// TestRetireRemovesADeadNodesFilesAndLetsItStartAgain: the adopter of a
+// dead node retires it: its summary, lock, adoption file and summary
+// temporaries go and the adoption is released; the node then starts and
+// publishes afresh. A node not adopted, or running again, is not retired.
+func TestRetireRemovesADeadNodesFilesAndLetsItStartAgain(t *testing.T) {
+	root := t.TempDir()
+	sum := &Summary{Version: SummaryVersion, Node: "x", Tag: Tag("x"), Time: 1, Interval: 10, Bytes: 3, Claim: 4, Sketch: NewSketch([]Item{{5, 3}}, 8)}
+	if err := openAndPublish(fsys.OS{}, root, sum); err != nil { // x runs, then dies
+		t.Fatal(err)
+	}
+	y, err := OpenDir(fsys.OS{}, root, "y")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer y.Close()
+	tmp := filepath.Join(y.Path(), ".x.tmp-0123456789abcdef") // x died publishing
+	if err := os.WriteFile(tmp, nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if ok, err := y.Retire("x"); ok || err == nil {
+		t.Fatalf("Retire of a node not adopted: %v, %v; want an error", ok, err)
+	}
+	if ok, err := y.Adopt("x"); !ok || err != nil {
+		t.Fatalf("Adopt: %v, %v", ok, err)
+	}
+	x, err := OpenDir(fsys.OS{}, root, "x") // x runs again
+	if err != nil {
+		t.Fatal(err)
+	}
+	if ok, err := y.Retire("x"); ok || err != nil {
+		t.Fatalf("Retire of a node running again: %v, %v; want false", ok, err)
+	}
+	x.Close()
+	if ok, err := y.Retire("x"); !ok || err != nil {
+		t.Fatalf("Retire: %v, %v; want true", ok, err)
+	}
+	ents, err := os.ReadDir(y.Path())
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range ents {
+		if strings.Contains(e.Name(), "x") {
+			t.Errorf("%s left behind", e.Name())
+		}
+	}
+	if got := y.Adopted(); len(got) != 0 {
+		t.Errorf("adoptions held after Retire: %v, want none", got)
+	}
+	if err := openAndPublish(fsys.OS{}, root, sum); err != nil {
+		t.Fatalf("x starting again after Retire: %v", err)
+	}
+}
+
+// TestLocksHoldTheFileThatRetireLeaves: a node that opened a lock file
+// another node's Retire removes before it locks it (x's own lock, z's
+// adoption of x) locks the file at that path afterwards, not the removed
+// one: so x is seen running and z's adoption excludes w's.
+func TestLocksHoldTheFileThatRetireLeaves(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		lock func(t *testing.T, root string, fs fsys.FS) (check func() error, err error) // runs the Retire within it
+	}{
+		{"x's own lock", func(t *testing.T, root string, fs fsys.FS) (func() error, error) {
+			x, err := OpenDir(fs, root, "x")
+			if err != nil {
+				return nil, err
+			}
+			t.Cleanup(func() { x.Close() })
+			return func() error {
+				w, err := OpenDir(fsys.OS{}, root, "w")
+				if err != nil {
+					return err
+				}
+				defer w.Close()
+				if free, err := w.LockFree("x"); free || err != nil {
+					return fmt.Errorf("x's lock free %v (%v) while x runs", free, err)
+				}
+				return nil
+			}, nil
+		}},
+		{"z's adoption", func(t *testing.T, root string, fs fsys.FS) (func() error, error) {
+			z, err := OpenDir(fsys.OS{}, root, "z")
+			if err != nil {
+				return nil, err
+			}
+			t.Cleanup(func() { z.Close() })
+			z.fs = fs
+			if ok, err := z.Adopt("x"); !ok || err != nil {
+				return nil, fmt.Errorf("z adopts x: %v, %w", ok, err)
+			}
+			return func() error {
+				w, err := OpenDir(fsys.OS{}, root, "w")
+				if err != nil {
+					return err
+				}
+				defer w.Close()
+				if ok, err := w.Adopt("x"); ok || err != nil {
+					return fmt.Errorf("w adopts x too: %v, %v", ok, err)
+				}
+				return nil
+			}, nil
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			root := t.TempDir()
+			sum := &Summary{Version: SummaryVersion, Node: "x", Tag: Tag("x"), Time: 1, Interval: 10, Bytes: 3, Claim: 4, Sketch: NewSketch([]Item{{5, 3}}, 8)}
+			if err := openAndPublish(fsys.OS{}, root, sum); err != nil {
+				t.Fatal(err)
+			}
+			y, err := OpenDir(fsys.OS{}, root, "y")
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer y.Close()
+			if ok, err := y.Adopt("x"); !ok || err != nil {
+				t.Fatalf("y adopts x: %v, %v", ok, err)
+			}
+			var once sync.Once
+			retireFirst := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+				if op == fsys.OpLock {
+					once.Do(func() {
+						if ok, err := y.Retire("x"); !ok || err != nil {
+							t.Errorf("y retires x: %v, %v", ok, err)
+						}
+					})
+				}
+				return fsys.Fault{}
+			})
+			check, err := tc.lock(t, root, &fsys.Faulty{FS: fsys.OS{}, Inj: retireFirst})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := check(); err != nil {
+				t.Fatal(err)
+			}
+		})
+	}
+}
+
+// TestOpenDirRemovesItsOwnSummaryTemporariesOnly: a node starting removes
+// the summary temporaries it left (it died publishing), none of another
+// node's.
+func TestOpenDirRemovesItsOwnSummaryTemporariesOnly(t *testing.T) {
+	root := t.TempDir()
+	dir := filepath.Join(root, DirName)
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	names := map[string]bool{ // name: removed
+		".a.tmp-0123456789abcdef":    true,
+		".ab.tmp-0123456789abcdef":   false,
+		".a.b.tmp-0123456789abcdef":  false,
+		".a.tmp-0123456789abcdef.x":  false,
+		".a.tmp-0123456789abcdeg":    false,
+		"a.tmp-0123456789abcdef":     false,
+		".a.tmp-0123456789abcdef.tm": false,
+	}
+	for n := range names {
+		if err := os.WriteFile(filepath.Join(dir, n), nil, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	a, err := OpenDir(fsys.OS{}, root, "a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close()
+	for n, removed := range names {
+		if _, err := os.Stat(filepath.Join(dir, n)); errors.Is(err, os.ErrNotExist) != removed {
+			t.Errorf("%s: removed %v, want %v", n, !removed, removed)
+		}
+	}
+}
+
 // TestDirGoesThroughItsFileSystem: each kind of operation the Dir makes
 // reaches the file system it was given (here one that fails that kind
 // with EIO), so that the engine's, which times every call, sees a hung

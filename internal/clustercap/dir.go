@@ -60,29 +60,120 @@ func OpenDir(fs fsys.FS, root, node string) (*Dir, error) {
 	if err := fs.MkdirAll(d.path, 0o755); err != nil {
 		return nil, fmt.Errorf("clustercap: %w", err)
 	}
-	f, err := fs.OpenFile(d.lockPath(node), os.O_RDWR|os.O_CREATE, 0o644)
-	if err != nil {
-		return nil, fmt.Errorf("clustercap: %w", err)
-	}
 	deadline := time.Now().Add(LockWait)
 	for pause := time.Millisecond; ; pause = min(2*pause, 100*time.Millisecond) {
-		ok, err := fsys.TryLock(f)
+		f, ok, err := d.tryLockPath(d.lockPath(node), os.O_RDWR)
 		if err != nil {
-			f.Close()
-			return nil, fmt.Errorf("clustercap: lock %s: %w", d.lockPath(node), err)
+			return nil, fmt.Errorf("clustercap: %w", err)
 		}
 		if ok {
+			d.lock = f
 			break
 		}
 		if left := time.Until(deadline); left > 0 {
 			time.Sleep(min(pause, left))
 			continue
 		}
-		f.Close()
 		return nil, fmt.Errorf("%w: %s: node %q already runs on this mount", ErrNodeLocked, d.lockPath(node), node)
 	}
-	d.lock = f
+	d.removeTemps(node) // left by a crash while publishing; another try next start
 	return d, nil
+}
+
+// tryLockPath opens path with flag (creating it) and takes an exclusive
+// flock on it without waiting. It reports false, with no file, when
+// another process holds the lock. The file it locks is the one at path
+// once locked: a Retire may remove the file between the open and the
+// lock, and a lock on a removed file excludes nobody.
+func (d *Dir) tryLockPath(path string, flag int) (fsys.File, bool, error) {
+	const tries = 8 // each a Retire between an open and a lock
+	for range tries {
+		f, err := d.fs.OpenFile(path, flag|os.O_CREATE|syscall.O_NOFOLLOW, 0o644)
+		if err != nil {
+			return nil, false, err
+		}
+		ok, err := fsys.TryLock(f)
+		if err == nil && ok {
+			ok, err = d.isAt(f, path)
+			if err == nil && ok {
+				return f, true, nil
+			}
+			if err == nil {
+				f.Close()
+				continue // removed meanwhile: lock the file at path now
+			}
+		}
+		f.Close()
+		if err != nil {
+			err = fmt.Errorf("lock %s: %w", path, err)
+		}
+		return nil, false, err
+	}
+	return nil, false, fmt.Errorf("lock %s: removed %d times while being locked", path, tries)
+}
+
+// isAt reports whether f is the file at path.
+func (d *Dir) isAt(f fsys.File, path string) (bool, error) {
+	fi, err := fsys.Fstat(f)
+	if err != nil {
+		return false, err
+	}
+	pi, err := d.fs.Stat(path)
+	if errors.Is(err, os.ErrNotExist) {
+		return false, nil
+	}
+	if err != nil {
+		return false, err
+	}
+	a, err := fsys.IdentityOf(fi)
+	if err != nil {
+		return false, err
+	}
+	b, err := fsys.IdentityOf(pi)
+	if err != nil {
+		return false, err
+	}
+	return a.FileID.Inode() == b.FileID.Inode(), nil
+}
+
+// removeTemps removes node's summary temporaries (Publish's, left by a
+// crash), which only node writes: the caller holds node's lock.
+func (d *Dir) removeTemps(node string) error {
+	ents, err := d.fs.ReadDir(d.path)
+	if err != nil {
+		return err
+	}
+	for _, ent := range ents {
+		if !isTemp(ent.Name(), node) {
+			continue
+		}
+		if err := d.fs.Remove(filepath.Join(d.path, ent.Name())); err != nil && !errors.Is(err, os.ErrNotExist) {
+			return err
+		}
+	}
+	return nil
+}
+
+// tempName is the name of a summary temporary of node: Publish's
+// ".<node>.tmp-<16 hex digits>".
+func tempName(node string, random uint64) string {
+	return fmt.Sprintf(".%s.tmp-%016x", node, random)
+}
+
+// isTemp reports whether name is one of node's summary temporaries. The
+// fixed length of the random part tells node's from those of a node
+// whose name has node's as a prefix.
+func isTemp(name, node string) bool {
+	rest, ok := strings.CutPrefix(name, "."+node+".tmp-")
+	if !ok || len(rest) != 16 {
+		return false
+	}
+	for _, c := range rest {
+		if !('0' <= c && c <= '9' || 'a' <= c && c <= 'f') {
+			return false
+		}
+	}
+	return true
 }
 
 // checkNode checks a node name: it names files in the directory.
@@ -128,7 +219,7 @@ func (d *Dir) Publish(s *Summary) error {
 	if err != nil {
 		return err
 	}
-	tmp := filepath.Join(d.path, fmt.Sprintf(".%s.tmp-%016x", d.node, rand.Uint64()))
+	tmp := filepath.Join(d.path, tempName(d.node, rand.Uint64()))
 	if err := d.writeFile(tmp, b); err != nil {
 		d.fs.Remove(tmp)
 		return fmt.Errorf("clustercap: publish: %w", err)
