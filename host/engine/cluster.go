@@ -77,6 +77,9 @@ type clusterMount struct {
 	// rankFailed: the policy's last rank call failed (logged once until
 	// it succeeds again).
 	rankFailed bool
+	// bad holds the nodes whose summary the last read could not use
+	// (logged once, at the read that first found it so).
+	bad map[string]bool
 }
 
 // clusterRun is the engine's cluster loops.
@@ -117,7 +120,7 @@ func (e *Engine) openCluster(ctx context.Context) error {
 		if err != nil {
 			return fmt.Errorf("engine: mount %s: %w", m.root, err)
 		}
-		c := &clusterMount{dir: dir, bound: b, interval: cm.ClusterInterval, tag: clustercap.Tag(e.node), floor: map[uint64]uint64{}, walked: map[uint32]bool{}, temps: map[string]uint32{}}
+		c := &clusterMount{dir: dir, bound: b, interval: cm.ClusterInterval, tag: clustercap.Tag(e.node), floor: map[uint64]uint64{}, walked: map[uint32]bool{}, temps: map[string]uint32{}, bad: map[string]bool{}}
 		c.dead.Store(&map[uint32]bool{})
 		if c.interval == 0 {
 			c.interval = DefaultClusterInterval
@@ -307,7 +310,8 @@ func (e *Engine) policyRank(ctx context.Context, recs []abi.RankRecord) (bool, e
 }
 
 // read reads the other nodes' summaries: the live ones become c.peers;
-// of the dead ones (summary stale, lock free), those whose adoption lock
+// of the dead ones (summary stale, lock free; or a summary file that does
+// not decode, stale, lock free: readBad), those whose adoption lock
 // this node holds or takes become c.dead, and their files on the mount
 // are indexed when newly adopted (they may have been written after this
 // node's start), and again at each read until a walk of the mount
@@ -320,9 +324,6 @@ func (c *clusterMount) read(ctx context.Context, e *Engine, m *mount) error {
 	if err != nil {
 		c.releaseAll(e, m)
 		return err
-	}
-	for _, b := range bad {
-		e.log.Warn("engine: cluster summary skipped", "mount", m.root, "err", b)
 	}
 	now := e.now().UnixNano()
 	c.peers = c.peers[:0]
@@ -360,23 +361,28 @@ func (c *clusterMount) read(ctx context.Context, e *Engine, m *mount) error {
 		}
 		c.cleanTemps(e, dead)
 	}()
+	adopt := func(node string, tag uint32) {
+		ok, err := c.dir.Adopt(node)
+		if err != nil {
+			e.log.Warn("engine: cluster: adoption lock", "mount", m.root, "node", node, "err", err)
+		}
+		if ok {
+			dead[tag] = true
+			if !c.walked[tag] {
+				walk[tag] = true
+			}
+		}
+	}
 	touched := map[uint64]clustercap.Touch{} // by file id: the latest use, the highest rank
+	read := map[string]bool{}                // the nodes of sums
 	for _, s := range sums {
+		read[s.Node] = true
 		live, err := clustercap.Live(s, now, c.dir.LockFree)
 		if err != nil {
 			e.log.Warn("engine: cluster lock probe", "mount", m.root, "node", s.Node, "err", err)
 		}
 		if !live {
-			ok, err := c.dir.Adopt(s.Node)
-			if err != nil {
-				e.log.Warn("engine: cluster: adoption lock", "mount", m.root, "node", s.Node, "err", err)
-			}
-			if ok {
-				dead[s.Tag] = true
-				if !c.walked[s.Tag] {
-					walk[s.Tag] = true
-				}
-			}
+			adopt(s.Node, s.Tag)
 			continue
 		}
 		if err := c.dir.Release(s.Node); err != nil { // it runs again: its files are its own
@@ -393,6 +399,7 @@ func (c *clusterMount) read(ctx context.Context, e *Engine, m *mount) error {
 			}
 		}
 	}
+	c.readBad(e, m, bad, read, now, adopt)
 	if len(touched) == 0 {
 		return nil
 	}
@@ -414,6 +421,44 @@ func (c *clusterMount) read(ctx context.Context, e *Engine, m *mount) error {
 	e.ix.mu.Unlock()
 	e.access(ctx, recs)
 	return nil
+}
+
+// readBad handles the summaries of bad (ReadAll's *SummaryErrors) of
+// nodes not in read (those have a last summary standing in). A node whose
+// summary does not decode is dead once the file is as stale as Live asks
+// of a summary (StaleIntervals of this mount's interval, by the file's
+// modification time; an unknown time is not stale) and its lock is free:
+// a running node holds its lock, and a stopped one of this version left
+// its summary whole (a crash while publishing, another version). adopt
+// adopts it. A node whose summary cannot be read is unknown: never
+// adopted. Each node is logged once while its summary stays bad. Called
+// with c.mu held.
+func (c *clusterMount) readBad(e *Engine, m *mount, bad []error, read map[string]bool, now int64, adopt func(node string, tag uint32)) {
+	was := c.bad
+	c.bad = make(map[string]bool, len(bad))
+	for _, err := range bad {
+		var se *clustercap.SummaryError
+		if !errors.As(err, &se) {
+			continue
+		}
+		c.bad[se.Node] = true
+		if was[se.Node] {
+			e.log.Debug("engine: cluster summary skipped", "mount", m.root, "err", err)
+		} else {
+			e.log.Warn("engine: cluster summary skipped", "mount", m.root, "err", err)
+		}
+		if read[se.Node] || !errors.Is(err, clustercap.ErrSummary) || se.ModTime.IsZero() ||
+			now-se.ModTime.UnixNano() < clustercap.StaleIntervals*int64(c.interval) {
+			continue
+		}
+		free, err := c.dir.LockFree(se.Node)
+		if err != nil {
+			e.log.Warn("engine: cluster lock probe", "mount", m.root, "node", se.Node, "err", err)
+		}
+		if err == nil && free {
+			adopt(se.Node, clustercap.Tag(se.Node))
+		}
+	}
 }
 
 // releaseAll gives up the adoption of every dead node: their files are no

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -600,5 +601,68 @@ func TestClusterAnotherNodesUseFromItsFutureCountsAsNow(t *testing.T) {
 	a.e.ix.mu.RUnlock()
 	if last > now.UnixNano() {
 		t.Fatalf("A's file, used by B at B's clock an hour ahead, was last accessed %v after A's now", time.Duration(last-now.UnixNano()))
+	}
+}
+
+// TestClusterAdoptsADeadNodeWhoseSummaryDoesNotDecode: node D stores 3
+// files and dies, its summary left truncated (a crash while publishing),
+// its lock free. Once the file is older than three of A's intervals, A
+// adopts D and counts D's files as its own; while the file is younger, or
+// while it cannot be read at all (D unknown), A leaves D alone.
+func TestClusterAdoptsADeadNodeWhoseSummaryDoesNotDecode(t *testing.T) {
+	tests := []struct {
+		name       string
+		age        time.Duration // the summary file's age on A's clock
+		unreadable bool          // opening D's summary fails (EIO)
+		adopted    bool
+	}{
+		{"stale", 4 * time.Hour, false, true},
+		{"fresh", 0, false, false},
+		{"stale but unreadable", 4 * time.Hour, true, false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			ctx := context.Background()
+			dir := t.TempDir()
+			sum := filepath.Join(dir, clustercap.DirName, "d.summary")
+			var fail atomic.Bool
+			inj := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+				if op == fsys.OpOpen && path == sum && fail.Load() {
+					return fsys.Fault{Err: syscall.EIO}
+				}
+				return fsys.Fault{}
+			})
+			clock := newTestClock()
+			a := openEngine(t, Config{Mounts: []Mount{{Path: dir, ClusterCapacity: 1 << 30, ClusterInterval: time.Hour}},
+				Policy: newTestPolicy(1, abi.OrderLayerMajor), NodeID: "a", FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj}, Now: clock.now})
+			d := clusterNode(t, dir, "d", 1<<30, time.Hour)
+			storeKeys(t, d, "d", 3, rand.New(rand.NewPCG(38, 38)))
+			if err := d.e.Close(ctx); err != nil {
+				t.Fatal(err)
+			}
+			b, err := os.ReadFile(sum)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if err := os.WriteFile(sum, b[:len(b)/2], 0o644); err != nil { // truncated by the crash
+				t.Fatal(err)
+			}
+			fail.Store(tt.unreadable)
+			clock.advance(tt.age)
+			m := a.mounts[0]
+			m.cluster.tick(ctx, a, m)
+			if !tt.adopted {
+				if isAdopted(a, "d") || len(m.cluster.dir.Adopted()) > 0 {
+					t.Fatalf("A adopted D, its summary %v old on A's clock (unreadable: %v)", tt.age, tt.unreadable)
+				}
+				return
+			}
+			if !isAdopted(a, "d") || len(entriesOf(a, "d")) != 3 {
+				t.Fatalf("dead node D (summary truncated, lock free, file %v old) not adopted: adopted %v, %d of its 3 files indexed", tt.age, isAdopted(a, "d"), len(entriesOf(a, "d")))
+			}
+			if got, want := ownBytes(m), diskBytes(t, dir); got != want {
+				t.Fatalf("A adopted D and counts %d bytes of its own, want the %d bytes of D's files on the mount", got, want)
+			}
+		})
 	}
 }
