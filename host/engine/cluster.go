@@ -315,8 +315,9 @@ func (e *Engine) policyRank(ctx context.Context, recs []abi.RankRecord) (bool, e
 // this node holds or takes become c.dead, and their files on the mount
 // are indexed when newly adopted (they may have been written after this
 // node's start), and again at each read until a walk of the mount
-// completes; a node adopted before that runs again is released.
-// Touches of this node's files raise their last access. A read that fails
+// completes; a node adopted before that runs again is released, and so
+// is one no longer read at all; one whose files are all gone is retired
+// (retire). Touches of this node's files raise their last access. A read that fails
 // releases every adopted node: this node cannot tell whether they run
 // again. Called with c.mu held.
 func (c *clusterMount) read(ctx context.Context, e *Engine, m *mount) error {
@@ -329,7 +330,8 @@ func (c *clusterMount) read(ctx context.Context, e *Engine, m *mount) error {
 	c.peers = c.peers[:0]
 	was := *c.dead.Load()
 	dead := map[uint32]bool{}
-	walk := map[uint32]bool{} // adopted, their files not all indexed yet
+	walk := map[uint32]bool{}    // adopted, their files not all indexed yet
+	names := map[uint32]string{} // the nodes of dead
 	defer func() {
 		// The adopted tags are published once their files are indexed:
 		// a node counted as adopted is counted whole.
@@ -360,6 +362,7 @@ func (c *clusterMount) read(ctx context.Context, e *Engine, m *mount) error {
 			c.own += e.bytesOf(m, walk) - before
 		}
 		c.cleanTemps(e, dead)
+		c.retire(e, m, dead, names)
 	}()
 	adopt := func(node string, tag uint32) {
 		ok, err := c.dir.Adopt(node)
@@ -368,6 +371,7 @@ func (c *clusterMount) read(ctx context.Context, e *Engine, m *mount) error {
 		}
 		if ok {
 			dead[tag] = true
+			names[tag] = node
 			if !c.walked[tag] {
 				walk[tag] = true
 			}
@@ -421,6 +425,43 @@ func (c *clusterMount) read(ctx context.Context, e *Engine, m *mount) error {
 	e.ix.mu.Unlock()
 	e.access(ctx, recs)
 	return nil
+}
+
+// retire retires the dead nodes of dead (names: their names) whose
+// files are all gone: a walk of the mount completed (c.walked), no entry
+// of theirs is left on m, no temporary file of theirs either (c.temps).
+// Dir.Retire removes their summaries, locks and adoption files; a node
+// retired leaves dead (and c.walked). Then it lets go of every adoption
+// this node holds of a node not in dead: one retired by another node
+// meanwhile (in neither of ReadAll's lists), or one whose summary could
+// not be read (unknown). Called with c.mu held.
+func (c *clusterMount) retire(e *Engine, m *mount, dead map[uint32]bool, names map[uint32]string) {
+	temps := map[uint32]bool{}
+	for _, tag := range c.temps {
+		temps[tag] = true
+	}
+	for tag := range dead {
+		if !c.walked[tag] || temps[tag] || e.bytesOf(m, map[uint32]bool{tag: true}) > 0 {
+			continue
+		}
+		ok, err := c.dir.Retire(names[tag])
+		if err != nil {
+			e.log.Warn("engine: cluster: retiring a dead node", "mount", m.root, "node", names[tag], "err", err)
+		}
+		if ok {
+			e.log.Info("engine: cluster: retired a dead node, none of its files left", "mount", m.root, "node", names[tag])
+			delete(dead, tag)
+			delete(c.walked, tag)
+		}
+	}
+	for _, node := range c.dir.Adopted() {
+		if tag := clustercap.Tag(node); dead[tag] && names[tag] == node {
+			continue
+		}
+		if err := c.dir.Release(node); err != nil {
+			e.log.Warn("engine: cluster: adoption lock", "mount", m.root, "node", node, "err", err)
+		}
+	}
 }
 
 // readBad handles the summaries of bad (ReadAll's *SummaryErrors) of

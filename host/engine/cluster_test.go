@@ -666,3 +666,79 @@ func TestClusterAdoptsADeadNodeWhoseSummaryDoesNotDecode(t *testing.T) {
 		})
 	}
 }
+
+// clusterFiles lists the files of node left in dir's cluster directory:
+// its summary, lock and adoption file.
+func clusterFiles(dir, node string) []string {
+	var left []string
+	for _, s := range []string{".summary", ".lock", ".adopt"} {
+		if _, err := os.Stat(filepath.Join(dir, clustercap.DirName, node+s)); err == nil {
+			left = append(left, node+s)
+		}
+	}
+	return left
+}
+
+// TestClusterRetiresADeadNodeWithNoFilesLeft: node A adopts dead node D
+// (one file). While D's file stays, A keeps D; once it is gone, A's next
+// tick retires D: D's summary, lock and adoption files leave the cluster
+// directory and A holds no adoption.
+func TestClusterRetiresADeadNodeWithNoFilesLeft(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	clock := newTestClock()
+	a := clusterNodeAt(t, dir, "a", 1<<30, time.Hour, clock.now)
+	d := clusterNode(t, dir, "d", 1<<30, time.Hour)
+	keys := storeKeys(t, d, "d", 1, rand.New(rand.NewPCG(3, 3)))
+	if err := d.e.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	clock.advance(4 * time.Hour) // D's summary: stale
+	m := a.e.mounts[0]
+	m.cluster.tick(ctx, a.e, m)
+	m.cluster.tick(ctx, a.e, m)
+	if !isAdopted(a.e, "d") || len(clusterFiles(dir, "d")) != 3 {
+		t.Fatalf("A, D's file still on the mount: adopted D %v, D's cluster files %v", isAdopted(a.e, "d"), clusterFiles(dir, "d"))
+	}
+	if n, err := a.e.Delete(ctx, a.ns, keys); err != nil || n != 1 {
+		t.Fatalf("delete D's key on A: %d %v", n, err)
+	}
+	if got := diskBytes(t, dir); got != 0 {
+		t.Fatalf("%d bytes left on the mount after deleting D's one key", got)
+	}
+	m.cluster.tick(ctx, a.e, m)
+	if left := clusterFiles(dir, "d"); len(left) > 0 || len(m.cluster.dir.Adopted()) > 0 || isAdopted(a.e, "d") {
+		t.Fatalf("dead node D has no file left on the mount, yet %v stay and A holds the adoption of %v", left, m.cluster.dir.Adopted())
+	}
+}
+
+// TestClusterLetsGoOfADeadNodeRetiredElsewhere: node A adopted dead node
+// D; D's summary, lock and adoption files then leave the directory (as
+// when another node retires D). D is no longer in A's read: A's next tick
+// lets go of D's adoption.
+func TestClusterLetsGoOfADeadNodeRetiredElsewhere(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	clock := newTestClock()
+	a := clusterNodeAt(t, dir, "a", 1<<30, time.Hour, clock.now)
+	d := clusterNode(t, dir, "d", 1<<30, time.Hour)
+	storeKeys(t, d, "d", 1, rand.New(rand.NewPCG(3, 3)))
+	if err := d.e.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	clock.advance(4 * time.Hour) // D's summary: stale
+	m := a.e.mounts[0]
+	m.cluster.tick(ctx, a.e, m)
+	if !isAdopted(a.e, "d") {
+		t.Fatal("A did not adopt D")
+	}
+	for _, f := range clusterFiles(dir, "d") {
+		if err := os.Remove(filepath.Join(dir, clustercap.DirName, f)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	m.cluster.tick(ctx, a.e, m)
+	if got := m.cluster.dir.Adopted(); len(got) > 0 || isAdopted(a.e, "d") {
+		t.Fatalf("D's cluster files gone (retired elsewhere), A still holds the adoption of %v", got)
+	}
+}
