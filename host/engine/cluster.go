@@ -38,6 +38,10 @@ import (
 // DefaultClusterInterval is Mount.ClusterInterval when it is zero.
 const DefaultClusterInterval = time.Second
 
+// maxRewalkIntervals bounds how long, in cluster intervals, a failed walk
+// of the mount for an adopted node's files puts off the next one.
+const maxRewalkIntervals = 32
+
 // clusterMount is the cluster state of one mount.
 type clusterMount struct {
 	dir      *clustercap.Dir
@@ -61,8 +65,14 @@ type clusterMount struct {
 	dead atomic.Pointer[map[uint32]bool]
 	// walked holds the adopted tags whose files a walk of the mount has
 	// indexed whole (adoptFiles without an error): the others are walked
-	// again at the next read.
-	walked map[uint32]bool
+	// again, a tag newly adopted at once, one adopted before at the first
+	// read from rewalkAt (Unix ns), which each failed walk puts off by
+	// rewalkWait, doubled from one interval up to maxRewalkIntervals: a
+	// directory that stays unreadable must not cost a walk of the whole
+	// mount, under mu, at every read.
+	walked     map[uint32]bool
+	rewalkAt   int64
+	rewalkWait time.Duration
 	// temps holds the temporary files of adopted nodes that a walk found
 	// and that are not gone yet (younger than temp_grace, or their removal
 	// failed), with their owner's tag: each read tries them again
@@ -314,8 +324,8 @@ func (e *Engine) policyRank(ctx context.Context, recs []abi.RankRecord) (bool, e
 // not decode, stale, lock free: readBad), those whose adoption lock
 // this node holds or takes become c.dead, and their files on the mount
 // are indexed when newly adopted (they may have been written after this
-// node's start), and again at each read until a walk of the mount
-// completes; a node adopted before that runs again is released, and so
+// node's start), and again until a walk of the mount completes (after
+// a failed walk, at the first read from c.rewalkAt); a node adopted before that runs again is released, and so
 // is one no longer read at all; one whose files are all gone is retired
 // (retire). Touches of this node's files raise their last access. A read that fails
 // releases every adopted node: this node cannot tell whether they run
@@ -352,8 +362,11 @@ func (c *clusterMount) read(ctx context.Context, e *Engine, m *mount) error {
 			before := e.bytesOf(m, again)
 			n, err := e.adoptFiles(ctx, m, walk, c.temps)
 			if err != nil {
-				e.log.Warn("engine: cluster: indexing a dead node's files; walking the mount again at the next read", "mount", m.root, "err", err)
+				c.rewalkWait = min(max(2*c.rewalkWait, c.interval), maxRewalkIntervals*c.interval)
+				c.rewalkAt = now + c.rewalkWait.Nanoseconds()
+				e.log.Warn("engine: cluster: indexing a dead node's files; walking the mount again later", "mount", m.root, "in", c.rewalkWait, "err", err)
 			} else {
+				c.rewalkWait = 0
 				for tag := range walk {
 					c.walked[tag] = true
 				}
@@ -372,7 +385,7 @@ func (c *clusterMount) read(ctx context.Context, e *Engine, m *mount) error {
 		if ok {
 			dead[tag] = true
 			names[tag] = node
-			if !c.walked[tag] {
+			if !c.walked[tag] && (!was[tag] || now >= c.rewalkAt) {
 				walk[tag] = true
 			}
 		}

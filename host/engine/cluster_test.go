@@ -531,9 +531,60 @@ func TestClusterAnAdoptionWalkCutShortIsDoneAgain(t *testing.T) {
 	if armed.Load() || !isAdopted(a, "d") {
 		t.Fatalf("A's first tick: adopted D %v, a directory read failed %v", isAdopted(a, "d"), !armed.Load())
 	}
+	clock.advance(time.Hour) // one interval: the walk is due again
 	m.cluster.tick(ctx, a, m)
 	if got := len(entriesOf(a, "d")); got != 8 {
 		t.Fatalf("A adopted D (8 files on the mount) but indexes %d of them, a tick after one failed directory read of its walk", got)
+	}
+}
+
+// TestClusterAWalkThatKeepsFailingIsPutOffLongerEachTime: a directory of
+// the mount that stays unreadable does not cost a walk of the whole mount
+// at every read: after each failed walk of an adopted node's files the
+// next waits one interval, then twice as long each time; once the
+// directory reads again, the due walk indexes every file.
+func TestClusterAWalkThatKeepsFailingIsPutOffLongerEachTime(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	var failing atomic.Bool
+	var failed atomic.Int64
+	inj := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+		if op == fsys.OpReadDir && path != dir && !strings.Contains(path, clustercap.DirName) && failing.Load() {
+			failed.Add(1)
+			return fsys.Fault{Err: syscall.EIO}
+		}
+		return fsys.Fault{}
+	})
+	clock := newTestClock()
+	a := openEngine(t, Config{Mounts: []Mount{{Path: dir, ClusterCapacity: 1 << 30, ClusterInterval: time.Hour}},
+		Policy: newTestPolicy(1, abi.OrderLayerMajor), NodeID: "a", FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj}, Now: clock.now})
+	d := clusterNode(t, dir, "d", 1<<30, time.Hour)
+	storeKeys(t, d, "d", 8, rand.New(rand.NewPCG(9, 9)))
+	if err := d.e.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	clock.advance(4 * time.Hour) // D's summary: stale
+	m := a.mounts[0]
+	failing.Store(true)
+	m.cluster.tick(ctx, a, m)
+	perWalk := failed.Load()
+	if perWalk == 0 || !isAdopted(a, "d") {
+		t.Fatalf("A's first tick: adopted D %v, %d directory reads failed", isAdopted(a, "d"), perWalk)
+	}
+	for range 7 { // reads at 1..7 intervals: walks due at 1, 3 and 7
+		clock.advance(time.Hour)
+		m.cluster.tick(ctx, a, m)
+	}
+	if walks := failed.Load() / perWalk; walks != 4 {
+		t.Fatalf("8 reads an interval apart, a directory failing throughout: %d walks of the mount, want 4 (at 0, 1, 3 and 7 intervals)", walks)
+	}
+	failing.Store(false)
+	for range 8 { // the next walk is due 8 intervals after the last
+		clock.advance(time.Hour)
+		m.cluster.tick(ctx, a, m)
+	}
+	if got := len(entriesOf(a, "d")); got != 8 {
+		t.Fatalf("the directory readable again: A indexes %d of D's 8 files after the due walk", got)
 	}
 }
 
