@@ -16,7 +16,8 @@
 //     record times pass, every count is halved (an entry moves down one
 //     level). Time comes from the records, as the sandbox has no clock; the
 //     epochs are the same on every node, so nodes age alike. Aging is lazy:
-//     no call does work in proportion to the number of entries (see Policy).
+//     an aging moves no entry, and an Access call moves at most 1024 (see
+//     Policy for the one bounded exception).
 //   - Evict: level 0 first, least recent first within a level; pinned
 //     entries and entries on other mounts are skipped; stop when the victims'
 //     sizes cover the bytes asked for. Score = level<<56 | last access>>8, so
@@ -54,8 +55,8 @@ const Levels = 16
 
 // Policy is the LFU policy. The zero value is not usable; call New.
 //
-// It ages lazily, so that no call does work in proportion to the entries
-// held: an entry's list (its Tracker class, a slot) has a key, the aging
+// It ages lazily, so that no aging walks the entries held (one that did
+// ran out of fuel past about 200,000 entries): an entry's list (its Tracker class, a slot) has a key, the aging
 // epoch at which the entry's count, as last set, halves to zero (the epoch
 // it was set at plus its level then). Until then its level is the key less
 // the epochs passed (an aging moves no entry); from then its count is zero,
@@ -246,7 +247,9 @@ func (p *Policy) rekey(epoch uint64) {
 }
 
 // reserve makes sure that a slot is free for class to take: when every
-// slot of the Tracker's is in use, it drains the smallest stale list.
+// slot of the Tracker's is in use, it drains the smallest stale list, the
+// one call that may move more than the drain budget: at most about 1/991
+// of the entries, since more than 991 lists are stale then.
 func (p *Policy) reserve() {
 	if len(p.free) > 0 || len(p.keys) < policykit.MaxClasses {
 		return

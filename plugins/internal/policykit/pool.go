@@ -28,7 +28,7 @@ const (
 // The zero Pool is empty and ready to use.
 type Pool struct {
 	entries []Entry
-	free    int32 // head of the free list, linked through next; none if empty
+	free    int32 // head of the free list, linked through right; none if empty
 	live    int
 	index   Table
 }
