@@ -502,17 +502,18 @@ func TestClusterAnAdopterThatCannotReadLetsGoOfTheNodesItAdopted(t *testing.T) {
 	}
 }
 
-// TestClusterAnAdoptionWalkCutShortIsDoneAgain: node A adopts dead node
-// D (8 files); one directory read of A's walk of the mount fails
-// (ESTALE, once). The walk goes on past that directory, and A's next
-// tick walks again: A then indexes all 8 of D's files.
-func TestClusterAnAdoptionWalkCutShortIsDoneAgain(t *testing.T) {
-	ctx := context.Background()
+// deadNodeBesideAFailingWalk opens node A, whose reads of the mount's
+// directories (its own and the cluster directory aside) fail with what
+// fail returns, and a node D that stores 8 keys there and stops; the
+// clock is then 4 intervals on (an hour each): D's summary is stale.
+func deadNodeBesideAFailingWalk(t *testing.T, fail func() error) (*Engine, *testClock) {
+	t.Helper()
 	dir := t.TempDir()
-	var armed atomic.Bool
 	inj := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
-		if op == fsys.OpReadDir && path != dir && !strings.Contains(path, clustercap.DirName) && armed.CompareAndSwap(true, false) {
-			return fsys.Fault{Err: syscall.ESTALE}
+		if op == fsys.OpReadDir && path != dir && !strings.Contains(path, clustercap.DirName) {
+			if err := fail(); err != nil {
+				return fsys.Fault{Err: err}
+			}
 		}
 		return fsys.Fault{}
 	})
@@ -521,10 +522,26 @@ func TestClusterAnAdoptionWalkCutShortIsDoneAgain(t *testing.T) {
 		Policy: newTestPolicy(1, abi.OrderLayerMajor), NodeID: "a", FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj}, Now: clock.now})
 	d := clusterNode(t, dir, "d", 1<<30, time.Hour)
 	storeKeys(t, d, "d", 8, rand.New(rand.NewPCG(9, 9)))
-	if err := d.e.Close(ctx); err != nil {
+	if err := d.e.Close(context.Background()); err != nil {
 		t.Fatal(err)
 	}
-	clock.advance(4 * time.Hour) // D's summary: stale
+	clock.advance(4 * time.Hour)
+	return a, clock
+}
+
+// TestClusterAnAdoptionWalkCutShortIsDoneAgain: node A adopts dead node
+// D (8 files); one directory read of A's walk of the mount fails
+// (ESTALE, once). The walk goes on past that directory, and A's tick an
+// interval later walks again: A then indexes all 8 of D's files.
+func TestClusterAnAdoptionWalkCutShortIsDoneAgain(t *testing.T) {
+	ctx := context.Background()
+	var armed atomic.Bool
+	a, clock := deadNodeBesideAFailingWalk(t, func() error {
+		if armed.CompareAndSwap(true, false) {
+			return syscall.ESTALE
+		}
+		return nil
+	})
 	m := a.mounts[0]
 	armed.Store(true)
 	m.cluster.tick(ctx, a, m)
@@ -545,25 +562,15 @@ func TestClusterAnAdoptionWalkCutShortIsDoneAgain(t *testing.T) {
 // directory reads again, the due walk indexes every file.
 func TestClusterAWalkThatKeepsFailingIsPutOffLongerEachTime(t *testing.T) {
 	ctx := context.Background()
-	dir := t.TempDir()
 	var failing atomic.Bool
 	var failed atomic.Int64
-	inj := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
-		if op == fsys.OpReadDir && path != dir && !strings.Contains(path, clustercap.DirName) && failing.Load() {
+	a, clock := deadNodeBesideAFailingWalk(t, func() error {
+		if failing.Load() {
 			failed.Add(1)
-			return fsys.Fault{Err: syscall.EIO}
+			return syscall.EIO
 		}
-		return fsys.Fault{}
+		return nil
 	})
-	clock := newTestClock()
-	a := openEngine(t, Config{Mounts: []Mount{{Path: dir, ClusterCapacity: 1 << 30, ClusterInterval: time.Hour}},
-		Policy: newTestPolicy(1, abi.OrderLayerMajor), NodeID: "a", FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj}, Now: clock.now})
-	d := clusterNode(t, dir, "d", 1<<30, time.Hour)
-	storeKeys(t, d, "d", 8, rand.New(rand.NewPCG(9, 9)))
-	if err := d.e.Close(ctx); err != nil {
-		t.Fatal(err)
-	}
-	clock.advance(4 * time.Hour) // D's summary: stale
 	m := a.mounts[0]
 	failing.Store(true)
 	m.cluster.tick(ctx, a, m)

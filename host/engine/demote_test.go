@@ -866,7 +866,6 @@ func TestCopyBuffersHaveTheSizeAskedAndAreNeverShared(t *testing.T) {
 // move, removes the moved file, and both keys are gone.
 func TestDeleteRemovesAKeyMovedAfterItWasFound(t *testing.T) {
 	ctx := context.Background()
-	g := smallGeometry(true)
 	hot, cold := t.TempDir(), t.TempDir()
 	var (
 		e     *Engine
@@ -881,13 +880,7 @@ func TestDeleteRemovesAKeyMovedAfterItWasFound(t *testing.T) {
 		}
 		return fsys.Fault{}
 	})
-	e = openEngine(t, Config{Mounts: []Mount{{Path: hot}, {Path: cold}}, FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj},
-		Policy: &demotingPolicy{testPolicy: newTestPolicy(1, abi.OrderLayerMajor)}})
-	ns, err := e.Declare(ctx, g)
-	if err != nil {
-		t.Fatal(err)
-	}
-	c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
+	e, ns, c := injectedEngine(t, []Mount{{Path: hot}, {Path: cold}}, &demotingPolicy{testPolicy: newTestPolicy(1, abi.OrderLayerMajor)}, inj, 16)
 	storeAndCheck(t, e, c, keys, [][]int{{0, 1, 2, 3}, {4, 5, 6, 7}})
 	armed.Store(entryOf(e, ns, keys[1]))
 	n, err := e.Delete(ctx, ns, keys)
@@ -973,7 +966,6 @@ func TestPinHoldsAKeyMovedAfterItWasFound(t *testing.T) {
 // present, with no file counted vanished and no second copy written.
 func TestAStoreOfAKeyMovedAfterItWasFoundAnswersPresent(t *testing.T) {
 	ctx := context.Background()
-	g := smallGeometry(true)
 	hot, cold := t.TempDir(), t.TempDir()
 	var (
 		e     *Engine
@@ -988,13 +980,7 @@ func TestAStoreOfAKeyMovedAfterItWasFoundAnswersPresent(t *testing.T) {
 		}
 		return fsys.Fault{}
 	})
-	e = openEngine(t, Config{Mounts: []Mount{{Path: hot}, {Path: cold}}, FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj},
-		Policy: &demotingPolicy{testPolicy: newTestPolicy(1, abi.OrderLayerMajor)}})
-	ns, err := e.Declare(ctx, g)
-	if err != nil {
-		t.Fatal(err)
-	}
-	c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
+	e, ns, c := injectedEngine(t, []Mount{{Path: hot}, {Path: cold}}, &demotingPolicy{testPolicy: newTestPolicy(1, abi.OrderLayerMajor)}, inj, 16)
 	storeAndCheck(t, e, c, keys, [][]int{{0, 1, 2, 3}})
 	armed.Store(entryOf(e, ns, keys[0]))
 	res := wait(t)(e.Store(ctx, StoreRequest{Cache: c.id, Keys: keys, Blocks: [][]int{{0, 1, 2, 3}}}))
