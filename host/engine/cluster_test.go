@@ -470,20 +470,12 @@ func TestClusterAnAdopterThatCannotReadLetsGoOfTheNodesItAdopted(t *testing.T) {
 	ctx := context.Background()
 	dir := t.TempDir()
 	var fail atomic.Bool
-	inj := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+	a, clock := besideDeadNode(t, dir, 1, fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
 		if fail.Load() && op == fsys.OpReadDir && strings.HasSuffix(path, clustercap.DirName) {
 			return fsys.Fault{Err: syscall.ESTALE}
 		}
 		return fsys.Fault{}
-	})
-	clock := newTestClock()
-	a := openEngine(t, Config{Mounts: []Mount{{Path: dir, ClusterCapacity: 1 << 30, ClusterInterval: time.Hour}},
-		Policy: newTestPolicy(1, abi.OrderLayerMajor), NodeID: "a", FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj}, Now: clock.now})
-	d := clusterNode(t, dir, "d", 1<<30, time.Hour)
-	storeKeys(t, d, "d", 1, rand.New(rand.NewPCG(4, 4)))
-	if err := d.e.Close(ctx); err != nil {
-		t.Fatal(err)
-	}
+	}))
 	clock.advance(4 * time.Hour) // D's summary: stale
 	m := a.mounts[0]
 	m.cluster.tick(ctx, a, m)
@@ -502,29 +494,37 @@ func TestClusterAnAdopterThatCannotReadLetsGoOfTheNodesItAdopted(t *testing.T) {
 	}
 }
 
-// deadNodeBesideAFailingWalk opens node A, whose reads of the mount's
-// directories (its own and the cluster directory aside) fail with what
-// fail returns, and a node D that stores 8 keys there and stops; the
-// clock is then 4 intervals on (an hour each): D's summary is stale.
+// besideDeadNode opens node A on dir, on a test clock and through a file
+// system that injects inj's faults, and a node D (an hour's interval, as
+// A's) that stores keys keys there and stops.
+func besideDeadNode(t *testing.T, dir string, keys int, inj fsys.Injector) (*Engine, *testClock) {
+	t.Helper()
+	clock := newTestClock()
+	a := openEngine(t, Config{Mounts: []Mount{{Path: dir, ClusterCapacity: 1 << 30, ClusterInterval: time.Hour}},
+		Policy: newTestPolicy(1, abi.OrderLayerMajor), NodeID: "a", FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj}, Now: clock.now})
+	d := clusterNode(t, dir, "d", 1<<30, time.Hour)
+	storeKeys(t, d, "d", keys, rand.New(rand.NewPCG(uint64(keys), 9)))
+	if err := d.e.Close(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	return a, clock
+}
+
+// deadNodeBesideAFailingWalk is besideDeadNode with 8 keys, A's reads of
+// the mount's directories (its own and the cluster directory aside)
+// failing with what fail returns, and the clock 4 intervals on: D's
+// summary is stale.
 func deadNodeBesideAFailingWalk(t *testing.T, fail func() error) (*Engine, *testClock) {
 	t.Helper()
 	dir := t.TempDir()
-	inj := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+	a, clock := besideDeadNode(t, dir, 8, fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
 		if op == fsys.OpReadDir && path != dir && !strings.Contains(path, clustercap.DirName) {
 			if err := fail(); err != nil {
 				return fsys.Fault{Err: err}
 			}
 		}
 		return fsys.Fault{}
-	})
-	clock := newTestClock()
-	a := openEngine(t, Config{Mounts: []Mount{{Path: dir, ClusterCapacity: 1 << 30, ClusterInterval: time.Hour}},
-		Policy: newTestPolicy(1, abi.OrderLayerMajor), NodeID: "a", FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj}, Now: clock.now})
-	d := clusterNode(t, dir, "d", 1<<30, time.Hour)
-	storeKeys(t, d, "d", 8, rand.New(rand.NewPCG(9, 9)))
-	if err := d.e.Close(context.Background()); err != nil {
-		t.Fatal(err)
-	}
+	}))
 	clock.advance(4 * time.Hour)
 	return a, clock
 }
@@ -684,20 +684,12 @@ func TestClusterAdoptsADeadNodeWhoseSummaryDoesNotDecode(t *testing.T) {
 			dir := t.TempDir()
 			sum := filepath.Join(dir, clustercap.DirName, "d.summary")
 			var fail atomic.Bool
-			inj := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+			a, clock := besideDeadNode(t, dir, 3, fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
 				if op == fsys.OpOpen && path == sum && fail.Load() {
 					return fsys.Fault{Err: syscall.EIO}
 				}
 				return fsys.Fault{}
-			})
-			clock := newTestClock()
-			a := openEngine(t, Config{Mounts: []Mount{{Path: dir, ClusterCapacity: 1 << 30, ClusterInterval: time.Hour}},
-				Policy: newTestPolicy(1, abi.OrderLayerMajor), NodeID: "a", FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj}, Now: clock.now})
-			d := clusterNode(t, dir, "d", 1<<30, time.Hour)
-			storeKeys(t, d, "d", 3, rand.New(rand.NewPCG(38, 38)))
-			if err := d.e.Close(ctx); err != nil {
-				t.Fatal(err)
-			}
+			}))
 			b, err := os.ReadFile(sum)
 			if err != nil {
 				t.Fatal(err)

@@ -860,6 +860,31 @@ func TestCopyBuffersHaveTheSizeAskedAndAreNeverShared(t *testing.T) {
 	}
 }
 
+// moveTrap moves the file of the armed entry to mount 1 at the first file
+// operation its trigger accepts, once; moved says whether that move
+// succeeded.
+type moveTrap struct {
+	armed atomic.Pointer[entry]
+	moved atomic.Bool
+}
+
+// movingEngine is injectedEngine on mounts hot and cold with a demoting
+// policy, its file system springing the returned trap.
+func movingEngine(t *testing.T, hot, cold string, trigger func(op fsys.Op, path string, en *entry) bool) (*moveTrap, *Engine, NamespaceID, *testCache) {
+	t.Helper()
+	trap := &moveTrap{}
+	var e *Engine
+	inj := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+		if en := trap.armed.Load(); en != nil && trigger(op, path, en) && trap.armed.CompareAndSwap(en, nil) {
+			_, err := e.move(context.Background(), en.id, 1, true)
+			trap.moved.Store(err == nil)
+		}
+		return fsys.Fault{}
+	})
+	e, ns, c := injectedEngine(t, []Mount{{Path: hot}, {Path: cold}}, &demotingPolicy{testPolicy: newTestPolicy(1, abi.OrderLayerMajor)}, inj, 16)
+	return trap, e, ns, c
+}
+
 // TestDeleteRemovesAKeyMovedAfterItWasFound deletes two keys of two files
 // and, while the first file is removed, moves the second key's file to the
 // other mount: the delete, which found the second key's entry before the
@@ -867,24 +892,14 @@ func TestCopyBuffersHaveTheSizeAskedAndAreNeverShared(t *testing.T) {
 func TestDeleteRemovesAKeyMovedAfterItWasFound(t *testing.T) {
 	ctx := context.Background()
 	hot, cold := t.TempDir(), t.TempDir()
-	var (
-		e     *Engine
-		armed atomic.Pointer[entry]
-		moved atomic.Bool
-	)
 	keys := testKeys("delmoved", 2)
-	inj := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
-		if en := armed.Load(); op == fsys.OpRemove && en != nil && path != en.path && armed.CompareAndSwap(en, nil) {
-			_, err := e.move(ctx, en.id, 1, true)
-			moved.Store(err == nil)
-		}
-		return fsys.Fault{}
+	trap, e, ns, c := movingEngine(t, hot, cold, func(op fsys.Op, path string, en *entry) bool {
+		return op == fsys.OpRemove && path != en.path // the other file's removal
 	})
-	e, ns, c := injectedEngine(t, []Mount{{Path: hot}, {Path: cold}}, &demotingPolicy{testPolicy: newTestPolicy(1, abi.OrderLayerMajor)}, inj, 16)
 	storeAndCheck(t, e, c, keys, [][]int{{0, 1, 2, 3}, {4, 5, 6, 7}})
-	armed.Store(entryOf(e, ns, keys[1]))
+	trap.armed.Store(entryOf(e, ns, keys[1]))
 	n, err := e.Delete(ctx, ns, keys)
-	if !moved.Load() {
+	if !trap.moved.Load() {
 		t.Fatal("the second key's file was not moved during the delete: the test proves nothing")
 	}
 	if n != 2 || err != nil {
@@ -967,24 +982,14 @@ func TestPinHoldsAKeyMovedAfterItWasFound(t *testing.T) {
 func TestAStoreOfAKeyMovedAfterItWasFoundAnswersPresent(t *testing.T) {
 	ctx := context.Background()
 	hot, cold := t.TempDir(), t.TempDir()
-	var (
-		e     *Engine
-		armed atomic.Pointer[entry]
-		moved atomic.Bool
-	)
 	keys := testKeys("storemoved", 1)
-	inj := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
-		if en := armed.Load(); op == fsys.OpOpen && en != nil && path == en.path && armed.CompareAndSwap(en, nil) {
-			_, err := e.move(ctx, en.id, 1, true)
-			moved.Store(err == nil)
-		}
-		return fsys.Fault{}
+	trap, e, ns, c := movingEngine(t, hot, cold, func(op fsys.Op, path string, en *entry) bool {
+		return op == fsys.OpOpen && path == en.path // the store's check of the file
 	})
-	e, ns, c := injectedEngine(t, []Mount{{Path: hot}, {Path: cold}}, &demotingPolicy{testPolicy: newTestPolicy(1, abi.OrderLayerMajor)}, inj, 16)
 	storeAndCheck(t, e, c, keys, [][]int{{0, 1, 2, 3}})
-	armed.Store(entryOf(e, ns, keys[0]))
+	trap.armed.Store(entryOf(e, ns, keys[0]))
 	res := wait(t)(e.Store(ctx, StoreRequest{Cache: c.id, Keys: keys, Blocks: [][]int{{0, 1, 2, 3}}}))
-	if !moved.Load() {
+	if !trap.moved.Load() {
 		t.Fatal("the key's file was not moved during the store: the test proves nothing")
 	}
 	files := append(dataFiles(t, hot), dataFiles(t, cold)...)
