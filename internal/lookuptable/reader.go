@@ -60,7 +60,7 @@ func (r *Reader) load(off int) uint64 {
 // Leading returns how many leading keys of the namespace with fingerprint
 // fp the table holds. final reports that the first key it lacks (if any)
 // is not stored; ok is false when the table cannot answer now (closed, or
-// rebuilt meanwhile): the caller asks the daemon.
+// its slots rewritten meanwhile): the caller asks the daemon.
 func (r *Reader) Leading(fp uint64, keys [][]byte) (n int, final, ok bool) {
 	seq := r.load(offSeq)
 	flags := r.load(offFlags)

@@ -11,7 +11,7 @@
 //	0   magic "KVHLKT01"
 //	8   u32 version (1)
 //	12  u32 log2 of the slot count
-//	16  u64 sequence: odd while the writer rebuilds the slots
+//	16  u64 sequence: odd while the writer moves keys between slots
 //	24  u64 flags: FlagMissesFinal, FlagIncomplete, FlagClosed
 //	32  u64 keys held
 //	40  reserved up to 64
@@ -23,11 +23,13 @@
 // slot the next 8 modulo the slot count. A reader probes from the home
 // slot to the first empty slot: the tag found is a hit, an empty slot a
 // miss. The writer holds keys in at most three quarters of the slots and
-// lets a new key take a removed slot on its probe; once an eighth of the
-// slots are removed it rebuilds the slots in place, between two
-// increments of the sequence, so that at most seven eighths are ever in
-// use and every probe ends. A reader that saw the sequence odd or changed
-// asks the daemon instead.
+// lets a new key take a removed slot on its probe. Once a sixteenth of the
+// slots are removed it sweeps them: each add and removal that follows
+// rewrites, between two increments of the sequence, the clusters (runs of
+// used slots) that hold removed slots among the next few slots, until the
+// sweep has passed every slot. So removed slots stay below an eighth, at
+// most seven eighths of the slots are ever in use and every probe ends. A
+// reader that saw the sequence odd or changed asks the daemon instead.
 package lookuptable
 
 import (
@@ -60,6 +62,12 @@ const (
 	slotEmpty   = 0
 	slotRemoved = 1
 )
+
+// sweepStep is how many slots each add and removal moves a sweep in
+// progress on (to the end of the cluster it reaches): a sweep of n slots
+// ends within n/sweepStep removals, so the removed slots, a sixteenth when
+// it starts, stay below an eighth.
+const sweepStep = 64
 
 // Flags of the table's header.
 const (
@@ -116,11 +124,12 @@ func Hash(fp uint64, key []byte) (tag, home uint64) {
 
 // Stats counts what a writer did.
 type Stats struct {
-	Keys     uint64 // keys held now
-	Slots    uint64 // slots of the table
-	Rebuilds uint64 // rebuilds of the slots (removed slots reclaimed)
-	Dropped  uint64 // keys not held at their Add because the table was full
-	Lacking  uint64 // keys the index holds that the table lacks now
+	Keys    uint64 // keys held now
+	Slots   uint64 // slots of the table
+	Sweeps  uint64 // sweeps of the slots (removed slots reclaimed) finished
+	Swept   uint64 // slots the sweeps went over
+	Dropped uint64 // keys not held at their Add because the table was full
+	Lacking uint64 // keys the index holds that the table lacks now
 }
 
 // Table is the writer's side: it creates the file and keeps it equal to
@@ -140,6 +149,12 @@ type Table struct {
 	dropped map[uint64]uint64 // tag → home of keys the full table lacks
 	flags   uint64
 	st      Stats
+
+	// The sweep that reclaims removed slots (sweepLocked).
+	sweeping bool     // one is in progress
+	cursor   uint64   // the slot it goes on from
+	left     int      // how many slots it has yet to pass
+	cluster  []uint64 // scratch: the tags of the cluster it rewrites
 }
 
 // placed is where a tag sits and where its probe starts.
@@ -242,6 +257,7 @@ func (t *Table) Add(fp uint64, key string) {
 		t.st.Dropped++
 		t.storeHeader(offFlags, t.flags|FlagIncomplete)
 	}
+	t.sweepLocked(sweepStep)
 }
 
 // addLocked places tag if the table has room for it and reports whether
@@ -249,11 +265,10 @@ func (t *Table) Add(fp uint64, key string) {
 //
 // At most three quarters of the slots hold keys. A new key takes the
 // first removed or empty slot of its probe: a removed one leaves as many
-// slots in use; where it would take an empty one and an eighth of the
-// slots are removed, the slots are rebuilt first. So at most seven
-// eighths of the slots are ever in use (every probe ends), and a rebuild,
-// which rewrites every slot, follows at least an eighth of the slots'
-// worth of removals.
+// slots in use; an empty one is taken while fewer than an eighth of the
+// slots are removed, which the sweeps ensure (sweepLocked; should they
+// not have, a whole sweep runs first). So at most seven eighths of the
+// slots are ever in use, and every probe ends.
 func (t *Table) addLocked(tag, home uint64) bool {
 	if len(t.where)+1 > len(t.slots)/4*3 {
 		return false
@@ -262,7 +277,8 @@ func (t *Table) addLocked(tag, home uint64) bool {
 	if atomic.LoadUint64(&t.slots[i]) == slotRemoved {
 		t.removed--
 	} else if t.removed >= len(t.slots)/8 {
-		t.rebuildLocked()
+		t.sweeping, t.left = true, len(t.slots)
+		t.sweepLocked(len(t.slots))
 		i = t.freeLocked(home)
 	}
 	atomic.StoreUint64(&t.slots[i], tag)
@@ -308,24 +324,91 @@ func (t *Table) Remove(fp uint64, key string) {
 	if len(t.dropped) == 0 && atomic.LoadUint64(t.header(offFlags))&FlagIncomplete != 0 {
 		t.storeHeader(offFlags, t.flags)
 	}
+	t.sweepLocked(sweepStep)
 }
 
-// rebuildLocked rewrites the slots from t.where, reclaiming removed ones,
-// between two increments of the sequence. The caller holds t.mu.
-func (t *Table) rebuildLocked() {
-	seq := t.header(offSeq)
-	atomic.AddUint64(seq, 1) // odd: readers ask the daemon
-	for i := range t.slots {
-		atomic.StoreUint64(&t.slots[i], slotEmpty)
+// sweepLocked moves the sweep that reclaims removed slots on by at least
+// budget slots, to the end of the cluster (run of used slots) it reaches,
+// first starting one if none is in progress and a sixteenth of the slots
+// are removed. A sweep ends once it has passed every slot. The caller
+// holds t.mu, and the engine's index lock (KeySet): a call goes over
+// budget slots and the clusters at its ends, never the whole table.
+//
+// A cluster holding removed slots is rewritten: its slots emptied, then
+// its keys placed again in the order they were in, each at the first
+// empty slot of its probe. A key's probe starts within its cluster (the
+// slot before the cluster is empty) and each key lands no later than it
+// was, so the cluster's keys stay in it, no other key's probe crosses it,
+// and its removed slots become empty ones. Readers are sent to the daemon
+// while the cluster is rewritten: the rewrites of one call lie between two
+// increments of the sequence.
+func (t *Table) sweepLocked(budget int) {
+	if !t.sweeping {
+		if t.removed < len(t.slots)/16 {
+			return
+		}
+		t.sweeping, t.left = true, len(t.slots)
 	}
-	t.removed = 0
-	for tag, p := range t.where {
-		p.slot = t.freeLocked(p.home)
-		atomic.StoreUint64(&t.slots[p.slot], tag)
-		t.where[tag] = p
+	odd := false
+	for budget > 0 && t.left > 0 {
+		// The cluster the cursor is in, or the one after it where the
+		// cursor's slot is empty (where the last call left it, unless a
+		// key took it since).
+		start, seen := t.cursor, 1
+		if atomic.LoadUint64(&t.slots[start]) == slotEmpty {
+			start = (start + 1) & t.mask
+		} else {
+			for atomic.LoadUint64(&t.slots[(start-1)&t.mask]) != slotEmpty {
+				start = (start - 1) & t.mask
+				seen++
+			}
+		}
+		end, removed, tags := start, 0, t.cluster[:0]
+		for v := atomic.LoadUint64(&t.slots[end]); v != slotEmpty; v = atomic.LoadUint64(&t.slots[end]) {
+			if v == slotRemoved {
+				removed++
+			} else {
+				tags = append(tags, v)
+			}
+			end = (end + 1) & t.mask
+			seen++
+		}
+		if removed > 0 {
+			if !odd {
+				atomic.AddUint64(t.header(offSeq), 1) // odd: readers ask the daemon
+				odd = true
+			}
+			for i := start; i != end; i = (i + 1) & t.mask {
+				atomic.StoreUint64(&t.slots[i], slotEmpty)
+			}
+			for _, tag := range tags {
+				p := t.where[tag]
+				i := t.freeLocked(p.home)
+				atomic.StoreUint64(&t.slots[i], tag)
+				if p.slot != i {
+					p.slot = i
+					t.where[tag] = p
+				}
+			}
+			t.removed -= removed
+		}
+		t.cluster = tags[:0]
+		passed := int((end - t.cursor) & t.mask)
+		if passed == 0 { // the cluster took every slot but one: none is left to pass
+			passed = len(t.slots)
+		}
+		t.cursor = end
+		budget -= passed
+		t.left -= passed
+		t.st.Swept += uint64(seen)
 	}
-	atomic.AddUint64(seq, 1)
-	t.st.Rebuilds++
+	if odd {
+		atomic.AddUint64(t.header(offSeq), 1)
+	}
+	if t.left <= 0 {
+		t.sweeping = false
+		t.st.Sweeps++
+	}
 }
 
 // Stats is what the table holds and did.

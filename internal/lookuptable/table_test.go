@@ -109,14 +109,14 @@ func TestAFullTableDropsKeysAndItsMissesStopBeingFinalUntilItHoldsThemAgain(t *t
 	}
 }
 
-func TestRemovedSlotsAreReclaimedByRebuilds(t *testing.T) {
+func TestRemovedSlotsAreReclaimedBySweeps(t *testing.T) {
 	const fp = 3
 	tab, r := newTable(t, MinSlots, true)
 	stable := keysOf("stable", 100)
 	for _, k := range stable {
 		tab.Add(fp, string(k))
 	}
-	// Ten table sizes of churn: without rebuilds removed slots would
+	// Ten table sizes of churn: without sweeps removed slots would
 	// fill the table and new keys would be dropped.
 	for i := range 10 * MinSlots {
 		k := fmt.Sprintf("churn-%d", i)
@@ -124,21 +124,21 @@ func TestRemovedSlotsAreReclaimedByRebuilds(t *testing.T) {
 		tab.Remove(fp, k)
 	}
 	st := tab.Stats()
-	if st.Rebuilds == 0 || st.Dropped != 0 || st.Keys != 100 {
-		t.Fatalf("stats %+v: want rebuilds, nothing dropped, 100 keys", st)
+	if st.Sweeps == 0 || st.Dropped != 0 || st.Keys != 100 {
+		t.Fatalf("stats %+v: want sweeps, nothing dropped, 100 keys", st)
 	}
 	if n, final, ok := r.Leading(fp, stable); !ok || !final || n != 100 {
 		t.Fatalf("Leading = %d final %v ok %v; want 100", n, final, ok)
 	}
 }
 
-// TestChurnAtTheLimitRebuildsOnceAnEighthOfTheSlotsWereRemoved: at the
+// TestChurnAtTheLimitSweepsOnceASixteenthOfTheSlotsWereRemoved: at the
 // three-quarters limit, whether the index holds more keys than that (each
 // removal lets a key the table lacks in) or one fewer (a removal, then an
-// add), the slots are rebuilt once per eighth of the slots removed, not
-// once per removal: a rebuild rewrites every slot under the engine's
-// index lock while readers ask the daemon.
-func TestChurnAtTheLimitRebuildsOnceAnEighthOfTheSlotsWereRemoved(t *testing.T) {
+// add), a sweep of the slots starts once a sixteenth of them are removed
+// (less those removed during the last sweep), not once per removal: a
+// sweep goes over every slot.
+func TestChurnAtTheLimitSweepsOnceASixteenthOfTheSlotsWereRemoved(t *testing.T) {
 	const (
 		fp       = 5
 		slots    = MinSlots
@@ -160,15 +160,15 @@ func TestChurnAtTheLimitRebuildsOnceAnEighthOfTheSlotsWereRemoved(t *testing.T) 
 			for _, k := range keys[:tc.held] {
 				tab.Add(fp, string(k))
 			}
-			before := tab.Stats().Rebuilds
+			before := tab.Stats().Sweeps
 			for i := range removals {
 				tab.Remove(fp, string(keys[i]))
 				if tc.add {
 					tab.Add(fp, string(keys[tc.held+i]))
 				}
 			}
-			if got, most := tab.Stats().Rebuilds-before, uint64(removals/(slots/8)+1); got > most {
-				t.Errorf("%d removals rebuilt the slots %d times, want at most %d", removals, got, most)
+			if got, most := tab.Stats().Sweeps-before, uint64(removals/(slots/16-slots/sweepStep-1)+1); got > most {
+				t.Errorf("%d removals swept the slots %d times, want at most %d", removals, got, most)
 			}
 			kept := min(tc.held, limit)
 			n, final, ok := r.Leading(fp, keys[removals:removals+kept+1])
@@ -179,8 +179,52 @@ func TestChurnAtTheLimitRebuildsOnceAnEighthOfTheSlotsWereRemoved(t *testing.T) 
 	}
 }
 
+// TestNoChangeGoesOverMoreThanABoundedNumberOfSlotsToReclaimRemovedOnes:
+// the table's Add and Remove run under the engine's index lock, so
+// reclaiming removed slots is spread over the changes that follow a
+// sixteenth of the slots' worth of removals, each going over a bounded
+// number of slots, not done for all the slots by one of them.
+func TestNoChangeGoesOverMoreThanABoundedNumberOfSlotsToReclaimRemovedOnes(t *testing.T) {
+	const (
+		fp    = 13
+		slots = 1 << 16
+		held  = slots/4*3 - 1
+		churn = 2 * slots
+		most  = 2048
+	)
+	tab, r := newTable(t, slots, true)
+	keys := keysOf("k", held+churn)
+	for _, k := range keys[:held] {
+		tab.Add(fp, string(k))
+	}
+	var worst uint64
+	what := ""
+	change := func(name string, i int, f func(fp uint64, key string)) {
+		before := tab.Stats().Swept
+		f(fp, string(keys[i]))
+		if got := tab.Stats().Swept - before; got > worst {
+			worst, what = got, name
+		}
+	}
+	for i := range churn {
+		change("removal", i, tab.Remove)
+		change("add", held+i, tab.Add)
+	}
+	if worst > most {
+		t.Errorf("one %s went over %d of the %d slots reclaiming removed ones; want at most %d", what, worst, slots, most)
+	}
+	st := tab.Stats()
+	if st.Sweeps == 0 || st.Dropped != 0 {
+		t.Fatalf("stats %+v: want removed slots reclaimed, nothing dropped", st)
+	}
+	n, final, ok := r.Leading(fp, keys[churn:])
+	if !ok || !final || n != held {
+		t.Fatalf("after the churn: Leading = %d final %v ok %v; want %d, final", n, final, ok, held)
+	}
+}
+
 // TestReadersNeverMissAHeldKeyWhileTheWriterChurns: a reader racing with
-// adds, removes and rebuilds either finds every key held throughout or
+// adds, removes and sweeps either finds every key held throughout or
 // is told to ask the daemon; it never reports a held key missing.
 func TestReadersNeverMissAHeldKeyWhileTheWriterChurns(t *testing.T) {
 	const fp = 11
@@ -221,10 +265,10 @@ func TestReadersNeverMissAHeldKeyWhileTheWriterChurns(t *testing.T) {
 		}
 	}
 	wg.Wait()
-	if tab.Stats().Rebuilds == 0 {
-		t.Fatal("the churn made no rebuild: the test did not race a reader with one")
+	if tab.Stats().Sweeps == 0 {
+		t.Fatal("the churn made no sweep: the test did not race a reader with one")
 	}
-	t.Logf("%d answers, %d retries, %d rebuilds", answered, retried, tab.Stats().Rebuilds)
+	t.Logf("%d answers, %d retries, %d sweeps", answered, retried, tab.Stats().Sweeps)
 }
 
 func TestOpenRefusesFilesThatAreNotTables(t *testing.T) {

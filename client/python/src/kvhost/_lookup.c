@@ -268,11 +268,11 @@ static PyObject *probe(const Py_buffer *tb, unsigned int shift, uint64_t fp, PyO
     const uint64_t *header = tb->buf;
     const uint64_t *slots = header + HEADER_WORDS;
     const uint64_t mask = ((uint64_t)1 << shift) - 1;
-    /* The daemon rebuilds the slots between an odd sequence and the next
-     * even one; a probe that sees the same even sequence before and after
-     * read no rebuild. Adds and removes of single slots and the flags are
-     * written outside that window, each a word at a time: the flags are
-     * loaded once, here, before the probe. */
+    /* The daemon moves keys between slots between an odd sequence and the
+     * next even one; a probe that sees the same even sequence before and
+     * after read no such move. Adds and removes of single slots and the
+     * flags are written outside that window, each a word at a time: the
+     * flags are loaded once, here, before the probe. */
     uint64_t seq = __atomic_load_n(&header[SEQ_WORD], __ATOMIC_ACQUIRE);
     uint64_t flags = __atomic_load_n(&header[FLAGS_WORD], __ATOMIC_ACQUIRE);
     PyObject **items = PySequence_Fast_ITEMS(keys);
