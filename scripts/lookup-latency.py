@@ -77,7 +77,7 @@ def summary(lat):
 from kvhost import lookuptable  # noqa: E402
 
 # The ways a lookup is answered, in the order the probes run.
-VIAS = ("table", "table-python", "daemon") if lookuptable.NATIVE else ("table", "daemon")
+VIAS = ("table", "table-python", "daemon") if lookuptable.NATIVE and lookuptable.ORDERED_LOADS else ("table", "daemon")
 # The lines each phase prints, in order: the table probe's process also
 # times the stand-in.
 LINES = VIAS[:1] + ("stand-in",) + VIAS[1:]

@@ -8,14 +8,17 @@ path. This module reads the format internal/lookuptable writes.
 The probe runs in C (kvhost._lookup) where that module was built (pip
 install builds it when a C compiler and Python's headers are present;
 `make python-ext` in a checkout) and in Python otherwise, with the same
-answers; NATIVE says which this process uses.
+answers; NATIVE says which this process uses. The Python probe answers only
+on x86-64 (ORDERED_LOADS): elsewhere it sends every lookup to the daemon.
 """
 
 import functools
 import hashlib
 import mmap
 import os
+import platform
 import struct
+import sys
 
 from kvhost.protocol import check_keys
 
@@ -41,6 +44,23 @@ except ImportError:  # not built: the Python probe below
 # NATIVE names the C probe's SHA-256 ("sha-ni" or "portable"), or is None
 # where the C module is not built and lookups probe in Python.
 NATIVE = _lookup.SHA256 if _lookup is not None else None
+
+
+def loads_ordered(machine):
+    """Whether a CPU of machine (platform.machine()'s name) performs the
+    Python probe's loads of the table in the order it makes them: x86-64's
+    do (its loads are not reordered with one another, and an aligned 8-byte
+    load is one access). The probe reads the sequence, then slots, then the
+    sequence again, with nothing between them that CPython makes a barrier:
+    on a weakly ordered CPU (arm64, POWER, RISC-V) a slot could be read
+    while the daemon rewrites it yet between two equal sequences, and a
+    stored key be answered absent. The C probe orders its loads itself."""
+    return machine.lower() in ("x86_64", "amd64")
+
+
+# ORDERED_LOADS: the Python probe answers here (a 64-bit Python on x86-64);
+# elsewhere it returns None, sending the lookup to the daemon.
+ORDERED_LOADS = loads_ordered(platform.machine()) and sys.maxsize > 2**32
 
 
 class FormatError(ValueError):
@@ -89,14 +109,17 @@ class LookupTable:
         if self.native:
             # The C probe, called with no Python frame between.
             self.leading = functools.partial(_lookup.leading, self._map, shift)
+        elif not ORDERED_LOADS:
+            self.leading = self._unordered
         self.path = path
 
     def leading(self, fp, keys):
         """Returns (n, final): n leading keys are held; final says the next
         key is not stored either. None: the table cannot answer now (the
-        daemon closed it or rebuilt it meanwhile); ask the daemon. The
-        keys' number and lengths are checked first, as the daemon checks
-        them (ValueError)."""
+        daemon closed it or rewrote slots meanwhile), or the Python probe
+        cannot on this CPU (ORDERED_LOADS); ask the daemon. The keys'
+        number and lengths are checked first, as the daemon checks them
+        (ValueError)."""
         check_keys(keys)
         header, slots, mask = self._header, self._slots, self._mask
         seq = header[_SEQ]
@@ -131,6 +154,12 @@ class LookupTable:
         if header[_SEQ] != seq:
             return None
         return n, flags & (FLAG_MISSES_FINAL | FLAG_INCOMPLETE) == FLAG_MISSES_FINAL
+
+    def _unordered(self, fp, keys):
+        """leading where the Python probe's loads may be reordered
+        (loads_ordered): the keys checked, then None."""
+        check_keys(keys)
+        return None
 
     def close(self):
         self._header.release()

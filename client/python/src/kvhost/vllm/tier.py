@@ -209,8 +209,8 @@ class _TierImpl(Reconnects):
         log.info("kvhost tier: namespace %s (%d-byte rows, model %s, vLLM fs-tier directory %s), "
                  "data path %s, socket %s, lookup probe %s", geom.model, self._row_bytes,
                  self._desc["fields"]["model_name"], self.fs_base, self.data_path, o["socket"],
-                 lookuptable.NATIVE or "python (kvhost._lookup not built: install gcc and python3-dev, "
-                 "then the client again)")
+                 lookuptable.NATIVE or ("python" if lookuptable.ORDERED_LOADS else "none, the daemon answers")
+                 + " (kvhost._lookup not built: install gcc and python3-dev, then the client again)")
 
     @property
     def namespace(self):
