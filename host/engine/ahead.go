@@ -251,9 +251,7 @@ func (e *Engine) makeSpares() {
 		case ms == nil:
 			continue
 		case stale.path != "":
-			if err := e.removeFile(stale.path, stale.id); err != nil {
-				e.log.Warn("engine: remove a spare file", "path", stale.path, "err", err)
-			}
+			e.removeSpare(e.mounts[ms.idx], stale.path, stale.id)
 			continue
 		}
 		m := e.mounts[ms.idx]
@@ -295,10 +293,10 @@ func (e *Engine) makeSpare(m *mount, size int64) error {
 		}
 	}
 	// Not kept: the room went to stores meanwhile, the engine is
-	// closing, or the file failed (a zero id is read from the name).
-	if rerr := e.removeFile(path, id); rerr != nil {
-		e.log.Warn("engine: remove a spare file", "path", path, "err", rerr)
-	}
+	// closing, or the file failed (a zero id is read from the name; the
+	// file has size bytes either way).
+	id.Size = size
+	e.removeSpare(m, path, id)
 	return err
 }
 

@@ -180,12 +180,18 @@ func (e *Engine) disposeIfSame(path string, ens []*entry, spare bool) (kept bool
 	}
 	id, err := fileIdentity(f)
 	var h *format.Header
-	if err == nil {
+	if err == nil && !ens[0].spare {
 		h, err = e.fileHeader(ens[0].mount, path, f, id)
 	}
 	f.Close()
 	match := -1 // the index in ens of the file's entry
 	switch {
+	case err == nil && ens[0].spare:
+		// A spare left on disk (index.leaveSpare), alone in ens: its
+		// name is this engine's own, and the file there is the spare
+		// whatever its header says (an evicted file's, zeros, or part
+		// of each).
+		match = 0
 	case err == nil:
 		match = slices.IndexFunc(ens, func(en *entry) bool { return en.sameFile(id, h) })
 	case errors.Is(err, ErrCorrupt):

@@ -23,9 +23,9 @@ type keyRef struct {
 	idx int // index of the key in the file
 }
 
-// entry is one published file. Fields other than pins, leases, hits,
-// last, gone, orphan, retryAt, verified and removeFailed are immutable
-// after it is indexed.
+// entry is one published file, or a spare left on disk (spare). Fields
+// other than pins, leases, hits, last, gone, orphan, retryAt, verified
+// and removeFailed are immutable after it is indexed.
 type entry struct {
 	id    uint64
 	ns    NamespaceID
@@ -56,6 +56,10 @@ type entry struct {
 	// retryAt: in left, when retryLeft may try to remove the file again
 	// (Unix nanoseconds; 0: at the next eviction on its mount).
 	retryAt int64
+	// spare: not a published file but a spare (spares.go) whose removal
+	// failed, only ever in left (index.leaveSpare): it has no keys, and
+	// its name, this engine's own, says which file it is.
+	spare bool
 }
 
 // index is what the engine knows is stored: the published files
@@ -90,9 +94,10 @@ type index struct {
 	byPath   map[string]*entry
 	inflight map[string]*flight // paths being written or removed
 	// left holds the entries dropped from the index whose file could not
-	// be removed (drop.go, disposeIfSame), by the file's path: their
-	// mounts count their bytes as used until an eviction there removes
-	// them (retryLeft) or a file indexed at the path replaces them.
+	// be removed (drop.go, disposeIfSame), and the spares whose removal
+	// failed (leaveSpare), by the file's path: their mounts count their
+	// bytes as used until an eviction there removes them (retryLeft) or
+	// a file indexed at the path replaces them.
 	left      map[string]*entry
 	lastID    uint64
 	keys      KeySet // MirrorKeys's, or nil
@@ -268,6 +273,20 @@ func (ix *index) leaveLocked(en *entry, at string) {
 		ix.sp.free(ix.sp.mounts[old.mount], old.size, false)
 	}
 	ix.left[at] = en
+}
+
+// leaveSpare records that the spare file at path, of size bytes on mount,
+// which the mount no longer counts (taken from its spares, or made and
+// not kept), could not be removed: like a dropped file's (leaveLocked),
+// its bytes count as used until an eviction there removes it
+// (retryLeft).
+func (ix *index) leaveSpare(mount int, path string, size int64) {
+	en := &entry{mount: mount, path: path, size: size, spare: true}
+	en.removeFailed.Store(true)
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	ix.sp.left(ix.sp.mounts[mount], size)
+	ix.leaveLocked(en, path)
 }
 
 // leave is leaveLocked taking the lock.

@@ -69,8 +69,8 @@ type mountSpace struct {
 	capacity  int64 // effective: min(configured, what the file system can hold)
 	high, low int64
 	// used is the bytes of the mount's indexed files, of reservations
-	// (stores and moves in flight) and of files dropped from the index
-	// and not yet removed.
+	// (stores and moves in flight), of files dropped from the index
+	// and not yet removed, and of spares whose removal failed.
 	used int64
 	// orphaned is the part of used that orphans hold: files dropped from
 	// the index while another job held their path, which that job
@@ -206,6 +206,14 @@ func (s *space) free(ms *mountSpace, size int64, orphan bool) {
 	if orphan {
 		ms.orphaned -= size
 	}
+}
+
+// left counts size bytes of a spare of ms, no longer among its spares,
+// as used: its removal failed (index.leaveSpare).
+func (s *space) left(ms *mountSpace, size int64) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	ms.used += size
 }
 
 // unorphan uncounts size bytes of an orphan of ms from orphaned: its

@@ -66,14 +66,12 @@ func (e *Engine) keepSpare(m *mount, path string, id fsys.Identity, evicted int6
 // useSpare opens sf, a spare of exactly size bytes on m taken for a store
 // (reserveFile), as the store's temporary file in dir (renamed, opened with
 // flag extra, flocked, its first page and every byte from end on zeroed),
-// or reports false if that failed (the spare is then removed; the caller
-// creates a fresh file).
-func (e *Engine) useSpare(sf spareFile, dir string, extra int, size, end int64) (fsys.File, string, bool) {
+// or reports false if that failed (the spare is then removed: removeSpare;
+// the caller creates a fresh file).
+func (e *Engine) useSpare(m *mount, sf spareFile, dir string, extra int, size, end int64) (fsys.File, string, bool) {
 	fail := func(path, op string, err error) (fsys.File, string, bool) {
 		e.log.Debug("engine: reuse a spare file", "path", path, "op", op, "err", err)
-		if err := e.removeFile(path, sf.id); err != nil {
-			e.log.Warn("engine: remove a spare file", "path", path, "err", err)
-		}
+		e.removeSpare(m, path, sf.id)
 		return nil, "", false
 	}
 	if err := e.mkdir(dir, false); err != nil {
@@ -148,9 +146,9 @@ func zeroRange(f fsys.File, from, to int64) error {
 // took (reserveFile), where it has one, else a fresh file (createTemp).
 // The reservation made room for a fresh file beside the spares (reserve),
 // and keepSpare keeps a spare only where it fits.
-func (e *Engine) openTemp(sf spareFile, dir string, extra int, size, end int64) (f fsys.File, tmp, op string, err error) {
+func (e *Engine) openTemp(m *mount, sf spareFile, dir string, extra int, size, end int64) (f fsys.File, tmp, op string, err error) {
 	if sf.path != "" {
-		if f, tmp, ok := e.useSpare(sf, dir, extra, size, end); ok {
+		if f, tmp, ok := e.useSpare(m, sf, dir, extra, size, end); ok {
 			return f, tmp, "", nil
 		}
 	}
@@ -177,9 +175,22 @@ func (e *Engine) trimSpares(m *mount, enough func(*mountSpace) bool) {
 		if !ok {
 			return
 		}
-		if err := e.removeFile(sf.path, sf.id); err != nil {
-			e.log.Warn("engine: remove a spare file", "path", sf.path, "err", err)
-		}
+		e.removeSpare(m, sf.path, sf.id)
+	}
+}
+
+// removeSpare removes the spare file at path on m, of identity id (of
+// which the size is what m counted; a zero id is read from the name),
+// which m no longer counts: taken from its spares, or made and not kept.
+// Where the removal fails the file is still there: m counts it as used
+// (index.leaveSpare), as it does a data file whose removal failed, until
+// an eviction there removes it (retryLeft); the failure counts in
+// Stats.RemoveFailures.
+func (e *Engine) removeSpare(m *mount, path string, id fsys.Identity) {
+	if err := e.removeFile(path, id); err != nil {
+		e.st.removeFailures.Add(1)
+		e.log.Warn("engine: remove a spare file", "path", path, "err", err)
+		e.ix.leaveSpare(m.idx, path, id.Size)
 	}
 }
 

@@ -626,3 +626,158 @@ func TestOpenThatFailsLeavesNoOwnerFile(t *testing.T) {
 		t.Fatalf("after the failed Open: owner files %v, leftovers %v; want none", o, l)
 	}
 }
+
+// A spare whose removal fails (trimmed to fit a store, removed after an
+// ENOSPC, or given up by the store that took it) stays on disk, so its
+// mount goes on counting it, as used, until an eviction there removes it:
+// the bytes on disk are the bytes the mount counts.
+func TestASpareWhoseRemovalFailsStaysCounted(t *testing.T) {
+	cases := []struct {
+		name string
+		// fail stores with spare removals failing, the faults armed.
+		fail func(t *testing.T, e *Engine, c *testCache, inj *stuckSpares)
+	}{{
+		name: "trimmed to fit a store",
+		fail: func(t *testing.T, e *Engine, c *testCache, inj *stuckSpares) {
+			// Every store takes a spare of its size; spares of another
+			// size only go when a reservation trims them.
+			other := otherCache(t, e)
+			for _, k := range testKeys("other", 10) {
+				storeAndCheck(t, e, other, [][]byte{k}, [][]int{{0, 1, 2, 3}})
+				if len(inj.stuck()) > 0 {
+					return
+				}
+			}
+		},
+	}, {
+		name: "removed after an ENOSPC",
+		fail: func(t *testing.T, e *Engine, c *testCache, inj *stuckSpares) {
+			// A size no spare has: the store's first write is its own.
+			other := otherCache(t, e)
+			inj.enospc.Store(true)
+			storeAndCheck(t, e, other, testKeys("full", 1), [][]int{{0, 1, 2, 3}})
+		},
+	}, {
+		name: "given up by the store that took it",
+		fail: func(t *testing.T, e *Engine, c *testCache, inj *stuckSpares) {
+			inj.noReuse.Store(true)
+			storeAndCheck(t, e, c, testKeys("fresh", 1), [][]int{{0, 1, 2, 3}})
+		},
+	}, {
+		name: "given up by the store that took it, renamed",
+		fail: func(t *testing.T, e *Engine, c *testCache, inj *stuckSpares) {
+			inj.temps.Store(true)
+			inj.noClear.Store(true)
+			storeAndCheck(t, e, c, testKeys("fresh", 1), [][]int{{0, 1, 2, 3}})
+		},
+	}}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			dir := tmpfsDir(t)
+			var (
+				mu  sync.Mutex
+				now = time.Unix(1_700_000_000, 0)
+			)
+			clock := func() time.Time { mu.Lock(); defer mu.Unlock(); return now }
+			inj := &stuckSpares{}
+			e, _, c, _, _ := spareChurn(t, dir, Config{FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj}, Now: clock}, 20)
+			if e.Stats().Mounts[0].SpareFiles == 0 {
+				t.Fatal("no spare after the churn: the test proves nothing")
+			}
+			counted := func(when string) {
+				t.Helper()
+				m := e.Stats().Mounts[0]
+				if on := bytesOnDisk(t, dir); on != m.Used+m.SpareBytes {
+					t.Fatalf("%s: %d bytes of files on the mount, %d counted (%d used, %d of spares)", when, on, m.Used+m.SpareBytes, m.Used, m.SpareBytes)
+				}
+			}
+			inj.failing.Store(true)
+			tc.fail(t, e, c, inj)
+			inj.failing.Store(false)
+			stuck := inj.stuck()
+			if len(stuck) == 0 {
+				t.Fatal("no spare's removal failed: the test proves nothing")
+			}
+			counted("after spare removals failed")
+			if n, want := e.Stats().RemoveFailures, len(slices.Compact(slices.Sorted(slices.Values(stuck)))); n != uint64(want) {
+				t.Fatalf("%d failed removals counted, want %d: one per spare left", n, want)
+			}
+			mu.Lock()
+			now = now.Add(leftRetryInterval)
+			mu.Unlock()
+			e.retryLeft(e.mounts[0]) // as the next eviction there does
+			for _, p := range stuck {
+				if exists(p) {
+					t.Fatalf("spare %s is still there after its removal was tried again", p)
+				}
+			}
+			counted("after the removals were tried again")
+		})
+	}
+}
+
+// stuckSpares is an injector that, while failing, fails the removal of
+// every spare with EACCES (with temps, of every temporary file too) and
+// records its name; with enospc, the next write fails with ENOSPC; with
+// noClear, with EIO; with noReuse, the next rename of a spare to a
+// store's temporary name fails with EIO.
+type stuckSpares struct {
+	failing, temps, enospc, noClear, noReuse atomic.Bool
+
+	mu    sync.Mutex
+	paths []string
+}
+
+func (s *stuckSpares) Inject(op fsys.Op, path string) fsys.Fault {
+	name := filepath.Base(path)
+	switch {
+	case !s.failing.Load():
+	case op == fsys.OpRemove && (strings.HasPrefix(name, sparePrefix) || s.temps.Load() && strings.HasPrefix(name, tmpPrefix)):
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		s.paths = append(s.paths, path)
+		return fsys.Fault{Err: syscall.EACCES}
+	case op == fsys.OpWrite && s.enospc.CompareAndSwap(true, false):
+		return fsys.Fault{Err: syscall.ENOSPC}
+	case op == fsys.OpWrite && s.noClear.CompareAndSwap(true, false):
+		return fsys.Fault{Err: syscall.EIO}
+	case op == fsys.OpRename && strings.HasPrefix(name, tmpPrefix) && s.noReuse.CompareAndSwap(true, false):
+		return fsys.Fault{Err: syscall.EIO}
+	}
+	return fsys.Fault{}
+}
+
+// otherCache declares smallGeometry(true), whose files are of another
+// size than spareChurn's, and registers a cache of 4 blocks for it.
+func otherCache(t *testing.T, e *Engine) *testCache {
+	t.Helper()
+	g := smallGeometry(true)
+	ns, err := e.Declare(context.Background(), g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return newTestCache(t, e, ns, g, 4, layoutPlaneFirst)
+}
+
+// stuck returns the spares whose removal failed.
+func (s *stuckSpares) stuck() []string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return slices.Clone(s.paths)
+}
+
+// bytesOnDisk is the size of every file under dir but the owner files.
+func bytesOnDisk(t *testing.T, dir string) int64 {
+	t.Helper()
+	var n int64
+	filepath.WalkDir(dir, func(path string, d fs.DirEntry, err error) error {
+		if err != nil || d.IsDir() || strings.HasPrefix(d.Name(), ownerPrefix) {
+			return nil
+		}
+		if fi, err := d.Info(); err == nil {
+			n += fi.Size()
+		}
+		return nil
+	})
+	return n
+}

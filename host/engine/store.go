@@ -454,7 +454,7 @@ func (e *Engine) writeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 	if m.direct {
 		extra = unix.O_DIRECT
 	}
-	f, tmp, op, err := e.openTemp(spare, dir, extra, size, hl+h.PayloadLen())
+	f, tmp, op, err := e.openTemp(m, spare, dir, extra, size, hl+h.PayloadLen())
 	if err != nil {
 		return published, e.ioError(m, op, err)
 	}
