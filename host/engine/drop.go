@@ -193,7 +193,7 @@ func (e *Engine) disposeIfSame(path string, ens []*entry, spare bool) (kept bool
 		// of each).
 		match = 0
 	case err == nil:
-		match = slices.IndexFunc(ens, func(en *entry) bool { return en.sameFile(id, h) })
+		match = slices.IndexFunc(ens, func(en *entry) bool { return en.sameFile(id, h) || en.unknownWithID(h.ID) })
 	case errors.Is(err, ErrCorrupt):
 		// A corrupt file at the inode indexed (a corrupt file being
 		// dropped; writing into it changed its ctime): its header cannot

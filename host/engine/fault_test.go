@@ -927,9 +927,10 @@ func TestAStoreWhoseFstatFailsAfterItsRenameLeavesNoFile(t *testing.T) {
 
 // TestAFileWhoseRemovalFailsAfterAFailedPublishStaysCounted: a store, or
 // a move's copy, whose close fails after its rename removes its file
-// again; where that removal fails too, the file stays on disk, and its
-// mount counts its bytes (not its reservation given back) until a later
-// eviction there removes it.
+// again; where that removal fails too, or where the file cannot be told
+// from another (its fstat after the rename and the stat of its name
+// fail), the file stays on disk, and its mount counts its bytes (not its
+// reservation given back) until a later eviction there removes it.
 func TestAFileWhoseRemovalFailsAfterAFailedPublishStaysCounted(t *testing.T) {
 	ctx := context.Background()
 	cases := []struct {
@@ -941,57 +942,88 @@ func TestAFileWhoseRemovalFailsAfterAFailedPublishStaysCounted(t *testing.T) {
 		fail: func(t *testing.T, e *Engine, _ NamespaceID, c *testCache, keys [][]byte) {
 			res := wait(t)(e.Store(ctx, StoreRequest{Cache: c.id, Keys: keys, Blocks: [][]int{{0, 1, 2, 3}}}))
 			if res.Keys[0].Outcome != OutcomeFailed {
-				t.Fatalf("the store whose close failed after its rename: %+v, want failed", res.Keys[0])
+				t.Fatalf("the store that failed after its rename: %+v, want failed", res.Keys[0])
 			}
 		},
 	}, {
 		name: "move",
 		fail: func(t *testing.T, e *Engine, ns NamespaceID, _ *testCache, keys [][]byte) {
 			if _, err := e.move(ctx, entryOf(e, ns, keys[0]).id, 1, true); err == nil {
-				t.Fatal("the move whose close failed after its rename succeeded")
+				t.Fatal("the move that failed after its rename succeeded")
 			}
 		},
 	}}
-	for _, tc := range cases {
-		t.Run(tc.name, func(t *testing.T) {
-			var failing atomic.Bool
-			inj := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
-				switch {
-				case !failing.Load():
-				case op == fsys.OpClose && strings.HasPrefix(filepath.Base(path), tmpPrefix):
-					return fsys.Fault{Err: syscall.EIO} // seal's close, after the rename
-				case op == fsys.OpRemove && strings.HasSuffix(path, ".kv"):
-					return fsys.Fault{Err: syscall.EACCES}
-				}
-				return fsys.Fault{}
-			})
-			mounts := []Mount{{Path: t.TempDir()}, {Path: t.TempDir()}}
-			e, ns, c := injectedEngine(t, mounts, &demotingPolicy{testPolicy: newTestPolicy(1, abi.OrderLayerMajor)}, inj, 16)
-			keys := testKeys("publeft", 1)
-			if tc.name == "move" {
-				storeAndCheck(t, e, c, keys, [][]int{{0, 1, 2, 3}})
+	faults := []struct {
+		name string
+		// fault is the fault of op on path once the file was renamed
+		// into place.
+		fault func(op fsys.Op, path string) fsys.Fault
+	}{{
+		name: "its close and its unlink fail",
+		fault: func(op fsys.Op, path string) fsys.Fault {
+			switch {
+			case op == fsys.OpClose && strings.HasPrefix(filepath.Base(path), tmpPrefix):
+				return fsys.Fault{Err: syscall.EIO} // seal's close
+			case op == fsys.OpRemove && strings.HasSuffix(path, ".kv"):
+				return fsys.Fault{Err: syscall.EACCES}
 			}
-			fileLen := 4096 + smallGeometry(true).KeyBytes()
-			failing.Store(true)
-			tc.fail(t, e, ns, c, keys)
-			failing.Store(false)
-			counted := func(when string) {
-				t.Helper()
-				st := e.Stats()
-				for i, m := range mounts {
-					if n := int64(len(dataFiles(t, m.Path))); n*fileLen != st.Mounts[i].Used {
-						t.Fatalf("%s: mount %d holds %d data files, %d bytes used; want %d", when, i, n, st.Mounts[i].Used, n*fileLen)
+			return fsys.Fault{}
+		},
+	}, {
+		name: "its fstat and every stat of its name fail",
+		fault: func(op fsys.Op, path string) fsys.Fault {
+			if op == fsys.OpStat && (strings.HasPrefix(filepath.Base(path), tmpPrefix) || strings.HasSuffix(path, ".kv")) {
+				return fsys.Fault{Err: syscall.EIO} // seal's fstat, then the name's
+			}
+			return fsys.Fault{}
+		},
+	}}
+	for _, tc := range cases {
+		for _, fc := range faults {
+			t.Run(tc.name+", "+fc.name, func(t *testing.T) {
+				var failing, renamed atomic.Bool
+				inj := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+					switch {
+					case !failing.Load():
+					case op == fsys.OpRename && strings.HasSuffix(path, ".kv"):
+						renamed.Store(true)
+					case renamed.Load():
+						return fc.fault(op, path)
+					}
+					return fsys.Fault{}
+				})
+				mounts := []Mount{{Path: t.TempDir()}, {Path: t.TempDir()}}
+				e, ns, c := injectedEngine(t, mounts, &demotingPolicy{testPolicy: newTestPolicy(1, abi.OrderLayerMajor)}, inj, 16)
+				keys := testKeys("publeft", 1)
+				if tc.name == "move" {
+					storeAndCheck(t, e, c, keys, [][]int{{0, 1, 2, 3}})
+				}
+				fileLen := 4096 + smallGeometry(true).KeyBytes()
+				failing.Store(true)
+				tc.fail(t, e, ns, c, keys)
+				failing.Store(false)
+				counted := func(when string) {
+					t.Helper()
+					st := e.Stats()
+					for i, m := range mounts {
+						if n := int64(len(dataFiles(t, m.Path))); n*fileLen != st.Mounts[i].Used {
+							t.Fatalf("%s: mount %d holds %d data files, %d bytes used; want %d", when, i, n, st.Mounts[i].Used, n*fileLen)
+						}
 					}
 				}
-			}
-			counted("after a failed publish whose removal failed")
-			if n := e.Stats().RemoveFailures; n != 1 {
-				t.Fatalf("%d failed removals, want 1", n)
-			}
-			for _, m := range e.mounts {
-				e.retryLeft(m) // as the next eviction there does
-			}
-			counted("after the removal was tried again")
-		})
+				counted("after a failed publish whose removal failed")
+				if n := e.Stats().RemoveFailures; n != 1 {
+					t.Fatalf("%d failed removals, want 1", n)
+				}
+				if n, _ := e.Lookup(ctx, ns, keys); tc.name == "store" && n != 0 {
+					t.Fatal("a lookup indexed the file of the failed store")
+				}
+				counted("after a lookup")
+				for _, m := range e.mounts {
+					e.retryLeft(m) // as the next eviction there does
+				}
+				counted("after the removal was tried again")
+			})
+		}
 	}
 }

@@ -52,6 +52,14 @@ func (en *entry) sameFile(id fsys.Identity, h *format.Header) bool {
 	return true
 }
 
+// unknownWithID reports whether en is an entry of unknown identity, never
+// indexed (publish: the fstat after its rename and the stat of its name
+// failed, so it was left), whose file is the one with header id fid: the
+// id alone decides, as it never repeats.
+func (en *entry) unknownWithID(fid uint64) bool {
+	return en.ident.Ino == 0 && en.fid != 0 && en.fid == fid
+}
+
 // errReplaced: the file at an entry's path is not the entry's file.
 var errReplaced = errors.New("engine: file replaced")
 

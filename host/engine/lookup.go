@@ -240,7 +240,8 @@ func (e *Engine) adopt(ctx context.Context, en *entry) *entry {
 		e.ix.mu.Unlock()
 		return old
 	}
-	if e.ix.heldLocked(en.path) || same(e.ix.left[en.path]) {
+	left := e.ix.left[en.path]
+	if e.ix.heldLocked(en.path) || same(left) || left != nil && left.unknownWithID(en.fid) {
 		e.ix.mu.Unlock()
 		return nil
 	}

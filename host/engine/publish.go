@@ -46,12 +46,14 @@ func (e *Engine) publish(ctx context.Context, m *mount, f fsys.File, tmp string,
 		// unknown): removed rather than indexed, if it is still ours.
 		if en.ident.Ino == 0 && en.fid != 0 {
 			// The fstat failed: the name's identity, which the header's
-			// file id, read before the removal, proves ours or not.
+			// file id, read before the removal, proves ours or not. Where
+			// the name's stat fails too, the id alone decides then, and
+			// at every retry (disposeIfSame).
 			if fi, serr := e.fs.Stat(en.path); serr == nil {
 				en.ident, _ = fsys.IdentityOf(fi)
 			}
 		}
-		if en.ident.Ino != 0 {
+		if en.ident.Ino != 0 || en.fid != 0 {
 			left = e.removeIfSame(en.path, []*entry{en})
 		}
 		return true, left, e.ioError(m, op+"publish", err)
