@@ -1,5 +1,7 @@
 package engine
 
+import "slices"
+
 // flight marks a path that this engine is writing (a store) or removing (an
 // eviction, a delete, a corrupt file dropped). At most one of them holds a
 // path at a time, so that a removal never deletes a file a store has just
@@ -15,24 +17,52 @@ type flight struct {
 }
 
 // claimLocked marks path in flight and returns true, or returns false and
-// the holder's flight if it already is.
+// the holder's flight if it already is. The reads of the path begun
+// before go stale (readMark).
 func (ix *index) claimLocked(path string) (bool, *flight) {
 	if fl := ix.inflight[path]; fl != nil {
 		return false, fl
 	}
 	ix.inflight[path] = &flight{done: make(chan struct{})}
+	for _, r := range ix.reads[path] {
+		r.stale = true
+	}
 	return true, nil
+}
+
+// readMark is a discovery's read of the file at a path it does not hold
+// (Engine.discover), between beginRead and endRead. It goes stale when a
+// job of this engine claims the path meanwhile: the file read may be one
+// that job removed (a delete, an eviction) or replaced (a store), and is
+// then not indexed (adopt). Guarded by index.mu.
+type readMark struct{ stale bool }
+
+// beginRead marks a read of the file at path, or returns nil where a job
+// holds the path.
+func (ix *index) beginRead(path string) *readMark {
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	if ix.heldLocked(path) {
+		return nil
+	}
+	r := &readMark{}
+	ix.reads[path] = append(ix.reads[path], r)
+	return r
+}
+
+// endRead ends the read r of path.
+func (ix *index) endRead(path string, r *readMark) {
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	if list := slices.DeleteFunc(ix.reads[path], func(x *readMark) bool { return x == r }); len(list) > 0 {
+		ix.reads[path] = list
+	} else {
+		delete(ix.reads, path)
+	}
 }
 
 // heldLocked reports whether a job of this engine holds path.
 func (ix *index) heldLocked(path string) bool { return ix.inflight[path] != nil }
-
-// held is heldLocked taking the lock.
-func (ix *index) held(path string) bool {
-	ix.mu.RLock()
-	defer ix.mu.RUnlock()
-	return ix.heldLocked(path)
-}
 
 // releaseLocked ends the claim on path and returns its flight, whose done
 // the caller closes once it has unlocked index.mu; or, where orphans were

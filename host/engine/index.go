@@ -93,6 +93,9 @@ type index struct {
 	byKey    map[keyID]keyRef
 	byPath   map[string]*entry
 	inflight map[string]*flight // paths being written or removed
+	// reads holds the reads of files at paths that discoveries are
+	// making (beginRead), by path.
+	reads map[string][]*readMark
 	// left holds the entries dropped from the index whose file could not
 	// be removed (drop.go, disposeIfSame), and the spares whose removal
 	// failed (leaveSpare), by the file's path: their mounts count their
@@ -111,6 +114,7 @@ func newIndex(sp *space) *index {
 		byKey:    map[keyID]keyRef{},
 		byPath:   map[string]*entry{},
 		inflight: map[string]*flight{},
+		reads:    map[string][]*readMark{},
 		left:     map[string]*entry{},
 	}
 }

@@ -210,7 +210,7 @@ func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 		e.drop(ctx, en, false, "replaced")
 		if id.Size >= h.FileLen() {
 			found := e.entryOf(en.mount, en.path, h, id)
-			if en = e.adopt(ctx, found); en == nil {
+			if en = e.adopt(ctx, found, nil); en == nil {
 				// A store of this engine holds the path: the file is
 				// read, and left to it to index or replace.
 				found.gone = true

@@ -200,10 +200,11 @@ func (e *Engine) discover(ctx context.Context, ns *namespace, key []byte) *entry
 	if err != nil || errs[0] != nil {
 		return nil
 	}
-	if e.ix.held(paths[0]) { // adopt looks again
-
+	read := e.ix.beginRead(paths[0])
+	if read == nil { // held: adopt looks again
 		return nil
 	}
+	defer e.ix.endRead(paths[0], read)
 	en, err := e.readEntry(mounts[0], paths[0])
 	if err != nil {
 		if !errors.Is(err, os.ErrNotExist) {
@@ -215,7 +216,7 @@ func (e *Engine) discover(ctx context.Context, ns *namespace, key []byte) *entry
 		e.log.Info("engine: file under the key's name belongs to another key or geometry", "path", paths[0], "err", err)
 		return nil
 	}
-	got := e.adopt(ctx, en)
+	got := e.adopt(ctx, en, read)
 	if got == en {
 		// Another process's or node's file, new to the index: its
 		// first load need not go through the pinned buffers.
@@ -230,10 +231,16 @@ func (e *Engine) discover(ctx context.Context, ns *namespace, key []byte) *entry
 // file at a path it holds, so that a store's view of the file it replaces
 // (group.old) stays true until it publishes. It returns nil too where the
 // file is one this engine dropped and could not remove (index.left): its
-// keys were deleted or evicted, and stay so.
-func (e *Engine) adopt(ctx context.Context, en *entry) *entry {
+// keys were deleted or evicted, and stay so; and where read, the read of
+// the file (nil: none), went stale: a job of this engine held the path
+// since, and may have removed or replaced the file.
+func (e *Engine) adopt(ctx context.Context, en *entry, read *readMark) *entry {
 	en.ns = e.namespaceOf(en.fp)
 	e.ix.mu.Lock()
+	if read != nil && read.stale {
+		e.ix.mu.Unlock()
+		return nil
+	}
 	same := func(old *entry) bool { return old != nil && old.ident.Same(en.ident) && old.fid == en.fid }
 	if old := e.ix.byPath[en.path]; same(old) {
 		e.ix.relinkLocked(old) // found by a key the index had lost

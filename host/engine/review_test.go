@@ -308,16 +308,17 @@ func TestFsyncNewDirectories(t *testing.T) {
 	}
 }
 
-// removeGate holds the removal of one path until a signal.
-type removeGate struct {
+// opGate holds the first operation op on one path until a signal.
+type opGate struct {
+	op      fsys.Op
 	path    atomic.Value // string
 	reached chan struct{}
 	proceed chan struct{}
 	once    sync.Once
 }
 
-func (g *removeGate) Inject(op fsys.Op, path string) fsys.Fault {
-	if p, _ := g.path.Load().(string); op == fsys.OpRemove && path == p {
+func (g *opGate) Inject(op fsys.Op, path string) fsys.Fault {
+	if p, _ := g.path.Load().(string); op == g.op && path == p {
 		first := false
 		g.once.Do(func() { first = true })
 		if first {
@@ -334,7 +335,7 @@ func (g *removeGate) Inject(op fsys.Op, path string) fsys.Fault {
 func TestRemoveKeepsNewerFile(t *testing.T) {
 	ctx := context.Background()
 	g := smallGeometry(true)
-	gate := &removeGate{reached: make(chan struct{}), proceed: make(chan struct{})}
+	gate := &opGate{op: fsys.OpRemove, reached: make(chan struct{}), proceed: make(chan struct{})}
 	e := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir()}}, Policy: newTestPolicy(1, abi.OrderLayerMajor), FS: &fsys.Faulty{FS: fsys.OS{}, Inj: gate}})
 	ns, _ := e.Declare(ctx, g)
 	c := newTestCache(t, e, ns, g, 32, layoutPlaneFirst)
@@ -586,7 +587,7 @@ func TestAdoptLeavesAPathAJobHoldsToItsHolder(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if got := e.adopt(ctx, found); got != nil {
+	if got := e.adopt(ctx, found, nil); got != nil {
 		t.Fatalf("adopt indexed %s while a store held the path", got.path)
 	}
 	e.ix.mu.RLock()
@@ -605,5 +606,83 @@ func TestAdoptLeavesAPathAJobHoldsToItsHolder(t *testing.T) {
 	}
 	if n, err := e.Lookup(ctx, ns, keys); err != nil || n != 1 {
 		t.Fatalf("lookup after the path was released: %d, %v; want 1", n, err)
+	}
+}
+
+// TestALookupNeverIndexesAFileThisEngineRemovedOrReplacedWhileItReadIt: a
+// lookup that finds a key's file on disk, unindexed, reads its header;
+// if meanwhile a job of this engine removes that file (a delete or an
+// eviction, which another lookup let index it first) or replaces it (a
+// store of the key), the lookup does not index what it read: an entry of
+// a file gone, counted, or in place of the file there now.
+func TestALookupNeverIndexesAFileThisEngineRemovedOrReplacedWhileItReadIt(t *testing.T) {
+	ctx := context.Background()
+	g := smallGeometry(true)
+	cases := []struct {
+		name string
+		// meanwhile runs while the lookup has read the file's header.
+		meanwhile func(t *testing.T, e *Engine, ns NamespaceID, c *testCache, keys [][]byte)
+	}{{
+		name: "deleted",
+		meanwhile: func(t *testing.T, e *Engine, ns NamespaceID, _ *testCache, keys [][]byte) {
+			if n, err := e.Lookup(ctx, ns, keys); n != 1 || err != nil {
+				t.Fatalf("the other lookup: %d, %v; want 1", n, err)
+			}
+			if n, err := e.Delete(ctx, ns, keys); n != 1 || err != nil {
+				t.Fatalf("Delete: %d, %v; want 1", n, err)
+			}
+		},
+	}, {
+		name: "replaced by a store",
+		meanwhile: func(t *testing.T, e *Engine, _ NamespaceID, c *testCache, keys [][]byte) {
+			storeAndCheck(t, e, c, keys, [][]int{{4, 5, 6, 7}})
+		},
+	}}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			gate := &opGate{op: fsys.OpClose, reached: make(chan struct{}), proceed: make(chan struct{})}
+			e := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir()}}, Policy: newTestPolicy(1, abi.OrderLayerMajor), FS: &fsys.Faulty{FS: fsys.OS{}, Inj: gate}})
+			ns, _ := e.Declare(ctx, g)
+			c := newTestCache(t, e, ns, g, 32, layoutPlaneFirst)
+			keys := testKeys("raced", 1)
+			storeAndCheck(t, e, c, keys, [][]int{{0, 1, 2, 3}})
+			_, paths, _, _ := e.names(ctx, e.nss[ns], keys)
+			path := paths[0]
+			// The index loses the file (as when another node published it),
+			// while the file stays on disk.
+			e.ix.mu.Lock()
+			e.ix.unindexLocked(e.ix.byPath[path], false)
+			e.ix.mu.Unlock()
+
+			gate.path.Store(path)
+			found := make(chan int, 1)
+			go func() {
+				n, _ := e.Lookup(ctx, ns, keys)
+				found <- n
+			}()
+			<-gate.reached // the lookup has read the header; its close waits
+			func() {
+				defer close(gate.proceed) // the lookup goes on even if meanwhile fails
+				tc.meanwhile(t, e, ns, c, keys)
+			}()
+			<-found
+			e.ix.mu.RLock()
+			en := e.ix.byPath[path]
+			e.ix.mu.RUnlock()
+			fi, err := os.Stat(path)
+			switch {
+			case err != nil && en != nil:
+				t.Fatalf("the index holds %s, whose file is gone (%v)", path, err)
+			case err == nil && en == nil:
+				t.Fatalf("the index lost the file at %s", path)
+			case err == nil:
+				if id, _ := fsys.IdentityOf(fi); !id.Same(en.ident) {
+					t.Fatalf("the index holds a file at %s that was replaced: inode %d, the file there %d", path, en.ident.Ino, id.Ino)
+				}
+			}
+			if err := e.check(); err != nil {
+				t.Fatal(err)
+			}
+		})
 	}
 }
