@@ -51,11 +51,14 @@ import (
 // zeroes a reused spare's tail with writes). A job takes a file's mapping
 // only if the file has the device, inode, file handle and size it had when
 // it was registered; Forget releases a registration before it returns
-// (once no job uses it), and the registrar, which holds a descriptor of
-// each file, drops at its next sweep the files that were unlinked or
-// resized behind its back (by another engine on the directory), so that
-// their memory is given back. At most Config.RegisterFiles files are
-// kept, the least recently used dropped first.
+// (once no job uses it), closes a waiting offer's descriptor at once, and
+// keeps the jobs in flight on the file from offering it when they end
+// (expectOffer): a removed file keeps none of its pages here. The
+// registrar, which holds a descriptor of each file, drops at its next
+// sweep the files that were unlinked or resized behind its back (by
+// another engine on the directory), so that their memory is given back.
+// At most Config.RegisterFiles files are kept, the least recently used
+// dropped first.
 
 // minIdle is how long a registered file must have gone unused before the
 // registrar drops it for another: with more files in use than it keeps,
@@ -128,6 +131,13 @@ type offer struct {
 	fd        int  // -1 before the offering job opened it and once closed or handed on
 	taken     bool // the registrar is mapping and registering it
 	forgotten bool // forgotten while taken: released as soon as registered
+}
+
+// pending is a file that jobs in flight will offer when they end
+// (expectOffer).
+type pending struct {
+	jobs      int  // the jobs that will offer it
+	forgotten bool // forgotten while one ran: none of them offers it
 }
 
 // FileStats describes the registered files (Mover.FileStats).
@@ -203,8 +213,11 @@ type files struct {
 	byKey  map[fsys.FileID]*regFile
 	lru    *list.List             // of *regFile, the most recently used first
 	queued map[fsys.FileID]*offer // offered, not registered yet
-	seen   map[fsys.FileID]bool   // offered once at the bound (admitLocked)
-	bytes  int64
+	// pending is the files jobs in flight will offer (expectOffer):
+	// bounded by the jobs in flight.
+	pending map[fsys.FileID]*pending
+	seen    map[fsys.FileID]bool // offered once at the bound (admitLocked)
+	bytes   int64
 	// registering and registeringBytes are the files being mapped and
 	// registered now (taken offers), counted against the bounds with
 	// the registered ones: the registrars run at once.
@@ -239,7 +252,7 @@ func newFiles(m *Mover, limit, n, idle, device int, log *slog.Logger) *files {
 		m: m, limit: limit, device: device, log: log, sweep: sweepEvery, minIdle: minIdle,
 		streamEnded: make(chan struct{}, 1), waitCap: maxStreamWait,
 		offers: make(chan *offer, min(limit, maxOffers)), stop: make(chan struct{}), done: make(chan struct{}),
-		byKey: map[fsys.FileID]*regFile{}, lru: list.New(), queued: map[fsys.FileID]*offer{}, seen: map[fsys.FileID]bool{},
+		byKey: map[fsys.FileID]*regFile{}, lru: list.New(), queued: map[fsys.FileID]*offer{}, pending: map[fsys.FileID]*pending{}, seen: map[fsys.FileID]bool{},
 		live: map[*regFile]struct{}{},
 	}
 	g.idle.L = &g.mu
@@ -371,15 +384,18 @@ func (g *files) put(rf *regFile, write, ok bool) {
 // already, the mover is closing, or the queue is full. A warm offer (a
 // file no job of this mover moved yet: Mover.Warm) is taken only below
 // the bound: it never takes a place a job's file holds or is promised
-// (admitLocked), and is counted in FileStats.Warmed once queued. offer
-// reports whether the registrar would take another warm offer.
+// (admitLocked), and is counted in FileStats.Warmed once queued. A file
+// forgotten while a job on it ran (expectOffer), or unlinked since the
+// caller read its identity, is not offered: its descriptor would keep
+// the removed file's pages. offer reports whether the registrar would
+// take another warm offer.
 func (g *files) offer(f fsys.File, id fileID, warm bool) bool {
 	g.mu.Lock()
 	switch {
 	case g.stopped:
 		g.mu.Unlock()
 		return false
-	case g.queued[id.key()] != nil || g.byKey[id.key()] != nil:
+	case g.queued[id.key()] != nil || g.byKey[id.key()] != nil || g.forgottenLocked(id.key()):
 		more := g.belowBoundLocked()
 		g.mu.Unlock()
 		return more
@@ -399,9 +415,14 @@ func (g *files) offer(f fsys.File, id fileID, warm bool) bool {
 	// write-only, which cannot be mapped shared): the registrar maps it
 	// later, and sweeps it while it is registered.
 	fd, err := unix.Open(fmt.Sprintf("/proc/self/fd/%d", f.Fd()), unix.O_RDWR|unix.O_CLOEXEC, 0)
+	// Unlinked since the caller read its identity: the engine forgot it
+	// before it was queued (a Forget from now on finds it), or someone
+	// else removed it.
+	var st unix.Stat_t
+	linked := err == nil && unix.Fstat(fd, &st) == nil && st.Nlink > 0
 	g.mu.Lock()
 	mine := g.queued[id.key()] == o // not forgotten, nor the mover closed, meanwhile
-	if err == nil && mine && !g.stopped {
+	if err == nil && mine && linked && !g.stopped {
 		select {
 		case g.offers <- o:
 			o.fd = fd
@@ -417,6 +438,9 @@ func (g *files) offer(f fsys.File, id fileID, warm bool) bool {
 	if mine {
 		delete(g.queued, id.key())
 	}
+	// The queue is full, or the file cannot be reopened; or the file was
+	// removed, which leaves room for another.
+	more := err == nil && (!mine || !linked) && g.belowBoundLocked()
 	warn := err != nil && !g.warned
 	g.warned = g.warned || warn
 	g.mu.Unlock()
@@ -425,7 +449,42 @@ func (g *files) offer(f fsys.File, id fileID, warm bool) bool {
 	} else if warn {
 		g.log.Warn("gpu: a file could not be reopened for registration: its jobs move through the pinned buffers (logged once)", "err", err)
 	}
-	return false // the queue is full, or the file cannot be reopened
+	return more
+}
+
+// expectOffer records that a job starting on the file key will offer it
+// when it ends, and endExpected that the job ended, after its offer: a
+// file forgotten in between is not offered, by that job nor by any other
+// while one of them runs. The engine removes a file while a load of it
+// runs (a client's delete or a store of the same key: the load holds
+// the key, not the name); the job's offer after that Forget would
+// reopen the removed file, and no Forget would come to close it.
+func (g *files) expectOffer(key fsys.FileID) {
+	g.mu.Lock()
+	p := g.pending[key]
+	if p == nil {
+		p = &pending{}
+		g.pending[key] = p
+	}
+	p.jobs++
+	g.mu.Unlock()
+}
+
+// endExpected ends a job's expectOffer.
+func (g *files) endExpected(key fsys.FileID) {
+	g.mu.Lock()
+	p := g.pending[key]
+	if p.jobs--; p.jobs == 0 {
+		delete(g.pending, key)
+	}
+	g.mu.Unlock()
+}
+
+// forgottenLocked reports whether the file key was forgotten while a job
+// in flight on it ran (expectOffer).
+func (g *files) forgottenLocked(key fsys.FileID) bool {
+	p := g.pending[key]
+	return p != nil && p.forgotten
 }
 
 // belowBoundLocked reports whether the files registered and queued are
@@ -457,9 +516,13 @@ func (g *files) admitLocked(key fsys.FileID) bool {
 }
 
 // forget drops the file key: no job takes its mapping from now on, and it
-// is released now, or when the last job using it ends.
+// is released now, or when the last job using it ends; a waiting offer's
+// descriptor is closed now, and the jobs on it in flight do not offer it.
 func (g *files) forget(key fsys.FileID) {
 	g.mu.Lock()
+	if p := g.pending[key]; p != nil {
+		p.forgotten = true
+	}
 	fd := -1
 	if o := g.queued[key]; o != nil {
 		if o.taken {

@@ -844,6 +844,72 @@ func TestRegisteredFilesForgottenWhileQueuedGiveTheirDescriptorsBackAtOnce(t *te
 	}
 }
 
+// TestRegisteredFilesRemovedDuringTheirJobAreNotOfferedWhenItEnds: a job
+// through the pinned buffers offers its file when it ends; a file the
+// engine removes while the job runs (Forget, then the unlink: a client's
+// delete of a key being loaded, or a store replacing it) is not offered,
+// whether the unlink comes before the job's end or after it. The offer's
+// descriptor would keep the removed file's pages until the registrar
+// reached it (here the registrar waits, as behind jobs that run on), and
+// no Forget would come for it again.
+func TestRegisteredFilesRemovedDuringTheirJobAreNotOfferedWhenItEnds(t *testing.T) {
+	for _, tc := range []struct {
+		name        string
+		unlinkAfter bool
+	}{{"unlinked before the job ends", false}, {"unlinked after the job ends", true}} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, m, kv, _, _ := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, RegisterFiles: 4, YieldBytes: 64 << 10})
+			m.files.waitCap = time.Hour
+			m.files.lastReg.Store(int64(time.Hour))
+			m.files.beginStream() // another job through the pinned buffers runs on
+			t.Cleanup(m.files.endStream)
+			kf, release := heldJob(t, m, kv, t.TempDir(), true, false) // a load
+			unlink := func() {
+				if err := os.Remove(kf.path); err != nil {
+					t.Fatal(err)
+				}
+			}
+			before := openDescriptors(t)
+			m.Forget(kf.id.FileID)
+			if !tc.unlinkAfter {
+				unlink()
+			}
+			if err := release(); err != nil {
+				t.Fatal(err)
+			}
+			if tc.unlinkAfter {
+				unlink()
+			}
+			if st, n := m.FileStats(), openDescriptors(t)-before; st.Queued != 0 || n != 0 {
+				t.Fatalf("after the job ended: %d offers queued, %d more descriptors open; want the removed file not offered", st.Queued, n)
+			}
+		})
+	}
+}
+
+// TestRegisteredFilesWarmOffersOfFilesRemovedSinceTheirIdentityAreDropped:
+// Warm reads its file's identity, then offers it; a file the engine
+// removes in between (Forget finds nothing of it, then the unlink) is not
+// queued, whose descriptor would keep the removed file's pages, and the
+// engine's warmer is told to go on with other files.
+func TestRegisteredFilesWarmOffersOfFilesRemovedSinceTheirIdentityAreDropped(t *testing.T) {
+	_, m, kv, _, _ := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, RegisterFiles: 4})
+	m.files.waitCap = time.Hour
+	m.files.lastReg.Store(int64(time.Hour))
+	m.files.beginStream() // a job through the pinned buffers runs on: an offer would stay queued
+	t.Cleanup(m.files.endStream)
+	kf := newKeyFile(t, kv, t.TempDir(), "found", 1) // its identity read, as Warm reads it
+	before := openDescriptors(t)
+	m.Forget(kf.id.FileID)
+	if err := os.Remove(kf.path); err != nil {
+		t.Fatal(err)
+	}
+	more := m.files.offer(kf.f, kf.id, true) // the rest of Warm
+	if st, n := m.FileStats(), openDescriptors(t)-before; st.Queued != 0 || st.Warmed != 0 || n != 0 || !more {
+		t.Fatalf("a removed file offered: %d queued, %d warmed, %d more descriptors open, more = %v; want none queued and more", st.Queued, st.Warmed, n, more)
+	}
+}
+
 // TestJobsYieldEveryYieldBytesOfCPUWork: with Config.YieldBytes a job
 // gives its CPU up once per YieldBytes of bytes its thread copied or
 // checksummed: staged stores and loads (the pinned-buffer copies), a
@@ -956,15 +1022,17 @@ func holdFirstYield(t *testing.T, m *Mover) (reached <-chan struct{}, release fu
 // that stops at its first yield (holdFirstYield) and waits until it is
 // there; release lets it finish and returns its error.
 func heldStore(t *testing.T, m *Mover, kv *cache, dir string, memory bool) (release func() error) {
-	return heldJob(t, m, kv, dir, memory, true)
+	_, release = heldJob(t, m, kv, dir, memory, true)
+	return release
 }
 
 // heldJob is heldStore for a store (write) or a load of a new key file,
-// which the load reads through a descriptor of its own.
-func heldJob(t *testing.T, m *Mover, kv *cache, dir string, memory, write bool) (release func() error) {
+// which the load reads through a descriptor of its own; it returns the
+// key file too.
+func heldJob(t *testing.T, m *Mover, kv *cache, dir string, memory, write bool) (kf *keyFile, release func() error) {
 	t.Helper()
 	reached, let := holdFirstYield(t, m)
-	kf := newKeyFile(t, kv, dir, "held", 99)
+	kf = newKeyFile(t, kv, dir, "held", 99)
 	kf.p.Memory = memory
 	f := kf.f
 	if !write {
@@ -990,7 +1058,7 @@ func heldJob(t *testing.T, m *Mover, kv *cache, dir string, memory, write bool) 
 	case err := <-done:
 		t.Fatalf("the job ended (%v) before its first yield", err)
 	}
-	return func() error { let(); return <-done }
+	return kf, func() error { let(); return <-done }
 }
 
 // TestRegisteredFilesWaitForJobsThroughThePinnedBuffers: while a store or
@@ -1007,7 +1075,7 @@ func TestRegisteredFilesWaitForJobsThroughThePinnedBuffers(t *testing.T) {
 			m.files.waitCap = time.Hour
 			m.files.lastReg.Store(int64(time.Hour)) // read by the registrar after the offers below
 			dir := t.TempDir()
-			release := heldJob(t, m, kv, dir, true, tc.write)
+			_, release := heldJob(t, m, kv, dir, true, tc.write)
 			store(t, e, m, kv, newKeyFile(t, kv, dir, "key", 1), host, orig)
 			testwait.Until(t, "the registrar waiting for the held job", 10*time.Second, func() bool { return m.FileStats().Waits == 1 })
 			if st := m.FileStats(); e.fake.Count(cudatest.OpHostRegister) != 0 || st.Files != 0 || st.Queued != 1 {

@@ -647,12 +647,15 @@ func (m *Mover) run(ctx context.Context, f fsys.File, p *transfer.Plan, sums []u
 				m.files.put(rf, write, err == nil)
 				return n, err
 			}
-			// Registered later, off the job's path, for the next job.
+			// Registered later, off the job's path, for the next job;
+			// not if the file is removed meanwhile.
+			m.files.expectOffer(id.key())
 			file := f
 			defer func() {
 				if err == nil {
 					m.files.offer(file, id, false)
 				}
+				m.files.endExpected(id.key())
 			}()
 		}
 	}
