@@ -311,9 +311,8 @@ const directAlign = 4096
 // such I/O to the O_DIRECT descriptor unchanged (a POSIX path fails with
 // EINVAL where the device's block is 4 KiB, and two workers' pieces
 // would share a block), and nothing would write the plan's zero tail:
-// the staging pipeline, next in the chain, bounces them. The plan's
-// contract is on file offsets and lengths; device addresses are not
-// checked.
+// the staging pipeline, next in the chain, bounces them. Device
+// addresses are checked where the mount's mode is known (usable).
 func directAligned(pcs []piece) error {
 	for _, pc := range pcs {
 		if pc.fileOff%directAlign != 0 || pc.n%directAlign != 0 {
@@ -371,7 +370,7 @@ func (m *Mover) move(ctx context.Context, f fsys.File, p *transfer.Plan, write b
 		return 0, err
 	}
 	capab := m.d.caps.get(key.Dev)
-	if err := m.usable(capab.forFile(key.mode)); err != nil {
+	if err := m.usable(capab.forFile(key.mode), pcs); err != nil {
 		return 0, err
 	}
 	var h *handle
@@ -389,7 +388,7 @@ func (m *Mover) move(ctx context.Context, f fsys.File, p *transfer.Plan, write b
 		return 0, fmt.Errorf("%w: %w", transfer.ErrUnsupported, err)
 	}
 	defer m.d.cache.release(h)
-	if err := m.usable(capab.forFile(key.mode)); err != nil {
+	if err := m.usable(capab.forFile(key.mode), pcs); err != nil {
 		return 0, err
 	}
 
@@ -530,15 +529,29 @@ func (m *Mover) DeviceFaults() map[int]uint64 {
 	return maps.Clone(m.faults)
 }
 
-// usable says whether the mover may use a mount, as a file meets it
-// (Capability.forFile).
-func (m *Mover) usable(c Capability) error {
+// usable says whether the mover may move the pieces pcs on a mount, as a
+// file meets it (Capability.forFile). In direct mode every piece's device
+// address (its registered buffer's base plus its offset, or the address
+// itself) must be a multiple of directAlign: nvidia-fs DMAs only to GPU
+// addresses 4 KiB aligned and fails the I/O with EINVAL otherwise, so
+// cuFile would fail such a piece or bounce it through its own GPU
+// buffers; the staging pipeline, next in the chain, moves it. In compat
+// mode cuFile bounces through host memory, and the address does not
+// matter. The file side of O_DIRECT is directAligned's.
+func (m *Mover) usable(c Capability, pcs []piece) error {
 	switch c.Mode {
 	case ModeUnusable:
 		return fmt.Errorf("%w: cufile: %s", transfer.ErrUnsupported, c)
 	case ModeCompat:
 		if !m.cfg.AllowCompat {
 			return fmt.Errorf("%w: cufile: %s, and compat mode is not allowed for this mover", transfer.ErrUnsupported, c)
+		}
+	case ModeDirect:
+		for _, pc := range pcs {
+			if addr := pc.base + uintptr(pc.bufOff); addr%directAlign != 0 {
+				return fmt.Errorf("%w: cufile: %s: piece of %d bytes at device address %#x is not %d-byte aligned",
+					transfer.ErrUnsupported, c, pc.n, addr, directAlign)
+			}
 		}
 	}
 	return nil

@@ -140,15 +140,7 @@ func TestMoverRefusesCompatMountUnlessAllowed(t *testing.T) {
 // cuFile's POSIX (compat) path: the mover treats it as compat, and so
 // answers ErrUnsupported unless AllowCompat, before anything moves.
 func TestMoverTreatsABufferedFileOnADirectMountAsCompat(t *testing.T) {
-	nvfs := filepath.Join(t.TempDir(), "nvidia-fs-version")
-	if err := os.WriteFile(nvfs, []byte("2.17\n"), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	e := openFake(t, Config{NVFSPath: nvfs}, nil)
-	dir := t.TempDir()
-	if c, err := e.d.ProbeDir(dir); err != nil || c.Mode != ModeDirect {
-		t.Skipf("the test directory's mount is not direct for cuFile: %v, %v", c, err)
-	}
+	e, dir := openDirectFake(t)
 	m := newMover(t, e.d, MoverConfig{Workers: 1}) // the daemon's gpu.cufile = "auto"
 	src := newHostDevice(t, 1, 1<<20, 0)
 	p := sparsePlan(src, 4, 4096, 1)
@@ -162,6 +154,86 @@ func TestMoverTreatsABufferedFileOnADirectMountAsCompat(t *testing.T) {
 	mc := newMover(t, e.d, MoverConfig{Workers: 1, AllowCompat: true})
 	if n, err := mc.WriteFile(context.Background(), f, p, nil); err != nil || n != p.Bytes() {
 		t.Errorf("WriteFile with AllowCompat = %d, %v; want %d", n, err, p.Bytes())
+	}
+}
+
+// openDirectFake is openFake with nvidia-fs loaded, and a directory whose
+// mount cuFile then serves in direct mode (ext4, xfs); the test is
+// skipped where the test directory's mount is not one.
+func openDirectFake(t *testing.T) (*fakeEnv, string) {
+	t.Helper()
+	nvfs := filepath.Join(t.TempDir(), "nvidia-fs-version")
+	if err := os.WriteFile(nvfs, []byte("2.17\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	e := openFake(t, Config{NVFSPath: nvfs}, nil)
+	dir := t.TempDir()
+	if c, err := e.d.ProbeDir(dir); err != nil || c.Mode != ModeDirect {
+		t.Skipf("the test directory's mount is not direct for cuFile: %v, %v", c, err)
+	}
+	return e, dir
+}
+
+// On a direct mount (nvidia-fs, a file open with O_DIRECT), a plan with a
+// piece whose device address is not 4 KiB aligned is passed on
+// (ErrUnsupported) before anything moves: nvidia-fs DMAs only to 4 KiB
+// aligned GPU addresses (EINVAL otherwise), so cuFile would fail the
+// piece or bounce it through its own GPU buffers. The address is the
+// piece's own, its registered buffer's base plus its offset where its
+// memory is registered with cuFile. Aligned pieces are moved, and so is a
+// file open without O_DIRECT there, which cuFile moves in compat mode
+// (a host bounce, where the address does not matter).
+func TestMoverPassesOnAPieceAtAnUnalignedDeviceAddressOnADirectMount(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		off      int64 // the first piece's offset in the region
+		regAt    int64 // where a buffer registered with cuFile starts in the region, -1: none
+		buffered bool  // the file is open without O_DIRECT
+		moved    bool
+	}{
+		{"unaligned", 512, -1, false, false},
+		{"unaligned in a registered buffer", 512, 0, false, false},
+		{"aligned", 4096, -1, false, true},
+		{"aligned in a buffer registered at an unaligned base", 4096, 512, false, true},
+		{"unaligned, file open without O_DIRECT", 512, -1, true, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			e, dir := openDirectFake(t)
+			m := newMover(t, e.d, MoverConfig{Workers: 2, AllowCompat: true, IO: IOPerCall})
+			src := newHostDevice(t, 1, 1<<20, 0)
+			fill(src.mem, 5)
+			if tc.regAt >= 0 {
+				if err := e.d.registerBuffer(0, src.Ptr()+uintptr(tc.regAt), src.Len()-tc.regAt); err != nil {
+					t.Fatal(err)
+				}
+			}
+			// File pieces 4 KiB aligned; memory never adjacent: one piece per extent.
+			p := &transfer.Plan{Direct: !tc.buffered}
+			for i := range int64(4) {
+				p.Extents = append(p.Extents, transfer.Extent{FileOff: i * 8192, Region: src, RegionOff: tc.off + i*64<<10, Len: 8192, Sum: -1})
+			}
+			flags := os.O_RDWR | unix.O_DIRECT
+			if tc.buffered {
+				flags = os.O_RDWR
+			}
+			f := openFile(t, filepath.Join(dir, "key"), flags)
+			ctx := context.Background()
+			nw, werr := m.WriteFile(ctx, f, p, nil)
+			nr, rerr := m.ReadFile(ctx, f, p, nil)
+			if tc.moved {
+				if werr != nil || nw != p.Bytes() || rerr != nil || nr != p.Bytes() {
+					t.Fatalf("WriteFile = %d, %v; ReadFile = %d, %v; want %d moved each way", nw, werr, nr, rerr, p.Bytes())
+				}
+				return
+			}
+			if !errors.Is(werr, transfer.ErrUnsupported) || nw != 0 || !errors.Is(rerr, transfer.ErrUnsupported) || nr != 0 {
+				t.Errorf("WriteFile = %d, %v; ReadFile = %d, %v; want 0, ErrUnsupported each way", nw, werr, nr, rerr)
+			}
+			c := e.ctl
+			if r, w := c.get(&c.Reads), c.get(&c.Writes); r != 0 || w != 0 {
+				t.Errorf("%d reads, %d writes for plans passed on; want none", r, w)
+			}
+		})
 	}
 }
 
