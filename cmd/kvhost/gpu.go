@@ -1,15 +1,18 @@
 package main
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"log/slog"
+	"sync"
 	"time"
 
 	"github.com/kvhost/kvhost/gds"
 	"github.com/kvhost/kvhost/host/engine"
 	"github.com/kvhost/kvhost/internal/config"
 	"github.com/kvhost/kvhost/internal/cuda"
+	"github.com/kvhost/kvhost/internal/fsys"
 	"github.com/kvhost/kvhost/internal/region"
 	"github.com/kvhost/kvhost/internal/server/cudaipc"
 	"github.com/kvhost/kvhost/internal/transfer"
@@ -91,7 +94,15 @@ type gpuPaths struct {
 	cfMover *gds.Mover
 	ipc     *cudaipc.Importer // imports clients' GPU memory (CUDA IPC)
 	opts    gpuOptions
+	// reprobe is how long, at least, a mount whose cuFile probe failed
+	// for a passing reason waits before a job probes it again
+	// (cufileReprobe); now is the clock it is measured on.
+	reprobe time.Duration
+	now     func() time.Time
 }
+
+// cufileReprobe is gpuPaths.reprobe.
+const cufileReprobe = time.Minute
 
 // openGPU opens the GPU paths, or returns nil (and no error) when the mode
 // is auto and no CUDA runtime or device is found: the daemon then serves
@@ -122,7 +133,7 @@ func openGPU(opts gpuOptions, log *slog.Logger) (*gpuPaths, error) {
 		log.Info("no usable CUDA device: serving host memory only", "reason", err.Error())
 		return nil, nil
 	}
-	p := &gpuPaths{log: log, rt: rt, devices: n, opts: opts}
+	p := &gpuPaths{log: log, rt: rt, devices: n, opts: opts, reprobe: cufileReprobe, now: time.Now}
 	if err := p.openMovers(); err != nil {
 		rt.Close()
 		return nil, err
@@ -221,19 +232,119 @@ func (p *gpuPaths) movers() map[region.Kind]engine.MoverFactory {
 				return p.staging, nil
 			}
 			c, err := p.cufile.ProbeDir(m.Path)
-			usable := err == nil && (c.Mode == gds.ModeDirect || c.Mode == gds.ModeCompat && p.opts.CuFile == "compat")
-			if !usable {
-				reason := c.String()
-				if err != nil {
-					reason = err.Error()
-				}
-				p.log.Info("mount serves GPU memory through the staging pipeline", "mount", m.Path, "cufile", reason)
+			if err != nil {
+				// A passing failure: ProbeDir cached nothing, and a
+				// later job probes again (reprobing).
+				p.log.Info("mount serves GPU memory through the staging pipeline until cuFile's probe of it works", "mount", m.Path,
+					"cufile", err.Error(), "probe_again_after", p.reprobe.String())
+				r := &reprobing{p: p, d: p.cufile, cf: p.cfMover, mount: m.Path, next: p.now().Add(p.reprobe), reason: err.Error(), probes: 1}
+				return transfer.NewChain(m.Path, p.log, r, p.staging)
+			}
+			if !p.cufileServes(c) {
+				p.log.Info("mount serves GPU memory through the staging pipeline", "mount", m.Path, "cufile", c.String())
 				return p.staging, nil
 			}
 			p.log.Info("mount serves GPU memory with cuFile", "mount", m.Path, "cufile", c.String())
 			return transfer.NewChain(m.Path, p.log, p.cfMover, p.staging)
 		},
 	}
+}
+
+// cufileServes says whether the cuFile mover serves a mount of
+// capability c: direct, or compat where gpu.cufile = "compat".
+func (p *gpuPaths) cufileServes(c gds.Capability) bool {
+	return c.Mode == gds.ModeDirect || c.Mode == gds.ModeCompat && p.opts.CuFile == "compat"
+}
+
+// reprobing is the cuFile step of the chain of a mount whose cuFile probe
+// failed at start for a passing reason (gds.Driver.ProbeDir cached
+// nothing: cuFile out of memory or descriptors, an internal error).
+// Until a probe settles the mount it answers transfer.ErrUnsupported, so
+// that the staging pipeline, next in the chain, moves the job and the
+// chain counts the fallback; the first job at least gpuPaths.reprobe
+// after the last probe probes again, and the probes are counted (in the
+// logs). Once a probe finds that cuFile serves the mount, every job goes
+// to the cuFile mover; once one finds that it does not, every job is
+// passed on with that reason and nothing is probed again. Its Name and
+// Checksums are the cuFile mover's, so the chain is the one a mount
+// whose first probe worked gets: files stored from GPU memory on it
+// carry no payload checksums, even while the staging pipeline moves them.
+type reprobing struct {
+	p     *gpuPaths
+	d     *gds.Driver
+	cf    *gds.Mover
+	mount string
+
+	mu      sync.Mutex
+	next    time.Time // when a job may probe again
+	probing bool      // a job is probing now
+	probes  int       // probes made, the first (at start) included
+	settled bool      // a probe said what cuFile does on the mount
+	serves  bool      // if settled: cuFile serves the mount
+	reason  string    // why jobs are passed on: the last probe's error or capability
+}
+
+var _ transfer.Forgetter = (*reprobing)(nil)
+
+// Name is the cuFile mover's.
+func (r *reprobing) Name() string { return r.cf.Name() }
+
+// Checksums is the cuFile mover's: false.
+func (r *reprobing) Checksums() bool { return r.cf.Checksums() }
+
+// Forget forwards to the cuFile mover, which may hold the file's handle.
+func (r *reprobing) Forget(id fsys.FileID) { r.cf.Forget(id) }
+
+// WriteFile writes through the cuFile mover once a probe found that it
+// serves the mount.
+func (r *reprobing) WriteFile(ctx context.Context, f fsys.File, p *transfer.Plan, sums []uint32) (int64, error) {
+	if err := r.ready(); err != nil {
+		return 0, err
+	}
+	return r.cf.WriteFile(ctx, f, p, sums)
+}
+
+// ReadFile reads through the cuFile mover once a probe found that it
+// serves the mount.
+func (r *reprobing) ReadFile(ctx context.Context, f fsys.File, p *transfer.Plan, sums []uint32) (int64, error) {
+	if err := r.ready(); err != nil {
+		return 0, err
+	}
+	return r.cf.ReadFile(ctx, f, p, sums)
+}
+
+// ready answers nil if the cuFile mover serves the mount, probing it if
+// a probe is due and none runs, and transfer.ErrUnsupported with the
+// reason otherwise.
+func (r *reprobing) ready() error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.settled && r.serves {
+		return nil
+	}
+	if r.settled || r.probing || r.p.now().Before(r.next) {
+		return fmt.Errorf("%w: cufile: mount %s: %s", transfer.ErrUnsupported, r.mount, r.reason)
+	}
+	r.probing = true
+	r.probes++
+	r.mu.Unlock()
+	c, err := r.d.ProbeDir(r.mount)
+	r.mu.Lock()
+	r.probing = false
+	r.next = r.p.now().Add(r.p.reprobe)
+	if err != nil {
+		r.reason = err.Error()
+		r.p.log.Info("cuFile's probe of the mount failed again: GPU memory moves through the staging pipeline", "mount", r.mount,
+			"cufile", r.reason, "probes", r.probes, "probe_again_after", r.p.reprobe.String())
+		return fmt.Errorf("%w: cufile: mount %s: %w", transfer.ErrUnsupported, r.mount, err)
+	}
+	r.settled, r.serves, r.reason = true, r.p.cufileServes(c), c.String()
+	if !r.serves {
+		r.p.log.Info("mount serves GPU memory through the staging pipeline", "mount", r.mount, "cufile", r.reason, "probes", r.probes)
+		return fmt.Errorf("%w: cufile: mount %s: %s", transfer.ErrUnsupported, r.mount, r.reason)
+	}
+	r.p.log.Info("mount serves GPU memory with cuFile", "mount", r.mount, "cufile", r.reason, "probes", r.probes)
+	return nil
 }
 
 // Close releases the GPU paths.

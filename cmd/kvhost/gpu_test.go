@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"runtime"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 	"unsafe"
@@ -21,7 +22,9 @@ import (
 	"github.com/kvhost/kvhost/internal/config"
 	"github.com/kvhost/kvhost/internal/cuda"
 	"github.com/kvhost/kvhost/internal/cuda/cudatest"
+	"github.com/kvhost/kvhost/internal/dl"
 	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/internal/region"
 	"github.com/kvhost/kvhost/internal/transfer"
 	"github.com/kvhost/kvhost/plugins/lru"
 	"github.com/kvhost/kvhost/staging/gpu"
@@ -311,5 +314,105 @@ func TestCuFileJobsFailingWithAStickyErrorAreDeviceFaults(t *testing.T) {
 func TestDefaultConfigurationSetsTheMoversDefaultIdleRegistrars(t *testing.T) {
 	if got := gpuOptionsOf(config.Default()).IdleRegistrars; got != gpu.DefaultIdleRegistrars {
 		t.Fatalf("default gpu.idle_registrars reaches the mover as %d, want gpu.DefaultIdleRegistrars (%d)", got, gpu.DefaultIdleRegistrars)
+	}
+}
+
+// fakeCuFileCtl is the head of struct fake_ctl in gds/testdata/fakecufile.c
+// (gds's tests mirror all of it), in the C struct's order: its int64
+// fields are read and written atomically on both sides.
+type fakeCuFileCtl struct {
+	DriverOpenError, RegisterError, RegisterFailDev                         int64
+	ReadFailAfter, ReadFailCode, ReadTruncateAt, WriteFailAfter, WriteShort int64
+	NoCompat, DriverOpens, DriverCloses                                     int64
+	HandlesRegistered, HandlesDeregistered, HandlesLive, BadHandleUses      int64
+	BufsLive, BytesRead, BytesWritten, Reads, Writes, RegisterCalls         int64
+}
+
+// fakeCuFileControl opens the fake libcufile at lib (the instance the
+// daemon loads) and returns its control block.
+func fakeCuFileControl(t *testing.T, lib string) *fakeCuFileCtl {
+	t.Helper()
+	l, err := dl.Open(lib)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	p, err := l.Sym("fake_ctl")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return (*fakeCuFileCtl)(p)
+}
+
+// TestCuFileProbeFailingAtStartIsRetriedByALaterJob: a mount whose cuFile
+// probe fails for a passing reason (cuFile out of memory) when the engine
+// builds its movers is not left on the staging pipeline for the daemon's
+// life. Its jobs move through the staging pipeline, each counted as a
+// cuFile fallback, and a job the re-probe interval after the last probe
+// probes again, no earlier; once a probe works, cuFile moves the jobs.
+func TestCuFileProbeFailingAtStartIsRetriedByALaterJob(t *testing.T) {
+	lib, cufileLib := cudatest.Build(t), buildFakeCuFile(t)
+	gp, err := openGPU(gpuOptions{Mode: "on", CUDALibrary: []string{lib}, CuFileLibrary: []string{cufileLib}, CuFile: "compat",
+		MaxStaging: 16 << 20}, slog.New(slog.DiscardHandler))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer gp.Close()
+	if gp.cfMover == nil {
+		t.Fatal("the cuFile mover did not start on the fake libcufile")
+	}
+	now := time.Unix(1_000_000, 0)
+	gp.now = func() time.Time { return now }
+	ctl := fakeCuFileControl(t, cufileLib)
+	const nomem = 5043 // CU_FILE_NOMEM_ERROR: says nothing of the mount
+	atomic.StoreInt64(&ctl.RegisterError, nomem)
+
+	dir := t.TempDir()
+	mv, err := gp.movers()[region.KindDevice](engine.MountInfo{Path: dir})
+	if err != nil {
+		t.Fatal(err)
+	}
+	mem, err := gp.rt.Malloc(0, 64<<10)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer mem.Close()
+	p := &transfer.Plan{Extents: []transfer.Extent{{Region: mem, Len: 64 << 10, Sum: -1}}}
+	f, err := fsys.OS{}.OpenFile(filepath.Join(dir, "key"), os.O_RDWR|os.O_CREATE, 0o600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	// store moves one job and reports the probes made so far (each is a
+	// registration; so is a cuFile job's first on the file) and the
+	// files cuFile registered for jobs.
+	store := func(step string) (probes int64, cufileJobs uint64) {
+		t.Helper()
+		if n, err := mv.WriteFile(context.Background(), f, p, nil); err != nil || n != p.Bytes() {
+			t.Fatalf("%s: WriteFile = %d, %v; want %d", step, n, err, p.Bytes())
+		}
+		return atomic.LoadInt64(&ctl.RegisterCalls), gp.cufile.HandleStats().Registrations
+	}
+	if probes, jobs := store("while the failure lasts"); probes != 1 || jobs != 0 {
+		t.Errorf("a job right after the failed probe: %d probes, %d cuFile jobs; want 1, 0", probes, jobs)
+	}
+	now = now.Add(gp.reprobe)
+	if probes, jobs := store("the interval later, failing again"); probes != 2 || jobs != 0 {
+		t.Errorf("a job the interval after the failed probe: %d probes, %d cuFile jobs; want 2 (it probes again), 0", probes, jobs)
+	}
+	atomic.StoreInt64(&ctl.RegisterError, 0)
+	now = now.Add(gp.reprobe - time.Second)
+	if probes, jobs := store("before the next interval"); probes != 2 || jobs != 0 {
+		t.Errorf("a job before the interval ended: %d probes, %d cuFile jobs; want 2 (no probe), 0", probes, jobs)
+	}
+	now = now.Add(time.Second)
+	if _, jobs := store("the interval later, working"); jobs != 1 {
+		t.Errorf("a job the interval after the last probe, once probes work: %d cuFile jobs; want 1", jobs)
+	}
+	if probes, jobs := store("settled"); probes != 4 || jobs != 1 {
+		t.Errorf("a job after the probe worked: %d registrations, %d cuFile jobs; want 4 (3 probes, the file's), 1", probes, jobs)
+	}
+	if c, ok := mv.(*transfer.Chain); !ok || c.Fallbacks()["cufile"] != 3 {
+		t.Errorf("the mount's mover %s: want a chain that counted the 3 jobs passed on to the staging pipeline as cufile fallbacks", mv.Name())
 	}
 }
