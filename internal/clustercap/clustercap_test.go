@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io/fs"
 	"math"
 	"os"
 	"path/filepath"
@@ -328,6 +329,13 @@ func TestReadAllRetriesAStaleFileHandle(t *testing.T) {
 				t.Fatal(err)
 			}
 			defer a.Close()
+			// a publishes first, as the engine does before it reads: the
+			// listing needs no touch, so the open that fails is the summary's.
+			own := *sum
+			own.Node, own.Tag = "a", Tag("a")
+			if err := a.Publish(&own); err != nil {
+				t.Fatal(err)
+			}
 			a.fs = &fsys.Faulty{FS: fsys.OS{}, Inj: &fsys.Counter{Ops: []fsys.Op{op}, Fault: fsys.Fault{Err: syscall.ESTALE}}}
 			got, bad, err := a.ReadAll()
 			if err != nil || len(bad) != 0 || len(got) != 1 || got[0].Node != "b" {
@@ -420,6 +428,122 @@ func TestReadAllNamesTheNodeOfASummaryThatDoesNotDecode(t *testing.T) {
 	var se *SummaryError
 	if err != nil || len(got) != 0 || len(bad) != 1 || !errors.As(bad[0], &se) || se.Node != "x" || !errors.Is(se, ErrSummary) || se.ModTime.IsZero() {
 		t.Fatalf("ReadAll of a truncated summary: %v %v %v, want a *SummaryError of node x with ErrSummary and its time", got, bad, err)
+	}
+}
+
+// nfsClient is a file system seen through one NFS client that caches
+// directory listings (mounted nocto, say): a directory listed before is
+// listed again as it was then (its cached pages, for up to acdirmax,
+// however often it is opened anew) unless a file was created, renamed or
+// removed in it through this client since, which invalidates them.
+type nfsClient struct {
+	fsys.FS
+	mu     sync.Mutex
+	cached map[string][]fs.DirEntry // by directory
+}
+
+func newNFSClient() *nfsClient { return &nfsClient{FS: fsys.OS{}, cached: map[string][]fs.DirEntry{}} }
+
+func (c *nfsClient) ReadDir(name string) ([]fs.DirEntry, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if ents, ok := c.cached[name]; ok {
+		return ents, nil
+	}
+	ents, err := c.FS.ReadDir(name)
+	if err == nil {
+		c.cached[name] = ents
+	}
+	return ents, err
+}
+
+// changed invalidates the cached listing of the directory of path.
+func (c *nfsClient) changed(path string) {
+	c.mu.Lock()
+	delete(c.cached, filepath.Dir(path))
+	c.mu.Unlock()
+}
+
+func (c *nfsClient) OpenFile(name string, flag int, perm os.FileMode) (fsys.File, error) {
+	_, serr := c.FS.Stat(name)
+	f, err := c.FS.OpenFile(name, flag, perm)
+	if err == nil && flag&os.O_CREATE != 0 && errors.Is(serr, os.ErrNotExist) {
+		c.changed(name)
+	}
+	return f, err
+}
+
+func (c *nfsClient) Rename(oldpath, newpath string) error {
+	err := c.FS.Rename(oldpath, newpath)
+	if err == nil {
+		c.changed(oldpath)
+		c.changed(newpath)
+	}
+	return err
+}
+
+func (c *nfsClient) Remove(name string) error {
+	err := c.FS.Remove(name)
+	if err == nil {
+		c.changed(name)
+	}
+	return err
+}
+
+// TestReadAllSeesANodeThatJoinedSinceTheClientsLastListing: node b
+// publishes its first summary after node a's NFS client listed the
+// directory; a's next ReadAll must find it whether or not a changed the
+// directory since (a publication renames into it), and after a restart
+// of a on the same client.
+func TestReadAllSeesANodeThatJoinedSinceTheClientsLastListing(t *testing.T) {
+	sum := func(node string) *Summary {
+		return &Summary{Version: SummaryVersion, Node: node, Tag: Tag(node), Time: 1, Interval: 10, Bytes: 3, Claim: 4, Sketch: NewSketch([]Item{{5, 3}}, 8)}
+	}
+	for _, tc := range []struct {
+		name  string
+		after func(t *testing.T, a *Dir, root string, client fsys.FS) *Dir // after b joined: the Dir that reads
+	}{
+		{"nothing written since", func(t *testing.T, a *Dir, _ string, _ fsys.FS) *Dir { return a }},
+		{"published since", func(t *testing.T, a *Dir, _ string, _ fsys.FS) *Dir {
+			if err := a.Publish(sum("a")); err != nil {
+				t.Fatal(err)
+			}
+			return a
+		}},
+		{"restarted on the same client", func(t *testing.T, a *Dir, root string, client fsys.FS) *Dir {
+			a.Close()
+			a2, err := OpenDir(client, root, "a")
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { a2.Close() })
+			return a2
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			root := t.TempDir()
+			client := newNFSClient()
+			a, err := OpenDir(client, root, "a")
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer a.Close()
+			if got, _, err := a.ReadAll(); err != nil || len(got) != 0 {
+				t.Fatalf("first ReadAll: %v, %v; want no summaries", got, err)
+			}
+			b, err := OpenDir(fsys.OS{}, root, "b") // through another client
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer b.Close()
+			if err := b.Publish(sum("b")); err != nil {
+				t.Fatal(err)
+			}
+			got, bad, err := tc.after(t, a, root, client).ReadAll()
+			if err != nil || len(bad) != 0 || len(got) != 1 || got[0].Node != "b" {
+				t.Fatalf("ReadAll after node b joined: %v %v %v, want b's summary", got, bad, err)
+			}
+		})
 	}
 }
 

@@ -38,6 +38,10 @@ type Dir struct {
 		mu   sync.Mutex
 		last map[string]*Summary // by node: its last summary ReadAll decoded
 	}
+	listing struct {
+		mu      sync.Mutex // held over a listing, and over a Publish's rename
+		changed bool       // a Publish renamed into the directory since the last listing
+	}
 }
 
 // LockWait is how long OpenDir tries a node's lock file that another
@@ -137,9 +141,12 @@ func (d *Dir) isAt(f fsys.File, path string) (bool, error) {
 }
 
 // removeTemps removes node's summary temporaries (Publish's, left by a
-// crash), which only node writes: the caller holds node's lock.
+// crash), which only node writes: the caller holds node's lock. Its
+// listing need not be fresh (list): node's own temporaries were created
+// through this client, which saw its own creations, and Retire removes a
+// dead node's summary, which invalidates a cached listing, first.
 func (d *Dir) removeTemps(node string) error {
-	ents, err := d.fs.ReadDir(d.path)
+	ents, err := d.list(false)
 	if err != nil {
 		return err
 	}
@@ -224,11 +231,61 @@ func (d *Dir) Publish(s *Summary) error {
 		d.fs.Remove(tmp)
 		return fmt.Errorf("clustercap: publish: %w", err)
 	}
-	if err := d.fs.Rename(tmp, d.summaryPath(d.node)); err != nil {
+	d.listing.mu.Lock()
+	err = d.fs.Rename(tmp, d.summaryPath(d.node))
+	if err == nil {
+		d.listing.changed = true
+	}
+	d.listing.mu.Unlock()
+	if err != nil {
 		d.fs.Remove(tmp)
 		return fmt.Errorf("clustercap: publish: %w", err)
 	}
 	return nil
+}
+
+// list lists the directory; if fresh, as it is now, not as a cache of
+// the client holds it. An NFS client may answer a listing from its cache
+// of the directory for up to acdirmax (60 s by default), however often
+// the directory is opened anew (mounted nocto, or where the server's
+// directory mtime is too coarse to show a change): a node's summary
+// created since through another client is then missing from it. A file
+// that this client creates, renames or removes in the directory
+// invalidates that cache whatever the mount options. So unless a Publish
+// renamed into the directory since the last listing (a node publishes
+// before it reads: then this costs nothing), list first creates and
+// removes a file there, one of this node's summary temporaries (a crash
+// in between leaves one, which OpenDir and Retire remove). A touch that
+// fails (a directory that takes no new file) does not fail the listing:
+// it may then be as old as the client's cache, and this node's own
+// publication fails as well.
+func (d *Dir) list(fresh bool) ([]fs.DirEntry, error) {
+	d.listing.mu.Lock()
+	defer d.listing.mu.Unlock()
+	if fresh && !d.listing.changed {
+		d.touch() // failing, the listing may be old: not an error of the read
+	}
+	d.listing.changed = false
+	var ents []fs.DirEntry
+	err := retryStale(func() (err error) {
+		ents, err = d.fs.ReadDir(d.path)
+		return err
+	})
+	return ents, err
+}
+
+// touch creates a file in the directory and removes it (list).
+func (d *Dir) touch() error {
+	tmp := filepath.Join(d.path, tempName(d.node, rand.Uint64()))
+	var f fsys.File
+	err := retryStale(func() (err error) {
+		f, err = d.fs.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o644)
+		return err
+	})
+	if err != nil {
+		return err
+	}
+	return errors.Join(f.Close(), d.fs.Remove(tmp))
 }
 
 // writeFile creates path (or truncates it), writes b into it and fsyncs
@@ -281,13 +338,10 @@ func (d *Dir) readFile(path string) ([]byte, error) {
 // Dir read, if any, stands in for it: one file failing does not fail the
 // read. A stale file handle (ESTALE, a shared mount's file replaced under
 // a cached handle) is retried. A directory that cannot be listed is an
-// error with no summaries.
+// error with no summaries. The listing is fresh on a client that caches
+// listings (NFS) too: see list.
 func (d *Dir) ReadAll() ([]*Summary, []error, error) {
-	var ents []fs.DirEntry
-	err := retryStale(func() (err error) {
-		ents, err = d.fs.ReadDir(d.path)
-		return err
-	})
+	ents, err := d.list(true)
 	if err != nil {
 		return nil, nil, fmt.Errorf("clustercap: %w", err)
 	}
