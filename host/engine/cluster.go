@@ -90,6 +90,13 @@ type clusterMount struct {
 	// bad holds the nodes whose summary the last read could not use
 	// (logged once, at the read that first found it so).
 	bad map[string]bool
+	// twin is a running node whose summary carries this node's owner tag,
+	// as the last read found ("" if none): another node_id of the tag that
+	// the start's check did not see (both started at once). Neither can
+	// tell its files from the other's, so while twinned this node removes
+	// none of the tag's (mayEvict: twinned is read anywhere).
+	twin    string
+	twinned atomic.Bool
 }
 
 // clusterRun is the engine's cluster loops.
@@ -192,7 +199,8 @@ func (e *Engine) closeCluster() {
 }
 
 // mayEvict reports whether this node may remove en's file: on a cluster
-// mount, only its own files and those of the dead nodes it adopted.
+// mount, only its own files and those of the dead nodes it adopted, and
+// none of its tag while another running node has that tag (twinned).
 // Called with e.mu held.
 func (e *Engine) mayEvict(m *mount, en *entry) bool {
 	c := m.cluster
@@ -200,7 +208,10 @@ func (e *Engine) mayEvict(m *mount, en *entry) bool {
 		return true
 	}
 	o, ok := clustercap.Owner(en.fid)
-	return ok && (o == c.tag || (*c.dead.Load())[o])
+	if !ok || (o == c.tag && c.twinned.Load()) {
+		return false
+	}
+	return o == c.tag || (*c.dead.Load())[o]
 }
 
 // ranked is one of this node's entries with its eviction rank.
@@ -327,7 +338,8 @@ func (e *Engine) policyRank(ctx context.Context, recs []abi.RankRecord) (bool, e
 // node's start), and again until a walk of the mount completes (after
 // a failed walk, at the first read from c.rewalkAt); a node adopted before that runs again is released, and so
 // is one no longer read at all; one whose files are all gone is retired
-// (retire). Touches of this node's files raise their last access. A read that fails
+// (retire). Touches of this node's files raise their last access. A
+// running node of this node's owner tag is recorded (setTwin). A read that fails
 // releases every adopted node: this node cannot tell whether they run
 // again. Called with c.mu held.
 func (c *clusterMount) read(ctx context.Context, e *Engine, m *mount) error {
@@ -392,6 +404,7 @@ func (c *clusterMount) read(ctx context.Context, e *Engine, m *mount) error {
 	}
 	touched := map[uint64]clustercap.Touch{} // by file id: the latest use, the highest rank
 	read := map[string]bool{}                // the nodes of sums
+	twin := ""                               // a running node of this node's tag
 	for _, s := range sums {
 		read[s.Node] = true
 		live, err := clustercap.Live(s, now, c.dir.LockFree)
@@ -406,6 +419,9 @@ func (c *clusterMount) read(ctx context.Context, e *Engine, m *mount) error {
 			e.log.Warn("engine: cluster: adoption lock", "mount", m.root, "node", s.Node, "err", err)
 		}
 		c.peers = append(c.peers, s)
+		if s.Tag == c.tag {
+			twin = s.Node
+		}
 		for _, t := range s.Touches {
 			if o, ok := clustercap.Owner(t.ID); ok && o == c.tag {
 				// A use is at most now: a time in this node's future (the
@@ -416,6 +432,7 @@ func (c *clusterMount) read(ctx context.Context, e *Engine, m *mount) error {
 			}
 		}
 	}
+	c.setTwin(e, m, twin)
 	c.readBad(e, m, bad, read, now, adopt)
 	if len(touched) == 0 {
 		return nil
@@ -438,6 +455,22 @@ func (c *clusterMount) read(ctx context.Context, e *Engine, m *mount) error {
 	e.ix.mu.Unlock()
 	e.access(ctx, recs)
 	return nil
+}
+
+// setTwin records twin, a running node of this node's owner tag that a
+// read found ("" if none), logging when one is found and when none is
+// left. Called with c.mu held.
+func (c *clusterMount) setTwin(e *Engine, m *mount, twin string) {
+	switch {
+	case twin == c.twin:
+	case twin != "":
+		e.log.Error("engine: cluster: another running node has this node's owner tag; removing none of the tag's files, which cannot be told apart, until one of them runs with another node_id",
+			"mount", m.root, "node", e.node, "other", twin, "tag", fmt.Sprintf("%#x", c.tag))
+	default:
+		e.log.Info("engine: cluster: no other running node has this node's owner tag any more", "mount", m.root, "other", c.twin)
+	}
+	c.twin = twin
+	c.twinned.Store(twin != "")
 }
 
 // retire retires the dead nodes of dead (names: their names) whose
@@ -681,8 +714,12 @@ func (e *Engine) clusterReserve(ctx context.Context, m *mount, size int64) error
 		c.evict(ctx, e, m, own, cut, c.own+size-limit)
 		if c.own+size > limit {
 			c.claim = max(last, c.own)
-			return fmt.Errorf("%w: mount %s: this node holds %d bytes and may hold %d of the cluster's %d, %d more needed, no evictable file of its own left",
-				ErrNoSpace, m.root, c.own, limit, c.bound.Capacity, size)
+			why := "no evictable file of its own left"
+			if c.twin != "" {
+				why = fmt.Sprintf("none of its files evictable while node %q runs with its owner tag", c.twin)
+			}
+			return fmt.Errorf("%w: mount %s: this node holds %d bytes and may hold %d of the cluster's %d, %d more needed, %s",
+				ErrNoSpace, m.root, c.own, limit, c.bound.Capacity, size, why)
 		}
 		c.claim = min(c.claim, limit)
 		if err == nil {

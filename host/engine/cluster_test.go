@@ -32,8 +32,15 @@ func clusterNode(t *testing.T, dir, id string, capacity int64, interval time.Dur
 // nil: the wall clock).
 func clusterNodeAt(t *testing.T, dir, id string, capacity int64, interval time.Duration, now func() time.Time) *node {
 	t.Helper()
-	e := openEngine(t, Config{Mounts: []Mount{{Path: dir, ClusterCapacity: capacity, ClusterInterval: interval}},
-		Policy: newTestPolicy(1, abi.OrderLayerMajor), NodeID: id, Now: now})
+	return clusterNodeOf(t, Config{Mounts: []Mount{{Path: dir, ClusterCapacity: capacity, ClusterInterval: interval}}, NodeID: id, Now: now})
+}
+
+// clusterNodeOf opens an engine with cfg and the test policy, and
+// declares a namespace and a cache of smallGeometry on it.
+func clusterNodeOf(t *testing.T, cfg Config) *node {
+	t.Helper()
+	cfg.Policy = newTestPolicy(1, abi.OrderLayerMajor)
+	e := openEngine(t, cfg)
 	g := smallGeometry(true)
 	ns, err := e.Declare(context.Background(), g)
 	if err != nil {
@@ -98,6 +105,66 @@ func TestClusterCapacityBoundsTheMountAndKeepsAnotherLiveNodesFiles(t *testing.T
 	}
 	if ev := busy.e.Stats().Evictions; ev < 24-6 {
 		t.Fatalf("busy node evicted %d files, want at least %d of its own", ev, 24-6)
+	}
+}
+
+// TestClusterNodesOfOneTagStartedAtOnceRemoveNoneOfEachOthersFiles: two
+// node ids of one owner tag start at once (each checks the directory
+// before the other's first summary is there, so neither start refuses).
+// The idle one stores 2 files; the busy one finds them and stores far
+// past a bound of 8 files. It cannot tell the idle node's files from its
+// own: it must remove none of them, its stores failing for room instead,
+// and the files on the mount stay within the bound.
+func TestClusterNodesOfOneTagStartedAtOnceRemoveNoneOfEachOthersFiles(t *testing.T) {
+	ctx := context.Background()
+	const busyID, idleID = "node32659", "node41684"
+	if clustercap.Tag(busyID) != clustercap.Tag(idleID) {
+		t.Fatalf("node ids %s and %s: tags %#x and %#x, want one", busyID, idleID, clustercap.Tag(busyID), clustercap.Tag(idleID))
+	}
+	capacity := 8 * oneFileBytes(t)
+	dir := t.TempDir()
+	var idle *node
+	var once sync.Once
+	idleStarts := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+		if op == fsys.OpRename && strings.HasSuffix(path, "/"+busyID+".summary") {
+			once.Do(func() { idle = clusterNode(t, dir, idleID, capacity, time.Hour) })
+		}
+		return fsys.Fault{}
+	})
+	busy := clusterNodeOf(t, Config{Mounts: []Mount{{Path: dir, ClusterCapacity: capacity, ClusterInterval: 20 * time.Millisecond}},
+		NodeID: busyID, FS: &fsys.Faulty{FS: fsys.OS{}, Inj: idleStarts}})
+	if idle == nil {
+		t.Fatal("the idle node did not start during the busy node's start")
+	}
+	r := rand.New(rand.NewPCG(41, 41))
+	idleKeys := storeKeys(t, idle, "idle", 2, r)
+	var idleFiles []string
+	for _, p := range dataFiles(t, dir) {
+		if !strings.Contains(p, "/"+clustercap.DirName+"/") {
+			idleFiles = append(idleFiles, p)
+		}
+	}
+	if len(idleFiles) != 2 {
+		t.Fatalf("%d data files after the idle node's 2 stores: %v", len(idleFiles), idleFiles)
+	}
+	if n, _ := busy.e.Lookup(ctx, busy.ns, idleKeys); n != 2 {
+		t.Fatalf("the busy node finds %d of the idle node's 2 files", n)
+	}
+	for i := range 24 {
+		bl := []int{4 * (i % 16), 4*(i%16) + 1, 4*(i%16) + 2, 4*(i%16) + 3}
+		busy.c.fill(r, bl)
+		res := wait(t)(busy.e.Store(ctx, StoreRequest{Cache: busy.c.id, Keys: testKeys(fmt.Sprintf("busy%02d", i), 1), Blocks: [][]int{bl}}))
+		if kr := res.Keys[0]; kr.Outcome != OutcomeStored && (kr.Outcome != OutcomeFailed || !errors.Is(kr.Err, ErrNoSpace)) {
+			t.Fatalf("busy node's store %d: %v, %v; want stored or refused for room", i, kr.Outcome, kr.Err)
+		}
+		if got := diskBytes(t, dir); got > capacity {
+			t.Fatalf("after store %d: %d bytes of files on the mount, over the cluster capacity of %d", i, got, capacity)
+		}
+	}
+	for _, f := range idleFiles {
+		if _, err := os.Stat(f); err != nil {
+			t.Errorf("the idle node's file %s is gone: the busy node of its tag removed it (%v)", f, err)
+		}
 	}
 }
 

@@ -10,7 +10,8 @@ const randomMask = 1<<(64-TagBits) - 1
 
 // Tag is the owner tag of the node named node: the low TagBits bits of the
 // name's FNV-1a hash. Two node names may share a tag (about one pair in
-// 16 million); Check on a directory's summaries finds such a pair.
+// 16 million); a node finds such a pair among the running nodes'
+// summaries (Summary.Tag), at its start and at every read.
 func Tag(node string) uint32 {
 	h := fnv.New64a()
 	h.Write([]byte(node))
