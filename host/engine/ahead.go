@@ -270,7 +270,7 @@ func (e *Engine) makeSpares() {
 // its pages allocated, shown to the movers (transfer.Preparer), then
 // added to m's spares if it still fits below the low watermark.
 func (e *Engine) makeSpare(m *mount, size int64) error {
-	f, path, op, err := e.createFile(m.root, sparePrefix, 0, size)
+	f, path, op, err := e.createFile(m, m.root, sparePrefix, 0, size)
 	if err != nil {
 		return fmt.Errorf("%s: %w", op, err)
 	}

@@ -450,10 +450,10 @@ type Stats struct {
 	Failures   uint64 // keys that ended OutcomeFailed
 	Corrupt    uint64 // files dropped because they failed verification
 	Vanished   uint64 // files found missing or replaced behind the engine's back
-	// RemoveFailures counts data files and spare files whose removal
-	// failed (an unlink, or the open and header read before it, refused:
-	// EACCES, EIO, a read-only file system), each file once, at its first
-	// failure. Such a file stays counted as used on its mount; the next
+	// RemoveFailures counts data files, spare files and temporary files
+	// whose removal failed (an unlink, or the open and header read before
+	// it, refused: EACCES, EIO, a read-only file system), each file once,
+	// at its first failure. Such a file stays counted as used on its mount; the next
 	// eviction there tries again, and later ones at most once every 10
 	// seconds, whose failures are not counted again.
 	RemoveFailures uint64

@@ -673,7 +673,7 @@ func TestClusterReclaimsTheAbandonedTemporaryFilesOfADeadNode(t *testing.T) {
 	clock := newTestClock()
 	a := clusterNodeAt(t, dir, "a", 1<<30, time.Hour, clock.now)
 	d := clusterNode(t, dir, "d", 1<<30, time.Second)
-	f, tmp, _, err := d.e.createTemp(dir, 0, 1<<20)
+	f, tmp, _, err := d.e.createTemp(d.e.mounts[0], dir, 0, 1<<20)
 	if err != nil {
 		t.Fatal(err)
 	}

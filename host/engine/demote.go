@@ -420,14 +420,14 @@ func (e *Engine) copyFile(en *entry, tm *mount, dst string) (en2, left *entry, e
 		return nil, nil, fmt.Errorf("engine: move: open %s: %w", en.path, err)
 	}
 	defer src.Close()
-	f, tmp, op, err := e.createTemp(filepath.Dir(dst), 0, en.size)
+	f, tmp, op, err := e.createTemp(tm, filepath.Dir(dst), 0, en.size)
 	if err != nil {
 		return nil, nil, e.ioError(tm, "move: "+op, err)
 	}
 	published := false
 	defer func() {
 		if !published {
-			e.removeTemp(tmp, f)
+			e.removeTemp(tm, tmp, f, en.size)
 		}
 		if f != nil {
 			f.Close()

@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -1025,5 +1026,148 @@ func TestAFileWhoseRemovalFailsAfterAFailedPublishStaysCounted(t *testing.T) {
 				counted("after the removal was tried again")
 			})
 		}
+	}
+}
+
+// TestATemporaryFileWhoseRemovalFailsStaysCounted: a store or a move's
+// copy that fails before its rename (or a store's first try, before its
+// retry after an ENOSPC) removes its temporary file; where that removal
+// fails, the file stays on disk, so its mount goes on counting it, as
+// used, until an eviction there removes it: the bytes on disk are the
+// bytes the mount counts.
+func TestATemporaryFileWhoseRemovalFailsStaysCounted(t *testing.T) {
+	ctx := context.Background()
+	cases := []struct {
+		name string
+		// fault is the fault of op on the temporary file tmp while armed
+		// (its removal fails whatever it returns).
+		fault func(op fsys.Op, tmp string) fsys.Fault
+		// fail runs the store or move, the faults armed.
+		fail func(t *testing.T, e *Engine, ns NamespaceID, c *testCache, keys [][]byte)
+	}{{
+		name: "a store whose write fails",
+		fault: func(op fsys.Op, _ string) fsys.Fault {
+			if op == fsys.OpWrite {
+				return fsys.Fault{Err: syscall.EIO}
+			}
+			return fsys.Fault{}
+		},
+		fail: func(t *testing.T, e *Engine, _ NamespaceID, c *testCache, keys [][]byte) {
+			res := wait(t)(e.Store(ctx, StoreRequest{Cache: c.id, Keys: keys, Blocks: [][]int{{0, 1, 2, 3}}}))
+			wantOutcomes(t, "the store whose write failed", res, OutcomeFailed)
+		},
+	}, {
+		name: "a store whose allocation fails",
+		fault: func(op fsys.Op, _ string) fsys.Fault {
+			if op == fsys.OpAllocate {
+				return fsys.Fault{Err: syscall.EIO}
+			}
+			return fsys.Fault{}
+		},
+		fail: func(t *testing.T, e *Engine, _ NamespaceID, c *testCache, keys [][]byte) {
+			res := wait(t)(e.Store(ctx, StoreRequest{Cache: c.id, Keys: keys, Blocks: [][]int{{0, 1, 2, 3}}}))
+			wantOutcomes(t, "the store whose allocation failed", res, OutcomeFailed)
+		},
+	}, {
+		name: "a store retried after an ENOSPC",
+		fault: func() func(op fsys.Op, _ string) fsys.Fault {
+			var once atomic.Bool
+			return func(op fsys.Op, _ string) fsys.Fault {
+				if op == fsys.OpWrite && once.CompareAndSwap(false, true) {
+					return fsys.Fault{Err: syscall.ENOSPC}
+				}
+				return fsys.Fault{}
+			}
+		}(),
+		fail: func(t *testing.T, e *Engine, _ NamespaceID, c *testCache, keys [][]byte) {
+			storeAndCheck(t, e, c, keys, [][]int{{0, 1, 2, 3}})
+		},
+	}, {
+		name: "a move whose write fails",
+		fault: func(op fsys.Op, _ string) fsys.Fault {
+			if op == fsys.OpWrite {
+				return fsys.Fault{Err: syscall.EIO}
+			}
+			return fsys.Fault{}
+		},
+		fail: func(t *testing.T, e *Engine, ns NamespaceID, _ *testCache, keys [][]byte) {
+			if _, err := e.move(ctx, entryOf(e, ns, keys[0]).id, 1, true); err == nil {
+				t.Fatal("the move whose write failed succeeded")
+			}
+		},
+	}}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			var (
+				failing atomic.Bool
+				mu      sync.Mutex
+				stuck   []string
+				now     = time.Unix(1_700_000_000, 0)
+			)
+			inj := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+				if !failing.Load() || !strings.HasPrefix(filepath.Base(path), tmpPrefix) {
+					return fsys.Fault{}
+				}
+				if op == fsys.OpRemove {
+					mu.Lock()
+					defer mu.Unlock()
+					stuck = append(stuck, path)
+					return fsys.Fault{Err: syscall.EACCES}
+				}
+				return tc.fault(op, path)
+			})
+			clock := func() time.Time { mu.Lock(); defer mu.Unlock(); return now }
+			mounts := []Mount{{Path: t.TempDir()}, {Path: t.TempDir()}}
+			g := smallGeometry(true)
+			e := openEngine(t, Config{Mounts: mounts, FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj}, Now: clock, NoReuse: true,
+				Policy: &demotingPolicy{testPolicy: newTestPolicy(1, abi.OrderLayerMajor)}})
+			ns, err := e.Declare(ctx, g)
+			if err != nil {
+				t.Fatal(err)
+			}
+			c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
+			keys := testKeys("tmpleft", 1)
+			storeAndCheck(t, e, c, testKeys("kept", 1), [][]int{{4, 5, 6, 7}})
+			if strings.HasPrefix(tc.name, "a move") {
+				storeAndCheck(t, e, c, keys, [][]int{{0, 1, 2, 3}})
+			}
+			counted := func(when string) {
+				t.Helper()
+				st := e.Stats()
+				for i, m := range mounts {
+					if on := bytesOnDisk(t, m.Path); on != st.Mounts[i].Used {
+						t.Fatalf("%s: mount %d: %d bytes of files on it, %d used", when, i, on, st.Mounts[i].Used)
+					}
+				}
+			}
+			failing.Store(true)
+			tc.fail(t, e, ns, c, keys)
+			failing.Store(false)
+			mu.Lock()
+			left := slices.Compact(slices.Sorted(slices.Values(stuck)))
+			mu.Unlock()
+			if len(left) == 0 {
+				t.Fatal("no temporary file's removal failed: the test proves nothing")
+			}
+			counted("after a temporary file's removal failed")
+			if n := e.Stats().RemoveFailures; n != uint64(len(left)) {
+				t.Fatalf("%d failed removals counted, want %d: one per temporary file left", n, len(left))
+			}
+			mu.Lock()
+			now = now.Add(leftRetryInterval)
+			mu.Unlock()
+			for _, m := range e.mounts {
+				e.retryLeft(m) // as the next eviction there does
+			}
+			for _, p := range left {
+				if exists(p) {
+					t.Fatalf("temporary file %s is still there after its removal was tried again", p)
+				}
+			}
+			counted("after the removal was tried again")
+			if err := e.check(); err != nil {
+				t.Fatal(err)
+			}
+		})
 	}
 }

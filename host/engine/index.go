@@ -23,7 +23,8 @@ type keyRef struct {
 	idx int // index of the key in the file
 }
 
-// entry is one published file, or a spare left on disk (spare). Fields
+// entry is one published file, or a spare or temporary file left on disk
+// (spare). Fields
 // other than pins, leases, hits, last, gone, orphan, retryAt, verified
 // and removeFailed are immutable after it is indexed.
 type entry struct {
@@ -56,9 +57,9 @@ type entry struct {
 	// retryAt: in left, when retryLeft may try to remove the file again
 	// (Unix nanoseconds; 0: at the next eviction on its mount).
 	retryAt int64
-	// spare: not a published file but a spare (spares.go) whose removal
-	// failed, only ever in left (index.leaveSpare): it has no keys, and
-	// its name, this engine's own, says which file it is.
+	// spare: not a published file but a spare (spares.go) or a temporary
+	// file whose removal failed, only ever in left (index.leaveSpare): it
+	// has no keys, and its name, this engine's own, says which file it is.
 	spare bool
 }
 
@@ -281,9 +282,9 @@ func (ix *index) leaveLocked(en *entry, at string) {
 
 // leaveSpare records that the spare file at path, of size bytes on mount,
 // which the mount no longer counts (taken from its spares, or made and
-// not kept), could not be removed: like a dropped file's (leaveLocked),
-// its bytes count as used until an eviction there removes it
-// (retryLeft).
+// not kept), or a temporary file not published (removeTemp), could not
+// be removed: like a dropped file's (leaveLocked), its bytes count as
+// used until an eviction there removes it (retryLeft).
 func (ix *index) leaveSpare(mount int, path string, size int64) {
 	en := &entry{mount: mount, path: path, size: size, spare: true}
 	en.removeFailed.Store(true)

@@ -45,16 +45,36 @@ func (e *Engine) removeFile(path string, id fsys.Identity) error {
 	return nil
 }
 
-// removeTemp removes a temporary file that was not published (or a spare
-// made ahead that was not kept), f being the file while it is still open
-// (nil once closed): removeFile with its identity, read from f where it
-// is open (never another file's, should the name have been replaced).
-func (e *Engine) removeTemp(tmp string, f fsys.File) {
-	var id fsys.Identity
+// removeTemp removes a temporary file on m that was not published (a
+// store's or a move's that failed or was cancelled, a store's first try
+// before its retry after an ENOSPC, or a spare made ahead whose
+// allocation failed), f being the file while it is still open (nil once
+// closed): removeFile with its identity, read from f where it is open
+// (never another file's, should the name have been replaced). The caller
+// does not count the file (it gives its reservation back, or keeps it for
+// the retry): a file whose removal fails stays counted as a spare's does
+// (removeOwn), of f's size, or where f cannot say it, of size bytes.
+func (e *Engine) removeTemp(m *mount, tmp string, f fsys.File, size int64) {
+	id := fsys.Identity{Size: size} // no inode: read from the name
 	if f != nil {
-		id, _ = fileIdentity(f) // zero if fstat failed: read from the name
+		if fid, err := fileIdentity(f); err == nil {
+			id = fid
+		}
 	}
-	if err := e.removeFile(tmp, id); err != nil {
-		e.log.Warn("engine: remove temporary file", "path", tmp, "err", err)
+	e.removeOwn(m, tmp, id, "temporary file")
+}
+
+// removeOwn removes the file at path on m, of identity id (of which the
+// size is what m is to count; a zero id is read from the name): a file of
+// this engine's own name (a spare, a temporary file) that m no longer
+// counts. Where the removal fails the file is still there: m counts it as
+// used (index.leaveSpare), as it does a data file whose removal failed,
+// until an eviction there removes it (retryLeft); the failure counts in
+// Stats.RemoveFailures. what names the file in the warning.
+func (e *Engine) removeOwn(m *mount, path string, id fsys.Identity, what string) {
+	if err := e.removeFile(path, id); err != nil {
+		e.st.removeFailures.Add(1)
+		e.log.Warn("engine: remove a "+what, "path", path, "err", err)
+		e.ix.leaveSpare(m.idx, path, id.Size)
 	}
 }

@@ -70,7 +70,8 @@ type mountSpace struct {
 	high, low int64
 	// used is the bytes of the mount's indexed files, of reservations
 	// (stores and moves in flight), of files dropped from the index
-	// and not yet removed, and of spares whose removal failed.
+	// and not yet removed, and of spares and temporary files whose
+	// removal failed.
 	used int64
 	// orphaned is the part of used that orphans hold: files dropped from
 	// the index while another job held their path, which that job
@@ -209,7 +210,8 @@ func (s *space) free(ms *mountSpace, size int64, orphan bool) {
 }
 
 // left counts size bytes of a spare of ms, no longer among its spares,
-// as used: its removal failed (index.leaveSpare).
+// or of a temporary file not published, as used: its removal failed
+// (index.leaveSpare).
 func (s *space) left(ms *mountSpace, size int64) {
 	s.mu.Lock()
 	defer s.mu.Unlock()

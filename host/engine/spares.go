@@ -152,7 +152,7 @@ func (e *Engine) openTemp(m *mount, sf spareFile, dir string, extra int, size, e
 			return f, tmp, "", nil
 		}
 	}
-	return e.createTemp(dir, extra, size)
+	return e.createTemp(m, dir, extra, size)
 }
 
 // rewrittenUnder reports whether the file f, whose header h a load read
@@ -182,16 +182,9 @@ func (e *Engine) trimSpares(m *mount, enough func(*mountSpace) bool) {
 // removeSpare removes the spare file at path on m, of identity id (of
 // which the size is what m counted; a zero id is read from the name),
 // which m no longer counts: taken from its spares, or made and not kept.
-// Where the removal fails the file is still there: m counts it as used
-// (index.leaveSpare), as it does a data file whose removal failed, until
-// an eviction there removes it (retryLeft); the failure counts in
-// Stats.RemoveFailures.
+// A file whose removal fails stays counted (removeOwn).
 func (e *Engine) removeSpare(m *mount, path string, id fsys.Identity) {
-	if err := e.removeFile(path, id); err != nil {
-		e.st.removeFailures.Add(1)
-		e.log.Warn("engine: remove a spare file", "path", path, "err", err)
-		e.ix.leaveSpare(m.idx, path, id.Size)
-	}
+	e.removeOwn(m, path, id, "spare file")
 }
 
 // dropSpares removes every spare file (Close).

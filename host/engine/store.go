@@ -460,7 +460,7 @@ func (e *Engine) writeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 	}
 	defer func() {
 		if !published {
-			e.removeTemp(tmp, f) // forgotten by the movers, then unlinked
+			e.removeTemp(m, tmp, f, size) // forgotten by the movers, then unlinked
 		}
 		if f != nil {
 			f.Close()

@@ -62,18 +62,18 @@ func (e *Engine) tempName(dir, prefix string) string {
 }
 
 // createTemp creates an owned temporary file (O_EXCL, plus extra flags)
-// in dir, creating dir first (again, if it was removed behind the
+// in dir on m, creating dir first (again, if it was removed behind the
 // engine's back), flocks it ("in use", to cleaners on this node and,
 // where the file system shares flocks, on others: docs/engine.md) and
 // allocates size bytes. On failure nothing is left behind; op names the
 // failed step ("mkdir", "create", "allocate").
-func (e *Engine) createTemp(dir string, extra int, size int64) (f fsys.File, tmp, op string, err error) {
-	return e.createFile(dir, tmpPrefix, extra, size)
+func (e *Engine) createTemp(m *mount, dir string, extra int, size int64) (f fsys.File, tmp, op string, err error) {
+	return e.createFile(m, dir, tmpPrefix, extra, size)
 }
 
 // createFile is createTemp for a temporary name with prefix (tmpPrefix,
 // or sparePrefix for a spare made ahead of stores).
-func (e *Engine) createFile(dir, prefix string, extra int, size int64) (f fsys.File, tmp, op string, err error) {
+func (e *Engine) createFile(m *mount, dir, prefix string, extra int, size int64) (f fsys.File, tmp, op string, err error) {
 	if err := e.mkdir(dir, false); err != nil {
 		return nil, "", "mkdir", err
 	}
@@ -92,7 +92,7 @@ func (e *Engine) createFile(dir, prefix string, extra int, size int64) (f fsys.F
 		e.log.Debug("engine: flock of a temporary file", "path", tmp, "err", err)
 	}
 	if err := f.Allocate(size); err != nil {
-		e.removeTemp(tmp, f)
+		e.removeTemp(m, tmp, f, size)
 		f.Close()
 		return nil, "", "allocate", err
 	}

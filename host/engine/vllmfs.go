@@ -13,6 +13,7 @@ import (
 	"strings"
 
 	"github.com/kvhost/kvhost/internal/format"
+	"github.com/kvhost/kvhost/internal/fsys"
 	"github.com/kvhost/kvhost/internal/vllmfs"
 )
 
@@ -240,7 +241,12 @@ func (e *Engine) writeConfig(root string, cfg vllmfs.Config) error {
 		err = e.fs.Rename(tmp, filepath.Join(dir, vllmfs.ConfigFile))
 	}
 	if err != nil {
-		e.removeTemp(tmp, nil)
+		// Counted nowhere, as config.json is not: a removal that fails
+		// is only logged (Open removes the file once this process is
+		// gone).
+		if rerr := e.removeFile(tmp, fsys.Identity{}); rerr != nil {
+			e.log.Warn("engine: remove a temporary file", "path", tmp, "err", rerr)
+		}
 		return err
 	}
 	if e.cfg.Fsync {

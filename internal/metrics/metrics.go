@@ -279,7 +279,7 @@ var (
 	dSparesMade     = desc("kvhost_spare_files_made_total", "Spare files made ahead of stores on memory file systems (mount.preallocate).")
 	dCorrupt        = desc("kvhost_corrupt_files_total", "Files dropped because they failed verification.")
 	dVanished       = desc("kvhost_vanished_files_total", "Files found missing or replaced behind the engine's back.")
-	dRemoveFailed   = desc("kvhost_remove_failures_total", "Data and spare files whose removal failed, each counted once (the file stays counted as used; evictions on its mount try again).")
+	dRemoveFailed   = desc("kvhost_remove_failures_total", "Data, spare and temporary files whose removal failed, each counted once (the file stays counted as used; evictions on its mount try again).")
 	dWritten        = desc("kvhost_written_bytes_total", "Payload bytes written to files.")
 	dRead           = desc("kvhost_read_bytes_total", "Payload bytes read from files.")
 	dFailures       = desc("kvhost_key_failures_total", "Keys of jobs that failed, by direction and reason.", "direction", "reason")
