@@ -31,7 +31,7 @@ func (ix *index) claimLocked(path string) (bool, *flight) {
 }
 
 // readMark is a discovery's read of the file at a path it does not hold
-// (Engine.discover), between beginRead and endRead. It goes stale when a
+// (Engine.discover, Engine.adoptFound), between beginRead and endRead. It goes stale when a
 // job of this engine claims the path meanwhile: the file read may be one
 // that job removed (a delete, an eviction) or replaced (a store), and is
 // then not indexed (adopt). Guarded by index.mu.

@@ -210,9 +210,10 @@ func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 		e.drop(ctx, en, false, "replaced")
 		if id.Size >= h.FileLen() {
 			found := e.entryOf(en.mount, en.path, h, id)
-			if en = e.adopt(ctx, found, nil); en == nil {
-				// A store of this engine holds the path: the file is
-				// read, and left to it to index or replace.
+			if en = e.adoptFound(ctx, found); en == nil {
+				// A job of this engine holds the path, or held it
+				// since the file was opened: the file is read, and
+				// left to it to index, replace or remove.
 				found.gone = true
 				en = found
 			}

@@ -262,3 +262,27 @@ func (e *Engine) adopt(ctx context.Context, en *entry, read *readMark) *entry {
 	e.access(ctx, recs)
 	return en
 }
+
+// adoptFound is adopt for an entry of a file that was read before any
+// mark of its path (a load that found its file replaced): it marks a read
+// now (index.beginRead), then indexes the file only if the stat of its
+// name still finds it, in the state read. A job of this engine that
+// claimed the path since the file was read has removed or replaced it
+// (the stat shows it), or holds the path still or claims it before the
+// insert (the mark shows it). It returns nil where it did not index the
+// file.
+func (e *Engine) adoptFound(ctx context.Context, found *entry) *entry {
+	read := e.ix.beginRead(found.path)
+	if read == nil { // held: adopt looks again
+		return nil
+	}
+	defer e.ix.endRead(found.path, read)
+	fi, err := e.fs.Stat(found.path)
+	if err != nil {
+		return nil
+	}
+	if id, err := fsys.IdentityOf(fi); err != nil || !id.Same(found.ident) {
+		return nil
+	}
+	return e.adopt(ctx, found, read)
+}

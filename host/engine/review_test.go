@@ -666,23 +666,100 @@ func TestALookupNeverIndexesAFileThisEngineRemovedOrReplacedWhileItReadIt(t *tes
 				tc.meanwhile(t, e, ns, c, keys)
 			}()
 			<-found
-			e.ix.mu.RLock()
-			en := e.ix.byPath[path]
-			e.ix.mu.RUnlock()
-			fi, err := os.Stat(path)
-			switch {
-			case err != nil && en != nil:
-				t.Fatalf("the index holds %s, whose file is gone (%v)", path, err)
-			case err == nil && en == nil:
-				t.Fatalf("the index lost the file at %s", path)
-			case err == nil:
-				if id, _ := fsys.IdentityOf(fi); !id.Same(en.ident) {
-					t.Fatalf("the index holds a file at %s that was replaced: inode %d, the file there %d", path, en.ident.Ino, id.Ino)
-				}
+			indexHoldsTheFileAt(t, e, path)
+		})
+	}
+}
+
+// indexHoldsTheFileAt fails t unless the index holds the file at path,
+// and only it (none where none is there), and the engine's parts agree.
+func indexHoldsTheFileAt(t *testing.T, e *Engine, path string) {
+	t.Helper()
+	e.ix.mu.RLock()
+	en := e.ix.byPath[path]
+	e.ix.mu.RUnlock()
+	fi, err := os.Stat(path)
+	switch {
+	case err != nil && en != nil:
+		t.Fatalf("the index holds %s, whose file is gone (%v)", path, err)
+	case err == nil && en == nil:
+		t.Fatalf("the index lost the file at %s", path)
+	case err == nil:
+		if id, _ := fsys.IdentityOf(fi); !id.Same(en.ident) {
+			t.Fatalf("the index holds a file at %s that was replaced: inode %d, the file there %d", path, en.ident.Ino, id.Ino)
+		}
+	}
+	if err := e.check(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// TestALoadNeverIndexesAFileThisEngineRemovedOrReplacedWhileItReadIt: a
+// load that finds its key's file replaced behind the engine's back
+// (another node's file at the path) indexes the file it found; if, while
+// it read that file's header, a job of this engine removed the file (a
+// delete, which another load let index it first) or replaced it (a store
+// of the key), the load does not index what it read.
+func TestALoadNeverIndexesAFileThisEngineRemovedOrReplacedWhileItReadIt(t *testing.T) {
+	ctx := context.Background()
+	g := smallGeometry(true)
+	cases := []struct {
+		name string
+		// meanwhile runs while the load reads the file's header.
+		meanwhile func(t *testing.T, e *Engine, ns NamespaceID, c *testCache, keys [][]byte)
+	}{{
+		name: "deleted",
+		meanwhile: func(t *testing.T, e *Engine, ns NamespaceID, c *testCache, keys [][]byte) {
+			res := wait(t)(e.Load(ctx, LoadRequest{Cache: c.id, Keys: keys, Blocks: [][]int{{8, 9, 10, 11}}}))
+			wantOutcomes(t, "the other load", res, OutcomeLoaded)
+			if n, err := e.Delete(ctx, ns, keys); n != 1 || err != nil {
+				t.Fatalf("Delete: %d, %v; want 1", n, err)
 			}
-			if err := e.check(); err != nil {
+		},
+	}, {
+		name: "replaced by a store",
+		meanwhile: func(t *testing.T, e *Engine, _ NamespaceID, c *testCache, keys [][]byte) {
+			storeAndCheck(t, e, c, keys, [][]int{{4, 5, 6, 7}})
+		},
+	}}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			gate := &opGate{op: fsys.OpRead, reached: make(chan struct{}), proceed: make(chan struct{})}
+			e := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir()}}, Policy: newTestPolicy(1, abi.OrderLayerMajor), FS: &fsys.Faulty{FS: fsys.OS{}, Inj: gate}})
+			ns, _ := e.Declare(ctx, g)
+			c := newTestCache(t, e, ns, g, 32, layoutPlaneFirst)
+			keys := testKeys("raced", 1)
+			storeAndCheck(t, e, c, keys, [][]int{{0, 1, 2, 3}})
+			_, paths, _, _ := e.names(ctx, e.nss[ns], keys)
+			path := paths[0]
+			// Another node publishes the same bytes at the path: another
+			// file than the one indexed.
+			b, err := os.ReadFile(path)
+			if err != nil {
 				t.Fatal(err)
 			}
+			if err := os.WriteFile(path+".other", b, 0o644); err != nil {
+				t.Fatal(err)
+			}
+			if err := os.Rename(path+".other", path); err != nil {
+				t.Fatal(err)
+			}
+
+			gate.path.Store(path)
+			loaded := make(chan struct{})
+			go func() {
+				defer close(loaded)
+				if j, err := e.Load(ctx, LoadRequest{Cache: c.id, Keys: keys, Blocks: [][]int{{12, 13, 14, 15}}}); err == nil {
+					j.Wait(ctx)
+				}
+			}()
+			<-gate.reached // the load has opened the file; its header read waits
+			func() {
+				defer close(gate.proceed) // the load goes on even if meanwhile fails
+				tc.meanwhile(t, e, ns, c, keys)
+			}()
+			<-loaded
+			indexHoldsTheFileAt(t, e, path)
 		})
 	}
 }
