@@ -888,7 +888,7 @@ func (e *Engine) adoptFiles(ctx context.Context, m *mount, tags map[uint32]bool,
 			if err != nil {
 				continue
 			}
-			if o, ok := clustercap.Owner(en.fid); ok && tags[o] && e.adopt(ctx, en, nil) != nil {
+			if o, ok := clustercap.Owner(en.fid); ok && tags[o] && e.adoptFound(ctx, en) != nil {
 				n++
 			}
 		}

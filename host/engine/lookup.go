@@ -264,9 +264,10 @@ func (e *Engine) adopt(ctx context.Context, en *entry, read *readMark) *entry {
 }
 
 // adoptFound is adopt for an entry of a file that was read before any
-// mark of its path (a load that found its file replaced): it marks a read
-// now (index.beginRead), then indexes the file only if the stat of its
-// name still finds it, in the state read. A job of this engine that
+// mark of its path (a load that found its file replaced, the cluster
+// adoption walk, which reads every file to find a dead node's): it marks
+// a read now (index.beginRead), then indexes the file only if the stat of
+// its name still finds it, in the state read. A job of this engine that
 // claimed the path since the file was read has removed or replaced it
 // (the stat shows it), or holds the path still or claims it before the
 // insert (the mark shows it). It returns nil where it did not index the

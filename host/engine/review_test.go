@@ -763,3 +763,45 @@ func TestALoadNeverIndexesAFileThisEngineRemovedOrReplacedWhileItReadIt(t *testi
 		})
 	}
 }
+
+// TestTheClusterAdoptionWalkNeverIndexesAFileThisEngineRemovedWhileItReadIt:
+// node A's walk of a cluster mount reads the header of each file of a
+// dead node it adopted, then indexes it; if meanwhile A removed that file
+// (a delete, a lookup having indexed it first), the walk does not index
+// what it read. (A's stores on the mount wait for the walk: a store's
+// cluster reservation takes the lock the walk runs under.)
+func TestTheClusterAdoptionWalkNeverIndexesAFileThisEngineRemovedWhileItReadIt(t *testing.T) {
+	ctx := context.Background()
+	gate := &opGate{op: fsys.OpClose, reached: make(chan struct{}), proceed: make(chan struct{})}
+	a, clock := besideDeadNode(t, t.TempDir(), 1, gate)
+	ns, err := a.Declare(ctx, smallGeometry(true))
+	if err != nil {
+		t.Fatal(err)
+	}
+	keys := testKeys("d", 1) // dead node D's key (storeKeys)
+	_, paths, _, _ := a.names(ctx, a.nss[ns], keys)
+	path := paths[0]
+	if !exists(path) {
+		t.Fatalf("no file of D's key at %s", path)
+	}
+	clock.advance(4 * time.Hour) // D's summary: stale
+	gate.path.Store(path)
+	walked := make(chan struct{})
+	m := a.mounts[0]
+	go func() {
+		defer close(walked)
+		m.cluster.tick(ctx, a, m)
+	}()
+	<-gate.reached // the walk has read the header; its close waits
+	func() {
+		defer close(gate.proceed) // the walk goes on even if this fails
+		if n, err := a.Lookup(ctx, ns, keys); n != 1 || err != nil {
+			t.Fatalf("A's lookup of D's key: %d, %v; want 1", n, err)
+		}
+		if n, err := a.Delete(ctx, ns, keys); n != 1 || err != nil {
+			t.Fatalf("A's Delete of D's key: %d, %v; want 1", n, err)
+		}
+	}()
+	<-walked
+	indexHoldsTheFileAt(t, a, path)
+}
