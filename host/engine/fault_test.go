@@ -1029,6 +1029,171 @@ func TestAFileWhoseRemovalFailsAfterAFailedPublishStaysCounted(t *testing.T) {
 	}
 }
 
+// TestAMovedFileIsNeverTakenForItsCopyLeftOnDisk: a move keeps its file's
+// header id, so two files of one id are on disk for a while, the source
+// and the copy, and one of them stays there where its removal fails
+// (index.left; where its identity is unknown, the id alone tells it). The
+// file left is the only one removed later: the other, live one stays,
+// loads, and is indexed again by a lookup that finds it; and the mounts
+// count each file once. So too where a move back puts a copy of the same
+// id at the path of the file left.
+func TestAMovedFileIsNeverTakenForItsCopyLeftOnDisk(t *testing.T) {
+	ctx := context.Background()
+	cases := []struct {
+		name string
+		// leave moves keys[0] (stored on mount 0) so that a file of its
+		// id stays left on mount 0 where fault fails its removal: the
+		// source of a move to mount 1, or the copy of a move back.
+		leave func(t *testing.T, e *Engine, ns NamespaceID, keys [][]byte, arm func())
+		// fault is the fault of op on path on mount 0, once armed and a
+		// file was renamed into place.
+		fault func(op fsys.Op, path string) fsys.Fault
+	}{{
+		name: "the source of a move to a later mount",
+		leave: func(t *testing.T, e *Engine, ns NamespaceID, keys [][]byte, arm func()) {
+			arm()
+			if _, err := e.move(ctx, entryOf(e, ns, keys[0]).id, 1, true); err != nil {
+				t.Fatalf("the move to mount 1: %v", err)
+			}
+		},
+		fault: func(op fsys.Op, path string) fsys.Fault {
+			if op == fsys.OpRemove && strings.HasSuffix(path, ".kv") {
+				return fsys.Fault{Err: syscall.EACCES}
+			}
+			return fsys.Fault{}
+		},
+	}, {
+		name: "the copy of unknown identity of a move to an earlier mount",
+		leave: func(t *testing.T, e *Engine, ns NamespaceID, keys [][]byte, arm func()) {
+			if _, err := e.move(ctx, entryOf(e, ns, keys[0]).id, 1, true); err != nil {
+				t.Fatalf("the move to mount 1: %v", err)
+			}
+			arm()
+			if _, err := e.move(ctx, entryOf(e, ns, keys[0]).id, 0, false); err == nil {
+				t.Fatal("the move back whose copy's identity is unknown succeeded")
+			}
+		},
+		fault: func(op fsys.Op, path string) fsys.Fault {
+			if op == fsys.OpStat && (strings.HasPrefix(filepath.Base(path), tmpPrefix) || strings.HasSuffix(path, ".kv")) {
+				return fsys.Fault{Err: syscall.EIO} // seal's fstat, the name's, and the removal's
+			}
+			return fsys.Fault{}
+		},
+	}}
+	thens := []struct {
+		name string
+		// then acts on the file left at path on mount 0, the faults still
+		// armed (disarm ends them), and returns the mount of the key's
+		// file.
+		then func(t *testing.T, e *Engine, ns NamespaceID, keys [][]byte, path string, disarm func()) int
+	}{{
+		name: "an eviction tries again",
+		then: func(t *testing.T, e *Engine, ns NamespaceID, keys [][]byte, path string, _ func()) int {
+			for _, m := range e.mounts {
+				e.retryLeft(m)
+			}
+			if !exists(path) {
+				t.Fatal("the file left was removed while its removal fails")
+			}
+			if n, err := e.Lookup(ctx, ns, keys); n != 1 {
+				t.Fatalf("a lookup of the key found %d keys (%v), want 1", n, err)
+			}
+			return 1
+		},
+	}, {
+		name: "a move puts the key's file at the path left",
+		then: func(t *testing.T, e *Engine, ns NamespaceID, keys [][]byte, _ string, disarm func()) int {
+			disarm() // the rename replaces the file left, still there
+			if _, err := e.move(ctx, entryOf(e, ns, keys[0]).id, 0, false); err != nil {
+				t.Fatalf("the move back onto the file left: %v", err)
+			}
+			// A lookup that finds the file by name (its entry lost)
+			// indexes it: it is not the file left.
+			e.drop(ctx, entryOf(e, ns, keys[0]), false, "test: forgotten")
+			if n, err := e.Lookup(ctx, ns, keys); n != 1 {
+				t.Fatalf("a lookup of the key moved back found %d keys (%v), want 1", n, err)
+			}
+			return 0
+		},
+	}}
+	for _, tc := range cases {
+		for _, th := range thens {
+			t.Run(tc.name+", "+th.name, func(t *testing.T) {
+				var (
+					failing, renamed atomic.Bool
+					mu               sync.Mutex
+					now              = time.Unix(1_700_000_000, 0)
+				)
+				mounts := []Mount{{Path: t.TempDir()}, {Path: t.TempDir()}}
+				inj := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+					switch {
+					case !failing.Load():
+					case op == fsys.OpRename && strings.HasSuffix(path, ".kv"):
+						renamed.Store(true)
+					case renamed.Load() && strings.HasPrefix(path, mounts[0].Path+string(filepath.Separator)):
+						return tc.fault(op, path)
+					}
+					return fsys.Fault{}
+				})
+				clock := func() time.Time { mu.Lock(); defer mu.Unlock(); return now }
+				g := smallGeometry(true)
+				e := openEngine(t, Config{Mounts: mounts, FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj}, Now: clock, NoReuse: true,
+					Policy: &demotingPolicy{testPolicy: newTestPolicy(1, abi.OrderLayerMajor)}})
+				ns, err := e.Declare(ctx, g)
+				if err != nil {
+					t.Fatal(err)
+				}
+				c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
+				keys := testKeys("movedleft", 1)
+				c.fill(rand.New(rand.NewPCG(7, 7)), []int{0, 1, 2, 3})
+				want := [][]byte{c.data([]int{0, 1, 2, 3})}
+				storeAndCheck(t, e, c, keys, [][]int{{0, 1, 2, 3}})
+				path := entryOf(e, ns, keys[0]).path
+				tc.leave(t, e, ns, keys, func() { failing.Store(true) })
+				counted := func(when string) {
+					t.Helper()
+					st := e.Stats()
+					for i, m := range mounts {
+						if on := bytesOnDisk(t, m.Path); on != st.Mounts[i].Used {
+							t.Fatalf("%s: mount %d: %d bytes of files on it, %d used", when, i, on, st.Mounts[i].Used)
+						}
+					}
+				}
+				if !exists(path) || e.Stats().RemoveFailures != 1 {
+					t.Fatalf("%d failed removals, the file left there: %v; want 1, true", e.Stats().RemoveFailures, exists(path))
+				}
+				counted("after the removal of the file left failed")
+				wantMount := th.then(t, e, ns, keys, path, func() { failing.Store(false) })
+				counted("then")
+				failing.Store(false)
+				mu.Lock()
+				now = now.Add(leftRetryInterval)
+				mu.Unlock()
+				for _, m := range e.mounts {
+					e.retryLeft(m) // as the next eviction there does
+				}
+				counted("after the removal was tried again")
+				if got := keyMount(e, ns, keys[0]); got != wantMount {
+					t.Fatalf("the key's file is on mount %d, want %d", got, wantMount)
+				}
+				for i, m := range mounts {
+					w := 0
+					if i == wantMount {
+						w = 1
+					}
+					if n := len(dataFiles(t, m.Path)); n != w {
+						t.Fatalf("mount %d holds %d data files, want %d", i, n, w)
+					}
+				}
+				loadAndCompare(t, e, c, keys, [][]int{{8, 9, 10, 11}}, want)
+				if err := e.check(); err != nil {
+					t.Fatal(err)
+				}
+			})
+		}
+	}
+}
+
 // TestATemporaryFileWhoseRemovalFailsStaysCounted: a store or a move's
 // copy that fails before its rename (or a store's first try, before its
 // retry after an ENOSPC) removes its temporary file; where that removal
