@@ -102,7 +102,7 @@ func (e *Engine) evictClaimed(en *entry) {
 // retryLeft tries again to remove m's files whose removal failed
 // (index.left), but those whose path a job holds now and those it tried
 // within leftRetryInterval. An eviction calls it before it asks for
-// victims.
+// victims; where no file is left (the common case) it takes no lock.
 func (e *Engine) retryLeft(m *mount) {
 	now := e.now().UnixNano()
 	for at, en := range e.ix.takeLeft(m.idx, now, now+int64(leftRetryInterval)) {

@@ -86,7 +86,7 @@ type entry struct {
 //   - 0 <= leases <= pins for every entry, leases < pins where the
 //     restart hold holds it (held), and heldFound counts those entries;
 //   - the orphans left to a path held are gone and marked orphan;
-//   - left holds no indexed entry, nor an orphan.
+//   - left holds no indexed entry, nor an orphan, and nleft is its length.
 type index struct {
 	mu       sync.RWMutex
 	sp       *space
@@ -102,7 +102,11 @@ type index struct {
 	// failed (leaveSpare), by the file's path: their mounts count their
 	// bytes as used until an eviction there removes them (retryLeft) or
 	// a file indexed at the path replaces them.
-	left      map[string]*entry
+	left map[string]*entry
+	// nleft is len(left), read without mu: an eviction, which tries the
+	// files left again first (takeLeft), takes no lock where there are
+	// none.
+	nleft     atomic.Int64
 	lastID    uint64
 	keys      KeySet // MirrorKeys's, or nil
 	heldFound int    // indexed entries the restart hold pins (hold.go)
@@ -174,6 +178,7 @@ func (ix *index) insertLocked(en *entry, reserved bool) []*entry {
 	}
 	if old := ix.left[en.path]; old != nil { // this file took its place
 		delete(ix.left, en.path)
+		ix.nleft.Add(-1)
 		ix.sp.free(ix.sp.mounts[old.mount], old.size, false)
 	}
 	ix.lastID++
@@ -274,7 +279,10 @@ func (ix *index) leaveLocked(en *entry, at string) {
 		en.orphan = false
 		ix.sp.unorphan(ix.sp.mounts[en.mount], en.size)
 	}
-	if old := ix.left[at]; old != nil && old != en { // one file at a path
+	switch old := ix.left[at]; {
+	case old == nil:
+		ix.nleft.Add(1)
+	case old != en: // one file at a path
 		ix.sp.free(ix.sp.mounts[old.mount], old.size, false)
 	}
 	ix.left[at] = en
@@ -318,7 +326,11 @@ func (ix *index) releaseLeaving(path string, ens []*entry, left *entry, at strin
 // takeLeft takes from left the entries of mount due a try at time now
 // (retryAt) whose path it claims (none that a job holds now), by path, for
 // the caller to remove and release (retryLeft); each is next due next.
+// Where left is empty it returns without taking the lock.
 func (ix *index) takeLeft(mount int, now, next int64) map[string]*entry {
+	if ix.nleft.Load() == 0 {
+		return nil
+	}
 	ix.mu.Lock()
 	defer ix.mu.Unlock()
 	var took map[string]*entry
@@ -330,6 +342,7 @@ func (ix *index) takeLeft(mount int, now, next int64) map[string]*entry {
 			continue
 		}
 		delete(ix.left, at)
+		ix.nleft.Add(-1)
 		en.retryAt = next
 		if took == nil {
 			took = map[string]*entry{}
@@ -476,6 +489,9 @@ func (ix *index) check() error {
 				return fmt.Errorf("index: orphan %s of held path %s: gone %v, orphan %v", en.path, path, en.gone, en.orphan)
 			}
 		}
+	}
+	if n := ix.nleft.Load(); n != int64(len(ix.left)) {
+		return fmt.Errorf("index: %d files left on disk, counted %d", len(ix.left), n)
 	}
 	for at, en := range ix.left {
 		if ix.entries[en.id] == en || en.orphan {
