@@ -1136,29 +1136,14 @@ func TestAMovedFileIsNeverTakenForItsCopyLeftOnDisk(t *testing.T) {
 					return fsys.Fault{}
 				})
 				clock := func() time.Time { mu.Lock(); defer mu.Unlock(); return now }
-				g := smallGeometry(true)
-				e := openEngine(t, Config{Mounts: mounts, FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj}, Now: clock, NoReuse: true,
-					Policy: &demotingPolicy{testPolicy: newTestPolicy(1, abi.OrderLayerMajor)}})
-				ns, err := e.Declare(ctx, g)
-				if err != nil {
-					t.Fatal(err)
-				}
-				c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
+				e, ns, c := openFaultyDemoting(t, mounts, inj, clock)
 				keys := testKeys("movedleft", 1)
 				c.fill(rand.New(rand.NewPCG(7, 7)), []int{0, 1, 2, 3})
 				want := [][]byte{c.data([]int{0, 1, 2, 3})}
 				storeAndCheck(t, e, c, keys, [][]int{{0, 1, 2, 3}})
 				path := entryOf(e, ns, keys[0]).path
 				tc.leave(t, e, ns, keys, func() { failing.Store(true) })
-				counted := func(when string) {
-					t.Helper()
-					st := e.Stats()
-					for i, m := range mounts {
-						if on := bytesOnDisk(t, m.Path); on != st.Mounts[i].Used {
-							t.Fatalf("%s: mount %d: %d bytes of files on it, %d used", when, i, on, st.Mounts[i].Used)
-						}
-					}
-				}
+				counted := func(when string) { t.Helper(); wantFilesCounted(t, e, mounts, when) }
 				if !exists(path) || e.Stats().RemoveFailures != 1 {
 					t.Fatalf("%d failed removals, the file left there: %v; want 1, true", e.Stats().RemoveFailures, exists(path))
 				}
@@ -1194,6 +1179,43 @@ func TestAMovedFileIsNeverTakenForItsCopyLeftOnDisk(t *testing.T) {
 	}
 }
 
+// openFaultyDemoting opens an engine on mounts whose file system faults
+// as inj says, on clock, whose policy demotes: a namespace of
+// smallGeometry and a cache of 16 blocks in it.
+func openFaultyDemoting(t *testing.T, mounts []Mount, inj fsys.Injector, clock func() time.Time) (*Engine, NamespaceID, *testCache) {
+	t.Helper()
+	g := smallGeometry(true)
+	e := openEngine(t, Config{Mounts: mounts, FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj}, Now: clock, NoReuse: true,
+		Policy: &demotingPolicy{testPolicy: newTestPolicy(1, abi.OrderLayerMajor)}})
+	ns, err := e.Declare(context.Background(), g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return e, ns, newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
+}
+
+// wantFilesCounted fails t unless each of mounts counts as used the bytes
+// of the files on it.
+func wantFilesCounted(t *testing.T, e *Engine, mounts []Mount, when string) {
+	t.Helper()
+	st := e.Stats()
+	for i, m := range mounts {
+		if on := bytesOnDisk(t, m.Path); on != st.Mounts[i].Used {
+			t.Fatalf("%s: mount %d: %d bytes of files on it, %d used", when, i, on, st.Mounts[i].Used)
+		}
+	}
+}
+
+// failsWithEIO is a fault of a temporary file: op on it fails with EIO.
+func failsWithEIO(failing fsys.Op) func(op fsys.Op, tmp string) fsys.Fault {
+	return func(op fsys.Op, _ string) fsys.Fault {
+		if op == failing {
+			return fsys.Fault{Err: syscall.EIO}
+		}
+		return fsys.Fault{}
+	}
+}
+
 // TestATemporaryFileWhoseRemovalFailsStaysCounted: a store or a move's
 // copy that fails before its rename (or a store's first try, before its
 // retry after an ENOSPC) removes its temporary file; where that removal
@@ -1210,25 +1232,15 @@ func TestATemporaryFileWhoseRemovalFailsStaysCounted(t *testing.T) {
 		// fail runs the store or move, the faults armed.
 		fail func(t *testing.T, e *Engine, ns NamespaceID, c *testCache, keys [][]byte)
 	}{{
-		name: "a store whose write fails",
-		fault: func(op fsys.Op, _ string) fsys.Fault {
-			if op == fsys.OpWrite {
-				return fsys.Fault{Err: syscall.EIO}
-			}
-			return fsys.Fault{}
-		},
+		name:  "a store whose write fails",
+		fault: failsWithEIO(fsys.OpWrite),
 		fail: func(t *testing.T, e *Engine, _ NamespaceID, c *testCache, keys [][]byte) {
 			res := wait(t)(e.Store(ctx, StoreRequest{Cache: c.id, Keys: keys, Blocks: [][]int{{0, 1, 2, 3}}}))
 			wantOutcomes(t, "the store whose write failed", res, OutcomeFailed)
 		},
 	}, {
-		name: "a store whose allocation fails",
-		fault: func(op fsys.Op, _ string) fsys.Fault {
-			if op == fsys.OpAllocate {
-				return fsys.Fault{Err: syscall.EIO}
-			}
-			return fsys.Fault{}
-		},
+		name:  "a store whose allocation fails",
+		fault: failsWithEIO(fsys.OpAllocate),
 		fail: func(t *testing.T, e *Engine, _ NamespaceID, c *testCache, keys [][]byte) {
 			res := wait(t)(e.Store(ctx, StoreRequest{Cache: c.id, Keys: keys, Blocks: [][]int{{0, 1, 2, 3}}}))
 			wantOutcomes(t, "the store whose allocation failed", res, OutcomeFailed)
@@ -1248,13 +1260,8 @@ func TestATemporaryFileWhoseRemovalFailsStaysCounted(t *testing.T) {
 			storeAndCheck(t, e, c, keys, [][]int{{0, 1, 2, 3}})
 		},
 	}, {
-		name: "a move whose write fails",
-		fault: func(op fsys.Op, _ string) fsys.Fault {
-			if op == fsys.OpWrite {
-				return fsys.Fault{Err: syscall.EIO}
-			}
-			return fsys.Fault{}
-		},
+		name:  "a move whose write fails",
+		fault: failsWithEIO(fsys.OpWrite),
 		fail: func(t *testing.T, e *Engine, ns NamespaceID, _ *testCache, keys [][]byte) {
 			if _, err := e.move(ctx, entryOf(e, ns, keys[0]).id, 1, true); err == nil {
 				t.Fatal("the move whose write failed succeeded")
@@ -1283,28 +1290,13 @@ func TestATemporaryFileWhoseRemovalFailsStaysCounted(t *testing.T) {
 			})
 			clock := func() time.Time { mu.Lock(); defer mu.Unlock(); return now }
 			mounts := []Mount{{Path: t.TempDir()}, {Path: t.TempDir()}}
-			g := smallGeometry(true)
-			e := openEngine(t, Config{Mounts: mounts, FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj}, Now: clock, NoReuse: true,
-				Policy: &demotingPolicy{testPolicy: newTestPolicy(1, abi.OrderLayerMajor)}})
-			ns, err := e.Declare(ctx, g)
-			if err != nil {
-				t.Fatal(err)
-			}
-			c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
+			e, ns, c := openFaultyDemoting(t, mounts, inj, clock)
 			keys := testKeys("tmpleft", 1)
 			storeAndCheck(t, e, c, testKeys("kept", 1), [][]int{{4, 5, 6, 7}})
 			if strings.HasPrefix(tc.name, "a move") {
 				storeAndCheck(t, e, c, keys, [][]int{{0, 1, 2, 3}})
 			}
-			counted := func(when string) {
-				t.Helper()
-				st := e.Stats()
-				for i, m := range mounts {
-					if on := bytesOnDisk(t, m.Path); on != st.Mounts[i].Used {
-						t.Fatalf("%s: mount %d: %d bytes of files on it, %d used", when, i, on, st.Mounts[i].Used)
-					}
-				}
-			}
+			counted := func(when string) { t.Helper(); wantFilesCounted(t, e, mounts, when) }
 			failing.Store(true)
 			tc.fail(t, e, ns, c, keys)
 			failing.Store(false)

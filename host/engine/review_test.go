@@ -329,6 +329,52 @@ func (g *opGate) Inject(op fsys.Op, path string) fsys.Fault {
 	return fsys.Fault{}
 }
 
+// race runs op in the background until it reaches the gate at path, runs
+// meanwhile while op waits there, then lets op go on (even if meanwhile
+// fails) and waits for it to end.
+func (g *opGate) race(path string, op, meanwhile func()) {
+	g.path.Store(path)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		op()
+	}()
+	<-g.reached
+	func() {
+		defer close(g.proceed)
+		meanwhile()
+	}()
+	<-done
+}
+
+// gatedKey is an engine on one mount whose file system holds the first
+// operation of a kind on a path (gate), and one key stored in it.
+type gatedKey struct {
+	e    *Engine
+	ns   NamespaceID
+	c    *testCache
+	keys [][]byte
+	path string // the key's file
+	gate *opGate
+}
+
+// storeGatedKey opens a gatedKey's engine, whose gate holds op once armed
+// (opGate.race), and stores its key.
+func storeGatedKey(t *testing.T, op fsys.Op) *gatedKey {
+	t.Helper()
+	ctx := context.Background()
+	g := smallGeometry(true)
+	k := &gatedKey{gate: &opGate{op: op, reached: make(chan struct{}), proceed: make(chan struct{})}}
+	k.e = openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir()}}, Policy: newTestPolicy(1, abi.OrderLayerMajor), FS: &fsys.Faulty{FS: fsys.OS{}, Inj: k.gate}})
+	k.ns, _ = k.e.Declare(ctx, g)
+	k.c = newTestCache(t, k.e, k.ns, g, 32, layoutPlaneFirst)
+	k.keys = testKeys("raced", 1)
+	storeAndCheck(t, k.e, k.c, k.keys, [][]int{{0, 1, 2, 3}})
+	_, paths, _, _ := k.e.names(ctx, k.e.nss[k.ns], k.keys)
+	k.path = paths[0]
+	return k
+}
+
 // TestRemoveKeepsNewerFile: a delete removing a key's file while a store
 // publishes the key again never removes the new file: the store waits for
 // the removal, and the key stays stored and loads the new bytes.
@@ -617,58 +663,53 @@ func TestAdoptLeavesAPathAJobHoldsToItsHolder(t *testing.T) {
 // a file gone, counted, or in place of the file there now.
 func TestALookupNeverIndexesAFileThisEngineRemovedOrReplacedWhileItReadIt(t *testing.T) {
 	ctx := context.Background()
-	g := smallGeometry(true)
-	cases := []struct {
-		name string
-		// meanwhile runs while the lookup has read the file's header.
-		meanwhile func(t *testing.T, e *Engine, ns NamespaceID, c *testCache, keys [][]byte)
+	// The other lookup indexes the file first, so that Delete finds it.
+	cases := removedOrReplaced(func(t *testing.T, k *gatedKey) {
+		if n, err := k.e.Lookup(ctx, k.ns, k.keys); n != 1 || err != nil {
+			t.Fatalf("the other lookup: %d, %v; want 1", n, err)
+		}
+	})
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			k := storeGatedKey(t, fsys.OpClose)
+			// The index loses the file (as when another node published it),
+			// while the file stays on disk.
+			k.e.ix.mu.Lock()
+			k.e.ix.unindexLocked(k.e.ix.byPath[k.path], false)
+			k.e.ix.mu.Unlock()
+
+			k.gate.race(k.path, func() { // held after its header read, at its close
+				k.e.Lookup(ctx, k.ns, k.keys)
+			}, func() { tc.meanwhile(t, k) })
+			indexHoldsTheFileAt(t, k.e, k.path)
+		})
+	}
+}
+
+// removedOrReplaced is what a gatedKey's engine does to the key's file
+// while a discovery has read it: delete it, once index has indexed it, or
+// store the key again.
+func removedOrReplaced(index func(t *testing.T, k *gatedKey)) []struct {
+	name      string
+	meanwhile func(t *testing.T, k *gatedKey)
+} {
+	return []struct {
+		name      string
+		meanwhile func(t *testing.T, k *gatedKey)
 	}{{
 		name: "deleted",
-		meanwhile: func(t *testing.T, e *Engine, ns NamespaceID, _ *testCache, keys [][]byte) {
-			if n, err := e.Lookup(ctx, ns, keys); n != 1 || err != nil {
-				t.Fatalf("the other lookup: %d, %v; want 1", n, err)
-			}
-			if n, err := e.Delete(ctx, ns, keys); n != 1 || err != nil {
+		meanwhile: func(t *testing.T, k *gatedKey) {
+			index(t, k)
+			if n, err := k.e.Delete(context.Background(), k.ns, k.keys); n != 1 || err != nil {
 				t.Fatalf("Delete: %d, %v; want 1", n, err)
 			}
 		},
 	}, {
 		name: "replaced by a store",
-		meanwhile: func(t *testing.T, e *Engine, _ NamespaceID, c *testCache, keys [][]byte) {
-			storeAndCheck(t, e, c, keys, [][]int{{4, 5, 6, 7}})
+		meanwhile: func(t *testing.T, k *gatedKey) {
+			storeAndCheck(t, k.e, k.c, k.keys, [][]int{{4, 5, 6, 7}})
 		},
 	}}
-	for _, tc := range cases {
-		t.Run(tc.name, func(t *testing.T) {
-			gate := &opGate{op: fsys.OpClose, reached: make(chan struct{}), proceed: make(chan struct{})}
-			e := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir()}}, Policy: newTestPolicy(1, abi.OrderLayerMajor), FS: &fsys.Faulty{FS: fsys.OS{}, Inj: gate}})
-			ns, _ := e.Declare(ctx, g)
-			c := newTestCache(t, e, ns, g, 32, layoutPlaneFirst)
-			keys := testKeys("raced", 1)
-			storeAndCheck(t, e, c, keys, [][]int{{0, 1, 2, 3}})
-			_, paths, _, _ := e.names(ctx, e.nss[ns], keys)
-			path := paths[0]
-			// The index loses the file (as when another node published it),
-			// while the file stays on disk.
-			e.ix.mu.Lock()
-			e.ix.unindexLocked(e.ix.byPath[path], false)
-			e.ix.mu.Unlock()
-
-			gate.path.Store(path)
-			found := make(chan int, 1)
-			go func() {
-				n, _ := e.Lookup(ctx, ns, keys)
-				found <- n
-			}()
-			<-gate.reached // the lookup has read the header; its close waits
-			func() {
-				defer close(gate.proceed) // the lookup goes on even if meanwhile fails
-				tc.meanwhile(t, e, ns, c, keys)
-			}()
-			<-found
-			indexHoldsTheFileAt(t, e, path)
-		})
-	}
 }
 
 // indexHoldsTheFileAt fails t unless the index holds the file at path,
@@ -702,64 +743,33 @@ func indexHoldsTheFileAt(t *testing.T, e *Engine, path string) {
 // of the key), the load does not index what it read.
 func TestALoadNeverIndexesAFileThisEngineRemovedOrReplacedWhileItReadIt(t *testing.T) {
 	ctx := context.Background()
-	g := smallGeometry(true)
-	cases := []struct {
-		name string
-		// meanwhile runs while the load reads the file's header.
-		meanwhile func(t *testing.T, e *Engine, ns NamespaceID, c *testCache, keys [][]byte)
-	}{{
-		name: "deleted",
-		meanwhile: func(t *testing.T, e *Engine, ns NamespaceID, c *testCache, keys [][]byte) {
-			res := wait(t)(e.Load(ctx, LoadRequest{Cache: c.id, Keys: keys, Blocks: [][]int{{8, 9, 10, 11}}}))
-			wantOutcomes(t, "the other load", res, OutcomeLoaded)
-			if n, err := e.Delete(ctx, ns, keys); n != 1 || err != nil {
-				t.Fatalf("Delete: %d, %v; want 1", n, err)
-			}
-		},
-	}, {
-		name: "replaced by a store",
-		meanwhile: func(t *testing.T, e *Engine, _ NamespaceID, c *testCache, keys [][]byte) {
-			storeAndCheck(t, e, c, keys, [][]int{{4, 5, 6, 7}})
-		},
-	}}
+	// The other load indexes the file first, so that Delete finds it.
+	cases := removedOrReplaced(func(t *testing.T, k *gatedKey) {
+		res := wait(t)(k.e.Load(ctx, LoadRequest{Cache: k.c.id, Keys: k.keys, Blocks: [][]int{{8, 9, 10, 11}}}))
+		wantOutcomes(t, "the other load", res, OutcomeLoaded)
+	})
 	for _, tc := range cases {
 		t.Run(tc.name, func(t *testing.T) {
-			gate := &opGate{op: fsys.OpRead, reached: make(chan struct{}), proceed: make(chan struct{})}
-			e := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir()}}, Policy: newTestPolicy(1, abi.OrderLayerMajor), FS: &fsys.Faulty{FS: fsys.OS{}, Inj: gate}})
-			ns, _ := e.Declare(ctx, g)
-			c := newTestCache(t, e, ns, g, 32, layoutPlaneFirst)
-			keys := testKeys("raced", 1)
-			storeAndCheck(t, e, c, keys, [][]int{{0, 1, 2, 3}})
-			_, paths, _, _ := e.names(ctx, e.nss[ns], keys)
-			path := paths[0]
+			k := storeGatedKey(t, fsys.OpRead)
 			// Another node publishes the same bytes at the path: another
 			// file than the one indexed.
-			b, err := os.ReadFile(path)
+			b, err := os.ReadFile(k.path)
 			if err != nil {
 				t.Fatal(err)
 			}
-			if err := os.WriteFile(path+".other", b, 0o644); err != nil {
+			if err := os.WriteFile(k.path+".other", b, 0o644); err != nil {
 				t.Fatal(err)
 			}
-			if err := os.Rename(path+".other", path); err != nil {
+			if err := os.Rename(k.path+".other", k.path); err != nil {
 				t.Fatal(err)
 			}
 
-			gate.path.Store(path)
-			loaded := make(chan struct{})
-			go func() {
-				defer close(loaded)
-				if j, err := e.Load(ctx, LoadRequest{Cache: c.id, Keys: keys, Blocks: [][]int{{12, 13, 14, 15}}}); err == nil {
+			k.gate.race(k.path, func() { // held after its open, at its header read
+				if j, err := k.e.Load(ctx, LoadRequest{Cache: k.c.id, Keys: k.keys, Blocks: [][]int{{12, 13, 14, 15}}}); err == nil {
 					j.Wait(ctx)
 				}
-			}()
-			<-gate.reached // the load has opened the file; its header read waits
-			func() {
-				defer close(gate.proceed) // the load goes on even if meanwhile fails
-				tc.meanwhile(t, e, ns, c, keys)
-			}()
-			<-loaded
-			indexHoldsTheFileAt(t, e, path)
+			}, func() { tc.meanwhile(t, k) })
+			indexHoldsTheFileAt(t, k.e, k.path)
 		})
 	}
 }
@@ -785,23 +795,16 @@ func TestTheClusterAdoptionWalkNeverIndexesAFileThisEngineRemovedWhileItReadIt(t
 		t.Fatalf("no file of D's key at %s", path)
 	}
 	clock.advance(4 * time.Hour) // D's summary: stale
-	gate.path.Store(path)
-	walked := make(chan struct{})
 	m := a.mounts[0]
-	go func() {
-		defer close(walked)
+	gate.race(path, func() { // held after a header read, at its close
 		m.cluster.tick(ctx, a, m)
-	}()
-	<-gate.reached // the walk has read the header; its close waits
-	func() {
-		defer close(gate.proceed) // the walk goes on even if this fails
+	}, func() {
 		if n, err := a.Lookup(ctx, ns, keys); n != 1 || err != nil {
 			t.Fatalf("A's lookup of D's key: %d, %v; want 1", n, err)
 		}
 		if n, err := a.Delete(ctx, ns, keys); n != 1 || err != nil {
 			t.Fatalf("A's Delete of D's key: %d, %v; want 1", n, err)
 		}
-	}()
-	<-walked
+	})
 	indexHoldsTheFileAt(t, a, path)
 }
