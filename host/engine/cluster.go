@@ -843,13 +843,16 @@ func (e *Engine) bytesOf(m *mount, tags map[uint32]bool) int64 {
 
 // adoptFiles indexes the files on m whose owner tag is in tags (dead
 // nodes this node has just adopted): a dead node's files written after
-// this node's start are not in its index. A file that cannot be read is
-// skipped (removed meanwhile, or not a kvhost file: the rebuild's
-// business); so is a directory that cannot be read, whose error it
-// returns with the others' once the walk is done (the caller walks
-// again). The temporary files of those nodes it adds to temps, with
-// their owner's tag (clusterMount.cleanTemps). It returns how many files
-// it indexed.
+// this node's start are not in its index. It lists each directory afresh
+// (touchDir): a listing the file system client answered from its cache
+// could miss the dead node's newest files, and a node whose walk found
+// none of its files left is retired, its files then counted and removed
+// by no node. A file that cannot be read is skipped (removed meanwhile,
+// or not a kvhost file: the rebuild's business); so is a directory that
+// cannot be read, or not listed afresh, whose error it returns with the
+// others' once the walk is done (the caller walks again). The temporary
+// files of those nodes it adds to temps, with their owner's tag
+// (clusterMount.cleanTemps). It returns how many files it indexed.
 func (e *Engine) adoptFiles(ctx context.Context, m *mount, tags map[uint32]bool, temps map[string]uint32) (int, error) {
 	n := 0
 	var errs []error
@@ -857,6 +860,11 @@ func (e *Engine) adoptFiles(ctx context.Context, m *mount, tags map[uint32]bool,
 	walk = func(dir string) error {
 		if err := ctx.Err(); err != nil {
 			return err
+		}
+		if err := e.touchDir(dir); err != nil {
+			// The listing may be as old as the client's cache of it: the
+			// walk is not complete (the caller walks again).
+			errs = append(errs, fmt.Errorf("engine: listing %s afresh: %w", dir, err))
 		}
 		ents, err := e.fs.ReadDir(dir)
 		if err != nil {
@@ -896,4 +904,26 @@ func (e *Engine) adoptFiles(ctx context.Context, m *mount, tags map[uint32]bool,
 	}
 	err := walk(m.root)
 	return n, errors.Join(append(errs, err)...)
+}
+
+// touchDir creates a temporary file in dir and removes it, so that the
+// next listing of dir is as dir is now: an NFS client may answer a
+// listing from its cache of the directory for up to acdirmax (mounted
+// nocto, or where the server's directory mtime is too coarse to show a
+// change), missing files created since through other clients, and a
+// change through the client itself invalidates that cache whatever the
+// mount options (clustercap lists its directory so too). A crash in
+// between leaves a temporary file of this node, which the leftover rule
+// removes.
+func (e *Engine) touchDir(dir string) error {
+	tmp := e.tempName(dir, tmpPrefix)
+	f, err := e.fs.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o644)
+	if err != nil {
+		return err
+	}
+	err = f.Close()
+	if rerr := e.fs.Remove(tmp); rerr != nil && !errors.Is(rerr, os.ErrNotExist) {
+		err = errors.Join(err, rerr)
+	}
+	return err
 }

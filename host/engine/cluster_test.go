@@ -18,6 +18,7 @@ import (
 	"github.com/kvhost/kvhost/host/policy"
 	"github.com/kvhost/kvhost/internal/clustercap"
 	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/internal/fsys/fsystest"
 	"github.com/kvhost/kvhost/internal/testwait"
 )
 
@@ -826,6 +827,59 @@ func TestClusterRetiresADeadNodeWithNoFilesLeft(t *testing.T) {
 	m.cluster.tick(ctx, a.e, m)
 	if left := clusterFiles(dir, "d"); len(left) > 0 || len(m.cluster.dir.Adopted()) > 0 || isAdopted(a.e, "d") {
 		t.Fatalf("dead node D has no file left on the mount, yet %v stay and A holds the adoption of %v", left, m.cluster.dir.Adopted())
+	}
+}
+
+// TestClusterNeverRetiresADeadNodeWhoseFileACachedListingHid: node A's
+// file system client caches directory listings (NFS mounted nocto, say),
+// and A listed the mount at its start. Dead node D's last file went,
+// through D's client, into a directory of that listing. A adopts D, and
+// once D's other file is gone, its ticks must neither retire D nor leave
+// that file uncounted: counted and removed by no node, it would hold
+// room of the cluster's bound for good.
+func TestClusterNeverRetiresADeadNodeWhoseFileACachedListingHid(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	r := rand.New(rand.NewPCG(4, 4))
+	d := clusterNode(t, dir, "d", 1<<30, time.Hour)
+	first := storeKeys(t, d, "d", 1, r)
+	clock := newTestClock()
+	a := clusterNodeOf(t, Config{Mounts: []Mount{{Path: dir, ClusterCapacity: 1 << 30, ClusterInterval: time.Hour}},
+		NodeID: "a", FS: fsystest.NewListingCache(fsys.OS{}), Now: clock.now}) // its start lists the mount
+	keys := make([][]byte, 4096) // leading digits: the test policy's directory is the key hash's top byte
+	for i := range keys {
+		keys[i] = fmt.Appendf(nil, "%04d-dlast", i)
+	}
+	_, paths, _, err := d.e.names(ctx, d.e.nss[d.ns], append(first, keys...))
+	if err != nil {
+		t.Fatal(err)
+	}
+	last := -1 // a key whose file goes where D's first did
+	for i, p := range paths[1:] {
+		if filepath.Dir(p) == filepath.Dir(paths[0]) {
+			last = i
+			break
+		}
+	}
+	if last < 0 {
+		t.Fatalf("none of %d keys goes into %s", len(keys), filepath.Dir(paths[0]))
+	}
+	bl := []int{4, 5, 6, 7}
+	d.c.fill(r, bl)
+	storeAndCheck(t, d.e, d.c, keys[last:last+1], [][]int{bl})
+	if err := d.e.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	clock.advance(4 * time.Hour) // D's summary: stale
+	m := a.e.mounts[0]
+	m.cluster.tick(ctx, a.e, m)
+	if n, err := a.e.Delete(ctx, a.ns, first); err != nil || n != 1 {
+		t.Fatalf("delete D's first key on A: %d %v", n, err)
+	}
+	m.cluster.tick(ctx, a.e, m)
+	if got, want := ownBytes(m), diskBytes(t, dir); got != want || !isAdopted(a.e, "d") {
+		t.Fatalf("D's last file on the mount (%d bytes of files there): A counts %d bytes; A holds D's adoption: %v, D's cluster files left: %v",
+			want, got, isAdopted(a.e, "d"), clusterFiles(dir, "d"))
 	}
 }
 

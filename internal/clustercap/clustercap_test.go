@@ -5,7 +5,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io/fs"
 	"math"
 	"os"
 	"path/filepath"
@@ -16,6 +15,7 @@ import (
 	"testing"
 
 	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/internal/fsys/fsystest"
 )
 
 func TestSketchBelowIsExactAtPointsAndNeverDecreases(t *testing.T) {
@@ -431,65 +431,6 @@ func TestReadAllNamesTheNodeOfASummaryThatDoesNotDecode(t *testing.T) {
 	}
 }
 
-// nfsClient is a file system seen through one NFS client that caches
-// directory listings (mounted nocto, say): a directory listed before is
-// listed again as it was then (its cached pages, for up to acdirmax,
-// however often it is opened anew) unless a file was created, renamed or
-// removed in it through this client since, which invalidates them.
-type nfsClient struct {
-	fsys.FS
-	mu     sync.Mutex
-	cached map[string][]fs.DirEntry // by directory
-}
-
-func newNFSClient() *nfsClient { return &nfsClient{FS: fsys.OS{}, cached: map[string][]fs.DirEntry{}} }
-
-func (c *nfsClient) ReadDir(name string) ([]fs.DirEntry, error) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if ents, ok := c.cached[name]; ok {
-		return ents, nil
-	}
-	ents, err := c.FS.ReadDir(name)
-	if err == nil {
-		c.cached[name] = ents
-	}
-	return ents, err
-}
-
-// changed invalidates the cached listing of the directory of path.
-func (c *nfsClient) changed(path string) {
-	c.mu.Lock()
-	delete(c.cached, filepath.Dir(path))
-	c.mu.Unlock()
-}
-
-func (c *nfsClient) OpenFile(name string, flag int, perm os.FileMode) (fsys.File, error) {
-	_, serr := c.FS.Stat(name)
-	f, err := c.FS.OpenFile(name, flag, perm)
-	if err == nil && flag&os.O_CREATE != 0 && errors.Is(serr, os.ErrNotExist) {
-		c.changed(name)
-	}
-	return f, err
-}
-
-func (c *nfsClient) Rename(oldpath, newpath string) error {
-	err := c.FS.Rename(oldpath, newpath)
-	if err == nil {
-		c.changed(oldpath)
-		c.changed(newpath)
-	}
-	return err
-}
-
-func (c *nfsClient) Remove(name string) error {
-	err := c.FS.Remove(name)
-	if err == nil {
-		c.changed(name)
-	}
-	return err
-}
-
 // TestReadAllSeesANodeThatJoinedSinceTheClientsLastListing: node b
 // publishes its first summary after node a's NFS client listed the
 // directory; a's next ReadAll must find it whether or not a changed the
@@ -522,7 +463,7 @@ func TestReadAllSeesANodeThatJoinedSinceTheClientsLastListing(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			root := t.TempDir()
-			client := newNFSClient()
+			client := fsystest.NewListingCache(fsys.OS{}) // an NFS client, say, mounted nocto
 			a, err := OpenDir(client, root, "a")
 			if err != nil {
 				t.Fatal(err)
