@@ -109,6 +109,14 @@ type daemon struct {
 func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 	d.running = cfg
 	log := d.log
+	// The socket's directories before any other: the engine's lock and
+	// the lookup table go next to the socket, and the policy's
+	// compilation cache and the mounts may lie beside it (the default
+	// layout puts all under one directory); a directory made for one of
+	// them would not be given to socket_group.
+	if _, err := server.PrepareSocketDir(cfg.Server.Socket, cfg.Server.SocketGroup); err != nil {
+		return err
+	}
 	workers, restoreProcs := reserveControlProcessors(cfg.Engine.IOWorkers, log)
 	defer restoreProcs()
 	if cfg.Metrics.Listen != "" {
@@ -179,12 +187,6 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 	}
 	if d.metrics != nil {
 		ecfg.Observer = d.metrics
-	}
-	// The socket's directories first: the engine's lock and the lookup
-	// table go next to the socket, and a directory made for them would
-	// not be given to socket_group.
-	if _, err := server.PrepareSocketDir(cfg.Server.Socket, cfg.Server.SocketGroup); err != nil {
-		return errors.Join(err, closeGPU())
 	}
 	eng, err := engine.Open(ctx, ecfg)
 	if err != nil {

@@ -1,10 +1,9 @@
 package main
 
 import (
+	"fmt"
 	"os"
 	"path/filepath"
-	"strconv"
-	"strings"
 	"syscall"
 	"testing"
 )
@@ -12,35 +11,48 @@ import (
 // TestTheDaemonGivesTheSocketDirectoriesItMakesToTheSocketGroup: the
 // directories of the socket's path that the daemon creates are 0750 and
 // socket_group's, whatever its umask, although the engine's lock and the
-// lookup table, made before the socket, go there first: otherwise a
-// client whose only group is socket_group cannot reach the socket.
+// lookup table, made before the socket, go there first, and the policy's
+// compilation cache or a mount may lie in the socket's directory (as in
+// the default layout without $XDG_RUNTIME_DIR, all under
+// ~/.cache/kvhost): otherwise a client whose only group is socket_group
+// cannot reach the socket.
 func TestTheDaemonGivesTheSocketDirectoriesItMakesToTheSocketGroup(t *testing.T) {
 	gid := os.Getgid()
 	if os.Geteuid() == 0 {
 		gid = 4242 // root may give a directory to any group
 	}
-	dir := t.TempDir()
-	socket := filepath.Join(dir, "run", "sub", "kvhost.sock")
-	file := filepath.Join(dir, "kvhost.toml")
-	writeConfig(t, file, socket, filepath.Join(dir, "blocks"), "[gpu]\nmode = \"off\"")
-	src, err := os.ReadFile(file)
-	if err != nil {
-		t.Fatal(err)
+	tests := []struct {
+		name                    string
+		socket, cacheDir, mount string // under the test's directory
+		capacity                string
+		made                    []string // the socket's directories the daemon makes
+	}{
+		{"the socket alone", "run/sub/kvhost.sock", "wasm-cache", "blocks", "256MiB", []string{"run", "run/sub"}},
+		{"the policy's compilation cache in the socket's directory", "state/kvhost.sock", "state/wasm-cache", "blocks", "256MiB", []string{"state"}},
+		{"a mount sized from its file system in the socket's directory", "state/kvhost.sock", "wasm-cache", "state/blocks", "0", []string{"state"}},
 	}
-	src = []byte(strings.Replace(string(src), "[server]\n", "[server]\nsocket_group = \""+strconv.Itoa(gid)+"\"\n", 1))
-	if err := os.WriteFile(file, src, 0o644); err != nil {
-		t.Fatal(err)
-	}
-	old := syscall.Umask(0o077) // the daemon inherits it
-	startProc(t, nil, "--config", file)
-	syscall.Umask(old)
-	for _, d := range []string{filepath.Join(dir, "run"), filepath.Join(dir, "run", "sub")} {
-		fi, err := os.Lstat(d)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if st := fi.Sys().(*syscall.Stat_t); fi.Mode().Perm() != 0o750 || int(st.Gid) != gid {
-			t.Errorf("%s: mode %v group %d, want 0750 and socket_group %d", d, fi.Mode().Perm(), st.Gid, gid)
-		}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			dir := t.TempDir()
+			file := filepath.Join(dir, "kvhost.toml")
+			src := fmt.Sprintf("[server]\nsocket = %q\nsocket_group = \"%d\"\n\n[log]\nformat = \"json\"\n\n[gpu]\nmode = \"off\"\n\n"+
+				"[policy]\ncache_dir = %q\n\n[[mount]]\npath = %q\ncapacity = %q\npreallocate = 0\n",
+				filepath.Join(dir, tt.socket), gid, filepath.Join(dir, tt.cacheDir), filepath.Join(dir, tt.mount), tt.capacity)
+			if err := os.WriteFile(file, []byte(src), 0o644); err != nil {
+				t.Fatal(err)
+			}
+			old := syscall.Umask(0o077) // the daemon inherits it
+			startProc(t, nil, "--config", file)
+			syscall.Umask(old)
+			for _, d := range tt.made {
+				fi, err := os.Lstat(filepath.Join(dir, d))
+				if err != nil {
+					t.Fatal(err)
+				}
+				if st := fi.Sys().(*syscall.Stat_t); fi.Mode().Perm() != 0o750 || int(st.Gid) != gid {
+					t.Errorf("%s: mode %v group %d, want 0750 and socket_group %d", d, fi.Mode().Perm(), st.Gid, gid)
+				}
+			}
+		})
 	}
 }
