@@ -38,9 +38,7 @@ func liveKey(k string) bool {
 // `kvhost reload` and `kvhost stats`.
 func (d *daemon) reload(ctx context.Context) {
 	start := time.Now()
-	if err := sdNotify(fmt.Sprintf("RELOADING=1\nMONOTONIC_USEC=%d", monotonicUsec())); err != nil {
-		d.log.Warn("systemd notification failed", "err", err)
-	}
+	d.setReloading()
 	d.log.Info("reload: re-reading the configuration", "config", d.flags.ConfigPath())
 	msg, err := d.applyReload(ctx)
 	d.mu.Lock()
@@ -57,9 +55,7 @@ func (d *daemon) reload(ctx context.Context) {
 	} else {
 		d.log.Info("reload done", "result", msg, "took", time.Since(start).String())
 	}
-	if ctx.Err() == nil { // not while draining
-		d.setReady(true)
-	}
+	d.setReady(true) // not while draining: setReady sees to that
 }
 
 // applyReload does the work of reload and describes what changed.

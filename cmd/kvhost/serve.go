@@ -78,6 +78,12 @@ func runServeOn(ctx context.Context, files fsys.FS, args []string, stdout, stder
 		return 2
 	}
 	if err := d.serve(ctx, cfg); err != nil {
+		if ctx.Err() != nil && errors.Is(err, ctx.Err()) {
+			// SIGTERM during start-up (an index rebuild, a policy's
+			// compilation) is a stop as asked for, not a failure.
+			d.log.Info("kvhost stopped during start-up", "reason", err)
+			return 0
+		}
 		d.log.Error("kvhost stopped", "err", err)
 		return 1
 	}
@@ -97,6 +103,9 @@ type daemon struct {
 	fs      fsys.FS          // the engine's file system; nil: the operating system's
 	eng     *engine.Engine
 	pol     policyState
+
+	readyMu  sync.Mutex // held while readiness changes and systemd is told
+	stopping bool       // set once the daemon stops: nothing makes it ready again
 
 	mu             sync.Mutex
 	running        config.Config // what runs: the start configuration with live changes applied
@@ -126,6 +135,16 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 		}
 		defer stop()
 	}
+	// SIGTERM, from start-up to the end: /readyz 503 and STOPPING=1.
+	stopped := make(chan struct{})
+	defer close(stopped)
+	go func() {
+		select {
+		case <-ctx.Done():
+			d.setReady(false)
+		case <-stopped:
+		}
+	}()
 	build, err := d.policyBuilder(ctx, cfg)
 	if err != nil {
 		return err
@@ -292,13 +311,6 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 		defer sigWG.Done()
 		d.handleSignals(ctx, done)
 	}()
-	go func() {
-		select {
-		case <-ctx.Done():
-			d.setReady(false)
-		case <-done:
-		}
-	}()
 
 	log.Info("kvhost listening", "socket", sock.Path(), "mode", cfg.Server.SocketMode.String(), "policy", d.pol.name(), "mounts", strings.Join(paths, ","))
 	// Ready first (/readyz, kvhost_ready, systemd), then the readiness
@@ -384,7 +396,17 @@ func serverName() string {
 }
 
 // setReady tells /readyz and systemd whether the daemon accepts clients.
+// setReady(false) says that it stops (SIGTERM): from then on nothing makes
+// it ready again, neither the end of its start-up nor that of a reload
+// racing the signal. Readiness changes and systemd is told under one
+// lock, so that systemd never hears READY=1 after STOPPING=1.
 func (d *daemon) setReady(ready bool) {
+	d.readyMu.Lock()
+	defer d.readyMu.Unlock()
+	if d.stopping {
+		return
+	}
+	d.stopping = !ready
 	if d.metrics != nil {
 		d.metrics.SetReady(ready)
 	}
@@ -392,6 +414,21 @@ func (d *daemon) setReady(ready bool) {
 	if ready {
 		state = "READY=1\nSTATUS=serving"
 	}
+	d.notifyLocked(state)
+}
+
+// setReloading tells systemd that a reload begins, unless the daemon
+// stops.
+func (d *daemon) setReloading() {
+	d.readyMu.Lock()
+	defer d.readyMu.Unlock()
+	if !d.stopping {
+		d.notifyLocked(fmt.Sprintf("RELOADING=1\nMONOTONIC_USEC=%d", monotonicUsec()))
+	}
+}
+
+// notifyLocked sends state to systemd; d.readyMu is held.
+func (d *daemon) notifyLocked(state string) {
 	if err := sdNotify(state); err != nil {
 		d.log.Warn("systemd notification failed", "err", err)
 	}

@@ -5,11 +5,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"github.com/kvhost/kvhost/internal/testwait"
+	"log/slog"
 	"math/rand/v2"
 	"net"
+	"net/http"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -18,6 +21,10 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/client"
+	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/internal/fsys/fsystest"
+	"github.com/kvhost/kvhost/internal/metrics"
+	"github.com/kvhost/kvhost/internal/testwait"
 )
 
 // notifySocket is a stand-in for systemd's notification socket.
@@ -63,6 +70,38 @@ func (n *notifySocket) expect(t *testing.T, want string) {
 			}
 		case <-timeout:
 			t.Fatalf("no %q notification within 60s", want)
+		}
+	}
+}
+
+// drain returns the notifications received and not yet read: it sends
+// one of its own, which arrives after every notification sent before,
+// and reads up to it.
+func (n *notifySocket) drain(t *testing.T) []string {
+	t.Helper()
+	const marker = "TEST=drain"
+	conn, err := net.DialUnix("unixgram", nil, &net.UnixAddr{Name: n.path, Net: "unixgram"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	if _, err := conn.Write([]byte(marker)); err != nil {
+		t.Fatal(err)
+	}
+	var got []string
+	timeout := time.After(60 * time.Second)
+	for {
+		select {
+		case m, ok := <-n.msgs:
+			if !ok {
+				t.Fatal("notify socket closed before its drain")
+			}
+			if m == marker {
+				return got
+			}
+			got = append(got, m)
+		case <-timeout:
+			t.Fatal("the drain's own notification did not arrive within 60s")
 		}
 	}
 }
@@ -281,5 +320,65 @@ func TestOtherSignalsDoNotStopTheDaemon(t *testing.T) {
 	case <-p.exited:
 		t.Fatalf("the daemon exited: %v", p.err)
 	default:
+	}
+}
+
+// TestSIGTERMDuringStartUpExitsZero cancels the daemon (SIGTERM) while
+// its start-up rebuilds the index: the start ends with an info log line
+// and exit status 0, as a drain does, systemd is told STOPPING=1 and
+// never READY=1.
+func TestSIGTERMDuringStartUpExitsZero(t *testing.T) {
+	dir := t.TempDir()
+	file, _, cache := testConfig(t, dir, "")
+	// A directory in the mount: the rebuild's walk looks at the context
+	// before it reads one.
+	if err := os.MkdirAll(filepath.Join(cache, "sub"), 0o750); err != nil {
+		t.Fatal(err)
+	}
+	notify := newNotifySocket(t)
+	t.Setenv("NOTIFY_SOCKET", notify.path)
+	hold := &fsystest.Hold{}
+	hold.Arm(fsys.OpReadDir)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	stdout, stderr := newLines(), newLines()
+	exit := make(chan int, 1)
+	go func() {
+		exit <- runServeOn(ctx, &fsys.Faulty{FS: fsys.OS{}, Inj: hold}, []string{"--config", file}, stdout, stderr)
+	}()
+	testwait.Until(t, "the rebuild's ReadDir to be held", time.Minute, hold.Holding)
+	cancel()
+	hold.Release()
+	if code := <-exit; code != 0 {
+		t.Fatalf("exit status %d after SIGTERM during start-up, want 0; stderr:\n%s", code, stderr.String())
+	}
+	if l := stderr.logLine(t, "kvhost stopped during start-up"); l["level"] != "INFO" {
+		t.Errorf("stopped during start-up logged at %v, want INFO", l["level"])
+	}
+	if got := notify.drain(t); !slices.Contains(got, "STOPPING=1") || slices.ContainsFunc(got, isReady) {
+		t.Errorf("notifications %q, want STOPPING=1 and no READY=1", got)
+	}
+}
+
+// isReady reports whether a notification says READY=1.
+func isReady(msg string) bool { return slices.Contains(strings.Split(msg, "\n"), "READY=1") }
+
+// TestNothingSetsTheDaemonReadyOnceItStops: once the daemon is stopping
+// (SIGTERM), a later setReady(true) (the end of its start-up, or of a
+// reload, racing the signal) neither tells systemd READY=1 after
+// STOPPING=1 nor turns /readyz back to 200 while it drains.
+func TestNothingSetsTheDaemonReadyOnceItStops(t *testing.T) {
+	notify := newNotifySocket(t)
+	t.Setenv("NOTIFY_SOCKET", notify.path)
+	d := &daemon{log: slog.New(slog.DiscardHandler), metrics: metrics.New("test")}
+	d.setReady(false)
+	d.setReady(true)
+	if got := notify.drain(t); !slices.Equal(got, []string{"STOPPING=1"}) {
+		t.Errorf("notifications %q, want only STOPPING=1", got)
+	}
+	rec := httptest.NewRecorder()
+	d.metrics.Handler(false).ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/readyz", nil))
+	if rec.Code != http.StatusServiceUnavailable {
+		t.Errorf("/readyz answers %d while stopping, want 503", rec.Code)
 	}
 }
