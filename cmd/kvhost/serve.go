@@ -40,9 +40,9 @@ import (
 // runServe runs the daemon until ctx is done (SIGTERM, SIGINT), then shuts
 // it down gracefully: stop accepting, let jobs finish within
 // server.shutdown_timeout, cancel the rest, close the engine, remove the
-// socket. SIGHUP reloads the configuration; SIGQUIT writes every
-// goroutine's stack to the log and goes on; SIGUSR1, SIGUSR2 and SIGPIPE
-// are ignored (docs/serve.md, "Signals").
+// socket. SIGHUP reloads the configuration; SIGQUIT, from start-up to
+// exit, writes every goroutine's stack to the log and goes on; SIGUSR1,
+// SIGUSR2 and SIGPIPE are ignored (docs/serve.md, "Signals").
 func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	return runServeOn(ctx, nil, args, stdout, stderr)
 }
@@ -53,8 +53,13 @@ func runServeOn(ctx context.Context, files fsys.FS, args []string, stdout, stder
 	// Signals first: a SIGHUP during start-up (a long index rebuild) is a
 	// reload once the daemon serves, not the end of the process.
 	sigs := make(chan os.Signal, 8)
-	signal.Notify(sigs, syscall.SIGHUP, syscall.SIGQUIT, syscall.SIGUSR1, syscall.SIGUSR2, syscall.SIGPIPE)
+	signal.Notify(sigs, syscall.SIGHUP, syscall.SIGUSR1, syscall.SIGUSR2, syscall.SIGPIPE)
 	defer signal.Stop(sigs)
+	// SIGQUIT apart, served until the end: a start or a close that is
+	// stuck is when a stack dump is wanted most.
+	quit := make(chan os.Signal, 1)
+	signal.Notify(quit, syscall.SIGQUIT)
+	defer signal.Stop(quit)
 
 	fs := newFlagSet("kvhost serve", "usage: kvhost [serve] [flags]\n\nRuns the kvhost daemon (docs/serve.md).", stderr)
 	flags := config.BindFlags(fs)
@@ -77,6 +82,7 @@ func runServeOn(ctx context.Context, files fsys.FS, args []string, stdout, stder
 		fmt.Fprintf(stderr, "kvhost: %v\n", err)
 		return 2
 	}
+	defer d.dumpStacks(quit)()
 	if err := d.serve(ctx, cfg); err != nil {
 		if ctx.Err() != nil && errors.Is(err, ctx.Err()) {
 			// SIGTERM during start-up (an index rebuild, a policy's
@@ -503,8 +509,33 @@ func (d *daemon) daemonStats() protocol.DaemonStats {
 	}
 }
 
-// handleSignals serves SIGHUP (reload), SIGQUIT (stack dump) and the
-// ignored signals until done.
+// dumpStacks writes every goroutine's stack to stderr at each SIGQUIT on
+// quit, from a goroutine of its own, until stop is called (stop waits for
+// a dump under way): the daemon serves on.
+func (d *daemon) dumpStacks(quit <-chan os.Signal) (stop func()) {
+	done := make(chan struct{})
+	var wg sync.WaitGroup
+	wg.Add(1)
+	go func() {
+		defer wg.Done()
+		for {
+			select {
+			case <-done:
+				return
+			case <-quit:
+				d.log.Warn("SIGQUIT: writing every goroutine's stack to stderr; the daemon goes on")
+				pprof.Lookup("goroutine").WriteTo(d.stderr, 2)
+			}
+		}
+	}()
+	return func() {
+		close(done)
+		wg.Wait()
+	}
+}
+
+// handleSignals serves SIGHUP (reload) and the ignored signals until
+// done.
 func (d *daemon) handleSignals(ctx context.Context, done <-chan struct{}) {
 	for {
 		select {
@@ -516,9 +547,6 @@ func (d *daemon) handleSignals(ctx context.Context, done <-chan struct{}) {
 				if ctx.Err() == nil {
 					d.reload(ctx)
 				}
-			case syscall.SIGQUIT:
-				d.log.Warn("SIGQUIT: writing every goroutine's stack to stderr; the daemon goes on")
-				pprof.Lookup("goroutine").WriteTo(d.stderr, 2)
 			case syscall.SIGPIPE:
 				// A closed stdout or stderr: writes fail, the daemon serves on.
 			default:

@@ -382,3 +382,55 @@ func TestNothingSetsTheDaemonReadyOnceItStops(t *testing.T) {
 		t.Errorf("/readyz answers %d while stopping, want 503", rec.Code)
 	}
 }
+
+// TestSIGQUITDumpsStacksWhileTheDaemonStartsOrCloses: SIGQUIT writes
+// every goroutine's stack to stderr while the daemon is stuck in its
+// start-up (the index rebuild held, as on a hung mount) and while it is
+// stuck closing the engine after SIGTERM: the moments a dump is wanted
+// most, not only while it serves.
+func TestSIGQUITDumpsStacksWhileTheDaemonStartsOrCloses(t *testing.T) {
+	tests := []struct {
+		name    string
+		op      fsys.Op
+		serving bool // hold op once the daemon serves, then stop it
+	}{
+		{"start-up", fsys.OpReadDir, false},
+		{"close", fsys.OpClose, true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			file, socket, _ := testConfig(t, t.TempDir(), "")
+			hold := &fsystest.Hold{}
+			if !tt.serving {
+				hold.Arm(tt.op)
+			}
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			stdout, stderr := newLines(), newLines()
+			exit := make(chan int, 1)
+			go func() {
+				exit <- runServeOn(ctx, &fsys.Faulty{FS: fsys.OS{}, Inj: hold}, []string{"--config", file}, stdout, stderr)
+			}()
+			defer func() {
+				hold.Release() // a failed check must not leave the daemon held
+				cancel()
+				if code := <-exit; code != 0 {
+					t.Errorf("serve exited %d:\n%s", code, stderr.String())
+				}
+			}()
+			if tt.serving {
+				stdout.wait(t, "listening line", func(s string) bool { return s == "kvhost: listening on unix:"+socket })
+				hold.Arm(tt.op)
+				cancel()
+			}
+			testwait.Until(t, "the "+tt.op.String()+" to be held", time.Minute, hold.Holding)
+			if tt.serving {
+				stderr.logLine(t, "kvhost shutting down") // held in the engine's close
+			}
+			if err := syscall.Kill(os.Getpid(), syscall.SIGQUIT); err != nil {
+				t.Fatal(err)
+			}
+			stderr.wait(t, "goroutine dump", func(s string) bool { return strings.HasPrefix(s, "goroutine ") })
+		})
+	}
+}
