@@ -371,3 +371,46 @@ func TestPreallocateIsAutoUnlessASizeIsGiven(t *testing.T) {
 		})
 	}
 }
+
+// TestFlagsMakeARelativeSocketAbsolute: a relative socket path, from
+// -socket, the file or $KVHOST_SOCKET, is resolved against the working
+// directory, so that every path derived from it (the lock, the lookup
+// table clients are told to map) is absolute too.
+func TestFlagsMakeARelativeSocketAbsolute(t *testing.T) {
+	tests := []struct {
+		name string
+		file string // the configuration file's content ("": no file)
+		env  string // $KVHOST_SOCKET
+		args []string
+	}{
+		{"flag", "", "", []string{"-socket", "run/kvhost.sock"}},
+		{"file", "[server]\nsocket = \"run/kvhost.sock\"\n", "", nil},
+		{"environment", "", "run/kvhost.sock", nil},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			dir := t.TempDir()
+			t.Chdir(dir)
+			t.Setenv("KVHOST_SOCKET", tt.env)
+			args := tt.args
+			if tt.file != "" {
+				if err := os.WriteFile("kvhost.toml", []byte(tt.file), 0o644); err != nil {
+					t.Fatal(err)
+				}
+				args = append(args, "-config", "kvhost.toml")
+			}
+			fs := flag.NewFlagSet("kvhost", flag.ContinueOnError)
+			f := BindFlags(fs)
+			if err := fs.Parse(args); err != nil {
+				t.Fatal(err)
+			}
+			c, err := f.Load()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if want := filepath.Join(dir, "run", "kvhost.sock"); c.Server.Socket != want {
+				t.Fatalf("socket %q, want %q", c.Server.Socket, want)
+			}
+		})
+	}
+}
