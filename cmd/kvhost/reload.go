@@ -71,8 +71,13 @@ func (d *daemon) applyReload(ctx context.Context) (string, error) {
 	if err != nil {
 		return "", err
 	}
+	// What runs once the reload applies: the live settings from next, the
+	// rest (the mounts above all, which the policy's fallback follows) as
+	// it runs until a restart.
+	running := cur
+	running.Policy, running.Log.Level, running.Engine.VerifyInterval = next.Policy, next.Log.Level, next.Engine.VerifyInterval
 	var changed []string
-	build, err := d.policyBuilder(ctx, next)
+	build, err := d.policyBuilder(ctx, running)
 	if err != nil {
 		return "", err
 	}
@@ -101,8 +106,6 @@ func (d *daemon) applyReload(ctx context.Context) (string, error) {
 		changed = append(changed, "engine.verify_interval")
 	}
 	restart := needsRestart(cur, next)
-	running := cur
-	running.Policy, running.Log.Level, running.Engine.VerifyInterval = next.Policy, next.Log.Level, next.Engine.VerifyInterval
 	d.mu.Lock()
 	d.running = running
 	d.mu.Unlock()
