@@ -270,17 +270,8 @@ func copyDevice(t *testing.T, rt *cuda.Runtime, dev uintptr, host []byte, toDevi
 // of device 1 in what the daemon reports, beside the staging pipeline's
 // and the CUDA IPC importer's faults.
 func TestCuFileJobsFailingWithAStickyErrorAreDeviceFaults(t *testing.T) {
-	lib, cufileLib := cudatest.Build(t), buildFakeCuFile(t)
+	gp, lib, _ := openFakeCuFileGPU(t)
 	fake := cudatest.Open(t, lib)
-	gp, err := openGPU(gpuOptions{Mode: "on", CUDALibrary: []string{lib}, CuFileLibrary: []string{cufileLib}, CuFile: "compat",
-		MaxStaging: 16 << 20}, slog.New(slog.DiscardHandler))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer gp.Close()
-	if gp.cfMover == nil {
-		t.Fatal("the cuFile mover did not start on the fake libcufile")
-	}
 	// A plan over both devices: the file's registration runs bound to
 	// device 0, the piece on device 1 on a worker that binds to it.
 	p := &transfer.Plan{}
@@ -328,6 +319,24 @@ type fakeCuFileCtl struct {
 	BufsLive, BytesRead, BytesWritten, Reads, Writes, RegisterCalls         int64
 }
 
+// openFakeCuFileGPU opens the daemon's GPU paths on the fake CUDA
+// library and the fake libcufile, compatibility mode allowed, closed when
+// t ends, and returns them with the two libraries' paths.
+func openFakeCuFileGPU(t *testing.T) (gp *gpuPaths, lib, cufileLib string) {
+	t.Helper()
+	lib, cufileLib = cudatest.Build(t), buildFakeCuFile(t)
+	gp, err := openGPU(gpuOptions{Mode: "on", CUDALibrary: []string{lib}, CuFileLibrary: []string{cufileLib}, CuFile: "compat",
+		MaxStaging: 16 << 20}, slog.New(slog.DiscardHandler))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { gp.Close() })
+	if gp.cfMover == nil {
+		t.Fatal("the cuFile mover did not start on the fake libcufile")
+	}
+	return gp, lib, cufileLib
+}
+
 // fakeCuFileControl opens the fake libcufile at lib (the instance the
 // daemon loads) and returns its control block.
 func fakeCuFileControl(t *testing.T, lib string) *fakeCuFileCtl {
@@ -351,16 +360,7 @@ func fakeCuFileControl(t *testing.T, lib string) *fakeCuFileCtl {
 // cuFile fallback, and a job the re-probe interval after the last probe
 // probes again, no earlier; once a probe works, cuFile moves the jobs.
 func TestCuFileProbeFailingAtStartIsRetriedByALaterJob(t *testing.T) {
-	lib, cufileLib := cudatest.Build(t), buildFakeCuFile(t)
-	gp, err := openGPU(gpuOptions{Mode: "on", CUDALibrary: []string{lib}, CuFileLibrary: []string{cufileLib}, CuFile: "compat",
-		MaxStaging: 16 << 20}, slog.New(slog.DiscardHandler))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer gp.Close()
-	if gp.cfMover == nil {
-		t.Fatal("the cuFile mover did not start on the fake libcufile")
-	}
+	gp, _, cufileLib := openFakeCuFileGPU(t)
 	now := time.Unix(1_000_000, 0)
 	gp.now = func() time.Time { return now }
 	ctl := fakeCuFileControl(t, cufileLib)

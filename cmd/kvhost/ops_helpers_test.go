@@ -21,6 +21,8 @@ import (
 	"github.com/prometheus/common/model"
 
 	"github.com/kvhost/kvhost/client"
+	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/internal/fsys/fsystest"
 )
 
 // opsGeo is a small geometry: 2 blocks of 512 bytes per layer and plane
@@ -202,6 +204,18 @@ type lines struct {
 }
 
 func newLines() *lines { return &lines{changed: make(chan struct{})} }
+
+// serveHeld runs the daemon with args in the background on the real file
+// system, each operation hold is armed for held there, and returns what
+// it writes and its exit status, once it exits.
+func serveHeld(ctx context.Context, hold *fsystest.Hold, args ...string) (stdout, stderr *lines, exit <-chan int) {
+	stdout, stderr = newLines(), newLines()
+	code := make(chan int, 1)
+	go func() {
+		code <- runServeOn(ctx, &fsys.Faulty{FS: fsys.OS{}, Inj: hold}, args, stdout, stderr)
+	}()
+	return stdout, stderr, code
+}
 
 func (l *lines) Write(b []byte) (int, error) {
 	l.mu.Lock()

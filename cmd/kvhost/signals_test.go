@@ -341,11 +341,7 @@ func TestSIGTERMDuringStartUpExitsZero(t *testing.T) {
 	hold.Arm(fsys.OpReadDir)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	stdout, stderr := newLines(), newLines()
-	exit := make(chan int, 1)
-	go func() {
-		exit <- runServeOn(ctx, &fsys.Faulty{FS: fsys.OS{}, Inj: hold}, []string{"--config", file}, stdout, stderr)
-	}()
+	_, stderr, exit := serveHeld(ctx, hold, "--config", file)
 	testwait.Until(t, "the rebuild's ReadDir to be held", time.Minute, hold.Holding)
 	cancel()
 	hold.Release()
@@ -406,11 +402,7 @@ func TestSIGQUITDumpsStacksWhileTheDaemonStartsOrCloses(t *testing.T) {
 			}
 			ctx, cancel := context.WithCancel(context.Background())
 			defer cancel()
-			stdout, stderr := newLines(), newLines()
-			exit := make(chan int, 1)
-			go func() {
-				exit <- runServeOn(ctx, &fsys.Faulty{FS: fsys.OS{}, Inj: hold}, []string{"--config", file}, stdout, stderr)
-			}()
+			stdout, stderr, exit := serveHeld(ctx, hold, "--config", file)
 			defer func() {
 				hold.Release() // a failed check must not leave the daemon held
 				cancel()

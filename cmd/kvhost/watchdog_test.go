@@ -82,11 +82,7 @@ func TestServeStopsTellingSystemdItLivesWhileAFileOperationHangs(t *testing.T) {
 	hold := &fsystest.Hold{}
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	stdout, stderr := newLines(), newLines()
-	exit := make(chan int, 1)
-	go func() {
-		exit <- runServeOn(ctx, &fsys.Faulty{FS: fsys.OS{}, Inj: hold}, []string{"--config", file, "--metrics", "127.0.0.1:0"}, stdout, stderr)
-	}()
+	stdout, stderr, exit := serveHeld(ctx, hold, "--config", file, "--metrics", "127.0.0.1:0")
 	defer func() {
 		hold.Release() // a failed check must not leave the daemon held
 		cancel()
