@@ -517,10 +517,11 @@ func fsTypeOf(path string) string {
 // wasm policy, or the native lru policy when this binary embeds none.
 func benchPolicy(ctx context.Context, cfg config.Config, log *slog.Logger) func(policy.Index) (policy.Policy, error) {
 	pc := cfg.Policy
+	fb := fallbackPolicy(cfg)
 	pcfg := policy.Config{
 		Shards: pc.Shards, MemoryLimit: int64(pc.MemoryLimit), CallTimeout: time.Duration(pc.CallTimeout),
 		CacheDir: pc.CacheDir, Params: pc.PolicyParams(), MaxFailures: pc.MaxFailures,
-		FailureWindow: time.Duration(pc.FailureWindow), Fallback: func() guest.Policy { return lru.New() }, Logger: log,
+		FailureWindow: time.Duration(pc.FailureWindow), Fallback: fb.newPolicy, FallbackName: fb.name, FallbackParams: fb.params, Logger: log,
 	}
 	if pcfg.CacheDir == "" {
 		pcfg.CacheDir = filepath.Join(config.DefaultRoot(), "wasm-cache")

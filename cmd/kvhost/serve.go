@@ -13,6 +13,7 @@ import (
 	"os/signal"
 	"path/filepath"
 	"runtime/pprof"
+	"slices"
 	"strings"
 	"sync"
 	"syscall"
@@ -656,7 +657,12 @@ func (d *daemon) policyBuilder(ctx context.Context, cfg config.Config) (*builtPo
 		FailureWindow: time.Duration(cfg.Policy.FailureWindow),
 		Logger:        log,
 	}
-	pcfg.FallbackName, pcfg.Fallback = fallbackPolicy(cfg)
+	fb := fallbackPolicy(cfg)
+	pcfg.FallbackName, pcfg.Fallback, pcfg.FallbackParams = fb.name, fb.newPolicy, fb.params
+	if module != nil && len(fb.ignored) > 0 {
+		log.Info("the native fallback policy ignores these [policy.params]", "policy", name,
+			"fallback", fb.name, "keys", strings.Join(fb.ignored, ","))
+	}
 	if d.metrics != nil {
 		pcfg.OnCall = d.metrics.ObservePolicyCall
 	}
@@ -698,16 +704,38 @@ func (d *daemon) policyBuilder(ctx context.Context, cfg config.Config) (*builtPo
 	return b, nil
 }
 
+// fallback is the native policy a failing plugin falls back to and the
+// configuration it takes.
+type fallback struct {
+	name      string
+	newPolicy func() guest.Policy
+	params    map[string]string // the keys of [policy.params] it knows
+	ignored   []string          // the others, sorted
+}
+
 // fallbackPolicy is the native policy a failing plugin falls back to: on a
 // daemon with several kvhost mounts the mount-aware tiered policy (its
 // defaults: mount 0 hot, mount 1 cold), since lru would put every new file
 // on mount 0 and delete what it evicts there instead of demoting it; lru
-// otherwise. Both name files alike (lru's scheme).
-func fallbackPolicy(cfg config.Config) (string, func() guest.Policy) {
+// otherwise. Both name files alike (lru's scheme). It takes the keys of
+// [policy.params] it knows, which mean for it what they mean for the
+// built-in plugins; any other would fail its every start.
+func fallbackPolicy(cfg config.Config) fallback {
+	fb := fallback{name: lru.Name, newPolicy: func() guest.Policy { return lru.New() }}
+	known := lru.Keys()
 	if kvhostMounts(cfg) > 1 {
-		return tiered.Name, func() guest.Policy { return tiered.New() }
+		fb = fallback{name: tiered.Name, newPolicy: func() guest.Policy { return tiered.New() }}
+		known = tiered.Keys()
 	}
-	return "lru", func() guest.Policy { return lru.New() }
+	fb.params = cfg.Policy.PolicyParams()
+	for k := range fb.params {
+		if !slices.Contains(known, k) {
+			fb.ignored = append(fb.ignored, k)
+			delete(fb.params, k)
+		}
+	}
+	slices.Sort(fb.ignored)
+	return fb
 }
 
 // kvhostMounts counts the mounts of kvhost's own layout (not vllm-fs).

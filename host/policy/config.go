@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"log/slog"
 	"runtime"
+	"slices"
 	"sort"
 	"strings"
 	"time"
@@ -69,6 +70,12 @@ type Config struct {
 	// when the plugin keeps failing. Nil means no fallback: the Host keeps
 	// replacing failed instances and returns their errors.
 	Fallback func() guest.Policy
+	// FallbackParams is Fallback's configuration, passed to its
+	// kvhost_init as Params is to the plugin's (Params, the plugin's own
+	// keys, are not). If Fallback refuses them when the Host switches to
+	// it, it runs without them: the fallback must serve whatever the
+	// plugin's configuration.
+	FallbackParams map[string]string
 	// FallbackName names Fallback in logs and Stats.FallbackPolicy;
 	// default "native".
 	FallbackName string
@@ -124,14 +131,19 @@ func (c Config) withDefaults() (Config, error) {
 	case c.FailureWindow < 0:
 		return fail("FailureWindow = %v: want a positive duration", c.FailureWindow)
 	}
-	for k, v := range c.Params {
-		switch {
-		case k == "" || strings.ContainsAny(k, "=\n") || strings.TrimSpace(k) != k:
-			return fail("Params key %q: want a non-empty key without '=', newlines or surrounding spaces", k)
-		case strings.HasPrefix(k, "kvhost."):
-			return fail("Params key %q: keys starting with \"kvhost.\" are reserved for the host", k)
-		case strings.Contains(v, "\n"):
-			return fail("Params[%q]: value contains a newline", k)
+	for _, p := range []struct {
+		field  string
+		params map[string]string
+	}{{"Params", c.Params}, {"FallbackParams", c.FallbackParams}} {
+		for k, v := range p.params {
+			switch {
+			case k == "" || strings.ContainsAny(k, "=\n") || strings.TrimSpace(k) != k:
+				return fail("%s key %q: want a non-empty key without '=', newlines or surrounding spaces", p.field, k)
+			case strings.HasPrefix(k, "kvhost."):
+				return fail("%s key %q: keys starting with \"kvhost.\" are reserved for the host", p.field, k)
+			case strings.Contains(v, "\n"):
+				return fail("%s[%q]: value contains a newline", p.field, k)
+			}
 		}
 	}
 	if c.Logger == nil {
@@ -140,20 +152,25 @@ func (c Config) withDefaults() (Config, error) {
 	return c, nil
 }
 
-// initConfig returns the kvhost_init configuration of one shard.
-func (c *Config) initConfig(shard int) ([]byte, error) {
-	keys := make([]string, 0, len(c.Params))
-	for k := range c.Params {
+// initConfigs returns the kvhost_init configuration of every shard: params
+// (Params or FallbackParams, named field in errors) and the host's keys.
+func (c *Config) initConfigs(field string, params map[string]string) ([][]byte, error) {
+	keys := make([]string, 0, len(params))
+	for k := range params {
 		keys = append(keys, k)
 	}
 	sort.Strings(keys)
-	var b []byte
+	var common []byte
 	for _, k := range keys {
-		b = fmt.Appendf(b, "%s=%s\n", k, c.Params[k])
+		common = fmt.Appendf(common, "%s=%s\n", k, params[k])
 	}
-	b = fmt.Appendf(b, "%s=%d\n%s=%d\n", ParamShard, shard, ParamShards, c.Shards)
-	if len(b) > abi.MaxConfigLen {
-		return nil, fmt.Errorf("%w: Params encode to %d bytes, more than %d", ErrConfig, len(b), abi.MaxConfigLen)
+	out := make([][]byte, c.Shards)
+	for shard := range out {
+		b := fmt.Appendf(slices.Clip(common), "%s=%d\n%s=%d\n", ParamShard, shard, ParamShards, c.Shards)
+		if len(b) > abi.MaxConfigLen {
+			return nil, fmt.Errorf("%w: %s encode to %d bytes, more than %d", ErrConfig, field, len(b), abi.MaxConfigLen)
+		}
+		out[shard] = b
 	}
-	return b, nil
+	return out, nil
 }

@@ -65,6 +65,7 @@ type Host struct {
 	cfg         Config
 	log         *slog.Logger
 	initCfg     [][]byte // kvhost_init configuration per shard
+	fallbackCfg [][]byte // the fallback's (nil without one); written under h.mu
 	canFallback bool
 	stats       counters
 	ledgers     []ledger // per shard id; outlive a switch to the fallback
@@ -238,19 +239,20 @@ func start(ctx context.Context, name string, idx Index, cfg Config, b backend, c
 	if wb, ok := b.(*wasmBackend); ok {
 		wb.slow = &h.stats.slowCalls // kept when the backend is closed
 	}
-	h.initCfg = make([][]byte, cfg.Shards)
 	h.ledgers = make([]ledger, cfg.Shards)
 	for i := range h.ledgers {
 		h.ledgers[i] = newLedger()
 	}
-	for i := range h.initCfg {
-		c, err := cfg.initConfig(i)
-		if err != nil {
+	var err error
+	if h.initCfg, err = cfg.initConfigs("Params", cfg.Params); err != nil {
+		return nil, err
+	}
+	if canFallback {
+		if h.fallbackCfg, err = cfg.initConfigs("FallbackParams", cfg.FallbackParams); err != nil {
 			return nil, err
 		}
-		h.initCfg[i] = c
 	}
-	shards, err := h.buildShards(ctx, b)
+	shards, err := h.buildShards(ctx, b, h.initCfg)
 	if err != nil {
 		return nil, err
 	}
@@ -258,8 +260,9 @@ func start(ctx context.Context, name string, idx Index, cfg Config, b backend, c
 	return h, nil
 }
 
-// buildShards creates every shard of b, failing fast.
-func (h *Host) buildShards(ctx context.Context, b backend) ([]*shard, error) {
+// buildShards creates every shard of b, initialised with configs (one per
+// shard), failing fast.
+func (h *Host) buildShards(ctx context.Context, b backend, configs [][]byte) ([]*shard, error) {
 	// Instances are independent: build them in parallel, since each one
 	// starts its guest's runtime (a Go guest's _initialize is most of a
 	// warm start).
@@ -271,7 +274,7 @@ func (h *Host) buildShards(ctx context.Context, b backend) ([]*shard, error) {
 		go func() {
 			defer wg.Done()
 			s := newShard(i, &h.ledgers[i])
-			s.inst, errs[i] = h.build(ctx, b, s)
+			s.inst, errs[i] = h.build(ctx, b, s, configs[i])
 			shards[i] = s
 		}()
 	}
@@ -291,12 +294,12 @@ func (h *Host) buildShards(ctx context.Context, b backend) ([]*shard, error) {
 	return shards, nil
 }
 
-// build creates an instance for shard s, initialises it and replays the
-// Index into it: every namespace, then for each entry routed to s an
-// AccessRestore record and one AccessPin per pin the plugin had been told of
-// (the shard's ledger: a pin the engine has made but not yet reported
-// arrives afterwards, and is not counted twice).
-func (h *Host) build(ctx context.Context, b backend, s *shard) (instance, error) {
+// build creates an instance for shard s, initialises it with config and
+// replays the Index into it: every namespace, then for each entry routed to
+// s an AccessRestore record and one AccessPin per pin the plugin had been
+// told of (the shard's ledger: a pin the engine has made but not yet
+// reported arrives afterwards, and is not counted twice).
+func (h *Host) build(ctx context.Context, b backend, s *shard, config []byte) (instance, error) {
 	inst, err := b.newInstance(ctx, s.id)
 	if err != nil {
 		return nil, h.pluginError(s, "instantiate", err)
@@ -309,7 +312,7 @@ func (h *Host) build(ctx context.Context, b backend, s *shard) (instance, error)
 	}()
 	// build runs in the middle of a caller's call on s (a replacement):
 	// it uses ops of its own, not the shard's.
-	if err := h.callOnce(ctx, s, inst, hookInit, &initOp{config: h.initCfg[s.id]}); err != nil {
+	if err := h.callOnce(ctx, s, inst, hookInit, &initOp{config: config}); err != nil {
 		return nil, err
 	}
 	if b.features().Has(abi.FeatureNamespace) {
@@ -397,7 +400,11 @@ func (h *Host) invoke(ctx context.Context, s *shard, hk hook, op batchOp) error 
 		if s.inst == nil {
 			h.stats.replacements.Add(1)
 			built = true
-			inst, err := h.build(ctx, h.mu.backend, s)
+			configs := h.initCfg
+			if h.mu.fallback {
+				configs = h.fallbackCfg
+			}
+			inst, err := h.build(ctx, h.mu.backend, s, configs[s.id])
 			if err != nil {
 				if err := callerDone(ctx); err != nil {
 					return err
@@ -485,7 +492,19 @@ func (h *Host) switchToFallback(ctx context.Context, cause *Error) error {
 		return nil
 	}
 	nb := newNativeBackend(h.cfg.Fallback, h.name+"/fallback", h.log)
-	shards, err := h.buildShards(ctx, nb)
+	shards, err := h.buildShards(ctx, nb, h.fallbackCfg)
+	if err != nil && len(h.cfg.FallbackParams) > 0 {
+		// The plugin's values of keys the fallback shares with it may
+		// not suit the fallback: its defaults do.
+		h.log.Error("the fallback policy refuses its params; running it with its defaults", "fallback", h.fallbackName(), "err", err)
+		bare, berr := h.cfg.initConfigs("FallbackParams", nil)
+		if berr != nil {
+			return berr
+		}
+		if shards, err = h.buildShards(ctx, nb, bare); err == nil {
+			h.fallbackCfg = bare
+		}
+	}
 	if err != nil {
 		return fmt.Errorf("policy %s: switching to the fallback policy after %q: %w", h.name, cause, err)
 	}

@@ -101,6 +101,7 @@ func TestConfigErrors(t *testing.T) {
 		{"failures", policy.Config{MaxFailures: -2}, "MaxFailures"},
 		{"reserved", policy.Config{Params: map[string]string{"kvhost.shard": "1"}}, "reserved"},
 		{"newline", policy.Config{Params: map[string]string{"a": "b\nc"}}, "newline"},
+		{"fallback reserved", policy.Config{Fallback: newLRU, FallbackParams: map[string]string{"kvhost.shards": "1"}}, "FallbackParams key"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -185,6 +186,59 @@ func TestHostileFallback(t *testing.T) {
 			}
 			logMu.Unlock()
 			checkAnswers(t, h, idx)
+		})
+	}
+}
+
+// TestTheFallbackRunsWhateverThePluginsParams: the fallback is configured
+// by FallbackParams, never by the plugin's Params (a key it does not know
+// would fail its every start), and runs with its defaults where it refuses
+// FallbackParams (a plugin's value of a key they share), at init or when a
+// namespace is replayed.
+func TestTheFallbackRunsWhateverThePluginsParams(t *testing.T) {
+	tests := []struct {
+		name           string
+		params         map[string]string
+		fallbackParams map[string]string
+		keysPerFile    uint32 // the fallback's layout of a new namespace
+	}{
+		{"a key of the plugin's own", map[string]string{"x": "2"}, nil, 1},
+		{"a key the fallback knows", map[string]string{"x": "2", "keys_per_file": "2"}, map[string]string{"keys_per_file": "2"}, 2},
+		{"a value the fallback refuses at init", map[string]string{"order": "diagonal"}, map[string]string{"order": "diagonal", "keys_per_file": "2"}, 1},
+		{"a value the fallback refuses for a namespace", map[string]string{"mount": "7"}, map[string]string{"mount": "7"}, 1},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			ctx := context.Background()
+			idx := policytest.NewIndex()
+			h, err := policy.Open(ctx, fixture(t, "traversal"), "traversal", idx, policy.Config{
+				Shards: 2, MaxFailures: 1, Params: tt.params,
+				Fallback: newLRU, FallbackParams: tt.fallbackParams, Logger: quietLogger(),
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer h.Close(ctx)
+			ns, err := h.Namespace(ctx, testNS)
+			if err != nil {
+				t.Fatal(err)
+			}
+			idx.AddNamespace(ns)
+			if err := h.Name(ctx, nameRecords(8, 1)); err != nil { // the plugin fails, the fallback answers
+				t.Fatalf("Name: %v; want the fallback's answer", err)
+			}
+			if s := h.Stats(); !s.Fallback {
+				t.Fatalf("no fallback after a failure with MaxFailures 1: %+v", s)
+			}
+			next := testNS
+			next.NS, next.Fingerprint = 1, testNS.Fingerprint+1
+			got, err := h.Namespace(ctx, next)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got.KeysPerFile != tt.keysPerFile {
+				t.Errorf("the fallback gives a new namespace %d keys per file, want %d", got.KeysPerFile, tt.keysPerFile)
+			}
 		})
 	}
 }

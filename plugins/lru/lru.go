@@ -63,9 +63,13 @@ func New() *Policy {
 	}
 }
 
+// Keys returns the configuration keys Init reads; it refuses any other
+// (but the host's).
+func Keys() []string { return append(policykit.LayoutKeys(), "mount") }
+
 // Init reads the configuration.
 func (p *Policy) Init(cfg guest.Config) error {
-	if err := cfg.CheckKeys(append(policykit.LayoutKeys(), "mount")...); err != nil {
+	if err := cfg.CheckKeys(Keys()...); err != nil {
 		return policykit.ConfigFailure(Name, err)
 	}
 	layout, err := policykit.ParseLayout(cfg)

@@ -96,9 +96,15 @@ func New() *Policy {
 	return p
 }
 
+// Keys returns the configuration keys Init reads; it refuses any other
+// (but the host's).
+func Keys() []string {
+	return append(policykit.LayoutKeys(), "hot", "cold", "promote_hits", "promote_window")
+}
+
 // Init reads the configuration.
 func (p *Policy) Init(cfg guest.Config) error {
-	if err := cfg.CheckKeys(append(policykit.LayoutKeys(), "hot", "cold", "promote_hits", "promote_window")...); err != nil {
+	if err := cfg.CheckKeys(Keys()...); err != nil {
 		return policykit.ConfigFailure(Name, err)
 	}
 	layout, err := policykit.ParseLayout(cfg)
