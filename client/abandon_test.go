@@ -276,3 +276,112 @@ func TestAJobAcceptedBeforeAFailedSendStillCompletes(t *testing.T) {
 		t.Fatalf("the job accepted before the failed send: %+v, %v; want it stored", res, err)
 	}
 }
+
+// TestAStoreWhoseContextEndsBeforeItIsAcceptedReturnsItsJob: a daemon that
+// read a Store and has not answered it (busy on an earlier request, a hung
+// mount) does not hold the caller past its context: Store returns the Job
+// with the context's error. The Job is bound to the daemon's id and
+// cancelled once the acceptance comes, and it ends with its completion,
+// not before: until then the daemon may be using the blocks.
+func TestAStoreWhoseContextEndsBeforeItIsAcceptedReturnsItsJob(t *testing.T) {
+	got := make(chan protocol.Message, 2)
+	accept := make(chan struct{})
+	sock := fakeDaemon(t, func(c *net.UnixConn) {
+		h, m, err := readRequest(c)
+		if err != nil {
+			return
+		}
+		got <- m
+		<-accept
+		c.Write(protocol.AppendFrame(nil, h.ID, &protocol.JobAccepted{T: protocol.TypeStore | protocol.TypeReply, Job: 5}))
+		h, m, err = readRequest(c)
+		if err != nil {
+			return
+		}
+		got <- m
+		c.Write(protocol.AppendFrame(nil, h.ID, &protocol.Cancelled{InFlight: true}))
+		c.Write(protocol.AppendFrame(nil, 0, &protocol.Completion{Job: 5, Kind: protocol.JobStore,
+			Keys: []protocol.KeyOutcome{{Outcome: protocol.OutcomeCancelled, Code: protocol.CodeCancelled}}}))
+	})
+	c, err := client.Dial(context.Background(), sock, "t")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	var job *client.Job
+	stored := make(chan error, 1)
+	go func() {
+		var err error
+		job, err = c.Store(ctx, 1, [][]byte{[]byte("k")}, [][]uint32{{0}})
+		stored <- err
+	}()
+	if m := <-got; m.Type() != protocol.TypeStore {
+		t.Fatalf("first request %s, want a store", m.Type())
+	}
+	cancel()
+	if err := within(t, stored); !errors.Is(err, context.Canceled) || job == nil {
+		t.Fatalf("Store: job %v, %v; want its Job and %v", job, err, context.Canceled)
+	}
+	select {
+	case <-job.Done():
+		t.Fatal("the Job ended before the daemon accepted it")
+	default:
+	}
+	close(accept)
+	select {
+	case m := <-got:
+		if cm, ok := m.(*protocol.Cancel); !ok || cm.Job != 5 {
+			t.Fatalf("after the abandoned store's acceptance: %#v, want a cancel of job 5", m)
+		}
+	case <-time.After(time.Minute):
+		t.Fatal("no cancel of the abandoned store")
+	}
+	res, err := job.Wait(context.Background())
+	if err != nil || len(res.Keys) != 1 || res.Keys[0].Outcome != client.OutcomeCancelled || job.ID() != 5 {
+		t.Fatalf("the abandoned store's Job %d: %+v, %v; want job 5 cancelled", job.ID(), res, err)
+	}
+}
+
+// TestALoadWhoseContextEndsBeforeTheDaemonRefusesItEndsWithTheRefusal: a
+// Load that returned its Job with the context's error, refused when the
+// daemon's answer comes, ends with the daemon's error: no job ran.
+func TestALoadWhoseContextEndsBeforeTheDaemonRefusesItEndsWithTheRefusal(t *testing.T) {
+	read := make(chan struct{})
+	answer := make(chan struct{})
+	sock := fakeDaemon(t, func(c *net.UnixConn) {
+		h, _, err := readRequest(c)
+		if err != nil {
+			return
+		}
+		close(read)
+		<-answer
+		c.Write(protocol.AppendFrame(nil, h.ID, &protocol.Error{Code: protocol.CodeUnknownCache, Message: "cache 1"}))
+	})
+	c, err := client.Dial(context.Background(), sock, "t")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	var job *client.Job
+	loaded := make(chan error, 1)
+	go func() {
+		var err error
+		job, err = c.Load(ctx, 1, [][]byte{[]byte("k")}, [][]uint32{{0}})
+		loaded <- err
+	}()
+	<-read
+	cancel()
+	if err := within(t, loaded); !errors.Is(err, context.Canceled) || job == nil {
+		t.Fatalf("Load: job %v, %v; want its Job and %v", job, err, context.Canceled)
+	}
+	close(answer)
+	var pe *protocol.Error
+	if _, err := job.Wait(context.Background()); !errors.As(err, &pe) || pe.Code != protocol.CodeUnknownCache {
+		t.Fatalf("the refused load's Job: %v, want the daemon's %s", err, protocol.CodeUnknownCache)
+	}
+	if in, err := job.Cancel(context.Background()); in || err != nil {
+		t.Fatalf("Cancel of the refused load: %v, %v; want false (nothing in flight)", in, err)
+	}
+}

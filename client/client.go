@@ -15,8 +15,8 @@
 // for the reply. A pin, region or
 // cache the daemon made for a call that gave up is given back when the
 // reply comes; a Store or Load whose request went out returns its Job
-// with the context's error and cancels it (the daemon may be using the
-// blocks until the Job ends).
+// with the context's error, and the Job is cancelled once the daemon has
+// accepted it (the daemon may be using the blocks until the Job ends).
 package client
 
 import (
@@ -88,16 +88,21 @@ type Client struct {
 	sendErr error         // under wsem: set once a write failed part way; nothing is sent after it
 
 	mu      sync.Mutex
-	pending map[uint64]chan reply
+	pending map[uint64]request
 	jobs    map[uint64]*Job
 	err     error // set once the connection is lost
 	done    chan struct{}
 	closing atomic.Bool
 }
 
+// request is a request sent and not yet answered.
+type request struct {
+	ch  chan reply // its reply (buffered: the reader never waits for the caller)
+	job *Job       // a Store's or Load's Job, which the reader binds to the reply
+}
+
 type reply struct {
 	msg protocol.Message
-	job *Job // the Job a Store or Load reply started
 	err error
 }
 
@@ -115,7 +120,7 @@ func Dial(ctx context.Context, path, name string) (*Client, error) {
 	}
 	c := &Client{
 		conn:    nc.(*net.UnixConn),
-		pending: make(map[uint64]chan reply),
+		pending: make(map[uint64]request),
 		jobs:    make(map[uint64]*Job),
 		done:    make(chan struct{}),
 		wsem:    make(chan struct{}, 1),
@@ -198,16 +203,20 @@ func (c *Client) readLoop() {
 	pending, jobs := c.pending, c.jobs
 	c.pending, c.jobs = nil, nil
 	c.mu.Unlock()
-	for _, ch := range pending {
-		ch <- reply{err: err}
+	for _, r := range pending {
+		r.ch <- reply{err: err}
+		if r.job != nil {
+			r.job.finish(Result{}, err)
+		}
 	}
 	for _, j := range jobs {
 		j.finish(Result{}, err)
 	}
 }
 
-// deliver hands a frame to its waiter. A Store or Load reply registers its
-// Job here, before the next frame (possibly its completion) is read.
+// deliver hands a frame to its waiter. A Store or Load reply binds its
+// Job here, before the next frame (possibly its completion) is read,
+// whether or not its caller still waits.
 func (c *Client) deliver(h protocol.Header, m protocol.Message) error {
 	if cm, ok := m.(*protocol.Completion); ok {
 		c.mu.Lock()
@@ -223,53 +232,78 @@ func (c *Client) deliver(h protocol.Header, m protocol.Message) error {
 	if e, isErr := m.(*protocol.Error); isErr && h.ID == 0 {
 		return e // the daemon refused the connection (limit, shutdown)
 	}
-	var j *Job
 	c.mu.Lock()
-	ch, ok := c.pending[h.ID]
-	delete(c.pending, h.ID)
-	if ja, isJob := m.(*protocol.JobAccepted); isJob {
-		j = newJob(c, ja.Job)
-		c.jobs[ja.Job] = j
-	}
-	c.mu.Unlock()
+	r, ok := c.pending[h.ID]
 	if !ok {
+		c.mu.Unlock()
 		return fmt.Errorf("reply to unknown request %d", h.ID)
 	}
-	ch <- reply{msg: m, job: j}
+	if r.job != nil {
+		if err := c.bind(r.job, m); err != nil {
+			c.mu.Unlock()
+			return err // the request stays pending: it fails with the connection
+		}
+	}
+	delete(c.pending, h.ID)
+	c.mu.Unlock()
+	r.ch <- reply{msg: m}
+	return nil
+}
+
+// bind settles j, a Store's or Load's Job, by the daemon's reply m, under
+// c.mu: a JobAccepted registers it under the daemon's id (and cancels it
+// if its caller has given up), an Error ends it (no job ran). Any other
+// reply leaves the client unable to tell whether the daemon runs a job on
+// the blocks: an error, which fails the connection.
+func (c *Client) bind(j *Job, m protocol.Message) error {
+	switch m := m.(type) {
+	case *protocol.JobAccepted:
+		if want := j.requestType() | protocol.TypeReply; m.T != want {
+			return fmt.Errorf("%s answered with %s", j.requestType(), m.T)
+		}
+		j.id = m.Job
+		close(j.accepted)
+		c.jobs[m.Job] = j
+		if j.abandoned {
+			go c.cancelAbandoned(j)
+		}
+	case *protocol.Error:
+		j.finish(Result{}, m)
+	default:
+		return fmt.Errorf("%s answered with %s", j.requestType(), m.Type())
+	}
 	return nil
 }
 
 // call sends m (with fds as SCM_RIGHTS, if any) and waits for its reply.
 // An Error reply is returned as a *protocol.Error.
 func (c *Client) call(ctx context.Context, m protocol.Message, fds []int) (protocol.Message, error) {
-	r, err := c.roundTrip(ctx, m, fds, nil)
-	return r.msg, err
+	return c.roundTrip(ctx, m, fds, nil)
 }
 
-// roundTrip is call that also returns the Job of a Store or Load reply.
-// If ctx ends after m was sent, before its reply, and undo is set, undo
-// is called with the reply when it comes (not an Error): what the daemon
-// made for a caller that no longer waits (a pin, a region) is given back.
-func (c *Client) roundTrip(ctx context.Context, m protocol.Message, fds []int, undo func(protocol.Message)) (reply, error) {
-	ch, err := c.send(ctx, m, fds)
+// roundTrip is call with an undo: if ctx ends after m was sent, before
+// its reply, and undo is set, undo is called with the reply when it comes
+// (not an Error): what the daemon made for a caller that no longer waits
+// (a pin, a region) is given back.
+func (c *Client) roundTrip(ctx context.Context, m protocol.Message, fds []int, undo func(protocol.Message)) (protocol.Message, error) {
+	ch, err := c.send(ctx, m, fds, nil)
 	if err != nil {
-		return reply{}, err
+		return nil, err
 	}
 	select {
 	case r := <-ch:
 		return checkReply(m, r)
 	case <-ctx.Done():
 		// The reply will arrive and be dropped by deliver (channel is
-		// buffered); a Store or Load still registers its Job, which the
-		// caller no longer sees; its completion is discarded.
+		// buffered).
 		if undo != nil {
 			go func() {
 				if r, err := checkReply(m, <-ch); err == nil {
-					undo(r.msg)
+					undo(r)
 				}
 			}()
 		}
-		return reply{}, ctx.Err()
+		return nil, ctx.Err()
 	}
 }
 
@@ -279,8 +313,7 @@ func (c *Client) roundTrip(ctx context.Context, m protocol.Message, fds []int, u
 // caller that gave up holds nothing it cannot name. (Declare is not one:
 // declaring a geometry again answers the namespace already declared.)
 func (c *Client) create(ctx context.Context, m protocol.Message, fds []int, undo func(protocol.Message)) (protocol.Message, error) {
-	r, err := c.roundTrip(ctx, m, fds, undo)
-	return r.msg, err
+	return c.roundTrip(ctx, m, fds, undo)
 }
 
 // undoTimeout bounds a request that gives back what an abandoned request
@@ -303,28 +336,29 @@ func (c *Client) unregisterAbandoned(r protocol.Message) {
 	})
 }
 
-// checkReply returns r, or the error it carries or is.
-func checkReply(m protocol.Message, r reply) (reply, error) {
+// checkReply returns r's message, or the error it carries or is.
+func checkReply(m protocol.Message, r reply) (protocol.Message, error) {
 	if r.err != nil {
-		return reply{}, r.err
+		return nil, r.err
 	}
 	if e, ok := r.msg.(*protocol.Error); ok {
-		return reply{}, e
+		return nil, e
 	}
 	if r.msg.Type() != m.Type()|protocol.TypeReply {
-		return reply{}, fmt.Errorf("%w: %s answered with %s", ErrClosed, m.Type(), r.msg.Type())
+		return nil, fmt.Errorf("%w: %s answered with %s", ErrClosed, m.Type(), r.msg.Type())
 	}
-	return r, nil
+	return r.msg, nil
 }
 
 // longAgo is a deadline in the past: it cuts off a write in progress.
 var longAgo = time.Unix(1, 0)
 
-// send writes m as a request and returns the channel its reply comes on. It gives up when ctx ends, while waiting for another write or
+// send writes m as a request and returns the channel its reply comes on;
+// j, if set, is the Job of a Store or Load, which the reply binds. It gives up when ctx ends, while waiting for another write or
 // during its own: a write cut off with nothing sent leaves the connection
 // as it was; one cut off part way leaves the stream out of step, so the
 // connection is closed (ErrClosed).
-func (c *Client) send(ctx context.Context, m protocol.Message, fds []int) (chan reply, error) {
+func (c *Client) send(ctx context.Context, m protocol.Message, fds []int, j *Job) (chan reply, error) {
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
@@ -348,7 +382,7 @@ func (c *Client) send(ctx context.Context, m protocol.Message, fds []int) (chan 
 		c.mu.Unlock()
 		return nil, err
 	}
-	c.pending[id] = ch
+	c.pending[id] = request{ch: ch, job: j}
 	maxFrame := int(c.limits.MaxFrame)
 	c.mu.Unlock()
 
@@ -559,16 +593,21 @@ func (c *Client) Delete(ctx context.Context, ns NamespaceID, keys [][]byte) (int
 // Store starts a job storing keys[i] from the cache blocks blocks[i] (each
 // the namespace's BlocksPerKey long). The daemon reads the blocks until
 // the job completes: do not reuse them before Wait returns.
+//
+// Store and Load return when the daemon has accepted the job, or when ctx
+// ends. If ctx ends after the request was sent, they return the Job
+// together with ctx's error, and the Job is cancelled as soon as the
+// daemon has accepted it: the daemon may be reading or writing its blocks
+// already, so Wait for it before reusing them. Such a Job's ID is 0 until
+// the daemon's answer comes; if the daemon refuses the job, Wait returns
+// the daemon's error.
 func (c *Client) Store(ctx context.Context, cache CacheID, keys [][]byte, blocks [][]uint32) (*Job, error) {
 	return c.transfer(ctx, protocol.JobStore, cache, keys, blocks)
 }
 
-// Load starts a job loading keys[i] into the cache blocks blocks[i].
-//
-// If ctx ends after the request was sent, Store and Load ask the daemon to
-// cancel the job and return it together with ctx's error: the daemon may
-// already be reading or writing its blocks, so Wait for it before reusing
-// them.
+// Load starts a job loading keys[i] into the cache blocks blocks[i]. The
+// daemon writes the blocks until the job completes: do not use them before
+// Wait returns. See Store for a ctx that ends.
 func (c *Client) Load(ctx context.Context, cache CacheID, keys [][]byte, blocks [][]uint32) (*Job, error) {
 	return c.transfer(ctx, protocol.JobLoad, cache, keys, blocks)
 }
@@ -589,30 +628,70 @@ func (c *Client) transfer(ctx context.Context, kind protocol.JobKind, cache Cach
 		return nil, err
 	}
 	// Once the request is sent the daemon may start using the blocks, so
-	// the caller must get the Job even if ctx ends meanwhile: wait for the
-	// daemon's answer (it comes at once), then cancel the job if ctx ended.
+	// the caller gets the Job even if ctx ends before the daemon's answer:
+	// the reader binds the Job to the answer whenever it comes, and the Job
+	// is cancelled then.
 	m := &protocol.Transfer{Kind: kind, Cache: uint32(cache), Keys: keys, Blocks: blocks}
-	ch, err := c.send(ctx, m, nil) // a send ctx cut off sent nothing: no job
+	j := newJob(c, kind)
+	ch, err := c.send(ctx, m, nil, j) // a send ctx cut off sent nothing: no job
 	if err != nil {
 		return nil, err
 	}
-	r, err := checkReply(m, <-ch)
-	if err != nil {
+	var r reply
+	select {
+	case r = <-ch:
+	case <-ctx.Done():
+		c.abandon(j)
+		return j, ctx.Err()
+	}
+	if _, err := checkReply(m, r); err != nil {
 		return nil, err
 	}
 	if err := ctx.Err(); err != nil {
-		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
-		c.Cancel(cctx, r.job)
-		cancel()
-		return r.job, err
+		c.abandon(j)
+		return j, err
 	}
-	return r.job, nil
+	return j, nil
+}
+
+// abandon cancels j, whose caller's context ended after its request was
+// sent, once the daemon has accepted it: now if it has (bind does it
+// otherwise).
+func (c *Client) abandon(j *Job) {
+	c.mu.Lock()
+	j.abandoned = true
+	accepted := j.isAccepted()
+	c.mu.Unlock()
+	if accepted {
+		go c.cancelAbandoned(j)
+	}
+}
+
+// cancelAbandoned cancels an abandoned job (see abandon).
+func (c *Client) cancelAbandoned(j *Job) {
+	c.undo(func(ctx context.Context) error {
+		_, err := c.Cancel(ctx, j)
+		return err
+	})
 }
 
 // Cancel asks the daemon to cancel a job. It reports whether the job was
 // still in flight; its completion (with OutcomeCancelled for keys not
-// done) follows either way when it was.
+// done) follows either way when it was. A job whose Store or Load
+// returned before the daemon's answer is cancelled once the answer has
+// come: Cancel waits for it (as long as ctx lets it), and reports false
+// with no error if the job never ran (the daemon refused it, or the
+// connection was lost first).
 func (c *Client) Cancel(ctx context.Context, j *Job) (bool, error) {
+	select {
+	case <-j.accepted:
+	case <-j.done:
+		if !j.isAccepted() {
+			return false, nil // refused, or the connection was lost first: no job ran
+		}
+	case <-ctx.Done():
+		return false, ctx.Err()
+	}
 	m, err := c.call(ctx, &protocol.Cancel{Job: j.id}, nil)
 	if err != nil {
 		return false, err
@@ -698,15 +777,35 @@ func resultOf(m *protocol.Completion) Result {
 
 // Job is a store or load job in flight on the daemon.
 type Job struct {
-	c    *Client
-	id   uint64
-	done chan struct{}
-	res  Result
-	err  error
+	c        *Client
+	kind     protocol.JobKind
+	accepted chan struct{} // closed once id is set: the daemon accepted the job
+	id       uint64
+	// abandoned, under c.mu: the caller's context ended before the
+	// daemon's answer; the job is cancelled once accepted.
+	abandoned bool
+	done      chan struct{}
+	res       Result
+	err       error
 }
 
-func newJob(c *Client, id uint64) *Job {
-	return &Job{c: c, id: id, done: make(chan struct{})}
+func newJob(c *Client, kind protocol.JobKind) *Job {
+	return &Job{c: c, kind: kind, accepted: make(chan struct{}), done: make(chan struct{})}
+}
+
+// requestType is the type of the job's request.
+func (j *Job) requestType() protocol.Type {
+	return (&protocol.Transfer{Kind: j.kind}).Type()
+}
+
+// isAccepted reports whether the daemon accepted the job.
+func (j *Job) isAccepted() bool {
+	select {
+	case <-j.accepted:
+		return true
+	default:
+		return false
+	}
 }
 
 func (j *Job) finish(r Result, err error) {
@@ -714,16 +813,25 @@ func (j *Job) finish(r Result, err error) {
 	close(j.done)
 }
 
-// ID is the daemon's id of the job.
-func (j *Job) ID() uint64 { return j.id }
+// ID is the daemon's id of the job, or 0 while the daemon has not yet
+// accepted it (a Store or Load that returned with its context's error).
+func (j *Job) ID() uint64 {
+	if !j.isAccepted() {
+		return 0
+	}
+	return j.id
+}
 
 // Done is closed when the job's completion has arrived (or the connection
-// was lost).
+// was lost, or the daemon refused a job whose Store or Load had returned
+// before its answer).
 func (j *Job) Done() <-chan struct{} { return j.done }
 
 // Wait waits for the job's completion and returns its per-key outcomes.
 // The error is non-nil only when no completion arrived (connection lost,
-// ctx done); failed keys are in the Result (see Result.Err).
+// ctx done, or, for a job whose Store or Load returned before the
+// daemon's answer, the daemon's refusal: a *protocol.Error); failed keys
+// are in the Result (see Result.Err).
 func (j *Job) Wait(ctx context.Context) (Result, error) {
 	select {
 	case <-j.done:
