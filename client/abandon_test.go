@@ -385,3 +385,45 @@ func TestALoadWhoseContextEndsBeforeTheDaemonRefusesItEndsWithTheRefusal(t *test
 		t.Fatalf("Cancel of the refused load: %v, %v; want false (nothing in flight)", in, err)
 	}
 }
+
+// TestAJobIDAcceptedTwiceFailsTheConnection: a daemon that names a job
+// still in flight again for another request breaks the protocol (the
+// completions could not be told apart): the connection fails, and both
+// jobs end with ErrClosed rather than one of them never ending.
+func TestAJobIDAcceptedTwiceFailsTheConnection(t *testing.T) {
+	sock := fakeDaemon(t, func(c *net.UnixConn) {
+		for {
+			h, _, err := readRequest(c)
+			if err != nil {
+				return
+			}
+			c.Write(protocol.AppendFrame(nil, h.ID, &protocol.JobAccepted{T: protocol.TypeStore | protocol.TypeReply, Job: 5}))
+		}
+	})
+	c, err := client.Dial(context.Background(), sock, "t")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	first, err := c.Store(context.Background(), 1, [][]byte{[]byte("a")}, [][]uint32{{0}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Store(context.Background(), 1, [][]byte{[]byte("b")}, [][]uint32{{1}}); !errors.Is(err, client.ErrClosed) {
+		t.Errorf("a store accepted as job 5 again: %v, want %v", err, client.ErrClosed)
+	}
+	c.Close()
+	waited := make(chan error, 1)
+	go func() {
+		_, err := first.Wait(context.Background())
+		waited <- err
+	}()
+	select {
+	case err := <-waited:
+		if !errors.Is(err, client.ErrClosed) {
+			t.Fatalf("the first job 5: %v, want %v", err, client.ErrClosed)
+		}
+	case <-time.After(time.Minute):
+		t.Fatal("the first job 5 has not ended a minute after the connection was closed")
+	}
+}

@@ -253,13 +253,18 @@ func (c *Client) deliver(h protocol.Header, m protocol.Message) error {
 // bind settles j, a Store's or Load's Job, by the daemon's reply m, under
 // c.mu: a JobAccepted registers it under the daemon's id (and cancels it
 // if its caller has given up), an Error ends it (no job ran). Any other
-// reply leaves the client unable to tell whether the daemon runs a job on
-// the blocks: an error, which fails the connection.
+// reply, or an id of a job still in flight, leaves the client unable to
+// tell which job runs on which blocks: an error, which fails the
+// connection.
 func (c *Client) bind(j *Job, m protocol.Message) error {
 	switch m := m.(type) {
 	case *protocol.JobAccepted:
 		if want := j.requestType() | protocol.TypeReply; m.T != want {
 			return fmt.Errorf("%s answered with %s", j.requestType(), m.T)
+		}
+		if c.jobs[m.Job] != nil {
+			// Its completion could not be told from the other job's.
+			return fmt.Errorf("%s accepted as job %d, a job still in flight", j.requestType(), m.Job)
 		}
 		j.id = m.Job
 		close(j.accepted)
