@@ -427,3 +427,50 @@ func TestAJobIDAcceptedTwiceFailsTheConnection(t *testing.T) {
 		t.Fatal("the first job 5 has not ended a minute after the connection was closed")
 	}
 }
+
+// TestACompletionThatDoesNotMatchItsRequestFailsTheConnection: a
+// completion with another number of keys than the request (a caller
+// indexing Result.Keys by request key would go out of range), of the
+// other kind of job, or with a key that docs/protocol.md rules out (still
+// pending; failed without a code, which Result.Err would report as "ok")
+// is not handed to the caller: the connection fails and the Job ends with
+// ErrClosed.
+func TestACompletionThatDoesNotMatchItsRequestFailsTheConnection(t *testing.T) {
+	stored := protocol.KeyOutcome{Outcome: protocol.OutcomeStored}
+	for _, tc := range []struct {
+		name string
+		kind protocol.JobKind
+		keys []protocol.KeyOutcome
+	}{
+		{"fewer keys", protocol.JobStore, []protocol.KeyOutcome{stored, stored}},
+		{"more keys", protocol.JobStore, []protocol.KeyOutcome{stored, stored, stored, stored}},
+		{"a load's", protocol.JobLoad, []protocol.KeyOutcome{{Outcome: protocol.OutcomeLoaded}, {Outcome: protocol.OutcomeLoaded}, {Outcome: protocol.OutcomeLoaded}}},
+		{"a key pending", protocol.JobStore, []protocol.KeyOutcome{stored, {Outcome: protocol.OutcomePending}, stored}},
+		{"a failed key without a code", protocol.JobStore, []protocol.KeyOutcome{stored, {Outcome: protocol.OutcomeFailed}, stored}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			sock := fakeDaemon(t, func(c *net.UnixConn) {
+				h, _, err := readRequest(c)
+				if err != nil {
+					return
+				}
+				c.Write(protocol.AppendFrame(nil, h.ID, &protocol.JobAccepted{T: protocol.TypeStore | protocol.TypeReply, Job: 5}))
+				c.Write(protocol.AppendFrame(nil, 0, &protocol.Completion{Job: 5, Kind: tc.kind, Keys: tc.keys}))
+				readRequest(c) // until the client closes
+			})
+			c, err := client.Dial(context.Background(), sock, "t")
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer c.Close()
+			keys := [][]byte{[]byte("a"), []byte("b"), []byte("c")}
+			job, err := c.Store(context.Background(), 1, keys, [][]uint32{{0}, {1}, {2}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if res, err := job.Wait(context.Background()); !errors.Is(err, client.ErrClosed) {
+				t.Fatalf("a store of %d keys completed with %+v, %v; want %v", len(keys), res, err, client.ErrClosed)
+			}
+		})
+	}
+}

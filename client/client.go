@@ -221,6 +221,12 @@ func (c *Client) deliver(h protocol.Header, m protocol.Message) error {
 	if cm, ok := m.(*protocol.Completion); ok {
 		c.mu.Lock()
 		j := c.jobs[cm.Job]
+		if j != nil && (cm.Kind != j.kind || len(cm.Keys) != j.keys) {
+			// A caller indexes Result.Keys by request key. The Job stays
+			// in the table: it fails with the connection.
+			c.mu.Unlock()
+			return fmt.Errorf("completion of job %d, a %s of %d keys, as a %s of %d keys", cm.Job, j.kind, j.keys, cm.Kind, len(cm.Keys))
+		}
 		delete(c.jobs, cm.Job)
 		c.mu.Unlock()
 		if j == nil {
@@ -637,7 +643,7 @@ func (c *Client) transfer(ctx context.Context, kind protocol.JobKind, cache Cach
 	// the reader binds the Job to the answer whenever it comes, and the Job
 	// is cancelled then.
 	m := &protocol.Transfer{Kind: kind, Cache: uint32(cache), Keys: keys, Blocks: blocks}
-	j := newJob(c, kind)
+	j := newJob(c, kind, len(keys))
 	ch, err := c.send(ctx, m, nil, j) // a send ctx cut off sent nothing: no job
 	if err != nil {
 		return nil, err
@@ -784,6 +790,7 @@ func resultOf(m *protocol.Completion) Result {
 type Job struct {
 	c        *Client
 	kind     protocol.JobKind
+	keys     int           // the request's keys
 	accepted chan struct{} // closed once id is set: the daemon accepted the job
 	id       uint64
 	// abandoned, under c.mu: the caller's context ended before the
@@ -794,8 +801,8 @@ type Job struct {
 	err       error
 }
 
-func newJob(c *Client, kind protocol.JobKind) *Job {
-	return &Job{c: c, kind: kind, accepted: make(chan struct{}), done: make(chan struct{})}
+func newJob(c *Client, kind protocol.JobKind, keys int) *Job {
+	return &Job{c: c, kind: kind, keys: keys, accepted: make(chan struct{}), done: make(chan struct{})}
 }
 
 // requestType is the type of the job's request.

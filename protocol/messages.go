@@ -1053,7 +1053,7 @@ func (o Outcome) String() string {
 // KeyOutcome is the outcome of one key and, when it failed, an error code.
 type KeyOutcome struct {
 	Outcome Outcome // what happened to the key
-	Code    Code    // CodeOK unless Outcome is OutcomeFailed
+	Code    Code    // CodeOK unless Outcome is OutcomeFailed or OutcomeCancelled, never CodeOK then
 }
 
 // Completion ends a job: one outcome per request key, in request order.
@@ -1104,8 +1104,11 @@ func (m *Completion) DecodeBody(b []byte) error {
 		for i := range m.Keys {
 			m.Keys[i].Outcome = Outcome(d.u8("outcome"))
 			m.Keys[i].Code = Code(d.u8("code"))
-			if d.err == nil && m.Keys[i].Outcome > OutcomeCancelled { // any code: a newer daemon's too
-				d.fail("key %d: outcome %d code %d", i, m.Keys[i].Outcome, m.Keys[i].Code)
+			o, code := m.Keys[i].Outcome, m.Keys[i].Code
+			// Any code (a newer daemon's too), but one: a key never ends
+			// pending, nor failed or cancelled without saying why.
+			if d.err == nil && (o == OutcomePending || o > OutcomeCancelled || o >= OutcomeFailed && code == CodeOK) {
+				d.fail("key %d: outcome %d code %d", i, o, code)
 			}
 		}
 	}

@@ -765,14 +765,20 @@ func completionOf(id uint64, kind protocol.JobKind, nkeys int, res engine.Result
 		default:
 			k = engine.KeyResult{Outcome: engine.OutcomeFailed, Err: errors.New("server: the engine returned no outcome for the key")}
 		}
+		// No key is sent pending, nor failed or cancelled without a code
+		// (docs/protocol.md; clients refuse such a completion).
 		o := k.Outcome
 		var code protocol.Code
-		if errors.Is(k.Err, context.Canceled) || k.Outcome == engine.OutcomePending {
+		switch {
+		case errors.Is(k.Err, context.Canceled) || o == engine.OutcomePending || o == protocol.OutcomeCancelled:
 			o, code = protocol.OutcomeCancelled, protocol.CodeCancelled
-		} else if o == protocol.OutcomeFailed {
+		case o == protocol.OutcomeFailed && k.Err != nil:
 			code = errorOf(k.Err).Code
-		} else if o > protocol.OutcomeCancelled {
+		case o >= protocol.OutcomeFailed: // failed with no error, or an outcome past the protocol's
 			o, code = protocol.OutcomeFailed, protocol.CodeInternal
+		}
+		if o == protocol.OutcomeFailed && code == protocol.CodeOK {
+			code = protocol.CodeInternal // an error that names no code
 		}
 		m.Keys[i] = protocol.KeyOutcome{Outcome: o, Code: code}
 		if code != protocol.CodeOK && m.Message == "" && k.Err != nil {

@@ -322,8 +322,22 @@ class TestUnreadableStream(unittest.TestCase):
         # After a frame the client cannot follow, it can read nothing on;
         # the daemon may still be running its jobs on the caller's memory,
         # so they end when the daemon closes the connection, not before.
+        def completion(*keys, kind=p.JOB_STORE):  # of job 7, the store of one key
+            body = struct.pack("<QBxxxIQQ", 7, kind, len(keys), 0, 0)
+            return body + b"".join(bytes(k) for k in keys) + struct.pack("<H", 0)
+
         for name, bad in (("short body", b"\x00" * 3),
-                          ("more keys than its body holds", struct.pack("<QBxxxIQQ", 7, 1, 5, 0, 0))):
+                          ("more keys than its body holds", struct.pack("<QBxxxIQQ", 7, 1, 5, 0, 0)),
+                          # docs/protocol.md rules these keys out: a key
+                          # never ends pending, nor failed or cancelled
+                          # without a code.
+                          ("a key pending", completion((0, 0))),
+                          ("a failed key without a code", completion((p.OUTCOME_FAILED, 0))),
+                          ("a cancelled key without a code", completion((p.OUTCOME_CANCELLED, 0))),
+                          ("an outcome past the protocol's", completion((p.OUTCOME_CANCELLED + 1, 20))),
+                          # Not the request's: result.keys[i] is request key i.
+                          ("more keys than the request", completion((p.OUTCOME_STORED, 0), (p.OUTCOME_STORED, 0))),
+                          ("a load's", completion((p.OUTCOME_LOADED, 0), kind=p.JOB_LOAD))):
             with self.subTest(name):
                 self.unreadable(bad)
 

@@ -116,9 +116,10 @@ class Job:
     waiting for the daemon to accept it (block=False) has id None until
     the daemon's answer comes; a refusal then ends it, raised by wait()."""
 
-    def __init__(self, client, job_id):
+    def __init__(self, client, job_id, request):
         self._client = client
         self.id = job_id
+        self._request = request  # (kind, key count) its completion must have
         self._event = threading.Event()
         self._accepted = threading.Event()  # id known, or the job over
         if job_id is not None:
@@ -322,7 +323,13 @@ class Client:
                 if ftype == p.T_COMPLETION:
                     job_id, kind, keys, nbytes, dur, msg = p.decode_completion(body)
                     with self._lock:
-                        job = self._jobs.pop(job_id, None)
+                        job = self._jobs.get(job_id)
+                        if job is not None and job._request != (kind, len(keys)):
+                            # result.keys[i] is request key i. The job
+                            # stays: it ends with the connection.
+                            raise p.ProtocolError(f"completion of job {job_id}, (kind, keys) {job._request}: "
+                                                  f"{(kind, len(keys))}")
+                        self._jobs.pop(job_id, None)
                     if job is None:
                         raise p.ProtocolError(f"completion of unknown job {job_id}")
                     job._finish(Result(keys, nbytes, dur, msg), None)
@@ -453,12 +460,12 @@ class Client:
             except Exception as e:  # the connection went meanwhile: given back with it
                 _log.debug("kvhost: giving back what an abandoned request made: %s", e)
 
-    def _job(self, ftype, body, block):
-        """A store or load: the Job once the daemon accepted it (block), or
-        at once, sent, with its acceptance or refusal still to come. A
-        TimeoutError for an acceptance that did not come carries the job
-        (e.job): the daemon may still run it."""
-        job = Job(self, None)
+    def _job(self, ftype, body, block, nkeys):
+        """A store or load of nkeys keys: the Job once the daemon accepted
+        it (block), or at once, sent, with its acceptance or refusal still
+        to come. A TimeoutError for an acceptance that did not come carries
+        the job (e.job): the daemon may still run it."""
+        job = Job(self, None, (p.JOB_STORE if ftype == p.T_STORE else p.JOB_LOAD, nkeys))
         self._send(ftype, body, unanswered=job)
         if not block:
             return job
@@ -679,12 +686,12 @@ class Client:
         block=False returns as soon as the request is sent, without waiting
         for the daemon to accept it: a refusal is then raised by the Job's
         wait(), and a daemon that stopped answering holds up no caller."""
-        return self._job(p.T_STORE, p.transfer(cache, keys, blocks), block)
+        return self._job(p.T_STORE, p.transfer(cache, keys, blocks), block, len(keys))
 
     def load(self, cache, keys, blocks, block=True):
         """Starts loading keys[i] into cache blocks blocks[i]; returns a Job
         (block as for store)."""
-        return self._job(p.T_LOAD, p.transfer(cache, keys, blocks), block)
+        return self._job(p.T_LOAD, p.transfer(cache, keys, blocks), block, len(keys))
 
     def cancel(self, job):
         """Asks to cancel a job; True if it was still in flight."""

@@ -155,6 +155,11 @@ def decode_completion(body):
     job, kind, n, nbytes, dur = struct.unpack_from("<QB3xIQQ", body)
     off = 32
     keys = [(body[off + 2 * i], body[off + 2 * i + 1]) for i in range(n)]
+    for i, (outcome, code) in enumerate(keys):
+        # Any code (a newer daemon's too), but a key never ends pending,
+        # nor failed or cancelled without saying why.
+        if not OUTCOME_STORED <= outcome <= OUTCOME_CANCELLED or outcome >= OUTCOME_FAILED and code == 0:
+            raise ProtocolError(f"completion of job {job}: key {i}: outcome {outcome} code {code}")
     off += 2 * n
     (mlen,) = struct.unpack_from("<H", body, off)
     msg = body[off + 2:off + 2 + mlen].decode(errors="replace")
