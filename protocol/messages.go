@@ -57,7 +57,8 @@ func (m *Welcome) AppendBody(b []byte) []byte {
 	return appendStr8(b, m.Server, MaxName)
 }
 
-// DecodeBody decodes a Welcome.
+// DecodeBody decodes a Welcome and checks MaxFrame against MinFrame and
+// MaxFrame: a client sizes the frames it reads by it.
 func (m *Welcome) DecodeBody(b []byte) error {
 	d := decoder{b: b}
 	m.Version = d.u16("version")
@@ -70,8 +71,8 @@ func (m *Welcome) DecodeBody(b []byte) error {
 	m.MaxKeys = d.u32("max keys")
 	m.MaxKeyLen = d.u32("max key length")
 	m.Server = d.str8("server name", MaxName)
-	if d.err == nil && m.MaxFrame < MinFrame {
-		d.fail("max frame %d: at least %d", m.MaxFrame, MinFrame)
+	if d.err == nil && (m.MaxFrame < MinFrame || m.MaxFrame > MaxFrame) {
+		d.fail("max frame %d: want %d..%d", m.MaxFrame, MinFrame, MaxFrame)
 	}
 	return d.end()
 }

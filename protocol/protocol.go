@@ -48,6 +48,8 @@ const (
 	CUDAIPCHandleLen = 64
 	// MinFrame is the smallest max_frame a daemon may announce.
 	MinFrame = 64 << 10
+	// MaxFrame is the largest max_frame a daemon may announce.
+	MaxFrame = 1 << 30
 	// MaxHandshakeFrame bounds a frame, header included, before the
 	// handshake completes: the client does not know the daemon's max_frame
 	// until Welcome announces it, and no daemon announces less.

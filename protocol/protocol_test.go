@@ -16,6 +16,8 @@ func sampleMessages() []Message {
 	return []Message{
 		&Hello{Version: Version, Client: "test"},
 		&Welcome{Version: 1, MaxFrame: 1 << 20, MaxRegistrations: 64, MaxInflightJobs: 8, MaxNamespaces: 16, MaxCaches: 16, MaxKeys: MaxKeysPerRequest, MaxKeyLen: MaxKeyLen, Server: "kvhost"},
+		&Welcome{Version: 1, MaxFrame: 1 << 30, Server: "the largest max frame"},
+		&Welcome{Version: 1, MaxFrame: 64 << 10, Server: "the smallest max frame"},
 		&RegisterMemory{Kind: MemoryMemfd, Size: 4096},
 		&RegisterMemory{Kind: MemoryCUDAIPC, Size: 1 << 30, Device: 3, Offset: 512, Handle: h},
 		&RegisterMemory{Kind: MemoryShared, Size: 1 << 20},
@@ -107,6 +109,8 @@ func TestRejects(t *testing.T) {
 		{"no layers", TypeRegisterCache, body(&RegisterCache{NS: 1})},
 		{"mla 2", TypeDeclare, append(body(&Declare{})[:1+16], append([]byte{2, 0, 0, 0}, make([]byte, 16)...)...)},
 		{"error code 0", TypeError, body(&Error{})},
+		{"welcome max frame below 64 KiB", TypeHello | TypeReply, body(&Welcome{Version: Version, MaxFrame: 64<<10 - 1})},
+		{"welcome max frame above 1 GiB", TypeHello | TypeReply, body(&Welcome{Version: Version, MaxFrame: 1<<30 + 1})},
 		{"completion key pending", TypeCompletion, body(&Completion{Job: 1, Kind: JobStore, Keys: []KeyOutcome{{OutcomeStored, CodeOK}, {OutcomePending, CodeOK}}})},
 		{"completion key failed without a code", TypeCompletion, body(&Completion{Job: 1, Kind: JobLoad, Keys: []KeyOutcome{{OutcomeFailed, CodeOK}}})},
 		{"completion key cancelled without a code", TypeCompletion, body(&Completion{Job: 1, Kind: JobLoad, Keys: []KeyOutcome{{OutcomeCancelled, CodeOK}}})},

@@ -80,8 +80,8 @@ type Config struct {
 	// (default 16). A new connection beyond it closes the oldest of them:
 	// silent connections cannot keep a client that speaks from getting in.
 	MaxHandshakes int
-	// MaxFrame bounds one frame, header included (default 4 MiB, at least
-	// protocol.MinFrame).
+	// MaxFrame bounds one frame, header included (default 4 MiB,
+	// protocol.MinFrame..protocol.MaxFrame).
 	MaxFrame int
 	// MaxRegistrations bounds a connection's memory regions (default 64).
 	MaxRegistrations int
@@ -241,7 +241,7 @@ func (c Config) withDefaults() (Config, error) {
 		return c, fmt.Errorf("server: Devices %d: want 0..%d", c.Devices, protocol.MaxDevices)
 	case c.OpenDevice != nil && c.Devices == 0:
 		return c, errors.New("server: OpenDevice without Devices: say how many GPUs clients may register memory on")
-	case c.MaxFrame < protocol.MinFrame || c.MaxFrame > 1<<30:
+	case c.MaxFrame < protocol.MinFrame || c.MaxFrame > protocol.MaxFrame:
 		return c, fmt.Errorf("server: MaxFrame %d: want %d..1GiB", c.MaxFrame, protocol.MinFrame)
 	case c.MaxClients < 0 || c.MaxClientsPerPeer < 0 || c.MaxHandshakes < 0 || c.MaxRegistrations < 0 || c.MaxInflightJobs < 0 || c.MaxNamespaces < 0 || c.MaxCaches < 0:
 		return c, errors.New("server: negative limit")

@@ -113,6 +113,23 @@ class TestConnect(unittest.TestCase):
             self.assertEqual(cm.exception.filename, path)
             self.assertIn("KVHOST_SOCKET", str(cm.exception))
 
+    def test_a_welcome_with_a_max_frame_outside_64_kib_to_1_gib_is_refused(self):
+        # docs/protocol.md bounds max_frame, and the reader takes a frame
+        # as long as it says: a daemon's 4 GiB would be read.
+        for max_frame in (p.MIN_FRAME - 1, (1 << 30) + 1, 0xFFFFFFFF):
+            with self.subTest(max_frame=max_frame):
+                before = open_fds()
+                fake = FakeDaemon()
+                t = threading.Thread(target=lambda: (fake.accept(), fake.welcome(max_frame)))
+                t.start()
+                try:
+                    with self.assertRaises(p.ProtocolError):
+                        kvhost.Client(fake.path, timeout=5)
+                finally:
+                    t.join()
+                    fake.close()
+                self.assertEqual(open_fds(), before, "the refused connection's socket left open")
+
     def test_client_without_path_uses_kvhost_socket(self):
         d = Daemon()
         try:
@@ -304,11 +321,11 @@ class FakeDaemon:
     def reply(self, ftype, req_id, body):
         self.conn.sendall(p.frame(ftype, req_id, body))
 
-    def welcome(self):
+    def welcome(self, max_frame=4 << 20):
         ftype, req_id, _ = self.read_frame()
         assert ftype == p.T_HELLO
         self.reply(p.T_HELLO | p.T_REPLY, req_id,
-                   struct.pack("<HH7I", 1, 0, 4 << 20, 64, 256, 16, 16, 4096, 64) + bytes([4]) + b"fake")
+                   struct.pack("<HH7I", 1, 0, max_frame, 64, 256, 16, 16, 4096, 64) + bytes([4]) + b"fake")
 
     def close(self):
         for s in (self.conn, self.listener):

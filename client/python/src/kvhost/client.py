@@ -256,10 +256,10 @@ class Client:
         self._reader.start()
         try:
             _, body = self._call(p.T_HELLO, p.hello(name))
+            self.limits = p.decode_welcome(body)
         except BaseException:
             self.close()
             raise
-        self.limits = p.decode_welcome(body)
 
     def __enter__(self):
         return self

@@ -17,6 +17,7 @@ MAX_KEYS_PER_REQUEST = 4096
 MAX_BLOCKS_PER_KEY = 4096
 MAX_LAYERS = 4096
 MIN_FRAME = 64 << 10
+MAX_FRAME = 1 << 30
 
 T_HELLO = 0x0001
 T_REGISTER_MEMORY = 0x0002
@@ -145,6 +146,8 @@ def decode_error(body):
 
 def decode_welcome(body):
     f = struct.unpack_from("<HH7I", body)
+    if not MIN_FRAME <= f[2] <= MAX_FRAME:  # the reader takes frames as long as this
+        raise ProtocolError(f"max frame {f[2]}: want {MIN_FRAME}..{MAX_FRAME}")
     n = body[32]
     return {"version": f[0], "max_frame": f[2], "max_registrations": f[3],
             "max_inflight_jobs": f[4], "max_namespaces": f[5], "max_caches": f[6],
