@@ -152,7 +152,8 @@ func (c *Client) Limits() Limits {
 
 // Close closes the connection. The daemon cancels the client's unfinished
 // jobs and releases its registrations; Jobs not yet complete fail with
-// ErrClosed.
+// ErrClosed at once, though the daemon may still be using their blocks
+// (see Job.Wait).
 func (c *Client) Close() error {
 	if c.closing.Swap(true) {
 		<-c.done
@@ -844,6 +845,16 @@ func (j *Job) Done() <-chan struct{} { return j.done }
 // ctx done, or, for a job whose Store or Load returned before the
 // daemon's answer, the daemon's refusal: a *protocol.Error); failed keys
 // are in the Result (see Result.Err).
+//
+// When the connection is lost, Wait returns ErrClosed at once. If the
+// daemon closed the connection, the job had ended: the daemon cancels a
+// connection's jobs, waits until its engine has ended them, releases the
+// connection's memory and only then closes it. If the client closed it
+// (Close, or a frame from the daemon that it refused), the daemon may
+// still be copying to or from the job's blocks, in the memfd or the CUDA
+// IPC memory, until its engine has ended the cancelled job, and the
+// client cannot tell when: do not reuse those blocks; free the memory
+// instead (the daemon's own mapping or import keeps it until then).
 func (j *Job) Wait(ctx context.Context) (Result, error) {
 	select {
 	case <-j.done:
