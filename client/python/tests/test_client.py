@@ -380,6 +380,34 @@ class TestUnreadableStream(unittest.TestCase):
         with self.assertRaises(kvhost.ConnectionLost):
             job.wait(30)
 
+    def test_a_job_id_accepted_twice_stops_sending_and_both_jobs_end_with_the_connection(self):
+        # Ids in flight are unique (docs/protocol.md): a second job
+        # accepted as 7 while 7 runs could not be told from the first, so
+        # the client reads nothing on, and neither job is lost: both end
+        # when the daemon closes.
+        fake = FakeDaemon()
+        self.addCleanup(fake.close)
+        t = threading.Thread(target=lambda: (fake.accept(), fake.welcome()))
+        t.start()
+        c = kvhost.Client(fake.path, timeout=5)
+        self.addCleanup(c.close)
+        t.join()
+        jobs = []
+        for key in (b"a", b"b"):
+            jobs.append(c.store(1, [key], [[0]], block=False))
+            ftype, req_id, _ = fake.read_frame()
+            self.assertEqual(ftype, p.T_STORE)
+            fake.reply(p.T_STORE | p.T_REPLY, req_id, struct.pack("<Q", 7))
+        wait_for(lambda: not c.connected(), what="the client to stop sending")
+        self.assertEqual(fake.conn.recv(1), b"", "the client's side still open for writing")
+        for j in jobs:
+            with self.assertRaises(TimeoutError):
+                j.wait(0.2)
+        fake.conn.close()
+        for j in jobs:
+            with self.assertRaises(kvhost.ConnectionLost):
+                j.wait(30)
+
 
 class TestAbandonedRequests(unittest.TestCase):
     def test_a_pin_whose_reply_comes_after_the_timeout_is_unpinned(self):

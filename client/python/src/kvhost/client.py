@@ -335,12 +335,18 @@ class Client:
                     job._finish(Result(keys, nbytes, dur, msg), None)
                     continue
                 with self._lock:
-                    pend = self._pending.pop(req_id, None)
+                    pend = self._pending.get(req_id)
                     job = pend.unanswered if pend is not None else None
                     if job is not None and ftype == pend.asked | p.T_REPLY:  # a store or load accepted
                         (job_id,) = struct.unpack("<Q", body)
+                        if job_id in self._jobs:
+                            # Ids in flight are unique: the two jobs could
+                            # not be told apart. Both stay, and end with
+                            # the connection.
+                            raise p.ProtocolError(f"job id {job_id} accepted again while in flight")
                         job._accept(job_id)
                         self._jobs[job_id] = job
+                    self._pending.pop(req_id, None)
                 if pend is None:
                     if req_id == 0 and ftype == p.T_ERROR:
                         raise KvhostError(*p.decode_error(body))
