@@ -31,7 +31,12 @@ func openLookupTable(cfg config.Config, eng *engine.Engine, log *slog.Logger) (*
 		}
 		gid = g
 	}
-	path := cfg.Server.Socket + ".lookup"
+	// Absolute: clients are told this path, and do not share the daemon's
+	// working directory, against which a relative socket is bound.
+	path, err := filepath.Abs(cfg.Server.Socket + ".lookup")
+	if err != nil {
+		return nil, fmt.Errorf("lookup table: %w", err)
+	}
 	if err := os.MkdirAll(filepath.Dir(path), 0o750); err != nil {
 		return nil, fmt.Errorf("lookup table: %w", err)
 	}

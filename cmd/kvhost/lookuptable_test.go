@@ -20,20 +20,7 @@ import (
 // by the classes (owner, group, others) socket_mode lets write, and only
 // by them.
 func TestTheLookupTableIsReadableByWhoeverMayConnectToTheSocket(t *testing.T) {
-	ctx := context.Background()
-	log := slog.New(slog.NewTextHandler(io.Discard, nil))
-	dir := t.TempDir()
-	eng, err := engine.Open(ctx, engine.Config{
-		Mounts: []engine.Mount{{Path: filepath.Join(dir, "blocks")}},
-		NewPolicy: func(idx policy.Index) (policy.Policy, error) {
-			return policy.NewNative(func() guest.Policy { return lru.New() }, idx, policy.Config{Shards: 1})
-		},
-		Logger: log,
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer eng.Close(ctx)
+	eng, log := openLookupTestEngine(t)
 	for _, tc := range []struct {
 		socket, table os.FileMode
 	}{
@@ -61,4 +48,43 @@ func TestTheLookupTableIsReadableByWhoeverMayConnectToTheSocket(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestARelativeSocketsLookupTableIsNamedAbsolutely: clients are told the
+// table's path and do not share the daemon's working directory, against
+// which a relative socket is bound: the table's path is absolute.
+func TestARelativeSocketsLookupTableIsNamedAbsolutely(t *testing.T) {
+	eng, log := openLookupTestEngine(t)
+	dir := t.TempDir()
+	t.Chdir(dir)
+	cfg := config.Default()
+	cfg.Server.Socket = filepath.Join("run", "kvhost.sock")
+	tab, err := openLookupTable(cfg, eng, log)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tab.Close()
+	if want := filepath.Join(dir, "run", "kvhost.sock.lookup"); tab.Path() != want {
+		t.Fatalf("the table clients are told of: %q, want %q", tab.Path(), want)
+	}
+}
+
+// openLookupTestEngine opens an engine on a mount of its own with the
+// native lru, closed when t ends, and its logger.
+func openLookupTestEngine(t *testing.T) (*engine.Engine, *slog.Logger) {
+	t.Helper()
+	ctx := context.Background()
+	log := slog.New(slog.NewTextHandler(io.Discard, nil))
+	eng, err := engine.Open(ctx, engine.Config{
+		Mounts: []engine.Mount{{Path: filepath.Join(t.TempDir(), "blocks")}},
+		NewPolicy: func(idx policy.Index) (policy.Policy, error) {
+			return policy.NewNative(func() guest.Policy { return lru.New() }, idx, policy.Config{Shards: 1})
+		},
+		Logger: log,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { eng.Close(ctx) })
+	return eng, log
 }

@@ -1,11 +1,15 @@
 package main
 
 import (
+	"context"
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"syscall"
 	"testing"
+
+	"github.com/kvhost/kvhost/internal/fsys/fsystest"
 )
 
 // TestTheDaemonGivesTheSocketDirectoriesItMakesToTheSocketGroup: the
@@ -55,4 +59,35 @@ func TestTheDaemonGivesTheSocketDirectoriesItMakesToTheSocketGroup(t *testing.T)
 			}
 		})
 	}
+}
+
+// TestARelativeSocketServesWhereItsAbsolutePathIsTooLong: a Unix socket's
+// path is at most 107 bytes, and a relative one is the way around that in
+// a deep working directory: the daemon binds it as given.
+func TestARelativeSocketServesWhereItsAbsolutePathIsTooLong(t *testing.T) {
+	dir := t.TempDir()
+	deep := filepath.Join(dir, strings.Repeat("d", 60), strings.Repeat("e", 30))
+	if err := os.MkdirAll(deep, 0o750); err != nil {
+		t.Fatal(err)
+	}
+	if n := len(filepath.Join(deep, "k.sock")); n < 108 {
+		t.Fatalf("the socket's absolute path is %d bytes, which fits: the test needs one that does not", n)
+	}
+	t.Chdir(deep)
+	file, _, _ := testConfig(t, dir, "")
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	stdout, stderr, exit := serveHeld(ctx, &fsystest.Hold{}, "--config", file, "--socket", "k.sock")
+	go func() {
+		code := <-exit
+		stdout.Write([]byte(fmt.Sprintf("exit %d\n", code)))
+	}()
+	got := stdout.wait(t, "the listening line or the exit", func(s string) bool {
+		return s == "kvhost: listening on unix:k.sock" || strings.HasPrefix(s, "exit ")
+	})
+	if strings.HasPrefix(got, "exit ") {
+		t.Fatalf("serve with --socket k.sock in a deep directory: %s; stderr:\n%s", got, stderr.String())
+	}
+	cancel()
+	stdout.wait(t, "the exit", func(s string) bool { return s == "exit 0" })
 }

@@ -95,16 +95,6 @@ func (f *Flags) Apply(c *Config) error {
 	if err != nil {
 		return err
 	}
-	// The socket absolute, from the flag, the file or $KVHOST_SOCKET: the
-	// lock and the lookup table, whose path clients are told, are named
-	// after it, and clients do not share the daemon's working directory.
-	if c.Server.Socket != "" {
-		abs, aerr := filepath.Abs(c.Server.Socket)
-		if aerr != nil {
-			return fmt.Errorf("%w: server.socket %q: %v", ErrInvalid, c.Server.Socket, aerr)
-		}
-		c.Server.Socket = abs
-	}
 	f.fs.Visit(func(fl *flag.Flag) {
 		switch fl.Name {
 		case "capacity":
