@@ -55,7 +55,7 @@ func (d *daemon) reload(ctx context.Context) {
 	} else {
 		d.log.Info("reload done", "result", msg, "took", time.Since(start).String())
 	}
-	d.setReady(true) // not while draining: setReady sees to that
+	d.setReady(ctx, true) // not while draining: setReady sees to that
 }
 
 // applyReload does the work of reload and describes what changed.

@@ -148,7 +148,7 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 	go func() {
 		select {
 		case <-ctx.Done():
-			d.setReady(false)
+			d.setReady(ctx, false)
 		case <-stopped:
 		}
 	}()
@@ -325,7 +325,7 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 	// scrape after the line must see the daemon ready. The socket already
 	// accepts connections (the listener is open); Serve takes them. The
 	// logs go to stderr in the configured format.
-	d.setReady(true)
+	d.setReady(ctx, true)
 	wctx, stopWatchdog := context.WithCancel(ctx)
 	var wdWG sync.WaitGroup
 	wdWG.Add(1)
@@ -405,12 +405,14 @@ func serverName() string {
 // setReady tells /readyz and systemd whether the daemon accepts clients.
 // setReady(false) says that it stops (SIGTERM): from then on nothing makes
 // it ready again, neither the end of its start-up nor that of a reload
-// racing the signal. Readiness changes and systemd is told under one
-// lock, so that systemd never hears READY=1 after STOPPING=1.
-func (d *daemon) setReady(ready bool) {
+// racing the signal; nor does setReady(true) once ctx, the daemon's, has
+// ended (the signal came, and the goroutine that says so has not run
+// yet). Readiness changes and systemd is told under one lock, so that
+// systemd never hears READY=1 after STOPPING=1, nor once stopping.
+func (d *daemon) setReady(ctx context.Context, ready bool) {
 	d.readyMu.Lock()
 	defer d.readyMu.Unlock()
-	if d.stopping {
+	if d.stopping || ready && ctx.Err() != nil {
 		return
 	}
 	d.stopping = !ready
