@@ -56,6 +56,17 @@ func readRequest(c *net.UnixConn) (protocol.Header, protocol.Message, error) {
 	return h, m, err
 }
 
+// dialFake connects to the fake daemon at sock, closed when t ends.
+func dialFake(t *testing.T, sock string) *client.Client {
+	t.Helper()
+	c, err := client.Dial(context.Background(), sock, "t")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return c
+}
+
 // within returns what ch gives, failing the test if that takes a minute
 // (a call that ignores its context never returns).
 func within(t *testing.T, ch chan error) error {
@@ -79,11 +90,7 @@ func TestACallReturnsWhenItsContextEndsWhileTheSendBlocks(t *testing.T) {
 		io.ReadFull(c, make([]byte, 1024)) // the write has begun; nothing more is read
 		close(started)
 	})
-	c, err := client.Dial(context.Background(), sock, "t")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
+	c := dialFake(t, sock)
 	keys := make([][]byte, protocol.MaxKeysPerRequest)
 	for i := range keys {
 		keys[i] = make([]byte, protocol.MaxKeyLen)
@@ -130,16 +137,12 @@ func TestAnUnknownErrorCodeIsAnErrorNotALostConnection(t *testing.T) {
 			c.Write(protocol.AppendFrame(nil, h.ID, &protocol.Error{Code: cd, Message: "a newer daemon's error"}))
 		}
 	})
-	c, err := client.Dial(context.Background(), sock, "t")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
+	c := dialFake(t, sock)
 	var pe *protocol.Error
-	if _, err = c.Stats(context.Background()); !errors.As(err, &pe) || pe.Code != 200 {
+	if _, err := c.Stats(context.Background()); !errors.As(err, &pe) || pe.Code != 200 {
 		t.Errorf("first call: %v, want a *protocol.Error with code 200", err)
 	}
-	if _, err = c.Stats(context.Background()); !errors.As(err, &pe) || pe.Code != protocol.CodeInvalid {
+	if _, err := c.Stats(context.Background()); !errors.As(err, &pe) || pe.Code != protocol.CodeInvalid {
 		t.Errorf("second call: %v, want the daemon's %s (the connection still up)", err, protocol.CodeInvalid)
 	}
 }
@@ -166,11 +169,7 @@ func TestAPinAbandonedAfterItsSendIsUnpinned(t *testing.T) {
 		got <- m
 		c.Write(protocol.AppendFrame(nil, h.ID, &protocol.Count{T: protocol.TypeUnpin | protocol.TypeReply, Count: 1}))
 	})
-	c, err := client.Dial(context.Background(), sock, "t")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
+	c := dialFake(t, sock)
 	ctx, cancel := context.WithCancel(context.Background())
 	pinned := make(chan error, 1)
 	go func() {
@@ -210,11 +209,7 @@ func TestACancelRacingASendLeavesNoDeadline(t *testing.T) {
 			c.Write(protocol.AppendFrame(nil, h.ID, &protocol.Error{Code: protocol.CodeInvalid, Message: "x"}))
 		}
 	})
-	c, err := client.Dial(context.Background(), sock, "t")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
+	c := dialFake(t, sock)
 	for i := range 2000 {
 		ctx, cancel := context.WithCancel(context.Background())
 		go cancel()
@@ -245,11 +240,7 @@ func TestAJobAcceptedBeforeAFailedSendStillCompletes(t *testing.T) {
 		c.Write(protocol.AppendFrame(nil, 0, &protocol.Completion{Job: 5, Kind: protocol.JobStore,
 			Keys: []protocol.KeyOutcome{{Outcome: protocol.OutcomeStored}}}))
 	})
-	c, err := client.Dial(context.Background(), sock, "t")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
+	c := dialFake(t, sock)
 	job, err := c.Store(context.Background(), 1, [][]byte{[]byte("k")}, [][]uint32{{0}})
 	if err != nil {
 		t.Fatal(err)
@@ -303,11 +294,7 @@ func TestAStoreWhoseContextEndsBeforeItIsAcceptedReturnsItsJob(t *testing.T) {
 		c.Write(protocol.AppendFrame(nil, 0, &protocol.Completion{Job: 5, Kind: protocol.JobStore,
 			Keys: []protocol.KeyOutcome{{Outcome: protocol.OutcomeCancelled, Code: protocol.CodeCancelled}}}))
 	})
-	c, err := client.Dial(context.Background(), sock, "t")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
+	c := dialFake(t, sock)
 	ctx, cancel := context.WithCancel(context.Background())
 	var job *client.Job
 	stored := make(chan error, 1)
@@ -358,11 +345,7 @@ func TestALoadWhoseContextEndsBeforeTheDaemonRefusesItEndsWithTheRefusal(t *test
 		<-answer
 		c.Write(protocol.AppendFrame(nil, h.ID, &protocol.Error{Code: protocol.CodeUnknownCache, Message: "cache 1"}))
 	})
-	c, err := client.Dial(context.Background(), sock, "t")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
+	c := dialFake(t, sock)
 	ctx, cancel := context.WithCancel(context.Background())
 	var job *client.Job
 	loaded := make(chan error, 1)
@@ -400,11 +383,7 @@ func TestAJobIDAcceptedTwiceFailsTheConnection(t *testing.T) {
 			c.Write(protocol.AppendFrame(nil, h.ID, &protocol.JobAccepted{T: protocol.TypeStore | protocol.TypeReply, Job: 5}))
 		}
 	})
-	c, err := client.Dial(context.Background(), sock, "t")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer c.Close()
+	c := dialFake(t, sock)
 	first, err := c.Store(context.Background(), 1, [][]byte{[]byte("a")}, [][]uint32{{0}})
 	if err != nil {
 		t.Fatal(err)
@@ -458,11 +437,7 @@ func TestACompletionThatDoesNotMatchItsRequestFailsTheConnection(t *testing.T) {
 				c.Write(protocol.AppendFrame(nil, 0, &protocol.Completion{Job: 5, Kind: tc.kind, Keys: tc.keys}))
 				readRequest(c) // until the client closes
 			})
-			c, err := client.Dial(context.Background(), sock, "t")
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer c.Close()
+			c := dialFake(t, sock)
 			keys := [][]byte{[]byte("a"), []byte("b"), []byte("c")}
 			job, err := c.Store(context.Background(), 1, keys, [][]uint32{{0}, {1}, {2}})
 			if err != nil {

@@ -334,6 +334,19 @@ class FakeDaemon:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+
+def connected_to_fake(test, timeout):
+    """A FakeDaemon that welcomed a Client of the given timeout, both
+    closed when test ends."""
+    fake = FakeDaemon()
+    test.addCleanup(fake.close)
+    t = threading.Thread(target=lambda: (fake.accept(), fake.welcome()))
+    t.start()
+    c = kvhost.Client(fake.path, timeout=timeout)
+    test.addCleanup(c.close)
+    t.join()
+    return fake, c
+
 class TestUnreadableStream(unittest.TestCase):
     def test_a_frame_not_understood_stops_sending_and_jobs_end_only_when_the_daemon_closes(self):
         # After a frame the client cannot follow, it can read nothing on;
@@ -359,13 +372,7 @@ class TestUnreadableStream(unittest.TestCase):
                 self.unreadable(bad)
 
     def unreadable(self, bad):
-        fake = FakeDaemon()
-        self.addCleanup(fake.close)
-        t = threading.Thread(target=lambda: (fake.accept(), fake.welcome()))
-        t.start()
-        c = kvhost.Client(fake.path, timeout=5)
-        self.addCleanup(c.close)
-        t.join()
+        fake, c = connected_to_fake(self, timeout=5)
         job = c.store(1, [b"k"], [[0]], block=False)
         ftype, req_id, _ = fake.read_frame()
         self.assertEqual(ftype, p.T_STORE)
@@ -385,13 +392,7 @@ class TestUnreadableStream(unittest.TestCase):
         # accepted as 7 while 7 runs could not be told from the first, so
         # the client reads nothing on, and neither job is lost: both end
         # when the daemon closes.
-        fake = FakeDaemon()
-        self.addCleanup(fake.close)
-        t = threading.Thread(target=lambda: (fake.accept(), fake.welcome()))
-        t.start()
-        c = kvhost.Client(fake.path, timeout=5)
-        self.addCleanup(c.close)
-        t.join()
+        fake, c = connected_to_fake(self, timeout=5)
         jobs = []
         for key in (b"a", b"b"):
             jobs.append(c.store(1, [key], [[0]], block=False))
@@ -414,13 +415,7 @@ class TestAbandonedRequests(unittest.TestCase):
         # The caller got a TimeoutError and no pin id: when the reply
         # comes, the client gives the pin back rather than leave the
         # daemon holding keys nobody can name until the connection closes.
-        fake = FakeDaemon()
-        self.addCleanup(fake.close)
-        t = threading.Thread(target=lambda: (fake.accept(), fake.welcome()))
-        t.start()
-        c = kvhost.Client(fake.path, timeout=0.2)
-        self.addCleanup(c.close)
-        t.join()
+        fake, c = connected_to_fake(self, timeout=0.2)
         got = {}
 
         def daemon():
