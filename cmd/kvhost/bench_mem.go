@@ -241,15 +241,16 @@ func (t *ceilingTotals) pair(jobs int) ceilingPair {
 // engine's loads do, and never the engine's own files: on tmpfs the first
 // read of a written page costs more than later ones (the kernel activates
 // the page), so reading the engine's files here would speed up the load
-// that follows. With overwrite the writes go into files that exist
-// (created untimed), as a full cache's stores and stores into spares made
-// ahead do. With a GPU each pass then moves the same files through pinned
-// buffers and the GPU plainly (the staged ceilings): a staged write, into
-// fresh files or, with overwrite, into the files that exist, then a
+// that follows. Spares of the files are written into files that exist
+// (created untimed, spread evenly over the files), as a full cache's
+// stores and stores into spares made ahead do, and the others into fresh
+// files, in the same pass. With a GPU each pass then moves the same files
+// through pinned buffers and the GPU plainly (the staged ceilings): a
+// staged write, into as many existing files and fresh ones, then a
 // staged read of them.
 // The staged read cuts a chunk into system calls of piece bytes, as the
 // staging pipeline does on the mount (gpu.PieceBytes; 0: one per chunk).
-func (r *benchRun) measureCeilings(ctx context.Context, files []string, jobs int, direct bool, piece int64, overwrite bool, t *ceilingTotals) error {
+func (r *benchRun) measureCeilings(ctx context.Context, files []string, jobs int, direct bool, piece int64, spares int, t *ceilingTotals) error {
 	sizes, largest, err := fileSizes(files)
 	if err != nil {
 		return err
@@ -288,15 +289,27 @@ func (r *benchRun) measureCeilings(ctx context.Context, files []string, jobs int
 	}
 	pwrite, sync, cold := "pwrite "+mode, "", ""
 	write := bench.WriteFiles
-	if overwrite {
-		// A full cache's stores write into evicted files (spare files),
-		// and with preallocation into spares made ahead: the ceiling
-		// overwrites files that exist, created untimed.
-		pwrite = "pwrite into existing files " + mode
-		if _, _, err := bench.WriteFiles(ctx, cpaths, sizes, bufs, direct, false); err != nil {
-			return err
+	// A full cache's stores write into evicted files (spare files), and
+	// with preallocation into spares made ahead: the ceiling writes into
+	// as many files that exist, created untimed, and the rest fresh.
+	exist := spreadSpares(len(cpaths), spares)
+	var existing, fresh []string
+	var existingSizes []int64
+	for i, p := range cpaths {
+		if exist[i] {
+			existing, existingSizes = append(existing, p), append(existingSizes, sizes[i])
+		} else {
+			fresh = append(fresh, p)
 		}
-		write = bench.OverwriteFiles
+	}
+	switch {
+	case len(existing) == len(cpaths):
+		pwrite, write = "pwrite into existing files "+mode, bench.OverwriteFiles
+	case len(existing) > 0:
+		pwrite, write = "pwrite into existing and new files "+mode, bench.WriteIntoFiles
+	}
+	if _, _, err := bench.WriteFiles(ctx, existing, existingSizes, bufs, direct, false); err != nil {
+		return err
 	}
 	if r.o.fsync {
 		sync = " + fsync"
@@ -342,12 +355,10 @@ func (r *benchRun) measureCeilings(ctx context.Context, files []string, jobs int
 			t.r2bytes, t.r2time, t.r2cpu = t.r2bytes+r2b, t.r2time+r2d, t.r2cpu+bench.CPUTime()-cpu
 		}
 		if err == nil && stagers != nil {
-			err = r.stagedPasses(ctx, cpaths, sizes, bufs, stagers, chunk, piece, direct, overwrite, t)
+			err = r.stagedPasses(ctx, cpaths, sizes, bufs, stagers, chunk, piece, direct, fresh, len(existing) > 0, t)
 		}
-		if !overwrite { // the next pass writes fresh files again
-			for _, p := range cpaths {
-				os.Remove(p)
-			}
+		for _, p := range fresh { // the next pass writes them fresh again
+			os.Remove(p)
 		}
 		if err != nil {
 			return err
@@ -381,6 +392,33 @@ func (r *benchRun) readFirst(ctx context.Context, files []string, jobs int, dire
 	return nil
 }
 
+// ceilingSpares is how many of a round's files the write ceiling writes
+// into files that exist: every one in a full cache (its stores write into
+// evicted files), as many as the round's stores wrote into spares where
+// the engine makes them ahead (ahead > 0), and none otherwise. The others
+// it writes fresh, so that a round whose stores took spares for some files
+// and fresh files for the rest is held to the same mix.
+func ceilingSpares(full bool, ahead int64, reused uint64, files int) int {
+	switch {
+	case full:
+		return files
+	case ahead > 0:
+		return int(min(reused, uint64(files)))
+	}
+	return 0
+}
+
+// spreadSpares says which of n ceiling files exist before the write when
+// spares of them do: spread evenly, so that the threads meet them in the
+// same proportion throughout the pass.
+func spreadSpares(n, spares int) []bool {
+	exist := make([]bool, n)
+	for i := range exist {
+		exist[i] = (i+1)*spares/n > i*spares/n
+	}
+	return exist
+}
+
 // fileSizes returns each file's size and the largest.
 func fileSizes(files []string) (sizes []int64, largest int64, err error) {
 	sizes = make([]int64, len(files))
@@ -411,18 +449,17 @@ func plainReadName(direct, gpu, cold bool) string {
 	return name
 }
 
-// stagedPasses times a staged write, into fresh files of the same names
-// (the files are removed first) or, with overwrite, into the files, then
+// stagedPasses times a staged write, into fresh files where the paths are
+// in fresh (they are removed first) and into the files that exist for the
+// others (with overwrite: else every path is in fresh), then
 // a staged read of what it wrote (cold when reads are). Into fresh files
 // the read finds its pages as the plain first read and the engine's loads
-// do, written and not yet read; with overwrite the plain passes have read
-// those files just before.
-func (r *benchRun) stagedPasses(ctx context.Context, cpaths []string, sizes []int64, bufs [][]byte, stagers []bench.Stager, chunk, piece int64, direct, overwrite bool, t *ceilingTotals) error {
-	if !overwrite {
-		for _, p := range cpaths {
-			if err := os.Remove(p); err != nil {
-				return err
-			}
+// do, written and not yet read; into existing files the plain passes have
+// read those files just before.
+func (r *benchRun) stagedPasses(ctx context.Context, cpaths []string, sizes []int64, bufs [][]byte, stagers []bench.Stager, chunk, piece int64, direct bool, fresh []string, overwrite bool, t *ceilingTotals) error {
+	for _, p := range fresh {
+		if err := os.Remove(p); err != nil {
+			return err
 		}
 	}
 	cpu := bench.CPUTime()

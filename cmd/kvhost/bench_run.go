@@ -602,12 +602,7 @@ func (r *benchRun) keySize(ctx context.Context, be *benchEngine, tpk int) error 
 			if err != nil {
 				return err
 			}
-			// Stores into files that exist (a full cache's evicted files,
-			// spares made ahead) are held to writes into files that exist:
-			// with spares made ahead, where every file of the round's stores
-			// took a spare (a round that wrote some fresh files is held to
-			// fresh writes, the faster ceiling at 16 jobs on tmpfs).
-			overwrite := r.o.full || (r.ahead > 0 && lastReused > 0 && lastReused >= uint64(len(files)))
+			spares := ceilingSpares(r.o.full, r.ahead, lastReused, len(files))
 			// The ceiling is timed in every round, between the round's
 			// store and its load (after the load with --no-gap), and
 			// summed like the engine's phases: engine and ceiling see the
@@ -617,7 +612,7 @@ func (r *benchRun) keySize(ctx context.Context, be *benchEngine, tpk int) error 
 					return err
 				}
 				ms := eng.Stats().Mounts[0]
-				return r.measureCeilings(ctx, files, jobs, ms.Direct, int64(gpu.PieceBytes(ms.Direct, ms.Memory)), overwrite, &ceil)
+				return r.measureCeilings(ctx, files, jobs, ms.Direct, int64(gpu.PieceBytes(ms.Direct, ms.Memory)), spares, &ceil)
 			}
 			if !r.o.noGap || !r.o.load {
 				if err := ceilings(); err != nil {

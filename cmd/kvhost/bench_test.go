@@ -708,6 +708,30 @@ func TestBenchStoresThatTookNoSpareAreHeldToFreshWrites(t *testing.T) {
 	}
 }
 
+// Stores of which some took a spare and the rest wrote fresh files (a
+// budget of spares smaller than a round) are held to a write of as many
+// existing files and as many new ones, not to the fresh writes alone.
+func TestBenchStoresThatTookSomeSparesAreHeldToTheSameMix(t *testing.T) {
+	rep := benchOnMemory(t, "--memory", "host", "--preallocate", "1MiB",
+		"--rounds", "2", "--jobs", "2", "--layers", "4", "--tokens-per-key", "16", "--total", "2MiB")
+	stores := 0
+	for _, x := range rep.Runs {
+		if x.Direction != bench.Store {
+			continue
+		}
+		stores++
+		if x.ReusedFiles == 0 || x.ReusedFiles >= x.Keys {
+			t.Fatalf("store: %d of %d files a round written into spares; the test needs some and not all", x.ReusedFiles, x.Keys)
+		}
+		if !strings.Contains(x.Ceiling.Name, "into existing and new files") || x.Ceiling.GBps <= 0 {
+			t.Errorf("store with %d of %d files into spares: ceiling %q at %.2f GB/s; want a measured write into existing and new files", x.ReusedFiles, x.Keys, x.Ceiling.Name, x.Ceiling.GBps)
+		}
+	}
+	if stores == 0 {
+		t.Fatal("no store run in the report")
+	}
+}
+
 // buildFakeCuFile compiles gds's fake libcufile (gds/testdata) with
 // `go env CC`, as gds's own tests do.
 func buildFakeCuFile(t *testing.T) string {
@@ -976,6 +1000,46 @@ func TestBenchTakesTheConfiguredMountsIOMode(t *testing.T) {
 			}
 			if ios["auto"] != mode || ios["posix"] != "buffered" {
 				t.Errorf("paths ran with io %v, want auto %s and posix buffered", ios, mode)
+			}
+		})
+	}
+}
+
+// The write ceiling writes into as many existing files as the round's
+// stores wrote into spares, spread evenly, and fresh files for the rest.
+func TestCeilingSparesFollowTheRoundsMix(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		full   bool
+		ahead  int64
+		reused uint64
+		files  int
+		want   int
+	}{
+		{"no spares made ahead", false, 0, 5, 8, 0},
+		{"spares made ahead, none taken", false, 1 << 20, 0, 8, 0},
+		{"some took spares", false, 1 << 20, 127, 128, 127},
+		{"every one took a spare", false, 1 << 20, 128, 128, 128},
+		{"more spares than files", false, 1 << 20, 200, 128, 128},
+		{"full cache", true, 0, 0, 128, 128},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			got := ceilingSpares(tc.full, tc.ahead, tc.reused, tc.files)
+			if got != tc.want {
+				t.Fatalf("ceilingSpares = %d, want %d", got, tc.want)
+			}
+			exist := spreadSpares(tc.files, got)
+			n, firstHalf := 0, 0
+			for i, e := range exist {
+				if e {
+					n++
+					if i < tc.files/2 {
+						firstHalf++
+					}
+				}
+			}
+			if n != got || firstHalf < got/2-1 || firstHalf > got/2+1 {
+				t.Fatalf("spreadSpares(%d, %d): %d existing, %d in the first half; want %d spread evenly", tc.files, got, n, firstHalf, got)
 			}
 		})
 	}

@@ -99,6 +99,14 @@ func OverwriteFiles(ctx context.Context, paths []string, sizes []int64, bufs [][
 	return writeFiles(ctx, paths, sizes, bufs, direct, fsync, 0)
 }
 
+// WriteIntoFiles is WriteFiles that truncates nothing: paths that exist
+// are written in place, as OverwriteFiles writes them, and the others are
+// created (the write ceiling of stores of which some took spare files and
+// the rest wrote fresh ones).
+func WriteIntoFiles(ctx context.Context, paths []string, sizes []int64, bufs [][]byte, direct, fsync bool) (int64, time.Duration, error) {
+	return writeFiles(ctx, paths, sizes, bufs, direct, fsync, os.O_CREATE)
+}
+
 func writeFiles(ctx context.Context, paths []string, sizes []int64, bufs [][]byte, direct, fsync bool, create int) (int64, time.Duration, error) {
 	flags := os.O_WRONLY | create
 	if direct {

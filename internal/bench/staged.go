@@ -120,9 +120,9 @@ func StagedRead(ctx context.Context, paths []string, bufs [][]byte, chunk, piece
 // through pinned buffers moves a store: each thread copies a chunk from
 // the GPU into one half of its buffer (stagers[t]) and writes it to the
 // file while the GPU copies the next into the other half; with fsync the
-// file is synced before it counts. With overwrite the files must exist
-// and are not truncated (writes into spare files); else they are created
-// or truncated. Direct writes round each size up to Align. It returns the
+// file is synced before it counts. With overwrite no file is truncated:
+// those that exist are written in place (writes into spare files) and the
+// others created; else they are created or truncated. Direct writes round each size up to Align. It returns the
 // bytes written and the wall time; when it returns, no copy it started
 // is still running, whatever failed.
 func StagedWrite(ctx context.Context, paths []string, sizes []int64, bufs [][]byte, chunk int64, stagers []Stager, direct, fsync, overwrite bool) (int64, time.Duration, error) {
@@ -132,9 +132,9 @@ func StagedWrite(ctx context.Context, paths []string, sizes []int64, bufs [][]by
 	if len(sizes) != len(paths) {
 		return 0, 0, fmt.Errorf("bench: staged write: %d sizes for %d files", len(sizes), len(paths))
 	}
-	flags := os.O_WRONLY
+	flags := os.O_WRONLY | os.O_CREATE
 	if !overwrite {
-		flags |= os.O_CREATE | os.O_TRUNC
+		flags |= os.O_TRUNC
 	}
 	if direct {
 		flags |= unix.O_DIRECT
