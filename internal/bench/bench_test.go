@@ -469,3 +469,24 @@ func TestSVGLegendFitsTheChart(t *testing.T) {
 		}
 	}
 }
+
+// An appended invocation's runs keep their own pinned copy ceilings: each
+// run's fraction_link is over the link measured in its own invocation.
+func TestAppendKeepsEachRunsOwnLink(t *testing.T) {
+	report := func(link, gbps float64) *Report {
+		r := &Report{Schema: Schema, Dir: "/d", Memory: "gpu",
+			Ceilings: []Ceiling{{Name: CeilingH2D + " (256 MiB copy)", GBps: link}, {Name: CeilingD2H + " (256 MiB copy)", GBps: link}},
+			Runs:     []Run{{Direction: Load, GBps: gbps, KeyBytes: 1}}}
+		r.Finish()
+		return r
+	}
+	a, b := report(50, 45), report(40, 38)
+	if err := a.Append(b); err != nil {
+		t.Fatal(err)
+	}
+	for i, want := range []float64{45.0 / 50, 38.0 / 40} {
+		if got := a.Runs[i].FractionLink; math.Abs(got-want) > 1e-9 {
+			t.Errorf("run %d: fraction_link %.3f, want %.3f (over its own invocation's link)", i, got, want)
+		}
+	}
+}

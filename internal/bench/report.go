@@ -152,6 +152,10 @@ type Run struct {
 	// while a path that does not copy with the CPU may pass a file
 	// ceiling (which the CPU copies). 0 without a GPU.
 	FractionLink float64 `json:"fraction_link,omitempty"`
+	// CeilingLink is that pinned copy ceiling, as measured by the run's
+	// own invocation: a run appended from another invocation (--append)
+	// keeps its own. Zero without a GPU.
+	CeilingLink Ceiling `json:"ceiling_link,omitzero"`
 	// CeilingReread is, for a load, the plain read of the ceiling's files
 	// a second time, right after the first: on a memory file system the
 	// first read of freshly written pages costs the kernel more than a
@@ -273,26 +277,29 @@ func (r *Report) Finish() {
 		if x.CeilingBest.GBps > 0 {
 			x.FractionBest = x.GBps / x.CeilingBest.GBps
 		}
+		if x.CeilingLink.GBps <= 0 {
+			x.CeilingLink = r.link(x.Direction)
+		}
 		x.FractionLink = 0
-		if link := r.link(x.Direction); link > 0 {
-			x.FractionLink = x.GBps / link
+		if x.CeilingLink.GBps > 0 {
+			x.FractionLink = x.GBps / x.CeilingLink.GBps
 		}
 	}
 }
 
 // link is the pinned copy ceiling that a phase of direction dir crosses
-// (0 where the report has none: host memory).
-func (r *Report) link(dir string) float64 {
+// (zero where the report has none: host memory).
+func (r *Report) link(dir string) Ceiling {
 	prefix := CeilingD2H
 	if dir == Load {
 		prefix = CeilingH2D
 	}
 	for _, c := range r.Ceilings {
 		if strings.HasPrefix(c.Name, prefix) {
-			return c.GBps
+			return c
 		}
 	}
-	return 0
+	return Ceiling{}
 }
 
 // GBps is bytes per duration in 1e9 bytes per second.
@@ -304,7 +311,9 @@ func GBps(bytes int64, d time.Duration) float64 {
 }
 
 // Append adds the runs and ceilings of a later invocation on the same
-// directory and memory to r.
+// directory and memory to r. Each run keeps the pinned copy ceilings of its
+// own invocation (Run.CeilingLink); r.Ceilings lists the first of each
+// name.
 func (r *Report) Append(later *Report) error {
 	if later.Schema != r.Schema {
 		return fmt.Errorf("bench: append: a %s report onto a %s one (their ceilings were taken differently)", later.Schema, r.Schema)
@@ -312,6 +321,7 @@ func (r *Report) Append(later *Report) error {
 	if later.Dir != r.Dir || later.Memory != r.Memory {
 		return fmt.Errorf("bench: append: report of %s (%s memory) onto one of %s (%s memory)", later.Dir, later.Memory, r.Dir, r.Memory)
 	}
+	later.Finish() // its runs take its own link before they join r's
 	r.MoreCommands = append(r.MoreCommands, later.Command)
 	r.Runs = append(r.Runs, later.Runs...)
 	for _, c := range later.Ceilings {
