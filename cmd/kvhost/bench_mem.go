@@ -214,6 +214,9 @@ type ceilingTotals struct {
 	wround, rround []float64
 	// With a GPU, the staged passes (bench.StagedRead, bench.StagedWrite)
 	// of the same files: each pass's bytes, time and CPU time, summed.
+	// rereadName names the second read: never cold, since nothing is
+	// dropped between the first read and it.
+	rereadName       string
 	stagedName       [2]string // write, read
 	swbytes, srbytes int64
 	swtime, srtime   time.Duration
@@ -225,7 +228,7 @@ func (t *ceilingTotals) pair(jobs int) ceilingPair {
 	return ceilingPair{
 		write: bench.Ceiling{Name: t.name[0], GBps: bench.GBps(t.wbytes, t.wtime), Threads: jobs, CPUMsPerGB: bench.CPUMsPerGB(t.wcpu, t.wbytes)},
 		read:  bench.Ceiling{Name: t.name[1], GBps: bench.GBps(t.rbytes, t.rtime), Threads: jobs, CPUMsPerGB: bench.CPUMsPerGB(t.rcpu, t.rbytes)},
-		reread: bench.Ceiling{Name: t.name[1] + ", second read", GBps: bench.GBps(t.r2bytes, t.r2time), Threads: jobs,
+		reread: bench.Ceiling{Name: t.rereadName, GBps: bench.GBps(t.r2bytes, t.r2time), Threads: jobs,
 			CPUMsPerGB: bench.CPUMsPerGB(t.r2cpu, t.r2bytes)},
 		stagedWrite: bench.Ceiling{Name: t.stagedName[0], GBps: bench.GBps(t.swbytes, t.swtime), Threads: jobs, CPUMsPerGB: bench.CPUMsPerGB(t.swcpu, t.swbytes)},
 		stagedRead:  bench.Ceiling{Name: t.stagedName[1], GBps: bench.GBps(t.srbytes, t.srtime), Threads: jobs, CPUMsPerGB: bench.CPUMsPerGB(t.srcpu, t.srbytes)},
@@ -319,6 +322,7 @@ func (r *benchRun) measureCeilings(ctx context.Context, files []string, jobs int
 	}
 	t.name[0] = pwrite + mem + sync
 	t.name[1] = plainReadName(direct, r.useGPU, r.o.dropCaches)
+	t.rereadName = plainReadName(direct, r.useGPU, false) + ", second read"
 	pieces := ""
 	if piece > 0 {
 		pieces = fmt.Sprintf(" in %s pieces", sizeOf(piece))

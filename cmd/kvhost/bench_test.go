@@ -407,6 +407,29 @@ func TestBenchStagedCeilingsNameDurableAndColdPasses(t *testing.T) {
 	}
 }
 
+// With --drop-caches the first read of the ceiling's files is cold and
+// named so; the second read follows it with nothing dropped between, so
+// it is warm and not named cold.
+func TestBenchSecondReadCeilingIsNotNamedColdWithDropCaches(t *testing.T) {
+	rep, _ := runBenchJSON(t, "--memory", "host", "--jobs", "2", "--total", "2MiB", "--layers", "4", "--tokens-per-key", "16", "--drop-caches")
+	loads := 0
+	for _, x := range rep.Runs {
+		if x.Direction != bench.Load {
+			continue
+		}
+		loads++
+		if !strings.Contains(x.Ceiling.Name, "(cold)") {
+			t.Errorf("load ceiling %q: want the first read named cold", x.Ceiling.Name)
+		}
+		if strings.Contains(x.CeilingReread.Name, "cold") || !strings.Contains(x.CeilingReread.Name, "second read") {
+			t.Errorf("load's second-read ceiling %q: it reads warm pages; want it named a second read, not cold", x.CeilingReread.Name)
+		}
+	}
+	if loads == 0 {
+		t.Fatal("no load run in the report")
+	}
+}
+
 // TestBenchReportsWhereChecksumsRan: each run of the report says where its
 // checksums were computed: on the CPU by default, by the checksum kernel
 // with gpu.checksum_on = "gpu", and nowhere with checksums off.
