@@ -64,12 +64,18 @@ var benchKeys = func() int {
 }()
 
 type benchEnv struct {
-	e       *Engine
-	ns      NamespaceID
-	c       *testCache
+	e  *Engine
+	ns NamespaceID
+	c  *testCache
+	ceilingEnv
+}
+
+// ceilingEnv is what the ceilings of an engine's benchmark need.
+type ceilingEnv struct {
 	dir     string
 	direct  bool
 	workers int
+	keys    int // files per batch
 	keyLen  int64
 	bufs    []byte // the ceiling's contiguous memfd buffer, a slice per file
 	same    []byte // the same size at the start of the cache's region
@@ -100,7 +106,13 @@ func newBenchEnv(b *testing.B, noDirect, noChecksum bool) *benchEnv {
 		all[i] = i
 	}
 	c.fill(rand.New(rand.NewPCG(1, 1)), all)
-	env := &benchEnv{e: e, ns: ns, c: c, dir: filepath.Join(dir, "ceiling"), direct: e.Stats().Mounts[0].Direct, workers: workers, keyLen: g.KeyBytes()}
+	return &benchEnv{e: e, ns: ns, c: c, ceilingEnv: newCeilingEnv(b, dir, e, c, workers, benchKeys, g.KeyBytes())}
+}
+
+// newCeilingEnv makes the ceilings of keys files of keyLen bytes for the
+// engine e with cache c, in dir/ceiling.
+func newCeilingEnv(b *testing.B, dir string, e *Engine, c *testCache, workers, keys int, keyLen int64) ceilingEnv {
+	env := ceilingEnv{dir: filepath.Join(dir, "ceiling"), direct: e.Stats().Mounts[0].Direct, workers: workers, keys: keys, keyLen: keyLen}
 	os.MkdirAll(env.dir, 0o755)
 	// The ceiling moves the same bytes as the engine between the files and
 	// one contiguous buffer of benchKeys keys (each file its own slice, so
@@ -110,7 +122,7 @@ func newBenchEnv(b *testing.B, noDirect, noChecksum bool) *benchEnv {
 	// own memfd: with O_DIRECT the block layer builds requests from the
 	// physical pages of the memory (max_segments), so two memfds of one
 	// size can differ; this one has the engine's pages.
-	reg, err := region.NewHost("ceiling", int64(benchKeys)*env.keyLen)
+	reg, err := region.NewHost("ceiling", int64(keys)*keyLen)
 	if err != nil {
 		b.Fatal(err)
 	}
@@ -119,7 +131,7 @@ func newBenchEnv(b *testing.B, noDirect, noChecksum bool) *benchEnv {
 	for i := range env.bufs {
 		env.bufs[i] = byte(i * 7)
 	}
-	env.same = c.reg.Bytes()[:int64(benchKeys)*env.keyLen]
+	env.same = c.reg.Bytes()[:int64(keys)*keyLen]
 	return env
 }
 
@@ -137,13 +149,14 @@ func (env *benchEnv) batch(r *rand.Rand, prefix string, half int) ([][]byte, [][
 	return keys, blocks
 }
 
-// ceiling writes (or reads) benchKeys files of keyLen bytes with the
-// workers' threads in 8 MiB system calls, and returns the time it took.
-func (env *benchEnv) ceiling(b *testing.B, write bool, iter int) time.Duration {
+// ceiling writes (or reads) env.keys files of keyLen bytes with the
+// workers' threads in system calls of up to 8 MiB, and returns the time it
+// took.
+func (env *ceilingEnv) ceiling(b *testing.B, write bool, iter int) time.Duration {
 	return env.ceilingWith(b, write, iter, env.bufs)
 }
 
-func (env *benchEnv) ceilingWith(b *testing.B, write bool, iter int, mem []byte) time.Duration {
+func (env *ceilingEnv) ceilingWith(b *testing.B, write bool, iter int, mem []byte) time.Duration {
 	const io = 8 << 20
 	flag := os.O_RDONLY
 	if write {
@@ -154,8 +167,8 @@ func (env *benchEnv) ceilingWith(b *testing.B, write bool, iter int, mem []byte)
 	}
 	start := time.Now()
 	var wg sync.WaitGroup
-	next := make(chan int, benchKeys)
-	for i := range benchKeys {
+	next := make(chan int, env.keys)
+	for i := range env.keys {
 		next <- i
 	}
 	close(next)
@@ -170,11 +183,12 @@ func (env *benchEnv) ceilingWith(b *testing.B, write bool, iter int, mem []byte)
 					return
 				}
 				for off := int64(0); off < env.keyLen; off += io {
+					end := min(off+io, env.keyLen)
 					var err error
 					if write {
-						_, err = f.WriteAt(buf[off:off+io], off)
+						_, err = f.WriteAt(buf[off:end], off)
 					} else {
-						_, err = f.ReadAt(buf[off:off+io], off)
+						_, err = f.ReadAt(buf[off:end], off)
 					}
 					if err != nil {
 						b.Error(err)
@@ -188,12 +202,19 @@ func (env *benchEnv) ceilingWith(b *testing.B, write bool, iter int, mem []byte)
 	return time.Since(start)
 }
 
-func (env *benchEnv) report(b *testing.B, engine, ceiling, same time.Duration) {
-	bytes := float64(b.N) * float64(benchKeys) * float64(env.keyLen)
-	eg, cg := bytes/engine.Seconds()/1e9, bytes/ceiling.Seconds()/1e9
+// removeFiles removes the files of the ceiling's iteration iter.
+func (env *ceilingEnv) removeFiles(iter int) {
+	for k := range env.keys {
+		os.Remove(filepath.Join(env.dir, fmt.Sprintf("f-%d-%d", iter, k)))
+	}
+}
+
+func (env *ceilingEnv) report(b *testing.B, engine, ceiling, same time.Duration) {
+	moved := float64(b.N) * float64(env.keys) * float64(env.keyLen)
+	eg, cg := moved/engine.Seconds()/1e9, moved/ceiling.Seconds()/1e9
 	b.ReportMetric(eg, "engine-GB/s")
 	b.ReportMetric(cg, "ceiling-GB/s")
-	b.ReportMetric(bytes/same.Seconds()/1e9, "region-ceiling-GB/s")
+	b.ReportMetric(moved/same.Seconds()/1e9, "region-ceiling-GB/s")
 	b.ReportMetric(same.Seconds()/engine.Seconds(), "engine/region-ceiling")
 	b.ReportMetric(eg/cg, "engine/ceiling")
 	b.ReportMetric(0, "ns/op")
@@ -208,12 +229,14 @@ func benchModes(b *testing.B, fn func(b *testing.B, noDirect, noChecksum bool)) 
 	}
 }
 
-// Full-cache benchmarks: the engine alone (no ceiling), on a mount whose
-// capacity holds fullBatches batches, filled before the timer starts, so
-// that every store evicts (a batch's worth of files, kept as spares on
-// tmpfs) and every load finds its files among a full index. A batch is
-// the bytes of benchKeys keys of 32 MiB, in keys of 2 MiB (Llama-3.1-8B
-// bf16, 16 tokens per key) or 32 MiB (256 tokens per key).
+// Full-cache benchmarks: the engine on a mount whose capacity holds
+// fullBatches batches, filled before the timer starts, so that every store
+// evicts (a batch's worth of files, kept as spares on tmpfs) and every load
+// finds its files among a full index. A batch is the bytes of benchKeys
+// keys of 32 MiB, in keys of 2 MiB (Llama-3.1-8B bf16, 16 tokens per key)
+// or 32 MiB (256 tokens per key). The ceilings are their siblings', in
+// files of the key size: they pay no eviction, which is what the fraction
+// shows.
 const fullBatches = 4
 
 // fullSizes are the key sizes of the full-cache benchmarks: their names
@@ -232,10 +255,12 @@ type fullEnv struct {
 	bpk   int // blocks per key
 	batch int64
 	n     int // batches stored so far
+	ceilingEnv
 }
 
 func newFullEnv(b *testing.B, tokens int) *fullEnv {
-	dir := benchDir(b)
+	base := benchDir(b)
+	dir := filepath.Join(base, "engine")
 	g := llama8B()
 	g.TokensPerKey = tokens
 	keys := benchKeys * 256 / tokens
@@ -243,10 +268,11 @@ func newFullEnv(b *testing.B, tokens int) *fullEnv {
 	// page or two.
 	fileLen := g.KeyBytes() + 8<<10
 	ctx := context.Background()
+	workers := max(2, runtime.GOMAXPROCS(0))
 	e, err := Open(ctx, Config{
 		Mounts:    []Mount{{Path: dir, Capacity: fullBatches * int64(keys) * fileLen}},
 		Policy:    newTestPolicy(1, abi.OrderLayerMajor),
-		IOWorkers: max(2, runtime.GOMAXPROCS(0)), Logger: testLogger(b),
+		IOWorkers: workers, Logger: testLogger(b),
 	})
 	if err != nil {
 		b.Fatal(err)
@@ -263,7 +289,7 @@ func newFullEnv(b *testing.B, tokens int) *fullEnv {
 		all[i] = i
 	}
 	c.fill(rand.New(rand.NewPCG(1, 1)), all)
-	env := &fullEnv{e: e, ns: ns, c: c, keys: keys, bpk: bpk, batch: int64(keys) * g.KeyBytes()}
+	env := &fullEnv{e: e, ns: ns, c: c, keys: keys, bpk: bpk, batch: int64(keys) * g.KeyBytes(), ceilingEnv: newCeilingEnv(b, base, e, c, workers, keys, g.KeyBytes())}
 	for range fullBatches + 1 {
 		env.store(b)
 	}
@@ -300,10 +326,27 @@ func benchStoreFull(b *testing.B, tokens int) {
 	env := newFullEnv(b, tokens)
 	b.SetBytes(env.batch)
 	evicted := env.e.Stats().Evictions
-	for b.Loop() {
+	var eng, ceil, same time.Duration
+	for i := 0; b.Loop(); i++ {
+		b.StopTimer()
+		if i%2 == 0 { // alternate who goes first
+			ceil += env.ceiling(b, true, i)
+		}
+		b.StartTimer()
+		start := time.Now()
 		env.store(b)
+		eng += time.Since(start)
+		b.StopTimer()
+		if i%2 == 1 {
+			ceil += env.ceiling(b, true, i)
+		}
+		env.removeFiles(i)
+		same += env.ceilingWith(b, true, i, env.same)
+		env.removeFiles(i)
+		b.StartTimer()
 	}
 	b.ReportMetric(float64(env.e.Stats().Evictions-evicted)/float64(b.N), "evictions/op")
+	env.report(b, eng, ceil, same)
 }
 
 func benchLoadFull(b *testing.B, tokens int) {
@@ -311,12 +354,28 @@ func benchLoadFull(b *testing.B, tokens int) {
 	b.SetBytes(env.batch)
 	keys := env.store(b) // the newest: never evicted
 	into := env.blocks(1)
-	for b.Loop() {
+	env.ceiling(b, true, 0)
+	var eng, ceil, same time.Duration
+	for i := 0; b.Loop(); i++ {
+		b.StopTimer()
+		if i%2 == 0 { // alternate who goes first
+			ceil += env.ceiling(b, false, 0)
+		}
+		b.StartTimer()
+		start := time.Now()
 		res := wait(b)(env.e.Load(context.Background(), LoadRequest{Cache: env.c.id, Keys: keys, Blocks: into}))
+		eng += time.Since(start)
+		b.StopTimer()
 		if res.Count(OutcomeLoaded) != env.keys {
 			b.Fatalf("load: %v", res.Err())
 		}
+		if i%2 == 1 {
+			ceil += env.ceiling(b, false, 0)
+		}
+		same += env.ceilingWith(b, false, 0, env.same)
+		b.StartTimer()
 	}
+	env.report(b, eng, ceil, same)
 }
 
 // BenchmarkStore: the engine's store of 32 MiB keys against a plain write,
@@ -345,17 +404,13 @@ func BenchmarkStore(b *testing.B) {
 			if i%2 == 1 {
 				ceil += env.ceiling(b, true, i)
 			}
-			for k := range benchKeys {
-				os.Remove(filepath.Join(env.dir, fmt.Sprintf("f-%d-%d", i, k)))
-			}
+			env.removeFiles(i)
 			same += env.ceilingWith(b, true, i, env.same)
 			if res.Count(OutcomeStored) != benchKeys {
 				b.Fatalf("store: %+v", res)
 			}
 			env.e.Delete(ctx, env.ns, keys)
-			for k := range benchKeys {
-				os.Remove(filepath.Join(env.dir, fmt.Sprintf("f-%d-%d", i, k)))
-			}
+			env.removeFiles(i)
 			b.StartTimer()
 		}
 		b.Logf("O_DIRECT %v, %d workers", env.direct, env.workers)
