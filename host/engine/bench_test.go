@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"math/rand/v2"
@@ -353,7 +354,7 @@ func benchLoadFull(b *testing.B, tokens int) {
 	env := newFullEnv(b, tokens)
 	b.SetBytes(env.batch)
 	keys := env.store(b) // the newest: never evicted
-	into := env.blocks(1)
+	from, into := env.blocks(0), env.blocks(1)
 	env.ceiling(b, true, 0)
 	var eng, ceil, same time.Duration
 	for i := 0; b.Loop(); i++ {
@@ -369,6 +370,9 @@ func benchLoadFull(b *testing.B, tokens int) {
 		if res.Count(OutcomeLoaded) != env.keys {
 			b.Fatalf("load: %v", res.Err())
 		}
+		if i == 0 { // before the region ceiling overwrites the cache
+			verifyLoad(b, env.c, from, into)
+		}
 		if i%2 == 1 {
 			ceil += env.ceiling(b, false, 0)
 		}
@@ -376,6 +380,17 @@ func benchLoadFull(b *testing.B, tokens int) {
 		b.StartTimer()
 	}
 	env.report(b, eng, ceil, same)
+}
+
+// verifyLoad fails b unless the blocks of each key in into hold the bytes
+// of its blocks in from, which it was stored from.
+func verifyLoad(b *testing.B, c *testCache, from, into [][]int) {
+	b.Helper()
+	for k := range into {
+		if !bytes.Equal(c.data(into[k]), c.data(from[k])) {
+			b.Fatalf("key %d: loaded bytes differ", k)
+		}
+	}
 }
 
 // BenchmarkStore: the engine's store of 32 MiB keys against a plain write,
@@ -449,6 +464,9 @@ func BenchmarkLoad(b *testing.B) {
 			b.StopTimer()
 			if res.Count(OutcomeLoaded) != benchKeys {
 				b.Fatalf("load: %+v", res)
+			}
+			if i == 0 { // before the region ceiling overwrites the cache
+				verifyLoad(b, env.c, blocks, into)
 			}
 			if i%2 == 1 {
 				ceil += env.ceiling(b, false, 0)
