@@ -64,13 +64,15 @@ type clusterMount struct {
 	// replaced whole under mu, read anywhere (mayEvict holds e.mu).
 	dead atomic.Pointer[map[uint32]bool]
 	// walked holds the adopted tags whose files a walk of the mount has
-	// indexed whole (adoptFiles without an error): the others are walked
-	// again, a tag newly adopted at once, one adopted before at the first
-	// read from rewalkAt (Unix ns), which each failed walk puts off by
+	// indexed whole (adoptFiles without an error), each with the run of
+	// the dead node it walked for (runOf its summary then): the others are
+	// walked again, a tag newly adopted, or of a node found dead after a
+	// run since the walk, at once, one adopted before at the first read
+	// from rewalkAt (Unix ns), which each failed walk puts off by
 	// rewalkWait, doubled from one interval up to maxRewalkIntervals: a
 	// directory that stays unreadable must not cost a walk of the whole
 	// mount, under mu, at every read.
-	walked     map[uint32]bool
+	walked     map[uint32]int64
 	rewalkAt   int64
 	rewalkWait time.Duration
 	// temps holds the temporary files of adopted nodes that a walk found
@@ -137,7 +139,7 @@ func (e *Engine) openCluster(ctx context.Context) error {
 		if err != nil {
 			return fmt.Errorf("engine: mount %s: %w", m.root, err)
 		}
-		c := &clusterMount{dir: dir, bound: b, interval: cm.ClusterInterval, tag: clustercap.Tag(e.node), floor: map[uint64]uint64{}, walked: map[uint32]bool{}, temps: map[string]uint32{}, bad: map[string]bool{}}
+		c := &clusterMount{dir: dir, bound: b, interval: cm.ClusterInterval, tag: clustercap.Tag(e.node), floor: map[uint64]uint64{}, walked: map[uint32]int64{}, temps: map[string]uint32{}, bad: map[string]bool{}}
 		c.dead.Store(&map[uint32]bool{})
 		if c.interval == 0 {
 			c.interval = DefaultClusterInterval
@@ -335,8 +337,9 @@ func (e *Engine) policyRank(ctx context.Context, recs []abi.RankRecord) (bool, e
 // not decode, stale, lock free: readBad), those whose adoption lock
 // this node holds or takes become c.dead, and their files on the mount
 // are indexed when newly adopted (they may have been written after this
-// node's start), and again until a walk of the mount completes (after
-// a failed walk, at the first read from c.rewalkAt); a node adopted before that runs again is released, and so
+// node's start) or found dead after another run (runOf), and again until
+// a walk of the mount completes (after a failed walk, at the first read
+// from c.rewalkAt); a node adopted before that runs again is released, and so
 // is one no longer read at all; one whose files are all gone is retired
 // (retire). Touches of this node's files raise their last access. A
 // running node of this node's owner tag is recorded (setTwin). A read that fails
@@ -354,6 +357,7 @@ func (c *clusterMount) read(ctx context.Context, e *Engine, m *mount) error {
 	dead := map[uint32]bool{}
 	walk := map[uint32]bool{}    // adopted, their files not all indexed yet
 	names := map[uint32]string{} // the nodes of dead
+	runs := map[uint32]int64{}   // the runs of dead (runOf)
 	defer func() {
 		// The adopted tags are published once their files are indexed:
 		// a node counted as adopted is counted whole.
@@ -380,7 +384,7 @@ func (c *clusterMount) read(ctx context.Context, e *Engine, m *mount) error {
 			} else {
 				c.rewalkWait = 0
 				for tag := range walk {
-					c.walked[tag] = true
+					c.walked[tag] = runs[tag]
 				}
 			}
 			e.log.Info("engine: cluster: adopted the files of dead nodes", "mount", m.root, "files", n)
@@ -389,7 +393,7 @@ func (c *clusterMount) read(ctx context.Context, e *Engine, m *mount) error {
 		c.cleanTemps(e, dead)
 		c.retire(e, m, dead, names)
 	}()
-	adopt := func(node string, tag uint32) {
+	adopt := func(node string, tag uint32, run int64) {
 		ok, err := c.dir.Adopt(node)
 		if err != nil {
 			e.log.Warn("engine: cluster: adoption lock", "mount", m.root, "node", node, "err", err)
@@ -397,7 +401,16 @@ func (c *clusterMount) read(ctx context.Context, e *Engine, m *mount) error {
 		if ok {
 			dead[tag] = true
 			names[tag] = node
-			if !c.walked[tag] && (!was[tag] || now >= c.rewalkAt) {
+			runs[tag] = run
+			// A node that ran again since the walk (its summary is not
+			// the one walked for) may have stored files the walk never
+			// saw: a new adoption, walked at once.
+			w, walked := c.walked[tag]
+			ranAgain := walked && w != run
+			if ranAgain {
+				delete(c.walked, tag)
+			}
+			if ranAgain || !walked && (!was[tag] || now >= c.rewalkAt) {
 				walk[tag] = true
 			}
 		}
@@ -412,7 +425,7 @@ func (c *clusterMount) read(ctx context.Context, e *Engine, m *mount) error {
 			e.log.Warn("engine: cluster lock probe", "mount", m.root, "node", s.Node, "err", err)
 		}
 		if !live {
-			adopt(s.Node, s.Tag)
+			adopt(s.Node, s.Tag, runOf(s))
 			continue
 		}
 		if err := c.dir.Release(s.Node); err != nil { // it runs again: its files are its own
@@ -457,6 +470,12 @@ func (c *clusterMount) read(ctx context.Context, e *Engine, m *mount) error {
 	return nil
 }
 
+// runOf identifies the run of a dead node by its last summary s: the
+// time s was published. A node publishes no summary once dead, so a
+// summary of another time, read while its adoption is held, means the
+// node ran again since (and may have stored files meanwhile).
+func runOf(s *clustercap.Summary) int64 { return s.Time }
+
 // setTwin records twin, a running node of this node's owner tag that a
 // read found ("" if none), logging when one is found and when none is
 // left. Called with c.mu held.
@@ -487,7 +506,7 @@ func (c *clusterMount) retire(e *Engine, m *mount, dead map[uint32]bool, names m
 		temps[tag] = true
 	}
 	for tag := range dead {
-		if !c.walked[tag] || temps[tag] || e.bytesOf(m, map[uint32]bool{tag: true}) > 0 {
+		if _, ok := c.walked[tag]; !ok || temps[tag] || e.bytesOf(m, map[uint32]bool{tag: true}) > 0 {
 			continue
 		}
 		ok, err := c.dir.Retire(names[tag])
@@ -517,10 +536,11 @@ func (c *clusterMount) retire(e *Engine, m *mount, dead map[uint32]bool, names m
 // modification time; an unknown time is not stale) and its lock is free:
 // a running node holds its lock, and a stopped one of this version left
 // its summary whole (a crash while publishing, another version). adopt
-// adopts it. A node whose summary cannot be read is unknown: never
+// adopts it, its run identified by the file's modification time (as
+// runOf). A node whose summary cannot be read is unknown: never
 // adopted. Each node is logged once while its summary stays bad. Called
 // with c.mu held.
-func (c *clusterMount) readBad(e *Engine, m *mount, bad []error, read map[string]bool, now int64, adopt func(node string, tag uint32)) {
+func (c *clusterMount) readBad(e *Engine, m *mount, bad []error, read map[string]bool, now int64, adopt func(node string, tag uint32, run int64)) {
 	was := c.bad
 	c.bad = make(map[string]bool, len(bad))
 	for _, err := range bad {
@@ -543,7 +563,7 @@ func (c *clusterMount) readBad(e *Engine, m *mount, bad []error, read map[string
 			e.log.Warn("engine: cluster lock probe", "mount", m.root, "node", se.Node, "err", err)
 		}
 		if err == nil && free {
-			adopt(se.Node, clustercap.Tag(se.Node))
+			adopt(se.Node, clustercap.Tag(se.Node), se.ModTime.UnixNano())
 		}
 	}
 }

@@ -883,6 +883,45 @@ func TestClusterNeverRetiresADeadNodeWhoseFileACachedListingHid(t *testing.T) {
 	}
 }
 
+// TestClusterNeverRetiresADeadNodeThatRanAgainBetweenTwoReads: node A
+// adopted dead node D and walked the mount for D's files; A's ticks are
+// then held up while D's one file is deleted, D runs again, stores a file
+// and stops again, its new summary stale by A's next read. That read
+// finds D dead as before, but of a newer run: A must walk the mount for
+// D's files again, not retire D on the walk of its earlier run and leave
+// D's new file counted and removed by no node.
+func TestClusterNeverRetiresADeadNodeThatRanAgainBetweenTwoReads(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	r := rand.New(rand.NewPCG(5, 5))
+	clock := newTestClock()
+	a := clusterNodeAt(t, dir, "a", 1<<30, time.Hour, clock.now)
+	d := clusterNode(t, dir, "d", 1<<30, time.Hour)
+	first := storeKeys(t, d, "d", 1, r)
+	if err := d.e.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	clock.advance(4 * time.Hour) // D's summary: stale
+	m := a.e.mounts[0]
+	m.cluster.tick(ctx, a.e, m)
+	if !isAdopted(a.e, "d") || a.e.Stats().Mounts[0].Entries != 1 {
+		t.Fatal("A did not adopt D")
+	}
+	if n, err := a.e.Delete(ctx, a.ns, first); err != nil || n != 1 {
+		t.Fatalf("delete D's first key on A: %d %v", n, err)
+	}
+	d = clusterNode(t, dir, "d", 1<<30, time.Hour) // D runs again, on the wall clock: stale by A's
+	storeKeys(t, d, "dagain", 1, r)
+	if err := d.e.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	m.cluster.tick(ctx, a.e, m)
+	if got, want := ownBytes(m), diskBytes(t, dir); got != want || !isAdopted(a.e, "d") {
+		t.Fatalf("D's file of its second run on the mount (%d bytes of files there): A counts %d bytes; A holds D's adoption: %v, D's cluster files left: %v",
+			want, got, isAdopted(a.e, "d"), clusterFiles(dir, "d"))
+	}
+}
+
 // TestClusterLetsGoOfADeadNodeRetiredElsewhere: node A adopted dead node
 // D; D's summary, lock and adoption files then leave the directory (as
 // when another node retires D). D is no longer in A's read: A's next tick
