@@ -359,27 +359,40 @@ func benchLoadFull(b *testing.B, tokens int) {
 	var eng, ceil, same time.Duration
 	for i := 0; b.Loop(); i++ {
 		b.StopTimer()
-		if i%2 == 0 { // alternate who goes first
-			ceil += env.ceiling(b, false, 0)
-		}
-		b.StartTimer()
-		start := time.Now()
-		res := wait(b)(env.e.Load(context.Background(), LoadRequest{Cache: env.c.id, Keys: keys, Blocks: into}))
-		eng += time.Since(start)
-		b.StopTimer()
-		if res.Count(OutcomeLoaded) != env.keys {
-			b.Fatalf("load: %v", res.Err())
-		}
-		if i == 0 { // before the region ceiling overwrites the cache
-			verifyLoad(b, env.c, from, into)
-		}
-		if i%2 == 1 {
-			ceil += env.ceiling(b, false, 0)
-		}
-		same += env.ceilingWith(b, false, 0, env.same)
+		le, lc, ls := env.timedLoad(b, i, env.e, env.c, keys, from, into)
+		eng, ceil, same = eng+le, ceil+lc, same+ls
 		b.StartTimer()
 	}
 	env.report(b, eng, ceil, same)
+}
+
+// timedLoad is iteration i of a load benchmark, called with b's timer
+// stopped and returning with it stopped: the file ceiling (before the
+// load or after it, alternately) and the region ceiling untimed, and the
+// load of keys from e into c's blocks into timed. Every key must load, and
+// on iteration 0 (before the region ceiling overwrites the cache) hold
+// the bytes of the blocks from. It returns the load's time and the
+// ceilings'.
+func (env *ceilingEnv) timedLoad(b *testing.B, i int, e *Engine, c *testCache, keys [][]byte, from, into [][]int) (eng, ceil, same time.Duration) {
+	if i%2 == 0 { // alternate who goes first
+		ceil += env.ceiling(b, false, 0)
+	}
+	b.StartTimer()
+	start := time.Now()
+	res := wait(b)(e.Load(context.Background(), LoadRequest{Cache: c.id, Keys: keys, Blocks: into}))
+	eng = time.Since(start)
+	b.StopTimer()
+	if n := res.Count(OutcomeLoaded); n != len(keys) {
+		b.Fatalf("load: %d of %d keys loaded: %v", n, len(keys), res.Err())
+	}
+	if i == 0 {
+		verifyLoad(b, c, from, into)
+	}
+	if i%2 == 1 {
+		ceil += env.ceiling(b, false, 0)
+	}
+	same = env.ceilingWith(b, false, 0, env.same)
+	return eng, ceil, same
 }
 
 // verifyLoad fails b unless the blocks of each key in into hold the bytes
@@ -454,24 +467,8 @@ func BenchmarkLoad(b *testing.B) {
 		for i := 0; b.Loop(); i++ {
 			_, into := env.batch(r, "l", 1)
 			b.StopTimer()
-			if i%2 == 0 { // alternate who goes first
-				ceil += env.ceiling(b, false, 0)
-			}
-			b.StartTimer()
-			start := time.Now()
-			res := wait(b)(env.e.Load(ctx, LoadRequest{Cache: env.c.id, Keys: keys, Blocks: into}))
-			eng += time.Since(start)
-			b.StopTimer()
-			if res.Count(OutcomeLoaded) != benchKeys {
-				b.Fatalf("load: %+v", res)
-			}
-			if i == 0 { // before the region ceiling overwrites the cache
-				verifyLoad(b, env.c, blocks, into)
-			}
-			if i%2 == 1 {
-				ceil += env.ceiling(b, false, 0)
-			}
-			same += env.ceilingWith(b, false, 0, env.same)
+			le, lc, ls := env.timedLoad(b, i, env.e, env.c, keys, blocks, into)
+			eng, ceil, same = eng+le, ceil+lc, same+ls
 			b.StartTimer()
 		}
 		b.Logf("O_DIRECT %v, %d workers", env.direct, env.workers)

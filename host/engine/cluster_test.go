@@ -877,9 +877,17 @@ func TestClusterNeverRetiresADeadNodeWhoseFileACachedListingHid(t *testing.T) {
 		t.Fatalf("delete D's first key on A: %d %v", n, err)
 	}
 	m.cluster.tick(ctx, a.e, m)
+	wantDeadNodeStillAdopted(t, a, m, dir, "D's last file")
+}
+
+// wantDeadNodeStillAdopted fails t unless node a, on mount m of dir,
+// still holds dead node d's adoption and counts every byte of files on
+// the mount, what (a file of d's) among them.
+func wantDeadNodeStillAdopted(t *testing.T, a *node, m *mount, dir, what string) {
+	t.Helper()
 	if got, want := ownBytes(m), diskBytes(t, dir); got != want || !isAdopted(a.e, "d") {
-		t.Fatalf("D's last file on the mount (%d bytes of files there): A counts %d bytes; A holds D's adoption: %v, D's cluster files left: %v",
-			want, got, isAdopted(a.e, "d"), clusterFiles(dir, "d"))
+		t.Fatalf("%s on the mount (%d bytes of files there): A counts %d bytes; A holds D's adoption: %v, D's cluster files left: %v",
+			what, want, got, isAdopted(a.e, "d"), clusterFiles(dir, "d"))
 	}
 }
 
@@ -916,10 +924,7 @@ func TestClusterNeverRetiresADeadNodeThatRanAgainBetweenTwoReads(t *testing.T) {
 		t.Fatal(err)
 	}
 	m.cluster.tick(ctx, a.e, m)
-	if got, want := ownBytes(m), diskBytes(t, dir); got != want || !isAdopted(a.e, "d") {
-		t.Fatalf("D's file of its second run on the mount (%d bytes of files there): A counts %d bytes; A holds D's adoption: %v, D's cluster files left: %v",
-			want, got, isAdopted(a.e, "d"), clusterFiles(dir, "d"))
-	}
+	wantDeadNodeStillAdopted(t, a, m, dir, "D's file of its second run")
 }
 
 // TestClusterLetsGoOfADeadNodeRetiredElsewhere: node A adopted dead node
