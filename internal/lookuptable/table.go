@@ -151,10 +151,9 @@ type Table struct {
 	st      Stats
 
 	// The sweep that reclaims removed slots (sweepLocked).
-	sweeping bool     // one is in progress
-	cursor   uint64   // the slot it goes on from
-	left     int      // how many slots it has yet to pass
-	cluster  []uint64 // scratch: the tags of the cluster it rewrites
+	cursor  uint64   // the slot it goes on from
+	left    int      // how many slots it has yet to pass: one is in progress while above 0
+	cluster []uint64 // scratch: the tags of the cluster it rewrites
 }
 
 // placed is where a tag sits and where its probe starts.
@@ -277,7 +276,7 @@ func (t *Table) addLocked(tag, home uint64) bool {
 	if atomic.LoadUint64(&t.slots[i]) == slotRemoved {
 		t.removed--
 	} else if t.removed >= len(t.slots)/8 {
-		t.sweeping, t.left = true, len(t.slots)
+		t.left = len(t.slots)
 		t.sweepLocked(len(t.slots))
 		i = t.freeLocked(home)
 	}
@@ -343,11 +342,11 @@ func (t *Table) Remove(fp uint64, key string) {
 // while the cluster is rewritten: the rewrites of one call lie between two
 // increments of the sequence.
 func (t *Table) sweepLocked(budget int) {
-	if !t.sweeping {
+	if t.left <= 0 {
 		if t.removed < len(t.slots)/16 {
 			return
 		}
-		t.sweeping, t.left = true, len(t.slots)
+		t.left = len(t.slots)
 	}
 	odd := false
 	for budget > 0 && t.left > 0 {
@@ -406,7 +405,6 @@ func (t *Table) sweepLocked(budget int) {
 		atomic.AddUint64(t.header(offSeq), 1)
 	}
 	if t.left <= 0 {
-		t.sweeping = false
 		t.st.Sweeps++
 	}
 }
