@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/kvhost/kvhost/gds"
@@ -237,7 +238,7 @@ func (p *gpuPaths) movers() map[region.Kind]engine.MoverFactory {
 				// later job probes again (reprobing).
 				p.log.Info("mount serves GPU memory through the staging pipeline until cuFile's probe of it works", "mount", m.Path,
 					"cufile", err.Error(), "probe_again_after", p.reprobe.String())
-				r := &reprobing{p: p, d: p.cufile, cf: p.cfMover, mount: m.Path, next: p.now().Add(p.reprobe), reason: err.Error(), probes: 1}
+				r := &reprobing{p: p, mount: m.Path, next: p.now().Add(p.reprobe), reason: err.Error(), probes: 1}
 				return transfer.NewChain(m.Path, p.log, r, p.staging)
 			}
 			if !p.cufileServes(c) {
@@ -270,30 +271,28 @@ func (p *gpuPaths) cufileServes(c gds.Capability) bool {
 // whose first probe worked gets: files stored from GPU memory on it
 // carry no payload checksums, even while the staging pipeline moves them.
 type reprobing struct {
-	p     *gpuPaths
-	d     *gds.Driver
-	cf    *gds.Mover
-	mount string
+	p      *gpuPaths
+	mount  string
+	serves atomic.Bool // a probe found that cuFile serves the mount: no more probes, no lock
 
 	mu      sync.Mutex
 	next    time.Time // when a job may probe again
 	probing bool      // a job is probing now
 	probes  int       // probes made, the first (at start) included
 	settled bool      // a probe said what cuFile does on the mount
-	serves  bool      // if settled: cuFile serves the mount
 	reason  string    // why jobs are passed on: the last probe's error or capability
 }
 
 var _ transfer.Forgetter = (*reprobing)(nil)
 
 // Name is the cuFile mover's.
-func (r *reprobing) Name() string { return r.cf.Name() }
+func (r *reprobing) Name() string { return r.p.cfMover.Name() }
 
 // Checksums is the cuFile mover's: false.
-func (r *reprobing) Checksums() bool { return r.cf.Checksums() }
+func (r *reprobing) Checksums() bool { return r.p.cfMover.Checksums() }
 
 // Forget forwards to the cuFile mover, which may hold the file's handle.
-func (r *reprobing) Forget(id fsys.FileID) { r.cf.Forget(id) }
+func (r *reprobing) Forget(id fsys.FileID) { r.p.cfMover.Forget(id) }
 
 // WriteFile writes through the cuFile mover once a probe found that it
 // serves the mount.
@@ -301,7 +300,7 @@ func (r *reprobing) WriteFile(ctx context.Context, f fsys.File, p *transfer.Plan
 	if err := r.ready(); err != nil {
 		return 0, err
 	}
-	return r.cf.WriteFile(ctx, f, p, sums)
+	return r.p.cfMover.WriteFile(ctx, f, p, sums)
 }
 
 // ReadFile reads through the cuFile mover once a probe found that it
@@ -310,16 +309,19 @@ func (r *reprobing) ReadFile(ctx context.Context, f fsys.File, p *transfer.Plan,
 	if err := r.ready(); err != nil {
 		return 0, err
 	}
-	return r.cf.ReadFile(ctx, f, p, sums)
+	return r.p.cfMover.ReadFile(ctx, f, p, sums)
 }
 
 // ready answers nil if the cuFile mover serves the mount, probing it if
 // a probe is due and none runs, and transfer.ErrUnsupported with the
 // reason otherwise.
 func (r *reprobing) ready() error {
+	if r.serves.Load() {
+		return nil
+	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if r.settled && r.serves {
+	if r.serves.Load() {
 		return nil
 	}
 	if r.settled || r.probing || r.p.now().Before(r.next) {
@@ -328,7 +330,7 @@ func (r *reprobing) ready() error {
 	r.probing = true
 	r.probes++
 	r.mu.Unlock()
-	c, err := r.d.ProbeDir(r.mount)
+	c, err := r.p.cufile.ProbeDir(r.mount)
 	r.mu.Lock()
 	r.probing = false
 	r.next = r.p.now().Add(r.p.reprobe)
@@ -338,11 +340,13 @@ func (r *reprobing) ready() error {
 			"cufile", r.reason, "probes", r.probes, "probe_again_after", r.p.reprobe.String())
 		return fmt.Errorf("%w: cufile: mount %s: %w", transfer.ErrUnsupported, r.mount, err)
 	}
-	r.settled, r.serves, r.reason = true, r.p.cufileServes(c), c.String()
-	if !r.serves {
+	serves := r.p.cufileServes(c)
+	r.settled, r.reason = true, c.String()
+	if !serves {
 		r.p.log.Info("mount serves GPU memory through the staging pipeline", "mount", r.mount, "cufile", r.reason, "probes", r.probes)
 		return fmt.Errorf("%w: cufile: mount %s: %s", transfer.ErrUnsupported, r.mount, r.reason)
 	}
+	r.serves.Store(true)
 	r.p.log.Info("mount serves GPU memory with cuFile", "mount", r.mount, "cufile", r.reason, "probes", r.probes)
 	return nil
 }
