@@ -215,7 +215,7 @@ type files struct {
 	queued map[fsys.FileID]*offer // offered, not registered yet
 	// pending is the files jobs in flight will offer (expectOffer):
 	// bounded by the jobs in flight.
-	pending map[fsys.FileID]*pending
+	pending map[fsys.FileID]pending
 	seen    map[fsys.FileID]bool // offered once at the bound (admitLocked)
 	bytes   int64
 	// registering and registeringBytes are the files being mapped and
@@ -252,7 +252,7 @@ func newFiles(m *Mover, limit, n, idle, device int, log *slog.Logger) *files {
 		m: m, limit: limit, device: device, log: log, sweep: sweepEvery, minIdle: minIdle,
 		streamEnded: make(chan struct{}, 1), waitCap: maxStreamWait,
 		offers: make(chan *offer, min(limit, maxOffers)), stop: make(chan struct{}), done: make(chan struct{}),
-		byKey: map[fsys.FileID]*regFile{}, lru: list.New(), queued: map[fsys.FileID]*offer{}, pending: map[fsys.FileID]*pending{}, seen: map[fsys.FileID]bool{},
+		byKey: map[fsys.FileID]*regFile{}, lru: list.New(), queued: map[fsys.FileID]*offer{}, pending: map[fsys.FileID]pending{}, seen: map[fsys.FileID]bool{},
 		live: map[*regFile]struct{}{},
 	}
 	g.idle.L = &g.mu
@@ -462,11 +462,8 @@ func (g *files) offer(f fsys.File, id fileID, warm bool) bool {
 func (g *files) expectOffer(key fsys.FileID) {
 	g.mu.Lock()
 	p := g.pending[key]
-	if p == nil {
-		p = &pending{}
-		g.pending[key] = p
-	}
 	p.jobs++
+	g.pending[key] = p
 	g.mu.Unlock()
 }
 
@@ -476,6 +473,8 @@ func (g *files) endExpected(key fsys.FileID) {
 	p := g.pending[key]
 	if p.jobs--; p.jobs == 0 {
 		delete(g.pending, key)
+	} else {
+		g.pending[key] = p
 	}
 	g.mu.Unlock()
 }
@@ -483,8 +482,7 @@ func (g *files) endExpected(key fsys.FileID) {
 // forgottenLocked reports whether the file key was forgotten while a job
 // in flight on it ran (expectOffer).
 func (g *files) forgottenLocked(key fsys.FileID) bool {
-	p := g.pending[key]
-	return p != nil && p.forgotten
+	return g.pending[key].forgotten
 }
 
 // belowBoundLocked reports whether the files registered and queued are
@@ -520,8 +518,9 @@ func (g *files) admitLocked(key fsys.FileID) bool {
 // descriptor is closed now, and the jobs on it in flight do not offer it.
 func (g *files) forget(key fsys.FileID) {
 	g.mu.Lock()
-	if p := g.pending[key]; p != nil {
+	if p, ok := g.pending[key]; ok {
 		p.forgotten = true
+		g.pending[key] = p
 	}
 	fd := -1
 	if o := g.queued[key]; o != nil {
