@@ -202,10 +202,13 @@ func (r *benchRun) buffers(n int, size int64) ([][]byte, error) {
 // ceilingTotals sums a combination's ceiling passes over its rounds, as
 // phaseTotals sums the engine's.
 type ceilingTotals struct {
-	name           [2]string // write, read
-	wbytes, rbytes int64
-	wtime, rtime   time.Duration
-	wcpu, rcpu     time.Duration // process CPU time
+	name [2]string // write, read
+	// Whether any round's write ceiling wrote into files that existed,
+	// and into fresh ones: what name[0] says it timed.
+	wroteExisting, wroteFresh bool
+	wbytes, rbytes            int64
+	wtime, rtime              time.Duration
+	wcpu, rcpu                time.Duration // process CPU time
 	// The second read of the same files, right after the first.
 	r2bytes int64
 	r2time  time.Duration
@@ -307,9 +310,19 @@ func (r *benchRun) measureCeilings(ctx context.Context, files []string, jobs int
 	}
 	switch {
 	case len(existing) == len(cpaths):
-		pwrite, write = "pwrite into existing files "+mode, bench.OverwriteFiles
+		write = bench.OverwriteFiles
 	case len(existing) > 0:
-		pwrite, write = "pwrite into existing and new files "+mode, bench.WriteIntoFiles
+		write = bench.WriteIntoFiles
+	}
+	// The name is the totals', summed over rounds that may each write
+	// another mix: it says every kind of file any of them wrote into.
+	t.wroteExisting = t.wroteExisting || len(existing) > 0
+	t.wroteFresh = t.wroteFresh || len(fresh) > 0
+	switch {
+	case t.wroteExisting && t.wroteFresh:
+		pwrite = "pwrite into existing and new files " + mode
+	case t.wroteExisting:
+		pwrite = "pwrite into existing files " + mode
 	}
 	if _, _, err := bench.WriteFiles(ctx, existing, existingSizes, bufs, direct, false); err != nil {
 		return err

@@ -755,6 +755,36 @@ func TestBenchStoresThatTookSomeSparesAreHeldToTheSameMix(t *testing.T) {
 	}
 }
 
+// A write ceiling summed over rounds of different mixes (one round's
+// files all into spares, the next's all fresh) is named for what it
+// timed, a write into existing and new files, not for the last round's.
+func TestBenchWriteCeilingOverRoundsOfDifferentMixesIsNamedForTheMix(t *testing.T) {
+	ctx := context.Background()
+	r := &benchRun{o: benchOptions{ceilingPasses: 1}, root: t.TempDir()}
+	defer func() {
+		if r.bufs != nil {
+			r.bufs.free()
+		}
+	}()
+	dir := t.TempDir()
+	files := make([]string, 4)
+	for i := range files {
+		files[i] = filepath.Join(dir, fmt.Sprintf("f%d", i))
+		if err := os.WriteFile(files[i], make([]byte, 64<<10), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var ceil ceilingTotals
+	for round, spares := range []int{len(files), 0} {
+		if err := r.measureCeilings(ctx, files, 2, false, 0, spares, &ceil); err != nil {
+			t.Fatalf("round %d: %v", round, err)
+		}
+	}
+	if w := ceil.pair(2).write; !strings.Contains(w.Name, "into existing and new files") || len(ceil.wround) != 2 {
+		t.Errorf("write ceiling of a round into existing files and a round into new ones: %q over %d rounds; want a write into existing and new files over 2", w.Name, len(ceil.wround))
+	}
+}
+
 // buildFakeCuFile compiles gds's fake libcufile (gds/testdata) with
 // `go env CC`, as gds's own tests do.
 func buildFakeCuFile(t *testing.T) string {
