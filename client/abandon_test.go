@@ -6,6 +6,7 @@ import (
 	"io"
 	"net"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -445,6 +446,47 @@ func TestACompletionThatDoesNotMatchItsRequestFailsTheConnection(t *testing.T) {
 			}
 			if res, err := job.Wait(context.Background()); !errors.Is(err, client.ErrClosed) {
 				t.Fatalf("a store of %d keys completed with %+v, %v; want %v", len(keys), res, err, client.ErrClosed)
+			}
+		})
+	}
+}
+
+// TestALostConnectionSaysWhoClosedIt: a call the connection's end cuts
+// off fails with ErrClosed saying whether the daemon closed the
+// connection or this client did (Close), so that a log line tells an
+// operator where to look.
+func TestALostConnectionSaysWhoClosedIt(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		daemon bool // the daemon closes the connection; else the client
+		want   string
+	}{
+		{"the daemon", true, "the daemon closed the connection"},
+		{"the client", false, "closed by the client"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			read := make(chan struct{})
+			sock := fakeDaemon(t, func(c *net.UnixConn) {
+				if _, _, err := readRequest(c); err != nil {
+					return
+				}
+				close(read)
+				if tc.daemon {
+					c.Close()
+				}
+			})
+			c := dialFake(t, sock)
+			done := make(chan error, 1)
+			go func() {
+				_, err := c.Stats(context.Background())
+				done <- err
+			}()
+			<-read
+			if !tc.daemon {
+				c.Close()
+			}
+			if err := within(t, done); !errors.Is(err, client.ErrClosed) || !strings.Contains(err.Error(), tc.want) {
+				t.Errorf("the call cut off: %v; want %v saying %q", err, client.ErrClosed, tc.want)
 			}
 		})
 	}

@@ -193,9 +193,14 @@ func (c *Client) readLoop() {
 			break
 		}
 	}
-	if c.closing.Load() || errors.Is(err, io.EOF) {
-		err = ErrClosed
-	} else {
+	// The error says who ended the connection, for a log line to say
+	// where to look.
+	switch {
+	case c.closing.Load():
+		err = fmt.Errorf("%w by the client (Close)", ErrClosed)
+	case errors.Is(err, io.EOF):
+		err = fmt.Errorf("%w: the daemon closed the connection", ErrClosed)
+	default:
 		err = fmt.Errorf("%w: %w", ErrClosed, err)
 	}
 	c.conn.Close()
