@@ -18,9 +18,11 @@
 //     epochs are the same on every node, so nodes age alike. Aging is lazy:
 //     an aging moves no entry, and an Access call moves at most 1024 (see
 //     Policy for the one bounded exception).
-//   - Evict: level 0 first, least recent first within a level; pinned
-//     entries and entries on other mounts are skipped; stop when the victims'
-//     sizes cover the bytes asked for. Score = level<<56 | last access>>8, so
+//   - Evict: counts aged to the request's time first (as Rank does), so
+//     that an instance that has seen no record for a while scores alike;
+//     level 0 first, least recent first within a level; pinned entries and
+//     entries on other mounts are skipped; stop when the victims' sizes
+//     cover the bytes asked for. Score = level<<56 | last access>>8, so
 //     that victims of several instances merge into one LFU order.
 //   - Rank (for a mount several nodes share): last access + level ×
 //     half_life: each doubling of an entry's (aged) count is worth one
@@ -286,8 +288,9 @@ func (p *Policy) drainList(j, budget int) int {
 }
 
 // Evict writes the least frequently used unpinned entries on req.Mount until
-// their sizes cover req.Bytes or out is full.
+// their sizes cover req.Bytes or out is full, their counts aged to req.Time.
 func (p *Policy) Evict(req *abi.EvictRequest, out []abi.Victim) (int, error) {
+	p.age(req.Time)
 	t := p.track
 	n, freed := 0, uint64(0)
 	for lv := range uint64(Levels) {

@@ -257,3 +257,40 @@ func TestAgingMatchesHalvingEveryCount(t *testing.T) {
 		}
 	}
 }
+
+// TestEvictAgesToTheRequestTime: victims are scored at the eviction's time,
+// so that the host, merging the victims of shards by score, ranks an old
+// favourite of a shard that has seen no record since below a fresh entry
+// of another shard.
+func TestEvictAgesToTheRequestTime(t *testing.T) {
+	hl := uint64(time.Minute)
+	start := 1000 * hl
+	old := policytest.MustNew(t, lfu.New(), "half_life", "1m") // a shard with no record since
+	evs := []abi.AccessRecord{policytest.Rec(abi.AccessInsert, 1, start, 10)}
+	for k := range uint64(7) {
+		evs = append(evs, policytest.Rec(abi.AccessHit, 1, start+1+k, 10)) // 8 accesses: level 4
+	}
+	if err := old.Access(evs...); err != nil {
+		t.Fatal(err)
+	}
+	now := start + 10*hl // ten halvings: entry 1 is down to 0 accesses
+	fresh := policytest.MustNew(t, lfu.New(), "half_life", "1m")
+	if err := fresh.Access(policytest.Rec(abi.AccessInsert, 2, now, 10)); err != nil {
+		t.Fatal(err)
+	}
+	req := abi.EvictRequest{Bytes: 1 << 30, Time: now + 1, Mount: abi.AnyMount}
+	var vs []abi.Victim
+	for _, d := range []*policytest.Driver{old, fresh} {
+		got, err := d.Evict(req, 64)
+		if err != nil {
+			t.Fatal(err)
+		}
+		vs = append(vs, got...)
+	}
+	if want := lfu.Score(0, start+7); vs[0].Score != want {
+		t.Errorf("entry 1, its count aged to 0 at the request's time, scores %#x, want %#x (level 0)", vs[0].Score, want)
+	}
+	if vs[0].Score >= vs[1].Score {
+		t.Errorf("entry 1 (8 accesses ten half-lives ago) scores %#x, not below entry 2 (1 access now) at %#x", vs[0].Score, vs[1].Score)
+	}
+}
