@@ -9,7 +9,9 @@
 //
 //   - Names as package lru.
 //   - Every insert and hit counts one access; AccessRestore sets the count the
-//     host knows. Entries are kept on frequency levels: level
+//     host knows as of the record's time (the entry's last access), halved
+//     at every aging since, so that restores give alike histories alike
+//     counts whatever order they come in. Entries are kept on frequency levels: level
 //     bits.Len(accesses), at most 15 (so levels are powers of two: 1, 2-3,
 //     4-7, ...), each level in last-access order.
 //   - Aging: at every multiple of half_life since the Unix epoch that the
@@ -191,6 +193,12 @@ func (p *Policy) Access(recs []abi.AccessRecord) error {
 				e := t.Pool.At(j)
 				e.Hits = p.count(e)
 			}
+		} else if r.Kind == abi.AccessRestore && r.Time != 0 && r.Time < p.lastAged {
+			// The host's count is as of the entry's last access: halve it
+			// at every aging since, on a copy (the record is the host's).
+			rr := *r
+			rr.Hits >>= p.epoch - r.Time/p.halfLife
+			r = &rr
 		}
 		p.reserve()
 		if err := t.Apply(r); err != nil {

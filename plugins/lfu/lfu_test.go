@@ -294,3 +294,31 @@ func TestEvictAgesToTheRequestTime(t *testing.T) {
 		t.Errorf("entry 1 (8 accesses ten half-lives ago) scores %#x, not below entry 2 (1 access now) at %#x", vs[0].Score, vs[1].Score)
 	}
 }
+
+// TestRestoreAgesTheCountFromItsLastAccess: a restored count is the host's
+// count as of the entry's last access, halved at every aging since, so
+// that an instance rebuilt from RESTORE records ranks alike entries alike
+// whatever order they come in.
+func TestRestoreAgesTheCountFromItsLastAccess(t *testing.T) {
+	hl := uint64(time.Minute)
+	start := 1000 * hl
+	restore := func(e, at uint64, hits uint32) abi.AccessRecord {
+		r := policytest.Rec(abi.AccessRestore, e, at, 10)
+		r.Hits = hits
+		return r
+	}
+	d := policytest.MustNew(t, lfu.New(), "half_life", "1m")
+	// Entries 1 and 3 have the same history: 8 accesses, the last at start.
+	if err := d.Access(restore(1, start, 8), restore(2, start+10*hl, 1), restore(3, start, 8)); err != nil {
+		t.Fatal(err)
+	}
+	recs, err := d.Rank(start+10*hl, 1, 2, 3)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, r := range []abi.RankRecord{recs[0], recs[2]} {
+		if want := lfu.Rank(0, start, hl); r.Rank != want {
+			t.Errorf("entry %d (8 accesses ten half-lives ago) ranks %d, want %d (level 0)", r.Entry, r.Rank, want)
+		}
+	}
+}
