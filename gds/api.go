@@ -110,6 +110,16 @@ const (
 	batchFailed   batchStatus = 1 << 6
 )
 
+// final says whether an entry in the state is back from the library:
+// complete, failed, canceled, invalid or timed out.
+func (s batchStatus) final() bool {
+	switch s {
+	case batchComplete, batchFailed, batchCanceled, batchInvalid, batchTimeout:
+		return true
+	}
+	return false
+}
+
 // String names the state as cufile.h does.
 func (s batchStatus) String() string {
 	switch s {

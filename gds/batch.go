@@ -183,19 +183,20 @@ const abandonDrain = 5 * time.Second
 const stuckPoll = 100 * time.Millisecond
 
 // abandon cancels the worker's batch after err, with remaining of its
-// entries outstanding, and returns err once every entry has come back
-// (complete, failed or canceled): until then the library may still read
-// the entries or move bytes into the job's memory through the job's
-// handle, so the job must not end — its caller would release that memory
-// and the handle. Then the context is destroyed (its state is unknown; the
-// next batch sets up a new one).
+// entries outstanding (those not done), and returns err once every entry
+// has come back (complete, failed or canceled): until then the library
+// may still read the entries or move bytes into the job's memory through
+// the job's handle, so the job must not end — its caller would release
+// that memory and the handle. An event that brings no outstanding entry
+// back (backEvent) is not counted. Then the context is destroyed (its
+// state is unknown; the next batch sets up a new one).
 //
 // Entries still out after abandonDrain (or BatchTimeout) make the batch
 // stuck: counted (batchStats.Stuck), counted as a fault of the device
 // (Mover.DeviceFaults, which makes the daemon unready) and logged at error
 // level, and the worker goes on collecting them, without a bound, holding
 // the job. If they come back, the job's error says after how long.
-func (w *worker) abandon(b batchCtx, remaining int, err error) error {
+func (w *worker) abandon(b batchCtx, done []bool, remaining int, err error) error {
 	m := w.m
 	m.d.batch.abandoned.Add(1)
 	if cerr := b.cancel(); cerr != nil {
@@ -223,7 +224,12 @@ func (w *worker) abandon(b batchCtx, remaining int, err error) error {
 			time.Sleep(wait)
 			continue
 		}
-		remaining -= n
+		for _, ev := range w.events[:n] {
+			if i, e := backEvent(ev, done); e == nil {
+				done[i] = true
+				remaining--
+			}
+		}
 	}
 	w.dropBatch()
 	if stuck {
@@ -288,26 +294,26 @@ func (w *worker) runBatch(ctx context.Context, h *handle, dev uint64, pcs []piec
 	)
 	for remaining > 0 {
 		if err := ctx.Err(); err != nil {
-			return moved, w.abandon(b, remaining, fmt.Errorf("gds: batch with %d of %d entries outstanding: %w", remaining, len(pcs), err))
+			return moved, w.abandon(b, done, remaining, fmt.Errorf("gds: batch with %d of %d entries outstanding: %w", remaining, len(pcs), err))
 		}
 		wait := min(batchPoll, time.Until(deadline))
 		if wait <= 0 {
-			return moved, w.abandon(b, remaining, fmt.Errorf("%w: %d of %d entries outstanding after %v", errBatchTimeout, remaining, len(pcs), m.cfg.BatchTimeout))
+			return moved, w.abandon(b, done, remaining, fmt.Errorf("%w: %d of %d entries outstanding after %v", errBatchTimeout, remaining, len(pcs), m.cfg.BatchTimeout))
 		}
 		ev := w.events[:remaining]
 		n, err := b.status(remaining, ev, wait)
 		if err != nil {
-			return moved, w.abandon(b, remaining, fmt.Errorf("gds: cuFileBatchIOGetStatus: %w", err))
+			return moved, w.abandon(b, done, remaining, fmt.Errorf("gds: cuFileBatchIOGetStatus: %w", err))
 		}
-		// An event for an entry the batch does not have (or has back)
-		// abandons the batch, but only once the call's other events
-		// are counted: abandon waits for the entries still out.
+		// An event that brings no entry back (backEvent) abandons the
+		// batch, but only once the call's other events are counted:
+		// abandon waits for the entries still out.
 		var odd error
 		for _, e := range ev[:n] {
-			i := int(e.cookie)
-			if e.cookie >= uintptr(len(pcs)) || done[i] {
+			i, err := backEvent(e, done)
+			if err != nil {
 				if odd == nil {
-					odd = fmt.Errorf("gds: cuFileBatchIOGetStatus: event for unknown entry %d", e.cookie)
+					odd = fmt.Errorf("gds: cuFileBatchIOGetStatus: %w", err)
 				}
 				continue
 			}
@@ -336,7 +342,7 @@ func (w *worker) runBatch(ctx context.Context, h *handle, dev uint64, pcs []piec
 			}
 		}
 		if odd != nil {
-			return moved, w.abandon(b, remaining, odd)
+			return moved, w.abandon(b, done, remaining, odd)
 		}
 	}
 	if first != nil {
@@ -347,6 +353,23 @@ func (w *worker) runBatch(ctx context.Context, h *handle, dev uint64, pcs []piec
 	}
 	n, err := w.perCall(h, rest, write)
 	return moved + n, err
+}
+
+// backEvent returns the index of the entry that event e reports back,
+// or an error if it reports none back: a cookie the batch does not have,
+// an entry already back (done), or a state that is not final
+// (cuFileBatchIOGetStatus reports completions; an entry waiting or
+// pending is still the library's).
+func backEvent(e batchEvent, done []bool) (int, error) {
+	switch {
+	case e.cookie >= uintptr(len(done)):
+		return 0, fmt.Errorf("event for unknown entry %d", e.cookie)
+	case done[e.cookie]:
+		return 0, fmt.Errorf("second event for entry %d", e.cookie)
+	case !e.status.final():
+		return 0, fmt.Errorf("event for entry %d in state %s", e.cookie, e.status)
+	}
+	return int(e.cookie), nil
 }
 
 // perCall moves pcs one call each on this worker.

@@ -461,47 +461,90 @@ func TestMoverHoldsAJobWhoseCanceledBatchNeverComesBack(t *testing.T) {
 	}
 }
 
-// oddEventFake's batches report, in their first status call, the first
-// two entries' completions, an event for a cookie the batch never had and
-// the third entry's completion; the second call reports the fourth entry.
-// Later calls report nothing (after waiting their timeout) until release
-// is closed, then one completion each.
-type oddEventFake struct {
+// scriptedBatchFake's batches report what its script says, a line per
+// cuFileBatchIOGetStatus call: events by entry index (unknownEntry: a
+// cookie the batch never had), complete with all the entry's bytes unless
+// the event names another state. Past the script, calls report nothing
+// (after waiting their timeout) until release is closed, then each an
+// entry the script did not report back (complete, failed, canceled...),
+// in order.
+type scriptedBatchFake struct {
 	*goFake
+	script  [][]scriptedEvent
 	release chan struct{}
 }
 
-func (g *oddEventFake) hasBatch() bool                   { return true }
-func (g *oddEventFake) batchSetUp(int) (batchCtx, error) { return &oddEventBatch{g: g}, nil }
+// scriptedEvent is one event of a scriptedBatchFake's line.
+type scriptedEvent struct {
+	entry  int
+	status batchStatus // 0: batchComplete
+}
 
-type oddEventBatch struct {
-	g     *oddEventFake
+// unknownEntry is an entry index no batch of the tests has.
+const unknownEntry = 999
+
+func (g *scriptedBatchFake) hasBatch() bool                   { return true }
+func (g *scriptedBatchFake) batchSetUp(int) (batchCtx, error) { return &scriptedBatch{g: g}, nil }
+
+type scriptedBatch struct {
+	g     *scriptedBatchFake
 	ios   []batchIO
+	back  []bool // by entry: reported back
 	calls int
 }
 
-func (b *oddEventBatch) submit(ios []batchIO) error {
-	b.ios, b.calls = slices.Clone(ios), 0
+func (b *scriptedBatch) submit(ios []batchIO) error {
+	b.ios, b.back, b.calls = slices.Clone(ios), make([]bool, len(ios)), 0
 	return nil
 }
-func (b *oddEventBatch) cancel() error { return nil }
-func (b *oddEventBatch) destroy()      {}
+func (b *scriptedBatch) cancel() error { return nil }
+func (b *scriptedBatch) destroy()      {}
 
-func (b *oddEventBatch) status(_ int, ev []batchEvent, timeout time.Duration) (int, error) {
-	done := func(io batchIO) batchEvent { return batchEvent{cookie: io.cookie, status: batchComplete, ret: io.n} }
-	b.calls++
-	switch b.calls {
-	case 1:
-		return copy(ev, []batchEvent{done(b.ios[0]), done(b.ios[1]), {cookie: 999, status: batchComplete}, done(b.ios[2])}), nil
-	case 2:
-		return copy(ev, []batchEvent{done(b.ios[3])}), nil
+func (b *scriptedBatch) status(_ int, ev []batchEvent, timeout time.Duration) (int, error) {
+	event := func(i int, st batchStatus) batchEvent {
+		if st == 0 {
+			st = batchComplete
+		}
+		if i >= len(b.ios) {
+			return batchEvent{cookie: uintptr(i), status: st}
+		}
+		if st != batchWaiting && st != batchPending {
+			b.back[i] = true
+		}
+		return batchEvent{cookie: b.ios[i].cookie, status: st, ret: b.ios[i].n}
+	}
+	if b.calls < len(b.g.script) {
+		line := b.g.script[b.calls]
+		b.calls++
+		n := 0
+		for _, se := range line[:min(len(line), len(ev))] {
+			ev[n] = event(se.entry, se.status)
+			n++
+		}
+		return n, nil
 	}
 	select {
 	case <-b.g.release:
-		return copy(ev, []batchEvent{done(b.ios[0])}), nil
+		if i := slices.Index(b.back, false); i >= 0 && len(ev) > 0 {
+			ev[0] = event(i, batchComplete)
+			return 1, nil
+		}
+		return 0, nil
 	case <-time.After(timeout):
 		return 0, nil
 	}
+}
+
+// openScriptedBatchFake opens a driver over a scriptedBatchFake.
+func openScriptedBatchFake(t *testing.T, script [][]scriptedEvent) (*scriptedBatchFake, *Driver) {
+	t.Helper()
+	g := &scriptedBatchFake{goFake: newGoFake(), script: script, release: make(chan struct{})}
+	d, err := openAPI(g, Config{Logger: slog.New(slog.DiscardHandler), NVFSPath: filepath.Join(t.TempDir(), "none"), ConfigJSON: filepath.Join(t.TempDir(), "none.json")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { d.Close() })
+	return g, d
 }
 
 // An event for an entry the batch does not have fails the job, and the
@@ -510,12 +553,10 @@ func (b *oddEventBatch) status(_ int, ev []batchEvent, timeout time.Duration) (i
 // wait for entries the library already gave back, held for good with its
 // device counted as faulted.
 func TestMoverCountsABatchsCompletionsAfterAnUnknownEvent(t *testing.T) {
-	g := &oddEventFake{goFake: newGoFake(), release: make(chan struct{})}
-	d, err := openAPI(g, Config{Logger: slog.New(slog.DiscardHandler), NVFSPath: filepath.Join(t.TempDir(), "none"), ConfigJSON: filepath.Join(t.TempDir(), "none.json")})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { d.Close() })
+	// The first status call reports the first two entries, an event for
+	// a cookie the batch never had and the third entry; the second the
+	// fourth.
+	g, d := openScriptedBatchFake(t, [][]scriptedEvent{{{0, 0}, {1, 0}, {unknownEntry, 0}, {2, 0}}, {{3, 0}}})
 	m := newMover(t, d, MoverConfig{Workers: 1, AllowCompat: true, IO: IOBatch})
 	src := newHostDevice(t, 1, 1<<20, 0)
 	p := sparsePlan(src, 4, 4096, 1)
@@ -546,6 +587,54 @@ func TestMoverCountsABatchsCompletionsAfterAnUnknownEvent(t *testing.T) {
 	}
 	if faults := m.DeviceFaults(); len(faults) != 0 {
 		t.Errorf("DeviceFaults = %v, want none", faults)
+	}
+}
+
+// TestMoverHoldsAJobUntilEveryBatchEntryIsBack: an event that brings
+// no outstanding entry back is not counted as one: an event in a state
+// that is not final (waiting, pending: cuFile still has the entry), or,
+// once the batch is abandoned, a second event for an entry already back
+// or one for a cookie the batch never had. Counted, the job would end
+// while cuFile may still move bytes into its memory; instead it is held
+// as for entries that do not come back after the cancel (the batch
+// stuck, the device counted as faulted) until the library reports every
+// entry.
+func TestMoverHoldsAJobUntilEveryBatchEntryIsBack(t *testing.T) {
+	tests := []struct {
+		name   string
+		script [][]scriptedEvent
+		want   string // in the job's error
+	}{
+		{"an entry reported pending", [][]scriptedEvent{{{0, 0}, {1, 0}, {2, 0}, {3, batchPending}}}, "CUFILE_PENDING"},
+		{"an entry reported waiting", [][]scriptedEvent{{{0, 0}, {1, 0}, {2, batchWaiting}, {3, 0}}}, "CUFILE_WAITING"},
+		{"entries reported again after an unknown event", [][]scriptedEvent{{{0, 0}, {1, 0}, {unknownEntry, 0}}, {{0, 0}, {1, 0}}}, "unknown entry 999"},
+		{"unknown events after an unknown event", [][]scriptedEvent{{{0, 0}, {1, 0}, {unknownEntry, 0}}, {{unknownEntry, 0}, {unknownEntry + 1, 0}}}, "unknown entry 999"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			g, d := openScriptedBatchFake(t, tt.script)
+			m := newMover(t, d, MoverConfig{Workers: 1, AllowCompat: true, IO: IOBatch, BatchTimeout: 30 * time.Millisecond})
+			src := newHostDevice(t, 1, 1<<20, 0)
+			p := sparsePlan(src, 4, 4096, 1)
+			f := openFile(t, filepath.Join(t.TempDir(), "key"), os.O_RDWR)
+			res := make(chan error, 1)
+			go func() { _, err := m.WriteFile(context.Background(), f, p, nil); res <- err }()
+			waitFor(t, "WriteFile returning, or its batch stuck", func() bool {
+				return len(res) > 0 || d.batchStats().Stuck > 0
+			})
+			select {
+			case err := <-res:
+				t.Fatalf("WriteFile returned (%v) while entries of its batch were still out", err)
+			default:
+			}
+			close(g.release)
+			if err := <-res; err == nil || !strings.Contains(err.Error(), tt.want) || !strings.Contains(err.Error(), "came back") {
+				t.Fatalf("WriteFile = %v; want an error naming %q, saying when the entries came back", err, tt.want)
+			}
+			if faults := m.DeviceFaults(); faults[0] != 1 {
+				t.Errorf("DeviceFaults = %v, want 1 on device 0", faults)
+			}
+		})
 	}
 }
 
