@@ -7,7 +7,6 @@ import (
 	"context"
 	"errors"
 	"io"
-	"log/slog"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
@@ -539,12 +538,7 @@ func (b *scriptedBatch) status(_ int, ev []batchEvent, timeout time.Duration) (i
 func openScriptedBatchFake(t *testing.T, script [][]scriptedEvent) (*scriptedBatchFake, *Driver) {
 	t.Helper()
 	g := &scriptedBatchFake{goFake: newGoFake(), script: script, release: make(chan struct{})}
-	d, err := openAPI(g, Config{Logger: slog.New(slog.DiscardHandler), NVFSPath: filepath.Join(t.TempDir(), "none"), ConfigJSON: filepath.Join(t.TempDir(), "none.json")})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { d.Close() })
-	return g, d
+	return g, openGoAPI(t, g)
 }
 
 // An event for an entry the batch does not have fails the job, and the

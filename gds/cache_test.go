@@ -83,6 +83,19 @@ func (g *goFake) counts() (live, violations int) {
 	return len(g.live), g.violations
 }
 
+// openGoAPI opens a driver over a Go stand-in for cuFile (a goFake, or
+// one built on it), on a platform without nvidia-fs or a cufile.json:
+// compat mode, allowed.
+func openGoAPI(t *testing.T, a api) *Driver {
+	t.Helper()
+	d, err := openAPI(a, Config{Logger: slog.New(slog.DiscardHandler), NVFSPath: filepath.Join(t.TempDir(), "none"), ConfigJSON: filepath.Join(t.TempDir(), "none.json")})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { d.Close() })
+	return d
+}
+
 // openFiles creates n files and opens them read-write.
 func openFiles(t *testing.T, n int) []*os.File {
 	t.Helper()

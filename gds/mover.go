@@ -96,7 +96,9 @@ const featureBatchIO = 1 << 1
 // A Mover never lets the CPU see the bytes, so it computes no checksums.
 // A mount cuFile refuses, a compat-mode mount when AllowCompat is off, or a
 // region that is not device memory gets transfer.ErrUnsupported before any
-// byte moves; every other failure fails the transfer.
+// byte moves; every other failure fails the transfer. A job whose context
+// is done drops its work no worker has started (its file's registration,
+// its pieces), and ends once the work started has.
 type Mover struct {
 	d         *Driver
 	cfg       MoverConfig
@@ -127,7 +129,26 @@ type task struct {
 	ordinal int
 	run     func(w *worker) error
 	done    func(error)
+	// state is taskQueued until a worker starts the task or its job,
+	// whose context is done, drops it (start, drop): a dropped task is
+	// not run, and its job calls done.
+	state atomic.Int32
 }
+
+// Task states.
+const (
+	taskQueued = iota
+	taskStarted
+	taskDropped
+)
+
+// start claims t for the worker that took it from the queue: false if
+// its job dropped it.
+func (t *task) start() bool { return t.state.CompareAndSwap(taskQueued, taskStarted) }
+
+// drop claims t for its job, which no longer waits for it: false if a
+// worker started it.
+func (t *task) drop() bool { return t.state.CompareAndSwap(taskQueued, taskDropped) }
 
 // worker is one worker's state: the device its thread is bound to, its
 // pool of reusable batch contexts, one per device (each set up on the
@@ -190,6 +211,9 @@ func (m *Mover) worker() {
 	w := &worker{m: m, bound: -1, batches: map[int]batchCtx{}}
 	defer w.closeBatches()
 	for t := range m.tasks {
+		if !t.start() {
+			continue
+		}
 		if t.ordinal != w.bound && m.d.cfg.BindDevice != nil {
 			if err := m.d.cfg.BindDevice(t.ordinal); err != nil {
 				w.bound = -1
@@ -323,25 +347,41 @@ func directAligned(pcs []piece) error {
 	return nil
 }
 
-// submit queues t on the workers, unless the mover is closed.
-func (m *Mover) submit(t *task) error {
+// submit queues t on the workers, unless the mover is closed or ctx is
+// done first.
+func (m *Mover) submit(ctx context.Context, t *task) error {
 	m.mu.RLock()
 	defer m.mu.RUnlock()
 	if m.closed {
 		return errClosed
 	}
-	m.tasks <- t
-	return nil
+	select {
+	case m.tasks <- t:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
 }
 
-// runOne runs f on a worker bound to the device and waits for it.
-func (m *Mover) runOne(ordinal int, f func() error) error {
+// runOne runs f on a worker bound to the device and waits for it. If
+// ctx is done before a worker starts it, f is not run, and runOne
+// returns ctx's error.
+func (m *Mover) runOne(ctx context.Context, ordinal int, f func() error) error {
 	ch := make(chan error, 1)
 	run := func(*worker) error { return f() }
-	if err := m.submit(&task{ordinal: ordinal, run: run, done: func(err error) { ch <- err }}); err != nil {
+	t := &task{ordinal: ordinal, run: run, done: func(err error) { ch <- err }}
+	if err := m.submit(ctx, t); err != nil {
 		return err
 	}
-	return <-ch
+	select {
+	case err := <-ch:
+		return err
+	case <-ctx.Done():
+		if t.drop() {
+			return ctx.Err()
+		}
+		return <-ch
+	}
 }
 
 func (m *Mover) move(ctx context.Context, f fsys.File, p *transfer.Plan, write bool) (int64, error) {
@@ -374,7 +414,7 @@ func (m *Mover) move(ctx context.Context, f fsys.File, p *transfer.Plan, write b
 		return 0, err
 	}
 	var h *handle
-	err = m.runOne(ordinal, func() error {
+	err = m.runOne(ctx, ordinal, func() error {
 		var err error
 		h, err = m.d.cache.acquire(fd, key)
 		if capab.Mode == ModeUnknown && settles(err) {
@@ -382,6 +422,9 @@ func (m *Mover) move(ctx context.Context, f fsys.File, p *transfer.Plan, write b
 		}
 		return err
 	})
+	if cerr := ctx.Err(); err != nil && cerr != nil && errors.Is(err, cerr) {
+		return 0, err // the registration never ran: canceled while it waited
+	}
 	if err != nil {
 		// Registration failed: nothing moved, the engine may take
 		// another path.
@@ -437,6 +480,7 @@ func (m *Mover) move(ctx context.Context, f fsys.File, p *transfer.Plan, write b
 		emu.Unlock()
 		failed.Store(true)
 	}
+	var queued []*task
 	for _, u := range units {
 		if failed.Load() {
 			break
@@ -463,13 +507,25 @@ func (m *Mover) move(ctx context.Context, f fsys.File, p *transfer.Plan, write b
 			moved.Add(n)
 			return err
 		}
-		if err := m.submit(t); err != nil {
+		if err := m.submit(ctx, t); err != nil {
 			wg.Done()
 			fail(u.ordinal, err)
 			break
 		}
+		queued = append(queued, t)
 	}
+	// Once ctx is done, the tasks no worker has started are dropped: the
+	// job does not wait for the work queued before them (other jobs', a
+	// stuck batch's), and they never run.
+	stop := context.AfterFunc(ctx, func() {
+		for _, t := range queued {
+			if t.drop() {
+				t.done(ctx.Err())
+			}
+		}
+	})
 	wg.Wait()
+	stop()
 	for ordinal, err := range sticky {
 		m.deviceFault(ordinal, err)
 	}

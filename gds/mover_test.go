@@ -694,6 +694,149 @@ func TestMoverCanceledContextMovesNothing(t *testing.T) {
 	}
 }
 
+// gatedRegisterFake's registration of a file that has a gate says so on
+// registering (the file's inode number) and waits until the gate is
+// closed: a registration that takes long (a network file system that does
+// not answer) holds its worker. It counts writes by inode number.
+type gatedRegisterFake struct {
+	*goFake
+	registering chan uint64
+	gates       map[uint64]chan struct{} // by inode number; fixed before the driver opens
+	writes      map[uint64]int           // guarded by goFake.mu
+}
+
+func (g *gatedRegisterFake) handleRegister(fd int) (uintptr, error) {
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err == nil {
+		if gate, ok := g.gates[st.Ino]; ok {
+			g.registering <- st.Ino
+			<-gate
+		}
+	}
+	return g.goFake.handleRegister(fd)
+}
+
+func (g *gatedRegisterFake) write(h, b uintptr, n, o, bo int64) (int64, error) {
+	g.mu.Lock()
+	var st unix.Stat_t
+	if fd, ok := g.live[h]; ok && unix.Fstat(fd, &st) == nil {
+		g.writes[st.Ino]++
+	}
+	g.mu.Unlock()
+	return g.goFake.write(h, b, n, o, bo)
+}
+
+// TestMoverEndsACanceledJobWithoutWaitingForWorkQueuedBeforeIt: a job
+// whose context is done while its tasks wait behind other jobs' work
+// (here registrations that hold the only worker) ends at once, with the
+// context's error: its queued tasks never run, so nothing of it moves,
+// and no handle is registered for it.
+func TestMoverEndsACanceledJobWithoutWaitingForWorkQueuedBeforeIt(t *testing.T) {
+	tests := []struct {
+		name string
+		// pieces says which of the job's tasks wait: its pieces (its
+		// file registered, the worker then taken by another job's
+		// registration), else its file's registration.
+		pieces bool
+		// registrations is how many files are registered in the end:
+		// the canceled job's only where its registration ran.
+		registrations uint64
+	}{
+		{"its file's registration queued", false, 1},
+		{"its pieces queued", true, 3},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			dir := t.TempDir()
+			files := map[string]fsys.File{}
+			g := &gatedRegisterFake{goFake: newGoFake(), registering: make(chan uint64, 3), gates: map[uint64]chan struct{}{}, writes: map[uint64]int{}}
+			for _, name := range []string{"held", "then", "canceled"} {
+				f := openFile(t, filepath.Join(dir, name), os.O_RDWR)
+				files[name] = f
+				if name != "canceled" {
+					g.gates[fdIno(t, int(f.Fd()))] = make(chan struct{})
+				}
+			}
+			d := openGoAPI(t, g)
+			m := newMover(t, d, MoverConfig{Workers: 1, AllowCompat: true})
+			src := newHostDevice(t, 1, 1<<20, 0)
+			p := sparsePlan(src, 2, 4096, 1)
+			type result struct {
+				name string
+				n    int64
+				err  error
+			}
+			res := make(chan result, 3)
+			start := func(ctx context.Context, name string) {
+				go func() {
+					n, err := m.WriteFile(ctx, files[name], p, nil)
+					res <- result{name, n, err}
+				}()
+			}
+			open := func(name string) {
+				gate := g.gates[fdIno(t, int(files[name].Fd()))]
+				select {
+				case <-gate:
+				default:
+					close(gate)
+				}
+			}
+			defer func() { // whatever fails, the registrations end before the mover closes
+				open("held")
+				open("then")
+			}()
+			queued := func(n int) func() bool { return func() bool { return len(m.tasks) == n } }
+
+			start(context.Background(), "held")
+			<-g.registering // the worker is held
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			start(ctx, "canceled")
+			waitFor(t, "the canceled job's registration queued", queued(1))
+			jobs := 2
+			if tt.pieces {
+				// "then" registers after "canceled" and holds the
+				// worker while "canceled"'s pieces wait behind it
+				// (with "held"'s).
+				start(context.Background(), "then")
+				jobs++
+				waitFor(t, "the next job's registration queued", queued(2))
+				open("held")
+				<-g.registering
+				waitFor(t, "the canceled job's pieces queued", queued(2*len(p.Extents)))
+			}
+			cancel()
+			var r result
+			waitFor(t, "the canceled job ending", func() bool {
+				select {
+				case r = <-res:
+					return true
+				default:
+					return false
+				}
+			})
+			if r.name != "canceled" || !errors.Is(r.err, context.Canceled) || errors.Is(r.err, transfer.ErrUnsupported) || r.n != 0 {
+				t.Fatalf("job %s ended first: %d, %v; want canceled: 0, context.Canceled (not passed on)", r.name, r.n, r.err)
+			}
+			open("held")
+			open("then")
+			for range jobs - 1 {
+				if r := <-res; r.err != nil || r.n != p.Bytes() {
+					t.Errorf("job %s = %d, %v; want %d, nil", r.name, r.n, r.err, p.Bytes())
+				}
+			}
+			g.mu.Lock()
+			defer g.mu.Unlock()
+			if n := g.writes[fdIno(t, int(files["canceled"].Fd()))]; n != 0 {
+				t.Errorf("%d writes for the canceled job", n)
+			}
+			if n := d.HandleStats().Registrations; n != tt.registrations {
+				t.Errorf("%d files registered; want %d", n, tt.registrations)
+			}
+		})
+	}
+}
+
 func TestMoverConcurrentJobsOnManyFiles(t *testing.T) {
 	e := openFake(t, Config{MaxHandles: 4}, nil)
 	m := newMover(t, e.d, MoverConfig{Workers: 4, AllowCompat: true, MaxIO: 8192})
