@@ -94,11 +94,15 @@ const featureBatchIO = 1 << 1
 // OS threads. It implements transfer.Mover and transfer.Forgetter.
 //
 // A Mover never lets the CPU see the bytes, so it computes no checksums.
-// A mount cuFile refuses, a compat-mode mount when AllowCompat is off, or a
-// region that is not device memory gets transfer.ErrUnsupported before any
-// byte moves; every other failure fails the transfer. A job whose context
-// is done drops its work no worker has started (its file's registration,
-// its pieces), and ends once the work started has.
+// A region that is not device memory, a mount cuFile refuses, a
+// compat-mode mount (or a file open without O_DIRECT on a direct one) when
+// AllowCompat is off, a file whose registration fails, a Direct plan with
+// a piece whose file offset or length is not 4 KiB aligned, or a piece at
+// a device address not 4 KiB aligned on a direct mount gets
+// transfer.ErrUnsupported before any byte moves (docs/gds.md, "The
+// fallback chain"); every other failure fails the transfer. A job whose
+// context is done drops its work no worker has started (its file's
+// registration, its pieces), and ends once the work started has.
 type Mover struct {
 	d         *Driver
 	cfg       MoverConfig
