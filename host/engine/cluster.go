@@ -12,6 +12,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	"github.com/kvhost/kvhost/abi"
@@ -867,10 +868,11 @@ func (e *Engine) bytesOf(m *mount, tags map[uint32]bool) int64 {
 // (touchDir): a listing the file system client answered from its cache
 // could miss the dead node's newest files, and a node whose walk found
 // none of its files left is retired, its files then counted and removed
-// by no node. A file that cannot be read is skipped (removed meanwhile,
-// or not a kvhost file: the rebuild's business); so is a directory that
-// cannot be read, or not listed afresh, whose error it returns with the
-// others' once the walk is done (the caller walks again). The temporary
+// by no node. A file gone meanwhile, or not a kvhost file (the rebuild's
+// business), is skipped. So is a file whose read fails (readFailed: it
+// may be the dead node's), and a directory that cannot be read or not be
+// listed afresh, whose errors it returns once the walk is done (the
+// caller walks again). The temporary
 // files of those nodes it adds to temps, with their owner's tag
 // (clusterMount.cleanTemps). It returns how many files it indexed.
 func (e *Engine) adoptFiles(ctx context.Context, m *mount, tags map[uint32]bool, temps map[string]uint32) (int, error) {
@@ -914,6 +916,11 @@ func (e *Engine) adoptFiles(ctx context.Context, m *mount, tags map[uint32]bool,
 			en, err := e.readEntry(m.idx, path)
 			e.st.scanned.Add(1) // progress for Activity: the walk may take minutes, stores waiting on it
 			if err != nil {
+				if readFailed(err) {
+					// Whose file it is cannot be told: the walk is not
+					// complete (the caller walks again).
+					errs = append(errs, fmt.Errorf("engine: reading %s: %w", path, err))
+				}
 				continue
 			}
 			if o, ok := clustercap.Owner(en.fid); ok && tags[o] && e.adoptFound(ctx, en) != nil {
@@ -924,6 +931,14 @@ func (e *Engine) adoptFiles(ctx context.Context, m *mount, tags map[uint32]bool,
 	}
 	err := walk(m.root)
 	return n, errors.Join(append(errs, err)...)
+}
+
+// readFailed reports whether err, readEntry's, is the file system's
+// failure (an I/O error, a stale handle, a refused open) rather than the
+// file's being gone or not a kvhost file: the file may be anyone's.
+func readFailed(err error) bool {
+	var errno syscall.Errno
+	return errors.As(err, &errno) && !errors.Is(err, os.ErrNotExist)
 }
 
 // touchDir creates a temporary file in dir and removes it, so that the

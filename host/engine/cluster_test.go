@@ -957,3 +957,41 @@ func TestClusterLetsGoOfADeadNodeRetiredElsewhere(t *testing.T) {
 		t.Fatalf("D's cluster files gone (retired elsewhere), A still holds the adoption of %v", got)
 	}
 }
+
+// TestClusterNeverRetiresADeadNodeWhoseFileItsWalkCouldNotRead: node A
+// adopts dead node D, whose one file A's walk of the mount cannot open
+// (EIO). The walk cannot tell whose the file is, so it has not completed:
+// A must not retire D, which would leave the file counted and removed by
+// no node, and once the file reads again A's next walk counts it.
+func TestClusterNeverRetiresADeadNodeWhoseFileItsWalkCouldNotRead(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	var unreadable atomic.Value // the path whose open fails
+	unreadable.Store("")
+	a, clock := besideDeadNode(t, dir, 1, fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+		if op == fsys.OpOpen && path == unreadable.Load() {
+			return fsys.Fault{Err: syscall.EIO}
+		}
+		return fsys.Fault{}
+	}))
+	var files []string
+	for _, p := range dataFiles(t, dir) {
+		if !strings.Contains(p, "/"+clustercap.DirName+"/") {
+			files = append(files, p)
+		}
+	}
+	if len(files) != 1 {
+		t.Fatalf("%d data files after D's one store: %v", len(files), files)
+	}
+	unreadable.Store(files[0])
+	clock.advance(4 * time.Hour) // D's summary: stale
+	m := a.mounts[0]
+	m.cluster.tick(ctx, a, m)
+	if !isAdopted(a, "d") || len(clusterFiles(dir, "d")) != 3 {
+		t.Fatalf("A's walk could not read D's file, yet A retired D: adopted %v, D's cluster files %v", isAdopted(a, "d"), clusterFiles(dir, "d"))
+	}
+	unreadable.Store("")
+	clock.advance(time.Hour) // one interval: the walk is due again
+	m.cluster.tick(ctx, a, m)
+	wantDeadNodeStillAdopted(t, &node{e: a}, m, dir, "D's file, unreadable at A's first walk")
+}
