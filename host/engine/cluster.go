@@ -359,6 +359,9 @@ func (c *clusterMount) read(ctx context.Context, e *Engine, m *mount) error {
 	walk := map[uint32]bool{}    // adopted, their files not all indexed yet
 	names := map[uint32]string{} // the nodes of dead
 	runs := map[uint32]int64{}   // the runs of dead (runOf)
+	// The nodes whose summary this read could not use, their last one read
+	// standing in: a run since then is not seen (runOf), so none retires.
+	stood := map[string]bool{}
 	defer func() {
 		// The adopted tags are published once their files are indexed:
 		// a node counted as adopted is counted whole.
@@ -392,7 +395,7 @@ func (c *clusterMount) read(ctx context.Context, e *Engine, m *mount) error {
 			c.own += e.bytesOf(m, walk) - before
 		}
 		c.cleanTemps(e, dead)
-		c.retire(e, m, dead, names)
+		c.retire(e, m, dead, names, stood)
 	}()
 	adopt := func(node string, tag uint32, run int64) {
 		ok, err := c.dir.Adopt(node)
@@ -448,6 +451,11 @@ func (c *clusterMount) read(ctx context.Context, e *Engine, m *mount) error {
 	}
 	c.setTwin(e, m, twin)
 	c.readBad(e, m, bad, read, now, adopt)
+	for node := range c.bad {
+		if read[node] {
+			stood[node] = true
+		}
+	}
 	if len(touched) == 0 {
 		return nil
 	}
@@ -495,19 +503,22 @@ func (c *clusterMount) setTwin(e *Engine, m *mount, twin string) {
 
 // retire retires the dead nodes of dead (names: their names) whose
 // files are all gone: a walk of the mount completed (c.walked), no entry
-// of theirs is left on m, no temporary file of theirs either (c.temps).
+// of theirs is left on m, no temporary file of theirs either (c.temps);
+// but not one in stood, whose summary the read could not use (the last
+// one read stood in for it): it may have run, and stored files, since
+// the walk (runOf could not tell).
 // Dir.Retire removes their summaries, locks and adoption files; a node
 // retired leaves dead (and c.walked). Then it lets go of every adoption
 // this node holds of a node not in dead: one retired by another node
 // meanwhile (in neither of ReadAll's lists), or one whose summary could
 // not be read (unknown). Called with c.mu held.
-func (c *clusterMount) retire(e *Engine, m *mount, dead map[uint32]bool, names map[uint32]string) {
+func (c *clusterMount) retire(e *Engine, m *mount, dead map[uint32]bool, names map[uint32]string, stood map[string]bool) {
 	temps := map[uint32]bool{}
 	for _, tag := range c.temps {
 		temps[tag] = true
 	}
 	for tag := range dead {
-		if _, ok := c.walked[tag]; !ok || temps[tag] || e.bytesOf(m, map[uint32]bool{tag: true}) > 0 {
+		if _, ok := c.walked[tag]; !ok || temps[tag] || stood[names[tag]] || e.bytesOf(m, map[uint32]bool{tag: true}) > 0 {
 			continue
 		}
 		ok, err := c.dir.Retire(names[tag])

@@ -897,34 +897,60 @@ func wantDeadNodeStillAdopted(t *testing.T, a *node, m *mount, dir, what string)
 // and stops again, its new summary stale by A's next read. That read
 // finds D dead as before, but of a newer run: A must walk the mount for
 // D's files again, not retire D on the walk of its earlier run and leave
-// D's new file counted and removed by no node.
+// D's new file counted and removed by no node. Where that read cannot
+// read D's new summary (EIO: D's last summary read stands in for it), A
+// must not retire D on it either, and walks again once it reads it.
 func TestClusterNeverRetiresADeadNodeThatRanAgainBetweenTwoReads(t *testing.T) {
-	ctx := context.Background()
-	dir := t.TempDir()
-	r := rand.New(rand.NewPCG(5, 5))
-	clock := newTestClock()
-	a := clusterNodeAt(t, dir, "a", 1<<30, time.Hour, clock.now)
-	d := clusterNode(t, dir, "d", 1<<30, time.Hour)
-	first := storeKeys(t, d, "d", 1, r)
-	if err := d.e.Close(ctx); err != nil {
-		t.Fatal(err)
+	tests := []struct {
+		name       string
+		unreadable bool // A's first read after D's second run cannot open D's summary
+	}{
+		{"its summary read", false},
+		{"its summary unreadable at first", true},
 	}
-	clock.advance(4 * time.Hour) // D's summary: stale
-	m := a.e.mounts[0]
-	m.cluster.tick(ctx, a.e, m)
-	if !isAdopted(a.e, "d") || a.e.Stats().Mounts[0].Entries != 1 {
-		t.Fatal("A did not adopt D")
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			ctx := context.Background()
+			dir := t.TempDir()
+			r := rand.New(rand.NewPCG(5, 5))
+			clock := newTestClock()
+			sum := filepath.Join(dir, clustercap.DirName, "d.summary")
+			var fail atomic.Bool
+			a := clusterNodeOf(t, Config{Mounts: []Mount{{Path: dir, ClusterCapacity: 1 << 30, ClusterInterval: time.Hour}}, NodeID: "a", Now: clock.now,
+				FS: &fsys.Faulty{FS: fsys.OS{}, Inj: fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+					if op == fsys.OpOpen && path == sum && fail.Load() {
+						return fsys.Fault{Err: syscall.EIO}
+					}
+					return fsys.Fault{}
+				})}})
+			d := clusterNode(t, dir, "d", 1<<30, time.Hour)
+			first := storeKeys(t, d, "d", 1, r)
+			if err := d.e.Close(ctx); err != nil {
+				t.Fatal(err)
+			}
+			clock.advance(4 * time.Hour) // D's summary: stale
+			m := a.e.mounts[0]
+			m.cluster.tick(ctx, a.e, m)
+			if !isAdopted(a.e, "d") || a.e.Stats().Mounts[0].Entries != 1 {
+				t.Fatal("A did not adopt D")
+			}
+			if n, err := a.e.Delete(ctx, a.ns, first); err != nil || n != 1 {
+				t.Fatalf("delete D's first key on A: %d %v", n, err)
+			}
+			d = clusterNode(t, dir, "d", 1<<30, time.Hour) // D runs again, on the wall clock: stale by A's
+			storeKeys(t, d, "dagain", 1, r)
+			if err := d.e.Close(ctx); err != nil {
+				t.Fatal(err)
+			}
+			if tt.unreadable {
+				fail.Store(true)
+				m.cluster.tick(ctx, a.e, m)
+				fail.Store(false)
+			}
+			m.cluster.tick(ctx, a.e, m)
+			wantDeadNodeStillAdopted(t, a, m, dir, "D's file of its second run")
+		})
 	}
-	if n, err := a.e.Delete(ctx, a.ns, first); err != nil || n != 1 {
-		t.Fatalf("delete D's first key on A: %d %v", n, err)
-	}
-	d = clusterNode(t, dir, "d", 1<<30, time.Hour) // D runs again, on the wall clock: stale by A's
-	storeKeys(t, d, "dagain", 1, r)
-	if err := d.e.Close(ctx); err != nil {
-		t.Fatal(err)
-	}
-	m.cluster.tick(ctx, a.e, m)
-	wantDeadNodeStillAdopted(t, a, m, dir, "D's file of its second run")
 }
 
 // TestClusterLetsGoOfADeadNodeRetiredElsewhere: node A adopted dead node
