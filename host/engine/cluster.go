@@ -104,8 +104,9 @@ type clusterMount struct {
 
 // clusterRun is the engine's cluster loops.
 type clusterRun struct {
-	stop chan struct{}
-	wg   sync.WaitGroup
+	stop   chan struct{}
+	cancel context.CancelFunc // ends the loops' context: a walk of the mount stops
+	wg     sync.WaitGroup
 }
 
 // fileID draws the id of a file about to be written: with a cluster
@@ -158,13 +159,20 @@ func (e *Engine) openCluster(ctx context.Context) error {
 			}
 		}
 		c.tick(ctx, e, m)
+		if err := ctx.Err(); err != nil { // the tick stopped short: no summary
+			e.closeCluster()
+			return fmt.Errorf("engine: mount %s: %w", m.root, err)
+		}
 	}
 	return nil
 }
 
-// startCluster starts one loop per cluster mount.
+// startCluster starts one loop per cluster mount. Its ticks run under a
+// context of their own, which closeCluster ends: an adoption walk of the
+// mount under way stops at its next file, Close does not wait for it.
 func (e *Engine) startCluster(ctx context.Context) {
 	e.clusterRun.stop = make(chan struct{})
+	ctx, e.clusterRun.cancel = context.WithCancel(context.WithoutCancel(ctx))
 	for _, m := range e.mounts {
 		if m.cluster == nil {
 			continue
@@ -179,7 +187,7 @@ func (e *Engine) startCluster(ctx context.Context) {
 				case <-e.clusterRun.stop:
 					return
 				case <-t.C:
-					m.cluster.tick(context.WithoutCancel(ctx), e, m)
+					m.cluster.tick(ctx, e, m)
 				}
 			}
 		}()
@@ -190,6 +198,7 @@ func (e *Engine) startCluster(ctx context.Context) {
 // summaries stay (this node's files do).
 func (e *Engine) closeCluster() {
 	if e.clusterRun.stop != nil {
+		e.clusterRun.cancel()
 		close(e.clusterRun.stop)
 		e.clusterRun.wg.Wait()
 		e.clusterRun.stop = nil
@@ -384,7 +393,9 @@ func (c *clusterMount) read(ctx context.Context, e *Engine, m *mount) error {
 			if err != nil {
 				c.rewalkWait = min(max(2*c.rewalkWait, c.interval), maxRewalkIntervals*c.interval)
 				c.rewalkAt = now + c.rewalkWait.Nanoseconds()
-				e.log.Warn("engine: cluster: indexing a dead node's files; walking the mount again later", "mount", m.root, "in", c.rewalkWait, "err", err)
+				if ctx.Err() == nil { // else the engine closes: the walk stopped
+					e.log.Warn("engine: cluster: indexing a dead node's files; walking the mount again later", "mount", m.root, "in", c.rewalkWait, "err", err)
+				}
 			} else {
 				c.rewalkWait = 0
 				for tag := range walk {
@@ -623,6 +634,9 @@ func (c *clusterMount) tick(ctx context.Context, e *Engine, m *mount) {
 	defer c.mu.Unlock()
 	start := e.now().UnixNano()
 	err := c.read(ctx, e, m)
+	if ctx.Err() != nil {
+		return // the engine closes, or its start was cancelled: a walk stopped short
+	}
 	own, bytes, touches := c.count(ctx, e, m)
 	c.own = bytes
 	if err != nil {
@@ -923,6 +937,9 @@ func (e *Engine) adoptFiles(ctx context.Context, m *mount, tags map[uint32]bool,
 			}
 			if !d.Type().IsRegular() {
 				continue
+			}
+			if err := ctx.Err(); err != nil {
+				return err
 			}
 			en, err := e.readEntry(m.idx, path)
 			e.st.scanned.Add(1) // progress for Activity: the walk may take minutes, stores waiting on it

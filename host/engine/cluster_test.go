@@ -1021,3 +1021,58 @@ func TestClusterNeverRetiresADeadNodeWhoseFileItsWalkCouldNotRead(t *testing.T) 
 	m.cluster.tick(ctx, a, m)
 	wantDeadNodeStillAdopted(t, &node{e: a}, m, dir, "D's file, unreadable at A's first walk")
 }
+
+// TestClusterCloseStopsAnAdoptionWalkUnderWay: node A's cluster loop
+// adopts dead node D (8 files) and walks the mount for D's files. Close,
+// called while the walk lists D's directory, stops the walk there: it
+// must not wait for the walk to read the files and directories left
+// (minutes on a large mount).
+func TestClusterCloseStopsAnAdoptionWalkUnderWay(t *testing.T) {
+	dir := t.TempDir()
+	entered, release := make(chan struct{}), make(chan struct{})
+	var once sync.Once
+	var released atomic.Bool
+	var after atomic.Int64 // the walk's reads of data files and directories after the release
+	a := openEngine(t, Config{Mounts: []Mount{{Path: dir, ClusterCapacity: 1 << 30, ClusterInterval: 20 * time.Millisecond}},
+		Policy: newTestPolicy(1, abi.OrderLayerMajor), NodeID: "a",
+		FS: &fsys.Faulty{FS: fsys.OS{}, Inj: fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+			switch {
+			case strings.Contains(path, clustercap.DirName):
+			case op == fsys.OpReadDir && path != dir && !released.Load():
+				once.Do(func() { close(entered); <-release })
+			case op == fsys.OpReadDir && path != dir, op == fsys.OpOpen && strings.HasSuffix(path, ".kv"):
+				if released.Load() {
+					after.Add(1)
+				}
+			}
+			return fsys.Fault{}
+		})}})
+	d := clusterNode(t, dir, "d", 1<<30, 20*time.Millisecond)
+	storeKeys(t, d, "d", 8, rand.New(rand.NewPCG(8, 9)))
+	if err := d.e.Close(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	isClosed := func(ch chan struct{}) func() bool {
+		return func() bool {
+			select {
+			case <-ch:
+				return true
+			default:
+				return false
+			}
+		}
+	}
+	testwait.Until(t, "A adopting dead node D and walking the mount", 30*time.Second, isClosed(entered))
+	stop := a.clusterRun.stop
+	closed := make(chan error, 1)
+	go func() { closed <- a.Close(context.Background()) }()
+	testwait.Until(t, "A's Close stopping its cluster loop", 30*time.Second, isClosed(stop))
+	released.Store(true)
+	close(release)
+	if err := <-closed; err != nil {
+		t.Fatal(err)
+	}
+	if n := after.Load(); n > 0 {
+		t.Fatalf("A's Close waited for its adoption walk to read %d more files and directories", n)
+	}
+}
