@@ -91,7 +91,15 @@ func (e *Engine) reserveUsed(ctx context.Context, m *mount, size int64) (err err
 		return nil
 	}
 	used, capacity := e.space.usage(m.sp)
-	return fmt.Errorf("%w: mount %s: %d of %d bytes used, %d more needed, no evictable entry left", ErrNoSpace, m.root, used, capacity, size)
+	why := "no evictable entry left"
+	if c := m.cluster; c != nil {
+		c.mu.Lock()
+		if twin := c.twinNote(); twin != "" {
+			why = twin
+		}
+		c.mu.Unlock()
+	}
+	return fmt.Errorf("%w: mount %s: %d of %d bytes used, %d more needed, %s", ErrNoSpace, m.root, used, capacity, size, why)
 }
 
 // unreserve gives back a reservation of size bytes on m that no file took

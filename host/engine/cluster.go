@@ -496,6 +496,15 @@ func (c *clusterMount) read(ctx context.Context, e *Engine, m *mount) error {
 // node ran again since (and may have stored files meanwhile).
 func runOf(s *clustercap.Summary) int64 { return s.Time }
 
+// twinNote says why none of this node's files is evictable while a twin
+// runs (setTwin), naming it; "" without one. Called with c.mu held.
+func (c *clusterMount) twinNote() string {
+	if c.twin == "" {
+		return ""
+	}
+	return fmt.Sprintf("none of its files evictable while node %q runs with its owner tag", c.twin)
+}
+
 // setTwin records twin, a running node of this node's owner tag that a
 // read found ("" if none), logging when one is found and when none is
 // left. Called with c.mu held.
@@ -761,8 +770,8 @@ func (e *Engine) clusterReserve(ctx context.Context, m *mount, size int64) error
 		if c.own+size > limit {
 			c.claim = max(last, c.own)
 			why := "no evictable file of its own left"
-			if c.twin != "" {
-				why = fmt.Sprintf("none of its files evictable while node %q runs with its owner tag", c.twin)
+			if twin := c.twinNote(); twin != "" {
+				why = twin
 			}
 			return fmt.Errorf("%w: mount %s: this node holds %d bytes and may hold %d of the cluster's %d, %d more needed, %s",
 				ErrNoSpace, m.root, c.own, limit, c.bound.Capacity, size, why)

@@ -118,25 +118,9 @@ func TestClusterCapacityBoundsTheMountAndKeepsAnotherLiveNodesFiles(t *testing.T
 // and the files on the mount stay within the bound.
 func TestClusterNodesOfOneTagStartedAtOnceRemoveNoneOfEachOthersFiles(t *testing.T) {
 	ctx := context.Background()
-	const busyID, idleID = "node32659", "node41684"
-	if clustercap.Tag(busyID) != clustercap.Tag(idleID) {
-		t.Fatalf("node ids %s and %s: tags %#x and %#x, want one", busyID, idleID, clustercap.Tag(busyID), clustercap.Tag(idleID))
-	}
 	capacity := 8 * oneFileBytes(t)
 	dir := t.TempDir()
-	var idle *node
-	var once sync.Once
-	idleStarts := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
-		if op == fsys.OpRename && strings.HasSuffix(path, "/"+busyID+".summary") {
-			once.Do(func() { idle = clusterNode(t, dir, idleID, capacity, time.Hour) })
-		}
-		return fsys.Fault{}
-	})
-	busy := clusterNodeOf(t, Config{Mounts: []Mount{{Path: dir, ClusterCapacity: capacity, ClusterInterval: 20 * time.Millisecond}},
-		NodeID: busyID, FS: &fsys.Faulty{FS: fsys.OS{}, Inj: idleStarts}})
-	if idle == nil {
-		t.Fatal("the idle node did not start during the busy node's start")
-	}
+	busy, idle := twinNodes(t, Mount{Path: dir, ClusterCapacity: capacity, ClusterInterval: 20 * time.Millisecond})
 	r := rand.New(rand.NewPCG(41, 41))
 	idleKeys := storeKeys(t, idle, "idle", 2, r)
 	var idleFiles []string
@@ -167,6 +151,61 @@ func TestClusterNodesOfOneTagStartedAtOnceRemoveNoneOfEachOthersFiles(t *testing
 			t.Errorf("the idle node's file %s is gone: the busy node of its tag removed it (%v)", f, err)
 		}
 	}
+}
+
+// twinNodes opens two nodes of one owner tag on mnt at once: the busy
+// one on mnt, and, during its start (before its first summary is there,
+// so that neither start refuses), the idle one, with mnt's cluster
+// capacity and an hour's interval.
+func twinNodes(t *testing.T, mnt Mount) (busy, idle *node) {
+	t.Helper()
+	const busyID, idleID = "node32659", "node41684"
+	if clustercap.Tag(busyID) != clustercap.Tag(idleID) {
+		t.Fatalf("node ids %s and %s: tags %#x and %#x, want one", busyID, idleID, clustercap.Tag(busyID), clustercap.Tag(idleID))
+	}
+	var once sync.Once
+	idleStarts := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+		if op == fsys.OpRename && strings.HasSuffix(path, "/"+busyID+".summary") {
+			once.Do(func() { idle = clusterNode(t, mnt.Path, idleID, mnt.ClusterCapacity, time.Hour) })
+		}
+		return fsys.Fault{}
+	})
+	busy = clusterNodeOf(t, Config{Mounts: []Mount{mnt}, NodeID: busyID, FS: &fsys.Faulty{FS: fsys.OS{}, Inj: idleStarts}})
+	if idle == nil {
+		t.Fatal("the idle node did not start during the busy node's start")
+	}
+	return busy, idle
+}
+
+// TestAStoreRefusedForLocalRoomBesideATwinNamesIt: two nodes of one owner
+// tag run (twinNodes); the busy one indexes the idle one's 2 files and
+// stores past its mount's own capacity of 4 files. It may evict none of
+// the tag's files, so its stores fail for room, and the error names the
+// other node, whose node_id the operator must change.
+func TestAStoreRefusedForLocalRoomBesideATwinNamesIt(t *testing.T) {
+	ctx := context.Background()
+	fileBytes := oneFileBytes(t)
+	busy, idle := twinNodes(t, Mount{Path: t.TempDir(), Capacity: 4 * fileBytes, ClusterCapacity: 1 << 30, ClusterInterval: 20 * time.Millisecond})
+	r := rand.New(rand.NewPCG(43, 43))
+	idleKeys := storeKeys(t, idle, "idle", 2, r)
+	if n, _ := busy.e.Lookup(ctx, busy.ns, idleKeys); n != 2 {
+		t.Fatalf("the busy node finds %d of the idle node's 2 files", n)
+	}
+	testwait.Until(t, "the busy node finding its twin", 30*time.Second, busy.e.mounts[0].cluster.twinned.Load)
+	for i := range 8 {
+		bl := []int{4 * (i % 16), 4*(i%16) + 1, 4*(i%16) + 2, 4*(i%16) + 3}
+		busy.c.fill(r, bl)
+		res := wait(t)(busy.e.Store(ctx, StoreRequest{Cache: busy.c.id, Keys: testKeys(fmt.Sprintf("busy%02d", i), 1), Blocks: [][]int{bl}}))
+		kr := res.Keys[0]
+		if kr.Outcome == OutcomeStored {
+			continue
+		}
+		if !errors.Is(kr.Err, ErrNoSpace) || !strings.Contains(kr.Err.Error(), idle.e.node) {
+			t.Fatalf("busy node's store %d beside its twin %s, its mount full: %v, %v; want ErrNoSpace naming the twin", i, idle.e.node, kr.Outcome, kr.Err)
+		}
+		return
+	}
+	t.Fatal("the busy node stored 8 files on a mount of 4 files' capacity, 2 of them its twin's")
 }
 
 // rankingPolicy is testPolicy with abi.FeatureRank: an entry ranks by its
