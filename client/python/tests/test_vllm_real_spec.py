@@ -332,6 +332,35 @@ class TestRealSpec(RealSpecCase):
         self.assertEqual(w.counters()["failed_load_jobs"], 0)
         m.complete_load(ks, ctx)
 
+    def test_reset_cache_forgets_the_stores_and_loads_vllm_will_never_complete(self):
+        # vLLM's scheduler discards its in-flight jobs at reset_cache (its
+        # _stale_job_threshold): complete_store and complete_load never
+        # come for them. A key still counted as being stored would answer
+        # HIT_PENDING, deferring every request with it for ever, and never
+        # be offered to store again; keys counted as being loaded would
+        # stay pinned and answer HIT for ever.
+        api = self.api
+        spec = self.spec(pin_lease_s=1, hit_window_s=0.2)
+        m = self.manager(spec)
+        w, _ = self.worker(spec)
+        ctx = api.ReqContext(req_id="reset")
+        ks = [key(i, "reset-loaded") for i in range(3)]
+        self.stored(spec, m, ks)
+        for k in ks:
+            self.assertEqual(self.settle(m, k, ctx), api.LookupResult.HIT)
+        m.prepare_load(ks, ctx)
+        storing = key(0, "reset-storing")
+        self.assertEqual(list(m.prepare_store([storing], ctx).keys_to_store), [storing])
+
+        m.reset_cache()
+        c = m.counters()
+        self.assertEqual((c["storing_now"], c["loading_now"]), (0, 0))
+        self.assertEqual(self.settle(m, storing, ctx), api.LookupResult.MISS)
+        # vLLM offloads again from chunk 0 after a reset.
+        self.assertEqual(list(m.prepare_store([storing], ctx).keys_to_store), [storing])
+        # The loads vLLM flushes keep their pins a hit window, then lose them.
+        d.wait_for(lambda: m.counters()["pinned_now"] == 0, what="the loaded keys' pins to be released")
+
     def test_get_stats_survives_vllms_aggregate_every_step(self):
         spec = self.spec()
         m = self.manager(spec)

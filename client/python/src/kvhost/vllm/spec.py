@@ -444,11 +444,20 @@ class SpecManager(Reconnects):
             return bool(self._pending) and self._broken is None and not self._closing
 
     def reset_cache(self):
-        """Forgets every answer and releases every pin (stored data stays)."""
+        """Forgets every answer, every store and load in progress, and
+        releases every pin (stored data stays). vLLM discards its jobs in
+        flight here: complete_store and complete_load never come for them.
+        The keys of loads it still flushes to the workers keep their pins
+        for hit_window_s from now, then are released as unused hits are."""
         with self._cv:
+            until = time.monotonic() + self._opts["hit_window_s"]
             for k in list(self._pinned):
-                if not self._loading[k]:
+                if self._loading[k]:
+                    self._pinned[k] = (self._pinned[k][0], until)
+                else:
                     self._releases += self._release_locked(k)
+            self._loading.clear()
+            self._storing.clear()
             self._missing.clear()
             self._stored_at.clear()
             self._cv.notify_all()
