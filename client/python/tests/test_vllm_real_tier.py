@@ -179,6 +179,21 @@ class FactoryAndCallOrder(RealTieringCase):
         self.assertEqual(c["stored_keys"], 4)
         self.assertEqual(c["loaded_keys"], 4)
 
+    def test_events_carry_the_locality_the_tier_was_given_as_vllms_tiers_do(self):
+        # vLLM's fs and obj tiers put their locality on every event, which
+        # its KV events publish: a REMOTE tier's blocks must not show as
+        # local ones.
+        h = self.engine(tier={"locality": "REMOTE"})
+        m, ctx = h.manager, self.ctx()
+        m.on_new_request(ctx)
+        ks = [key(i, "locality") for i in range(2)]
+        self.offload(h, ks, ctx)
+        tier = m.secondary_tiers[0]
+        self.assertEqual(tier.locality, self.api.Locality.REMOTE)
+        events = [e for e in tier.take_events()]
+        self.assertEqual([(sorted(e.keys), e.removed) for e in events], [(sorted(ks), False)])
+        self.assertEqual([e.locality for e in events], [self.api.Locality.REMOTE])
+
     def test_a_second_engine_of_the_same_model_loads_the_first_ones_rows(self):
         a, b = self.engine(), self.engine()
         ctx = self.ctx()

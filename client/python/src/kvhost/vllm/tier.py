@@ -30,7 +30,7 @@ from .. import protocol as p
 from ..client import Client, KvhostError, Layer, default_socket
 from ..memory import HostBuffer
 from . import _compat, _metrics, _namespace
-from ._common import (Reconnects, check_request_timeout, check_seconds, daemon_key as _daemon_key,
+from ._common import (Reconnects, check_request_timeout, check_seconds, daemon_key as _daemon_key, has_field,
                       lost_connection as _lost_connection, mapping_of as _mapping_of, merge_options, open_mapped as _open_mapped,
                       pick_medium as _pick_medium, reason, wait_ended)
 
@@ -150,6 +150,8 @@ class _TierImpl(Reconnects):
                       tier_type=tier_type, **kw)
         self.tier_type = tier_type
         self.locality = _compat.locality(api, locality)
+        # Events carry it, as vLLM's own tiers' do (its KV events publish it).
+        self._event_fields = {"locality": self.locality} if has_field(api.OffloadingEvent, "locality") else {}
         self._spec = offloading_spec
         o = self._opts = _options(own)
         self._medium = _pick_medium(api, o["medium"])
@@ -591,11 +593,11 @@ class _TierImpl(Reconnects):
         if load:
             gone = [k for k, o in zip(keys, outcomes) if o == p.OUTCOME_MISSING]
             if gone:
-                events.append(api.OffloadingEvent(keys=gone, medium=self._medium, removed=True))
+                events.append(api.OffloadingEvent(keys=gone, medium=self._medium, removed=True, **self._event_fields))
         else:
             new = [k for k, o in zip(keys, outcomes) if o == p.OUTCOME_STORED]
             if new:
-                events.append(api.OffloadingEvent(keys=new, medium=self._medium, removed=False))
+                events.append(api.OffloadingEvent(keys=new, medium=self._medium, removed=False, **self._event_fields))
         result = api.JobResult(job_id=job_id, success=success, successful_keys=good)
         if hasattr(result, "transfer_time"):
             result.transfer_time = seconds
