@@ -35,16 +35,17 @@ def kvhost_binary():
 
 
 class Daemon:
-    """kvhost serving dir (a cache root) on a socket in a fresh temp dir."""
+    """kvhost serving dir (a cache root) on a socket in a fresh temp dir;
+    server_toml adds lines to its [server] table."""
 
-    def __init__(self, capacity="1GiB", dir=None, extra_toml="", after_toml=""):
+    def __init__(self, capacity="1GiB", dir=None, extra_toml="", after_toml="", server_toml=""):
         self.tmp = tempfile.mkdtemp(prefix="kvhost-pytest-")
         self.dir = dir or os.path.join(self.tmp, "blocks")
         os.makedirs(self.dir, exist_ok=True)
         self.socket = os.path.join(self.tmp, "kvhost.sock")
         self.config = os.path.join(self.tmp, "kvhost.toml")
         with open(self.config, "w") as f:
-            f.write(f'[server]\nsocket = "{self.socket}"\n\n[log]\nlevel = "warn"\nformat = "json"\n\n'
+            f.write(f'[server]\nsocket = "{self.socket}"\n{server_toml}\n\n[log]\nlevel = "warn"\nformat = "json"\n\n'
                     f'[policy]\ncache_dir = "{os.path.join(self.tmp, "wasm-cache")}"\n\n'
                     f'{extra_toml}\n[[mount]]\npath = "{self.dir}"\ncapacity = "{capacity}"\n'
                     f'{after_toml}\n')

@@ -652,6 +652,51 @@ class TestDaemonRestart(SpecCase):
         self.assertEqual(w.counters()["load_retries"], 0)
 
 
+@unittest.skipUnless(HAVE_TORCH, "torch is not installed")
+class TestJobLimit(SpecCase):
+    """A daemon that takes one job in flight per connection (its
+    max_inflight_jobs, 256 by default, which a worker's stores can fill)."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.daemon = d.Daemon(capacity=cls.capacity, server_toml="max_inflight_jobs = 1")
+
+    def test_a_load_refused_while_stores_fill_the_connection_is_sent_again_not_failed(self):
+        # vLLM's connector asserts every load's success: a load the daemon
+        # refuses because the worker's stores hold every job slot of the
+        # connection must wait for room and load byte for byte.
+        spec = self.spec()
+        m = self.manager(spec)
+        caches, tensors = self.caches(seed=53)
+        w = self.worker(spec, caches)
+        ks = keys(4, "room")
+        self.store(m, w, ks, [0, 1, 2, 3])
+        for k in ks:
+            self.answer(m, k, S.LookupResult.HIT)
+        want = rows(tensors, [0, 1, 2, 3])
+        dst = [60, 61, 62, 63]
+        for t in tensors:
+            t[dst[0]:dst[-1] + 1].zero_()
+        load = m.prepare_load(ks, CTX)
+        big = keys(56, "room-store")
+        out = m.prepare_store(big, CTX)
+        self.daemon.freeze()  # both jobs reach it together: the store holds the slot when the load comes
+        try:
+            self.assertTrue(w.submit_store(1, S.GPULoadStoreSpec(list(range(4, 60)), [56], [0]), out.store_spec))
+            self.assertTrue(w.submit_load(2, load, S.GPULoadStoreSpec(dst, [4], [0])))
+        finally:
+            self.daemon.thaw()
+        w.wait({1, 2})
+        res = {}
+        d.wait_for(lambda: res.update((r.job_id, r) for r in w.get_finished()) or len(res) == 2,
+                   what="both results")
+        self.assertTrue(res[1].success)
+        self.assertTrue(res[2].success, "the load failed: vLLM stops the worker")
+        self.assertEqual(rows(tensors, dst), want)
+        m.complete_load(ks, CTX)
+        self.assertEqual(w.counters()["failed_load_jobs"], 0)
+
+
 class Mark:
     """A stand-in for a CUDA event recorded on vLLM's stream: synchronize()
     blocks until the test passes it (or raises what the test set), and

@@ -58,7 +58,7 @@ CODES = ["ok", "malformed", "unsupported version", "unknown type", "handshake re
          "invalid argument", "unsupported", "descriptor missing", "bad descriptor", "in use",
          "no space", "not found", "corrupt", "policy failure", "shutting down", "cancelled",
          "internal error", "timed out", "bad IPC handle"]
-CODE_UNSUPPORTED = 10
+CODE_LIMIT, CODE_UNSUPPORTED = 5, 10
 
 STATS_FIELDS = ["entries", "keys", "stores", "loads", "hits", "misses", "evictions", "failures",
                 "corrupt", "vanished", "bytes_written", "bytes_read", "clients", "regions",

@@ -26,7 +26,8 @@ log = logging.getLogger("vllm.kvhost")
 class _Transfer:
     """One vLLM job: its daemon jobs and what the result needs. A load
     keeps its specs: when the connection it ran on is lost, it is loaded
-    again on the next one (lost_at: when its first loss was seen)."""
+    again on the next one, and when the daemon refused it for room, again
+    on this one (lost_at: when its first loss or refusal was seen)."""
     __slots__ = ("job_id", "load", "jobs", "nkeys", "t0", "error", "specs", "client", "lost", "lost_at",
                  "cancelled", "retries", "sent")
 
@@ -36,17 +37,18 @@ class _Transfer:
         self.sent = True         # its first run was submitted (False while it waits for vLLM's stream)
         self.client = None       # the connection its last run went to
         self.lost = False        # that run met a lost connection, or the daemon cancelled it
-        self.lost_at = None      # when a lost connection first failed it
+        self.lost_at = None      # when a lost connection (or a refusal for room) first failed it
         self.cancelled = False   # the worker cancelled it (wait's timeout): never loaded again
         self.retries = 0
 
 
 class _Collected:
-    """What a transfer's finished daemon jobs said."""
-    __slots__ = ("outcomes", "nbytes", "error", "lost")
+    """What a transfer's finished daemon jobs said (full: the daemon
+    refused one for its connection's limit of jobs in flight)."""
+    __slots__ = ("outcomes", "nbytes", "error", "lost", "full")
 
-    def __init__(self, outcomes, nbytes, error, lost):
-        self.outcomes, self.nbytes, self.error, self.lost = outcomes, nbytes, error, lost
+    def __init__(self, outcomes, nbytes, error, lost, full):
+        self.outcomes, self.nbytes, self.error, self.lost, self.full = outcomes, nbytes, error, lost, full
 
 
 def _refs_of(kv_caches, ngroups):
@@ -417,15 +419,17 @@ class SpecWorker(Reconnects):
 
     def _collect_locked(self, tr):
         """What tr's finished daemon jobs said (called with _lock held)."""
-        outcomes, nbytes, err, lost = [], 0, tr.error, tr.lost
+        outcomes, nbytes, err, lost, full = [], 0, tr.error, tr.lost, False
         for j in tr.jobs:
             try:
                 r = j.wait(0)
-            except Exception as e:  # the connection was lost under the job
+            except Exception as e:  # refused, or the connection was lost under the job
                 err = err or reason(e)
                 if lost_connection(e, j._client):
                     lost = True
                     self._lost_locked(j._client, err)
+                elif isinstance(e, KvhostError) and e.code == p.CODE_LIMIT:
+                    full = True  # the connection's other jobs (stores) took every slot
                 continue
             outcomes += [o for o, _ in r.keys]
             nbytes += r.bytes
@@ -433,27 +437,33 @@ class SpecWorker(Reconnects):
                 err = err or r.message
             if not tr.cancelled and any(o == p.OUTCOME_CANCELLED for o, _ in r.keys):
                 lost = True  # the daemon gave it up: it is shutting down
-        return _Collected(outcomes, nbytes, err, lost)
+        return _Collected(outcomes, nbytes, err, lost, full)
 
     def _again_locked(self, tr, got, now):
-        """Whether tr, a load that failed, is to be loaded again on the next
-        connection: its failure came from a lost connection (or a daemon
-        that cancelled it), it was not cancelled by the worker, and
-        load_retry_s has not passed since its first loss. vLLM stops the
-        worker on a failed load, so a load waits for a daemon rather than
-        fail. Its daemon jobs have all ended: the old daemon writes no more
-        into its blocks."""
-        if not (tr.load and got.lost) or tr.cancelled:
+        """Whether tr, a load that failed, is to be loaded again: on the next
+        connection when its failure came from a lost connection (or a
+        daemon that cancelled it), on this one when the daemon refused a
+        job of it for the connection's limit of jobs in flight (stores
+        took them: they end, and room comes); if it was not cancelled by
+        the worker, and load_retry_s has not passed since its first loss or
+        refusal. vLLM stops the worker on a failed load, so a load waits
+        for a daemon, or for room, rather than fail. Its daemon jobs have
+        all ended: no daemon writes into its blocks any more."""
+        if not (tr.load and (got.lost or got.full)) or tr.cancelled:
             return False
         if got.outcomes and all(o == p.OUTCOME_LOADED for o in got.outcomes) and len(got.outcomes) == tr.nkeys:
             return False
         limit = self._opts["load_retry_s"]
-        if limit <= 0 or self._opts["reconnect_s"] <= 0:
+        if limit <= 0 or (got.lost and self._opts["reconnect_s"] <= 0):
             return False
         if tr.lost_at is None:
             tr.lost_at = now
-            log.warning("kvhost spec: load job %d lost the daemon connection (%s); loading it again once "
-                        "connected (for up to %gs)", tr.job_id, got.error, limit)
+            if got.lost:
+                log.warning("kvhost spec: load job %d lost the daemon connection (%s); loading it again once "
+                            "connected (for up to %gs)", tr.job_id, got.error, limit)
+            else:
+                log.warning("kvhost spec: load job %d refused (%s); sending it again as jobs end (for up to %gs)",
+                            tr.job_id, got.error, limit)
         return now - tr.lost_at < limit
 
     def _result(self, tr, got):
@@ -515,7 +525,7 @@ class SpecWorker(Reconnects):
             for tr in [tr for tr in self._transfers.values() if tr.sent and all(j.done() for j in tr.jobs)]:
                 got = self._collect_locked(tr)
                 if self._again_locked(tr, got, now):
-                    if self._broken is None and self._client is not tr.client:
+                    if self._broken is None and (self._client is not tr.client or not got.lost):
                         again.append(tr)
                     else:  # waits for the next connection (the reconnect thread's)
                         tr.jobs, tr.error, tr.lost = [], got.error, True
