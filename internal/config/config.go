@@ -396,7 +396,7 @@ func Default() Config {
 			SocketMode:       0o660,
 			MaxClients:       64,
 			MaxInflightJobs:  256,
-			MaxRegistrations: 64,
+			MaxRegistrations: 256,
 			MaxFrame:         4 << 20,
 			ShutdownTimeout:  Duration(10 * time.Second),
 			StallTimeout:     Duration(time.Minute),

@@ -83,7 +83,7 @@ type Config struct {
 	// MaxFrame bounds one frame, header included (default 4 MiB,
 	// protocol.MinFrame..protocol.MaxFrame).
 	MaxFrame int
-	// MaxRegistrations bounds a connection's memory regions (default 64).
+	// MaxRegistrations bounds a connection's memory regions (default 256).
 	MaxRegistrations int
 	// MaxInflightJobs bounds a connection's unfinished jobs (default 256).
 	MaxInflightJobs int
@@ -207,7 +207,7 @@ func (c Config) withDefaults() (Config, error) {
 	def(&c.MaxClientsPerPeer, max(1, c.MaxClients/2))
 	def(&c.MaxHandshakes, 16)
 	def(&c.MaxFrame, 4<<20)
-	def(&c.MaxRegistrations, 64)
+	def(&c.MaxRegistrations, 256)
 	def(&c.MaxInflightJobs, 256)
 	def(&c.MaxNamespaces, 64)
 	def(&c.MaxCaches, 64)

@@ -356,7 +356,7 @@ func (s *session) registerMemory(m *protocol.RegisterMemory) (protocol.Message, 
 	}
 	if len(s.regions) >= s.srv.cfg.MaxRegistrations {
 		unix.Close(fd)
-		return nil, perr(protocol.CodeLimit, "at most %d memory regions per connection", s.srv.cfg.MaxRegistrations)
+		return nil, perr(protocol.CodeLimit, "at most %d memory regions per connection (server.max_registrations)", s.srv.cfg.MaxRegistrations)
 	}
 	size := int64(m.Size)
 	if size < 0 || size > math.MaxInt {
@@ -399,7 +399,7 @@ func (s *session) registerDevice(m *protocol.RegisterMemory) (protocol.Message, 
 		return nil, perr(protocol.CodeInvalid, "device %d: this daemon serves GPUs 0..%d", m.Device, cfg.Devices-1)
 	}
 	if len(s.regions) >= cfg.MaxRegistrations {
-		return nil, perr(protocol.CodeLimit, "at most %d memory regions per connection", cfg.MaxRegistrations)
+		return nil, perr(protocol.CodeLimit, "at most %d memory regions per connection (server.max_registrations)", cfg.MaxRegistrations)
 	}
 	off, size := int64(m.Offset), int64(m.Size)
 	if off < 0 || size <= 0 || size > math.MaxInt64-off {

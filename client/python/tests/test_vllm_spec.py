@@ -332,6 +332,25 @@ class TestSchedulerAndWorker(SpecCase):
         res = self.transfer(w, False, kv.KvhostLoadStoreSpec([k]), [6, 7], block_indices=[1])
         self.assertFalse(res.success)
 
+    def test_a_model_of_126_layers_registers_with_the_daemons_defaults(self):
+        # vLLM allocates a KV-cache tensor per layer: a worker of a deep
+        # model (Llama 3.1 405B: 126 layers) registers that many regions
+        # on its one connection, and must start on a daemon's defaults.
+        layers = 126
+        spec = self.spec(layers=layers)
+        m = self.manager(spec)
+        caches, tensors = self.caches(layers=layers, blocks=4, shared=False)
+        w = self.worker(spec, caches)
+        ks = keys(1, "deep")
+        self.store(m, w, ks, [1])
+        want = rows(tensors, [1])
+        for t in tensors:
+            t[2].zero_()
+        self.answer(m, ks[0], S.LookupResult.HIT)
+        self.assertTrue(self.transfer(w, False, m.prepare_load(ks, CTX), [2]).success)
+        self.assertEqual(rows(tensors, [2]), want)
+        m.complete_load(ks, CTX)
+
     def test_reset_cache_releases_pins(self):
         spec = self.spec()
         m = self.manager(spec)
