@@ -121,10 +121,13 @@ func (e *Engine) fileID() uint64 {
 }
 
 // openCluster sets up the cluster state of every mount with a cluster
-// capacity: its directory and lock, its first summary (after the rebuild,
-// so that it counts the files already there), and checks that no live
-// node shares this node's tag.
-func (e *Engine) openCluster(ctx context.Context) error {
+// capacity: its directory and lock, and checks that no live node shares
+// this node's tag. Open calls it before the rebuild: from the lock on,
+// the others take this node for running (clustercap.Live), so that an
+// adopter of its files lets go of them at its next read instead of
+// evicting files the rebuild indexes. Its first summary waits for
+// countCluster. On an error the caller closes the cluster (closeCluster).
+func (e *Engine) openCluster() error {
 	for i, cm := range e.cfg.Mounts {
 		if cm.ClusterCapacity == 0 {
 			continue
@@ -149,18 +152,26 @@ func (e *Engine) openCluster(ctx context.Context) error {
 		m.cluster = c
 		peers, _, err := dir.ReadAll()
 		if err != nil {
-			e.closeCluster()
 			return fmt.Errorf("engine: mount %s: %w", m.root, err)
 		}
 		for _, p := range peers {
 			if live, _ := clustercap.Live(p, e.now().UnixNano(), dir.LockFree); live && p.Tag == c.tag {
-				e.closeCluster()
 				return fmt.Errorf("%w: mount %s: node ids %q and %q share the owner tag %#x: give this node another node_id", ErrInvalid, m.root, e.node, p.Node, c.tag)
 			}
 		}
-		c.tick(ctx, e, m)
+	}
+	return nil
+}
+
+// countCluster publishes the first summary of every cluster mount, after
+// the rebuild (it counts the files already there).
+func (e *Engine) countCluster(ctx context.Context) error {
+	for _, m := range e.mounts {
+		if m.cluster == nil {
+			continue
+		}
+		m.cluster.tick(ctx, e, m)
 		if err := ctx.Err(); err != nil { // the tick stopped short: no summary
-			e.closeCluster()
 			return fmt.Errorf("engine: mount %s: %w", m.root, err)
 		}
 	}

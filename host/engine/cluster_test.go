@@ -1115,3 +1115,70 @@ func TestClusterCloseStopsAnAdoptionWalkUnderWay(t *testing.T) {
 		t.Fatalf("A's Close waited for its adoption walk to read %d more files and directories", n)
 	}
 }
+
+// TestClusterAnAdopterSparesTheFilesOfANodeWhoseRebuildRuns: node A
+// adopted dead node D (3 files, a bound of 4). D starts again; while its
+// rebuild reads the mount (D has read a header of its own), A stores 3
+// keys, which take A past its claim: A's claim raise reads the directory,
+// and must find D running (it holds its lock from before its scan) and
+// evict none of the files D is indexing. Else D's index holds files gone,
+// counted by D and pinned by its restart hold.
+func TestClusterAnAdopterSparesTheFilesOfANodeWhoseRebuildRuns(t *testing.T) {
+	ctx := context.Background()
+	capacity := 4 * oneFileBytes(t)
+	dir := t.TempDir()
+	clock := newTestClock()
+	a := clusterNodeAt(t, dir, "a", capacity, time.Hour, clock.now)
+	d := clusterNode(t, dir, "d", capacity, time.Hour)
+	storeKeys(t, d, "d", 3, rand.New(rand.NewPCG(12, 12)))
+	files := dataFiles(t, dir)
+	if err := d.e.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	clock.advance(4 * time.Hour) // D's summary: stale
+	m := a.e.mounts[0]
+	m.cluster.tick(ctx, a.e, m)
+	if !isAdopted(a.e, "d") || len(entriesOf(a.e, "d")) != 3 {
+		t.Fatalf("A did not adopt D: adopted %v, %d of D's 3 files indexed", isAdopted(a.e, "d"), len(entriesOf(a.e, "d")))
+	}
+	var once sync.Once
+	var stored []KeyResult // A's stores during D's rebuild
+	var gone []string      // D's files A removed meanwhile
+	restarted := clusterNodeOf(t, Config{Mounts: []Mount{{Path: dir, ClusterCapacity: capacity, ClusterInterval: time.Hour}}, NodeID: "d",
+		FS: &fsys.Faulty{FS: fsys.OS{}, Inj: fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+			if op != fsys.OpClose || !strings.HasSuffix(path, ".kv") { // a header of D's read by its rebuild
+				return fsys.Fault{}
+			}
+			once.Do(func() {
+				r := rand.New(rand.NewPCG(13, 13))
+				for i, k := range testKeys("a", 3) {
+					bl := []int{4 * i, 4*i + 1, 4*i + 2, 4*i + 3}
+					a.c.fill(r, bl)
+					j, err := a.e.Store(ctx, StoreRequest{Cache: a.c.id, Keys: [][]byte{k}, Blocks: [][]int{bl}})
+					if err != nil {
+						stored = append(stored, KeyResult{Outcome: OutcomeFailed, Err: err})
+						continue
+					}
+					res, _ := j.Wait(ctx) // refused for room or not: D's files stay
+					stored = append(stored, res.Keys...)
+				}
+				for _, f := range files {
+					if _, err := os.Stat(f); err != nil {
+						gone = append(gone, filepath.Base(f))
+					}
+				}
+			})
+			return fsys.Fault{}
+		})}})
+	if len(stored) != 3 {
+		t.Fatalf("D's rebuild read no header of its files: A stored %d keys meanwhile", len(stored))
+	}
+	if len(gone) > 0 {
+		t.Fatalf("A removed %d of D's 3 files while D's rebuild indexed them (A's stores: %v): %v", len(gone), stored, gone)
+	}
+	for _, en := range entriesOf(restarted.e, "d") {
+		if _, err := os.Stat(en.path); err != nil {
+			t.Errorf("D indexes its file %s, gone from the mount: %v", en.path, err)
+		}
+	}
+}

@@ -185,6 +185,9 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		if !ok {
 			e.closeOwners()
 		}
+		if !ok {
+			e.closeCluster()
+		}
 		if !ok && e.lock != nil {
 			e.lock.Close()
 		}
@@ -230,6 +233,12 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		return nil, err
 	}
 	e.openOwners() // before the walk, which keeps live owners' spares
+	// The cluster locks before the walk too: an adopter of this node's
+	// files then lets go of them (openCluster).
+	if err := e.openCluster(); err != nil {
+		pool.Close()
+		return nil, err
+	}
 	start := time.Now()
 	if err := e.rebuild(ctx); err != nil {
 		pool.Close()
@@ -249,7 +258,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	e.restore(ctx)
 	// Before the cluster's first count, which may evict this node's files.
 	e.holdFound(ctx, cfg.RestartHold)
-	if err := e.openCluster(ctx); err != nil {
+	if err := e.countCluster(ctx); err != nil {
 		e.releaseFound(false)
 		pool.Close()
 		return nil, err
