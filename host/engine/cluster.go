@@ -915,9 +915,11 @@ func (e *Engine) bytesOf(m *mount, tags map[uint32]bool) int64 {
 // none of its files left is retired, its files then counted and removed
 // by no node. A file gone meanwhile, or not a kvhost file (the rebuild's
 // business), is skipped. So is a file whose read fails (readFailed: it
-// may be the dead node's), and a directory that cannot be read or not be
-// listed afresh, whose errors it returns once the walk is done (the
-// caller walks again). The temporary
+// may be the dead node's); a dead node's file whose path a job of this
+// engine holds (errPathHeld: a store that fails leaves it there), or
+// whose stat fails; and a directory that cannot be read or not be listed
+// afresh. It returns their errors once the walk is done (the caller walks
+// again). The temporary
 // files of those nodes it adds to temps, with their owner's tag
 // (clusterMount.cleanTemps). It returns how many files it indexed.
 func (e *Engine) adoptFiles(ctx context.Context, m *mount, tags map[uint32]bool, temps map[string]uint32) (int, error) {
@@ -971,8 +973,18 @@ func (e *Engine) adoptFiles(ctx context.Context, m *mount, tags map[uint32]bool,
 				}
 				continue
 			}
-			if o, ok := clustercap.Owner(en.fid); ok && tags[o] && e.adoptFound(ctx, en) != nil {
+			if o, ok := clustercap.Owner(en.fid); !ok || !tags[o] {
+				continue
+			}
+			got, err := e.adoptFound(ctx, en)
+			switch {
+			case got != nil:
 				n++
+			case errors.Is(err, errPathHeld) || readFailed(err):
+				// A job of this engine holds the path (a store that may
+				// fail and leave the file), or its stat failed: the walk
+				// is not complete (the caller walks again).
+				errs = append(errs, fmt.Errorf("engine: indexing %s: %w", path, err))
 			}
 		}
 		return nil

@@ -1024,41 +1024,62 @@ func TestClusterLetsGoOfADeadNodeRetiredElsewhere(t *testing.T) {
 }
 
 // TestClusterNeverRetiresADeadNodeWhoseFileItsWalkCouldNotRead: node A
-// adopts dead node D, whose one file A's walk of the mount cannot open
-// (EIO). The walk cannot tell whose the file is, so it has not completed:
-// A must not retire D, which would leave the file counted and removed by
-// no node, and once the file reads again A's next walk counts it.
+// adopts dead node D, whose one file A's walk of the mount cannot open,
+// or whose name's stat, after the walk read the file, fails (EIO): the
+// walk cannot tell whose the file is, or whether it is there, so it has
+// not completed. A must not retire D, which would leave the file counted
+// and removed by no node, and once the file reads again A's next walk
+// counts it.
 func TestClusterNeverRetiresADeadNodeWhoseFileItsWalkCouldNotRead(t *testing.T) {
-	ctx := context.Background()
-	dir := t.TempDir()
-	var unreadable atomic.Value // the path whose open fails
-	unreadable.Store("")
-	a, clock := besideDeadNode(t, dir, 1, fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
-		if op == fsys.OpOpen && path == unreadable.Load() {
-			return fsys.Fault{Err: syscall.EIO}
-		}
-		return fsys.Fault{}
-	}))
-	var files []string
-	for _, p := range dataFiles(t, dir) {
-		if !strings.Contains(p, "/"+clustercap.DirName+"/") {
-			files = append(files, p)
-		}
+	tests := []struct {
+		name      string
+		op        fsys.Op // fails on D's file
+		afterRead bool    // only once the file was read and closed
+	}{
+		{"open", fsys.OpOpen, false},
+		{"stat after its read", fsys.OpStat, true},
 	}
-	if len(files) != 1 {
-		t.Fatalf("%d data files after D's one store: %v", len(files), files)
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			ctx := context.Background()
+			dir := t.TempDir()
+			var unreadable atomic.Value // the path whose op fails
+			unreadable.Store("")
+			var read atomic.Bool // the file was read and closed
+			a, clock := besideDeadNode(t, dir, 1, fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+				if path != unreadable.Load() {
+					return fsys.Fault{}
+				}
+				if op == fsys.OpClose {
+					read.Store(true)
+				}
+				if op == tt.op && (!tt.afterRead || read.Load()) {
+					return fsys.Fault{Err: syscall.EIO}
+				}
+				return fsys.Fault{}
+			}))
+			var files []string
+			for _, p := range dataFiles(t, dir) {
+				if !strings.Contains(p, "/"+clustercap.DirName+"/") {
+					files = append(files, p)
+				}
+			}
+			if len(files) != 1 {
+				t.Fatalf("%d data files after D's one store: %v", len(files), files)
+			}
+			unreadable.Store(files[0])
+			clock.advance(4 * time.Hour) // D's summary: stale
+			m := a.mounts[0]
+			m.cluster.tick(ctx, a, m)
+			if !isAdopted(a, "d") || len(clusterFiles(dir, "d")) != 3 {
+				t.Fatalf("A's walk could not %s D's file, yet A retired D: adopted %v, D's cluster files %v", tt.op, isAdopted(a, "d"), clusterFiles(dir, "d"))
+			}
+			unreadable.Store("")
+			clock.advance(time.Hour) // one interval: the walk is due again
+			m.cluster.tick(ctx, a, m)
+			wantDeadNodeStillAdopted(t, &node{e: a}, m, dir, "D's file, unreadable at A's first walk")
+		})
 	}
-	unreadable.Store(files[0])
-	clock.advance(4 * time.Hour) // D's summary: stale
-	m := a.mounts[0]
-	m.cluster.tick(ctx, a, m)
-	if !isAdopted(a, "d") || len(clusterFiles(dir, "d")) != 3 {
-		t.Fatalf("A's walk could not read D's file, yet A retired D: adopted %v, D's cluster files %v", isAdopted(a, "d"), clusterFiles(dir, "d"))
-	}
-	unreadable.Store("")
-	clock.advance(time.Hour) // one interval: the walk is due again
-	m.cluster.tick(ctx, a, m)
-	wantDeadNodeStillAdopted(t, &node{e: a}, m, dir, "D's file, unreadable at A's first walk")
 }
 
 // TestClusterCloseStopsAnAdoptionWalkUnderWay: node A's cluster loop
@@ -1181,4 +1202,61 @@ func TestClusterAnAdopterSparesTheFilesOfANodeWhoseRebuildRuns(t *testing.T) {
 			t.Errorf("D indexes its file %s, gone from the mount: %v", en.path, err)
 		}
 	}
+}
+
+// TestClusterNeverRetiresADeadNodeWhoseFileAFailedStoreHeld: node A
+// stores a key that dead node D's one file holds (A never indexed it),
+// and A's walk for D's files runs while that store holds the file's
+// path: the walk cannot index the file there, which is the store's to
+// replace. The store then fails, leaving D's file. A must not have taken
+// that walk for complete and retired D, leaving the file counted and
+// removed by no node; its next walk counts the file.
+func TestClusterNeverRetiresADeadNodeWhoseFileAFailedStoreHeld(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	clock := newTestClock()
+	var armed atomic.Bool
+	entered, release := make(chan struct{}), make(chan struct{})
+	a := clusterNodeOf(t, Config{Mounts: []Mount{{Path: dir, ClusterCapacity: 1 << 30, ClusterInterval: time.Hour}}, NodeID: "a", Now: clock.now,
+		FS: &fsys.Faulty{FS: fsys.OS{}, Inj: fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+			// A's store's temporary file (the walk's own come after).
+			if op == fsys.OpOpen && strings.HasPrefix(filepath.Base(path), tmpPrefix+"a-") && armed.CompareAndSwap(true, false) {
+				close(entered)
+				<-release
+				return fsys.Fault{Err: syscall.EIO}
+			}
+			return fsys.Fault{}
+		})}})
+	d := clusterNode(t, dir, "d", 1<<30, time.Hour)
+	keys := storeKeys(t, d, "d", 1, rand.New(rand.NewPCG(6, 6)))
+	if err := d.e.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	armed.Store(true)
+	a.c.fill(rand.New(rand.NewPCG(7, 7)), []int{0, 1, 2, 3})
+	j, err := a.e.Store(ctx, StoreRequest{Cache: a.c.id, Keys: keys, Blocks: [][]int{{0, 1, 2, 3}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	testwait.Until(t, "A's store holding the path of D's file", 30*time.Second, func() bool {
+		select {
+		case <-entered:
+			return true
+		default:
+			return false
+		}
+	})
+	clock.advance(4 * time.Hour) // D's summary: stale
+	m := a.e.mounts[0]
+	m.cluster.tick(ctx, a.e, m)
+	close(release)
+	if res, _ := j.Wait(ctx); res.Keys[0].Outcome != OutcomeFailed {
+		t.Fatalf("A's store of D's key, its temporary file failing: %v, want failed", res.Keys[0].Outcome)
+	}
+	if !isAdopted(a.e, "d") || len(clusterFiles(dir, "d")) != 3 {
+		t.Fatalf("A's walk skipped D's file, whose path A's store held, yet A retired D: adopted %v, D's cluster files %v", isAdopted(a.e, "d"), clusterFiles(dir, "d"))
+	}
+	clock.advance(time.Hour) // one interval: the walk is due again
+	m.cluster.tick(ctx, a.e, m)
+	wantDeadNodeStillAdopted(t, a, m, dir, "D's file, held by A's failed store at A's first walk")
 }

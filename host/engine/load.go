@@ -210,7 +210,7 @@ func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 		e.drop(ctx, en, false, "replaced")
 		if id.Size >= h.FileLen() {
 			found := e.entryOf(en.mount, en.path, h, id)
-			if en = e.adoptFound(ctx, found); en == nil {
+			if en, _ = e.adoptFound(ctx, found); en == nil {
 				// A job of this engine holds the path, or held it
 				// since the file was opened: the file is read, and
 				// left to it to index, replace or remove.

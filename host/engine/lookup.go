@@ -216,7 +216,7 @@ func (e *Engine) discover(ctx context.Context, ns *namespace, key []byte) *entry
 		e.log.Info("engine: file under the key's name belongs to another key or geometry", "path", paths[0], "err", err)
 		return nil
 	}
-	got := e.adopt(ctx, en, read)
+	got, _ := e.adopt(ctx, en, read)
 	if got == en {
 		// Another process's or node's file, new to the index: its
 		// first load need not go through the pinned buffers.
@@ -225,32 +225,37 @@ func (e *Engine) discover(ctx context.Context, ns *namespace, key []byte) *entry
 	return got
 }
 
+// errPathHeld says that a job of this engine holds a file's path, or
+// held it since the file was read: what the job leaves there (the file,
+// a file that replaced it, or none) is the job's to index (adopt).
+var errPathHeld = errors.New("engine: a job of this engine holds the path")
+
 // adopt indexes an entry found on disk and tells the policy. It returns
-// the indexed entry, or nil where a job of this engine holds the path (a
-// store about to publish there, a removal): only the holder indexes a
-// file at a path it holds, so that a store's view of the file it replaces
-// (group.old) stays true until it publishes. It returns nil too where the
-// file is one this engine dropped and could not remove (index.left): its
-// keys were deleted or evicted, and stay so; and where read, the read of
-// the file (nil: none), went stale: a job of this engine held the path
-// since, and may have removed or replaced the file.
-func (e *Engine) adopt(ctx context.Context, en *entry, read *readMark) *entry {
+// the indexed entry, or nil and errPathHeld where a job of this engine
+// holds the path (a store about to publish there, a removal): only the
+// holder indexes a file at a path it holds, so that a store's view of the
+// file it replaces (group.old) stays true until it publishes. It returns
+// errPathHeld too where read, the read of the file (nil: none), went
+// stale: a job of this engine held the path since, and may have removed
+// or replaced the file. It returns nil and no error where the file is one
+// this engine dropped and could not remove (index.left): its keys were
+// deleted or evicted, and stay so.
+func (e *Engine) adopt(ctx context.Context, en *entry, read *readMark) (*entry, error) {
 	en.ns = e.namespaceOf(en.fp)
 	e.ix.mu.Lock()
-	if read != nil && read.stale {
+	if read != nil && read.stale || e.ix.heldLocked(en.path) {
 		e.ix.mu.Unlock()
-		return nil
+		return nil, errPathHeld
 	}
 	same := func(old *entry) bool { return old != nil && old.ident.Same(en.ident) && old.fid == en.fid }
 	if old := e.ix.byPath[en.path]; same(old) {
 		e.ix.relinkLocked(old) // found by a key the index had lost
 		e.ix.mu.Unlock()
-		return old
+		return old, nil
 	}
-	left := e.ix.left[en.path]
-	if e.ix.heldLocked(en.path) || same(left) || left != nil && left.unknownWithID(en.fid) {
+	if left := e.ix.left[en.path]; same(left) || left != nil && left.unknownWithID(en.fid) {
 		e.ix.mu.Unlock()
-		return nil
+		return nil, nil
 	}
 	replaced := e.ix.insertLocked(en, false)
 	var recs []abi.AccessRecord
@@ -260,7 +265,7 @@ func (e *Engine) adopt(ctx context.Context, en *entry, read *readMark) *entry {
 	recs = append(recs, en.access(abi.AccessInsert, en.last))
 	e.ix.mu.Unlock()
 	e.access(ctx, recs)
-	return en
+	return en, nil
 }
 
 // adoptFound is adopt for an entry of a file that was read before any
@@ -271,19 +276,22 @@ func (e *Engine) adopt(ctx context.Context, en *entry, read *readMark) *entry {
 // claimed the path since the file was read has removed or replaced it
 // (the stat shows it), or holds the path still or claims it before the
 // insert (the mark shows it). It returns nil where it did not index the
-// file.
-func (e *Engine) adoptFound(ctx context.Context, found *entry) *entry {
+// file, with errPathHeld where a job holds or held the path (what is
+// there is the job's to tell) and the stat's error where it failed; with
+// no error where the file was replaced since it was read, or is one this
+// engine dropped (adopt).
+func (e *Engine) adoptFound(ctx context.Context, found *entry) (*entry, error) {
 	read := e.ix.beginRead(found.path)
 	if read == nil { // held: adopt looks again
-		return nil
+		return nil, errPathHeld
 	}
 	defer e.ix.endRead(found.path, read)
 	fi, err := e.fs.Stat(found.path)
 	if err != nil {
-		return nil
+		return nil, err
 	}
 	if id, err := fsys.IdentityOf(fi); err != nil || !id.Same(found.ident) {
-		return nil
+		return nil, err
 	}
 	return e.adopt(ctx, found, read)
 }

@@ -633,8 +633,8 @@ func TestAdoptLeavesAPathAJobHoldsToItsHolder(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if got := e.adopt(ctx, found, nil); got != nil {
-		t.Fatalf("adopt indexed %s while a store held the path", got.path)
+	if got, err := e.adopt(ctx, found, nil); got != nil || !errors.Is(err, errPathHeld) {
+		t.Fatalf("adopt at a path a store held: %v, %v; want nil, errPathHeld", got, err)
 	}
 	e.ix.mu.RLock()
 	indexed := e.ix.byPath[path]
