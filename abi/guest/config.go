@@ -70,15 +70,18 @@ func (c Config) String(key, def string) string {
 	return def
 }
 
-// Int returns the integer value of key, or def if it is not set.
+// Int returns the integer value of key, or def if it is not set. The
+// value is decimal, as the host writes a TOML integer: a string value
+// with a leading zero is read in decimal ("010" is 10), and one with a
+// base prefix or digit separators ("0x10", "1_000") is a ConfigError.
 func (c Config) Int(key string, def int64) (int64, error) {
 	v, ok := c.kv[key]
 	if !ok {
 		return def, nil
 	}
-	n, err := strconv.ParseInt(v, 0, 64)
+	n, err := strconv.ParseInt(v, 10, 64)
 	if err != nil {
-		return def, &ConfigError{Key: key, Value: v, Want: "an integer"}
+		return def, &ConfigError{Key: key, Value: v, Want: "a decimal integer"}
 	}
 	return n, nil
 }

@@ -77,3 +77,31 @@ func TestCheckKeys(t *testing.T) {
 		}
 	}
 }
+
+// TestIntReadsDecimalAsAnOperatorWroteIt: a value is read in decimal, as
+// the host writes TOML integers: a string value with a leading zero is
+// its decimal number, not octal, and a prefix of another base is refused
+// (ConfigError), never read in that base.
+func TestIntReadsDecimalAsAnOperatorWroteIt(t *testing.T) {
+	tests := []struct {
+		in   string
+		want int64
+		ok   bool
+	}{
+		{"12", 12, true},
+		{"-3", -3, true},
+		{"+4", 4, true},
+		{"010", 10, true},
+		{"0x10", 0, false},
+		{"0b1", 0, false},
+		{"1_000", 0, false},
+	}
+	for _, tt := range tests {
+		c, _ := ParseConfig([]byte("n=" + tt.in))
+		n, err := c.Int("n", 0)
+		var ce *ConfigError
+		if tt.ok && (err != nil || n != tt.want) || !tt.ok && !errors.As(err, &ce) {
+			t.Errorf("Int(%q) = %d, %v; want %d, ok %v", tt.in, n, err, tt.want, tt.ok)
+		}
+	}
+}
