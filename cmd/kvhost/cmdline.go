@@ -72,12 +72,15 @@ func bindDaemonFlags(fs *flag.FlagSet, timeout time.Duration, timeoutUsage strin
 	}
 }
 
-// parse parses args into fs (parseFlags) and then, where --config was
-// given and --socket was not, takes the socket from the configuration
-// file as the daemon would (its default where the file names none). A
-// file that does not load ends the command with exit code 2.
+// parse parses args into fs (parseFlagsOnly: these commands take no
+// positional argument, so a socket path without --socket, or the "false"
+// of "--allow-fallback false", is a usage error, not ignored) and then,
+// where --config was given and --socket was not, takes the socket from
+// the configuration file as the daemon would (its default where the file
+// names none). A file that does not load ends the command with exit code
+// 2.
 func (f daemonFlags) parse(fs *flag.FlagSet, args []string, stderr io.Writer) (code int, ok bool) {
-	if code, ok := parseFlags(fs, args); !ok {
+	if code, ok := parseFlagsOnly(fs, args, stderr); !ok {
 		return code, false
 	}
 	if *f.config == "" {

@@ -47,13 +47,15 @@ func TestSubcommandFlagHandling(t *testing.T) {
 			}
 		})
 	}
+	// None of them takes a positional argument. A stray one is refused
+	// before anything runs: the commands that talk to a daemon would
+	// otherwise ask the default socket's (a socket path given without
+	// --socket), drop the flags after it ("stray --json"), or take
+	// "--allow-fallback false" for --allow-fallback and ignore "false".
 	for _, c := range cmds {
-		if c.name != "check" && c.name != "serve" {
-			continue
-		}
 		t.Run(c.name+"/stray argument", func(t *testing.T) {
 			var out, errb bytes.Buffer
-			if code := c.run(t.Context(), []string{"stray"}, &out, &errb); code != 2 {
+			if code := c.run(t.Context(), []string{"stray", "--json"}, &out, &errb); code != 2 {
 				t.Fatalf("stray argument: exit %d, want 2; stderr:\n%s", code, errb.String())
 			}
 			if want := `kvhost ` + c.name + `: unexpected argument "stray"`; !strings.Contains(errb.String(), want) {
@@ -61,4 +63,13 @@ func TestSubcommandFlagHandling(t *testing.T) {
 			}
 		})
 	}
+	t.Run("health/bool flag given a separate value", func(t *testing.T) {
+		var out, errb bytes.Buffer
+		if code := runHealth(t.Context(), []string{"--allow-fallback", "false"}, &out, &errb); code != 2 {
+			t.Fatalf("--allow-fallback false: exit %d, want 2; stderr:\n%s", code, errb.String())
+		}
+		if want := `kvhost health: unexpected argument "false"`; !strings.Contains(errb.String(), want) {
+			t.Errorf("stderr lacks %q:\n%s", want, errb.String())
+		}
+	})
 }
