@@ -36,13 +36,19 @@ func runPolicy(ctx context.Context, args []string, stdout, stderr io.Writer) int
 		fs.PrintDefaults()
 		fs.SetOutput(stderr)
 	}
-	fs.Usage = func() { usage(stderr) }
+	// Parse's errors print the usage below, to stdout after --help (as
+	// `kvhost policy --help` does) and to stderr after a bad flag.
+	fs.Usage = func() {}
 	if len(args) == 0 {
 		usage(stderr)
 		return 2
 	}
 	switch args[0] {
 	case "inspect":
+		if len(args) == 2 && isHelpFlag(args[1]) {
+			usage(stdout)
+			return 0
+		}
 		if len(args) != 2 {
 			usage(stderr)
 			return 2
@@ -50,6 +56,11 @@ func runPolicy(ctx context.Context, args []string, stdout, stderr io.Writer) int
 		return policyInspect(ctx, args[1], stdout, stderr)
 	case "test":
 		if err := fs.Parse(args[1:]); err != nil {
+			if errors.Is(err, flag.ErrHelp) {
+				usage(stdout)
+				return 0
+			}
+			usage(stderr)
 			return 2
 		}
 		if fs.NArg() != 1 {

@@ -19,6 +19,10 @@ func TestPolicyCommand(t *testing.T) {
 	}{
 		{"no args", []string{}, 2, nil, []string{"usage:", "kvhost policy test"}, true},
 		{"unknown", []string{"frobnicate"}, 2, nil, []string{`unknown command "frobnicate"`}, true},
+		{"--help", []string{"--help"}, 0, []string{"usage:", "kvhost policy inspect", "-json"}, nil, false},
+		{"inspect --help", []string{"inspect", "--help"}, 0, []string{"usage:", "kvhost policy inspect", "-json"}, nil, false},
+		{"test --help", []string{"test", "--help"}, 0, []string{"usage:", "kvhost policy test", "-json"}, nil, false},
+		{"test -h after flags", []string{"test", "-shards", "3", "-h"}, 0, []string{"usage:", "-shards"}, nil, false},
 		{"inspect builtin", []string{"inspect", "lru"}, 0,
 			[]string{"abi version: 1", "features:    namespace", "kvhost_evict", "OK: lru implements ABI v1"}, nil, false},
 		{"inspect missing export", []string{"inspect", testdata + "noevict.wasm"}, 1,
