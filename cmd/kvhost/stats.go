@@ -96,7 +96,9 @@ type statsDevice struct {
 
 // queryStats connects to the daemon (Hello) and asks for its Stats.
 func queryStats(ctx context.Context, socket string) (statsReport, error) {
-	var r statsReport
+	// The lists are empty, not null, in --json where there is nothing to
+	// list (no GPU).
+	r := statsReport{Mounts: []statsMount{}, Devices: []statsDevice{}}
 	c, err := client.Dial(ctx, socket, "kvhost stats")
 	if err != nil {
 		return r, err

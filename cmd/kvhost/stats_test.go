@@ -1,6 +1,9 @@
 package main
 
 import (
+	"bytes"
+	"context"
+	"encoding/json"
 	"strings"
 	"testing"
 )
@@ -51,5 +54,45 @@ func TestHealthFailsOnAFallenBackPolicyOrABrokenGPU(t *testing.T) {
 				t.Fatalf("unhealthy = %q, want %q", got, tc.want)
 			}
 		})
+	}
+}
+
+// TestStatsJSONHasTheDocumentedFieldsAndArrays: `kvhost stats --json`
+// against a daemon (run in this process) prints the top-level fields
+// docs/serve.md lists, and its lists (mounts, gpu_devices) are JSON
+// arrays, empty where there is nothing to list, never null: a script that
+// iterates over the GPU devices of a node without a GPU gets none.
+func TestStatsJSONHasTheDocumentedFieldsAndArrays(t *testing.T) {
+	file, socket, _ := testConfig(t, t.TempDir(), "")
+	ctx, cancel := context.WithCancel(t.Context())
+	stdout, stderr := newLines(), newLines()
+	exit := make(chan int, 1)
+	go func() { exit <- run(ctx, []string{"serve", "--config", file}, stdout, stderr) }()
+	defer func() {
+		cancel()
+		if code := <-exit; code != 0 {
+			t.Errorf("the daemon exited %d:\n%s", code, stderr.String())
+		}
+	}()
+	stdout.wait(t, "listening line", func(s string) bool { return s == "kvhost: listening on unix:"+socket })
+
+	var out, errb bytes.Buffer
+	if code := run(ctx, []string{"stats", "--socket", socket, "--json"}, &out, &errb); code != 0 {
+		t.Fatalf("kvhost stats --json: exit %d: %s", code, errb.String())
+	}
+	var got map[string]any
+	if err := json.Unmarshal(out.Bytes(), &got); err != nil {
+		t.Fatalf("kvhost stats --json is not JSON: %v\n%s", err, out.String())
+	}
+	for _, k := range []string{"socket", "version", "started", "uptime", "policy", "reloads", "clients", "inflight_jobs",
+		"regions", "registered_bytes", "entries", "keys", "counters", "tiering", "mounts", "gpu_devices"} {
+		if _, ok := got[k]; !ok {
+			t.Errorf("no %q in kvhost stats --json:\n%s", k, out.String())
+		}
+	}
+	for _, k := range []string{"mounts", "gpu_devices"} {
+		if _, ok := got[k].([]any); !ok {
+			t.Errorf("kvhost stats --json: %q is %v, want an array", k, got[k])
+		}
 	}
 }
