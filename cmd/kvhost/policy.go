@@ -49,6 +49,9 @@ func runPolicy(ctx context.Context, args []string, stdout, stderr io.Writer) int
 			usage(stdout)
 			return 0
 		}
+		if len(args) > 2 {
+			fmt.Fprintf(stderr, "kvhost policy inspect: unexpected argument %q after %s\n\n", args[2], args[1])
+		}
 		if len(args) != 2 {
 			usage(stderr)
 			return 2
@@ -62,6 +65,9 @@ func runPolicy(ctx context.Context, args []string, stdout, stderr io.Writer) int
 			}
 			usage(stderr)
 			return 2
+		}
+		if fs.NArg() > 1 {
+			fmt.Fprintf(stderr, "kvhost policy test: unexpected argument %q after %s (flags go before NAME|FILE.wasm)\n\n", fs.Arg(1), fs.Arg(0))
 		}
 		if fs.NArg() != 1 {
 			usage(stderr)

@@ -38,6 +38,12 @@ func TestPolicyCommand(t *testing.T) {
 			[]string{"exceeded the call deadline of 30ms"}, nil, false},
 		{"test missing file", []string{"test", "nosuch/x.wasm"}, 1, nil, []string{"no such file"}, true},
 		{"test bad flag", []string{"test", "-param", "novalue", "lru"}, 2, nil, []string{"want key=value"}, true},
+		// Flags stop at NAME (Go's flag package): one after it is named, not
+		// only answered with the usage.
+		{"test flag after the plugin", []string{"test", "lru", "--json"}, 2, nil,
+			[]string{`kvhost policy test: unexpected argument "--json" after lru (flags go before NAME|FILE.wasm)`, "usage:"}, true},
+		{"inspect two plugins", []string{"inspect", "lru", "lfu"}, 2, nil, []string{`kvhost policy inspect: unexpected argument "lfu" after lru`}, true},
+		{"test two plugins", []string{"test", "lru", "lfu"}, 2, nil, []string{`unexpected argument "lfu" after lru`}, true},
 		{"test builtin", []string{"test", "lru"}, 0, []string{"PASS: lru: 15 passed, 0 failed"}, nil, false},
 		// Issue 11: a layout above 256 keys per file is a failed check, not a
 		// Go panic; the report ends with the host's counters.
