@@ -10,6 +10,7 @@ import (
 
 	"github.com/kvhost/kvhost/client"
 	"github.com/kvhost/kvhost/internal/config"
+	"github.com/kvhost/kvhost/protocol"
 )
 
 // newFlagSet is the flag set of the subcommand name ("kvhost stats"): its
@@ -111,4 +112,16 @@ func (f daemonFlags) stats(ctx context.Context) (statsReport, error) {
 	ctx, cancel := f.withTimeout(ctx)
 	defer cancel()
 	return queryStats(ctx, *f.socket)
+}
+
+// dialDaemon is client.Dial for the commands that talk to a daemon: where
+// the listener on socket answers the Hello with what is no kvhost frame
+// (another program's socket), the error says so rather than only how the
+// bytes failed to decode.
+func dialDaemon(ctx context.Context, socket, name string) (*client.Client, error) {
+	c, err := client.Dial(ctx, socket, name)
+	if errors.Is(err, protocol.ErrTooLarge) || errors.Is(err, protocol.ErrMalformed) || errors.Is(err, protocol.ErrUnknownType) {
+		return nil, fmt.Errorf("not a kvhost daemon's socket (its answer to the handshake is no kvhost frame): %w", err)
+	}
+	return c, err
 }

@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"context"
 	"io"
+	"net"
+	"path/filepath"
 	"strings"
 	"testing"
 )
@@ -72,4 +74,43 @@ func TestSubcommandFlagHandling(t *testing.T) {
 			t.Errorf("stderr lacks %q:\n%s", want, errb.String())
 		}
 	})
+}
+
+// TestOperatorCommandsSayASocketIsNotAKvhostDaemons: stats, health and
+// reload pointed at a socket whose listener answers their Hello with
+// something else (an HTTP server's reply) fail at once (exit 1) saying
+// that the socket is not a kvhost daemon's, and which socket it is.
+func TestOperatorCommandsSayASocketIsNotAKvhostDaemons(t *testing.T) {
+	socket := filepath.Join(t.TempDir(), "http.sock")
+	ln, err := net.Listen("unix", socket)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	go func() {
+		for {
+			conn, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer conn.Close()
+				io.WriteString(conn, "HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+				io.Copy(io.Discard, conn)
+			}()
+		}
+	}()
+	for _, cmd := range []string{"stats", "health", "reload"} {
+		t.Run(cmd, func(t *testing.T) {
+			var out, errb bytes.Buffer
+			if code := run(t.Context(), []string{cmd, "--socket", socket}, &out, &errb); code != 1 {
+				t.Fatalf("exit %d, want 1; stderr:\n%s", code, errb.String())
+			}
+			for _, want := range []string{socket, "not a kvhost daemon"} {
+				if !strings.Contains(errb.String(), want) {
+					t.Errorf("stderr lacks %q:\n%s", want, errb.String())
+				}
+			}
+		})
+	}
 }

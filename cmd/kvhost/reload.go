@@ -176,14 +176,14 @@ func runReload(ctx context.Context, args []string, stdout, stderr io.Writer) int
 	ctx, cancel := df.withTimeout(ctx)
 	defer cancel()
 	if err := reloadDaemon(ctx, *df.socket, stdout); err != nil {
-		fmt.Fprintf(stderr, "kvhost reload: %v\n", err)
+		fmt.Fprintf(stderr, "kvhost reload: %s: %v\n", *df.socket, err)
 		return 1
 	}
 	return 0
 }
 
 func reloadDaemon(ctx context.Context, socket string, stdout io.Writer) error {
-	c, err := client.Dial(ctx, socket, "kvhost reload")
+	c, err := dialDaemon(ctx, socket, "kvhost reload")
 	if err != nil {
 		return err
 	}

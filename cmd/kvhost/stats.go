@@ -8,8 +8,6 @@ import (
 	"strings"
 	"text/tabwriter"
 	"time"
-
-	"github.com/kvhost/kvhost/client"
 )
 
 // statsReport is what `kvhost stats` shows, and its --json form.
@@ -99,7 +97,7 @@ func queryStats(ctx context.Context, socket string) (statsReport, error) {
 	// The lists are empty, not null, in --json where there is nothing to
 	// list (no GPU).
 	r := statsReport{Mounts: []statsMount{}, Devices: []statsDevice{}}
-	c, err := client.Dial(ctx, socket, "kvhost stats")
+	c, err := dialDaemon(ctx, socket, "kvhost stats")
 	if err != nil {
 		return r, err
 	}
