@@ -114,3 +114,18 @@ func TestOperatorCommandsSayASocketIsNotAKvhostDaemons(t *testing.T) {
 		})
 	}
 }
+
+// TestAnUnknownCommandIsNamedAsOne: a first word that is no command and no
+// flag ("kvhost stat") is refused as an unknown command, with the list of
+// commands, not taken for a stray argument of serve (the default command).
+func TestAnUnknownCommandIsNamedAsOne(t *testing.T) {
+	var out, errb bytes.Buffer
+	if code := run(t.Context(), []string{"stat", "--json"}, &out, &errb); code != 2 {
+		t.Fatalf("kvhost stat: exit %d, want 2; stderr:\n%s", code, errb.String())
+	}
+	for _, want := range []string{`kvhost: unknown command "stat"`, "\ncommands:\n", "  stats "} {
+		if !strings.Contains(errb.String(), want) {
+			t.Errorf("kvhost stat: stderr lacks %q:\n%s", want, errb.String())
+		}
+	}
+}

@@ -19,6 +19,7 @@ import (
 	"io"
 	"os"
 	"os/signal"
+	"strings"
 	"syscall"
 
 	"github.com/kvhost/kvhost/internal/config"
@@ -64,6 +65,13 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		}
 		if c, ok := cmds[args[0]]; ok {
 			return c.run(ctx, args[1:], stdout, stderr)
+		}
+		if !strings.HasPrefix(args[0], "-") {
+			// serve, the default command, takes flags only: a first
+			// word that is no command is a mistyped one.
+			fmt.Fprintf(stderr, "kvhost: unknown command %q\n\n", args[0])
+			usage(stderr, cmds)
+			return 2
 		}
 	}
 	if c, ok := cmds["serve"]; ok {
