@@ -93,8 +93,10 @@ func (c *Chain) do(ctx context.Context, call func(Mover) (int64, error)) (int64,
 			return n, fmt.Errorf("transfer: %s moved %d bytes and then answered unsupported: %w", m.Name(), n, err)
 		}
 		last = err
-		c.fallbacks[i].Add(1)
 		if i+1 < len(c.movers) {
+			// The last mover passes nothing on: its ErrUnsupported
+			// fails the call, and is no fallback.
+			c.fallbacks[i].Add(1)
 			c.logged[i].Do(func() {
 				c.log.Warn("data path falls back", "mount", c.mount, "from", m.Name(), "to", c.movers[i+1].Name(), "reason", err.Error())
 			})

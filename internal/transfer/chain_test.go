@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"maps"
 	"strings"
 	"testing"
 
@@ -115,5 +116,21 @@ func TestNewChainRejectsEmptyAndNil(t *testing.T) {
 	}
 	if _, err := NewChain("m", nil, &fakeMover{name: "a"}, nil); err == nil {
 		t.Error("nil mover accepted")
+	}
+}
+
+// TestChainCountsOnlyPlansPassedOn: a fallback is a plan a mover passed on
+// to the next one; the last mover's ErrUnsupported has nowhere to go and
+// fails the call, so it is not counted as one (docs/gds.md, "The
+// fallback chain"; kvhost_data_path_fallbacks_total).
+func TestChainCountsOnlyPlansPassedOn(t *testing.T) {
+	unsupported := fmt.Errorf("gpu: device 3 is not served: %w", ErrUnsupported)
+	a, b := &fakeMover{name: "a", err: unsupported}, &fakeMover{name: "b", err: unsupported}
+	ch, _ := NewChain("m", nil, a, b)
+	if _, err := ch.ReadFile(context.Background(), nil, &Plan{}, nil); !errors.Is(err, ErrUnsupported) {
+		t.Fatalf("ReadFile = %v, want ErrUnsupported", err)
+	}
+	if got, want := ch.Fallbacks(), map[string]uint64{"a": 1, "b": 0}; !maps.Equal(got, want) {
+		t.Fatalf("Fallbacks = %v, want %v", got, want)
 	}
 }
