@@ -92,11 +92,15 @@ var errorNames = map[Error]string{
 
 // Sticky reports whether the code is one of CUDA's sticky errors: a fault
 // on the device (an illegal address, a failed or timed-out launch, a
-// hardware or ECC error) after which the process's context on that device
-// is unusable, and every later call there fails, until the process exits.
+// hardware or ECC error, a fault the GPU contained, such as a bad access
+// to a peer's memory over NVLink) after which the process's context on
+// that device is unusable, and every later call there fails, until the
+// process exits. They are the codes CUDA documents as "the process must
+// be terminated and relaunched", and cudaErrorECCUncorrectable.
 func (e Error) Sticky() bool {
 	switch e {
 	case 214, // cudaErrorECCUncorrectable
+		226, // cudaErrorContained
 		ErrorIllegalAddress,
 		702, // cudaErrorLaunchTimeout
 		710, // cudaErrorAssert
@@ -105,7 +109,10 @@ func (e Error) Sticky() bool {
 		716, // cudaErrorMisalignedAddress
 		717, // cudaErrorInvalidAddressSpace
 		718, // cudaErrorInvalidPc
-		ErrorLaunchFailure:
+		ErrorLaunchFailure,
+		721, // cudaErrorTensorMemoryLeak
+		810, // cudaErrorMpsClientTerminated
+		911: // cudaErrorExternalDevice
 		return true
 	}
 	return false

@@ -724,6 +724,13 @@ func TestStickyErrorsAreTheDeviceFaults(t *testing.T) {
 		{cuda.ErrorLaunchFailure, true},
 		{214, true}, // cudaErrorECCUncorrectable
 		{716, true}, // cudaErrorMisalignedAddress
+		// CUDA's documentation says of each of these that the process
+		// must be terminated and relaunched to use CUDA again.
+		{226, true},  // cudaErrorContained: a bad access to a peer's memory over NVLink, contained
+		{721, true},  // cudaErrorTensorMemoryLeak
+		{810, true},  // cudaErrorMpsClientTerminated
+		{911, true},  // cudaErrorExternalDevice
+		{720, false}, // cudaErrorCooperativeLaunchTooLarge
 		{cuda.ErrorInvalidValue, false},
 		{cuda.ErrorMemoryAllocation, false},
 		{cuda.ErrorNotReady, false},
