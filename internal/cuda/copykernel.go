@@ -101,7 +101,9 @@ DONE:
 `
 
 // DriverError is a failed driver API call (a CUresult, numbered apart
-// from the runtime's codes), with the JIT's log where it gave one.
+// from the runtime's codes), with the JIT's log where it gave one. It
+// unwraps to its code as a Result, so a sticky one (a launch on a
+// context an illegal address broke) matches ErrSticky.
 type DriverError struct {
 	Func string // the driver function that failed, e.g. "cuLaunchKernel"
 	Code int    // its CUresult
@@ -142,6 +144,9 @@ func driverErrorName(code int) string {
 	}
 	return fmt.Sprintf("CUresult(%d)", code)
 }
+
+// Unwrap returns the CUresult.
+func (e *DriverError) Unwrap() error { return Result(e.Code) }
 
 // Error names the function, the CUresult and the JIT's log.
 func (e *DriverError) Error() string {

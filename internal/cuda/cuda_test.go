@@ -400,6 +400,48 @@ func TestKernelFaultsAreDriverErrorsAndBadCopiesAreRefused(t *testing.T) {
 	}
 }
 
+// TestKernelLaunchOnABrokenContextIsSticky: a kernel launch on a device
+// whose context a sticky error broke fails with the driver's code for it,
+// and that DriverError matches ErrSticky as the runtime's and cuFile's
+// sticky codes do: the GPU movers count the job as a device fault.
+func TestKernelLaunchOnABrokenContextIsSticky(t *testing.T) {
+	r, fake := open(t)
+	w := worker(t, r, 0)
+	err := w.Do(context.Background(), func(w *cuda.Worker) error {
+		k, err := r.LoadCopyKernel()
+		if err != nil {
+			return err
+		}
+		defer k.Unload()
+		m, h, free, err := deviceAndHost(r, 1<<16)
+		if err != nil {
+			return err
+		}
+		defer free()
+		const tableOff = 32 << 10
+		table := h.Bytes()[tableOff : tableOff+cuda.KernelEntryBytes]
+		var cp cuda.Copies
+		cp.Add(h.Ptr(), m.Ptr(), 1<<12)
+		fake.BreakDevice(0, int(cuda.ErrorIllegalAddress))
+		err = k.Launch(&cp, table, w.Stream())
+		fake.BreakDevice(0, 0)
+		var de *cuda.DriverError
+		if !errors.As(err, &de) || de.Code != int(cuda.ErrorIllegalAddress) {
+			t.Fatalf("launch on a broken context: %v, want a DriverError of CUDA_ERROR_ILLEGAL_ADDRESS", err)
+		}
+		if !errors.Is(err, cuda.ErrSticky) {
+			t.Errorf("launch on a broken context: errors.Is(%v, ErrSticky) = false", err)
+		}
+		if errors.Is(&cuda.DriverError{Func: "cuModuleLoadDataEx", Code: 218}, cuda.ErrSticky) {
+			t.Error("CUDA_ERROR_INVALID_PTX matches ErrSticky")
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
 func TestCopyFaultsAreErrors(t *testing.T) {
 	r, fake := open(t)
 	w := worker(t, r, 0)
