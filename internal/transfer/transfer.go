@@ -19,6 +19,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math"
 
 	"github.com/kvhost/kvhost/internal/fsys"
 	"github.com/kvhost/kvhost/internal/region"
@@ -99,13 +100,17 @@ func (p *Plan) ReadSource(f fsys.File) (src fsys.File, release func()) {
 	return fsys.MapForRead(f, p.End())
 }
 
-// Check validates the plan: extents sorted, not overlapping, inside their
-// regions, checksum indices in range.
+// Check validates the plan: extents sorted, not overlapping, ending at
+// file offsets an int64 holds, inside their regions, checksum indices in
+// range.
 func (p *Plan) Check() error {
 	var end int64
 	for i, x := range p.Extents {
 		if x.FileOff < end || x.Len < 0 {
 			return fmt.Errorf("transfer: extent %d at file offset %d (+%d) overlaps or precedes %d", i, x.FileOff, x.Len, end)
+		}
+		if x.Len > math.MaxInt64-x.FileOff { // x.FileOff >= end >= 0
+			return fmt.Errorf("transfer: extent %d at file offset %d (+%d) ends past the largest file offset", i, x.FileOff, x.Len)
 		}
 		if err := (region.Segment{Region: x.Region, Offset: x.RegionOff, Length: x.Len}).Check(); err != nil {
 			return fmt.Errorf("transfer: extent %d: %w", i, err)
