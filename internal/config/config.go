@@ -791,6 +791,11 @@ func (c *Config) Validate() error {
 						return bad("mount.vllm_fs."+f.key, "1 (rank 0), or unset, with parallel_agnostic = true (vLLM hashes those, whatever its parallelism)", f.n)
 					}
 				}
+			} else if v.ReplicatedLayout {
+				// vLLM's file mapper records a replicated layout only
+				// with the parallel sizes collapsed: these fields would
+				// name a directory no vLLM writes or reads.
+				return bad("mount.vllm_fs.replicated_layout", "false, or parallel_agnostic = true (vLLM's fs tier collapses a replicated layout's parallel sizes)", true)
 			}
 			if f := v.Fields(); f != nil {
 				var fe *vllmfs.FieldError

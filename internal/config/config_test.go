@@ -324,6 +324,10 @@ func TestParseVLLMFSErrors(t *testing.T) {
 		{"unknown field", head + "hash_block_size = 16\n" + group, `unknown key "mount.vllm_fs.hash_block_size"`},
 		{"parallel agnostic with a size", head + "parallel_agnostic = true\ntp_size = 2\n" + group, "kvhost.toml:9: mount.vllm_fs.tp_size: want 1 (rank 0), or unset, with parallel_agnostic = true"},
 		{"parallel agnostic with a rank", "[[mount]]\npath = \"/a\"\nlayout = \"vllm-fs\"\n[mount.vllm_fs]\nrank = 1\nparallel_agnostic = true\n", "kvhost.toml:5: mount.vllm_fs.rank: want 1 (rank 0), or unset, with parallel_agnostic = true"},
+		// vLLM's fs tier collapses a replicated layout's parallel sizes:
+		// its config.json never has "replicated_layout": true beside
+		// "parallel_agnostic": false, so such a base directory is no vLLM's.
+		{"replicated layout not parallel agnostic", head + "replicated_layout = true\n" + group, "kvhost.toml:8: mount.vllm_fs.replicated_layout: want false, or parallel_agnostic = true"},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			_, err := Parse("kvhost.toml", []byte(tt.src))
