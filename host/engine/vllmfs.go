@@ -11,7 +11,9 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"unicode/utf8"
 
+	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/internal/format"
 	"github.com/kvhost/kvhost/internal/fsys"
 	"github.com/kvhost/kvhost/internal/vllmfs"
@@ -41,7 +43,8 @@ type VLLMFS struct {
 	Rank int
 	// Namespace is the model id (Geometry.Model) of the namespace the
 	// mount serves; "" means "vllm-fs:" followed by the base directory's
-	// name.
+	// name, cut to abi.MaxModelLen bytes where it is longer (the start of
+	// the model's name is kept, and the "_<hash>" that ends it).
 	Namespace string
 	// RowBytes, if set, is the row size: the namespace's KeyBytes must
 	// equal it, and files of another length are not indexed. 0 takes the
@@ -52,6 +55,26 @@ type VLLMFS struct {
 
 // ModelPrefix starts the default namespace model id of a vllm-fs mount.
 const ModelPrefix = "vllm-fs:"
+
+// defaultNamespace is the default namespace model id of a vllm-fs mount
+// whose base directory is base: ModelPrefix and base, or, where that is
+// longer than a model id may be (a model given by a long local path),
+// ModelPrefix, the start of base's model name cut on a character boundary
+// to fit, and base's "_<hash>". The hash covers every field, the whole
+// model name included, so the cut keeps namespaces apart as the base
+// directory's name does. kvhost.vllm computes the same id (vllm_fs).
+func defaultNamespace(base string) string {
+	id := ModelPrefix + base
+	if len(id) <= abi.MaxModelLen {
+		return id
+	}
+	tail := base[len(base)-1-vllmfs.HashLen:] // "_<hash>"
+	n := abi.MaxModelLen - len(ModelPrefix) - len(tail)
+	for n > 0 && !utf8.RuneStart(base[n]) {
+		n--
+	}
+	return ModelPrefix + base[:n] + tail
+}
 
 // rawLayout is the state of a vllm-fs mount.
 type rawLayout struct {
@@ -143,7 +166,7 @@ func (e *Engine) openLayout(mt *mount, v *VLLMFS) error {
 	}
 	model := v.Namespace
 	if model == "" {
-		model = ModelPrefix + layout.Base()
+		model = defaultNamespace(layout.Base())
 	}
 	if err := e.mkdir(filepath.Join(mt.root, layout.DataDir()), true); err != nil {
 		return fmt.Errorf("engine: mount %s: vllm-fs: %w", mt.root, err)

@@ -16,6 +16,7 @@ import (
 	"syscall"
 	"testing"
 	"time"
+	"unicode/utf8"
 
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/internal/clustercap"
@@ -319,6 +320,61 @@ func TestVLLMFSAdoptsModelOfRelativePath(t *testing.T) {
 			_, err = Open(ctx, Config{Mounts: []Mount{{Path: root, VLLMFS: &VLLMFS{Fields: other.fields()}}}, Policy: newTestPolicy(1, abi.OrderBlockMajor), Logger: testLogger(t)})
 			if !errors.Is(err, vllmfs.ErrMismatch) || !strings.Contains(err.Error(), "tp_size: 1, not 2") {
 				t.Fatalf("open with another geometry of the model: %v", err)
+			}
+		})
+	}
+}
+
+// TestVLLMFSDefaultNamespaceOfLongModelName: vLLM names a model given by
+// a long local path (a Hugging Face cache snapshot) by that path, so the
+// base directory's name can be longer than a model id may be. The
+// default namespace then keeps the directory's hash and the start of the
+// model's name, cut on a character boundary to fit, and the rows vLLM
+// wrote are served under it.
+func TestVLLMFSDefaultNamespaceOfLongModelName(t *testing.T) {
+	ctx := context.Background()
+	for _, tc := range []struct {
+		name, model string
+		adopt       bool // the directory vLLM wrote, or the fields configured
+	}{
+		{"snapshot path adopted", "/root/.cache/huggingface/hub/models--meta-llama--Llama-3.1-8B-Instruct/snapshots/0e9e39f249a16976918f6564b8830bc894c89659", true},
+		// fsTier quotes ASCII only: the engine writes this one.
+		{"cut inside a character", "/models/" + strings.Repeat("é", 60), false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			root := t.TempDir()
+			tier := newFSTier(root, 8192)
+			tier.model = tc.model
+			keys := tierKeys(1, 3)
+			v := &VLLMFS{Fields: tier.fields()}
+			if tc.adopt {
+				tier.init(t)
+				for _, k := range keys {
+					tier.store(t, k, make([]byte, 8192))
+				}
+				v = &VLLMFS{}
+			}
+			e := openEngine(t, Config{Mounts: []Mount{{Path: root, VLLMFS: v}}, Policy: newTestPolicy(1, abi.OrderBlockMajor)})
+			base := e.Stats().Mounts[0].Base
+			if len(ModelPrefix+base) <= abi.MaxModelLen {
+				t.Fatalf("base directory %s is short enough for a model id: not the case tested", base)
+			}
+			ns := e.Stats().Mounts[0].Namespace
+			if len(ns) > abi.MaxModelLen || !utf8.ValidString(ns) || !strings.HasPrefix(ns, ModelPrefix+base[:20]) || !strings.HasSuffix(ns, base[len(base)-1-vllmfs.HashLen:]) {
+				t.Fatalf("default namespace %q (%d bytes) of base directory %s: want at most %d bytes of valid UTF-8, the model name's start and the hash", ns, len(ns), base, abi.MaxModelLen)
+			}
+			g := rowGeometry(ns, 8192)
+			id, err := e.Declare(ctx, g)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !tc.adopt {
+				c := newTestCache(t, e, id, g, 1, layoutPlaneFirst)
+				c.fill(rand.New(rand.NewPCG(1, 2)), []int{0})
+				storeAndCheck(t, e, c, keys, [][]int{{0}, {0}, {0}})
+			}
+			if got, err := e.Lookup(ctx, id, keys); err != nil || got != len(keys) {
+				t.Fatalf("lookup: %d of %d, %v", got, len(keys), err)
 			}
 		})
 	}

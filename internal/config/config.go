@@ -325,7 +325,8 @@ const (
 // directory under the mount's path is adopted) and kvhost's binding.
 type VLLMFS struct {
 	// Namespace is the model id of the kvhost namespace the mount serves
-	// (default "vllm-fs:<base directory name>").
+	// (default "vllm-fs:<base directory name>", cut to 128 bytes for a
+	// long model name: docs/engine.md).
 	Namespace string `toml:"namespace"`
 	// RowBytes, if set, is the row size the namespace must have.
 	RowBytes Size `toml:"row_bytes"`

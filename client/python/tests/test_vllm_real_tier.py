@@ -366,6 +366,32 @@ class VllmFsInterop(RealTieringCase):
         for k in ks:
             self.assertEqual(self.settle(other.manager, k, ctx)[-1], R.MISS)
 
+    def test_rows_of_a_model_given_by_a_long_path_are_served(self):
+        """vLLM names a model given by a local path (here a Hugging Face
+        cache snapshot) by that path: its fs-tier directory's name is
+        longer than a daemon model id may be, and the tier declares the
+        mount's default namespace, cut as the daemon cuts it."""
+        import shutil
+        import tempfile
+        model = ("/root/.cache/huggingface/hub/models--meta-llama--Llama-3.1-8B-Instruct/snapshots/"
+                 "0e9e39f249a16976918f6564b8830bc894c89659")
+        root = tempfile.mkdtemp(prefix="kvhost-vllm-fs-")
+        self.addCleanup(shutil.rmtree, root, True)
+        writer = vllm_tree.make_tiering_manager(
+            self.api, num_cpu_blocks=16, secondary_tiers=[vllm_tree.fs_tier(root)],
+            config_kwargs=dict(model=model, worker_kv_bytes_per_block=WORKER_BYTES,
+                               is_parallelism_agnostic=False, groups=((names(), 16),)))
+        self.handles.append(writer)
+        ctx = self.ctx()
+        writer.manager.on_new_request(ctx)
+        ks = [key(i, "long") for i in range(3)]
+        want = self.offload(writer, ks, ctx)
+        daemon = d.Daemon(after_toml=f'[[mount]]\npath = "{root}"\nlayout = "vllm-fs"\ncapacity = "1GiB"\n')
+        self.addCleanup(daemon.stop)
+        reader = self.engine(model=model, tier={"socket": daemon.socket, "vllm_fs": True})
+        reader.manager.on_new_request(ctx)
+        np.testing.assert_array_equal(self.promote_and_read(reader, ks, ctx), want)
+
 
 @unittest.skipUnless(NO_TREE is None, NO_TREE or "")
 class Refusal(unittest.TestCase):

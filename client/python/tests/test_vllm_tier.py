@@ -519,19 +519,24 @@ class VllmFsMount(unittest.TestCase):
     """vllm_fs=true: the tier uses the daemon's vllm-fs mount of vLLM's
     fs-tier directory for its model, named as vLLM's fs tier names it."""
 
-    @classmethod
-    def setUpClass(cls):
+    @staticmethod
+    def fs_daemon(spec):
+        """A daemon with a vllm-fs mount configured with the fields of
+        spec's fs tier: (fields, base directory name, root, daemon)."""
         from kvhost.vllm import _namespace as N
-        cls.fields = N.fs_fields(S.fake_spec().config)
-        cls.base = N.fs_base(cls.fields)
-        cls.root = tempfile.mkdtemp(prefix="kvhost-vllmfs-")
-        f = cls.fields
+        f = N.fs_fields(spec.config)
+        root = tempfile.mkdtemp(prefix="kvhost-vllmfs-")
         groups = "".join(f'[[mount.vllm_fs.kv_cache_groups]]\ntokens_per_block = {g["tokens_per_block"]}\n'
                          f'layer_names = {list(g["layer_names"])!r}\n'.replace("'", '"') for g in f["kv_cache_groups"])
-        cls.daemon = d.Daemon(after_toml=(
-            f'[[mount]]\npath = "{cls.root}"\nlayout = "vllm-fs"\ncapacity = "1GiB"\n'
+        daemon = d.Daemon(after_toml=(
+            f'[[mount]]\npath = "{root}"\nlayout = "vllm-fs"\ncapacity = "1GiB"\n'
             f'[mount.vllm_fs]\nmodel_name = "{f["model_name"]}"\ntokens_per_hash = {f["tokens_per_hash"]}\n'
             f'blocks_per_file = {f["blocks_per_file"]}\ndtype = "{f["dtype"]}"\n{groups}'))
+        return f, N.fs_base(f), root, daemon
+
+    @classmethod
+    def setUpClass(cls):
+        cls.fields, cls.base, cls.root, cls.daemon = cls.fs_daemon(S.fake_spec())
 
     @classmethod
     def tearDownClass(cls):
@@ -556,6 +561,28 @@ class VllmFsMount(unittest.TestCase):
         with self.assertRaisesRegex(RuntimeError, "no vllm-fs mount of the daemon serves this model"):
             Tier(offloading_spec=S.fake_spec(model="Qwen/Qwen3-8B"), primary_kv_view=memoryview(random_region(rows=4)),
                  tier_type="KvhostTier", socket=self.daemon.socket, vllm_fs=True)
+
+    def test_a_namespace_too_long_for_a_model_id_is_cut_as_the_daemon_cuts_it(self):
+        # A model given by a long local path: "vllm-fs:<base>" is longer
+        # than a model id may be, and the cut falls inside a character.
+        import shutil
+        spec = S.fake_spec(model="/models/" + "\u00e9" * 60)
+        _, base, root, daemon = self.fs_daemon(spec)
+        self.addCleanup(shutil.rmtree, root, True)
+        self.addCleanup(daemon.stop)
+        region = random_region(rows=4)
+        t = Tier(offloading_spec=spec, primary_kv_view=memoryview(region), tier_type="KvhostTier",
+                 socket=daemon.socket, vllm_fs=True)
+        self.addCleanup(t.shutdown)
+        model = t.namespace.geometry.model
+        self.assertLessEqual(len(model.encode()), 128)
+        self.assertTrue(model.startswith("vllm-fs:" + base[:20]) and model.endswith(base[-13:]), model)
+        k = keys(1, "long")[0]
+        t.submit_store(S.TransferJob(job_id=1, keys=[k], block_ids=np.asarray([2]), is_promotion=False, req_context=CTX))
+        d.wait_for(lambda: t.get_finished_jobs(), what="the store")
+        h = k[:-4].hex()
+        self.assertEqual(pathlib.Path(root, f"{base}_r0", h[:3], f"{h[3:5]}_g0", f"{h}.bin").read_bytes()[:ROW],
+                         region[2].tobytes())
 
 
 class DaemonRestart(TierCase):

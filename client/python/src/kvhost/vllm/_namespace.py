@@ -157,6 +157,21 @@ def fs_base(fields):
     return f"{fields['model_name'].replace('/', '_')}_{hashlib.sha256(text.encode()).hexdigest()[:12]}"
 
 
+def fs_namespace(prefix, base):
+    """The model id a daemon's vllm-fs mount serves base's directory under
+    by default (prefix "vllm-fs:"): prefix and base, or, where that is
+    longer than MAX_MODEL_ID bytes (a model given by a long local path),
+    prefix, the start of base's model name cut on a character boundary to
+    fit, and base's "_<hash>": the daemon's rule (host/engine,
+    defaultNamespace)."""
+    whole = prefix + base
+    if len(whole.encode()) <= MAX_MODEL_ID:
+        return whole
+    tail = base[-13:]  # "_" and the 12 hex digits of the fields' hash
+    room = MAX_MODEL_ID - len(prefix.encode()) - len(tail)
+    return prefix + base[:-13].encode()[:room].decode("utf-8", "ignore") + tail
+
+
 def identity(config, fmt, extra="", collapse=True):
     """What every key of an engine of this config shares (JSON-safe): the
     format tag fmt, vLLM's fs-tier fields (collapse as in fs_fields), the

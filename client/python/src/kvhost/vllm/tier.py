@@ -168,7 +168,8 @@ class _TierImpl(Reconnects):
 
         self._desc["row_bytes"] = self._row_bytes
         self.fs_base = _namespace.fs_base(self._desc["fields"])
-        geom = _namespace.geometry(self._desc, _VLLM_FS_PREFIX + self.fs_base if o["vllm_fs"] else None)
+        geom = _namespace.geometry(self._desc, _namespace.fs_namespace(_VLLM_FS_PREFIX, self.fs_base)
+                                   if o["vllm_fs"] else None)
 
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
