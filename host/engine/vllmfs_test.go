@@ -27,8 +27,8 @@ import (
 // from the layout described in docs/format.md ("The vllm-fs layout") and independent of
 // the engine and of package vllmfs: it builds the JSON texts by hand for one
 // shape of fields (one KV-cache group), names files, and writes and reads
-// rows as the tier does (the row padded to 4 KiB, written to <path>.tmp and
-// renamed).
+// rows as the tier does (the row padded to 4 KiB, written to
+// <path><vllmTmpSuffix> and renamed).
 type fsTier struct {
 	root     string
 	model    string
@@ -36,6 +36,11 @@ type fsTier struct {
 	layers   []string
 	rowBytes int
 }
+
+// vllmTmpSuffix ends the temporary name of a row vLLM's fs tier is
+// writing: tiering/fs/io.py names it <path>_<a random int of its
+// thread>.tmp and renames it to <path> once written.
+const vllmTmpSuffix = "_6180339887498948482.tmp"
 
 func (f fsTier) quoted(s []string) []string {
 	out := make([]string, len(s))
@@ -106,10 +111,10 @@ func (f fsTier) store(t testing.TB, key, row []byte) {
 	}
 	buf := make([]byte, f.fileLen())
 	copy(buf, row)
-	if err := os.WriteFile(p+".tmp", buf, 0o644); err != nil {
+	if err := os.WriteFile(p+vllmTmpSuffix, buf, 0o644); err != nil {
 		t.Fatal(err)
 	}
-	if err := os.Rename(p+".tmp", p); err != nil {
+	if err := os.Rename(p+vllmTmpSuffix, p); err != nil {
 		t.Fatal(err)
 	}
 }
@@ -199,7 +204,7 @@ func TestVLLMFSAdoptsServesEvicts(t *testing.T) {
 				os.Chtimes(tier.path(k), at, at)
 			}
 			// A vLLM temporary file left by a crash: not a row, left alone.
-			stray := tier.path(old[0]) + ".tmp"
+			stray := tier.path(old[0]) + vllmTmpSuffix
 			os.WriteFile(stray, []byte("torn"), 0o644)
 
 			v := &VLLMFS{Namespace: tierModel}

@@ -119,7 +119,7 @@ func TestKeyRefusesOtherNames(t *testing.T) {
 	for _, tc := range []struct{ name, rel string }{
 		{"config.json", l.Base() + "/config.json"},
 		{"other rank", l.Base() + "_r1/0a1/b2_g0/0a1b2c.bin"},
-		{"vLLM temporary file", d + "/0a1/b2_g0/0a1b2c.bin.tmp"},
+		{"vLLM temporary file", d + "/0a1/b2_g0/0a1b2c.bin_6180339887498948482.tmp"},
 		{"upper-case hex", d + "/0A1/B2_g0/0A1B2C.bin"},
 		{"wrong first directory", d + "/0a2/b2_g0/0a1b2c.bin"},
 		{"wrong second directory", d + "/0a1/b3_g0/0a1b2c.bin"},
