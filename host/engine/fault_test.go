@@ -1328,3 +1328,60 @@ func TestATemporaryFileWhoseRemovalFailsStaysCounted(t *testing.T) {
 		})
 	}
 }
+
+// TestAnIOErrorReadingAHeaderIsNoCorruption: a read of a file's header
+// that fails with EIO (a transient fault of the device or of a network
+// mount), in a load or in the rebuild at Open, neither removes the file nor
+// counts it corrupt: the load fails its key, the rebuild skips the file,
+// and the next load of the key reads it byte for byte.
+func TestAnIOErrorReadingAHeaderIsNoCorruption(t *testing.T) {
+	ctx := context.Background()
+	g := smallGeometry(true)
+	for _, at := range []string{"load", "rebuild"} {
+		t.Run(at, func(t *testing.T) {
+			dir := t.TempDir()
+			var armed atomic.Bool
+			var target atomic.Value // string
+			inj := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+				if p, _ := target.Load().(string); op == fsys.OpRead && path == p && armed.CompareAndSwap(true, false) {
+					return fsys.Fault{Err: syscall.EIO}
+				}
+				return fsys.Fault{}
+			})
+			cfg := Config{Mounts: []Mount{{Path: dir}}, Policy: newTestPolicy(1, abi.OrderLayerMajor), FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj}}
+			e := openEngine(t, cfg)
+			ns, _ := e.Declare(ctx, g)
+			c := newTestCache(t, e, ns, g, 32, layoutPlaneFirst)
+			r := rand.New(rand.NewPCG(5, 5))
+			keys := testKeys("eio", 1)
+			blocks := [][]int{{0, 1, 2, 3}}
+			c.fill(r, blocks[0])
+			storeAndCheck(t, e, c, keys, blocks)
+			want := [][]byte{c.data(blocks[0])}
+			_, paths, _, _ := e.names(ctx, e.nss[ns], keys)
+			target.Store(paths[0])
+			armed.Store(true)
+			if at == "load" {
+				res := wait(t)(e.Load(ctx, LoadRequest{Cache: c.id, Keys: keys, Blocks: [][]int{{8, 9, 10, 11}}}))
+				if k := res.Keys[0]; k.Outcome != OutcomeFailed || !errors.Is(k.Err, syscall.EIO) {
+					t.Fatalf("load with EIO: %v %v, want failed with EIO", k.Outcome, k.Err)
+				}
+			} else {
+				e.Close(ctx)
+				e = openEngine(t, cfg)
+				if armed.Load() {
+					t.Fatal("the rebuild did not read the file")
+				}
+				ns, _ = e.Declare(ctx, g)
+				c = newTestCache(t, e, ns, g, 32, layoutPlaneFirst)
+			}
+			if _, err := os.Stat(paths[0]); err != nil {
+				t.Fatalf("the file that could not be read once was removed: %v", err)
+			}
+			if st := e.Stats(); st.Corrupt != 0 {
+				t.Fatalf("an I/O error counted as %d corrupt files", st.Corrupt)
+			}
+			loadAndCompare(t, e, c, keys, [][]int{{12, 13, 14, 15}}, want)
+		})
+	}
+}

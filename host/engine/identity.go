@@ -96,21 +96,29 @@ func (e *Engine) openRegular(path string) (fsys.File, fsys.Identity, error) {
 var errNotRegular = errors.New("engine: not a regular file")
 
 // readHeader reads and decodes the header at the start of f, with aligned
-// buffers so that it works on files opened with O_DIRECT.
+// buffers so that it works on files opened with O_DIRECT. It returns an
+// error wrapping ErrCorrupt where the file's bytes fail the header's checks
+// (a file too short included), and a read's own error as it is: an I/O
+// error (EIO, ESTALE, a timeout of a network mount) says nothing of the
+// bytes, and a corrupt file is removed.
 func readHeader(f fsys.File) (*format.Header, error) {
 	buf := staging.AlignedBuffer(format.Align)
 	n, err := f.ReadAt(buf, 0)
+	if err != nil && !errors.Is(err, io.EOF) {
+		return nil, err
+	}
 	if n < format.FixedLen {
-		if err == nil || errors.Is(err, io.EOF) {
-			err = format.ErrTruncated
-		}
-		return nil, fmt.Errorf("%w: %w", ErrCorrupt, err)
+		return nil, fmt.Errorf("%w: %w", ErrCorrupt, format.ErrTruncated)
 	}
 	h, err := format.Decode(buf[:n])
 	var te *format.TruncatedError
 	if errors.As(err, &te) && te.Need <= format.MaxHeaderLen && n == len(buf) {
 		buf = staging.AlignedBuffer((te.Need + format.Align - 1) / format.Align * format.Align)
-		if n, _ = f.ReadAt(buf, 0); n < te.Need {
+		n, err = f.ReadAt(buf, 0)
+		if err != nil && !errors.Is(err, io.EOF) {
+			return nil, err
+		}
+		if n < te.Need {
 			return nil, fmt.Errorf("%w: %w", ErrCorrupt, format.ErrTruncated)
 		}
 		h, err = format.Decode(buf[:n])

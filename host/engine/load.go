@@ -189,7 +189,9 @@ func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 		h, err = e.fileHeader(en.mount, en.path, f, id)
 	}
 	if err != nil {
-		corrupt(err)
+		if errors.Is(err, ErrCorrupt) {
+			corrupt(err) // not an I/O error: the file stays for the next load
+		}
 		all(OutcomeFailed, fmt.Errorf("engine: load %s: %w", en.path, err))
 		return
 	}
