@@ -145,8 +145,12 @@ func (h *Header) Validate() error {
 	case len(h.Keys) == 0 || len(h.Keys) > MaxKeys:
 		return bad("%d keys: want 1..%d", len(h.Keys), MaxKeys)
 	}
-	if kb := h.KeyBytes(); kb <= 0 || kb > 1<<40 || int64(len(h.Keys))*kb > 1<<48 {
-		return bad("key bytes %d out of range", kb)
+	// Segments per key are at most 2^33 (the bounds above); their product
+	// with the block bytes is bounded by division, as it could pass 2^63
+	// and wrap to a size in range.
+	segs := int64(h.Layers) * int64(h.Planes) * int64(h.BlocksPerKey)
+	if int64(h.BlockBytes) > (1<<40)/segs || int64(len(h.Keys))*h.KeyBytes() > 1<<48 {
+		return bad("key bytes out of range: %d segments of %d bytes", segs, h.BlockBytes)
 	}
 	for i, k := range h.Keys {
 		if len(k.Key) == 0 || len(k.Key) > MaxKeyLen {

@@ -6,6 +6,8 @@ import (
 	"errors"
 	"fmt"
 	"testing"
+
+	"github.com/kvhost/kvhost/internal/crc32c"
 )
 
 func sample(nkeys int, order uint32) *Header {
@@ -223,5 +225,47 @@ func TestRawHeaderHasNoHeaderArea(t *testing.T) {
 	}
 	if err := h.Encode(make([]byte, 4096)); !errors.Is(err, ErrRaw) {
 		t.Fatalf("Encode of a raw header: %v, want ErrRaw", err)
+	}
+}
+
+// TestAGeometryWhoseKeyBytesOverflowIsCorrupt: layers × planes × blocks
+// per key × block bytes, each within its bound, can pass 2^63; a header
+// whose product wrapped to a small number (and whose key_bytes and
+// payload_len say that number, under a good checksum) describes a payload
+// of another size than the one its lengths say, and is corrupt.
+func TestAGeometryWhoseKeyBytesOverflowIsCorrupt(t *testing.T) {
+	le := binary.LittleEndian
+	for _, tc := range []struct {
+		name                   string
+		layers, planes, blocks uint32
+		blockBytes             uint64
+	}{
+		{"wraps to 4 GiB", 1 << 16, 1, 1 << 16, 1<<32 + 1},
+		{"wraps to 8 GiB", 1 << 16, 2, 1 << 16, 1<<31 + 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := sample(1, OrderLayerMajor)
+			h.Layers, h.Planes, h.BlocksPerKey, h.BlockBytes = tc.layers, tc.planes, tc.blocks, tc.blockBytes
+			if err := h.Validate(); !errors.Is(err, ErrCorrupt) {
+				t.Errorf("Validate: %v (key bytes %d), want ErrCorrupt", err, h.KeyBytes())
+			}
+			// The same header as a writer with the product wrapped would
+			// have encoded it.
+			b := make([]byte, 4096)
+			if err := sample(1, OrderLayerMajor).Encode(b); err != nil {
+				t.Fatal(err)
+			}
+			le.PutUint32(b[56:], tc.layers)
+			le.PutUint32(b[60:], tc.planes)
+			le.PutUint32(b[64:], tc.blocks)
+			le.PutUint64(b[72:], tc.blockBytes)
+			le.PutUint64(b[32:], uint64(h.PayloadLen()))
+			le.PutUint64(b[40:], uint64(h.KeyBytes()))
+			le.PutUint32(b[20:], 0)
+			le.PutUint32(b[20:], crc32c.Checksum(b[:h.UsedLen()]))
+			if _, err := Decode(b); !errors.Is(err, ErrCorrupt) {
+				t.Fatalf("Decode: %v (key bytes %d), want ErrCorrupt", err, h.KeyBytes())
+			}
+		})
 	}
 }
