@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 
@@ -291,3 +292,53 @@ type deviceRegion struct{}
 func (deviceRegion) ID() uint64        { return 1 }
 func (deviceRegion) Len() int64        { return 1 << 30 }
 func (deviceRegion) Kind() region.Kind { return region.KindDevice }
+
+// TestOpenRefusesMountsThatOverlap: the rebuild indexes every file under a
+// kvhost mount's root, so two mounts on one directory (one path twice, or
+// two names of one directory) or one inside the other would index the
+// files of the inner one twice, and the rebuild would remove one of the two
+// "copies" (dedupe): the file itself. Open refuses them, and the files
+// stored there stay.
+func TestOpenRefusesMountsThatOverlap(t *testing.T) {
+	ctx := context.Background()
+	g := smallGeometry(true)
+	for _, tc := range []struct {
+		name   string
+		stored string   // the mount a file is stored on first, under the test's directory
+		mounts []string // then opened together
+	}{
+		{"one path twice", ".", []string{".", "./"}},
+		{"two names of one directory", ".", []string{".", "alias"}},
+		{"the second inside the first", "cold", []string{".", "cold"}},
+		{"the first inside the second", "hot", []string{"hot", "."}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			dir := t.TempDir()
+			if err := os.Symlink(dir, filepath.Join(dir, "alias")); err != nil {
+				t.Fatal(err)
+			}
+			e := openEngine(t, Config{Mounts: []Mount{{Path: filepath.Join(dir, tc.stored)}}, Policy: newTestPolicy(1, abi.OrderLayerMajor)})
+			ns, _ := e.Declare(ctx, g)
+			c := newTestCache(t, e, ns, g, 8, layoutPlaneFirst)
+			c.fill(rand.New(rand.NewPCG(1, 1)), []int{0, 1, 2, 3})
+			keys := testKeys("overlap", 1)
+			storeAndCheck(t, e, c, keys, [][]int{{0, 1, 2, 3}})
+			_, paths, _, _ := e.names(ctx, e.nss[ns], keys)
+			e.Close(ctx)
+			var mounts []Mount
+			for _, m := range tc.mounts {
+				mounts = append(mounts, Mount{Path: dir + "/" + m})
+			}
+			e, err := Open(ctx, Config{Mounts: mounts, Policy: newTestPolicy(1, abi.OrderLayerMajor), Logger: testLogger(t)})
+			if err == nil {
+				e.Close(ctx)
+			}
+			if _, serr := os.Stat(paths[0]); serr != nil {
+				t.Fatalf("open: %v; the stored file: %v", err, serr)
+			}
+			if !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), "overlap") {
+				t.Fatalf("open: %v, want ErrInvalid: the mounts overlap", err)
+			}
+		})
+	}
+}

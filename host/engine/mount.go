@@ -8,6 +8,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/kvhost/kvhost/internal/fstype"
+	"github.com/kvhost/kvhost/internal/fsys"
 	"github.com/kvhost/kvhost/internal/region"
 	"github.com/kvhost/kvhost/internal/transfer"
 	"github.com/kvhost/kvhost/staging"
@@ -38,6 +39,70 @@ type mount struct {
 	// order (demoteVictim).
 	evictMu sync.Mutex
 	cluster *clusterMount // Mount.ClusterCapacity's state (cluster.go); nil without
+}
+
+// maxRootDepth bounds the walk up from a mount's root (checkDisjoint).
+const maxRootDepth = 1024
+
+// checkDisjoint returns an error wrapping ErrInvalid where the kvhost
+// mounts' roots a and b (absolute, existing) are one directory, or one
+// lies inside the other, through whatever names: the rebuild takes every
+// file under a kvhost mount's root, so the inner mount's files would be
+// indexed twice, and the copy it removes as a move's leftover (dedupe)
+// would be the file itself. Directories are compared by device and inode,
+// and each root's ancestors are found through "..", which the kernel
+// resolves to the real parent whatever symbolic links or bind mounts
+// named the root.
+func (e *Engine) checkDisjoint(a, b string) error {
+	dirID := func(p string) (fsys.FileID, error) {
+		fi, err := e.fs.Stat(p)
+		if err != nil {
+			return fsys.FileID{}, err
+		}
+		id, err := fsys.IdentityOf(fi)
+		return id.FileID, err
+	}
+	// inside reports whether dir (of identity id) is, or is within, the
+	// directory of identity of. Its path grows by "/.." at each step:
+	// filepath.Join would take them away lexically.
+	inside := func(dir string, id, of fsys.FileID) (bool, error) {
+		for range maxRootDepth {
+			if id == of {
+				return true, nil
+			}
+			dir += "/.."
+			up, err := dirID(dir)
+			if err != nil {
+				return false, err
+			}
+			if up == id {
+				return false, nil // the root of the file-system tree
+			}
+			id = up
+		}
+		return false, nil
+	}
+	ia, err := dirID(a)
+	if err != nil {
+		return fmt.Errorf("engine: mount %s: %w", a, err)
+	}
+	ib, err := dirID(b)
+	if err != nil {
+		return fmt.Errorf("engine: mount %s: %w", b, err)
+	}
+	for _, c := range []struct {
+		dir    string
+		id, of fsys.FileID
+	}{{a, ia, ib}, {b, ib, ia}} {
+		in, err := inside(c.dir, c.id, c.of)
+		if err != nil {
+			return fmt.Errorf("engine: mounts %s and %s: %w", a, b, err)
+		}
+		if in {
+			return fmt.Errorf("%w: mounts %s and %s overlap (one directory, or one inside the other): the files of the inner one would be indexed twice", ErrInvalid, a, b)
+		}
+	}
+	return nil
 }
 
 func (m *mount) ioName() string {
