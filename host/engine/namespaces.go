@@ -54,8 +54,10 @@ func (e *Engine) Declare(ctx context.Context, g Geometry) (NamespaceID, error) {
 		e.mu.Unlock()
 		return id, nil
 	}
+	var short []*entry // rows cut short on the vllm-fs mount, dropped below
 	if lm != nil {
-		if err := e.bindLayoutLocked(lm, g); err != nil {
+		var err error
+		if short, err = e.bindLayoutLocked(lm, g); err != nil {
 			e.mu.Unlock()
 			return 0, err
 		}
@@ -74,6 +76,10 @@ func (e *Engine) Declare(ctx context.Context, g Geometry) (NamespaceID, error) {
 		e.declares++
 	}
 	e.mu.Unlock()
+	if len(short) > 0 {
+		// Before the namespace is declared: no request finds them.
+		e.dropShort(ctx, lm, short)
+	}
 
 	rec, err := e.pol.Namespace(ctx, g.record(id, mounts))
 	if err != nil {

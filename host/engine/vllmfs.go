@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"context"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -49,7 +50,8 @@ type VLLMFS struct {
 	// RowBytes, if set, is the row size: the namespace's KeyBytes must
 	// equal it, and files of another length are not indexed. 0 takes the
 	// namespace's KeyBytes at Declare (files indexed earlier must then
-	// have its length).
+	// have its length; shorter ones, rows cut short by a crash, are
+	// removed: bindLayoutLocked).
 	RowBytes int64
 }
 
@@ -291,33 +293,69 @@ func (e *Engine) layoutMount(model string) *mount {
 // bindLayoutLocked checks that geometry g can be the namespace of vllm-fs mount
 // m: one plane (the tier's row namespace, or MLA), so that its payload is
 // the row in vLLM's order; the mount's rank; the row size; and the files
-// already indexed there of the row's length. The caller holds e.mu.
-func (e *Engine) bindLayoutLocked(m *mount, g Geometry) error {
+// already indexed there. Files shorter than the row are rows cut short (a
+// power loss after the tier renamed a row it had not synced leaves it
+// empty or cut): they are returned, for the caller to drop and remove
+// once it has released e.mu (dropShort), as the tier removes a row it
+// reads short. A file longer than the row, or only files of another
+// length (none of the row's, some not empty), say that the directory
+// holds another geometry: refused. The caller holds e.mu.
+func (e *Engine) bindLayoutLocked(m *mount, g Geometry) (short []*entry, err error) {
 	fail := func(format string, args ...any) error {
 		return fmt.Errorf("%w: namespace %q on vllm-fs mount %s: "+format, append([]any{ErrInvalid, g.Model, m.root}, args...)...)
 	}
 	r := m.raw
 	switch {
 	case g.Planes() != 1:
-		return fail("a K/V geometry has no place in vLLM's row: declare the row (one layer, one plane, one block of the row's bytes, as the vLLM tier does) or an MLA geometry")
+		return nil, fail("a K/V geometry has no place in vLLM's row: declare the row (one layer, one plane, one block of the row's bytes, as the vLLM tier does) or an MLA geometry")
 	case g.TPRank != r.rank:
-		return fail("TP rank %d, but the mount's data directory is rank %d (%s)", g.TPRank, r.rank, r.layout.DataDir())
+		return nil, fail("TP rank %d, but the mount's data directory is rank %d (%s)", g.TPRank, r.rank, r.layout.DataDir())
 	case r.rowBytes != 0 && g.KeyBytes() != r.rowBytes:
-		return fail("key bytes %d, but the mount's rows are %d bytes (row_bytes)", g.KeyBytes(), r.rowBytes)
+		return nil, fail("key bytes %d, but the mount's rows are %d bytes (row_bytes)", g.KeyBytes(), r.rowBytes)
 	}
 	want := vllmfs.FileLen(g.KeyBytes())
-	bad, example := 0, ""
+	rows, longer, cut, example := 0, 0, 0, ""
 	e.ix.each(func(en *entry) {
-		if en.mount == m.idx && en.size != want {
-			bad++
+		switch {
+		case en.mount != m.idx:
+		case en.size == want:
+			rows++
+		case en.size > want:
+			longer++
 			example = fmt.Sprintf("%s is %d bytes", en.path, en.size)
+		default:
+			short = append(short, en)
+			if en.size > 0 {
+				cut++
+				if longer == 0 {
+					example = fmt.Sprintf("%s is %d bytes", en.path, en.size)
+				}
+			}
 		}
 	})
-	if bad > 0 {
-		return fail("%d files of the directory are not rows of %d bytes (padded to %d), e.g. %s: the directory holds another geometry", bad, g.KeyBytes(), want, example)
+	if bad := longer + cut; longer > 0 || rows == 0 && cut > 0 {
+		return nil, fail("%d files of the directory are not rows of %d bytes (padded to %d), e.g. %s: the directory holds another geometry", bad, g.KeyBytes(), want, example)
 	}
 	r.rowBytes = g.KeyBytes()
-	return nil
+	return short, nil
+}
+
+// dropShort drops the entries of vllm-fs mount m that bindLayoutLocked
+// found shorter than the row and removes their files (each if it is still
+// the file indexed), counting them corrupt: the tier removes such a row
+// when it reads it, and kvhost never serves one. The caller holds no lock.
+func (e *Engine) dropShort(ctx context.Context, m *mount, short []*entry) {
+	n := 0
+	for _, en := range short {
+		if e.drop(ctx, en, true, "a vllm-fs row cut short") {
+			n++
+		}
+	}
+	if n == 0 {
+		return
+	}
+	e.st.corrupt.Add(uint64(n))
+	e.log.Warn("engine: vllm-fs: removed rows shorter than the namespace's row (cut short by a crash)", "mount", m.root, "rows", n, "row_bytes", m.raw.rowBytes, "e.g.", short[0].path)
 }
 
 // rawEntry returns an unindexed entry for the row file at path on vllm-fs

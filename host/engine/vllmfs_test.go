@@ -119,6 +119,19 @@ func (f fsTier) store(t testing.TB, key, row []byte) {
 	}
 }
 
+// tear leaves key's file n bytes long (0: empty), as a power loss can
+// leave a row the tier renamed without fsync.
+func (f fsTier) tear(t testing.TB, key []byte, n int) {
+	t.Helper()
+	p := f.path(key)
+	if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(p, make([]byte, n), 0o644); err != nil {
+		t.Fatal(err)
+	}
+}
+
 // load reads key's row as the tier does (rowBytes from offset 0), or nil.
 func (f fsTier) load(t testing.TB, key []byte) []byte {
 	t.Helper()
@@ -548,21 +561,109 @@ func TestVLLMFSRefusesMismatch(t *testing.T) {
 			t.Fatalf("declare of another base: %v", err)
 		}
 	})
-	t.Run("files of another row length", func(t *testing.T) {
-		root := t.TempDir()
-		tier := newFSTier(root, 8192)
-		tier.init(t)
-		key := tierKeys(1, 1)[0]
-		tier.store(t, key, make([]byte, 8192))
-		e := openEngine(t, Config{Mounts: []Mount{{Path: root, VLLMFS: &VLLMFS{Namespace: tierModel}}}, Policy: pol()})
-		_, err := e.Declare(ctx, rowGeometry(tierModel, 16384))
-		if !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), "not rows of 16384 bytes") {
-			t.Fatalf("declare: %v", err)
-		}
-		if got := tier.load(t, key); len(got) != 8192 {
-			t.Fatal("the row was touched")
-		}
-	})
+	// Rows of another length are another geometry, not rows cut short
+	// (TestVLLMFSDropsRowsCutShortByACrash): no crash lengthens a row,
+	// and rows all shorter than the declared one are all another's.
+	for _, tc := range []struct {
+		name     string
+		files    []int // lengths of the files in the directory
+		declared int
+	}{
+		{"files of another row length", []int{8192}, 16384},
+		{"files of another row length beside an empty one", []int{8192, 0}, 16384},
+		{"a file longer than the row beside rows", []int{8192, 8192, 16384}, 8192},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			root := t.TempDir()
+			tier := newFSTier(root, 8192)
+			tier.init(t)
+			keys := tierKeys(1, len(tc.files))
+			for i, k := range keys {
+				tier.tear(t, k, tc.files[i])
+			}
+			e := openEngine(t, Config{Mounts: []Mount{{Path: root, VLLMFS: &VLLMFS{Namespace: tierModel}}}, Policy: pol()})
+			_, err := e.Declare(ctx, rowGeometry(tierModel, tc.declared))
+			if !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), fmt.Sprintf("not rows of %d bytes", tc.declared)) {
+				t.Fatalf("declare: %v", err)
+			}
+			for i, k := range keys {
+				if fi, err := os.Stat(tier.path(k)); err != nil || fi.Size() != int64(tc.files[i]) {
+					t.Errorf("file %d was touched: %v", i, err)
+				}
+			}
+		})
+	}
+}
+
+// TestVLLMFSDropsRowsCutShortByACrash: rows shorter than the declared
+// row (empty or cut, as a power loss leaves rows the tier renamed without
+// fsync) do not stop the namespace's declaration: they are dropped from
+// the index, counted corrupt and removed, as the tier removes a row it
+// reads short, and a lookup or load of their keys is a miss, while the
+// whole rows beside them are served. A short row found after the
+// declaration is a miss too, never a failed load.
+func TestVLLMFSDropsRowsCutShortByACrash(t *testing.T) {
+	const row = 8192
+	for _, tc := range []struct {
+		name  string
+		whole int
+		torn  []int // the short rows' lengths
+	}{
+		{"beside whole rows", 3, []int{0, 4096}},
+		{"only empty rows", 0, []int{0, 0}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ctx := context.Background()
+			root := t.TempDir()
+			tier := newFSTier(root, row)
+			tier.init(t)
+			keys := tierKeys(1, tc.whole+len(tc.torn)+1)
+			whole, torn, later := keys[:tc.whole], keys[tc.whole:len(keys)-1], keys[len(keys)-1:]
+			r := rand.New(rand.NewPCG(1, 2))
+			rows := make([][]byte, len(whole))
+			for i, k := range whole {
+				rows[i] = randomRow(r, row)
+				tier.store(t, k, rows[i])
+			}
+			for i, k := range torn {
+				tier.tear(t, k, tc.torn[i])
+			}
+			e := openEngine(t, Config{Mounts: []Mount{{Path: root, VLLMFS: &VLLMFS{Namespace: tierModel}}}, Policy: newTestPolicy(1, abi.OrderBlockMajor)})
+			g := rowGeometry(tierModel, row)
+			ns, err := e.Declare(ctx, g)
+			if err != nil {
+				t.Fatal(err)
+			}
+			st := e.Stats()
+			if st.Entries != len(whole) || st.Corrupt != uint64(len(torn)) || st.Mounts[0].Used != int64(len(whole)*tier.fileLen()) {
+				t.Fatalf("after declare: %d entries, %d corrupt, %d bytes used: want %d, %d, %d", st.Entries, st.Corrupt, st.Mounts[0].Used, len(whole), len(torn), len(whole)*tier.fileLen())
+			}
+			for i, k := range torn {
+				if _, err := os.Stat(tier.path(k)); !errors.Is(err, os.ErrNotExist) {
+					t.Errorf("short row %d (%d bytes) not removed: %v", i, tc.torn[i], err)
+				}
+			}
+			if got, err := e.Lookup(ctx, ns, whole); err != nil || got != len(whole) {
+				t.Fatalf("lookup of the whole rows: %d of %d, %v", got, len(whole), err)
+			}
+			c := newTestCache(t, e, ns, g, max(1, len(whole)), layoutPlaneFirst)
+			into := make([][]int, len(whole))
+			for i := range into {
+				into[i] = []int{i}
+			}
+			loadAndCompare(t, e, c, whole, into, rows)
+			// Cut short after the declaration: found by the lookup, not
+			// indexed.
+			tier.tear(t, later[0], 4096)
+			for _, k := range append(torn, later...) {
+				if got, err := e.Lookup(ctx, ns, [][]byte{k}); err != nil || got != 0 {
+					t.Fatalf("lookup of a short row: %d, %v", got, err)
+				}
+				res := wait(t)(e.Load(ctx, LoadRequest{Cache: c.id, Keys: [][]byte{k}, Blocks: [][]int{{0}}}))
+				wantOutcomes(t, "load of a short row", res, OutcomeMissing)
+			}
+		})
+	}
 }
 
 // TestVLLMFSBesideKVHostMounts: other namespaces go to the kvhost mounts

@@ -366,6 +366,41 @@ class VllmFsInterop(RealTieringCase):
         for k in ks:
             self.assertEqual(self.settle(other.manager, k, ctx)[-1], R.MISS)
 
+    def vllm_fs_dir(self, tag, n):
+        """vLLM's own fs tier writes n rows into a fresh root; returns the
+        root, the keys and their rows."""
+        import shutil
+        import tempfile
+        root = tempfile.mkdtemp(prefix="kvhost-vllm-fs-")
+        self.addCleanup(shutil.rmtree, root, True)
+        writer = vllm_tree.make_tiering_manager(
+            self.api, num_cpu_blocks=16, secondary_tiers=[vllm_tree.fs_tier(root)],
+            config_kwargs=dict(model=MODEL, worker_kv_bytes_per_block=WORKER_BYTES,
+                               is_parallelism_agnostic=False, groups=((names(), 16),)))
+        self.handles.append(writer)
+        ctx = self.ctx()
+        writer.manager.on_new_request(ctx)
+        ks = [key(i, tag) for i in range(n)]
+        return root, ks, self.offload(writer, ks, ctx)
+
+    def test_rows_cut_short_by_a_crash_do_not_stop_the_tier(self):
+        """vLLM renames a row without fsync: a power loss can leave it
+        empty. The tier still starts on the daemon that adopted the
+        directory, serves the whole rows and misses the empty one."""
+        import glob
+        import os
+        R = self.api.LookupResult
+        root, ks, want = self.vllm_fs_dir("short", 3)
+        (row,) = glob.glob(os.path.join(root, "*_r0", "**", ks[-1][:-4].hex() + ".bin"), recursive=True)
+        os.truncate(row, 0)
+        daemon = d.Daemon(after_toml=f'[[mount]]\npath = "{root}"\nlayout = "vllm-fs"\ncapacity = "1GiB"\n')
+        self.addCleanup(daemon.stop)
+        reader = self.engine(tier={"socket": daemon.socket, "vllm_fs": True})
+        ctx = self.ctx()
+        reader.manager.on_new_request(ctx)
+        np.testing.assert_array_equal(self.promote_and_read(reader, ks[:-1], ctx), want[:-1])
+        self.assertEqual(self.settle(reader.manager, ks[-1], ctx)[-1], R.MISS)
+
     def test_rows_of_a_model_given_by_a_long_path_are_served(self):
         """vLLM names a model given by a local path (here a Hugging Face
         cache snapshot) by that path: its fs-tier directory's name is
