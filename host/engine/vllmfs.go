@@ -106,10 +106,12 @@ func layoutFingerprint(dataDir, model string) uint64 {
 
 // openLayout reads or writes the base directory of a vllm-fs mount: with
 // fields, their base directory's config.json must record them (written if
-// absent), and no other base directory of the same model may sit under the
-// root (a directory reused across geometries); without, the one base
-// directory found is adopted. Mismatches are refused with the differing
-// fields named.
+// absent, or anew if it does not parse: the tier writes it in place, so a
+// crash can cut it), and no other base directory of the same model may sit
+// under the root (a directory reused across geometries); without, the one
+// base directory found is adopted. Mismatches are refused with the
+// differing fields named; other base directories whose config.json cannot
+// be used are skipped with a warning.
 func (e *Engine) openLayout(mt *mount, v *VLLMFS) error {
 	fail := func(err error) error { return fmt.Errorf("%w: mount %s: vllm-fs: %w", ErrInvalid, mt.root, err) }
 	if v.Rank < 0 || v.RowBytes < 0 {
@@ -120,11 +122,24 @@ func (e *Engine) openLayout(mt *mount, v *VLLMFS) error {
 		return fmt.Errorf("engine: mount %s: vllm-fs: %w", mt.root, err)
 	}
 	var cfg vllmfs.Config
+	// skip warns of a base directory that is not served and whose
+	// config.json cannot be used (the tier writes it in place, so a crash
+	// can leave it empty or cut): it is no reason not to start.
+	skip := func(name string) {
+		if err := found[name].err; err != nil {
+			e.log.Warn("engine: vllm-fs: skipping a base directory whose config.json cannot be used", "mount", mt.root, "dir", name, "err", err)
+		}
+	}
 	if v.Fields == nil {
 		var ok []string
 		for name, c := range found {
 			if c.err == nil {
 				ok, cfg = append(ok, name), c.cfg
+			}
+		}
+		if len(ok) == 1 {
+			for _, name := range slices.Sorted(maps.Keys(found)) {
+				skip(name)
 			}
 		}
 		switch {
@@ -146,20 +161,34 @@ func (e *Engine) openLayout(mt *mount, v *VLLMFS) error {
 			return fail(err)
 		}
 		base := cfg.Base()
-		if c, ok := found[base]; ok && c.err != nil {
+		c, ok := found[base]
+		// One that does not parse (empty or cut by a crash) is written
+		// anew below: the directory's name is the fields' hash. One that
+		// parses but records other fields (edited), or that could not be
+		// read, is refused.
+		if ok && c.err != nil && !errors.Is(c.err, vllmfs.ErrConfig) {
 			return fail(c.err)
 		}
-		for name, c := range found {
+		for _, name := range slices.Sorted(maps.Keys(found)) {
+			c := found[name]
 			if name == base || c.err != nil || c.cfg.ModelName() != cfg.ModelName() {
 				continue
 			}
 			return fail(fmt.Errorf("%w: %s/%s records another geometry of %q than configured (%s): reusing a directory across geometries corrupts output; fix the fields or use another root",
 				vllmfs.ErrMismatch, name, vllmfs.ConfigFile, cfg.ModelName(), strings.Join(c.cfg.Diff(cfg), "; ")))
 		}
-		if _, ok := found[base]; !ok {
+		for _, name := range slices.Sorted(maps.Keys(found)) {
+			if name != base {
+				skip(name)
+			}
+		}
+		if !ok || c.err != nil {
 			if err := e.writeConfig(mt.root, cfg); err != nil {
 				return fmt.Errorf("engine: mount %s: vllm-fs: config.json: %w", mt.root, err)
 			}
+		}
+		if c.err != nil {
+			e.log.Warn("engine: vllm-fs: wrote the configured base directory's config.json anew (it did not parse: a crash while the tier wrote it)", "mount", mt.root, "dir", base, "err", c.err)
 		}
 	}
 	layout, err := vllmfs.NewLayout(cfg, v.Rank)

@@ -514,6 +514,18 @@ func TestVLLMFSRefusesMismatch(t *testing.T) {
 			t.Fatalf("open: %v", err)
 		}
 	})
+	t.Run("nothing to adopt but a config.json cut", func(t *testing.T) {
+		// Without fields nothing says what it held: the error names it.
+		root := t.TempDir()
+		tier := newFSTier(root, 8192)
+		tier.init(t)
+		p := filepath.Join(tier.base(), "config.json")
+		os.WriteFile(p, nil, 0o644)
+		_, err := Open(ctx, Config{Mounts: []Mount{{Path: root, VLLMFS: &VLLMFS{}}}, Policy: pol(), Logger: testLogger(t)})
+		if !errors.Is(err, ErrInvalid) || !errors.Is(err, vllmfs.ErrConfig) || !strings.Contains(err.Error(), "configure the fields") || !strings.Contains(err.Error(), p) {
+			t.Fatalf("open: %v", err)
+		}
+	})
 	t.Run("namespace of another shape", func(t *testing.T) {
 		root := t.TempDir()
 		tier := newFSTier(root, 8192)
@@ -661,6 +673,76 @@ func TestVLLMFSDropsRowsCutShortByACrash(t *testing.T) {
 				}
 				res := wait(t)(e.Load(ctx, LoadRequest{Cache: c.id, Keys: [][]byte{k}, Blocks: [][]int{{0}}}))
 				wantOutcomes(t, "load of a short row", res, OutcomeMissing)
+			}
+		})
+	}
+}
+
+// TestVLLMFSStartsOverConfigCutByACrash: the tier writes config.json in
+// place, without a temporary file, so a crash can leave it empty or cut.
+// vLLM never reads it again, and kvhost starts too: the configured base
+// directory's config.json is written anew as the tier writes it, and
+// another base directory whose config.json does not parse is skipped
+// with a warning naming the file (with fields configured, or beside the
+// one adopted). Its rows are served either way.
+func TestVLLMFSStartsOverConfigCutByACrash(t *testing.T) {
+	ctx := context.Background()
+	for _, tc := range []struct {
+		name   string
+		config string // what a crash left of config.json
+		other  bool   // in another base directory (else the configured one)
+		adopt  bool   // no fields configured
+	}{
+		{"configured, empty", "", false, false},
+		{"configured, cut", "{\n  \"blocks_per_file\": 1,\n  \"dcp", false, false},
+		{"another beside the configured, empty", "", true, false},
+		{"another beside the adopted, cut", "{\n", true, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			root := t.TempDir()
+			tier := newFSTier(root, 8192)
+			tier.init(t)
+			keys := tierKeys(1, 3)
+			for _, k := range keys {
+				tier.store(t, k, make([]byte, 8192))
+			}
+			cut := tier
+			if tc.other {
+				cut.tp = 2
+				cut.init(t)
+			}
+			p := filepath.Join(cut.base(), "config.json")
+			if err := os.WriteFile(p, []byte(tc.config), 0o644); err != nil {
+				t.Fatal(err)
+			}
+			log, warned := countingLogger(t, "config.json")
+			v := &VLLMFS{Namespace: tierModel}
+			if !tc.adopt {
+				v.Fields = tier.fields()
+			}
+			e, err := Open(ctx, Config{Mounts: []Mount{{Path: root, VLLMFS: v}}, Policy: newTestPolicy(1, abi.OrderBlockMajor), Logger: log})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer e.Close(ctx)
+			got, err := os.ReadFile(filepath.Join(tier.base(), "config.json"))
+			if err != nil || string(got) != tier.configJSON() {
+				t.Errorf("the served base directory's config.json (%v):\n%s\nwant\n%s", err, got, tier.configJSON())
+			}
+			if tc.other {
+				if got, _ := os.ReadFile(p); string(got) != tc.config || warned.Load() != 1 {
+					t.Errorf("another base directory's config.json: now %q, %d warnings naming it", got, warned.Load())
+				}
+			}
+			if l := leftovers(t, root); len(l) != 0 {
+				t.Errorf("leftovers: %v", l)
+			}
+			ns, err := e.Declare(ctx, rowGeometry(tierModel, 8192))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got, err := e.Lookup(ctx, ns, keys); err != nil || got != len(keys) {
+				t.Fatalf("lookup: %d of %d, %v", got, len(keys), err)
 			}
 		})
 	}

@@ -57,8 +57,10 @@ class Daemon:
                                      stdout=subprocess.PIPE, stderr=self.log, text=True)
         line = self.proc.stdout.readline().strip()
         if line != f"kvhost: listening on unix:{self.socket}":
+            self.halt()
+            logs = self.logs()  # before stop closes the log
             self.stop()
-            raise RuntimeError(f"kvhost did not start: {line!r}\n{self.logs()}")
+            raise RuntimeError(f"kvhost did not start: {line!r}\n{logs}")
 
     def freeze(self):
         """Stops the daemon process where it is (SIGSTOP) and returns once

@@ -401,6 +401,35 @@ class VllmFsInterop(RealTieringCase):
         np.testing.assert_array_equal(self.promote_and_read(reader, ks[:-1], ctx), want[:-1])
         self.assertEqual(self.settle(reader.manager, ks[-1], ctx)[-1], R.MISS)
 
+    def test_a_config_json_emptied_by_a_crash_does_not_stop_the_daemon(self):
+        """vLLM writes its config.json in place and never reads it: a crash
+        can leave it empty. A daemon with the fields configured (copied
+        from that config.json before) starts, writes it again byte for
+        byte, and serves vLLM's rows."""
+        import glob
+        import json
+        import os
+        root, ks, want = self.vllm_fs_dir("config", 2)
+        (path,) = glob.glob(os.path.join(root, "*", "config.json"))
+        with open(path, "rb") as f:
+            written = f.read()
+        fields = json.loads(written)
+        groups = fields.pop("kv_cache_groups")
+        fields["parallel_agnostic"] = fields.get("parallel_agnostic", True)
+        toml = "".join(f"{k} = {json.dumps(v)}\n" for k, v in sorted(fields.items()))
+        toml += "".join(f"[[mount.vllm_fs.kv_cache_groups]]\ntokens_per_block = {g['tokens_per_block']}\n"
+                        f"layer_names = {json.dumps(g['layer_names'])}\n" for g in groups)
+        open(path, "w").close()
+        daemon = d.Daemon(after_toml=f'[[mount]]\npath = "{root}"\nlayout = "vllm-fs"\ncapacity = "1GiB"\n'
+                                     f'[mount.vllm_fs]\n{toml}')
+        self.addCleanup(daemon.stop)
+        with open(path, "rb") as f:
+            self.assertEqual(f.read(), written)
+        reader = self.engine(tier={"socket": daemon.socket, "vllm_fs": True})
+        ctx = self.ctx()
+        reader.manager.on_new_request(ctx)
+        np.testing.assert_array_equal(self.promote_and_read(reader, ks, ctx), want)
+
     def test_rows_of_a_model_given_by_a_long_path_are_served(self):
         """vLLM names a model given by a local path (here a Hugging Face
         cache snapshot) by that path: its fs-tier directory's name is
