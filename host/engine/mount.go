@@ -34,6 +34,11 @@ type mount struct {
 	movers    map[region.Kind]transfer.Mover
 	ioWhy     string     // how the I/O mode was chosen
 	raw       *rawLayout // a vllm-fs mount; nil for kvhost's layout
+	// syncFirst: a buffered mount of a file system whose clients send a
+	// rename before the data written (fstype.Kind.CloseToOpen: NFS).
+	// Files are fsynced before their rename (publish) whatever
+	// Config.Fsync says, so that no other node sees one short.
+	syncFirst bool
 	// evictMu is held by the eviction on the mount (and a store's retry
 	// after ENOSPC); the first of the engine's locks, taken in mount
 	// order (demoteVictim).
@@ -185,6 +190,10 @@ func (e *Engine) openMount(i int, m Mount) (*mount, error) {
 			mt.direct, mt.ioWhy = true, "direct: probed"
 		}
 	}
+	if k, _ := fstype.Of(st.Type); k.CloseToOpen && !mt.direct {
+		// With O_DIRECT every write reaches the server before it returns.
+		mt.syncFirst = true
+	}
 	if mt.memory {
 		folio, err := fstype.LargeFolioOf(root)
 		if err != nil {
@@ -237,7 +246,7 @@ func (e *Engine) reportMounts() {
 			sp.aheadMax = AutoPreallocateMax(capacity, e.memory)
 		}
 		e.log.Info("engine: mount", "mount", m.root, "io", m.ioName(), "why", m.ioWhy, "backend", m.backend,
-			"checksums", m.checksums, "large_folio", m.folio, "capacity", capacity, "used", used, "reserve", sp.reserve, "preallocate", sp.ahead, "preallocate_auto", auto, "preallocate_max", max(sp.ahead, sp.aheadMax))
+			"checksums", m.checksums, "fsync_before_rename", e.cfg.Fsync || m.syncFirst, "large_folio", m.folio, "capacity", capacity, "used", used, "reserve", sp.reserve, "preallocate", sp.ahead, "preallocate_auto", auto, "preallocate_max", max(sp.ahead, sp.aheadMax))
 		if sp.configured > capacity && !sp.derived {
 			e.log.Warn("engine: the configured capacity is more than the file system can hold; using what it can hold",
 				"mount", m.root, "configured", sp.configured, "effective", capacity, "reserve", sp.reserve)

@@ -9,13 +9,15 @@ import (
 
 // Publishing a file: a store's new file and a move's copy are written
 // under an owned temporary name (createTemp, or a spare taken for a
-// store), then published by publish — fsync (Config.Fsync), rename into
-// place, and the identity of the file renamed, read from the open file.
+// store), then published by publish — fsync (Config.Fsync, and on NFS
+// with buffered I/O: mount.syncFirst), rename into place, and the
+// identity of the file renamed, read from the open file.
 
 // publish makes tmp, open as f and fully written, the file of en (whose
-// path is where it goes, on mount m): it fsyncs f (Config.Fsync), renames
-// tmp to en.path and sets en.ident from the open file (seal), unless ctx
-// ended first. replaces is the entry of the file the rename replaces
+// path is where it goes, on mount m): it fsyncs f (Config.Fsync; on a
+// mount whose file system's clients send the rename before the data,
+// always: mount.syncFirst), renames tmp to en.path and sets en.ident from
+// the open file (seal), unless ctx ended first. replaces is the entry of the file the rename replaces
 // (nil: none), which the movers forget first. published reports whether
 // the rename happened: the temporary name is gone and f is closed. A
 // failure after it removes the file again if it is still en's (the
@@ -26,7 +28,7 @@ import (
 // counted as the file's (index.leave) instead of giving it back. op
 // prefixes the failed step's name in the error (ioError).
 func (e *Engine) publish(ctx context.Context, m *mount, f fsys.File, tmp string, en, replaces *entry, op string) (published bool, left *entry, err error) {
-	if e.cfg.Fsync {
+	if e.cfg.Fsync || m.syncFirst {
 		if err := f.Sync(); err != nil {
 			return false, nil, e.ioError(m, op+"fsync", err)
 		}

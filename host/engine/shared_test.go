@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -9,12 +10,14 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 	"sync"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/internal/fstype"
 	"github.com/kvhost/kvhost/internal/fsys"
 )
 
@@ -137,7 +140,13 @@ type node struct {
 
 func openNode(t *testing.T, dir, id string, fs fsys.FS, kpf uint32) *node {
 	t.Helper()
-	e := openEngine(t, Config{Mounts: []Mount{{Path: dir}}, Policy: newTestPolicy(kpf, abi.OrderLayerMajor), FS: fs, NodeID: id})
+	return openNodeOn(t, Mount{Path: dir}, id, fs, kpf)
+}
+
+// openNodeOn is openNode on mount m.
+func openNodeOn(t *testing.T, m Mount, id string, fs fsys.FS, kpf uint32) *node {
+	t.Helper()
+	e := openEngine(t, Config{Mounts: []Mount{m}, Policy: newTestPolicy(kpf, abi.OrderLayerMajor), FS: fs, NodeID: id})
 	g := smallGeometry(true)
 	ns, err := e.Declare(context.Background(), g)
 	if err != nil {
@@ -448,4 +457,216 @@ func TestRelease(t *testing.T) {
 	c2 := newTestCache(t, e, ns0, geo(0), 16, layoutPlaneFirst)
 	into := [][]int{{8, 9, 10, 11}}
 	loadAndCompare(t, e, c2, testKeys("r", 1), into, [][]byte{want})
+}
+
+// nfsFS is a directory as one node's NFS client shows it (close-to-open
+// consistency): what is written to a temporary file stays in the client
+// (here, in memory) until an fsync, an fstat of the file (Linux's client
+// sends the dirty pages before a GETATTR) or its close, while a rename is
+// sent to the server at once. At the rename of a file with writes not
+// sent yet, the writes sent picks are sent first (what writeback sent
+// meanwhile), and after it renamed (where set) is called before Rename
+// returns: meanwhile the other nodes see the file as the server holds
+// it. With allocate, fallocate reaches the server (NFS 4.2's ALLOCATE:
+// the file has its whole length at once); without, it is refused and a
+// no-op, as on older servers. statfs says NFS.
+type nfsFS struct {
+	fsys.OS
+	allocate bool
+	sent     func(off int64) bool
+	renamed  func(path string)
+
+	mu   sync.Mutex
+	open map[string]*nfsFile // temporary files open for writing, by name
+}
+
+// nfsWrite is a write the client has not sent to the server.
+type nfsWrite struct {
+	off int64
+	b   []byte
+}
+
+type nfsFile struct {
+	fsys.File
+	fs   *nfsFS
+	name string
+
+	mu    sync.Mutex
+	dirty []nfsWrite
+}
+
+func (n *nfsFS) Statfs(path string) (fsys.StatFS, error) {
+	st, err := n.OS.Statfs(path)
+	st.Type = fstype.NFS
+	return st, err
+}
+
+func (n *nfsFS) OpenFile(name string, flag int, perm os.FileMode) (fsys.File, error) {
+	f, err := n.OS.OpenFile(name, flag, perm)
+	if err != nil || flag&os.O_CREATE == 0 || !strings.HasPrefix(filepath.Base(name), tmpPrefix) {
+		return f, err
+	}
+	nf := &nfsFile{File: f, fs: n, name: name}
+	n.mu.Lock()
+	if n.open == nil {
+		n.open = map[string]*nfsFile{}
+	}
+	n.open[name] = nf
+	n.mu.Unlock()
+	return nf, nil
+}
+
+func (n *nfsFS) Rename(oldpath, newpath string) error {
+	n.mu.Lock()
+	f := n.open[oldpath]
+	delete(n.open, oldpath)
+	n.mu.Unlock()
+	if f != nil {
+		if err := f.send(n.sent); err != nil {
+			return err
+		}
+	}
+	if err := n.OS.Rename(oldpath, newpath); err != nil {
+		return err
+	}
+	if f != nil && n.renamed != nil {
+		n.renamed(newpath)
+	}
+	return nil
+}
+
+// send writes to the file the writes not sent yet that pick picks (nil:
+// all of them).
+func (f *nfsFile) send(pick func(off int64) bool) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	kept := f.dirty[:0]
+	for _, w := range f.dirty {
+		if pick != nil && !pick(w.off) {
+			kept = append(kept, w)
+			continue
+		}
+		if _, err := f.File.WriteAt(w.b, w.off); err != nil {
+			return err
+		}
+	}
+	f.dirty = kept
+	return nil
+}
+
+func (f *nfsFile) WriteAt(p []byte, off int64) (int, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.dirty = append(f.dirty, nfsWrite{off, bytes.Clone(p)})
+	return len(p), nil
+}
+
+func (f *nfsFile) WritevAt(bufs [][]byte, off int64) (int, error) {
+	n := 0
+	for _, b := range bufs {
+		f.WriteAt(b, off+int64(n))
+		n += len(b)
+	}
+	return n, nil
+}
+
+func (f *nfsFile) Allocate(size int64) error {
+	if !f.fs.allocate {
+		return nil
+	}
+	return f.File.Allocate(size)
+}
+
+func (f *nfsFile) Sync() error {
+	if err := f.send(nil); err != nil {
+		return err
+	}
+	return f.File.Sync()
+}
+
+func (f *nfsFile) Stat() (os.FileInfo, error) {
+	if err := f.send(nil); err != nil {
+		return nil, err
+	}
+	return fsys.Fstat(f.File)
+}
+
+func (f *nfsFile) Close() error {
+	f.fs.mu.Lock()
+	delete(f.fs.open, f.name)
+	f.fs.mu.Unlock()
+	return errors.Join(f.send(nil), f.File.Close())
+}
+
+// TestAStoreOnNFSIsWholeWhenAnotherNodeSeesIt: on NFS with buffered I/O
+// (an NFS client sends a file's dirty pages asynchronously, at an fsync,
+// fstat or close at the latest, and a rename at once), another node that
+// finds a store's file between its rename and its close finds it whole:
+// the node loads it byte for byte, a node starting then indexes it, and
+// neither takes it for corrupt nor removes it, whatever part of the data
+// the writer's client sent before the rename.
+func TestAStoreOnNFSIsWholeWhenAnotherNodeSeesIt(t *testing.T) {
+	ctx := context.Background()
+	for _, tc := range []struct {
+		name     string
+		allocate bool
+		sent     func(off int64) bool
+	}{
+		// Writeback sent the first pages (the header, written last, and
+		// two blocks): the file is shorter than its header says.
+		{"a prefix sent", false, func(off int64) bool { return off < 3*4096 }},
+		// The file has its length (ALLOCATE) and its header: its payload
+		// is zeros.
+		{"the header sent into a preallocated file", true, func(off int64) bool { return off == 0 }},
+		// Nothing sent: an empty file.
+		{"nothing sent", false, func(int64) bool { return false }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			dir := t.TempDir()
+			renamed := make(chan string, 1)
+			release := make(chan struct{})
+			var once sync.Once
+			letGo := func() { once.Do(func() { close(release) }) }
+			writer := &nfsFS{allocate: tc.allocate, sent: tc.sent, renamed: func(p string) {
+				renamed <- p
+				<-release
+			}}
+			m := Mount{Path: dir, IO: IOBuffered}
+			a := openNodeOn(t, m, "a", writer, 1)
+			b := openNodeOn(t, m, "b", &nfsFS{}, 1)
+			t.Cleanup(letGo) // before the engines close
+
+			keys := testKeys("nfs", 1)
+			a.c.fill(rand.New(rand.NewPCG(22, 1)), []int{0, 1, 2, 3})
+			want := [][]byte{a.c.data([]int{0, 1, 2, 3})}
+			j, err := a.e.Store(ctx, StoreRequest{Cache: a.c.id, Keys: keys, Blocks: [][]int{{0, 1, 2, 3}}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			path := <-renamed // the name is visible, the writer's close not done
+
+			res := wait(t)(b.e.Load(ctx, LoadRequest{Cache: b.c.id, Keys: keys, Blocks: [][]int{{8, 9, 10, 11}}}))
+			if k := res.Keys[0]; k.Outcome != OutcomeLoaded {
+				t.Errorf("another node's load after the rename: %v %v", k.Outcome, k.Err)
+			} else if got := b.c.data([]int{8, 9, 10, 11}); !bytes.Equal(got, want[0]) {
+				t.Error("another node's load after the rename: wrong bytes")
+			}
+			c := openNodeOn(t, m, "c", &nfsFS{}, 1) // its rebuild reads the file
+			if st := c.e.Stats(); st.Entries != 1 {
+				t.Errorf("a node starting after the rename indexed %d files, want 1", st.Entries)
+			}
+
+			letGo()
+			wantOutcomes(t, "store", waitJob(t, j, nil), OutcomeStored)
+			if _, err := os.Stat(path); err != nil {
+				t.Fatalf("the stored file is gone: %v", err)
+			}
+			for _, n := range []*node{b, c} {
+				if st := n.e.Stats(); st.Corrupt != 0 || st.LoadFailures.Corrupt != 0 {
+					t.Errorf("node %s counted the file corrupt: %d at start, %d in loads", n.e.cfg.NodeID, st.Corrupt, st.LoadFailures.Corrupt)
+				}
+				loadAndCompare(t, n.e, n.c, keys, [][]int{{12, 13, 14, 15}}, want)
+			}
+		})
+	}
 }

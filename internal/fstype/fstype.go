@@ -21,6 +21,12 @@ type Kind struct {
 	// CuFileDirect: cuFile reaches it with nvidia-fs (GPUDirect, direct
 	// mode); on others it runs in compatibility mode at best.
 	CuFileDirect bool
+	// CloseToOpen: its clients keep buffered writes and send them to
+	// the server later (at fsync or close at the latest), but send a
+	// rename at once (NFS's close-to-open consistency): another node can
+	// see a file renamed into place before its data, short or with
+	// holes, unless the writer flushes it before the rename.
+	CloseToOpen bool
 }
 
 // Magic numbers (statfs f_type).
@@ -31,6 +37,7 @@ const (
 	Ext4      = 0xef53 // ext2 and ext3 share it
 	XFS       = 0x58465342
 	FUSE      = 0x65735546 // every FUSE file system: ceph-fuse, GlusterFS, sshfs, …
+	NFS       = 0x6969
 )
 
 var kinds = map[int64]Kind{
@@ -45,7 +52,7 @@ var kinds = map[int64]Kind{
 	0x794c7630: {Name: "overlay"},
 	0x5346544e: {Name: "ntfs"},
 	0x6a656a63: {Name: "virtiofs"},
-	0x6969:     {Name: "nfs", Network: true, CuFileDirect: true},
+	NFS:        {Name: "nfs", Network: true, CuFileDirect: true, CloseToOpen: true},
 	0xfe534d42: {Name: "smb2", Network: true},
 	0xff534d42: {Name: "cifs", Network: true},
 	0x0bd00bd0: {Name: "lustre", Network: true, CuFileDirect: true},
