@@ -14,8 +14,9 @@ import (
 // promoted or moved to make room before clients that were loading keys
 // when the last process went have pinned them again. A pin of the hold
 // is not a client pin: Delete still removes a held file. Held entries
-// are marked (entry.held, counted in index.heldFound), so that a policy that
-// replaces the current one is told of their pins (reload.go).
+// are marked (entry.held, counted in index.heldFound), so that the
+// release unpins only them. A policy that replaces the current one is
+// told of their pins as of every pin (reload.go).
 
 // restartHold is the pin of the files found at start; the files it holds
 // are the index's entries marked held.

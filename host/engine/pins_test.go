@@ -2,6 +2,7 @@ package engine
 
 import (
 	"context"
+	"fmt"
 	"github.com/kvhost/kvhost/internal/testwait"
 	"math/rand/v2"
 	"os"
@@ -10,6 +11,9 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/abi/guest"
+	"github.com/kvhost/kvhost/host/policy"
+	"github.com/kvhost/kvhost/plugins/lru"
 )
 
 // pinFixture: a mount of 8 files, a hostile policy (it offers pinned
@@ -182,4 +186,49 @@ func TestCloseReleasesPins(t *testing.T) {
 	if _, _, err := f.e.Pin(context.Background(), f.ns, f.keys[:1], 0); err == nil {
 		t.Fatal("Pin after Close succeeded")
 	}
+}
+
+// TestClientPinsReachAReplacementPolicy: a policy that replaces the
+// current one (a reload) is told of the client pins held, so that it
+// offers the unpinned files as victims, not the pinned ones it would
+// otherwise take for the least recent: stores go on evicting rather than
+// fail with no space. It fails when the new policy is told only of the
+// files.
+func TestClientPinsReachAReplacementPolicy(t *testing.T) {
+	ctx := context.Background()
+	g := smallGeometry(true)
+	fileLen := int64(4096 + g.KeyBytes())
+	newLRU := func(idx policy.Index) (policy.Policy, error) {
+		return policy.NewNative(func() guest.Policy { return lru.New() }, idx, policy.Config{Shards: 1, Logger: testLogger(t)})
+	}
+	e := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir(), Capacity: 8 * fileLen, HighWatermark: 0.75, LowWatermark: 0.5}}, NewPolicy: newLRU})
+	ns, err := e.Declare(ctx, g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := newTestCache(t, e, ns, g, 8, layoutPlaneFirst)
+	// The least recent files, pinned: more than an eviction on a full
+	// mount needs, so a policy that offers them first frees nothing.
+	pinned := testKeys("pinned", 5)
+	for i := range pinned {
+		storeAndCheck(t, e, c, pinned[i:i+1], [][]int{{0, 1, 2, 3}})
+	}
+	id, held, err := e.Pin(ctx, ns, pinned, 0)
+	if err != nil || !slices.Equal(held, []bool{true, true, true, true, true}) {
+		t.Fatalf("Pin = %v, %v; want every key pinned", held, err)
+	}
+	if err := e.ReplacePolicy(ctx, newLRU); err != nil {
+		t.Fatal(err)
+	}
+	for i := range 12 {
+		k := []byte(fmt.Sprintf("after the reload-%d", i))
+		res := wait(t)(e.Store(ctx, StoreRequest{Cache: c.id, Keys: [][]byte{k}, Blocks: [][]int{{0, 1, 2, 3}}}))
+		if err := res.Keys[0].Err; err != nil {
+			t.Fatalf("store %d after the reload: %v", i, err)
+		}
+	}
+	if n, _ := e.Lookup(ctx, ns, pinned); n != len(pinned) {
+		t.Fatalf("%d of the %d pinned keys found", n, len(pinned))
+	}
+	e.Unpin(ctx, id)
 }

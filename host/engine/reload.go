@@ -3,6 +3,8 @@ package engine
 import (
 	"context"
 	"fmt"
+	"maps"
+	"slices"
 	"sync"
 	"time"
 
@@ -26,10 +28,11 @@ import (
 // its build read the index, and the current mount description. After it,
 // every event goes to the new policy only.
 //
-// Pins of loads and clients the old policy was told of are not replayed
-// into the new one: they are few and short, and its victims are checked
-// against the index, which knows them (policy.Host skips a pinned
-// victim). The restart hold's are (hold.go): they may be every file.
+// Every pin the old policy was told of and not of its release (loads',
+// clients', the restart hold's: hold.go) is told to the new one too, a
+// PIN each: a policy that does not know a pin offers the entry as a
+// victim, which the engine skips, and an eviction offered only pinned
+// entries frees nothing.
 func (e *Engine) ReplacePolicy(ctx context.Context, build func(idx policy.Index) (policy.Policy, error)) error {
 	sp, ok := e.pol.(*switchPolicy)
 	if !ok {
@@ -86,7 +89,9 @@ func (e *Engine) catchUpAndSwap(ctx context.Context, sp *switchPolicy, p policy.
 	}
 	sp.mu.Lock() // no policy call through the engine until the swap
 	defer sp.mu.Unlock()
-	if recs := view.missedEvents(e); len(recs) > 0 {
+	old := sp.cur
+	recs, pins := view.missedEvents(e, old.pinCounts())
+	if len(recs) > 0 {
 		for len(recs) > 0 {
 			n := min(len(recs), abi.MaxBatch)
 			if err := p.Access(ctx, recs[:n]); err != nil {
@@ -106,8 +111,7 @@ func (e *Engine) catchUpAndSwap(ctx context.Context, sp *switchPolicy, p policy.
 		d.last = mounts
 		e.tierSt.mountUpdates.Add(1)
 	}
-	old := sp.cur
-	sp.cur = &heldPolicy{p: p, owned: true}
+	sp.cur = &heldPolicy{p: p, owned: true, pins: pins}
 	return old, nil
 }
 
@@ -166,24 +170,27 @@ func (v *buildView) missedNamespaces() []abi.NamespaceRecord {
 
 // missedEvents returns, and stops recording, a RESTORE of every entry of
 // the index the build did not read, a REMOVE of every entry it read that
-// is gone, and a PIN of every entry the restart hold holds (its unpin,
-// when the hold ends, reaches the new policy). The caller holds sp.mu: no
-// event is in flight to a policy.
-func (v *buildView) missedEvents(e *Engine) []abi.AccessRecord {
+// is gone, and a PIN for each of the pins told, by entry, of those still
+// indexed (their unpins reach the new policy), with the pins it tells. The
+// caller holds sp.mu: no access call takes the old policy any more.
+func (v *buildView) missedEvents(e *Engine, told map[uint64]int) ([]abi.AccessRecord, map[uint64]int) {
 	v.mu.Lock()
 	defer v.mu.Unlock()
 	v.done = true
-	var recs []abi.AccessRecord
+	var recs, pinRecs []abi.AccessRecord
+	pins := map[uint64]int{}
 	now := e.now().UnixNano()
 	indexed := map[uint64]bool{}
-	var held []abi.AccessRecord
 	e.ix.each(func(en *entry) {
 		indexed[en.id] = true
 		if _, ok := v.seen[en.id]; !ok {
 			recs = append(recs, en.access(abi.AccessRestore, en.last))
 		}
-		if en.held {
-			held = append(held, en.access(abi.AccessPin, now))
+		if n := told[en.id]; n > 0 {
+			pins[en.id] = n
+			for range n {
+				pinRecs = append(pinRecs, en.access(abi.AccessPin, now))
+			}
 		}
 	})
 	for id := range v.seen {
@@ -192,7 +199,7 @@ func (v *buildView) missedEvents(e *Engine) []abi.AccessRecord {
 		}
 	}
 	v.seen = nil
-	return append(recs, held...)
+	return append(recs, pinRecs...), pins
 }
 
 // SetVerifyInterval changes Config.VerifyInterval of a running engine.
@@ -200,11 +207,58 @@ func (e *Engine) SetVerifyInterval(d time.Duration) {
 	e.verifyIv.Store(int64(max(d, 0)))
 }
 
-// heldPolicy is a policy and the calls it is serving.
+// heldPolicy is a policy, the calls it is serving and the pins it was
+// told of.
 type heldPolicy struct {
 	p     policy.Policy
 	owned bool // closed by the engine
 	calls sync.WaitGroup
+
+	// pins counts, by entry, the pins p was sent (AccessPin) and not
+	// their release (AccessUnpin, AccessRemove): what a policy that
+	// replaces p is told. An access call counts its records as it takes p
+	// (switchPolicy.Access, under switchPolicy.mu), so that at a swap
+	// the count holds every pin sent to p, delivered yet or not.
+	pinMu sync.Mutex
+	pins  map[uint64]int
+}
+
+// countPins counts the pins and releases of recs, sent to h.
+func (h *heldPolicy) countPins(recs []abi.AccessRecord) {
+	if !slices.ContainsFunc(recs, func(r abi.AccessRecord) bool { return pinKind(r.Kind) }) {
+		return // the common batch: inserts, hits
+	}
+	h.pinMu.Lock()
+	defer h.pinMu.Unlock()
+	if h.pins == nil {
+		h.pins = map[uint64]int{}
+	}
+	for i := range recs {
+		switch id := recs[i].Entry; recs[i].Kind {
+		case abi.AccessPin:
+			h.pins[id]++
+		case abi.AccessUnpin:
+			if n := h.pins[id]; n > 1 {
+				h.pins[id] = n - 1
+			} else {
+				delete(h.pins, id) // an unpin never told of its pin: nothing
+			}
+		case abi.AccessRemove:
+			delete(h.pins, id)
+		}
+	}
+}
+
+// pinCounts returns a copy of the pins h was told of, by entry.
+func (h *heldPolicy) pinCounts() map[uint64]int {
+	h.pinMu.Lock()
+	defer h.pinMu.Unlock()
+	return maps.Clone(h.pins)
+}
+
+// pinKind reports whether an access record of kind changes a pin count.
+func pinKind(kind uint32) bool {
+	return kind == abi.AccessPin || kind == abi.AccessUnpin || kind == abi.AccessRemove
 }
 
 // switchPolicy is the engine's policy: it forwards every call to the
@@ -262,7 +316,13 @@ func (s *switchPolicy) Admit(ctx context.Context, recs []abi.AdmitRecord) error 
 }
 
 func (s *switchPolicy) Access(ctx context.Context, recs []abi.AccessRecord) error {
-	h := s.acquire()
+	// acquire, counting the pins in the same hold of mu: a swap finds
+	// every pin sent to the policy it replaces counted.
+	s.mu.RLock()
+	h := s.cur
+	h.calls.Add(1)
+	h.countPins(recs)
+	s.mu.RUnlock()
 	defer h.calls.Done()
 	return h.p.Access(ctx, recs)
 }
