@@ -475,7 +475,9 @@ func (e *Engine) copyFile(en *entry, tm *mount, dst string) (en2, left *entry, e
 // (the same header id, fingerprint and keys at two paths): what a move
 // killed between its rename and the removal of its source leaves. The copy
 // with the newest ctime (the move's target) is kept, the other removed, if
-// it is still the file read. Files without an id are never merged.
+// it is still the file read; where its removal fails, it is a file left on
+// disk (index.left), counted as used until an eviction on its mount
+// removes it. Files without an id are never merged.
 func (e *Engine) dedupe(found []*entry) []*entry {
 	type fileKey struct{ fp, fid uint64 }
 	keep := map[fileKey]*entry{}
@@ -510,7 +512,11 @@ func (e *Engine) dedupe(found []*entry) []*entry {
 	}
 	for _, en := range drop {
 		e.log.Info("engine: second copy of a moved file removed", "path", en.path, "kept", keep[fileKey{en.fp, en.fid}].path)
-		e.removeIfSame(en.path, []*entry{en})
+		if left := e.removeIfSame(en.path, []*entry{en}); left != nil {
+			e.space.left(e.mounts[left.mount].sp, left.size)
+			e.ix.leave(left, en.path)
+			continue
+		}
 		e.tierSt.deduped.Add(1)
 	}
 	return out

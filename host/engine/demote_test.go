@@ -247,24 +247,23 @@ func (p *demotingPolicy) Evictions(ctx context.Context, req abi.EvictRequest, ma
 	return out, err
 }
 
-// TestDedupeAtOpen: two copies of one file on two mounts (a move killed
-// between its rename and the removal of its source) become one at Open:
-// one copy is kept, the key loads, the mounts account one file.
-func TestDedupeAtOpen(t *testing.T) {
+// twoCopies stores one key on mount hot and copies its file to the same
+// path under cold, as a move killed between its rename and the removal of
+// its source leaves it. It returns the key, its bytes and the file's.
+func twoCopies(t *testing.T, hot, cold string) (keys, want, data [][]byte) {
+	t.Helper()
 	ctx := context.Background()
 	g := smallGeometry(true)
-	hot, cold := t.TempDir(), t.TempDir()
-	pol := newTestPolicy(1, abi.OrderLayerMajor)
-	e := openEngine(t, Config{Mounts: []Mount{{Path: hot}}, Policy: pol})
+	e := openEngine(t, Config{Mounts: []Mount{{Path: hot}}, Policy: newTestPolicy(1, abi.OrderLayerMajor)})
 	ns, err := e.Declare(ctx, g)
 	if err != nil {
 		t.Fatal(err)
 	}
 	c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
-	keys := testKeys("dup", 1)
+	keys = testKeys("dup", 1)
 	b := [][]int{{0, 1, 2, 3}}
 	c.fill(rand.New(rand.NewPCG(1, 2)), b[0])
-	want := [][]byte{c.data(b[0])}
+	want = [][]byte{c.data(b[0])}
 	storeAndCheck(t, e, c, keys, b)
 	e.Close(ctx)
 	files := dataFiles(t, hot)
@@ -272,7 +271,7 @@ func TestDedupeAtOpen(t *testing.T) {
 		t.Fatalf("%d files", len(files))
 	}
 	rel, _ := filepath.Rel(hot, files[0])
-	data, err := os.ReadFile(files[0])
+	file, err := os.ReadFile(files[0])
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -280,11 +279,23 @@ func TestDedupeAtOpen(t *testing.T) {
 	if err := os.MkdirAll(filepath.Dir(dst), 0o755); err != nil {
 		t.Fatal(err)
 	}
-	if err := os.WriteFile(dst, data, 0o644); err != nil {
+	if err := os.WriteFile(dst, file, 0o644); err != nil {
 		t.Fatal(err)
 	}
+	return keys, want, [][]byte{file}
+}
 
-	e = openEngine(t, Config{Mounts: []Mount{{Path: hot}, {Path: cold}}, Policy: newTestPolicy(1, abi.OrderLayerMajor)})
+// TestDedupeAtOpen: two copies of one file on two mounts (a move killed
+// between its rename and the removal of its source) become one at Open:
+// one copy is kept, the key loads, the mounts account one file.
+func TestDedupeAtOpen(t *testing.T) {
+	ctx := context.Background()
+	g := smallGeometry(true)
+	hot, cold := t.TempDir(), t.TempDir()
+	keys, want, files := twoCopies(t, hot, cold)
+	data := files[0]
+
+	e := openEngine(t, Config{Mounts: []Mount{{Path: hot}, {Path: cold}}, Policy: newTestPolicy(1, abi.OrderLayerMajor)})
 	if ts := e.TierStats(); ts.Deduped != 1 {
 		t.Fatalf("%d copies removed, want 1", ts.Deduped)
 	}
@@ -300,11 +311,56 @@ func TestDedupeAtOpen(t *testing.T) {
 	if st := e.Stats(); st.Entries != 1 || st.Mounts[kept].Used != int64(len(data)) || st.Mounts[1-kept].Used != 0 {
 		t.Fatalf("stats %+v: want one entry, on mount %d", st.Mounts, kept)
 	}
-	if ns, err = e.Declare(ctx, g); err != nil {
+	ns, err := e.Declare(ctx, g)
+	if err != nil {
 		t.Fatal(err)
 	}
-	c = newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
+	c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
 	loadAndCompare(t, e, c, keys, [][]int{{4, 5, 6, 7}}, want)
+}
+
+// TestDedupeCountsACopyItCouldNotRemove: where the removal of the second
+// copy fails at Open, the copy is one of the files left on disk: its
+// mount counts its bytes as used, and an eviction there removes it.
+func TestDedupeCountsACopyItCouldNotRemove(t *testing.T) {
+	ctx := context.Background()
+	hot, cold := t.TempDir(), t.TempDir()
+	_, _, files := twoCopies(t, hot, cold)
+	size := int64(len(files[0]))
+	var failing atomic.Bool
+	failing.Store(true)
+	inj := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+		if op == fsys.OpRemove && failing.Load() && !strings.HasPrefix(filepath.Base(path), ".") {
+			return fsys.Fault{Err: syscall.EIO}
+		}
+		return fsys.Fault{}
+	})
+	e := openEngine(t, Config{Mounts: []Mount{{Path: hot}, {Path: cold}}, FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj},
+		Policy: newTestPolicy(1, abi.OrderLayerMajor)})
+	st := e.Stats()
+	if st.Entries != 1 || st.Mounts[0].Used != size || st.Mounts[1].Used != size {
+		t.Fatalf("%d entries, used %d and %d; want one entry and the %d bytes of each copy counted",
+			st.Entries, st.Mounts[0].Used, st.Mounts[1].Used, size)
+	}
+	if e.TierStats().Deduped != 0 || st.RemoveFailures != 1 || len(dataFiles(t, hot))+len(dataFiles(t, cold)) != 2 {
+		t.Fatalf("deduped %d, %d removals failed, files: hot %v, cold %v; want 0 (none removed), 1 and both copies left",
+			e.TierStats().Deduped, st.RemoveFailures, dataFiles(t, hot), dataFiles(t, cold))
+	}
+	dropped := -1
+	e.ix.mu.Lock()
+	for _, en := range e.ix.left {
+		dropped = en.mount
+	}
+	e.ix.mu.Unlock()
+	if dropped < 0 {
+		t.Fatal("no file left on disk")
+	}
+	failing.Store(false)
+	e.evict(ctx, e.mounts[dropped], 0) // tries the files left first
+	if len(dataFiles(t, hot))+len(dataFiles(t, cold)) != 1 || e.Stats().Mounts[dropped].Used != 0 {
+		t.Fatalf("after an eviction: files hot %v, cold %v, used %d; want the copy left removed",
+			dataFiles(t, hot), dataFiles(t, cold), e.Stats().Mounts[dropped].Used)
+	}
 }
 
 // TestMountDescriptions: the policy receives every mount's description at
