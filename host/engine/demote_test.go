@@ -10,6 +10,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync/atomic"
@@ -1209,4 +1210,60 @@ func TestAFailedMoveToAnEarlierClusterMountGivesItsClusterGrantBack(t *testing.T
 	if after := ownBytes(e.mounts[0]); after != before {
 		t.Fatalf("after %d failed moves to the cluster mount, the node counts %d bytes of its own there, %d before", ts.MoveFailures, after, before)
 	}
+}
+
+// pinBeforeInsert is a policy host that, told of an INSERT while armed,
+// first runs the armed function (a pin of the inserted file): its PIN
+// reaches the host before the INSERT, as when a load pins a moved file
+// between the move's index swap and the move's report of it.
+type pinBeforeInsert struct {
+	*policy.Host
+	armed atomic.Pointer[func()]
+}
+
+func (p *pinBeforeInsert) Access(ctx context.Context, recs []abi.AccessRecord) error {
+	if slices.ContainsFunc(recs, func(r abi.AccessRecord) bool { return r.Kind == abi.AccessInsert }) {
+		if fn := p.armed.Swap(nil); fn != nil {
+			(*fn)()
+		}
+	}
+	return p.Host.Access(ctx, recs)
+}
+
+// TestAPinThatOvertakesAMovesInsertIsNoPluginFailure pins a moved file
+// before the policy is told of the move's INSERT: the policy, which
+// ignores the pin of an entry it does not know yet, may offer the file as
+// a victim, and the host skips it as pinned rather than take the plugin
+// for failed.
+func TestAPinThatOvertakesAMovesInsertIsNoPluginFailure(t *testing.T) {
+	ctx := context.Background()
+	g := smallGeometry(true)
+	var host *pinBeforeInsert
+	e := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir()}, {Path: t.TempDir()}}, TickInterval: -1,
+		NewPolicy: func(idx policy.Index) (policy.Policy, error) {
+			h, err := policy.NewNative(func() guest.Policy { return tiered.New() }, idx, policy.Config{Shards: 1, Logger: testLogger(t)})
+			host = &pinBeforeInsert{Host: h}
+			return host, err
+		}})
+	ns, err := e.Declare(ctx, g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
+	keys := testKeys("overtaken", 1)
+	storeAndCheck(t, e, c, keys, [][]int{{0, 1, 2, 3}})
+	var id PinID
+	pin := func() { id, _, _ = e.Pin(ctx, ns, keys, 0) }
+	host.armed.Store(&pin)
+	if _, err := e.move(ctx, entryOf(e, ns, keys[0]).id, 1, true); err != nil {
+		t.Fatal(err)
+	}
+	if id == 0 {
+		t.Fatal("the pin did not take hold during the move: the test proves nothing")
+	}
+	vs, err := e.evictions(ctx, abi.EvictRequest{Bytes: 1, Mount: 1, Time: uint64(time.Now().UnixNano())})
+	if st := host.Stats(); err != nil || len(vs) != 0 || st.Failures != 0 {
+		t.Fatalf("victims on the moved file's mount: %v, %v; plugin failures %d (%+v); want none, and no failure", vs, err, st.Failures, st)
+	}
+	e.Unpin(ctx, id)
 }

@@ -136,6 +136,14 @@ func (l *ledger) apply(r *abi.AccessRecord) {
 		// Told again that it exists (a late RESTORE after a rebuild):
 		// the plugin may offer it; the index says whether it is stale.
 		delete(l.removed, r.Entry)
+		if r.Kind == abi.AccessInsert {
+			// Pins delivered before the entry's INSERT (a load that
+			// pinned a file the engine indexed, and its report was
+			// overtaken) were of an entry the plugin did not know,
+			// which the ABI has it ignore: the plugin may offer the
+			// entry, and the index says whether it is pinned.
+			delete(l.pins, r.Entry)
+		}
 	}
 }
 
