@@ -373,10 +373,12 @@ func (e *Engine) move(ctx context.Context, id uint64, target int, mayEvict bool)
 	}
 	en2.hits, en2.last = en.hits, en.last
 	// The source counts as used until it is removed (free, below); the
-	// reservation becomes the copy's entry.
+	// reservation becomes the copy's entry. The copy is indexed first:
+	// the keys never leave the index's key set (MirrorKeys), a miss of
+	// which a client of the shared lookup table may take for final.
+	replaced := ix.insertLocked(en2, true)
 	ix.unindexLocked(en, true)
 	e.space.moved(sm.sp, tm.sp)
-	replaced := ix.insertLocked(en2, true)
 	if tm.idx < sm.idx {
 		e.tierSt.promotions.Add(1)
 	}

@@ -186,8 +186,9 @@ func (ix *index) insertLocked(en *entry, reserved bool) []*entry {
 	ix.entries[en.id] = en
 	ix.byPath[en.path] = en
 	for i, k := range en.keys {
+		_, had := ix.byKey[keyID{en.fp, k}]
 		ix.byKey[keyID{en.fp, k}] = keyRef{e: en, idx: i}
-		if ix.keys != nil {
+		if ix.keys != nil && !had { // a key taken from another file stays
 			ix.keys.Add(en.fp, k)
 		}
 	}

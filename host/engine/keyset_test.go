@@ -8,10 +8,12 @@ import (
 	"time"
 )
 
-// keyMirror is a KeySet that keeps what it is told.
+// keyMirror is a KeySet that keeps what it is told, and counts the keys
+// it was told to remove.
 type keyMirror struct {
-	mu   sync.Mutex
-	keys map[keyID]bool
+	mu      sync.Mutex
+	keys    map[keyID]bool
+	removed int
 }
 
 func newKeyMirror() *keyMirror { return &keyMirror{keys: map[keyID]bool{}} }
@@ -26,6 +28,7 @@ func (m *keyMirror) Remove(fp uint64, key string) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	delete(m.keys, keyID{fp, key})
+	m.removed++
 }
 
 // checkMirror fails unless m holds exactly the keys of e's index.
@@ -107,4 +110,38 @@ func TestKeySetFollowsTheIndexThroughEvictionDeletionDemotionAndRestart(t *testi
 			checkMirror(t, "after a restart", e, restarted)
 		})
 	}
+}
+
+// TestAMoveKeepsItsKeysInTheKeySet: a file moved to another mount keeps
+// its keys in MirrorKeys's set throughout: the set is never told to
+// remove them, not even for the moment between the source's unindexing
+// and the copy's indexing, when a client reading the daemon's shared
+// lookup table (whose misses may be final) would miss a stored key.
+func TestAMoveKeepsItsKeysInTheKeySet(t *testing.T) {
+	ctx := context.Background()
+	g := smallGeometry(true)
+	e := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir()}, {Path: t.TempDir()}},
+		Policy: &demotingPolicy{testPolicy: newTestPolicy(2, 0)}})
+	mirror := newKeyMirror()
+	e.MirrorKeys(mirror)
+	ns, err := e.Declare(ctx, g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
+	keys := testKeys("moved", 2) // one file of both
+	storeAndCheck(t, e, c, keys, [][]int{{0, 1, 2, 3}, {4, 5, 6, 7}})
+	if _, err := e.move(ctx, entryOf(e, ns, keys[0]).id, 1, true); err != nil {
+		t.Fatal(err)
+	}
+	if keyMount(e, ns, keys[0]) != 1 || keyMount(e, ns, keys[1]) != 1 {
+		t.Fatal("the file was not moved")
+	}
+	mirror.mu.Lock()
+	removed := mirror.removed
+	mirror.mu.Unlock()
+	if removed != 0 {
+		t.Fatalf("the key set was told to remove %d keys of the moved file", removed)
+	}
+	checkMirror(t, "after the move", e, mirror)
 }
