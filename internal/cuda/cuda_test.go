@@ -347,25 +347,11 @@ func TestKernelCopyableNeedsAlignedCopiesThatFitTheTable(t *testing.T) {
 func TestKernelFaultsAreDriverErrorsAndBadCopiesAreRefused(t *testing.T) {
 	r, fake := open(t)
 	w := worker(t, r, 0)
-	err := w.Do(context.Background(), func(w *cuda.Worker) error {
-		k, err := r.LoadCopyKernel()
-		if err != nil {
-			return err
-		}
-		defer k.Unload()
-		m, h, free, err := deviceAndHost(r, 1<<16)
-		if err != nil {
-			return err
-		}
-		defer free()
-		// The table lives in pinned memory, as the mover's do (a Go byte
-		// slice need not be 8-byte aligned), away from the copy's bytes.
-		const tableOff = 32 << 10
-		table := h.Bytes()[tableOff : tableOff+4*cuda.KernelEntryBytes]
+	err := withCopyKernel(w, r, 4, func(k *cuda.Kernel, m *cuda.DeviceMemory, h *cuda.Pinned, table []byte) error {
 		var cp cuda.Copies
 		cp.Add(h.Ptr(), m.Ptr(), 1<<12)
 		fake.Fail(cudatest.OpLaunch, 1, 719)
-		err = k.Launch(&cp, table, w.Stream())
+		err := k.Launch(&cp, table, w.Stream())
 		var de *cuda.DriverError
 		if !errors.As(err, &de) || de.Code != 719 || !strings.Contains(err.Error(), "cuLaunchKernel: CUDA_ERROR_LAUNCH_FAILED") {
 			t.Errorf("failed launch: %v, want a DriverError naming cuLaunchKernel and CUDA_ERROR_LAUNCH_FAILED", err)
@@ -407,23 +393,11 @@ func TestKernelFaultsAreDriverErrorsAndBadCopiesAreRefused(t *testing.T) {
 func TestKernelLaunchOnABrokenContextIsSticky(t *testing.T) {
 	r, fake := open(t)
 	w := worker(t, r, 0)
-	err := w.Do(context.Background(), func(w *cuda.Worker) error {
-		k, err := r.LoadCopyKernel()
-		if err != nil {
-			return err
-		}
-		defer k.Unload()
-		m, h, free, err := deviceAndHost(r, 1<<16)
-		if err != nil {
-			return err
-		}
-		defer free()
-		const tableOff = 32 << 10
-		table := h.Bytes()[tableOff : tableOff+cuda.KernelEntryBytes]
+	err := withCopyKernel(w, r, 1, func(k *cuda.Kernel, m *cuda.DeviceMemory, h *cuda.Pinned, table []byte) error {
 		var cp cuda.Copies
 		cp.Add(h.Ptr(), m.Ptr(), 1<<12)
 		fake.BreakDevice(0, int(cuda.ErrorIllegalAddress))
-		err = k.Launch(&cp, table, w.Stream())
+		err := k.Launch(&cp, table, w.Stream())
 		fake.BreakDevice(0, 0)
 		var de *cuda.DriverError
 		if !errors.As(err, &de) || de.Code != int(cuda.ErrorIllegalAddress) {
@@ -603,6 +577,27 @@ func TestPinnedCopyTimesMeasuresBothDirectionsAndReportsFaults(t *testing.T) {
 
 // deviceAndHost allocates n bytes on device 0 and n pinned host bytes;
 // free releases both.
+// withCopyKernel runs f on w with the copy kernel loaded, 64 KiB of
+// device memory m and of pinned memory h, and a table of entries kernel
+// entries in h, away from the copy's bytes: the table lives in pinned
+// memory as the mover's do (a Go byte slice need not be 8-byte aligned).
+func withCopyKernel(w *cuda.Worker, r *cuda.Runtime, entries int, f func(k *cuda.Kernel, m *cuda.DeviceMemory, h *cuda.Pinned, table []byte) error) error {
+	return w.Do(context.Background(), func(w *cuda.Worker) error {
+		k, err := r.LoadCopyKernel()
+		if err != nil {
+			return err
+		}
+		defer k.Unload()
+		m, h, free, err := deviceAndHost(r, 1<<16)
+		if err != nil {
+			return err
+		}
+		defer free()
+		const tableOff = 32 << 10
+		return f(k, m, h, h.Bytes()[tableOff:tableOff+entries*cuda.KernelEntryBytes])
+	})
+}
+
 func deviceAndHost(r *cuda.Runtime, n int) (*cuda.DeviceMemory, *cuda.Pinned, func(), error) {
 	m, err := r.Malloc(0, int64(n))
 	if err != nil {
