@@ -470,6 +470,23 @@ func isAdopted(e *Engine, node string) bool {
 	return (*e.mounts[0].cluster.dead.Load())[clustercap.Tag(node)]
 }
 
+// adoptableDeadNode starts node A on a test clock and node D on dir (each
+// of capacity bytes, interval an hour), has D store count keys (prefix
+// "d", from r) and close, and moves A's clock 4 hours on, past D's
+// summary: A's next tick adopts D. It returns A, its clock and D's keys.
+func adoptableDeadNode(t *testing.T, dir string, capacity int64, count int, r *rand.Rand) (*node, *testClock, [][]byte) {
+	t.Helper()
+	clock := newTestClock()
+	a := clusterNodeAt(t, dir, "a", capacity, time.Hour, clock.now)
+	d := clusterNode(t, dir, "d", capacity, time.Hour)
+	keys := storeKeys(t, d, "d", count, r)
+	if err := d.e.Close(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	clock.advance(4 * time.Hour) // D's summary: stale
+	return a, clock, keys
+}
+
 // TestClusterTickLeavesTheFilesOfANodeItFindsLiveAgain: node A adopted
 // dead node D (3 files). D runs again (its lock held, a fresh summary
 // counting its 3 files). A's next tick must take D's files for D's: the
@@ -480,15 +497,8 @@ func TestClusterTickLeavesTheFilesOfANodeItFindsLiveAgain(t *testing.T) {
 	fileSize := oneFileBytes(t)
 	capacity := 5 * fileSize
 	dir := t.TempDir()
-	clock := newTestClock()
-	a := clusterNodeAt(t, dir, "a", capacity, time.Hour, clock.now)
-	d := clusterNode(t, dir, "d", capacity, time.Hour)
-	storeKeys(t, d, "d", 3, rand.New(rand.NewPCG(11, 11)))
+	a, _, _ := adoptableDeadNode(t, dir, capacity, 3, rand.New(rand.NewPCG(11, 11)))
 	files := dataFiles(t, dir)
-	if err := d.e.Close(ctx); err != nil {
-		t.Fatal(err)
-	}
-	clock.advance(4 * time.Hour) // D's summary: stale
 	m := a.e.mounts[0]
 	m.cluster.tick(ctx, a.e, m)
 	if !isAdopted(a.e, "d") || a.e.Stats().Mounts[0].Entries != 3 {
@@ -843,14 +853,7 @@ func clusterFiles(dir, node string) []string {
 func TestClusterRetiresADeadNodeWithNoFilesLeft(t *testing.T) {
 	ctx := context.Background()
 	dir := t.TempDir()
-	clock := newTestClock()
-	a := clusterNodeAt(t, dir, "a", 1<<30, time.Hour, clock.now)
-	d := clusterNode(t, dir, "d", 1<<30, time.Hour)
-	keys := storeKeys(t, d, "d", 1, rand.New(rand.NewPCG(3, 3)))
-	if err := d.e.Close(ctx); err != nil {
-		t.Fatal(err)
-	}
-	clock.advance(4 * time.Hour) // D's summary: stale
+	a, _, keys := adoptableDeadNode(t, dir, 1<<30, 1, rand.New(rand.NewPCG(3, 3)))
 	m := a.e.mounts[0]
 	m.cluster.tick(ctx, a.e, m)
 	m.cluster.tick(ctx, a.e, m)
@@ -999,14 +1002,7 @@ func TestClusterNeverRetiresADeadNodeThatRanAgainBetweenTwoReads(t *testing.T) {
 func TestClusterLetsGoOfADeadNodeRetiredElsewhere(t *testing.T) {
 	ctx := context.Background()
 	dir := t.TempDir()
-	clock := newTestClock()
-	a := clusterNodeAt(t, dir, "a", 1<<30, time.Hour, clock.now)
-	d := clusterNode(t, dir, "d", 1<<30, time.Hour)
-	storeKeys(t, d, "d", 1, rand.New(rand.NewPCG(3, 3)))
-	if err := d.e.Close(ctx); err != nil {
-		t.Fatal(err)
-	}
-	clock.advance(4 * time.Hour) // D's summary: stale
+	a, _, _ := adoptableDeadNode(t, dir, 1<<30, 1, rand.New(rand.NewPCG(3, 3)))
 	m := a.e.mounts[0]
 	m.cluster.tick(ctx, a.e, m)
 	if !isAdopted(a.e, "d") {
@@ -1148,15 +1144,8 @@ func TestClusterAnAdopterSparesTheFilesOfANodeWhoseRebuildRuns(t *testing.T) {
 	ctx := context.Background()
 	capacity := 4 * oneFileBytes(t)
 	dir := t.TempDir()
-	clock := newTestClock()
-	a := clusterNodeAt(t, dir, "a", capacity, time.Hour, clock.now)
-	d := clusterNode(t, dir, "d", capacity, time.Hour)
-	storeKeys(t, d, "d", 3, rand.New(rand.NewPCG(12, 12)))
+	a, _, _ := adoptableDeadNode(t, dir, capacity, 3, rand.New(rand.NewPCG(12, 12)))
 	files := dataFiles(t, dir)
-	if err := d.e.Close(ctx); err != nil {
-		t.Fatal(err)
-	}
-	clock.advance(4 * time.Hour) // D's summary: stale
 	m := a.e.mounts[0]
 	m.cluster.tick(ctx, a.e, m)
 	if !isAdopted(a.e, "d") || len(entriesOf(a.e, "d")) != 3 {
