@@ -336,20 +336,9 @@ class VllmFsInterop(RealTieringCase):
     model loads vLLM's rows, and an engine of another model never does."""
 
     def test_rows_vllms_fs_tier_wrote_are_served_to_the_same_model_only(self):
-        import shutil
-        import tempfile
         R = self.api.LookupResult
-        root = tempfile.mkdtemp(prefix="kvhost-vllm-fs-")
-        self.addCleanup(shutil.rmtree, root, True)
-        writer = vllm_tree.make_tiering_manager(
-            self.api, num_cpu_blocks=16, secondary_tiers=[vllm_tree.fs_tier(root)],
-            config_kwargs=dict(model=MODEL, worker_kv_bytes_per_block=WORKER_BYTES,
-                               is_parallelism_agnostic=False, groups=((names(), 16),)))
-        self.handles.append(writer)
+        root, ks, want = self.vllm_fs_dir("fs", 3)
         ctx = self.ctx()
-        writer.manager.on_new_request(ctx)
-        ks = [key(i, "fs") for i in range(3)]
-        want = self.offload(writer, ks, ctx)
         daemon = d.Daemon(after_toml=f'[[mount]]\npath = "{root}"\nlayout = "vllm-fs"\ncapacity = "1GiB"\n')
         self.addCleanup(daemon.stop)
         entry = {"socket": daemon.socket, "vllm_fs": True}
@@ -366,16 +355,16 @@ class VllmFsInterop(RealTieringCase):
         for k in ks:
             self.assertEqual(self.settle(other.manager, k, ctx)[-1], R.MISS)
 
-    def vllm_fs_dir(self, tag, n):
-        """vLLM's own fs tier writes n rows into a fresh root; returns the
-        root, the keys and their rows."""
+    def vllm_fs_dir(self, tag, n, model=MODEL):
+        """vLLM's own fs tier, for model, writes n rows into a fresh root;
+        returns the root, the keys and their rows."""
         import shutil
         import tempfile
         root = tempfile.mkdtemp(prefix="kvhost-vllm-fs-")
         self.addCleanup(shutil.rmtree, root, True)
         writer = vllm_tree.make_tiering_manager(
             self.api, num_cpu_blocks=16, secondary_tiers=[vllm_tree.fs_tier(root)],
-            config_kwargs=dict(model=MODEL, worker_kv_bytes_per_block=WORKER_BYTES,
+            config_kwargs=dict(model=model, worker_kv_bytes_per_block=WORKER_BYTES,
                                is_parallelism_agnostic=False, groups=((names(), 16),)))
         self.handles.append(writer)
         ctx = self.ctx()
@@ -435,21 +424,10 @@ class VllmFsInterop(RealTieringCase):
         cache snapshot) by that path: its fs-tier directory's name is
         longer than a daemon model id may be, and the tier declares the
         mount's default namespace, cut as the daemon cuts it."""
-        import shutil
-        import tempfile
         model = ("/root/.cache/huggingface/hub/models--meta-llama--Llama-3.1-8B-Instruct/snapshots/"
                  "0e9e39f249a16976918f6564b8830bc894c89659")
-        root = tempfile.mkdtemp(prefix="kvhost-vllm-fs-")
-        self.addCleanup(shutil.rmtree, root, True)
-        writer = vllm_tree.make_tiering_manager(
-            self.api, num_cpu_blocks=16, secondary_tiers=[vllm_tree.fs_tier(root)],
-            config_kwargs=dict(model=model, worker_kv_bytes_per_block=WORKER_BYTES,
-                               is_parallelism_agnostic=False, groups=((names(), 16),)))
-        self.handles.append(writer)
+        root, ks, want = self.vllm_fs_dir("long", 3, model=model)
         ctx = self.ctx()
-        writer.manager.on_new_request(ctx)
-        ks = [key(i, "long") for i in range(3)]
-        want = self.offload(writer, ks, ctx)
         daemon = d.Daemon(after_toml=f'[[mount]]\npath = "{root}"\nlayout = "vllm-fs"\ncapacity = "1GiB"\n')
         self.addCleanup(daemon.stop)
         reader = self.engine(model=model, tier={"socket": daemon.socket, "vllm_fs": True})
