@@ -722,7 +722,7 @@ type TierStats struct {
 	Promotions      uint64      // moves to an earlier (faster) mount
 	Moves           uint64      // moves the policy's tick asked for
 	MoveFailures    uint64      // moves that failed; the file stays where it was
-	DemotionDeletes uint64      // victims deleted because their target was full
+	DemotionDeletes uint64      // victims deleted because their target was full or held another file at their path
 	Mounts          []TierMount // one per Stats.Mounts, in order
 	// FallbackPolicy names the native policy the plugin fell back to
 	// ("" while it has not).

@@ -50,6 +50,11 @@ const (
 // already on the target; not a failure of anyone.
 var errMoveStale = errors.New("engine: entry not movable now")
 
+// errPathTaken: the target of a move holds another file (of other keys)
+// at the entry's path: a policy that named two keys alike (abi.md, "Paths
+// must be unique across mounts"). It wraps ErrPolicy.
+var errPathTaken = fmt.Errorf("%w: the target mount holds another file at the path", ErrPolicy)
+
 // TierStats counts the engine's moves between mounts.
 type TierStats struct {
 	// Demotions counts eviction victims moved to another mount.
@@ -63,7 +68,8 @@ type TierStats struct {
 	// entry stays where it was.
 	MoveFailures uint64
 	// DemotionDeletes counts victims the policy wanted demoted, deleted
-	// because the target had no room (abi.MoveDeleteIfFull).
+	// because the target had no room (abi.MoveDeleteIfFull) or held
+	// another file at the victim's path (a policy naming two keys alike).
 	DemotionDeletes uint64
 	// Deduped counts files removed at Open because another copy of the same
 	// file (a move interrupted after its rename) was kept.
@@ -271,7 +277,10 @@ func (e *Engine) evictions(ctx context.Context, req abi.EvictRequest) ([]policy.
 
 // demoteVictim moves victim v of an eviction on m to its target mount. It
 // returns the bytes freed on m, and whether the caller should delete the
-// victim instead (the target had no room and the policy said so).
+// victim instead: the target had no room and the policy said so, or the
+// target holds another file at the victim's path, where no demotion of it
+// can ever go (RATIONALE.md, "Why is a victim whose demotion target holds
+// another file at its path deleted?").
 //
 // A move to a later mount (a slower tier, by convention) may evict there;
 // a move to an earlier one only takes free room: evictMu is taken in mount
@@ -288,6 +297,10 @@ func (e *Engine) demoteVictim(ctx context.Context, m *mount, v policy.Eviction) 
 	case errors.Is(err, ErrNoSpace) && v.Target.Flags&abi.MoveDeleteIfFull != 0:
 		e.tierSt.demotionDeletes.Add(1)
 		return 0, true
+	case errors.Is(err, errPathTaken):
+		e.tierSt.demotionDeletes.Add(1)
+		e.log.Warn("engine: demotion target holds another file at the victim's path; the victim is deleted", "entry", v.Entry, "mount", target, "err", err)
+		return 0, true
 	}
 	e.tierSt.moveFailures.Add(1)
 	e.log.Debug("engine: demotion failed; the victim stays", "entry", v.Entry, "mount", target, "err", err)
@@ -297,9 +310,11 @@ func (e *Engine) demoteVictim(ctx context.Context, m *mount, v policy.Eviction) 
 // move moves entry id's file to mount target (the same relative path under
 // its root) and returns its size. mayEvict lets the reservation on the
 // target evict there; without it the move takes only free room there
-// (reserveFree). It fails with errMoveStale when the entry is
-// gone, pinned, busy or another live node's, and with ErrNoSpace when the
-// target has no room.
+// (reserveFree). Where the target already holds a file of the same keys
+// at the path, the entry is dropped for it instead (dropCopy). It fails
+// with errMoveStale when the entry is gone, pinned, busy or another live
+// node's, with ErrNoSpace when the target has no room, and with
+// errPathTaken when the target holds another file at the path.
 func (e *Engine) move(ctx context.Context, id uint64, target int, mayEvict bool) (int64, error) {
 	if target < 0 || target >= e.kvMounts {
 		return 0, fmt.Errorf("%w: move to mount %d: the kvhost mounts are 0..%d", ErrPolicy, target, e.kvMounts-1)
@@ -322,9 +337,10 @@ func (e *Engine) move(ctx context.Context, id uint64, target int, mayEvict bool)
 		return 0, fmt.Errorf("engine: move: %s is not under its mount %s", en.path, sm.root)
 	}
 	dst := filepath.Join(tm.root, rel)
-	if ix.byPath[dst] != nil {
+	dup := ix.byPath[dst]
+	if dup != nil && !dup.sameKeys(en) {
 		ix.mu.Unlock()
-		return 0, fmt.Errorf("%w: move of %s: mount %s already holds a file at that path", ErrPolicy, en.path, tm.root)
+		return 0, fmt.Errorf("%w: move of %s: %s holds other keys", errPathTaken, en.path, dst)
 	}
 	if ok, _ := ix.claimLocked(en.path); !ok {
 		ix.mu.Unlock()
@@ -339,6 +355,9 @@ func (e *Engine) move(ctx context.Context, id uint64, target int, mayEvict bool)
 	ix.mu.Unlock()
 	defer e.release(en.path)
 	defer e.release(dst)
+	if dup != nil {
+		return e.dropCopy(ctx, en, dup)
+	}
 
 	if mayEvict {
 		if err := e.reserve(ctx, tm, size); err != nil {
@@ -396,6 +415,50 @@ func (e *Engine) move(ctx context.Context, id uint64, target int, mayEvict bool)
 	}
 	e.spareRoom() // the source's room
 	return size, nil
+}
+
+// dropCopy ends the move of en onto a mount whose file at the same path,
+// dup, holds the same keys: another node's copy on a shared mount, or an
+// older one of this node's. Their bytes are the same KV, so nothing is
+// copied: en leaves the index for dup (its keys handed over first, so that
+// they never leave the index's key set; a lookup, load, pin, delete or
+// store that found en acts on dup) and its file is removed, checked by
+// identity. The policy sees a REMOVE of en and, where en was used last, an
+// INSERT that updates dup with en's last access and hits. It returns en's
+// size, or errMoveStale where en was pinned or dropped meanwhile, or dup's
+// file is no longer at its path (its entry dropped: a later move copies).
+// The caller holds both paths.
+func (e *Engine) dropCopy(ctx context.Context, en, dup *entry) (int64, error) {
+	if !e.confirm(ctx, dup) {
+		return 0, errMoveStale
+	}
+	ix := e.ix
+	sm, tm := e.mounts[en.mount], e.mounts[dup.mount]
+	ix.mu.Lock()
+	if en.gone || en.pins > 0 || dup.gone {
+		ix.mu.Unlock()
+		return 0, errMoveStale
+	}
+	ix.handOverLocked(en, dup)
+	ix.unindexLocked(en, true)
+	e.space.moved(sm.sp, tm.sp)
+	if tm.idx < sm.idx {
+		e.tierSt.promotions.Add(1)
+	}
+	recs := []abi.AccessRecord{en.access(abi.AccessRemove, en.last)}
+	if en.last > dup.last {
+		dup.hits, dup.last = max(dup.hits, en.hits), en.last
+		recs = append(recs, dup.access(abi.AccessInsert, dup.last))
+	}
+	ix.mu.Unlock()
+	e.access(ctx, recs)
+	if left := e.removeIfSame(en.path, []*entry{en}); left != nil {
+		ix.leave(left, en.path) // still counted: an eviction tries again
+	} else {
+		e.space.free(sm.sp, en.size, false)
+	}
+	e.spareRoom() // the source's room
+	return en.size, nil
 }
 
 // copyBuffer returns a buffer of n bytes for a move's copy, reused from

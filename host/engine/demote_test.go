@@ -210,6 +210,145 @@ func TestDemotionTargetFull(t *testing.T) {
 	}
 }
 
+// TestADemotionOntoAFileAlreadyAtItsPath demotes a victim whose path on
+// the cold mount already holds a file another node stored there (a cold
+// mount shared by several nodes), indexed at Open: where that file holds
+// the same key (stored before or after the victim: the index's key points
+// at either), the victim's hot copy is dropped and the key loads from the
+// cold file; where it holds another key (a policy naming two keys alike),
+// the victim is deleted. Either way the victim leaves the hot mount at the
+// first eviction there, no move fails, and the cold file is left as it
+// was; a delete that found the victim's entry before it was dropped for
+// the same key's file deletes the key there.
+func TestADemotionOntoAFileAlreadyAtItsPath(t *testing.T) {
+	ctx := context.Background()
+	g := smallGeometry(true)
+	fileLen := 4096 + g.KeyBytes()
+	for _, tc := range []struct {
+		name       string
+		other      string // the key of the other node's file; "": the victim's
+		otherFirst bool   // the other node stores before the victim is stored
+	}{
+		{name: "same key stored after the victim"},
+		{name: "same key stored before the victim", otherFirst: true},
+		{name: "another key", other: "another"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			sameKey := tc.other == ""
+			hot, cold := t.TempDir(), t.TempDir()
+			keys := testKeys("taken", 3) // keys[0] the victim; each store of the others evicts on the hot mount
+			blocks := [][]int{{0, 1, 2, 3}, {4, 5, 6, 7}, {8, 9, 10, 11}}
+			hotMount := Mount{Path: hot, Capacity: 2 * fileLen, HighWatermark: 0.9, LowWatermark: 0.5}
+			open := func(mounts ...Mount) (*Engine, NamespaceID, *testCache) {
+				e := openEngine(t, Config{Mounts: mounts, Policy: &demotingPolicy{testPolicy: newTestPolicy(1, abi.OrderLayerMajor)}, NodeID: "a"})
+				ns, err := e.Declare(ctx, g)
+				if err != nil {
+					t.Fatal(err)
+				}
+				return e, ns, newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
+			}
+			// The other node stores on the cold mount the same key, or
+			// another key whose file then lies at the victim's path.
+			other := keys[0]
+			if !sameKey {
+				other = []byte(tc.other)
+			}
+			storeOther := func() {
+				b := openNode(t, cold, "b", nil, 1)
+				keyContent(b.c, other, blocks[0])
+				storeAndCheck(t, b.e, b.c, [][]byte{other}, blocks[:1])
+				b.e.Close(ctx)
+			}
+			if tc.otherFirst {
+				storeOther()
+			}
+			// The victim is stored on the hot mount alone: its store never
+			// finds the other node's file.
+			e, _, c := open(hotMount)
+			keyContent(c, keys[0], blocks[0])
+			want := [][]byte{c.data(blocks[0])}
+			storeAndCheck(t, e, c, keys[:1], blocks[:1])
+			e.Close(ctx)
+			files := dataFiles(t, hot)
+			if len(files) != 1 {
+				t.Fatalf("%d files on the hot mount, want 1", len(files))
+			}
+			rel, _ := filepath.Rel(hot, files[0])
+			taken := filepath.Join(cold, rel)
+			if !tc.otherFirst {
+				storeOther()
+			}
+			if !sameKey {
+				if err := os.MkdirAll(filepath.Dir(taken), 0o755); err != nil {
+					t.Fatal(err)
+				}
+				if err := os.Rename(dataFiles(t, cold)[0], taken); err != nil {
+					t.Fatal(err)
+				}
+			}
+			before, err := os.Stat(taken)
+			if err != nil {
+				t.Fatal(err)
+			}
+			coldBytes, err := os.ReadFile(taken)
+			if err != nil {
+				t.Fatal(err)
+			}
+
+			e, ns, c := open(hotMount, Mount{Path: cold})
+			if st := e.Stats(); st.Mounts[0].Entries != 1 || st.Mounts[1].Entries != 1 {
+				t.Fatalf("indexed at Open: %d files on the hot mount, %d on the cold one; want 1 and 1: the test proves nothing", st.Mounts[0].Entries, st.Mounts[1].Entries)
+			}
+			e.ix.mu.Lock()
+			victim := e.ix.byPath[files[0]]
+			e.ix.mu.Unlock()
+			storeAndCheck(t, e, c, keys[1:2], blocks[1:2])
+			storeAndCheck(t, e, c, keys[2:3], blocks[2:3])
+			ts, st := e.TierStats(), e.Stats()
+			if relFiles(t, hot)[rel] || ts.MoveFailures != 0 {
+				t.Fatalf("after two stores that evict on the hot mount: the victim's file there %v, %d moves failed (tier stats %+v); want it gone and none failed",
+					relFiles(t, hot)[rel], ts.MoveFailures, ts)
+			}
+			if sameKey {
+				if ts.Demotions != 2 || ts.DemotionDeletes != 0 || st.Evictions != 0 {
+					t.Fatalf("%d demotions, %d deletes instead, %d evictions; want 2 demotions and nothing deleted", ts.Demotions, ts.DemotionDeletes, st.Evictions)
+				}
+				if m := keyMount(e, ns, keys[0]); m != 1 {
+					t.Fatalf("the victim's key is on mount %d, want the cold mount 1", m)
+				}
+				loadAndCompare(t, e, c, keys[:1], [][]int{{12, 13, 14, 15}}, want)
+			} else {
+				if ts.Demotions != 1 || ts.DemotionDeletes != 1 || st.Evictions != 1 {
+					t.Fatalf("%d demotions, %d deletes instead, %d evictions; want 1 demotion and the victim deleted", ts.Demotions, ts.DemotionDeletes, st.Evictions)
+				}
+				if n, err := e.Lookup(ctx, ns, keys[:1]); n != 0 || err != nil {
+					t.Fatalf("Lookup of the deleted victim = %d, %v; want a miss", n, err)
+				}
+			}
+			for i, m := range st.Mounts {
+				if m.Used != int64(m.Entries)*fileLen {
+					t.Errorf("mount %d: %d bytes used for %d files of %d", i, m.Used, m.Entries, fileLen)
+				}
+			}
+			after, err := os.Stat(taken)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got, err := os.ReadFile(taken); err != nil || !os.SameFile(before, after) || !bytes.Equal(got, coldBytes) {
+				t.Fatalf("the other node's file at %s was replaced or changed (%v)", taken, err)
+			}
+			if sameKey {
+				if !e.deleteUnpinned(ctx, victim, keys[0]) {
+					t.Fatal("a delete through the victim's entry, found before the demotion, deleted nothing")
+				}
+				if n, _ := e.Lookup(ctx, ns, keys[:1]); n != 0 || len(dataFiles(t, cold)) != 1 {
+					t.Fatalf("after the delete: Lookup = %d, cold files %v; want a miss and only the other key's demoted file", n, dataFiles(t, cold))
+				}
+			}
+		})
+	}
+}
+
 // demotingPolicy is testPolicy with demotion: every victim on mount 0 is
 // demoted to mount 1.
 type demotingPolicy struct {

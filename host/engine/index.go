@@ -61,6 +61,10 @@ type entry struct {
 	// file whose removal failed, only ever in left (index.leaveSpare): it
 	// has no keys, and its name, this engine's own, says which file it is.
 	spare bool
+	// heir: the file at a move's target, holding the same keys, that a
+	// move dropped this entry for (demote.go, dropCopy); guarded by
+	// index.mu.
+	heir *entry
 }
 
 // index is what the engine knows is stored: the published files
@@ -531,6 +535,13 @@ func (en *entry) access(kind uint32, t int64) abi.AccessRecord {
 	}
 }
 
+// sameKeys reports whether en and o hold the same keys of one namespace
+// fingerprint, at the same positions, in files of one size: the same KV,
+// whichever node wrote each file.
+func (en *entry) sameKeys(o *entry) bool {
+	return en.fp == o.fp && en.size == o.size && slices.Equal(en.keys, o.keys)
+}
+
 func (en *entry) match(fp uint64, key []byte) (int, error) {
 	if en.fp != fp {
 		return -1, fmt.Errorf("%w: %w: file 0x%016x, want 0x%016x", ErrMismatch, format.ErrFingerprint, en.fp, fp)
@@ -575,14 +586,28 @@ func (ix *index) checkAtRest() error {
 
 // currentLocked returns the entry that holds key now if en, found for
 // it, was moved meanwhile (unindexed, and the key's entry is a copy of the
-// same file: the same header id); otherwise en. The caller holds
-// index.mu.
+// same file: the same header id, or the file at the target that the move
+// dropped en for: its heir); otherwise en. The caller holds index.mu.
 func (ix *index) currentLocked(en *entry, key []byte) *entry {
-	if !en.gone || en.fid == 0 {
+	if !en.gone || en.fid == 0 && en.heir == nil {
 		return en
 	}
-	if cur := ix.getLocked(en.fp, key); cur != nil && cur.fid == en.fid && !cur.gone {
+	if cur := ix.getLocked(en.fp, key); cur != nil && !cur.gone && (en.fid != 0 && cur.fid == en.fid || cur == en.heir) {
 		return cur
 	}
 	return en
+}
+
+// handOverLocked points every key that the index finds in from at to, a
+// file of the same keys (the same fingerprint, at the same positions), and
+// makes to from's heir: unindexing from then leaves its keys indexed, and
+// in the key set (MirrorKeys), whose misses a client may take for final.
+func (ix *index) handOverLocked(from, to *entry) {
+	for i, k := range from.keys {
+		id := keyID{from.fp, k}
+		if ref, ok := ix.byKey[id]; ok && ref.e == from {
+			ix.byKey[id] = keyRef{e: to, idx: i}
+		}
+	}
+	from.heir = to
 }
