@@ -22,11 +22,14 @@ const maxFdsPerMsg = 8
 // frame whose first byte it is sent with. The kernel hands it over with
 // the read that brings the first bytes of the sendmsg it came in, a read
 // that may begin with earlier bytes but takes nothing sent after that
-// sendmsg; so the frame it belongs to begins within that read. A frame takes
-// (takeFd) only descriptors whose read began at or before the frame's
-// first byte, and once it is answered (done) the descriptors whose read
-// ended within it or before are closed, claimed or not: they belong to it
-// or to a frame before it, never to a later one.
+// sendmsg; so the frame it belongs to begins within that read, and the
+// read ends within that frame (a frame with descriptors is sent in a
+// sendmsg of its own). A frame takes (takeFd) only descriptors whose read
+// began at or before the frame's first byte and ended within it: earlier
+// frames read with it do not take its descriptor. Once a frame is answered
+// (done) the descriptors whose read ended within it or before are closed,
+// claimed or not: they belong to it or to a frame before it, never to a
+// later one.
 //
 // Reads are bounded in time: the wait for a frame's first byte ends at a
 // deadline the caller gives (the handshake or idle limit), and once that
@@ -201,10 +204,14 @@ func (f *frameReader) next(wait, by time.Time) (protocol.Header, []byte, error) 
 func (f *frameReader) offset() int64 { return f.pos - int64(f.w-f.r) }
 
 // takeFd claims for the frame last read the oldest unclaimed descriptor
-// that can belong to it, or returns -1.
+// that can belong to it, or returns -1. The read that brought a frame's
+// descriptor began at or before the frame's first byte and ended within
+// the frame (it took nothing sent after the frame's sendmsg), so a
+// descriptor whose read ended past the frame is a later frame's, even
+// though its read began with this one.
 func (f *frameReader) takeFd() int {
-	if len(f.fds) == 0 || f.fds[0].start > f.frame[0] {
-		return -1 // none, or it came after the frame began: a later frame's
+	if len(f.fds) == 0 || f.fds[0].start > f.frame[0] || f.fds[0].end > f.frame[1] {
+		return -1 // none, or a later frame's: its read began after this frame or ended past it
 	}
 	fd := f.fds[0].fd
 	f.fds = f.fds[1:]

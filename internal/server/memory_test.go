@@ -4,11 +4,13 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/kvhost/kvhost/client"
+	"github.com/kvhost/kvhost/host/engine"
 	"github.com/kvhost/kvhost/internal/server"
 	"github.com/kvhost/kvhost/protocol"
 )
@@ -249,4 +251,59 @@ func openMemfd(t *testing.T, ino uint64) int {
 		return fd
 	}
 	return -1
+}
+
+// heldStats is an engine whose first Stats call closes entered and waits
+// until release is closed: the session stops reading while the test
+// queues frames behind the Stats request.
+type heldStats struct {
+	*engine.Engine
+	once    sync.Once
+	entered chan struct{}
+	release chan struct{}
+}
+
+func (h *heldStats) Stats() engine.Stats {
+	h.once.Do(func() {
+		close(h.entered)
+		<-h.release
+	})
+	return h.Engine.Stats()
+}
+
+// TestRegistrationWithoutDescriptorDoesNotTakeTheNextOnes: a memfd
+// registration sent without its descriptor is answered "descriptor
+// missing", even when the daemon reads it together with the next
+// registration, sent with its own descriptor in a sendmsg of its own:
+// that descriptor is the next registration's, which maps it.
+func TestRegistrationWithoutDescriptorDoesNotTakeTheNextOnes(t *testing.T) {
+	held := &heldStats{entered: make(chan struct{}), release: make(chan struct{})}
+	f := newFixtureWith(t, server.Config{}, nil, func(e *engine.Engine) server.Engine {
+		held.Engine = e
+		return held
+	})
+	r := f.raw(t)
+	r.hello()
+	r.send(2, &protocol.StatsRequest{})
+	<-held.entered // the session reads nothing until release
+	good := sparse(t, 4096)
+	var st unix.Stat_t
+	if err := unix.Fstat(good, &st); err != nil {
+		t.Fatal(err)
+	}
+	reg := &protocol.RegisterMemory{Kind: protocol.MemoryMemfd, Size: 4096}
+	r.send(3, reg)       // no descriptor
+	r.send(4, reg, good) // its own, in a sendmsg of its own
+	close(held.release)
+	if _, m, err := r.recv(); err != nil || m.Type() != protocol.TypeStats|protocol.TypeReply {
+		t.Fatalf("stats: %#v %v", m, err)
+	}
+	r.expectCode(protocol.CodeNoFd)
+	_, m, err := r.recv()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, ok := m.(*protocol.MemoryRegistered); !ok || got.Inode != st.Ino {
+		t.Fatalf("registration sent with its descriptor (inode %d): %#v", st.Ino, m)
+	}
 }
