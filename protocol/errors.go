@@ -10,8 +10,8 @@ const (
 	CodeOK            Code = 0
 	CodeMalformed     Code = 1  // the frame or body does not decode
 	CodeVersion       Code = 2  // unsupported protocol version
-	CodeUnknownType   Code = 3  // the frame type is not a request of this version
-	CodeHandshake     Code = 4  // a request before Hello, or a second Hello
+	CodeUnknownType   Code = 3  // the frame type is not a request of this version (a second Hello included)
+	CodeHandshake     Code = 4  // a request before Hello
 	CodeLimit         Code = 5  // a per-connection limit would be exceeded
 	CodeUnknownRegion Code = 6  // the region id was not registered on this connection
 	CodeUnknownNS     Code = 7  // the namespace id was not declared on this connection
