@@ -414,16 +414,7 @@ func BenchmarkVictimsAfterAnOldInsert(b *testing.B) {
 		b.Run(fmt.Sprint("entries=", n), func(b *testing.B) {
 			idx := policytest.NewIndex()
 			cfg := policy.Config{Shards: 1, CallTimeout: time.Minute, MemoryLimit: 2 << 30, Logger: quietLogger()}
-			h, err := policy.Open(ctx, mod, "lru", idx, cfg)
-			if err != nil {
-				b.Fatal(err)
-			}
-			defer h.Close(ctx)
-			ns, err := h.Namespace(ctx, testNS)
-			if err != nil {
-				b.Fatal(err)
-			}
-			idx.AddNamespace(ns)
+			h := declaredHost(b, mod, "lru", idx, cfg)
 			const recent = 1 << 40 // the entries' times; the old inserts' are lower
 			access := func(recs []abi.AccessRecord) {
 				idx.Apply(recs)

@@ -101,16 +101,7 @@ func FuzzOutputValidation(f *testing.F) {
 func TestConcurrentFallback(t *testing.T) {
 	ctx := context.Background()
 	idx := policytest.NewIndex()
-	h, err := policy.Open(ctx, fixture(t, "traversal"), "traversal", idx, policy.Config{Shards: 2, Fallback: newLRU, Logger: quietLogger()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer h.Close(ctx)
-	ns, err := h.Namespace(ctx, testNS)
-	if err != nil {
-		t.Fatal(err)
-	}
-	idx.AddNamespace(ns)
+	h := declaredHost(t, fixture(t, "traversal"), "traversal", idx, policy.Config{Shards: 2, Fallback: newLRU, Logger: quietLogger()})
 	insert(t, h, idx, 1, 100, 10, 4)
 	var wg sync.WaitGroup
 	for w := range 4 {

@@ -29,6 +29,24 @@ func fixture(t testing.TB, name string) []byte {
 	return b
 }
 
+// declaredHost opens the plugin mod as name over idx with cfg, closed when
+// tb ends, and declares testNS in it and in idx.
+func declaredHost(tb testing.TB, mod []byte, name string, idx *policytest.Index, cfg policy.Config) *policy.Host {
+	tb.Helper()
+	ctx := context.Background()
+	h, err := policy.Open(ctx, mod, name, idx, cfg)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { h.Close(ctx) })
+	ns, err := h.Namespace(ctx, testNS)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	idx.AddNamespace(ns)
+	return h
+}
+
 func quietLogger() *slog.Logger { return slog.New(slog.DiscardHandler) }
 
 func newLRU() guest.Policy { return lru.New() }
@@ -135,19 +153,10 @@ func TestHostileFallback(t *testing.T) {
 			var logs bytes.Buffer
 			var logMu sync.Mutex
 			logger := slog.New(slog.NewTextHandler(syncWriter{&logs, &logMu}, nil))
-			h, err := policy.Open(ctx, fixture(t, tt.fixture), tt.fixture, idx, policy.Config{
+			h := declaredHost(t, fixture(t, tt.fixture), tt.fixture, idx, policy.Config{
 				Shards: 2, MemoryLimit: 8 << 20, CallTimeout: tt.timeout,
 				Fallback: newLRU, Logger: logger,
 			})
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer h.Close(ctx)
-			ns, err := h.Namespace(ctx, testNS)
-			if err != nil {
-				t.Fatal(err)
-			}
-			idx.AddNamespace(ns)
 			insert(t, h, idx, 1, 40, 100, 3, 7, 11, 20, 33)
 
 			trigger := func() error {
@@ -158,7 +167,7 @@ func TestHostileFallback(t *testing.T) {
 				return err
 			}
 			// First call: a failure, a replacement, a failed retry.
-			err = trigger()
+			err := trigger()
 			var perr *policy.Error
 			if !errors.As(err, &perr) || !errors.Is(err, policy.ErrPlugin) || perr.Hook != tt.hook || !strings.Contains(err.Error(), tt.reason) {
 				t.Fatalf("first call: %v; want a *policy.Error of %s: %s", err, tt.hook, tt.reason)
@@ -211,19 +220,10 @@ func TestTheFallbackRunsWhateverThePluginsParams(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			ctx := context.Background()
 			idx := policytest.NewIndex()
-			h, err := policy.Open(ctx, fixture(t, "traversal"), "traversal", idx, policy.Config{
+			h := declaredHost(t, fixture(t, "traversal"), "traversal", idx, policy.Config{
 				Shards: 2, MaxFailures: 1, Params: tt.params,
 				Fallback: newLRU, FallbackParams: tt.fallbackParams, Logger: quietLogger(),
 			})
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer h.Close(ctx)
-			ns, err := h.Namespace(ctx, testNS)
-			if err != nil {
-				t.Fatal(err)
-			}
-			idx.AddNamespace(ns)
 			if err := h.Name(ctx, nameRecords(8, 1)); err != nil { // the plugin fails, the fallback answers
 				t.Fatalf("Name: %v; want the fallback's answer", err)
 			}
