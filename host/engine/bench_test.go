@@ -330,19 +330,8 @@ func benchStoreFull(b *testing.B, tokens int) {
 	var eng, ceil, same time.Duration
 	for i := 0; b.Loop(); i++ {
 		b.StopTimer()
-		if i%2 == 0 { // alternate who goes first
-			ceil += env.ceiling(b, true, i)
-		}
-		b.StartTimer()
-		start := time.Now()
-		env.store(b)
-		eng += time.Since(start)
-		b.StopTimer()
-		if i%2 == 1 {
-			ceil += env.ceiling(b, true, i)
-		}
-		env.removeFiles(i)
-		same += env.ceilingWith(b, true, i, env.same)
+		e, c, sm := env.timedStore(b, i, func() { env.store(b) })
+		eng, ceil, same = eng+e, ceil+c, same+sm
 		env.removeFiles(i)
 		b.StartTimer()
 	}
@@ -373,6 +362,28 @@ func benchLoadFull(b *testing.B, tokens int) {
 // on iteration 0 (before the region ceiling overwrites the cache) hold
 // the bytes of the blocks from. It returns the load's time and the
 // ceilings'.
+// timedStore times store, the engine's store of round i, and the write
+// ceiling right before or right after it (alternating by round, as
+// timedLoad does), then the write ceiling from the engine's own kind of
+// memory (same), removing the ceiling's files between the two. The caller
+// has stopped b's timer, and it is stopped on return.
+func (env *ceilingEnv) timedStore(b *testing.B, i int, store func()) (eng, ceil, same time.Duration) {
+	if i%2 == 0 { // alternate who goes first
+		ceil += env.ceiling(b, true, i)
+	}
+	b.StartTimer()
+	start := time.Now()
+	store()
+	eng = time.Since(start)
+	b.StopTimer()
+	if i%2 == 1 {
+		ceil += env.ceiling(b, true, i)
+	}
+	env.removeFiles(i)
+	same = env.ceilingWith(b, true, i, env.same)
+	return eng, ceil, same
+}
+
 func (env *ceilingEnv) timedLoad(b *testing.B, i int, e *Engine, c *testCache, keys [][]byte, from, into [][]int) (eng, ceil, same time.Duration) {
 	if i%2 == 0 { // alternate who goes first
 		ceil += env.ceiling(b, false, 0)
@@ -421,19 +432,11 @@ func BenchmarkStore(b *testing.B) {
 		for i := 0; b.Loop(); i++ {
 			keys, blocks := env.batch(r, fmt.Sprintf("s%d", i), 0)
 			b.StopTimer()
-			if i%2 == 0 { // alternate who goes first
-				ceil += env.ceiling(b, true, i)
-			}
-			b.StartTimer()
-			start := time.Now()
-			res := wait(b)(env.e.Store(ctx, StoreRequest{Cache: env.c.id, Keys: keys, Blocks: blocks}))
-			eng += time.Since(start)
-			b.StopTimer()
-			if i%2 == 1 {
-				ceil += env.ceiling(b, true, i)
-			}
-			env.removeFiles(i)
-			same += env.ceilingWith(b, true, i, env.same)
+			var res Result
+			e, c, sm := env.timedStore(b, i, func() {
+				res = wait(b)(env.e.Store(ctx, StoreRequest{Cache: env.c.id, Keys: keys, Blocks: blocks}))
+			})
+			eng, ceil, same = eng+e, ceil+c, same+sm
 			if res.Count(OutcomeStored) != benchKeys {
 				b.Fatalf("store: %+v", res)
 			}
