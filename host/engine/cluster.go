@@ -104,8 +104,10 @@ type clusterMount struct {
 
 // clusterRun is the engine's cluster loops.
 type clusterRun struct {
-	stop   chan struct{}
-	cancel context.CancelFunc // ends the loops' context: a walk of the mount stops
+	// ctx is the loops' context (nil before startCluster); cancel ends it
+	// and with it the loops and a walk of the mount under way.
+	ctx    context.Context
+	cancel context.CancelFunc
 	wg     sync.WaitGroup
 }
 
@@ -182,8 +184,8 @@ func (e *Engine) countCluster(ctx context.Context) error {
 // context of their own, which closeCluster ends: an adoption walk of the
 // mount under way stops at its next file, Close does not wait for it.
 func (e *Engine) startCluster(ctx context.Context) {
-	e.clusterRun.stop = make(chan struct{})
 	ctx, e.clusterRun.cancel = context.WithCancel(context.WithoutCancel(ctx))
+	e.clusterRun.ctx = ctx
 	for _, m := range e.mounts {
 		if m.cluster == nil {
 			continue
@@ -195,7 +197,7 @@ func (e *Engine) startCluster(ctx context.Context) {
 			defer t.Stop()
 			for {
 				select {
-				case <-e.clusterRun.stop:
+				case <-ctx.Done():
 					return
 				case <-t.C:
 					m.cluster.tick(ctx, e, m)
@@ -208,11 +210,10 @@ func (e *Engine) startCluster(ctx context.Context) {
 // closeCluster stops the loops and releases every cluster lock; the
 // summaries stay (this node's files do).
 func (e *Engine) closeCluster() {
-	if e.clusterRun.stop != nil {
+	if e.clusterRun.ctx != nil {
 		e.clusterRun.cancel()
-		close(e.clusterRun.stop)
 		e.clusterRun.wg.Wait()
-		e.clusterRun.stop = nil
+		e.clusterRun.ctx = nil
 	}
 	for _, m := range e.mounts {
 		if m.cluster != nil {

@@ -1108,7 +1108,7 @@ func TestClusterCloseStopsAnAdoptionWalkUnderWay(t *testing.T) {
 	if err := d.e.Close(context.Background()); err != nil {
 		t.Fatal(err)
 	}
-	isClosed := func(ch chan struct{}) func() bool {
+	isClosed := func(ch <-chan struct{}) func() bool {
 		return func() bool {
 			select {
 			case <-ch:
@@ -1119,7 +1119,7 @@ func TestClusterCloseStopsAnAdoptionWalkUnderWay(t *testing.T) {
 		}
 	}
 	testwait.Until(t, "A adopting dead node D and walking the mount", 30*time.Second, isClosed(entered))
-	stop := a.clusterRun.stop
+	stop := a.clusterRun.ctx.Done()
 	closed := make(chan error, 1)
 	go func() { closed <- a.Close(context.Background()) }()
 	testwait.Until(t, "A's Close stopping its cluster loop", 30*time.Second, isClosed(stop))
