@@ -484,7 +484,7 @@ func (m *Mover) move(ctx context.Context, f fsys.File, p *transfer.Plan, write b
 		emu.Unlock()
 		failed.Store(true)
 	}
-	var queued []*task
+	queued := make([]*task, 0, len(units))
 	for _, u := range units {
 		if failed.Load() {
 			break
@@ -521,13 +521,17 @@ func (m *Mover) move(ctx context.Context, f fsys.File, p *transfer.Plan, write b
 	// Once ctx is done, the tasks no worker has started are dropped: the
 	// job does not wait for the work queued before them (other jobs', a
 	// stuck batch's), and they never run.
-	stop := context.AfterFunc(ctx, func() {
-		for _, t := range queued {
-			if t.drop() {
-				t.done(ctx.Err())
+	// A context that is never done (Background) needs no watch.
+	stop := func() bool { return false }
+	if ctx.Done() != nil {
+		stop = context.AfterFunc(ctx, func() {
+			for _, t := range queued {
+				if t.drop() {
+					t.done(ctx.Err())
+				}
 			}
-		}
-	})
+		})
+	}
 	wg.Wait()
 	stop()
 	for ordinal, err := range sticky {
