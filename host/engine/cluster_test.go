@@ -50,15 +50,25 @@ func clusterNodeOf(t *testing.T, cfg Config) *node {
 	return &node{e: e, ns: ns, c: newTestCache(t, e, ns, g, 64, layoutPlaneFirst)}
 }
 
+// kvFiles lists the data files under dir, not the cluster's summaries and
+// locks.
+func kvFiles(t *testing.T, dir string) []string {
+	t.Helper()
+	var out []string
+	for _, p := range dataFiles(t, dir) {
+		if !strings.Contains(p, "/"+clustercap.DirName+"/") {
+			out = append(out, p)
+		}
+	}
+	return out
+}
+
 // diskBytes is the bytes of the data files under dir (not the cluster's
 // summaries and locks).
 func diskBytes(t *testing.T, dir string) int64 {
 	t.Helper()
 	var n int64
-	for _, p := range dataFiles(t, dir) {
-		if strings.Contains(p, "/"+clustercap.DirName+"/") {
-			continue
-		}
+	for _, p := range kvFiles(t, dir) {
 		if fi, err := os.Stat(p); err == nil {
 			n += fi.Size()
 		}
@@ -123,12 +133,7 @@ func TestClusterNodesOfOneTagStartedAtOnceRemoveNoneOfEachOthersFiles(t *testing
 	busy, idle := twinNodes(t, Mount{Path: dir, ClusterCapacity: capacity, ClusterInterval: 20 * time.Millisecond})
 	r := rand.New(rand.NewPCG(41, 41))
 	idleKeys := storeKeys(t, idle, "idle", 2, r)
-	var idleFiles []string
-	for _, p := range dataFiles(t, dir) {
-		if !strings.Contains(p, "/"+clustercap.DirName+"/") {
-			idleFiles = append(idleFiles, p)
-		}
-	}
+	idleFiles := kvFiles(t, dir)
 	if len(idleFiles) != 2 {
 		t.Fatalf("%d data files after the idle node's 2 stores: %v", len(idleFiles), idleFiles)
 	}
@@ -358,12 +363,7 @@ func TestClusterAdoptsADeadNodesFiles(t *testing.T) {
 		d.c.fill(r, bl)
 		storeAndCheck(t, d.e, d.c, [][]byte{k}, [][]int{bl})
 	}
-	var deadFiles []string
-	for _, p := range dataFiles(t, dir) {
-		if !strings.Contains(p, "/"+clustercap.DirName+"/") {
-			deadFiles = append(deadFiles, p)
-		}
-	}
+	deadFiles := kvFiles(t, dir)
 	if len(deadFiles) != 3 {
 		t.Fatalf("%d data files after node D's 3 stores: %v", len(deadFiles), deadFiles)
 	}
@@ -1054,12 +1054,7 @@ func TestClusterNeverRetiresADeadNodeWhoseFileItsWalkCouldNotRead(t *testing.T) 
 				}
 				return fsys.Fault{}
 			}))
-			var files []string
-			for _, p := range dataFiles(t, dir) {
-				if !strings.Contains(p, "/"+clustercap.DirName+"/") {
-					files = append(files, p)
-				}
-			}
+			files := kvFiles(t, dir)
 			if len(files) != 1 {
 				t.Fatalf("%d data files after D's one store: %v", len(files), files)
 			}
