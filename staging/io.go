@@ -376,6 +376,12 @@ func (w *worker) bounce(ctx context.Context, f fsys.File, run []span, opt option
 		go func() { // gather
 			defer close(full)
 			for off := astart; off < aend; off += size {
+				// A cancelled context stops the run between chunks:
+				// get prefers a free buffer to a done context.
+				if err := ctx.Err(); err != nil {
+					full <- chunk{err: err}
+					return
+				}
 				buf, err := bufs.get(ctx)
 				if err != nil {
 					full <- chunk{err: err}
@@ -399,6 +405,9 @@ func (w *worker) bounce(ctx context.Context, f fsys.File, run []span, opt option
 		for c := range full {
 			if err == nil {
 				err = c.err
+			}
+			if err == nil {
+				err = ctx.Err() // cancelled while the chunk was gathered
 			}
 			if err == nil {
 				err = rw(f, [][]byte{c.buf[:c.n]}, c.off, true)
@@ -430,6 +439,9 @@ func (w *worker) bounce(ctx context.Context, f fsys.File, run []span, opt option
 	}()
 	var err error
 	for off := astart; off < aend && err == nil; off += size {
+		if err = ctx.Err(); err != nil {
+			break // get prefers a free buffer to a done context
+		}
 		var buf []byte
 		buf, err = bufs.get(ctx)
 		if err != nil {
