@@ -73,6 +73,12 @@ func (m *Mover) run(ctx context.Context, f fsys.File, p *transfer.Plan, sums []u
 	if sums != nil && len(sums) < p.Sums {
 		return 0, fmt.Errorf("staging: %d checksum slots for a plan of %d", len(sums), p.Sums)
 	}
+	// Sorted extents keep the bounce buffers' zero tails off bytes
+	// already written; slot indices in range keep the workers' checksums
+	// from indexing past sums (a panic would end the process).
+	if err := p.Check(); err != nil {
+		return 0, fmt.Errorf("staging: %w", err)
+	}
 	spans := make([]span, len(p.Extents))
 	var mem []byte
 	var last region.Region

@@ -352,3 +352,61 @@ func TestMoverReportsAKernelFaultOnATruncatedRegionAsAFault(t *testing.T) {
 		})
 	}
 }
+
+// TestMoverRefusesPlansThatFailTheirCheck: a plan whose extents name a
+// checksum slot past its Sums, or are out of file order, or overlap, is
+// refused with an error before any byte moves (transfer.Plan.Check, as
+// the GPU mover does), never a worker's panic (a slot past the sums
+// given is an index out of range on a worker), and the mover keeps
+// working.
+func TestMoverRefusesPlansThatFailTheirCheck(t *testing.T) {
+	ctx := context.Background()
+	mv, err := NewMover(Config{Workers: 1})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer mv.Close()
+	mem, err := region.NewHost("mem", 1<<16)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer mem.Close()
+	for _, tc := range []struct {
+		name    string
+		extents []transfer.Extent
+	}{
+		{"checksum slot past the plan's", []transfer.Extent{{FileOff: 0, Region: mem, Len: 4096, Sum: 0}, {FileOff: 4096, Region: mem, Len: 4096, Sum: 1}}},
+		{"out of file order", []transfer.Extent{{FileOff: 4096, Region: mem, Len: 4096, Sum: -1}, {FileOff: 0, Region: mem, RegionOff: 4096, Len: 4096, Sum: -1}}},
+		{"overlapping", []transfer.Extent{{FileOff: 0, Region: mem, Len: 8192, Sum: -1}, {FileOff: 4096, Region: mem, Len: 4096, Sum: -1}}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			name := filepath.Join(t.TempDir(), "f")
+			f, err := fsys.OS{}.OpenFile(name, os.O_RDWR|os.O_CREATE, 0o600)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer f.Close()
+			// Two slots given for a plan of one: the plan's own bound
+			// counts, not the slots given.
+			p := &transfer.Plan{Extents: tc.extents, Sums: 1}
+			if _, err := mv.WriteFile(ctx, f, p, make([]uint32, 2)); err == nil {
+				t.Fatal("the plan was written")
+			}
+			if st, err := os.Stat(name); err != nil || st.Size() != 0 {
+				t.Fatalf("after the refusal the file has %v bytes (%v); want none written", st.Size(), err)
+			}
+			if _, err := mv.ReadFile(ctx, f, p, make([]uint32, 2)); err == nil {
+				t.Fatal("the plan was read")
+			}
+		})
+	}
+	// The mover still moves a good plan.
+	f, err := fsys.OS{}.OpenFile(filepath.Join(t.TempDir(), "g"), os.O_RDWR|os.O_CREATE, 0o600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if n, err := mv.WriteFile(ctx, f, &transfer.Plan{Extents: []transfer.Extent{{Region: mem, Len: 4096, Sum: 0}}, Sums: 1}, make([]uint32, 1)); err != nil || n != 4096 {
+		t.Fatalf("a good plan after the refusals: %d bytes, %v", n, err)
+	}
+}
