@@ -367,6 +367,9 @@ func (w *worker) bounce(ctx context.Context, f fsys.File, run []span, opt option
 	bufs := w.pool.bufs
 	size := int64(bufs.Size())
 	cur := &cursor{spans: run, sums: opt.Sums}
+	// The helper copies (and checksums) the run's bytes: it yields, as
+	// the vectored path's worker does, every Every bytes it copied.
+	y := Yielder{Every: w.yield.Every, Yield: w.yield.Yield}
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 
@@ -392,7 +395,9 @@ func (w *worker) bounce(ctx context.Context, f fsys.File, run []span, opt option
 				// block's end: the tail is zeros (the file's padding),
 				// never a reused buffer's old bytes.
 				if err := region.Guard(func() error {
-					clear(buf[cur.gather(buf[:n]):n])
+					got := 0
+					y.Steps(int(n), 0, func(lo, hi int) { got += cur.gather(buf[lo:hi]) })
+					clear(buf[got:n])
 					return nil
 				}); err != nil {
 					full <- chunk{buf: buf, err: err}
@@ -429,7 +434,7 @@ func (w *worker) bounce(ctx context.Context, f fsys.File, run []span, opt option
 		for c := range full {
 			if err == nil && c.err == nil {
 				err = region.Guard(func() error {
-					cur.scatter(c.buf[c.ok:c.n])
+					y.Steps(c.n-c.ok, 0, func(lo, hi int) { cur.scatter(c.buf[c.ok+lo : c.ok+hi]) })
 					return nil
 				})
 			}

@@ -50,7 +50,8 @@ type Config struct {
 	// QueueLen is the number of tasks that may wait for a worker (default 4 per worker).
 	QueueLen int
 	// YieldBytes: a worker gives its CPU up (sched_yield) after every
-	// YieldBytes it moved (Yielder); 0 never.
+	// YieldBytes it moved, and so does the goroutine that copies a
+	// bounced run's bytes (Yielder); 0 never.
 	YieldBytes int64
 }
 

@@ -5,6 +5,7 @@ import (
 	"context"
 	"os"
 	"path/filepath"
+	"sync/atomic"
 	"testing"
 
 	"github.com/kvhost/kvhost/internal/crc32c"
@@ -130,5 +131,61 @@ func TestWorkersYieldEveryYieldBytes(t *testing.T) {
 					r.writes, r.reads, bytes.Equal(dst, src), r.wsum, r.rsum, want)
 			}
 		})
+	}
+}
+
+// TestBouncedRunsYieldEveryYieldBytes: a direct write or read of memory
+// that is not aligned copies through the bounce buffers, and the thread
+// that copies gives its CPU up every Config.YieldBytes it copied, as the
+// vectored path's does: 4 MiB with YieldBytes 512 KiB yields 8 times each
+// way (here through 1 MiB bounce buffers), the bytes and checksums
+// unchanged.
+func TestBouncedRunsYieldEveryYieldBytes(t *testing.T) {
+	p, err := newPool(Config{Workers: 1, BufferSize: 1 << 20, Buffers: 2, YieldBytes: 512 << 10})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.close()
+	f, err := fsys.OS{}.OpenFile(filepath.Join(t.TempDir(), "f"), os.O_RDWR|os.O_CREATE, 0o600)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	const size = 4 << 20
+	srcMem, dstMem := AlignedBuffer(size+1), AlignedBuffer(size+1)
+	src, dst := srcMem[1:], dstMem[1:] // not aligned: bounced
+	copy(src, bytes.Repeat([]byte("kvhost!!"), size/8))
+	type result struct {
+		writes, reads int64
+		wsum, rsum    uint32
+		err           error
+	}
+	done := make(chan result, 1)
+	if err := p.submit(context.Background(), func(w *worker) {
+		var r result
+		var yields atomic.Int64 // the copying goroutine may not be the worker's
+		w.yield.Yield = func() { yields.Add(1) }
+		wsums, rsums := make([]uint32, 1), make([]uint32, 1)
+		opt := options{Direct: true} // options.Direct alone bounces unaligned memory
+		opt.Sums = wsums
+		if _, r.err = w.write(context.Background(), f, []span{{Off: 0, Buf: src, Sum: 0}}, opt); r.err == nil {
+			r.writes = yields.Swap(0)
+			opt.Sums = rsums
+			_, r.err = w.read(context.Background(), f, []span{{Off: 0, Buf: dst, Sum: 0}}, opt)
+			r.reads = yields.Load()
+		}
+		r.wsum, r.rsum = wsums[0], rsums[0]
+		done <- r
+	}); err != nil {
+		t.Fatal(err)
+	}
+	r := <-done
+	if r.err != nil {
+		t.Fatal(r.err)
+	}
+	want := crc32c.Update(0, src)
+	if r.writes != 8 || r.reads != 8 || !bytes.Equal(dst, src) || r.wsum != want || r.rsum != want {
+		t.Fatalf("4 MiB bounced out and in with YieldBytes 512 KiB: %d and %d yields (want 8 each), bytes equal %v, checksums %08x and %08x (want %08x)",
+			r.writes, r.reads, bytes.Equal(dst, src), r.wsum, r.rsum, want)
 	}
 }
