@@ -32,7 +32,7 @@ import (
 // Layouts of Mount.Layout and MountStats.Layout.
 const (
 	LayoutKVHost = "kvhost"  // kvhost's own files (docs/format.md)
-	LayoutVLLMFS = "vllm-fs" // vLLM's fs-tier layout (package layout/vllmfs)
+	LayoutVLLMFS = "vllm-fs" // vLLM's fs-tier layout (package internal/vllmfs)
 )
 
 // VLLMFS configures a vllm-fs mount.

@@ -96,7 +96,7 @@ type Header struct {
 	ID   uint64
 	Keys []Key // 1..MaxKeys
 	// Raw describes a file without a header: a row of vLLM's fs-tier
-	// layout (package layout/vllmfs), whose payload starts at offset 0.
+	// layout (package internal/vllmfs), whose payload starts at offset 0.
 	// Its fields come from the reader's namespace and the file's name,
 	// never from the file; Len is 0 and Encode refuses it.
 	Raw bool
