@@ -60,9 +60,10 @@ func (f *Flags) Load() (Config, error) {
 	return c, nil
 }
 
-// Apply copies every flag that was set on the command line onto c, makes
-// the socket's path absolute (against the working directory) and
-// validates the result.
+// Apply copies every flag that was set on the command line onto c (the
+// -dir path made absolute against the working directory; a relative
+// -socket kept as given, to be bound against it) and validates the
+// result.
 func (f *Flags) Apply(c *Config) error {
 	var err error
 	f.fs.Visit(func(fl *flag.Flag) {
