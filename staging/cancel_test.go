@@ -10,6 +10,7 @@ import (
 	"testing"
 
 	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/internal/region"
 )
 
 // TestBouncedRunsStopWhenTheContextIsCancelled: a direct write or read of
@@ -78,5 +79,56 @@ func TestBouncedRunsStopWhenTheContextIsCancelled(t *testing.T) {
 					tc.name, chunks, err, n)
 			}
 		})
+	}
+}
+
+// TestBouncedReadStopsReadingOnceItsScatterFaults: a direct read of
+// memory that is not aligned goes through the bounce buffers, the worker
+// reading a chunk while a helper copies the one before into the run's
+// memory. When that copy faults (the client truncated the shared file
+// behind its region), the call fails with region.ErrFault and the worker
+// reads no more than the chunks it had read ahead of the copy (the
+// faulting chunk, the one queued behind it and the one in hand), not the
+// rest of the run. The run here is 64 chunks of one 4 KiB buffer each.
+func TestBouncedReadStopsReadingOnceItsScatterFaults(t *testing.T) {
+	const chunks = 64
+	p, err := newPool(Config{Workers: 1, BufferSize: Align, Buffers: 4})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.close()
+	const size = 2 * (chunks + 1) * Align
+	shm, r := sharedRegion(t, size)
+	if err := shm.Truncate(size / 2); err != nil { // the run's memory goes away
+		t.Fatal(err)
+	}
+	name := filepath.Join(t.TempDir(), "f")
+	if err := os.WriteFile(name, make([]byte, chunks*Align), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	var reads atomic.Int32
+	fs := &fsys.Faulty{FS: fsys.OS{}, Inj: fsys.InjectorFunc(func(o fsys.Op, _ string) fsys.Fault {
+		if o == fsys.OpRead {
+			reads.Add(1)
+		}
+		return fsys.Fault{}
+	})}
+	f, err := fs.OpenFile(name, os.O_RDONLY, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	mem := r.Bytes()[size/2+1 : size/2+1+chunks*Align] // not aligned: bounced
+	spans := []span{{Off: 0, Buf: mem, Sum: 0}}
+	done := make(chan error, 1)
+	if err := p.submit(context.Background(), func(w *worker) {
+		_, err := w.read(context.Background(), f, spans, options{Direct: true, Sums: make([]uint32, 1)})
+		done <- err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	err = <-done
+	if n := reads.Load(); !errors.Is(err, region.ErrFault) || n > 3 {
+		t.Fatalf("read of %d chunks whose first copy faults: %v after %d chunks read; want region.ErrFault after at most 3", chunks, err, n)
 	}
 }

@@ -437,6 +437,9 @@ func (w *worker) bounce(ctx context.Context, f fsys.File, run []span, opt option
 					y.Steps(c.n-c.ok, 0, func(lo, hi int) { cur.scatter(c.buf[c.ok+lo : c.ok+hi]) })
 					return nil
 				})
+				if err != nil {
+					cancel() // the reader stops at its next chunk
+				}
 			}
 			bufs.put(c.buf)
 		}
@@ -463,7 +466,9 @@ func (w *worker) bounce(ctx context.Context, f fsys.File, run []span, opt option
 		full <- chunk{buf: buf, off: off, n: int(hi), ok: int(lo)}
 	}
 	close(full)
-	if serr := <-done; err == nil {
+	// The scatter's fault is the cause where it stopped the reader (whose
+	// error is then the cancel).
+	if serr := <-done; serr != nil {
 		err = serr
 	}
 	if err != nil {
