@@ -213,10 +213,11 @@ type files struct {
 	byKey  map[fsys.FileID]*regFile
 	lru    *list.List             // of *regFile, the most recently used first
 	queued map[fsys.FileID]*offer // offered, not registered yet
-	// pending is the files jobs in flight will offer (expectOffer):
-	// bounded by the jobs in flight.
+	// pending is the files jobs in flight will offer (expectOffer), by
+	// identity, generation included (a file that got a forgotten file's
+	// inode number is another file): bounded by the jobs in flight.
 	pending map[fsys.FileID]pending
-	seen    map[fsys.FileID]bool // offered once at the bound (admitLocked)
+	seen    map[fsys.FileID]bool // by identity: offered once at the bound (admitLocked)
 	bytes   int64
 	// registering and registeringBytes are the files being mapped and
 	// registered now (taken offers), counted against the bounds with
@@ -395,14 +396,14 @@ func (g *files) offer(f fsys.File, id fileID, warm bool) bool {
 	case g.stopped:
 		g.mu.Unlock()
 		return false
-	case g.queued[id.key()] != nil || g.byKey[id.key()] != nil || g.forgottenLocked(id.key()):
+	case g.queued[id.key()] != nil || g.byKey[id.key()] != nil || g.forgottenLocked(id.FileID):
 		more := g.belowBoundLocked()
 		g.mu.Unlock()
 		return more
 	}
 	admit := g.belowBoundLocked()
 	if !warm {
-		admit = g.admitLocked(id.key())
+		admit = g.admitLocked(id.FileID)
 	}
 	if !admit {
 		g.mu.Unlock()
@@ -452,14 +453,17 @@ func (g *files) offer(f fsys.File, id fileID, warm bool) bool {
 	return more
 }
 
-// expectOffer records that a job starting on the file key will offer it
+// expectOffer records that a job starting on the file id will offer it
 // when it ends, and endExpected that the job ended, after its offer: a
 // file forgotten in between is not offered, by that job nor by any other
-// while one of them runs. The engine removes a file while a load of it
+// on the same file (the same identity, generation included) while one of
+// them runs. A file that got the forgotten file's inode number is
+// another file: its jobs offer it. The engine removes a file while a load of it
 // runs (a client's delete or a store of the same key: the load holds
 // the key, not the name); the job's offer after that Forget would
 // reopen the removed file, and no Forget would come to close it.
-func (g *files) expectOffer(key fsys.FileID) {
+func (g *files) expectOffer(id fileID) {
+	key := id.FileID
 	g.mu.Lock()
 	p := g.pending[key]
 	p.jobs++
@@ -468,7 +472,8 @@ func (g *files) expectOffer(key fsys.FileID) {
 }
 
 // endExpected ends a job's expectOffer.
-func (g *files) endExpected(key fsys.FileID) {
+func (g *files) endExpected(id fileID) {
+	key := id.FileID
 	g.mu.Lock()
 	p := g.pending[key]
 	if p.jobs--; p.jobs == 0 {
@@ -479,10 +484,10 @@ func (g *files) endExpected(key fsys.FileID) {
 	g.mu.Unlock()
 }
 
-// forgottenLocked reports whether the file key was forgotten while a job
-// in flight on it ran (expectOffer).
-func (g *files) forgottenLocked(key fsys.FileID) bool {
-	return g.pending[key].forgotten
+// forgottenLocked reports whether the file id (its identity, generation
+// included) was forgotten while a job in flight on it ran (expectOffer).
+func (g *files) forgottenLocked(id fsys.FileID) bool {
+	return g.pending[id].forgotten
 }
 
 // belowBoundLocked reports whether the files registered and queued are
@@ -497,30 +502,36 @@ func (g *files) belowBoundLocked() bool {
 // is remembered in seen, itself bounded): in a cache of many more files
 // than the bound, files used once would otherwise cost a registration
 // and an unregistration each and save nothing.
-func (g *files) admitLocked(key fsys.FileID) bool {
+func (g *files) admitLocked(id fsys.FileID) bool {
 	if len(g.byKey)+len(g.queued) < g.limit {
 		return true
 	}
-	if g.seen[key] {
-		delete(g.seen, key)
+	if g.seen[id] {
+		delete(g.seen, id)
 		return true
 	}
 	if len(g.seen) >= g.limit {
 		clear(g.seen)
 	}
-	g.seen[key] = true
+	g.seen[id] = true
 	g.st.Deferred++
 	return false
 }
 
-// forget drops the file key: no job takes its mapping from now on, and it
-// is released now, or when the last job using it ends; a waiting offer's
-// descriptor is closed now, and the jobs on it in flight do not offer it.
-func (g *files) forget(key fsys.FileID) {
+// forget drops what is kept under id's device and inode number, of any
+// generation (transfer.Forgetter): no job takes its mapping from now on,
+// and it is released now, or when the last job using it ends; a waiting
+// offer's descriptor is closed now, and the jobs on it in flight do not
+// offer it. A job that begins later on another file with that number
+// (another generation) offers its own file.
+func (g *files) forget(id fsys.FileID) {
+	key := id.Inode()
 	g.mu.Lock()
-	if p, ok := g.pending[key]; ok {
-		p.forgotten = true
-		g.pending[key] = p
+	for pid, p := range g.pending { // the files of the jobs in flight
+		if pid.Inode() == key && !p.forgotten {
+			p.forgotten = true
+			g.pending[pid] = p
+		}
 	}
 	fd := -1
 	if o := g.queued[key]; o != nil {

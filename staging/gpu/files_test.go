@@ -887,6 +887,32 @@ func TestRegisteredFilesRemovedDuringTheirJobAreNotOfferedWhenItEnds(t *testing.
 	}
 }
 
+// TestRegisteredFilesANewFileWithAForgottenFilesInodeNumberIsOffered: a
+// job on a file the engine forgot while the job ran does not offer that
+// file when it ends; a new file that got the forgotten file's inode
+// number meanwhile (tmpfs's 32-bit numbers wrap) is another file, with
+// another generation: its own job, begun and ended while the forgotten
+// file's job still runs, offers it, and it is registered.
+func TestRegisteredFilesANewFileWithAForgottenFilesInodeNumberIsOffered(t *testing.T) {
+	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, RegisterFiles: 4})
+	kf := newKeyFile(t, kv, t.TempDir(), "new", 1)
+	old := kf.id // the removed file that had the new one's inode number
+	old.Gen += "-the-removed-file"
+	m.files.expectOffer(old) // a job on it in flight
+	m.Forget(old.FileID)     // the engine removes it
+	store(t, e, m, kv, kf, host, orig)
+	if st := m.FileStats(); st.Queued+st.Files != 1 {
+		t.Fatalf("after a job on the new file: %+v; want the new file offered", st)
+	}
+	testwait.Until(t, "the new file registered", 10*time.Second, func() bool { return m.FileStats().Files == 1 })
+	m.files.endExpected(old) // the forgotten file's job ends
+	if rf := m.files.acquire(kf.id, 1); rf == nil {
+		t.Fatal("the new file's registration was not handed to its job")
+	} else {
+		m.files.put(rf, true, true)
+	}
+}
+
 // TestRegisteredFilesWarmOffersOfFilesRemovedSinceTheirIdentityAreDropped:
 // Warm reads its file's identity, then offers it; a file the engine
 // removes in between (Forget finds nothing of it, then the unlink) is not

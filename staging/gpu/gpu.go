@@ -649,13 +649,13 @@ func (m *Mover) run(ctx context.Context, f fsys.File, p *transfer.Plan, sums []u
 			}
 			// Registered later, off the job's path, for the next job;
 			// not if the file is removed meanwhile.
-			m.files.expectOffer(id.key())
+			m.files.expectOffer(id)
 			file := f
 			defer func() {
 				if err == nil {
 					m.files.offer(file, id, false)
 				}
-				m.files.endExpected(id.key())
+				m.files.endExpected(id)
 			}()
 		}
 	}
@@ -684,7 +684,7 @@ func (m *Mover) run(ctx context.Context, f fsys.File, p *transfer.Plan, sums []u
 // replaced, so its registration (if any) is dropped.
 func (m *Mover) Forget(id fsys.FileID) {
 	if m.files != nil {
-		m.files.forget(id.Inode())
+		m.files.forget(id)
 	}
 }
 
