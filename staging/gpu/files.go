@@ -241,7 +241,9 @@ type files struct {
 
 // newFiles starts the registrars (n threads, 0 for DefaultRegistrars,
 // and idle threads that register only while the mover runs no job) of at
-// most limit files, each thread with device current.
+// most limit files, each thread with device current, and returns once
+// each has made the device current or failed to: where a registrar
+// failed, the limit is 0 by then (registration off).
 func newFiles(m *Mover, limit, n, idle, device int, log *slog.Logger) *files {
 	if n <= 0 {
 		n = DefaultRegistrars
@@ -258,25 +260,28 @@ func newFiles(m *Mover, limit, n, idle, device int, log *slog.Logger) *files {
 	}
 	g.idle.L = &g.mu
 	g.lastReg.Store(int64(firstReg))
-	var wg sync.WaitGroup
+	var wg, ready sync.WaitGroup
 	for i := range n {
 		wg.Add(1)
+		ready.Add(1)
 		go func() {
 			defer wg.Done()
-			g.run(i == 0)
+			g.run(i == 0, ready.Done)
 		}()
 	}
 	for range idle {
 		wg.Add(1)
+		ready.Add(1)
 		go func() {
 			defer wg.Done()
-			g.runIdle()
+			g.runIdle(ready.Done)
 		}()
 	}
 	go func() {
 		wg.Wait()
 		close(g.done)
 	}()
+	ready.Wait()
 	return g
 }
 
@@ -393,7 +398,7 @@ func (g *files) put(rf *regFile, write, ok bool) {
 func (g *files) offer(f fsys.File, id fileID, warm bool) bool {
 	g.mu.Lock()
 	switch {
-	case g.stopped:
+	case g.stopped || g.limit == 0: // closing, or no registrar (run): registered files are off
 		g.mu.Unlock()
 		return false
 	case g.queued[id.key()] != nil || g.byKey[id.key()] != nil || g.forgottenLocked(id.FileID):
@@ -653,16 +658,21 @@ func (g *files) close() {
 
 // run is the registrar: on its own thread, with the device current, it
 // registers the files offered and sweeps for unlinked or resized ones.
-func (g *files) run(sweeper bool) {
+// It calls ready once the device is current, or, where it cannot be
+// made current, once the limit is 0, which turns registration off: no
+// offer is taken from then on (offer), and the registrar ends.
+func (g *files) run(sweeper bool, ready func()) {
 	unlock, err := g.m.r.LockDevice(g.device)
 	if err != nil {
 		g.log.Warn("gpu: registered files off: no thread for device", "device", g.device, "err", err)
 		g.mu.Lock()
 		g.limit = 0
 		g.mu.Unlock()
-	} else {
-		defer unlock()
+		ready()
+		return
 	}
+	defer unlock()
+	ready()
 	var sweep <-chan time.Time // one registrar sweeps
 	if sweeper {
 		tick := time.NewTicker(g.sweep)
@@ -686,8 +696,9 @@ func (g *files) run(sweeper bool) {
 // offer only while the mover runs no job (Config.IdleRegistrars). A job
 // that starts while it registers a file runs beside that one
 // registration; it takes no other until the mover is idle again.
-func (g *files) runIdle() {
+func (g *files) runIdle(ready func()) {
 	unlock, err := g.m.r.LockDevice(g.device)
+	ready()
 	if err != nil {
 		g.log.Warn("gpu: an idle registrar has no thread for the device: files are registered by the registrar alone", "device", g.device, "err", err)
 		return

@@ -913,6 +913,29 @@ func TestRegisteredFilesANewFileWithAForgottenFilesInodeNumberIsOffered(t *testi
 	}
 }
 
+// TestRegisteredFilesARegistrarWithoutItsDeviceRefusesEveryOffer: a
+// registrar that cannot make its device current registers nothing (its
+// limit is 0); the offers jobs and Prepare make are then refused at once,
+// opening no descriptor and queueing nothing, and none is counted as
+// deferred at the bound, which a second offer of the file would pass.
+func TestRegisteredFilesARegistrarWithoutItsDeviceRefusesEveryOffer(t *testing.T) {
+	e, m, kv, _, _ := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20}) // no registrar of its own
+	const illegalAddress = 700
+	e.fake.BreakDevice(1, illegalAddress)
+	t.Cleanup(func() { e.fake.BreakDevice(1, 0) }) // the library is the binary's
+	g := newFiles(m, 4, 1, 0, 1, nil)              // on device 1, which fails every call
+	t.Cleanup(g.close)
+	testwait.Until(t, "the registrar off", 10*time.Second, func() bool { return g.stats().Limit == 0 })
+	kf := newKeyFile(t, kv, t.TempDir(), "key", 1)
+	before := openDescriptors(t)
+	for range 2 { // a file's jobs offer it again and again
+		g.offer(kf.f, kf.id, false)
+	}
+	if st, n := g.stats(), openDescriptors(t)-before; st.Deferred != 0 || st.Queued != 0 || n != 0 {
+		t.Fatalf("two offers to a registrar that registers nothing: %d deferred, %d queued, %d more descriptors open; want all refused at once, none counted", st.Deferred, st.Queued, n)
+	}
+}
+
 // TestRegisteredFilesWarmOffersOfFilesRemovedSinceTheirIdentityAreDropped:
 // Warm reads its file's identity, then offers it; a file the engine
 // removes in between (Forget finds nothing of it, then the unlink) is not
