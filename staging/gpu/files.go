@@ -241,10 +241,12 @@ type files struct {
 
 // newFiles starts the registrars (n threads, 0 for DefaultRegistrars,
 // and idle threads that register only while the mover runs no job) of at
-// most limit files, each thread with device current, and returns once
-// each has made the device current or failed to: where a registrar
-// failed, the limit is 0 by then (registration off).
-func newFiles(m *Mover, limit, n, idle, device int, log *slog.Logger) *files {
+// most limit files and limitBytes bytes (0: no bound but limit), each
+// thread with device current; every field is set before the first
+// thread starts. It returns once each thread has made the device current
+// or failed to: where a registrar failed, the limit is 0 by then
+// (registration off).
+func newFiles(m *Mover, limit int, limitBytes int64, n, idle, device int, log *slog.Logger) *files {
 	if n <= 0 {
 		n = DefaultRegistrars
 	}
@@ -252,7 +254,7 @@ func newFiles(m *Mover, limit, n, idle, device int, log *slog.Logger) *files {
 		log = slog.New(slog.DiscardHandler)
 	}
 	g := &files{
-		m: m, limit: limit, device: device, log: log, sweep: sweepEvery, minIdle: minIdle,
+		m: m, limit: limit, limitBytes: limitBytes, device: device, log: log, sweep: sweepEvery, minIdle: minIdle,
 		streamEnded: make(chan struct{}, 1), waitCap: maxStreamWait,
 		offers: make(chan *offer, min(limit, maxOffers)), stop: make(chan struct{}), done: make(chan struct{}),
 		byKey: map[fsys.FileID]*regFile{}, lru: list.New(), queued: map[fsys.FileID]*offer{}, pending: map[fsys.FileID]pending{}, seen: map[fsys.FileID]bool{},

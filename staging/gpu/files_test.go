@@ -923,7 +923,7 @@ func TestRegisteredFilesARegistrarWithoutItsDeviceRefusesEveryOffer(t *testing.T
 	const illegalAddress = 700
 	e.fake.BreakDevice(1, illegalAddress)
 	t.Cleanup(func() { e.fake.BreakDevice(1, 0) }) // the library is the binary's
-	g := newFiles(m, 4, 1, 0, 1, nil)              // on device 1, which fails every call
+	g := newFiles(m, 4, 0, 1, 0, 1, nil)           // on device 1, which fails every call
 	t.Cleanup(g.close)
 	testwait.Until(t, "the registrar off", 10*time.Second, func() bool { return g.stats().Limit == 0 })
 	kf := newKeyFile(t, kv, t.TempDir(), "key", 1)

@@ -279,8 +279,7 @@ func New(cfg Config) (*Mover, error) {
 		return nil, fmt.Errorf("%w: register files %d", errConfig, cfg.RegisterFiles)
 	}
 	if limit := fileLimit(cfg.RegisterFiles); limit > 0 {
-		m.files = newFiles(m, limit, cfg.Registrars, cfg.IdleRegistrars, cfg.Devices[0], cfg.Log)
-		m.files.limitBytes = cfg.RegisterBytes
+		m.files = newFiles(m, limit, cfg.RegisterBytes, cfg.Registrars, cfg.IdleRegistrars, cfg.Devices[0], cfg.Log)
 	}
 	return m, nil
 }
