@@ -51,9 +51,11 @@ import (
 // zeroes a reused spare's tail with writes). A job takes a file's mapping
 // only if the file has the device, inode, file handle and size it had when
 // it was registered; Forget releases a registration before it returns
-// (once no job uses it), closes a waiting offer's descriptor at once, and
-// keeps the jobs in flight on the file from offering it when they end
-// (expectOffer): a removed file keeps none of its pages here. The
+// (else when the last job using it ends), closes a waiting offer's
+// descriptor at once (a taken one's file is released as soon as its
+// registration ends, never used), and keeps the jobs in flight on the
+// file from offering it when they end (expectOffer): a removed file
+// keeps none of its pages here once those end. The
 // registrar, which holds a descriptor of each file, drops at its next
 // sweep the files that were unlinked or resized behind its back (by
 // another engine on the directory), so that their memory is given back.
@@ -528,8 +530,9 @@ func (g *files) admitLocked(id fsys.FileID) bool {
 // forget drops what is kept under id's device and inode number, of any
 // generation (transfer.Forgetter): no job takes its mapping from now on,
 // and it is released now, or when the last job using it ends; a waiting
-// offer's descriptor is closed now, and the jobs on it in flight do not
-// offer it. A job that begins later on another file with that number
+// offer's descriptor is closed now, an offer the registrar has taken is
+// released as soon as its registration ends (register), and the jobs on
+// it in flight do not offer it. A job that begins later on another file with that number
 // (another generation) offers its own file.
 func (g *files) forget(id fsys.FileID) {
 	key := id.Inode()
