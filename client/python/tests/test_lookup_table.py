@@ -114,6 +114,34 @@ class TestLookupTable(unittest.TestCase):
                 self.assertEqual(c.lookup_counts(), {"table": 0, "daemon": 2})
 
 
+    def test_a_lookup_that_close_overtakes_raises_connection_lost_and_the_table_is_unmapped(self):
+        # Another thread may close the client while a lookup runs: here the
+        # keys' own len() (which both probes ask) closes it mid-lookup.
+        for native in (True, False):
+            with self.subTest(native=native):
+                if native:
+                    need_native(self)
+                else:
+                    need_python_probe(self)
+                with contextlib.ExitStack() as stack:
+                    if not native:
+                        stack.enter_context(mock.patch.object(lookuptable, "_lookup", None))
+                    d, c, ns, keys = stack.enter_context(daemon_with_keys(2, shared=True))
+                    self.assertEqual(c.lookup(ns, keys), 2)  # the table mapped
+                    path = c._table.path
+
+                    class Closing(list):
+                        def __len__(self):
+                            c.close()
+                            return super().__len__()
+
+                    # The first key is not in the table: the daemon is asked.
+                    with self.assertRaises(kvhost.ConnectionLost):
+                        c.lookup(ns, Closing([b"elsewhere"] + keys))
+                    with open("/proc/self/maps") as f:
+                        self.assertNotIn(path, f.read(), "the table still mapped after close")
+
+
 class TestLookupTableFormat(unittest.TestCase):
     def test_files_that_are_not_tables_are_refused(self):
         with tempfile.TemporaryDirectory() as tmp:

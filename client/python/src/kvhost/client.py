@@ -295,7 +295,8 @@ class Client:
 
     def _finish_close(self):
         self._sock.close()
-        table, self._table = self._table, False
+        with self._lock:  # against _open_table, which sets it under the lock
+            table, self._table = self._table, False
         if table:
             table.close()
 
@@ -599,20 +600,34 @@ class Client:
         is asked about the rest unless the table's misses are final
         (docs/protocol.md, "Shared lookup table")."""
         ns = ns.id if isinstance(ns, Namespace) else ns
+        got = self._probe(ns, keys)
+        if got is not None:
+            n, final = got
+            if n == len(keys) or final:
+                with self._lookups_lock:
+                    self._lookups["table"] += 1
+                return n
+            return n + self._lookup_daemon(ns, p.keys_body(keys[n:]))
+        return self._lookup_daemon(ns, p.keys_body(keys))
+
+    def _probe(self, ns, keys):
+        """The shared lookup table's answer (n, final) about keys, or None
+        where it gives none. A frame of its own: the table is not held by
+        a lookup that goes on to the daemon, so that a close meanwhile
+        unmaps it."""
         table = self._table if self._table is not None else self._open_table()
         fp = self._fps.get(ns)
-        if table and fp is not None:
+        if not table or fp is None:
+            return None
+        if self._closed is not None:
+            raise _again(self._closed)
+        try:
+            return table.leading(fp, keys)  # checks the keys as the daemon would
+        except ValueError:
+            # close() on another thread unmapped the table under the probe.
             if self._closed is not None:
-                raise _again(self._closed)
-            got = table.leading(fp, keys)  # checks the keys as the daemon would
-            if got is not None:
-                n, final = got
-                if n == len(keys) or final:
-                    with self._lookups_lock:
-                        self._lookups["table"] += 1
-                    return n
-                return n + self._lookup_daemon(ns, p.keys_body(keys[n:]))
-        return self._lookup_daemon(ns, p.keys_body(keys))
+                raise _again(self._closed) from None
+            raise
 
     def touch(self, ns, keys):
         """Asks the daemon itself about keys, which counts each hit as an

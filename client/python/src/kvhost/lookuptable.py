@@ -162,6 +162,13 @@ class LookupTable:
         return None
 
     def close(self):
+        """Unmaps the table. A probe another thread runs meanwhile raises
+        ValueError (the Python probe) or, where the C probe holds the
+        mapping (its keys ran Python code that closed the table), reads it
+        to its end: the mapping then goes with the last reference to it."""
         self._header.release()
         self._slots.release()
-        self._map.close()
+        try:
+            self._map.close()
+        except BufferError:
+            pass
