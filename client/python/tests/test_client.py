@@ -642,6 +642,21 @@ class TestRegisterSharedFile(unittest.TestCase):
             self.assertEqual(c._call.calls, [])
 
 
+    def test_a_descriptor_that_cannot_be_sent_is_refused_and_the_connection_kept(self):
+        d = Daemon(capacity="64MiB")
+        self.addCleanup(d.stop)
+        with kvhost.Client(d.socket) as c:
+            fd = os.memfd_create("closed", os.MFD_CLOEXEC)
+            os.close(fd)
+            for name, bad, err in (("closed", fd, OSError), ("not a descriptor", "3", TypeError)):
+                with self.subTest(name):
+                    with self.assertRaises(err) as cm:
+                        c.register_shared_file(bad, 4096)
+                    self.assertIn(repr(bad), str(cm.exception))
+                    self.assertTrue(c.connected(), "the connection was given up for a caller's bad descriptor")
+                    self.assertEqual(c.stats()["regions"], 0)
+
+
 class TestImportOrder(unittest.TestCase):
     def test_memory_does_not_import_client(self):
         """client imports memory, never the other way round: no import

@@ -391,6 +391,16 @@ class Client:
     def _send(self, ftype, body, fds=None, unanswered=None):
         """Sends a request; returns (its id, its _Pending), which the reader
         answers."""
+        for fd in fds or ():
+            # A caller's bad descriptor fails its call, before anything is
+            # sent: sendmsg refusing it would end the connection (_send
+            # stops sending after any failed send).
+            try:
+                os.fstat(fd)
+            except TypeError:
+                raise TypeError(f"descriptor {fd!r}: want a file descriptor (an int)") from None
+            except OSError as e:
+                raise OSError(e.errno, f"{e.strerror}: descriptor {fd!r} cannot be sent to the daemon") from None
         with self._lock:
             if self._closed is not None:
                 raise _again(self._closed)
