@@ -410,6 +410,45 @@ class TestUnreadableStream(unittest.TestCase):
                 j.wait(30)
 
 
+class TestLookupTableLocation(unittest.TestCase):
+    def test_a_table_location_not_answered_in_time_is_asked_for_again(self):
+        # A daemon busy for a moment (here: one that does not answer) at a
+        # client's first lookup does not keep the client off its table.
+        from test_lookup_table import write_table
+        fake, c = connected_to_fake(self, timeout=0.5)
+        table = os.path.join(fake.dir, "fake.sock.lookup")
+        write_table(table, 10, 7, [b"k"])
+        asked = []
+        late = threading.Event()
+
+        def daemon_side():
+            ftype, req_id, _ = fake.read_frame()
+            fake.reply(p.T_DECLARE | p.T_REPLY, req_id, struct.pack("<IIQQ", 1, 1, 7, 4096))
+            try:
+                while True:
+                    ftype, req_id, _ = fake.read_frame()
+                    asked.append(ftype)
+                    if ftype == p.T_LOOKUP:
+                        fake.reply(ftype | p.T_REPLY, req_id, struct.pack("<I", 0))
+                    elif ftype == p.T_LOOKUP_TABLE and late.is_set():
+                        path = table.encode()
+                        fake.reply(ftype | p.T_REPLY, req_id, struct.pack("<H", len(path)) + path)
+            except (EOFError, OSError):
+                pass
+
+        t = threading.Thread(target=daemon_side)
+        t.start()
+        self.addCleanup(t.join)
+        self.addCleanup(c.close)
+        ns = c.declare(GEOMETRY)
+        with self.assertRaises(TimeoutError):
+            c.lookup(ns, [b"k"])  # the table's location does not come in time
+        late.set()
+        self.assertEqual(c.lookup(ns, [b"k"]), 1)
+        self.assertEqual(c.lookup_counts(), {"table": 1, "daemon": 0})
+        self.assertEqual(asked, [p.T_LOOKUP_TABLE, p.T_LOOKUP_TABLE])
+
+
 class TestAbandonedRequests(unittest.TestCase):
     def test_a_pin_whose_reply_comes_after_the_timeout_is_unpinned(self):
         # The caller got a TimeoutError and no pin id: when the reply

@@ -655,12 +655,16 @@ class Client:
 
     def _open_table(self):
         """Maps the daemon's shared lookup table; False where there is none
-        this process can use (an older daemon, none kept, no permission)."""
+        this process can use (an older daemon, none kept, no permission).
+        A daemon that does not answer in time raises TimeoutError, and the
+        next lookup asks again."""
         table = False
         try:
             _, body = self._call(p.T_LOOKUP_TABLE, b"")
             (n,) = struct.unpack_from("<H", body)
             table = LookupTable(body[2:2 + n].decode())
+        except TimeoutError:  # an OSError, but no answer: not "none to use"
+            raise
         except (KvhostError, OSError, FormatError, struct.error, UnicodeDecodeError):
             pass
         with self._lock:
