@@ -696,6 +696,34 @@ class TestRegisterSharedFile(unittest.TestCase):
                     self.assertEqual(c.stats()["regions"], 0)
 
 
+class TestHostBuffer(unittest.TestCase):
+    def test_a_buffer_dropped_unclosed_closes_its_memfd_and_keeps_its_mapping(self):
+        name = "kvhost-test-dropped"
+
+        def memfds():
+            fds = []
+            for fd in os.listdir("/proc/self/fd"):
+                try:
+                    if os.readlink(f"/proc/self/fd/{fd}").startswith(f"/memfd:{name} "):
+                        fds.append(fd)
+                except FileNotFoundError:  # the listing's own descriptor
+                    pass
+            return fds
+
+        buf = kvhost.HostBuffer(4096, name=name)
+        buf.view[:5] = b"kept!"
+        fd = str(buf.fd)
+        mapped = buf.mmap  # as a tensor over it (torch_host_tensor) holds it (and its own copy of the fd)
+        self.assertIn(fd, memfds())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ResourceWarning)
+            del buf
+            gc.collect()
+        self.assertNotIn(fd, memfds(), "the memfd of a dropped buffer is still open")
+        self.assertTrue(any(issubclass(w.category, ResourceWarning) for w in caught), caught)
+        self.assertEqual(mapped[:5], b"kept!")
+
+
 class TestImportOrder(unittest.TestCase):
     def test_memory_does_not_import_client(self):
         """client imports memory, never the other way round: no import

@@ -33,6 +33,7 @@ def stored_client(d, n, **kw):
     cache = c.register_cache(ns.id, layers)
     keys = [f"table-key-{i}".encode() for i in range(n)]
     c.store(cache, keys, [[i] for i in range(n)]).wait(60)
+    buf.close()  # the daemon maps the region on its own
     return c, ns, keys
 
 

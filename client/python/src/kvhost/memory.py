@@ -4,6 +4,7 @@ over them when torch is importable. No numpy needed."""
 import mmap
 import os
 import uuid as _uuid
+import warnings
 
 
 def seal_shrink(fd):
@@ -36,6 +37,7 @@ class HostBuffer:
             self.mmap = mmap.mmap(self.fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             os.close(self.fd)
+            self.fd = -1  # not closed again (__del__): the number may be another file's by then
             raise
         self.size = size
         self.view = memoryview(self.mmap)
@@ -54,6 +56,17 @@ class HostBuffer:
 
     def __exit__(self, *exc):
         self.close()
+
+    def __del__(self):
+        # Dropped unclosed: the memfd is closed, with a ResourceWarning as
+        # for a file; the mapping goes with its own last reference (a
+        # tensor over it keeps working). The daemon's registration holds
+        # a descriptor of its own.
+        fd = getattr(self, "fd", -1)
+        if fd >= 0:
+            self.fd = -1
+            warnings.warn(f"unclosed kvhost.HostBuffer (memfd {fd})", ResourceWarning, source=self)
+            os.close(fd)
 
 
 def torch_host_tensor(shape, dtype, name="kvhost"):
