@@ -724,6 +724,26 @@ class TestHostBuffer(unittest.TestCase):
         self.assertEqual(mapped[:5], b"kept!")
 
 
+class TestRegisterMemfd(unittest.TestCase):
+    def test_a_descriptor_that_cannot_be_sealed_is_refused_naming_it_and_what_to_use(self):
+        here = os.path.dirname(os.path.abspath(__file__))
+        cases = [("a file on the tests' file system", lambda: os.open(here, os.O_TMPFILE | os.O_RDWR, 0o600)),
+                 ("a file in /dev/shm", lambda: os.open("/dev/shm", os.O_TMPFILE | os.O_RDWR, 0o600)),
+                 ("a memfd made without MFD_ALLOW_SEALING", lambda: os.memfd_create("unsealable", os.MFD_CLOEXEC))]
+        for name, make in cases:
+            with self.subTest(name):
+                fd = make()
+                try:
+                    c = offline_client()
+                    with self.assertRaises(ValueError) as cm:
+                        c.register_memfd(fd, 4096)
+                    self.assertIn(f"descriptor {fd}", str(cm.exception))
+                    self.assertIn("register_shared_file", str(cm.exception))
+                    self.assertEqual(c._call.calls, [])
+                finally:
+                    os.close(fd)
+
+
 class TestImportOrder(unittest.TestCase):
     def test_memory_does_not_import_client(self):
         """client imports memory, never the other way round: no import

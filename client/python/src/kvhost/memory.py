@@ -8,17 +8,30 @@ import warnings
 
 
 def seal_shrink(fd):
-    """Adds F_SEAL_SHRINK to a memfd (the daemon requires it)."""
+    """Adds F_SEAL_SHRINK to a memfd (the daemon requires it). A descriptor
+    that cannot be sealed raises ValueError saying what to use instead."""
+    import errno
     import fcntl
     F_ADD_SEALS = getattr(fcntl, "F_ADD_SEALS", 1033)
     F_GET_SEALS = getattr(fcntl, "F_GET_SEALS", 1034)
     F_SEAL_SHRINK = getattr(fcntl, "F_SEAL_SHRINK", 2)
-    if fcntl.fcntl(fd, F_GET_SEALS) & F_SEAL_SHRINK:
+    try:
+        seals = fcntl.fcntl(fd, F_GET_SEALS)
+    except OSError as e:
+        if e.errno == errno.EINVAL:  # a file system without seals
+            raise ValueError(f"descriptor {fd} is not a memfd and cannot be sealed against shrinking: "
+                             "register_memfd takes a memfd (HostBuffer makes one), register_shared_file "
+                             "a file on a memory file system such as /dev/shm") from None
+        raise OSError(e.errno, f"{e.strerror}: descriptor {fd}") from None
+    if seals & F_SEAL_SHRINK:
         return
     try:
         fcntl.fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK)
-    except PermissionError as e:
-        raise ValueError("the memfd cannot be sealed: create it with MFD_ALLOW_SEALING (HostBuffer does)") from e
+    except PermissionError:
+        raise ValueError(f"descriptor {fd} cannot be sealed against shrinking (a memfd made without "
+                         "MFD_ALLOW_SEALING, or a file on a memory file system): make the memfd with "
+                         "MFD_ALLOW_SEALING (HostBuffer does), or register it unsealed with "
+                         "register_shared_file") from None
 
 
 class HostBuffer:
