@@ -449,6 +449,34 @@ class TestLookupTableLocation(unittest.TestCase):
         self.assertEqual(asked, [p.T_LOOKUP_TABLE, p.T_LOOKUP_TABLE])
 
 
+class TestShortReplies(unittest.TestCase):
+    def test_a_reply_too_short_to_decode_ends_the_connection_naming_the_request(self):
+        cases = [("Declared", lambda c: c.declare(GEOMETRY), p.T_DECLARE | p.T_REPLY, bytes(8), "Declare"),
+                 ("Count", lambda c: c.touch(1, [b"k"]), p.T_LOOKUP | p.T_REPLY, bytes(2), "Lookup"),
+                 ("Cancelled", lambda c: c.cancel(7), p.T_CANCEL | p.T_REPLY, b"", "Cancel"),
+                 ("Pinned", lambda c: c.pin(1, [b"a", b"b"]), p.T_PIN | p.T_REPLY,
+                  struct.pack("<QI", 1, 2) + b"\x01", "Pin"),
+                 ("Error", lambda c: c.delete(1, [b"k"]), p.T_ERROR, struct.pack("<BBH", 9, 0, 40) + b"cut",
+                  "Delete")]
+        for name, call, ftype, body, request in cases:
+            with self.subTest(name):
+                fake, c = connected_to_fake(self, timeout=30)
+
+                def daemon_side():
+                    _, req_id, _ = fake.read_frame()
+                    fake.reply(ftype, req_id, body)
+                    fake.conn.shutdown(socket.SHUT_WR)  # as a daemon closes once the client stopped
+
+                t = threading.Thread(target=daemon_side)
+                t.start()
+                with self.assertRaises(kvhost.ConnectionLost) as cm:
+                    call(c)
+                t.join()
+                self.assertIn("ProtocolError", str(cm.exception))
+                self.assertIn(f"bytes to {request}", str(cm.exception))
+                self.assertFalse(c.connected())
+
+
 class TestAbandonedRequests(unittest.TestCase):
     def test_a_pin_whose_reply_comes_after_the_timeout_is_unpinned(self):
         # The caller got a TimeoutError and no pin id: when the reply

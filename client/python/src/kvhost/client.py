@@ -337,6 +337,14 @@ class Client:
                     continue
                 with self._lock:
                     pend = self._pending.get(req_id)
+                    if pend is not None:
+                        # A body too short for its caller to decode: the
+                        # stream is not what this client reads. The
+                        # request stays pending: it ends with the
+                        # connection.
+                        problem = p.reply_problem(pend.asked, ftype, body)
+                        if problem:
+                            raise p.ProtocolError(f"request {req_id}: {problem}")
                     job = pend.unanswered if pend is not None else None
                     if job is not None and ftype == pend.asked | p.T_REPLY:  # a store or load accepted
                         (job_id,) = struct.unpack("<Q", body)

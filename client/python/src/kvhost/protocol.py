@@ -69,6 +69,44 @@ class ProtocolError(Exception):
     """The daemon sent something this client cannot decode."""
 
 
+NAMES = {T_HELLO: "Hello", T_REGISTER_MEMORY: "RegisterMemory", T_UNREGISTER_MEMORY: "UnregisterMemory",
+         T_DECLARE: "Declare", T_REGISTER_CACHE: "RegisterCache", T_UNREGISTER_CACHE: "UnregisterCache",
+         T_LOOKUP: "Lookup", T_STORE: "Store", T_LOAD: "Load", T_CANCEL: "Cancel", T_DELETE: "Delete",
+         T_STATS: "Stats", T_UNDECLARE: "Undeclare", T_PIN: "Pin", T_UNPIN: "Unpin",
+         T_LOOKUP_TABLE: "LookupTable"}
+
+# The fixed part of each reply's body (docs/protocol.md); a string after it
+# (str8 or str16) or per-key bytes (Pinned) are checked by reply_problem.
+_REPLY_SIZES = {T_HELLO: 33, T_REGISTER_MEMORY: 16, T_UNREGISTER_MEMORY: 0, T_DECLARE: 24,
+                T_REGISTER_CACHE: 4, T_UNREGISTER_CACHE: 0, T_LOOKUP: 4, T_STORE: 8, T_LOAD: 8,
+                T_CANCEL: 1, T_DELETE: 4, T_STATS: 132, T_UNDECLARE: 0, T_PIN: 12, T_UNPIN: 4,
+                T_LOOKUP_TABLE: 2}
+
+
+def reply_problem(asked, ftype, body):
+    """What makes body, of a frame of type ftype answering a request of
+    type asked, too short to decode; None where it is long enough (bytes
+    after what this client reads are left to newer daemons)."""
+    n = len(body)
+    if ftype == T_ERROR:
+        want = 4 + (struct.unpack_from("<H", body, 2)[0] if n >= 4 else 0)
+    elif ftype == asked | T_REPLY and asked in _REPLY_SIZES:
+        want = _REPLY_SIZES[asked]
+        if n >= want:
+            if asked == T_HELLO:
+                want += body[32]
+            elif asked == T_PIN:
+                want += struct.unpack_from("<I", body, 8)[0]
+            elif asked == T_LOOKUP_TABLE:
+                want += struct.unpack_from("<H", body)[0]
+    else:
+        return None  # not this request's reply: the caller's error (_refusal)
+    if n >= want:
+        return None
+    what = "Error" if ftype == T_ERROR else "reply"
+    return f"{what} of {n} bytes to {NAMES.get(asked, hex(asked))}: want {want}"
+
+
 def frame(ftype, req_id, body):
     """Returns the bytes of one frame."""
     return HEADER.pack(len(body), ftype, 0, req_id) + body
