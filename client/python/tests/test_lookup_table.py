@@ -358,6 +358,21 @@ class TestNativeProbe(unittest.TestCase):
                 _lookup.leading(memoryview(bytes(64 + 8 * 1024 + 8))[1:], 10, 7, [b"k"])
             t.close()
 
+    def test_a_slot_shift_outside_0_to_30_is_refused_not_wrapped(self):
+        need_native(self)
+        from kvhost import _lookup
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "t")
+            write_table(path, 10, 7, [b"k"])
+            with open(path, "rb") as f:
+                table = f.read()
+            self.assertEqual(_lookup.leading(table, 10, 7, [b"k"]), (1, True))
+            for shift in (-1, 31, (1 << 32) + 10, 1 << 64):
+                with self.subTest(shift=shift):
+                    with self.assertRaises(ValueError) as cm:
+                        _lookup.leading(table, shift, 7, [b"k"])
+                    self.assertIn(f"shift {shift}", str(cm.exception))
+
 
 if __name__ == "__main__":
     unittest.main()

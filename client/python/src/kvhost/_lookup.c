@@ -218,7 +218,7 @@ static int key_bytes(PyObject *key, const uint8_t **p, Py_ssize_t *n, Py_buffer 
 PyDoc_STRVAR(leading_doc,
              "leading(table, shift, fp, keys) -> (n, final) or None\n\n"
              "The shared lookup table's probe: table is the whole mapped file (a\n"
-             "buffer), shift its slots' log2, fp the namespace's fingerprint, keys a\n"
+             "buffer), shift its slots' log2 (0..30), fp the namespace's fingerprint, keys a\n"
              "list of keys. n leading keys are held; final says the next key is not\n"
              "stored either. None: the table cannot answer now (closed, or being\n"
              "rebuilt); ask the daemon. keys: a sequence of bytes-like keys; their\n"
@@ -257,8 +257,13 @@ static PyObject *key_seq(PyObject *keys) {
  * tuple from key_seq), which the caller holds and releases: a new
  * reference, or NULL with an error set. */
 static PyObject *probe(const Py_buffer *tb, unsigned int shift, uint64_t fp, PyObject *keys) {
-    if (shift >= 31 || (uint64_t)tb->len < 8 * HEADER_WORDS + ((uint64_t)8 << shift)) {
-        PyErr_Format(PyExc_ValueError, "a table of 2^%u slots in %zd bytes", shift, tb->len);
+    if (shift >= 31) { /* leading checked it */
+        PyErr_Format(PyExc_ValueError, "a table of 2^%u slots", shift);
+        return NULL;
+    }
+    if ((uint64_t)tb->len < 8 * HEADER_WORDS + ((uint64_t)8 << shift)) {
+        PyErr_Format(PyExc_ValueError, "a table of 2^%u slots in %zd bytes: it needs %llu", shift, tb->len,
+                     (unsigned long long)(8 * HEADER_WORDS + ((uint64_t)8 << shift)));
         return NULL;
     }
     if ((uintptr_t)tb->buf % 8 != 0) { /* a mapping is page-aligned */
@@ -340,11 +345,24 @@ static PyObject *probe(const Py_buffer *tb, unsigned int shift, uint64_t fp, PyO
 
 static PyObject *leading(PyObject *self, PyObject *args) {
     Py_buffer table;
-    unsigned int shift;
-    PyObject *fpo, *keys;
+    PyObject *shifto, *fpo, *keys;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*IOO", &table, &shift, &fpo, &keys))
+    if (!PyArg_ParseTuple(args, "y*OOO", &table, &shifto, &fpo, &keys))
         return NULL;
+    /* The slots' log2, 0..30 as the format allows: checked here, not
+     * wrapped to an unsigned int (format "I" would take 2^32 + 10 for 10). */
+    int overflow;
+    long long sh = PyLong_AsLongLongAndOverflow(shifto, &overflow);
+    if (sh == -1 && PyErr_Occurred()) {
+        PyBuffer_Release(&table);
+        return NULL;
+    }
+    if (overflow || sh < 0 || sh > 30) {
+        PyErr_Format(PyExc_ValueError, "shift %R: want 0..30 (the log2 of the table's slots)", shifto);
+        PyBuffer_Release(&table);
+        return NULL;
+    }
+    unsigned int shift = (unsigned int)sh;
     /* The fingerprint is a u64: a negative or larger one is refused, as
      * struct.pack("<Q") refuses it in the Python probe. */
     unsigned long long fp = PyLong_AsUnsignedLongLong(fpo);
