@@ -772,6 +772,25 @@ class TestRegisterMemfd(unittest.TestCase):
                     os.close(fd)
 
 
+class TestKeys(unittest.TestCase):
+    def test_a_key_that_is_not_bytes_like_is_refused_naming_it(self):
+        # bytes(5) is five zero bytes: an int key must not become one.
+        d = Daemon(capacity="64MiB")
+        self.addCleanup(d.stop)
+        with kvhost.Client(d.socket, lookup_table=False) as c:
+            ns = c.declare(GEOMETRY)
+            calls = [("touch", lambda keys: c.touch(ns, keys)), ("delete", lambda keys: c.delete(ns, keys)),
+                     ("pin", lambda keys: c.pin(ns, keys)), ("store", lambda keys: c.store(1, keys, [[0]] * len(keys)))]
+            for name, call in calls:
+                for key in (5, 64, "text"):
+                    with self.subTest(name, key=key):
+                        with self.assertRaises(TypeError) as cm:
+                            call([b"ok", key])
+                        self.assertIn(f"key 1: {type(key).__name__}", str(cm.exception))
+            self.assertTrue(c.connected())
+            self.assertEqual(c.stats()["keys"], 0)
+
+
 class TestImportOrder(unittest.TestCase):
     def test_memory_does_not_import_client(self):
         """client imports memory, never the other way round: no import

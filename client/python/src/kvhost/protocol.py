@@ -112,14 +112,23 @@ def frame(ftype, req_id, body):
     return HEADER.pack(len(body), ftype, 0, req_id) + body
 
 
+def _key_view(i, k):
+    """Key i's bytes as a memoryview; TypeError for what is not bytes-like
+    (bytes(5) would be five zero bytes: an int is no key)."""
+    try:
+        return memoryview(k)
+    except TypeError:
+        raise TypeError(f"key {i}: {type(k).__name__}, not bytes-like (bytes, bytearray, memoryview)") from None
+
+
 def check_keys(keys):
-    """Raises ValueError where keys_body would, without encoding them: a
-    key's length is its bytes' (an array of 8-byte items counts 8 per
-    item)."""
+    """Raises ValueError (TypeError for a key that is not bytes-like)
+    where keys_body would, without encoding them: a key's length is its
+    bytes' (an array of 8-byte items counts 8 per item)."""
     if not 1 <= len(keys) <= MAX_KEYS_PER_REQUEST:
         raise ValueError(f"{len(keys)} keys: want 1..{MAX_KEYS_PER_REQUEST}")
-    for k in keys:
-        n = len(k) if type(k) is bytes else memoryview(k).nbytes
+    for i, k in enumerate(keys):
+        n = len(k) if type(k) is bytes else _key_view(i, k).nbytes
         if not 1 <= n <= MAX_KEY_LEN:
             raise ValueError(f"key of {n} bytes: want 1..{MAX_KEY_LEN}")
 
@@ -128,8 +137,9 @@ def keys_body(keys):
     if not 1 <= len(keys) <= MAX_KEYS_PER_REQUEST:
         raise ValueError(f"{len(keys)} keys: want 1..{MAX_KEYS_PER_REQUEST}")
     parts = [struct.pack("<I", len(keys))]
-    for k in keys:
-        k = bytes(k)
+    for i, k in enumerate(keys):
+        if type(k) is not bytes:
+            k = _key_view(i, k).tobytes()
         if not 1 <= len(k) <= MAX_KEY_LEN:
             raise ValueError(f"key of {len(k)} bytes: want 1..{MAX_KEY_LEN}")
         parts.append(bytes([len(k)]))
