@@ -2,6 +2,7 @@
 CUDA IPC and shared-file registrations (what goes on the wire, and what a
 daemon without GPU support answers)."""
 
+import dataclasses
 import fcntl
 import gc
 import os
@@ -789,6 +790,44 @@ class TestKeys(unittest.TestCase):
                         self.assertIn(f"key 1: {type(key).__name__}", str(cm.exception))
             self.assertTrue(c.connected())
             self.assertEqual(c.stats()["keys"], 0)
+
+
+class TestFieldsOutOfRange(unittest.TestCase):
+    def test_a_number_a_field_cannot_hold_is_refused_naming_the_field(self):
+        def geometry(**kw):
+            return dataclasses.replace(GEOMETRY, **kw)
+
+        def layer(**kw):
+            return kvhost.Layer(**{"region": 1, "offset": 0, "block_stride": 1, "plane_stride": 1,
+                                   "num_blocks": 1, **kw})
+
+        d = Daemon(capacity="64MiB")
+        self.addCleanup(d.stop)
+        with kvhost.Client(d.socket, lookup_table=False) as c, kvhost.HostBuffer(4096) as buf:
+            cases = [
+                ("layers -1", lambda: c.declare(geometry(layers=-1)), ValueError),
+                ("tp_size 4294967296", lambda: c.declare(geometry(tp_size=1 << 32)), ValueError),
+                ("head_size: float", lambda: c.declare(geometry(head_size=1.5)), TypeError),
+                ("size -1", lambda: c.register_memfd(buf.fd, -1), ValueError),
+                ("device -1", lambda: c.register_cuda(-1, bytes(64), 0, 4096), ValueError),
+                ("layer 0 num_blocks -1", lambda: c.register_cache(1, [layer(num_blocks=-1)]), ValueError),
+                ("layer 1 region 4294967296", lambda: c.register_cache(1, [layer(), layer(region=1 << 32)]),
+                 ValueError),
+                ("key 1 block 0 -1", lambda: c.store(1, [b"a", b"b"], [[0], [-1]]), ValueError),
+                ("cache -1", lambda: c.load(-1, [b"a"], [[0]]), ValueError),
+                ("namespace -1", lambda: c.touch(-1, [b"a"]), ValueError),
+                ("namespace 4294967296", lambda: c.delete(1 << 32, [b"a"]), ValueError),
+                ("pin -1", lambda: c.unpin(-1), ValueError),
+                ("job -1", lambda: c.cancel(-1), ValueError),
+                ("region -1", lambda: c.unregister_memory(-1), ValueError),
+            ]
+            for name, call, err in cases:
+                with self.subTest(name):
+                    with self.assertRaises(err) as cm:
+                        call()
+                    self.assertIn(name, str(cm.exception))
+            self.assertTrue(c.connected())
+            self.assertEqual(c.stats()["regions"], 0)
 
 
 class TestImportOrder(unittest.TestCase):

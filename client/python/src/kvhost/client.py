@@ -582,7 +582,7 @@ class Client:
             self.unpin(pin_id)
 
     def unregister_memory(self, region):
-        self._call(p.T_UNREGISTER_MEMORY, struct.pack("<I", region))
+        self._call(p.T_UNREGISTER_MEMORY, p.pack("<I", (region,), ("region",)))
 
     def declare(self, geometry):
         """Declares a namespace; returns a Namespace."""
@@ -597,7 +597,7 @@ class Client:
         Stored data is kept; the daemon forgets the geometry once no
         connection has it declared (closing the connection undeclares all)."""
         ns = ns.id if isinstance(ns, Namespace) else ns
-        self._call(p.T_UNDECLARE, struct.pack("<I", ns))
+        self._call(p.T_UNDECLARE, p.pack("<I", (ns,), ("namespace",)))
         self._fps.pop(ns, None)  # lookups in it go to the daemon, which refuses them
 
     def register_cache(self, ns, layers):
@@ -608,7 +608,7 @@ class Client:
         return struct.unpack("<I", body)[0]
 
     def unregister_cache(self, cache):
-        self._call(p.T_UNREGISTER_CACHE, struct.pack("<I", cache))
+        self._call(p.T_UNREGISTER_CACHE, p.pack("<I", (cache,), ("cache",)))
 
     def lookup(self, ns, keys):
         """Returns how many leading keys are stored.
@@ -658,7 +658,7 @@ class Client:
     def _lookup_daemon(self, ns, body):
         with self._lookups_lock:
             self._lookups["daemon"] += 1
-        _, reply = self._call(p.T_LOOKUP, struct.pack("<I", ns) + body)
+        _, reply = self._call(p.T_LOOKUP, p.pack("<I", (ns,), ("namespace",)) + body)
         return struct.unpack("<I", reply)[0]
 
     def _open_table(self):
@@ -691,7 +691,7 @@ class Client:
     def delete(self, ns, keys):
         """Deletes keys; returns how many were stored."""
         ns = ns.id if isinstance(ns, Namespace) else ns
-        _, body = self._call(p.T_DELETE, struct.pack("<I", ns) + p.keys_body(keys))
+        _, body = self._call(p.T_DELETE, p.pack("<I", (ns,), ("namespace",)) + p.keys_body(keys))
         return struct.unpack("<I", body)[0]
 
     def connected(self):
@@ -712,7 +712,7 @@ class Client:
             ms = 1
         if not 0 <= ms <= p.MAX_LEASE_MS:
             raise ValueError(f"lease {lease_s}s: want 0..{p.MAX_LEASE_MS // 1000}s")
-        _, body = self._call(p.T_PIN, struct.pack("<II", ns, ms) + p.keys_body(keys), undo=self._unpin_late)
+        _, body = self._call(p.T_PIN, p.pack("<II", (ns, ms), ("namespace", "lease")) + p.keys_body(keys), undo=self._unpin_late)
         pin_id, n = struct.unpack_from("<QI", body)
         if n != len(keys) or len(body) != 12 + n:
             raise p.ProtocolError(f"pin reply of {len(body)} bytes for {len(keys)} keys")
@@ -721,7 +721,7 @@ class Client:
     def unpin(self, pin_id):
         """Releases a pin; returns how many keys it held (0 if it was
         released already or its lease ended)."""
-        _, body = self._call(p.T_UNPIN, struct.pack("<Q", pin_id))
+        _, body = self._call(p.T_UNPIN, p.pack("<Q", (pin_id,), ("pin",)))
         return struct.unpack("<I", body)[0]
 
     def store(self, cache, keys, blocks, block=True):
@@ -738,7 +738,7 @@ class Client:
 
     def cancel(self, job):
         """Asks to cancel a job; True if it was still in flight."""
-        _, body = self._call(p.T_CANCEL, struct.pack("<Q", job.id if isinstance(job, Job) else job))
+        _, body = self._call(p.T_CANCEL, p.pack("<Q", (job.id if isinstance(job, Job) else job,), ("job",)))
         return body[0] == 1
 
     def stats(self):

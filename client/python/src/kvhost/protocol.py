@@ -4,6 +4,7 @@ Every integer is little-endian. A frame is a 16-byte header
 (u32 body length, u16 type, u16 flags = 0, u64 request id) and its body.
 """
 
+import operator
 import struct
 
 VERSION = 1
@@ -112,6 +113,40 @@ def frame(ftype, req_id, body):
     return HEADER.pack(len(body), ftype, 0, req_id) + body
 
 
+# What each integer code of struct holds, for pack's messages.
+_RANGES = {"B": (0, (1 << 8) - 1), "H": (0, (1 << 16) - 1), "I": (0, (1 << 32) - 1),
+           "Q": (0, (1 << 64) - 1), "q": (-(1 << 63), (1 << 63) - 1)}
+
+
+def pack(fmt, values, names):
+    """struct.pack(fmt, *values), where a value that is not an int, or that
+    its field cannot hold, raises TypeError or ValueError naming the field:
+    names[i] (or names(i) where names is callable) is value i's. fmt is
+    "<" and integer codes, each with an optional count, and pads (x)."""
+    try:
+        return struct.pack(fmt, *values)
+    except struct.error:
+        pass
+    codes, count = [], ""
+    for ch in fmt.lstrip("<"):
+        if ch.isdigit():
+            count += ch
+            continue
+        if ch != "x":
+            codes += [ch] * int(count or 1)
+        count = ""
+    for i, (code, v) in enumerate(zip(codes, values)):
+        name = names(i) if callable(names) else names[i]
+        try:
+            v = operator.index(v)
+        except TypeError:
+            raise TypeError(f"{name}: {type(v).__name__}, not an int") from None
+        lo, hi = _RANGES[code]
+        if not lo <= v <= hi:
+            raise ValueError(f"{name} {v}: want {lo}..{hi}")
+    return struct.pack(fmt, *values)  # what failed is not a field's: struct's own error
+
+
 def _key_view(i, k):
     """Key i's bytes as a memoryview; TypeError for what is not bytes-like
     (bytes(5) would be five zero bytes: an int is no key)."""
@@ -156,25 +191,31 @@ def register_memory(kind, size, device=0, offset=0, handle=b""):
     handle = bytes(handle).ljust(64, b"\x00")
     if len(handle) != 64:
         raise ValueError("a CUDA IPC handle is 64 bytes")
-    return struct.pack("<B3xIQQ", kind, device, size, offset) + handle
+    return pack("<B3xIQQ", (kind, device, size, offset), ("kind", "device", "size", "offset")) + handle
 
 
 def declare(g):
     m = g.model.encode()
     if not 1 <= len(m) <= MAX_MODEL_LEN:
         raise ValueError(f"model id of {len(m)} bytes: want 1..{MAX_MODEL_LEN}")
-    return bytes([len(m)]) + m + struct.pack(
-        "<9I", g.layers, g.kv_heads, g.head_size, g.dtype_size, 1 if g.mla else 0,
-        g.tokens_per_block, g.tokens_per_key, g.tp_rank, g.tp_size)
+    return bytes([len(m)]) + m + pack(
+        "<9I", (g.layers, g.kv_heads, g.head_size, g.dtype_size, 1 if g.mla else 0,
+                g.tokens_per_block, g.tokens_per_key, g.tp_rank, g.tp_size),
+        ("layers", "kv_heads", "head_size", "dtype_size", "mla", "tokens_per_block", "tokens_per_key",
+         "tp_rank", "tp_size"))
 
 
 def register_cache(ns, layers):
     if not 1 <= len(layers) <= MAX_LAYERS:
         raise ValueError(f"{len(layers)} layers: want 1..{MAX_LAYERS}")
-    parts = [struct.pack("<II", ns, len(layers))]
-    for l in layers:
-        parts.append(struct.pack("<IIqqq", l.region, l.num_blocks, l.offset, l.block_stride, l.plane_stride))
+    parts = [pack("<II", (ns, len(layers)), ("namespace", "layers"))]
+    for i, l in enumerate(layers):
+        parts.append(pack("<IIqqq", (l.region, l.num_blocks, l.offset, l.block_stride, l.plane_stride),
+                          lambda j: f"layer {i} {_LAYER_FIELDS[j]}"))
     return b"".join(parts)
+
+
+_LAYER_FIELDS = ("region", "num_blocks", "offset", "block_stride", "plane_stride")
 
 
 def transfer(cache, keys, blocks):
@@ -184,7 +225,8 @@ def transfer(cache, keys, blocks):
     if not 1 <= bpk <= MAX_BLOCKS_PER_KEY or any(len(b) != bpk for b in blocks):
         raise ValueError("every key needs the same number (1..4096) of blocks")
     flat = [b for bl in blocks for b in bl]
-    return struct.pack("<II", cache, bpk) + keys_body(keys) + struct.pack(f"<{len(flat)}I", *flat)
+    return (pack("<II", (cache, bpk), ("cache", "blocks per key")) + keys_body(keys)
+            + pack(f"<{len(flat)}I", flat, lambda i: f"key {i // bpk} block {i % bpk}"))
 
 
 def decode_error(body):
