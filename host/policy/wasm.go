@@ -408,19 +408,26 @@ func (in *wasmInstance) close(ctx context.Context) {
 // its failures.
 type tailWriter struct {
 	mu  sync.Mutex
-	buf []byte
+	buf []byte // at most tailSize bytes
 }
 
 const tailSize = 512
 
+// Write keeps the last tailSize bytes of what was written. It copies no
+// more than that of p: a plugin may write its whole memory, once per
+// iovec, and the host must neither copy nor keep as much.
 func (w *tailWriter) Write(p []byte) (int, error) {
+	n := len(p)
+	if n > tailSize {
+		p = p[n-tailSize:]
+	}
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	w.buf = append(w.buf, p...)
-	if len(w.buf) > tailSize {
-		w.buf = append(w.buf[:0], w.buf[len(w.buf)-tailSize:]...)
+	if keep := tailSize - len(p); len(w.buf) > keep {
+		w.buf = append(w.buf[:0], w.buf[len(w.buf)-keep:]...)
 	}
-	return len(p), nil
+	w.buf = append(w.buf, p...)
+	return n, nil
 }
 
 // last returns the last non-empty lines written, joined, at most 200 bytes.
