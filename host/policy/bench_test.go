@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -193,6 +194,35 @@ func BenchmarkRunaway(b *testing.B) {
 	b.ReportMetric(float64(per.Microseconds())/1000, "ms/runaway-call")
 	b.ReportMetric(float64(per)/float64(timeout), "deadlines")
 	b.ReportMetric(float64(per)/float64(3*timeout), "of-ceiling")
+}
+
+// BenchmarkHostCallRunaway measures how long a call that runs on in host
+// functions (the hostcalls fixture, one kind of call per sub-benchmark)
+// takes to run out of fuel, in deadlines of 10 ms: what the fuel each
+// host call spends (hostParamFuel, hostCallFuel) amounts to in time. No
+// ceiling.
+func BenchmarkHostCallRunaway(b *testing.B) {
+	const timeout = 10 * time.Millisecond
+	ctx := context.Background()
+	for _, which := range []string{"w", "e", "r", "p", "g", "o", "c", "l"} {
+		b.Run(which, func(b *testing.B) {
+			h, err := policy.Open(ctx, fixture(b, "hostcalls"), "hostcalls", policytest.NewIndex(), policy.Config{
+				Shards: 1, CallTimeout: timeout, MaxFailures: 1 << 30,
+				Params: map[string]string{"f": which}, Logger: quietLogger()})
+			if err != nil {
+				b.Fatal(err)
+			}
+			defer h.Close(ctx)
+			recs := nameRecords(1, 0)
+			for b.Loop() {
+				if err := h.Name(ctx, recs); err == nil || !strings.Contains(err.Error(), "ran out of fuel") {
+					b.Fatalf("Name: %v, want the call out of fuel", err)
+				}
+			}
+			per := b.Elapsed() / time.Duration(2*b.N)
+			b.ReportMetric(float64(per)/float64(timeout), "deadlines")
+		})
+	}
 }
 
 // BenchmarkFuelRate measures how fast plugin code spends fuel: units per

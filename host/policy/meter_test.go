@@ -133,6 +133,55 @@ func TestRunawayStopsByFuel(t *testing.T) {
 	}
 }
 
+// TestHostCallsSpendFuel: the work a plugin makes the host do in its
+// imported functions (WASI and kvhost.log) costs fuel, by the call and
+// by its size: iovecs, poll subscriptions, random bytes, path bytes. The
+// hostcalls fixture makes 8 rounds of such calls, each cheap in wasm
+// instructions (the whole call under a tenth of its fuel) but millions of
+// items or bytes for the host, then fails; it must run out of fuel
+// instead of returning its status (which it did, after about 10 ms per
+// round for the host, whatever its deadline).
+func TestHostCallsSpendFuel(t *testing.T) {
+	tests := []struct{ name, which string }{
+		{"fd_write to stdout", "w"},
+		{"fd_write to stderr", "e"},
+		{"fd_read from stdin", "r"},
+		{"poll_oneoff", "p"},
+		{"random_get", "g"},
+		{"path_open", "o"},
+		{"clock_time_get", "c"},
+		{"kvhost.log", "l"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			ctx := context.Background()
+			h, err := policy.Open(ctx, fixture(t, "hostcalls"), "hostcalls", policytest.NewIndex(), policy.Config{
+				Shards: 1, CallTimeout: 10 * time.Millisecond, MaxFailures: 100,
+				Params: map[string]string{"f": tt.which}, Logger: quietLogger()})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer h.Close(ctx)
+			err = h.Name(ctx, nameRecords(1, 0))
+			if !errors.Is(err, policy.ErrPlugin) || !strings.Contains(err.Error(), "kvhost_name (shard 0): ran out of fuel") {
+				t.Fatalf("err = %v, want the plugin out of fuel", err)
+			}
+		})
+	}
+}
+
+// TestStartFunctionHostCallsSpendFuel: a start function's host calls
+// spend the meter's initial fuel (the host sets no call's fuel before the
+// module is instantiated): the hoststart fixture's 40 large fd_write calls
+// cost more than it, and the module is refused, the host function named.
+func TestStartFunctionHostCallsSpendFuel(t *testing.T) {
+	_, err := policy.Open(context.Background(), fixture(t, "hoststart"), "hoststart", policytest.NewIndex(),
+		policy.Config{Shards: 1, Logger: quietLogger()})
+	if !errors.Is(err, policy.ErrModule) || !strings.Contains(err.Error(), "ran out of fuel in host function wasi_snapshot_preview1.fd_write") {
+		t.Fatalf("Open: %v; want the module refused, its start function out of fuel in fd_write", err)
+	}
+}
+
 // TestEvictionsOverManyEntriesStayWithinTheirFuel: an eviction of the
 // built-in lru plugin holding 2^18 entries (more memory than the default
 // gives room for them), after they were restored (in

@@ -122,17 +122,19 @@ func newWasmBackend(ctx context.Context, module []byte, name string, cfg *Config
 // instantiateHostModules provides the imports a plugin may have: kvhost.log
 // (registered without reflection) and WASI preview 1, which wazero gives no
 // preopened directories, arguments, environment or real clocks unless asked.
+// Every one of them spends the caller's fuel (metered).
 func instantiateHostModules(ctx context.Context, r wazero.Runtime, logFn api.GoModuleFunc) error {
 	i32 := api.ValueTypeI32
+	params := []string{"level", "ptr", "len"}
 	if _, err := r.NewHostModuleBuilder(abi.ImportModule).
 		NewFunctionBuilder().
-		WithGoModuleFunction(logFn, []api.ValueType{i32, i32, i32}, nil).
-		WithParameterNames("level", "ptr", "len").
+		WithGoModuleFunction(metered(abi.ImportModule+"."+abi.ImportLog, params, logFn), []api.ValueType{i32, i32, i32}, nil).
+		WithParameterNames(params...).
 		Export(abi.ImportLog).
 		Instantiate(ctx); err != nil {
 		return fmt.Errorf("policy: host module %s: %w", abi.ImportModule, err)
 	}
-	if _, err := wasi_snapshot_preview1.Instantiate(ctx, r); err != nil {
+	if err := instantiateWASI(ctx, r); err != nil {
 		return fmt.Errorf("policy: host module %s: %w", wasi_snapshot_preview1.ModuleName, err)
 	}
 	return nil
