@@ -373,6 +373,7 @@ func (h *Host) callOnce(ctx context.Context, s *shard, inst instance, hk hook, o
 	if h.cfg.OnCall != nil {
 		start = time.Now()
 	}
+	inst.lastMessage() // an earlier call's warning is no reason for this call's status
 	st, err := inst.call(ctx, hk, arg)
 	if h.cfg.OnCall != nil {
 		h.cfg.OnCall(hk.String(), n, time.Since(start))

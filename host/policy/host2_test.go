@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -489,5 +490,46 @@ func TestPluginLogAndAdmit(t *testing.T) {
 	err = h.Name(ctx, nameRecords(1, 0))
 	if !errors.Is(err, policy.ErrPlugin) || !strings.Contains(err.Error(), "returned status -3 (unsupported)") {
 		t.Fatalf("Name: %v", err)
+	}
+}
+
+// TestFailureReasonIsFromTheFailedCall: the reason a failure status is
+// given with, in the host's warning and in the error, is a warning the
+// plugin logged in the call that failed, never one an earlier, successful
+// call logged. chatty's kvhost_evict logs warnings and succeeds; its
+// kvhost_name returns "unsupported" without a word (on the instance that
+// evicted, then on its replacement).
+func TestFailureReasonIsFromTheFailedCall(t *testing.T) {
+	ctx := context.Background()
+	logs := &captureHandler{}
+	h, err := policy.Open(ctx, fixture(t, "chatty"), "chatty", policytest.NewIndex(), policy.Config{Shards: 1, Logger: slog.New(logs)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h.Close(ctx)
+	if _, err := h.Victims(ctx, abi.EvictRequest{Bytes: 1}, 1); err != nil {
+		t.Fatal(err)
+	}
+	err = h.Name(ctx, nameRecords(1, 0))
+	if !errors.Is(err, policy.ErrPlugin) || !strings.HasSuffix(err.Error(), "returned status -3 (unsupported)") {
+		t.Fatalf("Name: %v; want status -3 and no reason (the hook logged none)", err)
+	}
+	logs.mu.Lock()
+	defer logs.mu.Unlock()
+	var failures []string
+	for _, r := range logs.recs {
+		if r.Message != "policy plugin failed; replacing the instance" {
+			continue
+		}
+		r.Attrs(func(a slog.Attr) bool {
+			if a.Key == "err" {
+				failures = append(failures, a.Value.String())
+			}
+			return true
+		})
+	}
+	want := []string{"returned status -3 (unsupported)", "returned status -3 (unsupported)"}
+	if !slices.Equal(failures, want) {
+		t.Fatalf("the host logged the failures %q, want %q", failures, want)
 	}
 }
