@@ -182,6 +182,37 @@ func TestStartFunctionHostCallsSpendFuel(t *testing.T) {
 	}
 }
 
+// TestInitializeGetsASecondsFuel: a module's _initialize (a Go or C
+// reactor's runtime start) gets at least a second's worth of fuel whatever
+// the call deadline; kvhost_init, like every hook, gets its deadline's.
+// slowinit spends about 75 million units in _initialize, and as much in
+// kvhost_init with slow=y, against the 20 million of a 10 ms deadline.
+func TestInitializeGetsASecondsFuel(t *testing.T) {
+	tests := []struct {
+		slow string
+		want string // in Open's error; "" for none
+	}{
+		{"n", ""},
+		{"y", "kvhost_init (shard 0): ran out of fuel: exceeded the call deadline of 10ms"},
+	}
+	for _, tt := range tests {
+		t.Run("slow="+tt.slow, func(t *testing.T) {
+			ctx := context.Background()
+			h, err := policy.Open(ctx, fixture(t, "slowinit"), "slowinit", policytest.NewIndex(), policy.Config{
+				Shards: 1, CallTimeout: 10 * time.Millisecond, Params: map[string]string{"slow": tt.slow}, Logger: quietLogger()})
+			if err == nil {
+				h.Close(ctx)
+			}
+			switch {
+			case tt.want == "" && err != nil:
+				t.Fatalf("Open: %v; want _initialize within its second's fuel", err)
+			case tt.want != "" && (!errors.Is(err, policy.ErrPlugin) || !strings.Contains(err.Error(), tt.want)):
+				t.Fatalf("Open: %v; want %q", err, tt.want)
+			}
+		})
+	}
+}
+
 // TestEvictionsOverManyEntriesStayWithinTheirFuel: an eviction of the
 // built-in lru plugin holding 2^18 entries (more memory than the default
 // gives room for them), after they were restored (in
