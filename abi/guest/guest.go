@@ -37,7 +37,9 @@ type Policy interface {
 // Namespacer is implemented by policies that choose a chunk layout per
 // namespace (abi.FeatureNamespace).
 type Namespacer interface {
-	// Namespace sets r.KeysPerFile and r.Order for the namespace r describes.
+	// Namespace sets r.KeysPerFile and r.Order for the namespace r
+	// describes. The host fills in the default layout (1 key per file,
+	// layer-major) before the call: a policy that leaves them chooses it.
 	Namespace(r *abi.NamespaceRecord) error
 }
 

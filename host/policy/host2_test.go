@@ -533,3 +533,56 @@ func TestFailureReasonIsFromTheFailedCall(t *testing.T) {
 		t.Fatalf("the host logged the failures %q, want %q", failures, want)
 	}
 }
+
+// layoutPolicy is the lru policy whose kvhost_namespace writes set into
+// each record (nil: writes nothing).
+type layoutPolicy struct {
+	guest.Policy
+	set func(r *abi.NamespaceRecord)
+}
+
+func (p *layoutPolicy) Namespace(r *abi.NamespaceRecord) error {
+	if p.set != nil {
+		p.set(r)
+	}
+	return nil
+}
+
+// TestNamespaceHookThatWritesNothingGetsTheDefault: the host fills the
+// default layout (1 key per file, layer-major) into the NamespaceRecord
+// before the call, as docs/abi.md and sdk/c promise, so a plugin that
+// writes nothing gets it; what a plugin writes is still validated.
+func TestNamespaceHookThatWritesNothingGetsTheDefault(t *testing.T) {
+	tests := []struct {
+		name      string
+		set       func(r *abi.NamespaceRecord)
+		keys, ord uint32
+		err       string
+	}{
+		{"writes nothing", nil, abi.DefaultKeysPerFile, abi.DefaultOrder, ""},
+		{"writes a layout", func(r *abi.NamespaceRecord) { r.KeysPerFile, r.Order = 4, abi.OrderBlockMajor }, 4, abi.OrderBlockMajor, ""},
+		{"writes only the order", func(r *abi.NamespaceRecord) { r.Order = abi.OrderBlockMajor }, abi.DefaultKeysPerFile, abi.OrderBlockMajor, ""},
+		{"writes 0 keys per file", func(r *abi.NamespaceRecord) { r.KeysPerFile = 0 }, 0, 0, "KeysPerFile 0 is outside [1, 256]"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			ctx := context.Background()
+			h, err := policy.NewNative(func() guest.Policy { return &layoutPolicy{Policy: newLRU(), set: tt.set} },
+				policytest.NewIndex(), policy.Config{Shards: 2, Logger: quietLogger()})
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer h.Close(ctx)
+			ns, err := h.Namespace(ctx, testNS)
+			if tt.err != "" {
+				if !errors.Is(err, policy.ErrPlugin) || !strings.Contains(err.Error(), tt.err) {
+					t.Fatalf("Namespace: %v; want %q", err, tt.err)
+				}
+				return
+			}
+			if err != nil || ns.KeysPerFile != tt.keys || ns.Order != tt.ord {
+				t.Fatalf("Namespace = %d keys per file, order %d, %v; want %d, %d", ns.KeysPerFile, ns.Order, err, tt.keys, tt.ord)
+			}
+		})
+	}
+}

@@ -37,7 +37,9 @@ type namespaceOp struct{ in, out abi.NamespaceRecord }
 func (o *namespaceOp) write(_ *shard, scratch []byte) int32 {
 	r := &abi.View[abi.NamespaceRecord](scratch, 1)[0]
 	*r = o.in
-	r.KeysPerFile, r.Order = 0, 0 // outputs: a hook that writes nothing fails
+	// Outputs, prefilled with the default layout: a hook that writes
+	// nothing chooses it (docs/abi.md, NamespaceRecord).
+	r.KeysPerFile, r.Order = abi.DefaultKeysPerFile, abi.DefaultOrder
 	return 0
 }
 
