@@ -415,8 +415,8 @@ func (h *Host) invoke(ctx context.Context, s *shard, hk hook, op batchOp) error 
 			}
 			inst, err := h.build(ctx, h.mu.backend, s, configs[s.id])
 			if err != nil {
-				if err := callerDone(ctx); err != nil {
-					return err
+				if cerr := callerDone(ctx); cerr != nil && notMade(err) {
+					return cerr
 				}
 				if sw := h.failed(err.(*Error)); sw != nil {
 					return sw
@@ -436,20 +436,35 @@ func (h *Host) invoke(ctx context.Context, s *shard, hk hook, op batchOp) error 
 		if err == nil {
 			return nil
 		}
-		s.inst.close(ctx)
-		s.inst = nil
-		if cerr := callerDone(ctx); cerr != nil {
-			// The caller gave up while the call ran: its failure is not
-			// counted against the plugin. The instance is rebuilt on next
-			// use.
+		cerr := callerDone(ctx)
+		if cerr != nil && notMade(err) {
+			// The caller gave up before the call: the instance never ran
+			// and is kept.
 			return fmt.Errorf("policy %s: %s: %w", h.name, hk, cerr)
 		}
+		s.inst.close(ctx)
+		s.inst = nil
+		// The call ran and failed: the plugin's failure, whatever became
+		// of the caller meanwhile, since nothing but its fuel ends a call.
 		if sw := h.failed(err.(*Error)); sw != nil {
 			return sw
+		}
+		if cerr != nil {
+			// No retry for a caller that gave up; the instance is rebuilt
+			// on next use.
+			return fmt.Errorf("policy %s: %s: %w", h.name, hk, cerr)
 		}
 		last = err
 	}
 	return last
+}
+
+// notMade reports whether err is a call's refusal to start because its
+// caller's context was done (wasmInstance.callFn checks it before each
+// call): no fault of the plugin. A call that started is never cut short
+// by its context, so any other error is the plugin's.
+func notMade(err error) bool {
+	return errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded)
 }
 
 // callerDone returns the caller's context error, or

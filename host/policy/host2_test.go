@@ -157,36 +157,90 @@ func TestReplacementRebuildsState(t *testing.T) {
 	checkAnswers(t, h, idx)
 }
 
-// TestCallerCancel checks that a caller's context cancelled before a call
-// stops it, that one cancelled during a call lets the call run out its fuel,
-// and that neither counts as a plugin failure.
+// TestCallerCancel: a caller's context done before a call stops it, and
+// that is no failure of the plugin (an instance whose call was not made is
+// kept); one done while a call runs does not cut it short: the loop runs
+// out its fuel, which is the plugin's failure (counted, not retried), and
+// the caller gets its context's error. The context ends at points the
+// test chooses, not at a time: before Name, after the first shard's call
+// (OnCall), or when logloop logs in its call (its deadline passed, as when
+// the plugin's call holds the processor and delays the context's timer).
 func TestCallerCancel(t *testing.T) {
-	idx := policytest.NewIndex()
-	h, err := policy.Open(context.Background(), fixture(t, "loop"), "loop", idx, policy.Config{Shards: 1, CallTimeout: 50 * time.Millisecond, Logger: quietLogger()})
-	if err != nil {
-		t.Fatal(err)
+	tests := []struct {
+		name     string
+		fixture  string
+		shards   int
+		end      string // "before", "after a shard" or "in the call"
+		deadline bool   // in the call: the deadline passes, ctx.Err stays nil
+		want     error
+		failures uint64
+	}{
+		{"cancelled before the call", "logloop", 1, "before", false, context.Canceled, 0},
+		{"cancelled before the second shard's call", "wellbehaved", 2, "after a shard", false, context.Canceled, 0},
+		{"cancelled during the call", "logloop", 1, "in the call", false, context.Canceled, 1},
+		{"deadline passed during the call", "logloop", 1, "in the call", true, context.DeadlineExceeded, 1},
 	}
-	defer h.Close(context.Background())
-	done, cancel := context.WithCancel(context.Background())
-	cancel()
-	if err := h.Name(done, nameRecords(1, 0)); !errors.Is(err, context.Canceled) {
-		t.Fatalf("cancelled before the call: err = %v, want context.Canceled", err)
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			late := &lateDeadline{Context: ctx}
+			end := context.CancelFunc(cancel)
+			if tt.deadline {
+				end = func() { late.passed.Store(true) }
+			}
+			var armed atomic.Bool
+			logs := &cancelOnLog{msg: "logloop: looping"}
+			if tt.end == "in the call" {
+				logs.cancel.Store(&end)
+			}
+			onCall := func(hook string, _ int, _ time.Duration) {
+				if tt.end == "after a shard" && armed.Load() && hook == "kvhost_name" {
+					end()
+				}
+			}
+			idx := policytest.NewIndex()
+			h := declaredHost(t, fixture(t, tt.fixture), tt.fixture, idx, policy.Config{
+				Shards: tt.shards, CallTimeout: 10 * time.Millisecond, Logger: slog.New(logs), OnCall: onCall})
+			if tt.end == "before" {
+				end()
+			}
+			armed.Store(true)
+			recs := nameRecords(64, 0)
+			if err := h.Name(late, recs); !errors.Is(err, tt.want) {
+				t.Fatalf("Name: %v, want %v", err, tt.want)
+			}
+			armed.Store(false)
+			s := h.Stats()
+			if s.Failures != tt.failures || s.Calls["kvhost_name"] > uint64(tt.shards) {
+				t.Fatalf("stats %+v: want %d failures and no retry", s, tt.failures)
+			}
+			// The host goes on: with the instance it kept, or a fresh one
+			// for the one that failed.
+			ins := []abi.AccessRecord{{Entry: 1, Size: 1, Kind: abi.AccessInsert}}
+			idx.Apply(ins)
+			if err := h.Access(context.Background(), ins); err != nil {
+				t.Fatal(err)
+			}
+			if got := h.Stats().Replacements; got != tt.failures {
+				t.Fatalf("%d replacements, want %d (one per failed instance)", got, tt.failures)
+			}
+		})
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Millisecond)
-	defer cancel()
-	err = h.Name(ctx, nameRecords(1, 0))
-	if !errors.Is(err, context.DeadlineExceeded) {
-		t.Fatalf("cancelled during the call: err = %v, want the caller's deadline", err)
+}
+
+// lateDeadline is a context whose deadline passes when passed is set,
+// without its Err saying so yet.
+type lateDeadline struct {
+	context.Context
+	passed atomic.Bool
+}
+
+func (c *lateDeadline) Deadline() (time.Time, bool) {
+	if c.passed.Load() {
+		return time.Unix(1, 0), true
 	}
-	if s := h.Stats(); s.Failures != 0 {
-		t.Fatalf("Failures = %d after a caller's cancel", s.Failures)
-	}
-	// The host goes on with a fresh instance.
-	recs := []abi.AccessRecord{{Entry: 1, Size: 1, Kind: abi.AccessInsert}}
-	idx.Apply(recs)
-	if err := h.Access(context.Background(), recs); err != nil {
-		t.Fatal(err)
-	}
+	return time.Now().Add(time.Hour), true
 }
 
 // TestAccessDeliversItsRecordsWhenItsCallerCancels checks that an Access
@@ -584,5 +638,51 @@ func TestNamespaceHookThatWritesNothingGetsTheDefault(t *testing.T) {
 				t.Fatalf("Namespace = %d keys per file, order %d, %v; want %d, %d", ns.KeysPerFile, ns.Order, err, tt.keys, tt.ord)
 			}
 		})
+	}
+}
+
+// cancelOnLog is a slog.Handler that calls cancel at each record whose
+// message is msg: a way to end a caller's context while a plugin's call
+// runs, at a point the plugin chooses (kvhost.log), not at a time.
+type cancelOnLog struct {
+	msg    string
+	cancel atomic.Pointer[context.CancelFunc]
+}
+
+func (c *cancelOnLog) Enabled(context.Context, slog.Level) bool { return true }
+func (c *cancelOnLog) Handle(_ context.Context, r slog.Record) error {
+	if f := c.cancel.Load(); f != nil && r.Message == c.msg {
+		(*f)()
+	}
+	return nil
+}
+func (c *cancelOnLog) WithAttrs([]slog.Attr) slog.Handler { return c }
+func (c *cancelOnLog) WithGroup(string) slog.Handler      { return c }
+
+// TestFailureWhileTheCallerGaveUpCounts: a call that has started is never
+// cut short by its caller's context (fuel bounds it), so when it fails,
+// the failure is the plugin's even if the caller gave up meanwhile: it is
+// counted, and enough of them switch the Host to its fallback. A plugin
+// that runs out of fuel in every call must not escape the fallback because
+// its callers time out first. logloop warns, then loops until out of
+// fuel; the warning cancels the caller's context.
+func TestFailureWhileTheCallerGaveUpCounts(t *testing.T) {
+	logs := &cancelOnLog{msg: "logloop: looping"}
+	h := declaredHost(t, fixture(t, "logloop"), "logloop", policytest.NewIndex(), policy.Config{
+		Shards: 1, CallTimeout: 10 * time.Millisecond, MaxFailures: 2, Fallback: newLRU, Logger: slog.New(logs)})
+	for i := range 2 {
+		ctx, cancel := context.WithCancel(context.Background())
+		logs.cancel.Store(&cancel)
+		err := h.Name(ctx, nameRecords(1, 0))
+		cancel()
+		if s := h.Stats(); s.Failures != uint64(i+1) {
+			t.Fatalf("after call %d (err %v): %d failures, want %d", i+1, err, s.Failures, i+1)
+		}
+	}
+	if s := h.Stats(); !s.Fallback || s.Backend != "native" || !strings.Contains(s.FallbackReason, "ran out of fuel") {
+		t.Fatalf("stats %+v after 2 failures of MaxFailures 2: want the fallback, for running out of fuel", s)
+	}
+	if err := h.Name(context.Background(), nameRecords(4, 1)); err != nil {
+		t.Fatalf("Name on the fallback: %v", err)
 	}
 }

@@ -359,7 +359,7 @@ func (in *wasmInstance) callFn(ctx context.Context, f api.Function, arg int32, t
 	err := f.CallWithStack(ctx, in.stack[:])
 	took := time.Since(start)
 	if err != nil {
-		return 0, in.diagnose(ctx, err, timeout)
+		return 0, in.diagnose(err, timeout)
 	}
 	if took > timeout {
 		// The fuel bounds what the plugin can do deterministically; a call
@@ -374,15 +374,12 @@ func (in *wasmInstance) callFn(ctx context.Context, f api.Function, arg int32, t
 }
 
 // diagnose turns the error of a call into the reason the instance failed.
-func (in *wasmInstance) diagnose(ctx context.Context, err error, timeout time.Duration) error {
+func (in *wasmInstance) diagnose(err error, timeout time.Duration) error {
 	var reason error
 	var exit *sys.ExitError
-	caller := callerDone(ctx)
 	switch {
 	case int64(in.fuel.Get()) < 0:
 		reason = fmt.Errorf("ran out of fuel: exceeded the call deadline of %v, counted in instructions (%d units of fuel)", timeout, fuelFor(timeout))
-	case caller != nil:
-		return caller
 	case errors.As(err, &exit):
 		reason = fmt.Errorf("exited with code %d", exit.ExitCode())
 	default:
