@@ -1,15 +1,20 @@
 """scripts/lookup-latency.py (the benchmark of lookups beside loads) runs
 against a real daemon and reports both phases, each answered from the
 shared lookup table (by the C probe, and where it is built by the Python
-probe too) and by the daemon, with the table probe's stand-in."""
+probe too) and by the daemon, with the table probe's stand-in; its pacing
+(gpu_paged.time_paced) keeps one call per slot, counted on a fake clock."""
 
 import re
 import subprocess
 import sys
 import unittest
+from unittest import mock
 
 from daemon import REPO, Daemon
 from kvhost import lookuptable
+
+sys.path.insert(0, str(REPO / "scripts"))
+import gpu_paged  # noqa: E402
 
 LINE = r"p50 (\d+) p99 (\d+) max (\d+) n (\d+) due (\d+)"
 
@@ -46,9 +51,54 @@ class TestLookupLatencyScript(unittest.TestCase):
             self.assertEqual(due, 60, m.group(0))  # 0.3 s, one every 5 ms
             self.assertTrue(0 < n <= due + 1, m.group(0))  # paced, not back to back
             self.assertTrue(0 < p50 <= p99 <= mx, m.group(0))
-        for m in alone:
-            self.assertGreater(int(m.group(4)), 30, "alone, the probe kept less than half its pace")
         self.assertGreater(float(beside[-1].group(6)), 0, "the loads moved no bytes")
+
+
+class FakeClock:
+    """perf_counter and sleep of a clock that moves only when told: by
+    sleep, by a call's own time (spend), and by tick at each reading (a
+    busy wait's progress)."""
+
+    def __init__(self, tick=0.0):
+        self.now, self.tick = 0.0, tick
+
+    def perf_counter(self):
+        self.now += self.tick
+        return self.now
+
+    def sleep(self, s):
+        self.now += s
+
+    def spend(self, first, then):
+        """A call that takes first seconds the first time, then each time."""
+        calls = []
+
+        def call():
+            self.sleep(then if calls else first)
+            calls.append(1)
+        return call
+
+
+class TestPacedCalls(unittest.TestCase):
+    """gpu_paged.time_paced, the probe's pacing, on a clock the test moves:
+    what the script's "n" and "due" mean, counted, whatever the machine's
+    speed (the script's own run only says its lookups were paced)."""
+
+    def test_calls_keep_their_slots_and_a_late_call_skips_the_missed_ones(self):
+        k = 1 / 1024  # seconds a binary fraction can hold exactly
+        for name, tick, first, then, interval, spin, want in (
+                ("paced, sleeping", 0.0, k, k, 4 * k, False, 64),  # due: 256k / 4k
+                ("paced, spinning", k / 1024, k, k, 4 * k, True, 64),
+                # Slots 1 to 4 missed, then every 4k from 20k: no catching up.
+                ("one call late", 0.0, 20 * k, k, 4 * k, False, 1 + 59),
+                ("each call late", 0.0, 12 * k, 12 * k, 4 * k, False, 22),  # back to back: 256k / 12k, rounded up
+                ("back to back", 0.0, k, k, 0.0, False, 256)):
+            with self.subTest(name):
+                clock = FakeClock(tick)
+                with mock.patch.object(gpu_paged, "time", clock):
+                    lat = gpu_paged.time_paced(clock.spend(first, then), 256 * k, interval, spin)
+                self.assertEqual(len(lat), want)
+                self.assertTrue(all(abs(x - then) <= 4 * tick for x in lat[1:]), lat[:4])
 
 
 if __name__ == "__main__":
