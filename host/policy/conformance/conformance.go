@@ -312,7 +312,7 @@ const (
 	ruleUnknown    = "HIT, PIN, UNPIN and REMOVE of unknown entries, and UNPIN without PIN, are accepted and ignored (docs/abi.md: AccessRecord)"
 	ruleRemoved    = "a removed entry is never offered as a victim again (docs/abi.md: AccessRecord)"
 	rulePinned     = "a pinned entry is never a victim until each of its pins is released (docs/abi.md: AccessRecord, Rules the host enforces)"
-	ruleTiming     = "every call finishes within its fuel (the deterministic form of the deadline), and each hook's median call within the deadline of one call (docs/abi.md: Sandbox)"
+	ruleTiming     = "every call finishes within its fuel, the deterministic form of the deadline; how long calls took is reported, not judged (docs/abi.md: Sandbox)"
 	ruleTiering    = "with the tiering features: mount descriptions are accepted; admission's target is a described mount; a victim's target is NoMount or another described mount, with known flags; a tick moves at most max entries (the suite asks for 1, 3 and 1024), only known, unpinned entries to another described mount, never twice at once; before any mount description no victim has a target and a tick moves nothing (docs/abi.md: Tiering, Rules the host enforces). A plugin without them passes"
 	ruleRank       = "with FeatureRank: kvhost_rank writes a state (known or unknown) into every record, knows every entry it was told of, ranks an entry by its access history and the time only (the same history under other handles, in a host of another shard count, ranks alike) and never lower after a hit (docs/abi.md: RankRecord). A plugin without it passes"
 	ruleRejections = "the host rejects no output and replaces no instance during the run (docs/abi.md: Rules the host enforces)"
@@ -1188,23 +1188,19 @@ func (s *suite) pinned() (string, error) {
 	return "20 pinned entries (5 pinned twice, unpinned once) never offered; all 64 offered once unpinned", s.removeAll()
 }
 
-// callTiming judges the time of every call into the plugin so far against
-// the deadline of one call.
+// callTiming fails the plugin if a call so far ran out of fuel, and
+// reports the time of the calls against the deadline of one call.
 func (s *suite) callTiming() (string, error) {
 	if s.deadlineErr != nil {
 		return "", s.deadlineErr
 	}
 	// A call that stays within its fuel but returns late was held up by
-	// the machine (load, GC): the host counts it as slow, not as a
-	// failure, and so does the suite; a median past the deadline is the
-	// plugin's own slowness.
+	// the machine (load, GC, -race): the host counts it as slow, not as a
+	// failure, and so does the suite, so that a plugin passes or fails
+	// alike on an idle machine and a loaded one.
 	var parts []string
 	over := 0
 	for _, t := range s.timing() {
-		if t.P50 > s.opts.CallTimeout {
-			return "", fmt.Errorf("%s: median call %v over %d calls, past the deadline of %v per call",
-				t.Hook, round(t.P50), t.Calls, s.opts.CallTimeout)
-		}
 		over += t.OverDeadline
 		parts = append(parts, fmt.Sprintf("%s p50 %v p99 %v max %v", strings.TrimPrefix(t.Hook, "kvhost_"), round(t.P50), round(t.P99), round(t.Max)))
 	}
