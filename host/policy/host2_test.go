@@ -686,3 +686,25 @@ func TestFailureWhileTheCallerGaveUpCounts(t *testing.T) {
 		t.Fatalf("Name on the fallback: %v", err)
 	}
 }
+
+// TestWASIClocksAreFakeAndDeterministic: a plugin's WASI clocks are
+// wazero's fakes, as docs/abi.md says: in every instance the wall clock
+// starts at 2022-01-01 UTC and each reading is 1 ms after the one before,
+// whatever the time is. The clock fixture reports its readings through
+// its statuses.
+func TestWASIClocksAreFakeAndDeterministic(t *testing.T) {
+	ctx := context.Background()
+	h, err := policy.Open(ctx, fixture(t, "clock"), "clock", policytest.NewIndex(), policy.Config{Shards: 1, Logger: quietLogger()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h.Close(ctx)
+	// -(s + 1), s the seconds since 2022-01-01 of the first reading.
+	if err := h.Name(ctx, nameRecords(1, 0)); err == nil || !strings.HasSuffix(err.Error(), "returned status -1 (invalid input)") {
+		t.Fatalf("Name: %v; want status -1: the first reading at 2022-01-01T00:00:00Z", err)
+	}
+	// The microseconds between two readings in a row.
+	if _, err := h.Victims(ctx, abi.EvictRequest{Bytes: 1, Mount: abi.AnyMount}, 1); err == nil || !strings.HasSuffix(err.Error(), "returned 1000 victims, more than the 1 asked for") {
+		t.Fatalf("Victims: %v; want 1000: readings 1 ms apart", err)
+	}
+}
