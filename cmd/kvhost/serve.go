@@ -245,6 +245,7 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 	scfg := server.Config{
 		MaxClients:              cfg.Server.MaxClients,
 		MaxClientsPerPeer:       cfg.Server.MaxClientsPerPeer,
+		MaxNamespacesPerPeer:    cfg.Server.MaxNamespacesPerPeer,
 		MaxFrame:                int(cfg.Server.MaxFrame),
 		MaxRegistrations:        cfg.Server.MaxRegistrations,
 		MaxInflightJobs:         cfg.Server.MaxInflightJobs,

@@ -121,6 +121,10 @@ type Server struct {
 	// MaxClientsPerPeer bounds the connections of one client process;
 	// 0: half of MaxClients, at least 1.
 	MaxClientsPerPeer int `toml:"max_clients_per_peer"`
+	// MaxNamespacesPerPeer bounds the distinct geometries the
+	// connections of one client process hold declared together; 0: 64,
+	// what one connection may declare.
+	MaxNamespacesPerPeer int `toml:"max_namespaces_per_peer"`
 	// MaxInflightJobs bounds a client's unfinished store and load jobs.
 	MaxInflightJobs int `toml:"max_inflight_jobs"`
 	// MaxRegistrations bounds a client's registered memory regions.
@@ -605,6 +609,8 @@ func (c *Config) Validate() error {
 		return bad("server.max_clients", "at least 1", c.Server.MaxClients)
 	case c.Server.MaxClientsPerPeer < 0 || c.Server.MaxClientsPerPeer > c.Server.MaxClients:
 		return bad("server.max_clients_per_peer", "0 (half of max_clients) to max_clients", c.Server.MaxClientsPerPeer)
+	case c.Server.MaxNamespacesPerPeer < 0:
+		return bad("server.max_namespaces_per_peer", "0 (64) or more", c.Server.MaxNamespacesPerPeer)
 	case c.Server.MaxInflightJobs < 1:
 		return bad("server.max_inflight_jobs", "at least 1", c.Server.MaxInflightJobs)
 	case c.Server.MaxRegistrations < 1:

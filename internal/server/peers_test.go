@@ -5,6 +5,7 @@ import (
 	"errors"
 	"os"
 	"os/exec"
+	"strings"
 	"testing"
 
 	"github.com/kvhost/kvhost/client"
@@ -79,5 +80,45 @@ func TestOneProcessCannotTakeEveryClientSlot(t *testing.T) {
 	cmd.Env = append(os.Environ(), peerSocketEnv+"="+f.socket)
 	if out, err := cmd.CombinedOutput(); err != nil {
 		t.Fatalf("another process is locked out: %v\n%s", err, out)
+	}
+}
+
+// TestOneProcessCannotTakeEveryNamespace: one process declaring new
+// geometries on connection after connection gets
+// server.max_namespaces_per_peer of them (64 by default, what one
+// connection may declare), refused beyond with limit exceeded naming the
+// key, however many connections it opens; another process then still
+// declares a new geometry. The engine here knows at most 100 namespaces
+// (fewNamespaces), so that two connections' 64 each would exceed it.
+func TestOneProcessCannotTakeEveryNamespace(t *testing.T) {
+	f := newFixtureWith(t, server.Config{}, fewNamespaces, nil)
+	ctx := context.Background()
+	const perPeer = 64 // the default
+	declared, next := 0, 0
+	var refused error
+	for range 3 {
+		c := f.dial(t)
+		holdMiB(t, c)
+		for range 64 { // a connection's own bound
+			_, err := c.Declare(ctx, throwaway(next))
+			next++
+			if err != nil {
+				refused = err
+				break
+			}
+			declared++
+		}
+	}
+	if declared != perPeer {
+		t.Errorf("one process declared %d namespaces on 3 connections, want %d", declared, perPeer)
+	}
+	var pe *protocol.Error
+	if !errors.As(refused, &pe) || pe.Code != protocol.CodeLimit || !strings.Contains(pe.Message, "server.max_namespaces_per_peer") {
+		t.Errorf("declaration beyond the process's namespaces: %v, want limit exceeded naming server.max_namespaces_per_peer", refused)
+	}
+	cmd := exec.Command(os.Args[0], "-test.run=^TestHelperOtherProcessClient$", "-test.count=1")
+	cmd.Env = append(os.Environ(), peerSocketEnv+"="+f.socket)
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("another process cannot declare a geometry: %v\n%s", err, out)
 	}
 }

@@ -90,6 +90,13 @@ type Config struct {
 	// MaxNamespaces and MaxCaches bound a connection's declarations and
 	// cache registrations (default 64 each).
 	MaxNamespaces, MaxCaches int
+	// MaxNamespacesPerPeer bounds the distinct geometries the connections
+	// of one peer process (its pid, from SO_PEERCRED) hold declared
+	// together (default MaxNamespaces), so that one client opening
+	// connections cannot take every namespace the engine knows. A
+	// connection whose peer's pid the kernel does not give is a process
+	// of its own.
+	MaxNamespacesPerPeer int
 	// MaxTotalRegisteredBytes bounds the bytes of memory all connections
 	// together may register, that is map into the daemon (default 64 TiB,
 	// half of the x86-64 user address space). Each connection is
@@ -211,6 +218,7 @@ func (c Config) withDefaults() (Config, error) {
 	def(&c.MaxInflightJobs, 256)
 	def(&c.MaxNamespaces, 64)
 	def(&c.MaxCaches, 64)
+	def(&c.MaxNamespacesPerPeer, c.MaxNamespaces)
 	defDur := func(v *time.Duration, d time.Duration) {
 		if *v == 0 {
 			*v = d
@@ -243,7 +251,7 @@ func (c Config) withDefaults() (Config, error) {
 		return c, errors.New("server: OpenDevice without Devices: say how many GPUs clients may register memory on")
 	case c.MaxFrame < protocol.MinFrame || c.MaxFrame > protocol.MaxFrame:
 		return c, fmt.Errorf("server: MaxFrame %d: want %d..1GiB", c.MaxFrame, protocol.MinFrame)
-	case c.MaxClients < 0 || c.MaxClientsPerPeer < 0 || c.MaxHandshakes < 0 || c.MaxRegistrations < 0 || c.MaxInflightJobs < 0 || c.MaxNamespaces < 0 || c.MaxCaches < 0:
+	case c.MaxClients < 0 || c.MaxClientsPerPeer < 0 || c.MaxHandshakes < 0 || c.MaxRegistrations < 0 || c.MaxInflightJobs < 0 || c.MaxNamespaces < 0 || c.MaxCaches < 0 || c.MaxNamespacesPerPeer < 0:
 		return c, errors.New("server: negative limit")
 	case int64(c.MaxRegistrations)+int64(c.MaxNamespaces)+int64(c.MaxCaches) >= math.MaxUint32:
 		// A connection's ids are u32 and never 0: a free one must remain.
@@ -276,7 +284,7 @@ type Server struct {
 	sessions map[*session]struct{} // every live connection
 	pending  map[*session]uint64   // not through Hello yet, by accept number
 	admitted int                   // sessions through Hello
-	perPeer  map[int32]int         // sessions through Hello by peer pid (known pids only)
+	peers    map[int32]*peer       // the peers of sessions through Hello, by pid (known pids only)
 	changed  chan struct{}         // closed and replaced when sessions change
 	stopping bool
 	wg       sync.WaitGroup // sessions
@@ -287,9 +295,21 @@ type Server struct {
 	devices  []deviceUse // per GPU: memory registered by all sessions
 
 	// nsMu serialises declarations and releases, so that a namespace is
-	// never released by one session while another is declaring it.
+	// never released by one session while another is declaring it. It
+	// also guards every peer's namespaces.
 	nsMu   sync.Mutex
 	nsRefs map[engine.NamespaceID]int // sessions that declared it
+}
+
+// peer is what the connections of one client process (its pid, from
+// SO_PEERCRED) hold together, bounded by the Config's per-peer limits. A
+// session whose peer's pid is unknown (0) has a peer of its own.
+type peer struct {
+	pid   int32
+	conns int // sessions through Hello; guarded by Server.mu
+	// namespaces counts, per geometry, the peer's sessions that hold it
+	// declared; guarded by Server.nsMu.
+	namespaces map[engine.Geometry]int
 }
 
 // New returns a Server dispatching to eng.
@@ -304,7 +324,7 @@ func New(eng Engine, cfg Config) (*Server, error) {
 	return &Server{
 		eng: eng, cfg: cfg, log: cfg.Logger,
 		sessions: make(map[*session]struct{}), pending: make(map[*session]uint64),
-		changed: make(chan struct{}), nsRefs: make(map[engine.NamespaceID]int), perPeer: make(map[int32]int),
+		changed: make(chan struct{}), nsRefs: make(map[engine.NamespaceID]int), peers: make(map[int32]*peer),
 		devices: make([]deviceUse, cfg.Devices), started: time.Now(),
 	}, nil
 }
@@ -430,7 +450,7 @@ func (s *Server) start(c *net.UnixConn) *session {
 		delete(s.pending, evict)
 	}
 	sess := newSession(s, c)
-	sess.peer = peerPID(c)
+	sess.pid = peerPID(c)
 	s.sessions[sess] = struct{}{}
 	s.pending[sess] = sess.seq
 	s.notifyLocked()
@@ -448,10 +468,9 @@ func (s *Server) start(c *net.UnixConn) *session {
 		delete(s.pending, sess)
 		if sess.admitted {
 			s.admitted--
-			if sess.peer > 0 {
-				if s.perPeer[sess.peer]--; s.perPeer[sess.peer] == 0 {
-					delete(s.perPeer, sess.peer)
-				}
+			p := sess.peer
+			if p.conns--; p.conns == 0 && p.pid > 0 {
+				delete(s.peers, p.pid)
 			}
 		}
 		s.notifyLocked()
@@ -492,13 +511,20 @@ func (s *Server) admit(sess *session) *protocol.Error {
 		return perr(protocol.CodeShuttingDown, "the daemon is shutting down")
 	case s.admitted >= s.cfg.MaxClients:
 		return perr(protocol.CodeLimit, "the daemon serves at most %d clients", s.cfg.MaxClients)
-	case sess.peer > 0 && s.perPeer[sess.peer] >= s.cfg.MaxClientsPerPeer:
-		return perr(protocol.CodeLimit, "process %d already has %d connections, the most one process may hold (server.max_clients_per_peer)", sess.peer, s.perPeer[sess.peer])
 	}
+	p := s.peers[sess.pid]
+	if p == nil {
+		p = &peer{pid: sess.pid, namespaces: make(map[engine.Geometry]int)}
+	}
+	if sess.pid > 0 && p.conns >= s.cfg.MaxClientsPerPeer {
+		return perr(protocol.CodeLimit, "process %d already has %d connections, the most one process may hold (server.max_clients_per_peer)", sess.pid, p.conns)
+	}
+	if sess.pid > 0 {
+		s.peers[sess.pid] = p
+	}
+	p.conns++
+	sess.peer = p
 	s.admitted++
-	if sess.peer > 0 {
-		s.perPeer[sess.peer]++
-	}
 	sess.admitted = true
 	s.notifyLocked()
 	return nil
@@ -509,24 +535,42 @@ func (s *Server) notifyLocked() {
 	s.changed = make(chan struct{})
 }
 
-// declare declares g for a session and counts the session as a user of
-// the namespace.
-func (s *Server) declare(ctx context.Context, g engine.Geometry) (engine.NamespaceID, error) {
+// declare declares g for a session of p and counts the session as a user
+// of the namespace. A geometry new to p is refused, before the engine
+// sees it, when p holds MaxNamespacesPerPeer already.
+func (s *Server) declare(ctx context.Context, p *peer, g engine.Geometry) (engine.NamespaceID, error) {
 	s.nsMu.Lock()
 	defer s.nsMu.Unlock()
+	if p.namespaces[g] == 0 && len(p.namespaces) >= s.cfg.MaxNamespacesPerPeer {
+		return 0, perr(protocol.CodeLimit, "%s already holds %d geometries declared, the most one process may hold (server.max_namespaces_per_peer): undeclare one first",
+			p, len(p.namespaces))
+	}
 	id, err := s.eng.Declare(ctx, g)
 	if err != nil {
 		return 0, err
 	}
+	p.namespaces[g]++
 	s.nsRefs[id]++
 	return id, nil
 }
 
-// undeclare drops a session's use of a namespace and releases it in the
-// engine when no session uses it any more.
-func (s *Server) undeclare(id engine.NamespaceID) {
+// String names the peer in refusals.
+func (p *peer) String() string {
+	if p.pid > 0 {
+		return fmt.Sprintf("process %d", p.pid)
+	}
+	return "this connection (its process is unknown)"
+}
+
+// undeclare drops a session's use of namespace id, of geometry g, by a
+// session of p, and releases it in the engine when no session uses it any
+// more.
+func (s *Server) undeclare(p *peer, g engine.Geometry, id engine.NamespaceID) {
 	s.nsMu.Lock()
 	defer s.nsMu.Unlock()
+	if p.namespaces[g]--; p.namespaces[g] <= 0 {
+		delete(p.namespaces, g)
+	}
 	s.nsRefs[id]--
 	if s.nsRefs[id] > 0 {
 		return

@@ -73,7 +73,8 @@ type session struct {
 	wcap  atomic.Int64 // unix ns; writes end by then (set by stop and release)
 
 	admitted   bool  // through Hello and counted as a client; guarded by srv.mu
-	peer       int32 // the peer's pid (SO_PEERCRED), 0 if unknown; set before run
+	pid        int32 // the peer's pid (SO_PEERCRED), 0 if unknown; set before run
+	peer       *peer // what the peer's sessions hold together; set by admit
 	hello      bool
 	regions    map[uint32]*memRegion
 	regBytes   int64 // bytes of the regions, counted against the limits
@@ -541,14 +542,14 @@ func (s *session) declare(m *protocol.Declare) (protocol.Message, error) {
 	if len(s.namespaces) >= s.srv.cfg.MaxNamespaces {
 		return nil, perr(protocol.CodeLimit, "at most %d namespaces per connection", s.srv.cfg.MaxNamespaces)
 	}
-	nsID, err := s.srv.declare(s.ctx, geo)
+	nsID, err := s.srv.declare(s.ctx, s.peer, geo)
 	if err != nil {
 		return nil, err
 	}
 	id := s.newID()
 	r, err := reply(id, nsID)
 	if err != nil { // the engine is closing: the declaration is not kept
-		s.srv.undeclare(nsID)
+		s.srv.undeclare(s.peer, geo, nsID)
 		return nil, err
 	}
 	s.namespaces[id] = &namespace{id: nsID, geo: geo}
@@ -566,7 +567,7 @@ func (s *session) undeclare(m *protocol.Undeclare) (protocol.Message, error) {
 		}
 	}
 	delete(s.namespaces, m.NS)
-	s.srv.undeclare(ns.id)
+	s.srv.undeclare(s.peer, ns.geo, ns.id)
 	return &protocol.Empty{T: protocol.TypeUndeclare | protocol.TypeReply}, nil
 }
 
@@ -879,7 +880,7 @@ func (s *session) release() {
 	}
 	s.caches = nil
 	for _, ns := range s.namespaces {
-		s.srv.undeclare(ns.id)
+		s.srv.undeclare(s.peer, ns.geo, ns.id)
 	}
 	s.namespaces = nil
 	// Completions still being written get a moment, then the connection
