@@ -249,6 +249,8 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 		MaxFrame:                int(cfg.Server.MaxFrame),
 		MaxRegistrations:        cfg.Server.MaxRegistrations,
 		MaxInflightJobs:         cfg.Server.MaxInflightJobs,
+		MaxInflightBytes:        int64(cfg.Server.MaxInflightBytes),
+		MaxInflightBytesPerPeer: int64(cfg.Server.MaxInflightBytesPerPeer),
 		ShutdownTimeout:         time.Duration(cfg.Server.ShutdownTimeout),
 		MaxHandshakes:           cfg.Server.MaxHandshakes,
 		HandshakeTimeout:        time.Duration(cfg.Server.HandshakeTimeout),

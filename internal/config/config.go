@@ -127,6 +127,13 @@ type Server struct {
 	MaxNamespacesPerPeer int `toml:"max_namespaces_per_peer"`
 	// MaxInflightJobs bounds a client's unfinished store and load jobs.
 	MaxInflightJobs int `toml:"max_inflight_jobs"`
+	// MaxInflightBytes bounds the memory the jobs in flight of all
+	// clients hold (docs/serve.md); 0: 1 GiB, or four times what one job
+	// of MaxFrame holds if that is more.
+	MaxInflightBytes Size `toml:"max_inflight_bytes"`
+	// MaxInflightBytesPerPeer bounds the same for the jobs of one client
+	// process; 0: half of MaxInflightBytes.
+	MaxInflightBytesPerPeer Size `toml:"max_inflight_bytes_per_peer"`
 	// MaxRegistrations bounds a client's registered memory regions.
 	MaxRegistrations int `toml:"max_registrations"`
 	// MaxFrame bounds one protocol frame.
@@ -609,6 +616,10 @@ func (c *Config) Validate() error {
 		return bad("server.max_clients", "at least 1", c.Server.MaxClients)
 	case c.Server.MaxClientsPerPeer < 0 || c.Server.MaxClientsPerPeer > c.Server.MaxClients:
 		return bad("server.max_clients_per_peer", "0 (half of max_clients) to max_clients", c.Server.MaxClientsPerPeer)
+	case c.Server.MaxInflightBytes < 0:
+		return bad("server.max_inflight_bytes", "a non-negative size (0: automatic)", c.Server.MaxInflightBytes)
+	case c.Server.MaxInflightBytesPerPeer < 0 || (c.Server.MaxInflightBytes > 0 && c.Server.MaxInflightBytesPerPeer > c.Server.MaxInflightBytes):
+		return bad("server.max_inflight_bytes_per_peer", "0 (half of max_inflight_bytes) to max_inflight_bytes", c.Server.MaxInflightBytesPerPeer)
 	case c.Server.MaxNamespacesPerPeer < 0:
 		return bad("server.max_namespaces_per_peer", "0 (64) or more", c.Server.MaxNamespacesPerPeer)
 	case c.Server.MaxInflightJobs < 1:

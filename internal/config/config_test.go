@@ -94,6 +94,8 @@ write_timeout = "7s"
 max_registered_bytes = "64GiB"
 max_total_registered_bytes = "1TiB"
 max_namespaces_per_peer = 8
+max_inflight_bytes = "2GiB"
+max_inflight_bytes_per_peer = "512MiB"
 
 [gpu]
 mode = "on"
@@ -110,7 +112,8 @@ idle_registrars = 0
 	s, g := c.Server, c.GPU
 	if s.MaxHandshakes != 4 || time.Duration(s.HandshakeTimeout) != 2*time.Second || time.Duration(s.FrameTimeout) != 3*time.Second ||
 		time.Duration(s.IdleTimeout) != 5*time.Minute || time.Duration(s.WriteTimeout) != 7*time.Second ||
-		s.MaxRegisteredBytes != 64<<30 || s.MaxTotalRegisteredBytes != 1<<40 || s.MaxNamespacesPerPeer != 8 {
+		s.MaxRegisteredBytes != 64<<30 || s.MaxTotalRegisteredBytes != 1<<40 || s.MaxNamespacesPerPeer != 8 ||
+		s.MaxInflightBytes != 2<<30 || s.MaxInflightBytesPerPeer != 512<<20 {
 		t.Errorf("server limits decoded as %+v", s)
 	}
 	if g.Mode != "on" || g.CuFile != "compat" || g.CUDALibrary != "/opt/cuda/lib64/libcudart.so.13" || g.StagingMemory != 1<<30 || g.Poll != 0 || g.IdleRegistrars != 0 {
@@ -150,6 +153,8 @@ func TestParseErrors(t *testing.T) {
 		{"handshake timeout", "[server]\nhandshake_timeout = \"0s\"", "kvhost.toml:2: server.handshake_timeout: want a positive duration"},
 		{"stall timeout", "[server]\nstall_timeout = \"-1s\"", "kvhost.toml:2: server.stall_timeout: want a non-negative duration (0: never)"},
 		{"max handshakes", "[server]\n\nmax_handshakes = 0", "kvhost.toml:3: server.max_handshakes: want at least 1, got 0"},
+		{"inflight bytes", "[server]\nmax_inflight_bytes = -1", "kvhost.toml:2: server.max_inflight_bytes: size -1 is negative"},
+		{"inflight bytes per peer", "[server]\nmax_inflight_bytes = \"1GiB\"\nmax_inflight_bytes_per_peer = \"2GiB\"", "kvhost.toml:3: server.max_inflight_bytes_per_peer: want 0 (half of max_inflight_bytes) to max_inflight_bytes"},
 		{"namespaces per peer", "[server]\nmax_namespaces_per_peer = -1", "kvhost.toml:2: server.max_namespaces_per_peer: want 0 (64) or more, got -1"},
 		{"device class", "[[mount]]\npath = \"/a\"\ndevice_class = \"tape\"", `kvhost.toml:3: mount.device_class: want "memory"`},
 		{"gpu mode", "[gpu]\nmode = \"maybe\"", `kvhost.toml:2: gpu.mode: want auto, on or off, got "maybe"`},

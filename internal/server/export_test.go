@@ -25,3 +25,6 @@ func (s *Server) WaitSessions(ctx context.Context, n int) error {
 		}
 	}
 }
+
+// InflightPerPeer is Config.MaxInflightBytesPerPeer as the server runs it.
+func (s *Server) InflightPerPeer() int64 { return s.cfg.MaxInflightBytesPerPeer }

@@ -14,17 +14,22 @@ import (
 )
 
 // peerSocketEnv names the socket a re-executed test binary connects to as
-// another process (TestHelperOtherProcessClient).
-const peerSocketEnv = "KVHOST_TEST_PEER_SOCKET"
+// another process (TestHelperOtherProcessClient); peerStoreEnv, if set,
+// has it also start a store (otherProcess).
+const (
+	peerSocketEnv = "KVHOST_TEST_PEER_SOCKET"
+	peerStoreEnv  = "KVHOST_TEST_PEER_STORE"
+)
 
-// TestHelperOtherProcessClient is not a test: run by
-// TestOneProcessCannotTakeEveryClientSlot in a process of its own, it
-// connects to the socket in $KVHOST_TEST_PEER_SOCKET, registers 1 MiB and
-// declares a namespace.
+// TestHelperOtherProcessClient is not a test: run by otherProcess in a
+// process of its own, it connects to the socket in
+// $KVHOST_TEST_PEER_SOCKET, registers 1 MiB and declares a namespace;
+// with $KVHOST_TEST_PEER_STORE set, it also registers a cache of wideGeo
+// and has a store of a fat job accepted.
 func TestHelperOtherProcessClient(t *testing.T) {
 	socket := os.Getenv(peerSocketEnv)
 	if socket == "" {
-		t.Skip("run by TestOneProcessCannotTakeEveryClientSlot")
+		t.Skip("run by otherProcess")
 	}
 	ctx := context.Background()
 	c, err := client.Dial(ctx, socket, "other-process")
@@ -35,6 +40,23 @@ func TestHelperOtherProcessClient(t *testing.T) {
 	holdMiB(t, c)
 	if _, err := c.Declare(ctx, geo); err != nil {
 		t.Fatal(err)
+	}
+	if os.Getenv(peerStoreEnv) != "" {
+		k := newWideCache(t, c)
+		if _, err := k.store(ctx, "other", 0); err != nil {
+			t.Fatalf("store: %v", err)
+		}
+	}
+}
+
+// otherProcess runs TestHelperOtherProcessClient against f in a process of
+// its own, with env added to its environment, and fails t if it fails.
+func otherProcess(t *testing.T, f *fixture, env ...string) {
+	t.Helper()
+	cmd := exec.Command(os.Args[0], "-test.run=^TestHelperOtherProcessClient$", "-test.count=1")
+	cmd.Env = append(append(os.Environ(), peerSocketEnv+"="+f.socket), env...)
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("another process is locked out: %v\n%s", err, out)
 	}
 }
 
@@ -76,11 +98,7 @@ func TestOneProcessCannotTakeEveryClientSlot(t *testing.T) {
 	if admitted != perPeer {
 		t.Errorf("one process got %d of %d client slots, want %d", admitted, maxClients, perPeer)
 	}
-	cmd := exec.Command(os.Args[0], "-test.run=^TestHelperOtherProcessClient$", "-test.count=1")
-	cmd.Env = append(os.Environ(), peerSocketEnv+"="+f.socket)
-	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("another process is locked out: %v\n%s", err, out)
-	}
+	otherProcess(t, f)
 }
 
 // TestOneProcessCannotTakeEveryNamespace: one process declaring new
@@ -116,9 +134,5 @@ func TestOneProcessCannotTakeEveryNamespace(t *testing.T) {
 	if !errors.As(refused, &pe) || pe.Code != protocol.CodeLimit || !strings.Contains(pe.Message, "server.max_namespaces_per_peer") {
 		t.Errorf("declaration beyond the process's namespaces: %v, want limit exceeded naming server.max_namespaces_per_peer", refused)
 	}
-	cmd := exec.Command(os.Args[0], "-test.run=^TestHelperOtherProcessClient$", "-test.count=1")
-	cmd.Env = append(os.Environ(), peerSocketEnv+"="+f.socket)
-	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("another process cannot declare a geometry: %v\n%s", err, out)
-	}
+	otherProcess(t, f)
 }

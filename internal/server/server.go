@@ -90,6 +90,18 @@ type Config struct {
 	// MaxNamespaces and MaxCaches bound a connection's declarations and
 	// cache registrations (default 64 each).
 	MaxNamespaces, MaxCaches int
+	// MaxInflightBytes bounds the memory the store and load jobs in
+	// flight of all connections hold, as JobBytes counts it (default
+	// DefaultMaxInflightBytes, or 4 × MaxJobBytes(MaxFrame) if that is
+	// more): a job beyond it is refused with CodeLimit until others end.
+	MaxInflightBytes int64
+	// MaxInflightBytesPerPeer bounds the same for the jobs of one peer
+	// process's connections (its pid, from SO_PEERCRED), so that one
+	// client cannot take all of MaxInflightBytes (default half of it). A
+	// connection whose peer's pid the kernel does not give is a process
+	// of its own. At least MaxJobBytes(MaxFrame): one job of the largest
+	// frame must fit.
+	MaxInflightBytesPerPeer int64
 	// MaxNamespacesPerPeer bounds the distinct geometries the connections
 	// of one peer process (its pid, from SO_PEERCRED) hold declared
 	// together (default MaxNamespaces), so that one client opening
@@ -199,6 +211,43 @@ type DeviceMemory interface {
 // than the memory of any single GPU of 2026.
 const DefaultMaxDeviceBytes = 256 << 30
 
+// DefaultMaxInflightBytes is Config.MaxInflightBytes when it is zero and
+// MaxFrame is at most 64 MiB: some 2 million keys of jobs in flight,
+// thirty times what the vLLM workers of an eight-GPU node keep in flight
+// at their defaults (65,536 keys each being stored).
+const DefaultMaxInflightBytes = 1 << 30
+
+// What a job in flight holds until it ends, as JobBytes counts it: its
+// two goroutines (the engine's and the completion's) and state, and per
+// key its copies of the key and of its block list in the engine, its
+// outcome and the store's or load's bookkeeping. Measured with stores
+// of 20-byte keys of 2 blocks held at the engine's file system: 2.7 KiB
+// of heap and 10 KiB of stacks per job, 480 bytes per key.
+const (
+	jobBaseBytes  = 16 << 10
+	jobKeyBytes   = 512 // and the key's own bytes
+	jobBlockBytes = 8   // an int in the engine's copy of the block list
+)
+
+// JobBytes is the memory a store or load job of keys, blocksPerKey blocks
+// each, is counted to hold until it ends, against MaxInflightBytes and
+// MaxInflightBytesPerPeer.
+func JobBytes(keys [][]byte, blocksPerKey int) int64 {
+	n := int64(jobBaseBytes)
+	for _, k := range keys {
+		n += jobKeyBytes + int64(len(k))
+	}
+	return n + int64(len(keys))*int64(blocksPerKey)*jobBlockBytes
+}
+
+// MaxJobBytes is the most JobBytes one Store or Load frame of maxFrame
+// bytes can carry: at most protocol.MaxKeysPerRequest keys, and at most
+// twice the frame's bytes in keys and block lists (a key of L bytes and B
+// blocks takes 1 + L + 4B bytes of the frame and counts L + 8B).
+func MaxJobBytes(maxFrame int) int64 {
+	return jobBaseBytes + protocol.MaxKeysPerRequest*jobKeyBytes + 2*int64(maxFrame)
+}
+
 // DefaultMaxTotalRegisteredBytes is Config.MaxTotalRegisteredBytes when it
 // is zero: half of the 128 TiB user address space of x86-64 and arm64
 // (4-level page tables).
@@ -234,6 +283,12 @@ func (c Config) withDefaults() (Config, error) {
 	if c.MaxDeviceBytes == 0 {
 		c.MaxDeviceBytes = DefaultMaxDeviceBytes
 	}
+	if c.MaxInflightBytes == 0 {
+		c.MaxInflightBytes = max(DefaultMaxInflightBytes, 4*MaxJobBytes(c.MaxFrame))
+	}
+	if c.MaxInflightBytesPerPeer == 0 {
+		c.MaxInflightBytesPerPeer = c.MaxInflightBytes / 2
+	}
 	if c.MaxRegisteredBytes == 0 {
 		var si unix.Sysinfo_t
 		ram := int64(64 << 30)
@@ -256,6 +311,13 @@ func (c Config) withDefaults() (Config, error) {
 	case int64(c.MaxRegistrations)+int64(c.MaxNamespaces)+int64(c.MaxCaches) >= math.MaxUint32:
 		// A connection's ids are u32 and never 0: a free one must remain.
 		return c, fmt.Errorf("server: MaxRegistrations + MaxNamespaces + MaxCaches %d: want less than %d", int64(c.MaxRegistrations)+int64(c.MaxNamespaces)+int64(c.MaxCaches), uint32(math.MaxUint32))
+	case c.MaxInflightBytes < 0 || c.MaxInflightBytesPerPeer < 0:
+		return c, errors.New("server: negative in-flight bytes limit")
+	case c.MaxInflightBytesPerPeer > c.MaxInflightBytes:
+		return c, fmt.Errorf("server: max_inflight_bytes_per_peer %d: want at most max_inflight_bytes, %d", c.MaxInflightBytesPerPeer, c.MaxInflightBytes)
+	case c.MaxInflightBytesPerPeer < MaxJobBytes(c.MaxFrame):
+		return c, fmt.Errorf("server: max_inflight_bytes_per_peer %d: want at least %d, what one job in a frame of max_frame (%d bytes) holds: raise max_inflight_bytes (the default per peer is half of it) or lower max_frame",
+			c.MaxInflightBytesPerPeer, MaxJobBytes(c.MaxFrame), c.MaxFrame)
 	case c.ShutdownTimeout < 0 || c.HandshakeTimeout < 0 || c.FrameTimeout < 0 || c.IdleTimeout < 0 || c.WriteTimeout < 0:
 		return c, errors.New("server: negative timeout")
 	}
@@ -290,6 +352,7 @@ type Server struct {
 	wg       sync.WaitGroup // sessions
 	connSeq  atomic.Uint64  // numbers connections in logs
 	regBytes atomic.Int64   // memory registered by all sessions
+	jobBytes atomic.Int64   // JobBytes of every session's jobs in flight
 	regions  atomic.Int64   // host regions registered by all sessions
 	started  time.Time
 	devices  []deviceUse // per GPU: memory registered by all sessions
@@ -310,6 +373,31 @@ type peer struct {
 	// namespaces counts, per geometry, the peer's sessions that hold it
 	// declared; guarded by Server.nsMu.
 	namespaces map[engine.Geometry]int
+	jobBytes   atomic.Int64 // JobBytes of the peer's jobs in flight
+}
+
+// reserveJob counts n bytes of a new job of a session of p against
+// MaxInflightBytes and MaxInflightBytesPerPeer, or says which it would
+// pass.
+func (s *Server) reserveJob(p *peer, n int64) error {
+	if total := s.jobBytes.Add(n); total > s.cfg.MaxInflightBytes {
+		s.jobBytes.Add(-n)
+		return perr(protocol.CodeLimit, "the jobs in flight of all clients hold %d bytes; this job's %d would pass the daemon's limit of %d (server.max_inflight_bytes): retry once jobs have ended",
+			total-n, n, s.cfg.MaxInflightBytes)
+	}
+	if held := p.jobBytes.Add(n); held > s.cfg.MaxInflightBytesPerPeer {
+		p.jobBytes.Add(-n)
+		s.jobBytes.Add(-n)
+		return perr(protocol.CodeLimit, "the jobs in flight of %s hold %d bytes; this job's %d would pass the most one process may hold, %d (server.max_inflight_bytes_per_peer): retry once its jobs have ended",
+			p, held-n, n, s.cfg.MaxInflightBytesPerPeer)
+	}
+	return nil
+}
+
+// releaseJob gives back what reserveJob counted.
+func (s *Server) releaseJob(p *peer, n int64) {
+	p.jobBytes.Add(-n)
+	s.jobBytes.Add(-n)
 }
 
 // New returns a Server dispatching to eng.

@@ -717,7 +717,12 @@ func (s *session) transfer(id uint64, m *protocol.Transfer) bool {
 	s.jmu.Lock()
 	if len(s.jobs) >= s.srv.cfg.MaxInflightJobs {
 		s.jmu.Unlock()
-		return fail(perr(protocol.CodeLimit, "at most %d jobs in flight per connection", s.srv.cfg.MaxInflightJobs))
+		return fail(perr(protocol.CodeLimit, "at most %d jobs in flight per connection (server.max_inflight_jobs)", s.srv.cfg.MaxInflightJobs))
+	}
+	charge := JobBytes(m.Keys, bpk)
+	if err := s.srv.reserveJob(s.peer, charge); err != nil {
+		s.jmu.Unlock()
+		return fail(err)
 	}
 	var job *engine.Job
 	var err error
@@ -727,6 +732,7 @@ func (s *session) transfer(id uint64, m *protocol.Transfer) bool {
 		job, err = s.srv.eng.Store(s.ctx, engine.StoreRequest{Cache: c.id, Keys: m.Keys, Blocks: blocks})
 	}
 	if err != nil {
+		s.srv.releaseJob(s.peer, charge)
 		s.jmu.Unlock()
 		return fail(err)
 	}
@@ -737,12 +743,13 @@ func (s *session) transfer(id uint64, m *protocol.Transfer) bool {
 	s.writeWG.Add(1)
 	s.jmu.Unlock()
 	s.send(id, &protocol.JobAccepted{T: m.Type() | protocol.TypeReply, Job: jid})
-	go s.complete(jid, m.Kind, len(m.Keys), job, c)
+	go s.complete(jid, m.Kind, len(m.Keys), job, c, charge)
 	return true
 }
 
-// complete waits for a job, releases its slot and pushes its completion.
-func (s *session) complete(id uint64, kind protocol.JobKind, nkeys int, job *engine.Job, c *cache) {
+// complete waits for a job, releases its slot and the bytes it was
+// counted to hold, and pushes its completion.
+func (s *session) complete(id uint64, kind protocol.JobKind, nkeys int, job *engine.Job, c *cache, charge int64) {
 	defer s.writeWG.Done()
 	<-job.Done()
 	res, err := job.Wait(context.Background())
@@ -750,6 +757,7 @@ func (s *session) complete(id uint64, kind protocol.JobKind, nkeys int, job *eng
 	delete(s.jobs, id)
 	c.inflight--
 	s.jmu.Unlock()
+	s.srv.releaseJob(s.peer, charge)
 	s.jobWG.Done()
 	s.send(0, completionOf(id, kind, nkeys, res, err))
 }

@@ -9,11 +9,14 @@ import (
 
 // Stats are a Server's daemon-wide figures (metrics, kvhost stats).
 type Stats struct {
-	Clients         int   // connections through the handshake
-	Handshakes      int   // connections not through it yet
-	InflightJobs    int   // store and load jobs of all connections
-	Regions         int64 // host memory regions registered by all connections
-	RegisteredBytes int64 // their bytes
+	Clients      int // connections through the handshake
+	Handshakes   int // connections not through it yet
+	InflightJobs int // store and load jobs of all connections
+	// InflightBytes is what those jobs hold, as JobBytes counts it;
+	// InflightLimit is Config.MaxInflightBytes.
+	InflightBytes, InflightLimit int64
+	Regions                      int64 // host memory regions registered by all connections
+	RegisteredBytes              int64 // their bytes
 	// RegisteredLimit is Config.MaxTotalRegisteredBytes.
 	RegisteredLimit int64
 	// Devices is the GPU memory registered per device.
@@ -43,6 +46,7 @@ func (s *Server) figures() Stats {
 		st.InflightJobs += len(sess.jobs)
 		sess.jmu.Unlock()
 	}
+	st.InflightBytes, st.InflightLimit = s.jobBytes.Load(), s.cfg.MaxInflightBytes
 	st.Regions, st.RegisteredBytes = s.regions.Load(), s.regBytes.Load()
 	st.RegisteredLimit = s.cfg.MaxTotalRegisteredBytes
 	st.Started = s.started

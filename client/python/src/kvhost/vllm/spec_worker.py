@@ -44,7 +44,8 @@ class _Transfer:
 
 class _Collected:
     """What a transfer's finished daemon jobs said (full: the daemon
-    refused one for its connection's limit of jobs in flight)."""
+    refused one for a limit of jobs in flight: its connection's, or the
+    memory of its process's or every client's jobs)."""
     __slots__ = ("outcomes", "nbytes", "error", "lost", "full")
 
     def __init__(self, outcomes, nbytes, error, lost, full):
@@ -429,7 +430,7 @@ class SpecWorker(Reconnects):
                     lost = True
                     self._lost_locked(j._client, err)
                 elif isinstance(e, KvhostError) and e.code == p.CODE_LIMIT:
-                    full = True  # the connection's other jobs (stores) took every slot
+                    full = True  # jobs in flight (stores) took every slot or byte
                 continue
             outcomes += [o for o, _ in r.keys]
             nbytes += r.bytes
@@ -443,8 +444,9 @@ class SpecWorker(Reconnects):
         """Whether tr, a load that failed, is to be loaded again: on the next
         connection when its failure came from a lost connection (or a
         daemon that cancelled it), on this one when the daemon refused a
-        job of it for the connection's limit of jobs in flight (stores
-        took them: they end, and room comes); if it was not cancelled by
+        job of it for a limit of jobs in flight (the connection's, or the
+        memory of its process's or every client's jobs: they end, and room
+        comes); if it was not cancelled by
         the worker, and load_retry_s has not passed since its first loss or
         refusal. vLLM stops the worker on a failed load, so a load waits
         for a daemon, or for room, rather than fail. Its daemon jobs have
