@@ -246,6 +246,8 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 		MaxClients:              cfg.Server.MaxClients,
 		MaxClientsPerPeer:       cfg.Server.MaxClientsPerPeer,
 		MaxNamespacesPerPeer:    cfg.Server.MaxNamespacesPerPeer,
+		MaxDescriptors:          cfg.Server.MaxDescriptors,
+		MaxDescriptorsPerPeer:   cfg.Server.MaxDescriptorsPerPeer,
 		MaxFrame:                int(cfg.Server.MaxFrame),
 		MaxRegistrations:        cfg.Server.MaxRegistrations,
 		MaxInflightJobs:         cfg.Server.MaxInflightJobs,

@@ -121,6 +121,14 @@ type Server struct {
 	// MaxClientsPerPeer bounds the connections of one client process;
 	// 0: half of MaxClients, at least 1.
 	MaxClientsPerPeer int `toml:"max_clients_per_peer"`
+	// MaxDescriptors bounds the clients' descriptors the daemon holds
+	// (registered host memory, descriptors sent with frames not yet
+	// answered); 0: a quarter of the open-file limit and of
+	// vm.max_map_count, whichever is fewer.
+	MaxDescriptors int `toml:"max_descriptors"`
+	// MaxDescriptorsPerPeer bounds the same for one client process; 0:
+	// half of MaxDescriptors.
+	MaxDescriptorsPerPeer int `toml:"max_descriptors_per_peer"`
 	// MaxNamespacesPerPeer bounds the distinct geometries the
 	// connections of one client process hold declared together; 0: 64,
 	// what one connection may declare.
@@ -620,6 +628,10 @@ func (c *Config) Validate() error {
 		return bad("server.max_inflight_bytes", "a non-negative size (0: automatic)", c.Server.MaxInflightBytes)
 	case c.Server.MaxInflightBytesPerPeer < 0 || (c.Server.MaxInflightBytes > 0 && c.Server.MaxInflightBytesPerPeer > c.Server.MaxInflightBytes):
 		return bad("server.max_inflight_bytes_per_peer", "0 (half of max_inflight_bytes) to max_inflight_bytes", c.Server.MaxInflightBytesPerPeer)
+	case c.Server.MaxDescriptors < 0:
+		return bad("server.max_descriptors", "0 (automatic) or more", c.Server.MaxDescriptors)
+	case c.Server.MaxDescriptorsPerPeer < 0 || (c.Server.MaxDescriptors > 0 && c.Server.MaxDescriptorsPerPeer > c.Server.MaxDescriptors):
+		return bad("server.max_descriptors_per_peer", "0 (half of max_descriptors) to max_descriptors", c.Server.MaxDescriptorsPerPeer)
 	case c.Server.MaxNamespacesPerPeer < 0:
 		return bad("server.max_namespaces_per_peer", "0 (64) or more", c.Server.MaxNamespacesPerPeer)
 	case c.Server.MaxInflightJobs < 1:

@@ -96,6 +96,8 @@ max_total_registered_bytes = "1TiB"
 max_namespaces_per_peer = 8
 max_inflight_bytes = "2GiB"
 max_inflight_bytes_per_peer = "512MiB"
+max_descriptors = 4096
+max_descriptors_per_peer = 1024
 
 [gpu]
 mode = "on"
@@ -113,7 +115,7 @@ idle_registrars = 0
 	if s.MaxHandshakes != 4 || time.Duration(s.HandshakeTimeout) != 2*time.Second || time.Duration(s.FrameTimeout) != 3*time.Second ||
 		time.Duration(s.IdleTimeout) != 5*time.Minute || time.Duration(s.WriteTimeout) != 7*time.Second ||
 		s.MaxRegisteredBytes != 64<<30 || s.MaxTotalRegisteredBytes != 1<<40 || s.MaxNamespacesPerPeer != 8 ||
-		s.MaxInflightBytes != 2<<30 || s.MaxInflightBytesPerPeer != 512<<20 {
+		s.MaxInflightBytes != 2<<30 || s.MaxInflightBytesPerPeer != 512<<20 || s.MaxDescriptors != 4096 || s.MaxDescriptorsPerPeer != 1024 {
 		t.Errorf("server limits decoded as %+v", s)
 	}
 	if g.Mode != "on" || g.CuFile != "compat" || g.CUDALibrary != "/opt/cuda/lib64/libcudart.so.13" || g.StagingMemory != 1<<30 || g.Poll != 0 || g.IdleRegistrars != 0 {
@@ -155,6 +157,8 @@ func TestParseErrors(t *testing.T) {
 		{"max handshakes", "[server]\n\nmax_handshakes = 0", "kvhost.toml:3: server.max_handshakes: want at least 1, got 0"},
 		{"inflight bytes", "[server]\nmax_inflight_bytes = -1", "kvhost.toml:2: server.max_inflight_bytes: size -1 is negative"},
 		{"inflight bytes per peer", "[server]\nmax_inflight_bytes = \"1GiB\"\nmax_inflight_bytes_per_peer = \"2GiB\"", "kvhost.toml:3: server.max_inflight_bytes_per_peer: want 0 (half of max_inflight_bytes) to max_inflight_bytes"},
+		{"descriptors", "[server]\nmax_descriptors = -1", "kvhost.toml:2: server.max_descriptors: want 0 (automatic) or more, got -1"},
+		{"descriptors per peer", "[server]\nmax_descriptors = 100\nmax_descriptors_per_peer = 101", "kvhost.toml:3: server.max_descriptors_per_peer: want 0 (half of max_descriptors) to max_descriptors, got 101"},
 		{"namespaces per peer", "[server]\nmax_namespaces_per_peer = -1", "kvhost.toml:2: server.max_namespaces_per_peer: want 0 (64) or more, got -1"},
 		{"device class", "[[mount]]\npath = \"/a\"\ndevice_class = \"tape\"", `kvhost.toml:3: mount.device_class: want "memory"`},
 		{"gpu mode", "[gpu]\nmode = \"maybe\"", `kvhost.toml:2: gpu.mode: want auto, on or off, got "maybe"`},

@@ -48,6 +48,12 @@ type frameReader struct {
 	maxFrame     int
 	frameTimeout time.Duration
 	deadline     time.Time // the read deadline set on conn
+	// hold, if set, is asked to count each descriptor received; with
+	// the error it returns, the descriptor is closed at once and the
+	// frame that claims it gets that error (takeFd). drop is called for
+	// each counted descriptor the reader closes.
+	hold func() *protocol.Error
+	drop func()
 }
 
 func newFrameReader(c *net.UnixConn, maxFrame, maxFds int, frameTimeout time.Duration) *frameReader {
@@ -62,10 +68,12 @@ func newFrameReader(c *net.UnixConn, maxFrame, maxFds int, frameTimeout time.Dur
 }
 
 // rights is a descriptor received and the stream offsets [start, end) of
-// the read that brought it.
+// the read that brought it; fd is -1 where it was closed at once, refused
+// for the reason in refused.
 type rights struct {
 	fd         int
 	start, end int64
+	refused    *protocol.Error
 }
 
 var (
@@ -127,6 +135,13 @@ func (f *frameReader) takeRights(oob []byte, start, end int64) error {
 				unix.Close(fd)
 				bad = fmt.Errorf("%w: more than %d descriptors not yet claimed by a registration", errProtocol, f.maxFds)
 				continue
+			}
+			if f.hold != nil {
+				if e := f.hold(); e != nil {
+					unix.Close(fd)
+					f.fds = append(f.fds, rights{fd: -1, start: start, end: end, refused: e})
+					continue
+				}
 			}
 			f.fds = append(f.fds, rights{fd: fd, start: start, end: end})
 		}
@@ -204,18 +219,20 @@ func (f *frameReader) next(wait, by time.Time) (protocol.Header, []byte, error) 
 func (f *frameReader) offset() int64 { return f.pos - int64(f.w-f.r) }
 
 // takeFd claims for the frame last read the oldest unclaimed descriptor
-// that can belong to it, or returns -1. The read that brought a frame's
-// descriptor began at or before the frame's first byte and ended within
-// the frame (it took nothing sent after the frame's sendmsg), so a
-// descriptor whose read ended past the frame is a later frame's, even
-// though its read began with this one.
-func (f *frameReader) takeFd() int {
+// that can belong to it, or returns -1: with the error its hold gave
+// where that descriptor was refused, with nil where there is none. The
+// read that brought a frame's descriptor began at or before the frame's
+// first byte and ended within the frame (it took nothing sent after the
+// frame's sendmsg), so a descriptor whose read ended past the frame is a
+// later frame's, even though its read began with this one. A descriptor
+// taken is the caller's to close, and to give back to drop.
+func (f *frameReader) takeFd() (int, *protocol.Error) {
 	if len(f.fds) == 0 || f.fds[0].start > f.frame[0] || f.fds[0].end > f.frame[1] {
-		return -1 // none, or a later frame's: its read began after this frame or ended past it
+		return -1, nil // none, or a later frame's: its read began after this frame or ended past it
 	}
-	fd := f.fds[0].fd
+	r := f.fds[0]
 	f.fds = f.fds[1:]
-	return fd
+	return r.fd, r.refused
 }
 
 // done closes the descriptors that belong to the frame last read, or to
@@ -223,7 +240,7 @@ func (f *frameReader) takeFd() int {
 func (f *frameReader) done() {
 	n := 0
 	for n < len(f.fds) && f.fds[n].end <= f.frame[1] {
-		unix.Close(f.fds[n].fd)
+		f.close(f.fds[n])
 		n++
 	}
 	f.fds = f.fds[n:]
@@ -232,7 +249,19 @@ func (f *frameReader) done() {
 // closeFds closes every unclaimed descriptor.
 func (f *frameReader) closeFds() {
 	for _, r := range f.fds {
-		unix.Close(r.fd)
+		f.close(r)
 	}
 	f.fds = nil
+}
+
+// close closes an unclaimed descriptor (none where it was refused) and
+// gives it back.
+func (f *frameReader) close(r rights) {
+	if r.fd < 0 {
+		return
+	}
+	unix.Close(r.fd)
+	if f.drop != nil {
+		f.drop()
+	}
 }

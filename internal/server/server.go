@@ -20,6 +20,9 @@ import (
 	"log/slog"
 	"math"
 	"net"
+	"os"
+	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -102,6 +105,18 @@ type Config struct {
 	// of its own. At least MaxJobBytes(MaxFrame): one job of the largest
 	// frame must fit.
 	MaxInflightBytesPerPeer int64
+	// MaxDescriptors bounds the clients' descriptors all connections
+	// together make the daemon hold: one per host memory region
+	// registered, and those sent with frames not yet answered (default
+	// DefaultMaxDescriptors()). A descriptor received beyond it is closed
+	// at once, and the registration it came with refused with CodeLimit.
+	MaxDescriptors int
+	// MaxDescriptorsPerPeer bounds the same for the connections of one
+	// peer process (its pid, from SO_PEERCRED), those not through Hello
+	// included, so that one client cannot take all of MaxDescriptors
+	// (default half of it). A connection whose peer's pid the kernel does
+	// not give is a process of its own.
+	MaxDescriptorsPerPeer int
 	// MaxNamespacesPerPeer bounds the distinct geometries the connections
 	// of one peer process (its pid, from SO_PEERCRED) hold declared
 	// together (default MaxNamespaces), so that one client opening
@@ -211,6 +226,26 @@ type DeviceMemory interface {
 // than the memory of any single GPU of 2026.
 const DefaultMaxDeviceBytes = 256 << 30
 
+// DefaultMaxDescriptors is Config.MaxDescriptors when it is zero: a
+// quarter of the descriptors the process may open (RLIMIT_NOFILE) and of
+// the mappings it may have (vm.max_map_count), whichever is fewer; a
+// registration holds one of each. The GPU path's file registrar keeps
+// itself to another quarter, and the rest is the engine's and the
+// runtime's. 16,382 with Linux's default mapping limit.
+func DefaultMaxDescriptors() int {
+	n := math.MaxInt32
+	var lim unix.Rlimit
+	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &lim); err == nil && lim.Cur/4 < uint64(n) {
+		n = int(lim.Cur / 4)
+	}
+	if b, err := os.ReadFile("/proc/sys/vm/max_map_count"); err == nil {
+		if m, err := strconv.Atoi(strings.TrimSpace(string(b))); err == nil && m/4 < n {
+			n = m / 4
+		}
+	}
+	return max(n, 2)
+}
+
 // DefaultMaxInflightBytes is Config.MaxInflightBytes when it is zero and
 // MaxFrame is at most 64 MiB: some 2 million keys of jobs in flight,
 // thirty times what the vLLM workers of an eight-GPU node keep in flight
@@ -283,6 +318,8 @@ func (c Config) withDefaults() (Config, error) {
 	if c.MaxDeviceBytes == 0 {
 		c.MaxDeviceBytes = DefaultMaxDeviceBytes
 	}
+	def(&c.MaxDescriptors, DefaultMaxDescriptors())
+	def(&c.MaxDescriptorsPerPeer, max(1, c.MaxDescriptors/2))
 	if c.MaxInflightBytes == 0 {
 		c.MaxInflightBytes = max(DefaultMaxInflightBytes, 4*MaxJobBytes(c.MaxFrame))
 	}
@@ -311,6 +348,10 @@ func (c Config) withDefaults() (Config, error) {
 	case int64(c.MaxRegistrations)+int64(c.MaxNamespaces)+int64(c.MaxCaches) >= math.MaxUint32:
 		// A connection's ids are u32 and never 0: a free one must remain.
 		return c, fmt.Errorf("server: MaxRegistrations + MaxNamespaces + MaxCaches %d: want less than %d", int64(c.MaxRegistrations)+int64(c.MaxNamespaces)+int64(c.MaxCaches), uint32(math.MaxUint32))
+	case c.MaxDescriptors < 0 || c.MaxDescriptorsPerPeer < 0:
+		return c, errors.New("server: negative descriptor limit")
+	case c.MaxDescriptorsPerPeer > c.MaxDescriptors:
+		return c, fmt.Errorf("server: max_descriptors_per_peer %d: want at most max_descriptors, %d", c.MaxDescriptorsPerPeer, c.MaxDescriptors)
 	case c.MaxInflightBytes < 0 || c.MaxInflightBytesPerPeer < 0:
 		return c, errors.New("server: negative in-flight bytes limit")
 	case c.MaxInflightBytesPerPeer > c.MaxInflightBytes:
@@ -346,13 +387,14 @@ type Server struct {
 	sessions map[*session]struct{} // every live connection
 	pending  map[*session]uint64   // not through Hello yet, by accept number
 	admitted int                   // sessions through Hello
-	peers    map[int32]*peer       // the peers of sessions through Hello, by pid (known pids only)
+	peers    map[int32]*peer       // the peers of live sessions, by pid (known pids only)
 	changed  chan struct{}         // closed and replaced when sessions change
 	stopping bool
 	wg       sync.WaitGroup // sessions
 	connSeq  atomic.Uint64  // numbers connections in logs
 	regBytes atomic.Int64   // memory registered by all sessions
 	jobBytes atomic.Int64   // JobBytes of every session's jobs in flight
+	fds      atomic.Int64   // clients' descriptors held (Config.MaxDescriptors)
 	regions  atomic.Int64   // host regions registered by all sessions
 	started  time.Time
 	devices  []deviceUse // per GPU: memory registered by all sessions
@@ -369,11 +411,37 @@ type Server struct {
 // session whose peer's pid is unknown (0) has a peer of its own.
 type peer struct {
 	pid   int32
-	conns int // sessions through Hello; guarded by Server.mu
+	refs  int // sessions of the peer; guarded by Server.mu
+	conns int // of those, the sessions through Hello; guarded by Server.mu
 	// namespaces counts, per geometry, the peer's sessions that hold it
 	// declared; guarded by Server.nsMu.
 	namespaces map[engine.Geometry]int
 	jobBytes   atomic.Int64 // JobBytes of the peer's jobs in flight
+	fds        atomic.Int64 // the peer's descriptors held
+}
+
+// holdDescriptor counts a descriptor received from a session of p
+// against MaxDescriptors and MaxDescriptorsPerPeer, or says which it
+// would pass.
+func (s *Server) holdDescriptor(p *peer) *protocol.Error {
+	if total := s.fds.Add(1); total > int64(s.cfg.MaxDescriptors) {
+		s.fds.Add(-1)
+		return perr(protocol.CodeLimit, "the daemon holds %d descriptors of clients (registered memory, descriptors sent with frames), the most it may (server.max_descriptors): the descriptor was closed",
+			total-1)
+	}
+	if held := p.fds.Add(1); held > int64(s.cfg.MaxDescriptorsPerPeer) {
+		p.fds.Add(-1)
+		s.fds.Add(-1)
+		return perr(protocol.CodeLimit, "the daemon holds %d descriptors of %s, the most one process may have it hold (server.max_descriptors_per_peer): the descriptor was closed; unregister memory first",
+			held-1, p)
+	}
+	return nil
+}
+
+// releaseDescriptor gives back a descriptor holdDescriptor counted.
+func (s *Server) releaseDescriptor(p *peer) {
+	p.fds.Add(-1)
+	s.fds.Add(-1)
 }
 
 // reserveJob counts n bytes of a new job of a session of p against
@@ -539,6 +607,14 @@ func (s *Server) start(c *net.UnixConn) *session {
 	}
 	sess := newSession(s, c)
 	sess.pid = peerPID(c)
+	sess.peer = s.peers[sess.pid]
+	if sess.peer == nil {
+		sess.peer = &peer{pid: sess.pid, namespaces: make(map[engine.Geometry]int)}
+		if sess.pid > 0 {
+			s.peers[sess.pid] = sess.peer
+		}
+	}
+	sess.peer.refs++
 	s.sessions[sess] = struct{}{}
 	s.pending[sess] = sess.seq
 	s.notifyLocked()
@@ -554,12 +630,13 @@ func (s *Server) start(c *net.UnixConn) *session {
 		s.mu.Lock()
 		delete(s.sessions, sess)
 		delete(s.pending, sess)
+		p := sess.peer
 		if sess.admitted {
 			s.admitted--
-			p := sess.peer
-			if p.conns--; p.conns == 0 && p.pid > 0 {
-				delete(s.peers, p.pid)
-			}
+			p.conns--
+		}
+		if p.refs--; p.refs == 0 && p.pid > 0 {
+			delete(s.peers, p.pid)
 		}
 		s.notifyLocked()
 		s.mu.Unlock()
@@ -600,18 +677,11 @@ func (s *Server) admit(sess *session) *protocol.Error {
 	case s.admitted >= s.cfg.MaxClients:
 		return perr(protocol.CodeLimit, "the daemon serves at most %d clients", s.cfg.MaxClients)
 	}
-	p := s.peers[sess.pid]
-	if p == nil {
-		p = &peer{pid: sess.pid, namespaces: make(map[engine.Geometry]int)}
-	}
-	if sess.pid > 0 && p.conns >= s.cfg.MaxClientsPerPeer {
-		return perr(protocol.CodeLimit, "process %d already has %d connections, the most one process may hold (server.max_clients_per_peer)", sess.pid, p.conns)
-	}
-	if sess.pid > 0 {
-		s.peers[sess.pid] = p
+	p := sess.peer
+	if p.pid > 0 && p.conns >= s.cfg.MaxClientsPerPeer {
+		return perr(protocol.CodeLimit, "process %d already has %d connections, the most one process may hold (server.max_clients_per_peer)", p.pid, p.conns)
 	}
 	p.conns++
-	sess.peer = p
 	s.admitted++
 	sess.admitted = true
 	s.notifyLocked()

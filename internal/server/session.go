@@ -74,7 +74,7 @@ type session struct {
 
 	admitted   bool  // through Hello and counted as a client; guarded by srv.mu
 	pid        int32 // the peer's pid (SO_PEERCRED), 0 if unknown; set before run
-	peer       *peer // what the peer's sessions hold together; set by admit
+	peer       *peer // what the peer's sessions hold together; set before run
 	hello      bool
 	regions    map[uint32]*memRegion
 	regBytes   int64 // bytes of the regions, counted against the limits
@@ -100,7 +100,7 @@ func newSession(s *Server, c *net.UnixConn) *session {
 	// handshake's limit, not MaxFrame: a peer that has not said who it is
 	// cannot make the daemon read (and allocate) MaxFrame bytes for each of
 	// MaxHandshakes connections.
-	return &session{
+	sess := &session{
 		srv:        s,
 		conn:       c,
 		seq:        seq,
@@ -115,6 +115,11 @@ func newSession(s *Server, c *net.UnixConn) *session {
 		jobs:       make(map[uint64]*jobEntry),
 		released:   make(chan struct{}),
 	}
+	// Every descriptor the client sends counts against the daemon's and
+	// its process's bounds until it is closed.
+	sess.rd.hold = func() *protocol.Error { return s.holdDescriptor(sess.peer) }
+	sess.rd.drop = func() { s.releaseDescriptor(sess.peer) }
+	return sess
 }
 
 // stop makes run return: reading stops at once; jobs get grace to finish.
@@ -351,38 +356,41 @@ func (s *session) registerMemory(m *protocol.RegisterMemory) (protocol.Message, 
 	if m.Kind == protocol.MemoryCUDAIPC {
 		return s.registerDevice(m)
 	}
-	fd := s.rd.takeFd()
+	fd, refused := s.rd.takeFd()
+	if refused != nil {
+		return nil, refused
+	}
 	if fd < 0 {
 		return nil, perr(protocol.CodeNoFd, "%s registration without a descriptor (send it as SCM_RIGHTS with the frame)", m.Kind)
 	}
 	if len(s.regions) >= s.srv.cfg.MaxRegistrations {
-		unix.Close(fd)
+		s.closeFd(fd)
 		return nil, perr(protocol.CodeLimit, "at most %d memory regions per connection (server.max_registrations)", s.srv.cfg.MaxRegistrations)
 	}
 	size := int64(m.Size)
 	if size < 0 || size > math.MaxInt {
-		unix.Close(fd)
+		s.closeFd(fd)
 		return nil, perr(protocol.CodeInvalid, "size %d does not fit the address space", m.Size)
 	}
 	open := region.OpenMemfd
 	if m.Kind == protocol.MemoryShared {
 		if !s.srv.cfg.SharedFiles {
-			unix.Close(fd)
+			s.closeFd(fd)
 			return nil, perr(protocol.CodeUnsupported, "this daemon does not accept unsealed shared-memory files; register a memfd sealed with F_SEAL_SHRINK")
 		}
 		open = region.OpenShared
 	} else if err := checkMemfd(fd, size); err != nil {
-		unix.Close(fd)
+		s.closeFd(fd)
 		return nil, err
 	}
 	if err := s.reserveBytes(size); err != nil {
-		unix.Close(fd)
+		s.closeFd(fd)
 		return nil, err
 	}
 	h, err := open(fd, size)
 	if err != nil {
 		s.releaseBytes(size)
-		unix.Close(fd)
+		s.closeFd(fd)
 		return nil, perr(protocol.CodeBadFd, "%v", err)
 	}
 	id := s.newID()
@@ -450,6 +458,14 @@ func (s *session) closeRegion(r *memRegion) {
 	if err := r.host.Close(); err != nil {
 		s.log.Warn("unmap region", "err", err)
 	}
+	s.srv.releaseDescriptor(s.peer) // the region held the client's descriptor
+}
+
+// closeFd closes a client's descriptor the session took and no region
+// holds, and gives it back.
+func (s *session) closeFd(fd int) {
+	unix.Close(fd)
+	s.srv.releaseDescriptor(s.peer)
 }
 
 // checkMemfd accepts a regular shared-memory file of at least size bytes

@@ -15,6 +15,10 @@ type Stats struct {
 	// InflightBytes is what those jobs hold, as JobBytes counts it;
 	// InflightLimit is Config.MaxInflightBytes.
 	InflightBytes, InflightLimit int64
+	// Descriptors are the clients' descriptors the daemon holds
+	// (registered host memory, descriptors sent with frames not yet
+	// answered); DescriptorLimit is Config.MaxDescriptors.
+	Descriptors, DescriptorLimit int64
 	Regions                      int64 // host memory regions registered by all connections
 	RegisteredBytes              int64 // their bytes
 	// RegisteredLimit is Config.MaxTotalRegisteredBytes.
@@ -47,6 +51,7 @@ func (s *Server) figures() Stats {
 		sess.jmu.Unlock()
 	}
 	st.InflightBytes, st.InflightLimit = s.jobBytes.Load(), s.cfg.MaxInflightBytes
+	st.Descriptors, st.DescriptorLimit = s.fds.Load(), int64(s.cfg.MaxDescriptors)
 	st.Regions, st.RegisteredBytes = s.regions.Load(), s.regBytes.Load()
 	st.RegisteredLimit = s.cfg.MaxTotalRegisteredBytes
 	st.Started = s.started
