@@ -314,6 +314,7 @@ var (
 	dJobsHeld       = desc("kvhost_jobs_in_flight_bytes", "Memory the unfinished jobs of all connections hold, as the server counts it against server.max_inflight_bytes.")
 	dJobsHeldLimit  = desc("kvhost_jobs_in_flight_bytes_limit", "The most memory the unfinished jobs of all connections may hold (server.max_inflight_bytes).")
 	dRegions        = desc("kvhost_registered_regions", "Host memory regions registered by clients.")
+	dRefusals       = desc("kvhost_limit_refusals_total", "Client requests refused with limit exceeded, by the bound that refused them: its configuration key (server.max_...) or the protocol's per-connection limit (namespaces_per_connection, caches_per_connection, pins_per_connection).", "limit")
 	dClientFds      = desc("kvhost_client_descriptors", "Descriptors of clients the daemon holds: registered host memory and descriptors sent with frames not yet answered.")
 	dClientFdsLimit = desc("kvhost_client_descriptors_limit", "The most descriptors of clients the daemon may hold (server.max_descriptors).")
 	dRegBytes       = desc("kvhost_registered_bytes", "Bytes of host memory registered by clients.")
@@ -444,6 +445,9 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 		gauge(dJobsHeldLimit, float64(st.InflightLimit))
 		gauge(dRegions, float64(st.Regions))
 		gauge(dClientFds, float64(st.Descriptors))
+		for limit, n := range st.Refusals {
+			counter(dRefusals, n, limit)
+		}
 		gauge(dClientFdsLimit, float64(st.DescriptorLimit))
 		gauge(dRegBytes, float64(st.RegisteredBytes))
 		gauge(dRegLimit, float64(st.RegisteredLimit))

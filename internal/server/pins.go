@@ -54,7 +54,7 @@ func (s *session) pin(m *protocol.Pin) (protocol.Message, error) {
 			}
 		}
 		if len(sp.ids) >= MaxPinsPerConnection {
-			return nil, perr(protocol.CodeLimit, "%d pins held on this connection: unpin some first", len(sp.ids))
+			return nil, s.srv.refuse(boundPins, "%d pins held on this connection: unpin some first", len(sp.ids))
 		}
 	}
 	eid, held, err := p.Pin(s.ctx, ns.id, m.Keys, time.Duration(m.LeaseMillis)*time.Millisecond)

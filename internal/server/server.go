@@ -377,6 +377,45 @@ func (c Config) regShare() int64 {
 	return min(c.MaxRegisteredBytes, c.MaxTotalRegisteredBytes/int64(max(c.MaxClients, 1)))
 }
 
+// bound is a limit a request can be refused by (CodeLimit): counted in
+// Stats.Refusals under its name.
+type bound uint8
+
+const (
+	boundClients bound = iota
+	boundClientsPerPeer
+	boundRegistrations
+	boundRegisteredBytes
+	boundTotalRegisteredBytes
+	boundDeviceBytes
+	boundDescriptors
+	boundDescriptorsPerPeer
+	boundInflightJobs
+	boundInflightBytes
+	boundInflightBytesPerPeer
+	boundNamespacesPerPeer
+	boundNamespaces
+	boundCaches
+	boundPins
+	numBounds
+)
+
+// boundNames name the bounds: a configuration key, or the protocol's
+// per-connection limit.
+var boundNames = [numBounds]string{
+	"server.max_clients", "server.max_clients_per_peer", "server.max_registrations",
+	"server.max_registered_bytes", "server.max_total_registered_bytes", "server.max_device_registered_bytes",
+	"server.max_descriptors", "server.max_descriptors_per_peer", "server.max_inflight_jobs",
+	"server.max_inflight_bytes", "server.max_inflight_bytes_per_peer", "server.max_namespaces_per_peer",
+	"namespaces_per_connection", "caches_per_connection", "pins_per_connection",
+}
+
+// refuse counts a refusal by b and returns the error the client gets.
+func (s *Server) refuse(b bound, format string, args ...any) *protocol.Error {
+	s.refusals[b].Add(1)
+	return perr(protocol.CodeLimit, format, args...)
+}
+
 // Server serves the kvhost protocol over a listener.
 type Server struct {
 	eng Engine
@@ -395,7 +434,8 @@ type Server struct {
 	regBytes atomic.Int64   // memory registered by all sessions
 	jobBytes atomic.Int64   // JobBytes of every session's jobs in flight
 	fds      atomic.Int64   // clients' descriptors held (Config.MaxDescriptors)
-	regions  atomic.Int64   // host regions registered by all sessions
+	refusals [numBounds]atomic.Uint64
+	regions  atomic.Int64 // host regions registered by all sessions
 	started  time.Time
 	devices  []deviceUse // per GPU: memory registered by all sessions
 
@@ -426,13 +466,13 @@ type peer struct {
 func (s *Server) holdDescriptor(p *peer) *protocol.Error {
 	if total := s.fds.Add(1); total > int64(s.cfg.MaxDescriptors) {
 		s.fds.Add(-1)
-		return perr(protocol.CodeLimit, "the daemon holds %d descriptors of clients (registered memory, descriptors sent with frames), the most it may (server.max_descriptors): the descriptor was closed",
+		return s.refuse(boundDescriptors, "the daemon holds %d descriptors of clients (registered memory, descriptors sent with frames), the most it may (server.max_descriptors): the descriptor was closed",
 			total-1)
 	}
 	if held := p.fds.Add(1); held > int64(s.cfg.MaxDescriptorsPerPeer) {
 		p.fds.Add(-1)
 		s.fds.Add(-1)
-		return perr(protocol.CodeLimit, "the daemon holds %d descriptors of %s, the most one process may have it hold (server.max_descriptors_per_peer): the descriptor was closed; unregister memory first",
+		return s.refuse(boundDescriptorsPerPeer, "the daemon holds %d descriptors of %s, the most one process may have it hold (server.max_descriptors_per_peer): the descriptor was closed; unregister memory first",
 			held-1, p)
 	}
 	return nil
@@ -450,13 +490,13 @@ func (s *Server) releaseDescriptor(p *peer) {
 func (s *Server) reserveJob(p *peer, n int64) error {
 	if total := s.jobBytes.Add(n); total > s.cfg.MaxInflightBytes {
 		s.jobBytes.Add(-n)
-		return perr(protocol.CodeLimit, "the jobs in flight of all clients hold %d bytes; this job's %d would pass the daemon's limit of %d (server.max_inflight_bytes): retry once jobs have ended",
+		return s.refuse(boundInflightBytes, "the jobs in flight of all clients hold %d bytes; this job's %d would pass the daemon's limit of %d (server.max_inflight_bytes): retry once jobs have ended",
 			total-n, n, s.cfg.MaxInflightBytes)
 	}
 	if held := p.jobBytes.Add(n); held > s.cfg.MaxInflightBytesPerPeer {
 		p.jobBytes.Add(-n)
 		s.jobBytes.Add(-n)
-		return perr(protocol.CodeLimit, "the jobs in flight of %s hold %d bytes; this job's %d would pass the most one process may hold, %d (server.max_inflight_bytes_per_peer): retry once its jobs have ended",
+		return s.refuse(boundInflightBytesPerPeer, "the jobs in flight of %s hold %d bytes; this job's %d would pass the most one process may hold, %d (server.max_inflight_bytes_per_peer): retry once its jobs have ended",
 			p, held-n, n, s.cfg.MaxInflightBytesPerPeer)
 	}
 	return nil
@@ -496,7 +536,7 @@ func (s *Server) reserveDevice(d int, size int64) error {
 	u := &s.devices[d]
 	if total := u.bytes.Add(size); total > s.cfg.MaxDeviceBytes {
 		u.bytes.Add(-size)
-		return perr(protocol.CodeLimit, "registering %d bytes on device %d would exceed the daemon's limit of %d bytes of registered GPU memory per device (%d registered)",
+		return s.refuse(boundDeviceBytes, "registering %d bytes on device %d would exceed the daemon's limit of %d bytes of registered GPU memory per device (%d registered; server.max_device_registered_bytes)",
 			size, d, s.cfg.MaxDeviceBytes, total-size)
 	}
 	u.regions.Add(1)
@@ -675,11 +715,11 @@ func (s *Server) admit(sess *session) *protocol.Error {
 	case s.stopping:
 		return perr(protocol.CodeShuttingDown, "the daemon is shutting down")
 	case s.admitted >= s.cfg.MaxClients:
-		return perr(protocol.CodeLimit, "the daemon serves at most %d clients", s.cfg.MaxClients)
+		return s.refuse(boundClients, "the daemon serves at most %d clients (server.max_clients)", s.cfg.MaxClients)
 	}
 	p := sess.peer
 	if p.pid > 0 && p.conns >= s.cfg.MaxClientsPerPeer {
-		return perr(protocol.CodeLimit, "process %d already has %d connections, the most one process may hold (server.max_clients_per_peer)", p.pid, p.conns)
+		return s.refuse(boundClientsPerPeer, "process %d already has %d connections, the most one process may hold (server.max_clients_per_peer)", p.pid, p.conns)
 	}
 	p.conns++
 	s.admitted++
@@ -700,7 +740,7 @@ func (s *Server) declare(ctx context.Context, p *peer, g engine.Geometry) (engin
 	s.nsMu.Lock()
 	defer s.nsMu.Unlock()
 	if p.namespaces[g] == 0 && len(p.namespaces) >= s.cfg.MaxNamespacesPerPeer {
-		return 0, perr(protocol.CodeLimit, "%s already holds %d geometries declared, the most one process may hold (server.max_namespaces_per_peer): undeclare one first",
+		return 0, s.refuse(boundNamespacesPerPeer, "%s already holds %d geometries declared, the most one process may hold (server.max_namespaces_per_peer): undeclare one first",
 			p, len(p.namespaces))
 	}
 	id, err := s.eng.Declare(ctx, g)

@@ -365,7 +365,7 @@ func (s *session) registerMemory(m *protocol.RegisterMemory) (protocol.Message, 
 	}
 	if len(s.regions) >= s.srv.cfg.MaxRegistrations {
 		s.closeFd(fd)
-		return nil, perr(protocol.CodeLimit, "at most %d memory regions per connection (server.max_registrations)", s.srv.cfg.MaxRegistrations)
+		return nil, s.srv.refuse(boundRegistrations, "at most %d memory regions per connection (server.max_registrations)", s.srv.cfg.MaxRegistrations)
 	}
 	size := int64(m.Size)
 	if size < 0 || size > math.MaxInt {
@@ -408,7 +408,7 @@ func (s *session) registerDevice(m *protocol.RegisterMemory) (protocol.Message, 
 		return nil, perr(protocol.CodeInvalid, "device %d: this daemon serves GPUs 0..%d", m.Device, cfg.Devices-1)
 	}
 	if len(s.regions) >= cfg.MaxRegistrations {
-		return nil, perr(protocol.CodeLimit, "at most %d memory regions per connection (server.max_registrations)", cfg.MaxRegistrations)
+		return nil, s.srv.refuse(boundRegistrations, "at most %d memory regions per connection (server.max_registrations)", cfg.MaxRegistrations)
 	}
 	off, size := int64(m.Offset), int64(m.Size)
 	if off < 0 || size <= 0 || size > math.MaxInt64-off {
@@ -416,7 +416,7 @@ func (s *session) registerDevice(m *protocol.RegisterMemory) (protocol.Message, 
 	}
 	dev := int(m.Device)
 	if size > cfg.MaxDeviceBytes {
-		return nil, perr(protocol.CodeLimit, "registering %d bytes on device %d exceeds the daemon's limit of %d bytes of registered GPU memory per device", size, dev, cfg.MaxDeviceBytes)
+		return nil, s.srv.refuse(boundDeviceBytes, "registering %d bytes on device %d exceeds the daemon's limit of %d bytes of registered GPU memory per device (server.max_device_registered_bytes)", size, dev, cfg.MaxDeviceBytes)
 	}
 	if err := s.srv.reserveDevice(dev, size); err != nil {
 		return nil, err
@@ -512,12 +512,12 @@ func (s *session) unregisterMemory(m *protocol.UnregisterMemory) (protocol.Messa
 func (s *session) reserveBytes(size int64) error {
 	cfg := s.srv.cfg
 	if share := cfg.regShare(); s.regBytes+size > share {
-		return perr(protocol.CodeLimit, "registering %d bytes would exceed this connection's limit of %d bytes of registered memory (%d registered)",
+		return s.srv.refuse(boundRegisteredBytes, "registering %d bytes would exceed this connection's limit of %d bytes of registered memory (%d registered; server.max_registered_bytes, or max_total_registered_bytes / max_clients if less)",
 			size, share, s.regBytes)
 	}
 	if total := s.srv.regBytes.Add(size); total > cfg.MaxTotalRegisteredBytes {
 		s.srv.regBytes.Add(-size)
-		return perr(protocol.CodeLimit, "registering %d bytes would exceed the daemon's limit of %d bytes of registered memory",
+		return s.srv.refuse(boundTotalRegisteredBytes, "registering %d bytes would exceed the daemon's limit of %d bytes of registered memory (server.max_total_registered_bytes)",
 			size, cfg.MaxTotalRegisteredBytes)
 	}
 	s.regBytes += size
@@ -556,7 +556,7 @@ func (s *session) declare(m *protocol.Declare) (protocol.Message, error) {
 		}
 	}
 	if len(s.namespaces) >= s.srv.cfg.MaxNamespaces {
-		return nil, perr(protocol.CodeLimit, "at most %d namespaces per connection", s.srv.cfg.MaxNamespaces)
+		return nil, s.srv.refuse(boundNamespaces, "at most %d namespaces per connection", s.srv.cfg.MaxNamespaces)
 	}
 	nsID, err := s.srv.declare(s.ctx, s.peer, geo)
 	if err != nil {
@@ -614,7 +614,7 @@ func (s *session) registerCache(m *protocol.RegisterCache) (protocol.Message, er
 		return nil, perr(protocol.CodeInvalid, "%d layer tensors for a geometry of %d layers", len(m.Layers), ns.geo.Layers)
 	}
 	if len(s.caches) >= s.srv.cfg.MaxCaches {
-		return nil, perr(protocol.CodeLimit, "at most %d caches per connection", s.srv.cfg.MaxCaches)
+		return nil, s.srv.refuse(boundCaches, "at most %d caches per connection", s.srv.cfg.MaxCaches)
 	}
 	layers := make([]engine.LayerTensor, len(m.Layers))
 	regions := make([]uint32, len(m.Layers))
@@ -733,7 +733,7 @@ func (s *session) transfer(id uint64, m *protocol.Transfer) bool {
 	s.jmu.Lock()
 	if len(s.jobs) >= s.srv.cfg.MaxInflightJobs {
 		s.jmu.Unlock()
-		return fail(perr(protocol.CodeLimit, "at most %d jobs in flight per connection (server.max_inflight_jobs)", s.srv.cfg.MaxInflightJobs))
+		return fail(s.srv.refuse(boundInflightJobs, "at most %d jobs in flight per connection (server.max_inflight_jobs)", s.srv.cfg.MaxInflightJobs))
 	}
 	charge := JobBytes(m.Keys, bpk)
 	if err := s.srv.reserveJob(s.peer, charge); err != nil {

@@ -19,8 +19,13 @@ type Stats struct {
 	// (registered host memory, descriptors sent with frames not yet
 	// answered); DescriptorLimit is Config.MaxDescriptors.
 	Descriptors, DescriptorLimit int64
-	Regions                      int64 // host memory regions registered by all connections
-	RegisteredBytes              int64 // their bytes
+	// Refusals counts the requests refused with limit exceeded by the
+	// bound that refused them: its configuration key (server.max_...), or
+	// namespaces_per_connection, caches_per_connection,
+	// pins_per_connection. Bounds that refused none are left out.
+	Refusals        map[string]uint64
+	Regions         int64 // host memory regions registered by all connections
+	RegisteredBytes int64 // their bytes
 	// RegisteredLimit is Config.MaxTotalRegisteredBytes.
 	RegisteredLimit int64
 	// Devices is the GPU memory registered per device.
@@ -52,6 +57,14 @@ func (s *Server) figures() Stats {
 	}
 	st.InflightBytes, st.InflightLimit = s.jobBytes.Load(), s.cfg.MaxInflightBytes
 	st.Descriptors, st.DescriptorLimit = s.fds.Load(), int64(s.cfg.MaxDescriptors)
+	for b := range numBounds {
+		if n := s.refusals[b].Load(); n > 0 {
+			if st.Refusals == nil {
+				st.Refusals = make(map[string]uint64)
+			}
+			st.Refusals[boundNames[b]] = n
+		}
+	}
 	st.Regions, st.RegisteredBytes = s.regions.Load(), s.regBytes.Load()
 	st.RegisteredLimit = s.cfg.MaxTotalRegisteredBytes
 	st.Started = s.started
