@@ -247,6 +247,8 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 		MaxClientsPerPeer:       cfg.Server.MaxClientsPerPeer,
 		MaxNamespacesPerPeer:    cfg.Server.MaxNamespacesPerPeer,
 		MaxDescriptors:          cfg.Server.MaxDescriptors,
+		MaxPinnedKeys:           cfg.Server.MaxPinnedKeys,
+		MaxPinnedKeysPerPeer:    cfg.Server.MaxPinnedKeysPerPeer,
 		MaxDescriptorsPerPeer:   cfg.Server.MaxDescriptorsPerPeer,
 		MaxFrame:                int(cfg.Server.MaxFrame),
 		MaxRegistrations:        cfg.Server.MaxRegistrations,

@@ -18,6 +18,7 @@ import (
 	"github.com/BurntSushi/toml"
 
 	"github.com/kvhost/kvhost/internal/vllmfs"
+	"github.com/kvhost/kvhost/protocol"
 )
 
 // ErrInvalid is wrapped by every error about a configuration value.
@@ -129,6 +130,11 @@ type Server struct {
 	// MaxDescriptorsPerPeer bounds the same for one client process; 0:
 	// half of MaxDescriptors.
 	MaxDescriptorsPerPeer int `toml:"max_descriptors_per_peer"`
+	// MaxPinnedKeys bounds the keys the pins of all clients hold; 0: 4Mi.
+	MaxPinnedKeys int `toml:"max_pinned_keys"`
+	// MaxPinnedKeysPerPeer bounds the same for one client process; 0:
+	// half of MaxPinnedKeys.
+	MaxPinnedKeysPerPeer int `toml:"max_pinned_keys_per_peer"`
 	// MaxNamespacesPerPeer bounds the distinct geometries the
 	// connections of one client process hold declared together; 0: 64,
 	// what one connection may declare.
@@ -632,6 +638,10 @@ func (c *Config) Validate() error {
 		return bad("server.max_descriptors", "0 (automatic) or more", c.Server.MaxDescriptors)
 	case c.Server.MaxDescriptorsPerPeer < 0 || (c.Server.MaxDescriptors > 0 && c.Server.MaxDescriptorsPerPeer > c.Server.MaxDescriptors):
 		return bad("server.max_descriptors_per_peer", "0 (half of max_descriptors) to max_descriptors", c.Server.MaxDescriptorsPerPeer)
+	case c.Server.MaxPinnedKeys != 0 && c.Server.MaxPinnedKeys < 2*protocol.MaxKeysPerRequest:
+		return bad("server.max_pinned_keys", fmt.Sprintf("0 (automatic) or at least %d", 2*protocol.MaxKeysPerRequest), c.Server.MaxPinnedKeys)
+	case c.Server.MaxPinnedKeysPerPeer != 0 && (c.Server.MaxPinnedKeysPerPeer < protocol.MaxKeysPerRequest || (c.Server.MaxPinnedKeys > 0 && c.Server.MaxPinnedKeysPerPeer > c.Server.MaxPinnedKeys)):
+		return bad("server.max_pinned_keys_per_peer", fmt.Sprintf("0 (half of max_pinned_keys), or %d (the keys of one request) to max_pinned_keys", protocol.MaxKeysPerRequest), c.Server.MaxPinnedKeysPerPeer)
 	case c.Server.MaxNamespacesPerPeer < 0:
 		return bad("server.max_namespaces_per_peer", "0 (64) or more", c.Server.MaxNamespacesPerPeer)
 	case c.Server.MaxInflightJobs < 1:

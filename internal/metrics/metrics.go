@@ -315,6 +315,8 @@ var (
 	dJobsHeldLimit  = desc("kvhost_jobs_in_flight_bytes_limit", "The most memory the unfinished jobs of all connections may hold (server.max_inflight_bytes).")
 	dRegions        = desc("kvhost_registered_regions", "Host memory regions registered by clients.")
 	dRefusals       = desc("kvhost_limit_refusals_total", "Client requests refused with limit exceeded, by the bound that refused them: its configuration key (server.max_...) or the protocol's per-connection limit (namespaces_per_connection, caches_per_connection, pins_per_connection).", "limit")
+	dPinnedKeys     = desc("kvhost_client_pinned_keys", "Keys the pins of all connections hold, as counted against server.max_pinned_keys.")
+	dPinnedLimit    = desc("kvhost_client_pinned_keys_limit", "The most keys the pins of all connections may hold (server.max_pinned_keys).")
 	dClientFds      = desc("kvhost_client_descriptors", "Descriptors of clients the daemon holds: registered host memory and descriptors sent with frames not yet answered.")
 	dClientFdsLimit = desc("kvhost_client_descriptors_limit", "The most descriptors of clients the daemon may hold (server.max_descriptors).")
 	dRegBytes       = desc("kvhost_registered_bytes", "Bytes of host memory registered by clients.")
@@ -445,6 +447,8 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 		gauge(dJobsHeldLimit, float64(st.InflightLimit))
 		gauge(dRegions, float64(st.Regions))
 		gauge(dClientFds, float64(st.Descriptors))
+		gauge(dPinnedKeys, float64(st.PinnedKeys))
+		gauge(dPinnedLimit, float64(st.PinnedLimit))
 		for limit, n := range st.Refusals {
 			counter(dRefusals, n, limit)
 		}

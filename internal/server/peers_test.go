@@ -19,13 +19,15 @@ import (
 const (
 	peerSocketEnv = "KVHOST_TEST_PEER_SOCKET"
 	peerStoreEnv  = "KVHOST_TEST_PEER_STORE"
+	peerPinEnv    = "KVHOST_TEST_PEER_PIN"
 )
 
 // TestHelperOtherProcessClient is not a test: run by otherProcess in a
 // process of its own, it connects to the socket in
 // $KVHOST_TEST_PEER_SOCKET, registers 1 MiB and declares a namespace;
-// with $KVHOST_TEST_PEER_STORE set, it also registers a cache of wideGeo
-// and has a store of a fat job accepted.
+// with $KVHOST_TEST_PEER_PIN set, it pins that key of the namespace; with
+// $KVHOST_TEST_PEER_STORE set, it also registers a cache of wideGeo and
+// has a store of a fat job accepted.
 func TestHelperOtherProcessClient(t *testing.T) {
 	socket := os.Getenv(peerSocketEnv)
 	if socket == "" {
@@ -38,8 +40,15 @@ func TestHelperOtherProcessClient(t *testing.T) {
 	}
 	defer c.Close()
 	holdMiB(t, c)
-	if _, err := c.Declare(ctx, geo); err != nil {
+	ns, err := c.Declare(ctx, geo)
+	if err != nil {
 		t.Fatal(err)
+	}
+	if key := os.Getenv(peerPinEnv); key != "" {
+		p, err := c.Pin(ctx, ns.ID, [][]byte{[]byte(key)}, 0)
+		if err != nil || !p.Held[0] {
+			t.Fatalf("pin %q: %+v, %v", key, p, err)
+		}
 	}
 	if os.Getenv(peerStoreEnv) != "" {
 		k := newWideCache(t, c)

@@ -1,6 +1,7 @@
 package server
 
 import (
+	"container/heap"
 	"context"
 	"time"
 
@@ -34,7 +35,113 @@ const MaxPinsPerConnection = 4096
 // the session's run goroutine touches it.
 type sessionPins struct {
 	next uint64
-	ids  map[uint64]engine.PinID
+	ids  map[uint64]sessionPin
+}
+
+// sessionPin is a pin of a connection: the engine's, and the keys it is
+// counted to hold.
+type sessionPin struct {
+	id     engine.PinID
+	charge *pinCharge
+}
+
+// pinCharge is the keys one client pin holds, counted against
+// MaxPinnedKeys and MaxPinnedKeysPerPeer until the pin is released or its
+// lease ends.
+type pinCharge struct {
+	peer    *peer
+	keys    int64
+	ends    time.Time // the lease's end; zero without one
+	settled bool      // given back
+	index   int       // in Server.pinLeases; -1 if not there
+}
+
+// pinHeap orders the charges of pins with a lease by the end of their
+// lease (container/heap).
+type pinHeap []*pinCharge
+
+func (h pinHeap) Len() int           { return len(h) }
+func (h pinHeap) Less(i, j int) bool { return h[i].ends.Before(h[j].ends) }
+func (h pinHeap) Swap(i, j int) {
+	h[i], h[j] = h[j], h[i]
+	h[i].index, h[j].index = i, j
+}
+func (h *pinHeap) Push(x any) {
+	c := x.(*pinCharge)
+	c.index = len(*h)
+	*h = append(*h, c)
+}
+func (h *pinHeap) Pop() any {
+	old := *h
+	c := old[len(old)-1]
+	old[len(old)-1] = nil
+	*h = old[:len(old)-1]
+	c.index = -1
+	return c
+}
+
+// chargePins counts n keys of a new pin of a session of p, with lease
+// (0: none), against MaxPinnedKeys and MaxPinnedKeysPerPeer, or says
+// which it would pass. Pins whose lease has ended are given back first:
+// the engine has released them, or does at that moment.
+func (s *Server) chargePins(p *peer, n int64, lease time.Duration) (*pinCharge, error) {
+	now := time.Now()
+	s.pinMu.Lock()
+	defer s.pinMu.Unlock()
+	for len(s.pinLeases) > 0 && !s.pinLeases[0].ends.After(now) {
+		s.settleLocked(heap.Pop(&s.pinLeases).(*pinCharge), 0)
+	}
+	if s.pinned+n > int64(s.cfg.MaxPinnedKeys) {
+		return nil, s.refuse(boundPinnedKeys, "the pins of all clients hold %d keys; this pin's %d would pass the daemon's limit of %d (server.max_pinned_keys): unpin some first",
+			s.pinned, n, s.cfg.MaxPinnedKeys)
+	}
+	if p.pinned+n > int64(s.cfg.MaxPinnedKeysPerPeer) {
+		return nil, s.refuse(boundPinnedKeysPerPeer, "the pins of %s hold %d keys; this pin's %d would pass the most one process may hold, %d (server.max_pinned_keys_per_peer): unpin some first",
+			p, p.pinned, n, s.cfg.MaxPinnedKeysPerPeer)
+	}
+	c := &pinCharge{peer: p, keys: n, index: -1}
+	if lease > 0 {
+		c.ends = now.Add(lease)
+		heap.Push(&s.pinLeases, c)
+	}
+	s.pinned += n
+	p.pinned += n
+	return c, nil
+}
+
+// settlePins counts c as holding keep keys from now on (no more than it
+// did); 0 gives it back.
+func (s *Server) settlePins(c *pinCharge, keep int64) {
+	s.pinMu.Lock()
+	defer s.pinMu.Unlock()
+	s.settleLocked(c, keep)
+}
+
+func (s *Server) settleLocked(c *pinCharge, keep int64) {
+	if c.settled || keep >= c.keys {
+		return
+	}
+	s.pinned -= c.keys - keep
+	c.peer.pinned -= c.keys - keep
+	c.keys = keep
+	if keep == 0 {
+		c.settled = true
+		if c.index >= 0 {
+			heap.Remove(&s.pinLeases, c.index)
+		}
+	}
+}
+
+// pinnedKeys is the keys the pins of all connections hold, those whose
+// lease has ended given back.
+func (s *Server) pinnedKeys() int64 {
+	now := time.Now()
+	s.pinMu.Lock()
+	defer s.pinMu.Unlock()
+	for len(s.pinLeases) > 0 && !s.pinLeases[0].ends.After(now) {
+		s.settleLocked(heap.Pop(&s.pinLeases).(*pinCharge), 0)
+	}
+	return s.pinned
 }
 
 func (s *session) pin(m *protocol.Pin) (protocol.Message, error) {
@@ -48,31 +155,44 @@ func (s *session) pin(m *protocol.Pin) (protocol.Message, error) {
 	}
 	sp := &s.pins
 	if len(sp.ids) >= MaxPinsPerConnection {
-		for id, eid := range sp.ids { // forget pins whose lease ended
-			if !p.PinHeld(eid) {
+		for id, pin := range sp.ids { // forget pins whose lease ended
+			if !p.PinHeld(pin.id) {
 				delete(sp.ids, id)
+				s.srv.settlePins(pin.charge, 0)
 			}
 		}
 		if len(sp.ids) >= MaxPinsPerConnection {
 			return nil, s.srv.refuse(boundPins, "%d pins held on this connection: unpin some first", len(sp.ids))
 		}
 	}
-	eid, held, err := p.Pin(s.ctx, ns.id, m.Keys, time.Duration(m.LeaseMillis)*time.Millisecond)
+	lease := time.Duration(m.LeaseMillis) * time.Millisecond
+	charge, err := s.srv.chargePins(s.peer, int64(len(m.Keys)), lease)
 	if err != nil {
 		return nil, err
 	}
+	eid, held, err := p.Pin(s.ctx, ns.id, m.Keys, lease)
+	if err != nil {
+		s.srv.settlePins(charge, 0)
+		return nil, err
+	}
 	reply := &protocol.Pinned{State: make([]uint8, len(held))}
+	kept := int64(0)
 	for i, h := range held {
 		if h {
 			reply.State[i] = protocol.PinHeld
+			kept++
 		}
 	}
+	if eid == 0 {
+		kept = 0
+	}
+	s.srv.settlePins(charge, kept) // what the pin holds: the keys found
 	if eid != 0 {
 		if sp.ids == nil {
-			sp.ids = map[uint64]engine.PinID{}
+			sp.ids = map[uint64]sessionPin{}
 		}
 		sp.next++
-		sp.ids[sp.next] = eid
+		sp.ids[sp.next] = sessionPin{id: eid, charge: charge}
 		reply.Pin = sp.next
 	}
 	return reply, nil
@@ -80,9 +200,10 @@ func (s *session) pin(m *protocol.Pin) (protocol.Message, error) {
 
 func (s *session) unpin(m *protocol.Unpin) (protocol.Message, error) {
 	n := 0
-	if eid, ok := s.pins.ids[m.Pin]; ok {
+	if pin, ok := s.pins.ids[m.Pin]; ok {
 		delete(s.pins.ids, m.Pin)
-		n = s.srv.eng.(Pinner).Unpin(s.ctx, eid)
+		n = s.srv.eng.(Pinner).Unpin(s.ctx, pin.id)
+		s.srv.settlePins(pin.charge, 0)
 	}
 	return &protocol.Count{T: protocol.TypeUnpin | protocol.TypeReply, Count: uint32(n)}, nil
 }
@@ -93,8 +214,9 @@ func (s *session) releasePins() {
 	if !ok {
 		return
 	}
-	for _, eid := range s.pins.ids {
-		p.Unpin(context.Background(), eid)
+	for _, pin := range s.pins.ids {
+		p.Unpin(context.Background(), pin.id)
+		s.srv.settlePins(pin.charge, 0)
 	}
 	s.pins.ids = nil
 }

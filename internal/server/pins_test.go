@@ -7,9 +7,11 @@ import (
 	"github.com/kvhost/kvhost/internal/testwait"
 	"math/rand/v2"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
+	"github.com/kvhost/kvhost/client"
 	"github.com/kvhost/kvhost/internal/server"
 	"github.com/kvhost/kvhost/protocol"
 )
@@ -115,4 +117,69 @@ func TestPinErrors(t *testing.T) {
 	}
 	r.send(7, &protocol.Pin{NS: 1, LeaseMillis: protocol.MaxLeaseMillis + 1, Keys: [][]byte{[]byte("a")}})
 	r.expectCode(protocol.CodeMalformed)
+}
+
+// TestOneProcessCannotPinEveryKey: the keys one process's pins hold, on
+// all its connections, are bounded by server.max_pinned_keys_per_peer
+// (half of server.max_pinned_keys by default); a pin beyond it is
+// refused with limit exceeded naming the key, while another process
+// still pins. Keys pinned with a lease count until the lease ends.
+func TestOneProcessCannotPinEveryKey(t *testing.T) {
+	const limit, perPeer, keys = 2 * protocol.MaxKeysPerRequest, protocol.MaxKeysPerRequest, 64
+	ctx := context.Background()
+	f := newFixture(t, server.Config{MaxPinnedKeys: limit})
+	conns := []*client.Client{f.dial(t), f.dial(t)}
+	k := newCache(t, conns[0])
+	names := make([][]byte, keys)
+	blocks := make([][]uint32, keys)
+	for i := range names {
+		names[i] = fmt.Appendf(nil, "pinned-%d", i)
+		blocks[i] = []uint32{0, 1}
+	}
+	job, err := conns[0].Store(ctx, k.id, names, blocks)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res, err := job.Wait(ctx); err != nil || res.Keys[keys-1].Outcome != client.OutcomeStored {
+		t.Fatalf("store: %v %v", res.Keys, err)
+	}
+	ns := []client.NamespaceID{k.ns.ID, 0}
+	d, err := conns[1].Declare(ctx, geo)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ns[1] = d.ID
+	var refused error
+	for i := 0; i < 4*limit/keys && refused == nil; i++ {
+		_, refused = conns[i%2].Pin(ctx, ns[i%2], names, 0)
+	}
+	if _, pinned := f.eng.PinStats(); pinned > perPeer {
+		t.Errorf("one process's pins hold %d keys, more than server.max_pinned_keys_per_peer (%d)", pinned, perPeer)
+	}
+	var pe *protocol.Error
+	if !errors.As(refused, &pe) || pe.Code != protocol.CodeLimit || !strings.Contains(pe.Message, "server.max_pinned_keys_per_peer") {
+		t.Fatalf("a pin beyond the process's keys: %v, want limit exceeded naming server.max_pinned_keys_per_peer", refused)
+	}
+	otherProcess(t, f, peerPinEnv+"="+string(names[0]))
+
+	// A pin with a lease counts until the lease ends.
+	conns[0].Close()
+	conns[1].Close()
+	if err := f.srv.WaitSessions(ctx, 0); err != nil {
+		t.Fatal(err)
+	}
+	c := f.dial(t)
+	d, err = c.Declare(ctx, geo)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Pin(ctx, d.ID, names, 20*time.Millisecond); err != nil {
+		t.Fatal(err)
+	}
+	testwait.Until(t, "the leased pin's keys to be given back", time.Minute, func() bool { return f.srv.Stats().PinnedKeys == 0 })
+	for range perPeer / keys {
+		if _, err := c.Pin(ctx, d.ID, names, 0); err != nil {
+			t.Fatalf("a pin once the leased one ended: %v", err)
+		}
+	}
 }

@@ -117,6 +117,18 @@ type Config struct {
 	// (default half of it). A connection whose peer's pid the kernel does
 	// not give is a process of its own.
 	MaxDescriptorsPerPeer int
+	// MaxPinnedKeys bounds the keys the pins of all connections hold
+	// (Pin requests; a pin with a lease counts until the lease ends;
+	// default DefaultMaxPinnedKeys). A Pin beyond it is refused with
+	// CodeLimit. At least protocol.MaxKeysPerRequest.
+	MaxPinnedKeys int
+	// MaxPinnedKeysPerPeer bounds the same for the pins of one peer
+	// process's connections (its pid, from SO_PEERCRED), so that one
+	// client cannot pin every key it may (default half of MaxPinnedKeys).
+	// A connection whose peer's pid the kernel does not give is a process
+	// of its own. At least protocol.MaxKeysPerRequest: one Pin of the
+	// most keys a request carries must fit.
+	MaxPinnedKeysPerPeer int
 	// MaxNamespacesPerPeer bounds the distinct geometries the connections
 	// of one peer process (its pid, from SO_PEERCRED) hold declared
 	// together (default MaxNamespaces), so that one client opening
@@ -246,6 +258,12 @@ func DefaultMaxDescriptors() int {
 	return max(n, 2)
 }
 
+// DefaultMaxPinnedKeys is Config.MaxPinnedKeys when it is zero: 4 Mi
+// keys, some 32 MiB of the engine's references to pinned files, and
+// many times the blocks of the GPUs of a node that the keys pinned ahead
+// of loads are meant for.
+const DefaultMaxPinnedKeys = 1 << 22
+
 // DefaultMaxInflightBytes is Config.MaxInflightBytes when it is zero and
 // MaxFrame is at most 64 MiB: some 2 million keys of jobs in flight,
 // thirty times what the vLLM workers of an eight-GPU node keep in flight
@@ -318,6 +336,8 @@ func (c Config) withDefaults() (Config, error) {
 	if c.MaxDeviceBytes == 0 {
 		c.MaxDeviceBytes = DefaultMaxDeviceBytes
 	}
+	def(&c.MaxPinnedKeys, DefaultMaxPinnedKeys)
+	def(&c.MaxPinnedKeysPerPeer, c.MaxPinnedKeys/2)
 	def(&c.MaxDescriptors, DefaultMaxDescriptors())
 	def(&c.MaxDescriptorsPerPeer, max(1, c.MaxDescriptors/2))
 	if c.MaxInflightBytes == 0 {
@@ -348,6 +368,9 @@ func (c Config) withDefaults() (Config, error) {
 	case int64(c.MaxRegistrations)+int64(c.MaxNamespaces)+int64(c.MaxCaches) >= math.MaxUint32:
 		// A connection's ids are u32 and never 0: a free one must remain.
 		return c, fmt.Errorf("server: MaxRegistrations + MaxNamespaces + MaxCaches %d: want less than %d", int64(c.MaxRegistrations)+int64(c.MaxNamespaces)+int64(c.MaxCaches), uint32(math.MaxUint32))
+	case c.MaxPinnedKeysPerPeer < protocol.MaxKeysPerRequest || c.MaxPinnedKeys < c.MaxPinnedKeysPerPeer:
+		return c, fmt.Errorf("server: max_pinned_keys %d, max_pinned_keys_per_peer %d: want %d ≤ max_pinned_keys_per_peer ≤ max_pinned_keys (one Pin of the most keys a request carries must fit)",
+			c.MaxPinnedKeys, c.MaxPinnedKeysPerPeer, protocol.MaxKeysPerRequest)
 	case c.MaxDescriptors < 0 || c.MaxDescriptorsPerPeer < 0:
 		return c, errors.New("server: negative descriptor limit")
 	case c.MaxDescriptorsPerPeer > c.MaxDescriptors:
@@ -397,6 +420,8 @@ const (
 	boundNamespaces
 	boundCaches
 	boundPins
+	boundPinnedKeys
+	boundPinnedKeysPerPeer
 	numBounds
 )
 
@@ -408,6 +433,7 @@ var boundNames = [numBounds]string{
 	"server.max_descriptors", "server.max_descriptors_per_peer", "server.max_inflight_jobs",
 	"server.max_inflight_bytes", "server.max_inflight_bytes_per_peer", "server.max_namespaces_per_peer",
 	"namespaces_per_connection", "caches_per_connection", "pins_per_connection",
+	"server.max_pinned_keys", "server.max_pinned_keys_per_peer",
 }
 
 // refuse counts a refusal by b and returns the error the client gets.
@@ -434,10 +460,16 @@ type Server struct {
 	regBytes atomic.Int64   // memory registered by all sessions
 	jobBytes atomic.Int64   // JobBytes of every session's jobs in flight
 	fds      atomic.Int64   // clients' descriptors held (Config.MaxDescriptors)
+	regions  atomic.Int64   // host regions registered by all sessions
 	refusals [numBounds]atomic.Uint64
-	regions  atomic.Int64 // host regions registered by all sessions
 	started  time.Time
 	devices  []deviceUse // per GPU: memory registered by all sessions
+
+	// pinMu guards the pinned keys' counts, every peer's included, and
+	// the heap of pins with a lease, by the end of their lease.
+	pinMu     sync.Mutex
+	pinned    int64
+	pinLeases pinHeap
 
 	// nsMu serialises declarations and releases, so that a namespace is
 	// never released by one session while another is declaring it. It
@@ -458,6 +490,7 @@ type peer struct {
 	namespaces map[engine.Geometry]int
 	jobBytes   atomic.Int64 // JobBytes of the peer's jobs in flight
 	fds        atomic.Int64 // the peer's descriptors held
+	pinned     int64        // the keys the peer's pins hold; guarded by Server.pinMu
 }
 
 // holdDescriptor counts a descriptor received from a session of p

@@ -19,6 +19,9 @@ type Stats struct {
 	// (registered host memory, descriptors sent with frames not yet
 	// answered); DescriptorLimit is Config.MaxDescriptors.
 	Descriptors, DescriptorLimit int64
+	// PinnedKeys are the keys the pins of all connections hold, as
+	// counted against Config.MaxPinnedKeys (PinnedLimit).
+	PinnedKeys, PinnedLimit int64
 	// Refusals counts the requests refused with limit exceeded by the
 	// bound that refused them: its configuration key (server.max_...), or
 	// namespaces_per_connection, caches_per_connection,
@@ -57,6 +60,7 @@ func (s *Server) figures() Stats {
 	}
 	st.InflightBytes, st.InflightLimit = s.jobBytes.Load(), s.cfg.MaxInflightBytes
 	st.Descriptors, st.DescriptorLimit = s.fds.Load(), int64(s.cfg.MaxDescriptors)
+	st.PinnedKeys, st.PinnedLimit = s.pinnedKeys(), int64(s.cfg.MaxPinnedKeys)
 	for b := range numBounds {
 		if n := s.refusals[b].Load(); n > 0 {
 			if st.Refusals == nil {
