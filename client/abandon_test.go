@@ -453,16 +453,21 @@ func TestACompletionThatDoesNotMatchItsRequestFailsTheConnection(t *testing.T) {
 
 // TestALostConnectionSaysWhoClosedIt: a call the connection's end cuts
 // off fails with ErrClosed saying whether the daemon closed the
-// connection or this client did (Close), so that a log line tells an
-// operator where to look.
+// connection (between frames, or in the middle of one: it died while
+// writing a reply) or this client did (Close), so that a log line tells
+// an operator where to look.
 func TestALostConnectionSaysWhoClosedIt(t *testing.T) {
 	for _, tc := range []struct {
 		name   string
-		daemon bool // the daemon closes the connection; else the client
+		daemon bool   // the daemon closes the connection; else the client
+		sent   []byte // what the daemon writes before it closes
 		want   string
 	}{
-		{"the daemon", true, "the daemon closed the connection"},
-		{"the client", false, "closed by the client"},
+		{"the daemon", true, nil, "the daemon closed the connection"},
+		{"the daemon in a reply's header", true, make([]byte, protocol.HeaderSize-1), "the daemon closed the connection in the middle of a frame"},
+		{"the daemon after a reply's header", true, protocol.AppendFrame(nil, 2, &protocol.Stats{})[:protocol.HeaderSize], "the daemon closed the connection in the middle of a frame"},
+		{"the daemon in a reply's body", true, protocol.AppendFrame(nil, 2, &protocol.Stats{})[:protocol.HeaderSize+10], "the daemon closed the connection in the middle of a frame"},
+		{"the client", false, nil, "closed by the client"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			read := make(chan struct{})
@@ -472,6 +477,7 @@ func TestALostConnectionSaysWhoClosedIt(t *testing.T) {
 				}
 				close(read)
 				if tc.daemon {
+					c.Write(tc.sent)
 					c.Close()
 				}
 			})

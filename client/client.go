@@ -175,6 +175,9 @@ func (c *Client) readLoop() {
 	var err error
 	for {
 		if _, err = io.ReadFull(r, hdr[:]); err != nil {
+			if errors.Is(err, io.ErrUnexpectedEOF) {
+				err = fmt.Errorf("in a frame's header: %w", err)
+			}
 			break
 		}
 		var h protocol.Header
@@ -183,6 +186,10 @@ func (c *Client) readLoop() {
 		}
 		body := make([]byte, h.Len)
 		if _, err = io.ReadFull(r, body); err != nil {
+			if errors.Is(err, io.EOF) { // no byte of the body came
+				err = io.ErrUnexpectedEOF
+			}
+			err = fmt.Errorf("in the %d-byte body of a %s frame: %w", h.Len, h.Type, err)
 			break
 		}
 		var m protocol.Message
@@ -200,6 +207,9 @@ func (c *Client) readLoop() {
 		err = fmt.Errorf("%w by the client (Close)", ErrClosed)
 	case errors.Is(err, io.EOF):
 		err = fmt.Errorf("%w: the daemon closed the connection", ErrClosed)
+	case errors.Is(err, io.ErrUnexpectedEOF):
+		// It died, or gave up the connection, while writing a reply.
+		err = fmt.Errorf("%w: the daemon closed the connection in the middle of a frame (%w)", ErrClosed, err)
 	default:
 		err = fmt.Errorf("%w: %w", ErrClosed, err)
 	}
