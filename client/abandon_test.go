@@ -497,3 +497,43 @@ func TestALostConnectionSaysWhoClosedIt(t *testing.T) {
 		})
 	}
 }
+
+// TestAReplyOfAnotherTypeFailsTheConnection: a daemon that answers a
+// request with another request's reply (or with a request) is out of
+// step with the client: the call fails with ErrClosed naming both
+// types, and so does every later call, rather than ErrClosed for one
+// call on a connection that goes on.
+func TestAReplyOfAnotherTypeFailsTheConnection(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		reply protocol.Message
+	}{
+		{"a lookup's reply", &protocol.Count{T: protocol.TypeLookup | protocol.TypeReply, Count: 1}},
+		{"a request", &protocol.Cancel{Job: 1}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			sock := fakeDaemon(t, func(c *net.UnixConn) {
+				h, _, err := readRequest(c)
+				if err != nil {
+					return
+				}
+				c.Write(protocol.AppendFrame(nil, h.ID, tc.reply))
+				for {
+					h, _, err := readRequest(c)
+					if err != nil {
+						return
+					}
+					c.Write(protocol.AppendFrame(nil, h.ID, &protocol.Stats{}))
+				}
+			})
+			c := dialFake(t, sock)
+			_, err := c.Stats(context.Background())
+			if !errors.Is(err, client.ErrClosed) || !strings.Contains(err.Error(), tc.reply.Type().String()) {
+				t.Fatalf("stats answered with %s: %v; want %v naming it", tc.reply.Type(), err, client.ErrClosed)
+			}
+			if _, err := c.Stats(context.Background()); !errors.Is(err, client.ErrClosed) {
+				t.Fatalf("a call after the daemon answered stats with %s: %v; want %v", tc.reply.Type(), err, client.ErrClosed)
+			}
+		})
+	}
+}

@@ -97,8 +97,9 @@ type Client struct {
 
 // request is a request sent and not yet answered.
 type request struct {
-	ch  chan reply // its reply (buffered: the reader never waits for the caller)
-	job *Job       // a Store's or Load's Job, which the reader binds to the reply
+	t   protocol.Type // its type: the reply's is t|TypeReply (or TypeError)
+	ch  chan reply    // its reply (buffered: the reader never waits for the caller)
+	job *Job          // a Store's or Load's Job, which the reader binds to the reply
 }
 
 type reply struct {
@@ -260,6 +261,13 @@ func (c *Client) deliver(h protocol.Header, m protocol.Message) error {
 		c.mu.Unlock()
 		return fmt.Errorf("reply to unknown request %d", h.ID)
 	}
+	if _, isErr := m.(*protocol.Error); !isErr && m.Type() != r.t|protocol.TypeReply {
+		// The daemon is out of step with the client: no later reply can
+		// be trusted to answer what its id says. The request stays
+		// pending: it fails with the connection.
+		c.mu.Unlock()
+		return fmt.Errorf("%s (request %d) answered with %s", r.t, h.ID, m.Type())
+	}
 	if r.job != nil {
 		if err := c.bind(r.job, m); err != nil {
 			c.mu.Unlock()
@@ -272,18 +280,15 @@ func (c *Client) deliver(h protocol.Header, m protocol.Message) error {
 	return nil
 }
 
-// bind settles j, a Store's or Load's Job, by the daemon's reply m, under
-// c.mu: a JobAccepted registers it under the daemon's id (and cancels it
-// if its caller has given up), an Error ends it (no job ran). Any other
-// reply, or an id of a job still in flight, leaves the client unable to
-// tell which job runs on which blocks: an error, which fails the
-// connection.
+// bind settles j, a Store's or Load's Job, by the daemon's reply m (of
+// the request's reply type, or an Error: deliver checked), under c.mu: a
+// JobAccepted registers it under the daemon's id (and cancels it if its
+// caller has given up), an Error ends it (no job ran). An id of a job
+// still in flight leaves the client unable to tell which job runs on
+// which blocks: an error, which fails the connection.
 func (c *Client) bind(j *Job, m protocol.Message) error {
 	switch m := m.(type) {
 	case *protocol.JobAccepted:
-		if want := j.requestType() | protocol.TypeReply; m.T != want {
-			return fmt.Errorf("%s answered with %s", j.requestType(), m.T)
-		}
 		if c.jobs[m.Job] != nil {
 			// Its completion could not be told from the other job's.
 			return fmt.Errorf("%s accepted as job %d, a job still in flight", j.requestType(), m.Job)
@@ -319,13 +324,13 @@ func (c *Client) roundTrip(ctx context.Context, m protocol.Message, fds []int, u
 	}
 	select {
 	case r := <-ch:
-		return checkReply(m, r)
+		return checkReply(r)
 	case <-ctx.Done():
 		// The reply will arrive and be dropped by deliver (channel is
 		// buffered).
 		if undo != nil {
 			go func() {
-				if r, err := checkReply(m, <-ch); err == nil {
+				if r, err := checkReply(<-ch); err == nil {
 					undo(r)
 				}
 			}()
@@ -363,16 +368,15 @@ func (c *Client) unregisterAbandoned(r protocol.Message) {
 	})
 }
 
-// checkReply returns r's message, or the error it carries or is.
-func checkReply(m protocol.Message, r reply) (protocol.Message, error) {
+// checkReply returns r's message, or the error it carries or is. A
+// message is of the request's reply type: deliver fails the connection
+// on any other.
+func checkReply(r reply) (protocol.Message, error) {
 	if r.err != nil {
 		return nil, r.err
 	}
 	if e, ok := r.msg.(*protocol.Error); ok {
 		return nil, e
-	}
-	if r.msg.Type() != m.Type()|protocol.TypeReply {
-		return nil, fmt.Errorf("%w: %s answered with %s", ErrClosed, m.Type(), r.msg.Type())
 	}
 	return r.msg, nil
 }
@@ -409,7 +413,7 @@ func (c *Client) send(ctx context.Context, m protocol.Message, fds []int, j *Job
 		c.mu.Unlock()
 		return nil, err
 	}
-	c.pending[id] = request{ch: ch, job: j}
+	c.pending[id] = request{t: m.Type(), ch: ch, job: j}
 	maxFrame := int(c.limits.MaxFrame)
 	c.mu.Unlock()
 
@@ -671,7 +675,7 @@ func (c *Client) transfer(ctx context.Context, kind protocol.JobKind, cache Cach
 		c.abandon(j)
 		return j, ctx.Err()
 	}
-	if _, err := checkReply(m, r); err != nil {
+	if _, err := checkReply(r); err != nil {
 		return nil, err
 	}
 	if err := ctx.Err(); err != nil {
