@@ -537,3 +537,58 @@ func TestAReplyOfAnotherTypeFailsTheConnection(t *testing.T) {
 		})
 	}
 }
+
+// TestAConnectionTheClientEndsSaysTheDaemonMayStillUseTheBlocks: when
+// the client ends the connection (Close, or a frame it refuses) the
+// daemon may go on copying to or from the blocks of the jobs it had
+// accepted or read until it notices and cancels them: the Job of an
+// accepted store and a Store still waiting for its answer fail with an
+// error that says so (ErrBlocksInUse) as well as ErrClosed. When the
+// daemon closed the connection it had ended its jobs first: ErrClosed
+// alone.
+func TestAConnectionTheClientEndsSaysTheDaemonMayStillUseTheBlocks(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		end   func(d *net.UnixConn, c *client.Client) // ends the connection
+		inUse bool
+	}{
+		{"Close", func(_ *net.UnixConn, c *client.Client) { c.Close() }, true},
+		{"a frame the client refuses", func(d *net.UnixConn, _ *client.Client) {
+			d.Write(protocol.AppendFrame(nil, 0, &protocol.Empty{T: 0x0777}))
+		}, true},
+		{"the daemon closes", func(d *net.UnixConn, _ *client.Client) { d.Close() }, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			daemon := make(chan *net.UnixConn, 1)
+			sock := fakeDaemon(t, func(c *net.UnixConn) {
+				h, _, err := readRequest(c)
+				if err != nil {
+					return
+				}
+				c.Write(protocol.AppendFrame(nil, h.ID, &protocol.JobAccepted{T: protocol.TypeStore | protocol.TypeReply, Job: 5}))
+				if _, _, err := readRequest(c); err != nil { // the second store: read, not answered
+					return
+				}
+				daemon <- c
+				readRequest(c) // until the connection ends
+			})
+			c := dialFake(t, sock)
+			job, err := c.Store(context.Background(), 1, [][]byte{[]byte("a")}, [][]uint32{{0}})
+			if err != nil {
+				t.Fatal(err)
+			}
+			second := make(chan error, 1)
+			go func() {
+				_, err := c.Store(context.Background(), 1, [][]byte{[]byte("b")}, [][]uint32{{1}})
+				second <- err
+			}()
+			tc.end(<-daemon, c)
+			_, waited := job.Wait(context.Background())
+			for what, err := range map[string]error{"the accepted job's Wait": waited, "the unanswered Store": within(t, second)} {
+				if !errors.Is(err, client.ErrClosed) || errors.Is(err, client.ErrBlocksInUse) != tc.inUse {
+					t.Errorf("%s: %v; want %v, and %v: %v", what, err, client.ErrClosed, client.ErrBlocksInUse, tc.inUse)
+				}
+			}
+		})
+	}
+}

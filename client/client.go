@@ -45,6 +45,12 @@ var (
 	// asked for (it may not serve that GPU, or may not know its GPUs'
 	// UUIDs: no CUDA driver API, or a daemon that predates them).
 	ErrUnknownDevice = errors.New("client: no GPU of the daemon has that UUID")
+	// ErrBlocksInUse: the client ended the connection (Close, or a frame
+	// from the daemon that it refused) while a job's request was on the
+	// daemon's side: the daemon may still be copying to or from the
+	// job's blocks until it notices and has cancelled the job, and the
+	// client cannot tell when. It comes with ErrClosed.
+	ErrBlocksInUse = errors.New("client: the daemon may still be copying to or from the job's blocks")
 )
 
 // Types shared with the protocol.
@@ -152,9 +158,10 @@ func (c *Client) Limits() Limits {
 }
 
 // Close closes the connection. The daemon cancels the client's unfinished
-// jobs and releases its registrations; Jobs not yet complete fail with
-// ErrClosed at once, though the daemon may still be using their blocks
-// (see Job.Wait).
+// jobs and releases its registrations; Jobs not yet complete, and Stores
+// and Loads still waiting for the daemon's answer, fail at once with
+// ErrClosed and ErrBlocksInUse: the daemon may still be using their
+// blocks (see Job.Wait).
 func (c *Client) Close() error {
 	if c.closing.Swap(true) {
 		<-c.done
@@ -201,6 +208,11 @@ func (c *Client) readLoop() {
 			break
 		}
 	}
+	// The daemon ends a connection only once every job of it has ended
+	// (docs/protocol.md, Disconnects): its close, a reset of it, or its
+	// death. Otherwise the client ends the connection, and the daemon
+	// goes on with its jobs until it notices.
+	jobsEnded := !c.closing.Load() && (errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, unix.ECONNRESET))
 	// The error says who ended the connection, for a log line to say
 	// where to look.
 	switch {
@@ -220,14 +232,20 @@ func (c *Client) readLoop() {
 	pending, jobs := c.pending, c.jobs
 	c.pending, c.jobs = nil, nil
 	c.mu.Unlock()
+	jobErr := err // a job's: its request was on the daemon's side
+	if !jobsEnded {
+		jobErr = fmt.Errorf("%w; %w until it has cancelled the job: do not reuse them", err, ErrBlocksInUse)
+	}
 	for _, r := range pending {
-		r.ch <- reply{err: err}
-		if r.job != nil {
-			r.job.finish(Result{}, err)
+		if r.job == nil {
+			r.ch <- reply{err: err}
+			continue
 		}
+		r.ch <- reply{err: jobErr}
+		r.job.finish(Result{}, jobErr)
 	}
 	for _, j := range jobs {
-		j.finish(Result{}, err)
+		j.finish(Result{}, jobErr)
 	}
 }
 
@@ -631,7 +649,9 @@ func (c *Client) Delete(ctx context.Context, ns NamespaceID, keys [][]byte) (int
 // daemon has accepted it: the daemon may be reading or writing its blocks
 // already, so Wait for it before reusing them. Such a Job's ID is 0 until
 // the daemon's answer comes; if the daemon refuses the job, Wait returns
-// the daemon's error.
+// the daemon's error. If the connection is lost before the answer, they
+// return ErrClosed, with ErrBlocksInUse when the client ended it (Close):
+// the daemon may be using the blocks then as well.
 func (c *Client) Store(ctx context.Context, cache CacheID, keys [][]byte, blocks [][]uint32) (*Job, error) {
 	return c.transfer(ctx, protocol.JobStore, cache, keys, blocks)
 }
@@ -869,11 +889,12 @@ func (j *Job) Done() <-chan struct{} { return j.done }
 // daemon closed the connection, the job had ended: the daemon cancels a
 // connection's jobs, waits until its engine has ended them, releases the
 // connection's memory and only then closes it. If the client closed it
-// (Close, or a frame from the daemon that it refused), the daemon may
-// still be copying to or from the job's blocks, in the memfd or the CUDA
-// IPC memory, until its engine has ended the cancelled job, and the
-// client cannot tell when: do not reuse those blocks; free the memory
-// instead (the daemon's own mapping or import keeps it until then).
+// (Close, or a frame from the daemon that it refused), the error also
+// matches ErrBlocksInUse: the daemon may still be copying to or from the
+// job's blocks, in the memfd or the CUDA IPC memory, until its engine has
+// ended the cancelled job, and the client cannot tell when: do not reuse
+// those blocks; free the memory instead (the daemon's own mapping or
+// import keeps it until then).
 func (j *Job) Wait(ctx context.Context) (Result, error) {
 	select {
 	case <-j.done:
