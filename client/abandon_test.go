@@ -592,3 +592,44 @@ func TestAConnectionTheClientEndsSaysTheDaemonMayStillUseTheBlocks(t *testing.T)
 		})
 	}
 }
+
+// TestCancelOfAJobOfAnotherClientIsRefused: a Job belongs to the
+// connection that started it, and job ids are the daemon's, shared by
+// its connections: cancelling one client's Job through another would
+// ask that connection's daemon session, which answers "not in flight",
+// a false report of a job still running. It fails with ErrInvalid
+// before anything is sent, as does a nil Job.
+func TestCancelOfAJobOfAnotherClientIsRefused(t *testing.T) {
+	answer := func(c *net.UnixConn) {
+		for {
+			h, m, err := readRequest(c)
+			if err != nil {
+				return
+			}
+			switch m.(type) {
+			case *protocol.Transfer:
+				c.Write(protocol.AppendFrame(nil, h.ID, &protocol.JobAccepted{T: protocol.TypeStore | protocol.TypeReply, Job: 5}))
+			case *protocol.Cancel:
+				c.Write(protocol.AppendFrame(nil, h.ID, &protocol.Cancelled{InFlight: false}))
+			}
+		}
+	}
+	a, b := dialFake(t, fakeDaemon(t, answer)), dialFake(t, fakeDaemon(t, answer))
+	job, err := a.Store(context.Background(), 1, [][]byte{[]byte("k")}, [][]uint32{{0}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name string
+		job  *client.Job
+	}{
+		{"another client's", job},
+		{"a nil", nil},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if in, err := b.Cancel(context.Background(), tc.job); !errors.Is(err, client.ErrInvalid) {
+				t.Fatalf("Cancel of %s Job: %v, %v; want %v", tc.name, in, err, client.ErrInvalid)
+			}
+		})
+	}
+}

@@ -732,8 +732,17 @@ func (c *Client) cancelAbandoned(j *Job) {
 // returned before the daemon's answer is cancelled once the answer has
 // come: Cancel waits for it (as long as ctx lets it), and reports false
 // with no error if the job never ran (the daemon refused it, or the
-// connection was lost first).
+// connection was lost first). j must be a Job of c: another Client's
+// fails with ErrInvalid.
 func (c *Client) Cancel(ctx context.Context, j *Job) (bool, error) {
+	switch {
+	case j == nil:
+		return false, fmt.Errorf("%w: cancel of a nil Job", ErrInvalid)
+	case j.c != c:
+		// Job ids are the daemon's: this connection's session would
+		// answer that the job is not in flight, whatever it is doing.
+		return false, fmt.Errorf("%w: cancel of a Job of another Client (job %d): cancel it through its own", ErrInvalid, j.ID())
+	}
 	select {
 	case <-j.accepted:
 	case <-j.done:

@@ -12,6 +12,7 @@ import (
 	"fmt"
 	"io/fs"
 	"math/rand/v2"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -463,13 +464,46 @@ func TestIsolation(t *testing.T) {
 			}
 		})
 	}
-	if in, err := b.Cancel(ctx, job); err != nil || in {
-		t.Fatalf("cancel of another client's job: %v, %v", in, err)
+	// The client refuses to cancel a Job through another connection; the
+	// daemon, asked anyway, touches no job of another connection.
+	if in, err := b.Cancel(ctx, job); !errors.Is(err, client.ErrInvalid) || in {
+		t.Fatalf("cancel of another client's job: %v, %v; want %v", in, err, client.ErrInvalid)
+	}
+	if in := rawCancel(t, socket, job.ID()); in {
+		t.Fatalf("a Cancel of job %d, another connection's, answered in flight", job.ID())
 	}
 	// A region in use by a cache cannot be unregistered.
 	if err := a.UnregisterMemory(ctx, 1); !errors.Is(err, &protocol.Error{Code: protocol.CodeInUse}) {
 		t.Fatalf("unregister of a region in use: %v", err)
 	}
+}
+
+// rawCancel sends a Cancel of job on a connection of its own, which
+// started no job, and returns the daemon's answer.
+func rawCancel(t *testing.T, socket string, job uint64) bool {
+	t.Helper()
+	c, err := net.DialUnix("unix", nil, &net.UnixAddr{Name: socket, Net: "unix"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	for i, m := range []protocol.Message{&protocol.Hello{Version: protocol.Version, Client: "raw"}, &protocol.Cancel{Job: job}} {
+		if _, err := c.Write(protocol.AppendFrame(nil, uint64(i+1), m)); err != nil {
+			t.Fatal(err)
+		}
+		_, r, err := readRequest(c)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if cm, ok := r.(*protocol.Cancelled); ok {
+			return cm.InFlight
+		}
+		if _, ok := r.(*protocol.Welcome); !ok {
+			t.Fatalf("%s answered with %#v", m.Type(), r)
+		}
+	}
+	t.Fatal("no answer to the cancel")
+	return false
 }
 
 // TestSocket checks the socket's mode, that a live daemon's socket is not
