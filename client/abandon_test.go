@@ -3,6 +3,7 @@ package client_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"path/filepath"
@@ -631,5 +632,39 @@ func TestCancelOfAJobOfAnotherClientIsRefused(t *testing.T) {
 				t.Fatalf("Cancel of %s Job: %v, %v; want %v", tc.name, in, err, client.ErrInvalid)
 			}
 		})
+	}
+}
+
+// TestAWelcomeOfAnotherVersionIsRefusedNamingIt: a daemon that answers
+// Hello with a Welcome of a version this client does not speak (it
+// should have refused the Hello) fails Dial with an error that names
+// both versions.
+func TestAWelcomeOfAnotherVersionIsRefusedNamingIt(t *testing.T) {
+	sock := filepath.Join(t.TempDir(), "d.sock")
+	l, err := net.ListenUnix("unix", &net.UnixAddr{Name: sock, Net: "unix"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	go func() {
+		c, err := l.AcceptUnix()
+		if err != nil {
+			return
+		}
+		defer c.Close()
+		h, _, err := readRequest(c)
+		if err != nil {
+			return
+		}
+		c.Write(protocol.AppendFrame(nil, h.ID, &protocol.Welcome{Version: protocol.Version + 1, MaxFrame: protocol.MinFrame}))
+		readRequest(c) // until the client closes
+	}()
+	c, err := client.Dial(context.Background(), sock, "t")
+	if err == nil {
+		c.Close()
+		t.Fatal("Dial accepted a Welcome of another version")
+	}
+	if want := fmt.Sprintf("protocol version %d; this client speaks version %d", protocol.Version+1, protocol.Version); !strings.Contains(err.Error(), want) {
+		t.Fatalf("Dial: %v; want it to say %q", err, want)
 	}
 }

@@ -139,10 +139,10 @@ func Dial(ctx context.Context, path, name string) (*Client, error) {
 		c.Close()
 		return nil, fmt.Errorf("client: handshake: %w", err)
 	}
-	w, ok := m.(*protocol.Welcome)
-	if !ok || w.Version != protocol.Version {
+	w := m.(*protocol.Welcome) // the reply type of Hello: deliver checked
+	if w.Version != protocol.Version {
 		c.Close()
-		return nil, fmt.Errorf("client: handshake: daemon answered %T version %v", m, w)
+		return nil, fmt.Errorf("client: handshake: the daemon %q answered with a Welcome of protocol version %d; this client speaks version %d", w.Server, w.Version, protocol.Version)
 	}
 	c.mu.Lock()
 	c.limits = *w
