@@ -824,7 +824,9 @@ func (d *decoder) bool8(what string) bool {
 	return v == 1
 }
 
-func decodeDaemon(d *decoder) *DaemonStats {
+// decodeDaemon decodes the daemon section of a Stats reply with mounts
+// mounts.
+func decodeDaemon(d *decoder, mounts int) *DaemonStats {
 	m := &DaemonStats{}
 	m.Started = d.i64("start time")
 	m.Policy = d.str8("policy", MaxName)
@@ -837,7 +839,7 @@ func decodeDaemon(d *decoder) *DaemonStats {
 	m.InflightJobs = d.u64("daemon inflight jobs")
 	m.Regions = d.u64("daemon regions")
 	m.RegisteredBytes = d.u64("daemon registered bytes")
-	n := d.count("mount info count", 0, maxMounts, 2+1+1+8+8+8) // the smallest entry: empty strings
+	n := d.count("mount info count", mounts, mounts, 2+1+1+8+8+8) // the smallest entry: empty strings
 	if d.err == nil && n > 0 {
 		m.Mounts = make([]MountInfo, n)
 		for i := range m.Mounts {
@@ -869,10 +871,11 @@ func (m *Stats) fields() []*uint64 {
 // start | str8 policy | str8 policy backend | u8 fallback, 7 × 0 | str16
 // fallback reason | u64 reloads | u64 reload failures | str16 last reload
 // | u64 inflight jobs | u64 regions | u64 registered bytes | u32 mount
-// count | per mount: str16 path, str8 backend, str8 io, u8 checksums, 7 ×
-// 0, u64 configured, u64 reserve | the spares section if Spares is set
-// (after the daemon section only): u64 reused | u32 mount count | per
-// mount: u64 files, u64 bytes | the device-identity section (after the
+// count (that of the mounts above, as in every later section) | per
+// mount: str16 path, str8 backend, str8 io, u8 checksums, 7 × 0, u64
+// configured, u64 reserve | the spares section if Spares is set (after
+// the daemon section only): u64 reused | u32 mount count | per mount: u64
+// files, u64 bytes | the device-identity section (after the
 // spares section only): u32 device count (that of the devices above) | per
 // device: 16 bytes UUID (zero: unknown) | the made-ahead section (after
 // the device-identity section only): u64 spare files made ahead | the
@@ -958,11 +961,11 @@ func (m *Stats) DecodeBody(b []byte) error {
 	}
 	m.Daemon, m.Spares, m.Tiering = nil, nil, nil
 	if d.err == nil && len(d.b) > 0 {
-		m.Daemon = decodeDaemon(&d)
+		m.Daemon = decodeDaemon(&d, len(m.Mounts))
 	}
 	if d.err == nil && len(d.b) > 0 {
 		sp := &SpareStats{Reused: d.u64("reused files")}
-		n := d.count("spare mount count", 0, maxMounts, 16)
+		n := d.count("spare mount count", len(m.Mounts), len(m.Mounts), 16)
 		if d.err == nil && n > 0 {
 			sp.Mounts = make([]SpareMount, n)
 			for i := range sp.Mounts {
@@ -987,7 +990,7 @@ func (m *Stats) DecodeBody(b []byte) error {
 		}
 	}
 	if d.err == nil && len(d.b) > 0 && m.Spares != nil {
-		m.Tiering = decodeTiering(&d)
+		m.Tiering = decodeTiering(&d, len(m.Mounts))
 		if m.Daemon != nil {
 			m.Daemon.FallbackPolicy = m.Tiering.FallbackPolicy
 		}
@@ -1117,11 +1120,12 @@ func (m *Completion) DecodeBody(b []byte) error {
 	return d.end()
 }
 
-// decodeTiering decodes the tiering section of a Stats reply.
-func decodeTiering(d *decoder) *TierStats {
+// decodeTiering decodes the tiering section of a Stats reply with mounts
+// mounts.
+func decodeTiering(d *decoder, mounts int) *TierStats {
 	t := &TierStats{Demotions: d.u64("demotions"), Promotions: d.u64("promotions"), Moves: d.u64("moves"),
 		MoveFailures: d.u64("move failures"), DemotionDeletes: d.u64("demotion deletes")}
-	n := d.count("tier mount count", 0, maxMounts, 16)
+	n := d.count("tier mount count", mounts, mounts, 16)
 	if d.err == nil && n > 0 {
 		t.Mounts = make([]TierMount, n)
 		for i := range t.Mounts {

@@ -145,6 +145,12 @@ func TestRejects(t *testing.T) {
 			b := body(&Stats{Devices: []DeviceStats{{Ordinal: 0}}, Daemon: &DaemonStats{}, Spares: &SpareStats{}})
 			return b[:len(b)-1]
 		}()},
+		{"stats daemon section for fewer mounts", TypeStats | TypeReply, body(&Stats{Mounts: []MountStats{{}}, Daemon: &DaemonStats{}})},
+		{"stats daemon section for more mounts", TypeStats | TypeReply, body(&Stats{Daemon: &DaemonStats{Mounts: []MountInfo{{}}}})},
+		{"stats spares section for fewer mounts", TypeStats | TypeReply,
+			body(&Stats{Mounts: []MountStats{{}}, Daemon: &DaemonStats{Mounts: []MountInfo{{}}}, Spares: &SpareStats{}})},
+		{"stats tiering section for more mounts", TypeStats | TypeReply,
+			body(&Stats{Daemon: &DaemonStats{}, Spares: &SpareStats{}, Tiering: &TierStats{Mounts: []TierMount{{}}}})},
 		{"stats daemon fallback 2", TypeStats | TypeReply, func() []byte {
 			b := body(&Stats{Daemon: &DaemonStats{}})
 			b[len(body(&Stats{}))+8+2] = 2 // after the start time and two empty names
@@ -186,7 +192,8 @@ func TestStatsIgnoresSectionsItDoesNotKnow(t *testing.T) {
 // the device-faults section (a daemon that predates the tiering section)
 // decodes, with no tiering section.
 func TestStatsOfADaemonBeforeTieringHasNoTierStats(t *testing.T) {
-	want := &Stats{Mounts: []MountStats{{Capacity: 10}}, Daemon: &DaemonStats{Policy: "lru"}, Spares: &SpareStats{}}
+	want := &Stats{Mounts: []MountStats{{Capacity: 10}}, Daemon: &DaemonStats{Policy: "lru", Mounts: []MountInfo{{Path: "/kv"}}},
+		Spares: &SpareStats{Mounts: []SpareMount{{Files: 1}}}}
 	got, err := Decode(TypeStats|TypeReply, want.AppendBody(nil))
 	if err != nil {
 		t.Fatal(err)
