@@ -668,3 +668,36 @@ func TestAWelcomeOfAnotherVersionIsRefusedNamingIt(t *testing.T) {
 		t.Fatalf("Dial: %v; want it to say %q", err, want)
 	}
 }
+
+// TestAPinReplyForOtherKeysIsUnpinned: a Pinned reply whose states do
+// not match the request's keys fails Pin (the caller cannot tell which
+// keys it holds), and the pin the daemon made is given back rather than
+// held, unnamed, until the connection ends.
+func TestAPinReplyForOtherKeysIsUnpinned(t *testing.T) {
+	got := make(chan protocol.Message, 1)
+	sock := fakeDaemon(t, func(c *net.UnixConn) {
+		h, _, err := readRequest(c)
+		if err != nil {
+			return
+		}
+		c.Write(protocol.AppendFrame(nil, h.ID, &protocol.Pinned{Pin: 7, State: []uint8{protocol.PinHeld, protocol.PinHeld}}))
+		h, m, err := readRequest(c)
+		if err != nil {
+			return
+		}
+		got <- m
+		c.Write(protocol.AppendFrame(nil, h.ID, &protocol.Count{T: protocol.TypeUnpin | protocol.TypeReply, Count: 2}))
+	})
+	c := dialFake(t, sock)
+	if _, err := c.Pin(context.Background(), 1, [][]byte{[]byte("key")}, 0); !errors.Is(err, protocol.ErrMalformed) {
+		t.Fatalf("Pin of 1 key answered with 2 states: %v, want %v", err, protocol.ErrMalformed)
+	}
+	select {
+	case m := <-got:
+		if u, ok := m.(*protocol.Unpin); !ok || u.Pin != 7 {
+			t.Fatalf("after the mismatched pin reply: %#v, want an unpin of pin 7", m)
+		}
+	case <-time.After(time.Minute):
+		t.Fatal("no unpin of the pin whose reply did not match its keys")
+	}
+}

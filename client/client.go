@@ -950,14 +950,18 @@ func (c *Client) Pin(ctx context.Context, ns NamespaceID, keys [][]byte, lease t
 	if lease > 0 && ms == 0 {
 		ms = 1
 	}
-	m, err := c.create(ctx, &protocol.Pin{NS: uint32(ns), LeaseMillis: ms, Keys: keys}, nil, func(r protocol.Message) {
+	unpin := func(r protocol.Message) {
 		c.undo(func(ctx context.Context) error { _, err := c.Unpin(ctx, r.(*protocol.Pinned).Pin); return err })
-	})
+	}
+	m, err := c.create(ctx, &protocol.Pin{NS: uint32(ns), LeaseMillis: ms, Keys: keys}, nil, unpin)
 	if err != nil {
 		return Pin{}, err
 	}
 	r := m.(*protocol.Pinned)
 	if len(r.State) != len(keys) {
+		if r.Pin != 0 {
+			go unpin(r) // the caller gets no id to release it with
+		}
 		return Pin{}, fmt.Errorf("%w: pin reply has %d states for %d keys", protocol.ErrMalformed, len(r.State), len(keys))
 	}
 	p := Pin{ID: r.Pin, Held: make([]bool, len(keys))}
