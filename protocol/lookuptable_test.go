@@ -6,11 +6,16 @@ import (
 	"testing"
 )
 
-func TestLookupTableMessagesRoundTrip(t *testing.T) {
-	checkRoundTrips(t, []Message{
+// tableMessages are sample messages of the lookup table's frame types.
+func tableMessages() []Message {
+	return []Message{
 		&LookupTableRequest{},
 		&TableLocation{Path: "/run/kvhost/kvhost.sock.lookup"},
-	})
+	}
+}
+
+func TestLookupTableMessagesRoundTrip(t *testing.T) {
+	checkRoundTrips(t, tableMessages())
 }
 
 func TestLookupTableMessagesReject(t *testing.T) {

@@ -6,15 +6,20 @@ import (
 	"testing"
 )
 
-func TestPinMessagesRoundTrip(t *testing.T) {
-	checkRoundTrips(t, []Message{
+// pinMessages are sample pin messages, of every pin frame type.
+func pinMessages() []Message {
+	return []Message{
 		&Pin{NS: 3, LeaseMillis: 1500, Keys: [][]byte{[]byte("a"), []byte("bb")}},
 		&Pin{NS: 1, Keys: [][]byte{[]byte("k")}},
 		&Pinned{Pin: 9, State: []uint8{PinHeld, PinMissing}},
 		&Pinned{State: []uint8{PinMissing}},
 		&Unpin{Pin: 9},
 		&Count{T: TypeUnpin | TypeReply, Count: 2},
-	})
+	}
+}
+
+func TestPinMessagesRoundTrip(t *testing.T) {
+	checkRoundTrips(t, pinMessages())
 }
 
 // checkRoundTrips checks that each message decodes from its encoding to
