@@ -272,9 +272,10 @@ func TestSharedMountInodeReuse(t *testing.T) {
 
 // TestTempFileRule: Open removes a temporary file only when it is provably
 // abandoned: its flock is free and either its owner is a process of this
-// node that is gone, or it is older than TempGrace. Files of a live process
-// of this node, young files of other nodes (or without an owner), and
-// locked files stay.
+// node that is gone (a name with this process's pid but without this
+// engine's token is a predecessor's that had the pid), or it is older than
+// TempGrace. Files of a live process of this node, young files of other
+// nodes (or without an owner), and locked files stay.
 func TestTempFileRule(t *testing.T) {
 	dir := t.TempDir()
 	const me = "nodeA"
@@ -293,6 +294,10 @@ func TestTempFileRule(t *testing.T) {
 		{fmt.Sprintf(".tmp-%s-%d-%016x", me, os.Getppid(), 1), true, true}, // a live process of this node
 		{fmt.Sprintf(".tmp-%s-%d-%016x", me, deadPID, 2), false, false},    // a process of this node that is gone
 		{fmt.Sprintf(".probe-direct-%s-%d-%016x", me, deadPID, 3), false, false},
+		// A predecessor's with this process's pid (a restarted container's
+		// daemon has its pid and node name): not this engine's.
+		{fmt.Sprintf(".tmp-%s-%d-%016x", me, os.Getpid(), 6), false, false},
+		{fmt.Sprintf(".tmp-%s-%d-%032x", me, os.Getpid(), 8), false, false},
 		{fmt.Sprintf(".tmp-nodeB-%d-%016x", os.Getpid(), 4), false, true}, // another node's, young
 		{fmt.Sprintf(".tmp-nodeB-%d-%016x", os.Getpid(), 5), true, false}, // another node's, old
 		{".tmp-0123456789abcdef", false, true},                            // no owner (older kvhost), young

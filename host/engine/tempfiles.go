@@ -18,12 +18,15 @@ import (
 
 // Temporary files (docs/engine.md, "Temporary files").
 //
-// A store writes .tmp-<node>-<pid>-<16 hex> and holds an exclusive flock on
-// it until it is renamed or removed; the O_DIRECT probe does the same with
-// .probe-direct-<node>-<pid>-<16 hex>. At Open, a leftover is removed only
-// when it is provably abandoned: its flock is free, and either it belongs
-// to this node and its process is gone, or it is older than TempGrace
-// (another node's, or a name without an owner, written before owners).
+// A store writes .tmp-<node>-<pid>-<token><16 hex> and holds an exclusive
+// flock on it until it is renamed or removed; the O_DIRECT probe does the
+// same with .probe-direct-<node>-<pid>-<token><16 hex>. At Open, a leftover
+// is removed only when it is provably abandoned: its flock is free, and
+// either it belongs to this node and its process is gone, or it is older
+// than TempGrace (another node's, or a name without an owner, written
+// before owners). A name with this node and this process's pid but not
+// this engine's token (owner.go) is a predecessor's that had the pid: a
+// restarted container's daemon often has its predecessor's pid and node.
 
 // DefaultTempGrace is Config.TempGrace when it is zero.
 const DefaultTempGrace = 10 * time.Minute
@@ -51,14 +54,10 @@ func nodeName(name string) string {
 }
 
 // tempName returns a fresh temporary name with prefix (tmpPrefix,
-// probePrefix or sparePrefix) in dir, owned by this process; a spare's
-// random part begins with the engine's owner token (owner.go).
+// probePrefix or sparePrefix) in dir, owned by this engine: its random
+// part begins with the engine's owner token (owner.go).
 func (e *Engine) tempName(dir, prefix string) string {
-	token := ""
-	if prefix == sparePrefix {
-		token = e.token
-	}
-	return filepath.Join(dir, fmt.Sprintf("%s%s-%d-%s%016x", prefix, e.node, os.Getpid(), token, rand.Uint64()))
+	return filepath.Join(dir, fmt.Sprintf("%s%s-%d-%s%016x", prefix, e.node, os.Getpid(), e.token, rand.Uint64()))
 }
 
 // createTemp creates an owned temporary file (O_EXCL, plus extra flags)
@@ -157,7 +156,9 @@ func (e *Engine) cleanTemp(path, rest string) (bool, error) {
 	abandoned := false
 	switch {
 	case owned && node == e.node && pid == os.Getpid():
-		abandoned = false // our own (a store of this engine)
+		// This engine's own (a store in flight), or a predecessor's
+		// that had this pid: only this engine's names carry its token.
+		abandoned = !strings.HasPrefix(rest[strings.LastIndexByte(rest, '-')+1:], e.token)
 	case owned && node == e.node:
 		abandoned = !processAlive(pid)
 	default:
