@@ -1,7 +1,9 @@
 package engine
 
 import (
+	"errors"
 	"fmt"
+	"os"
 	"path/filepath"
 	"sync"
 
@@ -173,7 +175,13 @@ func (e *Engine) openMount(i int, m Mount) (*mount, error) {
 		// The probe creates, writes and removes a small file. It must never
 		// stop a start (a full file system, a read-only one that still
 		// serves what it holds): a failure is buffered I/O and a log line.
-		direct, err := staging.ProbeDirectFile(e.fs, e.tempName(root, probePrefix))
+		probe := e.tempName(root, probePrefix)
+		direct, err := staging.ProbeDirectFile(e.fs, probe)
+		// A file system without direct I/O fails the open with EINVAL
+		// after O_CREAT has made the file, which the probe leaves.
+		if rerr := e.fs.Remove(probe); rerr != nil && !errors.Is(rerr, os.ErrNotExist) {
+			e.log.Warn("engine: remove the O_DIRECT probe's file", "path", probe, "err", rerr)
+		}
 		switch {
 		case err != nil && io == IODirect:
 			mt.direct, mt.ioWhy = true, "direct by config (the probe failed: "+err.Error()+")"
