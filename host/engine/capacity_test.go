@@ -657,3 +657,56 @@ func orphanedBytes(e *Engine, i int) int64 {
 	defer e.space.mu.Unlock()
 	return e.mounts[i].sp.orphaned
 }
+
+// sizelessFS is a file system that keeps no count of its blocks, as
+// ramfs (and a FUSE file system without statfs): statfs says 0 blocks,
+// none free.
+type sizelessFS struct{ fsys.FS }
+
+func (f sizelessFS) Statfs(path string) (fsys.StatFS, error) {
+	st, err := f.FS.Statfs(path)
+	st.Total, st.Free, st.Avail = 0, 0, 0
+	return st, err
+}
+
+// TestAFileSystemThatReportsNoSizeTakesTheConfiguredCapacity: on a file
+// system whose statfs counts no blocks (ramfs), the configured capacity
+// is the capacity, and stores fit in it; without one, Open says that the
+// mount needs one.
+func TestAFileSystemThatReportsNoSizeTakesTheConfiguredCapacity(t *testing.T) {
+	g := smallGeometry(true)
+	const capacity = 16 << 20
+	for _, tt := range []struct {
+		name     string
+		capacity int64
+	}{
+		{"configured", capacity},
+		{"not configured", 0},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			dir := t.TempDir()
+			cfg := Config{Mounts: []Mount{{Path: dir, Capacity: tt.capacity}}, Policy: newTestPolicy(1, abi.OrderLayerMajor), FS: sizelessFS{fsys.OS{}}, Logger: testLogger(t), IOWorkers: 2}
+			if tt.capacity == 0 {
+				e, err := Open(context.Background(), cfg)
+				if err == nil {
+					e.Close(context.Background())
+					t.Fatal("Open without a capacity on a file system that reports no size succeeded")
+				}
+				if !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), dir) || !strings.Contains(err.Error(), "capacity") {
+					t.Fatalf("Open: %v: want ErrInvalid naming the mount and its capacity", err)
+				}
+				return
+			}
+			e := openEngine(t, cfg)
+			if got := e.Stats().Mounts[0].Capacity; got != capacity {
+				t.Fatalf("capacity %d, want the configured %d", got, capacity)
+			}
+			ns, _ := e.Declare(context.Background(), g)
+			c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
+			keys, blocks := testKeys("sizeless", 1), [][]int{{0, 1, 2, 3}}
+			c.fill(rand.New(rand.NewPCG(9, 9)), blocks[0])
+			storeAndCheck(t, e, c, keys, blocks)
+			loadAndCompare(t, e, c, keys, [][]int{{4, 5, 6, 7}}, [][]byte{c.data(blocks[0])})
+		})
+	}
+}

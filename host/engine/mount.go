@@ -164,6 +164,9 @@ func (e *Engine) openMount(i int, m Mount) (*mount, error) {
 	if err != nil {
 		return nil, fmt.Errorf("engine: mount %s: %w", root, err)
 	}
+	if st.Total == 0 && m.Capacity == 0 {
+		return nil, fmt.Errorf("%w: mount %s: the file system (%s) reports no size (statfs: 0 blocks), so the mount needs a configured capacity", ErrInvalid, root, fstype.Name(st.Type))
+	}
 	mt := &mount{
 		idx: i, root: root, memory: isMemoryFS(st.Type), checksums: !m.NoChecksum && !e.cfg.NoChecksum,
 		sp: &mountSpace{idx: i, root: root, configured: m.Capacity, derived: m.CapacityDerived, reserve: m.Reserve, highF: high, lowF: low, ahead: m.Preallocate},

@@ -134,6 +134,12 @@ type nsAhead struct {
 // system's size), but at most what the file system can hold for us, free
 // space plus our own files, minus the reserve.
 func (ms *mountSpace) fsCapacity(st fsys.StatFS, used int64) int64 {
+	if st.Total == 0 {
+		// A file system that counts no blocks (ramfs): statfs says
+		// nothing of what it can hold, and the configured capacity is
+		// all there is (Open refuses such a mount without one).
+		return ms.configured
+	}
 	c := ms.configured
 	if c == 0 {
 		c = st.Total
