@@ -275,6 +275,13 @@ func (e *Engine) makeSpare(m *mount, size int64) error {
 		return fmt.Errorf("%s: %w", op, err)
 	}
 	id, err := fileIdentity(f)
+	if err == nil && id.Size < size {
+		// The file system has no fallocate (ramfs: Allocate returns
+		// nil on EOPNOTSUPP): the file holds nothing, and kept it
+		// would count as a spare of its own size, 0, so that the
+		// maker would make another at once, without end.
+		err = fmt.Errorf("%s: %d bytes after allocating %d: the file system does not preallocate", path, id.Size, size)
+	}
 	if err == nil {
 		for _, mv := range m.movers {
 			if p, ok := mv.(transfer.Preparer); ok {

@@ -1062,3 +1062,47 @@ func TestAutoPreallocateFollowsTheLargestRecentBurst(t *testing.T) {
 		})
 	}
 }
+
+// noFallocateFS is a file system without fallocate, as ramfs: Allocate
+// does nothing (fsys.OS's Allocate returns nil on EOPNOTSUPP), and a new
+// file keeps its length of 0.
+type noFallocateFS struct{ fsys.FS }
+
+func (f noFallocateFS) OpenFile(name string, flag int, perm os.FileMode) (fsys.File, error) {
+	file, err := f.FS.OpenFile(name, flag, perm)
+	if err != nil {
+		return nil, err
+	}
+	return noFallocateFile{file}, nil
+}
+
+type noFallocateFile struct{ fsys.File }
+
+func (noFallocateFile) Allocate(int64) error { return nil }
+
+// TestAMemoryMountWithoutFallocateMakesNoEmptySpares: where the file
+// system cannot preallocate (ramfs), the maker keeps no spare ahead (it
+// would be an empty file counted as none, and the maker would make more
+// without end): it goes quiet with no spare file on disk, and stores work.
+func TestAMemoryMountWithoutFallocateMakesNoEmptySpares(t *testing.T) {
+	g := smallGeometry(false)
+	fileLen := int64(4096) + alignTo(g.KeyBytes(), format.Align)
+	dir := tmpfsDir(t)
+	e := openEngine(t, Config{Mounts: []Mount{{Path: dir, Capacity: 64 * fileLen, Preallocate: 8 * fileLen}}, Policy: newTestPolicy(1, 0), FS: noFallocateFS{fsys.OS{}}})
+	ns, err := e.Declare(context.Background(), g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitEngineSpares(t, e)
+	if m := e.Stats().Mounts[0]; m.SpareFiles != 0 || m.SpareBytes != 0 {
+		t.Fatalf("%d spares of %d bytes made ahead without fallocate, want none", m.SpareFiles, m.SpareBytes)
+	}
+	if l := leftovers(t, dir); len(l) != 0 {
+		t.Fatalf("files left by the maker: %d, the first %v", len(l), l[0])
+	}
+	c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
+	keys, blocks := testKeys("nofalloc", 1), [][]int{{0, 1, 2, 3}}
+	c.fill(rand.New(rand.NewPCG(4, 4)), blocks[0])
+	storeAndCheck(t, e, c, keys, blocks)
+	loadAndCompare(t, e, c, keys, [][]int{{4, 5, 6, 7}}, [][]byte{c.data(blocks[0])})
+}
