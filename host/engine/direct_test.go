@@ -2,13 +2,16 @@ package engine
 
 import (
 	"context"
+	"errors"
 	"math/rand/v2"
 	"os"
+	"strings"
 	"testing"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/internal/fstype"
 	"github.com/kvhost/kvhost/internal/fsys"
 )
 
@@ -74,5 +77,34 @@ func TestAFileSystemRefusingDirectIOGetsBufferedIOAndNoProbeLeft(t *testing.T) {
 			storeAndCheck(t, e, c, keys, blocks)
 			loadAndCompare(t, e, c, keys, [][]int{{4, 5, 6, 7}}, [][]byte{c.data(blocks[0])})
 		})
+	}
+}
+
+// hugetlbFS says that every path is on a hugetlbfs with room: a file
+// system whose files write(2) refuses (EINVAL), only mappings write them.
+type hugetlbFS struct{ fsys.FS }
+
+func (f hugetlbFS) Statfs(path string) (fsys.StatFS, error) {
+	st, err := f.FS.Statfs(path)
+	st.Type, st.Total, st.Free, st.Avail = fstype.Hugetlbfs, 1<<30, 1<<30, 1<<30
+	return st, err
+}
+
+// TestOpenRefusesAHugetlbfsMount: every store would fail there (write(2)
+// refuses hugetlbfs files), so Open refuses the mount, naming it, its file
+// system and what to use instead, and touches nothing in it.
+func TestOpenRefusesAHugetlbfsMount(t *testing.T) {
+	for _, capacity := range []int64{0, 64 << 20} {
+		dir := t.TempDir()
+		e, err := Open(context.Background(), Config{Mounts: []Mount{{Path: dir, Capacity: capacity}}, Policy: newTestPolicy(1, abi.OrderLayerMajor), FS: hugetlbFS{fsys.OS{}}, Logger: testLogger(t)})
+		if err == nil {
+			e.Close(context.Background())
+		}
+		if !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), dir) || !strings.Contains(err.Error(), "hugetlbfs") || !strings.Contains(err.Error(), "tmpfs") {
+			t.Fatalf("capacity %d: Open: %v: want ErrInvalid naming the mount, hugetlbfs and tmpfs", capacity, err)
+		}
+		if l := leftovers(t, dir); len(l) != 0 {
+			t.Fatalf("capacity %d: files left in the refused mount: %v", capacity, l)
+		}
 	}
 }

@@ -164,6 +164,9 @@ func (e *Engine) openMount(i int, m Mount) (*mount, error) {
 	if err != nil {
 		return nil, fmt.Errorf("engine: mount %s: %w", root, err)
 	}
+	if k, _ := fstype.Of(st.Type); k.MapOnly {
+		return nil, fmt.Errorf("%w: mount %s: %s: its files cannot be written with write(2), only through mappings, and kvhost writes with pwrite; for files in huge pages use a tmpfs mounted with huge=within_size", ErrInvalid, root, k.Name)
+	}
 	if st.Total == 0 && m.Capacity == 0 {
 		return nil, fmt.Errorf("%w: mount %s: the file system (%s) reports no size (statfs: 0 blocks), so the mount needs a configured capacity", ErrInvalid, root, fstype.Name(st.Type))
 	}

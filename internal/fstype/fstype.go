@@ -27,6 +27,10 @@ type Kind struct {
 	// see a file renamed into place before its data, short or with
 	// holes, unless the writer flushes it before the rename.
 	CloseToOpen bool
+	// MapOnly: its files are written only through memory mappings;
+	// write(2) refuses them (EINVAL), so kvhost, which writes its files
+	// with pwrite, cannot store on it (hugetlbfs).
+	MapOnly bool
 }
 
 // Magic numbers (statfs f_type).
@@ -43,7 +47,7 @@ const (
 var kinds = map[int64]Kind{
 	Tmpfs:      {Name: "tmpfs", Memory: true},
 	Ramfs:      {Name: "ramfs", Memory: true},
-	Hugetlbfs:  {Name: "hugetlbfs", Memory: true},
+	Hugetlbfs:  {Name: "hugetlbfs", Memory: true, MapOnly: true},
 	Ext4:       {Name: "ext4", CuFileDirect: true},
 	XFS:        {Name: "xfs", CuFileDirect: true},
 	0x9123683e: {Name: "btrfs"},

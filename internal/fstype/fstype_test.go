@@ -15,17 +15,19 @@ func TestKnownAndUnknownMagics(t *testing.T) {
 		name          string
 		known, memory bool
 		network       bool
+		mapOnly       bool
 	}{
-		{Tmpfs, "tmpfs", true, true, false},
-		{Hugetlbfs, "hugetlbfs", true, true, false},
-		{Ext4, "ext4", true, false, false},
-		{0x6969, "nfs", true, false, true},
-		{0x1234, "0x1234", false, false, false},
+		{Tmpfs, "tmpfs", true, true, false, false},
+		{Ramfs, "ramfs", true, true, false, false},
+		{Hugetlbfs, "hugetlbfs", true, true, false, true},
+		{Ext4, "ext4", true, false, false, false},
+		{0x6969, "nfs", true, false, true, false},
+		{0x1234, "0x1234", false, false, false, false},
 	} {
 		k, ok := Of(c.magic)
-		if ok != c.known || k.Memory != c.memory || k.Network != c.network || Name(c.magic) != c.name {
-			t.Errorf("magic %#x: Of = %+v, %v; Name = %q; want %q known %v memory %v network %v",
-				c.magic, k, ok, Name(c.magic), c.name, c.known, c.memory, c.network)
+		if ok != c.known || k.Memory != c.memory || k.Network != c.network || k.MapOnly != c.mapOnly || Name(c.magic) != c.name {
+			t.Errorf("magic %#x: Of = %+v, %v; Name = %q; want %q known %v memory %v network %v map only %v",
+				c.magic, k, ok, Name(c.magic), c.name, c.known, c.memory, c.network, c.mapOnly)
 		}
 	}
 }
