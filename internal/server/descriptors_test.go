@@ -9,6 +9,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"os/exec"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -73,8 +74,55 @@ func TestHelperDescriptorHog(t *testing.T) {
 	io.Copy(io.Discard, os.Stdin)
 }
 
+// parallelLimitEnv has TestHelperParallelFileLimit run, calling
+// t.Parallel before lowerFileLimit ("before") or after it ("after").
+const parallelLimitEnv = "KVHOST_TEST_PARALLEL_FILE_LIMIT"
+
+// TestHelperParallelFileLimit is not a test: run by
+// TestLowerFileLimitRefusesParallelTests in a process of its own, it
+// lowers the open-file limit in a parallel test.
+func TestHelperParallelFileLimit(t *testing.T) {
+	order := os.Getenv(parallelLimitEnv)
+	if order == "" {
+		t.Skip("run by TestLowerFileLimitRefusesParallelTests")
+	}
+	if order == "before" {
+		t.Parallel()
+	}
+	lowerFileLimit(t, 192)
+	if order == "after" {
+		t.Parallel()
+	}
+}
+
+// TestLowerFileLimitRefusesParallelTests: the open-file limit is the
+// process's, so a test that lowers it must run alone; one that also calls
+// t.Parallel, before or after, fails at once rather than starving the
+// tests that run beside it of descriptors.
+func TestLowerFileLimitRefusesParallelTests(t *testing.T) {
+	for _, order := range []string{"before", "after"} {
+		t.Run("t.Parallel "+order, func(t *testing.T) {
+			cmd := exec.Command(os.Args[0], "-test.run=^TestHelperParallelFileLimit$", "-test.count=1")
+			cmd.Env = append(os.Environ(), parallelLimitEnv+"="+order)
+			out, err := cmd.CombinedOutput()
+			if err == nil || !strings.Contains(string(out), "can not use t.Parallel") {
+				t.Errorf("a parallel test that lowers the open-file limit: %v, want it to fail saying it can not use t.Parallel:\n%s", err, out)
+			}
+		})
+	}
+}
+
+// lowerFileLimitEnv is set, while lowerFileLimit holds the open-file
+// limit lowered, to that limit.
+const lowerFileLimitEnv = "KVHOST_TEST_LOWERED_NOFILE"
+
 // lowerFileLimit sets the process's soft limit of open files to those
-// open now and slack more, until the test ends.
+// open now and slack more, until the test ends. The limit is the
+// process's: a test beside this one would run out of descriptors, and
+// its descriptors would take this one's. So that none runs beside it,
+// lowerFileLimit sets an environment variable with t.Setenv, which fails
+// the test at once where it, or one of its parents, calls t.Parallel,
+// before or after.
 func lowerFileLimit(t *testing.T, slack int) {
 	var old unix.Rlimit
 	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &old); err != nil {
@@ -82,6 +130,7 @@ func lowerFileLimit(t *testing.T, slack int) {
 	}
 	low := old
 	low.Cur = uint64(countFds(t) + slack)
+	t.Setenv(lowerFileLimitEnv, strconv.FormatUint(low.Cur, 10))
 	if err := unix.Setrlimit(unix.RLIMIT_NOFILE, &low); err != nil {
 		t.Fatal(err)
 	}
