@@ -58,6 +58,10 @@ var (
 	ErrCorrupt = errors.New("engine: corrupt file")
 	// ErrPolicy: the policy failed or returned something the engine refused.
 	ErrPolicy = errors.New("engine: policy")
+	// ErrLimit: a request is valid but would pass a bound of the
+	// engine's (Config.MaxNamespaces): it may succeed once what counts
+	// against the bound is released. The error names the bound.
+	ErrLimit = errors.New("engine: limit exceeded")
 	// ErrLocked: Config.LockFile is locked by another process (another
 	// daemon on this node).
 	ErrLocked = errors.New("engine: locked by another process")
@@ -264,6 +268,7 @@ type Config struct {
 	// at one time (default DefaultMaxNamespaces): each one holds state in
 	// the engine and in every policy shard.
 	// Namespaces of files found on disk do not count until declared.
+	// Declare refuses a new one beyond it with ErrLimit.
 	MaxNamespaces int
 	// Logger receives the engine's logs (default: slog.Default()).
 	Logger *slog.Logger

@@ -9,7 +9,8 @@ import (
 )
 
 // Declare registers a geometry and returns its namespace. Declaring the same
-// geometry again returns the same id.
+// geometry again returns the same id. A new geometry beyond
+// Config.MaxNamespaces declared and not released is refused with ErrLimit.
 func (e *Engine) Declare(ctx context.Context, g Geometry) (NamespaceID, error) {
 	if err := g.Validate(); err != nil {
 		return 0, err
@@ -67,7 +68,7 @@ func (e *Engine) Declare(ctx context.Context, g Geometry) (NamespaceID, error) {
 		// for the life of the engine: bound them.
 		if e.declares >= e.cfg.MaxNamespaces {
 			e.mu.Unlock()
-			return 0, fmt.Errorf("%w: namespace %q: %d namespaces declared, the limit (Config.MaxNamespaces) is %d", ErrInvalid, g.Model, e.declares, e.cfg.MaxNamespaces)
+			return 0, fmt.Errorf("%w: namespace %q: %d namespaces declared, the limit (Config.MaxNamespaces) is %d", ErrLimit, g.Model, e.declares, e.cfg.MaxNamespaces)
 		}
 		if !ok {
 			id = e.newNamespaceLocked(fp)

@@ -533,7 +533,8 @@ func TestReadEntryOpenFile(t *testing.T) {
 }
 
 // TestMaxNamespaces: Declare refuses new namespaces beyond the limit
-// (default 1024) with an error naming it; declared ones stay usable.
+// (default 1024) with ErrLimit and an error naming it, not ErrInvalid
+// (the geometry is valid); declared ones stay usable.
 func TestMaxNamespaces(t *testing.T) {
 	ctx := context.Background()
 	for _, tc := range []struct{ cfg, limit int }{{0, 1024}, {3, 3}} {
@@ -548,7 +549,7 @@ func TestMaxNamespaces(t *testing.T) {
 			}
 		}
 		g.Model = "one-too-many"
-		if _, err := e.Declare(ctx, g); !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), "MaxNamespaces") {
+		if _, err := e.Declare(ctx, g); !errors.Is(err, ErrLimit) || errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), "MaxNamespaces") {
 			t.Fatalf("limit %d: namespace beyond: %v", tc.limit, err)
 		}
 		g.Model = "m-0"

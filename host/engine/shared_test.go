@@ -424,7 +424,7 @@ func TestRelease(t *testing.T) {
 	c.fill(r, []int{0, 1, 2, 3})
 	want := c.data([]int{0, 1, 2, 3})
 	storeAndCheck(t, e, c, testKeys("r", 1), [][]int{{0, 1, 2, 3}})
-	if _, err := e.Declare(ctx, geo(2)); !errors.Is(err, ErrInvalid) {
+	if _, err := e.Declare(ctx, geo(2)); !errors.Is(err, ErrLimit) {
 		t.Fatalf("third namespace over a limit of 2: %v", err)
 	}
 	if err := e.Release(ns0); !errors.Is(err, ErrInvalid) {

@@ -314,7 +314,7 @@ var (
 	dJobsHeld       = desc("kvhost_jobs_in_flight_bytes", "Memory the unfinished jobs of all connections hold, as the server counts it against server.max_inflight_bytes.")
 	dJobsHeldLimit  = desc("kvhost_jobs_in_flight_bytes_limit", "The most memory the unfinished jobs of all connections may hold (server.max_inflight_bytes).")
 	dRegions        = desc("kvhost_registered_regions", "Host memory regions registered by clients.")
-	dRefusals       = desc("kvhost_limit_refusals_total", "Client requests refused with limit exceeded, by the bound that refused them: its configuration key (server.max_...) or the protocol's per-connection limit (namespaces_per_connection, caches_per_connection, pins_per_connection).", "limit")
+	dRefusals       = desc("kvhost_limit_refusals_total", "Client requests refused with limit exceeded, by the bound that refused them: its configuration key (server.max_...), the protocol's per-connection limit (namespaces_per_connection, caches_per_connection, pins_per_connection), or namespaces_per_daemon (the geometries the daemon knows at a time).", "limit")
 	dPinnedKeys     = desc("kvhost_client_pinned_keys", "Keys the pins of all connections hold, as counted against server.max_pinned_keys.")
 	dPinnedLimit    = desc("kvhost_client_pinned_keys_limit", "The most keys the pins of all connections may hold (server.max_pinned_keys).")
 	dClientFds      = desc("kvhost_client_descriptors", "Descriptors of clients the daemon holds: registered host memory and descriptors sent with frames not yet answered.")

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -84,6 +85,30 @@ func checkRealModel(t *testing.T, f *fixture) {
 	want := k.store(t, "real", []uint32{0, 1}, rng)
 	if got := k.load(t, "real", []uint32{2, 3}); !bytes.Equal(got, want) {
 		t.Fatal("the real model's key does not load its bytes")
+	}
+}
+
+// TestGeometriesBeyondTheDaemonsAreRefusedAsALimit: once the engine knows
+// as many namespaces as it may (Config.MaxNamespaces), a new geometry is
+// refused with limit exceeded naming the bound, not invalid argument (the
+// geometry is valid: a client may retry once others are released), and
+// declaring one the daemon knows still works.
+func TestGeometriesBeyondTheDaemonsAreRefusedAsALimit(t *testing.T) {
+	f := newFixtureWith(t, server.Config{}, func(cfg *engine.Config) { cfg.MaxNamespaces = 2 }, nil)
+	ctx := context.Background()
+	for i := range 2 {
+		if _, err := f.dial(t).Declare(ctx, throwaway(i)); err != nil {
+			t.Fatalf("geometry %d of 2: %v", i, err)
+		}
+	}
+	c := f.dial(t)
+	_, err := c.Declare(ctx, throwaway(2))
+	var pe *protocol.Error
+	if !errors.As(err, &pe) || pe.Code != protocol.CodeLimit || !strings.Contains(pe.Message, "namespaces_per_daemon") {
+		t.Fatalf("a geometry beyond the daemon's 2 namespaces: %v, want limit exceeded naming namespaces_per_daemon", err)
+	}
+	if _, err := c.Declare(ctx, throwaway(1)); err != nil {
+		t.Fatalf("a geometry the daemon knows, once another was refused: %v", err)
 	}
 }
 

@@ -7,6 +7,7 @@ import (
 	"testing"
 
 	"github.com/kvhost/kvhost/client"
+	"github.com/kvhost/kvhost/host/engine"
 	"github.com/kvhost/kvhost/internal/server"
 	"github.com/kvhost/kvhost/protocol"
 )
@@ -30,39 +31,44 @@ func TestRefusalsAreCountedByTheirBound(t *testing.T) {
 		return err
 	}
 	tests := []struct {
-		limit string
-		cfg   server.Config
-		twice func(t *testing.T, f *fixture) error // succeeds once, then is refused
+		limit  string
+		cfg    server.Config
+		engine func(*engine.Config)                 // edits the engine's configuration, if not nil
+		twice  func(t *testing.T, f *fixture) error // succeeds once, then is refused
 	}{
-		{"server.max_clients", server.Config{MaxClients: 1}, func(t *testing.T, f *fixture) error {
+		{"server.max_clients", server.Config{MaxClients: 1}, nil, func(t *testing.T, f *fixture) error {
 			f.dial(t)
 			_, err := client.Dial(ctx, f.socket, "second")
 			return err
 		}},
-		{"server.max_registrations", server.Config{MaxRegistrations: 1}, func(t *testing.T, f *fixture) error {
+		{"server.max_registrations", server.Config{MaxRegistrations: 1}, nil, func(t *testing.T, f *fixture) error {
 			c := f.dial(t)
 			register(t, c)
 			return register(t, c)
 		}},
-		{"server.max_descriptors", server.Config{MaxDescriptors: 1, MaxDescriptorsPerPeer: 1}, func(t *testing.T, f *fixture) error {
+		{"server.max_descriptors", server.Config{MaxDescriptors: 1, MaxDescriptorsPerPeer: 1}, nil, func(t *testing.T, f *fixture) error {
 			c := f.dial(t)
 			register(t, c)
 			return register(t, c)
 		}},
-		{"server.max_namespaces_per_peer", server.Config{MaxNamespacesPerPeer: 1}, func(t *testing.T, f *fixture) error {
+		{"server.max_namespaces_per_peer", server.Config{MaxNamespacesPerPeer: 1}, nil, func(t *testing.T, f *fixture) error {
 			c := f.dial(t)
 			declare(t, c, 0)
 			return declare(t, c, 1)
 		}},
-		{"namespaces_per_connection", server.Config{MaxNamespaces: 1, MaxNamespacesPerPeer: 2}, func(t *testing.T, f *fixture) error {
+		{"namespaces_per_connection", server.Config{MaxNamespaces: 1, MaxNamespacesPerPeer: 2}, nil, func(t *testing.T, f *fixture) error {
 			c := f.dial(t)
 			declare(t, c, 0)
 			return declare(t, c, 1)
+		}},
+		{"namespaces_per_daemon", server.Config{}, func(cfg *engine.Config) { cfg.MaxNamespaces = 1 }, func(t *testing.T, f *fixture) error {
+			declare(t, f.dial(t), 0)
+			return declare(t, f.dial(t), 1)
 		}},
 	}
 	for _, tc := range tests {
 		t.Run(tc.limit, func(t *testing.T) {
-			f := newFixture(t, tc.cfg)
+			f := newFixtureWith(t, tc.cfg, tc.engine, nil)
 			if err := tc.twice(t, f); !errors.Is(err, &protocol.Error{Code: protocol.CodeLimit}) {
 				t.Fatalf("the second request: %v, want limit exceeded", err)
 			}

@@ -422,18 +422,20 @@ const (
 	boundPins
 	boundPinnedKeys
 	boundPinnedKeysPerPeer
+	boundNamespacesPerDaemon
 	numBounds
 )
 
-// boundNames name the bounds: a configuration key, or the protocol's
-// per-connection limit.
+// boundNames name the bounds: a configuration key, the protocol's
+// per-connection limit, or namespaces_per_daemon (the engine's
+// MaxNamespaces, which has no key).
 var boundNames = [numBounds]string{
 	"server.max_clients", "server.max_clients_per_peer", "server.max_registrations",
 	"server.max_registered_bytes", "server.max_total_registered_bytes", "server.max_device_registered_bytes",
 	"server.max_descriptors", "server.max_descriptors_per_peer", "server.max_inflight_jobs",
 	"server.max_inflight_bytes", "server.max_inflight_bytes_per_peer", "server.max_namespaces_per_peer",
 	"namespaces_per_connection", "caches_per_connection", "pins_per_connection",
-	"server.max_pinned_keys", "server.max_pinned_keys_per_peer",
+	"server.max_pinned_keys", "server.max_pinned_keys_per_peer", "namespaces_per_daemon",
 }
 
 // refuse counts a refusal by b and returns the error the client gets.
@@ -777,6 +779,11 @@ func (s *Server) declare(ctx context.Context, p *peer, g engine.Geometry) (engin
 			p, len(p.namespaces))
 	}
 	id, err := s.eng.Declare(ctx, g)
+	if errors.Is(err, engine.ErrLimit) {
+		// The engine knows as many namespaces as it may: a limit, which
+		// clients may wait out, not a fault of the geometry.
+		return 0, s.refuse(boundNamespacesPerDaemon, "the daemon knows as many geometries as it may (namespaces_per_daemon): retry once connections have undeclared or closed theirs: %v", err)
+	}
 	if err != nil {
 		return 0, err
 	}

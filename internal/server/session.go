@@ -958,6 +958,8 @@ func errorOf(err error) *protocol.Error {
 		code = protocol.CodeCancelled
 	case errors.Is(err, engine.ErrInvalid), errors.Is(err, region.ErrBounds):
 		code = protocol.CodeInvalid
+	case errors.Is(err, engine.ErrLimit):
+		code = protocol.CodeLimit
 	case errors.Is(err, engine.ErrUnknownNamespace):
 		code = protocol.CodeUnknownNS
 	case errors.Is(err, engine.ErrUnknownCache):

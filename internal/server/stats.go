@@ -23,9 +23,10 @@ type Stats struct {
 	// counted against Config.MaxPinnedKeys (PinnedLimit).
 	PinnedKeys, PinnedLimit int64
 	// Refusals counts the requests refused with limit exceeded by the
-	// bound that refused them: its configuration key (server.max_...), or
+	// bound that refused them: its configuration key (server.max_...),
 	// namespaces_per_connection, caches_per_connection,
-	// pins_per_connection. Bounds that refused none are left out.
+	// pins_per_connection, or namespaces_per_daemon (the engine's
+	// MaxNamespaces). Bounds that refused none are left out.
 	Refusals        map[string]uint64
 	Regions         int64 // host memory regions registered by all connections
 	RegisteredBytes int64 // their bytes
