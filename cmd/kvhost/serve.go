@@ -249,6 +249,8 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 		MaxDescriptors:          cfg.Server.MaxDescriptors,
 		MaxPinnedKeys:           cfg.Server.MaxPinnedKeys,
 		MaxPinnedKeysPerPeer:    cfg.Server.MaxPinnedKeysPerPeer,
+		MaxCacheLayers:          cfg.Server.MaxCacheLayers,
+		MaxCacheLayersPerPeer:   cfg.Server.MaxCacheLayersPerPeer,
 		MaxDescriptorsPerPeer:   cfg.Server.MaxDescriptorsPerPeer,
 		MaxFrame:                int(cfg.Server.MaxFrame),
 		MaxRegistrations:        cfg.Server.MaxRegistrations,

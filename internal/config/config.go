@@ -135,6 +135,12 @@ type Server struct {
 	// MaxPinnedKeysPerPeer bounds the same for one client process; 0:
 	// half of MaxPinnedKeys.
 	MaxPinnedKeysPerPeer int `toml:"max_pinned_keys_per_peer"`
+	// MaxCacheLayers bounds the layers of the caches all clients hold
+	// registered; 0: 1Mi.
+	MaxCacheLayers int `toml:"max_cache_layers"`
+	// MaxCacheLayersPerPeer bounds the same for one client process; 0:
+	// half of MaxCacheLayers.
+	MaxCacheLayersPerPeer int `toml:"max_cache_layers_per_peer"`
 	// MaxNamespacesPerPeer bounds the distinct geometries the
 	// connections of one client process hold declared together; 0: 64,
 	// what one connection may declare.
@@ -642,6 +648,10 @@ func (c *Config) Validate() error {
 		return bad("server.max_pinned_keys", fmt.Sprintf("0 (automatic) or at least %d", 2*protocol.MaxKeysPerRequest), c.Server.MaxPinnedKeys)
 	case c.Server.MaxPinnedKeysPerPeer != 0 && (c.Server.MaxPinnedKeysPerPeer < protocol.MaxKeysPerRequest || (c.Server.MaxPinnedKeys > 0 && c.Server.MaxPinnedKeysPerPeer > c.Server.MaxPinnedKeys)):
 		return bad("server.max_pinned_keys_per_peer", fmt.Sprintf("0 (half of max_pinned_keys), or %d (the keys of one request) to max_pinned_keys", protocol.MaxKeysPerRequest), c.Server.MaxPinnedKeysPerPeer)
+	case c.Server.MaxCacheLayers != 0 && c.Server.MaxCacheLayers < 2*protocol.MaxLayers:
+		return bad("server.max_cache_layers", fmt.Sprintf("0 (automatic) or at least %d", 2*protocol.MaxLayers), c.Server.MaxCacheLayers)
+	case c.Server.MaxCacheLayersPerPeer != 0 && (c.Server.MaxCacheLayersPerPeer < protocol.MaxLayers || (c.Server.MaxCacheLayers > 0 && c.Server.MaxCacheLayersPerPeer > c.Server.MaxCacheLayers)):
+		return bad("server.max_cache_layers_per_peer", fmt.Sprintf("0 (half of max_cache_layers), or %d (the layers of one cache) to max_cache_layers", protocol.MaxLayers), c.Server.MaxCacheLayersPerPeer)
 	case c.Server.MaxNamespacesPerPeer < 0:
 		return bad("server.max_namespaces_per_peer", "0 (64) or more", c.Server.MaxNamespacesPerPeer)
 	case c.Server.MaxInflightJobs < 1:

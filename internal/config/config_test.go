@@ -100,6 +100,8 @@ max_descriptors = 4096
 max_descriptors_per_peer = 1024
 max_pinned_keys = 65536
 max_pinned_keys_per_peer = 8192
+max_cache_layers = 65536
+max_cache_layers_per_peer = 16384
 
 [gpu]
 mode = "on"
@@ -118,7 +120,7 @@ idle_registrars = 0
 		time.Duration(s.IdleTimeout) != 5*time.Minute || time.Duration(s.WriteTimeout) != 7*time.Second ||
 		s.MaxRegisteredBytes != 64<<30 || s.MaxTotalRegisteredBytes != 1<<40 || s.MaxNamespacesPerPeer != 8 ||
 		s.MaxInflightBytes != 2<<30 || s.MaxInflightBytesPerPeer != 512<<20 || s.MaxDescriptors != 4096 || s.MaxDescriptorsPerPeer != 1024 ||
-		s.MaxPinnedKeys != 65536 || s.MaxPinnedKeysPerPeer != 8192 {
+		s.MaxPinnedKeys != 65536 || s.MaxPinnedKeysPerPeer != 8192 || s.MaxCacheLayers != 65536 || s.MaxCacheLayersPerPeer != 16384 {
 		t.Errorf("server limits decoded as %+v", s)
 	}
 	if g.Mode != "on" || g.CuFile != "compat" || g.CUDALibrary != "/opt/cuda/lib64/libcudart.so.13" || g.StagingMemory != 1<<30 || g.Poll != 0 || g.IdleRegistrars != 0 {
@@ -164,6 +166,8 @@ func TestParseErrors(t *testing.T) {
 		{"descriptors per peer", "[server]\nmax_descriptors = 100\nmax_descriptors_per_peer = 101", "kvhost.toml:3: server.max_descriptors_per_peer: want 0 (half of max_descriptors) to max_descriptors, got 101"},
 		{"pinned keys", "[server]\nmax_pinned_keys = 100", "kvhost.toml:2: server.max_pinned_keys: want 0 (automatic) or at least 8192, got 100"},
 		{"pinned keys per peer", "[server]\nmax_pinned_keys_per_peer = 4095", "kvhost.toml:2: server.max_pinned_keys_per_peer: want 0 (half of max_pinned_keys), or 4096 (the keys of one request) to max_pinned_keys, got 4095"},
+		{"cache layers", "[server]\nmax_cache_layers = 4096", "kvhost.toml:2: server.max_cache_layers: want 0 (automatic) or at least 8192, got 4096"},
+		{"cache layers per peer", "[server]\nmax_cache_layers = 8192\nmax_cache_layers_per_peer = 8193", "kvhost.toml:3: server.max_cache_layers_per_peer: want 0 (half of max_cache_layers), or 4096 (the layers of one cache) to max_cache_layers, got 8193"},
 		{"namespaces per peer", "[server]\nmax_namespaces_per_peer = -1", "kvhost.toml:2: server.max_namespaces_per_peer: want 0 (64) or more, got -1"},
 		{"device class", "[[mount]]\npath = \"/a\"\ndevice_class = \"tape\"", `kvhost.toml:3: mount.device_class: want "memory"`},
 		{"gpu mode", "[gpu]\nmode = \"maybe\"", `kvhost.toml:2: gpu.mode: want auto, on or off, got "maybe"`},

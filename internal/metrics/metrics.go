@@ -317,6 +317,8 @@ var (
 	dRefusals       = desc("kvhost_limit_refusals_total", "Client requests refused with limit exceeded, by the bound that refused them: its configuration key (server.max_...), the protocol's per-connection limit (namespaces_per_connection, caches_per_connection, pins_per_connection), or namespaces_per_daemon (the geometries the daemon knows at a time).", "limit")
 	dPinnedKeys     = desc("kvhost_client_pinned_keys", "Keys the pins of all connections hold, as counted against server.max_pinned_keys.")
 	dPinnedLimit    = desc("kvhost_client_pinned_keys_limit", "The most keys the pins of all connections may hold (server.max_pinned_keys).")
+	dCacheLayers    = desc("kvhost_client_cache_layers", "Layers of the caches all connections hold registered, as counted against server.max_cache_layers.")
+	dCacheLayersMax = desc("kvhost_client_cache_layers_limit", "The most layers the caches of all connections may hold (server.max_cache_layers).")
 	dClientFds      = desc("kvhost_client_descriptors", "Descriptors of clients the daemon holds: registered host memory and descriptors sent with frames not yet answered.")
 	dClientFdsLimit = desc("kvhost_client_descriptors_limit", "The most descriptors of clients the daemon may hold (server.max_descriptors).")
 	dRegBytes       = desc("kvhost_registered_bytes", "Bytes of host memory registered by clients.")
@@ -449,6 +451,8 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 		gauge(dClientFds, float64(st.Descriptors))
 		gauge(dPinnedKeys, float64(st.PinnedKeys))
 		gauge(dPinnedLimit, float64(st.PinnedLimit))
+		gauge(dCacheLayers, float64(st.CacheLayers))
+		gauge(dCacheLayersMax, float64(st.CacheLayerLimit))
 		for limit, n := range st.Refusals {
 			counter(dRefusals, n, limit)
 		}

@@ -61,6 +61,11 @@ func TestRefusalsAreCountedByTheirBound(t *testing.T) {
 			declare(t, c, 0)
 			return declare(t, c, 1)
 		}},
+		{"server.max_cache_layers", server.Config{MaxCacheLayers: tallLayers, MaxCacheLayersPerPeer: tallLayers}, nil, func(t *testing.T, f *fixture) error {
+			registerTall(t, f.dial(t))
+			_, err := registerTall(t, f.dial(t))
+			return err
+		}},
 		{"namespaces_per_daemon", server.Config{}, func(cfg *engine.Config) { cfg.MaxNamespaces = 1 }, func(t *testing.T, f *fixture) error {
 			declare(t, f.dial(t), 0)
 			return declare(t, f.dial(t), 1)

@@ -129,6 +129,19 @@ type Config struct {
 	// of its own. At least protocol.MaxKeysPerRequest: one Pin of the
 	// most keys a request carries must fit.
 	MaxPinnedKeysPerPeer int
+	// MaxCacheLayers bounds the layers of the caches all connections
+	// hold registered (default DefaultMaxCacheLayers): each costs the
+	// daemon some 52 bytes until the cache is unregistered. A
+	// RegisterCache beyond it is refused with CodeLimit. At least
+	// MaxCacheLayersPerPeer.
+	MaxCacheLayers int
+	// MaxCacheLayersPerPeer bounds the same for the caches of one peer
+	// process's connections (its pid, from SO_PEERCRED), so that one
+	// client cannot take all of MaxCacheLayers (default half of it). A
+	// connection whose peer's pid the kernel does not give is a process
+	// of its own. At least protocol.MaxLayers: one cache of the most
+	// layers a registration carries must fit.
+	MaxCacheLayersPerPeer int
 	// MaxNamespacesPerPeer bounds the distinct geometries the connections
 	// of one peer process (its pid, from SO_PEERCRED) hold declared
 	// together (default MaxNamespaces), so that one client opening
@@ -264,6 +277,13 @@ func DefaultMaxDescriptors() int {
 // of loads are meant for.
 const DefaultMaxPinnedKeys = 1 << 22
 
+// DefaultMaxCacheLayers is Config.MaxCacheLayers when it is zero: 1 Mi
+// layers, some 52 MiB of the engine's copy of each layer's tensor (48
+// bytes) and the server's region id (4): a cache of 4,096 layers was
+// measured to hold 209 KiB. Half of it, a process's share, is 4,161
+// caches of Llama 3.1 405B's 126 layers.
+const DefaultMaxCacheLayers = 1 << 20
+
 // DefaultMaxInflightBytes is Config.MaxInflightBytes when it is zero and
 // MaxFrame is at most 64 MiB: some 2 million keys of jobs in flight,
 // thirty times what the vLLM workers of an eight-GPU node keep in flight
@@ -338,6 +358,8 @@ func (c Config) withDefaults() (Config, error) {
 	}
 	def(&c.MaxPinnedKeys, DefaultMaxPinnedKeys)
 	def(&c.MaxPinnedKeysPerPeer, c.MaxPinnedKeys/2)
+	def(&c.MaxCacheLayers, DefaultMaxCacheLayers)
+	def(&c.MaxCacheLayersPerPeer, c.MaxCacheLayers/2)
 	def(&c.MaxDescriptors, DefaultMaxDescriptors())
 	def(&c.MaxDescriptorsPerPeer, max(1, c.MaxDescriptors/2))
 	if c.MaxInflightBytes == 0 {
@@ -371,6 +393,9 @@ func (c Config) withDefaults() (Config, error) {
 	case c.MaxPinnedKeysPerPeer < protocol.MaxKeysPerRequest || c.MaxPinnedKeys < c.MaxPinnedKeysPerPeer:
 		return c, fmt.Errorf("server: max_pinned_keys %d, max_pinned_keys_per_peer %d: want %d ≤ max_pinned_keys_per_peer ≤ max_pinned_keys (one Pin of the most keys a request carries must fit)",
 			c.MaxPinnedKeys, c.MaxPinnedKeysPerPeer, protocol.MaxKeysPerRequest)
+	case c.MaxCacheLayersPerPeer < protocol.MaxLayers || c.MaxCacheLayers < c.MaxCacheLayersPerPeer:
+		return c, fmt.Errorf("server: max_cache_layers %d, max_cache_layers_per_peer %d: want %d ≤ max_cache_layers_per_peer ≤ max_cache_layers (one cache of the most layers a registration carries must fit)",
+			c.MaxCacheLayers, c.MaxCacheLayersPerPeer, protocol.MaxLayers)
 	case c.MaxDescriptors < 0 || c.MaxDescriptorsPerPeer < 0:
 		return c, errors.New("server: negative descriptor limit")
 	case c.MaxDescriptorsPerPeer > c.MaxDescriptors:
@@ -423,6 +448,8 @@ const (
 	boundPinnedKeys
 	boundPinnedKeysPerPeer
 	boundNamespacesPerDaemon
+	boundCacheLayers
+	boundCacheLayersPerPeer
 	numBounds
 )
 
@@ -436,6 +463,7 @@ var boundNames = [numBounds]string{
 	"server.max_inflight_bytes", "server.max_inflight_bytes_per_peer", "server.max_namespaces_per_peer",
 	"namespaces_per_connection", "caches_per_connection", "pins_per_connection",
 	"server.max_pinned_keys", "server.max_pinned_keys_per_peer", "namespaces_per_daemon",
+	"server.max_cache_layers", "server.max_cache_layers_per_peer",
 }
 
 // refuse counts a refusal by b and returns the error the client gets.
@@ -463,6 +491,7 @@ type Server struct {
 	jobBytes atomic.Int64   // JobBytes of every session's jobs in flight
 	fds      atomic.Int64   // clients' descriptors held (Config.MaxDescriptors)
 	regions  atomic.Int64   // host regions registered by all sessions
+	layers   atomic.Int64   // layers of every session's registered caches
 	refusals [numBounds]atomic.Uint64
 	started  time.Time
 	devices  []deviceUse // per GPU: memory registered by all sessions
@@ -492,6 +521,7 @@ type peer struct {
 	namespaces map[engine.Geometry]int
 	jobBytes   atomic.Int64 // JobBytes of the peer's jobs in flight
 	fds        atomic.Int64 // the peer's descriptors held
+	layers     atomic.Int64 // layers of the peer's registered caches
 	pinned     int64        // the keys the peer's pins hold; guarded by Server.pinMu
 }
 
@@ -541,6 +571,30 @@ func (s *Server) reserveJob(p *peer, n int64) error {
 func (s *Server) releaseJob(p *peer, n int64) {
 	p.jobBytes.Add(-n)
 	s.jobBytes.Add(-n)
+}
+
+// reserveLayers counts the n layers of a cache a session of p registers
+// against MaxCacheLayers and MaxCacheLayersPerPeer, or says which it
+// would pass.
+func (s *Server) reserveLayers(p *peer, n int) error {
+	if total := s.layers.Add(int64(n)); total > int64(s.cfg.MaxCacheLayers) {
+		s.layers.Add(-int64(n))
+		return s.refuse(boundCacheLayers, "the caches of all clients hold %d layers; this cache's %d would pass the daemon's limit of %d (server.max_cache_layers): unregister caches first",
+			total-int64(n), n, s.cfg.MaxCacheLayers)
+	}
+	if held := p.layers.Add(int64(n)); held > int64(s.cfg.MaxCacheLayersPerPeer) {
+		p.layers.Add(-int64(n))
+		s.layers.Add(-int64(n))
+		return s.refuse(boundCacheLayersPerPeer, "the caches of %s hold %d layers; this cache's %d would pass the most one process may hold, %d (server.max_cache_layers_per_peer): unregister caches first",
+			p, held-int64(n), n, s.cfg.MaxCacheLayersPerPeer)
+	}
+	return nil
+}
+
+// releaseLayers gives back what reserveLayers counted.
+func (s *Server) releaseLayers(p *peer, n int) {
+	p.layers.Add(-int64(n))
+	s.layers.Add(-int64(n))
 }
 
 // New returns a Server dispatching to eng.

@@ -40,7 +40,7 @@ type namespace struct {
 type cache struct {
 	id        engine.CacheID
 	ns        *namespace
-	regions   []uint32 // one per layer
+	regions   []uint32 // one per layer: as many as the layers counted (reserveLayers)
 	numBlocks uint32   // the smallest NumBlocks of its layers
 	inflight  int      // jobs in flight; guarded by session.jmu
 	// shrinkable are its distinct host regions whose file may be
@@ -640,8 +640,12 @@ func (s *session) registerCache(m *protocol.RegisterCache) (protocol.Message, er
 		regions[i] = l.Region
 		minBlocks = min(minBlocks, l.NumBlocks)
 	}
+	if err := s.srv.reserveLayers(s.peer, len(layers)); err != nil {
+		return nil, err
+	}
 	cid, err := s.srv.eng.RegisterCache(ns.id, layers)
 	if err != nil {
+		s.srv.releaseLayers(s.peer, len(layers))
 		return nil, err
 	}
 	for _, r := range regions {
@@ -667,6 +671,7 @@ func (s *session) unregisterCache(m *protocol.UnregisterCache) (protocol.Message
 		return nil, err
 	}
 	delete(s.caches, m.Cache)
+	s.srv.releaseLayers(s.peer, len(c.regions))
 	for _, r := range c.regions {
 		s.regions[r].refs--
 	}
@@ -901,6 +906,7 @@ func (s *session) release() {
 		if err := s.srv.eng.UnregisterCache(c.id); err != nil {
 			s.log.Warn("unregister cache", "err", err)
 		}
+		s.srv.releaseLayers(s.peer, len(c.regions))
 	}
 	s.caches = nil
 	for _, ns := range s.namespaces {

@@ -22,6 +22,10 @@ type Stats struct {
 	// PinnedKeys are the keys the pins of all connections hold, as
 	// counted against Config.MaxPinnedKeys (PinnedLimit).
 	PinnedKeys, PinnedLimit int64
+	// CacheLayers are the layers of the caches all connections hold
+	// registered, as counted against Config.MaxCacheLayers
+	// (CacheLayerLimit).
+	CacheLayers, CacheLayerLimit int64
 	// Refusals counts the requests refused with limit exceeded by the
 	// bound that refused them: its configuration key (server.max_...),
 	// namespaces_per_connection, caches_per_connection,
@@ -62,6 +66,7 @@ func (s *Server) figures() Stats {
 	st.InflightBytes, st.InflightLimit = s.jobBytes.Load(), s.cfg.MaxInflightBytes
 	st.Descriptors, st.DescriptorLimit = s.fds.Load(), int64(s.cfg.MaxDescriptors)
 	st.PinnedKeys, st.PinnedLimit = s.pinnedKeys(), int64(s.cfg.MaxPinnedKeys)
+	st.CacheLayers, st.CacheLayerLimit = s.layers.Load(), int64(s.cfg.MaxCacheLayers)
 	for b := range numBounds {
 		if n := s.refusals[b].Load(); n > 0 {
 			if st.Refusals == nil {
