@@ -257,6 +257,8 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 		MaxInflightJobs:         cfg.Server.MaxInflightJobs,
 		MaxInflightBytes:        int64(cfg.Server.MaxInflightBytes),
 		MaxInflightBytesPerPeer: int64(cfg.Server.MaxInflightBytesPerPeer),
+		MaxIncomingBytes:        int64(cfg.Server.MaxIncomingBytes),
+		MaxIncomingBytesPerPeer: int64(cfg.Server.MaxIncomingBytesPerPeer),
 		ShutdownTimeout:         time.Duration(cfg.Server.ShutdownTimeout),
 		MaxHandshakes:           cfg.Server.MaxHandshakes,
 		HandshakeTimeout:        time.Duration(cfg.Server.HandshakeTimeout),

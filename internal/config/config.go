@@ -154,6 +154,13 @@ type Server struct {
 	// MaxInflightBytesPerPeer bounds the same for the jobs of one client
 	// process; 0: half of MaxInflightBytes.
 	MaxInflightBytesPerPeer Size `toml:"max_inflight_bytes_per_peer"`
+	// MaxIncomingBytes bounds the bytes of the frames all clients have
+	// the daemon hold while it reads and answers them (docs/serve.md); 0:
+	// 256 MiB, or four times MaxFrame if that is more.
+	MaxIncomingBytes Size `toml:"max_incoming_bytes"`
+	// MaxIncomingBytesPerPeer bounds the same for the frames of one
+	// client process; 0: half of MaxIncomingBytes.
+	MaxIncomingBytesPerPeer Size `toml:"max_incoming_bytes_per_peer"`
 	// MaxRegistrations bounds a client's registered memory regions.
 	MaxRegistrations int `toml:"max_registrations"`
 	// MaxFrame bounds one protocol frame.
@@ -660,6 +667,14 @@ func (c *Config) Validate() error {
 		return bad("server.max_registrations", "at least 1", c.Server.MaxRegistrations)
 	case c.Server.MaxFrame < 64<<10 || c.Server.MaxFrame > 1<<30:
 		return bad("server.max_frame", "between 64KiB and 1GiB", c.Server.MaxFrame)
+	case c.Server.MaxIncomingBytes < 0:
+		return bad("server.max_incoming_bytes", "a non-negative size (0: automatic)", c.Server.MaxIncomingBytes)
+	case c.Server.MaxIncomingBytesPerPeer < 0 || (c.Server.MaxIncomingBytes > 0 && c.Server.MaxIncomingBytesPerPeer > c.Server.MaxIncomingBytes):
+		return bad("server.max_incoming_bytes_per_peer", "0 (half of max_incoming_bytes) to max_incoming_bytes", c.Server.MaxIncomingBytesPerPeer)
+	case c.Server.MaxIncomingBytesPerPeer != 0 && c.Server.MaxIncomingBytesPerPeer < c.Server.MaxFrame:
+		return bad("server.max_incoming_bytes_per_peer", fmt.Sprintf("0 (half of max_incoming_bytes), or max_frame (%d) to max_incoming_bytes: one frame must fit", int64(c.Server.MaxFrame)), c.Server.MaxIncomingBytesPerPeer)
+	case c.Server.MaxIncomingBytesPerPeer == 0 && c.Server.MaxIncomingBytes != 0 && c.Server.MaxIncomingBytes/2 < c.Server.MaxFrame:
+		return bad("server.max_incoming_bytes", fmt.Sprintf("0 (automatic) or at least twice max_frame (%d): half of it, a process's share, must hold one frame", 2*int64(c.Server.MaxFrame)), c.Server.MaxIncomingBytes)
 	case c.Server.ShutdownTimeout < 0:
 		return bad("server.shutdown_timeout", "a non-negative duration", c.Server.ShutdownTimeout)
 	case c.Server.StallTimeout < 0:

@@ -102,6 +102,8 @@ max_pinned_keys = 65536
 max_pinned_keys_per_peer = 8192
 max_cache_layers = 65536
 max_cache_layers_per_peer = 16384
+max_incoming_bytes = "1GiB"
+max_incoming_bytes_per_peer = "64MiB"
 
 [gpu]
 mode = "on"
@@ -120,7 +122,8 @@ idle_registrars = 0
 		time.Duration(s.IdleTimeout) != 5*time.Minute || time.Duration(s.WriteTimeout) != 7*time.Second ||
 		s.MaxRegisteredBytes != 64<<30 || s.MaxTotalRegisteredBytes != 1<<40 || s.MaxNamespacesPerPeer != 8 ||
 		s.MaxInflightBytes != 2<<30 || s.MaxInflightBytesPerPeer != 512<<20 || s.MaxDescriptors != 4096 || s.MaxDescriptorsPerPeer != 1024 ||
-		s.MaxPinnedKeys != 65536 || s.MaxPinnedKeysPerPeer != 8192 || s.MaxCacheLayers != 65536 || s.MaxCacheLayersPerPeer != 16384 {
+		s.MaxPinnedKeys != 65536 || s.MaxPinnedKeysPerPeer != 8192 || s.MaxCacheLayers != 65536 || s.MaxCacheLayersPerPeer != 16384 ||
+		s.MaxIncomingBytes != 1<<30 || s.MaxIncomingBytesPerPeer != 64<<20 {
 		t.Errorf("server limits decoded as %+v", s)
 	}
 	if g.Mode != "on" || g.CuFile != "compat" || g.CUDALibrary != "/opt/cuda/lib64/libcudart.so.13" || g.StagingMemory != 1<<30 || g.Poll != 0 || g.IdleRegistrars != 0 {
@@ -166,6 +169,9 @@ func TestParseErrors(t *testing.T) {
 		{"descriptors per peer", "[server]\nmax_descriptors = 100\nmax_descriptors_per_peer = 101", "kvhost.toml:3: server.max_descriptors_per_peer: want 0 (half of max_descriptors) to max_descriptors, got 101"},
 		{"pinned keys", "[server]\nmax_pinned_keys = 100", "kvhost.toml:2: server.max_pinned_keys: want 0 (automatic) or at least 8192, got 100"},
 		{"pinned keys per peer", "[server]\nmax_pinned_keys_per_peer = 4095", "kvhost.toml:2: server.max_pinned_keys_per_peer: want 0 (half of max_pinned_keys), or 4096 (the keys of one request) to max_pinned_keys, got 4095"},
+		{"incoming bytes per peer", "[server]\nmax_incoming_bytes = \"64MiB\"\nmax_incoming_bytes_per_peer = \"128MiB\"", "kvhost.toml:3: server.max_incoming_bytes_per_peer: want 0 (half of max_incoming_bytes) to max_incoming_bytes"},
+		{"incoming bytes per peer below a frame", "[server]\nmax_incoming_bytes_per_peer = \"1MiB\"", "kvhost.toml:2: server.max_incoming_bytes_per_peer: want 0 (half of max_incoming_bytes), or max_frame (4194304) to max_incoming_bytes: one frame must fit"},
+		{"incoming bytes below two frames", "[server]\nmax_incoming_bytes = \"6MiB\"", "kvhost.toml:2: server.max_incoming_bytes: want 0 (automatic) or at least twice max_frame (8388608): half of it, a process's share, must hold one frame"},
 		{"cache layers", "[server]\nmax_cache_layers = 4096", "kvhost.toml:2: server.max_cache_layers: want 0 (automatic) or at least 8192, got 4096"},
 		{"cache layers per peer", "[server]\nmax_cache_layers = 8192\nmax_cache_layers_per_peer = 8193", "kvhost.toml:3: server.max_cache_layers_per_peer: want 0 (half of max_cache_layers), or 4096 (the layers of one cache) to max_cache_layers, got 8193"},
 		{"namespaces per peer", "[server]\nmax_namespaces_per_peer = -1", "kvhost.toml:2: server.max_namespaces_per_peer: want 0 (64) or more, got -1"},

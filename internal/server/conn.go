@@ -36,6 +36,11 @@ const maxFdsPerMsg = 8
 // byte has arrived the rest of the frame must follow within frameTimeout,
 // so that a client that stops in the middle of a frame cannot hold its
 // session (and what it pins) for ever.
+//
+// A frame's body is allocated once its header is read. Where room is set,
+// a body of more than UncountedBody bytes first takes room for itself
+// (which may wait: the frame's deadline then counts from the end of the
+// wait) and holds it until the frame is answered (done).
 type frameReader struct {
 	conn         *net.UnixConn
 	buf          []byte
@@ -54,6 +59,12 @@ type frameReader struct {
 	// each counted descriptor the reader closes.
 	hold func() *protocol.Error
 	drop func()
+	// room, if set, takes room for a body of n bytes, waiting until
+	// there is, and reports whether it waited; free gives it back. held
+	// is what the frame last read holds.
+	room func(n int) (waited bool, err error)
+	free func(n int)
+	held int
 }
 
 func newFrameReader(c *net.UnixConn, maxFrame, maxFds int, frameTimeout time.Duration) *frameReader {
@@ -204,8 +215,19 @@ func (f *frameReader) next(wait, by time.Time) (protocol.Header, []byte, error) 
 	if err != nil {
 		return h, nil, err
 	}
+	if f.room != nil && h.Len > UncountedBody {
+		waited, err := f.room(int(h.Len))
+		if err != nil {
+			return h, nil, err
+		}
+		f.held = int(h.Len)
+		if waited {
+			dl = time.Time{} // the client was not late: the daemon was full
+		}
+	}
 	body := make([]byte, h.Len)
 	if err := f.readFull(body, &dl, by); err != nil {
+		f.giveRoom()
 		if errors.Is(err, io.EOF) {
 			err = io.ErrUnexpectedEOF
 		}
@@ -235,9 +257,19 @@ func (f *frameReader) takeFd() (int, *protocol.Error) {
 	return r.fd, r.refused
 }
 
+// giveRoom gives back the room the frame last read holds.
+func (f *frameReader) giveRoom() {
+	if f.held > 0 {
+		f.free(f.held)
+		f.held = 0
+	}
+}
+
 // done closes the descriptors that belong to the frame last read, or to
-// one before it, and that no handler claimed: the frame has been answered.
+// one before it, and that no handler claimed, and gives back its room:
+// the frame has been answered.
 func (f *frameReader) done() {
+	f.giveRoom()
 	n := 0
 	for n < len(f.fds) && f.fds[n].end <= f.frame[1] {
 		f.close(f.fds[n])
@@ -246,8 +278,10 @@ func (f *frameReader) done() {
 	f.fds = f.fds[n:]
 }
 
-// closeFds closes every unclaimed descriptor.
+// closeFds closes every unclaimed descriptor, and gives back the room of
+// a frame read and not answered.
 func (f *frameReader) closeFds() {
+	f.giveRoom()
 	for _, r := range f.fds {
 		f.close(r)
 	}

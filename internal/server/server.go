@@ -129,6 +129,22 @@ type Config struct {
 	// of its own. At least protocol.MaxKeysPerRequest: one Pin of the
 	// most keys a request carries must fit.
 	MaxPinnedKeysPerPeer int
+	// MaxIncomingBytes bounds the bytes of the frames all connections
+	// together have the daemon hold while it reads and answers them
+	// (default DefaultMaxIncomingBytes, or 4 × MaxFrame if that is more).
+	// A frame's body is allocated once its header is read; a frame that
+	// would pass the bound waits, unread, until frames before it are
+	// answered, and its FrameTimeout counts from the end of that wait.
+	// Bodies of UncountedBody bytes or less are not counted. At least
+	// MaxIncomingBytesPerPeer.
+	MaxIncomingBytes int64
+	// MaxIncomingBytesPerPeer bounds the same for the frames of one peer
+	// process's connections (its pid, from SO_PEERCRED), so that one
+	// client cannot take all of MaxIncomingBytes (default half of it). A
+	// connection whose peer's pid the kernel does not give is a process
+	// of its own. At least MaxFrame: one frame of the largest size must
+	// fit.
+	MaxIncomingBytesPerPeer int64
 	// MaxCacheLayers bounds the layers of the caches all connections
 	// hold registered (default DefaultMaxCacheLayers): each costs the
 	// daemon some 52 bytes until the cache is unregistered. A
@@ -277,6 +293,17 @@ func DefaultMaxDescriptors() int {
 // of loads are meant for.
 const DefaultMaxPinnedKeys = 1 << 22
 
+// DefaultMaxIncomingBytes is Config.MaxIncomingBytes when it is zero and
+// MaxFrame is at most 64 MiB: what 64 connections (MaxClients' default)
+// each reading a frame of 4 MiB (MaxFrame's) hold.
+const DefaultMaxIncomingBytes = 256 << 20
+
+// UncountedBody is the largest frame body that is not counted against
+// MaxIncomingBytes: the connections of a daemon, each reading one frame
+// at a time, hold at most 64 KiB each in such frames, and the small
+// requests that free room (unregistrations, cancels, unpins) never wait.
+const UncountedBody = protocol.MinFrame
+
 // DefaultMaxCacheLayers is Config.MaxCacheLayers when it is zero: 1 Mi
 // layers, some 52 MiB of the engine's copy of each layer's tensor (48
 // bytes) and the server's region id (4): a cache of 4,096 layers was
@@ -368,6 +395,12 @@ func (c Config) withDefaults() (Config, error) {
 	if c.MaxInflightBytesPerPeer == 0 {
 		c.MaxInflightBytesPerPeer = c.MaxInflightBytes / 2
 	}
+	if c.MaxIncomingBytes == 0 {
+		c.MaxIncomingBytes = max(DefaultMaxIncomingBytes, 4*int64(c.MaxFrame))
+	}
+	if c.MaxIncomingBytesPerPeer == 0 {
+		c.MaxIncomingBytesPerPeer = c.MaxIncomingBytes / 2
+	}
 	if c.MaxRegisteredBytes == 0 {
 		var si unix.Sysinfo_t
 		ram := int64(64 << 30)
@@ -407,6 +440,13 @@ func (c Config) withDefaults() (Config, error) {
 	case c.MaxInflightBytesPerPeer < MaxJobBytes(c.MaxFrame):
 		return c, fmt.Errorf("server: max_inflight_bytes_per_peer %d: want at least %d, what one job in a frame of max_frame (%d bytes) holds: raise max_inflight_bytes (the default per peer is half of it) or lower max_frame",
 			c.MaxInflightBytesPerPeer, MaxJobBytes(c.MaxFrame), c.MaxFrame)
+	case c.MaxIncomingBytes < 0 || c.MaxIncomingBytesPerPeer < 0:
+		return c, errors.New("server: negative incoming bytes limit")
+	case c.MaxIncomingBytesPerPeer > c.MaxIncomingBytes:
+		return c, fmt.Errorf("server: max_incoming_bytes_per_peer %d: want at most max_incoming_bytes, %d", c.MaxIncomingBytesPerPeer, c.MaxIncomingBytes)
+	case c.MaxIncomingBytesPerPeer < int64(c.MaxFrame):
+		return c, fmt.Errorf("server: max_incoming_bytes_per_peer %d: want at least max_frame, %d: one frame of the largest size must fit (the default per peer is half of max_incoming_bytes)",
+			c.MaxIncomingBytesPerPeer, c.MaxFrame)
 	case c.ShutdownTimeout < 0 || c.HandshakeTimeout < 0 || c.FrameTimeout < 0 || c.IdleTimeout < 0 || c.WriteTimeout < 0:
 		return c, errors.New("server: negative timeout")
 	}
@@ -496,6 +536,14 @@ type Server struct {
 	started  time.Time
 	devices  []deviceUse // per GPU: memory registered by all sessions
 
+	// incoming is the room of the frames all sessions read and answer
+	// (Config.MaxIncomingBytes); incomingWaiting counts the frames
+	// waiting for room, here or in their peer's, and incomingWaits the
+	// frames that waited.
+	incoming        room
+	incomingWaiting atomic.Int64
+	incomingWaits   atomic.Uint64
+
 	// pinMu guards the pinned keys' counts, every peer's included, and
 	// the heap of pins with a lease, by the end of their lease.
 	pinMu     sync.Mutex
@@ -522,6 +570,7 @@ type peer struct {
 	jobBytes   atomic.Int64 // JobBytes of the peer's jobs in flight
 	fds        atomic.Int64 // the peer's descriptors held
 	layers     atomic.Int64 // layers of the peer's registered caches
+	incoming   room         // the room of its sessions' frames (Config.MaxIncomingBytesPerPeer)
 	pinned     int64        // the keys the peer's pins hold; guarded by Server.pinMu
 }
 
@@ -573,6 +622,40 @@ func (s *Server) releaseJob(p *peer, n int64) {
 	s.jobBytes.Add(-n)
 }
 
+// takeIncoming takes room for a frame body of n bytes a session of p has
+// begun to read, from p's share and then from all connections', waiting,
+// frames before it first, until there is, or until ctx is done. It
+// reports whether it waited.
+func (s *Server) takeIncoming(ctx context.Context, p *peer, n int64) (bool, error) {
+	waitedPeer, err := p.incoming.take(ctx, n)
+	if err != nil {
+		return waitedPeer, err
+	}
+	waited, err := s.incoming.take(ctx, n)
+	if err != nil {
+		p.incoming.give(n)
+		return true, err
+	}
+	if waited = waited || waitedPeer; waited {
+		s.incomingWaits.Add(1)
+	}
+	return waited, nil
+}
+
+// giveIncoming gives back what takeIncoming took.
+func (s *Server) giveIncoming(p *peer, n int64) {
+	s.incoming.give(n)
+	p.incoming.give(n)
+}
+
+// newPeer returns the peer of a process (pid 0: unknown) with nothing
+// held.
+func (s *Server) newPeer(pid int32) *peer {
+	p := &peer{pid: pid, namespaces: make(map[engine.Geometry]int)}
+	p.incoming.size, p.incoming.waiting = s.cfg.MaxIncomingBytesPerPeer, &s.incomingWaiting
+	return p
+}
+
 // reserveLayers counts the n layers of a cache a session of p registers
 // against MaxCacheLayers and MaxCacheLayersPerPeer, or says which it
 // would pass.
@@ -606,12 +689,14 @@ func New(eng Engine, cfg Config) (*Server, error) {
 	if eng == nil {
 		return nil, errors.New("server: nil engine")
 	}
-	return &Server{
+	s := &Server{
 		eng: eng, cfg: cfg, log: cfg.Logger,
 		sessions: make(map[*session]struct{}), pending: make(map[*session]uint64),
 		changed: make(chan struct{}), nsRefs: make(map[engine.NamespaceID]int), peers: make(map[int32]*peer),
 		devices: make([]deviceUse, cfg.Devices), started: time.Now(),
-	}, nil
+	}
+	s.incoming.size, s.incoming.waiting = cfg.MaxIncomingBytes, &s.incomingWaiting
+	return s, nil
 }
 
 // deviceUse is the GPU memory registered on one device.
@@ -738,7 +823,7 @@ func (s *Server) start(c *net.UnixConn) *session {
 	sess.pid = peerPID(c)
 	sess.peer = s.peers[sess.pid]
 	if sess.peer == nil {
-		sess.peer = &peer{pid: sess.pid, namespaces: make(map[engine.Geometry]int)}
+		sess.peer = s.newPeer(sess.pid)
 		if sess.pid > 0 {
 			s.peers[sess.pid] = sess.peer
 		}

@@ -65,6 +65,10 @@ type session struct {
 	stopCtx context.CancelFunc
 	seq     uint64    // accept number
 	born    time.Time // accept time: the handshake deadline counts from it
+	// readCtx ends when reading stops (stop): a frame waiting for room
+	// (Config.MaxIncomingBytes) waits no more.
+	readCtx  context.Context
+	stopRead context.CancelFunc
 
 	wmu   sync.Mutex
 	wbuf  []byte
@@ -95,6 +99,7 @@ type session struct {
 
 func newSession(s *Server, c *net.UnixConn) *session {
 	ctx, cancel := context.WithCancel(context.Background())
+	readCtx, stopRead := context.WithCancel(ctx)
 	seq := s.connSeq.Add(1)
 	// Until its Hello, a connection's frames are bounded by the
 	// handshake's limit, not MaxFrame: a peer that has not said who it is
@@ -109,6 +114,8 @@ func newSession(s *Server, c *net.UnixConn) *session {
 		rd:         newFrameReader(c, protocol.MaxHandshakeFrame, s.cfg.MaxRegistrations+maxFdsPerMsg, s.cfg.FrameTimeout),
 		ctx:        ctx,
 		stopCtx:    cancel,
+		readCtx:    readCtx,
+		stopRead:   stopRead,
 		regions:    make(map[uint32]*memRegion),
 		namespaces: make(map[uint32]*namespace),
 		caches:     make(map[uint32]*cache),
@@ -119,6 +126,10 @@ func newSession(s *Server, c *net.UnixConn) *session {
 	// its process's bounds until it is closed.
 	sess.rd.hold = func() *protocol.Error { return s.holdDescriptor(sess.peer) }
 	sess.rd.drop = func() { s.releaseDescriptor(sess.peer) }
+	// Every frame body beyond UncountedBody bytes holds room in the
+	// daemon's and its process's bounds until it is answered.
+	sess.rd.room = func(n int) (bool, error) { return s.takeIncoming(sess.readCtx, sess.peer, int64(n)) }
+	sess.rd.free = func(n int) { s.giveIncoming(sess.peer, int64(n)) }
 	return sess
 }
 
@@ -129,6 +140,7 @@ func (s *session) stop(grace time.Duration) {
 		// A client that does not read must not hold the shutdown: writes
 		// blocked past the grace period fail.
 		s.capWrites(time.Now().Add(grace + time.Second))
+		s.stopRead()
 		s.conn.CloseRead()
 	})
 }
@@ -180,7 +192,7 @@ func (s *session) run() {
 			case errors.Is(err, errFrameTimeout):
 				s.log.Warn("closing a connection that stopped in the middle of a frame", "err", err)
 				s.send(0, perr(protocol.CodeTimeout, "a frame did not complete within %v: %v", cfg.FrameTimeout, err))
-			case errors.Is(err, io.EOF), errors.Is(err, net.ErrClosed):
+			case errors.Is(err, io.EOF), errors.Is(err, net.ErrClosed), errors.Is(err, context.Canceled):
 			case errors.Is(err, protocol.ErrTooLarge) && !s.hello:
 				s.log.Info("closing a connection whose first frame exceeds the handshake's limit", "err", err)
 				s.send(h.ID, perr(protocol.CodeMalformed, "before the handshake: %v", err))

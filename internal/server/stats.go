@@ -26,6 +26,15 @@ type Stats struct {
 	// registered, as counted against Config.MaxCacheLayers
 	// (CacheLayerLimit).
 	CacheLayers, CacheLayerLimit int64
+	// IncomingBytes are the bytes of the frame bodies all connections
+	// have the daemon hold while it reads and answers them, as counted
+	// against Config.MaxIncomingBytes (IncomingLimit; bodies of
+	// UncountedBody bytes or less are not counted). IncomingWaiting is
+	// the frames waiting for room now, and IncomingWaits those that
+	// waited since the Server was created.
+	IncomingBytes, IncomingLimit int64
+	IncomingWaiting              int64
+	IncomingWaits                uint64
 	// Refusals counts the requests refused with limit exceeded by the
 	// bound that refused them: its configuration key (server.max_...),
 	// namespaces_per_connection, caches_per_connection,
@@ -67,6 +76,8 @@ func (s *Server) figures() Stats {
 	st.Descriptors, st.DescriptorLimit = s.fds.Load(), int64(s.cfg.MaxDescriptors)
 	st.PinnedKeys, st.PinnedLimit = s.pinnedKeys(), int64(s.cfg.MaxPinnedKeys)
 	st.CacheLayers, st.CacheLayerLimit = s.layers.Load(), int64(s.cfg.MaxCacheLayers)
+	st.IncomingBytes, st.IncomingLimit = s.incoming.taken(), s.cfg.MaxIncomingBytes
+	st.IncomingWaiting, st.IncomingWaits = s.incomingWaiting.Load(), s.incomingWaits.Load()
 	for b := range numBounds {
 		if n := s.refusals[b].Load(); n > 0 {
 			if st.Refusals == nil {
