@@ -141,6 +141,60 @@ class TestConnect(unittest.TestCase):
             d.stop()
 
 
+class TestStalledListener(unittest.TestCase):
+    """A socket whose listener takes no connection: a stalled daemon, or
+    any other process bound there."""
+
+    def listener(self):
+        """A listening socket with a backlog of one, which nothing
+        accepts from: (its path, the socket)."""
+        d = tempfile.mkdtemp(prefix="kvhost-stalled-")
+        self.addCleanup(shutil.rmtree, d, ignore_errors=True)
+        path = os.path.join(d, "stalled.sock")
+        lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.addCleanup(lsock.close)
+        lsock.bind(path)
+        lsock.listen(0)
+        return path, lsock
+
+    def fill_backlog(self, path):
+        """Connects to path until its listen backlog is full: a blocking
+        connect then waits for the listener to accept."""
+        while True:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.setblocking(False)
+            try:
+                s.connect(path)
+            except BlockingIOError:
+                s.close()
+                return
+            self.addCleanup(s.close)
+
+    def test_a_listener_that_accepts_nothing_fails_the_client_in_its_timeout_naming_the_socket(self):
+        # vLLM's workers make their clients at start-up: a connect that
+        # waited for a stalled daemon's full backlog hung them silently.
+        for name, full in (("backlog full", True), ("queued, never accepted", False)):
+            with self.subTest(name):
+                path, _ = self.listener()
+                if full:
+                    self.fill_backlog(path)
+                got = []
+
+                def connect():
+                    try:
+                        kvhost.Client(path, timeout=0.5)
+                    except BaseException as e:  # handed to the test
+                        got.append(e)
+                t = threading.Thread(target=connect, daemon=True)
+                t.start()
+                t.join(60)
+                self.assertFalse(t.is_alive(), "Client() still waits for the listener, past its timeout")
+                self.assertEqual(len(got), 1, "Client() connected to a listener that accepts nothing")
+                self.assertIsInstance(got[0], TimeoutError)
+                self.assertIn(path, str(got[0]))
+                self.assertEqual(got[0].filename, path)
+
+
 class TestLostConnection(unittest.TestCase):
     def test_errors_after_the_daemon_left_are_fresh_and_keep_no_callers_frames(self):
         # The client keeps the error that closed its connection and raises

@@ -5,6 +5,7 @@ every job completion to its Job.
 """
 
 import dataclasses
+import errno
 import logging
 import os
 import socket
@@ -210,9 +211,36 @@ def default_socket():
     return os.path.join(cache, "kvhost", "kvhost.sock")
 
 
+def _send_timeout(sock, seconds):
+    """Bounds each blocking send, and connect, on sock to seconds (> 0):
+    SO_SNDTIMEO, which a Unix socket's connect waits under too."""
+    sec, usec = int(seconds), int(seconds % 1 * 1e6)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", sec, usec if sec or usec else 1))
+
+
+def _connect(sock, path, timeout):
+    """Connects sock to the Unix socket path, waiting at most timeout
+    seconds (None: without bound) for its listener to take the
+    connection; TimeoutError past it.
+
+    A blocking connect to a listener whose backlog is full waits until
+    the listener accepts: forever, for a stalled daemon. The kernel bounds
+    that wait by SO_SNDTIMEO and then fails it with EAGAIN. (socket's own
+    timeout, a non-blocking connect, would fail it at once with EAGAIN.)"""
+    if timeout is not None:
+        _send_timeout(sock, timeout)
+    try:
+        sock.connect(path)
+    except BlockingIOError:
+        raise TimeoutError(errno.ETIMEDOUT, f"not accepted within {timeout}s", path) from None
+
+
 class Client:
     """A connection to the kvhost daemon at path (a Unix socket; None means
-    default_socket())."""
+    default_socket()). timeout (seconds; None: none) bounds each wait on
+    the daemon: connecting, the handshake, every reply and every send.
+    A listener that takes no connection, or does not answer the handshake,
+    within it raises TimeoutError naming the socket."""
 
     def __init__(self, path=None, name="python", timeout=30.0, lookup_table=True):
         if path is None:
@@ -227,7 +255,11 @@ class Client:
         self._lookups_lock = threading.Lock()
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            self._sock.connect(path)
+            _connect(self._sock, path, timeout)
+        except TimeoutError:
+            self._sock.close()
+            raise TimeoutError(errno.ETIMEDOUT, f"the kvhost daemon's socket took no connection within "
+                               f"{timeout}s (a stalled daemon, its listen backlog full?)", path) from None
         except OSError as e:
             self._sock.close()
             # The same class (FileNotFoundError, PermissionError,
@@ -242,9 +274,7 @@ class Client:
         if timeout is not None:
             # A daemon that reads nothing for this long is not waited for
             # forever by a send: the client stops sending (_send).
-            sec, usec = int(timeout), int(timeout % 1 * 1e6)
-            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
-                                  struct.pack("ll", sec, usec if sec or usec else 1))
+            _send_timeout(self._sock, timeout)
         self._wlock = threading.Lock()
         self._lock = threading.Lock()
         self._next = 0
@@ -257,6 +287,11 @@ class Client:
         try:
             _, body = self._call(p.T_HELLO, p.hello(name))
             self.limits = p.decode_welcome(body)
+        except TimeoutError:
+            self.close()
+            raise TimeoutError(errno.ETIMEDOUT, f"no answer to the handshake within {timeout}s from the kvhost "
+                               "daemon's socket (a stalled daemon, or a process there that is not kvhost?)",
+                               path) from None
         except BaseException:
             self.close()
             raise
