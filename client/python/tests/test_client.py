@@ -7,6 +7,7 @@ import fcntl
 import gc
 import os
 import shutil
+import signal
 import socket
 import struct
 import tempfile
@@ -193,6 +194,79 @@ class TestStalledListener(unittest.TestCase):
                 self.assertIsInstance(got[0], TimeoutError)
                 self.assertIn(path, str(got[0]))
                 self.assertEqual(got[0].filename, path)
+
+
+    def connect_syscall(self):
+        """The number of the connect system call, as /proc shows it: that
+        of a thread blocked connecting to a full backlog."""
+        path, lsock = self.listener()
+        self.fill_backlog(path)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.addCleanup(s.close)
+        tid = []
+
+        def blocked():
+            tid.append(threading.get_native_id())
+            try:
+                s.connect(path)
+            except OSError:  # the listener closed
+                pass
+        t = threading.Thread(target=blocked, daemon=True)
+        t.start()
+        wait_for(lambda: tid, what="the thread to start")
+        nr = wait_for(lambda: in_syscall(tid[0]), what="the thread to block connecting")
+        lsock.close()  # wakes the connect
+        t.join(60)
+        return nr
+
+    def test_a_signal_while_connecting_is_not_taken_for_a_connection(self):
+        # CPython takes a connect the signal interrupted for one that goes
+        # on in the background, waits for the socket to be writable (an
+        # unconnected Unix socket is) and returns as if connected: the
+        # Hello then failed with "not connected".
+        connect_nr = self.connect_syscall()
+        fake = FakeDaemon()
+        self.addCleanup(fake.close)
+        fake.listener.listen(0)
+        self.fill_backlog(fake.path)
+        signalled = threading.Event()
+        old = signal.signal(signal.SIGUSR1, lambda *_: signalled.set())
+        self.addCleanup(signal.signal, signal.SIGUSR1, old)
+        main = threading.get_native_id()
+
+        def daemon_side():
+            wait_for(lambda: in_syscall(main) == connect_nr, what="the client to block connecting")
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)
+            signalled.wait(60)
+            try:
+                fake.accept()  # the connection filling the backlog
+                fake.conn.close()
+                fake.accept()  # the client's
+                fake.welcome()
+            except OSError:  # shut down: the client gave up
+                pass
+        t = threading.Thread(target=daemon_side, daemon=True)
+        t.start()
+        try:
+            c = kvhost.Client(fake.path, timeout=30)
+        finally:
+            if t.is_alive():  # the client gave up: no connection of its to accept
+                fake.listener.shutdown(socket.SHUT_RDWR)
+            t.join(60)
+        self.addCleanup(c.close)
+        self.assertTrue(signalled.is_set(), "no signal came while the client connected")
+        self.assertTrue(c.connected())
+
+
+def in_syscall(tid):
+    """The number of the system call thread tid of this process is in, or
+    None where it runs (or /proc says nothing)."""
+    try:
+        with open(f"/proc/self/task/{tid}/syscall") as f:
+            first = f.read().split()[0]
+    except (OSError, IndexError):
+        return None
+    return int(first) if first.isdigit() else None
 
 
 class TestLostConnection(unittest.TestCase):

@@ -11,6 +11,7 @@ import os
 import socket
 import struct
 import threading
+import time
 
 from . import memory
 from . import protocol as p
@@ -226,13 +227,30 @@ def _connect(sock, path, timeout):
     A blocking connect to a listener whose backlog is full waits until
     the listener accepts: forever, for a stalled daemon. The kernel bounds
     that wait by SO_SNDTIMEO and then fails it with EAGAIN. (socket's own
-    timeout, a non-blocking connect, would fail it at once with EAGAIN.)"""
-    if timeout is not None:
-        _send_timeout(sock, timeout)
-    try:
-        sock.connect(path)
-    except BlockingIOError:
-        raise TimeoutError(errno.ETIMEDOUT, f"not accepted within {timeout}s", path) from None
+    timeout, a non-blocking connect, would fail it at once with EAGAIN.)
+
+    A connect a signal interrupts is tried again: CPython takes it for one
+    going on in the background, waits for the socket to be writable (an
+    unconnected Unix socket is) and returns as if connected."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(errno.ETIMEDOUT, f"not accepted within {timeout}s", path)
+            _send_timeout(sock, left)
+        try:
+            sock.connect(path)
+        except BlockingIOError:
+            if deadline is None:  # not from a bounded wait
+                raise
+            continue
+        try:
+            sock.getpeername()
+            return
+        except OSError as e:
+            if e.errno != errno.ENOTCONN:
+                raise
 
 
 class Client:
