@@ -304,6 +304,42 @@ class TestLostConnection(unittest.TestCase):
         self.assertEqual([r() for r in refs], [None] * 3, "a caller's locals kept alive by the client")
 
 
+    def test_the_daemons_error_that_ends_the_connection_is_a_connection_lost_with_its_code(self):
+        # The daemon closes a connection idle for idle_timeout after an
+        # Error(timed out) with request id 0: a caller that catches
+        # ConnectionLost to connect again must see it as one.
+        d = Daemon(server_toml='idle_timeout = "1s"')
+        self.addCleanup(d.stop)
+        c = kvhost.Client(d.socket)
+        self.addCleanup(c.close)
+        wait_for(lambda: not c.connected(), what="the daemon to close the idle connection")
+        with self.assertRaises(kvhost.ConnectionLost) as cm:
+            c.stats()
+        self.assertEqual(cm.exception.code, p.CODES.index("timed out"))
+        self.assertIn("idle", str(cm.exception))
+        self.assertIn("timed out", str(cm.exception))
+
+
+    def test_jobs_end_with_the_daemons_error_about_the_connection_once_it_closes(self):
+        # The daemon ends the jobs it runs on the caller's memory before it
+        # closes: they end then, not at its Error, and with it.
+        fake, c = connected_to_fake(self, timeout=5)
+        job = c.store(1, [b"k"], [[0]], block=False)
+        ftype, req_id, _ = fake.read_frame()
+        fake.reply(ftype | p.T_REPLY, req_id, struct.pack("<Q", 7))
+        why = b"a frame did not complete within 10s"
+        fake.reply(p.T_ERROR, 0, struct.pack("<BBH", p.CODES.index("timed out"), 0, len(why)) + why)
+        wait_for(lambda: not c.connected(), what="the client to stop sending")
+        self.assertEqual(fake.conn.recv(1), b"", "the client's side still open for writing")
+        with self.assertRaises(TimeoutError):  # ending it at the daemon's Error took well under this
+            job.wait(0.5)
+        fake.conn.close()
+        with self.assertRaises(kvhost.ConnectionLost) as cm:
+            job.wait(30)
+        self.assertEqual(cm.exception.code, p.CODES.index("timed out"))
+        self.assertEqual(cm.exception.message, why.decode())
+
+
 GEOMETRY = kvhost.Geometry(model="test/client", layers=1, kv_heads=2, head_size=64, dtype_size=2,
                            tokens_per_block=16, tokens_per_key=16)
 

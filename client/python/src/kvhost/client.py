@@ -36,7 +36,22 @@ class UnsupportedError(KvhostError):
 
 
 class ConnectionLost(Exception):
-    """The connection to the daemon is closed."""
+    """The connection to the daemon is closed. Where the daemon closed it
+    with an Error frame saying why (request id 0: a deadline of the
+    connection passed, the daemon is shutting down), code is that error's
+    code (see protocol.CODES) and message its message; else code is None."""
+
+    def __init__(self, what="the connection to the daemon is closed", code=None, message=""):
+        super().__init__(what)
+        self.code = code
+        self.message = message
+
+
+def _closed_by_daemon(code, message):
+    """The ConnectionLost of the daemon's Error frame about the connection
+    itself, which it closes after it."""
+    name = p.CODES[code] if code < len(p.CODES) else f"code({code})"
+    return ConnectionLost(f"kvhost: the daemon closed the connection: {name}: {message}", code, message)
 
 
 def _again(err):
@@ -47,6 +62,8 @@ def _again(err):
     until the garbage collector finds the cycle."""
     if isinstance(err, KvhostError):
         return type(err)(err.code, err.message)
+    if isinstance(err, ConnectionLost):
+        return type(err)(*err.args, code=err.code, message=err.message)
     return type(err)(*err.args)
 
 
@@ -411,7 +428,7 @@ class Client:
                     self._pending.pop(req_id, None)
                 if pend is None:
                     if req_id == 0 and ftype == p.T_ERROR:
-                        raise KvhostError(*p.decode_error(body))
+                        raise _closed_by_daemon(*p.decode_error(body))
                     raise p.ProtocolError(f"reply to unknown request {req_id}")
                 if job is not None:
                     if job.id is None:  # refused, or answered oddly
@@ -421,12 +438,13 @@ class Client:
                 pend.event.set()
         except Exception as e:  # a frame not understood too (struct.error, IndexError ...)
             err = e
-        if not isinstance(err, (OSError, ConnectionLost)):
+        said = isinstance(err, ConnectionLost) and err.code is not None  # the daemon's Error about the connection
+        if said or not isinstance(err, (OSError, ConnectionLost)):
             # The stream cannot be read on (a frame not understood, or the
             # daemon's error about the connection itself): send nothing
             # more and read to its end, since the daemon ends the jobs it
             # runs on the caller's memory only before it closes.
-            if not isinstance(err, KvhostError):
+            if not said:
                 err = ConnectionLost(f"a frame from the daemon could not be read ({type(err).__name__}: {err})")
             self._stop_sending(err)
             try:
@@ -436,7 +454,7 @@ class Client:
                 pass
         with self._lock:
             if self._closed is None:
-                self._closed = err if isinstance(err, (ConnectionLost, KvhostError)) else ConnectionLost(str(err))
+                self._closed = err if isinstance(err, ConnectionLost) else ConnectionLost(str(err))
             closed = self._closed
             pending, jobs = self._pending, self._jobs
             self._pending, self._jobs = {}, {}
