@@ -614,6 +614,46 @@ class TestLookupTableLocation(unittest.TestCase):
         self.assertEqual(asked, [p.T_LOOKUP_TABLE, p.T_LOOKUP_TABLE])
 
 
+    def test_a_table_location_that_is_not_a_regular_file_leaves_lookups_to_the_daemon(self):
+        # A FIFO named as the table blocked the first lookup for good.
+        fake, c = connected_to_fake(self, timeout=5)
+        fifo = os.path.join(fake.dir, "fake.sock.lookup")
+        os.mkfifo(fifo)
+        asked = []
+
+        def daemon_side():
+            ftype, req_id, _ = fake.read_frame()
+            fake.reply(p.T_DECLARE | p.T_REPLY, req_id, struct.pack("<IIQQ", 1, 1, 7, 4096))
+            try:
+                while True:
+                    ftype, req_id, _ = fake.read_frame()
+                    asked.append(ftype)
+                    if ftype == p.T_LOOKUP:
+                        fake.reply(ftype | p.T_REPLY, req_id, struct.pack("<I", 1))
+                    elif ftype == p.T_LOOKUP_TABLE:
+                        path = fifo.encode()
+                        fake.reply(ftype | p.T_REPLY, req_id, struct.pack("<H", len(path)) + path)
+            except (EOFError, OSError):
+                pass
+
+        t = threading.Thread(target=daemon_side, daemon=True)
+        t.start()
+        self.addCleanup(t.join)
+        self.addCleanup(c.close)
+        ns = c.declare(GEOMETRY)
+        got = []
+        lookup = threading.Thread(target=lambda: got.append(c.lookup(ns, [b"k"])), daemon=True)
+        lookup.start()
+        lookup.join(30)
+        if lookup.is_alive():  # blocked opening the FIFO: a writer lets it go
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            lookup.join(30)
+            self.fail("the lookup blocked opening the table the daemon named")
+        self.assertEqual(got, [1])
+        self.assertEqual(c.lookup_counts(), {"table": 0, "daemon": 1})
+        self.assertEqual(asked, [p.T_LOOKUP_TABLE, p.T_LOOKUP])
+
+
 class TestShortReplies(unittest.TestCase):
     def test_a_reply_too_short_to_decode_ends_the_connection_naming_the_request(self):
         cases = [("Declared", lambda c: c.declare(GEOMETRY), p.T_DECLARE | p.T_REPLY, bytes(8), "Declare"),

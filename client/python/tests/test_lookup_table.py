@@ -6,9 +6,11 @@ import contextlib
 import hashlib
 import os
 import random
+import shutil
 import struct
 import sys
 import tempfile
+import threading
 import unittest
 from unittest import mock
 
@@ -165,6 +167,34 @@ class TestLookupTableFormat(unittest.TestCase):
                         f.write(data)
                     with self.assertRaises(lookuptable.FormatError):
                         lookuptable.LookupTable(path)
+
+    def test_a_path_that_is_not_a_regular_file_is_refused_without_blocking(self):
+        # The daemon names the table's path: open() of a FIFO there
+        # waited for a writer, forever, on the thread of a lookup.
+        tmp = tempfile.mkdtemp(prefix="kvhost-table-")
+        self.addCleanup(shutil.rmtree, tmp, ignore_errors=True)
+        fifo = os.path.join(tmp, "fifo")
+        os.mkfifo(fifo)
+        for name, path in (("a FIFO", fifo), ("a directory", tmp), ("a character device", "/dev/zero")):
+            with self.subTest(name):
+                got = []
+
+                def open_table():
+                    try:
+                        lookuptable.LookupTable(path).close()
+                    except Exception as e:  # handed to the test
+                        got.append(e)
+                t = threading.Thread(target=open_table, daemon=True)
+                t.start()
+                t.join(30)
+                if t.is_alive():  # blocked opening the FIFO: a writer lets it go
+                    os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+                    t.join(30)
+                    self.fail(f"LookupTable({path!r}) blocked")
+                self.assertEqual(len(got), 1, f"LookupTable({path!r}) opened")
+                self.assertIsInstance(got[0], lookuptable.FormatError)
+                self.assertIn(path, str(got[0]))
+                self.assertIn("not a regular file", str(got[0]))
 
     def test_only_x86_64_performs_the_python_probes_loads_in_order(self):
         for machine, want in [("x86_64", True), ("AMD64", True), ("aarch64", False), ("arm64", False),

@@ -17,6 +17,7 @@ import hashlib
 import mmap
 import os
 import platform
+import stat
 import struct
 import sys
 
@@ -80,9 +81,14 @@ class LookupTable:
     Python even where the C probe is built (tests compare the two)."""
 
     def __init__(self, path, native=True):
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        # The daemon names the path: a FIFO there would block a blocking
+        # open until a writer came, and a device is no table either.
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise FormatError(f"{path} is not a regular file: not a lookup table")
+            size = st.st_size
             if size < HEADER_SIZE + 8 * MIN_SLOTS:
                 raise FormatError(f"{path} is {size} bytes: not a lookup table")
             self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
