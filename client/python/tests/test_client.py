@@ -682,6 +682,44 @@ class TestShortReplies(unittest.TestCase):
                 self.assertFalse(c.connected())
 
 
+class TestLongerReplies(unittest.TestCase):
+    def test_bytes_after_what_the_client_reads_of_a_reply_are_left_to_newer_daemons(self):
+        # A newer daemon may append fields to a reply; the client reads
+        # what it knows, as it does the Welcome's and the Stats', and keeps
+        # the connection. A job's acceptance ended the connection, and
+        # most other replies failed their call with struct.error.
+        more = b"\x00newer"
+        cases = [("JobAccepted", lambda c: c.store(1, [b"k"], [[0]]).id, struct.pack("<Q", 7), 7),
+                 ("JobAccepted, block=False", lambda c: c.store(1, [b"k"], [[0]], block=False).wait(30).bytes,
+                  struct.pack("<Q", 7), 0),
+                 ("Declared", lambda c: c.declare(GEOMETRY).key_bytes, struct.pack("<IIQQ", 1, 1, 7, 4096), 4096),
+                 ("CacheRegistered", lambda c: c.register_cache(1, [kvhost.Layer(1, 0, 4096, 4096, 1)]),
+                  struct.pack("<I", 3), 3),
+                 ("Count", lambda c: c.touch(1, [b"k"]), struct.pack("<I", 1), 1),
+                 ("Deleted", lambda c: c.delete(1, [b"k"]), struct.pack("<I", 1), 1),
+                 ("Unpinned", lambda c: c.unpin(9), struct.pack("<I", 2), 2),
+                 ("Pinned", lambda c: c.pin(1, [b"k"]), struct.pack("<QI", 9, 1) + bytes([p.PIN_HELD]), (9, [True])),
+                 ("Cancelled", lambda c: c.cancel(7), b"\x01", True)]
+        for name, call, body, want in cases:
+            with self.subTest(name):
+                fake, c = connected_to_fake(self, timeout=5)
+
+                def daemon_side():
+                    ftype, req_id, _ = fake.read_frame()
+                    fake.reply(ftype | p.T_REPLY, req_id, body + more)
+                    if ftype in (p.T_STORE, p.T_LOAD):
+                        fake.reply(p.T_COMPLETION, 0, struct.pack("<QBxxxIQQ", 7, p.JOB_STORE, 1, 0, 0)
+                                   + bytes([p.OUTCOME_STORED, 0]) + struct.pack("<H", 0) + more)
+                t = threading.Thread(target=daemon_side)
+                t.start()
+                try:
+                    got = call(c)
+                finally:
+                    t.join(60)
+                self.assertEqual(got, want)
+                self.assertTrue(c.connected(), "the connection ended over bytes the client does not read")
+
+
 class TestAbandonedRequests(unittest.TestCase):
     def test_a_pin_whose_reply_comes_after_the_timeout_is_unpinned(self):
         # The caller got a TimeoutError and no pin id: when the reply

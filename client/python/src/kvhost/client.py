@@ -417,7 +417,7 @@ class Client:
                             raise p.ProtocolError(f"request {req_id}: {problem}")
                     job = pend.unanswered if pend is not None else None
                     if job is not None and ftype == pend.asked | p.T_REPLY:  # a store or load accepted
-                        (job_id,) = struct.unpack("<Q", body)
+                        (job_id,) = struct.unpack_from("<Q", body)
                         if job_id in self._jobs:
                             # Ids in flight are unique: the two jobs could
                             # not be told apart. Both stay, and end with
@@ -658,7 +658,7 @@ class Client:
     def declare(self, geometry):
         """Declares a namespace; returns a Namespace."""
         _, body = self._call(p.T_DECLARE, p.declare(geometry))
-        ns, bpk, fp, kb = struct.unpack("<IIQQ", body)
+        ns, bpk, fp, kb = struct.unpack_from("<IIQQ", body)
         self._fps[ns] = fp
         return Namespace(ns, bpk, fp, kb, geometry)
 
@@ -676,7 +676,7 @@ class Client:
         ns = ns.id if isinstance(ns, Namespace) else ns
         _, body = self._call(p.T_REGISTER_CACHE, p.register_cache(ns, layers),
                              undo=lambda b: self.unregister_cache(struct.unpack_from("<I", b)[0]))
-        return struct.unpack("<I", body)[0]
+        return struct.unpack_from("<I", body)[0]
 
     def unregister_cache(self, cache):
         self._call(p.T_UNREGISTER_CACHE, p.pack("<I", (cache,), ("cache",)))
@@ -730,7 +730,7 @@ class Client:
         with self._lookups_lock:
             self._lookups["daemon"] += 1
         _, reply = self._call(p.T_LOOKUP, p.pack("<I", (ns,), ("namespace",)) + body)
-        return struct.unpack("<I", reply)[0]
+        return struct.unpack_from("<I", reply)[0]
 
     def _open_table(self):
         """Maps the daemon's shared lookup table; False where there is none
@@ -763,7 +763,7 @@ class Client:
         """Deletes keys; returns how many were stored."""
         ns = ns.id if isinstance(ns, Namespace) else ns
         _, body = self._call(p.T_DELETE, p.pack("<I", (ns,), ("namespace",)) + p.keys_body(keys))
-        return struct.unpack("<I", body)[0]
+        return struct.unpack_from("<I", body)[0]
 
     def connected(self):
         """False once the connection is closed or lost. Takes no lock (one
@@ -785,15 +785,15 @@ class Client:
             raise ValueError(f"lease {lease_s}s: want 0..{p.MAX_LEASE_MS // 1000}s")
         _, body = self._call(p.T_PIN, p.pack("<II", (ns, ms), ("namespace", "lease")) + p.keys_body(keys), undo=self._unpin_late)
         pin_id, n = struct.unpack_from("<QI", body)
-        if n != len(keys) or len(body) != 12 + n:
-            raise p.ProtocolError(f"pin reply of {len(body)} bytes for {len(keys)} keys")
-        return pin_id, [b == p.PIN_HELD for b in body[12:]]
+        if n != len(keys):  # a body too short for n: the reader refused it (reply_problem)
+            raise p.ProtocolError(f"pin reply for {n} keys to a pin of {len(keys)}")
+        return pin_id, [b == p.PIN_HELD for b in body[12:12 + n]]
 
     def unpin(self, pin_id):
         """Releases a pin; returns how many keys it held (0 if it was
         released already or its lease ended)."""
         _, body = self._call(p.T_UNPIN, p.pack("<Q", (pin_id,), ("pin",)))
-        return struct.unpack("<I", body)[0]
+        return struct.unpack_from("<I", body)[0]
 
     def store(self, cache, keys, blocks, block=True):
         """Starts storing keys[i] from cache blocks blocks[i]; returns a Job.
