@@ -2,10 +2,12 @@
 CUDA IPC and shared-file registrations (what goes on the wire, and what a
 daemon without GPU support answers)."""
 
+import ctypes
 import dataclasses
 import fcntl
 import gc
 import os
+import pickle
 import shutil
 import signal
 import socket
@@ -993,6 +995,32 @@ class TestHostBuffer(unittest.TestCase):
         self.assertNotIn(fd, memfds(), "the memfd of a dropped buffer is still open")
         self.assertTrue(any(issubclass(w.category, ResourceWarning) for w in caught), caught)
         self.assertEqual(mapped[:5], b"kept!")
+
+
+    def test_close_with_a_view_over_the_mapping_changes_nothing_and_closes_once_it_goes(self):
+        # close() released .view, then failed to unmap: the buffer was
+        # left open with its view unusable.
+        cases = [("a slice of .view", lambda b: b.view[:16]),
+                 ("a memoryview of .mmap", lambda b: memoryview(b.mmap)),
+                 ("an array over .view", lambda b: (ctypes.c_char * 16).from_buffer(b.view)),
+                 ("a buffer of .view itself", lambda b: pickle.PickleBuffer(b.view))]
+        for name, over in cases:
+            with self.subTest(name):
+                buf = kvhost.HostBuffer(4096)
+                self.addCleanup(buf.close)
+                held = [over(buf)]
+                with self.assertRaises(BufferError) as cm:
+                    buf.close()
+                self.assertGreaterEqual(buf.fd, 0)
+                buf.view[:5] = b"open!"
+                self.assertEqual(buf.mmap[:5], b"open!")
+                self.assertIn("still holds the mapping", str(cm.exception))
+                if hasattr(held[0], "release"):
+                    held[0].release()
+                del held[0]  # an array lets go of its buffer as it goes
+                buf.close()
+                self.assertEqual(buf.fd, -1)
+                self.assertTrue(buf.mmap.closed)
 
 
 class TestRegisterMemfd(unittest.TestCase):

@@ -56,11 +56,26 @@ class HostBuffer:
         self.view = memoryview(self.mmap)
 
     def close(self):
-        """Unmaps and closes the memfd (after the daemon is done with it)."""
+        """Unmaps and closes the memfd (after the daemon is done with it).
+        While something else holds the mapping (a slice of .view, a tensor
+        or memoryview over .mmap, an array over .view) it raises BufferError
+        and the buffer stays open, .view a new memoryview of it: close it
+        again once that is released or gone."""
         if self.fd < 0:
             return
-        self.view.release()
-        self.mmap.close()
+        released = False
+        try:
+            # Whether another export of the mapping is left shows only once
+            # .view is released: the mmap refuses to close then.
+            self.view.release()
+            released = True
+            self.mmap.close()
+        except BufferError:
+            if released:
+                self.view = memoryview(self.mmap)
+            raise BufferError("HostBuffer.close: something still holds the mapping (a slice of .view, a "
+                              "tensor or memoryview over .mmap, an array over .view): release or drop it, "
+                              "then close again; the buffer stays open meanwhile") from None
         os.close(self.fd)
         self.fd = -1
 
