@@ -2,6 +2,7 @@ package staging
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -478,8 +479,8 @@ func (w *worker) bounce(ctx context.Context, f fsys.File, run []span, opt option
 }
 
 // ProbeDirect reports whether the file system holding dir accepts O_DIRECT
-// files: it creates, writes and removes a hidden probe file. tmpfs refuses
-// O_DIRECT at open, which yields false with a nil error.
+// files: it creates, writes and removes a hidden probe file. tmpfs before
+// Linux 6.6 refuses O_DIRECT at open, which yields false with a nil error.
 func ProbeDirect(fs fsys.FS, dir string) (bool, error) {
 	var rnd [8]byte
 	if _, err := unix.Getrandom(rnd[:], 0); err != nil {
@@ -492,11 +493,19 @@ func ProbeDirect(fs fsys.FS, dir string) (bool, error) {
 // name (which must not exist) with O_DIRECT, writes 4 KiB and removes it.
 // It returns false and a nil error where the file system refuses O_DIRECT
 // (EINVAL), and an error where the probe could not tell (a full or
-// read-only file system: callers fall back to buffered I/O).
+// read-only file system: callers fall back to buffered I/O). It leaves no
+// file, also where the open fails: Linux checks O_DIRECT only once O_CREAT
+// has made the file, so a file system without direct I/O fails the open
+// with EINVAL and keeps an empty file.
 func ProbeDirectFile(fs fsys.FS, name string) (bool, error) {
 	f, err := fs.OpenFile(name, os.O_RDWR|os.O_CREATE|os.O_EXCL|unix.O_DIRECT, 0o600)
 	if err != nil {
-		if pe, ok := err.(*os.PathError); ok && pe.Err == unix.EINVAL {
+		// With O_EXCL, a name that exists after any failure but EEXIST is
+		// the one this open made.
+		if !errors.Is(err, os.ErrExist) {
+			fs.Remove(name)
+		}
+		if errors.Is(err, unix.EINVAL) {
 			return false, nil
 		}
 		return false, fmt.Errorf("staging: probe O_DIRECT: %w", err)
@@ -506,7 +515,7 @@ func ProbeDirectFile(fs fsys.FS, name string) (bool, error) {
 	_, werr := f.WriteAt(buf, 0)
 	cerr := f.Close()
 	if werr != nil {
-		if pe, ok := werr.(*os.PathError); ok && pe.Err == unix.EINVAL {
+		if errors.Is(werr, unix.EINVAL) {
 			return false, nil
 		}
 		return false, fmt.Errorf("staging: probe O_DIRECT: %w", werr)

@@ -183,8 +183,9 @@ func (e *Engine) openMount(i int, m Mount) (*mount, error) {
 		// serves what it holds): a failure is buffered I/O and a log line.
 		probe := e.tempName(root, probePrefix)
 		direct, err := staging.ProbeDirectFile(e.fs, probe)
-		// A file system without direct I/O fails the open with EINVAL
-		// after O_CREAT has made the file, which the probe leaves.
+		// The probe removes its file whatever it found, also the one a
+		// file system without direct I/O makes before it fails the open
+		// with EINVAL; removing it again here logs where that failed.
 		if rerr := e.fs.Remove(probe); rerr != nil && !errors.Is(rerr, os.ErrNotExist) {
 			e.log.Warn("engine: remove the O_DIRECT probe's file", "path", probe, "err", rerr)
 		}
