@@ -1,19 +1,24 @@
 package engine
 
 import (
+	"bytes"
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
 
+	"github.com/kvhost/kvhost/internal/crc32c"
+	"github.com/kvhost/kvhost/internal/format"
 	"github.com/kvhost/kvhost/internal/fstype"
 	"github.com/kvhost/kvhost/internal/fsys"
 )
@@ -298,6 +303,78 @@ func TestCorruptFilesRemovedAtStart(t *testing.T) {
 	if _, err := os.Stat(other); err != nil {
 		t.Fatalf("a file that is not ours was removed: %v", err)
 	}
+}
+
+// TestAFileWhoseKeysRepeatIsRemovedAtStart: the keys of one file are
+// distinct (docs/format.md); a file whose header repeats a key, under a
+// good checksum, is corrupt as other header faults are: Open counts it in
+// Stats.Corrupt and removes it, and the key it repeats, stored in another
+// file, still loads as it was stored.
+func TestAFileWhoseKeysRepeatIsRemovedAtStart(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	e := openEngine(t, Config{Mounts: []Mount{{Path: dir}}, Policy: newTestPolicy(2, 0)})
+	_, c := declareSmall(t, e, 32)
+	keys := testKeys("rep", 4)
+	blocks := [][]int{{0, 1, 2, 3}, {4, 5, 6, 7}, {8, 9, 10, 11}, {12, 13, 14, 15}}
+	c.fill(rand.New(rand.NewPCG(7, 7)), slices.Concat(blocks...))
+	storeAndCheck(t, e, c, keys[:2], blocks[:2])
+	storeAndCheck(t, e, c, keys[2:], blocks[2:])
+	want := [][]byte{c.data(blocks[2]), c.data(blocks[3])}
+	e.Close(ctx)
+
+	// The file of keys 0 and 1, and key 2's entry in the other file.
+	var (
+		victim string
+		entry  []byte
+	)
+	for _, p := range dataFiles(t, dir) {
+		b, err := os.ReadFile(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		h, err := format.Decode(b)
+		if err != nil {
+			t.Fatalf("%s: %v", p, err)
+		}
+		switch {
+		case len(h.Keys) == 2 && bytes.Equal(h.Keys[0].Key, keys[0]):
+			victim = p
+		case len(h.Keys) == 2 && bytes.Equal(h.Keys[0].Key, keys[2]):
+			entry = bytes.Clone(b[format.FixedLen:][:format.KeyEntryLen])
+		}
+	}
+	if victim == "" || entry == nil {
+		t.Fatalf("files %v: want one of keys %q and %q and one of %q and %q", dataFiles(t, dir), keys[0], keys[1], keys[2], keys[3])
+	}
+	// The victim now says it holds key 2 twice, under a good checksum.
+	hdr := make([]byte, format.Align)
+	f, err := os.OpenFile(victim, os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if _, err := f.ReadAt(hdr, 0); err != nil {
+		t.Fatal(err)
+	}
+	copy(hdr[format.FixedLen:], entry)
+	copy(hdr[format.FixedLen+format.KeyEntryLen:], entry)
+	used := format.FixedLen + 2*format.KeyEntryLen
+	binary.LittleEndian.PutUint32(hdr[20:], 0)
+	binary.LittleEndian.PutUint32(hdr[20:], crc32c.Checksum(hdr[:used]))
+	if _, err := f.WriteAt(hdr, 0); err != nil {
+		t.Fatal(err)
+	}
+
+	e2 := openEngine(t, Config{Mounts: []Mount{{Path: dir}}, Policy: newTestPolicy(2, 0)})
+	if st := e2.Stats(); st.Corrupt != 1 || st.Entries != 1 {
+		t.Fatalf("after Open: %d corrupt, %d entries: want 1 corrupt (the file whose keys repeat) and 1 entry", st.Corrupt, st.Entries)
+	}
+	if _, err := os.Stat(victim); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("the file whose keys repeat is kept: %v", err)
+	}
+	_, c2 := declareSmall(t, e2, 32)
+	loadAndCompare(t, e2, c2, keys[2:], [][]int{{16, 17, 18, 19}, {20, 21, 22, 23}}, want)
 }
 
 // TestDirectoryAtKeyPath: a directory where a key's file should be fails

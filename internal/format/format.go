@@ -126,7 +126,8 @@ func (h *Header) Len() int {
 // to Align.
 func (h *Header) FileLen() int64 { return int64(h.Len()) + int64(alignUp64(h.PayloadLen(), Align)) }
 
-// Validate checks the header's fields (not its checksums).
+// Validate checks the header's fields (not its checksums), the keys'
+// lengths and that no key repeats.
 func (h *Header) Validate() error {
 	bad := func(format string, args ...any) error {
 		return fmt.Errorf("%w: "+format, append([]any{ErrCorrupt}, args...)...)
@@ -155,6 +156,17 @@ func (h *Header) Validate() error {
 	for i, k := range h.Keys {
 		if len(k.Key) == 0 || len(k.Key) > MaxKeyLen {
 			return bad("key %d: length %d: want 1..%d", i, len(k.Key), MaxKeyLen)
+		}
+	}
+	// The keys of one file are distinct: a repeated key would be indexed
+	// twice and a load would find its first copy only.
+	if len(h.Keys) > 1 {
+		seen := make(map[string]int, len(h.Keys))
+		for i, k := range h.Keys {
+			if j, ok := seen[string(k.Key)]; ok {
+				return bad("key %d repeats key %d (%x)", i, j, k.Key)
+			}
+			seen[string(k.Key)] = i
 		}
 	}
 	return nil

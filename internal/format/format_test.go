@@ -5,6 +5,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"strings"
 	"testing"
 
 	"github.com/kvhost/kvhost/internal/crc32c"
@@ -267,5 +268,60 @@ func TestAGeometryWhoseKeyBytesOverflowIsCorrupt(t *testing.T) {
 				t.Fatalf("Decode: %v (key bytes %d), want ErrCorrupt", err, h.KeyBytes())
 			}
 		})
+	}
+}
+
+// seal sets the header checksum of the header in b over its used bytes
+// (as read from b), as a writer would have.
+func seal(b []byte) {
+	le := binary.LittleEndian
+	used := min(int(le.Uint32(b[16:])), len(b))
+	le.PutUint32(b[20:], 0)
+	le.PutUint32(b[20:], crc32c.Checksum(b[:used]))
+}
+
+// TestRepeatedKeysAreCorrupt: the keys of one file are distinct
+// (docs/format.md). A header whose keys repeat, under a good checksum, is
+// corrupt, and the error names the repeated key's index and the one it
+// repeats; Encode refuses to write one.
+func TestRepeatedKeysAreCorrupt(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		keys     int
+		dup, of  int
+		wantText string
+	}{
+		{"the second repeats the first", 2, 1, 0, "key 1 repeats key 0"},
+		{"the last repeats one in the middle", 7, 6, 3, "key 6 repeats key 3"},
+		{"of the most keys", MaxKeys, MaxKeys - 1, 0, fmt.Sprintf("key %d repeats key 0", MaxKeys-1)},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := sample(tc.keys, OrderBlockMajor)
+			b := make([]byte, h.Len())
+			if err := h.Encode(b); err != nil {
+				t.Fatal(err)
+			}
+			// The same header as a writer that repeated the key would
+			// have encoded it.
+			copy(b[FixedLen+tc.dup*KeyEntryLen:][:KeyEntryLen], b[FixedLen+tc.of*KeyEntryLen:][:KeyEntryLen])
+			seal(b)
+			if _, err := Decode(b); !errors.Is(err, ErrCorrupt) || !strings.Contains(err.Error(), tc.wantText) {
+				t.Errorf("Decode: %v, want ErrCorrupt saying %q", err, tc.wantText)
+			}
+			h.Keys[tc.dup] = h.Keys[tc.of]
+			if err := h.Encode(make([]byte, h.Len())); !errors.Is(err, ErrCorrupt) || !strings.Contains(err.Error(), tc.wantText) {
+				t.Errorf("Encode: %v, want ErrCorrupt saying %q", err, tc.wantText)
+			}
+		})
+	}
+	// Keys that differ only by length (a trailing zero byte) are distinct.
+	h := sample(2, OrderLayerMajor)
+	h.Keys[0].Key, h.Keys[1].Key = []byte("k"), []byte("k\x00")
+	b := make([]byte, h.Len())
+	if err := h.Encode(b); err != nil {
+		t.Fatalf("Encode of keys %q and %q: %v", h.Keys[0].Key, h.Keys[1].Key, err)
+	}
+	if _, err := Decode(b); err != nil {
+		t.Fatalf("Decode of keys %q and %q: %v", h.Keys[0].Key, h.Keys[1].Key, err)
 	}
 }
