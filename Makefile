@@ -65,7 +65,7 @@ lint: tools vet
 	$(GOBIN)/staticcheck ./...
 
 # Bounded fuzzing of the decoders that face untrusted input: PKG:FuzzFunc.
-FUZZ_TARGETS ?= ./abi:FuzzCheckPath ./internal/format:FuzzDecodeHeader ./protocol:FuzzDecode ./internal/server:FuzzSession ./host/policy:FuzzOutputValidation ./host/policy/internal/meter:FuzzInstrument
+FUZZ_TARGETS ?= ./abi:FuzzCheckPath ./internal/format:FuzzDecodeHeader ./internal/format:FuzzDecodeSealedHeader ./protocol:FuzzDecode ./internal/server:FuzzSession ./host/policy:FuzzOutputValidation ./host/policy/internal/meter:FuzzInstrument
 FUZZTIME     ?= 10s
 fuzz: wasm
 	@for t in $(FUZZ_TARGETS); do \

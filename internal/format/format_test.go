@@ -182,6 +182,105 @@ func FuzzDecodeHeader(f *testing.F) {
 	})
 }
 
+// FuzzDecodeSealedHeader fuzzes the fields behind the header checksum:
+// the fuzzer's bytes get the magic, the version and a header checksum
+// recomputed over their used part (as far as they reach), so that Decode's
+// field checks, not its checksum, judge them (FuzzDecodeHeader's inputs
+// almost never pass the checksum). fix makes some fields agree as a
+// writer would have written them, so that the checks after them are
+// reached too: bit 0 sets used_len and header_len from the key count
+// (zeros extend the bytes to the used length), bit 1 sets key_bytes and
+// payload_len to the products of the geometry fields, wrapping as a
+// writer's unchecked arithmetic would. A header that decodes must be one
+// Validate accepts, whose lengths agree with the bytes, whose last
+// segment ends at its payload's end, whose keys are found at their own
+// index (no key repeats), and which re-encodes to the same header.
+func FuzzDecodeSealedHeader(f *testing.F) {
+	for _, n := range []int{1, 2, 7, 56} {
+		for _, order := range []uint32{OrderLayerMajor, OrderBlockMajor} {
+			h := sample(n, order)
+			b := make([]byte, h.Len())
+			if err := h.Encode(b); err != nil {
+				f.Fatal(err)
+			}
+			f.Add(b[:h.UsedLen()], uint8(0))
+			f.Add(b[:FixedLen], uint8(3))
+		}
+	}
+	// Two keys, the second a copy of the first.
+	h := sample(2, OrderLayerMajor)
+	b := make([]byte, h.Len())
+	if err := h.Encode(b); err != nil {
+		f.Fatal(err)
+	}
+	copy(b[FixedLen+KeyEntryLen:], b[FixedLen:FixedLen+KeyEntryLen])
+	f.Add(b[:h.UsedLen()], uint8(0))
+	f.Add(make([]byte, FixedLen), uint8(0))
+	f.Fuzz(func(t *testing.T, b []byte, fix uint8) {
+		le := binary.LittleEndian
+		if fix&1 != 0 && len(b) >= FixedLen {
+			if n := int(le.Uint32(b[48:])); n >= 1 && n <= MaxKeys {
+				used := FixedLen + KeyEntryLen*n
+				le.PutUint32(b[16:], uint32(used))
+				le.PutUint32(b[12:], uint32(alignUp(used, Align)))
+				if len(b) < used {
+					b = append(b, make([]byte, used-len(b))...)
+				}
+			}
+		}
+		if fix&2 != 0 && len(b) >= FixedLen {
+			kb := uint64(le.Uint32(b[56:])) * uint64(le.Uint32(b[60:])) * uint64(le.Uint32(b[64:])) * le.Uint64(b[72:])
+			le.PutUint64(b[40:], kb)
+			le.PutUint64(b[32:], kb*uint64(le.Uint32(b[48:])))
+		}
+		if len(b) >= 24 {
+			copy(b, Magic)
+			le.PutUint16(b[8:], Version)
+			seal(b)
+		}
+		h, err := Decode(b)
+		if err != nil {
+			if h != nil {
+				t.Fatal("header with an error")
+			}
+			if !errors.Is(err, ErrCorrupt) && !errors.Is(err, ErrTruncated) {
+				t.Fatalf("error %v: want ErrCorrupt or ErrTruncated", err)
+			}
+			return
+		}
+		if err := h.Validate(); err != nil {
+			t.Fatalf("decoded a header Validate refuses: %v", err)
+		}
+		if h.Len() != int(le.Uint32(b[12:])) || h.UsedLen() != int(le.Uint32(b[16:])) || h.PayloadLen() != int64(le.Uint64(b[32:])) || h.KeyBytes() != int64(le.Uint64(b[40:])) {
+			t.Fatalf("lengths %d, %d, %d, %d: the bytes say %d, %d, %d, %d", h.Len(), h.UsedLen(), h.PayloadLen(), h.KeyBytes(),
+				le.Uint32(b[12:]), le.Uint32(b[16:]), le.Uint64(b[32:]), le.Uint64(b[40:]))
+		}
+		K, B, L, P := len(h.Keys), int(h.BlocksPerKey), int(h.Layers), int(h.Planes)
+		if end := h.Offset(K-1, B-1, L-1, P-1) + int64(h.BlockBytes); end != h.PayloadLen() {
+			t.Fatalf("order %d: the last segment ends at %d of a %d-byte payload", h.Order, end, h.PayloadLen())
+		}
+		if h.FileLen() < int64(h.Len())+h.PayloadLen() {
+			t.Fatalf("file length %d: less than header %d plus payload %d", h.FileLen(), h.Len(), h.PayloadLen())
+		}
+		for i, k := range h.Keys {
+			if j, err := h.Match(h.Fingerprint, k.Key); err != nil || j != i {
+				t.Fatalf("key %d (%x) matches at %d, %v", i, k.Key, j, err)
+			}
+		}
+		out := make([]byte, h.Len())
+		if err := h.Encode(out); err != nil {
+			t.Fatalf("re-encode: %v", err)
+		}
+		h2, err := Decode(out)
+		if err != nil {
+			t.Fatalf("decode re-encoded: %v", err)
+		}
+		if fmt.Sprint(*h2) != fmt.Sprint(*h) {
+			t.Fatalf("re-encoded header differs:\n%v\n%v", *h2, *h)
+		}
+	})
+}
+
 // TestFileIDField: the file id lives in bytes [88, 96), which version-1
 // files written before it existed kept zero: such a file decodes with ID 0,
 // and a file with an id decodes the same for every other field (old readers
