@@ -40,8 +40,13 @@ const (
 	Hugetlbfs = 0x958458f6
 	Ext4      = 0xef53 // ext2 and ext3 share it
 	XFS       = 0x58465342
-	FUSE      = 0x65735546 // every FUSE file system: ceph-fuse, GlusterFS, sshfs, …
+	FUSE      = 0x65735546 // every FUSE file system: ceph-fuse, GlusterFS, sshfs, virtiofs, …
 	NFS       = 0x6969
+	// FakeOwner is Docker Desktop's bind mount of a directory of the
+	// host (macOS, Windows) into a container: a layer over the VM's
+	// share that shows the files as owned by the container's user. It is
+	// not virtiofs, which is a FUSE file system and reports FUSE.
+	FakeOwner = 0x6a656a63
 )
 
 var kinds = map[int64]Kind{
@@ -55,7 +60,7 @@ var kinds = map[int64]Kind{
 	0x2fc12fc1: {Name: "zfs"},
 	0x794c7630: {Name: "overlay"},
 	0x5346544e: {Name: "ntfs"},
-	0x6a656a63: {Name: "virtiofs"},
+	FakeOwner:  {Name: "fakeowner"},
 	NFS:        {Name: "nfs", Network: true, CuFileDirect: true, CloseToOpen: true},
 	0xfe534d42: {Name: "smb2", Network: true},
 	0xff534d42: {Name: "cifs", Network: true},

@@ -22,6 +22,10 @@ func TestKnownAndUnknownMagics(t *testing.T) {
 		{Hugetlbfs, "hugetlbfs", true, true, false, true},
 		{Ext4, "ext4", true, false, false, false},
 		{0x6969, "nfs", true, false, true, false},
+		// Docker Desktop's bind mounts of the host's directories, not
+		// virtiofs: that is a FUSE file system and reports FUSE's magic.
+		{0x6a656a63, "fakeowner", true, false, false, false},
+		{0x65735546, "fuse", true, false, true, false},
 		{0x1234, "0x1234", false, false, false, false},
 	} {
 		k, ok := Of(c.magic)
