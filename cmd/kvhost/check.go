@@ -82,6 +82,9 @@ type checkOptions struct {
 	speed     bool
 	speedSize int64
 	speedTime time.Duration
+	// statfs is statfs(2) for the mounts' file systems; nil is
+	// unix.Statfs (tests give another file system's answer).
+	statfs func(path string, st *unix.Statfs_t) error
 }
 
 // runCheck is `kvhost check`: diagnostics of the GPU, cuFile and every
@@ -334,8 +337,12 @@ func checkMount(ctx context.Context, rep *checkReport, o checkOptions, m config.
 		rep.add(levelFail, area, "not writable by this user", "give the daemon's user write access (chown, or run as the owner)")
 		return
 	}
+	statfs := o.statfs
+	if statfs == nil {
+		statfs = unix.Statfs
+	}
 	var st unix.Statfs_t
-	if err := unix.Statfs(m.Path, &st); err != nil {
+	if err := statfs(m.Path, &st); err != nil {
 		rep.add(levelFail, area, fmt.Sprintf("statfs: %v", err), "")
 		return
 	}
@@ -343,7 +350,17 @@ func checkMount(ctx context.Context, rep *checkReport, o checkOptions, m config.
 	fst := fstype.Name(magic)
 	kind, _ := fstype.Of(magic)
 	size, avail := int64(st.Blocks)*int64(st.Bsize), int64(st.Bavail)*int64(st.Bsize)
-	rep.add(levelOK, area, fmt.Sprintf("file system %s, %s of %s free", fst, sizeOf(avail), sizeOf(size)), "")
+	if size == 0 {
+		rep.add(levelOK, area, fmt.Sprintf("file system %s, no size reported (statfs: 0 blocks)", fst), "")
+	} else {
+		rep.add(levelOK, area, fmt.Sprintf("file system %s, %s of %s free", fst, sizeOf(avail), sizeOf(size)), "")
+	}
+	if level, what, fix := fileSystemFinding(fst, kind, size, int64(m.Capacity), int64(m.Reserve)); level != "" {
+		rep.add(level, area, what, fix)
+		if level == levelFail {
+			return // the engine refuses the mount: nothing else counts
+		}
+	}
 	if kind.Network {
 		grace := time.Duration(o.cfg.Engine.TempGrace)
 		if grace == 0 {
@@ -354,14 +371,20 @@ func checkMount(ctx context.Context, rep *checkReport, o checkOptions, m config.
 			rep.add(it.Level, area, it.What, it.Fix)
 		}
 	}
-	level, what, fix := spaceFinding(size, avail, int64(m.Capacity), int64(m.Reserve))
-	rep.add(level, area, what, fix)
+	effective := min(configuredCapacity(size, int64(m.Capacity)), avail-int64(m.Reserve))
+	if size == 0 {
+		// What fileSystemFinding said: the capacity is the capacity
+		// (statfs's 0 bytes free say nothing).
+		effective, avail = int64(m.Capacity), int64(m.Capacity)
+	} else {
+		level, what, fix := spaceFinding(size, avail, int64(m.Capacity), int64(m.Reserve))
+		rep.add(level, area, what, fix)
+	}
 	if magic == fstype.Tmpfs {
 		if level, what, fix := hugePagesFinding(m.Path); level != "" {
 			rep.add(level, area, what, fix)
 		}
 	}
-	effective := min(configuredCapacity(size, int64(m.Capacity)), avail-int64(m.Reserve))
 	if level, what, fix := preallocateFinding(m.Preallocate, keepsSpares(magic, m.Layout, o.cfg.Engine.Reuse()), effective); level != "" {
 		rep.add(level, area, what, fix)
 	}
@@ -386,6 +409,36 @@ func checkMount(ctx context.Context, rep *checkReport, o checkOptions, m config.
 	if o.speed {
 		checkSpeed(ctx, rep, o, m, direct && err == nil, kind.Memory, avail)
 	}
+}
+
+// fileSystemFinding says what the engine makes of a mount on file system
+// name, of kind k, size bytes large by statfs, with the configured
+// capacity and reserve: it refuses a file system whose files write(2)
+// refuses (hugetlbfs: kind MapOnly), and one that reports no size (ramfs:
+// statfs counts no blocks) without a capacity; with one, that capacity is
+// the mount's capacity. It says nothing (level "") of any other.
+func fileSystemFinding(name string, k fstype.Kind, size, capacity, reserve int64) (level, what, fix string) {
+	const tmpfs = "mount -t tmpfs -o size=64G,huge=within_size tmpfs /mnt/kvcache"
+	switch {
+	case k.MapOnly:
+		return levelFail, name + ": its files cannot be written with write(2), only through mappings, and kvhost writes with pwrite: the engine refuses this mount",
+			"for files in huge pages use a tmpfs mounted with huge=within_size (" + tmpfs + ")"
+	case size != 0:
+		return "", "", ""
+	}
+	memory := ""
+	if k.Memory {
+		memory = "; " + name + " has no limit of its own and its files stay in memory, so keep the capacity within what the node can spare"
+	}
+	if capacity == 0 {
+		return levelFail, name + " reports no size (statfs: 0 blocks): the engine refuses the mount, which needs a configured capacity" + memory,
+			"set capacity for this mount ([[mount]] capacity = \"16GiB\"), or use a tmpfs, which has a size (" + tmpfs + ")"
+	}
+	what = fmt.Sprintf("%s reports no size (statfs: 0 blocks): the configured capacity, %s, is the capacity", name, sizeOf(capacity))
+	if reserve > 0 {
+		what += fmt.Sprintf(" (the reserve, %s, has no effect: there is no free space to keep)", sizeOf(reserve))
+	}
+	return levelInfo, what + memory, ""
 }
 
 // configuredCapacity is a mount's capacity setting, or 90% of the file

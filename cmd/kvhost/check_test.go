@@ -4,13 +4,18 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
-	"github.com/kvhost/kvhost/host/engine"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strings"
 	"testing"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/kvhost/kvhost/host/engine"
 
 	"github.com/kvhost/kvhost/internal/config"
 	"github.com/kvhost/kvhost/internal/cuda"
@@ -340,4 +345,81 @@ func autoFinding(effective int64) string {
 		return "up to " + sizeOf(b) + ", up to " + sizeOf(g) + " after larger bursts of stores (preallocate auto"
 	}
 	return "up to " + sizeOf(b) + " (preallocate auto"
+}
+
+// TestCheckSaysWhatTheEngineMakesOfRamfsAndHugetlbfs: on hugetlbfs, whose
+// files write(2) refuses, the engine refuses the mount: check FAILs,
+// pointing to a tmpfs with huge=within_size. On ramfs, which reports no
+// size, the engine needs a configured capacity: check FAILs without one
+// and says the capacity is the capacity with one. Neither is called full
+// (statfs says 0 bytes free there, which means nothing), and the human
+// and the JSON output say the same.
+func TestCheckSaysWhatTheEngineMakesOfRamfsAndHugetlbfs(t *testing.T) {
+	const mib = 1 << 20
+	for _, c := range []struct {
+		name     string
+		magic    int64
+		capacity int64
+		level    string
+		what     []string
+		fix      string
+	}{
+		{"hugetlbfs", fstype.Hugetlbfs, 0, levelFail, []string{"hugetlbfs", "the engine refuses"}, "huge=within_size"},
+		{"hugetlbfs with a capacity", fstype.Hugetlbfs, 64 * mib, levelFail, []string{"hugetlbfs", "the engine refuses"}, "huge=within_size"},
+		{"ramfs", fstype.Ramfs, 0, levelFail, []string{"ramfs reports no size", "needs a configured capacity"}, "capacity"},
+		{"ramfs with a capacity", fstype.Ramfs, 64 * mib, levelInfo, []string{"ramfs reports no size", "the configured capacity, 64 MiB, is the capacity"}, ""},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			dir := t.TempDir()
+			o := checkOptions{cfg: config.Default(), statfs: func(path string, st *unix.Statfs_t) error {
+				if err := unix.Statfs(path, st); err != nil {
+					return err
+				}
+				// What ramfs and a hugetlbfs without size= say.
+				st.Type, st.Blocks, st.Bfree, st.Bavail = c.magic, 0, 0, 0
+				return nil
+			}}
+			o.cfg.GPU.Mode, o.cfg.GPU.CuFile = "off", "off"
+			o.cfg.Mounts = []config.Mount{{Path: dir, Capacity: config.Size(c.capacity)}}
+			rep := doCheck(context.Background(), o)
+			var found *checkItem
+			for i, it := range rep.Items {
+				if strings.Contains(it.What, "full for kvhost") {
+					t.Errorf("called full: %s %s", it.Level, it.What)
+				}
+				says := it.Area == dir
+				for _, w := range c.what {
+					says = says && strings.Contains(it.What, w)
+				}
+				if says && found == nil {
+					found = &rep.Items[i]
+				}
+			}
+			if found == nil {
+				t.Fatalf("no finding on %s saying %q: %+v", dir, c.what, rep.Items)
+			}
+			if found.Level != c.level || !strings.Contains(found.Fix, c.fix) || (c.fix == "") != (found.Fix == "") {
+				t.Errorf("finding %s %q, fix %q: want %s with a fix saying %q", found.Level, found.What, found.Fix, c.level, c.fix)
+			}
+			if wantFail := c.level == levelFail; (rep.Fail > 0) != wantFail {
+				t.Errorf("%d failures: want some %v", rep.Fail, wantFail)
+			}
+			var human bytes.Buffer
+			writeCheck(&human, rep)
+			if line := fmt.Sprintf("%-4s  %-8s  %s\n", found.Level, found.Area, found.What); !strings.Contains(human.String(), line) {
+				t.Errorf("the human output lacks %q:\n%s", line, human.String())
+			}
+			js, err := json.Marshal(rep)
+			if err != nil {
+				t.Fatal(err)
+			}
+			var back checkReport
+			if err := json.Unmarshal(js, &back); err != nil {
+				t.Fatal(err)
+			}
+			if !slices.Contains(back.Items, *found) {
+				t.Errorf("the JSON output lacks %+v:\n%s", *found, js)
+			}
+		})
+	}
 }
