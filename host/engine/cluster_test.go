@@ -253,16 +253,22 @@ func TestClusterEvictionFollowsThePolicysRank(t *testing.T) {
 	fileSize := probe.e.Stats().Mounts[0].Used
 	capacity := 6 * fileSize
 	p, q := []byte("keep-me"), []byte("evict-me")
-	// A cut another node published counts for two of its intervals. On the
-	// wall clock, on a machine loaded with busy loops beside the race
-	// detector, this test failed (2 of about 55 runs with ticks of 20 ms):
-	// A's tick came too late for B's cut, and B, at its claim, evicted its
-	// own files (37 of them) while A kept its 2 lower-ranked ones. So the
-	// nodes share a clock (Config.Now) that moves a microsecond per
+	// The test runs A's ticks (an hour's interval: its ticker never
+	// fires). A tick of A between P's store and Q's lowers A's claim to
+	// its one file and a grant (0.15 files); Q's store then raises it to 3
+	// files, and A's next tick lowers it to 2.15 files, where without that
+	// tick it is 2. B may then hold 3 files, never 4: the cluster (5
+	// files) never passes its high watermark (5.7), no node computes a
+	// cut-off, and B makes its room by evicting its own files at its
+	// claim while A keeps its 2 lower-ranked ones, however long the test
+	// waits. On a loaded machine, with A's ticker every 100 ms, this
+	// happened (B evicted 37 of its own files). So A ticks once after Q
+	// (its summary ranks P and Q) and after each of B's stores (it reads
+	// B's latest summary, with a cut-off once B's claim passes the bound).
+	// The nodes share a clock (Config.Now) that moves a microsecond per
 	// reading: summaries and cuts age by the engines' work, not by how
-	// slowly the machine runs them, and ranks still follow the order of
-	// the accesses. The ticks themselves still come every interval.
-	const interval = 100 * time.Millisecond
+	// slowly the machine runs them, and ranks follow the order of the
+	// accesses.
 	tests := []struct {
 		name  string
 		rank  bool
@@ -289,7 +295,7 @@ func TestClusterEvictionFollowsThePolicysRank(t *testing.T) {
 			if tt.rank {
 				pol = rp
 			}
-			ea := openEngine(t, Config{Mounts: []Mount{{Path: dir, ClusterCapacity: capacity, ClusterInterval: interval}},
+			ea := openEngine(t, Config{Mounts: []Mount{{Path: dir, ClusterCapacity: capacity, ClusterInterval: time.Hour}},
 				Policy: pol, NodeID: "a", Now: clock})
 			g := smallGeometry(true)
 			ns, err := ea.Declare(ctx, g)
@@ -297,26 +303,28 @@ func TestClusterEvictionFollowsThePolicysRank(t *testing.T) {
 				t.Fatal(err)
 			}
 			a := &node{e: ea, ns: ns, c: newTestCache(t, ea, ns, g, 64, layoutPlaneFirst)}
-			b := clusterNodeAt(t, dir, "b", capacity, interval, clock)
+			m := a.e.mounts[0]
+			tickA := func() { m.cluster.tick(ctx, a.e, m) }
+			b := clusterNodeAt(t, dir, "b", capacity, 100*time.Millisecond, clock)
 			r := rand.New(rand.NewPCG(37, 37))
 			for i, k := range [][]byte{p, q} {
 				bl := []int{4 * i, 4*i + 1, 4*i + 2, 4*i + 3}
 				a.c.fill(r, bl)
 				storeAndCheck(t, a.e, a.c, [][]byte{k}, [][]int{bl})
 			}
-			// B stores once A's summary ranks P and Q (A's next tick):
-			// B's cut-offs before that cannot reach them, and B, storing
-			// faster than a slow machine runs A's ticker, would make its
-			// room by evicting its own files alone.
-			testwait.Until(t, "node A publishing the ranks of P and Q", 30*time.Second, func() bool {
-				return publishedBytes(a.e) == 2*fileSize
-			})
+			tickA()
+			if got := publishedBytes(a.e); got != 2*fileSize {
+				t.Fatalf("node A's summary ranks %d bytes after its tick, want P's and Q's %d", got, 2*fileSize)
+			}
 			for i := 0; i < 40 && a.e.Stats().Evictions == 0; i++ {
 				bl := []int{4 * (i % 16), 4*(i%16) + 1, 4*(i%16) + 2, 4*(i%16) + 3}
 				b.c.fill(r, bl)
 				storeAndCheck(t, b.e, b.c, testKeys(fmt.Sprintf("b%02d", i), 1), [][]int{bl})
+				tickA()
 			}
-			testwait.Until(t, "node A evicting after node B's stores", 30*time.Second, func() bool { return a.e.Stats().Evictions > 0 })
+			if a.e.Stats().Evictions == 0 {
+				t.Fatalf("node A evicted nothing after node B's 40 stores against a bound of 6 files (B evicted %d of its own)", b.e.Stats().Evictions)
+			}
 			hitP, _ := a.e.Lookup(ctx, a.ns, [][]byte{p})
 			hitQ, _ := a.e.Lookup(ctx, a.ns, [][]byte{q})
 			if got := hitP == 1; got != tt.keepP {
