@@ -9,7 +9,6 @@ import (
 	"path/filepath"
 	"slices"
 	"testing"
-	"time"
 
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/host/policy"
@@ -83,7 +82,7 @@ func TestAFallbackServesWhateverThePluginsParams(t *testing.T) {
 	p := startProc(t, nil, "serve", "--config", file)
 	k := newKVCache(t, socket)
 	rng := rand.New(rand.NewPCG(1, 2))
-	testwait.Until(t, "a key to round-trip through the fallback", time.Minute, func() bool {
+	testwait.Until(t, "a key to round-trip through the fallback", hangBound, func() bool {
 		return k.roundTrip(context.Background(), "k", []uint32{0, 1}, rng) == nil // fails while the plugin runs
 	})
 	if st := daemonStats(t, socket); !st.Daemon.Fallback || st.Daemon.FallbackPolicy != "lru" {

@@ -8,7 +8,6 @@ import (
 	"net/http"
 	"strings"
 	"testing"
-	"time"
 
 	"github.com/kvhost/kvhost/client"
 	"github.com/kvhost/kvhost/internal/cuda"
@@ -31,13 +30,9 @@ func TestServeReportsAGPUWhoseContextBroke(t *testing.T) {
 	dir := t.TempDir()
 	extra := fmt.Sprintf("[gpu]\nmode = \"on\"\ncuda_library = %q\ncuda_driver_library = %q\ncufile = \"off\"\nstaging_memory = \"16MiB\"\n", lib, lib)
 	file, socket, _ := testConfig(t, dir, extra)
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*hangBound) // the daemon's and the client's calls: a hang guard
 	defer cancel()
-	stdout, stderr := newLines(), newLines()
-	exit := make(chan int, 1)
-	go func() {
-		exit <- run(ctx, []string{"serve", "--config", file, "--metrics", "127.0.0.1:0"}, stdout, stderr)
-	}()
+	stdout, stderr, exit := runInProcess(ctx, "serve", "--config", file, "--metrics", "127.0.0.1:0")
 	defer func() {
 		cancel()
 		if code := <-exit; code != 0 {

@@ -23,11 +23,7 @@ func TestMetricsMoveDuringAnEndToEndRun(t *testing.T) {
 	file, socket, cache := testConfig(t, dir, "")
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	stdout, stderr := newLines(), newLines()
-	exit := make(chan int, 1)
-	go func() {
-		exit <- run(ctx, []string{"serve", "--config", file, "--metrics", "127.0.0.1:0"}, stdout, stderr)
-	}()
+	stdout, stderr, exit := runInProcess(ctx, "serve", "--config", file, "--metrics", "127.0.0.1:0")
 	addr, _ := stderr.logLine(t, "metrics listening")["address"].(string)
 	stdout.wait(t, "listening line", func(s string) bool { return s == "kvhost: listening on unix:"+socket })
 

@@ -31,6 +31,34 @@ var opsGeo = client.Geometry{Model: "ops/test", Layers: 2, KVHeads: 1, HeadSize:
 
 const opsBlocks = 256 // blocks per layer tensor
 
+// hangBound is how long a test waits for a daemon (run in this process or
+// as a process) to do what the test waits for before it takes the daemon
+// for hung. It only catches a hang, so it is long: a daemon's start
+// compiles its wasm policy, which under the race detector on a loaded
+// 2-core machine took more than a minute. A daemon that exits ends the
+// wait at once (lines.end).
+const hangBound = 5 * time.Minute
+
+// policyCache is the policy's compilation cache (policy.cache_dir) that
+// the package's daemons share, in this process and in the processes it
+// starts: the first start of a module compiles it (a built-in policy, Go
+// compiled to wasm, took 10 s under the race detector on 2 cores), the
+// others read the compiled code (under 0.2 s). TestMain makes it and
+// removes it; the tests only read it.
+var policyCache string
+
+func TestMain(m *testing.M) {
+	dir, err := os.MkdirTemp("", "kvhost-cmd-test-wasm-cache-")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	policyCache = dir
+	code := m.Run()
+	os.RemoveAll(dir)
+	os.Exit(code)
+}
+
 // testConfig writes a daemon configuration under dir and returns its
 // path, socket and cache directory. extra is appended to the file.
 func testConfig(t *testing.T, dir, extra string) (file, socket, cache string) {
@@ -45,7 +73,7 @@ func testConfig(t *testing.T, dir, extra string) (file, socket, cache string) {
 func writeConfig(t *testing.T, file, socket, cache, extra string) {
 	t.Helper()
 	src := fmt.Sprintf("[server]\nsocket = %q\n\n[log]\nformat = \"json\"\n\n[policy]\ncache_dir = %q\n\n%s\n\n[[mount]]\npath = %q\ncapacity = \"256MiB\"\n",
-		socket, filepath.Join(filepath.Dir(file), "wasm-cache"), extra, cache)
+		socket, policyCache, extra, cache)
 	// Written whole and renamed: a reload never reads half a file.
 	tmp := file + ".tmp"
 	if err := os.WriteFile(tmp, []byte(src), 0o644); err != nil {
@@ -200,19 +228,47 @@ type lines struct {
 	all     bytes.Buffer
 	partial []byte
 	seen    []string
+	ended   bool // its writer writes no more (end)
 	changed chan struct{}
 }
 
 func newLines() *lines { return &lines{changed: make(chan struct{})} }
 
+// end says that nothing more will be written (the daemon exited): a
+// wait for a line not written yet fails at once.
+func (l *lines) end() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.ended = true
+	close(l.changed)
+	l.changed = make(chan struct{})
+}
+
 // serveHeld runs the daemon with args in the background on the real file
 // system, each operation hold is armed for held there, and returns what
 // it writes and its exit status, once it exits.
 func serveHeld(ctx context.Context, hold *fsystest.Hold, args ...string) (stdout, stderr *lines, exit <-chan int) {
+	return runBackground(func(stdout, stderr io.Writer) int {
+		return runServeOn(ctx, &fsys.Faulty{FS: fsys.OS{}, Inj: hold}, args, stdout, stderr)
+	})
+}
+
+// runInProcess runs the command line args (run) in the background and
+// returns what it writes and its exit status, once it exits.
+func runInProcess(ctx context.Context, args ...string) (stdout, stderr *lines, exit <-chan int) {
+	return runBackground(func(stdout, stderr io.Writer) int { return run(ctx, args, stdout, stderr) })
+}
+
+// runBackground runs f on new lines in the background and returns them
+// and f's exit status, once it returns; then the lines end.
+func runBackground(f func(stdout, stderr io.Writer) int) (stdout, stderr *lines, exit <-chan int) {
 	stdout, stderr = newLines(), newLines()
 	code := make(chan int, 1)
 	go func() {
-		code <- runServeOn(ctx, &fsys.Faulty{FS: fsys.OS{}, Inj: hold}, args, stdout, stderr)
+		c := f(stdout, stderr)
+		stdout.end()
+		stderr.end()
+		code <- c
 	}()
 	return stdout, stderr, code
 }
@@ -242,10 +298,11 @@ func (l *lines) String() string {
 }
 
 // wait returns the first line for which match is true, waiting up to
-// 60 s for it.
+// hangBound for it; it fails at once if the lines end (the daemon exited)
+// without one.
 func (l *lines) wait(t *testing.T, what string, match func(string) bool) string {
 	t.Helper()
-	deadline := time.After(60 * time.Second)
+	deadline := time.After(hangBound)
 	for i := 0; ; {
 		l.mu.Lock()
 		for ; i < len(l.seen); i++ {
@@ -255,12 +312,15 @@ func (l *lines) wait(t *testing.T, what string, match func(string) bool) string 
 				return s
 			}
 		}
-		ch := l.changed
+		ch, ended := l.changed, l.ended
 		l.mu.Unlock()
+		if ended {
+			t.Fatalf("no %s: the daemon exited; output:\n%s", what, l.String())
+		}
 		select {
 		case <-ch:
 		case <-deadline:
-			t.Fatalf("no %s within 60s; output:\n%s", what, l.String())
+			t.Fatalf("no %s within %v; output:\n%s", what, hangBound, l.String())
 		}
 	}
 }
@@ -372,7 +432,12 @@ func startProc(t *testing.T, env []string, args ...string) *proc {
 	if err := p.cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
-	go func() { p.err = p.cmd.Wait(); close(p.exited) }()
+	go func() {
+		p.err = p.cmd.Wait()
+		p.stdout.end()
+		p.stderr.end()
+		close(p.exited)
+	}()
 	t.Cleanup(func() {
 		p.cmd.Process.Kill()
 		<-p.exited
@@ -390,8 +455,8 @@ func (p *proc) waitExit(t *testing.T) error {
 	select {
 	case <-p.exited:
 		return p.err
-	case <-time.After(60 * time.Second):
-		t.Fatal("the daemon did not exit within 60s")
+	case <-time.After(hangBound):
+		t.Fatalf("the daemon did not exit within %v", hangBound)
 		return nil
 	}
 }

@@ -81,7 +81,7 @@ func TestAReloadKeepsTheFallbackOfTheRunningMounts(t *testing.T) {
 	}
 	k := newKVCache(t, socket)
 	var st client.Stats
-	testwait.Until(t, "the reloaded policy to fall back", time.Minute, func() bool {
+	testwait.Until(t, "the reloaded policy to fall back", hangBound, func() bool {
 		k.do(context.Background(), true, "k", []uint32{0, 1}) // fails while the plugin runs
 		st = daemonStats(t, socket)
 		return st.Daemon.Fallback

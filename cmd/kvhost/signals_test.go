@@ -58,7 +58,7 @@ func newNotifySocket(t *testing.T) *notifySocket {
 // expect waits for a notification containing want.
 func (n *notifySocket) expect(t *testing.T, want string) {
 	t.Helper()
-	timeout := time.After(60 * time.Second)
+	timeout := time.After(hangBound)
 	for {
 		select {
 		case m, ok := <-n.msgs:
@@ -69,7 +69,7 @@ func (n *notifySocket) expect(t *testing.T, want string) {
 				return
 			}
 		case <-timeout:
-			t.Fatalf("no %q notification within 60s", want)
+			t.Fatalf("no %q notification within %v", want, hangBound)
 		}
 	}
 }
@@ -89,7 +89,7 @@ func (n *notifySocket) drain(t *testing.T) []string {
 		t.Fatal(err)
 	}
 	var got []string
-	timeout := time.After(60 * time.Second)
+	timeout := time.After(hangBound)
 	for {
 		select {
 		case m, ok := <-n.msgs:
@@ -101,7 +101,7 @@ func (n *notifySocket) drain(t *testing.T) []string {
 			}
 			got = append(got, m)
 		case <-timeout:
-			t.Fatal("the drain's own notification did not arrive within 60s")
+			t.Fatalf("the drain's own notification did not arrive within %v", hangBound)
 		}
 	}
 }
@@ -109,7 +109,7 @@ func (n *notifySocket) drain(t *testing.T) []string {
 // daemonStats asks the daemon behind socket for its Stats.
 func daemonStats(t *testing.T, socket string) client.Stats {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), hangBound)
 	defer cancel()
 	c, err := client.Dial(ctx, socket, "test stats")
 	if err != nil {
@@ -140,7 +140,7 @@ func TestSIGHUPReloadsUnderLoadLosingNoRequest(t *testing.T) {
 	write := func(level string, shards, maxClients int, memoryLimit string) {
 		src := fmt.Sprintf("[server]\nsocket = %q\nmax_clients = %d\n\n[log]\nformat = \"json\"\nlevel = %q\n\n"+
 			"[policy]\ncache_dir = %q\nshards = %d\nmemory_limit = %q\n\n[[mount]]\npath = %q\ncapacity = \"256MiB\"\n",
-			socket, maxClients, level, filepath.Join(dir, "wasm-cache"), shards, memoryLimit, cache)
+			socket, maxClients, level, policyCache, shards, memoryLimit, cache)
 		if err := os.WriteFile(file+".tmp", []byte(src), 0o644); err != nil {
 			t.Fatal(err)
 		}
@@ -342,7 +342,7 @@ func TestSIGTERMDuringStartUpExitsZero(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	_, stderr, exit := serveHeld(ctx, hold, "--config", file)
-	testwait.Until(t, "the rebuild's ReadDir to be held", time.Minute, hold.Holding)
+	testwait.Until(t, "the rebuild's ReadDir to be held", hangBound, hold.Holding)
 	cancel()
 	hold.Release()
 	if code := <-exit; code != 0 {
@@ -434,7 +434,7 @@ func TestSIGQUITDumpsStacksWhileTheDaemonStartsOrCloses(t *testing.T) {
 				hold.Arm(tt.op)
 				cancel()
 			}
-			testwait.Until(t, "the "+tt.op.String()+" to be held", time.Minute, hold.Holding)
+			testwait.Until(t, "the "+tt.op.String()+" to be held", hangBound, hold.Holding)
 			if tt.serving {
 				stderr.logLine(t, "kvhost shutting down") // held in the engine's close
 			}

@@ -65,9 +65,7 @@ func TestHealthFailsOnAFallenBackPolicyOrABrokenGPU(t *testing.T) {
 func TestStatsJSONHasTheDocumentedFieldsAndArrays(t *testing.T) {
 	file, socket, _ := testConfig(t, t.TempDir(), "")
 	ctx, cancel := context.WithCancel(t.Context())
-	stdout, stderr := newLines(), newLines()
-	exit := make(chan int, 1)
-	go func() { exit <- run(ctx, []string{"serve", "--config", file}, stdout, stderr) }()
+	stdout, stderr, exit := runInProcess(ctx, "serve", "--config", file)
 	defer func() {
 		cancel()
 		if code := <-exit; code != 0 {

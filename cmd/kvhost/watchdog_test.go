@@ -71,7 +71,7 @@ func TestServeStopsTellingSystemdItLivesWhileAFileOperationHangs(t *testing.T) {
 	dir := t.TempDir()
 	socket, cache, file := filepath.Join(dir, "run", "kvhost.sock"), filepath.Join(dir, "blocks"), filepath.Join(dir, "kvhost.toml")
 	src := fmt.Sprintf("[server]\nsocket = %q\nstall_timeout = \"300ms\"\n\n[log]\nformat = \"json\"\n\n[engine]\nfsync = true\n\n"+
-		"[policy]\ncache_dir = %q\n\n[[mount]]\npath = %q\ncapacity = \"256MiB\"\n", socket, filepath.Join(dir, "wasm-cache"), cache)
+		"[policy]\ncache_dir = %q\n\n[[mount]]\npath = %q\ncapacity = \"256MiB\"\n", socket, policyCache, cache)
 	if err := os.WriteFile(file, []byte(src), 0o644); err != nil {
 		t.Fatal(err)
 	}
@@ -80,7 +80,7 @@ func TestServeStopsTellingSystemdItLivesWhileAFileOperationHangs(t *testing.T) {
 	t.Setenv("WATCHDOG_USEC", "200000") // a check every 100ms
 	t.Setenv("WATCHDOG_PID", strconv.Itoa(os.Getpid()))
 	hold := &fsystest.Hold{}
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*hangBound) // the daemon's and the client's calls: a hang guard
 	defer cancel()
 	stdout, stderr, exit := serveHeld(ctx, hold, "--config", file, "--metrics", "127.0.0.1:0")
 	defer func() {
@@ -104,7 +104,7 @@ func TestServeStopsTellingSystemdItLivesWhileAFileOperationHangs(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	testwait.Until(t, "the store's fsync to be held", time.Minute, hold.Holding)
+	testwait.Until(t, "the store's fsync to be held", hangBound, hold.Holding)
 	// Other stores go on meanwhile (a hung mount beside a working one):
 	// the data path keeps moving, so only the held operation's own age
 	// can make the daemon stalled.
@@ -126,7 +126,7 @@ func TestServeStopsTellingSystemdItLivesWhileAFileOperationHangs(t *testing.T) {
 		}
 	}()
 	var body string
-	testwait.Until(t, "/healthz to answer 503 saying a file operation has not returned", time.Minute, func() bool {
+	testwait.Until(t, "/healthz to answer 503 saying a file operation has not returned", hangBound, func() bool {
 		var code int
 		code, body = healthz()
 		return code == http.StatusServiceUnavailable && strings.Contains(body, "has not returned")
@@ -170,7 +170,7 @@ func TestServeStopsTellingSystemdItLivesWhileAFileOperationHangs(t *testing.T) {
 		t.Fatalf("the store after its fsync returned: %+v, %v", res, err)
 	}
 	notify.expect(t, "WATCHDOG=1")
-	testwait.Until(t, "/healthz to answer 200 again", time.Minute, func() bool {
+	testwait.Until(t, "/healthz to answer 200 again", hangBound, func() bool {
 		code, _ := healthz()
 		return code == http.StatusOK
 	})
