@@ -39,10 +39,10 @@ func sparsePlan(dev region.Device, pages, pageSize int, seed uint64) *transfer.P
 	return p
 }
 
-// waitFor polls cond until it holds or the test's patience (10 s) ends.
+// waitFor polls cond until it holds or testwait.Hang passes.
 func waitFor(t *testing.T, what string, cond func() bool) {
 	t.Helper()
-	testwait.Until(t, what, 10*time.Second, cond)
+	testwait.Until(t, what, testwait.Hang, cond)
 }
 
 // roundTrip writes p from src, reads it back into a poisoned dst and

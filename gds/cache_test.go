@@ -317,7 +317,7 @@ func TestHandleCacheDropsHandlesOfFilesAnotherNodeRemoved(t *testing.T) {
 	c.release(acquireFile(t, c, fs[3])) // a registration: sweeps, in the background
 	// The sweep counts a dropped handle before its deregistration
 	// returns (on a thread of the handle's device): wait for both.
-	testwait.Until(t, "the idle handle of a removed file dropped and deregistered", 10*time.Second, func() bool {
+	testwait.Until(t, "the idle handle of a removed file dropped and deregistered", testwait.Hang, func() bool {
 		st := c.stats()
 		live, _ := g.counts()
 		return st.Unlinked == 1 && st.Cached == 3 && live == 3
@@ -332,7 +332,7 @@ func TestHandleCacheDropsHandlesOfFilesAnotherNodeRemoved(t *testing.T) {
 	}
 	defer other.Close()
 	c.release(acquireFile(t, c, other)) // a registration: the released one goes now
-	testwait.Until(t, "the released handle of the other removed file dropped and deregistered (3 live: files 0 and 3, and the new one)", 10*time.Second, func() bool {
+	testwait.Until(t, "the released handle of the other removed file dropped and deregistered (3 live: files 0 and 3, and the new one)", testwait.Hang, func() bool {
 		st := c.stats()
 		live, _ := g.counts()
 		return st.Unlinked == 2 && st.Cached == 3 && live == 3
@@ -368,7 +368,7 @@ func TestHandleCacheSweepsForRemovedFilesAtMostOnceASecond(t *testing.T) {
 	c.lastSweep = c.lastSweep.Add(-sweepEvery)
 	c.mu.Unlock()
 	c.release(acquireFile(t, c, fs[2])) // a second later: sweeps
-	testwait.Until(t, "the removed file's handle dropped once the period passed", 10*time.Second, func() bool {
+	testwait.Until(t, "the removed file's handle dropped once the period passed", testwait.Hang, func() bool {
 		st := c.stats()
 		return st.Unlinked == 1 && st.Cached == 2
 	})
@@ -467,7 +467,7 @@ func TestHandleCacheSweepOfAHungFileSystemRunsOneGoroutine(t *testing.T) {
 	c.release(h)
 	base := runtime.NumGoroutine()
 	c.release(acquireFile(t, c, fs[1]))
-	testwait.Until(t, "a sweep stuck in the hung fstat", 10*time.Second, func() bool { return entered.Load() >= 1 })
+	testwait.Until(t, "a sweep stuck in the hung fstat", testwait.Hang, func() bool { return entered.Load() >= 1 })
 	for _, f := range fs[2:] {
 		c.release(acquireFile(t, c, f))
 	}
@@ -478,7 +478,7 @@ func TestHandleCacheSweepOfAHungFileSystemRunsOneGoroutine(t *testing.T) {
 		t.Errorf("%d sweeps entered the hung fstat; want 1", n)
 	}
 	close(unblock)
-	testwait.Until(t, "the sweeps ended once the file system answered", 10*time.Second, func() bool {
+	testwait.Until(t, "the sweeps ended once the file system answered", testwait.Hang, func() bool {
 		return runtime.NumGoroutine() <= base
 	})
 	c.close()

@@ -161,7 +161,7 @@ func TestActivityShowsAHeldFileOperation(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			testwait.Until(t, "the "+tc.name+" to be held", 10*time.Second, hold.Holding)
+			testwait.Until(t, "the "+tc.name+" to be held", testwait.Hang, hold.Holding)
 			if during := e.Activity(); during.Jobs != 1 || during.OldestIO.IsZero() {
 				t.Errorf("a held %s: %+v, want one job and an I/O in flight", tc.name, during)
 			}

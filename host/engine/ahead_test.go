@@ -236,7 +236,7 @@ func TestSparesAreMadeAheadOnlyWhileNoFileIsInFlight(t *testing.T) {
 	// The store took a spare made ahead and told the maker before it
 	// wrote: the maker wakes, finds the store's file in flight and waits
 	// for it.
-	testwait.Until(t, "the maker to wait for the store in flight", 10*time.Second, func() bool {
+	testwait.Until(t, "the maker to wait for the store in flight", testwait.Hang, func() bool {
 		return inj.blocked.Load() > 0 && f.e.maker.waitedIdle.Load() > 0
 	})
 	if st := f.e.Stats(); st.SparesMade != 4 || len(spareFiles(t, f.dir)) != 3 {
@@ -647,7 +647,7 @@ func TestSparesAreMadeAheadAgainWhenAFailedStoreFreesRoom(t *testing.T) {
 		t.Fatalf("the store wrote %d files into spares, want 1: the test checks nothing", st.Reused)
 	}
 	// Not WaitSpares: it would wake the maker itself.
-	testwait.Until(t, "the failed store's room to be filled with a spare", 10*time.Second, func() bool {
+	testwait.Until(t, "the failed store's room to be filled with a spare", testwait.Hang, func() bool {
 		m := f.e.Stats().Mounts[0]
 		return m.Used == 0 && m.SpareFiles == 6
 	})
@@ -704,7 +704,7 @@ func TestNoSparesAreMadeAheadWhileAFileMovesBetweenMounts(t *testing.T) {
 	e.ix.mu.Unlock()
 	// From here the move's copy is the only file in flight: every wait
 	// of the maker's is for it.
-	testwait.Until(t, "the store's file slot to be released", 10*time.Second, func() bool { return !e.slots.busy() })
+	testwait.Until(t, "the store's file slot to be released", testwait.Hang, func() bool { return !e.slots.busy() })
 	waited := e.maker.waitedIdle.Load()
 	moved := make(chan error, 1)
 	go func() {
@@ -713,10 +713,10 @@ func TestNoSparesAreMadeAheadWhileAFileMovesBetweenMounts(t *testing.T) {
 	}()
 	var once sync.Once
 	defer once.Do(func() { close(release) })
-	testwait.Until(t, "the move's copy to be held", 10*time.Second, func() bool { return blocked.Load() > 0 })
+	testwait.Until(t, "the move's copy to be held", testwait.Hang, func() bool { return blocked.Load() > 0 })
 	e.maker.quietFor.Store(0)
 	e.spareRoom() // the maker wakes and finds the copy in flight
-	testwait.Until(t, "the maker to wait for the move", 10*time.Second, func() bool { return e.maker.waitedIdle.Load() > waited })
+	testwait.Until(t, "the maker to wait for the move", testwait.Hang, func() bool { return e.maker.waitedIdle.Load() > waited })
 	if st := e.Stats(); st.SparesMade != made {
 		t.Fatalf("%d spares made while a file moved between mounts", st.SparesMade-made)
 	}
@@ -824,7 +824,7 @@ func TestSparesAreMadeAheadAgainWhenAMoveFreesRoom(t *testing.T) {
 		t.Fatalf("move: %v", err)
 	}
 	// Not WaitSpares: it would wake the maker itself.
-	testwait.Until(t, "the moved file's room to be filled with a spare", 10*time.Second, func() bool {
+	testwait.Until(t, "the moved file's room to be filled with a spare", testwait.Hang, func() bool {
 		m := e.Stats().Mounts[0]
 		return m.Used == 0 && m.SpareFiles == 6
 	})

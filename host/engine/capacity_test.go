@@ -159,7 +159,7 @@ func TestFilesAnEvictionIsStillRemovingKeepTheirRoom(t *testing.T) {
 				return false
 			}
 		}
-		testwait.Until(t, fmt.Sprintf("store %d to end or wait for the eviction", i), 30*time.Second, func() bool { return done() || e.evictWaits.Load() > waits })
+		testwait.Until(t, fmt.Sprintf("store %d to end or wait for the eviction", i), testwait.Hang, func() bool { return done() || e.evictWaits.Load() > waits })
 		if e.evictWaits.Load() > waits {
 			break
 		}
@@ -453,7 +453,7 @@ func TestAnEvictionWithNoFileLeftDoesNotLockTheIndexToRetryOne(t *testing.T) {
 		e.retryLeft(e.mounts[0])
 		done.Store(true)
 	}()
-	testwait.Until(t, "retryLeft with no file left to return while the index is locked", 10*time.Second, done.Load)
+	testwait.Until(t, "retryLeft with no file left to return while the index is locked", testwait.Hang, done.Load)
 	unlock()
 }
 

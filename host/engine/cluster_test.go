@@ -196,7 +196,7 @@ func TestAStoreRefusedForLocalRoomBesideATwinNamesIt(t *testing.T) {
 	if n, _ := busy.e.Lookup(ctx, busy.ns, idleKeys); n != 2 {
 		t.Fatalf("the busy node finds %d of the idle node's 2 files", n)
 	}
-	testwait.Until(t, "the busy node finding its twin", 30*time.Second, busy.e.mounts[0].cluster.twinned.Load)
+	testwait.Until(t, "the busy node finding its twin", testwait.Hang, busy.e.mounts[0].cluster.twinned.Load)
 	for i := range 8 {
 		bl := []int{4 * (i % 16), 4*(i%16) + 1, 4*(i%16) + 2, 4*(i%16) + 3}
 		busy.c.fill(r, bl)
@@ -380,7 +380,7 @@ func TestClusterAdoptsADeadNodesFiles(t *testing.T) {
 	}
 	m := a.e.mounts[0]
 	adopted := func() bool { return (*m.cluster.dead.Load())[clustercap.Tag("d")] }
-	testwait.Until(t, "node A adopting node D after D's stop", 30*time.Second, adopted)
+	testwait.Until(t, "node A adopting node D after D's stop", testwait.Hang, adopted)
 	if got := a.e.Stats().Mounts[0].Entries; got < 3 {
 		t.Fatalf("node A indexes %d files after adopting D, want D's 3", got)
 	}
@@ -1121,11 +1121,11 @@ func TestClusterCloseStopsAnAdoptionWalkUnderWay(t *testing.T) {
 			}
 		}
 	}
-	testwait.Until(t, "A adopting dead node D and walking the mount", 30*time.Second, isClosed(entered))
+	testwait.Until(t, "A adopting dead node D and walking the mount", testwait.Hang, isClosed(entered))
 	stop := a.clusterRun.ctx.Done()
 	closed := make(chan error, 1)
 	go func() { closed <- a.Close(context.Background()) }()
-	testwait.Until(t, "A's Close stopping its cluster loop", 30*time.Second, isClosed(stop))
+	testwait.Until(t, "A's Close stopping its cluster loop", testwait.Hang, isClosed(stop))
 	released.Store(true)
 	close(release)
 	if err := <-closed; err != nil {
@@ -1230,7 +1230,7 @@ func TestClusterNeverRetiresADeadNodeWhoseFileAFailedStoreHeld(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	testwait.Until(t, "A's store holding the path of D's file", 30*time.Second, func() bool {
+	testwait.Until(t, "A's store holding the path of D's file", testwait.Hang, func() bool {
 		select {
 		case <-entered:
 			return true

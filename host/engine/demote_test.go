@@ -137,7 +137,7 @@ func TestTieredDemotesAndPromotes(t *testing.T) {
 			// Every key was loaded once: the oldest one, on the cold mount, is
 			// loaded once more and promoted at the next tick.
 			loadAndCompare(t, e, c, keys[:1], into, want[:1])
-			testwait.Until(t, "the promotion of the oldest key", 30*time.Second, func() bool { return keyMount(e, ns, keys[0]) == 0 && e.TierStats().Moves > 0 })
+			testwait.Until(t, "the promotion of the oldest key", testwait.Hang, func() bool { return keyMount(e, ns, keys[0]) == 0 && e.TierStats().Moves > 0 })
 			if ts := e.TierStats(); ts.Ticks == 0 || ts.MountUpdates < 2 || ts.Promotions == 0 {
 				t.Errorf("tier stats %+v: want ticks, several mount updates and a promotion", ts)
 			}
@@ -534,7 +534,7 @@ func TestMountDescriptions(t *testing.T) {
 	}
 	c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
 	storeAndCheck(t, e, c, testKeys("desc", 1), [][]int{{0, 1, 2, 3}})
-	testwait.Until(t, "a mount update with the stored file", 30*time.Second, func() bool {
+	testwait.Until(t, "a mount update with the stored file", testwait.Hang, func() bool {
 		l := pol.last()
 		return len(l) == 2 && l[0].Entries+l[1].Entries == 1 && l[0].Used+l[1].Used == uint64(fileLen)
 	})

@@ -162,7 +162,7 @@ func TestRestartHoldEnds(t *testing.T) {
 	f.e.hold.timer.Reset(time.Millisecond) // the hour is up
 	// HeldFound drops before the release tells the policy (Stats waits
 	// for no policy call): wait for both.
-	testwait.Until(t, "the restart hold to end and the policy to be told", 10*time.Second, func() bool {
+	testwait.Until(t, "the restart hold to end and the policy to be told", testwait.Hang, func() bool {
 		return f.e.HeldFound() == 0 && f.pol.policyPins() == 0
 	})
 	for i := found; i < len(f.keys); i++ {

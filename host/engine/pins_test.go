@@ -110,7 +110,7 @@ func TestPinLeaseEnds(t *testing.T) {
 	if id == 0 || !held[0] {
 		t.Fatalf("Pin = %d, %v", id, held)
 	}
-	testwait.Until(t, "the lease to end", 10*time.Second, func() bool { pins, _ := f.e.PinStats(); return pins == 0 })
+	testwait.Until(t, "the lease to end", testwait.Hang, func() bool { pins, _ := f.e.PinStats(); return pins == 0 })
 	if n := f.e.Unpin(context.Background(), id); n != 0 {
 		t.Fatalf("Unpin after the lease = %d, want 0", n)
 	}

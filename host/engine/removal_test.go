@@ -217,7 +217,7 @@ func TestEveryFileTheEngineRemovesIsForgottenByTheMoversFirst(t *testing.T) {
 				if err != nil {
 					t.Fatal(err)
 				}
-				testwait.Until(t, "the store's write to begin", 30*time.Second, func() bool { return env.mv.writes.Load() > 0 })
+				testwait.Until(t, "the store's write to begin", testwait.Hang, func() bool { return env.mv.writes.Load() > 0 })
 				j.Cancel()
 				res := waitJob(t, j, nil)
 				if k := res.Keys[0]; k.Outcome != OutcomeFailed || !errors.Is(k.Err, context.Canceled) {
@@ -305,7 +305,7 @@ func TestEveryFileTheEngineRemovesIsForgottenByTheMoversFirst(t *testing.T) {
 			}
 			env := openRemovalEnv(t, mnt, tc.write)
 			want := tc.act(t, env)
-			testwait.Until(t, fmt.Sprintf("%d removals", want), 30*time.Second, func() bool { return len(env.watch.seen()) >= want })
+			testwait.Until(t, fmt.Sprintf("%d removals", want), testwait.Hang, func() bool { return len(env.watch.seen()) >= want })
 			for _, r := range env.watch.seen() {
 				if !r.forgotten {
 					t.Errorf("%s (inode %d) was unlinked before the movers were told to forget it", filepath.Base(r.path), r.ino)

@@ -178,7 +178,7 @@ func TestWarmRegistersFilesFoundAtOpen(t *testing.T) {
 	const n = 3
 	storeHostFiles(t, dir, smallGeometry(true), n)
 	e := openEngine(t, Config{Mounts: []Mount{{Path: dir, IO: IOBuffered}}, Policy: newTestPolicy(1, 0), Movers: gpuMovers(mv)})
-	testwait.Until(t, "the files found at open registered", 10*time.Second, func() bool { return mv.FileStats().Files == n })
+	testwait.Until(t, "the files found at open registered", testwait.Hang, func() bool { return mv.FileStats().Files == n })
 	st := mv.FileStats()
 	if st.Warmed != n || st.Registered != n || st.Stores != 0 || st.Loads != 0 {
 		t.Errorf("registrar %+v: want %d files offered ahead of jobs and registered, no job", st, n)
@@ -220,7 +220,7 @@ func TestWarmAtOpenOffersTheMostRecentlyUsedFilesUpToTheBound(t *testing.T) {
 	}
 	idx.Close(ctx)
 	e := openEngine(t, Config{Mounts: []Mount{{Path: dir, IO: IOBuffered}}, Policy: newTestPolicy(1, 0), Movers: gpuMovers(mv)})
-	testwait.Until(t, "two files registered", 10*time.Second, func() bool { return mv.FileStats().Files == 2 })
+	testwait.Until(t, "two files registered", testwait.Hang, func() bool { return mv.FileStats().Files == 2 })
 	if st := mv.FileStats(); st.Warmed != 2 || st.Deferred != 0 {
 		t.Fatalf("registrar %+v: want 2 offers ahead of jobs, none deferred", st)
 	}
@@ -254,7 +254,7 @@ func TestWarmRegistersDiscoveredFileBeforeItsLoad(t *testing.T) {
 	if got, err := e.Lookup(ctx, ns, keys); err != nil || got != 2 {
 		t.Fatalf("lookup: %d, %v; want both keys found", got, err)
 	}
-	testwait.Until(t, "the discovered files registered", 10*time.Second, func() bool { return mv.FileStats().Files == 2 })
+	testwait.Until(t, "the discovered files registered", testwait.Hang, func() bool { return mv.FileStats().Files == 2 })
 	if st := mv.FileStats(); st.Warmed != 2 || st.Loads != 0 || st.Stores != 0 {
 		t.Fatalf("registrar %+v: want 2 files offered ahead of jobs, no job", st)
 	}
@@ -298,7 +298,7 @@ func TestWaitWarmedWaitsForTheOffersOfTheFilesFoundAtOpen(t *testing.T) {
 	e := openEngine(t, Config{Mounts: []Mount{{Path: dir, IO: IOBuffered}}, Policy: newTestPolicy(1, 0), Movers: movers})
 	release := sync.OnceFunc(func() { close(w.gate) })
 	t.Cleanup(release) // before the engine closes (cleanups run last-in first-out): its warmer must not stay held
-	testwait.Until(t, "the first file offered", 10*time.Second, func() bool { return w.calls.Load() >= 1 })
+	testwait.Until(t, "the first file offered", testwait.Hang, func() bool { return w.calls.Load() >= 1 })
 	ended, cancel := context.WithCancel(context.Background())
 	cancel()
 	if err := e.WaitWarmed(ended); !errors.Is(err, context.Canceled) {

@@ -6,7 +6,6 @@ import (
 	"os"
 	"path/filepath"
 	"testing"
-	"time"
 
 	"github.com/kvhost/kvhost/internal/fsys"
 	"github.com/kvhost/kvhost/internal/fsys/fsystest"
@@ -72,7 +71,7 @@ func TestWatchedHoldsEveryOperationInFlight(t *testing.T) {
 			hold.Arm(tc.op)
 			done := make(chan error, 1)
 			go func() { done <- tc.run(wfs, f) }()
-			testwait.Until(t, "the "+tc.name+" to be held", 10*time.Second, hold.Holding)
+			testwait.Until(t, "the "+tc.name+" to be held", testwait.Hang, hold.Holding)
 			if w.Oldest().IsZero() {
 				t.Errorf("a held %s is not in flight", tc.name)
 			}

@@ -19,7 +19,7 @@ import (
 // waitPins polls the engine until it holds want pins.
 func waitPins(t *testing.T, f *fixture, want int) {
 	t.Helper()
-	testwait.Until(t, fmt.Sprintf("the engine to hold %d pins", want), 10*time.Second, func() bool {
+	testwait.Until(t, fmt.Sprintf("the engine to hold %d pins", want), testwait.Hang, func() bool {
 		n, _ := f.eng.PinStats()
 		return n == want
 	})

@@ -51,7 +51,7 @@ func TestOnRequestSeesControlRequestsNotJobs(t *testing.T) {
 		protocol.TypeRegisterMemory: 1, protocol.TypeDeclare: 1, protocol.TypeRegisterCache: 1,
 		protocol.TypeLookup: 2, protocol.TypeStats: 1,
 	}
-	testwait.Until(t, "every reply observed", 10*time.Second, func() bool {
+	testwait.Until(t, "every reply observed", testwait.Hang, func() bool {
 		mu.Lock()
 		defer mu.Unlock()
 		return seen[protocol.TypeStats] == 1

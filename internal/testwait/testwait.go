@@ -8,6 +8,14 @@ import (
 	"time"
 )
 
+// Hang is the timeout of a wait that only catches a hang, the one to pass
+// Until unless a test has a reason for another. It is long: it costs
+// nothing when the condition comes, and background work (tickers,
+// sweeps, registrars) ran many times slower under the race detector on a
+// 2-core machine beside other builds, where bounds of 10 and 30 s failed
+// correct code.
+const Hang = 2 * time.Minute
+
 // Until polls cond, starting every 100 µs and backing off to every 20 ms,
 // until it holds; it fails the test naming what was awaited if timeout
 // passes first.

@@ -147,7 +147,7 @@ func registeredFile(t *testing.T, cfg Config) (*env, *Mover, *cache, [][]byte, m
 	e, m, kv, orig, host := filesSetup(t, cfg)
 	kf := newKeyFile(t, kv, t.TempDir(), "key", 1)
 	store(t, e, m, kv, kf, host, orig)
-	testwait.Until(t, "the file registered", 10*time.Second, func() bool { return m.FileStats().Files == 1 })
+	testwait.Until(t, "the file registered", testwait.Hang, func() bool { return m.FileStats().Files == 1 })
 	return e, m, kv, orig, host, kf
 }
 
@@ -190,7 +190,7 @@ func TestRegisteredFilesMoveDirectlyFromTheSecondJob(t *testing.T) {
 
 	regs := e.fake.Count(cudatest.OpHostRegister)
 	store(t, e, m, kv, kf, host, orig)
-	testwait.Until(t, "the file registered", 10*time.Second, func() bool { return m.FileStats().Files == 1 })
+	testwait.Until(t, "the file registered", testwait.Hang, func() bool { return m.FileStats().Files == 1 })
 	if st := m.FileStats(); st.Stores != 0 || st.Loads != 0 || st.Registered != 1 || st.Bytes != kf.p.End() {
 		t.Fatalf("after the first jobs: %+v; want no direct jobs, 1 registered file of %d bytes", st, kf.p.End())
 	}
@@ -214,7 +214,7 @@ func TestRegisteredFilesMoveDirectlyFromTheSecondJob(t *testing.T) {
 	release()
 
 	m.Forget(kf.id.FileID)
-	testwait.Until(t, "the forgotten file released", 10*time.Second, func() bool { return m.FileStats().Released == 1 })
+	testwait.Until(t, "the forgotten file released", testwait.Hang, func() bool { return m.FileStats().Released == 1 })
 	if st := m.FileStats(); st.Files != 0 || st.Bytes != 0 {
 		t.Fatalf("after Forget: %+v; want no file", st)
 	}
@@ -222,7 +222,7 @@ func TestRegisteredFilesMoveDirectlyFromTheSecondJob(t *testing.T) {
 	if st := m.FileStats(); st.Stores != 1 {
 		t.Fatalf("after Forget the store went direct: %+v", st)
 	}
-	testwait.Until(t, "the file registered again after its next job", 10*time.Second, func() bool { return m.FileStats().Registered == 2 })
+	testwait.Until(t, "the file registered again after its next job", testwait.Hang, func() bool { return m.FileStats().Registered == 2 })
 }
 
 // TestPreparedFilesAreRegisteredBeforeTheirFirstStore: a file the engine
@@ -233,7 +233,7 @@ func TestPreparedFilesAreRegisteredBeforeTheirFirstStore(t *testing.T) {
 	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, Copy: cuda.CopyBatch, RegisterFiles: 4})
 	kf := newKeyFile(t, kv, t.TempDir(), "made-ahead", 1)
 	m.Prepare(kf.f)
-	testwait.Until(t, "the prepared file registered", 10*time.Second, func() bool { return m.FileStats().Files == 1 })
+	testwait.Until(t, "the prepared file registered", testwait.Hang, func() bool { return m.FileStats().Files == 1 })
 	release := holdAllBuffers(m) // direct jobs need none
 	roundTrip(t, e, m, kv, kf, host, orig)
 	release()
@@ -292,11 +292,11 @@ func TestRegisteredFilesUnlinkedAreReleased(t *testing.T) {
 	kept, gone := newKeyFile(t, kv, dir, "kept", 1), newKeyFile(t, kv, dir, "gone", 2)
 	roundTrip(t, e, m, kv, kept, host, orig)
 	roundTrip(t, e, m, kv, gone, host, orig)
-	testwait.Until(t, "both files registered", 10*time.Second, func() bool { return m.FileStats().Files == 2 })
+	testwait.Until(t, "both files registered", testwait.Hang, func() bool { return m.FileStats().Files == 2 })
 	if err := os.Remove(gone.path); err != nil {
 		t.Fatal(err)
 	}
-	testwait.Until(t, "the unlinked file released by the registrar's sweep", 10*time.Second, func() bool { return m.FileStats().Released == 1 })
+	testwait.Until(t, "the unlinked file released by the registrar's sweep", testwait.Hang, func() bool { return m.FileStats().Released == 1 })
 	if m.files.acquire(gone.id, 1) != nil {
 		t.Fatal("the unlinked file is still handed to jobs")
 	}
@@ -317,14 +317,14 @@ func TestRegisteredFilesKeepTheMostRecentlyUsed(t *testing.T) {
 	a, b, c := newKeyFile(t, kv, dir, "a", 1), newKeyFile(t, kv, dir, "b", 2), newKeyFile(t, kv, dir, "c", 3)
 	roundTrip(t, e, m, kv, a, host, orig)
 	roundTrip(t, e, m, kv, b, host, orig)
-	testwait.Until(t, "a and b registered", 10*time.Second, func() bool { return m.FileStats().Registered == 2 })
+	testwait.Until(t, "a and b registered", testwait.Hang, func() bool { return m.FileStats().Registered == 2 })
 	roundTrip(t, e, m, kv, a, host, orig) // a is now the most recently used
 
 	// Both in recent use: c's store's offer is deferred (its first at the
 	// bound), its load's is admitted and then declined for want of an
 	// idle file to replace.
 	roundTrip(t, e, m, kv, c, host, orig)
-	testwait.Until(t, "c's offer handled", 10*time.Second, func() bool {
+	testwait.Until(t, "c's offer handled", testwait.Hang, func() bool {
 		m.files.mu.Lock()
 		defer m.files.mu.Unlock()
 		_, queued := m.files.queued[c.id.key()]
@@ -338,7 +338,7 @@ func TestRegisteredFilesKeepTheMostRecentlyUsed(t *testing.T) {
 	m.files.minIdle = 0
 	m.files.mu.Unlock()
 	roundTrip(t, e, m, kv, c, host, orig)
-	testwait.Until(t, "c registered", 10*time.Second, func() bool { return m.FileStats().Registered == 3 })
+	testwait.Until(t, "c registered", testwait.Hang, func() bool { return m.FileStats().Registered == 3 })
 	for _, x := range []struct {
 		kf   *keyFile
 		want bool
@@ -364,15 +364,15 @@ func TestRegisteredFilesStayWithinTheByteLimit(t *testing.T) {
 	dir := t.TempDir()
 	a, b, c := newKeyFile(t, kv, dir, "a", 1), newKeyFile(t, kv, dir, "b", 2), newKeyFile(t, kv, dir, "c", 3)
 	roundTrip(t, e, m, kv, a, host, orig)
-	testwait.Until(t, "a registered", 10*time.Second, func() bool { return m.FileStats().Registered == 1 })
+	testwait.Until(t, "a registered", testwait.Hang, func() bool { return m.FileStats().Registered == 1 })
 	size := m.FileStats().Bytes
 	m.files.mu.Lock()
 	m.files.limitBytes, m.files.minIdle = 2*size, 0 // two files' worth, far below the count
 	m.files.mu.Unlock()
 	roundTrip(t, e, m, kv, b, host, orig)
-	testwait.Until(t, "b registered", 10*time.Second, func() bool { return m.FileStats().Registered == 2 })
+	testwait.Until(t, "b registered", testwait.Hang, func() bool { return m.FileStats().Registered == 2 })
 	roundTrip(t, e, m, kv, c, host, orig)
-	testwait.Until(t, "c registered", 10*time.Second, func() bool { return m.FileStats().Registered == 3 })
+	testwait.Until(t, "c registered", testwait.Hang, func() bool { return m.FileStats().Registered == 3 })
 	if st := m.FileStats(); st.Files != 2 || st.Bytes != 2*size || st.Released != 1 {
 		t.Fatalf("after a third file at a two-file byte limit: %+v; want 2 files, %d bytes, 1 released", st, 2*size)
 	}
@@ -398,7 +398,7 @@ func TestRegisteredFilesMakeRoomWithSeveralIdleFiles(t *testing.T) {
 	dir := t.TempDir()
 	a, b, c := newKeyFile(t, kv, dir, "a", 1), newKeyFile(t, kv, dir, "b", 2), newKeyFile(t, kv, dir, "c", 3)
 	roundTrip(t, e, m, kv, a, host, orig)
-	testwait.Until(t, "a registered", 10*time.Second, func() bool { return m.FileStats().Registered == 1 })
+	testwait.Until(t, "a registered", testwait.Hang, func() bool { return m.FileStats().Registered == 1 })
 	size := m.FileStats().Bytes
 	if err := c.f.Allocate(2 * size); err != nil { // c is twice as large as a and b
 		t.Fatal(err)
@@ -411,9 +411,9 @@ func TestRegisteredFilesMakeRoomWithSeveralIdleFiles(t *testing.T) {
 	m.files.limitBytes, m.files.minIdle = 2*size, 0 // two of a's size, far below the count
 	m.files.mu.Unlock()
 	roundTrip(t, e, m, kv, b, host, orig)
-	testwait.Until(t, "b registered", 10*time.Second, func() bool { return m.FileStats().Registered == 2 })
+	testwait.Until(t, "b registered", testwait.Hang, func() bool { return m.FileStats().Registered == 2 })
 	roundTrip(t, e, m, kv, c, host, orig)
-	testwait.Until(t, "c registered in a and b's place", 10*time.Second, func() bool { return m.FileStats().Registered == 3 })
+	testwait.Until(t, "c registered in a and b's place", testwait.Hang, func() bool { return m.FileStats().Registered == 3 })
 	if st := m.FileStats(); st.Files != 1 || st.Bytes != 2*size || st.Released != 2 {
 		t.Fatalf("after a file of two at a limit of two: %+v; want 1 file, %d bytes, 2 released", st, 2*size)
 	}
@@ -439,13 +439,13 @@ func TestRegisteredFilesFailedRegistrationLeavesTheStagedPath(t *testing.T) {
 	kf := newKeyFile(t, kv, t.TempDir(), "key", 1)
 	e.fake.Fail(cudatest.OpHostRegister, 1, 2) // cudaErrorMemoryAllocation
 	store(t, e, m, kv, kf, host, orig)
-	testwait.Until(t, "the registration failed", 10*time.Second, func() bool { return m.FileStats().Failed == 1 })
+	testwait.Until(t, "the registration failed", testwait.Hang, func() bool { return m.FileStats().Failed == 1 })
 	load(t, e, m, kv, kf, host, orig)
 	if st := m.FileStats(); st.Stores+st.Loads != 0 {
 		t.Fatalf("after a failed registration: %+v", st)
 	}
 	store(t, e, m, kv, kf, host, orig) // offered again by both jobs
-	testwait.Until(t, "the file registered on its second offer", 10*time.Second, func() bool { return m.FileStats().Files == 1 })
+	testwait.Until(t, "the file registered on its second offer", testwait.Hang, func() bool { return m.FileStats().Files == 1 })
 }
 
 // TestRegisteredFilesOnlyOnMemoryFileSystems: files the plan does not
@@ -557,9 +557,9 @@ func TestRegisteredFilesResizedOrReplacedAreDropped(t *testing.T) {
 	if m.files.acquire(other, 1) != nil {
 		t.Fatal("a file with another handle got the registered mapping")
 	}
-	testwait.Until(t, "the mapping released", 10*time.Second, func() bool { return m.FileStats().Released == 1 })
+	testwait.Until(t, "the mapping released", testwait.Hang, func() bool { return m.FileStats().Released == 1 })
 	store(t, e, m, kv, kf, host, orig)
-	testwait.Until(t, "the file registered again", 10*time.Second, func() bool { return m.FileStats().Files == 1 })
+	testwait.Until(t, "the file registered again", testwait.Hang, func() bool { return m.FileStats().Files == 1 })
 
 	if err := os.Truncate(kf.path, kf.p.End()+2*align); err != nil {
 		t.Fatal(err)
@@ -578,7 +578,7 @@ func TestRegisteredFilesResizedOrReplacedAreDropped(t *testing.T) {
 func TestRegisteredFilesCloseReleasesEveryFile(t *testing.T) {
 	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, RegisterFiles: 4})
 	a := storeKeyFiles(t, e, m, kv, 2, host, orig)[0]
-	testwait.Until(t, "both files registered", 10*time.Second, func() bool { return m.FileStats().Files == 2 })
+	testwait.Until(t, "both files registered", testwait.Hang, func() bool { return m.FileStats().Files == 2 })
 	before := openDescriptors(t)
 	if err := m.Close(); err != nil {
 		t.Fatal(err)
@@ -610,7 +610,7 @@ func TestRegisteredFilesDirectStoreZeroesTheBlockTail(t *testing.T) {
 	kf.p.Direct = true
 	end := kf.p.End()
 	store(t, e, m, kv, kf, host, orig)
-	testwait.Until(t, "the file registered", 10*time.Second, func() bool { return m.FileStats().Files == 1 })
+	testwait.Until(t, "the file registered", testwait.Hang, func() bool { return m.FileStats().Files == 1 })
 	if _, err := kf.f.WriteAt(bytes.Repeat([]byte{0xEE}, 100), end); err != nil {
 		t.Fatal(err)
 	}
@@ -639,7 +639,7 @@ func TestRegisteredFilesAtTheBoundAdmitOnlyASecondOffer(t *testing.T) {
 	dir := t.TempDir()
 	a, b := newKeyFile(t, kv, dir, "a", 1), newKeyFile(t, kv, dir, "b", 2)
 	store(t, e, m, kv, a, host, orig)
-	testwait.Until(t, "a registered", 10*time.Second, func() bool { return m.FileStats().Registered == 1 })
+	testwait.Until(t, "a registered", testwait.Hang, func() bool { return m.FileStats().Registered == 1 })
 	regs := e.fake.Count(cudatest.OpHostRegister)
 	store(t, e, m, kv, b, host, orig)
 	if st := m.FileStats(); st.Deferred != 1 {
@@ -652,7 +652,7 @@ func TestRegisteredFilesAtTheBoundAdmitOnlyASecondOffer(t *testing.T) {
 		t.Fatalf("b's first offer at the bound was queued (%d) or registered", queued)
 	}
 	store(t, e, m, kv, b, host, orig)
-	testwait.Until(t, "b registered at its second offer", 10*time.Second, func() bool { return m.FileStats().Registered == 2 })
+	testwait.Until(t, "b registered at its second offer", testwait.Hang, func() bool { return m.FileStats().Registered == 2 })
 	if m.files.acquire(a.id, 1) != nil {
 		t.Fatal("a is still registered beside b with a bound of one file")
 	}
@@ -700,20 +700,20 @@ func storeKeyFiles(t *testing.T, e *env, m *Mover, kv *cache, n int, host map[re
 func TestRegisteredFilesTwoRegistrarsKeepTheBound(t *testing.T) {
 	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, RegisterFiles: 8, Registrars: 2})
 	storeKeyFiles(t, e, m, kv, 1, host, orig)
-	testwait.Until(t, "the first file registered", 10*time.Second, func() bool { return m.FileStats().Registered == 1 })
+	testwait.Until(t, "the first file registered", testwait.Hang, func() bool { return m.FileStats().Registered == 1 })
 	size := m.FileStats().Bytes
 	m.files.mu.Lock()
 	m.files.limitBytes = 2 * size // room for one more
 	m.files.mu.Unlock()
 	release := holdRegistrations(t, e)
 	storeKeyFiles(t, e, m, kv, 2, host, orig)
-	testwait.Until(t, "one registration held and the other offer declined", 10*time.Second, func() bool {
+	testwait.Until(t, "one registration held and the other offer declined", testwait.Hang, func() bool {
 		m.files.mu.Lock()
 		defer m.files.mu.Unlock()
 		return e.fake.WaitingRegistrations() == 1 && len(m.files.queued) == 1
 	})
 	release()
-	testwait.Until(t, "the held registration done", 10*time.Second, func() bool { return m.FileStats().Registered == 2 })
+	testwait.Until(t, "the held registration done", testwait.Hang, func() bool { return m.FileStats().Registered == 2 })
 	if st := m.FileStats(); st.Files != 2 || st.Bytes > 2*size {
 		t.Fatalf("%+v: want two files within %d bytes", st, 2*size)
 	}
@@ -733,11 +733,11 @@ func TestIdleRegistrarsRegisterOnlyWhileNoJobRuns(t *testing.T) {
 			m.act.end()
 		}
 	}()
-	testwait.Until(t, "the idle registrar waiting for the mover to fall idle", 10*time.Second, func() bool {
+	testwait.Until(t, "the idle registrar waiting for the mover to fall idle", testwait.Hang, func() bool {
 		return m.files.idleParked.Load() == 1
 	})
 	storeKeyFiles(t, e, m, kv, 3, host, orig)
-	testwait.Until(t, "the registrar holding the first file", 10*time.Second, func() bool {
+	testwait.Until(t, "the registrar holding the first file", testwait.Hang, func() bool {
 		return e.fake.WaitingRegistrations() == 1
 	})
 	if n, q, parked := e.fake.WaitingRegistrations(), m.FileStats().Queued, m.files.idleParked.Load(); n != 1 || q != 3 || parked != 1 {
@@ -745,11 +745,11 @@ func TestIdleRegistrarsRegisterOnlyWhileNoJobRuns(t *testing.T) {
 	}
 	m.act.end()
 	ended = true
-	testwait.Until(t, "the idle registrar registering a second file beside the registrar", 10*time.Second, func() bool {
+	testwait.Until(t, "the idle registrar registering a second file beside the registrar", testwait.Hang, func() bool {
 		return e.fake.WaitingRegistrations() == 2
 	})
 	release()
-	testwait.Until(t, "every file registered", 10*time.Second, func() bool { return m.FileStats().Registered == 3 })
+	testwait.Until(t, "every file registered", testwait.Hang, func() bool { return m.FileStats().Registered == 3 })
 	if st := m.FileStats(); st.Files != 3 || st.Queued != 0 {
 		t.Fatalf("%+v: want the three files registered, none queued", st)
 	}
@@ -769,18 +769,18 @@ func TestIdleRegistrarsLeaveAnOfferTakenAsAJobStartsToTheRegistrar(t *testing.T)
 		}
 	}
 	storeKeyFiles(t, e, m, kv, 2, host, orig)
-	testwait.Until(t, "the idle registrar back to waiting, its offer put back, the registrar holding a file", 10*time.Second, func() bool {
+	testwait.Until(t, "the idle registrar back to waiting, its offer put back, the registrar holding a file", testwait.Hang, func() bool {
 		return took.Load() == 1 && m.files.idleParked.Load() == 1 && e.fake.WaitingRegistrations() == 1 && len(m.files.offers) == 1
 	})
 	if q := m.FileStats().Queued; q != 2 {
 		t.Fatalf("%d files queued or in registration with the job running, want 2", q)
 	}
 	m.act.end()
-	testwait.Until(t, "the idle registrar registering the offer it put back", 10*time.Second, func() bool {
+	testwait.Until(t, "the idle registrar registering the offer it put back", testwait.Hang, func() bool {
 		return took.Load() == 2 && e.fake.WaitingRegistrations() == 2
 	})
 	release()
-	testwait.Until(t, "both files registered", 10*time.Second, func() bool { return m.FileStats().Registered == 2 })
+	testwait.Until(t, "both files registered", testwait.Hang, func() bool { return m.FileStats().Registered == 2 })
 }
 
 // TestRegisteredFilesABurstOfStoresIsRegisteredWhole: a burst of stores
@@ -793,14 +793,14 @@ func TestRegisteredFilesABurstOfStoresIsRegisteredWhole(t *testing.T) {
 	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, RegisterFiles: 2 * burst, Registrars: 1})
 	release := holdRegistrations(t, e)
 	kfs := storeKeyFiles(t, e, m, kv, burst, host, orig)
-	testwait.Until(t, "the registrar waiting in its first registration", 10*time.Second, func() bool {
+	testwait.Until(t, "the registrar waiting in its first registration", testwait.Hang, func() bool {
 		return e.fake.WaitingRegistrations() == 1
 	})
 	if queued := m.FileStats().Queued; queued != burst {
 		t.Fatalf("%d of the burst's %d files queued or in registration, want all", queued, burst)
 	}
 	release()
-	testwait.Until(t, "the burst registered", 30*time.Second, func() bool { return m.FileStats().Registered == burst })
+	testwait.Until(t, "the burst registered", testwait.Hang, func() bool { return m.FileStats().Registered == burst })
 	if queued := m.FileStats().Queued; queued != 0 {
 		t.Fatalf("%d files still queued after the burst was registered", queued)
 	}
@@ -821,7 +821,7 @@ func TestRegisteredFilesForgottenWhileQueuedGiveTheirDescriptorsBackAtOnce(t *te
 	e, m, kv, orig, host := filesSetup(t, Config{Devices: []int{0}, MaxStaging: 16 << 20, RegisterFiles: 8, Registrars: 1})
 	release := holdRegistrations(t, e)
 	kfs := storeKeyFiles(t, e, m, kv, 3, host, orig)
-	testwait.Until(t, "the registrar holding the first file", 10*time.Second, func() bool {
+	testwait.Until(t, "the registrar holding the first file", testwait.Hang, func() bool {
 		return e.fake.WaitingRegistrations() == 1
 	})
 	if q := m.FileStats().Queued; q != 3 {
@@ -835,7 +835,7 @@ func TestRegisteredFilesForgottenWhileQueuedGiveTheirDescriptorsBackAtOnce(t *te
 		t.Fatalf("Forget closed %d descriptors while the registrar held its file, want the two waiting offers'", n)
 	}
 	release()
-	testwait.Until(t, "the taken file registered and released", 10*time.Second, func() bool {
+	testwait.Until(t, "the taken file registered and released", testwait.Hang, func() bool {
 		st := m.FileStats()
 		return st.Registered == 1 && st.Released == 1 && st.Queued == 0
 	})
@@ -904,7 +904,7 @@ func TestRegisteredFilesANewFileWithAForgottenFilesInodeNumberIsOffered(t *testi
 	if st := m.FileStats(); st.Queued+st.Files != 1 {
 		t.Fatalf("after a job on the new file: %+v; want the new file offered", st)
 	}
-	testwait.Until(t, "the new file registered", 10*time.Second, func() bool { return m.FileStats().Files == 1 })
+	testwait.Until(t, "the new file registered", testwait.Hang, func() bool { return m.FileStats().Files == 1 })
 	m.files.endExpected(old) // the forgotten file's job ends
 	if rf := m.files.acquire(kf.id, 1); rf == nil {
 		t.Fatal("the new file's registration was not handed to its job")
@@ -925,7 +925,7 @@ func TestRegisteredFilesARegistrarWithoutItsDeviceRefusesEveryOffer(t *testing.T
 	t.Cleanup(func() { e.fake.BreakDevice(1, 0) }) // the library is the binary's
 	g := newFiles(m, 4, 0, 1, 0, 1, nil)           // on device 1, which fails every call
 	t.Cleanup(g.close)
-	testwait.Until(t, "the registrar off", 10*time.Second, func() bool { return g.stats().Limit == 0 })
+	testwait.Until(t, "the registrar off", testwait.Hang, func() bool { return g.stats().Limit == 0 })
 	kf := newKeyFile(t, kv, t.TempDir(), "key", 1)
 	before := openDescriptors(t)
 	for range 2 { // a file's jobs offer it again and again
@@ -1126,14 +1126,14 @@ func TestRegisteredFilesWaitForJobsThroughThePinnedBuffers(t *testing.T) {
 			dir := t.TempDir()
 			_, release := heldJob(t, m, kv, dir, true, tc.write)
 			store(t, e, m, kv, newKeyFile(t, kv, dir, "key", 1), host, orig)
-			testwait.Until(t, "the registrar waiting for the held job", 10*time.Second, func() bool { return m.FileStats().Waits == 1 })
+			testwait.Until(t, "the registrar waiting for the held job", testwait.Hang, func() bool { return m.FileStats().Waits == 1 })
 			if st := m.FileStats(); e.fake.Count(cudatest.OpHostRegister) != 0 || st.Files != 0 || st.Queued != 1 {
 				t.Fatalf("%+v, %d registrations while the job runs; want the offer queued and nothing registered", st, e.fake.Count(cudatest.OpHostRegister))
 			}
 			if err := release(); err != nil {
 				t.Fatal(err)
 			}
-			testwait.Until(t, "both files registered once the job ended", 10*time.Second, func() bool { return m.FileStats().Files == 2 })
+			testwait.Until(t, "both files registered once the job ended", testwait.Hang, func() bool { return m.FileStats().Files == 2 })
 			if st := m.FileStats(); st.Waited <= 0 || st.Waits != 1 {
 				t.Fatalf("%+v: want one wait of some time", st)
 			}
@@ -1151,7 +1151,7 @@ func TestRegisteredFilesAreRegisteredBesideStoresThatNeverEnd(t *testing.T) {
 	release := heldStore(t, m, kv, dir, true)
 	kf := newKeyFile(t, kv, dir, "key", 1)
 	store(t, e, m, kv, kf, host, orig)
-	testwait.Until(t, "the file registered while the store runs", 10*time.Second, func() bool { return m.FileStats().Files == 1 })
+	testwait.Until(t, "the file registered while the store runs", testwait.Hang, func() bool { return m.FileStats().Files == 1 })
 	if st := m.FileStats(); st.Waits != 1 {
 		t.Fatalf("%+v: want the registration to have waited once", st)
 	}
@@ -1174,7 +1174,7 @@ func TestRegisteredFilesDoNotWaitForStoresToDisks(t *testing.T) {
 	dir := t.TempDir()
 	release := heldStore(t, m, kv, dir, false)
 	store(t, e, m, kv, newKeyFile(t, kv, dir, "key", 1), host, orig)
-	testwait.Until(t, "the file registered beside the store to a disk", 10*time.Second, func() bool { return m.FileStats().Files == 1 })
+	testwait.Until(t, "the file registered beside the store to a disk", testwait.Hang, func() bool { return m.FileStats().Files == 1 })
 	if st := m.FileStats(); st.Waits != 0 {
 		t.Fatalf("%+v: want no wait", st)
 	}
@@ -1197,14 +1197,14 @@ func TestRegisteredFilesForgottenOffersCostNoWait(t *testing.T) {
 	dir := t.TempDir()
 	first := newKeyFile(t, kv, dir, "first", 1)
 	store(t, e, m, kv, first, host, orig)
-	testwait.Until(t, "the registrar in the first registration", 10*time.Second, func() bool { return e.fake.WaitingRegistrations() == 1 })
+	testwait.Until(t, "the registrar in the first registration", testwait.Hang, func() bool { return e.fake.WaitingRegistrations() == 1 })
 	kfs := storeKeyFiles(t, e, m, kv, 3, host, orig)
 	for _, kf := range kfs {
 		m.Forget(kf.id.FileID)
 	}
 	store(t, e, m, kv, newKeyFile(t, kv, dir, "last", 9), host, orig) // queued behind the forgotten ones
 	release()
-	testwait.Until(t, "the first and last files registered", 10*time.Second, func() bool { return m.FileStats().Files == 2 })
+	testwait.Until(t, "the first and last files registered", testwait.Hang, func() bool { return m.FileStats().Files == 2 })
 	if st := m.FileStats(); st.Waits != 2 || st.Registered != 2 {
 		t.Fatalf("%+v: want two waits (the first and the last offer's) and two registrations", st)
 	}
@@ -1222,9 +1222,9 @@ func TestRegisteredFilesAFailedRegistrationDoesNotShortenTheWait(t *testing.T) {
 	e.fake.Fail(cudatest.OpHostRegister, 1, 2) // cudaErrorMemoryAllocation
 	dir := t.TempDir()
 	store(t, e, m, kv, newKeyFile(t, kv, dir, "a", 1), host, orig)
-	testwait.Until(t, "the first registration failed", 10*time.Second, func() bool { return m.FileStats().Failed == 1 })
+	testwait.Until(t, "the first registration failed", testwait.Hang, func() bool { return m.FileStats().Failed == 1 })
 	store(t, e, m, kv, newKeyFile(t, kv, dir, "b", 2), host, orig)
-	testwait.Until(t, "the second file registered", 10*time.Second, func() bool { return m.FileStats().Files == 1 })
+	testwait.Until(t, "the second file registered", testwait.Hang, func() bool { return m.FileStats().Files == 1 })
 	// Each wait ran to its timer (the store never ends), which never fires early.
 	if st, want := m.FileStats(), 2*(streamShare-1)*lastReg; st.Waits != 2 || st.Waited < want {
 		t.Fatalf("%+v: want two waits of %v in all at least", st, want)
@@ -1240,7 +1240,7 @@ func TestRegisteredFilesCloseEndsTheRegistrarsWait(t *testing.T) {
 	m.files.lastReg.Store(int64(time.Hour))
 	m.files.beginStream() // counted, and never ended before the close
 	store(t, e, m, kv, newKeyFile(t, kv, t.TempDir(), "key", 1), host, orig)
-	testwait.Until(t, "the registrar waiting", 10*time.Second, func() bool { return m.FileStats().Waits == 1 })
+	testwait.Until(t, "the registrar waiting", testwait.Hang, func() bool { return m.FileStats().Waits == 1 })
 	before := openDescriptors(t)
 	closed := make(chan error, 1)
 	go func() { closed <- m.Close() }()
