@@ -82,8 +82,12 @@ fuzz: wasm
 
 # KVHOST_REQUIRE_FAKES: the tests of the CUDA and cuFile loading paths
 # fail, rather than skip, where their fake libraries cannot be built.
+# -timeout 30m: go test's 10 minutes per package is a hang guard, and a
+# loaded 2-core machine runs the race-detector tests several times slower
+# (cmd/kvhost: 156 s alone, 263 s beside three busy loops); its waits for
+# a daemon are hang guards of 5 minutes, which must end inside it.
 test: tools build wasm lint
-	KVHOST_REQUIRE_FAKES=1 $(GO) test -race -count=1 ./...
+	KVHOST_REQUIRE_FAKES=1 $(GO) test -race -count=1 -timeout 30m ./...
 	$(MAKE) --no-print-directory test-cluster-bounded
 	$(MAKE) --no-print-directory test-python
 	$(MAKE) --no-print-directory fuzz
