@@ -115,7 +115,7 @@ func startDaemonArgs(t *testing.T, socket string, args ...string) *daemon {
 		}
 	case <-d.exited:
 		t.Fatalf("daemon exited: %v\n%s", d.err, d.log)
-	case <-time.After(30 * time.Second):
+	case <-time.After(testwait.Hang):
 		t.Fatalf("daemon did not start\n%s", d.log)
 	}
 	return d
@@ -127,7 +127,7 @@ func (d *daemon) stop(t *testing.T) {
 	d.cmd.Process.Signal(syscall.SIGTERM)
 	select {
 	case <-d.exited:
-	case <-time.After(30 * time.Second):
+	case <-time.After(testwait.Hang):
 		t.Fatal("daemon did not stop after SIGTERM")
 	}
 	if d.err != nil {
@@ -148,7 +148,7 @@ func (l *lockedWriter) Write(p []byte) (int, error) {
 
 func dial(t testing.TB, socket string) *client.Client {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Hang)
 	defer cancel()
 	c, err := client.Dial(ctx, socket, t.Name())
 	if err != nil {
@@ -564,7 +564,7 @@ func TestDefaultCommand(t *testing.T) {
 	d.cmd.Process.Signal(os.Interrupt)
 	select {
 	case <-d.exited:
-	case <-time.After(30 * time.Second):
+	case <-time.After(testwait.Hang):
 		t.Fatal("no exit after SIGINT")
 	}
 	if d.err != nil {

@@ -101,10 +101,10 @@ func (f *aheadFixture) waitSpares(t *testing.T) {
 }
 
 // waitEngineSpares waits for e's maker to have nothing left to do, and
-// fails the test if that takes more than 30 s.
+// fails the test if that takes more than testwait.Hang.
 func waitEngineSpares(t *testing.T, e *Engine) {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Hang)
 	defer cancel()
 	if err := e.WaitSpares(ctx); err != nil {
 		t.Fatalf("wait for the spares made ahead: %v", err)
@@ -362,7 +362,7 @@ func TestWaitSparesReturnsOnceTheEngineIsClosed(t *testing.T) {
 	if err := f.e.Close(context.Background()); err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Hang)
 	defer cancel()
 	if err := f.e.WaitSpares(ctx); err != nil {
 		t.Fatalf("WaitSpares after Close: %v", err)

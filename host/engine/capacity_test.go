@@ -141,7 +141,7 @@ func TestFilesAnEvictionIsStillRemovingKeepTheirRoom(t *testing.T) {
 	jobs := []*Job{store(18)} // crosses the high watermark: evicts 13 files, whose removals are held
 	select {
 	case <-inj.started:
-	case <-time.After(30 * time.Second):
+	case <-time.After(testwait.Hang):
 		t.Fatal("the eviction never began to remove its files")
 	}
 	// More stores while the files are still there: each either ends
@@ -631,7 +631,7 @@ func TestAnEvictionEvictsForItsOrphansOnlyWhatTheCapacityNeeds(t *testing.T) {
 			case <-reached:
 			case err := <-moved:
 				t.Fatalf("the move ended before its rename: %v", err)
-			case <-time.After(30 * time.Second):
+			case <-time.After(testwait.Hang):
 				t.Fatal("the move never reached its rename")
 			}
 			i := tc.before

@@ -24,6 +24,7 @@ import (
 	"github.com/kvhost/kvhost/internal/format"
 	"github.com/kvhost/kvhost/internal/fsys"
 	"github.com/kvhost/kvhost/internal/region"
+	"github.com/kvhost/kvhost/internal/testwait"
 	"github.com/kvhost/kvhost/internal/transfer"
 )
 
@@ -202,7 +203,7 @@ func TestALoadFailsWhenAnotherEngineReusesItsFileMidRead(t *testing.T) {
 	}
 	select {
 	case <-pause.reached:
-	case <-time.After(30 * time.Second):
+	case <-time.After(testwait.Hang):
 		t.Fatal("the load never read the payload through the file system seam")
 	}
 	reused := false

@@ -9,7 +9,6 @@ import (
 	"sync"
 	"sync/atomic"
 	"testing"
-	"time"
 	"unsafe"
 
 	"github.com/kvhost/kvhost/client"
@@ -19,6 +18,7 @@ import (
 	"github.com/kvhost/kvhost/internal/fsys"
 	"github.com/kvhost/kvhost/internal/region"
 	"github.com/kvhost/kvhost/internal/server"
+	"github.com/kvhost/kvhost/internal/testwait"
 	"github.com/kvhost/kvhost/internal/transfer"
 	"github.com/kvhost/kvhost/protocol"
 	staginggpu "github.com/kvhost/kvhost/staging/gpu"
@@ -231,7 +231,7 @@ func newGatedGPU(t *testing.T) (*gpu, *gateMover) {
 // publishes nothing.
 func TestGPUClientGoneMidJob(t *testing.T) {
 	g, gate := newGatedGPU(t)
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Hang)
 	defer cancel()
 	stay := g.dial(t)
 	kept := g.registerGPUCache(t, stay, 1)
@@ -290,7 +290,7 @@ func TestGPUClientGoneMidJob(t *testing.T) {
 // and gives the bytes back, and then the handle is refused as stale.
 func TestGPUClientFreesMemoryMidJob(t *testing.T) {
 	g, gate := newGatedGPU(t)
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Hang)
 	defer cancel()
 	stay := g.dial(t)
 	kept := g.registerGPUCache(t, stay, 1)
@@ -369,7 +369,7 @@ func TestGPUClientFreesMemoryMidJob(t *testing.T) {
 // round trips then succeed byte for byte.
 func TestGPUCopyFaultFailsItsJobAndTheDaemonKeepsServing(t *testing.T) {
 	g, _ := newGatedGPU(t)
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Hang)
 	defer cancel()
 	c := g.dial(t)
 	gc := g.registerGPUCache(t, c, 4)
@@ -422,7 +422,7 @@ func TestGPUCopyFaultFailsItsJobAndTheDaemonKeepsServing(t *testing.T) {
 // stop without hanging.
 func TestGPUBrokenForGoodFailsItsJobsWhileTheOtherServes(t *testing.T) {
 	g, gate := newGatedGPU(t)
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Hang)
 	defer cancel()
 	c := g.dial(t)
 	on0 := g.registerGPUCacheOn(t, c, 5, 0)

@@ -12,6 +12,7 @@ import (
 
 	"github.com/kvhost/kvhost/client"
 	"github.com/kvhost/kvhost/internal/server"
+	"github.com/kvhost/kvhost/internal/testwait"
 	"github.com/kvhost/kvhost/protocol"
 )
 
@@ -77,7 +78,7 @@ func (r *rawConn) closedWith() []*protocol.Error {
 func TestHandshakeBoundEvictsOldestSilent(t *testing.T) {
 	f := newFixture(t, server.Config{MaxHandshakes: 2, HandshakeTimeout: time.Hour})
 	first := f.raw(t)
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Hang)
 	defer cancel()
 	if err := f.srv.WaitSessions(ctx, 1); err != nil {
 		t.Fatal(err)
@@ -205,7 +206,7 @@ func TestClientThatDoesNotReadIsClosed(t *testing.T) {
 			break
 		}
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Hang)
 	defer cancel()
 	if err := f.srv.WaitSessions(ctx, 0); err != nil {
 		t.Fatalf("the session of a client that does not read was not ended: %v", err)

@@ -15,6 +15,7 @@ import (
 	"github.com/kvhost/kvhost/client"
 	"github.com/kvhost/kvhost/host/engine"
 	"github.com/kvhost/kvhost/internal/server"
+	"github.com/kvhost/kvhost/internal/testwait"
 	"github.com/kvhost/kvhost/protocol"
 )
 
@@ -141,7 +142,7 @@ func TestNamespaceRefcount(t *testing.T) {
 		log = &releaseLog{Engine: e}
 		return log
 	})
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Hang)
 	defer cancel()
 	a, err := client.Dial(ctx, f.socket, "a")
 	if err != nil {

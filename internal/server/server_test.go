@@ -20,6 +20,7 @@ import (
 	"github.com/kvhost/kvhost/host/policy"
 	"github.com/kvhost/kvhost/internal/config"
 	"github.com/kvhost/kvhost/internal/server"
+	"github.com/kvhost/kvhost/internal/testwait"
 	"github.com/kvhost/kvhost/plugins"
 	"github.com/kvhost/kvhost/plugins/lru"
 	"github.com/kvhost/kvhost/protocol"
@@ -536,7 +537,7 @@ func TestDisconnectMidJob(t *testing.T) {
 		c.Close()
 		k.close() // unmapped on the client side too: the daemon has its own mapping
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Hang)
 	defer cancel()
 	if err := f.srv.WaitSessions(ctx, 0); err != nil {
 		t.Fatalf("sessions of departed clients not released: %v", err)
@@ -577,7 +578,7 @@ func TestNoLeaks(t *testing.T) {
 		c.Close()
 		mem.Close()
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Hang)
 	defer cancel()
 	// settle waits until every session is released and returns the
 	// goroutines and descriptors then.

@@ -117,7 +117,7 @@ func load(t *testing.T, e *env, m *Mover, kv *cache, kf *keyFile, host map[regio
 // jobContext bounds a test job: a job that waits for a pinned buffer no
 // one returns fails instead of hanging the test.
 func jobContext(t *testing.T) context.Context {
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Hang)
 	t.Cleanup(cancel)
 	return ctx
 }
@@ -1249,8 +1249,8 @@ func TestRegisteredFilesCloseEndsTheRegistrarsWait(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-	case <-time.After(10 * time.Second):
-		t.Fatal("Close still waiting for the registrar after 10s")
+	case <-time.After(testwait.Hang):
+		t.Fatalf("Close still waiting for the registrar after %v", testwait.Hang)
 	}
 	if after := openDescriptors(t); after != before-1 {
 		t.Fatalf("%d descriptors open after Close, %d before; want the waiting offer's closed", after, before)

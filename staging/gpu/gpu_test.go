@@ -23,6 +23,7 @@ import (
 	"github.com/kvhost/kvhost/internal/fstype"
 	"github.com/kvhost/kvhost/internal/fsys"
 	"github.com/kvhost/kvhost/internal/region"
+	"github.com/kvhost/kvhost/internal/testwait"
 	"github.com/kvhost/kvhost/internal/transfer"
 	"github.com/kvhost/kvhost/staging"
 )
@@ -920,7 +921,7 @@ func TestWaitsPollBeforeTheyBlock(t *testing.T) {
 				if err != nil {
 					t.Fatalf("ReadFile: %v", err)
 				}
-			case <-time.After(30 * time.Second):
+			case <-time.After(testwait.Hang):
 				t.Fatal("the load did not end: its waits never stopped polling")
 			}
 			queried, synced := e.fake.Count(cudatest.OpQuery)-queries, e.fake.Count(cudatest.OpSync)-syncs
