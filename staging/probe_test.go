@@ -4,42 +4,9 @@ import (
 	"os"
 	"testing"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/internal/fsys/fsystest"
 )
-
-// refusesDirect is a file system without direct I/O, as Linux shows one
-// (tmpfs before 6.6, FUSE file systems without direct_io): an open with
-// O_DIRECT fails with EINVAL after O_CREAT has created the file (the
-// kernel checks O_DIRECT once the file exists), or, atWrite, succeeds and
-// its file's first write fails with EINVAL.
-type refusesDirect struct {
-	fsys.FS
-	atWrite bool
-}
-
-func (r refusesDirect) OpenFile(name string, flag int, perm os.FileMode) (fsys.File, error) {
-	if flag&unix.O_DIRECT == 0 {
-		return r.FS.OpenFile(name, flag, perm)
-	}
-	f, err := r.FS.OpenFile(name, flag&^unix.O_DIRECT, perm)
-	if err != nil {
-		return nil, err
-	}
-	if r.atWrite {
-		return refusedWrites{f}, nil
-	}
-	f.Close()
-	return nil, &os.PathError{Op: "open", Path: name, Err: unix.EINVAL}
-}
-
-// refusedWrites is a file open with O_DIRECT whose writes fail.
-type refusedWrites struct{ fsys.File }
-
-func (f refusedWrites) WriteAt(p []byte, off int64) (int, error) {
-	return 0, &os.PathError{Op: "pwrite", Path: "direct", Err: unix.EINVAL}
-}
 
 // TestProbeDirectOnAFileSystemRefusingDirectIOSaysNoAndLeavesNoFile: where
 // the file system refuses O_DIRECT, at the open (which has created the
@@ -55,7 +22,7 @@ func TestProbeDirectOnAFileSystemRefusingDirectIOSaysNoAndLeavesNoFile(t *testin
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			dir := t.TempDir()
-			direct, err := ProbeDirect(refusesDirect{FS: fsys.OS{}, atWrite: tt.atWrite}, dir)
+			direct, err := ProbeDirect(fsystest.RefusesDirect{FS: fsys.OS{}, AtWrite: tt.atWrite}, dir)
 			if err != nil || direct {
 				t.Fatalf("ProbeDirect: %v, %v: want false, nil", direct, err)
 			}
@@ -77,7 +44,7 @@ func TestProbeDirectFileLeavesAnExistingFile(t *testing.T) {
 	if err := os.WriteFile(name, []byte("kept"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	for _, fs := range []fsys.FS{fsys.OS{}, refusesDirect{FS: fsys.OS{}}} {
+	for _, fs := range []fsys.FS{fsys.OS{}, fsystest.RefusesDirect{FS: fsys.OS{}}} {
 		if _, err := ProbeDirectFile(fs, name); err == nil {
 			t.Fatalf("%T: ProbeDirectFile on an existing name: nil error", fs)
 		}

@@ -4,48 +4,14 @@ import (
 	"context"
 	"errors"
 	"math/rand/v2"
-	"os"
 	"strings"
 	"testing"
-
-	"golang.org/x/sys/unix"
 
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/internal/fstype"
 	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/internal/fsys/fsystest"
 )
-
-// refusesDirect is a file system without direct I/O, as Linux shows one
-// (tmpfs before 6.6, FUSE file systems without direct_io): an open with
-// O_DIRECT fails with EINVAL after O_CREAT has created the file (the
-// kernel checks O_DIRECT once the file exists), or, atWrite, succeeds and
-// its file's first write fails with EINVAL.
-type refusesDirect struct {
-	fsys.FS
-	atWrite bool
-}
-
-func (r refusesDirect) OpenFile(name string, flag int, perm os.FileMode) (fsys.File, error) {
-	if flag&unix.O_DIRECT == 0 {
-		return r.FS.OpenFile(name, flag, perm)
-	}
-	f, err := r.FS.OpenFile(name, flag&^unix.O_DIRECT, perm)
-	if err != nil {
-		return nil, err
-	}
-	if r.atWrite {
-		return refusedWrites{f}, nil
-	}
-	f.Close()
-	return nil, &os.PathError{Op: "open", Path: name, Err: unix.EINVAL}
-}
-
-// refusedWrites is a file open with O_DIRECT whose writes fail.
-type refusedWrites struct{ fsys.File }
-
-func (f refusedWrites) WriteAt(p []byte, off int64) (int, error) {
-	return 0, &os.PathError{Op: "pwrite", Path: "direct", Err: unix.EINVAL}
-}
 
 // TestAFileSystemRefusingDirectIOGetsBufferedIOAndNoProbeLeft: where the
 // file system refuses O_DIRECT, at the open or at the first write, the
@@ -63,7 +29,7 @@ func TestAFileSystemRefusingDirectIOGetsBufferedIOAndNoProbeLeft(t *testing.T) {
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			dir := t.TempDir()
-			e := openEngine(t, Config{Mounts: []Mount{{Path: dir}}, Policy: newTestPolicy(1, abi.OrderLayerMajor), FS: refusesDirect{FS: fsys.OS{}, atWrite: tt.atWrite}})
+			e := openEngine(t, Config{Mounts: []Mount{{Path: dir}}, Policy: newTestPolicy(1, abi.OrderLayerMajor), FS: fsystest.RefusesDirect{FS: fsys.OS{}, AtWrite: tt.atWrite}})
 			if l := leftovers(t, dir); len(l) != 0 {
 				t.Errorf("files left by the O_DIRECT probe: %v", l)
 			}

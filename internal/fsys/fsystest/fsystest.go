@@ -1,6 +1,9 @@
-// Package fsystest holds test helpers for code that writes through
-// fsys.File: a file that records where it was written, and the check that
-// stores fill large page-cache folios in one write each.
+// Package fsystest holds test helpers for code that goes through package
+// fsys: a file that records where it was written, and the check that
+// stores fill large page-cache folios in one write each (WriteLog); an
+// injector that holds one operation (Hold); a client that caches
+// directory listings (ListingCache); a file system that refuses direct
+// I/O (RefusesDirect).
 package fsystest
 
 import (
