@@ -95,36 +95,9 @@ func TestWorkersYieldEveryYieldBytes(t *testing.T) {
 				t.Fatal(err)
 			}
 			defer p.close()
-			f, err := fsys.OS{}.OpenFile(filepath.Join(t.TempDir(), "f"), os.O_RDWR|os.O_CREATE, 0o600)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer f.Close()
 			src := bytes.Repeat([]byte("kvhost!!"), (4<<20)/8)
 			dst := make([]byte, len(src))
-			type result struct {
-				writes, reads int
-				wsum, rsum    uint32
-				err           error
-			}
-			done := make(chan result, 1)
-			if err := p.submit(context.Background(), func(w *worker) {
-				var r result
-				w.yield.Yield = func() { r.writes++ }
-				wsums, rsums := make([]uint32, 1), make([]uint32, 1)
-				if _, r.err = w.write(context.Background(), f, []span{{Off: 0, Buf: src, Sum: 0}}, options{Sums: wsums, Folio: tc.folio}); r.err == nil {
-					w.yield.Yield = func() { r.reads++ }
-					_, r.err = w.read(context.Background(), f, []span{{Off: 0, Buf: dst, Sum: 0}}, options{Sums: rsums})
-				}
-				r.wsum, r.rsum = wsums[0], rsums[0]
-				done <- r
-			}); err != nil {
-				t.Fatal(err)
-			}
-			r := <-done
-			if r.err != nil {
-				t.Fatal(r.err)
-			}
+			r := roundTripYields(t, p, src, dst, options{Folio: tc.folio})
 			want := crc32c.Update(0, src)
 			if r.writes != 8 || r.reads != 8 || !bytes.Equal(dst, src) || r.wsum != want || r.rsum != want {
 				t.Fatalf("4 MiB written and read with YieldBytes 512 KiB: %d and %d yields (want 8 each), bytes equal %v, checksums %08x and %08x (want %08x)",
@@ -146,27 +119,43 @@ func TestBouncedRunsYieldEveryYieldBytes(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer p.close()
+	const size = 4 << 20
+	srcMem, dstMem := AlignedBuffer(size+1), AlignedBuffer(size+1)
+	src, dst := srcMem[1:], dstMem[1:] // not aligned: bounced
+	copy(src, bytes.Repeat([]byte("kvhost!!"), size/8))
+	r := roundTripYields(t, p, src, dst, options{Direct: true}) // options.Direct alone bounces unaligned memory
+	want := crc32c.Update(0, src)
+	if r.writes != 8 || r.reads != 8 || !bytes.Equal(dst, src) || r.wsum != want || r.rsum != want {
+		t.Fatalf("4 MiB bounced out and in with YieldBytes 512 KiB: %d and %d yields (want 8 each), bytes equal %v, checksums %08x and %08x (want %08x)",
+			r.writes, r.reads, bytes.Equal(dst, src), r.wsum, r.rsum, want)
+	}
+}
+
+// roundTrip is what roundTripYields saw: the yields of the write and of
+// the read, their checksums, and the first error.
+type roundTrip struct {
+	writes, reads int64
+	wsum, rsum    uint32
+	err           error
+}
+
+// roundTripYields writes src to a new file with one of p's workers, with
+// opt and a checksum, then reads the file back into dst likewise, and
+// returns the yields and checksums of each way. It fails the test on an
+// error.
+func roundTripYields(t *testing.T, p *Pool, src, dst []byte, opt options) roundTrip {
+	t.Helper()
 	f, err := fsys.OS{}.OpenFile(filepath.Join(t.TempDir(), "f"), os.O_RDWR|os.O_CREATE, 0o600)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer f.Close()
-	const size = 4 << 20
-	srcMem, dstMem := AlignedBuffer(size+1), AlignedBuffer(size+1)
-	src, dst := srcMem[1:], dstMem[1:] // not aligned: bounced
-	copy(src, bytes.Repeat([]byte("kvhost!!"), size/8))
-	type result struct {
-		writes, reads int64
-		wsum, rsum    uint32
-		err           error
-	}
-	done := make(chan result, 1)
+	done := make(chan roundTrip, 1)
 	if err := p.submit(context.Background(), func(w *worker) {
-		var r result
-		var yields atomic.Int64 // the copying goroutine may not be the worker's
+		var r roundTrip
+		var yields atomic.Int64 // the goroutine that copies may not be the worker's
 		w.yield.Yield = func() { yields.Add(1) }
 		wsums, rsums := make([]uint32, 1), make([]uint32, 1)
-		opt := options{Direct: true} // options.Direct alone bounces unaligned memory
 		opt.Sums = wsums
 		if _, r.err = w.write(context.Background(), f, []span{{Off: 0, Buf: src, Sum: 0}}, opt); r.err == nil {
 			r.writes = yields.Swap(0)
@@ -183,9 +172,5 @@ func TestBouncedRunsYieldEveryYieldBytes(t *testing.T) {
 	if r.err != nil {
 		t.Fatal(r.err)
 	}
-	want := crc32c.Update(0, src)
-	if r.writes != 8 || r.reads != 8 || !bytes.Equal(dst, src) || r.wsum != want || r.rsum != want {
-		t.Fatalf("4 MiB bounced out and in with YieldBytes 512 KiB: %d and %d yields (want 8 each), bytes equal %v, checksums %08x and %08x (want %08x)",
-			r.writes, r.reads, bytes.Equal(dst, src), r.wsum, r.rsum, want)
-	}
+	return r
 }
