@@ -19,6 +19,14 @@ import (
 // then runs after with the connection.
 func fakeDaemon(t *testing.T, after func(c *net.UnixConn)) string {
 	t.Helper()
+	return fakeDaemonWelcoming(t, &protocol.Welcome{Version: protocol.Version, MaxFrame: 4 << 20, MaxKeys: 4096, MaxKeyLen: 64, Server: "fake"}, after)
+}
+
+// fakeDaemonWelcoming answers the Hello on the first connection to a new
+// socket with welcome, then runs after with the connection; it returns
+// the socket's path.
+func fakeDaemonWelcoming(t *testing.T, welcome *protocol.Welcome, after func(c *net.UnixConn)) string {
+	t.Helper()
 	sock := filepath.Join(t.TempDir(), "d.sock")
 	l, err := net.ListenUnix("unix", &net.UnixAddr{Name: sock, Net: "unix"})
 	if err != nil {
@@ -31,10 +39,11 @@ func fakeDaemon(t *testing.T, after func(c *net.UnixConn)) string {
 			return
 		}
 		t.Cleanup(func() { c.Close() })
-		if _, _, err := readRequest(c); err != nil {
+		h, _, err := readRequest(c)
+		if err != nil {
 			return
 		}
-		c.Write(protocol.AppendFrame(nil, 1, &protocol.Welcome{Version: protocol.Version, MaxFrame: 4 << 20, MaxKeys: 4096, MaxKeyLen: 64, Server: "fake"}))
+		c.Write(protocol.AppendFrame(nil, h.ID, welcome))
 		after(c)
 	}()
 	return sock
@@ -640,25 +649,9 @@ func TestCancelOfAJobOfAnotherClientIsRefused(t *testing.T) {
 // should have refused the Hello) fails Dial with an error that names
 // both versions.
 func TestAWelcomeOfAnotherVersionIsRefusedNamingIt(t *testing.T) {
-	sock := filepath.Join(t.TempDir(), "d.sock")
-	l, err := net.ListenUnix("unix", &net.UnixAddr{Name: sock, Net: "unix"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { l.Close() })
-	go func() {
-		c, err := l.AcceptUnix()
-		if err != nil {
-			return
-		}
-		defer c.Close()
-		h, _, err := readRequest(c)
-		if err != nil {
-			return
-		}
-		c.Write(protocol.AppendFrame(nil, h.ID, &protocol.Welcome{Version: protocol.Version + 1, MaxFrame: protocol.MinFrame}))
+	sock := fakeDaemonWelcoming(t, &protocol.Welcome{Version: protocol.Version + 1, MaxFrame: protocol.MinFrame}, func(c *net.UnixConn) {
 		readRequest(c) // until the client closes
-	}()
+	})
 	c, err := client.Dial(context.Background(), sock, "t")
 	if err == nil {
 		c.Close()
