@@ -449,24 +449,27 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 		gauge(dClients, float64(st.Clients))
 		gauge(dHandshakes, float64(st.Handshakes))
 		gauge(dJobsInFlight, float64(st.InflightJobs))
-		gauge(dJobsHeld, float64(st.InflightBytes))
-		gauge(dJobsHeldLimit, float64(st.InflightLimit))
 		gauge(dRegions, float64(st.Regions))
-		gauge(dClientFds, float64(st.Descriptors))
-		gauge(dPinnedKeys, float64(st.PinnedKeys))
-		gauge(dPinnedLimit, float64(st.PinnedLimit))
-		gauge(dCacheLayers, float64(st.CacheLayers))
-		gauge(dIncoming, float64(st.IncomingBytes))
-		gauge(dIncomingLimit, float64(st.IncomingLimit))
+		// The server's bounds: what is held against each, and the bound.
+		for _, b := range []struct {
+			held, limit *prometheus.Desc
+			n, most     int64
+		}{
+			{dJobsHeld, dJobsHeldLimit, st.InflightBytes, st.InflightLimit},
+			{dClientFds, dClientFdsLimit, st.Descriptors, st.DescriptorLimit},
+			{dPinnedKeys, dPinnedLimit, st.PinnedKeys, st.PinnedLimit},
+			{dCacheLayers, dCacheLayersMax, st.CacheLayers, st.CacheLayerLimit},
+			{dIncoming, dIncomingLimit, st.IncomingBytes, st.IncomingLimit},
+			{dRegBytes, dRegLimit, st.RegisteredBytes, st.RegisteredLimit},
+		} {
+			gauge(b.held, float64(b.n))
+			gauge(b.limit, float64(b.most))
+		}
 		gauge(dIncomingWait, float64(st.IncomingWaiting))
 		counter(dIncomingWaits, st.IncomingWaits)
-		gauge(dCacheLayersMax, float64(st.CacheLayerLimit))
 		for limit, n := range st.Refusals {
 			counter(dRefusals, n, limit)
 		}
-		gauge(dClientFdsLimit, float64(st.DescriptorLimit))
-		gauge(dRegBytes, float64(st.RegisteredBytes))
-		gauge(dRegLimit, float64(st.RegisteredLimit))
 		gauge(dStart, float64(st.Started.UnixNano())/1e9)
 		for _, d := range st.Devices {
 			dev := strconv.Itoa(int(d.Ordinal))

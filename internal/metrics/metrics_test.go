@@ -110,7 +110,7 @@ func TestMetricsExposeSourcesAndObservations(t *testing.T) {
 				Mounts:        []engine.MountStats{{Path: dir, Capacity: 1000, Used: 400, Entries: 3, IO: "buffered", Backend: "staging", Checksums: true, MovedIn: 8, MovedOut: 9}}}
 		},
 		Server: func() server.Stats {
-			return server.Stats{Clients: 2, InflightJobs: 1, InflightBytes: 40 << 10, InflightLimit: 1 << 30, Descriptors: 4, DescriptorLimit: 16382, PinnedKeys: 12, PinnedLimit: 1 << 22, CacheLayers: 126, CacheLayerLimit: 1 << 20, IncomingBytes: 3 << 20, IncomingLimit: 256 << 20, IncomingWaiting: 2, IncomingWaits: 5, Refusals: map[string]uint64{"server.max_inflight_bytes_per_peer": 7}, Regions: 3, RegisteredBytes: 1 << 20, Started: started,
+			return server.Stats{Clients: 2, InflightJobs: 1, InflightBytes: 40 << 10, InflightLimit: 1 << 30, Descriptors: 4, DescriptorLimit: 16382, PinnedKeys: 12, PinnedLimit: 1 << 22, CacheLayers: 126, CacheLayerLimit: 1 << 20, IncomingBytes: 3 << 20, IncomingLimit: 256 << 20, IncomingWaiting: 2, IncomingWaits: 5, Refusals: map[string]uint64{"server.max_inflight_bytes_per_peer": 7}, Regions: 3, RegisteredBytes: 1 << 20, RegisteredLimit: 1 << 32, Started: started,
 				Devices: []protocol.DeviceStats{{Ordinal: 1, Regions: 2, Registered: 5, Limit: 9}}}
 		},
 		Policy: func() PolicyState {
@@ -220,6 +220,8 @@ func TestMetricsExposeSourcesAndObservations(t *testing.T) {
 		{"kvhost_incoming_frame_waits_total", nil, 5},
 		{"kvhost_limit_refusals_total", map[string]string{"limit": "server.max_inflight_bytes_per_peer"}, 7},
 		{"kvhost_client_descriptors_limit", nil, 16382},
+		{"kvhost_registered_bytes", nil, 1 << 20},
+		{"kvhost_registered_bytes_limit", nil, 1 << 32},
 		{"kvhost_gpu_registered_bytes", map[string]string{"device": "1"}, 5},
 		{"kvhost_start_time_seconds", nil, 1700000000},
 		{"kvhost_reloads_total", map[string]string{"result": "failed"}, 1},
