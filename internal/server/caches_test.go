@@ -22,26 +22,12 @@ var tallGeo = client.Geometry{Model: "tall", Layers: tallLayers, KVHeads: 1, Hea
 // one memfd, and returns its id or the error it got.
 func registerTall(tb testing.TB, c *client.Client) (client.CacheID, error) {
 	tb.Helper()
-	ctx := context.Background()
 	bb := tallGeo.BlockBytes()
-	mem, err := client.NewMemfd("tall", 2*bb)
-	if err != nil {
-		tb.Fatal(err)
-	}
-	tb.Cleanup(func() { mem.Close() })
-	rid, err := c.RegisterMemfd(ctx, mem)
-	if err != nil {
-		tb.Fatal(err)
-	}
-	ns, err := c.Declare(ctx, tallGeo)
-	if err != nil {
-		tb.Fatal(err)
-	}
-	layers := make([]client.Layer, tallLayers)
-	for l := range layers {
-		layers[l] = client.Layer{Region: uint32(rid), NumBlocks: 1, BlockStride: bb, PlaneStride: bb}
-	}
-	return c.RegisterCache(ctx, ns.ID, layers)
+	_, rid := registerMemfd(tb, c, "tall", 2*bb)
+	_, id, err := registerCache(tb, c, tallGeo, func(int) client.Layer {
+		return client.Layer{Region: uint32(rid), NumBlocks: 1, BlockStride: bb, PlaneStride: bb}
+	})
+	return id, err
 }
 
 // TestOneProcessCannotRegisterEveryCacheLayer: the layers of one

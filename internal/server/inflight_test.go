@@ -38,26 +38,9 @@ type wideCache struct {
 
 func newWideCache(tb testing.TB, c *client.Client) *wideCache {
 	tb.Helper()
-	ctx := context.Background()
 	bb := wideGeo.BlockBytes()
-	mem, err := client.NewMemfd("wide", int64(wideGeo.Layers)*2*wideBlocks*bb)
-	if err != nil {
-		tb.Fatal(err)
-	}
-	tb.Cleanup(func() { mem.Close() })
-	rid, err := c.RegisterMemfd(ctx, mem)
-	if err != nil {
-		tb.Fatal(err)
-	}
-	ns, err := c.Declare(ctx, wideGeo)
-	if err != nil {
-		tb.Fatal(err)
-	}
-	layers := make([]client.Layer, wideGeo.Layers)
-	for l := range layers {
-		layers[l] = client.Layer{Region: uint32(rid), NumBlocks: wideBlocks, Offset: int64(l) * 2 * wideBlocks * bb, BlockStride: bb, PlaneStride: wideBlocks * bb}
-	}
-	id, err := c.RegisterCache(ctx, ns.ID, layers)
+	_, rid := registerMemfd(tb, c, "wide", int64(wideGeo.Layers)*2*wideBlocks*bb)
+	_, id, err := registerCache(tb, c, wideGeo, planesFirst(rid, wideBlocks, bb))
 	if err != nil {
 		tb.Fatal(err)
 	}

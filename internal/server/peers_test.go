@@ -73,14 +73,7 @@ func otherProcess(t *testing.T, f *fixture, env ...string) {
 // and is never closed for being idle.
 func holdMiB(tb testing.TB, c *client.Client) {
 	tb.Helper()
-	mem, err := client.NewMemfd("hold", 1<<20)
-	if err != nil {
-		tb.Fatal(err)
-	}
-	tb.Cleanup(func() { mem.Close() })
-	if _, err := c.RegisterMemfd(context.Background(), mem); err != nil {
-		tb.Fatal(err)
-	}
+	registerMemfd(tb, c, "hold", 1<<20)
 }
 
 // TestOneProcessCannotTakeEveryClientSlot: one process opening as many

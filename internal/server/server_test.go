@@ -149,12 +149,8 @@ type cache struct {
 
 func newCache(tb testing.TB, c *client.Client) *cache {
 	tb.Helper()
-	mem, err := client.NewMemfd("t", int64(geo.Layers)*2*numBlocks*geo.BlockBytes())
-	if err != nil {
-		tb.Fatal(err)
-	}
-	tb.Cleanup(func() { mem.Close() })
-	return newCacheOn(tb, c, mem)
+	mem, rid := registerMemfd(tb, c, "t", int64(geo.Layers)*2*numBlocks*geo.BlockBytes())
+	return newCacheIn(tb, c, mem, rid)
 }
 
 func newCacheOn(tb testing.TB, c *client.Client, mem *client.Memfd) *cache {
@@ -172,21 +168,55 @@ func newCacheIn(tb testing.TB, c *client.Client, mem interface {
 	Close() error
 }, rid client.RegionID) *cache {
 	tb.Helper()
-	ctx := context.Background()
 	bb := geo.BlockBytes()
-	ns, err := c.Declare(ctx, geo)
-	if err != nil {
-		tb.Fatal(err)
-	}
-	layers := make([]client.Layer, geo.Layers)
-	for l := range layers {
-		layers[l] = client.Layer{Region: uint32(rid), NumBlocks: numBlocks, Offset: int64(l) * 2 * numBlocks * bb, BlockStride: bb, PlaneStride: numBlocks * bb}
-	}
-	id, err := c.RegisterCache(ctx, ns.ID, layers)
+	ns, id, err := registerCache(tb, c, geo, planesFirst(rid, numBlocks, bb))
 	if err != nil {
 		tb.Fatal(err)
 	}
 	return &cache{c: c, mem: mem, ns: ns, id: id, bb: bb, close: mem.Close}
+}
+
+// registerMemfd makes a memfd of size bytes, closed when tb ends, and
+// registers it on c.
+func registerMemfd(tb testing.TB, c *client.Client, name string, size int64) (*client.Memfd, client.RegionID) {
+	tb.Helper()
+	mem, err := client.NewMemfd(name, size)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { mem.Close() })
+	rid, err := c.RegisterMemfd(context.Background(), mem)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	return mem, rid
+}
+
+// planesFirst lays out layers of blocks blocks of bb bytes in region rid,
+// one after another, each its K plane then its V plane: it returns layer
+// l's place.
+func planesFirst(rid client.RegionID, blocks uint32, bb int64) func(l int) client.Layer {
+	return func(l int) client.Layer {
+		return client.Layer{Region: uint32(rid), NumBlocks: blocks, Offset: int64(l) * 2 * int64(blocks) * bb, BlockStride: bb, PlaneStride: int64(blocks) * bb}
+	}
+}
+
+// registerCache declares g on c and registers a cache of g whose layer l
+// is at layer(l); it returns g's namespace and the cache's id, or the
+// error RegisterCache returned.
+func registerCache(tb testing.TB, c *client.Client, g client.Geometry, layer func(l int) client.Layer) (client.Namespace, client.CacheID, error) {
+	tb.Helper()
+	ctx := context.Background()
+	ns, err := c.Declare(ctx, g)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	layers := make([]client.Layer, g.Layers)
+	for l := range layers {
+		layers[l] = layer(l)
+	}
+	id, err := c.RegisterCache(ctx, ns.ID, layers)
+	return ns, id, err
 }
 
 // blockBytes returns (and with fill, first randomizes) the bytes of blocks.
