@@ -578,15 +578,14 @@ class TestUnreadableStream(unittest.TestCase):
 
 
 class TestLookupTableLocation(unittest.TestCase):
-    def test_a_table_location_not_answered_in_time_is_asked_for_again(self):
-        # A daemon busy for a moment (here: one that does not answer) at a
-        # client's first lookup does not keep the client off its table.
-        from test_lookup_table import write_table
-        fake, c = connected_to_fake(self, timeout=0.5)
-        table = os.path.join(fake.dir, "fake.sock.lookup")
-        write_table(table, 10, 7, [b"k"])
+    def serve_lookups(self, fake, c, found, table, tell_table=lambda: True):
+        """Answers, on fake, the Declare of client c, then its lookups
+        (found keys each) and its requests for the lookup table's location
+        (table, while tell_table() holds; else no answer) until the
+        connection ends. Returns the list, filled as they come, of the
+        types of the requests after the Declare. c is closed, then the
+        thread joined, when the test ends."""
         asked = []
-        late = threading.Event()
 
         def daemon_side():
             ftype, req_id, _ = fake.read_frame()
@@ -596,44 +595,9 @@ class TestLookupTableLocation(unittest.TestCase):
                     ftype, req_id, _ = fake.read_frame()
                     asked.append(ftype)
                     if ftype == p.T_LOOKUP:
-                        fake.reply(ftype | p.T_REPLY, req_id, struct.pack("<I", 0))
-                    elif ftype == p.T_LOOKUP_TABLE and late.is_set():
+                        fake.reply(ftype | p.T_REPLY, req_id, struct.pack("<I", found))
+                    elif ftype == p.T_LOOKUP_TABLE and tell_table():
                         path = table.encode()
-                        fake.reply(ftype | p.T_REPLY, req_id, struct.pack("<H", len(path)) + path)
-            except (EOFError, OSError):
-                pass
-
-        t = threading.Thread(target=daemon_side)
-        t.start()
-        self.addCleanup(t.join)
-        self.addCleanup(c.close)
-        ns = c.declare(GEOMETRY)
-        with self.assertRaises(TimeoutError):
-            c.lookup(ns, [b"k"])  # the table's location does not come in time
-        late.set()
-        self.assertEqual(c.lookup(ns, [b"k"]), 1)
-        self.assertEqual(c.lookup_counts(), {"table": 1, "daemon": 0})
-        self.assertEqual(asked, [p.T_LOOKUP_TABLE, p.T_LOOKUP_TABLE])
-
-
-    def test_a_table_location_that_is_not_a_regular_file_leaves_lookups_to_the_daemon(self):
-        # A FIFO named as the table blocked the first lookup for good.
-        fake, c = connected_to_fake(self, timeout=5)
-        fifo = os.path.join(fake.dir, "fake.sock.lookup")
-        os.mkfifo(fifo)
-        asked = []
-
-        def daemon_side():
-            ftype, req_id, _ = fake.read_frame()
-            fake.reply(p.T_DECLARE | p.T_REPLY, req_id, struct.pack("<IIQQ", 1, 1, 7, 4096))
-            try:
-                while True:
-                    ftype, req_id, _ = fake.read_frame()
-                    asked.append(ftype)
-                    if ftype == p.T_LOOKUP:
-                        fake.reply(ftype | p.T_REPLY, req_id, struct.pack("<I", 1))
-                    elif ftype == p.T_LOOKUP_TABLE:
-                        path = fifo.encode()
                         fake.reply(ftype | p.T_REPLY, req_id, struct.pack("<H", len(path)) + path)
             except (EOFError, OSError):
                 pass
@@ -642,6 +606,31 @@ class TestLookupTableLocation(unittest.TestCase):
         t.start()
         self.addCleanup(t.join)
         self.addCleanup(c.close)
+        return asked
+
+    def test_a_table_location_not_answered_in_time_is_asked_for_again(self):
+        # A daemon busy for a moment (here: one that does not answer) at a
+        # client's first lookup does not keep the client off its table.
+        from test_lookup_table import write_table
+        fake, c = connected_to_fake(self, timeout=0.5)
+        table = os.path.join(fake.dir, "fake.sock.lookup")
+        write_table(table, 10, 7, [b"k"])
+        late = threading.Event()
+        asked = self.serve_lookups(fake, c, 0, table, late.is_set)
+        ns = c.declare(GEOMETRY)
+        with self.assertRaises(TimeoutError):
+            c.lookup(ns, [b"k"])  # the table's location does not come in time
+        late.set()
+        self.assertEqual(c.lookup(ns, [b"k"]), 1)
+        self.assertEqual(c.lookup_counts(), {"table": 1, "daemon": 0})
+        self.assertEqual(asked, [p.T_LOOKUP_TABLE, p.T_LOOKUP_TABLE])
+
+    def test_a_table_location_that_is_not_a_regular_file_leaves_lookups_to_the_daemon(self):
+        # A FIFO named as the table blocked the first lookup for good.
+        fake, c = connected_to_fake(self, timeout=5)
+        fifo = os.path.join(fake.dir, "fake.sock.lookup")
+        os.mkfifo(fifo)
+        asked = self.serve_lookups(fake, c, 1, fifo)
         ns = c.declare(GEOMETRY)
         got = []
         lookup = threading.Thread(target=lambda: got.append(c.lookup(ns, [b"k"])), daemon=True)
