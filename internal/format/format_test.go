@@ -168,18 +168,25 @@ func FuzzDecodeHeader(f *testing.F) {
 			return
 		}
 		// Whatever decodes must re-encode and decode to the same header.
-		out := make([]byte, h.Len())
-		if err := h.Encode(out); err != nil {
-			t.Fatalf("re-encode: %v", err)
-		}
-		h2, err := Decode(out)
-		if err != nil {
-			t.Fatalf("decode re-encoded: %v", err)
-		}
-		if fmt.Sprint(*h2) != fmt.Sprint(*h) {
-			t.Fatalf("re-encoded header differs:\n%v\n%v", *h2, *h)
-		}
+		checkReencodes(t, h)
 	})
+}
+
+// checkReencodes fails t unless h encodes to bytes that decode to the
+// same header.
+func checkReencodes(t *testing.T, h *Header) {
+	t.Helper()
+	out := make([]byte, h.Len())
+	if err := h.Encode(out); err != nil {
+		t.Fatalf("re-encode: %v", err)
+	}
+	h2, err := Decode(out)
+	if err != nil {
+		t.Fatalf("decode re-encoded: %v", err)
+	}
+	if fmt.Sprint(*h2) != fmt.Sprint(*h) {
+		t.Fatalf("re-encoded header differs:\n%v\n%v", *h2, *h)
+	}
 }
 
 // FuzzDecodeSealedHeader fuzzes the fields behind the header checksum:
@@ -267,17 +274,7 @@ func FuzzDecodeSealedHeader(f *testing.F) {
 				t.Fatalf("key %d (%x) matches at %d, %v", i, k.Key, j, err)
 			}
 		}
-		out := make([]byte, h.Len())
-		if err := h.Encode(out); err != nil {
-			t.Fatalf("re-encode: %v", err)
-		}
-		h2, err := Decode(out)
-		if err != nil {
-			t.Fatalf("decode re-encoded: %v", err)
-		}
-		if fmt.Sprint(*h2) != fmt.Sprint(*h) {
-			t.Fatalf("re-encoded header differs:\n%v\n%v", *h2, *h)
-		}
+		checkReencodes(t, h)
 	})
 }
 
