@@ -496,16 +496,24 @@ func (c *captureHandler) Handle(_ context.Context, r slog.Record) error {
 func (c *captureHandler) WithAttrs([]slog.Attr) slog.Handler { return c }
 func (c *captureHandler) WithGroup(string) slog.Handler      { return c }
 
+// openChatty opens the chatty fixture, closed when t ends, with a
+// logger that keeps every record.
+func openChatty(t *testing.T) (*policy.Host, *captureHandler) {
+	t.Helper()
+	logs := &captureHandler{}
+	h, err := policy.Open(context.Background(), fixture(t, "chatty"), "chatty", policytest.NewIndex(), policy.Config{Shards: 1, Logger: slog.New(logs)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { h.Close(context.Background()) })
+	return h, logs
+}
+
 // TestPluginLogAndAdmit checks kvhost.log (levels, truncation, rate limit)
 // and the admit hook.
 func TestPluginLogAndAdmit(t *testing.T) {
 	ctx := context.Background()
-	logs := &captureHandler{}
-	h, err := policy.Open(ctx, fixture(t, "chatty"), "chatty", policytest.NewIndex(), policy.Config{Shards: 1, Logger: slog.New(logs)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer h.Close(ctx)
+	h, logs := openChatty(t)
 	if f := h.Features(); f != abi.FeatureAdmit {
 		t.Fatalf("Features = %v", f)
 	}
@@ -541,7 +549,7 @@ func TestPluginLogAndAdmit(t *testing.T) {
 		t.Fatalf("log messages %v, want %v", count, want)
 	}
 	// kvhost_name returns "unsupported": a failure with the status named.
-	err = h.Name(ctx, nameRecords(1, 0))
+	err := h.Name(ctx, nameRecords(1, 0))
 	if !errors.Is(err, policy.ErrPlugin) || !strings.Contains(err.Error(), "returned status -3 (unsupported)") {
 		t.Fatalf("Name: %v", err)
 	}
@@ -555,16 +563,11 @@ func TestPluginLogAndAdmit(t *testing.T) {
 // evicted, then on its replacement).
 func TestFailureReasonIsFromTheFailedCall(t *testing.T) {
 	ctx := context.Background()
-	logs := &captureHandler{}
-	h, err := policy.Open(ctx, fixture(t, "chatty"), "chatty", policytest.NewIndex(), policy.Config{Shards: 1, Logger: slog.New(logs)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer h.Close(ctx)
+	h, logs := openChatty(t)
 	if _, err := h.Victims(ctx, abi.EvictRequest{Bytes: 1}, 1); err != nil {
 		t.Fatal(err)
 	}
-	err = h.Name(ctx, nameRecords(1, 0))
+	err := h.Name(ctx, nameRecords(1, 0))
 	if !errors.Is(err, policy.ErrPlugin) || !strings.HasSuffix(err.Error(), "returned status -3 (unsupported)") {
 		t.Fatalf("Name: %v; want status -3 and no reason (the hook logged none)", err)
 	}
