@@ -91,6 +91,20 @@ func within(t *testing.T, ch chan error) error {
 	}
 }
 
+// wantUnpin fails t unless the next request got gives, within a minute,
+// is an unpin of pin, the pin named by what.
+func wantUnpin(t *testing.T, got <-chan protocol.Message, pin uint64, what string) {
+	t.Helper()
+	select {
+	case m := <-got:
+		if u, ok := m.(*protocol.Unpin); !ok || u.Pin != pin {
+			t.Fatalf("after the reply to %s: %#v, want an unpin of pin %d", what, m, pin)
+		}
+	case <-time.After(time.Minute):
+		t.Fatalf("no unpin of %s", what)
+	}
+}
+
 // TestACallReturnsWhenItsContextEndsWhileTheSendBlocks: a daemon that
 // reads nothing (busy on a request, a hung mount) leaves a large frame's
 // write blocked; the call returns when its context ends, and the client,
@@ -195,14 +209,7 @@ func TestAPinAbandonedAfterItsSendIsUnpinned(t *testing.T) {
 		t.Fatalf("Pin: %v, want %v", err, context.Canceled)
 	}
 	close(answer)
-	select {
-	case m := <-got:
-		if u, ok := m.(*protocol.Unpin); !ok || u.Pin != 7 {
-			t.Fatalf("after the abandoned pin's reply: %#v, want an unpin of pin 7", m)
-		}
-	case <-time.After(time.Minute):
-		t.Fatal("no unpin of the abandoned pin")
-	}
+	wantUnpin(t, got, 7, "the abandoned pin")
 }
 
 // TestACancelRacingASendLeavesNoDeadline: a context that ends while a
@@ -685,12 +692,5 @@ func TestAPinReplyForOtherKeysIsUnpinned(t *testing.T) {
 	if _, err := c.Pin(context.Background(), 1, [][]byte{[]byte("key")}, 0); !errors.Is(err, protocol.ErrMalformed) {
 		t.Fatalf("Pin of 1 key answered with 2 states: %v, want %v", err, protocol.ErrMalformed)
 	}
-	select {
-	case m := <-got:
-		if u, ok := m.(*protocol.Unpin); !ok || u.Pin != 7 {
-			t.Fatalf("after the mismatched pin reply: %#v, want an unpin of pin 7", m)
-		}
-	case <-time.After(time.Minute):
-		t.Fatal("no unpin of the pin whose reply did not match its keys")
-	}
+	wantUnpin(t, got, 7, "the pin whose reply did not match its keys")
 }
