@@ -146,6 +146,8 @@ func (stubEngine) Declare(context.Context, engine.Geometry) (engine.NamespaceID,
 
 func (stubEngine) Release(engine.NamespaceID) error { return nil }
 
+func (stubEngine) Fingerprint(engine.NamespaceID) (uint64, error) { return 0, nil }
+
 func (stubEngine) Lookup(_ context.Context, _ engine.NamespaceID, keys [][]byte) (int, error) {
 	return len(keys), nil
 }
