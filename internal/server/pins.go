@@ -49,11 +49,14 @@ type sessionPin struct {
 // MaxPinnedKeys and MaxPinnedKeysPerPeer until the pin is released or its
 // lease ends.
 type pinCharge struct {
-	peer    *peer
-	keys    int64
-	ends    time.Time // the lease's end; zero without one
-	settled bool      // given back
-	index   int       // in Server.pinLeases; -1 if not there
+	peer *peer
+	keys int64
+	// ends is the lease's end, counted from the moment the engine's pin
+	// was made (holdPins); zero without a lease, and while the engine
+	// pins.
+	ends    time.Time
+	settled bool // given back
+	index   int  // in Server.pinLeases; -1 if not there
 }
 
 // pinHeap orders the charges of pins with a lease by the end of their
@@ -80,11 +83,12 @@ func (h *pinHeap) Pop() any {
 	return c
 }
 
-// chargePins counts n keys of a new pin of a session of p, with lease
-// (0: none), against MaxPinnedKeys and MaxPinnedKeysPerPeer, or says
-// which it would pass. Pins whose lease has ended are given back first:
-// the engine has released them, or does at that moment.
-func (s *Server) chargePins(p *peer, n int64, lease time.Duration) (*pinCharge, error) {
+// chargePins counts n keys of a new pin of a session of p against
+// MaxPinnedKeys and MaxPinnedKeysPerPeer, or says which it would pass;
+// they count until the charge is settled (holdPins, settlePins). Pins
+// whose lease has ended are given back first: the engine has released
+// them, or does at that moment.
+func (s *Server) chargePins(p *peer, n int64) (*pinCharge, error) {
 	now := time.Now()
 	s.pinMu.Lock()
 	defer s.pinMu.Unlock()
@@ -100,13 +104,25 @@ func (s *Server) chargePins(p *peer, n int64, lease time.Duration) (*pinCharge, 
 			p, p.pinned, n, s.cfg.MaxPinnedKeysPerPeer)
 	}
 	c := &pinCharge{peer: p, keys: n, index: -1}
-	if lease > 0 {
-		c.ends = now.Add(lease)
-		heap.Push(&s.pinLeases, c)
-	}
 	s.pinned += n
 	p.pinned += n
 	return c, nil
+}
+
+// holdPins counts c as holding keep keys (no more than it did), those
+// of the pin the engine has just made, until the pin is released or,
+// with a lease (> 0), until the lease ends. The engine's lease began
+// while it made the pin, which can take longer than the lease: counted
+// from now, the charge ends after the engine's lease, never before.
+func (s *Server) holdPins(c *pinCharge, keep int64, lease time.Duration) {
+	now := time.Now()
+	s.pinMu.Lock()
+	defer s.pinMu.Unlock()
+	s.settleLocked(c, keep)
+	if lease > 0 && !c.settled {
+		c.ends = now.Add(lease)
+		heap.Push(&s.pinLeases, c)
+	}
 }
 
 // settlePins counts c as holding keep keys from now on (no more than it
@@ -166,7 +182,7 @@ func (s *session) pin(m *protocol.Pin) (protocol.Message, error) {
 		}
 	}
 	lease := time.Duration(m.LeaseMillis) * time.Millisecond
-	charge, err := s.srv.chargePins(s.peer, int64(len(m.Keys)), lease)
+	charge, err := s.srv.chargePins(s.peer, int64(len(m.Keys)))
 	if err != nil {
 		return nil, err
 	}
@@ -186,7 +202,7 @@ func (s *session) pin(m *protocol.Pin) (protocol.Message, error) {
 	if eid == 0 {
 		kept = 0
 	}
-	s.srv.settlePins(charge, kept) // what the pin holds: the keys found
+	s.srv.holdPins(charge, kept, lease) // what the pin holds: the keys found
 	if eid != 0 {
 		if sp.ids == nil {
 			sp.ids = map[uint64]sessionPin{}

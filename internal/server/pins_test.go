@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/client"
+	"github.com/kvhost/kvhost/host/engine"
 	"github.com/kvhost/kvhost/internal/server"
 	"github.com/kvhost/kvhost/protocol"
 )
@@ -181,5 +182,68 @@ func TestOneProcessCannotPinEveryKey(t *testing.T) {
 		if _, err := c.Pin(ctx, d.ID, names, 0); err != nil {
 			t.Fatalf("a pin once the leased one ended: %v", err)
 		}
+	}
+}
+
+// slowPins is an engine whose pins wait until release is closed, saying
+// on entered that one has begun.
+type slowPins struct {
+	*engine.Engine
+	entered chan struct{}
+	release chan struct{}
+}
+
+func (e *slowPins) Pin(ctx context.Context, ns engine.NamespaceID, keys [][]byte, lease time.Duration) (engine.PinID, []bool, error) {
+	e.entered <- struct{}{}
+	<-e.release
+	return e.Engine.Pin(ctx, ns, keys, lease)
+}
+
+// TestALeasedPinCountsWhileTheEngineHoldsIt: the engine's lease of a pin
+// begins once the engine has pinned its keys, which can take longer than
+// the lease; the keys count against server.max_pinned_keys_per_peer
+// until that lease ends, not until the lease's time has passed since the
+// Pin arrived: a process pinning with short leases cannot hold more keys
+// than its share.
+func TestALeasedPinCountsWhileTheEngineHoldsIt(t *testing.T) {
+	const keys, lease = 64, time.Second
+	ctx := context.Background()
+	eng := &slowPins{entered: make(chan struct{}, 1), release: make(chan struct{})}
+	f := newFixtureWith(t, server.Config{}, nil, func(e *engine.Engine) server.Engine {
+		eng.Engine = e
+		return eng
+	})
+	c := f.dial(t)
+	k := newCache(t, c)
+	names := make([][]byte, keys)
+	blocks := make([][]uint32, keys)
+	for i := range names {
+		names[i] = fmt.Appendf(nil, "leased-%d", i)
+		blocks[i] = []uint32{0, 1}
+	}
+	job, err := c.Store(ctx, k.id, names, blocks)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res, err := job.Wait(ctx); err != nil || res.Keys[keys-1].Outcome != client.OutcomeStored {
+		t.Fatalf("store: %v %v", res.Keys, err)
+	}
+	sent := time.Now()
+	pinned := make(chan error, 1)
+	go func() {
+		_, err := c.Pin(ctx, k.ns.ID, names, lease)
+		pinned <- err
+	}()
+	<-eng.entered
+	// The engine pins the keys once the lease's time has passed since
+	// the Pin arrived: its lease begins then.
+	testwait.Until(t, "the lease's time to pass since the pin was sent", time.Minute, func() bool { return time.Since(sent) > lease })
+	close(eng.release)
+	if err := <-pinned; err != nil {
+		t.Fatal(err)
+	}
+	_, held := f.eng.PinStats()
+	if counted := f.srv.Stats().PinnedKeys; counted < int64(held) {
+		t.Errorf("the daemon counts %d pinned keys while the engine holds %d under the pin's lease, want at least %d", counted, held, held)
 	}
 }
