@@ -1,12 +1,14 @@
 package server
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
 	"net"
 	"os"
 	"time"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 
@@ -133,6 +135,7 @@ func (f *frameReader) fill() error {
 func (f *frameReader) takeRights(oob []byte, start, end int64) error {
 	msgs, err := unix.ParseSocketControlMessage(oob)
 	if err != nil {
+		closeRights(oob)
 		return fmt.Errorf("%w: control message: %w", errProtocol, err)
 	}
 	var bad error
@@ -158,6 +161,29 @@ func (f *frameReader) takeRights(oob []byte, start, end int64) error {
 		}
 	}
 	return bad
+}
+
+// closeRights closes the descriptors of the SCM_RIGHTS messages in a
+// control buffer that unix.ParseSocketControlMessage rejects, as far as its
+// headers can be followed: those before the first malformed header. The
+// kernel writes well-formed control messages, so this is a guard, not a
+// path a client can take.
+func closeRights(oob []byte) {
+	for len(oob) >= unix.CmsgLen(0) {
+		var h unix.Cmsghdr
+		copy(unsafe.Slice((*byte)(unsafe.Pointer(&h)), unix.SizeofCmsghdr), oob)
+		n := int(h.Len)
+		if n < unix.CmsgLen(0) || n > len(oob) {
+			return
+		}
+		if h.Level == unix.SOL_SOCKET && h.Type == unix.SCM_RIGHTS {
+			for data := oob[unix.CmsgLen(0):n]; len(data) >= 4; data = data[4:] {
+				unix.Close(int(int32(binary.NativeEndian.Uint32(data))))
+			}
+		}
+		// The next header begins at the aligned end of this message.
+		oob = oob[min(unix.CmsgSpace(n-unix.CmsgLen(0)), len(oob)):]
+	}
 }
 
 // readFull reads len(p) bytes of a frame that has begun. Before it first
