@@ -34,6 +34,7 @@ func (s *Server) InflightPerPeer() int64 { return s.cfg.MaxInflightBytesPerPeer 
 type Accounts struct {
 	Peers          int // entries of the per-peer map (peers of a known pid)
 	NamespaceRefs  int // namespaces some session holds declared
+	NamespacesIdle int // declarations in the engine, and namespaces let go meanwhile
 	PinLeases      int // pin charges waiting for the end of their lease
 	IncomingQueued int // frames queued for the room of all connections
 }
@@ -46,6 +47,7 @@ func (s *Server) Accounts() Accounts {
 	s.mu.Unlock()
 	s.nsMu.Lock()
 	a.NamespaceRefs = len(s.nsRefs)
+	a.NamespacesIdle = len(s.nsIdle) + s.nsDeclaring
 	s.nsMu.Unlock()
 	s.pinMu.Lock()
 	a.PinLeases = len(s.pinLeases)

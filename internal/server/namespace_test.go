@@ -9,6 +9,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -190,5 +191,144 @@ func TestNamespaceRefcount(t *testing.T) {
 	}
 	if got := log.released(); !slices.Equal(got, []engine.NamespaceID{want, want}) {
 		t.Fatalf("released %v after the last user closed, want [%d %d]", got, want, want)
+	}
+}
+
+// gatedDeclares is an engine whose next declaration of model, once armed,
+// waits in Declare until open is closed (as one waiting on a slow policy
+// plugin), and which records its Release calls.
+type gatedDeclares struct {
+	releaseLog
+	model   string
+	armed   atomic.Bool
+	entered chan struct{} // closed when the armed declaration waits
+	open    chan struct{}
+}
+
+func newGatedDeclares(e *engine.Engine, model string) *gatedDeclares {
+	return &gatedDeclares{releaseLog: releaseLog{Engine: e}, model: model, entered: make(chan struct{}), open: make(chan struct{})}
+}
+
+func (g *gatedDeclares) Declare(ctx context.Context, geo engine.Geometry) (engine.NamespaceID, error) {
+	if geo.Model == g.model && g.armed.CompareAndSwap(true, false) {
+		close(g.entered)
+		select {
+		case <-g.open:
+		case <-ctx.Done():
+			return 0, ctx.Err()
+		}
+	}
+	return g.Engine.Declare(ctx, geo)
+}
+
+// declareAsync declares g on c and delivers the outcome on the channel.
+func declareAsync(ctx context.Context, c *client.Client, g client.Geometry) <-chan error {
+	done := make(chan error, 1)
+	go func() {
+		_, err := c.Declare(ctx, g)
+		done <- err
+	}()
+	return done
+}
+
+// TestReleasesDoNotWaitForASlowDeclaration: while one connection's
+// declaration waits in the engine, another connection's undeclare is
+// answered and a closing connection's namespaces are let go; the engine
+// releases them once the declaration is done.
+func TestReleasesDoNotWaitForASlowDeclaration(t *testing.T) {
+	var eng *gatedDeclares
+	f := newFixtureWith(t, server.Config{}, nil, func(e *engine.Engine) server.Engine {
+		eng = newGatedDeclares(e, "slow")
+		return eng
+	})
+	defer func() {
+		select {
+		case <-eng.open:
+		default:
+			close(eng.open)
+		}
+	}()
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Hang)
+	defer cancel()
+	a, c := f.dial(t), f.dial(t)
+	nsA, err := a.Declare(ctx, throwaway(0))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Declare(ctx, throwaway(1)); err != nil {
+		t.Fatal(err)
+	}
+	slow := throwaway(2)
+	slow.Model = "slow"
+	eng.armed.Store(true)
+	declared := declareAsync(ctx, f.dial(t), slow)
+	<-eng.entered
+
+	if err := a.Undeclare(ctx, nsA.ID); err != nil {
+		t.Fatalf("undeclare while another connection's declaration waits in the engine: %v", err)
+	}
+	c.Close()
+	if err := f.srv.WaitSessions(ctx, 2); err != nil {
+		t.Fatalf("a closing connection while another's declaration waits in the engine: %v", err)
+	}
+	close(eng.open)
+	if err := <-declared; err != nil {
+		t.Fatalf("the slow declaration: %v", err)
+	}
+	if got := eng.released(); len(got) != 2 {
+		t.Fatalf("released %v once the slow declaration was done, want the 2 namespaces let go meanwhile", got)
+	}
+}
+
+// TestNamespaceDeclaredWhileLetGoIsKept: the last user of a namespace
+// undeclares it while another connection's declaration of the same
+// geometry waits in the engine: the namespace is not released under the
+// new user, who can use it, and it is released once that user closes.
+func TestNamespaceDeclaredWhileLetGoIsKept(t *testing.T) {
+	var eng *gatedDeclares
+	f := newFixtureWith(t, server.Config{}, nil, func(e *engine.Engine) server.Engine {
+		eng = newGatedDeclares(e, geo.Model)
+		return eng
+	})
+	defer func() {
+		select {
+		case <-eng.open:
+		default:
+			close(eng.open)
+		}
+	}()
+	ctx, cancel := context.WithTimeout(context.Background(), testwait.Hang)
+	defer cancel()
+	a, b := f.dial(t), f.dial(t)
+	nsA, err := a.Declare(ctx, geo)
+	if err != nil {
+		t.Fatal(err)
+	}
+	eng.armed.Store(true)
+	declared := declareAsync(ctx, b, geo)
+	<-eng.entered
+	if err := a.Undeclare(ctx, nsA.ID); err != nil {
+		t.Fatalf("undeclare while another connection's declaration of the geometry waits in the engine: %v", err)
+	}
+	close(eng.open)
+	if err := <-declared; err != nil {
+		t.Fatalf("the declaration of the geometry let go meanwhile: %v", err)
+	}
+	if got := eng.released(); len(got) != 0 {
+		t.Fatalf("released %v, a namespace a connection has just declared", got)
+	}
+	nsB, err := b.Declare(ctx, geo) // the connection's namespace, declared above
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := b.Lookup(ctx, nsB.ID, [][]byte{[]byte("key")}); err != nil {
+		t.Fatalf("lookup in the namespace declared while it was let go: %v", err)
+	}
+	b.Close()
+	if err := f.srv.WaitSessions(ctx, 1); err != nil {
+		t.Fatal(err)
+	}
+	if got := eng.released(); len(got) != 1 {
+		t.Fatalf("released %v after the namespace's last user closed, want it once", got)
 	}
 }

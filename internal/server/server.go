@@ -21,6 +21,7 @@ import (
 	"math"
 	"net"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -550,11 +551,17 @@ type Server struct {
 	pinned    int64
 	pinLeases pinHeap
 
-	// nsMu serialises declarations and releases, so that a namespace is
-	// never released by one session while another is declaring it. It
-	// also guards every peer's namespaces.
-	nsMu   sync.Mutex
-	nsRefs map[engine.NamespaceID]int // sessions that declared it
+	// nsMu guards the namespaces' counts, every peer's included. It is
+	// not held across the engine's Declare, which may wait on the policy
+	// plugin: while declarations are in the engine (nsDeclaring), a
+	// namespace whose last user lets it go is not released but put in
+	// nsIdle, and the last declaration to leave the engine releases those
+	// still unused, so that no namespace is released while a session is
+	// declaring it.
+	nsMu        sync.Mutex
+	nsRefs      map[engine.NamespaceID]int // sessions that declared it
+	nsDeclaring int                        // declarations in the engine's Declare
+	nsIdle      []engine.NamespaceID       // let go while nsDeclaring > 0
 }
 
 // peer is what the connections of one client process (its pid, from
@@ -909,15 +916,38 @@ func (s *Server) notifyLocked() {
 
 // declare declares g for a session of p and counts the session as a user
 // of the namespace. A geometry new to p is refused, before the engine
-// sees it, when p holds MaxNamespacesPerPeer already.
+// sees it, when p holds MaxNamespacesPerPeer already. The engine's Declare
+// runs without nsMu: other sessions' undeclares and closes do not wait
+// for it.
 func (s *Server) declare(ctx context.Context, p *peer, g engine.Geometry) (engine.NamespaceID, error) {
 	s.nsMu.Lock()
-	defer s.nsMu.Unlock()
-	if p.namespaces[g] == 0 && len(p.namespaces) >= s.cfg.MaxNamespacesPerPeer {
+	if held := len(p.namespaces); p.namespaces[g] == 0 && held >= s.cfg.MaxNamespacesPerPeer {
+		s.nsMu.Unlock()
 		return 0, s.refuse(boundNamespacesPerPeer, "%s already holds %d geometries declared, the most one process may hold (server.max_namespaces_per_peer): undeclare one first",
-			p, len(p.namespaces))
+			p, held)
 	}
+	// The declaration counts against p's bound while it is in the engine:
+	// p's sessions cannot pass the bound by declaring at once.
+	p.namespaces[g]++
+	s.nsDeclaring++
+	s.nsMu.Unlock()
+
 	id, err := s.eng.Declare(ctx, g)
+
+	s.nsMu.Lock()
+	defer s.nsMu.Unlock()
+	if err == nil {
+		s.nsRefs[id]++
+	} else if p.namespaces[g]--; p.namespaces[g] <= 0 {
+		delete(p.namespaces, g)
+	}
+	if s.nsDeclaring--; s.nsDeclaring == 0 {
+		idle := s.nsIdle
+		s.nsIdle = nil
+		for _, ns := range idle {
+			s.releaseLocked(ns)
+		}
+	}
 	if errors.Is(err, engine.ErrLimit) {
 		// The engine knows as many namespaces as it may: a limit, which
 		// clients may wait out, not a fault of the geometry.
@@ -926,8 +956,6 @@ func (s *Server) declare(ctx context.Context, p *peer, g engine.Geometry) (engin
 	if err != nil {
 		return 0, err
 	}
-	p.namespaces[g]++
-	s.nsRefs[id]++
 	return id, nil
 }
 
@@ -941,7 +969,7 @@ func (p *peer) String() string {
 
 // undeclare drops a session's use of namespace id, of geometry g, by a
 // session of p, and releases it in the engine when no session uses it any
-// more.
+// more: at once, or when the declarations in the engine are done.
 func (s *Server) undeclare(p *peer, g engine.Geometry, id engine.NamespaceID) {
 	s.nsMu.Lock()
 	defer s.nsMu.Unlock()
@@ -953,6 +981,22 @@ func (s *Server) undeclare(p *peer, g engine.Geometry, id engine.NamespaceID) {
 		return
 	}
 	delete(s.nsRefs, id)
+	if s.nsDeclaring > 0 {
+		// A declaration in the engine may be handed this namespace.
+		if !slices.Contains(s.nsIdle, id) {
+			s.nsIdle = append(s.nsIdle, id)
+		}
+		return
+	}
+	s.releaseLocked(id)
+}
+
+// releaseLocked releases namespace id in the engine unless a session
+// declared it again since it was let go. s.nsMu is held.
+func (s *Server) releaseLocked(id engine.NamespaceID) {
+	if s.nsRefs[id] > 0 {
+		return
+	}
 	if err := s.eng.Release(id); err != nil {
 		s.log.Warn("release namespace", "ns", id, "err", err)
 	}
