@@ -89,7 +89,7 @@ func (h *pinHeap) Pop() any {
 // whose lease has ended are given back first: the engine has released
 // them, or does at that moment.
 func (s *Server) chargePins(p *peer, n int64) (*pinCharge, error) {
-	now := time.Now()
+	now := s.cfg.Now()
 	s.pinMu.Lock()
 	defer s.pinMu.Unlock()
 	for len(s.pinLeases) > 0 && !s.pinLeases[0].ends.After(now) {
@@ -115,7 +115,7 @@ func (s *Server) chargePins(p *peer, n int64) (*pinCharge, error) {
 // while it made the pin, which can take longer than the lease: counted
 // from now, the charge ends after the engine's lease, never before.
 func (s *Server) holdPins(c *pinCharge, keep int64, lease time.Duration) {
-	now := time.Now()
+	now := s.cfg.Now()
 	s.pinMu.Lock()
 	defer s.pinMu.Unlock()
 	s.settleLocked(c, keep)
@@ -151,7 +151,7 @@ func (s *Server) settleLocked(c *pinCharge, keep int64) {
 // pinnedKeys is the keys the pins of all connections hold, those whose
 // lease has ended given back.
 func (s *Server) pinnedKeys() int64 {
-	now := time.Now()
+	now := s.cfg.Now()
 	s.pinMu.Lock()
 	defer s.pinMu.Unlock()
 	for len(s.pinLeases) > 0 && !s.pinLeases[0].ends.After(now) {

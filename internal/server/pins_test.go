@@ -4,16 +4,17 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"github.com/kvhost/kvhost/internal/testwait"
 	"math/rand/v2"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/kvhost/kvhost/client"
 	"github.com/kvhost/kvhost/host/engine"
 	"github.com/kvhost/kvhost/internal/server"
+	"github.com/kvhost/kvhost/internal/testwait"
 	"github.com/kvhost/kvhost/protocol"
 )
 
@@ -206,10 +207,19 @@ func (e *slowPins) Pin(ctx context.Context, ns engine.NamespaceID, keys [][]byte
 // Pin arrived: a process pinning with short leases cannot hold more keys
 // than its share.
 func TestALeasedPinCountsWhileTheEngineHoldsIt(t *testing.T) {
-	const keys, lease = 64, time.Second
+	const keys, lease = 64, time.Minute
+	// The server's clock, moved by the test: the engine's lease runs on
+	// its own timer, a minute, which the test does not wait out.
+	var mu sync.Mutex
+	now := time.Unix(1e9, 0)
+	clock := func() time.Time {
+		mu.Lock()
+		defer mu.Unlock()
+		return now
+	}
 	ctx := context.Background()
 	eng := &slowPins{entered: make(chan struct{}, 1), release: make(chan struct{})}
-	f := newFixtureWith(t, server.Config{}, nil, func(e *engine.Engine) server.Engine {
+	f := newFixtureWith(t, server.Config{Now: clock}, nil, func(e *engine.Engine) server.Engine {
 		eng.Engine = e
 		return eng
 	})
@@ -228,16 +238,17 @@ func TestALeasedPinCountsWhileTheEngineHoldsIt(t *testing.T) {
 	if res, err := job.Wait(ctx); err != nil || res.Keys[keys-1].Outcome != client.OutcomeStored {
 		t.Fatalf("store: %v %v", res.Keys, err)
 	}
-	sent := time.Now()
 	pinned := make(chan error, 1)
 	go func() {
 		_, err := c.Pin(ctx, k.ns.ID, names, lease)
 		pinned <- err
 	}()
 	<-eng.entered
-	// The engine pins the keys once the lease's time has passed since
-	// the Pin arrived: its lease begins then.
-	testwait.Until(t, "the lease's time to pass since the pin was sent", time.Minute, func() bool { return time.Since(sent) > lease })
+	// The engine pins the keys once the lease's time has passed, on the
+	// server's clock, since the Pin arrived: its lease begins then.
+	mu.Lock()
+	now = now.Add(2 * lease)
+	mu.Unlock()
 	close(eng.release)
 	if err := <-pinned; err != nil {
 		t.Fatal(err)

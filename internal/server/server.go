@@ -166,6 +166,9 @@ type Config struct {
 	// connection whose peer's pid the kernel does not give is a process
 	// of its own.
 	MaxNamespacesPerPeer int
+	// Now is the clock that ends the charges of pins with a lease
+	// (default time.Now).
+	Now func() time.Time
 	// MaxTotalRegisteredBytes bounds the bytes of memory all connections
 	// together may register, that is map into the daemon (default 64 TiB,
 	// half of the x86-64 user address space). Each connection is
@@ -369,6 +372,9 @@ func (c Config) withDefaults() (Config, error) {
 	def(&c.MaxNamespaces, 64)
 	def(&c.MaxCaches, 64)
 	def(&c.MaxNamespacesPerPeer, c.MaxNamespaces)
+	if c.Now == nil {
+		c.Now = time.Now
+	}
 	defDur := func(v *time.Duration, d time.Duration) {
 		if *v == 0 {
 			*v = d
