@@ -25,6 +25,7 @@ import (
 	"github.com/kvhost/kvhost/host/engine"
 	"github.com/kvhost/kvhost/internal/fsys"
 	"github.com/kvhost/kvhost/internal/server"
+	"github.com/kvhost/kvhost/internal/testwait"
 	"github.com/kvhost/kvhost/protocol"
 )
 
@@ -912,14 +913,11 @@ func stallAndShutdown(t *testing.T, f *fixture) {
 		}
 		return false
 	}
-	waiting := f.srv.Stats().IncomingWaiting
-	for waiting == 0 && !cut() {
-		if time.Now().After(deadline) {
-			t.Fatal("no frame waits for room behind two stalled ones, and neither was cut off")
-		}
-		time.Sleep(100 * time.Microsecond)
+	var waiting int64
+	testwait.Until(t, "a frame waiting for room behind two stalled ones, or one of them cut off", time.Until(deadline), func() bool {
 		waiting = f.srv.Stats().IncomingWaiting
-	}
+		return waiting > 0 || cut()
+	})
 	f.srv.Shutdown()
 	t.Logf("shut down with %d frames waiting for room", waiting)
 }
