@@ -234,22 +234,33 @@ func declareAsync(ctx context.Context, c *client.Client, g client.Geometry) <-ch
 // TestReleasesDoNotWaitForASlowDeclaration: while one connection's
 // declaration waits in the engine, another connection's undeclare is
 // answered and a closing connection's namespaces are let go; the engine
-// releases them once the declaration is done.
-func TestReleasesDoNotWaitForASlowDeclaration(t *testing.T) {
+
+// newGatedFixture returns a fixture whose engine holds declarations of
+// model's geometries at eng's gate until the test opens it (the gate
+// opens at the test's end if the test did not), and a context that
+// bounds the test's calls by testwait.Hang.
+func newGatedFixture(t *testing.T, model string) (*fixture, *gatedDeclares, context.Context) {
+	t.Helper()
 	var eng *gatedDeclares
 	f := newFixtureWith(t, server.Config{}, nil, func(e *engine.Engine) server.Engine {
-		eng = newGatedDeclares(e, "slow")
+		eng = newGatedDeclares(e, model)
 		return eng
 	})
-	defer func() {
+	t.Cleanup(func() { // before the fixture's: cleanups run last first
 		select {
 		case <-eng.open:
 		default:
 			close(eng.open)
 		}
-	}()
+	})
 	ctx, cancel := context.WithTimeout(context.Background(), testwait.Hang)
-	defer cancel()
+	t.Cleanup(cancel)
+	return f, eng, ctx
+}
+
+// releases them once the declaration is done.
+func TestReleasesDoNotWaitForASlowDeclaration(t *testing.T) {
+	f, eng, ctx := newGatedFixture(t, "slow")
 	a, c := f.dial(t), f.dial(t)
 	nsA, err := a.Declare(ctx, throwaway(0))
 	if err != nil {
@@ -285,20 +296,7 @@ func TestReleasesDoNotWaitForASlowDeclaration(t *testing.T) {
 // geometry waits in the engine: the namespace is not released under the
 // new user, who can use it, and it is released once that user closes.
 func TestNamespaceDeclaredWhileLetGoIsKept(t *testing.T) {
-	var eng *gatedDeclares
-	f := newFixtureWith(t, server.Config{}, nil, func(e *engine.Engine) server.Engine {
-		eng = newGatedDeclares(e, geo.Model)
-		return eng
-	})
-	defer func() {
-		select {
-		case <-eng.open:
-		default:
-			close(eng.open)
-		}
-	}()
-	ctx, cancel := context.WithTimeout(context.Background(), testwait.Hang)
-	defer cancel()
+	f, eng, ctx := newGatedFixture(t, geo.Model)
 	a, b := f.dial(t), f.dial(t)
 	nsA, err := a.Declare(ctx, geo)
 	if err != nil {
