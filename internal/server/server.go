@@ -430,32 +430,27 @@ func (c Config) withDefaults() (Config, error) {
 	case int64(c.MaxRegistrations)+int64(c.MaxNamespaces)+int64(c.MaxCaches) >= math.MaxUint32:
 		// A connection's ids are u32 and never 0: a free one must remain.
 		return c, fmt.Errorf("server: MaxRegistrations + MaxNamespaces + MaxCaches %d: want less than %d", int64(c.MaxRegistrations)+int64(c.MaxNamespaces)+int64(c.MaxCaches), uint32(math.MaxUint32))
-	case c.MaxPinnedKeysPerPeer < protocol.MaxKeysPerRequest || c.MaxPinnedKeys < c.MaxPinnedKeysPerPeer:
-		return c, fmt.Errorf("server: max_pinned_keys %d, max_pinned_keys_per_peer %d: want %d ≤ max_pinned_keys_per_peer ≤ max_pinned_keys (one Pin of the most keys a request carries must fit)",
-			c.MaxPinnedKeys, c.MaxPinnedKeysPerPeer, protocol.MaxKeysPerRequest)
-	case c.MaxCacheLayersPerPeer < protocol.MaxLayers || c.MaxCacheLayers < c.MaxCacheLayersPerPeer:
-		return c, fmt.Errorf("server: max_cache_layers %d, max_cache_layers_per_peer %d: want %d ≤ max_cache_layers_per_peer ≤ max_cache_layers (one cache of the most layers a registration carries must fit)",
-			c.MaxCacheLayers, c.MaxCacheLayersPerPeer, protocol.MaxLayers)
-	case c.MaxDescriptors < 0 || c.MaxDescriptorsPerPeer < 0:
-		return c, errors.New("server: negative descriptor limit")
-	case c.MaxDescriptorsPerPeer > c.MaxDescriptors:
-		return c, fmt.Errorf("server: max_descriptors_per_peer %d: want at most max_descriptors, %d", c.MaxDescriptorsPerPeer, c.MaxDescriptors)
-	case c.MaxInflightBytes < 0 || c.MaxInflightBytesPerPeer < 0:
-		return c, errors.New("server: negative in-flight bytes limit")
-	case c.MaxInflightBytesPerPeer > c.MaxInflightBytes:
-		return c, fmt.Errorf("server: max_inflight_bytes_per_peer %d: want at most max_inflight_bytes, %d", c.MaxInflightBytesPerPeer, c.MaxInflightBytes)
-	case c.MaxInflightBytesPerPeer < MaxJobBytes(c.MaxFrame):
-		return c, fmt.Errorf("server: max_inflight_bytes_per_peer %d: want at least %d, what one job in a frame of max_frame (%d bytes) holds: raise max_inflight_bytes (the default per peer is half of it) or lower max_frame",
-			c.MaxInflightBytesPerPeer, MaxJobBytes(c.MaxFrame), c.MaxFrame)
-	case c.MaxIncomingBytes < 0 || c.MaxIncomingBytesPerPeer < 0:
-		return c, errors.New("server: negative incoming bytes limit")
-	case c.MaxIncomingBytesPerPeer > c.MaxIncomingBytes:
-		return c, fmt.Errorf("server: max_incoming_bytes_per_peer %d: want at most max_incoming_bytes, %d", c.MaxIncomingBytesPerPeer, c.MaxIncomingBytes)
-	case c.MaxIncomingBytesPerPeer < int64(c.MaxFrame):
-		return c, fmt.Errorf("server: max_incoming_bytes_per_peer %d: want at least max_frame, %d: one frame of the largest size must fit (the default per peer is half of max_incoming_bytes)",
-			c.MaxIncomingBytesPerPeer, c.MaxFrame)
 	case c.ShutdownTimeout < 0 || c.HandshakeTimeout < 0 || c.FrameTimeout < 0 || c.IdleTimeout < 0 || c.WriteTimeout < 0:
 		return c, errors.New("server: negative timeout")
+	}
+	for _, b := range []struct {
+		key                 string
+		total, share, least int64
+		why                 string
+	}{
+		{"max_descriptors", int64(c.MaxDescriptors), int64(c.MaxDescriptorsPerPeer), 0, ""},
+		{"max_inflight_bytes", c.MaxInflightBytes, c.MaxInflightBytesPerPeer, MaxJobBytes(c.MaxFrame),
+			fmt.Sprintf("what one job in a frame of max_frame (%d bytes) holds: raise max_inflight_bytes (the default per peer is half of it) or lower max_frame", c.MaxFrame)},
+		{"max_incoming_bytes", c.MaxIncomingBytes, c.MaxIncomingBytesPerPeer, int64(c.MaxFrame),
+			"max_frame: one frame of the largest size must fit (the default per peer is half of max_incoming_bytes)"},
+		{"max_pinned_keys", int64(c.MaxPinnedKeys), int64(c.MaxPinnedKeysPerPeer), protocol.MaxKeysPerRequest,
+			"one Pin of the most keys a request carries must fit"},
+		{"max_cache_layers", int64(c.MaxCacheLayers), int64(c.MaxCacheLayersPerPeer), protocol.MaxLayers,
+			"one cache of the most layers a registration carries must fit"},
+	} {
+		if err := checkShare(b.key, b.total, b.share, b.least, b.why); err != nil {
+			return c, err
+		}
 	}
 	if c.Name == "" {
 		c.Name = "kvhost"
@@ -464,6 +459,21 @@ func (c Config) withDefaults() (Config, error) {
 		c.Logger = slog.Default()
 	}
 	return c, nil
+}
+
+// checkShare checks a daemon-wide bound, the key server.KEY, and its
+// per-peer share, KEY_per_peer: neither negative, and the share at most
+// the total and at least least (why says what least must hold).
+func checkShare(key string, total, share, least int64, why string) error {
+	switch {
+	case total < 0 || share < 0:
+		return fmt.Errorf("server: %s %d, %s_per_peer %d: want no negative limit", key, total, key, share)
+	case share > total:
+		return fmt.Errorf("server: %s_per_peer %d: want at most %s, %d", key, share, key, total)
+	case share < least:
+		return fmt.Errorf("server: %s_per_peer %d: want at least %d, %s", key, share, least, why)
+	}
+	return nil
 }
 
 // regShare is the most bytes one connection may register: its guaranteed
