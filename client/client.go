@@ -656,9 +656,17 @@ func (c *Client) Store(ctx context.Context, cache CacheID, keys [][]byte, blocks
 	return c.transfer(ctx, protocol.JobStore, cache, keys, blocks)
 }
 
-// Load starts a job loading keys[i] into the cache blocks blocks[i]. The
-// daemon writes the blocks until the job completes: do not use them before
-// Wait returns. See Store for a ctx that ends.
+// NoBlock, as a block id of a Load, leaves that block of the key out: the
+// key's other blocks are loaded, and the daemon still reads and verifies
+// the whole key (protocol.NoBlock). The daemon refuses it in a Store, and
+// a Load key whose every block is NoBlock.
+const NoBlock = protocol.NoBlock
+
+// Load starts a job loading keys[i] into the cache blocks blocks[i]; a
+// block id NoBlock is a block of the key that is not loaded (a load that
+// starts or ends inside a key). The daemon writes the blocks until the
+// job completes: do not use them before Wait returns. See Store for a
+// ctx that ends.
 func (c *Client) Load(ctx context.Context, cache CacheID, keys [][]byte, blocks [][]uint32) (*Job, error) {
 	return c.transfer(ctx, protocol.JobLoad, cache, keys, blocks)
 }

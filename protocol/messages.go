@@ -493,6 +493,15 @@ func (k JobKind) String() string {
 	return fmt.Sprintf("job-kind(%d)", uint8(k))
 }
 
+// NoBlock, as a block id of a Load, says that block of the key is not
+// loaded: the key's other blocks are, and the whole key is still read and
+// its payload checksum verified, but the bytes of this block go nowhere.
+// It serves a load that starts or ends inside a key (vLLM's chunks of
+// several GPU blocks, whose first blocks the GPU prefix cache holds
+// already). A Store may not carry it, nor may a Load leave out every block
+// of a key (Transfer.CheckNoBlock).
+const NoBlock uint32 = 0xFFFFFFFF
+
 // Transfer is a Store or Load request: key i moves from or to the cache
 // blocks Blocks[i] (BlocksPerKey of them).
 type Transfer struct {
@@ -508,6 +517,28 @@ func (m *Transfer) Type() Type {
 		return TypeLoad
 	}
 	return TypeStore
+}
+
+// CheckNoBlock reports, as an error naming the key, a Store with a NoBlock
+// block id and a Load of a key whose every block id is NoBlock; nil
+// otherwise.
+func (m *Transfer) CheckNoBlock() error {
+	for i, blocks := range m.Blocks {
+		skipped := 0
+		for _, id := range blocks {
+			if id == NoBlock {
+				skipped++
+			}
+		}
+		switch {
+		case skipped == 0:
+		case m.Kind != JobLoad:
+			return fmt.Errorf("key %d: block id 0x%08x (NoBlock) in a store: only a load may leave blocks of a key out", i, NoBlock)
+		case skipped == len(blocks):
+			return fmt.Errorf("key %d: every block id is 0x%08x (NoBlock): a load must name at least one block of each key", i, NoBlock)
+		}
+	}
+	return nil
 }
 
 // AppendBody encodes: u32 cache | u32 blocks per key | keys | key count ×

@@ -8,6 +8,7 @@ import (
 	"path/filepath"
 	"reflect"
 	"slices"
+	"strings"
 	"testing"
 )
 
@@ -35,6 +36,7 @@ func sampleMessages() []Message {
 		&Count{T: TypeLookup | TypeReply, Count: 2},
 		&Transfer{Kind: JobStore, Cache: 1, Keys: [][]byte{[]byte("k1"), []byte("k2")}, Blocks: [][]uint32{{1, 2}, {3, 4}}},
 		&Transfer{Kind: JobLoad, Cache: 1, Keys: [][]byte{[]byte("k1")}, Blocks: [][]uint32{{9}}},
+		&Transfer{Kind: JobLoad, Cache: 1, Keys: [][]byte{[]byte("k1")}, Blocks: [][]uint32{{NoBlock, 9, NoBlock}}},
 		&JobAccepted{T: TypeStore | TypeReply, Job: 42},
 		&Cancel{Job: 42},
 		&Cancelled{InFlight: true},
@@ -391,5 +393,39 @@ func TestHelloWireBytes(t *testing.T) {
 	want := []byte{'K', 'V', 'H', 'O', 'S', 'T', 0, 1, 1, 0, 0, 0, 1, 'c'}
 	if !bytes.Equal(got, want) {
 		t.Fatalf("Hello body % x, want % x", got, want)
+	}
+}
+
+// TestTransferCheckNoBlock: NoBlock passes in a load that names another
+// block of every key; a store carrying it, and a load key of NoBlocks
+// only, are refused naming the key.
+func TestTransferCheckNoBlock(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		kind   JobKind
+		blocks [][]uint32
+		want   string // "" for nil
+	}{
+		{"load without NoBlock", JobLoad, [][]uint32{{1, 2}, {3, 4}}, ""},
+		{"load starting inside a key", JobLoad, [][]uint32{{NoBlock, 2}, {3, 4}}, ""},
+		{"load ending inside a key", JobLoad, [][]uint32{{1, 2}, {3, NoBlock}}, ""},
+		{"load of one block inside a key", JobLoad, [][]uint32{{NoBlock, 5, NoBlock}}, ""},
+		{"load of a key of NoBlocks only", JobLoad, [][]uint32{{1, 2}, {NoBlock, NoBlock}}, "key 1: every block id is 0xffffffff (NoBlock)"},
+		{"store without NoBlock", JobStore, [][]uint32{{1, 2}}, ""},
+		{"store with NoBlock", JobStore, [][]uint32{{1, 2}, {NoBlock, 4}}, "key 1: block id 0xffffffff (NoBlock) in a store"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			m := &Transfer{Kind: tc.kind, Cache: 1, Blocks: tc.blocks}
+			for range tc.blocks {
+				m.Keys = append(m.Keys, []byte("k"))
+			}
+			err := m.CheckNoBlock()
+			switch {
+			case tc.want == "" && err != nil:
+				t.Fatalf("CheckNoBlock() = %v, want nil", err)
+			case tc.want != "" && (err == nil || !strings.Contains(err.Error(), tc.want)):
+				t.Fatalf("CheckNoBlock() = %v, want an error containing %q", err, tc.want)
+			}
+		})
 	}
 }

@@ -334,6 +334,12 @@ type StoreRequest struct {
 	Blocks [][]int
 }
 
+// NoBlock, as a block id of a LoadRequest, says that block of the key is
+// not loaded (the protocol's NoBlock): nothing is written for it, but the
+// whole key is still read and its payload checksum verified. A store may
+// not carry it.
+const NoBlock = -1
+
 // LoadRequest loads Keys[i] into the cache blocks Blocks[i].
 type LoadRequest struct {
 	// Cache is the registered cache (Engine.RegisterCache) the blocks are
@@ -343,7 +349,9 @@ type LoadRequest struct {
 	Keys [][]byte
 	// Blocks[i] are the block ids Keys[i] is loaded into
 	// (Geometry.BlocksPerKey() of them, each below every layer tensor's
-	// NumBlocks); no block may appear twice in one request.
+	// NumBlocks, or NoBlock for a block of the key that is not loaded;
+	// at least one of them not NoBlock); no block may appear twice in
+	// one request.
 	Blocks [][]int
 }
 

@@ -109,8 +109,9 @@ func (e *Engine) UnregisterCache(id CacheID) error {
 	return nil
 }
 
-// request validates the common part of store and load requests.
-func (e *Engine) request(id CacheID, keys [][]byte, blocks [][]int) (*cache, error) {
+// request validates the common part of store and load requests (load:
+// a load's, whose blocks may be NoBlock).
+func (e *Engine) request(id CacheID, keys [][]byte, blocks [][]int, load bool) (*cache, error) {
 	e.mu.RLock()
 	c, ok := e.caches[id]
 	closed := e.closed
@@ -136,10 +137,21 @@ func (e *Engine) request(id CacheID, keys [][]byte, blocks [][]int) (*cache, err
 		if len(blocks[i]) != bpk {
 			return nil, fmt.Errorf("%w: key %d: %d blocks: want %d", ErrInvalid, i, len(blocks[i]), bpk)
 		}
+		skipped := 0
 		for _, b := range blocks[i] {
+			if b == NoBlock {
+				if !load {
+					return nil, fmt.Errorf("%w: key %d: block NoBlock (%d) in a store: only a load may leave blocks of a key out", ErrInvalid, i, NoBlock)
+				}
+				skipped++
+				continue
+			}
 			if b < 0 || b >= nb {
 				return nil, fmt.Errorf("%w: key %d: block %d outside 0..%d", ErrInvalid, i, b, nb-1)
 			}
+		}
+		if skipped == bpk {
+			return nil, fmt.Errorf("%w: key %d: every block is NoBlock: a load must name at least one block of each key", ErrInvalid, i)
 		}
 	}
 	return c, nil

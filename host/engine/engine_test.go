@@ -243,7 +243,7 @@ func TestRequestValidation(t *testing.T) {
 		{"lengths", StoreRequest{Cache: c.id, Keys: testKeys("a", 2), Blocks: [][]int{{0, 1, 2, 3}}}, ErrInvalid},
 		{"blocks per key", StoreRequest{Cache: c.id, Keys: testKeys("a", 1), Blocks: [][]int{{0, 1, 2}}}, ErrInvalid},
 		{"block id", StoreRequest{Cache: c.id, Keys: testKeys("a", 1), Blocks: [][]int{{0, 1, 2, 8}}}, ErrInvalid},
-		{"negative block", StoreRequest{Cache: c.id, Keys: testKeys("a", 1), Blocks: [][]int{{0, -1, 2, 3}}}, ErrInvalid},
+		{"negative block", StoreRequest{Cache: c.id, Keys: testKeys("a", 1), Blocks: [][]int{{0, -2, 2, 3}}}, ErrInvalid},
 		{"empty key", StoreRequest{Cache: c.id, Keys: [][]byte{{}}, Blocks: [][]int{{0, 1, 2, 3}}}, ErrInvalid},
 		{"long key", StoreRequest{Cache: c.id, Keys: [][]byte{make([]byte, 65)}, Blocks: [][]int{{0, 1, 2, 3}}}, ErrInvalid},
 	} {

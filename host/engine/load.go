@@ -20,7 +20,7 @@ import (
 // header is checked against the namespace and key, and payload checksums are
 // verified: a corrupt file is a failed key and is dropped.
 func (e *Engine) Load(ctx context.Context, req LoadRequest) (*Job, error) {
-	c, err := e.request(req.Cache, req.Keys, req.Blocks)
+	c, err := e.request(req.Cache, req.Keys, req.Blocks, true)
 	if err != nil {
 		return nil, err
 	}
@@ -282,20 +282,27 @@ func (e *Engine) loadRound(ctx context.Context, j *Job, c *cache, blocks [][]int
 		}
 		return true
 	}
-	plan := c.plan(h, want, func(k int) []int { return blocks[dst[k]] }, m)
+	plan, sk := c.plan(h, want, func(k int) []int { return blocks[dst[k]] }, m)
 	check := h.Flags&format.FlagPayloadSums != 0 && m.checksums && mv.Checksums()
 	var sums []uint32
 	if check {
-		sums = make([]uint32, len(h.Keys))
+		sums = make([]uint32, plan.Sums)
 	}
 	io := e.io.Begin()
 	_, err = mv.ReadFile(ctx, f, plan, sums)
+	if err == nil && check {
+		// The bytes of blocks not loaded (NoBlock) still feed their
+		// keys' checksums, which cover whole keys.
+		err = sk.read(ctx, f, sums)
+	}
 	e.io.End(io)
 	if err != nil {
 		ok := true
 		if isShort(err) {
 			// Truncated while we read it.
-			err = fmt.Errorf("%w: %w", ErrCorrupt, err)
+			if !errors.Is(err, ErrCorrupt) {
+				err = fmt.Errorf("%w: %w", ErrCorrupt, err)
+			}
 			corrupt(err)
 			ok = false
 		}
@@ -316,8 +323,15 @@ func (e *Engine) loadRound(ctx context.Context, j *Job, c *cache, blocks [][]int
 		return false
 	}
 	var mismatched []bool // file key -> its checksum failed
+	var got []uint32      // file key -> its payload checksum, as loaded
+	if check {
+		got = make([]uint32, len(h.Keys))
+		for _, k := range read {
+			got[k] = sk.sum(k, sums)
+		}
+	}
 	for _, k := range read {
-		if check && sums[k] != h.Keys[k].Sum {
+		if check && got[k] != h.Keys[k].Sum {
 			if mismatched == nil {
 				mismatched = make([]bool, len(h.Keys))
 			}
@@ -327,8 +341,18 @@ func (e *Engine) loadRound(ctx context.Context, j *Job, c *cache, blocks [][]int
 		set(dst[k], OutcomeLoaded, nil)
 		e.st.hits.Add(1)
 		e.st.loads.Add(1)
-		e.st.read.Add(uint64(h.KeyBytes()))
-		j.bytes.Add(h.KeyBytes())
+		// The bytes read: a key's skipped blocks too where they were
+		// checksummed; the job's bytes are those it loaded.
+		loaded := h.KeyBytes()
+		if sk != nil {
+			loaded -= sk.skipped[k]
+		}
+		if check {
+			e.st.read.Add(uint64(h.KeyBytes()))
+		} else {
+			e.st.read.Add(uint64(loaded))
+		}
+		j.bytes.Add(loaded)
 	}
 	if mismatched == nil {
 		return true
@@ -342,7 +366,7 @@ func (e *Engine) loadRound(ctx context.Context, j *Job, c *cache, blocks [][]int
 		switch {
 		case !mis:
 		case err != nil:
-			set(dst[k], OutcomeFailed, fmt.Errorf("engine: load %s: key %d: payload checksum 0x%08x, want 0x%08x; re-reading: %w", en.path, k, sums[k], h.Keys[k].Sum, err))
+			set(dst[k], OutcomeFailed, fmt.Errorf("engine: load %s: key %d: payload checksum 0x%08x, want 0x%08x; re-reading: %w", en.path, k, got[k], h.Keys[k].Sum, err))
 		case private[k] != h.Keys[k].Sum:
 			bad = true
 			set(dst[k], OutcomeFailed, fmt.Errorf("%w: %s: key %d: payload checksum 0x%08x, want 0x%08x", ErrCorrupt, en.path, k, private[k], h.Keys[k].Sum))

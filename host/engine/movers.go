@@ -4,13 +4,17 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
+	"slices"
 	"sync/atomic"
 	"time"
 
+	"github.com/kvhost/kvhost/internal/crc32c"
 	"github.com/kvhost/kvhost/internal/format"
 	"github.com/kvhost/kvhost/internal/fsys"
 	"github.com/kvhost/kvhost/internal/region"
 	"github.com/kvhost/kvhost/internal/transfer"
+	"github.com/kvhost/kvhost/staging"
 )
 
 // Data movers (docs/engine.md, "Data movers"; docs/design.md).
@@ -93,25 +97,64 @@ func (e *Engine) forget(id fsys.Identity) {
 // header h: key k's blocks are the cache blocks blocks(k). Extents of one
 // region that are contiguous in both the file and the region, for one
 // checksum slot, are merged.
-func (c *cache) plan(h *format.Header, want []bool, blocks func(k int) []int, m *mount) *transfer.Plan {
+//
+// A block that is NoBlock (a load's) has no extent in the plan: no mover
+// writes into a cache block the request did not name. Its bytes are
+// returned in the skips (nil when no key has such a block), for the
+// engine to read and checksum itself (skips.read), and a key with such
+// blocks feeds one checksum slot per run of its payload that the plan
+// moves or skips, which skips.sum joins into the key's checksum.
+func (c *cache) plan(h *format.Header, want []bool, blocks func(k int) []int, m *mount) (*transfer.Plan, *skips) {
 	hl := int64(h.Len())
 	bb := int64(h.BlockBytes)
 	n := int(h.Layers * h.Planes * h.BlocksPerKey)
-	if want == nil {
-		n *= len(h.Keys)
-	} else {
-		k := 0
-		for _, w := range want {
-			if w {
-				k++
-			}
+	var sk *skips
+	wanted := 0
+	for k := range h.Keys {
+		if want != nil && !want[k] {
+			continue
 		}
-		n *= k
+		wanted++
+		if slices.Contains(blocks(k), NoBlock) {
+			if sk == nil {
+				sk = &skips{parts: make([][]part, len(h.Keys)), skipped: make([]int64, len(h.Keys))}
+			}
+			sk.parts[k] = []part{} // non-nil: the key skips blocks
+		}
 	}
-	p := &transfer.Plan{Extents: make([]transfer.Extent, 0, n), Sums: len(h.Keys), Direct: m.direct, Memory: m.memory, Folio: m.folio}
+	p := &transfer.Plan{Extents: make([]transfer.Extent, 0, n*wanted), Sums: len(h.Keys), Direct: m.direct, Memory: m.memory, Folio: m.folio}
 	h.Walk(want, func(k, b, l, pl int, off int64) {
 		t := &c.layers[l]
-		x := transfer.Extent{FileOff: hl + off, Region: t.Region, RegionOff: t.Offset + int64(pl)*t.PlaneStride + int64(blocks(k)[b])*t.BlockStride, Len: bb, Sum: k}
+		blk := blocks(k)[b]
+		sum := k
+		if sk != nil && sk.parts[k] != nil {
+			// A key with skipped blocks: a new slot where its payload
+			// turns from moved to skipped bytes or back.
+			ps := sk.parts[k]
+			skip := blk == NoBlock
+			if len(ps) == 0 || ps[len(ps)-1].skip != skip {
+				ps = append(ps, part{slot: p.Sums, skip: skip})
+				p.Sums++
+			}
+			last := &ps[len(ps)-1]
+			last.n += bb
+			sk.parts[k] = ps
+			sum = last.slot
+			if skip {
+				sk.skipped[k] += bb
+				x := transfer.Extent{FileOff: hl + off, Len: bb, Sum: sum}
+				if i := len(sk.reads) - 1; i >= 0 {
+					prev := &sk.reads[i]
+					if prev.Sum == x.Sum && prev.FileOff+prev.Len == x.FileOff {
+						prev.Len += x.Len
+						return
+					}
+				}
+				sk.reads = append(sk.reads, x)
+				return
+			}
+		}
+		x := transfer.Extent{FileOff: hl + off, Region: t.Region, RegionOff: t.Offset + int64(pl)*t.PlaneStride + int64(blk)*t.BlockStride, Len: bb, Sum: sum}
 		if i := len(p.Extents) - 1; i >= 0 {
 			prev := &p.Extents[i]
 			if prev.Region == x.Region && prev.Sum == x.Sum && prev.FileOff+prev.Len == x.FileOff && prev.RegionOff+prev.Len == x.RegionOff {
@@ -121,7 +164,82 @@ func (c *cache) plan(h *format.Header, want []bool, blocks func(k int) []int, m 
 		}
 		p.Extents = append(p.Extents, x)
 	})
-	return p
+	return p, sk
+}
+
+// skips are the bytes a load plan leaves out (cache.plan): the NoBlock
+// blocks of its keys, which the engine reads only to verify the keys'
+// checksums.
+type skips struct {
+	// reads are the skipped bytes' extents, by file offset: Region is
+	// nil, Sum the checksum slot they feed.
+	reads []transfer.Extent
+	// parts[k] are the runs of file key k's payload, in payload order,
+	// each feeding a slot of its own; nil for a key that skips nothing
+	// (its checksum is slot k).
+	parts [][]part
+	// skipped[k] is the payload bytes of file key k that are not loaded.
+	skipped []int64
+}
+
+// part is a run of n bytes of a key's payload, moved by the plan or
+// skipped, whose CRC-32C (from 0) is checksum slot slot.
+type part struct {
+	slot int
+	n    int64
+	skip bool
+}
+
+// sum returns file key k's payload checksum from the slots of its runs,
+// joined in payload order: the CRC-32C of a followed by b is a's shifted
+// past len(b) zero bytes xored with b's CRC from 0 (crc32c.Shift).
+func (s *skips) sum(k int, sums []uint32) uint32 {
+	if s == nil || s.parts[k] == nil {
+		return sums[k]
+	}
+	var crc uint32
+	for _, pt := range s.parts[k] {
+		crc = crc32c.Shift(crc, pt.n) ^ sums[pt.slot]
+	}
+	return crc
+}
+
+// read reads the skipped extents from f (on the engine's goroutine,
+// 4 KiB-aligned as an O_DIRECT file needs) and folds their bytes into
+// their checksum slots.
+func (s *skips) read(ctx context.Context, f fsys.File, sums []uint32) error {
+	if s == nil || len(s.reads) == 0 {
+		return nil
+	}
+	first, last := s.reads[0], s.reads[len(s.reads)-1]
+	span := last.FileOff + last.Len - first.FileOff&^(format.Align-1)
+	buf := staging.AlignedBuffer(int(min(recheckChunk, (span+format.Align-1)&^(format.Align-1))))
+	var at, n int64 // buf holds the file's bytes [at, at+n)
+	for _, x := range s.reads {
+		for pos, end := x.FileOff, x.FileOff+x.Len; pos < end; {
+			if pos >= at+n {
+				if err := ctx.Err(); err != nil {
+					return err
+				}
+				at = pos &^ (format.Align - 1)
+				got, err := f.ReadAt(buf, at)
+				n = int64(got)
+				if errors.Is(err, io.EOF) {
+					err = nil
+				}
+				if err == nil && pos >= at+n {
+					err = fmt.Errorf("%w: %w: read at %d returned %d bytes", ErrCorrupt, staging.ErrShortFile, at, got)
+				}
+				if err != nil {
+					return err
+				}
+			}
+			stop := min(end, at+n)
+			sums[x.Sum] = crc32c.Update(sums[x.Sum], buf[pos-at:stop-at])
+			pos = stop
+		}
+	}
+	return nil
 }
 
 // fileSlots bounds the files in flight: a store or a load moves a file

@@ -70,7 +70,7 @@ func recheck(ctx context.Context, f fsys.File, h *format.Header, want []bool) ([
 // distinctBlocks rejects a load that names one destination block twice
 // (for two keys, or twice for one): the second write would overwrite the
 // first, and the first key's checksum, computed from its blocks, would
-// fail for a good file.
+// fail for a good file. NoBlock, which names no block, may repeat.
 func distinctBlocks(blocks [][]int) error {
 	n := 0
 	for _, bs := range blocks {
@@ -79,6 +79,9 @@ func distinctBlocks(blocks [][]int) error {
 	seen := make(map[int]int, n)
 	for i, bs := range blocks {
 		for _, b := range bs {
+			if b == NoBlock {
+				continue
+			}
 			if first, dup := seen[b]; dup {
 				return fmt.Errorf("%w: key %d: destination block %d is also a block of key %d: a load's blocks must be distinct", ErrInvalid, i, b, first)
 			}

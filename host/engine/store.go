@@ -24,7 +24,7 @@ import (
 // namespace's KeysPerFile. Cancelling ctx cancels the job. The caller must
 // not modify the blocks until the job is done.
 func (e *Engine) Store(ctx context.Context, req StoreRequest) (*Job, error) {
-	c, err := e.request(req.Cache, req.Keys, req.Blocks)
+	c, err := e.request(req.Cache, req.Keys, req.Blocks, false)
 	if err != nil {
 		return nil, err
 	}
@@ -447,7 +447,7 @@ func (e *Engine) writeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 	if !mv.Checksums() {
 		h.Flags &^= format.FlagPayloadSums // the file records it
 	}
-	plan := c.plan(h, nil, func(k int) []int { return blocks[gr.idx[k]] }, m)
+	plan, _ := c.plan(h, nil, func(k int) []int { return blocks[gr.idx[k]] }, m) // a store skips no block (request)
 
 	dir := filepath.Dir(gr.path)
 	extra := 0

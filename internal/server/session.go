@@ -726,6 +726,9 @@ func (s *session) transfer(id uint64, m *protocol.Transfer) bool {
 		return fail(perr(protocol.CodeUnknownCache, "cache %d", m.Cache))
 	}
 	bpk := c.ns.geo.BlocksPerKey()
+	if err := m.CheckNoBlock(); err != nil {
+		return fail(perr(protocol.CodeInvalid, "%v", err))
+	}
 	blocks := make([][]int, len(m.Blocks))
 	flat := make([]int, 0, len(m.Blocks)*bpk)
 	for i, b := range m.Blocks {
@@ -733,6 +736,10 @@ func (s *session) transfer(id uint64, m *protocol.Transfer) bool {
 			return fail(perr(protocol.CodeInvalid, "key %d: %d blocks, the namespace has %d per key", i, len(b), bpk))
 		}
 		for _, blk := range b {
+			if blk == protocol.NoBlock { // a load's (CheckNoBlock): not loaded
+				flat = append(flat, engine.NoBlock)
+				continue
+			}
 			if blk >= c.numBlocks {
 				return fail(perr(protocol.CodeInvalid, "key %d: block %d: the cache has %d blocks", i, blk, c.numBlocks))
 			}
