@@ -22,7 +22,11 @@ Before the restarts, a store and a load are submitted behind 0.1 s of GPU
 work queued on the current stream (a spin, then the copy or zeroing of
 their blocks): bytes must be equal and submit_* must return while that
 work still runs; the same with the worker's stream marks replaced by
-marks that never wait is the control that shows the check can fail. With KVHOST_VLLM_SRC=DIR (a vLLM source tree, see
+marks that never wait is the control that shows the check can fail.
+Last, a spec of 4 GPU blocks per chunk over the same tensors loads into
+blocks from inside a chunk (a GPU prefix hit holds the chunk's first
+block) and up to the middle of one: loaded pages equal their sources and
+no other block changes, on the GPU. With KVHOST_VLLM_SRC=DIR (a vLLM source tree, see
 vllm_tree.py) the classes are vLLM's own: the spec is built by vLLM's
 OffloadingSpecFactory from an OffloadingConfig, and the worker gets vLLM's
 CanonicalKVCaches and GPULoadStoreSpec; without it, the CI stand-ins. Transfer rates are reported with, from the same run, a
@@ -58,17 +62,17 @@ def classes():
         api = vllm_tree.load()
         names = tuple(f"model.layers.{i}.self_attn.attn" for i in range(LAYERS))
 
-        def make_spec(socket):
+        def make_spec(socket, chunk=1):
             cfg = vllm_tree.make_offloading_config(
                 api, model=MODEL, groups=((names, 16),), worker_kv_bytes_per_block=LAYERS * PAGE,
-                is_parallelism_agnostic=False,
+                is_parallelism_agnostic=False, blocks_per_chunk=chunk,
                 extra_config={"spec_name": "KvhostOffloadingSpec", "spec_module_path": "kvhost.vllm",
                               "socket": socket, "reconnect_s": 0.05})
             return api.OffloadingSpecFactory.create_spec(cfg)
         return api, make_spec, api.name
     spec_cls = kv.spec_class(S.SPEC_API)
-    return S, lambda socket: spec_cls(S.fake_offloading_config(socket, layers=LAYERS, page_bytes=PAGE,
-                                                               reconnect_s=0.05)), "stand-ins"
+    return S, lambda socket, chunk=1: spec_cls(S.fake_offloading_config(
+        socket, layers=LAYERS, page_bytes=PAGE, reconnect_s=0.05, blocks_per_chunk=chunk)), "stand-ins"
 
 
 V, MAKE_SPEC, CLASSES = None, None, None
@@ -81,8 +85,10 @@ def answer(m, key):
         m.lookup(key, CTX)), what="lookup")
 
 
-def run_transfer(w, job, store, kv_spec, blocks):
-    gpu = V.GPULoadStoreSpec(blocks, [len(blocks)], [0])
+def run_transfer(w, job, store, kv_spec, blocks, first=0):
+    """One job; first is the GPU spec's block index (where in the request
+    its blocks start)."""
+    gpu = V.GPULoadStoreSpec(blocks, [len(blocks)], [first])
     t0 = time.perf_counter()
     ok = w.submit_store(job, gpu, kv_spec) if store else w.submit_load(job, kv_spec, gpu)
     assert ok
@@ -210,6 +216,52 @@ def queued(m, w, big, name, fenced=True):
     return out
 
 
+def mid_chunk(dm, caches, big, name):
+    """Chunks of 4 GPU blocks (a spec of blocks_per_chunk 4 over the same
+    CUDA tensors, on its own connection): three chunks stored from blocks
+    0-11, then a load that starts inside a chunk (block index 1, 11
+    blocks: the GPU prefix cache holds block 0) and one that ends inside
+    one (block index 0, 10 blocks), into blocks 16..; on the GPU, the
+    loaded blocks must equal their sources and blocks 0-47 else keep
+    their bytes."""
+    import torch
+    spec = MAKE_SPEC(dm.socket, chunk=4)
+    m = spec.get_manager()
+    w = spec.get_worker(caches)
+    out = {"blocks_per_chunk": 4, "loads": []}
+    try:
+        keys = [S.offload_key((name, "chunk", i)) for i in range(3)]
+        out["then"] = answer(m, keys[0]).name
+        prep = m.prepare_store(keys, CTX)
+        st, _ = run_transfer(w, 9000, True, prep.store_spec, list(range(12)))
+        m.complete_store(prep.keys_to_store, CTX, success=st.success)
+        out["store_ok"] = st.success
+        job = 9000
+        for first, n in [(1, 11), (0, 10)]:
+            want_keys = keys[first // 4:(first + n - 1) // 4 + 1]
+            hits = [answer(m, k) for k in want_keys]
+            big[:, 16:48].fill_(7)
+            torch.cuda.synchronize()
+            before = big[:, :48].clone()
+            want = before.clone()
+            want[:, 16:16 + n] = before[:, first:first + n]
+            job += 1
+            ld, _ = run_transfer(w, job, False, m.prepare_load(want_keys, CTX), list(range(16, 16 + n)), first)
+            torch.cuda.synchronize()
+            m.complete_load(want_keys, CTX)
+            out["loads"].append({"first": first, "blocks": n, "keys": len(want_keys),
+                                 "hits": sum(h == V.LookupResult.HIT for h in hits), "load_ok": ld.success,
+                                 "bytes_equal": bool(torch.equal(big[:, :48], want)),
+                                 "load_bytes": ld.transfer_size, "want_bytes": n * LAYERS * PAGE})
+    finally:
+        w.shutdown()
+        m.shutdown()
+    out["ok"] = out.get("then") == "MISS" and out.get("store_ok", False) and len(out["loads"]) == 2 and all(
+        ld["load_ok"] and ld["bytes_equal"] and ld["hits"] == ld["keys"] and ld["load_bytes"] == ld["want_bytes"]
+        for ld in out["loads"])
+    return out
+
+
 def check_mount(name, root):
     import torch
     out = {"mount": name, "root": root}
@@ -285,9 +337,11 @@ def check_mount(name, root):
             out["daemon"] = {k: v for k, v in c.stats().items() if not isinstance(v, list)}
         w.shutdown()
         m.shutdown()
+        out["mid_chunk"] = mid_chunk(dm, caches, big, name)
         out["ok"] = all(r["store_ok"] and r["load_ok"] and r["bytes_equal"] and r["hits"] == KEYS
                         and r["then"] == "MISS" for r in rounds) and all(ph["ok"] for ph in out["restarts"]) \
-            and out["queued"]["ok"] and not out["queued_unfenced_control"]["bytes_equal"]  # the check can fail
+            and out["queued"]["ok"] and not out["queued_unfenced_control"]["bytes_equal"] \
+            and out["mid_chunk"]["ok"]  # the unfenced control shows the check can fail
     except Exception as e:  # report, with the daemon's log
         import traceback
         out["ok"] = False

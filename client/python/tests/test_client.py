@@ -8,6 +8,7 @@ import fcntl
 import gc
 import os
 import pickle
+import random
 import shutil
 import signal
 import socket
@@ -1049,6 +1050,46 @@ class TestKeys(unittest.TestCase):
                         self.assertIn(f"key 1: {type(key).__name__}", str(cm.exception))
             self.assertTrue(c.connected())
             self.assertEqual(c.stats()["keys"], 0)
+
+
+class TestNoBlock(unittest.TestCase):
+    """NO_BLOCK in a load's block ids: the key's other blocks load."""
+
+    def test_a_load_leaving_blocks_out_fills_only_the_blocks_it_names(self):
+        geo = kvhost.Geometry(model="test/noblock", layers=1, kv_heads=2, head_size=64, dtype_size=2,
+                              tokens_per_block=16, tokens_per_key=64)
+        page = 2 * geo.block_bytes
+        d = Daemon(capacity="64MiB")
+        self.addCleanup(d.stop)
+        buf = kvhost.HostBuffer(16 * page)
+        self.addCleanup(buf.close)
+        with kvhost.Client(d.socket) as c:
+            ns = c.declare(geo)
+            region = c.register_buffer(buf)
+            cache = c.register_cache(ns.id, [kvhost.Layer(region, offset=0, block_stride=page,
+                                                          plane_stride=geo.block_bytes, num_blocks=16)])
+            v = buf.view
+            v[:4 * page] = bytes(random.Random(7).randrange(256) for _ in range(4 * page))
+            stored = bytes(v[:4 * page])
+            self.assertEqual(c.store(cache, [b"nb"], [[0, 1, 2, 3]]).wait(30).outcomes(), ["stored"])
+            v[:] = b"\xa5" * len(v)
+            want = bytearray(v)
+            want[5 * page:7 * page] = stored[page:3 * page]  # blocks 1 and 2 of the key into 5 and 6
+            res = c.load(cache, [b"nb"], [[kvhost.NO_BLOCK, 5, 6, kvhost.NO_BLOCK]]).wait(30)
+            self.assertEqual(res.outcomes(), ["loaded"])
+            self.assertEqual(res.bytes, 2 * page)
+            self.assertEqual(bytes(v), bytes(want))
+            for name, call, why in [
+                    ("store", lambda: c.store(cache, [b"x"], [[0, kvhost.NO_BLOCK, 2, 3]]),
+                     "key 0: block id NO_BLOCK (0xffffffff) in a store"),
+                    ("load", lambda: c.load(cache, [b"nb", b"nb"], [[8, 9, 10, 11], [p.NO_BLOCK] * 4]),
+                     "key 1: every block id is NO_BLOCK")]:
+                with self.subTest(name):
+                    with self.assertRaises(ValueError) as cm:
+                        call()
+                    self.assertIn(why, str(cm.exception))
+            self.assertTrue(c.connected())
+            self.assertEqual(c.stats()["keys"], 1)
 
 
 class TestFieldsOutOfRange(unittest.TestCase):

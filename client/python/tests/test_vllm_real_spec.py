@@ -41,16 +41,18 @@ def key(i, tag="k", group=0):
     return hashlib.sha256(f"{tag}-{i}".encode()).digest() + group.to_bytes(4, "big")
 
 
-def offloading_config(api, socket, model=MODEL, tp=1, rank=0, groups=1, engine_id=None, **extra):
+def offloading_config(api, socket, model=MODEL, tp=1, rank=0, groups=1, engine_id=None, chunk=1, **extra):
     """vLLM's OffloadingConfig as build_offloading_config fills it for a
     model of LAYERS layers per group (a hybrid model's groups share their
-    tensors: LAYERS pages per block in all), naming kvhost's spec."""
+    tensors: LAYERS pages per block in all), naming kvhost's spec; chunk
+    is the blocks per chunk vLLM resolved (from the extra config's
+    blocks_per_chunk or block_size) into config.cache."""
     extra_config = {"spec_name": "KvhostOffloadingSpec", "spec_module_path": "kvhost.vllm", "socket": socket,
                     **extra}
     return vllm_tree.make_offloading_config(
         api, model=model, tp=tp, rank=rank, engine_id=engine_id,
         groups=tuple((layer_names(LAYERS, g * LAYERS), 16) for g in range(groups)),
-        worker_kv_bytes_per_block=LAYERS * PAGE, extra_config=extra_config)
+        worker_kv_bytes_per_block=LAYERS * PAGE, blocks_per_chunk=chunk, extra_config=extra_config)
 
 
 def canonical_caches(api, seed, groups=1):
@@ -274,6 +276,48 @@ class TestRealSpec(RealSpecCase):
         self.assertTrue(self.stats.reduce())  # what vLLM's logger does with it
         m.reset_cache()
         self.assertEqual(m.counters()["pinned_now"], 0)
+
+    def test_loads_starting_or_ending_inside_a_chunk_fill_only_their_blocks(self):
+        """blocks_per_chunk 4 (resolved by vLLM into config.cache), three chunks
+        stored from blocks 0-11. vLLM's GPULoadStoreSpec of a load that
+        starts at block index i (the GPU prefix cache holds the chunk's
+        blocks before it) or ends inside a chunk: the worker loads exactly
+        the spec's blocks, every other byte of the cache unchanged."""
+        import torch
+        api = self.api
+        spec = self.spec(chunk=4)
+        m = self.manager(spec)
+        w, tensors = self.worker(spec, seed=4)
+        ctx = api.ReqContext(req_id="mid-chunk")
+        ks = [key(i, "mid-chunk") for i in range(3)]
+        out = m.prepare_store(ks, ctx)
+        self.job += 1
+        res = run_job(w, self.job, True, pickle.loads(pickle.dumps(out.store_spec)),
+                      api.GPULoadStoreSpec(list(range(12)), group_sizes=[12], block_indices=[0]))
+        self.assertTrue(res.success)
+        m.complete_store(out.keys_to_store, ctx)
+        stored = {b: rows(tensors, [b]) for b in range(12)}
+        for first, n in [(1, 11), (0, 10), (6, 1)]:
+            with self.subTest(first=first, blocks=n):
+                load_keys = ks[first // 4:(first + n - 1) // 4 + 1]
+                for k in load_keys:
+                    self.assertEqual(self.settle(m, k, ctx), api.LookupResult.HIT)
+                for t in tensors:
+                    t.fill_(5)
+                before = [t.clone() for t in tensors]
+                dst = list(range(16, 16 + n))
+                load = m.prepare_load(load_keys, ctx)
+                self.job += 1
+                res = run_job(w, self.job, False, pickle.loads(pickle.dumps(load)),
+                              api.GPULoadStoreSpec(dst, group_sizes=[n], block_indices=[first]))
+                self.assertTrue(res.success)
+                self.assertEqual(res.transfer_size, n * LAYERS * PAGE)
+                self.assertEqual(rows(tensors, dst), [stored[first + i][layer] for layer in range(LAYERS)
+                                                      for i in range(n)])
+                for t, b in zip(tensors, before):
+                    b[16:16 + n] = t[16:16 + n]
+                    self.assertTrue(torch.equal(t, b), "a block the load did not name changed")
+                m.complete_load(load_keys, ctx)
 
     def test_a_daemon_restart_under_vllms_manager_and_worker_is_survived(self):
         # The daemon restarts under the spec vLLM's factory made: while it

@@ -317,20 +317,120 @@ class TestSchedulerAndWorker(SpecCase):
         self.assertFalse(res.success)
         self.assertEqual(w.counters()["failed_load_jobs"], 1)
 
-    def test_partial_chunk_store_is_left_out_and_partial_load_fails_without_raising(self):
+    def chunked(self, bpc=4, nkeys=3, prefix="chunk"):
+        """A manager and worker of blocks_per_chunk bpc with nkeys chunks
+        stored from GPU blocks 0.. (whole chunks): (manager, worker,
+        tensors, keys, the bytes of blocks 0..nkeys*bpc-1 per block)."""
+        spec = self.spec(blocks_per_chunk=bpc)
+        m = self.manager(spec)
+        caches, tensors = self.caches(seed=bpc)
+        w = self.worker(spec, caches)
+        ks = keys(nkeys, prefix)
+        out = m.prepare_store(ks, CTX)
+        res = self.transfer(w, True, out.store_spec, list(range(nkeys * bpc)))
+        self.assertTrue(res.success)
+        self.assertEqual(res.transfer_size, nkeys * bpc * LAYERS * PAGE)
+        m.complete_store(ks, CTX)
+        for k in ks:
+            self.answer(m, k, S.LookupResult.HIT)
+        stored = {b: rows(tensors, [b]) for b in range(nkeys * bpc)}
+        return m, w, tensors, ks, stored
+
+    def test_loads_that_start_or_end_inside_a_chunk_fill_only_their_blocks(self):
+        """blocks_per_chunk 4, three chunks stored from blocks 0-11. A load
+        whose GPU spec starts at block index i of the request (the GPU
+        prefix cache holds the blocks before it) and covers n blocks loads
+        the keys of chunks i//4 .. (i+n-1)//4 into exactly those n blocks:
+        every other block of the cache keeps its bytes, the blocks of the
+        GPU prefix too."""
+        import torch
+        m, w, tensors, ks, stored = self.chunked()
+        for name, first, n in [("starts inside the first chunk", 1, 11), ("ends inside the last chunk", 0, 10),
+                               ("starts and ends inside chunks", 3, 6), ("inside one chunk", 5, 2)]:
+            with self.subTest(name):
+                for t in tensors:
+                    t.fill_(-7)
+                before = [t.clone() for t in tensors]
+                dst = list(range(40, 40 + n))  # block index first+i goes to block 40+i
+                want_keys = ks[first // 4:(first + n - 1) // 4 + 1]
+                for k in want_keys:
+                    self.answer(m, k, S.LookupResult.HIT)
+                res = self.transfer(w, False, m.prepare_load(want_keys, CTX), dst, block_indices=[first])
+                self.assertTrue(res.success, name)
+                self.assertEqual(res.transfer_size, n * LAYERS * PAGE)
+                self.assertEqual(rows(tensors, dst), [stored[first + i][layer] for layer in range(LAYERS)
+                                                      for i in range(n)])
+                for t, b in zip(tensors, before):
+                    b[40:40 + n] = t[40:40 + n]
+                    self.assertTrue(torch.equal(t, b), f"{name}: a block the load did not name changed")
+                m.complete_load(want_keys, CTX)
+        self.assertEqual(w.counters()["failed_load_jobs"], 0)
+
+    def test_each_group_of_a_hybrid_load_starts_at_its_own_block_index(self):
+        """Two groups, chunks of 2 blocks: group 0's load starts inside
+        its first chunk (block index 1), group 1's ends inside its last;
+        each gets its blocks, nothing else changes."""
+        import torch
+        spec = self.spec(groups=2, blocks_per_chunk=2)
+        m = self.manager(spec)
+        caches, tensors = self.caches(groups=2, seed=3)
+        w = self.worker(spec, caches)
+        k0, k1 = keys(2, "hybrid-chunk", group=0), keys(2, "hybrid-chunk", group=1)
+        out = m.prepare_store(k0 + k1, CTX)
+        self.assertTrue(self.transfer(w, True, out.store_spec, [0, 1, 2, 3, 10, 11, 12, 13], group_sizes=[4, 4],
+                                      block_indices=[0, 0]).success)
+        m.complete_store(k0 + k1, CTX)
+        for k in k0 + k1:
+            self.answer(m, k, S.LookupResult.HIT)
+        want = rows(tensors, [1, 2, 3, 10, 11, 12])
+        for t in tensors:
+            t.fill_(9)
+        before = [t.clone() for t in tensors]
+        dst = [40, 41, 42, 50, 51, 52]
+        res = self.transfer(w, False, m.prepare_load(k0 + k1, CTX), dst, group_sizes=[3, 3], block_indices=[1, 0])
+        self.assertTrue(res.success)
+        self.assertEqual(res.transfer_size, 6 * LAYERS * PAGE)
+        self.assertEqual(rows(tensors, dst), want)
+        for t, b in zip(tensors, before):
+            b[dst] = t[dst]
+            self.assertTrue(torch.equal(t, b), "a block the load did not name changed")
+        m.complete_load(k0 + k1, CTX)
+
+    def test_a_load_whose_keys_do_not_cover_its_blocks_fails_without_raising(self):
+        """Blocks from index 1 over 4 blocks span two chunks of 4: one key
+        is one short, and the load fails (vLLM is told) with nothing moved."""
+        m, w, tensors, ks, _ = self.chunked(prefix="short")
+        res = self.transfer(w, False, m.prepare_load(ks[:1], CTX), [40, 41, 42, 43], block_indices=[1])
+        self.assertFalse(res.success)
+        m.complete_load(ks[:1], CTX)
+
+    def test_a_store_covering_a_chunk_in_part_stores_the_whole_chunks_only(self):
+        """A store whose GPU blocks start inside a chunk (vLLM leaves out a
+        sliding-window group's null blocks) stores the chunks it covers
+        whole; the chunk covered in part is left out (counted), as is a
+        store of fewer blocks than a chunk."""
         spec = self.spec(blocks_per_chunk=2)
         m = self.manager(spec)
-        caches, _ = self.caches()
+        caches, tensors = self.caches()
         w = self.worker(spec, caches)
-        k = keys(1, "partial")[0]
+        ks = keys(3, "partial")
+        out = m.prepare_store(ks, CTX)
+        # Block indices 1..5: chunk 0 in part (its block 1), chunks 1 and 2 whole.
+        res = self.transfer(w, True, out.store_spec, [7, 8, 9, 10, 11], block_indices=[1])
+        self.assertTrue(res.success)
+        self.assertEqual(res.transfer_size, 4 * LAYERS * PAGE)
+        m.complete_store(ks, CTX)
+        self.assertEqual(w.counters()["store_skipped_keys"], 1)
+        self.assertEqual(w.counters()["stored_keys"], 2)
+        with kvhost.Client(self.daemon.socket) as c:
+            ns = c.declare(sc.geometry(sc.describe(w._ident, 0, w.shard)))  # the worker's namespace
+            self.assertEqual([c.lookup(ns.id, [sc.daemon_key(k)]) for k in ks], [0, 1, 1])
+        # One GPU block for a two-block chunk: nothing stored, the job succeeds.
+        k = keys(1, "partial-one")[0]
         out = m.prepare_store([k], CTX)
-        # One GPU block for a two-block chunk: the key is not stored, the job succeeds.
         self.assertTrue(self.transfer(w, True, out.store_spec, [4]).success)
         m.complete_store([k], CTX)
-        self.assertEqual(w.counters()["store_skipped_keys"], 1)
-        # A chunk starting mid-way (block index 1 of 2): nothing to load from.
-        res = self.transfer(w, False, kv.KvhostLoadStoreSpec([k]), [6, 7], block_indices=[1])
-        self.assertFalse(res.success)
+        self.assertEqual(w.counters()["store_skipped_keys"], 2)
 
     def test_a_model_of_126_layers_registers_with_the_daemons_defaults(self):
         # vLLM allocates a KV-cache tensor per layer: a worker of a deep

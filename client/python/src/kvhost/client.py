@@ -804,8 +804,10 @@ class Client:
 
     def load(self, cache, keys, blocks, block=True):
         """Starts loading keys[i] into cache blocks blocks[i]; returns a Job
-        (block as for store)."""
-        return self._job(p.T_LOAD, p.transfer(cache, keys, blocks), block, len(keys))
+        (block as for store). A block id NO_BLOCK leaves that block of the
+        key out (a load that starts or ends inside a key): the daemon
+        loads the key's other blocks, still verifying the whole key."""
+        return self._job(p.T_LOAD, p.transfer(cache, keys, blocks, load=True), block, len(keys))
 
     def cancel(self, job):
         """Asks to cancel a job; True if it was still in flight."""

@@ -16,6 +16,10 @@ MAX_KEY_LEN = 64
 MAX_MODEL_LEN = 128
 MAX_KEYS_PER_REQUEST = 4096
 MAX_BLOCKS_PER_KEY = 4096
+# A Load's block id that leaves that block of the key out: the key's other
+# blocks are loaded, and the daemon still reads and verifies the whole key.
+# Refused in a Store, and for a key whose every block is NO_BLOCK.
+NO_BLOCK = 0xFFFFFFFF
 MAX_LAYERS = 4096
 MIN_FRAME = 64 << 10
 MAX_FRAME = 1 << 30
@@ -218,12 +222,20 @@ def register_cache(ns, layers):
 _LAYER_FIELDS = ("region", "num_blocks", "offset", "block_stride", "plane_stride")
 
 
-def transfer(cache, keys, blocks):
+def transfer(cache, keys, blocks, load=False):
     if len(blocks) != len(keys) or not blocks:
         raise ValueError(f"{len(keys)} keys, {len(blocks)} block lists")
     bpk = len(blocks[0])
     if not 1 <= bpk <= MAX_BLOCKS_PER_KEY or any(len(b) != bpk for b in blocks):
         raise ValueError("every key needs the same number (1..4096) of blocks")
+    for i, bl in enumerate(blocks):
+        skipped = sum(1 for b in bl if b == NO_BLOCK)
+        if skipped and not load:
+            raise ValueError(f"key {i}: block id NO_BLOCK (0x{NO_BLOCK:08x}) in a store: only a load may leave "
+                             "blocks of a key out")
+        if skipped == bpk:
+            raise ValueError(f"key {i}: every block id is NO_BLOCK (0x{NO_BLOCK:08x}): a load must name at "
+                             "least one block of each key")
     flat = [b for bl in blocks for b in bl]
     return (pack("<II", (cache, bpk), ("cache", "blocks per key")) + keys_body(keys)
             + pack(f"<{len(flat)}I", flat, lambda i: f"key {i // bpk} block {i % bpk}"))

@@ -255,11 +255,21 @@ class SpecWorker(Reconnects):
 
     # -- transfers -------------------------------------------------------------
 
-    def _plan(self, job_id, gpu_spec, kv_spec, caches):
+    def _plan(self, job_id, gpu_spec, kv_spec, caches, load=True):
         """Per group: (cache, keys, blocks per key) of a job, and what could
-        not be planned: [(group, keys, why)]. A group's blocks must be whole
-        chunks (block_indices aligned to blocks_per_chunk, blocks_per_chunk
-        blocks per key): the daemon moves whole keys."""
+        not be planned: [(group, keys, why)].
+
+        A group's GPU blocks are logically contiguous from block index
+        block_indices[g]; with blocks_per_chunk > 1 its first chunk may
+        start s = block_indices[g] % blocks_per_chunk blocks in (the GPU
+        prefix cache holds the chunk's first blocks) and its last chunk
+        may be covered only in part, so a group of n blocks has
+        cdiv(s + n, blocks_per_chunk) keys. A load names its blocks and
+        NO_BLOCK for the rest of those chunks: the daemon loads the named
+        blocks and still verifies whole keys. A store moves whole keys
+        only: a chunk it covers in part is left out (reported in what
+        could not be planned) and the group's other chunks are stored."""
+        bpc = self._bpc
         ids = [int(b) for b in gpu_spec.block_ids]
         sizes = getattr(gpu_spec, "group_sizes", None)
         sizes = [len(ids)] if sizes is None else [int(s) for s in sizes]
@@ -281,17 +291,31 @@ class SpecWorker(Reconnects):
             if g >= len(caches):
                 bad.append((g, gkeys, f"group {g} of {len(caches)}"))
                 continue
-            if len(gblocks) != len(gkeys) * self._bpc or (n and g < len(starts) and starts[g] % self._bpc):
-                bad.append((g, gkeys, f"group {g} has {len(gkeys)} keys of {self._bpc} blocks but {len(gblocks)} "
-                                      f"GPU blocks from block index {starts[g] if g < len(starts) else '?'} "
-                                      "(partial chunks are not transferred)"))
+            first = starts[g] if g < len(starts) else 0
+            skip = first % bpc if first >= 0 else 0
+            want = -(-(skip + n) // bpc) if n else 0
+            if first < 0 or len(gkeys) != want:
+                bad.append((g, gkeys, f"group {g} has {len(gkeys)} keys of {bpc} blocks but {n} GPU blocks from "
+                                      f"block index {first} (want {want} keys)"))
                 continue
             cache, nblocks = caches[g]
             outside = [b for b in gblocks if not 0 <= b < nblocks]
             if outside:
                 bad.append((g, gkeys, f"block {outside[0]} outside the cache's {nblocks} blocks"))
                 continue
-            per = [gblocks[i * self._bpc:(i + 1) * self._bpc] for i in range(len(gkeys))]
+            tail = len(gkeys) * bpc - skip - n
+            slots = [p.NO_BLOCK] * skip + gblocks + [p.NO_BLOCK] * tail
+            per = [slots[i * bpc:(i + 1) * bpc] for i in range(len(gkeys))]
+            if not load and (skip or tail):
+                # A key is stored whole or not at all: the chunks this
+                # store covers in part are left out.
+                whole = [i for i, blocks in enumerate(per) if p.NO_BLOCK not in blocks]
+                part = [gkeys[i] for i in range(len(gkeys)) if i not in whole]
+                bad.append((g, part, f"group {g}: {len(part)} chunk(s) of {bpc} blocks covered in part (from block "
+                                     f"index {first}, {n} blocks): a chunk is stored whole or not at all"))
+                gkeys, per = [gkeys[i] for i in whole], [per[i] for i in whole]
+                if not gkeys:
+                    continue
             out.append((cache, gkeys, per))
         return out, bad
 
@@ -381,7 +405,7 @@ class SpecWorker(Reconnects):
         or a load's run again after a lost connection)."""
         with self._lock:
             client, caches, broken = self._client, self._caches, self._broken
-        plan, bad = self._plan(tr.job_id, gpu_spec, kv_spec, caches)
+        plan, bad = self._plan(tr.job_id, gpu_spec, kv_spec, caches, tr.load)
         kind = "load" if tr.load else "store"
         tr.jobs, tr.error, tr.lost, tr.client = [], None, False, client
         if broken is not None:  # no daemon: nothing moves (a load waits; a store's keys are not stored)
