@@ -60,6 +60,10 @@ type clusterMount struct {
 	seq     uint64
 	pub     *clustercap.Summary   // the last summary published
 	peers   []*clustercap.Summary // the live others, as last read
+	// unclaimed holds, as last read, the summaries of dead nodes whose
+	// files no live node's summary counts yet, this node's included
+	// (clustercap.Unclaimed): counted beside peers (others).
+	unclaimed []*clustercap.Summary
 	// dead holds the tags of the dead nodes this node adopted (it holds
 	// their adoption locks: their files are its to count and evict);
 	// replaced whole under mu, read anywhere (mayEvict holds e.mu).
@@ -355,7 +359,9 @@ func (e *Engine) policyRank(ctx context.Context, recs []abi.RankRecord) (bool, e
 }
 
 // read reads the other nodes' summaries: the live ones become c.peers;
-// of the dead ones (summary stale, lock free; or a summary file that does
+// the dead ones whose files no live node counts yet (none names them
+// adopted, nor has this node walked for them) become c.unclaimed; of the
+// dead ones (summary stale, lock free; or a summary file that does
 // not decode, stale, lock free: readBad), those whose adoption lock
 // this node holds or takes become c.dead, and their files on the mount
 // are indexed when newly adopted (they may have been written after this
@@ -383,6 +389,7 @@ func (c *clusterMount) read(ctx context.Context, e *Engine, m *mount) error {
 	// The nodes whose summary this read could not use, their last one read
 	// standing in: a run since then is not seen (runOf), so none retires.
 	stood := map[string]bool{}
+	var deadSums []*clustercap.Summary // the dead nodes' summaries
 	defer func() {
 		// The adopted tags are published once their files are indexed:
 		// a node counted as adopted is counted whole.
@@ -418,6 +425,15 @@ func (c *clusterMount) read(ctx context.Context, e *Engine, m *mount) error {
 			c.own += e.bytesOf(m, walk) - before
 		}
 		c.cleanTemps(e, dead)
+		// The dead nodes this node's count covers whole: walked. Taken
+		// before retire, which forgets those it retires (covered too).
+		walked := map[string]bool{}
+		for tag := range c.walked {
+			if dead[tag] {
+				walked[names[tag]] = true
+			}
+		}
+		c.unclaimed = clustercap.Unclaimed(deadSums, c.peers, func(node string) bool { return walked[node] })
 		c.retire(e, m, dead, names, stood)
 	}()
 	adopt := func(node string, tag uint32, run int64) {
@@ -452,6 +468,7 @@ func (c *clusterMount) read(ctx context.Context, e *Engine, m *mount) error {
 			e.log.Warn("engine: cluster lock probe", "mount", m.root, "node", s.Node, "err", err)
 		}
 		if !live {
+			deadSums = append(deadSums, s)
 			adopt(s.Node, s.Tag, runOf(s))
 			continue
 		}
@@ -625,13 +642,36 @@ func (c *clusterMount) releaseAll(e *Engine, m *mount) {
 	}
 }
 
+// others is the summaries this node's claims and cut-offs count beside
+// its own: the live peers' and the unclaimed dead nodes'. Called with
+// c.mu held.
+func (c *clusterMount) others() []*clustercap.Summary {
+	return slices.Concat(c.peers, c.unclaimed)
+}
+
+// adoptedNames names the dead nodes whose files c.own counts whole: this
+// node holds their adoption and a walk of the mount for them completed
+// (Summary.Adopted). Called with c.mu held.
+func (c *clusterMount) adoptedNames() []string {
+	dead := *c.dead.Load()
+	var out []string
+	for _, node := range c.dir.Adopted() {
+		tag := clustercap.Tag(node)
+		if _, walked := c.walked[tag]; walked && dead[tag] {
+			out = append(out, node)
+		}
+	}
+	slices.Sort(out)
+	return out
+}
+
 // publish writes c's summary with bytes and c.claim; cut, if non-zero, is
 // a cut-off this node computed now. Called with c.mu held.
 func (c *clusterMount) publish(e *Engine, sketch clustercap.Sketch, touches []clustercap.Touch, cut uint64) error {
 	c.seq++
 	c.claim = max(c.claim, c.own)
 	s := &clustercap.Summary{Version: clustercap.SummaryVersion, Node: e.node, Tag: c.tag, Seq: c.seq, Time: e.now().UnixNano(),
-		Interval: int64(c.interval), Bytes: c.own, Claim: c.claim, Sketch: sketch, Touches: touches}
+		Interval: int64(c.interval), Bytes: c.own, Claim: c.claim, Sketch: sketch, Touches: touches, Adopted: c.adoptedNames()}
 	switch {
 	case cut > 0:
 		s.Cut, s.CutTime = cut, s.Time
@@ -669,7 +709,7 @@ func (c *clusterMount) tick(ctx context.Context, e *Engine, m *mount) {
 		items[i] = clustercap.Item{Rank: r.rank, Bytes: r.en.size}
 	}
 	sketch := clustercap.NewSketch(items, clustercap.SketchPoints)
-	p := c.bound.Decide(start, sketch, c.own, c.peers, 2*int64(c.interval))
+	p := c.bound.Decide(start, sketch, c.own, c.others(), 2*int64(c.interval))
 	if p.Cut > 0 {
 		if freed := c.evict(ctx, e, m, own, p.Cut, 0); freed > 0 {
 			own, c.own, _ = c.count(ctx, e, m)
@@ -767,13 +807,13 @@ func (e *Engine) clusterReserve(ctx context.Context, m *mount, size int64) error
 		c.claim = last
 		limit = last
 	} else {
-		limit = c.bound.Capacity - clustercap.Claims(c.peers)
+		limit = c.bound.Capacity - clustercap.Claims(c.others())
 	}
-	if c.own+size > limit || (err == nil && !c.bound.Fits(c.claim, c.peers)) {
+	if c.own+size > limit || (err == nil && !c.bound.Fits(c.claim, c.others())) {
 		cut := uint64(0)
 		computed := false
 		if err == nil {
-			p := c.bound.Decide(e.now().UnixNano(), c.lastSketch(), c.own, c.peers, 2*int64(c.interval))
+			p := c.bound.Decide(e.now().UnixNano(), c.lastSketch(), c.own, c.others(), 2*int64(c.interval))
 			cut, computed = p.Cut, p.Computed
 		}
 		own, bytes, _ := c.count(ctx, e, m)

@@ -1252,3 +1252,75 @@ func TestClusterNeverRetiresADeadNodeWhoseFileAFailedStoreHeld(t *testing.T) {
 	m.cluster.tick(ctx, a.e, m)
 	wantDeadNodeStillAdopted(t, a, m, dir, "D's file, held by A's failed store at A's first walk")
 }
+
+// TestClusterKeepsADeadNodesClaimUntilItsAdopterCountsIt: dead node D
+// left 4 files on a mount bounded to 8. Node A adopts D, and its walk of
+// the mount for D's files is held (a slow mount: the walk may take
+// minutes). Meanwhile node B, which cannot adopt D (A holds its adoption
+// lock), stores 6 keys. D's files are counted by no published summary
+// until A's walk ends: B must still count them, and the files on the
+// mount never pass the bound.
+func TestClusterKeepsADeadNodesClaimUntilItsAdopterCountsIt(t *testing.T) {
+	ctx := context.Background()
+	fileSize := oneFileBytes(t)
+	capacity := 8 * fileSize
+	dir := t.TempDir()
+	clockA, clockB := newTestClock(), newTestClock()
+	var armed atomic.Bool
+	held, release := make(chan struct{}), make(chan struct{})
+	a := clusterNodeOf(t, Config{Mounts: []Mount{{Path: dir, ClusterCapacity: capacity, ClusterInterval: time.Hour}}, NodeID: "a", Now: clockA.now,
+		FS: &fsys.Faulty{FS: fsys.OS{}, Inj: fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+			if op == fsys.OpReadDir && path == dir && armed.CompareAndSwap(true, false) { // the walk's first listing
+				close(held)
+				<-release
+			}
+			return fsys.Fault{}
+		})}})
+	b := clusterNodeAt(t, dir, "b", capacity, time.Hour, clockB.now)
+	d := clusterNode(t, dir, "d", capacity, time.Hour)
+	r := rand.New(rand.NewPCG(14, 14))
+	storeKeys(t, d, "d", 4, r)
+	if err := d.e.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	clockA.advance(4 * time.Hour) // D's summary: stale to A and B
+	clockB.advance(4 * time.Hour)
+	m := a.e.mounts[0]
+	armed.Store(true)
+	ticked := make(chan struct{})
+	go func() {
+		defer close(ticked)
+		m.cluster.tick(ctx, a.e, m)
+	}()
+	<-held
+	var failed []error
+	for i, k := range testKeys("b", 6) {
+		bl := []int{4 * i, 4*i + 1, 4*i + 2, 4*i + 3}
+		b.c.fill(r, bl)
+		res := wait(t)(b.e.Store(ctx, StoreRequest{Cache: b.c.id, Keys: [][]byte{k}, Blocks: [][]int{bl}}))
+		if kr := res.Keys[0]; kr.Outcome == OutcomeFailed {
+			failed = append(failed, kr.Err)
+		}
+		if got := diskBytes(t, dir); got > capacity {
+			close(release)
+			<-ticked
+			t.Fatalf("B's store %d while A walked for dead node D's 4 files: %d bytes of files on the mount, over the cluster capacity of %d (%d files; B's failed stores: %v)",
+				i, got, capacity, got/fileSize, failed)
+		}
+	}
+	close(release)
+	<-ticked
+	if !isAdopted(a.e, "d") || len(entriesOf(a.e, "d")) != 4 {
+		t.Fatalf("A did not adopt D: adopted %v, %d of D's 4 files indexed", isAdopted(a.e, "d"), len(entriesOf(a.e, "d")))
+	}
+	// A's summary now counts D's files and names D adopted: B stops
+	// counting D's own summary beside it.
+	mb := b.e.mounts[0]
+	mb.cluster.tick(ctx, b.e, mb)
+	mb.cluster.mu.Lock()
+	unclaimed := len(mb.cluster.unclaimed)
+	mb.cluster.mu.Unlock()
+	if unclaimed != 0 {
+		t.Fatalf("B still counts %d dead nodes' summaries after A's summary counted D's files", unclaimed)
+	}
+}

@@ -178,6 +178,9 @@ func TestSummaryRoundTripsAndBadOnesAreNamed(t *testing.T) {
 		{"claim beyond MaxBytes", func(s *Summary) { s.Claim = MaxBytes + 1 }},
 		{"bytes beyond MaxBytes", func(s *Summary) { s.Bytes, s.Claim = MaxBytes+1, MaxBytes+1 }},
 		{"sketch beyond MaxBytes", func(s *Summary) { s.Sketch = Sketch{Ranks: []uint64{1}, Bytes: []int64{MaxBytes + 1}} }},
+		{"adopting itself", func(s *Summary) { s.Adopted = []string{"n1"} }},
+		{"adopting a bad name", func(s *Summary) { s.Adopted = []string{"a/b"} }},
+		{"adopting too many", func(s *Summary) { s.Adopted = make([]string, MaxAdopted+1) }},
 		{"sketch of too many points", func(s *Summary) {
 			s.Sketch = Sketch{}
 			for i := range MaxSketchPoints + 1 {
@@ -224,6 +227,42 @@ func TestClaimsOfPeersNeverWrapSoFitsRefusesPastTheCapacity(t *testing.T) {
 	}
 	if p := bound.Decide(1, Sketch{}, 1, peers, 1); p.Total != math.MaxInt64 {
 		t.Fatalf("Decide's total of 4 peers at MaxBytes = %d, want MaxInt64 (saturated)", p.Total)
+	}
+}
+
+// TestUnclaimedCountsADeadNodeUntilALiveNodeNamesItAdopted: a dead
+// node's last summary counts (its claim, no cut-off in force) until a
+// live node's summary names it adopted, or the caller has covered it; a
+// dead node's summary naming it covers nothing.
+func TestUnclaimedCountsADeadNodeUntilALiveNodeNamesItAdopted(t *testing.T) {
+	d := &Summary{Node: "d", Claim: 40, Bytes: 30, Cut: 9, CutTime: 1, Touches: []Touch{{ID: 1}}}
+	tests := []struct {
+		name    string
+		dead    []*Summary
+		live    []*Summary
+		covered func(string) bool
+		want    int64 // Claims of the result
+	}{
+		{"no adopter", []*Summary{d}, []*Summary{{Node: "a", Claim: 5}}, nil, 40},
+		{"a live adopter names it", []*Summary{d}, []*Summary{{Node: "a", Claim: 5, Adopted: []string{"d"}}}, nil, 0},
+		{"a dead adopter names it", []*Summary{d, {Node: "a", Claim: 5, Adopted: []string{"d"}}}, nil, nil, 45},
+		{"covered by the caller", []*Summary{d}, nil, func(n string) bool { return n == "d" }, 0},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			got := Unclaimed(tc.dead, tc.live, tc.covered)
+			if c := Claims(got); c != tc.want {
+				t.Fatalf("the unclaimed dead nodes claim %d bytes, want %d", c, tc.want)
+			}
+			for _, g := range got {
+				if g.Cut != 0 || len(g.Touches) != 0 || len(g.Adopted) != 0 {
+					t.Fatalf("dead node %s's cut-off, touches or adoptions still count: %+v", g.Node, g)
+				}
+			}
+		})
+	}
+	if d.Cut != 9 || len(d.Touches) != 1 {
+		t.Fatalf("Unclaimed changed the summary it was given: %+v", d)
 	}
 }
 

@@ -49,6 +49,35 @@ func Live(s *Summary, now int64, lockFree func(node string) (bool, error)) (bool
 	return !free, nil
 }
 
+// Unclaimed returns, of dead (the summaries of nodes found dead), those
+// whose files no live node counts yet: no summary of live names the node
+// in its Adopted, and covered (this node's own completed adoptions; nil:
+// none) does not report it. A dead node's files stay on the mount until
+// its adopter evicts them, and until the adopter's summary counts them
+// (its walk of the mount may take minutes) the dead node's last summary
+// is the only count of them: every node counts it beside its live peers
+// (Claims, Decide), so that no claim is granted into their room. Each is
+// returned as a copy without its cut-off and touches: a dead node's last
+// cut-off and uses are not in force.
+func Unclaimed(dead, live []*Summary, covered func(node string) bool) []*Summary {
+	named := map[string]bool{}
+	for _, s := range live {
+		for _, n := range s.Adopted {
+			named[n] = true
+		}
+	}
+	var out []*Summary
+	for _, s := range dead {
+		if named[s.Node] || covered != nil && covered(s.Node) {
+			continue
+		}
+		g := *s
+		g.Cut, g.CutTime, g.Touches, g.Adopted = 0, 0, nil, nil
+		out = append(out, &g)
+	}
+	return out
+}
+
 // Claims is the sum of the claims of peers (live nodes' summaries),
 // math.MaxInt64 if it passes that.
 func Claims(peers []*Summary) int64 {

@@ -51,7 +51,16 @@ type Summary struct {
 	// summary, with their rank here: the owner ranks them at least that
 	// high, so a file hot on another node is not evicted as cold.
 	Touches []Touch `json:"touches,omitempty"`
+	// Adopted names the dead nodes whose files Bytes counts: their
+	// adoption is this node's and its walk of the mount for their files
+	// completed. Until a live node's summary names a dead node so, every
+	// node counts the dead node's last summary (Unclaimed). Summaries of
+	// nodes that predate the field decode with none.
+	Adopted []string `json:"adopted,omitempty"`
 }
+
+// MaxAdopted bounds Summary.Adopted.
+const MaxAdopted = 4096
 
 // Touch is a use of another node's file: its file id, its rank after the
 // use on the node that used it (the policy's, or for LRU the time of the
@@ -101,6 +110,13 @@ func (s *Summary) Validate() error {
 		return bad("bytes %d, claim %d: want 0 <= bytes <= claim <= %d", s.Bytes, s.Claim, int64(MaxBytes))
 	case len(s.Touches) > MaxTouches:
 		return bad("%d touches, want at most %d", len(s.Touches), MaxTouches)
+	case len(s.Adopted) > MaxAdopted:
+		return bad("%d adopted nodes, want at most %d", len(s.Adopted), MaxAdopted)
+	}
+	for _, n := range s.Adopted {
+		if err := checkNode(n); err != nil || len(n) > 64 || n == s.Node {
+			return bad("adopted node %q: want another node's name of 1..64 bytes", n)
+		}
 	}
 	if err := s.Sketch.Validate(); err != nil {
 		return bad("%v", err)
