@@ -19,6 +19,8 @@ import (
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/internal/fstype"
 	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/internal/fsys/fsystest"
+	"github.com/kvhost/kvhost/internal/testwait"
 )
 
 // reuseFS is the file system as ext4 shows it: an inode number freed by a
@@ -360,6 +362,36 @@ func TestTempFileOfStoreInFlightKept(t *testing.T) {
 	if res := waitJob(t, j, nil); res.Keys[0].Outcome != OutcomeStored {
 		t.Fatalf("store: %v %v", res.Keys[0].Outcome, res.Keys[0].Err)
 	}
+}
+
+// TestATemporaryFileCreatedBesideAnotherEnginesStartIsKept: two engines of
+// one node name and one pid (daemons in containers of their own, each
+// pid 1) share a directory. A store of the first has created its
+// temporary file but not yet flocked it when the second opens: the
+// second takes the file, of its node and pid but not its token, for a
+// predecessor's, and its flock is free. The store must still complete
+// (holding its file's flock before it relies on it, and writing a file
+// of its own if the one it created was removed meanwhile).
+func TestATemporaryFileCreatedBesideAnotherEnginesStartIsKept(t *testing.T) {
+	dir := t.TempDir()
+	g := smallGeometry(true)
+	var hold fsystest.Hold
+	e := openEngine(t, Config{Mounts: []Mount{{Path: dir}}, Policy: newTestPolicy(1, 0), NodeID: "n", FS: &fsys.Faulty{FS: fsys.OS{}, Inj: &hold}})
+	ns, _ := e.Declare(context.Background(), g)
+	c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
+	c.fill(rand.New(rand.NewPCG(15, 15)), []int{0, 1, 2, 3})
+	hold.Arm(fsys.OpLock) // the store's flock of its temporary file
+	j, err := e.Store(context.Background(), StoreRequest{Cache: c.id, Keys: testKeys("f", 1), Blocks: [][]int{{0, 1, 2, 3}}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	testwait.Until(t, "the store's flock of its temporary file held", testwait.Hang, hold.Holding)
+	openEngine(t, Config{Mounts: []Mount{{Path: dir}}, Policy: newTestPolicy(1, 0), NodeID: "n"})
+	hold.Release()
+	if res := waitJob(t, j, nil); res.Keys[0].Outcome != OutcomeStored {
+		t.Fatalf("a store whose temporary file another engine of the node opened beside: %v %v", res.Keys[0].Outcome, res.Keys[0].Err)
+	}
+	loadAndCompare(t, e, c, testKeys("f", 1), [][]int{{4, 5, 6, 7}}, [][]byte{c.data([]int{0, 1, 2, 3})})
 }
 
 // TestLockFile: a second engine given the node's lock file fails with

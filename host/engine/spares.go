@@ -85,8 +85,9 @@ func (e *Engine) useSpare(m *mount, sf spareFile, dir string, extra int, size, e
 	if err != nil {
 		return fail(tmp, "open", err)
 	}
-	if _, err := fsys.TryLock(f); err != nil {
-		e.log.Debug("engine: flock of a temporary file", "path", tmp, "err", err)
+	if err := e.lockTemp(f, tmp, false); err != nil {
+		f.Close()
+		return fail(tmp, "lock", err)
 	}
 	// A spare made ahead never had a header, nor any byte but zeros.
 	if !sf.zeroed {

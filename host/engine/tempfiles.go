@@ -65,7 +65,7 @@ func (e *Engine) tempName(dir, prefix string) string {
 // engine's back), flocks it ("in use", to cleaners on this node and,
 // where the file system shares flocks, on others: docs/engine.md) and
 // allocates size bytes. On failure nothing is left behind; op names the
-// failed step ("mkdir", "create", "allocate").
+// failed step ("mkdir", "create", "lock", "allocate").
 func (e *Engine) createTemp(m *mount, dir string, extra int, size int64) (f fsys.File, tmp, op string, err error) {
 	return e.createFile(m, dir, tmpPrefix, extra, size)
 }
@@ -76,19 +76,31 @@ func (e *Engine) createFile(m *mount, dir, prefix string, extra int, size int64)
 	if err := e.mkdir(dir, false); err != nil {
 		return nil, "", "mkdir", err
 	}
-	tmp = e.tempName(dir, prefix)
 	flag := os.O_WRONLY | os.O_CREATE | os.O_EXCL | extra
-	f, err = e.fs.OpenFile(tmp, flag, 0o644)
-	if errors.Is(err, os.ErrNotExist) { // the directory was removed behind our back
-		if err = e.mkdir(dir, true); err == nil {
-			f, err = e.fs.OpenFile(tmp, flag, 0o644)
+	for try := 1; ; try++ {
+		tmp = e.tempName(dir, prefix)
+		f, err = e.fs.OpenFile(tmp, flag, 0o644)
+		if errors.Is(err, os.ErrNotExist) { // the directory was removed behind our back
+			if err = e.mkdir(dir, true); err == nil {
+				f, err = e.fs.OpenFile(tmp, flag, 0o644)
+			}
 		}
-	}
-	if err != nil {
-		return nil, "", "create", err
-	}
-	if _, err := fsys.TryLock(f); err != nil {
-		e.log.Debug("engine: flock of a temporary file", "path", tmp, "err", err)
+		if err != nil {
+			return nil, "", "create", err
+		}
+		err = e.lockTemp(f, tmp, true)
+		if err == nil {
+			break
+		}
+		if !errors.Is(err, errTempGone) {
+			e.removeTemp(m, tmp, f, size)
+			f.Close()
+			return nil, "", "lock", err
+		}
+		f.Close()
+		if try == tempTries {
+			return nil, "", "create", fmt.Errorf("%w: %d temporary files in %s", err, try, dir)
+		}
 	}
 	if err := f.Allocate(size); err != nil {
 		e.removeTemp(m, tmp, f, size)
@@ -96,6 +108,59 @@ func (e *Engine) createFile(m *mount, dir, prefix string, extra int, size int64)
 		return nil, "", "allocate", err
 	}
 	return f, tmp, "", nil
+}
+
+// tempTries is how many fresh temporary files createFile makes, each
+// removed before it was locked (lockTemp), before it fails.
+const tempTries = 4
+
+// errTempGone says that a temporary file this engine had just made was
+// removed before it was locked (lockTemp).
+var errTempGone = errors.New("engine: removed by another engine's check of its leftovers before it was locked")
+
+// lockTemp flocks f, a temporary file this engine has just made at path,
+// and checks that f is still the file at path (errTempGone if not). Until
+// the flock is taken, another engine's check of its leftovers (cleanTemp,
+// at its Open) may take the file for abandoned: a daemon of this node
+// name in a container of its own, whose pids this process does not see
+// or whose pid is this one's, takes it for a predecessor's, and finds its
+// flock free. With wait (a file just created, O_EXCL: no descriptor of it
+// but this one and such checks exists) lockTemp waits while a check holds
+// the flock, a moment; without (a spare renamed there, whose earlier
+// descriptors a mover may keep, flock and all) it only tries, and a flock
+// held already is taken for the file's protection. Then it looks at
+// path: a file a check removed is no file to write, and the caller makes
+// another. A flock that fails (a file system without flocks) is no error:
+// the file's age (temp_grace) is then what protects it. A failed stat is.
+func (e *Engine) lockTemp(f fsys.File, path string, wait bool) error {
+	var err error
+	if wait {
+		err = fsys.Lock(f)
+	} else {
+		_, err = fsys.TryLock(f)
+	}
+	if err != nil {
+		e.log.Debug("engine: flock of a temporary file", "path", path, "err", err)
+	}
+	id, err := fileIdentity(f)
+	if err != nil {
+		return err
+	}
+	fi, err := e.fs.Stat(path)
+	if errors.Is(err, os.ErrNotExist) {
+		return errTempGone
+	}
+	if err != nil {
+		return err
+	}
+	now, err := fsys.IdentityOf(fi)
+	if err != nil {
+		return err
+	}
+	if now.Dev != id.Dev || now.Ino != id.Ino {
+		return errTempGone
+	}
+	return nil
 }
 
 // tempOwner parses the owner of a temporary name (without its prefix):
