@@ -1324,3 +1324,42 @@ func TestClusterKeepsADeadNodesClaimUntilItsAdopterCountsIt(t *testing.T) {
 		t.Fatalf("B still counts %d dead nodes' summaries after A's summary counted D's files", unclaimed)
 	}
 }
+
+// TestClusterAdoptsAndRetiresADeadNodeWhereAnExclusiveFlockNeedsWriteAccess:
+// node A's mount is NFS (version 4), whose client emulates flock with a
+// POSIX lock that, exclusive, needs the file open for writing. Dead node
+// D left one file and one abandoned temporary file. A must find D dead
+// (probing D's lock), adopt it, remove its temporary file, and once D's
+// file is gone retire D (locking D's lock file).
+func TestClusterAdoptsAndRetiresADeadNodeWhereAnExclusiveFlockNeedsWriteAccess(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	clock := newTestClock()
+	a := clusterNodeOf(t, Config{Mounts: []Mount{{Path: dir, ClusterCapacity: 1 << 30, ClusterInterval: time.Hour}}, NodeID: "a", Now: clock.now,
+		FS: fsystest.NFSLocks{FS: fsys.OS{}}})
+	d := clusterNode(t, dir, "d", 1<<30, time.Hour)
+	keys := storeKeys(t, d, "d", 1, rand.New(rand.NewPCG(16, 16)))
+	if err := d.e.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	tmp := filepath.Join(dir, fmt.Sprintf("%sd-%d-%016x", tmpPrefix, 1<<22+1, 5)) // a store of D's cut short
+	if err := os.WriteFile(tmp, []byte("partial"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	clock.advance(4 * time.Hour) // D's summary stale, its temporary file past temp_grace
+	m := a.e.mounts[0]
+	m.cluster.tick(ctx, a.e, m)
+	if !isAdopted(a.e, "d") || len(entriesOf(a.e, "d")) != 1 {
+		t.Fatalf("A did not adopt dead node D: adopted %v, %d of D's 1 file indexed", isAdopted(a.e, "d"), len(entriesOf(a.e, "d")))
+	}
+	if _, err := os.Stat(tmp); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("dead node D's abandoned temporary file stays after A's tick: %v", err)
+	}
+	if n, err := a.e.Delete(ctx, a.ns, keys); err != nil || n != 1 {
+		t.Fatalf("delete D's key on A: %d %v", n, err)
+	}
+	m.cluster.tick(ctx, a.e, m)
+	if left := clusterFiles(dir, "d"); len(left) > 0 || isAdopted(a.e, "d") {
+		t.Fatalf("dead node D has no file left on the mount, yet %v stay and A still adopts it: %v", left, isAdopted(a.e, "d"))
+	}
+}

@@ -68,7 +68,7 @@ func (e *Engine) openOwners() {
 		}
 		path := filepath.Join(m.root, name)
 		tmp := e.tempName(m.root, tmpPrefix)
-		f, err := e.fs.OpenFile(tmp, os.O_RDONLY|os.O_CREATE|os.O_EXCL, 0o644)
+		f, err := fsys.OpenToLock(e.fs, tmp, os.O_CREATE|os.O_EXCL, 0o644)
 		if err == nil {
 			// Waiting: another engine's walk may hold the new file's flock
 			// a moment to check it (cleanTemp), and lets it go.
@@ -154,7 +154,7 @@ func (lo *liveOwners) held(e *Engine, path string) bool {
 // instant may keep the dead spares, for the next Open to remove.
 func (e *Engine) ownerHeld(path string) bool {
 	// O_NONBLOCK: a FIFO planted under the name must not stall Open.
-	f, err := e.fs.OpenFile(path, os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0)
+	f, err := fsys.OpenToLock(e.fs, path, syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0)
 	if err != nil {
 		return false
 	}

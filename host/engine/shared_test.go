@@ -332,6 +332,51 @@ func TestTempFileRule(t *testing.T) {
 	}
 }
 
+// TestLeftoversAreRemovedWhereAnExclusiveFlockNeedsWriteAccess: on NFS
+// (version 4) the client emulates flock with a POSIX lock of the whole
+// file, and an exclusive one needs the file open for writing. A starting
+// engine must still remove the leftovers the rule says are abandoned (a
+// gone process's of this node, another node's past temp_grace) and keep
+// one whose writer holds its lock.
+func TestLeftoversAreRemovedWhereAnExclusiveFlockNeedsWriteAccess(t *testing.T) {
+	dir := t.TempDir()
+	dead := exec.Command("true")
+	if err := dead.Run(); err != nil {
+		t.Fatal(err)
+	}
+	old := time.Now().Add(-time.Hour)
+	files := []struct {
+		name string
+		keep bool
+	}{
+		{fmt.Sprintf(".tmp-n-%d-%016x", dead.Process.Pid, 1), false}, // this node's, its process gone
+		{fmt.Sprintf(".tmp-other-%d-%016x", os.Getpid(), 2), false},  // another node's, old
+		{fmt.Sprintf(".tmp-other-%d-%016x", os.Getpid(), 3), true},   // another node's, old, locked by its writer
+	}
+	for _, f := range files {
+		p := filepath.Join(dir, f.name)
+		if err := os.WriteFile(p, []byte("partial"), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		os.Chtimes(p, old, old)
+	}
+	lf, err := os.OpenFile(filepath.Join(dir, files[2].name), os.O_RDWR, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lf.Close()
+	if err := syscall.Flock(int(lf.Fd()), syscall.LOCK_EX); err != nil {
+		t.Fatal(err)
+	}
+	openEngine(t, Config{Mounts: []Mount{{Path: dir}}, Policy: newTestPolicy(1, 0), NodeID: "n", TempGrace: time.Minute, FS: fsystest.NFSLocks{FS: fsys.OS{}}})
+	for _, f := range files {
+		_, err := os.Stat(filepath.Join(dir, f.name))
+		if kept := err == nil; kept != f.keep {
+			t.Errorf("%s: kept %v, want %v", f.name, kept, f.keep)
+		}
+	}
+}
+
 // TestTempFileOfStoreInFlightKept: a store in flight holds its temporary
 // file's flock; another engine opening the same directory, even with a
 // TempGrace that makes the file old, leaves it alone, and the store

@@ -201,7 +201,7 @@ func processAlive(pid int) bool {
 // cleanTemp applies the leftover rule to the temporary file at path with
 // name's part after its prefix. It reports whether it removed the file.
 func (e *Engine) cleanTemp(path, rest string) (bool, error) {
-	f, err := e.fs.OpenFile(path, os.O_RDONLY|syscall.O_NOFOLLOW, 0)
+	f, err := fsys.OpenToLock(e.fs, path, syscall.O_NOFOLLOW, 0)
 	if err != nil {
 		if errors.Is(err, os.ErrNotExist) {
 			return false, nil

@@ -33,7 +33,7 @@ func (d *Dir) Adopt(node string) (bool, error) {
 	if d.adopted.locks[node] != nil {
 		return true, nil
 	}
-	f, ok, err := d.tryLockPath(filepath.Join(d.path, node+adoptSuffix), os.O_RDWR)
+	f, ok, err := d.tryLockPath(filepath.Join(d.path, node+adoptSuffix))
 	if err != nil {
 		return false, fmt.Errorf("clustercap: adopt %q: %w", node, err)
 	}
@@ -104,7 +104,7 @@ func (d *Dir) Retire(node string) (bool, error) {
 	if adopt == nil {
 		return false, fmt.Errorf("clustercap: retire %q: not adopted by node %q", node, d.node)
 	}
-	lock, ok, err := d.tryLockPath(d.lockPath(node), os.O_RDONLY)
+	lock, ok, err := d.tryLockPath(d.lockPath(node))
 	if err != nil || !ok {
 		if err != nil {
 			err = fmt.Errorf("clustercap: retire %q: %w", node, err)

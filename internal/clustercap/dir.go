@@ -66,7 +66,7 @@ func OpenDir(fs fsys.FS, root, node string) (*Dir, error) {
 	}
 	deadline := time.Now().Add(LockWait)
 	for pause := time.Millisecond; ; pause = min(2*pause, 100*time.Millisecond) {
-		f, ok, err := d.tryLockPath(d.lockPath(node), os.O_RDWR)
+		f, ok, err := d.tryLockPath(d.lockPath(node))
 		if err != nil {
 			return nil, fmt.Errorf("clustercap: %w", err)
 		}
@@ -84,15 +84,15 @@ func OpenDir(fs fsys.FS, root, node string) (*Dir, error) {
 	return d, nil
 }
 
-// tryLockPath opens path with flag (creating it) and takes an exclusive
-// flock on it without waiting. It reports false, with no file, when
+// tryLockPath opens path (creating it; read-write where it may:
+// fsys.OpenToLock) and takes an exclusive flock on it without waiting. It reports false, with no file, when
 // another process holds the lock. The file it locks is the one at path
 // once locked: a Retire may remove the file between the open and the
 // lock, and a lock on a removed file excludes nobody.
-func (d *Dir) tryLockPath(path string, flag int) (fsys.File, bool, error) {
+func (d *Dir) tryLockPath(path string) (fsys.File, bool, error) {
 	const tries = 8 // each a Retire between an open and a lock
 	for range tries {
-		f, err := d.fs.OpenFile(path, flag|os.O_CREATE|syscall.O_NOFOLLOW, 0o644)
+		f, err := fsys.OpenToLock(d.fs, path, os.O_CREATE|syscall.O_NOFOLLOW, 0o644)
 		if err != nil {
 			return nil, false, err
 		}
@@ -428,7 +428,7 @@ func (e *SummaryError) Unwrap() error { return e.Err }
 // (taken without waiting and released at once). A lock file that does not
 // exist is free.
 func (d *Dir) LockFree(node string) (bool, error) {
-	f, err := d.fs.OpenFile(d.lockPath(node), os.O_RDONLY|syscall.O_NOFOLLOW, 0)
+	f, err := fsys.OpenToLock(d.fs, d.lockPath(node), syscall.O_NOFOLLOW, 0)
 	if errors.Is(err, os.ErrNotExist) {
 		return true, nil
 	}

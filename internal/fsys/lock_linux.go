@@ -2,6 +2,7 @@ package fsys
 
 import (
 	"errors"
+	"os"
 
 	"golang.org/x/sys/unix"
 )
@@ -61,4 +62,21 @@ func lockFd(f interface{ Fd() uintptr }) error {
 			return err
 		}
 	}
+}
+
+// OpenToLock opens name on fs to take its flock: read-write, with flag's
+// other bits (O_NOFOLLOW, O_CREATE, ...; not its access mode). An NFS
+// client emulates flock with a POSIX lock of the whole file, and an
+// exclusive one on a file not open for writing fails there with EBADF
+// (flock(2), "NFS details"), so a lock probe of a file opened read-only
+// would fail on every NFS mount. Where write access is refused (EACCES:
+// another user's file; EROFS) it opens read-only, which takes the flock
+// on local and other shared file systems.
+func OpenToLock(fs FS, name string, flag int, perm os.FileMode) (File, error) {
+	flag &^= os.O_RDONLY | os.O_WRONLY | os.O_RDWR
+	f, err := fs.OpenFile(name, flag|os.O_RDWR, perm)
+	if errors.Is(err, unix.EACCES) || errors.Is(err, unix.EROFS) {
+		f, err = fs.OpenFile(name, flag|os.O_RDONLY, perm)
+	}
+	return f, err
 }
