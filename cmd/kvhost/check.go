@@ -367,7 +367,7 @@ func checkMount(ctx context.Context, rep *checkReport, o checkOptions, m config.
 			grace = engine.DefaultTempGrace
 		}
 		mnt, mntErr := fstype.MountOf(m.Path)
-		for _, it := range sharedFindings(magic, mnt, mntErr, probeFlock(m.Path), grace) {
+		for _, it := range sharedFindings(magic, mnt, mntErr, probeFlock(fsys.OS{}, m.Path), grace) {
 			rep.add(it.Level, area, it.What, it.Fix)
 		}
 	}

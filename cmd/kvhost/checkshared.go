@@ -10,36 +10,40 @@ import (
 	"path/filepath"
 	"time"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/kvhost/kvhost/internal/fstype"
+	"github.com/kvhost/kvhost/internal/fsys"
 )
 
-// probeFlock takes an exclusive flock on a hidden probe file in dir and
-// tries a second one on another open file description of it, which must
-// be refused: nil when flock works and excludes on this node. Whether
-// other nodes see the lock is not something one node can probe.
-func probeFlock(dir string) error {
+// probeFlock takes an exclusive flock on a hidden probe file in dir on fs
+// and tries a second one on another open file description of it, which
+// must be refused: nil when flock works and excludes on this node.
+// Whether other nodes see the lock is not something one node can probe.
+func probeFlock(fs fsys.FS, dir string) error {
 	name := filepath.Join(dir, fmt.Sprintf(".probe-flock-%d", os.Getpid()))
-	f, err := os.OpenFile(name, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
+	f, err := fs.OpenFile(name, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
 	if err != nil {
 		return err
 	}
-	defer os.Remove(name)
+	defer fs.Remove(name)
 	defer f.Close()
-	if err := unix.Flock(int(f.Fd()), unix.LOCK_EX|unix.LOCK_NB); err != nil {
+	switch ok, err := fsys.TryLock(f); {
+	case err != nil:
 		return fmt.Errorf("flock: %w", err)
+	case !ok:
+		return errors.New("flock: refused, with no other holder of the new file")
 	}
-	g, err := os.Open(name)
+	// Read-write, as the engine opens what it locks: an NFS client
+	// refuses an exclusive flock on a file not open for writing.
+	g, err := fsys.OpenToLock(fs, name, 0, 0)
 	if err != nil {
 		return err
 	}
 	defer g.Close()
-	switch err := unix.Flock(int(g.Fd()), unix.LOCK_EX|unix.LOCK_NB); {
-	case err == nil:
-		return errors.New("a second exclusive flock was granted beside the first")
-	case !errors.Is(err, unix.EWOULDBLOCK):
+	switch ok, err := fsys.TryLock(g); {
+	case err != nil:
 		return fmt.Errorf("second flock: %w", err)
+	case ok:
+		return errors.New("a second exclusive flock was granted beside the first")
 	}
 	return nil
 }

@@ -8,15 +8,31 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/internal/fstype"
+	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/internal/fsys/fsystest"
 )
 
-func TestProbeFlockExcludesASecondLockOnALocalDirectory(t *testing.T) {
-	dir := t.TempDir()
-	if err := probeFlock(dir); err != nil {
-		t.Fatalf("probeFlock on a local directory: %v", err)
+// TestProbeFlockFindsThatFlockExcludes: the probe passes where flock
+// works, on a local directory and where an exclusive flock needs write
+// access (an NFS version 4 client), and leaves no file behind.
+func TestProbeFlockFindsThatFlockExcludes(t *testing.T) {
+	tests := []struct {
+		name string
+		fs   fsys.FS
+	}{
+		{"local", fsys.OS{}},
+		{"an exclusive flock needs write access (NFS)", fsystest.NFSLocks{FS: fsys.OS{}}},
 	}
-	if tmp := tempFilesIn(t, dir); len(tmp) > 0 {
-		t.Fatalf("the probe left %v", tmp)
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			dir := t.TempDir()
+			if err := probeFlock(tc.fs, dir); err != nil {
+				t.Fatalf("probeFlock: %v", err)
+			}
+			if tmp := tempFilesIn(t, dir); len(tmp) > 0 {
+				t.Fatalf("the probe left %v", tmp)
+			}
+		})
 	}
 }
 
