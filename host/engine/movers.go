@@ -206,23 +206,44 @@ func (s *skips) sum(k int, sums []uint32) uint32 {
 
 // read reads the skipped extents from f (on the engine's goroutine,
 // 4 KiB-aligned as an O_DIRECT file needs) and folds their bytes into
-// their checksum slots.
+// their checksum slots. It reads the 4 KiB blocks that hold skipped
+// bytes and no others: extents whose aligned spans touch are read
+// together (up to recheckChunk at a time), and the file between spans
+// apart is not read (in the layer-major order a key's skipped blocks
+// lie a layer's worth of payload apart, a file's worth of keys apart
+// with several keys per file).
 func (s *skips) read(ctx context.Context, f fsys.File, sums []uint32) error {
 	if s == nil || len(s.reads) == 0 {
 		return nil
 	}
-	first, last := s.reads[0], s.reads[len(s.reads)-1]
-	span := last.FileOff + last.Len - first.FileOff&^(format.Align-1)
-	buf := staging.AlignedBuffer(int(min(recheckChunk, (span+format.Align-1)&^(format.Align-1))))
+	const a = format.Align
+	// ends[i] is the aligned end of the run of touching spans that holds
+	// extent i.
+	ends := make([]int64, len(s.reads))
+	var widest int64
+	for i := 0; i < len(s.reads); {
+		start := s.reads[i].FileOff &^ (a - 1)
+		end := (s.reads[i].FileOff + s.reads[i].Len + a - 1) &^ (a - 1)
+		j := i + 1
+		for ; j < len(s.reads) && s.reads[j].FileOff&^(a-1) <= end; j++ {
+			end = max(end, (s.reads[j].FileOff+s.reads[j].Len+a-1)&^(a-1))
+		}
+		for k := i; k < j; k++ {
+			ends[k] = end
+		}
+		widest = max(widest, end-start)
+		i = j
+	}
+	buf := staging.AlignedBuffer(int(min(recheckChunk, widest)))
 	var at, n int64 // buf holds the file's bytes [at, at+n)
-	for _, x := range s.reads {
+	for i, x := range s.reads {
 		for pos, end := x.FileOff, x.FileOff+x.Len; pos < end; {
-			if pos >= at+n {
+			if pos < at || pos >= at+n {
 				if err := ctx.Err(); err != nil {
 					return err
 				}
-				at = pos &^ (format.Align - 1)
-				got, err := f.ReadAt(buf, at)
+				at = pos &^ (a - 1)
+				got, err := f.ReadAt(buf[:min(int64(len(buf)), ends[i]-at)], at)
 				n = int64(got)
 				if errors.Is(err, io.EOF) {
 					err = nil

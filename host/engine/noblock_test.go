@@ -14,6 +14,7 @@ import (
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/internal/crc32c"
 	"github.com/kvhost/kvhost/internal/format"
+	"github.com/kvhost/kvhost/internal/fsys"
 	"github.com/kvhost/kvhost/internal/region"
 	"github.com/kvhost/kvhost/internal/transfer"
 )
@@ -333,5 +334,118 @@ func TestSkipsSumJoinsRuns(t *testing.T) {
 				t.Fatalf("joined 0x%08x, want 0x%08x", got, want)
 			}
 		})
+	}
+}
+
+// countingFile counts the bytes read through ReadAt.
+type countingFile struct {
+	fsys.File
+	n int64
+}
+
+func (f *countingFile) ReadAt(p []byte, off int64) (int, error) {
+	n, err := f.File.ReadAt(p, off)
+	f.n += int64(n)
+	return n, err
+}
+
+// TestSkipsReadReadsOnlyTheBlocksLeftOut: the engine's read of the blocks
+// a load leaves out (skips.read) reads their bytes, to the 4 KiB blocks
+// that hold them, and not the file between them: in the layer-major
+// order a key's skipped blocks lie one per layer and plane, a layer's
+// worth of the file apart (a file's worth of keys apart with several
+// keys per file). Each skipped run's checksum slot gets the CRC-32C of
+// its bytes; a file cut short fails as corrupt.
+func TestSkipsReadReadsOnlyTheBlocksLeftOut(t *testing.T) {
+	for _, order := range []uint32{abi.OrderLayerMajor, abi.OrderBlockMajor} {
+		for _, kpf := range []uint32{1, 4} {
+			t.Run(fmt.Sprintf("order=%d/keysPerFile=%d", order, kpf), func(t *testing.T) {
+				ctx := context.Background()
+				dir := t.TempDir()
+				e := openEngine(t, Config{Mounts: []Mount{{Path: dir, IO: IOBuffered}}, Policy: newTestPolicy(kpf, order)})
+				// 8 KiB blocks, 16 per key, 8 layers: a key is 2 MiB, a
+				// layer's plane of it 128 KiB.
+				g := Geometry{Model: "test/skips", Layers: 8, KVHeads: 2, HeadSize: 128, DtypeSize: 2, TokensPerBlock: 16, TokensPerKey: 256, TPSize: 1}
+				ns, err := e.Declare(ctx, g)
+				if err != nil {
+					t.Fatal(err)
+				}
+				bpk := g.BlocksPerKey()
+				tc := newTestCache(t, e, ns, g, int(kpf)*bpk, layoutPlaneFirst)
+				keys := testKeys("skips", int(kpf))
+				src := make([][]int, kpf)
+				for k := range src {
+					for b := range bpk {
+						src[k] = append(src[k], k*bpk+b)
+					}
+					tc.fill(rand.New(rand.NewPCG(7, uint64(k))), src[k])
+				}
+				storeAndCheck(t, e, tc, keys, src)
+				files := dataFiles(t, dir)
+				if len(files) != 1 {
+					t.Fatalf("files %v, want one", files)
+				}
+				raw, err := os.ReadFile(files[0])
+				if err != nil {
+					t.Fatal(err)
+				}
+				h, err := format.Decode(raw)
+				if err != nil {
+					t.Fatal(err)
+				}
+				// Key 0 of the file loads all but its first block.
+				blocks := slices.Clone(src[0])
+				blocks[0] = NoBlock
+				want := make([]bool, len(h.Keys))
+				want[0] = true
+				plan, sk := e.caches[tc.id].plan(h, want, func(int) []int { return blocks }, e.mounts[0])
+				f, err := fsys.OS{}.OpenFile(files[0], os.O_RDONLY, 0)
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer f.Close()
+				cf := &countingFile{File: f}
+				sums := make([]uint32, plan.Sums)
+				if err := sk.read(ctx, cf, sums); err != nil {
+					t.Fatal(err)
+				}
+				// The skipped bytes, run by run, from the file.
+				var limit int64
+				wantSums := make([]uint32, plan.Sums)
+				run := -1
+				prevSkip := false
+				h.Walk(want, func(k, b, l, p int, off int64) {
+					skip := blocks[b] == NoBlock
+					if run < 0 || skip != prevSkip {
+						run++
+						prevSkip = skip
+					}
+					if !skip {
+						return
+					}
+					at := int64(h.Len()) + off
+					slot := sk.parts[k][run].slot
+					wantSums[slot] = crc32c.Update(wantSums[slot], raw[at:at+int64(h.BlockBytes)])
+					limit += (at+int64(h.BlockBytes)+format.Align-1)&^(format.Align-1) - at&^(format.Align-1)
+				})
+				for _, pt := range sk.parts[0] {
+					if pt.skip && sums[pt.slot] != wantSums[pt.slot] {
+						t.Errorf("slot %d: checksum 0x%08x, want 0x%08x", pt.slot, sums[pt.slot], wantSums[pt.slot])
+					}
+				}
+				if cf.n > limit {
+					t.Errorf("read %d bytes of the file for %d skipped bytes (%d in the 4 KiB blocks that hold them)", cf.n, sk.skipped[0], limit)
+				}
+				// A file cut inside the last skipped block: the read
+				// fails as corrupt, the file short.
+				last := sk.reads[len(sk.reads)-1]
+				if err := os.Truncate(files[0], last.FileOff+last.Len-1); err != nil {
+					t.Fatal(err)
+				}
+				if err := sk.read(ctx, f, make([]uint32, plan.Sums)); !errors.Is(err, ErrCorrupt) || !isShort(err) {
+					t.Errorf("read of a file cut short: %v, want ErrCorrupt and a short file", err)
+				}
+			})
+		}
 	}
 }
