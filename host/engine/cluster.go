@@ -955,7 +955,9 @@ func (e *Engine) bytesOf(m *mount, tags map[uint32]bool) int64 {
 // could miss the dead node's newest files, and a node whose walk found
 // none of its files left is retired, its files then counted and removed
 // by no node. A file gone meanwhile, or not a kvhost file (the rebuild's
-// business), is skipped. So is a file whose read fails (readFailed: it
+// business), is skipped; one of those nodes' files that is shorter than
+// its header says (shortFileError) is removed, as a load removes a
+// corrupt file: its owner is dead, and no node would count or remove it. So is a file whose read fails (readFailed: it
 // may be the dead node's); a dead node's file whose path a job of this
 // engine holds (errPathHeld: a store that fails leaves it there), or
 // whose stat fails; and a directory that cannot be read or not be listed
@@ -1006,6 +1008,10 @@ func (e *Engine) adoptFiles(ctx context.Context, m *mount, tags map[uint32]bool,
 			}
 			en, err := e.readEntry(m.idx, path)
 			e.st.scanned.Add(1) // progress for Activity: the walk may take minutes, stores waiting on it
+			var short *shortFileError
+			if errors.As(err, &short) {
+				en, err = short.en, nil // a dead node's is indexed, then dropped below
+			}
 			if err != nil {
 				if readFailed(err) {
 					// Whose file it is cannot be told: the walk is not
@@ -1019,6 +1025,15 @@ func (e *Engine) adoptFiles(ctx context.Context, m *mount, tags map[uint32]bool,
 			}
 			got, err := e.adoptFound(ctx, en)
 			switch {
+			case got != nil && short != nil:
+				// Cut short, and its owner dead: no node will finish or
+				// load it. Dropped as a load drops a corrupt file, through
+				// the index (the path held, the file removed only if it is
+				// still this one); a removal that fails leaves it counted
+				// on this node's mount (index.left) and tried again.
+				e.st.corrupt.Add(1)
+				e.log.Warn("engine: cluster: a dead node's corrupt file removed", "mount", m.root, "err", short)
+				e.drop(ctx, got, true, "corrupt")
 			case got != nil:
 				n++
 			case errors.Is(err, errPathHeld) || readFailed(err):

@@ -880,6 +880,39 @@ func TestClusterRetiresADeadNodeWithNoFilesLeft(t *testing.T) {
 	}
 }
 
+// TestClusterAnAdopterRemovesADeadNodesFileShorterThanItsHeaderSays:
+// dead node D's one file on the mount is cut short (its header whole,
+// its payload not), as a crash of the file system may leave it. Node A
+// adopts D: it must remove that file, corrupt and of a dead owner, or
+// count it; never retire D and leave it on the mount, counted and removed
+// by no node until some node's restart.
+func TestClusterAnAdopterRemovesADeadNodesFileShorterThanItsHeaderSays(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	a, _, _ := adoptableDeadNode(t, dir, 1<<30, 1, rand.New(rand.NewPCG(6, 6)))
+	files := kvFiles(t, dir)
+	if len(files) != 1 {
+		t.Fatalf("%d data files after D's one store: %v", len(files), files)
+	}
+	fi, err := os.Stat(files[0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Truncate(files[0], fi.Size()/2); err != nil {
+		t.Fatal(err)
+	}
+	m := a.e.mounts[0]
+	m.cluster.tick(ctx, a.e, m)
+	m.cluster.tick(ctx, a.e, m)
+	if got, want := ownBytes(m), diskBytes(t, dir); got != want {
+		t.Fatalf("dead node D's file cut short (%d bytes of files on the mount): adopter A counts %d bytes; A holds D's adoption: %v, D's cluster files left: %v",
+			want, got, isAdopted(a.e, "d"), clusterFiles(dir, "d"))
+	}
+	if left := clusterFiles(dir, "d"); len(left) > 0 {
+		t.Fatalf("D's corrupt file gone, yet D is not retired: %v stay", left)
+	}
+}
+
 // TestClusterNeverRetiresADeadNodeWhoseFileACachedListingHid: node A's
 // file system client caches directory listings (NFS mounted nocto, say),
 // and A listed the mount at its start. Dead node D's last file went,

@@ -45,6 +45,8 @@ func (e *Engine) openSame(en *entry, flag int) (fsys.File, *format.Header, error
 }
 
 // readEntry reads the header of the file at path into an unindexed entry.
+// A kvhost file shorter than its header says is corrupt: a *shortFileError
+// (wrapping ErrCorrupt) with the entry of what is there.
 func (e *Engine) readEntry(mnt int, path string) (*entry, error) {
 	if e.mounts[mnt].raw != nil {
 		return e.rawEntry(mnt, path)
@@ -60,10 +62,28 @@ func (e *Engine) readEntry(mnt int, path string) (*entry, error) {
 		return nil, err
 	}
 	if id.Size < h.FileLen() {
-		return nil, fmt.Errorf("%w: %s: %d bytes, header says %d", ErrCorrupt, path, id.Size, h.FileLen())
+		return nil, &shortFileError{en: e.entryOf(mnt, path, h, id), want: h.FileLen()}
 	}
 	return e.entryOf(mnt, path, h, id), nil
 }
+
+// shortFileError is readEntry's error for a file whose header decodes but
+// that is shorter than the header says (cut short: a crash of the file
+// system, a truncation behind kvhost's back). It wraps ErrCorrupt. en is
+// the unindexed entry of the file as it is (its size the file's), whose
+// id tells its owner (the adoption walk removes a dead node's).
+type shortFileError struct {
+	en   *entry
+	want int64 // the file's length as its header says
+}
+
+// Error names the file and its sizes.
+func (e *shortFileError) Error() string {
+	return fmt.Sprintf("%v: %s: %d bytes, header says %d", ErrCorrupt, e.en.path, e.en.size, e.want)
+}
+
+// Unwrap returns ErrCorrupt.
+func (e *shortFileError) Unwrap() error { return ErrCorrupt }
 
 // entryOf returns an unindexed entry for the file at path with header h
 // and identity id.
