@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
@@ -104,7 +105,39 @@ type clusterMount struct {
 	// none of the tag's (mayEvict: twinned is read anywhere).
 	twin    string
 	twinned atomic.Bool
+	// shared holds the nodes with which this node found flocks shared on
+	// the mount (Summary.LockShared), for the engine's life: a probe of
+	// the node's lock found it held while the node ran (its summary
+	// fresh, or stale with its lock held), or its summary names this
+	// node. A free lock proves a node dead only where flocks are so
+	// shared (mayAdopt): on a mount whose flocks stay on each node every
+	// probe finds another node's lock free.
+	shared map[string]bool
+	// probes holds, per running node not in shared, this node's probes of
+	// its lock (probeLocks).
+	probes map[string]*lockProbe
+	// unproven holds the dead nodes not adopted for want of shared
+	// flocks, as the last read found them (logged once).
+	unproven map[string]bool
 }
+
+// lockProbe is this node's probing of a running node's lock (probeLocks).
+type lockProbe struct {
+	at   int64  // the last probe (Unix ns)
+	seq  uint64 // the node's summary at the last probe that found the lock free
+	free int    // probes that found it free, each with the node's summary grown since the last
+	said bool   // logged that flocks are not shared with it
+}
+
+// Lock probes of running nodes (probeLocks).
+const (
+	// maxLockProbes bounds the probes of one read.
+	maxLockProbes = 4
+	// unsharedProbes is how many probes must find a running node's lock
+	// free, its summary growing in between, before this node logs that
+	// flocks are not shared with it.
+	unsharedProbes = 3
+)
 
 // clusterRun is the engine's cluster loops.
 type clusterRun struct {
@@ -150,7 +183,8 @@ func (e *Engine) openCluster() error {
 		if err != nil {
 			return fmt.Errorf("engine: mount %s: %w", m.root, err)
 		}
-		c := &clusterMount{dir: dir, bound: b, interval: cm.ClusterInterval, tag: clustercap.Tag(e.node), floor: map[uint64]uint64{}, walked: map[uint32]int64{}, temps: map[string]uint32{}, bad: map[string]bool{}}
+		c := &clusterMount{dir: dir, bound: b, interval: cm.ClusterInterval, tag: clustercap.Tag(e.node), floor: map[uint64]uint64{}, walked: map[uint32]int64{}, temps: map[string]uint32{}, bad: map[string]bool{},
+			shared: map[string]bool{}, probes: map[string]*lockProbe{}, unproven: map[string]bool{}}
 		c.dead.Store(&map[uint32]bool{})
 		if c.interval == 0 {
 			c.interval = DefaultClusterInterval
@@ -461,16 +495,31 @@ func (c *clusterMount) read(ctx context.Context, e *Engine, m *mount) error {
 	touched := map[uint64]clustercap.Touch{} // by file id: the latest use, the highest rank
 	read := map[string]bool{}                // the nodes of sums
 	twin := ""                               // a running node of this node's tag
+	var fresh []*clustercap.Summary          // the nodes whose summary is fresh
+	unproven := map[string]bool{}
 	for _, s := range sums {
 		read[s.Node] = true
+		if slices.Contains(s.LockShared, e.node) {
+			c.shared[s.Node] = true // it found this node's lock held
+		}
+		stale := now-s.Time >= clustercap.StaleIntervals*s.Interval
 		live, err := clustercap.Live(s, now, c.dir.LockFree)
 		if err != nil {
 			e.log.Warn("engine: cluster lock probe", "mount", m.root, "node", s.Node, "err", err)
+		} else if live && stale {
+			c.shared[s.Node] = true // its lock found held
 		}
 		if !live {
 			deadSums = append(deadSums, s)
-			adopt(s.Node, s.Tag, runOf(s))
+			if c.shared[s.Node] {
+				adopt(s.Node, s.Tag, runOf(s))
+			} else {
+				unproven[s.Node] = true
+			}
 			continue
+		}
+		if !stale {
+			fresh = append(fresh, s)
 		}
 		if err := c.dir.Release(s.Node); err != nil { // it runs again: its files are its own
 			e.log.Warn("engine: cluster: adoption lock", "mount", m.root, "node", s.Node, "err", err)
@@ -490,7 +539,15 @@ func (c *clusterMount) read(ctx context.Context, e *Engine, m *mount) error {
 		}
 	}
 	c.setTwin(e, m, twin)
-	c.readBad(e, m, bad, read, now, adopt)
+	c.readBad(e, m, bad, read, now, func(node string, tag uint32, run int64) {
+		if c.shared[node] {
+			adopt(node, tag, run)
+		} else {
+			unproven[node] = true
+		}
+	})
+	c.probeLocks(e, m, fresh, now)
+	c.noteUnproven(e, m, unproven)
 	for node := range c.bad {
 		if read[node] {
 			stood[node] = true
@@ -517,6 +574,73 @@ func (c *clusterMount) read(ctx context.Context, e *Engine, m *mount) error {
 	e.ix.mu.Unlock()
 	e.access(ctx, recs)
 	return nil
+}
+
+// probeLocks probes the locks of running nodes (fresh: their summaries
+// are fresh) with which flocks are not yet found shared (c.shared), at
+// most maxLockProbes of them, those probed longest ago first: a lock
+// found held proves flocks shared between the two nodes (a probe reaches
+// the other's lock), which a free lock may then prove it dead (read). A
+// node whose lock is found free unsharedProbes times, its summary grown
+// between each two, ran through the probes: flocks do not reach between
+// the two nodes (an NFS mount with local_lock=flock, local_lock=all or
+// nolock on either), and this node says so, once. Called with c.mu held.
+func (c *clusterMount) probeLocks(e *Engine, m *mount, fresh []*clustercap.Summary, now int64) {
+	var due []*clustercap.Summary
+	for _, s := range fresh {
+		if c.shared[s.Node] {
+			delete(c.probes, s.Node)
+			continue
+		}
+		if c.probes[s.Node] == nil {
+			c.probes[s.Node] = &lockProbe{}
+		}
+		due = append(due, s)
+	}
+	slices.SortFunc(due, func(a, b *clustercap.Summary) int { return cmp.Compare(c.probes[a.Node].at, c.probes[b.Node].at) })
+	for _, s := range due[:min(len(due), maxLockProbes)] {
+		p := c.probes[s.Node]
+		p.at = now
+		free, err := c.dir.LockFree(s.Node)
+		switch {
+		case err != nil:
+			e.log.Debug("engine: cluster lock probe of a running node", "mount", m.root, "node", s.Node, "err", err)
+		case !free:
+			c.shared[s.Node] = true
+			delete(c.probes, s.Node)
+			e.log.Debug("engine: cluster: flocks shared with another node", "mount", m.root, "node", s.Node)
+		case p.free == 0 || s.Seq > p.seq:
+			p.free++
+			p.seq = s.Seq
+			if p.free >= unsharedProbes && !p.said {
+				p.said = true
+				e.log.Error("engine: cluster: another node's lock file reads free while it runs: flocks do not reach between the two nodes (an NFS mount with local_lock=flock, local_lock=all or nolock?); neither will take the other for dead, and a dead node's files stay counted but not evicted until it runs again",
+					"mount", m.root, "node", s.Node, "probes", p.free)
+			}
+		}
+	}
+}
+
+// noteUnproven logs, once per node while it stays so, each dead node
+// (unproven) that this node does not adopt for want of shared flocks
+// (c.shared): its lock's being free proves nothing. Called with c.mu
+// held.
+func (c *clusterMount) noteUnproven(e *Engine, m *mount, unproven map[string]bool) {
+	for node := range unproven {
+		if !c.unproven[node] {
+			e.log.Warn("engine: cluster: a node looks dead (summary stale, lock free), but this node never found flocks shared with it, so a free lock proves nothing: not adopted; its files stay, evicted by no node, until it runs again",
+				"mount", m.root, "node", node)
+		}
+	}
+	c.unproven = unproven
+}
+
+// lockShared names the nodes with which this node found flocks shared
+// (Summary.LockShared), at most clustercap.MaxAdopted of them. Called
+// with c.mu held.
+func (c *clusterMount) lockShared() []string {
+	out := slices.Sorted(maps.Keys(c.shared))
+	return out[:min(len(out), clustercap.MaxAdopted)]
 }
 
 // runOf identifies the run of a dead node by its last summary s: the
@@ -671,7 +795,7 @@ func (c *clusterMount) publish(e *Engine, sketch clustercap.Sketch, touches []cl
 	c.seq++
 	c.claim = max(c.claim, c.own)
 	s := &clustercap.Summary{Version: clustercap.SummaryVersion, Node: e.node, Tag: c.tag, Seq: c.seq, Time: e.now().UnixNano(),
-		Interval: int64(c.interval), Bytes: c.own, Claim: c.claim, Sketch: sketch, Touches: touches, Adopted: c.adoptedNames()}
+		Interval: int64(c.interval), Bytes: c.own, Claim: c.claim, Sketch: sketch, Touches: touches, Adopted: c.adoptedNames(), LockShared: c.lockShared()}
 	switch {
 	case cut > 0:
 		s.Cut, s.CutTime = cut, s.Time

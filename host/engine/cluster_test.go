@@ -399,6 +399,49 @@ func TestClusterAdoptsADeadNodesFiles(t *testing.T) {
 	}
 }
 
+// TestClusterNeverEvictsTheFilesOfALiveNodeWhoseFlockItCannotSee: nodes
+// L and A share a mount whose flocks stay on each node (an NFS mount with
+// local_lock=flock: fsystest.LocalLocks), so A's probe of L's lock always
+// finds it free. L runs, but its summary stops coming for more than three
+// intervals (A's clock runs 4 intervals on: a publication that stalls on
+// the shared file system). A must not take L for dead on a lock it cannot
+// see: its stores past the bound must evict its own files, never L's,
+// whose acknowledged keys still load on L byte for byte. A's probes of L's
+// lock while L runs find it free, and A says once that flocks do not
+// reach between them.
+func TestClusterNeverEvictsTheFilesOfALiveNodeWhoseFlockItCannotSee(t *testing.T) {
+	ctx := context.Background()
+	capacity := 8 * oneFileBytes(t)
+	dir := t.TempDir()
+	clock := newTestClock()
+	mnt := []Mount{{Path: dir, ClusterCapacity: capacity, ClusterInterval: time.Hour}}
+	log, unshared := countingLogger(t, "flocks do not reach between the two nodes")
+	a := clusterNodeOf(t, Config{Mounts: mnt, NodeID: "a", Now: clock.now, FS: fsystest.NewLocalLocks(fsys.OS{}), Logger: log})
+	l := clusterNodeOf(t, Config{Mounts: mnt, NodeID: "l", FS: fsystest.NewLocalLocks(fsys.OS{})})
+	r := rand.New(rand.NewPCG(39, 39))
+	keys := storeKeys(t, l, "live", 3, r)
+	blocks := [][]int{{0, 1, 2, 3}, {4, 5, 6, 7}, {8, 9, 10, 11}}
+	want := make([][]byte, len(keys))
+	for i, b := range blocks {
+		want[i] = l.c.data(b)
+	}
+	m, lm := a.e.mounts[0], l.e.mounts[0]
+	for range unsharedProbes + 1 { // L runs: its summary fresh and growing
+		lm.cluster.tick(ctx, l.e, lm)
+		m.cluster.tick(ctx, a.e, m)
+	}
+	if n := unshared.Load(); n != 1 {
+		t.Errorf("A found L's lock free at %d reads while L ran: said %d times that flocks are not shared, want once", unsharedProbes+1, n)
+	}
+	clock.advance(4 * time.Hour) // L's summary stalls, as A sees it
+	m.cluster.tick(ctx, a.e, m)
+	storeKeys(t, a, "a", 12, r)
+	if left := clusterFiles(dir, "l"); isAdopted(a.e, "l") || len(left) != 2 {
+		t.Errorf("L's summary stalled: A holds L's adoption: %v; L's cluster files left: %v, want its summary and lock", isAdopted(a.e, "l"), left)
+	}
+	loadAndCompare(t, l.e, l.c, keys, [][]int{{16, 17, 18, 19}, {20, 21, 22, 23}, {24, 25, 26, 27}}, want)
+}
+
 // TestAStoreRefusedForRoomOnAClusterMountGivesItsClusterGrantBack: a
 // store that the cluster's bound admits but that finds no room on the
 // mount itself (its one file pinned) fails with ErrNoSpace, and leaves the
@@ -621,7 +664,8 @@ func TestClusterAnAdopterThatCannotReadLetsGoOfTheNodesItAdopted(t *testing.T) {
 
 // besideDeadNode opens node A on dir, on a test clock and through a file
 // system that injects inj's faults, and a node D (an hour's interval, as
-// A's) that stores keys keys there and stops.
+// A's) that stores keys keys there and stops; A reads the cluster
+// directory once while D runs, finding its lock held (flocks shared).
 func besideDeadNode(t *testing.T, dir string, keys int, inj fsys.Injector) (*Engine, *testClock) {
 	t.Helper()
 	clock := newTestClock()
@@ -629,6 +673,8 @@ func besideDeadNode(t *testing.T, dir string, keys int, inj fsys.Injector) (*Eng
 		Policy: newTestPolicy(1, abi.OrderLayerMajor), NodeID: "a", FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj}, Now: clock.now})
 	d := clusterNode(t, dir, "d", 1<<30, time.Hour)
 	storeKeys(t, d, "d", keys, rand.New(rand.NewPCG(uint64(keys), 9)))
+	m := a.mounts[0]
+	m.cluster.tick(context.Background(), a, m) // A finds D's lock held while D runs: flocks shared
 	if err := d.e.Close(context.Background()); err != nil {
 		t.Fatal(err)
 	}
@@ -809,6 +855,7 @@ func TestClusterAdoptsADeadNodeWhoseSummaryDoesNotDecode(t *testing.T) {
 			dir := t.TempDir()
 			sum := filepath.Join(dir, clustercap.DirName, "d.summary")
 			var fail atomic.Bool
+			fail.Store(tt.unreadable) // from the start: A never reads D's summary, none stands in
 			a, clock := besideDeadNode(t, dir, 3, fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
 				if op == fsys.OpOpen && path == sum && fail.Load() {
 					return fsys.Fault{Err: syscall.EIO}
@@ -822,9 +869,11 @@ func TestClusterAdoptsADeadNodeWhoseSummaryDoesNotDecode(t *testing.T) {
 			if err := os.WriteFile(sum, b[:len(b)/2], 0o644); err != nil { // truncated by the crash
 				t.Fatal(err)
 			}
-			fail.Store(tt.unreadable)
-			clock.advance(tt.age)
 			m := a.mounts[0]
+			m.cluster.mu.Lock()
+			m.cluster.shared["d"] = true // as a read of D's summary while D ran would have found
+			m.cluster.mu.Unlock()
+			clock.advance(tt.age)
 			m.cluster.tick(ctx, a, m)
 			if !tt.adopted {
 				if isAdopted(a, "d") || len(m.cluster.dir.Adopted()) > 0 {

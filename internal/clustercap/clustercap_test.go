@@ -181,6 +181,9 @@ func TestSummaryRoundTripsAndBadOnesAreNamed(t *testing.T) {
 		{"adopting itself", func(s *Summary) { s.Adopted = []string{"n1"} }},
 		{"adopting a bad name", func(s *Summary) { s.Adopted = []string{"a/b"} }},
 		{"adopting too many", func(s *Summary) { s.Adopted = make([]string, MaxAdopted+1) }},
+		{"sharing flocks with itself", func(s *Summary) { s.LockShared = []string{"n1"} }},
+		{"sharing flocks with a bad name", func(s *Summary) { s.LockShared = []string{".x"} }},
+		{"sharing flocks with too many", func(s *Summary) { s.LockShared = make([]string, MaxAdopted+1) }},
 		{"sketch of too many points", func(s *Summary) {
 			s.Sketch = Sketch{}
 			for i := range MaxSketchPoints + 1 {

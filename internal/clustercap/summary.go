@@ -57,9 +57,17 @@ type Summary struct {
 	// node counts the dead node's last summary (Unclaimed). Summaries of
 	// nodes that predate the field decode with none.
 	Adopted []string `json:"adopted,omitempty"`
+	// LockShared names the nodes with which this node found flocks shared
+	// on the mount: a probe by one of the two found the other's lock file
+	// held while the other ran. Only such a pair may take the other's
+	// free lock for proof of death (docs/cluster.md, "Dead nodes"): on a
+	// mount whose flocks stay on each node (NFS with local_lock=flock or
+	// nolock) every probe of another node's lock finds it free. Summaries
+	// of nodes that predate the field decode with none.
+	LockShared []string `json:"lock_shared,omitempty"`
 }
 
-// MaxAdopted bounds Summary.Adopted.
+// MaxAdopted bounds Summary.Adopted, and Summary.LockShared too.
 const MaxAdopted = 4096
 
 // Touch is a use of another node's file: its file id, its rank after the
@@ -112,10 +120,17 @@ func (s *Summary) Validate() error {
 		return bad("%d touches, want at most %d", len(s.Touches), MaxTouches)
 	case len(s.Adopted) > MaxAdopted:
 		return bad("%d adopted nodes, want at most %d", len(s.Adopted), MaxAdopted)
+	case len(s.LockShared) > MaxAdopted:
+		return bad("%d nodes sharing flocks, want at most %d", len(s.LockShared), MaxAdopted)
 	}
 	for _, n := range s.Adopted {
 		if err := checkNode(n); err != nil || len(n) > 64 || n == s.Node {
 			return bad("adopted node %q: want another node's name of 1..64 bytes", n)
+		}
+	}
+	for _, n := range s.LockShared {
+		if err := checkNode(n); err != nil || len(n) > 64 || n == s.Node {
+			return bad("node %q sharing flocks: want another node's name of 1..64 bytes", n)
 		}
 	}
 	if err := s.Sketch.Validate(); err != nil {

@@ -3,7 +3,8 @@
 // stores fill large page-cache folios in one write each (WriteLog); an
 // injector that holds one operation (Hold); a client that caches
 // directory listings (ListingCache); a file system that refuses direct
-// I/O (RefusesDirect).
+// I/O (RefusesDirect); flocks as an NFS client takes them (NFSLocks), and
+// flocks that stay on each simulated node (LocalLocks).
 package fsystest
 
 import (

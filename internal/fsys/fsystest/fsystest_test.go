@@ -1,8 +1,12 @@
 package fsystest
 
 import (
+	"os"
+	"path/filepath"
 	"slices"
 	"testing"
+
+	"github.com/kvhost/kvhost/internal/fsys"
 )
 
 func TestPartlyFirstWrittenFindsFoliosCutByTheirFirstWrite(t *testing.T) {
@@ -25,5 +29,40 @@ func TestPartlyFirstWrittenFindsFoliosCutByTheirFirstWrite(t *testing.T) {
 				t.Fatalf("folios %v, want %v", got, c.want)
 			}
 		})
+	}
+}
+
+// TestLocalLocksExcludeOnlyWithinOneClient: a flock through one
+// LocalLocks excludes a second through it until the first is closed, and
+// none through another LocalLocks on the same file.
+func TestLocalLocksExcludeOnlyWithinOneClient(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "lock")
+	one, other := NewLocalLocks(fsys.OS{}), NewLocalLocks(fsys.OS{})
+	open := func(l *LocalLocks) fsys.File {
+		t.Helper()
+		f, err := l.OpenFile(path, os.O_RDWR|os.O_CREATE, 0o644)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { f.Close() })
+		return f
+	}
+	first := open(one)
+	for _, c := range []struct {
+		name string
+		f    fsys.File
+		want bool
+	}{
+		{"the holder again", first, true},
+		{"another file of the same client", open(one), false},
+		{"a file of another client", open(other), true},
+	} {
+		if got, err := fsys.TryLock(c.f); err != nil || got != c.want {
+			t.Errorf("%s: TryLock %v, %v; want %v", c.name, got, err, c.want)
+		}
+	}
+	first.Close()
+	if got, err := fsys.TryLock(open(one)); err != nil || !got {
+		t.Errorf("after the holder's close: TryLock %v, %v; want granted", got, err)
 	}
 }
