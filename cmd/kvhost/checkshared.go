@@ -48,6 +48,22 @@ func probeFlock(fs fsys.FS, dir string) error {
 	return nil
 }
 
+// nfsLocalLocks returns the option of an NFS mount (mnt, of magic) that
+// keeps its flocks on the client ("local_lock=flock", "local_lock=all" or
+// "nolock"), or "" where it has none or is no NFS mount.
+func nfsLocalLocks(magic int64, mnt fstype.Mount, mntErr error) string {
+	if magic != fstype.NFS || mntErr != nil {
+		return ""
+	}
+	if v, ok := mnt.Option("local_lock"); ok && (v == "flock" || v == "all") {
+		return "local_lock=" + v
+	}
+	if _, ok := mnt.Option("nolock"); ok {
+		return "nolock"
+	}
+	return ""
+}
+
 // sharedFindings says, for a file system of magic that kvhost takes for a
 // shared one, which file system it is (for FUSE, from its mount's type:
 // mnt, or mntErr where /proc/self/mountinfo did not say), what its clients
@@ -89,7 +105,10 @@ func sharedFindings(magic int64, mnt fstype.Mount, mntErr error, flockErr error,
 			}
 		}
 	}
-	switch {
+	switch local := nfsLocalLocks(magic, mnt, mntErr); {
+	case flockErr == nil && local != "":
+		add(levelWarn, fmt.Sprintf("%s: mounted %s: flocks stay on this node, so no other node sees them: another node's stores in flight are protected only by temp_grace (%v), and with cluster_capacity no node takes another for dead on its free lock, so a dead node's files are never adopted", name, local, tempGrace),
+			"mount without nolock and with local_lock=none (the default), on every node")
 	case flockErr != nil:
 		add(levelWarn, fmt.Sprintf("%s: flock does not work here (%v); another node's stores in flight are protected only by temp_grace (%v)", name, flockErr, tempGrace),
 			"set [engine] temp_grace above the longest store on any node")

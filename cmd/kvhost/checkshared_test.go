@@ -91,8 +91,17 @@ func TestSharedFindingsNameTheFUSEFileSystemAndWhatGuardsOtherNodesStores(t *tes
 			{levelInfo, "whether other nodes see it"},
 			{levelInfo, "staging pipeline"},
 		}},
-		{"nfs", 0x6969, fstype.Mount{Point: "/mnt/n", Type: "nfs4"}, nil, nil, []want{
+		{"nfs", 0x6969, fstype.Mount{Point: "/mnt/n", Type: "nfs4", Options: "rw,vers=4.2,local_lock=none,addr=10.0.0.1"}, nil, nil, []want{
 			{levelInfo, "nfs: flock works on this node"},
+		}},
+		{"nfs, local_lock=flock", 0x6969, fstype.Mount{Point: "/mnt/n", Type: "nfs4", Options: "rw,vers=4.2,local_lock=flock,addr=10.0.0.1"}, nil, nil, []want{
+			{levelWarn, "mounted local_lock=flock: flocks stay on this node"},
+		}},
+		{"nfs, local_lock=all", 0x6969, fstype.Mount{Point: "/mnt/n", Type: "nfs", Options: "rw,vers=3,local_lock=all"}, nil, nil, []want{
+			{levelWarn, "mounted local_lock=all: flocks stay on this node"},
+		}},
+		{"nfs, nolock", 0x6969, fstype.Mount{Point: "/mnt/n", Type: "nfs", Options: "rw,vers=3,nolock"}, nil, nil, []want{
+			{levelWarn, "mounted nolock: flocks stay on this node"},
 		}},
 	} {
 		t.Run(c.name, func(t *testing.T) {
