@@ -119,6 +119,9 @@ type clusterMount struct {
 	// unproven holds the dead nodes not adopted for want of shared
 	// flocks, as the last read found them (logged once).
 	unproven map[string]bool
+	// copied: at the last tick another process held this node's lock file
+	// (clustercap.Dir.Relock), a second copy of this node: set the twin.
+	copied bool
 }
 
 // lockProbe is this node's probing of a running node's lock (probeLocks).
@@ -538,6 +541,9 @@ func (c *clusterMount) read(ctx context.Context, e *Engine, m *mount) error {
 			}
 		}
 	}
+	if twin == "" && c.copied {
+		twin = e.node + " (another copy: it holds this node's lock file)"
+	}
 	c.setTwin(e, m, twin)
 	c.readBad(e, m, bad, read, now, func(node string, tag uint32, run int64) {
 		if c.shared[node] {
@@ -818,6 +824,7 @@ func (c *clusterMount) tick(ctx context.Context, e *Engine, m *mount) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	start := e.now().UnixNano()
+	c.relock(e, m)
 	err := c.read(ctx, e, m)
 	if ctx.Err() != nil {
 		return // the engine closes, or its start was cancelled: a walk stopped short
@@ -858,6 +865,34 @@ func (c *clusterMount) tick(ctx context.Context, e *Engine, m *mount) {
 	if c.lost {
 		c.lost = false
 		e.log.Info("engine: cluster summaries readable again", "mount", m.root)
+	}
+}
+
+// relock checks that this node's lock is still on the file at its lock
+// path, and locks the file there anew where it is not (Dir.Relock): a
+// node that took this one for dead may have retired it, removing its lock
+// file, while it ran. Where another process holds the file there, a
+// second copy of this node runs: c.copied makes it this node's twin at
+// the next read (setTwin), so that it removes none of their files, which
+// it cannot tell apart. Called with c.mu held.
+func (c *clusterMount) relock(e *Engine, m *mount) {
+	renewed, err := c.dir.Relock()
+	switch {
+	case errors.Is(err, clustercap.ErrNodeLocked):
+		if !c.copied {
+			e.log.Error("engine: cluster: another process holds this node's lock file, which this node no longer held: a second copy of this node runs on the mount (or another node probes it a moment); removing none of this node's files until it can lock it again",
+				"mount", m.root, "node", e.node, "err", err)
+		}
+		c.copied = true
+		return
+	case err != nil:
+		e.log.Warn("engine: cluster: checking this node's lock", "mount", m.root, "err", err)
+	case renewed:
+		e.log.Warn("engine: cluster: this node's lock file was removed while it ran (another node took it for dead and retired it?); locked anew", "mount", m.root, "node", e.node)
+	}
+	if c.copied && err == nil {
+		e.log.Info("engine: cluster: this node holds its lock file again", "mount", m.root, "node", e.node)
+		c.copied = false
 	}
 }
 

@@ -442,6 +442,63 @@ func TestClusterNeverEvictsTheFilesOfALiveNodeWhoseFlockItCannotSee(t *testing.T
 	loadAndCompare(t, l.e, l.c, keys, [][]int{{16, 17, 18, 19}, {20, 21, 22, 23}, {24, 25, 26, 27}}, want)
 }
 
+// TestClusterANodeWhoseLockFileIsRemovedWhileItRunsLocksItAgain: node
+// X's lock file leaves the cluster directory while X runs (another node
+// took X for dead and retired it: X's NFS lease lapsed in a partition, its
+// lock with it). X's next tick must lock the file at its lock path again:
+// otherwise every later probe finds X's lock free, a stall of its
+// summary has X adopted again, and a second copy of X may start beside it.
+func TestClusterANodeWhoseLockFileIsRemovedWhileItRunsLocksItAgain(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	x := clusterNode(t, dir, "x", 1<<30, time.Hour)
+	if err := os.Remove(filepath.Join(dir, clustercap.DirName, "x.lock")); err != nil {
+		t.Fatal(err)
+	}
+	m := x.e.mounts[0]
+	m.cluster.tick(ctx, x.e, m)
+	probe, err := clustercap.OpenDir(fsys.OS{}, dir, "probe")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer probe.Close()
+	if free, err := probe.LockFree("x"); err != nil || free {
+		t.Fatalf("node X runs, its lock file removed before its tick: another node's probe finds its lock free: %v, %v", free, err)
+	}
+}
+
+// TestClusterANodeWhoseLockAnotherCopyTookRemovesNoneOfItsFiles: node X's
+// lock file is removed while X runs, and a second copy of X takes the new
+// one (two engines of one node id on the mount, which X's lock was to
+// prevent). X's next tick finds its lock held by another process: like a
+// node beside a twin of its owner tag, it removes none of the tag's files,
+// which it cannot tell from the copy's; once the copy stops, X locks the
+// file again and evicts as before.
+func TestClusterANodeWhoseLockAnotherCopyTookRemovesNoneOfItsFiles(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	x := clusterNode(t, dir, "x", 1<<30, time.Hour)
+	if err := os.Remove(filepath.Join(dir, clustercap.DirName, "x.lock")); err != nil {
+		t.Fatal(err)
+	}
+	copyOfX, err := clustercap.OpenDir(fsys.OS{}, dir, "x")
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := x.e.mounts[0]
+	m.cluster.tick(ctx, x.e, m)
+	if !m.cluster.twinned.Load() {
+		t.Fatalf("another copy of node X holds X's lock: X still removes files of its owner tag")
+	}
+	if err := copyOfX.Close(); err != nil {
+		t.Fatal(err)
+	}
+	m.cluster.tick(ctx, x.e, m)
+	if m.cluster.twinned.Load() {
+		t.Fatalf("the other copy of X stopped: X still removes none of its files")
+	}
+}
+
 // TestAStoreRefusedForRoomOnAClusterMountGivesItsClusterGrantBack: a
 // store that the cluster's bound admits but that finds no room on the
 // mount itself (its one file pinned) fails with ErrNoSpace, and leaves the

@@ -84,6 +84,42 @@ func OpenDir(fs fsys.FS, root, node string) (*Dir, error) {
 	return d, nil
 }
 
+// Relock checks that the node's lock is on the file at its lock path,
+// and takes it anew on the file there where it is not: the file was
+// removed while the node ran (a node that took this one for dead retired
+// it; on NFS a lease that lapsed in a partition frees the lock without a
+// word to its holder) or replaced. Without it another node's probe of the
+// path finds the lock free, and a second copy of the node may start. It
+// reports whether it locked a new file. It fails with ErrNodeLocked,
+// holding no lock, where another process holds the file at the path: a
+// second copy of this node runs (or, for a moment, another node's
+// probe); the next Relock tries again. A failed check keeps the lock.
+func (d *Dir) Relock() (bool, error) {
+	path := d.lockPath(d.node)
+	if d.lock != nil {
+		at, err := d.isAt(d.lock, path)
+		if err != nil {
+			return false, fmt.Errorf("clustercap: check %s: %w", path, err)
+		}
+		if at {
+			return false, nil
+		}
+	}
+	f, ok, err := d.tryLockPath(path)
+	if err != nil {
+		return false, fmt.Errorf("clustercap: %w", err)
+	}
+	if d.lock != nil {
+		d.lock.Close() // a lock on a file no longer at the path excludes nobody
+		d.lock = nil
+	}
+	if !ok {
+		return false, fmt.Errorf("%w: %s: another process holds node %q's lock", ErrNodeLocked, path, d.node)
+	}
+	d.lock = f
+	return true, nil
+}
+
 // tryLockPath opens path (creating it; read-write where it may:
 // fsys.OpenToLock) and takes an exclusive flock on it without waiting. It reports false, with no file, when
 // another process holds the lock. The file it locks is the one at path
