@@ -30,7 +30,8 @@ import (
 // high watermark evicts its own files ranked below the cut-off that every
 // node's summaries give, and the others follow the cut-off it publishes.
 // A node removes only its own files (the owner tag in the file id) and
-// those of nodes proven dead (summary stale, lock file free).
+// those of nodes proven dead (summary stale, lock file free, flocks found
+// shared with them: probeLocks).
 //
 // Ranks come from the policy (policy.Ranker, abi.FeatureRank): comparable
 // across nodes, lower evicted first. An entry the policy does not rank (a

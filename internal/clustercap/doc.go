@@ -16,6 +16,7 @@
 // tag of the writing node's id, so every node can tell, from a header it
 // reads anyway, whose file it has indexed. A node removes only its own files
 // and those of the dead nodes it adopted: a node proven dead (summary stale
-// and lock free) is adopted by the one live node that takes its adoption
-// lock (Dir.Adopt), which counts and evicts its files.
+// and lock free, to a node that found flocks shared with it:
+// Summary.LockShared) is adopted by the one live node that takes its
+// adoption lock (Dir.Adopt), which counts and evicts its files.
 package clustercap
