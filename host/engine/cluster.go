@@ -120,6 +120,10 @@ type clusterMount struct {
 	// unproven holds the dead nodes not adopted for want of shared
 	// flocks, as the last read found them (logged once).
 	unproven map[string]bool
+	// fresh holds the running nodes whose summaries the last read found
+	// fresh: a tick probes their locks (probeLocks), a claim raise's read
+	// does not (no probe on a store's path).
+	fresh []*clustercap.Summary
 	// copied: at the last tick another process held this node's lock file
 	// (clustercap.Dir.Relock), a second copy of this node: set the twin.
 	copied bool
@@ -553,7 +557,7 @@ func (c *clusterMount) read(ctx context.Context, e *Engine, m *mount) error {
 			unproven[node] = true
 		}
 	})
-	c.probeLocks(e, m, fresh, now)
+	c.fresh = fresh
 	c.noteUnproven(e, m, unproven)
 	for node := range c.bad {
 		if read[node] {
@@ -583,15 +587,16 @@ func (c *clusterMount) read(ctx context.Context, e *Engine, m *mount) error {
 	return nil
 }
 
-// probeLocks probes the locks of running nodes (fresh: their summaries
-// are fresh) with which flocks are not yet found shared (c.shared), at
-// most maxLockProbes of them, those probed longest ago first: a lock
-// found held proves flocks shared between the two nodes (a probe reaches
-// the other's lock), which a free lock may then prove it dead (read). A
-// node whose lock is found free unsharedProbes times, its summary grown
-// between each two, ran through the probes: flocks do not reach between
-// the two nodes (an NFS mount with local_lock=flock, local_lock=all or
-// nolock on either), and this node says so, once. Called with c.mu held.
+// probeLocks probes, once a tick, the locks of running nodes (fresh:
+// their summaries are fresh) with which flocks are not yet found shared
+// (c.shared), at most maxLockProbes of them, those probed longest ago
+// first: a lock found held proves flocks shared between the two nodes (a
+// probe reaches the other's lock), so that its being free may later prove
+// the other dead (read). A node whose lock is found free unsharedProbes
+// times, its summary grown between each two, ran through the probes:
+// flocks do not reach between the two nodes (an NFS mount with
+// local_lock=flock, local_lock=all or nolock on either), and this node
+// says so, once. Called with c.mu held.
 func (c *clusterMount) probeLocks(e *Engine, m *mount, fresh []*clustercap.Summary, now int64) {
 	var due []*clustercap.Summary
 	for _, s := range fresh {
@@ -829,6 +834,9 @@ func (c *clusterMount) tick(ctx context.Context, e *Engine, m *mount) {
 	err := c.read(ctx, e, m)
 	if ctx.Err() != nil {
 		return // the engine closes, or its start was cancelled: a walk stopped short
+	}
+	if err == nil {
+		c.probeLocks(e, m, c.fresh, start)
 	}
 	own, bytes, touches := c.count(ctx, e, m)
 	c.own = bytes
