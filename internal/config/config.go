@@ -538,8 +538,18 @@ func Parse(name string, src []byte) (Config, error) {
 		}
 		if len(unknown) > 0 {
 			k := unknown[0]
-			return Config{}, fmt.Errorf("%w: %s:%d: unknown key %q (known keys are listed in docs/config.md)",
-				ErrInvalid, name, lineOf(src, k, 0), k)
+			// The key of a mount is in one of the [[mount]] tables: the
+			// first that assigns it.
+			line := 0
+			for i := 0; line == 0 && i < max(len(mountSets), 1); i++ {
+				line = lineOf(src, k, i)
+			}
+			where := name
+			if line > 0 {
+				where += fmt.Sprintf(":%d", line)
+			}
+			return Config{}, fmt.Errorf("%w: %s: unknown key %q (known keys are listed in docs/config.md)",
+				ErrInvalid, where, k)
 		}
 	}
 	for i := range c.Mounts {

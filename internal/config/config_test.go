@@ -186,6 +186,8 @@ func TestParseErrors(t *testing.T) {
 		{"idle registrars", "[gpu]\nidle_registrars = 9", "kvhost.toml:2: gpu.idle_registrars: want between 0 (none) and 8, got 9"},
 		{"metrics address", "[metrics]\nlisten = \"9400\"", `kvhost.toml:2: metrics.listen: want a TCP address "host:port"`},
 		{"io mode of a second mount", "[[mount]]\npath = \"/a\"\nio = \"direct\"\n\n[[mount]]\npath = \"/b\"\nio = \"directt\"", `kvhost.toml:7: mount.io: want "auto", "direct" or "buffered", got "directt"`},
+		{"unknown key of a second mount", "[[mount]]\npath = \"/a\"\n[[mount]]\npath = \"/b\"\ncapasity = 5", `kvhost.toml:5: unknown key "mount.capasity"`},
+		{"unknown vllm_fs key of a second mount", "[[mount]]\npath = \"/a\"\n[[mount]]\npath = \"/b\"\nlayout = \"vllm-fs\"\n[mount.vllm_fs]\nbogus = 1", `kvhost.toml:7: unknown key "mount.vllm_fs.bogus"`},
 		{"a second mount's duplicate path", "[[mount]]\npath = \"/a\"\n[[mount]]\npath = \"/a/\"", "kvhost.toml:4: mount.path: want each mount once"},
 		{"high watermark zero", "[[mount]]\npath = \"/a\"\nhigh_watermark = 0", "kvhost.toml:3: mount.high_watermark: want a fraction in (0, 1], got 0"},
 		{"low watermark zero", "[[mount]]\npath = \"/a\"\nlow_watermark = 0", "kvhost.toml:3: mount.low_watermark: want a fraction in (0, high_watermark), got 0"},
