@@ -146,6 +146,7 @@ func TestParseErrors(t *testing.T) {
 		{"syntax", "[server\nsocket = 1", "kvhost.toml:2"},
 		{"unknown key", "[server]\nsokcet = \"/x\"", `kvhost.toml:2: unknown key "server.sokcet"`},
 		{"bad size", "[policy]\nmemory_limit = \"lots\"", `kvhost.toml:2: policy.memory_limit: size "lots"`},
+		{"a fraction of a byte", "[[mount]]\npath = \"/a\"\ncapacity = \"0.5\"", `kvhost.toml:3: mount.capacity: size "0.5": want a whole number of bytes (a fraction needs a unit, e.g. "0.5GiB")`},
 		{"bad duration", "[policy]\ncall_timeout = \"soon\"", `kvhost.toml:2: policy.call_timeout: duration "soon"`},
 		{"bad mode", "[server]\nsocket_mode = \"999\"", `file mode "999"`},
 		{"range", "[policy]\n\nshards = 65", "kvhost.toml:3: policy.shards: want between 0 (automatic) and 64, got 65"},
@@ -258,6 +259,11 @@ func TestParseSize(t *testing.T) {
 		{"", 0, false},
 		{"-1", 0, false},
 		{"12XB", 0, false},
+		{"0.5GiB", 1 << 29, true},
+		{"1.5KB", 1500, true},
+		{"0.5", 0, false},    // half a byte, not the default's 0
+		{"100.5B", 0, false}, // not a whole number of bytes
+		{"0.0001KiB", 0, false},
 	}
 	for _, tt := range tests {
 		got, err := ParseSize(tt.in)

@@ -2,6 +2,7 @@ package config
 
 import (
 	"fmt"
+	"math"
 	"os"
 	"strconv"
 	"strings"
@@ -36,6 +37,11 @@ func ParseSize(s string) (Size, error) {
 	v, err := strconv.ParseFloat(num, 64)
 	if err != nil || v < 0 || v*mult > 1<<62 {
 		return 0, fmt.Errorf("%w: size %q: want a number of bytes with an optional unit (KiB, MiB, GiB, TiB, KB, MB, GB, TB)", ErrInvalid, s)
+	}
+	// A fraction of a byte would be cut to a whole one: "0.5" to 0, the
+	// setting's default, which is rarely what was meant.
+	if (mult == 1 && v != math.Trunc(v)) || (v > 0 && v*mult < 1) {
+		return 0, fmt.Errorf("%w: size %q: want a whole number of bytes (a fraction needs a unit, e.g. \"0.5GiB\")", ErrInvalid, s)
 	}
 	return Size(v * mult), nil
 }
