@@ -85,6 +85,9 @@ type checkOptions struct {
 	// statfs is statfs(2) for the mounts' file systems; nil is
 	// unix.Statfs (tests give another file system's answer).
 	statfs func(path string, st *unix.Statfs_t) error
+	// access is access(2) for the mounts' directories; nil is
+	// unix.Access (tests give a read-only file system's answer).
+	access func(path string, mode uint32) error
 }
 
 // runCheck is `kvhost check`: diagnostics of the GPU, cuFile and every
@@ -333,7 +336,18 @@ func checkMount(ctx context.Context, rep *checkReport, o checkOptions, m config.
 		rep.add(levelFail, area, "is not a directory", "name a directory in [[mount]] path")
 		return
 	}
-	if unix.Access(m.Path, unix.W_OK|unix.X_OK) != nil {
+	access := o.access
+	if access == nil {
+		access = unix.Access
+	}
+	switch err := access(m.Path, unix.W_OK|unix.X_OK); {
+	case errors.Is(err, unix.EROFS):
+		// No owner or mode makes it writable: the daemon starts on it,
+		// and every store there fails.
+		rep.add(levelFail, area, "on a read-only file system: every store there fails",
+			"remount it read-write (mount -o remount,rw), or name a directory on a writable file system")
+		return
+	case err != nil:
 		rep.add(levelFail, area, "not writable by this user", "give the daemon's user write access (chown, or run as the owner)")
 		return
 	}

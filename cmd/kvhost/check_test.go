@@ -423,3 +423,40 @@ func TestCheckSaysWhatTheEngineMakesOfRamfsAndHugetlbfs(t *testing.T) {
 		})
 	}
 }
+
+// TestCheckTellsAReadOnlyFileSystemFromPermissions: a directory the
+// daemon's user may not write FAILs with a fix about its owner, and one
+// on a file system mounted read-only FAILs saying so, with a fix that
+// remounts it (no chown makes it writable).
+func TestCheckTellsAReadOnlyFileSystemFromPermissions(t *testing.T) {
+	for _, c := range []struct {
+		name      string
+		err       error
+		what, fix string
+	}{
+		{"permissions", unix.EACCES, "not writable by this user", "chown"},
+		{"read-only file system", unix.EROFS, "on a read-only file system", "remount it read-write"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			dir := t.TempDir()
+			o := checkOptions{cfg: config.Default(), access: func(path string, mode uint32) error {
+				if path == dir {
+					return c.err
+				}
+				return unix.Access(path, mode)
+			}}
+			o.cfg.GPU.Mode, o.cfg.GPU.CuFile = "off", "off"
+			o.cfg.Mounts = []config.Mount{{Path: dir}}
+			rep := doCheck(context.Background(), o)
+			var found []checkItem
+			for _, it := range rep.Items {
+				if it.Area == dir && it.Level == levelFail {
+					found = append(found, it)
+				}
+			}
+			if len(found) != 1 || !strings.Contains(found[0].What, c.what) || !strings.Contains(found[0].Fix, c.fix) {
+				t.Fatalf("failures on %s: %+v; want one saying %q with a fix saying %q", dir, found, c.what, c.fix)
+			}
+		})
+	}
+}
