@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"errors"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -148,13 +149,7 @@ func TestExampleConfigsUseTheDefaultSocket(t *testing.T) {
 func TestGoClientExampleStoresAndLoadsThroughKVHOST_SOCKET(t *testing.T) {
 	file, socket, _ := testConfig(t, t.TempDir(), "")
 	startProc(t, nil, "--config", file)
-	bin := filepath.Join(t.TempDir(), "go-client")
-	build := exec.Command("go", "build", "-o", bin, "./examples/go-client")
-	build.Dir = filepath.Join("..", "..")
-	if out, err := build.CombinedOutput(); err != nil {
-		t.Fatalf("go build ./examples/go-client: %v\n%s", err, out)
-	}
-	cmd := exec.Command(bin)
+	cmd := exec.Command(buildGoClientExample(t))
 	cmd.Env = append(os.Environ(), "KVHOST_SOCKET="+socket)
 	out, err := cmd.CombinedOutput()
 	if err != nil {
@@ -162,5 +157,42 @@ func TestGoClientExampleStoresAndLoadsThroughKVHOST_SOCKET(t *testing.T) {
 	}
 	if want := "store: stored\nlookup: 1\nload: loaded\n"; string(out) != want {
 		t.Fatalf("go-client printed %q, want %q", out, want)
+	}
+}
+
+// buildGoClientExample builds examples/go-client from the checkout and
+// returns the binary's path.
+func buildGoClientExample(t *testing.T) string {
+	t.Helper()
+	bin := filepath.Join(t.TempDir(), "go-client")
+	build := exec.Command("go", "build", "-o", bin, "./examples/go-client")
+	build.Dir = filepath.Join("..", "..")
+	if out, err := build.CombinedOutput(); err != nil {
+		t.Fatalf("go build ./examples/go-client: %v\n%s", err, out)
+	}
+	return bin
+}
+
+// TestGoClientExampleSaysWhyItsStoreFailed: where the daemon cannot store
+// the example's key (a mount with no room for it), the example exits 1
+// naming the failed store and the daemon's reason, not a load that
+// differs from what was stored.
+func TestGoClientExampleSaysWhyItsStoreFailed(t *testing.T) {
+	file, socket, _ := testConfig(t, t.TempDir(), "")
+	startProc(t, nil, "--config", file, "--capacity", "4KiB")
+	cmd := exec.Command(buildGoClientExample(t))
+	cmd.Env = append(os.Environ(), "KVHOST_SOCKET="+socket)
+	out, err := cmd.CombinedOutput()
+	var exit *exec.ExitError
+	if !errors.As(err, &exit) || exit.ExitCode() != 1 {
+		t.Fatalf("go-client: %v, want exit status 1\n%s", err, out)
+	}
+	for _, want := range []string{"store: failed\n", "go-client: store failed", "no space"} {
+		if !strings.Contains(string(out), want) {
+			t.Errorf("go-client printed %q, want it to say %q", out, want)
+		}
+	}
+	if strings.Contains(string(out), "differs") {
+		t.Errorf("go-client printed %q: a store that failed is not a load that differs", out)
 	}
 }

@@ -102,7 +102,9 @@ func run(ctx context.Context, socket string) error {
 	return nil
 }
 
-// do runs one store or load job of key into blocks and prints its outcome.
+// do runs one store or load job of key into blocks, prints its outcome
+// and returns an error, with the daemon's reason, unless the key was
+// stored (or already present) or loaded.
 func do(ctx context.Context, start func(context.Context, client.CacheID, [][]byte, [][]uint32) (*client.Job, error),
 	cache client.CacheID, key [][]byte, blocks []uint32, what string) error {
 	job, err := start(ctx, cache, key, [][]uint32{blocks})
@@ -113,6 +115,11 @@ func do(ctx context.Context, start func(context.Context, client.CacheID, [][]byt
 	if err != nil {
 		return err
 	}
-	fmt.Printf("%s: %s\n", what, res.Keys[0].Outcome)
-	return nil
+	o := res.Keys[0].Outcome
+	fmt.Printf("%s: %s\n", what, o)
+	switch o {
+	case client.OutcomeStored, client.OutcomePresent, client.OutcomeLoaded:
+		return nil
+	}
+	return fmt.Errorf("%s %s: %s", what, o, res.Message)
 }
