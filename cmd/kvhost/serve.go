@@ -122,6 +122,10 @@ type daemon struct {
 	lastReload     string
 }
 
+// nodeLockFile is the engine's node lock (engine.Config.LockFile) of a
+// daemon of cfg: beside its socket.
+func nodeLockFile(cfg config.Config) string { return cfg.Server.Socket + ".lock" }
+
 func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 	d.running = cfg
 	log := d.log
@@ -136,6 +140,11 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 	workers, restoreProcs := reserveControlProcessors(cfg.Engine.IOWorkers, log)
 	defer restoreProcs()
 	if cfg.Metrics.Listen != "" {
+		// A second daemon of this configuration would find the port
+		// taken before the engine's lock: tell it why.
+		if err := engine.ProbeNodeLock(nodeLockFile(cfg)); err != nil {
+			return err
+		}
 		stop, err := d.serveMetrics(cfg.Metrics.Listen, cfg.Metrics.Profiling)
 		if err != nil {
 			return err
@@ -206,7 +215,7 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 		NoReuse:             !cfg.Engine.Reuse(),
 		// Node-local state next to the socket: a second daemon started by
 		// mistake stops here, before it touches a mount.
-		LockFile: cfg.Server.Socket + ".lock",
+		LockFile: nodeLockFile(cfg),
 		Logger:   log,
 		Movers:   movers,
 		FS:       d.fs,

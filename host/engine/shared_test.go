@@ -441,7 +441,8 @@ func TestATemporaryFileCreatedBesideAnotherEnginesStartIsKept(t *testing.T) {
 
 // TestLockFile: a second engine given the node's lock file fails with
 // ErrLocked before it touches the mount (a leftover it would remove is
-// still there); once the first closes, it opens and cleans.
+// still there), and ProbeNodeLock names the holder; once the first
+// closes, the probe finds the lock free and a new engine opens and cleans.
 func TestLockFile(t *testing.T) {
 	dir, state := t.TempDir(), t.TempDir()
 	lock := filepath.Join(state, "kvhost.lock")
@@ -458,6 +459,9 @@ func TestLockFile(t *testing.T) {
 	if err := os.WriteFile(leftover, nil, 0o644); err != nil {
 		t.Fatal(err)
 	}
+	if err := ProbeNodeLock(lock); !errors.Is(err, ErrLocked) || !strings.Contains(err.Error(), fmt.Sprintf("process %d", os.Getpid())) {
+		t.Fatalf("ProbeNodeLock of the held lock: %v, want ErrLocked naming process %d", err, os.Getpid())
+	}
 	second, err := Open(context.Background(), cfg)
 	if !errors.Is(err, ErrLocked) {
 		if second != nil {
@@ -471,6 +475,12 @@ func TestLockFile(t *testing.T) {
 	}
 	if err := first.Close(context.Background()); err != nil {
 		t.Fatal(err)
+	}
+	if err := ProbeNodeLock(lock); err != nil {
+		t.Fatalf("ProbeNodeLock once the first closed: %v", err)
+	}
+	if err := ProbeNodeLock(filepath.Join(state, "none.lock")); err != nil {
+		t.Fatalf("ProbeNodeLock of no file: %v", err)
 	}
 	third, err := Open(context.Background(), cfg)
 	if err != nil {

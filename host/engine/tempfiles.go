@@ -3,6 +3,7 @@ package engine
 import (
 	"errors"
 	"fmt"
+	"io"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
@@ -247,6 +248,44 @@ func (e *Engine) cleanTemp(path, rest string) (bool, error) {
 	return true, nil
 }
 
+// lockedError is the ErrLocked error for the node lock file f at path,
+// which another process holds: it names that process, from the pid the
+// holder wrote into the file.
+func lockedError(f io.ReaderAt, path string) error {
+	buf := make([]byte, 32)
+	n, _ := f.ReadAt(buf, 0)
+	holder := strings.TrimSpace(string(buf[:n]))
+	if _, err := strconv.Atoi(holder); err != nil {
+		holder = "unknown"
+	}
+	return fmt.Errorf("%w: %s is held by process %s: another kvhost runs on this node", ErrLocked, path, holder)
+}
+
+// ProbeNodeLock reports whether another process holds the node lock file
+// at path (Config.LockFile), without creating it or keeping it: an error
+// wrapping ErrLocked, naming the holder, where one does; nil where the
+// file does not exist or is free. A daemon calls it before it takes
+// what a second daemon would find taken before the lock (a metrics
+// port), so that the second one is told why.
+func ProbeNodeLock(path string) error {
+	f, err := os.Open(path)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("engine: lock file: %w", err)
+	}
+	defer f.Close()
+	free, err := fsys.TryLock(f)
+	if err != nil {
+		return fmt.Errorf("engine: lock file %s: flock: %w", path, err)
+	}
+	if !free {
+		return lockedError(f, path)
+	}
+	return nil // closing f releases the lock taken
+}
+
 // lockNode opens (creating) the node-local lock file and takes an exclusive
 // flock on it without waiting; it writes this process's pid into it for the
 // message the next one gets.
@@ -264,14 +303,9 @@ func lockNode(fs fsys.FS, path string) (fsys.File, error) {
 		return nil, fmt.Errorf("engine: lock file %s: flock: %w", path, err)
 	}
 	if !free {
-		buf := make([]byte, 32)
-		n, _ := f.ReadAt(buf, 0)
+		err := lockedError(f, path)
 		f.Close()
-		holder := strings.TrimSpace(string(buf[:n]))
-		if _, err := strconv.Atoi(holder); err != nil {
-			holder = "unknown"
-		}
-		return nil, fmt.Errorf("%w: %s is held by process %s: another kvhost runs on this node", ErrLocked, path, holder)
+		return nil, err
 	}
 	pid := []byte(strconv.Itoa(os.Getpid()) + "\n")
 	if _, err := f.WriteAt(pid, 0); err == nil {
