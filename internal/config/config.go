@@ -12,6 +12,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strconv"
 	"strings"
 	"time"
 
@@ -884,6 +885,43 @@ func (c *Config) Validate() error {
 		}
 		seen[filepath.Clean(m.Path)] = true
 		vllmFS = vllmFS || m.Layout == LayoutVLLMFS
+	}
+	return c.validateTieredMounts()
+}
+
+// validateTieredMounts checks the mounts the built-in tiered policy's
+// hot and cold parameters name, where given, against the mounts of
+// kvhost's layout (the mounts the policy is told of). The plugin cannot
+// at its start: it learns the mount count from the first namespace, so
+// a hot mount beyond them started a daemon that refused every
+// namespace, and a cold one beyond them one that never tiered.
+func (c *Config) validateTieredMounts() error {
+	if c.Policy.Name != "tiered" {
+		return nil
+	}
+	n := 0
+	for _, m := range c.Mounts {
+		if m.Layout != LayoutVLLMFS {
+			n++
+		}
+	}
+	for _, k := range []string{"hot", "cold"} {
+		v, ok := c.Policy.Params[k]
+		if !ok {
+			continue
+		}
+		i, err := strconv.ParseInt(fmt.Sprint(v), 10, 64)
+		if err != nil || i < 0 {
+			continue // the plugin names what it wants
+		}
+		if i >= int64(n) {
+			configured := fmt.Sprintf("%d mounts are configured", n)
+			if n == 1 {
+				configured = "1 mount is configured"
+			}
+			return &ValueError{Key: "policy.params." + k, Got: i,
+				Want: fmt.Sprintf("a mount index from 0 to %d (the tiered policy's %s mount; %s)", n-1, k, configured)}
+		}
 	}
 	return nil
 }

@@ -147,6 +147,9 @@ func TestParseErrors(t *testing.T) {
 		{"unknown key", "[server]\nsokcet = \"/x\"", `kvhost.toml:2: unknown key "server.sokcet"`},
 		{"bad size", "[policy]\nmemory_limit = \"lots\"", `kvhost.toml:2: policy.memory_limit: size "lots"`},
 		{"a fraction of a byte", "[[mount]]\npath = \"/a\"\ncapacity = \"0.5\"", `kvhost.toml:3: mount.capacity: size "0.5": want a whole number of bytes (a fraction needs a unit, e.g. "0.5GiB")`},
+		{"tiered hot mount beyond the mounts", "[policy]\nname = \"tiered\"\n[policy.params]\nhot = 5\n[[mount]]\npath = \"/a\"\n[[mount]]\npath = \"/b\"", `kvhost.toml:4: policy.params.hot: want a mount index from 0 to 1 (the tiered policy's hot mount; 2 mounts are configured), got 5`},
+		{"tiered cold mount beyond the mounts", "[policy]\nname = \"tiered\"\n[policy.params]\ncold = \"2\"\n[[mount]]\npath = \"/a\"\n[[mount]]\npath = \"/b\"", `kvhost.toml:4: policy.params.cold: want a mount index from 0 to 1 (the tiered policy's cold mount; 2 mounts are configured), got 2`},
+		{"tiered cold mount of one mount", "[policy]\nname = \"tiered\"\n[policy.params]\ncold = 1\n[[mount]]\npath = \"/a\"", `kvhost.toml:4: policy.params.cold: want a mount index from 0 to 0 (the tiered policy's cold mount; 1 mount is configured), got 1`},
 		{"bad duration", "[policy]\ncall_timeout = \"soon\"", `kvhost.toml:2: policy.call_timeout: duration "soon"`},
 		{"bad mode", "[server]\nsocket_mode = \"999\"", `file mode "999"`},
 		{"range", "[policy]\n\nshards = 65", "kvhost.toml:3: policy.shards: want between 0 (automatic) and 64, got 65"},
@@ -405,6 +408,26 @@ func TestPreallocateIsAutoUnlessASizeIsGiven(t *testing.T) {
 			}
 			if got := c.Mounts[0].Preallocate; got != tt.want {
 				t.Fatalf("preallocate %v (%+v), want %v (%+v)", got, got, tt.want, tt.want)
+			}
+		})
+	}
+}
+
+// TestTieredMountsWithinTheMounts: the tiered policy's hot and cold
+// mounts are accepted where they name mounts of kvhost's layout, or are
+// left to their defaults (one mount: the policy then works as lru), and
+// other policies' parameters of those names are theirs to judge.
+func TestTieredMountsWithinTheMounts(t *testing.T) {
+	two := "[[mount]]\npath = \"/a\"\n[[mount]]\npath = \"/b\"\n"
+	for _, tc := range []struct{ name, src string }{
+		{"defaults on two mounts", "[policy]\nname = \"tiered\"\n" + two},
+		{"defaults on one mount", "[policy]\nname = \"tiered\"\n[[mount]]\npath = \"/a\"\n"},
+		{"swapped", "[policy]\nname = \"tiered\"\n[policy.params]\nhot = 1\ncold = \"0\"\n" + two},
+		{"another policy's param", "[policy]\nname = \"/p/vendor.wasm\"\n[policy.params]\nhot = 7\n" + two},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if _, err := Parse("kvhost.toml", []byte(tc.src)); err != nil {
+				t.Fatal(err)
 			}
 		})
 	}
