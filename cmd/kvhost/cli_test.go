@@ -46,6 +46,14 @@ func TestConfigCheck(t *testing.T) {
 	if err := os.WriteFile(bad, []byte("[server]\nsocket = \"/tmp/x.sock\"\nmax_clientz = 3\n"), 0o644); err != nil {
 		t.Fatal(err)
 	}
+	typo := filepath.Join(dir, "typo.toml")
+	if err := os.WriteFile(typo, []byte("[policy]\nname = \"lruu\"\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	vendor := filepath.Join(dir, "vendor.toml")
+	if err := os.WriteFile(vendor, []byte("[policy]\nname = \"/opt/vendor/policy.wasm\"\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
 	cases := []struct {
 		name     string
 		args     []string
@@ -54,6 +62,8 @@ func TestConfigCheck(t *testing.T) {
 		stderrIn []string
 	}{
 		{"example config is ok", []string{"check", good}, 0, good + ": ok", nil},
+		{"unknown built-in policy named", []string{"check", typo}, 1, "", []string{typo, "policy.name", `"lruu"`, "built in: "}},
+		{"a plugin file is the node's to have", []string{"check", vendor}, 0, vendor + ": ok", nil},
 		{"unknown key named with its line", []string{"check", bad}, 1, "", []string{bad + ":3", "server.max_clientz"}},
 		{"missing file named", []string{"check", filepath.Join(dir, "nope.toml")}, 1, "", []string{"nope.toml"}},
 		{"no file is a usage error", []string{"check"}, 2, "", []string{"usage"}},

@@ -7,14 +7,16 @@ import (
 	"slices"
 
 	"github.com/kvhost/kvhost/internal/config"
+	"github.com/kvhost/kvhost/plugins"
 )
 
 // configUsage describes `kvhost config`.
 const configUsage = `usage: kvhost config check FILE...
 
 Checks configuration files as the daemon reads them (TOML syntax, unknown
-keys, types, sizes, durations, rules across fields) and prints "FILE: ok"
-or the error with its line and key. Exit 0: every file is ok; 1: one is
+keys, types, sizes, durations, rules across fields, the name of a built-in
+policy; a plugin .wasm file is not read) and prints "FILE: ok" or the
+error with its line and key. Exit 0: every file is ok; 1: one is
 not; 2: usage. docs/config.md describes every key.`
 
 // isHelpFlag reports whether a is a request for help (-h, --help).
@@ -24,6 +26,20 @@ func isHelpFlag(a string) bool {
 		return true
 	}
 	return false
+}
+
+// checkPolicyName refuses, as the daemon's start would, a policy.name
+// that is neither a plugin file nor a policy built into this binary (the
+// default, lru, runs natively where none is). A plugin file is not read:
+// it is the node's to have, and `kvhost check` loads it there.
+func checkPolicyName(file, name string) error {
+	if isPluginFile(name) || name == plugins.Default {
+		return nil
+	}
+	if _, err := plugins.Wasm(name); err != nil {
+		return fmt.Errorf("config: %s: policy.name: %w", file, err)
+	}
+	return nil
 }
 
 // runConfig implements `kvhost config check FILE...`: it reads each file
@@ -50,7 +66,11 @@ func runConfig(_ context.Context, args []string, stdout, stderr io.Writer) int {
 		}
 		code := 0
 		for _, f := range args[1:] {
-			if _, err := config.Load(f); err != nil {
+			c, err := config.Load(f)
+			if err == nil {
+				err = checkPolicyName(f, c.Policy.Name)
+			}
+			if err != nil {
 				fmt.Fprintf(stderr, "%v\n", err)
 				code = 1
 				continue

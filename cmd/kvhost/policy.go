@@ -126,10 +126,16 @@ func (t *testFlags) options(logTo io.Writer) conformance.Options {
 	return opts
 }
 
+// isPluginFile reports whether a policy name is a plugin file (it ends in
+// .wasm or contains a '/') rather than a built-in policy's name.
+func isPluginFile(arg string) bool {
+	return strings.HasSuffix(arg, ".wasm") || strings.Contains(arg, "/")
+}
+
 // loadPlugin reads a plugin module: a file when arg ends in .wasm or
 // contains '/', a built-in policy otherwise.
 func loadPlugin(arg string) (name string, module []byte, err error) {
-	if strings.HasSuffix(arg, ".wasm") || strings.Contains(arg, "/") {
+	if isPluginFile(arg) {
 		b, err := os.ReadFile(arg)
 		return arg, b, err
 	}

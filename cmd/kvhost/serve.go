@@ -784,7 +784,7 @@ func nonEmpty(s string) []string {
 // built-in missing from the binary (built without make) yields a nil module
 // for lru, which then runs natively.
 func policyModule(nameOrFile string) (module []byte, name string, builtin bool, err error) {
-	if strings.HasSuffix(nameOrFile, ".wasm") || strings.ContainsRune(nameOrFile, os.PathSeparator) {
+	if isPluginFile(nameOrFile) {
 		b, err := os.ReadFile(nameOrFile)
 		if err != nil {
 			return nil, "", false, fmt.Errorf("policy: %w", err)
