@@ -51,12 +51,10 @@ func warnSingleMount(log *slog.Logger, b *builtPolicy, mounts []config.Mount) {
 }
 
 // checkPolicyMounts is `kvhost check`'s finding on the configured policy
-// and mounts: a warning where a policy that places files on the first
-// mount only is given several.
+// and mounts: a failure where the policy does not load as the daemon's
+// start loads it, a warning where a policy that places files on the
+// first mount only is given several.
 func checkPolicyMounts(ctx context.Context, rep *checkReport, cfg config.Config, mounts []config.Mount) {
-	if len(mounts) < 2 {
-		return
-	}
 	name, module, err := loadPlugin(cfg.Policy.Name)
 	var info policy.Info
 	switch {
@@ -70,6 +68,14 @@ func checkPolicyMounts(ctx context.Context, rep *checkReport, cfg config.Config,
 			rep.add(levelFail, "policy", fmt.Sprintf("policy %s: %v", name, err), "kvhost policy inspect says more")
 			return
 		}
+	}
+	if len(mounts) < 2 {
+		if module == nil {
+			rep.add(levelOK, "policy", fmt.Sprintf("policy %s, run natively (this binary embeds no module)", name), "")
+			return
+		}
+		rep.add(levelOK, "policy", fmt.Sprintf("policy %s loads (features %s)", name, info.Features), "")
+		return
 	}
 	if why := singleMountPolicy(name, info.Features, mounts); why != "" {
 		rep.add(levelWarn, "policy", why, `policy.name = "tiered" (examples/tiered.toml)`)

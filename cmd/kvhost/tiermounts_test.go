@@ -112,3 +112,49 @@ func TestTieredExampleIsAMemoryAndDiskDaemon(t *testing.T) {
 		t.Fatalf("findings %+v, want one OK (needs the embedded wasm: make build)", rep.Items)
 	}
 }
+
+// TestCheckFailsAPolicyTheDaemonCannotLoad: on a node of one mount too,
+// kvhost check loads the configured policy as the daemon would at start,
+// and FAILs (exit status 1) where it cannot: a name that is not built in,
+// a .wasm file that is not there or is not WebAssembly. The default
+// policy there gets an OK.
+func TestCheckFailsAPolicyTheDaemonCannotLoad(t *testing.T) {
+	dir := t.TempDir()
+	notWasm := filepath.Join(dir, "text.wasm")
+	if err := os.WriteFile(notWasm, []byte("hello\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name, policy string
+		level        string
+		code         int
+	}{
+		{"unknown built-in", "lruu", levelFail, 1},
+		{"missing file", filepath.Join(dir, "none.wasm"), levelFail, 1},
+		{"not wasm", notWasm, levelFail, 1},
+		{"default", "lru", levelOK, 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			file := filepath.Join(t.TempDir(), "kvhost.toml")
+			src := fmt.Sprintf("[gpu]\nmode = \"off\"\ncufile = \"off\"\n\n[policy]\nname = %q\n\n[[mount]]\npath = %q\n", tc.policy, t.TempDir())
+			if err := os.WriteFile(file, []byte(src), 0o644); err != nil {
+				t.Fatal(err)
+			}
+			var out, errb bytes.Buffer
+			code := run(context.Background(), []string{"check", "--config", file, "--json"}, &out, &errb)
+			var rep checkReport
+			if err := json.Unmarshal(out.Bytes(), &rep); err != nil {
+				t.Fatalf("check --json: %v\n%s\n%s", err, out.String(), errb.String())
+			}
+			var got []checkItem
+			for _, it := range rep.Items {
+				if it.Area == "policy" {
+					got = append(got, it)
+				}
+			}
+			if len(got) != 1 || got[0].Level != tc.level || code != tc.code {
+				t.Fatalf("exit %d, policy findings %+v; want exit %d and one %s", code, got, tc.code, tc.level)
+			}
+		})
+	}
+}
