@@ -96,6 +96,10 @@ func (d *daemon) applyReload(ctx context.Context) (string, error) {
 		}
 		d.pol.swap(build)
 		warnSingleMount(d.log, build, cur.Mounts)
+		// The new policy's parameters over the mounts that run.
+		running := cur
+		running.Policy = next.Policy
+		warnReversedTiers(d.log, running, d.eng.Stats().Mounts)
 	}
 	if next.Log.Level != cur.Log.Level {
 		d.level.Set(level)

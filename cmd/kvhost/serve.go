@@ -230,6 +230,7 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 	d.eng = eng
 	d.pol.swap(build)
 	warnSingleMount(log, build, cfg.Mounts)
+	warnReversedTiers(log, cfg, eng.Stats().Mounts)
 	table, err := openLookupTable(cfg, eng, log)
 	if err != nil {
 		cctx, cancel := context.WithTimeout(context.Background(), time.Duration(cfg.Server.ShutdownTimeout)+10*time.Second)

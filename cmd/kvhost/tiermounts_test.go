@@ -60,7 +60,8 @@ func TestDaemonWarnsAtStartWhenLRUGetsTwoMounts(t *testing.T) {
 }
 
 // TestCheckWarnsWhenASingleMountPolicyGetsTwoMounts: kvhost check gives
-// the same finding from the configuration, and an OK for tiered.
+// the same finding from the configuration, and an OK for tiered, but a
+// warning for tiered whose second, cold, mount is the memory one.
 func TestCheckWarnsWhenASingleMountPolicyGetsTwoMounts(t *testing.T) {
 	dir := t.TempDir()
 	mounts := fmt.Sprintf("[[mount]]\npath = %q\n\n[[mount]]\npath = %q\n", filepath.Join(dir, "hot"), filepath.Join(dir, "cold"))
@@ -70,10 +71,16 @@ func TestCheckWarnsWhenASingleMountPolicyGetsTwoMounts(t *testing.T) {
 	}{
 		{"lru", levelWarn},
 		{"tiered", levelOK},
+		{"tiered, memory second", levelWarn},
 	} {
 		t.Run(tc.policy, func(t *testing.T) {
-			file := filepath.Join(dir, tc.policy+".toml")
-			if err := os.WriteFile(file, fmt.Appendf(nil, "[policy]\nname = %q\n\n%s", tc.policy, mounts), 0o644); err != nil {
+			file := filepath.Join(dir, strings.ReplaceAll(tc.policy, " ", "")+".toml")
+			policy, ms, _ := strings.Cut(tc.policy, ",")
+			src := fmt.Sprintf("[policy]\nname = %q\n\n%s", policy, mounts)
+			if ms != "" {
+				src += "device_class = \"memory\"\n" // the second, cold, mount
+			}
+			if err := os.WriteFile(file, []byte(src), 0o644); err != nil {
 				t.Fatal(err)
 			}
 			var out, errb bytes.Buffer
@@ -156,5 +163,76 @@ func TestCheckFailsAPolicyTheDaemonCannotLoad(t *testing.T) {
 				t.Fatalf("exit %d, policy findings %+v; want exit %d and one %s", code, got, tc.code, tc.level)
 			}
 		})
+	}
+}
+
+// TestReversedTiersAreNamed: the tiered policy whose cold mount holds
+// memory (a memory file system, or device_class = "memory") and whose hot
+// mount does not is reported, with its hot and cold parameters or their
+// defaults; tiers the right way round, two memory mounts, a configured
+// class over the file system's, and other policies are not.
+func TestReversedTiersAreNamed(t *testing.T) {
+	disk, shm := config.Mount{Path: "/disk"}, config.Mount{Path: "/dev/shm/kv"}
+	onFS := func(i int, mounts []config.Mount) bool { return strings.HasPrefix(mounts[i].Path, "/dev/shm") }
+	for _, tc := range []struct {
+		name   string
+		policy string
+		params map[string]any
+		mounts []config.Mount
+		warn   bool
+	}{
+		{"memory first", "tiered", nil, []config.Mount{shm, disk}, false},
+		{"memory second", "tiered", nil, []config.Mount{disk, shm}, true},
+		{"memory second, swapped by params", "tiered", map[string]any{"hot": int64(1), "cold": int64(0)}, []config.Mount{disk, shm}, false},
+		{"memory first, swapped by params", "tiered", map[string]any{"hot": "1", "cold": "0"}, []config.Mount{shm, disk}, true},
+		{"configured memory class second", "tiered", nil, []config.Mount{disk, {Path: "/nvme", DeviceClass: "memory"}}, true},
+		{"configured disk class on a tmpfs second", "tiered", nil, []config.Mount{disk, {Path: "/dev/shm/kv", DeviceClass: "ssd"}}, false},
+		{"two memory mounts", "tiered", nil, []config.Mount{shm, {Path: "/dev/shm/b"}}, false},
+		{"lru", "lru", nil, []config.Mount{disk, shm}, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg := config.Default()
+			cfg.Policy.Name, cfg.Policy.Params, cfg.Mounts = tc.policy, tc.params, tc.mounts
+			why := reversedTiers(cfg, func(i int) bool { return onFS(i, tc.mounts) })
+			if (why != "") != tc.warn {
+				t.Fatalf("reversedTiers = %q, want a warning: %v", why, tc.warn)
+			}
+		})
+	}
+}
+
+// TestDaemonWarnsAtStartWhenTiersAreReversed: the tiered policy given a
+// disk mount first and a memory one second logs the warning at start,
+// naming both mounts.
+func TestDaemonWarnsAtStartWhenTiersAreReversed(t *testing.T) {
+	dir := t.TempDir()
+	hot, cold := filepath.Join(dir, "disk"), filepath.Join(dir, "memory")
+	file := filepath.Join(dir, "kvhost.toml")
+	src := fmt.Sprintf(`[server]
+socket = %q
+
+[log]
+format = "json"
+
+[policy]
+name = "tiered"
+cache_dir = %q
+
+[[mount]]
+path = %q
+capacity = "64MiB"
+
+[[mount]]
+path = %q
+capacity = "64MiB"
+device_class = "memory"
+`, filepath.Join(dir, "run", "kvhost.sock"), policyCache, hot, cold)
+	if err := os.WriteFile(file, []byte(src), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	p := startProc(t, nil, "--config", file)
+	m := p.stderr.logLine(t, reversedTiersMsg)
+	if why, _ := m["why"].(string); !strings.Contains(why, hot) || !strings.Contains(why, cold) {
+		t.Fatalf("the warning %v names not both mounts %s and %s", m, hot, cold)
 	}
 }
