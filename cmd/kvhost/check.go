@@ -203,6 +203,7 @@ func checkOnThread(ctx context.Context, o checkOptions) *checkReport {
 	for _, m := range mounts {
 		checkMount(ctx, rep, o, m, drv)
 	}
+	checkDisjointMounts(rep, mounts)
 	checkPolicyMounts(ctx, rep, o.cfg, mounts)
 	return rep
 }
@@ -316,6 +317,29 @@ func checkCuFile(rep *checkReport, g config.GPU, rt *cuda.Runtime) *gds.Driver {
 		rep.add(levelInfo, "cufile", "in compatibility mode kvhost moves GPU memory through its own staging pipeline (gpu.cufile = compat uses cuFile's)", "")
 	}
 	return d
+}
+
+// checkDisjointMounts FAILs each pair of existing mounts of kvhost's
+// layout that are one directory or one inside the other, which the
+// daemon refuses at start (engine.MountsDisjoint). A mount not made yet
+// is not compared (checkMount says to make it).
+func checkDisjointMounts(rep *checkReport, mounts []config.Mount) {
+	var roots []string
+	for _, m := range mounts {
+		if m.Layout == config.LayoutVLLMFS {
+			continue
+		}
+		if fi, err := os.Stat(m.Path); err != nil || !fi.IsDir() {
+			continue
+		}
+		for _, r := range roots {
+			if err := engine.MountsDisjoint(r, m.Path); errors.Is(err, engine.ErrInvalid) {
+				rep.add(levelFail, m.Path, fmt.Sprintf("overlaps the mount %s (one directory, or one inside the other, through any name): the daemon refuses to start", r),
+					"give each [[mount]] a directory of its own, none inside another")
+			}
+		}
+		roots = append(roots, m.Path)
+	}
 }
 
 // checkMount reports one mount: file system, space, O_DIRECT, cuFile

@@ -460,3 +460,49 @@ func TestCheckTellsAReadOnlyFileSystemFromPermissions(t *testing.T) {
 		})
 	}
 }
+
+// TestCheckFailsMountsThatOverlap: two mounts of kvhost's layout on one
+// directory (through a symbolic link) or one inside the other, which the
+// daemon refuses at start, FAIL; two directories side by side, and a
+// vllm-fs mount inside a kvhost one (the engine allows it), do not.
+func TestCheckFailsMountsThatOverlap(t *testing.T) {
+	dir := t.TempDir()
+	a, b, inner, link := filepath.Join(dir, "a"), filepath.Join(dir, "b"), filepath.Join(dir, "a", "inner"), filepath.Join(dir, "link")
+	for _, d := range []string{a, b, inner} {
+		if err := os.MkdirAll(d, 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := os.Symlink(a, link); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		name   string
+		mounts []config.Mount
+		fail   bool
+	}{
+		{"side by side", []config.Mount{{Path: a}, {Path: b}}, false},
+		{"one inside the other", []config.Mount{{Path: a}, {Path: inner}}, true},
+		{"one directory through a link", []config.Mount{{Path: a}, {Path: link}}, true},
+		{"a vllm-fs mount inside", []config.Mount{{Path: a}, {Path: inner, Layout: config.LayoutVLLMFS}}, false},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			o := checkOptions{cfg: config.Default()}
+			o.cfg.GPU.Mode, o.cfg.GPU.CuFile = "off", "off"
+			o.cfg.Mounts = c.mounts
+			rep := doCheck(context.Background(), o)
+			var found []checkItem
+			for _, it := range rep.Items {
+				if strings.Contains(it.What, "overlap") {
+					found = append(found, it)
+				}
+			}
+			if c.fail && (len(found) != 1 || found[0].Level != levelFail || rep.Fail == 0) {
+				t.Fatalf("findings on overlap %+v (%d failures); want one FAIL", found, rep.Fail)
+			}
+			if !c.fail && len(found) != 0 {
+				t.Fatalf("findings on overlap %+v; want none", found)
+			}
+		})
+	}
+}

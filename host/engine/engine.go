@@ -210,7 +210,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 				return nil, fmt.Errorf("%w: mount %s: a kvhost mount after the vllm-fs mount %s: list vllm-fs mounts last (the policy places other namespaces on mounts 0..n-1)", ErrInvalid, mt.root, e.mounts[e.kvMounts].root)
 			}
 			for _, other := range e.mounts[:e.kvMounts] {
-				if err := e.checkDisjoint(other.root, mt.root); err != nil {
+				if err := checkDisjoint(e.fs, other.root, mt.root); err != nil {
 					return nil, err
 				}
 			}

@@ -51,6 +51,14 @@ type mount struct {
 // maxRootDepth bounds the walk up from a mount's root (checkDisjoint).
 const maxRootDepth = 1024
 
+// MountsDisjoint returns the error Open returns, wrapping ErrInvalid,
+// where the roots a and b (existing directories) of two mounts of
+// kvhost's layout are one directory or one lies inside the other,
+// through whatever names (symbolic links, bind mounts); nil where they
+// are disjoint. `kvhost check` asks it of a configuration before a
+// daemon is started on it.
+func MountsDisjoint(a, b string) error { return checkDisjoint(fsys.OS{}, a, b) }
+
 // checkDisjoint returns an error wrapping ErrInvalid where the kvhost
 // mounts' roots a and b (absolute, existing) are one directory, or one
 // lies inside the other, through whatever names: the rebuild takes every
@@ -60,9 +68,9 @@ const maxRootDepth = 1024
 // and each root's ancestors are found through "..", which the kernel
 // resolves to the real parent whatever symbolic links or bind mounts
 // named the root.
-func (e *Engine) checkDisjoint(a, b string) error {
+func checkDisjoint(fs fsys.FS, a, b string) error {
 	dirID := func(p string) (fsys.FileID, error) {
-		fi, err := e.fs.Stat(p)
+		fi, err := fs.Stat(p)
 		if err != nil {
 			return fsys.FileID{}, err
 		}
