@@ -43,7 +43,7 @@ const (
 
 var (
 	buildOnce sync.Once
-	built     string
+	built     []byte // the compiled library
 	buildErr  string
 )
 
@@ -63,42 +63,55 @@ func Unavailable(t testing.TB, why string) {
 	t.Skip(why)
 }
 
-// Build compiles the fake library (once per test binary) and returns its
-// path, for both cuda.Config.Runtime and cuda.Config.Driver. It skips the
-// test when no C compiler or cgo is available.
+// Build returns the path of a fresh copy of the fake library in a
+// directory of t's that goes with t, for both cuda.Config.Runtime and
+// cuda.Config.Driver: the fake's state (counts, faults) is the copy's
+// own, shared by whatever the test loads from that path (pass the same
+// path to Open). The library is compiled once per test binary, in a
+// temporary directory removed at once: a test run leaves nothing behind.
+// It skips the test when no C compiler or cgo is available.
 func Build(t testing.TB) string {
 	t.Helper()
 	if !supported {
 		Unavailable(t, "cudatest: needs cgo on Linux to load the fake CUDA library")
 	}
-	buildOnce.Do(func() {
-		cc := "cc"
-		if out, err := exec.Command("go", "env", "CC").Output(); err == nil && strings.TrimSpace(string(out)) != "" {
-			cc = strings.Fields(string(out))[0]
-		}
-		if _, err := exec.LookPath(cc); err != nil {
-			buildErr = "no C compiler: " + err.Error()
-			return
-		}
-		dir, err := os.MkdirTemp("", "kvhost-fakecuda")
-		if err != nil {
-			buildErr = err.Error()
-			return
-		}
-		src := filepath.Join(dir, "fakecuda.c")
-		if err := os.WriteFile(src, source, 0o644); err != nil {
-			buildErr = err.Error()
-			return
-		}
-		lib := filepath.Join(dir, "libfakecuda.so")
-		if out, err := exec.Command(cc, "-O2", "-shared", "-fPIC", "-pthread", "-o", lib, src).CombinedOutput(); err != nil {
-			buildErr = "build fake CUDA library: " + err.Error() + "\n" + string(out)
-			return
-		}
-		built = lib
-	})
-	if built == "" {
+	buildOnce.Do(func() { built, buildErr = compile() })
+	if built == nil {
 		Unavailable(t, "cudatest: "+buildErr)
 	}
-	return built
+	lib := filepath.Join(t.TempDir(), "libfakecuda.so")
+	if err := os.WriteFile(lib, built, 0o755); err != nil {
+		t.Fatalf("cudatest: %v", err)
+	}
+	return lib
+}
+
+// compile builds the fake library with `go env CC` and returns its bytes,
+// or why it could not.
+func compile() ([]byte, string) {
+	cc := "cc"
+	if out, err := exec.Command("go", "env", "CC").Output(); err == nil && strings.TrimSpace(string(out)) != "" {
+		cc = strings.Fields(string(out))[0]
+	}
+	if _, err := exec.LookPath(cc); err != nil {
+		return nil, "no C compiler: " + err.Error()
+	}
+	dir, err := os.MkdirTemp("", "kvhost-fakecuda")
+	if err != nil {
+		return nil, err.Error()
+	}
+	defer os.RemoveAll(dir)
+	src := filepath.Join(dir, "fakecuda.c")
+	if err := os.WriteFile(src, source, 0o644); err != nil {
+		return nil, err.Error()
+	}
+	lib := filepath.Join(dir, "libfakecuda.so")
+	if out, err := exec.Command(cc, "-O2", "-shared", "-fPIC", "-pthread", "-o", lib, src).CombinedOutput(); err != nil {
+		return nil, "build fake CUDA library: " + err.Error() + "\n" + string(out)
+	}
+	b, err := os.ReadFile(lib)
+	if err != nil {
+		return nil, err.Error()
+	}
+	return b, ""
 }

@@ -14,7 +14,9 @@ import (
 	"github.com/kvhost/kvhost/protocol"
 )
 
-func open(t *testing.T) *cuda.Runtime {
+// open opens a runtime on a fresh fake library and returns it and the
+// library's path (for cudatest.Open, to control that runtime's fake).
+func open(t *testing.T) (*cuda.Runtime, string) {
 	t.Helper()
 	path := cudatest.Build(t)
 	rt, err := cuda.Open(cuda.Config{Runtime: []string{path}, Driver: []string{path}})
@@ -22,7 +24,7 @@ func open(t *testing.T) *cuda.Runtime {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { rt.Close() })
-	return rt
+	return rt, path
 }
 
 // newImporter starts an Importer of devices 0..devices-1 of rt (0: all),
@@ -69,7 +71,7 @@ func exportAllocation(t *testing.T, rt *cuda.Runtime, ordinal int, n int64) (*cu
 }
 
 func TestNewChecksDevices(t *testing.T) {
-	rt := open(t)
+	rt, _ := open(t)
 	tests := []struct {
 		name    string
 		devices int
@@ -105,7 +107,7 @@ func TestNewChecksDevices(t *testing.T) {
 // asked for, maps a range outside the allocation to region.ErrBounds, and
 // Close releases it once.
 func TestOpenImportsOnTheNamedDevice(t *testing.T) {
-	rt := open(t)
+	rt, _ := open(t)
 	im := newImporter(t, rt, 0)
 	ctx := context.Background()
 	mem, h := exportAllocation(t, rt, 1, 1<<20)
@@ -142,7 +144,7 @@ func TestOpenImportsOnTheNamedDevice(t *testing.T) {
 // that are views of one tensor) share one driver import, checked against
 // the allocation's size, and the import is closed with the last range.
 func TestOpenSharesOneImportPerAllocation(t *testing.T) {
-	rt := open(t)
+	rt, _ := open(t)
 	im := newImporter(t, rt, 1)
 	ctx := context.Background()
 	mem, h := exportAllocation(t, rt, 0, 1<<20)
@@ -184,8 +186,8 @@ func TestOpenSharesOneImportPerAllocation(t *testing.T) {
 // probed); the earlier region still closes, or fails naming the sticky
 // error.
 func TestAnImportOnABrokenDeviceIsTheDaemonsFaultAndCounted(t *testing.T) {
-	rt := open(t)
-	fake := cudatest.Open(t, cudatest.Build(t))
+	rt, lib := open(t)
+	fake := cudatest.Open(t, lib)
 	tests := []struct {
 		name     string
 		imported bool // the handle was imported before the device broke
