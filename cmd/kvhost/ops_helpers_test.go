@@ -21,6 +21,7 @@ import (
 	"github.com/prometheus/common/model"
 
 	"github.com/kvhost/kvhost/client"
+	"github.com/kvhost/kvhost/internal/config"
 	"github.com/kvhost/kvhost/internal/fsys"
 	"github.com/kvhost/kvhost/internal/fsys/fsystest"
 )
@@ -39,21 +40,35 @@ const opsBlocks = 256 // blocks per layer tensor
 // wait at once (lines.end).
 const hangBound = 5 * time.Minute
 
+// runDir is the directory of the package's test run that holds what the
+// tests share: the built kvhost (kvhostBinary), the policy's compilation
+// cache and the default cache root. TestMain makes it and removes it, so
+// that a test run leaves nothing behind.
+var runDir string
+
 // policyCache is the policy's compilation cache (policy.cache_dir) that
 // the package's daemons share, in this process and in the processes it
 // starts: the first start of a module compiles it (a built-in policy, Go
 // compiled to wasm, took 10 s under the race detector on 2 cores), the
-// others read the compiled code (under 0.2 s). TestMain makes it and
-// removes it; the tests only read it.
+// others read the compiled code (under 0.2 s). It is the default cache
+// (config.DefaultRoot()/wasm-cache) of a run that names none, as kvhost
+// bench does: TestMain points XDG_CACHE_HOME into runDir, so that no test
+// writes into the user's ~/.cache.
 var policyCache string
 
 func TestMain(m *testing.M) {
-	dir, err := os.MkdirTemp("", "kvhost-cmd-test-wasm-cache-")
+	dir, err := os.MkdirTemp("", "kvhost-cmd-test-")
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(1)
 	}
-	policyCache = dir
+	runDir = dir
+	if err := os.Setenv("XDG_CACHE_HOME", filepath.Join(dir, "cache")); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.RemoveAll(dir)
+		os.Exit(1)
+	}
+	policyCache = filepath.Join(config.DefaultRoot(), "wasm-cache")
 	code := m.Run()
 	os.RemoveAll(dir)
 	os.Exit(code)
@@ -392,16 +407,11 @@ var (
 	binErr  error
 )
 
-// kvhostBinary builds this command once per test run.
+// kvhostBinary builds this command once per test run, into runDir.
 func kvhostBinary(t *testing.T) string {
 	t.Helper()
 	binOnce.Do(func() {
-		dir, err := os.MkdirTemp("", "kvhost-cmd-test-")
-		if err != nil {
-			binErr = err
-			return
-		}
-		binPath = filepath.Join(dir, "kvhost")
+		binPath = filepath.Join(runDir, "kvhost")
 		out, err := exec.Command("go", "build", "-o", binPath, ".").CombinedOutput()
 		if err != nil {
 			binErr = fmt.Errorf("go build: %v\n%s", err, out)
