@@ -8,6 +8,7 @@ import importlib.util
 import mmap
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -541,7 +542,6 @@ class VllmFsMount(unittest.TestCase):
     @classmethod
     def tearDownClass(cls):
         cls.daemon.stop()
-        import shutil
         shutil.rmtree(cls.root, ignore_errors=True)
 
     def test_rows_land_where_vllms_fs_tier_names_them_and_other_models_are_refused(self):
@@ -565,7 +565,6 @@ class VllmFsMount(unittest.TestCase):
     def test_a_namespace_too_long_for_a_model_id_is_cut_as_the_daemon_cuts_it(self):
         # A model given by a long local path: "vllm-fs:<base>" is longer
         # than a model id may be, and the cut falls inside a character.
-        import shutil
         spec = S.fake_spec(model="/models/" + "\u00e9" * 60)
         _, base, root, daemon = self.fs_daemon(spec)
         self.addCleanup(shutil.rmtree, root, True)
@@ -1005,8 +1004,10 @@ class VersionWindow(unittest.TestCase):
         self.assertIn("kvhost.vllm._compat", words, "not based on the fallback SecondaryTierManager")
 
     def fake_vllm(self, job_result_fields):
-        """A vllm package with only the light kv_offload modules, from the stand-ins."""
+        """A vllm package with only the light kv_offload modules, from the
+        stand-ins, in a temporary directory removed when the test ends."""
         root = tempfile.mkdtemp(prefix="fake-vllm-")
+        self.addCleanup(shutil.rmtree, root, True)
         pkg = pathlib.Path(root, "vllm", "v1", "kv_offload", "tiering")
         pkg.mkdir(parents=True)
         for p in (pkg.parents[2], pkg.parents[1], pkg.parents[0], pkg):
