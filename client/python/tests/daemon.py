@@ -2,6 +2,7 @@
 checkout (or taken from $KVHOST_BIN), started on a temporary directory and
 socket with a TOML configuration, stopped with SIGTERM."""
 
+import atexit
 import logging
 import os
 import pathlib
@@ -18,13 +19,15 @@ _built = {}
 
 
 def kvhost_binary():
-    """Path of a kvhost binary: $KVHOST_BIN, else `go build` into a temp dir."""
+    """Path of a kvhost binary: $KVHOST_BIN, else `go build` into a temp dir
+    removed when the process exits."""
     env = os.environ.get("KVHOST_BIN")
     if env:
         return env
     with _build_lock:
         if "bin" not in _built:
             d = tempfile.mkdtemp(prefix="kvhost-pytest-bin-")
+            atexit.register(shutil.rmtree, d, True)
             out = os.path.join(d, "kvhost")
             r = subprocess.run(["go", "build", "-o", out, "./cmd/kvhost"], cwd=REPO,
                                capture_output=True, text=True)
