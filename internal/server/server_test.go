@@ -11,8 +11,11 @@ import (
 	"os"
 	"path/filepath"
 	"runtime"
+	"sync"
 	"testing"
 	"time"
+
+	"github.com/tetratelabs/wazero"
 
 	"github.com/kvhost/kvhost/abi/guest"
 	"github.com/kvhost/kvhost/client"
@@ -42,6 +45,12 @@ type fixture struct {
 	served chan error
 }
 
+// benchPolicyCache is the benchmarks' compilation cache of the wasm lru
+// policy, in memory: a benchmark function runs several times (b.N
+// growing), and compiles the policy only the first time in the process,
+// leaving nothing on disk.
+var benchPolicyCache = sync.OnceValue(wazero.NewCompilationCache)
+
 // openEngineWith opens a real engine on dir, as the daemon configures it,
 // with the configuration edited by edit (if not nil).
 func openEngineWith(tb testing.TB, dir string, edit func(*engine.Config)) *engine.Engine {
@@ -58,7 +67,7 @@ func openEngineWith(tb testing.TB, dir string, edit func(*engine.Config)) *engin
 				}
 				d := config.Default().Policy
 				return policy.Open(context.Background(), mod, "lru", idx, policy.Config{
-					Shards: d.Shards, CallTimeout: time.Duration(d.CallTimeout), CacheDir: filepath.Join(os.TempDir(), "kvhost-bench-wasm-cache"), Logger: quiet()})
+					Shards: d.Shards, CallTimeout: time.Duration(d.CallTimeout), Cache: benchPolicyCache(), Logger: quiet()})
 			}
 			return policy.NewNative(func() guest.Policy { return lru.New() }, idx, policy.Config{Shards: 1, Logger: quiet()})
 		},
