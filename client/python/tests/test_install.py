@@ -66,7 +66,9 @@ class OfflineInstallTest(unittest.TestCase):
         py = os.path.join(venv, "bin", "python")
         # --isolated: no pip configuration or PIP_* variables of this
         # machine (find-links, an index) take part; --no-index: nothing
-        # is downloaded.
+        # is downloaded; --no-cache-dir: the wheel pip builds is not kept
+        # in the user's ~/.cache/pip (a new one each run: its key is the
+        # temporary source directory).
         # From a copy: setuptools builds in the source tree (build/,
         # *.egg-info), which must stay clean.
         src = os.path.join(self.tmp, "client-python")
@@ -75,7 +77,7 @@ class OfflineInstallTest(unittest.TestCase):
         before = files_under(src)
         # The command the top-level README gives, on the copy.
         args = readme_pip_command()
-        r = subprocess.run([py, "-m", "pip", "--isolated", *args[:-1], src], capture_output=True, text=True)
+        r = subprocess.run([py, "-m", "pip", "--isolated", "--no-cache-dir", *args[:-1], src], capture_output=True, text=True)
         self.assertEqual(r.returncode, 0, f"offline install ({' '.join(args)}) failed:\n{r.stdout}\n{r.stderr}")
         # What the build left in the copy would be left in the checkout:
         # git must ignore it (git status stays clean).
