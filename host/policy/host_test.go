@@ -12,6 +12,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/tetratelabs/wazero"
+
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/abi/guest"
 	"github.com/kvhost/kvhost/host/policy"
@@ -48,6 +50,14 @@ func declaredHost(tb testing.TB, mod []byte, name string, idx *policytest.Index,
 }
 
 func quietLogger() *slog.Logger { return slog.New(slog.DiscardHandler) }
+
+// builtinCache is the compilation cache, in memory, of the tests that run
+// the built-in lru policy (Go compiled to wasm: a compilation took 10 to
+// 15 s under the race detector on 2 cores): the first of them compiles
+// it, the others take its compiled code, as a daemon's restart takes it
+// from policy.cache_dir. The tests that open a module without it check
+// the compilation itself.
+var builtinCache = sync.OnceValue(wazero.NewCompilationCache)
 
 func newLRU() guest.Policy { return lru.New() }
 

@@ -81,7 +81,7 @@ func TestMeteredLRUMatchesNative(t *testing.T) {
 		}
 		return out
 	}
-	cfg := policy.Config{Shards: 2, Logger: quietLogger()}
+	cfg := policy.Config{Shards: 2, Cache: builtinCache(), Logger: quietLogger()}
 	widx := policytest.NewIndex()
 	w, err := policy.Open(ctx, mod, "lru", widx, cfg)
 	if err != nil {
@@ -238,7 +238,7 @@ func TestEvictionsOverManyEntriesStayWithinTheirFuel(t *testing.T) {
 		recs[k] = abi.AccessRecord{Entry: id, Time: 1<<40 + id*0x9E3779B97F4A7C15%n, Size: 1, KeyHash: id, Kind: abi.AccessInsert}
 	}
 	idx.Apply(recs)
-	h, err := policy.Open(ctx, mod, "lru", idx, policy.Config{Shards: 1, MemoryLimit: 128 << 20, Logger: quietLogger()})
+	h, err := policy.Open(ctx, mod, "lru", idx, policy.Config{Shards: 1, MemoryLimit: 128 << 20, Cache: builtinCache(), Logger: quietLogger()})
 	if err != nil {
 		t.Fatal(err)
 	}
