@@ -11,6 +11,8 @@ import (
 	"strings"
 	"time"
 
+	"github.com/tetratelabs/wazero"
+
 	"github.com/kvhost/kvhost/host/policy"
 	"github.com/kvhost/kvhost/host/policy/conformance"
 	"github.com/kvhost/kvhost/plugins"
@@ -73,7 +75,17 @@ func runPolicy(ctx context.Context, args []string, stdout, stderr io.Writer) int
 			usage(stderr)
 			return 2
 		}
-		return policyTest(ctx, fs.Arg(0), tf.options(stderr), tf.json, stdout, stderr)
+		opts := tf.options(stderr)
+		if tf.cacheDir != "" {
+			cache, err := compilationCache(tf.cacheDir)
+			if err != nil {
+				fmt.Fprintf(stderr, "kvhost policy test: -cache-dir %s: %v\n", tf.cacheDir, err)
+				return 1
+			}
+			defer cache.Close(ctx)
+			opts.Cache = cache
+		}
+		return policyTest(ctx, fs.Arg(0), opts, tf.json, stdout, stderr)
 	case "help", "-h", "-help", "--help":
 		usage(stdout)
 		return 0
@@ -92,6 +104,7 @@ type testFlags struct {
 	verbose   bool
 	json      bool
 	params    map[string]string
+	cacheDir  string
 }
 
 func (t *testFlags) flagSet(out io.Writer) *flag.FlagSet {
@@ -103,6 +116,7 @@ func (t *testFlags) flagSet(out io.Writer) *flag.FlagSet {
 	fs.IntVar(&t.entries, "entries", 4000, "entries of the capacity-pressure check")
 	fs.BoolVar(&t.verbose, "v", false, "print the host's and the plugin's log (to stderr)")
 	fs.BoolVar(&t.json, "json", false, "print the report as JSON: checks with their rules, call times per hook, the host's counters")
+	fs.StringVar(&t.cacheDir, "cache-dir", "", "keep the compiled plugin in this `directory` for the next run, as the daemon's policy.cache_dir (default: compile in memory, keep nothing)")
 	fs.Func("param", "plugin configuration `key=value` passed to kvhost_init (repeatable)", func(s string) error {
 		k, v, ok := strings.Cut(s, "=")
 		if !ok || k == "" {
@@ -130,6 +144,15 @@ func (t *testFlags) options(logTo io.Writer) conformance.Options {
 // .wasm or contains a '/') rather than a built-in policy's name.
 func isPluginFile(arg string) bool {
 	return strings.HasSuffix(arg, ".wasm") || strings.Contains(arg, "/")
+}
+
+// compilationCache opens dir, made if missing, as an on-disk compilation
+// cache, as the daemon opens policy.cache_dir.
+func compilationCache(dir string) (wazero.CompilationCache, error) {
+	if err := os.MkdirAll(dir, 0o750); err != nil {
+		return nil, err
+	}
+	return wazero.NewCompilationCacheWithDir(dir)
 }
 
 // loadPlugin reads a plugin module: a file when arg ends in .wasm or

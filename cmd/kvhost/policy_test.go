@@ -3,6 +3,10 @@ package main
 import (
 	"bytes"
 	"context"
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 )
@@ -44,7 +48,9 @@ func TestPolicyCommand(t *testing.T) {
 			[]string{`kvhost policy test: unexpected argument "--json" after lru (flags go before NAME|FILE.wasm)`, "usage:"}, true},
 		{"inspect two plugins", []string{"inspect", "lru", "lfu"}, 2, nil, []string{`kvhost policy inspect: unexpected argument "lfu" after lru`}, true},
 		{"test two plugins", []string{"test", "lru", "lfu"}, 2, nil, []string{`unexpected argument "lfu" after lru`}, true},
-		{"test builtin", []string{"test", "lru"}, 0, []string{"PASS: lru: 15 passed, 0 failed"}, nil, false},
+		// With the package's compilation cache: the daemons of earlier
+		// tests compiled lru there (10 to 15 s under the race detector).
+		{"test builtin", []string{"test", "-cache-dir", policyCache, "lru"}, 0, []string{"PASS: lru: 15 passed, 0 failed"}, nil, false},
 		// Issue 11: a layout above 256 keys per file is a failed check, not a
 		// Go panic; the report ends with the host's counters.
 		{"test layout 300", []string{"test", testdata + "layout300.wasm"}, 1,
@@ -74,5 +80,60 @@ func TestPolicyCommand(t *testing.T) {
 				t.Errorf("unexpected stdout:\n%s", &stdout)
 			}
 		})
+	}
+}
+
+// TestPolicyTestCacheDirKeepsTheCompiledPlugin: kvhost policy test
+// -cache-dir DIR keeps the compiled plugin in DIR, as the daemon's
+// policy.cache_dir does, and a second run takes it from there without
+// rewriting it; a DIR that cannot be a directory is refused, named.
+func TestPolicyTestCacheDirKeepsTheCompiledPlugin(t *testing.T) {
+	const plugin = "../../host/policy/testdata/wellbehaved.wasm"
+	dir := filepath.Join(t.TempDir(), "cache")
+	snapshot := func() map[string]int64 {
+		t.Helper()
+		files := map[string]int64{}
+		err := filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
+			if err != nil || d.IsDir() {
+				return err
+			}
+			info, err := d.Info()
+			if err != nil {
+				return err
+			}
+			files[p] = info.ModTime().UnixNano()
+			return nil
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return files
+	}
+	policyTestRun := func(args ...string) (int, string, string) {
+		var stdout, stderr bytes.Buffer
+		code := run(context.Background(), append([]string{"policy", "test"}, args...), &stdout, &stderr)
+		return code, stdout.String(), stderr.String()
+	}
+	if code, stdout, stderr := policyTestRun("-cache-dir", dir, plugin); code != 0 || !strings.Contains(stdout, "PASS: ") {
+		t.Fatalf("first run: exit %d\nstdout:\n%s\nstderr:\n%s", code, stdout, stderr)
+	}
+	first := snapshot()
+	if len(first) == 0 {
+		t.Fatalf("nothing compiled into %s", dir)
+	}
+	if code, stdout, stderr := policyTestRun("-cache-dir", dir, plugin); code != 0 || !strings.Contains(stdout, "PASS: ") {
+		t.Fatalf("second run: exit %d\nstdout:\n%s\nstderr:\n%s", code, stdout, stderr)
+	}
+	if second := snapshot(); fmt.Sprint(first) != fmt.Sprint(second) {
+		t.Fatalf("the second run rewrote the cache:\n%v\n%v", first, second)
+	}
+
+	file := filepath.Join(t.TempDir(), "file")
+	if err := os.WriteFile(file, nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	code, stdout, stderr := policyTestRun("-cache-dir", file, plugin)
+	if code != 1 || stdout != "" || !strings.Contains(stderr, "kvhost policy test: -cache-dir "+file) {
+		t.Fatalf("-cache-dir on a file: exit %d, stdout %q, stderr %q; want 1 and an error naming it", code, stdout, stderr)
 	}
 }
