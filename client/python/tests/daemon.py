@@ -37,6 +37,18 @@ def kvhost_binary():
         return _built["bin"]
 
 
+def policy_cache():
+    """The policy's compilation cache (policy.cache_dir) the daemons of this
+    process share, in a temp dir removed when the process exits: the first
+    daemon's start compiles the built-in policy, the others read it."""
+    with _build_lock:
+        if "cache" not in _built:
+            d = tempfile.mkdtemp(prefix="kvhost-pytest-wasm-")
+            atexit.register(shutil.rmtree, d, True)
+            _built["cache"] = d
+        return _built["cache"]
+
+
 class Daemon:
     """kvhost serving dir (a cache root) on a socket in a fresh temp dir;
     server_toml adds lines to its [server] table."""
@@ -49,7 +61,7 @@ class Daemon:
         self.config = os.path.join(self.tmp, "kvhost.toml")
         with open(self.config, "w") as f:
             f.write(f'[server]\nsocket = "{self.socket}"\n{server_toml}\n\n[log]\nlevel = "warn"\nformat = "json"\n\n'
-                    f'[policy]\ncache_dir = "{os.path.join(self.tmp, "wasm-cache")}"\n\n'
+                    f'[policy]\ncache_dir = "{policy_cache()}"\n\n'
                     f'{extra_toml}\n[[mount]]\npath = "{self.dir}"\ncapacity = "{capacity}"\n'
                     f'{after_toml}\n')
         self.log = open(os.path.join(self.tmp, "kvhost.log"), "w+")
