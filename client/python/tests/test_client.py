@@ -347,9 +347,11 @@ GEOMETRY = kvhost.Geometry(model="test/client", layers=1, kv_heads=2, head_size=
                            tokens_per_block=16, tokens_per_key=16)
 
 
-def cache_client(d, blocks=8, **kw):
+def cache_client(d, blocks=8, timeout=None, **kw):
     """A client of daemon d with a cache of blocks blocks over a host
-    buffer: (client, cache id, buffer)."""
+    buffer: (client, cache id, buffer). A timeout given bounds the waits
+    after the set-up (Client.set_timeout), not the set-up itself, which a
+    loaded machine may slow past a timeout meant for the step under test."""
     c = kvhost.Client(d.socket, **kw)
     ns = c.declare(GEOMETRY)
     page = 2 * GEOMETRY.block_bytes
@@ -357,6 +359,8 @@ def cache_client(d, blocks=8, **kw):
     region = c.register_buffer(buf)
     cache = c.register_cache(ns.id, [kvhost.Layer(region, offset=0, block_stride=page,
                                                   plane_stride=GEOMETRY.block_bytes, num_blocks=blocks)])
+    if timeout is not None:
+        c.set_timeout(timeout)
     return c, cache, buf
 
 
@@ -504,16 +508,52 @@ class FakeDaemon:
 
 
 def connected_to_fake(test, timeout):
-    """A FakeDaemon that welcomed a Client of the given timeout, both
-    closed when test ends."""
+    """A FakeDaemon that welcomed a Client, both closed when test ends.
+    The client's timeout is set to timeout after the handshake, which
+    runs under the default one: a loaded machine may stall the fake's
+    thread past a timeout meant for the step under test."""
     fake = FakeDaemon()
     test.addCleanup(fake.close)
     t = threading.Thread(target=lambda: (fake.accept(), fake.welcome()))
     t.start()
-    c = kvhost.Client(fake.path, timeout=timeout)
+    c = kvhost.Client(fake.path)
     test.addCleanup(c.close)
     t.join()
+    c.set_timeout(timeout)
     return fake, c
+
+class TestSetTimeout(unittest.TestCase):
+    def test_set_timeout_bounds_later_replies_and_sends_and_refuses_bad_values(self):
+        fake, c = connected_to_fake(self, timeout=None)  # no bound on any wait
+
+        def send_bound():
+            sec, usec = struct.unpack("ll", c._sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, 16))
+            return sec + usec / 1e6
+
+        self.assertEqual(send_bound(), 0)
+        for bad in (0, -1, float("inf"), float("nan"), 1e9):
+            with self.subTest(bad=bad), self.assertRaises(ValueError):
+                c.set_timeout(bad)
+        self.assertEqual(send_bound(), 0, "a refused value changed the bound")
+        c.set_timeout(0.25)
+        self.assertTrue(0.2 <= send_bound() <= 0.3, send_bound())  # the kernel keeps it in ticks
+        # A reply the fake never sends: without the new bound the call
+        # would wait for good (the thread's join is only a hang guard).
+        threading.Thread(target=fake.read_frame, daemon=True).start()
+        got = []
+
+        def pin():
+            try:
+                c.pin(1, [b"k"])
+            except BaseException as e:  # handed to the test
+                got.append(e)
+        t = threading.Thread(target=pin, daemon=True)
+        t.start()
+        t.join(60)
+        self.assertFalse(t.is_alive(), "pin still waits: set_timeout did not bound the reply")
+        self.assertEqual(len(got), 1)
+        self.assertIsInstance(got[0], TimeoutError)
+
 
 class TestUnreadableStream(unittest.TestCase):
     def test_a_frame_not_understood_stops_sending_and_jobs_end_only_when_the_daemon_closes(self):

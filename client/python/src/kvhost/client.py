@@ -331,6 +331,20 @@ class Client:
             self.close()
             raise
 
+    def set_timeout(self, timeout):
+        """Sets the bound on each later wait on the daemon (seconds > 0;
+        None: none): every reply, job acceptance and send from now on, as
+        the constructor's timeout does. A caller may connect with a
+        generous timeout and then tighten it for the steps it wants bounded
+        closely."""
+        if timeout is not None and not 0 < timeout < 1e9:
+            raise ValueError(f"timeout {timeout!r}: want seconds > 0 (finite), or None for none")
+        if timeout is None:
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 0, 0))
+        else:
+            _send_timeout(self._sock, timeout)
+        self._timeout = timeout
+
     def __enter__(self):
         return self
 
