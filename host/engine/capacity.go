@@ -92,6 +92,9 @@ func (e *Engine) reserveUsed(ctx context.Context, m *mount, size int64) (err err
 	}
 	used, capacity := e.space.usage(m.sp)
 	why := "no evictable entry left"
+	if n := e.HeldFound(); n > 0 {
+		why = fmt.Sprintf("no evictable entry left (%d files found at start are kept by the restart hold, restart_hold, until it ends)", n)
+	}
 	if c := m.cluster; c != nil {
 		c.mu.Lock()
 		if twin := c.twinNote(); twin != "" {
@@ -110,8 +113,16 @@ func (e *Engine) unreserve(m *mount, size int64) {
 
 // evict removes policy-chosen victims on m until usage plus size is at or
 // below the low watermark, or the policy has nothing more to offer. Pinned
-// entries are never removed, whatever the policy says.
+// entries are never removed, whatever the policy says. Where that leaves
+// too little room, files the restart hold pins may still be demoted
+// (demoteHeld). m.evictMu is held.
 func (e *Engine) evict(ctx context.Context, m *mount, size int64) {
+	e.evictRounds(ctx, m, size)
+	e.demoteHeld(ctx, m, size)
+}
+
+// evictRounds is evict without demoteHeld.
+func (e *Engine) evictRounds(ctx context.Context, m *mount, size int64) {
 	e.retryLeft(m) // files whose removal failed first: no one's data
 	for round := 0; round < 16; round++ {
 		// Orphans are on their way out (flight.go): room enough below the

@@ -316,6 +316,14 @@ func (e *Engine) demoteVictim(ctx context.Context, m *mount, v policy.Eviction) 
 // node's, with ErrNoSpace when the target has no room, and with
 // errPathTaken when the target holds another file at the path.
 func (e *Engine) move(ctx context.Context, id uint64, target int, mayEvict bool) (int64, error) {
+	return e.moveEntry(ctx, id, target, mayEvict, false)
+}
+
+// moveEntry is move; with held, the restart hold's pin does not keep the
+// entry where it is (demoteHeld): a file the hold pins moves with its pin,
+// which the copy takes over (index.holdLocked), and the policy is told
+// of it (AccessPin after the copy's INSERT).
+func (e *Engine) moveEntry(ctx context.Context, id uint64, target int, mayEvict, held bool) (int64, error) {
 	if target < 0 || target >= e.kvMounts {
 		return 0, fmt.Errorf("%w: move to mount %d: the kvhost mounts are 0..%d", ErrPolicy, target, e.kvMounts-1)
 	}
@@ -326,7 +334,7 @@ func (e *Engine) move(ctx context.Context, id uint64, target int, mayEvict bool)
 	// A move removes its source, so it needs the right an eviction needs:
 	// on a cluster mount, only this node's files and those of a dead node
 	// it adopted (a policy knows other nodes' files it found).
-	if en == nil || en.gone || en.pins > 0 || en.mount == target || en.mount >= e.kvMounts || !e.mayEvict(e.mounts[en.mount], en) {
+	if en == nil || en.gone || en.movePins(held) > 0 || en.mount == target || en.mount >= e.kvMounts || !e.mayEvict(e.mounts[en.mount], en) {
 		ix.mu.Unlock()
 		return 0, errMoveStale
 	}
@@ -356,7 +364,7 @@ func (e *Engine) move(ctx context.Context, id uint64, target int, mayEvict bool)
 	defer e.release(en.path)
 	defer e.release(dst)
 	if dup != nil {
-		return e.dropCopy(ctx, en, dup)
+		return e.dropCopy(ctx, en, dup, held)
 	}
 
 	if mayEvict {
@@ -379,7 +387,7 @@ func (e *Engine) move(ctx context.Context, id uint64, target int, mayEvict bool)
 		return 0, err
 	}
 	ix.mu.Lock()
-	if en.gone || en.pins > 0 {
+	if en.gone || en.movePins(held) > 0 {
 		// Deleted, evicted or pinned by a load while it was copied: the
 		// copy goes; the source stays (or goes with its own removal).
 		ix.mu.Unlock()
@@ -395,17 +403,22 @@ func (e *Engine) move(ctx context.Context, id uint64, target int, mayEvict bool)
 	// reservation becomes the copy's entry. The copy is indexed first:
 	// the keys never leave the index's key set (MirrorKeys), a miss of
 	// which a client of the shared lookup table may take for final.
+	wasHeld := en.held
 	replaced := ix.insertLocked(en2, true)
 	ix.unindexLocked(en, true)
 	e.space.moved(sm.sp, tm.sp)
 	if tm.idx < sm.idx {
 		e.tierSt.promotions.Add(1)
 	}
-	recs := make([]abi.AccessRecord, 0, len(replaced)+2)
+	recs := make([]abi.AccessRecord, 0, len(replaced)+3)
 	for _, r := range replaced {
 		recs = append(recs, r.access(abi.AccessRemove, en2.last))
 	}
 	recs = append(recs, en.access(abi.AccessRemove, en2.last), en2.access(abi.AccessInsert, en2.last))
+	if wasHeld { // the hold's pin goes with the file
+		ix.holdLocked(en2)
+		recs = append(recs, en2.access(abi.AccessPin, en2.last))
+	}
 	ix.mu.Unlock()
 	e.access(ctx, recs)
 	if left := e.removeIfSame(en.path, []*entry{en}); left != nil {
@@ -427,18 +440,20 @@ func (e *Engine) move(ctx context.Context, id uint64, target int, mayEvict bool)
 // INSERT that updates dup with en's last access and hits. It returns en's
 // size, or errMoveStale where en was pinned or dropped meanwhile, or dup's
 // file is no longer at its path (its entry dropped: a later move copies).
-// The caller holds both paths.
-func (e *Engine) dropCopy(ctx context.Context, en, dup *entry) (int64, error) {
+// The caller holds both paths. With held, the restart hold's pin does not
+// keep en (moveEntry): where en was held, dup is held in its place.
+func (e *Engine) dropCopy(ctx context.Context, en, dup *entry, held bool) (int64, error) {
 	if !e.confirm(ctx, dup) {
 		return 0, errMoveStale
 	}
 	ix := e.ix
 	sm, tm := e.mounts[en.mount], e.mounts[dup.mount]
 	ix.mu.Lock()
-	if en.gone || en.pins > 0 || dup.gone {
+	if en.gone || en.movePins(held) > 0 || dup.gone {
 		ix.mu.Unlock()
 		return 0, errMoveStale
 	}
+	wasHeld := en.held
 	ix.handOverLocked(en, dup)
 	ix.unindexLocked(en, true)
 	e.space.moved(sm.sp, tm.sp)
@@ -449,6 +464,10 @@ func (e *Engine) dropCopy(ctx context.Context, en, dup *entry) (int64, error) {
 	if en.last > dup.last {
 		dup.hits, dup.last = max(dup.hits, en.hits), en.last
 		recs = append(recs, dup.access(abi.AccessInsert, dup.last))
+	}
+	if wasHeld && !dup.held { // the hold keeps the keys in dup
+		ix.holdLocked(dup)
+		recs = append(recs, dup.access(abi.AccessPin, dup.last))
 	}
 	ix.mu.Unlock()
 	e.access(ctx, recs)

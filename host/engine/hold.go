@@ -2,27 +2,34 @@ package engine
 
 import (
 	"context"
+	"errors"
 	"sync"
 	"time"
 
 	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/host/policy"
 )
 
 // Holding the files found at start (Config.RestartHold): each is pinned
 // once before anything may evict (the cluster's first count included)
-// and unpinned when the hold ends, so that nothing is evicted, demoted,
-// promoted or moved to make room before clients that were loading keys
-// when the last process went have pinned them again. A pin of the hold
-// is not a client pin: Delete still removes a held file. Held entries
-// are marked (entry.held, counted in index.heldFound), so that the
-// release unpins only them. A policy that replaces the current one is
-// told of their pins as of every pin (reload.go).
+// and unpinned when the hold ends, so that nothing is evicted, promoted
+// or moved by a tick before clients that were loading keys when the last
+// process went have pinned them again. What the hold promises is that
+// those keys stay loadable: an eviction that finds nothing else to take
+// may demote a held file to another mount, into free room there
+// (demoteHeld), and the copy keeps the hold's pin. A pin of the hold is
+// not a client pin: Delete still removes a held file. Held entries are
+// marked (entry.held, counted in index.heldFound), so that the release
+// unpins only them. A policy that replaces the current one is told of
+// their pins as of every pin (reload.go).
 
 // restartHold is the pin of the files found at start; the files it holds
 // are the index's entries marked held.
 type restartHold struct {
-	// mu serializes the release: Close returns only after a release the
-	// timer began has told the policy. Nothing else waits on it.
+	// mu serializes the release and demoteHeld: Close returns only after
+	// a release the timer began has told the policy, and a release never
+	// comes between demoteHeld's lifting of the hold's pins in the
+	// policy's view and their return.
 	mu    sync.Mutex
 	timer *time.Timer // the release; nil before the hold and once released
 }
@@ -98,4 +105,92 @@ func (e *Engine) HeldFound() int {
 	e.ix.mu.RLock()
 	defer e.ix.mu.RUnlock()
 	return e.ix.heldFound
+}
+
+// demoteHeld is the last round of an eviction on m (evict) that left too
+// little room, while the restart hold pins files there: where the policy
+// demotes (abi.FeatureDemote) and picks m's victims (not a cluster
+// mount), the hold's pins of m's files that nothing else pins are lifted
+// in the policy's view (AccessUnpin), the policy is asked for victims, and
+// those it gives a target mount are moved there (moveEntry with held),
+// into free room only: no eviction on the target is made for them, and
+// no victim is deleted, whatever the policy says. A moved file keeps the
+// hold's pin, so its keys stay loadable and kept, which is all the hold
+// promises (RATIONALE.md, "Why may a file the restart hold pins be
+// demoted?"). The pins of the files left where they were are given back
+// (AccessPin). m.evictMu is held; the hold's lock is held throughout, so
+// that its release waits for the pins' return.
+func (e *Engine) demoteHeld(ctx context.Context, m *mount, size int64) {
+	if m.cluster != nil || e.HeldFound() == 0 || e.space.need(m.sp, size) <= 0 {
+		return
+	}
+	if _, ok := e.pol.(policy.Tiering); !ok || !e.pol.Features().Has(abi.FeatureDemote) {
+		return
+	}
+	h := &e.hold
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.timer == nil {
+		return // released meanwhile
+	}
+	now := e.now().UnixNano()
+	var lifted []*entry
+	var recs []abi.AccessRecord
+	e.ix.mu.Lock()
+	for _, en := range e.ix.entries {
+		if en.held && en.pins == 1 && en.mount == m.idx {
+			en.lifted = true
+			lifted = append(lifted, en)
+			recs = append(recs, en.access(abi.AccessUnpin, now))
+		}
+	}
+	e.ix.mu.Unlock()
+	if len(lifted) == 0 {
+		return
+	}
+	ctx = context.WithoutCancel(ctx)
+	e.access(ctx, recs)
+	defer func() {
+		recs = recs[:0]
+		now := e.now().UnixNano()
+		e.ix.mu.Lock()
+		for _, en := range lifted {
+			en.lifted = false
+			if !en.gone && en.held { // not moved: its copy was pinned by the move
+				recs = append(recs, en.access(abi.AccessPin, now))
+			}
+		}
+		e.ix.mu.Unlock()
+		e.access(ctx, recs)
+	}()
+
+	need := e.space.need(m.sp, size)
+	victims, err := e.evictions(ctx, abi.EvictRequest{Bytes: uint64(need), Time: uint64(now), Mount: uint32(m.idx)})
+	if err != nil {
+		e.log.Warn("engine: policy victims", "mount", m.root, "err", err)
+		return
+	}
+	var freed, moved int64
+	for _, v := range victims {
+		if freed >= need {
+			break
+		}
+		if v.Target.Mount == abi.NoMount {
+			continue // held files are never deleted; the others had their turn
+		}
+		n, err := e.moveEntry(ctx, v.Entry, int(v.Target.Mount), false, true)
+		switch {
+		case err == nil:
+			e.tierSt.demotions.Add(1)
+			freed += n
+			moved++
+		case errors.Is(err, errMoveStale):
+		default:
+			e.tierSt.moveFailures.Add(1)
+			e.log.Debug("engine: demotion of a file the restart hold pins failed; it stays", "entry", v.Entry, "mount", v.Target.Mount, "err", err)
+		}
+	}
+	if moved > 0 {
+		e.log.Debug("engine: files the restart hold pins demoted to make room", "mount", m.root, "files", moved, "bytes", freed)
+	}
 }

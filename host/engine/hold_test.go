@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -146,6 +147,9 @@ func TestRestartHoldFailsAStoreRatherThanEvictAFoundFile(t *testing.T) {
 	res := wait(t)(f.e.Store(context.Background(), StoreRequest{Cache: f.c.id, Keys: f.keys[found : found+1], Blocks: f.blocks[found : found+1]}))
 	if k := res.Keys[0]; k.Outcome != OutcomeFailed || !errors.Is(k.Err, ErrNoSpace) {
 		t.Fatalf("store into a mount full of held files: %v (%v), want failed with ErrNoSpace", k.Outcome, k.Err)
+	}
+	if k := res.Keys[0]; !strings.Contains(k.Err.Error(), "restart hold") {
+		t.Fatalf("the store's error does not name the restart hold as the reason: %v", k.Err)
 	}
 	if n := f.e.Stats().Evictions; n != 0 {
 		t.Fatalf("%d evictions during the hold, want 0", n)
@@ -373,5 +377,104 @@ func TestCloseBeforeTheRestartHoldEndsTellsThePolicyNothing(t *testing.T) {
 	}
 	if e.HeldFound() != 0 {
 		t.Errorf("%d held after Close, want 0", e.HeldFound())
+	}
+}
+
+// TestRestartHoldDemotesHeldFilesToMakeRoom: a restart with a hot mount
+// full of found files and room on the cold one. The stores after the
+// start succeed: the tiered policy's eviction demotes held files to the
+// cold mount, where they stay held (pinned, counted, never deleted) and
+// loadable; nothing is deleted.
+func TestRestartHoldDemotesHeldFilesToMakeRoom(t *testing.T) {
+	for name, newPolicy := range tieredPolicies(t, nil) {
+		t.Run(name, func(t *testing.T) {
+			ctx := context.Background()
+			g := smallGeometry(true)
+			fileLen := int64(4096 + g.KeyBytes())
+			const found, n = 8, 16
+			hot, cold := t.TempDir(), t.TempDir()
+			keys := testKeys("held", n)
+			r := rand.New(rand.NewPCG(7, 8))
+			blocks := blockLists(r, n, g.BlocksPerKey(), 0)
+			fill := func(e *Engine) (NamespaceID, *testCache) {
+				ns, err := e.Declare(ctx, g)
+				if err != nil {
+					t.Fatal(err)
+				}
+				c := newTestCache(t, e, ns, g, 4*n+4, layoutPlaneFirst)
+				r := rand.New(rand.NewPCG(7, 8))
+				blockLists(r, n, g.BlocksPerKey(), 0)
+				for _, b := range blocks {
+					c.fill(r, b)
+				}
+				return ns, c
+			}
+			first := openEngine(t, Config{
+				Mounts:    []Mount{{Path: hot, Capacity: 4 * found * fileLen}, {Path: cold, Capacity: 4 * n * fileLen}},
+				NewPolicy: newPolicy,
+			})
+			_, c := fill(first)
+			want := make([][]byte, n)
+			for i := range found {
+				storeAndCheck(t, first, c, keys[i:i+1], blocks[i:i+1])
+			}
+			for i := range n {
+				want[i] = c.data(blocks[i])
+			}
+			if err := first.Close(ctx); err != nil {
+				t.Fatal(err)
+			}
+
+			e := openEngine(t, Config{
+				Mounts: []Mount{
+					{Path: hot, Capacity: found * fileLen, HighWatermark: 0.9, LowWatermark: 0.6},
+					{Path: cold, Capacity: 4 * n * fileLen},
+				},
+				NewPolicy:   newPolicy,
+				RestartHold: time.Hour,
+			})
+			ns, c := fill(e)
+			if h := e.HeldFound(); h != found {
+				t.Fatalf("HeldFound = %d, want %d", h, found)
+			}
+			for i := found; i < n; i++ {
+				storeAndCheck(t, e, c, keys[i:i+1], blocks[i:i+1])
+			}
+			st, ts := e.Stats(), e.TierStats()
+			if st.Evictions != 0 || ts.Demotions == 0 {
+				t.Fatalf("%d deletions, %d demotions: want demotions only", st.Evictions, ts.Demotions)
+			}
+			if h := e.HeldFound(); h != found {
+				t.Fatalf("HeldFound = %d after the demotions, want %d: a demoted file stays held", h, found)
+			}
+			demoted := 0
+			for i := range found {
+				if keyMount(e, ns, keys[i]) == 1 {
+					demoted++
+				}
+			}
+			if demoted == 0 {
+				t.Fatal("no found key is on the cold mount")
+			}
+			if err := e.check(); err != nil {
+				t.Fatal(err)
+			}
+			// The policy was told one pin per held file, on the file
+			// where it is now: the moved ones' copies, the others' own.
+			h := e.pol.(*switchPolicy).acquire()
+			pins := h.pinCounts()
+			h.calls.Done()
+			e.ix.mu.Lock()
+			for _, en := range e.ix.entries {
+				if want := map[bool]int{true: 1}[en.held]; pins[en.id] != want {
+					t.Errorf("entry %d (mount %d, held %v): the policy was told of %d pins, want %d", en.id, en.mount, en.held, pins[en.id], want)
+				}
+			}
+			e.ix.mu.Unlock()
+			into := blockLists(r, 1, g.BlocksPerKey(), 4*n)
+			for i := range keys {
+				loadAndCompare(t, e, c, keys[i:i+1], into, want[i:i+1])
+			}
+		})
 	}
 }

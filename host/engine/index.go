@@ -51,6 +51,9 @@ type entry struct {
 	// held: pinned by the restart hold (hold.go), counted in
 	// index.heldFound while indexed.
 	held bool
+	// lifted: held, and the hold's pin lifted in the policy's view for a
+	// round of demoteHeld (hold.go): policyEntry does not count it.
+	lifted bool
 	// orphan: unindexed while another job held its path, which removes
 	// the file (flight.go); counted in its mount's orphaned until then.
 	orphan bool
@@ -250,6 +253,24 @@ func (ix *index) unindexLocked(en *entry, remove bool) bool {
 		ix.sp.unindexed(ix.sp.mounts[en.mount], en.size, false, false)
 	}
 	return true
+}
+
+// holdLocked pins en for the restart hold (hold.go): the copy of a held
+// file that a demotion moved (moveEntry), which keeps the hold's pin.
+func (ix *index) holdLocked(en *entry) {
+	en.held = true
+	en.pins++
+	ix.heldFound++
+}
+
+// movePins is en's pins that keep it from moving: all of them, or with
+// held those of loads and clients only, not the restart hold's.
+// index.mu is held.
+func (en *entry) movePins(held bool) int32 {
+	if held && en.held {
+		return en.pins - 1
+	}
+	return en.pins
 }
 
 // dropLocked unindexes en and, with remove, arranges the removal of its
@@ -522,9 +543,13 @@ func (ix *index) check() error {
 }
 
 func (en *entry) policyEntry() policy.Entry {
+	pins := en.pins
+	if en.lifted {
+		pins--
+	}
 	return policy.Entry{
 		ID: en.id, KeyHash: abi.KeyHash([]byte(en.keys[0])), Size: uint64(en.size), Mount: uint32(en.mount),
-		NS: uint32(en.ns), LastAccess: uint64(en.last), Hits: en.hits, Pins: uint32(en.pins),
+		NS: uint32(en.ns), LastAccess: uint64(en.last), Hits: en.hits, Pins: uint32(pins),
 	}
 }
 
