@@ -12,12 +12,19 @@ import (
 
 // configUsage describes `kvhost config`.
 const configUsage = `usage: kvhost config check FILE...
+       kvhost config show [--config FILE] [daemon flags]
 
-Checks configuration files as the daemon reads them (TOML syntax, unknown
-keys, types, sizes, durations, rules across fields, the name of a built-in
-policy; a plugin .wasm file is not read) and prints "FILE: ok" or the
-error with its line and key. Exit 0: every file is ok; 1: one is
-not; 2: usage. docs/config.md describes every key.`
+check: checks configuration files as the daemon reads them (TOML syntax,
+unknown keys, types, sizes, durations, rules across fields, the name of a
+built-in policy; a plugin .wasm file is not read) and prints "FILE: ok" or
+the error with its line and key. Exit 0: every file is ok; 1: one is not;
+2: usage.
+
+show: prints the configuration the daemon would run with, as TOML, with
+the defaults it computes resolved and commented (kvhost config show
+--help says which). Exit 1 with the error on a bad file.
+
+docs/config.md describes every key.`
 
 // isHelpFlag reports whether a is a request for help (-h, --help).
 func isHelpFlag(a string) bool {
@@ -42,10 +49,10 @@ func checkPolicyName(file, name string) error {
 	return nil
 }
 
-// runConfig implements `kvhost config check FILE...`: it reads each file
-// as the daemon would (TOML syntax, unknown keys, types, sizes, durations,
-// cross-field rules) and prints "FILE: ok" or the error with its line and
-// key.
+// runConfig implements `kvhost config check FILE...`, which reads each
+// file as the daemon would (TOML syntax, unknown keys, types, sizes,
+// durations, cross-field rules) and prints "FILE: ok" or the error with
+// its line and key, and `kvhost config show` (runConfigShow).
 func runConfig(_ context.Context, args []string, stdout, stderr io.Writer) int {
 	if len(args) == 0 {
 		fmt.Fprintln(stderr, configUsage)
@@ -55,6 +62,8 @@ func runConfig(_ context.Context, args []string, stdout, stderr io.Writer) int {
 	case "help", "-h", "-help", "--help":
 		fmt.Fprintln(stdout, configUsage)
 		return 0
+	case "show":
+		return runConfigShow(args[1:], stdout, stderr)
 	case "check":
 		if len(args) < 2 {
 			fmt.Fprintln(stderr, configUsage)
@@ -79,6 +88,6 @@ func runConfig(_ context.Context, args []string, stdout, stderr io.Writer) int {
 		}
 		return code
 	}
-	fmt.Fprintf(stderr, "kvhost config: unknown subcommand %q (want check)\n", args[0])
+	fmt.Fprintf(stderr, "kvhost config: unknown subcommand %q (want check or show)\n", args[0])
 	return 2
 }

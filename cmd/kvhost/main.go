@@ -36,7 +36,7 @@ func commands() map[string]command {
 	return map[string]command{
 		"serve":   {"run the daemon (the default)", runServe},
 		"policy":  {"inspect or test a placement-policy plugin", runPolicy},
-		"config":  {"check configuration files", runConfig},
+		"config":  {"check configuration files, show the effective one", runConfig},
 		"check":   {"diagnose GPU, cuFile and mounts (like gdscheck)", runCheck},
 		"bench":   {"benchmark the engine against ceilings measured in the same run", runBench},
 		"version": {"print the version", runVersion},

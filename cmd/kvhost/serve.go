@@ -252,39 +252,13 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 	if err != nil {
 		return errors.Join(err, closeEngine())
 	}
-	scfg := server.Config{
-		MaxClients:              cfg.Server.MaxClients,
-		MaxClientsPerPeer:       cfg.Server.MaxClientsPerPeer,
-		MaxNamespacesPerPeer:    cfg.Server.MaxNamespacesPerPeer,
-		MaxDescriptors:          cfg.Server.MaxDescriptors,
-		MaxPinnedKeys:           cfg.Server.MaxPinnedKeys,
-		MaxPinnedKeysPerPeer:    cfg.Server.MaxPinnedKeysPerPeer,
-		MaxCacheLayers:          cfg.Server.MaxCacheLayers,
-		MaxCacheLayersPerPeer:   cfg.Server.MaxCacheLayersPerPeer,
-		MaxDescriptorsPerPeer:   cfg.Server.MaxDescriptorsPerPeer,
-		MaxFrame:                int(cfg.Server.MaxFrame),
-		MaxRegistrations:        cfg.Server.MaxRegistrations,
-		MaxInflightJobs:         cfg.Server.MaxInflightJobs,
-		MaxInflightBytes:        int64(cfg.Server.MaxInflightBytes),
-		MaxInflightBytesPerPeer: int64(cfg.Server.MaxInflightBytesPerPeer),
-		MaxIncomingBytes:        int64(cfg.Server.MaxIncomingBytes),
-		MaxIncomingBytesPerPeer: int64(cfg.Server.MaxIncomingBytesPerPeer),
-		ShutdownTimeout:         time.Duration(cfg.Server.ShutdownTimeout),
-		MaxHandshakes:           cfg.Server.MaxHandshakes,
-		HandshakeTimeout:        time.Duration(cfg.Server.HandshakeTimeout),
-		FrameTimeout:            time.Duration(cfg.Server.FrameTimeout),
-		IdleTimeout:             time.Duration(cfg.Server.IdleTimeout),
-		WriteTimeout:            time.Duration(cfg.Server.WriteTimeout),
-		MaxRegisteredBytes:      int64(cfg.Server.MaxRegisteredBytes),
-		MaxTotalRegisteredBytes: int64(cfg.Server.MaxTotalRegisteredBytes),
-		Name:                    serverName(),
-		Logger:                  log,
-		// The data paths guard their copies (region.Guard): a client
-		// truncating its shared file fails its own job, nothing else.
-		SharedFiles:    true,
-		MaxDeviceBytes: int64(cfg.Server.MaxDeviceRegisteredBytes),
-		Daemon:         d.daemonStats,
-	}
+	scfg := serverLimits(cfg)
+	scfg.Name = serverName()
+	scfg.Logger = log
+	// The data paths guard their copies (region.Guard): a client
+	// truncating its shared file fails its own job, nothing else.
+	scfg.SharedFiles = true
+	scfg.Daemon = d.daemonStats
 	if table != nil {
 		scfg.LookupTable = table.Path()
 	}
@@ -825,4 +799,36 @@ func mountCapacity(m config.Mount) (int64, error) {
 		return 0, fmt.Errorf("mount %s: statfs: %w", m.Path, err)
 	}
 	return int64(float64(st.Blocks) * float64(st.Bsize) * 0.9), nil
+}
+
+// serverLimits is the session server's configuration from cfg's [server]
+// limits and timeouts, as given (zero: the server's default).
+func serverLimits(cfg config.Config) server.Config {
+	return server.Config{
+		MaxClients:              cfg.Server.MaxClients,
+		MaxClientsPerPeer:       cfg.Server.MaxClientsPerPeer,
+		MaxNamespacesPerPeer:    cfg.Server.MaxNamespacesPerPeer,
+		MaxDescriptors:          cfg.Server.MaxDescriptors,
+		MaxPinnedKeys:           cfg.Server.MaxPinnedKeys,
+		MaxPinnedKeysPerPeer:    cfg.Server.MaxPinnedKeysPerPeer,
+		MaxCacheLayers:          cfg.Server.MaxCacheLayers,
+		MaxCacheLayersPerPeer:   cfg.Server.MaxCacheLayersPerPeer,
+		MaxDescriptorsPerPeer:   cfg.Server.MaxDescriptorsPerPeer,
+		MaxFrame:                int(cfg.Server.MaxFrame),
+		MaxRegistrations:        cfg.Server.MaxRegistrations,
+		MaxInflightJobs:         cfg.Server.MaxInflightJobs,
+		MaxInflightBytes:        int64(cfg.Server.MaxInflightBytes),
+		MaxInflightBytesPerPeer: int64(cfg.Server.MaxInflightBytesPerPeer),
+		MaxIncomingBytes:        int64(cfg.Server.MaxIncomingBytes),
+		MaxIncomingBytesPerPeer: int64(cfg.Server.MaxIncomingBytesPerPeer),
+		ShutdownTimeout:         time.Duration(cfg.Server.ShutdownTimeout),
+		MaxHandshakes:           cfg.Server.MaxHandshakes,
+		HandshakeTimeout:        time.Duration(cfg.Server.HandshakeTimeout),
+		FrameTimeout:            time.Duration(cfg.Server.FrameTimeout),
+		IdleTimeout:             time.Duration(cfg.Server.IdleTimeout),
+		WriteTimeout:            time.Duration(cfg.Server.WriteTimeout),
+		MaxRegisteredBytes:      int64(cfg.Server.MaxRegisteredBytes),
+		MaxTotalRegisteredBytes: int64(cfg.Server.MaxTotalRegisteredBytes),
+		MaxDeviceBytes:          int64(cfg.Server.MaxDeviceRegisteredBytes),
+	}
 }

@@ -357,6 +357,11 @@ func MaxJobBytes(maxFrame int) int64 {
 // (4-level page tables).
 const DefaultMaxTotalRegisteredBytes = 64 << 40
 
+// WithDefaults returns c with every limit and timeout left zero set to
+// the default New runs with, on this machine (some depend on its memory
+// and descriptor limits), and the error New would refuse c with.
+func (c Config) WithDefaults() (Config, error) { return c.withDefaults() }
+
 func (c Config) withDefaults() (Config, error) {
 	def := func(v *int, d int) {
 		if *v == 0 {

@@ -187,13 +187,21 @@ type device struct {
 	faults atomic.Uint64
 }
 
+// Defaults of Config.Chunk and Config.Depth.
+const (
+	// DefaultChunk is Config.Chunk when zero: 4 MiB.
+	DefaultChunk = 4 << 20
+	// DefaultDepth is Config.Depth when zero: double buffering.
+	DefaultDepth = 2
+)
+
 // New allocates the pinned pool.
 func New(cfg Config) (*Mover, error) {
 	if cfg.Runtime == nil {
 		return nil, fmt.Errorf("%w: no CUDA runtime", errConfig)
 	}
 	if cfg.Chunk == 0 {
-		cfg.Chunk = 4 << 20
+		cfg.Chunk = DefaultChunk
 	}
 	if cfg.Chunk < align || cfg.Chunk%align != 0 {
 		return nil, fmt.Errorf("%w: chunk %d is not a positive multiple of %d", errConfig, cfg.Chunk, align)
@@ -202,7 +210,7 @@ func New(cfg Config) (*Mover, error) {
 		cfg.MaxStaging = 256 << 20
 	}
 	if cfg.Depth == 0 {
-		cfg.Depth = 2
+		cfg.Depth = DefaultDepth
 	}
 	if cfg.Poll == 0 {
 		cfg.Poll = DefaultPoll
