@@ -88,9 +88,21 @@ type tierCounters struct {
 // mountDesc is what a mount's description says besides its usage; fixed
 // at Open.
 type mountDesc struct {
-	class  uint32
-	fsType uint32
-	fsName string
+	class      uint32
+	configured bool // class is Mount.DeviceClass, not detected
+	fsType     uint32
+	fsName     string
+}
+
+// className is the name of a device class, as Mount.DeviceClass takes it,
+// or "unknown".
+func className(c uint32) string {
+	for name, v := range deviceClasses {
+		if v == c {
+			return name
+		}
+	}
+	return "unknown"
 }
 
 // tierDriver runs the tick and the mount updates.
@@ -122,8 +134,8 @@ func (e *Engine) startTiering(ctx context.Context) {
 		return
 	}
 	d := &tierDriver{pol: t, stop: make(chan struct{}), done: make(chan struct{})}
-	for i, m := range e.mounts {
-		d.descs = append(d.descs, e.describeMount(m, e.cfg.Mounts[i].DeviceClass))
+	for _, m := range e.mounts {
+		d.descs = append(d.descs, m.desc)
 	}
 	e.tier = d
 	e.sendMounts(ctx, true)
@@ -646,7 +658,8 @@ var deviceClasses = map[string]uint32{
 
 // describeMount finds m's file system and device class: configured
 // (Mount.DeviceClass) or detected from statfs and, for a local block
-// device, sysfs (nvme in the device's path; queue/rotational).
+// device, sysfs (nvme in the device's path; queue/rotational). Open
+// describes every mount once (reportMounts, mount.desc).
 func (e *Engine) describeMount(m *mount, configured string) mountDesc {
 	var d mountDesc
 	st, err := e.fs.Statfs(m.root)
@@ -657,7 +670,7 @@ func (e *Engine) describeMount(m *mount, configured string) mountDesc {
 		}
 	}
 	if c, ok := deviceClasses[configured]; ok {
-		d.class = c
+		d.class, d.configured = c, true
 		return d
 	}
 	if configured != "" {

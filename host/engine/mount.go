@@ -46,6 +46,9 @@ type mount struct {
 	// order (demoteVictim).
 	evictMu sync.Mutex
 	cluster *clusterMount // Mount.ClusterCapacity's state (cluster.go); nil without
+	// desc is the file system and device class found at Open
+	// (describeMount), what a tiering policy is told.
+	desc mountDesc
 }
 
 // maxRootDepth bounds the walk up from a mount's root (checkDisjoint).
@@ -245,11 +248,13 @@ func (e *Engine) refreshCapacity(m *mount, force bool) {
 	e.space.refresh(m.sp, st)
 }
 
-// reportMounts logs, once at Open, each mount's capacity, I/O mode,
-// backend and checksums, and warns where the configured capacity is more
-// than the file system can hold.
+// reportMounts describes each mount (describeMount: its file system and
+// the device class a tiering policy is told) and logs, once at Open, that
+// description, its capacity, I/O mode, backend and checksums, and warns
+// where the configured capacity is more than the file system can hold.
 func (e *Engine) reportMounts() {
-	for _, m := range e.mounts {
+	for i, m := range e.mounts {
+		m.desc = e.describeMount(m, e.cfg.Mounts[i].DeviceClass)
 		e.refreshCapacity(m, true)
 		sp := m.sp
 		used, capacity := e.space.usage(sp)
@@ -268,7 +273,15 @@ func (e *Engine) reportMounts() {
 			sp.ahead, sp.aheadFiles = AutoPreallocate(capacity, e.memory), MaxAutoSpareFiles
 			sp.aheadMax = AutoPreallocateMax(capacity, e.memory)
 		}
-		e.log.Info("engine: mount", "mount", m.root, "io", m.ioName(), "why", m.ioWhy, "backend", m.backend,
+		fsName, from := m.desc.fsName, "detected"
+		if fsName == "" {
+			fsName = "unknown"
+		}
+		if m.desc.configured {
+			from = "configured"
+		}
+		e.log.Info("engine: mount", "mount", m.root, "device_class", className(m.desc.class), "device_class_from", from,
+			"fs", fsName, "fs_magic", fmt.Sprintf("%#x", m.desc.fsType), "direct_io", m.direct, "io", m.ioName(), "why", m.ioWhy, "backend", m.backend,
 			"checksums", m.checksums, "fsync_before_rename", e.cfg.Fsync || m.syncFirst, "large_folio", m.folio, "capacity", capacity, "used", used, "reserve", sp.reserve, "preallocate", sp.ahead, "preallocate_auto", auto, "preallocate_max", max(sp.ahead, sp.aheadMax))
 		if sp.configured > capacity && !sp.derived {
 			e.log.Warn("engine: the configured capacity is more than the file system can hold; using what it can hold",
