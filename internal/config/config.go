@@ -25,6 +25,23 @@ import (
 // ErrInvalid is wrapped by every error about a configuration value.
 var ErrInvalid = errors.New("config: invalid")
 
+// invalidError is an error about the configuration other than a
+// ValueError: a file the TOML decoder refused, an unknown key, a size or
+// duration that does not parse. It reads as a ValueError does,
+// "config: FILE:LINE: KEY: ...", and wraps ErrInvalid.
+type invalidError struct{ msg string }
+
+func (e *invalidError) Error() string { return "config: " + e.msg }
+
+// Unwrap returns ErrInvalid, so that errors.Is(err, ErrInvalid) holds.
+func (e *invalidError) Unwrap() error { return ErrInvalid }
+
+// invalidf returns an invalidError of the formatted message, which
+// follows "config: ".
+func invalidf(format string, args ...any) error {
+	return &invalidError{msg: fmt.Sprintf(format, args...)}
+}
+
 // Config is the whole configuration of a kvhost daemon.
 type Config struct {
 	Server  Server  `toml:"server"`  // [server]: the socket and per-client limits
@@ -507,11 +524,11 @@ func Parse(name string, src []byte) (Config, error) {
 		if errors.As(err, &pe) {
 			// A value our types refused (sizes, durations, modes) carries
 			// our own error; name the key it was given for.
-			msg := strings.TrimPrefix(pe.Message, ErrInvalid.Error()+": ")
+			msg := strings.TrimPrefix(pe.Message, "config: ")
 			if pe.LastKey != "" && !strings.Contains(msg, pe.LastKey) {
 				msg = pe.LastKey + ": " + msg
 			}
-			return Config{}, fmt.Errorf("%w: %s:%d: %s", ErrInvalid, name, pe.Position.Line, msg)
+			return Config{}, invalidf("%s:%d: %s", name, pe.Position.Line, msg)
 		}
 		// Type mismatches read "toml: line N (last key "k"): message".
 		msg := strings.TrimPrefix(err.Error(), "toml: ")
@@ -525,9 +542,9 @@ func Parse(name string, src []byte) (Config, error) {
 			if i := strings.Index(msg, "): "); i >= 0 {
 				msg = key + msg[i+3:]
 			}
-			return Config{}, fmt.Errorf("%w: %s:%d: %s", ErrInvalid, name, line, msg)
+			return Config{}, invalidf("%s:%d: %s", name, line, msg)
 		}
-		return Config{}, fmt.Errorf("%w: %s: %s", ErrInvalid, name, msg)
+		return Config{}, invalidf("%s: %s", name, msg)
 	}
 	if undecoded := md.Undecoded(); len(undecoded) > 0 {
 		var unknown []string
@@ -549,8 +566,7 @@ func Parse(name string, src []byte) (Config, error) {
 			if line > 0 {
 				where += fmt.Sprintf(":%d", line)
 			}
-			return Config{}, fmt.Errorf("%w: %s: unknown key %q (known keys are listed in docs/config.md)",
-				ErrInvalid, where, k)
+			return Config{}, invalidf("%s: unknown key %q (known keys are listed in docs/config.md)", where, k)
 		}
 	}
 	for i := range c.Mounts {

@@ -432,3 +432,31 @@ func TestTieredMountsWithinTheMounts(t *testing.T) {
 		})
 	}
 }
+
+// TestParseErrorsShareOneForm: every error about a file reads
+// "config: FILE:LINE: KEY: ...", whichever step found it (the TOML
+// decoder, a size or duration refused, an unknown key, a bad value), and
+// wraps ErrInvalid.
+func TestParseErrorsShareOneForm(t *testing.T) {
+	tests := []struct {
+		name, src, want string
+	}{
+		{"unknown key", "[server]\nmax_clientz = 3", `config: kvhost.toml:2: unknown key "server.max_clientz"`},
+		{"type mismatch", "[server]\nmax_clients = \"many\"", "config: kvhost.toml:2: server.max_clients: "},
+		{"bad size", "[server]\nmax_frame = \"4MiBx\"", `config: kvhost.toml:2: server.max_frame: size "4MiBx": want`},
+		{"bad duration", "[server]\nidle_timeout = \"soon\"", `config: kvhost.toml:2: server.idle_timeout: duration "soon": want`},
+		{"bad value", "[policy]\nshards = 65", "config: kvhost.toml:2: policy.shards: want between 0 (automatic) and 64, got 65"},
+		{"syntax", "[server\n", "config: kvhost.toml:2: expected"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			_, err := Parse("kvhost.toml", []byte(tt.src))
+			if !errors.Is(err, ErrInvalid) {
+				t.Fatalf("error %v does not wrap ErrInvalid", err)
+			}
+			if !strings.HasPrefix(err.Error(), tt.want) {
+				t.Fatalf("error %q, want it to begin with %q", err, tt.want)
+			}
+		})
+	}
+}

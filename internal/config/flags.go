@@ -75,7 +75,7 @@ func (f *Flags) Apply(c *Config) error {
 		case "dir":
 			abs, aerr := filepath.Abs(f.dir)
 			if aerr != nil {
-				err = fmt.Errorf("%w: -dir %q: %v", ErrInvalid, f.dir, aerr)
+				err = invalidf("-dir %q: %v", f.dir, aerr)
 				return
 			}
 			c.Mounts = []Mount{{Path: abs, HighWatermark: 0.95, LowWatermark: 0.85}}

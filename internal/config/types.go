@@ -36,12 +36,12 @@ func ParseSize(s string) (Size, error) {
 	}
 	v, err := strconv.ParseFloat(num, 64)
 	if err != nil || v < 0 || v*mult > 1<<62 {
-		return 0, fmt.Errorf("%w: size %q: want a number of bytes with an optional unit (KiB, MiB, GiB, TiB, KB, MB, GB, TB)", ErrInvalid, s)
+		return 0, invalidf("size %q: want a number of bytes with an optional unit (KiB, MiB, GiB, TiB, KB, MB, GB, TB)", s)
 	}
 	// A fraction of a byte would be cut to a whole one: "0.5" to 0, the
 	// setting's default, which is rarely what was meant.
 	if (mult == 1 && v != math.Trunc(v)) || (v > 0 && v*mult < 1) {
-		return 0, fmt.Errorf("%w: size %q: want a whole number of bytes (a fraction needs a unit, e.g. \"0.5GiB\")", ErrInvalid, s)
+		return 0, invalidf("size %q: want a whole number of bytes (a fraction needs a unit, e.g. \"0.5GiB\")", s)
 	}
 	return Size(v * mult), nil
 }
@@ -51,7 +51,7 @@ func (s *Size) UnmarshalTOML(v any) error {
 	switch v := v.(type) {
 	case int64:
 		if v < 0 {
-			return fmt.Errorf("%w: size %d is negative", ErrInvalid, v)
+			return invalidf("size %d is negative", v)
 		}
 		*s = Size(v)
 		return nil
@@ -60,7 +60,7 @@ func (s *Size) UnmarshalTOML(v any) error {
 		*s = n
 		return err
 	}
-	return fmt.Errorf("%w: size: want an integer or a string such as \"64MiB\", got %T", ErrInvalid, v)
+	return invalidf("size: want an integer or a string such as \"64MiB\", got %T", v)
 }
 
 // Set implements flag.Value.
@@ -145,7 +145,7 @@ type Duration time.Duration
 func (d *Duration) UnmarshalTOML(v any) error {
 	s, ok := v.(string)
 	if !ok {
-		return fmt.Errorf("%w: duration: want a string such as \"100ms\" or \"1m\", got %T", ErrInvalid, v)
+		return invalidf("duration: want a string such as \"100ms\" or \"1m\", got %T", v)
 	}
 	return d.Set(s)
 }
@@ -154,7 +154,7 @@ func (d *Duration) UnmarshalTOML(v any) error {
 func (d *Duration) Set(s string) error {
 	v, err := time.ParseDuration(s)
 	if err != nil {
-		return fmt.Errorf("%w: duration %q: want a value such as \"100ms\" or \"1m\"", ErrInvalid, s)
+		return invalidf("duration %q: want a value such as \"100ms\" or \"1m\"", s)
 	}
 	*d = Duration(v)
 	return nil
@@ -170,7 +170,7 @@ type FileMode os.FileMode
 func (m *FileMode) UnmarshalTOML(v any) error {
 	s, ok := v.(string)
 	if !ok {
-		return fmt.Errorf("%w: file mode: want an octal string such as \"0660\", got %T", ErrInvalid, v)
+		return invalidf("file mode: want an octal string such as \"0660\", got %T", v)
 	}
 	return m.Set(s)
 }
@@ -179,7 +179,7 @@ func (m *FileMode) UnmarshalTOML(v any) error {
 func (m *FileMode) Set(s string) error {
 	v, err := strconv.ParseUint(s, 8, 32)
 	if err != nil || v > 0o777 {
-		return fmt.Errorf("%w: file mode %q: want octal permissions such as \"0660\"", ErrInvalid, s)
+		return invalidf("file mode %q: want octal permissions such as \"0660\"", s)
 	}
 	*m = FileMode(v)
 	return nil
