@@ -78,8 +78,10 @@ func bindDaemonFlags(fs *flag.FlagSet, timeout time.Duration, timeoutUsage strin
 // of "--allow-fallback false", is a usage error, not ignored) and then,
 // where --config was given and --socket was not, takes the socket from
 // the configuration file as the daemon would (its default where the file
-// names none). A file that does not load ends the command with exit code
-// 2.
+// names none). Only server.socket is read (config.Socket): errors in the
+// rest of the file are a warning on stderr, since the command needs none
+// of it; a file whose socket cannot be read ends the command with exit
+// code 2.
 func (f daemonFlags) parse(fs *flag.FlagSet, args []string, stderr io.Writer) (code int, ok bool) {
 	if code, ok := parseFlagsOnly(fs, args, stderr); !ok {
 		return code, false
@@ -92,12 +94,15 @@ func (f daemonFlags) parse(fs *flag.FlagSet, args []string, stderr io.Writer) (c
 	if given {
 		return 0, true
 	}
-	cfg, err := config.Load(*f.config)
+	socket, rest, err := config.Socket(*f.config)
 	if err != nil {
 		fmt.Fprintf(stderr, "%s: %v\n", fs.Name(), err)
 		return 2, false
 	}
-	*f.socket = cfg.Server.Socket
+	if rest != nil {
+		fmt.Fprintf(stderr, "%s: warning: the daemon would refuse this configuration (%v); only its socket is needed here: %s\n", fs.Name(), rest, socket)
+	}
+	*f.socket = socket
 	return 0, true
 }
 

@@ -5,9 +5,13 @@ import (
 	"context"
 	"io"
 	"net"
+	"os"
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
+
+	"github.com/kvhost/kvhost/internal/config"
 )
 
 // TestSubcommandFlagHandling checks the shared flag handling of the
@@ -127,5 +131,63 @@ func TestAnUnknownCommandIsNamedAsOne(t *testing.T) {
 		if !strings.Contains(errb.String(), want) {
 			t.Errorf("kvhost stat: stderr lacks %q:\n%s", want, errb.String())
 		}
+	}
+}
+
+// TestDaemonFlagsReadOnlyTheSocketFromConfig: stats, health and reload
+// need only server.socket of the daemon's --config file: a file with
+// errors elsewhere gives its socket (or the default one where it names
+// none) with a warning on stderr that names the error; a file whose
+// socket cannot be read (missing, not TOML, a socket of the wrong type)
+// ends the command with exit 2.
+func TestDaemonFlagsReadOnlyTheSocketFromConfig(t *testing.T) {
+	dir := t.TempDir()
+	write := func(name, src string) string {
+		p := filepath.Join(dir, name)
+		if err := os.WriteFile(p, []byte(src), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	sock := filepath.Join(dir, "d.sock")
+	def := config.Default().Server.Socket
+	tests := []struct {
+		name     string
+		file     string
+		code     int
+		socket   string
+		stderrIn []string // "" for none
+	}{
+		{"a valid file", write("ok.toml", "[server]\nsocket = \""+sock+"\"\n"), 0, sock, nil},
+		{"an unknown key elsewhere", write("unknown.toml", "[server]\nsocket = \""+sock+"\"\n[engine]\nbogus = 1\n"), 0, sock,
+			[]string{"warning", "unknown key \"engine.bogus\"", sock}},
+		{"a bad value elsewhere", write("value.toml", "[policy]\nshards = 65\n[server]\nsocket = \""+sock+"\"\n"), 0, sock,
+			[]string{"warning", "policy.shards"}},
+		{"no socket and an error elsewhere", write("nosock.toml", "[policy]\nshards = 65\n"), 0, def, []string{"warning", "policy.shards"}},
+		{"a socket of the wrong type", write("type.toml", "[server]\nsocket = 5\n"), 2, "", []string{"server.socket"}},
+		{"not TOML", write("syntax.toml", "[server\nsocket = \"x\"\n"), 2, "", []string{"syntax.toml"}},
+		{"a missing file", filepath.Join(dir, "none.toml"), 2, "", []string{"none.toml"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			var errb bytes.Buffer
+			fs := newFlagSet("kvhost stats", "usage", &errb)
+			df := bindDaemonFlags(fs, time.Second, "")
+			code, ok := df.parse(fs, []string{"--config", tt.file}, &errb)
+			if code != tt.code || ok != (tt.code == 0) {
+				t.Fatalf("parse: exit %d (ok %v), want %d; stderr %q", code, ok, tt.code, errb.String())
+			}
+			if ok && *df.socket != tt.socket {
+				t.Errorf("socket %q, want %q", *df.socket, tt.socket)
+			}
+			if tt.stderrIn == nil && errb.Len() != 0 {
+				t.Errorf("stderr %q, want nothing", errb.String())
+			}
+			for _, s := range tt.stderrIn {
+				if !strings.Contains(errb.String(), s) {
+					t.Errorf("stderr %q does not contain %q", errb.String(), s)
+				}
+			}
+		})
 	}
 }

@@ -511,6 +511,42 @@ func Load(path string) (Config, error) {
 	return Parse(path, src)
 }
 
+// Socket reads the server.socket of the file at path, as the daemon
+// would take it (Default's where the file names none), for the commands
+// that only talk to a daemon: the rest of the file is not needed to find
+// it. rest is the error Load finds in the file (another key's), nil where
+// the whole file loads; err says why the socket itself cannot be read: a
+// file that cannot be read or is no TOML, a socket that is not a
+// non-empty string.
+func Socket(path string) (socket string, rest, err error) {
+	src, err := os.ReadFile(path)
+	if err != nil {
+		return "", nil, fmt.Errorf("config: %w", err)
+	}
+	c, rest := Parse(path, src)
+	if rest == nil {
+		return c.Server.Socket, nil, nil
+	}
+	var only struct {
+		Server struct {
+			Socket *string `toml:"socket"`
+		} `toml:"server"`
+	}
+	if _, err := toml.NewDecoder(bytes.NewReader(src)).Decode(&only); err != nil {
+		// Parse's error says where, as for any file: the socket is
+		// unreadable when the file is.
+		return "", nil, rest
+	}
+	switch s := only.Server.Socket; {
+	case s == nil:
+		return Default().Server.Socket, rest, nil
+	case *s == "":
+		return "", nil, &ValueError{File: path, Line: lineOf(src, "server.socket", 0), Key: "server.socket", Want: "a path", Got: `""`}
+	default:
+		return *s, rest, nil
+	}
+}
+
 // Parse is Load for a file already read; name is used in error messages.
 func Parse(name string, src []byte) (Config, error) {
 	c := Default()
