@@ -112,8 +112,9 @@ func (e *Engine) HeldFound() int {
 // demotes (abi.FeatureDemote) and picks m's victims (not a cluster
 // mount), the hold's pins of m's files that nothing else pins are lifted
 // in the policy's view (AccessUnpin), the policy is asked for victims, and
-// those it gives a target mount are moved there (moveEntry with held),
-// into free room only: no eviction on the target is made for them, and
+// those it gives a later target mount (a colder tier) are moved there
+// (moveEntry with held), into free room only: no eviction on the target
+// is made for them, none is promoted to an earlier mount, and
 // no victim is deleted, whatever the policy says. A moved file keeps the
 // hold's pin, so its keys stay loadable and kept, which is all the hold
 // promises (RATIONALE.md, "Why may a file the restart hold pins be
@@ -175,8 +176,11 @@ func (e *Engine) demoteHeld(ctx context.Context, m *mount, size int64) {
 		if freed >= need {
 			break
 		}
-		if v.Target.Mount == abi.NoMount {
-			continue // held files are never deleted; the others had their turn
+		if v.Target.Mount == abi.NoMount || int(v.Target.Mount) <= m.idx {
+			// Held files are never deleted, nor promoted (an earlier
+			// mount, the hotter tier): only demoted; the others had
+			// their turn.
+			continue
 		}
 		n, err := e.moveEntry(ctx, v.Entry, int(v.Target.Mount), false, true)
 		switch {

@@ -478,3 +478,78 @@ func TestRestartHoldDemotesHeldFilesToMakeRoom(t *testing.T) {
 		})
 	}
 }
+
+// TestRestartHoldPromotesNoHeldFile: a restart with a cold mount full of
+// found files and room on the hot one, under a policy whose evictions on
+// the cold mount move their victims to the hot one. A store on the cold
+// mount may not take room by moving held files to an earlier mount: the
+// hold lets them be demoted only, and promotions wait for its end. The
+// store fails with no space naming the hold; the found files stay where
+// they are, loadable.
+func TestRestartHoldPromotesNoHeldFile(t *testing.T) {
+	ctx := context.Background()
+	g := smallGeometry(true)
+	fileLen := int64(4096 + g.KeyBytes())
+	const found, n = 4, 5
+	hot, cold := t.TempDir(), t.TempDir()
+	keys := testKeys("cold", n)
+	newPolicy := func() *evictPromotingPolicy {
+		return &evictPromotingPolicy{&demotingPolicy{testPolicy: newTestPolicy(1, abi.OrderLayerMajor)}}
+	}
+	fill := func(e *Engine) (NamespaceID, *testCache, [][]int) {
+		ns, err := e.Declare(ctx, g)
+		if err != nil {
+			t.Fatal(err)
+		}
+		c := newTestCache(t, e, ns, g, 8*n, layoutPlaneFirst)
+		r := rand.New(rand.NewPCG(9, 10))
+		blocks := blockLists(r, n, g.BlocksPerKey(), 0)
+		for _, b := range blocks {
+			c.fill(r, b)
+		}
+		return ns, c, blocks
+	}
+	first := openEngine(t, Config{
+		Mounts: []Mount{{Path: hot, Capacity: 4 * n * fileLen}, {Path: cold, Capacity: 4 * n * fileLen}},
+		Policy: newPolicy(),
+	})
+	_, c, blocks := fill(first)
+	want := make([][]byte, found)
+	for i := range found {
+		storeAndCheck(t, first, c, keys[i:i+1], blocks[i:i+1])
+		want[i] = c.data(blocks[i])
+	}
+	if err := first.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+
+	e := openEngine(t, Config{
+		Mounts: []Mount{
+			{Path: hot, Capacity: 4 * n * fileLen},
+			{Path: cold, Capacity: found * fileLen, HighWatermark: 0.9, LowWatermark: 0.6},
+		},
+		Policy:      newPolicy(),
+		RestartHold: time.Hour,
+	})
+	ns, c, blocks := fill(e)
+	if h := e.HeldFound(); h != found {
+		t.Fatalf("HeldFound = %d, want %d", h, found)
+	}
+	res := wait(t)(e.Store(ctx, StoreRequest{Cache: c.id, Keys: keys[found:], Blocks: blocks[found:]}))
+	for i := range found {
+		if m := keyMount(e, ns, keys[i]); m != 1 {
+			t.Errorf("found key %d is on mount %d during the hold, want 1: a held file was promoted", i, m)
+		}
+	}
+	if p := e.TierStats().Promotions; p != 0 {
+		t.Errorf("%d promotions during the hold, want 0", p)
+	}
+	if k := res.Keys[0]; k.Outcome != OutcomeFailed || !errors.Is(k.Err, ErrNoSpace) {
+		t.Errorf("store into a cold mount full of held files: %v (%v), want failed with ErrNoSpace", k.Outcome, k.Err)
+	}
+	if err := e.check(); err != nil {
+		t.Fatal(err)
+	}
+	into := blockLists(rand.New(rand.NewPCG(1, 2)), found, g.BlocksPerKey(), 4*n)
+	loadAndCompare(t, e, c, keys[:found], into, want)
+}
