@@ -128,6 +128,9 @@ func (e *Engine) demoteHeld(ctx context.Context, m *mount, size int64) {
 	if _, ok := e.pol.(policy.Tiering); !ok || !e.pol.Features().Has(abi.FeatureDemote) {
 		return
 	}
+	if !e.roomAfter(m, size) {
+		return // nothing could move: lift no pin for nothing
+	}
 	h := &e.hold
 	h.mu.Lock()
 	defer h.mu.Unlock()
@@ -197,4 +200,20 @@ func (e *Engine) demoteHeld(ctx context.Context, m *mount, size int64) {
 	if moved > 0 {
 		e.log.Debug("engine: files the restart hold pins demoted to make room", "mount", m.root, "files", moved, "bytes", freed)
 	}
+}
+
+// roomAfter reports whether a kvhost mount after m (a colder tier) may
+// take a file of size bytes into free room below its high watermark, as
+// a demotion of a held file needs (reserveFree); a cluster mount's claim
+// decides at the move, so one counts as room. Where none may, a round of
+// demoteHeld would lift and give back every held pin of m, two policy
+// records per file, and move nothing.
+func (e *Engine) roomAfter(m *mount, size int64) bool {
+	for i := m.idx + 1; i < e.kvMounts; i++ {
+		t := e.mounts[i]
+		if t.cluster != nil || e.space.fits(t.sp, size, high) {
+			return true
+		}
+	}
+	return false
 }

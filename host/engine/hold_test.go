@@ -7,6 +7,7 @@ import (
 	"math/rand/v2"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -552,4 +553,105 @@ func TestRestartHoldPromotesNoHeldFile(t *testing.T) {
 	}
 	into := blockLists(rand.New(rand.NewPCG(1, 2)), found, g.BlocksPerKey(), 4*n)
 	loadAndCompare(t, e, c, keys[:found], into, want)
+}
+
+// heldUnpinCounter names "hot" keys to mount 0 and the others to mount 1
+// (evictPromotingPolicy), demotes mount 0's victims to mount 1
+// (demotingPolicy), and counts the UNPINs it is sent.
+type heldUnpinCounter struct {
+	*evictPromotingPolicy
+	unpins atomic.Int64
+}
+
+func (p *heldUnpinCounter) Evictions(ctx context.Context, req abi.EvictRequest, max int) ([]policy.Eviction, error) {
+	return p.demotingPolicy.Evictions(ctx, req, max)
+}
+
+func (p *heldUnpinCounter) Access(ctx context.Context, recs []abi.AccessRecord) error {
+	for _, r := range recs {
+		if r.Kind == abi.AccessUnpin {
+			p.unpins.Add(1)
+		}
+	}
+	return p.testPolicy.Access(ctx, recs)
+}
+
+// TestRestartHoldLiftsNoPinWhereNoMountHasRoom: a restart with both
+// mounts full of found files. A store on either finds no room that a
+// demotion could take (the cold mount is full; nothing is later than
+// it), so it fails at once with no space: the hold's pins are not lifted
+// in the policy's view for a demotion round that cannot move anything,
+// which cost two policy records per held file of the mount, per store.
+func TestRestartHoldLiftsNoPinWhereNoMountHasRoom(t *testing.T) {
+	ctx := context.Background()
+	g := smallGeometry(true)
+	fileLen := int64(4096 + g.KeyBytes())
+	const found = 4
+	hot, cold := t.TempDir(), t.TempDir()
+	keys := append(testKeys("hot", found+1), testKeys("cold", found+1)...)
+	newPolicy := func() *heldUnpinCounter {
+		return &heldUnpinCounter{evictPromotingPolicy: &evictPromotingPolicy{&demotingPolicy{testPolicy: newTestPolicy(1, abi.OrderLayerMajor)}}}
+	}
+	fill := func(e *Engine) (NamespaceID, *testCache, [][]int) {
+		ns, err := e.Declare(ctx, g)
+		if err != nil {
+			t.Fatal(err)
+		}
+		c := newTestCache(t, e, ns, g, 4*len(keys), layoutPlaneFirst)
+		r := rand.New(rand.NewPCG(11, 12))
+		blocks := blockLists(r, len(keys), g.BlocksPerKey(), 0)
+		for _, b := range blocks {
+			c.fill(r, b)
+		}
+		return ns, c, blocks
+	}
+	mounts := func(capFiles int64) []Mount {
+		return []Mount{
+			{Path: hot, Capacity: capFiles * fileLen, HighWatermark: 0.9, LowWatermark: 0.6},
+			{Path: cold, Capacity: capFiles * fileLen, HighWatermark: 0.9, LowWatermark: 0.6},
+		}
+	}
+	first := openEngine(t, Config{Mounts: mounts(4 * found), Policy: newPolicy()})
+	_, c, blocks := fill(first)
+	for i := range found {
+		storeAndCheck(t, first, c, keys[i:i+1], blocks[i:i+1])                             // hot
+		storeAndCheck(t, first, c, keys[found+1+i:found+2+i], blocks[found+1+i:found+2+i]) // cold
+	}
+	if err := first.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+
+	pol := newPolicy()
+	e := openEngine(t, Config{Mounts: mounts(found), Policy: pol, RestartHold: time.Hour})
+	ns, c, blocks := fill(e)
+	if h := e.HeldFound(); h != 2*found {
+		t.Fatalf("HeldFound = %d, want %d", h, 2*found)
+	}
+	for _, i := range []int{found, 2*found + 1} { // the hot key, the cold one
+		res := wait(t)(e.Store(ctx, StoreRequest{Cache: c.id, Keys: keys[i : i+1], Blocks: blocks[i : i+1]}))
+		if k := res.Keys[0]; k.Outcome != OutcomeFailed || !errors.Is(k.Err, ErrNoSpace) {
+			t.Errorf("store of %s: %v (%v), want failed with ErrNoSpace", keys[i], k.Outcome, k.Err)
+		}
+	}
+	if n := pol.unpins.Load(); n != 0 {
+		t.Errorf("the policy was sent %d UNPINs during the hold, want 0: no mount had room for a demotion", n)
+	}
+	if n := pol.policyPins(); n != 2*found {
+		t.Errorf("the policy was told of %d pins, want %d", n, 2*found)
+	}
+	for i, k := range keys {
+		want := 0 // a found hot key
+		switch {
+		case i == found || i == 2*found+1:
+			want = -1 // not stored
+		case i > found:
+			want = 1 // a found cold key
+		}
+		if m := keyMount(e, ns, k); m != want {
+			t.Errorf("key %s on mount %d, want %d", k, m, want)
+		}
+	}
+	if err := e.check(); err != nil {
+		t.Fatal(err)
+	}
 }

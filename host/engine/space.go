@@ -191,6 +191,14 @@ func (s *space) reserveBelow(ms *mountSpace, size int64, limit func(*mountSpace)
 	return false
 }
 
+// fits reports whether size bytes fit on ms below limit now: reserveBelow
+// without the reservation.
+func (s *space) fits(ms *mountSpace, size int64, limit func(*mountSpace) int64) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return ms.used+size <= limit(ms)
+}
+
 // high and capacity are the limits of reserveBelow.
 func high(ms *mountSpace) int64     { return ms.high }
 func capacity(ms *mountSpace) int64 { return ms.capacity }
