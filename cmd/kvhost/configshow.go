@@ -7,6 +7,8 @@ import (
 	"io"
 	"path/filepath"
 	"runtime"
+	"slices"
+	"strconv"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -23,11 +25,15 @@ const configShowUsage = `usage: kvhost config show [--config FILE] [daemon flags
 Prints the configuration the daemon would run with on this machine, given
 the file and the daemon's flags (kvhost --help lists them), as TOML: every
 key, defaults included, with the values left 0 or "auto" that the daemon
-computes at start resolved (the server's limits, engine.io_workers,
-policy.shards, a mount's capacity when its path exists, the staging
-pipeline's depth, chunk and register_bytes) and a comment saying what each
-was derived from. The output is itself a valid configuration file. A bad
-file (or flag) prints its error and exits 1; 2: usage.`
+computes at start from the file resolved (the server's limits, the
+engine's intervals, the staging pipeline's depth and chunk) and a comment
+saying what each was derived from. What the daemon computes from the
+machine it runs on (engine.io_workers, policy.shards, policy.cache_dir, a
+mount's capacity, gpu.register_bytes, server.max_descriptors and
+max_registered_bytes) stays unset, its value on this machine now in the
+comment: the output is itself a valid configuration file, which runs as
+the original does on any machine. A bad file (or flag) prints its error
+and exits 1; 2: usage.`
 
 // runConfigShow implements `kvhost config show`.
 func runConfigShow(args []string, stdout, stderr io.Writer) int {
@@ -113,13 +119,21 @@ func (m machine) memoryBytes() int64 {
 }
 
 // effectiveConfig resolves the values of cfg that the daemon computes at
-// start where they are left 0, as it would on mc, and returns notes
-// saying what each was derived from. Values decided by probing at start
-// (a mount's io, checksums on a file system, spare files ahead, gpu.mode
-// "auto") are left as given.
+// start from the configuration where they are left 0, and returns notes
+// saying what each was derived from. Values the daemon computes from the
+// machine it runs on (its processors, memory, descriptor limits, a file
+// system's size, the user's cache directory) stay 0, with a note saying
+// what they are on mc now: pinned, they would make the output run
+// otherwise than cfg on another machine, or on this one once it changed.
+// Values decided by probing at start (a mount's io, checksums on a file
+// system, spare files ahead, gpu.mode "auto") are left as given.
 func effectiveConfig(cfg config.Config, mc machine) (config.Config, config.Notes, error) {
 	notes := config.Notes{}
 	derived := func(key, why string) { notes[key] = "derived: " + why }
+	atStart := func(key, now, why string) {
+		notes[key] = fmt.Sprintf("computed at start from the machine: %s here now (%s)", now, why)
+	}
+	cfg.Mounts = slices.Clone(cfg.Mounts) // resolved here, not in the caller's
 
 	r, err := serverLimits(cfg).WithDefaults()
 	if err != nil {
@@ -131,18 +145,23 @@ func effectiveConfig(cfg config.Config, mc machine) (config.Config, config.Notes
 		v        *int
 		resolved int
 		why      string
+		machine  bool // from the machine: noted, not set
 	}{
-		{"max_clients_per_peer", &s.MaxClientsPerPeer, r.MaxClientsPerPeer, "half of max_clients, at least 1"},
-		{"max_pinned_keys", &s.MaxPinnedKeys, r.MaxPinnedKeys, "the default"},
-		{"max_pinned_keys_per_peer", &s.MaxPinnedKeysPerPeer, r.MaxPinnedKeysPerPeer, "half of max_pinned_keys"},
-		{"max_cache_layers", &s.MaxCacheLayers, r.MaxCacheLayers, "the default"},
-		{"max_cache_layers_per_peer", &s.MaxCacheLayersPerPeer, r.MaxCacheLayersPerPeer, "half of max_cache_layers"},
-		{"max_namespaces_per_peer", &s.MaxNamespacesPerPeer, r.MaxNamespacesPerPeer, "what one connection may declare"},
-		{"max_descriptors", &s.MaxDescriptors, r.MaxDescriptors, "a quarter of the open-file limit and of vm.max_map_count, whichever is fewer"},
-		{"max_descriptors_per_peer", &s.MaxDescriptorsPerPeer, r.MaxDescriptorsPerPeer, "half of max_descriptors"},
+		{"max_clients_per_peer", &s.MaxClientsPerPeer, r.MaxClientsPerPeer, "half of max_clients, at least 1", false},
+		{"max_pinned_keys", &s.MaxPinnedKeys, r.MaxPinnedKeys, "the default", false},
+		{"max_pinned_keys_per_peer", &s.MaxPinnedKeysPerPeer, r.MaxPinnedKeysPerPeer, "half of max_pinned_keys", false},
+		{"max_cache_layers", &s.MaxCacheLayers, r.MaxCacheLayers, "the default", false},
+		{"max_cache_layers_per_peer", &s.MaxCacheLayersPerPeer, r.MaxCacheLayersPerPeer, "half of max_cache_layers", false},
+		{"max_namespaces_per_peer", &s.MaxNamespacesPerPeer, r.MaxNamespacesPerPeer, "what one connection may declare", false},
+		{"max_descriptors", &s.MaxDescriptors, r.MaxDescriptors, "a quarter of the open-file limit and of vm.max_map_count, whichever is fewer", true},
+		{"max_descriptors_per_peer", &s.MaxDescriptorsPerPeer, r.MaxDescriptorsPerPeer, "half of max_descriptors", s.MaxDescriptors == 0},
 	}
 	for _, l := range ints {
-		if *l.v == 0 {
+		switch {
+		case *l.v != 0:
+		case l.machine:
+			atStart("server."+l.key, strconv.Itoa(l.resolved), l.why)
+		default:
 			*l.v = l.resolved
 			derived("server."+l.key, l.why)
 		}
@@ -157,12 +176,16 @@ func effectiveConfig(cfg config.Config, mc machine) (config.Config, config.Notes
 		{"max_inflight_bytes_per_peer", &s.MaxInflightBytesPerPeer, r.MaxInflightBytesPerPeer, "half of max_inflight_bytes"},
 		{"max_incoming_bytes", &s.MaxIncomingBytes, r.MaxIncomingBytes, "256MiB, or four times max_frame if more"},
 		{"max_incoming_bytes_per_peer", &s.MaxIncomingBytesPerPeer, r.MaxIncomingBytesPerPeer, "half of max_incoming_bytes"},
-		{"max_registered_bytes", &s.MaxRegisteredBytes, r.MaxRegisteredBytes, "the machine's memory"},
+		{"max_registered_bytes", &s.MaxRegisteredBytes, r.MaxRegisteredBytes, "the machine's memory"}, // noted below
 		{"max_total_registered_bytes", &s.MaxTotalRegisteredBytes, r.MaxTotalRegisteredBytes, "the default"},
 		{"max_device_registered_bytes", &s.MaxDeviceRegisteredBytes, r.MaxDeviceBytes, "the default"},
 	}
 	for _, l := range sizes {
-		if *l.v == 0 {
+		switch {
+		case *l.v != 0:
+		case l.v == &s.MaxRegisteredBytes:
+			atStart("server."+l.key, config.Size(l.resolved).String(), l.why)
+		default:
 			*l.v = config.Size(l.resolved)
 			derived("server."+l.key, l.why)
 		}
@@ -170,18 +193,15 @@ func effectiveConfig(cfg config.Config, mc machine) (config.Config, config.Notes
 
 	workers := cfg.Engine.IOWorkers
 	if workers <= 0 {
-		workers = engine.DefaultIOWorkers()
-		cfg.Engine.IOWorkers = workers
-		derived("engine.io_workers", "the runtime's GOMAXPROCS, at least 2")
+		workers = max(2, mc.gomaxprocs())
+		atStart("engine.io_workers", strconv.Itoa(workers), "the runtime's GOMAXPROCS, at least 2")
 	}
 	if cfg.Policy.Shards == 0 {
 		procs := daemonProcessors(workers, mc.gomaxprocs(), gomaxprocsFromEnv())
-		cfg.Policy.Shards = min(policy.DefaultShards, procs)
-		derived("policy.shards", fmt.Sprintf("%d, at most one per Go processor (%d)", policy.DefaultShards, procs))
+		atStart("policy.shards", strconv.Itoa(min(policy.DefaultShards, procs)), fmt.Sprintf("%d, at most one per Go processor (%d)", policy.DefaultShards, procs))
 	}
 	if cfg.Policy.CacheDir == "" {
-		cfg.Policy.CacheDir = filepath.Join(config.DefaultRoot(), "wasm-cache")
-		derived("policy.cache_dir", "the default")
+		atStart("policy.cache_dir", filepath.Join(config.DefaultRoot(), "wasm-cache"), "wasm-cache in the cache directory of the user the daemon runs as")
 	}
 	e := &cfg.Engine
 	durations := []struct {
@@ -247,8 +267,7 @@ func effectiveConfig(cfg config.Config, mc machine) (config.Config, config.Notes
 		}
 		key := at("capacity")
 		if size, ok := mc.fileSystemSize(m.Path); ok && size > 0 {
-			m.Capacity = config.Size(float64(size) * 0.9)
-			derived(key, "90% of the file system now; the daemon measures it at start")
+			atStart(key, config.Size(float64(size)*0.9).String(), "90% of the file system")
 		} else {
 			notes[key] = "90% of the file system at start (the path does not exist yet)"
 		}
@@ -264,8 +283,7 @@ func effectiveConfig(cfg config.Config, mc machine) (config.Config, config.Notes
 	}
 	if g.RegisterBytes == 0 {
 		if mem := mc.memoryBytes(); mem > 0 {
-			g.RegisterBytes = config.Size(mem / 2)
-			derived("gpu.register_bytes", "half of the machine's memory")
+			atStart("gpu.register_bytes", config.Size(mem/2).String(), "half of the machine's memory")
 		}
 	}
 	if err := cfg.Validate(); err != nil {

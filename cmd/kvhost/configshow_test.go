@@ -121,3 +121,74 @@ func strip(s string) string {
 	}
 	return b.String()
 }
+
+// TestConfigShowLeavesWhatTheMachineDecidesToTheDaemon: the output of
+// config show, fed back as the configuration on a machine that differs
+// (processors, memory, a file system's size), is the configuration the
+// original file is there: a value the daemon computes at start from the
+// machine it runs on (io_workers, policy.shards, a mount's capacity,
+// gpu.register_bytes, server.max_registered_bytes, server.max_descriptors)
+// is shown in its comment, not pinned to what this machine said.
+func TestConfigShowLeavesWhatTheMachineDecidesToTheDaemon(t *testing.T) {
+	dir := t.TempDir()
+	file := filepath.Join(dir, "kvhost.toml")
+	if err := os.WriteFile(file, []byte("[[mount]]\npath = \""+dir+"\"\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := config.Load(file)
+	if err != nil {
+		t.Fatal(err)
+	}
+	here := machine{
+		procs:  func() int { return 1 },
+		fsSize: func(string) (int64, bool) { return 100 << 30, true },
+		memory: func() int64 { return 16 << 30 },
+	}
+	there := machine{
+		procs:  func() int { return 64 },
+		fsSize: func(string) (int64, bool) { return 400 << 30, true },
+		memory: func() int64 { return 256 << 30 },
+	}
+	shown, notes, err := effectiveConfig(cfg, here)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var out bytes.Buffer
+	if err := shown.WriteTOML(&out, notes); err != nil {
+		t.Fatal(err)
+	}
+	back, err := config.Parse("shown.toml", out.Bytes())
+	if err != nil {
+		t.Fatalf("the output does not read back: %v\n%s", err, out.String())
+	}
+	write := func(c config.Config) string {
+		var b bytes.Buffer
+		if err := c.WriteTOML(&b, nil); err != nil {
+			t.Fatal(err)
+		}
+		return b.String()
+	}
+	want, _, err := effectiveConfig(cfg, there)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, _, err := effectiveConfig(back, there)
+	if err != nil {
+		t.Fatal(err)
+	}
+	wl, gl := strings.Split(write(want), "\n"), strings.Split(write(got), "\n")
+	for i := range min(len(wl), len(gl)) {
+		if wl[i] != gl[i] {
+			t.Errorf("fed back on another machine: %s, want %s (what the file gives there)", gl[i], wl[i])
+		}
+	}
+	// What this machine says is shown, in the comments.
+	for key, now := range map[string]string{
+		"mount.0.capacity":   config.Size(90 << 30).String(),
+		"gpu.register_bytes": config.Size(8 << 30).String(),
+	} {
+		if !strings.Contains(notes[key], now) {
+			t.Errorf("the note of %s is %q: it does not say %s, its value on this machine now", key, notes[key], now)
+		}
+	}
+}
