@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"maps"
+	"math"
 	"reflect"
 	"slices"
 	"strconv"
@@ -195,6 +196,14 @@ func tomlValue(f reflect.Value) (string, error) {
 	case reflect.Uint, reflect.Uint8, reflect.Uint16, reflect.Uint32, reflect.Uint64:
 		return strconv.FormatUint(f.Uint(), 10), nil
 	case reflect.Float32, reflect.Float64:
+		switch x := f.Float(); {
+		case math.IsNaN(x): // TOML's spellings, not Go's NaN and +Inf
+			return "nan", nil
+		case math.IsInf(x, 1):
+			return "inf", nil
+		case math.IsInf(x, -1):
+			return "-inf", nil
+		}
 		s := strconv.FormatFloat(f.Float(), 'g', -1, 64)
 		if !strings.ContainsAny(s, ".eEnN") { // TOML: a float has a point or an exponent
 			s += ".0"

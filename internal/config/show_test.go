@@ -2,6 +2,7 @@ package config
 
 import (
 	"bytes"
+	"math"
 	"reflect"
 	"strings"
 	"testing"
@@ -57,6 +58,15 @@ tokens_per_block = 16
 layer_names = ["a", "b"]
 `, want: []string{`socket = "/run/kv \"x\".sock"`, `max_inflight_bytes = "12345"`, `"odd key" = true`, `ratio = 1.5`, `reuse_files = false`, `cpus = [0, 1]`,
 			`high_watermark = 1.0`, `preallocate = "4GiB"`, `[mount.vllm_fs]`, `[[mount.vllm_fs.kv_cache_groups]]`, `layer_names = ["a", "b"]`}},
+		{name: "infinite parameters and an odd path", src: `
+[policy.params]
+high = inf
+low = -inf
+huge = 1e300
+[[mount]]
+path = "/nvme/a\tb \"c\" \\d é\u007f"
+`, want: []string{`high = inf`, `low = -inf`, `huge = 1e+300`, `path = "/nvme/a\u0009b \"c\" \\d é\u007F"`}},
+		{name: "a parameter that is not a number", src: "[policy.params]\nundefined = nan\n", want: []string{`undefined = nan`}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -71,6 +81,14 @@ layer_names = ["a", "b"]
 			back, err := Parse("out.toml", out.Bytes())
 			if err != nil {
 				t.Fatalf("the output does not read back: %v\n%s", err, out.String())
+			}
+			if v, ok := c.Policy.Params["undefined"].(float64); ok && math.IsNaN(v) {
+				// NaN equals nothing: read back, it must be NaN again.
+				if w, ok := back.Policy.Params["undefined"].(float64); !ok || !math.IsNaN(w) {
+					t.Fatalf("nan read back as %v", back.Policy.Params["undefined"])
+				}
+				delete(back.Policy.Params, "undefined")
+				delete(c.Policy.Params, "undefined")
 			}
 			if !reflect.DeepEqual(back, c) {
 				t.Fatalf("read back:\n%+v\nwant:\n%+v\nfrom:\n%s", back, c, out.String())
