@@ -443,6 +443,27 @@ type MountStats struct {
 	// Namespace is the model id a vllm-fs mount serves; Base its base
 	// directory's name (both empty on a kvhost mount).
 	Namespace, Base string
+	// StoresFailing says that the mount refuses stores: its most recent
+	// stores failed for a reason of the mount's own, and none succeeded
+	// since; nil while they succeed.
+	StoresFailing *StoreFailure
+}
+
+// StoreFailure is a mount that refuses stores: the files stored there
+// most recently failed for a reason of the mount's own — a read-only file
+// system, an I/O error, no space with nothing left to evict — not one of
+// the client's (a cancelled job, a fault in its memory), the policy's or
+// a GPU's. The next store that succeeds there ends it. Open also starts
+// one on a mount it finds read-only or without room (Stores 0).
+type StoreFailure struct {
+	// Since is when the first of these failures happened (or Open found
+	// the mount refusing); Last when the latest did.
+	Since, Last time.Time
+	// Stores counts the files whose store failed so since the last one
+	// that succeeded.
+	Stores uint64
+	// Err is the latest failure's text (Open's finding, before any).
+	Err string
 }
 
 // Stats are the engine's counters since Open.

@@ -295,7 +295,7 @@ func (e *Engine) Stats() Stats {
 			Path: m.root, Capacity: sp.capacity, Configured: sp.configured, Reserve: sp.reserve, Used: sp.used, Entries: sp.entries,
 			SpareFiles: sp.spareFiles, SpareBytes: sp.spareBytes, Preallocate: sp.ahead,
 			Direct: m.direct, Memory: m.memory, IO: m.ioName(), Backend: m.backend, Checksums: m.checksums, Layout: LayoutKVHost,
-			MovedIn: sp.movedIn, MovedOut: sp.movedOut,
+			MovedIn: sp.movedIn, MovedOut: sp.movedOut, StoresFailing: m.storeFailure(),
 		})
 		if m.raw != nil {
 			ms := &s.Mounts[len(s.Mounts)-1]

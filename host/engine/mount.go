@@ -6,6 +6,7 @@ import (
 	"os"
 	"path/filepath"
 	"sync"
+	"sync/atomic"
 
 	"golang.org/x/sys/unix"
 
@@ -49,6 +50,9 @@ type mount struct {
 	// desc is the file system and device class found at Open
 	// (describeMount), what a tiering policy is told.
 	desc mountDesc
+	// failing is the mount's refusal of stores (StoreFailure, never
+	// changed once stored); nil while its stores succeed (mountfail.go).
+	failing atomic.Pointer[StoreFailure]
 }
 
 // maxRootDepth bounds the walk up from a mount's root (checkDisjoint).

@@ -393,8 +393,9 @@ func (e *Engine) heldAt(ctx context.Context, fp uint64, key []byte, en *entry) b
 // storeFile writes one file: payload, then header (which carries the
 // payload checksums), under a temporary name in the target directory, then
 // publishes it by rename and indexes it.
-func (e *Engine) storeFile(ctx context.Context, j *Job, c *cache, blocks [][]int, gr *group) error {
+func (e *Engine) storeFile(ctx context.Context, j *Job, c *cache, blocks [][]int, gr *group) (err error) {
 	m := e.mounts[gr.mount]
+	defer func() { m.storeEnded(err, e.now) }()
 	size := gr.hdr.FileLen()
 	mv, err := m.mover(c.kind)
 	if err != nil {

@@ -100,14 +100,15 @@ func TestMetricsExposeSourcesAndObservations(t *testing.T) {
 		t.Fatalf("build info or ready missing before sources: %v", fams["kvhost_build_info"])
 	}
 
-	dir := t.TempDir()
+	dir, refusing := t.TempDir(), t.TempDir()
 	started := time.Unix(1700000000, 0)
 	m.SetSources(Sources{
 		Engine: func() engine.Stats {
 			return engine.Stats{Entries: 3, Keys: 5, Stores: 5, Hits: 7, Misses: 2, Evictions: 1, RemoveFailures: 13, BytesWritten: 4096,
 				StoreFailures: engine.Failures{NoSpace: 4},
 				Tiering:       engine.TierStats{Demotions: 74700, Promotions: 12, Moves: 30, MoveFailures: 2, DemotionDeletes: 5},
-				Mounts:        []engine.MountStats{{Path: dir, Capacity: 1000, Used: 400, Entries: 3, IO: "buffered", Backend: "staging", Checksums: true, MovedIn: 8, MovedOut: 9}}}
+				Mounts: []engine.MountStats{{Path: dir, Capacity: 1000, Used: 400, Entries: 3, IO: "buffered", Backend: "staging", Checksums: true, MovedIn: 8, MovedOut: 9},
+					{Path: refusing, IO: "buffered", Backend: "staging", StoresFailing: &engine.StoreFailure{Since: started, Last: started, Stores: 3, Err: "read-only file system"}}}}
 		},
 		Server: func() server.Stats {
 			return server.Stats{Clients: 2, InflightJobs: 1, InflightBytes: 40 << 10, InflightLimit: 1 << 30, Descriptors: 4, DescriptorLimit: 16382, PinnedKeys: 12, PinnedLimit: 1 << 22, CacheLayers: 126, CacheLayerLimit: 1 << 20, IncomingBytes: 3 << 20, IncomingLimit: 256 << 20, IncomingWaiting: 2, IncomingWaits: 5, Refusals: map[string]uint64{"server.max_inflight_bytes_per_peer": 7}, Regions: 3, RegisteredBytes: 1 << 20, RegisteredLimit: 1 << 32, Started: started,
@@ -196,6 +197,8 @@ func TestMetricsExposeSourcesAndObservations(t *testing.T) {
 		{"kvhost_mount_capacity_bytes", mount, 1000},
 		{"kvhost_mount_used_bytes", mount, 400},
 		{"kvhost_mount_free_bytes", mount, 600},
+		{"kvhost_mount_stores_failing", mount, 0},
+		{"kvhost_mount_stores_failing", map[string]string{"mount": refusing}, 1},
 		{"kvhost_mount_info", map[string]string{"mount": dir, "io": "buffered", "backend": "staging", "checksums": "true"}, 1},
 		{"kvhost_data_path_fallbacks_total", map[string]string{"mount": dir, "mover": "cufile"}, 6},
 		{"kvhost_policy_info", map[string]string{"policy": "lru", "backend": "native"}, 1},

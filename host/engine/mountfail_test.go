@@ -1,0 +1,135 @@
+package engine
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+
+	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/internal/region"
+)
+
+// refusal fails, while set, one operation on the engine's temporary files
+// (a store's file before its rename) with an error: a mount that refuses
+// stores from some moment on, and takes them again once cleared.
+type refusal struct {
+	mu  sync.Mutex
+	op  fsys.Op
+	err error
+}
+
+func (r *refusal) set(op fsys.Op, err error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.op, r.err = op, err
+}
+
+// Inject implements fsys.Injector.
+func (r *refusal) Inject(op fsys.Op, path string) fsys.Fault {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.err != nil && op == r.op && strings.HasPrefix(filepath.Base(path), tmpPrefix) {
+		return fsys.Fault{Err: r.err}
+	}
+	return fsys.Fault{}
+}
+
+// TestAMountThatRefusesStoresIsReportedUntilAStoreSucceeds: stores that
+// fail for the mount's own reason (a read-only file system, an I/O error,
+// no space left after eviction) make the mount's StoresFailing say since
+// when, how many files and the latest error; a cancelled store changes
+// nothing; the first store that succeeds there ends it.
+func TestAMountThatRefusesStoresIsReportedUntilAStoreSucceeds(t *testing.T) {
+	g := smallGeometry(true)
+	for _, tc := range []struct {
+		name string
+		op   fsys.Op
+		err  error
+		want string // in StoresFailing.Err
+	}{
+		{"read-only", fsys.OpOpen, syscall.EROFS, "read-only file system"},
+		{"an I/O error", fsys.OpWrite, syscall.EIO, "input/output error"},
+		{"no space", fsys.OpOpen, syscall.ENOSPC, "no space"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			inj := &refusal{}
+			dir := t.TempDir()
+			e := openEngine(t, Config{Mounts: []Mount{{Path: dir}}, Policy: newTestPolicy(1, abi.OrderLayerMajor),
+				FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj}})
+			ns, _ := e.Declare(context.Background(), g)
+			c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
+			c.fill(rand.New(rand.NewPCG(1, 2)), []int{0, 1, 2, 3})
+			store := func(key string, ctx context.Context) Result {
+				t.Helper()
+				return wait(t)(e.Store(ctx, StoreRequest{Cache: c.id, Keys: [][]byte{[]byte(key)}, Blocks: [][]int{{0, 1, 2, 3}}}))
+			}
+			failing := func() *StoreFailure { return e.Stats().Mounts[0].StoresFailing }
+
+			wantOutcomes(t, "store on a working mount", store("before", context.Background()), OutcomeStored)
+			if f := failing(); f != nil {
+				t.Fatalf("StoresFailing after a store succeeded: %+v, want nil", f)
+			}
+			inj.set(tc.op, tc.err)
+			for i := range 2 {
+				wantOutcomes(t, "store on the refusing mount", store(fmt.Sprint("refused-", i), context.Background()), OutcomeFailed)
+			}
+			f := failing()
+			if f == nil || f.Stores != 2 || !strings.Contains(f.Err, tc.want) || !strings.Contains(f.Err, dir) || f.Since.IsZero() || f.Last.Before(f.Since) {
+				t.Fatalf("StoresFailing after 2 refused stores: %+v; want 2 stores, an error naming the mount and %q", f, tc.want)
+			}
+			cancelled, cancel := context.WithCancel(context.Background())
+			cancel()
+			wantOutcomes(t, "a cancelled store", store("cancelled", cancelled), OutcomeFailed)
+			if g := failing(); g == nil || *g != *f {
+				t.Fatalf("StoresFailing after a cancelled store: %+v, want it unchanged: %+v", g, f)
+			}
+			inj.set(0, nil)
+			wantOutcomes(t, "store once the mount takes them again", store("after", context.Background()), OutcomeStored)
+			if f := failing(); f != nil {
+				t.Fatalf("StoresFailing after a store succeeded again: %+v, want nil", f)
+			}
+		})
+	}
+}
+
+// TestOnlyTheMountsOwnErrorsMakeItRefuseStores: what counts as a mount
+// refusing a store is an error of its file system or no space after
+// eviction, not a cancelled job, a fault in the client's memory, the
+// policy or an errno the client's memory causes (EFAULT).
+func TestOnlyTheMountsOwnErrorsMakeItRefuseStores(t *testing.T) {
+	pathErr := func(errno syscall.Errno) error {
+		return fmt.Errorf("engine: store on mount /m: open: %w", &os.PathError{Op: "open", Path: "/m/.tmp-x", Err: errno})
+	}
+	for _, tc := range []struct {
+		name string
+		err  error
+		want bool
+	}{
+		{"read-only", pathErr(syscall.EROFS), true},
+		{"EIO", pathErr(syscall.EIO), true},
+		{"not writable", pathErr(syscall.EACCES), true},
+		{"quota", pathErr(syscall.EDQUOT), true},
+		{"stale NFS handle", pathErr(syscall.ESTALE), true},
+		{"no space after eviction", fmt.Errorf("%w: mount /m: 0 of 0 bytes used, 4096 more needed, no evictable entry left", ErrNoSpace), true},
+		{"ENOSPC", fmt.Errorf("%w: mount /m: write: %w", ErrNoSpace, syscall.ENOSPC), true},
+		{"cancelled", context.Canceled, false},
+		{"engine closed", ErrClosed, false},
+		{"client memory fault", fmt.Errorf("engine: store on mount /m: write: %w", region.ErrFault), false},
+		{"client memory truncated", fmt.Errorf("engine: store on mount /m: write: %w", region.ErrTruncated), false},
+		{"EFAULT", pathErr(syscall.EFAULT), false},
+		{"policy", fmt.Errorf("%w: store on mount /m: /m/x is a directory", ErrPolicy), false},
+		{"other", errors.New("gpu: cudaMemcpy: an illegal memory access"), false},
+	} {
+		if got := mountFault(tc.err); got != tc.want {
+			t.Errorf("%s: mountFault(%v) = %v, want %v", tc.name, tc.err, got, tc.want)
+		}
+	}
+}
