@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"sync"
 	"sync/atomic"
+	"syscall"
 
 	"golang.org/x/sys/unix"
 
@@ -50,6 +51,11 @@ type mount struct {
 	// desc is the file system and device class found at Open
 	// (describeMount), what a tiering policy is told.
 	desc mountDesc
+	// unwritable is why Open found that no file can be made on the mount
+	// (syscall.EROFS: a read-only file system; the O_DIRECT probe's
+	// EACCES or EPERM: a directory the daemon's user may not write);
+	// nil where it found none. Such a mount keeps no spares.
+	unwritable error
 	// failing is the mount's refusal of stores (StoreFailure, never
 	// changed once stored); nil while its stores succeed (mountfail.go).
 	failing atomic.Pointer[StoreFailure]
@@ -189,24 +195,36 @@ func (e *Engine) openMount(i int, m Mount) (*mount, error) {
 		idx: i, root: root, memory: isMemoryFS(st.Type), checksums: !m.NoChecksum && !e.cfg.NoChecksum,
 		sp: &mountSpace{idx: i, root: root, configured: m.Capacity, derived: m.CapacityDerived, reserve: m.Reserve, highF: high, lowF: low, ahead: m.Preallocate},
 	}
-	switch io {
-	case IOBuffered:
+	if st.ReadOnly {
+		mt.unwritable = syscall.EROFS
+	}
+	switch {
+	case io == IOBuffered:
 		mt.ioWhy = "buffered by config"
+	case mt.unwritable != nil:
+		// No file can be made to probe with, and no store writes there:
+		// reportMounts says so, once.
+		mt.direct, mt.ioWhy = io == IODirect, "not probed: the file system is read-only"
 	default:
 		// The probe creates, writes and removes a small file. It must never
 		// stop a start (a full file system, a read-only one that still
 		// serves what it holds): a failure is buffered I/O and a log line.
 		probe := e.tempName(root, probePrefix)
 		direct, err := staging.ProbeDirectFile(e.fs, probe)
+		if errors.Is(err, syscall.EROFS) || errors.Is(err, syscall.EACCES) || errors.Is(err, syscall.EPERM) {
+			mt.unwritable = err // no file made; reportMounts says so, once
+		}
 		// The probe removes its file whatever it found, also the one a
 		// file system without direct I/O makes before it fails the open
 		// with EINVAL; removing it again here logs where that failed.
-		if rerr := e.fs.Remove(probe); rerr != nil && !errors.Is(rerr, os.ErrNotExist) {
+		if rerr := e.fs.Remove(probe); rerr != nil && !errors.Is(rerr, os.ErrNotExist) && mt.unwritable == nil {
 			e.log.Warn("engine: remove the O_DIRECT probe's file", "path", probe, "err", rerr)
 		}
 		switch {
 		case err != nil && io == IODirect:
 			mt.direct, mt.ioWhy = true, "direct by config (the probe failed: "+err.Error()+")"
+		case mt.unwritable != nil:
+			mt.ioWhy = "buffered: the O_DIRECT probe could not make a file: " + err.Error()
 		case err != nil:
 			mt.ioWhy = "buffered: the O_DIRECT probe failed: " + err.Error()
 			e.log.Warn("engine: O_DIRECT probe failed; buffered I/O on the mount", "mount", root, "err", err)
@@ -268,7 +286,7 @@ func (e *Engine) reportMounts() {
 		auto := sp.ahead == PreallocateAuto
 		switch {
 		case !e.spareEligible(m):
-			if sp.ahead > 0 {
+			if sp.ahead > 0 && m.unwritable == nil {
 				e.log.Warn("engine: preallocate has no effect on this mount: spare files are kept only on memory file systems in kvhost's layout, with reuse_files on",
 					"mount", m.root, "preallocate", sp.ahead)
 			}
@@ -287,11 +305,47 @@ func (e *Engine) reportMounts() {
 		e.log.Info("engine: mount", "mount", m.root, "device_class", className(m.desc.class), "device_class_from", from,
 			"fs", fsName, "fs_magic", fmt.Sprintf("%#x", m.desc.fsType), "direct_io", m.direct, "io", m.ioName(), "why", m.ioWhy, "backend", m.backend,
 			"checksums", m.checksums, "fsync_before_rename", e.cfg.Fsync || m.syncFirst, "large_folio", m.folio, "capacity", capacity, "used", used, "reserve", sp.reserve, "preallocate", sp.ahead, "preallocate_auto", auto, "preallocate_max", max(sp.ahead, sp.aheadMax))
-		if sp.configured > capacity && !sp.derived {
+		switch {
+		case e.warnRefusing(m, fsName, capacity):
+		case sp.configured > capacity && !sp.derived:
 			e.log.Warn("engine: the configured capacity is more than the file system can hold; using what it can hold",
 				"mount", m.root, "configured", sp.configured, "effective", capacity, "reserve", sp.reserve)
 		}
 	}
+}
+
+// warnRefusing logs, where Open found that every store on m will fail —
+// a read-only file system, a directory the daemon's user may not write,
+// no room at all (capacity 0) — one warning naming the mount, why and what
+// to do, starts m's refusal of stores (StoreFailure, no store counted) and
+// reports true; else it reports false.
+func (e *Engine) warnRefusing(m *mount, fsName string, capacity int64) bool {
+	const loads = "; the files on it are still loaded"
+	var why string
+	switch {
+	case errors.Is(m.unwritable, syscall.EROFS):
+		why = "read-only file system"
+		e.log.Warn("engine: the mount is on a read-only file system: every store there fails"+loads,
+			"mount", m.root, "fs", fsName, "fix", "remount it read-write (mount -o remount,rw), or name a directory on a writable file system")
+	case m.unwritable != nil:
+		why = "cannot make files: " + m.unwritable.Error()
+		e.log.Warn("engine: the daemon's user cannot make files on the mount: every store there fails"+loads,
+			"mount", m.root, "fs", fsName, "err", m.unwritable, "fix", "give the daemon's user write access to the directory (chown, or run the daemon as its owner)")
+	case capacity <= 0:
+		var avail int64
+		if st, err := e.fs.Statfs(m.root); err == nil {
+			avail = st.Avail
+		}
+		sp := m.sp
+		why = fmt.Sprintf("no room: the file system has %d bytes available, the mount's reserve is %d", avail, sp.reserve)
+		e.log.Warn("engine: the mount has no room: every store there fails until it has"+loads,
+			"mount", m.root, "fs", fsName, "fs_available", avail, "reserve", sp.reserve, "configured", sp.configured,
+			"fix", "free space on the file system, or lower the mount's reserve below what it has available")
+	default:
+		return false
+	}
+	m.refuse(why+" (found at start)", 0, e.now())
+	return true
 }
 
 // machineMemory is configured, or else MachineMemory.
@@ -318,7 +372,8 @@ func isMemoryFS(magic int64) bool {
 	return k.Memory
 }
 
-// spareEligible reports whether m keeps evicted files as spares.
+// spareEligible reports whether m keeps evicted files as spares (not on
+// a mount Open found unwritable: no spare could be made there).
 func (e *Engine) spareEligible(m *mount) bool {
-	return m.memory && m.raw == nil && !e.cfg.NoReuse
+	return m.memory && m.raw == nil && !e.cfg.NoReuse && m.unwritable == nil
 }

@@ -1,9 +1,12 @@
 package engine
 
 import (
+	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"log/slog"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
@@ -131,5 +134,101 @@ func TestOnlyTheMountsOwnErrorsMakeItRefuseStores(t *testing.T) {
 		if got := mountFault(tc.err); got != tc.want {
 			t.Errorf("%s: mountFault(%v) = %v, want %v", tc.name, tc.err, got, tc.want)
 		}
+	}
+}
+
+// readOnlyFS is a file system mounted read-only: statfs says so, and
+// every operation that would change it fails with EROFS.
+type readOnlyFS struct{ fsys.FS }
+
+func (f readOnlyFS) Statfs(path string) (fsys.StatFS, error) {
+	st, err := f.FS.Statfs(path)
+	st.ReadOnly = true
+	return st, err
+}
+
+func (f readOnlyFS) OpenFile(name string, flag int, perm os.FileMode) (fsys.File, error) {
+	if flag&(os.O_CREATE|os.O_WRONLY|os.O_RDWR|os.O_TRUNC) != 0 {
+		return nil, &os.PathError{Op: "open", Path: name, Err: syscall.EROFS}
+	}
+	return f.FS.OpenFile(name, flag, perm)
+}
+
+func (f readOnlyFS) Rename(oldpath, newpath string) error {
+	return &os.LinkError{Op: "rename", Old: oldpath, New: newpath, Err: syscall.EROFS}
+}
+
+func (f readOnlyFS) Remove(name string) error {
+	return &os.PathError{Op: "remove", Path: name, Err: syscall.EROFS}
+}
+
+func (f readOnlyFS) MkdirAll(path string, perm os.FileMode) error {
+	if _, err := f.FS.Stat(path); err == nil {
+		return nil
+	}
+	return &os.PathError{Op: "mkdir", Path: path, Err: syscall.EROFS}
+}
+
+// TestAMountThatCannotStoreIsNamedOnceAtStart: Open on a read-only file
+// system, or on one with no room left for kvhost (its reserve is more
+// than the file system has, as one filled from outside leaves it), logs
+// one warning naming the mount, why every store there fails and what to
+// do, and no other warning about it (the O_DIRECT probe's, the spare
+// owner file's, the configured capacity's); the mount refuses stores from
+// the start. A writable mount with room gets no warning.
+func TestAMountThatCannotStoreIsNamedOnceAtStart(t *testing.T) {
+	for _, tc := range []struct {
+		name  string
+		fs    fsys.FS
+		tmpfs bool // the mount on a tmpfs (spare files, their owner file)
+		mount Mount
+		want  string // in the warning and StoresFailing.Err; "" for none
+		fix   string // in the warning's fix
+	}{
+		{"read-only", readOnlyFS{fsys.OS{}}, false, Mount{}, "read-only", "remount it read-write"},
+		{"read-only tmpfs", readOnlyFS{fsys.OS{}}, true, Mount{}, "read-only", "remount it read-write"},
+		{"no room", fsys.OS{}, false, Mount{Reserve: 1 << 60}, "no room", "reserve"},
+		{"no room, capacity configured", fsys.OS{}, false, Mount{Capacity: 1 << 30, Reserve: 1 << 60}, "no room", "reserve"},
+		{"writable, with room", fsys.OS{}, false, Mount{}, "", ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var buf lockedBuffer
+			log := slog.New(slog.NewJSONHandler(&buf, &slog.HandlerOptions{Level: slog.LevelWarn}))
+			dir := t.TempDir()
+			if tc.tmpfs {
+				dir = tmpfsDir(t)
+			}
+			tc.mount.Path = dir
+			e := openEngine(t, Config{Logger: log, Mounts: []Mount{tc.mount}, Policy: newTestPolicy(1, abi.OrderLayerMajor), FS: tc.fs})
+			var warned []map[string]any
+			buf.mu.Lock()
+			for line := range bytes.Lines(buf.b.Bytes()) {
+				var r map[string]any
+				if err := json.Unmarshal(line, &r); err != nil {
+					t.Fatalf("log line %q: %v", line, err)
+				}
+				warned = append(warned, r)
+			}
+			buf.mu.Unlock()
+			f := e.Stats().Mounts[0].StoresFailing
+			if tc.want == "" {
+				if len(warned) != 0 || f != nil {
+					t.Fatalf("warnings %v, StoresFailing %+v on a writable mount with room; want none", warned, f)
+				}
+				return
+			}
+			if len(warned) != 1 {
+				t.Fatalf("%d warnings: %v; want one", len(warned), warned)
+			}
+			w := warned[0]
+			msg, _ := w["msg"].(string)
+			fix, _ := w["fix"].(string)
+			if w["mount"] != dir || !strings.Contains(msg, tc.want) || !strings.Contains(fix, tc.fix) {
+				t.Errorf("warning %v: want the mount %s, %q in its message and %q in its fix", w, dir, tc.want, tc.fix)
+			}
+			if f == nil || f.Stores != 0 || !strings.Contains(f.Err, tc.want) {
+				t.Errorf("StoresFailing after the start: %+v; want it set, no store counted, %q in its error", f, tc.want)
+			}
+		})
 	}
 }

@@ -68,4 +68,7 @@ type StatFS struct {
 	Total     int64 // bytes
 	Free      int64 // bytes free
 	Avail     int64 // bytes available to unprivileged users
+	// ReadOnly: the file system is mounted read-only (ST_RDONLY): no
+	// file can be created, written, renamed or removed on it.
+	ReadOnly bool
 }

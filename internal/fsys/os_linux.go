@@ -52,6 +52,7 @@ func (OS) Statfs(path string) (StatFS, error) {
 		Total:     int64(st.Blocks) * bs,
 		Free:      int64(st.Bfree) * bs,
 		Avail:     int64(st.Bavail) * bs,
+		ReadOnly:  st.Flags&unix.ST_RDONLY != 0,
 	}, nil
 }
 
