@@ -744,6 +744,23 @@ type Stats struct {
 	// (sent only with Spares); nil in the reply of a daemon that predates
 	// it.
 	Tiering *TierStats
+	// StoresFailing is the mount-failures section, after the tiering
+	// section (sent only with Tiering): one per Mounts, in order; nil in
+	// the reply of a daemon that predates it.
+	StoresFailing []MountFailure
+}
+
+// MountFailure is one mount's refusal of stores (host/engine.StoreFailure):
+// the files stored there most recently failed for a reason of the mount's
+// own (a read-only file system, an I/O error, no space left after
+// eviction), and none succeeded since.
+type MountFailure struct {
+	// Since is when the first of those failures happened, or the daemon's
+	// start found the mount refusing (Unix nanoseconds); 0 while the
+	// mount's stores do not fail. Last is when the latest happened.
+	Since, Last int64
+	Stores      uint64 // files whose store failed so since the last that succeeded
+	Err         string // the latest failure (at most 4096 bytes)
 }
 
 // TierStats is the tiering section of a Stats reply: the files moved
@@ -915,7 +932,9 @@ func (m *Stats) fields() []*uint64 {
 // tiering section if Tiering is set (after the device-faults section
 // only): u64 demotions, u64 promotions, u64 moves, u64 move failures, u64
 // demotion deletes | u32 mount count | per mount: u64 moved in, u64 moved
-// out | str8 fallback policy.
+// out | str8 fallback policy | the mount-failures section if StoresFailing
+// is set (after the tiering section only): u32 mount count | per mount:
+// i64 since, i64 last, u64 stores, str16 error.
 func (m *Stats) AppendBody(b []byte) []byte {
 	for _, p := range m.fields() {
 		b = appendU64(b, *p)
@@ -953,6 +972,13 @@ func (m *Stats) AppendBody(b []byte) []byte {
 					b = appendU64(appendU64(b, tm.MovedIn), tm.MovedOut)
 				}
 				b = appendStr8(b, t.FallbackPolicy, MaxName)
+				if m.StoresFailing != nil {
+					b = appendU32(b, uint32(len(m.StoresFailing)))
+					for _, f := range m.StoresFailing {
+						b = appendU64(appendU64(appendU64(b, uint64(f.Since)), uint64(f.Last)), f.Stores)
+						b = appendStr16(b, f.Err, maxDaemonText)
+					}
+				}
 			}
 		}
 	}
@@ -990,7 +1016,7 @@ func (m *Stats) DecodeBody(b []byte) error {
 			dv.Limit = d.u64("device limit")
 		}
 	}
-	m.Daemon, m.Spares, m.Tiering = nil, nil, nil
+	m.Daemon, m.Spares, m.Tiering, m.StoresFailing = nil, nil, nil, nil
 	if d.err == nil && len(d.b) > 0 {
 		m.Daemon = decodeDaemon(&d, len(m.Mounts))
 	}
@@ -1026,7 +1052,19 @@ func (m *Stats) DecodeBody(b []byte) error {
 			m.Daemon.FallbackPolicy = m.Tiering.FallbackPolicy
 		}
 	}
-	// Bytes after the tiering section are sections of a later daemon,
+	if d.err == nil && len(d.b) > 0 && m.Tiering != nil {
+		n := d.count("failing mount count", len(m.Mounts), len(m.Mounts), 8+8+8+2)
+		if d.err == nil {
+			m.StoresFailing = make([]MountFailure, n)
+			for i := range m.StoresFailing {
+				f := &m.StoresFailing[i]
+				f.Since, f.Last = d.i64("failing since"), d.i64("last failure")
+				f.Stores = d.u64("failed stores")
+				f.Err = d.str16("failure", maxDaemonText)
+			}
+		}
+	}
+	// Bytes after the mount-failures section are sections of a later daemon,
 	// which this client does not know: ignored, so that growing the reply
 	// never breaks a client (the sections before it are strict).
 	return d.err

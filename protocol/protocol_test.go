@@ -51,7 +51,10 @@ func sampleMessages() []Message {
 		&Stats{Mounts: []MountStats{{Capacity: 10}}, Daemon: &DaemonStats{Policy: "lru", FallbackPolicy: "tiered", Mounts: []MountInfo{{Path: "/dev/shm/kv"}}},
 			Spares: &SpareStats{Reused: 9, Mounts: []SpareMount{{Files: 4, Bytes: 4 << 21}}},
 			Tiering: &TierStats{Demotions: 74700, Promotions: 3, Moves: 4, MoveFailures: 5, DemotionDeletes: 6,
-				Mounts: []TierMount{{MovedIn: 7, MovedOut: 8}}, FallbackPolicy: "tiered"}},
+				Mounts: []TierMount{{MovedIn: 7, MovedOut: 8}}, FallbackPolicy: "tiered"},
+			StoresFailing: []MountFailure{{Since: 1 << 60, Last: 1<<60 + 5, Stores: 3, Err: "engine: store on mount /dev/shm/kv: open: read-only file system"}}},
+		&Stats{Mounts: []MountStats{{Capacity: 10}, {}}, Daemon: &DaemonStats{Mounts: []MountInfo{{}, {}}}, Spares: &SpareStats{Mounts: []SpareMount{{}, {}}},
+			Tiering: &TierStats{Mounts: []TierMount{{}, {}}}, StoresFailing: []MountFailure{{}, {Since: 1, Last: 2, Err: "no room (found at start)"}}},
 		&Stats{Devices: []DeviceStats{{Ordinal: 0, UUID: [16]byte{1, 2, 3, 15: 4}}, {Ordinal: 1}},
 			Daemon: &DaemonStats{Policy: "lru"}, Spares: &SpareStats{}},
 		&Empty{T: TypeUnregisterCache | TypeReply},
@@ -156,6 +159,13 @@ func TestRejects(t *testing.T) {
 			body(&Stats{Mounts: []MountStats{{}}, Daemon: &DaemonStats{Mounts: []MountInfo{{}}}, Spares: &SpareStats{}})},
 		{"stats tiering section for more mounts", TypeStats | TypeReply,
 			body(&Stats{Daemon: &DaemonStats{}, Spares: &SpareStats{}, Tiering: &TierStats{Mounts: []TierMount{{}}}})},
+		{"stats mount-failures section for more mounts", TypeStats | TypeReply,
+			body(&Stats{Daemon: &DaemonStats{}, Spares: &SpareStats{}, Tiering: &TierStats{}, StoresFailing: []MountFailure{{}}})},
+		{"stats mount-failures section cut short", TypeStats | TypeReply, func() []byte {
+			b := body(&Stats{Mounts: []MountStats{{}}, Daemon: &DaemonStats{Mounts: []MountInfo{{}}}, Spares: &SpareStats{Mounts: []SpareMount{{}}},
+				Tiering: &TierStats{Mounts: []TierMount{{}}}, StoresFailing: []MountFailure{{Err: "read-only file system"}}})
+			return b[:len(b)-1]
+		}()},
 		{"stats daemon fallback 2", TypeStats | TypeReply, func() []byte {
 			b := body(&Stats{Daemon: &DaemonStats{}})
 			b[len(body(&Stats{}))+8+2] = 2 // after the start time and two empty names
@@ -176,13 +186,14 @@ func TestRejects(t *testing.T) {
 }
 
 // TestStatsIgnoresSectionsItDoesNotKnow: bytes after the last section it
-// knows (tiering; a later daemon's sections) are ignored, and
+// knows (mount failures; a later daemon's sections) are ignored, and
 // everything before them decodes as before.
 func TestStatsIgnoresSectionsItDoesNotKnow(t *testing.T) {
 	want := &Stats{Clients: 2, Mounts: []MountStats{{Capacity: 10}}, Daemon: &DaemonStats{Policy: "lru", Mounts: []MountInfo{{Path: "/kv"}}},
-		Devices: []DeviceStats{{Ordinal: 0, UUID: [16]byte{7}, Faults: 1}},
-		Spares:  &SpareStats{Reused: 3, Mounts: []SpareMount{{Files: 2, Bytes: 1 << 21}}, Made: 4},
-		Tiering: &TierStats{Demotions: 5, Mounts: []TierMount{{MovedIn: 1}}}}
+		Devices:       []DeviceStats{{Ordinal: 0, UUID: [16]byte{7}, Faults: 1}},
+		Spares:        &SpareStats{Reused: 3, Mounts: []SpareMount{{Files: 2, Bytes: 1 << 21}}, Made: 4},
+		Tiering:       &TierStats{Demotions: 5, Mounts: []TierMount{{MovedIn: 1}}},
+		StoresFailing: []MountFailure{{Since: 1, Last: 2, Stores: 3, Err: "eio"}}}
 	b := append(want.AppendBody(nil), 0xde, 0xad, 0xbe, 0xef)
 	got, err := Decode(TypeStats|TypeReply, b)
 	if err != nil {
@@ -203,8 +214,23 @@ func TestStatsOfADaemonBeforeTieringHasNoTierStats(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if st := got.(*Stats); st.Tiering != nil {
-		t.Fatalf("tiering section %+v from a reply without one", st.Tiering)
+	if st := got.(*Stats); st.Tiering != nil || st.StoresFailing != nil {
+		t.Fatalf("tiering section %+v, mount failures %+v from a reply without them", st.Tiering, st.StoresFailing)
+	}
+}
+
+// TestStatsOfADaemonBeforeMountFailuresHasNone: a reply that ends after
+// the tiering section (a daemon that predates the mount-failures
+// section) decodes, with StoresFailing nil: unknown, not "none failing".
+func TestStatsOfADaemonBeforeMountFailuresHasNone(t *testing.T) {
+	want := &Stats{Mounts: []MountStats{{Capacity: 10}}, Daemon: &DaemonStats{Policy: "lru", Mounts: []MountInfo{{Path: "/kv"}}},
+		Spares: &SpareStats{Mounts: []SpareMount{{Files: 1}}}, Tiering: &TierStats{Mounts: []TierMount{{}}}}
+	got, err := Decode(TypeStats|TypeReply, want.AppendBody(nil))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st := got.(*Stats); st.StoresFailing != nil || !reflect.DeepEqual(st, want) {
+		t.Fatalf("decoded %+v, want %+v without mount failures", st, want)
 	}
 }
 

@@ -78,6 +78,25 @@ type statsMount struct {
 	SpareBytes uint64 `json:"spare_bytes"`
 	MovedIn    uint64 `json:"moved_in_files"`
 	MovedOut   uint64 `json:"moved_out_files"`
+	// StoresFailing says that the mount refuses stores (null while its
+	// stores succeed, and from a daemon that predates the report).
+	StoresFailing *statsFailing `json:"stores_failing"`
+}
+
+// statsFailing is a mount's refusal of stores: its most recent stores
+// failed for a reason of its own (read-only, I/O errors, no room) and
+// none succeeded since.
+type statsFailing struct {
+	Since  time.Time `json:"since"`  // the first of those failures, or the start that found the mount refusing
+	Last   time.Time `json:"last"`   // the latest
+	Stores uint64    `json:"stores"` // files whose store failed so since the last that succeeded
+	Err    string    `json:"error"`  // the latest failure
+}
+
+// text says what the refusal means to an operator.
+func (f *statsFailing) text(path string) string {
+	return fmt.Sprintf("mount %s refuses stores since %s (%d failed since the last that succeeded): %s",
+		path, f.Since.Format(time.RFC3339), f.Stores, f.Err)
 }
 
 type statsDevice struct {
@@ -124,6 +143,10 @@ func queryStats(ctx context.Context, socket string) (statsReport, error) {
 		}
 		if ts := st.Tiering; ts != nil && i < len(ts.Mounts) {
 			sm.MovedIn, sm.MovedOut = ts.Mounts[i].MovedIn, ts.Mounts[i].MovedOut
+		}
+		if i < len(st.StoresFailing) && st.StoresFailing[i].Since != 0 {
+			f := st.StoresFailing[i]
+			sm.StoresFailing = &statsFailing{Since: time.Unix(0, f.Since).UTC(), Last: time.Unix(0, f.Last).UTC(), Stores: f.Stores, Err: f.Err}
 		}
 		r.Mounts = append(r.Mounts, sm)
 	}
@@ -220,6 +243,11 @@ func printStats(w io.Writer, r statsReport) {
 		fmt.Fprintf(tw, "  %s\t%s\t%s\t%v\t%s\t%s\t%.1f%%\t%d\t%d (%s)\t%d/%d\n", m.Path, m.Backend, m.IO, m.Checksums, bytesString(m.Used), bytesString(m.Capacity), pct, m.Entries, m.SpareFiles, bytesString(m.SpareBytes), m.MovedIn, m.MovedOut)
 	}
 	tw.Flush()
+	for _, m := range r.Mounts {
+		if f := m.StoresFailing; f != nil {
+			fmt.Fprintf(w, "  STORES FAILING: %s\n", f.text(m.Path))
+		}
+	}
 	if len(r.Devices) > 0 {
 		fmt.Fprintln(w, "\nGPU registrations:")
 		for _, d := range r.Devices {

@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"strings"
 	"testing"
+	"time"
 )
 
 func TestGPUUUIDIsWrittenAsNvidiaSmiWritesIt(t *testing.T) {
@@ -49,7 +50,7 @@ func TestHealthFailsOnAFallenBackPolicyOrABrokenGPU(t *testing.T) {
 		{"a fallen-back policy, allowed", fellBack, true, false, ""},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			got := unhealthy(tc.r, tc.allowFallback, tc.allowFaults)
+			got := unhealthy(tc.r, healthOptions{allowFallback: tc.allowFallback, allowFaults: tc.allowFaults, allowFailingMounts: true})
 			if tc.want == "" && got != "" || !strings.Contains(got, tc.want) {
 				t.Fatalf("unhealthy = %q, want %q", got, tc.want)
 			}
@@ -92,5 +93,34 @@ func TestStatsJSONHasTheDocumentedFieldsAndArrays(t *testing.T) {
 		if _, ok := got[k].([]any); !ok {
 			t.Errorf("kvhost stats --json: %q is %v, want an array", k, got[k])
 		}
+	}
+}
+
+// TestHealthWarnsOfAMountThatRefusesStores: a mount that refuses stores
+// is a warning naming the mount and the last error, not a failure,
+// unless --allow-failing-mounts=false; mounts that store give none.
+func TestHealthWarnsOfAMountThatRefusesStores(t *testing.T) {
+	refusing := statsReport{Mounts: []statsMount{{Path: "/nvme/kv"},
+		{Path: "/mnt/ro", StoresFailing: &statsFailing{Since: time.Unix(1700000000, 0).UTC(), Stores: 4, Err: "open: read-only file system"}}}}
+	for _, tc := range []struct {
+		name          string
+		r             statsReport
+		allow         bool
+		warn, failure string // in the warnings, in the reason; "" for none
+	}{
+		{"mounts that store", statsReport{Mounts: []statsMount{{Path: "/nvme/kv"}}}, true, "", ""},
+		{"a mount that refuses stores", refusing, true, "mount /mnt/ro refuses stores since 2023-11-14T22:13:20Z (4 failed since the last that succeeded): open: read-only file system", ""},
+		{"a mount that refuses stores, not allowed", refusing, false, "mount /mnt/ro refuses stores", "mount /mnt/ro refuses stores"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			w := strings.Join(healthWarnings(tc.r), "\n")
+			why := unhealthy(tc.r, healthOptions{allowFallback: true, allowFailingMounts: tc.allow})
+			if tc.warn == "" && w != "" || !strings.Contains(w, tc.warn) {
+				t.Errorf("warnings %q, want %q", w, tc.warn)
+			}
+			if tc.failure == "" && why != "" || !strings.Contains(why, tc.failure) {
+				t.Errorf("unhealthy = %q, want %q", why, tc.failure)
+			}
+		})
 	}
 }

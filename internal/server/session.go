@@ -871,6 +871,7 @@ func (s *session) stats() (protocol.Message, error) {
 		InflightJobs: uint64(inflight), Devices: s.srv.deviceStats(), Daemon: s.srv.daemonStats(st.Mounts),
 	}
 	m.Spares = &protocol.SpareStats{Reused: st.Reused, Made: st.SparesMade}
+	m.StoresFailing = make([]protocol.MountFailure, 0, len(st.Mounts))
 	ts := st.Tiering
 	m.Tiering = &protocol.TierStats{Demotions: ts.Demotions, Promotions: ts.Promotions, Moves: ts.Moves,
 		MoveFailures: ts.MoveFailures, DemotionDeletes: ts.DemotionDeletes, FallbackPolicy: m.Daemon.FallbackPolicy}
@@ -878,6 +879,11 @@ func (s *session) stats() (protocol.Message, error) {
 		m.Mounts = append(m.Mounts, protocol.MountStats{Capacity: uint64(mt.Capacity), Used: uint64(mt.Used), Entries: uint64(mt.Entries), Direct: mt.Direct})
 		m.Spares.Mounts = append(m.Spares.Mounts, protocol.SpareMount{Files: uint64(mt.SpareFiles), Bytes: uint64(max(mt.SpareBytes, 0))})
 		m.Tiering.Mounts = append(m.Tiering.Mounts, protocol.TierMount{MovedIn: mt.MovedIn, MovedOut: mt.MovedOut})
+		var f protocol.MountFailure
+		if sf := mt.StoresFailing; sf != nil {
+			f = protocol.MountFailure{Since: sf.Since.UnixNano(), Last: sf.Last.UnixNano(), Stores: sf.Stores, Err: sf.Err}
+		}
+		m.StoresFailing = append(m.StoresFailing, f)
 	}
 	return m, nil
 }
