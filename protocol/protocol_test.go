@@ -388,7 +388,9 @@ func goldenStats() *Stats {
 		Devices: []DeviceStats{{Ordinal: 0, Regions: 1, Registered: 4096, Limit: 1 << 30, UUID: [16]byte{0: 0xA, 15: 0xA}}, {Ordinal: 1, Limit: 1 << 30, Faults: 3}},
 		Daemon: &DaemonStats{Started: 1, Policy: "lru", PolicyBackend: "wasm", FallbackReason: "none", LastReload: "ok",
 			Mounts: []MountInfo{{Path: "/dev/shm/kv", Backend: "staging", IO: "direct", Checksums: true, Configured: 1 << 30}}},
-		Spares: &SpareStats{Reused: 3, Mounts: []SpareMount{{Files: 2, Bytes: 1 << 21}}, Made: 5}}
+		Spares:        &SpareStats{Reused: 3, Mounts: []SpareMount{{Files: 2, Bytes: 1 << 21}}, Made: 5},
+		Tiering:       &TierStats{Demotions: 1, Promotions: 2, Moves: 3, MoveFailures: 4, DemotionDeletes: 5, Mounts: []TierMount{{MovedIn: 6, MovedOut: 7}}, FallbackPolicy: "lru"},
+		StoresFailing: []MountFailure{{Since: 8, Last: 9, Stores: 10, Err: "read-only file system"}}}
 }
 
 // TestStatsGoldenBytesForThePythonClient: the encoding of goldenStats is
