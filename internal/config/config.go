@@ -694,12 +694,19 @@ func (e *ValueError) Error() string {
 // Unwrap returns ErrInvalid, so that errors.Is(err, ErrInvalid) holds.
 func (e *ValueError) Unwrap() error { return ErrInvalid }
 
+// MaxSocketPath is the longest server.socket: a Unix socket's address
+// (sun_path) holds 108 bytes on Linux, the last a NUL. A longer path
+// fails the daemon's bind with a bare "invalid argument".
+const MaxSocketPath = 107
+
 // Validate checks every value and returns a *ValueError for the first bad one.
 func (c *Config) Validate() error {
 	bad := func(key, want string, got any) error { return &ValueError{Key: key, Want: want, Got: got} }
 	switch {
 	case c.Server.Socket == "":
 		return bad("server.socket", "a path", `""`)
+	case len(c.Server.Socket) > MaxSocketPath:
+		return bad("server.socket", fmt.Sprintf("a path of at most %d bytes (a Unix socket's address holds no more; this one has %d)", MaxSocketPath, len(c.Server.Socket)), strconv.Quote(c.Server.Socket))
 	case c.Server.SocketMode&^0o777 != 0 || c.Server.SocketMode&0o600 != 0o600:
 		return bad("server.socket_mode", "octal permissions that include owner read and write (e.g. \"0660\")", c.Server.SocketMode)
 	case c.Server.MaxClients < 1:

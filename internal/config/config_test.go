@@ -152,6 +152,7 @@ func TestParseErrors(t *testing.T) {
 		{"tiered cold mount of one mount", "[policy]\nname = \"tiered\"\n[policy.params]\ncold = 1\n[[mount]]\npath = \"/a\"", `kvhost.toml:4: policy.params.cold: want a mount index from 0 to 0 (the tiered policy's cold mount; 1 mount is configured), got 1`},
 		{"bad duration", "[policy]\ncall_timeout = \"soon\"", `kvhost.toml:2: policy.call_timeout: duration "soon"`},
 		{"bad mode", "[server]\nsocket_mode = \"999\"", `file mode "999"`},
+		{"socket path too long", "[server]\nsocket = \"/run/" + strings.Repeat("k", 103) + "\"", "kvhost.toml:2: server.socket: want a path of at most 107 bytes (a Unix socket's address holds no more; this one has 108)"},
 		{"range", "[policy]\n\nshards = 65", "kvhost.toml:3: policy.shards: want between 0 (automatic) and 64, got 65"},
 		{"relative mount", "[[mount]]\npath = \"rel\"", `kvhost.toml:2: mount.path: want an absolute directory path, got "rel"`},
 		{"restart hold", "[engine]\nrestart_hold = \"2h\"", "engine.restart_hold: want a duration between 0s (hold none) and 1h"},
