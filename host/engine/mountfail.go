@@ -6,28 +6,9 @@ import (
 	"time"
 )
 
-// mountErrnos are the errors a file system returns for itself: the
-// mount, not the request, is what fails (RATIONALE.md, "Why does a
-// mount's refusal of stores count only the mount's own errors?").
-var mountErrnos = [...]syscall.Errno{
-	syscall.EROFS,     // mounted (or remounted, after an error) read-only
-	syscall.EIO,       // the device or the server failed the I/O
-	syscall.EACCES,    // the daemon's user may not create files there
-	syscall.EPERM,     // likewise (an immutable directory, a LSM's refusal)
-	syscall.ENOSPC,    // full, from outside (kvhost's own files were evicted first)
-	syscall.EDQUOT,    // the daemon's user's quota
-	syscall.ESTALE,    // an NFS handle the server no longer knows
-	syscall.ENOTCONN,  // a FUSE or network file system whose server left
-	syscall.ENODEV,    // the device went away
-	syscall.ENXIO,     // likewise
-	syscall.EREMOTEIO, // a remote I/O error
-	syscall.EUCLEAN,   // a corrupt file system (ext4, XFS)
-	syscall.ETIMEDOUT, // a network file system that does not answer
-}
-
 // mountFault reports whether err, the failure of a store's file on its
 // mount, is the mount's own: ErrNoSpace (no room after evicting what could
-// be), or one of mountErrnos from a file operation. A cancelled job, a
+// be), or a file system's error about itself from a file operation. A cancelled job, a
 // fault in the client's memory, the policy's or a GPU's failure are not.
 func mountFault(err error) bool {
 	if errors.Is(err, ErrNoSpace) {
@@ -37,10 +18,24 @@ func mountFault(err error) bool {
 	if !errors.As(err, &errno) {
 		return false
 	}
-	for _, e := range mountErrnos {
-		if errno == e {
-			return true
-		}
+	// The errors a file system returns for itself: the mount, not the
+	// request, is what fails (RATIONALE.md, "Why does a mount's refusal
+	// of stores count only the mount's own errors?").
+	switch errno {
+	case syscall.EROFS, // mounted (or remounted, after an error) read-only
+		syscall.EIO,       // the device or the server failed the I/O
+		syscall.EACCES,    // the daemon's user may not create files there
+		syscall.EPERM,     // likewise (an immutable directory, an LSM's refusal)
+		syscall.ENOSPC,    // full, from outside (kvhost's own files were evicted first)
+		syscall.EDQUOT,    // the daemon's user's quota
+		syscall.ESTALE,    // an NFS handle the server no longer knows
+		syscall.ENOTCONN,  // a FUSE or network file system whose server left
+		syscall.ENODEV,    // the device went away
+		syscall.ENXIO,     // likewise
+		syscall.EREMOTEIO, // a remote I/O error
+		syscall.EUCLEAN,   // a corrupt file system (ext4, XFS)
+		syscall.ETIMEDOUT: // a network file system that does not answer
+		return true
 	}
 	return false
 }
