@@ -8,8 +8,6 @@ import (
 	"path/filepath"
 	"runtime"
 	"slices"
-	"strconv"
-	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -129,10 +127,6 @@ func (m machine) memoryBytes() int64 {
 // system, spare files ahead, gpu.mode "auto") are left as given.
 func effectiveConfig(cfg config.Config, mc machine) (config.Config, config.Notes, error) {
 	notes := config.Notes{}
-	derived := func(key, why string) { notes[key] = "derived: " + why }
-	atStart := func(key, now, why string) {
-		notes[key] = fmt.Sprintf("computed at start from the machine: %s here now (%s)", now, why)
-	}
 	cfg.Mounts = slices.Clone(cfg.Mounts) // resolved here, not in the caller's
 
 	r, err := serverLimits(cfg).WithDefaults()
@@ -140,156 +134,110 @@ func effectiveConfig(cfg config.Config, mc machine) (config.Config, config.Notes
 		return cfg, nil, fmt.Errorf("config: [server]: %w", err)
 	}
 	s := &cfg.Server
-	ints := []struct {
-		key      string
-		v        *int
-		resolved int
-		why      string
-		machine  bool // from the machine: noted, not set
-	}{
-		{"max_clients_per_peer", &s.MaxClientsPerPeer, r.MaxClientsPerPeer, "half of max_clients, at least 1", false},
-		{"max_pinned_keys", &s.MaxPinnedKeys, r.MaxPinnedKeys, "the default", false},
-		{"max_pinned_keys_per_peer", &s.MaxPinnedKeysPerPeer, r.MaxPinnedKeysPerPeer, "half of max_pinned_keys", false},
-		{"max_cache_layers", &s.MaxCacheLayers, r.MaxCacheLayers, "the default", false},
-		{"max_cache_layers_per_peer", &s.MaxCacheLayersPerPeer, r.MaxCacheLayersPerPeer, "half of max_cache_layers", false},
-		{"max_namespaces_per_peer", &s.MaxNamespacesPerPeer, r.MaxNamespacesPerPeer, "what one connection may declare", false},
-		{"max_descriptors", &s.MaxDescriptors, r.MaxDescriptors, "a quarter of the open-file limit and of vm.max_map_count, whichever is fewer", true},
-		{"max_descriptors_per_peer", &s.MaxDescriptorsPerPeer, r.MaxDescriptorsPerPeer, "half of max_descriptors", s.MaxDescriptors == 0},
+	derive(notes, "server.max_clients_per_peer", &s.MaxClientsPerPeer, r.MaxClientsPerPeer, "half of max_clients, at least 1")
+	derive(notes, "server.max_pinned_keys", &s.MaxPinnedKeys, r.MaxPinnedKeys, "the default")
+	derive(notes, "server.max_pinned_keys_per_peer", &s.MaxPinnedKeysPerPeer, r.MaxPinnedKeysPerPeer, "half of max_pinned_keys")
+	derive(notes, "server.max_cache_layers", &s.MaxCacheLayers, r.MaxCacheLayers, "the default")
+	derive(notes, "server.max_cache_layers_per_peer", &s.MaxCacheLayersPerPeer, r.MaxCacheLayersPerPeer, "half of max_cache_layers")
+	derive(notes, "server.max_namespaces_per_peer", &s.MaxNamespacesPerPeer, r.MaxNamespacesPerPeer, "what one connection may declare")
+	fromMachine(notes, "server.max_descriptors", s.MaxDescriptors, r.MaxDescriptors, "a quarter of the open-file limit and of vm.max_map_count, whichever is fewer")
+	if s.MaxDescriptors == 0 {
+		fromMachine(notes, "server.max_descriptors_per_peer", s.MaxDescriptorsPerPeer, r.MaxDescriptorsPerPeer, "half of max_descriptors")
+	} else {
+		derive(notes, "server.max_descriptors_per_peer", &s.MaxDescriptorsPerPeer, r.MaxDescriptorsPerPeer, "half of max_descriptors")
 	}
-	for _, l := range ints {
-		switch {
-		case *l.v != 0:
-		case l.machine:
-			atStart("server."+l.key, strconv.Itoa(l.resolved), l.why)
-		default:
-			*l.v = l.resolved
-			derived("server."+l.key, l.why)
-		}
-	}
-	sizes := []struct {
-		key      string
-		v        *config.Size
-		resolved int64
-		why      string
-	}{
-		{"max_inflight_bytes", &s.MaxInflightBytes, r.MaxInflightBytes, "1GiB, or four times what one job of max_frame holds if more"},
-		{"max_inflight_bytes_per_peer", &s.MaxInflightBytesPerPeer, r.MaxInflightBytesPerPeer, "half of max_inflight_bytes"},
-		{"max_incoming_bytes", &s.MaxIncomingBytes, r.MaxIncomingBytes, "256MiB, or four times max_frame if more"},
-		{"max_incoming_bytes_per_peer", &s.MaxIncomingBytesPerPeer, r.MaxIncomingBytesPerPeer, "half of max_incoming_bytes"},
-		{"max_registered_bytes", &s.MaxRegisteredBytes, r.MaxRegisteredBytes, "the machine's memory"}, // noted below
-		{"max_total_registered_bytes", &s.MaxTotalRegisteredBytes, r.MaxTotalRegisteredBytes, "the default"},
-		{"max_device_registered_bytes", &s.MaxDeviceRegisteredBytes, r.MaxDeviceBytes, "the default"},
-	}
-	for _, l := range sizes {
-		switch {
-		case *l.v != 0:
-		case l.v == &s.MaxRegisteredBytes:
-			atStart("server."+l.key, config.Size(l.resolved).String(), l.why)
-		default:
-			*l.v = config.Size(l.resolved)
-			derived("server."+l.key, l.why)
-		}
-	}
+	derive(notes, "server.max_inflight_bytes", &s.MaxInflightBytes, config.Size(r.MaxInflightBytes), "1GiB, or four times what one job of max_frame holds if more")
+	derive(notes, "server.max_inflight_bytes_per_peer", &s.MaxInflightBytesPerPeer, config.Size(r.MaxInflightBytesPerPeer), "half of max_inflight_bytes")
+	derive(notes, "server.max_incoming_bytes", &s.MaxIncomingBytes, config.Size(r.MaxIncomingBytes), "256MiB, or four times max_frame if more")
+	derive(notes, "server.max_incoming_bytes_per_peer", &s.MaxIncomingBytesPerPeer, config.Size(r.MaxIncomingBytesPerPeer), "half of max_incoming_bytes")
+	fromMachine(notes, "server.max_registered_bytes", s.MaxRegisteredBytes, config.Size(r.MaxRegisteredBytes), "the machine's memory")
+	derive(notes, "server.max_total_registered_bytes", &s.MaxTotalRegisteredBytes, config.Size(r.MaxTotalRegisteredBytes), "the default")
+	derive(notes, "server.max_device_registered_bytes", &s.MaxDeviceRegisteredBytes, config.Size(r.MaxDeviceBytes), "the default")
 
 	workers := cfg.Engine.IOWorkers
 	if workers <= 0 {
 		workers = max(2, mc.gomaxprocs())
-		atStart("engine.io_workers", strconv.Itoa(workers), "the runtime's GOMAXPROCS, at least 2")
+		atStart(notes, "engine.io_workers", workers, "the runtime's GOMAXPROCS, at least 2")
 	}
-	if cfg.Policy.Shards == 0 {
-		procs := daemonProcessors(workers, mc.gomaxprocs(), gomaxprocsFromEnv())
-		atStart("policy.shards", strconv.Itoa(min(policy.DefaultShards, procs)), fmt.Sprintf("%d, at most one per Go processor (%d)", policy.DefaultShards, procs))
-	}
-	if cfg.Policy.CacheDir == "" {
-		atStart("policy.cache_dir", filepath.Join(config.DefaultRoot(), "wasm-cache"), "wasm-cache in the cache directory of the user the daemon runs as")
-	}
+	procs := daemonProcessors(workers, mc.gomaxprocs(), gomaxprocsFromEnv())
+	fromMachine(notes, "policy.shards", cfg.Policy.Shards, min(policy.DefaultShards, procs), fmt.Sprintf("%d, at most one per Go processor (%d)", policy.DefaultShards, procs))
+	fromMachine(notes, "policy.cache_dir", cfg.Policy.CacheDir, filepath.Join(config.DefaultRoot(), "wasm-cache"), "wasm-cache in the cache directory of the user the daemon runs as")
+
 	e := &cfg.Engine
-	durations := []struct {
-		key      string
-		v        *config.Duration
-		resolved time.Duration
-	}{
-		{"temp_grace", &e.TempGrace, engine.DefaultTempGrace},
-		{"tick_interval", &e.TickInterval, engine.DefaultTickInterval},
-		{"mount_update_interval", &e.MountUpdateInterval, engine.DefaultMountUpdateInterval},
-	}
-	for _, d := range durations {
-		if *d.v == 0 {
-			*d.v = config.Duration(d.resolved)
-			derived("engine."+d.key, "the default")
-		}
-	}
-	if e.LookupTableSlots == 0 {
-		e.LookupTableSlots = config.DefaultLookupTableSlots
-		derived("engine.lookup_table_slots", "the default")
-	}
-	if e.ReuseFiles == nil {
-		e.ReuseFiles = ptr(true)
-		derived("engine.reuse_files", "the default")
-	}
-	if e.LookupTable == nil {
-		e.LookupTable = ptr(true)
-		derived("engine.lookup_table", "the default")
-	}
+	derive(notes, "engine.temp_grace", &e.TempGrace, config.Duration(engine.DefaultTempGrace), "the default")
+	derive(notes, "engine.tick_interval", &e.TickInterval, config.Duration(engine.DefaultTickInterval), "the default")
+	derive(notes, "engine.mount_update_interval", &e.MountUpdateInterval, config.Duration(engine.DefaultMountUpdateInterval), "the default")
+	derive(notes, "engine.lookup_table_slots", &e.LookupTableSlots, config.DefaultLookupTableSlots, "the default")
+	derive(notes, "engine.reuse_files", &e.ReuseFiles, ptr(true), "the default")
+	derive(notes, "engine.lookup_table", &e.LookupTable, ptr(true), "the default")
 	if e.NodeID == "" {
 		notes["engine.node_id"] = "empty: the host name"
 	}
 	for i := range cfg.Mounts {
-		m := &cfg.Mounts[i]
-		at := func(key string) string { return fmt.Sprintf("mount.%d.%s", i, key) }
-		if m.Layout == "" {
-			m.Layout = config.LayoutKVHost
-			derived(at("layout"), "the default")
-		}
-		if m.IO == "" {
-			m.IO = "auto"
-			derived(at("io"), "the default: O_DIRECT where the probe at start finds it")
-		}
-		if m.Checksum == nil {
-			m.Checksum = ptr(m.Layout != config.LayoutVLLMFS)
-			derived(at("checksum"), "the default of the layout")
-		}
-		if m.ClusterCapacity != 0 && m.ClusterInterval == 0 {
-			m.ClusterInterval = config.Duration(engine.DefaultClusterInterval)
-			derived(at("cluster_interval"), "the default")
-		}
-		if m.DeviceClass == "" {
-			notes[at("device_class")] = "empty: detected at start"
-		}
-		if m.Shared == nil {
-			notes[at("shared")] = "detected at start: true on network and FUSE file systems and for vllm-fs mounts"
-		}
-		if m.Preallocate == config.Auto() {
-			notes[at("preallocate")] = "on a memory file system: an eighth of the capacity, at most the larger of 4GiB and a sixteenth of memory"
-		}
-		if m.Capacity != 0 {
-			continue
-		}
-		key := at("capacity")
-		if size, ok := mc.fileSystemSize(m.Path); ok && size > 0 {
-			atStart(key, config.Size(float64(size)*0.9).String(), "90% of the file system")
-		} else {
-			notes[key] = "90% of the file system at start (the path does not exist yet)"
-		}
+		resolveMount(notes, fmt.Sprintf("mount.%d.", i), &cfg.Mounts[i], mc)
 	}
 	g := &cfg.GPU
-	if g.Depth == 0 {
-		g.Depth = gpu.DefaultDepth
-		derived("gpu.depth", "double buffering")
-	}
-	if g.Chunk == 0 {
-		g.Chunk = gpu.DefaultChunk
-		derived("gpu.chunk", "the default")
-	}
-	if g.RegisterBytes == 0 {
-		if mem := mc.memoryBytes(); mem > 0 {
-			atStart("gpu.register_bytes", config.Size(mem/2).String(), "half of the machine's memory")
-		}
+	derive(notes, "gpu.depth", &g.Depth, gpu.DefaultDepth, "double buffering")
+	derive(notes, "gpu.chunk", &g.Chunk, gpu.DefaultChunk, "the default")
+	if mem := mc.memoryBytes(); mem > 0 {
+		fromMachine(notes, "gpu.register_bytes", g.RegisterBytes, config.Size(mem/2), "half of the machine's memory")
 	}
 	if err := cfg.Validate(); err != nil {
 		return cfg, nil, fmt.Errorf("config: the resolved configuration: %w", err)
 	}
 	return cfg, notes, nil
+}
+
+// resolveMount resolves m as effectiveConfig does, its keys noted under
+// prefix ("mount.0.").
+func resolveMount(notes config.Notes, prefix string, m *config.Mount, mc machine) {
+	derive(notes, prefix+"layout", &m.Layout, config.LayoutKVHost, "the default")
+	derive(notes, prefix+"io", &m.IO, "auto", "the default: O_DIRECT where the probe at start finds it")
+	derive(notes, prefix+"checksum", &m.Checksum, ptr(m.Layout != config.LayoutVLLMFS), "the default of the layout")
+	if m.ClusterCapacity != 0 {
+		derive(notes, prefix+"cluster_interval", &m.ClusterInterval, config.Duration(engine.DefaultClusterInterval), "the default")
+	}
+	if m.DeviceClass == "" {
+		notes[prefix+"device_class"] = "empty: detected at start"
+	}
+	if m.Shared == nil {
+		notes[prefix+"shared"] = "detected at start: true on network and FUSE file systems and for vllm-fs mounts"
+	}
+	if m.Preallocate == config.Auto() {
+		notes[prefix+"preallocate"] = "on a memory file system: an eighth of the capacity, at most the larger of 4GiB and a sixteenth of memory"
+	}
+	if m.Capacity != 0 {
+		return
+	}
+	if size, ok := mc.fileSystemSize(m.Path); ok && size > 0 {
+		atStart(notes, prefix+"capacity", config.Size(float64(size)*0.9), "90% of the file system")
+	} else {
+		notes[prefix+"capacity"] = "90% of the file system at start (the path does not exist yet)"
+	}
+}
+
+// derive sets *v, where it is zero, to the value the daemon derives from
+// the configuration, and notes key with why.
+func derive[T comparable](notes config.Notes, key string, v *T, resolved T, why string) {
+	var zero T
+	if *v == zero {
+		*v = resolved
+		notes[key] = "derived: " + why
+	}
+}
+
+// fromMachine notes key, where its value v is zero, with what the daemon
+// computes for it at start from the machine, here now: v stays zero.
+func fromMachine[T comparable](notes config.Notes, key string, v, now T, why string) {
+	var zero T
+	if v == zero {
+		atStart(notes, key, now, why)
+	}
+}
+
+// atStart notes key as computed at start from the machine: now here, by why.
+func atStart(notes config.Notes, key string, now any, why string) {
+	notes[key] = fmt.Sprintf("computed at start from the machine: %v here now (%s)", now, why)
 }
 
 func ptr[T any](v T) *T { return &v }
