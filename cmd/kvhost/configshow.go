@@ -9,8 +9,6 @@ import (
 	"runtime"
 	"slices"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/kvhost/kvhost/host/engine"
 	"github.com/kvhost/kvhost/host/policy"
 	"github.com/kvhost/kvhost/internal/config"
@@ -98,22 +96,15 @@ func (m machine) fileSystemSize(path string) (int64, bool) {
 	if m.fsSize != nil {
 		return m.fsSize(path)
 	}
-	var st unix.Statfs_t
-	if err := unix.Statfs(path, &st); err != nil {
-		return 0, false
-	}
-	return int64(float64(st.Blocks) * float64(st.Bsize)), true
+	size, err := fileSystemBytes(path)
+	return size, err == nil
 }
 
 func (m machine) memoryBytes() int64 {
 	if m.memory != nil {
 		return m.memory()
 	}
-	var si unix.Sysinfo_t
-	if err := unix.Sysinfo(&si); err != nil || si.Totalram == 0 {
-		return 0
-	}
-	return int64(si.Totalram) * int64(si.Unit)
+	return engine.MachineMemory()
 }
 
 // effectiveConfig resolves the values of cfg that the daemon computes at

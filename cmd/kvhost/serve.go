@@ -794,11 +794,20 @@ func mountCapacity(m config.Mount) (int64, error) {
 	if err := os.MkdirAll(m.Path, 0o750); err != nil {
 		return 0, fmt.Errorf("mount %s: %w", m.Path, err)
 	}
-	var st unix.Statfs_t
-	if err := unix.Statfs(m.Path, &st); err != nil {
+	size, err := fileSystemBytes(m.Path)
+	if err != nil {
 		return 0, fmt.Errorf("mount %s: statfs: %w", m.Path, err)
 	}
-	return int64(float64(st.Blocks) * float64(st.Bsize) * 0.9), nil
+	return int64(float64(size) * 0.9), nil
+}
+
+// fileSystemBytes is the size of the file system that holds path.
+func fileSystemBytes(path string) (int64, error) {
+	var st unix.Statfs_t
+	if err := unix.Statfs(path, &st); err != nil {
+		return 0, err
+	}
+	return int64(float64(st.Blocks) * float64(st.Bsize)), nil
 }
 
 // serverLimits is the session server's configuration from cfg's [server]
