@@ -27,18 +27,9 @@ func (c Config) WriteTOML(w io.Writer, notes Notes) error {
 	bw := bufio.NewWriter(w)
 	tw := &tomlWriter{w: bw, notes: notes}
 	v := reflect.ValueOf(c)
-	t := v.Type()
-	for i := range t.NumField() {
-		name := tomlName(t.Field(i))
-		f := v.Field(i)
-		switch {
-		case f.Kind() == reflect.Struct:
-			tw.table(name, name, f)
-		case f.Kind() == reflect.Slice && f.Type().Elem().Kind() == reflect.Struct:
-			for j := range f.Len() {
-				tw.arrayTable(name, name+"."+strconv.Itoa(j), f.Index(j))
-			}
-		}
+	for i := range v.NumField() {
+		name := tomlName(v.Type().Field(i))
+		tw.table(name, name, v.Field(i))
 	}
 	if tw.err != nil {
 		return tw.err
@@ -48,10 +39,10 @@ func (c Config) WriteTOML(w io.Writer, notes Notes) error {
 
 // tomlWriter writes tables and their keys; the first error sticks.
 type tomlWriter struct {
-	w     *bufio.Writer
-	notes Notes
-	err   error
-	first bool // nothing written yet: no blank line before the header
+	w       *bufio.Writer
+	notes   Notes
+	err     error
+	started bool // a header is written: a blank line before the next
 }
 
 func (tw *tomlWriter) printf(format string, args ...any) {
@@ -62,34 +53,54 @@ func (tw *tomlWriter) printf(format string, args ...any) {
 
 // header writes a table's header line, after a blank line.
 func (tw *tomlWriter) header(h string) {
-	if tw.first {
+	if tw.started {
 		tw.printf("\n")
 	}
-	tw.first = true
+	tw.started = true
 	tw.printf("%s\n", h)
 }
 
-// table writes struct v as [name] (its path in notes: path), then its
-// subtables.
-func (tw *tomlWriter) table(name, path string, v reflect.Value) {
-	tw.header("[" + name + "]")
-	tw.fields(name, path, v)
+// table writes f, a value isTable holds, as the table (or tables) name,
+// its keys in notes under path: a map's keys sorted, a struct's keys
+// then its own tables, each struct of a slice as one [[name]] table. An
+// empty map and a nil pointer write nothing.
+func (tw *tomlWriter) table(name, path string, f reflect.Value) {
+	switch f.Kind() {
+	case reflect.Map:
+		if f.Len() == 0 {
+			return
+		}
+		tw.header("[" + name + "]")
+		m := f.Interface().(map[string]any)
+		for _, k := range slices.Sorted(maps.Keys(m)) {
+			val, err := tomlValue(reflect.ValueOf(m[k]))
+			if err != nil {
+				tw.err = fmt.Errorf("config: %s.%s: %w", path, k, err)
+				return
+			}
+			tw.printf("%s = %s%s\n", tomlKey(k), val, suffix(tw.notes[path+"."+k], "  # "))
+		}
+	case reflect.Pointer:
+		if !f.IsNil() {
+			tw.table(name, path, f.Elem())
+		}
+	case reflect.Struct:
+		tw.header("[" + name + "]")
+		tw.fields(name, path, f)
+	case reflect.Slice:
+		for j := range f.Len() {
+			tw.header("[[" + name + "]]")
+			tw.fields(name, path+"."+strconv.Itoa(j), f.Index(j))
+		}
+	}
 }
 
-// arrayTable writes struct v as one [[name]] table.
-func (tw *tomlWriter) arrayTable(name, path string, v reflect.Value) {
-	tw.header("[[" + name + "]]")
-	tw.fields(name, path, v)
-}
-
-// fields writes v's keys, then its tables: maps, structs behind
-// pointers, slices of structs.
+// fields writes struct v's keys, then its tables.
 func (tw *tomlWriter) fields(name, path string, v reflect.Value) {
 	t := v.Type()
 	var later []int
 	for i := range t.NumField() {
-		sf := t.Field(i)
-		key := tomlName(sf)
+		key := tomlName(t.Field(i))
 		f := v.Field(i)
 		if isTable(f) {
 			later = append(later, i)
@@ -109,43 +120,18 @@ func (tw *tomlWriter) fields(name, path string, v reflect.Value) {
 	}
 	for _, i := range later {
 		key := tomlName(t.Field(i))
-		f := v.Field(i)
-		switch f.Kind() {
-		case reflect.Map:
-			if f.Len() == 0 {
-				continue
-			}
-			tw.header("[" + name + "." + key + "]")
-			keys := slices.Sorted(maps.Keys(f.Interface().(map[string]any)))
-			for _, k := range keys {
-				val, err := tomlValue(reflect.ValueOf(f.MapIndex(reflect.ValueOf(k)).Interface()))
-				if err != nil {
-					tw.err = fmt.Errorf("config: %s.%s.%s: %w", path, key, k, err)
-					return
-				}
-				tw.printf("%s = %s%s\n", tomlKey(k), val, suffix(tw.notes[path+"."+key+"."+k], "  # "))
-			}
-		case reflect.Pointer:
-			if !f.IsNil() {
-				tw.table(name+"."+key, path+"."+key, f.Elem())
-			}
-		case reflect.Slice:
-			for j := range f.Len() {
-				tw.arrayTable(name+"."+key, path+"."+key+"."+strconv.Itoa(j), f.Index(j))
-			}
-		}
+		tw.table(name+"."+key, path+"."+key, v.Field(i))
 	}
 }
 
 // isTable reports whether f is written as a table of its own: a map, a
-// struct behind a pointer, a slice of structs.
+// struct behind a pointer, a slice of structs (a struct value, such as
+// AutoSize, is a value).
 func isTable(f reflect.Value) bool {
 	switch f.Kind() {
 	case reflect.Map:
 		return true
-	case reflect.Pointer:
-		return f.Type().Elem().Kind() == reflect.Struct
-	case reflect.Slice:
+	case reflect.Pointer, reflect.Slice:
 		return f.Type().Elem().Kind() == reflect.Struct
 	}
 	return false
@@ -183,9 +169,7 @@ func tomlValue(f reflect.Value) (string, error) {
 		return tomlString(x.(fmt.Stringer).String()), nil
 	}
 	switch f.Kind() {
-	case reflect.Pointer:
-		return tomlValue(f.Elem())
-	case reflect.Interface:
+	case reflect.Pointer, reflect.Interface:
 		return tomlValue(f.Elem())
 	case reflect.String:
 		return tomlString(f.String()), nil
