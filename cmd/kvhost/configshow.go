@@ -201,7 +201,7 @@ func resolveMount(notes config.Notes, prefix string, m *config.Mount, mc machine
 		return
 	}
 	if size, ok := mc.fileSystemSize(m.Path); ok && size > 0 {
-		atStart(notes, prefix+"capacity", config.Size(float64(size)*0.9), "90% of the file system")
+		atStart(notes, prefix+"capacity", config.Size(defaultCapacity(size)), "90% of the file system")
 	} else {
 		notes[prefix+"capacity"] = "90% of the file system at start (the path does not exist yet)"
 	}

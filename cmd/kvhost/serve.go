@@ -798,8 +798,12 @@ func mountCapacity(m config.Mount) (int64, error) {
 	if err != nil {
 		return 0, fmt.Errorf("mount %s: statfs: %w", m.Path, err)
 	}
-	return int64(float64(size) * 0.9), nil
+	return defaultCapacity(size), nil
 }
+
+// defaultCapacity is the capacity of a mount left 0 on a file system of
+// size bytes: 90% of it.
+func defaultCapacity(size int64) int64 { return int64(float64(size) * 0.9) }
 
 // fileSystemBytes is the size of the file system that holds path.
 func fileSystemBytes(path string) (int64, error) {
