@@ -143,22 +143,11 @@ func (e *Engine) lockTemp(f fsys.File, path string, wait bool) error {
 	if err != nil {
 		e.log.Debug("engine: flock of a temporary file", "path", path, "err", err)
 	}
-	id, err := fileIdentity(f)
+	at, err := fsys.IsAt(e.fs, f, path)
 	if err != nil {
 		return err
 	}
-	fi, err := e.fs.Stat(path)
-	if errors.Is(err, os.ErrNotExist) {
-		return errTempGone
-	}
-	if err != nil {
-		return err
-	}
-	now, err := fsys.IdentityOf(fi)
-	if err != nil {
-		return err
-	}
-	if now.Dev != id.Dev || now.Ino != id.Ino {
+	if !at {
 		return errTempGone
 	}
 	return nil

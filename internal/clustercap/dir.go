@@ -97,7 +97,7 @@ func OpenDir(fs fsys.FS, root, node string) (*Dir, error) {
 func (d *Dir) Relock() (bool, error) {
 	path := d.lockPath(d.node)
 	if d.lock != nil {
-		at, err := d.isAt(d.lock, path)
+		at, err := fsys.IsAt(d.fs, d.lock, path)
 		if err != nil {
 			return false, fmt.Errorf("clustercap: check %s: %w", path, err)
 		}
@@ -134,7 +134,7 @@ func (d *Dir) tryLockPath(path string) (fsys.File, bool, error) {
 		}
 		ok, err := fsys.TryLock(f)
 		if err == nil && ok {
-			ok, err = d.isAt(f, path)
+			ok, err = fsys.IsAt(d.fs, f, path)
 			if err == nil && ok {
 				return f, true, nil
 			}
@@ -150,30 +150,6 @@ func (d *Dir) tryLockPath(path string) (fsys.File, bool, error) {
 		return nil, false, err
 	}
 	return nil, false, fmt.Errorf("lock %s: removed %d times while being locked", path, tries)
-}
-
-// isAt reports whether f is the file at path.
-func (d *Dir) isAt(f fsys.File, path string) (bool, error) {
-	fi, err := fsys.Fstat(f)
-	if err != nil {
-		return false, err
-	}
-	pi, err := d.fs.Stat(path)
-	if errors.Is(err, os.ErrNotExist) {
-		return false, nil
-	}
-	if err != nil {
-		return false, err
-	}
-	a, err := fsys.IdentityOf(fi)
-	if err != nil {
-		return false, err
-	}
-	b, err := fsys.IdentityOf(pi)
-	if err != nil {
-		return false, err
-	}
-	return a.FileID.Inode() == b.FileID.Inode(), nil
 }
 
 // removeTemps removes node's summary temporaries (Publish's, left by a

@@ -129,3 +129,40 @@ func TestFstatIdentity(t *testing.T) {
 		}
 	}
 }
+
+// TestIsAtFollowsTheNameNotTheFile: IsAt reports true while path names
+// the open file, and false once the name is removed or given to another.
+func TestIsAtFollowsTheNameNotTheFile(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "f")
+	create := func(name string) File {
+		t.Helper()
+		f, err := OS{}.OpenFile(name, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { f.Close() })
+		return f
+	}
+	f := create(path)
+	other := create(filepath.Join(dir, "other"))
+	for _, tc := range []struct {
+		name  string
+		setup func() error
+		want  bool
+	}{
+		{"the file's own name", func() error { return nil }, true},
+		{"removed", func() error { return os.Remove(path) }, false},
+		{"given to another file", func() error { return os.Rename(filepath.Join(dir, "other"), path) }, false},
+	} {
+		if err := tc.setup(); err != nil {
+			t.Fatalf("%s: %v", tc.name, err)
+		}
+		if got, err := IsAt(OS{}, f, path); err != nil || got != tc.want {
+			t.Errorf("%s: IsAt = %v, %v; want %v", tc.name, got, err, tc.want)
+		}
+	}
+	if got, err := IsAt(OS{}, other, path); err != nil || !got {
+		t.Errorf("the file renamed there: IsAt = %v, %v; want true", got, err)
+	}
+}

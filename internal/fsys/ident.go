@@ -1,6 +1,7 @@
 package fsys
 
 import (
+	"errors"
 	"fmt"
 	"io/fs"
 	"os"
@@ -101,4 +102,37 @@ func (s *statInfo) Mode() fs.FileMode {
 		m |= fs.ModeDevice
 	}
 	return m
+}
+
+// IsAt reports whether path on fs names the file open as f (the same
+// device and inode): false where path names another file or none, as
+// after a removal or a rename behind f's holder's back.
+func IsAt(fs FS, f File, path string) (bool, error) {
+	fi, err := Fstat(f)
+	if err != nil {
+		return false, err
+	}
+	id, err := IdentityOf(fi)
+	if err != nil {
+		return false, err
+	}
+	return InodeAt(fs, id.FileID, path)
+}
+
+// InodeAt reports whether path on fs names the file of id (its device
+// and inode; the generation is not read): IsAt for a caller that has
+// the file's identity in hand.
+func InodeAt(fs FS, id FileID, path string) (bool, error) {
+	fi, err := fs.Stat(path)
+	if errors.Is(err, os.ErrNotExist) {
+		return false, nil
+	}
+	if err != nil {
+		return false, err
+	}
+	now, err := IdentityOf(fi)
+	if err != nil {
+		return false, err
+	}
+	return now.Inode() == id.Inode(), nil
 }
