@@ -85,7 +85,7 @@ func (e *Engine) useSpare(m *mount, sf spareFile, dir string, extra int, size, e
 	if err != nil {
 		return fail(tmp, "open", err)
 	}
-	if err := e.lockTemp(f, tmp, false); err != nil {
+	if err := e.lockTemp(f, tmp, sf.id.FileID, false); err != nil {
 		f.Close()
 		return fail(tmp, "lock", err)
 	}

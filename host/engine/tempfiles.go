@@ -89,7 +89,7 @@ func (e *Engine) createFile(m *mount, dir, prefix string, extra int, size int64)
 		if err != nil {
 			return nil, "", "create", err
 		}
-		err = e.lockTemp(f, tmp, true)
+		err = e.lockTemp(f, tmp, fsys.FileID{}, true)
 		if err == nil {
 			break
 		}
@@ -133,7 +133,9 @@ var errTempGone = errors.New("engine: removed by another engine's check of its l
 // path: a file a check removed is no file to write, and the caller makes
 // another. A flock that fails (a file system without flocks) is no error:
 // the file's age (temp_grace) is then what protects it. A failed stat is.
-func (e *Engine) lockTemp(f fsys.File, path string, wait bool) error {
+// id is f's identity where the caller has it (a spare's: its inode
+// survives the rename), sparing an fstat; a zero id is read from f.
+func (e *Engine) lockTemp(f fsys.File, path string, id fsys.FileID, wait bool) error {
 	var err error
 	if wait {
 		err = fsys.Lock(f)
@@ -143,7 +145,12 @@ func (e *Engine) lockTemp(f fsys.File, path string, wait bool) error {
 	if err != nil {
 		e.log.Debug("engine: flock of a temporary file", "path", path, "err", err)
 	}
-	at, err := fsys.IsAt(e.fs, f, path)
+	var at bool
+	if id.Ino != 0 {
+		at, err = fsys.InodeAt(e.fs, id, path)
+	} else {
+		at, err = fsys.IsAt(e.fs, f, path)
+	}
 	if err != nil {
 		return err
 	}
