@@ -1,10 +1,8 @@
 package fsystest
 
 import (
-	"fmt"
 	"os"
 	"sync"
-	"syscall"
 
 	"github.com/kvhost/kvhost/internal/fsys"
 )
@@ -53,11 +51,8 @@ func (f *localLockFile) inode() (uint64, error) {
 	if err != nil {
 		return 0, err
 	}
-	st, ok := fi.Sys().(*syscall.Stat_t)
-	if !ok {
-		return 0, fmt.Errorf("fsystest: no inode in %T", fi.Sys())
-	}
-	return st.Ino, nil
+	id, err := fsys.IdentityOf(fi)
+	return id.Ino, err
 }
 
 // tryLocked takes the flock if no other open file of l holds it. Called
