@@ -505,6 +505,15 @@ func (c *clusterMount) read(ctx context.Context, e *Engine, m *mount) error {
 	twin := ""                               // a running node of this node's tag
 	var fresh []*clustercap.Summary          // the nodes whose summary is fresh
 	unproven := map[string]bool{}
+	// adoptProven adopts a dead node where flocks are found shared with
+	// it (its free lock proves it dead), else notes it unproven.
+	adoptProven := func(node string, tag uint32, run int64) {
+		if c.shared[node] {
+			adopt(node, tag, run)
+		} else {
+			unproven[node] = true
+		}
+	}
 	for _, s := range sums {
 		read[s.Node] = true
 		if slices.Contains(s.LockShared, e.node) {
@@ -519,11 +528,7 @@ func (c *clusterMount) read(ctx context.Context, e *Engine, m *mount) error {
 		}
 		if !live {
 			deadSums = append(deadSums, s)
-			if c.shared[s.Node] {
-				adopt(s.Node, s.Tag, runOf(s))
-			} else {
-				unproven[s.Node] = true
-			}
+			adoptProven(s.Node, s.Tag, runOf(s))
 			continue
 		}
 		if !stale {
@@ -550,13 +555,7 @@ func (c *clusterMount) read(ctx context.Context, e *Engine, m *mount) error {
 		twin = e.node + " (another copy: it holds this node's lock file)"
 	}
 	c.setTwin(e, m, twin)
-	c.readBad(e, m, bad, read, now, func(node string, tag uint32, run int64) {
-		if c.shared[node] {
-			adopt(node, tag, run)
-		} else {
-			unproven[node] = true
-		}
-	})
+	c.readBad(e, m, bad, read, now, adoptProven)
 	c.fresh = fresh
 	c.noteUnproven(e, m, unproven)
 	for node := range c.bad {
