@@ -86,9 +86,12 @@ func (e *Engine) reserveUsed(ctx context.Context, m *mount, size int64) (err err
 	if _, capacity := e.space.usage(m.sp); size > capacity {
 		return fmt.Errorf("%w: mount %s: a file of %d bytes exceeds the capacity of %d", ErrNoSpace, m.root, size, capacity)
 	}
-	e.evict(ctx, m, size)
+	stopped := e.evict(ctx, m, size)
 	if reserve(capacity) {
 		return nil
+	}
+	if stopped != nil {
+		return stopped // the caller gave up while held files were demoted
 	}
 	used, capacity := e.space.usage(m.sp)
 	why := "no evictable entry left"
@@ -115,10 +118,11 @@ func (e *Engine) unreserve(m *mount, size int64) {
 // below the low watermark, or the policy has nothing more to offer. Pinned
 // entries are never removed, whatever the policy says. Where that leaves
 // too little room, files the restart hold pins may still be demoted
-// (demoteHeld). m.evictMu is held.
-func (e *Engine) evict(ctx context.Context, m *mount, size int64) {
+// (demoteHeld), unless ctx is cancelled: then it returns ctx's error.
+// m.evictMu is held.
+func (e *Engine) evict(ctx context.Context, m *mount, size int64) error {
 	e.evictRounds(ctx, m, size)
-	e.demoteHeld(ctx, m, size)
+	return e.demoteHeld(ctx, m, size)
 }
 
 // evictRounds is evict without demoteHeld.

@@ -3,6 +3,7 @@ package engine
 import (
 	"context"
 	"errors"
+	"fmt"
 	"sync"
 	"time"
 
@@ -119,23 +120,31 @@ func (e *Engine) HeldFound() int {
 // hold's pin, so its keys stay loadable and kept, which is all the hold
 // promises (RATIONALE.md, "Why may a file the restart hold pins be
 // demoted?"). The pins of the files left where they were are given back
-// (AccessPin). m.evictMu is held; the hold's lock is held throughout, so
-// that its release waits for the pins' return.
-func (e *Engine) demoteHeld(ctx context.Context, m *mount, size int64) {
+// (AccessPin). A caller that gives up (ctx cancelled) before the round or
+// while it runs stops it before its next move, with ctx's error: the move
+// in flight and the policy's records finish. m.evictMu is held; the hold's
+// lock is held throughout, so that its release waits for the pins' return.
+func (e *Engine) demoteHeld(ctx context.Context, m *mount, size int64) error {
 	if m.cluster != nil || e.HeldFound() == 0 || e.space.need(m.sp, size) <= 0 {
-		return
+		return nil
 	}
 	if _, ok := e.pol.(policy.Tiering); !ok || !e.pol.Features().Has(abi.FeatureDemote) {
-		return
+		return nil
 	}
 	if !e.roomAfter(m, size) {
-		return // nothing could move: lift no pin for nothing
+		return nil // nothing could move: lift no pin for nothing
+	}
+	stopped := func() error {
+		return fmt.Errorf("engine: mount %s: demotion of files the restart hold pins stopped: %w", m.root, ctx.Err())
+	}
+	if ctx.Err() != nil {
+		return stopped()
 	}
 	h := &e.hold
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	if h.timer == nil {
-		return // released meanwhile
+		return nil // released meanwhile
 	}
 	now := e.now().UnixNano()
 	var lifted []*entry
@@ -150,10 +159,10 @@ func (e *Engine) demoteHeld(ctx context.Context, m *mount, size int64) {
 	}
 	e.ix.mu.Unlock()
 	if len(lifted) == 0 {
-		return
+		return nil
 	}
-	ctx = context.WithoutCancel(ctx)
-	e.access(ctx, recs)
+	wctx := context.WithoutCancel(ctx) // records and moves begun finish
+	e.access(wctx, recs)
 	defer func() {
 		recs = recs[:0]
 		now := e.now().UnixNano()
@@ -165,19 +174,22 @@ func (e *Engine) demoteHeld(ctx context.Context, m *mount, size int64) {
 			}
 		}
 		e.ix.mu.Unlock()
-		e.access(ctx, recs)
+		e.access(wctx, recs)
 	}()
 
 	need := e.space.need(m.sp, size)
-	victims, err := e.evictions(ctx, abi.EvictRequest{Bytes: uint64(need), Time: uint64(now), Mount: uint32(m.idx)})
+	victims, err := e.evictions(wctx, abi.EvictRequest{Bytes: uint64(need), Time: uint64(now), Mount: uint32(m.idx)})
 	if err != nil {
 		e.log.Warn("engine: policy victims", "mount", m.root, "err", err)
-		return
+		return nil
 	}
 	var freed, moved int64
 	for _, v := range victims {
 		if freed >= need {
 			break
+		}
+		if ctx.Err() != nil {
+			return stopped()
 		}
 		if v.Target.Mount == abi.NoMount || int(v.Target.Mount) <= m.idx {
 			// Held files are never deleted, nor promoted (an earlier
@@ -185,7 +197,7 @@ func (e *Engine) demoteHeld(ctx context.Context, m *mount, size int64) {
 			// their turn.
 			continue
 		}
-		n, err := e.moveEntry(ctx, v.Entry, int(v.Target.Mount), false, true)
+		n, err := e.moveEntry(wctx, v.Entry, int(v.Target.Mount), false, true)
 		switch {
 		case err == nil:
 			e.tierSt.demotions.Add(1)
@@ -200,6 +212,7 @@ func (e *Engine) demoteHeld(ctx context.Context, m *mount, size int64) {
 	if moved > 0 {
 		e.log.Debug("engine: files the restart hold pins demoted to make room", "mount", m.root, "files", moved, "bytes", freed)
 	}
+	return nil
 }
 
 // roomAfter reports whether a kvhost mount after m (a colder tier) may

@@ -557,13 +557,19 @@ func TestRestartHoldPromotesNoHeldFile(t *testing.T) {
 
 // heldUnpinCounter names "hot" keys to mount 0 and the others to mount 1
 // (evictPromotingPolicy), demotes mount 0's victims to mount 1
-// (demotingPolicy), and counts the UNPINs it is sent.
+// (demotingPolicy), counts the UNPINs it is sent and the calls for
+// victims, and calls evicting, where set, at each of those.
 type heldUnpinCounter struct {
 	*evictPromotingPolicy
-	unpins atomic.Int64
+	unpins, evictions atomic.Int64
+	evicting          func()
 }
 
 func (p *heldUnpinCounter) Evictions(ctx context.Context, req abi.EvictRequest, max int) ([]policy.Eviction, error) {
+	p.evictions.Add(1)
+	if p.evicting != nil {
+		p.evicting()
+	}
 	return p.demotingPolicy.Evictions(ctx, req, max)
 }
 
@@ -653,5 +659,105 @@ func TestRestartHoldLiftsNoPinWhereNoMountHasRoom(t *testing.T) {
 	}
 	if err := e.check(); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// heldHot is a restart with the restart hold: the hot mount (0) is full of
+// found files (capacity found files, eviction from 0.9 to 0.6) and the
+// cold one (1) has room for all of them; the policy names "hot" keys to
+// the hot mount and demotes its victims to the cold one.
+type heldHot struct {
+	e      *Engine
+	pol    *heldUnpinCounter
+	c      *testCache
+	keys   [][]byte // found+n "hot" keys, the first found stored before the restart
+	blocks [][]int
+	found  int
+}
+
+// newHeldHot stores found keys on the hot mount with a first engine and
+// opens a second one on the same mounts with the hold, over cfg's FS and
+// clock (Mounts, Policy and RestartHold are set here).
+func newHeldHot(t *testing.T, found, n int, cfg Config) *heldHot {
+	t.Helper()
+	ctx := context.Background()
+	g := smallGeometry(true)
+	fileLen := int64(4096 + g.KeyBytes())
+	hot, cold := t.TempDir(), t.TempDir()
+	f := &heldHot{keys: testKeys("hot", found+n), found: found}
+	newPolicy := func() *heldUnpinCounter {
+		return &heldUnpinCounter{evictPromotingPolicy: &evictPromotingPolicy{&demotingPolicy{testPolicy: newTestPolicy(1, abi.OrderLayerMajor)}}}
+	}
+	fill := func(e *Engine) *testCache {
+		ns, err := e.Declare(ctx, g)
+		if err != nil {
+			t.Fatal(err)
+		}
+		c := newTestCache(t, e, ns, g, 4*len(f.keys), layoutPlaneFirst)
+		r := rand.New(rand.NewPCG(13, 14))
+		f.blocks = blockLists(r, len(f.keys), g.BlocksPerKey(), 0)
+		for _, b := range f.blocks {
+			c.fill(r, b)
+		}
+		return c
+	}
+	first := openEngine(t, Config{Mounts: []Mount{{Path: hot, Capacity: 4 * int64(found) * fileLen}, {Path: cold}}, Policy: newPolicy()})
+	c := fill(first)
+	for i := range found {
+		storeAndCheck(t, first, c, f.keys[i:i+1], f.blocks[i:i+1])
+	}
+	if err := first.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	cfg.Mounts = []Mount{
+		{Path: hot, Capacity: int64(found) * fileLen, HighWatermark: 0.9, LowWatermark: 0.6},
+		{Path: cold, Capacity: 4 * int64(found+n) * fileLen},
+	}
+	f.pol = newPolicy()
+	cfg.Policy, cfg.RestartHold = f.pol, time.Hour
+	f.e = openEngine(t, cfg)
+	f.c = fill(f.e)
+	if h := f.e.HeldFound(); h != found {
+		t.Fatalf("HeldFound = %d, want %d", h, found)
+	}
+	return f
+}
+
+// TestADemotionOfHeldFilesStopsWhenItsCallerGivesUp: a reservation on a
+// mount full of files the restart hold pins, for a caller whose context is
+// cancelled before it or while the policy picks the victims of the
+// demotion round (the hold's pins lifted), demotes
+// nothing and fails with the context's error: the store that gave up
+// does not wait for the moves. The pins lifted are given back.
+func TestADemotionOfHeldFilesStopsWhenItsCallerGivesUp(t *testing.T) {
+	for _, when := range []string{"before", "while"} {
+		t.Run(when, func(t *testing.T) {
+			f := newHeldHot(t, 4, 1, Config{})
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			if when == "before" {
+				cancel()
+			} else { // once the round has lifted the hold's pins
+				f.pol.evicting = func() {
+					if f.pol.unpins.Load() > 0 {
+						cancel()
+					}
+				}
+			}
+			m, size := f.e.mounts[0], f.e.Stats().Mounts[0].Used/int64(f.found)
+			err := f.e.reserve(ctx, m, size)
+			if err == nil {
+				f.e.unreserve(m, size)
+			}
+			if !errors.Is(err, context.Canceled) {
+				t.Errorf("reserve with a cancelled context: %v, want context.Canceled", err)
+			}
+			if n := f.e.TierStats().Demotions; n != 0 {
+				t.Errorf("%d held files demoted for a caller that gave up, want 0", n)
+			}
+			if n := f.pol.policyPins(); n != f.found {
+				t.Errorf("the policy was told of %d pins, want %d: the hold's pins given back", n, f.found)
+			}
+		})
 	}
 }
