@@ -120,10 +120,14 @@ func (e *Engine) HeldFound() int {
 // hold's pin, so its keys stay loadable and kept, which is all the hold
 // promises (RATIONALE.md, "Why may a file the restart hold pins be
 // demoted?"). The pins of the files left where they were are given back
-// (AccessPin). A caller that gives up (ctx cancelled) before the round or
-// while it runs stops it before its next move, with ctx's error: the move
-// in flight and the policy's records finish. m.evictMu is held; the hold's
-// lock is held throughout, so that its release waits for the pins' return.
+// (AccessPin). A round that moves no file is not run again on m within
+// heldRetry of it: the stores meanwhile fail with no space at once
+// (RATIONALE.md, "Why is a demotion round of held files that moved none
+// not run again at once?"). A caller that gives up (ctx cancelled) before
+// the round or while it runs stops it before its next move, with ctx's
+// error: the move in flight and the policy's records finish. m.evictMu is
+// held; the hold's lock is held throughout, so that its release waits for
+// the pins' return.
 func (e *Engine) demoteHeld(ctx context.Context, m *mount, size int64) error {
 	if m.cluster != nil || e.HeldFound() == 0 || e.space.need(m.sp, size) <= 0 {
 		return nil
@@ -133,6 +137,9 @@ func (e *Engine) demoteHeld(ctx context.Context, m *mount, size int64) error {
 	}
 	if !e.roomAfter(m, size) {
 		return nil // nothing could move: lift no pin for nothing
+	}
+	if !m.heldIdle.IsZero() && e.now().Sub(m.heldIdle) < heldRetry {
+		return nil // the last round moved nothing, just now
 	}
 	stopped := func() error {
 		return fmt.Errorf("engine: mount %s: demotion of files the restart hold pins stopped: %w", m.root, ctx.Err())
@@ -146,7 +153,16 @@ func (e *Engine) demoteHeld(ctx context.Context, m *mount, size int64) error {
 	if h.timer == nil {
 		return nil // released meanwhile
 	}
-	now := e.now().UnixNano()
+	at := e.now()
+	now := at.UnixNano()
+	var moved int64
+	defer func() {
+		if moved == 0 && ctx.Err() == nil {
+			m.heldIdle = at
+		} else {
+			m.heldIdle = time.Time{}
+		}
+	}()
 	var lifted []*entry
 	var recs []abi.AccessRecord
 	e.ix.mu.Lock()
@@ -183,7 +199,7 @@ func (e *Engine) demoteHeld(ctx context.Context, m *mount, size int64) error {
 		e.log.Warn("engine: policy victims", "mount", m.root, "err", err)
 		return nil
 	}
-	var freed, moved int64
+	var freed int64
 	for _, v := range victims {
 		if freed >= need {
 			break
@@ -214,6 +230,10 @@ func (e *Engine) demoteHeld(ctx context.Context, m *mount, size int64) error {
 	}
 	return nil
 }
+
+// heldRetry is the least time between two rounds of demoteHeld on a
+// mount where the first moved no file.
+const heldRetry = time.Second
 
 // roomAfter reports whether a kvhost mount after m (a colder tier) may
 // take a file of size bytes into free room below its high watermark, as

@@ -5,15 +5,18 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"path/filepath"
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/abi/guest"
 	"github.com/kvhost/kvhost/host/policy"
+	"github.com/kvhost/kvhost/internal/fsys"
 	"github.com/kvhost/kvhost/internal/testwait"
 	"github.com/kvhost/kvhost/plugins/lru"
 )
@@ -676,9 +679,10 @@ type heldHot struct {
 }
 
 // newHeldHot stores found keys on the hot mount with a first engine and
-// opens a second one on the same mounts with the hold, over cfg's FS and
-// clock (Mounts, Policy and RestartHold are set here).
-func newHeldHot(t *testing.T, found, n int, cfg Config) *heldHot {
+// opens a second one on the same mounts with the hold, with the Config
+// cfg returns for them (its FS and clock; Mounts, Policy and RestartHold
+// are set here), or none where cfg is nil.
+func newHeldHot(t *testing.T, found, n int, cfg func(hot, cold string) Config) *heldHot {
 	t.Helper()
 	ctx := context.Background()
 	g := smallGeometry(true)
@@ -709,13 +713,17 @@ func newHeldHot(t *testing.T, found, n int, cfg Config) *heldHot {
 	if err := first.Close(ctx); err != nil {
 		t.Fatal(err)
 	}
-	cfg.Mounts = []Mount{
+	var c2 Config
+	if cfg != nil {
+		c2 = cfg(hot, cold)
+	}
+	c2.Mounts = []Mount{
 		{Path: hot, Capacity: int64(found) * fileLen, HighWatermark: 0.9, LowWatermark: 0.6},
 		{Path: cold, Capacity: 4 * int64(found+n) * fileLen},
 	}
 	f.pol = newPolicy()
-	cfg.Policy, cfg.RestartHold = f.pol, time.Hour
-	f.e = openEngine(t, cfg)
+	c2.Policy, c2.RestartHold = f.pol, time.Hour
+	f.e = openEngine(t, c2)
 	f.c = fill(f.e)
 	if h := f.e.HeldFound(); h != found {
 		t.Fatalf("HeldFound = %d, want %d", h, found)
@@ -732,7 +740,7 @@ func newHeldHot(t *testing.T, found, n int, cfg Config) *heldHot {
 func TestADemotionOfHeldFilesStopsWhenItsCallerGivesUp(t *testing.T) {
 	for _, when := range []string{"before", "while"} {
 		t.Run(when, func(t *testing.T) {
-			f := newHeldHot(t, 4, 1, Config{})
+			f := newHeldHot(t, 4, 1, nil)
 			ctx, cancel := context.WithCancel(context.Background())
 			defer cancel()
 			if when == "before" {
@@ -759,5 +767,51 @@ func TestADemotionOfHeldFilesStopsWhenItsCallerGivesUp(t *testing.T) {
 				t.Errorf("the policy was told of %d pins, want %d: the hold's pins given back", n, f.found)
 			}
 		})
+	}
+}
+
+// TestARoundThatDemotesNoHeldFileIsNotRepeatedAtEachStore: a restart with
+// the hot mount full of held files and a cold mount that refuses every
+// file written there (EROFS). The first store's demotion round lifts the
+// hold's pins, asks for victims and moves none; the stores after it, at
+// the same instant, fail with no space without another round (which cost
+// two policy records per held file of the mount, a call for victims and
+// a failed copy per victim, each store). Once heldRetry has passed, a
+// store runs a round again.
+func TestARoundThatDemotesNoHeldFileIsNotRepeatedAtEachStore(t *testing.T) {
+	const found, stores = 4, 5
+	clock := newTestClock()
+	f := newHeldHot(t, found, stores, func(hot, cold string) Config {
+		inj := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+			if op == fsys.OpOpen && strings.HasPrefix(path, cold+string(filepath.Separator)) {
+				return fsys.Fault{Err: syscall.EROFS}
+			}
+			return fsys.Fault{}
+		})
+		return Config{FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj}, Now: clock.now}
+	})
+	store := func(i int) {
+		t.Helper()
+		res := wait(t)(f.e.Store(context.Background(), StoreRequest{Cache: f.c.id, Keys: f.keys[i : i+1], Blocks: f.blocks[i : i+1]}))
+		if k := res.Keys[0]; k.Outcome != OutcomeFailed || !errors.Is(k.Err, ErrNoSpace) {
+			t.Fatalf("store %d: %v (%v), want failed with ErrNoSpace", i, k.Outcome, k.Err)
+		}
+	}
+	for i := found; i < found+stores-1; i++ {
+		store(i)
+	}
+	if n := f.e.TierStats().MoveFailures; n == 0 {
+		t.Fatal("no demotion to the cold mount failed: the test proves nothing")
+	}
+	if n := f.pol.unpins.Load(); n != found {
+		t.Errorf("the policy was sent %d UNPINs by %d stores, want %d: one round, for the first", n, stores-1, found)
+	}
+	clock.advance(heldRetry)
+	store(found + stores - 1)
+	if n := f.pol.unpins.Load(); n != 2*found {
+		t.Errorf("the policy was sent %d UNPINs once heldRetry had passed, want %d: a second round", n, 2*found)
+	}
+	if n := f.pol.policyPins(); n != found {
+		t.Errorf("the policy was told of %d pins, want %d", n, found)
 	}
 }

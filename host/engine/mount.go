@@ -8,6 +8,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"syscall"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -47,7 +48,10 @@ type mount struct {
 	// after ENOSPC); the first of the engine's locks, taken in mount
 	// order (demoteVictim).
 	evictMu sync.Mutex
-	cluster *clusterMount // Mount.ClusterCapacity's state (cluster.go); nil without
+	// heldIdle is when the last round of demoteHeld on the mount moved
+	// no file, or zero; evictMu guards it.
+	heldIdle time.Time
+	cluster  *clusterMount // Mount.ClusterCapacity's state (cluster.go); nil without
 	// desc is the file system and device class found at Open
 	// (describeMount), what a tiering policy is told.
 	desc mountDesc
