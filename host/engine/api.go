@@ -449,18 +449,20 @@ type MountStats struct {
 	StoresFailing *StoreFailure
 }
 
-// StoreFailure is a mount that refuses stores: the files stored there
-// most recently failed for a reason of the mount's own — a read-only file
-// system, an I/O error, no space with nothing left to evict — not one of
-// the client's (a cancelled job, a fault in its memory), the policy's or
-// a GPU's. The next store that succeeds there ends it. Open also starts
-// one on a mount it finds read-only or without room (Stores 0).
+// StoreFailure is a mount that refuses stores: the files stored or moved
+// there (a move between mounts writes its copy as a store writes its
+// file) most recently failed for a reason of the mount's own — a
+// read-only file system, an I/O error, no space with nothing left to
+// evict — not one of the client's (a cancelled job, a fault in its
+// memory), the policy's or a GPU's. The next store or move that succeeds
+// there ends it. Open also starts one on a mount it finds read-only or
+// without room (Stores 0).
 type StoreFailure struct {
 	// Since is when the first of these failures happened (or Open found
 	// the mount refusing); Last when the latest did.
 	Since, Last time.Time
-	// Stores counts the files whose store failed so since the last one
-	// that succeeded.
+	// Stores counts the files whose store or move there failed so since
+	// the last one that succeeded.
 	Stores uint64
 	// Err is the latest failure's text (Open's finding, before any).
 	Err string

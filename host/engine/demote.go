@@ -516,6 +516,15 @@ func (e *Engine) copyFile(en *entry, tm *mount, dst string) (en2, left *entry, e
 		return nil, nil, fmt.Errorf("engine: move: open %s: %w", en.path, err)
 	}
 	defer src.Close()
+	// From here the copy is a file written on tm, as a store's is: how it
+	// ends starts, extends or ends tm's refusal of stores (mountfail.go),
+	// but where reading the source failed, which is no fault of tm's.
+	readFailed := false
+	defer func() {
+		if !readFailed {
+			tm.storeEnded(err, e.now)
+		}
+	}()
 	f, tmp, op, err := e.createTemp(tm, filepath.Dir(dst), 0, en.size)
 	if err != nil {
 		return nil, nil, e.ioError(tm, "move: "+op, err)
@@ -545,6 +554,7 @@ func (e *Engine) copyFile(en *entry, tm *mount, dst string) (en2, left *entry, e
 			if errors.Is(rerr, io.EOF) {
 				rerr = fmt.Errorf("%w: %s shrank to %d bytes while it was copied", ErrCorrupt, en.path, off)
 			}
+			readFailed = true
 			return nil, nil, fmt.Errorf("engine: move: read %s: %w", en.path, rerr)
 		}
 	}

@@ -40,7 +40,8 @@ func mountFault(err error) bool {
 	return false
 }
 
-// storeEnded records how the store of one file on m ended (storeFile):
+// storeEnded records how the store of one file on m ended (storeFile, and
+// the copy of a move to m: copyFile):
 // a success ends the mount's StoreFailure, a failure of the mount's own
 // (mountFault) starts or extends it, and any other failure leaves it as
 // it is. A success costs one atomic load while the mount stores (and a

@@ -12,6 +12,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 
@@ -230,5 +231,68 @@ func TestAMountThatCannotStoreIsNamedOnceAtStart(t *testing.T) {
 				t.Errorf("StoresFailing after the start: %+v; want it set, no store counted, %q in its error", f, tc.want)
 			}
 		})
+	}
+}
+
+// TestAMoveIntoAMountUpdatesItsRefusalOfStores: a demotion into a mount
+// is a file written there as a store's is. A demotion that fails for the
+// mount's own reason (EROFS) extends its refusal of stores; once the
+// mount takes files again, a demotion into it that succeeds ends the
+// refusal, though no client stored there since.
+func TestAMoveIntoAMountUpdatesItsRefusalOfStores(t *testing.T) {
+	ctx := context.Background()
+	g := smallGeometry(true)
+	fileLen := int64(4096 + g.KeyBytes())
+	hot, cold := t.TempDir(), t.TempDir()
+	var refusing atomic.Bool
+	inj := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+		if refusing.Load() && op == fsys.OpOpen && strings.HasPrefix(path, cold+string(filepath.Separator)) {
+			return fsys.Fault{Err: syscall.EROFS}
+		}
+		return fsys.Fault{}
+	})
+	// "hot" keys to the hot mount, the others to the cold one; the hot
+	// mount's victims demoted to the cold one.
+	pol := &heldUnpinCounter{evictPromotingPolicy: &evictPromotingPolicy{&demotingPolicy{testPolicy: newTestPolicy(1, abi.OrderLayerMajor)}}}
+	e := openEngine(t, Config{
+		Mounts: []Mount{{Path: hot, Capacity: 4 * fileLen, HighWatermark: 0.75, LowWatermark: 0.5}, {Path: cold}},
+		Policy: pol, FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj},
+	})
+	ns, err := e.Declare(ctx, g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
+	c.fill(rand.New(rand.NewPCG(3, 4)), []int{0, 1, 2, 3})
+	store := func(key string) Result {
+		t.Helper()
+		return wait(t)(e.Store(ctx, StoreRequest{Cache: c.id, Keys: [][]byte{[]byte(key)}, Blocks: [][]int{{0, 1, 2, 3}}}))
+	}
+	failing := func() *StoreFailure { return e.Stats().Mounts[1].StoresFailing }
+
+	refusing.Store(true)
+	wantOutcomes(t, "a store on the refusing cold mount", store("cold-0"), OutcomeFailed)
+	if f := failing(); f == nil || f.Stores != 1 {
+		t.Fatalf("the cold mount's StoresFailing after a refused store: %+v, want 1 store", f)
+	}
+	for i := 0; e.TierStats().MoveFailures == 0; i++ {
+		if i == 8 {
+			t.Fatal("8 stores on the hot mount and no demotion failed: the test proves nothing")
+		}
+		store(fmt.Sprint("hot-", i))
+	}
+	if f := failing(); f == nil || f.Stores < 2 || !strings.Contains(f.Err, "read-only") {
+		t.Errorf("the cold mount's StoresFailing after a demotion there failed with EROFS: %+v, want more than the 1 store", f)
+	}
+	refusing.Store(false)
+	moved := e.TierStats().Demotions
+	for i := 0; e.TierStats().Demotions == moved; i++ {
+		if i == 8 {
+			t.Fatal("8 stores on the hot mount and no demotion: the test proves nothing")
+		}
+		wantOutcomes(t, "a store on the hot mount", store(fmt.Sprint("hot-again-", i)), OutcomeStored)
+	}
+	if f := failing(); f != nil {
+		t.Errorf("the cold mount's StoresFailing after a demotion there succeeded: %+v, want nil", f)
 	}
 }
