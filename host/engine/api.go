@@ -466,6 +466,8 @@ type StoreFailure struct {
 	Stores uint64
 	// Err is the latest failure's text (Open's finding, before any).
 	Err string
+	// noRoom: the latest failure was for lack of room (reprobe).
+	noRoom bool
 }
 
 // Stats are the engine's counters since Open.

@@ -126,8 +126,9 @@ func (e *Engine) TierStats() TierStats {
 }
 
 // startTiering describes the mounts to the policy and starts the driver of
-// ticks (Config.TickInterval) and mount updates (Config.MountUpdateInterval)
-// when the policy implements policy.Tiering.
+// ticks (Config.TickInterval), mount updates (Config.MountUpdateInterval)
+// and probes of mounts that refuse stores (reprobe) when the policy
+// implements policy.Tiering.
 func (e *Engine) startTiering(ctx context.Context) {
 	t, ok := e.pol.(policy.Tiering)
 	if !ok {
@@ -160,6 +161,8 @@ func (e *Engine) driveTiering() {
 		upd = DefaultMountUpdateInterval
 	}
 	var mountC, tickC <-chan time.Time
+	probe := time.NewTicker(reprobeTick)
+	defer probe.Stop()
 	if upd > 0 {
 		tk := time.NewTicker(upd)
 		defer tk.Stop()
@@ -180,6 +183,8 @@ func (e *Engine) driveTiering() {
 			e.sendMounts(ctx, false)
 		case <-tickC:
 			e.tick(ctx, d.stop)
+		case <-probe.C:
+			e.reprobe()
 		}
 	}
 }

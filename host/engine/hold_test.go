@@ -672,6 +672,7 @@ func TestRestartHoldLiftsNoPinWhereNoMountHasRoom(t *testing.T) {
 type heldHot struct {
 	e      *Engine
 	pol    *heldUnpinCounter
+	ns     NamespaceID
 	c      *testCache
 	keys   [][]byte // found+n "hot" keys, the first found stored before the restart
 	blocks [][]int
@@ -697,6 +698,7 @@ func newHeldHot(t *testing.T, found, n int, cfg func(hot, cold string) Config) *
 		if err != nil {
 			t.Fatal(err)
 		}
+		f.ns = ns
 		c := newTestCache(t, e, ns, g, 4*len(f.keys), layoutPlaneFirst)
 		r := rand.New(rand.NewPCG(13, 14))
 		f.blocks = blockLists(r, len(f.keys), g.BlocksPerKey(), 0)

@@ -63,6 +63,8 @@ type mount struct {
 	// failing is the mount's refusal of stores (StoreFailure, never
 	// changed once stored); nil while its stores succeed (mountfail.go).
 	failing atomic.Pointer[StoreFailure]
+	// probed is when reprobe last probed the mount (the tier driver's).
+	probed time.Time
 }
 
 // maxRootDepth bounds the walk up from a mount's root (checkDisjoint).
@@ -326,6 +328,7 @@ func (e *Engine) reportMounts() {
 func (e *Engine) warnRefusing(m *mount, fsName string, capacity int64) bool {
 	const loads = "; the files on it are still loaded"
 	var why string
+	noRoom := false
 	switch {
 	case errors.Is(m.unwritable, syscall.EROFS):
 		why = "read-only file system"
@@ -341,6 +344,7 @@ func (e *Engine) warnRefusing(m *mount, fsName string, capacity int64) bool {
 			avail = st.Avail
 		}
 		sp := m.sp
+		noRoom = true
 		why = fmt.Sprintf("no room: the file system has %d bytes available, the mount's reserve is %d", avail, sp.reserve)
 		e.log.Warn("engine: the mount has no room: every store there fails until it has"+loads,
 			"mount", m.root, "fs", fsName, "fs_available", avail, "reserve", sp.reserve, "configured", sp.configured,
@@ -348,7 +352,7 @@ func (e *Engine) warnRefusing(m *mount, fsName string, capacity int64) bool {
 	default:
 		return false
 	}
-	m.refuse(why+" (found at start)", 0, e.now())
+	m.refuse(why+" (found at start)", noRoom, 0, e.now())
 	return true
 }
 

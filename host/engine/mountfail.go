@@ -2,6 +2,7 @@ package engine
 
 import (
 	"errors"
+	"fmt"
 	"syscall"
 	"time"
 )
@@ -56,15 +57,17 @@ func (m *mount) storeEnded(err error, now func() time.Time) {
 	if !mountFault(err) {
 		return
 	}
-	m.refuse(err.Error(), 1, now())
+	noRoom := errors.Is(err, ErrNoSpace) || errors.Is(err, syscall.ENOSPC)
+	m.refuse(err.Error(), noRoom, 1, now())
 }
 
 // refuse starts m's StoreFailure, or extends the one it has, with a
-// failure of text why, adding stores to its count.
-func (m *mount) refuse(why string, stores uint64, now time.Time) {
+// failure of text why (noRoom: for lack of room), adding stores to its
+// count.
+func (m *mount) refuse(why string, noRoom bool, stores uint64, now time.Time) {
 	for {
 		old := m.failing.Load()
-		f := &StoreFailure{Since: now, Last: now, Stores: stores, Err: why}
+		f := &StoreFailure{Since: now, Last: now, Stores: stores, Err: why, noRoom: noRoom}
 		if old != nil {
 			f.Since, f.Stores = old.Since, old.Stores+stores
 		}
@@ -82,4 +85,68 @@ func (m *mount) storeFailure() *StoreFailure {
 	}
 	c := *f
 	return &c
+}
+
+const (
+	// reprobeAfter is how long a mount's refusal of stores stands, since
+	// its latest failure and since the mount's last probe, before
+	// reprobe probes the mount.
+	reprobeAfter = 30 * time.Second
+	// reprobeTick is how often the tier driver looks for mounts to probe.
+	reprobeTick = time.Second
+	// probeBytes is the size of a probe's file.
+	probeBytes = 4096
+)
+
+// reprobe ends the refusal of stores of each mount where it has stood
+// for reprobeAfter since its latest failure and since the mount's last
+// probe, if the mount takes a file again (takesFiles). Without it a
+// mount that no store or move reaches (a cold tier while nothing is
+// demoted, an idle daemon) would report its refusal for ever once the
+// operator has mended it (RATIONALE.md, "Why does the engine probe a
+// mount that refuses stores?"). Only the tier driver calls it.
+func (e *Engine) reprobe() {
+	now := e.now()
+	for _, m := range e.mounts {
+		f := m.failing.Load()
+		if f == nil || now.Sub(f.Last) < reprobeAfter || now.Sub(m.probed) < reprobeAfter {
+			continue
+		}
+		m.probed = now
+		if err := e.takesFiles(m, f.noRoom); err != nil {
+			e.log.Debug("engine: the mount still refuses stores", "mount", m.root, "err", err)
+			continue
+		}
+		if m.failing.CompareAndSwap(f, nil) { // a newer failure stays
+			e.log.Info("engine: the mount takes stores again", "mount", m.root, "refused_since", f.Since, "stores_failed", f.Stores)
+		}
+	}
+}
+
+// takesFiles returns nil where a file can be made on m again, as Open's
+// probe makes one: created, written and removed in its root; with room,
+// m must also have room below its high watermark, its capacity refreshed
+// from statfs first (a refusal for lack of room). Else it returns why not.
+func (e *Engine) takesFiles(m *mount, room bool) error {
+	f, tmp, op, err := e.createFile(m, m.root, probePrefix, 0, probeBytes)
+	if err != nil {
+		return fmt.Errorf("engine: probe %s: %s: %w", m.root, op, err)
+	}
+	_, err = f.WriteAt(make([]byte, probeBytes), 0)
+	e.removeTemp(m, tmp, f, probeBytes)
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err != nil {
+		return fmt.Errorf("engine: probe %s: write: %w", m.root, err)
+	}
+	if !room {
+		return nil
+	}
+	e.refreshCapacity(m, true)
+	if !e.space.fits(m.sp, probeBytes, high) {
+		used, capacity := e.space.usage(m.sp)
+		return fmt.Errorf("%w: mount %s: %d of %d bytes used, none free below the high watermark", ErrNoSpace, m.root, used, capacity)
+	}
+	return nil
 }

@@ -15,10 +15,12 @@ import (
 	"sync/atomic"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/internal/fsys"
 	"github.com/kvhost/kvhost/internal/region"
+	"github.com/kvhost/kvhost/internal/testwait"
 )
 
 // refusal fails, while set, one operation on the engine's temporary files
@@ -295,4 +297,93 @@ func TestAMoveIntoAMountUpdatesItsRefusalOfStores(t *testing.T) {
 	if f := failing(); f != nil {
 		t.Errorf("the cold mount's StoresFailing after a demotion there succeeded: %+v, want nil", f)
 	}
+}
+
+// TestAMendedMountThatNoStoreReachesStopsRefusingStores: a mount whose
+// refusal of stores stands with no store or move there to end it (the
+// policy sends it none) is probed once reprobeAfter has passed since its
+// latest failure: while the probe finds it still refusing (read-only; no
+// room below its high watermark) the refusal stands; once the operator
+// has mended it (remounted read-write; deleted files), the next probe
+// ends it.
+func TestAMendedMountThatNoStoreReachesStopsRefusingStores(t *testing.T) {
+	// probing counts the probes of dir, and fails them and the stores
+	// there with EROFS while refusing.
+	type probing struct {
+		refusing atomic.Bool
+		probes   atomic.Int64
+	}
+	injector := func(p *probing, dir string) fsys.Injector {
+		return fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+			if op != fsys.OpOpen || !strings.HasPrefix(path, dir+string(filepath.Separator)) {
+				return fsys.Fault{}
+			}
+			base := filepath.Base(path)
+			if strings.HasPrefix(base, probePrefix) {
+				p.probes.Add(1)
+			}
+			if p.refusing.Load() && (strings.HasPrefix(base, probePrefix) || strings.HasPrefix(base, tmpPrefix)) {
+				return fsys.Fault{Err: syscall.EROFS}
+			}
+			return fsys.Fault{}
+		})
+	}
+	// probed advances clock past reprobeAfter and waits for a probe of
+	// the mount after it.
+	probed := func(t *testing.T, clock *testClock, p *probing) {
+		t.Helper()
+		n := p.probes.Load()
+		clock.advance(reprobeAfter)
+		testwait.Until(t, "a probe of the refusing mount", testwait.Hang, func() bool { return p.probes.Load() > n })
+	}
+	t.Run("read-only at start, remounted read-write", func(t *testing.T) {
+		clock, p, dir := newTestClock(), &probing{}, t.TempDir()
+		p.refusing.Store(true)
+		pol := &demotingPolicy{testPolicy: newTestPolicy(1, abi.OrderLayerMajor)}
+		e := openEngine(t, Config{Mounts: []Mount{{Path: dir}}, Policy: pol, Now: clock.now, MountUpdateInterval: time.Millisecond,
+			FS: &fsys.Faulty{FS: fsys.OS{}, Inj: injector(p, dir)}})
+		failing := func() *StoreFailure { return e.Stats().Mounts[0].StoresFailing }
+		if f := failing(); f == nil || !strings.Contains(f.Err, "read-only") {
+			t.Fatalf("StoresFailing after a start on a read-only mount: %+v, want read-only", f)
+		}
+		probed(t, clock, p)
+		if f := failing(); f == nil {
+			t.Fatal("StoresFailing ended by a probe of a mount still read-only")
+		}
+		p.refusing.Store(false)
+		clock.advance(reprobeAfter)
+		testwait.Until(t, "the refusal of the remounted mount to end", testwait.Hang, func() bool { return failing() == nil })
+	})
+	t.Run("no room, then files deleted", func(t *testing.T) {
+		const found = 4
+		clock, p := newTestClock(), &probing{}
+		var hot string
+		f := newHeldHot(t, found, 1, func(h, cold string) Config {
+			hot = h
+			return Config{Now: clock.now, MountUpdateInterval: time.Millisecond, FS: &fsys.Faulty{FS: fsys.OS{}, Inj: fsys.InjectorFunc(
+				func(op fsys.Op, path string) fsys.Fault {
+					if op == fsys.OpOpen && strings.HasPrefix(path, cold+string(filepath.Separator)) {
+						return fsys.Fault{Err: syscall.EROFS} // no demotion: the held files fill the hot mount
+					}
+					return injector(p, h).Inject(op, path)
+				})}}
+		})
+		failing := func() *StoreFailure { return f.e.Stats().Mounts[0].StoresFailing }
+		res := wait(t)(f.e.Store(context.Background(), StoreRequest{Cache: f.c.id, Keys: f.keys[found:], Blocks: f.blocks[found:]}))
+		if k := res.Keys[0]; !errors.Is(k.Err, ErrNoSpace) {
+			t.Fatalf("store on the hot mount full of held files: %v, want ErrNoSpace", k.Err)
+		}
+		if failing() == nil {
+			t.Fatal("no StoresFailing on the hot mount after a store failed with no space")
+		}
+		probed(t, clock, p)
+		if g := failing(); g == nil {
+			t.Fatalf("StoresFailing of %s ended by a probe while it has no room below its high watermark", hot)
+		}
+		if n, err := f.e.Delete(context.Background(), f.ns, f.keys[:found/2]); n != found/2 || err != nil {
+			t.Fatalf("Delete = %d, %v; want %d", n, err, found/2)
+		}
+		clock.advance(reprobeAfter)
+		testwait.Until(t, "the refusal of the mount with room again to end", testwait.Hang, func() bool { return failing() == nil })
+	})
 }

@@ -289,7 +289,7 @@ var (
 	dMountFSFree    = desc("kvhost_mount_fs_available_bytes", "Space the file system of a mount has available (statfs).", "mount")
 	dMountSpare     = desc("kvhost_mount_spare_bytes", "Bytes of evicted files kept for stores to write into (free space that holds pages; not in used).", "mount")
 	dMountEntries   = desc("kvhost_mount_entries", "Files on a mount.", "mount")
-	dMountFailing   = desc("kvhost_mount_stores_failing", "1 while a mount refuses stores: its most recent stores failed for a reason of its own (read-only file system, I/O error, no space left after eviction) and none succeeded since, or the start found it read-only or without room; 0 once a store there succeeds.", "mount")
+	dMountFailing   = desc("kvhost_mount_stores_failing", "1 while a mount refuses stores: its most recent stores or moves there failed for a reason of its own (read-only file system, I/O error, no space left after eviction) and none succeeded since, or the start found it read-only or without room; 0 once a store or move there succeeds, or a probe (every 30 s) finds it writable with room.", "mount")
 	dMountMovedIn   = desc("kvhost_mount_moved_in_files_total", "Files moved to a mount from another tier (demotions, promotions, tick moves).", "mount")
 	dMountMovedOut  = desc("kvhost_mount_moved_out_files_total", "Files moved from a mount to another tier (demotions, promotions, tick moves).", "mount")
 	dDemotions      = desc("kvhost_demotions_total", "Eviction victims moved to another mount instead of deleted (they stay stored; not in kvhost_evictions_total).")
