@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/client"
+	"github.com/kvhost/kvhost/internal/testsock"
 	"github.com/kvhost/kvhost/protocol"
 )
 
@@ -27,7 +28,7 @@ func fakeDaemon(t *testing.T, after func(c *net.UnixConn)) string {
 // the socket's path.
 func fakeDaemonWelcoming(t *testing.T, welcome *protocol.Welcome, after func(c *net.UnixConn)) string {
 	t.Helper()
-	sock := filepath.Join(t.TempDir(), "d.sock")
+	sock := filepath.Join(testsock.Dir(t), "d.sock")
 	l, err := net.ListenUnix("unix", &net.UnixAddr{Name: sock, Net: "unix"})
 	if err != nil {
 		t.Fatal(err)

@@ -24,6 +24,7 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/client"
+	"github.com/kvhost/kvhost/internal/testsock"
 	"github.com/kvhost/kvhost/internal/testwait"
 	"github.com/kvhost/kvhost/protocol"
 )
@@ -34,7 +35,7 @@ func TestMain(m *testing.M) {
 	if os.Getenv("KVHOST_TEST_CHILD") != "" {
 		os.Exit(childMain())
 	}
-	dir, err := os.MkdirTemp("", "kvhost-e2e-")
+	dir, err := testsock.MkdirTemp("kvhost-e2e-") // the default socket is in it
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(1)
@@ -172,7 +173,7 @@ func tempFiles(t *testing.T, dir string) []string {
 }
 
 func newDirs(t *testing.T) (dir, socket string) {
-	base := t.TempDir()
+	base := testsock.Dir(t)
 	return filepath.Join(base, "cache"), filepath.Join(base, "run", "kvhost.sock")
 }
 

@@ -12,6 +12,7 @@ import (
 
 	"github.com/kvhost/kvhost/client"
 	"github.com/kvhost/kvhost/internal/config"
+	"github.com/kvhost/kvhost/internal/testsock"
 )
 
 func TestHelpListsEveryCommandAndTheDaemonFlags(t *testing.T) {
@@ -115,7 +116,7 @@ func TestOperatorCommandsTakeTheSocketFromConfig(t *testing.T) {
 	}
 	t.Run("--socket wins over --config", func(t *testing.T) {
 		var out, errb bytes.Buffer
-		bogus := filepath.Join(t.TempDir(), "none.sock")
+		bogus := filepath.Join(testsock.Dir(t), "none.sock")
 		if code := run(context.Background(), []string{"health", "--config", file, "--socket", bogus}, &out, &errb); code != 1 || !strings.Contains(errb.String(), bogus) {
 			t.Fatalf("exit %d, stderr %q: want 1 naming %s", code, errb.String(), bogus)
 		}

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/internal/config"
+	"github.com/kvhost/kvhost/internal/testsock"
 )
 
 // TestSubcommandFlagHandling checks the shared flag handling of the
@@ -85,7 +86,7 @@ func TestSubcommandFlagHandling(t *testing.T) {
 // something else (an HTTP server's reply) fail at once (exit 1) saying
 // that the socket is not a kvhost daemon's, and which socket it is.
 func TestOperatorCommandsSayASocketIsNotAKvhostDaemons(t *testing.T) {
-	socket := filepath.Join(t.TempDir(), "http.sock")
+	socket := filepath.Join(testsock.Dir(t), "http.sock")
 	ln, err := net.Listen("unix", socket)
 	if err != nil {
 		t.Fatal(err)
@@ -141,7 +142,7 @@ func TestAnUnknownCommandIsNamedAsOne(t *testing.T) {
 // socket cannot be read (missing, not TOML, a socket of the wrong type)
 // ends the command with exit 2.
 func TestDaemonFlagsReadOnlyTheSocketFromConfig(t *testing.T) {
-	dir := t.TempDir()
+	dir := testsock.Dir(t)
 	write := func(name, src string) string {
 		p := filepath.Join(dir, name)
 		if err := os.WriteFile(p, []byte(src), 0o644); err != nil {

@@ -10,6 +10,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/kvhost/kvhost/internal/testsock"
 	"github.com/kvhost/kvhost/protocol"
 )
 
@@ -22,7 +23,7 @@ import (
 // (unless --allow-failing-mounts=false), as /healthz and /readyz still
 // answer 200: a restart would not give the file system room.
 func TestAMountWithNoRoomIsNamedByHealthStatsAndMetrics(t *testing.T) {
-	dir := t.TempDir()
+	dir := testsock.Dir(t)
 	socket := filepath.Join(dir, "run", "kvhost.sock")
 	cache := filepath.Join(dir, "blocks")
 	file := filepath.Join(dir, "kvhost.toml")

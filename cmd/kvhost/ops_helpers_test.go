@@ -24,6 +24,7 @@ import (
 	"github.com/kvhost/kvhost/internal/config"
 	"github.com/kvhost/kvhost/internal/fsys"
 	"github.com/kvhost/kvhost/internal/fsys/fsystest"
+	"github.com/kvhost/kvhost/internal/testsock"
 )
 
 // opsGeo is a small geometry: 2 blocks of 512 bytes per layer and plane
@@ -57,7 +58,7 @@ var runDir string
 var policyCache string
 
 func TestMain(m *testing.M) {
-	dir, err := os.MkdirTemp("", "kvhost-cmd-test-")
+	dir, err := testsock.MkdirTemp("kvhost-cmd-test-") // the default socket is in it
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(1)
@@ -75,10 +76,11 @@ func TestMain(m *testing.M) {
 }
 
 // testConfig writes a daemon configuration under dir and returns its
-// path, socket and cache directory. extra is appended to the file.
+// path, socket (in a directory of its own that leaves room for one:
+// testsock.Dir) and cache directory. extra is appended to the file.
 func testConfig(t *testing.T, dir, extra string) (file, socket, cache string) {
 	t.Helper()
-	socket = filepath.Join(dir, "run", "kvhost.sock")
+	socket = filepath.Join(testsock.Dir(t), "run", "kvhost.sock")
 	cache = filepath.Join(dir, "blocks")
 	file = filepath.Join(dir, "kvhost.toml")
 	writeConfig(t, file, socket, cache, extra)

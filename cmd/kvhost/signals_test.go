@@ -24,6 +24,7 @@ import (
 	"github.com/kvhost/kvhost/internal/fsys"
 	"github.com/kvhost/kvhost/internal/fsys/fsystest"
 	"github.com/kvhost/kvhost/internal/metrics"
+	"github.com/kvhost/kvhost/internal/testsock"
 	"github.com/kvhost/kvhost/internal/testwait"
 )
 
@@ -35,7 +36,7 @@ type notifySocket struct {
 
 func newNotifySocket(t *testing.T) *notifySocket {
 	t.Helper()
-	n := &notifySocket{path: filepath.Join(t.TempDir(), "notify.sock"), msgs: make(chan string, 64)}
+	n := &notifySocket{path: filepath.Join(testsock.Dir(t), "notify.sock"), msgs: make(chan string, 64)}
 	conn, err := net.ListenUnixgram("unixgram", &net.UnixAddr{Name: n.path, Net: "unixgram"})
 	if err != nil {
 		t.Fatal(err)

@@ -10,6 +10,7 @@ import (
 	"testing"
 
 	"github.com/kvhost/kvhost/internal/fsys/fsystest"
+	"github.com/kvhost/kvhost/internal/testsock"
 )
 
 // TestTheDaemonGivesTheSocketDirectoriesItMakesToTheSocketGroup: the
@@ -37,7 +38,7 @@ func TestTheDaemonGivesTheSocketDirectoriesItMakesToTheSocketGroup(t *testing.T)
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			dir := t.TempDir()
+			dir := testsock.Dir(t)
 			file := filepath.Join(dir, "kvhost.toml")
 			src := fmt.Sprintf("[server]\nsocket = %q\nsocket_group = \"%d\"\n\n[log]\nformat = \"json\"\n\n[gpu]\nmode = \"off\"\n\n"+
 				"[policy]\ncache_dir = %q\n\n[[mount]]\npath = %q\ncapacity = %q\npreallocate = 0\n",

@@ -12,6 +12,7 @@ import (
 
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/internal/config"
+	"github.com/kvhost/kvhost/internal/testsock"
 )
 
 // TestSingleMountPolicyIsNamedOnlyWithSeveralKvhostMounts: a policy
@@ -205,7 +206,7 @@ func TestReversedTiersAreNamed(t *testing.T) {
 // disk mount first and a memory one second logs the warning at start,
 // naming both mounts.
 func TestDaemonWarnsAtStartWhenTiersAreReversed(t *testing.T) {
-	dir := t.TempDir()
+	dir := testsock.Dir(t)
 	hot, cold := filepath.Join(dir, "disk"), filepath.Join(dir, "memory")
 	file := filepath.Join(dir, "kvhost.toml")
 	src := fmt.Sprintf(`[server]

@@ -14,6 +14,7 @@ import (
 
 	"github.com/kvhost/kvhost/internal/fsys"
 	"github.com/kvhost/kvhost/internal/fsys/fsystest"
+	"github.com/kvhost/kvhost/internal/testsock"
 	"github.com/kvhost/kvhost/internal/testwait"
 	"github.com/kvhost/kvhost/protocol"
 )
@@ -68,7 +69,7 @@ func TestSystemdWatchdogReadsHalfOfWatchdogUsecForThisProcess(t *testing.T) {
 // returns, the store ends stored, WATCHDOG=1 comes again and /healthz
 // answers 200.
 func TestServeStopsTellingSystemdItLivesWhileAFileOperationHangs(t *testing.T) {
-	dir := t.TempDir()
+	dir := testsock.Dir(t)
 	socket, cache, file := filepath.Join(dir, "run", "kvhost.sock"), filepath.Join(dir, "blocks"), filepath.Join(dir, "kvhost.toml")
 	src := fmt.Sprintf("[server]\nsocket = %q\nstall_timeout = \"300ms\"\n\n[log]\nformat = \"json\"\n\n[engine]\nfsync = true\n\n"+
 		"[policy]\ncache_dir = %q\n\n[[mount]]\npath = %q\ncapacity = \"256MiB\"\n", socket, policyCache, cache)

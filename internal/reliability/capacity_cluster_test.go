@@ -19,6 +19,7 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/client"
+	"github.com/kvhost/kvhost/internal/testsock"
 )
 
 // Cluster capacity scenario: node 1 stores capStores keys, nodes 2 and 3
@@ -92,7 +93,7 @@ func mountFiles(dir string) (int64, map[string]int64) {
 // node deleted another live node's file.
 func TestClusterCapacityHoldsTheBoundUnderSkewedStores(t *testing.T) {
 	mounts := clusterMounts(t)
-	run := t.TempDir()
+	run := testsock.Dir(t)
 	ds := make([]*daemon, len(mounts))
 	for i, m := range mounts {
 		cfg := clusterConfig(run, m, i)

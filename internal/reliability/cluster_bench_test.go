@@ -24,6 +24,7 @@ import (
 	"github.com/kvhost/kvhost/client"
 	"github.com/kvhost/kvhost/internal/bench"
 	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/internal/testsock"
 	"github.com/kvhost/kvhost/staging"
 )
 
@@ -293,7 +294,7 @@ func alignedBuffer(n int64) []byte {
 // ceiling reached, and prints one line per round.
 func BenchmarkClusterThroughput(b *testing.B) {
 	mounts := clusterMounts(b)
-	run := b.TempDir()
+	run := testsock.Dir(b)
 	ds := make([]*daemon, len(mounts))
 	for i, m := range mounts {
 		ds[i] = startDaemon(b, clusterConfig(run, m, i))

@@ -23,6 +23,7 @@ import (
 
 	"github.com/kvhost/kvhost/client"
 	"github.com/kvhost/kvhost/internal/fstype"
+	"github.com/kvhost/kvhost/internal/testsock"
 )
 
 // clusterEnv names the variable that lists the cluster's client mounts.
@@ -81,7 +82,7 @@ func clusterConfig(run, mount string, i int) daemonConfig {
 // startCluster starts one daemon per mount.
 func startCluster(t *testing.T, mounts []string) []*daemon {
 	t.Helper()
-	run := t.TempDir()
+	run := testsock.Dir(t)
 	ds := make([]*daemon, len(mounts))
 	for i, m := range mounts {
 		ds[i] = startDaemon(t, clusterConfig(run, m, i))
@@ -401,7 +402,7 @@ func TestClusterDeleteOnOneNodeRacingStoreOnAnother(t *testing.T) {
 func TestClusterSIGKILLOfOneNodeLosesNoAcknowledgedKey(t *testing.T) {
 	mounts := clusterMounts(t)
 	rng := rand.New(rand.NewPCG(seed(t), 3))
-	run := t.TempDir()
+	run := testsock.Dir(t)
 	n := len(mounts)
 	victim := n - 1
 	cfgs := make([]daemonConfig, n)

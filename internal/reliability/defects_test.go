@@ -6,13 +6,14 @@ import (
 	"testing"
 
 	"github.com/kvhost/kvhost/client"
+	"github.com/kvhost/kvhost/internal/testsock"
 )
 
 // TestLoadRepeatedKey loads one stored key into two destinations in one
 // load job (the torture's random samples did this): both destinations get
 // its bytes, and the daemon counts no failure.
 func TestLoadRepeatedKey(t *testing.T) {
-	base := t.TempDir()
+	base := testsock.Dir(t)
 	d := startDaemon(t, daemonConfig{Socket: filepath.Join(base, "kvhost.sock"), Mount: filepath.Join(base, "cache")})
 	ctx := context.Background()
 	c, k, err := dialCache(ctx, d.cfg.Socket, "repeat", 8)

@@ -12,6 +12,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/kvhost/kvhost/client"
+	"github.com/kvhost/kvhost/internal/testsock"
 )
 
 // diskFullCounts are the disk-full scenario's results.
@@ -120,7 +121,7 @@ func TestDiskFull(t *testing.T) {
 	if _, err := fillFile(filepath.Join(fsDir, "foreign-20MiB"), 20<<20); err != nil {
 		t.Fatal(err)
 	}
-	cfg := daemonConfig{Socket: filepath.Join(t.TempDir(), "kvhost.sock"), Mount: filepath.Join(fsDir, "cache")}
+	cfg := daemonConfig{Socket: filepath.Join(testsock.Dir(t), "kvhost.sock"), Mount: filepath.Join(fsDir, "cache")}
 	perClient := 8192 // 2 × 8,192 keys of 8 KiB files: twice the free space
 	if long() {
 		perClient = 32768

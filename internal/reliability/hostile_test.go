@@ -16,6 +16,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/kvhost/kvhost/client"
+	"github.com/kvhost/kvhost/internal/testsock"
 	"github.com/kvhost/kvhost/protocol"
 )
 
@@ -167,7 +168,7 @@ func holdAll(t *testing.T, conns []*net.UnixConn) {
 
 // hostileDaemon starts a daemon with the default server limits.
 func hostileDaemon(t *testing.T) *daemon {
-	base := t.TempDir()
+	base := testsock.Dir(t)
 	return startDaemon(t, daemonConfig{Socket: filepath.Join(base, "run", "kvhost.sock"), Mount: filepath.Join(base, "cache"), Capacity: "1GiB"})
 }
 

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/client"
+	"github.com/kvhost/kvhost/internal/testsock"
 )
 
 // sharedVerify is the daemons' verify_interval in the shared-directory
@@ -65,7 +66,7 @@ func awaitMiss(ctx context.Context, gone time.Time, lookup func() (int, error)) 
 // each of a distributed file system (cluster_test.go).
 func startNodes(t *testing.T, mounts []string) []*daemon {
 	t.Helper()
-	run := t.TempDir()
+	run := testsock.Dir(t)
 	if nodeSetting("node-a") == "" {
 		t.Log("the configuration has no node identity key (tried [engine] " + fmt.Sprint(nodeKeys) + "): the daemons run without one")
 	}

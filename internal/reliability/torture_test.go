@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/client"
+	"github.com/kvhost/kvhost/internal/testsock"
 )
 
 // tortureParams size the SIGKILL torture.
@@ -81,7 +82,7 @@ func (a *ackSet) report(format string, args ...any) {
 func TestTortureSIGKILL(t *testing.T) {
 	p := tortureSize()
 	rng := rand.New(rand.NewPCG(seed(t), 1))
-	base := t.TempDir()
+	base := testsock.Dir(t)
 	cfg := daemonConfig{
 		Socket:      filepath.Join(base, "run", "kvhost.sock"),
 		Mount:       filepath.Join(base, "cache"),

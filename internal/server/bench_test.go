@@ -13,6 +13,7 @@ import (
 	"github.com/kvhost/kvhost/client"
 	"github.com/kvhost/kvhost/host/engine"
 	"github.com/kvhost/kvhost/internal/server"
+	"github.com/kvhost/kvhost/internal/testsock"
 )
 
 // lookupTarget is the target for a 32-key lookup round trip with
@@ -157,7 +158,7 @@ func (stubEngine) Lookup(_ context.Context, _ engine.NamespaceID, keys [][]byte)
 func BenchmarkLookup32Protocol(b *testing.B) {
 	for _, clients := range []int{1, 8} {
 		b.Run(fmt.Sprintf("clients=%d", clients), func(b *testing.B) {
-			base := b.TempDir()
+			base := testsock.Dir(b)
 			srv, err := server.New(stubEngine{}, server.Config{Logger: quiet()})
 			if err != nil {
 				b.Fatal(err)

@@ -8,6 +8,7 @@ import (
 	"testing"
 
 	"github.com/kvhost/kvhost/internal/server"
+	"github.com/kvhost/kvhost/internal/testsock"
 )
 
 // TestListenGivesCreatedDirectoriesToTheSocketGroup: the directories
@@ -18,7 +19,7 @@ func TestListenGivesCreatedDirectoriesToTheSocketGroup(t *testing.T) {
 	if os.Geteuid() == 0 {
 		gid = 4242 // root may give a directory to any group
 	}
-	base := t.TempDir()
+	base := testsock.Dir(t)
 	if err := os.Chmod(base, 0o700); err != nil {
 		t.Fatal(err)
 	}

@@ -23,6 +23,7 @@ import (
 	"github.com/kvhost/kvhost/host/policy"
 	"github.com/kvhost/kvhost/internal/config"
 	"github.com/kvhost/kvhost/internal/server"
+	"github.com/kvhost/kvhost/internal/testsock"
 	"github.com/kvhost/kvhost/internal/testwait"
 	"github.com/kvhost/kvhost/plugins"
 	"github.com/kvhost/kvhost/plugins/lru"
@@ -96,7 +97,7 @@ func newFixture(tb testing.TB, cfg server.Config) *fixture {
 // edit and the engine the server sees wrapped by wrap (each if not nil).
 func newFixtureWith(tb testing.TB, cfg server.Config, edit func(*engine.Config), wrap func(*engine.Engine) server.Engine) *fixture {
 	tb.Helper()
-	base := tb.TempDir()
+	base := testsock.Dir(tb)
 	f := &fixture{dir: filepath.Join(base, "cache"), socket: filepath.Join(base, "s.sock"), served: make(chan error, 1)}
 	f.eng = openEngineWith(tb, f.dir, edit)
 	cfg.Logger = quiet()

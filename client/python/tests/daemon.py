@@ -17,6 +17,25 @@ REPO = pathlib.Path(__file__).resolve().parents[3]
 _build_lock = threading.Lock()
 _built = {}
 
+# The longest path of a Unix socket: sun_path holds 108 bytes, the last a
+# NUL (the daemon's server.socket allows as many: config.MaxSocketPath).
+MAX_SOCKET_PATH = 107
+# The bytes a socket's path may add to socket_dir's directory, as the Go
+# tests' testsock.Room.
+SOCKET_ROOM = 48
+
+
+def socket_dir(prefix):
+    """A new temporary directory (tempfile.mkdtemp with prefix) whose path
+    leaves SOCKET_ROOM bytes for a socket below it: in $TMPDIR where that
+    is short enough, else in /tmp. A TMPDIR of 60 bytes or more (CI
+    runners often have one) left no room for a socket under it. The caller
+    removes it."""
+    parent = tempfile.gettempdir()
+    if len(parent) + 1 + len(prefix) + 8 + SOCKET_ROOM > MAX_SOCKET_PATH:  # mkdtemp adds 8
+        parent = "/tmp"
+    return tempfile.mkdtemp(prefix=prefix, dir=parent)
+
 
 def kvhost_binary():
     """Path of a kvhost binary: $KVHOST_BIN, else `go build` into a temp dir
@@ -54,7 +73,7 @@ class Daemon:
     server_toml adds lines to its [server] table."""
 
     def __init__(self, capacity="1GiB", dir=None, extra_toml="", after_toml="", server_toml=""):
-        self.tmp = tempfile.mkdtemp(prefix="kvhost-pytest-")
+        self.tmp = socket_dir("kvhost-pytest-")
         self.dir = dir or os.path.join(self.tmp, "blocks")
         os.makedirs(self.dir, exist_ok=True)
         self.socket = os.path.join(self.tmp, "kvhost.sock")

@@ -23,7 +23,7 @@ from unittest import mock
 import kvhost
 from kvhost import protocol as p
 
-from daemon import Daemon, wait_for
+from daemon import Daemon, socket_dir, wait_for
 
 F_GET_SEALS = getattr(fcntl, "F_GET_SEALS", 1034)
 F_SEAL_SHRINK = getattr(fcntl, "F_SEAL_SHRINK", 2)
@@ -152,7 +152,7 @@ class TestStalledListener(unittest.TestCase):
     def listener(self):
         """A listening socket with a backlog of one, which nothing
         accepts from: (its path, the socket)."""
-        d = tempfile.mkdtemp(prefix="kvhost-stalled-")
+        d = socket_dir("kvhost-stalled-")
         self.addCleanup(shutil.rmtree, d, ignore_errors=True)
         path = os.path.join(d, "stalled.sock")
         lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -466,7 +466,7 @@ class FakeDaemon:
     then says what the test tells it to: for what a daemon may send."""
 
     def __init__(self):
-        self.dir = tempfile.mkdtemp(prefix="kvhost-fake-")
+        self.dir = socket_dir("kvhost-fake-")
         self.path = os.path.join(self.dir, "fake.sock")
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(self.path)

@@ -1496,9 +1496,8 @@ class TestDaemonWithoutPins(unittest.TestCase):
         forever."""
         import socket
         import struct
-        import tempfile
         from kvhost import protocol as P
-        tmp = tempfile.mkdtemp(prefix="kvhost-old-daemon-")
+        tmp = d.socket_dir("kvhost-old-daemon-")
         self.addCleanup(__import__("shutil").rmtree, tmp, True)
         path = f"{tmp}/old.sock"
         srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
