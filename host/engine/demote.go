@@ -527,7 +527,7 @@ func (e *Engine) copyFile(en *entry, tm *mount, dst string) (en2, left *entry, e
 	readFailed := false
 	defer func() {
 		if !readFailed {
-			tm.storeEnded(err, e.now)
+			e.storeEnded(tm, err)
 		}
 	}()
 	f, tmp, op, err := e.createTemp(tm, filepath.Dir(dst), 0, en.size)

@@ -62,9 +62,12 @@ type Engine struct {
 	lock      fsys.File   // Config.LockFile, flocked for the engine's life
 	token     string      // names this engine's owner files and spares (owner.go)
 	owners    []ownerFile // this engine's owner files, flocked for its life
-	dirs      sync.Map    // directories known to exist
-	unsynced  sync.Map    // directories created, not yet fsynced (Config.Fsync)
-	copyBufs  sync.Pool   // *[]byte: moves' copy buffers (copyFile), reused
+	ownersMu  sync.Mutex  // guards owners and ownersDone (tookFile adds one after Open); no I/O under it
+	// ownersDone: closeOwners ran; tookFile makes no owner file after it.
+	ownersDone bool
+	dirs       sync.Map  // directories known to exist
+	unsynced   sync.Map  // directories created, not yet fsynced (Config.Fsync)
+	copyBufs   sync.Pool // *[]byte: moves' copy buffers (copyFile), reused
 
 	// The engine's state in parts, each with its own lock; the lock
 	// order is evictMu (per mount, in mount order) > pinTab.mu > mu >

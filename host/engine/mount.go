@@ -58,8 +58,15 @@ type mount struct {
 	// unwritable is why Open found that no file can be made on the mount
 	// (syscall.EROFS: a read-only file system; the O_DIRECT probe's
 	// EACCES or EPERM: a directory the daemon's user may not write);
-	// nil where it found none. Such a mount keeps no spares.
+	// nil where it found none. Only Open reads it: spareless says, after
+	// Open, whether the mount still keeps no spares for it.
 	unwritable error
+	// spareless: Open found the mount unwritable, and no file has been
+	// made there since. Such a mount keeps no spares; the first file made
+	// there (tookFile) clears it.
+	spareless atomic.Bool
+	// mending: a tookFile is clearing spareless (the first only).
+	mending atomic.Bool
 	// failing is the mount's refusal of stores (StoreFailure, never
 	// changed once stored); nil while its stores succeed (mountfail.go).
 	failing atomic.Pointer[StoreFailure]
@@ -244,6 +251,7 @@ func (e *Engine) openMount(i int, m Mount) (*mount, error) {
 			mt.direct, mt.ioWhy = true, "direct: probed"
 		}
 	}
+	mt.spareless.Store(mt.unwritable != nil)
 	if k, _ := fstype.Of(st.Type); k.CloseToOpen && !mt.direct {
 		// With O_DIRECT every write reaches the server before it returns.
 		mt.syncFirst = true
@@ -381,7 +389,32 @@ func isMemoryFS(magic int64) bool {
 }
 
 // spareEligible reports whether m keeps evicted files as spares (not on
-// a mount Open found unwritable: no spare could be made there).
+// a mount Open found unwritable while no file has been made there since:
+// no spare could be made there).
 func (e *Engine) spareEligible(m *mount) bool {
-	return m.memory && m.raw == nil && !e.cfg.NoReuse && m.unwritable == nil
+	return e.spareCapable(m) && !m.spareless.Load()
+}
+
+// spareCapable reports whether m may keep spares once it takes files: a
+// memory mount in kvhost's layout, with reuse on.
+func (e *Engine) spareCapable(m *mount) bool {
+	return m.memory && m.raw == nil && !e.cfg.NoReuse
+}
+
+// tookFile records that a file was made on m: a store's or a move's copy
+// that succeeded, a probe that passed (reprobe). Where Open found m
+// unwritable (a read-only tmpfs since remounted read-write), m keeps
+// spares from then on, under an owner file made first (openOwner), as a
+// mount writable at start does; the spares made ahead (Mount.Preallocate),
+// whose budget Open settled at 0, wait for a restart. Elsewhere it costs
+// one atomic load.
+func (e *Engine) tookFile(m *mount) {
+	if !m.spareless.Load() || !m.mending.CompareAndSwap(false, true) {
+		return // writable from the start, or another file's success came first
+	}
+	if e.spareCapable(m) {
+		e.openOwner(m)
+		e.log.Info("engine: the mount found unwritable at start takes files: evicted files are kept as spares from now on", "mount", m.root)
+	}
+	m.spareless.Store(false)
 }

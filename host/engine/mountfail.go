@@ -45,20 +45,22 @@ func mountFault(err error) bool {
 // the copy of a move to m: copyFile):
 // a success ends the mount's StoreFailure, a failure of the mount's own
 // (mountFault) starts or extends it, and any other failure leaves it as
-// it is. A success costs one atomic load while the mount stores (and a
-// swap where it ends a failure); now is called only for a failure.
-func (m *mount) storeEnded(err error, now func() time.Time) {
+// it is. A success is also a file made on m (tookFile). A success costs
+// two atomic loads while the mount stores (and a swap where it ends a
+// failure); the clock is read only for a failure.
+func (e *Engine) storeEnded(m *mount, err error) {
 	if err == nil {
 		if f := m.failing.Load(); f != nil {
 			m.failing.CompareAndSwap(f, nil) // a newer failure stays
 		}
+		e.tookFile(m)
 		return
 	}
 	if !mountFault(err) {
 		return
 	}
 	noRoom := errors.Is(err, ErrNoSpace) || errors.Is(err, syscall.ENOSPC)
-	m.refuse(err.Error(), noRoom, 1, now())
+	m.refuse(err.Error(), noRoom, 1, e.now())
 }
 
 // refuse starts m's StoreFailure, or extends the one it has, with a
@@ -117,6 +119,7 @@ func (e *Engine) reprobe() {
 			e.log.Debug("engine: the mount still refuses stores", "mount", m.root, "err", err)
 			continue
 		}
+		e.tookFile(m)
 		if m.failing.CompareAndSwap(f, nil) { // a newer failure stays
 			e.log.Info("engine: the mount takes stores again", "mount", m.root, "refused_since", f.Since, "stores_failed", f.Stores)
 		}

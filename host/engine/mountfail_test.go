@@ -387,3 +387,68 @@ func TestAMendedMountThatNoStoreReachesStopsRefusingStores(t *testing.T) {
 		testwait.Until(t, "the refusal of the mount with room again to end", testwait.Hang, func() bool { return failing() == nil })
 	})
 }
+
+// TestAMemoryMountFoundReadOnlyAtStartKeepsSparesOnceItTakesFiles: a
+// memory mount that Open found read-only (no spares kept, no spare owner
+// file made) and that takes files again — its refusal of stores ended
+// by the tier driver's probe, or by a store that succeeded there — keeps
+// evicted files as spares from then on, under an owner file of this
+// engine's, as a mount writable at start does.
+func TestAMemoryMountFoundReadOnlyAtStartKeepsSparesOnceItTakesFiles(t *testing.T) {
+	for _, by := range []string{"a probe", "a store"} {
+		t.Run(by, func(t *testing.T) {
+			clock, dir := newTestClock(), tmpfsDir(t)
+			var refusing atomic.Bool // read-only until remounted
+			refusing.Store(true)
+			inj := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+				base := filepath.Base(path)
+				if refusing.Load() && op == fsys.OpOpen && strings.HasPrefix(path, dir+string(filepath.Separator)) &&
+					(strings.HasPrefix(base, probePrefix) || strings.HasPrefix(base, tmpPrefix)) {
+					return fsys.Fault{Err: syscall.EROFS}
+				}
+				return fsys.Fault{}
+			})
+			g := smallGeometry(false)
+			fileLen := int64(4096) + alignTo(g.KeyBytes(), 4096)
+			e := openEngine(t, Config{
+				Mounts: []Mount{{Path: dir, Capacity: 10 * fileLen, HighWatermark: 0.9, LowWatermark: 0.6}},
+				// A tiering policy (the tier driver probes) that deletes
+				// its victims.
+				Policy: &recordingPolicy{testPolicy: newTestPolicy(1, abi.OrderLayerMajor)}, Now: clock.now,
+				FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj},
+			})
+			failing := func() *StoreFailure { return e.Stats().Mounts[0].StoresFailing }
+			if f := failing(); f == nil || !strings.Contains(f.Err, "read-only") {
+				t.Fatalf("StoresFailing after a start on a read-only mount: %+v, want read-only", f)
+			}
+			ns, err := e.Declare(context.Background(), g)
+			if err != nil {
+				t.Fatal(err)
+			}
+			c := newTestCache(t, e, ns, g, 64, layoutPlaneFirst)
+			r := rand.New(rand.NewPCG(8, 9))
+			keys := testKeys("remounted", 30)
+			b := [][]int{{0, 1, 2, 3}}
+			c.fill(r, b[0])
+			refusing.Store(false) // remounted read-write
+			if by == "a probe" {
+				clock.advance(reprobeAfter)
+				testwait.Until(t, "the probe to end the refusal", testwait.Hang, func() bool { return failing() == nil })
+			}
+			for i := range keys {
+				storeAndCheck(t, e, c, keys[i:i+1], b)
+			}
+			if f := failing(); f != nil {
+				t.Fatalf("StoresFailing after stores succeeded: %+v, want nil", f)
+			}
+			st := e.Stats()
+			if st.Evictions == 0 || st.Reused == 0 {
+				t.Errorf("%d evictions, %d stores into spare files on the remounted memory mount: want both", st.Evictions, st.Reused)
+			}
+			owner := filepath.Join(dir, ownerName(e.node, os.Getpid(), e.token))
+			if _, err := os.Stat(owner); err != nil {
+				t.Errorf("the engine's spare owner file on the remounted mount: %v", err)
+			}
+		})
+	}
+}

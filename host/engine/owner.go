@@ -61,30 +61,44 @@ func ownerName(node string, pid int, token string) string {
 // another engine's Open removes them, and a store that finds its spare
 // gone writes a fresh file.
 func (e *Engine) openOwners() {
-	name := ownerName(e.node, os.Getpid(), e.token)
 	for _, m := range e.mounts {
-		if !e.spareEligible(m) {
-			continue
+		if e.spareEligible(m) {
+			e.openOwner(m)
 		}
-		path := filepath.Join(m.root, name)
-		tmp := e.tempName(m.root, tmpPrefix)
-		f, err := fsys.OpenToLock(e.fs, tmp, os.O_CREATE|os.O_EXCL, 0o644)
-		if err == nil {
-			// Waiting: another engine's walk may hold the new file's flock
-			// a moment to check it (cleanTemp), and lets it go.
-			if err = fsys.Lock(f); err == nil {
-				err = e.fs.Rename(tmp, path)
-			}
-			if err != nil {
-				f.Close()
-				e.fs.Remove(tmp)
-			}
+	}
+}
+
+// openOwner makes and flocks this engine's owner file in m's root, as
+// openOwners does; a mount Open found unwritable gets one once it takes
+// files (tookFile). After closeOwners it removes the file it made.
+func (e *Engine) openOwner(m *mount) {
+	path := filepath.Join(m.root, ownerName(e.node, os.Getpid(), e.token))
+	tmp := e.tempName(m.root, tmpPrefix)
+	f, err := fsys.OpenToLock(e.fs, tmp, os.O_CREATE|os.O_EXCL, 0o644)
+	if err == nil {
+		// Waiting: another engine's walk may hold the new file's flock
+		// a moment to check it (cleanTemp), and lets it go.
+		if err = fsys.Lock(f); err == nil {
+			err = e.fs.Rename(tmp, path)
 		}
 		if err != nil {
-			e.log.Warn("engine: no spare owner file: another engine opening on the mount removes this one's spares", "mount", m.root, "err", err)
-			continue
+			f.Close()
+			e.fs.Remove(tmp)
 		}
-		e.owners = append(e.owners, ownerFile{path: path, f: f})
+	}
+	if err != nil {
+		e.log.Warn("engine: no spare owner file: another engine opening on the mount removes this one's spares", "mount", m.root, "err", err)
+		return
+	}
+	o := ownerFile{path: path, f: f}
+	e.ownersMu.Lock()
+	done := e.ownersDone
+	if !done {
+		e.owners = append(e.owners, o)
+	}
+	e.ownersMu.Unlock()
+	if done {
+		o.close(e) // the engine closed meanwhile
 	}
 }
 
@@ -97,13 +111,22 @@ type ownerFile struct {
 // closeOwners removes this engine's owner files and releases their
 // flocks: its spares are then anyone's to remove.
 func (e *Engine) closeOwners() {
-	for _, o := range e.owners {
-		if err := e.fs.Remove(o.path); err != nil && !errors.Is(err, os.ErrNotExist) {
-			e.log.Warn("engine: remove the spare owner file", "path", o.path, "err", err)
-		}
-		o.f.Close()
-	}
+	e.ownersMu.Lock()
+	e.ownersDone = true
+	owners := e.owners
 	e.owners = nil
+	e.ownersMu.Unlock()
+	for _, o := range owners {
+		o.close(e)
+	}
+}
+
+// close removes the owner file and releases its flock.
+func (o ownerFile) close(e *Engine) {
+	if err := e.fs.Remove(o.path); err != nil && !errors.Is(err, os.ErrNotExist) {
+		e.log.Warn("engine: remove the spare owner file", "path", o.path, "err", err)
+	}
+	o.f.Close()
 }
 
 // liveOwners remembers, during Open's walk of the mounts, which owner

@@ -395,7 +395,7 @@ func (e *Engine) heldAt(ctx context.Context, fp uint64, key []byte, en *entry) b
 // publishes it by rename and indexes it.
 func (e *Engine) storeFile(ctx context.Context, j *Job, c *cache, blocks [][]int, gr *group) (err error) {
 	m := e.mounts[gr.mount]
-	defer func() { m.storeEnded(err, e.now) }()
+	defer func() { e.storeEnded(m, err) }()
 	size := gr.hdr.FileLen()
 	mv, err := m.mover(c.kind)
 	if err != nil {
