@@ -91,7 +91,7 @@ func (e *Engine) reserveUsed(ctx context.Context, m *mount, size int64) (err err
 		return nil
 	}
 	if stopped != nil {
-		return stopped // the caller gave up while held files were demoted
+		return stopped // the caller gave up while files were evicted
 	}
 	used, capacity := e.space.usage(m.sp)
 	why := "no evictable entry left"
@@ -118,15 +118,22 @@ func (e *Engine) unreserve(m *mount, size int64) {
 // below the low watermark, or the policy has nothing more to offer. Pinned
 // entries are never removed, whatever the policy says. Where that leaves
 // too little room, files the restart hold pins may still be demoted
-// (demoteHeld), unless ctx is cancelled: then it returns ctx's error.
-// m.evictMu is held.
+// (demoteHeld). A caller that gives up (ctx cancelled) before room is
+// needed or while it is made stops it before its next deletion or move,
+// with ctx's error: the files already claimed are removed, and the
+// policy told. m.evictMu is held.
 func (e *Engine) evict(ctx context.Context, m *mount, size int64) error {
-	e.evictRounds(ctx, m, size)
+	if err := e.evictRounds(ctx, m, size); err != nil {
+		return err
+	}
 	return e.demoteHeld(ctx, m, size)
 }
 
 // evictRounds is evict without demoteHeld.
-func (e *Engine) evictRounds(ctx context.Context, m *mount, size int64) {
+func (e *Engine) evictRounds(ctx context.Context, m *mount, size int64) error {
+	stopped := func() error {
+		return fmt.Errorf("engine: mount %s: eviction stopped: %w", m.root, ctx.Err())
+	}
 	e.retryLeft(m) // files whose removal failed first: no one's data
 	for round := 0; round < 16; round++ {
 		// Orphans are on their way out (flight.go): room enough below the
@@ -134,7 +141,10 @@ func (e *Engine) evictRounds(ctx context.Context, m *mount, size int64) {
 		// beside them below the capacity.
 		need := e.space.need(m.sp, size)
 		if need <= 0 {
-			return
+			return nil
+		}
+		if ctx.Err() != nil {
+			return stopped() // no file is deleted for a caller that gave up
 		}
 		if e.hitRec != nil {
 			e.hitRec.flush() // rank with every hit reported so far
@@ -149,13 +159,18 @@ func (e *Engine) evictRounds(ctx context.Context, m *mount, size int64) {
 		}
 		if err != nil {
 			e.log.Warn("engine: policy victims", "mount", m.root, "err", err)
-			return
+			return nil
 		}
 		var freed int64
 		var recs []abi.AccessRecord
 		var claimed []*entry // files to remove (or keep as spares), paths held
+		var stop error
 		for _, v := range victims {
 			if freed >= need {
+				break
+			}
+			if ctx.Err() != nil {
+				stop = stopped()
 				break
 			}
 			if v.Target.Mount != abi.NoMount { // a demotion (demote.go)
@@ -187,10 +202,14 @@ func (e *Engine) evictRounds(ctx context.Context, m *mount, size int64) {
 		}
 		e.evictAll(claimed)
 		e.access(ctx, recs)
+		if stop != nil {
+			return stop
+		}
 		if freed == 0 {
-			return
+			return nil
 		}
 	}
+	return nil
 }
 
 // evictWorkers is the most evicted files one eviction removes (or keeps

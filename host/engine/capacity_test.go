@@ -710,3 +710,66 @@ func TestAFileSystemThatReportsNoSizeTakesTheConfiguredCapacity(t *testing.T) {
 		})
 	}
 }
+
+// victimsHook is testPolicy that calls victims, where set, at each call
+// for victims.
+type victimsHook struct {
+	*testPolicy
+	victims func()
+}
+
+func (p *victimsHook) Victims(ctx context.Context, req abi.EvictRequest, max int) ([]abi.Victim, error) {
+	if p.victims != nil {
+		p.victims()
+	}
+	return p.testPolicy.Victims(ctx, req, max)
+}
+
+// TestAnEvictionStopsWhenItsCallerGivesUp: a reservation that must evict,
+// for a caller whose context is cancelled before it or while the policy
+// picks the victims, deletes no file and fails with the context's error:
+// no file is lost for a store that gave up, nor does it wait for the
+// deletions.
+func TestAnEvictionStopsWhenItsCallerGivesUp(t *testing.T) {
+	for _, when := range []string{"before", "while"} {
+		t.Run(when, func(t *testing.T) {
+			g := smallGeometry(true)
+			fileLen := int64(4096) + g.KeyBytes()
+			pol := &victimsHook{testPolicy: newTestPolicy(1, abi.OrderLayerMajor)}
+			e := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir(), Capacity: 10 * fileLen, HighWatermark: 0.9, LowWatermark: 0.6}}, Policy: pol})
+			ns, err := e.Declare(context.Background(), g)
+			if err != nil {
+				t.Fatal(err)
+			}
+			c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
+			b := [][]int{{0, 1, 2, 3}}
+			c.fill(rand.New(rand.NewPCG(3, 4)), b[0])
+			keys := testKeys("full", 9) // at the high watermark
+			for i := range keys {
+				storeAndCheck(t, e, c, keys[i:i+1], b)
+			}
+			if n := e.Stats().Evictions; n != 0 {
+				t.Fatalf("%d evictions while filling, want 0", n)
+			}
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			if when == "before" {
+				cancel()
+			} else {
+				pol.victims = cancel
+			}
+			// Two files' room: more than is left below the capacity.
+			m, size := e.mounts[0], 2*fileLen
+			err = e.reserve(ctx, m, size)
+			if err == nil {
+				e.unreserve(m, size)
+			}
+			if !errors.Is(err, context.Canceled) {
+				t.Errorf("reserve with a cancelled context: %v, want context.Canceled", err)
+			}
+			if n := e.Stats().Evictions; n != 0 {
+				t.Errorf("%d files deleted for a caller that gave up, want 0", n)
+			}
+		})
+	}
+}
