@@ -65,7 +65,8 @@ type TierStats struct {
 	// whatever asked for them.
 	Promotions uint64
 	// MoveFailures counts moves that failed (no space, I/O errors); the
-	// entry stays where it was.
+	// entry stays where it was. A demotion stopped because the caller of
+	// its eviction gave up is none.
 	MoveFailures uint64
 	// DemotionDeletes counts victims the policy wanted demoted, deleted
 	// because the target had no room (abi.MoveDeleteIfFull) or held
@@ -297,7 +298,9 @@ func (e *Engine) evictions(ctx context.Context, req abi.EvictRequest) ([]policy.
 // victim instead: the target had no room and the policy said so, or the
 // target holds another file at the victim's path, where no demotion of it
 // can ever go (RATIONALE.md, "Why is a victim whose demotion target holds
-// another file at its path deleted?").
+// another file at its path deleted?"). A move that fails because ctx was
+// cancelled (the reservation on the target stopped its eviction) leaves
+// the victim and counts no move failure.
 //
 // A move to a later mount (a slower tier, by convention) may evict there;
 // a move to an earlier one only takes free room: evictMu is taken in mount
@@ -318,6 +321,10 @@ func (e *Engine) demoteVictim(ctx context.Context, m *mount, v policy.Eviction) 
 		e.tierSt.demotionDeletes.Add(1)
 		e.log.Warn("engine: demotion target holds another file at the victim's path; the victim is deleted", "entry", v.Entry, "mount", target, "err", err)
 		return 0, true
+	case ctx.Err() != nil && errors.Is(err, ctx.Err()):
+		// The caller gave up (its eviction on the target stopped): no
+		// failure of the move's or of either mount's.
+		return 0, false
 	}
 	e.tierSt.moveFailures.Add(1)
 	e.log.Debug("engine: demotion failed; the victim stays", "entry", v.Entry, "mount", target, "err", err)

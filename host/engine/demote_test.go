@@ -1406,3 +1406,65 @@ func TestAPinThatOvertakesAMovesInsertIsNoPluginFailure(t *testing.T) {
 	}
 	e.Unpin(ctx, id)
 }
+
+// coldEvictionHook is evictPromotingPolicy's naming ("hot" keys on mount
+// 0, the others on mount 1) with demotingPolicy's evictions (mount 0's
+// victims demoted to mount 1, mount 1's deleted), calling onCold, where
+// set, when it is asked for victims on mount 1.
+type coldEvictionHook struct {
+	*evictPromotingPolicy
+	onCold func()
+}
+
+func (p *coldEvictionHook) Evictions(ctx context.Context, req abi.EvictRequest, max int) ([]policy.Eviction, error) {
+	if req.Mount == 1 && p.onCold != nil {
+		p.onCold()
+	}
+	return p.demotingPolicy.Evictions(ctx, req, max)
+}
+
+// TestADemotionStoppedByItsCallerIsNoMoveFailure: an eviction on the hot
+// mount demotes a victim to the full cold mount, whose own eviction for
+// it stops because the store that asked for room gave up (its context
+// cancelled while the policy picks the cold mount's victims). The store
+// fails with the context's error, and nothing failed of the move or of
+// either mount: no move failure is counted, no file moved or deleted.
+func TestADemotionStoppedByItsCallerIsNoMoveFailure(t *testing.T) {
+	g := smallGeometry(true)
+	fileLen := int64(4096) + g.KeyBytes()
+	pol := &coldEvictionHook{evictPromotingPolicy: &evictPromotingPolicy{&demotingPolicy{testPolicy: newTestPolicy(1, abi.OrderLayerMajor)}}}
+	e := openEngine(t, Config{Policy: pol, Mounts: []Mount{
+		{Path: t.TempDir(), Capacity: 10 * fileLen, HighWatermark: 0.9, LowWatermark: 0.6},
+		{Path: t.TempDir(), Capacity: 10 * fileLen, HighWatermark: 1, LowWatermark: 0.5}, // full at 10 files
+	}})
+	ns, err := e.Declare(context.Background(), g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
+	b := [][]int{{0, 1, 2, 3}}
+	c.fill(rand.New(rand.NewPCG(5, 6)), b[0])
+	for _, k := range append(testKeys("cold", 10), testKeys("hot", 9)...) {
+		storeAndCheck(t, e, c, [][]byte{k}, b)
+	}
+	if u := e.Stats().Mounts; u[0].Entries != 9 || u[1].Entries != 10 {
+		t.Fatalf("%d files on the hot mount, %d on the cold one; want 9 and 10", u[0].Entries, u[1].Entries)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	pol.onCold = cancel
+	m, size := e.mounts[0], 2*fileLen // more than is left below the capacity
+	err = e.reserve(ctx, m, size)
+	if err == nil {
+		e.unreserve(m, size)
+	}
+	if !errors.Is(err, context.Canceled) {
+		t.Errorf("reserve with a context cancelled during the demotion: %v, want context.Canceled", err)
+	}
+	if ts := e.TierStats(); ts.MoveFailures != 0 || ts.Demotions != 0 {
+		t.Errorf("tier stats after a demotion stopped by its caller: %d move failures, %d demotions; want none", ts.MoveFailures, ts.Demotions)
+	}
+	if n := e.Stats().Evictions; n != 0 {
+		t.Errorf("%d files deleted for a caller that gave up, want 0", n)
+	}
+}
