@@ -9,12 +9,14 @@ typedef void (*set_peer_fn)(int);
 typedef void (*set_busy_fn)(long);
 typedef long (*hold_fn)(int);
 typedef void (*break_fn)(int, int);
+typedef long (*regs_fn)(void);
 static void call_set_fault(void *f, int op, long n, int code) { ((set_fault_fn)f)(op, n, code); }
 static long call_count(void *f, int op) { return ((count_fn)f)(op); }
 static void call_set_peer(void *f, int on) { ((set_peer_fn)f)(on); }
 static void call_set_busy(void *f, long n) { ((set_busy_fn)f)(n); }
 static long call_hold(void *f, int on) { return ((hold_fn)f)(on); }
 static void call_break(void *f, int d, int code) { ((break_fn)f)(d, code); }
+static long call_regs(void *f) { return ((regs_fn)f)(); }
 */
 import "C"
 
@@ -32,7 +34,7 @@ const supported = true
 type Fake struct {
 	lib                                                  *dl.Library
 	setFault, count, setPeer, setBusy, hold, brk, unload unsafe.Pointer
-	contexts, thread                                     unsafe.Pointer
+	contexts, thread, regs                               unsafe.Pointer
 }
 
 // Open opens the fake library for control; it is closed with the test.
@@ -69,6 +71,9 @@ func Open(t testing.TB, path string) *Fake {
 		t.Fatalf("cudatest: %v", err)
 	}
 	if f.thread, err = lib.Sym("fake_thread"); err != nil {
+		t.Fatalf("cudatest: %v", err)
+	}
+	if f.regs, err = lib.Sym("fake_registrations"); err != nil {
 		t.Fatalf("cudatest: %v", err)
 	}
 	return f
@@ -165,3 +170,10 @@ func (f *Fake) CurrentContext() int { return int(C.call_hold(f.thread, 0)) }
 // context current, device 0 chosen (so cudaGetDevice answers 0). Call it
 // from a goroutine locked to its thread.
 func (f *Fake) NewThread() { C.call_hold(f.thread, 1) }
+
+// Registrations is the number of live host registrations: ranges
+// cudaHostRegister registered that no cudaHostUnregister undid. The fake
+// refuses a registration that overlaps a live one
+// (cudaErrorHostMemoryAlreadyRegistered) and the unregistration of an
+// address that starts none (cudaErrorHostMemoryNotRegistered).
+func (f *Fake) Registrations() int { return int(C.call_regs(f.regs)) }

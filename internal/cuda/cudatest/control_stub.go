@@ -53,3 +53,6 @@ func (f *Fake) CurrentContext() int { return -1 }
 
 // NewThread does nothing.
 func (f *Fake) NewThread() {}
+
+// Registrations is 0.
+func (f *Fake) Registrations() int { return 0 }

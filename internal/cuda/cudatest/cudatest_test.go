@@ -6,6 +6,9 @@ import (
 	"os"
 	"testing"
 
+	"golang.org/x/sys/unix"
+
+	"github.com/kvhost/kvhost/internal/cuda"
 	"github.com/kvhost/kvhost/internal/cuda/cudatest"
 )
 
@@ -32,5 +35,53 @@ func TestBuildLeavesNothingBehindOnceTheTestEnds(t *testing.T) {
 	}
 	for _, e := range left {
 		t.Errorf("left in the temporary directory: %s", e.Name())
+	}
+}
+
+// TestFakeKeepsLiveHostRegistrations: the fake counts the registrations
+// not undone, refuses one that overlaps a live one and the
+// unregistration of an address that starts none, as the runtime does,
+// and undoes a registration whose unregistration failed (an injected
+// fault) all the same.
+func TestFakeKeepsLiveHostRegistrations(t *testing.T) {
+	lib := cudatest.Build(t)
+	fake := cudatest.Open(t, lib)
+	rt, err := cuda.Open(cuda.Config{Runtime: []string{lib}, Driver: []string{lib}})
+	if err != nil {
+		t.Fatalf("cuda.Open: %v", err)
+	}
+	t.Cleanup(func() { rt.Close() })
+	mem, err := unix.Mmap(-1, 0, 3<<12, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { unix.Munmap(mem) })
+	a, b, c := mem[:1<<12], mem[1<<12:2<<12], mem[:2<<12]
+	for _, step := range []struct {
+		name string
+		do   func() error
+		want cuda.Error // 0: success
+		live int
+	}{
+		{"register a", func() error { return rt.HostRegister(a) }, 0, 1},
+		{"register b", func() error { return rt.HostRegister(b) }, 0, 2},
+		{"register a again", func() error { return rt.HostRegister(a) }, 712, 2},
+		{"register a range overlapping a and b", func() error { return rt.HostRegister(c) }, 712, 2},
+		{"unregister a", func() error { return rt.HostUnregister(a) }, 0, 1},
+		{"unregister a again", func() error { return rt.HostUnregister(a) }, 713, 1},
+		{"unregister b with a fault", func() error {
+			fake.Fail(cudatest.OpUnregister, 1, 1)
+			return rt.HostUnregister(b)
+		}, 1, 0},
+		{"register the overlapping range", func() error { return rt.HostRegister(c) }, 0, 1},
+		{"unregister it", func() error { return rt.HostUnregister(c) }, 0, 0},
+	} {
+		err := step.do()
+		if step.want == 0 && err != nil || step.want != 0 && !errors.Is(err, step.want) {
+			t.Errorf("%s: %v, want %v", step.name, err, step.want)
+		}
+		if n := fake.Registrations(); n != step.live {
+			t.Errorf("after %s: %d live registrations, want %d", step.name, n, step.live)
+		}
 	}
 }

@@ -16,7 +16,9 @@
 // broken by a sticky error does; fake_unload marks the library unloaded,
 // as a dlclose would, and counts the calls made into it after;
 // fake_contexts reports on which devices a primary context was made and
-// fake_thread which one is current on the calling thread.
+// fake_thread which one is current on the calling thread;
+// fake_registrations counts the live host registrations
+// (cudaHostRegister not yet undone).
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -33,6 +35,8 @@ enum {
 	errLaunchFailure = 719,
 	errMapBufferObjectFailed = 205,
 	errNotReady = 600,
+	errHostMemoryAlreadyRegistered = 712,
+	errHostMemoryNotRegistered = 713,
 };
 
 // Kinds of operation, for faults and counters.
@@ -277,6 +281,8 @@ const char *cudaGetErrorName(int e) {
 	case errInvalidResourceHandle: return "cudaErrorInvalidResourceHandle";
 	case errMapBufferObjectFailed: return "cudaErrorMapBufferObjectFailed";
 	case errNotReady: return "cudaErrorNotReady";
+	case errHostMemoryAlreadyRegistered: return "cudaErrorHostMemoryAlreadyRegistered";
+	case errHostMemoryNotRegistered: return "cudaErrorHostMemoryNotRegistered";
 	}
 	return "cudaErrorUnknown";
 }
@@ -416,23 +422,72 @@ long fake_hold_registrations(int on) {
 	return n;
 }
 
+// Live registrations: the ranges cudaHostRegister registered and no
+// cudaHostUnregister undid, as the driver keeps them. A range that
+// overlaps a live one is refused (cudaErrorHostMemoryAlreadyRegistered),
+// and so is the unregistration of an address that starts none
+// (cudaErrorHostMemoryNotRegistered), as the runtime refuses both.
+typedef struct reg { uintptr_t base; size_t size; struct reg *next; } reg;
+static reg *regs;
+static long liveRegs;
+
+// fake_registrations is the number of live registrations.
+long fake_registrations(void) {
+	pthread_mutex_lock(&mu);
+	long n = liveRegs;
+	pthread_mutex_unlock(&mu);
+	return n;
+}
+
 int cudaHostRegister(void *p, size_t n, unsigned flags) {
 	late();
-	(void)p; (void)n; (void)flags;
+	(void)flags;
 	STICKY(curDevice);
 	pthread_mutex_lock(&mu);
 	regWaiting++;
 	while (regHeld) pthread_cond_wait(&regCond, &mu);
 	regWaiting--;
 	pthread_mutex_unlock(&mu);
-	return tick(opHostRegister);
+	int code = tick(opHostRegister);
+	if (code) return code;
+	uintptr_t b = (uintptr_t)p;
+	pthread_mutex_lock(&mu);
+	for (reg *r = regs; r; r = r->next) {
+		if (b < r->base + r->size && r->base < b + n) {
+			pthread_mutex_unlock(&mu);
+			return errHostMemoryAlreadyRegistered;
+		}
+	}
+	reg *r = malloc(sizeof(reg));
+	*r = (reg){b, n, regs};
+	regs = r;
+	liveRegs++;
+	pthread_mutex_unlock(&mu);
+	return 0;
 }
+// cudaHostUnregister undoes a live registration starting at p; an
+// injected failure or a broken device is returned with the registration
+// undone all the same.
 int cudaHostUnregister(void *p) {
 	late();
-	(void)p;
 	int code = tick(opHostUnregister);
-	int c = sticky(curDevice); // unregistered all the same
-	return c ? c : code;
+	int found = 0;
+	pthread_mutex_lock(&mu);
+	for (reg **r = &regs; *r; r = &(*r)->next) {
+		if ((*r)->base == (uintptr_t)p) {
+			reg *x = *r;
+			*r = x->next;
+			free(x);
+			liveRegs--;
+			found = 1;
+			break;
+		}
+	}
+	pthread_mutex_unlock(&mu);
+	int c = sticky(curDevice);
+	if (c) return c;
+	if (code) return code;
+	return found ? 0 : errHostMemoryNotRegistered;
 }
 
 int cudaMalloc(void **p, size_t n) {
