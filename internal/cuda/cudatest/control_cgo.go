@@ -10,6 +10,7 @@ typedef void (*set_busy_fn)(long);
 typedef long (*hold_fn)(int);
 typedef void (*break_fn)(int, int);
 typedef long (*regs_fn)(void);
+typedef long (*misuse_fn)(int);
 static void call_set_fault(void *f, int op, long n, int code) { ((set_fault_fn)f)(op, n, code); }
 static long call_count(void *f, int op) { return ((count_fn)f)(op); }
 static void call_set_peer(void *f, int on) { ((set_peer_fn)f)(on); }
@@ -17,6 +18,7 @@ static void call_set_busy(void *f, long n) { ((set_busy_fn)f)(n); }
 static long call_hold(void *f, int on) { return ((hold_fn)f)(on); }
 static void call_break(void *f, int d, int code) { ((break_fn)f)(d, code); }
 static long call_regs(void *f) { return ((regs_fn)f)(); }
+static long call_misuse(void *f, int which) { return ((misuse_fn)f)(which); }
 */
 import "C"
 
@@ -34,7 +36,7 @@ const supported = true
 type Fake struct {
 	lib                                                  *dl.Library
 	setFault, count, setPeer, setBusy, hold, brk, unload unsafe.Pointer
-	contexts, thread, regs                               unsafe.Pointer
+	contexts, thread, regs, misuse                       unsafe.Pointer
 }
 
 // Open opens the fake library for control; it is closed with the test.
@@ -74,6 +76,9 @@ func Open(t testing.TB, path string) *Fake {
 		t.Fatalf("cudatest: %v", err)
 	}
 	if f.regs, err = lib.Sym("fake_registrations"); err != nil {
+		t.Fatalf("cudatest: %v", err)
+	}
+	if f.misuse, err = lib.Sym("fake_misuse"); err != nil {
 		t.Fatalf("cudatest: %v", err)
 	}
 	return f
@@ -177,3 +182,17 @@ func (f *Fake) NewThread() { C.call_hold(f.thread, 1) }
 // (cudaErrorHostMemoryAlreadyRegistered) and the unregistration of an
 // address that starts none (cudaErrorHostMemoryNotRegistered).
 func (f *Fake) Registrations() int { return int(C.call_regs(f.regs)) }
+
+// StrayCopies is how many copies (and kernel table entries, of the copy
+// and checksum kernels) ran (at their stream's synchronization) over
+// host memory that was neither pinned (cudaHostAlloc) nor inside a
+// live registration at that moment: the mapping of a file unregistered
+// before its job's copies ran, or memory of the Go heap. cudaMemcpy, the
+// synchronous copy tests use to reach device memory, is not counted.
+func (f *Fake) StrayCopies() int { return int(C.call_misuse(f.misuse, 0)) }
+
+// BusyDestroys is how many streams were destroyed with copies still
+// queued on a device that is not broken: a real GPU runs those after
+// cudaStreamDestroy returned, into memory their job may have handed
+// back (the fake drops them).
+func (f *Fake) BusyDestroys() int { return int(C.call_misuse(f.misuse, 1)) }

@@ -56,3 +56,9 @@ func (f *Fake) NewThread() {}
 
 // Registrations is 0.
 func (f *Fake) Registrations() int { return 0 }
+
+// StrayCopies is 0.
+func (f *Fake) StrayCopies() int { return 0 }
+
+// BusyDestroys is 0.
+func (f *Fake) BusyDestroys() int { return 0 }

@@ -5,6 +5,7 @@ import (
 	"io/fs"
 	"os"
 	"testing"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 
@@ -84,4 +85,66 @@ func TestFakeKeepsLiveHostRegistrations(t *testing.T) {
 			t.Errorf("after %s: %d live registrations, want %d", step.name, n, step.live)
 		}
 	}
+}
+
+// TestFakeCountsStrayCopiesAndBusyDestroys: a copy that runs over host
+// memory neither pinned nor registered counts as stray, one over a live
+// registration or pinned memory does not; a stream destroyed with a copy
+// queued counts, one synchronized first does not.
+func TestFakeCountsStrayCopiesAndBusyDestroys(t *testing.T) {
+	lib := cudatest.Build(t)
+	fake := cudatest.Open(t, lib)
+	rt, err := cuda.Open(cuda.Config{Runtime: []string{lib}, Driver: []string{lib}})
+	if err != nil {
+		t.Fatalf("cuda.Open: %v", err)
+	}
+	t.Cleanup(func() { rt.Close() })
+	unlock, err := rt.LockDevice(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unlock()
+	dev, err := rt.Malloc(0, 1<<12)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer dev.Close()
+	mem, err := unix.Mmap(-1, 0, 1<<12, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unix.Munmap(mem)
+	host := uintptr(unsafe.Pointer(&mem[0]))
+	s, err := rt.NewStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, step := range []struct {
+		name            string
+		do              func() error
+		stray, destroys int
+	}{
+		{"a copy from unregistered memory", func() error {
+			return errors.Join(rt.CopyH2D(dev.Ptr(), host, 1<<12, s), rt.Sync(s))
+		}, 1, 0},
+		{"a copy from registered memory", func() error {
+			return errors.Join(rt.HostRegister(mem), rt.CopyD2H(host, dev.Ptr(), 1<<12, s), rt.Sync(s))
+		}, 1, 0},
+		{"a copy queued and run after the unregistration", func() error {
+			return errors.Join(rt.CopyD2H(host, dev.Ptr(), 1<<12, s), rt.HostUnregister(mem), rt.Sync(s))
+		}, 2, 0},
+		{"a stream destroyed with a copy queued", func() error {
+			err := errors.Join(rt.CopyH2D(dev.Ptr(), host, 1<<12, s), rt.DestroyStream(s))
+			s, _ = rt.NewStream()
+			return err
+		}, 2, 1},
+	} {
+		if err := step.do(); err != nil {
+			t.Fatalf("%s: %v", step.name, err)
+		}
+		if n, m := fake.StrayCopies(), fake.BusyDestroys(); n != step.stray || m != step.destroys {
+			t.Errorf("after %s: %d stray copies and %d busy destroys, want %d and %d", step.name, n, m, step.stray, step.destroys)
+		}
+	}
+	rt.DestroyStream(s)
 }

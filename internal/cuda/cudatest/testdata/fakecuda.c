@@ -204,11 +204,52 @@ static uint32_t crc_register(const uint8_t *p, size_t n) {
 	return r;
 }
 
+// Host memory the copy engines may reach: pinned allocations
+// (cudaHostAlloc) and live registrations (below). A copy that runs over
+// host memory that is neither counts as stray (fake_misuse): the
+// driver would stage it through memory of its own, and where it is a
+// mapping some code unregistered, or unmapped, it reads or writes pages
+// no longer meant for it.
+typedef struct pinned { uintptr_t base; size_t size; struct pinned *next; } pinned;
+static pinned *pins;
+static long strayCopies, busyDestroys;
+static int inRegs(uintptr_t p, size_t n);
+
+// reachable reports whether [p, p+n) is device memory, pinned memory or
+// inside a live registration; called with mu held.
+static int reachable(uintptr_t p, size_t n) {
+	for (alloc *a = allocs; a; a = a->next)
+		if (p >= a->base && p + n <= a->base + a->size) return 1;
+	for (pinned *h = pins; h; h = h->next)
+		if (p >= h->base && p + n <= h->base + h->size) return 1;
+	return inRegs(p, n);
+}
+
+// check_copy counts a copy of n bytes between dst and src that reaches
+// host memory the copy engines may not (stray).
+static void check_copy(const void *dst, const void *src, size_t n) {
+	pthread_mutex_lock(&mu);
+	if (!reachable((uintptr_t)dst, n) || !reachable((uintptr_t)src, n)) strayCopies++;
+	pthread_mutex_unlock(&mu);
+}
+
+// fake_misuse returns, for which 0, the copies that ran over host
+// memory neither pinned nor registered; for 1, the streams destroyed
+// with copies still queued (a real GPU runs them after the destroy
+// returned, into memory their job may have handed back).
+long fake_misuse(int which) {
+	pthread_mutex_lock(&mu);
+	long n = which == 0 ? strayCopies : busyDestroys;
+	pthread_mutex_unlock(&mu);
+	return n;
+}
+
 // run_op runs one op; a kernel entry that is not 16-byte aligned fails
 // it, as the kernel's vector accesses would, and so does a checksum
 // entry that is empty or longer than 64 KiB.
 static int run_op(const op *o) {
 	if (!o->table) {
+		check_copy(o->dst, o->src, o->n);
 		memcpy(o->dst, o->src, o->n);
 		return 0;
 	}
@@ -217,6 +258,7 @@ static int run_op(const op *o) {
 			uint64_t *e = (uint64_t *)o->table + 2 * i;
 			uint32_t n = (uint32_t)e[1];
 			if ((e[0] | n) % 16 || n == 0 || n > 65536) return errLaunchFailure;
+			check_copy((void *)(uintptr_t)e[0], (void *)(uintptr_t)e[0], n);
 			uint32_t reg = crc_register((const uint8_t *)(uintptr_t)e[0], n);
 			memcpy((char *)e + 12, &reg, 4);
 		}
@@ -225,6 +267,7 @@ static int run_op(const op *o) {
 	for (size_t i = 0; i < o->n; i++) {
 		const uint64_t *e = o->table + 3 * i;
 		if ((e[0] | e[1] | e[2]) % 16) return errLaunchFailure;
+		check_copy((void *)(uintptr_t)e[0], (const void *)(uintptr_t)e[1], e[2]);
 		memcpy((void *)(uintptr_t)e[0], (const void *)(uintptr_t)e[1], e[2]);
 	}
 	return 0;
@@ -323,6 +366,14 @@ int cudaStreamDestroy(stream *s) {
 	late();
 	if (!s) return errInvalidResourceHandle;
 	int code = sticky(s->device); // freed all the same: the fake leaks nothing
+	pthread_mutex_lock(&s->mu);
+	int queued = s->n > 0;
+	pthread_mutex_unlock(&s->mu);
+	if (queued && !code) {
+		pthread_mutex_lock(&mu);
+		busyDestroys++;
+		pthread_mutex_unlock(&mu);
+	}
 	free(s->ops);
 	free(s);
 	return code;
@@ -399,10 +450,25 @@ int cudaHostAlloc(void **p, size_t n, unsigned flags) {
 	int code = tick(opHostAlloc);
 	if (code) return code;
 	if (posix_memalign(p, 4096, n ? n : 1)) return errMemoryAllocation;
+	pinned *h = malloc(sizeof(pinned));
+	pthread_mutex_lock(&mu);
+	*h = (pinned){(uintptr_t)*p, n, pins};
+	pins = h;
+	pthread_mutex_unlock(&mu);
 	return 0;
 }
 int cudaFreeHost(void *p) {
 	late();
+	pthread_mutex_lock(&mu);
+	for (pinned **h = &pins; *h; h = &(*h)->next) {
+		if ((*h)->base == (uintptr_t)p) {
+			pinned *x = *h;
+			*h = x->next;
+			free(x);
+			break;
+		}
+	}
+	pthread_mutex_unlock(&mu);
 	free(p);
 	return sticky(curDevice);
 }
@@ -430,6 +496,14 @@ long fake_hold_registrations(int on) {
 typedef struct reg { uintptr_t base; size_t size; struct reg *next; } reg;
 static reg *regs;
 static long liveRegs;
+
+// inRegs reports whether [p, p+n) is inside a live registration;
+// called with mu held.
+static int inRegs(uintptr_t p, size_t n) {
+	for (reg *r = regs; r; r = r->next)
+		if (p >= r->base && p + n <= r->base + r->size) return 1;
+	return 0;
+}
 
 // fake_registrations is the number of live registrations.
 long fake_registrations(void) {
