@@ -73,8 +73,9 @@ func stressEnvInt(t *testing.T, name string, def uint64) uint64 {
 // registered files and the mappings and descriptors of the mount's files
 // agree; the engine's used and spare bytes equal a walk of the mount; no
 // file was dropped as corrupt; no copy ran over host memory neither
-// pinned nor registered (nor over device memory freed), and no stream
-// was destroyed with copies queued. After the engine's and the mover's
+// pinned nor registered (nor over device memory freed), no stream was
+// destroyed with copies queued, no call named a stream or event
+// destroyed. After the engine's and the mover's
 // Close: no registration, mapping or descriptor of the mount's files is
 // left, no temporary or spare file, and no CUDA call comes after the
 // runtime is marked unloaded. A third run checks the same after closing
@@ -1024,14 +1025,18 @@ func (s *gpuStress) quiesced(t *testing.T) {
 }
 
 // misuse checks that no copy ran over host memory neither pinned nor
-// registered (a file's mapping after its registration was released), and
-// that no stream was destroyed with copies queued.
+// registered (a file's mapping after its registration was released),
+// that no stream was destroyed with copies queued, and that no call named
+// a stream or event destroyed.
 func (s *gpuStress) misuse(t *testing.T) {
 	if n := s.fake.StrayCopies(); n != 0 {
 		t.Errorf("%d copies ran over host memory neither pinned nor registered", n)
 	}
 	if n := s.fake.BusyDestroys(); n != 0 {
 		t.Errorf("%d streams destroyed with copies queued", n)
+	}
+	if n := s.fake.DeadHandles(); n != 0 {
+		t.Errorf("%d calls named a stream or event destroyed", n)
 	}
 }
 

@@ -196,3 +196,9 @@ func (f *Fake) StrayCopies() int { return int(C.call_misuse(f.misuse, 0)) }
 // cudaStreamDestroy returned, into memory their job may have handed
 // back (the fake drops them).
 func (f *Fake) BusyDestroys() int { return int(C.call_misuse(f.misuse, 1)) }
+
+// DeadHandles is how many calls named a stream or event that was
+// destroyed, or never made: each fails with
+// cudaErrorInvalidResourceHandle without touching it (a real runtime
+// may crash, or act on whatever took the handle's place).
+func (f *Fake) DeadHandles() int { return int(C.call_misuse(f.misuse, 2)) }

@@ -62,3 +62,6 @@ func (f *Fake) StrayCopies() int { return 0 }
 
 // BusyDestroys is 0.
 func (f *Fake) BusyDestroys() int { return 0 }
+
+// DeadHandles is 0.
+func (f *Fake) DeadHandles() int { return 0 }

@@ -148,3 +148,42 @@ func TestFakeCountsStrayCopiesAndBusyDestroys(t *testing.T) {
 	}
 	rt.DestroyStream(s)
 }
+
+// TestFakeCountsCallsOnDestroyedHandles: a call that names a stream or
+// event destroyed fails with cudaErrorInvalidResourceHandle and counts;
+// calls on live ones do not.
+func TestFakeCountsCallsOnDestroyedHandles(t *testing.T) {
+	lib := cudatest.Build(t)
+	fake := cudatest.Open(t, lib)
+	rt, err := cuda.Open(cuda.Config{Runtime: []string{lib}, Driver: []string{lib}})
+	if err != nil {
+		t.Fatalf("cuda.Open: %v", err)
+	}
+	t.Cleanup(func() { rt.Close() })
+	unlock, err := rt.LockDevice(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer unlock()
+	s, err := rt.NewStream()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := rt.Sync(s); err != nil || fake.DeadHandles() != 0 {
+		t.Fatalf("sync of a live stream: %v, %d dead uses", err, fake.DeadHandles())
+	}
+	if err := rt.DestroyStream(s); err != nil {
+		t.Fatal(err)
+	}
+	for i, call := range []func() error{
+		func() error { return rt.Sync(s) },
+		func() error { return rt.DestroyStream(s) },
+	} {
+		if err := call(); !errors.Is(err, cuda.Error(400)) {
+			t.Errorf("call %d on the destroyed stream: %v, want cudaErrorInvalidResourceHandle", i, err)
+		}
+		if n := fake.DeadHandles(); n != i+1 {
+			t.Errorf("after call %d on the destroyed stream: %d dead uses, want %d", i, n, i+1)
+		}
+	}
+}

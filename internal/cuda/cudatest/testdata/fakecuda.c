@@ -212,7 +212,7 @@ static uint32_t crc_register(const uint8_t *p, size_t n) {
 // no longer meant for it.
 typedef struct pinned { uintptr_t base; size_t size; struct pinned *next; } pinned;
 static pinned *pins;
-static long strayCopies, busyDestroys;
+static long strayCopies, busyDestroys, deadUses;
 static int inRegs(uintptr_t p, size_t n);
 
 // reachable reports whether [p, p+n) is device memory, pinned memory or
@@ -236,10 +236,11 @@ static void check_copy(const void *dst, const void *src, size_t n) {
 // fake_misuse returns, for which 0, the copies that ran over host
 // memory neither pinned nor registered; for 1, the streams destroyed
 // with copies still queued (a real GPU runs them after the destroy
-// returned, into memory their job may have handed back).
+// returned, into memory their job may have handed back); for 2, the
+// calls that named a stream or event destroyed (or never made).
 long fake_misuse(int which) {
 	pthread_mutex_lock(&mu);
-	long n = which == 0 ? strayCopies : busyDestroys;
+	long n = which == 0 ? strayCopies : which == 1 ? busyDestroys : __atomic_load_n(&deadUses, __ATOMIC_SEQ_CST);
 	pthread_mutex_unlock(&mu);
 	return n;
 }
@@ -353,6 +354,54 @@ int cudaDeviceGetPCIBusId(char *buf, int len, int d) {
 }
 int cudaDeviceGetAttribute(int *v, int attr, int d) { late(); if (d < 0 || d >= numDevices) return errInvalidDevice; *v = attr; return 0; }
 
+// Live streams and events: a call that names one destroyed (or never
+// made) counts as a dead use (fake_misuse) and fails with
+// cudaErrorInvalidResourceHandle, without touching it.
+static void **handles;
+static size_t nhandles, caphandles;
+
+static void add_handle(void *h) {
+	pthread_mutex_lock(&mu);
+	if (nhandles == caphandles) {
+		caphandles = caphandles ? 2 * caphandles : 64;
+		handles = realloc(handles, caphandles * sizeof(void *));
+	}
+	handles[nhandles++] = h;
+	pthread_mutex_unlock(&mu);
+}
+
+// find_handle returns h's index, or -1; called with mu held.
+static long find_handle(void *h) {
+	for (size_t i = 0; i < nhandles; i++)
+		if (handles[i] == h) return (long)i;
+	return -1;
+}
+
+// live_handle reports whether h is live; a null stream (the legacy
+// default stream) is.
+static int live_handle(void *h) {
+	if (!h) return 1;
+	pthread_mutex_lock(&mu);
+	int ok = find_handle(h) >= 0;
+	pthread_mutex_unlock(&mu);
+	return ok;
+}
+
+// drop_handle forgets h and reports whether it was live.
+static int drop_handle(void *h) {
+	pthread_mutex_lock(&mu);
+	long i = find_handle(h);
+	if (i >= 0) handles[i] = handles[--nhandles];
+	pthread_mutex_unlock(&mu);
+	return i >= 0;
+}
+
+static int dead_use(void) {
+	__atomic_add_fetch(&deadUses, 1, __ATOMIC_SEQ_CST);
+	return errInvalidResourceHandle;
+}
+#define DEAD(h) do { if (!live_handle(h)) return dead_use(); } while (0)
+
 int cudaStreamCreateWithFlags(stream **s, unsigned flags) {
 	late();
 	(void)flags;
@@ -360,11 +409,13 @@ int cudaStreamCreateWithFlags(stream **s, unsigned flags) {
 	*s = calloc(1, sizeof(stream));
 	pthread_mutex_init(&(*s)->mu, NULL);
 	(*s)->device = curDevice;
+	add_handle(*s);
 	return 0;
 }
 int cudaStreamDestroy(stream *s) {
 	late();
 	if (!s) return errInvalidResourceHandle;
+	if (!drop_handle(s)) return dead_use();
 	int code = sticky(s->device); // freed all the same: the fake leaks nothing
 	pthread_mutex_lock(&s->mu);
 	int queued = s->n > 0;
@@ -380,6 +431,7 @@ int cudaStreamDestroy(stream *s) {
 }
 int cudaStreamSynchronize(stream *s) {
 	late();
+	DEAD(s);
 	if (s) STICKY(s->device);
 	return drain(s);
 }
@@ -388,6 +440,7 @@ int cudaStreamSynchronize(stream *s) {
 // idle stream's query included, as a real broken context does.
 int cudaStreamQuery(stream *s) {
 	late();
+	DEAD(s);
 	STICKY(s ? s->device : curDevice);
 	return s ? run_upto(s, (size_t)-1, 0) : 0;
 }
@@ -397,10 +450,14 @@ int cudaEventCreateWithFlags(event **e, unsigned flags) {
 	STICKY(curDevice);
 	*e = calloc(1, sizeof(event));
 	(*e)->device = curDevice;
+	add_handle(*e);
 	return 0;
 }
 int cudaEventRecord(event *e, stream *s) {
 	late();
+	if (!e) return errInvalidResourceHandle;
+	DEAD(e);
+	DEAD(s);
 	STICKY(e->device);
 	int code = tick(opRecord);
 	if (code) return code;
@@ -415,13 +472,19 @@ int cudaEventRecord(event *e, stream *s) {
 }
 int cudaEventSynchronize(event *e) {
 	late();
+	if (!e) return errInvalidResourceHandle;
+	DEAD(e);
 	STICKY(e->device);
+	if (!live_handle(e->s)) return 0; // its stream was destroyed since: nothing to wait for
 	return e->s ? drain_upto(e->s, e->upto) : 0;
 }
 int cudaEventQuery(event *e) {
 	late();
+	if (!e) return errInvalidResourceHandle;
+	DEAD(e);
 	STICKY(e->device);
 	int code = tick(opQuery);
+	if (!live_handle(e->s)) return code; // its stream was destroyed since
 	pthread_mutex_lock(&mu);
 	long busy = busyQueries;
 	pthread_mutex_unlock(&mu);
@@ -438,6 +501,8 @@ int cudaEventQuery(event *e) {
 }
 int cudaEventDestroy(event *e) {
 	late();
+	if (!e) return errInvalidResourceHandle;
+	if (!drop_handle(e)) return dead_use();
 	int code = sticky(e->device);
 	free(e);
 	return code;
@@ -599,6 +664,7 @@ int cudaFree(void *p) {
 
 int cudaMemcpyAsync(void *dst, const void *src, size_t n, int kind, stream *s) {
 	late();
+	DEAD(s);
 	(void)kind;
 	STICKY(s ? s->device : curDevice);
 	int code = tick(opCopy);
@@ -618,6 +684,7 @@ typedef struct { int srcAccessOrder; int srcType, srcId; int dstType, dstId; uns
 int cudaMemcpyBatchAsync(void *const *dsts, const void *const *srcs, const size_t *sizes, size_t count,
 			 memcpyAttrs *attrs, size_t *attrsIdxs, size_t numAttrs, stream *s) {
 	late();
+	DEAD(s);
 	tick(opBatch);
 	if (s) STICKY(s->device);
 	if (!s || numAttrs < 1 || !attrs || !attrsIdxs || attrsIdxs[0] != 0) return errInvalidValue;
@@ -777,6 +844,7 @@ int cuModuleUnload(void *mod) {
 int cuLaunchKernel(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
 		   unsigned shared, stream *s, void **params, void **extra) {
 	late();
+	DEAD(s);
 	(void)shared; (void)extra;
 	STICKY(s ? s->device : curDevice);
 	int code = tick(opLaunch);
