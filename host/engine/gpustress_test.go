@@ -81,7 +81,7 @@ func stressEnvInt(t *testing.T, name string, def uint64) uint64 {
 // runtime is marked unloaded. A third run checks the same after closing
 // the engine and the mover while the workers go on (runAndClose).
 func TestGPUStressKeepsBytesAndLifetimes(t *testing.T) {
-	ops := int(stressEnvInt(t, "KVHOST_GPU_STRESS_OPS", 120))
+	ops := int(stressEnvInt(t, "KVHOST_GPU_STRESS_OPS", 200))
 	workers := int(stressEnvInt(t, "KVHOST_GPU_STRESS_WORKERS", stressWorkers))
 	seed := stressEnvInt(t, "KVHOST_GPU_STRESS_SEED", uint64(time.Now().UnixNano()))
 	t.Logf("KVHOST_GPU_STRESS_SEED=%d KVHOST_GPU_STRESS_OPS=%d KVHOST_GPU_STRESS_WORKERS=%d", seed, ops, workers)
