@@ -84,6 +84,22 @@ type daemonConfig struct {
 	// and cluster_interval ("" and 0 leave them out).
 	ClusterCapacity string
 	ClusterInterval time.Duration
+	// Policy names the policy ("" leaves lru); PolicyParams are more
+	// [policy.params] lines ("key = value").
+	Policy       string
+	PolicyParams []string
+	// TickInterval and RestartHold set the [engine] keys of those names
+	// (0 and "" leave them out).
+	TickInterval time.Duration
+	RestartHold  string
+	// More are the mounts after Mount, in order.
+	More []mountConfig
+}
+
+// mountConfig is a [[mount]] table after the first.
+type mountConfig struct {
+	Path     string
+	Capacity string // "" leaves the default
 }
 
 // toml renders c. The policy's compilation cache is shared by the run.
@@ -95,9 +111,20 @@ func (c daemonConfig) toml() string {
 		level = "info"
 	}
 	fmt.Fprintf(&b, "[log]\nlevel = %q\nformat = \"json\"\n\n", level)
-	fmt.Fprintf(&b, "[policy]\ncache_dir = %q\n\n", filepath.Join(filepath.Dir(kvhostBin), "wasm-cache"))
-	if c.KeysPerFile > 0 {
-		fmt.Fprintf(&b, "[policy.params]\nkeys_per_file = %d\n\n", c.KeysPerFile)
+	fmt.Fprintf(&b, "[policy]\ncache_dir = %q\n", filepath.Join(filepath.Dir(kvhostBin), "wasm-cache"))
+	if c.Policy != "" {
+		fmt.Fprintf(&b, "name = %q\n", c.Policy)
+	}
+	b.WriteString("\n")
+	if c.KeysPerFile > 0 || len(c.PolicyParams) > 0 {
+		b.WriteString("[policy.params]\n")
+		if c.KeysPerFile > 0 {
+			fmt.Fprintf(&b, "keys_per_file = %d\n", c.KeysPerFile)
+		}
+		for _, l := range c.PolicyParams {
+			b.WriteString(l + "\n")
+		}
+		b.WriteString("\n")
 	}
 	b.WriteString("[engine]\n")
 	if c.VerifyInterval > 0 {
@@ -105,6 +132,12 @@ func (c daemonConfig) toml() string {
 	}
 	if c.TempGrace > 0 {
 		fmt.Fprintf(&b, "temp_grace = %q\n", c.TempGrace.String())
+	}
+	if c.TickInterval != 0 {
+		fmt.Fprintf(&b, "tick_interval = %q\n", c.TickInterval.String())
+	}
+	if c.RestartHold != "" {
+		fmt.Fprintf(&b, "restart_hold = %q\n", c.RestartHold)
 	}
 	b.WriteString(nodeSetting(c.Node))
 	fmt.Fprintf(&b, "\n[[mount]]\npath = %q\n", c.Mount)
@@ -116,6 +149,12 @@ func (c daemonConfig) toml() string {
 	}
 	if c.ClusterInterval > 0 {
 		fmt.Fprintf(&b, "cluster_interval = %q\n", c.ClusterInterval.String())
+	}
+	for _, m := range c.More {
+		fmt.Fprintf(&b, "\n[[mount]]\npath = %q\n", m.Path)
+		if m.Capacity != "" {
+			fmt.Fprintf(&b, "capacity = %q\n", m.Capacity)
+		}
 	}
 	return b.String()
 }
