@@ -42,12 +42,14 @@ type tierCounts struct {
 	onBothAtKill int // files a kill left at the same path on both mounts
 	deduped      int // second copies the daemons' starts removed (their log)
 	onBoth       int // keys in files on both mounts after a start (must be 0)
+	overCapacity int // Stats read during the runs with a mount's used bytes over its capacity (must be 0)
+	samples      int // Stats read during the runs
 	accounting   int // starts whose mount stats disagreed with the files there
 }
 
 func (c *tierCounts) String() string {
-	return fmt.Sprintf("tiered: demotions=%d promotions=%d move_failures=%d demotion_deletes=%d evictions=%d held_demoted=%d cold_temp_at_kill=%d on_both_at_kill=%d deduped_at_start=%d keys_on_both_after_start=%d accounting_mismatches=%d",
-		c.demotions, c.promotions, c.moveFailures, c.demotionDeletes, c.evictions, c.heldDemoted, c.coldTemp, c.onBothAtKill, c.deduped, c.onBoth, c.accounting)
+	return fmt.Sprintf("tiered: demotions=%d promotions=%d move_failures=%d demotion_deletes=%d evictions=%d held_demoted=%d cold_temp_at_kill=%d on_both_at_kill=%d deduped_at_start=%d keys_on_both_after_start=%d accounting_mismatches=%d stats_samples=%d over_capacity=%d",
+		c.demotions, c.promotions, c.moveFailures, c.demotionDeletes, c.evictions, c.heldDemoted, c.coldTemp, c.onBothAtKill, c.deduped, c.onBoth, c.accounting, c.samples, c.overCapacity)
 }
 
 // add adds the moves a daemon counted (its last Stats).
@@ -172,13 +174,16 @@ func TestTortureSIGKILLTiered(t *testing.T) {
 		}
 		// The daemon's counters die with it: the last ones read before the
 		// kill are a lower bound of its moves.
-		last := make(chan client.Stats, 1)
+		last := make(chan polled, 1)
 		go func() { last <- pollStats(ctx, cfg.Socket) }()
 		<-time.After(run)
 		d.kill()
 		counts.kills++
 		wg.Wait()
-		tiers.add(<-last)
+		pl := <-last
+		tiers.add(pl.last)
+		tiers.samples += pl.samples
+		tiers.overCapacity += pl.overCapacity
 		tiers.heldDemoted += heldDemotions(d.log.String())
 		if counts.kills%10 == 0 {
 			t.Logf("after %d kills: %d acknowledged keys, %d verified loads; %s", counts.kills, len(acks.snapshot()), counts.verified.Load(), tiers.String())
@@ -189,7 +194,7 @@ func TestTortureSIGKILLTiered(t *testing.T) {
 	t.Log(tiers.String())
 	fmt.Println(counts.String())
 	fmt.Println(tiers.String())
-	if counts.wrong.Load() > 0 || counts.lost.Load() > 0 || counts.failed.Load() > 0 || counts.leftovers > 0 || tiers.onBoth > 0 || tiers.accounting > 0 {
+	if counts.wrong.Load() > 0 || counts.lost.Load() > 0 || counts.failed.Load() > 0 || counts.leftovers > 0 || tiers.onBoth > 0 || tiers.accounting > 0 || tiers.overCapacity > 0 {
 		t.Fatalf("%s\n%s\nexamples:\n%v", counts.String(), tiers.String(), acks.bad)
 	}
 	if counts.verified.Load() < int64(counts.acked) {
@@ -222,24 +227,39 @@ func heldDemotions(log string) int {
 	return n
 }
 
+// polled is what pollStats read.
+type polled struct {
+	last         client.Stats // the last Stats read
+	samples      int          // Stats read
+	overCapacity int          // of which with a mount's used bytes over its capacity
+}
+
 // pollStats reads the daemon's Stats until its connection is lost and
-// returns the last ones read.
-func pollStats(ctx context.Context, socket string) client.Stats {
-	var last client.Stats
+// returns the last ones read, counting those where a mount's used bytes
+// passed its capacity.
+func pollStats(ctx context.Context, socket string) polled {
+	var p polled
 	c, err := client.Dial(ctx, socket, "torture-stats")
 	if err != nil {
-		return last
+		return p
 	}
 	defer c.Close()
 	for {
 		st, err := c.Stats(ctx)
 		if err != nil {
-			return last
+			return p
 		}
-		last = st
+		p.last = st
+		p.samples++
+		for _, m := range st.Mounts {
+			if m.Used > m.Capacity {
+				p.overCapacity++
+				break
+			}
+		}
 		select {
 		case <-ctx.Done():
-			return last
+			return p
 		case <-time.After(20 * time.Millisecond):
 		}
 	}
