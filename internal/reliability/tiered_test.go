@@ -12,7 +12,6 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -163,15 +162,7 @@ func TestTortureSIGKILLTiered(t *testing.T) {
 			break
 		}
 		run := p.minRun + time.Duration(rng.Int64N(int64(p.maxRun-p.minRun)))
-		var wg sync.WaitGroup
-		for i := range p.clients {
-			crng := rand.New(rand.NewPCG(rng.Uint64(), uint64(i)))
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				tortureClient(ctx, cfg.Socket, i, &seqs[i], p.keysPerJob, crng, acks, &counts)
-			}()
-		}
+		wg := startTortureClients(ctx, cfg.Socket, p, seqs, rng, acks, &counts)
 		// The daemon's counters die with it: the last ones read before the
 		// kill are a lower bound of its moves.
 		last := make(chan polled, 1)

@@ -127,15 +127,7 @@ func TestTortureSIGKILL(t *testing.T) {
 		}
 		// The workload runs until the kill, at a random moment.
 		run := p.minRun + time.Duration(rng.Int64N(int64(p.maxRun-p.minRun)))
-		var wg sync.WaitGroup
-		for i := range p.clients {
-			crng := rand.New(rand.NewPCG(rng.Uint64(), uint64(i)))
-			wg.Add(1)
-			go func() {
-				defer wg.Done()
-				tortureClient(ctx, cfg.Socket, i, &seqs[i], p.keysPerJob, crng, acks, &counts)
-			}()
-		}
+		wg := startTortureClients(ctx, cfg.Socket, p, seqs, rng, acks, &counts)
 		<-time.After(run)
 		d.kill()
 		counts.kills++
@@ -153,6 +145,22 @@ func TestTortureSIGKILL(t *testing.T) {
 	if counts.verified.Load() < int64(counts.acked) {
 		t.Fatalf("only %d verified loads of %d acknowledged keys", counts.verified.Load(), counts.acked)
 	}
+}
+
+// startTortureClients starts p.clients tortureClients on socket, each
+// with its own sequence in seqs and a generator seeded from rng; the
+// group is done when every one has returned.
+func startTortureClients(ctx context.Context, socket string, p tortureParams, seqs []int, rng *rand.Rand, acks *ackSet, counts *tortureCounts) *sync.WaitGroup {
+	var wg sync.WaitGroup
+	for i := range p.clients {
+		crng := rand.New(rand.NewPCG(rng.Uint64(), uint64(i)))
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			tortureClient(ctx, socket, i, &seqs[i], p.keysPerJob, crng, acks, counts)
+		}()
+	}
+	return &wg
 }
 
 // tortureClient stores jobs of fresh keys (client i, numbered from *seq)

@@ -45,13 +45,7 @@ func TestBuildLeavesNothingBehindOnceTheTestEnds(t *testing.T) {
 // and undoes a registration whose unregistration failed (an injected
 // fault) all the same.
 func TestFakeKeepsLiveHostRegistrations(t *testing.T) {
-	lib := cudatest.Build(t)
-	fake := cudatest.Open(t, lib)
-	rt, err := cuda.Open(cuda.Config{Runtime: []string{lib}, Driver: []string{lib}})
-	if err != nil {
-		t.Fatalf("cuda.Open: %v", err)
-	}
-	t.Cleanup(func() { rt.Close() })
+	fake, rt := openFake(t)
 	mem, err := unix.Mmap(-1, 0, 3<<12, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
 	if err != nil {
 		t.Fatal(err)
@@ -92,13 +86,7 @@ func TestFakeKeepsLiveHostRegistrations(t *testing.T) {
 // registration or pinned memory does not; a stream destroyed with a copy
 // queued counts, one synchronized first does not.
 func TestFakeCountsStrayCopiesAndBusyDestroys(t *testing.T) {
-	lib := cudatest.Build(t)
-	fake := cudatest.Open(t, lib)
-	rt, err := cuda.Open(cuda.Config{Runtime: []string{lib}, Driver: []string{lib}})
-	if err != nil {
-		t.Fatalf("cuda.Open: %v", err)
-	}
-	t.Cleanup(func() { rt.Close() })
+	fake, rt := openFake(t)
 	unlock, err := rt.LockDevice(0)
 	if err != nil {
 		t.Fatal(err)
@@ -153,13 +141,7 @@ func TestFakeCountsStrayCopiesAndBusyDestroys(t *testing.T) {
 // event destroyed fails with cudaErrorInvalidResourceHandle and counts;
 // calls on live ones do not.
 func TestFakeCountsCallsOnDestroyedHandles(t *testing.T) {
-	lib := cudatest.Build(t)
-	fake := cudatest.Open(t, lib)
-	rt, err := cuda.Open(cuda.Config{Runtime: []string{lib}, Driver: []string{lib}})
-	if err != nil {
-		t.Fatalf("cuda.Open: %v", err)
-	}
-	t.Cleanup(func() { rt.Close() })
+	fake, rt := openFake(t)
 	unlock, err := rt.LockDevice(0)
 	if err != nil {
 		t.Fatal(err)
@@ -186,4 +168,18 @@ func TestFakeCountsCallsOnDestroyedHandles(t *testing.T) {
 			t.Errorf("after call %d on the destroyed stream: %d dead uses, want %d", i, n, i+1)
 		}
 	}
+}
+
+// openFake builds the fake library, opens its control and a runtime on
+// it, closed when the test ends.
+func openFake(t *testing.T) (*cudatest.Fake, *cuda.Runtime) {
+	t.Helper()
+	lib := cudatest.Build(t)
+	fake := cudatest.Open(t, lib)
+	rt, err := cuda.Open(cuda.Config{Runtime: []string{lib}, Driver: []string{lib}})
+	if err != nil {
+		t.Fatalf("cuda.Open: %v", err)
+	}
+	t.Cleanup(func() { rt.Close() })
+	return fake, rt
 }
