@@ -297,6 +297,7 @@ var (
 	dTickMoves      = desc("kvhost_tick_moves_total", "Moves the policy's tick asked for and the engine carried out (promotions included).")
 	dMoveFailures   = desc("kvhost_move_failures_total", "Moves between mounts that failed (no space, I/O errors); the file stays where it was.")
 	dDemoteDeletes  = desc("kvhost_demotion_deletes_total", "Victims the policy wanted demoted, deleted because the target had no room (MOVE_DELETE_IF_FULL) or held another file at the path; also in kvhost_evictions_total.")
+	dDeduped        = desc("kvhost_duplicate_files_removed_total", "Files removed at start because the same file was also on another mount (a move between mounts that a crash cut short after its copy was in place); the copy the move made was kept.")
 	dMountInfo      = desc("kvhost_mount_info", "A mount's I/O mode, host data mover and checksums; always 1.", "mount", "io", "backend", "checksums")
 	dFallbacks      = desc("kvhost_data_path_fallbacks_total", "Transfer plans a GPU data mover passed on to the next (e.g. cufile to the staging copy).", "mount", "mover")
 	dPolicyInfo     = desc("kvhost_policy_info", "The configured policy and what answers its calls now (wasm or native); always 1.", "policy", "backend")
@@ -402,6 +403,7 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 		counter(dTickMoves, st.Tiering.Moves)
 		counter(dMoveFailures, st.Tiering.MoveFailures)
 		counter(dDemoteDeletes, st.Tiering.DemotionDeletes)
+		counter(dDeduped, st.Tiering.Deduped)
 		for _, mt := range st.Mounts {
 			counter(dMountMovedIn, mt.MovedIn, mt.Path)
 			counter(dMountMovedOut, mt.MovedOut, mt.Path)

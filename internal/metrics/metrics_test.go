@@ -106,7 +106,7 @@ func TestMetricsExposeSourcesAndObservations(t *testing.T) {
 		Engine: func() engine.Stats {
 			return engine.Stats{Entries: 3, Keys: 5, Stores: 5, Hits: 7, Misses: 2, Evictions: 1, RemoveFailures: 13, BytesWritten: 4096,
 				StoreFailures: engine.Failures{NoSpace: 4},
-				Tiering:       engine.TierStats{Demotions: 74700, Promotions: 12, Moves: 30, MoveFailures: 2, DemotionDeletes: 5},
+				Tiering:       engine.TierStats{Demotions: 74700, Promotions: 12, Moves: 30, MoveFailures: 2, DemotionDeletes: 5, Deduped: 3},
 				Mounts: []engine.MountStats{{Path: dir, Capacity: 1000, Used: 400, Entries: 3, IO: "buffered", Backend: "staging", Checksums: true, MovedIn: 8, MovedOut: 9},
 					{Path: refusing, IO: "buffered", Backend: "staging", StoresFailing: &engine.StoreFailure{Since: started, Last: started, Stores: 3, Err: "read-only file system"}}}}
 		},
@@ -163,6 +163,7 @@ func TestMetricsExposeSourcesAndObservations(t *testing.T) {
 		{"kvhost_tick_moves_total", nil, 30},
 		{"kvhost_move_failures_total", nil, 2},
 		{"kvhost_demotion_deletes_total", nil, 5},
+		{"kvhost_duplicate_files_removed_total", nil, 3},
 		{"kvhost_mount_moved_in_files_total", mount, 8},
 		{"kvhost_mount_moved_out_files_total", mount, 9},
 		{"kvhost_written_bytes_total", nil, 4096},
