@@ -466,8 +466,9 @@ type StoreFailure struct {
 	Stores uint64
 	// Err is the latest failure's text (Open's finding, before any).
 	Err string
-	// noRoom: the latest failure was for lack of room (reprobe).
-	noRoom bool
+	// room is the size of the file whose store or move failed last for
+	// lack of room, or 0 for a failure of another kind (reprobe).
+	room int64
 }
 
 // Stats are the engine's counters since Open.

@@ -1025,6 +1025,16 @@ func (c *clusterMount) reserveClaimed(size int64) bool {
 	return true
 }
 
+// fitsBound reports whether size bytes more of this node's fit in the
+// cluster's bound as last read: within its claim, or within what the
+// others' claims leave of the cluster's capacity (clusterReserve's limit),
+// without reading the others again, evicting or reserving (reprobe).
+func (c *clusterMount) fitsBound(size int64) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.own+size <= max(c.claim, c.bound.Capacity-clustercap.Claims(c.others()))
+}
+
 // reserveGrant reserves size bytes of a grant of clusterReserve (or
 // reserveClaimed) on m's space if its usage stays at or below limit
 // (space.reserveBelow). The bytes leave pending as the space takes them,

@@ -534,7 +534,7 @@ func (e *Engine) copyFile(en *entry, tm *mount, dst string) (en2, left *entry, e
 	readFailed := false
 	defer func() {
 		if !readFailed {
-			e.storeEnded(tm, err)
+			e.storeEnded(tm, en.size, err)
 		}
 	}()
 	f, tmp, op, err := e.createTemp(tm, filepath.Dir(dst), 0, en.size)

@@ -336,7 +336,7 @@ func (e *Engine) reportMounts() {
 func (e *Engine) warnRefusing(m *mount, fsName string, capacity int64) bool {
 	const loads = "; the files on it are still loaded"
 	var why string
-	noRoom := false
+	var room int64 // Open's finding: no room for any file
 	switch {
 	case errors.Is(m.unwritable, syscall.EROFS):
 		why = "read-only file system"
@@ -352,7 +352,7 @@ func (e *Engine) warnRefusing(m *mount, fsName string, capacity int64) bool {
 			avail = st.Avail
 		}
 		sp := m.sp
-		noRoom = true
+		room = probeBytes
 		why = fmt.Sprintf("no room: the file system has %d bytes available, the mount's reserve is %d", avail, sp.reserve)
 		e.log.Warn("engine: the mount has no room: every store there fails until it has"+loads,
 			"mount", m.root, "fs", fsName, "fs_available", avail, "reserve", sp.reserve, "configured", sp.configured,
@@ -360,7 +360,7 @@ func (e *Engine) warnRefusing(m *mount, fsName string, capacity int64) bool {
 	default:
 		return false
 	}
-	m.refuse(why+" (found at start)", noRoom, 0, e.now())
+	m.refuse(why+" (found at start)", room, 0, e.now())
 	return true
 }
 

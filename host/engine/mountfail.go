@@ -41,14 +41,14 @@ func mountFault(err error) bool {
 	return false
 }
 
-// storeEnded records how the store of one file on m ended (storeFile, and
-// the copy of a move to m: copyFile):
+// storeEnded records how the store of one file of size bytes on m ended
+// (storeFile, and the copy of a move to m: copyFile):
 // a success ends the mount's StoreFailure, a failure of the mount's own
 // (mountFault) starts or extends it, and any other failure leaves it as
 // it is. A success is also a file made on m (tookFile). A success costs
 // two atomic loads while the mount stores (and a swap where it ends a
 // failure); the clock is read only for a failure.
-func (e *Engine) storeEnded(m *mount, err error) {
+func (e *Engine) storeEnded(m *mount, size int64, err error) {
 	if err == nil {
 		if f := m.failing.Load(); f != nil {
 			m.failing.CompareAndSwap(f, nil) // a newer failure stays
@@ -59,17 +59,20 @@ func (e *Engine) storeEnded(m *mount, err error) {
 	if !mountFault(err) {
 		return
 	}
-	noRoom := errors.Is(err, ErrNoSpace) || errors.Is(err, syscall.ENOSPC)
-	m.refuse(err.Error(), noRoom, 1, e.now())
+	var room int64
+	if errors.Is(err, ErrNoSpace) || errors.Is(err, syscall.ENOSPC) {
+		room = max(size, 1)
+	}
+	m.refuse(err.Error(), room, 1, e.now())
 }
 
 // refuse starts m's StoreFailure, or extends the one it has, with a
-// failure of text why (noRoom: for lack of room), adding stores to its
-// count.
-func (m *mount) refuse(why string, noRoom bool, stores uint64, now time.Time) {
+// failure of text why (room: for lack of room for a file of that many
+// bytes; 0 for another reason), adding stores to its count.
+func (m *mount) refuse(why string, room int64, stores uint64, now time.Time) {
 	for {
 		old := m.failing.Load()
-		f := &StoreFailure{Since: now, Last: now, Stores: stores, Err: why, noRoom: noRoom}
+		f := &StoreFailure{Since: now, Last: now, Stores: stores, Err: why, room: room}
 		if old != nil {
 			f.Since, f.Stores = old.Since, old.Stores+stores
 		}
@@ -115,7 +118,7 @@ func (e *Engine) reprobe() {
 			continue
 		}
 		m.probed = now
-		if err := e.takesFiles(m, f.noRoom); err != nil {
+		if err := e.takesFiles(m, f.room); err != nil {
 			e.log.Debug("engine: the mount still refuses stores", "mount", m.root, "err", err)
 			continue
 		}
@@ -127,10 +130,14 @@ func (e *Engine) reprobe() {
 }
 
 // takesFiles returns nil where a file can be made on m again, as Open's
-// probe makes one: created, written and removed in its root; with room,
-// m must also have room below its high watermark, its capacity refreshed
-// from statfs first (a refusal for lack of room). Else it returns why not.
-func (e *Engine) takesFiles(m *mount, room bool) error {
+// probe makes one: created, written and removed in its root; with room
+// (a refusal for lack of room for a file of room bytes), m must also have
+// room for such a file below its high watermark, its capacity refreshed
+// from statfs first, and, on a cluster mount, this node room for it
+// within the cluster's bound as last read: a store of the size that
+// failed fails for lack of either, and the probe's own small file may
+// fit where it does not. Else it returns why not.
+func (e *Engine) takesFiles(m *mount, room int64) error {
 	f, tmp, op, err := e.createFile(m, m.root, probePrefix, 0, probeBytes)
 	if err != nil {
 		return fmt.Errorf("engine: probe %s: %s: %w", m.root, op, err)
@@ -143,13 +150,16 @@ func (e *Engine) takesFiles(m *mount, room bool) error {
 	if err != nil {
 		return fmt.Errorf("engine: probe %s: write: %w", m.root, err)
 	}
-	if !room {
+	if room <= 0 {
 		return nil
 	}
 	e.refreshCapacity(m, true)
-	if !e.space.fits(m.sp, probeBytes, high) {
+	if !e.space.fits(m.sp, room, high) {
 		used, capacity := e.space.usage(m.sp)
-		return fmt.Errorf("%w: mount %s: %d of %d bytes used, none free below the high watermark", ErrNoSpace, m.root, used, capacity)
+		return fmt.Errorf("%w: mount %s: %d of %d bytes used, no room for %d below the high watermark", ErrNoSpace, m.root, used, capacity, room)
+	}
+	if c := m.cluster; c != nil && !c.fitsBound(room) {
+		return fmt.Errorf("%w: mount %s: no room for %d bytes of this node's within the cluster's capacity of %d", ErrNoSpace, m.root, room, c.bound.Capacity)
 	}
 	return nil
 }

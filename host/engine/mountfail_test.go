@@ -452,3 +452,64 @@ func TestAMemoryMountFoundReadOnlyAtStartKeepsSparesOnceItTakesFiles(t *testing.
 		})
 	}
 }
+
+// TestAProbeLeavesARefusalForRoomWhereAStoreOfItsSizeStillFails: a
+// mount whose stores fail for lack of room (its one file pinned) has
+// room for the probe's small file but not for a file of the size that
+// failed: below the mount's high watermark, or, on a cluster mount,
+// within this node's share of the cluster's capacity. The probe leaves
+// the refusal, which the next store would start again.
+func TestAProbeLeavesARefusalForRoomWhereAStoreOfItsSizeStillFails(t *testing.T) {
+	g := smallGeometry(true)
+	fileLen := int64(4096 + g.KeyBytes())
+	for _, tc := range []struct {
+		name  string
+		mount Mount
+	}{
+		{"the mount's room", Mount{Capacity: fileLen + fileLen/2, HighWatermark: 0.9, LowWatermark: 0.5}},
+		{"the node's share of a cluster", Mount{Capacity: 100 * fileLen, ClusterCapacity: fileLen + fileLen/2, ClusterInterval: time.Hour}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ctx := context.Background()
+			clock := newTestClock()
+			// probes counts the probes that ended, passed or not.
+			probes := &atomic.Int64{}
+			h := slog.NewTextHandler(tWriter{t}, &slog.HandlerOptions{Level: slog.LevelDebug})
+			log := slog.New(logCount{logCount{h, "the mount still refuses stores", probes}, "the mount takes stores again", probes})
+			mnt := tc.mount
+			mnt.Path = t.TempDir()
+			e := openEngine(t, Config{Mounts: []Mount{mnt}, Policy: newTestPolicy(1, abi.OrderLayerMajor), NodeID: "a", Now: clock.now, Logger: log})
+			ns, err := e.Declare(ctx, g)
+			if err != nil {
+				t.Fatal(err)
+			}
+			c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
+			keys := testKeys("full", 3)
+			storeAndCheck(t, e, c, keys[:1], [][]int{{0, 1, 2, 3}})
+			id, _, err := e.Pin(ctx, ns, keys[:1], 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer e.Unpin(ctx, id)
+			store := func(key []byte) KeyResult {
+				t.Helper()
+				c.fill(rand.New(rand.NewPCG(5, 6)), []int{4, 5, 6, 7})
+				return wait(t)(e.Store(ctx, StoreRequest{Cache: c.id, Keys: [][]byte{key}, Blocks: [][]int{{4, 5, 6, 7}}})).Keys[0]
+			}
+			if kr := store(keys[1]); !errors.Is(kr.Err, ErrNoSpace) {
+				t.Fatalf("store beside the pinned file: %v, %v; want ErrNoSpace", kr.Outcome, kr.Err)
+			}
+			failing := func() *StoreFailure { return e.Stats().Mounts[0].StoresFailing }
+			if failing() == nil {
+				t.Fatal("no StoresFailing after a store failed with no space")
+			}
+			n := probes.Load()
+			clock.advance(reprobeAfter)
+			testwait.Until(t, "a probe of the refusing mount", testwait.Hang, func() bool { return probes.Load() > n })
+			if f := failing(); f == nil {
+				kr := store(keys[2])
+				t.Fatalf("StoresFailing ended by a probe where a file of the size that failed has no room; the next store: %v, %v", kr.Outcome, kr.Err)
+			}
+		})
+	}
+}

@@ -395,8 +395,8 @@ func (e *Engine) heldAt(ctx context.Context, fp uint64, key []byte, en *entry) b
 // publishes it by rename and indexes it.
 func (e *Engine) storeFile(ctx context.Context, j *Job, c *cache, blocks [][]int, gr *group) (err error) {
 	m := e.mounts[gr.mount]
-	defer func() { e.storeEnded(m, err) }()
 	size := gr.hdr.FileLen()
+	defer func() { e.storeEnded(m, size, err) }()
 	mv, err := m.mover(c.kind)
 	if err != nil {
 		return err
