@@ -298,9 +298,10 @@ func (e *Engine) evictions(ctx context.Context, req abi.EvictRequest) ([]policy.
 // victim instead: the target had no room and the policy said so, or the
 // target holds another file at the victim's path, where no demotion of it
 // can ever go (RATIONALE.md, "Why is a victim whose demotion target holds
-// another file at its path deleted?"). A move that fails because ctx was
-// cancelled (the reservation on the target stopped its eviction) leaves
-// the victim and counts no move failure.
+// another file at its path deleted?"). A move that fails once ctx is
+// cancelled (the reservation on the target stopped its eviction, or found
+// no room there) leaves the victim, deleted in no case, and counts no
+// move failure.
 //
 // A move to a later mount (a slower tier, by convention) may evict there;
 // a move to an earlier one only takes free room: evictMu is taken in mount
@@ -314,6 +315,12 @@ func (e *Engine) demoteVictim(ctx context.Context, m *mount, v policy.Eviction) 
 		return n, false
 	case errors.Is(err, errMoveStale):
 		return 0, false
+	case ctx.Err() != nil:
+		// The caller gave up (its eviction on the target stopped, or the
+		// target had no room once it had): no failure of the move's or
+		// of either mount's, and no file deleted for a caller that gave
+		// up (evict).
+		return 0, false
 	case errors.Is(err, ErrNoSpace) && v.Target.Flags&abi.MoveDeleteIfFull != 0:
 		e.tierSt.demotionDeletes.Add(1)
 		return 0, true
@@ -321,10 +328,6 @@ func (e *Engine) demoteVictim(ctx context.Context, m *mount, v policy.Eviction) 
 		e.tierSt.demotionDeletes.Add(1)
 		e.log.Warn("engine: demotion target holds another file at the victim's path; the victim is deleted", "entry", v.Entry, "mount", target, "err", err)
 		return 0, true
-	case ctx.Err() != nil && errors.Is(err, ctx.Err()):
-		// The caller gave up (its eviction on the target stopped): no
-		// failure of the move's or of either mount's.
-		return 0, false
 	}
 	e.tierSt.moveFailures.Add(1)
 	e.log.Debug("engine: demotion failed; the victim stays", "entry", v.Entry, "mount", target, "err", err)

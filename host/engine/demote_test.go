@@ -1468,3 +1468,55 @@ func TestADemotionStoppedByItsCallerIsNoMoveFailure(t *testing.T) {
 		t.Errorf("%d files deleted for a caller that gave up, want 0", n)
 	}
 }
+
+// TestAVictimIsNotDeletedForACallerThatGaveUpDuringItsDemotion: an
+// eviction on the hot mount demotes a victim (MOVE_DELETE_IF_FULL) to the
+// cold mount, full of pinned files; the store that asked for room gives
+// up while the policy is asked for the cold mount's victims (it has
+// none), so the move fails with no space. The victim whose demotion
+// failed so is not deleted instead: no file is deleted for a caller that
+// gave up, and the reservation fails with the context's error.
+func TestAVictimIsNotDeletedForACallerThatGaveUpDuringItsDemotion(t *testing.T) {
+	g := smallGeometry(true)
+	fileLen := int64(4096) + g.KeyBytes()
+	dp := &demotingPolicy{testPolicy: newTestPolicy(1, abi.OrderLayerMajor), deleteIfFull: true}
+	pol := &coldEvictionHook{evictPromotingPolicy: &evictPromotingPolicy{dp}}
+	e := openEngine(t, Config{Policy: pol, Mounts: []Mount{
+		{Path: t.TempDir(), Capacity: 10 * fileLen, HighWatermark: 0.9, LowWatermark: 0.6},
+		{Path: t.TempDir(), Capacity: 10 * fileLen, HighWatermark: 1, LowWatermark: 0.5}, // full at 10 files
+	}})
+	ctx := context.Background()
+	ns, err := e.Declare(ctx, g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
+	b := [][]int{{0, 1, 2, 3}}
+	c.fill(rand.New(rand.NewPCG(5, 6)), b[0])
+	cold := testKeys("cold", 10)
+	for _, k := range append(cold, testKeys("hot", 9)...) {
+		storeAndCheck(t, e, c, [][]byte{k}, b)
+	}
+	if u := e.Stats().Mounts; u[0].Entries != 9 || u[1].Entries != 10 {
+		t.Fatalf("%d files on the hot mount, %d on the cold one; want 9 and 10", u[0].Entries, u[1].Entries)
+	}
+	id, pinned, err := e.Pin(ctx, ns, cold, 0) // the cold mount: no victim
+	if err != nil || slices.Contains(pinned, false) {
+		t.Fatalf("Pin of the cold keys = %v, %v; want all pinned", pinned, err)
+	}
+	defer e.Unpin(ctx, id)
+	rctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	pol.onCold = cancel
+	m, size := e.mounts[0], 2*fileLen // more than is left below the capacity
+	err = e.reserve(rctx, m, size)
+	if err == nil {
+		e.unreserve(m, size)
+	}
+	if !errors.Is(err, context.Canceled) {
+		t.Errorf("reserve with a context cancelled during the demotion: %v, want context.Canceled", err)
+	}
+	if n, ts := e.Stats().Evictions, e.TierStats(); n != 0 || ts.DemotionDeletes != 0 || ts.MoveFailures != 0 {
+		t.Errorf("%d files deleted (%d demotion deletes, %d move failures) for a caller that gave up, want none", n, ts.DemotionDeletes, ts.MoveFailures)
+	}
+}
