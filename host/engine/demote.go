@@ -129,7 +129,9 @@ func (e *Engine) TierStats() TierStats {
 // startTiering describes the mounts to the policy and starts the driver of
 // ticks (Config.TickInterval), mount updates (Config.MountUpdateInterval)
 // and probes of mounts that refuse stores (reprobe) when the policy
-// implements policy.Tiering.
+// implements policy.Tiering: always, as the engine's policy is the
+// switch (switchPolicy), which passes on what its current policy takes
+// of the tiering calls.
 func (e *Engine) startTiering(ctx context.Context) {
 	t, ok := e.pol.(policy.Tiering)
 	if !ok {

@@ -412,8 +412,8 @@ func TestAMemoryMountFoundReadOnlyAtStartKeepsSparesOnceItTakesFiles(t *testing.
 			fileLen := int64(4096) + alignTo(g.KeyBytes(), 4096)
 			e := openEngine(t, Config{
 				Mounts: []Mount{{Path: dir, Capacity: 10 * fileLen, HighWatermark: 0.9, LowWatermark: 0.6}},
-				// A tiering policy (the tier driver probes) that deletes
-				// its victims.
+				// A policy that deletes its victims (the tier driver,
+				// which probes, runs whatever the policy).
 				Policy: &recordingPolicy{testPolicy: newTestPolicy(1, abi.OrderLayerMajor)}, Now: clock.now,
 				FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj},
 			})
