@@ -398,6 +398,10 @@ func (e *Engine) moveEntry(ctx context.Context, id uint64, target int, mayEvict,
 
 	if mayEvict {
 		if err := e.reserve(ctx, tm, size); err != nil {
+			// No room on tm after evicting what could be, as a store's
+			// reservation there fails: tm refuses stores (mountfail.go).
+			// A move into free room only (reserveFree) tried no eviction.
+			e.storeEnded(tm, size, err)
 			return 0, err
 		}
 	} else if err := e.reserveFree(tm, size); err != nil {

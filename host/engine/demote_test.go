@@ -1520,3 +1520,41 @@ func TestAVictimIsNotDeletedForACallerThatGaveUpDuringItsDemotion(t *testing.T) 
 		t.Errorf("%d files deleted (%d demotion deletes, %d move failures) for a caller that gave up, want none", n, ts.DemotionDeletes, ts.MoveFailures)
 	}
 }
+
+// TestADemotionWithNoRoomOnItsTargetStartsItsRefusalOfStores: a demotion
+// into a cold mount full of pinned files, which its eviction there could
+// not make room for, fails with no space as a store there would: the
+// cold mount refuses stores from then, as after such a store.
+func TestADemotionWithNoRoomOnItsTargetStartsItsRefusalOfStores(t *testing.T) {
+	g := smallGeometry(true)
+	fileLen := int64(4096) + g.KeyBytes()
+	pol := &coldEvictionHook{evictPromotingPolicy: &evictPromotingPolicy{&demotingPolicy{testPolicy: newTestPolicy(1, abi.OrderLayerMajor)}}}
+	e := openEngine(t, Config{Policy: pol, Mounts: []Mount{
+		{Path: t.TempDir(), Capacity: 10 * fileLen, HighWatermark: 0.9, LowWatermark: 0.6},
+		{Path: t.TempDir(), Capacity: 10 * fileLen, HighWatermark: 1, LowWatermark: 0.5}, // full at 10 files
+	}})
+	ctx := context.Background()
+	ns, err := e.Declare(ctx, g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
+	b := [][]int{{0, 1, 2, 3}}
+	c.fill(rand.New(rand.NewPCG(5, 6)), b[0])
+	cold := testKeys("cold", 10)
+	for _, k := range append(cold, testKeys("hot", 9)...) {
+		storeAndCheck(t, e, c, [][]byte{k}, b)
+	}
+	id, pinned, err := e.Pin(ctx, ns, cold, 0) // nothing to evict on the cold mount
+	if err != nil || slices.Contains(pinned, false) {
+		t.Fatalf("Pin of the cold keys = %v, %v; want all pinned", pinned, err)
+	}
+	defer e.Unpin(ctx, id)
+	res := wait(t)(e.Store(ctx, StoreRequest{Cache: c.id, Keys: testKeys("hot-more", 1), Blocks: b}))
+	if ts := e.TierStats(); ts.MoveFailures == 0 {
+		t.Fatalf("a store on the full hot mount (%v, %v): no demotion failed; the test proves nothing", res.Keys[0].Outcome, res.Keys[0].Err)
+	}
+	if f := e.Stats().Mounts[1].StoresFailing; f == nil || !strings.Contains(f.Err, "no space") {
+		t.Errorf("the cold mount's StoresFailing after a demotion there failed with no room: %+v, want no space", f)
+	}
+}
