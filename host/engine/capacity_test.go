@@ -773,3 +773,42 @@ func TestAnEvictionStopsWhenItsCallerGivesUp(t *testing.T) {
 		})
 	}
 }
+
+// TestAClusterEvictionStopsWhenItsCallerGivesUp: a reservation on a
+// cluster mount past this node's share of the cluster's capacity, for a
+// caller whose context is cancelled, deletes none of the node's files to
+// make room in the cluster, and fails with the context's error, as an
+// eviction for the mount's own capacity does.
+func TestAClusterEvictionStopsWhenItsCallerGivesUp(t *testing.T) {
+	g := smallGeometry(true)
+	fileLen := int64(4096) + g.KeyBytes()
+	e := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir(), Capacity: 100 * fileLen, ClusterCapacity: 2 * fileLen, ClusterInterval: time.Hour}},
+		Policy: newTestPolicy(1, abi.OrderLayerMajor), NodeID: "a"})
+	ns, err := e.Declare(context.Background(), g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
+	b := [][]int{{0, 1, 2, 3}}
+	c.fill(rand.New(rand.NewPCG(3, 4)), b[0])
+	keys := testKeys("cluster", 2) // the node's whole share
+	for i := range keys {
+		storeAndCheck(t, e, c, keys[i:i+1], b)
+	}
+	if n := e.Stats().Evictions; n != 0 {
+		t.Fatalf("%d evictions while filling, want 0", n)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	m := e.mounts[0]
+	err = e.reserve(ctx, m, fileLen)
+	if err == nil {
+		e.unreserve(m, fileLen)
+	}
+	if !errors.Is(err, context.Canceled) {
+		t.Errorf("reserve past the cluster share with a cancelled context: %v, want context.Canceled", err)
+	}
+	if n := e.Stats().Evictions; n != 0 {
+		t.Errorf("%d files deleted for a caller that gave up, want 0", n)
+	}
+}

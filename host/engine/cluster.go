@@ -952,7 +952,9 @@ func (c *clusterMount) evict(ctx context.Context, e *Engine, m *mount, own []ran
 // others' (two nodes raising theirs at once cannot both miss the other);
 // if the claims do not fit the bound, it evicts its files below the
 // cut-off, and then its lowest-ranked, until they do. Without the
-// directory (lost) it stays within its last claim.
+// directory (lost) it stays within its last claim. A caller that gave up
+// (ctx cancelled) before the eviction gets ctx's error instead, with no
+// file deleted.
 func (e *Engine) clusterReserve(ctx context.Context, m *mount, size int64) error {
 	c := m.cluster
 	c.mu.Lock()
@@ -985,6 +987,12 @@ func (e *Engine) clusterReserve(ctx context.Context, m *mount, size int64) error
 		}
 		own, bytes, _ := c.count(ctx, e, m)
 		c.own = bytes
+		if ctx.Err() != nil {
+			// No file is deleted for a caller that gave up (evictRounds);
+			// the files below the cut-off go at the next tick.
+			c.claim = max(last, c.own)
+			return fmt.Errorf("engine: mount %s: eviction stopped: %w", m.root, ctx.Err())
+		}
 		c.evict(ctx, e, m, own, cut, c.own+size-limit)
 		if c.own+size > limit {
 			c.claim = max(last, c.own)
