@@ -60,7 +60,7 @@ func (e *Engine) storeEnded(m *mount, size int64, err error) {
 		return
 	}
 	var room int64
-	if errors.Is(err, ErrNoSpace) || errors.Is(err, syscall.ENOSPC) {
+	if errors.Is(err, ErrNoSpace) || errors.Is(err, syscall.ENOSPC) || errors.Is(err, syscall.EDQUOT) {
 		room = max(size, 1)
 	}
 	m.refuse(err.Error(), room, 1, e.now())
@@ -117,15 +117,21 @@ func (e *Engine) reprobe() {
 		if f == nil || now.Sub(f.Last) < reprobeAfter || now.Sub(m.probed) < reprobeAfter {
 			continue
 		}
+		if !m.evictMu.TryLock() {
+			continue // an eviction runs there: a store's outcome is on its way
+		}
 		m.probed = now
-		if err := e.takesFiles(m, f.room); err != nil {
+		err := e.takesFiles(m, f.room)
+		m.evictMu.Unlock()
+		if err != nil {
 			e.log.Debug("engine: the mount still refuses stores", "mount", m.root, "err", err)
-			continue
+		} else {
+			e.tookFile(m)
+			if m.failing.CompareAndSwap(f, nil) { // a newer failure stays
+				e.log.Info("engine: the mount takes stores again", "mount", m.root, "refused_since", f.Since, "stores_failed", f.Stores)
+			}
 		}
-		e.tookFile(m)
-		if m.failing.CompareAndSwap(f, nil) { // a newer failure stays
-			e.log.Info("engine: the mount takes stores again", "mount", m.root, "refused_since", f.Since, "stores_failed", f.Stores)
-		}
+		m.reprobes.Add(1)
 	}
 }
 
@@ -143,6 +149,11 @@ func (e *Engine) takesFiles(m *mount, room int64) error {
 		return fmt.Errorf("engine: probe %s: %s: %w", m.root, op, err)
 	}
 	_, err = f.WriteAt(make([]byte, probeBytes), 0)
+	if err == nil && room > probeBytes {
+		// The file system's own refusal (ENOSPC, a quota's EDQUOT),
+		// which statfs may not show: allocate the size that failed.
+		err = f.Allocate(room)
+	}
 	e.removeTemp(m, tmp, f, probeBytes)
 	if cerr := f.Close(); err == nil {
 		err = cerr

@@ -329,12 +329,15 @@ func TestAMendedMountThatNoStoreReachesStopsRefusingStores(t *testing.T) {
 		})
 	}
 	// probed advances clock past reprobeAfter and waits for a probe of
-	// the mount after it.
-	probed := func(t *testing.T, clock *testClock, p *probing) {
+	// e's first mount after it to have opened its file and to have
+	// finished, its outcome applied.
+	probed := func(t *testing.T, e *Engine, clock *testClock, p *probing) {
 		t.Helper()
-		n := p.probes.Load()
+		n, done := p.probes.Load(), e.mounts[0].reprobes.Load()
 		clock.advance(reprobeAfter)
-		testwait.Until(t, "a probe of the refusing mount", testwait.Hang, func() bool { return p.probes.Load() > n })
+		testwait.Until(t, "a probe of the refusing mount", testwait.Hang, func() bool {
+			return p.probes.Load() > n && e.mounts[0].reprobes.Load() > done
+		})
 	}
 	t.Run("read-only at start, remounted read-write", func(t *testing.T) {
 		clock, p, dir := newTestClock(), &probing{}, t.TempDir()
@@ -346,7 +349,7 @@ func TestAMendedMountThatNoStoreReachesStopsRefusingStores(t *testing.T) {
 		if f := failing(); f == nil || !strings.Contains(f.Err, "read-only") {
 			t.Fatalf("StoresFailing after a start on a read-only mount: %+v, want read-only", f)
 		}
-		probed(t, clock, p)
+		probed(t, e, clock, p)
 		if f := failing(); f == nil {
 			t.Fatal("StoresFailing ended by a probe of a mount still read-only")
 		}
@@ -376,7 +379,7 @@ func TestAMendedMountThatNoStoreReachesStopsRefusingStores(t *testing.T) {
 		if failing() == nil {
 			t.Fatal("no StoresFailing on the hot mount after a store failed with no space")
 		}
-		probed(t, clock, p)
+		probed(t, f.e, clock, p)
 		if g := failing(); g == nil {
 			t.Fatalf("StoresFailing of %s ended by a probe while it has no room below its high watermark", hot)
 		}
@@ -511,5 +514,73 @@ func TestAProbeLeavesARefusalForRoomWhereAStoreOfItsSizeStillFails(t *testing.T)
 				t.Fatalf("StoresFailing ended by a probe where a file of the size that failed has no room; the next store: %v, %v", kr.Outcome, kr.Err)
 			}
 		})
+	}
+}
+
+// TestAProbeAllocatesTheSizeThatFailedForLackOfRoom: a mount whose
+// stores fail for the file system's own lack of room, which statfs need
+// not show (a quota's EDQUOT), keeps refusing while the probe cannot
+// allocate a file of the size that failed, and stops once it can.
+func TestAProbeAllocatesTheSizeThatFailedForLackOfRoom(t *testing.T) {
+	clock, dir := newTestClock(), t.TempDir()
+	// While quota is set, a store's file cannot be made, and a probe's
+	// file takes its first allocation (its own 4 KiB) but no later one
+	// (the size that failed): the quota has room for the one, not the
+	// other, and statfs shows the file system's room, not the quota's.
+	var quota atomic.Bool
+	var mu sync.Mutex
+	allocations := map[string]int{} // by probe file
+	later := 0                      // probes' allocations after their first
+	inj := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+		base := filepath.Base(path)
+		switch {
+		case op == fsys.OpOpen && strings.HasPrefix(base, tmpPrefix) && quota.Load():
+			return fsys.Fault{Err: syscall.EDQUOT}
+		case op == fsys.OpAllocate && strings.HasPrefix(base, probePrefix):
+			mu.Lock()
+			defer mu.Unlock()
+			if allocations[path]++; allocations[path] > 1 {
+				later++
+				if quota.Load() {
+					return fsys.Fault{Err: syscall.EDQUOT}
+				}
+			}
+		}
+		return fsys.Fault{}
+	})
+	e := openEngine(t, Config{Mounts: []Mount{{Path: dir}}, Policy: newTestPolicy(1, abi.OrderLayerMajor), Now: clock.now,
+		MountUpdateInterval: time.Millisecond, FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj}})
+	g := smallGeometry(true)
+	ns, _ := e.Declare(context.Background(), g)
+	c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
+	c.fill(rand.New(rand.NewPCG(1, 2)), []int{0, 1, 2, 3})
+	quota.Store(true)
+	res := wait(t)(e.Store(context.Background(), StoreRequest{Cache: c.id, Keys: [][]byte{[]byte("over-quota")}, Blocks: [][]int{{0, 1, 2, 3}}}))
+	wantOutcomes(t, "a store over the quota", res, OutcomeFailed)
+	failing := func() *StoreFailure { return e.Stats().Mounts[0].StoresFailing }
+	f := failing()
+	if f == nil || f.room <= probeBytes {
+		t.Fatalf("StoresFailing after a store failed with EDQUOT: %+v, want a refusal for lack of room for more than %d bytes", f, probeBytes)
+	}
+	probe := func() {
+		t.Helper()
+		done := e.mounts[0].reprobes.Load()
+		clock.advance(reprobeAfter)
+		testwait.Until(t, "a probe of the refusing mount", testwait.Hang, func() bool { return e.mounts[0].reprobes.Load() > done })
+	}
+	probe()
+	mu.Lock()
+	n := later
+	mu.Unlock()
+	if n == 0 {
+		t.Error("the probe allocated no more than its own 4 KiB")
+	}
+	if failing() == nil {
+		t.Fatal("StoresFailing ended by a probe that could not allocate the size that failed")
+	}
+	quota.Store(false)
+	probe()
+	if f := failing(); f != nil {
+		t.Fatalf("StoresFailing after a probe allocated the size that failed: %+v, want nil", f)
 	}
 }
