@@ -7,9 +7,12 @@ import (
 	"io"
 	"net"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/kvhost/kvhost/client"
 	"github.com/kvhost/kvhost/internal/testsock"
@@ -694,4 +697,40 @@ func TestAPinReplyForOtherKeysIsUnpinned(t *testing.T) {
 		t.Fatalf("Pin of 1 key answered with 2 states: %v, want %v", err, protocol.ErrMalformed)
 	}
 	wantUnpin(t, got, 7, "the pin whose reply did not match its keys")
+}
+
+// TestAWriteCutByTheReadLoopReportsTheReadLoopsReason: a request whose
+// write is under way when the read loop finds the other end's bytes are
+// no kvhost frame (another program's socket) and closes the connection
+// fails with the read loop's reason, not with the write's "use of closed
+// network connection".
+func TestAWriteCutByTheReadLoopReportsTheReadLoopsReason(t *testing.T) {
+	const keys, keyLen = protocol.MaxKeysPerRequest, protocol.MaxKeyLen // a Lookup of 270 KiB: more than the socket holds
+	welcome := &protocol.Welcome{Version: protocol.Version, MaxFrame: 8 << 20, MaxKeys: keys, MaxKeyLen: keyLen, Server: "fake"}
+	sock := fakeDaemonWelcoming(t, welcome, func(c *net.UnixConn) {
+		// Once the Lookup's first bytes are here its write has begun,
+		// and blocks, as this end reads nothing: answer with bytes that
+		// are no kvhost frame.
+		raw, err := c.SyscallConn()
+		if err != nil {
+			return
+		}
+		for queued := 0; queued == 0; {
+			raw.Control(func(fd uintptr) { queued, _ = unix.IoctlGetInt(int(fd), unix.SIOCINQ) })
+			runtime.Gosched()
+		}
+		io.WriteString(c, "HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+	})
+	cl := dialFake(t, sock)
+	ks := make([][]byte, keys)
+	for i := range ks {
+		ks[i] = []byte(fmt.Sprintf("%064d", i))
+	}
+	_, err := cl.Lookup(context.Background(), 1, ks)
+	if err == nil {
+		t.Fatal("a Lookup answered with bytes that are no kvhost frame succeeded")
+	}
+	if !errors.Is(err, protocol.ErrMalformed) && !errors.Is(err, protocol.ErrTooLarge) && !errors.Is(err, protocol.ErrUnknownType) {
+		t.Errorf("Lookup: %v; want the read loop's reason: the answer is no kvhost frame", err)
+	}
 }

@@ -475,6 +475,18 @@ func (c *Client) send(ctx context.Context, m protocol.Message, fds []int, j *Job
 	c.mu.Lock()
 	delete(c.pending, id)
 	c.mu.Unlock()
+	if errors.Is(err, net.ErrClosed) && !c.closing.Load() {
+		// The read loop closed the connection under the write: the
+		// daemon ended it, or sent what is no kvhost frame. Its reason
+		// says why; "use of closed network connection" would not.
+		<-c.done
+		c.mu.Lock()
+		rerr := c.err
+		c.mu.Unlock()
+		if rerr != nil {
+			return nil, rerr
+		}
+	}
 	switch {
 	case errors.Is(err, ErrInvalid):
 		return nil, err
