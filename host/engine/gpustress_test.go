@@ -142,6 +142,10 @@ type gpuStress struct {
 	devMu    sync.RWMutex
 	unloaded bool
 	opsDone  atomic.Int64
+	// halfway is closed once the workers have begun half their
+	// operations (opsDone reaching halfAt).
+	halfway chan struct{}
+	halfAt  int64
 
 	mu       sync.Mutex
 	stored   map[uint64]bool // versions a store reported stored
@@ -226,19 +230,32 @@ type stressCache struct {
 	mem *cuda.DeviceMemory
 }
 
+// lockDevice makes device 0 current on this thread and holds devMu for
+// reading, so that the runtime is not marked unloaded meanwhile; unlock
+// gives both back. It reports false once the runtime is marked unloaded,
+// or where the device cannot be made current.
+func (s *gpuStress) lockDevice(t *testing.T) (unlock func(), ok bool) {
+	s.devMu.RLock()
+	if s.unloaded {
+		s.devMu.RUnlock()
+		return nil, false
+	}
+	release, err := s.rt.LockDevice(0)
+	if err != nil {
+		s.devMu.RUnlock()
+		t.Error(err)
+		return nil, false
+	}
+	return func() { release(); s.devMu.RUnlock() }, true
+}
+
 // newCache gives worker w a new cache of s.per blocks, unregistering
 // and freeing the one it had (its jobs have ended: the engine and the
 // mover must touch its memory no more). It reports false once the
 // runtime is marked unloaded or the engine closed.
 func (s *gpuStress) newCache(t *testing.T, w int) bool {
-	s.devMu.RLock()
-	defer s.devMu.RUnlock()
-	if s.unloaded {
-		return false
-	}
-	unlock, err := s.rt.LockDevice(0)
-	if err != nil {
-		t.Error(err)
+	unlock, ok := s.lockDevice(t)
+	if !ok {
 		return false
 	}
 	defer unlock()
@@ -287,6 +304,7 @@ func newGPUStress(t *testing.T, dir string, memory bool, seed uint64, ops, worke
 	t.Helper()
 	r := rand.New(rand.NewPCG(seed, 1))
 	s := &gpuStress{dir: dir, seed: seed, ops: ops, workers: max(workers, 1), g: smallGeometry(false), stored: map[uint64]bool{}}
+	s.halfway, s.halfAt = make(chan struct{}), int64(max(s.workers*ops/2, 1))
 	s.lib = cudatest.Build(t)
 	s.fake = cudatest.Open(t, s.lib)
 	rt, err := cuda.Open(cuda.Config{Runtime: []string{s.lib}, Driver: []string{s.lib}})
@@ -402,14 +420,8 @@ func (s *gpuStress) at(l, p, b int) int64 {
 // into a (out) or into device memory from a; it reports false, copying
 // nothing, once the runtime is marked unloaded.
 func (s *gpuStress) copyArea(t *testing.T, w, from, n int, a area, out bool) bool {
-	s.devMu.RLock()
-	defer s.devMu.RUnlock()
-	if s.unloaded {
-		return false
-	}
-	unlock, err := s.rt.LockDevice(0)
-	if err != nil {
-		t.Error(err)
+	unlock, ok := s.lockDevice(t)
+	if !ok {
 		return false
 	}
 	defer unlock()
@@ -493,7 +505,9 @@ func (s *gpuStress) worker(t *testing.T, w int, r *rand.Rand, recent *[]int, ops
 	src, dst := s.newArea(half), s.newArea(half)
 	var after area // the load area as the last load left it
 	for i := 0; i < ops && !t.Failed(); i++ {
-		s.opsDone.Add(1)
+		if s.opsDone.Add(1) == s.halfAt {
+			close(s.halfway)
+		}
 		switch x := r.IntN(100); {
 		case x < 35:
 			var cancelled bool
@@ -829,15 +843,18 @@ func (s *gpuStress) runAndClose(t *testing.T) {
 	r := rand.New(rand.NewPCG(s.seed, 9))
 	cancelled := r.IntN(2) == 0
 	broken := r.IntN(3) == 0
-	var wg sync.WaitGroup
+	var wg, workers sync.WaitGroup
 	for w := range s.workers {
 		rw := rand.New(rand.NewPCG(s.seed, uint64(w)+100))
 		var recent []int
-		wg.Go(func() { s.worker(t, w, rw, &recent, s.ops) })
+		workers.Go(func() { s.worker(t, w, rw, &recent, s.ops) })
 	}
+	stopped := make(chan struct{}) // every worker has returned (a failure stops them early)
+	go func() { workers.Wait(); close(stopped) }()
 	wg.Go(func() {
-		for s.opsDone.Load() < int64(s.workers*s.ops/2) && !t.Failed() {
-			time.Sleep(time.Millisecond) // pacing only: the workers run on meanwhile
+		select {
+		case <-s.halfway:
+		case <-stopped:
 		}
 		if broken {
 			s.devMu.Lock() // the workers' own copies would fail
@@ -863,6 +880,7 @@ func (s *gpuStress) runAndClose(t *testing.T) {
 		s.devMu.Unlock()
 	})
 	wg.Wait()
+	<-stopped
 	s.fake.BreakDevice(0, 0)
 	t.Logf("closed while busy, with a cancelled context: %v, the device broken: %v", cancelled, broken)
 	if l := leftovers(t, s.dir); len(l) != 0 {
