@@ -760,17 +760,25 @@ func TestAnEvictionStopsWhenItsCallerGivesUp(t *testing.T) {
 			}
 			// Two files' room: more than is left below the capacity.
 			m, size := e.mounts[0], 2*fileLen
-			err = e.reserve(ctx, m, size)
-			if err == nil {
-				e.unreserve(m, size)
-			}
-			if !errors.Is(err, context.Canceled) {
-				t.Errorf("reserve with a cancelled context: %v, want context.Canceled", err)
-			}
+			wantReserveStopped(t, e, ctx, m, size, "reserve with a cancelled context")
 			if n := e.Stats().Evictions; n != 0 {
 				t.Errorf("%d files deleted for a caller that gave up, want 0", n)
 			}
 		})
+	}
+}
+
+// wantReserveStopped reserves size bytes on m for a caller whose ctx is
+// cancelled (or is cancelled while room is made), and wants the context's
+// error; what names the reservation in the failure.
+func wantReserveStopped(t *testing.T, e *Engine, ctx context.Context, m *mount, size int64, what string) {
+	t.Helper()
+	err := e.reserve(ctx, m, size)
+	if err == nil {
+		e.unreserve(m, size)
+	}
+	if !errors.Is(err, context.Canceled) {
+		t.Errorf("%s: %v, want context.Canceled", what, err)
 	}
 }
 
@@ -801,13 +809,7 @@ func TestAClusterEvictionStopsWhenItsCallerGivesUp(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
 	m := e.mounts[0]
-	err = e.reserve(ctx, m, fileLen)
-	if err == nil {
-		e.unreserve(m, fileLen)
-	}
-	if !errors.Is(err, context.Canceled) {
-		t.Errorf("reserve past the cluster share with a cancelled context: %v, want context.Canceled", err)
-	}
+	wantReserveStopped(t, e, ctx, m, fileLen, "reserve past the cluster share with a cancelled context")
 	if n := e.Stats().Evictions; n != 0 {
 		t.Errorf("%d files deleted for a caller that gave up, want 0", n)
 	}

@@ -1423,6 +1423,52 @@ func (p *coldEvictionHook) Evictions(ctx context.Context, req abi.EvictRequest, 
 	return p.demotingPolicy.Evictions(ctx, req, max)
 }
 
+// hotOverFullCold is an engine whose hot mount (10 files, high watermark
+// 0.9) holds 9 files and demotes to a cold mount holding 10, full.
+type hotOverFullCold struct {
+	e       *Engine
+	ns      NamespaceID
+	c       *testCache
+	blocks  [][]int  // the blocks of every key
+	cold    [][]byte // the keys on the cold mount
+	fileLen int64    // the size of each file
+}
+
+// newHotOverFullCold opens that engine with pol, and stores its files.
+func newHotOverFullCold(t *testing.T, pol policy.Policy) *hotOverFullCold {
+	t.Helper()
+	g := smallGeometry(true)
+	f := &hotOverFullCold{blocks: [][]int{{0, 1, 2, 3}}, cold: testKeys("cold", 10), fileLen: int64(4096) + g.KeyBytes()}
+	f.e = openEngine(t, Config{Policy: pol, Mounts: []Mount{
+		{Path: t.TempDir(), Capacity: 10 * f.fileLen, HighWatermark: 0.9, LowWatermark: 0.6},
+		{Path: t.TempDir(), Capacity: 10 * f.fileLen, HighWatermark: 1, LowWatermark: 0.5}, // full at 10 files
+	}})
+	var err error
+	if f.ns, err = f.e.Declare(context.Background(), g); err != nil {
+		t.Fatal(err)
+	}
+	f.c = newTestCache(t, f.e, f.ns, g, 16, layoutPlaneFirst)
+	f.c.fill(rand.New(rand.NewPCG(5, 6)), f.blocks[0])
+	for _, k := range append(f.cold, testKeys("hot", 9)...) {
+		storeAndCheck(t, f.e, f.c, [][]byte{k}, f.blocks)
+	}
+	if u := f.e.Stats().Mounts; u[0].Entries != 9 || u[1].Entries != 10 {
+		t.Fatalf("%d files on the hot mount, %d on the cold one; want 9 and 10", u[0].Entries, u[1].Entries)
+	}
+	return f
+}
+
+// pinCold pins the cold mount's keys until the test ends: its eviction
+// finds no victim.
+func (f *hotOverFullCold) pinCold(t *testing.T) {
+	t.Helper()
+	id, pinned, err := f.e.Pin(context.Background(), f.ns, f.cold, 0)
+	if err != nil || slices.Contains(pinned, false) {
+		t.Fatalf("Pin of the cold keys = %v, %v; want all pinned", pinned, err)
+	}
+	t.Cleanup(func() { f.e.Unpin(context.Background(), id) })
+}
+
 // TestADemotionStoppedByItsCallerIsNoMoveFailure: an eviction on the hot
 // mount demotes a victim to the full cold mount, whose own eviction for
 // it stops because the store that asked for room gave up (its context
@@ -1430,37 +1476,14 @@ func (p *coldEvictionHook) Evictions(ctx context.Context, req abi.EvictRequest, 
 // fails with the context's error, and nothing failed of the move or of
 // either mount: no move failure is counted, no file moved or deleted.
 func TestADemotionStoppedByItsCallerIsNoMoveFailure(t *testing.T) {
-	g := smallGeometry(true)
-	fileLen := int64(4096) + g.KeyBytes()
 	pol := &coldEvictionHook{evictPromotingPolicy: &evictPromotingPolicy{&demotingPolicy{testPolicy: newTestPolicy(1, abi.OrderLayerMajor)}}}
-	e := openEngine(t, Config{Policy: pol, Mounts: []Mount{
-		{Path: t.TempDir(), Capacity: 10 * fileLen, HighWatermark: 0.9, LowWatermark: 0.6},
-		{Path: t.TempDir(), Capacity: 10 * fileLen, HighWatermark: 1, LowWatermark: 0.5}, // full at 10 files
-	}})
-	ns, err := e.Declare(context.Background(), g)
-	if err != nil {
-		t.Fatal(err)
-	}
-	c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
-	b := [][]int{{0, 1, 2, 3}}
-	c.fill(rand.New(rand.NewPCG(5, 6)), b[0])
-	for _, k := range append(testKeys("cold", 10), testKeys("hot", 9)...) {
-		storeAndCheck(t, e, c, [][]byte{k}, b)
-	}
-	if u := e.Stats().Mounts; u[0].Entries != 9 || u[1].Entries != 10 {
-		t.Fatalf("%d files on the hot mount, %d on the cold one; want 9 and 10", u[0].Entries, u[1].Entries)
-	}
+	f := newHotOverFullCold(t, pol)
+	e := f.e
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	pol.onCold = cancel
-	m, size := e.mounts[0], 2*fileLen // more than is left below the capacity
-	err = e.reserve(ctx, m, size)
-	if err == nil {
-		e.unreserve(m, size)
-	}
-	if !errors.Is(err, context.Canceled) {
-		t.Errorf("reserve with a context cancelled during the demotion: %v, want context.Canceled", err)
-	}
+	m, size := e.mounts[0], 2*f.fileLen // more than is left below the capacity
+	wantReserveStopped(t, e, ctx, m, size, "reserve with a context cancelled during the demotion")
 	if ts := e.TierStats(); ts.MoveFailures != 0 || ts.Demotions != 0 {
 		t.Errorf("tier stats after a demotion stopped by its caller: %d move failures, %d demotions; want none", ts.MoveFailures, ts.Demotions)
 	}
@@ -1477,45 +1500,16 @@ func TestADemotionStoppedByItsCallerIsNoMoveFailure(t *testing.T) {
 // failed so is not deleted instead: no file is deleted for a caller that
 // gave up, and the reservation fails with the context's error.
 func TestAVictimIsNotDeletedForACallerThatGaveUpDuringItsDemotion(t *testing.T) {
-	g := smallGeometry(true)
-	fileLen := int64(4096) + g.KeyBytes()
 	dp := &demotingPolicy{testPolicy: newTestPolicy(1, abi.OrderLayerMajor), deleteIfFull: true}
 	pol := &coldEvictionHook{evictPromotingPolicy: &evictPromotingPolicy{dp}}
-	e := openEngine(t, Config{Policy: pol, Mounts: []Mount{
-		{Path: t.TempDir(), Capacity: 10 * fileLen, HighWatermark: 0.9, LowWatermark: 0.6},
-		{Path: t.TempDir(), Capacity: 10 * fileLen, HighWatermark: 1, LowWatermark: 0.5}, // full at 10 files
-	}})
-	ctx := context.Background()
-	ns, err := e.Declare(ctx, g)
-	if err != nil {
-		t.Fatal(err)
-	}
-	c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
-	b := [][]int{{0, 1, 2, 3}}
-	c.fill(rand.New(rand.NewPCG(5, 6)), b[0])
-	cold := testKeys("cold", 10)
-	for _, k := range append(cold, testKeys("hot", 9)...) {
-		storeAndCheck(t, e, c, [][]byte{k}, b)
-	}
-	if u := e.Stats().Mounts; u[0].Entries != 9 || u[1].Entries != 10 {
-		t.Fatalf("%d files on the hot mount, %d on the cold one; want 9 and 10", u[0].Entries, u[1].Entries)
-	}
-	id, pinned, err := e.Pin(ctx, ns, cold, 0) // the cold mount: no victim
-	if err != nil || slices.Contains(pinned, false) {
-		t.Fatalf("Pin of the cold keys = %v, %v; want all pinned", pinned, err)
-	}
-	defer e.Unpin(ctx, id)
-	rctx, cancel := context.WithCancel(ctx)
+	f := newHotOverFullCold(t, pol)
+	e := f.e
+	f.pinCold(t) // the cold mount: no victim
+	rctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	pol.onCold = cancel
-	m, size := e.mounts[0], 2*fileLen // more than is left below the capacity
-	err = e.reserve(rctx, m, size)
-	if err == nil {
-		e.unreserve(m, size)
-	}
-	if !errors.Is(err, context.Canceled) {
-		t.Errorf("reserve with a context cancelled during the demotion: %v, want context.Canceled", err)
-	}
+	m, size := e.mounts[0], 2*f.fileLen // more than is left below the capacity
+	wantReserveStopped(t, e, rctx, m, size, "reserve with a context cancelled during the demotion")
 	if n, ts := e.Stats().Evictions, e.TierStats(); n != 0 || ts.DemotionDeletes != 0 || ts.MoveFailures != 0 {
 		t.Errorf("%d files deleted (%d demotion deletes, %d move failures) for a caller that gave up, want none", n, ts.DemotionDeletes, ts.MoveFailures)
 	}
@@ -1526,31 +1520,11 @@ func TestAVictimIsNotDeletedForACallerThatGaveUpDuringItsDemotion(t *testing.T) 
 // not make room for, fails with no space as a store there would: the
 // cold mount refuses stores from then, as after such a store.
 func TestADemotionWithNoRoomOnItsTargetStartsItsRefusalOfStores(t *testing.T) {
-	g := smallGeometry(true)
-	fileLen := int64(4096) + g.KeyBytes()
 	pol := &coldEvictionHook{evictPromotingPolicy: &evictPromotingPolicy{&demotingPolicy{testPolicy: newTestPolicy(1, abi.OrderLayerMajor)}}}
-	e := openEngine(t, Config{Policy: pol, Mounts: []Mount{
-		{Path: t.TempDir(), Capacity: 10 * fileLen, HighWatermark: 0.9, LowWatermark: 0.6},
-		{Path: t.TempDir(), Capacity: 10 * fileLen, HighWatermark: 1, LowWatermark: 0.5}, // full at 10 files
-	}})
-	ctx := context.Background()
-	ns, err := e.Declare(ctx, g)
-	if err != nil {
-		t.Fatal(err)
-	}
-	c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
-	b := [][]int{{0, 1, 2, 3}}
-	c.fill(rand.New(rand.NewPCG(5, 6)), b[0])
-	cold := testKeys("cold", 10)
-	for _, k := range append(cold, testKeys("hot", 9)...) {
-		storeAndCheck(t, e, c, [][]byte{k}, b)
-	}
-	id, pinned, err := e.Pin(ctx, ns, cold, 0) // nothing to evict on the cold mount
-	if err != nil || slices.Contains(pinned, false) {
-		t.Fatalf("Pin of the cold keys = %v, %v; want all pinned", pinned, err)
-	}
-	defer e.Unpin(ctx, id)
-	res := wait(t)(e.Store(ctx, StoreRequest{Cache: c.id, Keys: testKeys("hot-more", 1), Blocks: b}))
+	f := newHotOverFullCold(t, pol)
+	e := f.e
+	f.pinCold(t) // nothing to evict on the cold mount
+	res := wait(t)(e.Store(context.Background(), StoreRequest{Cache: f.c.id, Keys: testKeys("hot-more", 1), Blocks: f.blocks}))
 	if ts := e.TierStats(); ts.MoveFailures == 0 {
 		t.Fatalf("a store on the full hot mount (%v, %v): no demotion failed; the test proves nothing", res.Keys[0].Outcome, res.Keys[0].Err)
 	}

@@ -755,13 +755,7 @@ func TestADemotionOfHeldFilesStopsWhenItsCallerGivesUp(t *testing.T) {
 				}
 			}
 			m, size := f.e.mounts[0], f.e.Stats().Mounts[0].Used/int64(f.found)
-			err := f.e.reserve(ctx, m, size)
-			if err == nil {
-				f.e.unreserve(m, size)
-			}
-			if !errors.Is(err, context.Canceled) {
-				t.Errorf("reserve with a cancelled context: %v, want context.Canceled", err)
-			}
+			wantReserveStopped(t, f.e, ctx, m, size, "reserve with a cancelled context")
 			if n := f.e.TierStats().Demotions; n != 0 {
 				t.Errorf("%d held files demoted for a caller that gave up, want 0", n)
 			}
