@@ -110,6 +110,30 @@ func (f onDisk) id() fileID { return fileID{f.path, f.ino} }
 // several files: two daemons can each store it in a file of its own).
 func scanFiles(dir string) map[string][]onDisk {
 	byKey := map[string][]onDisk{}
+	walkFiles(dir, func(path string, f *os.File, h *format.Header) {
+		if h == nil {
+			return
+		}
+		var st syscall.Stat_t
+		if err := syscall.Fstat(int(f.Fd()), &st); err != nil {
+			return
+		}
+		fd := onDisk{path: path, ino: st.Ino}
+		for _, k := range h.Keys {
+			fd.keys = append(fd.keys, string(k.Key))
+		}
+		for _, k := range fd.keys {
+			byKey[k] = append(byKey[k], fd)
+		}
+	})
+	return byKey
+}
+
+// walkFiles calls fn with every regular file under dir whose name does
+// not start with ".", open, and its kvhost header (nil where it is no
+// kvhost file); files that vanish meanwhile are skipped.
+func walkFiles(dir string, fn func(path string, f *os.File, h *format.Header)) {
+	buf := make([]byte, 64<<10)
 	filepath.WalkDir(dir, func(path string, de fs.DirEntry, err error) error {
 		if err != nil || !de.Type().IsRegular() || strings.HasPrefix(de.Name(), ".") {
 			return nil
@@ -119,29 +143,13 @@ func scanFiles(dir string) map[string][]onDisk {
 			return nil
 		}
 		defer f.Close()
-		buf := make([]byte, 64<<10)
-		n, err := f.ReadAt(buf, 0)
-		if err != nil && !errors.Is(err, io.EOF) {
-			return nil
+		var h *format.Header
+		if n, err := f.ReadAt(buf, 0); err == nil || errors.Is(err, io.EOF) {
+			h, _ = format.Decode(buf[:n])
 		}
-		h, err := format.Decode(buf[:n])
-		if err != nil {
-			return nil
-		}
-		var st syscall.Stat_t
-		if err := syscall.Fstat(int(f.Fd()), &st); err != nil {
-			return nil
-		}
-		fd := onDisk{path: path, ino: st.Ino}
-		for _, k := range h.Keys {
-			fd.keys = append(fd.keys, string(k.Key))
-		}
-		for _, k := range fd.keys {
-			byKey[k] = append(byKey[k], fd)
-		}
+		fn(path, f, h)
 		return nil
 	})
-	return byKey
 }
 
 // fillFile writes zeros to path until the file system is full (or max

@@ -3,9 +3,7 @@ package reliability
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
-	"io"
 	"io/fs"
 	"math/rand/v2"
 	"os"
@@ -284,34 +282,19 @@ type tierFiles struct {
 // are not kvhost files counted too: the engine would count them nowhere).
 func walkTier(dir string) tierFiles {
 	tf := tierFiles{keys: map[string]string{}}
-	filepath.WalkDir(dir, func(path string, de fs.DirEntry, err error) error {
-		if err != nil || !de.Type().IsRegular() || strings.HasPrefix(de.Name(), ".") {
-			return nil
-		}
-		f, err := os.Open(path)
-		if err != nil {
-			return nil
-		}
-		defer f.Close()
+	walkFiles(dir, func(path string, f *os.File, h *format.Header) {
 		fi, err := f.Stat()
 		if err != nil {
-			return nil
+			return
 		}
 		tf.files++
 		tf.bytes += fi.Size()
-		buf := make([]byte, 64<<10)
-		n, err := f.ReadAt(buf, 0)
-		if err != nil && !errors.Is(err, io.EOF) {
-			return nil
-		}
-		h, err := format.Decode(buf[:n])
-		if err != nil {
-			return nil
+		if h == nil {
+			return
 		}
 		for _, k := range h.Keys {
 			tf.keys[string(k.Key)] = path
 		}
-		return nil
 	})
 	return tf
 }
