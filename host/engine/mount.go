@@ -72,9 +72,6 @@ type mount struct {
 	failing atomic.Pointer[StoreFailure]
 	// probed is when reprobe last probed the mount (the tier driver's).
 	probed time.Time
-	// reprobes counts reprobe's finished probes of the mount, their
-	// outcome applied.
-	reprobes atomic.Uint64
 }
 
 // maxRootDepth bounds the walk up from a mount's root (checkDisjoint).

@@ -125,13 +125,12 @@ func (e *Engine) reprobe() {
 		m.evictMu.Unlock()
 		if err != nil {
 			e.log.Debug("engine: the mount still refuses stores", "mount", m.root, "err", err)
-		} else {
-			e.tookFile(m)
-			if m.failing.CompareAndSwap(f, nil) { // a newer failure stays
-				e.log.Info("engine: the mount takes stores again", "mount", m.root, "refused_since", f.Since, "stores_failed", f.Stores)
-			}
+			continue
 		}
-		m.reprobes.Add(1)
+		e.tookFile(m)
+		if m.failing.CompareAndSwap(f, nil) { // a newer failure stays
+			e.log.Info("engine: the mount takes stores again", "mount", m.root, "refused_since", f.Since, "stores_failed", f.Stores)
+		}
 	}
 }
 

@@ -329,27 +329,28 @@ func TestAMendedMountThatNoStoreReachesStopsRefusingStores(t *testing.T) {
 		})
 	}
 	// probed advances clock past reprobeAfter and waits for a probe of
-	// e's first mount after it to have opened its file and to have
-	// finished, its outcome applied.
-	probed := func(t *testing.T, e *Engine, clock *testClock, p *probing) {
+	// the mount after it to have opened its file and to have ended, its
+	// outcome applied (ended: probeLogger's count).
+	probed := func(t *testing.T, ended *atomic.Int64, clock *testClock, p *probing) {
 		t.Helper()
-		n, done := p.probes.Load(), e.mounts[0].reprobes.Load()
+		n, done := p.probes.Load(), ended.Load()
 		clock.advance(reprobeAfter)
 		testwait.Until(t, "a probe of the refusing mount", testwait.Hang, func() bool {
-			return p.probes.Load() > n && e.mounts[0].reprobes.Load() > done
+			return p.probes.Load() > n && ended.Load() > done
 		})
 	}
 	t.Run("read-only at start, remounted read-write", func(t *testing.T) {
 		clock, p, dir := newTestClock(), &probing{}, t.TempDir()
 		p.refusing.Store(true)
 		pol := &demotingPolicy{testPolicy: newTestPolicy(1, abi.OrderLayerMajor)}
-		e := openEngine(t, Config{Mounts: []Mount{{Path: dir}}, Policy: pol, Now: clock.now, MountUpdateInterval: time.Millisecond,
+		log, ended := probeLogger(t)
+		e := openEngine(t, Config{Mounts: []Mount{{Path: dir}}, Policy: pol, Now: clock.now, MountUpdateInterval: time.Millisecond, Logger: log,
 			FS: &fsys.Faulty{FS: fsys.OS{}, Inj: injector(p, dir)}})
 		failing := func() *StoreFailure { return e.Stats().Mounts[0].StoresFailing }
 		if f := failing(); f == nil || !strings.Contains(f.Err, "read-only") {
 			t.Fatalf("StoresFailing after a start on a read-only mount: %+v, want read-only", f)
 		}
-		probed(t, e, clock, p)
+		probed(t, ended, clock, p)
 		if f := failing(); f == nil {
 			t.Fatal("StoresFailing ended by a probe of a mount still read-only")
 		}
@@ -361,9 +362,10 @@ func TestAMendedMountThatNoStoreReachesStopsRefusingStores(t *testing.T) {
 		const found = 4
 		clock, p := newTestClock(), &probing{}
 		var hot string
+		log, ended := probeLogger(t)
 		f := newHeldHot(t, found, 1, func(h, cold string) Config {
 			hot = h
-			return Config{Now: clock.now, MountUpdateInterval: time.Millisecond, FS: &fsys.Faulty{FS: fsys.OS{}, Inj: fsys.InjectorFunc(
+			return Config{Now: clock.now, MountUpdateInterval: time.Millisecond, Logger: log, FS: &fsys.Faulty{FS: fsys.OS{}, Inj: fsys.InjectorFunc(
 				func(op fsys.Op, path string) fsys.Fault {
 					if op == fsys.OpOpen && strings.HasPrefix(path, cold+string(filepath.Separator)) {
 						return fsys.Fault{Err: syscall.EROFS} // no demotion: the held files fill the hot mount
@@ -379,7 +381,7 @@ func TestAMendedMountThatNoStoreReachesStopsRefusingStores(t *testing.T) {
 		if failing() == nil {
 			t.Fatal("no StoresFailing on the hot mount after a store failed with no space")
 		}
-		probed(t, f.e, clock, p)
+		probed(t, ended, clock, p)
 		if g := failing(); g == nil {
 			t.Fatalf("StoresFailing of %s ended by a probe while it has no room below its high watermark", hot)
 		}
@@ -475,10 +477,7 @@ func TestAProbeLeavesARefusalForRoomWhereAStoreOfItsSizeStillFails(t *testing.T)
 		t.Run(tc.name, func(t *testing.T) {
 			ctx := context.Background()
 			clock := newTestClock()
-			// probes counts the probes that ended, passed or not.
-			probes := &atomic.Int64{}
-			h := slog.NewTextHandler(tWriter{t}, &slog.HandlerOptions{Level: slog.LevelDebug})
-			log := slog.New(logCount{logCount{h, "the mount still refuses stores", probes}, "the mount takes stores again", probes})
+			log, probes := probeLogger(t) // the probes that ended, passed or not
 			mnt := tc.mount
 			mnt.Path = t.TempDir()
 			e := openEngine(t, Config{Mounts: []Mount{mnt}, Policy: newTestPolicy(1, abi.OrderLayerMajor), NodeID: "a", Now: clock.now, Logger: log})
@@ -548,8 +547,9 @@ func TestAProbeAllocatesTheSizeThatFailedForLackOfRoom(t *testing.T) {
 		}
 		return fsys.Fault{}
 	})
+	log, ended := probeLogger(t)
 	e := openEngine(t, Config{Mounts: []Mount{{Path: dir}}, Policy: newTestPolicy(1, abi.OrderLayerMajor), Now: clock.now,
-		MountUpdateInterval: time.Millisecond, FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj}})
+		MountUpdateInterval: time.Millisecond, Logger: log, FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj}})
 	g := smallGeometry(true)
 	ns, _ := e.Declare(context.Background(), g)
 	c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
@@ -564,9 +564,9 @@ func TestAProbeAllocatesTheSizeThatFailedForLackOfRoom(t *testing.T) {
 	}
 	probe := func() {
 		t.Helper()
-		done := e.mounts[0].reprobes.Load()
+		done := ended.Load()
 		clock.advance(reprobeAfter)
-		testwait.Until(t, "a probe of the refusing mount", testwait.Hang, func() bool { return e.mounts[0].reprobes.Load() > done })
+		testwait.Until(t, "a probe of the refusing mount", testwait.Hang, func() bool { return ended.Load() > done })
 	}
 	probe()
 	mu.Lock()
@@ -583,4 +583,13 @@ func TestAProbeAllocatesTheSizeThatFailedForLackOfRoom(t *testing.T) {
 	if f := failing(); f != nil {
 		t.Fatalf("StoresFailing after a probe allocated the size that failed: %+v, want nil", f)
 	}
+}
+
+// probeLogger is a logger for a test engine that counts the probes of
+// refusing mounts that ended (reprobe), passed or not: their outcome is
+// applied before either log line.
+func probeLogger(t *testing.T) (*slog.Logger, *atomic.Int64) {
+	probes := &atomic.Int64{}
+	h := slog.NewTextHandler(tWriter{t}, &slog.HandlerOptions{Level: slog.LevelDebug})
+	return slog.New(logCount{logCount{h, "the mount still refuses stores", probes}, "the mount takes stores again", probes}), probes
 }
