@@ -32,15 +32,7 @@ func TestServeReportsAGPUWhoseContextBroke(t *testing.T) {
 	file, socket, _ := testConfig(t, dir, extra)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*hangBound) // the daemon's and the client's calls: a hang guard
 	defer cancel()
-	stdout, stderr, exit := runInProcess(ctx, "serve", "--config", file, "--metrics", "127.0.0.1:0")
-	defer func() {
-		cancel()
-		if code := <-exit; code != 0 {
-			t.Errorf("serve exited %d:\n%s", code, stderr.String())
-		}
-	}()
-	addr, _ := stderr.logLine(t, "metrics listening")["address"].(string)
-	stdout.wait(t, "listening line", func(s string) bool { return s == "kvhost: listening on unix:"+socket })
+	addr, _ := serveWithMetrics(t, ctx, file, socket)
 
 	// The client process's side: device memory on GPU 0, exported.
 	rt, err := cuda.Open(cuda.Config{Runtime: []string{lib}, Driver: []string{lib}})

@@ -34,15 +34,7 @@ func TestAMountWithNoRoomIsNamedByHealthStatsAndMetrics(t *testing.T) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 2*hangBound) // a hang guard
 	defer cancel()
-	stdout, stderr, exit := runInProcess(ctx, "serve", "--config", file, "--metrics", "127.0.0.1:0")
-	defer func() {
-		cancel()
-		if code := <-exit; code != 0 {
-			t.Errorf("serve exited %d:\n%s", code, stderr.String())
-		}
-	}()
-	addr, _ := stderr.logLine(t, "metrics listening")["address"].(string)
-	stdout.wait(t, "listening line", func(s string) bool { return s == "kvhost: listening on unix:"+socket })
+	addr, stderr := serveWithMetrics(t, ctx, file, socket)
 
 	var warned []string
 	for _, l := range strings.Split(stderr.String(), "\n") {

@@ -276,6 +276,25 @@ func runInProcess(ctx context.Context, args ...string) (stdout, stderr *lines, e
 	return runBackground(func(stdout, stderr io.Writer) int { return run(ctx, args, stdout, stderr) })
 }
 
+// serveWithMetrics runs the daemon of config file in this process with
+// --metrics on a free port, until the test ends (or ctx does), and waits
+// for it to listen on socket; it returns the metrics address and the
+// daemon's log. The test fails if the daemon exits other than with 0.
+func serveWithMetrics(t *testing.T, ctx context.Context, file, socket string) (addr string, stderr *lines) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(ctx)
+	stdout, stderr, exit := runInProcess(ctx, "serve", "--config", file, "--metrics", "127.0.0.1:0")
+	t.Cleanup(func() {
+		cancel()
+		if code := <-exit; code != 0 {
+			t.Errorf("serve exited %d:\n%s", code, stderr.String())
+		}
+	})
+	addr, _ = stderr.logLine(t, "metrics listening")["address"].(string)
+	stdout.wait(t, "listening line", func(s string) bool { return s == "kvhost: listening on unix:"+socket })
+	return addr, stderr
+}
+
 // runBackground runs f on new lines in the background and returns them
 // and f's exit status, once it returns; then the lines end.
 func runBackground(f func(stdout, stderr io.Writer) int) (stdout, stderr *lines, exit <-chan int) {
