@@ -400,11 +400,8 @@ func checkReport(r *Row, name string, dir fs.FS, refs []callRef, calls []*Call) 
 		if callCommit == "" {
 			callCommit = r.Commit
 		}
-		switch {
-		case commit != "" && !strings.HasPrefix(callCommit, commit) && !strings.HasPrefix(commit, callCommit):
+		if commit != "" && !strings.HasPrefix(callCommit, commit) && !strings.HasPrefix(commit, callCommit) {
 			continue
-		case commit == "" && c.Commit != "":
-			continue // a report without a commit matches by its arguments, in a sweep file
 		}
 		var lines []KVLine
 		for _, k := range c.KV {
@@ -413,6 +410,12 @@ func checkReport(r *Row, name string, dir fs.FS, refs []callRef, calls []*Call) 
 			}
 		}
 		if len(lines) == 0 {
+			continue
+		}
+		// A report without a commit matches by its arguments, which only
+		// a sweep file's sections record; the call's commit, where it
+		// names one, is then the build's.
+		if commit == "" && c.Commit != "" && lines[0].Args == "" {
 			continue
 		}
 		if commit == "" && lines[0].Args != args {

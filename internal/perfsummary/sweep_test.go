@@ -253,6 +253,44 @@ func TestComputeReadsASweepFileWithTheRowsCommit(t *testing.T) {
 	}
 }
 
+// TestComputeMatchesAReportWithoutACommitToASweepFileThatNamesOne: a
+// report built outside a checkout (version devel) is matched by its
+// arguments in a sweep file whose header names the build's commit, and
+// its runs are that commit's; other arguments are refused.
+func TestComputeMatchesAReportWithoutACommitToASweepFileThatNamesOne(t *testing.T) {
+	named := strings.Replace(sampleSweep, "one call.", "one call, kvhost at commit 0123abc.", 1)
+	row := Row{Name: "row", Calls: []string{"s.txt#1"}, Report: `kv-final-shm32\.json`, Phase: "store",
+		Peer: "shm32", PeerPhase: "store", Ceiling: "link", Commit: "b1233ba", Reports: []string{"s-kv-final-shm32.json"}}
+	for _, tc := range []struct {
+		name string
+		args []string
+		want string // an error, or "" for the run at 0123abc
+	}{
+		{"same arguments", []string{"--dir", "/dev/shm/sw", "--tokens-per-key", "256", "--no-gap", "--json", "/out/kv-final-shm32.json"}, ""},
+		{"other arguments", []string{"--dir", "/x", "--json", "/out/kv-final-shm32.json"}, "its arguments \"--dir /x\" differ"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			dir := fstest.MapFS{
+				"s.txt":                 {Data: []byte(named)},
+				"s-kv-final-shm32.json": {Data: sweepReport(t, tc.args...)},
+			}
+			res, err := Compute(&Manifest{Rows: []Row{row}}, dir)
+			if tc.want != "" {
+				if err == nil || !strings.Contains(err.Error(), tc.want) {
+					t.Fatalf("error %v, want one containing %q", err, tc.want)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if r := res[0]; len(r.Runs) != 1 || r.Runs[0].Value != 47.15 || !reflect.DeepEqual(r.Commits, []string{"0123abc"}) {
+				t.Errorf("runs %+v, commits %v; want 47.15 GB/s at 0123abc", r.Runs, r.Commits)
+			}
+		})
+	}
+}
+
 // sweepReport is the report of sampleSweep's kvhost-final shm32, built
 // outside a checkout (no commit), that ran `kvhost bench args...`.
 func sweepReport(t *testing.T, args ...string) []byte {
