@@ -608,8 +608,21 @@ class TestDaemonRestart(SpecCase):
             self.assertTrue(res.success)
             self.assertEqual(rows(tensors, dst), want)
             m.complete_load(ks, CTX)
-            d.wait_for(lambda: c.delete(ns, daemon_keys) == len(ks) or None,
-                       what="complete_load to release the new pin")
+            # The keys may be pinned again in more than one pin round, each
+            # its own pin, released one unpin at a time: a delete between
+            # two unpins deletes some of the keys, so count what each try
+            # deletes. A timeout says what the manager counted, to tell a
+            # pin never released from one released late.
+            deleted = [0]
+
+            def all_deleted():
+                deleted[0] += c.delete(ns, daemon_keys)
+                return deleted[0] == len(ks) or None
+            try:
+                d.wait_for(all_deleted, what="complete_load to release the new pins")
+            except AssertionError as e:
+                raise AssertionError(f"{e}: {deleted[0]} of {len(ks)} keys deleted; "
+                                     f"manager counters {m.counters()}") from None
 
     def test_keys_being_loaded_are_pinned_on_the_newest_daemon_after_two_losses(self):
         """The re-pin round for the first new daemon is still running when
