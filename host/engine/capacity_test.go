@@ -737,20 +737,7 @@ func TestAnEvictionStopsWhenItsCallerGivesUp(t *testing.T) {
 			fileLen := int64(4096) + g.KeyBytes()
 			pol := &victimsHook{testPolicy: newTestPolicy(1, abi.OrderLayerMajor)}
 			e := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir(), Capacity: 10 * fileLen, HighWatermark: 0.9, LowWatermark: 0.6}}, Policy: pol})
-			ns, err := e.Declare(context.Background(), g)
-			if err != nil {
-				t.Fatal(err)
-			}
-			c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
-			b := [][]int{{0, 1, 2, 3}}
-			c.fill(rand.New(rand.NewPCG(3, 4)), b[0])
-			keys := testKeys("full", 9) // at the high watermark
-			for i := range keys {
-				storeAndCheck(t, e, c, keys[i:i+1], b)
-			}
-			if n := e.Stats().Evictions; n != 0 {
-				t.Fatalf("%d evictions while filling, want 0", n)
-			}
+			fillWithoutEviction(t, e, g, "full", 9) // at the high watermark
 			ctx, cancel := context.WithCancel(context.Background())
 			defer cancel()
 			if when == "before" {
@@ -765,6 +752,26 @@ func TestAnEvictionStopsWhenItsCallerGivesUp(t *testing.T) {
 				t.Errorf("%d files deleted for a caller that gave up, want 0", n)
 			}
 		})
+	}
+}
+
+// fillWithoutEviction declares g on e and stores n keys named prefix one
+// at a time, each checked, and fails the test if any store evicted.
+func fillWithoutEviction(t *testing.T, e *Engine, g Geometry, prefix string, n int) {
+	t.Helper()
+	ns, err := e.Declare(context.Background(), g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
+	b := [][]int{{0, 1, 2, 3}}
+	c.fill(rand.New(rand.NewPCG(3, 4)), b[0])
+	keys := testKeys(prefix, n)
+	for i := range keys {
+		storeAndCheck(t, e, c, keys[i:i+1], b)
+	}
+	if got := e.Stats().Evictions; got != 0 {
+		t.Fatalf("%d evictions while filling, want 0", got)
 	}
 }
 
@@ -792,20 +799,7 @@ func TestAClusterEvictionStopsWhenItsCallerGivesUp(t *testing.T) {
 	fileLen := int64(4096) + g.KeyBytes()
 	e := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir(), Capacity: 100 * fileLen, ClusterCapacity: 2 * fileLen, ClusterInterval: time.Hour}},
 		Policy: newTestPolicy(1, abi.OrderLayerMajor), NodeID: "a"})
-	ns, err := e.Declare(context.Background(), g)
-	if err != nil {
-		t.Fatal(err)
-	}
-	c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
-	b := [][]int{{0, 1, 2, 3}}
-	c.fill(rand.New(rand.NewPCG(3, 4)), b[0])
-	keys := testKeys("cluster", 2) // the node's whole share
-	for i := range keys {
-		storeAndCheck(t, e, c, keys[i:i+1], b)
-	}
-	if n := e.Stats().Evictions; n != 0 {
-		t.Fatalf("%d evictions while filling, want 0", n)
-	}
+	fillWithoutEviction(t, e, g, "cluster", 2) // the node's whole share
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
 	m := e.mounts[0]

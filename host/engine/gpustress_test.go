@@ -162,6 +162,15 @@ type gpuStress struct {
 	}
 }
 
+// countFailed counts a key whose store or load failed with err, and
+// whether it failed because its job was cancelled.
+func (s *gpuStress) countFailed(err error) {
+	s.n.keysFailed.Add(1)
+	if errors.Is(err, context.Canceled) {
+		s.n.cancelledKeys.Add(1)
+	}
+}
+
 // newMover makes the GPU staging mover.
 func (s *gpuStress) newMover(t *testing.T) {
 	mv, err := gpu.New(s.gcfg)
@@ -650,10 +659,7 @@ func (s *gpuStress) store(t *testing.T, r *rand.Rand, w int, src area) ([]int, b
 		case OutcomePresent:
 			s.n.keysPresent.Add(1)
 		case OutcomeFailed:
-			s.n.keysFailed.Add(1)
-			if errors.Is(kr.Err, context.Canceled) {
-				s.n.cancelledKeys.Add(1)
-			}
+			s.countFailed(kr.Err)
 		}
 	}
 	return ks, cancelled
@@ -740,10 +746,7 @@ func (s *gpuStress) load(t *testing.T, r *rand.Rand, w int, dst area, recent []i
 		case OutcomeMissing:
 			s.n.keysMissing.Add(1)
 		case OutcomeFailed:
-			s.n.keysFailed.Add(1)
-			if errors.Is(kr.Err, context.Canceled) {
-				s.n.cancelledKeys.Add(1)
-			}
+			s.countFailed(kr.Err)
 		}
 		if kr.Outcome != OutcomeLoaded {
 			for _, b := range blocks[i] {
