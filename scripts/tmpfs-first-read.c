@@ -194,19 +194,7 @@ static void *reader(void *a) {
       if (m == MAP_FAILED) die("mmap");
       int pieces = !strcmp(rmode, "mmapfseqp") || !strcmp(rmode, "mmapfseqgo");
       if ((!strcmp(rmode, "mmapfseq") || pieces) && madvise(m, fsize, MADV_SEQUENTIAL)) die("madv fseq");
-      if (pieces) {
-        if (fsize % piece) die("mmapfseqp: file size not a multiple of 256 KiB");
-        for (long off = 0; off < fsize; off += piece) {
-          if (!strcmp(rmode, "mmapfseqgo"))
-            avxcopy(b + (off % chunk), m + off, piece);
-          else
-            memcpy(b + (off % chunk), m + off, piece);
-        }
-        munmap(m, fsize);
-        x += b[0];
-        close(fd);
-        continue;
-      }
+      if (pieces && fsize % piece) die("mmapfseqp: file size not a multiple of 256 KiB");
       if (!strcmp(rmode, "mmapfrand") && madvise(m, fsize, MADV_RANDOM)) die("madv frand");
       if (!strcmp(rmode, "mmaprand") || !strcmp(rmode, "mmapseq")) {
         if (madvise(m, fsize, !strcmp(rmode, "mmaprand") ? MADV_RANDOM : MADV_SEQUENTIAL)) die("madv rand");
@@ -220,9 +208,14 @@ static void *reader(void *a) {
         continue;
       }
       if (!strcmp(rmode, "mmapmadv") && madvise(m, fsize, MADV_POPULATE_READ)) die("madvise");
-      for (long off = 0; off < fsize; off += chunk) {
+      size_t step = pieces ? piece : chunk;
+      for (long off = 0; off < fsize; off += step) {
+        size_t n = fsize - off < (long)step ? (size_t)(fsize - off) : step;
         if (!strcmp(rmode, "mmapchunk")) madvise(m + off, chunk, MADV_POPULATE_READ);
-        memcpy(b, m + off, fsize - off < (long)chunk ? (size_t)(fsize - off) : chunk);
+        if (!strcmp(rmode, "mmapfseqgo"))
+          avxcopy(b + (off % chunk), m + off, n);
+        else
+          memcpy(b + (off % chunk), m + off, n);
       }
       munmap(m, fsize);
     }
