@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"runtime"
 	"runtime/pprof"
+	"runtime/trace"
 	"slices"
 	"strconv"
 	"strings"
@@ -62,6 +63,7 @@ type benchOptions struct {
 	svgOut      string
 	cpuProfile  string
 	mutexProf   string
+	traceOut    string
 	progress    string // auto, on, off
 	cfg         config.Config
 	args        []string
@@ -119,6 +121,7 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	fs.StringVar(&cufileLib, "cufile-library", "", "path of libcufile (default: the configuration's, else the usual places)")
 	fs.StringVar(&o.cpuProfile, "cpu-profile", "", "write a CPU profile of the whole run (engine, ceilings and checks; go tool pprof) to this file")
 	fs.StringVar(&o.mutexProf, "mutex-profile", "", "write a profile of the time goroutines waited for locks during the whole run (go tool pprof) to this file")
+	fs.StringVar(&o.traceOut, "trace", "", "write an execution trace of the whole run (where goroutines ran, waited and made system calls; go tool trace) to this file")
 	fs.Usage = func() {
 		fmt.Fprintln(stderr, "usage: kvhost bench --dir DIR [flags]\n\nMeasures the engine's stores and loads on DIR next to ceilings measured in the same run (docs/bench.md).\n\nflags:")
 		fs.PrintDefaults()
@@ -283,7 +286,16 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		stopProfile()
 		return bad("--mutex-profile: %v", err)
 	}
+	stopTrace, err := startTrace(o.traceOut)
+	if err != nil {
+		stopMutex()
+		stopProfile()
+		return bad("--trace: %v", err)
+	}
 	rep, err := runBenchmark(ctx, o, log, stderr)
+	if perr := stopTrace(); perr != nil {
+		fmt.Fprintf(stderr, "kvhost bench: --trace: %v\n", perr)
+	}
 	if perr := stopMutex(); perr != nil {
 		fmt.Fprintf(stderr, "kvhost bench: --mutex-profile: %v\n", perr)
 	}
@@ -333,6 +345,15 @@ func startMutexProfile(path string) (stop func() error, err error) {
 	}, func(f *os.File) error {
 		defer runtime.SetMutexProfileFraction(was)
 		return pprof.Lookup("mutex").WriteTo(f, 0)
+	})
+}
+
+// startTrace starts an execution trace into path (none when path is
+// empty); the function it returns stops it and closes the file.
+func startTrace(path string) (stop func() error, err error) {
+	return startProfile(path, func(f *os.File) error { return trace.Start(f) }, func(*os.File) error {
+		trace.Stop()
+		return nil
 	})
 }
 

@@ -951,8 +951,25 @@ func TestBenchProfilesAreGzippedProfilesOfTheRun(t *testing.T) {
 	}
 }
 
+func TestBenchTraceIsAnExecutionTraceOfTheRun(t *testing.T) {
+	out := filepath.Join(t.TempDir(), "run.trace")
+	runBenchJSON(t, "--memory", "host", "--jobs", "2", "--total", "4MiB", "--trace", out)
+	b, err := os.ReadFile(out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// An execution trace starts with its format's header, "go 1.NN trace".
+	if !bytes.HasPrefix(b, []byte("go 1.")) || !bytes.Contains(b[:min(len(b), 16)], []byte(" trace")) {
+		t.Fatalf("%s starts %q: not an execution trace", out, b[:min(len(b), 16)])
+	}
+	// The run's jobs ran on goroutines the trace must name by function.
+	if !bytes.Contains(b, []byte("runBenchmark")) {
+		t.Errorf("%s (%d bytes) names no runBenchmark frame: not a trace of the run", out, len(b))
+	}
+}
+
 func TestBenchProfileInAMissingDirectoryIsRefused(t *testing.T) {
-	for _, flag := range []string{"--cpu-profile", "--mutex-profile"} {
+	for _, flag := range []string{"--cpu-profile", "--mutex-profile", "--trace"} {
 		var stdout, stderr bytes.Buffer
 		args := append([]string{"bench", "--dir", t.TempDir(), flag, filepath.Join(t.TempDir(), "no", "prof.pprof")}, tinyBench...)
 		if code := run(context.Background(), args, &stdout, &stderr); code != 2 || !strings.Contains(stderr.String(), flag) {
