@@ -31,7 +31,7 @@
 // pieces as kvhost's loads do: with memcpy, or with a loop of 32-byte
 // loads and ordinary stores, the kind of copy Go's copy() makes of
 // 256 KiB, where glibc's memcpy may use rep movsb or non-temporal
-// stores), mixedN (every Nth thread preads, the others mmapfseq),
+// stores), mmapfseqnt (the same pieces with non-temporal stores), mixedN (every Nth thread preads, the others mmapfseq),
 // pop+pread (an untimed-apart
 // MADV_POPULATE_READ pass, printed as "poponly", then pread), zero (check
 // that every byte is zero: for pconly and fconly).
@@ -140,6 +140,23 @@ __attribute__((target("avx2"))) static void avxcopy(char *d, const char *s, size
     _mm256_storeu_si256((__m256i *)(d + i + 96), e);
   }
 }
+
+// ntcopy copies n bytes (a multiple of 128; d 32-byte aligned) with
+// 32-byte loads and non-temporal stores: the destination lines are
+// written without being read for ownership and bypass the cache.
+__attribute__((target("avx2"))) static void ntcopy(char *d, const char *s, size_t n) {
+  for (size_t i = 0; i < n; i += 128) {
+    __m256i a = _mm256_loadu_si256((const __m256i *)(s + i));
+    __m256i b = _mm256_loadu_si256((const __m256i *)(s + i + 32));
+    __m256i c = _mm256_loadu_si256((const __m256i *)(s + i + 64));
+    __m256i e = _mm256_loadu_si256((const __m256i *)(s + i + 96));
+    _mm256_stream_si256((__m256i *)(d + i), a);
+    _mm256_stream_si256((__m256i *)(d + i + 32), b);
+    _mm256_stream_si256((__m256i *)(d + i + 64), c);
+    _mm256_stream_si256((__m256i *)(d + i + 96), e);
+  }
+  _mm_sfence();
+}
 static volatile uint64_t sink;
 
 static void *reader(void *a) {
@@ -192,7 +209,7 @@ static void *reader(void *a) {
       if (!strcmp(rmode, "mmappop")) flags |= MAP_POPULATE;
       char *m = mmap(0, fsize, PROT_READ, flags, fd, 0);
       if (m == MAP_FAILED) die("mmap");
-      int pieces = !strcmp(rmode, "mmapfseqp") || !strcmp(rmode, "mmapfseqgo");
+      int pieces = !strcmp(rmode, "mmapfseqp") || !strcmp(rmode, "mmapfseqgo") || !strcmp(rmode, "mmapfseqnt");
       if ((!strcmp(rmode, "mmapfseq") || pieces) && madvise(m, fsize, MADV_SEQUENTIAL)) die("madv fseq");
       if (pieces && fsize % piece) die("mmapfseqp: file size not a multiple of 256 KiB");
       if (!strcmp(rmode, "mmapfrand") && madvise(m, fsize, MADV_RANDOM)) die("madv frand");
@@ -214,6 +231,8 @@ static void *reader(void *a) {
         if (!strcmp(rmode, "mmapchunk")) madvise(m + off, chunk, MADV_POPULATE_READ);
         if (!strcmp(rmode, "mmapfseqgo"))
           avxcopy(b + (off % chunk), m + off, n);
+        else if (!strcmp(rmode, "mmapfseqnt"))
+          ntcopy(b + (off % chunk), m + off, n);
         else
           memcpy(b + (off % chunk), m + off, n);
       }
