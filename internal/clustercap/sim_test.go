@@ -1,8 +1,9 @@
 package clustercap
 
 import (
-	"container/heap"
 	"math/rand/v2"
+	"slices"
+	"sort"
 	"testing"
 )
 
@@ -51,68 +52,84 @@ func newSimTrace(seed uint64, n int) simTrace {
 	return tr
 }
 
-// lruSet is files ranked by last use, with their owner: a map and a heap
-// of (rank, key) with stale records skipped.
+// lruSet is files ranked by last use, with their owner: a map and a slice
+// of (rank, key) records ordered by rank, then key (the order a heap of
+// them would pop), with stale records skipped. Touches come almost always
+// at the latest rank, so a record mostly goes at the end; and the records
+// come out of items already in rank order, which NewSketch's sort then
+// only checks: with a map's order it sorted every item on every publish,
+// three quarters of the replay's time (20 s of 27 without the race
+// detector, 160 s with it).
 type lruSet struct {
 	rank map[uint64]uint64
-	h    rankHeap
+	ord  []Touch // ord[head:] in (Rank, ID) order, stale records among them
+	head int     // ord[:head] are records lowest has passed
 }
 
 func newLRUSet() *lruSet { return &lruSet{rank: map[uint64]uint64{}} }
 
+// before reports whether a comes before b: by rank, then key.
+func before(a, b Touch) bool {
+	if a.Rank != b.Rank {
+		return a.Rank < b.Rank
+	}
+	return a.ID < b.ID
+}
+
 func (s *lruSet) touch(k, t uint64) {
 	s.rank[k] = t
-	heap.Push(&s.h, Touch{ID: k, Rank: t})
-	if len(s.h) > 4*len(s.rank)+1024 { // drop the stale records
-		s.h = s.h[:0]
-		for k, r := range s.rank {
-			s.h = append(s.h, Touch{ID: k, Rank: r})
+	rec := Touch{ID: k, Rank: t}
+	if n := len(s.ord); n == s.head || !before(rec, s.ord[n-1]) {
+		s.ord = append(s.ord, rec)
+	} else {
+		live := s.ord[s.head:]
+		i := s.head + sort.Search(len(live), func(i int) bool { return before(rec, live[i]) })
+		s.ord = slices.Insert(s.ord, i, rec)
+	}
+	if len(s.ord)-s.head > 4*len(s.rank)+1024 { // drop the stale records
+		live := s.ord[:0]
+		for _, r := range s.ord[s.head:] {
+			if s.valid(r) {
+				live = append(live, r)
+			}
 		}
-		heap.Init(&s.h)
+		s.ord, s.head = live, 0
 	}
 }
+
+// valid reports whether r is the key's current record.
+func (s *lruSet) valid(r Touch) bool { v, ok := s.rank[r.ID]; return ok && v == r.Rank }
 
 func (s *lruSet) has(k uint64) bool { _, ok := s.rank[k]; return ok }
 func (s *lruSet) size() int64       { return int64(len(s.rank)) }
 
 // lowest returns the least recent key and its rank, false if empty.
 func (s *lruSet) lowest() (Touch, bool) {
-	for s.h.Len() > 0 {
-		top := s.h[0]
-		if r, ok := s.rank[top.ID]; ok && r == top.Rank {
-			return top, true
+	for ; s.head < len(s.ord); s.head++ {
+		if r := s.ord[s.head]; s.valid(r) {
+			return r, true
 		}
-		heap.Pop(&s.h)
 	}
+	s.ord, s.head = s.ord[:0], 0
 	return Touch{}, false
 }
 
 func (s *lruSet) remove(k uint64) { delete(s.rank, k) }
 
+// items is every key's rank, one byte each, in rank order. It drops the
+// stale records it passes, so that the next call reads each record once.
 func (s *lruSet) items() []Item {
 	out := make([]Item, 0, len(s.rank))
-	for _, r := range s.rank {
-		out = append(out, Item{Rank: r, Bytes: 1})
+	live := s.ord[:0]
+	for _, r := range s.ord[s.head:] {
+		// A key touched twice at one rank has two records, side by side.
+		if s.valid(r) && (len(live) == 0 || r != live[len(live)-1]) {
+			out = append(out, Item{Rank: r.Rank, Bytes: 1})
+			live = append(live, r)
+		}
 	}
+	s.ord, s.head = live, 0
 	return out
-}
-
-type rankHeap []Touch
-
-func (h rankHeap) Len() int { return len(h) }
-func (h rankHeap) Less(i, j int) bool {
-	if h[i].Rank != h[j].Rank {
-		return h[i].Rank < h[j].Rank
-	}
-	return h[i].ID < h[j].ID
-}
-func (h rankHeap) Swap(i, j int) { h[i], h[j] = h[j], h[i] }
-func (h *rankHeap) Push(x any)   { *h = append(*h, x.(Touch)) }
-func (h *rankHeap) Pop() any {
-	old := *h
-	x := old[len(old)-1]
-	*h = old[:len(old)-1]
-	return x
 }
 
 // simResult is a scheme's hit rate and the most bytes it held at once.
