@@ -29,7 +29,7 @@ import (
 // tieredPolicies returns constructors of the built-in tiered policy,
 // native and (if plugins/wasm/tiered.wasm was built) in wasm.
 func tieredPolicies(t testing.TB, params map[string]string) map[string]func(policy.Index) (policy.Policy, error) {
-	cfg := policy.Config{Params: params, Logger: testLogger(t)}
+	cfg := policy.Config{Params: params, Logger: testLogger(t), Cache: sharedCompilationCache()}
 	out := map[string]func(policy.Index) (policy.Policy, error){
 		"native-tiered": func(idx policy.Index) (policy.Policy, error) {
 			return policy.NewNative(func() guest.Policy { return tiered.New() }, idx, cfg)
