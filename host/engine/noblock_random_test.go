@@ -254,6 +254,7 @@ func randomNoBlockLoadsGPU(t *testing.T, rt *cuda.Runtime, mv *gpu.Mover, dir st
 	at := func(l, p, b int) int64 {
 		return (int64(l)*int64(g.Planes())+int64(p))*int64(nb)*bb + int64(b)*bb
 	}
+	poison := bytes.Repeat([]byte{0x3C}, int(bb)) // a destination block before the load
 	for iter := range 8 {
 		pool := r.Perm(nb - nkeys*bpk)
 		var ks [][]byte
@@ -283,9 +284,7 @@ func randomNoBlockLoadsGPU(t *testing.T, rt *cuda.Runtime, mv *gpu.Mover, dir st
 		for l := range g.Layers {
 			for p := range g.Planes() {
 				for b := nkeys * bpk; b < nb; b++ {
-					for i := at(l, p, b); i < at(l, p, b)+bb; i++ {
-						cur[i] = 0x3C
-					}
+					copy(cur[at(l, p, b):at(l, p, b)+bb], poison)
 				}
 			}
 		}
