@@ -20,9 +20,10 @@ import (
 // may demote a held file to another mount, into free room there
 // (demoteHeld), and the copy keeps the hold's pin. A pin of the hold is
 // not a client pin: Delete still removes a held file. Held entries are
-// marked (entry.held, counted in index.heldFound), so that the release
-// unpins only them. A policy that replaces the current one is told of
-// their pins as of every pin (reload.go).
+// marked (entry.held) and kept by mount (index.held), so that the
+// release unpins only them and a demotion round visits only its own
+// mount's. A policy that replaces the current one is told of their pins
+// as of every pin (reload.go).
 
 // restartHold is the pin of the files found at start; the files it holds
 // are the index's entries marked held.
@@ -46,11 +47,9 @@ func (e *Engine) holdFound(ctx context.Context, d time.Duration) {
 	e.ix.mu.Lock()
 	recs := make([]abi.AccessRecord, 0, len(e.ix.entries))
 	for _, en := range e.ix.entries {
-		en.pins++
-		en.held = true
+		e.ix.holdLocked(en)
 		recs = append(recs, en.access(abi.AccessPin, now))
 	}
-	e.ix.heldFound = len(recs)
 	e.ix.mu.Unlock()
 	if len(recs) == 0 {
 		return
@@ -80,18 +79,17 @@ func (e *Engine) releaseFound(tell bool) {
 	var recs []abi.AccessRecord
 	now := e.now().UnixNano()
 	e.ix.mu.Lock()
-	n := e.ix.heldFound
-	for _, en := range e.ix.entries {
-		if !en.held {
-			continue
-		}
-		en.pins--
-		en.held = false
-		if tell {
-			recs = append(recs, en.access(abi.AccessUnpin, now))
+	n := e.ix.heldFoundLocked()
+	for _, on := range e.ix.held {
+		for en := range on {
+			en.pins--
+			en.held = false
+			if tell {
+				recs = append(recs, en.access(abi.AccessUnpin, now))
+			}
 		}
 	}
-	e.ix.heldFound = 0
+	clear(e.ix.held)
 	e.ix.mu.Unlock()
 	e.access(context.Background(), recs)
 	if tell {
@@ -105,7 +103,7 @@ func (e *Engine) releaseFound(tell bool) {
 func (e *Engine) HeldFound() int {
 	e.ix.mu.RLock()
 	defer e.ix.mu.RUnlock()
-	return e.ix.heldFound
+	return e.ix.heldFoundLocked()
 }
 
 // demoteHeld is the last round of an eviction on m (evict) that left too
@@ -166,8 +164,8 @@ func (e *Engine) demoteHeld(ctx context.Context, m *mount, size int64) error {
 	var lifted []*entry
 	var recs []abi.AccessRecord
 	e.ix.mu.Lock()
-	for _, en := range e.ix.entries {
-		if en.held && en.pins == 1 && en.mount == m.idx {
+	for en := range e.ix.held[m.idx] {
+		if en.pins == 1 {
 			en.lifted = true
 			lifted = append(lifted, en)
 			recs = append(recs, en.access(abi.AccessUnpin, now))

@@ -48,8 +48,8 @@ type entry struct {
 	hits   uint32
 	last   int64
 	gone   bool // removed from the index
-	// held: pinned by the restart hold (hold.go), counted in
-	// index.heldFound while indexed.
+	// held: pinned by the restart hold (hold.go), in index.held under
+	// its mount while indexed.
 	held bool
 	// lifted: held, and the hold's pin lifted in the policy's view for a
 	// round of demoteHeld (hold.go): policyEntry does not count it.
@@ -91,7 +91,8 @@ type entry struct {
 //     key's position in its file and of the key's fingerprint (an
 //     indexed entry may have lost a key to a newer file: relinkLocked);
 //   - 0 <= leases <= pins for every entry, leases < pins where the
-//     restart hold holds it (held), and heldFound counts those entries;
+//     restart hold holds it (held), and held holds those entries, each
+//     under its mount, and no other;
 //   - the orphans left to a path held are gone and marked orphan;
 //   - left holds no indexed entry, nor an orphan, and nleft is its length.
 type index struct {
@@ -113,10 +114,13 @@ type index struct {
 	// nleft is len(left), read without mu: an eviction, which tries the
 	// files left again first (takeLeft), takes no lock where there are
 	// none.
-	nleft     atomic.Int64
-	lastID    uint64
-	keys      KeySet // MirrorKeys's, or nil
-	heldFound int    // indexed entries the restart hold pins (hold.go)
+	nleft  atomic.Int64
+	lastID uint64
+	keys   KeySet // MirrorKeys's, or nil
+	// held holds the indexed entries the restart hold pins (hold.go), by
+	// mount: a demotion round on one mount visits its own held files,
+	// not the whole index.
+	held map[int]map[*entry]struct{}
 }
 
 func newIndex(sp *space) *index {
@@ -128,7 +132,17 @@ func newIndex(sp *space) *index {
 		inflight: map[string]*flight{},
 		reads:    map[string][]*readMark{},
 		left:     map[string]*entry{},
+		held:     map[int]map[*entry]struct{}{},
 	}
+}
+
+// heldFoundLocked is the number of indexed entries the restart hold pins.
+func (ix *index) heldFoundLocked() int {
+	n := 0
+	for _, on := range ix.held {
+		n += len(on)
+	}
+	return n
 }
 
 // getLocked is the entry holding key of fingerprint fp, or nil.
@@ -235,7 +249,7 @@ func (ix *index) unindexLocked(en *entry, remove bool) bool {
 	if en.held { // the restart hold lets it go now
 		en.held = false
 		en.pins--
-		ix.heldFound--
+		delete(ix.held[en.mount], en)
 	}
 	delete(ix.entries, en.id)
 	if ix.byPath[en.path] == en {
@@ -255,12 +269,18 @@ func (ix *index) unindexLocked(en *entry, remove bool) bool {
 	return true
 }
 
-// holdLocked pins en for the restart hold (hold.go): the copy of a held
-// file that a demotion moved (moveEntry), which keeps the hold's pin.
+// holdLocked pins en for the restart hold (hold.go): each file found at
+// start, and the copy of a held file that a demotion moved (moveEntry),
+// which keeps the hold's pin.
 func (ix *index) holdLocked(en *entry) {
 	en.held = true
 	en.pins++
-	ix.heldFound++
+	on := ix.held[en.mount]
+	if on == nil {
+		on = map[*entry]struct{}{}
+		ix.held[en.mount] = on
+	}
+	on[en] = struct{}{}
 }
 
 // movePins is en's pins that keep it from moving: all of them, or with
@@ -528,6 +548,9 @@ func (ix *index) check() error {
 	for _, en := range ix.entries {
 		if en.held {
 			held++
+			if _, ok := ix.held[en.mount][en]; !ok {
+				return fmt.Errorf("index: entry %d (%s): held by the restart hold, missing from mount %d's held entries", en.id, en.path, en.mount)
+			}
 		}
 		if en.held && en.pins <= en.leases {
 			return fmt.Errorf("index: entry %d (%s): held by the restart hold with pins %d, leases %d", en.id, en.path, en.pins, en.leases)
@@ -536,8 +559,8 @@ func (ix *index) check() error {
 			return fmt.Errorf("index: entry %d (%s): pins %d, leases %d", en.id, en.path, en.pins, en.leases)
 		}
 	}
-	if held != ix.heldFound {
-		return fmt.Errorf("index: %d entries held by the restart hold, counted %d", held, ix.heldFound)
+	if n := ix.heldFoundLocked(); held != n {
+		return fmt.Errorf("index: %d entries held by the restart hold, %d in the held entries by mount", held, n)
 	}
 	return nil
 }

@@ -66,6 +66,19 @@ func TestPartsCheckFindsEachBrokenInvariant(t *testing.T) {
 			sp.mounts[0].spares = map[int64][]spareFile{60: {{path: "/m/.spare-1", id: fsys.Identity{Size: 50}}}}
 		}, "listed under"},
 		{"used beside the files at rest", func(_ *index, sp *space) { sp.mounts[0].used += 10 }, "at rest"},
+		{"a held entry missing from its mount's held entries", func(ix *index, _ *space) {
+			en := ix.byPath["/m/x"]
+			en.held, en.pins = true, 1
+		}, "missing from mount 0's held entries"},
+		{"a held entry under another mount", func(ix *index, _ *space) {
+			en := ix.byPath["/m/x"]
+			ix.holdLocked(en)
+			delete(ix.held[0], en)
+			ix.held[1] = map[*entry]struct{}{en: {}}
+		}, "missing from mount 0's held entries"},
+		{"an entry not held among the held entries", func(ix *index, _ *space) {
+			ix.held[0] = map[*entry]struct{}{ix.byPath["/m/x"]: {}}
+		}, "0 entries held by the restart hold, 1 in the held entries"},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			ix, sp := newParts(t)
@@ -125,5 +138,53 @@ func TestIndexKeepsTheSpaceOfItsEntries(t *testing.T) {
 	}
 	if used, _ := sp.usage(ms); used != 100 {
 		t.Fatalf("used %d at rest, want 100 (the new file)", used)
+	}
+}
+
+// TestHeldEntriesAreKeptByTheirMount: the restart hold's entries are
+// listed under their own mount (what a demotion round on one mount
+// visits), counted across mounts, and a held entry leaves the list when
+// it leaves the index.
+func TestHeldEntriesAreKeptByTheirMount(t *testing.T) {
+	var mounts []*mountSpace
+	for _, root := range []string{"/hot", "/cold"} {
+		ms := &mountSpace{root: root, highF: 0.9, lowF: 0.8}
+		ms.setCapacityLocked(1000)
+		mounts = append(mounts, ms)
+	}
+	sp := &space{mounts: mounts}
+	ix := newIndex(sp)
+	ix.mu.Lock()
+	hot1 := &entry{fp: 1, path: "/hot/a", size: 100, keys: []string{"a"}}
+	hot2 := &entry{fp: 1, path: "/hot/b", size: 100, keys: []string{"b"}}
+	cold := &entry{fp: 1, path: "/cold/c", size: 100, keys: []string{"c"}, mount: 1}
+	for _, en := range []*entry{hot1, hot2, cold} {
+		ix.insertLocked(en, false)
+		ix.holdLocked(en)
+	}
+	ix.mu.Unlock()
+	if n := ix.heldFoundLocked(); n != 3 {
+		t.Fatalf("heldFoundLocked = %d, want 3", n)
+	}
+	if len(ix.held[0]) != 2 || len(ix.held[1]) != 1 {
+		t.Fatalf("held by mount: %d on the hot mount, %d on the cold one; want 2 and 1", len(ix.held[0]), len(ix.held[1]))
+	}
+	if _, ok := ix.held[1][cold]; !ok {
+		t.Fatal("the cold mount's held entries lack its file")
+	}
+	if err := ix.check(); err != nil {
+		t.Fatal(err)
+	}
+	ix.mu.Lock()
+	ix.unindexLocked(hot1, false)
+	ix.mu.Unlock()
+	if _, ok := ix.held[0][hot1]; ok || hot1.held || hot1.pins != 0 {
+		t.Fatalf("an entry gone from the index: listed %v, held %v, pins %d; want unlisted, not held, 0", ok, hot1.held, hot1.pins)
+	}
+	if n := ix.heldFoundLocked(); n != 2 {
+		t.Fatalf("heldFoundLocked = %d after one held entry left, want 2", n)
+	}
+	if err := ix.check(); err != nil {
+		t.Fatal(err)
 	}
 }
