@@ -125,37 +125,23 @@ static void *writer(void *a) {
 
 static const char *rmode, *read_mode;
 
-// avxcopy copies n bytes (a multiple of 128) with 32-byte unaligned loads
-// and ordinary stores, 128 bytes a turn: no rep movsb, no non-temporal
-// stores, so every destination line is read for ownership first.
-__attribute__((target("avx2"))) static void avxcopy(char *d, const char *s, size_t n) {
+// avxcopy copies n bytes (a multiple of 128) with 32-byte unaligned loads,
+// 128 bytes a turn, and no rep movsb: with nt 0 ordinary stores, so every
+// destination line is read for ownership first; with nt 1 (d 32-byte
+// aligned) non-temporal stores, which write the lines without reading
+// them and bypass the cache.
+__attribute__((target("avx2"))) static void avxcopy(char *d, const char *s, size_t n, int nt) {
   for (size_t i = 0; i < n; i += 128) {
-    __m256i a = _mm256_loadu_si256((const __m256i *)(s + i));
-    __m256i b = _mm256_loadu_si256((const __m256i *)(s + i + 32));
-    __m256i c = _mm256_loadu_si256((const __m256i *)(s + i + 64));
-    __m256i e = _mm256_loadu_si256((const __m256i *)(s + i + 96));
-    _mm256_storeu_si256((__m256i *)(d + i), a);
-    _mm256_storeu_si256((__m256i *)(d + i + 32), b);
-    _mm256_storeu_si256((__m256i *)(d + i + 64), c);
-    _mm256_storeu_si256((__m256i *)(d + i + 96), e);
+    __m256i v[4];
+    for (int k = 0; k < 4; k++) v[k] = _mm256_loadu_si256((const __m256i *)(s + i + 32 * k));
+    for (int k = 0; k < 4; k++) {
+      if (nt)
+        _mm256_stream_si256((__m256i *)(d + i + 32 * k), v[k]);
+      else
+        _mm256_storeu_si256((__m256i *)(d + i + 32 * k), v[k]);
+    }
   }
-}
-
-// ntcopy copies n bytes (a multiple of 128; d 32-byte aligned) with
-// 32-byte loads and non-temporal stores: the destination lines are
-// written without being read for ownership and bypass the cache.
-__attribute__((target("avx2"))) static void ntcopy(char *d, const char *s, size_t n) {
-  for (size_t i = 0; i < n; i += 128) {
-    __m256i a = _mm256_loadu_si256((const __m256i *)(s + i));
-    __m256i b = _mm256_loadu_si256((const __m256i *)(s + i + 32));
-    __m256i c = _mm256_loadu_si256((const __m256i *)(s + i + 64));
-    __m256i e = _mm256_loadu_si256((const __m256i *)(s + i + 96));
-    _mm256_stream_si256((__m256i *)(d + i), a);
-    _mm256_stream_si256((__m256i *)(d + i + 32), b);
-    _mm256_stream_si256((__m256i *)(d + i + 64), c);
-    _mm256_stream_si256((__m256i *)(d + i + 96), e);
-  }
-  _mm_sfence();
+  if (nt) _mm_sfence();
 }
 static volatile uint64_t sink;
 
@@ -229,10 +215,8 @@ static void *reader(void *a) {
       for (long off = 0; off < fsize; off += step) {
         size_t n = fsize - off < (long)step ? (size_t)(fsize - off) : step;
         if (!strcmp(rmode, "mmapchunk")) madvise(m + off, chunk, MADV_POPULATE_READ);
-        if (!strcmp(rmode, "mmapfseqgo"))
-          avxcopy(b + (off % chunk), m + off, n);
-        else if (!strcmp(rmode, "mmapfseqnt"))
-          ntcopy(b + (off % chunk), m + off, n);
+        if (!strcmp(rmode, "mmapfseqgo") || !strcmp(rmode, "mmapfseqnt"))
+          avxcopy(b + (off % chunk), m + off, n, !strcmp(rmode, "mmapfseqnt"));
         else
           memcpy(b + (off % chunk), m + off, n);
       }

@@ -166,6 +166,5 @@ func copyPieces(m *Mapping, buf []byte, piece int, sums bool) error {
 			crc = crc32c.Update(crc, p[:n])
 		}
 	}
-	_ = crc
 	return nil
 }
