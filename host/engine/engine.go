@@ -68,6 +68,7 @@ type Engine struct {
 	dirs       sync.Map  // directories known to exist
 	unsynced   sync.Map  // directories created, not yet fsynced (Config.Fsync)
 	copyBufs   sync.Pool // *[]byte: moves' copy buffers (copyFile), reused
+	headBufs   sync.Pool // *[]byte: readHeader's first read, format.Align bytes, aligned
 
 	// The engine's state in parts, each with its own lock; the lock
 	// order is evictMu (per mount, in mount order) > pinTab.mu > mu >

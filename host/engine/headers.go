@@ -57,7 +57,7 @@ func (e *Engine) readEntry(mnt int, path string) (*entry, error) {
 		return nil, err
 	}
 	defer f.Close()
-	h, err := readHeader(f)
+	h, err := e.readHeader(f)
 	if err != nil {
 		return nil, err
 	}
@@ -103,7 +103,7 @@ func (e *Engine) entryOf(mnt int, path string, h *format.Header, id fsys.Identit
 func (e *Engine) fileHeader(mnt int, path string, f fsys.File, id fsys.Identity) (*format.Header, error) {
 	m := e.mounts[mnt]
 	if m.raw == nil {
-		return readHeader(f)
+		return e.readHeader(f)
 	}
 	return e.rawHeader(m, path, id.Size)
 }
