@@ -22,7 +22,7 @@ import (
 // not a client pin: Delete still removes a held file. Held entries are
 // marked (entry.held) and kept by mount (index.held), so that the
 // release unpins only them and a demotion round visits only its own
-// mount's. A policy that replaces the current one is told of their pins
+// mount's, each in chunks of heldChunk under the index's write lock. A policy that replaces the current one is told of their pins
 // as of every pin (reload.go).
 
 // restartHold is the pin of the files found at start; the files it holds
@@ -78,17 +78,22 @@ func (e *Engine) releaseFound(tell bool) {
 	h.timer = nil
 	var recs []abi.AccessRecord
 	now := e.now().UnixNano()
-	e.ix.mu.Lock()
-	n := e.ix.heldFoundLocked()
-	for _, on := range e.ix.held {
-		for en := range on {
-			en.pins--
-			en.held = false
-			if tell {
-				recs = append(recs, en.access(abi.AccessUnpin, now))
-			}
+	n := 0
+	// Only a demotion round (serialized with this by h.mu) holds new
+	// entries, so the entries taken now are all there will be.
+	e.ix.inHeldChunks(e.ix.heldOn(-1), func(en *entry) {
+		if !en.held { // unindexed meanwhile: it let the hold go then
+			return
 		}
-	}
+		en.pins--
+		en.held = false
+		delete(e.ix.held[en.mount], en)
+		n++
+		if tell {
+			recs = append(recs, en.access(abi.AccessUnpin, now))
+		}
+	})
+	e.ix.mu.Lock()
 	clear(e.ix.held)
 	e.ix.mu.Unlock()
 	e.access(context.Background(), recs)
@@ -163,15 +168,13 @@ func (e *Engine) demoteHeld(ctx context.Context, m *mount, size int64) error {
 	}()
 	var lifted []*entry
 	var recs []abi.AccessRecord
-	e.ix.mu.Lock()
-	for en := range e.ix.held[m.idx] {
-		if en.pins == 1 {
+	e.ix.inHeldChunks(e.ix.heldOn(m.idx), func(en *entry) {
+		if en.held && en.mount == m.idx && en.pins == 1 {
 			en.lifted = true
 			lifted = append(lifted, en)
 			recs = append(recs, en.access(abi.AccessUnpin, now))
 		}
-	}
-	e.ix.mu.Unlock()
+	})
 	if len(lifted) == 0 {
 		return nil
 	}
@@ -180,14 +183,12 @@ func (e *Engine) demoteHeld(ctx context.Context, m *mount, size int64) error {
 	defer func() {
 		recs = recs[:0]
 		now := e.now().UnixNano()
-		e.ix.mu.Lock()
-		for _, en := range lifted {
+		e.ix.inHeldChunks(lifted, func(en *entry) {
 			en.lifted = false
 			if !en.gone && en.held { // not moved: its copy was pinned by the move
 				recs = append(recs, en.access(abi.AccessPin, now))
 			}
-		}
-		e.ix.mu.Unlock()
+		})
 		e.access(wctx, recs)
 	}()
 

@@ -1,9 +1,11 @@
 package engine
 
 import (
+	"fmt"
 	"strings"
 	"testing"
 
+	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/internal/fsys"
 )
 
@@ -186,5 +188,93 @@ func TestHeldEntriesAreKeptByTheirMount(t *testing.T) {
 	}
 	if err := ix.check(); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// heldIndex returns an index over two mounts with n entries held by the
+// restart hold on the first and 3 on the second.
+func heldIndex(t testing.TB, n int) *index {
+	t.Helper()
+	var mounts []*mountSpace
+	for _, root := range []string{"/hot", "/cold"} {
+		ms := &mountSpace{root: root, highF: 0.9, lowF: 0.8}
+		ms.setCapacityLocked(1 << 40)
+		mounts = append(mounts, ms)
+	}
+	ix := newIndex(&space{mounts: mounts})
+	ix.mu.Lock()
+	for i := range n + 3 {
+		mnt, root := 0, "/hot"
+		if i >= n {
+			mnt, root = 1, "/cold"
+		}
+		en := &entry{fp: 1, path: fmt.Sprintf("%s/%d", root, i), size: 100, keys: []string{fmt.Sprintf("key-%d", i)}, mount: mnt}
+		ix.insertLocked(en, false)
+		ix.holdLocked(en)
+	}
+	ix.mu.Unlock()
+	return ix
+}
+
+// TestHeldVisitsInChunksSeeEntriesAsTheyAreThen: a visit of the restart
+// hold's entries takes them by mount, visits each with the index's lock
+// held for writing, and finds an entry as it is when its chunk comes: one
+// unindexed by an earlier chunk is no longer held there.
+func TestHeldVisitsInChunksSeeEntriesAsTheyAreThen(t *testing.T) {
+	n := 2*heldChunk + 3
+	ix := heldIndex(t, n)
+	if got := len(ix.heldOn(0)); got != n {
+		t.Fatalf("heldOn(0) = %d entries, want %d", got, n)
+	}
+	if got := len(ix.heldOn(1)); got != 3 {
+		t.Fatalf("heldOn(1) = %d entries, want 3", got)
+	}
+	ens := ix.heldOn(-1)
+	if len(ens) != n+3 {
+		t.Fatalf("heldOn(-1) = %d entries, want %d", len(ens), n+3)
+	}
+	last := ens[len(ens)-1] // visited in the last chunk
+	visited, held := 0, 0
+	ix.inHeldChunks(ens, func(en *entry) {
+		if ix.mu.TryRLock() {
+			ix.mu.RUnlock()
+			t.Fatal("an entry visited without the index's write lock")
+		}
+		if visited == 0 {
+			ix.unindexLocked(last, false)
+		}
+		visited++
+		if en.held {
+			held++
+		}
+	})
+	if visited != n+3 || held != n+2 {
+		t.Fatalf("visited %d entries, %d of them held; want %d and %d", visited, held, n+3, n+2)
+	}
+	if !ix.mu.TryLock() {
+		t.Fatal("the index's lock is still held after the visit")
+	}
+	ix.mu.Unlock()
+	if err := ix.check(); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// BenchmarkHeldChunkLift times one chunk of a demotion round's lift of
+// held pins (demoteHeld), ns/op: the index's write lock is held that long
+// at a time.
+func BenchmarkHeldChunkLift(b *testing.B) {
+	ix := heldIndex(b, heldChunk)
+	ens := ix.heldOn(0)
+	recs := make([]abi.AccessRecord, 0, heldChunk)
+	b.ResetTimer()
+	for b.Loop() {
+		recs = recs[:0]
+		ix.inHeldChunks(ens, func(en *entry) {
+			if en.held && en.mount == 0 && en.pins == 1 {
+				en.lifted = !en.lifted
+				recs = append(recs, en.access(abi.AccessUnpin, 1))
+			}
+		})
 	}
 }
