@@ -80,9 +80,9 @@ func (e *Engine) releaseFound(tell bool) {
 	now := e.now().UnixNano()
 	n := 0
 	// Only a demotion round (serialized with this by h.mu) holds new
-	// entries, so the entries taken now are all there will be.
-	e.ix.inHeldChunks(e.ix.heldOn(-1), func(en *entry) {
-		if !en.held { // unindexed meanwhile: it let the hold go then
+	// entries, so the lists visited are all there will be.
+	e.ix.inHeldChunks(-1, func(en *entry) {
+		if !en.held { // unindexed meanwhile (it let the hold go then), or listed twice
 			return
 		}
 		en.pins--
@@ -95,6 +95,7 @@ func (e *Engine) releaseFound(tell bool) {
 	})
 	e.ix.mu.Lock()
 	clear(e.ix.held)
+	clear(e.ix.heldOrder)
 	e.ix.mu.Unlock()
 	e.access(context.Background(), recs)
 	if tell {
@@ -168,8 +169,8 @@ func (e *Engine) demoteHeld(ctx context.Context, m *mount, size int64) error {
 	}()
 	var lifted []*entry
 	var recs []abi.AccessRecord
-	e.ix.inHeldChunks(e.ix.heldOn(m.idx), func(en *entry) {
-		if en.held && en.mount == m.idx && en.pins == 1 {
+	e.ix.inHeldChunks(m.idx, func(en *entry) {
+		if en.held && !en.lifted && en.pins == 1 {
 			en.lifted = true
 			lifted = append(lifted, en)
 			recs = append(recs, en.access(abi.AccessUnpin, now))
@@ -183,7 +184,7 @@ func (e *Engine) demoteHeld(ctx context.Context, m *mount, size int64) error {
 	defer func() {
 		recs = recs[:0]
 		now := e.now().UnixNano()
-		e.ix.inHeldChunks(lifted, func(en *entry) {
+		e.ix.inChunks(lifted, func(en *entry) {
 			en.lifted = false
 			if !en.gone && en.held { // not moved: its copy was pinned by the move
 				recs = append(recs, en.access(abi.AccessPin, now))

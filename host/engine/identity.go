@@ -103,13 +103,15 @@ var errNotRegular = errors.New("engine: not a regular file")
 // bytes, and a corrupt file is removed.
 //
 // The first read, all of a header of up to 55 keys, goes into a buffer
-// reused from headBufs, whose pages stay mapped: a fresh heap buffer's
-// pages fault in the kernel's copy, and such a fault waits for the
-// address space's lock, queued behind the unmaps of loads that copy from
-// mappings (0.14-0.19 ms per header read beside them on the H100
-// machine, against 0.01 ms beside loads that take no such lock;
-// RATIONALE.md, "Why does readHeader reuse its buffer?"). The header
-// returned holds copies of the keys, never the buffer.
+// reused from headBufs, whose pages stay mapped while loads keep using
+// it (a sync.Pool drops what two garbage collections find unused). A
+// fresh heap buffer's pages fault in the kernel's copy, and such a fault
+// waits for the address space's lock, queued behind the unmaps of loads
+// that copy from mappings: 0.14-0.35 ms per header read beside them on
+// the H100 machine, against 0.01-0.03 ms with the reused buffer or beside
+// loads that take no such lock (RATIONALE.md, "Why does readHeader reuse
+// its buffer?"). The header returned holds copies of the keys, never the
+// buffer.
 func (e *Engine) readHeader(f fsys.File) (*format.Header, error) {
 	p, _ := e.headBufs.Get().(*[]byte)
 	if p == nil {

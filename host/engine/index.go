@@ -121,18 +121,25 @@ type index struct {
 	// mount: a demotion round on one mount visits its own held files,
 	// not the whole index.
 	held map[int]map[*entry]struct{}
+	// heldOrder lists each mount's held entries in the order they were
+	// held, for visits in chunks (inHeldChunks): only appended to while
+	// the hold lasts, so a position stays the same entry between chunks;
+	// it keeps entries no longer held (unindexed, released), which visits
+	// skip, until the hold ends.
+	heldOrder map[int][]*entry
 }
 
 func newIndex(sp *space) *index {
 	return &index{
-		sp:       sp,
-		entries:  map[uint64]*entry{},
-		byKey:    map[keyID]keyRef{},
-		byPath:   map[string]*entry{},
-		inflight: map[string]*flight{},
-		reads:    map[string][]*readMark{},
-		left:     map[string]*entry{},
-		held:     map[int]map[*entry]struct{}{},
+		sp:        sp,
+		entries:   map[uint64]*entry{},
+		byKey:     map[keyID]keyRef{},
+		byPath:    map[string]*entry{},
+		inflight:  map[string]*flight{},
+		reads:     map[string][]*readMark{},
+		left:      map[string]*entry{},
+		held:      map[int]map[*entry]struct{}{},
+		heldOrder: map[int][]*entry{},
 	}
 }
 
@@ -281,39 +288,52 @@ func (ix *index) holdLocked(en *entry) {
 		ix.held[en.mount] = on
 	}
 	on[en] = struct{}{}
+	ix.heldOrder[en.mount] = append(ix.heldOrder[en.mount], en)
 }
 
-// heldChunk is the most held entries a visit of them (inHeldChunks)
-// handles in one hold of the index's write lock. Right after a restart
-// most of a mount's files are held, hundreds of thousands on a large
-// memory mount, and every request waits while the lock is held for
-// writing: a chunk of 1024 keeps that wait to tens of microseconds
-// (RATIONALE.md, "Why does the restart hold visit its files in chunks?").
+// heldChunk is the most held entries a visit of them (inHeldChunks,
+// inChunks) handles in one hold of the index's write lock. Right after a
+// restart most of a mount's files are held, hundreds of thousands on a
+// large memory mount, and every request that pins, hits or publishes
+// waits while the lock is held for writing: a chunk bounds that wait to
+// 1024 entries' work (RATIONALE.md, "Why does the restart hold visit its
+// files in chunks?").
 const heldChunk = 1024
 
-// heldOn returns the entries the restart hold pins on mount mnt, or on
-// every mount where mnt is negative: a copy, taken under the index's
-// lock held for reading.
-func (ix *index) heldOn(mnt int) []*entry {
+// inHeldChunks calls fn for each entry of mount mnt's heldOrder, or of
+// every mount's where mnt is negative, with the index's lock held for
+// writing, released after each heldChunk of them. An entry is found as
+// it is then: fn checks that it is still held (one unindexed or
+// released meanwhile stays listed) and what else it relies on. Entries
+// appended to a list meanwhile are visited too.
+func (ix *index) inHeldChunks(mnt int, fn func(*entry)) {
 	ix.mu.RLock()
-	defer ix.mu.RUnlock()
-	var ens []*entry
-	for m, on := range ix.held {
-		if mnt >= 0 && m != mnt {
-			continue
-		}
-		for en := range on {
-			ens = append(ens, en)
+	var mounts []int
+	for m := range ix.heldOrder {
+		if mnt < 0 || m == mnt {
+			mounts = append(mounts, m)
 		}
 	}
-	return ens
+	ix.mu.RUnlock()
+	for _, m := range mounts {
+		for at := 0; ; at += heldChunk {
+			ix.mu.Lock()
+			list := ix.heldOrder[m]
+			if at >= len(list) {
+				ix.mu.Unlock()
+				break
+			}
+			for _, en := range list[at:min(at+heldChunk, len(list))] {
+				fn(en)
+			}
+			ix.mu.Unlock()
+		}
+	}
 }
 
-// inHeldChunks calls fn for each of ens in order, with the index's lock
-// held for writing, released after each heldChunk of them: fn finds each
-// entry as it is then (unindexed, released or moved meanwhile) and checks
-// what it relies on.
-func (ix *index) inHeldChunks(ens []*entry, fn func(*entry)) {
+// inChunks calls fn for each of ens in order, with the index's lock held
+// for writing, released after each heldChunk of them.
+func (ix *index) inChunks(ens []*entry, fn func(*entry)) {
 	for len(ens) > 0 {
 		part := ens[:min(len(ens), heldChunk)]
 		ens = ens[len(part):]
@@ -603,6 +623,17 @@ func (ix *index) check() error {
 	}
 	if n := ix.heldFoundLocked(); held != n {
 		return fmt.Errorf("index: %d entries held by the restart hold, %d in the held entries by mount", held, n)
+	}
+	for m, on := range ix.held {
+		listed := make(map[*entry]bool, len(ix.heldOrder[m]))
+		for _, en := range ix.heldOrder[m] {
+			listed[en] = true
+		}
+		for en := range on {
+			if !listed[en] {
+				return fmt.Errorf("index: entry %d (%s): held on mount %d, missing from its order of held entries", en.id, en.path, m)
+			}
+		}
 	}
 	return nil
 }
