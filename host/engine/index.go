@@ -92,7 +92,7 @@ type entry struct {
 //     indexed entry may have lost a key to a newer file: relinkLocked);
 //   - 0 <= leases <= pins for every entry, leases < pins where the
 //     restart hold holds it (held), and held holds those entries, each
-//     under its mount, and no other;
+//     under its mount, and no other; each is in its mount's heldOrder;
 //   - the orphans left to a path held are gone and marked orphan;
 //   - left holds no indexed entry, nor an orphan, and nleft is its length.
 type index struct {
