@@ -19,6 +19,7 @@ import threading
 import time
 import types
 import unittest
+from unittest import mock
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
@@ -749,6 +750,14 @@ class TestDaemonRestart(SpecCase):
         out = m.prepare_store(ks, CTX)
         said = d.LogRecords("vllm.kvhost")
         self.addCleanup(said.close)
+        # wait asks the resumed daemon to cancel the store, which is past
+        # job_timeout_s, once it has accepted it; whether that or the
+        # store's end comes first is the machine's timing. The request is
+        # recorded instead of sent (TestWaitEnded checks the cancel).
+        asked = []
+        cancel = mock.patch.object(kvhost.Job, "cancel", lambda job: asked.append(job.id) or False)
+        cancel.start()
+        self.addCleanup(cancel.stop)
         self.daemon.freeze()
         self.job += 1
         gpu = S.GPULoadStoreSpec([5, 6], [2], [0])
@@ -760,6 +769,7 @@ class TestDaemonRestart(SpecCase):
             # Ten warnings: a second, past job_timeout_s and request_timeout_s both.
             d.wait_for(lambda: said.count("not done after 0.1s") >= 10, what="wait to go on waiting")
             self.assertFalse(done.is_set(), "wait returned before the daemon ended the store")
+            self.assertEqual(asked, [], "a cancel asked of a store the frozen daemon never accepted")
         finally:
             self.daemon.thaw()
         waiter.join(60)

@@ -16,6 +16,7 @@ import tempfile
 import textwrap
 import threading
 import unittest
+from unittest import mock
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
@@ -690,7 +691,14 @@ class DaemonRestart(TierCase):
         """A promotion sent to a frozen daemon is not reported failed when
         job_timeout_s passes (vLLM would hand its rows to other blocks
         while the daemon, once resumed, could still write them): the tier
-        says so in the log and reports the job once the daemon ran it."""
+        says so in the log and reports the job once the daemon ran it.
+
+        Once the resumed daemon has accepted the job, the tier asks it to
+        cancel the job, which is past job_timeout_s; whether that request
+        or the job's end comes first is the machine's timing (a loaded
+        machine ran the job longer than 0.1 s and failed this test). The
+        request is recorded here instead of sent, so the job runs to its
+        end; TestWaitEnded checks what the tier does with a cancel."""
         region = random_region(seed=26)
         t = self.tier(region, zero_copy="off", job_timeout_s=0.1, request_timeout_s=0.3)
         ks = keys(2, "fenced")
@@ -699,16 +707,19 @@ class DaemonRestart(TierCase):
         region[10:12] = 0
         said = d.LogRecords("vllm.kvhost")
         self.addCleanup(said.close)
-        self.daemon.freeze()
-        try:
-            j = self.job(ks, [10, 11], promotion=True)
-            t.submit_load(j)
-            # Ten warnings: a second, past job_timeout_s and request_timeout_s both.
-            d.wait_for(lambda: said.count("not done after 0.1s") >= 10, what="the tier to wait on")
-            self.assertEqual(t.get_finished_jobs(), [], "a job reported before the daemon ended it")
-        finally:
-            self.daemon.thaw()
-        res = self.finished(t, 1)[j.job_id]
+        asked = []
+        with mock.patch.object(kvhost.Job, "cancel", lambda job: asked.append(job.id) or False):
+            self.daemon.freeze()
+            try:
+                j = self.job(ks, [10, 11], promotion=True)
+                t.submit_load(j)
+                # Ten warnings: a second, past job_timeout_s and request_timeout_s both.
+                d.wait_for(lambda: said.count("not done after 0.1s") >= 10, what="the tier to wait on")
+                self.assertEqual(t.get_finished_jobs(), [], "a job reported before the daemon ended it")
+                self.assertEqual(asked, [], "a cancel asked of a job the frozen daemon never accepted")
+            finally:
+                self.daemon.thaw()
+            res = self.finished(t, 1)[j.job_id]
         self.assertTrue(res.success, res)
         np.testing.assert_array_equal(region[10:12], want)
 
@@ -793,6 +804,76 @@ class LostOrLate(unittest.TestCase):
         for name, err, up, want in cases:
             with self.subTest(name):
                 self.assertEqual(_lost_connection(err, self.Client(up)), want)
+
+
+class TestWaitEnded(unittest.TestCase):
+    """_common.wait_ended, which the tier and the spec's workers wait on a
+    daemon job with: past its timeout it asks the daemon once to cancel a
+    job the daemon accepted (never one it did not), says so in the log at
+    every timeout, and still returns only the job's own result; it gives
+    up only at until's deadline. A fake job stands in for the daemon, so
+    no step depends on the machine's speed."""
+
+    class Job:
+        def __init__(self, steps, result="done", accepted_at=0, cancels=False, cancel_raises=False):
+            self.steps, self.result = steps, result  # wait() times out steps times, then returns result
+            self.accepted_at = accepted_at            # after this many timeouts the job has its id
+            self.cancels, self.cancel_raises = cancels, cancel_raises
+            self.waits, self.asked, self.id = 0, [], None
+
+        def wait(self, timeout):
+            if self.waits >= self.accepted_at:
+                self.id = 7
+            if self.waits >= self.steps:
+                return self.result
+            self.waits += 1
+            raise TimeoutError(f"job not complete after {timeout}s")
+
+        def cancel(self):
+            self.asked.append(self.id)
+            if self.cancel_raises:
+                raise TimeoutError("the daemon does not answer")
+            return self.cancels
+
+    def wait(self, job, until=lambda: None, on_cancel=None):
+        from kvhost.vllm._common import wait_ended
+        with self.assertLogs("vllm.kvhost", "WARNING") as said:
+            out = wait_ended(job, 0.01, until, "tier", on_cancel)
+        return out, said.output
+
+    def test_a_job_never_accepted_is_never_asked_to_cancel(self):
+        job = self.Job(steps=3, accepted_at=99)
+        out, said = self.wait(job)
+        self.assertEqual(out, "done")
+        self.assertEqual(job.asked, [])
+        self.assertEqual(len(said), 3)
+        self.assertTrue(all("not yet accepted" in line and "asked to cancel" not in line for line in said), said)
+
+    def test_an_accepted_job_is_asked_once_and_still_waited_for(self):
+        for name, cancels, raises, want_on_cancel in [
+            ("the daemon cancels it", True, False, 1),
+            ("the daemon says it had ended", False, False, 0),
+            ("the daemon does not answer the cancel", False, True, 0),
+        ]:
+            with self.subTest(name):
+                job = self.Job(steps=4, accepted_at=2, cancels=cancels, cancel_raises=raises)
+                called = []
+                out, said = self.wait(job, on_cancel=lambda: called.append(1))
+                self.assertEqual(out, "done", "the job's own result, after the cancel")
+                self.assertEqual(job.asked, [7], "asked once, once the job had its id")
+                self.assertEqual(len(called), want_on_cancel)
+                self.assertEqual(len(said), 4)
+                self.assertNotIn("asked to cancel", said[0])
+                self.assertIn("asked to cancel", said[-1])
+
+    def test_it_gives_up_at_the_deadline_only(self):
+        import time
+        job = self.Job(steps=10**9, accepted_at=0)
+        deadline = time.monotonic()  # already passed: the first timed-out wait ends it
+        with self.assertRaises(TimeoutError):
+            from kvhost.vllm._common import wait_ended
+            wait_ended(job, 0.01, lambda: deadline, "tier")
+        self.assertEqual(job.asked, [], "no cancel asked on the way out at the deadline")
 
 
 class LostConnectionLeavesNoExport(TierCase):
