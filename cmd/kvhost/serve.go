@@ -151,10 +151,21 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 		}
 		defer stop()
 	}
-	// SIGTERM, from start-up to the end: /readyz 503 and STOPPING=1.
-	stopped := make(chan struct{})
-	defer close(stopped)
+	// SIGTERM, from start-up to the end: /readyz 503 and STOPPING=1. A
+	// signal that ends the start-up can find the watcher not yet run when
+	// serve returns, and its select then free to take either case: the
+	// return says it once more after the watcher ended (setReady says it
+	// once), so that systemd hears STOPPING=1 before the process exits.
+	stopped, watched := make(chan struct{}), make(chan struct{})
+	defer func() {
+		close(stopped)
+		<-watched
+		if ctx.Err() != nil {
+			d.setReady(ctx, false)
+		}
+	}()
 	go func() {
+		defer close(watched)
 		select {
 		case <-ctx.Done():
 			d.setReady(ctx, false)
