@@ -20,10 +20,11 @@ import (
 // may demote a held file to another mount, into free room there
 // (demoteHeld), and the copy keeps the hold's pin. A pin of the hold is
 // not a client pin: Delete still removes a held file. Held entries are
-// marked (entry.held) and kept by mount (index.held), so that the
+// marked (entry.held) and listed by mount (index.heldOrder), so that the
 // release unpins only them and a demotion round visits only its own
-// mount's, each in chunks of heldChunk under the index's write lock. A policy that replaces the current one is told of their pins
-// as of every pin (reload.go).
+// mount's, each in chunks of heldChunk under the index's write lock. A
+// policy that replaces the current one is told of their pins as of
+// every pin (reload.go).
 
 // restartHold is the pin of the files found at start; the files it holds
 // are the index's entries marked held.
@@ -85,16 +86,13 @@ func (e *Engine) releaseFound(tell bool) {
 		if !en.held { // unindexed meanwhile (it let the hold go then), or listed twice
 			return
 		}
-		en.pins--
-		en.held = false
-		delete(e.ix.held[en.mount], en)
+		e.ix.unholdLocked(en)
 		n++
 		if tell {
 			recs = append(recs, en.access(abi.AccessUnpin, now))
 		}
 	})
 	e.ix.mu.Lock()
-	clear(e.ix.held)
 	clear(e.ix.heldOrder)
 	e.ix.mu.Unlock()
 	e.access(context.Background(), recs)

@@ -48,7 +48,7 @@ type entry struct {
 	hits   uint32
 	last   int64
 	gone   bool // removed from the index
-	// held: pinned by the restart hold (hold.go), in index.held under
+	// held: pinned by the restart hold (hold.go), in index.heldOrder under
 	// its mount while indexed.
 	held bool
 	// lifted: held, and the hold's pin lifted in the policy's view for a
@@ -91,8 +91,8 @@ type entry struct {
 //     key's position in its file and of the key's fingerprint (an
 //     indexed entry may have lost a key to a newer file: relinkLocked);
 //   - 0 <= leases <= pins for every entry, leases < pins where the
-//     restart hold holds it (held), and held holds those entries, each
-//     under its mount, and no other; each is in its mount's heldOrder;
+//     restart hold holds it (held), heldN counts those entries, and
+//     each is in its own mount's heldOrder;
 //   - the orphans left to a path held are gone and marked orphan;
 //   - left holds no indexed entry, nor an orphan, and nleft is its length.
 type index struct {
@@ -117,15 +117,15 @@ type index struct {
 	nleft  atomic.Int64
 	lastID uint64
 	keys   KeySet // MirrorKeys's, or nil
-	// held holds the indexed entries the restart hold pins (hold.go), by
-	// mount: a demotion round on one mount visits its own held files,
-	// not the whole index.
-	held map[int]map[*entry]struct{}
+	// heldN is the number of indexed entries the restart hold pins
+	// (hold.go): those marked held.
+	heldN int
 	// heldOrder lists each mount's held entries in the order they were
-	// held, for visits in chunks (inHeldChunks): only appended to while
-	// the hold lasts, so a position stays the same entry between chunks;
-	// it keeps entries no longer held (unindexed, released), which visits
-	// skip, until the hold ends.
+	// held: a demotion round on one mount visits its own held files, not
+	// the whole index, in chunks (inHeldChunks). It is only appended to
+	// while the hold lasts, so a position stays the same entry between
+	// chunks; it keeps entries no longer held (unindexed, released),
+	// which visits skip, until the hold ends.
 	heldOrder map[int][]*entry
 }
 
@@ -138,18 +138,13 @@ func newIndex(sp *space) *index {
 		inflight:  map[string]*flight{},
 		reads:     map[string][]*readMark{},
 		left:      map[string]*entry{},
-		held:      map[int]map[*entry]struct{}{},
 		heldOrder: map[int][]*entry{},
 	}
 }
 
 // heldFoundLocked is the number of indexed entries the restart hold pins.
 func (ix *index) heldFoundLocked() int {
-	n := 0
-	for _, on := range ix.held {
-		n += len(on)
-	}
-	return n
+	return ix.heldN
 }
 
 // getLocked is the entry holding key of fingerprint fp, or nil.
@@ -254,9 +249,7 @@ func (ix *index) unindexLocked(en *entry, remove bool) bool {
 	}
 	en.gone = true
 	if en.held { // the restart hold lets it go now
-		en.held = false
-		en.pins--
-		delete(ix.held[en.mount], en)
+		ix.unholdLocked(en)
 	}
 	delete(ix.entries, en.id)
 	if ix.byPath[en.path] == en {
@@ -282,13 +275,16 @@ func (ix *index) unindexLocked(en *entry, remove bool) bool {
 func (ix *index) holdLocked(en *entry) {
 	en.held = true
 	en.pins++
-	on := ix.held[en.mount]
-	if on == nil {
-		on = map[*entry]struct{}{}
-		ix.held[en.mount] = on
-	}
-	on[en] = struct{}{}
+	ix.heldN++
 	ix.heldOrder[en.mount] = append(ix.heldOrder[en.mount], en)
+}
+
+// unholdLocked ends the restart hold's pin of en, which it holds; en
+// stays in heldOrder until the hold ends.
+func (ix *index) unholdLocked(en *entry) {
+	en.held = false
+	en.pins--
+	ix.heldN--
 }
 
 // heldChunk is the most held entries a visit of them (inHeldChunks,
@@ -606,11 +602,19 @@ func (ix *index) check() error {
 			return fmt.Errorf("index: file %s left on disk: its entry %d is indexed (%v) or an orphan (%v)", at, en.id, ix.entries[en.id] == en, en.orphan)
 		}
 	}
+	listed := map[*entry]int{} // held entries by mount, as heldOrder lists them
+	for m, ens := range ix.heldOrder {
+		for _, en := range ens {
+			if en.held {
+				listed[en] = m
+			}
+		}
+	}
 	held := 0
 	for _, en := range ix.entries {
 		if en.held {
 			held++
-			if _, ok := ix.held[en.mount][en]; !ok {
+			if m, ok := listed[en]; !ok || m != en.mount {
 				return fmt.Errorf("index: entry %d (%s): held by the restart hold, missing from mount %d's held entries", en.id, en.path, en.mount)
 			}
 		}
@@ -621,19 +625,8 @@ func (ix *index) check() error {
 			return fmt.Errorf("index: entry %d (%s): pins %d, leases %d", en.id, en.path, en.pins, en.leases)
 		}
 	}
-	if n := ix.heldFoundLocked(); held != n {
-		return fmt.Errorf("index: %d entries held by the restart hold, %d in the held entries by mount", held, n)
-	}
-	for m, on := range ix.held {
-		listed := make(map[*entry]bool, len(ix.heldOrder[m]))
-		for _, en := range ix.heldOrder[m] {
-			listed[en] = true
-		}
-		for en := range on {
-			if !listed[en] {
-				return fmt.Errorf("index: entry %d (%s): held on mount %d, missing from its order of held entries", en.id, en.path, m)
-			}
-		}
+	if held != ix.heldN {
+		return fmt.Errorf("index: %d entries held by the restart hold, %d in the hold's count", held, ix.heldN)
 	}
 	return nil
 }

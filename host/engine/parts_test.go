@@ -75,16 +75,16 @@ func TestPartsCheckFindsEachBrokenInvariant(t *testing.T) {
 		{"a held entry under another mount", func(ix *index, _ *space) {
 			en := ix.byPath["/m/x"]
 			ix.holdLocked(en)
-			delete(ix.held[0], en)
-			ix.held[1] = map[*entry]struct{}{en: {}}
+			ix.heldOrder[0] = nil
+			ix.heldOrder[1] = []*entry{en}
 		}, "missing from mount 0's held entries"},
-		{"an entry not held among the held entries", func(ix *index, _ *space) {
-			ix.held[0] = map[*entry]struct{}{ix.byPath["/m/x"]: {}}
-		}, "0 entries held by the restart hold, 1 in the held entries"},
+		{"an entry not held in the hold's count", func(ix *index, _ *space) {
+			ix.heldN = 1
+		}, "0 entries held by the restart hold, 1 in the hold's count"},
 		{"a held entry missing from its mount's order of held entries", func(ix *index, _ *space) {
 			ix.holdLocked(ix.byPath["/m/x"])
 			ix.heldOrder[0] = nil
-		}, "missing from its order of held entries"},
+		}, "missing from mount 0's held entries"},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			ix, sp := newParts(t)
@@ -149,8 +149,9 @@ func TestIndexKeepsTheSpaceOfItsEntries(t *testing.T) {
 
 // TestHeldEntriesAreKeptByTheirMount: the restart hold's entries are
 // listed under their own mount (what a demotion round on one mount
-// visits), counted across mounts, and a held entry leaves the list when
-// it leaves the index.
+// visits), counted across mounts, and a held entry is no longer held nor
+// counted when it leaves the index (its listing stays until the hold
+// ends, and visits skip it).
 func TestHeldEntriesAreKeptByTheirMount(t *testing.T) {
 	var mounts []*mountSpace
 	for _, root := range []string{"/hot", "/cold"} {
@@ -172,10 +173,10 @@ func TestHeldEntriesAreKeptByTheirMount(t *testing.T) {
 	if n := ix.heldFoundLocked(); n != 3 {
 		t.Fatalf("heldFoundLocked = %d, want 3", n)
 	}
-	if len(ix.held[0]) != 2 || len(ix.held[1]) != 1 {
-		t.Fatalf("held by mount: %d on the hot mount, %d on the cold one; want 2 and 1", len(ix.held[0]), len(ix.held[1]))
+	if len(ix.heldOrder[0]) != 2 || len(ix.heldOrder[1]) != 1 {
+		t.Fatalf("held by mount: %d on the hot mount, %d on the cold one; want 2 and 1", len(ix.heldOrder[0]), len(ix.heldOrder[1]))
 	}
-	if _, ok := ix.held[1][cold]; !ok {
+	if ix.heldOrder[1][0] != cold {
 		t.Fatal("the cold mount's held entries lack its file")
 	}
 	if err := ix.check(); err != nil {
@@ -184,8 +185,8 @@ func TestHeldEntriesAreKeptByTheirMount(t *testing.T) {
 	ix.mu.Lock()
 	ix.unindexLocked(hot1, false)
 	ix.mu.Unlock()
-	if _, ok := ix.held[0][hot1]; ok || hot1.held || hot1.pins != 0 {
-		t.Fatalf("an entry gone from the index: listed %v, held %v, pins %d; want unlisted, not held, 0", ok, hot1.held, hot1.pins)
+	if hot1.held || hot1.pins != 0 {
+		t.Fatalf("an entry gone from the index: held %v, pins %d; want not held, 0", hot1.held, hot1.pins)
 	}
 	if n := ix.heldFoundLocked(); n != 2 {
 		t.Fatalf("heldFoundLocked = %d after one held entry left, want 2", n)
