@@ -112,7 +112,17 @@ var errNotRegular = errors.New("engine: not a regular file")
 // loads that take no such lock (RATIONALE.md, "Why does readHeader reuse
 // its buffer?"). The header returned holds copies of the keys, never the
 // buffer.
-func (e *Engine) readHeader(f fsys.File) (*format.Header, error) {
+func (e *Engine) readHeader(f fsys.File) (*format.Header, error) { return e.decodeHeader(f, true) }
+
+// peekHeader is readHeader without the keys' copy: the header's keys are
+// left in a buffer that goes back to headBufs, so its caller reads only
+// the header's other fields (rewrittenUnder, after every load of a memory
+// mount's file, compares the file id).
+func (e *Engine) peekHeader(f fsys.File) (*format.Header, error) { return e.decodeHeader(f, false) }
+
+// decodeHeader is readHeader, copying the keys out of the reused buffer
+// (before it goes back) only with own.
+func (e *Engine) decodeHeader(f fsys.File, own bool) (*format.Header, error) {
 	p, _ := e.headBufs.Get().(*[]byte)
 	if p == nil {
 		b := staging.AlignedBuffer(format.Align)
@@ -143,7 +153,9 @@ func (e *Engine) readHeader(f fsys.File) (*format.Header, error) {
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrCorrupt, err)
 	}
-	ownKeys(h)
+	if own {
+		ownKeys(h)
+	}
 	return h, nil
 }
 
