@@ -748,6 +748,37 @@ type Stats struct {
 	// section (sent only with Tiering): one per Mounts, in order; nil in
 	// the reply of a daemon that predates it.
 	StoresFailing []MountFailure
+	// Namespaces is the namespaces section, after the mount-failures
+	// section (sent only with StoresFailing): what the daemon's index
+	// holds of each namespace, the most bytes first, at most
+	// MaxStatsNamespaces; nil in the reply of a daemon that predates it.
+	Namespaces *NamespaceList
+}
+
+// MaxStatsNamespaces bounds the namespaces a Stats reply lists: with their
+// model ids, 128 fit well within the smallest frame (MinFrame).
+const MaxStatsNamespaces = 128
+
+// NamespaceList is the namespaces section of a Stats reply.
+type NamespaceList struct {
+	List []NamespaceStats // the most bytes first
+	// LeftOut counts the namespaces beyond MaxStatsNamespaces, the
+	// smallest, not listed.
+	LeftOut uint64
+}
+
+// NamespaceStats is what the daemon's index holds of one namespace
+// (host/engine.NamespaceStats).
+type NamespaceStats struct {
+	Fingerprint uint64 // the namespace's geometry fingerprint, as in its files' headers
+	// Model is the model id the namespace was declared with (at most
+	// MaxModelLen bytes), "" for files of a namespace no client declared
+	// since the daemon started.
+	Model    string
+	Declared bool // declared by a client and not released
+	Files    uint64
+	Keys     uint64
+	Bytes    uint64 // the files' bytes, headers included
 }
 
 // MountFailure is one mount's refusal of stores (host/engine.StoreFailure):
@@ -934,7 +965,11 @@ func (m *Stats) fields() []*uint64 {
 // demotion deletes | u32 mount count | per mount: u64 moved in, u64 moved
 // out | str8 fallback policy | the mount-failures section if StoresFailing
 // is set (after the tiering section only): u32 mount count | per mount:
-// i64 since, i64 last, u64 stores, str16 error.
+// i64 since, i64 last, u64 stores, str16 error | the namespaces section if
+// Namespaces is set (after the mount-failures section only): u32 count (at
+// most MaxStatsNamespaces) | u64 left out | per namespace: u64
+// fingerprint, u64 files, u64 keys, u64 bytes, u8 declared, 7 × 0, str8
+// model.
 func (m *Stats) AppendBody(b []byte) []byte {
 	for _, p := range m.fields() {
 		b = appendU64(b, *p)
@@ -978,6 +1013,9 @@ func (m *Stats) AppendBody(b []byte) []byte {
 						b = appendU64(appendU64(appendU64(b, uint64(f.Since)), uint64(f.Last)), f.Stores)
 						b = appendStr16(b, f.Err, maxDaemonText)
 					}
+					if nl := m.Namespaces; nl != nil {
+						b = appendNamespaces(b, nl)
+					}
 				}
 			}
 		}
@@ -1016,7 +1054,7 @@ func (m *Stats) DecodeBody(b []byte) error {
 			dv.Limit = d.u64("device limit")
 		}
 	}
-	m.Daemon, m.Spares, m.Tiering, m.StoresFailing = nil, nil, nil, nil
+	m.Daemon, m.Spares, m.Tiering, m.StoresFailing, m.Namespaces = nil, nil, nil, nil, nil
 	if d.err == nil && len(d.b) > 0 {
 		m.Daemon = decodeDaemon(&d, len(m.Mounts))
 	}
@@ -1064,10 +1102,37 @@ func (m *Stats) DecodeBody(b []byte) error {
 			}
 		}
 	}
-	// Bytes after the mount-failures section are sections of a later daemon,
+	if d.err == nil && len(d.b) > 0 && m.StoresFailing != nil {
+		m.Namespaces = decodeNamespaces(&d)
+	}
+	// Bytes after the namespaces section are sections of a later daemon,
 	// which this client does not know: ignored, so that growing the reply
 	// never breaks a client (the sections before it are strict).
 	return d.err
+}
+
+func appendNamespaces(b []byte, nl *NamespaceList) []byte {
+	list := nl.List[:min(len(nl.List), MaxStatsNamespaces)]
+	b = appendU64(appendU32(b, uint32(len(list))), nl.LeftOut+uint64(len(nl.List)-len(list)))
+	for _, ns := range list {
+		b = appendU64(appendU64(appendU64(appendU64(b, ns.Fingerprint), ns.Files), ns.Keys), ns.Bytes)
+		b = append(b, boolByte(ns.Declared), 0, 0, 0, 0, 0, 0, 0)
+		b = appendStr8(b, ns.Model, MaxModelLen)
+	}
+	return b
+}
+
+func decodeNamespaces(d *decoder) *NamespaceList {
+	n := d.count("namespace count", 0, MaxStatsNamespaces, 5*8+1)
+	nl := &NamespaceList{LeftOut: d.u64("namespaces left out")}
+	for i := 0; d.err == nil && i < n; i++ {
+		ns := NamespaceStats{Fingerprint: d.u64("namespace fingerprint"), Files: d.u64("namespace files"),
+			Keys: d.u64("namespace keys"), Bytes: d.u64("namespace bytes")}
+		ns.Declared = d.bool8("namespace declared")
+		ns.Model = d.str8("namespace model", MaxModelLen)
+		nl.List = append(nl.List, ns)
+	}
+	return nl
 }
 
 // Outcome is what happened to one key of a job: the engine's outcome

@@ -2,6 +2,7 @@ package protocol
 
 import (
 	"bytes"
+	"encoding/binary"
 	"errors"
 	"flag"
 	"os"
@@ -55,6 +56,13 @@ func sampleMessages() []Message {
 			StoresFailing: []MountFailure{{Since: 1 << 60, Last: 1<<60 + 5, Stores: 3, Err: "engine: store on mount /dev/shm/kv: open: read-only file system"}}},
 		&Stats{Mounts: []MountStats{{Capacity: 10}, {}}, Daemon: &DaemonStats{Mounts: []MountInfo{{}, {}}}, Spares: &SpareStats{Mounts: []SpareMount{{}, {}}},
 			Tiering: &TierStats{Mounts: []TierMount{{}, {}}}, StoresFailing: []MountFailure{{}, {Since: 1, Last: 2, Err: "no room (found at start)"}}},
+		&Stats{Mounts: []MountStats{{Capacity: 10}}, Daemon: &DaemonStats{Mounts: []MountInfo{{}}}, Spares: &SpareStats{Mounts: []SpareMount{{}}},
+			Tiering: &TierStats{Mounts: []TierMount{{}}}, StoresFailing: []MountFailure{{}},
+			Namespaces: &NamespaceList{LeftOut: 3, List: []NamespaceStats{
+				{Fingerprint: 0xfeed, Model: "vllm:meta-llama/Llama-3.1-8B:0123456789abcdef", Declared: true, Files: 2, Keys: 32, Bytes: 64 << 20},
+				{Fingerprint: 1, Files: 1, Keys: 1, Bytes: 4096}}}},
+		&Stats{Mounts: []MountStats{{}}, Daemon: &DaemonStats{Mounts: []MountInfo{{}}}, Spares: &SpareStats{Mounts: []SpareMount{{}}},
+			Tiering: &TierStats{Mounts: []TierMount{{}}}, StoresFailing: []MountFailure{{}}, Namespaces: &NamespaceList{}},
 		&Stats{Devices: []DeviceStats{{Ordinal: 0, UUID: [16]byte{1, 2, 3, 15: 4}}, {Ordinal: 1}},
 			Daemon: &DaemonStats{Policy: "lru"}, Spares: &SpareStats{}},
 		&Empty{T: TypeUnregisterCache | TypeReply},
@@ -166,6 +174,22 @@ func TestRejects(t *testing.T) {
 				Tiering: &TierStats{Mounts: []TierMount{{}}}, StoresFailing: []MountFailure{{Err: "read-only file system"}}})
 			return b[:len(b)-1]
 		}()},
+		{"stats namespaces over the bound", TypeStats | TypeReply, func() []byte {
+			b := body(&Stats{Daemon: &DaemonStats{}, Spares: &SpareStats{}, Tiering: &TierStats{}, StoresFailing: []MountFailure{}})
+			b = binary.LittleEndian.AppendUint32(b, MaxStatsNamespaces+1)
+			return append(b, make([]byte, 8+(MaxStatsNamespaces+1)*41)...)
+		}()},
+		{"stats namespaces section cut short", TypeStats | TypeReply, func() []byte {
+			b := body(&Stats{Daemon: &DaemonStats{}, Spares: &SpareStats{}, Tiering: &TierStats{}, StoresFailing: []MountFailure{},
+				Namespaces: &NamespaceList{List: []NamespaceStats{{Model: "m"}}}})
+			return b[:len(b)-1]
+		}()},
+		{"stats namespace declared 2", TypeStats | TypeReply, func() []byte {
+			b := body(&Stats{Daemon: &DaemonStats{}, Spares: &SpareStats{}, Tiering: &TierStats{}, StoresFailing: []MountFailure{},
+				Namespaces: &NamespaceList{List: []NamespaceStats{{}}}})
+			b[len(b)-1-8] = 2 // the declared byte, before 7 zeros and the empty model
+			return b
+		}()},
 		{"stats daemon fallback 2", TypeStats | TypeReply, func() []byte {
 			b := body(&Stats{Daemon: &DaemonStats{}})
 			b[len(body(&Stats{}))+8+2] = 2 // after the start time and two empty names
@@ -186,14 +210,15 @@ func TestRejects(t *testing.T) {
 }
 
 // TestStatsIgnoresSectionsItDoesNotKnow: bytes after the last section it
-// knows (mount failures; a later daemon's sections) are ignored, and
+// knows (namespaces; a later daemon's sections) are ignored, and
 // everything before them decodes as before.
 func TestStatsIgnoresSectionsItDoesNotKnow(t *testing.T) {
 	want := &Stats{Clients: 2, Mounts: []MountStats{{Capacity: 10}}, Daemon: &DaemonStats{Policy: "lru", Mounts: []MountInfo{{Path: "/kv"}}},
 		Devices:       []DeviceStats{{Ordinal: 0, UUID: [16]byte{7}, Faults: 1}},
 		Spares:        &SpareStats{Reused: 3, Mounts: []SpareMount{{Files: 2, Bytes: 1 << 21}}, Made: 4},
 		Tiering:       &TierStats{Demotions: 5, Mounts: []TierMount{{MovedIn: 1}}},
-		StoresFailing: []MountFailure{{Since: 1, Last: 2, Stores: 3, Err: "eio"}}}
+		StoresFailing: []MountFailure{{Since: 1, Last: 2, Stores: 3, Err: "eio"}},
+		Namespaces:    &NamespaceList{List: []NamespaceStats{{Fingerprint: 9, Model: "m", Declared: true, Files: 1, Keys: 2, Bytes: 3}}}}
 	b := append(want.AppendBody(nil), 0xde, 0xad, 0xbe, 0xef)
 	got, err := Decode(TypeStats|TypeReply, b)
 	if err != nil {
@@ -231,6 +256,44 @@ func TestStatsOfADaemonBeforeMountFailuresHasNone(t *testing.T) {
 	}
 	if st := got.(*Stats); st.StoresFailing != nil || !reflect.DeepEqual(st, want) {
 		t.Fatalf("decoded %+v, want %+v without mount failures", st, want)
+	}
+}
+
+// TestStatsOfADaemonBeforeNamespacesHasNone: a reply that ends after the
+// mount-failures section (a daemon that predates the namespaces section)
+// decodes, with Namespaces nil: unknown, not "none stored".
+func TestStatsOfADaemonBeforeNamespacesHasNone(t *testing.T) {
+	want := &Stats{Mounts: []MountStats{{Capacity: 10}}, Daemon: &DaemonStats{Policy: "lru", Mounts: []MountInfo{{Path: "/kv"}}},
+		Spares: &SpareStats{Mounts: []SpareMount{{Files: 1}}}, Tiering: &TierStats{Mounts: []TierMount{{}}}, StoresFailing: []MountFailure{{}}}
+	got, err := Decode(TypeStats|TypeReply, want.AppendBody(nil))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st := got.(*Stats); st.Namespaces != nil || !reflect.DeepEqual(st, want) {
+		t.Fatalf("decoded %+v, want %+v without namespaces", st, want)
+	}
+}
+
+// TestStatsListsAtMostMaxStatsNamespaces: a list longer than the bound is
+// sent cut to its first MaxStatsNamespaces, the rest counted as left out.
+func TestStatsListsAtMostMaxStatsNamespaces(t *testing.T) {
+	list := make([]NamespaceStats, MaxStatsNamespaces+5)
+	for i := range list {
+		list[i] = NamespaceStats{Fingerprint: uint64(i), Model: strings.Repeat("m", MaxModelLen), Keys: 1}
+	}
+	m := &Stats{Daemon: &DaemonStats{}, Spares: &SpareStats{}, Tiering: &TierStats{}, StoresFailing: []MountFailure{},
+		Namespaces: &NamespaceList{List: list, LeftOut: 2}}
+	b := m.AppendBody(nil)
+	if len(b) > MinFrame-HeaderSize {
+		t.Fatalf("a reply of %d namespaces is %d bytes, more than the smallest frame's body", MaxStatsNamespaces, len(b))
+	}
+	got, err := Decode(TypeStats|TypeReply, b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	nl := got.(*Stats).Namespaces
+	if len(nl.List) != MaxStatsNamespaces || nl.LeftOut != 7 || !reflect.DeepEqual(nl.List, list[:MaxStatsNamespaces]) {
+		t.Fatalf("decoded %d namespaces, %d left out; want %d, 7", len(nl.List), nl.LeftOut, MaxStatsNamespaces)
 	}
 }
 
@@ -390,7 +453,8 @@ func goldenStats() *Stats {
 			Mounts: []MountInfo{{Path: "/dev/shm/kv", Backend: "staging", IO: "direct", Checksums: true, Configured: 1 << 30}}},
 		Spares:        &SpareStats{Reused: 3, Mounts: []SpareMount{{Files: 2, Bytes: 1 << 21}}, Made: 5},
 		Tiering:       &TierStats{Demotions: 1, Promotions: 2, Moves: 3, MoveFailures: 4, DemotionDeletes: 5, Mounts: []TierMount{{MovedIn: 6, MovedOut: 7}}, FallbackPolicy: "lru"},
-		StoresFailing: []MountFailure{{Since: 8, Last: 9, Stores: 10, Err: "read-only file system"}}}
+		StoresFailing: []MountFailure{{Since: 8, Last: 9, Stores: 10, Err: "read-only file system"}},
+		Namespaces:    &NamespaceList{List: []NamespaceStats{{Fingerprint: 11, Model: "vllm:m:0", Declared: true, Files: 12, Keys: 13, Bytes: 14}}}}
 }
 
 // TestStatsGoldenBytesForThePythonClient: the encoding of goldenStats is

@@ -38,6 +38,25 @@ type statsReport struct {
 	Tiering         statsTiering  `json:"tiering"`
 	Mounts          []statsMount  `json:"mounts"`
 	Devices         []statsDevice `json:"gpu_devices"`
+	// Namespaces is what the index holds of each namespace, the most
+	// bytes first (null from a daemon that predates the report);
+	// NamespacesLeftOut counts the smallest, beyond the reply's bound.
+	Namespaces        []statsNamespace `json:"namespaces"`
+	NamespacesLeftOut uint64           `json:"namespaces_left_out,omitempty"`
+}
+
+// statsNamespace is one namespace: a model at one geometry (the vLLM
+// tier's vllm:<model>:<digest>).
+type statsNamespace struct {
+	Fingerprint string `json:"fingerprint"` // 16 hex digits, as in the files' headers
+	// Model is the id the namespace was declared with; empty for files
+	// found on the mounts whose namespace no client declared since the
+	// daemon started.
+	Model    string `json:"model"`
+	Declared bool   `json:"declared"`
+	Files    uint64 `json:"files"`
+	Keys     uint64 `json:"keys"`
+	Bytes    uint64 `json:"bytes"`
 }
 
 type statsCounters struct {
@@ -158,6 +177,13 @@ func queryStats(ctx context.Context, socket string) (statsReport, error) {
 			MoveFailures: ts.MoveFailures, DemotionDeletes: ts.DemotionDeletes}
 		r.Policy.FallbackPolicy = ts.FallbackPolicy
 	}
+	if nl := st.Namespaces; nl != nil {
+		r.Namespaces, r.NamespacesLeftOut = []statsNamespace{}, nl.LeftOut
+		for _, ns := range nl.List {
+			r.Namespaces = append(r.Namespaces, statsNamespace{Fingerprint: fmt.Sprintf("%016x", ns.Fingerprint), Model: ns.Model,
+				Declared: ns.Declared, Files: ns.Files, Keys: ns.Keys, Bytes: ns.Bytes})
+		}
+	}
 	for _, d := range st.Devices {
 		r.Devices = append(r.Devices, statsDevice{Ordinal: d.Ordinal, Regions: d.Regions, Registered: d.Registered, Limit: d.Limit, UUID: gpuUUID(d.UUID), Faults: d.Faults})
 	}
@@ -246,6 +272,25 @@ func printStats(w io.Writer, r statsReport) {
 	for _, m := range r.Mounts {
 		if f := m.StoresFailing; f != nil {
 			fmt.Fprintf(w, "  STORES FAILING: %s\n", f.text(m.Path))
+		}
+	}
+	if len(r.Namespaces) > 0 {
+		fmt.Fprintln(w, "\nnamespaces:")
+		tw = tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+		fmt.Fprintln(tw, "  model	fingerprint	keys	files	bytes")
+		for _, ns := range r.Namespaces {
+			model := ns.Model
+			switch {
+			case model == "":
+				model = "(found on the mounts; no client declared it since start)"
+			case !ns.Declared:
+				model += " (no client declares it now)"
+			}
+			fmt.Fprintf(tw, "  %s\t%s\t%d\t%d\t%s\n", model, ns.Fingerprint, ns.Keys, ns.Files, bytesString(ns.Bytes))
+		}
+		tw.Flush()
+		if r.NamespacesLeftOut > 0 {
+			fmt.Fprintf(w, "  and %d more, each holding less\n", r.NamespacesLeftOut)
 		}
 	}
 	if len(r.Devices) > 0 {

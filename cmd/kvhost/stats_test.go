@@ -7,6 +7,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/kvhost/kvhost/protocol"
 )
 
 func TestGPUUUIDIsWrittenAsNvidiaSmiWritesIt(t *testing.T) {
@@ -61,19 +63,11 @@ func TestHealthFailsOnAFallenBackPolicyOrABrokenGPU(t *testing.T) {
 // TestStatsJSONHasTheDocumentedFieldsAndArrays: `kvhost stats --json`
 // against a daemon (run in this process) prints the top-level fields
 // docs/serve.md lists, and its lists (mounts, gpu_devices) are JSON
-// arrays, empty where there is nothing to list, never null: a script that
-// iterates over the GPU devices of a node without a GPU gets none.
+// arrays (namespaces too), empty where there is nothing to list, never
+// null: a script that iterates over the GPU devices of a node without a
+// GPU gets none.
 func TestStatsJSONHasTheDocumentedFieldsAndArrays(t *testing.T) {
-	file, socket, _ := testConfig(t, t.TempDir(), "")
-	ctx, cancel := context.WithCancel(t.Context())
-	stdout, stderr, exit := runInProcess(ctx, "serve", "--config", file)
-	defer func() {
-		cancel()
-		if code := <-exit; code != 0 {
-			t.Errorf("the daemon exited %d:\n%s", code, stderr.String())
-		}
-	}()
-	stdout.wait(t, "listening line", func(s string) bool { return s == "kvhost: listening on unix:"+socket })
+	ctx, socket := serveTestConfig(t)
 
 	var out, errb bytes.Buffer
 	if code := run(ctx, []string{"stats", "--socket", socket, "--json"}, &out, &errb); code != 0 {
@@ -84,12 +78,12 @@ func TestStatsJSONHasTheDocumentedFieldsAndArrays(t *testing.T) {
 		t.Fatalf("kvhost stats --json is not JSON: %v\n%s", err, out.String())
 	}
 	for _, k := range []string{"socket", "version", "started", "uptime", "policy", "reloads", "clients", "inflight_jobs",
-		"regions", "registered_bytes", "entries", "keys", "counters", "tiering", "mounts", "gpu_devices"} {
+		"regions", "registered_bytes", "entries", "keys", "counters", "tiering", "mounts", "gpu_devices", "namespaces"} {
 		if _, ok := got[k]; !ok {
 			t.Errorf("no %q in kvhost stats --json:\n%s", k, out.String())
 		}
 	}
-	for _, k := range []string{"mounts", "gpu_devices"} {
+	for _, k := range []string{"mounts", "gpu_devices", "namespaces"} {
 		if _, ok := got[k].([]any); !ok {
 			t.Errorf("kvhost stats --json: %q is %v, want an array", k, got[k])
 		}
@@ -123,4 +117,58 @@ func TestHealthWarnsOfAMountThatRefusesStores(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestStatsListsEachNamespaceWithItsKeys: `kvhost stats` names each
+// namespace a client declared by its model id, with the keys, files and
+// bytes stored in it (and --json alike), so that an operator can tell
+// which models share a node's cache and how much each holds.
+func TestStatsListsEachNamespaceWithItsKeys(t *testing.T) {
+	ctx, socket := serveTestConfig(t)
+	k := newKVCache(t, socket)
+	for i, key := range []string{"a", "b", "c"} {
+		res, err := k.do(ctx, true, key, []uint32{uint32(2 * i), uint32(2*i + 1)})
+		if err != nil || res.Count(protocol.OutcomeStored) != 1 {
+			t.Fatalf("store %s: %+v, %v", key, res, err)
+		}
+	}
+	st := statsJSON(t, ctx, socket)
+	if len(st.Namespaces) != 1 {
+		t.Fatalf("kvhost stats --json namespaces: %+v, want the one declared", st.Namespaces)
+	}
+	ns := st.Namespaces[0]
+	if ns.Model != opsGeo.Model || !ns.Declared || ns.Keys != 3 || ns.Files == 0 || ns.Bytes == 0 || len(ns.Fingerprint) != 16 {
+		t.Fatalf("namespace %+v: want %q declared, with its 3 keys, their files and bytes", ns, opsGeo.Model)
+	}
+	var out, errb bytes.Buffer
+	if code := run(ctx, []string{"stats", "--socket", socket}, &out, &errb); code != 0 {
+		t.Fatalf("kvhost stats: exit %d: %s", code, errb.String())
+	}
+	line := ""
+	for _, l := range strings.Split(out.String(), "\n") {
+		if strings.Contains(l, opsGeo.Model) {
+			line = l
+		}
+	}
+	if !strings.Contains(out.String(), "namespaces:") || !strings.Contains(line, ns.Fingerprint) || !strings.Contains(line, " 3 ") {
+		t.Fatalf("kvhost stats:\n%s\nwant a namespaces section with %s, its fingerprint and 3 keys", out.String(), opsGeo.Model)
+	}
+}
+
+// serveTestConfig runs a daemon of testConfig's configuration in this
+// process until the test ends (its exit status checked then), and returns
+// a context the test's calls use and the daemon's socket, once it listens.
+func serveTestConfig(t *testing.T) (context.Context, string) {
+	t.Helper()
+	file, socket, _ := testConfig(t, t.TempDir(), "")
+	ctx, cancel := context.WithCancel(t.Context())
+	stdout, stderr, exit := runInProcess(ctx, "serve", "--config", file)
+	t.Cleanup(func() {
+		cancel()
+		if code := <-exit; code != 0 {
+			t.Errorf("the daemon exited %d:\n%s", code, stderr.String())
+		}
+	})
+	stdout.wait(t, "listening line", func(s string) bool { return s == "kvhost: listening on unix:"+socket })
+	return ctx, socket
 }

@@ -508,6 +508,26 @@ type Stats struct {
 	// HeldFound is the files found at start that the restart hold still
 	// pins and that are still stored (Config.RestartHold).
 	HeldFound int
+	// Namespaces is what the index holds of each namespace: those with
+	// files indexed, and those declared now with none, the most bytes
+	// first.
+	Namespaces []NamespaceStats
+}
+
+// NamespaceStats is what the index holds of one namespace.
+type NamespaceStats struct {
+	// Fingerprint identifies the namespace: its geometry's fingerprint,
+	// in the header of every file of its keys.
+	Fingerprint uint64
+	// Model is the model id of the namespace's declaration (Geometry.Model;
+	// the vLLM tier's vllm:<model>:<digest>), or "" where no client
+	// declared it since the engine opened: files found on the mounts.
+	Model string
+	// Declared: a client declared the namespace and has not released it.
+	Declared bool
+	Files    int   // files indexed
+	Keys     int   // keys indexed
+	Bytes    int64 // the files' bytes, headers included
 }
 
 // The Engine's methods, for reference (implemented in engine.go, store.go,

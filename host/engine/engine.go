@@ -292,6 +292,7 @@ func (e *Engine) Stats() Stats {
 		StoreFailures: e.fails.stats(0), LoadFailures: e.fails.stats(1), Tiering: e.TierStats(), HeldFound: e.HeldFound(),
 	}
 	s.Entries, s.Keys = e.ix.size()
+	s.Namespaces = e.namespaceStats()
 	rooms := e.space.usages()
 	for i, m := range e.mounts {
 		sp := rooms[i]

@@ -127,6 +127,15 @@ type index struct {
 	// chunks; it keeps entries no longer held (unindexed, released),
 	// which visits skip, until the hold ends.
 	heldOrder map[int][]*entry
+	// byFP counts the indexed files, keys and bytes of each namespace
+	// fingerprint (NamespaceStats); a fingerprint with none is not kept.
+	byFP map[uint64]*fpCount
+}
+
+// fpCount is what the index holds of one namespace fingerprint.
+type fpCount struct {
+	files, keys int
+	bytes       int64
 }
 
 func newIndex(sp *space) *index {
@@ -139,7 +148,37 @@ func newIndex(sp *space) *index {
 		reads:     map[string][]*readMark{},
 		left:      map[string]*entry{},
 		heldOrder: map[int][]*entry{},
+		byFP:      map[uint64]*fpCount{},
 	}
+}
+
+// countOf returns fp's counts, made where it has none.
+func (ix *index) countOf(fp uint64) *fpCount {
+	c := ix.byFP[fp]
+	if c == nil {
+		c = &fpCount{}
+		ix.byFP[fp] = c
+	}
+	return c
+}
+
+// dropEmptyLocked forgets fp's counts once it has nothing indexed.
+func (ix *index) dropEmptyLocked(fp uint64, c *fpCount) {
+	if c.files == 0 && c.keys == 0 {
+		delete(ix.byFP, fp)
+	}
+}
+
+// fingerprintCounts returns the files, keys and bytes indexed of each
+// namespace fingerprint that has any.
+func (ix *index) fingerprintCounts() map[uint64]fpCount {
+	ix.mu.RLock()
+	defer ix.mu.RUnlock()
+	out := make(map[uint64]fpCount, len(ix.byFP))
+	for fp, c := range ix.byFP {
+		out[fp] = *c
+	}
+	return out
 }
 
 // heldFoundLocked is the number of indexed entries the restart hold pins.
@@ -208,10 +247,17 @@ func (ix *index) insertLocked(en *entry, reserved bool) []*entry {
 	en.id = ix.lastID
 	ix.entries[en.id] = en
 	ix.byPath[en.path] = en
+	c := ix.countOf(en.fp)
+	c.files++
+	c.bytes += en.size
 	for i, k := range en.keys {
 		_, had := ix.byKey[keyID{en.fp, k}]
 		ix.byKey[keyID{en.fp, k}] = keyRef{e: en, idx: i}
-		if ix.keys != nil && !had { // a key taken from another file stays
+		if had { // a key taken from another file stays
+			continue
+		}
+		c.keys++
+		if ix.keys != nil {
 			ix.keys.Add(en.fp, k)
 		}
 	}
@@ -229,6 +275,7 @@ func (ix *index) relinkLocked(en *entry) bool {
 	for i, k := range en.keys {
 		if _, ok := ix.byKey[keyID{en.fp, k}]; !ok {
 			ix.byKey[keyID{en.fp, k}] = keyRef{e: en, idx: i}
+			ix.countOf(en.fp).keys++
 			if ix.keys != nil {
 				ix.keys.Add(en.fp, k)
 			}
@@ -255,9 +302,14 @@ func (ix *index) unindexLocked(en *entry, remove bool) bool {
 	if ix.byPath[en.path] == en {
 		delete(ix.byPath, en.path)
 	}
+	c := ix.countOf(en.fp)
+	c.files--
+	c.bytes -= en.size
+	defer ix.dropEmptyLocked(en.fp, c)
 	for _, k := range en.keys {
 		if ref, ok := ix.byKey[keyID{en.fp, k}]; ok && ref.e == en {
 			delete(ix.byKey, keyID{en.fp, k})
+			c.keys--
 			if ix.keys != nil {
 				ix.keys.Remove(en.fp, k)
 			}
@@ -627,6 +679,31 @@ func (ix *index) check() error {
 	}
 	if held != ix.heldN {
 		return fmt.Errorf("index: %d entries held by the restart hold, %d in the hold's count", held, ix.heldN)
+	}
+	return ix.checkCounts()
+}
+
+// checkCounts checks byFP against the entries and keys indexed.
+func (ix *index) checkCounts() error {
+	want := map[uint64]fpCount{}
+	for _, en := range ix.entries {
+		c := want[en.fp]
+		c.files++
+		c.bytes += en.size
+		want[en.fp] = c
+	}
+	for k := range ix.byKey {
+		c := want[k.fp]
+		c.keys++
+		want[k.fp] = c
+	}
+	if len(want) != len(ix.byFP) {
+		return fmt.Errorf("index: %d namespace fingerprints indexed, %d counted", len(want), len(ix.byFP))
+	}
+	for fp, w := range want {
+		if c := ix.byFP[fp]; c == nil || *c != w {
+			return fmt.Errorf("index: fingerprint %#x: %+v indexed, counted %+v", fp, w, c)
+		}
 	}
 	return nil
 }

@@ -1,8 +1,10 @@
 package engine
 
 import (
+	"cmp"
 	"context"
 	"fmt"
+	"slices"
 	"strings"
 
 	"github.com/kvhost/kvhost/abi"
@@ -220,4 +222,30 @@ func (e *Engine) namespaceLocked(id NamespaceID) (*namespace, error) {
 		return nil, fmt.Errorf("%w: %d", ErrUnknownNamespace, id)
 	}
 	return e.nss[id], nil
+}
+
+// namespaceStats lists what the index holds of each namespace with files
+// indexed or declared now (Stats.Namespaces): the most bytes first, then
+// by model id and fingerprint.
+func (e *Engine) namespaceStats() []NamespaceStats {
+	counts := e.ix.fingerprintCounts()
+	e.mu.RLock()
+	out := make([]NamespaceStats, 0, len(counts))
+	for fp, c := range counts {
+		ns := NamespaceStats{Fingerprint: fp, Files: c.files, Keys: c.keys, Bytes: c.bytes}
+		if id, ok := e.nsByFP[fp]; ok {
+			ns.Model, ns.Declared = e.nss[id].geo.Model, e.nss[id].declared
+		}
+		out = append(out, ns)
+	}
+	for _, n := range e.nss {
+		if _, ok := counts[n.fp]; !ok && n.declared {
+			out = append(out, NamespaceStats{Fingerprint: n.fp, Model: n.geo.Model, Declared: true})
+		}
+	}
+	e.mu.RUnlock()
+	slices.SortFunc(out, func(a, b NamespaceStats) int {
+		return cmp.Or(cmp.Compare(b.Bytes, a.Bytes), strings.Compare(a.Model, b.Model), cmp.Compare(a.Fingerprint, b.Fingerprint))
+	})
+	return out
 }

@@ -81,6 +81,9 @@ func TestPartsCheckFindsEachBrokenInvariant(t *testing.T) {
 		{"an entry not held in the hold's count", func(ix *index, _ *space) {
 			ix.heldN = 1
 		}, "0 entries held by the restart hold, 1 in the hold's count"},
+		{"a namespace's keys miscounted", func(ix *index, _ *space) { ix.byFP[1].keys++ }, "fingerprint 0x1"},
+		{"a namespace's bytes miscounted", func(ix *index, _ *space) { ix.byFP[1].bytes-- }, "fingerprint 0x1"},
+		{"a namespace with nothing indexed counted", func(ix *index, _ *space) { ix.byFP[9] = &fpCount{} }, "2 counted"},
 		{"a held entry missing from its mount's order of held entries", func(ix *index, _ *space) {
 			ix.holdLocked(ix.byPath["/m/x"])
 			ix.heldOrder[0] = nil

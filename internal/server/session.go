@@ -885,6 +885,15 @@ func (s *session) stats() (protocol.Message, error) {
 		}
 		m.StoresFailing = append(m.StoresFailing, f)
 	}
+	m.Namespaces = &protocol.NamespaceList{}
+	for i, ns := range st.Namespaces {
+		if i == protocol.MaxStatsNamespaces {
+			m.Namespaces.LeftOut = uint64(len(st.Namespaces) - i)
+			break
+		}
+		m.Namespaces.List = append(m.Namespaces.List, protocol.NamespaceStats{Fingerprint: ns.Fingerprint, Model: ns.Model, Declared: ns.Declared,
+			Files: uint64(ns.Files), Keys: uint64(ns.Keys), Bytes: uint64(max(ns.Bytes, 0))})
+	}
 	return m, nil
 }
 

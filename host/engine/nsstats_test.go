@@ -1,0 +1,95 @@
+package engine
+
+import (
+	"context"
+	"math/rand/v2"
+
+	"github.com/kvhost/kvhost/abi"
+	"testing"
+)
+
+// TestStatsListsEachNamespaceWithItsKeysAndBytes: Stats.Namespaces counts
+// each namespace's files, keys and bytes as stores and deletes change
+// them, names a declared one by its model id, keeps a declared namespace
+// with nothing stored, and after a restart lists the files found under
+// their fingerprint, unnamed until a client declares them again.
+func TestStatsListsEachNamespaceWithItsKeysAndBytes(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	cfg := Config{Mounts: []Mount{{Path: dir}}, NewPolicy: testPolicies(2, abi.OrderLayerMajor)}
+	e := openEngine(t, cfg)
+	ga, gb, gc := smallGeometry(false), smallGeometry(false), smallGeometry(false)
+	ga.Model, gb.Model, gc.Model = "model-a", "model-b", "model-c"
+	r := rand.New(rand.NewPCG(1, 2))
+	store := func(g Geometry, n int) NamespaceID {
+		ns, err := e.Declare(ctx, g)
+		if err != nil {
+			t.Fatal(err)
+		}
+		bpk := g.BlocksPerKey()
+		c := newTestCache(t, e, ns, g, n*bpk, layoutPlaneFirst)
+		src := blockLists(r, n, bpk, 0)
+		res := wait(t)(e.Store(ctx, StoreRequest{Cache: c.id, Keys: testKeys(g.Model, n), Blocks: src}))
+		wantOutcomes(t, "store "+g.Model, res, OutcomeStored)
+		return ns
+	}
+	nsA := store(ga, 6)
+	store(gb, 2)
+	if _, err := e.Declare(ctx, gc); err != nil {
+		t.Fatal(err)
+	}
+	byModel := func(st Stats) map[string]NamespaceStats {
+		t.Helper()
+		out := map[string]NamespaceStats{}
+		for i, ns := range st.Namespaces {
+			if i > 0 && st.Namespaces[i-1].Bytes < ns.Bytes {
+				t.Errorf("namespaces not the most bytes first: %+v", st.Namespaces)
+			}
+			out[ns.Model] = ns
+		}
+		return out
+	}
+	got := byModel(e.Stats())
+	if len(got) != 3 {
+		t.Fatalf("Stats lists %d namespaces, want 3: %+v", len(got), got)
+	}
+	a, b, c := got["model-a"], got["model-b"], got["model-c"]
+	if a.Keys != 6 || b.Keys != 2 || c.Keys != 0 || !a.Declared || !b.Declared || !c.Declared {
+		t.Fatalf("keys a %d, b %d, c %d (want 6, 2, 0), declared %v %v %v", a.Keys, b.Keys, c.Keys, a.Declared, b.Declared, c.Declared)
+	}
+	if a.Files == 0 || a.Bytes <= b.Bytes || c.Files != 0 || c.Bytes != 0 {
+		t.Fatalf("files and bytes: a %+v, b %+v, c %+v", a, b, c)
+	}
+	if a.Fingerprint != ga.Fingerprint() {
+		t.Fatalf("model-a's fingerprint %#x, want %#x", a.Fingerprint, ga.Fingerprint())
+	}
+	if n, err := e.Delete(ctx, nsA, testKeys("model-a", 6)[:2]); err != nil || n != 2 {
+		t.Fatalf("Delete: %d, %v", n, err)
+	}
+	if k := byModel(e.Stats())["model-a"].Keys; k != 4 {
+		t.Fatalf("model-a holds %d keys after the file of 2 of its 6 was deleted, want 4", k)
+	}
+	if err := e.ix.check(); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+
+	e = openEngine(t, cfg)
+	st := e.Stats()
+	if len(st.Namespaces) != 2 {
+		t.Fatalf("after a restart: %d namespaces listed, want 2: %+v", len(st.Namespaces), st.Namespaces)
+	}
+	for _, ns := range st.Namespaces {
+		if ns.Model != "" || ns.Declared {
+			t.Fatalf("a namespace found at start is named or declared: %+v", ns)
+		}
+	}
+	if _, err := e.Declare(ctx, gb); err != nil {
+		t.Fatal(err)
+	}
+	if got := byModel(e.Stats())["model-b"]; got.Keys != 2 || !got.Declared || got.Fingerprint != gb.Fingerprint() {
+		t.Fatalf("model-b declared again: %+v, want its 2 keys", got)
+	}
+}
