@@ -506,3 +506,37 @@ func TestCheckFailsMountsThatOverlap(t *testing.T) {
 		})
 	}
 }
+
+// TestCheckFailsASocketGroupTheMachineLacks: `kvhost check --config` FAILs
+// a server.socket_group this machine has no group of (the daemon would
+// not start), and passes one it has, or a numeric id.
+func TestCheckFailsASocketGroupTheMachineLacks(t *testing.T) {
+	for _, c := range []struct {
+		group string
+		level string
+	}{
+		{"kvhost-no-such-group", levelFail},
+		{"root", levelOK},
+		{"2000", levelOK},
+	} {
+		t.Run(c.group, func(t *testing.T) {
+			o := checkOptions{cfg: config.Default()}
+			o.cfg.GPU.Mode, o.cfg.GPU.CuFile = "off", "off"
+			o.cfg.Mounts = []config.Mount{{Path: t.TempDir()}}
+			o.cfg.Server.SocketGroup = c.group
+			rep := doCheck(context.Background(), o)
+			var found []checkItem
+			for _, it := range rep.Items {
+				if strings.Contains(it.What, "socket_group") {
+					found = append(found, it)
+				}
+			}
+			if len(found) != 1 || found[0].Level != c.level || !strings.Contains(found[0].What, c.group) {
+				t.Fatalf("findings on the socket group: %+v; want one %s naming %q", found, c.level, c.group)
+			}
+			if c.level == levelFail && (rep.Fail == 0 || found[0].Fix == "") {
+				t.Fatalf("%d failures, fix %q; want a failure with a fix", rep.Fail, found[0].Fix)
+			}
+		})
+	}
+}

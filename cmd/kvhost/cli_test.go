@@ -55,6 +55,14 @@ func TestConfigCheck(t *testing.T) {
 	if err := os.WriteFile(vendor, []byte("[policy]\nname = \"/opt/vendor/policy.wasm\"\n"), 0o644); err != nil {
 		t.Fatal(err)
 	}
+	nogroup := filepath.Join(dir, "nogroup.toml")
+	if err := os.WriteFile(nogroup, []byte("[server]\nsocket_group = \"kvhost-no-such-group\"\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	gid := filepath.Join(dir, "gid.toml")
+	if err := os.WriteFile(gid, []byte("[server]\nsocket_group = \"2000\"\n"), 0o644); err != nil {
+		t.Fatal(err)
+	}
 	cases := []struct {
 		name     string
 		args     []string
@@ -63,6 +71,9 @@ func TestConfigCheck(t *testing.T) {
 		stderrIn []string
 	}{
 		{"example config is ok", []string{"check", good}, 0, good + ": ok", nil},
+		{"a socket group the machine lacks fails as the daemon's start would", []string{"check", nogroup}, 1, "",
+			[]string{nogroup, "server.socket_group", "kvhost-no-such-group", "would not start"}},
+		{"a numeric socket group needs no group", []string{"check", gid}, 0, gid + ": ok", nil},
 		{"unknown built-in policy named", []string{"check", typo}, 1, "", []string{typo, "policy.name", `"lruu"`, "built in: "}},
 		{"a plugin file is the node's to have", []string{"check", vendor}, 0, vendor + ": ok", nil},
 		{"unknown key named with its line", []string{"check", bad}, 1, "", []string{bad + ":3", "server.max_clientz"}},

@@ -7,6 +7,7 @@ import (
 	"slices"
 
 	"github.com/kvhost/kvhost/internal/config"
+	"github.com/kvhost/kvhost/internal/server"
 	"github.com/kvhost/kvhost/plugins"
 )
 
@@ -49,6 +50,19 @@ func checkPolicyName(file, name string) error {
 	return nil
 }
 
+// checkSocketGroup fails, as the daemon's start would, where the
+// configuration's server.socket_group names a group this machine does
+// not have.
+func checkSocketGroup(file, group string) error {
+	if group == "" {
+		return nil
+	}
+	if _, err := server.LookupGroup(group); err != nil {
+		return fmt.Errorf("config: %s: server.socket_group %q: %w (the daemon would not start: create the group, or give its numeric id)", file, group, err)
+	}
+	return nil
+}
+
 // runConfig implements `kvhost config check FILE...`, which reads each
 // file as the daemon would (TOML syntax, unknown keys, types, sizes,
 // durations, cross-field rules) and prints "FILE: ok" or the error with
@@ -78,6 +92,9 @@ func runConfig(_ context.Context, args []string, stdout, stderr io.Writer) int {
 			c, err := config.Load(f)
 			if err == nil {
 				err = checkPolicyName(f, c.Policy.Name)
+			}
+			if err == nil {
+				err = checkSocketGroup(f, c.Server.SocketGroup)
 			}
 			if err != nil {
 				fmt.Fprintf(stderr, "%v\n", err)
