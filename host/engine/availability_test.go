@@ -110,6 +110,7 @@ type smallDisk struct {
 	fsys.OS
 	root           string
 	total, foreign int64
+	typ            int64 // the file system's magic: ext4 where 0
 }
 
 func (d *smallDisk) Statfs(path string) (fsys.StatFS, error) {
@@ -121,7 +122,11 @@ func (d *smallDisk) Statfs(path string) (fsys.StatFS, error) {
 		return nil
 	})
 	free := max(0, d.total-d.foreign-used)
-	return fsys.StatFS{Type: fstype.Ext4, BlockSize: 4096, Total: d.total, Free: free, Avail: free}, nil
+	typ := d.typ
+	if typ == 0 {
+		typ = fstype.Ext4
+	}
+	return fsys.StatFS{Type: typ, BlockSize: 4096, Total: d.total, Free: free, Avail: free}, nil
 }
 
 // TestDerivedCapacityLargerThanTheFileSystemIsNotReported: a capacity
@@ -219,6 +224,53 @@ func TestENOSPCRetried(t *testing.T) {
 	}
 	if f := e.Stats().StoreFailures; f.NoSpace != 1 {
 		t.Fatalf("failures %+v", f)
+	}
+}
+
+// fullerDisk is a smallDisk whose allocations fail with ENOSPC, as the
+// file system's would, where fewer than need bytes are free.
+type fullerDisk struct {
+	disk *smallDisk
+	need int64
+}
+
+func (f *fullerDisk) Inject(op fsys.Op, _ string) fsys.Fault {
+	if op != fsys.OpAllocate {
+		return fsys.Fault{}
+	}
+	if st, _ := f.disk.Statfs(f.disk.root); st.Avail < f.need {
+		return fsys.Fault{Err: syscall.ENOSPC}
+	}
+	return fsys.Fault{}
+}
+
+// TestENOSPCFromAFileSystemFilledByOthersEvictsForTheRetry: another
+// program fills the file system behind the engine's back; the next store's
+// allocation fails with ENOSPC, and its retry, having refreshed the
+// capacity without counting its own reservation (which holds nothing on
+// the file system once its file is removed), evicts an older file and
+// stores the key. On a memory file system, counting the reservation as
+// the engine's bytes there made the refreshed capacity one file larger
+// than the file system's room: the eviction kept its victim as a spare
+// (its pages still taken), and the retry's fresh file failed with ENOSPC
+// again.
+func TestENOSPCFromAFileSystemFilledByOthersEvictsForTheRetry(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	disk := &smallDisk{root: dir, total: 4 << 20, typ: fstype.Tmpfs}
+	fileLen := 4096 + smallGeometry(true).KeyBytes()
+	full := &fullerDisk{disk: disk, need: fileLen}
+	e := openEngine(t, Config{Mounts: []Mount{{Path: dir}}, Policy: newTestPolicy(1, 0), FS: &fsys.Faulty{FS: disk, Inj: full}})
+	_, c := declareSmall(t, e, 64)
+	storeAndCheck(t, e, c, testKeys("before", 2), [][]int{{0, 1, 2, 3}, {4, 5, 6, 7}})
+	st, _ := disk.Statfs(dir)
+	disk.foreign = st.Avail // another program takes every free byte
+	res := wait(t)(e.Store(ctx, StoreRequest{Cache: c.id, Keys: testKeys("after", 1), Blocks: [][]int{{8, 9, 10, 11}}}))
+	if k := res.Keys[0]; k.Outcome != OutcomeStored {
+		t.Fatalf("store on a file system others filled: %v %v; want it stored after an eviction", k.Outcome, k.Err)
+	}
+	if s := e.Stats(); s.Evictions == 0 || s.Failures != 0 {
+		t.Fatalf("%d evictions, %d failed keys; want the retry to have evicted, and none failed", s.Evictions, s.Failures)
 	}
 }
 

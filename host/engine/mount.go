@@ -273,6 +273,12 @@ func (e *Engine) openMount(i int, m Mount) (*mount, error) {
 // second unless force (after an ENOSPC): other writers on the file system
 // (other nodes of a shared mount, other programs) change what it can hold.
 func (e *Engine) refreshCapacity(m *mount, force bool) {
+	e.refreshCapacityLess(m, force, 0)
+}
+
+// refreshCapacityLess is refreshCapacity where notOnDisk bytes of the
+// mount's used hold nothing on the file system (space.refresh).
+func (e *Engine) refreshCapacityLess(m *mount, force bool, notOnDisk int64) {
 	if !e.space.refreshDue(m.sp, e.now(), force) {
 		return
 	}
@@ -281,7 +287,7 @@ func (e *Engine) refreshCapacity(m *mount, force bool) {
 		e.log.Warn("engine: statfs", "mount", m.root, "err", err)
 		return
 	}
-	e.space.refresh(m.sp, st)
+	e.space.refresh(m.sp, st, notOnDisk)
 }
 
 // reportMounts describes each mount (describeMount: its file system and

@@ -172,11 +172,15 @@ func (s *space) refreshDue(ms *mountSpace, now time.Time, force bool) bool {
 // just removed is free there while used counts it until its remover
 // uncounts it: counting them as ours errs towards a larger capacity,
 // which an ENOSPC then corrects (the store's retry refreshes under the
-// eviction lock, out of the evictions' removals).
-func (s *space) refresh(ms *mountSpace, st fsys.StatFS) {
+// eviction lock, out of the evictions' removals). notOnDisk is bytes of
+// used known to hold nothing on the file system: the reservation of the
+// store whose file the ENOSPC removed, which would otherwise count as
+// room the file system has (and so leave nothing to evict for the
+// retry).
+func (s *space) refresh(ms *mountSpace, st fsys.StatFS, notOnDisk int64) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	ms.setCapacityLocked(ms.fsCapacity(st, ms.used+ms.spareBytes))
+	ms.setCapacityLocked(ms.fsCapacity(st, ms.used+ms.spareBytes-notOnDisk))
 }
 
 // reserveBelow accounts size bytes on ms if used stays at or below

@@ -423,7 +423,9 @@ func (e *Engine) storeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 				// spares again right after the trim.
 				m.evictMu.Lock()
 				e.trimSpares(m, func(*mountSpace) bool { return false }) // they hold pages
-				e.refreshCapacity(m, true)
+				// This store's reservation, still counted as used, holds
+				// no bytes there now: its file was removed.
+				e.refreshCapacityLess(m, true, size)
 				e.evict(ctx, m, 0)
 				m.evictMu.Unlock()
 				continue
