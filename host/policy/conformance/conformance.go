@@ -301,7 +301,7 @@ func percentile(d []time.Duration, p int) time.Duration {
 
 // Rules of docs/abi.md, one per check.
 const (
-	ruleLoad       = "the module implements ABI v1: required exports with their signatures, kvhost_abi_version 1, known feature bits, allowed imports, a valid scratch area (docs/abi.md: Exports, Imports, The scratch area)"
+	ruleLoad       = "the module implements ABI v1: required exports with their signatures, kvhost_abi_version 1, known feature bits, allowed imports, a valid scratch area; and kvhost_init accepts the configuration it is given (-param here, [policy.params] in the daemon) (docs/abi.md: Exports, Imports, The scratch area, Configuration)"
 	ruleNamespaces = "kvhost_namespace returns keys_per_file 1..256 and order 0 or 1, the same each time a namespace is declared (docs/abi.md: NamespaceRecord)"
 	ruleBatches    = "hooks take 1..1024 records per call, kvhost_evict returns at most max victims, and a key gets the same name in any batch (docs/abi.md: n, max and batches)"
 	ruleNames      = "every path is 1..256 bytes of [A-Za-z0-9._-/], relative, with no empty or dot-led component, on a mount < mount_count; distinct first keys of a namespace get distinct paths, for any keys per file and across mounts, keys that differ in one byte too (docs/abi.md: NameRecord, Rules the host enforces)"
