@@ -283,6 +283,10 @@ var (
 	dWritten        = desc("kvhost_written_bytes_total", "Payload bytes written to files.")
 	dRead           = desc("kvhost_read_bytes_total", "Payload bytes read from files.")
 	dFailures       = desc("kvhost_key_failures_total", "Keys of jobs that failed, by direction and reason.", "direction", "reason")
+	dNamespaces     = desc("kvhost_namespaces", "Namespaces (a model at one geometry) with files indexed or declared now.")
+	dNSKeys         = desc("kvhost_namespace_keys", "Keys indexed of a namespace, by its fingerprint and the model id it was declared with (empty for files found on the mounts whose namespace no client declared since the start); the 128 namespaces holding the most bytes.", "fingerprint", "model")
+	dNSFiles        = desc("kvhost_namespace_files", "Files indexed of a namespace (labels as kvhost_namespace_keys).", "fingerprint", "model")
+	dNSBytes        = desc("kvhost_namespace_bytes", "Bytes of a namespace's indexed files, headers included (labels as kvhost_namespace_keys).", "fingerprint", "model")
 	dMountCap       = desc("kvhost_mount_capacity_bytes", "Effective capacity of a mount.", "mount")
 	dMountUsed      = desc("kvhost_mount_used_bytes", "Bytes of published files, reservations of stores in flight, and files dropped from the index not yet removed.", "mount")
 	dMountFree      = desc("kvhost_mount_free_bytes", "Capacity left to kvhost on a mount (capacity - used).", "mount")
@@ -404,6 +408,13 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 		counter(dMoveFailures, st.Tiering.MoveFailures)
 		counter(dDemoteDeletes, st.Tiering.DemotionDeletes)
 		counter(dDeduped, st.Tiering.Deduped)
+		gauge(dNamespaces, float64(len(st.Namespaces)))
+		for _, ns := range st.Namespaces[:min(len(st.Namespaces), protocol.MaxStatsNamespaces)] {
+			fp := fmt.Sprintf("%016x", ns.Fingerprint)
+			gauge(dNSKeys, float64(ns.Keys), fp, ns.Model)
+			gauge(dNSFiles, float64(ns.Files), fp, ns.Model)
+			gauge(dNSBytes, float64(ns.Bytes), fp, ns.Model)
+		}
 		for _, mt := range st.Mounts {
 			counter(dMountMovedIn, mt.MovedIn, mt.Path)
 			counter(dMountMovedOut, mt.MovedOut, mt.Path)

@@ -106,6 +106,8 @@ func TestMetricsExposeSourcesAndObservations(t *testing.T) {
 		Engine: func() engine.Stats {
 			return engine.Stats{Entries: 3, Keys: 5, Stores: 5, Hits: 7, Misses: 2, Evictions: 1, RemoveFailures: 13, BytesWritten: 4096,
 				StoreFailures: engine.Failures{NoSpace: 4},
+				Namespaces: []engine.NamespaceStats{{Fingerprint: 0xfeed, Model: "vllm:m:0", Declared: true, Files: 2, Keys: 32, Bytes: 64 << 20},
+					{Fingerprint: 1, Files: 1, Keys: 1, Bytes: 4096}},
 				Tiering:       engine.TierStats{Demotions: 74700, Promotions: 12, Moves: 30, MoveFailures: 2, DemotionDeletes: 5, Deduped: 3},
 				Mounts: []engine.MountStats{{Path: dir, Capacity: 1000, Used: 400, Entries: 3, IO: "buffered", Backend: "staging", Checksums: true, MovedIn: 8, MovedOut: 9},
 					{Path: refusing, IO: "buffered", Backend: "staging", StoresFailing: &engine.StoreFailure{Since: started, Last: started, Stores: 3, Err: "read-only file system"}}}}
@@ -153,6 +155,11 @@ func TestMetricsExposeSourcesAndObservations(t *testing.T) {
 	}{
 		{"kvhost_ready", nil, 1},
 		{"kvhost_entries", nil, 3},
+		{"kvhost_namespaces", nil, 2},
+		{"kvhost_namespace_keys", map[string]string{"fingerprint": "000000000000feed", "model": "vllm:m:0"}, 32},
+		{"kvhost_namespace_files", map[string]string{"fingerprint": "000000000000feed", "model": "vllm:m:0"}, 2},
+		{"kvhost_namespace_bytes", map[string]string{"fingerprint": "000000000000feed", "model": "vllm:m:0"}, 64 << 20},
+		{"kvhost_namespace_keys", map[string]string{"fingerprint": "0000000000000001", "model": ""}, 1},
 		{"kvhost_stored_keys_total", nil, 5},
 		{"kvhost_hits_total", nil, 7},
 		{"kvhost_misses_total", nil, 2},
