@@ -788,6 +788,23 @@ func (c *Client) Stats(ctx context.Context) (Stats, error) {
 	return *m.(*protocol.Stats), nil
 }
 
+// Purged is what a Purge removed: files, the keys they held and their
+// bytes, and the files left because a client pin holds them.
+type Purged = protocol.Purged
+
+// Purge asks the daemon to remove every file of the namespace of
+// fingerprint fp (Stats' Namespaces list them, with the model id each was
+// declared with), whether or not a client declares it now; files a
+// client pin holds stay. A daemon older than purge answers with a
+// *protocol.Error of protocol.CodeUnknownType.
+func (c *Client) Purge(ctx context.Context, fp uint64) (Purged, error) {
+	m, err := c.call(ctx, &protocol.Purge{Fingerprint: fp}, nil)
+	if err != nil {
+		return Purged{}, err
+	}
+	return *m.(*protocol.Purged), nil
+}
+
 // DeviceByUUID returns the daemon's ordinal of the GPU whose UUID is uuid
 // (cuDeviceGetUuid; nvidia-smi prints it as GPU-<uuid>), for
 // RegisterCUDAIPC. It fails with ErrUnknownDevice when the daemon names

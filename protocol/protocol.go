@@ -136,6 +136,8 @@ func (t Type) name() string {
 		return "unpin"
 	case TypeLookupTable:
 		return "lookup-table"
+	case TypePurge:
+		return "purge"
 	}
 	return ""
 }
@@ -259,6 +261,9 @@ func New(t Type) (Message, error) {
 		return m, nil
 	}
 	if m := newTableMessage(t); m != nil {
+		return m, nil
+	}
+	if m := newPurgeMessage(t); m != nil {
 		return m, nil
 	}
 	return nil, fmt.Errorf("%w: %s", ErrUnknownType, t)

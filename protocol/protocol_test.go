@@ -375,7 +375,7 @@ func TestParseHeader(t *testing.T) {
 // file, of one id.
 func fuzzSeeds() [][]byte {
 	var seeds [][]byte
-	for _, m := range slices.Concat(sampleMessages(), pinMessages(), tableMessages()) {
+	for _, m := range slices.Concat(sampleMessages(), pinMessages(), tableMessages(), purgeMessages()) {
 		seeds = append(seeds, AppendFrame(nil, 1, m))
 	}
 	return seeds

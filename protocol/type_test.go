@@ -27,6 +27,7 @@ func TestTypeNamesAllocateNothingForKnownTypes(t *testing.T) {
 		{TypePin, "pin"},
 		{TypeUnpin, "unpin"},
 		{TypeLookupTable, "lookup-table"},
+		{TypePurge, "purge"},
 		{TypeError, "error"},
 		{TypeCompletion, "completion"},
 		{TypeLookup | TypeReply, "lookup-reply"},

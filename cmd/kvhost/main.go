@@ -43,6 +43,7 @@ func commands() map[string]command {
 		"stats":   {"show a running daemon's state", runStats},
 		"health":  {"exit 0 if the daemon answers (for probes)", runHealth},
 		"reload":  {"reload the daemon's configuration (SIGHUP) and report", runReload},
+		"purge":   {"remove every file of a model's namespaces from a running daemon", runPurge},
 	}
 }
 

@@ -2,6 +2,7 @@ package engine
 
 import (
 	"context"
+	"fmt"
 )
 
 // Deleting keys at a client's request: their entries are dropped and their
@@ -66,4 +67,64 @@ func (e *Engine) deleteUnpinned(ctx context.Context, en *entry, key []byte) bool
 		return false
 	}
 	return e.dropAndUnlock(ctx, en, true, "deleted")
+}
+
+// PurgeResult is what Purge removed, and what it left for client pins.
+type PurgeResult struct {
+	Files int   // files removed
+	Keys  int   // the keys those files held
+	Bytes int64 // their bytes, headers included
+	// Pinned is the files left because a client pin holds them (Pin).
+	Pinned int
+}
+
+// Purge removes every file of the namespace of fingerprint fp (Geometry's
+// fingerprint; Stats.Namespaces lists them) from every mount, as Delete
+// removes a key's file: a file a client pin holds stays (counted in
+// Pinned), a file the restart hold holds goes. It works whether or not a
+// client declared the namespace, so that the files of a model no longer
+// served, found at start, can be removed too. It removes the files
+// indexed when it looks: a store of the namespace still running
+// meanwhile may leave files behind; stop the model's clients first. A
+// shared mount's files go for every node, as Delete's do.
+func (e *Engine) Purge(ctx context.Context, fp uint64) (PurgeResult, error) {
+	e.mu.RLock()
+	closed := e.closed
+	e.mu.RUnlock()
+	if closed {
+		return PurgeResult{}, ErrClosed
+	}
+	e.ix.mu.RLock()
+	var ens []*entry
+	for _, en := range e.ix.entries {
+		if en.fp == fp {
+			ens = append(ens, en)
+		}
+	}
+	e.ix.mu.RUnlock()
+	var r PurgeResult
+	for _, en := range ens {
+		if err := ctx.Err(); err != nil {
+			return r, err
+		}
+		if e.deleteUnpinned(ctx, en, []byte(en.keys[0])) {
+			r.Files++
+			r.Keys += len(en.keys)
+			r.Bytes += en.size
+		} else if e.pinnedNow(en) {
+			r.Pinned++
+		}
+	}
+	if r.Files > 0 {
+		e.spareRoom() // room for spares made ahead
+		e.log.Info("engine: namespace purged", "fingerprint", fmt.Sprintf("%016x", fp), "files", r.Files, "keys", r.Keys, "bytes", r.Bytes, "pinned", r.Pinned)
+	}
+	return r, nil
+}
+
+// pinnedNow reports whether en is still indexed and a client pin holds it.
+func (e *Engine) pinnedNow(en *entry) bool {
+	e.ix.mu.RLock()
+	defer e.ix.mu.RUnlock()
+	return !en.gone && en.clientPinned()
 }

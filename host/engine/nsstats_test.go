@@ -93,3 +93,69 @@ func TestStatsListsEachNamespaceWithItsKeysAndBytes(t *testing.T) {
 		t.Fatalf("model-b declared again: %+v, want its 2 keys", got)
 	}
 }
+
+// TestPurgeRemovesEveryFileOfOneNamespaceButPinnedOnes: Purge removes the
+// files of one namespace fingerprint and no other's, keeps a file a client
+// pin holds (counted), works on files found at start that no client
+// declared since, and then the namespace's keys miss.
+func TestPurgeRemovesEveryFileOfOneNamespaceButPinnedOnes(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	cfg := Config{Mounts: []Mount{{Path: dir}}, NewPolicy: testPolicies(1, abi.OrderLayerMajor)}
+	e := openEngine(t, cfg)
+	ga, gb := smallGeometry(false), smallGeometry(false)
+	ga.Model, gb.Model = "model-a", "model-b"
+	r := rand.New(rand.NewPCG(3, 4))
+	declare := func(g Geometry) (NamespaceID, *testCache) {
+		ns, err := e.Declare(ctx, g)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return ns, newTestCache(t, e, ns, g, 8*g.BlocksPerKey(), layoutPlaneFirst)
+	}
+	nsA, ca := declare(ga)
+	nsB, cb := declare(gb)
+	bpk := ga.BlocksPerKey()
+	storeAndCheck(t, e, ca, testKeys("a", 5), blockLists(r, 5, bpk, 0))
+	storeAndCheck(t, e, cb, testKeys("b", 3), blockLists(r, 3, bpk, 0))
+	pin, held, err := e.Pin(ctx, nsA, testKeys("a", 5)[4:], 0)
+	if err != nil || !held[0] {
+		t.Fatalf("Pin: %v, %v", held, err)
+	}
+	got, err := e.Purge(ctx, ga.Fingerprint())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got.Files != 4 || got.Keys != 4 || got.Pinned != 1 || got.Bytes <= 0 {
+		t.Fatalf("Purge of model-a: %+v; want 4 files and keys removed, 1 pinned", got)
+	}
+	if n, _ := e.Lookup(ctx, nsA, testKeys("a", 4)); n != 0 {
+		t.Fatalf("%d of model-a's purged keys still found", n)
+	}
+	if n, _ := e.Lookup(ctx, nsA, testKeys("a", 5)[4:]); n != 1 {
+		t.Fatal("model-a's pinned key was purged")
+	}
+	if n, _ := e.Lookup(ctx, nsB, testKeys("b", 3)); n != 3 {
+		t.Fatalf("model-b holds %d of its 3 keys after model-a's purge", n)
+	}
+	e.Unpin(ctx, pin)
+	if err := e.ix.check(); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+
+	e = openEngine(t, cfg) // model-b's files found, no client declares it
+	got, err = e.Purge(ctx, gb.Fingerprint())
+	if err != nil || got.Files != 3 || got.Keys != 3 || got.Pinned != 0 {
+		t.Fatalf("Purge of model-b's files found at start: %+v, %v; want its 3 files", got, err)
+	}
+	st := e.Stats()
+	if st.Keys != 1 || len(st.Namespaces) != 1 || st.Namespaces[0].Fingerprint != ga.Fingerprint() {
+		t.Fatalf("after both purges: %d keys, namespaces %+v; want model-a's pinned key only", st.Keys, st.Namespaces)
+	}
+	if files := dataFiles(t, dir); len(files) != 1 {
+		t.Fatalf("%d data files on the mount, want 1 (model-a's pinned key's)", len(files))
+	}
+}

@@ -60,6 +60,9 @@ type Engine interface {
 	// Delete removes the files holding keys and returns how many of the
 	// keys were stored and are now removed.
 	Delete(ctx context.Context, ns engine.NamespaceID, keys [][]byte) (int, error)
+	// Purge removes every file of the namespace of a fingerprint, but
+	// those a client pin holds.
+	Purge(ctx context.Context, fp uint64) (engine.PurgeResult, error)
 	// Release tells the engine that no client uses the namespace any more
 	// (it no longer counts against the engine's namespace limit).
 	Release(ns engine.NamespaceID) error

@@ -325,6 +325,8 @@ func (s *session) handle(h protocol.Header, body []byte) bool {
 		reply, err = s.cancel(m)
 	case *protocol.StatsRequest:
 		reply, err = s.stats()
+	case *protocol.Purge:
+		reply, err = s.purge(m)
 	case *protocol.Pin:
 		reply, err = s.pin(m)
 	case *protocol.Unpin:
@@ -712,6 +714,18 @@ func (s *session) delete(m *protocol.Delete) (protocol.Message, error) {
 		return nil, err
 	}
 	return &protocol.Count{T: protocol.TypeDelete | protocol.TypeReply, Count: uint32(n)}, nil
+}
+
+// purge removes every file of a namespace, declared by any client or by
+// none (an operator's kvhost purge).
+func (s *session) purge(m *protocol.Purge) (protocol.Message, error) {
+	r, err := s.srv.eng.Purge(s.ctx, m.Fingerprint)
+	if err != nil {
+		return nil, err
+	}
+	s.log.Info("server: namespace purged", "pid", s.pid, "fingerprint", fmt.Sprintf("%016x", m.Fingerprint),
+		"files", r.Files, "keys", r.Keys, "bytes", r.Bytes, "pinned", r.Pinned)
+	return &protocol.Purged{Files: uint64(r.Files), Keys: uint64(r.Keys), Bytes: uint64(max(r.Bytes, 0)), Pinned: uint64(r.Pinned)}, nil
 }
 
 // transfer starts a store or load job: the reply (its id) is written before

@@ -1,0 +1,65 @@
+package protocol
+
+// Purge (protocol version 1, added after the shared lookup table): an
+// operator's tool removes every file of one namespace, declared or not,
+// from the daemon's mounts. docs/protocol.md ("Purge") is the
+// specification.
+
+// Frame types of purge.
+const (
+	TypePurge Type = 0x0011
+)
+
+// Purge asks the daemon to remove every file of the namespace of
+// Fingerprint (a Stats reply's NamespaceStats.Fingerprint; the Declared
+// reply's for a namespace this connection declared). A daemon older than
+// it answers CodeUnknownType.
+type Purge struct {
+	Fingerprint uint64
+}
+
+// Type is TypePurge.
+func (*Purge) Type() Type { return TypePurge }
+
+// AppendBody encodes: u64 fingerprint.
+func (m *Purge) AppendBody(b []byte) []byte { return appendU64(b, m.Fingerprint) }
+
+// DecodeBody decodes a Purge.
+func (m *Purge) DecodeBody(b []byte) error {
+	d := decoder{b: b}
+	m.Fingerprint = d.u64("fingerprint")
+	return d.end()
+}
+
+// Purged is the reply to Purge: what the daemon removed, and the files it
+// left because a client pin holds them.
+type Purged struct {
+	Files, Keys, Bytes uint64 // removed: files, the keys they held, their bytes
+	Pinned             uint64 // files left for their client pins
+}
+
+// Type is the reply to TypePurge.
+func (*Purged) Type() Type { return TypePurge | TypeReply }
+
+// AppendBody encodes: u64 files | u64 keys | u64 bytes | u64 pinned.
+func (m *Purged) AppendBody(b []byte) []byte {
+	return appendU64(appendU64(appendU64(appendU64(b, m.Files), m.Keys), m.Bytes), m.Pinned)
+}
+
+// DecodeBody decodes a Purged.
+func (m *Purged) DecodeBody(b []byte) error {
+	d := decoder{b: b}
+	m.Files, m.Keys, m.Bytes, m.Pinned = d.u64("files"), d.u64("keys"), d.u64("bytes"), d.u64("pinned")
+	return d.end()
+}
+
+// newPurgeMessage returns a new message of purge's type t, or nil.
+func newPurgeMessage(t Type) Message {
+	switch t {
+	case TypePurge:
+		return new(Purge)
+	case TypePurge | TypeReply:
+		return new(Purged)
+	}
+	return nil
+}
