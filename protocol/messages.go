@@ -755,8 +755,9 @@ type Stats struct {
 	Namespaces *NamespaceList
 }
 
-// MaxStatsNamespaces bounds the namespaces a Stats reply lists: with their
-// model ids, 128 fit well within the smallest frame (MinFrame).
+// MaxStatsNamespaces bounds the namespaces a Stats reply lists. A daemon
+// lists fewer where the reply's other sections leave too little of its
+// frame (a small max_frame, many mounts), counting the rest as left out.
 const MaxStatsNamespaces = 128
 
 // NamespaceList is the namespaces section of a Stats reply.
@@ -1110,6 +1111,14 @@ func (m *Stats) DecodeBody(b []byte) error {
 	// never breaks a client (the sections before it are strict).
 	return d.err
 }
+
+// EmptyNamespacesBytes is the encoded size of a namespaces section that
+// lists none: its count and its left-out count.
+const EmptyNamespacesBytes = 4 + 8
+
+// NamespaceBytes is the encoded size of one namespace in a Stats reply's
+// namespaces section.
+func NamespaceBytes(ns NamespaceStats) int { return 5*8 + 1 + min(len(ns.Model), MaxModelLen) }
 
 func appendNamespaces(b []byte, nl *NamespaceList) []byte {
 	list := nl.List[:min(len(nl.List), MaxStatsNamespaces)]

@@ -297,6 +297,26 @@ func TestStatsListsAtMostMaxStatsNamespaces(t *testing.T) {
 	}
 }
 
+// TestNamespaceBytesAreTheEncodedSizes: EmptyNamespacesBytes and
+// NamespaceBytes, by which the server fits the section into a frame, are
+// what the encoding takes.
+func TestNamespaceBytesAreTheEncodedSizes(t *testing.T) {
+	base := &Stats{Daemon: &DaemonStats{}, Spares: &SpareStats{}, Tiering: &TierStats{}, StoresFailing: []MountFailure{}}
+	without := len(base.AppendBody(nil))
+	list := []NamespaceStats{{Model: ""}, {Model: "m", Declared: true}, {Model: strings.Repeat("x", MaxModelLen), Keys: 1 << 40}}
+	for n := 0; n <= len(list); n++ {
+		m := *base
+		m.Namespaces = &NamespaceList{List: list[:n]}
+		want := without + EmptyNamespacesBytes
+		for _, ns := range list[:n] {
+			want += NamespaceBytes(ns)
+		}
+		if got := len(m.AppendBody(nil)); got != want {
+			t.Fatalf("%d namespaces: %d bytes encoded, the sizes say %d", n, got, want)
+		}
+	}
+}
+
 // TestStatsOfADaemonBeforeDeviceIdentitiesHasNoUUIDs: a reply that ends
 // after the spares section (a daemon that predates the device-identity
 // section) decodes, with every device's UUID zero.

@@ -76,8 +76,12 @@ func purge(ctx context.Context, socket, model string, fps []uint64, stdout io.Wr
 			}
 		}
 		if len(fps) == 0 {
-			return fmt.Errorf("no namespace of model %q: the daemon lists %s; files found on the mounts that no client declared since the start go by --fingerprint (kvhost stats)",
-				model, orNone(known))
+			more := ""
+			if n := st.Namespaces.LeftOut; n > 0 {
+				more = fmt.Sprintf(" (and leaves %d namespaces holding less out of its list)", n)
+			}
+			return fmt.Errorf("no namespace of model %q: the daemon lists %s%s; files found on the mounts that no client declared since the start go by --fingerprint (kvhost stats)",
+				model, orNone(known), more)
 		}
 	}
 	for _, fp := range fps {

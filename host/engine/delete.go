@@ -107,13 +107,7 @@ func (e *Engine) Purge(ctx context.Context, fp uint64) (PurgeResult, error) {
 		if err := ctx.Err(); err != nil {
 			return r, err
 		}
-		if e.deleteUnpinned(ctx, en, []byte(en.keys[0])) {
-			r.Files++
-			r.Keys += len(en.keys)
-			r.Bytes += en.size
-		} else if e.pinnedNow(en) {
-			r.Pinned++
-		}
+		e.purgeOne(ctx, en, &r)
 	}
 	if r.Files > 0 {
 		e.spareRoom() // room for spares made ahead
@@ -122,9 +116,32 @@ func (e *Engine) Purge(ctx context.Context, fp uint64) (PurgeResult, error) {
 	return r, nil
 }
 
-// pinnedNow reports whether en is still indexed and a client pin holds it.
-func (e *Engine) pinnedNow(en *entry) bool {
-	e.ix.mu.RLock()
-	defer e.ix.mu.RUnlock()
-	return !en.gone && en.clientPinned()
+// purgeOne drops en (or the file it moved to) and removes its file, as
+// deleteUnpinned does, and counts it in r: the keys it counts are those
+// the index found in the file (a key a newer file took counts there, as
+// Stats.Namespaces counts it), and a file a client pin holds is counted
+// in r.Pinned and left.
+func (e *Engine) purgeOne(ctx context.Context, en *entry, r *PurgeResult) {
+	e.ix.mu.Lock()
+	en = e.ix.currentLocked(en, []byte(en.keys[0]))
+	if en.gone {
+		e.ix.mu.Unlock()
+		return
+	}
+	if en.clientPinned() {
+		e.ix.mu.Unlock()
+		r.Pinned++
+		return
+	}
+	keys := 0
+	for _, k := range en.keys {
+		if ref, ok := e.ix.byKey[keyID{en.fp, k}]; ok && ref.e == en {
+			keys++
+		}
+	}
+	if e.dropAndUnlock(ctx, en, true, "purged") {
+		r.Files++
+		r.Keys += keys
+		r.Bytes += en.size
+	}
 }

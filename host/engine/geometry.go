@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"fmt"
 	"hash/fnv"
+	"unicode/utf8"
 
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/internal/format"
@@ -36,6 +37,10 @@ func (g Geometry) Validate() error {
 		return bad("Model", `""`, "a model id")
 	case len(g.Model) > abi.MaxModelLen:
 		return bad("Model", len(g.Model), fmt.Sprintf("at most %d bytes", abi.MaxModelLen))
+	case !utf8.ValidString(g.Model):
+		// It names the namespace to operators: logs, kvhost stats and
+		// the metrics' labels, which must be UTF-8.
+		return bad("Model", fmt.Sprintf("%q", g.Model), "valid UTF-8")
 	case g.Layers <= 0 || g.Layers > 4096:
 		return bad("Layers", g.Layers, "1..4096")
 	case g.KVHeads <= 0 || g.KVHeads > maxDim:

@@ -3,6 +3,8 @@ package engine
 import (
 	"context"
 	"math/rand/v2"
+	"os"
+	"path/filepath"
 
 	"github.com/kvhost/kvhost/abi"
 	"testing"
@@ -157,5 +159,61 @@ func TestPurgeRemovesEveryFileOfOneNamespaceButPinnedOnes(t *testing.T) {
 	}
 	if files := dataFiles(t, dir); len(files) != 1 {
 		t.Fatalf("%d data files on the mount, want 1 (model-a's pinned key's)", len(files))
+	}
+}
+
+// TestPurgeCountsEachKeyOnceAsStatsDoes: two files of one namespace that
+// share a key (found at start: another node's, or written under another
+// grouping) hold three keys, as Stats.Namespaces counts them; Purge
+// removes both files and reports those three, not the four the files
+// list.
+func TestPurgeCountsEachKeyOnceAsStatsDoes(t *testing.T) {
+	ctx := context.Background()
+	x, y := t.TempDir(), t.TempDir()
+	g := smallGeometry(false)
+	g.Model = "m"
+	r := rand.New(rand.NewPCG(5, 6))
+	cfg := func(dir string) Config {
+		return Config{Mounts: []Mount{{Path: dir}}, NewPolicy: testPolicies(2, abi.OrderLayerMajor)}
+	}
+	storeIn := func(dir string, keys [][]byte) {
+		e := openEngine(t, cfg(dir))
+		ns, err := e.Declare(ctx, g)
+		if err != nil {
+			t.Fatal(err)
+		}
+		c := newTestCache(t, e, ns, g, 4*g.BlocksPerKey(), layoutPlaneFirst)
+		storeAndCheck(t, e, c, keys, blockLists(r, len(keys), g.BlocksPerKey(), 0))
+		if err := e.Close(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	k := testKeys("k", 3)
+	storeIn(x, [][]byte{k[0], k[1]})
+	storeIn(y, [][]byte{k[1], k[2]})
+	for _, p := range dataFiles(t, y) { // y's file joins x's mount
+		rel, err := filepath.Rel(y, p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, err := os.ReadFile(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := os.MkdirAll(filepath.Dir(filepath.Join(x, rel)), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(x, rel), b, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	e := openEngine(t, cfg(x))
+	st := e.Stats()
+	if len(st.Namespaces) != 1 || st.Namespaces[0].Files != 2 || st.Namespaces[0].Keys != 3 {
+		t.Fatalf("before the purge: %+v; want 2 files holding 3 keys", st.Namespaces)
+	}
+	got, err := e.Purge(ctx, g.Fingerprint())
+	if err != nil || got.Files != 2 || got.Keys != 3 {
+		t.Fatalf("Purge: %+v, %v; want 2 files and the 3 keys Stats counted", got, err)
 	}
 }

@@ -108,7 +108,7 @@ func TestMetricsExposeSourcesAndObservations(t *testing.T) {
 				StoreFailures: engine.Failures{NoSpace: 4},
 				Namespaces: []engine.NamespaceStats{{Fingerprint: 0xfeed, Model: "vllm:m:0", Declared: true, Files: 2, Keys: 32, Bytes: 64 << 20},
 					{Fingerprint: 1, Files: 1, Keys: 1, Bytes: 4096}},
-				Tiering:       engine.TierStats{Demotions: 74700, Promotions: 12, Moves: 30, MoveFailures: 2, DemotionDeletes: 5, Deduped: 3},
+				Tiering: engine.TierStats{Demotions: 74700, Promotions: 12, Moves: 30, MoveFailures: 2, DemotionDeletes: 5, Deduped: 3},
 				Mounts: []engine.MountStats{{Path: dir, Capacity: 1000, Used: 400, Entries: 3, IO: "buffered", Backend: "staging", Checksums: true, MovedIn: 8, MovedOut: 9},
 					{Path: refusing, IO: "buffered", Backend: "staging", StoresFailing: &engine.StoreFailure{Since: started, Last: started, Stores: 3, Err: "read-only file system"}}}}
 		},

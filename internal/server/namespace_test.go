@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/client"
 	"github.com/kvhost/kvhost/host/engine"
 	"github.com/kvhost/kvhost/internal/server"
@@ -328,5 +329,56 @@ func TestNamespaceDeclaredWhileLetGoIsKept(t *testing.T) {
 	}
 	if got := eng.released(); len(got) != 1 {
 		t.Fatalf("released %v after the namespace's last user closed, want it once", got)
+	}
+}
+
+// bigStats is an engine whose Stats list many mounts with long paths and
+// many namespaces with long model ids.
+type bigStats struct {
+	*engine.Engine
+	mounts, namespaces int
+}
+
+func (b bigStats) Stats() engine.Stats {
+	st := b.Engine.Stats()
+	st.Mounts = nil
+	for i := range b.mounts {
+		st.Mounts = append(st.Mounts, engine.MountStats{Path: fmt.Sprintf("/%0*d", 4000, i), IO: "buffered", Backend: "staging",
+			StoresFailing: &engine.StoreFailure{Since: time.Unix(1, 0), Last: time.Unix(2, 0), Stores: 1, Err: strings.Repeat("e", 4000)}})
+	}
+	st.Namespaces = nil
+	for i := range b.namespaces {
+		st.Namespaces = append(st.Namespaces, engine.NamespaceStats{Fingerprint: uint64(i + 1), Model: fmt.Sprintf("%0*d", abi.MaxModelLen, i), Keys: 1})
+	}
+	return st
+}
+
+// TestStatsListsAsManyNamespacesAsTheFrameHolds: a daemon whose frames are
+// the smallest (MinFrame) and whose other sections take most of one
+// lists only the namespaces that fit beside them, counting the rest as
+// left out, so that its Stats reply still reaches the client; with room,
+// it lists MaxStatsNamespaces and counts the rest.
+func TestStatsListsAsManyNamespacesAsTheFrameHolds(t *testing.T) {
+	for _, tc := range []struct {
+		name               string
+		mounts, namespaces int
+		fits               func(listed int) bool
+	}{
+		{"beside 6 mounts of 8 KiB each", 6, 200, func(n int) bool { return n > 0 && n < protocol.MaxStatsNamespaces }},
+		{"with room", 0, 200, func(n int) bool { return n == protocol.MaxStatsNamespaces }},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			f := newFixtureWith(t, server.Config{MaxFrame: protocol.MinFrame}, nil, func(e *engine.Engine) server.Engine {
+				return bigStats{Engine: e, mounts: tc.mounts, namespaces: tc.namespaces}
+			})
+			st, err := f.dial(t).Stats(context.Background())
+			if err != nil {
+				t.Fatalf("Stats from a daemon of MinFrame frames: %v", err)
+			}
+			nl := st.Namespaces
+			if nl == nil || !tc.fits(len(nl.List)) || len(nl.List)+int(nl.LeftOut) != tc.namespaces {
+				t.Fatalf("namespaces listed %d, left out %d, of %d", len(nl.List), nl.LeftOut, tc.namespaces)
+			}
+		})
 	}
 }

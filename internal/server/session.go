@@ -899,14 +899,19 @@ func (s *session) stats() (protocol.Message, error) {
 		}
 		m.StoresFailing = append(m.StoresFailing, f)
 	}
+	// The namespaces, the most bytes first, as many as the frame holds
+	// beside the other sections (a client reads frames of MaxFrame at
+	// most), the rest counted as left out.
+	room := s.srv.cfg.MaxFrame - protocol.HeaderSize - len(m.AppendBody(nil)) - protocol.EmptyNamespacesBytes
 	m.Namespaces = &protocol.NamespaceList{}
 	for i, ns := range st.Namespaces {
-		if i == protocol.MaxStatsNamespaces {
+		n := protocol.NamespaceStats{Fingerprint: ns.Fingerprint, Model: ns.Model, Declared: ns.Declared,
+			Files: uint64(ns.Files), Keys: uint64(ns.Keys), Bytes: uint64(max(ns.Bytes, 0))}
+		if room -= protocol.NamespaceBytes(n); i == protocol.MaxStatsNamespaces || room < 0 {
 			m.Namespaces.LeftOut = uint64(len(st.Namespaces) - i)
 			break
 		}
-		m.Namespaces.List = append(m.Namespaces.List, protocol.NamespaceStats{Fingerprint: ns.Fingerprint, Model: ns.Model, Declared: ns.Declared,
-			Files: uint64(ns.Files), Keys: uint64(ns.Keys), Bytes: uint64(max(ns.Bytes, 0))})
+		m.Namespaces.List = append(m.Namespaces.List, n)
 	}
 	return m, nil
 }
