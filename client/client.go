@@ -793,16 +793,30 @@ func (c *Client) Stats(ctx context.Context) (Stats, error) {
 type Purged = protocol.Purged
 
 // Purge asks the daemon to remove every file of the namespace of
-// fingerprint fp (Stats' Namespaces list them, with the model id each was
-// declared with), whether or not a client declares it now; files a
-// client pin holds stay. A daemon older than purge answers with a
-// *protocol.Error of protocol.CodeUnknownType.
+// fingerprint fp (Stats' Namespaces list them), whether or not a client
+// declares it now; files a client pin holds stay. A daemon that knows no
+// namespace of fp answers a *protocol.Error of protocol.CodeUnknownNS; one
+// older than purge, of protocol.CodeUnknownType.
 func (c *Client) Purge(ctx context.Context, fp uint64) (Purged, error) {
-	m, err := c.call(ctx, &protocol.Purge{Fingerprint: fp}, nil)
+	return c.purge(ctx, &protocol.Purge{Fingerprint: fp})
+}
+
+// PurgeModel is Purge for every namespace declared with model id model
+// since the daemon started: each geometry and tensor-parallel rank of the
+// model is one.
+func (c *Client) PurgeModel(ctx context.Context, model string) (Purged, error) {
+	if model == "" || len(model) > protocol.MaxModelLen {
+		return Purged{}, fmt.Errorf("%w: model id of %d bytes: want 1..%d", ErrInvalid, len(model), protocol.MaxModelLen)
+	}
+	return c.purge(ctx, &protocol.Purge{Model: model})
+}
+
+func (c *Client) purge(ctx context.Context, m *protocol.Purge) (Purged, error) {
+	r, err := c.call(ctx, m, nil)
 	if err != nil {
 		return Purged{}, err
 	}
-	return *m.(*protocol.Purged), nil
+	return *r.(*protocol.Purged), nil
 }
 
 // DeviceByUUID returns the daemon's ordinal of the GPU whose UUID is uuid

@@ -10,45 +10,55 @@ const (
 	TypePurge Type = 0x0011
 )
 
-// Purge asks the daemon to remove every file of the namespace of
-// Fingerprint (a Stats reply's NamespaceStats.Fingerprint; the Declared
-// reply's for a namespace this connection declared). A daemon older than
-// it answers CodeUnknownType.
+// Purge asks the daemon to remove every file of one namespace, or of
+// every namespace of one model id: by Model where it is set (every
+// namespace declared with the id since the daemon started), else by
+// Fingerprint (a Stats reply's NamespaceStats.Fingerprint: also files
+// found on the mounts that no client declared since). A daemon older than
+// it answers CodeUnknownType; one that knows no such namespace,
+// CodeUnknownNS.
 type Purge struct {
 	Fingerprint uint64
+	Model       string // at most MaxModelLen bytes; "" purges by Fingerprint
 }
 
 // Type is TypePurge.
 func (*Purge) Type() Type { return TypePurge }
 
-// AppendBody encodes: u64 fingerprint.
-func (m *Purge) AppendBody(b []byte) []byte { return appendU64(b, m.Fingerprint) }
+// AppendBody encodes: u64 fingerprint | str8 model.
+func (m *Purge) AppendBody(b []byte) []byte {
+	return appendStr8(appendU64(b, m.Fingerprint), m.Model, MaxModelLen)
+}
 
 // DecodeBody decodes a Purge.
 func (m *Purge) DecodeBody(b []byte) error {
 	d := decoder{b: b}
 	m.Fingerprint = d.u64("fingerprint")
+	m.Model = d.str8("model", MaxModelLen)
 	return d.end()
 }
 
 // Purged is the reply to Purge: what the daemon removed, and the files it
 // left because a client pin holds them.
 type Purged struct {
-	Files, Keys, Bytes uint64 // removed: files, the keys they held, their bytes
+	Namespaces         uint64 // namespaces purged
+	Files, Keys, Bytes uint64 // removed: files, the keys the index found in them, their bytes
 	Pinned             uint64 // files left for their client pins
 }
 
 // Type is the reply to TypePurge.
 func (*Purged) Type() Type { return TypePurge | TypeReply }
 
-// AppendBody encodes: u64 files | u64 keys | u64 bytes | u64 pinned.
+// AppendBody encodes: u64 namespaces | u64 files | u64 keys | u64 bytes |
+// u64 pinned.
 func (m *Purged) AppendBody(b []byte) []byte {
-	return appendU64(appendU64(appendU64(appendU64(b, m.Files), m.Keys), m.Bytes), m.Pinned)
+	return appendU64(appendU64(appendU64(appendU64(appendU64(b, m.Namespaces), m.Files), m.Keys), m.Bytes), m.Pinned)
 }
 
 // DecodeBody decodes a Purged.
 func (m *Purged) DecodeBody(b []byte) error {
 	d := decoder{b: b}
+	m.Namespaces = d.u64("namespaces")
 	m.Files, m.Keys, m.Bytes, m.Pinned = d.u64("files"), d.u64("keys"), d.u64("bytes"), d.u64("pinned")
 	return d.end()
 }

@@ -9,7 +9,8 @@ import (
 func purgeMessages() []Message {
 	return []Message{
 		&Purge{Fingerprint: 0x360d51902c00e567},
-		&Purged{Files: 3, Keys: 48, Bytes: 96 << 20, Pinned: 1},
+		&Purge{Model: "vllm:meta-llama/Llama-3.1-8B-Instruct:0123456789abcdef"},
+		&Purged{Namespaces: 2, Files: 3, Keys: 48, Bytes: 96 << 20, Pinned: 1},
 		&Purged{},
 	}
 }
@@ -25,8 +26,10 @@ func TestPurgeMessagesReject(t *testing.T) {
 		body []byte
 	}{
 		{"request cut short", TypePurge, (&Purge{Fingerprint: 1}).AppendBody(nil)[:7]},
+		{"model cut short", TypePurge, (&Purge{Model: "m"}).AppendBody(nil)[:9]},
+		{"model too long", TypePurge, append(append(appendU64(nil, 0), MaxModelLen+1), make([]byte, MaxModelLen+1)...)},
 		{"request with more", TypePurge, append((&Purge{}).AppendBody(nil), 0)},
-		{"reply cut short", TypePurge | TypeReply, (&Purged{}).AppendBody(nil)[:31]},
+		{"reply cut short", TypePurge | TypeReply, (&Purged{}).AppendBody(nil)[:39]},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			if _, err := Decode(c.t, c.body); !errors.Is(err, ErrMalformed) {

@@ -9,10 +9,11 @@ import (
 )
 
 // TestPurgeRemovesAModelsFilesByModelOrFingerprint: `kvhost purge --model`
-// removes the files of the namespaces kvhost stats lists under that model
-// id, and says what it removed; --fingerprint removes one namespace's; a
-// model the daemon does not list, no selector, both, or a fingerprint that
-// is not hex are refused, naming what was wrong.
+// removes the files of the namespaces declared with that model id, and
+// says what it removed (again: nothing, no error); --fingerprint removes
+// one namespace's; a model or fingerprint the daemon does not know, no
+// selector, both, or a fingerprint that is not 16 hex digits are refused,
+// naming what was wrong.
 func TestPurgeRemovesAModelsFilesByModelOrFingerprint(t *testing.T) {
 	ctx, socket := serveTestConfig(t)
 	k := newKVCache(t, socket)
@@ -33,7 +34,7 @@ func TestPurgeRemovesAModelsFilesByModelOrFingerprint(t *testing.T) {
 
 	store("a", "b", "c")
 	code, out, errs := purge("--model", opsGeo.Model)
-	if code != 0 || !strings.Contains(out, "purged model "+opsGeo.Model) || !strings.Contains(out, " 3 keys") {
+	if code != 0 || !strings.Contains(out, `purged model "`+opsGeo.Model+`" (1 namespace): 3 files, 3 keys`) {
 		t.Fatalf("kvhost purge --model: exit %d, %q %q; want the model's 3 keys purged", code, out, errs)
 	}
 	if st := statsJSON(t, ctx, socket); st.Keys != 0 {
@@ -46,11 +47,15 @@ func TestPurgeRemovesAModelsFilesByModelOrFingerprint(t *testing.T) {
 		t.Fatalf("namespaces %+v, want the one declared", st.Namespaces)
 	}
 	code, out, errs = purge("--fingerprint", st.Namespaces[0].Fingerprint)
-	if code != 0 || !strings.Contains(out, "purged namespace "+st.Namespaces[0].Fingerprint) || !strings.Contains(out, " 2 keys") {
+	if code != 0 || !strings.Contains(out, "purged namespace "+st.Namespaces[0].Fingerprint+": 2 files, 2 keys") {
 		t.Fatalf("kvhost purge --fingerprint: exit %d, %q %q; want its 2 keys purged", code, out, errs)
 	}
 	if st := statsJSON(t, ctx, socket); st.Keys != 0 {
 		t.Fatalf("%d keys stored after the purge by fingerprint, want 0", st.Keys)
+	}
+	// Purging a model again is no error: nothing is left to remove.
+	if code, out, errs := purge("--model", opsGeo.Model); code != 0 || !strings.Contains(out, "0 files, 0 keys") {
+		t.Fatalf("kvhost purge --model again: exit %d, %q %q; want nothing removed, exit 0", code, out, errs)
 	}
 
 	for _, tc := range []struct {
@@ -58,7 +63,9 @@ func TestPurgeRemovesAModelsFilesByModelOrFingerprint(t *testing.T) {
 		code int
 		want string
 	}{
-		{[]string{"--model", "no/such-model"}, 1, `no namespace of model "no/such-model": the daemon lists the models ` + opsGeo.Model},
+		{[]string{"--model", "no/such-model"}, 1, `no namespace of model "no/such-model" was declared since the daemon started`},
+		{[]string{"--fingerprint", "00000000000000ff"}, 1, "no namespace of fingerprint 00000000000000ff"},
+		{[]string{"--fingerprint", "123"}, 2, `--fingerprint "123": want 16 hex digits`},
 		{nil, 2, "give exactly one of --model and --fingerprint"},
 		{[]string{"--model", "m", "--fingerprint", "1"}, 2, "give exactly one of --model and --fingerprint"},
 		{[]string{"--fingerprint", "xyz"}, 2, `--fingerprint "xyz": want 16 hex digits`},

@@ -71,9 +71,10 @@ func (e *Engine) deleteUnpinned(ctx context.Context, en *entry, key []byte) bool
 
 // PurgeResult is what Purge removed, and what it left for client pins.
 type PurgeResult struct {
-	Files int   // files removed
-	Keys  int   // the keys those files held
-	Bytes int64 // their bytes, headers included
+	Namespaces int   // namespaces purged
+	Files      int   // files removed
+	Keys       int   // the keys the index found in them
+	Bytes      int64 // their bytes, headers included
 	// Pinned is the files left because a client pin holds them (Pin).
 	Pinned int
 }
@@ -82,18 +83,68 @@ type PurgeResult struct {
 // fingerprint; Stats.Namespaces lists them) from every mount, as Delete
 // removes a key's file: a file a client pin holds stays (counted in
 // Pinned), a file the restart hold holds goes. It works whether or not a
-// client declared the namespace, so that the files of a model no longer
-// served, found at start, can be removed too. It removes the files
-// indexed when it looks: a store of the namespace still running
-// meanwhile may leave files behind; stop the model's clients first. A
-// shared mount's files go for every node, as Delete's do.
+// client declares the namespace now, so that the files of a model no
+// longer served, found at start, can be removed too. It fails with
+// ErrUnknownNamespace where the engine knows no namespace of fp and
+// indexes no file of it. It removes the files indexed when it looks: a
+// store of the namespace still running meanwhile may leave files behind;
+// stop the model's clients first. A shared mount's files go for every
+// node, as Delete's do.
 func (e *Engine) Purge(ctx context.Context, fp uint64) (PurgeResult, error) {
 	e.mu.RLock()
 	closed := e.closed
+	_, known := e.nsByFP[fp]
 	e.mu.RUnlock()
 	if closed {
 		return PurgeResult{}, ErrClosed
 	}
+	r, found := e.purge(ctx, fp)
+	if !found && !known {
+		return r, fmt.Errorf("%w: no namespace of fingerprint %016x, and no file of one (kvhost stats lists them)", ErrUnknownNamespace, fp)
+	}
+	return r, ctx.Err()
+}
+
+// PurgeModel is Purge for every namespace declared with model id model
+// since the engine opened (each tensor-parallel rank, each geometry of
+// the model is one), declared now or not: what Stats.Namespaces lists
+// under the id, beyond its bound too. It fails with ErrUnknownNamespace
+// where no namespace was declared with the id; files found at start whose
+// namespace no client declared since go by their fingerprint (Purge).
+func (e *Engine) PurgeModel(ctx context.Context, model string) (PurgeResult, error) {
+	if model == "" {
+		return PurgeResult{}, fmt.Errorf("%w: purge of an empty model id", ErrInvalid)
+	}
+	e.mu.RLock()
+	closed := e.closed
+	var fps []uint64
+	for _, n := range e.nss {
+		if n.geo.Model == model {
+			fps = append(fps, n.fp)
+		}
+	}
+	e.mu.RUnlock()
+	if closed {
+		return PurgeResult{}, ErrClosed
+	}
+	if len(fps) == 0 {
+		return PurgeResult{}, fmt.Errorf("%w: no namespace of model %q was declared since the daemon started (files found on the mounts that no client declared since go by their fingerprint: kvhost stats lists them)", ErrUnknownNamespace, model)
+	}
+	var r PurgeResult
+	for _, fp := range fps {
+		one, _ := e.purge(ctx, fp)
+		r.Namespaces++
+		r.Files, r.Keys, r.Bytes, r.Pinned = r.Files+one.Files, r.Keys+one.Keys, r.Bytes+one.Bytes, r.Pinned+one.Pinned
+		if err := ctx.Err(); err != nil {
+			return r, err
+		}
+	}
+	return r, nil
+}
+
+// purge removes the files of fingerprint fp indexed now (purgeOne), and
+// reports whether there were any.
+func (e *Engine) purge(ctx context.Context, fp uint64) (PurgeResult, bool) {
 	e.ix.mu.RLock()
 	var ens []*entry
 	for _, en := range e.ix.entries {
@@ -102,10 +153,10 @@ func (e *Engine) Purge(ctx context.Context, fp uint64) (PurgeResult, error) {
 		}
 	}
 	e.ix.mu.RUnlock()
-	var r PurgeResult
+	r := PurgeResult{Namespaces: 1}
 	for _, en := range ens {
-		if err := ctx.Err(); err != nil {
-			return r, err
+		if ctx.Err() != nil {
+			break
 		}
 		e.purgeOne(ctx, en, &r)
 	}
@@ -113,7 +164,7 @@ func (e *Engine) Purge(ctx context.Context, fp uint64) (PurgeResult, error) {
 		e.spareRoom() // room for spares made ahead
 		e.log.Info("engine: namespace purged", "fingerprint", fmt.Sprintf("%016x", fp), "files", r.Files, "keys", r.Keys, "bytes", r.Bytes, "pinned", r.Pinned)
 	}
-	return r, nil
+	return r, len(ens) > 0
 }
 
 // purgeOne drops en (or the file it moved to) and removes its file, as

@@ -50,7 +50,9 @@ func TestGeometry(t *testing.T) {
 	}{
 		{"Model", func(g *Geometry) { g.Model = "" }},
 		{"Model", func(g *Geometry) { g.Model = strings.Repeat("m", abi.MaxModelLen+1) }},
-		{"Model", func(g *Geometry) { g.Model = "model-\xff" }}, // not UTF-8: it is a metric's label
+		{"Model", func(g *Geometry) { g.Model = "model-\xff" }},  // not UTF-8: it is a metric's label
+		{"Model", func(g *Geometry) { g.Model = "red\x1b[31m" }}, // a control character: it is printed to terminals
+		{"Model", func(g *Geometry) { g.Model = "two\nlines" }},
 		{"Layers", func(g *Geometry) { g.Layers = 0 }},
 		{"KVHeads", func(g *Geometry) { g.KVHeads = -1 }},
 		{"HeadSize", func(g *Geometry) { g.HeadSize = 0 }},

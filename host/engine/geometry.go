@@ -4,6 +4,8 @@ import (
 	"encoding/binary"
 	"fmt"
 	"hash/fnv"
+	"strings"
+	"unicode"
 	"unicode/utf8"
 
 	"github.com/kvhost/kvhost/abi"
@@ -37,10 +39,11 @@ func (g Geometry) Validate() error {
 		return bad("Model", `""`, "a model id")
 	case len(g.Model) > abi.MaxModelLen:
 		return bad("Model", len(g.Model), fmt.Sprintf("at most %d bytes", abi.MaxModelLen))
-	case !utf8.ValidString(g.Model):
-		// It names the namespace to operators: logs, kvhost stats and
-		// the metrics' labels, which must be UTF-8.
-		return bad("Model", fmt.Sprintf("%q", g.Model), "valid UTF-8")
+	case !utf8.ValidString(g.Model) || strings.ContainsFunc(g.Model, unicode.IsControl):
+		// It names the namespace to operators: logs, kvhost stats' table
+		// and the metrics' labels, which must be UTF-8; a control
+		// character would break the table or drive a terminal.
+		return bad("Model", fmt.Sprintf("%q", g.Model), "valid UTF-8 without control characters")
 	case g.Layers <= 0 || g.Layers > 4096:
 		return bad("Layers", g.Layers, "1..4096")
 	case g.KVHeads <= 0 || g.KVHeads > maxDim:

@@ -113,7 +113,8 @@ func (e *Engine) Declare(ctx context.Context, g Geometry) (NamespaceID, error) {
 		if lm != nil {
 			where = LayoutVLLMFS + " " + lm.root
 		}
-		e.log.Info("engine: namespace declared", "ns", id, "model", g.Model, "key_bytes", g.KeyBytes(), "layout", where)
+		e.log.Info("engine: namespace declared", "ns", id, "model", g.Model, "fingerprint", fmt.Sprintf("%016x", ns.fp),
+			"tp_rank", g.TPRank, "tp_size", g.TPSize, "key_bytes", g.KeyBytes(), "layout", where)
 		work = e.predictSparesLocked(ns)
 	}
 	e.mu.Unlock()

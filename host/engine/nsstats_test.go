@@ -2,6 +2,7 @@ package engine
 
 import (
 	"context"
+	"errors"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
@@ -144,6 +145,12 @@ func TestPurgeRemovesEveryFileOfOneNamespaceButPinnedOnes(t *testing.T) {
 	if err := e.ix.check(); err != nil {
 		t.Fatal(err)
 	}
+	if _, err := e.Purge(ctx, 0xdead); !errors.Is(err, ErrUnknownNamespace) {
+		t.Fatalf("Purge of a fingerprint the engine never saw: %v, want ErrUnknownNamespace", err)
+	}
+	if _, err := e.PurgeModel(ctx, "model-z"); !errors.Is(err, ErrUnknownNamespace) {
+		t.Fatalf("PurgeModel of a model never declared: %v, want ErrUnknownNamespace", err)
+	}
 	if err := e.Close(ctx); err != nil {
 		t.Fatal(err)
 	}
@@ -215,5 +222,43 @@ func TestPurgeCountsEachKeyOnceAsStatsDoes(t *testing.T) {
 	got, err := e.Purge(ctx, g.Fingerprint())
 	if err != nil || got.Files != 2 || got.Keys != 3 {
 		t.Fatalf("Purge: %+v, %v; want 2 files and the 3 keys Stats counted", got, err)
+	}
+}
+
+// TestPurgeModelRemovesEveryNamespaceOfTheModel: PurgeModel removes the
+// files of each namespace declared with the model id (here two ranks of
+// one model), declared now or released, and none of another model's; a
+// second purge finds nothing and is no error.
+func TestPurgeModelRemovesEveryNamespaceOfTheModel(t *testing.T) {
+	ctx := context.Background()
+	e := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir()}}, NewPolicy: testPolicies(1, abi.OrderLayerMajor)})
+	r := rand.New(rand.NewPCG(7, 8))
+	store := func(g Geometry, prefix string, n int) NamespaceID {
+		ns, err := e.Declare(ctx, g)
+		if err != nil {
+			t.Fatal(err)
+		}
+		c := newTestCache(t, e, ns, g, n*g.BlocksPerKey(), layoutPlaneFirst)
+		storeAndCheck(t, e, c, testKeys(prefix, n), blockLists(r, n, g.BlocksPerKey(), 0))
+		return ns
+	}
+	rank0, rank1, other := smallGeometry(false), smallGeometry(false), smallGeometry(false)
+	rank0.Model, rank1.Model, other.Model = "m", "m", "other"
+	rank0.TPSize, rank1.TPSize, rank1.TPRank = 2, 2, 1
+	store(rank0, "r0", 2)
+	store(rank1, "r1", 3)
+	nsOther := store(other, "o", 4)
+	got, err := e.PurgeModel(ctx, "m")
+	if err != nil || got.Namespaces != 2 || got.Files != 5 || got.Keys != 5 {
+		t.Fatalf("PurgeModel(m): %+v, %v; want its 2 namespaces' 5 files", got, err)
+	}
+	if n, _ := e.Lookup(ctx, nsOther, testKeys("o", 4)); n != 4 {
+		t.Fatalf("the other model holds %d of its 4 keys", n)
+	}
+	if got, err = e.PurgeModel(ctx, "m"); err != nil || got.Files != 0 {
+		t.Fatalf("PurgeModel(m) again: %+v, %v; want nothing removed, no error", got, err)
+	}
+	if _, err := e.PurgeModel(ctx, ""); !errors.Is(err, ErrInvalid) {
+		t.Fatalf("PurgeModel of an empty id: %v, want ErrInvalid (files found at start have none)", err)
 	}
 }

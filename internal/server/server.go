@@ -61,8 +61,10 @@ type Engine interface {
 	// keys were stored and are now removed.
 	Delete(ctx context.Context, ns engine.NamespaceID, keys [][]byte) (int, error)
 	// Purge removes every file of the namespace of a fingerprint, but
-	// those a client pin holds.
+	// those a client pin holds; PurgeModel those of every namespace
+	// declared with a model id.
 	Purge(ctx context.Context, fp uint64) (engine.PurgeResult, error)
+	PurgeModel(ctx context.Context, model string) (engine.PurgeResult, error)
 	// Release tells the engine that no client uses the namespace any more
 	// (it no longer counts against the engine's namespace limit).
 	Release(ns engine.NamespaceID) error

@@ -719,13 +719,21 @@ func (s *session) delete(m *protocol.Delete) (protocol.Message, error) {
 // purge removes every file of a namespace, declared by any client or by
 // none (an operator's kvhost purge).
 func (s *session) purge(m *protocol.Purge) (protocol.Message, error) {
-	r, err := s.srv.eng.Purge(s.ctx, m.Fingerprint)
+	var r engine.PurgeResult
+	var err error
+	what := []any{"fingerprint", fmt.Sprintf("%016x", m.Fingerprint)}
+	if m.Model != "" {
+		r, err = s.srv.eng.PurgeModel(s.ctx, m.Model)
+		what = []any{"model", m.Model}
+	} else {
+		r, err = s.srv.eng.Purge(s.ctx, m.Fingerprint)
+	}
 	if err != nil {
 		return nil, err
 	}
-	s.log.Info("server: namespace purged", "pid", s.pid, "fingerprint", fmt.Sprintf("%016x", m.Fingerprint),
-		"files", r.Files, "keys", r.Keys, "bytes", r.Bytes, "pinned", r.Pinned)
-	return &protocol.Purged{Files: uint64(r.Files), Keys: uint64(r.Keys), Bytes: uint64(max(r.Bytes, 0)), Pinned: uint64(r.Pinned)}, nil
+	s.log.Info("server: purged", append(what, "pid", s.pid, "namespaces", r.Namespaces, "files", r.Files, "keys", r.Keys, "bytes", r.Bytes, "pinned", r.Pinned)...)
+	return &protocol.Purged{Namespaces: uint64(r.Namespaces), Files: uint64(r.Files), Keys: uint64(r.Keys), Bytes: uint64(max(r.Bytes, 0)),
+		Pinned: uint64(r.Pinned)}, nil
 }
 
 // transfer starts a store or load job: the reply (its id) is written before
