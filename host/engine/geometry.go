@@ -17,7 +17,7 @@ import (
 // HeadSize elements of DtypeSize bytes, per plane: K and V, or one latent
 // plane when MLA is set.
 type Geometry struct {
-	Model          string // model id, at most abi.MaxModelLen bytes
+	Model          string // model id: at most abi.MaxModelLen bytes of UTF-8, no control characters
 	Layers         int    // layers, one LayerTensor each (1..4096)
 	KVHeads        int    // KV heads on this rank (1 for MLA's latent)
 	HeadSize       int    // elements per head (MLA: latent + rope dims)
