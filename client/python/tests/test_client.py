@@ -861,6 +861,14 @@ class TestStats(unittest.TestCase):
         self.assertEqual(st["devices"], [
             {"ordinal": 0, "regions": 1, "registered": 4096, "limit": 1 << 30, "uuid": b"\x0a" + bytes(14) + b"\x0a", "faults": 0},
             {"ordinal": 1, "regions": 0, "registered": 0, "limit": 1 << 30, "uuid": None, "faults": 3}])
+        self.assertEqual(st["namespaces"], {"list": [
+            {"fingerprint": 11, "model": "vllm:m:0", "declared": True, "files": 12, "keys": 13, "bytes": 14}], "left_out": 0})
+
+    def test_a_reply_without_the_namespaces_section_says_none(self):
+        # An older daemon's reply: the device-faults section is its last.
+        uuids = [bytes(range(16)), b"\x00" * 16]
+        body = stats_body(uuids) + struct.pack("<Q", 5) + struct.pack("<IQQ", 2, 0, 7)
+        self.assertIsNone(p.decode_stats(body)["namespaces"])
 
     def test_decodes_device_uuids_after_the_daemon_and_spares_sections(self):
         uuids = [bytes(range(16)), b"\x00" * 16]  # the second unknown
@@ -1129,7 +1137,11 @@ class TestNoBlock(unittest.TestCase):
                         call()
                     self.assertIn(why, str(cm.exception))
             self.assertTrue(c.connected())
-            self.assertEqual(c.stats()["keys"], 1)
+            st = c.stats()
+            self.assertEqual(st["keys"], 1)
+            # The daemon names the namespace by its model id, with its key.
+            listed = [ns for ns in st["namespaces"]["list"] if ns["model"] == "test/noblock"]
+            self.assertEqual([(ns["keys"], ns["files"], ns["declared"]) for ns in listed], [(1, 1, True)])
 
 
 class TestFieldsOutOfRange(unittest.TestCase):

@@ -829,7 +829,12 @@ class Client:
         return body[0] == 1
 
     def stats(self):
-        """Returns the daemon's counters as a dict."""
+        """Returns the daemon's counters as a dict: among them "entries"
+        and "keys" (files and keys indexed), "mounts", "devices" and
+        "namespaces" ({"list": one dict per namespace, the most bytes
+        first, with "fingerprint", "model", "declared", "files", "keys"
+        and "bytes"; "left_out": how many the daemon did not list}, or
+        None from a daemon that predates the section)."""
         _, body = self._call(p.T_STATS, b"")
         return p.decode_stats(body)
 

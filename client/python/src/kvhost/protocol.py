@@ -291,6 +291,7 @@ def decode_stats(body):
             devices.append({"ordinal": ordinal, "regions": regions, "registered": registered, "limit": limit})
             off += 32
     out["devices"] = devices
+    out["namespaces"] = None  # unknown: a daemon that predates the section
     for d in devices:
         d["uuid"] = None
         d["faults"] = 0
@@ -317,7 +318,49 @@ def decode_stats(body):
                 for d in devices:
                     (d["faults"],) = struct.unpack_from("<Q", body, off)
                     off += 8
+                try:
+                    out["namespaces"] = _decode_namespaces(body, off)
+                except struct.error:
+                    pass  # cut short: not a reply this client can read
     return out
+
+
+def _decode_namespaces(body, off):
+    """The namespaces section of a Stats reply whose tiering section
+    starts at off (after the device faults): {"list": one dict per
+    namespace, the most bytes first, "left_out": how many the daemon did
+    not list}, or None where the reply ends before it (an older daemon)."""
+    if len(body) <= off:
+        return None
+    off += 5 * 8  # demotions, promotions, moves, move failures, demotion deletes
+    (mounts,) = struct.unpack_from("<I", body, off)
+    off += 4 + 16 * mounts
+    (n,) = struct.unpack_from("<B", body, off)  # fallback policy (str8)
+    off += 1 + n
+    if len(body) <= off:
+        return None  # before the mount-failures section
+    (mounts,) = struct.unpack_from("<I", body, off)
+    off += 4
+    for _ in range(mounts):
+        off += 24  # since, last, stores
+        (n,) = struct.unpack_from("<H", body, off)  # error (str16)
+        off += 2 + n
+    if len(body) <= off:
+        return None  # before the namespaces section
+    count, left_out = struct.unpack_from("<IQ", body, off)
+    off += 12
+    listed = []
+    for _ in range(count):
+        fp, files, keys, size, declared = struct.unpack_from("<QQQQB7x", body, off)
+        off += 40
+        (n,) = struct.unpack_from("<B", body, off)
+        model = bytes(body[off + 1:off + 1 + n]).decode("utf-8", "replace")
+        if len(body) < off + 1 + n:
+            raise struct.error("namespace model cut short")
+        off += 1 + n
+        listed.append({"fingerprint": fp, "model": model, "declared": bool(declared),
+                       "files": files, "keys": keys, "bytes": size})
+    return {"list": listed, "left_out": left_out}
 
 
 def _skip_daemon_and_spares(body, off):
