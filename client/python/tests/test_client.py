@@ -1144,6 +1144,42 @@ class TestNoBlock(unittest.TestCase):
             self.assertEqual([(ns["keys"], ns["files"], ns["declared"]) for ns in listed], [(1, 1, True)])
 
 
+class TestPurge(unittest.TestCase):
+    def test_purge_removes_a_models_files_by_model_or_fingerprint(self):
+        """purge(model=...) removes the files of the namespaces declared
+        with the id, purge(fingerprint=...) one namespace's (nothing left:
+        no error), and an id or fingerprint the daemon does not know is
+        its UnknownNS."""
+        geo = kvhost.Geometry(model="test/purge", layers=1, kv_heads=2, head_size=64, dtype_size=2,
+                              tokens_per_block=16, tokens_per_key=64)
+        page = 2 * geo.block_bytes
+        d = Daemon(capacity="64MiB")
+        self.addCleanup(d.stop)
+        buf = kvhost.HostBuffer(16 * page)
+        self.addCleanup(buf.close)
+        with kvhost.Client(d.socket) as c:
+            ns = c.declare(geo)
+            region = c.register_buffer(buf)
+            cache = c.register_cache(ns.id, [kvhost.Layer(region, offset=0, block_stride=page,
+                                                          plane_stride=geo.block_bytes, num_blocks=16)])
+            self.assertEqual(c.store(cache, [b"a", b"b"], [[0, 1, 2, 3], [4, 5, 6, 7]]).wait(30).outcomes(),
+                             ["stored", "stored"])
+            listed = [n for n in c.stats()["namespaces"]["list"] if n["model"] == "test/purge"]
+            self.assertEqual(len(listed), 1)
+            self.assertEqual(c.purge(model="test/purge"),
+                             {"namespaces": 1, "files": listed[0]["files"], "keys": 2, "bytes": listed[0]["bytes"], "pinned": 0})
+            self.assertEqual(c.stats()["keys"], 0)
+            self.assertEqual(c.purge(fingerprint=listed[0]["fingerprint"])["files"], 0)
+            for kw in ({"model": "test/none"}, {"fingerprint": 0xdead}):
+                with self.subTest(**kw):
+                    with self.assertRaises(kvhost.KvhostError) as cm:
+                        c.purge(**kw)
+                    self.assertEqual(p.CODES[cm.exception.code], "unknown namespace")
+            with self.assertRaises(ValueError):
+                c.purge()
+            self.assertTrue(c.connected())
+
+
 class TestFieldsOutOfRange(unittest.TestCase):
     def test_a_number_a_field_cannot_hold_is_refused_naming_the_field(self):
         def geometry(**kw):

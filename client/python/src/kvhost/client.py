@@ -779,6 +779,26 @@ class Client:
         _, body = self._call(p.T_DELETE, p.pack("<I", (ns,), ("namespace",)) + p.keys_body(keys))
         return struct.unpack_from("<I", body)[0]
 
+    def purge(self, model=None, fingerprint=None):
+        """Asks the daemon to remove every file of a model's namespaces
+        (model: every namespace declared with the id since the daemon
+        started) or of one namespace (fingerprint, an int: as stats()
+        lists it; also files found on the mounts that no client declared
+        since). Files a client pins stay. Returns a dict: "namespaces",
+        "files", "keys", "bytes" removed and "pinned" files kept. A model
+        or fingerprint the daemon does not know raises KvhostError
+        (UnknownNS); a daemon older than purge, KvhostError (UnknownType)."""
+        if (model is None) == (fingerprint is None):
+            raise ValueError("purge: give exactly one of model and fingerprint")
+        m = b""
+        if model is not None:
+            m = model.encode()
+            if not 1 <= len(m) <= p.MAX_MODEL_LEN:
+                raise ValueError(f"model id of {len(m)} bytes: want 1..{p.MAX_MODEL_LEN}")
+        body = p.pack("<QB", (fingerprint or 0, len(m)), ("fingerprint", "model length")) + m
+        _, reply = self._call(p.T_PURGE, body)
+        return dict(zip(("namespaces", "files", "keys", "bytes", "pinned"), struct.unpack_from("<5Q", reply)))
+
     def connected(self):
         """False once the connection is closed or lost. Takes no lock (one
         attribute read, set once): the vLLM integrations ask it on every

@@ -40,6 +40,7 @@ T_UNDECLARE = 0x000D
 T_PIN = 0x000E
 T_UNPIN = 0x000F
 T_LOOKUP_TABLE = 0x0010
+T_PURGE = 0x0011
 T_REPLY = 0x8000
 T_ERROR = 0xFFFF
 T_COMPLETION = 0x4001
@@ -78,14 +79,14 @@ NAMES = {T_HELLO: "Hello", T_REGISTER_MEMORY: "RegisterMemory", T_UNREGISTER_MEM
          T_DECLARE: "Declare", T_REGISTER_CACHE: "RegisterCache", T_UNREGISTER_CACHE: "UnregisterCache",
          T_LOOKUP: "Lookup", T_STORE: "Store", T_LOAD: "Load", T_CANCEL: "Cancel", T_DELETE: "Delete",
          T_STATS: "Stats", T_UNDECLARE: "Undeclare", T_PIN: "Pin", T_UNPIN: "Unpin",
-         T_LOOKUP_TABLE: "LookupTable"}
+         T_LOOKUP_TABLE: "LookupTable", T_PURGE: "Purge"}
 
 # The fixed part of each reply's body (docs/protocol.md); a string after it
 # (str8 or str16) or per-key bytes (Pinned) are checked by reply_problem.
 _REPLY_SIZES = {T_HELLO: 33, T_REGISTER_MEMORY: 16, T_UNREGISTER_MEMORY: 0, T_DECLARE: 24,
                 T_REGISTER_CACHE: 4, T_UNREGISTER_CACHE: 0, T_LOOKUP: 4, T_STORE: 8, T_LOAD: 8,
                 T_CANCEL: 1, T_DELETE: 4, T_STATS: 132, T_UNDECLARE: 0, T_PIN: 12, T_UNPIN: 4,
-                T_LOOKUP_TABLE: 2}
+                T_LOOKUP_TABLE: 2, T_PURGE: 40}
 
 
 def reply_problem(asked, ftype, body):
