@@ -1100,48 +1100,58 @@ class TestKeys(unittest.TestCase):
             self.assertEqual(c.stats()["keys"], 0)
 
 
+def one_layer_cache(test, model):
+    """A daemon (64 MiB), and a client of it with model's namespace
+    declared and a one-layer cache of 16 blocks registered over a host
+    buffer: (client, cache id, buffer, bytes of a block's two planes).
+    The test's cleanups stop them."""
+    geo = kvhost.Geometry(model=model, layers=1, kv_heads=2, head_size=64, dtype_size=2,
+                          tokens_per_block=16, tokens_per_key=64)
+    page = 2 * geo.block_bytes
+    d = Daemon(capacity="64MiB")
+    test.addCleanup(d.stop)
+    buf = kvhost.HostBuffer(16 * page)
+    test.addCleanup(buf.close)
+    c = kvhost.Client(d.socket)
+    test.addCleanup(c.close)
+    ns = c.declare(geo)
+    region = c.register_buffer(buf)
+    cache = c.register_cache(ns.id, [kvhost.Layer(region, offset=0, block_stride=page,
+                                                  plane_stride=geo.block_bytes, num_blocks=16)])
+    return c, cache, buf, page
+
+
 class TestNoBlock(unittest.TestCase):
     """NO_BLOCK in a load's block ids: the key's other blocks load."""
 
     def test_a_load_leaving_blocks_out_fills_only_the_blocks_it_names(self):
-        geo = kvhost.Geometry(model="test/noblock", layers=1, kv_heads=2, head_size=64, dtype_size=2,
-                              tokens_per_block=16, tokens_per_key=64)
-        page = 2 * geo.block_bytes
-        d = Daemon(capacity="64MiB")
-        self.addCleanup(d.stop)
-        buf = kvhost.HostBuffer(16 * page)
-        self.addCleanup(buf.close)
-        with kvhost.Client(d.socket) as c:
-            ns = c.declare(geo)
-            region = c.register_buffer(buf)
-            cache = c.register_cache(ns.id, [kvhost.Layer(region, offset=0, block_stride=page,
-                                                          plane_stride=geo.block_bytes, num_blocks=16)])
-            v = buf.view
-            v[:4 * page] = bytes(random.Random(7).randrange(256) for _ in range(4 * page))
-            stored = bytes(v[:4 * page])
-            self.assertEqual(c.store(cache, [b"nb"], [[0, 1, 2, 3]]).wait(30).outcomes(), ["stored"])
-            v[:] = b"\xa5" * len(v)
-            want = bytearray(v)
-            want[5 * page:7 * page] = stored[page:3 * page]  # blocks 1 and 2 of the key into 5 and 6
-            res = c.load(cache, [b"nb"], [[kvhost.NO_BLOCK, 5, 6, kvhost.NO_BLOCK]]).wait(30)
-            self.assertEqual(res.outcomes(), ["loaded"])
-            self.assertEqual(res.bytes, 2 * page)
-            self.assertEqual(bytes(v), bytes(want))
-            for name, call, why in [
-                    ("store", lambda: c.store(cache, [b"x"], [[0, kvhost.NO_BLOCK, 2, 3]]),
-                     "key 0: block id NO_BLOCK (0xffffffff) in a store"),
-                    ("load", lambda: c.load(cache, [b"nb", b"nb"], [[8, 9, 10, 11], [p.NO_BLOCK] * 4]),
-                     "key 1: every block id is NO_BLOCK")]:
-                with self.subTest(name):
-                    with self.assertRaises(ValueError) as cm:
-                        call()
-                    self.assertIn(why, str(cm.exception))
-            self.assertTrue(c.connected())
-            st = c.stats()
-            self.assertEqual(st["keys"], 1)
-            # The daemon names the namespace by its model id, with its key.
-            listed = [ns for ns in st["namespaces"]["list"] if ns["model"] == "test/noblock"]
-            self.assertEqual([(ns["keys"], ns["files"], ns["declared"]) for ns in listed], [(1, 1, True)])
+        c, cache, buf, page = one_layer_cache(self, "test/noblock")
+        v = buf.view
+        v[:4 * page] = bytes(random.Random(7).randrange(256) for _ in range(4 * page))
+        stored = bytes(v[:4 * page])
+        self.assertEqual(c.store(cache, [b"nb"], [[0, 1, 2, 3]]).wait(30).outcomes(), ["stored"])
+        v[:] = b"\xa5" * len(v)
+        want = bytearray(v)
+        want[5 * page:7 * page] = stored[page:3 * page]  # blocks 1 and 2 of the key into 5 and 6
+        res = c.load(cache, [b"nb"], [[kvhost.NO_BLOCK, 5, 6, kvhost.NO_BLOCK]]).wait(30)
+        self.assertEqual(res.outcomes(), ["loaded"])
+        self.assertEqual(res.bytes, 2 * page)
+        self.assertEqual(bytes(v), bytes(want))
+        for name, call, why in [
+                ("store", lambda: c.store(cache, [b"x"], [[0, kvhost.NO_BLOCK, 2, 3]]),
+                 "key 0: block id NO_BLOCK (0xffffffff) in a store"),
+                ("load", lambda: c.load(cache, [b"nb", b"nb"], [[8, 9, 10, 11], [p.NO_BLOCK] * 4]),
+                 "key 1: every block id is NO_BLOCK")]:
+            with self.subTest(name):
+                with self.assertRaises(ValueError) as cm:
+                    call()
+                self.assertIn(why, str(cm.exception))
+        self.assertTrue(c.connected())
+        st = c.stats()
+        self.assertEqual(st["keys"], 1)
+        # The daemon names the namespace by its model id, with its key.
+        listed = [ns for ns in st["namespaces"]["list"] if ns["model"] == "test/noblock"]
+        self.assertEqual([(ns["keys"], ns["files"], ns["declared"]) for ns in listed], [(1, 1, True)])
 
 
 class TestPurge(unittest.TestCase):
@@ -1150,34 +1160,23 @@ class TestPurge(unittest.TestCase):
         with the id, purge(fingerprint=...) one namespace's (nothing left:
         no error), and an id or fingerprint the daemon does not know is
         its UnknownNS."""
-        geo = kvhost.Geometry(model="test/purge", layers=1, kv_heads=2, head_size=64, dtype_size=2,
-                              tokens_per_block=16, tokens_per_key=64)
-        page = 2 * geo.block_bytes
-        d = Daemon(capacity="64MiB")
-        self.addCleanup(d.stop)
-        buf = kvhost.HostBuffer(16 * page)
-        self.addCleanup(buf.close)
-        with kvhost.Client(d.socket) as c:
-            ns = c.declare(geo)
-            region = c.register_buffer(buf)
-            cache = c.register_cache(ns.id, [kvhost.Layer(region, offset=0, block_stride=page,
-                                                          plane_stride=geo.block_bytes, num_blocks=16)])
-            self.assertEqual(c.store(cache, [b"a", b"b"], [[0, 1, 2, 3], [4, 5, 6, 7]]).wait(30).outcomes(),
-                             ["stored", "stored"])
-            listed = [n for n in c.stats()["namespaces"]["list"] if n["model"] == "test/purge"]
-            self.assertEqual(len(listed), 1)
-            self.assertEqual(c.purge(model="test/purge"),
-                             {"namespaces": 1, "files": listed[0]["files"], "keys": 2, "bytes": listed[0]["bytes"], "pinned": 0})
-            self.assertEqual(c.stats()["keys"], 0)
-            self.assertEqual(c.purge(fingerprint=listed[0]["fingerprint"])["files"], 0)
-            for kw in ({"model": "test/none"}, {"fingerprint": 0xdead}):
-                with self.subTest(**kw):
-                    with self.assertRaises(kvhost.KvhostError) as cm:
-                        c.purge(**kw)
-                    self.assertEqual(p.CODES[cm.exception.code], "unknown namespace")
-            with self.assertRaises(ValueError):
-                c.purge()
-            self.assertTrue(c.connected())
+        c, cache, _, _ = one_layer_cache(self, "test/purge")
+        self.assertEqual(c.store(cache, [b"a", b"b"], [[0, 1, 2, 3], [4, 5, 6, 7]]).wait(30).outcomes(),
+                         ["stored", "stored"])
+        listed = [n for n in c.stats()["namespaces"]["list"] if n["model"] == "test/purge"]
+        self.assertEqual(len(listed), 1)
+        self.assertEqual(c.purge(model="test/purge"),
+                         {"namespaces": 1, "files": listed[0]["files"], "keys": 2, "bytes": listed[0]["bytes"], "pinned": 0})
+        self.assertEqual(c.stats()["keys"], 0)
+        self.assertEqual(c.purge(fingerprint=listed[0]["fingerprint"])["files"], 0)
+        for kw in ({"model": "test/none"}, {"fingerprint": 0xdead}):
+            with self.subTest(**kw):
+                with self.assertRaises(kvhost.KvhostError) as cm:
+                    c.purge(**kw)
+                self.assertEqual(p.CODES[cm.exception.code], "unknown namespace")
+        with self.assertRaises(ValueError):
+            c.purge()
+        self.assertTrue(c.connected())
 
 
 class TestFieldsOutOfRange(unittest.TestCase):
