@@ -22,7 +22,6 @@ import (
 	"github.com/kvhost/kvhost/internal/cuda"
 	"github.com/kvhost/kvhost/internal/fstype"
 	"github.com/kvhost/kvhost/internal/fsys"
-	"github.com/kvhost/kvhost/internal/server"
 	"github.com/kvhost/kvhost/staging"
 )
 
@@ -207,8 +206,8 @@ func checkOnThread(ctx context.Context, o checkOptions) *checkReport {
 	checkDisjointMounts(rep, mounts)
 	checkPolicyMounts(ctx, rep, o.cfg, mounts)
 	if g := o.cfg.Server.SocketGroup; g != "" {
-		if _, err := server.LookupGroup(g); err != nil {
-			rep.add(levelFail, "server", fmt.Sprintf("server.socket_group %q: %v: the daemon would not start", g, err),
+		if err := checkSocketGroup(g); err != nil {
+			rep.add(levelFail, "server", err.Error(),
 				"create the group (groupadd), or set socket_group to a group this machine has, or to its numeric id")
 		} else {
 			rep.add(levelOK, "server", fmt.Sprintf("server.socket_group %q exists", g), "")

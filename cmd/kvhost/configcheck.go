@@ -50,15 +50,11 @@ func checkPolicyName(file, name string) error {
 	return nil
 }
 
-// checkSocketGroup fails, as the daemon's start would, where the
-// configuration's server.socket_group names a group this machine does
-// not have.
-func checkSocketGroup(file, group string) error {
-	if group == "" {
-		return nil
-	}
+// checkSocketGroup fails, as the daemon's start would, where
+// server.socket_group (set) names a group this machine does not have.
+func checkSocketGroup(group string) error {
 	if _, err := server.LookupGroup(group); err != nil {
-		return fmt.Errorf("config: %s: server.socket_group %q: %w (the daemon would not start: create the group, or give its numeric id)", file, group, err)
+		return fmt.Errorf("server.socket_group %q: %w: the daemon would not start", group, err)
 	}
 	return nil
 }
@@ -93,8 +89,10 @@ func runConfig(_ context.Context, args []string, stdout, stderr io.Writer) int {
 			if err == nil {
 				err = checkPolicyName(f, c.Policy.Name)
 			}
-			if err == nil {
-				err = checkSocketGroup(f, c.Server.SocketGroup)
+			if err == nil && c.Server.SocketGroup != "" {
+				if gerr := checkSocketGroup(c.Server.SocketGroup); gerr != nil {
+					err = fmt.Errorf("config: %s: %w (create the group, or give its numeric id)", f, gerr)
+				}
 			}
 			if err != nil {
 				fmt.Fprintf(stderr, "%v\n", err)

@@ -42,7 +42,7 @@ func (e *Engine) Delete(ctx context.Context, ns NamespaceID, keys [][]byte) (int
 		if err := ctx.Err(); err != nil {
 			return removed, err
 		}
-		if e.deleteUnpinned(ctx, en, keyOf[en]) {
+		if dropped, _, _ := e.dropUnpinned(ctx, en, keyOf[en], "deleted"); dropped != nil {
 			removed += byEntry[en]
 		}
 	}
@@ -52,21 +52,35 @@ func (e *Engine) Delete(ctx context.Context, ns NamespaceID, keys [][]byte) (int
 	return removed, nil
 }
 
-// deleteUnpinned drops en, found for key, and removes its file, as Delete
+// dropUnpinned drops en, found for key, and removes its file, as Delete
 // does, unless a client pin holds it; the check and the unindexing are one
 // step under index.mu, so a pin that took hold is never deleted under it.
 // Where en's file moved to another mount since it was found (demote.go),
-// the moved file is the one dropped. It reports whether this call dropped
-// en (or its moved file).
-func (e *Engine) deleteUnpinned(ctx context.Context, en *entry, key []byte) bool {
+// the moved file is the one dropped. It returns the entry this call
+// dropped (nil if none) and the keys the index found in its file (a key a
+// newer file took counts there, as Stats.Namespaces counts it), or pinned
+// where a client pin kept the file.
+func (e *Engine) dropUnpinned(ctx context.Context, en *entry, key []byte, why string) (dropped *entry, keys int, pinned bool) {
 	e.ix.mu.Lock()
 	en = e.ix.currentLocked(en, key)
+	if en.gone {
+		e.ix.mu.Unlock()
+		return nil, 0, false
+	}
 	if en.clientPinned() {
 		e.ix.mu.Unlock()
-		e.log.Debug("engine: delete refused: pinned", "path", en.path)
-		return false
+		e.log.Debug("engine: removal refused: pinned", "path", en.path, "why", why)
+		return nil, 0, true
 	}
-	return e.dropAndUnlock(ctx, en, true, "deleted")
+	for _, k := range en.keys {
+		if ref, ok := e.ix.byKey[keyID{en.fp, k}]; ok && ref.e == en {
+			keys++
+		}
+	}
+	if !e.dropAndUnlock(ctx, en, true, why) {
+		return nil, 0, false
+	}
+	return en, keys, false
 }
 
 // PurgeResult is what Purge removed, and what it left for client pins.
@@ -98,8 +112,8 @@ func (e *Engine) Purge(ctx context.Context, fp uint64) (PurgeResult, error) {
 	if closed {
 		return PurgeResult{}, ErrClosed
 	}
-	r, found := e.purge(ctx, fp)
-	if !found && !known {
+	var r PurgeResult
+	if !e.purge(ctx, fp, &r) && !known {
 		return r, fmt.Errorf("%w: no namespace of fingerprint %016x, and no file of one (kvhost stats lists them)", ErrUnknownNamespace, fp)
 	}
 	return r, ctx.Err()
@@ -132,19 +146,15 @@ func (e *Engine) PurgeModel(ctx context.Context, model string) (PurgeResult, err
 	}
 	var r PurgeResult
 	for _, fp := range fps {
-		one, _ := e.purge(ctx, fp)
-		r.Namespaces++
-		r.Files, r.Keys, r.Bytes, r.Pinned = r.Files+one.Files, r.Keys+one.Keys, r.Bytes+one.Bytes, r.Pinned+one.Pinned
-		if err := ctx.Err(); err != nil {
-			return r, err
-		}
+		e.purge(ctx, fp, &r)
 	}
-	return r, nil
+	return r, ctx.Err()
 }
 
-// purge removes the files of fingerprint fp indexed now (purgeOne), and
-// reports whether there were any.
-func (e *Engine) purge(ctx context.Context, fp uint64) (PurgeResult, bool) {
+// purge removes the files of fingerprint fp indexed now (dropUnpinned),
+// adds the namespace and what it removed and kept to r, and reports
+// whether there were any such files.
+func (e *Engine) purge(ctx context.Context, fp uint64, r *PurgeResult) bool {
 	e.ix.mu.RLock()
 	var ens []*entry
 	for _, en := range e.ix.entries {
@@ -153,46 +163,22 @@ func (e *Engine) purge(ctx context.Context, fp uint64) (PurgeResult, bool) {
 		}
 	}
 	e.ix.mu.RUnlock()
-	r := PurgeResult{Namespaces: 1}
+	r.Namespaces++
+	removed := false
 	for _, en := range ens {
 		if ctx.Err() != nil {
 			break
 		}
-		e.purgeOne(ctx, en, &r)
-	}
-	if r.Files > 0 {
-		e.spareRoom() // room for spares made ahead
-		e.log.Info("engine: namespace purged", "fingerprint", fmt.Sprintf("%016x", fp), "files", r.Files, "keys", r.Keys, "bytes", r.Bytes, "pinned", r.Pinned)
-	}
-	return r, len(ens) > 0
-}
-
-// purgeOne drops en (or the file it moved to) and removes its file, as
-// deleteUnpinned does, and counts it in r: the keys it counts are those
-// the index found in the file (a key a newer file took counts there, as
-// Stats.Namespaces counts it), and a file a client pin holds is counted
-// in r.Pinned and left.
-func (e *Engine) purgeOne(ctx context.Context, en *entry, r *PurgeResult) {
-	e.ix.mu.Lock()
-	en = e.ix.currentLocked(en, []byte(en.keys[0]))
-	if en.gone {
-		e.ix.mu.Unlock()
-		return
-	}
-	if en.clientPinned() {
-		e.ix.mu.Unlock()
-		r.Pinned++
-		return
-	}
-	keys := 0
-	for _, k := range en.keys {
-		if ref, ok := e.ix.byKey[keyID{en.fp, k}]; ok && ref.e == en {
-			keys++
+		dropped, keys, pinned := e.dropUnpinned(ctx, en, []byte(en.keys[0]), "purged")
+		if dropped != nil {
+			r.Files, r.Keys, r.Bytes = r.Files+1, r.Keys+keys, r.Bytes+dropped.size
+			removed = true
+		} else if pinned {
+			r.Pinned++
 		}
 	}
-	if e.dropAndUnlock(ctx, en, true, "purged") {
-		r.Files++
-		r.Keys += keys
-		r.Bytes += en.size
+	if removed {
+		e.spareRoom() // room for spares made ahead
 	}
+	return len(ens) > 0
 }

@@ -12,7 +12,6 @@ import (
 	"net/http/pprof"
 	"slices"
 	"strconv"
-	"strings"
 	"sync/atomic"
 	"time"
 
@@ -411,12 +410,12 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 		counter(dDeduped, st.Tiering.Deduped)
 		gauge(dNamespaces, float64(len(st.Namespaces)))
 		for _, ns := range st.Namespaces[:min(len(st.Namespaces), protocol.MaxStatsNamespaces)] {
-			// Declare refuses a model id that is not UTF-8, which a label
-			// must be (else the whole scrape fails): this keeps it so.
-			fp, model := fmt.Sprintf("%016x", ns.Fingerprint), strings.ToValidUTF8(ns.Model, "\uFFFD")
-			gauge(dNSKeys, float64(ns.Keys), fp, model)
-			gauge(dNSFiles, float64(ns.Files), fp, model)
-			gauge(dNSBytes, float64(ns.Bytes), fp, model)
+			// The model id is UTF-8, as a label must be: Declare refuses
+			// others (Geometry.Validate).
+			fp := fmt.Sprintf("%016x", ns.Fingerprint)
+			gauge(dNSKeys, float64(ns.Keys), fp, ns.Model)
+			gauge(dNSFiles, float64(ns.Files), fp, ns.Model)
+			gauge(dNSBytes, float64(ns.Bytes), fp, ns.Model)
 		}
 		for _, mt := range st.Mounts {
 			counter(dMountMovedIn, mt.MovedIn, mt.Path)
