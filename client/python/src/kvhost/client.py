@@ -788,15 +788,7 @@ class Client:
         "files", "keys", "bytes" removed and "pinned" files kept. A model
         or fingerprint the daemon does not know raises KvhostError
         (UnknownNS); a daemon older than purge, KvhostError (UnknownType)."""
-        if (model is None) == (fingerprint is None):
-            raise ValueError("purge: give exactly one of model and fingerprint")
-        m = b""
-        if model is not None:
-            m = model.encode()
-            if not 1 <= len(m) <= p.MAX_MODEL_LEN:
-                raise ValueError(f"model id of {len(m)} bytes: want 1..{p.MAX_MODEL_LEN}")
-        body = p.pack("<QB", (fingerprint or 0, len(m)), ("fingerprint", "model length")) + m
-        _, reply = self._call(p.T_PURGE, body)
+        _, reply = self._call(p.T_PURGE, p.purge(model, fingerprint))
         return dict(zip(("namespaces", "files", "keys", "bytes", "pinned"), struct.unpack_from("<5Q", reply)))
 
     def connected(self):

@@ -199,11 +199,26 @@ def register_memory(kind, size, device=0, offset=0, handle=b""):
     return pack("<B3xIQQ", (kind, device, size, offset), ("kind", "device", "size", "offset")) + handle
 
 
-def declare(g):
-    m = g.model.encode()
+def model_str8(model):
+    """A model id as a str8: its length, then its UTF-8 bytes (1..MAX_MODEL_LEN)."""
+    m = model.encode()
     if not 1 <= len(m) <= MAX_MODEL_LEN:
         raise ValueError(f"model id of {len(m)} bytes: want 1..{MAX_MODEL_LEN}")
-    return bytes([len(m)]) + m + pack(
+    return bytes([len(m)]) + m
+
+
+def purge(model=None, fingerprint=None):
+    """The body of a Purge of model's namespaces, or of one namespace's
+    fingerprint: exactly one of them."""
+    if (model is None) == (fingerprint is None):
+        raise ValueError("purge: give exactly one of model and fingerprint")
+    if model is None:
+        return pack("<QB", (fingerprint, 0), ("fingerprint", "model length"))
+    return pack("<Q", (0,), ("fingerprint",)) + model_str8(model)
+
+
+def declare(g):
+    return model_str8(g.model) + pack(
         "<9I", (g.layers, g.kv_heads, g.head_size, g.dtype_size, 1 if g.mla else 0,
                 g.tokens_per_block, g.tokens_per_key, g.tp_rank, g.tp_size),
         ("layers", "kv_heads", "head_size", "dtype_size", "mla", "tokens_per_block", "tokens_per_key",
@@ -355,9 +370,9 @@ def _decode_namespaces(body, off):
         fp, files, keys, size, declared = struct.unpack_from("<QQQQB7x", body, off)
         off += 40
         (n,) = struct.unpack_from("<B", body, off)
-        model = bytes(body[off + 1:off + 1 + n]).decode("utf-8", "replace")
         if len(body) < off + 1 + n:
             raise struct.error("namespace model cut short")
+        model = bytes(body[off + 1:off + 1 + n]).decode("utf-8", "replace")
         off += 1 + n
         listed.append({"fingerprint": fp, "model": model, "declared": bool(declared),
                        "files": files, "keys": keys, "bytes": size})
