@@ -277,7 +277,10 @@ func printStats(w io.Writer, r statsReport) {
 	if len(r.Namespaces) > 0 {
 		fmt.Fprintln(w, "\nnamespaces:")
 		tw = tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
-		fmt.Fprintln(tw, "  model	fingerprint	keys	files	bytes")
+		// The model id, free text whose display width tabwriter cannot
+		// tell (it counts runes: a CJK id is two columns a rune), goes
+		// last, where no column after it can be pushed off.
+		fmt.Fprintln(tw, "  fingerprint\tkeys\tfiles\tbytes\tmodel")
 		for _, ns := range r.Namespaces {
 			model := ns.Model
 			switch {
@@ -286,7 +289,7 @@ func printStats(w io.Writer, r statsReport) {
 			case !ns.Declared:
 				model += " (no client declares it now)"
 			}
-			fmt.Fprintf(tw, "  %s\t%s\t%d\t%d\t%s\n", model, ns.Fingerprint, ns.Keys, ns.Files, bytesString(ns.Bytes))
+			fmt.Fprintf(tw, "  %s\t%d\t%d\t%s\t%s\n", ns.Fingerprint, ns.Keys, ns.Files, bytesString(ns.Bytes), model)
 		}
 		tw.Flush()
 		if r.NamespacesLeftOut > 0 {

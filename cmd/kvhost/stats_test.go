@@ -172,3 +172,59 @@ func serveTestConfig(t *testing.T) (context.Context, string) {
 	stdout.wait(t, "listening line", func(s string) bool { return s == "kvhost: listening on unix:"+socket })
 	return ctx, socket
 }
+
+// TestStatsNamespacesTableKeepsItsColumnsWhateverTheModelIds: the
+// namespaces table puts the model id, free text of any width (tabwriter
+// counts a CJK rune as one column where a terminal shows two), after every
+// other column, so the fingerprint, keys, files and bytes of each row
+// start where the header's do.
+func TestStatsNamespacesTableKeepsItsColumnsWhateverTheModelIds(t *testing.T) {
+	var out bytes.Buffer
+	printStats(&out, statsReport{Namespaces: []statsNamespace{
+		{Fingerprint: "00000000000000a1", Model: "通义千问-72B", Declared: true, Keys: 12345, Files: 12, Bytes: 3 << 30},
+		{Fingerprint: "00000000000000b2", Model: "meta-llama/Llama-3.1-8B", Declared: true, Keys: 7, Files: 1, Bytes: 1 << 20},
+		{Fingerprint: "00000000000000c3", Keys: 1, Files: 1, Bytes: 4096},
+	}})
+	_, table, ok := strings.Cut(out.String(), "namespaces:\n")
+	if !ok {
+		t.Fatalf("no namespaces section in:\n%s", out.String())
+	}
+	lines := strings.Split(strings.TrimRight(table, "\n"), "\n")
+	if len(lines) != 4 {
+		t.Fatalf("namespaces table:\n%s\nwant a header and 3 rows", table)
+	}
+	for _, col := range []string{"fingerprint", "keys", "files", "bytes", "model"} {
+		at := strings.Index(lines[0], col) // the header is ASCII: bytes are columns
+		for _, l := range lines[1:] {
+			cells := displayCells(l)
+			if at >= len(cells) || cells[at] == ' ' || cells[at-1] != ' ' {
+				t.Errorf("row %q: no cell starts at the display column of %q (%d):\n%s", l, col, at, table)
+			}
+		}
+	}
+	if !strings.Contains(lines[1], "通义千问-72B") || !strings.Contains(lines[3], "no client declared it") {
+		t.Errorf("table:\n%s\nwant each row's model id, and the undeclared namespace said so", table)
+	}
+}
+
+// displayCells lays s out as a terminal shows it: one cell per column, a
+// wide (East Asian) rune taking two, its second cell 0.
+func displayCells(s string) []rune {
+	var cells []rune
+	for _, r := range s {
+		cells = append(cells, r)
+		if wideRune(r) {
+			cells = append(cells, 0)
+		}
+	}
+	return cells
+}
+
+// wideRune reports whether a terminal shows r two columns wide, for the
+// ranges this package's tests use (CJK ideographs, kana, Hangul, full-width
+// forms).
+func wideRune(r rune) bool {
+	return (r >= 0x1100 && r <= 0x115f) || (r >= 0x2e80 && r <= 0xa4cf) ||
+		(r >= 0xac00 && r <= 0xd7a3) || (r >= 0xf900 && r <= 0xfaff) ||
+		(r >= 0xff00 && r <= 0xff60) || (r >= 0xffe0 && r <= 0xffe6)
+}
