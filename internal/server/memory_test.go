@@ -1,7 +1,9 @@
 package server_test
 
 import (
+	"fmt"
 	"os"
+	"runtime"
 	"strconv"
 	"strings"
 	"sync"
@@ -305,5 +307,54 @@ func TestRegistrationWithoutDescriptorDoesNotTakeTheNextOnes(t *testing.T) {
 	}
 	if got, ok := m.(*protocol.MemoryRegistered); !ok || got.Inode != st.Ino {
 		t.Fatalf("registration sent with its descriptor (inode %d): %#v", st.Ino, m)
+	}
+}
+
+// TestRefusedTransferAllocatesByTheFrameNotTheNamespace: a Store whose
+// keys carry 1 block each, in a namespace of 4096 blocks per key, is
+// refused (invalid argument) before the daemon sizes anything by the
+// namespace's count: refusing a frame of some 35 KiB (below what
+// max_incoming_bytes counts) cost 128 MiB before.
+func TestRefusedTransferAllocatesByTheFrameNotTheNamespace(t *testing.T) {
+	f := newFixture(t, server.Config{})
+	r := f.raw(t)
+	r.hello()
+	rid, code := r.register(sparse(t, 4096), 4096)
+	if code != protocol.CodeOK {
+		t.Fatalf("register: %s", code)
+	}
+	// 4096 blocks of 1 token per key: one latent plane of one layer.
+	r.send(3, &protocol.Declare{Geometry: protocol.Geometry{Model: "wide", Layers: 1, KVHeads: 1, HeadSize: 256, DtypeSize: 2,
+		MLA: true, TokensPerBlock: 1, TokensPerKey: 4096, TPSize: 1}})
+	_, m, err := r.recv()
+	if err != nil {
+		t.Fatal(err)
+	}
+	d, ok := m.(*protocol.Declared)
+	if !ok || d.BlocksPerKey != 4096 {
+		t.Fatalf("declare: %#v, want 4096 blocks per key", m)
+	}
+	r.send(4, &protocol.RegisterCache{NS: d.NS, Layers: []protocol.Layer{{Region: rid, NumBlocks: 1, BlockStride: 512}}})
+	if _, m, err = r.recv(); err != nil {
+		t.Fatal(err)
+	}
+	cr, ok := m.(*protocol.CacheRegistered)
+	if !ok {
+		t.Fatalf("register cache: %#v", m)
+	}
+	tr := &protocol.Transfer{Kind: protocol.JobStore, Cache: cr.Cache}
+	for i := range protocol.MaxKeysPerRequest {
+		tr.Keys = append(tr.Keys, []byte(fmt.Sprint(i)))
+		tr.Blocks = append(tr.Blocks, []uint32{0})
+	}
+	frame := len(protocol.AppendFrame(nil, 5, tr))
+	runtime.GC()
+	var before, after runtime.MemStats
+	runtime.ReadMemStats(&before)
+	r.send(5, tr)
+	r.expectCode(protocol.CodeInvalid)
+	runtime.ReadMemStats(&after)
+	if got := after.TotalAlloc - before.TotalAlloc; got > 16<<20 {
+		t.Fatalf("refusing a %d-byte Store frame allocated %d MiB in the daemon", frame, got>>20)
 	}
 }

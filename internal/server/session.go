@@ -751,12 +751,17 @@ func (s *session) transfer(id uint64, m *protocol.Transfer) bool {
 	if err := m.CheckNoBlock(); err != nil {
 		return fail(perr(protocol.CodeInvalid, "%v", err))
 	}
-	blocks := make([][]int, len(m.Blocks))
-	flat := make([]int, 0, len(m.Blocks)*bpk)
+	// Every key's block count first: the blocks are sized from the
+	// namespace's count, which a request that gives each key fewer must
+	// not make the daemon allocate (up to 4096 keys × 4096 blocks).
 	for i, b := range m.Blocks {
 		if len(b) != bpk {
 			return fail(perr(protocol.CodeInvalid, "key %d: %d blocks, the namespace has %d per key", i, len(b), bpk))
 		}
+	}
+	blocks := make([][]int, len(m.Blocks))
+	flat := make([]int, 0, len(m.Blocks)*bpk)
+	for i, b := range m.Blocks {
 		for _, blk := range b {
 			if blk == protocol.NoBlock { // a load's (CheckNoBlock): not loaded
 				flat = append(flat, engine.NoBlock)
