@@ -38,28 +38,39 @@ func (m *Purge) DecodeBody(b []byte) error {
 	return d.end()
 }
 
-// Purged is the reply to Purge: what the daemon removed, and the files it
-// left because a client pin holds them.
+// Purged is the reply to Purge: what the daemon removed, the files it
+// left because a client pin holds them, and those it could not remove.
 type Purged struct {
 	Namespaces         uint64 // namespaces purged
 	Files, Keys, Bytes uint64 // removed: files, the keys the index found in them, their bytes
 	Pinned             uint64 // files left for their client pins
+	// Left is the files whose removal failed: no longer served, still on
+	// disk until a later purge or an eviction removes them. A reply
+	// without it (its field absent) decodes as 0.
+	Left uint64
 }
 
 // Type is the reply to TypePurge.
 func (*Purged) Type() Type { return TypePurge | TypeReply }
 
 // AppendBody encodes: u64 namespaces | u64 files | u64 keys | u64 bytes |
-// u64 pinned.
+// u64 pinned | u64 left.
 func (m *Purged) AppendBody(b []byte) []byte {
-	return appendU64(appendU64(appendU64(appendU64(appendU64(b, m.Namespaces), m.Files), m.Keys), m.Bytes), m.Pinned)
+	b = appendU64(appendU64(appendU64(appendU64(appendU64(b, m.Namespaces), m.Files), m.Keys), m.Bytes), m.Pinned)
+	return appendU64(b, m.Left)
 }
 
-// DecodeBody decodes a Purged.
+// DecodeBody decodes a Purged: its left count where present (bytes after
+// it are ignored, for fields a later daemon adds).
 func (m *Purged) DecodeBody(b []byte) error {
 	d := decoder{b: b}
 	m.Namespaces = d.u64("namespaces")
 	m.Files, m.Keys, m.Bytes, m.Pinned = d.u64("files"), d.u64("keys"), d.u64("bytes"), d.u64("pinned")
+	m.Left = 0
+	if d.err == nil && len(d.b) > 0 {
+		m.Left = d.u64("left")
+		d.b = nil
+	}
 	return d.end()
 }
 

@@ -20,7 +20,8 @@ func runPurge(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		"Removes every file of a model's namespaces (--model: the model id kvhost stats lists; every namespace declared\n"+
 		"with it since the daemon started) or of one namespace (--fingerprint: 16 hex digits, as kvhost stats lists it;\n"+
 		"also files found on the mounts that no client declared since the start) from the daemon's mounts. Files a\n"+
-		"client pins stay. Stop the model's instances first: a store still running may leave files behind.", stderr)
+		"client pins stay. Stop the model's instances first: a store still running may leave files behind. Exits 1\n"+
+		"where the daemon knows no such model or fingerprint, or could not remove a file (a later purge tries it again).", stderr)
 	df := bindDaemonFlags(fs, time.Minute, "give up after this long")
 	model := fs.String("model", "", "the model `id` whose namespaces go (as kvhost stats lists it)")
 	fpHex := fs.String("fingerprint", "", "the namespace `fingerprint` whose files go (16 hex digits, as kvhost stats lists it)")
@@ -70,6 +71,9 @@ func purge(ctx context.Context, socket, model string, fp uint64, stdout io.Write
 		return err
 	}
 	fmt.Fprintln(stdout, purgedText(model, fp, r))
+	if r.Left > 0 {
+		return fmt.Errorf("%s could not be removed (the daemon's log says why): no longer served, but still on disk until a later purge or an eviction removes them; fix the cause and purge again", plural(r.Left, "file"))
+	}
 	return nil
 }
 

@@ -42,7 +42,9 @@ func (e *Engine) Delete(ctx context.Context, ns NamespaceID, keys [][]byte) (int
 		if err := ctx.Err(); err != nil {
 			return removed, err
 		}
-		if dropped, _, _ := e.dropUnpinned(ctx, en, keyOf[en], "deleted"); dropped != nil {
+		// A key whose file's removal failed counts: deleted from the
+		// cache, never served again (index.left), though its file stays.
+		if d := e.dropUnpinned(ctx, en, keyOf[en], "deleted"); d.en != nil {
 			removed += byEntry[en]
 		}
 	}
@@ -52,35 +54,49 @@ func (e *Engine) Delete(ctx context.Context, ns NamespaceID, keys [][]byte) (int
 	return removed, nil
 }
 
+// unpinnedDrop is what dropUnpinned did.
+type unpinnedDrop struct {
+	// en is the entry dropped (nil if none): en as found, or the file it
+	// moved to since (demote.go).
+	en *entry
+	// keys is the keys the index found in its file (a key a newer file
+	// took counts there, as Stats.Namespaces counts it).
+	keys int
+	// pinned: a client pin kept the file (en is nil).
+	pinned bool
+	// left: the file's removal failed; it stays on disk (index.left),
+	// counted as used, until a later eviction or purge removes it.
+	left bool
+}
+
 // dropUnpinned drops en, found for key, and removes its file, as Delete
 // does, unless a client pin holds it; the check and the unindexing are one
 // step under index.mu, so a pin that took hold is never deleted under it.
 // Where en's file moved to another mount since it was found (demote.go),
-// the moved file is the one dropped. It returns the entry this call
-// dropped (nil if none) and the keys the index found in its file (a key a
-// newer file took counts there, as Stats.Namespaces counts it), or pinned
-// where a client pin kept the file.
-func (e *Engine) dropUnpinned(ctx context.Context, en *entry, key []byte, why string) (dropped *entry, keys int, pinned bool) {
+// the moved file is the one dropped.
+func (e *Engine) dropUnpinned(ctx context.Context, en *entry, key []byte, why string) unpinnedDrop {
 	e.ix.mu.Lock()
 	en = e.ix.currentLocked(en, key)
 	if en.gone {
 		e.ix.mu.Unlock()
-		return nil, 0, false
+		return unpinnedDrop{}
 	}
 	if en.clientPinned() {
 		e.ix.mu.Unlock()
 		e.log.Debug("engine: removal refused: pinned", "path", en.path, "why", why)
-		return nil, 0, true
+		return unpinnedDrop{pinned: true}
 	}
+	keys := 0
 	for _, k := range en.keys {
 		if ref, ok := e.ix.byKey[keyID{en.fp, k}]; ok && ref.e == en {
 			keys++
 		}
 	}
-	if !e.dropAndUnlock(ctx, en, true, why) {
-		return nil, 0, false
+	dropped, left := e.dropAndUnlock(ctx, en, true, why)
+	if !dropped {
+		return unpinnedDrop{}
 	}
-	return en, keys, false
+	return unpinnedDrop{en: en, keys: keys, left: left}
 }
 
 // PurgeResult is what Purge removed, and what it left for client pins.
@@ -91,6 +107,11 @@ type PurgeResult struct {
 	Bytes      int64 // their bytes, headers included
 	// Pinned is the files left because a client pin holds them (Pin).
 	Pinned int
+	// Left is the files whose removal failed (the engine's log says why):
+	// no longer indexed, so no key of them is served, but still on disk,
+	// counted as used, until a later purge or an eviction on their mount
+	// removes them; a restart would find them again.
+	Left int
 }
 
 // Purge removes every file of the namespace of fingerprint fp (Geometry's
@@ -152,9 +173,24 @@ func (e *Engine) PurgeModel(ctx context.Context, model string) (PurgeResult, err
 }
 
 // purge removes the files of fingerprint fp indexed now (dropUnpinned),
+// and tries again those of fp whose removal failed before (index.left),
 // adds the namespace and what it removed and kept to r, and reports
 // whether there were any such files.
 func (e *Engine) purge(ctx context.Context, fp uint64, r *PurgeResult) bool {
+	r.Namespaces++
+	removed := false
+	// The files left before first, so that a file this purge fails to
+	// remove is tried once.
+	ofFP := func(en *entry) bool { return !en.spare && en.fp == fp }
+	left := e.ix.takeLeft(ofFP, e.now().UnixNano()+int64(leftRetryInterval))
+	for at, en := range left {
+		if e.removeLeft(at, en) {
+			r.Left++
+			continue
+		}
+		r.Files, r.Bytes = r.Files+1, r.Bytes+en.size
+		removed = true
+	}
 	e.ix.mu.RLock()
 	var ens []*entry
 	for _, en := range e.ix.entries {
@@ -163,22 +199,22 @@ func (e *Engine) purge(ctx context.Context, fp uint64, r *PurgeResult) bool {
 		}
 	}
 	e.ix.mu.RUnlock()
-	r.Namespaces++
-	removed := false
 	for _, en := range ens {
 		if ctx.Err() != nil {
 			break
 		}
-		dropped, keys, pinned := e.dropUnpinned(ctx, en, []byte(en.keys[0]), "purged")
-		if dropped != nil {
-			r.Files, r.Keys, r.Bytes = r.Files+1, r.Keys+keys, r.Bytes+dropped.size
+		switch d := e.dropUnpinned(ctx, en, []byte(en.keys[0]), "purged"); {
+		case d.left:
+			r.Left++
+		case d.en != nil:
+			r.Files, r.Keys, r.Bytes = r.Files+1, r.Keys+d.keys, r.Bytes+d.en.size
 			removed = true
-		} else if pinned {
+		case d.pinned:
 			r.Pinned++
 		}
 	}
 	if removed {
 		e.spareRoom() // room for spares made ahead
 	}
-	return len(ens) > 0
+	return len(ens)+len(left) > 0
 }

@@ -25,24 +25,27 @@ import (
 // dropped it.
 func (e *Engine) drop(ctx context.Context, en *entry, remove bool, why string) bool {
 	e.ix.mu.Lock()
-	return e.dropAndUnlock(ctx, en, remove, why)
+	dropped, _ := e.dropAndUnlock(ctx, en, remove, why)
+	return dropped
 }
 
 // dropAndUnlock is drop for a caller that holds index.mu (to check
-// something about en in the same step), which it releases.
-func (e *Engine) dropAndUnlock(ctx context.Context, en *entry, remove bool, why string) bool {
+// something about en in the same step), which it releases. It also
+// reports whether en's file, to be removed, is still on disk: its removal
+// failed (index.left).
+func (e *Engine) dropAndUnlock(ctx context.Context, en *entry, remove bool, why string) (dropped, left bool) {
 	was, claimed := e.ix.dropLocked(en, remove)
 	rec := en.access(abi.AccessRemove, e.now().UnixNano())
 	e.ix.mu.Unlock()
 	if !was {
-		return false
+		return false, false
 	}
 	if claimed {
-		e.removeClaimed(en)
+		left = e.removeClaimed(en)
 	}
 	e.log.Debug("engine: entry dropped", "path", en.path, "why", why)
 	e.access(ctx, []abi.AccessRecord{rec})
-	return true
+	return true, left
 }
 
 // release ends this engine's claim on path, first removing the orphans
@@ -83,9 +86,10 @@ func (e *Engine) endRelease(path string, fl *flight, orphans []*entry) {
 
 // removeClaimed removes en's file (if it is still the file at its path) and
 // releases the path claimed by index.dropLocked.
-func (e *Engine) removeClaimed(en *entry) {
-	_, left, at := e.disposeIfSame(en.path, []*entry{en}, false)
-	e.releaseRemoved(en.path, []*entry{en}, left, at)
+func (e *Engine) removeClaimed(en *entry) (left bool) {
+	_, l, at := e.disposeIfSame(en.path, []*entry{en}, false)
+	e.releaseRemoved(en.path, []*entry{en}, l, at)
+	return l != nil
 }
 
 // evictClaimed is removeClaimed for an evicted entry: the file may be
@@ -105,10 +109,31 @@ func (e *Engine) evictClaimed(en *entry) {
 // victims; where no file is left (the common case) it takes no lock.
 func (e *Engine) retryLeft(m *mount) {
 	now := e.now().UnixNano()
-	for at, en := range e.ix.takeLeft(m.idx, now, now+int64(leftRetryInterval)) {
-		_, left, now := e.disposeIfSame(at, []*entry{en}, false)
-		e.releaseRemoved(at, []*entry{en}, left, now)
+	due := func(en *entry) bool { return en.mount == m.idx && en.retryAt <= now }
+	for at, en := range e.ix.takeLeft(due, now+int64(leftRetryInterval)) {
+		e.removeLeft(at, en)
 	}
+}
+
+// removeLeft tries again to remove the file of en, left on disk at at,
+// which takeLeft took: it reports whether the file is still there.
+func (e *Engine) removeLeft(at string, en *entry) (left bool) {
+	_, l, now := e.disposeIfSame(at, []*entry{en}, false)
+	e.releaseRemoved(at, []*entry{en}, l, now)
+	return l != nil
+}
+
+// dropVanished drops en, whose file went or changed behind the engine's
+// back, and counts it vanished (Stats.Vanished) only where this call
+// dropped it: a file this engine removed or moved meanwhile (a delete, a
+// purge, a move, an eviction; a load's pin stops none but the last) is its
+// own doing, not a vanishing. It reports whether this call dropped en.
+func (e *Engine) dropVanished(ctx context.Context, en *entry, why string) bool {
+	if !e.drop(ctx, en, false, why) {
+		return false
+	}
+	e.st.vanished.Add(1)
+	return true
 }
 
 // confirm checks, reading the header, that en's file is still the one
@@ -126,9 +151,7 @@ func (e *Engine) confirm(ctx context.Context, en *entry) bool {
 	}
 	switch {
 	case errors.Is(err, os.ErrNotExist), errors.Is(err, errReplaced):
-		if e.drop(ctx, en, false, err.Error()) {
-			e.st.vanished.Add(1)
-		}
+		e.dropVanished(ctx, en, err.Error())
 	default:
 		e.log.Warn("engine: check of an indexed file", "path", en.path, "err", err)
 	}

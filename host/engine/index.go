@@ -479,11 +479,12 @@ func (ix *index) releaseLeaving(path string, ens []*entry, left *entry, at strin
 	return ix.releaseLocked(path, freed)
 }
 
-// takeLeft takes from left the entries of mount due a try at time now
-// (retryAt) whose path it claims (none that a job holds now), by path, for
-// the caller to remove and release (retryLeft); each is next due next.
-// Where left is empty it returns without taking the lock.
-func (ix *index) takeLeft(mount int, now, next int64) map[string]*entry {
+// takeLeft takes from left the entries that want accepts (those of a
+// mount due a try: retryLeft; those of a namespace: Purge) whose path it
+// claims (none that a job holds now), by path, for the caller to remove
+// and release (removeLeft); each is next due next. Where left is empty it
+// returns without taking the lock.
+func (ix *index) takeLeft(want func(*entry) bool, next int64) map[string]*entry {
 	if ix.nleft.Load() == 0 {
 		return nil
 	}
@@ -491,7 +492,7 @@ func (ix *index) takeLeft(mount int, now, next int64) map[string]*entry {
 	defer ix.mu.Unlock()
 	var took map[string]*entry
 	for at, en := range ix.left {
-		if en.mount != mount || en.retryAt > now {
+		if !want(en) {
 			continue
 		}
 		if ok, _ := ix.claimLocked(at); !ok {

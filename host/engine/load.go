@@ -166,8 +166,10 @@ func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 	f, err := e.fs.OpenFile(en.path, flag, 0)
 	if err != nil {
 		if errors.Is(err, os.ErrNotExist) {
-			e.st.vanished.Add(1)
-			e.drop(ctx, en, false, "vanished")
+			if !e.dropVanished(ctx, en, "vanished") {
+				all(OutcomeMissing, fmt.Errorf("%w: %s was deleted (a delete or purge) before the load read it", ErrNotFound, en.path))
+				return
+			}
 			all(OutcomeMissing, fmt.Errorf("%w: %s vanished (removed behind this engine's back)", ErrNotFound, en.path))
 			return
 		}
@@ -199,8 +201,7 @@ func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 	if h.Fingerprint != c.ns.fp || h.Layers != uint32(g.Layers) || h.Planes != uint32(g.Planes()) ||
 		h.BlocksPerKey != uint32(g.BlocksPerKey()) || h.BlockBytes != uint64(g.BlockBytes()) {
 		// Replaced by a file of another geometry: not ours to judge.
-		e.st.vanished.Add(1)
-		e.drop(ctx, en, false, "replaced by another geometry")
+		e.dropVanished(ctx, en, "replaced by another geometry")
 		all(OutcomeMissing, fmt.Errorf("%w: %w: %s was replaced by a file of another geometry: %w", ErrNotFound, ErrMismatch, en.path, format.ErrFingerprint))
 		return
 	}
@@ -208,8 +209,7 @@ func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 		// Another file at the path (another node published there, maybe
 		// at the same inode): the entry goes; the file is indexed anew if
 		// it holds what is asked, and read below like any file.
-		e.st.vanished.Add(1)
-		e.drop(ctx, en, false, "replaced")
+		e.dropVanished(ctx, en, "replaced")
 		if id.Size >= h.FileLen() {
 			found := e.entryOf(en.mount, en.path, h, id)
 			if en, _ = e.adoptFound(ctx, found); en == nil {
@@ -315,8 +315,7 @@ func (e *Engine) loadRound(ctx context.Context, j *Job, c *cache, blocks [][]int
 		// Another engine on the directory evicted the file and a store
 		// of it wrote into it (spare files) while we read: the bytes may
 		// be another key's, checksums or not.
-		e.st.vanished.Add(1)
-		e.drop(ctx, en, false, "rewritten while read")
+		e.dropVanished(ctx, en, "rewritten while read")
 		for _, k := range read {
 			set(dst[k], OutcomeFailed, fmt.Errorf("engine: load %s: %w: rewritten while it was read (evicted and reused by another engine on the directory)", en.path, errReplaced))
 		}

@@ -93,8 +93,7 @@ func (e *Engine) verify(ctx context.Context, en *entry) bool {
 		e.log.Warn("engine: stat", "path", en.path, "err", err)
 		return false
 	}
-	e.st.vanished.Add(1)
-	e.drop(ctx, en, false, why)
+	e.dropVanished(ctx, en, why)
 	return false
 }
 

@@ -6,9 +6,13 @@ import (
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"strings"
+	"sync/atomic"
+	"syscall"
+	"testing"
 
 	"github.com/kvhost/kvhost/abi"
-	"testing"
+	"github.com/kvhost/kvhost/internal/fsys"
 )
 
 // TestStatsListsEachNamespaceWithItsKeysAndBytes: Stats.Namespaces counts
@@ -260,5 +264,85 @@ func TestPurgeModelRemovesEveryNamespaceOfTheModel(t *testing.T) {
 	}
 	if _, err := e.PurgeModel(ctx, ""); !errors.Is(err, ErrInvalid) {
 		t.Fatalf("PurgeModel of an empty id: %v, want ErrInvalid (files found at start have none)", err)
+	}
+}
+
+// TestAPurgeUnderALoadIsNotAVanishedFile: a Purge that removes a file a
+// load has pinned but not yet opened (a load's pin stops no purge) is
+// this engine's own removal: the load reports the key missing, saying it
+// was deleted, and Stats.Vanished (files removed behind the engine's
+// back) does not count it.
+func TestAPurgeUnderALoadIsNotAVanishedFile(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	var (
+		e      *Engine
+		armed  atomic.Pointer[string]
+		purged atomic.Int64
+	)
+	g := smallGeometry(true)
+	inj := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+		if p := armed.Load(); p != nil && op == fsys.OpOpen && path == *p && armed.CompareAndSwap(p, nil) {
+			r, _ := e.Purge(ctx, g.Fingerprint())
+			purged.Store(int64(r.Files))
+		}
+		return fsys.Fault{}
+	})
+	e, ns, c := injectedEngine(t, []Mount{{Path: dir}}, newTestPolicy(1, abi.OrderLayerMajor), inj, 16)
+	keys := testKeys("vanish", 1)
+	storeAndCheck(t, e, c, keys, [][]int{{0, 1, 2, 3}})
+	path := entryOf(e, ns, keys[0]).path
+	armed.Store(&path)
+	res := wait(t)(e.Load(ctx, LoadRequest{Cache: c.id, Keys: keys, Blocks: [][]int{{4, 5, 6, 7}}}))
+	if purged.Load() != 1 {
+		t.Fatalf("the purge during the load removed %d files, want 1", purged.Load())
+	}
+	if k := res.Keys[0]; k.Outcome != OutcomeMissing || !errors.Is(k.Err, ErrNotFound) || !strings.Contains(k.Err.Error(), "deleted") {
+		t.Fatalf("load of a key purged under it: %v (%v), want missing, deleted", k.Outcome, k.Err)
+	}
+	if v := e.Stats().Vanished; v != 0 {
+		t.Fatalf("Stats.Vanished = %d after this engine's own purge removed the file; want 0", v)
+	}
+}
+
+// TestPurgeCountsAFileItCouldNotRemoveAsLeftAndRemovesItNextTime: where a
+// purged file's unlink fails (EACCES), Purge counts it in Left, not in
+// Files; the next Purge of the namespace tries it again, with the file
+// a Delete could not remove, and removes both.
+func TestPurgeCountsAFileItCouldNotRemoveAsLeftAndRemovesItNextTime(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	var failing atomic.Bool
+	inj := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+		if failing.Load() && op == fsys.OpRemove && strings.HasSuffix(path, ".kv") {
+			return fsys.Fault{Err: syscall.EACCES}
+		}
+		return fsys.Fault{}
+	})
+	e, ns, c := injectedEngine(t, []Mount{{Path: dir}}, newTestPolicy(1, abi.OrderLayerMajor), inj, 16)
+	keys := testKeys("purgefail", 2)
+	storeAndCheck(t, e, c, keys, [][]int{{0, 1, 2, 3}, {4, 5, 6, 7}})
+	fp := smallGeometry(true).Fingerprint()
+	failing.Store(true)
+	if n, err := e.Delete(ctx, ns, keys[1:]); n != 1 || err != nil {
+		t.Fatalf("Delete whose unlink fails: %d removed, %v; want 1 (deleted from the cache)", n, err)
+	}
+	r, err := e.Purge(ctx, fp)
+	if err != nil || r.Files != 0 || r.Left != 2 {
+		t.Fatalf("Purge whose unlink fails: %+v, %v; want no file removed, 2 left (the deleted one tried again)", r, err)
+	}
+	if files := dataFiles(t, dir); len(files) != 2 {
+		t.Fatalf("data files after the failed removals: %v, want both still there", files)
+	}
+	failing.Store(false)
+	r, err = e.Purge(ctx, fp)
+	if err != nil || r.Files != 2 || r.Left != 0 || r.Bytes == 0 {
+		t.Fatalf("Purge once the unlink works: %+v, %v; want the 2 files left before removed", r, err)
+	}
+	if files := dataFiles(t, dir); len(files) != 0 {
+		t.Fatalf("data files after the second purge: %v, want none", files)
+	}
+	if err := e.check(); err != nil {
+		t.Fatal(err)
 	}
 }

@@ -892,6 +892,29 @@ class TestStats(unittest.TestCase):
         # A section for another number of devices is not this one.
         self.assertEqual([d["faults"] for d in p.decode_stats(body[:-20] + struct.pack("<IQ", 1, 7))["devices"]], [0, 0])
 
+    def test_a_stats_reply_with_more_mounts_than_bytes_is_a_protocol_error(self):
+        """A Stats reply whose mount count runs past its bytes (16
+        counters, a count of 2^32 - 1, no mount) raises ProtocolError, not
+        struct.error, and the connection goes on serving."""
+        fake, c = connected_to_fake(self, timeout=30)
+
+        def serve(body):
+            ftype, req_id, _ = fake.read_frame()
+            fake.reply(ftype | p.T_REPLY, req_id, body)
+        t = threading.Thread(target=serve, args=(struct.pack("<16QI", *range(16), 0xFFFFFFFF),))
+        t.start()
+        try:
+            with self.assertRaises(p.ProtocolError):
+                c.stats()
+        finally:
+            t.join(30)
+        t = threading.Thread(target=serve, args=(struct.pack("<6Q", 1, 2, 3, 4096, 0, 0),))
+        t.start()
+        try:
+            self.assertEqual(c.purge(model="m")["files"], 2)
+        finally:
+            t.join(30)
+
 
 def str8(s):
     return struct.pack("<B", len(s)) + s
@@ -1166,7 +1189,8 @@ class TestPurge(unittest.TestCase):
         listed = [n for n in c.stats()["namespaces"]["list"] if n["model"] == "test/purge"]
         self.assertEqual(len(listed), 1)
         self.assertEqual(c.purge(model="test/purge"),
-                         {"namespaces": 1, "files": listed[0]["files"], "keys": 2, "bytes": listed[0]["bytes"], "pinned": 0})
+                         {"namespaces": 1, "files": listed[0]["files"], "keys": 2, "bytes": listed[0]["bytes"], "pinned": 0,
+                          "left": 0})
         self.assertEqual(c.stats()["keys"], 0)
         self.assertEqual(c.purge(fingerprint=listed[0]["fingerprint"])["files"], 0)
         for kw in ({"model": "test/none"}, {"fingerprint": 0xdead}):
@@ -1177,6 +1201,25 @@ class TestPurge(unittest.TestCase):
         with self.assertRaises(ValueError):
             c.purge()
         self.assertTrue(c.connected())
+
+    def test_purge_reports_the_files_left_and_takes_a_reply_without_them(self):
+        """The reply's left count (files whose removal failed) is "left";
+        a daemon whose reply ends before it (one that predates it) gives
+        0."""
+        fake, c = connected_to_fake(self, timeout=30)
+        counts = (1, 2, 3, 4096, 0)
+        for body, left in ((struct.pack("<6Q", *counts, 5), 5), (struct.pack("<5Q", *counts), 0)):
+            with self.subTest(left=left):
+                def serve():
+                    ftype, req_id, _ = fake.read_frame()
+                    fake.reply(ftype | p.T_REPLY, req_id, body)
+                t = threading.Thread(target=serve)
+                t.start()
+                try:
+                    got = c.purge(model="m")
+                finally:
+                    t.join(30)
+                self.assertEqual(got, {"namespaces": 1, "files": 2, "keys": 3, "bytes": 4096, "pinned": 0, "left": left})
 
 
 class TestFieldsOutOfRange(unittest.TestCase):

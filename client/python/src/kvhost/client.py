@@ -785,11 +785,16 @@ class Client:
         started) or of one namespace (fingerprint, an int: as stats()
         lists it; also files found on the mounts that no client declared
         since). Files a client pins stay. Returns a dict: "namespaces",
-        "files", "keys", "bytes" removed and "pinned" files kept. A model
-        or fingerprint the daemon does not know raises KvhostError
-        (UnknownNS); a daemon older than purge, KvhostError (UnknownType)."""
+        "files", "keys", "bytes" removed, "pinned" files kept and "left":
+        files whose removal failed (no longer served, still on disk until a
+        later purge or an eviction removes them; 0 from a daemon that does
+        not say). A model or fingerprint the daemon does not know raises
+        KvhostError (UnknownNS); a daemon older than purge, KvhostError
+        (UnknownType)."""
         _, reply = self._call(p.T_PURGE, p.purge(model, fingerprint))
-        return dict(zip(("namespaces", "files", "keys", "bytes", "pinned"), struct.unpack_from("<5Q", reply)))
+        r = dict(zip(("namespaces", "files", "keys", "bytes", "pinned"), struct.unpack_from("<5Q", reply)))
+        r["left"] = struct.unpack_from("<Q", reply, 40)[0] if len(reply) >= 48 else 0
+        return r
 
     def connected(self):
         """False once the connection is closed or lost. Takes no lock (one
@@ -846,8 +851,13 @@ class Client:
         "namespaces" ({"list": one dict per namespace, the most bytes
         first, with "fingerprint", "model", "declared", "files", "keys"
         and "bytes"; "left_out": how many the daemon did not list}, or
-        None from a daemon that predates the section)."""
+        None from a daemon that predates the section). A reply whose
+        counts run past its bytes raises ProtocolError (the connection,
+        whose frames are whole, stays usable)."""
         _, body = self._call(p.T_STATS, b"")
-        return p.decode_stats(body)
+        try:
+            return p.decode_stats(body)
+        except (struct.error, IndexError, UnicodeDecodeError) as e:
+            raise p.ProtocolError(f"Stats reply of {len(body)} bytes not decodable: {e}") from None
 
 
