@@ -382,3 +382,46 @@ func TestStatsListsAsManyNamespacesAsTheFrameHolds(t *testing.T) {
 		})
 	}
 }
+
+// TestStatsReplyFitsTheFrameByCuttingFailureTexts: where the sections
+// before the namespaces do not fit the frame (MinFrame, 12 mounts with
+// paths and failure texts of 4000 bytes), the daemon cuts the failure
+// texts, each marked, instead of sending a frame the client refuses (it
+// ended the whole connection); with 40 such mounts even their paths do
+// not fit, and Stats is refused with a limit error naming the key, the
+// connection kept.
+func TestStatsReplyFitsTheFrameByCuttingFailureTexts(t *testing.T) {
+	for _, tc := range []struct {
+		mounts int
+		fits   bool
+	}{{12, true}, {40, false}} {
+		t.Run(fmt.Sprint(tc.mounts, " mounts"), func(t *testing.T) {
+			f := newFixtureWith(t, server.Config{MaxFrame: protocol.MinFrame}, nil, func(e *engine.Engine) server.Engine {
+				return bigStats{Engine: e, mounts: tc.mounts}
+			})
+			c := f.dial(t)
+			st, err := c.Stats(context.Background())
+			if !tc.fits {
+				if !errors.Is(err, &protocol.Error{Code: protocol.CodeLimit}) || !strings.Contains(err.Error(), "server.max_frame") {
+					t.Fatalf("Stats of %d mounts in MinFrame: %v, want a limit error naming server.max_frame", tc.mounts, err)
+				}
+				var pe *protocol.Error
+				if _, err := c.Lookup(context.Background(), 1, [][]byte{[]byte("k")}); !errors.As(err, &pe) || pe.Code != protocol.CodeUnknownNS {
+					t.Fatalf("a lookup after the refused Stats: %v, want the daemon's answer (unknown namespace) on the same connection", err)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatalf("Stats of %d mounts in MinFrame: %v", tc.mounts, err)
+			}
+			if len(st.StoresFailing) != tc.mounts {
+				t.Fatalf("%d mounts' failures, want %d", len(st.StoresFailing), tc.mounts)
+			}
+			for i, sf := range st.StoresFailing {
+				if !strings.HasSuffix(sf.Err, "…") || !strings.HasPrefix(sf.Err, "eee") || len(sf.Err) >= 4000 {
+					t.Fatalf("mount %d's failure text: %d bytes %q..., want it cut and marked", i, len(sf.Err), sf.Err[:min(len(sf.Err), 8)])
+				}
+			}
+		})
+	}
+}

@@ -13,6 +13,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+	"unicode/utf8"
 
 	"golang.org/x/sys/unix"
 
@@ -913,10 +914,19 @@ func (s *session) stats() (protocol.Message, error) {
 		}
 		m.StoresFailing = append(m.StoresFailing, f)
 	}
+	// A client reads frames of MaxFrame at most, and ends a connection
+	// that sends a longer one: the mounts' failure texts are cut to fit
+	// (where max_frame is small and the mounts many, with long paths),
+	// and a reply that fits not even without them is refused instead.
+	room := s.srv.cfg.MaxFrame - protocol.HeaderSize - protocol.EmptyNamespacesBytes
+	if over := len(m.AppendBody(nil)) - room; over > 0 {
+		if !cutFailureTexts(m.StoresFailing, over) {
+			return nil, perr(protocol.CodeLimit, "the Stats reply of %d mounts does not fit a frame of %d bytes (server.max_frame): raise it", len(m.Mounts), s.srv.cfg.MaxFrame)
+		}
+	}
+	room -= len(m.AppendBody(nil))
 	// The namespaces, the most bytes first, as many as the frame holds
-	// beside the other sections (a client reads frames of MaxFrame at
-	// most), the rest counted as left out.
-	room := s.srv.cfg.MaxFrame - protocol.HeaderSize - len(m.AppendBody(nil)) - protocol.EmptyNamespacesBytes
+	// beside the other sections, the rest counted as left out.
 	m.Namespaces = &protocol.NamespaceList{}
 	for i, ns := range st.Namespaces {
 		n := protocol.NamespaceStats{Fingerprint: ns.Fingerprint, Model: ns.Model, Declared: ns.Declared,
@@ -928,6 +938,52 @@ func (s *session) stats() (protocol.Message, error) {
 		m.Namespaces.List = append(m.Namespaces.List, n)
 	}
 	return m, nil
+}
+
+// cutFailureTexts shortens the longest of fs' failure texts, each to no
+// less than the others it is cut to, until over bytes are gone, marking
+// each it cut; false where cutting every text to its marker frees too
+// little.
+func cutFailureTexts(fs []protocol.MountFailure, over int) bool {
+	const mark = "…"
+	total := 0
+	for _, f := range fs {
+		total += max(len(f.Err)-len(mark), 0)
+	}
+	if total < over {
+		return false
+	}
+	// The longest text a failure may keep: the largest keep whose cuts
+	// free at least over bytes, found by halving.
+	lo, hi := 0, 0
+	for _, f := range fs {
+		hi = max(hi, len(f.Err))
+	}
+	freed := func(keep int) int {
+		n := 0
+		for _, f := range fs {
+			n += max(len(f.Err)-max(keep, len(mark)), 0)
+		}
+		return n
+	}
+	for lo < hi {
+		if mid := (lo + hi + 1) / 2; freed(mid) >= over {
+			lo = mid
+		} else {
+			hi = mid - 1
+		}
+	}
+	keep := max(lo, len(mark))
+	for i, f := range fs {
+		if len(f.Err) > keep {
+			cut := keep - len(mark)
+			for cut > 0 && !utf8.RuneStart(f.Err[cut]) {
+				cut--
+			}
+			fs[i].Err = f.Err[:cut] + mark
+		}
+	}
+	return true
 }
 
 // release ends the session: jobs first (finished within the grace period
