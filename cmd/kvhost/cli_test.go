@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -20,7 +21,12 @@ func TestHelpListsEveryCommandAndTheDaemonFlags(t *testing.T) {
 	if code := run(context.Background(), []string{"--help"}, &out, &errb); code != 0 {
 		t.Fatalf("exit %d, stderr %s", code, errb.String())
 	}
-	for _, want := range []string{"serve", "policy", "config", "version", "-config", "-dir", "-socket", "-policy", "-capacity", "tiered"} {
+	for name, c := range commands() {
+		if !strings.Contains(out.String(), fmt.Sprintf("  %-8s %s\n", name, c.summary)) {
+			t.Errorf("--help does not list command %q:\n%s", name, out.String())
+		}
+	}
+	for _, want := range []string{"-config", "-dir", "-socket", "-policy", "-capacity", "tiered"} {
 		if !strings.Contains(out.String(), want) {
 			t.Errorf("--help does not mention %q:\n%s", want, out.String())
 		}

@@ -19,6 +19,7 @@ import (
 	"io"
 	"os"
 	"os/signal"
+	"slices"
 	"strings"
 	"syscall"
 
@@ -87,7 +88,17 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 func usage(w io.Writer, cmds map[string]command) {
 	fmt.Fprintln(w, "usage: kvhost [command] [flags]")
 	fmt.Fprintln(w, "\ncommands:")
-	for _, name := range []string{"serve", "stats", "health", "reload", "check", "bench", "policy", "config", "version"} {
+	// The daemon and its operators' commands first, in this order; any
+	// other command after them, by name, so that none goes unlisted.
+	order := []string{"serve", "stats", "health", "reload", "purge", "check", "bench", "policy", "config", "version"}
+	var rest []string
+	for name := range cmds {
+		if !slices.Contains(order, name) {
+			rest = append(rest, name)
+		}
+	}
+	slices.Sort(rest)
+	for _, name := range append(order, rest...) {
 		if c, ok := cmds[name]; ok {
 			fmt.Fprintf(w, "  %-8s %s\n", name, c.summary)
 		}
