@@ -135,6 +135,22 @@ class TestConnect(unittest.TestCase):
                     fake.close()
                 self.assertEqual(open_fds(), before, "the refused connection's socket left open")
 
+    def test_a_welcome_of_another_protocol_version_is_refused(self):
+        # A daemon of another version frames its messages its own way:
+        # the client refuses it at the handshake, naming both versions, as
+        # the Go client does.
+        for version in (0, p.VERSION + 1):
+            with self.subTest(version=version):
+                fake = FakeDaemon()
+                t = threading.Thread(target=lambda: (fake.accept(), fake.welcome(version=version)))
+                t.start()
+                try:
+                    with self.assertRaisesRegex(p.ProtocolError, f"version {version}"):
+                        kvhost.Client(fake.path, timeout=5)
+                finally:
+                    t.join()
+                    fake.close()
+
     def test_client_without_path_uses_kvhost_socket(self):
         d = Daemon()
         try:
@@ -493,11 +509,11 @@ class FakeDaemon:
     def reply(self, ftype, req_id, body):
         self.conn.sendall(p.frame(ftype, req_id, body))
 
-    def welcome(self, max_frame=4 << 20):
+    def welcome(self, max_frame=4 << 20, version=p.VERSION):
         ftype, req_id, _ = self.read_frame()
         assert ftype == p.T_HELLO
         self.reply(p.T_HELLO | p.T_REPLY, req_id,
-                   struct.pack("<HH7I", 1, 0, max_frame, 64, 256, 16, 16, 4096, 64) + bytes([4]) + b"fake")
+                   struct.pack("<HH7I", version, 0, max_frame, 64, 256, 16, 16, 4096, 64) + bytes([4]) + b"fake")
 
     def close(self):
         for s in (self.conn, self.listener):

@@ -264,9 +264,13 @@ def decode_error(body):
 
 def decode_welcome(body):
     f = struct.unpack_from("<HH7I", body)
+    n = body[32]
+    if f[0] != VERSION:  # another version's frames are not this client's to read
+        server = body[33:33 + n].decode(errors="replace")
+        raise ProtocolError(f"the daemon {server!r} answered with a Welcome of protocol version {f[0]}; "
+                            f"this client speaks version {VERSION}")
     if not MIN_FRAME <= f[2] <= MAX_FRAME:  # the reader takes frames as long as this
         raise ProtocolError(f"max frame {f[2]}: want {MIN_FRAME}..{MAX_FRAME}")
-    n = body[32]
     return {"version": f[0], "max_frame": f[2], "max_registrations": f[3],
             "max_inflight_jobs": f[4], "max_namespaces": f[5], "max_caches": f[6],
             "max_keys": f[7], "max_key_len": f[8], "server": body[33:33 + n].decode(errors="replace")}
