@@ -838,7 +838,7 @@ func (s *Server) start(c *net.UnixConn) *session {
 	if s.stopping {
 		s.mu.Unlock()
 		c.SetWriteDeadline(time.Now().Add(time.Second))
-		c.Write(protocol.AppendFrame(nil, 0, &protocol.Error{Code: protocol.CodeShuttingDown, Message: "the daemon is shutting down"}))
+		c.Write(protocol.AppendFrame(nil, 0, errShuttingDown()))
 		c.Close()
 		return nil
 	}
@@ -920,7 +920,7 @@ func (s *Server) admit(sess *session) *protocol.Error {
 	delete(s.pending, sess)
 	switch {
 	case s.stopping:
-		return perr(protocol.CodeShuttingDown, "the daemon is shutting down")
+		return errShuttingDown()
 	case s.admitted >= s.cfg.MaxClients:
 		return s.refuse(boundClients, "the daemon serves at most %d clients (server.max_clients)", s.cfg.MaxClients)
 	}
@@ -1042,6 +1042,19 @@ func (s *Server) Shutdown() {
 		sess.stop(s.cfg.ShutdownTimeout)
 	}
 	s.wg.Wait()
+}
+
+// isStopping reports whether Shutdown has begun.
+func (s *Server) isStopping() bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.stopping
+}
+
+// errShuttingDown is what a client is told when the daemon stops: a new
+// connection at once, a connected one after its jobs' completions.
+func errShuttingDown() *protocol.Error {
+	return &protocol.Error{Code: protocol.CodeShuttingDown, Message: "the daemon is shutting down"}
 }
 
 // clients is the number of sessions through the handshake.

@@ -677,6 +677,22 @@ func TestShutdownWithStuckClient(t *testing.T) {
 	}
 }
 
+// TestAConnectedClientIsToldTheDaemonIsShuttingDown: a client connected
+// when the daemon stops gets an Error of code ShuttingDown (request id 0)
+// before its connection closes, as a new connection does then, so that
+// what its requests fail with says why.
+func TestAConnectedClientIsToldTheDaemonIsShuttingDown(t *testing.T) {
+	f := newFixture(t, server.Config{ShutdownTimeout: time.Second})
+	r := f.raw(t)
+	r.hello()
+	f.stop(t)
+	h, m, err := r.recv()
+	if e, ok := m.(*protocol.Error); err != nil || !ok || e.Code != protocol.CodeShuttingDown || h.ID != 0 {
+		t.Fatalf("after the shutdown: %+v %#v %v, want an Error of code ShuttingDown, request 0", h, m, err)
+	}
+	r.expectClosed()
+}
+
 func TestRetryableAccept(t *testing.T) {
 	tests := []struct {
 		err  error

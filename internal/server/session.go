@@ -1042,6 +1042,11 @@ func (s *session) release() {
 		s.capWrites(time.Now().Add(time.Second))
 	}
 	s.writeWG.Wait()
+	if s.srv.isStopping() {
+		// The client's requests still waiting fail with why, after the
+		// completions of its jobs, not with a bare close.
+		s.send(0, errShuttingDown())
+	}
 	for _, r := range s.regions {
 		s.closeRegion(r)
 	}
