@@ -498,3 +498,40 @@ func TestDockerRunHostDirectoriesWritableByImageUser(t *testing.T) {
 		}
 	}
 }
+
+// TestVLLMImageInstallsTheClientOfThisRepository: the vLLM image of
+// deploy/docker/vllm.Dockerfile copies the repository's Python client
+// (a directory with its pyproject.toml) and pip-installs what it copied,
+// checking that kvhost.vllm imports; docs/vllm.md's pod runs the image it
+// builds.
+func TestVLLMImageInstallsTheClientOfThisRepository(t *testing.T) {
+	root := filepath.Join("..", "..")
+	src, err := os.ReadFile(filepath.Join(root, "deploy", "docker", "vllm.Dockerfile"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	var from, to, install string
+	for _, l := range strings.Split(string(src), "\n") {
+		f := strings.Fields(l)
+		switch {
+		case len(f) == 3 && f[0] == "COPY":
+			from, to = f[1], f[2]
+		case len(f) > 1 && f[0] == "RUN":
+			install = l
+		}
+	}
+	if _, err := os.Stat(filepath.Join(root, from, "pyproject.toml")); err != nil || to == "" {
+		t.Fatalf("COPY %s %s: want the repository's client directory: %v", from, to, err)
+	}
+	if !strings.Contains(install, "pip install") || !strings.Contains(install, " "+to) || !strings.Contains(string(src), `import kvhost.vllm`) {
+		t.Fatalf("RUN %q: want a pip install of %s, then an import of kvhost.vllm", install, to)
+	}
+	doc, err := os.ReadFile(filepath.Join(root, "docs", "vllm.md"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	const build = "docker build -f deploy/docker/vllm.Dockerfile -t vllm-kvhost:dev ."
+	if !strings.Contains(string(doc), build) || !strings.Contains(string(doc), "image: vllm-kvhost:dev") || !strings.Contains(string(src), build) {
+		t.Fatalf("docs/vllm.md and the Dockerfile should both give %q, and the pod run image vllm-kvhost:dev", build)
+	}
+}
