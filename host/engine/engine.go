@@ -313,6 +313,9 @@ func (e *Engine) Stats() Stats {
 // Close stops accepting requests and waits for the jobs in flight; if ctx
 // ends first it cancels them and waits for them to unwind. Temporary files
 // of cancelled stores are removed. Close returns ctx's error in that case.
+// Calls that are not jobs (Lookup, Pin, Delete, Purge and the like) are
+// not waited for: their callers end them before Close, as the server ends
+// its sessions first.
 func (e *Engine) Close(ctx context.Context) error {
 	e.mu.Lock()
 	if e.closed {
