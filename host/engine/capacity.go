@@ -84,7 +84,7 @@ func (e *Engine) reserveUsed(ctx context.Context, m *mount, size int64) (err err
 		return nil
 	}
 	if _, capacity := e.space.usage(m.sp); size > capacity {
-		return fmt.Errorf("%w: mount %s: a file of %d bytes exceeds the capacity of %d", ErrNoSpace, m.root, size, capacity)
+		return e.exceedsCapacity(m, size, capacity)
 	}
 	stopped := e.evict(ctx, m, size)
 	if reserve(capacity) {
@@ -106,6 +106,34 @@ func (e *Engine) reserveUsed(ctx context.Context, m *mount, size int64) (err err
 		c.mu.Unlock()
 	}
 	return fmt.Errorf("%w: mount %s: %d of %d bytes used, %d more needed, %s", ErrNoSpace, m.root, used, capacity, size, why)
+}
+
+// noRoomFix is what to do where a mount's file system has no room left
+// for kvhost (its free space plus kvhost's files there, less the mount's
+// reserve, is below what kvhost needs): the warning at Open and a store's
+// ErrNoSpace say it alike.
+const noRoomFix = "free space on the file system, or lower the mount's reserve below what it has available"
+
+// exceedsCapacity is the ErrNoSpace of a file of size bytes larger than
+// m's capacity, capacity. Where the file system cut the capacity below
+// the configured one (other programs filled it), the error says so and
+// what to do: the configured capacity is not what is at fault.
+func (e *Engine) exceedsCapacity(m *mount, size, capacity int64) error {
+	err := fmt.Errorf("%w: mount %s: a file of %d bytes exceeds the capacity of %d", ErrNoSpace, m.root, size, capacity)
+	sp := m.sp // configured and reserve are fixed at Open
+	if sp.configured > 0 && capacity >= sp.configured {
+		return err // the configured capacity itself is too small
+	}
+	st, serr := e.fs.Statfs(m.root)
+	if serr != nil || st.Total == 0 {
+		return err // no word from the file system on its room
+	}
+	of := "the file system's size"
+	if sp.configured > 0 {
+		of = fmt.Sprintf("the configured %d bytes", sp.configured)
+	}
+	return fmt.Errorf("%w: the file system has no room left (its %d bytes available plus what kvhost holds there, less the mount's reserve of %d, leave %d of %s); fix: %s",
+		err, st.Avail, sp.reserve, capacity, of, noRoomFix)
 }
 
 // unreserve gives back a reservation of size bytes on m that no file took

@@ -809,3 +809,68 @@ func TestAClusterEvictionStopsWhenItsCallerGivesUp(t *testing.T) {
 		t.Errorf("%d files deleted for a caller that gave up, want 0", n)
 	}
 }
+
+// TestAFileSystemFilledByOthersSaysSoInTheNoSpaceError: where other
+// programs filled a mount's file system, so that its free space plus the
+// engine's files, less the reserve, is below the configured capacity, a
+// store's ErrNoSpace says that the file system has no room left and what
+// to do (the warning at Open's fix), not only that the file exceeds a
+// capacity the operator never configured; where the configured capacity
+// itself is too small, it says nothing of the file system.
+func TestAFileSystemFilledByOthersSaysSoInTheNoSpaceError(t *testing.T) {
+	const (
+		total = 4 << 20
+		size  = 64 << 10
+	)
+	for _, tt := range []struct {
+		name              string
+		capacity, reserve int64
+		foreign           int64 // bytes other programs take after Open
+		want              []string
+		wantNot           []string
+	}{
+		{
+			name: "filled", capacity: 1 << 20, foreign: total,
+			want: []string{"exceeds the capacity of 0", "the file system has no room left", "its 0 bytes available",
+				"reserve of 0", "of the configured 1048576 bytes", "fix: " + noRoomFix},
+		},
+		{
+			name: "below the reserve", capacity: 1 << 20, reserve: 1 << 20, foreign: total - 512<<10,
+			want: []string{"the file system has no room left", "its 524288 bytes available", "reserve of 1048576", "fix: " + noRoomFix},
+		},
+		{
+			name: "configured capacity too small", capacity: 16 << 10,
+			want:    []string{"a file of 65536 bytes exceeds the capacity of 16384"},
+			wantNot: []string{"file system", "fix"},
+		},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			dir := t.TempDir()
+			disk := &smallDisk{root: dir, total: total}
+			e := openEngine(t, Config{Mounts: []Mount{{Path: dir, Capacity: tt.capacity, Reserve: tt.reserve}},
+				Policy: newTestPolicy(1, 0), FS: disk})
+			disk.foreign = tt.foreign
+			m := e.mounts[0]
+			m.evictMu.Lock()
+			e.refreshCapacity(m, true)
+			m.evictMu.Unlock()
+			err := e.reserveUsed(context.Background(), m, size)
+			if err == nil {
+				t.Fatal("a reservation beyond the capacity succeeded")
+			}
+			if !errors.Is(err, ErrNoSpace) {
+				t.Fatalf("%v: want ErrNoSpace", err)
+			}
+			for _, w := range tt.want {
+				if !strings.Contains(err.Error(), w) {
+					t.Errorf("%v: want it to say %q", err, w)
+				}
+			}
+			for _, w := range tt.wantNot {
+				if strings.Contains(err.Error(), w) {
+					t.Errorf("%v: want it not to say %q", err, w)
+				}
+			}
+		})
+	}
+}

@@ -362,7 +362,7 @@ func (e *Engine) warnRefusing(m *mount, fsName string, capacity int64) bool {
 		why = fmt.Sprintf("no room: the file system has %d bytes available, the mount's reserve is %d", avail, sp.reserve)
 		e.log.Warn("engine: the mount has no room: every store there fails until it has"+loads,
 			"mount", m.root, "fs", fsName, "fs_available", avail, "reserve", sp.reserve, "configured", sp.configured,
-			"fix", "free space on the file system, or lower the mount's reserve below what it has available")
+			"fix", noRoomFix)
 	default:
 		return false
 	}
