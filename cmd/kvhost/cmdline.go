@@ -6,6 +6,8 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"os"
+	"syscall"
 	"time"
 
 	"github.com/kvhost/kvhost/client"
@@ -119,14 +121,63 @@ func (f daemonFlags) stats(ctx context.Context) (statsReport, error) {
 	return queryStats(ctx, *f.socket)
 }
 
-// dialDaemon is client.Dial for the commands that talk to a daemon: where
-// the listener on socket answers the Hello with what is no kvhost frame
-// (another program's socket), the error says so rather than only how the
-// bytes failed to decode.
+// dialDaemon is client.Dial for the commands that talk to a daemon (stats,
+// health, purge, reload): where the listener on socket answers the Hello
+// with what is no kvhost frame (another program's socket), the error says
+// so rather than only how the bytes failed to decode; where connecting
+// fails, it is a *dialError, which says what to do. The commands print
+// the socket before the error, which therefore does not name it.
 func dialDaemon(ctx context.Context, socket, name string) (*client.Client, error) {
 	c, err := client.Dial(ctx, socket, name)
 	if errors.Is(err, protocol.ErrTooLarge) || errors.Is(err, protocol.ErrMalformed) || errors.Is(err, protocol.ErrUnknownType) {
 		return nil, fmt.Errorf("not a kvhost daemon's socket (its answer to the handshake is no kvhost frame): %w", err)
 	}
-	return c, err
+	if err != nil {
+		return nil, explainDial(err)
+	}
+	return c, nil
+}
+
+// The hints of a failed connection to the daemon's socket, one wording
+// for every command that dials it.
+const (
+	// hintNoDaemon: nothing listens on the socket (ENOENT, ECONNREFUSED).
+	hintNoDaemon = "is the daemon running? (give its --socket, or --config to read the socket from its config)"
+	// hintNoAccess: the socket, or a directory above it, refuses this
+	// user (EACCES, EPERM).
+	hintNoAccess = "permission denied: run as a member of the daemon's server.socket_group (or root)"
+)
+
+// dialError is a failed connection to the daemon's socket: the system
+// call's error and what to do about it. It unwraps to client.Dial's
+// error, so errors.Is(err, syscall.ENOENT) holds.
+type dialError struct {
+	err  error // client.Dial's
+	msg  string
+	hint string
+}
+
+// Error is the system call's error and the hint, without the socket's
+// path (the commands print it once, before the error).
+func (e *dialError) Error() string { return e.msg + ": " + e.hint }
+
+// Unwrap returns client.Dial's error.
+func (e *dialError) Unwrap() error { return e.err }
+
+// explainDial turns client.Dial's err into a *dialError where connecting
+// failed for a reason with a known fix; any other error is returned as
+// it is.
+func explainDial(err error) error {
+	var se *os.SyscallError
+	if !errors.As(err, &se) {
+		return err
+	}
+	switch {
+	case errors.Is(se.Err, syscall.ENOENT), errors.Is(se.Err, syscall.ECONNREFUSED):
+		return &dialError{err: err, msg: se.Error(), hint: hintNoDaemon}
+	case errors.Is(se.Err, syscall.EACCES), errors.Is(se.Err, syscall.EPERM):
+		// The hint names the errno itself.
+		return &dialError{err: err, msg: se.Syscall, hint: hintNoAccess}
+	}
+	return err
 }

@@ -201,7 +201,7 @@ func reloadDaemon(ctx context.Context, socket string, stdout io.Writer) error {
 	}
 	pid, err := peerPID(socket)
 	if err != nil {
-		return err
+		return explainDial(err)
 	}
 	if err := syscall.Kill(pid, syscall.SIGHUP); err != nil {
 		return fmt.Errorf("signal the daemon (pid %d): %w (run as the daemon's user or root)", pid, err)
