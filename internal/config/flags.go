@@ -3,6 +3,7 @@ package config
 import (
 	"flag"
 	"fmt"
+	"os"
 	"path/filepath"
 )
 
@@ -21,6 +22,9 @@ type Flags struct {
 	ioWorkers  int
 	shards     int
 	metrics    string
+	// src is the configuration file as the last Load read it, for
+	// Locate's lines.
+	src []byte
 }
 
 // BindFlags registers kvhost's common settings on fs.
@@ -45,14 +49,19 @@ func BindFlags(fs *flag.FlagSet) *Flags {
 func (f *Flags) ConfigPath() string { return f.configPath }
 
 // Load reads the file named by -config (or starts from Default), applies the
-// flags that were set, and validates the result.
+// flags that were set, and validates the result. It keeps the file's text
+// for Locate: it is not to be called concurrently with Locate.
 func (f *Flags) Load() (Config, error) {
 	c := Default()
 	if f.configPath != "" {
-		var err error
-		if c, err = Load(f.configPath); err != nil {
+		src, err := os.ReadFile(f.configPath)
+		if err != nil {
+			return Config{}, fmt.Errorf("config: %w", err)
+		}
+		if c, err = Parse(f.configPath, src); err != nil {
 			return Config{}, err
 		}
+		f.src = src
 	}
 	if err := f.Apply(&c); err != nil {
 		return Config{}, err
@@ -112,4 +121,83 @@ func (f *Flags) Apply(c *Config) error {
 		return fmt.Errorf("%w (from the command line or -config)", err)
 	}
 	return nil
+}
+
+// KeyError is a fault of a key's value that what used the value found,
+// past the file's validation (a group this machine lacks, a policy this
+// binary lacks). It reads as the loader's errors do, "config: FILE:LINE:
+// KEY: ...", or names the flag that gave the value.
+type KeyError struct {
+	File string // the configuration file that gave the value; "" for none
+	Line int    // the line in File that sets Key; 0 when unknown
+	Flag string // the command-line flag that gave the value ("--policy"); "" for none
+	Key  string // dotted key, e.g. "server.socket_group"
+	Err  error  // what is wrong with the value, and the fix
+}
+
+// Error names where the value came from, the key and what is wrong.
+func (e *KeyError) Error() string {
+	switch {
+	case e.Flag != "":
+		return fmt.Sprintf("config: %s (from %s): %v", e.Key, e.Flag, e.Err)
+	case e.File != "" && e.Line > 0:
+		return fmt.Sprintf("config: %s:%d: %s: %v", e.File, e.Line, e.Key, e.Err)
+	case e.File != "":
+		return fmt.Sprintf("config: %s: %s: %v", e.File, e.Key, e.Err)
+	}
+	return fmt.Sprintf("config: %s: %v", e.Key, e.Err)
+}
+
+// Unwrap returns what is wrong with the value.
+func (e *KeyError) Unwrap() error { return e.Err }
+
+// Locate returns err, a fault of key's value in the configuration the
+// last Load returned, as a *KeyError naming key and where its value came
+// from: the flag that set it, else the configuration file and the line in
+// it that sets key (of the first [[mount]] for a mount's key).
+func (f *Flags) Locate(key string, err error) error {
+	ke := &KeyError{Key: key, Err: err}
+	if name := flagOf(key); name != "" {
+		f.fs.Visit(func(fl *flag.Flag) {
+			if fl.Name == name {
+				ke.Flag = "--" + name
+			}
+		})
+		if ke.Flag != "" {
+			return ke
+		}
+	}
+	if f.configPath != "" {
+		ke.File, ke.Line = f.configPath, lineOf(f.src, key, 0)
+	}
+	return ke
+}
+
+// flagOf is the name of the flag that sets key, or "" for none.
+func flagOf(key string) string {
+	switch key {
+	case "policy.name":
+		return "policy"
+	case "server.socket":
+		return "socket"
+	case "mount.path":
+		return "dir"
+	case "mount.capacity":
+		return "capacity"
+	case "mount.preallocate":
+		return "preallocate"
+	case "log.level":
+		return "log-level"
+	case "log.format":
+		return "log-format"
+	case "engine.fsync":
+		return "fsync"
+	case "engine.io_workers":
+		return "io-workers"
+	case "policy.shards":
+		return "policy-shards"
+	case "metrics.listen":
+		return "metrics"
+	}
+	return ""
 }
