@@ -134,8 +134,12 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 	// compilation cache and the mounts may lie beside it (the default
 	// layout puts all under one directory); a directory made for one of
 	// them would not be given to socket_group.
-	if _, err := server.PrepareSocketDir(cfg.Server.Socket, cfg.Server.SocketGroup); err != nil {
-		return err
+	// It also checks that the daemon's user may give files to
+	// socket_group: the lookup table and the socket, given to it later,
+	// come after the engine's start (an index rebuild, which may be long).
+	gid, err := server.PrepareSocketDir(cfg.Server.Socket, cfg.Server.SocketGroup)
+	if err != nil {
+		return d.groupFault(err)
 	}
 	workers, restoreProcs := reserveControlProcessors(cfg.Engine.IOWorkers, log)
 	defer restoreProcs()
@@ -243,6 +247,10 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 	warnSingleMount(log, build, cfg.Mounts)
 	warnReversedTiers(log, cfg, eng.Stats().Mounts)
 	table, err := openLookupTable(cfg, eng, log)
+	if err != nil && gid >= 0 && errors.Is(err, unix.EPERM) {
+		// The group changed since the start's probe.
+		err = d.groupFault(server.ChownGroupError(cfg.Server.SocketGroup, gid, err))
+	}
 	if err != nil {
 		cctx, cancel := context.WithTimeout(context.Background(), time.Duration(cfg.Server.ShutdownTimeout)+10*time.Second)
 		defer cancel()
@@ -261,7 +269,7 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 	}
 	sock, err := server.Listen(cfg.Server.Socket, os.FileMode(cfg.Server.SocketMode), cfg.Server.SocketGroup)
 	if err != nil {
-		return errors.Join(err, closeEngine())
+		return errors.Join(d.groupFault(err), closeEngine())
 	}
 	scfg := serverLimits(cfg)
 	scfg.Name = serverName()
@@ -397,6 +405,18 @@ func newWatchdog(cfg config.Config, eng *engine.Engine, srv *server.Server, log 
 	}
 	log.Info("watchdog", "every", every, "stall_timeout", time.Duration(cfg.Server.StallTimeout), "systemd", notify != nil)
 	return wd, nil
+}
+
+// groupFault is err, where it is a fault of server.socket_group (a
+// *server.GroupError: a group this machine lacks, one the daemon's user
+// may not give files to), as a *config.KeyError naming the key and where
+// it was set; any other error as it is.
+func (d *daemon) groupFault(err error) error {
+	var ge *server.GroupError
+	if errors.As(err, &ge) {
+		return d.flags.Locate("server.socket_group", err)
+	}
+	return err
 }
 
 // serverName is the daemon's name and version in the handshake.
@@ -649,7 +669,7 @@ func (d *daemon) policyBuilder(ctx context.Context, cfg config.Config) (*builtPo
 	log := d.log
 	module, name, builtin, err := policyModule(cfg.Policy.Name)
 	if err != nil {
-		return nil, err
+		return nil, d.flags.Locate("policy.name", err)
 	}
 	b := &builtPolicy{name: name, cfg: cfg.Policy}
 	if module != nil {

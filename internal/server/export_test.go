@@ -3,6 +3,7 @@ package server
 import (
 	"context"
 	"fmt"
+	"os"
 )
 
 // RetryableAccept exports retryableAccept to the tests.
@@ -111,4 +112,9 @@ func (s *Server) PeerAccount(r PeerRecord) PeerAccount {
 	a.IncomingBytes, a.IncomingQueued = p.incoming.used, p.incoming.waiters.Len()
 	p.incoming.mu.Unlock()
 	return a
+}
+
+// PrepareSocketDirChown is PrepareSocketDir with the probe file's chown.
+func PrepareSocketDirChown(path, group string, chown func(f *os.File, uid, gid int) error) (int, error) {
+	return prepareSocketDir(path, group, chown)
 }

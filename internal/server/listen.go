@@ -75,7 +75,7 @@ func Listen(path string, mode os.FileMode, group string) (*Socket, error) {
 	}
 	if gid >= 0 {
 		if err := os.Lchown(path, -1, gid); err != nil {
-			return cleanup(fmt.Errorf("server: chown socket to group %s: %w", group, err))
+			return cleanup(ChownGroupError(group, gid, err))
 		}
 	}
 	var st unix.Stat_t
@@ -97,27 +97,115 @@ func Listen(path string, mode os.FileMode, group string) (*Socket, error) {
 // empty, given to that group), and returns the group's id (-1 for none).
 // A daemon that puts other files next to the socket (its lock, its lookup
 // table) calls it first, so that the directories it creates are the
-// group's too.
+// group's too. With a group, it also checks that the daemon's user may
+// give files to it (a member of it, or root), by giving it a probe file
+// in the socket's directory: the socket and the lookup table are given
+// to it later, after the engine's start (an index rebuild, which may take
+// long). A group the machine lacks, or one the user may not give files
+// to, is a *GroupError.
 func PrepareSocketDir(path, group string) (int, error) {
+	return prepareSocketDir(path, group, (*os.File).Chown)
+}
+
+// prepareSocketDir is PrepareSocketDir with the probe file's chown (the
+// tests fail it as for a user outside the group).
+func prepareSocketDir(path, group string, chown func(f *os.File, uid, gid int) error) (int, error) {
 	gid := -1
 	if group != "" {
 		g, err := LookupGroup(group)
 		if err != nil {
-			return -1, err
+			cause := err
+			var ue user.UnknownGroupError
+			if errors.As(err, &ue) {
+				cause = ue
+			}
+			return -1, &GroupError{Group: group, Err: cause, Fix: UnknownGroupFix, lookup: err}
 		}
 		gid = g
 	}
-	if err := socketDir(filepath.Dir(filepath.Clean(path)), gid); err != nil {
+	dir := filepath.Dir(filepath.Clean(path))
+	if err := socketDir(dir, gid, group); err != nil {
 		return -1, err
 	}
+	if gid >= 0 {
+		if err := probeGroup(dir, group, gid, chown); err != nil {
+			return -1, err
+		}
+	}
 	return gid, nil
+}
+
+// probeGroup gives group (id gid) a file it makes in dir, then removes it:
+// a *GroupError where chown refuses (EPERM: the daemon's user is not a
+// member of the group). A file it cannot make says nothing of the group:
+// what needs one there (the engine's lock) reports that.
+func probeGroup(dir, group string, gid int, chown func(f *os.File, uid, gid int) error) error {
+	f, err := os.CreateTemp(dir, ".kvhost-group-probe-*")
+	if err != nil {
+		return nil
+	}
+	defer os.Remove(f.Name())
+	defer f.Close()
+	if err := chown(f, -1, gid); err != nil {
+		return ChownGroupError(group, gid, err)
+	}
+	return nil
+}
+
+// UnknownGroupFix is what to do about a server.socket_group that names a
+// group this machine does not have.
+const UnknownGroupFix = "create the group, or give its numeric id"
+
+// GroupError is a fault of the socket's group, server.socket_group: the
+// machine has no such group, or the daemon's user may not give files to
+// it. Its text names neither the key nor the daemon (the daemon's start
+// adds the key, and the file and line that set it); Fix says what to do.
+type GroupError struct {
+	Group string // as given: a name or a numeric id
+	Err   error  // what failed
+	Fix   string // what to do about it
+	// lookup is LookupGroup's error, unwrapped too where Err is its cause.
+	lookup error
+}
+
+// Error is what failed and, where known, the fix.
+func (e *GroupError) Error() string {
+	if e.Fix == "" {
+		return e.Err.Error()
+	}
+	return fmt.Sprintf("%v: %s", e.Err, e.Fix)
+}
+
+// Unwrap returns what failed.
+func (e *GroupError) Unwrap() []error {
+	if e.lookup != nil {
+		return []error{e.Err, e.lookup}
+	}
+	return []error{e.Err}
+}
+
+// ChownGroupError is the *GroupError of err, a failure to give a file to
+// group (id gid): where chown refused (EPERM), the daemon's user is not a
+// member of the group, and the fix says to make it one or to run the
+// daemon as root; other failures have no fix of the group's.
+func ChownGroupError(group string, gid int, err error) *GroupError {
+	fix := ""
+	if errors.Is(err, unix.EPERM) {
+		name := group
+		if g, lerr := user.LookupGroupId(strconv.Itoa(gid)); lerr == nil {
+			name = g.Name
+		}
+		err = fmt.Errorf("the daemon's user (uid %d) is not a member of group %s (gid %d), and may not give files to it: %w", os.Geteuid(), name, gid, err)
+		fix = fmt.Sprintf("add the daemon's user to the group (usermod -aG %s USER; under systemd, SupplementaryGroups=%s), or run the daemon as root", name, name)
+	}
+	return &GroupError{Group: group, Err: err, Fix: fix}
 }
 
 // socketDir creates dir and its missing parents, mode 0750 whatever the
 // umask; with a group (gid ≥ 0) the directories it creates belong to that
 // group, whose members can then reach the socket. Directories that exist
 // are left as they are.
-func socketDir(dir string, gid int) error {
+func socketDir(dir string, gid int, group string) error {
 	var created []string
 	for d := dir; ; d = filepath.Dir(d) {
 		if _, err := os.Lstat(d); err == nil || !errors.Is(err, os.ErrNotExist) || d == filepath.Dir(d) {
@@ -134,7 +222,7 @@ func socketDir(dir string, gid int) error {
 		}
 		if gid >= 0 {
 			if err := os.Lchown(d, -1, gid); err != nil {
-				return fmt.Errorf("server: socket directory %s to group %d: %w", d, gid, err)
+				return ChownGroupError(group, gid, err)
 			}
 		}
 	}

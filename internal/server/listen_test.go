@@ -1,9 +1,12 @@
 package server_test
 
 import (
+	"errors"
 	"os"
+	"os/user"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"syscall"
 	"testing"
 
@@ -49,5 +52,53 @@ func TestListenGivesCreatedDirectoriesToTheSocketGroup(t *testing.T) {
 		if fi.Mode().Perm() != c.mode || (c.gid >= 0 && int(st.Gid) != c.gid) {
 			t.Errorf("%s: mode %v gid %d, want %v gid %d", c.path, fi.Mode().Perm(), st.Gid, c.mode, c.gid)
 		}
+	}
+}
+
+// TestPrepareSocketDirFindsASocketGroupItCannotUse: a socket_group the
+// machine lacks, or one the daemon's user may not give files to (chown
+// refuses with EPERM: the user is not a member), is a *GroupError at
+// once, with the fix (create the group; add the user to it or run as
+// root), before the daemon's slow start; the probe file leaves nothing
+// behind, whatever its chown did. (EPERM is made up: root may give a file
+// to any group.)
+func TestPrepareSocketDirFindsASocketGroupItCannotUse(t *testing.T) {
+	gid := strconv.Itoa(os.Getgid())
+	eperm := func(*os.File, int, int) error { return syscall.EPERM }
+	for _, tt := range []struct {
+		name    string
+		group   string
+		chown   func(f *os.File, uid, gid int) error
+		want    []string // in the error; none: no error
+		wantErr error
+	}{
+		{"member", gid, (*os.File).Chown, nil, nil},
+		{"unknown group", "kvhost-no-such-group", (*os.File).Chown,
+			[]string{"unknown group kvhost-no-such-group", server.UnknownGroupFix}, user.UnknownGroupError("kvhost-no-such-group")},
+		{"not a member", gid, eperm,
+			[]string{"is not a member of group", "operation not permitted", "SupplementaryGroups=", "or run the daemon as root"}, syscall.EPERM},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			dir := t.TempDir()
+			_, err := server.PrepareSocketDirChown(filepath.Join(dir, "kvhost.sock"), tt.group, tt.chown)
+			if tt.want == nil {
+				if err != nil {
+					t.Fatal(err)
+				}
+			} else {
+				var ge *server.GroupError
+				if !errors.As(err, &ge) || ge.Group != tt.group || !errors.Is(err, tt.wantErr) {
+					t.Fatalf("%v: want a *GroupError of %q wrapping %v", err, tt.group, tt.wantErr)
+				}
+				for _, w := range tt.want {
+					if !strings.Contains(err.Error(), w) {
+						t.Errorf("%v: want it to say %q", err, w)
+					}
+				}
+			}
+			if left, _ := os.ReadDir(dir); len(left) != 0 {
+				t.Errorf("the probe left %v in the socket's directory", left)
+			}
+		})
 	}
 }
