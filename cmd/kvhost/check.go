@@ -464,11 +464,10 @@ func checkMount(ctx context.Context, rep *checkReport, o checkOptions, m config.
 // statfs counts no blocks) without a capacity; with one, that capacity is
 // the mount's capacity. It says nothing (level "") of any other.
 func fileSystemFinding(name string, k fstype.Kind, size, capacity, reserve int64) (level, what, fix string) {
-	const tmpfs = "mount -t tmpfs -o size=64G,huge=within_size tmpfs /mnt/kvcache"
 	switch {
 	case k.MapOnly:
 		return levelFail, name + ": its files cannot be written with write(2), only through mappings, and kvhost writes with pwrite: the engine refuses this mount",
-			"for files in huge pages use a tmpfs mounted with huge=within_size (" + tmpfs + ")"
+			"for files in huge pages use a tmpfs mounted with huge=within_size (" + ownTmpfs + ")"
 	case size != 0:
 		return "", "", ""
 	}
@@ -478,7 +477,7 @@ func fileSystemFinding(name string, k fstype.Kind, size, capacity, reserve int64
 	}
 	if capacity == 0 {
 		return levelFail, name + " reports no size (statfs: 0 blocks): the engine refuses the mount, which needs a configured capacity" + memory,
-			"set capacity for this mount ([[mount]] capacity = \"16GiB\"), or use a tmpfs, which has a size (" + tmpfs + ")"
+			"set capacity for this mount ([[mount]] capacity = \"16GiB\"), or use a tmpfs, which has a size (" + ownTmpfs + ")"
 	}
 	what = fmt.Sprintf("%s reports no size (statfs: 0 blocks): the configured capacity, %s, is the capacity", name, sizeOf(capacity))
 	if reserve > 0 {

@@ -213,6 +213,33 @@ func TestHugePagesJudgementNamesWhatTheKernelGives(t *testing.T) {
 	}
 }
 
+// TestTmpfsFixesKeepTheMountPrivate: every fix of check that mounts a
+// tmpfs for kvhost makes its directory first and mounts it mode=0750, as
+// docs/serve.md does: without mode= a tmpfs root is 1777, world-writable.
+func TestTmpfsFixesKeepTheMountPrivate(t *testing.T) {
+	_, _, smallPages := hugePagesJudgement(fstype.Mount{Point: "/mnt/kv", Type: "tmpfs", Options: "rw"}, 0)
+	_, _, hugetlbfs := fileSystemFinding("hugetlbfs", fstype.Kind{MapOnly: true}, 0, 0, 0)
+	_, _, ramfs := fileSystemFinding("ramfs", fstype.Kind{Memory: true}, 0, 0, 0)
+	doc, err := os.ReadFile(filepath.Join("..", "..", "docs", "serve.md"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for name, fix := range map[string]string{"small pages": smallPages, "hugetlbfs": hugetlbfs, "ramfs": ramfs} {
+		_, cmd, ok := strings.Cut(fix, "mkdir -p /mnt/kvcache && mount -t tmpfs -o ")
+		if !ok {
+			t.Errorf("%s: fix %q makes no directory before mounting a tmpfs", name, fix)
+			continue
+		}
+		opts, _, _ := strings.Cut(cmd, " ")
+		if !strings.Contains(opts, "mode=0750") {
+			t.Errorf("%s: fix %q mounts a tmpfs without mode=0750", name, fix)
+		}
+		if !strings.Contains(string(doc), "mount -t tmpfs -o "+opts+" tmpfs /mnt/kvcache") {
+			t.Errorf("%s: docs/serve.md mounts the tmpfs otherwise than the fix (-o %s)", name, opts)
+		}
+	}
+}
+
 func TestPreallocateFindingSaysWhatIsMadeAhead(t *testing.T) {
 	const gib = 1 << 30
 	cases := []struct {

@@ -4,6 +4,11 @@ import (
 	"github.com/kvhost/kvhost/internal/fstype"
 )
 
+// ownTmpfs are the commands that give kvhost a tmpfs of its own with huge
+// pages, as docs/serve.md gives them: mode=0750, since a tmpfs root is
+// otherwise 1777 (anyone may write there).
+const ownTmpfs = "mkdir -p /mnt/kvcache && mount -t tmpfs -o size=64G,huge=within_size,mode=0750 tmpfs /mnt/kvcache"
+
 // hugePagesFinding judges the pages of the tmpfs mount holding path, by
 // the rule the engine uses to cut its stores (fstype.LargeFolio): the
 // mount's huge= option and the kernel's shmem_enabled. It says nothing
@@ -30,7 +35,7 @@ func hugePagesFinding(path string) (level, what, fix string) {
 // (allocation, the page cache, its LRU lists) dominates tmpfs I/O.
 func hugePagesJudgement(m fstype.Mount, folio int64) (level, what, fix string) {
 	huge, asked := fstype.HugeOption(m)
-	mountFix := "remount it with huge pages (mount -o remount,huge=within_size " + m.Point + "), or give kvhost a tmpfs of its own: mount -t tmpfs -o size=64G,huge=within_size tmpfs /mnt/kvcache"
+	mountFix := "remount it with huge pages (mount -o remount,huge=within_size " + m.Point + "), or give kvhost a tmpfs of its own: " + ownTmpfs
 	switch {
 	case folio > 0 && asked:
 		return levelOK, "tmpfs with huge pages (huge=" + huge + ")", ""
