@@ -327,27 +327,86 @@ func checkCuFile(rep *checkReport, g config.GPU, rt *cuda.Runtime) *gds.Driver {
 	return d
 }
 
-// checkDisjointMounts FAILs each pair of existing mounts of kvhost's
-// layout that are one directory or one inside the other, which the
-// daemon refuses at start (engine.MountsDisjoint). A mount not made yet
-// is not compared (checkMount says to make it).
+// checkDisjointMounts FAILs each pair of mounts of kvhost's layout that
+// are one directory or one inside the other, which the daemon refuses at
+// start (overlappingMounts).
 func checkDisjointMounts(rep *checkReport, mounts []config.Mount) {
-	var roots []string
-	for _, m := range mounts {
+	for _, o := range overlappingMounts(mounts) {
+		rep.add(levelFail, mounts[o.second].Path, fmt.Sprintf("overlaps the mount %s (one directory, or one inside the other, through any name): the daemon refuses to start", mounts[o.first].Path),
+			"give each [[mount]] a directory of its own, none inside another")
+	}
+}
+
+// mountOverlap is two mounts, by their index in the configuration, that
+// the daemon refuses at start as one directory or one inside the other.
+type mountOverlap struct {
+	first, second int
+	err           error // the daemon's error, wrapping engine.ErrInvalid
+}
+
+// overlappingMounts returns the pairs of mounts of kvhost's layout that
+// the daemon's start refuses as one directory, or one inside the other.
+// Two existing directories are compared as the engine compares them
+// (engine.MountsDisjoint: by device and inode, through any name). A mount
+// that does not exist yet, which the daemon makes at start, is compared
+// by its path: the real path of its nearest existing ancestor, symbolic
+// links resolved, and the directories the daemon would make below it. A
+// path that exists but is no directory is not compared (the daemon
+// refuses it anyway).
+func overlappingMounts(mounts []config.Mount) []mountOverlap {
+	type root struct {
+		i      int
+		exists bool
+		real   string
+	}
+	var roots []root
+	var out []mountOverlap
+	for i, m := range mounts {
 		if m.Layout == config.LayoutVLLMFS {
 			continue
 		}
-		if fi, err := os.Stat(m.Path); err != nil || !fi.IsDir() {
+		fi, err := os.Stat(m.Path)
+		if err == nil && !fi.IsDir() {
 			continue
 		}
-		for _, r := range roots {
-			if err := engine.MountsDisjoint(r, m.Path); errors.Is(err, engine.ErrInvalid) {
-				rep.add(levelFail, m.Path, fmt.Sprintf("overlaps the mount %s (one directory, or one inside the other, through any name): the daemon refuses to start", r),
-					"give each [[mount]] a directory of its own, none inside another")
+		r := root{i: i, exists: err == nil, real: realPath(m.Path)}
+		for _, q := range roots {
+			a, b := mounts[q.i].Path, m.Path
+			if r.exists && q.exists {
+				if err := engine.MountsDisjoint(a, b); errors.Is(err, engine.ErrInvalid) {
+					out = append(out, mountOverlap{q.i, i, err})
+				}
+				continue
+			}
+			if within(r.real, q.real) || within(q.real, r.real) {
+				out = append(out, mountOverlap{q.i, i, fmt.Errorf("%w: mounts %s and %s overlap (one directory, or one inside the other, once the daemon makes them at start)", engine.ErrInvalid, a, b)})
 			}
 		}
-		roots = append(roots, m.Path)
+		roots = append(roots, r)
 	}
+	return out
+}
+
+// realPath is path with the symbolic links of its nearest existing
+// ancestor resolved, the rest as given: where the directory is, or where
+// the daemon would make it.
+func realPath(path string) string {
+	path = filepath.Clean(path)
+	parent := existingParent(path)
+	real, err := filepath.EvalSymlinks(parent)
+	if err != nil {
+		return path
+	}
+	rest, err := filepath.Rel(parent, path)
+	if err != nil {
+		return path
+	}
+	return filepath.Join(real, rest)
+}
+
+// within reports whether the clean path p is dir or lies inside it.
+func within(p, dir string) bool {
+	return p == dir || strings.HasPrefix(p, strings.TrimSuffix(dir, "/")+"/")
 }
 
 // checkMount reports one mount: file system, space, O_DIRECT, cuFile

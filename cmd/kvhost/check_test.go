@@ -489,8 +489,9 @@ func TestCheckTellsAReadOnlyFileSystemFromPermissions(t *testing.T) {
 }
 
 // TestCheckFailsMountsThatOverlap: two mounts of kvhost's layout on one
-// directory (through a symbolic link) or one inside the other, which the
-// daemon refuses at start, FAIL; two directories side by side, and a
+// directory (through a symbolic link) or one inside the other, made or
+// not yet (the daemon makes them), which the daemon refuses at start,
+// FAIL; two directories side by side, and a
 // vllm-fs mount inside a kvhost one (the engine allows it), do not.
 func TestCheckFailsMountsThatOverlap(t *testing.T) {
 	dir := t.TempDir()
@@ -511,6 +512,7 @@ func TestCheckFailsMountsThatOverlap(t *testing.T) {
 		{"side by side", []config.Mount{{Path: a}, {Path: b}}, false},
 		{"one inside the other", []config.Mount{{Path: a}, {Path: inner}}, true},
 		{"one directory through a link", []config.Mount{{Path: a}, {Path: link}}, true},
+		{"one inside the other, not made yet", []config.Mount{{Path: filepath.Join(dir, "new")}, {Path: filepath.Join(dir, "new", "inner")}}, true},
 		{"a vllm-fs mount inside", []config.Mount{{Path: a}, {Path: inner, Layout: config.LayoutVLLMFS}}, false},
 	} {
 		t.Run(c.name, func(t *testing.T) {

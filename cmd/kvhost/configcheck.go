@@ -17,8 +17,8 @@ const configUsage = `usage: kvhost config check FILE...
 
 check: checks configuration files as the daemon reads them (TOML syntax,
 unknown keys, types, sizes, durations, rules across fields, the name of a
-built-in policy; a plugin .wasm file is not read) and prints "FILE: ok" or
-the error with its line and key. Exit 0: every file is ok; 1: one is not;
+built-in policy, mounts that overlap; a plugin .wasm file is not read) and
+prints "FILE: ok" or the error with its line and key. Exit 0: every file is ok; 1: one is not;
 2: usage.
 
 show: prints the configuration the daemon would run with, as TOML, with
@@ -46,6 +46,21 @@ func checkPolicyName(file, name string) error {
 	}
 	if _, err := plugins.Wasm(name); err != nil {
 		return fmt.Errorf("config: %s: policy.name: %w", file, err)
+	}
+	return nil
+}
+
+// checkAtStart refuses, with the error the daemon's start would stop
+// on, what config check and config show find in cfg, loaded from file
+// ("": flags only) beyond what Load checks: a policy.name that is not
+// built in, and mounts of kvhost's layout that are one directory, or one
+// inside the other (overlappingMounts), named at the later one's path.
+func checkAtStart(file string, cfg config.Config) error {
+	if err := checkPolicyName(file, cfg.Policy.Name); err != nil {
+		return err
+	}
+	if o := overlappingMounts(cfg.Mounts); len(o) > 0 {
+		return config.AtKey(file, "mount.path", o[0].second, o[0].err)
 	}
 	return nil
 }
@@ -87,7 +102,7 @@ func runConfig(_ context.Context, args []string, stdout, stderr io.Writer) int {
 		for _, f := range args[1:] {
 			c, err := config.Load(f)
 			if err == nil {
-				err = checkPolicyName(f, c.Policy.Name)
+				err = checkAtStart(f, c)
 			}
 			if err == nil && c.Server.SocketGroup != "" {
 				if gerr := checkSocketGroup(c.Server.SocketGroup); gerr != nil {

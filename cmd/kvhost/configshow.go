@@ -55,7 +55,7 @@ func runConfigShow(args []string, stdout, stderr io.Writer) int {
 	}
 	cfg, err := flags.Load()
 	if err == nil {
-		err = checkPolicyName(flags.ConfigPath(), cfg.Policy.Name)
+		err = checkAtStart(flags.ConfigPath(), cfg)
 	}
 	if err != nil {
 		fmt.Fprintln(stderr, err)

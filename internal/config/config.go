@@ -680,19 +680,56 @@ type ValueError struct {
 
 // Error names the file, line and key (where known) and what was expected.
 func (e *ValueError) Error() string {
-	where := ""
-	if e.File != "" {
-		where = e.File
-		if e.Line > 0 {
-			where += fmt.Sprintf(":%d", e.Line)
-		}
-		where += ": "
+	return fmt.Sprintf("config: %s%s: want %s, got %v", fileLine(e.File, e.Line), e.Key, e.Want, e.Got)
+}
+
+// fileLine is "FILE:LINE: ", "FILE: " where the line is 0, or "" where
+// the file is "": where an error message says a key is.
+func fileLine(file string, line int) string {
+	switch {
+	case file == "":
+		return ""
+	case line > 0:
+		return fmt.Sprintf("%s:%d: ", file, line)
 	}
-	return fmt.Sprintf("config: %s%s: want %s, got %v", where, e.Key, e.Want, e.Got)
+	return file + ": "
 }
 
 // Unwrap returns ErrInvalid, so that errors.Is(err, ErrInvalid) holds.
 func (e *ValueError) Unwrap() error { return ErrInvalid }
+
+// KeyError is what the daemon's start refuses in a configuration that
+// loads (a plugin's kvhost_init refusing a [policy.params] key, mounts
+// that overlap on disk), found by running what the start runs: it reads
+// "config: FILE:LINE: KEY: ERR", as Load's errors do.
+type KeyError struct {
+	File string // "" where the configuration came from no file
+	Line int    // 0 when unknown
+	Key  string // dotted key, e.g. "policy.params.hot" or "mount.path"
+	Err  error  // why the start refuses it
+}
+
+// Error names the file, line and key (where known) and the start's error.
+func (e *KeyError) Error() string {
+	return fmt.Sprintf("config: %s%s: %v", fileLine(e.File, e.Line), e.Key, e.Err)
+}
+
+// Unwrap returns the start's error and ErrInvalid.
+func (e *KeyError) Unwrap() []error { return []error{e.Err, ErrInvalid} }
+
+// AtKey returns err as a *KeyError of key in the file at path ("": none),
+// its line found by reading the file again: for a key of a mount (key
+// "mount.path", say), in the file's mount'th [[mount]] table. The line is
+// 0 where the file cannot be read or does not set the key.
+func AtKey(path, key string, mount int, err error) *KeyError {
+	e := &KeyError{File: path, Key: key, Err: err}
+	if path != "" {
+		if src, rerr := os.ReadFile(path); rerr == nil {
+			e.Line = lineOf(src, key, mount)
+		}
+	}
+	return e
+}
 
 // MaxSocketPath is the longest server.socket: a Unix socket's address
 // (sun_path) holds 108 bytes on Linux, the last a NUL. A longer path

@@ -461,3 +461,38 @@ func TestParseErrorsShareOneForm(t *testing.T) {
 		})
 	}
 }
+
+// TestAtKeyPlacesAStartErrorAtItsKey: an error the daemon's start finds
+// in a configuration that loads reads as Load's do, "config: FILE:LINE:
+// KEY: ...", the line that of the key in the file (a mount's key in its
+// own [[mount]] table), and wraps both its cause and ErrInvalid.
+func TestAtKeyPlacesAStartErrorAtItsKey(t *testing.T) {
+	file := filepath.Join(t.TempDir(), "kvhost.toml")
+	src := "[policy]\nname = \"tiered\"\n\n[policy.params]\nhot = 0\npromote_window = \"sixty\"\n\n[[mount]]\npath = \"/a\"\n\n[[mount]]\npath = \"/a/b\"\n"
+	if err := os.WriteFile(file, []byte(src), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	cause := errors.New("refused")
+	tests := []struct {
+		name, path, key string
+		mount           int
+		want            string
+	}{
+		{"a parameter", file, "policy.params.promote_window", 0, "config: " + file + ":6: policy.params.promote_window: refused"},
+		{"the parameters' table", file, "policy.params", 0, "config: " + file + ":4: policy.params: refused"},
+		{"the second mount's path", file, "mount.path", 1, "config: " + file + ":12: mount.path: refused"},
+		{"a key the file does not set", file, "policy.params.cold", 0, "config: " + file + ": policy.params.cold: refused"},
+		{"no file", "", "mount.path", 0, "config: mount.path: refused"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			err := AtKey(tt.path, tt.key, tt.mount, cause)
+			if err.Error() != tt.want {
+				t.Fatalf("error %q, want %q", err, tt.want)
+			}
+			if !errors.Is(err, cause) || !errors.Is(err, ErrInvalid) {
+				t.Fatalf("error %v does not wrap its cause and ErrInvalid", err)
+			}
+		})
+	}
+}
