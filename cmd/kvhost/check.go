@@ -78,6 +78,7 @@ func (r *checkReport) add(level, area, what, fix string) {
 // checkOptions are `kvhost check`'s settings.
 type checkOptions struct {
 	cfg       config.Config
+	file      string // the file cfg was read from ("": none)
 	dirs      []string
 	speed     bool
 	speedSize int64
@@ -122,7 +123,7 @@ func runCheck(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 			fmt.Fprintf(stderr, "kvhost check: %v\n", err)
 			return 2
 		}
-		o.cfg = c
+		o.cfg, o.file = c, cfgPath
 	}
 	if cudaLib != "" {
 		o.cfg.GPU.CUDALibrary = cudaLib
@@ -204,7 +205,7 @@ func checkOnThread(ctx context.Context, o checkOptions) *checkReport {
 		checkMount(ctx, rep, o, m, drv)
 	}
 	checkDisjointMounts(rep, mounts)
-	checkPolicyMounts(ctx, rep, o.cfg, mounts)
+	checkPolicyMounts(ctx, rep, o.cfg, o.file, mounts)
 	if g := o.cfg.Server.SocketGroup; g != "" {
 		if err := checkSocketGroup(g); err != nil {
 			rep.add(levelFail, "server", err.Error(),

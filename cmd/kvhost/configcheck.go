@@ -17,13 +17,15 @@ const configUsage = `usage: kvhost config check FILE...
 
 check: checks configuration files as the daemon reads them (TOML syntax,
 unknown keys, types, sizes, durations, rules across fields, the name of a
-built-in policy, mounts that overlap; a plugin .wasm file is not read) and
-prints "FILE: ok" or the error with its line and key. Exit 0: every file is ok; 1: one is not;
+built-in policy and the [policy.params] it refuses at start, mounts that
+overlap; a plugin .wasm file is not read) and prints "FILE: ok" or the
+error with its line and key. Exit 0: every file is ok; 1: one is not;
 2: usage.
 
 show: prints the configuration the daemon would run with, as TOML, with
 the defaults it computes resolved and commented (kvhost config show
---help says which). Exit 1 with the error on a bad file.
+--help says which). Exit 1 with the error on a bad file, or one the
+daemon's start refuses.
 
 docs/config.md describes every key.`
 
@@ -53,14 +55,22 @@ func checkPolicyName(file, name string) error {
 // checkAtStart refuses, with the error the daemon's start would stop
 // on, what config check and config show find in cfg, loaded from file
 // ("": flags only) beyond what Load checks: a policy.name that is not
-// built in, and mounts of kvhost's layout that are one directory, or one
-// inside the other (overlappingMounts), named at the later one's path.
-func checkAtStart(file string, cfg config.Config) error {
+// built in, mounts of kvhost's layout that are one directory, or one
+// inside the other (overlappingMounts), named at the later one's path,
+// and a built-in policy that does not start as the daemon's start builds
+// it (startPolicy: a [policy.params] key its kvhost_init refuses). A
+// plugin file is not read: `kvhost check` loads it on the node.
+func checkAtStart(ctx context.Context, file string, cfg config.Config) error {
 	if err := checkPolicyName(file, cfg.Policy.Name); err != nil {
 		return err
 	}
 	if o := overlappingMounts(cfg.Mounts); len(o) > 0 {
 		return config.AtKey(file, "mount.path", o[0].second, o[0].err)
+	}
+	if !isPluginFile(cfg.Policy.Name) {
+		if _, _, err := startPolicy(ctx, cfg); err != nil {
+			return policyStartError(file, cfg, err)
+		}
 	}
 	return nil
 }
@@ -78,7 +88,7 @@ func checkSocketGroup(group string) error {
 // file as the daemon would (TOML syntax, unknown keys, types, sizes,
 // durations, cross-field rules) and prints "FILE: ok" or the error with
 // its line and key, and `kvhost config show` (runConfigShow).
-func runConfig(_ context.Context, args []string, stdout, stderr io.Writer) int {
+func runConfig(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if len(args) == 0 {
 		fmt.Fprintln(stderr, configUsage)
 		return 2
@@ -88,7 +98,7 @@ func runConfig(_ context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintln(stdout, configUsage)
 		return 0
 	case "show":
-		return runConfigShow(args[1:], stdout, stderr)
+		return runConfigShow(ctx, args[1:], stdout, stderr)
 	case "check":
 		if len(args) < 2 {
 			fmt.Fprintln(stderr, configUsage)
@@ -102,7 +112,7 @@ func runConfig(_ context.Context, args []string, stdout, stderr io.Writer) int {
 		for _, f := range args[1:] {
 			c, err := config.Load(f)
 			if err == nil {
-				err = checkAtStart(f, c)
+				err = checkAtStart(ctx, f, c)
 			}
 			if err == nil && c.Server.SocketGroup != "" {
 				if gerr := checkSocketGroup(c.Server.SocketGroup); gerr != nil {

@@ -6,8 +6,11 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"testing"
+
+	"github.com/kvhost/kvhost/internal/config"
 )
 
 // TestConfigCheckAndShowRefuseMountsThatOverlap: mounts of kvhost's
@@ -66,6 +69,87 @@ func TestConfigCheckAndShowRefuseMountsThatOverlap(t *testing.T) {
 				if code != 1 || !strings.Contains(errb.String(), want) || !strings.Contains(errb.String(), "overlap") {
 					t.Errorf("config %s: exit %d, stderr %q; want 1 and an error at %q saying the mounts overlap", args[0], code, errb.String(), want)
 				}
+			}
+		})
+	}
+}
+
+// TestChecksRefuseTheParamsThePolicyRefusesAtStart: a [policy.params]
+// value or key the built-in policy's kvhost_init refuses, which stops the
+// daemon's start, fails config check, config show and kvhost check
+// --config alike, at the key's line, and names the policy once; so does
+// the tiered example run with --policy lru (lru has no hot or cold). The
+// example as it is passes.
+func TestChecksRefuseTheParamsThePolicyRefusesAtStart(t *testing.T) {
+	dir := t.TempDir()
+	example, err := os.ReadFile(filepath.Join("..", "..", "examples", "tiered.toml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	src := strings.NewReplacer(`"/dev/shm/kvhost-hot"`, fmt.Sprintf("%q", filepath.Join(dir, "hot")),
+		`"/var/tmp/kvhost-cold"`, fmt.Sprintf("%q", filepath.Join(dir, "cold"))).Replace(string(example))
+	src += fmt.Sprintf("\n[server]\nsocket = %q\n", filepath.Join(dir, "s.sock"))
+	window := strings.Index(src, `promote_window = "60s"`)
+	if window < 0 {
+		t.Fatal(`examples/tiered.toml sets no promote_window = "60s"`)
+	}
+	line := strings.Count(src[:window], "\n") + 1
+	tests := []struct {
+		name  string
+		src   string
+		flags []string
+		want  string // after the file's name, a regular expression; "": ok
+	}{
+		{"the example", src, nil, ""},
+		{"a value the policy refuses", strings.Replace(src, `"60s"`, `"sixty"`, 1), nil,
+			fmt.Sprintf(`:%d: policy\.params\.promote_window: policy tiered: kvhost_init`, line)},
+		{"a misspelt key", strings.Replace(src, `promote_window = "60s"`, "keys_per_fil = 8", 1), nil,
+			fmt.Sprintf(`:%d: policy\.params\.keys_per_fil: policy tiered: kvhost_init`, line)},
+		{"another policy than the params'", src, []string{"--policy", "lru"}, `:\d+: policy\.params\.(hot|cold|promote_hits|promote_window): policy lru: kvhost_init`},
+	}
+	for i, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			file := filepath.Join(dir, fmt.Sprintf("c%d.toml", i))
+			at := regexp.MustCompile(regexp.QuoteMeta(file) + tt.want)
+			if err := os.WriteFile(file, []byte(tt.src), 0o644); err != nil {
+				t.Fatal(err)
+			}
+			commands := [][]string{append([]string{"show", "--config", file}, tt.flags...)}
+			if tt.flags == nil {
+				commands = append(commands, []string{"check", file})
+			}
+			for _, args := range commands {
+				var out, errb bytes.Buffer
+				code := runConfig(context.Background(), args, &out, &errb)
+				if tt.want == "" {
+					if code != 0 {
+						t.Errorf("config %s: exit %d, stderr %s; want 0", args[0], code, errb.String())
+					}
+					continue
+				}
+				if msg := errb.String(); code != 1 || !at.MatchString(msg) || !strings.Contains(msg, "the daemon would not start") || strings.Count(msg, "policy tiered:") > 1 {
+					t.Errorf("config %s: exit %d, stderr %q; want 1 and an error matching %s", args[0], code, msg, at)
+				}
+			}
+			if tt.flags != nil {
+				return // kvhost check takes no --policy
+			}
+			cfg, err := config.Load(file)
+			if err != nil {
+				t.Fatal(err)
+			}
+			o := checkOptions{cfg: cfg, file: file}
+			o.cfg.GPU.Mode, o.cfg.GPU.CuFile = "off", "off"
+			rep := doCheck(context.Background(), o)
+			var policy []checkItem
+			for _, it := range rep.Items {
+				if it.Area == "policy" {
+					policy = append(policy, it)
+				}
+			}
+			failed := len(policy) == 1 && policy[0].Level == levelFail && rep.Fail > 0
+			if tt.want == "" && failed || tt.want != "" && (!failed || !at.MatchString(policy[0].What)) {
+				t.Errorf("kvhost check: policy findings %+v (%d failures); want a FAIL matching %s: %v", policy, rep.Fail, at, tt.want != "")
 			}
 		})
 	}

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"errors"
 	"flag"
 	"fmt"
@@ -28,11 +29,12 @@ machine it runs on (engine.io_workers, policy.shards, policy.cache_dir, a
 mount's capacity, gpu.register_bytes, server.max_descriptors and
 max_registered_bytes) stays unset, its value on this machine now in the
 comment: the output is itself a valid configuration file, which runs as
-the original does on any machine. A bad file (or flag) prints its error
-and exits 1; 2: usage.`
+the original does on any machine. A bad file (or flag), or one the
+daemon's start refuses (a policy refusing its [policy.params], mounts
+one inside another), prints its error and exits 1; 2: usage.`
 
 // runConfigShow implements `kvhost config show`.
-func runConfigShow(args []string, stdout, stderr io.Writer) int {
+func runConfigShow(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet("kvhost config show", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	flags := config.BindFlags(fs)
@@ -55,7 +57,7 @@ func runConfigShow(args []string, stdout, stderr io.Writer) int {
 	}
 	cfg, err := flags.Load()
 	if err == nil {
-		err = checkAtStart(flags.ConfigPath(), cfg)
+		err = checkAtStart(ctx, flags.ConfigPath(), cfg)
 	}
 	if err != nil {
 		fmt.Fprintln(stderr, err)

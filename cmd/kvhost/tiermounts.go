@@ -2,9 +2,12 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
+	"os"
 	"path/filepath"
+	"regexp"
 	"strconv"
 
 	"golang.org/x/sys/unix"
@@ -14,7 +17,6 @@ import (
 	"github.com/kvhost/kvhost/host/policy"
 	"github.com/kvhost/kvhost/internal/config"
 	"github.com/kvhost/kvhost/internal/fstype"
-	"github.com/kvhost/kvhost/plugins"
 	"github.com/kvhost/kvhost/plugins/tiered"
 )
 
@@ -57,43 +59,112 @@ func warnSingleMount(log *slog.Logger, b *builtPolicy, mounts []config.Mount) {
 }
 
 // checkPolicyMounts is `kvhost check`'s finding on the configured policy
-// and mounts: a failure where the policy does not load as the daemon's
-// start loads it, a warning where a policy that places files on the
-// first mount only is given several.
-func checkPolicyMounts(ctx context.Context, rep *checkReport, cfg config.Config, mounts []config.Mount) {
-	name, module, err := loadPlugin(cfg.Policy.Name)
-	var info policy.Info
-	switch {
-	case err != nil && name == plugins.Default:
-		// A binary without the wasm policies runs the native lru: one mount.
-	case err != nil:
-		rep.add(levelFail, "policy", fmt.Sprintf("policy %s: %v", name, err), "fix policy.name (a built-in name or a .wasm file)")
-		return
-	default:
-		if info, err = policy.Inspect(ctx, module); err != nil {
-			rep.add(levelFail, "policy", fmt.Sprintf("policy %s: %v", name, err), "kvhost policy inspect says more")
-			return
+// and mounts: a failure where the policy does not start as the daemon's
+// start builds it (startPolicy: its module, and its kvhost_init given
+// [policy.params]), placed at its key in file, a warning where a policy
+// that places files on the first mount only is given several.
+func checkPolicyMounts(ctx context.Context, rep *checkReport, cfg config.Config, file string, mounts []config.Mount) {
+	placed := cfg
+	placed.Mounts = mounts
+	b, features, err := startPolicy(ctx, placed)
+	if err != nil {
+		err = policyStartError(file, cfg, err)
+		fix := "fix the key in [policy.params] (docs/config.md lists the built-in policies' keys)"
+		if ke := (*config.KeyError)(nil); errors.As(err, &ke) && ke.Key == "policy.name" {
+			fix = "fix policy.name (a built-in name or a .wasm file; kvhost policy inspect says more)"
 		}
+		rep.add(levelFail, "policy", err.Error(), fix)
+		return
 	}
+	name := b.name
 	if len(mounts) < 2 {
-		if module == nil {
+		if b.sum == ([32]byte{}) {
 			rep.add(levelOK, "policy", fmt.Sprintf("policy %s, run natively (this binary embeds no module)", name), "")
 			return
 		}
-		rep.add(levelOK, "policy", fmt.Sprintf("policy %s loads (features %s)", name, info.Features), "")
+		rep.add(levelOK, "policy", fmt.Sprintf("policy %s loads (features %s)", name, features), "")
 		return
 	}
-	if why := singleMountPolicy(name, info.Features, mounts); why != "" {
+	if why := singleMountPolicy(name, features, mounts); why != "" {
 		rep.add(levelWarn, "policy", why, `policy.name = "tiered" (examples/tiered.toml)`)
 		return
 	}
-	placed := cfg
-	placed.Mounts = mounts
 	if why := reversedTiers(placed, func(i int) bool { return onMemoryFS(mounts[i].Path) }); why != "" {
 		rep.add(levelWarn, "policy", why, "put the memory [[mount]] first, or set [policy.params] hot and cold (docs/config.md, Two mounts)")
 		return
 	}
-	rep.add(levelOK, "policy", fmt.Sprintf("policy %s places files across the %d mounts (features %s)", name, len(mounts), info.Features), "")
+	rep.add(levelOK, "policy", fmt.Sprintf("policy %s places files across the %d mounts (features %s)", name, len(mounts), features), "")
+}
+
+// noEntries is the index startPolicy builds a policy on: the daemon's
+// start gives the engine's, and no plugin's kvhost_init depends on it.
+type noEntries struct{}
+
+func (noEntries) Lookup(uint64) (policy.Entry, bool) { return policy.Entry{}, false }
+func (noEntries) Range(func(policy.Entry) bool)      {}
+func (noEntries) Namespaces() []abi.NamespaceRecord  { return nil }
+
+// checkPolicyCache is the compilation cache startPolicy compiles into;
+// "" is a temporary directory of each check. The package's tests name
+// the cache their daemons share.
+var checkPolicyCache string
+
+// startPolicy builds cfg's policy as the daemon's start builds it (its
+// policyBuilder, then the constructor the engine calls: the module
+// compiled, each shard's kvhost_init given [policy.params]), on an empty
+// index, and closes it; it returns the policy built and its features,
+// or the error the daemon's start would stop on. The module is compiled
+// into a temporary directory, removed after (checkPolicyCache): a check
+// leaves no policy.cache_dir behind (one made by root would leave a
+// daemon of another user without a cache).
+func startPolicy(ctx context.Context, cfg config.Config) (*builtPolicy, abi.Feature, error) {
+	cache := checkPolicyCache
+	if cache == "" {
+		dir, err := os.MkdirTemp("", "kvhost-check-")
+		if err != nil {
+			return nil, 0, fmt.Errorf("policy: a compilation cache: %w", err)
+		}
+		defer os.RemoveAll(dir)
+		cache = dir
+	}
+	cfg.Policy.CacheDir = cache
+	d := &daemon{log: slog.New(slog.DiscardHandler)}
+	b, err := d.policyBuilder(ctx, cfg)
+	if err != nil {
+		return nil, 0, err
+	}
+	p, err := b.fn(noEntries{})
+	if err != nil {
+		return nil, 0, err
+	}
+	features := p.Features()
+	return b, features, p.Close(ctx)
+}
+
+// refusedParam finds the key a plugin's kvhost_init refuses in its
+// message: the SDK's configuration errors (guest.ConfigError) read
+// `config KEY = "VALUE": want ...`.
+var refusedParam = regexp.MustCompile(`config (\S+) = "`)
+
+// policyStartError places err, the daemon's start's error building the
+// policy of cfg, at its key in file ("": none): the [policy.params] key
+// the plugin's kvhost_init names as refused (policy.params where it names
+// none of them), else policy.name.
+func policyStartError(file string, cfg config.Config, err error) error {
+	key := "policy.name"
+	var pe *policy.Error
+	if errors.As(err, &pe) {
+		err = pe // the daemon's start names the policy again in front
+		if pe.Hook == "kvhost_init" {
+			key = "policy.params"
+			if m := refusedParam.FindStringSubmatch(pe.Err.Error()); m != nil {
+				if _, ok := cfg.Policy.Params[m[1]]; ok {
+					key += "." + m[1]
+				}
+			}
+		}
+	}
+	return config.AtKey(file, key, 0, fmt.Errorf("%w: the daemon would not start", err))
 }
 
 // reversedTiersMsg is the message of warnReversedTiers' log line.
