@@ -22,6 +22,7 @@ import (
 	"github.com/kvhost/kvhost/internal/cuda"
 	"github.com/kvhost/kvhost/internal/fstype"
 	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/internal/vllmfs"
 	"github.com/kvhost/kvhost/staging"
 )
 
@@ -203,6 +204,7 @@ func checkOnThread(ctx context.Context, o checkOptions) *checkReport {
 	}
 	for _, m := range mounts {
 		checkMount(ctx, rep, o, m, drv)
+		checkVLLMAdoption(rep, m)
 	}
 	checkDisjointMounts(rep, mounts)
 	checkPolicyMounts(ctx, rep, o.cfg, o.file, mounts)
@@ -408,6 +410,54 @@ func realPath(path string) string {
 // within reports whether the clean path p is dir or lies inside it.
 func within(p, dir string) bool {
 	return p == dir || strings.HasPrefix(p, strings.TrimSuffix(dir, "/")+"/")
+}
+
+// checkVLLMAdoption judges a vllm-fs mount configured without the fs
+// tier's fields, which the daemon's start serves by adopting the one base
+// directory under its root whose config.json hashes to the directory's
+// name: it FAILs where the start finds none (vLLM has not written it yet,
+// or the root does not exist), several, or only some it cannot use, and
+// says which one it adopts otherwise.
+func checkVLLMAdoption(rep *checkReport, m config.Mount) {
+	if m.Layout != config.LayoutVLLMFS || m.VLLMFS != nil && m.VLLMFS.Fields() != nil {
+		return
+	}
+	const fields = "configure the fs tier's fields in [mount.vllm_fs] (docs/vllm.md)"
+	ents, err := os.ReadDir(m.Path)
+	if err != nil && !errors.Is(err, os.ErrNotExist) {
+		rep.add(levelFail, m.Path, fmt.Sprintf("vllm-fs: cannot list the root: %v", err), "check the path and the daemon's permissions")
+		return
+	}
+	var adoptable, unusable []string
+	for _, d := range ents {
+		if !d.IsDir() {
+			continue
+		}
+		data, err := os.ReadFile(filepath.Join(m.Path, d.Name(), vllmfs.ConfigFile))
+		switch {
+		case errors.Is(err, os.ErrNotExist):
+			continue
+		case err == nil:
+			if c, err := vllmfs.ParseConfig(data); err == nil && c.Base() == d.Name() {
+				adoptable = append(adoptable, d.Name())
+				continue
+			}
+		}
+		unusable = append(unusable, d.Name())
+	}
+	switch {
+	case len(adoptable) == 1:
+		rep.add(levelOK, m.Path, "vllm-fs: the daemon adopts the base directory "+adoptable[0], "")
+	case len(adoptable) > 1:
+		rep.add(levelFail, m.Path, fmt.Sprintf("vllm-fs: %d base directories to adopt (%s): the daemon refuses to start", len(adoptable), strings.Join(adoptable, ", ")),
+			"configure the fields of the one to serve in [mount.vllm_fs] (docs/vllm.md)")
+	case len(unusable) > 0:
+		rep.add(levelFail, m.Path, fmt.Sprintf("vllm-fs: no base directory the daemon can adopt: the %s of %s does not parse or does not hash to its directory's name; the daemon refuses to start", vllmfs.ConfigFile, strings.Join(unusable, ", ")),
+			fields)
+	default:
+		rep.add(levelFail, m.Path, "vllm-fs: no base directory with a "+vllmfs.ConfigFile+" to adopt under the root (vLLM's fs tier has not written it yet): the daemon refuses to start",
+			"start vLLM's fs tier on this root first, so that it writes the directory, or "+fields)
+	}
 }
 
 // checkMount reports one mount: file system, space, O_DIRECT, cuFile

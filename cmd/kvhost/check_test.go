@@ -21,6 +21,7 @@ import (
 	"github.com/kvhost/kvhost/internal/cuda"
 	"github.com/kvhost/kvhost/internal/cuda/cudatest"
 	"github.com/kvhost/kvhost/internal/fstype"
+	"github.com/kvhost/kvhost/internal/vllmfs"
 )
 
 func goEnv(t *testing.T, key string) string {
@@ -565,6 +566,75 @@ func TestCheckFailsASocketGroupTheMachineLacks(t *testing.T) {
 			}
 			if c.level == levelFail && (rep.Fail == 0 || found[0].Fix == "") {
 				t.Fatalf("%d failures, fix %q; want a failure with a fix", rep.Fail, found[0].Fix)
+			}
+		})
+	}
+}
+
+// TestCheckFailsAVLLMFSMountTheDaemonCannotAdopt: a vllm-fs mount without
+// the fs tier's fields FAILs where the daemon's start finds no base
+// directory to adopt under its root (vLLM has not written it: the root
+// empty or not made), several, or one whose config.json does not hash to
+// its name; one written by the tier is adopted (OK), and with the fields
+// configured nothing is asked of the root.
+func TestCheckFailsAVLLMFSMountTheDaemonCannotAdopt(t *testing.T) {
+	fields := func(model string) vllmfs.Fields {
+		return vllmfs.Fields{ModelName: model, TokensPerHash: 16, BlocksPerFile: 1, TPSize: 1, PPSize: 1, PCPSize: 1, DCPSize: 1,
+			Dtype: "bfloat16", KVCacheGroups: []vllmfs.Group{{TokensPerBlock: 16, LayerNames: []string{"l0"}}}, NotParallelAgnostic: true}
+	}
+	// write makes the base directory vLLM's fs tier writes for model
+	// under root, named as given ("": its hash's name).
+	write := func(t *testing.T, root, model, name string) {
+		t.Helper()
+		c, err := vllmfs.FromFields(fields(model))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if name == "" {
+			name = c.Base()
+		}
+		if err := os.MkdirAll(filepath.Join(root, name), 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if err := os.WriteFile(filepath.Join(root, name, vllmfs.ConfigFile), c.JSON(), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	for _, c := range []struct {
+		name   string
+		make   func(t *testing.T, root string)
+		fields bool
+		level  string // of the vllm-fs finding; "": none
+		want   string
+	}{
+		{"a root vLLM has not made", nil, false, levelFail, "no base directory with a config.json to adopt"},
+		{"an empty root", func(t *testing.T, root string) { os.MkdirAll(root, 0o755) }, false, levelFail, "no base directory with a config.json to adopt"},
+		{"the tier's directory", func(t *testing.T, root string) { write(t, root, "m/a", "") }, false, levelOK, "adopts the base directory"},
+		{"two models' directories", func(t *testing.T, root string) { write(t, root, "m/a", ""); write(t, root, "m/b", "") }, false, levelFail, "2 base directories to adopt"},
+		{"a directory renamed", func(t *testing.T, root string) { write(t, root, "m/a", "renamed") }, false, levelFail, "does not hash to its directory's name"},
+		{"the fields configured", nil, true, "", ""},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			root := filepath.Join(t.TempDir(), "vllm-kv")
+			if c.make != nil {
+				c.make(t, root)
+			}
+			m := config.Mount{Path: root, Layout: config.LayoutVLLMFS}
+			if c.fields {
+				f := fields("m/a")
+				m.VLLMFS = &config.VLLMFS{ModelName: f.ModelName, TokensPerHash: f.TokensPerHash, BlocksPerFile: f.BlocksPerFile, TPSize: 1, PPSize: 1, PCPSize: 1, DCPSize: 1,
+					Dtype: f.Dtype, KVCacheGroups: []config.VLLMFSGroup{{TokensPerBlock: 16, LayerNames: []string{"l0"}}}}
+			}
+			var rep checkReport
+			checkVLLMAdoption(&rep, m)
+			if c.level == "" {
+				if len(rep.Items) != 0 {
+					t.Fatalf("findings %+v; want none", rep.Items)
+				}
+				return
+			}
+			if len(rep.Items) != 1 || rep.Items[0].Level != c.level || !strings.Contains(rep.Items[0].What, c.want) || (c.level == levelFail) != (rep.Fail == 1) {
+				t.Fatalf("findings %+v; want one %s saying %q", rep.Items, c.level, c.want)
 			}
 		})
 	}
