@@ -116,7 +116,7 @@ func runConfig(ctx context.Context, args []string, stdout, stderr io.Writer) int
 			}
 			if err == nil && c.Server.SocketGroup != "" {
 				if gerr := checkSocketGroup(c.Server.SocketGroup); gerr != nil {
-					err = fmt.Errorf("config: %s: %w (create the group, or give its numeric id)", f, gerr)
+					err = config.AtKey(f, "server.socket_group", 0, fmt.Errorf("%w (%s)", gerr, server.UnknownGroupFix))
 				}
 			}
 			if err != nil {

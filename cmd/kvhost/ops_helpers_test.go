@@ -79,7 +79,6 @@ func TestMain(m *testing.M) {
 		os.Exit(1)
 	}
 	policyCache = filepath.Join(config.DefaultRoot(), "wasm-cache")
-	checkPolicyCache = policyCache // kvhost check, config check and show
 	code := m.Run()
 	os.RemoveAll(dir)
 	os.Exit(code)

@@ -240,7 +240,13 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 	}
 	eng, err := engine.Open(ctx, ecfg)
 	if err != nil {
-		return errors.Join(fmt.Errorf("open engine: %w", err), closeGPU())
+		if pe := (*policy.Error)(nil); errors.As(err, &pe) && pe.Hook == "kvhost_init" {
+			// The plugin refused its [policy.params]: the key is at fault.
+			err = d.flags.Locate(policyFault(cfg, err))
+		} else {
+			err = fmt.Errorf("open engine: %w", err)
+		}
+		return errors.Join(err, closeGPU())
 	}
 	d.eng = eng
 	d.pol.swap(build)
@@ -717,7 +723,11 @@ func (d *daemon) policyBuilder(ctx context.Context, cfg config.Config) (*builtPo
 			// refused by the native build too: only a module that does
 			// not load is worth the fallback.
 			var pe *policy.Error
-			if !builtin || name != plugins.Default || (errors.As(err, &pe) && pe.Hook == "kvhost_init") {
+			isPolicyErr := errors.As(err, &pe)
+			if !builtin || name != plugins.Default || (isPolicyErr && pe.Hook == "kvhost_init") {
+				if isPolicyErr {
+					return nil, err // it names the policy already
+				}
 				return nil, fmt.Errorf("policy %s: %w", name, err)
 			}
 			log.Warn("the built-in wasm policy does not load; running its native build", "policy", name, "err", err)

@@ -15,8 +15,9 @@ import (
 )
 
 // TestStartFaultsOfAKeyNameTheKeyAndWhereItWasSet: a policy.name that is
-// no built-in policy and a server.socket_group this machine lacks stop the
-// daemon's start (exit 1) with an error that reads as the configuration's
+// no built-in policy, a [policy.params] key the policy's kvhost_init
+// refuses and a server.socket_group this machine lacks stop the daemon's
+// start (exit 1) with an error that reads as the configuration's
 // own errors do (docs/config.md): "config: FILE:LINE: KEY: ..." (or the
 // flag that gave the value), with the fix where there is one.
 func TestStartFaultsOfAKeyNameTheKeyAndWhereItWasSet(t *testing.T) {
@@ -34,6 +35,8 @@ func TestStartFaultsOfAKeyNameTheKeyAndWhereItWasSet(t *testing.T) {
 			`config: FILE:5: policy.name: plugins: no built-in policy of that name: "lruu"`},
 		{"unknown policy from the flag", "", []string{"--policy", "lruu"},
 			`config: policy.name (from --policy): plugins: no built-in policy of that name: "lruu"`},
+		{"a param the policy refuses", "\n[policy]\nname = \"lru\"\n\n[policy.params]\nkeys_per_fil = 8\n", nil,
+			`config: FILE:8: policy.params.keys_per_fil: policy lru: kvhost_init (shard 0)`},
 		{"unknown socket group", "socket_group = \"kvhost-no-such-group\"\n", nil,
 			"config: FILE:3: server.socket_group: group: unknown group kvhost-no-such-group: " + server.UnknownGroupFix},
 	} {
@@ -47,8 +50,8 @@ func TestStartFaultsOfAKeyNameTheKeyAndWhereItWasSet(t *testing.T) {
 				t.Fatalf("exit %d, want 1; stderr:\n%s", code, errb.String())
 			}
 			got := stoppedErr(t, errb.Bytes())
-			if want := strings.ReplaceAll(tt.want, "FILE", file); !strings.HasPrefix(got, want) {
-				t.Errorf("the daemon stopped with\n%s\nwant it to begin\n%s", got, want)
+			if want := strings.ReplaceAll(tt.want, "FILE", file); !strings.HasPrefix(got, want) || strings.Count(got, "policy lru:") > 1 {
+				t.Errorf("the daemon stopped with\n%s\nwant it to begin\n%s\n(naming the policy once)", got, want)
 			}
 		})
 	}

@@ -104,21 +104,30 @@ func (noEntries) Lookup(uint64) (policy.Entry, bool) { return policy.Entry{}, fa
 func (noEntries) Range(func(policy.Entry) bool)      {}
 func (noEntries) Namespaces() []abi.NamespaceRecord  { return nil }
 
-// checkPolicyCache is the compilation cache startPolicy compiles into;
-// "" is a temporary directory of each check. The package's tests name
-// the cache their daemons share.
-var checkPolicyCache string
+// checkCacheDir is where the checks compile policies: a directory of the
+// running user's cache (os.UserCacheDir), kept from one check to the
+// next, never the daemon's policy.cache_dir (one made by root would leave
+// a daemon of another user without a cache); "" where the user has none.
+func checkCacheDir() string {
+	dir, err := os.UserCacheDir()
+	if err != nil {
+		return ""
+	}
+	dir = filepath.Join(dir, "kvhost", "check-wasm-cache")
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return ""
+	}
+	return dir
+}
 
 // startPolicy builds cfg's policy as the daemon's start builds it (its
 // policyBuilder, then the constructor the engine calls: the module
 // compiled, each shard's kvhost_init given [policy.params]), on an empty
 // index, and closes it; it returns the policy built and its features,
 // or the error the daemon's start would stop on. The module is compiled
-// into a temporary directory, removed after (checkPolicyCache): a check
-// leaves no policy.cache_dir behind (one made by root would leave a
-// daemon of another user without a cache).
+// into checkCacheDir, or a temporary directory removed after.
 func startPolicy(ctx context.Context, cfg config.Config) (*builtPolicy, abi.Feature, error) {
-	cache := checkPolicyCache
+	cache := checkCacheDir()
 	if cache == "" {
 		dir, err := os.MkdirTemp("", "kvhost-check-")
 		if err != nil {
@@ -147,14 +156,22 @@ func startPolicy(ctx context.Context, cfg config.Config) (*builtPolicy, abi.Feat
 var refusedParam = regexp.MustCompile(`config (\S+) = "`)
 
 // policyStartError places err, the daemon's start's error building the
-// policy of cfg, at its key in file ("": none): the [policy.params] key
-// the plugin's kvhost_init names as refused (policy.params where it names
-// none of them), else policy.name.
+// policy of cfg, at its key in file ("": none), as the checks report it
+// (policyFault).
 func policyStartError(file string, cfg config.Config, err error) error {
+	key, err := policyFault(cfg, err)
+	return config.AtKey(file, key, 0, fmt.Errorf("%w: the daemon would not start", err))
+}
+
+// policyFault returns the key of cfg that err, an error building its
+// policy, is about: the [policy.params] key the plugin's kvhost_init
+// names as refused (policy.params where it names none of them), else
+// policy.name; and err with no prefix naming the policy a second time.
+func policyFault(cfg config.Config, err error) (string, error) {
 	key := "policy.name"
 	var pe *policy.Error
 	if errors.As(err, &pe) {
-		err = pe // the daemon's start names the policy again in front
+		err = pe // the engine's Open names the policy's construction in front
 		if pe.Hook == "kvhost_init" {
 			key = "policy.params"
 			if m := refusedParam.FindStringSubmatch(pe.Err.Error()); m != nil {
@@ -164,7 +181,7 @@ func policyStartError(file string, cfg config.Config, err error) error {
 			}
 		}
 	}
-	return config.AtKey(file, key, 0, fmt.Errorf("%w: the daemon would not start", err))
+	return key, err
 }
 
 // reversedTiersMsg is the message of warnReversedTiers' log line.

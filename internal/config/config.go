@@ -698,23 +698,29 @@ func fileLine(file string, line int) string {
 // Unwrap returns ErrInvalid, so that errors.Is(err, ErrInvalid) holds.
 func (e *ValueError) Unwrap() error { return ErrInvalid }
 
-// KeyError is what the daemon's start refuses in a configuration that
-// loads (a plugin's kvhost_init refusing a [policy.params] key, mounts
-// that overlap on disk), found by running what the start runs: it reads
-// "config: FILE:LINE: KEY: ERR", as Load's errors do.
+// KeyError is a fault of a key's value in a configuration that loads,
+// found by what uses the value: the daemon's start (a group this machine
+// lacks, a policy this binary lacks), or the checks running what the
+// start runs (a plugin's kvhost_init refusing a [policy.params] key,
+// mounts that overlap on disk). It reads "config: FILE:LINE: KEY: ERR",
+// as Load's errors do, or names the flag that gave the value.
 type KeyError struct {
-	File string // "" where the configuration came from no file
+	File string // "" where the value came from no file
 	Line int    // 0 when unknown
+	Flag string // the command-line flag that gave the value ("--policy"); "" for none
 	Key  string // dotted key, e.g. "policy.params.hot" or "mount.path"
-	Err  error  // why the start refuses it
+	Err  error  // what is wrong with the value, and the fix
 }
 
-// Error names the file, line and key (where known) and the start's error.
+// Error names where the value came from, the key and what is wrong.
 func (e *KeyError) Error() string {
+	if e.Flag != "" {
+		return fmt.Sprintf("config: %s (from %s): %v", e.Key, e.Flag, e.Err)
+	}
 	return fmt.Sprintf("config: %s%s: %v", fileLine(e.File, e.Line), e.Key, e.Err)
 }
 
-// Unwrap returns the start's error and ErrInvalid.
+// Unwrap returns what is wrong with the value, and ErrInvalid.
 func (e *KeyError) Unwrap() []error { return []error{e.Err, ErrInvalid} }
 
 // AtKey returns err as a *KeyError of key in the file at path ("": none),

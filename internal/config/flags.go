@@ -123,39 +123,16 @@ func (f *Flags) Apply(c *Config) error {
 	return nil
 }
 
-// KeyError is a fault of a key's value that what used the value found,
-// past the file's validation (a group this machine lacks, a policy this
-// binary lacks). It reads as the loader's errors do, "config: FILE:LINE:
-// KEY: ...", or names the flag that gave the value.
-type KeyError struct {
-	File string // the configuration file that gave the value; "" for none
-	Line int    // the line in File that sets Key; 0 when unknown
-	Flag string // the command-line flag that gave the value ("--policy"); "" for none
-	Key  string // dotted key, e.g. "server.socket_group"
-	Err  error  // what is wrong with the value, and the fix
-}
-
-// Error names where the value came from, the key and what is wrong.
-func (e *KeyError) Error() string {
-	switch {
-	case e.Flag != "":
-		return fmt.Sprintf("config: %s (from %s): %v", e.Key, e.Flag, e.Err)
-	case e.File != "" && e.Line > 0:
-		return fmt.Sprintf("config: %s:%d: %s: %v", e.File, e.Line, e.Key, e.Err)
-	case e.File != "":
-		return fmt.Sprintf("config: %s: %s: %v", e.File, e.Key, e.Err)
-	}
-	return fmt.Sprintf("config: %s: %v", e.Key, e.Err)
-}
-
-// Unwrap returns what is wrong with the value.
-func (e *KeyError) Unwrap() error { return e.Err }
-
 // Locate returns err, a fault of key's value in the configuration the
 // last Load returned, as a *KeyError naming key and where its value came
 // from: the flag that set it, else the configuration file and the line in
-// it that sets key (of the first [[mount]] for a mount's key).
+// it that sets key (of the first [[mount]] for a mount's key). A nil f
+// (no flags were parsed: the checks build what the start builds) returns
+// err as it is, for the caller to place.
 func (f *Flags) Locate(key string, err error) error {
+	if f == nil {
+		return err
+	}
 	ke := &KeyError{Key: key, Err: err}
 	if name := flagOf(key); name != "" {
 		f.fs.Visit(func(fl *flag.Flag) {
