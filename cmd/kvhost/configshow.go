@@ -189,6 +189,8 @@ func resolveMount(notes config.Notes, prefix string, m *config.Mount, mc machine
 	derive(notes, prefix+"checksum", &m.Checksum, ptr(m.Layout != config.LayoutVLLMFS), "the default of the layout")
 	if m.ClusterCapacity != 0 {
 		derive(notes, prefix+"cluster_interval", &m.ClusterInterval, config.Duration(engine.DefaultClusterInterval), "the default")
+	} else {
+		notes[prefix+"cluster_interval"] = "unused: no cluster_capacity (with one, 0 is " + engine.DefaultClusterInterval.String() + ")"
 	}
 	if m.DeviceClass == "" {
 		notes[prefix+"device_class"] = "empty: detected at start"

@@ -43,6 +43,7 @@ func TestConfigShow(t *testing.T) {
 			`max_clients_per_peer = 32  # derived`,
 			`tick_interval = "100ms"  # derived`,
 			`depth = 2  # derived`,
+			`cluster_interval = "0s"  # unused: no cluster_capacity (with one, 0 is 1s)`,
 		}, nil},
 		{"a larger max_frame raises the derived max_inflight_bytes", []string{"--config", frame}, 0, []string{
 			`max_frame = "512MiB"`,
