@@ -41,18 +41,21 @@ def key(i, tag="k", group=0):
     return hashlib.sha256(f"{tag}-{i}".encode()).digest() + group.to_bytes(4, "big")
 
 
-def offloading_config(api, socket, model=MODEL, tp=1, rank=0, groups=1, engine_id=None, chunk=1, **extra):
+def offloading_config(api, socket, model=MODEL, tp=1, rank=0, groups=1, engine_id=None, chunk=1, events=True,
+                      **extra):
     """vLLM's OffloadingConfig as build_offloading_config fills it for a
     model of LAYERS layers per group (a hybrid model's groups share their
     tensors: LAYERS pages per block in all), naming kvhost's spec; chunk
     is the blocks per chunk vLLM resolved (from the extra config's
-    blocks_per_chunk or block_size) into config.cache."""
+    blocks_per_chunk or block_size) into config.cache; events turns vLLM's
+    KV cache events on (these tests read the manager's events)."""
     extra_config = {"spec_name": "KvhostOffloadingSpec", "spec_module_path": "kvhost.vllm", "socket": socket,
                     **extra}
     return vllm_tree.make_offloading_config(
         api, model=model, tp=tp, rank=rank, engine_id=engine_id,
         groups=tuple((layer_names(LAYERS, g * LAYERS), 16) for g in range(groups)),
-        worker_kv_bytes_per_block=LAYERS * PAGE, blocks_per_chunk=chunk, extra_config=extra_config)
+        worker_kv_bytes_per_block=LAYERS * PAGE, blocks_per_chunk=chunk, extra_config=extra_config,
+        enable_kv_cache_events=events)
 
 
 def canonical_caches(api, seed, groups=1):
@@ -228,6 +231,24 @@ class TestRealSpec(RealSpecCase):
     def test_an_unknown_key_is_refused_by_name(self):
         with self.assertRaisesRegex(ValueError, "unknown spec option.*no_such_option"):
             self.spec(no_such_option=1)
+
+    def test_events_stay_inert_while_vllms_kv_cache_events_are_off(self):
+        # vLLM drains take_events only with its KV cache events on, and
+        # asks a manager's capture to stay inert otherwise.
+        api = self.api
+        spec = self.spec(events=False)
+        m = self.manager(spec)
+        w, tensors = self.worker(spec)
+        ctx = api.ReqContext(req_id="req-inert")
+        m.on_new_request(ctx)
+        ks = [key(i, "inert") for i in range(3)]
+        out = m.prepare_store(ks, ctx)
+        self.assertTrue(self.transfer(w, True, out.store_spec, [1, 2, 3]).success)
+        m.complete_store(out.keys_to_store, ctx)
+        self.step(m)
+        for k in ks:
+            self.assertEqual(self.settle(m, k, ctx), api.LookupResult.HIT)
+        self.assertEqual(list(m.take_events()), [])
 
     def test_scheduler_and_worker_round_trip_in_vllms_order(self):
         api = self.api

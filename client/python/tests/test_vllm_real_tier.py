@@ -51,14 +51,15 @@ class RealTieringCase(vllm_tree.RealCase):
             h.close()
 
     def engine(self, model=MODEL, tp=1, worker_bytes=WORKER_BYTES, agnostic=False, tier=None, blocks=16,
-               groups=None):
-        """vLLM's TieringOffloadingManager with KvhostTier as its secondary tier."""
+               groups=None, events=False):
+        """vLLM's TieringOffloadingManager with KvhostTier as its secondary
+        tier; events turns vLLM's KV cache events on."""
         entry = {"type": "KvhostTier", "module_path": "kvhost.vllm", "socket": self.daemon.socket}
         entry.update(tier or {})
         h = vllm_tree.make_tiering_manager(
             self.api, num_cpu_blocks=blocks, secondary_tiers=[entry],
             config_kwargs=dict(model=model, tp=tp, worker_kv_bytes_per_block=worker_bytes,
-                               is_parallelism_agnostic=agnostic,
+                               is_parallelism_agnostic=agnostic, enable_kv_cache_events=events,
                                groups=groups or ((names(), 16),)))
         self.handles.append(h)
         return h
@@ -183,7 +184,7 @@ class FactoryAndCallOrder(RealTieringCase):
         # vLLM's fs and obj tiers put their locality on every event, which
         # its KV events publish: a REMOTE tier's blocks must not show as
         # local ones.
-        h = self.engine(tier={"locality": "REMOTE"})
+        h = self.engine(tier={"locality": "REMOTE"}, events=True)
         m, ctx = h.manager, self.ctx()
         m.on_new_request(ctx)
         ks = [key(i, "locality") for i in range(2)]
@@ -193,6 +194,71 @@ class FactoryAndCallOrder(RealTieringCase):
         events = [e for e in tier.take_events()]
         self.assertEqual([(sorted(e.keys), e.removed) for e in events], [(sorted(ks), False)])
         self.assertEqual([e.locality for e in events], [self.api.Locality.REMOTE])
+
+    def test_events_stay_inert_while_vllms_kv_cache_events_are_off(self):
+        # vLLM's OffloadingKVEventsConfig: with enable_kv_cache_events
+        # false, take_events is not drained and a tier's capture must stay
+        # inert, as vLLM's own CPU and fs tiers keep theirs.
+        h = self.engine()
+        self.assertFalse(h.spec.kv_events_config.enable_kv_cache_events)
+        m, ctx = h.manager, self.ctx()
+        m.on_new_request(ctx)
+        self.offload(h, [key(i, "inert") for i in range(3)], ctx)
+        self.assertEqual(list(m.primary_tier.take_events()), [], "vLLM's own CPU tier is inert")
+        self.assertEqual(list(m.secondary_tiers[0].take_events()), [])
+
+    def test_a_namespace_with_vllm_fs_is_refused_at_start(self):
+        # With vllm_fs the fs tier's directory is the identity: a namespace
+        # could not keep tenants apart, so it is refused, naming both.
+        with self.assertRaisesRegex(ValueError, "namespace 'tenant-a' with vllm_fs"):
+            self.engine(tier={"vllm_fs": True, "namespace": "tenant-a"})
+
+    def test_a_long_uncached_prompt_costs_a_daemon_lookup_not_one_per_key(self):
+        # vLLM's _maximal_prefix_lookup scans a new prompt through RETRY,
+        # so its first pass queues every key; the daemon answers a prefix
+        # count. The keys of the request after its first miss are answered
+        # with it: asked again one round trip each (8193 for 8192 keys,
+        # each carrying up to 4096: some 25 million keys), they held every
+        # other request's lookups for seconds.
+        R = self.api.LookupResult
+        m = self.engine().manager
+        ctx = self.ctx()
+        m.on_new_request(ctx)
+        n = 8192  # a 128k-token prompt at 16 tokens a chunk
+        for k in [key(i, "long-miss") for i in range(n)]:
+            self.assertEqual(m.lookup(k, ctx), R.RETRY)
+        self.step(m)
+        other = self.ctx("other")
+        m.on_new_request(other)
+        self.assertEqual(self.settle(m, key(0, "short"), other)[-1], R.MISS)
+        c = m.secondary_tiers[0].counters()
+        # However the lookup thread cut the scan into passes, each key is
+        # asked about once (n + 1 keys, a lookup asked again aside):
+        # bounded by 2n here, where one round trip per key asked 21 million.
+        self.assertLessEqual(c["daemon_lookup_keys"], 2 * n,
+                             f"{c['daemon_lookups']} daemon lookups asked {c['daemon_lookup_keys']} keys "
+                             f"for {n} missing keys of one request and one of another")
+
+    def test_a_miss_answers_the_rest_of_its_request_and_no_other_requests_keys(self):
+        # Two requests' keys queued together: request a's keys after its
+        # first miss are MISS with it; request b's, stored, still HIT.
+        R = self.api.LookupResult
+        a, b = self.engine(), self.engine()
+        ctx = self.ctx()
+        a.manager.on_new_request(ctx)
+        chain = [key(i, "chain") for i in range(4)]
+        other = [key(i, "other") for i in range(3)]
+        self.offload(a, chain[:2] + other, ctx)
+        m = b.manager
+        ra, rb = self.ctx("req-a"), self.ctx("req-b")
+        m.on_new_request(ra)
+        m.on_new_request(rb)
+        for k in chain:  # the scheduler's first pass over both
+            m.lookup(k, ra)
+        for k in other:
+            m.lookup(k, rb)
+        self.assertEqual([self.settle(m, k, ra)[-1] for k in chain], [R.HIT, R.HIT, R.MISS, R.MISS])
+        self.assertEqual([self.settle(m, k, rb)[-1] for k in other], [R.HIT] * 3)
 
     def test_a_second_engine_of_the_same_model_loads_the_first_ones_rows(self):
         a, b = self.engine(), self.engine()

@@ -72,10 +72,11 @@ def kv_caches(layers=LAYERS, page=PAGE, blocks=BLOCKS, shared=True, seed=0, grou
     return caches, tensors, bufs
 
 
-def config(socket, engine_id=None, agnostic=False, **kw):
+def config(socket, engine_id=None, agnostic=False, events=True, **kw):
     """S.fake_offloading_config with vLLM's own fields set too: the engine
-    id and whether vLLM calls the bytes parallelism-agnostic."""
-    cfg = S.fake_offloading_config(socket, **kw)
+    id, whether vLLM calls the bytes parallelism-agnostic, and its KV cache
+    events (on: these tests read the manager's events)."""
+    cfg = dataclasses.replace(S.fake_offloading_config(socket, **kw), enable_kv_cache_events=events)
     if engine_id is not None:
         cfg = dataclasses.replace(cfg, engine_id=engine_id)
     if agnostic:

@@ -65,8 +65,10 @@ class TierCase(unittest.TestCase):
             t.shutdown()
 
     def tier(self, region, spec=None, **own):
+        # vLLM's KV cache events on: these tests read the tier's events
+        # (with them off it keeps none: test_vllm_real_tier).
         own.setdefault("socket", self.daemon.socket)
-        t = Tier(offloading_spec=spec or S.fake_spec(), primary_kv_view=memoryview(region),
+        t = Tier(offloading_spec=spec or S.fake_spec(enable_kv_cache_events=True), primary_kv_view=memoryview(region),
                  tier_type="KvhostTier", **own)
         self.tiers.append(t)
         return t

@@ -72,6 +72,9 @@ class SpecManager(Reconnects):
         self._missing = {}                      # key -> MISS answered until
         self._queue, self._pending, self._touches, self._releases = [], set(), [], []
         self._events = collections.deque()
+        # vLLM drains take_events only with its KV cache events on, and
+        # asks that capture stay inert otherwise (as its CPU spec's does).
+        self._events_on = bool(getattr(config, "enable_kv_cache_events", True))
         self._stats = collections.Counter()
         self._reported = collections.Counter()  # what get_stats reported so far
         self._broken = None          # why the connection is gone (text), until a reconnection
@@ -409,6 +412,8 @@ class SpecManager(Reconnects):
     # -- requests, events, stats ---------------------------------------------
 
     def _event_locked(self, keys, removed):
+        if not self._events_on:
+            return
         if len(self._events) >= self._opts["max_events"]:
             self._events.popleft()
             self._stats["events_dropped"] += 1

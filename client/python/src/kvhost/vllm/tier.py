@@ -96,6 +96,12 @@ def _options(own):
         raise ValueError(f"kvhost.vllm: zero_copy: want off, auto or on, got {zc!r}")
     if not isinstance(o["vllm_fs"], bool):
         raise ValueError(f"kvhost.vllm: vllm_fs: want true or false, got {o['vllm_fs']!r}")
+    if o["vllm_fs"] and o["namespace"]:
+        # The fs tier's directory is the whole identity there: a namespace
+        # could not keep tenants apart, and must not seem to.
+        raise ValueError(f"kvhost.vllm: namespace {o['namespace']!r} with vllm_fs: the rows of vLLM's fs-tier "
+                         f"directory are shared by every engine of the model that reads it; give each tenant "
+                         f"its own directory (the fs tier's root) instead, or leave vllm_fs out")
     for k in ("threads", "max_events"):
         if not isinstance(o[k], int) or isinstance(o[k], bool) or o[k] < 1:
             raise ValueError(f"kvhost.vllm: {k}: want an integer >= 1, got {o[k]!r}")
@@ -155,6 +161,11 @@ class _TierImpl(Reconnects):
         self._spec = offloading_spec
         o = self._opts = _options(own)
         self._medium = _pick_medium(api, o["medium"])
+        # vLLM drains take_events only with its KV cache events on, and
+        # asks a tier's capture to stay inert otherwise (a spec without the
+        # setting, an older vLLM, gets the events as before).
+        events_cfg = getattr(offloading_spec, "kv_events_config", None)
+        self._events_on = events_cfg is None or bool(getattr(events_cfg, "enable_kv_cache_events", True))
         # Before anything is allocated: a model whose identity cannot be
         # read is refused here, naming the field.
         self._desc = _namespace.describe(offloading_spec, 0, str(o["namespace"]))
@@ -409,7 +420,7 @@ class _TierImpl(Reconnects):
                     return R.HIT if a[0] else R.MISS
                 if key not in self._pending_lookups and not self._closing:
                     self._pending_lookups.add(key)
-                    self._lookup_queue.append(key)
+                    self._lookup_queue.append((key, getattr(req_context, "req_id", None)))
                     self._cv.notify_all()
                 wait = self._opts["lookup_wait_s"]
                 if deadline is None:
@@ -437,26 +448,38 @@ class _TierImpl(Reconnects):
                     self._cv.wait()
                 if self._closing:
                     return
-                keys, self._lookup_queue = self._lookup_queue, []
+                queued, self._lookup_queue = self._lookup_queue, []
                 touches, self._touch_queue = self._touch_queue, []
                 s, down = self._s, self._broken
+            keys = [k for k, _ in queued]
             answers = {}
             try:
-                rest = keys
+                rest = queued
                 if down is not None:  # no daemon: MISS below, nobody to touch
                     rest, touches = [], []
                 while rest:
                     batch = rest[:p.MAX_KEYS_PER_REQUEST]
-                    n = s.client.lookup(s.ns, [_daemon_key(k) for k in batch])
+                    n = s.client.lookup(s.ns, [_daemon_key(k) for k, _ in batch])
                     with self._lock:
                         self._stats["daemon_lookups"] += 1
-                    for k in batch[:n]:
+                        self._stats["daemon_lookup_keys"] += len(batch)
+                    for k, _ in batch[:n]:
                         answers[k] = True
-                    if n < len(batch):
-                        answers[batch[n]] = False
-                        rest = batch[n + 1:] + rest[len(batch):]
-                    else:
+                    if n == len(batch):
                         rest = rest[len(batch):]
+                        continue
+                    missed, rid = batch[n]
+                    answers[missed] = False
+                    rest = batch[n + 1:] + rest[len(batch):]
+                    if rid is not None:
+                        # vLLM scans a request's keys in prefix order and
+                        # stops at its first miss: the request's keys
+                        # queued after it are answered MISS with it (and
+                        # expire with it), not asked one round trip each.
+                        for k, r in rest:
+                            if r == rid:
+                                answers[k] = False
+                        rest = [(k, r) for k, r in rest if r != rid]
                 for t in touches:
                     for i in range(0, len(t), p.MAX_KEYS_PER_REQUEST):
                         s.client.touch(s.ns, [_daemon_key(k) for k in t[i:i + p.MAX_KEYS_PER_REQUEST]])
@@ -591,7 +614,9 @@ class _TierImpl(Reconnects):
         good = [k for k, o in zip(keys, outcomes) if o in ok_out]
         success = all(o in fine for o in outcomes)
         events = []
-        if load:
+        if not self._events_on:
+            pass
+        elif load:
             gone = [k for k, o in zip(keys, outcomes) if o == p.OUTCOME_MISSING]
             if gone:
                 events.append(api.OffloadingEvent(keys=gone, medium=self._medium, removed=True, **self._event_fields))
