@@ -443,6 +443,67 @@ func TestCompilationCache(t *testing.T) {
 	}
 }
 
+// TestOpenCompilesAgainOverADamagedCacheFile: a compilation-cache file
+// damaged on disk (a bit flipped, a file cut short by a crash) is the
+// cache's failure, not the module's: Open warns and compiles the module
+// again without the cache, and the plugin loads.
+func TestOpenCompilesAgainOverADamagedCacheFile(t *testing.T) {
+	ctx := context.Background()
+	module := fixture(t, "wellbehaved")
+	tests := []struct {
+		damage string
+		apply  func(b []byte) []byte
+	}{
+		{"a bit flipped", func(b []byte) []byte { b[len(b)/2] ^= 0xff; return b }},
+		{"cut short", func(b []byte) []byte { return b[:len(b)/2] }},
+	}
+	for _, tt := range tests {
+		t.Run(tt.damage, func(t *testing.T) {
+			dir := t.TempDir()
+			logs := &captureHandler{}
+			open := func() error {
+				h, err := policy.Open(ctx, module, "wellbehaved", policytest.NewIndex(), policy.Config{CacheDir: dir, Logger: slog.New(logs)})
+				if err == nil {
+					h.Close(ctx)
+				}
+				return err
+			}
+			if err := open(); err != nil {
+				t.Fatal(err)
+			}
+			var files []string
+			filepath.Walk(dir, func(p string, fi os.FileInfo, err error) error {
+				if err == nil && !fi.IsDir() {
+					files = append(files, p)
+				}
+				return nil
+			})
+			if len(files) == 0 {
+				t.Fatal("the first start wrote nothing to the cache")
+			}
+			for _, f := range files {
+				b, err := os.ReadFile(f)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if err := os.WriteFile(f, tt.apply(b), 0o600); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if err := open(); err != nil {
+				t.Fatalf("Open over a damaged cache file: %v", err)
+			}
+			logs.mu.Lock()
+			defer logs.mu.Unlock()
+			if !slices.ContainsFunc(logs.recs, func(r slog.Record) bool {
+				return r.Level == slog.LevelWarn && strings.Contains(r.Message, "compilation cache failed")
+			}) {
+				t.Fatal("no warning of the damaged cache")
+			}
+		})
+	}
+}
+
 func TestInspect(t *testing.T) {
 	ctx := context.Background()
 	tests := []struct {

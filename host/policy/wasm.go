@@ -5,8 +5,10 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"log/slog"
 	"math"
+	"os"
 	"strconv"
 	"strings"
 	"sync"
@@ -77,19 +79,22 @@ func newWasmBackend(ctx context.Context, module []byte, name string, cfg *Config
 		}
 		b.ownCache = cache
 	}
-	// No WithCloseOnContextDone: a call is bounded by its fuel (see
-	// wasmInstance.callFn), not by interruption checks.
-	rc := wazero.NewRuntimeConfig().WithMemoryLimitPages(b.limitPages)
-	if cache != nil {
-		rc = rc.WithCompilationCache(cache)
-	}
-	b.r = wazero.NewRuntimeWithConfig(ctx, rc)
+	b.r = b.newRuntime(ctx, cache)
 	defer func() {
 		if err != nil {
 			_ = b.close(ctx)
 		}
 	}()
-	if b.cm, err = b.r.CompileModule(ctx, code); err != nil {
+	if b.cm, err = b.r.CompileModule(ctx, code); err != nil && cache != nil && cacheFault(err) {
+		// The cache failed, not the module (a file damaged on disk, a
+		// directory that cannot be written): compile without it.
+		b.log.Warn("policy: the compilation cache failed; compiling the module without it (remove the cache directory to rebuild it)",
+			"cache_dir", cfg.CacheDir, "err", err)
+		_ = b.r.Close(ctx)
+		b.r = b.newRuntime(ctx, nil)
+		b.cm, err = b.r.CompileModule(ctx, code)
+	}
+	if err != nil {
 		return nil, fmt.Errorf("%w: %s: %v", ErrModule, name, err)
 	}
 	info := describe(b.cm, len(module))
@@ -117,6 +122,29 @@ func newWasmBackend(ctx context.Context, module []byte, name string, cfg *Config
 	}
 	b.feats, b.spare = feats, probe
 	return b, nil
+}
+
+// newRuntime returns a runtime for b's module, compiling through cache
+// unless it is nil. No WithCloseOnContextDone: a call is bounded by its
+// fuel (see wasmInstance.callFn), not by interruption checks.
+func (b *wasmBackend) newRuntime(ctx context.Context, cache wazero.CompilationCache) wazero.Runtime {
+	rc := wazero.NewRuntimeConfig().WithMemoryLimitPages(b.limitPages)
+	if cache != nil {
+		rc = rc.WithCompilationCache(cache)
+	}
+	return wazero.NewRuntimeWithConfig(ctx, rc)
+}
+
+// cacheFault reports whether err, from compiling a module through a
+// compilation cache, is the cache's failure rather than the module's:
+// wazero returns a cache file it cannot read back (a flipped bit, a file
+// cut short by a crash) as an error starting "compilationcache:", and one
+// it cannot open or write (permissions, a full disk) as the file system's
+// error. Decoding, validating and compiling a module touch no file.
+func cacheFault(err error) bool {
+	var pathErr *fs.PathError
+	var linkErr *os.LinkError
+	return strings.Contains(err.Error(), "compilationcache:") || errors.As(err, &pathErr) || errors.As(err, &linkErr)
 }
 
 // instantiateHostModules provides the imports a plugin may have: kvhost.log
