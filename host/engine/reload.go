@@ -46,7 +46,7 @@ func (e *Engine) ReplacePolicy(ctx context.Context, build func(idx policy.Index)
 	if closed {
 		return ErrClosed
 	}
-	view := &buildView{Index: e.Index(), nsSeen: map[uint32]int{}, seen: map[uint64]struct{}{}}
+	view := &buildView{Index: e.Index(), nsSeen: map[uint32]int{}, seen: map[uint64]int{}}
 	p, err := build(view)
 	if err != nil {
 		return fmt.Errorf("%w: new policy: %w", ErrPolicy, err)
@@ -117,15 +117,22 @@ func (e *Engine) catchUpAndSwap(ctx context.Context, sp *switchPolicy, p policy.
 
 // buildView is the index a replacement policy is built from: it records
 // what the build read (the namespaces of each Namespaces call, the entries
-// Range passed on) until done, so that ReplacePolicy can tell the policy
-// what changed since.
+// each Range call passed on) until done, so that ReplacePolicy can tell the
+// policy what changed since.
+//
+// A read counts as the policy's knowledge only if every read returned it:
+// a policy host builds each shard from a Range of its own, keeping the
+// entries routed to that shard, so an entry stored after one shard's Range
+// and before another's was passed on by the later call only, and the shard
+// it is routed to may be the one that never saw it.
 type buildView struct {
 	policy.Index
 	mu     sync.Mutex
 	done   bool
-	calls  int                 // Namespaces calls
-	nsSeen map[uint32]int      // namespace → calls that returned it
-	seen   map[uint64]struct{} // entries passed on by Range
+	calls  int            // Namespaces calls
+	nsSeen map[uint32]int // namespace → Namespaces calls that returned it
+	ranges int            // Range calls
+	seen   map[uint64]int // entry → Range calls that passed it on
 }
 
 // Namespaces implements policy.Index.
@@ -144,10 +151,15 @@ func (v *buildView) Namespaces() []abi.NamespaceRecord {
 
 // Range implements policy.Index.
 func (v *buildView) Range(fn func(policy.Entry) bool) {
+	v.mu.Lock()
+	if !v.done {
+		v.ranges++
+	}
+	v.mu.Unlock()
 	v.Index.Range(func(en policy.Entry) bool {
 		v.mu.Lock()
 		if !v.done {
-			v.seen[en.ID] = struct{}{}
+			v.seen[en.ID]++
 		}
 		v.mu.Unlock()
 		return fn(en)
@@ -169,8 +181,10 @@ func (v *buildView) missedNamespaces() []abi.NamespaceRecord {
 }
 
 // missedEvents returns, and stops recording, a RESTORE of every entry of
-// the index the build did not read, a REMOVE of every entry it read that
-// is gone, and a PIN for each of the pins told, by entry, of those still
+// the index some Range call of the build did not pass on (every one when
+// the build never asked; a RESTORE of an entry the policy knows is an
+// update), a REMOVE of every entry a Range call passed on that is gone, and
+// a PIN for each of the pins told, by entry, of those still
 // indexed (their unpins reach the new policy), with the pins it tells. The
 // caller holds sp.mu: no access call takes the old policy any more.
 func (v *buildView) missedEvents(e *Engine, told map[uint64]int) ([]abi.AccessRecord, map[uint64]int) {
@@ -183,7 +197,7 @@ func (v *buildView) missedEvents(e *Engine, told map[uint64]int) ([]abi.AccessRe
 	indexed := map[uint64]bool{}
 	e.ix.each(func(en *entry) {
 		indexed[en.id] = true
-		if _, ok := v.seen[en.id]; !ok {
+		if n := v.seen[en.id]; n < v.ranges || v.ranges == 0 {
 			recs = append(recs, en.access(abi.AccessRestore, en.last))
 		}
 		if n := told[en.id]; n > 0 {

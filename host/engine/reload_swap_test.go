@@ -8,7 +8,9 @@ import (
 	"testing"
 
 	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/abi/guest"
 	"github.com/kvhost/kvhost/host/policy"
+	"github.com/kvhost/kvhost/plugins/lru"
 )
 
 // buildPolicy is a testPolicy built as policy.Host builds a plugin: from
@@ -156,6 +158,82 @@ func TestReplacePolicyTellsTheNewPolicyOfChangesDuringItsBuild(t *testing.T) {
 	now := e.entryIDs()
 	if len(now) != 1 || !next.has(now[0]) {
 		t.Errorf("entries %v: the one stored while the new policy was built is unknown to it", now)
+	}
+}
+
+// storeBetweenRanges is the index a replacement policy is built from,
+// whose first Range (one shard's build) is followed, before the next
+// Range (another shard's build), by stores through the engine: entries
+// stored while the new policy is built.
+type storeBetweenRanges struct {
+	policy.Index
+	mu    sync.Mutex
+	calls int
+	store func()
+}
+
+func (x *storeBetweenRanges) Range(fn func(policy.Entry) bool) {
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	x.Index.Range(fn)
+	if x.calls++; x.calls == 1 {
+		x.store()
+	}
+}
+
+// TestReplacePolicyTellsEveryShardOfEntriesStoredBetweenItsRanges: a
+// policy host builds each shard from its own Range of the index, keeping
+// the entries routed to that shard. An entry stored after one shard's
+// Range and before another's counts as read only if every Range passed it
+// on, so it reaches the replacement as a RESTORE at the swap, whichever
+// shard it is routed to: a shard that never learns of it never offers it
+// as a victim.
+func TestReplacePolicyTellsEveryShardOfEntriesStoredBetweenItsRanges(t *testing.T) {
+	ctx := context.Background()
+	g := smallGeometry(true)
+	newLRU := func(idx policy.Index) (policy.Policy, error) {
+		return policy.NewNative(func() guest.Policy { return lru.New() }, idx, policy.Config{Shards: 2, Logger: testLogger(t)})
+	}
+	e := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir()}}, NewPolicy: newLRU})
+	ns, err := e.Declare(ctx, g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := newTestCache(t, e, ns, g, 2*g.BlocksPerKey(), layoutPlaneFirst)
+	r := rand.New(rand.NewPCG(7, 7))
+	storeAndCheck(t, e, c, testKeys("before", 1), blockLists(r, 1, g.BlocksPerKey(), 0))
+	var next *policy.Host
+	err = e.ReplacePolicy(ctx, func(idx policy.Index) (policy.Policy, error) {
+		view := &storeBetweenRanges{Index: idx, store: func() {
+			keys := testKeys("during", 16)
+			for i := range keys {
+				storeAndCheck(t, e, c, keys[i:i+1], blockLists(r, 1, g.BlocksPerKey(), 0))
+			}
+		}}
+		h, err := policy.NewNative(func() guest.Policy { return lru.New() }, view, policy.Config{Shards: 2, Logger: testLogger(t)})
+		next = h
+		return h, err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	vs, err := next.Victims(ctx, abi.EvictRequest{Bytes: 1 << 62, Mount: abi.AnyMount}, 1024)
+	if err != nil {
+		t.Fatal(err)
+	}
+	offered := map[uint64]bool{}
+	for _, v := range vs {
+		offered[v.Entry] = true
+	}
+	var missing []uint64
+	for _, id := range e.entryIDs() {
+		if !offered[id] {
+			missing = append(missing, id)
+		}
+	}
+	if len(missing) > 0 {
+		t.Fatalf("%d of %d entries are unknown to the replacement policy (never offered as victims): %v",
+			len(missing), len(e.entryIDs()), missing)
 	}
 }
 
