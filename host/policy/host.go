@@ -1,6 +1,7 @@
 package policy
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -88,6 +89,25 @@ type Host struct {
 		sync.RWMutex
 		recs []abi.MountRecord
 	}
+	// nss is every namespace declared through Namespace, by id, replayed
+	// to every rebuilt instance after the Index's: the engine marks a
+	// namespace declared in its Index only once Namespace has returned,
+	// so an instance rebuilt in between would not know it. A declaration
+	// counts from its start (the shards before a failing one have it) and
+	// is forgotten when it fails, unless one of the same namespace
+	// succeeded. The host has no call to undeclare a namespace: a plugin
+	// keeps those the engine releases, as the instances not rebuilt do.
+	nss struct {
+		sync.Mutex
+		m map[uint32]nsDecl
+	}
+}
+
+// nsDecl is a namespace declared through Host.Namespace.
+type nsDecl struct {
+	rec      abi.NamespaceRecord
+	inFlight int  // declarations under way
+	ok       bool // a declaration succeeded
 }
 
 // ledger is what the host has told one shard's plugin: the pins it
@@ -324,7 +344,7 @@ func (h *Host) build(ctx context.Context, b backend, s *shard, config []byte) (i
 		return nil, err
 	}
 	if b.features().Has(abi.FeatureNamespace) {
-		for _, ns := range h.idx.Namespaces() {
+		for _, ns := range h.namespaces() {
 			if err := h.callOnce(ctx, s, inst, hookNamespace, &namespaceOp{in: ns}); err != nil {
 				return nil, err
 			}
@@ -621,6 +641,7 @@ func (h *Host) Namespace(ctx context.Context, rec abi.NamespaceRecord) (abi.Name
 		return rec, fmt.Errorf("%w: namespace %d: ModelLen %d > %d", ErrInput, rec.NS, rec.ModelLen, abi.MaxModelLen)
 	}
 	out := rec
+	h.beginNamespace(rec) // from now on, a rebuilt instance is declared rec too
 	err := h.withShards(ctx, func(shards []*shard) error {
 		if !h.mu.backend.features().Has(abi.FeatureNamespace) {
 			out.KeysPerFile, out.Order = abi.DefaultKeysPerFile, abi.DefaultOrder
@@ -647,7 +668,58 @@ func (h *Host) Namespace(ctx context.Context, rec abi.NamespaceRecord) (abi.Name
 		}
 		return nil
 	})
+	h.endNamespace(rec, err == nil)
 	return out, err
+}
+
+// beginNamespace records a declaration of rec under way.
+func (h *Host) beginNamespace(rec abi.NamespaceRecord) {
+	h.nss.Lock()
+	defer h.nss.Unlock()
+	if h.nss.m == nil {
+		h.nss.m = map[uint32]nsDecl{}
+	}
+	d := h.nss.m[rec.NS]
+	d.rec, d.inFlight = rec, d.inFlight+1
+	h.nss.m[rec.NS] = d
+}
+
+// endNamespace records the end of a declaration of rec begun with
+// beginNamespace, and whether it succeeded.
+func (h *Host) endNamespace(rec abi.NamespaceRecord, ok bool) {
+	h.nss.Lock()
+	defer h.nss.Unlock()
+	d := h.nss.m[rec.NS]
+	d.inFlight--
+	if ok {
+		d.rec, d.ok = rec, true
+	}
+	if d.inFlight == 0 && !d.ok {
+		delete(h.nss.m, rec.NS)
+		return
+	}
+	h.nss.m[rec.NS] = d
+}
+
+// namespaces returns the namespaces a new instance is declared: the
+// Index's, then those declared through Namespace that the Index does not
+// list yet, by id.
+func (h *Host) namespaces() []abi.NamespaceRecord {
+	out := h.idx.Namespaces()
+	listed := make(map[uint32]bool, len(out))
+	for _, r := range out {
+		listed[r.NS] = true
+	}
+	h.nss.Lock()
+	defer h.nss.Unlock()
+	var more []abi.NamespaceRecord
+	for id, d := range h.nss.m {
+		if !listed[id] {
+			more = append(more, d.rec)
+		}
+	}
+	slices.SortFunc(more, func(a, b abi.NamespaceRecord) int { return cmp.Compare(a.NS, b.NS) })
+	return append(out, more...)
 }
 
 // Name implements Policy. Records are routed to shards by KeyHash.

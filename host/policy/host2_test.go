@@ -157,6 +157,39 @@ func TestReplacementRebuildsState(t *testing.T) {
 	checkAnswers(t, h, idx)
 }
 
+// TestAnInstanceRebuiltBeforeTheEngineRecordsANamespaceKnowsIt: the
+// engine marks a namespace declared in its Index only after Host.Namespace
+// returns. An instance rebuilt in that window (another call failed on its
+// shard) is declared the namespaces the host declared, not only the
+// Index's, so the plugin names the namespace's keys: no failure but the
+// one injected.
+func TestAnInstanceRebuiltBeforeTheEngineRecordsANamespaceKnowsIt(t *testing.T) {
+	ctx := context.Background()
+	var boom atomic.Int32
+	idx := policytest.NewIndex()
+	h, err := policy.NewNative(func() guest.Policy { return flaky{newLRU(), &boom} }, idx, policy.Config{Shards: 1, Logger: quietLogger()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h.Close(ctx)
+	ns, err := h.Namespace(ctx, testNS) // declared to the plugin...
+	if err != nil {
+		t.Fatal(err)
+	}
+	// ...and, before the engine records it, a call fails on the shard.
+	boom.Store(1)
+	if _, err := h.Victims(ctx, abi.EvictRequest{Bytes: 1, Mount: abi.AnyMount}, 1); err != nil {
+		t.Fatal(err)
+	}
+	idx.AddNamespace(ns) // the engine marks the namespace declared
+	if err := h.Name(ctx, nameRecords(8, 1)); err != nil {
+		t.Fatal(err)
+	}
+	if s := h.Stats(); s.Failures != 1 {
+		t.Fatalf("%d failures, want the 1 injected: naming a declared namespace failed the plugin", s.Failures)
+	}
+}
+
 // TestCallerCancel: a caller's context done before a call stops it, and
 // that is no failure of the plugin (an instance whose call was not made is
 // kept); one done while a call runs does not cut it short: the loop runs
