@@ -10,7 +10,9 @@ var (
 	// ErrConfig: a Config field is invalid.
 	ErrConfig = errors.New("policy: invalid config")
 	// ErrModule: a plugin module does not implement ABI v1 (bad ABI version,
-	// missing or mistyped export, unknown import or feature bit, bad memory).
+	// missing or mistyped export, unknown import or feature bit, bad memory,
+	// no valid scratch area from kvhost_scratch): every problem Inspect
+	// lists, found by Open before any instance is initialised.
 	ErrModule = errors.New("policy: invalid plugin module")
 	// ErrPlugin: a plugin hook failed (trap, timeout, memory limit, failure
 	// status or invalid output). Errors wrapping it are *Error values.

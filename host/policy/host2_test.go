@@ -537,7 +537,11 @@ func TestOpenCompilesAgainOverADamagedCacheFile(t *testing.T) {
 	}
 }
 
-func TestInspect(t *testing.T) {
+// TestInspectListsWhatStopsOpen: Inspect lists the problem that stops
+// Open of each module TestOpenRejectsInvalidModules opens (the scratch
+// area's too: they share the check), and none for the well-behaved
+// fixture or a built-in plugin.
+func TestInspectListsWhatStopsOpen(t *testing.T) {
 	ctx := context.Background()
 	tests := []struct {
 		fixture string
@@ -549,6 +553,7 @@ func TestInspect(t *testing.T) {
 		{"wrongabi", false, 2, "kvhost_abi_version returned 2"},
 		{"noevict", false, 1, "missing export kvhost_evict"},
 		{"badimport", false, 0, "imports env.abort"},
+		{"scratchzero", false, 1, "returned 0: the plugin has no scratch area"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.fixture, func(t *testing.T) {

@@ -92,6 +92,10 @@ func insert(t *testing.T, p policy.Policy, idx *policytest.Index, first uint64, 
 	}
 }
 
+// TestOpenRejectsInvalidModules: a module that does not implement ABI v1
+// (a wrong version, a missing export, an import the host does not provide,
+// a kvhost_scratch that gives no scratch area) fails Open with ErrModule,
+// naming the plugin and the problem.
 func TestOpenRejectsInvalidModules(t *testing.T) {
 	tests := []struct {
 		fixture string
@@ -100,6 +104,7 @@ func TestOpenRejectsInvalidModules(t *testing.T) {
 		{"wrongabi", "kvhost_abi_version returned 2, want 1"},
 		{"noevict", "missing export kvhost_evict(i32) -> i32"},
 		{"badimport", "imports env.abort, which the host does not provide"},
+		{"scratchzero", "returned 0: the plugin has no scratch area"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.fixture, func(t *testing.T) {

@@ -152,8 +152,9 @@ func (i *Info) checkIdentity() {
 }
 
 // Inspect describes a plugin module without running any hook beyond
-// kvhost_abi_version and kvhost_features (and the module's _initialize).
-// It returns an error only when the module cannot be compiled or
+// kvhost_abi_version, kvhost_features and kvhost_scratch (and the module's
+// _initialize), the checks Open makes of its first instance (probe). It
+// returns an error only when the module cannot be compiled or
 // instantiated; every other shortcoming is listed in Info.Problems. It uses
 // wazero's interpreter: the few calls it makes cost less than compiling a
 // large module to machine code.
@@ -188,18 +189,13 @@ func Inspect(ctx context.Context, module []byte) (Info, error) {
 	if err := instantiateHostModules(ctx, r, b.hostLog); err != nil {
 		return info, err
 	}
-	in, err := b.instantiate(ctx)
+	in, err := b.probe(ctx, &info)
 	if err != nil {
 		return info, fmt.Errorf("%w: %v", ErrModule, err)
 	}
-	defer in.close(ctx)
-	version, feats, err := in.identify(ctx)
-	if err != nil {
-		info.Problems = append(info.Problems, err.Error())
-		return info, nil
+	if in != nil {
+		in.close(ctx)
 	}
-	info.ABIVersion, info.VersionKnown, info.Features = version, true, feats
-	info.checkIdentity()
 	return info, nil
 }
 

@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"math"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -60,7 +61,7 @@ type wasmBackend struct {
 
 // newWasmBackend meters module (host/policy/internal/meter), compiles it,
 // validates it against ABI v1 and creates a first instance to check its
-// version and features.
+// version, features and scratch area (probe).
 func newWasmBackend(ctx context.Context, module []byte, name string, cfg *Config) (_ *wasmBackend, err error) {
 	if name == "" {
 		return nil, fmt.Errorf("%w: empty plugin name", ErrConfig)
@@ -104,24 +105,46 @@ func newWasmBackend(ctx context.Context, module []byte, name string, cfg *Config
 	if err := instantiateHostModules(ctx, b.r, b.hostLog); err != nil {
 		return nil, err
 	}
-	probe, err := b.instantiate(ctx)
+	probe, err := b.probe(ctx, &info)
 	if err != nil {
 		return nil, fmt.Errorf("%w: %s: %v", ErrModule, name, err)
 	}
-	version, feats, err := probe.identify(ctx)
-	if err == nil {
+	if len(info.Problems) > 0 {
+		return nil, fmt.Errorf("%w: %s: %s", ErrModule, name, strings.Join(info.Problems, "; "))
+	}
+	b.feats, b.spare = info.Features, probe
+	return b, nil
+}
+
+// probe creates an instance of b's module and checks what Open requires
+// of it before any hook with records runs, adding what falls short to
+// info.Problems: kvhost_abi_version and kvhost_features (info's version
+// and features, checked by checkIdentity), then kvhost_scratch, asked for
+// the scratch area when the module exports it and speaks ABI v1. Open and
+// Inspect share it, so that Inspect lists every problem that stops Open.
+// It returns the instance, its scratch area reserved, when info has no
+// problems, and an error only when the module cannot be instantiated.
+func (b *wasmBackend) probe(ctx context.Context, info *Info) (*wasmInstance, error) {
+	in, err := b.instantiate(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if version, feats, err := in.identify(ctx); err != nil {
+		info.Problems = append(info.Problems, err.Error())
+	} else {
 		info.ABIVersion, info.VersionKnown, info.Features = version, true, feats
 		info.checkIdentity()
-		if len(info.Problems) > 0 {
-			err = errors.New(strings.Join(info.Problems, "; "))
+		if version == abi.Version && slices.Contains(info.Hooks, abi.ExportScratch) {
+			if err := in.reserve(ctx); err != nil {
+				info.Problems = append(info.Problems, err.Error())
+			}
 		}
 	}
-	if err != nil {
-		probe.close(ctx)
-		return nil, fmt.Errorf("%w: %s: %v", ErrModule, name, err)
+	if len(info.Problems) > 0 {
+		in.close(ctx)
+		return nil, nil
 	}
-	b.feats, b.spare = feats, probe
-	return b, nil
+	return in, nil
 }
 
 // newRuntime returns a runtime for b's module, compiling through cache
@@ -239,9 +262,11 @@ func (b *wasmBackend) newInstance(ctx context.Context, shard int) (instance, err
 			return nil, err
 		}
 	}
-	if err := in.reserve(ctx); err != nil {
-		in.close(ctx)
-		return nil, err
+	if in.ptr == 0 { // the probed instance has its area
+		if err := in.reserve(ctx); err != nil {
+			in.close(ctx)
+			return nil, err
+		}
 	}
 	return in, nil
 }
