@@ -702,9 +702,11 @@ class DaemonRestart(TierCase):
         request is recorded here instead of sent, so the job runs to its
         end; TestWaitEnded checks what the tier does with a cancel."""
         region = random_region(seed=26)
-        t = self.tier(region, zero_copy="off", job_timeout_s=0.1, request_timeout_s=0.3)
         ks = keys(2, "fenced")
-        self.store(t, ks, [0, 1])
+        # Stored by a tier of the default timeouts: under the short ones a
+        # loaded machine failed the store itself.
+        self.store(self.tier(region, zero_copy="off"), ks, [0, 1])
+        t = self.tier(region, zero_copy="off", job_timeout_s=0.1, request_timeout_s=0.3)
         want = region[:2].copy()
         region[10:12] = 0
         said = d.LogRecords("vllm.kvhost")
