@@ -62,6 +62,10 @@ type clusterMount struct {
 	seq     uint64
 	pub     *clustercap.Summary   // the last summary published
 	peers   []*clustercap.Summary // the live others, as last read
+	// watch records, on this node's clock, when each read found a live
+	// peer's summary changed: a peer's cut-off stays in force only while
+	// the summary carrying it is recent as this node saw it (cutsOf).
+	watch clustercap.Watch
 	// unclaimed holds, as last read, the summaries of dead nodes whose
 	// files no live node's summary counts yet, this node's included
 	// (clustercap.Unclaimed): counted beside peers (others).
@@ -554,6 +558,7 @@ func (c *clusterMount) read(ctx context.Context, e *Engine, m *mount) error {
 	if twin == "" && c.copied {
 		twin = e.node + " (another copy: it holds this node's lock file)"
 	}
+	c.watch.See(c.peers, now)
 	c.setTwin(e, m, twin)
 	c.readBad(e, m, bad, read, now, adoptProven)
 	c.fresh = fresh
@@ -784,6 +789,15 @@ func (c *clusterMount) others() []*clustercap.Summary {
 	return slices.Concat(c.peers, c.unclaimed)
 }
 
+// cutsOf is others for Decide at now (Unix ns): the cut-offs of the
+// summaries that may have stood, as this node saw them, longer than the
+// window (two intervals) since their cut cleared (clustercap.Watch.Cuts),
+// so that a peer whose publications stalled (its lock held, its last
+// summary kept) does not keep an old cut in force. Called with c.mu held.
+func (c *clusterMount) cutsOf(now int64) []*clustercap.Summary {
+	return c.watch.Cuts(c.others(), now, 2*int64(c.interval))
+}
+
 // adoptedNames names the dead nodes whose files c.own counts whole: this
 // node holds their adoption and a walk of the mount for them completed
 // (Summary.Adopted). Called with c.mu held.
@@ -848,7 +862,7 @@ func (c *clusterMount) tick(ctx context.Context, e *Engine, m *mount) {
 		items[i] = clustercap.Item{Rank: r.rank, Bytes: r.en.size}
 	}
 	sketch := clustercap.NewSketch(items, clustercap.SketchPoints)
-	p := c.bound.Decide(start, sketch, c.own, c.others(), 2*int64(c.interval))
+	p := c.bound.Decide(start, sketch, c.own, c.cutsOf(start), 2*int64(c.interval))
 	if p.Cut > 0 {
 		if freed := c.evict(ctx, e, m, own, p.Cut, 0); freed > 0 {
 			own, c.own, _ = c.count(ctx, e, m)
@@ -982,7 +996,8 @@ func (e *Engine) clusterReserve(ctx context.Context, m *mount, size int64) error
 		cut := uint64(0)
 		computed := false
 		if err == nil {
-			p := c.bound.Decide(e.now().UnixNano(), c.lastSketch(), c.own, c.others(), 2*int64(c.interval))
+			now := e.now().UnixNano()
+			p := c.bound.Decide(now, c.lastSketch(), c.own, c.cutsOf(now), 2*int64(c.interval))
 			cut, computed = p.Cut, p.Computed
 		}
 		own, bytes, _ := c.count(ctx, e, m)

@@ -1502,3 +1502,76 @@ func TestClusterAdoptsAndRetiresADeadNodeWhereAnExclusiveFlockNeedsWriteAccess(t
 		t.Fatalf("dead node D has no file left on the mount, yet %v stay and A still adopts it: %v", left, isAdopted(a.e, "d"))
 	}
 }
+
+// TestClusterAStalledPeersCutIsInForceOnlyWhileItsSummaryIsRecent: a
+// peer P (running, its lock held) publishes a cut-off above node A's
+// files' ranks, then its publications stall. A follows the cut only while
+// it has seen P's summary stand for less than the window (two of A's
+// intervals, on A's clock): a cut of a summary A never saw change (its
+// first read of P is 10 minutes after the cut) is not followed, nor one
+// A has seen stand for 3 hours (window 2 hours), and one A saw published
+// a minute ago is, whatever the clocks (the cut's age on P's clock is
+// P's summary time minus its cut time).
+func TestClusterAStalledPeersCutIsInForceOnlyWhileItsSummaryIsRecent(t *testing.T) {
+	ctx := context.Background()
+	fileSize := oneFileBytes(t)
+	for _, tc := range []struct {
+		name      string
+		seenFirst bool          // A read P's summary before its cut (it then saw it change)
+		stall     time.Duration // from P's cut to A's tick, on A's clock
+		evicted   uint64
+	}{
+		{"first read long after the cut", false, 10 * time.Minute, 0},
+		{"seen changed, then stalled past the window", true, 3 * time.Hour, 0},
+		{"seen changed a minute ago", true, time.Minute, 3},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			dir := t.TempDir()
+			clock := newTestClock()
+			a := clusterNodeAt(t, dir, "a", 100*fileSize, time.Hour, clock.now)
+			storeKeys(t, a, "a", 3, rand.New(rand.NewPCG(7, 8)))
+			p, err := clustercap.OpenDir(fsys.OS{}, dir, "p")
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer p.Close()
+			m := a.e.mounts[0]
+			c := m.cluster
+			// P's summaries, on a clock an hour behind A's.
+			skew := -int64(time.Hour)
+			publish := func(seq uint64, cut uint64) {
+				at := clock.now().UnixNano() + skew
+				s := &clustercap.Summary{Version: clustercap.SummaryVersion, Node: "p", Tag: clustercap.Tag("p"), Seq: seq,
+					Time: at, Interval: int64(time.Second), Bytes: fileSize, Claim: fileSize,
+					Sketch: clustercap.Sketch{Ranks: []uint64{uint64(at)}, Bytes: []int64{fileSize}}}
+				if cut > 0 {
+					s.Cut, s.CutTime = cut, at
+				}
+				if err := p.Publish(s); err != nil {
+					t.Fatal(err)
+				}
+			}
+			readNow := func() {
+				c.mu.Lock()
+				defer c.mu.Unlock()
+				if err := c.read(ctx, a.e, m); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if tc.seenFirst {
+				publish(8, 0)
+				readNow()
+			}
+			clock.advance(time.Second)
+			publish(9, uint64(clock.now().UnixNano())) // above A's files' ranks
+			if tc.seenFirst {
+				readNow() // A sees P's summary change
+			}
+			clock.advance(tc.stall)
+			c.tick(ctx, a.e, m)
+			if ev := a.e.Stats().Evictions; ev != tc.evicted {
+				t.Fatalf("with 4 files on the mount of a bound of 100, A evicted %d of its 3 files below P's cut-off %v after it, want %d", ev, tc.stall, tc.evicted)
+			}
+		})
+	}
+}

@@ -936,3 +936,41 @@ func TestDirRefusesASummaryFileLargerThanMaxSummarySize(t *testing.T) {
 		t.Fatalf("a file of %d bytes: read %d bytes, %v; want ErrSummary", MaxSummarySize+1, len(got), err)
 	}
 }
+
+// TestWatchKeepsACutOnlyWhileItsSummaryIsRecentAsTheReaderSawIt: a
+// peer's cut is in force while its age at publication (peer's clock)
+// plus the time since the reader saw the summary change (reader's clock)
+// is within the window; a summary never seen to change has no known age.
+func TestWatchKeepsACutOnlyWhileItsSummaryIsRecentAsTheReaderSawIt(t *testing.T) {
+	const iv = int64(1e9)
+	peer := func(seq uint64, time, cutAge int64) *Summary {
+		return &Summary{Node: "p", Seq: seq, Time: time, Cut: 7, CutTime: time - cutAge}
+	}
+	var w Watch
+	cut := func(s *Summary, now int64) uint64 { return w.Cuts([]*Summary{s}, now, 2*iv)[0].Cut }
+	first := peer(1, -5000*iv, 0) // the peer's clock far behind the reader's
+	w.See([]*Summary{first}, 100*iv)
+	if got := cut(first, 100*iv); got != 0 {
+		t.Fatalf("a cut of a summary never seen to change: in force (%d), want not", got)
+	}
+	next := peer(2, -4999*iv, iv)
+	w.See([]*Summary{next}, 101*iv)
+	if got := cut(next, 101*iv); got != 7 {
+		t.Fatalf("a cut 1 interval old just seen: cut %d, want 7", got)
+	}
+	if next.Cut != 7 {
+		t.Fatal("Cuts changed the summary it was given")
+	}
+	w.See([]*Summary{next}, 102*iv+1) // unchanged: stalled
+	if got := cut(next, 102*iv+1); got != 0 {
+		t.Fatalf("a cut 1 interval old at publication, its summary unchanged 1 interval more and a bit: cut %d, want none", got)
+	}
+	if got := cut(next, 101*iv+iv/2); got != 7 {
+		t.Fatalf("a cut 1.5 intervals old by the sum: cut %d, want 7", got)
+	}
+	w.See(nil, 103*iv) // forgotten, then seen anew: unknown again
+	w.See([]*Summary{next}, 104*iv)
+	if got := cut(next, 104*iv); got != 0 {
+		t.Fatalf("a summary seen anew after the peer was gone: cut %d, want none", got)
+	}
+}

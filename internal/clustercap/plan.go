@@ -116,11 +116,76 @@ type Plan struct {
 	Computed bool
 }
 
+// Watch is a reading node's record, on its own clock, of when it saw each
+// peer's summary change (a new Seq): how long a summary has stood as it
+// is, which the summary itself cannot say (its Time is on the peer's
+// clock, and a peer whose publications stalled says nothing). The zero
+// Watch is empty and ready; a Watch is not safe for concurrent use.
+type Watch struct {
+	seen map[string]watched
+}
+
+// watched is what a Watch knows of one peer's summary.
+type watched struct {
+	seq     uint64
+	changed int64 // this node's clock when it read seq first after another; 0: only this seq read
+}
+
+// See records the summaries of a read of the directory at now (Unix
+// nanoseconds, this node's clock) and forgets the nodes not among them.
+func (w *Watch) See(sums []*Summary, now int64) {
+	next := make(map[string]watched, len(sums))
+	for _, s := range sums {
+		v, ok := w.seen[s.Node]
+		switch {
+		case !ok:
+			v = watched{seq: s.Seq}
+		case v.seq != s.Seq:
+			v = watched{seq: s.Seq, changed: now}
+		}
+		next[s.Node] = v
+	}
+	w.seen = next
+}
+
+// Cuts returns peers with the cut-off of each that may be older than
+// window at now cleared (a copy: peers are not changed), judged without
+// comparing clocks: the cut's age when its summary was written (the
+// summary's time minus the cut's, both on the peer's clock) plus how long
+// this node has seen that summary stand (on its own clock, from the read
+// that first found it changed). A cut of a summary this node has not yet
+// seen change is not in force: how long it has stood is unknown (a peer
+// whose publications stalled keeps its last summary, cut and all). So a
+// stalled peer's cut goes within window of this node's seeing its last
+// change, and a node's first read follows no peer's cut (it computes its
+// own above the high watermark; Decide).
+func (w *Watch) Cuts(peers []*Summary, now, window int64) []*Summary {
+	out := make([]*Summary, len(peers))
+	for i, s := range peers {
+		out[i] = s
+		if s.Cut == 0 {
+			continue
+		}
+		v, ok := w.seen[s.Node]
+		if ok && v.seq == s.Seq && v.changed != 0 {
+			if age := s.Time - s.CutTime; age >= 0 && age <= window && now-v.changed <= window-age {
+				continue
+			}
+		}
+		g := *s
+		g.Cut, g.CutTime = 0, 0
+		out[i] = &g
+	}
+	return out
+}
+
 // Decide plans a node's eviction at now (Unix nanoseconds): its own bytes
 // and sketch (fresh), the summaries of every other live node (peers), and
 // window, how long a peer's cut-off stays in force (its interval or two:
 // every node applies it at its next summary), measured on the peer's
-// clock, from the cut's time to its summary's. If the cluster is above the
+// clock, from the cut's time to its summary's; a caller drops beforehand
+// the cuts of summaries that may have stood longer than that since
+// (Watch.Cuts). If the cluster is above the
 // high watermark, the cut-off is the rank below which every node's files
 // together cover the excess down to the low watermark (Cutoff); each node
 // evicts its own files below it, so the cluster loses its lowest-ranked
