@@ -103,6 +103,13 @@ type clusterMount struct {
 	// bad holds the nodes whose summary the last read could not use
 	// (logged once, at the read that first found it so).
 	bad map[string]bool
+	// unknown holds the nodes of bad that may be running (their summary
+	// file fresh, or their lock not found free) and of which no summary
+	// was ever read to stand in: nothing says what they hold, so while
+	// any is left this node's claim grows no further (clusterReserve,
+	// fitsBound): a node that counted them as holding nothing could take
+	// the room their files take.
+	unknown map[string]bool
 	// twin is a running node whose summary carries this node's owner tag,
 	// as the last read found ("" if none): another node_id of the tag that
 	// the start's check did not see (both started at once). Neither can
@@ -195,7 +202,7 @@ func (e *Engine) openCluster() error {
 		if err != nil {
 			return fmt.Errorf("engine: mount %s: %w", m.root, err)
 		}
-		c := &clusterMount{dir: dir, bound: b, interval: cm.ClusterInterval, tag: clustercap.Tag(e.node), floor: map[uint64]uint64{}, walked: map[uint32]int64{}, temps: map[string]uint32{}, bad: map[string]bool{},
+		c := &clusterMount{dir: dir, bound: b, interval: cm.ClusterInterval, tag: clustercap.Tag(e.node), floor: map[uint64]uint64{}, walked: map[uint32]int64{}, temps: map[string]uint32{}, bad: map[string]bool{}, unknown: map[string]bool{},
 			shared: map[string]bool{}, probes: map[string]*lockProbe{}, unproven: map[string]bool{}}
 		c.dead.Store(&map[uint32]bool{})
 		if c.interval == 0 {
@@ -736,14 +743,18 @@ func (c *clusterMount) retire(e *Engine, m *mount, dead map[uint32]bool, names m
 // of a summary (StaleIntervals of this mount's interval, by the file's
 // modification time; an unknown time is not stale) and its lock is free:
 // a running node holds its lock, and a stopped one of this version left
-// its summary whole (a crash while publishing, another version). adopt
-// adopts it, its run identified by the file's modification time (as
-// runOf). A node whose summary cannot be read is unknown: never
-// adopted. Each node is logged once while its summary stays bad. Called
-// with c.mu held.
+// its summary whole (a crash while publishing, a version whose summary
+// this one cannot read). adopt adopts it, its run identified by the
+// file's modification time (as runOf). A node whose summary cannot be
+// read (the file system's error) is never adopted. Either kind, unless
+// its file is so stale and its lock free, may be running: it goes into
+// c.unknown, and this node's claim grows no further while any is there.
+// Each node is logged once while its summary stays bad. Called with c.mu
+// held.
 func (c *clusterMount) readBad(e *Engine, m *mount, bad []error, read map[string]bool, now int64, adopt func(node string, tag uint32, run int64)) {
-	was := c.bad
+	was, wasUnknown := c.bad, c.unknown
 	c.bad = make(map[string]bool, len(bad))
+	c.unknown = map[string]bool{}
 	for _, err := range bad {
 		var se *clustercap.SummaryError
 		if !errors.As(err, &se) {
@@ -755,15 +766,26 @@ func (c *clusterMount) readBad(e *Engine, m *mount, bad []error, read map[string
 		} else {
 			e.log.Warn("engine: cluster summary skipped", "mount", m.root, "err", err)
 		}
-		if read[se.Node] || !errors.Is(err, clustercap.ErrSummary) || se.ModTime.IsZero() ||
-			now-se.ModTime.UnixNano() < clustercap.StaleIntervals*int64(c.interval) {
+		if read[se.Node] {
 			continue
 		}
-		free, err := c.dir.LockFree(se.Node)
-		if err != nil {
-			e.log.Warn("engine: cluster lock probe", "mount", m.root, "node", se.Node, "err", err)
+		free := false
+		if !se.ModTime.IsZero() && now-se.ModTime.UnixNano() >= clustercap.StaleIntervals*int64(c.interval) {
+			f, perr := c.dir.LockFree(se.Node)
+			if perr != nil {
+				e.log.Warn("engine: cluster lock probe", "mount", m.root, "node", se.Node, "err", perr)
+			}
+			free = perr == nil && f
 		}
-		if err == nil && free {
+		if !free {
+			c.unknown[se.Node] = true
+			if !wasUnknown[se.Node] {
+				e.log.Warn("engine: cluster: a node that may be running has a summary this node cannot use, and none of it was read before: its files cannot be counted, so this node's claim grows no further until it can (or the node is found dead)",
+					"mount", m.root, "node", se.Node, "claim", c.claim)
+			}
+			continue
+		}
+		if errors.Is(err, clustercap.ErrSummary) {
 			adopt(se.Node, clustercap.Tag(se.Node), se.ModTime.UnixNano())
 		}
 	}
@@ -966,7 +988,9 @@ func (c *clusterMount) evict(ctx context.Context, e *Engine, m *mount, own []ran
 // others' (two nodes raising theirs at once cannot both miss the other);
 // if the claims do not fit the bound, it evicts its files below the
 // cut-off, and then its lowest-ranked, until they do. Without the
-// directory (lost) it stays within its last claim. A caller that gave up
+// directory (lost), or while a node that may run cannot be counted
+// (c.unknown: its summary unusable, none read before), it stays within its
+// last claim. A caller that gave up
 // (ctx cancelled) before the eviction gets ctx's error instead, with no
 // file deleted.
 func (e *Engine) clusterReserve(ctx context.Context, m *mount, size int64) error {
@@ -991,6 +1015,11 @@ func (e *Engine) clusterReserve(ctx context.Context, m *mount, size int64) error
 		limit = last
 	} else {
 		limit = c.bound.Capacity - clustercap.Claims(c.others())
+		if len(c.unknown) > 0 {
+			// A node that may run holds what no summary says: this
+			// node stays within its claim (readBad).
+			limit = min(limit, last)
+		}
 	}
 	if c.own+size > limit || (err == nil && !c.bound.Fits(c.claim, c.others())) {
 		cut := uint64(0)
@@ -1014,6 +1043,8 @@ func (e *Engine) clusterReserve(ctx context.Context, m *mount, size int64) error
 			why := "no evictable file of its own left"
 			if twin := c.twinNote(); twin != "" {
 				why = twin
+			} else if len(c.unknown) > 0 {
+				why = fmt.Sprintf("its claim grows no further while the summary of node %q, which may be running, cannot be used", slices.Sorted(maps.Keys(c.unknown))[0])
 			}
 			return fmt.Errorf("%w: mount %s: this node holds %d bytes and may hold %d of the cluster's %d, %d more needed, %s",
 				ErrNoSpace, m.root, c.own, limit, c.bound.Capacity, size, why)
@@ -1050,11 +1081,15 @@ func (c *clusterMount) reserveClaimed(size int64) bool {
 
 // fitsBound reports whether size bytes more of this node's fit in the
 // cluster's bound as last read: within its claim, or within what the
-// others' claims leave of the cluster's capacity (clusterReserve's limit),
-// without reading the others again, evicting or reserving (reprobe).
+// others' claims leave of the cluster's capacity (clusterReserve's limit;
+// not while a node that may run cannot be counted: c.unknown), without
+// reading the others again, evicting or reserving (reprobe).
 func (c *clusterMount) fitsBound(size int64) bool {
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	if len(c.unknown) > 0 {
+		return c.own+size <= c.claim
+	}
 	return c.own+size <= max(c.claim, c.bound.Capacity-clustercap.Claims(c.others()))
 }
 

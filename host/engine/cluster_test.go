@@ -2,6 +2,7 @@ package engine
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"math/rand/v2"
@@ -1573,5 +1574,104 @@ func TestClusterAStalledPeersCutIsInForceOnlyWhileItsSummaryIsRecent(t *testing.
 				t.Fatalf("with 4 files on the mount of a bound of 100, A evicted %d of its 3 files below P's cut-off %v after it, want %d", ev, tc.stall, tc.evicted)
 			}
 		})
+	}
+}
+
+// rewriteSummary replaces node's summary on dir with what edit makes of
+// its bytes, as a node publishes (a temporary renamed over it).
+func rewriteSummary(t *testing.T, dir, node string, edit func([]byte) []byte) {
+	t.Helper()
+	path := filepath.Join(dir, clustercap.DirName, node+".summary")
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(path+".tmp", edit(b), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Rename(path+".tmp", path); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// editedNode starts node "n" on a fresh directory with a cluster bound
+// of 8 files, has it store 5 keys and replaces its summary by edit's
+// (rewriteSummary). It returns the directory, the bound, the node and
+// the keys' source (seeded with seed).
+func editedNode(t *testing.T, seed uint64, edit func([]byte) []byte) (string, int64, *node, *rand.Rand) {
+	t.Helper()
+	capacity := 8 * oneFileBytes(t)
+	dir := t.TempDir()
+	r := rand.New(rand.NewPCG(5, seed))
+	n := clusterNode(t, dir, "n", capacity, time.Hour)
+	storeKeys(t, n, "n", 5, r)
+	rewriteSummary(t, dir, "n", edit)
+	return dir, capacity, n, r
+}
+
+// storeWithinBound has n store count one-key stores (prefix), each stored
+// or refused for room (ErrNoSpace), and fails the test where the data
+// files on dir pass capacity after one. It returns how many were stored.
+func storeWithinBound(t *testing.T, n *node, dir, prefix string, count int, capacity int64, r *rand.Rand) int {
+	t.Helper()
+	stored := 0
+	for i := range count {
+		bl := []int{4 * (i % 16), 4*(i%16) + 1, 4*(i%16) + 2, 4*(i%16) + 3}
+		n.c.fill(r, bl)
+		res := wait(t)(n.e.Store(context.Background(), StoreRequest{Cache: n.c.id, Keys: testKeys(fmt.Sprintf("%s%02d", prefix, i), 1), Blocks: [][]int{bl}}))
+		switch kr := res.Keys[0]; {
+		case kr.Outcome == OutcomeStored:
+			stored++
+		case kr.Outcome != OutcomeFailed || !errors.Is(kr.Err, ErrNoSpace):
+			t.Fatalf("store %d: %v, %v; want stored or refused for room", i, kr.Outcome, kr.Err)
+		}
+		if got := diskBytes(t, dir); got > capacity {
+			t.Fatalf("after store %d: %d bytes of files on the mount, over the cluster bound of %d", i, got, capacity)
+		}
+	}
+	return stored
+}
+
+// TestClusterALiveNodeOfALaterSummaryVersionCountsInTheBound: node N
+// runs and holds 5 files of a bound of 8, its summary of a later format
+// version (a rolling upgrade) with a field this version does not know.
+// Node A, starting beside it, reads N's claim from the fields it knows,
+// so A's stores keep the files on the mount within the bound.
+func TestClusterALiveNodeOfALaterSummaryVersionCountsInTheBound(t *testing.T) {
+	dir, capacity, _, r := editedNode(t, 6, func(b []byte) []byte {
+		var s map[string]any
+		if err := json.Unmarshal(b, &s); err != nil {
+			t.Fatal(err)
+		}
+		s["version"] = clustercap.SummaryVersion + 1
+		s["a_later_field"] = []int{1, 2}
+		out, err := json.Marshal(s)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return out
+	})
+	a := clusterNode(t, dir, "a", capacity, 20*time.Millisecond)
+	if got := storeWithinBound(t, a, dir, "a", 8, capacity, r); got == 0 {
+		t.Fatal("A stored none of 8 keys: it could not read N's summary of a later version")
+	}
+}
+
+// TestClusterALiveNodeWhoseSummaryDoesNotDecodeStillBoundsTheOthers: node
+// N runs (its lock held) with 5 files of a bound of 8, and its summary is
+// cut short (nothing of it decodes, and A never read an earlier one). A,
+// starting beside it, cannot count N's files, so its claim grows no
+// further: its stores are refused for room rather than take N's room, and
+// the files on the mount stay within the bound. Once N publishes a
+// summary A can read, A stores again.
+func TestClusterALiveNodeWhoseSummaryDoesNotDecodeStillBoundsTheOthers(t *testing.T) {
+	ctx := context.Background()
+	dir, capacity, n, r := editedNode(t, 7, func(b []byte) []byte { return b[:len(b)/2] })
+	a := clusterNode(t, dir, "a", capacity, time.Hour)
+	storeWithinBound(t, a, dir, "a", 8, capacity, r)
+	m := n.e.mounts[0]
+	m.cluster.tick(ctx, n.e, m) // N's summary readable again
+	if got := storeWithinBound(t, a, dir, "b", 2, capacity, r); got == 0 {
+		t.Fatal("A stored none of 2 keys once N's summary decoded again (2 files of room left)")
 	}
 }

@@ -171,6 +171,7 @@ func TestSummaryRoundTripsAndBadOnesAreNamed(t *testing.T) {
 		edit func(s *Summary)
 	}{
 		{"version", func(s *Summary) { s.Version = 2 }},
+		{"version 0", func(s *Summary) { s.Version = 0 }},
 		{"tag", func(s *Summary) { s.Tag++ }},
 		{"claim below bytes", func(s *Summary) { s.Claim = 5 }},
 		{"interval", func(s *Summary) { s.Interval = 0 }},
@@ -202,6 +203,27 @@ func TestSummaryRoundTripsAndBadOnesAreNamed(t *testing.T) {
 	}
 	if _, err := Decode([]byte("{")); !errors.Is(err, ErrSummary) {
 		t.Errorf("truncated: Decode error %v, want ErrSummary", err)
+	}
+}
+
+// TestSummaryOfALaterVersionIsReadForTheFieldsThisOneKnows: a summary of
+// a later format version (a node of a newer kvhost, a rolling upgrade)
+// decodes, its unknown fields ignored, its claim and bytes read; one of
+// an earlier version (0) or one whose known fields are bad does not.
+func TestSummaryOfALaterVersionIsReadForTheFieldsThisOneKnows(t *testing.T) {
+	newer := fmt.Sprintf(`{"version":%d,"node":"n","tag":%d,"seq":4,"time":5,"interval":10,"bytes":30,"claim":40,"sketch":{"ranks":[1],"bytes":[30]},"future_field":{"x":[1,2]}}`,
+		SummaryVersion+1, Tag("n"))
+	s, err := Decode([]byte(newer))
+	if err != nil || s.Claim != 40 || s.Bytes != 30 || s.Version != SummaryVersion+1 {
+		t.Fatalf("a summary of version %d: %+v, %v; want it read, claim 40", SummaryVersion+1, s, err)
+	}
+	for _, bad := range []string{
+		strings.Replace(newer, fmt.Sprintf(`"version":%d`, SummaryVersion+1), `"version":0`, 1),
+		strings.Replace(newer, `"claim":40`, `"claim":20`, 1), // below its bytes
+	} {
+		if _, err := Decode([]byte(bad)); !errors.Is(err, ErrSummary) {
+			t.Errorf("Decode(%s) error %v, want ErrSummary", bad, err)
+		}
 	}
 }
 

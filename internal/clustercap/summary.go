@@ -6,8 +6,15 @@ import (
 	"fmt"
 )
 
-// SummaryVersion is the version of the summary format this package writes
-// and reads.
+// SummaryVersion is the version of the summary format this package
+// writes. It reads that version and every later one, for the fields it
+// knows (forward-compatible, so that nodes of two versions of kvhost can
+// share a mount during a rolling upgrade): a later version may add fields,
+// which this one ignores, but must keep the meaning of every field here,
+// Bytes and Claim above all, which bound the mount; a format that cannot
+// keep them must be written under another file name. A node whose summary
+// does not decode at all still counts (docs/cluster.md, "Coordinator
+// lost").
 const SummaryVersion = 1
 
 // MaxTouches bounds Summary.Touches: the other nodes' files a node reports
@@ -80,15 +87,19 @@ type Touch struct {
 	Time int64  `json:"time,omitempty"` // Unix nanoseconds of the use; 0 if not sent
 }
 
-// Encode validates s and returns its encoding.
+// Encode validates s, of SummaryVersion, and returns its encoding.
 func Encode(s *Summary) ([]byte, error) {
+	if s.Version != SummaryVersion {
+		return nil, fmt.Errorf("%w: node %q: writing version %d, want %d", ErrSummary, s.Node, s.Version, SummaryVersion)
+	}
 	if err := s.Validate(); err != nil {
 		return nil, err
 	}
 	return json.Marshal(s)
 }
 
-// Decode decodes and validates a summary.
+// Decode decodes and validates a summary: of SummaryVersion or a later
+// one, whose fields this version does not know are ignored.
 func Decode(b []byte) (*Summary, error) {
 	var s Summary
 	if err := json.Unmarshal(b, &s); err != nil {
@@ -100,14 +111,15 @@ func Decode(b []byte) (*Summary, error) {
 	return &s, nil
 }
 
-// Validate checks the summary's fields.
+// Validate checks the summary's fields: its version is SummaryVersion or
+// a later one (read for the fields this version knows).
 func (s *Summary) Validate() error {
 	bad := func(format string, args ...any) error {
 		return fmt.Errorf("%w: node %q: %s", ErrSummary, s.Node, fmt.Sprintf(format, args...))
 	}
 	switch {
-	case s.Version != SummaryVersion:
-		return bad("version %d, want %d", s.Version, SummaryVersion)
+	case s.Version < SummaryVersion:
+		return bad("version %d, want %d or later", s.Version, SummaryVersion)
 	case s.Node == "" || len(s.Node) > 64:
 		return bad("node name of %d bytes, want 1..64", len(s.Node))
 	case s.Tag != Tag(s.Node):
