@@ -179,8 +179,8 @@ func (e *Engine) fileID() uint64 {
 }
 
 // openCluster sets up the cluster state of every mount with a cluster
-// capacity: its directory and lock, and checks that no live node shares
-// this node's tag. Open calls it before the rebuild: from the lock on,
+// capacity: its directory and lock, no spares made ahead there, and
+// checks that no live node shares this node's tag. Open calls it before the rebuild: from the lock on,
 // the others take this node for running (clustercap.Live), so that an
 // adopter of its files lets go of them at its next read instead of
 // evicting files the rebuild indexes. Its first summary waits for
@@ -209,6 +209,13 @@ func (e *Engine) openCluster() error {
 			c.interval = DefaultClusterInterval
 		}
 		m.cluster = c
+		// No spares on the mount (spares.go): none is kept, and none made
+		// ahead (reportMounts keeps a zero budget).
+		if m.sp.ahead != 0 {
+			e.log.Warn("engine: preallocate has no effect on a mount with a cluster capacity: spare files are not kept there (the bound counts every file on the mount)",
+				"mount", m.root, "preallocate", m.sp.ahead)
+		}
+		m.sp.ahead, m.sp.aheadMax = 0, 0
 		peers, _, err := dir.ReadAll()
 		if err != nil {
 			return fmt.Errorf("engine: mount %s: %w", m.root, err)

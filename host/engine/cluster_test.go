@@ -1675,3 +1675,55 @@ func TestClusterALiveNodeWhoseSummaryDoesNotDecodeStillBoundsTheOthers(t *testin
 		t.Fatal("A stored none of 2 keys once N's summary decoded again (2 files of room left)")
 	}
 }
+
+// mountBytes is the bytes of every regular file under dir but the
+// cluster's metadata: data files, temporaries and spares alike.
+func mountBytes(t *testing.T, dir string) int64 {
+	t.Helper()
+	var n int64
+	filepath.WalkDir(dir, func(path string, d os.DirEntry, err error) error {
+		if err != nil || d.IsDir() || filepath.Base(filepath.Dir(path)) == clustercap.DirName {
+			return nil
+		}
+		if fi, err := d.Info(); err == nil && fi.Mode().IsRegular() {
+			n += fi.Size()
+		}
+		return nil
+	})
+	return n
+}
+
+// TestClusterAMemoryMountWithAClusterCapacityKeepsNoSpares: on a tmpfs
+// mount with a cluster capacity of 8 files (and preallocate asked for),
+// a node fills the bound with files of one size and then stores 24 of
+// another, evicting: no eviction keeps a spare and none is made ahead,
+// so every file on the mount (data, temporaries, spares) stays within
+// the bound, which counts only the nodes' data files and stores.
+func TestClusterAMemoryMountWithAClusterCapacityKeepsNoSpares(t *testing.T) {
+	fileSize := oneFileBytes(t)
+	capacity := 8 * fileSize
+	dir := tmpfsDir(t)
+	a := clusterNodeOf(t, Config{Mounts: []Mount{{Path: dir, ClusterCapacity: capacity, ClusterInterval: 20 * time.Millisecond, Preallocate: 4 * fileSize}}, NodeID: "a"})
+	r := rand.New(rand.NewPCG(9, 9))
+	storeKeys(t, a, "small", 8, r) // the bound full of one size
+	// Keys of another geometry (another file size): each store evicts
+	// small files, which no store of this size could reuse.
+	g := smallGeometry(false)
+	g.Model = "other"
+	ns, err := a.e.Declare(context.Background(), g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	a = &node{e: a.e, ns: ns, c: newTestCache(t, a.e, ns, g, 64, layoutPlaneFirst)}
+	for i := range 24 {
+		storeKeys(t, a, fmt.Sprintf("k%02d", i), 1, r)
+		if got := mountBytes(t, dir); got > capacity {
+			st := a.e.Stats().Mounts[0]
+			t.Fatalf("after store %d: %d bytes of files on the cluster mount, over the bound of %d (%d data files, %d spares of %d bytes)",
+				i, got, capacity, len(kvFiles(t, dir)), st.SpareFiles, st.SpareBytes)
+		}
+	}
+	if st := a.e.Stats().Mounts[0]; st.SpareFiles != 0 || st.Preallocate != 0 {
+		t.Fatalf("%d spares, preallocate %d on a cluster mount: want none", st.SpareFiles, st.Preallocate)
+	}
+}
