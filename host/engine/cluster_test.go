@@ -1727,3 +1727,36 @@ func TestClusterAMemoryMountWithAClusterCapacityKeepsNoSpares(t *testing.T) {
 		t.Fatalf("%d spares, preallocate %d on a cluster mount: want none", st.SpareFiles, st.Preallocate)
 	}
 }
+
+// TestPurgeOnASharedMountRemovesOnlyTheFilesThisDaemonIndexes: Purge
+// removes the files the daemon indexes (docs/serve.md, kvhost purge): on
+// a directory nodes A and B share, B stores 3 keys, A looks one of them
+// up (indexing its file) and purges the namespace: that file goes, B's
+// other 2, which A never found, stay; B's purge then removes the rest.
+func TestPurgeOnASharedMountRemovesOnlyTheFilesThisDaemonIndexes(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	a := openNode(t, dir, "node-a", nil, 1)
+	b := openNode(t, dir, "node-b", nil, 1)
+	keys := storeKeys(t, b, "b", 3, rand.New(rand.NewPCG(1, 2)))
+	if n := len(dataFiles(t, dir)); n != 3 {
+		t.Fatalf("%d data files after B's stores, want 3", n)
+	}
+	if n, _ := a.e.Lookup(ctx, a.ns, keys[:1]); n != 1 {
+		t.Fatalf("A finds %d of B's first key, want 1", n)
+	}
+	fp := smallGeometry(true).Fingerprint()
+	res, err := a.e.Purge(ctx, fp)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if left := dataFiles(t, dir); res.Files != 1 || len(left) != 2 {
+		t.Fatalf("A's purge (%+v) left %d files, want B's 2 that A never found: %v", res, len(left), left)
+	}
+	if _, err := b.e.Purge(ctx, fp); err != nil {
+		t.Fatal(err)
+	}
+	if left := dataFiles(t, dir); len(left) != 0 {
+		t.Fatalf("after B's purge too, %d files left: %v", len(left), left)
+	}
+}

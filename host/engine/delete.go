@@ -115,7 +115,8 @@ type PurgeResult struct {
 }
 
 // Purge removes every file of the namespace of fingerprint fp (Geometry's
-// fingerprint; Stats.Namespaces lists them) from every mount, as Delete
+// fingerprint; Stats.Namespaces lists them) that the engine indexes, from
+// every mount, as Delete
 // removes a key's file: a file a client pin holds stays (counted in
 // Pinned), a file the restart hold holds goes. It works whether or not a
 // client declares the namespace now, so that the files of a model no
@@ -123,8 +124,10 @@ type PurgeResult struct {
 // ErrUnknownNamespace where the engine knows no namespace of fp and
 // indexes no file of it. It removes the files indexed when it looks: a
 // store of the namespace still running meanwhile may leave files behind;
-// stop the model's clients first. A shared mount's files go for every
-// node, as Delete's do.
+// stop the model's clients first. On a directory several engines share it
+// removes the files this engine indexes: its own, and other nodes' that
+// it found (a lookup, a load, its start's walk); another node's files it
+// never found stay. Purge on each node to remove them all.
 func (e *Engine) Purge(ctx context.Context, fp uint64) (PurgeResult, error) {
 	e.mu.RLock()
 	closed := e.closed
@@ -146,6 +149,7 @@ func (e *Engine) Purge(ctx context.Context, fp uint64) (PurgeResult, error) {
 // under the id, beyond its bound too. It fails with ErrUnknownNamespace
 // where no namespace was declared with the id; files found at start whose
 // namespace no client declared since go by their fingerprint (Purge).
+// Like Purge, it removes only the files this engine indexes.
 func (e *Engine) PurgeModel(ctx context.Context, model string) (PurgeResult, error) {
 	if model == "" {
 		return PurgeResult{}, fmt.Errorf("%w: purge of an empty model id", ErrInvalid)
