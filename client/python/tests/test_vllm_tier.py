@@ -187,6 +187,24 @@ class StoreLookupPromote(TierCase):
         d.wait_for(lambda: checker.stats()["hits"] >= hits + 3, what="3 lookup hits from touch")
 
 
+    def test_touching_keys_already_queued_queues_them_once(self):
+        # vLLM touches a request's keys each time it polls its lookups;
+        # while the lookup thread waits on the daemon, touches of the same
+        # keys pile up as one entry, not one per poll.
+        t = self.tier(random_region())
+        ks = keys(3, "touch-again")
+        self.store(t, ks, range(3))
+        self.daemon.freeze()
+        try:
+            t.touch(ks, CTX)  # taken by the lookup thread, which waits on the frozen daemon
+            d.wait_for(lambda: not t._touch_queue, what="the lookup thread to take the first touch")
+            for _ in range(50):
+                t.touch(ks, CTX)
+            self.assertEqual(t._touch_queue, [ks])
+        finally:
+            self.daemon.thaw()
+        d.wait_for(lambda: not t._touch_queue, what="the queued touch to be sent")
+
 class FailedAndPartialPromotions(TierCase):
 
     def stored(self, n, prefix):

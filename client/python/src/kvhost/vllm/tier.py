@@ -191,6 +191,7 @@ class _TierImpl(Reconnects):
         self._pending_lookups = set()
         self._lookup_queue = []
         self._touch_queue = []
+        self._touch_pending = set()  # keys in _touch_queue: each is touched once a pass
         self._storing = collections.Counter()
         self._inflight = 0
         self._finished = []
@@ -438,8 +439,13 @@ class _TierImpl(Reconnects):
             return
         with self._cv:
             if self._broken is None:
-                self._touch_queue.append(keys)
-                self._cv.notify_all()
+                # vLLM touches a request's keys each time it polls its
+                # lookups: a key already queued is not queued again.
+                new = [k for k in keys if k not in self._touch_pending]
+                if new:
+                    self._touch_pending.update(new)
+                    self._touch_queue.append(new)
+                    self._cv.notify_all()
 
     def _lookup_loop(self):
         while True:
@@ -450,6 +456,7 @@ class _TierImpl(Reconnects):
                     return
                 queued, self._lookup_queue = self._lookup_queue, []
                 touches, self._touch_queue = self._touch_queue, []
+                self._touch_pending.clear()
                 s, down = self._s, self._broken
             keys = [k for k, _ in queued]
             answers = {}
