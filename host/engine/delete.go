@@ -3,6 +3,7 @@ package engine
 import (
 	"context"
 	"fmt"
+	"slices"
 )
 
 // Deleting keys at a client's request: their entries are dropped and their
@@ -137,7 +138,7 @@ func (e *Engine) Purge(ctx context.Context, fp uint64) (PurgeResult, error) {
 		return PurgeResult{}, ErrClosed
 	}
 	var r PurgeResult
-	if !e.purge(ctx, fp, &r) && !known {
+	if !e.purge(ctx, []uint64{fp}, &r) && !known {
 		return r, fmt.Errorf("%w: no namespace of fingerprint %016x, and no file of one (kvhost stats lists them)", ErrUnknownNamespace, fp)
 	}
 	return r, ctx.Err()
@@ -170,25 +171,24 @@ func (e *Engine) PurgeModel(ctx context.Context, model string) (PurgeResult, err
 		return PurgeResult{}, fmt.Errorf("%w: no namespace of model %q was declared since the daemon started (files found on the mounts that no client declared since go by their fingerprint: kvhost stats lists them)", ErrUnknownNamespace, model)
 	}
 	var r PurgeResult
-	for _, fp := range fps {
-		e.purge(ctx, fp, &r)
-	}
+	e.purge(ctx, fps, &r)
 	return r, ctx.Err()
 }
 
-// purge removes the files of fingerprint fp indexed now (dropUnpinned),
-// and tries again those of fp whose removal failed before (index.left),
-// adds the namespace and what it removed and kept to r, and reports
-// whether there were any such files.
-func (e *Engine) purge(ctx context.Context, fp uint64, r *PurgeResult) bool {
-	r.Namespaces++
+// purge removes the files of the namespaces of fps indexed now
+// (dropUnpinned), and tries again those whose removal failed before
+// (index.left), adds the namespaces and what it removed and kept to r,
+// and reports whether there were any such files. One walk of the index
+// serves every fingerprint.
+func (e *Engine) purge(ctx context.Context, fps []uint64, r *PurgeResult) bool {
+	r.Namespaces += len(fps)
 	removed := false
 	// The files left before first, so that a file this purge fails to
 	// remove is tried once.
-	ofFP := func(en *entry) bool { return !en.spare && en.fp == fp }
-	left := e.ix.takeLeft(ofFP, e.now().UnixNano()+int64(leftRetryInterval))
+	ofFPs := func(en *entry) bool { return !en.spare && slices.Contains(fps, en.fp) }
+	left := e.ix.takeLeft(ofFPs, e.now().UnixNano()+int64(leftRetryInterval))
 	for at, en := range left {
-		if e.removeLeft(at, en) {
+		if e.removeAt(at, en) {
 			r.Left++
 			continue
 		}
@@ -198,7 +198,7 @@ func (e *Engine) purge(ctx context.Context, fp uint64, r *PurgeResult) bool {
 	e.ix.mu.RLock()
 	var ens []*entry
 	for _, en := range e.ix.entries {
-		if en.fp == fp {
+		if slices.Contains(fps, en.fp) {
 			ens = append(ens, en)
 		}
 	}

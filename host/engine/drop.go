@@ -87,9 +87,7 @@ func (e *Engine) endRelease(path string, fl *flight, orphans []*entry) {
 // removeClaimed removes en's file (if it is still the file at its path) and
 // releases the path claimed by index.dropLocked.
 func (e *Engine) removeClaimed(en *entry) (left bool) {
-	_, l, at := e.disposeIfSame(en.path, []*entry{en}, false)
-	e.releaseRemoved(en.path, []*entry{en}, l, at)
-	return l != nil
+	return e.removeAt(en.path, en)
 }
 
 // evictClaimed is removeClaimed for an evicted entry: the file may be
@@ -111,13 +109,14 @@ func (e *Engine) retryLeft(m *mount) {
 	now := e.now().UnixNano()
 	due := func(en *entry) bool { return en.mount == m.idx && en.retryAt <= now }
 	for at, en := range e.ix.takeLeft(due, now+int64(leftRetryInterval)) {
-		e.removeLeft(at, en)
+		e.removeAt(at, en)
 	}
 }
 
-// removeLeft tries again to remove the file of en, left on disk at at,
-// which takeLeft took: it reports whether the file is still there.
-func (e *Engine) removeLeft(at string, en *entry) (left bool) {
+// removeAt removes the file of en at at (its path, or where a failed
+// removal left it: takeLeft) if it is still en's, and releases the path
+// claimed for it; it reports whether the file is still there.
+func (e *Engine) removeAt(at string, en *entry) (left bool) {
 	_, l, now := e.disposeIfSame(at, []*entry{en}, false)
 	e.releaseRemoved(at, []*entry{en}, l, now)
 	return l != nil

@@ -482,7 +482,7 @@ func (ix *index) releaseLeaving(path string, ens []*entry, left *entry, at strin
 // takeLeft takes from left the entries that want accepts (those of a
 // mount due a try: retryLeft; those of a namespace: Purge) whose path it
 // claims (none that a job holds now), by path, for the caller to remove
-// and release (removeLeft); each is next due next. Where left is empty it
+// and release (removeAt); each is next due next. Where left is empty it
 // returns without taking the lock.
 func (ix *index) takeLeft(want func(*entry) bool, next int64) map[string]*entry {
 	if ix.nleft.Load() == 0 {
