@@ -919,12 +919,14 @@ func (s *session) stats() (protocol.Message, error) {
 	// (where max_frame is small and the mounts many, with long paths),
 	// and a reply that fits not even without them is refused instead.
 	room := s.srv.cfg.MaxFrame - protocol.HeaderSize - protocol.EmptyNamespacesBytes
-	if over := len(m.AppendBody(nil)) - room; over > 0 {
+	body := len(m.AppendBody(nil))
+	if over := body - room; over > 0 {
 		if !cutFailureTexts(m.StoresFailing, over) {
 			return nil, perr(protocol.CodeLimit, "the Stats reply of %d mounts does not fit a frame of %d bytes (server.max_frame): raise it", len(m.Mounts), s.srv.cfg.MaxFrame)
 		}
+		body = len(m.AppendBody(nil))
 	}
-	room -= len(m.AppendBody(nil))
+	room -= body
 	// The namespaces, the most bytes first, as many as the frame holds
 	// beside the other sections, the rest counted as left out.
 	m.Namespaces = &protocol.NamespaceList{}
@@ -946,11 +948,14 @@ func (s *session) stats() (protocol.Message, error) {
 // little.
 func cutFailureTexts(fs []protocol.MountFailure, over int) bool {
 	const mark = "…"
-	total := 0
-	for _, f := range fs {
-		total += max(len(f.Err)-len(mark), 0)
+	freed := func(keep int) int { // by cutting every text to keep bytes
+		n := 0
+		for _, f := range fs {
+			n += max(len(f.Err)-max(keep, len(mark)), 0)
+		}
+		return n
 	}
-	if total < over {
+	if freed(0) < over {
 		return false
 	}
 	// The longest text a failure may keep: the largest keep whose cuts
@@ -958,13 +963,6 @@ func cutFailureTexts(fs []protocol.MountFailure, over int) bool {
 	lo, hi := 0, 0
 	for _, f := range fs {
 		hi = max(hi, len(f.Err))
-	}
-	freed := func(keep int) int {
-		n := 0
-		for _, f := range fs {
-			n += max(len(f.Err)-max(keep, len(mark)), 0)
-		}
-		return n
 	}
 	for lo < hi {
 		if mid := (lo + hi + 1) / 2; freed(mid) >= over {
