@@ -621,16 +621,12 @@ class _TierImpl(Reconnects):
         good = [k for k, o in zip(keys, outcomes) if o in ok_out]
         success = all(o in fine for o in outcomes)
         events = []
-        if not self._events_on:
-            pass
-        elif load:
-            gone = [k for k, o in zip(keys, outcomes) if o == p.OUTCOME_MISSING]
-            if gone:
-                events.append(api.OffloadingEvent(keys=gone, medium=self._medium, removed=True, **self._event_fields))
-        else:
-            new = [k for k, o in zip(keys, outcomes) if o == p.OUTCOME_STORED]
-            if new:
-                events.append(api.OffloadingEvent(keys=new, medium=self._medium, removed=False, **self._event_fields))
+        if self._events_on:
+            # A load reports the keys it found gone, a store those it stored.
+            changed = p.OUTCOME_MISSING if load else p.OUTCOME_STORED
+            ks = [k for k, o in zip(keys, outcomes) if o == changed]
+            if ks:
+                events.append(api.OffloadingEvent(keys=ks, medium=self._medium, removed=load, **self._event_fields))
         result = api.JobResult(job_id=job_id, success=success, successful_keys=good)
         if hasattr(result, "transfer_time"):
             result.transfer_time = seconds
