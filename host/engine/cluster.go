@@ -208,14 +208,7 @@ func (e *Engine) openCluster() error {
 		if c.interval == 0 {
 			c.interval = DefaultClusterInterval
 		}
-		m.cluster = c
-		// No spares on the mount (spares.go): none is kept, and none made
-		// ahead (reportMounts keeps a zero budget).
-		if m.sp.ahead != 0 {
-			e.log.Warn("engine: preallocate has no effect on a mount with a cluster capacity: spare files are not kept there (the bound counts every file on the mount)",
-				"mount", m.root, "preallocate", m.sp.ahead)
-		}
-		m.sp.ahead, m.sp.aheadMax = 0, 0
+		m.cluster = c // it keeps no spares (spareCapable)
 		peers, _, err := dir.ReadAll()
 		if err != nil {
 			return fmt.Errorf("engine: mount %s: %w", m.root, err)
@@ -1021,12 +1014,7 @@ func (e *Engine) clusterReserve(ctx context.Context, m *mount, size int64) error
 		c.claim = last
 		limit = last
 	} else {
-		limit = c.bound.Capacity - clustercap.Claims(c.others())
-		if len(c.unknown) > 0 {
-			// A node that may run holds what no summary says: this
-			// node stays within its claim (readBad).
-			limit = min(limit, last)
-		}
+		limit = c.limitLocked(last)
 	}
 	if c.own+size > limit || (err == nil && !c.bound.Fits(c.claim, c.others())) {
 		cut := uint64(0)
@@ -1094,10 +1082,19 @@ func (c *clusterMount) reserveClaimed(size int64) bool {
 func (c *clusterMount) fitsBound(size int64) bool {
 	c.mu.Lock()
 	defer c.mu.Unlock()
+	return c.own+size <= max(c.claim, c.limitLocked(c.claim))
+}
+
+// limitLocked is the most this node may hold as last read: what the
+// others' claims leave of the cluster's capacity, but no more than claim
+// while a node that may run cannot be counted (c.unknown: it holds what
+// no summary says; readBad). c.mu is held.
+func (c *clusterMount) limitLocked(claim int64) int64 {
+	limit := c.bound.Capacity - clustercap.Claims(c.others())
 	if len(c.unknown) > 0 {
-		return c.own+size <= c.claim
+		limit = min(limit, claim)
 	}
-	return c.own+size <= max(c.claim, c.bound.Capacity-clustercap.Claims(c.others()))
+	return limit
 }
 
 // reserveGrant reserves size bytes of a grant of clusterReserve (or

@@ -307,7 +307,7 @@ func (e *Engine) reportMounts() {
 		switch {
 		case !e.spareEligible(m):
 			if sp.ahead > 0 && m.unwritable == nil {
-				e.log.Warn("engine: preallocate has no effect on this mount: spare files are kept only on memory file systems in kvhost's layout, with reuse_files on",
+				e.log.Warn("engine: preallocate has no effect on this mount: spare files are kept only on memory file systems in kvhost's layout, with reuse_files on and no cluster_capacity",
 					"mount", m.root, "preallocate", sp.ahead)
 			}
 			sp.ahead = 0
@@ -402,9 +402,10 @@ func (e *Engine) spareEligible(m *mount) bool {
 }
 
 // spareCapable reports whether m may keep spares once it takes files: a
-// memory mount in kvhost's layout, with reuse on.
+// memory mount in kvhost's layout, with reuse on, and no cluster capacity
+// (no node's summary would count its spares against the bound).
 func (e *Engine) spareCapable(m *mount) bool {
-	return m.memory && m.raw == nil && !e.cfg.NoReuse
+	return m.memory && m.raw == nil && !e.cfg.NoReuse && e.cfg.Mounts[m.idx].ClusterCapacity == 0
 }
 
 // tookFile records that a file was made on m: a store's or a move's copy

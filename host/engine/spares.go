@@ -50,11 +50,11 @@ import (
 // from used to the spares (space.keepSpare). It reports false where the
 // caller should remove the file instead, with the name it has now (path,
 // or the spare's name where it was renamed): spares are off on m, the
-// rename failed, the spare would not fit in the capacity, the mount has a
-// cluster capacity (none kept there), or the engine is closing. Evictions call it for each of their files, several at a
+// rename failed, the spare would not fit in the capacity, or the engine
+// is closing. Evictions call it for each of their files, several at a
 // time (evictAll), beside the stores.
 func (e *Engine) keepSpare(m *mount, path string, id fsys.Identity, evicted int64) (bool, string) {
-	if !e.spareEligible(m) || m.cluster != nil || id.Size <= 0 {
+	if !e.spareEligible(m) || id.Size <= 0 {
 		return false, path
 	}
 	spare := e.tempName(filepath.Dir(path), sparePrefix)
