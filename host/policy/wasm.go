@@ -257,13 +257,10 @@ func (b *wasmBackend) newInstance(ctx context.Context, shard int) (instance, err
 		if err == nil && (version != abi.Version || feats != b.feats) {
 			err = fmt.Errorf("ABI version %d and features %s differ from the first instance's (%d, %s)", version, feats, abi.Version, b.feats)
 		}
-		if err != nil {
-			in.close(ctx)
-			return nil, err
+		if err == nil {
+			err = in.reserve(ctx) // the probed spare has its area
 		}
-	}
-	if in.ptr == 0 { // the probed instance has its area
-		if err := in.reserve(ctx); err != nil {
+		if err != nil {
 			in.close(ctx)
 			return nil, err
 		}
