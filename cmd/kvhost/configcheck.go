@@ -8,7 +8,6 @@ import (
 
 	"github.com/kvhost/kvhost/internal/config"
 	"github.com/kvhost/kvhost/internal/server"
-	"github.com/kvhost/kvhost/plugins"
 )
 
 // configUsage describes `kvhost config`.
@@ -38,32 +37,15 @@ func isHelpFlag(a string) bool {
 	return false
 }
 
-// checkPolicyName refuses, as the daemon's start would, a policy.name
-// that is neither a plugin file nor a policy built into this binary (the
-// default, lru, runs natively where none is). A plugin file is not read:
-// it is the node's to have, and `kvhost check` loads it there.
-func checkPolicyName(file, name string) error {
-	if isPluginFile(name) || name == plugins.Default {
-		return nil
-	}
-	if _, err := plugins.Wasm(name); err != nil {
-		return fmt.Errorf("config: %s: policy.name: %w", file, err)
-	}
-	return nil
-}
-
 // checkAtStart refuses, with the error the daemon's start would stop
 // on, what config check and config show find in cfg, loaded from file
-// ("": flags only) beyond what Load checks: a policy.name that is not
-// built in, mounts of kvhost's layout that are one directory, or one
-// inside the other (overlappingMounts), named at the later one's path,
-// and a built-in policy that does not start as the daemon's start builds
-// it (startPolicy: a [policy.params] key its kvhost_init refuses). A
-// plugin file is not read: `kvhost check` loads it on the node.
+// ("": flags only) beyond what Load checks: mounts of kvhost's layout
+// that are one directory, or one inside the other (overlappingMounts),
+// named at the later one's path, and a policy that does not start as the
+// daemon's start builds it (startPolicy: a policy.name that is not built
+// in, a [policy.params] key its kvhost_init refuses). A plugin file is
+// not read: `kvhost check` loads it on the node.
 func checkAtStart(ctx context.Context, file string, cfg config.Config) error {
-	if err := checkPolicyName(file, cfg.Policy.Name); err != nil {
-		return err
-	}
 	if o := overlappingMounts(cfg.Mounts); len(o) > 0 {
 		return config.AtKey(file, "mount.path", o[0].second, o[0].err)
 	}

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"os"
 	"path/filepath"
 	"regexp"
 	"strconv"
@@ -68,12 +67,12 @@ func checkPolicyMounts(ctx context.Context, rep *checkReport, cfg config.Config,
 	placed.Mounts = mounts
 	b, features, err := startPolicy(ctx, placed)
 	if err != nil {
-		err = policyStartError(file, cfg, err)
+		ke := policyStartError(file, cfg, err)
 		fix := "fix the key in [policy.params] (docs/config.md lists the built-in policies' keys)"
-		if ke := (*config.KeyError)(nil); errors.As(err, &ke) && ke.Key == "policy.name" {
+		if ke.Key == "policy.name" {
 			fix = "fix policy.name (a built-in name or a .wasm file; kvhost policy inspect says more)"
 		}
-		rep.add(levelFail, "policy", err.Error(), fix)
+		rep.add(levelFail, "policy", ke.Error(), fix)
 		return
 	}
 	name := b.name
@@ -104,39 +103,17 @@ func (noEntries) Lookup(uint64) (policy.Entry, bool) { return policy.Entry{}, fa
 func (noEntries) Range(func(policy.Entry) bool)      {}
 func (noEntries) Namespaces() []abi.NamespaceRecord  { return nil }
 
-// checkCacheDir is where the checks compile policies: a directory of the
-// running user's cache (os.UserCacheDir), kept from one check to the
-// next, never the daemon's policy.cache_dir (one made by root would leave
-// a daemon of another user without a cache); "" where the user has none.
-func checkCacheDir() string {
-	dir, err := os.UserCacheDir()
-	if err != nil {
-		return ""
-	}
-	dir = filepath.Join(dir, "kvhost", "check-wasm-cache")
-	if err := os.MkdirAll(dir, 0o700); err != nil {
-		return ""
-	}
-	return dir
-}
-
 // startPolicy builds cfg's policy as the daemon's start builds it (its
 // policyBuilder, then the constructor the engine calls: the module
 // compiled, each shard's kvhost_init given [policy.params]), on an empty
 // index, and closes it; it returns the policy built and its features,
 // or the error the daemon's start would stop on. The module is compiled
-// into checkCacheDir, or a temporary directory removed after.
+// through a cache of the running user's own (config.DefaultRoot), kept
+// from one check to the next, never the daemon's policy.cache_dir (one
+// made by root would leave a daemon of another user without a cache);
+// where it cannot be made, without one, as the daemon does.
 func startPolicy(ctx context.Context, cfg config.Config) (*builtPolicy, abi.Feature, error) {
-	cache := checkCacheDir()
-	if cache == "" {
-		dir, err := os.MkdirTemp("", "kvhost-check-")
-		if err != nil {
-			return nil, 0, fmt.Errorf("policy: a compilation cache: %w", err)
-		}
-		defer os.RemoveAll(dir)
-		cache = dir
-	}
-	cfg.Policy.CacheDir = cache
+	cfg.Policy.CacheDir = filepath.Join(config.DefaultRoot(), "check-wasm-cache")
 	d := &daemon{log: slog.New(slog.DiscardHandler)}
 	b, err := d.policyBuilder(ctx, cfg)
 	if err != nil {
@@ -158,7 +135,7 @@ var refusedParam = regexp.MustCompile(`config (\S+) = "`)
 // policyStartError places err, the daemon's start's error building the
 // policy of cfg, at its key in file ("": none), as the checks report it
 // (policyFault).
-func policyStartError(file string, cfg config.Config, err error) error {
+func policyStartError(file string, cfg config.Config, err error) *config.KeyError {
 	key, err := policyFault(cfg, err)
 	return config.AtKey(file, key, 0, fmt.Errorf("%w: the daemon would not start", err))
 }
