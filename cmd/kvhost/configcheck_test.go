@@ -11,6 +11,7 @@ import (
 	"testing"
 
 	"github.com/kvhost/kvhost/internal/config"
+	"github.com/kvhost/kvhost/internal/testsock"
 )
 
 // TestConfigCheckAndShowRefuseMountsThatOverlap: mounts of kvhost's
@@ -52,7 +53,7 @@ func TestConfigCheckAndShowRefuseMountsThatOverlap(t *testing.T) {
 				layout = fmt.Sprintf("layout = %q\n", tt.layout)
 			}
 			file := filepath.Join(dir, fmt.Sprintf("c%d.toml", i))
-			src := fmt.Sprintf("[server]\nsocket = %q\n\n[[mount]]\npath = %q\n\n[[mount]]\npath = %q\n%s", filepath.Join(dir, "s.sock"), tt.outer, tt.second, layout)
+			src := fmt.Sprintf("[server]\nsocket = %q\n\n[[mount]]\npath = %q\n\n[[mount]]\npath = %q\n%s", filepath.Join(testsock.Dir(t), "s.sock"), tt.outer, tt.second, layout)
 			if err := os.WriteFile(file, []byte(src), 0o644); err != nil {
 				t.Fatal(err)
 			}
@@ -88,7 +89,7 @@ func TestChecksRefuseTheParamsThePolicyRefusesAtStart(t *testing.T) {
 	}
 	src := strings.NewReplacer(`"/dev/shm/kvhost-hot"`, fmt.Sprintf("%q", filepath.Join(dir, "hot")),
 		`"/var/tmp/kvhost-cold"`, fmt.Sprintf("%q", filepath.Join(dir, "cold"))).Replace(string(example))
-	src += fmt.Sprintf("\n[server]\nsocket = %q\n", filepath.Join(dir, "s.sock"))
+	src += fmt.Sprintf("\n[server]\nsocket = %q\n", filepath.Join(testsock.Dir(t), "s.sock"))
 	window := strings.Index(src, `promote_window = "60s"`)
 	if window < 0 {
 		t.Fatal(`examples/tiered.toml sets no promote_window = "60s"`)

@@ -12,6 +12,8 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+
+	"github.com/kvhost/kvhost/internal/testsock"
 )
 
 // TestEveryCommandThatDialsSaysWhatToDoWhenNoDaemonAnswers: stats,
@@ -20,7 +22,7 @@ import (
 // the socket's path once, the system call's error and the hint to check
 // that the daemon runs and to give its socket.
 func TestEveryCommandThatDialsSaysWhatToDoWhenNoDaemonAnswers(t *testing.T) {
-	dir := t.TempDir()
+	dir := testsock.Dir(t) // a socket's path must be short: not under a long TMPDIR
 	missing := filepath.Join(dir, "nothing.sock")
 	stale := filepath.Join(dir, "stale.sock")
 	l, err := net.ListenUnix("unix", &net.UnixAddr{Name: stale, Net: "unix"})
