@@ -22,6 +22,7 @@ import (
 	"github.com/kvhost/kvhost/internal/cuda"
 	"github.com/kvhost/kvhost/internal/fstype"
 	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/internal/server"
 	"github.com/kvhost/kvhost/internal/vllmfs"
 	"github.com/kvhost/kvhost/staging"
 )
@@ -209,8 +210,8 @@ func checkOnThread(ctx context.Context, o checkOptions) *checkReport {
 	checkDisjointMounts(rep, mounts)
 	checkPolicyMounts(ctx, rep, o.cfg, o.file, mounts)
 	if g := o.cfg.Server.SocketGroup; g != "" {
-		if err := checkSocketGroup(g); err != nil {
-			rep.add(levelFail, "server", err.Error(),
+		if _, err := server.LookupGroup(g); err != nil {
+			rep.add(levelFail, "server", fmt.Sprintf("server.socket_group %q: no such group on this machine (%v): the daemon would not start", g, errors.Unwrap(err)),
 				"create the group (groupadd), or set socket_group to a group this machine has, or to its numeric id")
 		} else {
 			rep.add(levelOK, "server", fmt.Sprintf("server.socket_group %q exists", g), "")

@@ -57,15 +57,6 @@ func checkAtStart(ctx context.Context, file string, cfg config.Config) error {
 	return nil
 }
 
-// checkSocketGroup fails, as the daemon's start would, where
-// server.socket_group (set) names a group this machine does not have.
-func checkSocketGroup(group string) error {
-	if _, err := server.LookupGroup(group); err != nil {
-		return fmt.Errorf("server.socket_group %q: %w: the daemon would not start", group, err)
-	}
-	return nil
-}
-
 // runConfig implements `kvhost config check FILE...`, which reads each
 // file as the daemon would (TOML syntax, unknown keys, types, sizes,
 // durations, cross-field rules) and prints "FILE: ok" or the error with
@@ -97,8 +88,8 @@ func runConfig(ctx context.Context, args []string, stdout, stderr io.Writer) int
 				err = checkAtStart(ctx, f, c)
 			}
 			if err == nil && c.Server.SocketGroup != "" {
-				if gerr := checkSocketGroup(c.Server.SocketGroup); gerr != nil {
-					err = config.AtKey(f, "server.socket_group", 0, fmt.Errorf("%w (%s)", gerr, server.UnknownGroupFix))
+				if _, gerr := server.LookupGroup(c.Server.SocketGroup); gerr != nil {
+					err = config.AtKey(f, "server.socket_group", 0, fmt.Errorf("%w: the daemon would not start", gerr))
 				}
 			}
 			if err != nil {

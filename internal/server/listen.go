@@ -114,12 +114,7 @@ func prepareSocketDir(path, group string, chown func(f *os.File, uid, gid int) e
 	if group != "" {
 		g, err := LookupGroup(group)
 		if err != nil {
-			cause := err
-			var ue user.UnknownGroupError
-			if errors.As(err, &ue) {
-				cause = ue
-			}
-			return -1, &GroupError{Group: group, Err: cause, Fix: UnknownGroupFix, lookup: err}
+			return -1, err
 		}
 		gid = g
 	}
@@ -164,8 +159,6 @@ type GroupError struct {
 	Group string // as given: a name or a numeric id
 	Err   error  // what failed
 	Fix   string // what to do about it
-	// lookup is LookupGroup's error, unwrapped too where Err is its cause.
-	lookup error
 }
 
 // Error is what failed and, where known, the fix.
@@ -177,12 +170,7 @@ func (e *GroupError) Error() string {
 }
 
 // Unwrap returns what failed.
-func (e *GroupError) Unwrap() []error {
-	if e.lookup != nil {
-		return []error{e.Err, e.lookup}
-	}
-	return []error{e.Err}
-}
+func (e *GroupError) Unwrap() error { return e.Err }
 
 // ChownGroupError is the *GroupError of err, a failure to give a file to
 // group (id gid): where chown refused (EPERM), the daemon's user is not a
@@ -255,14 +243,15 @@ func removeStale(path string) error {
 	return nil
 }
 
-// LookupGroup is the id of group, a name or a numeric id.
+// LookupGroup is the id of group, a name or a numeric id; a *GroupError,
+// with the fix, where this machine has no group of that name.
 func LookupGroup(group string) (int, error) {
 	if id, err := strconv.Atoi(group); err == nil && id >= 0 {
 		return id, nil
 	}
 	g, err := user.LookupGroup(group)
 	if err != nil {
-		return 0, fmt.Errorf("server: socket group: %w", err)
+		return 0, &GroupError{Group: group, Err: err, Fix: UnknownGroupFix}
 	}
 	id, err := strconv.Atoi(g.Gid)
 	if err != nil {
