@@ -3,7 +3,6 @@ package config
 import (
 	"flag"
 	"fmt"
-	"os"
 	"path/filepath"
 )
 
@@ -22,9 +21,6 @@ type Flags struct {
 	ioWorkers  int
 	shards     int
 	metrics    string
-	// src is the configuration file as the last Load read it, for
-	// Locate's lines.
-	src []byte
 }
 
 // BindFlags registers kvhost's common settings on fs.
@@ -49,19 +45,14 @@ func BindFlags(fs *flag.FlagSet) *Flags {
 func (f *Flags) ConfigPath() string { return f.configPath }
 
 // Load reads the file named by -config (or starts from Default), applies the
-// flags that were set, and validates the result. It keeps the file's text
-// for Locate: it is not to be called concurrently with Locate.
+// flags that were set, and validates the result.
 func (f *Flags) Load() (Config, error) {
 	c := Default()
 	if f.configPath != "" {
-		src, err := os.ReadFile(f.configPath)
-		if err != nil {
-			return Config{}, fmt.Errorf("config: %w", err)
-		}
-		if c, err = Parse(f.configPath, src); err != nil {
+		var err error
+		if c, err = Load(f.configPath); err != nil {
 			return Config{}, err
 		}
-		f.src = src
 	}
 	if err := f.Apply(&c); err != nil {
 		return Config{}, err
@@ -144,10 +135,7 @@ func (f *Flags) Locate(key string, err error) error {
 			return ke
 		}
 	}
-	if f.configPath != "" {
-		ke.File, ke.Line = f.configPath, lineOf(f.src, key, 0)
-	}
-	return ke
+	return AtKey(f.configPath, key, 0, err)
 }
 
 // flagOf is the name of the flag that sets key, or "" for none.
