@@ -23,7 +23,6 @@ import (
 	"github.com/kvhost/kvhost/internal/fstype"
 	"github.com/kvhost/kvhost/internal/fsys"
 	"github.com/kvhost/kvhost/internal/server"
-	"github.com/kvhost/kvhost/internal/vllmfs"
 	"github.com/kvhost/kvhost/staging"
 )
 
@@ -423,42 +422,13 @@ func checkVLLMAdoption(rep *checkReport, m config.Mount) {
 	if m.Layout != config.LayoutVLLMFS || m.VLLMFS != nil && m.VLLMFS.Fields() != nil {
 		return
 	}
-	const fields = "configure the fs tier's fields in [mount.vllm_fs] (docs/vllm.md)"
-	ents, err := os.ReadDir(m.Path)
-	if err != nil && !errors.Is(err, os.ErrNotExist) {
-		rep.add(levelFail, m.Path, fmt.Sprintf("vllm-fs: cannot list the root: %v", err), "check the path and the daemon's permissions")
+	name, err := engine.AdoptedBase(m.Path)
+	if err != nil {
+		rep.add(levelFail, m.Path, fmt.Sprintf("vllm-fs: %v: the daemon refuses to start", err),
+			"start vLLM's fs tier on this root first, so that it writes its directory, or configure the fields of the one to serve in [mount.vllm_fs] (docs/vllm.md)")
 		return
 	}
-	var adoptable, unusable []string
-	for _, d := range ents {
-		if !d.IsDir() {
-			continue
-		}
-		data, err := os.ReadFile(filepath.Join(m.Path, d.Name(), vllmfs.ConfigFile))
-		switch {
-		case errors.Is(err, os.ErrNotExist):
-			continue
-		case err == nil:
-			if c, err := vllmfs.ParseConfig(data); err == nil && c.Base() == d.Name() {
-				adoptable = append(adoptable, d.Name())
-				continue
-			}
-		}
-		unusable = append(unusable, d.Name())
-	}
-	switch {
-	case len(adoptable) == 1:
-		rep.add(levelOK, m.Path, "vllm-fs: the daemon adopts the base directory "+adoptable[0], "")
-	case len(adoptable) > 1:
-		rep.add(levelFail, m.Path, fmt.Sprintf("vllm-fs: %d base directories to adopt (%s): the daemon refuses to start", len(adoptable), strings.Join(adoptable, ", ")),
-			"configure the fields of the one to serve in [mount.vllm_fs] (docs/vllm.md)")
-	case len(unusable) > 0:
-		rep.add(levelFail, m.Path, fmt.Sprintf("vllm-fs: no base directory the daemon can adopt: the %s of %s does not parse or does not hash to its directory's name; the daemon refuses to start", vllmfs.ConfigFile, strings.Join(unusable, ", ")),
-			fields)
-	default:
-		rep.add(levelFail, m.Path, "vllm-fs: no base directory with a "+vllmfs.ConfigFile+" to adopt under the root (vLLM's fs tier has not written it yet): the daemon refuses to start",
-			"start vLLM's fs tier on this root first, so that it writes the directory, or "+fields)
-	}
+	rep.add(levelOK, m.Path, "vllm-fs: the daemon adopts the base directory "+name, "")
 }
 
 // checkMount reports one mount: file system, space, O_DIRECT, cuFile

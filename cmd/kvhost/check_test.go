@@ -611,7 +611,7 @@ func TestCheckFailsAVLLMFSMountTheDaemonCannotAdopt(t *testing.T) {
 		{"an empty root", func(t *testing.T, root string) { os.MkdirAll(root, 0o755) }, false, levelFail, "no base directory with a config.json to adopt"},
 		{"the tier's directory", func(t *testing.T, root string) { write(t, root, "m/a", "") }, false, levelOK, "adopts the base directory"},
 		{"two models' directories", func(t *testing.T, root string) { write(t, root, "m/a", ""); write(t, root, "m/b", "") }, false, levelFail, "2 base directories to adopt"},
-		{"a directory renamed", func(t *testing.T, root string) { write(t, root, "m/a", "renamed") }, false, levelFail, "does not hash to its directory's name"},
+		{"a directory renamed", func(t *testing.T, root string) { write(t, root, "m/a", "renamed") }, false, levelFail, "not to the directory's name"},
 		{"the fields configured", nil, true, "", ""},
 	} {
 		t.Run(c.name, func(t *testing.T) {

@@ -117,7 +117,7 @@ func (e *Engine) openLayout(mt *mount, v *VLLMFS) error {
 	if v.Rank < 0 || v.RowBytes < 0 {
 		return fail(fmt.Errorf("rank %d, row bytes %d: want >= 0", v.Rank, v.RowBytes))
 	}
-	found, err := e.baseDirs(mt.root)
+	found, err := baseDirs(e.fs, mt.root)
 	if err != nil {
 		return fmt.Errorf("engine: mount %s: vllm-fs: %w", mt.root, err)
 	}
@@ -131,30 +131,11 @@ func (e *Engine) openLayout(mt *mount, v *VLLMFS) error {
 		}
 	}
 	if v.Fields == nil {
-		var ok []string
-		for name, c := range found {
-			if c.err == nil {
-				ok, cfg = append(ok, name), c.cfg
-			}
+		if _, cfg, err = adoptable(found); err != nil {
+			return fail(err)
 		}
-		if len(ok) == 1 {
-			for _, name := range slices.Sorted(maps.Keys(found)) {
-				skip(name)
-			}
-		}
-		switch {
-		case len(ok) == 0 && len(found) == 0:
-			return fail(errors.New("no base directory with a config.json to adopt under the root; configure the fields"))
-		case len(ok) == 0:
-			// Say why each one cannot be adopted: an edited config.json
-			// reads fine but hashes to another name.
-			var why []error
-			for _, name := range slices.Sorted(maps.Keys(found)) {
-				why = append(why, found[name].err)
-			}
-			return fail(fmt.Errorf("no base directory under the root can be adopted; configure the fields: %w", errors.Join(why...)))
-		case len(ok) > 1:
-			return fail(fmt.Errorf("%d base directories to adopt (%s): configure the fields of the one to serve", len(ok), strings.Join(ok, ", ")))
+		for _, name := range slices.Sorted(maps.Keys(found)) {
+			skip(name)
 		}
 	} else {
 		if cfg, err = vllmfs.FromFields(*v.Fields); err != nil {
@@ -207,6 +188,48 @@ func (e *Engine) openLayout(mt *mount, v *VLLMFS) error {
 	return nil
 }
 
+// AdoptedBase returns the name of the base directory that Open adopts
+// under root, the root of a vllm-fs mount configured without the fs
+// tier's fields, or the error Open stops on (none there, several, or none
+// whose config.json hashes to its name): `kvhost check` asks it.
+func AdoptedBase(root string) (string, error) {
+	found, err := baseDirs(fsys.OS{}, root)
+	if errors.Is(err, fs.ErrNotExist) {
+		found, err = nil, nil // Open makes the root: none there
+	}
+	if err != nil {
+		return "", err
+	}
+	name, _, err := adoptable(found)
+	return name, err
+}
+
+// adoptable picks the one base directory of found that can be adopted,
+// or says why there is none.
+func adoptable(found map[string]baseConfig) (string, vllmfs.Config, error) {
+	var ok []string
+	for _, name := range slices.Sorted(maps.Keys(found)) {
+		if found[name].err == nil {
+			ok = append(ok, name)
+		}
+	}
+	switch {
+	case len(ok) == 1:
+		return ok[0], found[ok[0]].cfg, nil
+	case len(found) == 0:
+		return "", vllmfs.Config{}, errors.New("no base directory with a config.json to adopt under the root; configure the fields")
+	case len(ok) == 0:
+		// Say why each one cannot be adopted: an edited config.json
+		// reads fine but hashes to another name.
+		var why []error
+		for _, name := range slices.Sorted(maps.Keys(found)) {
+			why = append(why, found[name].err)
+		}
+		return "", vllmfs.Config{}, fmt.Errorf("no base directory under the root can be adopted; configure the fields: %w", errors.Join(why...))
+	}
+	return "", vllmfs.Config{}, fmt.Errorf("%d base directories to adopt (%s): configure the fields of the one to serve", len(ok), strings.Join(ok, ", "))
+}
+
 // baseConfig is a base directory's config.json, or why it cannot be used.
 type baseConfig struct {
 	cfg vllmfs.Config
@@ -219,8 +242,8 @@ type baseConfig struct {
 // given as a relative path ("./models/llama") "._models_llama_<hash>", and
 // the engine's own names under a root are files, or a directory without a
 // config.json (the cluster directory).
-func (e *Engine) baseDirs(root string) (map[string]baseConfig, error) {
-	ents, err := e.fs.ReadDir(root)
+func baseDirs(files fsys.FS, root string) (map[string]baseConfig, error) {
+	ents, err := files.ReadDir(root)
 	if err != nil {
 		return nil, err
 	}
@@ -230,7 +253,7 @@ func (e *Engine) baseDirs(root string) (map[string]baseConfig, error) {
 			continue
 		}
 		p := filepath.Join(root, d.Name(), vllmfs.ConfigFile)
-		data, err := e.readSmall(p)
+		data, err := readSmall(files, p)
 		if errors.Is(err, fs.ErrNotExist) {
 			continue
 		}
@@ -250,8 +273,8 @@ func (e *Engine) baseDirs(root string) (map[string]baseConfig, error) {
 }
 
 // readSmall reads a config file (at most 1 MiB).
-func (e *Engine) readSmall(path string) ([]byte, error) {
-	f, err := e.fs.OpenFile(path, os.O_RDONLY, 0)
+func readSmall(files fsys.FS, path string) ([]byte, error) {
+	f, err := files.OpenFile(path, os.O_RDONLY, 0)
 	if err != nil {
 		return nil, err
 	}
