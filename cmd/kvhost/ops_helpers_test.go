@@ -291,17 +291,26 @@ func runInProcess(ctx context.Context, args ...string) (stdout, stderr *lines, e
 // daemon's log. The test fails if the daemon exits other than with 0.
 func serveWithMetrics(t *testing.T, ctx context.Context, file, socket string) (addr string, stderr *lines) {
 	t.Helper()
+	stderr = serveUntilDone(t, ctx, file, socket, "--metrics", "127.0.0.1:0")
+	addr, _ = stderr.logLine(t, "metrics listening")["address"].(string)
+	return addr, stderr
+}
+
+// serveUntilDone runs the daemon of file with extra flags in this process
+// until the test ends (its exit status checked then), waits until it
+// listens on socket, and returns its stderr.
+func serveUntilDone(t *testing.T, ctx context.Context, file, socket string, extra ...string) *lines {
+	t.Helper()
 	ctx, cancel := context.WithCancel(ctx)
-	stdout, stderr, exit := runInProcess(ctx, "serve", "--config", file, "--metrics", "127.0.0.1:0")
+	stdout, stderr, exit := runInProcess(ctx, append([]string{"serve", "--config", file}, extra...)...)
 	t.Cleanup(func() {
 		cancel()
 		if code := <-exit; code != 0 {
 			t.Errorf("serve exited %d:\n%s", code, stderr.String())
 		}
 	})
-	addr, _ = stderr.logLine(t, "metrics listening")["address"].(string)
 	stdout.wait(t, "listening line", func(s string) bool { return s == "kvhost: listening on unix:"+socket })
-	return addr, stderr
+	return stderr
 }
 
 // runBackground runs f on new lines in the background and returns them

@@ -161,16 +161,8 @@ func TestStatsListsEachNamespaceWithItsKeys(t *testing.T) {
 func serveTestConfig(t *testing.T) (context.Context, string) {
 	t.Helper()
 	file, socket, _ := testConfig(t, t.TempDir(), "")
-	ctx, cancel := context.WithCancel(t.Context())
-	stdout, stderr, exit := runInProcess(ctx, "serve", "--config", file)
-	t.Cleanup(func() {
-		cancel()
-		if code := <-exit; code != 0 {
-			t.Errorf("the daemon exited %d:\n%s", code, stderr.String())
-		}
-	})
-	stdout.wait(t, "listening line", func(s string) bool { return s == "kvhost: listening on unix:"+socket })
-	return ctx, socket
+	serveUntilDone(t, t.Context(), file, socket)
+	return t.Context(), socket
 }
 
 // TestStatsNamespacesTableKeepsItsColumnsWhateverTheModelIds: the
