@@ -769,15 +769,14 @@ func (c *clusterMount) readBad(e *Engine, m *mount, bad []error, read map[string
 		if read[se.Node] {
 			continue
 		}
-		free := false
-		if !se.ModTime.IsZero() && now-se.ModTime.UnixNano() >= clustercap.StaleIntervals*int64(c.interval) {
-			f, perr := c.dir.LockFree(se.Node)
-			if perr != nil {
+		live := true // no modification time: no sign it stopped
+		if !se.ModTime.IsZero() {
+			var perr error
+			if live, perr = clustercap.LiveAt(se.Node, se.ModTime.UnixNano(), int64(c.interval), now, c.dir.LockFree); perr != nil {
 				e.log.Warn("engine: cluster lock probe", "mount", m.root, "node", se.Node, "err", perr)
 			}
-			free = perr == nil && f
 		}
-		if !free {
+		if live {
 			c.unknown[se.Node] = true
 			if !wasUnknown[se.Node] {
 				e.log.Warn("engine: cluster: a node that may be running has a summary this node cannot use, and none of it was read before: its files cannot be counted, so this node's claim grows no further until it can (or the node is found dead)",

@@ -39,10 +39,18 @@ func (b Bound) Grant(nodes int, min int64) int64 {
 // intervals, or its lock is held (lockFree says whether it is free; it is
 // asked only for a stale summary).
 func Live(s *Summary, now int64, lockFree func(node string) (bool, error)) (bool, error) {
-	if now-s.Time < StaleIntervals*s.Interval {
+	return LiveAt(s.Node, s.Time, s.Interval, now, lockFree)
+}
+
+// LiveAt is Live for a node whose last sign of life was at (Unix
+// nanoseconds) and which publishes every interval: a summary's time and
+// interval, or, for a summary that cannot be read, its file's
+// modification time and the reader's interval.
+func LiveAt(node string, at, interval, now int64, lockFree func(node string) (bool, error)) (bool, error) {
+	if now-at < StaleIntervals*interval {
 		return true, nil
 	}
-	free, err := lockFree(s.Node)
+	free, err := lockFree(node)
 	if err != nil {
 		return true, err // unknown: never take a live node's files
 	}
