@@ -1,6 +1,7 @@
 package main
 
 import (
+	"errors"
 	"fmt"
 	"log/slog"
 	"os"
@@ -55,6 +56,11 @@ func openLookupTable(cfg config.Config, eng *engine.Engine, log *slog.Logger) (*
 	// socket may ask what it holds: a read bit for each write bit of the
 	// socket's (connecting to a Unix socket takes write permission).
 	t, err := lookuptable.Create(path, slots, (os.FileMode(cfg.Server.SocketMode)&0o222)<<1, gid, final)
+	if err != nil && gid >= 0 && errors.Is(err, unix.EPERM) {
+		// Giving the table to the group was refused: the group changed
+		// since the start's probe (server.PrepareSocketDir).
+		err = server.ChownGroupError(cfg.Server.SocketGroup, gid, err)
+	}
 	if err != nil {
 		return nil, err
 	}

@@ -137,8 +137,7 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 	// It also checks that the daemon's user may give files to
 	// socket_group: the lookup table and the socket, given to it later,
 	// come after the engine's start (an index rebuild, which may be long).
-	gid, err := server.PrepareSocketDir(cfg.Server.Socket, cfg.Server.SocketGroup)
-	if err != nil {
+	if _, err := server.PrepareSocketDir(cfg.Server.Socket, cfg.Server.SocketGroup); err != nil {
 		return d.groupFault(err)
 	}
 	workers, restoreProcs := reserveControlProcessors(cfg.Engine.IOWorkers, log)
@@ -253,11 +252,8 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 	warnSingleMount(log, build, cfg.Mounts)
 	warnReversedTiers(log, cfg, eng.Stats().Mounts)
 	table, err := openLookupTable(cfg, eng, log)
-	if err != nil && gid >= 0 && errors.Is(err, unix.EPERM) {
-		// The group changed since the start's probe.
-		err = d.groupFault(server.ChownGroupError(cfg.Server.SocketGroup, gid, err))
-	}
 	if err != nil {
+		err = d.groupFault(err)
 		cctx, cancel := context.WithTimeout(context.Background(), time.Duration(cfg.Server.ShutdownTimeout)+10*time.Second)
 		defer cancel()
 		return errors.Join(err, eng.Close(cctx), closeGPU())
