@@ -53,8 +53,9 @@ type Config struct {
 	CallTimeout time.Duration
 	// CacheDir, if set, is a directory for wazero's on-disk compilation
 	// cache: a second start with the same module compiles nothing. A cache
-	// that fails (a file damaged on disk, a directory that cannot be
-	// written) is logged as a warning and the module compiled without it.
+	// file damaged on disk is logged as a warning and the module's entry
+	// rewritten; a directory that cannot be written is logged and the
+	// module compiled without the cache.
 	CacheDir string
 	// Cache, if set, is used instead of CacheDir. It lets tests and tools
 	// share an in-memory cache between hosts. The Host does not close it.

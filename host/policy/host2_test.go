@@ -1,10 +1,13 @@
 package policy_test
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
+	"io/fs"
 	"log/slog"
+	"maps"
 	"os"
 	"path/filepath"
 	"slices"
@@ -478,8 +481,9 @@ func TestCompilationCache(t *testing.T) {
 
 // TestOpenCompilesAgainOverADamagedCacheFile: a compilation-cache file
 // damaged on disk (a bit flipped, a file cut short by a crash) is the
-// cache's failure, not the module's: Open warns and compiles the module
-// again without the cache, and the plugin loads.
+// cache's failure, not the module's: Open warns, the plugin loads, and
+// the module's entry is rewritten, so that the next start reads it with
+// no warning and the cache holds the first start's bytes again.
 func TestOpenCompilesAgainOverADamagedCacheFile(t *testing.T) {
 	ctx := context.Background()
 	module := fixture(t, "wellbehaved")
@@ -493,45 +497,48 @@ func TestOpenCompilesAgainOverADamagedCacheFile(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.damage, func(t *testing.T) {
 			dir := t.TempDir()
-			logs := &captureHandler{}
+			var logs *captureHandler
 			open := func() error {
+				logs = &captureHandler{}
 				h, err := policy.Open(ctx, module, "wellbehaved", policytest.NewIndex(), policy.Config{CacheDir: dir, Logger: slog.New(logs)})
 				if err == nil {
 					h.Close(ctx)
 				}
 				return err
 			}
+			warned := func() bool {
+				logs.mu.Lock()
+				defer logs.mu.Unlock()
+				return slices.ContainsFunc(logs.recs, func(r slog.Record) bool {
+					return r.Level == slog.LevelWarn && strings.Contains(r.Message, "compilation cache failed")
+				})
+			}
 			if err := open(); err != nil {
 				t.Fatal(err)
 			}
-			var files []string
-			filepath.Walk(dir, func(p string, fi os.FileInfo, err error) error {
-				if err == nil && !fi.IsDir() {
-					files = append(files, p)
-				}
-				return nil
-			})
-			if len(files) == 0 {
+			first := cacheFiles(t, dir)
+			if len(first) == 0 {
 				t.Fatal("the first start wrote nothing to the cache")
 			}
-			for _, f := range files {
-				b, err := os.ReadFile(f)
-				if err != nil {
-					t.Fatal(err)
-				}
-				if err := os.WriteFile(f, tt.apply(b), 0o600); err != nil {
+			for f, b := range first {
+				if err := os.WriteFile(f, tt.apply(slices.Clone(b)), 0o600); err != nil {
 					t.Fatal(err)
 				}
 			}
 			if err := open(); err != nil {
 				t.Fatalf("Open over a damaged cache file: %v", err)
 			}
-			logs.mu.Lock()
-			defer logs.mu.Unlock()
-			if !slices.ContainsFunc(logs.recs, func(r slog.Record) bool {
-				return r.Level == slog.LevelWarn && strings.Contains(r.Message, "compilation cache failed")
-			}) {
+			if !warned() {
 				t.Fatal("no warning of the damaged cache")
+			}
+			if got := cacheFiles(t, dir); !maps.EqualFunc(got, first, bytes.Equal) {
+				t.Fatalf("the damaged entry was not rewritten: %d files, want the first start's %d", len(got), len(first))
+			}
+			if err := open(); err != nil {
+				t.Fatal(err)
+			}
+			if warned() {
+				t.Fatal("the start after the repair warned of the cache again")
 			}
 		})
 	}
@@ -809,4 +816,23 @@ func TestWASIClocksAreFakeAndDeterministic(t *testing.T) {
 	if _, err := h.Victims(ctx, abi.EvictRequest{Bytes: 1, Mount: abi.AnyMount}, 1); err == nil || !strings.HasSuffix(err.Error(), "returned 1000 victims, more than the 1 asked for") {
 		t.Fatalf("Victims: %v; want 1000: readings 1 ms apart", err)
 	}
+}
+
+// cacheFiles returns the files under a compilation cache's directory
+// (path → bytes).
+func cacheFiles(t *testing.T, dir string) map[string][]byte {
+	t.Helper()
+	files := map[string][]byte{}
+	err := filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
+		if err != nil || d.IsDir() {
+			return err
+		}
+		b, err := os.ReadFile(p)
+		files[p] = b
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return files
 }

@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"math"
 	"os"
+	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
@@ -88,12 +89,30 @@ func newWasmBackend(ctx context.Context, module []byte, name string, cfg *Config
 	}()
 	if b.cm, err = b.r.CompileModule(ctx, code); err != nil && cache != nil && cacheFault(err) {
 		// The cache failed, not the module (a file damaged on disk, a
-		// directory that cannot be written): compile without it.
-		b.log.Warn("policy: the compilation cache failed; compiling the module without it (remove the cache directory to rebuild it)",
-			"cache_dir", cfg.CacheDir, "err", err)
+		// directory that cannot be written).
 		_ = b.r.Close(ctx)
-		b.r = b.newRuntime(ctx, nil)
-		b.cm, err = b.r.CompileModule(ctx, code)
+		b.r = nil
+		if b.ownCache != nil {
+			rerr := b.repairCache(ctx, code)
+			if rerr == nil {
+				b.log.Warn("policy: the compilation cache failed; rewrote this module's entry", "cache_dir", cfg.CacheDir, "err", err)
+				b.r = b.newRuntime(ctx, b.ownCache)
+				if b.cm, err = b.r.CompileModule(ctx, code); err != nil && cacheFault(err) {
+					_ = b.r.Close(ctx)
+					b.r = nil
+				}
+			} else {
+				err = errors.Join(err, rerr)
+			}
+		}
+		if b.r == nil {
+			// No repair, or the repaired cache failed again: compile
+			// without it.
+			b.log.Warn("policy: the compilation cache failed; compiling the module without it (remove the cache directory to rebuild it)",
+				"cache_dir", cfg.CacheDir, "err", err)
+			b.r = b.newRuntime(ctx, nil)
+			b.cm, err = b.r.CompileModule(ctx, code)
+		}
 	}
 	if err != nil {
 		return nil, fmt.Errorf("%w: %s: %v", ErrModule, name, err)
@@ -145,6 +164,63 @@ func (b *wasmBackend) probe(ctx context.Context, info *Info) (*wasmInstance, err
 		return nil, nil
 	}
 	return in, nil
+}
+
+// repairCache rewrites code's entry in the compilation cache of
+// b.cfg.CacheDir, which failed to give it back: it compiles code into a
+// new cache in a temporary directory inside CacheDir, whose files then
+// replace theirs under CacheDir by rename (an entry's name depends on the
+// module, the machine and wazero's version only, so the entry written is
+// the damaged one's), and removes the temporary directory. It touches no
+// other module's entry, and another daemon sharing the directory reads
+// either the old file or the new one. b.ownCache is replaced by a new
+// cache on the directory, the old one closed.
+func (b *wasmBackend) repairCache(ctx context.Context, code []byte) error {
+	dir := b.cfg.CacheDir
+	tmp, err := os.MkdirTemp(dir, ".repair-")
+	if err != nil {
+		return fmt.Errorf("policy: repairing the compilation cache: %w", err)
+	}
+	defer os.RemoveAll(tmp)
+	fresh, err := wazero.NewCompilationCacheWithDir(tmp)
+	if err != nil {
+		return fmt.Errorf("policy: repairing the compilation cache: %w", err)
+	}
+	r := b.newRuntime(ctx, fresh)
+	_, err = r.CompileModule(ctx, code)
+	err = errors.Join(err, r.Close(ctx), fresh.Close(ctx))
+	if err != nil {
+		return fmt.Errorf("policy: repairing the compilation cache: %w", err)
+	}
+	moved := 0
+	err = filepath.WalkDir(tmp, func(p string, d fs.DirEntry, err error) error {
+		if err != nil || d.IsDir() || strings.HasSuffix(p, ".tmp") {
+			return err
+		}
+		rel, err := filepath.Rel(tmp, p)
+		if err != nil {
+			return err
+		}
+		to := filepath.Join(dir, rel)
+		if err := os.MkdirAll(filepath.Dir(to), 0o750); err != nil {
+			return err
+		}
+		moved++
+		return os.Rename(p, to)
+	})
+	if err == nil && moved == 0 {
+		err = errors.New("the new cache holds no entry")
+	}
+	if err != nil {
+		return fmt.Errorf("policy: repairing the compilation cache: %w", err)
+	}
+	cache, err := wazero.NewCompilationCacheWithDir(dir)
+	if err != nil {
+		return fmt.Errorf("policy: repairing the compilation cache: %w", err)
+	}
+	_ = b.ownCache.Close(ctx)
+	b.ownCache = cache
+	return nil
 }
 
 // newRuntime returns a runtime for b's module, compiling through cache
