@@ -991,7 +991,9 @@ func (c *clusterMount) evict(ctx context.Context, e *Engine, m *mount, own []ran
 // (c.unknown: its summary unusable, none read before), it stays within its
 // last claim. A caller that gave up
 // (ctx cancelled) before the eviction gets ctx's error instead, with no
-// file deleted.
+// file deleted. A call that fails publishes its claim again, lowered back
+// to what the node holds: a raised claim left published would count in
+// the others' bound until the next tick.
 func (e *Engine) clusterReserve(ctx context.Context, m *mount, size int64) error {
 	c := m.cluster
 	c.mu.Lock()
@@ -1023,17 +1025,34 @@ func (e *Engine) clusterReserve(ctx context.Context, m *mount, size int64) error
 			p := c.bound.Decide(now, c.lastSketch(), c.own, c.cutsOf(now), 2*int64(c.interval))
 			cut, computed = p.Cut, p.Computed
 		}
+		// settle publishes the claim this call ends with, where the raise
+		// above was published: the others count a published claim in the
+		// bound until this node's next tick.
+		settle := func() {
+			if err != nil {
+				return
+			}
+			if !computed {
+				cut = 0
+			}
+			if perr := c.publish(e, c.lastSketch(), nil, cut); perr != nil {
+				c.lose(e, m, perr)
+			}
+		}
 		own, bytes, _ := c.count(ctx, e, m)
 		c.own = bytes
 		if ctx.Err() != nil {
 			// No file is deleted for a caller that gave up (evictRounds);
 			// the files below the cut-off go at the next tick.
 			c.claim = max(last, c.own)
+			computed = false // its files below the cut-off are not gone yet
+			settle()
 			return fmt.Errorf("engine: mount %s: eviction stopped: %w", m.root, ctx.Err())
 		}
 		c.evict(ctx, e, m, own, cut, c.own+size-limit)
 		if c.own+size > limit {
 			c.claim = max(last, c.own)
+			settle()
 			why := "no evictable file of its own left"
 			if twin := c.twinNote(); twin != "" {
 				why = twin
@@ -1044,14 +1063,7 @@ func (e *Engine) clusterReserve(ctx context.Context, m *mount, size int64) error
 				ErrNoSpace, m.root, c.own, limit, c.bound.Capacity, size, why)
 		}
 		c.claim = min(c.claim, limit)
-		if err == nil {
-			if !computed {
-				cut = 0
-			}
-			if perr := c.publish(e, c.lastSketch(), nil, cut); perr != nil {
-				c.lose(e, m, perr)
-			}
-		}
+		settle()
 	}
 	c.own += size
 	c.pending += size

@@ -1676,6 +1676,36 @@ func TestClusterALiveNodeWhoseSummaryDoesNotDecodeStillBoundsTheOthers(t *testin
 	}
 }
 
+// TestClusterARefusedStoreLeavesNoRaisedClaimPublished: node N runs with
+// 5 files of a bound of 8 and a summary A cannot decode, so A's claim
+// grows no further. A store beyond A's claim publishes a raised claim
+// before it reads the others (so that two nodes raising at once see each
+// other); where the store is then refused, the summary A leaves published
+// claims no more than A's claim in memory, which the others count in the
+// bound until A's next tick (an hour here).
+func TestClusterARefusedStoreLeavesNoRaisedClaimPublished(t *testing.T) {
+	dir, capacity, _, r := editedNode(t, 8, func(b []byte) []byte { return b[:len(b)/2] })
+	a := clusterNode(t, dir, "a", capacity, time.Hour)
+	if stored := storeWithinBound(t, a, dir, "a", 8, capacity, r); stored == 8 {
+		t.Fatal("A stored all 8 keys beside a node it cannot count: no store was refused")
+	}
+	b, err := os.ReadFile(filepath.Join(dir, clustercap.DirName, "a.summary"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	s, err := clustercap.Decode(b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := a.e.mounts[0].cluster
+	c.mu.Lock()
+	claim := c.claim
+	c.mu.Unlock()
+	if s.Claim > claim {
+		t.Fatalf("A's published claim is %d bytes after a refused store, above its claim of %d", s.Claim, claim)
+	}
+}
+
 // mountBytes is the bytes of every regular file under dir but the
 // cluster's metadata: data files, temporaries and spares alike.
 func mountBytes(t *testing.T, dir string) int64 {
