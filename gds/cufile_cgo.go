@@ -359,13 +359,17 @@ func (l *cgoLib) batchSetUp(maxNr int) (batchCtx, error) {
 	if err := statusError(int(code), int(cu)); err != nil {
 		return nil, err
 	}
-	return &cgoBatch{
-		l:      l,
-		h:      h,
-		max:    maxNr,
-		params: (*C.kv_io_params)(C.calloc(C.size_t(maxNr), C.size_t(unsafe.Sizeof(C.kv_io_params{})))),
-		events: (*C.kv_io_event)(C.calloc(C.size_t(maxNr), C.size_t(unsafe.Sizeof(C.kv_io_event{})))),
-	}, nil
+	// cgo panics when C.malloc fails but not when C.calloc does: a NULL
+	// here would be written through at the first submit.
+	params := (*C.kv_io_params)(C.calloc(C.size_t(maxNr), C.size_t(unsafe.Sizeof(C.kv_io_params{}))))
+	events := (*C.kv_io_event)(C.calloc(C.size_t(maxNr), C.size_t(unsafe.Sizeof(C.kv_io_event{}))))
+	if params == nil || events == nil {
+		C.free(unsafe.Pointer(params))
+		C.free(unsafe.Pointer(events))
+		C.kv_batch_destroy(l.batchDestroy, h)
+		return nil, fmt.Errorf("gds: batch of %d entries: out of memory", maxNr)
+	}
+	return &cgoBatch{l: l, h: h, max: maxNr, params: params, events: events}, nil
 }
 
 func (b *cgoBatch) submit(ios []batchIO) error {
