@@ -532,7 +532,7 @@ func (e *Engine) copyBuffer(n int64) (buf []byte, put func()) {
 // error and, where the copy was published and could not be removed again,
 // its entry left (publish). The caller holds both paths.
 func (e *Engine) copyFile(en *entry, tm *mount, dst string) (en2, left *entry, err error) {
-	src, _, err := e.openSame(en, os.O_RDONLY)
+	src, h, err := e.openSame(en, os.O_RDONLY)
 	if err != nil {
 		return nil, nil, fmt.Errorf("engine: move: open %s: %w", en.path, err)
 	}
@@ -578,6 +578,16 @@ func (e *Engine) copyFile(en *entry, tm *mount, dst string) (en2, left *entry, e
 			readFailed = true
 			return nil, nil, fmt.Errorf("engine: move: read %s: %w", en.path, rerr)
 		}
+	}
+	if e.rewrittenUnder(e.mounts[en.mount], src, h) {
+		// Another engine on the directory evicted the source and a store
+		// of it wrote into it (spare files) while it was copied, as a
+		// load checks (loadRound): the copy may hold its header over
+		// another key's bytes. The source is no longer en's file; the
+		// copy is removed unpublished.
+		readFailed = true
+		e.dropVanished(context.Background(), en, "rewritten while moved")
+		return nil, nil, fmt.Errorf("%w: %s was rewritten while it was copied (evicted and reused by another engine on the directory): %w", errMoveStale, en.path, errReplaced)
 	}
 	// The copy keeps the source's modification time, which Open takes for
 	// the last access: a restart ranks a moved file as before the move.

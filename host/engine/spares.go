@@ -158,8 +158,8 @@ func (e *Engine) openTemp(m *mount, sf spareFile, dir string, extra int, size, e
 	return e.createTemp(m, dir, extra, size)
 }
 
-// rewrittenUnder reports whether the file f, whose header h a load read
-// before its payload, was rewritten meanwhile (a spare reused by another
+// rewrittenUnder reports whether the file f, whose header h a load (or a
+// move's copy) read before its payload, was rewritten meanwhile (a spare reused by another
 // engine on the directory): its header no longer decodes, or names
 // another file id. Only memory mounts in kvhost's layout keep spares.
 func (e *Engine) rewrittenUnder(m *mount, f fsys.File, h *format.Header) bool {
