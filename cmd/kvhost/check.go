@@ -512,7 +512,7 @@ func checkMount(ctx context.Context, rep *checkReport, o checkOptions, m config.
 			rep.add(level, area, what, fix)
 		}
 	}
-	if level, what, fix := preallocateFinding(m.Preallocate, keepsSpares(magic, m.Layout, o.cfg.Engine.Reuse()), effective); level != "" {
+	if level, what, fix := preallocateFinding(m.Preallocate, keepsSpares(magic, m, o.cfg.Engine.Reuse()), effective); level != "" {
 		rep.add(level, area, what, fix)
 	}
 
@@ -576,24 +576,26 @@ func configuredCapacity(size, capacity int64) int64 {
 	return capacity
 }
 
-// keepsSpares reports whether the engine keeps spare files on a mount of
-// file system magic fsMagic in layout, with engine.reuse_files reuse: the
-// engine's own rule (a memory file system by its statfs magic, so that
-// ramfs and hugetlbfs count as tmpfs does, in kvhost's layout).
-func keepsSpares(fsMagic int64, layout string, reuse bool) bool {
+// keepsSpares reports whether the engine keeps spare files on mount m of
+// file system magic fsMagic, with engine.reuse_files reuse: the engine's
+// own rule (a memory file system by its statfs magic, so that ramfs and
+// hugetlbfs count as tmpfs does, in kvhost's layout, without a
+// cluster_capacity, whose summaries would not count the spares).
+func keepsSpares(fsMagic int64, m config.Mount, reuse bool) bool {
 	kind, _ := fstype.Of(fsMagic)
-	return kind.Memory && layout != config.LayoutVLLMFS && reuse
+	return kind.Memory && m.Layout != config.LayoutVLLMFS && m.ClusterCapacity == 0 && reuse
 }
 
 // preallocateFinding says what the mount's preallocate setting makes
 // ahead of stores: spares keeps says the engine keeps spares there (a
-// memory file system in kvhost's layout, engine.reuse_files on), and
-// effective is the capacity the engine will see (auto is an eighth of
-// it, at most the larger of 4 GiB and a sixteenth of the machine's memory).
+// memory file system in kvhost's layout, engine.reuse_files on, no
+// cluster_capacity), and effective is the capacity the engine will see
+// (auto is an eighth of it, at most the larger of 4 GiB and a sixteenth
+// of the machine's memory).
 func preallocateFinding(p config.AutoSize, keeps bool, effective int64) (level, what, fix string) {
 	switch {
 	case !keeps && p.Given && p.Bytes > 0:
-		return levelWarn, fmt.Sprintf("preallocate = %s has no effect here: spare files are kept only on memory file systems (tmpfs) in kvhost's layout, with engine.reuse_files on", p),
+		return levelWarn, fmt.Sprintf("preallocate = %s has no effect here: spare files are kept only on memory file systems (tmpfs) in kvhost's layout, with engine.reuse_files on and no cluster_capacity", p),
 			"remove preallocate from this mount"
 	case !keeps:
 		return "", "", ""

@@ -268,22 +268,25 @@ func TestPreallocateFindingSaysWhatIsMadeAhead(t *testing.T) {
 
 func TestCheckKeepsSparesOnTheMemoryFileSystemsTheEngineDoes(t *testing.T) {
 	cases := []struct {
-		name   string
-		magic  int64
-		layout string
-		reuse  bool
-		want   bool
+		name    string
+		magic   int64
+		layout  string
+		reuse   bool
+		cluster config.Size
+		want    bool
 	}{
-		{"tmpfs", fstype.Tmpfs, config.LayoutKVHost, true, true},
-		{"ramfs", fstype.Ramfs, config.LayoutKVHost, true, true},
-		{"hugetlbfs", fstype.Hugetlbfs, "", true, true},
-		{"ext4", fstype.Ext4, config.LayoutKVHost, true, false},
-		{"tmpfs in vLLM's layout", fstype.Tmpfs, config.LayoutVLLMFS, true, false},
-		{"tmpfs with reuse_files off", fstype.Tmpfs, config.LayoutKVHost, false, false},
-		{"an unknown file system", 0x1234, config.LayoutKVHost, true, false},
+		{"tmpfs", fstype.Tmpfs, config.LayoutKVHost, true, 0, true},
+		{"ramfs", fstype.Ramfs, config.LayoutKVHost, true, 0, true},
+		{"hugetlbfs", fstype.Hugetlbfs, "", true, 0, true},
+		{"ext4", fstype.Ext4, config.LayoutKVHost, true, 0, false},
+		{"tmpfs in vLLM's layout", fstype.Tmpfs, config.LayoutVLLMFS, true, 0, false},
+		{"tmpfs with reuse_files off", fstype.Tmpfs, config.LayoutKVHost, false, 0, false},
+		{"tmpfs with a cluster_capacity", fstype.Tmpfs, config.LayoutKVHost, true, 1 << 30, false},
+		{"an unknown file system", 0x1234, config.LayoutKVHost, true, 0, false},
 	}
 	for _, c := range cases {
-		if got := keepsSpares(c.magic, c.layout, c.reuse); got != c.want {
+		m := config.Mount{Layout: c.layout, ClusterCapacity: c.cluster}
+		if got := keepsSpares(c.magic, m, c.reuse); got != c.want {
 			t.Errorf("%s: keepsSpares = %v, want %v", c.name, got, c.want)
 		}
 	}
