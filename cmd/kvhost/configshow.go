@@ -198,7 +198,10 @@ func resolveMount(notes config.Notes, prefix string, m *config.Mount, mc machine
 	if m.Shared == nil {
 		notes[prefix+"shared"] = "detected at start: true on network and FUSE file systems and for vllm-fs mounts"
 	}
-	if m.Preallocate == config.Auto() {
+	switch {
+	case m.ClusterCapacity != 0:
+		notes[prefix+"preallocate"] = "none: a mount with cluster_capacity keeps no spare files"
+	case m.Preallocate == config.Auto():
 		notes[prefix+"preallocate"] = "on a memory file system: an eighth of the capacity, at most the larger of 4GiB and a sixteenth of memory"
 	}
 	if m.Capacity != 0 {

@@ -29,6 +29,7 @@ func TestConfigShow(t *testing.T) {
 	bad := write("bad.toml", "[server]\nmax_frame = \"4MiBx\"\n")
 	vllm := write("vllm.toml", "[[mount]]\npath = \""+dir+"/kv\"\n[[mount]]\npath = \""+dir+"/v\"\nlayout = \"vllm-fs\"\n")
 	tiered := filepath.Join("..", "..", "examples", "tiered.toml")
+	cluster := write("cluster.toml", "[[mount]]\npath = \""+dir+"\"\ncluster_capacity = \"1GiB\"\n")
 
 	cases := []struct {
 		name     string
@@ -58,6 +59,7 @@ func TestConfigShow(t *testing.T) {
 		{"flags override the file", []string{"--config", given, "--io-workers", "3", "--policy", "tiered"}, 0, []string{"io_workers = 3\n", `name = "tiered"`}, nil},
 		{"a vllm-fs mount", []string{"--config", vllm}, 0, []string{`layout = "vllm-fs"`}, nil},
 		{"the tiered example", []string{"--config", tiered}, 0, []string{`name = "tiered"`}, nil},
+		{"a mount with a cluster capacity makes no spares", []string{"--config", cluster}, 0, []string{`preallocate = "auto"  # none: a mount with cluster_capacity keeps no spare files`}, nil},
 		{"a bad file fails with its error", []string{"--config", bad}, 1, nil, []string{bad + ":2", "max_frame", `"4MiBx"`}},
 		{"a missing file fails naming it", []string{"--config", filepath.Join(dir, "nope.toml")}, 1, nil, []string{"nope.toml"}},
 		{"an argument that is no flag is a usage error", []string{given}, 2, nil, []string{"--config"}},
