@@ -14,6 +14,9 @@ type flight struct {
 	// while the path was held: the holder removes the file at release if
 	// it is still one of them (a store that published has replaced it).
 	orphans []*entry
+	// replaces is the indexed file a store holding the path is about to
+	// replace (Engine.replacing): Pin pins none of it.
+	replaces *entry
 }
 
 // claimLocked marks path in flight and returns true, or returns false and

@@ -67,6 +67,9 @@ func (e *Engine) Pin(ctx context.Context, ns NamespaceID, keys [][]byte, lease t
 		en = e.ix.currentLocked(en, k) // moved since it was found (demote.go)
 		_, dup := byEntry[en]
 		gone := en.gone
+		if fl := e.ix.inflight[en.path]; fl != nil && fl.replaces == en {
+			gone = true // a store replaces its file now (Engine.replacing)
+		}
 		if !dup && !gone {
 			en.pins++
 			en.leases++

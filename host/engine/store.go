@@ -350,6 +350,10 @@ func (e *Engine) storeRound(ctx context.Context, j *Job, c *cache, keys [][]byte
 				gr.held = true
 				return
 			}
+			if err := e.replacing(gr.path, gr.old); err != nil {
+				failAll(gr.idx, err)
+				return
+			}
 			if err := e.storeFile(ctx, j, c, blocks, gr); err != nil {
 				failAll(gr.idx, err)
 				return
@@ -388,6 +392,27 @@ func (e *Engine) heldAt(ctx context.Context, fp uint64, key []byte, en *entry) b
 	e.ix.mu.Lock()
 	defer e.ix.mu.Unlock()
 	return e.ix.relinkLocked(en)
+}
+
+// replacing marks the store holding path as one that replaces old, the
+// file indexed there (nil: none), so that no pin takes hold of old from
+// then on (Pin), unless a client pin already holds old: a pinned file is
+// never removed, so the store is refused. Both in one hold of index.mu: a
+// pin either comes first and refuses the store, or finds the path being
+// replaced and pins nothing.
+func (e *Engine) replacing(path string, old *entry) error {
+	if old == nil {
+		return nil
+	}
+	e.ix.mu.Lock()
+	defer e.ix.mu.Unlock()
+	if old.clientPinned() && !old.gone {
+		return fmt.Errorf("%w: it named file %s for these keys, which holds other keys a client pinned", ErrPolicy, path)
+	}
+	if fl := e.ix.inflight[path]; fl != nil {
+		fl.replaces = old
+	}
+	return nil
 }
 
 // storeFile writes one file: payload, then header (which carries the
