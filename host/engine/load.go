@@ -255,10 +255,16 @@ func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 			return // nothing (more) asked of this file
 		}
 		if !e.loadRound(ctx, j, c, blocks, en, f, h, m, dst, read, corrupt) {
-			// The file was judged corrupt: later destinations fail alike.
+			// The file was judged corrupt: later destinations fail alike,
+			// unread. A key that verified in this round loaded into
+			// this round's blocks only: its later destinations fail.
 			for k, d := range dsts {
 				for _, i := range d[min(len(d), round+1):] {
-					set(i, j.res.Keys[dst[k]].Outcome, j.res.Keys[dst[k]].Err)
+					o, err := j.res.Keys[dst[k]].Outcome, j.res.Keys[dst[k]].Err
+					if o == OutcomeLoaded {
+						o, err = OutcomeFailed, fmt.Errorf("%w: %s: another key of the file failed its checksum before this destination of key %d was read", ErrCorrupt, en.path, k)
+					}
+					set(i, o, err)
 				}
 			}
 			return
