@@ -83,6 +83,7 @@ type Engine struct {
 	closed   bool
 	nss      []*namespace // by NamespaceID
 	nsByFP   map[uint64]NamespaceID
+	freeNS   []NamespaceID // ids Release gave back (namespaces without files), taken first
 	caches   map[CacheID]*cache
 	lastCach uint64
 	declares int // namespaces counted against Config.MaxNamespaces

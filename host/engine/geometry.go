@@ -184,6 +184,12 @@ type namespace struct {
 	// counted: created or claimed by Declare, so it counts against
 	// Config.MaxNamespaces (namespaces of files found on disk do not).
 	counted bool
+	// found: files of it were found on the mounts (namespaceOf), so its
+	// id is never given back (Release): entries may name it.
+	found bool
+	// declaring counts the Declare calls under way (between their two
+	// holds of Engine.mu): Release gives no id back while any is.
+	declaring int
 	// layout: the vllm-fs mount serving the namespace (nil: the policy
 	// places and names its files on the kvhost mounts). Set by Declare.
 	layout *mount

@@ -162,6 +162,14 @@ func (ix *index) countOf(fp uint64) *fpCount {
 	return c
 }
 
+// holds reports whether the index holds a file or key of fingerprint fp.
+func (ix *index) holds(fp uint64) bool {
+	ix.mu.RLock()
+	defer ix.mu.RUnlock()
+	c := ix.byFP[fp]
+	return c != nil && (c.files > 0 || c.keys > 0)
+}
+
 // dropEmptyLocked forgets fp's counts once it has nothing indexed.
 func (ix *index) dropEmptyLocked(fp uint64, c *fpCount) {
 	if c.files == 0 && c.keys == 0 {

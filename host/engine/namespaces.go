@@ -11,7 +11,7 @@ import (
 )
 
 // Declare registers a geometry and returns its namespace. Declaring the same
-// geometry again returns the same id. A new geometry beyond
+// geometry again returns the same id while it is declared or has files. A new geometry beyond
 // Config.MaxNamespaces declared and not released is refused with ErrLimit.
 func (e *Engine) Declare(ctx context.Context, g Geometry) (NamespaceID, error) {
 	if err := g.Validate(); err != nil {
@@ -65,9 +65,10 @@ func (e *Engine) Declare(ctx context.Context, g Geometry) (NamespaceID, error) {
 			return 0, err
 		}
 	}
+	counted := false // by this call
 	if !ok || !e.nss[id].counted {
-		// Every namespace costs state here and in every policy shard,
-		// for the life of the engine: bound them.
+		// Every namespace costs state here and in every policy shard: bound
+		// them.
 		if e.declares >= e.cfg.MaxNamespaces {
 			e.mu.Unlock()
 			return 0, fmt.Errorf("%w: namespace %q: %d namespaces declared, the limit (Config.MaxNamespaces) is %d", ErrLimit, g.Model, e.declares, e.cfg.MaxNamespaces)
@@ -77,7 +78,9 @@ func (e *Engine) Declare(ctx context.Context, g Geometry) (NamespaceID, error) {
 		}
 		e.nss[id].counted = true
 		e.declares++
+		counted = true
 	}
+	e.nss[id].declaring++
 	e.mu.Unlock()
 	if len(short) > 0 {
 		// Before the namespace is declared: no request finds them.
@@ -89,22 +92,40 @@ func (e *Engine) Declare(ctx context.Context, g Geometry) (NamespaceID, error) {
 		// The client sees the error; the operator must too (a plugin
 		// whose shards choose different layouts refuses every model).
 		e.log.Warn("engine: the policy refused a namespace", "ns", id, "model", g.Model, "err", err)
-		return 0, fmt.Errorf("%w: namespace %q: %w", ErrPolicy, g.Model, err)
-	}
-	if lm != nil {
+		err = fmt.Errorf("%w: namespace %q: %w", ErrPolicy, g.Model, err)
+	} else if lm != nil {
 		// The layout decides: one row per file, in the row's order.
 		rec.KeysPerFile, rec.Order = 1, abi.OrderLayerMajor
 	}
-	if rec.KeysPerFile < 1 || rec.KeysPerFile > abi.MaxKeysPerFile || (rec.Order != abi.OrderLayerMajor && rec.Order != abi.OrderBlockMajor) {
-		return 0, fmt.Errorf("%w: namespace %q: layout keys per file %d, order %d", ErrPolicy, g.Model, rec.KeysPerFile, rec.Order)
-	}
-	if segs := int64(rec.KeysPerFile) * int64(g.SegmentsPerKey()); segs > MaxSegmentsPerFile {
-		return 0, fmt.Errorf("%w: %w: namespace %q: KeysPerFile %d × SegmentsPerKey %d = %d segments per file: want at most %d (fewer keys per file, or larger blocks)",
+	segs := int64(rec.KeysPerFile) * int64(g.SegmentsPerKey())
+	switch {
+	case err != nil:
+	case rec.KeysPerFile < 1 || rec.KeysPerFile > abi.MaxKeysPerFile || (rec.Order != abi.OrderLayerMajor && rec.Order != abi.OrderBlockMajor):
+		err = fmt.Errorf("%w: namespace %q: layout keys per file %d, order %d", ErrPolicy, g.Model, rec.KeysPerFile, rec.Order)
+	case segs > MaxSegmentsPerFile:
+		err = fmt.Errorf("%w: %w: namespace %q: KeysPerFile %d × SegmentsPerKey %d = %d segments per file: want at most %d (fewer keys per file, or larger blocks)",
 			ErrInvalid, ErrPolicy, g.Model, rec.KeysPerFile, g.SegmentsPerKey(), segs, MaxSegmentsPerFile)
 	}
 	e.mu.Lock()
 	ns := e.nss[id]
+	ns.declaring--
+	if err != nil {
+		// Refused: the count this call took goes back, unless another
+		// declaration of the namespace succeeded meanwhile.
+		if counted && ns.counted && !ns.declared {
+			ns.counted = false
+			e.declares--
+		}
+		e.freeUnusedLocked(ns)
+		e.mu.Unlock()
+		return 0, err
+	}
 	work := false
+	if !ns.counted {
+		// A refused declaration gave back the count this one relied on.
+		ns.counted = true
+		e.declares++
+	}
 	if !ns.declared {
 		ns.declared, ns.geo, ns.rec = true, g, rec
 		ns.keysPerFile, ns.order = int(rec.KeysPerFile), rec.Order
@@ -125,8 +146,9 @@ func (e *Engine) Declare(ctx context.Context, g Geometry) (NamespaceID, error) {
 // Release ends the declaration of namespace ns: the server calls it when
 // no client uses the namespace any more. The namespace stops counting
 // against Config.MaxNamespaces and is unknown to requests until declared
-// again (which returns the same id); its files stay indexed, on disk and
-// servable then. It fails with ErrUnknownNamespace for an id Declare never
+// again; where it has files, they stay indexed, on disk and servable, and
+// declaring it again returns the same id; where it has none, its id goes
+// back (freeUnusedLocked) and a later new geometry may take it. It fails with ErrUnknownNamespace for an id Declare never
 // returned, and with ErrInvalid while caches of the namespace are still
 // registered. Releasing a released namespace does nothing.
 func (e *Engine) Release(ns NamespaceID) error {
@@ -157,7 +179,24 @@ func (e *Engine) Release(ns NamespaceID) error {
 		e.declares--
 	}
 	e.wakeMaker(e.forgetAheadLocked(ns)) // its share of the spares goes to the others
+	e.freeUnusedLocked(n)
 	return nil
+}
+
+// freeUnusedLocked gives n's id back (newNamespaceLocked takes it again)
+// where nothing names it: n is not declared, no declaration of it is
+// under way, and it has no file (no store runs without a cache, and a
+// file found on the mounts marks it found first). So geometries declared
+// and released, or refused, without files do not use up ids, which
+// policies bound (65,536 for the built-in ones) and which each hold
+// state. e.mu is held.
+func (e *Engine) freeUnusedLocked(n *namespace) {
+	if n.declared || n.declaring > 0 || n.found || n.layout != nil || e.ix.holds(n.fp) {
+		return
+	}
+	delete(e.nsByFP, n.fp)
+	e.nss[n.id] = &namespace{id: n.id}
+	e.freeNS = append(e.freeNS, n.id)
 }
 
 // namespaceOf returns the namespace of files of fingerprint fp, created
@@ -166,15 +205,25 @@ func (e *Engine) Release(ns NamespaceID) error {
 func (e *Engine) namespaceOf(fp uint64) NamespaceID {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	if id, ok := e.nsByFP[fp]; ok {
-		return id
+	id, ok := e.nsByFP[fp]
+	if !ok {
+		id = e.newNamespaceLocked(fp)
 	}
-	return e.newNamespaceLocked(fp)
+	e.nss[id].found = true
+	return id
 }
 
+// newNamespaceLocked makes a namespace of fingerprint fp under an id
+// Release gave back, else a new one. e.mu is held.
 func (e *Engine) newNamespaceLocked(fp uint64) NamespaceID {
-	id := NamespaceID(len(e.nss))
-	e.nss = append(e.nss, &namespace{id: id, fp: fp})
+	var id NamespaceID
+	if n := len(e.freeNS); n > 0 {
+		id, e.freeNS = e.freeNS[n-1], e.freeNS[:n-1]
+		e.nss[id] = &namespace{id: id, fp: fp}
+	} else {
+		id = NamespaceID(len(e.nss))
+		e.nss = append(e.nss, &namespace{id: id, fp: fp})
+	}
 	e.nsByFP[fp] = id
 	return id
 }
