@@ -59,7 +59,11 @@ def classes():
     vLLM's own from KVHOST_VLLM_SRC, else the stand-ins."""
     if os.environ.get("KVHOST_VLLM_SRC"):
         import vllm_tree
+        from kvhost.vllm import spec_worker
         api = vllm_tree.load()
+        # The check hands the worker CanonicalKVCaches of its own, not built
+        # by vLLM's worker set-up: no attention backend or layout to observe.
+        spec_worker.observe_layout = lambda groups: None
         names = tuple(f"model.layers.{i}.self_attn.attn" for i in range(LAYERS))
 
         def make_spec(socket, chunk=1):

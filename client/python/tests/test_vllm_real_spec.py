@@ -14,11 +14,13 @@ One tree per process: run once per snapshot.
 
 import hashlib
 import multiprocessing
+import os
 import pathlib
 import pickle
 import signal
 import sys
 import unittest
+from unittest import mock
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
@@ -28,6 +30,28 @@ import daemon as d  # noqa: E402
 import vllm_tree  # noqa: E402
 
 NO_TREE = vllm_tree.skip_reason()
+
+
+def unobserved():
+    """These tests hand the worker CanonicalKVCaches of their own, not built
+    by vLLM's worker set-up (vLLM's attention modules are not loaded): there
+    is no attention backend or KV cache layout to observe. TestRealPageLayout
+    reports ones of its own."""
+    from kvhost.vllm import spec_worker
+    return mock.patch.object(spec_worker, "observe_layout", lambda groups: None)
+
+
+_UNOBSERVED = None
+
+
+def setUpModule():
+    global _UNOBSERVED
+    _UNOBSERVED = unobserved()
+    _UNOBSERVED.start()
+
+
+def tearDownModule():
+    _UNOBSERVED.stop()
 LAYERS, PAGE, BLOCKS = 4, 4096, 32
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
@@ -96,6 +120,7 @@ def rank_process(socket, rank, conn):
     blocks) with (success, transfer size, rows of the blocks) and "rows"
     with the rows of the blocks."""
     api = vllm_tree.load()
+    unobserved().start()  # a process of its own (spawn): setUpModule did not run here
     spec = api.OffloadingSpecFactory.create_spec(offloading_config(api, socket, tp=2, rank=rank))
     caches, tensors, buf = canonical_caches(api, seed=100 + rank)
     worker = spec.get_worker(caches)
@@ -534,6 +559,89 @@ class TestRealSpec(RealSpecCase):
 
 
 @unittest.skipUnless(NO_TREE is None, NO_TREE or "")
+class TestRealPageLayout(RealSpecCase):
+    """The page layout through vLLM's own OffloadingSpecFactory, config and
+    CanonicalKVCaches: the default configuration's (FlashAttention, HND,
+    one KV-cache group: vLLM's cross-layer slab, as its
+    register_cross_layers_kv_cache builds it) is accepted, another is
+    refused naming the option that makes it an identity of its own."""
+
+    def setUp(self):
+        super().setUp()
+        env = mock.patch.dict(os.environ)
+        env.start()
+        os.environ.pop("VLLM_KV_CACHE_LAYOUT", None)
+        self.closers.append(env.stop)
+
+    def observed(self, backend, layout):
+        from kvhost.vllm import spec_worker
+        return mock.patch.object(spec_worker, "observe_layout",
+                                 lambda groups: ([[backend] * len(g["layer_names"]) for g in groups], layout))
+
+    def slab(self, seed=0):
+        """vLLM's cross-layer CanonicalKVCaches: one (BLOCKS, LAYERS × PAGE)
+        int8 tensor and one reference of LAYERS × PAGE bytes."""
+        import torch
+        import kvhost
+        api = self.api
+        big, buf = kvhost.torch_host_tensor((BLOCKS, LAYERS * PAGE), torch.int8, name="real-slab")
+        self.closers.append(buf.close)
+        big.copy_(torch.randint(-128, 128, big.shape, generator=torch.Generator().manual_seed(seed),
+                                dtype=torch.int8))
+        caches = api.CanonicalKVCaches(
+            tensors=[api.CanonicalKVCacheTensor(tensor=big, page_size_bytes=LAYERS * PAGE)],
+            group_data_refs=[[api.CanonicalKVCacheRef(tensor_idx=0, page_size_bytes=LAYERS * PAGE)]])
+        return caches, [big[:, i * PAGE:(i + 1) * PAGE] for i in range(LAYERS)]
+
+    def test_the_default_configuration_round_trips_through_the_slab(self):
+        spec = self.spec()
+        m = self.manager(spec)
+        caches, tensors = self.slab(seed=5)
+        with self.observed("FLASH_ATTN", "HND"):
+            w = spec.get_worker(caches)
+        self.closers.append(w.shutdown)
+        self.assertEqual(w.page_layout, "FLASH_ATTN/HND/slab")
+        ctx = self.api.ReqContext(req_id="slab")
+        ks = [key(i, "slab") for i in range(2)]
+        want = rows(tensors, [1, 2])
+        out = m.prepare_store(ks, ctx)
+        self.assertTrue(self.transfer(w, True, out.store_spec, [1, 2]).success)
+        m.complete_store(out.keys_to_store, ctx)
+        for k in ks:
+            self.assertEqual(self.settle(m, k, ctx), self.api.LookupResult.HIT)
+        for t in tensors:
+            t[5:7].zero_()
+        self.assertTrue(self.transfer(w, False, m.prepare_load(ks, ctx), [5, 6]).success)
+        m.complete_load(ks, ctx)
+        self.assertEqual(rows(tensors, [5, 6]), want)
+
+    def test_another_backend_or_per_layer_pages_are_refused(self):
+        spec = self.spec()
+        for backend, layout, slab, want in (("FLASHINFER", "HND", False, "FLASHINFER/HND"),
+                                            ("FLASH_ATTN", "NHD", True, "FLASH_ATTN/NHD/slab"),
+                                            ("FLASH_ATTN", "HND", False, "FLASH_ATTN/HND")):
+            with self.subTest(want=want):
+                if slab:
+                    caches, _ = self.slab()
+                else:
+                    caches, _, buf = canonical_caches(self.api, 0)
+                    self.closers.append(buf.close)
+                with self.observed(backend, layout), self.assertRaisesRegex(ValueError, f'"page_layout": "{want}"'):
+                    spec.get_worker(caches)
+
+    def test_the_option_names_a_layout_of_its_own(self):
+        default = self.manager(self.spec())
+        spec = self.spec(page_layout="FLASHINFER/HND")
+        m = self.manager(spec)
+        self.assertFalse(set(m.namespaces.values()) & set(default.namespaces.values()))
+        caches, _, buf = canonical_caches(self.api, 0)
+        self.closers.append(buf.close)
+        with self.observed("FLASHINFER", "HND"):
+            w = spec.get_worker(caches)
+        self.closers.append(w.shutdown)
+        self.assertEqual(sorted(w.namespaces), sorted(m.namespaces.values()))
+
+
 class TestRealSpecWindow(unittest.TestCase):
     def test_this_vllm_is_supported_or_refused_naming_the_window(self):
         vllm_tree.load()

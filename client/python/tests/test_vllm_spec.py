@@ -11,6 +11,7 @@ Run: cd client/python && PYTHONPATH=src /usr/bin/python3 -m unittest tests.test_
 import contextlib
 import dataclasses
 import importlib.util
+import os
 import pathlib
 import pickle
 import signal
@@ -27,7 +28,7 @@ sys.path.insert(0, str(HERE))
 
 import kvhost  # noqa: E402
 from kvhost import vllm as kv  # noqa: E402
-from kvhost.vllm import _metrics, _namespace, spec_compat as sc  # noqa: E402
+from kvhost.vllm import _metrics, _namespace, spec_compat as sc, spec_worker  # noqa: E402
 
 import daemon as d  # noqa: E402
 import vllm_standins as S  # noqa: E402
@@ -94,6 +95,42 @@ def answer_of(m, key, ctx=CTX):
     R = S.LookupResult
     return d.wait_for(lambda: (lambda r: r if r != R.RETRY else None)(m.lookup(key, ctx)),
                       what="a lookup answer")
+
+
+# These tests hand the worker CanonicalKVCaches of their own, not built by
+# vLLM's worker set-up: there is no attention backend or KV cache layout to
+# observe, as without vLLM (under make test-vllm vLLM's modules are there).
+# TestPageLayout observes ones of its own.
+OBSERVE_LAYOUT = spec_worker.observe_layout  # the function itself (TestObserveLayout)
+_UNOBSERVED = mock.patch.object(spec_worker, "observe_layout", lambda groups: None)
+
+
+def setUpModule():
+    _UNOBSERVED.start()
+
+
+def tearDownModule():
+    _UNOBSERVED.stop()
+
+
+def observed(backend="FLASH_ATTN", layout="HND"):
+    """Within it, every worker's vLLM set-up reports backend for each of its
+    layers and the KV cache layout layout (what observe_layout reads from
+    vLLM's current config and get_kv_cache_layout())."""
+    return mock.patch.object(spec_worker, "observe_layout",
+                             lambda groups: ([[backend] * len(g["layer_names"]) for g in groups], layout))
+
+
+def slab_caches(layers=LAYERS, page=PAGE, blocks=BLOCKS, seed=0):
+    """CanonicalKVCaches as vLLM's register_cross_layers_kv_cache builds
+    them: one int8 (blocks, layers × page) tensor, one reference of
+    layers × page bytes. Returns (caches, per-layer views, buffers)."""
+    import torch
+    big, buf = kvhost.torch_host_tensor((blocks, layers * page), torch.int8, name="spec-slab")
+    big.copy_(torch.randint(-128, 128, big.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.int8))
+    caches = S.CanonicalKVCaches(tensors=[S.CanonicalKVCacheTensor(big, layers * page)],
+                                 group_data_refs=[[S.CanonicalKVCacheRef(0, layers * page)]])
+    return caches, [big[:, i * page:(i + 1) * page] for i in range(layers)], [buf]
 
 
 class SpecCase(unittest.TestCase):
@@ -1119,6 +1156,165 @@ class TestIdentity(SpecCase):
         self.answer(b, ks[0], S.LookupResult.MISS)
         self.assertTrue(all(n.startswith("vllm-spec:meta-llama_Llama-3.1-8B-Instruct:")
                             for n in b.namespaces.values()))
+
+
+@unittest.skipUnless(HAVE_TORCH, "needs torch")
+class TestPageLayout(SpecCase):
+    """A page's byte order follows the attention backend, the KV cache
+    layout and vLLM's cross-layer slab, which the scheduler cannot see:
+    the identity names the layout the workers must have (the option
+    page_layout, else the default configuration's) and every worker
+    compares it with what vLLM set it up with."""
+
+    def setUp(self):
+        super().setUp()
+        env = mock.patch.dict(os.environ)
+        env.start()
+        os.environ.pop(_namespace.LAYOUT_ENV, None)
+        self.closers.append(env.stop)
+
+    def slab(self, seed=0):
+        caches, tensors, bufs = slab_caches(seed=seed)
+        for b in bufs:
+            self.closers.insert(0, b.close)
+        return caches, tensors
+
+    def test_the_default_configuration_is_accepted(self):
+        # FlashAttention (an H100's default) under the offloading
+        # connector's HND, and one KV-cache group: vLLM's cross-layer slab.
+        spec = self.spec()
+        self.assertEqual(spec._ident["page_layout"], "FLASH_ATTN/HND/slab")
+        m = self.manager(spec)
+        caches, tensors = self.slab()
+        with observed("FLASH_ATTN", "HND"):
+            w = self.worker(spec, caches)
+        self.assertEqual(w.page_layout, "FLASH_ATTN/HND/slab")
+        self.assertEqual(sorted(w.namespaces), sorted(m.namespaces.values()))
+        ks = keys(2, "default-layout")
+        before = rows(tensors, [0, 1])
+        self.store(m, w, ks, [0, 1])
+        for k in ks:
+            self.answer(m, k, S.LookupResult.HIT)
+        for t in tensors:
+            t[4:6].zero_()
+        res = self.transfer(w, False, m.prepare_load(ks, CTX), [4, 5])
+        self.assertTrue(res.success)
+        m.complete_load(ks, CTX)
+        self.assertEqual(rows(tensors, [4, 5]), before)
+
+    def test_another_attention_backend_is_refused_naming_the_option(self):
+        spec = self.spec(layers=LAYERS)
+        caches, _ = self.caches()
+        with observed("FLASHINFER", "HND"), self.assertRaises(ValueError) as cm:
+            spec.get_worker(caches)
+        msg = str(cm.exception)
+        self.assertIn('"page_layout": "FLASHINFER/HND"', msg)
+        self.assertIn("FLASH_ATTN/HND/slab", msg)
+
+    def test_another_kv_cache_layout_is_refused(self):
+        spec = self.spec()
+        caches, _ = self.slab()
+        with observed("FLASH_ATTN", "NHD"), self.assertRaisesRegex(ValueError, '"page_layout": "FLASH_ATTN/NHD/slab"'):
+            spec.get_worker(caches)
+
+    def test_per_layer_pages_are_refused_where_the_identity_says_slab(self):
+        spec = self.spec()
+        caches, _ = self.caches()
+        with observed("FLASH_ATTN", "HND"), self.assertRaisesRegex(ValueError, '"page_layout": "FLASH_ATTN/HND"'):
+            spec.get_worker(caches)
+
+    def test_VLLM_KV_CACHE_LAYOUT_is_in_the_identity(self):
+        os.environ[_namespace.LAYOUT_ENV] = "NHD"
+        spec = self.spec()
+        self.assertEqual(spec._ident["page_layout"], "FLASH_ATTN/NHD/slab")
+        caches, _ = self.slab()
+        with observed("FLASH_ATTN", "NHD"):
+            self.worker(spec, caches)
+        with observed("FLASH_ATTN", "HND"), self.assertRaisesRegex(ValueError, "FLASH_ATTN/HND/slab"):
+            spec.get_worker(caches)
+        os.environ[_namespace.LAYOUT_ENV] = "nhd"
+        with self.assertRaisesRegex(ValueError, "VLLM_KV_CACHE_LAYOUT"):
+            self.spec()
+
+    def test_the_option_names_the_layout(self):
+        spec = self.spec(page_layout="FLASHINFER/HND")
+        self.assertEqual(spec._ident["page_layout"], "FLASHINFER/HND")
+        caches, _ = self.caches()
+        with observed("FLASHINFER", "HND"):
+            self.assertEqual(self.worker(spec, caches).page_layout, "FLASHINFER/HND")
+        for bad in ("FLASHINFER", "FLASHINFER/hnd", "FLASHINFER/HND/", 7):
+            with self.subTest(bad=bad), self.assertRaisesRegex(ValueError, "page_layout"):
+                self.spec(page_layout=bad)
+
+    def test_engines_of_other_layouts_miss_each_others_keys(self):
+        ks = keys(2, "layouts")
+        a = self.spec(engine_id="a")
+        m = self.manager(a)
+        caches, _ = self.slab(seed=1)
+        with observed("FLASH_ATTN", "HND"):
+            w = self.worker(a, caches)
+        self.store(m, w, ks, [0, 1])
+        for k in ks:
+            self.answer(m, k, S.LookupResult.HIT)
+        other = self.manager(self.spec(engine_id="b", page_layout="FLASHINFER/HND"))
+        os.environ[_namespace.LAYOUT_ENV] = "NHD"
+        nhd = self.manager(self.spec(engine_id="c"))
+        for mm in (other, nhd):
+            self.assertFalse(set(mm.namespaces.values()) & set(m.namespaces.values()))
+            for k in ks:
+                self.answer(mm, k, S.LookupResult.MISS)
+
+    def test_a_hybrid_model_is_not_assumed_to_get_the_slab(self):
+        spec = self.spec(groups=2)
+        self.assertEqual(spec._ident["page_layout"], "FLASH_ATTN/HND")
+        caches, _ = self.caches(groups=2)
+        with observed("FLASH_ATTN", "HND"):
+            self.worker(spec, caches)
+
+    def test_the_canonical_layout_is_not_assumed_to_get_the_slab(self):
+        cfg = dataclasses.replace(config(self.daemon.socket), canonical_layout=True)
+        self.assertEqual(_namespace.page_layout(cfg), "FLASH_ATTN/HND")
+
+
+class TestObserveLayout(unittest.TestCase):
+    """observe_layout reads the worker's backends and layout from vLLM
+    (fake vLLM modules here: its current config and get_kv_cache_layout)."""
+
+    GROUPS = [{"tokens_per_block": 16, "layer_names": ["a.0", "a.1"]}, {"tokens_per_block": 16, "layer_names": ["b.0"]}]
+
+    def fake_vllm(self, current, layout="HND"):
+        def backend(name):
+            return types.SimpleNamespace(get_attn_backend=lambda: types.SimpleNamespace(get_name=lambda: name))
+        mods = {n: types.ModuleType(n) for n in ("vllm", "vllm.config", "vllm.v1", "vllm.v1.attention",
+                                                 "vllm.v1.attention.backends", "vllm.v1.attention.backends.utils")}
+        ctx = {k: backend(v) for k, v in (current or {}).items()}
+        cfg = None if current is None else types.SimpleNamespace(
+            compilation_config=types.SimpleNamespace(static_forward_context=ctx))
+        mods["vllm.config"].get_current_vllm_config_or_none = lambda: cfg
+        mods["vllm.v1.attention.backends.utils"].get_kv_cache_layout = lambda: layout
+        return mock.patch.dict(sys.modules, mods), mock.patch.object(spec_worker, "vllm_installed", lambda: True)
+
+    def observe(self, current, layout="HND"):
+        modules, installed = self.fake_vllm(current, layout)
+        with modules, installed:
+            return OBSERVE_LAYOUT(self.GROUPS)
+
+    def test_each_layers_backend_and_the_layout(self):
+        got = self.observe({"a.0": "FLASH_ATTN", "a.1": "FLASH_ATTN", "b.0": "MAMBA2_ATTN"}, "NHD")
+        self.assertEqual(got, ([["FLASH_ATTN", "FLASH_ATTN"], ["MAMBA2_ATTN"]], "NHD"))
+        self.assertEqual(_namespace.page_layout_text(got[0], got[1], False), "FLASH_ATTN,MAMBA2_ATTN/NHD")
+
+    def test_what_cannot_be_read_is_refused(self):
+        with self.assertRaisesRegex(_namespace.IdentityUnknown, "no current vLLM config"):
+            self.observe(None)
+        with self.assertRaisesRegex(_namespace.IdentityUnknown, "layer b.0"):
+            self.observe({"a.0": "FLASH_ATTN", "a.1": "FLASH_ATTN"})
+        with self.assertRaisesRegex(_namespace.IdentityUnknown, "get_kv_cache_layout"):
+            self.observe({"a.0": "FLASH_ATTN", "a.1": "FLASH_ATTN", "b.0": "FLASH_ATTN"}, "XYZ")
+
+    def test_without_vllm_there_is_nothing_to_observe(self):
+        with mock.patch.object(spec_worker, "vllm_installed", lambda: False):
+            self.assertIsNone(OBSERVE_LAYOUT(self.GROUPS))
 
 
 class TestIdentityFields(unittest.TestCase):

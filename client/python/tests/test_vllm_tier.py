@@ -377,6 +377,32 @@ class Namespaces(TierCase):
         c = self.tier(np.zeros_like(region), spec=S.fake_spec(tp=2))
         self.assertEqual(self.lookup_settled(c, ks[0])[-1], S.LookupResult.MISS)
 
+    def test_the_page_layout_separates_rows_of_other_byte_orders(self):
+        # A row holds the GPU workers' pages as they lie there, so their
+        # byte order (attention backend, KV cache layout, cross-layer
+        # slab) is in the identity: the option, else the default
+        # configuration's (VLLM_KV_CACHE_LAYOUT where set).
+        region = random_region()
+        with mock.patch.dict(os.environ):
+            os.environ.pop("VLLM_KV_CACHE_LAYOUT", None)
+            a = self.tier(region)
+            self.assertEqual(a._desc["page_layout"], "FLASH_ATTN/HND/slab")
+            ks = keys(1, "page-layout")
+            self.store(a, ks, [0])
+            b = self.tier(np.zeros_like(region), page_layout="FLASHINFER/HND")
+            os.environ["VLLM_KV_CACHE_LAYOUT"] = "NHD"
+            c = self.tier(np.zeros_like(region))
+            self.assertEqual(c._desc["page_layout"], "FLASH_ATTN/NHD/slab")
+            for t in (b, c):
+                self.assertNotEqual(t.namespace.fingerprint, a.namespace.fingerprint)
+                self.assertEqual(self.lookup_settled(t, ks[0])[-1], S.LookupResult.MISS)
+            same = self.tier(np.zeros_like(region), page_layout="FLASH_ATTN/HND/slab")
+            self.assertEqual(same.namespace.fingerprint, a.namespace.fingerprint)
+        with self.assertRaisesRegex(ValueError, "page_layout"):
+            self.tier(random_region(), page_layout="FLASHINFER")
+        with self.assertRaisesRegex(ValueError, "page_layout .* with vllm_fs"):
+            self.tier(random_region(), page_layout="FLASHINFER/HND", vllm_fs=True)
+
     def test_the_namespace_option_adds_to_the_identity_and_never_replaces_it(self):
         a = self.tier(random_region(), namespace="shared")
         b = self.tier(random_region(), spec=S.fake_spec(model="Qwen/Qwen3-8B"), namespace="shared")

@@ -20,16 +20,42 @@ across models).
 
 The hash algorithm is not part of the identity: vLLM does not hand it to a
 spec, and keys of different algorithms are different bytes.
+
+The byte order of a page is not in vLLM's offloading config either: it
+follows the attention backend, the KV cache layout (``NHD`` or ``HND``:
+``get_kv_cache_layout()``) and whether the GPU worker got vLLM's
+cross-layer slab. The identity carries it as ``page_layout``: the
+operator's ``page_layout`` option where given, else what the default
+configuration gets (``DEFAULT_BACKEND``, ``VLLM_KV_CACHE_LAYOUT``
+or the offloading connector's HND, the slab for a single KV-cache group
+without the canonical layout). The spec's workers compare it with what they
+really got and refuse on a difference.
 """
 
 import hashlib
 import json
+import os
+import re
 
 from ..client import Geometry
 
-FORMAT = "kvhost-vllm-tier-v2"
+FORMAT = "kvhost-vllm-tier-v3"
 MAX_DIM = 1 << 20
 MAX_MODEL_ID = 128
+
+
+# The attention backend vLLM picks by default on the GPUs the spec is run
+# on (an H100: sm90, a model without MLA; vLLM 7cfb97e3's
+# platforms/cuda.py), and the environment variable that overrides the
+# offloading connector's KV cache layout (a backend's required layout still
+# comes first).
+DEFAULT_BACKEND = "FLASH_ATTN"
+LAYOUT_ENV = "VLLM_KV_CACHE_LAYOUT"
+CONNECTOR_LAYOUT = "HND"  # OffloadingConnector.get_required_kvcache_layout
+LAYOUTS = ("NHD", "HND")
+SLAB = "slab"
+_NAME = r"[A-Za-z0-9_.-]+(?:\+[A-Za-z0-9_.-]+)*"
+PAGE_LAYOUT_RE = re.compile(rf"{_NAME}(?:,{_NAME})*/(?:NHD|HND)(?:/{SLAB})?")
 
 
 class IdentityUnknown(ValueError):
@@ -123,6 +149,39 @@ def canonical_format(config):
     return fid
 
 
+def page_layout_text(backends, layout, slab):
+    """The page_layout value of pages made by backends (per KV-cache group,
+    the names of its layers' attention backends), the KV cache layout and
+    whether they are cut from vLLM's cross-layer slab:
+    "<group 0>,<group 1>.../<layout>[/slab]", a group's names joined by
+    "+", and one group's where every group's are the same."""
+    per = ["+".join(sorted(set(names))) for names in backends]
+    if len(set(per)) == 1:
+        per = per[:1]
+    return ",".join(per) + f"/{layout}" + (f"/{SLAB}" if slab else "")
+
+
+def page_layout(config, option=None, environ=None):
+    """The byte order of the pages an identity names (a page_layout_text
+    value): the option where given, else what vLLM's default configuration
+    gets — DEFAULT_BACKEND, VLLM_KV_CACHE_LAYOUT where set, else the
+    offloading connector's HND, and the cross-layer slab where the model has
+    one KV-cache group and the canonical layout is off (vLLM's
+    prefer_cross_layer_blocks; a backend that indexes KV by block stride,
+    FlashAttention among them, then gets it). Only the spec's workers can see
+    what they really got: they refuse where it is not this."""
+    if option is not None:
+        if not isinstance(option, str) or not PAGE_LAYOUT_RE.fullmatch(option):
+            raise ValueError(f"kvhost.vllm: page_layout: want <attention backend>/<NHD|HND>[/{SLAB}] as a "
+                             f"worker's refusal names it (e.g. \"FLASHINFER/HND\"), got {option!r}")
+        return option
+    env = (os.environ if environ is None else environ).get(LAYOUT_ENV)
+    if env is not None and env not in LAYOUTS:
+        raise ValueError(f"kvhost.vllm: {LAYOUT_ENV}={env!r}: want NHD or HND (vLLM refuses it too)")
+    slab = len(groups_of(config)) == 1 and not flag(config, "canonical_layout")
+    return page_layout_text([[DEFAULT_BACKEND]], env or CONNECTOR_LAYOUT, slab)
+
+
 def fs_fields(config, canonical=None, collapse=True):
     """The fields vLLM's fs tier names its directory by, for this config
     (with collapse, parallel sizes collapsed to 1 where vLLM certifies the
@@ -172,24 +231,25 @@ def fs_namespace(prefix, base):
     return prefix + base[:-13].encode()[:room].decode("utf-8", "ignore") + tail
 
 
-def identity(config, fmt, extra="", collapse=True):
+def identity(config, fmt, extra="", collapse=True, layout=None):
     """What every key of an engine of this config shares (JSON-safe): the
     format tag fmt, vLLM's fs-tier fields (collapse as in fs_fields), the
-    attention layout where the config names it, and the operator's extra
-    namespace text; IdentityUnknown names a field vLLM did not give. The
-    tier adds its row size, the spec its page size."""
+    page layout (page_layout, of the option layout), the attention layout
+    where the config names it, and the operator's extra namespace text;
+    IdentityUnknown names a field vLLM did not give. The tier adds its row
+    size, the spec its page size."""
     desc = {"format": fmt, "fields": fs_fields(config, canonical_format(config), collapse),
-            "namespace": str(extra)}
+            "namespace": str(extra), "page_layout": page_layout(config, layout)}
     layout = attr(config, "kv_cache_layout")
     if layout is not None:
         desc["kv_cache_layout"] = str(layout)
     return desc
 
 
-def describe(spec, row_bytes, extra=""):
+def describe(spec, row_bytes, extra="", layout=None):
     """The dict that identifies what a row of spec's engine means
     (JSON-safe); IdentityUnknown names a field vLLM did not give."""
-    desc = identity(config_of(spec), FORMAT, extra)
+    desc = identity(config_of(spec), FORMAT, extra, layout=layout)
     desc["row_bytes"] = int(row_bytes)
     return desc
 

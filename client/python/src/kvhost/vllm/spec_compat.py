@@ -163,6 +163,7 @@ OPTIONS = {
     "client_name": "vllm-spec",
     "max_events": 1 << 16,
     "page_bytes": None,         # bytes per layer and GPU block, where the config cannot say
+    "page_layout": None,        # the workers' page byte order ("FLASHINFER/HND"), where not the default's
 }
 
 # kv_connector_extra_config keys that are vLLM's own (its connector,
@@ -177,7 +178,7 @@ VLLM_KEYS = frozenset({
     "kv_cache_layout", "max_recompute_pending_tokens", "secondary_tiers", "backpressure",
 })
 
-IDENTITY_FORMAT = "kvhost-vllm-spec-v2"
+IDENTITY_FORMAT = "kvhost-vllm-spec-v3"
 
 
 def extra_config_of(config):
@@ -220,6 +221,8 @@ def options(config):
                          f"got {pb!r}")
     if not isinstance(o["namespace"], str):
         raise ValueError(f"kvhost.vllm: namespace: want a string, got {o['namespace']!r}")
+    if o["page_layout"] is not None:
+        ns_.page_layout(config, o["page_layout"])  # its form, checked
     return o
 
 
@@ -279,10 +282,13 @@ def page_bytes(config, opts):
 def identity(config, opts):
     """The fields every namespace of this engine shares (JSON-safe): the
     tier's identity rule (_namespace.identity) with the parallel sizes not
-    collapsed (each shard stores its own bytes), and the page size. The
-    engine id is left out (engines of one model share)."""
+    collapsed (each shard stores its own bytes), the page layout the
+    workers must have (the option page_layout, else the default
+    configuration's: _namespace.page_layout) and the page size. The engine
+    id is left out (engines of one model share)."""
     blocks_per_chunk(config)  # within the daemon's bound
-    ident = ns_.identity(config, IDENTITY_FORMAT, opts.get("namespace") or "", collapse=False)
+    ident = ns_.identity(config, IDENTITY_FORMAT, opts.get("namespace") or "", collapse=False,
+                         layout=opts.get("page_layout"))
     ident["page_bytes"] = page_bytes(config, opts)
     return ident
 

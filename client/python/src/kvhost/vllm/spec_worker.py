@@ -18,7 +18,8 @@ from .. import protocol as p
 from ..client import Client, ConnectionLost, KvhostError, Layer
 from . import _namespace, spec_compat as sc
 from ._common import (Reconnects, lost_connection, mapping_of as _mapping_of, open_mapped as _open_mapped, reason,
-                      wait_ended)
+                      vllm_installed, wait_ended)
+from ._namespace import IdentityUnknown
 
 log = logging.getLogger("vllm.kvhost")
 
@@ -67,6 +68,54 @@ def _refs_of(kv_caches, ngroups):
         raise ValueError(f"kvhost.vllm: the worker has {len(out)} KV-cache groups, vLLM's offloading "
                          f"config {ngroups}")
     return out
+
+
+def observe_layout(groups):
+    """What vLLM set this worker up with: (per KV-cache group, the names
+    of its layers' attention backends; the KV cache layout, "NHD" or
+    "HND"), read from vLLM's current config (vLLM builds the worker under
+    it: its compilation_config.static_forward_context maps each layer name
+    to the layer, whose get_attn_backend() names the backend) and from
+    get_kv_cache_layout() (a backend's required layout, else
+    VLLM_KV_CACHE_LAYOUT, else the connector's). None where no vLLM is
+    installed: the caller (kvhost's tools and tests) hands pages of its
+    own. IdentityUnknown where vLLM is there and cannot say: the worker
+    does not know its pages' byte order."""
+    if not vllm_installed():
+        return None
+
+    def unknown(why):
+        return IdentityUnknown(
+            f"kvhost.vllm: cannot tell this worker's attention backend and KV cache layout ({why}); "
+            "refusing to share KV whose byte order is unknown (docs/vllm.md, supported versions)")
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+        from vllm.v1.attention.backends.utils import get_kv_cache_layout
+    except Exception as e:  # a vLLM that keeps them elsewhere
+        raise unknown(f"vLLM's get_current_vllm_config_or_none / get_kv_cache_layout: {e!r}") from e
+    vc = get_current_vllm_config_or_none()
+    if vc is None:
+        raise unknown("no current vLLM config: get_worker was not called by vLLM's worker set-up")
+    ctx = _namespace.attr(vc, "compilation_config.static_forward_context")
+    if not hasattr(ctx, "get"):
+        raise unknown("vLLM's config has no compilation_config.static_forward_context")
+    backends = []
+    for g, grp in enumerate(groups):
+        names = []
+        for name in grp["layer_names"]:
+            get = getattr(ctx.get(name), "get_attn_backend", None)
+            try:
+                got = get().get_name() if get is not None else None
+            except Exception as e:  # noqa: BLE001 (named below)
+                got = repr(e)
+            if not isinstance(got, str) or not _namespace.PAGE_LAYOUT_RE.fullmatch(f"{got}/NHD"):
+                raise unknown(f"layer {name} of KV-cache group {g}: attention backend {got!r}")
+            names.append(got)
+        backends.append(names)
+    layout = get_kv_cache_layout()
+    if layout not in _namespace.LAYOUTS:
+        raise unknown(f"get_kv_cache_layout() is {layout!r}")
+    return backends, layout
 
 
 def _stream_fence(tensors):
@@ -140,11 +189,40 @@ class SpecWorker(Reconnects):
         self._layer_planes = [self._planes(g, grp["layer_names"], refs[g], padded, page)
                               for g, grp in enumerate(groups)]
         self._page = page
+        self.page_layout = self._check_layout(config, groups, refs, page)
         # _regions: storage address -> (region id, offset of the storage in
         # the region); _caches: per group, (cache id, num blocks).
         self._client, self._regions, self._caches, self.namespaces = self._open()
         log.info("kvhost spec: worker rank %d (shard %d): %d tensors in %d regions, namespaces %s", self.rank,
                  self.shard, len(tensors), len(self._regions), self.namespaces)
+
+    def _check_layout(self, config, groups, refs, page):
+        """The page_layout of this worker's pages (None where no vLLM is
+        installed); a ValueError where it is not the identity's: the
+        scheduler names the namespace from the config, and only the worker
+        sees the backend, the layout and the slab it really got."""
+        seen = observe_layout(groups)
+        if seen is None:
+            return None
+        backends, layout = seen
+        slab = any(len(r) == 1 and len(grp["layer_names"]) > 1 and r[0][1] == len(grp["layer_names"]) * page
+                   for grp, r in zip(groups, refs))
+        got = _namespace.page_layout_text(backends, layout, slab)
+        want = self._ident.get("page_layout")
+        if got != want:
+            how = ("its page_layout option" if self._opts.get("page_layout") is not None else
+                   f"no page_layout option: the default configuration's, {_namespace.DEFAULT_BACKEND} with "
+                   f"{_namespace.LAYOUT_ENV} or the offloading connector's {_namespace.CONNECTOR_LAYOUT}, and "
+                   "vLLM's cross-layer slab for one KV-cache group")
+            shape = "cut from vLLM's cross-layer slab" if slab else "one tensor per layer"
+            names = ", ".join(sorted({n for b in backends for n in b}))
+            raise ValueError(
+                f"kvhost.vllm: this worker's KV pages are {got} (attention backend {names}, KV cache layout "
+                f"{layout}, {shape}) but the "
+                f"spec's namespace says {want} ({how}): pages of another byte order must never share keys; "
+                f"refusing to start. Set the spec option \"page_layout\": \"{got}\" in "
+                "kv_connector_extra_config (on every engine whose workers get these pages)")
+        return got
 
     @staticmethod
     def _planes(g, names, refs, padded, page):

@@ -53,6 +53,7 @@ _OWN_KEYS = {
     "vllm_fs": False,
     "reconnect_s": 1.0,
     "request_timeout_s": 30.0,
+    "page_layout": None,   # the GPU workers' page byte order (_namespace.page_layout), where not the default's
 }
 # Keys vLLM's factory passes to every tier beside the tier's own ones:
 # "type" and "module_path" (older factories), "locality" (LOCAL or REMOTE,
@@ -102,6 +103,11 @@ def _options(own):
         raise ValueError(f"kvhost.vllm: namespace {o['namespace']!r} with vllm_fs: the rows of vLLM's fs-tier "
                          f"directory are shared by every engine of the model that reads it; give each tenant "
                          f"its own directory (the fs tier's root) instead, or leave vllm_fs out")
+    if o["vllm_fs"] and o["page_layout"] is not None:
+        # vLLM's fs-tier directory does not name the page layout either.
+        raise ValueError(f"kvhost.vllm: page_layout {o['page_layout']!r} with vllm_fs: vLLM's fs-tier directory "
+                         f"is named without the page layout, so it cannot keep engines of another layout apart; "
+                         f"give them another fs-tier root instead, or leave vllm_fs out")
     for k in ("threads", "max_events"):
         if not isinstance(o[k], int) or isinstance(o[k], bool) or o[k] < 1:
             raise ValueError(f"kvhost.vllm: {k}: want an integer >= 1, got {o[k]!r}")
@@ -168,7 +174,11 @@ class _TierImpl(Reconnects):
         self._events_on = events_cfg is None or bool(getattr(events_cfg, "enable_kv_cache_events", True))
         # Before anything is allocated: a model whose identity cannot be
         # read is refused here, naming the field.
-        self._desc = _namespace.describe(offloading_spec, 0, str(o["namespace"]))
+        # A row holds the GPU workers' pages as they lie there: their byte
+        # order (page_layout: the option, else the default configuration's)
+        # is in the identity. vLLM's own workers fill the rows, so nothing
+        # here can check it against the backend they really got.
+        self._desc = _namespace.describe(offloading_spec, 0, str(o["namespace"]), o["page_layout"])
 
         # The array over vLLM's region is held only by self._primary (no
         # local here): a traceback of a failed start must not keep it
