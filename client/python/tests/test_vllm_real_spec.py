@@ -558,7 +558,6 @@ class TestRealSpec(RealSpecCase):
         m.complete_load([k], ctx)
 
 
-@unittest.skipUnless(NO_TREE is None, NO_TREE or "")
 class TestRealPageLayout(RealSpecCase):
     """The page layout through vLLM's own OffloadingSpecFactory, config and
     CanonicalKVCaches: the default configuration's (FlashAttention, HND,
@@ -642,6 +641,7 @@ class TestRealPageLayout(RealSpecCase):
         self.assertEqual(sorted(w.namespaces), sorted(m.namespaces.values()))
 
 
+@unittest.skipUnless(NO_TREE is None, NO_TREE or "")
 class TestRealSpecWindow(unittest.TestCase):
     def test_this_vllm_is_supported_or_refused_naming_the_window(self):
         vllm_tree.load()
