@@ -8,8 +8,10 @@ package was written for is refused with ``UnsupportedVLLM`` naming the
 supported window.
 
 The namespace of a key — one per (KV-cache group, worker shard) — is built
-only from what vLLM hands every offloading spec: its ``OffloadingConfig``
-(``describe``). A field that separates models and cannot be read refuses
+from what vLLM hands every offloading spec: its ``OffloadingConfig``
+(``describe``), and the page layout its workers must have (the
+``page_layout`` option, else the default configuration's, with
+``VLLM_KV_CACHE_LAYOUT``), which every worker checks. A field that separates models and cannot be read refuses
 the spec with ``IdentityUnknown`` naming it: vLLM's block hashes of one
 prompt are equal across models, so a guessed identity would hand one
 model's KV to another.
