@@ -118,7 +118,8 @@ type clusterMount struct {
 	twin    string
 	twinned atomic.Bool
 	// shared holds the nodes with which this node found flocks shared on
-	// the mount (Summary.LockShared), for the engine's life: a probe of
+	// the mount (Summary.LockShared), while a summary of theirs is on the
+	// mount (forgetGone): a probe of
 	// the node's lock found it held while the node ran (its summary
 	// fresh, or stale with its lock held), or its summary names this
 	// node. A free lock proves a node dead only where flocks are so
@@ -126,7 +127,8 @@ type clusterMount struct {
 	// probe finds another node's lock free.
 	shared map[string]bool
 	// probes holds, per running node not in shared, this node's probes of
-	// its lock (probeLocks).
+	// its lock (probeLocks), while a summary of its is on the mount
+	// (forgetGone).
 	probes map[string]*lockProbe
 	// unproven holds the dead nodes not adopted for want of shared
 	// flocks, as the last read found them (logged once).
@@ -568,6 +570,7 @@ func (c *clusterMount) read(ctx context.Context, e *Engine, m *mount) error {
 	c.watch.See(c.peers, now)
 	c.setTwin(e, m, twin)
 	c.readBad(e, m, bad, read, now, adoptProven)
+	c.forgetGone(read)
 	c.fresh = fresh
 	c.noteUnproven(e, m, unproven)
 	for node := range c.bad {
@@ -596,6 +599,20 @@ func (c *clusterMount) read(ctx context.Context, e *Engine, m *mount) error {
 	e.ix.mu.Unlock()
 	e.access(ctx, recs)
 	return nil
+}
+
+// forgetGone forgets the pairings and probes of the nodes that have no
+// summary on the mount any more, readable (read) or not (c.bad): retired
+// (by this node or another), or removed by hand. Nodes come and go under
+// names of their own (a pod's host name), and the sets grew by one name
+// per node ever seen; the pairings are published in every summary. A node
+// of a forgotten name that runs again is probed again (its first probe
+// pairs where flocks are shared), or pairs through its own summary.
+// Called with c.mu held, after readBad.
+func (c *clusterMount) forgetGone(read map[string]bool) {
+	gone := func(node string) bool { return !read[node] && !c.bad[node] }
+	maps.DeleteFunc(c.shared, func(node string, _ bool) bool { return gone(node) })
+	maps.DeleteFunc(c.probes, func(node string, _ *lockProbe) bool { return gone(node) })
 }
 
 // probeLocks probes, once a tick, the locks of running nodes (fresh:
