@@ -84,6 +84,7 @@ type Engine struct {
 	nss      []*namespace // by NamespaceID
 	nsByFP   map[uint64]NamespaceID
 	freeNS   []NamespaceID // ids Release gave back (namespaces without files), taken first
+	sweepNS  int           // ids at which a new one with none given back sweeps (sweepNamespacesLocked)
 	caches   map[CacheID]*cache
 	lastCach uint64
 	declares int // namespaces counted against Config.MaxNamespaces

@@ -184,9 +184,10 @@ type namespace struct {
 	// counted: created or claimed by Declare, so it counts against
 	// Config.MaxNamespaces (namespaces of files found on disk do not).
 	counted bool
-	// found: files of it were found on the mounts (namespaceOf), so its
-	// id is never given back (Release): entries may name it.
-	found bool
+	// adopting counts the files found on the mounts (namespaceOf) given
+	// its id and not yet indexed (adoptDone): no id is given back while
+	// any is, as an entry about to be indexed names it.
+	adopting int
 	// declaring counts the Declare calls under way (between their two
 	// holds of Engine.mu): Release gives no id back while any is.
 	declaring int

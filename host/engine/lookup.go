@@ -241,6 +241,7 @@ var errPathHeld = errors.New("engine: a job of this engine holds the path")
 // deleted or evicted, and stay so.
 func (e *Engine) adopt(ctx context.Context, en *entry, read *readMark) (*entry, error) {
 	en.ns = e.namespaceOf(en.fp)
+	defer e.adoptDone(en.ns)
 	e.ix.mu.Lock()
 	if read != nil && read.stale || e.ix.heldLocked(en.path) {
 		e.ix.mu.Unlock()

@@ -147,8 +147,9 @@ func (e *Engine) Declare(ctx context.Context, g Geometry) (NamespaceID, error) {
 // no client uses the namespace any more. The namespace stops counting
 // against Config.MaxNamespaces and is unknown to requests until declared
 // again; where it has files, they stay indexed, on disk and servable, and
-// declaring it again returns the same id; where it has none, its id goes
-// back (freeUnusedLocked) and a later new geometry may take it. It fails with ErrUnknownNamespace for an id Declare never
+// declaring it again returns the same id until they have all gone
+// (sweepNamespacesLocked); where it has none, its id goes back
+// (freeUnusedLocked) and a later new geometry may take it. It fails with ErrUnknownNamespace for an id Declare never
 // returned, and with ErrInvalid while caches of the namespace are still
 // registered. Releasing a released namespace does nothing.
 func (e *Engine) Release(ns NamespaceID) error {
@@ -185,13 +186,15 @@ func (e *Engine) Release(ns NamespaceID) error {
 
 // freeUnusedLocked gives n's id back (newNamespaceLocked takes it again)
 // where nothing names it: n is not declared, no declaration of it is
-// under way, and it has no file (no store runs without a cache, and a
-// file found on the mounts marks it found first). So geometries declared
-// and released, or refused, without files do not use up ids, which
-// policies bound (65,536 for the built-in ones) and which each hold
-// state. e.mu is held.
+// under way, no file found on the mounts is being indexed in it
+// (namespaceOf to adoptDone), and it has no file (no store runs without a
+// cache). So geometries declared and released, or refused, without
+// files, and namespaces whose files have all gone since (evicted,
+// deleted, purged, vanished: sweepNamespacesLocked), do not use up ids,
+// which policies bound (65,536 for the built-in ones) and which each
+// hold state. e.mu is held.
 func (e *Engine) freeUnusedLocked(n *namespace) {
-	if n.declared || n.declaring > 0 || n.found || n.layout != nil || e.ix.holds(n.fp) {
+	if n.declared || n.declaring > 0 || n.adopting > 0 || n.layout != nil || e.ix.holds(n.fp) {
 		return
 	}
 	delete(e.nsByFP, n.fp)
@@ -202,6 +205,8 @@ func (e *Engine) freeUnusedLocked(n *namespace) {
 // namespaceOf returns the namespace of files of fingerprint fp, created
 // (undeclared, not counted against Config.MaxNamespaces) if there is none:
 // files found on disk are indexed in the namespace of their geometry.
+// The caller indexes the file, or gives up, then calls adoptDone: until
+// then the id is not given back.
 func (e *Engine) namespaceOf(fp uint64) NamespaceID {
 	e.mu.Lock()
 	defer e.mu.Unlock()
@@ -209,14 +214,27 @@ func (e *Engine) namespaceOf(fp uint64) NamespaceID {
 	if !ok {
 		id = e.newNamespaceLocked(fp)
 	}
-	e.nss[id].found = true
+	e.nss[id].adopting++
 	return id
+}
+
+// adoptDone ends what namespaceOf began for each of ids, the file given
+// the id indexed or not.
+func (e *Engine) adoptDone(ids ...NamespaceID) {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	for _, id := range ids {
+		e.nss[id].adopting--
+	}
 }
 
 // newNamespaceLocked makes a namespace of fingerprint fp under an id
 // Release gave back, else a new one. e.mu is held.
 func (e *Engine) newNamespaceLocked(fp uint64) NamespaceID {
 	var id NamespaceID
+	if len(e.freeNS) == 0 && len(e.nss) >= e.sweepNS {
+		e.sweepNamespacesLocked()
+	}
 	if n := len(e.freeNS); n > 0 {
 		id, e.freeNS = e.freeNS[n-1], e.freeNS[:n-1]
 		e.nss[id] = &namespace{id: id, fp: fp}
@@ -226,6 +244,26 @@ func (e *Engine) newNamespaceLocked(fp uint64) NamespaceID {
 	}
 	e.nsByFP[fp] = id
 	return id
+}
+
+// sweepNamespacesLocked gives back the ids of the namespaces that nothing
+// names any more (freeUnusedLocked): released while they had files, or
+// found on the mounts, and whose files have all gone since. Release gives
+// back only the ids of namespaces without files, and no file's removal
+// looks at its namespace, so without it every model that ever stored a
+// file kept its id until a restart: models coming and going used ids up.
+// It runs when a new id is wanted and none was given back, once there
+// are twice as many ids as were in use at the last sweep, and 64 more:
+// ids stay within that of the most in use, and a sweep's cost, a look at
+// every namespace, is spread over the ids it gives back, at least half.
+// e.mu is held.
+func (e *Engine) sweepNamespacesLocked() {
+	for _, n := range e.nss {
+		if id, ok := e.nsByFP[n.fp]; ok && id == n.id {
+			e.freeUnusedLocked(n)
+		}
+	}
+	e.sweepNS = 2*(len(e.nss)-len(e.freeNS)) + 64
 }
 
 // KeysPerFile is how many consecutive keys of one store namespace ns packs

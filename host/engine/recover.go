@@ -158,10 +158,13 @@ func (e *Engine) rebuild(ctx context.Context) error {
 	// hand) the newest wins the key; both stay indexed by path.
 	slices.SortFunc(found, func(a, b *entry) int { return cmp.Compare(a.last, b.last) })
 	found = e.dedupe(found) // copies left by a move cut short (demote.go)
-	for _, en := range found {
+	ids := make([]NamespaceID, len(found))
+	for i, en := range found {
 		en.ns = e.namespaceOf(en.fp)
+		ids[i] = en.ns
 	}
 	e.ix.insertAll(found)
+	e.adoptDone(ids...)
 	e.st.corrupt.Add(uint64(corrupt))
 	e.log.Info("engine: index rebuilt", "files", len(found), "skipped", skipped, "corrupt_removed", corrupt, "leftovers_removed", cleaned.Load(), "took", time.Since(start))
 	return nil
