@@ -235,6 +235,40 @@ type heldPolicy struct {
 	// the count holds every pin sent to p, delivered yet or not.
 	pinMu sync.Mutex
 	pins  map[uint64]int
+	// removed holds the last heldRemovedWindow entries p was sent a
+	// REMOVE for, oldest first in removedRing: a PIN of one of them is
+	// not counted. A load or a client pin sends its PIN after it lets go
+	// of the index's lock, and the entry may be dropped meanwhile (its
+	// file vanished, as another lookup found): its REMOVE then comes
+	// first, and its UNPIN never (the engine tells no release of an
+	// entry gone), so the count would be kept until the next reload.
+	removed     map[uint64]struct{}
+	removedRing []uint64
+	removedNext int
+}
+
+// heldRemovedWindow is how many removed entries a heldPolicy remembers
+// (about 50 bytes each): a PIN is overtaken by the REMOVEs of the moment
+// it waits (a load's lookups of other keys on disk), not by many.
+const heldRemovedWindow = 1 << 12
+
+// rememberRemovedLocked adds id to h.removed, forgetting the oldest
+// beyond heldRemovedWindow. h.pinMu is held.
+func (h *heldPolicy) rememberRemovedLocked(id uint64) {
+	if _, ok := h.removed[id]; ok {
+		return
+	}
+	if h.removed == nil {
+		h.removed = map[uint64]struct{}{}
+	}
+	if len(h.removedRing) < heldRemovedWindow {
+		h.removedRing = append(h.removedRing, id)
+	} else {
+		delete(h.removed, h.removedRing[h.removedNext])
+		h.removedRing[h.removedNext] = id
+		h.removedNext = (h.removedNext + 1) % heldRemovedWindow
+	}
+	h.removed[id] = struct{}{}
 }
 
 // countPins counts the pins and releases of recs, sent to h.
@@ -250,6 +284,9 @@ func (h *heldPolicy) countPins(recs []abi.AccessRecord) {
 	for i := range recs {
 		switch id := recs[i].Entry; recs[i].Kind {
 		case abi.AccessPin:
+			if _, gone := h.removed[id]; gone {
+				continue // overtaken by its entry's REMOVE: no UNPIN comes
+			}
 			h.pins[id]++
 		case abi.AccessUnpin:
 			if n := h.pins[id]; n > 1 {
@@ -259,6 +296,7 @@ func (h *heldPolicy) countPins(recs []abi.AccessRecord) {
 			}
 		case abi.AccessRemove:
 			delete(h.pins, id)
+			h.rememberRemovedLocked(id)
 		}
 	}
 }
