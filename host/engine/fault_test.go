@@ -733,9 +733,18 @@ func TestCancelAndClose(t *testing.T) {
 	if l := leftovers(t, dir); len(l) != 1 {
 		t.Fatalf("store in flight: temporary files %v", l)
 	}
+	// The write stuck in I/O is let go only once Close has cancelled its
+	// job (at its deadline): let go sooner, the store could publish
+	// before the cancellation, as a loaded machine's scheduler may run it.
+	var release sync.Once
+	e.jobs.mu.Lock()
+	for _, jj := range e.jobs.jobs {
+		cancelJob := jj.cancel
+		jj.cancel = func() { cancelJob(); release.Do(func() { close(bfs.release) }) }
+	}
+	e.jobs.mu.Unlock()
 	closeCtx, ccancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
 	defer ccancel()
-	go func() { <-closeCtx.Done(); close(bfs.release) }()
 	if err := e.Close(closeCtx); !errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("Close: %v", err)
 	}
