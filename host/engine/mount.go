@@ -191,7 +191,7 @@ func (e *Engine) openMount(i int, m Mount) (*mount, error) {
 	if io != IOAuto && io != IODirect && io != IOBuffered {
 		return nil, fmt.Errorf("%w: mount %s: io %q: want %q, %q or %q", ErrInvalid, root, m.IO, IOAuto, IODirect, IOBuffered)
 	}
-	if err := e.mkdir(root, true); err != nil {
+	if err := e.mkdir(root, "", true); err != nil {
 		return nil, fmt.Errorf("engine: mount %s: %w", root, err)
 	}
 	st, err := e.fs.Statfs(root)
@@ -424,4 +424,14 @@ func (e *Engine) tookFile(m *mount) {
 		e.log.Info("engine: the mount found unwritable at start takes files: evicted files are kept as spares from now on", "mount", m.root)
 	}
 	m.spareless.Store(false)
+}
+
+// policyRoot is m's root where the policy names m's files (a mount in
+// kvhost's layout), for mkdir's check of the directories of those names;
+// "" on a vllm-fs mount, whose layout names its files.
+func (m *mount) policyRoot() string {
+	if m.raw != nil {
+		return ""
+	}
+	return m.root
 }

@@ -76,7 +76,7 @@ func (e *Engine) useSpare(m *mount, sf spareFile, dir string, extra int, size, e
 		e.removeSpare(m, path, sf.id)
 		return nil, "", false
 	}
-	if err := e.mkdir(dir, false); err != nil {
+	if err := e.mkdir(dir, m.policyRoot(), false); err != nil {
 		return fail(sf.path, "mkdir", err)
 	}
 	tmp := e.tempName(dir, tmpPrefix)

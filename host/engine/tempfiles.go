@@ -74,7 +74,7 @@ func (e *Engine) createTemp(m *mount, dir string, extra int, size int64) (f fsys
 // createFile is createTemp for a temporary name with prefix (tmpPrefix,
 // or sparePrefix for a spare made ahead of stores).
 func (e *Engine) createFile(m *mount, dir, prefix string, extra int, size int64) (f fsys.File, tmp, op string, err error) {
-	if err := e.mkdir(dir, false); err != nil {
+	if err := e.mkdir(dir, m.policyRoot(), false); err != nil {
 		return nil, "", "mkdir", err
 	}
 	flag := os.O_WRONLY | os.O_CREATE | os.O_EXCL | extra
@@ -82,7 +82,7 @@ func (e *Engine) createFile(m *mount, dir, prefix string, extra int, size int64)
 		tmp = e.tempName(dir, prefix)
 		f, err = e.fs.OpenFile(tmp, flag, 0o644)
 		if errors.Is(err, os.ErrNotExist) { // the directory was removed behind our back
-			if err = e.mkdir(dir, true); err == nil {
+			if err = e.mkdir(dir, m.policyRoot(), true); err == nil {
 				f, err = e.fs.OpenFile(tmp, flag, 0o644)
 			}
 		}
@@ -324,8 +324,12 @@ func (e *Engine) ioError(m *mount, op string, err error) error {
 // mkdir creates dir (and parents) once; force re-creates it. With
 // Config.Fsync, every directory it creates is fsynced, and so is its
 // parent, before mkdir returns: a file published there and reported durable
-// cannot vanish with its directory on a power loss.
-func (e *Engine) mkdir(dir string, force bool) error {
+// cannot vanish with its directory on a power loss. With root set (a
+// directory of a policy's name, under its mount's root), every directory
+// from root down to dir must be one, not a symbolic link someone planted
+// in the mount: the file would otherwise be written, and later removed,
+// wherever the link points, outside the mount (realDirs).
+func (e *Engine) mkdir(dir, root string, force bool) error {
 	if !force {
 		if _, ok := e.dirs.Load(dir); ok {
 			return nil
@@ -352,12 +356,45 @@ func (e *Engine) mkdir(dir string, force bool) error {
 	if err := e.fs.MkdirAll(dir, 0o755); err != nil {
 		return err
 	}
+	if root != "" {
+		if err := e.realDirs(root, dir); err != nil {
+			return err
+		}
+	}
 	if e.cfg.Fsync {
 		if err := e.syncNewDirs(dir); err != nil {
 			return err
 		}
 	}
 	e.dirs.Store(dir, struct{}{})
+	return nil
+}
+
+// realDirs checks that every directory below root down to dir is a
+// directory, opened without following a symbolic link: a policy's names
+// never leave the mount lexically (resolve), and a link planted under the
+// root must not take them out of it either. The check is made when mkdir
+// first meets dir (and again once dir was found removed), not per file.
+func (e *Engine) realDirs(root, dir string) error {
+	rel, err := filepath.Rel(root, dir)
+	if err != nil || rel == ".." || strings.HasPrefix(rel, ".."+string(filepath.Separator)) {
+		return fmt.Errorf("%w: directory %s is not under its mount %s", ErrPolicy, dir, root)
+	}
+	if rel == "." {
+		return nil
+	}
+	d := root
+	for _, c := range strings.Split(rel, string(filepath.Separator)) {
+		d = filepath.Join(d, c)
+		f, err := e.fs.OpenFile(d, os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_DIRECTORY, 0)
+		if errors.Is(err, syscall.ELOOP) || errors.Is(err, syscall.ENOTDIR) {
+			return fmt.Errorf("%w: %s, a directory of the policy's name, is a symbolic link or not a directory: kvhost writes no file through it", ErrPolicy, d)
+		}
+		if err != nil {
+			return err
+		}
+		f.Close()
+	}
 	return nil
 }
 

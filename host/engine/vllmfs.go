@@ -180,7 +180,7 @@ func (e *Engine) openLayout(mt *mount, v *VLLMFS) error {
 	if model == "" {
 		model = defaultNamespace(layout.Base())
 	}
-	if err := e.mkdir(filepath.Join(mt.root, layout.DataDir()), true); err != nil {
+	if err := e.mkdir(filepath.Join(mt.root, layout.DataDir()), "", true); err != nil {
 		return fmt.Errorf("engine: mount %s: vllm-fs: %w", mt.root, err)
 	}
 	mt.checksums = false // the layout has none
@@ -298,7 +298,7 @@ func readSmall(files fsys.FS, path string) ([]byte, error) {
 // temporary file, then rename), as the tier writes it.
 func (e *Engine) writeConfig(root string, cfg vllmfs.Config) error {
 	dir := filepath.Join(root, cfg.Base())
-	if err := e.mkdir(dir, true); err != nil {
+	if err := e.mkdir(dir, "", true); err != nil {
 		return err
 	}
 	tmp := e.tempName(dir, tmpPrefix)
