@@ -33,8 +33,9 @@ func (p *fixedPathPolicy) Name(ctx context.Context, recs []abi.NameRecord) error
 // TestAStoreNeverWritesThroughALinkPlantedInItsMount: someone planted a
 // symbolic link to a directory outside the mount where the policy's name
 // for a key (a valid relative path) has a directory. The store fails with
-// ErrPolicy and writes nothing outside the mount; a store named under a
-// real directory of the mount still succeeds.
+// ErrPolicy and writes nothing outside the mount, not even a directory
+// (a name one level below the link); a store named under a real directory
+// of the mount still succeeds.
 func TestAStoreNeverWritesThroughALinkPlantedInItsMount(t *testing.T) {
 	dir, outside := t.TempDir(), t.TempDir()
 	if err := os.MkdirAll(filepath.Join(dir, "real"), 0o755); err != nil {
@@ -58,9 +59,12 @@ func TestAStoreNeverWritesThroughALinkPlantedInItsMount(t *testing.T) {
 	for _, b := range blocks {
 		c.fill(r, b)
 	}
-	res := wait(t)(e.Store(context.Background(), StoreRequest{Cache: c.id, Keys: keys[:1], Blocks: blocks[:1]}))
-	if k := res.Keys[0]; k.Outcome != OutcomeFailed || !errors.Is(k.Err, ErrPolicy) {
-		t.Errorf("store named through a planted link: %v (%v), want failed with ErrPolicy", k.Outcome, k.Err)
+	for _, name := range []string{linked, "real/link/sub/k.kv"} {
+		pol.path.Store(&name)
+		res := wait(t)(e.Store(context.Background(), StoreRequest{Cache: c.id, Keys: keys[:1], Blocks: blocks[:1]}))
+		if k := res.Keys[0]; k.Outcome != OutcomeFailed || !errors.Is(k.Err, ErrPolicy) {
+			t.Errorf("store named %s, through a planted link: %v (%v), want failed with ErrPolicy", name, k.Outcome, k.Err)
+		}
 	}
 	if ents, _ := os.ReadDir(outside); len(ents) != 0 {
 		t.Errorf("the store wrote outside its mount, through the link: %v", ents)

@@ -353,11 +353,18 @@ func (e *Engine) mkdir(dir, root string, force bool) error {
 			d = p
 		}
 	}
+	if root != "" {
+		// Before MkdirAll too, which would follow a planted link and make
+		// directories wherever it points.
+		if err := e.realDirs(root, dir, true); err != nil {
+			return err
+		}
+	}
 	if err := e.fs.MkdirAll(dir, 0o755); err != nil {
 		return err
 	}
 	if root != "" {
-		if err := e.realDirs(root, dir); err != nil {
+		if err := e.realDirs(root, dir, false); err != nil {
 			return err
 		}
 	}
@@ -375,7 +382,9 @@ func (e *Engine) mkdir(dir, root string, force bool) error {
 // never leave the mount lexically (resolve), and a link planted under the
 // root must not take them out of it either. The check is made when mkdir
 // first meets dir (and again once dir was found removed), not per file.
-func (e *Engine) realDirs(root, dir string) error {
+// With missing, a directory not there yet ends the check (MkdirAll makes
+// it and those below).
+func (e *Engine) realDirs(root, dir string, missing bool) error {
 	rel, err := filepath.Rel(root, dir)
 	if err != nil || rel == ".." || strings.HasPrefix(rel, ".."+string(filepath.Separator)) {
 		return fmt.Errorf("%w: directory %s is not under its mount %s", ErrPolicy, dir, root)
@@ -389,6 +398,9 @@ func (e *Engine) realDirs(root, dir string) error {
 		f, err := e.fs.OpenFile(d, os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_DIRECTORY, 0)
 		if errors.Is(err, syscall.ELOOP) || errors.Is(err, syscall.ENOTDIR) {
 			return fmt.Errorf("%w: %s, a directory of the policy's name, is a symbolic link or not a directory: kvhost writes no file through it", ErrPolicy, d)
+		}
+		if missing && errors.Is(err, os.ErrNotExist) {
+			return nil
 		}
 		if err != nil {
 			return err
