@@ -2,8 +2,14 @@ package engine
 
 import (
 	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
 	"path/filepath"
+	"syscall"
 
+	"github.com/kvhost/kvhost/internal/format"
 	"github.com/kvhost/kvhost/internal/fsys"
 )
 
@@ -36,6 +42,11 @@ func (e *Engine) publish(ctx context.Context, m *mount, f fsys.File, tmp string,
 	if err := ctx.Err(); err != nil {
 		return false, nil, err // cancelled: never published
 	}
+	if replaces == nil && m.raw == nil {
+		if err := e.othersAt(en.path); err != nil {
+			return false, nil, err
+		}
+	}
 	if replaces != nil {
 		e.forget(replaces.ident) // the rename replaces it
 	}
@@ -62,6 +73,39 @@ func (e *Engine) publish(ctx context.Context, m *mount, f fsys.File, tmp string,
 	}
 	en.verified.Store(e.now().UnixNano())
 	return true, nil, nil
+}
+
+// othersAt fails with ErrPolicy where path holds a file that is not a
+// kvhost file (no format.Magic at its start: a file someone put in the
+// mount, a symbolic link, a socket), which a rename would destroy: only a
+// policy that names a key's file where such a file lies gets there. A
+// kvhost file the index does not hold (another node's or engine's, or
+// one left by a crash) is replaced, as before. It costs a failed open
+// where nothing is at path, the common case.
+func (e *Engine) othersAt(path string) error {
+	f, err := e.fs.OpenFile(path, os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	if err == nil {
+		var b [len(format.Magic)]byte
+		n, rerr := f.ReadAt(b[:], 0)
+		f.Close()
+		if rerr == nil && n == len(b) && string(b[:]) == format.Magic {
+			return nil
+		}
+		if rerr != nil && !errors.Is(rerr, io.EOF) {
+			err = rerr
+		}
+	}
+	if errors.Is(err, syscall.EISDIR) {
+		return nil // the rename fails, and the store says so (a directory at its path)
+	}
+	if err != nil && !errors.Is(err, syscall.ELOOP) && !errors.Is(err, syscall.ENXIO) {
+		// Cannot tell (EACCES, I/O): not destroyed on a guess either.
+		return fmt.Errorf("%w: %s, where the policy names a key's file, cannot be read to tell whether it is a kvhost file: %w", ErrPolicy, path, err)
+	}
+	return fmt.Errorf("%w: %s, where the policy names a key's file, holds a file that is not kvhost's: kvhost does not replace it", ErrPolicy, path)
 }
 
 // seal finishes publishing f, just renamed into directory dir: it takes
