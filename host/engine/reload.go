@@ -10,6 +10,7 @@ import (
 
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/host/policy"
+	"github.com/kvhost/kvhost/internal/recent"
 )
 
 // ReplacePolicy builds a new placement policy from the engine's index and
@@ -111,7 +112,7 @@ func (e *Engine) catchUpAndSwap(ctx context.Context, sp *switchPolicy, p policy.
 		d.last = mounts
 		e.tierSt.mountUpdates.Add(1)
 	}
-	sp.cur = &heldPolicy{p: p, owned: true, pins: pins}
+	sp.cur = &heldPolicy{p: p, owned: true, pins: pins, removed: recent.NewIDs(heldRemovedWindow)}
 	return old, nil
 }
 
@@ -236,40 +237,19 @@ type heldPolicy struct {
 	pinMu sync.Mutex
 	pins  map[uint64]int
 	// removed holds the last heldRemovedWindow entries p was sent a
-	// REMOVE for, oldest first in removedRing: a PIN of one of them is
-	// not counted. A load or a client pin sends its PIN after it lets go
-	// of the index's lock, and the entry may be dropped meanwhile (its
-	// file vanished, as another lookup found): its REMOVE then comes
-	// first, and its UNPIN never (the engine tells no release of an
-	// entry gone), so the count would be kept until the next reload.
-	removed     map[uint64]struct{}
-	removedRing []uint64
-	removedNext int
+	// REMOVE for: a PIN of one of them is not counted. A load or a client
+	// pin sends its PIN after it lets go of the index's lock, and the
+	// entry may be dropped meanwhile (its file vanished, as another lookup
+	// found): its REMOVE then comes first, and its UNPIN never (the engine
+	// tells no release of an entry gone), so the count would be kept until
+	// the next reload.
+	removed recent.IDs
 }
 
 // heldRemovedWindow is how many removed entries a heldPolicy remembers
 // (about 50 bytes each): a PIN is overtaken by the REMOVEs of the moment
 // it waits (a load's lookups of other keys on disk), not by many.
 const heldRemovedWindow = 1 << 12
-
-// rememberRemovedLocked adds id to h.removed, forgetting the oldest
-// beyond heldRemovedWindow. h.pinMu is held.
-func (h *heldPolicy) rememberRemovedLocked(id uint64) {
-	if _, ok := h.removed[id]; ok {
-		return
-	}
-	if h.removed == nil {
-		h.removed = map[uint64]struct{}{}
-	}
-	if len(h.removedRing) < heldRemovedWindow {
-		h.removedRing = append(h.removedRing, id)
-	} else {
-		delete(h.removed, h.removedRing[h.removedNext])
-		h.removedRing[h.removedNext] = id
-		h.removedNext = (h.removedNext + 1) % heldRemovedWindow
-	}
-	h.removed[id] = struct{}{}
-}
 
 // countPins counts the pins and releases of recs, sent to h.
 func (h *heldPolicy) countPins(recs []abi.AccessRecord) {
@@ -284,7 +264,7 @@ func (h *heldPolicy) countPins(recs []abi.AccessRecord) {
 	for i := range recs {
 		switch id := recs[i].Entry; recs[i].Kind {
 		case abi.AccessPin:
-			if _, gone := h.removed[id]; gone {
+			if h.removed.Has(id) {
 				continue // overtaken by its entry's REMOVE: no UNPIN comes
 			}
 			h.pins[id]++
@@ -296,7 +276,7 @@ func (h *heldPolicy) countPins(recs []abi.AccessRecord) {
 			}
 		case abi.AccessRemove:
 			delete(h.pins, id)
-			h.rememberRemovedLocked(id)
+			h.removed.Add(id)
 		}
 	}
 }
@@ -330,7 +310,7 @@ type switchPolicy struct {
 }
 
 func newSwitchPolicy(p policy.Policy, owned bool) *switchPolicy {
-	return &switchPolicy{cur: &heldPolicy{p: p, owned: owned}}
+	return &switchPolicy{cur: &heldPolicy{p: p, owned: owned, removed: recent.NewIDs(heldRemovedWindow)}}
 }
 
 // acquire returns the current policy, counting a call on it until its

@@ -12,6 +12,7 @@ import (
 
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/abi/guest"
+	"github.com/kvhost/kvhost/internal/recent"
 )
 
 // scratchSize is the scratch area the host asks every instance for: room for
@@ -119,11 +120,9 @@ type ledger struct {
 	pins     map[uint64]uint32
 	maxEntry uint64
 	// removed holds the last removedWindow entries the plugin was sent a
-	// REMOVE for (and no INSERT or RESTORE since), oldest first in
-	// removedRing: offering one of them is a plugin failure.
-	removed     map[uint64]struct{}
-	removedRing []uint64
-	removedNext int
+	// REMOVE for (and no INSERT or RESTORE since): offering one of them is
+	// a plugin failure.
+	removed recent.IDs
 }
 
 // removedWindow is how many removed entries a ledger remembers per shard
@@ -134,7 +133,7 @@ type ledger struct {
 const removedWindow = 1 << 14
 
 func newLedger() ledger {
-	return ledger{pins: map[uint64]uint32{}, removed: map[uint64]struct{}{}}
+	return ledger{pins: map[uint64]uint32{}, removed: recent.NewIDs(removedWindow)}
 }
 
 // apply records an access record delivered to the plugin.
@@ -151,11 +150,11 @@ func (l *ledger) apply(r *abi.AccessRecord) {
 		}
 	case abi.AccessRemove:
 		delete(l.pins, r.Entry)
-		l.remember(r.Entry)
+		l.removed.Add(r.Entry)
 	case abi.AccessInsert, abi.AccessRestore:
 		// Told again that it exists (a late RESTORE after a rebuild):
 		// the plugin may offer it; the index says whether it is stale.
-		delete(l.removed, r.Entry)
+		l.removed.Delete(r.Entry)
 		if r.Kind == abi.AccessInsert {
 			// Pins delivered before the entry's INSERT (a load that
 			// pinned a file the engine indexed, and its report was
@@ -165,22 +164,6 @@ func (l *ledger) apply(r *abi.AccessRecord) {
 			delete(l.pins, r.Entry)
 		}
 	}
-}
-
-// remember adds id to the removed entries, forgetting the oldest beyond
-// removedWindow.
-func (l *ledger) remember(id uint64) {
-	if _, ok := l.removed[id]; ok {
-		return
-	}
-	if len(l.removedRing) < removedWindow {
-		l.removedRing = append(l.removedRing, id)
-	} else {
-		delete(l.removed, l.removedRing[l.removedNext])
-		l.removedRing[l.removedNext] = id
-		l.removedNext = (l.removedNext + 1) % removedWindow
-	}
-	l.removed[id] = struct{}{}
 }
 
 // shard is one instance and the reusable buffers of calls on it.

@@ -152,7 +152,7 @@ func (o *accessOp) write(s *shard, scratch []byte) int32 {
 		copy(abi.View[abi.AccessRecord](scratch, len(o.recs)), o.recs)
 		for i := range o.recs {
 			s.ledger.maxEntry = max(s.ledger.maxEntry, o.recs[i].Entry)
-			delete(s.ledger.removed, o.recs[i].Entry)
+			s.ledger.removed.Delete(o.recs[i].Entry)
 		}
 		return int32(len(o.recs))
 	}
@@ -173,7 +173,7 @@ func (o *accessOp) record(s *shard) {
 	for _, p := range s.pos {
 		r := &o.recs[p]
 		if k := r.Kind; k == abi.AccessHit || k == abi.AccessPin {
-			if _, gone := s.ledger.removed[r.Entry]; gone {
+			if s.ledger.removed.Has(r.Entry) {
 				continue
 			}
 		}
@@ -284,7 +284,7 @@ var errRemovedOffered = errors.New("the plugin was sent its REMOVE: a plugin mus
 // and not pinned as far as the plugin was told. It adds id to s.seen. An
 // entry removed in the index but not yet reported is the caller's to skip.
 func (s *shard) choosable(h *Host, what string, i int, id uint64, nshards int) error {
-	_, removed := s.ledger.removed[id]
+	removed := s.ledger.removed.Has(id)
 	switch told := s.ledger.pins[id]; {
 	case route(id, nshards) != s.id:
 		return fmt.Errorf("%s %d: entry %d was never reported to this shard", what, i, id)
