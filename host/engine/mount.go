@@ -65,6 +65,10 @@ type mount struct {
 	// made there since. Such a mount keeps no spares; the first file made
 	// there (tookFile) clears it.
 	spareless atomic.Bool
+	// plainRenames: the file system refused RENAME_NOREPLACE, so
+	// publishing a new file looks at its path before a plain rename
+	// (renameNew).
+	plainRenames atomic.Bool
 	// mending: a tookFile is clearing spareless (the first only).
 	mending atomic.Bool
 	// failing is the mount's refusal of stores (StoreFailure, never

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"os"
 	"path/filepath"
 	"syscall"
@@ -42,15 +43,16 @@ func (e *Engine) publish(ctx context.Context, m *mount, f fsys.File, tmp string,
 	if err := ctx.Err(); err != nil {
 		return false, nil, err // cancelled: never published
 	}
-	if replaces == nil && m.raw == nil {
-		if err := e.othersAt(en.path); err != nil {
-			return false, nil, err
-		}
-	}
 	if replaces != nil {
 		e.forget(replaces.ident) // the rename replaces it
+		err = e.fs.Rename(tmp, en.path)
+	} else {
+		err = e.renameNew(m, tmp, en.path)
 	}
-	if err := e.fs.Rename(tmp, en.path); err != nil {
+	if errors.Is(err, ErrPolicy) {
+		return false, nil, err
+	}
+	if err != nil {
 		return false, nil, e.ioError(m, op+"rename", err)
 	}
 	en.ident, err = e.seal(f, filepath.Dir(en.path))
@@ -75,13 +77,39 @@ func (e *Engine) publish(ctx context.Context, m *mount, f fsys.File, tmp string,
 	return true, nil, nil
 }
 
+// renameNew renames tmp to path, where the index holds no file. Only a
+// file that is not there, or a kvhost file (othersAt: another engine's, or
+// a crash's), is replaced: the rename does not replace (RENAME_NOREPLACE),
+// and only where path exists does othersAt look at it before the rename
+// that replaces it. A file system without RENAME_NOREPLACE (NFS, most
+// FUSE file systems; m.plainRenames from its first refusal) gets the look
+// before every rename, and a file put at path between the two is
+// replaced. vllm-fs mounts, whose rows have no header, rename as before.
+func (e *Engine) renameNew(m *mount, tmp, path string) error {
+	if m.raw != nil {
+		return e.fs.Rename(tmp, path)
+	}
+	if nr, ok := e.fs.(fsys.NoReplacer); ok && !m.plainRenames.Load() {
+		err := nr.RenameNoReplace(tmp, path)
+		switch {
+		case errors.Is(err, errors.ErrUnsupported):
+			m.plainRenames.Store(true)
+		case !errors.Is(err, fs.ErrExist):
+			return err
+		}
+	}
+	if err := e.othersAt(path); err != nil {
+		return err
+	}
+	return e.fs.Rename(tmp, path)
+}
+
 // othersAt fails with ErrPolicy where path holds a file that is not a
 // kvhost file (no format.Magic at its start: a file someone put in the
 // mount, a symbolic link, a socket), which a rename would destroy: only a
 // policy that names a key's file where such a file lies gets there. A
 // kvhost file the index does not hold (another node's or engine's, or
-// one left by a crash) is replaced, as before. It costs a failed open
-// where nothing is at path, the common case.
+// one left by a crash) may be replaced.
 func (e *Engine) othersAt(path string) error {
 	f, err := e.fs.OpenFile(path, os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0)
 	if errors.Is(err, os.ErrNotExist) {

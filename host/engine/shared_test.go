@@ -111,6 +111,12 @@ func (r *reuseFS) Rename(oldpath, newpath string) error {
 	return r.OS.Rename(oldpath, newpath)
 }
 
+// RenameNoReplace is Rename's, for a path where nothing is.
+func (r *reuseFS) RenameNoReplace(oldpath, newpath string) error {
+	r.forget(newpath)
+	return r.OS.RenameNoReplace(oldpath, newpath)
+}
+
 func (r *reuseFS) OpenFile(name string, flag int, perm os.FileMode) (fsys.File, error) {
 	f, err := r.OS.OpenFile(name, flag, perm)
 	if err != nil {
@@ -625,6 +631,12 @@ func (n *nfsFS) Rename(oldpath, newpath string) error {
 		n.renamed(newpath)
 	}
 	return nil
+}
+
+// RenameNoReplace fails as on NFS, whose client refuses the flag: the
+// engine then renames with Rename.
+func (n *nfsFS) RenameNoReplace(oldpath, newpath string) error {
+	return &os.LinkError{Op: "rename", Old: oldpath, New: newpath, Err: errors.ErrUnsupported}
 }
 
 // send writes to the file the writes not sent yet that pick picks (nil:

@@ -145,6 +145,14 @@ func (f *Faulty) Rename(oldpath, newpath string) error {
 	return f.FS.Rename(oldpath, newpath)
 }
 
+// RenameNoReplace implements NoReplacer, failing as Rename does (OpRename).
+func (f *Faulty) RenameNoReplace(oldpath, newpath string) error {
+	if err := f.check(OpRename, newpath); err != nil {
+		return err
+	}
+	return renameNoReplace(f.FS, oldpath, newpath)
+}
+
 // Remove implements FS.
 func (f *Faulty) Remove(name string) error {
 	if err := f.check(OpRemove, name); err != nil {

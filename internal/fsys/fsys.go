@@ -5,6 +5,7 @@
 package fsys
 
 import (
+	"errors"
 	"io/fs"
 	"os"
 )
@@ -29,6 +30,27 @@ type FS interface {
 	Statfs(path string) (StatFS, error)
 	// SyncDir fsyncs a directory, making renames in it durable.
 	SyncDir(path string) error
+}
+
+// NoReplacer is an FS that renames without replacing (renameat2's
+// RENAME_NOREPLACE): RenameNoReplace renames oldpath to newpath unless
+// newpath exists, failing then with an error that matches fs.ErrExist, and
+// with one that matches errors.ErrUnsupported where the file system (or an
+// FS it wraps) cannot rename so. A type that embeds OS and changes Rename
+// must change RenameNoReplace alike, or the engine's renames of new files
+// bypass its Rename.
+type NoReplacer interface {
+	RenameNoReplace(oldpath, newpath string) error
+}
+
+// renameNoReplace is fsys's RenameNoReplace through inner: its own where
+// it has one, else errors.ErrUnsupported.
+func renameNoReplace(inner FS, oldpath, newpath string) error {
+	nr, ok := inner.(NoReplacer)
+	if !ok {
+		return &os.LinkError{Op: "rename", Old: oldpath, New: newpath, Err: errors.ErrUnsupported}
+	}
+	return nr.RenameNoReplace(oldpath, newpath)
 }
 
 // File is an open file. Positional methods are safe for concurrent use.

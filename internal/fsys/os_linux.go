@@ -3,6 +3,7 @@
 package fsys
 
 import (
+	"errors"
 	"io"
 	"io/fs"
 	"os"
@@ -26,6 +27,19 @@ func (OS) OpenFile(name string, flag int, perm os.FileMode) (File, error) {
 
 // Rename implements FS.
 func (OS) Rename(oldpath, newpath string) error { return os.Rename(oldpath, newpath) }
+
+// RenameNoReplace implements NoReplacer (renameat2 RENAME_NOREPLACE;
+// errors.ErrUnsupported where the file system refuses the flag).
+func (OS) RenameNoReplace(oldpath, newpath string) error {
+	err := unix.Renameat2(unix.AT_FDCWD, oldpath, unix.AT_FDCWD, newpath, unix.RENAME_NOREPLACE)
+	if errors.Is(err, unix.EINVAL) || errors.Is(err, unix.ENOSYS) || errors.Is(err, unix.EOPNOTSUPP) {
+		err = errors.ErrUnsupported
+	}
+	if err != nil {
+		return &os.LinkError{Op: "rename", Old: oldpath, New: newpath, Err: err}
+	}
+	return nil
+}
 
 // Remove implements FS.
 func (OS) Remove(name string) error { return os.Remove(name) }

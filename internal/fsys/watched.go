@@ -50,6 +50,12 @@ func (f *watchedFS) Rename(oldpath, newpath string) error {
 	return f.fs.Rename(oldpath, newpath)
 }
 
+// RenameNoReplace implements NoReplacer.
+func (f *watchedFS) RenameNoReplace(oldpath, newpath string) error {
+	defer f.w.End(f.w.Begin())
+	return renameNoReplace(f.fs, oldpath, newpath)
+}
+
 // Remove implements FS.
 func (f *watchedFS) Remove(name string) error {
 	defer f.w.End(f.w.Begin())

@@ -74,6 +74,22 @@ func (c *ListingCache) Rename(oldpath, newpath string) error {
 	return err
 }
 
+// RenameNoReplace renames oldpath to newpath unless newpath exists
+// (fsys.NoReplacer, where the FS it wraps is one), invalidating both
+// directories' listings.
+func (c *ListingCache) RenameNoReplace(oldpath, newpath string) error {
+	nr, ok := c.FS.(fsys.NoReplacer)
+	if !ok {
+		return &os.LinkError{Op: "rename", Old: oldpath, New: newpath, Err: errors.ErrUnsupported}
+	}
+	err := nr.RenameNoReplace(oldpath, newpath)
+	if err == nil {
+		c.changed(oldpath)
+		c.changed(newpath)
+	}
+	return err
+}
+
 // Remove removes name, invalidating its directory's listing.
 func (c *ListingCache) Remove(name string) error {
 	err := c.FS.Remove(name)
