@@ -354,19 +354,14 @@ func (e *Engine) mkdir(dir, root string, force bool) error {
 		}
 	}
 	if root != "" {
-		// Before MkdirAll too, which would follow a planted link and make
-		// directories wherever it points.
-		if err := e.realDirs(root, dir, true); err != nil {
+		// Before MkdirAll, which would follow a planted link and make
+		// directories wherever it points; those it makes are real.
+		if err := e.realDirs(root, dir); err != nil {
 			return err
 		}
 	}
 	if err := e.fs.MkdirAll(dir, 0o755); err != nil {
 		return err
-	}
-	if root != "" {
-		if err := e.realDirs(root, dir, false); err != nil {
-			return err
-		}
 	}
 	if e.cfg.Fsync {
 		if err := e.syncNewDirs(dir); err != nil {
@@ -377,14 +372,14 @@ func (e *Engine) mkdir(dir, root string, force bool) error {
 	return nil
 }
 
-// realDirs checks that every directory below root down to dir is a
-// directory, opened without following a symbolic link: a policy's names
-// never leave the mount lexically (resolve), and a link planted under the
-// root must not take them out of it either. The check is made when mkdir
-// first meets dir (and again once dir was found removed), not per file.
-// With missing, a directory not there yet ends the check (MkdirAll makes
-// it and those below).
-func (e *Engine) realDirs(root, dir string, missing bool) error {
+// realDirs checks that every directory below root down to dir that exists
+// is a directory, opened without following a symbolic link: a policy's
+// names never leave the mount lexically (resolve), and a link planted
+// under the root must not take them out of it either. The first one not
+// there ends the check (MkdirAll makes it and those below). The check is
+// made when mkdir first meets dir (and again once dir was found removed),
+// not per file.
+func (e *Engine) realDirs(root, dir string) error {
 	rel, err := filepath.Rel(root, dir)
 	if err != nil || rel == ".." || strings.HasPrefix(rel, ".."+string(filepath.Separator)) {
 		return fmt.Errorf("%w: directory %s is not under its mount %s", ErrPolicy, dir, root)
@@ -399,7 +394,7 @@ func (e *Engine) realDirs(root, dir string, missing bool) error {
 		if errors.Is(err, syscall.ELOOP) || errors.Is(err, syscall.ENOTDIR) {
 			return fmt.Errorf("%w: %s, a directory of the policy's name, is a symbolic link or not a directory: kvhost writes no file through it", ErrPolicy, d)
 		}
-		if missing && errors.Is(err, os.ErrNotExist) {
+		if errors.Is(err, os.ErrNotExist) {
 			return nil
 		}
 		if err != nil {
