@@ -51,13 +51,17 @@ class RealTieringCase(vllm_tree.RealCase):
             h.close()
 
     def engine(self, model=MODEL, tp=1, worker_bytes=WORKER_BYTES, agnostic=False, tier=None, blocks=16,
-               groups=None, events=False):
+               groups=None, events=False, tiers=None):
         """vLLM's TieringOffloadingManager with KvhostTier as its secondary
-        tier; events turns vLLM's KV cache events on."""
-        entry = {"type": "KvhostTier", "module_path": "kvhost.vllm", "socket": self.daemon.socket}
-        entry.update(tier or {})
+        tier (tiers: several, each entry's options as tier's); events
+        turns vLLM's KV cache events on."""
+        entries = []
+        for t in tiers or [tier]:
+            entry = {"type": "KvhostTier", "module_path": "kvhost.vllm", "socket": self.daemon.socket}
+            entry.update(t or {})
+            entries.append(entry)
         h = vllm_tree.make_tiering_manager(
-            self.api, num_cpu_blocks=blocks, secondary_tiers=[entry],
+            self.api, num_cpu_blocks=blocks, secondary_tiers=entries,
             config_kwargs=dict(model=model, tp=tp, worker_kv_bytes_per_block=worker_bytes,
                                is_parallelism_agnostic=agnostic, enable_kv_cache_events=events,
                                groups=groups or ((names(), 16),)))
@@ -344,10 +348,33 @@ class StatsAndShutdown(RealTieringCase):
         d.wait_for(lambda: (self.step(m, total), not m.has_pending_work())[1], what="the cascades to finish")
         self.step(m, total)
         reduced = total.reduce()
-        self.assertEqual(reduced["vllm:kv_offload_kvhost_stored_keys:('KvhostTier',)"], stored,
+        self.assertEqual(reduced["vllm:kv_offload_kvhost_stored_keys:('1:KvhostTier',)"], stored,
                          sorted(reduced))
         written = [v for k, v in reduced.items() if "write_bytes" in k and "KvhostTier" in k]
         self.assertEqual(written, [stored * m.secondary_tiers[0]._row_bytes])
+
+    def test_two_tiers_of_one_type_report_under_vllms_own_label_for_each(self):
+        # vLLM labels a secondary tier "N:type" by its place; two kvhost
+        # tiers labelled by type alone would add their counters together,
+        # and neither would join vLLM's own figures for it.
+        h = self.engine(blocks=32, tiers=[{"namespace": "tier-one"}, {"namespace": "tier-two"}])
+        m = h.manager
+        total = self.api.OffloadingConnectorStats()
+        ctx = self.ctx()
+        m.on_new_request(ctx)
+        ks = [key(i, "two-tiers") for i in range(3)]
+        self.offload(h, ks, ctx, sink=total)
+        d.wait_for(lambda: (self.step(m, total), not m.has_pending_work())[1], what="the cascades to finish")
+        self.step(m, total)
+        reduced = total.reduce()
+        for i, tier in enumerate(m.secondary_tiers):
+            label = f"('{i + 1}:KvhostTier',)"
+            self.assertEqual(reduced.get(f"vllm:kv_offload_kvhost_stored_keys:{label}"),
+                             tier.counters()["stored_keys"], sorted(reduced))
+            self.assertEqual(tier.counters()["stored_keys"], len(ks), f"tier {i + 1}")
+            written = [v for k, v in reduced.items() if "write_bytes" in k and label in k]
+            self.assertEqual(written, [len(ks) * tier._row_bytes], sorted(reduced))
+        self.assertNotIn("vllm:kv_offload_kvhost_stored_keys:('KvhostTier',)", reduced)
 
     def test_shutdown_leaves_vllms_region_to_close_without_a_warning(self):
         h = self.engine()

@@ -140,6 +140,37 @@ class _Session:
 
 
 
+def _tier_label(spec, tier_type, own, locality):
+    """This tier's value of the "tier" label: vLLM's own label for it,
+    "N:type" with N its place among the spec's secondary tiers (vLLM's
+    TieringMetrics.tier_label), so that kvhost's counters join vLLM's for
+    the same tier and two tiers of one type keep apart. The tier type alone
+    where the spec does not list its tiers (vLLM's OffloadingSpec outside
+    tiering, stand-ins)."""
+    configs = getattr(spec, "secondary_tier_configs", None)
+    if not isinstance(configs, (list, tuple)):
+        return tier_type
+    given = dict(own)
+    if locality is not None:
+        given["locality"] = locality
+    try:  # two entries alike: the second built takes the second place
+        taken = spec._kvhost_tier_places
+    except AttributeError:
+        taken = set()
+        try:
+            spec._kvhost_tier_places = taken
+        except (AttributeError, TypeError):
+            pass
+    for i, cfg in enumerate(configs):
+        if not isinstance(cfg, dict) or cfg.get("type") != tier_type or i in taken:
+            continue
+        rest = {k: v for k, v in cfg.items() if k not in ("type", "module_path", "backpressure_detector")}
+        if rest == given:
+            taken.add(i)
+            return f"{i + 1}:{tier_type}"
+    return tier_type
+
+
 class _TierImpl(Reconnects):
     """The tier's logic; kvhost.vllm.tier_class binds it to vLLM's (or
     stand-in) classes."""
@@ -161,6 +192,7 @@ class _TierImpl(Reconnects):
             base_init(self, offloading_spec=offloading_spec, primary_kv_view=primary_kv_view,
                       tier_type=tier_type, **kw)
         self.tier_type = tier_type
+        self._label = _tier_label(offloading_spec, tier_type, own, locality)
         self.locality = _compat.locality(api, locality)
         # Events carry it, as vLLM's own tiers' do (its KV events publish it).
         self._event_fields = {"locality": self.locality} if has_field(api.OffloadingEvent, "locality") else {}
@@ -751,7 +783,7 @@ class _TierImpl(Reconnects):
             self._reported = now
             gauge = None if inflight == self._reported_inflight else inflight
             self._reported_inflight = inflight
-        return _metrics.stats(self._api, delta, gauge, (self.tier_type,))
+        return _metrics.stats(self._api, delta, gauge, (self._label,))
 
     def daemon_stats(self):
         """The daemon's counters (one round trip; not for the scheduler's hot path)."""
