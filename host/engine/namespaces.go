@@ -49,6 +49,11 @@ func (e *Engine) Declare(ctx context.Context, g Geometry) (NamespaceID, error) {
 		return 0, ErrClosed
 	}
 	id, ok := e.nsByFP[fp]
+	if ok && lm == nil && e.nss[id].geo.Model != "" && e.nss[id].geo != g {
+		other := e.nss[id].geo
+		e.mu.Unlock()
+		return 0, fingerprintCollision(g, fp, id, other)
+	}
 	if ok && e.nss[id].declared {
 		if lm != nil && e.nss[id].geo != g {
 			e.mu.Unlock()
@@ -109,6 +114,10 @@ func (e *Engine) Declare(ctx context.Context, g Geometry) (NamespaceID, error) {
 	e.mu.Lock()
 	ns := e.nss[id]
 	ns.declaring--
+	if err == nil && lm == nil && ns.geo.Model != "" && ns.geo != g {
+		// Another geometry of the same fingerprint was declared meanwhile.
+		err = fingerprintCollision(g, fp, id, ns.geo)
+	}
 	if err != nil {
 		// Refused: the count this call took goes back, unless another
 		// declaration of the namespace succeeded meanwhile.
@@ -141,6 +150,14 @@ func (e *Engine) Declare(ctx context.Context, g Geometry) (NamespaceID, error) {
 	e.mu.Unlock()
 	e.wakeMaker(work)
 	return id, nil
+}
+
+// fingerprintCollision is Declare's refusal of a geometry whose fingerprint
+// is that of namespace id, known as another geometry: their files would
+// carry the same fingerprint, so neither could tell the other's from its own.
+func fingerprintCollision(g Geometry, fp uint64, id NamespaceID, other Geometry) error {
+	return fmt.Errorf("%w: namespace %q: its geometry's fingerprint %016x is namespace %d's, declared as %+v; "+
+		"the two could not tell each other's files apart (declare it under another model id)", ErrInvalid, g.Model, fp, id, other)
 }
 
 // Release ends the declaration of namespace ns: the server calls it when

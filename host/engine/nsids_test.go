@@ -2,7 +2,9 @@ package engine
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"strings"
 	"testing"
 
 	"github.com/kvhost/kvhost/abi"
@@ -79,4 +81,51 @@ func TestARefusedDeclarationCountsNoNamespace(t *testing.T) {
 	if id != 0 {
 		t.Fatalf("the valid geometry got id %d after 3 refused ones; want 0, theirs given back", id)
 	}
+}
+
+// TestAGeometryWhoseFingerprintCollidesIsRefused plants what an FNV-1a
+// collision would give (crafting one takes a search, not a test): a second
+// geometry whose fingerprint names the first's namespace. Sharing it would
+// serve one model's KV to the other, whose files carry the same
+// fingerprint; the second is refused, while declared and after a release
+// that left a file, and the first keeps its namespace and file.
+func TestAGeometryWhoseFingerprintCollidesIsRefused(t *testing.T) {
+	ctx := context.Background()
+	e := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir()}}, Policy: newTestPolicy(1, abi.OrderLayerMajor)})
+	first := smallGeometry(true)
+	first.Model = "first"
+	id, err := e.Declare(ctx, first)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := newTestCache(t, e, id, first, 16, layoutPlaneFirst)
+	keyContent(c, []byte("k"), []int{0, 1, 2, 3})
+	want := c.data([]int{0, 1, 2, 3})
+	storeAndCheck(t, e, c, [][]byte{[]byte("k")}, [][]int{{0, 1, 2, 3}})
+
+	second := first
+	second.Model = "second"
+	e.mu.Lock()
+	e.nsByFP[second.Fingerprint()] = id
+	e.mu.Unlock()
+	declared := func(when string) {
+		t.Helper()
+		got, err := e.Declare(ctx, second)
+		if !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), "fingerprint") {
+			t.Fatalf("%s: declaring %q with namespace %d's fingerprint: id %d, %v; want ErrInvalid naming the fingerprint", when, second.Model, id, got, err)
+		}
+	}
+	declared("while the first is declared")
+	if err := e.UnregisterCache(c.id); err != nil {
+		t.Fatal(err)
+	}
+	if err := e.Release(id); err != nil {
+		t.Fatal(err)
+	}
+	declared("after the first's release, its file kept")
+	if got, err := e.Declare(ctx, first); err != nil || got != id {
+		t.Fatalf("declaring %q again: id %d, %v; want its id %d", first.Model, got, err, id)
+	}
+	c = newTestCache(t, e, id, first, 16, layoutPlaneFirst)
+	loadAndCompare(t, e, c, [][]byte{[]byte("k")}, [][]int{{4, 5, 6, 7}}, [][]byte{want})
 }
