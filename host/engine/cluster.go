@@ -133,6 +133,10 @@ type clusterMount struct {
 	// unproven holds the dead nodes not adopted for want of shared
 	// flocks, as the last read found them (logged once).
 	unproven map[string]bool
+	// shadowed holds the dead nodes not adopted because a running peer
+	// carries their owner tag (read), as the last read found them
+	// (logged once).
+	shadowed map[string]bool
 	// fresh holds the running nodes whose summaries the last read found
 	// fresh: a tick probes their locks (probeLocks), a claim raise's read
 	// does not (no probe on a store's path).
@@ -518,11 +522,20 @@ func (c *clusterMount) read(ctx context.Context, e *Engine, m *mount) error {
 	twin := ""                               // a running node of this node's tag
 	var fresh []*clustercap.Summary          // the nodes whose summary is fresh
 	unproven := map[string]bool{}
-	// adoptProven adopts a dead node where flocks are found shared with
-	// it (its free lock proves it dead), else notes it unproven.
+	// proven holds the dead nodes found with flocks shared (their free
+	// locks prove them dead), adopted once the read knows every running
+	// node's tag (adoptProven).
+	type deadNode struct {
+		node string
+		tag  uint32
+		run  int64
+	}
+	var proven []deadNode
+	// adoptProven notes a dead node for adoption where flocks are found
+	// shared with it, else notes it unproven.
 	adoptProven := func(node string, tag uint32, run int64) {
 		if c.shared[node] {
-			adopt(node, tag, run)
+			proven = append(proven, deadNode{node, tag, run})
 		} else {
 			unproven[node] = true
 		}
@@ -570,6 +583,33 @@ func (c *clusterMount) read(ctx context.Context, e *Engine, m *mount) error {
 	c.watch.See(c.peers, now)
 	c.setTwin(e, m, twin)
 	c.readBad(e, m, bad, read, now, adoptProven)
+	// A dead node whose owner tag a running peer carries (another node_id
+	// of the tag, started once the dead one's summary went stale) is not
+	// adopted: its files cannot be told from the running node's, which a
+	// walk for the tag would index as the dead node's and this node then
+	// evict. The running node counts and evicts the tag's files it
+	// indexed as its own; the dead node's last summary stays counted
+	// (Unclaimed). This node's own tag is no peer's to guard: its files
+	// are its own either way (and none is evicted while twinned).
+	carried := map[uint32]string{}
+	for _, p := range c.peers {
+		if p.Tag != c.tag {
+			carried[p.Tag] = p.Node
+		}
+	}
+	shadowed := map[string]bool{}
+	for _, dn := range proven {
+		if live, ok := carried[dn.tag]; ok {
+			shadowed[dn.node] = true
+			if !c.shadowed[dn.node] {
+				e.log.Warn("engine: cluster: a dead node has the owner tag of a running node, whose files cannot be told from its own: not adopted; the running node counts and evicts the tag's files it indexed, and the dead node's last summary stays counted",
+					"mount", m.root, "node", dn.node, "running", live, "tag", fmt.Sprintf("%#x", dn.tag))
+			}
+			continue
+		}
+		adopt(dn.node, dn.tag, dn.run)
+	}
+	c.shadowed = shadowed
 	c.forgetGone(read)
 	c.fresh = fresh
 	c.noteUnproven(e, m, unproven)

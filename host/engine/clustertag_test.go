@@ -1,0 +1,89 @@
+package engine
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"testing"
+	"time"
+
+	"github.com/kvhost/kvhost/internal/clustercap"
+)
+
+// TestClusterAnAdopterLeavesTheFilesOfALiveNodeOfTheDeadNodesTag: node D
+// runs beside node A (they pair: flocks shared), stores 2 files and
+// stops. Node L, another node_id of D's owner tag, starts after D's
+// summary went stale (its start's check finds no running node of its
+// tag) and stores 2 files. A finds D dead: it must not adopt D while L
+// runs, since a walk for D's tag indexes L's files as D's and A would
+// then evict a running node's files. A stores far past a bound of 8
+// files: L's files stay and load on L byte for byte.
+func TestClusterAnAdopterLeavesTheFilesOfALiveNodeOfTheDeadNodesTag(t *testing.T) {
+	ctx := context.Background()
+	const deadID, liveID = "node32659", "node41684" // one owner tag (twinNodes)
+	if clustercap.Tag(deadID) != clustercap.Tag(liveID) {
+		t.Fatalf("node ids %s and %s: tags %#x and %#x, want one", deadID, liveID, clustercap.Tag(deadID), clustercap.Tag(liveID))
+	}
+	capacity := 8 * oneFileBytes(t)
+	dir := t.TempDir()
+	r := rand.New(rand.NewPCG(61, 61))
+	clock := newTestClock()
+	a := clusterNodeAt(t, dir, "a", capacity, time.Hour, clock.now)
+	d := clusterNode(t, dir, deadID, capacity, time.Hour)
+	m := a.e.mounts[0]
+	m.cluster.tick(ctx, a.e, m) // A finds D's lock held while D runs: flocks shared
+	storeKeys(t, d, "d", 2, r)
+	if err := d.e.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	clock.advance(4 * time.Hour) // D's summary: stale, as A sees it
+
+	liveClock := newTestClock()
+	liveClock.advance(4 * time.Hour) // and as L sees it: L's start refuses no running node
+	l := clusterNodeAt(t, dir, liveID, capacity, time.Hour, liveClock.now)
+	before := map[string]bool{}
+	for _, p := range kvFiles(t, dir) {
+		before[p] = true
+	}
+	lkeys := testKeys("live", 2)
+	blocks := [][]int{{0, 1, 2, 3}, {4, 5, 6, 7}}
+	want := make([][]byte, len(lkeys))
+	for i, k := range lkeys {
+		l.c.fill(r, blocks[i])
+		want[i] = l.c.data(blocks[i])
+		storeAndCheck(t, l.e, l.c, [][]byte{k}, [][]int{blocks[i]})
+	}
+	lm := l.e.mounts[0]
+	lm.cluster.tick(ctx, l.e, lm) // L's summary counts its files
+	liveFiles := map[string]bool{}
+	for _, p := range kvFiles(t, dir) {
+		if !before[p] {
+			liveFiles[p] = true
+		}
+	}
+	if len(before) != 2 || len(liveFiles) != 2 {
+		t.Fatalf("%d data files of D's 2 stores, %d of L's 2", len(before), len(liveFiles))
+	}
+
+	m.cluster.tick(ctx, a.e, m)
+	for i := range 12 {
+		bl := []int{4 * (i % 16), 4*(i%16) + 1, 4*(i%16) + 2, 4*(i%16) + 3}
+		a.c.fill(r, bl)
+		res := wait(t)(a.e.Store(ctx, StoreRequest{Cache: a.c.id, Keys: testKeys(fmt.Sprintf("a%02d", i), 1), Blocks: [][]int{bl}}))
+		if kr := res.Keys[0]; kr.Outcome != OutcomeStored && (kr.Outcome != OutcomeFailed || !errors.Is(kr.Err, ErrNoSpace)) {
+			t.Fatalf("A's store %d: %v, %v; want stored or refused for room", i, kr.Outcome, kr.Err)
+		}
+		m.cluster.tick(ctx, a.e, m)
+	}
+	for p := range liveFiles {
+		if _, err := os.Stat(p); err != nil {
+			t.Errorf("running node L's file %s is gone: A, adopting dead node D of L's tag, removed it (%v)", p, err)
+		}
+	}
+	if isAdopted(a.e, deadID) {
+		t.Errorf("A holds the adoption of dead node %s while node %s of its tag runs", deadID, liveID)
+	}
+	loadAndCompare(t, l.e, l.c, lkeys, [][]int{{16, 17, 18, 19}, {20, 21, 22, 23}}, want)
+}
