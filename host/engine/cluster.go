@@ -756,7 +756,8 @@ func (c *clusterMount) setTwin(e *Engine, m *mount, twin string) {
 
 // retire retires the dead nodes of dead (names: their names) whose
 // files are all gone: a walk of the mount completed (c.walked), no entry
-// of theirs is left on m, no temporary file of theirs either (c.temps);
+// of theirs is left on m, nor a file of theirs whose removal failed
+// (leftOf), no temporary file of theirs either (c.temps);
 // but not one in stood, whose summary the read could not use (the last
 // one read stood in for it): it may have run, and stored files, since
 // the walk (runOf could not tell).
@@ -771,7 +772,7 @@ func (c *clusterMount) retire(e *Engine, m *mount, dead map[uint32]bool, names m
 		temps[tag] = true
 	}
 	for tag := range dead {
-		if _, ok := c.walked[tag]; !ok || temps[tag] || stood[names[tag]] || e.bytesOf(m, map[uint32]bool{tag: true}) > 0 {
+		if _, ok := c.walked[tag]; !ok || temps[tag] || stood[names[tag]] || e.bytesOf(m, map[uint32]bool{tag: true}) > 0 || e.leftOf(m, tag) {
 			continue
 		}
 		ok, err := c.dir.Retire(names[tag])
@@ -1253,6 +1254,23 @@ func (e *Engine) bytesOf(m *mount, tags map[uint32]bool) int64 {
 		}
 	}
 	return n
+}
+
+// leftOf reports whether a file of owner tag tag on m is still on disk
+// though its entry was dropped: its removal failed (index.left), and an
+// eviction tries it again (retryLeft). Its mount counts it as used while
+// this engine runs, but only its owner's summary (or its adopter's walk)
+// counts it after a restart: a dead node is not retired while one is
+// left.
+func (e *Engine) leftOf(m *mount, tag uint32) bool {
+	e.ix.mu.RLock()
+	defer e.ix.mu.RUnlock()
+	for _, en := range e.ix.left {
+		if o, ok := clustercap.Owner(en.fid); ok && o == tag && en.mount == m.idx {
+			return true
+		}
+	}
+	return false
 }
 
 // adoptFiles indexes the files on m whose owner tag is in tags (dead

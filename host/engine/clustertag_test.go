@@ -6,10 +6,14 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"os"
+	"strings"
+	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
 	"github.com/kvhost/kvhost/internal/clustercap"
+	"github.com/kvhost/kvhost/internal/fsys"
 )
 
 // TestClusterAnAdopterLeavesTheFilesOfALiveNodeOfTheDeadNodesTag: node D
@@ -86,4 +90,57 @@ func TestClusterAnAdopterLeavesTheFilesOfALiveNodeOfTheDeadNodesTag(t *testing.T
 		t.Errorf("A holds the adoption of dead node %s while node %s of its tag runs", deadID, liveID)
 	}
 	loadAndCompare(t, l.e, l.c, lkeys, [][]int{{16, 17, 18, 19}, {20, 21, 22, 23}}, want)
+}
+
+// TestClusterNeverRetiresADeadNodeWhoseFileItCouldNotRemove: node A
+// adopts dead node D (one file) and deletes D's key, but the removal of
+// D's file fails (EIO): the file stays on the mount, counted by A as a
+// file left for an eviction to try again. A must not retire D while that
+// file is there: retired, D has no summary, and once A restarts (its
+// count of files left gone with it) the file is counted and removed by no
+// node. Once a retry removes it, A retires D.
+func TestClusterNeverRetiresADeadNodeWhoseFileItCouldNotRemove(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	var failRemove atomic.Bool
+	a, clock := besideDeadNode(t, dir, 1, fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+		if op == fsys.OpRemove && failRemove.Load() && !strings.Contains(path, clustercap.DirName) && strings.HasSuffix(path, ".kv") {
+			return fsys.Fault{Err: syscall.EIO}
+		}
+		return fsys.Fault{}
+	}))
+	clock.advance(4 * time.Hour) // D's summary: stale
+	m := a.mounts[0]
+	m.cluster.tick(ctx, a, m)
+	if !isAdopted(a, "d") {
+		t.Fatal("A did not adopt dead node D")
+	}
+	ns, err := a.Declare(ctx, smallGeometry(true))
+	if err != nil {
+		t.Fatal(err)
+	}
+	files := kvFiles(t, dir)
+	if len(files) != 1 {
+		t.Fatalf("%d data files of D's one store: %v", len(files), files)
+	}
+	failRemove.Store(true)
+	if _, err := a.Delete(ctx, ns, testKeys("d", 1)); err != nil {
+		t.Logf("delete of D's key with its removal failing: %v", err)
+	}
+	if _, err := os.Stat(files[0]); err != nil {
+		t.Fatalf("D's file is gone though its removal failed: %v", err)
+	}
+	m.cluster.tick(ctx, a, m)
+	if left := clusterFiles(dir, "d"); len(left) != 3 || !isAdopted(a, "d") {
+		t.Fatalf("D's file %s is still on the mount, yet A retired D: D's cluster files %v, adopted %v", files[0], left, isAdopted(a, "d"))
+	}
+	failRemove.Store(false)
+	a.retryLeft(m)
+	if _, err := os.Stat(files[0]); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("D's file after A's retry: %v, want gone", err)
+	}
+	m.cluster.tick(ctx, a, m)
+	if left := clusterFiles(dir, "d"); len(left) > 0 || isAdopted(a, "d") {
+		t.Fatalf("D has no file left on the mount, yet %v stay and A holds its adoption: %v", left, isAdopted(a, "d"))
+	}
 }
