@@ -32,6 +32,15 @@ type FS interface {
 	SyncDir(path string) error
 }
 
+// ONoLinks is an OpenFile flag of fsys's own (no open(2) flag has its
+// bit): the open fails with an error matching syscall.ELOOP where any
+// component of name, the last included, is a symbolic link (openat2's
+// RESOLVE_NO_SYMLINKS; where the kernel has no openat2, a walk of name's
+// directories opened one by one, each relative to the last, without
+// following links). An FS that wraps another passes it on with the other
+// flags; OS takes it off before it opens.
+const ONoLinks = 1 << 30
+
 // NoReplacer is an FS that renames without replacing (renameat2's
 // RENAME_NOREPLACE): RenameNoReplace renames oldpath to newpath unless
 // newpath exists, failing then with an error that matches fs.ErrExist, and
