@@ -52,7 +52,7 @@ func (e *Engine) readEntry(mnt int, path string) (*entry, error) {
 		return e.rawEntry(mnt, path)
 	}
 	// The identity is that of the file whose header is read.
-	f, id, err := e.openRegular(path)
+	f, id, err := e.openRegular(e.mounts[mnt], path)
 	if err != nil {
 		return nil, err
 	}

@@ -72,11 +72,13 @@ func fileIdentity(f fsys.File) (fsys.Identity, error) {
 	return fsys.IdentityOf(fi)
 }
 
-// openRegular opens path read-only and returns it with its identity: that
-// of the open file, not of the name (the name may be replaced meanwhile),
-// from one fstat that also refuses anything but a regular file.
-func (e *Engine) openRegular(path string) (fsys.File, fsys.Identity, error) {
-	f, err := e.fs.OpenFile(path, os.O_RDONLY, 0)
+// openRegular opens path, a file under m's root, read-only, never through
+// a link planted below the root (openNoLinks), and returns it with its
+// identity: that of the open file, not of the name (the name may be
+// replaced meanwhile), from one fstat that also refuses anything but a
+// regular file.
+func (e *Engine) openRegular(m *mount, path string) (fsys.File, fsys.Identity, error) {
+	f, err := e.openNoLinks(m, path, os.O_RDONLY, 0)
 	if err != nil {
 		return nil, fsys.Identity{}, err
 	}

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"sync"
+	"syscall"
 
 	"golang.org/x/sys/unix"
 
@@ -163,9 +164,13 @@ func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 	if m.direct {
 		flag |= unix.O_DIRECT
 	}
-	f, err := e.fs.OpenFile(en.path, flag, 0)
+	// Never through a link planted below the root since the file was
+	// indexed: a file reached so is not in the mount, neither this
+	// engine's to serve nor to index (openNoLinks). The entry's file is
+	// gone from its path as much as one removed.
+	f, err := e.openNoLinks(m, en.path, flag, 0)
 	if err != nil {
-		if errors.Is(err, os.ErrNotExist) {
+		if errors.Is(err, os.ErrNotExist) || errors.Is(err, syscall.ELOOP) {
 			if !e.dropVanished(ctx, en, "vanished") {
 				all(OutcomeMissing, fmt.Errorf("%w: %s was deleted (a delete or purge) before the load read it", ErrNotFound, en.path))
 				return

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -65,6 +66,9 @@ type mount struct {
 	// made there since. Such a mount keeps no spares; the first file made
 	// there (tookFile) clears it.
 	spareless atomic.Bool
+	// realRoot is root with the symbolic links of its own path resolved
+	// (at Open): the prefix under which openNoLinks refuses every link.
+	realRoot string
 	// plainRenames: the file system refused RENAME_NOREPLACE, so
 	// publishing a new file looks at its path before a plain rename
 	// (renameNew).
@@ -208,8 +212,15 @@ func (e *Engine) openMount(i int, m Mount) (*mount, error) {
 	if st.Total == 0 && m.Capacity == 0 {
 		return nil, fmt.Errorf("%w: mount %s: the file system (%s) reports no size (statfs: 0 blocks), so the mount needs a configured capacity", ErrInvalid, root, fstype.Name(st.Type))
 	}
+	// The links of the root's own path are the configuration's (a
+	// /var/run that is /run): resolved once, so that only a link below
+	// the root fails an open of a policy's name (openNoLinks).
+	realRoot, err := filepath.EvalSymlinks(root)
+	if err != nil {
+		return nil, fmt.Errorf("engine: mount %s: %w", root, err)
+	}
 	mt := &mount{
-		idx: i, root: root, memory: isMemoryFS(st.Type), checksums: !m.NoChecksum && !e.cfg.NoChecksum,
+		idx: i, root: root, realRoot: realRoot, memory: isMemoryFS(st.Type), checksums: !m.NoChecksum && !e.cfg.NoChecksum,
 		sp: &mountSpace{idx: i, root: root, configured: m.Capacity, derived: m.CapacityDerived, reserve: m.Reserve, highF: high, lowF: low, ahead: m.Preallocate},
 	}
 	if st.ReadOnly {
@@ -428,6 +439,26 @@ func (e *Engine) tookFile(m *mount) {
 		e.log.Info("engine: the mount found unwritable at start takes files: evicted files are kept as spares from now on", "mount", m.root)
 	}
 	m.spareless.Store(false)
+}
+
+// openNoLinks opens path, a file under m's root, with flag, never through
+// a symbolic link below the root (fsys.ONoLinks, from m.realRoot): a link
+// planted in the mount, where a directory of a policy's name was or will
+// be, or at the name itself, fails the open with ELOOP. Every open that
+// may make a file there (a store's temporary file), or read one that was
+// not this engine's (a file found under a policy's name, a load's file
+// that another replaced), goes through it, so that kvhost neither writes
+// outside its mount nor serves or indexes, and later removes, a file
+// outside it. On a vllm-fs mount, whose layout names its files, it is
+// OpenFile.
+func (e *Engine) openNoLinks(m *mount, path string, flag int, perm os.FileMode) (fsys.File, error) {
+	if m.raw != nil {
+		return e.fs.OpenFile(path, flag, perm)
+	}
+	if rel, ok := strings.CutPrefix(path, m.root); ok && m.realRoot != m.root && strings.HasPrefix(rel, string(filepath.Separator)) {
+		path = m.realRoot + rel
+	}
+	return e.fs.OpenFile(path, flag|fsys.ONoLinks, perm)
 }
 
 // policyRoot is m's root where the policy names m's files (a mount in

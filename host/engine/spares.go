@@ -83,7 +83,9 @@ func (e *Engine) useSpare(m *mount, sf spareFile, dir string, extra int, size, e
 	if err := e.fs.Rename(sf.path, tmp); err != nil {
 		return fail(sf.path, "rename", err)
 	}
-	f, err := e.fs.OpenFile(tmp, os.O_WRONLY|extra, 0)
+	// Never written through a link planted since mkdir checked dir
+	// (openNoLinks): the caller then makes a fresh file, which says why.
+	f, err := e.openNoLinks(m, tmp, os.O_WRONLY|extra, 0)
 	if err != nil {
 		return fail(tmp, "open", err)
 	}

@@ -80,10 +80,16 @@ func (e *Engine) createFile(m *mount, dir, prefix string, extra int, size int64)
 	flag := os.O_WRONLY | os.O_CREATE | os.O_EXCL | extra
 	for try := 1; ; try++ {
 		tmp = e.tempName(dir, prefix)
-		f, err = e.fs.OpenFile(tmp, flag, 0o644)
-		if errors.Is(err, os.ErrNotExist) { // the directory was removed behind our back
+		// Never through a link (openNoLinks): mkdir checked dir's
+		// directories when it first met them, and one may have been
+		// replaced by a link to a directory outside the mount since.
+		f, err = e.openNoLinks(m, tmp, flag, 0o644)
+		if errors.Is(err, os.ErrNotExist) || errors.Is(err, syscall.ELOOP) {
+			// The directory was removed behind our back, or a link
+			// planted on its way: checked again (realDirs: ErrPolicy
+			// where the link is still there) and made again.
 			if err = e.mkdir(dir, m.policyRoot(), true); err == nil {
-				f, err = e.fs.OpenFile(tmp, flag, 0o644)
+				f, err = e.openNoLinks(m, tmp, flag, 0o644)
 			}
 		}
 		if err != nil {

@@ -187,7 +187,7 @@ func (e *Engine) offerWarm(f warmFile, full map[transfer.Warmer]bool) {
 	if len(ws) == 0 {
 		return
 	}
-	fh, id, err := e.openRegular(f.path)
+	fh, id, err := e.openRegular(e.mounts[f.mount], f.path)
 	if err != nil {
 		return // removed or replaced since: nothing to offer
 	}
