@@ -25,7 +25,10 @@ import (
 // mount whose file system's clients send the rename before the data,
 // always: mount.syncFirst), renames tmp to en.path and sets en.ident from
 // the open file (seal), unless ctx ended first. replaces is the entry of the file the rename replaces
-// (nil: none), which the movers forget first. published reports whether
+// (nil: none), which the movers forget first; where a file that is not
+// kvhost's lies there instead (the indexed one replaced behind the
+// engine's back), nothing is renamed and the error wraps ErrPolicy
+// (othersAt). published reports whether
 // the rename happened: the temporary name is gone and f is closed. A
 // failure after it removes the file again if it is still en's (the
 // caller holds the path; another node may have replaced it; where the
@@ -44,8 +47,16 @@ func (e *Engine) publish(ctx context.Context, m *mount, f fsys.File, tmp string,
 		return false, nil, err // cancelled: never published
 	}
 	if replaces != nil {
-		e.forget(replaces.ident) // the rename replaces it
-		err = e.fs.Rename(tmp, en.path)
+		// The indexed file may have been replaced behind the engine's
+		// back by one that is not kvhost's: looked at as a file the
+		// index does not hold is (othersAt), and never destroyed.
+		if m.raw == nil {
+			err = e.othersAt(en.path)
+		}
+		if err == nil {
+			e.forget(replaces.ident) // the rename replaces it
+			err = e.fs.Rename(tmp, en.path)
+		}
 	} else {
 		err = e.renameNew(m, tmp, en.path)
 	}
