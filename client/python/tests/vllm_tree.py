@@ -299,6 +299,55 @@ def _make_shims(src: str, tree_name: str):
         m.__getattr__ = lambda name: not_initialized
         return m
 
+    def connector_base():
+        import abc
+
+        class KVConnectorMetadata(abc.ABC):  # noqa: B024
+            """Scheduler -> worker connector metadata (an empty ABC in vLLM)."""
+
+        class KVConnectorWorkerMetadata(abc.ABC):
+            """Worker -> scheduler connector metadata (vLLM's ABC: aggregate)."""
+
+            @abc.abstractmethod
+            def aggregate(self, other):
+                pass
+        return _shim_module(
+            "vllm.distributed.kv_transfer.kv_connector.v1.base",
+            "the V1 connector base imports attention backends, the model "
+            "executor and the scheduler's output types. The offloading "
+            "connector's common module only subclasses its two metadata "
+            "ABCs (an empty one, and one with abstract aggregate), given "
+            "here with the same shape; KVConnectorBase_V1 is not here.",
+            KVConnectorMetadata=KVConnectorMetadata,
+            KVConnectorWorkerMetadata=KVConnectorWorkerMetadata)
+
+    def attention_backend():
+        return _shim_module(
+            "vllm.v1.attention.backend",
+            "imports the model executor and its distributed layers. The "
+            "offloading connector's worker only names AttentionBackend in "
+            "annotations; a placeholder stands in (a test hands "
+            "register_cross_layers_kv_cache a backend class of its own).",
+            AttentionBackend=type("AttentionBackend", (_NotInShim,), {}),
+            AttentionMetadata=type("AttentionMetadata", (_NotInShim,), {}))
+
+    def kv_cache_utils():
+        import math
+        from vllm.v1 import kv_cache_interface as kci
+        fns = _functions(os.path.join(src, "vllm", "v1", "core",
+                                      "kv_cache_utils.py"),
+                         ("resolve_kv_cache_block_sizes",),
+                         {"math": math, "AttentionSpec": kci.AttentionSpec,
+                          "MambaSpec": kci.MambaSpec,
+                          "KVCacheConfig": kci.KVCacheConfig,
+                          "VllmConfig": object})
+        return _shim_module(
+            "vllm.v1.core.kv_cache_utils",
+            "imports the request and multimodal modules (PIL, cbor2, "
+            "xxhash). The offloading config builder only calls "
+            "resolve_kv_cache_block_sizes: that function's own source, "
+            "read from the tree's file and run here.", **fns)
+
     shims = {
         "vllm.distributed.parallel_state": parallel_state,
         "vllm._version": version,
@@ -309,6 +358,9 @@ def _make_shims(src: str, tree_name: str):
         "vllm.distributed.kv_transfer.kv_connector.factory": connector_factory,
         "vllm.distributed.device_communicators.shm_broadcast": shm_broadcast,
         "vllm.distributed.kv_events": kv_events,
+        "vllm.distributed.kv_transfer.kv_connector.v1.base": connector_base,
+        "vllm.v1.attention.backend": attention_backend,
+        "vllm.v1.core.kv_cache_utils": kv_cache_utils,
     }
     if not hasattr(torch.library, "infer_schema"):  # torch < 2.4
         shims["vllm.utils.torch_utils"] = torch_utils
@@ -331,6 +383,27 @@ def _string_constants(path):
                 isinstance(node.value, ast.Constant) and \
                 isinstance(node.value.value, str):
             out[node.targets[0].id] = node.value.value
+    return out
+
+
+def _functions(path, names, namespace):
+    """The module-level functions names of a Python file, their source
+    (read with ast) run in namespace: vLLM's own code without its
+    module's imports."""
+    import ast
+    with open(path) as f:
+        text = f.read()
+    tree = ast.parse(text, path)
+    out, ns = {}, dict(namespace)
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name in names:
+            node.decorator_list = []
+            code = compile(ast.Module(body=[node], type_ignores=[]), path, "exec")
+            exec(code, ns)  # noqa: S102 - the tree's own function
+            out[node.name] = ns[node.name]
+    missing = set(names) - set(out)
+    if missing:
+        raise ImportError(f"{path} has no {', '.join(sorted(missing))}")
     return out
 
 
