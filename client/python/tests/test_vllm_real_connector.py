@@ -286,6 +286,28 @@ class TestRealConnectorIdentity(ConnectorCase):
         self.assertFalse(self.namespaces() & self.namespaces(cache_dtype="fp8"))
         self.assertFalse(self.namespaces(cache_dtype="fp8_e5m2") & self.namespaces(cache_dtype="fp8"))
 
+    def test_decode_context_parallel_with_another_interleave_is_refused(self):
+        # With DCP a rank's page holds every dcp-th run of interleave
+        # tokens: interleave 1 and 16 put other tokens in rank 0's page of
+        # one block, yet vLLM's offloading config is the same for both.
+        kvc, page = self.kv_cache_config()
+        same = [self.cfg.build_offloading_config(vllm_config(self.daemon.socket, tp=2, dcp=2, interleave=n), kvc)
+                for n in (1, BLOCK)]
+        self.assertEqual(same[0], same[1])
+        for n, refused in ((BLOCK, True), (1, False)):
+            with self.subTest(interleave=n):
+                vc = vllm_config(self.daemon.socket, tp=2, dcp=2, interleave=n, page_layout="FLASH_ATTN/HND")
+                _, spec, cw = self.engine(vc, kvc)
+                self.current(vc)
+                kv, _ = self.per_layer(page)
+                if refused:
+                    with self.assertRaisesRegex(ValueError, f"cp_kv_cache_interleave_size {n}"):
+                        cw.register_kv_caches(kv)
+                else:
+                    cw.register_kv_caches(kv)
+                    self.closers.append(cw.shutdown)
+                    self.assertEqual(cw.worker.shard, 0)
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -118,6 +118,46 @@ def observe_layout(groups):
     return backends, layout
 
 
+def check_cp_interleave(config):
+    """The KV cache interleave of this worker's context-parallel ranks
+    (vLLM's parallel_config.cp_kv_cache_interleave_size), None where no
+    context parallelism is on (dcp and pcp sizes 1: no interleave) or no
+    vLLM is installed. With decode or prefill context parallelism a rank's
+    page holds every dcp×pcp-th run of interleave tokens of its block, so
+    the interleave changes the page's bytes, and vLLM's offloading config
+    does not carry it: the scheduler names the namespace without it. So the
+    identity stands for vLLM's default, 1, and any other is refused (a
+    ValueError); IdentityUnknown where vLLM is there and cannot say."""
+    dcp = _namespace.count(config, "parallel.dcp_size", "dcp size")
+    pcp = _namespace.count(config, "parallel.pcp_size", "pcp size")
+    if dcp * pcp == 1 or not vllm_installed():
+        return None
+
+    def unknown(why):
+        return IdentityUnknown(
+            f"kvhost.vllm: cannot tell this worker's context-parallel KV interleave ({why}); with context "
+            f"parallelism (dcp {dcp}, pcp {pcp}) it decides which tokens a page holds: refusing to share KV "
+            "whose meaning is unknown (docs/vllm.md, supported versions)")
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+    except Exception as e:  # a vLLM that keeps it elsewhere
+        raise unknown(f"vLLM's get_current_vllm_config_or_none: {e!r}") from e
+    vc = get_current_vllm_config_or_none()
+    if vc is None:
+        raise unknown("no current vLLM config: get_worker was not called by vLLM's worker set-up")
+    n = _namespace.attr(vc, "parallel_config.cp_kv_cache_interleave_size")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise unknown(f"parallel_config.cp_kv_cache_interleave_size is {n!r}")
+    if n != 1:
+        raise ValueError(
+            f"kvhost.vllm: this engine runs context parallelism (dcp {dcp}, pcp {pcp}) with "
+            f"cp_kv_cache_interleave_size {n}: which tokens a rank's page holds follows the interleave, and "
+            "vLLM's offloading config does not carry it, so engines of another interleave would share these "
+            "keys; kvhost's namespace stands for interleave 1, refusing to start (run with "
+            "--cp-kv-cache-interleave-size 1)")
+    return n
+
+
 def _stream_fence(tensors):
     """For CUDA KV caches, a function that marks the work queued so far on
     the current CUDA stream of their device and returns the mark: an
@@ -190,6 +230,7 @@ class SpecWorker(Reconnects):
                               for g, grp in enumerate(groups)]
         self._page = page
         self.page_layout = self._check_layout(config, groups, refs, page)
+        check_cp_interleave(config)
         # _regions: storage address -> (region id, offset of the storage in
         # the region); _caches: per group, (cache id, num blocks).
         self._client, self._regions, self._caches, self.namespaces = self._open()
