@@ -51,7 +51,7 @@ class RealTieringCase(vllm_tree.RealCase):
             h.close()
 
     def engine(self, model=MODEL, tp=1, worker_bytes=WORKER_BYTES, agnostic=False, tier=None, blocks=16,
-               groups=None, events=False, tiers=None):
+               groups=None, events=False, tiers=None, dcp=1):
         """vLLM's TieringOffloadingManager with KvhostTier as its secondary
         tier (tiers: several, each entry's options as tier's); events
         turns vLLM's KV cache events on."""
@@ -62,7 +62,7 @@ class RealTieringCase(vllm_tree.RealCase):
             entries.append(entry)
         h = vllm_tree.make_tiering_manager(
             self.api, num_cpu_blocks=blocks, secondary_tiers=entries,
-            config_kwargs=dict(model=model, tp=tp, worker_kv_bytes_per_block=worker_bytes,
+            config_kwargs=dict(model=model, tp=tp, dcp=dcp, worker_kv_bytes_per_block=worker_bytes,
                                is_parallelism_agnostic=agnostic, enable_kv_cache_events=events,
                                groups=groups or ((names(), 16),)))
         self.handles.append(h)
@@ -210,6 +210,21 @@ class FactoryAndCallOrder(RealTieringCase):
         self.offload(h, [key(i, "inert") for i in range(3)], ctx)
         self.assertEqual(list(m.primary_tier.take_events()), [], "vLLM's own CPU tier is inert")
         self.assertEqual(list(m.secondary_tiers[0].take_events()), [])
+
+    def test_context_parallelism_needs_the_engines_interleave_and_keeps_interleaves_apart(self):
+        # With dcp > 1 a row holds every dcp-th run of interleave tokens,
+        # and vLLM's offloading config does not carry the interleave: the
+        # tier, in the scheduler, cannot read it, so it must be told.
+        with self.assertRaisesRegex(ValueError, "cp_kv_cache_interleave_size"):
+            self.engine(dcp=2)
+        with self.assertRaisesRegex(ValueError, "cp_kv_cache_interleave_size: want an integer"):
+            self.engine(dcp=2, tier={"cp_kv_cache_interleave_size": "16"})
+        ns = {n: self.engine(dcp=2, tier={"cp_kv_cache_interleave_size": n}).manager.secondary_tiers[0]
+              .counters()["namespace"] for n in (1, 16)}
+        self.assertNotEqual(ns[1], ns[16], "engines of interleave 1 and 16 share a namespace")
+        plain = self.engine().manager.secondary_tiers[0].counters()["namespace"]
+        told = self.engine(tier={"cp_kv_cache_interleave_size": 16}).manager.secondary_tiers[0].counters()["namespace"]
+        self.assertEqual(plain, told, "without context parallelism the interleave means nothing")
 
     def test_a_namespace_with_vllm_fs_is_refused_at_start(self):
         # With vllm_fs the fs tier's directory is the identity: a namespace

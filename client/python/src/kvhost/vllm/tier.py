@@ -54,6 +54,7 @@ _OWN_KEYS = {
     "reconnect_s": 1.0,
     "request_timeout_s": 30.0,
     "page_layout": None,   # the GPU workers' page byte order (_namespace.page_layout), where not the default's
+    "cp_kv_cache_interleave_size": None,  # with context parallelism: the engine's interleave (_cp_interleave)
 }
 # Keys vLLM's factory passes to every tier beside the tier's own ones:
 # "type" and "module_path" (older factories), "locality" (LOCAL or REMOTE,
@@ -140,6 +141,34 @@ class _Session:
 
 
 
+def _cp_interleave(config, o):
+    """The context-parallel KV interleave the identity names: None without
+    context parallelism (dcp and pcp sizes 1: a page holds its block's
+    tokens in order); with it, the cp_kv_cache_interleave_size option. A
+    rank's page then holds every dcp×pcp-th run of interleave tokens, and
+    vLLM's offloading config does not carry the interleave, while the tier
+    runs in the scheduler, which cannot read the engine's: without the
+    option the rows' meaning is unknown, and the tier refuses to start."""
+    dcp = _namespace.count(config, "parallel.dcp_size", "dcp size")
+    pcp = _namespace.count(config, "parallel.pcp_size", "pcp size")
+    n = o["cp_kv_cache_interleave_size"]
+    if dcp * pcp == 1:
+        return None
+    if n is None:
+        raise ValueError(
+            f"kvhost.vllm: this engine runs context parallelism (dcp {dcp}, pcp {pcp}): which tokens a row holds "
+            f"follows vLLM's --cp-kv-cache-interleave-size, which the tier cannot read from the scheduler; set "
+            f"the tier's cp_kv_cache_interleave_size to the engine's value (1 unless it was set)")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"kvhost.vllm: cp_kv_cache_interleave_size: want an integer >= 1, got {n!r}")
+    if o["vllm_fs"] and n != 1:
+        raise ValueError(
+            f"kvhost.vllm: cp_kv_cache_interleave_size {n} with vllm_fs: vLLM's fs-tier directory is named "
+            f"without the interleave, so it cannot keep engines of another interleave apart; give them another "
+            f"fs-tier root instead, or leave vllm_fs out")
+    return n
+
+
 def _tier_label(spec, tier_type, own, locality):
     """This tier's value of the "tier" label: vLLM's own label for it,
     "N:type" with N its place among the spec's secondary tiers (vLLM's
@@ -211,6 +240,9 @@ class _TierImpl(Reconnects):
         # is in the identity. vLLM's own workers fill the rows, so nothing
         # here can check it against the backend they really got.
         self._desc = _namespace.describe(offloading_spec, 0, str(o["namespace"]), o["page_layout"])
+        interleave = _cp_interleave(_namespace.config_of(offloading_spec), o)
+        if interleave is not None:
+            self._desc["cp_kv_cache_interleave_size"] = interleave
 
         # The array over vLLM's region is held only by self._primary (no
         # local here): a traceback of a failed start must not keep it
