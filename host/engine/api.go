@@ -65,6 +65,12 @@ var (
 	// ErrLocked: Config.LockFile is locked by another process (another
 	// daemon on this node).
 	ErrLocked = errors.New("engine: locked by another process")
+	// ErrInFlight: Close gave up waiting for jobs, calls or background
+	// work still in flight (a hung file system): the engine closes its
+	// parts, the movers and the node lock among them, only once they
+	// return. Until then, nothing they may use (a data path's GPU
+	// memory) may be closed.
+	ErrInFlight = errors.New("engine: still in flight")
 )
 
 // NamespaceID identifies a declared namespace: a geometry (fingerprint). It is

@@ -16,6 +16,10 @@ import (
 // pin holds (Pin) is refused: it stays stored and is not counted. A load that has not yet
 // opened a deleted file reports it missing.
 func (e *Engine) Delete(ctx context.Context, ns NamespaceID, keys [][]byte) (int, error) {
+	if err := e.calls.enter(); err != nil {
+		return 0, err
+	}
+	defer e.calls.exit()
 	n, err := e.namespace(ns)
 	if err != nil {
 		return 0, err
@@ -130,6 +134,10 @@ type PurgeResult struct {
 // it found (a lookup, a load, its start's walk); another node's files it
 // never found stay. Purge on each node to remove them all.
 func (e *Engine) Purge(ctx context.Context, fp uint64) (PurgeResult, error) {
+	if err := e.calls.enter(); err != nil {
+		return PurgeResult{}, err
+	}
+	defer e.calls.exit()
 	e.mu.RLock()
 	closed := e.closed
 	_, known := e.nsByFP[fp]
@@ -155,6 +163,10 @@ func (e *Engine) PurgeModel(ctx context.Context, model string) (PurgeResult, err
 	if model == "" {
 		return PurgeResult{}, fmt.Errorf("%w: purge of an empty model id", ErrInvalid)
 	}
+	if err := e.calls.enter(); err != nil {
+		return PurgeResult{}, err
+	}
+	defer e.calls.exit()
 	e.mu.RLock()
 	closed := e.closed
 	var fps []uint64

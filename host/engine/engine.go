@@ -35,6 +35,7 @@ const (
 //   - state: space.go (room on the mounts), then index.go and flight.go
 //     (entries, paths held);
 //   - plumbing: hits.go (policy events), observe.go, movers.go, jobs.go,
+//     calls.go (the calls in flight that are not jobs),
 //     recheck.go;
 //   - files: identity.go, removal.go, tempfiles.go, vllmfs.go,
 //     headers.go, mount.go;
@@ -95,8 +96,17 @@ type Engine struct {
 	// orphans, spares (space.go).
 	space *space
 
-	jobs jobTable      // the jobs in flight (jobs.go)
-	io   fsys.InFlight // file operations and movers' calls in flight (Activity)
+	jobs  jobTable      // the jobs in flight (jobs.go)
+	calls callGate      // the calls in flight that are not jobs (calls.go)
+	io    fsys.InFlight // file operations and movers' calls in flight (Activity)
+
+	// down is closed when Close's teardown has ended (shutdown), downErr
+	// set before; closeUnwind is how long Close waits, once its context
+	// has ended, for the jobs it cancelled and the calls in flight
+	// (defaultCloseUnwind; tests shorten it).
+	down        chan struct{}
+	downErr     error
+	closeUnwind time.Duration
 
 	st       counters
 	verifyIv atomic.Int64 // Config.VerifyInterval, changed by SetVerifyInterval
@@ -173,6 +183,10 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		nsByFP: map[uint64]NamespaceID{},
 		caches: map[CacheID]*cache{},
 		space:  &space{},
+		calls:  newCallGate(),
+		down:   make(chan struct{}),
+
+		closeUnwind: defaultCloseUnwind,
 	}
 	e.fs = fsys.Watched(cfg.FS, &e.io)
 	e.ix = newIndex(e.space)
@@ -312,32 +326,69 @@ func (e *Engine) Stats() Stats {
 	return s
 }
 
-// Close stops accepting requests and waits for the jobs in flight; if ctx
-// ends first it cancels them and waits for them to unwind. Temporary files
-// of cancelled stores are removed. Close returns ctx's error in that case.
-// Calls that are not jobs (Lookup, Pin, Delete, Purge and the like) are
-// not waited for: their callers end them before Close, as the server ends
-// its sessions first.
+// defaultCloseUnwind is how long Close waits, once its context has ended,
+// for the jobs it cancelled and the calls still in flight to return.
+const defaultCloseUnwind = 5 * time.Second
+
+// Close stops accepting requests and waits for everything in flight: the
+// jobs, and the calls that are not jobs (Lookup, Pin, Unpin, Delete,
+// Purge, Declare, Release, ReplacePolicy and the like); calls that begin
+// after it fail with ErrClosed. Once they have all returned it closes the
+// engine's parts (the policy, the movers, the node lock): no call uses
+// them after they are closed, and nothing touches the mounts after Close
+// returns nil.
+//
+// If ctx ends first, Close cancels the jobs and waits a few seconds more
+// (defaultCloseUnwind) for them to unwind: the temporary files of
+// cancelled stores are removed. Whatever still has not returned then (a
+// file operation hung on a FUSE or NFS mount, which no cancellation
+// reaches) is logged, and Close returns an error wrapping ErrInFlight and
+// ctx's error without waiting for it: the engine's parts, the node lock
+// (Config.LockFile) included, are closed once it returns, so no other
+// engine opens the directories meanwhile. A later Close waits (up to its
+// own ctx) for that and returns the close's outcome.
 func (e *Engine) Close(ctx context.Context) error {
 	e.mu.Lock()
-	if e.closed {
-		e.mu.Unlock()
-		return nil
+	first := !e.closed
+	if first {
+		e.closed = true
+		e.space.close() // no spare kept or made from now on
 	}
-	e.closed = true
-	e.space.close() // no spare kept or made from now on
 	e.mu.Unlock()
-	e.jobs.close()
-	done := make(chan struct{})
-	go func() { e.jobs.wg.Wait(); close(done) }()
-	var err error
-	select {
-	case <-done:
-	case <-ctx.Done():
-		err = ctx.Err()
-		e.jobs.cancelAll()
-		<-done
+	if first {
+		e.jobs.close()
+		e.calls.close()
+		go e.shutdown()
 	}
+	select {
+	case <-e.down:
+		return e.downErr
+	case <-ctx.Done():
+	}
+	e.jobs.cancelAll()
+	unwind := time.NewTimer(e.closeUnwind)
+	defer unwind.Stop()
+	select {
+	case <-e.down:
+		return errors.Join(ctx.Err(), e.downErr)
+	case <-unwind.C:
+	}
+	a := e.Activity()
+	calls := e.calls.inFlight()
+	args := []any{"jobs", a.Jobs, "calls", calls}
+	if !a.OldestIO.IsZero() {
+		args = append(args, "oldest_io", time.Since(a.OldestIO).Round(time.Millisecond).String())
+	}
+	e.log.Error("engine: close gave up waiting for what is still in flight (a hung file system?); the engine closes, and lets go of its node lock, once they return", args...)
+	return fmt.Errorf("engine: close: %w (jobs: %d, calls: %d; or the engine's background work): %w", ErrInFlight, a.Jobs, calls, ctx.Err())
+}
+
+// shutdown is Close's teardown: it waits for the jobs and the calls in
+// flight, then closes the engine's parts, sets downErr and closes down.
+func (e *Engine) shutdown() {
+	start := time.Now()
+	e.jobs.wg.Wait()
+	<-e.calls.idle
 	e.closePins()
 	e.releaseFound(false)
 	e.stopTiering()
@@ -348,13 +399,16 @@ func (e *Engine) Close(ctx context.Context) error {
 	e.closeOwners() // after the spares: none is left for another engine to find live
 	e.hitRec.close()
 	e.host.Close()
+	var err error
 	if e.ownPolicy {
-		err = errors.Join(err, e.pol.Close(context.WithoutCancel(ctx)))
+		err = e.pol.Close(context.Background())
 	}
 	if e.lock != nil {
 		e.lock.Close() // releases the flock
 	}
-	return err
+	e.downErr = err
+	close(e.down)
+	e.log.Debug("engine: closed", "took", time.Since(start))
 }
 
 // check returns the first broken invariant of the engine's parts: the

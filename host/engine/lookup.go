@@ -113,6 +113,10 @@ func (e *Engine) recentlyVerified(en *entry, now int64) bool {
 // index is looked for under its policy name, so files published by another
 // node sharing the mount are found.
 func (e *Engine) Lookup(ctx context.Context, ns NamespaceID, keys [][]byte) (int, error) {
+	if err := e.calls.enter(); err != nil {
+		return 0, err
+	}
+	defer e.calls.exit()
 	n, err := e.namespace(ns)
 	if err != nil {
 		return 0, err

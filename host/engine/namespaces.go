@@ -14,6 +14,10 @@ import (
 // geometry again returns the same id while it is declared or has files. A new geometry beyond
 // Config.MaxNamespaces declared and not released is refused with ErrLimit.
 func (e *Engine) Declare(ctx context.Context, g Geometry) (NamespaceID, error) {
+	if err := e.calls.enter(); err != nil {
+		return 0, err
+	}
+	defer e.calls.exit()
 	if err := g.Validate(); err != nil {
 		return 0, err
 	}
@@ -170,6 +174,10 @@ func fingerprintCollision(g Geometry, fp uint64, id NamespaceID, other Geometry)
 // returned, and with ErrInvalid while caches of the namespace are still
 // registered. Releasing a released namespace does nothing.
 func (e *Engine) Release(ns NamespaceID) error {
+	if err := e.calls.enter(); err != nil {
+		return err
+	}
+	defer e.calls.exit()
 	e.mu.Lock()
 	defer e.mu.Unlock()
 	if e.closed {

@@ -41,6 +41,10 @@ type clientPin struct {
 // that fails the check is dropped as in Lookup, and the key is not pinned.
 // Pinning counts as a hit (or a miss) as Lookup does.
 func (e *Engine) Pin(ctx context.Context, ns NamespaceID, keys [][]byte, lease time.Duration) (PinID, []bool, error) {
+	if err := e.calls.enter(); err != nil {
+		return 0, nil, err
+	}
+	defer e.calls.exit()
 	n, err := e.namespace(ns)
 	if err != nil {
 		return 0, nil, err
@@ -136,6 +140,10 @@ func (e *Engine) Pin(ctx context.Context, ns NamespaceID, keys [][]byte, lease t
 // Unpin releases a pin and returns how many keys it held; 0 if id is not
 // a pin (any more: released, or its lease ended).
 func (e *Engine) Unpin(ctx context.Context, id PinID) int {
+	if e.calls.enter() != nil {
+		return 0 // Close releases every pin
+	}
+	defer e.calls.exit()
 	t := &e.pinTab
 	t.mu.Lock()
 	p := t.pins[id]

@@ -35,6 +35,10 @@ import (
 // victim, which the engine skips, and an eviction offered only pinned
 // entries frees nothing.
 func (e *Engine) ReplacePolicy(ctx context.Context, build func(idx policy.Index) (policy.Policy, error)) error {
+	if err := e.calls.enter(); err != nil {
+		return err
+	}
+	defer e.calls.exit()
 	sp, ok := e.pol.(*switchPolicy)
 	if !ok {
 		return fmt.Errorf("%w: the engine's policy cannot be replaced", ErrInvalid)
