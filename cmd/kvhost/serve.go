@@ -256,14 +256,25 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 		err = d.groupFault(err)
 		cctx, cancel := context.WithTimeout(context.Background(), time.Duration(cfg.Server.ShutdownTimeout)+10*time.Second)
 		defer cancel()
-		return errors.Join(err, eng.Close(cctx), closeGPU())
+		cerr := eng.Close(cctx)
+		if errors.Is(cerr, engine.ErrInFlight) {
+			return errors.Join(err, cerr) // the GPU paths stay: see closeEngine
+		}
+		return errors.Join(err, cerr, closeGPU())
 	}
 	closeEngine := func() error {
 		cctx, cancel := context.WithTimeout(context.Background(), time.Duration(cfg.Server.ShutdownTimeout)+10*time.Second)
 		defer cancel()
 		// The engine first: its jobs use the GPU paths until it is
 		// closed; the table last, told of every key the engine drops.
-		err := errors.Join(eng.Close(cctx), closeGPU())
+		err := eng.Close(cctx)
+		if errors.Is(err, engine.ErrInFlight) {
+			// A job or a move hung on a mount still runs: it may use
+			// the GPU paths and drop keys from the table. Both stay
+			// open; the process exits next, which ends them all.
+			return err
+		}
+		err = errors.Join(err, closeGPU())
 		if table != nil {
 			err = errors.Join(err, table.Close())
 		}
