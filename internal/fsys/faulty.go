@@ -161,6 +161,40 @@ func (f *Faulty) Remove(name string) error {
 	return f.FS.Remove(name)
 }
 
+var _ AtFS = (*Faulty)(nil)
+
+// StatAt implements AtFS, failing as Stat does (OpStat).
+func (f *Faulty) StatAt(dir File, path string) (os.FileInfo, error) {
+	if err := f.check(OpStat, path); err != nil {
+		return nil, err
+	}
+	return StatAt(f.FS, dir, path)
+}
+
+// RemoveAt implements AtFS, failing as Remove does (OpRemove).
+func (f *Faulty) RemoveAt(dir File, path string) error {
+	if err := f.check(OpRemove, path); err != nil {
+		return err
+	}
+	return RemoveAt(f.FS, dir, path)
+}
+
+// RenameAt implements AtFS, failing as Rename does (OpRename).
+func (f *Faulty) RenameAt(olddir File, oldpath string, newdir File, newpath string, noReplace bool) error {
+	if err := f.check(OpRename, newpath); err != nil {
+		return err
+	}
+	return RenameAt(f.FS, olddir, oldpath, newdir, newpath, noReplace)
+}
+
+// MkdirAt implements AtFS, failing as MkdirAll does (OpMkdir).
+func (f *Faulty) MkdirAt(dir File, path string, perm os.FileMode) error {
+	if err := f.check(OpMkdir, path); err != nil {
+		return err
+	}
+	return MkdirAt(f.FS, dir, path, perm)
+}
+
 // MkdirAll implements FS.
 func (f *Faulty) MkdirAll(path string, perm os.FileMode) error {
 	if err := f.check(OpMkdir, path); err != nil {

@@ -62,6 +62,80 @@ func renameNoReplace(inner FS, oldpath, newpath string) error {
 	return nr.RenameNoReplace(oldpath, newpath)
 }
 
+// AtFS is an FS that acts on a name in a directory it opened, as the
+// *at system calls do (fstatat, unlinkat, renameat2, mkdirat): only the
+// last component of path is looked up, in the directory open as dir,
+// whatever path's directories name meanwhile (one replaced by a symbolic
+// link, one renamed away). dir is a File of this FS's OpenFile of path's
+// directory with O_DIRECTORY (O_PATH suffices; with ONoLinks where it
+// must be reached through no link). path is the name's whole path: a
+// wrapper sees what it sees in Stat, Remove, Rename or MkdirAll, and OS
+// uses its last component only. Callers go through StatAt, RemoveAt,
+// RenameAt and MkdirAt, which fall back on those path methods where an FS
+// is no AtFS (an FS that embeds the FS interface, as most wrappers do,
+// is none unless it says so). A type that embeds OS and changes Stat,
+// Remove, Rename or MkdirAll must change these alike, or the engine's
+// calls bypass its own, as with NoReplacer.
+type AtFS interface {
+	// StatAt returns the FileInfo of path's last component in dir,
+	// not following it where it is a symbolic link (fstatat
+	// AT_SYMLINK_NOFOLLOW); its Sys() is a *syscall.Stat_t.
+	StatAt(dir File, path string) (os.FileInfo, error)
+	// RemoveAt removes the file (not a directory) named by path's last
+	// component in dir (unlinkat).
+	RemoveAt(dir File, path string) error
+	// RenameAt renames oldpath's last component in olddir to newpath's
+	// in newdir (renameat2), replacing it unless noReplace: then it
+	// fails as NoReplacer's RenameNoReplace does.
+	RenameAt(olddir File, oldpath string, newdir File, newpath string, noReplace bool) error
+	// MkdirAt makes the directory named by path's last component in dir
+	// (mkdirat), failing with an error that matches fs.ErrExist where
+	// the name exists.
+	MkdirAt(dir File, path string, perm os.FileMode) error
+}
+
+// StatAt is fs's StatAt where fs is an AtFS, else its Stat of path (which
+// follows links).
+func StatAt(fs FS, dir File, path string) (os.FileInfo, error) {
+	if a, ok := fs.(AtFS); ok {
+		return a.StatAt(dir, path)
+	}
+	return fs.Stat(path)
+}
+
+// RemoveAt is fs's RemoveAt where fs is an AtFS, else its Remove of path.
+func RemoveAt(fs FS, dir File, path string) error {
+	if a, ok := fs.(AtFS); ok {
+		return a.RemoveAt(dir, path)
+	}
+	return fs.Remove(path)
+}
+
+// RenameAt is fs's RenameAt where fs is an AtFS, else its Rename of the
+// paths, or with noReplace its RenameNoReplace (errors.ErrUnsupported
+// where it has none).
+func RenameAt(fs FS, olddir File, oldpath string, newdir File, newpath string, noReplace bool) error {
+	if a, ok := fs.(AtFS); ok {
+		return a.RenameAt(olddir, oldpath, newdir, newpath, noReplace)
+	}
+	if noReplace {
+		return renameNoReplace(fs, oldpath, newpath)
+	}
+	return fs.Rename(oldpath, newpath)
+}
+
+// MkdirAt is fs's MkdirAt where fs is an AtFS, else a Stat of path (an
+// error matching fs.ErrExist where it exists) and its MkdirAll.
+func MkdirAt(fsys FS, dir File, path string, perm os.FileMode) error {
+	if a, ok := fsys.(AtFS); ok {
+		return a.MkdirAt(dir, path, perm)
+	}
+	if _, err := fsys.Stat(path); err == nil {
+		return &os.PathError{Op: "mkdir", Path: path, Err: fs.ErrExist}
+	}
+	return fsys.MkdirAll(path, perm)
+}
+
 // File is an open file. Positional methods are safe for concurrent use.
 type File interface {
 	// ReadAt reads len(p) bytes at off (pread, repeated until done); as

@@ -66,3 +66,61 @@ func TestONoLinksOpensNothingThroughALink(t *testing.T) {
 		t.Errorf("files made through the link: %d names outside, want 1", len(ents))
 	}
 }
+
+// TestAtOpsActInTheDirectoryOpenedNotWhereALinkPoints: StatAt, RemoveAt,
+// RenameAt and MkdirAt act on the name in the directory opened (O_PATH,
+// ONoLinks), after that directory was moved away and a symbolic link to
+// another put in its place: the files where the link points are left
+// as they were.
+func TestAtOpsActInTheDirectoryOpenedNotWhereALinkPoints(t *testing.T) {
+	dir, outside := t.TempDir(), t.TempDir()
+	d := filepath.Join(dir, "d")
+	for _, p := range []string{d, outside} {
+		if err := os.MkdirAll(p, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		for _, n := range []string{"gone", "from"} {
+			if err := os.WriteFile(filepath.Join(p, n), []byte(p), 0o644); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	var fs FS = OS{}
+	df, err := fs.OpenFile(d, unix.O_PATH|unix.O_DIRECTORY|ONoLinks, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer df.Close()
+	if err := os.Rename(d, d+".old"); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(outside, d); err != nil {
+		t.Fatal(err)
+	}
+	if fi, err := StatAt(fs, df, filepath.Join(d, "gone")); err != nil || fi.Size() != int64(len(d)) {
+		t.Errorf("StatAt: %v, %v: not the file in the directory opened", fi, err)
+	}
+	if err := RemoveAt(fs, df, filepath.Join(d, "gone")); err != nil {
+		t.Fatal(err)
+	}
+	if err := RenameAt(fs, df, filepath.Join(d, "from"), df, filepath.Join(d, "to"), true); err != nil && !errors.Is(err, errors.ErrUnsupported) {
+		t.Fatal(err)
+	}
+	if err := MkdirAt(fs, df, filepath.Join(d, "sub"), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := MkdirAt(fs, df, filepath.Join(d, "sub"), 0o755); !errors.Is(err, os.ErrExist) {
+		t.Errorf("MkdirAt of a name there: %v, want ErrExist", err)
+	}
+	if ents, _ := os.ReadDir(outside); len(ents) != 2 || ents[0].Name() != "from" || ents[1].Name() != "gone" {
+		t.Errorf("where the link points: %v, want [from gone] untouched", ents)
+	}
+	var names []string
+	ents, _ := os.ReadDir(d + ".old")
+	for _, e := range ents {
+		names = append(names, e.Name())
+	}
+	if len(names) != 2 || names[0] != "sub" || names[1] != "to" {
+		t.Errorf("in the directory opened: %v, want [sub to]", names)
+	}
+}

@@ -9,6 +9,8 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"syscall"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 )
@@ -111,6 +113,60 @@ func (OS) RenameNoReplace(oldpath, newpath string) error {
 	}
 	if err != nil {
 		return &os.LinkError{Op: "rename", Old: oldpath, New: newpath, Err: err}
+	}
+	return nil
+}
+
+var _ AtFS = OS{}
+
+// The two Stat_t types StatAt takes for one are the same size.
+var (
+	_ [unsafe.Sizeof(unix.Stat_t{}) - unsafe.Sizeof(syscall.Stat_t{})]byte
+	_ [unsafe.Sizeof(syscall.Stat_t{}) - unsafe.Sizeof(unix.Stat_t{})]byte
+)
+
+// StatAt implements AtFS with fstatat(2) AT_SYMLINK_NOFOLLOW.
+func (OS) StatAt(dir File, path string) (os.FileInfo, error) {
+	// syscall's Stat_t (the FileInfo's Sys, as os.Stat's) is the
+	// kernel's struct stat, as x/sys/unix's is: the same bytes.
+	var st syscall.Stat_t
+	if err := unix.Fstatat(int(dir.Fd()), filepath.Base(path), (*unix.Stat_t)(unsafe.Pointer(&st)), unix.AT_SYMLINK_NOFOLLOW); err != nil {
+		return nil, &os.PathError{Op: "fstatat", Path: path, Err: err}
+	}
+	return &statInfo{name: filepath.Base(path), st: st}, nil
+}
+
+// RemoveAt implements AtFS with unlinkat(2).
+func (OS) RemoveAt(dir File, path string) error {
+	if err := unix.Unlinkat(int(dir.Fd()), filepath.Base(path), 0); err != nil {
+		return &os.PathError{Op: "unlinkat", Path: path, Err: err}
+	}
+	return nil
+}
+
+// RenameAt implements AtFS with renameat2(2) (renameat where noReplace
+// is not set); with noReplace, errors.ErrUnsupported where the file
+// system refuses the flag, as RenameNoReplace.
+func (OS) RenameAt(olddir File, oldpath string, newdir File, newpath string, noReplace bool) error {
+	var err error
+	if noReplace {
+		err = unix.Renameat2(int(olddir.Fd()), filepath.Base(oldpath), int(newdir.Fd()), filepath.Base(newpath), unix.RENAME_NOREPLACE)
+		if errors.Is(err, unix.EINVAL) || errors.Is(err, unix.ENOSYS) || errors.Is(err, unix.EOPNOTSUPP) {
+			err = errors.ErrUnsupported
+		}
+	} else {
+		err = unix.Renameat(int(olddir.Fd()), filepath.Base(oldpath), int(newdir.Fd()), filepath.Base(newpath))
+	}
+	if err != nil {
+		return &os.LinkError{Op: "renameat", Old: oldpath, New: newpath, Err: err}
+	}
+	return nil
+}
+
+// MkdirAt implements AtFS with mkdirat(2).
+func (OS) MkdirAt(dir File, path string, perm os.FileMode) error {
+	if err := unix.Mkdirat(int(dir.Fd()), filepath.Base(path), uint32(perm.Perm())); err != nil {
+		return &os.PathError{Op: "mkdirat", Path: path, Err: err}
 	}
 	return nil
 }

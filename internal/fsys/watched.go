@@ -24,6 +24,7 @@ type watchedFS struct {
 
 var (
 	_ FS     = (*watchedFS)(nil)
+	_ AtFS   = (*watchedFS)(nil)
 	_ Stater = (*watchedFile)(nil)
 	_ Mapper = (*watchedFile)(nil)
 	_ Locker = (*watchedFile)(nil)
@@ -60,6 +61,30 @@ func (f *watchedFS) RenameNoReplace(oldpath, newpath string) error {
 func (f *watchedFS) Remove(name string) error {
 	defer f.w.End(f.w.Begin())
 	return f.fs.Remove(name)
+}
+
+// StatAt implements AtFS.
+func (f *watchedFS) StatAt(dir File, path string) (os.FileInfo, error) {
+	defer f.w.End(f.w.Begin())
+	return StatAt(f.fs, dir, path)
+}
+
+// RemoveAt implements AtFS.
+func (f *watchedFS) RemoveAt(dir File, path string) error {
+	defer f.w.End(f.w.Begin())
+	return RemoveAt(f.fs, dir, path)
+}
+
+// RenameAt implements AtFS.
+func (f *watchedFS) RenameAt(olddir File, oldpath string, newdir File, newpath string, noReplace bool) error {
+	defer f.w.End(f.w.Begin())
+	return RenameAt(f.fs, olddir, oldpath, newdir, newpath, noReplace)
+}
+
+// MkdirAt implements AtFS.
+func (f *watchedFS) MkdirAt(dir File, path string, perm os.FileMode) error {
+	defer f.w.End(f.w.Begin())
+	return MkdirAt(f.fs, dir, path, perm)
 }
 
 // MkdirAll implements FS.

@@ -99,6 +99,44 @@ func (c *ListingCache) Remove(name string) error {
 	return err
 }
 
+var _ fsys.AtFS = (*ListingCache)(nil)
+
+// StatAt is the wrapped FS's (fsys.StatAt).
+func (c *ListingCache) StatAt(dir fsys.File, path string) (os.FileInfo, error) {
+	return fsys.StatAt(c.FS, dir, path)
+}
+
+// RemoveAt removes path's name in dir, invalidating its directory's
+// listing.
+func (c *ListingCache) RemoveAt(dir fsys.File, path string) error {
+	err := fsys.RemoveAt(c.FS, dir, path)
+	if err == nil {
+		c.changed(path)
+	}
+	return err
+}
+
+// RenameAt renames as Rename and RenameNoReplace do, through the
+// directories open as olddir and newdir, invalidating both listings.
+func (c *ListingCache) RenameAt(olddir fsys.File, oldpath string, newdir fsys.File, newpath string, noReplace bool) error {
+	err := fsys.RenameAt(c.FS, olddir, oldpath, newdir, newpath, noReplace)
+	if err == nil {
+		c.changed(oldpath)
+		c.changed(newpath)
+	}
+	return err
+}
+
+// MkdirAt makes path's name in dir, invalidating its directory's
+// listing.
+func (c *ListingCache) MkdirAt(dir fsys.File, path string, perm os.FileMode) error {
+	err := fsys.MkdirAt(c.FS, dir, path, perm)
+	if err == nil {
+		c.changed(path)
+	}
+	return err
+}
+
 // MkdirAll creates path and its missing parents, invalidating the
 // listing of the directory of each it creates.
 func (c *ListingCache) MkdirAll(path string, perm os.FileMode) error {
