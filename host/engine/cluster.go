@@ -483,7 +483,7 @@ func (c *clusterMount) read(ctx context.Context, e *Engine, m *mount) error {
 			e.log.Info("engine: cluster: adopted the files of dead nodes", "mount", m.root, "files", n)
 			c.own += e.bytesOf(m, walk) - before
 		}
-		c.cleanTemps(e, dead)
+		c.cleanTemps(e, m, dead)
 		// The dead nodes this node's count covers whole: walked. Taken
 		// before retire, which forgets those it retires (covered too).
 		walked := map[string]bool{}
@@ -1226,14 +1226,14 @@ func (c *clusterMount) lastSketch() clustercap.Sketch {
 // temp_grace) to the adopted nodes' temporary files in c.temps, and
 // forgets those gone and those of nodes no longer in dead (released).
 // Called with c.mu held.
-func (c *clusterMount) cleanTemps(e *Engine, dead map[uint32]bool) {
+func (c *clusterMount) cleanTemps(e *Engine, m *mount, dead map[uint32]bool) {
 	for path, tag := range c.temps {
 		if !dead[tag] {
 			delete(c.temps, path)
 			continue
 		}
 		rest, _ := tempRest(filepath.Base(path))
-		removed, err := e.cleanTemp(path, rest)
+		removed, err := e.cleanTemp(m, path, rest)
 		if err != nil {
 			e.log.Warn("engine: cluster: a dead node's temporary file", "path", path, "err", err)
 		}

@@ -4,11 +4,14 @@ import (
 	"context"
 	"errors"
 	"os"
+	"path/filepath"
 	"slices"
+	"syscall"
 	"time"
 
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/internal/format"
+	"github.com/kvhost/kvhost/internal/fsys"
 )
 
 // Dropping entries and removing their files (docs/engine.md, "Lookup and
@@ -193,9 +196,31 @@ func (e *Engine) disposeIfSame(path string, ens []*entry, spare bool) (kept bool
 		}
 		return false, en, at
 	}
-	f, err := e.fs.OpenFile(path, os.O_RDONLY, 0)
+	m := e.mounts[ens[0].mount]
+	// The directory first, held to the end: the check below and the
+	// rename or unlink after it are of the name in the directory
+	// opened, never of one where a link planted meanwhile points
+	// (removeFileIn).
+	var dir fsys.File
+	if m.raw == nil {
+		d, err := e.openDir(m, filepath.Dir(path))
+		switch {
+		case errors.Is(err, os.ErrNotExist):
+			return false, nil, ""
+		case errors.Is(err, ErrPolicy):
+			// A link (or a file) in place of a directory of path: the
+			// file is no longer at the path; nothing is removed there.
+			e.log.Debug("engine: not removed: a directory of the path is a symbolic link now", "path", path, "err", err)
+			return false, nil, ""
+		case err != nil:
+			return fail("open the directory before remove", ens[0], path, err)
+		}
+		defer d.Close()
+		dir = d
+	}
+	f, err := e.openNoLinks(m, path, os.O_RDONLY, 0)
 	if err != nil {
-		if !errors.Is(err, os.ErrNotExist) {
+		if !errors.Is(err, os.ErrNotExist) && !errors.Is(err, syscall.ELOOP) {
 			return fail("open before remove", ens[0], path, err)
 		}
 		return false, nil, ""
@@ -231,13 +256,13 @@ func (e *Engine) disposeIfSame(path string, ens []*entry, spare bool) (kept bool
 	// A spare keeps its inode and pages: movers keep what they cache of
 	// it (a registration of its pages) for the store that reuses it.
 	if spare {
-		kept, at := e.keepSpare(e.mounts[ens[0].mount], path, id, ens[0].size)
+		kept, at := e.keepSpare(m, dir, path, id, ens[0].size)
 		if kept {
 			return true, nil, ""
 		}
 		path = at
 	}
-	if err := e.removeFile(path, id); err != nil {
+	if err := e.removeFileIn(m, dir, path, id); err != nil {
 		return fail("remove", ens[match], path, err)
 	}
 	return false, nil, ""

@@ -520,11 +520,13 @@ type stepInjector struct {
 	fired atomic.Bool
 }
 
-func (s *stepInjector) Inject(op fsys.Op, _ string) fsys.Fault {
+func (s *stepInjector) Inject(op fsys.Op, path string) fsys.Fault {
 	// A temporary file's flock may fail without failing its store (it
 	// only keeps another node's clean-up away: tempfiles.go); it is not
-	// one of the steps.
-	if !s.armed.Load() || op == fsys.OpLock {
+	// one of the steps. Nor is the close of a directory's descriptor,
+	// held for the renames and unlinks in it (openDir): it carries no
+	// data, and what was done through it is done.
+	if !s.armed.Load() || op == fsys.OpLock || op == fsys.OpClose && isDir(path) {
 		return fsys.Fault{}
 	}
 	if s.n.Add(1)-1 == s.at {
@@ -535,6 +537,12 @@ func (s *stepInjector) Inject(op fsys.Op, _ string) fsys.Fault {
 		return fsys.Fault{Err: s.err}
 	}
 	return fsys.Fault{}
+}
+
+// isDir reports whether path is a directory.
+func isDir(path string) bool {
+	fi, err := os.Stat(path)
+	return err == nil && fi.IsDir()
 }
 
 // TestInjectedFaults steps a failure (ENOSPC, EIO, a short write) through

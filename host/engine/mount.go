@@ -199,7 +199,7 @@ func (e *Engine) openMount(i int, m Mount) (*mount, error) {
 	if io != IOAuto && io != IODirect && io != IOBuffered {
 		return nil, fmt.Errorf("%w: mount %s: io %q: want %q, %q or %q", ErrInvalid, root, m.IO, IOAuto, IODirect, IOBuffered)
 	}
-	if err := e.mkdir(root, "", true); err != nil {
+	if err := e.mkdir(nil, root, "", true); err != nil {
 		return nil, fmt.Errorf("engine: mount %s: %w", root, err)
 	}
 	st, err := e.fs.Statfs(root)
@@ -459,6 +459,22 @@ func (e *Engine) openNoLinks(m *mount, path string, flag int, perm os.FileMode) 
 		path = m.realRoot + rel
 	}
 	return e.fs.OpenFile(path, flag|fsys.ONoLinks, perm)
+}
+
+// openDir opens dir, a directory under m's root (the root included), for
+// the calls relative to it that remove, rename and make names there
+// (fsys.AtFS): O_PATH, never through a symbolic link below the root
+// (openNoLinks). A link or a file where a directory of dir should be
+// fails it with an error that wraps ErrPolicy and the system's ELOOP or
+// ENOTDIR. Where a directory of a name is replaced by a link after this
+// open, what is done relative to the descriptor stays in the directory
+// opened: never where the link points.
+func (e *Engine) openDir(m *mount, dir string) (fsys.File, error) {
+	d, err := e.openNoLinks(m, dir, unix.O_PATH|unix.O_DIRECTORY, 0)
+	if errors.Is(err, syscall.ELOOP) || errors.Is(err, syscall.ENOTDIR) {
+		return nil, fmt.Errorf("%w: %s, or a directory above it in the mount, is a symbolic link or not a directory: kvhost acts on no file through it: %w", ErrPolicy, dir, err)
+	}
+	return d, err
 }
 
 // policyRoot is m's root where the policy names m's files (a mount in

@@ -46,20 +46,7 @@ func (e *Engine) publish(ctx context.Context, m *mount, f fsys.File, tmp string,
 	if err := ctx.Err(); err != nil {
 		return false, nil, err // cancelled: never published
 	}
-	if replaces != nil {
-		// The indexed file may have been replaced behind the engine's
-		// back by one that is not kvhost's: looked at as a file the
-		// index does not hold is (othersAt), and never destroyed.
-		if m.raw == nil {
-			err = e.othersAt(en.path)
-		}
-		if err == nil {
-			e.forget(replaces.ident) // the rename replaces it
-			err = e.fs.Rename(tmp, en.path)
-		}
-	} else {
-		err = e.renameNew(m, tmp, en.path)
-	}
+	err = e.rename(m, tmp, en.path, replaces)
 	if errors.Is(err, ErrPolicy) {
 		return false, nil, err
 	}
@@ -88,20 +75,51 @@ func (e *Engine) publish(ctx context.Context, m *mount, f fsys.File, tmp string,
 	return true, nil, nil
 }
 
-// renameNew renames tmp to path, where the index holds no file. Only a
-// file that is not there, or a kvhost file (othersAt: another engine's, or
-// a crash's), is replaced: the rename does not replace (RENAME_NOREPLACE),
-// and only where path exists does othersAt look at it before the rename
-// that replaces it. A file system without RENAME_NOREPLACE (NFS, most
-// FUSE file systems; m.plainRenames from its first refusal) gets the look
-// before every rename, and a file put at path between the two is
-// replaced. vllm-fs mounts, whose rows have no header, rename as before.
-func (e *Engine) renameNew(m *mount, tmp, path string) error {
+// rename renames tmp to path, in one directory on m, for publish:
+// replaces is the entry of the file the rename replaces (nil: none). In
+// kvhost's layout the directory is opened once without following any
+// link below the root (openDir: ErrPolicy where a link or a file took
+// its place since the temporary file was made), and the rename is of the
+// names in it (renameat2): a directory replaced by a symbolic link in the
+// meantime never takes the file out of the mount. The indexed file may
+// have been replaced behind the engine's back by one that is not
+// kvhost's: looked at as a file the index does not hold is (othersAt),
+// and never destroyed; where the index holds none the rename does not
+// replace (renameNew). vllm-fs mounts, whose layout names their files
+// and whose rows have no header, rename by name as before.
+func (e *Engine) rename(m *mount, tmp, path string, replaces *entry) error {
 	if m.raw != nil {
+		if replaces != nil {
+			e.forget(replaces.ident)
+		}
 		return e.fs.Rename(tmp, path)
 	}
-	if nr, ok := e.fs.(fsys.NoReplacer); ok && !m.plainRenames.Load() {
-		err := nr.RenameNoReplace(tmp, path)
+	dir, err := e.openDir(m, filepath.Dir(path))
+	if err != nil {
+		return err
+	}
+	defer dir.Close()
+	if replaces == nil {
+		return e.renameNew(m, dir, tmp, path)
+	}
+	if err := e.othersAt(m, path); err != nil {
+		return err
+	}
+	e.forget(replaces.ident) // the rename replaces it
+	return fsys.RenameAt(e.fs, dir, tmp, dir, path, false)
+}
+
+// renameNew renames tmp to path in dir, their directory, open, where the
+// index holds no file. Only a file that is not there, or a kvhost file
+// (othersAt: another engine's, or a crash's), is replaced: the rename
+// does not replace (RENAME_NOREPLACE), and only where path exists does
+// othersAt look at it before the rename that replaces it. A file system
+// without RENAME_NOREPLACE (NFS, most FUSE file systems; m.plainRenames
+// from its first refusal) gets the look before every rename, and a file
+// put at path between the two is replaced.
+func (e *Engine) renameNew(m *mount, dir fsys.File, tmp, path string) error {
+	if !m.plainRenames.Load() {
+		err := fsys.RenameAt(e.fs, dir, tmp, dir, path, true)
 		switch {
 		case errors.Is(err, errors.ErrUnsupported):
 			m.plainRenames.Store(true)
@@ -109,10 +127,10 @@ func (e *Engine) renameNew(m *mount, tmp, path string) error {
 			return err
 		}
 	}
-	if err := e.othersAt(path); err != nil {
+	if err := e.othersAt(m, path); err != nil {
 		return err
 	}
-	return e.fs.Rename(tmp, path)
+	return fsys.RenameAt(e.fs, dir, tmp, dir, path, false)
 }
 
 // othersAt fails with ErrPolicy where path holds a file that is not a
@@ -121,8 +139,8 @@ func (e *Engine) renameNew(m *mount, tmp, path string) error {
 // policy that names a key's file where such a file lies gets there. A
 // kvhost file the index does not hold (another node's or engine's, or
 // one left by a crash) may be replaced.
-func (e *Engine) othersAt(path string) error {
-	f, err := e.fs.OpenFile(path, os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0)
+func (e *Engine) othersAt(m *mount, path string) error {
+	f, err := e.openNoLinks(m, path, os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0)
 	if errors.Is(err, os.ErrNotExist) {
 		return nil
 	}

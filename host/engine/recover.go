@@ -42,7 +42,7 @@ func (e *Engine) rebuild(ctx context.Context) error {
 			defer readers.Done()
 			for it := range files {
 				en, err := e.readEntry(it.mount, it.path)
-				bad := err != nil && e.removeCorrupt(it.path, err)
+				bad := err != nil && e.removeCorrupt(e.mounts[it.mount], it.path, err)
 				mu.Lock()
 				switch {
 				case bad:
@@ -75,7 +75,7 @@ func (e *Engine) rebuild(ctx context.Context) error {
 					if dir == e.mounts[mount].root && !owners.held(e, path) {
 						// An ended engine's owner file: its flock is free
 						// (this engine's own reads as held: ownerHeld).
-						if err := e.removeFile(path, fsys.Identity{}); err == nil {
+						if err := e.removeFile(e.mounts[mount], path, fsys.Identity{}); err == nil {
 							cleaned.Add(1)
 						}
 					}
@@ -88,7 +88,7 @@ func (e *Engine) rebuild(ctx context.Context) error {
 					// Never anyone's data: a spare of an engine that
 					// ended (or, named before owners, of one that will
 					// find it gone and write a fresh file instead).
-					if err := e.removeFile(path, fsys.Identity{}); err != nil {
+					if err := e.removeFile(e.mounts[mount], path, fsys.Identity{}); err != nil {
 						e.log.Warn("engine: leftover spare file", "path", path, "err", err)
 					} else {
 						cleaned.Add(1)
@@ -99,7 +99,7 @@ func (e *Engine) rebuild(ctx context.Context) error {
 				if !d.Type().IsRegular() || !tmp {
 					continue // the host's other names, never a policy's
 				}
-				removed, err := e.cleanTemp(path, rest)
+				removed, err := e.cleanTemp(e.mounts[mount], path, rest)
 				if err != nil {
 					e.log.Warn("engine: leftover temporary file", "path", path, "err", err)
 				}
@@ -181,11 +181,11 @@ func (e *Engine) restore(ctx context.Context) {
 // accounting, forever. Files that are not kvhost files, or of a version
 // this build does not read, are left alone. It reports whether the file
 // was corrupt (and removed, if it was still the file read).
-func (e *Engine) removeCorrupt(path string, readErr error) bool {
+func (e *Engine) removeCorrupt(m *mount, path string, readErr error) bool {
 	if !errors.Is(readErr, ErrCorrupt) || errors.Is(readErr, format.ErrBadMagic) || errors.Is(readErr, format.ErrVersion) {
 		return false
 	}
-	f, err := e.fs.OpenFile(path, os.O_RDONLY, 0)
+	f, err := e.openNoLinks(m, path, os.O_RDONLY, 0)
 	if err != nil {
 		return false
 	}
@@ -206,7 +206,7 @@ func (e *Engine) removeCorrupt(path string, readErr error) bool {
 		return false
 	}
 	e.log.Warn("engine: corrupt file removed at start", "path", path, "err", readErr)
-	if err := e.removeFile(path, id); err != nil {
+	if err := e.removeFile(m, path, id); err != nil {
 		e.log.Warn("engine: remove corrupt file", "path", path, "err", err)
 	}
 	return true

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"path/filepath"
 
 	"github.com/kvhost/kvhost/internal/fsys"
 )
@@ -22,10 +23,67 @@ import (
 // backstop for files removed behind the engine's back.
 
 // removeFile tells every mover to forget the file with identity id, then
-// unlinks path. A zero id (the caller could not read it) is read from the
-// name first. A file already gone is no error. Callers count the file's
-// bytes free only after it returns.
-func (e *Engine) removeFile(path string, id fsys.Identity) error {
+// unlinks path, a file on m. A zero id (the caller could not read it) is
+// read from the name first. A file already gone is no error. Callers
+// count the file's bytes free only after it returns.
+//
+// In kvhost's layout the unlink is relative to path's directory, opened
+// once without following any link below the root (openDir): the name
+// is looked at there (fstatat), and unlinked there only if it still
+// names id's inode (a file another node renamed onto the path since the
+// caller's check is not removed: nil, as for a file gone). A directory
+// of path replaced by a symbolic link after the caller's check then never
+// makes the unlink remove a file of that name where the link points; the
+// opened directory, where it is moved away, still holds the file. A
+// vllm-fs mount, whose layout names its files, removes by name.
+func (e *Engine) removeFile(m *mount, path string, id fsys.Identity) error {
+	return e.removeFileIn(m, nil, path, id)
+}
+
+// removeFileIn is removeFile where the caller holds path's directory open
+// as dir (openDir), or with dir nil.
+func (e *Engine) removeFileIn(m *mount, dir fsys.File, path string, id fsys.Identity) error {
+	if m.raw != nil {
+		return e.removeByName(path, id)
+	}
+	if dir == nil {
+		d, err := e.openDir(m, filepath.Dir(path))
+		if errors.Is(err, os.ErrNotExist) {
+			return nil // the directory gone, and the file with it
+		}
+		if err != nil {
+			return fmt.Errorf("engine: remove %s: %w", path, err)
+		}
+		defer d.Close()
+		dir = d
+	}
+	fi, err := fsys.StatAt(e.fs, dir, path)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	if err != nil {
+		return fmt.Errorf("engine: remove %s: %w", path, err)
+	}
+	now, err := fsys.IdentityOf(fi)
+	if err != nil {
+		return fmt.Errorf("engine: remove %s: %w", path, err)
+	}
+	switch {
+	case id.Ino == 0:
+		id = now
+	case now.Inode() != id.Inode():
+		e.log.Debug("engine: not removed: the file at the path is another one", "path", path)
+		return nil
+	}
+	e.forget(id)
+	if err := fsys.RemoveAt(e.fs, dir, path); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return fmt.Errorf("engine: remove %s: %w", path, err)
+	}
+	return nil
+}
+
+// removeByName is removeFile on a vllm-fs mount: by name.
+func (e *Engine) removeByName(path string, id fsys.Identity) error {
 	if id.Ino == 0 {
 		fi, err := e.fs.Stat(path)
 		if err != nil {
@@ -72,7 +130,13 @@ func (e *Engine) removeTemp(m *mount, tmp string, f fsys.File, size int64) {
 // until an eviction there removes it (retryLeft); the failure counts in
 // Stats.RemoveFailures. what names the file in the warning.
 func (e *Engine) removeOwn(m *mount, path string, id fsys.Identity, what string) {
-	if err := e.removeFile(path, id); err != nil {
+	e.removeOwnIn(m, nil, path, id, what)
+}
+
+// removeOwnIn is removeOwn where the caller holds path's directory open
+// as dir (removeFileIn), or with dir nil.
+func (e *Engine) removeOwnIn(m *mount, dir fsys.File, path string, id fsys.Identity, what string) {
+	if err := e.removeFileIn(m, dir, path, id); err != nil {
 		e.st.removeFailures.Add(1)
 		e.log.Warn("engine: remove a "+what, "path", path, "err", err)
 		e.ix.leaveSpare(m.idx, path, id.Size)

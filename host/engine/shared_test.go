@@ -117,6 +117,26 @@ func (r *reuseFS) RenameNoReplace(oldpath, newpath string) error {
 	return r.OS.RenameNoReplace(oldpath, newpath)
 }
 
+// StatAt, RemoveAt and RenameAt are Stat's, Remove's and Rename's, in a
+// directory the engine holds open (fsys.AtFS).
+func (r *reuseFS) StatAt(dir fsys.File, path string) (os.FileInfo, error) {
+	fi, err := r.OS.StatAt(dir, path)
+	if err != nil {
+		return nil, err
+	}
+	return r.info(fi), nil
+}
+
+func (r *reuseFS) RemoveAt(dir fsys.File, path string) error {
+	r.forget(path)
+	return r.OS.RemoveAt(dir, path)
+}
+
+func (r *reuseFS) RenameAt(olddir fsys.File, oldpath string, newdir fsys.File, newpath string, noReplace bool) error {
+	r.forget(newpath)
+	return r.OS.RenameAt(olddir, oldpath, newdir, newpath, noReplace)
+}
+
 func (r *reuseFS) OpenFile(name string, flag int, perm os.FileMode) (fsys.File, error) {
 	f, err := r.OS.OpenFile(name, flag, perm)
 	if err != nil {
@@ -615,6 +635,20 @@ func (n *nfsFS) OpenFile(name string, flag int, perm os.FileMode) (fsys.File, er
 }
 
 func (n *nfsFS) Rename(oldpath, newpath string) error {
+	return n.rename(oldpath, newpath, func() error { return n.OS.Rename(oldpath, newpath) })
+}
+
+// RenameAt is Rename in the directories the engine holds open
+// (fsys.AtFS); with noReplace it fails as RenameNoReplace does.
+func (n *nfsFS) RenameAt(olddir fsys.File, oldpath string, newdir fsys.File, newpath string, noReplace bool) error {
+	if noReplace {
+		return n.RenameNoReplace(oldpath, newpath)
+	}
+	return n.rename(oldpath, newpath, func() error { return n.OS.RenameAt(olddir, oldpath, newdir, newpath, false) })
+}
+
+// rename sends what Rename sends, then renames with do.
+func (n *nfsFS) rename(oldpath, newpath string, do func() error) error {
 	n.mu.Lock()
 	f := n.open[oldpath]
 	delete(n.open, oldpath)
@@ -624,7 +658,7 @@ func (n *nfsFS) Rename(oldpath, newpath string) error {
 			return err
 		}
 	}
-	if err := n.OS.Rename(oldpath, newpath); err != nil {
+	if err := do(); err != nil {
 		return err
 	}
 	if f != nil && n.renamed != nil {

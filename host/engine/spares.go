@@ -47,18 +47,27 @@ import (
 // keepSpare renames the file at path (its entry already forgotten, its
 // identity id checked; an evicted file of which m counts evicted bytes as
 // used) to a temporary name and adds it to m's spares, the bytes moving
-// from used to the spares (space.keepSpare). It reports false where the
-// caller should remove the file instead, with the name it has now (path,
-// or the spare's name where it was renamed): spares are off on m, the
-// rename failed, the spare would not fit in the capacity, or the engine
-// is closing. Evictions call it for each of their files, several at a
-// time (evictAll), beside the stores.
-func (e *Engine) keepSpare(m *mount, path string, id fsys.Identity, evicted int64) (bool, string) {
-	if !e.spareEligible(m) || id.Size <= 0 {
+// from used to the spares (space.keepSpare). dir is path's directory,
+// open (openDir): the rename is of the name there, and only where it
+// still names id's inode, so that a directory replaced by a link since
+// the check takes no file of that name where it points. It reports false
+// where the caller should remove the file instead, with the name it has
+// now (path, or the spare's name where it was renamed): spares are off
+// on m, the name is another file's, the rename failed, the spare would
+// not fit in the capacity, or the engine is closing. Evictions call it
+// for each of their files, several at a time (evictAll), beside the
+// stores.
+func (e *Engine) keepSpare(m *mount, dir fsys.File, path string, id fsys.Identity, evicted int64) (bool, string) {
+	if !e.spareEligible(m) || id.Size <= 0 || dir == nil {
+		return false, path
+	}
+	if fi, err := fsys.StatAt(e.fs, dir, path); err != nil {
+		return false, path
+	} else if now, err := fsys.IdentityOf(fi); err != nil || now.Inode() != id.Inode() {
 		return false, path
 	}
 	spare := e.tempName(filepath.Dir(path), sparePrefix)
-	if err := e.fs.Rename(path, spare); err != nil {
+	if err := fsys.RenameAt(e.fs, dir, path, dir, spare, false); err != nil {
 		e.log.Debug("engine: keep a spare file", "path", path, "err", err)
 		return false, path
 	}
@@ -69,22 +78,44 @@ func (e *Engine) keepSpare(m *mount, path string, id fsys.Identity, evicted int6
 // (reserveFile), as the store's temporary file in dir (renamed, opened with
 // flag extra, flocked, its first page and every byte from end on zeroed),
 // or reports false if that failed (the spare is then removed: removeSpare;
-// the caller creates a fresh file).
+// the caller creates a fresh file). The rename is from and into the
+// spare's and dir's directories opened without following a link
+// (openDir): one replaced by a link since mkdir checked it never takes
+// the spare outside the mount, and a spare whose open fails after the
+// rename is removed from the directory it was renamed into.
 func (e *Engine) useSpare(m *mount, sf spareFile, dir string, extra int, size, end int64) (fsys.File, string, bool) {
+	var into fsys.File // dir, open: where the spare is once renamed
 	fail := func(path, op string, err error) (fsys.File, string, bool) {
 		e.log.Debug("engine: reuse a spare file", "path", path, "op", op, "err", err)
-		e.removeSpare(m, path, sf.id)
+		d := into
+		if path == sf.path {
+			d = nil
+		}
+		e.removeOwnIn(m, d, path, sf.id, "spare file")
 		return nil, "", false
 	}
-	if err := e.mkdir(dir, m.policyRoot(), false); err != nil {
+	if err := e.mkdir(m, dir, m.policyRoot(), false); err != nil {
 		return fail(sf.path, "mkdir", err)
 	}
+	nd, err := e.openDir(m, dir)
+	if err != nil {
+		return fail(sf.path, "open the directory", err)
+	}
+	defer nd.Close()
+	od := nd
+	if sd := filepath.Dir(sf.path); sd != dir {
+		if od, err = e.openDir(m, sd); err != nil {
+			return fail(sf.path, "open the directory", err)
+		}
+		defer od.Close()
+	}
 	tmp := e.tempName(dir, tmpPrefix)
-	if err := e.fs.Rename(sf.path, tmp); err != nil {
+	if err := fsys.RenameAt(e.fs, od, sf.path, nd, tmp, false); err != nil {
 		return fail(sf.path, "rename", err)
 	}
-	// Never written through a link planted since mkdir checked dir
-	// (openNoLinks): the caller then makes a fresh file, which says why.
+	into = nd
+	// Never written through a link planted since (openNoLinks): the
+	// caller then makes a fresh file, which says why.
 	f, err := e.openNoLinks(m, tmp, os.O_WRONLY|extra, 0)
 	if err != nil {
 		return fail(tmp, "open", err)

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"io/fs"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
@@ -74,7 +75,7 @@ func (e *Engine) createTemp(m *mount, dir string, extra int, size int64) (f fsys
 // createFile is createTemp for a temporary name with prefix (tmpPrefix,
 // or sparePrefix for a spare made ahead of stores).
 func (e *Engine) createFile(m *mount, dir, prefix string, extra int, size int64) (f fsys.File, tmp, op string, err error) {
-	if err := e.mkdir(dir, m.policyRoot(), false); err != nil {
+	if err := e.mkdir(m, dir, m.policyRoot(), false); err != nil {
 		return nil, "", "mkdir", err
 	}
 	flag := os.O_WRONLY | os.O_CREATE | os.O_EXCL | extra
@@ -86,9 +87,9 @@ func (e *Engine) createFile(m *mount, dir, prefix string, extra int, size int64)
 		f, err = e.openNoLinks(m, tmp, flag, 0o644)
 		if errors.Is(err, os.ErrNotExist) || errors.Is(err, syscall.ELOOP) {
 			// The directory was removed behind our back, or a link
-			// planted on its way: checked again (realDirs: ErrPolicy
+			// planted on its way: checked again (mkdirIn: ErrPolicy
 			// where the link is still there) and made again.
-			if err = e.mkdir(dir, m.policyRoot(), true); err == nil {
+			if err = e.mkdir(m, dir, m.policyRoot(), true); err == nil {
 				f, err = e.openNoLinks(m, tmp, flag, 0o644)
 			}
 		}
@@ -201,9 +202,9 @@ func processAlive(pid int) bool {
 	return err == nil || errors.Is(err, unix.EPERM)
 }
 
-// cleanTemp applies the leftover rule to the temporary file at path with
+// cleanTemp applies the leftover rule to the temporary file at path on m with
 // name's part after its prefix. It reports whether it removed the file.
-func (e *Engine) cleanTemp(path, rest string) (bool, error) {
+func (e *Engine) cleanTemp(m *mount, path, rest string) (bool, error) {
 	f, err := fsys.OpenToLock(e.fs, path, syscall.O_NOFOLLOW, 0)
 	if err != nil {
 		if errors.Is(err, os.ErrNotExist) {
@@ -244,7 +245,7 @@ func (e *Engine) cleanTemp(path, rest string) (bool, error) {
 	if now, err := fsys.IdentityOf(fi); err != nil || !now.Same(id) {
 		return false, nil
 	}
-	if err := e.removeFile(path, id); err != nil {
+	if err := e.removeFile(m, path, id); err != nil {
 		return false, err
 	}
 	return true, nil
@@ -330,44 +331,46 @@ func (e *Engine) ioError(m *mount, op string, err error) error {
 // mkdir creates dir (and parents) once; force re-creates it. With
 // Config.Fsync, every directory it creates is fsynced, and so is its
 // parent, before mkdir returns: a file published there and reported durable
-// cannot vanish with its directory on a power loss. With root set (a
-// directory of a policy's name, under its mount's root), every directory
+// cannot vanish with its directory on a power loss. With root set (m's
+// root, where the directory is one of a policy's name), every directory
 // from root down to dir must be one, not a symbolic link someone planted
 // in the mount: the file would otherwise be written, and later removed,
-// wherever the link points, outside the mount (realDirs).
-func (e *Engine) mkdir(dir, root string, force bool) error {
+// wherever the link points, outside the mount; they are made one at a
+// time, each in the one above opened without following a link
+// (mkdirIn), never by a MkdirAll, which would follow a link planted
+// between a check and the make.
+func (e *Engine) mkdir(m *mount, dir, root string, force bool) error {
 	if !force {
 		if _, ok := e.dirs.Load(dir); ok {
 			return nil
 		}
 	}
-	if e.cfg.Fsync {
-		// The directories about to be created: from dir up to the first
-		// that exists. They stay listed until synced, so that a failed
-		// sync is tried again by the next store.
-		for d := dir; ; {
-			if _, err := e.fs.Stat(d); err == nil {
-				break
-			} else if !errors.Is(err, os.ErrNotExist) {
-				return err
-			}
-			e.unsynced.Store(d, struct{}{})
-			p := filepath.Dir(d)
-			if p == d {
-				break
-			}
-			d = p
-		}
-	}
 	if root != "" {
-		// Before MkdirAll, which would follow a planted link and make
-		// directories wherever it points; those it makes are real.
-		if err := e.realDirs(root, dir); err != nil {
+		if err := e.mkdirIn(m, root, dir); err != nil {
 			return err
 		}
-	}
-	if err := e.fs.MkdirAll(dir, 0o755); err != nil {
-		return err
+	} else {
+		if e.cfg.Fsync {
+			// The directories about to be created: from dir up to the
+			// first that exists. They stay listed until synced, so that
+			// a failed sync is tried again by the next store.
+			for d := dir; ; {
+				if _, err := e.fs.Stat(d); err == nil {
+					break
+				} else if !errors.Is(err, os.ErrNotExist) {
+					return err
+				}
+				e.unsynced.Store(d, struct{}{})
+				p := filepath.Dir(d)
+				if p == d {
+					break
+				}
+				d = p
+			}
+		}
+		if err := e.fs.MkdirAll(dir, 0o755); err != nil {
+			return err
+		}
 	}
 	if e.cfg.Fsync {
 		if err := e.syncNewDirs(dir); err != nil {
@@ -378,14 +381,18 @@ func (e *Engine) mkdir(dir, root string, force bool) error {
 	return nil
 }
 
-// realDirs checks that every directory below root down to dir that exists
-// is a directory, opened without following a symbolic link: a policy's
-// names never leave the mount lexically (resolve), and a link planted
-// under the root must not take them out of it either. The first one not
-// there ends the check (MkdirAll makes it and those below). The check is
-// made when mkdir first meets dir (and again once dir was found removed),
-// not per file.
-func (e *Engine) realDirs(root, dir string) error {
+// mkdirIn makes every directory below root down to dir that is not there,
+// one at a time, and checks every one that is: each is made (mkdirat) in
+// the one above it as opened without following a symbolic link below the
+// root (openDir), and then opened so itself: a policy's names never leave
+// the mount lexically (resolve), and a link planted under the root, before
+// or during the walk, must not take them out of it either. A link or a
+// file in place of one of the directories fails it with ErrPolicy, and
+// nothing is made where a link points. With Config.Fsync, each directory
+// it makes is listed for syncNewDirs. The walk is made when mkdir first
+// meets dir (and again once dir was found removed), not per file: two
+// system calls and a close per directory.
+func (e *Engine) mkdirIn(m *mount, root, dir string) error {
 	rel, err := filepath.Rel(root, dir)
 	if err != nil || rel == ".." || strings.HasPrefix(rel, ".."+string(filepath.Separator)) {
 		return fmt.Errorf("%w: directory %s is not under its mount %s", ErrPolicy, dir, root)
@@ -393,20 +400,29 @@ func (e *Engine) realDirs(root, dir string) error {
 	if rel == "." {
 		return nil
 	}
-	d := root
+	d, err := e.openDir(m, root)
+	if err != nil {
+		return err
+	}
+	defer func() { d.Close() }()
+	p := root
 	for _, c := range strings.Split(rel, string(filepath.Separator)) {
-		d = filepath.Join(d, c)
-		f, err := e.fs.OpenFile(d, os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_DIRECTORY, 0)
-		if errors.Is(err, syscall.ELOOP) || errors.Is(err, syscall.ENOTDIR) {
-			return fmt.Errorf("%w: %s, a directory of the policy's name, is a symbolic link or not a directory: kvhost writes no file through it", ErrPolicy, d)
+		p = filepath.Join(p, c)
+		err := fsys.MkdirAt(e.fs, d, p, 0o755)
+		switch {
+		case err == nil:
+			if e.cfg.Fsync {
+				e.unsynced.Store(p, struct{}{})
+			}
+		case !errors.Is(err, fs.ErrExist):
+			return err
 		}
-		if errors.Is(err, os.ErrNotExist) {
-			return nil
-		}
+		next, err := e.openDir(m, p)
 		if err != nil {
 			return err
 		}
-		f.Close()
+		d.Close()
+		d = next
 	}
 	return nil
 }

@@ -180,7 +180,7 @@ func (e *Engine) openLayout(mt *mount, v *VLLMFS) error {
 	if model == "" {
 		model = defaultNamespace(layout.Base())
 	}
-	if err := e.mkdir(filepath.Join(mt.root, layout.DataDir()), "", true); err != nil {
+	if err := e.mkdir(nil, filepath.Join(mt.root, layout.DataDir()), "", true); err != nil {
 		return fmt.Errorf("engine: mount %s: vllm-fs: %w", mt.root, err)
 	}
 	mt.checksums = false // the layout has none
@@ -298,7 +298,7 @@ func readSmall(files fsys.FS, path string) ([]byte, error) {
 // temporary file, then rename), as the tier writes it.
 func (e *Engine) writeConfig(root string, cfg vllmfs.Config) error {
 	dir := filepath.Join(root, cfg.Base())
-	if err := e.mkdir(dir, "", true); err != nil {
+	if err := e.mkdir(nil, dir, "", true); err != nil {
 		return err
 	}
 	tmp := e.tempName(dir, tmpPrefix)
@@ -321,7 +321,7 @@ func (e *Engine) writeConfig(root string, cfg vllmfs.Config) error {
 		// Counted nowhere, as config.json is not: a removal that fails
 		// is only logged (Open removes the file once this process is
 		// gone).
-		if rerr := e.removeFile(tmp, fsys.Identity{}); rerr != nil {
+		if rerr := e.removeByName(tmp, fsys.Identity{}); rerr != nil {
 			e.log.Warn("engine: remove a temporary file", "path", tmp, "err", rerr)
 		}
 		return err
