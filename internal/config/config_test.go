@@ -496,3 +496,24 @@ func TestAtKeyPlacesAStartErrorAtItsKey(t *testing.T) {
 		})
 	}
 }
+
+// TestParseSizeRefusesNotANumber: "NaN" and "Inf" with a unit are no
+// sizes. NaN passed the range checks (every comparison with it is false)
+// and converted to the most negative int64, so that a key without a
+// range of its own (gpu.register_bytes) took "NaNKiB" and `config show`
+// printed it as "-8388608TiB", which no file reads back; the others
+// refused it as "-8388608TiB", a value nobody wrote.
+func TestParseSizeRefusesNotANumber(t *testing.T) {
+	quoted := func(s string) string { return `"` + s + `"` }
+	for _, in := range []string{"NaNKiB", "nanGiB", "NaN B", "NaN", "InfKiB", "-InfGiB", "+Inf"} {
+		if got, err := ParseSize(in); err == nil || !errors.Is(err, ErrInvalid) {
+			t.Errorf("ParseSize(%q) = %v, %v; want an error", in, got, err)
+		} else if !strings.Contains(err.Error(), quoted(in)) {
+			t.Errorf("ParseSize(%q): %v; want the error to quote what was written, not a converted value", in, err)
+		}
+	}
+	if _, err := Parse("kvhost.toml", []byte("[gpu]\nregister_bytes = \"NaNKiB\"\n")); err == nil ||
+		!strings.Contains(err.Error(), "kvhost.toml:2: gpu.register_bytes") {
+		t.Errorf("register_bytes = \"NaNKiB\": %v; want an error at kvhost.toml:2: gpu.register_bytes", err)
+	}
+}

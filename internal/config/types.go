@@ -35,7 +35,9 @@ func ParseSize(s string) (Size, error) {
 		}
 	}
 	v, err := strconv.ParseFloat(num, 64)
-	if err != nil || v < 0 || v*mult > 1<<62 {
+	// !(v >= 0) refuses NaN too, which every comparison passes and which
+	// would convert to the most negative Size.
+	if err != nil || !(v >= 0) || v*mult > 1<<62 {
 		return 0, invalidf("size %q: want a number of bytes with an optional unit (KiB, MiB, GiB, TiB, KB, MB, GB, TB)", s)
 	}
 	// A fraction of a byte would be cut to a whole one: "0.5" to 0, the
