@@ -1,9 +1,11 @@
 package config
 
 import (
+	"errors"
 	"flag"
 	"fmt"
 	"path/filepath"
+	"strings"
 )
 
 // Flags are the command-line settings that override the configuration file.
@@ -109,9 +111,38 @@ func (f *Flags) Apply(c *Config) error {
 		}
 	})
 	if err := c.Validate(); err != nil {
-		return fmt.Errorf("%w (from the command line or -config)", err)
+		return f.place(err)
 	}
 	return nil
+}
+
+// place names where a value that Validate refuses after Apply came from,
+// as docs/config.md says every error about a value does: the flag that
+// set its key ("config: KEY (from --FLAG): ..."), else the file and the
+// line of the key ("config: FILE:LINE: KEY: ..."), with the flags given,
+// since the file alone passed Load's checks (--dir leaves the tiered
+// policy's cold mount pointing past the one mount, say).
+func (f *Flags) place(err error) error {
+	var ve *ValueError
+	if !errors.As(err, &ve) {
+		return fmt.Errorf("%w (from the command line or --config)", err)
+	}
+	fault := fmt.Errorf("want %s, got %v", ve.Want, ve.Got)
+	var set []string
+	flagged := false
+	f.fs.Visit(func(fl *flag.Flag) {
+		if fl.Name != "config" {
+			set = append(set, "--"+fl.Name)
+		}
+		flagged = flagged || fl.Name == flagOf(ve.Key)
+	})
+	if flagged {
+		return &KeyError{Key: ve.Key, Flag: "--" + flagOf(ve.Key), Err: fault}
+	}
+	if len(set) > 0 {
+		fault = fmt.Errorf("%w (with %s)", fault, strings.Join(set, ", "))
+	}
+	return AtKey(f.configPath, ve.Key, ve.Mount, fault)
 }
 
 // Locate returns err, a fault of key's value in the configuration the
