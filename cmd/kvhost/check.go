@@ -435,12 +435,28 @@ func checkVLLMAdoption(rep *checkReport, m config.Mount) {
 // registration, and with --speed sequential throughput.
 func checkMount(ctx context.Context, rep *checkReport, o checkOptions, m config.Mount, drv *gds.Driver) {
 	area := m.Path
+	access := o.access
+	if access == nil {
+		access = unix.Access
+	}
 	fi, err := os.Stat(m.Path)
 	switch {
 	case errors.Is(err, os.ErrNotExist):
+		// The daemon makes it at start (os.MkdirAll), in the nearest
+		// directory above it that exists: where that one refuses, so
+		// does the start.
 		parent := existingParent(m.Path)
-		rep.add(levelWarn, area, fmt.Sprintf("does not exist; kvhost creates it at start (in %s, %s)", parent, fsTypeOf(parent)),
-			"create it (mkdir -p) to check it fully")
+		switch err := access(parent, unix.W_OK|unix.X_OK); {
+		case errors.Is(err, unix.EROFS):
+			rep.add(levelFail, area, fmt.Sprintf("does not exist, and cannot be made in %s, on a read-only file system: the daemon's start fails", parent),
+				"remount it read-write (mount -o remount,rw), or name a directory on a writable file system")
+		case err != nil:
+			rep.add(levelFail, area, fmt.Sprintf("does not exist, and cannot be made in %s, not writable by this user (%v): the daemon's start fails", parent, err),
+				"create it (mkdir -p) and give it to the daemon's user (chown), or name a directory that user may make")
+		default:
+			rep.add(levelWarn, area, fmt.Sprintf("does not exist; kvhost creates it at start (in %s, %s)", parent, fsTypeOf(parent)),
+				"create it (mkdir -p) to check it fully")
+		}
 		return
 	case err != nil:
 		rep.add(levelFail, area, fmt.Sprintf("cannot stat: %v", err), "check the path and the daemon's permissions")
@@ -448,10 +464,6 @@ func checkMount(ctx context.Context, rep *checkReport, o checkOptions, m config.
 	case !fi.IsDir():
 		rep.add(levelFail, area, "is not a directory", "name a directory in [[mount]] path")
 		return
-	}
-	access := o.access
-	if access == nil {
-		access = unix.Access
 	}
 	switch err := access(m.Path, unix.W_OK|unix.X_OK); {
 	case errors.Is(err, unix.EROFS):

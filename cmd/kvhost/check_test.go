@@ -642,3 +642,48 @@ func TestCheckFailsAVLLMFSMountTheDaemonCannotAdopt(t *testing.T) {
 		})
 	}
 }
+
+// TestCheckFailsAMissingMountItsParentRefuses: a mount's directory that
+// does not exist is made by the daemon at start, which fails where the
+// directory above it is on a read-only file system or not writable by
+// the daemon's user; check FAILs then, naming the directory it cannot be
+// made in, instead of warning that the daemon makes it. Where it may be
+// made, the warning stays.
+func TestCheckFailsAMissingMountItsParentRefuses(t *testing.T) {
+	for _, c := range []struct {
+		name      string
+		err       error
+		level     string
+		what, fix string
+	}{
+		{"permissions", unix.EACCES, levelFail, "cannot be made in", "chown"},
+		{"read-only file system", unix.EROFS, levelFail, "read-only file system", "remount it read-write"},
+		{"writable", nil, levelWarn, "kvhost creates it at start", "mkdir -p"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			parent := t.TempDir()
+			dir := filepath.Join(parent, "a", "blocks")
+			o := checkOptions{cfg: config.Default(), access: func(path string, mode uint32) error {
+				if path == parent && c.err != nil {
+					return c.err
+				}
+				return unix.Access(path, mode)
+			}}
+			o.cfg.GPU.Mode, o.cfg.GPU.CuFile = "off", "off"
+			o.cfg.Mounts = []config.Mount{{Path: dir}}
+			rep := doCheck(context.Background(), o)
+			var found []checkItem
+			for _, it := range rep.Items {
+				if it.Area == dir && (it.Level == levelFail || it.Level == levelWarn) {
+					found = append(found, it)
+				}
+			}
+			if len(found) != 1 || found[0].Level != c.level || !strings.Contains(found[0].What, c.what) || !strings.Contains(found[0].Fix, c.fix) {
+				t.Fatalf("findings on %s: %+v; want one %s saying %q with a fix saying %q", dir, found, c.level, c.what, c.fix)
+			}
+			if c.err != nil && !strings.Contains(found[0].What, parent) {
+				t.Errorf("%q: want it to name %s, where the daemon would make the directory", found[0].What, parent)
+			}
+		})
+	}
+}
