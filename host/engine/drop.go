@@ -11,7 +11,6 @@ import (
 
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/internal/format"
-	"github.com/kvhost/kvhost/internal/fsys"
 )
 
 // Dropping entries and removing their files (docs/engine.md, "Lookup and
@@ -201,23 +200,19 @@ func (e *Engine) disposeIfSame(path string, ens []*entry, spare bool) (kept bool
 	// rename or unlink after it are of the name in the directory
 	// opened, never of one where a link planted meanwhile points
 	// (removeFileIn).
-	var dir fsys.File
-	if m.raw == nil {
-		d, err := e.openDir(m, filepath.Dir(path))
-		switch {
-		case errors.Is(err, os.ErrNotExist):
-			return false, nil, ""
-		case errors.Is(err, ErrPolicy):
-			// A link (or a file) in place of a directory of path: the
-			// file is no longer at the path; nothing is removed there.
-			e.log.Debug("engine: not removed: a directory of the path is a symbolic link now", "path", path, "err", err)
-			return false, nil, ""
-		case err != nil:
-			return fail("open the directory before remove", ens[0], path, err)
-		}
-		defer d.Close()
-		dir = d
+	dir, err := e.openDir(m, filepath.Dir(path))
+	switch {
+	case errors.Is(err, os.ErrNotExist):
+		return false, nil, ""
+	case isLinkRefusal(err):
+		// A link (or a file) in place of a directory of path: the
+		// file is no longer at the path; nothing is removed there.
+		e.log.Debug("engine: not removed: a directory of the path is a symbolic link now", "path", path, "err", err)
+		return false, nil, ""
+	case err != nil:
+		return fail("open the directory before remove", ens[0], path, err)
 	}
+	defer dir.Close()
 	f, err := e.openNoLinks(m, path, os.O_RDONLY, 0)
 	if err != nil {
 		if !errors.Is(err, os.ErrNotExist) && !errors.Is(err, syscall.ELOOP) {

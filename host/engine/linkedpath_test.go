@@ -48,7 +48,7 @@ func dataNames(t *testing.T, dir string) []string {
 
 // TestAStoreNeverWritesThroughALinkPlantedAfterItsDirectoryWasChecked: a
 // store checks a directory of its policy's name for planted links once,
-// when it first makes or meets it (mkdir, realDirs). Someone with write
+// when it first makes or meets it (mkdir, mkdirIn). Someone with write
 // access to the mount then replaces that directory with a symbolic link
 // to a directory outside the mount. The next store named there fails with
 // ErrPolicy, and nothing is written outside the mount: no temporary file,
@@ -158,5 +158,31 @@ func TestAnEngineNeverServesOrRemovesAFileOutsideItsMountThroughALink(t *testing
 				t.Errorf("the other mount's file, reached through the link, was removed or replaced (%v); left there: %v", err, dataNames(t, outside))
 			}
 		})
+	}
+}
+
+// TestAMountWhoseRootIsASymbolicLinkStoresBelowIt: a mount's root is the
+// operator's to place, by a link if so (resolved once at Open); only the
+// directories below it must not be links. A store named in a directory
+// below such a root is made, found and deleted as on any mount.
+func TestAMountWhoseRootIsASymbolicLinkStoresBelowIt(t *testing.T) {
+	ctx := context.Background()
+	target := t.TempDir()
+	dir := filepath.Join(t.TempDir(), "alias")
+	if err := os.Symlink(target, dir); err != nil {
+		t.Fatal(err)
+	}
+	e, _, c, ns := namedEngine(t, dir, "d/k1.kv", "a")
+	key := []byte("k1")
+	keyContent(c, key, []int{0, 1, 2, 3})
+	storeAndCheck(t, e, c, [][]byte{key}, [][]int{{0, 1, 2, 3}})
+	if names := dataNames(t, filepath.Join(target, "d")); len(names) != 1 {
+		t.Fatalf("the store under the linked root: %v, want its file", names)
+	}
+	if _, err := e.Delete(ctx, ns, [][]byte{key}); err != nil {
+		t.Fatal(err)
+	}
+	if names := dataNames(t, filepath.Join(target, "d")); len(names) != 0 {
+		t.Errorf("the delete under the linked root left %v", names)
 	}
 }

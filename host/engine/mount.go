@@ -66,9 +66,16 @@ type mount struct {
 	// made there since. Such a mount keeps no spares; the first file made
 	// there (tookFile) clears it.
 	spareless atomic.Bool
-	// realRoot is root with the symbolic links of its own path resolved
-	// (at Open): the prefix under which openNoLinks refuses every link.
-	realRoot string
+	// linkFree is the directory below which no directory of a data
+	// file's name, nor the name itself, may be a symbolic link
+	// (openNoLinks, openDir, mkdirIn): the root of a kvhost mount; the
+	// data directory (<base>_r<rank>, set by openLayout) of a vllm-fs
+	// mount, whose root and data directory the operator sets up, while
+	// the directories below it are made by vLLM, or by anyone who can
+	// write the shared directory. realLinkFree is linkFree with the
+	// symbolic links of its own path resolved (at Open): the prefix
+	// under which openNoLinks refuses every link.
+	linkFree, realLinkFree string
 	// plainRenames: the file system refused RENAME_NOREPLACE, so
 	// publishing a new file looks at its path before a plain rename
 	// (renameNew).
@@ -199,7 +206,7 @@ func (e *Engine) openMount(i int, m Mount) (*mount, error) {
 	if io != IOAuto && io != IODirect && io != IOBuffered {
 		return nil, fmt.Errorf("%w: mount %s: io %q: want %q, %q or %q", ErrInvalid, root, m.IO, IOAuto, IODirect, IOBuffered)
 	}
-	if err := e.mkdir(nil, root, "", true); err != nil {
+	if err := e.mkdir(nil, root, true); err != nil {
 		return nil, fmt.Errorf("engine: mount %s: %w", root, err)
 	}
 	st, err := e.fs.Statfs(root)
@@ -220,7 +227,7 @@ func (e *Engine) openMount(i int, m Mount) (*mount, error) {
 		return nil, fmt.Errorf("engine: mount %s: %w", root, err)
 	}
 	mt := &mount{
-		idx: i, root: root, realRoot: realRoot, memory: isMemoryFS(st.Type), checksums: !m.NoChecksum && !e.cfg.NoChecksum,
+		idx: i, root: root, linkFree: root, realLinkFree: realRoot, memory: isMemoryFS(st.Type), checksums: !m.NoChecksum && !e.cfg.NoChecksum,
 		sp: &mountSpace{idx: i, root: root, configured: m.Capacity, derived: m.CapacityDerived, reserve: m.Reserve, highF: high, lowF: low, ahead: m.Preallocate},
 	}
 	if st.ReadOnly {
@@ -441,48 +448,68 @@ func (e *Engine) tookFile(m *mount) {
 	m.spareless.Store(false)
 }
 
-// openNoLinks opens path, a file under m's root, with flag, never through
-// a symbolic link below the root (fsys.ONoLinks, from m.realRoot): a link
-// planted in the mount, where a directory of a policy's name was or will
-// be, or at the name itself, fails the open with ELOOP. Every open that
-// may make a file there (a store's temporary file), or read one that was
-// not this engine's (a file found under a policy's name, a load's file
-// that another replaced), goes through it, so that kvhost neither writes
-// outside its mount nor serves or indexes, and later removes, a file
-// outside it. On a vllm-fs mount, whose layout names its files, it is
-// OpenFile.
+// openNoLinks opens path, a file or directory under m's linkFree
+// directory (that directory included), with flag, never through a
+// symbolic link below it (fsys.ONoLinks, from m.realLinkFree): a link
+// planted in the mount (in vLLM's shared directory, below its data
+// directory), where a directory of a file's name was or will be, or at
+// the name itself, fails the open with ELOOP. Every open that may make a
+// file there (a store's temporary file), or read one that was not this
+// engine's (a file found under a policy's name or a vllm-fs row's, a
+// load's file that another replaced), and every directory the engine
+// removes, renames or makes names in (openDir), goes through it, so that
+// kvhost neither writes outside its mount nor serves or indexes, and
+// later removes, a file outside it.
 func (e *Engine) openNoLinks(m *mount, path string, flag int, perm os.FileMode) (fsys.File, error) {
-	if m.raw != nil {
-		return e.fs.OpenFile(path, flag, perm)
-	}
-	if rel, ok := strings.CutPrefix(path, m.root); ok && m.realRoot != m.root && strings.HasPrefix(rel, string(filepath.Separator)) {
-		path = m.realRoot + rel
+	if rel, ok := m.belowLinkFree(path); ok && m.realLinkFree != m.linkFree {
+		path = m.realLinkFree + rel
 	}
 	return e.fs.OpenFile(path, flag|fsys.ONoLinks, perm)
 }
 
-// openDir opens dir, a directory under m's root (the root included), for
-// the calls relative to it that remove, rename and make names there
-// (fsys.AtFS): O_PATH, never through a symbolic link below the root
-// (openNoLinks). A link or a file where a directory of dir should be
-// fails it with an error that wraps ErrPolicy and the system's ELOOP or
-// ENOTDIR. Where a directory of a name is replaced by a link after this
-// open, what is done relative to the descriptor stays in the directory
-// opened: never where the link points.
+// belowLinkFree reports whether path is m's linkFree directory or a name
+// below it, with the rest of path after it ("" or a separator first).
+func (m *mount) belowLinkFree(path string) (string, bool) {
+	rel, ok := strings.CutPrefix(path, m.linkFree)
+	if !ok || rel != "" && !strings.HasPrefix(rel, string(filepath.Separator)) {
+		return "", false
+	}
+	return rel, true
+}
+
+// openDir opens dir, a directory under m's linkFree directory (that
+// directory included), for the calls relative to it that remove, rename
+// and make names there (fsys.AtFS): O_PATH, never through a symbolic link
+// below linkFree (openNoLinks). A link or a file where a directory of dir
+// should be fails it with an error that wraps the system's ELOOP or
+// ENOTDIR and linkErr's class: ErrPolicy on a kvhost mount (a directory
+// of the policy's name), ErrInvalid on a vllm-fs mount (a directory of
+// vLLM's layout). Where a directory of a name is replaced by a link after
+// this open, what is done relative to the descriptor stays in the
+// directory opened: never where the link points.
 func (e *Engine) openDir(m *mount, dir string) (fsys.File, error) {
 	d, err := e.openNoLinks(m, dir, unix.O_PATH|unix.O_DIRECTORY, 0)
 	if errors.Is(err, syscall.ELOOP) || errors.Is(err, syscall.ENOTDIR) {
-		return nil, fmt.Errorf("%w: %s, or a directory above it in the mount, is a symbolic link or not a directory: kvhost acts on no file through it: %w", ErrPolicy, dir, err)
+		what, class := m.linkErr()
+		return nil, fmt.Errorf("%w: %s, %s, or a directory above it in the mount, is a symbolic link or not a directory: kvhost writes, reads and removes no file through it: %w", class, dir, what, err)
 	}
 	return d, err
 }
 
-// policyRoot is m's root where the policy names m's files (a mount in
-// kvhost's layout), for mkdir's check of the directories of those names;
-// "" on a vllm-fs mount, whose layout names its files.
-func (m *mount) policyRoot() string {
+// linkErr names a directory of a data file's name on m, and gives the
+// class of the error where a symbolic link (or a file) is found in its
+// place: ErrPolicy on a kvhost mount, whose policy names the directories;
+// ErrInvalid on a vllm-fs mount, whose layout (vLLM's) does: the
+// directory is misplaced, and no policy named it.
+func (m *mount) linkErr() (what string, class error) {
 	if m.raw != nil {
-		return ""
+		return "a directory of vLLM's layout", ErrInvalid
 	}
-	return m.root
+	return "a directory of the policy's name", ErrPolicy
+}
+
+// isLinkRefusal reports whether err is openDir's (or mkdirIn's) refusal
+// of a link or a file where a directory should be.
+func isLinkRefusal(err error) bool {
+	return (errors.Is(err, ErrPolicy) || errors.Is(err, ErrInvalid)) && (errors.Is(err, syscall.ELOOP) || errors.Is(err, syscall.ENOTDIR))
 }

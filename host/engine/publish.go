@@ -28,7 +28,8 @@ import (
 // (nil: none), which the movers forget first; where a file that is not
 // kvhost's lies there instead (the indexed one replaced behind the
 // engine's back), nothing is renamed and the error wraps ErrPolicy
-// (othersAt). published reports whether
+// (othersAt); so it does where a link or a file took the place of its
+// directory (openDir: ErrInvalid on a vllm-fs mount). published reports whether
 // the rename happened: the temporary name is gone and f is closed. A
 // failure after it removes the file again if it is still en's (the
 // caller holds the path; another node may have replaced it; where the
@@ -47,7 +48,7 @@ func (e *Engine) publish(ctx context.Context, m *mount, f fsys.File, tmp string,
 		return false, nil, err // cancelled: never published
 	}
 	err = e.rename(m, tmp, en.path, replaces)
-	if errors.Is(err, ErrPolicy) {
+	if errors.Is(err, ErrPolicy) || isLinkRefusal(err) {
 		return false, nil, err
 	}
 	if err != nil {
@@ -76,29 +77,31 @@ func (e *Engine) publish(ctx context.Context, m *mount, f fsys.File, tmp string,
 }
 
 // rename renames tmp to path, in one directory on m, for publish:
-// replaces is the entry of the file the rename replaces (nil: none). In
-// kvhost's layout the directory is opened once without following any
-// link below the root (openDir: ErrPolicy where a link or a file took
-// its place since the temporary file was made), and the rename is of the
-// names in it (renameat2): a directory replaced by a symbolic link in the
-// meantime never takes the file out of the mount. The indexed file may
-// have been replaced behind the engine's back by one that is not
-// kvhost's: looked at as a file the index does not hold is (othersAt),
-// and never destroyed; where the index holds none the rename does not
-// replace (renameNew). vllm-fs mounts, whose layout names their files
-// and whose rows have no header, rename by name as before.
+// replaces is the entry of the file the rename replaces (nil: none). The
+// directory is opened once without following any link below m's
+// linkFree directory (openDir: its root; a vllm-fs mount's data
+// directory; ErrPolicy, ErrInvalid on a vllm-fs mount, where a link or a
+// file took its place since the temporary file was made), and the rename
+// is of the names in it (renameat2): a directory replaced by a symbolic
+// link in the meantime never takes the file out of the mount. In kvhost's
+// layout the indexed file may have been replaced behind the engine's back
+// by one that is not kvhost's: looked at as a file the index does not
+// hold is (othersAt), and never destroyed; where the index holds none the
+// rename does not replace (renameNew). A vllm-fs row, which has no
+// header, replaces what is at its name (vLLM's row of the same key, or a
+// file cut short), as vLLM's own rename does.
 func (e *Engine) rename(m *mount, tmp, path string, replaces *entry) error {
-	if m.raw != nil {
-		if replaces != nil {
-			e.forget(replaces.ident)
-		}
-		return e.fs.Rename(tmp, path)
-	}
 	dir, err := e.openDir(m, filepath.Dir(path))
 	if err != nil {
 		return err
 	}
 	defer dir.Close()
+	if m.raw != nil {
+		if replaces != nil {
+			e.forget(replaces.ident)
+		}
+		return fsys.RenameAt(e.fs, dir, tmp, dir, path, false)
+	}
 	if replaces == nil {
 		return e.renameNew(m, dir, tmp, path)
 	}

@@ -27,15 +27,17 @@ import (
 // read from the name first. A file already gone is no error. Callers
 // count the file's bytes free only after it returns.
 //
-// In kvhost's layout the unlink is relative to path's directory, opened
-// once without following any link below the root (openDir): the name
-// is looked at there (fstatat), and unlinked there only if it still
-// names id's inode (a file another node renamed onto the path since the
-// caller's check is not removed: nil, as for a file gone). A directory
-// of path replaced by a symbolic link after the caller's check then never
-// makes the unlink remove a file of that name where the link points; the
-// opened directory, where it is moved away, still holds the file. A
-// vllm-fs mount, whose layout names its files, removes by name.
+// The unlink is relative to path's directory, opened once without
+// following any link below m's linkFree directory (openDir: its root; a
+// vllm-fs mount's data directory): the name is looked at there
+// (fstatat), and unlinked there only if it still names id's inode (a
+// file another node renamed onto the path since the caller's check is
+// not removed: nil, as for a file gone). A directory of path replaced by
+// a symbolic link after the caller's check then never makes the unlink
+// remove a file of that name where the link points; the opened
+// directory, where it is moved away, still holds the file. A file above
+// a vllm-fs mount's data directory (a temporary file of config.json, in
+// the base directory, the operator's) is removed by name.
 func (e *Engine) removeFile(m *mount, path string, id fsys.Identity) error {
 	return e.removeFileIn(m, nil, path, id)
 }
@@ -43,7 +45,7 @@ func (e *Engine) removeFile(m *mount, path string, id fsys.Identity) error {
 // removeFileIn is removeFile where the caller holds path's directory open
 // as dir (openDir), or with dir nil.
 func (e *Engine) removeFileIn(m *mount, dir fsys.File, path string, id fsys.Identity) error {
-	if m.raw != nil {
+	if rel, ok := m.belowLinkFree(path); !ok || rel == "" {
 		return e.removeByName(path, id)
 	}
 	if dir == nil {
@@ -82,7 +84,9 @@ func (e *Engine) removeFileIn(m *mount, dir fsys.File, path string, id fsys.Iden
 	return nil
 }
 
-// removeByName is removeFile on a vllm-fs mount: by name.
+// removeByName is removeFile of a file above a vllm-fs mount's data
+// directory (removeFileIn), or of one no mount holds yet (writeConfig's
+// temporary file): by name.
 func (e *Engine) removeByName(path string, id fsys.Identity) error {
 	if id.Ino == 0 {
 		fi, err := e.fs.Stat(path)

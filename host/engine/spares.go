@@ -94,7 +94,7 @@ func (e *Engine) useSpare(m *mount, sf spareFile, dir string, extra int, size, e
 		e.removeOwnIn(m, d, path, sf.id, "spare file")
 		return nil, "", false
 	}
-	if err := e.mkdir(m, dir, m.policyRoot(), false); err != nil {
+	if err := e.mkdir(m, dir, false); err != nil {
 		return fail(sf.path, "mkdir", err)
 	}
 	nd, err := e.openDir(m, dir)

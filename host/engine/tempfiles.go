@@ -75,7 +75,7 @@ func (e *Engine) createTemp(m *mount, dir string, extra int, size int64) (f fsys
 // createFile is createTemp for a temporary name with prefix (tmpPrefix,
 // or sparePrefix for a spare made ahead of stores).
 func (e *Engine) createFile(m *mount, dir, prefix string, extra int, size int64) (f fsys.File, tmp, op string, err error) {
-	if err := e.mkdir(m, dir, m.policyRoot(), false); err != nil {
+	if err := e.mkdir(m, dir, false); err != nil {
 		return nil, "", "mkdir", err
 	}
 	flag := os.O_WRONLY | os.O_CREATE | os.O_EXCL | extra
@@ -87,9 +87,10 @@ func (e *Engine) createFile(m *mount, dir, prefix string, extra int, size int64)
 		f, err = e.openNoLinks(m, tmp, flag, 0o644)
 		if errors.Is(err, os.ErrNotExist) || errors.Is(err, syscall.ELOOP) {
 			// The directory was removed behind our back, or a link
-			// planted on its way: checked again (mkdirIn: ErrPolicy
-			// where the link is still there) and made again.
-			if err = e.mkdir(m, dir, m.policyRoot(), true); err == nil {
+			// planted on its way: checked again (mkdirIn: ErrPolicy,
+			// ErrInvalid on a vllm-fs mount, where the link is still
+			// there) and made again.
+			if err = e.mkdir(m, dir, true); err == nil {
 				f, err = e.openNoLinks(m, tmp, flag, 0o644)
 			}
 		}
@@ -331,22 +332,25 @@ func (e *Engine) ioError(m *mount, op string, err error) error {
 // mkdir creates dir (and parents) once; force re-creates it. With
 // Config.Fsync, every directory it creates is fsynced, and so is its
 // parent, before mkdir returns: a file published there and reported durable
-// cannot vanish with its directory on a power loss. With root set (m's
-// root, where the directory is one of a policy's name), every directory
-// from root down to dir must be one, not a symbolic link someone planted
-// in the mount: the file would otherwise be written, and later removed,
-// wherever the link points, outside the mount; they are made one at a
-// time, each in the one above opened without following a link
-// (mkdirIn), never by a MkdirAll, which would follow a link planted
-// between a check and the make.
-func (e *Engine) mkdir(m *mount, dir, root string, force bool) error {
+// cannot vanish with its directory on a power loss. With m set (dir is
+// the directory of a data file on m: a policy's name, a vllm-fs row's),
+// every directory from m's linkFree directory (its root; a vllm-fs
+// mount's data directory) down to dir must be one, not a symbolic link
+// someone planted in the mount: the file would otherwise be written, and
+// later removed, wherever the link points, outside the mount; they are
+// made one at a time, each in the one above opened without following a
+// link (mkdirIn), never by a MkdirAll, which would follow a link planted
+// between a check and the make. With m nil (a mount's root, a vllm-fs
+// mount's base and data directories: the operator's, links included),
+// MkdirAll.
+func (e *Engine) mkdir(m *mount, dir string, force bool) error {
 	if !force {
 		if _, ok := e.dirs.Load(dir); ok {
 			return nil
 		}
 	}
-	if root != "" {
-		if err := e.mkdirIn(m, root, dir); err != nil {
+	if m != nil {
+		if err := e.mkdirIn(m, dir); err != nil {
 			return err
 		}
 	} else {
@@ -381,21 +385,25 @@ func (e *Engine) mkdir(m *mount, dir, root string, force bool) error {
 	return nil
 }
 
-// mkdirIn makes every directory below root down to dir that is not there,
-// one at a time, and checks every one that is: each is made (mkdirat) in
-// the one above it as opened without following a symbolic link below the
-// root (openDir), and then opened so itself: a policy's names never leave
-// the mount lexically (resolve), and a link planted under the root, before
-// or during the walk, must not take them out of it either. A link or a
-// file in place of one of the directories fails it with ErrPolicy, and
-// nothing is made where a link points. With Config.Fsync, each directory
+// mkdirIn makes every directory below m.linkFree down to dir that is not
+// there, one at a time, and checks every one that is: each is made
+// (mkdirat) in the one above it as opened without following a symbolic
+// link below linkFree (openDir), and then opened so itself: a policy's
+// names, and a vllm-fs layout's, never leave the mount lexically
+// (resolve, vllmfs.Layout.Path), and a link planted under the root (below
+// vLLM's data directory), before or during the walk, must not take them
+// out of it either. A link or a file in place of one of the directories
+// fails it with ErrPolicy on a kvhost mount, ErrInvalid on a vllm-fs
+// mount (openDir), and nothing is made where a link points. With Config.Fsync, each directory
 // it makes is listed for syncNewDirs. The walk is made when mkdir first
 // meets dir (and again once dir was found removed), not per file: two
 // system calls and a close per directory.
-func (e *Engine) mkdirIn(m *mount, root, dir string) error {
+func (e *Engine) mkdirIn(m *mount, dir string) error {
+	root := m.linkFree
 	rel, err := filepath.Rel(root, dir)
 	if err != nil || rel == ".." || strings.HasPrefix(rel, ".."+string(filepath.Separator)) {
-		return fmt.Errorf("%w: directory %s is not under its mount %s", ErrPolicy, dir, root)
+		_, class := m.linkErr()
+		return fmt.Errorf("%w: directory %s is not under %s", class, dir, root)
 	}
 	if rel == "." {
 		return nil

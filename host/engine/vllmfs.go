@@ -180,9 +180,18 @@ func (e *Engine) openLayout(mt *mount, v *VLLMFS) error {
 	if model == "" {
 		model = defaultNamespace(layout.Base())
 	}
-	if err := e.mkdir(nil, filepath.Join(mt.root, layout.DataDir()), "", true); err != nil {
+	data := filepath.Join(mt.root, layout.DataDir())
+	if err := e.mkdir(nil, data, true); err != nil {
 		return fmt.Errorf("engine: mount %s: vllm-fs: %w", mt.root, err)
 	}
+	// vLLM's directory is shared: below the data directory (the
+	// operator's, as the root and base are, links included) no link is
+	// followed (openNoLinks, openDir, mkdirIn).
+	realData, err := filepath.EvalSymlinks(data)
+	if err != nil {
+		return fmt.Errorf("engine: mount %s: vllm-fs: %w", mt.root, err)
+	}
+	mt.linkFree, mt.realLinkFree = data, realData
 	mt.checksums = false // the layout has none
 	mt.raw = &rawLayout{cfg: cfg, layout: layout, model: model, fp: layoutFingerprint(layout.DataDir(), model), rank: v.Rank, rowBytes: v.RowBytes}
 	return nil
@@ -298,7 +307,7 @@ func readSmall(files fsys.FS, path string) ([]byte, error) {
 // temporary file, then rename), as the tier writes it.
 func (e *Engine) writeConfig(root string, cfg vllmfs.Config) error {
 	dir := filepath.Join(root, cfg.Base())
-	if err := e.mkdir(nil, dir, "", true); err != nil {
+	if err := e.mkdir(nil, dir, true); err != nil {
 		return err
 	}
 	tmp := e.tempName(dir, tmpPrefix)
@@ -412,7 +421,9 @@ func (e *Engine) dropShort(ctx context.Context, m *mount, short []*entry) {
 
 // rawEntry returns an unindexed entry for the row file at path on vllm-fs
 // mount mnt, or an error wrapping vllmfs.ErrKey for a name that is not a
-// row of the layout (vLLM's temporary files, other directories).
+// row of the layout (vLLM's temporary files, other directories). A row
+// that is a symbolic link, or whose name leads through one below the data
+// directory, is refused (ELOOP, openNoLinks): its bytes are not vLLM's.
 func (e *Engine) rawEntry(mnt int, path string) (*entry, error) {
 	m := e.mounts[mnt]
 	key, err := e.rawKey(m, path)

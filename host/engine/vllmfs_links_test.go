@@ -1,0 +1,300 @@
+package engine
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"testing"
+
+	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/internal/fsys"
+)
+
+// plantLink replaces the first directory below the data directory on the
+// way to key's row (<data dir>/<3 hex>) with a symbolic link to outside,
+// and returns where key's row would land through it.
+func plantLink(t *testing.T, tier fsTier, key []byte, outside string) string {
+	t.Helper()
+	p := tier.path(key)
+	top := filepath.Dir(filepath.Dir(p)) // <data dir>/<3 hex>
+	os.RemoveAll(top)
+	if err := os.MkdirAll(filepath.Dir(top), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(outside, top); err != nil {
+		t.Fatal(err)
+	}
+	rel, err := filepath.Rel(top, p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return filepath.Join(outside, rel)
+}
+
+// TestAVllmFSStoreNeverWritesThroughALinkPlantedInTheDirectory: someone
+// who can write vLLM's shared directory replaced a directory of the
+// layout with a symbolic link to a directory outside it. A store of a key
+// whose row would go through the link fails and writes nothing outside,
+// not even a directory; another key's store still succeeds.
+func TestAVllmFSStoreNeverWritesThroughALinkPlantedInTheDirectory(t *testing.T) {
+	ctx := context.Background()
+	root, outside := t.TempDir(), t.TempDir()
+	const row = 8192
+	tier := newFSTier(root, row)
+	e := openEngine(t, Config{Mounts: []Mount{{Path: root, VLLMFS: &VLLMFS{Namespace: tierModel, Fields: tier.fields()}}}, Policy: newTestPolicy(4, abi.OrderBlockMajor)})
+	g := rowGeometry(tierModel, row)
+	ns, err := e.Declare(ctx, g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	keys := tierKeys(7, 2)
+	through := plantLink(t, tier, keys[0], outside)
+	c := newTestCache(t, e, ns, g, 4, layoutPlaneFirst)
+	r := rand.New(rand.NewPCG(3, 4))
+	c.fill(r, []int{0, 1})
+	res := wait(t)(e.Store(ctx, StoreRequest{Cache: c.id, Keys: keys[:1], Blocks: [][]int{{0}}}))
+	if k := res.Keys[0]; k.Outcome != OutcomeFailed || !errors.Is(k.Err, ErrInvalid) {
+		t.Errorf("store through a planted link: %v (%v), want failed with ErrInvalid", k.Outcome, k.Err)
+	}
+	if ents, _ := os.ReadDir(outside); len(ents) != 0 {
+		t.Errorf("the store wrote outside the vllm-fs directory, through the link (%s): %v", through, ents)
+	}
+	if st := e.Stats(); st.Entries != 0 || st.Mounts[0].Used != 0 {
+		t.Errorf("after the refused store: %d entries, %d bytes used; want none", st.Entries, st.Mounts[0].Used)
+	}
+	storeAndCheck(t, e, c, keys[1:], [][]int{{1}})
+	if got := tier.load(t, keys[1]); !bytes.Equal(got, c.data([]int{1})) {
+		t.Error("the store under real directories: the tier reads other bytes")
+	}
+}
+
+// TestAVllmFSNeverServesOrRemovesAFileThroughALinkPlantedInTheDirectory:
+// a directory of the layout is a symbolic link to a directory outside,
+// holding a file of the row's length under the key's name. A lookup does
+// not index it (a miss), a load does not serve its bytes, and a delete of
+// the key leaves it where it is.
+func TestAVllmFSNeverServesOrRemovesAFileThroughALinkPlantedInTheDirectory(t *testing.T) {
+	ctx := context.Background()
+	root, outside := t.TempDir(), t.TempDir()
+	const row = 8192
+	tier := newFSTier(root, row)
+	tier.init(t)
+	e := openEngine(t, Config{Mounts: []Mount{{Path: root, VLLMFS: &VLLMFS{Namespace: tierModel, Fields: tier.fields(), RowBytes: row}}}, Policy: newTestPolicy(4, abi.OrderBlockMajor)})
+	g := rowGeometry(tierModel, row)
+	ns, err := e.Declare(ctx, g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	keys := tierKeys(8, 1)
+	through := plantLink(t, tier, keys[0], outside)
+	if err := os.MkdirAll(filepath.Dir(through), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	secret := bytes.Repeat([]byte("not a row of vLLM's "), tier.fileLen()/20+1)[:tier.fileLen()]
+	if err := os.WriteFile(through, secret, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if got, err := e.Lookup(ctx, ns, keys); err != nil || got != 0 {
+		t.Errorf("lookup of the key whose name goes through the link: %d, %v; want a miss", got, err)
+	}
+	c := newTestCache(t, e, ns, g, 2, layoutPlaneFirst)
+	res := wait(t)(e.Load(ctx, LoadRequest{Cache: c.id, Keys: keys, Blocks: [][]int{{0}}}))
+	if k := res.Keys[0]; k.Outcome == OutcomeLoaded {
+		t.Errorf("load served the file outside the directory (%s)", through)
+	}
+	if _, err := e.Delete(ctx, ns, keys); err != nil {
+		t.Logf("delete: %v", err)
+	}
+	if _, err := os.Stat(through); err != nil {
+		t.Errorf("the file outside the vllm-fs directory, reached through the link, was removed: %v", err)
+	}
+}
+
+// TestAVllmFSLoadNeverServesAFileThroughALinkPlantedAfterItsRowWasIndexed:
+// a row is indexed; then a directory on its way is replaced by a symbolic
+// link to a directory outside holding a file of the row's length under
+// the same name. A load of the key does not serve that file's bytes, and
+// it stays where it is, through a delete of the key.
+func TestAVllmFSLoadNeverServesAFileThroughALinkPlantedAfterItsRowWasIndexed(t *testing.T) {
+	ctx := context.Background()
+	root, outside := t.TempDir(), t.TempDir()
+	const row = 8192
+	tier := newFSTier(root, row)
+	tier.init(t)
+	keys := tierKeys(10, 1)
+	tier.store(t, keys[0], randomRow(rand.New(rand.NewPCG(5, 6)), row))
+	e := openEngine(t, Config{Mounts: []Mount{{Path: root, VLLMFS: &VLLMFS{Namespace: tierModel, Fields: tier.fields(), RowBytes: row}}}, Policy: newTestPolicy(4, abi.OrderBlockMajor)})
+	g := rowGeometry(tierModel, row)
+	ns, err := e.Declare(ctx, g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st := e.Stats(); st.Entries != 1 {
+		t.Fatalf("%d entries after open, want the row", st.Entries)
+	}
+	through := plantLink(t, tier, keys[0], outside)
+	if err := os.MkdirAll(filepath.Dir(through), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	secret := bytes.Repeat([]byte("not a row of vLLM's "), tier.fileLen()/20+1)[:tier.fileLen()]
+	if err := os.WriteFile(through, secret, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	c := newTestCache(t, e, ns, g, 2, layoutPlaneFirst)
+	res := wait(t)(e.Load(ctx, LoadRequest{Cache: c.id, Keys: keys, Blocks: [][]int{{0}}}))
+	if k := res.Keys[0]; k.Outcome == OutcomeLoaded || bytes.Equal(c.data([]int{0}), secret[:row]) {
+		t.Errorf("load served the file outside the directory (%s): %v", through, k.Outcome)
+	}
+	if _, err := e.Delete(ctx, ns, keys); err != nil {
+		t.Logf("delete: %v", err)
+	}
+	if _, err := os.Stat(through); err != nil {
+		t.Errorf("the file outside the vllm-fs directory, reached through the link, was removed: %v", err)
+	}
+}
+
+// TestAVllmFSNeverServesARowThatIsASymbolicLink: a key's row name is a
+// symbolic link to a file of the row's length outside vLLM's directory,
+// whether found by a lookup or put over a row indexed before. Neither is
+// served.
+func TestAVllmFSNeverServesARowThatIsASymbolicLink(t *testing.T) {
+	ctx := context.Background()
+	root, outside := t.TempDir(), t.TempDir()
+	const row = 8192
+	tier := newFSTier(root, row)
+	tier.init(t)
+	keys := tierKeys(11, 2)
+	tier.store(t, keys[1], randomRow(rand.New(rand.NewPCG(5, 6)), row))
+	e := openEngine(t, Config{Mounts: []Mount{{Path: root, VLLMFS: &VLLMFS{Namespace: tierModel, Fields: tier.fields(), RowBytes: row}}}, Policy: newTestPolicy(4, abi.OrderBlockMajor)})
+	g := rowGeometry(tierModel, row)
+	ns, err := e.Declare(ctx, g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	secret := filepath.Join(outside, "secret")
+	if err := os.WriteFile(secret, bytes.Repeat([]byte{0x5a}, tier.fileLen()), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for _, k := range keys {
+		p := tier.path(k)
+		os.MkdirAll(filepath.Dir(p), 0o755)
+		os.Remove(p)
+		if err := os.Symlink(secret, p); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if got, err := e.Lookup(ctx, ns, keys[:1]); err != nil || got != 0 {
+		t.Errorf("lookup of a key whose row is a link: %d, %v; want a miss", got, err)
+	}
+	c := newTestCache(t, e, ns, g, 2, layoutPlaneFirst)
+	res := wait(t)(e.Load(ctx, LoadRequest{Cache: c.id, Keys: keys, Blocks: [][]int{{0}, {1}}}))
+	for i, k := range res.Keys {
+		if k.Outcome == OutcomeLoaded {
+			t.Errorf("key %d: load served the file a link at its row name points to", i)
+		}
+	}
+}
+
+// TestAVllmFSRootAndDataDirectoryMayBeSymbolicLinks: the root and the
+// data directory are the operator's to place, by a link if so; only the
+// directories below the data directory, and the rows, must not be links.
+// A mount whose root and data directory are links adopts the row vLLM
+// wrote there, serves it, and stores another through them.
+func TestAVllmFSRootAndDataDirectoryMayBeSymbolicLinks(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	const row = 8192
+	for _, d := range []string{"root", "data"} {
+		if err := os.Mkdir(filepath.Join(dir, d), 0o755); err != nil {
+			t.Fatal(err)
+		}
+	}
+	root := filepath.Join(dir, "alias")
+	if err := os.Symlink(filepath.Join(dir, "root"), root); err != nil {
+		t.Fatal(err)
+	}
+	tier := newFSTier(root, row)
+	tier.init(t)
+	if err := os.Symlink(filepath.Join(dir, "data"), tier.base()+"_r0"); err != nil {
+		t.Fatal(err)
+	}
+	keys := tierKeys(13, 2)
+	want := randomRow(rand.New(rand.NewPCG(7, 7)), row)
+	tier.store(t, keys[0], want)
+	e := openEngine(t, Config{Mounts: []Mount{{Path: root, VLLMFS: &VLLMFS{Namespace: tierModel, Fields: tier.fields(), RowBytes: row}}}, Policy: newTestPolicy(4, abi.OrderBlockMajor)})
+	g := rowGeometry(tierModel, row)
+	ns, err := e.Declare(ctx, g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st := e.Stats(); st.Entries != 1 {
+		t.Fatalf("%d entries after open, want the row", st.Entries)
+	}
+	c := newTestCache(t, e, ns, g, 2, layoutPlaneFirst)
+	res := wait(t)(e.Load(ctx, LoadRequest{Cache: c.id, Keys: keys[:1], Blocks: [][]int{{0}}}))
+	if k := res.Keys[0]; k.Outcome != OutcomeLoaded || !bytes.Equal(c.data([]int{0}), want) {
+		t.Errorf("load of the row under the linked data directory: %v (%v)", k.Outcome, k.Err)
+	}
+	c.fill(rand.New(rand.NewPCG(8, 8)), []int{1})
+	storeAndCheck(t, e, c, keys[1:], [][]int{{1}})
+	if got := tier.load(t, keys[1]); !bytes.Equal(got, c.data([]int{1})) {
+		t.Error("the store through the linked root and data directory: the tier reads other bytes")
+	}
+}
+
+// TestAVllmFSRemovalNeverUnlinksThroughALinkPlantedAfterItsCheck: a
+// delete of an indexed row checks the file at its name, then unlinks it.
+// Someone who can write vLLM's shared directory replaces a directory of
+// the layout on the row's way by a symbolic link to a directory outside
+// holding a file of the same name, between the check and the unlink. The
+// unlink removes the row in the directory checked (moved away), and the
+// file outside is left where it is.
+func TestAVllmFSRemovalNeverUnlinksThroughALinkPlantedAfterItsCheck(t *testing.T) {
+	ctx := context.Background()
+	root, outside := t.TempDir(), t.TempDir()
+	const row = 8192
+	tier := newFSTier(root, row)
+	tier.init(t)
+	keys := tierKeys(14, 1)
+	tier.store(t, keys[0], randomRow(rand.New(rand.NewPCG(3, 3)), row))
+	p := tier.path(keys[0])
+	top := filepath.Dir(filepath.Dir(p)) // <data dir>/<3 hex>
+	rel, err := filepath.Rel(top, p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	through := filepath.Join(outside, rel)
+	if err := os.MkdirAll(filepath.Dir(through), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(through, []byte("not a row of vLLM's"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	pl := &plantAt{outside: outside}
+	pl.at = func(op fsys.Op, path string) bool { return op == fsys.OpRemove && path == p }
+	pl.plant = func(string) { swapForLink(t, filepath.Dir(top), filepath.Base(top), outside) }
+	e := openEngine(t, Config{FS: &fsys.Faulty{FS: fsys.OS{}, Inj: pl}, Mounts: []Mount{{Path: root, VLLMFS: &VLLMFS{Namespace: tierModel, Fields: tier.fields(), RowBytes: row}}}, Policy: newTestPolicy(4, abi.OrderBlockMajor)})
+	ns, err := e.Declare(ctx, rowGeometry(tierModel, row))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st := e.Stats(); st.Entries != 1 {
+		t.Fatalf("%d entries after open, want the row", st.Entries)
+	}
+	pl.armed.Store(true)
+	if _, err := e.Delete(ctx, ns, keys); err != nil {
+		t.Fatal(err)
+	}
+	if !pl.planted.Load() {
+		t.Fatal("the delete never unlinked the row: no link planted")
+	}
+	if b, err := os.ReadFile(through); err != nil || string(b) != "not a row of vLLM's" {
+		t.Errorf("the file outside the vllm-fs directory, of the row's name, was removed through the link (%v)", err)
+	}
+	if _, err := os.Stat(filepath.Join(top+".old", rel)); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("the row, in the directory checked, was not removed: %v", err)
+	}
+}
