@@ -213,7 +213,7 @@ func (e *Engine) disposeIfSame(path string, ens []*entry, spare bool) (kept bool
 		return fail("open the directory before remove", ens[0], path, err)
 	}
 	defer dir.Close()
-	f, err := e.openNoLinks(m, path, os.O_RDONLY, 0)
+	f, err := e.openNoLinks(m, path, os.O_RDONLY|checkOpen, 0)
 	if err != nil {
 		if !errors.Is(err, os.ErrNotExist) && !errors.Is(err, syscall.ELOOP) {
 			return fail("open before remove", ens[0], path, err)

@@ -16,7 +16,7 @@ import (
 // error wrapping os.ErrNotExist (vanished), errReplaced, ErrCorrupt (the
 // file at the path does not decode) or the I/O error.
 func (e *Engine) openSame(en *entry, flag int) (fsys.File, *format.Header, error) {
-	f, err := e.fs.OpenFile(en.path, flag, 0)
+	f, err := e.fs.OpenFile(en.path, flag|checkOpen, 0)
 	if err != nil {
 		return nil, nil, err
 	}

@@ -6,6 +6,7 @@ import (
 	"io"
 	"math/rand/v2"
 	"os"
+	"syscall"
 
 	"github.com/kvhost/kvhost/internal/format"
 	"github.com/kvhost/kvhost/internal/fsys"
@@ -76,9 +77,10 @@ func fileIdentity(f fsys.File) (fsys.Identity, error) {
 // a link planted below the root (openNoLinks), and returns it with its
 // identity: that of the open file, not of the name (the name may be
 // replaced meanwhile), from one fstat that also refuses anything but a
-// regular file.
+// regular file. The open does not block (O_NONBLOCK, checkOpen): a named
+// pipe at path is refused, not waited on.
 func (e *Engine) openRegular(m *mount, path string) (fsys.File, fsys.Identity, error) {
-	f, err := e.openNoLinks(m, path, os.O_RDONLY, 0)
+	f, err := e.openNoLinks(m, path, os.O_RDONLY|checkOpen, 0)
 	if err != nil {
 		return nil, fsys.Identity{}, err
 	}
@@ -92,6 +94,15 @@ func (e *Engine) openRegular(m *mount, path string) (fsys.File, fsys.Identity, e
 	}
 	return f, id, nil
 }
+
+// checkOpen is an open flag of the opens that only look at a file (its
+// identity, its header) before it is read, indexed or removed:
+// O_NONBLOCK, so that a named pipe someone put at a file's name (a row's
+// name in vLLM's shared directory, a policy's name) is opened at once,
+// then refused as not a regular file, where a plain open waits for a
+// writer, holding the request and every later one of that name forever.
+// It changes nothing for a regular file's reads.
+const checkOpen = syscall.O_NONBLOCK
 
 // errNotRegular: a name where a kvhost file should be is not a regular
 // file (a directory, a socket...).

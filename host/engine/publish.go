@@ -143,7 +143,7 @@ func (e *Engine) renameNew(m *mount, dir fsys.File, tmp, path string) error {
 // kvhost file the index does not hold (another node's or engine's, or
 // one left by a crash) may be replaced.
 func (e *Engine) othersAt(m *mount, path string) error {
-	f, err := e.openNoLinks(m, path, os.O_RDONLY|syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0)
+	f, err := e.openNoLinks(m, path, os.O_RDONLY|syscall.O_NOFOLLOW|checkOpen, 0)
 	if errors.Is(err, os.ErrNotExist) {
 		return nil
 	}

@@ -185,7 +185,7 @@ func (e *Engine) removeCorrupt(m *mount, path string, readErr error) bool {
 	if !errors.Is(readErr, ErrCorrupt) || errors.Is(readErr, format.ErrBadMagic) || errors.Is(readErr, format.ErrVersion) {
 		return false
 	}
-	f, err := e.openNoLinks(m, path, os.O_RDONLY, 0)
+	f, err := e.openNoLinks(m, path, os.O_RDONLY|checkOpen, 0)
 	if err != nil {
 		return false
 	}
