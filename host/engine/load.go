@@ -215,6 +215,12 @@ func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 		// at the same inode): the entry goes; the file is indexed anew if
 		// it holds what is asked, and read below like any file.
 		e.dropVanished(ctx, en, "replaced")
+		// A row is exactly its length (rawEntry); a longer file is
+		// not this geometry's row, whatever its first bytes.
+		if m.raw != nil && id.Size > h.FileLen() {
+			all(OutcomeMissing, fmt.Errorf("%w: %w: %s was replaced by a file of %d bytes, rows are %d", ErrNotFound, ErrMismatch, en.path, id.Size, h.FileLen()))
+			return
+		}
 		if id.Size >= h.FileLen() {
 			found := e.entryOf(en.mount, en.path, h, id)
 			if en, _ = e.adoptFound(ctx, found); en == nil {
