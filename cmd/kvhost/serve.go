@@ -322,6 +322,9 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 				return d.reloads, d.reloadFailures
 			},
 		}
+		if d.fs != nil {
+			src.Statfs = d.fs.Statfs // the engine's file system (tests hold it)
+		}
 		if gp != nil {
 			src.GPUFiles, src.GPUStaging, src.GPUFaults = gp.staging.FileStats, gp.staging.PinnedUsage, gp.deviceFaults
 			src.GPUChecksumJobs = gp.staging.SumJobs

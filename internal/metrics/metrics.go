@@ -18,11 +18,11 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
-	"golang.org/x/sys/unix"
 
 	"github.com/kvhost/kvhost/gds"
 	"github.com/kvhost/kvhost/host/engine"
 	"github.com/kvhost/kvhost/host/policy"
+	"github.com/kvhost/kvhost/internal/fsys"
 	"github.com/kvhost/kvhost/internal/server"
 	"github.com/kvhost/kvhost/protocol"
 	"github.com/kvhost/kvhost/staging/gpu"
@@ -69,6 +69,10 @@ type Sources struct {
 	// with jobs in flight, a check that does not answer), or ""; nil
 	// never.
 	Stalled func() string
+	// Statfs reads a mount's file system for
+	// kvhost_mount_fs_available_bytes (the daemon's fsys.FS); nil is the
+	// operating system's (fsys.OS).
+	Statfs func(path string) (fsys.StatFS, error)
 }
 
 // PolicyState is the placement policy as the daemon runs it.
@@ -96,6 +100,8 @@ type Metrics struct {
 	jobKeys     *prometheus.CounterVec
 	policyCall  *prometheus.HistogramVec
 	request     *prometheus.HistogramVec
+
+	fs fsProbes // the mounts' statfs, one call in flight per mount
 }
 
 // Histogram buckets, in seconds.
@@ -266,99 +272,101 @@ func desc(name, help string, labels ...string) *prometheus.Desc {
 
 // The collector's metrics (docs/metrics.md).
 var (
-	dReady          = desc("kvhost_ready", "1 while the daemon accepts clients.")
-	dEntries        = desc("kvhost_entries", "Files in the engine's index.")
-	dKeys           = desc("kvhost_keys", "Keys in the engine's index.")
-	dHeldFound      = desc("kvhost_restart_held_files", "Files found at start that are still held from eviction (engine.restart_hold).")
-	dStored         = desc("kvhost_stored_keys_total", "Keys written and published.")
-	dLoaded         = desc("kvhost_loaded_keys_total", "Keys read into their blocks and verified.")
-	dHits           = desc("kvhost_hits_total", "Keys found by lookups and loads.")
-	dMisses         = desc("kvhost_misses_total", "Keys not found by lookups and loads.")
-	dEvictions      = desc("kvhost_evictions_total", "Files evicted to make room.")
-	dReused         = desc("kvhost_reused_files_total", "Stores that wrote into a spare file (an evicted file kept, or one made ahead) instead of a fresh file (memory file systems).")
-	dSparesMade     = desc("kvhost_spare_files_made_total", "Spare files made ahead of stores on memory file systems (mount.preallocate).")
-	dCorrupt        = desc("kvhost_corrupt_files_total", "Files dropped because they failed verification.")
-	dVanished       = desc("kvhost_vanished_files_total", "Files found missing or replaced behind the engine's back.")
-	dRemoveFailed   = desc("kvhost_remove_failures_total", "Data, spare and temporary files whose removal failed, each counted once (the file stays counted as used; evictions on its mount try again).")
-	dWritten        = desc("kvhost_written_bytes_total", "Payload bytes written to files.")
-	dRead           = desc("kvhost_read_bytes_total", "Payload bytes read from files.")
-	dFailures       = desc("kvhost_key_failures_total", "Keys of jobs that failed, by direction and reason.", "direction", "reason")
-	dNamespaces     = desc("kvhost_namespaces", "Namespaces (a model at one geometry) with files indexed or declared now.")
-	dNSKeys         = desc("kvhost_namespace_keys", "Keys indexed of a namespace, by its fingerprint and the model id it was declared with (empty for files found on the mounts whose namespace no client declared since the start); the 128 namespaces holding the most bytes.", "fingerprint", "model")
-	dNSFiles        = desc("kvhost_namespace_files", "Files indexed of a namespace (labels as kvhost_namespace_keys).", "fingerprint", "model")
-	dNSBytes        = desc("kvhost_namespace_bytes", "Bytes of a namespace's indexed files, headers included (labels as kvhost_namespace_keys).", "fingerprint", "model")
-	dMountCap       = desc("kvhost_mount_capacity_bytes", "Effective capacity of a mount.", "mount")
-	dMountUsed      = desc("kvhost_mount_used_bytes", "Bytes of published files, reservations of stores in flight, and files dropped from the index not yet removed.", "mount")
-	dMountFree      = desc("kvhost_mount_free_bytes", "Capacity left to kvhost on a mount (capacity - used).", "mount")
-	dMountFSFree    = desc("kvhost_mount_fs_available_bytes", "Space the file system of a mount has available (statfs).", "mount")
-	dMountSpare     = desc("kvhost_mount_spare_bytes", "Bytes of evicted files kept for stores to write into (free space that holds pages; not in used).", "mount")
-	dMountEntries   = desc("kvhost_mount_entries", "Files on a mount.", "mount")
-	dMountFailing   = desc("kvhost_mount_stores_failing", "1 while a mount refuses stores: its most recent stores or moves there failed for a reason of its own (read-only file system, I/O error, no space left after eviction) and none succeeded since, or the start found it read-only or without room; 0 once a store or move there succeeds, or a probe (every 30 s) finds it writable with room.", "mount")
-	dMountMovedIn   = desc("kvhost_mount_moved_in_files_total", "Files moved to a mount from another tier (demotions, promotions, tick moves).", "mount")
-	dMountMovedOut  = desc("kvhost_mount_moved_out_files_total", "Files moved from a mount to another tier (demotions, promotions, tick moves).", "mount")
-	dDemotions      = desc("kvhost_demotions_total", "Eviction victims moved to another mount instead of deleted (they stay stored; not in kvhost_evictions_total).")
-	dPromotions     = desc("kvhost_promotions_total", "Files moved to an earlier (faster) mount.")
-	dTickMoves      = desc("kvhost_tick_moves_total", "Moves the policy's tick asked for and the engine carried out (promotions included).")
-	dMoveFailures   = desc("kvhost_move_failures_total", "Moves between mounts that failed (no space, I/O errors); the file stays where it was.")
-	dDemoteDeletes  = desc("kvhost_demotion_deletes_total", "Victims the policy wanted demoted, deleted because the target had no room (MOVE_DELETE_IF_FULL) or held another file at the path; also in kvhost_evictions_total.")
-	dDeduped        = desc("kvhost_duplicate_files_removed_total", "Files removed at start because the same file was also on another mount (a move between mounts that a crash cut short after its copy was in place); the copy the move made was kept.")
-	dMountInfo      = desc("kvhost_mount_info", "A mount's I/O mode, host data mover and checksums; always 1.", "mount", "io", "backend", "checksums")
-	dFallbacks      = desc("kvhost_data_path_fallbacks_total", "Transfer plans a GPU data mover passed on to the next (e.g. cufile to the staging copy).", "mount", "mover")
-	dPolicyInfo     = desc("kvhost_policy_info", "The configured policy and what answers its calls now (wasm or native); always 1.", "policy", "backend")
-	dPolicyFallback = desc("kvhost_policy_fallback", "1 once the policy fell back to its native build; reason is the failure that caused it.", "reason")
-	dPolicyCalls    = desc("kvhost_policy_calls_total", "Policy hook calls, by export.", "hook")
-	dPolicyRecords  = desc("kvhost_policy_records_total", "Records passed to policy hooks, by export.", "hook")
-	dPolicyFailures = desc("kvhost_policy_failures_total", "Failed policy calls: traps, timeouts, failure statuses and rejected outputs.")
-	dPolicyRejected = desc("kvhost_policy_rejections_total", "Policy outputs the host rejected (a subset of the failures).")
-	dPolicyRestarts = desc("kvhost_policy_restarts_total", "Policy instances closed and rebuilt after a failure.")
-	dPolicySlow     = desc("kvhost_policy_slow_calls_total", "Policy calls that finished within their fuel but after their deadline.")
-	dPolicyStale    = desc("kvhost_policy_stale_victims_total", "Victims skipped because the engine had pinned or removed them.")
-	dPolicyRemoved  = desc("kvhost_policy_removed_offered_total", "Victims and moves of entries the plugin had been sent a REMOVE for: each failed its call (a plugin that ignores REMOVE records).")
-	dClients        = desc("kvhost_clients", "Connections through the handshake.")
-	dHandshakes     = desc("kvhost_handshakes", "Connections not through the handshake yet.")
-	dJobsInFlight   = desc("kvhost_jobs_in_flight", "Store and load jobs of all connections not finished.")
-	dJobsHeld       = desc("kvhost_jobs_in_flight_bytes", "Memory the unfinished jobs of all connections hold, as the server counts it against server.max_inflight_bytes.")
-	dJobsHeldLimit  = desc("kvhost_jobs_in_flight_bytes_limit", "The most memory the unfinished jobs of all connections may hold (server.max_inflight_bytes).")
-	dRegions        = desc("kvhost_registered_regions", "Host memory regions registered by clients.")
-	dRefusals       = desc("kvhost_limit_refusals_total", "Client requests refused with limit exceeded, by the bound that refused them: its configuration key (server.max_...), the protocol's per-connection limit (namespaces_per_connection, caches_per_connection, pins_per_connection), or namespaces_per_daemon (the geometries the daemon knows at a time).", "limit")
-	dPinnedKeys     = desc("kvhost_client_pinned_keys", "Keys the pins of all connections hold, as counted against server.max_pinned_keys.")
-	dPinnedLimit    = desc("kvhost_client_pinned_keys_limit", "The most keys the pins of all connections may hold (server.max_pinned_keys).")
-	dIncoming       = desc("kvhost_incoming_frame_bytes", "Bytes of frame bodies over 64 KiB the daemon holds while it reads and answers them, as counted against server.max_incoming_bytes.")
-	dIncomingLimit  = desc("kvhost_incoming_frame_bytes_limit", "The most bytes of frame bodies the daemon may hold while it reads and answers them (server.max_incoming_bytes).")
-	dIncomingWait   = desc("kvhost_incoming_frames_waiting", "Frames whose body waits, unread, for room under server.max_incoming_bytes or server.max_incoming_bytes_per_peer.")
-	dIncomingWaits  = desc("kvhost_incoming_frame_waits_total", "Frames whose body waited for room under server.max_incoming_bytes or server.max_incoming_bytes_per_peer before it was read.")
-	dCacheLayers    = desc("kvhost_client_cache_layers", "Layers of the caches all connections hold registered, as counted against server.max_cache_layers.")
-	dCacheLayersMax = desc("kvhost_client_cache_layers_limit", "The most layers the caches of all connections may hold (server.max_cache_layers).")
-	dClientFds      = desc("kvhost_client_descriptors", "Descriptors of clients the daemon holds: registered host memory and descriptors sent with frames not yet answered.")
-	dClientFdsLimit = desc("kvhost_client_descriptors_limit", "The most descriptors of clients the daemon may hold (server.max_descriptors).")
-	dRegBytes       = desc("kvhost_registered_bytes", "Bytes of host memory registered by clients.")
-	dRegLimit       = desc("kvhost_registered_bytes_limit", "The most bytes of host memory all clients may register.")
-	dGPURegions     = desc("kvhost_gpu_registered_regions", "GPU memory regions registered by clients (CUDA IPC), per device.", "device")
-	dGPUBytes       = desc("kvhost_gpu_registered_bytes", "Bytes of GPU memory registered by clients, per device.", "device")
-	dGPULimit       = desc("kvhost_gpu_registered_bytes_limit", "The most bytes of GPU memory clients may register per device.", "device")
-	dStagingInUse   = desc("kvhost_staging_buffers_in_use", "Bounce buffers of the CPU staging pipeline in use.")
-	dStagingLimit   = desc("kvhost_staging_buffers_limit", "The most bounce buffers the CPU staging pipeline may have (engine.staging_memory).")
-	dStagingSize    = desc("kvhost_staging_buffer_bytes", "Size of one bounce buffer.")
-	dGPUFiles       = desc("kvhost_gpu_registered_files", "Memory-mount files kept mapped and registered with CUDA, for direct copies between the GPU and their pages.")
-	dGPUFileBytes   = desc("kvhost_gpu_registered_file_bytes", "Bytes of the memory-mount files kept registered with CUDA.")
-	dGPUFileLimit   = desc("kvhost_gpu_registered_files_limit", "The most files kept registered (gpu.register_files, bounded by the descriptor limit).")
-	dGPUFileQueue   = desc("kvhost_gpu_file_registrations_queued", "Memory-mount files offered for registration and not registered yet (waiting for the registrar, or being registered).")
-	dGPUFileRegs    = desc("kvhost_gpu_file_registrations_total", "Files mapped and registered with CUDA (ok), given back (released), that could not be (failed), or not registered yet because the bound was reached (deferred: a file's first offer there).", "result")
-	dGPUFileWarmed  = desc("kvhost_gpu_file_warm_offers_total", "Memory-mount files offered for registration ahead of any job (found at start, or another process's or node's file a lookup discovered) and queued: their registrations are counted in kvhost_gpu_file_registrations_total.")
-	dGPUFileWaits   = desc("kvhost_gpu_file_registration_waits_total", "Registrations the registrar put off while stores moved through the pinned buffers.")
-	dGPUFileWaited  = desc("kvhost_gpu_file_registration_wait_seconds_total", "Time the registrar waited for stores through the pinned buffers before registering files.")
-	dGPUFileJobs    = desc("kvhost_gpu_direct_file_jobs_total", "Jobs that moved a registered file directly between the GPU and its pages, by direction.", "direction")
-	dGPUSumJobs     = desc("kvhost_gpu_checksum_jobs_total", "GPU staging jobs that succeeded with payload checksums, by where they were computed: cpu or gpu (gpu.checksum_on).", "on")
-	dGPUPinInUse    = desc("kvhost_gpu_staging_buffers_in_use", "Pinned buffers of the GPU staging pipeline that jobs hold now.")
-	dGPUPinTotal    = desc("kvhost_gpu_staging_buffers", "Pinned buffers of the GPU staging pipeline, allocated once at start (gpu.staging_memory).")
-	dGPUPinSize     = desc("kvhost_gpu_staging_buffer_bytes", "Size of one pinned buffer of the GPU staging pipeline.")
-	dGPUFaults      = desc("kvhost_gpu_device_faults_total", "Staging and cuFile jobs and CUDA IPC registrations that failed with a sticky CUDA error on the device (an illegal address, a failed launch, an ECC error: its context is broken, and its jobs fail until the daemon restarts), and cuFile batches whose I/O did not come back after their cancel (their jobs are held until it does).", "device")
-	dCuFileHandles  = desc("kvhost_cufile_handles", "Files registered with cuFile (cuFileHandleRegister) and cached now.")
-	dCuFileRegs     = desc("kvhost_cufile_handle_registrations_total", "cuFile file registrations, by result (ok, failed).", "result")
-	dCuFileHits     = desc("kvhost_cufile_handle_hits_total", "Transfers that found their file's cuFile handle cached (or being registered by another transfer).")
-	dCuFileDropped  = desc("kvhost_cufile_handles_dropped_total", "Cached cuFile handles deregistered: to keep the bound (evicted), because the engine removed or replaced the file (forgotten), or because no name links the file any more (unlinked: another node removed it).", "reason")
-	dStart          = desc("kvhost_start_time_seconds", "When the daemon's server started, in Unix seconds.")
-	dReloads        = desc("kvhost_reloads_total", "Configuration reloads, by result (ok, failed).", "result")
+	dReady              = desc("kvhost_ready", "1 while the daemon accepts clients.")
+	dEntries            = desc("kvhost_entries", "Files in the engine's index.")
+	dKeys               = desc("kvhost_keys", "Keys in the engine's index.")
+	dHeldFound          = desc("kvhost_restart_held_files", "Files found at start that are still held from eviction (engine.restart_hold).")
+	dStored             = desc("kvhost_stored_keys_total", "Keys written and published.")
+	dLoaded             = desc("kvhost_loaded_keys_total", "Keys read into their blocks and verified.")
+	dHits               = desc("kvhost_hits_total", "Keys found by lookups and loads.")
+	dMisses             = desc("kvhost_misses_total", "Keys not found by lookups and loads.")
+	dEvictions          = desc("kvhost_evictions_total", "Files evicted to make room.")
+	dReused             = desc("kvhost_reused_files_total", "Stores that wrote into a spare file (an evicted file kept, or one made ahead) instead of a fresh file (memory file systems).")
+	dSparesMade         = desc("kvhost_spare_files_made_total", "Spare files made ahead of stores on memory file systems (mount.preallocate).")
+	dCorrupt            = desc("kvhost_corrupt_files_total", "Files dropped because they failed verification.")
+	dVanished           = desc("kvhost_vanished_files_total", "Files found missing or replaced behind the engine's back.")
+	dRemoveFailed       = desc("kvhost_remove_failures_total", "Data, spare and temporary files whose removal failed, each counted once (the file stays counted as used; evictions on its mount try again).")
+	dWritten            = desc("kvhost_written_bytes_total", "Payload bytes written to files.")
+	dRead               = desc("kvhost_read_bytes_total", "Payload bytes read from files.")
+	dFailures           = desc("kvhost_key_failures_total", "Keys of jobs that failed, by direction and reason.", "direction", "reason")
+	dNamespaces         = desc("kvhost_namespaces", "Namespaces (a model at one geometry) with files indexed or declared now.")
+	dNSKeys             = desc("kvhost_namespace_keys", "Keys indexed of a namespace, by its fingerprint and the model id it was declared with (empty for files found on the mounts whose namespace no client declared since the start); the 128 namespaces holding the most bytes.", "fingerprint", "model")
+	dNSFiles            = desc("kvhost_namespace_files", "Files indexed of a namespace (labels as kvhost_namespace_keys).", "fingerprint", "model")
+	dNSBytes            = desc("kvhost_namespace_bytes", "Bytes of a namespace's indexed files, headers included (labels as kvhost_namespace_keys).", "fingerprint", "model")
+	dMountCap           = desc("kvhost_mount_capacity_bytes", "Effective capacity of a mount.", "mount")
+	dMountUsed          = desc("kvhost_mount_used_bytes", "Bytes of published files, reservations of stores in flight, and files dropped from the index not yet removed.", "mount")
+	dMountFree          = desc("kvhost_mount_free_bytes", "Capacity left to kvhost on a mount (capacity - used).", "mount")
+	dMountFSFree        = desc("kvhost_mount_fs_available_bytes", "Space the file system of a mount has available (statfs), as it last answered; absent where it never answered or its last statfs failed.", "mount")
+	dMountFSAge         = desc("kvhost_mount_fs_available_age_seconds", "How old kvhost_mount_fs_available_bytes is: the time since the mount's file system last answered statfs.", "mount")
+	dMountStatfsPending = desc("kvhost_mount_statfs_pending_seconds", "How long the mount's statfs in flight has gone unanswered (a scrape waits 1 s for it, then reports the last answer); 0: none. A mount on a network file system that stopped answering (NFS, FUSE) grows it; never more than one call per mount is in flight.", "mount")
+	dMountSpare         = desc("kvhost_mount_spare_bytes", "Bytes of evicted files kept for stores to write into (free space that holds pages; not in used).", "mount")
+	dMountEntries       = desc("kvhost_mount_entries", "Files on a mount.", "mount")
+	dMountFailing       = desc("kvhost_mount_stores_failing", "1 while a mount refuses stores: its most recent stores or moves there failed for a reason of its own (read-only file system, I/O error, no space left after eviction) and none succeeded since, or the start found it read-only or without room; 0 once a store or move there succeeds, or a probe (every 30 s) finds it writable with room.", "mount")
+	dMountMovedIn       = desc("kvhost_mount_moved_in_files_total", "Files moved to a mount from another tier (demotions, promotions, tick moves).", "mount")
+	dMountMovedOut      = desc("kvhost_mount_moved_out_files_total", "Files moved from a mount to another tier (demotions, promotions, tick moves).", "mount")
+	dDemotions          = desc("kvhost_demotions_total", "Eviction victims moved to another mount instead of deleted (they stay stored; not in kvhost_evictions_total).")
+	dPromotions         = desc("kvhost_promotions_total", "Files moved to an earlier (faster) mount.")
+	dTickMoves          = desc("kvhost_tick_moves_total", "Moves the policy's tick asked for and the engine carried out (promotions included).")
+	dMoveFailures       = desc("kvhost_move_failures_total", "Moves between mounts that failed (no space, I/O errors); the file stays where it was.")
+	dDemoteDeletes      = desc("kvhost_demotion_deletes_total", "Victims the policy wanted demoted, deleted because the target had no room (MOVE_DELETE_IF_FULL) or held another file at the path; also in kvhost_evictions_total.")
+	dDeduped            = desc("kvhost_duplicate_files_removed_total", "Files removed at start because the same file was also on another mount (a move between mounts that a crash cut short after its copy was in place); the copy the move made was kept.")
+	dMountInfo          = desc("kvhost_mount_info", "A mount's I/O mode, host data mover and checksums; always 1.", "mount", "io", "backend", "checksums")
+	dFallbacks          = desc("kvhost_data_path_fallbacks_total", "Transfer plans a GPU data mover passed on to the next (e.g. cufile to the staging copy).", "mount", "mover")
+	dPolicyInfo         = desc("kvhost_policy_info", "The configured policy and what answers its calls now (wasm or native); always 1.", "policy", "backend")
+	dPolicyFallback     = desc("kvhost_policy_fallback", "1 once the policy fell back to its native build; reason is the failure that caused it.", "reason")
+	dPolicyCalls        = desc("kvhost_policy_calls_total", "Policy hook calls, by export.", "hook")
+	dPolicyRecords      = desc("kvhost_policy_records_total", "Records passed to policy hooks, by export.", "hook")
+	dPolicyFailures     = desc("kvhost_policy_failures_total", "Failed policy calls: traps, timeouts, failure statuses and rejected outputs.")
+	dPolicyRejected     = desc("kvhost_policy_rejections_total", "Policy outputs the host rejected (a subset of the failures).")
+	dPolicyRestarts     = desc("kvhost_policy_restarts_total", "Policy instances closed and rebuilt after a failure.")
+	dPolicySlow         = desc("kvhost_policy_slow_calls_total", "Policy calls that finished within their fuel but after their deadline.")
+	dPolicyStale        = desc("kvhost_policy_stale_victims_total", "Victims skipped because the engine had pinned or removed them.")
+	dPolicyRemoved      = desc("kvhost_policy_removed_offered_total", "Victims and moves of entries the plugin had been sent a REMOVE for: each failed its call (a plugin that ignores REMOVE records).")
+	dClients            = desc("kvhost_clients", "Connections through the handshake.")
+	dHandshakes         = desc("kvhost_handshakes", "Connections not through the handshake yet.")
+	dJobsInFlight       = desc("kvhost_jobs_in_flight", "Store and load jobs of all connections not finished.")
+	dJobsHeld           = desc("kvhost_jobs_in_flight_bytes", "Memory the unfinished jobs of all connections hold, as the server counts it against server.max_inflight_bytes.")
+	dJobsHeldLimit      = desc("kvhost_jobs_in_flight_bytes_limit", "The most memory the unfinished jobs of all connections may hold (server.max_inflight_bytes).")
+	dRegions            = desc("kvhost_registered_regions", "Host memory regions registered by clients.")
+	dRefusals           = desc("kvhost_limit_refusals_total", "Client requests refused with limit exceeded, by the bound that refused them: its configuration key (server.max_...), the protocol's per-connection limit (namespaces_per_connection, caches_per_connection, pins_per_connection), or namespaces_per_daemon (the geometries the daemon knows at a time).", "limit")
+	dPinnedKeys         = desc("kvhost_client_pinned_keys", "Keys the pins of all connections hold, as counted against server.max_pinned_keys.")
+	dPinnedLimit        = desc("kvhost_client_pinned_keys_limit", "The most keys the pins of all connections may hold (server.max_pinned_keys).")
+	dIncoming           = desc("kvhost_incoming_frame_bytes", "Bytes of frame bodies over 64 KiB the daemon holds while it reads and answers them, as counted against server.max_incoming_bytes.")
+	dIncomingLimit      = desc("kvhost_incoming_frame_bytes_limit", "The most bytes of frame bodies the daemon may hold while it reads and answers them (server.max_incoming_bytes).")
+	dIncomingWait       = desc("kvhost_incoming_frames_waiting", "Frames whose body waits, unread, for room under server.max_incoming_bytes or server.max_incoming_bytes_per_peer.")
+	dIncomingWaits      = desc("kvhost_incoming_frame_waits_total", "Frames whose body waited for room under server.max_incoming_bytes or server.max_incoming_bytes_per_peer before it was read.")
+	dCacheLayers        = desc("kvhost_client_cache_layers", "Layers of the caches all connections hold registered, as counted against server.max_cache_layers.")
+	dCacheLayersMax     = desc("kvhost_client_cache_layers_limit", "The most layers the caches of all connections may hold (server.max_cache_layers).")
+	dClientFds          = desc("kvhost_client_descriptors", "Descriptors of clients the daemon holds: registered host memory and descriptors sent with frames not yet answered.")
+	dClientFdsLimit     = desc("kvhost_client_descriptors_limit", "The most descriptors of clients the daemon may hold (server.max_descriptors).")
+	dRegBytes           = desc("kvhost_registered_bytes", "Bytes of host memory registered by clients.")
+	dRegLimit           = desc("kvhost_registered_bytes_limit", "The most bytes of host memory all clients may register.")
+	dGPURegions         = desc("kvhost_gpu_registered_regions", "GPU memory regions registered by clients (CUDA IPC), per device.", "device")
+	dGPUBytes           = desc("kvhost_gpu_registered_bytes", "Bytes of GPU memory registered by clients, per device.", "device")
+	dGPULimit           = desc("kvhost_gpu_registered_bytes_limit", "The most bytes of GPU memory clients may register per device.", "device")
+	dStagingInUse       = desc("kvhost_staging_buffers_in_use", "Bounce buffers of the CPU staging pipeline in use.")
+	dStagingLimit       = desc("kvhost_staging_buffers_limit", "The most bounce buffers the CPU staging pipeline may have (engine.staging_memory).")
+	dStagingSize        = desc("kvhost_staging_buffer_bytes", "Size of one bounce buffer.")
+	dGPUFiles           = desc("kvhost_gpu_registered_files", "Memory-mount files kept mapped and registered with CUDA, for direct copies between the GPU and their pages.")
+	dGPUFileBytes       = desc("kvhost_gpu_registered_file_bytes", "Bytes of the memory-mount files kept registered with CUDA.")
+	dGPUFileLimit       = desc("kvhost_gpu_registered_files_limit", "The most files kept registered (gpu.register_files, bounded by the descriptor limit).")
+	dGPUFileQueue       = desc("kvhost_gpu_file_registrations_queued", "Memory-mount files offered for registration and not registered yet (waiting for the registrar, or being registered).")
+	dGPUFileRegs        = desc("kvhost_gpu_file_registrations_total", "Files mapped and registered with CUDA (ok), given back (released), that could not be (failed), or not registered yet because the bound was reached (deferred: a file's first offer there).", "result")
+	dGPUFileWarmed      = desc("kvhost_gpu_file_warm_offers_total", "Memory-mount files offered for registration ahead of any job (found at start, or another process's or node's file a lookup discovered) and queued: their registrations are counted in kvhost_gpu_file_registrations_total.")
+	dGPUFileWaits       = desc("kvhost_gpu_file_registration_waits_total", "Registrations the registrar put off while stores moved through the pinned buffers.")
+	dGPUFileWaited      = desc("kvhost_gpu_file_registration_wait_seconds_total", "Time the registrar waited for stores through the pinned buffers before registering files.")
+	dGPUFileJobs        = desc("kvhost_gpu_direct_file_jobs_total", "Jobs that moved a registered file directly between the GPU and its pages, by direction.", "direction")
+	dGPUSumJobs         = desc("kvhost_gpu_checksum_jobs_total", "GPU staging jobs that succeeded with payload checksums, by where they were computed: cpu or gpu (gpu.checksum_on).", "on")
+	dGPUPinInUse        = desc("kvhost_gpu_staging_buffers_in_use", "Pinned buffers of the GPU staging pipeline that jobs hold now.")
+	dGPUPinTotal        = desc("kvhost_gpu_staging_buffers", "Pinned buffers of the GPU staging pipeline, allocated once at start (gpu.staging_memory).")
+	dGPUPinSize         = desc("kvhost_gpu_staging_buffer_bytes", "Size of one pinned buffer of the GPU staging pipeline.")
+	dGPUFaults          = desc("kvhost_gpu_device_faults_total", "Staging and cuFile jobs and CUDA IPC registrations that failed with a sticky CUDA error on the device (an illegal address, a failed launch, an ECC error: its context is broken, and its jobs fail until the daemon restarts), and cuFile batches whose I/O did not come back after their cancel (their jobs are held until it does).", "device")
+	dCuFileHandles      = desc("kvhost_cufile_handles", "Files registered with cuFile (cuFileHandleRegister) and cached now.")
+	dCuFileRegs         = desc("kvhost_cufile_handle_registrations_total", "cuFile file registrations, by result (ok, failed).", "result")
+	dCuFileHits         = desc("kvhost_cufile_handle_hits_total", "Transfers that found their file's cuFile handle cached (or being registered by another transfer).")
+	dCuFileDropped      = desc("kvhost_cufile_handles_dropped_total", "Cached cuFile handles deregistered: to keep the bound (evicted), because the engine removed or replaced the file (forgotten), or because no name links the file any more (unlinked: another node removed it).", "reason")
+	dStart              = desc("kvhost_start_time_seconds", "When the daemon's server started, in Unix seconds.")
+	dReloads            = desc("kvhost_reloads_total", "Configuration reloads, by result (ok, failed).", "result")
 )
 
 func (c *collector) Collect(ch chan<- prometheus.Metric) {
@@ -431,10 +439,21 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 			}
 			gauge(dMountFailing, failing, mt.Path)
 			gauge(dMountInfo, 1, mt.Path, mt.IO, mt.Backend, strconv.FormatBool(mt.Checksums))
-			var fs unix.Statfs_t
-			if unix.Statfs(mt.Path, &fs) == nil {
-				gauge(dMountFSFree, float64(fs.Bavail)*float64(fs.Bsize), mt.Path)
+		}
+		statfs := src.Statfs
+		if statfs == nil {
+			statfs = fsys.OS{}.Statfs
+		}
+		paths := make([]string, len(st.Mounts))
+		for i, mt := range st.Mounts {
+			paths[i] = mt.Path
+		}
+		for i, r := range c.m.fs.read(paths, statfs) {
+			if r.ok {
+				gauge(dMountFSFree, float64(r.avail), paths[i])
+				gauge(dMountFSAge, r.age.Seconds(), paths[i])
 			}
+			gauge(dMountStatfsPending, r.pending.Seconds(), paths[i])
 		}
 	}
 	if src.DataPaths != nil {

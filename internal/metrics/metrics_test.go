@@ -6,6 +6,7 @@ import (
 	"net/http/httptest"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -16,8 +17,10 @@ import (
 	"github.com/kvhost/kvhost/gds"
 	"github.com/kvhost/kvhost/host/engine"
 	"github.com/kvhost/kvhost/host/policy"
+	"github.com/kvhost/kvhost/internal/fsys"
 	"github.com/kvhost/kvhost/internal/region"
 	"github.com/kvhost/kvhost/internal/server"
+	"github.com/kvhost/kvhost/internal/testwait"
 	"github.com/kvhost/kvhost/protocol"
 	"github.com/kvhost/kvhost/staging/gpu"
 )
@@ -356,4 +359,96 @@ func TestHealthzAnswers503WhileTheWatchdogFindsTheDaemonStalled(t *testing.T) {
 	if got := status(t, ts.URL+"/readyz"); got != http.StatusOK {
 		t.Errorf("/readyz stalled: %d, want 200 (liveness restarts a stalled daemon; readiness is about accepting clients)", got)
 	}
+}
+
+// scrapeOrHang is scrape with a bound that only catches a hang: a scrape
+// that blocks (on a mount's statfs) fails the test instead of hanging it.
+func scrapeOrHang(t *testing.T, url string) map[string]*dto.MetricFamily {
+	t.Helper()
+	c := &http.Client{Timeout: testwait.Hang}
+	resp, err := c.Get(url)
+	if err != nil {
+		t.Fatalf("scrape: %v", err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		t.Fatalf("GET %s: %s", url, resp.Status)
+	}
+	p := expfmt.NewTextParser(model.UTF8Validation)
+	fams, err := p.TextToMetricFamilies(resp.Body)
+	if err != nil {
+		t.Fatalf("parse %s: %v", url, err)
+	}
+	return fams
+}
+
+// TestScrapesBesideAHungMountKeepOneStatfsInFlight: a mount whose statfs
+// stops answering (an NFS or FUSE server gone) neither blocks the scrapes
+// nor gathers a stuck call per scrape. Each scrape answers with the space
+// the mount last reported, how old that is and how long the call in
+// flight has gone unanswered; the scrapes share that one call; once it
+// answers, the next scrape reports fresh space and no call pending.
+func TestScrapesBesideAHungMountKeepOneStatfsInFlight(t *testing.T) {
+	dir := t.TempDir()
+	var calls atomic.Int32
+	var hung atomic.Bool
+	release := make(chan struct{})
+	defer func() {
+		hung.Store(false)
+		select {
+		case <-release:
+		default:
+			close(release)
+		}
+	}()
+	avail := atomic.Int64{}
+	avail.Store(4096)
+	m := New("test")
+	m.SetSources(Sources{
+		Engine: func() engine.Stats { return engine.Stats{Mounts: []engine.MountStats{{Path: dir}}} },
+		Statfs: func(string) (fsys.StatFS, error) {
+			calls.Add(1)
+			if hung.Load() {
+				<-release
+			}
+			return fsys.StatFS{Avail: avail.Load()}, nil
+		},
+	})
+	ts := httptest.NewServer(m.Handler(false))
+	defer ts.Close()
+	mount := map[string]string{"mount": dir}
+
+	fams := scrapeOrHang(t, ts.URL+"/metrics")
+	if got := value(fams, "kvhost_mount_fs_available_bytes", mount); got != 4096 {
+		t.Fatalf("available %v, want 4096", got)
+	}
+	if got := value(fams, "kvhost_mount_statfs_pending_seconds", mount); got != 0 {
+		t.Fatalf("statfs pending for %v s on a mount that answers", got)
+	}
+
+	hung.Store(true)
+	avail.Store(8192)
+	for i := range 3 {
+		fams = scrapeOrHang(t, ts.URL+"/metrics")
+		if got := value(fams, "kvhost_mount_fs_available_bytes", mount); got != 4096 {
+			t.Errorf("scrape %d beside the hung mount: available %v, want the last answer, 4096", i, got)
+		}
+		if got := value(fams, "kvhost_mount_statfs_pending_seconds", mount); got <= 0 {
+			t.Errorf("scrape %d beside the hung mount: statfs pending %v s, want > 0", i, got)
+		}
+		if got := value(fams, "kvhost_mount_fs_available_age_seconds", mount); got < 0 {
+			t.Errorf("scrape %d beside the hung mount: no age of the last answer", i)
+		}
+	}
+	if n := calls.Load(); n != 2 {
+		t.Errorf("%d statfs calls after 4 scrapes, one hung: want 2 (the hung one shared)", n)
+	}
+
+	hung.Store(false)
+	close(release)
+	testwait.Until(t, "a scrape to find the mount answering", testwait.Hang, func() bool {
+		fams := scrapeOrHang(t, ts.URL+"/metrics")
+		return value(fams, "kvhost_mount_statfs_pending_seconds", mount) == 0 &&
+			value(fams, "kvhost_mount_fs_available_bytes", mount) == 8192
+	})
 }
