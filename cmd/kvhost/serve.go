@@ -41,7 +41,8 @@ import (
 // runServe runs the daemon until ctx is done (SIGTERM, SIGINT), then shuts
 // it down gracefully: stop accepting, let jobs finish within
 // server.shutdown_timeout, cancel the rest, close the engine, remove the
-// socket. SIGHUP reloads the configuration; SIGQUIT, from start-up to
+// socket; a second SIGTERM or SIGINT exits at once with status 1, whatever
+// is still in flight. SIGHUP reloads the configuration; SIGQUIT, from start-up to
 // exit, writes every goroutine's stack to the log and goes on; SIGUSR1,
 // SIGUSR2 and SIGPIPE are ignored (docs/serve.md, "Signals").
 func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) int {
@@ -51,6 +52,19 @@ func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 // runServeOn is runServe with the engine on files (nil: the operating
 // system's file system; tests hold or fail operations in it).
 func runServeOn(ctx context.Context, files fsys.FS, args []string, stdout, stderr io.Writer) int {
+	// SIGTERM and SIGINT here as well as in main's context, which ends at
+	// the first: the second ends the daemon at once.
+	term := make(chan os.Signal, 2)
+	signal.Notify(term, os.Interrupt, syscall.SIGTERM)
+	defer signal.Stop(term)
+	return runServeSignaled(ctx, files, term, args, stdout, stderr)
+}
+
+// runServeSignaled is runServeOn with the stop signals read from term
+// (tests send their own): the first stops the daemon as ctx's end does,
+// the second returns status 1 at once, whatever the daemon still waits
+// for.
+func runServeSignaled(ctx context.Context, files fsys.FS, term <-chan os.Signal, args []string, stdout, stderr io.Writer) int {
 	// Signals first: a SIGHUP during start-up (a long index rebuild) is a
 	// reload once the daemon serves, not the end of the process.
 	sigs := make(chan os.Signal, 8)
@@ -84,8 +98,34 @@ func runServeOn(ctx context.Context, files fsys.FS, args []string, stdout, stder
 		return 2
 	}
 	defer d.dumpStacks(quit)()
-	if err := d.serve(ctx, cfg); err != nil {
-		if ctx.Err() != nil && errors.Is(err, ctx.Err()) {
+	// The daemon runs in a goroutine of its own so that a second SIGTERM
+	// or SIGINT can end the process while its drain waits on work hung in
+	// a mount (docs/serve.md, "Signals").
+	sctx, stop := context.WithCancel(ctx)
+	defer stop()
+	served := make(chan error, 1)
+	go func() { served <- d.serve(sctx, cfg) }()
+	err = nil
+	for stopping := false; ; {
+		var sig os.Signal
+		select {
+		case err = <-served:
+		case sig = <-term:
+		}
+		if sig == nil {
+			break
+		}
+		if !stopping {
+			stopping = true
+			d.log.Info(msgStopping, "signal", sig.String())
+			stop() // main's context ends at this signal too
+			continue
+		}
+		d.forcedExit(sig)
+		return 1
+	}
+	if err != nil {
+		if sctx.Err() != nil && errors.Is(err, sctx.Err()) {
 			// SIGTERM during start-up (an index rebuild, a policy's
 			// compilation) is a stop as asked for, not a failure.
 			d.log.Info("kvhost stopped during start-up", "reason", err)
@@ -96,6 +136,39 @@ func runServeOn(ctx context.Context, files fsys.FS, args []string, stdout, stder
 	}
 	return 0
 }
+
+// forcedExit logs, at a second SIGTERM or SIGINT, that the daemon exits
+// without waiting for what is still in flight, and what that is: its
+// caller returns at once, and the process exits. That is safe where
+// unmapping a client's memory under a copy still running is not: the
+// process's end takes its mappings and its threads together, the node
+// lock goes with it, and the next start replaces the socket and removes
+// the temporary files of the stores cut short (no half-written file is
+// ever visible under a key's name).
+func (d *daemon) forcedExit(sig os.Signal) {
+	attrs := []any{"signal", sig.String()}
+	d.mu.Lock()
+	eng := d.eng
+	d.mu.Unlock()
+	if eng != nil {
+		now := time.Now()
+		a := eng.Activity()
+		attrs = append(attrs, "jobs_in_flight", a.Jobs)
+		if !a.Oldest.IsZero() {
+			attrs = append(attrs, "oldest_job_age", now.Sub(a.Oldest).Round(time.Millisecond).String())
+		}
+		if !a.OldestIO.IsZero() {
+			attrs = append(attrs, "oldest_file_operation_age", now.Sub(a.OldestIO).Round(time.Millisecond).String())
+		}
+	}
+	d.log.Error(msgForcedExit, attrs...)
+}
+
+// The log lines of the stop signals.
+const (
+	msgStopping   = "stopping: draining; a second SIGTERM or SIGINT exits at once without waiting for the work in flight"
+	msgForcedExit = "kvhost exits at a second signal without waiting for the work in flight (a file operation hung on a mount holds it); the next start removes the temporary files left"
+)
 
 // daemon is a running kvhost serve.
 type daemon struct {
@@ -247,7 +320,9 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 		}
 		return errors.Join(err, closeGPU())
 	}
-	d.eng = eng
+	d.mu.Lock()
+	d.eng = eng // forcedExit reads it from another goroutine
+	d.mu.Unlock()
 	d.pol.swap(build)
 	warnSingleMount(log, build, cfg.Mounts)
 	warnReversedTiers(log, cfg, eng.Stats().Mounts)

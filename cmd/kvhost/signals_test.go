@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
 	"math/rand/v2"
 	"net"
@@ -444,5 +445,54 @@ func TestSIGQUITDumpsStacksWhileTheDaemonStartsOrCloses(t *testing.T) {
 			}
 			stderr.wait(t, "goroutine dump", func(s string) bool { return strings.HasPrefix(s, "goroutine ") })
 		})
+	}
+}
+
+// TestSecondSignalExitsWhileAStoreHangsInTheMount: a store whose write
+// hangs in the mount (an NFS or FUSE server that stopped answering) holds
+// the drain of the first SIGTERM without end, since the server waits for
+// every job before it unmaps the client's memory; a second SIGTERM ends
+// the daemon at once, with status 1 and a log line saying what was in
+// flight. Once the write is let go, what the daemon had left winds down
+// (this process goes on, as a killed one would not).
+func TestSecondSignalExitsWhileAStoreHangsInTheMount(t *testing.T) {
+	file, socket, _ := testConfig(t, t.TempDir(), "")
+	hold := &fsystest.Hold{}
+	term := make(chan os.Signal, 2)
+	stdout, stderr, exit := runBackground(func(stdout, stderr io.Writer) int {
+		return runServeSignaled(context.Background(), &fsys.Faulty{FS: fsys.OS{}, Inj: hold}, term, []string{"--config", file}, stdout, stderr)
+	})
+	defer func() {
+		hold.Release()
+		// The daemon's goroutines end once the write returns: the socket
+		// goes last.
+		testwait.Until(t, "the daemon left behind to remove its socket", hangBound, func() bool {
+			_, err := os.Lstat(socket)
+			return errors.Is(err, os.ErrNotExist)
+		})
+	}()
+	stdout.wait(t, "listening line", func(s string) bool { return s == "kvhost: listening on unix:"+socket })
+	k := newKVCache(t, socket)
+	hold.Arm(fsys.OpWrite)
+	if _, err := k.c.Store(context.Background(), k.id, [][]byte{[]byte("hung")}, [][]uint32{{0, 1}}); err != nil {
+		t.Fatal(err)
+	}
+	testwait.Until(t, "the store's write to be held", hangBound, hold.Holding)
+
+	term <- syscall.SIGTERM
+	stderr.logLine(t, msgStopping)
+	term <- syscall.SIGTERM
+	var code int
+	select {
+	case code = <-exit:
+	case <-time.After(hangBound):
+		t.Fatalf("the daemon did not exit at the second SIGTERM while a store hung; stderr:\n%s", stderr.String())
+	}
+	if code != 1 {
+		t.Errorf("exit status %d at the second signal, want 1", code)
+	}
+	l := stderr.logLine(t, msgForcedExit)
+	if l["level"] != "ERROR" || l["signal"] != syscall.SIGTERM.String() || l["jobs_in_flight"] != float64(1) || l["oldest_file_operation_age"] == nil {
+		t.Errorf("forced exit logged %v, want ERROR with the signal, 1 job in flight and the oldest file operation's age", l)
 	}
 }
