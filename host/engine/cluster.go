@@ -756,8 +756,8 @@ func (c *clusterMount) setTwin(e *Engine, m *mount, twin string) {
 
 // retire retires the dead nodes of dead (names: their names) whose
 // files are all gone: a walk of the mount completed (c.walked), no entry
-// of theirs is left on m, nor a file of theirs whose removal failed
-// (leftOf), no temporary file of theirs either (c.temps);
+// of theirs is left on m, nor a file of theirs whose removal failed or
+// is under way (leftOf), no temporary file of theirs either (c.temps);
 // but not one in stood, whose summary the read could not use (the last
 // one read stood in for it): it may have run, and stored files, since
 // the walk (runOf could not tell).
@@ -1258,15 +1258,26 @@ func (e *Engine) bytesOf(m *mount, tags map[uint32]bool) int64 {
 
 // leftOf reports whether a file of owner tag tag on m is still on disk
 // though its entry was dropped: its removal failed (index.left), and an
-// eviction tries it again (retryLeft). Its mount counts it as used while
-// this engine runs, but only its owner's summary (or its adopter's walk)
-// counts it after a restart: a dead node is not retired while one is
-// left.
+// eviction tries it again (retryLeft), or it is under way (index.removing:
+// an eviction, a delete or a retry that dropped the entry and has yet to
+// unlink the file, which may fail and leave it). Its mount counts it as
+// used while this engine runs, but only its owner's summary (or its
+// adopter's walk) counts it after a restart: a dead node is not retired
+// while one is left.
 func (e *Engine) leftOf(m *mount, tag uint32) bool {
+	of := func(en *entry) bool {
+		o, ok := clustercap.Owner(en.fid)
+		return ok && o == tag && en.mount == m.idx
+	}
 	e.ix.mu.RLock()
 	defer e.ix.mu.RUnlock()
 	for _, en := range e.ix.left {
-		if o, ok := clustercap.Owner(en.fid); ok && o == tag && en.mount == m.idx {
+		if of(en) {
+			return true
+		}
+	}
+	for en := range e.ix.removing {
+		if of(en) {
 			return true
 		}
 	}

@@ -7,6 +7,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -14,6 +15,7 @@ import (
 
 	"github.com/kvhost/kvhost/internal/clustercap"
 	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/internal/testwait"
 )
 
 // TestClusterAnAdopterLeavesTheFilesOfALiveNodeOfTheDeadNodesTag: node D
@@ -135,6 +137,73 @@ func TestClusterNeverRetiresADeadNodeWhoseFileItCouldNotRemove(t *testing.T) {
 		t.Fatalf("D's file %s is still on the mount, yet A retired D: D's cluster files %v, adopted %v", files[0], left, isAdopted(a, "d"))
 	}
 	failRemove.Store(false)
+	a.retryLeft(m)
+	if _, err := os.Stat(files[0]); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("D's file after A's retry: %v, want gone", err)
+	}
+	m.cluster.tick(ctx, a, m)
+	if left := clusterFiles(dir, "d"); len(left) > 0 || isAdopted(a, "d") {
+		t.Fatalf("D has no file left on the mount, yet %v stay and A holds its adoption: %v", left, isAdopted(a, "d"))
+	}
+}
+
+// TestClusterNeverRetiresADeadNodeWhileARemovalOfItsFileIsUnderWay: node
+// A adopts dead node D (one file), and an eviction of A's (local
+// capacity) drops D's file from the index and removes it; the removal is
+// held in flight, the file neither indexed nor yet on the list of files
+// whose removal failed. A's tick meanwhile must not retire D: the removal
+// then fails (EIO), and retired, D has no summary; once A restarts the
+// file is counted and removed by no node. Once a retry removes the file,
+// A retires D.
+func TestClusterNeverRetiresADeadNodeWhileARemovalOfItsFileIsUnderWay(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	var armed, held atomic.Bool
+	release := make(chan struct{})
+	a, clock := besideDeadNode(t, dir, 1, fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+		if op == fsys.OpRemove && !strings.Contains(path, clustercap.DirName) && strings.HasSuffix(path, ".kv") && armed.CompareAndSwap(true, false) {
+			held.Store(true)
+			<-release
+			return fsys.Fault{Err: syscall.EIO}
+		}
+		return fsys.Fault{}
+	}))
+	clock.advance(4 * time.Hour) // D's summary: stale
+	m := a.mounts[0]
+	m.cluster.tick(ctx, a, m)
+	if !isAdopted(a, "d") {
+		t.Fatal("A did not adopt dead node D")
+	}
+	files := kvFiles(t, dir)
+	if len(files) != 1 {
+		t.Fatalf("%d data files of D's one store: %v", len(files), files)
+	}
+	armed.Store(true)
+	evicted := make(chan error, 1)
+	go func() {
+		m.evictMu.Lock()
+		defer m.evictMu.Unlock()
+		evicted <- a.evict(ctx, m, 1<<40) // room for more than the mount holds: every victim
+	}()
+	var evictErr error
+	finish := sync.OnceFunc(func() { close(release); evictErr = <-evicted })
+	defer finish() // a failing check leaves no eviction held
+	testwait.Until(t, "the eviction's removal of D's file to be held", testwait.Hang, held.Load)
+	m.cluster.tick(ctx, a, m)
+	if left := clusterFiles(dir, "d"); len(left) != 3 || !isAdopted(a, "d") {
+		t.Fatalf("the removal of D's file %s is under way, yet A retired D: D's cluster files %v, adopted %v", files[0], left, isAdopted(a, "d"))
+	}
+	finish() // the removal goes on, and fails
+	if evictErr != nil {
+		t.Logf("eviction with the removal of D's file failing: %v", evictErr)
+	}
+	if _, err := os.Stat(files[0]); err != nil {
+		t.Fatalf("D's file is gone though its removal failed: %v", err)
+	}
+	m.cluster.tick(ctx, a, m)
+	if left := clusterFiles(dir, "d"); len(left) != 3 || !isAdopted(a, "d") {
+		t.Fatalf("D's file %s is still on the mount, yet A retired D: D's cluster files %v, adopted %v", files[0], left, isAdopted(a, "d"))
+	}
 	a.retryLeft(m)
 	if _, err := os.Stat(files[0]); !errors.Is(err, os.ErrNotExist) {
 		t.Fatalf("D's file after A's retry: %v, want gone", err)

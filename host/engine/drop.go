@@ -97,7 +97,8 @@ func (e *Engine) removeClaimed(en *entry) (left bool) {
 func (e *Engine) evictClaimed(en *entry) {
 	kept, left, at := e.disposeIfSame(en.path, []*entry{en}, true)
 	if kept {
-		e.release(en.path)
+		fl, orphans := e.ix.releaseKept(en.path, en)
+		e.endRelease(en.path, fl, orphans)
 		return
 	}
 	e.releaseRemoved(en.path, []*entry{en}, left, at)

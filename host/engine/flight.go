@@ -73,10 +73,11 @@ func (ix *index) heldLocked(path string) bool { return ix.inflight[path] != nil 
 // flight) for the caller to remove before it releases the path again.
 // freed are entries whose files the holder has just removed (or found
 // gone), which their mounts counted as used until then: they stop
-// counting in the same step.
+// counting in the same step, and leave index.removing.
 func (ix *index) releaseLocked(path string, freed []*entry) (*flight, []*entry) {
 	for _, en := range freed {
 		ix.sp.free(ix.sp.mounts[en.mount], en.size, en.orphan)
+		delete(ix.removing, en)
 	}
 	fl := ix.inflight[path]
 	if orphans := fl.orphans; len(orphans) > 0 {

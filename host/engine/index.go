@@ -94,7 +94,8 @@ type entry struct {
 //     restart hold holds it (held), heldN counts those entries, and
 //     each is in its own mount's heldOrder;
 //   - the orphans left to a path held are gone and marked orphan;
-//   - left holds no indexed entry, nor an orphan, and nleft is its length.
+//   - left holds no indexed entry, nor an orphan, and nleft is its length;
+//   - removing holds entries gone, neither indexed nor in left.
 type index struct {
 	mu       sync.RWMutex
 	sp       *space
@@ -114,9 +115,17 @@ type index struct {
 	// nleft is len(left), read without mu: an eviction, which tries the
 	// files left again first (takeLeft), takes no lock where there are
 	// none.
-	nleft  atomic.Int64
-	lastID uint64
-	keys   KeySet // MirrorKeys's, or nil
+	nleft atomic.Int64
+	// removing holds the entries dropped from the index whose file is
+	// being removed now (dropLocked with remove, takeLeft) until their
+	// holder frees them (releaseLocked), leaves them (leaveLocked) or
+	// keeps a spare (releaseKept): meanwhile they are neither indexed nor
+	// in left, yet the file is on disk, and may stay there. A cluster
+	// adopter retires no dead node while one of its files is here
+	// (Engine.leftOf).
+	removing map[*entry]struct{}
+	lastID   uint64
+	keys     KeySet // MirrorKeys's, or nil
 	// heldN is the number of indexed entries the restart hold pins
 	// (hold.go): those marked held.
 	heldN int
@@ -147,6 +156,7 @@ func newIndex(sp *space) *index {
 		inflight:  map[string]*flight{},
 		reads:     map[string][]*readMark{},
 		left:      map[string]*entry{},
+		removing:  map[*entry]struct{}{},
 		heldOrder: map[int][]*entry{},
 		byFP:      map[uint64]*fpCount{},
 	}
@@ -426,6 +436,7 @@ func (ix *index) dropLocked(en *entry, remove bool) (was, claimed bool) {
 	if !remove {
 		return true, false
 	}
+	ix.removing[en] = struct{}{}
 	claimed, fl := ix.claimLocked(en.path)
 	if !claimed {
 		fl.orphans = append(fl.orphans, en)
@@ -443,6 +454,7 @@ func (ix *index) leaveLocked(en *entry, at string) {
 		en.orphan = false
 		ix.sp.unorphan(ix.sp.mounts[en.mount], en.size)
 	}
+	delete(ix.removing, en) // its removal is over: en is left
 	switch old := ix.left[at]; {
 	case old == nil:
 		ix.nleft.Add(1)
@@ -487,6 +499,16 @@ func (ix *index) releaseLeaving(path string, ens []*entry, left *entry, at strin
 	return ix.releaseLocked(path, freed)
 }
 
+// releaseKept is release for the holder of the path of en, evicted,
+// whose file it has just kept as a spare (evictClaimed): en's removal is
+// over, its bytes counted as the spare's.
+func (ix *index) releaseKept(path string, en *entry) (*flight, []*entry) {
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	delete(ix.removing, en)
+	return ix.releaseLocked(path, nil)
+}
+
 // takeLeft takes from left the entries that want accepts (those of a
 // mount due a try: retryLeft; those of a namespace: Purge) whose path it
 // claims (none that a job holds now), by path, for the caller to remove
@@ -508,6 +530,7 @@ func (ix *index) takeLeft(want func(*entry) bool, next int64) map[string]*entry 
 		}
 		delete(ix.left, at)
 		ix.nleft.Add(-1)
+		ix.removing[en] = struct{}{}
 		en.retryAt = next
 		if took == nil {
 			took = map[string]*entry{}
@@ -663,6 +686,11 @@ func (ix *index) check() error {
 			return fmt.Errorf("index: file %s left on disk: its entry %d is indexed (%v) or an orphan (%v)", at, en.id, ix.entries[en.id] == en, en.orphan)
 		}
 	}
+	for en := range ix.removing {
+		if !en.gone || ix.entries[en.id] == en || ix.left[en.path] == en {
+			return fmt.Errorf("index: file %s being removed: its entry %d is not gone (%v), indexed (%v) or left (%v)", en.path, en.id, !en.gone, ix.entries[en.id] == en, ix.left[en.path] == en)
+		}
+	}
 	listed := map[*entry]int{} // held entries by mount, as heldOrder lists them
 	for m, ens := range ix.heldOrder {
 		for _, en := range ens {
@@ -764,6 +792,10 @@ func (ix *index) checkAtRest() error {
 	defer ix.mu.RUnlock()
 	if len(ix.inflight) > 0 {
 		return nil
+	}
+	// Every removal holds its path (or is an orphan left to a held one).
+	if n := len(ix.removing); n > 0 {
+		return fmt.Errorf("index at rest: %d files counted as being removed", n)
 	}
 	used := make([]int64, len(ix.sp.mounts))
 	n := make([]int, len(ix.sp.mounts))
