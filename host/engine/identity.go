@@ -11,6 +11,7 @@ import (
 	"github.com/kvhost/kvhost/internal/format"
 	"github.com/kvhost/kvhost/internal/fsys"
 	"github.com/kvhost/kvhost/staging"
+	"golang.org/x/sys/unix"
 )
 
 // File identity (docs/engine.md, "File identity").
@@ -93,6 +94,59 @@ func (e *Engine) openRegular(m *mount, path string) (fsys.File, fsys.Identity, e
 		return nil, fsys.Identity{}, err
 	}
 	return f, id, nil
+}
+
+// openData opens path, the file of an indexed entry on m, with flag (read
+// only, O_DIRECT where m uses it) for a load to read: never through a
+// link planted below the root (openNoLinks), and without waiting on a
+// named pipe someone put at the name. It opens with checkOpen, fstats
+// the file, refuses anything but a regular file (errNotRegular), and
+// clears O_NONBLOCK (fcntl F_SETFL) before handing the descriptor on,
+// with the identity of that one fstat (idErr: the fstat's failure, which
+// refuses nothing: the load goes on as before the check):
+// the flag does nothing to a regular file's reads, but the paths it goes
+// to (O_DIRECT reads, mmap, the GPU's registration) see the flags of a
+// plain open. On an O_DIRECT mount a named pipe's open fails with
+// EINVAL (no O_DIRECT on a pipe): the name is opened again without
+// O_DIRECT, only to tell that from a file system's own EINVAL.
+func (e *Engine) openData(m *mount, path string, flag int) (f fsys.File, id fsys.Identity, idErr, err error) {
+	f, err = e.openNoLinks(m, path, flag|checkOpen, 0)
+	if errors.Is(err, syscall.EINVAL) && flag&unix.O_DIRECT != 0 {
+		if g, _, gerr := e.openRegular(m, path); errors.Is(gerr, errNotRegular) {
+			return nil, fsys.Identity{}, nil, gerr
+		} else if gerr == nil {
+			g.Close()
+		}
+		return nil, fsys.Identity{}, nil, err
+	}
+	if err != nil {
+		return nil, fsys.Identity{}, nil, err
+	}
+	id, idErr = fileIdentity(f)
+	if idErr == nil && !id.Mode.IsRegular() {
+		err = fmt.Errorf("%w: %s (%v)", errNotRegular, path, id.Mode.Type())
+	}
+	if err == nil {
+		err = clearNonblock(f)
+	}
+	if err != nil {
+		f.Close()
+		return nil, fsys.Identity{}, nil, err
+	}
+	return f, id, idErr, nil
+}
+
+// clearNonblock clears O_NONBLOCK (checkOpen) on f's descriptor.
+func clearNonblock(f fsys.File) error {
+	fd := int(f.Fd())
+	fl, err := unix.FcntlInt(uintptr(fd), unix.F_GETFL, 0)
+	if err != nil {
+		return fmt.Errorf("fcntl F_GETFL: %w", err)
+	}
+	if _, err := unix.FcntlInt(uintptr(fd), unix.F_SETFL, fl&^unix.O_NONBLOCK); err != nil {
+		return fmt.Errorf("fcntl F_SETFL: %w", err)
+	}
+	return nil
 }
 
 // checkOpen is an open flag of the opens that only look at a file (its

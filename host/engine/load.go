@@ -167,9 +167,18 @@ func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 	// Never through a link planted below the root since the file was
 	// indexed: a file reached so is not in the mount, neither this
 	// engine's to serve nor to index (openNoLinks). The entry's file is
-	// gone from its path as much as one removed.
-	f, err := e.openNoLinks(m, en.path, flag, 0)
+	// gone from its path as much as one removed. Nor waiting on a named
+	// pipe put at the name (checkOpen; openData).
+	f, id, idErr, err := e.openData(m, en.path, flag)
 	if err != nil {
+		if errors.Is(err, errNotRegular) {
+			if !e.dropVanished(ctx, en, "not a regular file") {
+				all(OutcomeMissing, fmt.Errorf("%w: %s was deleted (a delete or purge) before the load read it", ErrNotFound, en.path))
+				return
+			}
+			all(OutcomeMissing, fmt.Errorf("%w: %w", ErrNotFound, err))
+			return
+		}
 		if errors.Is(err, os.ErrNotExist) || errors.Is(err, syscall.ELOOP) {
 			if !e.dropVanished(ctx, en, "vanished") {
 				all(OutcomeMissing, fmt.Errorf("%w: %s was deleted (a delete or purge) before the load read it", ErrNotFound, en.path))
@@ -187,8 +196,8 @@ func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 		e.log.Warn("engine: corrupt file dropped", "path", en.path, "err", err)
 		e.drop(ctx, en, true, "corrupt")
 	}
-	// One fstat serves the header (vllm-fs mounts) and the checks below.
-	id, idErr := fileIdentity(f)
+	// One fstat (openData's) serves the header (vllm-fs mounts) and the
+	// checks below.
 	var h *format.Header
 	if idErr != nil && m.raw != nil {
 		err = idErr // a vllm-fs header needs the file's size
