@@ -66,10 +66,12 @@ type Engine struct {
 	ownersMu  sync.Mutex  // guards owners and ownersDone (tookFile adds one after Open); no I/O under it
 	// ownersDone: closeOwners ran; tookFile makes no owner file after it.
 	ownersDone bool
-	dirs       sync.Map  // directories known to exist
-	unsynced   sync.Map  // directories created, not yet fsynced (Config.Fsync)
-	copyBufs   sync.Pool // *[]byte: moves' copy buffers (copyFile), reused
-	headBufs   sync.Pool // *[]byte: readHeader's first read, format.Align bytes, aligned
+	dirs       sync.Map     // directories known to exist (mkdir); forgotten past dirsMax
+	dirsN      atomic.Int64 // entries added to dirs since it was last cleared
+	dirsMax    int64        // the most dirs holds before it is cleared (maxKnownDirs)
+	unsynced   sync.Map     // directories created, not yet fsynced (Config.Fsync)
+	copyBufs   sync.Pool    // *[]byte: moves' copy buffers (copyFile), reused
+	headBufs   sync.Pool    // *[]byte: readHeader's first read, format.Align bytes, aligned
 
 	// The engine's state in parts, each with its own lock; the lock
 	// order is evictMu (per mount, in mount order) > pinTab.mu > mu >
@@ -187,6 +189,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		down:   make(chan struct{}),
 
 		closeUnwind: defaultCloseUnwind,
+		dirsMax:     maxKnownDirs,
 	}
 	e.fs = fsys.Watched(cfg.FS, &e.io)
 	e.ix = newIndex(e.space)

@@ -329,7 +329,17 @@ func (e *Engine) ioError(m *mount, op string, err error) error {
 	return fmt.Errorf("engine: store on mount %s: %s: %w", m.root, op, err)
 }
 
-// mkdir creates dir (and parents) once; force re-creates it. With
+// maxKnownDirs bounds Engine.dirs, the directories mkdir knows to exist.
+// A vllm-fs layout has 4096 × 256 directories per KV-cache group, and a
+// policy may name as many: remembered for the engine's life, they would
+// grow the map without end. Forgetting is safe: a forgotten directory is
+// walked and checked for links again (mkdirIn) at its next store. At
+// about 200 bytes an entry, 1<<15 of them are some 6 MiB. A variable
+// for tests.
+var maxKnownDirs int64 = 1 << 15
+
+// mkdir creates dir (and parents) once (until the engine forgets it:
+// maxKnownDirs); force re-creates it. With
 // Config.Fsync, every directory it creates is fsynced, and so is its
 // parent, before mkdir returns: a file published there and reported durable
 // cannot vanish with its directory on a power loss. With m set (dir is
@@ -380,6 +390,13 @@ func (e *Engine) mkdir(m *mount, dir string, force bool) error {
 		if err := e.syncNewDirs(dir); err != nil {
 			return err
 		}
+	}
+	// Past its bound the cache is forgotten whole (maxKnownDirs): no
+	// order to keep on the hits, which stay one Load. Concurrent mkdirs
+	// may miscount by one each; the next clear takes what slipped by.
+	if e.dirsN.Add(1) > e.dirsMax {
+		e.dirsN.Store(1)
+		e.dirs.Clear()
 	}
 	e.dirs.Store(dir, struct{}{})
 	return nil
