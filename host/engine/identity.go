@@ -127,7 +127,7 @@ func (e *Engine) openData(m *mount, path string, flag int) (f fsys.File, id fsys
 		err = fmt.Errorf("%w: %s (%v)", errNotRegular, path, id.Mode.Type())
 	}
 	if err == nil {
-		err = clearNonblock(f)
+		err = clearNonblock(f, flag)
 	}
 	if err != nil {
 		f.Close()
@@ -136,14 +136,11 @@ func (e *Engine) openData(m *mount, path string, flag int) (f fsys.File, id fsys
 	return f, id, idErr, nil
 }
 
-// clearNonblock clears O_NONBLOCK (checkOpen) on f's descriptor.
-func clearNonblock(f fsys.File) error {
-	fd := int(f.Fd())
-	fl, err := unix.FcntlInt(uintptr(fd), unix.F_GETFL, 0)
-	if err != nil {
-		return fmt.Errorf("fcntl F_GETFL: %w", err)
-	}
-	if _, err := unix.FcntlInt(uintptr(fd), unix.F_SETFL, fl&^unix.O_NONBLOCK); err != nil {
+// clearNonblock clears O_NONBLOCK (checkOpen) on f's descriptor, opened
+// with flag: one F_SETFL with flag itself, which sets the status flags it
+// can change (O_DIRECT kept where flag has it) and ignores the rest.
+func clearNonblock(f fsys.File, flag int) error {
+	if _, err := unix.FcntlInt(f.Fd(), unix.F_SETFL, flag&^unix.O_NONBLOCK); err != nil {
 		return fmt.Errorf("fcntl F_SETFL: %w", err)
 	}
 	return nil
