@@ -182,6 +182,13 @@ def page_layout(config, option=None, environ=None):
     return page_layout_text([[DEFAULT_BACKEND]], env or CONNECTOR_LAYOUT, slab)
 
 
+def cp_sizes(config):
+    """The engine's decode and prefill context-parallel sizes (dcp, pcp):
+    above 1, a rank's page holds every dcp×pcp-th run of
+    cp_kv_cache_interleave_size tokens of its block."""
+    return (count(config, "parallel.dcp_size", "dcp size"), count(config, "parallel.pcp_size", "pcp size"))
+
+
 def fs_fields(config, canonical=None, collapse=True):
     """The fields vLLM's fs tier names its directory by, for this config
     (with collapse, parallel sizes collapsed to 1 where vLLM certifies the

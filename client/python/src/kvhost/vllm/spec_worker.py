@@ -128,8 +128,7 @@ def check_cp_interleave(config):
     does not carry it: the scheduler names the namespace without it. So the
     identity stands for vLLM's default, 1, and any other is refused (a
     ValueError); IdentityUnknown where vLLM is there and cannot say."""
-    dcp = _namespace.count(config, "parallel.dcp_size", "dcp size")
-    pcp = _namespace.count(config, "parallel.pcp_size", "pcp size")
+    dcp, pcp = _namespace.cp_sizes(config)
     if dcp * pcp == 1 or not vllm_installed():
         return None
 

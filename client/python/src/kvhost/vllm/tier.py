@@ -149,8 +149,7 @@ def _cp_interleave(config, o):
     vLLM's offloading config does not carry the interleave, while the tier
     runs in the scheduler, which cannot read the engine's: without the
     option the rows' meaning is unknown, and the tier refuses to start."""
-    dcp = _namespace.count(config, "parallel.dcp_size", "dcp size")
-    pcp = _namespace.count(config, "parallel.pcp_size", "pcp size")
+    dcp, pcp = _namespace.cp_sizes(config)
     n = o["cp_kv_cache_interleave_size"]
     if dcp * pcp == 1:
         return None
