@@ -166,10 +166,19 @@ test-python: python-ext
 	cd client/python && KVHOST_EXPECT_NATIVE=1 PYTHONPATH=src /usr/bin/python3 -m unittest discover -s tests -v
 
 # The vLLM integration tests (client/python/tests/test_vllm*.py) against
-# vLLM's own offloading code from a source tree: VLLM_SRC is the directory
-# that contains the vllm package (tests/vllm_tree.py says what is shimmed).
-.PHONY: test-vllm
-test-vllm:
+# vLLM's own offloading and connector code (MultiConnector,
+# OffloadingConnector's scheduler and worker halves) from a source tree:
+# VLLM_SRC is the directory that contains the vllm package
+# (tests/vllm_tree.py says what is shimmed). vllm-test-deps installs the
+# Debian packages vLLM's modules import (python3-pydantic, python3-cbor2,
+# python3-prometheus-client, python3-regex; scripts/ensure-python.sh
+# --vllm); `make test` does not need them, since without a tree those
+# tests skip.
+.PHONY: test-vllm vllm-test-deps
+vllm-test-deps:
+	@scripts/ensure-python.sh --vllm
+
+test-vllm: vllm-test-deps
 	@test -n "$(VLLM_SRC)" || { echo "test-vllm: set VLLM_SRC=DIR, the directory that contains the vllm package (make test-vllm VLLM_SRC=DIR)" >&2; exit 2; }
 	@test -f "$(VLLM_SRC)/vllm/__init__.py" || { echo "test-vllm: $(VLLM_SRC)/vllm/__init__.py not found; VLLM_SRC must contain the vllm package" >&2; exit 2; }
 	@$(MAKE) --no-print-directory build python-ext

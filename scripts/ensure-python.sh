@@ -5,10 +5,20 @@
 # installed), venv, pip, setuptools and wheel for the offline-install
 # test, Python's headers for the C lookup probe, and for make test-vllm
 # the two packages vLLM's own modules import (prometheus_client, regex).
+# With --vllm (make vllm-test-deps, run by make test-vllm) also what
+# vLLM's connector modules import for the MultiConnector tests: pydantic
+# (vLLM's KVTransferConfig) and cbor2 (vllm.utils.hashing); those are
+# required there, so a failed install fails.
 # Idempotent: asks apt only for what is missing.
 set -euo pipefail
 py=${PYTHON:-/usr/bin/python3}
 missing=()
+required=(python3-numpy python3-dev)
+if [ "${1:-}" = --vllm ]; then
+	"$py" -c 'import pydantic' >/dev/null 2>&1 || missing+=(python3-pydantic)
+	"$py" -c 'import cbor2' >/dev/null 2>&1 || missing+=(python3-cbor2)
+	required+=(python3-pydantic python3-cbor2 python3-prometheus-client python3-regex)
+fi
 "$py" -c 'import numpy' >/dev/null 2>&1 || missing+=(python3-numpy)
 "$py" -c 'import torch' >/dev/null 2>&1 || missing+=(python3-torch)
 # The offline-install test builds the client in a fresh venv with pip and
@@ -26,7 +36,9 @@ missing=()
 [ ${#missing[@]} -eq 0 ] && exit 0
 if ! command -v apt-get >/dev/null 2>&1; then
 	echo "ensure-python: no apt-get; install ${missing[*]} for $py yourself" >&2
-	"$py" -c 'import numpy' >/dev/null 2>&1 || exit 1
+	for pkg in "${missing[@]}"; do
+		[[ " ${required[*]} " == *" $pkg "* ]] && exit 1
+	done
 	exit 0
 fi
 sudo=""
@@ -35,7 +47,7 @@ echo "ensure-python: installing ${missing[*]} with apt-get" >&2
 $sudo apt-get update -qq || true
 for pkg in "${missing[@]}"; do
 	if ! DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "$pkg" >/dev/null; then
-		if [ "$pkg" = python3-numpy ] || [ "$pkg" = python3-dev ]; then
+		if [[ " ${required[*]} " == *" $pkg "* ]]; then
 			echo "ensure-python: cannot install $pkg (required by the tests)" >&2
 			exit 1
 		fi

@@ -13,10 +13,10 @@ registry. It is a namespace of exactly the fields the connector's code
 reads (parallel, cache and model config, the kv_transfer_config), and it is
 what the worker's get_current_vllm_config_or_none answers. The attention
 backend a worker observes is given as in test_vllm_real_spec.py (vLLM's
-attention modules are not loaded). MultiConnector itself, the connector's
-scheduler half and model runner V2 do not import here (vllm.config,
-KVCacheEvent, the request and multimodal modules): what they hand the
-spec is read from the tree (docs/vllm.md says what).
+attention modules are not loaded). MultiConnector and the connector's
+scheduler half run in test_vllm_real_multi.py; model runner V2 does not
+import here (the engine configuration, the model executor): what it hands
+the spec (per-layer tensors) is what these tests register.
 
 Needs a vLLM source tree: `make test-vllm VLLM_SRC=DIR`; without one every
 test here reports itself skipped.

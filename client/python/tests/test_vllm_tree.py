@@ -11,6 +11,7 @@ import sys
 import tempfile
 import time
 import unittest
+from unittest import mock
 
 import vllm_tree
 
@@ -46,6 +47,13 @@ def _tree_has(api, relpath, text):
             return text in f.read()
     except OSError:
         return False
+
+
+class Dependencies(unittest.TestCase):
+    def test_a_missing_dependency_fails_naming_the_package_and_the_target(self):
+        with mock.patch.dict(vllm_tree.DEPENDENCIES, {"kvhost_no_such_module": "python3-kvhost-no-such"}):
+            with self.assertRaisesRegex(RuntimeError, r"python3-kvhost-no-such.*make vllm-test-deps"):
+                vllm_tree._require_dependencies()
 
 
 @needs_tree

@@ -216,23 +216,20 @@ def _make_shims(src: str, tree_name: str):
         return m
 
     def config():
-        return _shim_module(
+        m = _shim_module(
             "vllm.config",
-            "vllm.config imports the whole engine configuration (model "
-            "registry, transformers, pydantic models). The offloading "
-            "modules only name VllmConfig / KVTransferConfig in annotations; "
-            "placeholders stand in.",
-            VllmConfig=type("VllmConfig", (_NotInShim,), {}),
-            KVTransferConfig=type("KVTransferConfig", (_NotInShim,), {}))
-
-    def connector_factory():
-        return _shim_module(
-            "vllm.distributed.kv_transfer.kv_connector.factory",
-            "KVConnectorFactory imports every KV connector and the V1 "
-            "connector base (attention backends, scheduler). The connector "
-            "metrics module only calls it from KVConnectorLogging, which "
-            "the tests do not use.",
-            KVConnectorFactory=type("KVConnectorFactory", (_NotInShim,), {}))
+            "the package's __init__ imports the whole engine configuration "
+            "(model registry, transformers). It is a package here whose "
+            "submodules load from the tree (vllm.config.kv_transfer: "
+            "KVTransferConfig, a pydantic dataclass, is vLLM's own); "
+            "VllmConfig, which the connector code only names in "
+            "annotations, is a placeholder (tests hand it a namespace of "
+            "the fields it reads).",
+            VllmConfig=type("VllmConfig", (_NotInShim,), {}))
+        m.__path__ = [os.path.join(src, "vllm", "config")]
+        m.__getattr__ = _lazy_attrs("vllm.config", {
+            "KVTransferConfig": "vllm.config.kv_transfer"})
+        return m
 
     def shm_broadcast():
         import shutil
@@ -275,12 +272,17 @@ def _make_shims(src: str, tree_name: str):
     def kv_events():
         consts = _string_constants(os.path.join(
             src, "vllm", "distributed", "kv_events.py"))
+        events = {n: type(n, (_NotInShim,), {}) for n in (
+            "KVCacheEvent", "BlockStored", "BlockRemoved", "AllBlocksCleared",
+            "KVConnectorKVEvents", "KVEventBatch")}
         return _shim_module(
             "vllm.distributed.kv_events",
-            "imports msgspec, zmq, vllm.config and the v1 scheduler's "
-            "kv_cache_utils. Offloading modules only import its medium "
-            "name constants (MEDIUM_CPU, MEDIUM_FS, ...), read here from "
-            "the tree's file without running it.", **consts)
+            "imports msgspec (not packaged by Debian 12) and zmq, and its "
+            "events are msgspec Structs. Offloading modules import its "
+            "medium name constants (MEDIUM_CPU, MEDIUM_FS, ...), read here "
+            "from the tree's file without running it, and name the event "
+            "classes, placeholders here: the tests run with KV cache events "
+            "off, where vLLM makes none.", **consts, **events)
 
     def parallel_state():
         def is_local_first_rank():
@@ -299,28 +301,6 @@ def _make_shims(src: str, tree_name: str):
         m.__getattr__ = lambda name: not_initialized
         return m
 
-    def connector_base():
-        import abc
-
-        class KVConnectorMetadata(abc.ABC):  # noqa: B024
-            """Scheduler -> worker connector metadata (an empty ABC in vLLM)."""
-
-        class KVConnectorWorkerMetadata(abc.ABC):
-            """Worker -> scheduler connector metadata (vLLM's ABC: aggregate)."""
-
-            @abc.abstractmethod
-            def aggregate(self, other):
-                pass
-        return _shim_module(
-            "vllm.distributed.kv_transfer.kv_connector.v1.base",
-            "the V1 connector base imports attention backends, the model "
-            "executor and the scheduler's output types. The offloading "
-            "connector's common module only subclasses its two metadata "
-            "ABCs (an empty one, and one with abstract aggregate), given "
-            "here with the same shape; KVConnectorBase_V1 is not here.",
-            KVConnectorMetadata=KVConnectorMetadata,
-            KVConnectorWorkerMetadata=KVConnectorWorkerMetadata)
-
     def attention_backend():
         return _shim_module(
             "vllm.v1.attention.backend",
@@ -332,21 +312,116 @@ def _make_shims(src: str, tree_name: str):
             AttentionMetadata=type("AttentionMetadata", (_NotInShim,), {}))
 
     def kv_cache_utils():
+        import itertools
         import math
+        from typing import NewType
+
+        import vllm.envs as envs
         from vllm.v1 import kv_cache_interface as kci
-        fns = _functions(os.path.join(src, "vllm", "v1", "core",
-                                      "kv_cache_utils.py"),
-                         ("resolve_kv_cache_block_sizes",),
-                         {"math": math, "AttentionSpec": kci.AttentionSpec,
-                          "MambaSpec": kci.MambaSpec,
-                          "KVCacheConfig": kci.KVCacheConfig,
-                          "VllmConfig": object})
+        path = os.path.join(src, "vllm", "v1", "core", "kv_cache_utils.py")
+        ns = {"math": math, "itertools": itertools, "NewType": NewType,
+              "envs": envs, "AttentionSpec": kci.AttentionSpec,
+              "MambaSpec": kci.MambaSpec, "KVCacheConfig": kci.KVCacheConfig,
+              "VllmConfig": object}
+        defs = _definitions(
+            path, ("resolve_kv_cache_block_sizes",), ns,
+            optional=("BlockHash", "BlockHashWithGroupId", "ExternalBlockHash",
+                      "make_block_hash_with_group_id", "get_block_hash",
+                      "get_group_id", "maybe_convert_block_hash",
+                      "KVCacheBlock", "BlockHashListWithBlockSize",
+                      "BlockHashList", "resolve_block_hashes"))
         return _shim_module(
             "vllm.v1.core.kv_cache_utils",
             "imports the request and multimodal modules (PIL, cbor2, "
-            "xxhash). The offloading config builder only calls "
-            "resolve_kv_cache_block_sizes: that function's own source, "
-            "read from the tree's file and run here.", **fns)
+            "xxhash). What the offloading connector calls (the block size "
+            "resolution, the block-hash types and views, KVCacheBlock) is "
+            "that code's own source, read from the tree's file and run "
+            "here.", **defs)
+
+    def forward_context():
+        return _shim_module(
+            "vllm.forward_context",
+            "imports the engine configuration, the data-parallel "
+            "coordination and CUDA-graph modes. The connectors only name "
+            "ForwardContext in annotations (the offloading connector's "
+            "start_load_kv ignores it); a placeholder stands in.",
+            ForwardContext=type("ForwardContext", (_NotInShim,), {}))
+
+    def request():
+        import enum
+        path = os.path.join(src, "vllm", "v1", "request.py")
+        engine = _definitions(
+            os.path.join(src, "vllm", "v1", "engine", "__init__.py"),
+            ("FinishReason",), {"enum": enum})
+        defs = _definitions(path, ("RequestStatus",),
+                            {"enum": enum, **engine},
+                            optional=("_FINISHED_REASON_MAP",))
+        return _shim_module(
+            "vllm.v1.request",
+            "imports sampling and pooling parameters (msgspec) and the "
+            "multimodal inputs. RequestStatus (with FinishReason) is that "
+            "code's own source, read from the tree's files and run here; "
+            "Request is a placeholder (tests hand the scheduler a request "
+            "object with the fields it reads).",
+            Request=type("Request", (_NotInShim,), {}), **defs)
+
+    def kv_cache_manager():
+        import itertools
+        from collections.abc import Sequence
+        from typing import Literal, overload
+
+        from vllm.v1.core.kv_cache_utils import KVCacheBlock
+        defs = _definitions(
+            os.path.join(src, "vllm", "v1", "core", "kv_cache_manager.py"),
+            ("KVCacheBlocks",),
+            {"itertools": itertools, "Sequence": Sequence,
+             "Literal": Literal, "overload": overload,
+             "KVCacheBlock": KVCacheBlock})
+        return _shim_module(
+            "vllm.v1.core.kv_cache_manager",
+            "imports the KV cache coordinator, block pool and request "
+            "modules. KVCacheBlocks, what the scheduler hands connectors, "
+            "is that class's own source, read from the tree's file and run "
+            "here.", **defs)
+
+    def outputs():
+        import vllm.v1.core.sched.output as sched_output
+        defs = _definitions(
+            os.path.join(src, "vllm", "v1", "outputs.py"),
+            ("KVConnectorOutput",), {"SchedulerOutput":
+                                     sched_output.SchedulerOutput})
+        return _shim_module(
+            "vllm.v1.outputs",
+            "imports CUDA-graph capture (vllm.compilation) and the model "
+            "executor. KVConnectorOutput, what connectors read back from "
+            "the workers, is that class's own source, read from the tree's "
+            "file and run here.", **defs)
+
+    def sched_output():
+        from functools import cached_property
+        defs = _definitions(
+            _sched_output_path(src), ("SchedulerOutput",),
+            {"cached_property": cached_property},
+            optional=("NewRequestData", "CachedRequestData",
+                      "ScheduledEncoderInputStats", "GrammarOutput"))
+        return _shim_module(
+            "vllm.v1.core.sched.output",
+            "this tree's module imports vllm.multimodal (PIL, the model "
+            "registry) at import. Its dataclasses (SchedulerOutput, "
+            "NewRequestData, CachedRequestData), what the scheduler hands "
+            "connectors each step, are that code's own source, read from "
+            "the tree's file and run here.", **defs)
+
+    def connector_utils():
+        defs = _definitions(
+            os.path.join(src, "vllm", "distributed", "kv_transfer",
+                         "kv_connector", "utils.py"), ("yield_req_data",), {})
+        return _shim_module(
+            "vllm.distributed.kv_transfer.kv_connector.utils",
+            "imports the engine configuration, attention layers and the "
+            "model runner's outputs. The offloading scheduler calls "
+            "yield_req_data: that function's own source, read from the "
+            "tree's file and run here.", **defs)
 
     shims = {
         "vllm.distributed.parallel_state": parallel_state,
@@ -355,16 +430,26 @@ def _make_shims(src: str, tree_name: str):
         "vllm.platforms": platforms,
         "vllm._custom_ops": custom_ops,
         "vllm.config": config,
-        "vllm.distributed.kv_transfer.kv_connector.factory": connector_factory,
         "vllm.distributed.device_communicators.shm_broadcast": shm_broadcast,
         "vllm.distributed.kv_events": kv_events,
-        "vllm.distributed.kv_transfer.kv_connector.v1.base": connector_base,
         "vllm.v1.attention.backend": attention_backend,
         "vllm.v1.core.kv_cache_utils": kv_cache_utils,
+        "vllm.forward_context": forward_context,
+        "vllm.v1.request": request,
+        "vllm.v1.core.kv_cache_manager": kv_cache_manager,
+        "vllm.v1.outputs": outputs,
+        "vllm.distributed.kv_transfer.kv_connector.utils": connector_utils,
     }
+    with open(_sched_output_path(src)) as f:
+        if "from vllm.multimodal" in f.read():
+            shims["vllm.v1.core.sched.output"] = sched_output
     if not hasattr(torch.library, "infer_schema"):  # torch < 2.4
         shims["vllm.utils.torch_utils"] = torch_utils
     return shims
+
+
+def _sched_output_path(src):
+    return os.path.join(src, "vllm", "v1", "core", "sched", "output.py")
 
 
 def _string_constants(path):
@@ -386,25 +471,68 @@ def _string_constants(path):
     return out
 
 
-def _functions(path, names, namespace):
-    """The module-level functions names of a Python file, their source
-    (read with ast) run in namespace: vLLM's own code without its
-    module's imports."""
+def _definitions(path, names, namespace, *, optional=()):
+    """The module-level functions, classes and assignments names (and
+    those of optional the file has) of a Python file, their source (read
+    with ast) run in order in namespace: vLLM's own code without its
+    module's imports. Function decorators are dropped (vLLM's are caching
+    or typing ones); class decorators (dataclass) are kept and annotations
+    stay unevaluated, as they name types of modules not imported here."""
+    import __future__
     import ast
+    import dataclasses as dc
+    import typing
     with open(path) as f:
         text = f.read()
     tree = ast.parse(text, path)
-    out, ns = {}, dict(namespace)
+    want = set(names) | set(optional)
+    import collections.abc as abc
+    ns = {n: getattr(typing, n) for n in typing.__all__}
+    ns.update({n: getattr(abc, n) for n in abc.__all__})
+    ns.update({"dataclass": dc.dataclass, "field": dc.field,
+               "TYPE_CHECKING": False, "__name__": __name__})
+    ns.update(namespace)
+    out = {}
     for node in tree.body:
-        if isinstance(node, ast.FunctionDef) and node.name in names:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            name = node.name
+        elif isinstance(node, ast.Assign) and len(node.targets) == 1 and \
+                isinstance(node.targets[0], ast.Name):
+            name = node.targets[0].id
+        elif isinstance(node, ast.AnnAssign) and node.value is not None and \
+                isinstance(node.target, ast.Name):
+            name = node.target.id
+        else:
+            continue
+        if name not in want:
+            continue
+        if isinstance(node, ast.FunctionDef):
             node.decorator_list = []
-            code = compile(ast.Module(body=[node], type_ignores=[]), path, "exec")
-            exec(code, ns)  # noqa: S102 - the tree's own function
-            out[node.name] = ns[node.name]
+        code = compile(ast.Module(body=[node], type_ignores=[]), path, "exec",
+                       flags=__future__.annotations.compiler_flag,
+                       dont_inherit=True)
+        exec(code, ns)  # noqa: S102 - the tree's own code
+        out[name] = ns[name]
     missing = set(names) - set(out)
     if missing:
         raise ImportError(f"{path} has no {', '.join(sorted(missing))}")
     return out
+
+
+def _functions(path, names, namespace):
+    """The module-level functions names of a Python file (_definitions)."""
+    return _definitions(path, names, namespace)
+
+
+def _lazy_attrs(modname, where):
+    """A module __getattr__ that imports where[name] (a real submodule) on
+    first use and returns its name."""
+    def __getattr__(name):
+        if name not in where:
+            raise AttributeError(f"module {modname!r} (vllm_tree shim) has "
+                                 f"no attribute {name!r}")
+        return getattr(importlib.import_module(where[name]), name)
+    return __getattr__
 
 
 class _ImportTimeStub:
@@ -440,9 +568,6 @@ HOLLOW = {
         "communication_op (torch.distributed process groups).",
     "vllm.distributed.kv_transfer": "its __init__ imports kv_transfer_state "
         "and with it every connector.",
-    "vllm.distributed.kv_transfer.kv_connector.v1": "its __init__ imports the "
-        "V1 connector base (attention backends, scheduler output) and the "
-        "decode-bench connector.",
     "vllm.distributed.device_communicators": "kept hollow so that only the "
         "shm_broadcast shim is needed below it.",
 }
@@ -503,8 +628,13 @@ class _ShimFinder(importlib.abc.MetaPathFinder):
                     self, spec.loader, self.patches[name])
             return spec
         if name in self.shims:
-            return importlib.machinery.ModuleSpec(
-                name, _ShimLoader(self, self.shims[name]))
+            d = os.path.join(self.src, *name.split("."))
+            package = os.path.isfile(os.path.join(d, "__init__.py"))
+            spec = importlib.machinery.ModuleSpec(
+                name, _ShimLoader(self, self.shims[name]), is_package=package)
+            if package:  # its submodules load from the tree
+                spec.submodule_search_locations = [d]
+            return spec
         if name in HOLLOW:
             d = os.path.join(self.src, *name.split("."))
             spec = importlib.machinery.ModuleSpec(
@@ -608,6 +738,8 @@ def load(src=None) -> types.SimpleNamespace:
                 f"load the tree {path} in this process")
 
     finder = None
+    if path is not None:
+        _require_dependencies()
     if path is None:
         if not _installed_vllm():
             raise RuntimeError(SKIP_HINT)
@@ -683,6 +815,29 @@ def load(src=None) -> types.SimpleNamespace:
         api.patched = dict(finder.patched)
     _state["src"], _state["api"] = key, api
     return api
+
+
+# Python module -> the Debian package that provides it: what vLLM's own
+# modules under test import (make vllm-test-deps installs them).
+DEPENDENCIES = {
+    "pydantic": "python3-pydantic",          # vllm.config.kv_transfer
+    "cbor2": "python3-cbor2",                # vllm.utils.hashing
+    "prometheus_client": "python3-prometheus-client",  # connector metrics
+    "regex": "python3-regex",                # vllm's string utilities
+}
+
+
+def _require_dependencies():
+    """Raises RuntimeError naming the Debian packages of DEPENDENCIES that
+    do not import, and the make target that installs them: a test that
+    needs them fails rather than skips."""
+    missing = [pkg for mod, pkg in DEPENDENCIES.items()
+               if importlib.util.find_spec(mod) is None]
+    if missing:
+        raise RuntimeError(
+            f"vllm_tree: vLLM's modules need {', '.join(missing)} for "
+            f"{sys.executable}: run `make vllm-test-deps` (make test-vllm "
+            "runs it)")
 
 
 def _module_absent(path, modname):
