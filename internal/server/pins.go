@@ -186,7 +186,7 @@ func (s *session) pin(m *protocol.Pin) (protocol.Message, error) {
 	if err != nil {
 		return nil, err
 	}
-	eid, held, err := p.Pin(s.ctx, ns.id, m.Keys, lease)
+	eid, held, err := p.Pin(s.readCtx, ns.id, m.Keys, lease)
 	if err != nil {
 		s.srv.settlePins(charge, 0)
 		return nil, err

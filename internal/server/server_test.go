@@ -693,6 +693,56 @@ func TestAConnectedClientIsToldTheDaemonIsShuttingDown(t *testing.T) {
 	r.expectClosed()
 }
 
+// slowPurges is an engine whose purges go on until their context ends,
+// as a purge of a namespace of many files on a slow mount does (the
+// engine's stops between files once its context ends), saying on
+// entered that one has begun; a purge also ends once end is closed (a
+// failed test must not leave one holding the fixture's stop).
+type slowPurges struct {
+	*engine.Engine
+	entered chan struct{}
+	end     chan struct{}
+}
+
+func (e *slowPurges) Purge(ctx context.Context, fp uint64) (engine.PurgeResult, error) {
+	e.entered <- struct{}{}
+	select {
+	case <-ctx.Done():
+		return engine.PurgeResult{}, ctx.Err()
+	case <-e.end:
+		return engine.PurgeResult{}, nil
+	}
+}
+
+// TestShutdownCancelsARequestUnderWay: a request the daemon is answering
+// when it stops (here a purge, which goes on until its context ends) is
+// cancelled, as jobs past the grace period are: it does not hold the
+// shutdown for as long as it would run. The wait for the shutdown is a
+// hang guard, not a measurement.
+func TestShutdownCancelsARequestUnderWay(t *testing.T) {
+	eng := &slowPurges{entered: make(chan struct{}, 1), end: make(chan struct{})}
+	f := newFixtureWith(t, server.Config{}, nil, func(e *engine.Engine) server.Engine {
+		eng.Engine = e
+		return eng
+	})
+	t.Cleanup(func() { close(eng.end) }) // before the fixture's stop
+	r := f.raw(t)
+	r.hello()
+	r.send(2, &protocol.Purge{Fingerprint: 1})
+	<-eng.entered
+	done := make(chan struct{})
+	go func() { f.srv.Shutdown(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(testwait.Hang):
+		t.Fatal("the shutdown waits for a purge under way to end on its own")
+	}
+	h, m, err := r.recv()
+	if e, ok := m.(*protocol.Error); err != nil || !ok || e.Code != protocol.CodeCancelled || h.ID != 2 {
+		t.Fatalf("the purge's reply: %+v %#v %v, want an Error of code Cancelled, request 2", h, m, err)
+	}
+}
+
 func TestRetryableAccept(t *testing.T) {
 	tests := []struct {
 		err  error

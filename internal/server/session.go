@@ -67,7 +67,9 @@ type session struct {
 	seq     uint64    // accept number
 	born    time.Time // accept time: the handshake deadline counts from it
 	// readCtx ends when reading stops (stop): a frame waiting for room
-	// (Config.MaxIncomingBytes) waits no more.
+	// (Config.MaxIncomingBytes) waits no more, and the engine's answer to
+	// a request under way (a purge, a lookup, a declaration) is
+	// cancelled. Jobs run on ctx: they get the shutdown's grace period.
 	readCtx  context.Context
 	stopRead context.CancelFunc
 
@@ -573,7 +575,7 @@ func (s *session) declare(m *protocol.Declare) (protocol.Message, error) {
 	if len(s.namespaces) >= s.srv.cfg.MaxNamespaces {
 		return nil, s.srv.refuse(boundNamespaces, "at most %d namespaces per connection", s.srv.cfg.MaxNamespaces)
 	}
-	nsID, err := s.srv.declare(s.ctx, s.peer, geo)
+	nsID, err := s.srv.declare(s.readCtx, s.peer, geo)
 	if err != nil {
 		return nil, err
 	}
@@ -698,7 +700,7 @@ func (s *session) lookup(m *protocol.Lookup) (protocol.Message, error) {
 	if ns == nil {
 		return nil, perr(protocol.CodeUnknownNS, "namespace %d", m.NS)
 	}
-	n, err := s.srv.eng.Lookup(s.ctx, ns.id, m.Keys)
+	n, err := s.srv.eng.Lookup(s.readCtx, ns.id, m.Keys)
 	if err != nil {
 		return nil, err
 	}
@@ -710,7 +712,7 @@ func (s *session) delete(m *protocol.Delete) (protocol.Message, error) {
 	if ns == nil {
 		return nil, perr(protocol.CodeUnknownNS, "namespace %d", m.NS)
 	}
-	n, err := s.srv.eng.Delete(s.ctx, ns.id, m.Keys)
+	n, err := s.srv.eng.Delete(s.readCtx, ns.id, m.Keys)
 	if err != nil {
 		return nil, err
 	}
@@ -724,10 +726,10 @@ func (s *session) purge(m *protocol.Purge) (protocol.Message, error) {
 	var err error
 	what := []any{"fingerprint", fmt.Sprintf("%016x", m.Fingerprint)}
 	if m.Model != "" {
-		r, err = s.srv.eng.PurgeModel(s.ctx, m.Model)
+		r, err = s.srv.eng.PurgeModel(s.readCtx, m.Model)
 		what = []any{"model", m.Model}
 	} else {
-		r, err = s.srv.eng.Purge(s.ctx, m.Fingerprint)
+		r, err = s.srv.eng.Purge(s.readCtx, m.Fingerprint)
 	}
 	if err != nil {
 		return nil, err
