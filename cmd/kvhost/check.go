@@ -702,7 +702,16 @@ func checkSpeed(ctx context.Context, rep *checkReport, o checkOptions, m config.
 	if direct {
 		modes = []bool{true, false}
 	}
-	name := filepath.Join(m.Path, fmt.Sprintf(".kvhost-check-speed-%d", os.Getpid()))
+	// A fresh name, made here (O_EXCL): the directory may be shared,
+	// and a symbolic link planted at a name known ahead would have the
+	// check write through it, where it points (speedPass).
+	f, err := os.CreateTemp(m.Path, ".kvhost-check-speed-*")
+	if err != nil {
+		rep.add(levelWarn, m.Path, fmt.Sprintf("speed test skipped: %v", err), "")
+		return
+	}
+	name := f.Name()
+	f.Close()
 	defer os.Remove(name)
 	for _, d := range modes {
 		mode := "buffered"
@@ -733,11 +742,14 @@ func checkSpeed(ctx context.Context, rep *checkReport, o checkOptions, m config.
 
 // speedPass writes (reads) up to size bytes sequentially in buf-sized
 // calls, stopping after limit; writes end with fsync. It returns the bytes
-// moved and the time taken.
+// moved and the time taken. name is the file checkSpeed made; each pass
+// opens it anew, O_NOFOLLOW: a symbolic link put in its place between
+// passes (the directory may be shared) fails the pass with ELOOP, and
+// nothing is written where it points.
 func speedPass(ctx context.Context, name string, buf []byte, size int64, limit time.Duration, direct, write bool) (int64, time.Duration, error) {
-	flags := os.O_RDONLY
+	flags := os.O_RDONLY | unix.O_NOFOLLOW
 	if write {
-		flags = os.O_WRONLY | os.O_CREATE | os.O_TRUNC
+		flags = os.O_WRONLY | unix.O_NOFOLLOW
 	}
 	if direct {
 		flags |= unix.O_DIRECT

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
@@ -12,6 +13,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -686,4 +688,59 @@ func TestCheckFailsAMissingMountItsParentRefuses(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestCheckSpeedNeverWritesThroughALinkInTheMount: `kvhost check --speed`
+// writes a file in each mount's directory, which others may write too
+// (a shared mount, /dev/shm). A symbolic link planted at the speed
+// file's name, before the test makes the file (its name was the pid's)
+// or between its passes (each opens the file anew by name), must not
+// make the check (often run as root) truncate and overwrite the file the
+// link points to: the check makes its file under a fresh name, and every
+// pass refuses a link at the name.
+func TestCheckSpeedNeverWritesThroughALinkInTheMount(t *testing.T) {
+	const theirs = "not kvhost's"
+	victim := func(t *testing.T) string {
+		t.Helper()
+		p := filepath.Join(t.TempDir(), "victim")
+		if err := os.WriteFile(p, []byte(theirs), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	untouched := func(t *testing.T, p string) {
+		t.Helper()
+		if b, err := os.ReadFile(p); err != nil || string(b) != theirs {
+			t.Errorf("the file the link points to was written through it: %d bytes, not %q (%v)", len(b), theirs, err)
+		}
+	}
+	t.Run("planted before the check", func(t *testing.T) {
+		dir, v := t.TempDir(), victim(t)
+		link := filepath.Join(dir, fmt.Sprintf(".kvhost-check-speed-%d", os.Getpid()))
+		if err := os.Symlink(v, link); err != nil {
+			t.Fatal(err)
+		}
+		missing := filepath.Join(dir, "nothing.so")
+		if code, out := runCheckCmd(t, "--dir", dir, "--cuda-library", missing, "--cufile-library", missing, "--speed", "--speed-size", "2MiB"); code != 0 {
+			t.Fatalf("exit %d:\n%s", code, out)
+		}
+		untouched(t, v)
+		if _, err := os.Lstat(link); err != nil {
+			t.Errorf("the link, someone's, was removed: %v", err)
+		}
+	})
+	t.Run("planted between passes", func(t *testing.T) {
+		dir, v := t.TempDir(), victim(t)
+		name := filepath.Join(dir, ".kvhost-check-speed-x")
+		if err := os.Symlink(v, name); err != nil {
+			t.Fatal(err)
+		}
+		buf := make([]byte, 4096)
+		for _, write := range []bool{true, false} {
+			if _, _, err := speedPass(context.Background(), name, buf, 4096, time.Second, false, write); !errors.Is(err, unix.ELOOP) {
+				t.Errorf("a pass (write %v) on a link: %v, want ELOOP", write, err)
+			}
+		}
+		untouched(t, v)
+	})
 }
