@@ -461,10 +461,17 @@ func (e *Engine) tookFile(m *mount) {
 // kvhost neither writes outside its mount nor serves or indexes, and
 // later removes, a file outside it.
 func (e *Engine) openNoLinks(m *mount, path string, flag int, perm os.FileMode) (fsys.File, error) {
+	return e.fs.OpenFile(m.noLinksPath(path), flag|fsys.ONoLinks, perm)
+}
+
+// noLinksPath is path, under m's linkFree directory, as an open with
+// fsys.ONoLinks takes it (openNoLinks): from m.realLinkFree, the
+// directory's own links resolved at Open.
+func (m *mount) noLinksPath(path string) string {
 	if rel, ok := m.belowLinkFree(path); ok && m.realLinkFree != m.linkFree {
-		path = m.realLinkFree + rel
+		return m.realLinkFree + rel
 	}
-	return e.fs.OpenFile(path, flag|fsys.ONoLinks, perm)
+	return path
 }
 
 // belowLinkFree reports whether path is m's linkFree directory or a name

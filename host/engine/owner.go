@@ -4,6 +4,7 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -71,26 +72,24 @@ func (e *Engine) openOwners() {
 // openOwner makes and flocks this engine's owner file in m's root, as
 // openOwners does; a mount Open found unwritable gets one once it takes
 // files (tookFile). After closeOwners it removes the file it made.
+//
+// The mount's directory may be shared (another engine's, another
+// node's, a user's), so the file is made, renamed and later removed
+// never through a symbolic link: created with openNoLinks (a link in
+// place of the root, or of a directory above it, since Open resolved its
+// path fails the create with ELOOP), renamed into place relative to the
+// root opened so (openDir), and removed as a data file is (removeFile:
+// the name must still be this file). A link found refuses the owner file
+// with a warning naming the path; the engine's spares are then
+// unprotected, as where the file cannot be made.
 func (e *Engine) openOwner(m *mount) {
 	path := filepath.Join(m.root, ownerName(e.node, os.Getpid(), e.token))
-	tmp := e.tempName(m.root, tmpPrefix)
-	f, err := fsys.OpenToLock(e.fs, tmp, os.O_CREATE|os.O_EXCL, 0o644)
-	if err == nil {
-		// Waiting: another engine's walk may hold the new file's flock
-		// a moment to check it (cleanTemp), and lets it go.
-		if err = fsys.Lock(f); err == nil {
-			err = e.fs.Rename(tmp, path)
-		}
-		if err != nil {
-			f.Close()
-			e.fs.Remove(tmp)
-		}
-	}
+	f, err := e.makeOwner(m, path)
 	if err != nil {
 		e.log.Warn("engine: no spare owner file: another engine opening on the mount removes this one's spares", "mount", m.root, "err", err)
 		return
 	}
-	o := ownerFile{path: path, f: f}
+	o := ownerFile{m: m, path: path, f: f}
 	e.ownersMu.Lock()
 	done := e.ownersDone
 	if !done {
@@ -102,8 +101,42 @@ func (e *Engine) openOwner(m *mount) {
 	}
 }
 
+// makeOwner makes the owner file at path in m's root (openOwner): under
+// a temporary name, locked, then renamed, so that no other engine's walk
+// finds it unlocked; nothing is left behind where it fails.
+func (e *Engine) makeOwner(m *mount, path string) (fsys.File, error) {
+	tmp := e.tempName(m.root, tmpPrefix)
+	f, err := e.openNoLinks(m, tmp, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o644)
+	if errors.Is(err, syscall.ELOOP) {
+		return nil, fmt.Errorf("engine: owner file %s: the mount's root, or a directory above it, is a symbolic link: kvhost makes no file through it: %w", tmp, err)
+	}
+	if err != nil {
+		return nil, err
+	}
+	// Waiting: another engine's walk may hold the new file's flock a
+	// moment to check it (cleanTemp), and lets it go.
+	err = fsys.Lock(f)
+	if err == nil {
+		var dir fsys.File
+		if dir, err = e.openDir(m, m.root); err == nil {
+			err = fsys.RenameAt(e.fs, dir, tmp, dir, path, false)
+			dir.Close()
+		}
+	}
+	if err != nil {
+		id, _ := fileIdentity(f)
+		if rerr := e.removeFile(m, tmp, id); rerr != nil {
+			e.log.Warn("engine: remove a temporary file", "path", tmp, "err", rerr)
+		}
+		f.Close()
+		return nil, err
+	}
+	return f, nil
+}
+
 // ownerFile is an owner file this engine holds.
 type ownerFile struct {
+	m    *mount
 	path string
 	f    fsys.File
 }
@@ -121,9 +154,14 @@ func (e *Engine) closeOwners() {
 	}
 }
 
-// close removes the owner file and releases its flock.
+// close removes the owner file and releases its flock. It removes the
+// file as a data file is removed (removeFile): relative to the root
+// opened without following a link, and only where the name still holds
+// this file; a link in place of the root is refused, and nothing where
+// it points is removed.
 func (o ownerFile) close(e *Engine) {
-	if err := e.fs.Remove(o.path); err != nil && !errors.Is(err, os.ErrNotExist) {
+	id, _ := fileIdentity(o.f)
+	if err := e.removeFile(o.m, o.path, id); err != nil {
 		e.log.Warn("engine: remove the spare owner file", "path", o.path, "err", err)
 	}
 	o.f.Close()
@@ -137,9 +175,9 @@ type liveOwners struct {
 }
 
 // spareLive reports whether the spare named .spare-<rest> on the mount
-// rooted at root belongs to an engine still running: its name has an
+// m belongs to an engine still running: its name has an
 // owner token, and that owner's file in root is flocked.
-func (e *Engine) spareLive(lo *liveOwners, root, rest string) bool {
+func (e *Engine) spareLive(lo *liveOwners, m *mount, rest string) bool {
 	node, pid, ok := tempOwner(rest)
 	if !ok {
 		return false
@@ -148,18 +186,18 @@ func (e *Engine) spareLive(lo *liveOwners, root, rest string) bool {
 	if len(suffix) != 2*tokenLen {
 		return false // named before owners
 	}
-	return lo.held(e, filepath.Join(root, ownerName(node, pid, suffix[:tokenLen])))
+	return lo.held(e, m, filepath.Join(m.root, ownerName(node, pid, suffix[:tokenLen])))
 }
 
-// held reports whether the owner file at path is held by a running
-// engine (ownerHeld), asking each path once.
-func (lo *liveOwners) held(e *Engine, path string) bool {
+// held reports whether the owner file at path, in m's root, is held by
+// a running engine (ownerHeld), asking each path once.
+func (lo *liveOwners) held(e *Engine, m *mount, path string) bool {
 	lo.mu.Lock()
 	defer lo.mu.Unlock()
 	if held, ok := lo.live[path]; ok {
 		return held
 	}
-	held := e.ownerHeld(path)
+	held := e.ownerHeld(m, path)
 	if lo.live == nil {
 		lo.live = map[string]bool{}
 	}
@@ -167,7 +205,7 @@ func (lo *liveOwners) held(e *Engine, path string) bool {
 	return held
 }
 
-// ownerHeld reports whether the owner file at path exists and another
+// ownerHeld reports whether the owner file at path (in m's root) exists and another
 // open of it holds its flock: another engine's, in this process or
 // another, this engine's own included (flocks conflict between open
 // file descriptions of one process). Where that cannot be told (the
@@ -175,9 +213,11 @@ func (lo *liveOwners) held(e *Engine, path string) bool {
 // than a dead one's room. While it checks a dead owner's file it holds
 // that file's flock a moment, so a second engine opening at the same
 // instant may keep the dead spares, for the next Open to remove.
-func (e *Engine) ownerHeld(path string) bool {
+func (e *Engine) ownerHeld(m *mount, path string) bool {
 	// O_NONBLOCK: a FIFO planted under the name must not stall Open.
-	f, err := fsys.OpenToLock(e.fs, path, syscall.O_NOFOLLOW|syscall.O_NONBLOCK, 0)
+	// Never through a link (openNoLinks): a root replaced by one since
+	// Open would have the flock taken on a file elsewhere.
+	f, err := fsys.OpenToLock(e.fs, m.noLinksPath(path), syscall.O_NONBLOCK|fsys.ONoLinks, 0)
 	if err != nil {
 		return false
 	}

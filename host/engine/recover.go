@@ -72,7 +72,7 @@ func (e *Engine) rebuild(ctx context.Context) error {
 			path := filepath.Join(dir, name)
 			if strings.HasPrefix(name, ".") {
 				if strings.HasPrefix(name, ownerPrefix) && d.Type().IsRegular() {
-					if dir == e.mounts[mount].root && !owners.held(e, path) {
+					if dir == e.mounts[mount].root && !owners.held(e, e.mounts[mount], path) {
 						// An ended engine's owner file: its flock is free
 						// (this engine's own reads as held: ownerHeld).
 						if err := e.removeFile(e.mounts[mount], path, fsys.Identity{}); err == nil {
@@ -82,7 +82,7 @@ func (e *Engine) rebuild(ctx context.Context) error {
 					continue
 				}
 				if rest, ok := strings.CutPrefix(name, sparePrefix); ok && d.Type().IsRegular() {
-					if e.spareLive(&owners, e.mounts[mount].root, rest) {
+					if e.spareLive(&owners, e.mounts[mount], rest) {
 						continue // a running engine's, about to be written
 					}
 					// Never anyone's data: a spare of an engine that

@@ -1,0 +1,113 @@
+package engine
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/host/policy"
+	"github.com/kvhost/kvhost/internal/fsys"
+)
+
+// The files the engine keeps in a mount's root for itself (its spare
+// owner file, the O_DIRECT probe's) are made and removed never through a
+// symbolic link put in place of the root since Open resolved its path:
+// the mount's directory may be shared, and whoever can rename it (a
+// user of the directory above, another node of a shared mount) must not
+// have the daemon make, flock or remove files where a link points.
+
+// rootUnderSwap makes a mount root, "root", in a fresh directory of a
+// memory file system (spares, and so owner files, are kept only there),
+// and a directory outside it on the same file system; it returns the
+// parent, the root and the outside directory.
+func rootUnderSwap(t *testing.T) (parent, root, outside string) {
+	t.Helper()
+	parent, outside = tmpfsDir(t), tmpfsDir(t)
+	root = filepath.Join(parent, "root")
+	if err := os.Mkdir(root, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	return parent, root, outside
+}
+
+// openOnRoot opens an engine on root through fs, failing the test where
+// Open fails; the caller closes it.
+func openOnRoot(t *testing.T, root string, fs fsys.FS) *Engine {
+	t.Helper()
+	pol := &fixedPathPolicy{testPolicy: newTestPolicy(1, abi.OrderLayerMajor)}
+	name := "k.kv"
+	pol.path.Store(&name)
+	e, err := Open(context.Background(), Config{Mounts: []Mount{{Path: root}}, NodeID: "a", FS: fs, IOWorkers: 2, Logger: testLogger(t),
+		NewPolicy: func(policy.Index) (policy.Policy, error) { return pol, nil }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return e
+}
+
+// inRoot reports whether path's directory is the mount root "root" (by
+// its name: opens without links take the root's resolved path).
+func inRoot(path string) bool { return filepath.Base(filepath.Dir(path)) == "root" }
+
+// TestAnOwnerFileIsNeverMadeOrRemovedThroughALinkInPlaceOfTheRoot: an
+// engine makes its spare owner file in the mount's root at Open (a
+// temporary name, flocked, renamed) and removes it at Close. Someone
+// replaces the root by a symbolic link to a directory outside the mount
+// just before the make, or just before the removal, where a file of the
+// owner file's name waits. Nothing is made outside, and the file there is
+// not removed; the owner file made before the swap is removed from the
+// directory it was made in.
+func TestAnOwnerFileIsNeverMadeOrRemovedThroughALinkInPlaceOfTheRoot(t *testing.T) {
+	t.Run("made", func(t *testing.T) {
+		parent, _, outside := rootUnderSwap(t)
+		p := &plantAt{outside: outside}
+		p.at = func(op fsys.Op, path string) bool {
+			return op == fsys.OpOpen && inRoot(path) && strings.HasPrefix(filepath.Base(path), tmpPrefix)
+		}
+		p.plant = func(string) { swapForLink(t, parent, "root", outside) }
+		p.armed.Store(true)
+		e := openOnRoot(t, filepath.Join(parent, "root"), &fsys.Faulty{FS: fsys.OS{}, Inj: p})
+		planted := p.planted.Load()
+		e.Close(context.Background())
+		if !planted {
+			t.Fatal("Open made no owner file: no link planted")
+		}
+		if names := p.seenOutside(); len(names) != 0 {
+			t.Errorf("the owner file was made outside the mount, through the link: %v", names)
+		}
+	})
+	t.Run("removed", func(t *testing.T) {
+		parent, root, outside := rootUnderSwap(t)
+		const theirs = "not kvhost's"
+		var target string
+		p := &plantAt{outside: outside}
+		p.at = func(op fsys.Op, path string) bool {
+			return (op == fsys.OpRemove || op == fsys.OpStat) && inRoot(path) && strings.HasPrefix(filepath.Base(path), ownerPrefix)
+		}
+		p.plant = func(path string) {
+			target = filepath.Join(outside, filepath.Base(path))
+			if err := os.WriteFile(target, []byte(theirs), 0o644); err != nil {
+				t.Error(err)
+			}
+			swapForLink(t, parent, "root", outside)
+		}
+		e := openOnRoot(t, root, &fsys.Faulty{FS: fsys.OS{}, Inj: p})
+		if len(ownerFiles(t, root)) != 1 {
+			t.Fatalf("owner files after Open: %v, want one", ownerFiles(t, root))
+		}
+		p.armed.Store(true)
+		e.Close(context.Background())
+		if !p.planted.Load() {
+			t.Fatal("Close removed no owner file: no link planted")
+		}
+		if b, err := os.ReadFile(target); err != nil || string(b) != theirs {
+			t.Errorf("the file outside the mount, of the owner file's name, was removed through the link (%v)", err)
+		}
+		if left := ownerFiles(t, filepath.Join(parent, "root.old")); len(left) != 0 {
+			t.Errorf("the owner file, in the root it was made in, was not removed: %v", left)
+		}
+	})
+}
