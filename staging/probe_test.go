@@ -45,8 +45,8 @@ func TestProbeDirectFileLeavesAnExistingFile(t *testing.T) {
 		t.Fatal(err)
 	}
 	for _, fs := range []fsys.FS{fsys.OS{}, fsystest.RefusesDirect{FS: fsys.OS{}}} {
-		if _, err := ProbeDirectFile(fs, name); err == nil {
-			t.Fatalf("%T: ProbeDirectFile on an existing name: nil error", fs)
+		if _, made, err := ProbeDirectFile(fs, name, 0); err == nil || made {
+			t.Fatalf("%T: ProbeDirectFile on an existing name: made %v, error %v: want an error, and nothing made", fs, made, err)
 		}
 		if b, err := os.ReadFile(name); err != nil || string(b) != "kept" {
 			t.Fatalf("%T: the existing file after the probe: %q, %v: want \"kept\"", fs, b, err)

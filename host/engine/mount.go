@@ -244,16 +244,25 @@ func (e *Engine) openMount(i int, m Mount) (*mount, error) {
 		// The probe creates, writes and removes a small file. It must never
 		// stop a start (a full file system, a read-only one that still
 		// serves what it holds): a failure is buffered I/O and a log line.
+		// Never through a symbolic link (the mount's directory may be
+		// shared, and the root renamed away and replaced by a link since
+		// its path was resolved above): made with openat2
+		// RESOLVE_NO_SYMLINKS from the resolved root (openNoLinks),
+		// removed relative to the root opened so (removeFile).
 		probe := e.tempName(root, probePrefix)
-		direct, err := staging.ProbeDirectFile(e.fs, probe)
+		direct, made, err := staging.ProbeDirectFile(e.fs, mt.noLinksPath(probe), fsys.ONoLinks)
 		if errors.Is(err, syscall.EROFS) || errors.Is(err, syscall.EACCES) || errors.Is(err, syscall.EPERM) {
 			mt.unwritable = err // no file made; reportMounts says so, once
 		}
-		// The probe removes its file whatever it found, also the one a
-		// file system without direct I/O makes before it fails the open
-		// with EINVAL; removing it again here logs where that failed.
-		if rerr := e.fs.Remove(probe); rerr != nil && !errors.Is(rerr, os.ErrNotExist) && mt.unwritable == nil {
-			e.log.Warn("engine: remove the O_DIRECT probe's file", "path", probe, "err", rerr)
+		if errors.Is(err, syscall.ELOOP) {
+			err = fmt.Errorf("%s, or a directory above it, is a symbolic link since Open resolved the mount's path: kvhost makes no file through it: %w", root, err)
+		}
+		// The probe's file, also the one a file system without direct
+		// I/O makes before it fails the open with EINVAL.
+		if made {
+			if rerr := e.removeFile(mt, probe, fsys.Identity{}); rerr != nil && mt.unwritable == nil {
+				e.log.Warn("engine: remove the O_DIRECT probe's file", "path", probe, "err", rerr)
+			}
 		}
 		switch {
 		case err != nil && io == IODirect:

@@ -111,3 +111,32 @@ func TestAnOwnerFileIsNeverMadeOrRemovedThroughALinkInPlaceOfTheRoot(t *testing.
 		}
 	})
 }
+
+// TestTheDirectProbeNeverMakesAFileThroughALinkInPlaceOfTheRoot: Open
+// probes whether a mount takes O_DIRECT with a file it creates, writes
+// and removes in the mount's root. Someone replaces the root by a
+// symbolic link to a directory outside the mount just before the probe's
+// create, after Open resolved the root's path. The probe makes no file
+// outside (it fails, naming the root: buffered I/O on the mount), and
+// removes nothing there.
+func TestTheDirectProbeNeverMakesAFileThroughALinkInPlaceOfTheRoot(t *testing.T) {
+	parent, root, outside := rootUnderSwap(t)
+	p := &plantAt{outside: outside}
+	p.at = func(op fsys.Op, path string) bool {
+		return op == fsys.OpOpen && inRoot(path) && strings.HasPrefix(filepath.Base(path), probePrefix)
+	}
+	p.plant = func(string) { swapForLink(t, parent, "root", outside) }
+	p.armed.Store(true)
+	e := openOnRoot(t, root, &fsys.Faulty{FS: fsys.OS{}, Inj: p})
+	why := e.mounts[0].ioWhy
+	e.Close(context.Background())
+	if !p.planted.Load() {
+		t.Fatal("Open probed no O_DIRECT: no link planted")
+	}
+	if names := p.seenOutside(); len(names) != 0 {
+		t.Errorf("the probe made a file outside the mount, through the link: %v", names)
+	}
+	if !strings.Contains(why, "symbolic link") || !strings.Contains(why, root) {
+		t.Errorf("the mount's I/O mode: %q, want the probe's failure naming the root and the link", why)
+	}
+}
