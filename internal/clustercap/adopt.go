@@ -118,7 +118,7 @@ func (d *Dir) Retire(node string) (bool, error) {
 				return false, fmt.Errorf("clustercap: retire %q: %w", node, err)
 			}
 		}
-		if err := d.fs.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+		if err := d.remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
 			return false, fmt.Errorf("clustercap: retire %q: %w", node, err)
 		}
 	}

@@ -13,6 +13,8 @@ import (
 	"syscall"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/kvhost/kvhost/internal/fsys"
 )
 
@@ -29,8 +31,11 @@ const (
 // the node's summary, reads everyone's and holds the node's lock file for
 // as long as the node runs.
 type Dir struct {
-	fs      fsys.FS
-	path    string
+	fs   fsys.FS
+	path string
+	// real is path with the root's own symbolic links resolved at
+	// OpenDir: what the Dir's opens take, with fsys.ONoLinks (noLinks).
+	real    string
 	node    string
 	lock    fsys.File
 	adopted adoptions
@@ -56,12 +61,28 @@ const LockWait = 2 * time.Second
 // node id runs twice on the mount). Every file operation of the Dir goes
 // through fs (the engine's, which times each one: a hung shared mount
 // shows).
+//
+// The directory is shared by every node, so no file of the Dir is made,
+// read, renamed, flocked or removed through a symbolic link: root's own
+// links (the operator's) are resolved here, once; every open after takes
+// that path with fsys.ONoLinks (openat2 RESOLVE_NO_SYMLINKS), and renames
+// and removals are relative to the directory opened so (fsys.AtFS). A
+// link in place of the directory, of root or of one of the Dir's files
+// fails the operation with an error naming the path and wrapping
+// syscall.ELOOP; nothing is done where it points.
 func OpenDir(fs fsys.FS, root, node string) (*Dir, error) {
 	if err := checkNode(node); err != nil {
 		return nil, err
 	}
-	d := &Dir{fs: fs, path: filepath.Join(root, DirName), node: node}
-	if err := fs.MkdirAll(d.path, 0o755); err != nil {
+	if err := fs.MkdirAll(root, 0o755); err != nil {
+		return nil, fmt.Errorf("clustercap: %w", err)
+	}
+	realRoot, err := filepath.EvalSymlinks(root)
+	if err != nil {
+		return nil, fmt.Errorf("clustercap: %w", err)
+	}
+	d := &Dir{fs: fs, path: filepath.Join(root, DirName), real: filepath.Join(realRoot, DirName), node: node}
+	if err := d.mkdir(root); err != nil {
 		return nil, fmt.Errorf("clustercap: %w", err)
 	}
 	deadline := time.Now().Add(LockWait)
@@ -128,7 +149,8 @@ func (d *Dir) Relock() (bool, error) {
 func (d *Dir) tryLockPath(path string) (fsys.File, bool, error) {
 	const tries = 8 // each a Retire between an open and a lock
 	for range tries {
-		f, err := fsys.OpenToLock(d.fs, path, os.O_CREATE|syscall.O_NOFOLLOW, 0o644)
+		f, err := fsys.OpenToLock(d.fs, d.noLinks(path), os.O_CREATE|fsys.ONoLinks, 0o644)
+		err = d.linkErr(path, err)
 		if err != nil {
 			return nil, false, err
 		}
@@ -166,7 +188,7 @@ func (d *Dir) removeTemps(node string) error {
 		if !isTemp(ent.Name(), node) {
 			continue
 		}
-		if err := d.fs.Remove(filepath.Join(d.path, ent.Name())); err != nil && !errors.Is(err, os.ErrNotExist) {
+		if err := d.remove(filepath.Join(d.path, ent.Name())); err != nil && !errors.Is(err, os.ErrNotExist) {
 			return err
 		}
 	}
@@ -227,6 +249,78 @@ func (d *Dir) Close() error {
 func (d *Dir) lockPath(node string) string    { return filepath.Join(d.path, node+lockSuffix) }
 func (d *Dir) summaryPath(node string) string { return filepath.Join(d.path, node+summarySuffix) }
 
+// noLinks is path, the directory's or a name in it, as an open with
+// fsys.ONoLinks takes it: from d.real, root's links resolved.
+func (d *Dir) noLinks(path string) string {
+	if rel, ok := strings.CutPrefix(path, d.path); ok && (rel == "" || rel[0] == filepath.Separator) {
+		return d.real + rel
+	}
+	return path
+}
+
+// linkErr is err, an operation's on path, naming the symbolic link it
+// met (ELOOP) where it met one.
+func (d *Dir) linkErr(path string, err error) error {
+	if errors.Is(err, syscall.ELOOP) {
+		return fmt.Errorf("%s, the cluster directory %s, or a directory above it, is a symbolic link: kvhost makes, reads, flocks and removes no file through it: %w", path, d.path, err)
+	}
+	return err
+}
+
+// open opens path, a file in the directory, with flag, never through a
+// symbolic link (OpenDir).
+func (d *Dir) open(path string, flag int, perm os.FileMode) (fsys.File, error) {
+	f, err := d.fs.OpenFile(d.noLinks(path), flag|fsys.ONoLinks, perm)
+	return f, d.linkErr(path, err)
+}
+
+// openDir opens the directory itself (O_PATH), never through a link, for
+// the renames and removals relative to it.
+func (d *Dir) openDir() (fsys.File, error) {
+	return d.open(d.path, unix.O_PATH|unix.O_DIRECTORY, 0)
+}
+
+// mkdir makes the directory (if missing) in root, opened without links
+// from its resolved path: a link in place of the directory is refused
+// when it is opened, never followed.
+func (d *Dir) mkdir(root string) error {
+	r, err := d.fs.OpenFile(filepath.Dir(d.real), unix.O_PATH|unix.O_DIRECTORY|fsys.ONoLinks, 0)
+	if err != nil {
+		return d.linkErr(root, err)
+	}
+	defer r.Close()
+	if err := fsys.MkdirAt(d.fs, r, d.path, 0o755); err != nil && !errors.Is(err, fs.ErrExist) {
+		return err
+	}
+	dir, err := d.openDir()
+	if err != nil {
+		return err
+	}
+	return dir.Close()
+}
+
+// remove removes path, a file in the directory, relative to the
+// directory opened without links (unlinkat).
+func (d *Dir) remove(path string) error {
+	dir, err := d.openDir()
+	if err != nil {
+		return err
+	}
+	defer dir.Close()
+	return fsys.RemoveAt(d.fs, dir, path)
+}
+
+// rename renames oldpath to newpath, both in the directory, relative to
+// the directory opened without links (renameat).
+func (d *Dir) rename(oldpath, newpath string) error {
+	dir, err := d.openDir()
+	if err != nil {
+		return err
+	}
+	defer dir.Close()
+	return fsys.RenameAt(d.fs, dir, oldpath, dir, newpath, false)
+}
+
 // Publish writes s as this node's summary: a temporary file, fsynced and
 // renamed over the last one, so that a reader sees one whole summary or
 // the other, after a crash too.
@@ -240,17 +334,17 @@ func (d *Dir) Publish(s *Summary) error {
 	}
 	tmp := filepath.Join(d.path, tempName(d.node, rand.Uint64()))
 	if err := d.writeFile(tmp, b); err != nil {
-		d.fs.Remove(tmp)
+		d.remove(tmp)
 		return fmt.Errorf("clustercap: publish: %w", err)
 	}
 	d.listing.mu.Lock()
-	err = d.fs.Rename(tmp, d.summaryPath(d.node))
+	err = d.rename(tmp, d.summaryPath(d.node))
 	if err == nil {
 		d.listing.changed = true
 	}
 	d.listing.mu.Unlock()
 	if err != nil {
-		d.fs.Remove(tmp)
+		d.remove(tmp)
 		return fmt.Errorf("clustercap: publish: %w", err)
 	}
 	return nil
@@ -291,20 +385,20 @@ func (d *Dir) touch() error {
 	tmp := filepath.Join(d.path, tempName(d.node, rand.Uint64()))
 	var f fsys.File
 	err := retryStale(func() (err error) {
-		f, err = d.fs.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o644)
+		f, err = d.open(tmp, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o644)
 		return err
 	})
 	if err != nil {
 		return err
 	}
-	return errors.Join(f.Close(), d.fs.Remove(tmp))
+	return errors.Join(f.Close(), d.remove(tmp))
 }
 
-// writeFile creates path (or truncates it), writes b into it and fsyncs
-// it: renamed over a summary, it must not become an empty or partial one
-// in a crash of the node or the file system.
+// writeFile creates path (a fresh name: O_EXCL), writes b into it and
+// fsyncs it: renamed over a summary, it must not become an empty or
+// partial one in a crash of the node or the file system.
 func (d *Dir) writeFile(path string, b []byte) error {
-	f, err := d.fs.OpenFile(path, os.O_WRONLY|os.O_CREATE|os.O_TRUNC, 0o644)
+	f, err := d.open(path, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o644)
 	if err != nil {
 		return err
 	}
@@ -318,7 +412,7 @@ func (d *Dir) writeFile(path string, b []byte) error {
 // readFile reads the whole file at path (a summary: a few KiB), failing
 // with ErrSummary past MaxSummarySize bytes.
 func (d *Dir) readFile(path string) ([]byte, error) {
-	f, err := d.fs.OpenFile(path, os.O_RDONLY, 0)
+	f, err := d.open(path, os.O_RDONLY, 0)
 	if err != nil {
 		return nil, err
 	}
@@ -440,7 +534,8 @@ func (e *SummaryError) Unwrap() error { return e.Err }
 // (taken without waiting and released at once). A lock file that does not
 // exist is free.
 func (d *Dir) LockFree(node string) (bool, error) {
-	f, err := fsys.OpenToLock(d.fs, d.lockPath(node), syscall.O_NOFOLLOW, 0)
+	f, err := fsys.OpenToLock(d.fs, d.noLinks(d.lockPath(node)), fsys.ONoLinks, 0)
+	err = d.linkErr(d.lockPath(node), err)
 	if errors.Is(err, os.ErrNotExist) {
 		return true, nil
 	}

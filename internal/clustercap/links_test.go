@@ -1,0 +1,91 @@
+package clustercap
+
+import (
+	"errors"
+	"os"
+	"path/filepath"
+	"slices"
+	"syscall"
+	"testing"
+
+	"github.com/kvhost/kvhost/internal/fsys"
+)
+
+// TestADirNeverActsThroughALinkInPlaceOfItsDirectory: the cluster
+// directory is shared by every node of the mount. Someone who can write
+// the mount's root renames it away and puts a symbolic link to a
+// directory outside the mount in its place, where a summary of node b
+// (valid) and b's adoption file wait. No node then publishes, reads,
+// flocks, opens or retires through the link: each operation fails with
+// an error that names the path and wraps ELOOP, and the files outside
+// are as they were, with none added.
+func TestADirNeverActsThroughALinkInPlaceOfItsDirectory(t *testing.T) {
+	root, outside := t.TempDir(), t.TempDir()
+	a, err := OpenDir(fsys.OS{}, root, "a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close()
+	sum := &Summary{Version: SummaryVersion, Node: "b", Tag: Tag("b"), Time: 1, Interval: 10, Bytes: 3, Claim: 4, Sketch: NewSketch([]Item{{5, 3}}, 8)}
+	b, err := Encode(sum)
+	if err != nil {
+		t.Fatal(err)
+	}
+	theirs := map[string][]byte{"b" + summarySuffix: b, "b" + adoptSuffix: []byte("not kvhost's")}
+	for name, data := range theirs {
+		if err := os.WriteFile(filepath.Join(outside, name), data, 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if ok, err := a.Adopt("b"); err != nil || !ok {
+		t.Fatalf("adopt b: %v %v", ok, err)
+	}
+	dir := filepath.Join(root, DirName)
+	if err := os.Rename(dir, dir+".old"); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.Symlink(outside, dir); err != nil {
+		t.Fatal(err)
+	}
+
+	refused := func(what string, err error) {
+		t.Helper()
+		if !errors.Is(err, syscall.ELOOP) {
+			t.Errorf("%s through the link: %v, want an error wrapping ELOOP", what, err)
+		}
+	}
+	a.listing.changed = true // no touch: the read's own open is what is looked at
+	refused("publish", a.Publish(&Summary{Version: SummaryVersion, Node: "a", Tag: Tag("a"), Time: 2, Interval: 10, Sketch: NewSketch(nil, 8)}))
+	got, bad, err := a.ReadAll()
+	if err != nil || len(got) != 0 || len(bad) != 1 {
+		t.Errorf("read all: %v %v %v, want b's summary refused, not read", got, bad, err)
+	} else {
+		refused("read b's summary", bad[0])
+	}
+	_, err = a.LockFree("b")
+	refused("probe b's lock", err)
+	_, err = a.Retire("b")
+	refused("retire b", err)
+	c, err := OpenDir(fsys.OS{}, root, "c")
+	if err == nil {
+		c.Close()
+	}
+	refused("open the directory as node c", err)
+
+	ents, err := os.ReadDir(outside)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var names []string
+	for _, e := range ents {
+		names = append(names, e.Name())
+	}
+	if want := []string{"b" + adoptSuffix, "b" + summarySuffix}; !slices.Equal(names, want) {
+		t.Errorf("outside the mount: %v, want only %v, as they were", names, want)
+	}
+	for name, data := range theirs {
+		if got, err := os.ReadFile(filepath.Join(outside, name)); err != nil || !slices.Equal(got, data) {
+			t.Errorf("%s outside the mount was changed through the link (%v)", name, err)
+		}
+	}
+}
