@@ -1309,7 +1309,7 @@ func (e *Engine) adoptFiles(ctx context.Context, m *mount, tags map[uint32]bool,
 		if err := ctx.Err(); err != nil {
 			return err
 		}
-		if err := e.touchDir(dir); err != nil {
+		if err := e.touchDir(m, dir); err != nil {
 			// The listing may be as old as the client's cache of it: the
 			// walk is not complete (the caller walks again).
 			errs = append(errs, fmt.Errorf("engine: listing %s afresh: %w", dir, err))
@@ -1401,15 +1401,19 @@ func readFailed(err error) bool {
 // change through the client itself invalidates that cache whatever the
 // mount options (clustercap lists its directory so too). A crash in
 // between leaves a temporary file of this node, which the leftover rule
-// removes.
-func (e *Engine) touchDir(dir string) error {
+// removes. dir is a directory of m, found by a walk: one replaced by a
+// symbolic link since gets no file through it (openNoLinks), and the
+// file is removed as a store's temporary is (removeFile, relative to its
+// directory opened without links).
+func (e *Engine) touchDir(m *mount, dir string) error {
 	tmp := e.tempName(dir, tmpPrefix)
-	f, err := e.fs.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o644)
+	f, err := e.openNoLinks(m, tmp, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o644)
 	if err != nil {
 		return err
 	}
+	id, _ := fileIdentity(f)
 	err = f.Close()
-	if rerr := e.fs.Remove(tmp); rerr != nil && !errors.Is(rerr, os.ErrNotExist) {
+	if rerr := e.removeFile(m, tmp, id); rerr != nil {
 		err = errors.Join(err, rerr)
 	}
 	return err

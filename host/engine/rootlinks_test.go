@@ -2,10 +2,12 @@ package engine
 
 import (
 	"context"
+	"math/rand/v2"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/host/policy"
@@ -138,5 +140,59 @@ func TestTheDirectProbeNeverMakesAFileThroughALinkInPlaceOfTheRoot(t *testing.T)
 	}
 	if !strings.Contains(why, "symbolic link") || !strings.Contains(why, root) {
 		t.Errorf("the mount's I/O mode: %q, want the probe's failure naming the root and the link", why)
+	}
+}
+
+// TestAClusterWalkMakesNoFileThroughALinkPlantedInTheMount: a node that
+// adopts a dead node walks the mount for its files, and first makes and
+// removes a file in each directory it lists, so that the listing is
+// fresh on a client that caches listings. Someone replaces a directory
+// the walk found by a symbolic link to one outside the mount just before
+// that file is made. Nothing is made, or removed, outside.
+func TestAClusterWalkMakesNoFileThroughALinkPlantedInTheMount(t *testing.T) {
+	ctx := context.Background()
+	dir, outside := t.TempDir(), t.TempDir()
+	r := rand.New(rand.NewPCG(6, 6))
+	d := clusterNode(t, dir, "d", 1<<30, time.Hour)
+	storeKeys(t, d, "d", 1, r)
+	var sub string // the directory of D's file
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, ent := range ents {
+		if ent.IsDir() && !strings.HasPrefix(ent.Name(), ".") {
+			sub = ent.Name()
+		}
+	}
+	if sub == "" {
+		t.Fatalf("no directory of D's file under %s", dir)
+	}
+	clock := newTestClock()
+	p := &plantAt{outside: outside}
+	p.at = func(op fsys.Op, path string) bool {
+		return op == fsys.OpOpen && filepath.Dir(path) == filepath.Join(dir, sub) && strings.HasPrefix(filepath.Base(path), tmpPrefix)
+	}
+	p.plant = func(string) { swapForLink(t, dir, sub, outside) }
+	a := clusterNodeOf(t, Config{Mounts: []Mount{{Path: dir, ClusterCapacity: 1 << 30, ClusterInterval: time.Hour}}, NodeID: "a",
+		FS: &fsys.Faulty{FS: fsys.OS{}, Inj: p}, Now: clock.now})
+	if err := d.e.Close(ctx); err != nil { // after A's start, which sees D run
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { // the directory back, for the engine's last check
+		if p.planted.Load() {
+			os.Remove(filepath.Join(dir, sub))
+			os.Rename(filepath.Join(dir, sub+".old"), filepath.Join(dir, sub))
+		}
+	})
+	clock.advance(4 * time.Hour) // D's summary: stale
+	p.armed.Store(true)
+	m := a.e.mounts[0]
+	m.cluster.tick(ctx, a.e, m)
+	if !p.planted.Load() {
+		t.Fatal("the tick walked no directory of D's file: no link planted")
+	}
+	if names := p.seenOutside(); len(names) != 0 {
+		t.Errorf("the walk made a file outside the mount, through the link: %v", names)
 	}
 }
