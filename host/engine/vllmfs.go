@@ -12,6 +12,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"syscall"
 	"unicode/utf8"
 
 	"github.com/kvhost/kvhost/abi"
@@ -281,9 +282,17 @@ func baseDirs(files fsys.FS, root string) (map[string]baseConfig, error) {
 	return out, nil
 }
 
-// readSmall reads a config file (at most 1 MiB).
+// readSmall reads a config file (at most 1 MiB). A symbolic link at its
+// name is refused (O_NOFOLLOW), with an error naming the path: the base
+// directory is in vLLM's shared directory, where anyone who can write
+// it may put one, and a config.json read through it would be a file
+// outside the directory (the base directory itself is the operator's,
+// and may be a link).
 func readSmall(files fsys.FS, path string) ([]byte, error) {
-	f, err := files.OpenFile(path, os.O_RDONLY, 0)
+	f, err := files.OpenFile(path, os.O_RDONLY|syscall.O_NOFOLLOW, 0)
+	if errors.Is(err, syscall.ELOOP) {
+		return nil, fmt.Errorf("%s is a symbolic link: kvhost reads no config.json through one: %w", path, err)
+	}
 	if err != nil {
 		return nil, err
 	}

@@ -7,6 +7,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 
 	"github.com/kvhost/kvhost/abi"
@@ -296,5 +297,39 @@ func TestAVllmFSRemovalNeverUnlinksThroughALinkPlantedAfterItsCheck(t *testing.T
 	}
 	if _, err := os.Stat(filepath.Join(top+".old", rel)); !errors.Is(err, os.ErrNotExist) {
 		t.Errorf("the row, in the directory checked, was not removed: %v", err)
+	}
+}
+
+// TestAVllmFSConfigIsNeverReadThroughALink: someone who can write vLLM's
+// shared directory put a symbolic link at the base directory's
+// config.json, to a file outside that holds the very fields configured.
+// Open refuses the mount, naming the path and the link, rather than
+// take a file outside the directory for the base directory's config; the
+// file outside is left as it was.
+func TestAVllmFSConfigIsNeverReadThroughALink(t *testing.T) {
+	root, outside := t.TempDir(), t.TempDir()
+	tier := newFSTier(root, 8192)
+	theirs := filepath.Join(outside, "config.json")
+	if err := os.WriteFile(theirs, []byte(tier.configJSON()), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.MkdirAll(tier.base(), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	link := filepath.Join(tier.base(), "config.json")
+	if err := os.Symlink(theirs, link); err != nil {
+		t.Fatal(err)
+	}
+	e, err := Open(context.Background(), Config{Mounts: []Mount{{Path: root, VLLMFS: &VLLMFS{Namespace: tierModel, Fields: tier.fields()}}},
+		Policy: newTestPolicy(4, abi.OrderBlockMajor), Logger: testLogger(t), IOWorkers: 2})
+	if err == nil {
+		e.Close(context.Background())
+		t.Fatal("Open took a config.json that is a symbolic link to a file outside the directory")
+	}
+	if !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), link) || !strings.Contains(err.Error(), "symbolic link") {
+		t.Errorf("Open: %v, want ErrInvalid naming %s as a symbolic link", err, link)
+	}
+	if b, err := os.ReadFile(theirs); err != nil || string(b) != tier.configJSON() {
+		t.Errorf("the file outside was changed (%v)", err)
 	}
 }
