@@ -98,10 +98,14 @@ func (e *Engine) RegisterCache(ns NamespaceID, layers []LayerTensor) (CacheID, e
 }
 
 // UnregisterCache forgets a cache. Jobs already submitted keep using it:
-// the caller must wait for them before unmapping the regions.
+// the caller must wait for them before unmapping the regions. It fails
+// with ErrClosed once Close has begun, as RegisterCache does.
 func (e *Engine) UnregisterCache(id CacheID) error {
 	e.mu.Lock()
 	defer e.mu.Unlock()
+	if e.closed {
+		return ErrClosed
+	}
 	if _, ok := e.caches[id]; !ok {
 		return fmt.Errorf("%w: %d", ErrUnknownCache, id)
 	}

@@ -3,11 +3,14 @@ package engine
 import (
 	"context"
 	"errors"
+	"fmt"
 	"path/filepath"
+	"reflect"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/host/policy"
@@ -250,3 +253,114 @@ func TestCloseGivesUpOnAStoreHungInTheFileSystemButKeepsTheNodeLock(t *testing.T
 // closeWaitsForCalls reports whether Close has begun and waits for calls
 // still in flight.
 func closeWaitsForCalls(e *Engine) bool { return e.calls.closing() && e.calls.inFlight() > 0 }
+
+// lateFiles notes every file operation made after Close returned.
+type lateFiles struct{ late *lateCalls }
+
+func (l lateFiles) Inject(op fsys.Op, path string) fsys.Fault {
+	l.late.note(&l.late.files, op.String()+" "+filepath.Base(path))
+	return fsys.Fault{}
+}
+
+// TestEveryCallAfterCloseIsRefused: once Close has returned, every
+// exported Engine method that acts (neither a job's submission nor an
+// observer of counters) fails with ErrClosed, reaches neither the policy
+// nor a mount, and changes nothing: UnregisterCache used to forget the
+// cache of a closed engine and succeed. The methods are listed by
+// reflection, so that one added later is either in the table or named
+// among those that answer after Close, with the reason.
+func TestEveryCallAfterCloseIsRefused(t *testing.T) {
+	dir := t.TempDir()
+	ctx := context.Background()
+	late := &lateCalls{}
+	e := openEngine(t, Config{
+		Mounts:    []Mount{{Path: dir}},
+		NewPolicy: func(policy.Index) (policy.Policy, error) { return latePolicy{newTestPolicy(1, 0), late}, nil },
+		FS:        &fsys.Faulty{FS: fsys.OS{}, Inj: lateFiles{late}},
+	})
+	g := smallGeometry(true)
+	ns, err := e.Declare(ctx, g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
+	keys := testKeys("k", 1)
+	blocks := [][]int{{0, 1, 2, 3}}
+	storeAndCheck(t, e, c, keys, blocks)
+	pin, _, err := e.Pin(ctx, ns, keys, time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := e.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	late.closed.Store(true)
+	caches := len(e.caches)
+
+	refused := []struct {
+		method string
+		call   func() error
+	}{
+		{"Declare", func() error { _, err := e.Declare(ctx, g); return err }},
+		{"Release", func() error { return e.Release(ns) }},
+		{"RegisterCache", func() error { _, err := e.RegisterCache(ns, c.layers); return err }},
+		{"UnregisterCache", func() error { return e.UnregisterCache(c.id) }},
+		{"KeysPerFile", func() error { _, err := e.KeysPerFile(ns); return err }},
+		{"Fingerprint", func() error { _, err := e.Fingerprint(ns); return err }},
+		{"Store", func() error {
+			_, err := e.Store(ctx, StoreRequest{Cache: c.id, Keys: keys, Blocks: blocks})
+			return err
+		}},
+		{"Load", func() error { _, err := e.Load(ctx, LoadRequest{Cache: c.id, Keys: keys, Blocks: blocks}); return err }},
+		{"Lookup", func() error { _, err := e.Lookup(ctx, ns, keys); return err }},
+		{"Pin", func() error { _, _, err := e.Pin(ctx, ns, keys, time.Hour); return err }},
+		{"Unpin", func() error {
+			if n := e.Unpin(ctx, pin); n != 0 {
+				return fmt.Errorf("released %d keys", n)
+			}
+			return ErrClosed // no error to return: Close released every pin
+		}},
+		{"Delete", func() error { _, err := e.Delete(ctx, ns, keys); return err }},
+		{"Purge", func() error { _, err := e.Purge(ctx, g.Fingerprint()); return err }},
+		{"PurgeModel", func() error { _, err := e.PurgeModel(ctx, g.Model); return err }},
+		{"ReplacePolicy", func() error {
+			return e.ReplacePolicy(ctx, func(policy.Index) (policy.Policy, error) { return newTestPolicy(1, 0), nil })
+		}},
+	}
+	// answers are the methods that still answer after Close, and why.
+	answers := map[string]string{
+		"Close":             "waits for the close, as it did",
+		"Stats":             "an observer: counters, no mount",
+		"TierStats":         "an observer",
+		"HeldFound":         "an observer",
+		"Activity":          "an observer (the watchdog's)",
+		"StagingUsage":      "an observer",
+		"PinStats":          "an observer",
+		"PinHeld":           "an observer",
+		"Index":             "the policy's view of the index, read only",
+		"WaitSpares":        "returns once the spare maker stopped, which Close did",
+		"WaitWarmed":        "returns once the warmer started, or at once",
+		"MirrorKeys":        "tells the caller's key set of the index's keys: no mount, no policy",
+		"SetVerifyInterval": "stores a number the closed engine no longer reads",
+	}
+	listed := map[string]bool{}
+	for _, r := range refused {
+		listed[r.method] = true
+		if err := r.call(); !errors.Is(err, ErrClosed) {
+			t.Errorf("%s after Close: %v, want ErrClosed", r.method, err)
+		}
+	}
+	et := reflect.TypeFor[*Engine]()
+	for i := range et.NumMethod() {
+		name := et.Method(i).Name
+		if _, ok := answers[name]; !ok && !listed[name] {
+			t.Errorf("Engine.%s: neither checked to be refused after Close nor listed among the methods that answer", name)
+		}
+	}
+	if n := len(e.caches); n != caches {
+		t.Errorf("caches after the calls: %d, want %d", n, caches)
+	}
+	if n, f := late.policy.Load(), late.files.Load(); n+f > 0 {
+		t.Errorf("after Close returned: %d policy calls and %d file operations: %s", n, f, late)
+	}
+}
