@@ -1259,8 +1259,8 @@ func (e *Engine) bytesOf(m *mount, tags map[uint32]bool) int64 {
 // leftOf reports whether a file of owner tag tag on m is still on disk
 // though its entry was dropped: its removal failed (index.left), and an
 // eviction tries it again (retryLeft), or it is under way (index.removing:
-// an eviction, a delete or a retry that dropped the entry and has yet to
-// unlink the file, which may fail and leave it). Its mount counts it as
+// an eviction, a delete, a retry or a move of the file that dropped the
+// entry and has yet to unlink the file, which may fail and leave it). Its mount counts it as
 // used while this engine runs, but only its owner's summary (or its
 // adopter's walk) counts it after a restart: a dead node is not retired
 // while one is left.

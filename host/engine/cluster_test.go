@@ -720,14 +720,15 @@ func TestClusterAnAdopterThatCannotReadLetsGoOfTheNodesItAdopted(t *testing.T) {
 	}
 }
 
-// besideDeadNode opens node A on dir, on a test clock and through a file
-// system that injects inj's faults, and a node D (an hour's interval, as
-// A's) that stores keys keys there and stops; A reads the cluster
-// directory once while D runs, finding its lock held (flocks shared).
-func besideDeadNode(t *testing.T, dir string, keys int, inj fsys.Injector) (*Engine, *testClock) {
+// besideDeadNode opens node A on dir (its mount 0; more: A's mounts after
+// it), on a test clock and through a file system that injects inj's
+// faults, and a node D (an hour's interval, as A's) that stores keys keys
+// there and stops; A reads the cluster directory once while D runs,
+// finding its lock held (flocks shared).
+func besideDeadNode(t *testing.T, dir string, keys int, inj fsys.Injector, more ...Mount) (*Engine, *testClock) {
 	t.Helper()
 	clock := newTestClock()
-	a := openEngine(t, Config{Mounts: []Mount{{Path: dir, ClusterCapacity: 1 << 30, ClusterInterval: time.Hour}},
+	a := openEngine(t, Config{Mounts: append([]Mount{{Path: dir, ClusterCapacity: 1 << 30, ClusterInterval: time.Hour}}, more...),
 		Policy: newTestPolicy(1, abi.OrderLayerMajor), NodeID: "a", FS: &fsys.Faulty{FS: fsys.OS{}, Inj: inj}, Now: clock.now})
 	d := clusterNode(t, dir, "d", 1<<30, time.Hour)
 	storeKeys(t, d, "d", keys, rand.New(rand.NewPCG(uint64(keys), 9)))

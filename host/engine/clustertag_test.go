@@ -129,22 +129,7 @@ func TestClusterNeverRetiresADeadNodeWhoseFileItCouldNotRemove(t *testing.T) {
 	if _, err := a.Delete(ctx, ns, testKeys("d", 1)); err != nil {
 		t.Logf("delete of D's key with its removal failing: %v", err)
 	}
-	if _, err := os.Stat(files[0]); err != nil {
-		t.Fatalf("D's file is gone though its removal failed: %v", err)
-	}
-	m.cluster.tick(ctx, a, m)
-	if left := clusterFiles(dir, "d"); len(left) != 3 || !isAdopted(a, "d") {
-		t.Fatalf("D's file %s is still on the mount, yet A retired D: D's cluster files %v, adopted %v", files[0], left, isAdopted(a, "d"))
-	}
-	failRemove.Store(false)
-	a.retryLeft(m)
-	if _, err := os.Stat(files[0]); !errors.Is(err, os.ErrNotExist) {
-		t.Fatalf("D's file after A's retry: %v, want gone", err)
-	}
-	m.cluster.tick(ctx, a, m)
-	if left := clusterFiles(dir, "d"); len(left) > 0 || isAdopted(a, "d") {
-		t.Fatalf("D has no file left on the mount, yet %v stay and A holds its adoption: %v", left, isAdopted(a, "d"))
-	}
+	wantRetiredOnceItsFileIsGone(t, a, dir, files[0], func() { failRemove.Store(false) })
 }
 
 // TestClusterNeverRetiresADeadNodeWhileARemovalOfItsFileIsUnderWay: node
@@ -158,16 +143,8 @@ func TestClusterNeverRetiresADeadNodeWhoseFileItCouldNotRemove(t *testing.T) {
 func TestClusterNeverRetiresADeadNodeWhileARemovalOfItsFileIsUnderWay(t *testing.T) {
 	ctx := context.Background()
 	dir := t.TempDir()
-	var armed, held atomic.Bool
-	release := make(chan struct{})
-	a, clock := besideDeadNode(t, dir, 1, fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
-		if op == fsys.OpRemove && !strings.Contains(path, clustercap.DirName) && strings.HasSuffix(path, ".kv") && armed.CompareAndSwap(true, false) {
-			held.Store(true)
-			<-release
-			return fsys.Fault{Err: syscall.EIO}
-		}
-		return fsys.Fault{}
-	}))
+	hold := newHeldRemoval(dir)
+	a, clock := besideDeadNode(t, dir, 1, hold)
 	clock.advance(4 * time.Hour) // D's summary: stale
 	m := a.mounts[0]
 	m.cluster.tick(ctx, a, m)
@@ -178,38 +155,121 @@ func TestClusterNeverRetiresADeadNodeWhileARemovalOfItsFileIsUnderWay(t *testing
 	if len(files) != 1 {
 		t.Fatalf("%d data files of D's one store: %v", len(files), files)
 	}
-	armed.Store(true)
-	evicted := make(chan error, 1)
-	go func() {
+	evictErr := hold.retireNoneWhile(t, a, files[0], "an eviction", func() error {
 		m.evictMu.Lock()
 		defer m.evictMu.Unlock()
-		evicted <- a.evict(ctx, m, 1<<40) // room for more than the mount holds: every victim
-	}()
-	var evictErr error
-	finish := sync.OnceFunc(func() { close(release); evictErr = <-evicted })
-	defer finish() // a failing check leaves no eviction held
-	testwait.Until(t, "the eviction's removal of D's file to be held", testwait.Hang, held.Load)
-	m.cluster.tick(ctx, a, m)
-	if left := clusterFiles(dir, "d"); len(left) != 3 || !isAdopted(a, "d") {
-		t.Fatalf("the removal of D's file %s is under way, yet A retired D: D's cluster files %v, adopted %v", files[0], left, isAdopted(a, "d"))
-	}
-	finish() // the removal goes on, and fails
+		return a.evict(ctx, m, 1<<40) // room for more than the mount holds: every victim
+	})
 	if evictErr != nil {
 		t.Logf("eviction with the removal of D's file failing: %v", evictErr)
 	}
-	if _, err := os.Stat(files[0]); err != nil {
+	wantRetiredOnceItsFileIsGone(t, a, dir, files[0], nil)
+}
+
+// TestClusterNeverRetiresADeadNodeWhileAMoveRemovesItsFile: node A, with
+// the cluster mount and a local one, adopts dead node D (one file) and
+// moves D's file to the local mount (a demotion); the removal of the
+// source is held in flight, the copy indexed in its place, the source
+// neither indexed nor on the list of files whose removal failed. A's
+// tick meanwhile must not retire D: the removal then fails (EIO), and
+// retired, D has no summary; once A restarts, the file is counted and
+// removed by no node. A move's removal of its source is the removal of
+// a dropped file, tracked as an eviction's is. Once a retry removes the
+// file, A retires D.
+func TestClusterNeverRetiresADeadNodeWhileAMoveRemovesItsFile(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	hold := newHeldRemoval(dir)
+	a, clock := besideDeadNode(t, dir, 1, hold, Mount{Path: t.TempDir()})
+	clock.advance(4 * time.Hour) // D's summary: stale
+	m := a.mounts[0]
+	m.cluster.tick(ctx, a, m)
+	ens := entriesOf(a, "d")
+	if !isAdopted(a, "d") || len(ens) != 1 {
+		t.Fatalf("A did not adopt D: adopted %v, %d of D's files indexed", isAdopted(a, "d"), len(ens))
+	}
+	files := kvFiles(t, dir)
+	if len(files) != 1 {
+		t.Fatalf("%d data files of D's one store: %v", len(files), files)
+	}
+	err := hold.retireNoneWhile(t, a, files[0], "a move", func() error {
+		_, err := a.move(ctx, ens[0].id, 1, false)
+		return err
+	})
+	if err != nil {
+		t.Fatalf("the move, its source's removal failing: %v (the copy is indexed: want it moved)", err)
+	}
+	wantRetiredOnceItsFileIsGone(t, a, dir, files[0], nil)
+}
+
+// wantRetiredOnceItsFileIsGone checks that node A, whose removal of dead
+// node D's file (at file, on A's mount 0, dir) failed, keeps D while the
+// file is on the mount, and retires D at its first read after a retry
+// removed it; fix, if not nil, mends the failure before the retry.
+func wantRetiredOnceItsFileIsGone(t *testing.T, a *Engine, dir, file string, fix func()) {
+	t.Helper()
+	ctx := context.Background()
+	m := a.mounts[0]
+	if _, err := os.Stat(file); err != nil {
 		t.Fatalf("D's file is gone though its removal failed: %v", err)
 	}
 	m.cluster.tick(ctx, a, m)
 	if left := clusterFiles(dir, "d"); len(left) != 3 || !isAdopted(a, "d") {
-		t.Fatalf("D's file %s is still on the mount, yet A retired D: D's cluster files %v, adopted %v", files[0], left, isAdopted(a, "d"))
+		t.Fatalf("D's file %s is still on the mount, yet A retired D: D's cluster files %v, adopted %v", file, left, isAdopted(a, "d"))
+	}
+	if fix != nil {
+		fix()
 	}
 	a.retryLeft(m)
-	if _, err := os.Stat(files[0]); !errors.Is(err, os.ErrNotExist) {
+	if _, err := os.Stat(file); !errors.Is(err, os.ErrNotExist) {
 		t.Fatalf("D's file after A's retry: %v, want gone", err)
 	}
 	m.cluster.tick(ctx, a, m)
 	if left := clusterFiles(dir, "d"); len(left) > 0 || isAdopted(a, "d") {
 		t.Fatalf("D has no file left on the mount, yet %v stay and A holds its adoption: %v", left, isAdopted(a, "d"))
 	}
+}
+
+// heldRemoval holds the first removal of a data file under dir made once
+// armed (retireNoneWhile) until the test releases it, then fails it
+// (EIO).
+type heldRemoval struct {
+	dir         string
+	armed, held atomic.Bool
+	release     chan struct{}
+}
+
+func newHeldRemoval(dir string) *heldRemoval {
+	return &heldRemoval{dir: dir, release: make(chan struct{})}
+}
+
+func (h *heldRemoval) Inject(op fsys.Op, path string) fsys.Fault {
+	if op == fsys.OpRemove && strings.HasPrefix(path, h.dir) && !strings.Contains(path, clustercap.DirName) && strings.HasSuffix(path, ".kv") && h.armed.CompareAndSwap(true, false) {
+		h.held.Store(true)
+		<-h.release
+		return fsys.Fault{Err: syscall.EIO}
+	}
+	return fsys.Fault{}
+}
+
+// retireNoneWhile runs op (what), which removes dead node D's file (at
+// file, on A's mount 0), holds that removal and checks that A's read of
+// the cluster directory meanwhile retires not D; then it lets the removal
+// fail and returns op's error.
+func (h *heldRemoval) retireNoneWhile(t *testing.T, a *Engine, file, what string, op func() error) error {
+	t.Helper()
+	m := a.mounts[0]
+	h.armed.Store(true)
+	done := make(chan error, 1)
+	go func() { done <- op() }()
+	var err error
+	finish := sync.OnceFunc(func() { close(h.release); err = <-done })
+	defer finish() // a failing check leaves no removal held
+	testwait.Until(t, what+"'s removal of D's file to be held", testwait.Hang, h.held.Load)
+	m.cluster.tick(context.Background(), a, m)
+	if left := clusterFiles(h.dir, "d"); len(left) != 3 || !isAdopted(a, "d") {
+		t.Fatalf("%s's removal of D's file %s is under way, yet A retired D: D's cluster files %v, adopted %v", what, file, left, isAdopted(a, "d"))
+	}
+	finish() // the removal goes on, and fails
+	return err
 }

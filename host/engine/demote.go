@@ -390,10 +390,19 @@ func (e *Engine) moveEntry(ctx context.Context, id uint64, target int, mayEvict,
 	}
 	size := en.size
 	ix.mu.Unlock()
-	defer e.release(en.path)
+	unindexed := false // en left the index for its copy: removeMoved releases en.path
+	defer func() {
+		if !unindexed {
+			e.release(en.path)
+		}
+	}()
 	defer e.release(dst)
 	if dup != nil {
-		return e.dropCopy(ctx, en, dup, held)
+		if err := e.dropCopy(ctx, en, dup, held); err != nil {
+			return 0, err
+		}
+		unindexed = true
+		return e.removeMoved(en), nil
 	}
 
 	if mayEvict {
@@ -454,13 +463,22 @@ func (e *Engine) moveEntry(ctx context.Context, id uint64, target int, mayEvict,
 	}
 	ix.mu.Unlock()
 	e.access(ctx, recs)
-	if left := e.removeIfSame(en.path, []*entry{en}); left != nil {
-		ix.leave(left, en.path) // still counted: an eviction tries again
-	} else {
-		e.space.free(sm.sp, size, false)
-	}
+	unindexed = true
+	return e.removeMoved(en), nil
+}
+
+// removeMoved removes the file of en, the source of a move whose copy (or
+// the file already at the target: dropCopy) took its place in the index,
+// and returns its size. The move holds en's path, which it releases. The
+// removal is a dropped entry's (removeAt): en is among the files being
+// removed (index.removing) from its unindexing on, and where the unlink
+// fails its file is left for an eviction to try again (index.left), its
+// bytes still counted; a cluster adopter retires no dead node meanwhile
+// (leftOf).
+func (e *Engine) removeMoved(en *entry) int64 {
+	e.removeAt(en.path, en)
 	e.spareRoom() // the source's room
-	return size, nil
+	return en.size
 }
 
 // dropCopy ends the move of en onto a mount whose file at the same path,
@@ -470,21 +488,22 @@ func (e *Engine) moveEntry(ctx context.Context, id uint64, target int, mayEvict,
 // they never leave the index's key set; a lookup, load, pin, delete or
 // store that found en acts on dup) and its file is removed, checked by
 // identity. The policy sees a REMOVE of en and, where en was used last, an
-// INSERT that updates dup with en's last access and hits. It returns en's
-// size, or errMoveStale where en was pinned or dropped meanwhile, or dup's
-// file is no longer at its path (its entry dropped: a later move copies).
+// INSERT that updates dup with en's last access and hits. It fails with
+// errMoveStale where en was pinned or dropped meanwhile, or dup's file is
+// no longer at its path (its entry dropped: a later move copies); once it
+// returns nil, en's file is the caller's to remove (removeMoved).
 // The caller holds both paths. With held, the restart hold's pin does not
 // keep en (moveEntry): where en was held, dup is held in its place.
-func (e *Engine) dropCopy(ctx context.Context, en, dup *entry, held bool) (int64, error) {
+func (e *Engine) dropCopy(ctx context.Context, en, dup *entry, held bool) error {
 	if !e.confirm(ctx, dup) {
-		return 0, errMoveStale
+		return errMoveStale
 	}
 	ix := e.ix
 	sm, tm := e.mounts[en.mount], e.mounts[dup.mount]
 	ix.mu.Lock()
 	if en.gone || en.movePins(held) > 0 || dup.gone {
 		ix.mu.Unlock()
-		return 0, errMoveStale
+		return errMoveStale
 	}
 	wasHeld := en.held
 	ix.handOverLocked(en, dup)
@@ -504,13 +523,7 @@ func (e *Engine) dropCopy(ctx context.Context, en, dup *entry, held bool) (int64
 	}
 	ix.mu.Unlock()
 	e.access(ctx, recs)
-	if left := e.removeIfSame(en.path, []*entry{en}); left != nil {
-		ix.leave(left, en.path) // still counted: an eviction tries again
-	} else {
-		e.space.free(sm.sp, en.size, false)
-	}
-	e.spareRoom() // the source's room
-	return en.size, nil
+	return nil
 }
 
 // copyBuffer returns a buffer of n bytes for a move's copy, reused from

@@ -117,12 +117,12 @@ type index struct {
 	// none.
 	nleft atomic.Int64
 	// removing holds the entries dropped from the index whose file is
-	// being removed now (dropLocked with remove, takeLeft) until their
-	// holder frees them (releaseLocked), leaves them (leaveLocked) or
-	// keeps a spare (releaseKept): meanwhile they are neither indexed nor
-	// in left, yet the file is on disk, and may stay there. A cluster
-	// adopter retires no dead node while one of its files is here
-	// (Engine.leftOf).
+	// being removed now (unindexLocked with remove: dropLocked, a move's
+	// source; takeLeft) until their holder frees them (releaseLocked),
+	// leaves them (leaveLocked) or keeps a spare (releaseKept): meanwhile
+	// they are neither indexed nor in left, yet the file is on disk, and
+	// may stay there. A cluster adopter retires no dead node while one of
+	// its files is here (Engine.leftOf).
 	removing map[*entry]struct{}
 	lastID   uint64
 	keys     KeySet // MirrorKeys's, or nil
@@ -306,8 +306,8 @@ func (ix *index) relinkLocked(en *entry) bool {
 // indexed. Without remove, en's file is gone (replaced or vanished): its
 // mount stops counting it. With remove, the file is still there, on its
 // way out (dropLocked; a move's source): its bytes stay counted as used
-// until it is removed, and the caller updates its mount's count of files
-// (space.unindexed, space.moved).
+// until it is removed, en is in removing until then, and the caller
+// updates its mount's count of files (space.unindexed, space.moved).
 func (ix *index) unindexLocked(en *entry, remove bool) bool {
 	if en.gone {
 		return false
@@ -333,7 +333,9 @@ func (ix *index) unindexLocked(en *entry, remove bool) bool {
 			}
 		}
 	}
-	if !remove {
+	if remove {
+		ix.removing[en] = struct{}{}
+	} else {
 		ix.sp.unindexed(ix.sp.mounts[en.mount], en.size, false, false)
 	}
 	return true
@@ -436,7 +438,6 @@ func (ix *index) dropLocked(en *entry, remove bool) (was, claimed bool) {
 	if !remove {
 		return true, false
 	}
-	ix.removing[en] = struct{}{}
 	claimed, fl := ix.claimLocked(en.path)
 	if !claimed {
 		fl.orphans = append(fl.orphans, en)
