@@ -87,6 +87,9 @@ type checkOptions struct {
 	// statfs is statfs(2) for the mounts' file systems; nil is
 	// unix.Statfs (tests give another file system's answer).
 	statfs func(path string, st *unix.Statfs_t) error
+	// mountWait is how long a mount's statfs may go unanswered before
+	// the mount FAILs as hung; 0: mountAnswerWait.
+	mountWait time.Duration
 	// access is access(2) for the mounts' directories; nil is
 	// unix.Access (tests give a read-only file system's answer).
 	access func(path string, mode uint32) error
@@ -202,12 +205,20 @@ func checkOnThread(ctx context.Context, o checkOptions) *checkReport {
 			mounts = append(mounts, config.Mount{Path: d})
 		}
 	}
-	for _, m := range mounts {
-		checkMount(ctx, rep, o, m, drv)
+	hung := map[int]bool{} // by index in mounts: statfs did not answer
+	var answering []config.Mount
+	for i, m := range mounts {
+		if !checkMount(ctx, rep, o, m, drv) {
+			// Every later look at it (a listing, a stat, a statfs)
+			// would hang too.
+			hung[i] = true
+			continue
+		}
 		checkVLLMAdoption(rep, m)
+		answering = append(answering, m)
 	}
-	checkDisjointMounts(rep, mounts)
-	checkPolicyMounts(ctx, rep, o.cfg, o.file, mounts)
+	checkDisjointMounts(rep, answering)
+	checkPolicyMounts(ctx, rep, o.cfg, o.file, mounts, hung)
 	if g := o.cfg.Server.SocketGroup; g != "" {
 		if _, err := server.LookupGroup(g); err != nil {
 			rep.add(levelFail, "server", fmt.Sprintf("server.socket_group %q: no such group on this machine (%v): the daemon would not start", g, errors.Unwrap(err)),
@@ -432,12 +443,30 @@ func checkVLLMAdoption(rep *checkReport, m config.Mount) {
 }
 
 // checkMount reports one mount: file system, space, O_DIRECT, cuFile
-// registration, and with --speed sequential throughput.
-func checkMount(ctx context.Context, rep *checkReport, o checkOptions, m config.Mount, drv *gds.Driver) {
+// registration, and with --speed sequential throughput. Its statfs comes
+// first, bounded (o.mountWait): a mount whose file system does not answer
+// it FAILs as hung, the daemon's start refusing it too (mountCapacity),
+// and checkMount returns false; nothing else is asked of it, since every
+// call would hang the same way.
+func checkMount(ctx context.Context, rep *checkReport, o checkOptions, m config.Mount, drv *gds.Driver) (answered bool) {
 	area := m.Path
 	access := o.access
 	if access == nil {
 		access = unix.Access
+	}
+	statfs := o.statfs
+	if statfs == nil {
+		statfs = unix.Statfs
+	}
+	st, statErr := answerWithin(ctx, o.mountWait, func() (unix.Statfs_t, error) {
+		var st unix.Statfs_t
+		err := statfs(m.Path, &st)
+		return st, err
+	})
+	if errors.Is(statErr, errNoAnswer) {
+		rep.add(levelFail, area, fmt.Sprintf("statfs: %v: the mount is hung, and the daemon's start fails", statErr),
+			"check the file system's server and its client (mount, dmesg); remount it, or remove this [[mount]] until it answers")
+		return false
 	}
 	fi, err := os.Stat(m.Path)
 	switch {
@@ -457,13 +486,13 @@ func checkMount(ctx context.Context, rep *checkReport, o checkOptions, m config.
 			rep.add(levelWarn, area, fmt.Sprintf("does not exist; kvhost creates it at start (in %s, %s)", parent, fsTypeOf(parent)),
 				"create it (mkdir -p) to check it fully")
 		}
-		return
+		return true
 	case err != nil:
 		rep.add(levelFail, area, fmt.Sprintf("cannot stat: %v", err), "check the path and the daemon's permissions")
-		return
+		return true
 	case !fi.IsDir():
 		rep.add(levelFail, area, "is not a directory", "name a directory in [[mount]] path")
-		return
+		return true
 	}
 	switch err := access(m.Path, unix.W_OK|unix.X_OK); {
 	case errors.Is(err, unix.EROFS):
@@ -471,19 +500,14 @@ func checkMount(ctx context.Context, rep *checkReport, o checkOptions, m config.
 		// and every store there fails.
 		rep.add(levelFail, area, "on a read-only file system: every store there fails",
 			"remount it read-write (mount -o remount,rw), or name a directory on a writable file system")
-		return
+		return true
 	case err != nil:
 		rep.add(levelFail, area, "not writable by this user", "give the daemon's user write access (chown, or run as the owner)")
-		return
+		return true
 	}
-	statfs := o.statfs
-	if statfs == nil {
-		statfs = unix.Statfs
-	}
-	var st unix.Statfs_t
-	if err := statfs(m.Path, &st); err != nil {
-		rep.add(levelFail, area, fmt.Sprintf("statfs: %v", err), "")
-		return
+	if statErr != nil {
+		rep.add(levelFail, area, fmt.Sprintf("statfs: %v", statErr), "")
+		return true
 	}
 	magic := int64(st.Type)
 	fst := fstype.Name(magic)
@@ -497,7 +521,7 @@ func checkMount(ctx context.Context, rep *checkReport, o checkOptions, m config.
 	if level, what, fix := fileSystemFinding(fst, kind, size, int64(m.Capacity), int64(m.Reserve)); level != "" {
 		rep.add(level, area, what, fix)
 		if level == levelFail {
-			return // the engine refuses the mount: nothing else counts
+			return true // the engine refuses the mount: nothing else counts
 		}
 	}
 	if kind.Network {
@@ -548,6 +572,7 @@ func checkMount(ctx context.Context, rep *checkReport, o checkOptions, m config.
 	if o.speed {
 		checkSpeed(ctx, rep, o, m, direct && err == nil, kind.Memory, avail)
 	}
+	return true
 }
 
 // fileSystemFinding says what the engine makes of a mount on file system

@@ -275,7 +275,7 @@ func (l *lines) end() {
 // it writes and its exit status, once it exits.
 func serveHeld(ctx context.Context, hold *fsystest.Hold, args ...string) (stdout, stderr *lines, exit <-chan int) {
 	return runBackground(func(stdout, stderr io.Writer) int {
-		return runServeOn(ctx, &fsys.Faulty{FS: fsys.OS{}, Inj: hold}, args, stdout, stderr)
+		return runServeOn(ctx, serveSeams{fs: &fsys.Faulty{FS: fsys.OS{}, Inj: hold}}, args, stdout, stderr)
 	})
 }
 

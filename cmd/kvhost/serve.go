@@ -46,25 +46,35 @@ import (
 // exit, writes every goroutine's stack to the log and goes on; SIGUSR1,
 // SIGUSR2 and SIGPIPE are ignored (docs/serve.md, "Signals").
 func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) int {
-	return runServeOn(ctx, nil, args, stdout, stderr)
+	return runServeOn(ctx, serveSeams{}, args, stdout, stderr)
 }
 
-// runServeOn is runServe with the engine on files (nil: the operating
-// system's file system; tests hold or fail operations in it).
-func runServeOn(ctx context.Context, files fsys.FS, args []string, stdout, stderr io.Writer) int {
+// serveSeams are what tests replace in the daemon; the zero value is the
+// daemon's own.
+type serveSeams struct {
+	// fs is the engine's file system (nil: the operating system's; tests
+	// hold or fail operations in it).
+	fs fsys.FS
+	// mountWait is how long the start waits for a mount's statfs
+	// (mountCapacity); 0: mountAnswerWait.
+	mountWait time.Duration
+}
+
+// runServeOn is runServe with the seams s.
+func runServeOn(ctx context.Context, s serveSeams, args []string, stdout, stderr io.Writer) int {
 	// SIGTERM and SIGINT here as well as in main's context, which ends at
 	// the first: the second ends the daemon at once.
 	term := make(chan os.Signal, 2)
 	signal.Notify(term, os.Interrupt, syscall.SIGTERM)
 	defer signal.Stop(term)
-	return runServeSignaled(ctx, files, term, args, stdout, stderr)
+	return runServeSignaled(ctx, s, term, args, stdout, stderr)
 }
 
 // runServeSignaled is runServeOn with the stop signals read from term
 // (tests send their own): the first stops the daemon as ctx's end does,
 // the second returns status 1 at once, whatever the daemon still waits
 // for.
-func runServeSignaled(ctx context.Context, files fsys.FS, term <-chan os.Signal, args []string, stdout, stderr io.Writer) int {
+func runServeSignaled(ctx context.Context, s serveSeams, term <-chan os.Signal, args []string, stdout, stderr io.Writer) int {
 	// Signals first: a SIGHUP during start-up (a long index rebuild) is a
 	// reload once the daemon serves, not the end of the process.
 	sigs := make(chan os.Signal, 8)
@@ -86,7 +96,7 @@ func runServeSignaled(ctx context.Context, files fsys.FS, term <-chan os.Signal,
 		fmt.Fprintf(stderr, "kvhost: %v\n", err)
 		return 2
 	}
-	d := &daemon{flags: flags, stdout: stdout, stderr: stderr, sigs: sigs, started: time.Now(), fs: files}
+	d := &daemon{flags: flags, stdout: stdout, stderr: stderr, sigs: sigs, started: time.Now(), fs: s.fs, mountWait: s.mountWait}
 	lvl, err := logging.ParseLevel(cfg.Log.Level)
 	if err != nil {
 		fmt.Fprintf(stderr, "kvhost: %v\n", err)
@@ -181,8 +191,11 @@ type daemon struct {
 	log     *slog.Logger
 	metrics *metrics.Metrics // nil without [metrics] listen
 	fs      fsys.FS          // the engine's file system; nil: the operating system's
-	eng     *engine.Engine
-	pol     policyState
+	// mountWait is how long the start waits for each mount's statfs
+	// (mountCapacity); 0: mountAnswerWait.
+	mountWait time.Duration
+	eng       *engine.Engine
+	pol       policyState
 
 	readyMu  sync.Mutex // held while readiness changes and systemd is told
 	stopping bool       // set once the daemon stops: nothing makes it ready again
@@ -252,9 +265,13 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 	if err != nil {
 		return err
 	}
+	statfs := fsys.OS{}.Statfs
+	if d.fs != nil {
+		statfs = d.fs.Statfs // the engine's (tests hold it)
+	}
 	mounts := make([]engine.Mount, len(cfg.Mounts))
 	for i, m := range cfg.Mounts {
-		capacity, err := mountCapacity(m)
+		capacity, err := mountCapacity(ctx, m, statfs, d.mountWait)
 		if err != nil {
 			return err
 		}
@@ -912,19 +929,33 @@ func enginePreallocate(a config.AutoSize) int64 {
 }
 
 // mountCapacity is the configured capacity, or 90% of the file system's
-// size when it is 0 (docs/config.md).
-func mountCapacity(m config.Mount) (int64, error) {
-	if m.Capacity > 0 {
+// size when it is 0 (docs/config.md), read by statfs (the daemon's file
+// system's). Either way the mount's file system must answer that statfs
+// (and, without a capacity, the making of the mount's directory) within
+// wait (answerWithin; 0: mountAnswerWait): on a hung mount the start
+// fails naming it, instead of hanging in the engine's Open. With a
+// capacity, a statfs that fails is the engine's to report (the mount's
+// directory may not exist yet: the engine makes it).
+func mountCapacity(ctx context.Context, m config.Mount, statfs func(string) (fsys.StatFS, error), wait time.Duration) (int64, error) {
+	st, err := answerWithin(ctx, wait, func() (fsys.StatFS, error) {
+		if m.Capacity == 0 {
+			if err := os.MkdirAll(m.Path, 0o750); err != nil {
+				return fsys.StatFS{}, err
+			}
+		}
+		return statfs(m.Path)
+	})
+	switch {
+	case errors.Is(err, errNoAnswer):
+		return 0, fmt.Errorf("mount %s: statfs: %w: the daemon does not start on a hung mount; mend or unmount it, or remove its [[mount]]", m.Path, err)
+	case ctx.Err() != nil:
+		return 0, ctx.Err()
+	case m.Capacity > 0:
 		return int64(m.Capacity), nil
-	}
-	if err := os.MkdirAll(m.Path, 0o750); err != nil {
+	case err != nil:
 		return 0, fmt.Errorf("mount %s: %w", m.Path, err)
 	}
-	size, err := fileSystemBytes(m.Path)
-	if err != nil {
-		return 0, fmt.Errorf("mount %s: statfs: %w", m.Path, err)
-	}
-	return defaultCapacity(size), nil
+	return defaultCapacity(st.Total), nil
 }
 
 // defaultCapacity is the capacity of a mount left 0 on a file system of

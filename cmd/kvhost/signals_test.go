@@ -460,7 +460,7 @@ func TestSecondSignalExitsWhileAStoreHangsInTheMount(t *testing.T) {
 	hold := &fsystest.Hold{}
 	term := make(chan os.Signal, 2)
 	stdout, stderr, exit := runBackground(func(stdout, stderr io.Writer) int {
-		return runServeSignaled(context.Background(), &fsys.Faulty{FS: fsys.OS{}, Inj: hold}, term, []string{"--config", file}, stdout, stderr)
+		return runServeSignaled(context.Background(), serveSeams{fs: &fsys.Faulty{FS: fsys.OS{}, Inj: hold}}, term, []string{"--config", file}, stdout, stderr)
 	})
 	defer func() {
 		hold.Release()

@@ -62,7 +62,7 @@ func warnSingleMount(log *slog.Logger, b *builtPolicy, mounts []config.Mount) {
 // start builds it (startPolicy: its module, and its kvhost_init given
 // [policy.params]), placed at its key in file, a warning where a policy
 // that places files on the first mount only is given several.
-func checkPolicyMounts(ctx context.Context, rep *checkReport, cfg config.Config, file string, mounts []config.Mount) {
+func checkPolicyMounts(ctx context.Context, rep *checkReport, cfg config.Config, file string, mounts []config.Mount, hung map[int]bool) {
 	placed := cfg
 	placed.Mounts = mounts
 	b, features, err := startPolicy(ctx, placed)
@@ -88,7 +88,7 @@ func checkPolicyMounts(ctx context.Context, rep *checkReport, cfg config.Config,
 		rep.add(levelWarn, "policy", why, `policy.name = "tiered" (examples/tiered.toml)`)
 		return
 	}
-	if why := reversedTiers(placed, func(i int) bool { return onMemoryFS(mounts[i].Path) }); why != "" {
+	if why := reversedTiers(placed, func(i int) bool { return !hung[i] && onMemoryFS(mounts[i].Path) }); why != "" {
 		rep.add(levelWarn, "policy", why, "put the memory [[mount]] first, or set [policy.params] hot and cold (docs/config.md, Two mounts)")
 		return
 	}

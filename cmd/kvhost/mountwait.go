@@ -1,0 +1,49 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+)
+
+// mountAnswerWait is how long `kvhost check` and the daemon's start wait
+// for a mount's file system to answer statfs, the first call either makes
+// to it, before they call the mount hung (RATIONALE.md, "Why do check and
+// the start give a mount's statfs 5 s?").
+const mountAnswerWait = 5 * time.Second
+
+// errNoAnswer is the error of a call to a mount's file system that did
+// not answer in time (answerWithin).
+var errNoAnswer = errors.New("the file system did not answer (an NFS or FUSE server that stopped answering?)")
+
+// answerWithin returns f's answer, or an error wrapping errNoAnswer where
+// it has not come within wait (0: mountAnswerWait), or ctx's error where
+// ctx ends first. f runs on a goroutine of its own, which is left running
+// where it does not answer: nothing cancels a system call blocked in a
+// hung NFS or FUSE mount. Its answer, should it come, is dropped.
+func answerWithin[T any](ctx context.Context, wait time.Duration, f func() (T, error)) (T, error) {
+	if wait <= 0 {
+		wait = mountAnswerWait
+	}
+	type answer struct {
+		v   T
+		err error
+	}
+	answered := make(chan answer, 1) // f's send never blocks, read or not
+	go func() {
+		v, err := f()
+		answered <- answer{v, err}
+	}()
+	timer := time.NewTimer(wait)
+	defer timer.Stop()
+	var zero T
+	select {
+	case a := <-answered:
+		return a.v, a.err
+	case <-timer.C:
+		return zero, fmt.Errorf("%w within %v", errNoAnswer, wait)
+	case <-ctx.Done():
+		return zero, ctx.Err()
+	}
+}
