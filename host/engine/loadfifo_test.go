@@ -10,6 +10,7 @@ import (
 
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/host/policy"
+	"github.com/kvhost/kvhost/internal/testwait"
 )
 
 // TestALoadOfAFileReplacedByANamedPipeDoesNotBlock: a key's file is
@@ -43,7 +44,7 @@ func TestALoadOfAFileReplacedByANamedPipeDoesNotBlock(t *testing.T) {
 			if err := syscall.Mkfifo(p, 0o644); err != nil {
 				t.Fatal(err)
 			}
-			returnsDespitePipe(t, "a load", p, func() {
+			testwait.ReturnsDespitePipe(t, "a load", p, func() {
 				res := wait(t)(e.Load(ctx, LoadRequest{Cache: c.id, Keys: [][]byte{key}, Blocks: [][]int{{4, 5, 6, 7}}}))
 				if k := res.Keys[0]; k.Outcome != OutcomeMissing || !errors.Is(k.Err, ErrNotFound) {
 					t.Errorf("load of a named pipe: %v (%v), want missing with ErrNotFound", k.Outcome, k.Err)

@@ -7,37 +7,10 @@ import (
 	"path/filepath"
 	"syscall"
 	"testing"
-	"time"
 
 	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/internal/testwait"
 )
-
-// returnsDespitePipe runs fn and fails the test if it does not return
-// within 30 seconds (a guard against a wait that never ends, not a timing); it then opens pipe for writing, which ends the wait of
-// a reader blocked opening it, so that the engine can close.
-func returnsDespitePipe(t *testing.T, what, pipe string, fn func()) {
-	t.Helper()
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		fn()
-	}()
-	select {
-	case <-done:
-	case <-time.After(30 * time.Second):
-		for {
-			f, err := os.OpenFile(pipe, os.O_WRONLY|syscall.O_NONBLOCK, 0)
-			if err == nil {
-				f.Close()
-			}
-			select {
-			case <-done:
-				t.Fatalf("%s waited on the named pipe at %s", what, pipe)
-			case <-time.After(10 * time.Millisecond):
-			}
-		}
-	}
-}
 
 // TestAVllmFSNamedPipeAtARowNameBlocksNoRequest: a named pipe sits where
 // a key's row would be (planted in vLLM's shared directory, or left by a
@@ -70,12 +43,12 @@ func TestAVllmFSNamedPipeAtARowNameBlocksNoRequest(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	returnsDespitePipe(t, "a lookup", tier.path(keys[0]), func() {
+	testwait.ReturnsDespitePipe(t, "a lookup", tier.path(keys[0]), func() {
 		if n, err := e.Lookup(ctx, ns, keys[:1]); n != 0 || err != nil {
 			t.Errorf("lookup: %d, %v; want a miss", n, err)
 		}
 	})
-	returnsDespitePipe(t, "a delete", tier.path(keys[1]), func() {
+	testwait.ReturnsDespitePipe(t, "a delete", tier.path(keys[1]), func() {
 		if _, err := e.Delete(ctx, ns, keys[1:]); err != nil {
 			t.Logf("delete: %v", err)
 		}

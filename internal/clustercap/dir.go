@@ -410,13 +410,26 @@ func (d *Dir) writeFile(path string, b []byte) error {
 }
 
 // readFile reads the whole file at path (a summary: a few KiB), failing
-// with ErrSummary past MaxSummarySize bytes.
+// with ErrSummary past MaxSummarySize bytes. The open does not block
+// (O_NONBLOCK): anyone who can write the shared directory may put a
+// named pipe at a summary's name, and a plain open of one waits for a
+// writer, holding ReadAll, and with it the node's cluster tick, forever.
+// Anything but a regular file at the name (a named pipe, a directory, a
+// socket, a device) fails with ErrSummary, naming the path: it is no
+// summary, whatever it holds.
 func (d *Dir) readFile(path string) ([]byte, error) {
-	f, err := d.open(path, os.O_RDONLY, 0)
+	f, err := d.open(path, os.O_RDONLY|syscall.O_NONBLOCK, 0)
 	if err != nil {
 		return nil, err
 	}
 	defer f.Close()
+	fi, err := fsys.Fstat(f)
+	if err != nil {
+		return nil, err
+	}
+	if !fi.Mode().IsRegular() {
+		return nil, fmt.Errorf("%w: %s is not a regular file (%v)", ErrSummary, path, fi.Mode().Type())
+	}
 	out := make([]byte, 0, 4<<10)
 	for {
 		if len(out) > MaxSummarySize {
@@ -439,7 +452,8 @@ func (d *Dir) readFile(path string) ([]byte, error) {
 
 // ReadAll reads every node's summary but this node's. A summary file that
 // does not decode (a node of another version, a file left truncated by a
-// crash) or cannot be read is reported beside the others as a
+// crash, anything but a regular file at the name: a named pipe is
+// refused, never waited on) or cannot be read is reported beside the others as a
 // *SummaryError naming its node, and the last summary of that node this
 // Dir read, if any, stands in for it: one file failing does not fail the
 // read. A stale file handle (ESTALE, a shared mount's file replaced under
@@ -512,7 +526,8 @@ func retryStale(f func() error) error {
 
 // SummaryError is a node's summary file that ReadAll could not use: it
 // does not decode (Err wraps ErrSummary: a node of another version, a
-// file left empty or truncated by a crash, one over MaxSummarySize), or
+// file left empty or truncated by a crash, one over MaxSummarySize, a
+// named pipe, directory or other non-regular file at the name), or
 // it could not be read (Err is the file system's error). A node whose
 // summary file does not decode and whose lock is free (LockFree) is not
 // running: a running node holds its lock, and a stopped node of this

@@ -4,6 +4,8 @@
 package testwait
 
 import (
+	"os"
+	"syscall"
 	"testing"
 	"time"
 )
@@ -27,5 +29,35 @@ func Until(t testing.TB, what string, timeout time.Duration, cond func() bool) {
 			t.Fatalf("timed out after %v waiting for %s", timeout, what)
 		}
 		time.Sleep(d)
+	}
+}
+
+// ReturnsDespitePipe runs fn and fails the test, naming what, if it has
+// not returned after Hang (a guard against a wait that never ends, not a
+// timing): fn must not wait on the named pipe at pipe. It then opens the
+// pipe (read-write, which never waits on Linux) until fn returns: that
+// ends the wait of a reader blocked opening it, so that the test can
+// close what it opened.
+func ReturnsDespitePipe(t testing.TB, what, pipe string, fn func()) {
+	t.Helper()
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		fn()
+	}()
+	select {
+	case <-done:
+		return
+	case <-time.After(Hang):
+	}
+	for {
+		if f, err := os.OpenFile(pipe, os.O_RDWR|syscall.O_NONBLOCK, 0); err == nil {
+			f.Close()
+		}
+		select {
+		case <-done:
+			t.Fatalf("%s waited on the named pipe at %s", what, pipe)
+		case <-time.After(10 * time.Millisecond):
+		}
 	}
 }

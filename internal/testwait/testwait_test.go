@@ -1,7 +1,10 @@
 package testwait
 
 import (
+	"os"
+	"path/filepath"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 )
@@ -43,5 +46,25 @@ func TestUntilFailsNamingWhatItAwaited(t *testing.T) {
 	}()
 	if r.failed == "" {
 		t.Fatal("Until returned without failing")
+	}
+}
+
+func TestReturnsDespitePipeReturnsOnceFnDoes(t *testing.T) {
+	pipe := filepath.Join(t.TempDir(), "pipe")
+	if err := syscall.Mkfifo(pipe, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	ran := false
+	ReturnsDespitePipe(t, "an open that does not block", pipe, func() {
+		f, err := os.OpenFile(pipe, os.O_RDONLY|syscall.O_NONBLOCK, 0)
+		if err != nil {
+			t.Error(err)
+			return
+		}
+		f.Close()
+		ran = true
+	})
+	if !ran {
+		t.Fatal("returned before fn did")
 	}
 }
