@@ -287,9 +287,12 @@ func baseDirs(files fsys.FS, root string) (map[string]baseConfig, error) {
 // directory is in vLLM's shared directory, where anyone who can write
 // it may put one, and a config.json read through it would be a file
 // outside the directory (the base directory itself is the operator's,
-// and may be a link).
+// and may be a link). So is anything but a regular file (a named pipe,
+// a directory, a socket), checked on the open file; the open does not
+// block (checkOpen), where a plain one of a named pipe waits for a
+// writer, holding Open (and `kvhost check`) forever.
 func readSmall(files fsys.FS, path string) ([]byte, error) {
-	f, err := files.OpenFile(path, os.O_RDONLY|syscall.O_NOFOLLOW, 0)
+	f, err := files.OpenFile(path, os.O_RDONLY|syscall.O_NOFOLLOW|checkOpen, 0)
 	if errors.Is(err, syscall.ELOOP) {
 		return nil, fmt.Errorf("%s is a symbolic link: kvhost reads no config.json through one: %w", path, err)
 	}
@@ -297,6 +300,13 @@ func readSmall(files fsys.FS, path string) ([]byte, error) {
 		return nil, err
 	}
 	defer f.Close()
+	fi, err := fsys.Fstat(f)
+	if err != nil {
+		return nil, err
+	}
+	if !fi.Mode().IsRegular() {
+		return nil, fmt.Errorf("%w: %s (%v): kvhost reads no config.json from one", errNotRegular, path, fi.Mode().Type())
+	}
 	buf := make([]byte, 1<<20+1)
 	n := 0
 	for n < len(buf) {

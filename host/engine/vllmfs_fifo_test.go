@@ -2,9 +2,11 @@ package engine
 
 import (
 	"context"
+	"errors"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"strings"
 	"syscall"
 	"testing"
 
@@ -53,4 +55,66 @@ func TestAVllmFSNamedPipeAtARowNameBlocksNoRequest(t *testing.T) {
 			t.Logf("delete: %v", err)
 		}
 	})
+}
+
+// TestAVllmFSConfigThatIsANamedPipeBlocksNoStart: someone who can write
+// vLLM's shared directory put a named pipe at a base directory's
+// config.json. Open returns rather than wait for a writer of the pipe:
+// where the pipe is the configured base directory's config.json, it
+// refuses the mount with ErrInvalid naming the path and leaves the pipe
+// (it is no config.json cut by a crash, to be written anew); where it is
+// another base directory's, that one is skipped and the tier's base
+// directory adopted, as by `kvhost check` (AdoptedBase).
+func TestAVllmFSConfigThatIsANamedPipeBlocksNoStart(t *testing.T) {
+	for _, tc := range []struct {
+		name       string
+		configured bool // the pipe is the configured base directory's config.json
+	}{
+		{"the configured base directory's", true},
+		{"another base directory's, beside the one adopted", false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			root := t.TempDir()
+			tier := newFSTier(root, 8192)
+			mount := Mount{Path: root, VLLMFS: &VLLMFS{Namespace: tierModel}}
+			pipe := filepath.Join(tier.base(), "config.json")
+			if tc.configured {
+				mount.VLLMFS.Fields = tier.fields()
+			} else {
+				tier.init(t)
+				other := newFSTier(root, 8192)
+				other.tp = 2
+				pipe = filepath.Join(other.base(), "config.json")
+			}
+			if err := os.MkdirAll(filepath.Dir(pipe), 0o755); err != nil {
+				t.Fatal(err)
+			}
+			if err := syscall.Mkfifo(pipe, 0o644); err != nil {
+				t.Fatal(err)
+			}
+			testwait.ReturnsDespitePipe(t, "Open", pipe, func() {
+				e, err := Open(context.Background(), Config{Mounts: []Mount{mount}, Policy: newTestPolicy(4, abi.OrderBlockMajor), Logger: testLogger(t), IOWorkers: 2})
+				if err == nil {
+					e.Close(context.Background())
+				}
+				switch {
+				case tc.configured && (!errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), pipe)):
+					t.Errorf("Open: %v, want ErrInvalid naming %s", err, pipe)
+				case !tc.configured && err != nil:
+					t.Errorf("Open: %v, want the tier's base directory adopted past the pipe", err)
+				}
+			})
+			if fi, err := os.Lstat(pipe); err != nil || fi.Mode().Type() != os.ModeNamedPipe {
+				t.Errorf("the named pipe at %s was replaced (%v)", pipe, err)
+			}
+			if tc.configured {
+				return
+			}
+			testwait.ReturnsDespitePipe(t, "AdoptedBase", pipe, func() {
+				if got, err := AdoptedBase(root); err != nil || got != filepath.Base(tier.base()) {
+					t.Errorf("AdoptedBase: %q, %v; want %q", got, err, filepath.Base(tier.base()))
+				}
+			})
+		})
+	}
 }
