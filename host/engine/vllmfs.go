@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"hash/fnv"
+	"io"
 	"io/fs"
 	"maps"
 	"os"
@@ -269,11 +270,13 @@ func baseDirs(files fsys.FS, root string) (map[string]baseConfig, error) {
 		}
 		var c baseConfig
 		if err == nil {
-			c.cfg, err = vllmfs.ParseConfig(data)
+			if c.cfg, err = vllmfs.ParseConfig(data); err != nil {
+				err = fmt.Errorf("%s: %w", p, err)
+			}
 		}
 		switch {
 		case err != nil:
-			c.err = fmt.Errorf("%s: %w", p, err)
+			c.err = err // readSmall's errors name p
 		case c.cfg.Base() != d.Name():
 			c.err = fmt.Errorf("%w: %s: its fields hash to %s, not to the directory's name (edited, or another vLLM version's hash)", vllmfs.ErrMismatch, p, c.cfg.Base())
 		}
@@ -282,7 +285,9 @@ func baseDirs(files fsys.FS, root string) (map[string]baseConfig, error) {
 	return out, nil
 }
 
-// readSmall reads a config file (at most 1 MiB). A symbolic link at its
+// readSmall reads a config file (at most 1 MiB). Its errors name path;
+// a read's error is returned as one (wrapped), never as the end of the
+// file. A symbolic link at its
 // name is refused (O_NOFOLLOW), with an error naming the path: the base
 // directory is in vLLM's shared directory, where anyone who can write
 // it may put one, and a config.json read through it would be a file
@@ -302,18 +307,25 @@ func readSmall(files fsys.FS, path string) ([]byte, error) {
 	defer f.Close()
 	fi, err := fsys.Fstat(f)
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("%s: %w", path, err)
 	}
 	if !fi.Mode().IsRegular() {
 		return nil, fmt.Errorf("%w: %s (%v): kvhost reads no config.json from one", errNotRegular, path, fi.Mode().Type())
 	}
+	// A read's error is returned, never taken for the end of the file:
+	// the bytes before it would not parse, and Open writes a config.json
+	// that does not parse anew (a crash's cut), where one it cannot read
+	// must be refused.
 	buf := make([]byte, 1<<20+1)
 	n := 0
 	for n < len(buf) {
 		m, err := f.ReadAt(buf[n:], int64(n))
 		n += m
-		if err != nil || m == 0 {
+		if errors.Is(err, io.EOF) || (err == nil && m == 0) {
 			break
+		}
+		if err != nil {
+			return nil, fmt.Errorf("reading %s: %w", path, err)
 		}
 	}
 	if n > 1<<20 {
