@@ -72,8 +72,14 @@ func lockFd(f interface{ Fd() uintptr }) error {
 // would fail on every NFS mount. Where write access is refused (EACCES:
 // another user's file; EROFS) it opens read-only, which takes the flock
 // on local and other shared file systems.
+//
+// It opens with O_NONBLOCK: the file is opened only to be flocked (the
+// flag changes nothing for a flock, nor for a regular file's reads), and
+// a named pipe someone put at name, which a read-only open would wait on
+// for a writer, is opened at once (a read-write open never waits).
 func OpenToLock(fs FS, name string, flag int, perm os.FileMode) (File, error) {
 	flag &^= os.O_RDONLY | os.O_WRONLY | os.O_RDWR
+	flag |= unix.O_NONBLOCK
 	f, err := fs.OpenFile(name, flag|os.O_RDWR, perm)
 	if errors.Is(err, unix.EACCES) || errors.Is(err, unix.EROFS) {
 		f, err = fs.OpenFile(name, flag|os.O_RDONLY, perm)
