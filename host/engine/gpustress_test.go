@@ -200,6 +200,11 @@ func (s *gpuStress) open(t *testing.T) {
 // that the old one's Close left nothing; it registers the workers'
 // device memory with the new engine.
 func (s *gpuStress) restart(t *testing.T) {
+	// A fault a worker armed and no call has met yet would fail the new
+	// mover's gpu.New (its pinned pool's host allocation) or the new
+	// engine's start: the restart checks what Close leaves, not how they
+	// fail, so none stays armed across it. The workers are idle here.
+	s.disarmFaults()
 	if err := s.e.Close(context.Background()); err != nil {
 		t.Fatal(err)
 	}
@@ -504,7 +509,12 @@ func (s *gpuStress) run(t *testing.T) {
 		}
 		waitEngineSpares(t, s.e)
 	}
-	for _, op := range stressFaultOps { // no fault left armed for the checks
+	s.disarmFaults() // no fault left armed for the checks
+}
+
+// disarmFaults disarms every fault the workers may have armed.
+func (s *gpuStress) disarmFaults() {
+	for _, op := range stressFaultOps {
 		s.fake.Fail(op, 0, 0)
 	}
 }
