@@ -309,20 +309,66 @@ class TestRealMultiConnectorMetrics(MultiCase):
                                       {"model_name": MODEL, "engine": "0", "role": "scheduler"})
         self.assertGreaterEqual(misses, 2)  # both children's lookups, summed
 
-    def test_kvhost_after_vllms_cpu_spec_reports_metrics_vllm_never_declared(self):
-        # The CPU child is first: vLLM declares the CPU spec's metrics and
-        # not kvhost's, then asserts on kvhost's names in the merged stats.
-        cpu = 4096 * 16 * 4
-        vc, sched = self.scheduler([cpu_child(cpu), child(self.daemon.socket)], "kvhost-multi-ck")
+    def observe(self, children, engine):
+        """A scheduler over children, one lookup through it, and vLLM's
+        Prometheus logger observing its stats. Returns (names vLLM
+        declared, names reported, the observe call)."""
+        vc, sched = self.scheduler(children, engine)
         prom, _ = self.prom(vc)
         data = self.looked_up(sched)
         declared = set(prom._prom_metrics["OffloadingConnector"]._offloading_metric_defs)
         reported = set(data["OffloadingConnector"].data["data"])
+        return declared, reported, lambda: prom.observe({k: {"data": v.data} for k, v in data.items()}, 0), sched
+
+    def test_kvhost_after_vllms_cpu_spec_with_metrics_off_is_observed(self):
+        # The CPU child is first: vLLM declares the CPU spec's metrics, not
+        # kvhost's; with "metrics": false kvhost reports none of its own.
+        cpu = 4096 * 16 * 4
+        declared, reported, observe, sched = self.observe(
+            [cpu_child(cpu), child(self.daemon.socket, metrics=False)], "kvhost-multi-ck-off")
+        self.assertLessEqual(reported, declared)
+        observe()  # vLLM's Prometheus logger no longer fails
+        # kvhost's manager still counted the lookup.
+        self.assertGreaterEqual(sched._connectors[1].connector_scheduler.manager.counters()["lookup_misses"], 1)
+
+    def test_kvhost_after_vllms_cpu_spec_warns_and_its_counters_stay_undeclared(self):
+        # Without the option kvhost's counters are names vLLM never
+        # declared, and vLLM's Prometheus logger fails on its bare assert;
+        # a spec built where vLLM's current config is set (a worker's
+        # set-up) names the option.
+        cpu = 4096 * 16 * 4
+        children = [cpu_child(cpu), child(self.daemon.socket)]
+        self.current(self.multi_config(children, engine="kvhost-multi-ck"))
+        with self.assertLogs("vllm.kvhost", "WARNING") as logs:
+            declared, reported, observe, _ = self.observe(children, "kvhost-multi-ck")
+        self.assertTrue(any('child 2 of vLLM\'s MultiConnector' in line and '"metrics": false' in line
+                            for line in logs.output), logs.output)
         self.assertTrue(reported - declared)
         self.assertTrue(all(n.startswith("vllm:kv_offload_kvhost_") for n in reported - declared), reported - declared)
-        # vLLM's Prometheus logger then fails on its bare assert.
         with self.assertRaises(AssertionError):
-            prom.observe({k: {"data": v.data} for k, v in data.items()}, 0)
+            observe()
+
+    def test_vllms_cpu_spec_after_kvhost_warns_and_its_metrics_stay_undeclared(self):
+        # kvhost first: vLLM declares kvhost's metrics and not the CPU
+        # spec's, whatever kvhost's option says; kvhost's spec says so.
+        cpu = 4096 * 16 * 4
+        children = [child(self.daemon.socket, metrics=False), cpu_child(cpu)]
+        self.current(self.multi_config(children, engine="kvhost-multi-kc"))
+        with self.assertLogs("vllm.kvhost", "WARNING") as logs:
+            declared, reported, observe, _ = self.observe(children, "kvhost-multi-kc")
+        self.assertTrue(any("child 2 (CPUOffloadingSpec) are undeclared" in line for line in logs.output), logs.output)
+        self.assertTrue(reported - declared)
+        self.assertFalse(any(n.startswith("vllm:kv_offload_kvhost_") for n in reported), reported)
+        with self.assertRaises(AssertionError):
+            observe()
+
+    def test_two_kvhost_children_do_not_warn(self):
+        children = [child(self.daemon.socket), child(self.daemon.socket, namespace="b")]
+        self.current(self.multi_config(children, engine="kvhost-multi-kk2"))
+        with self.assertNoLogs("vllm.kvhost", "WARNING"):
+            declared, reported, observe, _ = self.observe(children, "kvhost-multi-kk2")
+        self.assertLessEqual(reported, declared)
+        observe()
 
 
 def _unlink(path):

@@ -1457,6 +1457,22 @@ class TestStats(SpecCase):
         answer_of(m, keys(1, "nostats")[0])
         self.assertIsNone(m.get_stats())
 
+    def test_with_metrics_false_nothing_is_declared_or_reported_and_counters_still_count(self):
+        spec = self.spec(metrics=False)
+        self.assertEqual(Spec.build_metric_definitions(spec.extra_config), {})
+        self.assertTrue(Spec.build_metric_definitions({"metrics": True}))
+        with self.assertLogs("vllm.kvhost", "INFO") as logs:
+            m = self.manager(spec)
+        self.assertTrue(any('metrics off (option "metrics": false)' in line for line in logs.output), logs.output)
+        self.answer(m, keys(1, "metrics-off")[0], S.LookupResult.MISS)
+        self.assertIsNone(m.get_stats())
+        self.assertEqual(m.counters()["lookup_misses"], 1)
+
+    def test_metrics_must_be_a_boolean(self):
+        for bad in ("false", 0, None):
+            with self.subTest(value=bad), self.assertRaisesRegex(ValueError, "metrics: want true or false"):
+                Spec(S.fake_offloading_config("/nonexistent.sock", metrics=bad))
+
     def test_aggregate_of_1000_steps_under_load_adds_up_to_the_counters_and_every_name_is_declared(self):
         spec = self.spec()
         m = self.manager(spec)
@@ -1505,6 +1521,53 @@ class TestStats(SpecCase):
             for labels in values:
                 self.assertEqual(len(labels), len(defs[name].labelnames), name)
         del w
+
+
+def multi(*children):
+    """vLLM's current config of an engine whose MultiConnector has children
+    (each (kv_connector, kv_connector_extra_config))."""
+    return types.SimpleNamespace(kv_transfer_config=types.SimpleNamespace(
+        kv_connector="MultiConnector",
+        kv_connector_extra_config={"connectors": [
+            {"kv_connector": c, "kv_role": "kv_both", "kv_connector_extra_config": x} for c, x in children]}))
+
+
+class TestUndeclaredInAMultiConnector(unittest.TestCase):
+    """_metrics.undeclared: whether vLLM declares, from the first child of a
+    connector class, the metrics every child of that class reports."""
+
+    KV = {"spec_name": "KvhostOffloadingSpec", "spec_module_path": "kvhost.vllm", "socket": "/a"}
+    KV2 = {**KV, "socket": "/b"}
+    CPU = {"cpu_bytes_to_use": 1 << 30}
+    OC = "OffloadingConnector"
+
+    def test_cases(self):
+        def is_kv(x):
+            return x.get("spec_name") == "KvhostOffloadingSpec"
+        off = {**self.KV, "metrics": False}
+        cases = [
+            ("no MultiConnector", types.SimpleNamespace(kv_transfer_config=types.SimpleNamespace(
+                kv_connector=self.OC, kv_connector_extra_config=self.KV)), self.KV, None),
+            ("no config", None, self.KV, None),
+            ("kvhost alone", multi((self.OC, self.KV)), self.KV, None),
+            ("not found", multi((self.OC, self.CPU)), self.KV, None),
+            ("two kvhost children", multi((self.OC, self.KV), (self.OC, self.KV2)), self.KV2, None),
+            ("behind the CPU spec", multi((self.OC, self.CPU), (self.OC, self.KV)), self.KV,
+             'child 2 .*after child 1 \\(OffloadingConnector over CPUOffloadingSpec\\).*"metrics": false'),
+            ("behind the CPU spec, metrics off", multi((self.OC, self.CPU), (self.OC, off)), off, None),
+            ("behind a kvhost spec with metrics off", multi((self.OC, off), (self.OC, self.KV2)), self.KV2,
+             "after child 1 .*its metrics off"),
+            ("behind another connector class", multi(("LMCacheConnectorV1", {}), (self.OC, self.KV)), self.KV, None),
+            ("before the CPU spec", multi((self.OC, self.KV), (self.OC, self.CPU)), self.KV,
+             "the first OffloadingConnector.*child 2 \\(CPUOffloadingSpec\\) are undeclared.*put that child first"),
+        ]
+        for what, vc, extra, want in cases:
+            with self.subTest(what):
+                got = _metrics.undeclared(vc, extra, is_kv)
+                if want is None:
+                    self.assertIsNone(got)
+                else:
+                    self.assertRegex(got or "", want)
 
 
 @unittest.skipUnless(HAVE_TORCH, "torch is not installed")

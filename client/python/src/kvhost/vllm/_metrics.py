@@ -6,6 +6,11 @@ vLLM calls ``get_stats`` on every scheduler step and then ``is_empty()`` and
 ``aggregate()`` on what it got, so the payload must be vLLM's own class (or
 None); every name in it must have been declared, with the same labels, or
 vLLM's Prometheus logger asserts.
+
+Inside vLLM's MultiConnector that is not always so: vLLM declares the
+metrics of every child of one connector class from the first such child's
+spec (``undeclared`` says when kvhost's spec is not that child's); the
+spec's option ``"metrics": false`` turns its counters off (``enabled``).
 """
 
 # Counter name suffix -> (counter key in the tier's or manager's Counter, help).
@@ -59,3 +64,59 @@ def stats(api, delta, inflight, labelvalues):
     if inflight is not None:
         s.set_gauge(INFLIGHT, inflight, labelvalues)
     return None if s.is_empty() else s
+
+
+def enabled(extra):
+    """Whether the spec's options extra (kv_connector_extra_config) leave
+    its counters on: the option "metrics", true unless false."""
+    return (extra or {}).get("metrics", True) is not False
+
+
+def undeclared(vc, extra, is_kvhost_spec):
+    """Why vLLM's Prometheus logger will fail on the metrics of the
+    MultiConnector of vc (vLLM's current config) that holds the child whose
+    kv_connector_extra_config is extra (a kvhost spec's), as text; None when
+    it will not, or vc says nothing of it (no MultiConnector, or no child
+    with extra). vLLM declares each connector class's metrics from the spec
+    of that class's first child (is_kvhost_spec(extra of a child) says
+    whether that spec is kvhost's), and asserts on any other name a child
+    of the class reports: kvhost's counters behind another spec (or behind a
+    kvhost spec with them off), or another spec's behind kvhost's."""
+    ktc = getattr(vc, "kv_transfer_config", None)
+    if ktc is None or getattr(ktc, "kv_connector", None) != "MultiConnector":
+        return None
+    children = [c for c in (getattr(ktc, "kv_connector_extra_config", None) or {}).get("connectors") or ()
+                if isinstance(c, dict)]
+    extra = dict(extra or {})
+
+    def cls(c):  # which connector class vLLM's factory builds for a child
+        return c.get("kv_connector"), c.get("kv_connector_module_path")
+
+    def spec(c):
+        return (c.get("kv_connector_extra_config") or {}).get("spec_name", "CPUOffloadingSpec")
+
+    mine = next((i for i, c in enumerate(children) if dict(c.get("kv_connector_extra_config") or {}) == extra), None)
+    if mine is None:
+        return None
+    same = [i for i, c in enumerate(children) if cls(c) == cls(children[mine])]
+    first = same[0]
+    name = children[mine].get("kv_connector")
+    if first != mine:
+        fx = children[first].get("kv_connector_extra_config") or {}
+        if not enabled(extra) or (is_kvhost_spec(fx) and enabled(fx)):
+            return None  # nothing of kvhost's reported, or declared by the first child
+        return (f"this kvhost spec is child {mine + 1} of vLLM's MultiConnector, after child {first + 1} "
+                f"({name} over {spec(children[first])}"
+                f"{', its metrics off' if is_kvhost_spec(fx) else ''}): vLLM declares every {name}'s Prometheus "
+                f"metrics from the first one's spec only, so kvhost's counters ({PREFIX}*) are undeclared and "
+                "vLLM's Prometheus logger fails on them at the first lookup; set \"metrics\": false in this "
+                "child's kv_connector_extra_config (its counters then stay in the manager's counters()), or run "
+                "kvhost as KvhostTier under vLLM's CPU tier (docs/vllm.md)")
+    others = [i for i in same[1:] if not is_kvhost_spec(children[i].get("kv_connector_extra_config") or {})]
+    if not others:
+        return None
+    return (f"this kvhost spec is child {mine + 1} of vLLM's MultiConnector, the first {name}: vLLM declares "
+            f"every {name}'s Prometheus metrics from kvhost's spec, so the metrics of child {others[0] + 1} "
+            f"({spec(children[others[0]])}) are undeclared and vLLM's Prometheus logger fails on them at the "
+            f"first step; put that child first and set \"metrics\": false in kvhost's, or run kvhost as "
+            "KvhostTier under vLLM's CPU tier (docs/vllm.md)")

@@ -16,6 +16,7 @@ describes what still can fail and how it is counted.
 """
 
 import collections
+import importlib
 import logging
 import threading
 import time
@@ -83,6 +84,9 @@ class SpecManager(Reconnects):
         self._client, self._ns = self._open()
         self.namespaces = {k: ns.geometry.model for k, ns in self._ns.items()}
         log.info("kvhost spec: manager on %s, namespaces %s", o["socket"], sorted(set(self.namespaces.values())))
+        if not o["metrics"]:
+            log.info("kvhost spec: metrics off (option \"metrics\": false): the manager reports no %s* "
+                     "counters to vLLM; its counters() still count them", _metrics.PREFIX)
         self._thread = threading.Thread(target=self._loop, name="kvhost-spec-pins", daemon=True)
         self._thread.start()
 
@@ -476,9 +480,11 @@ class SpecManager(Reconnects):
 
     def get_stats(self):
         """What changed since the last call, as vLLM's
-        OffloadingConnectorStats (None when nothing changed or this vLLM has
-        no such class); vLLM calls it every scheduler step. No daemon round
-        trip."""
+        OffloadingConnectorStats (None when nothing changed, this vLLM has
+        no such class or the option "metrics" is false); vLLM calls it every
+        scheduler step. No daemon round trip."""
+        if not self._opts["metrics"]:
+            return None
         with self._lock:
             now = collections.Counter(self._stats)
             delta = now - self._reported
@@ -542,13 +548,17 @@ class _SpecImpl:
         self._opts = sc.options(config)
         self._ident = sc.identity(config, self._opts)
         sc.shard_of(config)
+        _warn_undeclared(self.extra_config)
         self._manager = None
         self._mlock = threading.Lock()
 
     @classmethod
     def build_metric_definitions(cls, extra_config=None):
         """The Prometheus metrics the manager's get_stats reports (vLLM
-        declares them from this when the spec is configured)."""
+        declares them from this when the spec is configured): none where
+        extra_config's option "metrics" is false."""
+        if not _metrics.enabled(extra_config):
+            return {}
         return SpecManager.metric_definitions(cls._api)
 
     def get_manager(self):
@@ -564,6 +574,36 @@ class _SpecImpl:
         if cls is None:
             from .spec_worker import SpecWorker as cls
         return cls(self.config, kv_caches, self._api, self._opts, self._ident)
+
+
+def _is_kvhost_spec(extra):
+    """Whether the spec that vLLM's OffloadingSpecFactory builds from extra
+    (a child's kv_connector_extra_config) is a KvhostOffloadingSpec."""
+    name, module = extra.get("spec_name", "CPUOffloadingSpec"), extra.get("spec_module_path")
+    if not module:
+        return False  # one of vLLM's registered specs
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return False
+    return isinstance(cls, type) and issubclass(cls, _SpecImpl)
+
+
+def _warn_undeclared(extra):
+    """Logs a warning where vLLM's current config (a worker's: the engine
+    core sets none for the scheduler) puts this spec in a MultiConnector
+    whose metrics vLLM's Prometheus logger will fail on
+    (_metrics.undeclared). Only a warning: with vLLM's stats logging off
+    that configuration runs."""
+    if not sc.vllm_installed():
+        return
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+    except ImportError:
+        return  # a vLLM without it: nothing to read
+    why = _metrics.undeclared(get_current_vllm_config_or_none(), extra, _is_kvhost_spec)
+    if why:
+        log.warning("kvhost spec: %s", why)
 
 
 def spec_class(api=None):

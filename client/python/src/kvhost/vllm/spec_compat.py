@@ -166,6 +166,7 @@ OPTIONS = {
     "max_events": 1 << 16,
     "page_bytes": None,         # bytes per layer and GPU block, where the config cannot say
     "page_layout": None,        # the workers' page byte order ("FLASHINFER/HND"), where not the default's
+    "metrics": True,            # the manager's counters reported through vLLM's metrics (get_stats)
 }
 
 # kv_connector_extra_config keys that are vLLM's own (its connector,
@@ -221,6 +222,8 @@ def options(config):
     if pb is not None and (isinstance(pb, bool) or not isinstance(pb, int) or pb <= 0):
         raise ValueError(f"kvhost.vllm: page_bytes: want bytes per layer and GPU block (an integer > 0), "
                          f"got {pb!r}")
+    if not isinstance(o["metrics"], bool):
+        raise ValueError(f"kvhost.vllm: metrics: want true or false, got {o['metrics']!r}")
     if not isinstance(o["namespace"], str):
         raise ValueError(f"kvhost.vllm: namespace: want a string, got {o['namespace']!r}")
     if o["page_layout"] is not None:
