@@ -596,7 +596,8 @@ func (c *Client) Declare(ctx context.Context, g Geometry) (Namespace, error) {
 }
 
 // Undeclare gives up namespace ns on this connection; no cache registered
-// on the connection may use it. Stored data is kept. The daemon forgets the
+// on the connection may use it, and no pin the connection holds may be in
+// it (the daemon answers in use naming the pins). Stored data is kept. The daemon forgets the
 // geometry (it stops counting against its namespace limit) once no
 // connection has it declared; closing the connection undeclares everything.
 func (c *Client) Undeclare(ctx context.Context, ns NamespaceID) error {

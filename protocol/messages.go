@@ -394,8 +394,9 @@ func (m *UnregisterCache) DecodeBody(b []byte) error {
 }
 
 // Undeclare gives up a namespace that no registered cache of the
-// connection uses; the daemon forgets the geometry once no connection has
-// it declared. Stored data is kept.
+// connection uses and no held pin of the connection is in; the daemon
+// forgets the geometry once no connection has it declared. Stored data is
+// kept.
 type Undeclare struct {
 	NS uint32 // the namespace id, from Declared
 }

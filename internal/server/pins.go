@@ -3,6 +3,10 @@ package server
 import (
 	"container/heap"
 	"context"
+	"fmt"
+	"slices"
+	"strconv"
+	"strings"
 	"time"
 
 	"github.com/kvhost/kvhost/host/engine"
@@ -42,6 +46,7 @@ type sessionPins struct {
 // counted to hold.
 type sessionPin struct {
 	id     engine.PinID
+	ns     uint32 // the session's namespace id it pinned in
 	charge *pinCharge
 }
 
@@ -208,7 +213,7 @@ func (s *session) pin(m *protocol.Pin) (protocol.Message, error) {
 			sp.ids = map[uint64]sessionPin{}
 		}
 		sp.next++
-		sp.ids[sp.next] = sessionPin{id: eid, charge: charge}
+		sp.ids[sp.next] = sessionPin{id: eid, ns: m.NS, charge: charge}
 		reply.Pin = sp.next
 	}
 	return reply, nil
@@ -224,6 +229,25 @@ func (s *session) unpin(m *protocol.Unpin) (protocol.Message, error) {
 	return &protocol.Count{T: protocol.TypeUnpin | protocol.TypeReply, Count: uint32(n)}, nil
 }
 
+// heldPins returns, sorted, the ids of the connection's pins in its
+// namespace ns that are still held, and forgets those whose lease ended.
+func (s *session) heldPins(ns uint32) []uint64 {
+	var held []uint64
+	for id, pin := range s.pins.ids {
+		if pin.ns != ns {
+			continue
+		}
+		if !s.srv.eng.(Pinner).PinHeld(pin.id) { // only a Pinner's pins are here
+			delete(s.pins.ids, id)
+			s.srv.settlePins(pin.charge, 0)
+			continue
+		}
+		held = append(held, id)
+	}
+	slices.Sort(held)
+	return held
+}
+
 // releasePins releases every pin of the connection (it is ending).
 func (s *session) releasePins() {
 	p, ok := s.srv.eng.(Pinner)
@@ -235,4 +259,20 @@ func (s *session) releasePins() {
 		s.srv.settlePins(pin.charge, 0)
 	}
 	s.pins.ids = nil
+}
+
+// pinList names pin ids in a refusal: the first eight, then how many more.
+func pinList(ids []uint64) string {
+	const shown = 8
+	var b strings.Builder
+	for i, id := range ids[:min(len(ids), shown)] {
+		if i > 0 {
+			b.WriteString(", ")
+		}
+		b.WriteString(strconv.FormatUint(id, 10))
+	}
+	if len(ids) > shown {
+		fmt.Fprintf(&b, " and %d more", len(ids)-shown)
+	}
+	return b.String()
 }

@@ -258,3 +258,54 @@ func TestALeasedPinCountsWhileTheEngineHoldsIt(t *testing.T) {
 		t.Errorf("the daemon counts %d pinned keys while the engine holds %d under the pin's lease, want at least %d", counted, held, held)
 	}
 }
+
+// TestUndeclareIsRefusedWhilePinsAreHeld: a pin lasts until Unpin, its
+// lease's end or the connection's end, so Undeclare of the namespace a
+// held pin is in is refused with in use naming the pin (as for a
+// registered cache); once the pin is released, or its lease has ended,
+// the namespace is given up. Before, Undeclare went through and left the
+// connection holding only pins, closed as idle after the idle limit.
+func TestUndeclareIsRefusedWhilePinsAreHeld(t *testing.T) {
+	ctx := context.Background()
+	f := newFixture(t, server.Config{})
+	k := newCache(t, f.dial(t))
+	k.store(t, "a", []uint32{0, 1}, rand.New(rand.NewPCG(1, 2)))
+
+	c := f.dial(t)
+	ns, err := c.Declare(ctx, geo)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := c.Pin(ctx, ns.ID, [][]byte{[]byte("a")}, 0)
+	if err != nil || !p.Held[0] {
+		t.Fatalf("Pin = %+v, %v", p, err)
+	}
+	err = c.Undeclare(ctx, ns.ID)
+	var pe *protocol.Error
+	if !errors.As(err, &pe) || pe.Code != protocol.CodeInUse || !strings.Contains(pe.Message, fmt.Sprintf("held pin(s) %d", p.ID)) {
+		t.Fatalf("Undeclare with pin %d held: %v; want in use naming the pin", p.ID, err)
+	}
+	// Still declared: the pin and the namespace work.
+	if n, err := c.Lookup(ctx, ns.ID, [][]byte{[]byte("a")}); err != nil || n != 1 {
+		t.Fatalf("Lookup after the refused Undeclare = %d, %v; want 1", n, err)
+	}
+	if n, err := c.Unpin(ctx, p.ID); err != nil || n != 1 {
+		t.Fatalf("Unpin = %d, %v; want 1", n, err)
+	}
+	if err := c.Undeclare(ctx, ns.ID); err != nil {
+		t.Fatalf("Undeclare after Unpin: %v", err)
+	}
+
+	// A pin whose lease has ended holds nothing: it does not refuse.
+	ns, err = c.Declare(ctx, geo)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if p, err := c.Pin(ctx, ns.ID, [][]byte{[]byte("a")}, 20*time.Millisecond); err != nil || !p.Held[0] {
+		t.Fatalf("leased Pin = %+v, %v", p, err)
+	}
+	waitPins(t, f, 0)
+	if err := c.Undeclare(ctx, ns.ID); err != nil {
+		t.Fatalf("Undeclare after the pin's lease ended: %v", err)
+	}
+}

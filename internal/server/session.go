@@ -599,6 +599,11 @@ func (s *session) undeclare(m *protocol.Undeclare) (protocol.Message, error) {
 			return nil, perr(protocol.CodeInUse, "namespace %d has registered cache %d", m.NS, id)
 		}
 	}
+	// A pin lasts until Unpin, its lease's end or the connection's end
+	// (docs/protocol.md): the namespace it is in stays declared.
+	if held := s.heldPins(m.NS); len(held) > 0 {
+		return nil, perr(protocol.CodeInUse, "namespace %d has held pin(s) %s: unpin them first", m.NS, pinList(held))
+	}
 	delete(s.namespaces, m.NS)
 	s.srv.undeclare(s.peer, ns.geo, ns.id)
 	return &protocol.Empty{T: protocol.TypeUndeclare | protocol.TypeReply}, nil

@@ -677,7 +677,9 @@ class Client:
         return Namespace(ns, bpk, fp, kb, geometry)
 
     def undeclare(self, ns):
-        """Gives up a namespace no registered cache of this connection uses.
+        """Gives up a namespace no registered cache of this connection uses
+        and no pin it holds is in (the daemon answers "in use" naming the
+        pins: unpin them first).
 
         Stored data is kept; the daemon forgets the geometry once no
         connection has it declared (closing the connection undeclares all)."""
