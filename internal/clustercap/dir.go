@@ -310,6 +310,18 @@ func (d *Dir) remove(path string) error {
 	return fsys.RemoveAt(d.fs, dir, path)
 }
 
+// lstat describes the name path in the directory itself, relative to
+// the directory opened without links (fstatat, AT_SYMLINK_NOFOLLOW): a
+// symbolic link at the name is described, never the file it points to.
+func (d *Dir) lstat(path string) (os.FileInfo, error) {
+	dir, err := d.openDir()
+	if err != nil {
+		return nil, err
+	}
+	defer dir.Close()
+	return fsys.StatAt(d.fs, dir, path)
+}
+
 // rename renames oldpath to newpath, both in the directory, relative to
 // the directory opened without links (renameat).
 func (d *Dir) rename(oldpath, newpath string) error {
@@ -495,7 +507,7 @@ func (d *Dir) ReadAll() ([]*Summary, []error, error) {
 		}
 		if err != nil {
 			se := &SummaryError{Node: node, Err: err}
-			if fi, err := d.fs.Stat(path); err == nil {
+			if fi, err := d.lstat(path); err == nil {
 				se.ModTime = fi.ModTime()
 			}
 			bad = append(bad, se)
@@ -535,7 +547,7 @@ func retryStale(f func() error) error {
 // is unknown.
 type SummaryError struct {
 	Node    string    // the node the file is named for
-	ModTime time.Time // the file's modification time (the file system's clock); zero if unknown
+	ModTime time.Time // the name's modification time (the file system's clock): a symbolic link's own, never its target's; zero if unknown
 	Err     error     // why it could not be used
 }
 

@@ -7,6 +7,7 @@ import (
 	"slices"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/kvhost/kvhost/internal/fsys"
 )
@@ -87,5 +88,45 @@ func TestADirNeverActsThroughALinkInPlaceOfItsDirectory(t *testing.T) {
 		if got, err := os.ReadFile(filepath.Join(outside, name)); err != nil || !slices.Equal(got, data) {
 			t.Errorf("%s outside the mount was changed through the link (%v)", name, err)
 		}
+	}
+}
+
+// TestReadAllTimesALinkAtASummaryNameByTheLinkNotByItsTarget: someone who
+// can write the shared cluster directory put a symbolic link at node x's
+// summary name, pointing to an old file. ReadAll refuses it (no summary is
+// read through a link) and reports it as a *SummaryError whose ModTime,
+// which the cluster tick takes for x's last sign of life, is the link's
+// own, not the old file's: a stat that followed the link made a live x
+// look long dead.
+func TestReadAllTimesALinkAtASummaryNameByTheLinkNotByItsTarget(t *testing.T) {
+	root, outside := t.TempDir(), t.TempDir()
+	a, err := OpenDir(fsys.OS{}, root, "a")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close()
+	old := filepath.Join(outside, "old")
+	if err := os.WriteFile(old, []byte("not a summary"), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	oldTime := time.Date(2001, 1, 1, 0, 0, 0, 0, time.UTC)
+	if err := os.Chtimes(old, oldTime, oldTime); err != nil {
+		t.Fatal(err)
+	}
+	link := filepath.Join(a.Path(), "x"+summarySuffix)
+	if err := os.Symlink(old, link); err != nil {
+		t.Fatal(err)
+	}
+	lfi, err := os.Lstat(link)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, bad, err := a.ReadAll()
+	var se *SummaryError
+	if err != nil || len(bad) != 1 || !errors.As(bad[0], &se) || se.Node != "x" {
+		t.Fatalf("ReadAll: %v, %v; want x's link reported as a *SummaryError", bad, err)
+	}
+	if !se.ModTime.Equal(lfi.ModTime()) {
+		t.Errorf("x's time %v, want the link's own %v (its target's is %v)", se.ModTime, lfi.ModTime(), oldTime)
 	}
 }
