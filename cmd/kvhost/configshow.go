@@ -9,10 +9,12 @@ import (
 	"path/filepath"
 	"runtime"
 	"slices"
+	"time"
 
 	"github.com/kvhost/kvhost/host/engine"
 	"github.com/kvhost/kvhost/host/policy"
 	"github.com/kvhost/kvhost/internal/config"
+	"github.com/kvhost/kvhost/internal/fsys"
 	"github.com/kvhost/kvhost/staging/gpu"
 )
 
@@ -31,10 +33,16 @@ max_registered_bytes) stays unset, its value on this machine now in the
 comment: the output is itself a valid configuration file, which runs as
 the original does on any machine. A bad file (or flag), or one the
 daemon's start refuses (a policy refusing its [policy.params], mounts
-one inside another), prints its error and exits 1; 2: usage.`
+one inside another, a mount whose file system does not answer statfs
+within 5 s), prints its error and exits 1; 2: usage.`
 
 // runConfigShow implements `kvhost config show`.
 func runConfigShow(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	return runConfigShowOn(ctx, machine{}, args, stdout, stderr)
+}
+
+// runConfigShowOn is runConfigShow asking mc about the machine.
+func runConfigShowOn(ctx context.Context, mc machine, args []string, stdout, stderr io.Writer) int {
 	fs := flag.NewFlagSet("kvhost config show", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	flags := config.BindFlags(fs)
@@ -63,7 +71,7 @@ func runConfigShow(ctx context.Context, args []string, stdout, stderr io.Writer)
 		fmt.Fprintln(stderr, err)
 		return 1
 	}
-	cfg, notes, err := effectiveConfig(cfg, machine{})
+	cfg, notes, err := effectiveConfig(ctx, cfg, mc)
 	if err != nil {
 		fmt.Fprintln(stderr, err)
 		return 1
@@ -80,9 +88,12 @@ func runConfigShow(ctx context.Context, args []string, stdout, stderr io.Writer)
 type machine struct {
 	// procs is the runtime's Go processors (runtime.GOMAXPROCS).
 	procs func() int
-	// fsSize is the bytes of the file system at path, or false where the
-	// path does not exist (nothing is created).
-	fsSize func(path string) (int64, bool)
+	// statfs is statfs(2) of a mount's path (nothing is created); nil is
+	// fsys.OS's.
+	statfs func(path string) (fsys.StatFS, error)
+	// mountWait is how long statfs may go unanswered before the mount
+	// is taken for hung (answerWithin); 0: mountAnswerWait.
+	mountWait time.Duration
 	// memory is the machine's memory in bytes.
 	memory func() int64
 }
@@ -94,12 +105,26 @@ func (m machine) gomaxprocs() int {
 	return runtime.GOMAXPROCS(0)
 }
 
-func (m machine) fileSystemSize(path string) (int64, bool) {
-	if m.fsSize != nil {
-		return m.fsSize(path)
+// fileSystemSize is the bytes of the file system at path, or false
+// where its statfs fails (the path does not exist: nothing is created).
+// The statfs is bounded as the daemon's start bounds it (answerWithin):
+// a mount whose file system does not answer is an error naming it
+// (hungMount), the start refusing it too, not a wait without end.
+func (m machine) fileSystemSize(ctx context.Context, path string) (int64, bool, error) {
+	statfs := m.statfs
+	if statfs == nil {
+		statfs = fsys.OS{}.Statfs
 	}
-	size, err := fileSystemBytes(path)
-	return size, err == nil
+	st, err := answerWithin(ctx, m.mountWait, func() (fsys.StatFS, error) { return statfs(path) })
+	switch {
+	case errors.Is(err, errNoAnswer):
+		return 0, false, hungMount(path, err)
+	case ctx.Err() != nil:
+		return 0, false, ctx.Err()
+	case err != nil:
+		return 0, false, nil
+	}
+	return st.Total, true, nil
 }
 
 func (m machine) memoryBytes() int64 {
@@ -118,7 +143,9 @@ func (m machine) memoryBytes() int64 {
 // otherwise than cfg on another machine, or on this one once it changed.
 // Values decided by probing at start (a mount's io, checksums on a file
 // system, spare files ahead, gpu.mode "auto") are left as given.
-func effectiveConfig(cfg config.Config, mc machine) (config.Config, config.Notes, error) {
+// A mount whose file system does not answer statfs is an error
+// (machine.fileSystemSize).
+func effectiveConfig(ctx context.Context, cfg config.Config, mc machine) (config.Config, config.Notes, error) {
 	notes := config.Notes{}
 	cfg.Mounts = slices.Clone(cfg.Mounts) // resolved here, not in the caller's
 
@@ -167,7 +194,9 @@ func effectiveConfig(cfg config.Config, mc machine) (config.Config, config.Notes
 		notes["engine.node_id"] = "empty: the host name"
 	}
 	for i := range cfg.Mounts {
-		resolveMount(notes, fmt.Sprintf("mount.%d.", i), &cfg.Mounts[i], mc)
+		if err := resolveMount(ctx, notes, fmt.Sprintf("mount.%d.", i), &cfg.Mounts[i], mc); err != nil {
+			return cfg, nil, err
+		}
 	}
 	g := &cfg.GPU
 	derive(notes, "gpu.depth", &g.Depth, gpu.DefaultDepth, "double buffering")
@@ -182,8 +211,8 @@ func effectiveConfig(cfg config.Config, mc machine) (config.Config, config.Notes
 }
 
 // resolveMount resolves m as effectiveConfig does, its keys noted under
-// prefix ("mount.0.").
-func resolveMount(notes config.Notes, prefix string, m *config.Mount, mc machine) {
+// prefix ("mount.0."); its error is a hung mount's (fileSystemSize).
+func resolveMount(ctx context.Context, notes config.Notes, prefix string, m *config.Mount, mc machine) error {
 	derive(notes, prefix+"layout", &m.Layout, config.LayoutKVHost, "the default")
 	derive(notes, prefix+"io", &m.IO, "auto", "the default: O_DIRECT where the probe at start finds it")
 	derive(notes, prefix+"checksum", &m.Checksum, ptr(m.Layout != config.LayoutVLLMFS), "the default of the layout")
@@ -205,13 +234,18 @@ func resolveMount(notes config.Notes, prefix string, m *config.Mount, mc machine
 		notes[prefix+"preallocate"] = "on a memory file system: an eighth of the capacity, at most the larger of 4GiB and a sixteenth of memory"
 	}
 	if m.Capacity != 0 {
-		return
+		return nil
 	}
-	if size, ok := mc.fileSystemSize(m.Path); ok && size > 0 {
+	size, ok, err := mc.fileSystemSize(ctx, m.Path)
+	switch {
+	case err != nil:
+		return err
+	case ok && size > 0:
 		atStart(notes, prefix+"capacity", config.Size(defaultCapacity(size)), "90% of the file system")
-	} else {
+	default:
 		notes[prefix+"capacity"] = "90% of the file system at start (the path does not exist yet)"
 	}
+	return nil
 }
 
 // derive sets *v, where it is zero, to the value the daemon derives from

@@ -9,6 +9,7 @@ import (
 	"testing"
 
 	"github.com/kvhost/kvhost/internal/config"
+	"github.com/kvhost/kvhost/internal/fsys"
 )
 
 // TestConfigShow: `kvhost config show` prints a configuration that reads
@@ -95,7 +96,7 @@ func TestConfigShow(t *testing.T) {
 			}
 			// Read back and shown again, nothing changes: every value is
 			// resolved already.
-			again, notes, err := effectiveConfig(back, machine{})
+			again, notes, err := effectiveConfig(context.Background(), back, machine{})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -144,15 +145,15 @@ func TestConfigShowLeavesWhatTheMachineDecidesToTheDaemon(t *testing.T) {
 	}
 	here := machine{
 		procs:  func() int { return 1 },
-		fsSize: func(string) (int64, bool) { return 100 << 30, true },
+		statfs: func(string) (fsys.StatFS, error) { return fsys.StatFS{Total: 100 << 30}, nil },
 		memory: func() int64 { return 16 << 30 },
 	}
 	there := machine{
 		procs:  func() int { return 64 },
-		fsSize: func(string) (int64, bool) { return 400 << 30, true },
+		statfs: func(string) (fsys.StatFS, error) { return fsys.StatFS{Total: 400 << 30}, nil },
 		memory: func() int64 { return 256 << 30 },
 	}
-	shown, notes, err := effectiveConfig(cfg, here)
+	shown, notes, err := effectiveConfig(context.Background(), cfg, here)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -171,11 +172,11 @@ func TestConfigShowLeavesWhatTheMachineDecidesToTheDaemon(t *testing.T) {
 		}
 		return b.String()
 	}
-	want, _, err := effectiveConfig(cfg, there)
+	want, _, err := effectiveConfig(context.Background(), cfg, there)
 	if err != nil {
 		t.Fatal(err)
 	}
-	got, _, err := effectiveConfig(back, there)
+	got, _, err := effectiveConfig(context.Background(), back, there)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -17,6 +17,13 @@ const mountAnswerWait = 5 * time.Second
 // not answer in time (answerWithin).
 var errNoAnswer = errors.New("the file system did not answer (an NFS or FUSE server that stopped answering?)")
 
+// hungMount is the error of the mount at path whose statfs did not answer
+// (err wraps errNoAnswer): the daemon's start refuses it (mountCapacity),
+// and `kvhost config show` says so.
+func hungMount(path string, err error) error {
+	return fmt.Errorf("mount %s: statfs: %w: the daemon does not start on a hung mount; mend or unmount it, or remove its [[mount]]", path, err)
+}
+
 // answerWithin returns f's answer, or an error wrapping errNoAnswer where
 // it has not come within wait (0: mountAnswerWait), or ctx's error where
 // ctx ends first. f runs on a goroutine of its own, which is left running

@@ -115,3 +115,48 @@ func TestCheckFailsAMountWhoseStatfsDoesNotAnswer(t *testing.T) {
 		t.Errorf("%d findings on the hung mount (want 1), %d OK on the other (want some), %d failures: %+v", hungItems, fineOK, rep.Fail, rep.Items)
 	}
 }
+
+// TestConfigShowFailsOnAMountWhoseStatfsDoesNotAnswer: `kvhost config
+// show` of a mount without a capacity statfs's it to show the capacity the
+// start would compute, and on a mount whose file system does not answer
+// (an NFS or FUSE server that stopped answering) it hung. It now gives
+// that statfs the start's bound and exits 1 with the start's error, naming
+// the mount. The bound is the test's (a millisecond); the statfs is held
+// until the test ends.
+func TestConfigShowFailsOnAMountWhoseStatfsDoesNotAnswer(t *testing.T) {
+	dir := t.TempDir()
+	mount := filepath.Join(dir, "blocks")
+	file := filepath.Join(dir, "kvhost.toml")
+	src := fmt.Sprintf("[policy]\ncache_dir = %q\n\n[[mount]]\npath = %q\n", policyCache, mount)
+	if err := os.WriteFile(file, []byte(src), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	release, asked := make(chan struct{}), make(chan struct{}, 1)
+	defer close(release) // the statfs left behind returns
+	mc := machine{mountWait: time.Millisecond, statfs: func(path string) (fsys.StatFS, error) {
+		asked <- struct{}{}
+		<-release
+		return fsys.OS{}.Statfs(path)
+	}}
+	stdout, stderr, exit := runBackground(func(stdout, stderr io.Writer) int {
+		return runConfigShowOn(context.Background(), mc, []string{"--config", file}, stdout, stderr)
+	})
+	var code int
+	testwait.Until(t, "config show beside a hung mount to end", testwait.Hang, func() bool {
+		select {
+		case code = <-exit:
+			return true
+		default:
+			return false
+		}
+	})
+	if len(asked) == 0 {
+		t.Fatalf("config show did not statfs the mount (exit %d):\n%s", code, stderr)
+	}
+	if msg := stderr.String(); code != 1 || !strings.Contains(msg, mount) || !strings.Contains(msg, "did not answer") {
+		t.Fatalf("exit %d, stderr %q: want 1 and an error naming the mount %s that did not answer", code, msg, mount)
+	}
+	if stdout.String() != "" {
+		t.Errorf("a configuration was printed beside the error:\n%s", stdout)
+	}
+}

@@ -19,8 +19,6 @@ import (
 	"syscall"
 	"time"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/kvhost/kvhost/abi/guest"
 	"github.com/kvhost/kvhost/host/engine"
 	"github.com/kvhost/kvhost/host/policy"
@@ -947,7 +945,7 @@ func mountCapacity(ctx context.Context, m config.Mount, statfs func(string) (fsy
 	})
 	switch {
 	case errors.Is(err, errNoAnswer):
-		return 0, fmt.Errorf("mount %s: statfs: %w: the daemon does not start on a hung mount; mend or unmount it, or remove its [[mount]]", m.Path, err)
+		return 0, hungMount(m.Path, err)
 	case ctx.Err() != nil:
 		return 0, ctx.Err()
 	case m.Capacity > 0:
@@ -961,15 +959,6 @@ func mountCapacity(ctx context.Context, m config.Mount, statfs func(string) (fsy
 // defaultCapacity is the capacity of a mount left 0 on a file system of
 // size bytes: 90% of it.
 func defaultCapacity(size int64) int64 { return int64(float64(size) * 0.9) }
-
-// fileSystemBytes is the size of the file system that holds path.
-func fileSystemBytes(path string) (int64, error) {
-	var st unix.Statfs_t
-	if err := unix.Statfs(path, &st); err != nil {
-		return 0, err
-	}
-	return int64(float64(st.Blocks) * float64(st.Bsize)), nil
-}
 
 // serverLimits is the session server's configuration from cfg's [server]
 // limits and timeouts, as given (zero: the server's default).
