@@ -1,7 +1,9 @@
 package engine
 
 import (
+	"errors"
 	"fmt"
+	"syscall"
 
 	"github.com/kvhost/kvhost/internal/format"
 	"github.com/kvhost/kvhost/internal/fsys"
@@ -14,9 +16,16 @@ import (
 // openSame opens the file at en's path and checks that it is en's file
 // (identity and header id). It returns the open file and its header, or an
 // error wrapping os.ErrNotExist (vanished), errReplaced, ErrCorrupt (the
-// file at the path does not decode) or the I/O error.
+// file at the path does not decode) or the I/O error. The open follows no
+// symbolic link below the mount's root (openNoLinks), as every other open
+// of a data file: a link at the path, even to en's own file moved aside,
+// is not en's file (errReplaced), as a load takes it for a vanished one;
+// nor does it wait on a named pipe at the path (checkOpen).
 func (e *Engine) openSame(en *entry, flag int) (fsys.File, *format.Header, error) {
-	f, err := e.fs.OpenFile(en.path, flag|checkOpen, 0)
+	f, err := e.openNoLinks(e.mounts[en.mount], en.path, flag|checkOpen, 0)
+	if errors.Is(err, syscall.ELOOP) {
+		return nil, nil, fmt.Errorf("%w: %s, or a directory of it in the mount, is a symbolic link: %w", errReplaced, en.path, err)
+	}
 	if err != nil {
 		return nil, nil, err
 	}
