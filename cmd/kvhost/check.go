@@ -218,7 +218,7 @@ func checkOnThread(ctx context.Context, o checkOptions) *checkReport {
 		answering = append(answering, m)
 	}
 	checkDisjointMounts(rep, answering)
-	checkPolicyMounts(ctx, rep, o.cfg, o.file, mounts, hung)
+	checkPolicyMounts(ctx, rep, o.cfg, o.file, mounts, func(i int) bool { return !hung[i] && o.onMemoryFS(ctx, mounts[i].Path) })
 	if g := o.cfg.Server.SocketGroup; g != "" {
 		if _, err := server.LookupGroup(g); err != nil {
 			rep.add(levelFail, "server", fmt.Sprintf("server.socket_group %q: no such group on this machine (%v): the daemon would not start", g, errors.Unwrap(err)),
@@ -454,15 +454,7 @@ func checkMount(ctx context.Context, rep *checkReport, o checkOptions, m config.
 	if access == nil {
 		access = unix.Access
 	}
-	statfs := o.statfs
-	if statfs == nil {
-		statfs = unix.Statfs
-	}
-	st, statErr := answerWithin(ctx, o.mountWait, func() (unix.Statfs_t, error) {
-		var st unix.Statfs_t
-		err := statfs(m.Path, &st)
-		return st, err
-	})
+	st, statErr := o.statfsWithin(ctx, m.Path)
 	if errors.Is(statErr, errNoAnswer) {
 		rep.add(levelFail, area, fmt.Sprintf("statfs: %v: the mount is hung, and the daemon's start fails", statErr),
 			"check the file system's server and its client (mount, dmesg); remount it, or remove this [[mount]] until it answers")
@@ -483,7 +475,18 @@ func checkMount(ctx context.Context, rep *checkReport, o checkOptions, m config.
 			rep.add(levelFail, area, fmt.Sprintf("does not exist, and cannot be made in %s, not writable by this user (%v): the daemon's start fails", parent, err),
 				"create it (mkdir -p) and give it to the daemon's user (chown), or name a directory that user may make")
 		default:
-			rep.add(levelWarn, area, fmt.Sprintf("does not exist; kvhost creates it at start (in %s, %s)", parent, fsTypeOf(parent)),
+			pst, err := o.statfsWithin(ctx, parent)
+			if errors.Is(err, errNoAnswer) {
+				// Where the start would make it: its mkdir would hang.
+				rep.add(levelFail, area, fmt.Sprintf("does not exist, and %s, where kvhost would make it, is on a hung mount: statfs: %v: the daemon's start fails", parent, err),
+					"check the file system's server and its client (mount, dmesg); remount it, or remove this [[mount]] until it answers")
+				return false
+			}
+			fst := "unknown"
+			if err == nil {
+				fst = fstype.Name(int64(pst.Type))
+			}
+			rep.add(levelWarn, area, fmt.Sprintf("does not exist; kvhost creates it at start (in %s, %s)", parent, fst),
 				"create it (mkdir -p) to check it fully")
 		}
 		return true
@@ -573,6 +576,22 @@ func checkMount(ctx context.Context, rep *checkReport, o checkOptions, m config.
 		checkSpeed(ctx, rep, o, m, direct && err == nil, kind.Memory, avail)
 	}
 	return true
+}
+
+// statfsWithin is o's statfs of path, a mount's directory or the one above
+// it where it does not exist yet, bounded by o.mountWait (answerWithin):
+// an error wrapping errNoAnswer where its file system does not answer.
+// Every statfs check makes of a mount goes through it.
+func (o checkOptions) statfsWithin(ctx context.Context, path string) (unix.Statfs_t, error) {
+	statfs := o.statfs
+	if statfs == nil {
+		statfs = unix.Statfs
+	}
+	return answerWithin(ctx, o.mountWait, func() (unix.Statfs_t, error) {
+		var st unix.Statfs_t
+		err := statfs(path, &st)
+		return st, err
+	})
 }
 
 // fileSystemFinding says what the engine makes of a mount on file system

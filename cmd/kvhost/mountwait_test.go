@@ -49,15 +49,7 @@ func TestServeRefusesToStartOnAMountWhoseStatfsDoesNotAnswer(t *testing.T) {
 				return runServeOn(context.Background(), serveSeams{fs: &fsys.Faulty{FS: fsys.OS{}, Inj: hold}, mountWait: time.Millisecond},
 					[]string{"--config", file}, stdout, stderr)
 			})
-			var code int
-			testwait.Until(t, "the start on a hung mount to end", testwait.Hang, func() bool {
-				select {
-				case code = <-exit:
-					return true
-				default:
-					return false
-				}
-			})
+			code := awaitValue(t, "the start on a hung mount to end", exit)
 			if !hold.Holding() {
 				t.Fatalf("the start did not reach the mount's statfs (exit %d):\n%s", code, stderr)
 			}
@@ -88,15 +80,7 @@ func TestCheckFailsAMountWhoseStatfsDoesNotAnswer(t *testing.T) {
 	o.cfg.Mounts = []config.Mount{{Path: hung}, {Path: fine}}
 	checked := make(chan *checkReport, 1)
 	go func() { checked <- doCheck(context.Background(), o) }()
-	var rep *checkReport
-	testwait.Until(t, "the check beside a hung mount to end", testwait.Hang, func() bool {
-		select {
-		case rep = <-checked:
-			return true
-		default:
-			return false
-		}
-	})
+	rep := awaitValue(t, "the check beside a hung mount to end", checked)
 	var hungItems, fineOK int
 	for _, it := range rep.Items {
 		switch it.Area {
@@ -141,15 +125,7 @@ func TestConfigShowFailsOnAMountWhoseStatfsDoesNotAnswer(t *testing.T) {
 	stdout, stderr, exit := runBackground(func(stdout, stderr io.Writer) int {
 		return runConfigShowOn(context.Background(), mc, []string{"--config", file}, stdout, stderr)
 	})
-	var code int
-	testwait.Until(t, "config show beside a hung mount to end", testwait.Hang, func() bool {
-		select {
-		case code = <-exit:
-			return true
-		default:
-			return false
-		}
-	})
+	code := awaitValue(t, "config show beside a hung mount to end", exit)
 	if len(asked) == 0 {
 		t.Fatalf("config show did not statfs the mount (exit %d):\n%s", code, stderr)
 	}
@@ -159,4 +135,87 @@ func TestConfigShowFailsOnAMountWhoseStatfsDoesNotAnswer(t *testing.T) {
 	if stdout.String() != "" {
 		t.Errorf("a configuration was printed beside the error:\n%s", stdout)
 	}
+}
+
+// TestCheckEndsWhereTheDirectoryAboveAnAbsentMountDoesNotAnswer: a mount
+// whose path does not exist yet answers check's first statfs (ENOENT: a
+// lookup the mount's client may answer from its cache), and check then
+// asked the file system of the directory above it, where the start would
+// make it, with no bound: for its name in the "does not exist" warning,
+// and, where the tiered policy's tiers are checked, whether it is a
+// memory file system. On a hung mount either call hung check. Both now
+// have the first statfs's bound: where the mount is to be made there, the
+// mount FAILs as hung; where it cannot be (not writable, a FAIL of its
+// own), the tier check takes it for no memory mount and check ends. The
+// bound is the test's (a millisecond); the statfs is held until the test
+// ends.
+func TestCheckEndsWhereTheDirectoryAboveAnAbsentMountDoesNotAnswer(t *testing.T) {
+	for _, c := range []struct {
+		name     string
+		writable bool
+		want     string // in the mount's FAIL
+	}{
+		{"where the start would make it", true, "did not answer"},
+		{"where it cannot be made", false, "not writable"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			fine, above := t.TempDir(), t.TempDir()
+			absent := filepath.Join(above, "blocks")
+			release, asked := make(chan struct{}), make(chan struct{}, 1)
+			defer close(release) // the statfs left behind returns
+			o := checkOptions{cfg: config.Default(), mountWait: time.Millisecond,
+				statfs: func(path string, st *unix.Statfs_t) error {
+					if path == above {
+						select {
+						case asked <- struct{}{}:
+						default:
+						}
+						<-release
+					}
+					return unix.Statfs(path, st)
+				},
+				access: func(path string, mode uint32) error {
+					if path == above && !c.writable {
+						return unix.EACCES
+					}
+					return unix.Access(path, mode)
+				}}
+			o.cfg.GPU.Mode, o.cfg.GPU.CuFile = "off", "off"
+			o.cfg.Policy.Name, o.cfg.Policy.CacheDir = "tiered", policyCache
+			// The absent mount is the cold one: the tier check asks first
+			// whether it is memory.
+			o.cfg.Mounts = []config.Mount{{Path: fine}, {Path: absent}}
+			checked := make(chan *checkReport, 1)
+			go func() { checked <- doCheck(context.Background(), o) }()
+			rep := awaitValue(t, "the check beside a hung directory to end", checked)
+			if len(asked) == 0 {
+				t.Fatalf("check did not statfs %s, the directory above the mount: %+v", above, rep.Items)
+			}
+			var fails int
+			for _, it := range rep.Items {
+				if it.Area == absent && it.Level == levelFail && strings.Contains(it.What, c.want) {
+					fails++
+				}
+			}
+			if fails != 1 {
+				t.Errorf("the absent mount's findings: want one FAIL saying %q: %+v", c.want, rep.Items)
+			}
+		})
+	}
+}
+
+// awaitValue waits for ch's value, which a call under test sends once it
+// returns, and returns it; what names the call in the failure.
+func awaitValue[T any](t *testing.T, what string, ch <-chan T) T {
+	t.Helper()
+	var v T
+	testwait.Until(t, what, testwait.Hang, func() bool {
+		select {
+		case v = <-ch:
+			return true
+		default:
+			return false
+		}
+	})
+	return v
 }

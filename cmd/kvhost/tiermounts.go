@@ -9,8 +9,6 @@ import (
 	"regexp"
 	"strconv"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/host/engine"
 	"github.com/kvhost/kvhost/host/policy"
@@ -61,8 +59,10 @@ func warnSingleMount(log *slog.Logger, b *builtPolicy, mounts []config.Mount) {
 // and mounts: a failure where the policy does not start as the daemon's
 // start builds it (startPolicy: its module, and its kvhost_init given
 // [policy.params]), placed at its key in file, a warning where a policy
-// that places files on the first mount only is given several.
-func checkPolicyMounts(ctx context.Context, rep *checkReport, cfg config.Config, file string, mounts []config.Mount, hung map[int]bool) {
+// that places files on the first mount only is given several, or where
+// the tiered policy's tiers are reversed (memory(i): mounts[i] is on a
+// memory file system).
+func checkPolicyMounts(ctx context.Context, rep *checkReport, cfg config.Config, file string, mounts []config.Mount, memory func(i int) bool) {
 	placed := cfg
 	placed.Mounts = mounts
 	b, features, err := startPolicy(ctx, placed)
@@ -88,7 +88,7 @@ func checkPolicyMounts(ctx context.Context, rep *checkReport, cfg config.Config,
 		rep.add(levelWarn, "policy", why, `policy.name = "tiered" (examples/tiered.toml)`)
 		return
 	}
-	if why := reversedTiers(placed, func(i int) bool { return !hung[i] && onMemoryFS(mounts[i].Path) }); why != "" {
+	if why := reversedTiers(placed, memory); why != "" {
 		rep.add(levelWarn, "policy", why, "put the memory [[mount]] first, or set [policy.params] hot and cold (docs/config.md, Two mounts)")
 		return
 	}
@@ -222,10 +222,12 @@ func warnReversedTiers(log *slog.Logger, cfg config.Config, mounts []engine.Moun
 }
 
 // onMemoryFS reports whether dir, or the directory that holds it where it
-// does not exist yet, is on a memory file system (tmpfs).
-func onMemoryFS(dir string) bool {
-	var st unix.Statfs_t
-	if unix.Statfs(existingParent(dir), &st) != nil {
+// does not exist yet, is on a memory file system (tmpfs). Its statfs is
+// bounded (statfsWithin): a file system that does not answer is not
+// taken for a memory one.
+func (o checkOptions) onMemoryFS(ctx context.Context, dir string) bool {
+	st, err := o.statfsWithin(ctx, existingParent(dir))
+	if err != nil {
 		return false
 	}
 	k, _ := fstype.Of(int64(st.Type))

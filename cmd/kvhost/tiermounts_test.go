@@ -115,7 +115,7 @@ func TestTieredExampleIsAMemoryAndDiskDaemon(t *testing.T) {
 		t.Fatalf("policy %q, mounts %+v: want tiered over a memory mount and a second one", cfg.Policy.Name, cfg.Mounts)
 	}
 	var rep checkReport
-	checkPolicyMounts(context.Background(), &rep, cfg, "", cfg.Mounts, nil)
+	checkPolicyMounts(context.Background(), &rep, cfg, "", cfg.Mounts, func(i int) bool { return checkOptions{}.onMemoryFS(context.Background(), cfg.Mounts[i].Path) })
 	if len(rep.Items) != 1 || rep.Items[0].Level != levelOK {
 		t.Fatalf("findings %+v, want one OK (needs the embedded wasm: make build)", rep.Items)
 	}
