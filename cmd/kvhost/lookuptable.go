@@ -75,7 +75,11 @@ func openLookupTable(cfg config.Config, eng *engine.Engine, log *slog.Logger) (*
 
 // sharedMount reports whether other nodes or programs may write files into
 // m: its shared setting, else a vllm-fs layout or a network or FUSE file
-// system.
+// system. Its statfs has no bound (answerWithin): it comes after the
+// engine's Open, which statfs'd this very directory and walked it, so it
+// hangs only on a mount that stopped answering since, which the start's
+// first statfs does not catch either (RATIONALE.md, "Why do check and the
+// start give a mount's statfs 5 s?").
 func sharedMount(m config.Mount) bool {
 	if m.Shared != nil {
 		return *m.Shared
