@@ -87,9 +87,13 @@ type checkOptions struct {
 	// statfs is statfs(2) for the mounts' file systems; nil is
 	// unix.Statfs (tests give another file system's answer).
 	statfs func(path string, st *unix.Statfs_t) error
-	// mountWait is how long a mount's statfs may go unanswered before
-	// the mount FAILs as hung; 0: mountAnswerWait.
-	mountWait time.Duration
+	// mountWait is how long a statfs of path (a mount's directory, or
+	// the one above it) may go unanswered before the mount FAILs as hung;
+	// nil, or 0 for path: mountAnswerWait. A function of the path, so
+	// that a test bounds the statfs it holds by a millisecond and every
+	// other by a hang guard: a millisecond's bound on a statfs that
+	// answers fails it wherever the machine is slow to run its goroutine.
+	mountWait func(path string) time.Duration
 	// access is access(2) for the mounts' directories; nil is
 	// unix.Access (tests give a read-only file system's answer).
 	access func(path string, mode uint32) error
@@ -587,7 +591,11 @@ func (o checkOptions) statfsWithin(ctx context.Context, path string) (unix.Statf
 	if statfs == nil {
 		statfs = unix.Statfs
 	}
-	return answerWithin(ctx, o.mountWait, func() (unix.Statfs_t, error) {
+	var wait time.Duration
+	if o.mountWait != nil {
+		wait = o.mountWait(path)
+	}
+	return answerWithin(ctx, wait, func() (unix.Statfs_t, error) {
 		var st unix.Statfs_t
 		err := statfs(path, &st)
 		return st, err
