@@ -111,12 +111,7 @@ func TestClusterNeverRetiresADeadNodeWhoseFileItCouldNotRemove(t *testing.T) {
 		}
 		return fsys.Fault{}
 	}))
-	clock.advance(4 * time.Hour) // D's summary: stale
-	m := a.mounts[0]
-	m.cluster.tick(ctx, a, m)
-	if !isAdopted(a, "d") {
-		t.Fatal("A did not adopt dead node D")
-	}
+	tickPastDeadNode(ctx, t, a, clock)
 	ns, err := a.Declare(ctx, smallGeometry(true))
 	if err != nil {
 		t.Fatal(err)
@@ -145,16 +140,12 @@ func TestClusterNeverRetiresADeadNodeWhileARemovalOfItsFileIsUnderWay(t *testing
 	dir := t.TempDir()
 	hold := newHeldRemoval(dir)
 	a, clock := besideDeadNode(t, dir, 1, hold)
-	clock.advance(4 * time.Hour) // D's summary: stale
-	m := a.mounts[0]
-	m.cluster.tick(ctx, a, m)
-	if !isAdopted(a, "d") {
-		t.Fatal("A did not adopt dead node D")
-	}
+	tickPastDeadNode(ctx, t, a, clock)
 	files := kvFiles(t, dir)
 	if len(files) != 1 {
 		t.Fatalf("%d data files of D's one store: %v", len(files), files)
 	}
+	m := a.mounts[0]
 	evictErr := hold.retireNoneWhile(t, a, files[0], "an eviction", func() error {
 		m.evictMu.Lock()
 		defer m.evictMu.Unlock()
@@ -181,12 +172,10 @@ func TestClusterNeverRetiresADeadNodeWhileAMoveRemovesItsFile(t *testing.T) {
 	dir := t.TempDir()
 	hold := newHeldRemoval(dir)
 	a, clock := besideDeadNode(t, dir, 1, hold, Mount{Path: t.TempDir()})
-	clock.advance(4 * time.Hour) // D's summary: stale
-	m := a.mounts[0]
-	m.cluster.tick(ctx, a, m)
+	tickPastDeadNode(ctx, t, a, clock)
 	ens := entriesOf(a, "d")
-	if !isAdopted(a, "d") || len(ens) != 1 {
-		t.Fatalf("A did not adopt D: adopted %v, %d of D's files indexed", isAdopted(a, "d"), len(ens))
+	if len(ens) != 1 {
+		t.Fatalf("A adopted D with %d of D's files indexed, want 1", len(ens))
 	}
 	files := kvFiles(t, dir)
 	if len(files) != 1 {
@@ -272,4 +261,16 @@ func (h *heldRemoval) retireNoneWhile(t *testing.T, a *Engine, file, what string
 	}
 	finish() // the removal goes on, and fails
 	return err
+}
+
+// tickPastDeadNode makes dead node D's summary stale on a's clock, runs
+// a's cluster tick on its first mount, and fails unless a adopted D.
+func tickPastDeadNode(ctx context.Context, t *testing.T, a *Engine, clock *testClock) {
+	t.Helper()
+	clock.advance(4 * time.Hour) // D's summary: stale
+	m := a.mounts[0]
+	m.cluster.tick(ctx, a, m)
+	if !isAdopted(a, "d") {
+		t.Fatal("A did not adopt dead node D")
+	}
 }
