@@ -913,8 +913,9 @@ func (c *clusterMount) publish(e *Engine, sketch clustercap.Sketch, touches []cl
 	return nil
 }
 
-// tick is the periodic work on a cluster mount: read the others, count,
-// evict below the cut-off, publish. It reads first: the count is then of
+// tick is the periodic work on a cluster mount: read the others, apply
+// the purge records (applyPurges), count, evict below the cut-off,
+// publish. It reads first: the count is then of
 // the nodes adopted now, none that the read found running again. A failed
 // read or write leaves the node on its last claim (reserve evicts its own
 // files to stay within it).
@@ -927,6 +928,7 @@ func (c *clusterMount) tick(ctx context.Context, e *Engine, m *mount) {
 	if ctx.Err() != nil {
 		return // the engine closes, or its start was cancelled: a walk stopped short
 	}
+	c.applyPurges(ctx, e, m) // before the count: the files it removes are not counted
 	if err == nil {
 		c.probeLocks(e, m, c.fresh, start)
 	}

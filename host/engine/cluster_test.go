@@ -1759,12 +1759,15 @@ func TestClusterAMemoryMountWithAClusterCapacityKeepsNoSpares(t *testing.T) {
 	}
 }
 
-// TestPurgeOnASharedMountRemovesOnlyTheFilesThisDaemonIndexes: Purge
+// TestPurgeOnASharedMountWithoutAClusterCapacityRemovesOnlyTheFilesThisDaemonIndexes:
+// without a cluster capacity no channel reaches the other nodes, so Purge
 // removes the files the daemon indexes (docs/serve.md, kvhost purge): on
 // a directory nodes A and B share, B stores 3 keys, A looks one of them
 // up (indexing its file) and purges the namespace: that file goes, B's
-// other 2, which A never found, stay; B's purge then removes the rest.
-func TestPurgeOnASharedMountRemovesOnlyTheFilesThisDaemonIndexes(t *testing.T) {
+// other 2, which A never found, stay; B's purge then removes the rest. On
+// a cluster mount one purge reaches every node
+// (TestPurgeOnAClusterMountRemovesEveryNodesFilesOfTheNamespace).
+func TestPurgeOnASharedMountWithoutAClusterCapacityRemovesOnlyTheFilesThisDaemonIndexes(t *testing.T) {
 	ctx := context.Background()
 	dir := t.TempDir()
 	a := openNode(t, dir, "node-a", nil, 1)

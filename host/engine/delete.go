@@ -49,7 +49,7 @@ func (e *Engine) Delete(ctx context.Context, ns NamespaceID, keys [][]byte) (int
 		}
 		// A key whose file's removal failed counts: deleted from the
 		// cache, never served again (index.left), though its file stays.
-		if d := e.dropUnpinned(ctx, en, keyOf[en], "deleted"); d.en != nil {
+		if d := e.dropUnpinned(ctx, en, keyOf[en], nil, "deleted"); d.en != nil {
 			removed += byEntry[en]
 		}
 	}
@@ -72,14 +72,19 @@ type unpinnedDrop struct {
 	// left: the file's removal failed; it stays on disk (index.left),
 	// counted as used, until a later eviction or purge removes it.
 	left bool
+	// kept: en was dropped from the index only, its file left on disk to
+	// its node (mayRemove said no: another node's on a cluster mount).
+	kept bool
 }
 
 // dropUnpinned drops en, found for key, and removes its file, as Delete
 // does, unless a client pin holds it; the check and the unindexing are one
 // step under index.mu, so a pin that took hold is never deleted under it.
 // Where en's file moved to another mount since it was found (demote.go),
-// the moved file is the one dropped.
-func (e *Engine) dropUnpinned(ctx context.Context, en *entry, key []byte, why string) unpinnedDrop {
+// the moved file is the one dropped. Where mayRemove is not nil and says
+// no (asked with index.mu held), en is only dropped from the index and its
+// file stays (kept).
+func (e *Engine) dropUnpinned(ctx context.Context, en *entry, key []byte, mayRemove func(*entry) bool, why string) unpinnedDrop {
 	e.ix.mu.Lock()
 	en = e.ix.currentLocked(en, key)
 	if en.gone {
@@ -97,11 +102,12 @@ func (e *Engine) dropUnpinned(ctx context.Context, en *entry, key []byte, why st
 			keys++
 		}
 	}
-	dropped, left := e.dropAndUnlock(ctx, en, true, why)
+	remove := mayRemove == nil || mayRemove(en)
+	dropped, left := e.dropAndUnlock(ctx, en, remove, why)
 	if !dropped {
 		return unpinnedDrop{}
 	}
-	return unpinnedDrop{en: en, keys: keys, left: left}
+	return unpinnedDrop{en: en, keys: keys, left: left, kept: !remove}
 }
 
 // PurgeResult is what Purge removed, and what it left for client pins.
@@ -117,6 +123,11 @@ type PurgeResult struct {
 	// counted as used, until a later purge or an eviction on their mount
 	// removes them; a restart would find them again.
 	Left int
+	// Others is the files of other nodes on a cluster mount that this
+	// engine indexed and dropped from its index, leaving them to their
+	// nodes, which remove them at their next interval (the purge record);
+	// not counted in Files, Keys or Bytes.
+	Others int
 }
 
 // Purge removes every file of the namespace of fingerprint fp (Geometry's
@@ -129,10 +140,19 @@ type PurgeResult struct {
 // ErrUnknownNamespace where the engine knows no namespace of fp and
 // indexes no file of it. It removes the files indexed when it looks: a
 // store of the namespace still running meanwhile may leave files behind;
-// stop the model's clients first. On a directory several engines share it
-// removes the files this engine indexes: its own, and other nodes' that
-// it found (a lookup, a load, its start's walk); another node's files it
-// never found stay. Purge on each node to remove them all.
+// stop the model's clients first. On a mount with a cluster capacity
+// (Mount.ClusterCapacity) it also writes a purge record there
+// (clusterpurge.go): every node of the mount drops the namespace's files
+// written at or before the record from its index at its next interval and
+// removes those of its own, as it removes this engine's here (its client
+// pins keep theirs until they end); this engine removes its own files and
+// those of the dead nodes it adopted (and files without an owner tag), and
+// drops the other nodes' files it indexed, leaving them to their nodes
+// (PurgeResult.Others). A record that cannot be written fails the purge
+// after the files are removed here. On another shared directory it removes
+// the files this engine indexes: its own, and other nodes' that it found
+// (a lookup, a load, its start's walk); another node's files it never
+// found stay. Purge on each node to remove them all.
 func (e *Engine) Purge(ctx context.Context, fp uint64) (PurgeResult, error) {
 	if err := e.calls.enter(); err != nil {
 		return PurgeResult{}, err
@@ -149,7 +169,7 @@ func (e *Engine) Purge(ctx context.Context, fp uint64) (PurgeResult, error) {
 	if !e.purge(ctx, []uint64{fp}, &r) && !known {
 		return r, fmt.Errorf("%w: no namespace of fingerprint %016x, and no file of one (kvhost stats lists them)", ErrUnknownNamespace, fp)
 	}
-	return r, ctx.Err()
+	return r, e.recordPurges(ctx, []uint64{fp})
 }
 
 // PurgeModel is Purge for every namespace declared with model id model
@@ -158,7 +178,8 @@ func (e *Engine) Purge(ctx context.Context, fp uint64) (PurgeResult, error) {
 // under the id, beyond its bound too. It fails with ErrUnknownNamespace
 // where no namespace was declared with the id; files found at start whose
 // namespace no client declared since go by their fingerprint (Purge).
-// Like Purge, it removes only the files this engine indexes.
+// Like Purge, it tells the other nodes of a cluster mount, and elsewhere
+// removes only the files this engine indexes.
 func (e *Engine) PurgeModel(ctx context.Context, model string) (PurgeResult, error) {
 	if model == "" {
 		return PurgeResult{}, fmt.Errorf("%w: purge of an empty model id", ErrInvalid)
@@ -184,14 +205,16 @@ func (e *Engine) PurgeModel(ctx context.Context, model string) (PurgeResult, err
 	}
 	var r PurgeResult
 	e.purge(ctx, fps, &r)
-	return r, ctx.Err()
+	return r, e.recordPurges(ctx, fps)
 }
 
 // purge removes the files of the namespaces of fps indexed now
 // (dropUnpinned), and tries again those whose removal failed before
 // (index.left), adds the namespaces and what it removed and kept to r,
 // and reports whether there were any such files. One walk of the index
-// serves every fingerprint.
+// serves every fingerprint. A file of another node on a cluster mount is
+// only dropped from the index (mayPurge): its node removes it, told by
+// the purge record its caller writes next (recordPurges).
 func (e *Engine) purge(ctx context.Context, fps []uint64, r *PurgeResult) bool {
 	r.Namespaces += len(fps)
 	removed := false
@@ -215,13 +238,30 @@ func (e *Engine) purge(ctx context.Context, fps []uint64, r *PurgeResult) bool {
 		}
 	}
 	e.ix.mu.RUnlock()
+	if e.purgeEntries(ctx, ens, r, "purged") {
+		removed = true
+	}
+	if removed {
+		e.spareRoom() // room for spares made ahead
+	}
+	return len(ens)+len(left) > 0
+}
+
+// purgeEntries drops ens as a purge does (dropUnpinned: a client pin
+// keeps a file; mayPurge: another node's file on a cluster mount only
+// leaves the index), until ctx ends, adds what it removed and kept to r
+// and reports whether it removed a file.
+func (e *Engine) purgeEntries(ctx context.Context, ens []*entry, r *PurgeResult, why string) bool {
+	removed := false
 	for _, en := range ens {
 		if ctx.Err() != nil {
 			break
 		}
-		switch d := e.dropUnpinned(ctx, en, []byte(en.keys[0]), "purged"); {
+		switch d := e.dropUnpinned(ctx, en, []byte(en.keys[0]), e.mayPurge, why); {
 		case d.left:
 			r.Left++
+		case d.kept:
+			r.Others++
 		case d.en != nil:
 			r.Files, r.Keys, r.Bytes = r.Files+1, r.Keys+d.keys, r.Bytes+d.en.size
 			removed = true
@@ -229,8 +269,5 @@ func (e *Engine) purge(ctx context.Context, fps []uint64, r *PurgeResult) bool {
 			r.Pinned++
 		}
 	}
-	if removed {
-		e.spareRoom() // room for spares made ahead
-	}
-	return len(ens)+len(left) > 0
+	return removed
 }

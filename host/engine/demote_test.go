@@ -338,7 +338,7 @@ func TestADemotionOntoAFileAlreadyAtItsPath(t *testing.T) {
 				t.Fatalf("the other node's file at %s was replaced or changed (%v)", taken, err)
 			}
 			if sameKey {
-				if d := e.dropUnpinned(ctx, victim, keys[0], "deleted"); d.en == nil {
+				if d := e.dropUnpinned(ctx, victim, keys[0], nil, "deleted"); d.en == nil {
 					t.Fatal("a delete through the victim's entry, found before the demotion, deleted nothing")
 				}
 				if n, _ := e.Lookup(ctx, ns, keys[:1]); n != 0 || len(dataFiles(t, cold)) != 1 {

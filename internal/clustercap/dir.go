@@ -43,6 +43,10 @@ type Dir struct {
 		mu   sync.Mutex
 		last map[string]*Summary // by node: its last summary ReadAll decoded
 	}
+	purges struct {
+		mu sync.Mutex // never held over a file operation: PurgedAt is on a lookup's path
+		at map[uint64]int64
+	}
 	listing struct {
 		mu      sync.Mutex // held over a listing, and over a Publish's rename
 		changed bool       // a Publish renamed into the directory since the last listing
@@ -470,7 +474,8 @@ func (d *Dir) readFile(path string) ([]byte, error) {
 // Dir read, if any, stands in for it: one file failing does not fail the
 // read. A stale file handle (ESTALE, a shared mount's file replaced under
 // a cached handle) is retried. A directory that cannot be listed is an
-// error with no summaries. The listing is fresh on a client that caches
+// error with no summaries. The purge records listed are noted for
+// Purges and PurgedAt. The listing is fresh on a client that caches
 // listings (NFS) too: see list.
 func (d *Dir) ReadAll() ([]*Summary, []error, error) {
 	ents, err := d.list(true)
@@ -485,6 +490,10 @@ func (d *Dir) ReadAll() ([]*Summary, []error, error) {
 	var bad []error
 	for _, ent := range ents {
 		name := ent.Name()
+		if fp, t, ok := parsePurge(name); ok {
+			d.notePurge(fp, t)
+			continue
+		}
 		node, ok := strings.CutSuffix(name, summarySuffix)
 		if !ok || strings.HasPrefix(name, ".") || node == d.node {
 			continue

@@ -1,0 +1,97 @@
+package engine
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/kvhost/kvhost/internal/clustercap"
+)
+
+// Purges on a cluster mount (docs/cluster.md, "Purges"). A node removes
+// only the files it may evict (mayEvict: its own, an adopted dead
+// node's), since another node's client pin or load is invisible to it and
+// a load that finds its pinned file gone fails the inference server's
+// worker. So a purge tells the other nodes through the cluster
+// directory: a purge record (clustercap.Dir.WritePurge) that covers every
+// file of the namespace on the mount last written at or before it. Each
+// node applies the records at every tick (applyPurges: the first, before
+// the engine opens, after its rebuild), as it evicts, its client pins
+// keeping their files until they end, and refuses to index a covered
+// file found on the disk meanwhile (discover).
+
+// recordPurges writes a purge record of each of fps on every cluster
+// mount, unless ctx ended (a purge cut short tells no other node). It
+// returns ctx's error, or the records it could not write, each naming
+// its mount.
+func (e *Engine) recordPurges(ctx context.Context, fps []uint64) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	var errs []error
+	for _, m := range e.mounts {
+		if m.cluster == nil {
+			continue
+		}
+		for _, fp := range fps {
+			if _, err := m.cluster.dir.WritePurge(fp); err != nil {
+				errs = append(errs, fmt.Errorf("engine: mount %s: the other nodes are not told of the purge of namespace %016x (purge again): %w", m.root, fp, err))
+			}
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// purgedOnCluster reports whether en, an entry of a file found on the
+// disk, is one that a purge record on its mount covers: a cluster mount,
+// a record of its namespace, the file last written at or before it.
+func (e *Engine) purgedOnCluster(en *entry) bool {
+	c := e.mounts[en.mount].cluster
+	if c == nil {
+		return false
+	}
+	t, ok := c.dir.PurgedAt(en.fp)
+	return ok && en.ident.Mtime <= t
+}
+
+// mayPurge reports whether a purge removes en's file rather than only
+// dropping it from the index: everywhere but on a cluster mount, where
+// only a file this node may evict (mayEvict) or one without an owner tag
+// (no node's) goes; another node's is its node's to remove. Called with
+// index.mu held.
+func (e *Engine) mayPurge(en *entry) bool {
+	m := e.mounts[en.mount]
+	if m.cluster == nil {
+		return true
+	}
+	if _, tagged := clustercap.Owner(en.fid); !tagged {
+		return true
+	}
+	return e.mayEvict(m, en)
+}
+
+// applyPurges drops m's entries that a purge record covers (the records
+// the last read listed, and those this node wrote), as Purge does: a file
+// this node may remove is removed (mayPurge), another node's only leaves
+// the index, and a file a client pin holds stays, to go at the first tick
+// after its pin ends. Called with c.mu held (tick).
+func (c *clusterMount) applyPurges(ctx context.Context, e *Engine, m *mount) {
+	purges := c.dir.Purges()
+	if len(purges) == 0 {
+		return
+	}
+	var ens []*entry
+	e.ix.mu.RLock()
+	for _, en := range e.ix.entries {
+		if t, ok := purges[en.fp]; ok && en.mount == m.idx && !en.spare && en.ident.Mtime <= t {
+			ens = append(ens, en)
+		}
+	}
+	e.ix.mu.RUnlock()
+	var r PurgeResult
+	e.purgeEntries(ctx, ens, &r, "purged on the cluster")
+	if r.Files+r.Left+r.Others > 0 {
+		e.log.Info("engine: cluster: dropped the files of purged namespaces (a purge record)", "mount", m.root,
+			"files", r.Files, "keys", r.Keys, "bytes", r.Bytes, "others", r.Others, "pinned", r.Pinned, "left", r.Left)
+	}
+}

@@ -1,0 +1,178 @@
+package engine
+
+import (
+	"context"
+	"math/rand/v2"
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/kvhost/kvhost/internal/testwait"
+)
+
+// purgeNode is a cluster node on dir (a bound no test reaches, ticks only
+// when the test ticks it) and a node of model "other" on the same engine.
+func purgeNode(t *testing.T, dir, id string) (*node, *node) {
+	t.Helper()
+	n := clusterNode(t, dir, id, 1<<30, time.Hour)
+	g := smallGeometry(false)
+	g.Model = "other"
+	ns, err := n.e.Declare(context.Background(), g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return n, &node{e: n.e, ns: ns, c: newTestCache(t, n.e, ns, g, 64, layoutPlaneFirst)}
+}
+
+// tick runs n's cluster tick on its first mount now.
+func (n *node) tick() {
+	m := n.e.mounts[0]
+	m.cluster.tick(context.Background(), n.e, m)
+}
+
+// hits is how many of keys a lookup on n finds.
+func (n *node) hits(t *testing.T, keys [][]byte) int {
+	t.Helper()
+	got, err := n.e.Lookup(context.Background(), n.ns, keys)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return got
+}
+
+// keyBytes is the bytes storeKeys stored for its i-th key on n.
+func keyBytes(n *node, i int) []byte {
+	return n.c.data([]int{4 * (i % 16), 4*(i%16) + 1, 4*(i%16) + 2, 4*(i%16) + 3})
+}
+
+// TestPurgeOnAClusterMountRemovesEveryNodesFilesOfTheNamespace: nodes A,
+// B and C share a cluster mount; each stores keys of the model and of
+// another model, and A finds one of C's keys (a lookup indexes it) but
+// never B's. A's purge of the model removes A's own files (its reply
+// counts them; C's file it indexed is left to C), and at once A's lookups
+// of B's keys miss; B's and C's next ticks remove theirs: no file of the
+// model is left on the mount, no node finds a key of it, and every
+// file of the other model, on every node, stays and loads.
+func TestPurgeOnAClusterMountRemovesEveryNodesFilesOfTheNamespace(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	r := rand.New(rand.NewPCG(5, 6))
+	a, ao := purgeNode(t, dir, "a")
+	b, bo := purgeNode(t, dir, "b")
+	c, co := purgeNode(t, dir, "c")
+	aKeys := storeKeys(t, a, "a", 2, r)
+	bKeys := storeKeys(t, b, "b", 3, r)
+	cKeys := storeKeys(t, c, "c", 2, r)
+	others := map[*node][][]byte{ao: storeKeys(t, ao, "ao", 1, r), bo: storeKeys(t, bo, "bo", 2, r), co: storeKeys(t, co, "co", 1, r)}
+	if n := a.hits(t, cKeys[:1]); n != 1 {
+		t.Fatalf("A finds %d of C's first key, want 1", n)
+	}
+	res, err := a.e.Purge(ctx, smallGeometry(true).Fingerprint())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Files != 2 || res.Keys != 2 || res.Others != 1 || res.Pinned != 0 || res.Left != 0 {
+		t.Fatalf("A's purge: %+v, want its own 2 files and keys removed, C's 1 file it indexed left to C", res)
+	}
+	if n := a.hits(t, append(bKeys, cKeys...)); n != 0 {
+		t.Fatalf("after A's purge, A finds %d of B's and C's keys, written before it: want none", n)
+	}
+	b.tick()
+	c.tick()
+	if left := len(kvFiles(t, dir)); left != 4 {
+		t.Fatalf("after B's and C's ticks, %d files on the mount, want the other model's 4: %v", left, kvFiles(t, dir))
+	}
+	for _, n := range []*node{a, b, c} {
+		if got := n.hits(t, append(append(aKeys, bKeys...), cKeys...)); got != 0 {
+			t.Fatalf("node %s finds %d keys of the purged model", n.e.node, got)
+		}
+	}
+	for n, keys := range others {
+		for i, k := range keys {
+			loadAndCompare(t, n.e, n.c, [][]byte{k}, [][]int{{60, 61, 62, 63}}, [][]byte{keyBytes(n, i)})
+		}
+	}
+}
+
+// TestAPurgeRecordKeepsAFileAnotherNodesClientPinsUntilItsPinEnds: node B
+// pins one of its 2 keys (an inference server's HIT, which it loads
+// next); node A purges the model. B's tick removes the other file, but
+// the pinned one stays and loads with its bytes (a load of a pinned key
+// that failed would stop vLLM's worker); once unpinned, B's next tick
+// removes it.
+func TestAPurgeRecordKeepsAFileAnotherNodesClientPinsUntilItsPinEnds(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	a, _ := purgeNode(t, dir, "a")
+	b, _ := purgeNode(t, dir, "b")
+	keys := storeKeys(t, b, "b", 2, rand.New(rand.NewPCG(7, 8)))
+	want := keyBytes(b, 0)
+	pin, held, err := b.e.Pin(ctx, b.ns, keys[:1], 0)
+	if err != nil || !held[0] {
+		t.Fatalf("pin: %v, %v", held, err)
+	}
+	if _, err := a.e.Purge(ctx, smallGeometry(true).Fingerprint()); err != nil {
+		t.Fatal(err)
+	}
+	b.tick()
+	if n := len(kvFiles(t, dir)); n != 1 {
+		t.Fatalf("after B's tick, %d files, want the pinned one", n)
+	}
+	loadAndCompare(t, b.e, b.c, keys[:1], [][]int{{60, 61, 62, 63}}, [][]byte{want})
+	b.e.Unpin(ctx, pin)
+	b.tick()
+	if n := len(kvFiles(t, dir)); n != 0 {
+		t.Fatalf("after the unpin and B's next tick, %d files, want none", n)
+	}
+	if n := b.hits(t, keys); n != 0 {
+		t.Fatalf("B finds %d keys of the purged model", n)
+	}
+}
+
+// TestAPurgeRecordSparesFilesStoredAfterItAndReachesANodeThatWasDown:
+// node B is down (closed) with 2 files of the model when node A purges
+// it; B starting again removes them before it opens. A key B stores
+// after the purge (the model's new weights) stays through its ticks and
+// loads.
+func TestAPurgeRecordSparesFilesStoredAfterItAndReachesANodeThatWasDown(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	a, _ := purgeNode(t, dir, "a")
+	b, _ := purgeNode(t, dir, "b")
+	old := storeKeys(t, b, "old", 2, rand.New(rand.NewPCG(9, 10)))
+	if err := b.e.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := a.e.Purge(ctx, smallGeometry(true).Fingerprint()); err != nil {
+		t.Fatal(err)
+	}
+	at, ok := a.e.mounts[0].cluster.dir.PurgedAt(smallGeometry(true).Fingerprint())
+	if !ok {
+		t.Fatal("no purge record after A's purge")
+	}
+	b, _ = purgeNode(t, dir, "b")
+	if n := len(kvFiles(t, dir)); n != 0 {
+		t.Fatalf("B started after the purge: %d files of the model left, want none", n)
+	}
+	if n := b.hits(t, old); n != 0 {
+		t.Fatalf("B finds %d keys stored before the purge", n)
+	}
+	// The file system's clock past the record's time: a file written now
+	// is newer than it.
+	probe := filepath.Join(t.TempDir(), "probe")
+	testwait.Until(t, "the file system's clock to pass the purge record's", 10*time.Second, func() bool {
+		if err := os.WriteFile(probe, nil, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		fi, err := os.Stat(probe)
+		return err == nil && fi.ModTime().UnixNano() > at
+	})
+	fresh := storeKeys(t, b, "new", 1, rand.New(rand.NewPCG(11, 12)))
+	b.tick()
+	a.tick()
+	loadAndCompare(t, b.e, b.c, fresh, [][]int{{60, 61, 62, 63}}, [][]byte{keyBytes(b, 0)})
+	if n := a.hits(t, fresh); n != 1 {
+		t.Fatalf("A finds %d of the key B stored after the purge, want 1", n)
+	}
+}
