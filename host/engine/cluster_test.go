@@ -579,10 +579,33 @@ func isAdopted(e *Engine, node string) bool {
 	return (*e.mounts[0].cluster.dead.Load())[clustercap.Tag(node)]
 }
 
+// tickPastDeadBound moves a's clock 4 hours on, past the dead-node bound
+// of the nodes that stopped (their summaries stale at
+// clustercap.StaleIntervals of their hour-long intervals), and runs a's
+// cluster tick on its first mount, which it returns. It checks nothing:
+// tickPastDeadNode checks that a adopted D.
+func tickPastDeadBound(ctx context.Context, a *Engine, clock *testClock) *mount {
+	clock.advance(4 * time.Hour) // D's summary: stale
+	m := a.mounts[0]
+	m.cluster.tick(ctx, a, m)
+	return m
+}
+
+// tickPastDeadNode is tickPastDeadBound, failing t unless a adopted dead
+// node D.
+func tickPastDeadNode(ctx context.Context, t *testing.T, a *Engine, clock *testClock) *mount {
+	t.Helper()
+	m := tickPastDeadBound(ctx, a, clock)
+	if !isAdopted(a, "d") {
+		t.Fatal("A did not adopt dead node D")
+	}
+	return m
+}
+
 // adoptableDeadNode starts node A on a test clock and node D on dir (each
 // of capacity bytes, interval an hour), has D store count keys (prefix
-// "d", from r) and close, and moves A's clock 4 hours on, past D's
-// summary: A's next tick adopts D. It returns A, its clock and D's keys.
+// "d", from r) and close: A's first tick past the dead-node bound
+// (tickPastDeadNode) adopts D. It returns A, its clock and D's keys.
 func adoptableDeadNode(t *testing.T, dir string, capacity int64, count int, r *rand.Rand) (*node, *testClock, [][]byte) {
 	t.Helper()
 	clock := newTestClock()
@@ -592,7 +615,6 @@ func adoptableDeadNode(t *testing.T, dir string, capacity int64, count int, r *r
 	if err := d.e.Close(context.Background()); err != nil {
 		t.Fatal(err)
 	}
-	clock.advance(4 * time.Hour) // D's summary: stale
 	return a, clock, keys
 }
 
@@ -606,12 +628,11 @@ func TestClusterTickLeavesTheFilesOfANodeItFindsLiveAgain(t *testing.T) {
 	fileSize := oneFileBytes(t)
 	capacity := 5 * fileSize
 	dir := t.TempDir()
-	a, _, _ := adoptableDeadNode(t, dir, capacity, 3, rand.New(rand.NewPCG(11, 11)))
+	a, clock, _ := adoptableDeadNode(t, dir, capacity, 3, rand.New(rand.NewPCG(11, 11)))
 	files := dataFiles(t, dir)
-	m := a.e.mounts[0]
-	m.cluster.tick(ctx, a.e, m)
-	if !isAdopted(a.e, "d") || a.e.Stats().Mounts[0].Entries != 3 {
-		t.Fatalf("A did not adopt D")
+	m := tickPastDeadNode(ctx, t, a.e, clock)
+	if n := a.e.Stats().Mounts[0].Entries; n != 3 {
+		t.Fatalf("A adopted D with %d entries indexed, want D's 3", n)
 	}
 	// D runs again: its lock, a fresh summary of its 3 files.
 	dd, err := clustercap.OpenDir(fsys.OS{}, dir, "d")
@@ -702,12 +723,10 @@ func TestClusterAnAdopterThatCannotReadLetsGoOfTheNodesItAdopted(t *testing.T) {
 		}
 		return fsys.Fault{}
 	}))
-	clock.advance(4 * time.Hour) // D's summary: stale
-	m := a.mounts[0]
-	m.cluster.tick(ctx, a, m)
+	m := tickPastDeadNode(ctx, t, a, clock)
 	ens := entriesOf(a, "d")
-	if !isAdopted(a, "d") || len(ens) != 1 {
-		t.Fatalf("A did not adopt D: adopted %v, %d of D's files indexed", isAdopted(a, "d"), len(ens))
+	if len(ens) != 1 {
+		t.Fatalf("A adopted D with %d of D's files indexed, want 1", len(ens))
 	}
 	fail.Store(true)
 	clusterNode(t, dir, "d", 1<<30, time.Hour) // D runs again
@@ -740,10 +759,9 @@ func besideDeadNode(t *testing.T, dir string, keys int, inj fsys.Injector, more 
 	return a, clock
 }
 
-// deadNodeBesideAFailingWalk is besideDeadNode with 8 keys, A's reads of
-// the mount's directories (its own and the cluster directory aside)
-// failing with what fail returns, and the clock 4 intervals on: D's
-// summary is stale.
+// deadNodeBesideAFailingWalk is besideDeadNode with 8 keys and A's reads
+// of the mount's directories (its own and the cluster directory aside)
+// failing with what fail returns.
 func deadNodeBesideAFailingWalk(t *testing.T, fail func() error) (*Engine, *testClock) {
 	t.Helper()
 	dir := t.TempDir()
@@ -755,7 +773,6 @@ func deadNodeBesideAFailingWalk(t *testing.T, fail func() error) (*Engine, *test
 		}
 		return fsys.Fault{}
 	}))
-	clock.advance(4 * time.Hour)
 	return a, clock
 }
 
@@ -772,11 +789,10 @@ func TestClusterAnAdoptionWalkCutShortIsDoneAgain(t *testing.T) {
 		}
 		return nil
 	})
-	m := a.mounts[0]
 	armed.Store(true)
-	m.cluster.tick(ctx, a, m)
-	if armed.Load() || !isAdopted(a, "d") {
-		t.Fatalf("A's first tick: adopted D %v, a directory read failed %v", isAdopted(a, "d"), !armed.Load())
+	m := tickPastDeadNode(ctx, t, a, clock)
+	if armed.Load() {
+		t.Fatal("A's first tick adopted D, but no directory read of its walk failed")
 	}
 	clock.advance(time.Hour) // one interval: the walk is due again
 	m.cluster.tick(ctx, a, m)
@@ -801,12 +817,11 @@ func TestClusterAWalkThatKeepsFailingIsPutOffLongerEachTime(t *testing.T) {
 		}
 		return nil
 	})
-	m := a.mounts[0]
 	failing.Store(true)
-	m.cluster.tick(ctx, a, m)
+	m := tickPastDeadNode(ctx, t, a, clock)
 	perWalk := failed.Load()
-	if perWalk == 0 || !isAdopted(a, "d") {
-		t.Fatalf("A's first tick: adopted D %v, %d directory reads failed", isAdopted(a, "d"), perWalk)
+	if perWalk == 0 {
+		t.Fatal("A's first tick adopted D, but no directory read of its walk failed")
 	}
 	for range 7 { // reads at 1..7 intervals: walks due at 1, 3 and 7
 		clock.advance(time.Hour)
@@ -969,9 +984,8 @@ func clusterFiles(dir, node string) []string {
 func TestClusterRetiresADeadNodeWithNoFilesLeft(t *testing.T) {
 	ctx := context.Background()
 	dir := t.TempDir()
-	a, _, keys := adoptableDeadNode(t, dir, 1<<30, 1, rand.New(rand.NewPCG(3, 3)))
-	m := a.e.mounts[0]
-	m.cluster.tick(ctx, a.e, m)
+	a, clock, keys := adoptableDeadNode(t, dir, 1<<30, 1, rand.New(rand.NewPCG(3, 3)))
+	m := tickPastDeadBound(ctx, a.e, clock)
 	m.cluster.tick(ctx, a.e, m)
 	if !isAdopted(a.e, "d") || len(clusterFiles(dir, "d")) != 3 {
 		t.Fatalf("A, D's file still on the mount: adopted D %v, D's cluster files %v", isAdopted(a.e, "d"), clusterFiles(dir, "d"))
@@ -997,7 +1011,7 @@ func TestClusterRetiresADeadNodeWithNoFilesLeft(t *testing.T) {
 func TestClusterAnAdopterRemovesADeadNodesFileShorterThanItsHeaderSays(t *testing.T) {
 	ctx := context.Background()
 	dir := t.TempDir()
-	a, _, _ := adoptableDeadNode(t, dir, 1<<30, 1, rand.New(rand.NewPCG(6, 6)))
+	a, clock, _ := adoptableDeadNode(t, dir, 1<<30, 1, rand.New(rand.NewPCG(6, 6)))
 	files := kvFiles(t, dir)
 	if len(files) != 1 {
 		t.Fatalf("%d data files after D's one store: %v", len(files), files)
@@ -1009,8 +1023,7 @@ func TestClusterAnAdopterRemovesADeadNodesFileShorterThanItsHeaderSays(t *testin
 	if err := os.Truncate(files[0], fi.Size()/2); err != nil {
 		t.Fatal(err)
 	}
-	m := a.e.mounts[0]
-	m.cluster.tick(ctx, a.e, m)
+	m := tickPastDeadBound(ctx, a.e, clock)
 	m.cluster.tick(ctx, a.e, m)
 	if got, want := ownBytes(m), diskBytes(t, dir); got != want {
 		t.Fatalf("dead node D's file cut short (%d bytes of files on the mount): adopter A counts %d bytes; A holds D's adoption: %v, D's cluster files left: %v",
@@ -1061,9 +1074,7 @@ func TestClusterNeverRetiresADeadNodeWhoseFileACachedListingHid(t *testing.T) {
 	if err := d.e.Close(ctx); err != nil {
 		t.Fatal(err)
 	}
-	clock.advance(4 * time.Hour) // D's summary: stale
-	m := a.e.mounts[0]
-	m.cluster.tick(ctx, a.e, m)
+	m := tickPastDeadBound(ctx, a.e, clock)
 	if n, err := a.e.Delete(ctx, a.ns, first); err != nil || n != 1 {
 		t.Fatalf("delete D's first key on A: %d %v", n, err)
 	}
@@ -1119,11 +1130,9 @@ func TestClusterNeverRetiresADeadNodeThatRanAgainBetweenTwoReads(t *testing.T) {
 			if err := d.e.Close(ctx); err != nil {
 				t.Fatal(err)
 			}
-			clock.advance(4 * time.Hour) // D's summary: stale
-			m := a.e.mounts[0]
-			m.cluster.tick(ctx, a.e, m)
-			if !isAdopted(a.e, "d") || a.e.Stats().Mounts[0].Entries != 1 {
-				t.Fatal("A did not adopt D")
+			m := tickPastDeadNode(ctx, t, a.e, clock)
+			if n := a.e.Stats().Mounts[0].Entries; n != 1 {
+				t.Fatalf("A adopted D with %d entries indexed, want D's 1", n)
 			}
 			if n, err := a.e.Delete(ctx, a.ns, first); err != nil || n != 1 {
 				t.Fatalf("delete D's first key on A: %d %v", n, err)
@@ -1151,12 +1160,8 @@ func TestClusterNeverRetiresADeadNodeThatRanAgainBetweenTwoReads(t *testing.T) {
 func TestClusterLetsGoOfADeadNodeRetiredElsewhere(t *testing.T) {
 	ctx := context.Background()
 	dir := t.TempDir()
-	a, _, _ := adoptableDeadNode(t, dir, 1<<30, 1, rand.New(rand.NewPCG(3, 3)))
-	m := a.e.mounts[0]
-	m.cluster.tick(ctx, a.e, m)
-	if !isAdopted(a.e, "d") {
-		t.Fatal("A did not adopt D")
-	}
+	a, clock, _ := adoptableDeadNode(t, dir, 1<<30, 1, rand.New(rand.NewPCG(3, 3)))
+	m := tickPastDeadNode(ctx, t, a.e, clock)
 	for _, f := range clusterFiles(dir, "d") {
 		if err := os.Remove(filepath.Join(dir, clustercap.DirName, f)); err != nil {
 			t.Fatal(err)
@@ -1208,9 +1213,7 @@ func TestClusterNeverRetiresADeadNodeWhoseFileItsWalkCouldNotRead(t *testing.T) 
 				t.Fatalf("%d data files after D's one store: %v", len(files), files)
 			}
 			unreadable.Store(files[0])
-			clock.advance(4 * time.Hour) // D's summary: stale
-			m := a.mounts[0]
-			m.cluster.tick(ctx, a, m)
+			m := tickPastDeadBound(ctx, a, clock)
 			if !isAdopted(a, "d") || len(clusterFiles(dir, "d")) != 3 {
 				t.Fatalf("A's walk could not %s D's file, yet A retired D: adopted %v, D's cluster files %v", tt.op, isAdopted(a, "d"), clusterFiles(dir, "d"))
 			}
@@ -1288,12 +1291,11 @@ func TestClusterAnAdopterSparesTheFilesOfANodeWhoseRebuildRuns(t *testing.T) {
 	ctx := context.Background()
 	capacity := 4 * oneFileBytes(t)
 	dir := t.TempDir()
-	a, _, _ := adoptableDeadNode(t, dir, capacity, 3, rand.New(rand.NewPCG(12, 12)))
+	a, clock, _ := adoptableDeadNode(t, dir, capacity, 3, rand.New(rand.NewPCG(12, 12)))
 	files := dataFiles(t, dir)
-	m := a.e.mounts[0]
-	m.cluster.tick(ctx, a.e, m)
-	if !isAdopted(a.e, "d") || len(entriesOf(a.e, "d")) != 3 {
-		t.Fatalf("A did not adopt D: adopted %v, %d of D's 3 files indexed", isAdopted(a.e, "d"), len(entriesOf(a.e, "d")))
+	tickPastDeadNode(ctx, t, a.e, clock)
+	if n := len(entriesOf(a.e, "d")); n != 3 {
+		t.Fatalf("A adopted D with %d of D's 3 files indexed", n)
 	}
 	var once sync.Once
 	var stored []KeyResult // A's stores during D's rebuild
@@ -1379,9 +1381,7 @@ func TestClusterNeverRetiresADeadNodeWhoseFileAFailedStoreHeld(t *testing.T) {
 			return false
 		}
 	})
-	clock.advance(4 * time.Hour) // D's summary: stale
-	m := a.e.mounts[0]
-	m.cluster.tick(ctx, a.e, m)
+	m := tickPastDeadBound(ctx, a.e, clock)
 	close(release)
 	if res, _ := j.Wait(ctx); res.Keys[0].Outcome != OutcomeFailed {
 		t.Fatalf("A's store of D's key, its temporary file failing: %v, want failed", res.Keys[0].Outcome)
@@ -1487,11 +1487,9 @@ func TestClusterAdoptsAndRetiresADeadNodeWhereAnExclusiveFlockNeedsWriteAccess(t
 	if err := os.WriteFile(tmp, []byte("partial"), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	clock.advance(4 * time.Hour) // D's summary stale, its temporary file past temp_grace
-	m := a.e.mounts[0]
-	m.cluster.tick(ctx, a.e, m)
-	if !isAdopted(a.e, "d") || len(entriesOf(a.e, "d")) != 1 {
-		t.Fatalf("A did not adopt dead node D: adopted %v, %d of D's 1 file indexed", isAdopted(a.e, "d"), len(entriesOf(a.e, "d")))
+	m := tickPastDeadNode(ctx, t, a.e, clock) // D's temporary file past temp_grace too
+	if n := len(entriesOf(a.e, "d")); n != 1 {
+		t.Fatalf("A adopted dead node D with %d of D's 1 file indexed", n)
 	}
 	if _, err := os.Stat(tmp); !errors.Is(err, os.ErrNotExist) {
 		t.Fatalf("dead node D's abandoned temporary file stays after A's tick: %v", err)

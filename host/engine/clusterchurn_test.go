@@ -43,8 +43,7 @@ func TestClusterForgetsThePairingsOfNodesRetired(t *testing.T) {
 		if err := d.e.Close(ctx); err != nil {
 			t.Fatal(err)
 		}
-		clock.advance(4 * time.Hour) // D's summary: stale, its lock free
-		m.cluster.tick(ctx, a.e, m)  // adopted and, with no file, retired
+		tickPastDeadBound(ctx, a.e, clock) // D's lock free: adopted and, with no file, retired
 		m.cluster.tick(ctx, a.e, m)
 		if left := clusterFiles(dir, name); len(left) > 0 {
 			t.Fatalf("dead node %s with no file was not retired: %v left", name, left)

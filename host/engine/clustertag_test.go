@@ -140,12 +140,11 @@ func TestClusterNeverRetiresADeadNodeWhileARemovalOfItsFileIsUnderWay(t *testing
 	dir := t.TempDir()
 	hold := newHeldRemoval(dir)
 	a, clock := besideDeadNode(t, dir, 1, hold)
-	tickPastDeadNode(ctx, t, a, clock)
+	m := tickPastDeadNode(ctx, t, a, clock)
 	files := kvFiles(t, dir)
 	if len(files) != 1 {
 		t.Fatalf("%d data files of D's one store: %v", len(files), files)
 	}
-	m := a.mounts[0]
 	evictErr := hold.retireNoneWhile(t, a, files[0], "an eviction", func() error {
 		m.evictMu.Lock()
 		defer m.evictMu.Unlock()
@@ -261,16 +260,4 @@ func (h *heldRemoval) retireNoneWhile(t *testing.T, a *Engine, file, what string
 	}
 	finish() // the removal goes on, and fails
 	return err
-}
-
-// tickPastDeadNode makes dead node D's summary stale on a's clock, runs
-// a's cluster tick on its first mount, and fails unless a adopted D.
-func tickPastDeadNode(ctx context.Context, t *testing.T, a *Engine, clock *testClock) {
-	t.Helper()
-	clock.advance(4 * time.Hour) // D's summary: stale
-	m := a.mounts[0]
-	m.cluster.tick(ctx, a, m)
-	if !isAdopted(a, "d") {
-		t.Fatal("A did not adopt dead node D")
-	}
 }

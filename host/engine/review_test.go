@@ -14,7 +14,6 @@ import (
 	"sync/atomic"
 	"syscall"
 	"testing"
-	"time"
 
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/internal/fsys"
@@ -795,10 +794,8 @@ func TestTheClusterAdoptionWalkNeverIndexesAFileThisEngineRemovedWhileItReadIt(t
 	if !exists(path) {
 		t.Fatalf("no file of D's key at %s", path)
 	}
-	clock.advance(4 * time.Hour) // D's summary: stale
-	m := a.mounts[0]
 	gate.race(path, func() { // held after a header read, at its close
-		m.cluster.tick(ctx, a, m)
+		tickPastDeadBound(ctx, a, clock)
 	}, func() {
 		if n, err := a.Lookup(ctx, ns, keys); n != 1 || err != nil {
 			t.Fatalf("A's lookup of D's key: %d, %v; want 1", n, err)

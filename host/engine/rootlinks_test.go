@@ -185,10 +185,8 @@ func TestAClusterWalkMakesNoFileThroughALinkPlantedInTheMount(t *testing.T) {
 			os.Rename(filepath.Join(dir, sub+".old"), filepath.Join(dir, sub))
 		}
 	})
-	clock.advance(4 * time.Hour) // D's summary: stale
 	p.armed.Store(true)
-	m := a.e.mounts[0]
-	m.cluster.tick(ctx, a.e, m)
+	tickPastDeadBound(ctx, a.e, clock)
 	if !p.planted.Load() {
 		t.Fatal("the tick walked no directory of D's file: no link planted")
 	}
