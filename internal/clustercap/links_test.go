@@ -4,12 +4,12 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
-	"slices"
 	"syscall"
 	"testing"
 	"time"
 
 	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/internal/testlinks"
 )
 
 // TestADirNeverActsThroughALinkInPlaceOfItsDirectory: the cluster
@@ -21,7 +21,7 @@ import (
 // an error that names the path and wraps ELOOP, and the files outside
 // are as they were, with none added.
 func TestADirNeverActsThroughALinkInPlaceOfItsDirectory(t *testing.T) {
-	root, outside := t.TempDir(), t.TempDir()
+	root := t.TempDir()
 	a, err := OpenDir(fsys.OS{}, root, "a")
 	if err != nil {
 		t.Fatal(err)
@@ -32,22 +32,11 @@ func TestADirNeverActsThroughALinkInPlaceOfItsDirectory(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	theirs := map[string][]byte{"b" + summarySuffix: b, "b" + adoptSuffix: []byte("not kvhost's")}
-	for name, data := range theirs {
-		if err := os.WriteFile(filepath.Join(outside, name), data, 0o644); err != nil {
-			t.Fatal(err)
-		}
-	}
+	outside := testlinks.NewTarget(t, map[string][]byte{"b" + summarySuffix: b, "b" + adoptSuffix: []byte("not kvhost's")})
 	if ok, err := a.Adopt("b"); err != nil || !ok {
 		t.Fatalf("adopt b: %v %v", ok, err)
 	}
-	dir := filepath.Join(root, DirName)
-	if err := os.Rename(dir, dir+".old"); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Symlink(outside, dir); err != nil {
-		t.Fatal(err)
-	}
+	testlinks.Swap(t, filepath.Join(root, DirName), outside.Dir)
 
 	refused := func(what string, err error) {
 		t.Helper()
@@ -72,23 +61,7 @@ func TestADirNeverActsThroughALinkInPlaceOfItsDirectory(t *testing.T) {
 		c.Close()
 	}
 	refused("open the directory as node c", err)
-
-	ents, err := os.ReadDir(outside)
-	if err != nil {
-		t.Fatal(err)
-	}
-	var names []string
-	for _, e := range ents {
-		names = append(names, e.Name())
-	}
-	if want := []string{"b" + adoptSuffix, "b" + summarySuffix}; !slices.Equal(names, want) {
-		t.Errorf("outside the mount: %v, want only %v, as they were", names, want)
-	}
-	for name, data := range theirs {
-		if got, err := os.ReadFile(filepath.Join(outside, name)); err != nil || !slices.Equal(got, data) {
-			t.Errorf("%s outside the mount was changed through the link (%v)", name, err)
-		}
-	}
+	outside.Untouched(t)
 }
 
 // TestReadAllTimesALinkAtASummaryNameByTheLinkNotByItsTarget: someone who
@@ -99,24 +72,19 @@ func TestADirNeverActsThroughALinkInPlaceOfItsDirectory(t *testing.T) {
 // own, not the old file's: a stat that followed the link made a live x
 // look long dead.
 func TestReadAllTimesALinkAtASummaryNameByTheLinkNotByItsTarget(t *testing.T) {
-	root, outside := t.TempDir(), t.TempDir()
+	root := t.TempDir()
 	a, err := OpenDir(fsys.OS{}, root, "a")
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer a.Close()
-	old := filepath.Join(outside, "old")
-	if err := os.WriteFile(old, []byte("not a summary"), 0o644); err != nil {
-		t.Fatal(err)
-	}
+	old := filepath.Join(testlinks.NewTarget(t, map[string][]byte{"old": []byte("not a summary")}).Dir, "old")
 	oldTime := time.Date(2001, 1, 1, 0, 0, 0, 0, time.UTC)
 	if err := os.Chtimes(old, oldTime, oldTime); err != nil {
 		t.Fatal(err)
 	}
 	link := filepath.Join(a.Path(), "x"+summarySuffix)
-	if err := os.Symlink(old, link); err != nil {
-		t.Fatal(err)
-	}
+	testlinks.Plant(t, link, old)
 	lfi, err := os.Lstat(link)
 	if err != nil {
 		t.Fatal(err)

@@ -8,6 +8,8 @@ import (
 	"testing"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/kvhost/kvhost/internal/testlinks"
 )
 
 // TestONoLinksOpensNothingThroughALink: OpenFile with ONoLinks opens a
@@ -16,22 +18,16 @@ import (
 // itself is a symbolic link, creating nothing where it points; the walk
 // that stands in for openat2 on older kernels does the same.
 func TestONoLinksOpensNothingThroughALink(t *testing.T) {
-	dir, outside := t.TempDir(), t.TempDir()
+	dir := t.TempDir()
+	outside := testlinks.NewTarget(t, map[string][]byte{"f": []byte("y")})
 	if err := os.MkdirAll(filepath.Join(dir, "real"), 0o755); err != nil {
 		t.Fatal(err)
 	}
 	if err := os.WriteFile(filepath.Join(dir, "real", "f"), []byte("x"), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	if err := os.WriteFile(filepath.Join(outside, "f"), []byte("y"), 0o644); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Symlink(outside, filepath.Join(dir, "real", "link")); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Symlink(filepath.Join(outside, "f"), filepath.Join(dir, "real", "flink")); err != nil {
-		t.Fatal(err)
-	}
+	testlinks.Plant(t, filepath.Join(dir, "real", "link"), outside.Dir)
+	testlinks.Plant(t, filepath.Join(dir, "real", "flink"), filepath.Join(outside.Dir, "f"))
 	opens := map[string]func(name string, flag int) error{
 		"OpenFile": func(name string, flag int) error {
 			f, err := OS{}.OpenFile(name, flag|ONoLinks, 0o644)
@@ -62,9 +58,7 @@ func TestONoLinksOpensNothingThroughALink(t *testing.T) {
 			}
 		}
 	}
-	if ents, _ := os.ReadDir(outside); len(ents) != 1 {
-		t.Errorf("files made through the link: %d names outside, want 1", len(ents))
-	}
+	outside.Untouched(t)
 }
 
 // TestAtOpsActInTheDirectoryOpenedNotWhereALinkPoints: StatAt, RemoveAt,
@@ -73,30 +67,23 @@ func TestONoLinksOpensNothingThroughALink(t *testing.T) {
 // another put in its place: the files where the link points are left
 // as they were.
 func TestAtOpsActInTheDirectoryOpenedNotWhereALinkPoints(t *testing.T) {
-	dir, outside := t.TempDir(), t.TempDir()
-	d := filepath.Join(dir, "d")
-	for _, p := range []string{d, outside} {
-		if err := os.MkdirAll(p, 0o755); err != nil {
+	d := filepath.Join(t.TempDir(), "d")
+	if err := os.MkdirAll(d, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	for _, n := range []string{"gone", "from"} {
+		if err := os.WriteFile(filepath.Join(d, n), []byte(d), 0o644); err != nil {
 			t.Fatal(err)
 		}
-		for _, n := range []string{"gone", "from"} {
-			if err := os.WriteFile(filepath.Join(p, n), []byte(p), 0o644); err != nil {
-				t.Fatal(err)
-			}
-		}
 	}
+	outside := testlinks.NewTarget(t, map[string][]byte{"gone": []byte("outside"), "from": []byte("outside")})
 	var fs FS = OS{}
 	df, err := fs.OpenFile(d, unix.O_PATH|unix.O_DIRECTORY|ONoLinks, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer df.Close()
-	if err := os.Rename(d, d+".old"); err != nil {
-		t.Fatal(err)
-	}
-	if err := os.Symlink(outside, d); err != nil {
-		t.Fatal(err)
-	}
+	testlinks.Swap(t, d, outside.Dir)
 	if fi, err := StatAt(fs, df, filepath.Join(d, "gone")); err != nil || fi.Size() != int64(len(d)) {
 		t.Errorf("StatAt: %v, %v: not the file in the directory opened", fi, err)
 	}
@@ -112,9 +99,7 @@ func TestAtOpsActInTheDirectoryOpenedNotWhereALinkPoints(t *testing.T) {
 	if err := MkdirAt(fs, df, filepath.Join(d, "sub"), 0o755); !errors.Is(err, os.ErrExist) {
 		t.Errorf("MkdirAt of a name there: %v, want ErrExist", err)
 	}
-	if ents, _ := os.ReadDir(outside); len(ents) != 2 || ents[0].Name() != "from" || ents[1].Name() != "gone" {
-		t.Errorf("where the link points: %v, want [from gone] untouched", ents)
-	}
+	outside.Untouched(t)
 	var names []string
 	ents, _ := os.ReadDir(d + ".old")
 	for _, e := range ents {
