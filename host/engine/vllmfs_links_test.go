@@ -35,6 +35,56 @@ func plantLink(t *testing.T, tier fsTier, key []byte, outside string) string {
 	return filepath.Join(outside, rel)
 }
 
+// tierEngine opens an engine on tier's root as a vllm-fs mount of
+// tier's fields and rows, through fs (nil: the OS), and declares the
+// rows' geometry.
+func tierEngine(t *testing.T, tier fsTier, fs fsys.FS) (*Engine, Geometry, NamespaceID) {
+	t.Helper()
+	e := openEngine(t, Config{FS: fs, Mounts: []Mount{{Path: tier.root, VLLMFS: &VLLMFS{Namespace: tierModel, Fields: tier.fields(), RowBytes: int64(tier.rowBytes)}}}, Policy: newTestPolicy(4, abi.OrderBlockMajor)})
+	g := rowGeometry(tierModel, tier.rowBytes)
+	ns, err := e.Declare(context.Background(), g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return e, g, ns
+}
+
+// plantRowOutside plants a link on the way to key's row (plantLink) and
+// puts a file of the row's length, not a row of vLLM's, where the row
+// lands through it; it returns that file's path and bytes.
+func plantRowOutside(t *testing.T, tier fsTier, key []byte, outside string) (string, []byte) {
+	t.Helper()
+	through := plantLink(t, tier, key, outside)
+	if err := os.MkdirAll(filepath.Dir(through), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	secret := bytes.Repeat([]byte("not a row of vLLM's "), tier.fileLen()/20+1)[:tier.fileLen()]
+	if err := os.WriteFile(through, secret, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return through, secret
+}
+
+// wantRowOutsideNeitherServedNorRemoved loads key (of ns, geometry g) on
+// e and fails t if the load served the file at through (secret, planted
+// by plantRowOutside), by its outcome or its bytes; then it deletes key
+// and fails t if that removed the file.
+func wantRowOutsideNeitherServedNorRemoved(t *testing.T, e *Engine, ns NamespaceID, g Geometry, key []byte, through string, secret []byte) {
+	t.Helper()
+	ctx := context.Background()
+	c := newTestCache(t, e, ns, g, 2, layoutPlaneFirst)
+	res := wait(t)(e.Load(ctx, LoadRequest{Cache: c.id, Keys: [][]byte{key}, Blocks: [][]int{{0}}}))
+	if k, got := res.Keys[0], c.data([]int{0}); k.Outcome == OutcomeLoaded || bytes.Equal(got, secret[:len(got)]) {
+		t.Errorf("load served the file outside the directory (%s): %v", through, k.Outcome)
+	}
+	if _, err := e.Delete(ctx, ns, [][]byte{key}); err != nil {
+		t.Logf("delete: %v", err)
+	}
+	if _, err := os.Stat(through); err != nil {
+		t.Errorf("the file outside the vllm-fs directory, reached through the link, was removed: %v", err)
+	}
+}
+
 // TestAVllmFSStoreNeverWritesThroughALinkPlantedInTheDirectory: someone
 // who can write vLLM's shared directory replaced a directory of the
 // layout with a symbolic link to a directory outside it. A store of a key
@@ -80,38 +130,15 @@ func TestAVllmFSStoreNeverWritesThroughALinkPlantedInTheDirectory(t *testing.T) 
 func TestAVllmFSNeverServesOrRemovesAFileThroughALinkPlantedInTheDirectory(t *testing.T) {
 	ctx := context.Background()
 	root, outside := t.TempDir(), t.TempDir()
-	const row = 8192
-	tier := newFSTier(root, row)
+	tier := newFSTier(root, 8192)
 	tier.init(t)
-	e := openEngine(t, Config{Mounts: []Mount{{Path: root, VLLMFS: &VLLMFS{Namespace: tierModel, Fields: tier.fields(), RowBytes: row}}}, Policy: newTestPolicy(4, abi.OrderBlockMajor)})
-	g := rowGeometry(tierModel, row)
-	ns, err := e.Declare(ctx, g)
-	if err != nil {
-		t.Fatal(err)
-	}
+	e, g, ns := tierEngine(t, tier, nil)
 	keys := tierKeys(8, 1)
-	through := plantLink(t, tier, keys[0], outside)
-	if err := os.MkdirAll(filepath.Dir(through), 0o755); err != nil {
-		t.Fatal(err)
-	}
-	secret := bytes.Repeat([]byte("not a row of vLLM's "), tier.fileLen()/20+1)[:tier.fileLen()]
-	if err := os.WriteFile(through, secret, 0o600); err != nil {
-		t.Fatal(err)
-	}
+	through, secret := plantRowOutside(t, tier, keys[0], outside)
 	if got, err := e.Lookup(ctx, ns, keys); err != nil || got != 0 {
 		t.Errorf("lookup of the key whose name goes through the link: %d, %v; want a miss", got, err)
 	}
-	c := newTestCache(t, e, ns, g, 2, layoutPlaneFirst)
-	res := wait(t)(e.Load(ctx, LoadRequest{Cache: c.id, Keys: keys, Blocks: [][]int{{0}}}))
-	if k := res.Keys[0]; k.Outcome == OutcomeLoaded {
-		t.Errorf("load served the file outside the directory (%s)", through)
-	}
-	if _, err := e.Delete(ctx, ns, keys); err != nil {
-		t.Logf("delete: %v", err)
-	}
-	if _, err := os.Stat(through); err != nil {
-		t.Errorf("the file outside the vllm-fs directory, reached through the link, was removed: %v", err)
-	}
+	wantRowOutsideNeitherServedNorRemoved(t, e, ns, g, keys[0], through, secret)
 }
 
 // TestAVllmFSLoadNeverServesAFileThroughALinkPlantedAfterItsRowWasIndexed:
@@ -120,41 +147,18 @@ func TestAVllmFSNeverServesOrRemovesAFileThroughALinkPlantedInTheDirectory(t *te
 // the same name. A load of the key does not serve that file's bytes, and
 // it stays where it is, through a delete of the key.
 func TestAVllmFSLoadNeverServesAFileThroughALinkPlantedAfterItsRowWasIndexed(t *testing.T) {
-	ctx := context.Background()
 	root, outside := t.TempDir(), t.TempDir()
 	const row = 8192
 	tier := newFSTier(root, row)
 	tier.init(t)
 	keys := tierKeys(10, 1)
 	tier.store(t, keys[0], randomRow(rand.New(rand.NewPCG(5, 6)), row))
-	e := openEngine(t, Config{Mounts: []Mount{{Path: root, VLLMFS: &VLLMFS{Namespace: tierModel, Fields: tier.fields(), RowBytes: row}}}, Policy: newTestPolicy(4, abi.OrderBlockMajor)})
-	g := rowGeometry(tierModel, row)
-	ns, err := e.Declare(ctx, g)
-	if err != nil {
-		t.Fatal(err)
-	}
+	e, g, ns := tierEngine(t, tier, nil)
 	if st := e.Stats(); st.Entries != 1 {
 		t.Fatalf("%d entries after open, want the row", st.Entries)
 	}
-	through := plantLink(t, tier, keys[0], outside)
-	if err := os.MkdirAll(filepath.Dir(through), 0o755); err != nil {
-		t.Fatal(err)
-	}
-	secret := bytes.Repeat([]byte("not a row of vLLM's "), tier.fileLen()/20+1)[:tier.fileLen()]
-	if err := os.WriteFile(through, secret, 0o600); err != nil {
-		t.Fatal(err)
-	}
-	c := newTestCache(t, e, ns, g, 2, layoutPlaneFirst)
-	res := wait(t)(e.Load(ctx, LoadRequest{Cache: c.id, Keys: keys, Blocks: [][]int{{0}}}))
-	if k := res.Keys[0]; k.Outcome == OutcomeLoaded || bytes.Equal(c.data([]int{0}), secret[:row]) {
-		t.Errorf("load served the file outside the directory (%s): %v", through, k.Outcome)
-	}
-	if _, err := e.Delete(ctx, ns, keys); err != nil {
-		t.Logf("delete: %v", err)
-	}
-	if _, err := os.Stat(through); err != nil {
-		t.Errorf("the file outside the vllm-fs directory, reached through the link, was removed: %v", err)
-	}
+	through, secret := plantRowOutside(t, tier, keys[0], outside)
+	wantRowOutsideNeitherServedNorRemoved(t, e, ns, g, keys[0], through, secret)
 }
 
 // TestAVllmFSNeverServesARowThatIsASymbolicLink: a key's row name is a
@@ -169,12 +173,7 @@ func TestAVllmFSNeverServesARowThatIsASymbolicLink(t *testing.T) {
 	tier.init(t)
 	keys := tierKeys(11, 2)
 	tier.store(t, keys[1], randomRow(rand.New(rand.NewPCG(5, 6)), row))
-	e := openEngine(t, Config{Mounts: []Mount{{Path: root, VLLMFS: &VLLMFS{Namespace: tierModel, Fields: tier.fields(), RowBytes: row}}}, Policy: newTestPolicy(4, abi.OrderBlockMajor)})
-	g := rowGeometry(tierModel, row)
-	ns, err := e.Declare(ctx, g)
-	if err != nil {
-		t.Fatal(err)
-	}
+	e, g, ns := tierEngine(t, tier, nil)
 	secret := filepath.Join(outside, "secret")
 	if err := os.WriteFile(secret, bytes.Repeat([]byte{0x5a}, tier.fileLen()), 0o600); err != nil {
 		t.Fatal(err)
@@ -225,12 +224,7 @@ func TestAVllmFSRootAndDataDirectoryMayBeSymbolicLinks(t *testing.T) {
 	keys := tierKeys(13, 2)
 	want := randomRow(rand.New(rand.NewPCG(7, 7)), row)
 	tier.store(t, keys[0], want)
-	e := openEngine(t, Config{Mounts: []Mount{{Path: root, VLLMFS: &VLLMFS{Namespace: tierModel, Fields: tier.fields(), RowBytes: row}}}, Policy: newTestPolicy(4, abi.OrderBlockMajor)})
-	g := rowGeometry(tierModel, row)
-	ns, err := e.Declare(ctx, g)
-	if err != nil {
-		t.Fatal(err)
-	}
+	e, g, ns := tierEngine(t, tier, nil)
 	if st := e.Stats(); st.Entries != 1 {
 		t.Fatalf("%d entries after open, want the row", st.Entries)
 	}
@@ -277,11 +271,7 @@ func TestAVllmFSRemovalNeverUnlinksThroughALinkPlantedAfterItsCheck(t *testing.T
 	pl := &plantAt{outside: outside}
 	pl.at = func(op fsys.Op, path string) bool { return op == fsys.OpRemove && path == p }
 	pl.plant = func(string) { swapForLink(t, filepath.Dir(top), filepath.Base(top), outside) }
-	e := openEngine(t, Config{FS: &fsys.Faulty{FS: fsys.OS{}, Inj: pl}, Mounts: []Mount{{Path: root, VLLMFS: &VLLMFS{Namespace: tierModel, Fields: tier.fields(), RowBytes: row}}}, Policy: newTestPolicy(4, abi.OrderBlockMajor)})
-	ns, err := e.Declare(ctx, rowGeometry(tierModel, row))
-	if err != nil {
-		t.Fatal(err)
-	}
+	e, _, ns := tierEngine(t, tier, &fsys.Faulty{FS: fsys.OS{}, Inj: pl})
 	if st := e.Stats(); st.Entries != 1 {
 		t.Fatalf("%d entries after open, want the row", st.Entries)
 	}
