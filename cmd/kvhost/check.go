@@ -89,9 +89,9 @@ type checkOptions struct {
 	statfs func(path string, st *unix.Statfs_t) error
 	// mountWait is how long a statfs of path (a mount's directory, or
 	// the one above it) may go unanswered before the mount FAILs as hung;
-	// nil, or 0 for path: mountAnswerWait. A function of the path, so
-	// that a test bounds the statfs it holds by a millisecond and every
-	// other by a hang guard: a millisecond's bound on a statfs that
+	// nil, or 0 for path: cfg's server.statfs_timeout. A function of the
+	// path, so that a test bounds the statfs it holds by a millisecond and
+	// every other by a hang guard: a millisecond's bound on a statfs that
 	// answers fails it wherever the machine is slow to run its goroutine.
 	mountWait func(path string) time.Duration
 	// access is access(2) for the mounts' directories; nil is
@@ -583,7 +583,8 @@ func checkMount(ctx context.Context, rep *checkReport, o checkOptions, m config.
 }
 
 // statfsWithin is o's statfs of path, a mount's directory or the one above
-// it where it does not exist yet, bounded by o.mountWait (answerWithin):
+// it where it does not exist yet, bounded by o.mountWait or else the
+// configuration's server.statfs_timeout (answerWithin):
 // an error wrapping errNoAnswer where its file system does not answer.
 // Every statfs check makes of a mount goes through it.
 func (o checkOptions) statfsWithin(ctx context.Context, path string) (unix.Statfs_t, error) {
@@ -591,9 +592,11 @@ func (o checkOptions) statfsWithin(ctx context.Context, path string) (unix.Statf
 	if statfs == nil {
 		statfs = unix.Statfs
 	}
-	var wait time.Duration
+	wait := time.Duration(o.cfg.Server.StatfsTimeout)
 	if o.mountWait != nil {
-		wait = o.mountWait(path)
+		if w := o.mountWait(path); w > 0 {
+			wait = w
+		}
 	}
 	return answerWithin(ctx, wait, func() (unix.Statfs_t, error) {
 		var st unix.Statfs_t

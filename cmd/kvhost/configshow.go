@@ -34,7 +34,8 @@ comment: the output is itself a valid configuration file, which runs as
 the original does on any machine. A bad file (or flag), or one the
 daemon's start refuses (a policy refusing its [policy.params], mounts
 one inside another, a mount whose file system does not answer statfs
-within 5 s), prints its error and exits 1; 2: usage.`
+within server.statfs_timeout, 5 s by default), prints its error and
+exits 1; 2: usage.`
 
 // runConfigShow implements `kvhost config show`.
 func runConfigShow(ctx context.Context, args []string, stdout, stderr io.Writer) int {
@@ -91,9 +92,6 @@ type machine struct {
 	// statfs is statfs(2) of a mount's path (nothing is created); nil is
 	// fsys.OS's.
 	statfs func(path string) (fsys.StatFS, error)
-	// mountWait is how long statfs may go unanswered before the mount
-	// is taken for hung (answerWithin); 0: mountAnswerWait.
-	mountWait time.Duration
 	// memory is the machine's memory in bytes.
 	memory func() int64
 }
@@ -107,15 +105,16 @@ func (m machine) gomaxprocs() int {
 
 // fileSystemSize is the bytes of the file system at path, or false
 // where its statfs fails (the path does not exist: nothing is created).
-// The statfs is bounded as the daemon's start bounds it (answerWithin):
-// a mount whose file system does not answer is an error naming it
-// (hungMount), the start refusing it too, not a wait without end.
-func (m machine) fileSystemSize(ctx context.Context, path string) (int64, bool, error) {
+// The statfs is bounded as the daemon's start bounds it (answerWithin),
+// by wait (server.statfs_timeout): a mount whose file system does not
+// answer is an error naming it (hungMount), the start refusing it too,
+// not a wait without end.
+func (m machine) fileSystemSize(ctx context.Context, path string, wait time.Duration) (int64, bool, error) {
 	statfs := m.statfs
 	if statfs == nil {
 		statfs = fsys.OS{}.Statfs
 	}
-	st, err := answerWithin(ctx, m.mountWait, func() (fsys.StatFS, error) { return statfs(path) })
+	st, err := answerWithin(ctx, wait, func() (fsys.StatFS, error) { return statfs(path) })
 	switch {
 	case errors.Is(err, errNoAnswer):
 		return 0, false, hungMount(path, err)
@@ -194,7 +193,7 @@ func effectiveConfig(ctx context.Context, cfg config.Config, mc machine) (config
 		notes["engine.node_id"] = "empty: the host name"
 	}
 	for i := range cfg.Mounts {
-		if err := resolveMount(ctx, notes, fmt.Sprintf("mount.%d.", i), &cfg.Mounts[i], mc); err != nil {
+		if err := resolveMount(ctx, notes, fmt.Sprintf("mount.%d.", i), &cfg.Mounts[i], mc, time.Duration(cfg.Server.StatfsTimeout)); err != nil {
 			return cfg, nil, err
 		}
 	}
@@ -211,8 +210,9 @@ func effectiveConfig(ctx context.Context, cfg config.Config, mc machine) (config
 }
 
 // resolveMount resolves m as effectiveConfig does, its keys noted under
-// prefix ("mount.0."); its error is a hung mount's (fileSystemSize).
-func resolveMount(ctx context.Context, notes config.Notes, prefix string, m *config.Mount, mc machine) error {
+// prefix ("mount.0."); its error is a hung mount's (fileSystemSize, its
+// statfs bounded by wait).
+func resolveMount(ctx context.Context, notes config.Notes, prefix string, m *config.Mount, mc machine, wait time.Duration) error {
 	derive(notes, prefix+"layout", &m.Layout, config.LayoutKVHost, "the default")
 	derive(notes, prefix+"io", &m.IO, "auto", "the default: O_DIRECT where the probe at start finds it")
 	derive(notes, prefix+"checksum", &m.Checksum, ptr(m.Layout != config.LayoutVLLMFS), "the default of the layout")
@@ -236,7 +236,7 @@ func resolveMount(ctx context.Context, notes config.Notes, prefix string, m *con
 	if m.Capacity != 0 {
 		return nil
 	}
-	size, ok, err := mc.fileSystemSize(ctx, m.Path)
+	size, ok, err := mc.fileSystemSize(ctx, m.Path, wait)
 	switch {
 	case err != nil:
 		return err

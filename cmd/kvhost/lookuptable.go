@@ -79,7 +79,7 @@ func openLookupTable(cfg config.Config, eng *engine.Engine, log *slog.Logger) (*
 // engine's Open, which statfs'd this very directory and walked it, so it
 // hangs only on a mount that stopped answering since, which the start's
 // first statfs does not catch either (RATIONALE.md, "Why do check and the
-// start give a mount's statfs 5 s?").
+// start give a mount's statfs 5 s by default?").
 func sharedMount(m config.Mount) bool {
 	if m.Shared != nil {
 		return *m.Shared

@@ -5,13 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"time"
-)
 
-// mountAnswerWait is how long `kvhost check` and the daemon's start wait
-// for a mount's file system to answer statfs, the first call either makes
-// to it, before they call the mount hung (RATIONALE.md, "Why do check and
-// the start give a mount's statfs 5 s?").
-const mountAnswerWait = 5 * time.Second
+	"github.com/kvhost/kvhost/internal/config"
+)
 
 // errNoAnswer is the error of a call to a mount's file system that did
 // not answer in time (answerWithin).
@@ -25,13 +21,16 @@ func hungMount(path string, err error) error {
 }
 
 // answerWithin returns f's answer, or an error wrapping errNoAnswer where
-// it has not come within wait (0: mountAnswerWait), or ctx's error where
+// it has not come within wait, or ctx's error where
 // ctx ends first. f runs on a goroutine of its own, which is left running
 // where it does not answer: nothing cancels a system call blocked in a
-// hung NFS or FUSE mount. Its answer, should it come, is dropped.
+// hung NFS or FUSE mount. Its answer, should it come, is dropped. The
+// callers' wait is server.statfs_timeout (RATIONALE.md, "Why do check and
+// the start give a mount's statfs 5 s by default?"); 0 or less, which
+// its validation refuses, is config.DefaultStatfsTimeout.
 func answerWithin[T any](ctx context.Context, wait time.Duration, f func() (T, error)) (T, error) {
 	if wait <= 0 {
-		wait = mountAnswerWait
+		wait = config.DefaultStatfsTimeout
 	}
 	type answer struct {
 		v   T

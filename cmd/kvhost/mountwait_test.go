@@ -7,7 +7,9 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 	"testing"
+	"testing/synctest"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -25,8 +27,8 @@ import (
 // (or, without a configured capacity, in the statfs that sizes the
 // mount). The start now gives it a bound and fails, with status 1 and an
 // error naming the mount, whether or not a capacity is configured. The
-// bound is the test's (a millisecond); the statfs is held until the test
-// ends.
+// bound is the test's (server.statfs_timeout = "1ms"); the statfs is held
+// until the test ends.
 func TestServeRefusesToStartOnAMountWhoseStatfsDoesNotAnswer(t *testing.T) {
 	for _, c := range []struct{ name, capacity string }{
 		{"with a capacity", `capacity = "256MiB"`},
@@ -37,7 +39,7 @@ func TestServeRefusesToStartOnAMountWhoseStatfsDoesNotAnswer(t *testing.T) {
 			socket := filepath.Join(testsock.Dir(t), "run", "kvhost.sock")
 			mount := filepath.Join(dir, "blocks")
 			file := filepath.Join(dir, "kvhost.toml")
-			src := fmt.Sprintf("[server]\nsocket = %q\n\n[log]\nformat = \"json\"\n\n[policy]\ncache_dir = %q\n\n[[mount]]\npath = %q\n%s\n",
+			src := fmt.Sprintf("[server]\nsocket = %q\nstatfs_timeout = \"1ms\"\n\n[log]\nformat = \"json\"\n\n[policy]\ncache_dir = %q\n\n[[mount]]\npath = %q\n%s\n",
 				socket, policyCache, mount, c.capacity)
 			if err := os.WriteFile(file, []byte(src), 0o644); err != nil {
 				t.Fatal(err)
@@ -46,7 +48,7 @@ func TestServeRefusesToStartOnAMountWhoseStatfsDoesNotAnswer(t *testing.T) {
 			hold.Arm(fsys.OpStatfs)
 			defer hold.Release() // the statfs left behind returns
 			_, stderr, exit := runBackground(func(stdout, stderr io.Writer) int {
-				return runServeOn(context.Background(), serveSeams{fs: &fsys.Faulty{FS: fsys.OS{}, Inj: hold}, mountWait: time.Millisecond},
+				return runServeOn(context.Background(), serveSeams{fs: &fsys.Faulty{FS: fsys.OS{}, Inj: hold}},
 					[]string{"--config", file}, stdout, stderr)
 			})
 			code := awaitValue(t, "the start on a hung mount to end", exit)
@@ -105,19 +107,19 @@ func TestCheckFailsAMountWhoseStatfsDoesNotAnswer(t *testing.T) {
 // start would compute, and on a mount whose file system does not answer
 // (an NFS or FUSE server that stopped answering) it hung. It now gives
 // that statfs the start's bound and exits 1 with the start's error, naming
-// the mount. The bound is the test's (a millisecond); the statfs is held
-// until the test ends.
+// the mount. The bound is the test's (server.statfs_timeout = "1ms"); the
+// statfs is held until the test ends.
 func TestConfigShowFailsOnAMountWhoseStatfsDoesNotAnswer(t *testing.T) {
 	dir := t.TempDir()
 	mount := filepath.Join(dir, "blocks")
 	file := filepath.Join(dir, "kvhost.toml")
-	src := fmt.Sprintf("[policy]\ncache_dir = %q\n\n[[mount]]\npath = %q\n", policyCache, mount)
+	src := fmt.Sprintf("[server]\nstatfs_timeout = \"1ms\"\n\n[policy]\ncache_dir = %q\n\n[[mount]]\npath = %q\n", policyCache, mount)
 	if err := os.WriteFile(file, []byte(src), 0o644); err != nil {
 		t.Fatal(err)
 	}
 	release, asked := make(chan struct{}), make(chan struct{}, 1)
 	defer close(release) // the statfs left behind returns
-	mc := machine{mountWait: time.Millisecond, statfs: func(path string) (fsys.StatFS, error) {
+	mc := machine{statfs: func(path string) (fsys.StatFS, error) {
 		asked <- struct{}{}
 		<-release
 		return fsys.OS{}.Statfs(path)
@@ -233,4 +235,78 @@ func awaitValue[T any](t *testing.T, what string, ch <-chan T) T {
 		}
 	})
 	return v
+}
+
+// TestAStatfsSlowerThanTheDefaultPassesWithinStatfsTimeout: the bound on a
+// mount's first statfs was 5 s, a constant, so a mount that answered
+// slower (an NFS server under load, a FUSE mount waking) stopped the
+// daemon's start, FAILed in `kvhost check` and failed `kvhost config
+// show`, however the operator configured it. server.statfs_timeout now
+// sets it, and each of the three takes it from the configuration: here a
+// minute, with a statfs that answers after 6 s, past the default. The
+// calls run in a synctest bubble, whose clock moves only once every
+// goroutine in it waits: no test waits 6 s, and which comes first, the
+// answer or the bound, is decided by the durations alone, never by the
+// machine's speed.
+func TestAStatfsSlowerThanTheDefaultPassesWithinStatfsTimeout(t *testing.T) {
+	const answersAfter = 6 * time.Second // past config.DefaultStatfsTimeout
+	for _, c := range []struct {
+		name string
+		// run asks the file system of cfg's mount its statfs through
+		// statfs, as the command does, and returns what refused the
+		// mount (nil: it was taken).
+		run func(t *testing.T, cfg config.Config, statfs func(string) (fsys.StatFS, error)) error
+	}{
+		{"the start", func(t *testing.T, cfg config.Config, statfs func(string) (fsys.StatFS, error)) error {
+			_, err := engineMounts(context.Background(), cfg, statfs)
+			return err
+		}},
+		{"config show", func(t *testing.T, cfg config.Config, statfs func(string) (fsys.StatFS, error)) error {
+			_, _, err := effectiveConfig(context.Background(), cfg, machine{statfs: statfs})
+			return err
+		}},
+		{"check", func(t *testing.T, cfg config.Config, statfs func(string) (fsys.StatFS, error)) error {
+			o := checkOptions{cfg: cfg, statfs: func(path string, st *unix.Statfs_t) error {
+				if _, err := statfs(path); err != nil {
+					return err
+				}
+				return unix.Statfs(path, st)
+			}}
+			for _, it := range doCheck(context.Background(), o).Items {
+				if it.Level == levelFail {
+					return fmt.Errorf("%s: FAIL %s", it.Area, it.What)
+				}
+			}
+			return nil
+		}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			synctest.Test(t, func(t *testing.T) {
+				cfg := config.Default()
+				cfg.GPU.Mode, cfg.GPU.CuFile = "off", "off"
+				cfg.Policy.CacheDir = policyCache
+				cfg.Server.StatfsTimeout = config.Duration(time.Minute)
+				cfg.Mounts = []config.Mount{{Path: t.TempDir(), HighWatermark: config.DefaultHighWatermark, LowWatermark: config.DefaultLowWatermark}}
+				answer := make(chan struct{})
+				answers := time.AfterFunc(answersAfter, func() { close(answer) })
+				defer func() {
+					if answers.Stop() { // the test failed first: let the statfs return
+						close(answer)
+					}
+				}()
+				var asked atomic.Bool
+				slow := func(path string) (fsys.StatFS, error) {
+					asked.Store(true)
+					<-answer
+					return fsys.OS{}.Statfs(path)
+				}
+				if err := c.run(t, cfg, slow); err != nil {
+					t.Fatalf("a statfs answering after %v, within server.statfs_timeout = %v: %v", answersAfter, time.Duration(cfg.Server.StatfsTimeout), err)
+				}
+				if !asked.Load() {
+					t.Fatal("the mount's statfs was not asked")
+				}
+			})
+		})
+	}
 }

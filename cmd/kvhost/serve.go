@@ -53,9 +53,6 @@ type serveSeams struct {
 	// fs is the engine's file system (nil: the operating system's; tests
 	// hold or fail operations in it).
 	fs fsys.FS
-	// mountWait is how long the start waits for a mount's statfs
-	// (mountCapacity); 0: mountAnswerWait.
-	mountWait time.Duration
 }
 
 // runServeOn is runServe with the seams s.
@@ -94,7 +91,7 @@ func runServeSignaled(ctx context.Context, s serveSeams, term <-chan os.Signal, 
 		fmt.Fprintf(stderr, "kvhost: %v\n", err)
 		return 2
 	}
-	d := &daemon{flags: flags, stdout: stdout, stderr: stderr, sigs: sigs, started: time.Now(), fs: s.fs, mountWait: s.mountWait}
+	d := &daemon{flags: flags, stdout: stdout, stderr: stderr, sigs: sigs, started: time.Now(), fs: s.fs}
 	lvl, err := logging.ParseLevel(cfg.Log.Level)
 	if err != nil {
 		fmt.Fprintf(stderr, "kvhost: %v\n", err)
@@ -189,11 +186,8 @@ type daemon struct {
 	log     *slog.Logger
 	metrics *metrics.Metrics // nil without [metrics] listen
 	fs      fsys.FS          // the engine's file system; nil: the operating system's
-	// mountWait is how long the start waits for each mount's statfs
-	// (mountCapacity); 0: mountAnswerWait.
-	mountWait time.Duration
-	eng       *engine.Engine
-	pol       policyState
+	eng     *engine.Engine
+	pol     policyState
 
 	readyMu  sync.Mutex // held while readiness changes and systemd is told
 	stopping bool       // set once the daemon stops: nothing makes it ready again
@@ -267,25 +261,9 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 	if d.fs != nil {
 		statfs = d.fs.Statfs // the engine's (tests hold it)
 	}
-	mounts := make([]engine.Mount, len(cfg.Mounts))
-	for i, m := range cfg.Mounts {
-		capacity, err := mountCapacity(ctx, m, statfs, d.mountWait)
-		if err != nil {
-			return err
-		}
-		mounts[i] = engine.Mount{
-			Path: m.Path, Capacity: capacity, CapacityDerived: m.Capacity == 0, HighWatermark: m.HighWatermark, LowWatermark: m.LowWatermark,
-			Reserve: int64(m.Reserve), IO: m.IO, NoChecksum: !m.Checksums(), DeviceClass: m.DeviceClass,
-			Preallocate:     enginePreallocate(m.Preallocate),
-			ClusterCapacity: int64(m.ClusterCapacity), ClusterInterval: time.Duration(m.ClusterInterval),
-		}
-		if m.Layout == config.LayoutVLLMFS {
-			v := m.VLLMFS
-			if v == nil {
-				v = &config.VLLMFS{}
-			}
-			mounts[i].VLLMFS = &engine.VLLMFS{Fields: v.Fields(), Rank: v.Rank, Namespace: v.Namespace, RowBytes: int64(v.RowBytes)}
-		}
+	mounts, err := engineMounts(ctx, cfg, statfs)
+	if err != nil {
+		return err
 	}
 	if cfg.GPU.Lanes != 0 {
 		log.Warn("gpu.lanes is no longer used: each job of the staging pipeline drives its own CUDA stream; remove it (gpu.depth and gpu.chunk tune the pipeline)", "lanes", cfg.GPU.Lanes)
@@ -917,6 +895,33 @@ func policyModule(nameOrFile string) (module []byte, name string, builtin bool, 
 	return b, nameOrFile, true, nil
 }
 
+// engineMounts is cfg's mounts as the engine takes them, each capacity
+// sized or checked by mountCapacity with statfs, which must answer within
+// server.statfs_timeout: the error of the first mount that fails it.
+func engineMounts(ctx context.Context, cfg config.Config, statfs func(string) (fsys.StatFS, error)) ([]engine.Mount, error) {
+	mounts := make([]engine.Mount, len(cfg.Mounts))
+	for i, m := range cfg.Mounts {
+		capacity, err := mountCapacity(ctx, m, statfs, time.Duration(cfg.Server.StatfsTimeout))
+		if err != nil {
+			return nil, err
+		}
+		mounts[i] = engine.Mount{
+			Path: m.Path, Capacity: capacity, CapacityDerived: m.Capacity == 0, HighWatermark: m.HighWatermark, LowWatermark: m.LowWatermark,
+			Reserve: int64(m.Reserve), IO: m.IO, NoChecksum: !m.Checksums(), DeviceClass: m.DeviceClass,
+			Preallocate:     enginePreallocate(m.Preallocate),
+			ClusterCapacity: int64(m.ClusterCapacity), ClusterInterval: time.Duration(m.ClusterInterval),
+		}
+		if m.Layout == config.LayoutVLLMFS {
+			v := m.VLLMFS
+			if v == nil {
+				v = &config.VLLMFS{}
+			}
+			mounts[i].VLLMFS = &engine.VLLMFS{Fields: v.Fields(), Rank: v.Rank, Namespace: v.Namespace, RowBytes: int64(v.RowBytes)}
+		}
+	}
+	return mounts, nil
+}
+
 // enginePreallocate is a mount's preallocate setting as the engine takes
 // it: the bytes given, or engine.PreallocateAuto.
 func enginePreallocate(a config.AutoSize) int64 {
@@ -930,7 +935,7 @@ func enginePreallocate(a config.AutoSize) int64 {
 // size when it is 0 (docs/config.md), read by statfs (the daemon's file
 // system's). Either way the mount's file system must answer that statfs
 // (and, without a capacity, the making of the mount's directory) within
-// wait (answerWithin; 0: mountAnswerWait): on a hung mount the start
+// wait (answerWithin; server.statfs_timeout): on a hung mount the start
 // fails naming it, instead of hanging in the engine's Open. With a
 // capacity, a statfs that fails is the engine's to report (the mount's
 // directory may not exist yet: the engine makes it).

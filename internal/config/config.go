@@ -191,6 +191,11 @@ type Server struct {
 	// answers 503 and systemd's watchdog is no longer told it lives, so
 	// that its supervisor restarts it. 0 never calls it stalled.
 	StallTimeout Duration `toml:"stall_timeout"`
+	// StatfsTimeout is how long the daemon's start, `kvhost check` and
+	// `kvhost config show` wait for a mount's file system to answer
+	// statfs, their first call to it, before they take the mount for
+	// hung and refuse it (default DefaultStatfsTimeout).
+	StatfsTimeout Duration `toml:"statfs_timeout"`
 	// MaxHandshakes bounds connections that have not sent their Hello; a
 	// new one beyond it closes the oldest.
 	MaxHandshakes int `toml:"max_handshakes"`
@@ -303,6 +308,12 @@ type Engine struct {
 	// about keys the table lacks.
 	LookupTableSlots int `toml:"lookup_table_slots"`
 }
+
+// DefaultStatfsTimeout is server.statfs_timeout where the file sets
+// none: how long a mount's file system may take to answer statfs at start
+// before the mount is refused as hung (RATIONALE.md, "Why do check and
+// the start give a mount's statfs 5 s by default?").
+const DefaultStatfsTimeout = 5 * time.Second
 
 // DefaultLookupTableSlots is the shared lookup table's slot count when
 // engine.lookup_table_slots is not set: 2 Mi slots, 16 MiB, up to about
@@ -457,6 +468,7 @@ func Default() Config {
 			MaxFrame:         4 << 20,
 			ShutdownTimeout:  Duration(10 * time.Second),
 			StallTimeout:     Duration(time.Minute),
+			StatfsTimeout:    Duration(DefaultStatfsTimeout),
 			MaxHandshakes:    16,
 			HandshakeTimeout: Duration(5 * time.Second),
 			FrameTimeout:     Duration(10 * time.Second),
@@ -792,6 +804,8 @@ func (c *Config) Validate() error {
 		return bad("server.shutdown_timeout", "a non-negative duration", c.Server.ShutdownTimeout)
 	case c.Server.StallTimeout < 0:
 		return bad("server.stall_timeout", "a non-negative duration (0: never)", c.Server.StallTimeout)
+	case c.Server.StatfsTimeout <= 0:
+		return bad("server.statfs_timeout", "a positive duration", c.Server.StatfsTimeout)
 	case c.Server.MaxHandshakes < 1:
 		return bad("server.max_handshakes", "at least 1", c.Server.MaxHandshakes)
 	case c.Server.HandshakeTimeout <= 0:

@@ -517,3 +517,43 @@ func TestParseSizeRefusesNotANumber(t *testing.T) {
 		t.Errorf("register_bytes = \"NaNKiB\": %v; want an error at kvhost.toml:2: gpu.register_bytes", err)
 	}
 }
+
+// TestStatfsTimeoutIsSetByTheFileAndRefusedUnlessPositive: how long the
+// start, `kvhost check` and `kvhost config show` wait for a mount's
+// statfs was a constant, 5 s, so a mount that merely answered slower (an
+// NFS server under load, a FUSE mount waking) stopped the start with no
+// way to allow it more. server.statfs_timeout sets it: 5 s where the file
+// sets none, any positive duration given; zero, a negative or unparsable
+// duration, or a value of another type is refused, naming the key and
+// its line.
+func TestStatfsTimeoutIsSetByTheFileAndRefusedUnlessPositive(t *testing.T) {
+	for _, tc := range []struct {
+		name, src string
+		want      time.Duration // the value parsed, where wantErr is ""
+		wantErr   string        // substring of the error
+	}{
+		{"unset", "[server]\n", 5 * time.Second, ""},
+		{"longer", "[server]\nstatfs_timeout = \"30s\"", 30 * time.Second, ""},
+		{"shorter", "[server]\nstatfs_timeout = \"500ms\"", 500 * time.Millisecond, ""},
+		{"zero", "[server]\nstatfs_timeout = \"0s\"", 0, "kvhost.toml:2: server.statfs_timeout: want a positive duration, got 0s"},
+		{"negative", "[server]\n\nstatfs_timeout = \"-5s\"", 0, "kvhost.toml:3: server.statfs_timeout: want a positive duration, got -5s"},
+		{"garbage", "[server]\nstatfs_timeout = \"a while\"", 0, `kvhost.toml:2: server.statfs_timeout: duration "a while"`},
+		{"a number", "[server]\nstatfs_timeout = 5", 0, "kvhost.toml:2: server.statfs_timeout: duration: want a string"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			c, err := Parse("kvhost.toml", []byte(tc.src))
+			if tc.wantErr == "" {
+				if err != nil {
+					t.Fatal(err)
+				}
+				if got := time.Duration(c.Server.StatfsTimeout); got != tc.want {
+					t.Errorf("server.statfs_timeout %v, want %v", got, tc.want)
+				}
+				return
+			}
+			if !errors.Is(err, ErrInvalid) || err == nil || !strings.Contains(err.Error(), tc.wantErr) {
+				t.Errorf("error %v: want one wrapping ErrInvalid containing %q", err, tc.wantErr)
+			}
+		})
+	}
+}
