@@ -144,7 +144,17 @@ func (e *Engine) openLayout(mt *mount, v *VLLMFS) error {
 			return fail(err)
 		}
 		base := cfg.Base()
-		c, ok := found[base]
+		// The base directory is opened once, and its config.json read
+		// and written relative to it: what is written goes where what
+		// was read came from, whatever the name holds meanwhile.
+		dir, c := openBase(e.fs, mt.root, base, 0)
+		if dir != nil {
+			defer dir.Close()
+		}
+		ok := !errors.Is(c.err, fs.ErrNotExist)
+		if ok {
+			found[base] = c // a link at its name too (the operator's), which the listing skips
+		}
 		// One that does not parse (empty or cut by a crash) is written
 		// anew below: the directory's name is the fields' hash. One that
 		// parses but records other fields (edited), or that could not be
@@ -166,11 +176,23 @@ func (e *Engine) openLayout(mt *mount, v *VLLMFS) error {
 			}
 		}
 		if !ok || c.err != nil {
-			if err := e.writeConfig(mt.root, cfg); err != nil {
+			if dir == nil {
+				// Made here, so a link at its name now is not the
+				// operator's: it is refused (O_NOFOLLOW).
+				if err := e.mkdir(nil, filepath.Join(mt.root, base), true); err != nil {
+					return fmt.Errorf("engine: mount %s: vllm-fs: %w", mt.root, err)
+				}
+				var made baseConfig
+				if dir, made = openBase(e.fs, mt.root, base, syscall.O_NOFOLLOW); dir == nil {
+					return fmt.Errorf("engine: mount %s: vllm-fs: %w", mt.root, made.err)
+				}
+				defer dir.Close()
+			}
+			if err := e.writeConfig(dir, filepath.Join(mt.root, base), cfg); err != nil {
 				return fmt.Errorf("engine: mount %s: vllm-fs: config.json: %w", mt.root, err)
 			}
 		}
-		if c.err != nil {
+		if ok && c.err != nil {
 			e.log.Warn("engine: vllm-fs: wrote the configured base directory's config.json anew (it did not parse: a crash while the tier wrote it)", "mount", mt.root, "dir", base, "err", c.err)
 		}
 	}
@@ -263,41 +285,69 @@ func baseDirs(files fsys.FS, root string) (map[string]baseConfig, error) {
 		if !d.IsDir() {
 			continue
 		}
-		p := filepath.Join(root, d.Name(), vllmfs.ConfigFile)
-		data, err := readSmall(files, p)
-		if errors.Is(err, fs.ErrNotExist) {
-			continue
+		// Listed as a directory: a link at its name now was put there
+		// since, and is not followed.
+		dir, c := openBase(files, root, d.Name(), syscall.O_NOFOLLOW)
+		if dir != nil {
+			dir.Close()
 		}
-		var c baseConfig
-		if err == nil {
-			if c.cfg, err = vllmfs.ParseConfig(data); err != nil {
-				err = fmt.Errorf("%s: %w", p, err)
-			}
+		if !errors.Is(c.err, fs.ErrNotExist) { // gone since, or without a config.json
+			out[d.Name()] = c
 		}
-		switch {
-		case err != nil:
-			c.err = err // readSmall's errors name p
-		case c.cfg.Base() != d.Name():
-			c.err = fmt.Errorf("%w: %s: its fields hash to %s, not to the directory's name (edited, or another vLLM version's hash)", vllmfs.ErrMismatch, p, c.cfg.Base())
-		}
-		out[d.Name()] = c
 	}
 	return out, nil
 }
 
-// readSmall reads a config file (at most 1 MiB). Its errors name path;
-// a read's error is returned as one (wrapped), never as the end of the
-// file. A symbolic link at its
-// name is refused (O_NOFOLLOW), with an error naming the path: the base
-// directory is in vLLM's shared directory, where anyone who can write
-// it may put one, and a config.json read through it would be a file
-// outside the directory (the base directory itself is the operator's,
-// and may be a link). So is anything but a regular file (a named pipe,
+// openBase opens the base directory name under root (O_RDONLY|O_DIRECTORY,
+// with flag) and reads its config.json relative to it (readSmallAt): c is
+// that file's fields, or why they cannot be used, an error matching
+// fs.ErrNotExist where the directory or its config.json does not exist.
+// dir is nil where the directory could not be opened (c.err says why);
+// the caller closes it otherwise. Read and written relative to one
+// descriptor (writeConfig), config.json is validated and written anew in
+// the same directory, whatever its name holds meanwhile: a symbolic link
+// put there after this open takes no write elsewhere. A link at name at
+// this open is followed unless flag has O_NOFOLLOW: the base directory is
+// the operator's, who may put it elsewhere by a link, as the root and the
+// data directory; a directory listed as one, or made by the engine, is
+// opened with O_NOFOLLOW (a link there was put since).
+func openBase(files fsys.FS, root, name string, flag int) (dir fsys.File, c baseConfig) {
+	path := filepath.Join(root, name)
+	dir, err := files.OpenFile(path, os.O_RDONLY|syscall.O_DIRECTORY|flag, 0)
+	if err != nil {
+		c.err = fmt.Errorf("base directory %s: %w", path, err)
+		return nil, c
+	}
+	p := filepath.Join(path, vllmfs.ConfigFile)
+	data, err := readSmallAt(files, dir, p)
+	if err == nil {
+		if c.cfg, err = vllmfs.ParseConfig(data); err != nil {
+			err = fmt.Errorf("%s: %w", p, err)
+		}
+	}
+	switch {
+	case err != nil:
+		c.err = err // readSmallAt's errors name p
+	case c.cfg.Base() != name:
+		c.err = fmt.Errorf("%w: %s: its fields hash to %s, not to the directory's name (edited, or another vLLM version's hash)", vllmfs.ErrMismatch, p, c.cfg.Base())
+	}
+	return dir, c
+}
+
+// readSmallAt reads a config file (at most 1 MiB), path's last component
+// in dir, the directory that holds it (fsys.OpenAt). Its errors name
+// path; a read's error is returned as one (wrapped), never as the end of
+// the file. A symbolic link at its name is refused (O_NOFOLLOW), with an
+// error naming the path: the base directory is in vLLM's shared
+// directory, where anyone who can write it may put one, and a config.json
+// read through it would be a file outside the directory (the base
+// directory itself is the operator's, and may be a link: openBase). So is
+// anything but a regular file (a named pipe,
 // a directory, a socket), checked on the open file; the open does not
 // block (checkOpen), where a plain one of a named pipe waits for a
 // writer, holding Open (and `kvhost check`) forever.
-func readSmall(files fsys.FS, path string) ([]byte, error) {
-	f, err := files.OpenFile(path, os.O_RDONLY|syscall.O_NOFOLLOW|checkOpen, 0)
+func readSmallAt(files fsys.FS, dir fsys.File, path string) ([]byte, error) {
+	f, err := fsys.OpenAt(files, dir, path, os.O_RDONLY|syscall.O_NOFOLLOW|checkOpen, 0)
 	if errors.Is(err, syscall.ELOOP) {
 		return nil, fmt.Errorf("%s is a symbolic link: kvhost reads no config.json through one: %w", path, err)
 	}
@@ -334,15 +384,12 @@ func readSmall(files fsys.FS, path string) ([]byte, error) {
 	return buf[:n], nil
 }
 
-// writeConfig publishes cfg's config.json in its base directory (a
-// temporary file, then rename), as the tier writes it.
-func (e *Engine) writeConfig(root string, cfg vllmfs.Config) error {
-	dir := filepath.Join(root, cfg.Base())
-	if err := e.mkdir(nil, dir, true); err != nil {
-		return err
-	}
-	tmp := e.tempName(dir, tmpPrefix)
-	f, err := e.fs.OpenFile(tmp, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o644)
+// writeConfig publishes cfg's config.json in its base directory, open as
+// dir (openBase) at path (a temporary file, then rename, both relative to
+// dir: never through a link put at path since), as the tier writes it.
+func (e *Engine) writeConfig(dir fsys.File, path string, cfg vllmfs.Config) error {
+	tmp := e.tempName(path, tmpPrefix)
+	f, err := fsys.OpenAt(e.fs, dir, tmp, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o644)
 	if err != nil {
 		return err
 	}
@@ -355,19 +402,19 @@ func (e *Engine) writeConfig(root string, cfg vllmfs.Config) error {
 		err = cerr
 	}
 	if err == nil {
-		err = e.fs.Rename(tmp, filepath.Join(dir, vllmfs.ConfigFile))
+		err = fsys.RenameAt(e.fs, dir, tmp, dir, filepath.Join(path, vllmfs.ConfigFile), false)
 	}
 	if err != nil {
 		// Counted nowhere, as config.json is not: a removal that fails
 		// is only logged (Open removes the file once this process is
 		// gone).
-		if rerr := e.removeByName(tmp, fsys.Identity{}); rerr != nil {
+		if rerr := fsys.RemoveAt(e.fs, dir, tmp); rerr != nil && !errors.Is(rerr, fs.ErrNotExist) {
 			e.log.Warn("engine: remove a temporary file", "path", tmp, "err", rerr)
 		}
 		return err
 	}
 	if e.cfg.Fsync {
-		return e.fs.SyncDir(dir)
+		return dir.Sync()
 	}
 	return nil
 }

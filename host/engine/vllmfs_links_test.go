@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 	"testing"
 
 	"github.com/kvhost/kvhost/abi"
@@ -321,5 +322,130 @@ func TestAVllmFSConfigIsNeverReadThroughALink(t *testing.T) {
 	}
 	if b, err := os.ReadFile(theirs); err != nil || string(b) != tier.configJSON() {
 		t.Errorf("the file outside was changed (%v)", err)
+	}
+}
+
+// TestAVllmFSConfigIsWrittenInTheBaseDirectoryRead: Open writes a
+// configured base directory's config.json (a temporary file, then a
+// rename) where it has none or one that does not parse, and wrote it by
+// path: where the base directory's name was swapped for a symbolic link
+// after Open had read it (its config.json checked, or its absence), the
+// temporary file and the rename went through the link, and config.json,
+// written with the daemon's rights, landed in the directory the link
+// reached. The directory is now opened once, its config.json read and
+// written relative to that descriptor: the write lands in the directory
+// read, wherever its name now points, and nothing reaches the link's
+// target. The swap is made by the file system seam at the create of the
+// temporary file, after the read and before the write.
+func TestAVllmFSConfigIsWrittenInTheBaseDirectoryRead(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		cut  bool // the base directory exists with an empty config.json; else none exists
+	}{
+		{"a config.json cut by a crash", true},
+		{"no base directory yet", false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			root, outside := t.TempDir(), t.TempDir()
+			tier := newFSTier(root, 8192)
+			base := tier.base()
+			if tc.cut {
+				if err := os.MkdirAll(base, 0o755); err != nil {
+					t.Fatal(err)
+				}
+				if err := os.WriteFile(filepath.Join(base, "config.json"), nil, 0o644); err != nil {
+					t.Fatal(err)
+				}
+			}
+			moved := filepath.Join(root, "moved")
+			var swapped atomic.Bool
+			swap := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+				if op == fsys.OpOpen && filepath.Dir(path) == base && strings.HasPrefix(filepath.Base(path), tmpPrefix) && swapped.CompareAndSwap(false, true) {
+					if err := os.Rename(base, moved); err != nil {
+						t.Error(err)
+					}
+					if err := os.Symlink(outside, base); err != nil {
+						t.Error(err)
+					}
+				}
+				return fsys.Fault{}
+			})
+			e, err := Open(context.Background(), Config{FS: &fsys.Faulty{FS: fsys.OS{}, Inj: swap},
+				Mounts: []Mount{{Path: root, VLLMFS: &VLLMFS{Namespace: tierModel, Fields: tier.fields()}}},
+				Policy: newTestPolicy(4, abi.OrderBlockMajor), Logger: testLogger(t), IOWorkers: 2})
+			if err == nil {
+				e.Close(context.Background())
+			}
+			if !swapped.Load() {
+				t.Fatalf("Open made no temporary file in %s (%v)", base, err)
+			}
+			if ents, rerr := os.ReadDir(outside); rerr != nil || len(ents) != 0 {
+				t.Errorf("the link's target %s holds %v (%v): want nothing written there", outside, ents, rerr)
+			}
+			if b, rerr := os.ReadFile(filepath.Join(moved, "config.json")); rerr != nil || string(b) != tier.configJSON() {
+				t.Errorf("the base directory read (now %s) holds config.json %q (%v): want the configured one", moved, b, rerr)
+			}
+			if err != nil {
+				t.Errorf("Open: %v", err)
+			}
+		})
+	}
+}
+
+// TestAVllmFSBaseDirectoryThatIsALinkAtStartIsTheOperators: a configured
+// base directory that is a symbolic link when Open runs is the
+// operator's (the directory put elsewhere), as a linked root or data
+// directory is: its config.json is read, and written where it has none,
+// in the directory the link reaches. Its config.json is checked as any
+// base directory's: the directory listing skips links, so one recording
+// other fields than configured was not read at all, and Open wrote the
+// configured one over it; it is now refused, as in a directory.
+func TestAVllmFSBaseDirectoryThatIsALinkAtStartIsTheOperators(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		config string // the target's config.json before Open; "" none
+		refuse bool
+	}{
+		{"without a config.json", "", false},
+		{"with the configured config.json", "configured", false},
+		{"with another geometry's config.json", "other", true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			root, elsewhere := t.TempDir(), t.TempDir()
+			tier := newFSTier(root, 8192)
+			var before string
+			switch tc.config {
+			case "configured":
+				before = tier.configJSON()
+			case "other":
+				other := tier
+				other.tp = 2
+				before = other.configJSON()
+			}
+			if before != "" {
+				if err := os.WriteFile(filepath.Join(elsewhere, "config.json"), []byte(before), 0o644); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if err := os.Symlink(elsewhere, tier.base()); err != nil {
+				t.Fatal(err)
+			}
+			e, err := Open(context.Background(), Config{Mounts: []Mount{{Path: root, VLLMFS: &VLLMFS{Namespace: tierModel, Fields: tier.fields()}}},
+				Policy: newTestPolicy(4, abi.OrderBlockMajor), Logger: testLogger(t), IOWorkers: 2})
+			if err == nil {
+				e.Close(context.Background())
+			}
+			got, rerr := os.ReadFile(filepath.Join(elsewhere, "config.json"))
+			switch {
+			case tc.refuse:
+				if !errors.Is(err, ErrInvalid) || string(got) != before {
+					t.Errorf("Open: %v, config.json %q after: want ErrInvalid and the file left as it was", err, got)
+				}
+			case err != nil:
+				t.Errorf("Open: %v", err)
+			case rerr != nil || string(got) != tier.configJSON():
+				t.Errorf("config.json in the link's target: %q (%v): want the configured one", got, rerr)
+			}
+		})
 	}
 }

@@ -163,6 +163,18 @@ func (f *Faulty) Remove(name string) error {
 
 var _ AtFS = (*Faulty)(nil)
 
+// OpenAt implements AtFS, failing as OpenFile does (OpOpen).
+func (f *Faulty) OpenAt(dir File, path string, flag int, perm os.FileMode) (File, error) {
+	if err := f.check(OpOpen, path); err != nil {
+		return nil, err
+	}
+	file, err := OpenAt(f.FS, dir, path, flag, perm)
+	if err != nil {
+		return nil, err
+	}
+	return &faultyFile{File: file, fs: f, name: path}, nil
+}
+
 // StatAt implements AtFS, failing as Stat does (OpStat).
 func (f *Faulty) StatAt(dir File, path string) (os.FileInfo, error) {
 	if err := f.check(OpStat, path); err != nil {

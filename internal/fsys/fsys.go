@@ -63,20 +63,24 @@ func renameNoReplace(inner FS, oldpath, newpath string) error {
 }
 
 // AtFS is an FS that acts on a name in a directory it opened, as the
-// *at system calls do (fstatat, unlinkat, renameat2, mkdirat): only the
+// *at system calls do (openat, fstatat, unlinkat, renameat2, mkdirat): only the
 // last component of path is looked up, in the directory open as dir,
 // whatever path's directories name meanwhile (one replaced by a symbolic
 // link, one renamed away). dir is a File of this FS's OpenFile of path's
 // directory with O_DIRECTORY (O_PATH suffices; with ONoLinks where it
 // must be reached through no link). path is the name's whole path: a
 // wrapper sees what it sees in Stat, Remove, Rename or MkdirAll, and OS
-// uses its last component only. Callers go through StatAt, RemoveAt,
-// RenameAt and MkdirAt, which fall back on those path methods where an FS
-// is no AtFS (an FS that embeds the FS interface, as most wrappers do,
-// is none unless it says so). A type that embeds OS and changes Stat,
-// Remove, Rename or MkdirAll must change these alike, or the engine's
-// calls bypass its own, as with NoReplacer.
+// uses its last component only. Callers go through OpenAt, StatAt,
+// RemoveAt, RenameAt and MkdirAt, which fall back on those path methods
+// where an FS is no AtFS (an FS that embeds the FS interface, as most
+// wrappers do, is none unless it says so). A type that embeds OS and
+// changes OpenFile, Stat, Remove, Rename or MkdirAll must change these
+// alike, or the engine's calls bypass its own, as with NoReplacer.
 type AtFS interface {
+	// OpenAt opens path's last component in dir (openat) with OpenFile's
+	// flags and perm; with ONoLinks it fails, matching syscall.ELOOP,
+	// where that name is a symbolic link (the one name looked up).
+	OpenAt(dir File, path string, flag int, perm os.FileMode) (File, error)
 	// StatAt returns the FileInfo of path's last component in dir,
 	// not following it where it is a symbolic link (fstatat
 	// AT_SYMLINK_NOFOLLOW); its Sys() is a *syscall.Stat_t.
@@ -92,6 +96,15 @@ type AtFS interface {
 	// (mkdirat), failing with an error that matches fs.ErrExist where
 	// the name exists.
 	MkdirAt(dir File, path string, perm os.FileMode) error
+}
+
+// OpenAt is fs's OpenAt where fs is an AtFS, else its OpenFile of path
+// (which follows path's directories, links included, as they are now).
+func OpenAt(fs FS, dir File, path string, flag int, perm os.FileMode) (File, error) {
+	if a, ok := fs.(AtFS); ok {
+		return a.OpenAt(dir, path, flag, perm)
+	}
+	return fs.OpenFile(path, flag, perm)
 }
 
 // StatAt is fs's StatAt where fs is an AtFS, else its Stat of path (which

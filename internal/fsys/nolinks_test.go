@@ -61,11 +61,11 @@ func TestONoLinksOpensNothingThroughALink(t *testing.T) {
 	outside.Untouched(t)
 }
 
-// TestAtOpsActInTheDirectoryOpenedNotWhereALinkPoints: StatAt, RemoveAt,
-// RenameAt and MkdirAt act on the name in the directory opened (O_PATH,
-// ONoLinks), after that directory was moved away and a symbolic link to
-// another put in its place: the files where the link points are left
-// as they were.
+// TestAtOpsActInTheDirectoryOpenedNotWhereALinkPoints: OpenAt, StatAt,
+// RemoveAt, RenameAt and MkdirAt act on the name in the directory opened
+// (O_PATH, ONoLinks), after that directory was moved away and a symbolic
+// link to another put in its place: the files where the link points are
+// left as they were. OpenAt with ONoLinks refuses a link at the name.
 func TestAtOpsActInTheDirectoryOpenedNotWhereALinkPoints(t *testing.T) {
 	d := filepath.Join(t.TempDir(), "d")
 	if err := os.MkdirAll(d, 0o755); err != nil {
@@ -96,6 +96,23 @@ func TestAtOpsActInTheDirectoryOpenedNotWhereALinkPoints(t *testing.T) {
 	if err := MkdirAt(fs, df, filepath.Join(d, "sub"), 0o755); err != nil {
 		t.Fatal(err)
 	}
+	f, err := OpenAt(fs, df, filepath.Join(d, "made"), os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o644)
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.Close()
+	if err := os.Symlink(filepath.Join(outside, "from"), filepath.Join(d+".old", "link")); err != nil {
+		t.Fatal(err)
+	}
+	if f, err := OpenAt(fs, df, filepath.Join(d, "link"), os.O_RDONLY|ONoLinks, 0); !errors.Is(err, syscall.ELOOP) {
+		if err == nil {
+			f.Close()
+		}
+		t.Errorf("OpenAt of a link with ONoLinks: %v, want ELOOP", err)
+	}
+	if err := os.Remove(filepath.Join(d+".old", "link")); err != nil {
+		t.Fatal(err)
+	}
 	if err := MkdirAt(fs, df, filepath.Join(d, "sub"), 0o755); !errors.Is(err, os.ErrExist) {
 		t.Errorf("MkdirAt of a name there: %v, want ErrExist", err)
 	}
@@ -105,7 +122,7 @@ func TestAtOpsActInTheDirectoryOpenedNotWhereALinkPoints(t *testing.T) {
 	for _, e := range ents {
 		names = append(names, e.Name())
 	}
-	if len(names) != 2 || names[0] != "sub" || names[1] != "to" {
-		t.Errorf("in the directory opened: %v, want [sub to]", names)
+	if len(names) != 3 || names[0] != "made" || names[1] != "sub" || names[2] != "to" {
+		t.Errorf("in the directory opened: %v, want [made sub to]", names)
 	}
 }

@@ -125,6 +125,20 @@ var (
 	_ [unsafe.Sizeof(syscall.Stat_t{}) - unsafe.Sizeof(unix.Stat_t{})]byte
 )
 
+// OpenAt implements AtFS with openat(2), the descriptor close-on-exec;
+// ONoLinks is O_NOFOLLOW there, path's last component being the one name
+// looked up.
+func (OS) OpenAt(dir File, path string, flag int, perm os.FileMode) (File, error) {
+	if flag&ONoLinks != 0 {
+		flag = flag&^ONoLinks | unix.O_NOFOLLOW
+	}
+	fd, err := unix.Openat(int(dir.Fd()), filepath.Base(path), flag|unix.O_CLOEXEC, uint32(perm.Perm()))
+	if err != nil {
+		return nil, &os.PathError{Op: "openat", Path: path, Err: err}
+	}
+	return &osFile{fd: fd, name: path}, nil
+}
+
 // StatAt implements AtFS with fstatat(2) AT_SYMLINK_NOFOLLOW.
 func (OS) StatAt(dir File, path string) (os.FileInfo, error) {
 	// syscall's Stat_t (the FileInfo's Sys, as os.Stat's) is the

@@ -63,6 +63,16 @@ func (f *watchedFS) Remove(name string) error {
 	return f.fs.Remove(name)
 }
 
+// OpenAt implements AtFS.
+func (f *watchedFS) OpenAt(dir File, path string, flag int, perm os.FileMode) (File, error) {
+	defer f.w.End(f.w.Begin())
+	file, err := OpenAt(f.fs, dir, path, flag, perm)
+	if err != nil {
+		return nil, err
+	}
+	return &watchedFile{File: file, w: f.w}, nil
+}
+
 // StatAt implements AtFS.
 func (f *watchedFS) StatAt(dir File, path string) (os.FileInfo, error) {
 	defer f.w.End(f.w.Begin())

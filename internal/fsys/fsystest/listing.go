@@ -101,6 +101,17 @@ func (c *ListingCache) Remove(name string) error {
 
 var _ fsys.AtFS = (*ListingCache)(nil)
 
+// OpenAt opens as OpenFile does, path's name in dir, invalidating its
+// directory's listing where it makes the file.
+func (c *ListingCache) OpenAt(dir fsys.File, path string, flag int, perm os.FileMode) (fsys.File, error) {
+	_, serr := fsys.StatAt(c.FS, dir, path)
+	f, err := fsys.OpenAt(c.FS, dir, path, flag, perm)
+	if err == nil && flag&os.O_CREATE != 0 && errors.Is(serr, os.ErrNotExist) {
+		c.changed(path)
+	}
+	return f, err
+}
+
 // StatAt is the wrapped FS's (fsys.StatAt).
 func (c *ListingCache) StatAt(dir fsys.File, path string) (os.FileInfo, error) {
 	return fsys.StatAt(c.FS, dir, path)
