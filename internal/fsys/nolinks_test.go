@@ -101,7 +101,7 @@ func TestAtOpsActInTheDirectoryOpenedNotWhereALinkPoints(t *testing.T) {
 		t.Fatal(err)
 	}
 	f.Close()
-	if err := os.Symlink(filepath.Join(outside, "from"), filepath.Join(d+".old", "link")); err != nil {
+	if err := os.Symlink(filepath.Join(outside.Dir, "from"), filepath.Join(d+".old", "link")); err != nil {
 		t.Fatal(err)
 	}
 	if f, err := OpenAt(fs, df, filepath.Join(d, "link"), os.O_RDONLY|ONoLinks, 0); !errors.Is(err, syscall.ELOOP) {
