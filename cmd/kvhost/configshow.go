@@ -47,17 +47,23 @@ func runConfigShowOn(ctx context.Context, mc machine, args []string, stdout, std
 	fs := flag.NewFlagSet("kvhost config show", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	flags := config.BindFlags(fs)
-	fs.Usage = func() {
-		fmt.Fprintln(fs.Output(), configShowUsage)
-		fmt.Fprintln(fs.Output(), "\nflags:")
+	usage := func(w io.Writer) {
+		fmt.Fprintln(w, configShowUsage)
+		fmt.Fprintln(w, "\nflags:")
+		fs.SetOutput(w)
 		fs.PrintDefaults()
+		fs.SetOutput(stderr)
 	}
+	// Parse's errors print the usage below, to stdout after --help (as
+	// `kvhost config --help` does) and to stderr after a bad flag; Parse
+	// itself prints none, or --help would print it twice.
+	fs.Usage = func() {}
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
-			fs.SetOutput(stdout)
-			fs.Usage()
+			usage(stdout)
 			return 0
 		}
+		usage(stderr)
 		return 2
 	}
 	if fs.NArg() > 0 {
