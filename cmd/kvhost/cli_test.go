@@ -8,6 +8,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"testing"
 
@@ -29,6 +30,56 @@ func TestHelpListsEveryCommandAndTheDaemonFlags(t *testing.T) {
 	for _, want := range []string{"-config", "-dir", "-socket", "-policy", "-capacity", "tiered"} {
 		if !strings.Contains(out.String(), want) {
 			t.Errorf("--help does not mention %q:\n%s", want, out.String())
+		}
+	}
+}
+
+// TestEveryFlagOfEveryCommandIsDocumented: every flag that a command's
+// --help lists is named, as -NAME or --NAME, in the page of docs/ that
+// documents the command, and every command that has flags has such a
+// page: a flag added to the code and not to the page fails here.
+func TestEveryFlagOfEveryCommandIsDocumented(t *testing.T) {
+	pages := map[string]struct {
+		help []string // the arguments that print the command's flags
+		page string   // the page under docs/ that documents them
+	}{
+		"serve":  {[]string{"serve", "--help"}, "serve.md"},
+		"stats":  {[]string{"stats", "--help"}, "serve.md"},
+		"health": {[]string{"health", "--help"}, "serve.md"},
+		"reload": {[]string{"reload", "--help"}, "serve.md"},
+		"purge":  {[]string{"purge", "--help"}, "serve.md"},
+		"check":  {[]string{"check", "--help"}, "bench.md"},
+		"bench":  {[]string{"bench", "--help"}, "bench.md"},
+		"policy": {[]string{"policy", "--help"}, "policy-host.md"},
+		// config show takes the daemon's flags, which serve.md lists.
+		"config": {[]string{"config", "show", "--help"}, "serve.md"},
+	}
+	flagLine := regexp.MustCompile(`(?m)^  -([a-z0-9-]+)`)
+	for name := range commands() {
+		p, ok := pages[name]
+		if !ok {
+			p.help = []string{name, "--help"}
+		}
+		var out, errb bytes.Buffer
+		if code := run(context.Background(), p.help, &out, &errb); code != 0 {
+			t.Fatalf("kvhost %s: exit %d, stderr %s", strings.Join(p.help, " "), code, errb.String())
+		}
+		flags := flagLine.FindAllStringSubmatch(out.String()+errb.String(), -1)
+		if !ok {
+			if len(flags) > 0 {
+				t.Errorf("kvhost %s has flags (%s ...) but no page of docs/ in this test's table", name, flags[0][1])
+			}
+			continue
+		}
+		doc, err := os.ReadFile(filepath.Join("..", "..", "docs", p.page))
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, f := range flags {
+			named := regexp.MustCompile(`(^|[^A-Za-z0-9-])--?` + regexp.QuoteMeta(f[1]) + `($|[^A-Za-z0-9-])`)
+			if !named.Match(doc) {
+				t.Errorf("kvhost %s: flag -%s is not in docs/%s", name, f[1], p.page)
+			}
 		}
 	}
 }
