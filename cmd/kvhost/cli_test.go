@@ -9,6 +9,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"runtime"
 	"strings"
 	"testing"
 
@@ -94,6 +95,42 @@ func TestVersionFlagAndCommandAgree(t *testing.T) {
 	}
 	if a.String() != b.String() || !strings.HasPrefix(a.String(), "kvhost ") {
 		t.Fatalf("--version %q, version %q", a.String(), b.String())
+	}
+}
+
+// TestVersionHelpDescribesTheCommandAndArgumentsAreRefused: `kvhost
+// version --help` prints its usage, as `kvhost COMMAND --help` does for
+// every command, not the version; an argument it does not take is a usage
+// error (exit 2) naming it, as for every other command, not ignored.
+func TestVersionHelpDescribesTheCommandAndArgumentsAreRefused(t *testing.T) {
+	cases := []struct {
+		args   []string
+		code   int
+		stdout string // a substring of stdout; "" wants it empty
+		stderr string // a substring of stderr; "" wants it empty
+	}{
+		{[]string{"version"}, 0, "kvhost ", ""},
+		{[]string{"version", "--help"}, 0, "usage: kvhost version", ""},
+		{[]string{"version", "-h"}, 0, "usage: kvhost version", ""},
+		{[]string{"version", "--bogus"}, 2, "", `unexpected argument "--bogus"`},
+		{[]string{"version", "extra"}, 2, "", `unexpected argument "extra"`},
+	}
+	for _, c := range cases {
+		t.Run(strings.Join(c.args, " "), func(t *testing.T) {
+			var out, errb bytes.Buffer
+			code := run(context.Background(), c.args, &out, &errb)
+			if code != c.code {
+				t.Fatalf("exit %d, want %d (stdout %q, stderr %q)", code, c.code, out.String(), errb.String())
+			}
+			for _, s := range []struct{ name, got, want string }{{"stdout", out.String(), c.stdout}, {"stderr", errb.String(), c.stderr}} {
+				if s.want == "" && s.got != "" || !strings.Contains(s.got, s.want) {
+					t.Errorf("%s %q, want it to contain %q (or be empty where nothing is wanted)", s.name, s.got, s.want)
+				}
+			}
+			if c.code == 0 && len(c.args) > 1 && strings.Contains(out.String(), runtime.Version()) {
+				t.Errorf("--help printed the version:\n%s", out.String())
+			}
+		})
 	}
 }
 

@@ -61,7 +61,25 @@ var gpuBuild = cuda.Loadable
 // `kvhost check`.
 const cpuOnlyNote = "CPU only: built without cgo, so it cannot load CUDA; serves host memory only"
 
-func runVersion(_ context.Context, _ []string, stdout, _ io.Writer) int {
+// versionUsage describes `kvhost version`.
+const versionUsage = `usage: kvhost version
+
+Prints the binary's release (or module version), its VCS revision, the Go
+version and platform it was built with, and whether it was built without
+cgo (CPU only). It takes no flags.`
+
+// runVersion implements `kvhost version` (and `kvhost --version`, which
+// passes no arguments): --help prints its usage, as every command's does,
+// and any other argument is a usage error rather than ignored.
+func runVersion(_ context.Context, args []string, stdout, stderr io.Writer) int {
+	switch {
+	case len(args) == 1 && isHelpFlag(args[0]):
+		fmt.Fprintln(stdout, versionUsage)
+		return 0
+	case len(args) > 0:
+		fmt.Fprintf(stderr, "kvhost version: unexpected argument %q\n\n%s\n", args[0], versionUsage)
+		return 2
+	}
 	fmt.Fprintln(stdout, versionString())
 	return 0
 }
