@@ -4,6 +4,9 @@ import (
 	"io"
 	"net/http"
 	"net/http/httptest"
+	"os"
+	"path/filepath"
+	"regexp"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -121,7 +124,7 @@ func TestMetricsExposeSourcesAndObservations(t *testing.T) {
 		},
 		Policy: func() PolicyState {
 			return PolicyState{Name: "lru", Stats: policy.Stats{Backend: "native", Fallback: true, FallbackReason: "trap in kvhost_name",
-				Calls: map[string]uint64{"kvhost_name": 11}, Failures: 3, Replacements: 2, RemovedOffered: 6}}
+				Calls: map[string]uint64{"kvhost_name": 11}, Records: map[string]uint64{"kvhost_name": 40}, Failures: 3, Replacements: 2, RemovedOffered: 6}}
 		},
 		DataPaths: func() []DataPath { return []DataPath{{Mount: dir, Fallbacks: map[string]uint64{"cufile": 6}}} },
 		Reloads:   func() (uint64, uint64) { return 4, 1 },
@@ -215,6 +218,7 @@ func TestMetricsExposeSourcesAndObservations(t *testing.T) {
 		{"kvhost_policy_info", map[string]string{"policy": "lru", "backend": "native"}, 1},
 		{"kvhost_policy_fallback", map[string]string{"reason": "trap in kvhost_name"}, 1},
 		{"kvhost_policy_calls_total", map[string]string{"hook": "kvhost_name"}, 11},
+		{"kvhost_policy_records_total", map[string]string{"hook": "kvhost_name"}, 40},
 		{"kvhost_policy_failures_total", nil, 3},
 		{"kvhost_policy_removed_offered_total", nil, 6},
 		{"kvhost_policy_restarts_total", nil, 2},
@@ -262,6 +266,29 @@ func TestMetricsExposeSourcesAndObservations(t *testing.T) {
 	for name := range fams {
 		if !strings.HasPrefix(name, "kvhost_") && !strings.HasPrefix(name, "go_") && !strings.HasPrefix(name, "process_") {
 			t.Errorf("metric %s outside the documented prefixes", name)
+		}
+	}
+	// Every source is set above, so every metric is exposed: each is named
+	// in the first column of a table of docs/metrics.md, and each name
+	// there is exposed.
+	doc, err := os.ReadFile(filepath.Join("..", "..", "docs", "metrics.md"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	documented := map[string]bool{}
+	for _, row := range regexp.MustCompile("(?m)^\\| (`kvhost_[^|]*)\\|").FindAllStringSubmatch(string(doc), -1) {
+		for _, n := range regexp.MustCompile("`(kvhost_[a-z0-9_]+)`").FindAllStringSubmatch(row[1], -1) {
+			documented[n[1]] = true
+		}
+	}
+	for name := range fams {
+		if strings.HasPrefix(name, "kvhost_") && !documented[name] {
+			t.Errorf("metric %s is not in the tables of docs/metrics.md", name)
+		}
+	}
+	for name := range documented {
+		if fams[name] == nil {
+			t.Errorf("docs/metrics.md names %s, which is not exposed", name)
 		}
 	}
 }
