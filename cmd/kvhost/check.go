@@ -173,7 +173,16 @@ func writeCheck(w io.Writer, rep *checkReport) {
 	for _, s := range rep.Speed {
 		fmt.Fprintf(w, "%-4s  %-8s  speed: %s, %s: %.2f GB/s\n", levelInfo, s.Mount, s.Test, sizeOf(s.Bytes), s.GBps)
 	}
-	fmt.Fprintf(w, "kvhost check: %d ok, %d warnings, %d failures\n", rep.OK, rep.Warn, rep.Fail)
+	fmt.Fprintf(w, "kvhost check: %d ok, %s, %s\n", rep.OK, counted(rep.Warn, "warning"), counted(rep.Fail, "failure"))
+}
+
+// counted is n and what it counts, plural but for one: "1 warning",
+// "0 failures".
+func counted(n int, what string) string {
+	if n == 1 {
+		return "1 " + what
+	}
+	return fmt.Sprintf("%d %ss", n, what)
 }
 
 // doCheck runs every check. CUDA's current device and cuFile's state are

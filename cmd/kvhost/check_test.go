@@ -744,3 +744,23 @@ func TestCheckSpeedNeverWritesThroughALinkInTheMount(t *testing.T) {
 		untouched(t, v)
 	})
 }
+
+// TestCheckSummaryCountsInTheSingularForOne: the last line of `kvhost
+// check` says "1 warning" and "1 failure", and the plural for any other
+// count.
+func TestCheckSummaryCountsInTheSingularForOne(t *testing.T) {
+	for _, tc := range []struct {
+		warn, fail int
+		want       string
+	}{
+		{0, 0, "kvhost check: 2 ok, 0 warnings, 0 failures\n"},
+		{1, 1, "kvhost check: 2 ok, 1 warning, 1 failure\n"},
+		{2, 3, "kvhost check: 2 ok, 2 warnings, 3 failures\n"},
+	} {
+		var b strings.Builder
+		writeCheck(&b, &checkReport{OK: 2, Warn: tc.warn, Fail: tc.fail})
+		if b.String() != tc.want {
+			t.Errorf("warnings %d, failures %d: %q, want %q", tc.warn, tc.fail, b.String(), tc.want)
+		}
+	}
+}

@@ -42,11 +42,8 @@ func runHealth(ctx context.Context, args []string, stdout, stderr io.Writer) int
 	}
 	if !*quiet {
 		state := "ok"
-		switch n := len(warnings); {
-		case n == 1:
-			state = "ok, 1 warning"
-		case n > 1:
-			state = fmt.Sprintf("ok, %d warnings", n)
+		if n := len(warnings); n > 0 {
+			state = "ok, " + counted(n, "warning")
 		}
 		fmt.Fprintf(stdout, "kvhost health: %s (%s, %d clients, %d jobs in flight)\n", state, r.Version, r.Clients, r.InflightJobs)
 	}
