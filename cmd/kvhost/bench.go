@@ -78,7 +78,7 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		cfgPath, tpk, jobs, paths, sums, mix, logLevel, cudaLib, cufileLib string
 		fsync                                                              string
 	)
-	fs.StringVar(&o.dir, "dir", "", "directory to benchmark (required); the benchmark works in a fresh subdirectory and removes it")
+	fs.StringVar(&o.dir, "dir", "", "directory to benchmark (required); the benchmark works in a fresh subdirectory and removes it, and DIR where it made it")
 	fs.StringVar(&cfgPath, "config", "", "kvhost configuration file: its [engine], [gpu] and [policy] settings are used, and its first mount's io, reserve and preallocate")
 	fs.IntVar(&o.geometry.Layers, "layers", 32, "model layers")
 	fs.IntVar(&o.geometry.KVHeads, "kv-heads", 8, "KV heads (on this rank)")
@@ -441,16 +441,40 @@ func intList(flagName, s string) ([]int, error) {
 	return out, nil
 }
 
-// benchDirs are the benchmark's working directories under --dir.
-func benchDirs(dir string) (root string, err error) {
+// benchDirs makes the benchmark's working directory, a fresh one under
+// dir, and dir itself and the directories above it where missing. made
+// is those it made, the deepest first: removeMade removes them again
+// where they are left empty.
+func benchDirs(dir string) (root string, made []string, err error) {
+	for d := filepath.Clean(dir); ; d = filepath.Dir(d) {
+		if _, err := os.Lstat(d); err == nil || !errors.Is(err, os.ErrNotExist) {
+			break
+		}
+		made = append(made, d)
+		if d == filepath.Dir(d) {
+			break
+		}
+	}
 	if err := os.MkdirAll(dir, 0o750); err != nil {
-		return "", fmt.Errorf("--dir: %w", err)
+		return "", nil, fmt.Errorf("--dir: %w", err)
 	}
 	root, err = os.MkdirTemp(dir, "kvhost-bench-")
 	if err != nil {
-		return "", fmt.Errorf("--dir: %w", err)
+		removeMade(made)
+		return "", nil, fmt.Errorf("--dir: %w", err)
 	}
-	return root, nil
+	return root, made, nil
+}
+
+// removeMade removes the directories benchDirs made, the deepest first,
+// each only if it is empty (os.Remove refuses one that is not): a
+// benchmark leaves behind no directory of its own but what --keep keeps.
+func removeMade(made []string) {
+	for _, d := range made {
+		if os.Remove(d) != nil {
+			return
+		}
+	}
 }
 
 // absDir is dir made absolute for the report.

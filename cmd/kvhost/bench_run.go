@@ -49,12 +49,15 @@ type ceilingPair struct{ read, reread, write, stagedRead, stagedWrite bench.Ceil
 // report.
 func runBenchmark(ctx context.Context, o benchOptions, log *slog.Logger, stderr io.Writer) (*bench.Report, error) {
 	start := time.Now()
-	root, err := benchDirs(o.dir)
+	root, made, err := benchDirs(o.dir)
 	if err != nil {
 		return nil, err
 	}
 	if !o.keep {
-		defer os.RemoveAll(root)
+		defer func() {
+			os.RemoveAll(root)
+			removeMade(made)
+		}()
 	}
 	host, _ := os.Hostname()
 	r := &benchRun{

@@ -5,6 +5,7 @@ import (
 	"compress/gzip"
 	"context"
 	"encoding/xml"
+	"errors"
 	"fmt"
 	"io"
 	"math"
@@ -1112,5 +1113,25 @@ func TestCeilingSparesFollowTheRoundsMix(t *testing.T) {
 				t.Fatalf("spreadSpares(%d, %d): %d existing, %d in the first half; want %d spread evenly", tc.files, got, n, firstHalf, got)
 			}
 		})
+	}
+}
+
+// TestBenchRemovesTheDirectoriesItMadeAndKeepsThoseItFound: --dir naming
+// a directory that does not exist yet, two levels deep, is made for the
+// run and gone after it; a --dir that existed stays, empty.
+func TestBenchRemovesTheDirectoriesItMadeAndKeepsThoseItFound(t *testing.T) {
+	base := t.TempDir()
+	made := filepath.Join(base, "made", "deeper")
+	benchReport(t, made, "--keys", "2", "--jobs", "1")
+	if _, err := os.Lstat(filepath.Join(base, "made")); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("the directory the benchmark made is left: %v", err)
+	}
+	found := filepath.Join(base, "found")
+	if err := os.Mkdir(found, 0o755); err != nil {
+		t.Fatal(err)
+	}
+	benchReport(t, found, "--keys", "2", "--jobs", "1")
+	if ents, err := os.ReadDir(found); err != nil || len(ents) != 0 {
+		t.Errorf("the directory that was there: %d entries, %v; want it kept, empty", len(ents), err)
 	}
 }
