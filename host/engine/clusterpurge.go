@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 
 	"github.com/kvhost/kvhost/internal/clustercap"
 )
@@ -40,6 +41,12 @@ func (e *Engine) recordPurges(ctx context.Context, fps []uint64) error {
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// clustered reports whether e has a mount with a cluster capacity, which
+// a purge tells of every fingerprint asked (recordPurges).
+func (e *Engine) clustered() bool {
+	return slices.ContainsFunc(e.mounts, func(m *mount) bool { return m.cluster != nil })
 }
 
 // purgedOnCluster reports whether en, an entry of a file found on the

@@ -176,3 +176,33 @@ func TestAPurgeRecordSparesFilesStoredAfterItAndReachesANodeThatWasDown(t *testi
 		t.Fatalf("A finds %d of the key B stored after the purge, want 1", n)
 	}
 }
+
+// TestAPurgeOfAFingerprintThisNodeNeverSawReachesTheNodesThatHoldIt:
+// node A never declared B's namespace nor indexed a file of it (A was
+// running before B stored them, and never looked them up), the case
+// docs/cluster.md sends to --fingerprint; A's purge of the fingerprint
+// still writes the record, counting none of A's files, and B's next tick
+// removes its files.
+func TestAPurgeOfAFingerprintThisNodeNeverSawReachesTheNodesThatHoldIt(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	a := clusterNode(t, dir, "a", 1<<30, time.Hour)
+	_, bo := purgeNode(t, dir, "b")
+	keys := storeKeys(t, bo, "bo", 2, rand.New(rand.NewPCG(13, 14)))
+	g := smallGeometry(false)
+	g.Model = "other"
+	res, err := a.e.Purge(ctx, g.Fingerprint())
+	if err != nil {
+		t.Fatalf("A's purge of a fingerprint only B holds: %v", err)
+	}
+	if res.Files != 0 || res.Others != 0 {
+		t.Fatalf("A's purge: %+v, want none of A's files", res)
+	}
+	bo.tick()
+	if n := len(kvFiles(t, dir)); n != 0 {
+		t.Fatalf("after B's tick, %d files of the purged namespace left: %v", n, kvFiles(t, dir))
+	}
+	if n := bo.hits(t, keys); n != 0 {
+		t.Fatalf("B finds %d keys of the purged namespace", n)
+	}
+}

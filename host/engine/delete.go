@@ -138,9 +138,11 @@ type PurgeResult struct {
 // client declares the namespace now, so that the files of a model no
 // longer served, found at start, can be removed too. It fails with
 // ErrUnknownNamespace where the engine knows no namespace of fp and
-// indexes no file of it. It removes the files indexed when it looks: a
-// store of the namespace still running meanwhile may leave files behind;
-// stop the model's clients first. On a mount with a cluster capacity
+// indexes no file of it, unless it has a cluster mount, where it writes
+// the purge record all the same: another node may hold the only files.
+// It removes the files indexed when it looks: a store of the namespace
+// still running meanwhile may leave files behind; stop the model's
+// clients first. On a mount with a cluster capacity
 // (Mount.ClusterCapacity) it also writes a purge record there
 // (clusterpurge.go): every node of the mount drops the namespace's files
 // written at or before the record from its index at its next interval and
@@ -166,7 +168,9 @@ func (e *Engine) Purge(ctx context.Context, fp uint64) (PurgeResult, error) {
 		return PurgeResult{}, ErrClosed
 	}
 	var r PurgeResult
-	if !e.purge(ctx, []uint64{fp}, &r) && !known {
+	// On a cluster mount the files may be another node's alone, which
+	// this node never found: the record goes out all the same.
+	if !e.purge(ctx, []uint64{fp}, &r) && !known && !e.clustered() {
 		return r, fmt.Errorf("%w: no namespace of fingerprint %016x, and no file of one (kvhost stats lists them)", ErrUnknownNamespace, fp)
 	}
 	return r, e.recordPurges(ctx, []uint64{fp})
