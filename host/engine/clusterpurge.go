@@ -5,8 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"slices"
-
-	"github.com/kvhost/kvhost/internal/clustercap"
 )
 
 // Purges on a cluster mount (docs/cluster.md, "Purges"). A node removes
@@ -63,18 +61,14 @@ func (e *Engine) purgedOnCluster(en *entry) bool {
 
 // mayPurge reports whether a purge removes en's file rather than only
 // dropping it from the index: everywhere but on a cluster mount, where
-// only a file this node may evict (mayEvict) or one without an owner tag
-// (no node's) goes; another node's is its node's to remove. Called with
-// index.mu held.
+// only a file this node may evict (mayEvict) goes; another node's is its
+// node's to remove. A file without an owner tag (written before tags) is
+// no node's, and every node indexing it may have a client pin on it,
+// which no other node sees: it leaves every index and stays on the mount,
+// as no eviction removes it either. Called with index.mu held.
 func (e *Engine) mayPurge(en *entry) bool {
 	m := e.mounts[en.mount]
-	if m.cluster == nil {
-		return true
-	}
-	if _, tagged := clustercap.Owner(en.fid); !tagged {
-		return true
-	}
-	return e.mayEvict(m, en)
+	return m.cluster == nil || e.mayEvict(m, en)
 }
 
 // applyPurges drops m's entries that a purge record covers (the records

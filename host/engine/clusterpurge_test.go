@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"bytes"
 	"context"
 	"math/rand/v2"
 	"os"
@@ -8,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvhost/kvhost/internal/format"
 	"github.com/kvhost/kvhost/internal/testwait"
 )
 
@@ -204,5 +206,69 @@ func TestAPurgeOfAFingerprintThisNodeNeverSawReachesTheNodesThatHoldIt(t *testin
 	}
 	if n := bo.hits(t, keys); n != 0 {
 		t.Fatalf("B finds %d keys of the purged namespace", n)
+	}
+}
+
+// TestAPurgeLeavesAFileWithoutAnOwnerTagThatAnotherNodePins: a file
+// written before owner tags (no file id) is no node's, and both nodes
+// index it. Node B pins its key (an inference server's HIT, loaded
+// next); node A's purge and A's tick must not unlink it under B's pin,
+// which A cannot see: B's load reads the bytes. Once B's pin ended, B's
+// tick drops it too: no node finds the key, and the file stays on the
+// mount, as no eviction removes such a file either.
+func TestAPurgeLeavesAFileWithoutAnOwnerTagThatAnotherNodePins(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	p := openNode(t, dir, "plain", nil, 1)
+	keys := storeKeys(t, p, "untagged", 1, rand.New(rand.NewPCG(15, 16)))
+	want := keyBytes(p, 0)
+	if err := p.e.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	untag(t, kvFiles(t, dir)[0])
+	a, _ := purgeNode(t, dir, "a")
+	b, _ := purgeNode(t, dir, "b")
+	if n := a.hits(t, keys); n != 1 {
+		t.Fatalf("A finds %d of the untagged key, want 1", n)
+	}
+	pin, held, err := b.e.Pin(ctx, b.ns, keys, 0)
+	if err != nil || !held[0] {
+		t.Fatalf("B's pin: %v, %v", held, err)
+	}
+	if _, err := a.e.Purge(ctx, smallGeometry(true).Fingerprint()); err != nil {
+		t.Fatal(err)
+	}
+	a.tick()
+	loadAndCompare(t, b.e, b.c, keys, [][]int{{60, 61, 62, 63}}, [][]byte{want})
+	b.e.Unpin(ctx, pin)
+	b.tick()
+	for _, n := range []*node{a, b} {
+		if got := n.hits(t, keys); got != 0 {
+			t.Fatalf("node %s finds the purged untagged key", n.e.node)
+		}
+	}
+	if n := len(kvFiles(t, dir)); n != 1 {
+		t.Fatalf("%d files on the mount, want the untagged one, no node's to remove", n)
+	}
+}
+
+// untag rewrites the header of the file at path with no file id, as a
+// kvhost before file ids wrote it: no owner tag.
+func untag(t *testing.T, path string) {
+	t.Helper()
+	b, err := os.ReadFile(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h, err := format.Decode(bytes.Clone(b)) // its keys alias what it decodes
+	if err != nil {
+		t.Fatal(err)
+	}
+	h.ID = 0
+	if err := h.Encode(b); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(path, b, 0o644); err != nil {
+		t.Fatal(err)
 	}
 }

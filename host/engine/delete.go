@@ -148,9 +148,9 @@ type PurgeResult struct {
 // written at or before the record from its index at its next interval and
 // removes those of its own, as it removes this engine's here (its client
 // pins keep theirs until they end); this engine removes its own files and
-// those of the dead nodes it adopted (and files without an owner tag), and
-// drops the other nodes' files it indexed, leaving them to their nodes
-// (PurgeResult.Others). A record that cannot be written fails the purge
+// those of the dead nodes it adopted, and drops the other nodes' files it
+// indexed, leaving them to their nodes (PurgeResult.Others), and files
+// without an owner tag, which no node removes (mayPurge). A record that cannot be written fails the purge
 // after the files are removed here. On another shared directory it removes
 // the files this engine indexes: its own, and other nodes' that it found
 // (a lookup, a load, its start's walk); another node's files it never
