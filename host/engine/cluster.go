@@ -144,6 +144,10 @@ type clusterMount struct {
 	// copied: at the last tick another process held this node's lock file
 	// (clustercap.Dir.Relock), a second copy of this node: set the twin.
 	copied bool
+	// ahead holds, by fingerprint, the purge record dated too far ahead
+	// of this node's clock to apply (clustercap.PurgeAhead) that a tick
+	// logged: each is logged once.
+	ahead map[uint64]int64
 }
 
 // lockProbe is this node's probing of a running node's lock (probeLocks).
@@ -209,7 +213,7 @@ func (e *Engine) openCluster() error {
 			return fmt.Errorf("engine: mount %s: %w", m.root, err)
 		}
 		c := &clusterMount{dir: dir, bound: b, interval: cm.ClusterInterval, tag: clustercap.Tag(e.node), floor: map[uint64]uint64{}, walked: map[uint32]int64{}, temps: map[string]uint32{}, bad: map[string]bool{}, unknown: map[string]bool{},
-			shared: map[string]bool{}, probes: map[string]*lockProbe{}, unproven: map[string]bool{}}
+			shared: map[string]bool{}, probes: map[string]*lockProbe{}, unproven: map[string]bool{}, ahead: map[uint64]int64{}}
 		c.dead.Store(&map[uint32]bool{})
 		if c.interval == 0 {
 			c.interval = DefaultClusterInterval

@@ -5,6 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"slices"
+	"time"
+
+	"github.com/kvhost/kvhost/internal/clustercap"
 )
 
 // Purges on a cluster mount (docs/cluster.md, "Purges"). A node removes
@@ -55,8 +58,16 @@ func (e *Engine) purgedOnCluster(en *entry) bool {
 	if c == nil {
 		return false
 	}
-	t, ok := c.dir.PurgedAt(en.fp)
+	t, ok := c.dir.PurgedAt(en.fp, e.purgeLimit())
 	return ok && en.ident.Mtime <= t
+}
+
+// purgeLimit is the latest purge record time that applies now: this
+// node's clock plus clustercap.PurgeAhead. A record further ahead (a
+// garbage name, or a file system clock far off) would purge the
+// namespace's files written until then, new ones too, at every tick.
+func (e *Engine) purgeLimit() int64 {
+	return e.now().Add(clustercap.PurgeAhead).UnixNano()
 }
 
 // mayPurge reports whether a purge removes en's file rather than only
@@ -77,7 +88,14 @@ func (e *Engine) mayPurge(en *entry) bool {
 // the index, and a file a client pin holds stays, to go at the first tick
 // after its pin ends. Called with c.mu held (tick).
 func (c *clusterMount) applyPurges(ctx context.Context, e *Engine, m *mount) {
-	purges := c.dir.Purges()
+	purges, ahead := c.dir.Purges(e.purgeLimit())
+	for fp, t := range ahead {
+		if c.ahead[fp] != t {
+			e.log.Warn("engine: cluster: a purge record is dated too far ahead of this node's clock to apply (a clock far off, or a file that is no record); it applies once this node's clock is within the bound, and the next purge of the namespace removes it",
+				"mount", m.root, "fingerprint", fmt.Sprintf("%016x", fp), "record_time", time.Unix(0, t).UTC(), "bound", clustercap.PurgeAhead)
+		}
+	}
+	c.ahead = ahead
 	if len(purges) == 0 {
 		return
 	}

@@ -3,12 +3,15 @@ package engine
 import (
 	"bytes"
 	"context"
+	"fmt"
+	"math"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
 	"testing"
 	"time"
 
+	"github.com/kvhost/kvhost/internal/clustercap"
 	"github.com/kvhost/kvhost/internal/format"
 	"github.com/kvhost/kvhost/internal/testwait"
 )
@@ -149,7 +152,7 @@ func TestAPurgeRecordSparesFilesStoredAfterItAndReachesANodeThatWasDown(t *testi
 	if _, err := a.e.Purge(ctx, smallGeometry(true).Fingerprint()); err != nil {
 		t.Fatal(err)
 	}
-	at, ok := a.e.mounts[0].cluster.dir.PurgedAt(smallGeometry(true).Fingerprint())
+	at, ok := a.e.mounts[0].cluster.dir.PurgedAt(smallGeometry(true).Fingerprint(), a.e.purgeLimit())
 	if !ok {
 		t.Fatal("no purge record after A's purge")
 	}
@@ -160,16 +163,7 @@ func TestAPurgeRecordSparesFilesStoredAfterItAndReachesANodeThatWasDown(t *testi
 	if n := b.hits(t, old); n != 0 {
 		t.Fatalf("B finds %d keys stored before the purge", n)
 	}
-	// The file system's clock past the record's time: a file written now
-	// is newer than it.
-	probe := filepath.Join(t.TempDir(), "probe")
-	testwait.Until(t, "the file system's clock to pass the purge record's", 10*time.Second, func() bool {
-		if err := os.WriteFile(probe, nil, 0o644); err != nil {
-			t.Fatal(err)
-		}
-		fi, err := os.Stat(probe)
-		return err == nil && fi.ModTime().UnixNano() > at
-	})
+	waitPastFSClock(t, at)
 	fresh := storeKeys(t, b, "new", 1, rand.New(rand.NewPCG(11, 12)))
 	b.tick()
 	a.tick()
@@ -271,4 +265,60 @@ func untag(t *testing.T, path string) {
 	if err := os.WriteFile(path, b, 0o644); err != nil {
 		t.Fatal(err)
 	}
+}
+
+// TestAPurgeRecordFarAheadOfTheClockIsNotApplied: a record dated far in
+// the future (a garbage name, or a node whose file system clock is far
+// off) would purge every file of the namespace written until then, the
+// new weights' too, at every tick. It is not applied; A's real purge
+// after it still is: B's file written before that purge goes, the file B
+// stores after it stays and loads, and A finds it.
+func TestAPurgeRecordFarAheadOfTheClockIsNotApplied(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	a, _ := purgeNode(t, dir, "a")
+	b, _ := purgeNode(t, dir, "b")
+	fp := smallGeometry(true).Fingerprint()
+	planted := filepath.Join(dir, clustercap.DirName, fmt.Sprintf("%016x-%d.purge", fp, int64(math.MaxInt64)))
+	if err := os.WriteFile(planted, nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	old := storeKeys(t, b, "old", 1, rand.New(rand.NewPCG(17, 18)))
+	a.tick()
+	b.tick()
+	if n := b.hits(t, old); n != 1 {
+		t.Fatalf("B finds %d of its key after reading the far-future record, want 1", n)
+	}
+	if _, err := a.e.Purge(ctx, fp); err != nil {
+		t.Fatal(err)
+	}
+	at, ok := a.e.mounts[0].cluster.dir.PurgedAt(fp, a.e.purgeLimit())
+	if !ok {
+		t.Fatal("no purge record after A's purge")
+	}
+	waitPastFSClock(t, at)
+	fresh := storeKeys(t, b, "new", 1, rand.New(rand.NewPCG(19, 20)))
+	b.tick()
+	a.tick()
+	if n := b.hits(t, old); n != 0 {
+		t.Fatal("B finds its key written before A's purge")
+	}
+	loadAndCompare(t, b.e, b.c, fresh, [][]int{{60, 61, 62, 63}}, [][]byte{keyBytes(b, 0)})
+	if n := a.hits(t, fresh); n != 1 {
+		t.Fatalf("A finds %d of the key B stored after the purge, want 1", n)
+	}
+}
+
+// waitPastFSClock waits for the file system's clock to pass at (Unix
+// nanoseconds): a file written then is newer than a record made at at.
+func waitPastFSClock(t *testing.T, at int64) {
+	t.Helper()
+	probe := filepath.Join(t.TempDir(), "probe")
+	testwait.Until(t, "the file system's clock to pass the purge record's", 10*time.Second, func() bool {
+		if err := os.WriteFile(probe, nil, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		fi, err := os.Stat(probe)
+		return err == nil && fi.ModTime().UnixNano() > at
+	})
 }

@@ -44,8 +44,8 @@ type Dir struct {
 		last map[string]*Summary // by node: its last summary ReadAll decoded
 	}
 	purges struct {
-		mu sync.Mutex // never held over a file operation: PurgedAt is on a lookup's path
-		at map[uint64]int64
+		mu sync.Mutex         // never held over a file operation: PurgedAt is on a lookup's path
+		at map[uint64][]int64 // by fingerprint: the record times listed or written, ascending
 	}
 	listing struct {
 		mu      sync.Mutex // held over a listing, and over a Publish's rename

@@ -3,12 +3,13 @@ package clustercap
 import (
 	"errors"
 	"fmt"
-	"maps"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
+	"time"
 )
 
 // Purge records: a node purging a namespace (the engine's Purge) tells
@@ -23,6 +24,14 @@ import (
 // records without opening one.
 
 const purgeSuffix = ".purge"
+
+// PurgeAhead is how far ahead of a reader's clock a purge record's time
+// may be and still apply: a record further ahead (a garbage name, or a
+// file system clock far off the reader's) would purge every file of its
+// namespace written until then, new ones too, so it waits until the
+// reader's clock is within PurgeAhead of it, and the next purge of its
+// fingerprint removes it (WritePurge).
+const PurgeAhead = time.Hour
 
 // purgeName is the name of the purge record of fp made at t.
 func purgeName(fp uint64, t int64) string {
@@ -85,7 +94,10 @@ func (d *Dir) WritePurge(fp uint64) (int64, error) {
 		return t, nil // the older records stay: covered, harmless
 	}
 	for _, ent := range ents {
-		if f, at, ok := parsePurge(ent.Name()); ok && f == fp && at < t {
+		// Older records are covered by this one; records further ahead of
+		// it than PurgeAhead are of a clock far off (or garbage), which
+		// this purge replaces.
+		if f, at, ok := parsePurge(ent.Name()); ok && f == fp && (at < t || at-t > int64(PurgeAhead)) {
 			if err := d.remove(filepath.Join(d.path, ent.Name())); err != nil && !errors.Is(err, os.ErrNotExist) {
 				break // tried again at the next purge of fp
 			}
@@ -95,22 +107,53 @@ func (d *Dir) WritePurge(fp uint64) (int64, error) {
 }
 
 // Purges returns the purge records as ReadAll listed them, and those
-// this Dir wrote: per fingerprint, the latest record's time. Records are
-// never taken back, so a listing that misses one (a client's cached
-// listing) does not drop a record read before.
-func (d *Dir) Purges() map[uint64]int64 {
+// this Dir wrote: per fingerprint, the latest record's time at or before
+// limit (the reader's clock plus PurgeAhead), in applied; the
+// fingerprints whose latest record is after limit, with its time, in
+// ahead, which the caller logs (a clock far off, or a garbage name).
+// Records are never taken back, so a listing that misses one (a
+// client's cached listing) does not drop a record read before; the
+// records older than the latest at or before limit are forgotten, as it
+// covers them.
+func (d *Dir) Purges(limit int64) (applied, ahead map[uint64]int64) {
 	d.purges.mu.Lock()
 	defer d.purges.mu.Unlock()
-	return maps.Clone(d.purges.at)
+	applied = make(map[uint64]int64, len(d.purges.at))
+	for fp, times := range d.purges.at {
+		if t, ok := latestBy(times, limit); ok {
+			applied[fp] = t
+			i, _ := slices.BinarySearch(times, t)
+			d.purges.at[fp] = times[i:]
+		}
+		if last := times[len(times)-1]; last > limit {
+			if ahead == nil {
+				ahead = map[uint64]int64{}
+			}
+			ahead[fp] = last
+		}
+	}
+	return applied, ahead
 }
 
 // PurgedAt returns the time of the latest purge record of fp listed or
-// written, and whether there is one.
-func (d *Dir) PurgedAt(fp uint64) (int64, bool) {
+// written at or before limit (Purges), and whether there is one.
+func (d *Dir) PurgedAt(fp uint64, limit int64) (int64, bool) {
 	d.purges.mu.Lock()
 	defer d.purges.mu.Unlock()
-	t, ok := d.purges.at[fp]
-	return t, ok
+	return latestBy(d.purges.at[fp], limit)
+}
+
+// latestBy returns the latest of times (ascending) at or before limit,
+// and whether there is one.
+func latestBy(times []int64, limit int64) (int64, bool) {
+	i, found := slices.BinarySearch(times, limit)
+	if found {
+		return limit, true
+	}
+	if i == 0 {
+		return 0, false
+	}
+	return times[i-1], true
 }
 
 // notePurge records the purge record of fp at t.
@@ -118,7 +161,10 @@ func (d *Dir) notePurge(fp uint64, t int64) {
 	d.purges.mu.Lock()
 	defer d.purges.mu.Unlock()
 	if d.purges.at == nil {
-		d.purges.at = map[uint64]int64{}
+		d.purges.at = map[uint64][]int64{}
 	}
-	d.purges.at[fp] = max(d.purges.at[fp], t)
+	times := d.purges.at[fp]
+	if i, found := slices.BinarySearch(times, t); !found {
+		d.purges.at[fp] = slices.Insert(times, i, t)
+	}
 }
