@@ -101,9 +101,13 @@ func (c *clusterMount) applyPurges(ctx context.Context, e *Engine, m *mount) {
 	}
 	var ens []*entry
 	e.ix.mu.RLock()
-	for _, en := range e.ix.entries {
-		if t, ok := purges[en.fp]; ok && en.mount == m.idx && !en.spare && en.ident.Mtime <= t {
-			ens = append(ens, en)
+	// The records stay after their namespace's files went: one of a
+	// namespace with no file indexed costs no scan of the index.
+	if e.ix.holdsAnyLocked(purges) {
+		for _, en := range e.ix.entries {
+			if t, ok := purges[en.fp]; ok && en.mount == m.idx && !en.spare && en.ident.Mtime <= t {
+				ens = append(ens, en)
+			}
 		}
 	}
 	e.ix.mu.RUnlock()

@@ -180,6 +180,17 @@ func (ix *index) holds(fp uint64) bool {
 	return c != nil && (c.files > 0 || c.keys > 0)
 }
 
+// holdsAnyLocked reports whether the index holds a file or key of a
+// fingerprint of fps. Called with ix.mu held.
+func (ix *index) holdsAnyLocked(fps map[uint64]int64) bool {
+	for fp := range fps {
+		if ix.byFP[fp] != nil {
+			return true
+		}
+	}
+	return false
+}
+
 // dropEmptyLocked forgets fp's counts once it has nothing indexed.
 func (ix *index) dropEmptyLocked(fp uint64, c *fpCount) {
 	if c.files == 0 && c.keys == 0 {
