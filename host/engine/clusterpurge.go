@@ -16,7 +16,8 @@ import (
 // a load that finds its pinned file gone fails the inference server's
 // worker. So a purge tells the other nodes through the cluster
 // directory: a purge record (clustercap.Dir.WritePurge) that covers every
-// file of the namespace on the mount last written at or before it. Each
+// file of the namespace on the mount last written at or before it, and
+// on each node's mounts without a cluster capacity (covers). Each
 // node applies the records at every tick (applyPurges: the first, before
 // the engine opens, after its rebuild), as it evicts, its client pins
 // keeping their files until they end, and refuses to index a covered
@@ -51,15 +52,29 @@ func (e *Engine) clustered() bool {
 }
 
 // purgedOnCluster reports whether en, an entry of a file found on the
-// disk, is one that a purge record on its mount covers: a cluster mount,
-// a record of its namespace, the file last written at or before it.
+// disk, is one that a purge record covers (a record of its namespace,
+// the file last written at or before it): one on its mount, a cluster
+// mount, or on any cluster mount for a file on a mount without a cluster
+// capacity (covers).
 func (e *Engine) purgedOnCluster(en *entry) bool {
-	c := e.mounts[en.mount].cluster
-	if c == nil {
-		return false
+	limit := e.purgeLimit()
+	for _, m := range e.mounts {
+		if m.cluster == nil || !covers(e, m, en) {
+			continue
+		}
+		if t, ok := m.cluster.dir.PurgedAt(en.fp, limit); ok && en.ident.Mtime <= t {
+			return true
+		}
 	}
-	t, ok := c.dir.PurgedAt(en.fp, e.purgeLimit())
-	return ok && en.ident.Mtime <= t
+	return false
+}
+
+// covers reports whether the purge records of m, a cluster mount, apply
+// to en: a file on m, or on a mount without a cluster capacity (this
+// node's hot tier, a file it moved off m), which the node would serve
+// after the purge otherwise. Another cluster mount has its own records.
+func covers(e *Engine, m *mount, en *entry) bool {
+	return en.mount == m.idx || e.mounts[en.mount].cluster == nil
 }
 
 // purgeLimit is the latest purge record time that applies now: this
@@ -82,8 +97,10 @@ func (e *Engine) mayPurge(en *entry) bool {
 	return m.cluster == nil || e.mayEvict(m, en)
 }
 
-// applyPurges drops m's entries that a purge record covers (the records
-// the last read listed, and those this node wrote), as Purge does: a file
+// applyPurges drops the entries that a purge record of m covers (the
+// records the last read listed, and those this node wrote; m's entries,
+// and those of this node's mounts without a cluster capacity: covers),
+// as Purge does: a file
 // this node may remove is removed (mayPurge), another node's only leaves
 // the index, and a file a client pin holds stays, to go at the first tick
 // after its pin ends. Called with c.mu held (tick).
@@ -105,7 +122,7 @@ func (c *clusterMount) applyPurges(ctx context.Context, e *Engine, m *mount) {
 	// namespace with no file indexed costs no scan of the index.
 	if e.ix.holdsAnyLocked(purges) {
 		for _, en := range e.ix.entries {
-			if t, ok := purges[en.fp]; ok && en.mount == m.idx && !en.spare && en.ident.Mtime <= t {
+			if t, ok := purges[en.fp]; ok && covers(e, m, en) && !en.spare && en.ident.Mtime <= t {
 				ens = append(ens, en)
 			}
 		}

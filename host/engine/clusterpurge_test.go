@@ -322,3 +322,40 @@ func waitPastFSClock(t *testing.T, at int64) {
 		return err == nil && fi.ModTime().UnixNano() > at
 	})
 }
+
+// TestAPurgeRecordReachesTheFilesANodeKeepsOnItsOwnMounts: node B stores
+// on a node-local mount before the cluster mount (a hot tier; a file it
+// promoted off the cluster mount is one too). A's purge must reach those
+// files as well, or B serves the purged model's KV from its hot tier
+// after the purge: B's tick removes its local file written before the
+// record, and one B stores after the record stays and loads.
+func TestAPurgeRecordReachesTheFilesANodeKeepsOnItsOwnMounts(t *testing.T) {
+	ctx := context.Background()
+	shared, local := t.TempDir(), t.TempDir()
+	a, _ := purgeNode(t, shared, "a")
+	b := clusterNodeOf(t, Config{Mounts: []Mount{{Path: local}, {Path: shared, ClusterCapacity: 1 << 30, ClusterInterval: time.Hour}}, NodeID: "b"})
+	tickB := func() { b.e.mounts[1].cluster.tick(ctx, b.e, b.e.mounts[1]) }
+	old := storeKeys(t, b, "old", 2, rand.New(rand.NewPCG(21, 22)))
+	if n := len(kvFiles(t, local)); n != 2 {
+		t.Fatalf("B's keys: %d files on its local mount, want 2", n)
+	}
+	fp := smallGeometry(true).Fingerprint()
+	if _, err := a.e.Purge(ctx, fp); err != nil {
+		t.Fatal(err)
+	}
+	at, ok := a.e.mounts[0].cluster.dir.PurgedAt(fp, a.e.purgeLimit())
+	if !ok {
+		t.Fatal("no purge record after A's purge")
+	}
+	tickB()
+	if n := b.hits(t, old); n != 0 {
+		t.Fatalf("after B's tick, B finds %d of its keys stored on its local mount before the purge", n)
+	}
+	if n := len(kvFiles(t, local)); n != 0 {
+		t.Fatalf("after B's tick, %d files on B's local mount, want none", n)
+	}
+	waitPastFSClock(t, at)
+	fresh := storeKeys(t, b, "new", 1, rand.New(rand.NewPCG(23, 24)))
+	tickB()
+	loadAndCompare(t, b.e, b.c, fresh, [][]int{{60, 61, 62, 63}}, [][]byte{keyBytes(b, 0)})
+}

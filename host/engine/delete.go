@@ -146,7 +146,8 @@ type PurgeResult struct {
 // (Mount.ClusterCapacity) it also writes a purge record there
 // (clusterpurge.go): every node of the mount drops the namespace's files
 // written at or before the record from its index at its next interval and
-// removes those of its own, as it removes this engine's here (its client
+// removes those of its own, there and on its mounts without a cluster
+// capacity (covers), as it removes this engine's here (its client
 // pins keep theirs until they end); this engine removes its own files and
 // those of the dead nodes it adopted, and drops the other nodes' files it
 // indexed, leaving them to their nodes (PurgeResult.Others), and files
