@@ -119,7 +119,7 @@ func (e *Engine) openLayout(mt *mount, v *VLLMFS) error {
 	if v.Rank < 0 || v.RowBytes < 0 {
 		return fail(fmt.Errorf("rank %d, row bytes %d: want >= 0", v.Rank, v.RowBytes))
 	}
-	found, err := baseDirs(e.fs, mt.root)
+	found, listed, err := baseDirs(e.fs, mt.root)
 	if err != nil {
 		return fmt.Errorf("engine: mount %s: vllm-fs: %w", mt.root, err)
 	}
@@ -146,8 +146,14 @@ func (e *Engine) openLayout(mt *mount, v *VLLMFS) error {
 		base := cfg.Base()
 		// The base directory is opened once, and its config.json read
 		// and written relative to it: what is written goes where what
-		// was read came from, whatever the name holds meanwhile.
-		dir, c := openBase(e.fs, mt.root, base, 0)
+		// was read came from, whatever the name holds meanwhile. A link
+		// at its name is the operator's, and followed, unless the
+		// listing just showed a directory there: then it was put since.
+		flag := 0
+		if listed[base] {
+			flag = syscall.O_NOFOLLOW
+		}
+		dir, c := openBase(e.fs, mt.root, base, flag)
 		if dir != nil {
 			defer dir.Close()
 		}
@@ -226,7 +232,7 @@ func (e *Engine) openLayout(mt *mount, v *VLLMFS) error {
 // tier's fields, or the error Open stops on (none there, several, or none
 // whose config.json hashes to its name): `kvhost check` asks it.
 func AdoptedBase(root string) (string, error) {
-	found, err := baseDirs(fsys.OS{}, root)
+	found, _, err := baseDirs(fsys.OS{}, root)
 	if errors.Is(err, fs.ErrNotExist) {
 		found, err = nil, nil // Open makes the root: none there
 	}
@@ -274,17 +280,20 @@ type baseConfig struct {
 // starting with '.' are read too: vLLM names the base directory of a model
 // given as a relative path ("./models/llama") "._models_llama_<hash>", and
 // the engine's own names under a root are files, or a directory without a
-// config.json (the cluster directory).
-func baseDirs(files fsys.FS, root string) (map[string]baseConfig, error) {
+// config.json (the cluster directory). listed is every name the listing
+// showed as a directory, with a config.json or not: a symbolic link at
+// one of them was put there since (openLayout).
+func baseDirs(files fsys.FS, root string) (found map[string]baseConfig, listed map[string]bool, err error) {
 	ents, err := files.ReadDir(root)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
-	out := map[string]baseConfig{}
+	out, listed := map[string]baseConfig{}, map[string]bool{}
 	for _, d := range ents {
 		if !d.IsDir() {
 			continue
 		}
+		listed[d.Name()] = true
 		// Listed as a directory: a link at its name now was put there
 		// since, and is not followed.
 		dir, c := openBase(files, root, d.Name(), syscall.O_NOFOLLOW)
@@ -295,7 +304,7 @@ func baseDirs(files fsys.FS, root string) (map[string]baseConfig, error) {
 			out[d.Name()] = c
 		}
 	}
-	return out, nil
+	return out, listed, nil
 }
 
 // openBase opens the base directory name under root (O_RDONLY|O_DIRECTORY,

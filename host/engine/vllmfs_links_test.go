@@ -358,25 +358,10 @@ func TestAVllmFSConfigIsWrittenInTheBaseDirectoryRead(t *testing.T) {
 				}
 			}
 			moved := filepath.Join(root, "moved")
-			var swapped atomic.Bool
-			swap := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
-				if op == fsys.OpOpen && filepath.Dir(path) == base && strings.HasPrefix(filepath.Base(path), tmpPrefix) && swapped.CompareAndSwap(false, true) {
-					if err := os.Rename(base, moved); err != nil {
-						t.Error(err)
-					}
-					if err := os.Symlink(outside, base); err != nil {
-						t.Error(err)
-					}
-				}
-				return fsys.Fault{}
+			swapped, err := openSwappingBase(t, tier, outside, func(op fsys.Op, path string) bool {
+				return op == fsys.OpOpen && filepath.Dir(path) == base && strings.HasPrefix(filepath.Base(path), tmpPrefix)
 			})
-			e, err := Open(context.Background(), Config{FS: &fsys.Faulty{FS: fsys.OS{}, Inj: swap},
-				Mounts: []Mount{{Path: root, VLLMFS: &VLLMFS{Namespace: tierModel, Fields: tier.fields()}}},
-				Policy: newTestPolicy(4, abi.OrderBlockMajor), Logger: testLogger(t), IOWorkers: 2})
-			if err == nil {
-				e.Close(context.Background())
-			}
-			if !swapped.Load() {
+			if !swapped {
 				t.Fatalf("Open made no temporary file in %s (%v)", base, err)
 			}
 			if ents, rerr := os.ReadDir(outside); rerr != nil || len(ents) != 0 {
@@ -448,4 +433,81 @@ func TestAVllmFSBaseDirectoryThatIsALinkAtStartIsTheOperators(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestAVllmFSBaseDirectoryListedThenSwappedForALinkIsRefused: Open lists
+// the root (a base directory there is opened O_NOFOLLOW, its config.json
+// read), then opens the configured base directory again to read and
+// write its config.json. That second open followed a link at the name,
+// so a base directory the listing had shown as a directory, swapped for
+// a symbolic link between the two opens, was taken for the operator's:
+// its config.json was read in the link's target and, missing there,
+// written there with the daemon's rights. A name the listing showed as a
+// directory is now opened O_NOFOLLOW again: a link there was put after
+// the engine looked, and Open refuses it, writing nothing anywhere. The
+// swap is made by the file system seam at the second open of the name.
+func TestAVllmFSBaseDirectoryListedThenSwappedForALinkIsRefused(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		config []byte // the base directory's config.json before Open; nil: none
+	}{
+		{"a config.json cut by a crash", []byte{}},
+		{"no config.json", nil},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			root, outside := t.TempDir(), t.TempDir()
+			tier := newFSTier(root, 8192)
+			base := tier.base()
+			if err := os.MkdirAll(base, 0o755); err != nil {
+				t.Fatal(err)
+			}
+			if tc.config != nil {
+				if err := os.WriteFile(filepath.Join(base, "config.json"), tc.config, 0o644); err != nil {
+					t.Fatal(err)
+				}
+			}
+			var opens atomic.Int32
+			swapped, err := openSwappingBase(t, tier, outside, func(op fsys.Op, path string) bool {
+				return op == fsys.OpOpen && path == base && opens.Add(1) == 2
+			})
+			if !swapped {
+				t.Fatalf("Open opened the base directory %d times, want a listing's and the configured one's (%v)", opens.Load(), err)
+			}
+			if ents, rerr := os.ReadDir(outside); rerr != nil || len(ents) != 0 {
+				t.Errorf("the link's target %s holds %v (%v): want nothing written there", outside, ents, rerr)
+			}
+			if !errors.Is(err, ErrInvalid) {
+				t.Errorf("Open: %v, want ErrInvalid (the link refused)", err)
+			}
+		})
+	}
+}
+
+// openSwappingBase opens an engine on tier's root as a vllm-fs mount of
+// its fields through a file system seam that, before the first operation
+// at reports, moves tier's base directory to "moved" under the root and
+// puts a symbolic link to outside at its name; the engine is closed
+// again. It returns whether the swap was made, and Open's error.
+func openSwappingBase(t *testing.T, tier fsTier, outside string, at func(op fsys.Op, path string) bool) (bool, error) {
+	t.Helper()
+	base := tier.base()
+	var swapped atomic.Bool
+	swap := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
+		if at(op, path) && swapped.CompareAndSwap(false, true) {
+			if err := os.Rename(base, filepath.Join(filepath.Dir(base), "moved")); err != nil {
+				t.Error(err)
+			}
+			if err := os.Symlink(outside, base); err != nil {
+				t.Error(err)
+			}
+		}
+		return fsys.Fault{}
+	})
+	e, err := Open(context.Background(), Config{FS: &fsys.Faulty{FS: fsys.OS{}, Inj: swap},
+		Mounts: []Mount{{Path: tier.root, VLLMFS: &VLLMFS{Namespace: tierModel, Fields: tier.fields()}}},
+		Policy: newTestPolicy(4, abi.OrderBlockMajor), Logger: testLogger(t), IOWorkers: 2})
+	if err == nil {
+		e.Close(context.Background())
+	}
+	return swapped.Load(), err
 }
