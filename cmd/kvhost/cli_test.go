@@ -101,7 +101,8 @@ func TestVersionFlagAndCommandAgree(t *testing.T) {
 // TestVersionHelpDescribesTheCommandAndArgumentsAreRefused: `kvhost
 // version --help` prints its usage, as `kvhost COMMAND --help` does for
 // every command, not the version; an argument it does not take is a usage
-// error (exit 2) naming it, as for every other command, not ignored.
+// error (exit 2) naming it, as for every other command, not ignored, and
+// so it is after `kvhost --version`, its other spelling.
 func TestVersionHelpDescribesTheCommandAndArgumentsAreRefused(t *testing.T) {
 	cases := []struct {
 		args   []string
@@ -114,6 +115,9 @@ func TestVersionHelpDescribesTheCommandAndArgumentsAreRefused(t *testing.T) {
 		{[]string{"version", "-h"}, 0, "usage: kvhost version", ""},
 		{[]string{"version", "--bogus"}, 2, "", `unexpected argument "--bogus"`},
 		{[]string{"version", "extra"}, 2, "", `unexpected argument "extra"`},
+		{[]string{"--version"}, 0, "kvhost ", ""},
+		{[]string{"--version", "extra"}, 2, "", `unexpected argument "extra"`},
+		{[]string{"--version", "--bogus"}, 2, "", `unexpected argument "--bogus"`},
 	}
 	for _, c := range cases {
 		t.Run(strings.Join(c.args, " "), func(t *testing.T) {

@@ -63,7 +63,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 			usage(stdout, cmds)
 			return 0
 		case "-version", "--version":
-			return runVersion(ctx, nil, stdout, stderr)
+			// `kvhost version`'s other spelling: what follows is
+			// its arguments, refused as there.
+			return runVersion(ctx, args[1:], stdout, stderr)
 		}
 		if c, ok := cmds[args[0]]; ok {
 			return c.run(ctx, args[1:], stdout, stderr)

@@ -69,8 +69,8 @@ version and platform it was built with, and whether it was built without
 cgo (CPU only). It takes no flags.`
 
 // runVersion implements `kvhost version` (and `kvhost --version`, which
-// passes no arguments): --help prints its usage, as every command's does,
-// and any other argument is a usage error rather than ignored.
+// passes what follows it): --help prints its usage, as every command's
+// does, and any other argument is a usage error rather than ignored.
 func runVersion(_ context.Context, args []string, stdout, stderr io.Writer) int {
 	switch {
 	case len(args) == 1 && isHelpFlag(args[0]):
