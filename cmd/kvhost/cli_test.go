@@ -102,7 +102,8 @@ func TestVersionFlagAndCommandAgree(t *testing.T) {
 // version --help` prints its usage, as `kvhost COMMAND --help` does for
 // every command, not the version; an argument it does not take is a usage
 // error (exit 2) naming it, as for every other command, not ignored, and
-// so it is after `kvhost --version`, its other spelling.
+// so it is after `kvhost --version`, its other spelling. --help first
+// prints the usage whatever follows, as for every command.
 func TestVersionHelpDescribesTheCommandAndArgumentsAreRefused(t *testing.T) {
 	cases := []struct {
 		args   []string
@@ -115,6 +116,7 @@ func TestVersionHelpDescribesTheCommandAndArgumentsAreRefused(t *testing.T) {
 		{[]string{"version", "-h"}, 0, "usage: kvhost version", ""},
 		{[]string{"version", "--bogus"}, 2, "", `unexpected argument "--bogus"`},
 		{[]string{"version", "extra"}, 2, "", `unexpected argument "extra"`},
+		{[]string{"version", "--help", "extra"}, 0, "usage: kvhost version", ""},
 		{[]string{"--version"}, 0, "kvhost ", ""},
 		{[]string{"--version", "extra"}, 2, "", `unexpected argument "extra"`},
 		{[]string{"--version", "--bogus"}, 2, "", `unexpected argument "--bogus"`},

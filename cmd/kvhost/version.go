@@ -70,10 +70,11 @@ cgo (CPU only). It takes no flags.`
 
 // runVersion implements `kvhost version` (and `kvhost --version`, which
 // passes what follows it): --help prints its usage, as every command's
-// does, and any other argument is a usage error rather than ignored.
+// does, whatever follows it (the flag package stops at --help too), and
+// any other argument is a usage error rather than ignored.
 func runVersion(_ context.Context, args []string, stdout, stderr io.Writer) int {
 	switch {
-	case len(args) == 1 && isHelpFlag(args[0]):
+	case len(args) > 0 && isHelpFlag(args[0]):
 		fmt.Fprintln(stdout, versionUsage)
 		return 0
 	case len(args) > 0:
