@@ -15,6 +15,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/kvhost/kvhost/abi"
@@ -446,16 +447,8 @@ func intList(flagName, s string) ([]int, error) {
 // is those it made, the deepest first: removeMade removes them again
 // where they are left empty.
 func benchDirs(dir string) (root string, made []string, err error) {
-	for d := filepath.Clean(dir); ; d = filepath.Dir(d) {
-		if _, err := os.Lstat(d); err == nil || !errors.Is(err, os.ErrNotExist) {
-			break
-		}
-		made = append(made, d)
-		if d == filepath.Dir(d) {
-			break
-		}
-	}
-	if err := os.MkdirAll(dir, 0o750); err != nil {
+	if err := mkdirAllMade(dir, 0o750, &made); err != nil {
+		removeMade(made)
 		return "", nil, fmt.Errorf("--dir: %w", err)
 	}
 	root, err = os.MkdirTemp(dir, "kvhost-bench-")
@@ -464,6 +457,46 @@ func benchDirs(dir string) (root string, made []string, err error) {
 		return "", nil, fmt.Errorf("--dir: %w", err)
 	}
 	return root, made, nil
+}
+
+// mkdirAllMade is os.MkdirAll(path, perm), its directories walked as it
+// walks them (path's parents by its text, ".." included, each made
+// before the one below it), that prepends to made each directory its own
+// mkdir made: never one that another process made first, nor one a
+// cleaned path names in place of what the kernel resolved (a/b/../c,
+// a/b missing, makes a/b and a/c, and names a/b).
+func mkdirAllMade(path string, perm os.FileMode, made *[]string) error {
+	if fi, err := os.Stat(path); err == nil {
+		if fi.IsDir() {
+			return nil
+		}
+		return &os.PathError{Op: "mkdir", Path: path, Err: syscall.ENOTDIR}
+	}
+	// The parent as os.MkdirAll takes it: path less its last component
+	// and trailing separators, not cleaned.
+	i := len(path)
+	for i > 0 && os.IsPathSeparator(path[i-1]) {
+		i--
+	}
+	j := i
+	for j > 0 && !os.IsPathSeparator(path[j-1]) {
+		j--
+	}
+	if j > 1 {
+		if err := mkdirAllMade(path[:j-1], perm, made); err != nil {
+			return err
+		}
+	}
+	err := os.Mkdir(path, perm)
+	if err == nil {
+		*made = append([]string{path}, *made...)
+		return nil
+	}
+	// Made meanwhile by another, or "..": a directory there will do.
+	if fi, lerr := os.Lstat(path); lerr == nil && fi.IsDir() {
+		return nil
+	}
+	return err
 }
 
 // removeMade removes the directories benchDirs made, the deepest first,

@@ -1137,3 +1137,17 @@ func TestBenchRemovesTheDirectoriesItMadeAndKeepsThoseItFound(t *testing.T) {
 		t.Errorf("the directory that was there: %d entries, %v; want it kept, empty", len(ents), err)
 	}
 }
+
+// TestBenchRemovesEveryDirectoryItMadeOnAPathWithDotDot: the directories
+// a run made are those its mkdir calls made, not those missing from the
+// path --dir names once cleaned: --dir base/made/../other, base/made
+// missing, makes base/made on the way (the kernel resolves ".." after
+// it) and base/other. Both are gone after the run; base/made was left
+// behind, the cleaned path (base/other) not naming it.
+func TestBenchRemovesEveryDirectoryItMadeOnAPathWithDotDot(t *testing.T) {
+	base := t.TempDir()
+	benchReport(t, filepath.Join(base, "made")+"/../other", "--keys", "2", "--jobs", "1")
+	if ents, err := os.ReadDir(base); err != nil || len(ents) != 0 {
+		t.Errorf("%s holds %v after the run (%v): want what the run made gone", base, ents, err)
+	}
+}
