@@ -500,11 +500,13 @@ func mkdirAllMade(path string, perm os.FileMode, made *[]string) error {
 }
 
 // removeMade removes the directories benchDirs made, the deepest first,
-// each only if it is empty (os.Remove refuses one that is not): a
-// benchmark leaves behind no directory of its own but what --keep keeps.
+// each only if it is an empty directory (rmdir(2), which refuses one that
+// is not, and any file or symbolic link, where os.Remove would unlink
+// one put at the name since): a benchmark leaves behind no directory of
+// its own but what --keep keeps, and removes nothing else.
 func removeMade(made []string) {
 	for _, d := range made {
-		if os.Remove(d) != nil {
+		if syscall.Rmdir(d) != nil {
 			return
 		}
 	}

@@ -1151,3 +1151,44 @@ func TestBenchRemovesEveryDirectoryItMadeOnAPathWithDotDot(t *testing.T) {
 		t.Errorf("%s holds %v after the run (%v): want what the run made gone", base, ents, err)
 	}
 }
+
+// TestBenchRemovesNoFileWhereADirectoryItMadeWas: the run removes the
+// directories it made, each where it is left empty, with rmdir. It
+// removed them with os.Remove, which unlinks first: a file or a symbolic
+// link the user put in place of such a directory during the run (the
+// directory removed, a file written at its name) was removed with it.
+// Here the directory the run made is replaced by a file and by a link
+// before the removal, which leaves both.
+func TestBenchRemovesNoFileWhereADirectoryItMadeWas(t *testing.T) {
+	for _, c := range []struct {
+		name  string
+		plant func(path string) error
+	}{
+		{"a file", func(path string) error { return os.WriteFile(path, []byte("the user's"), 0o644) }},
+		{"a symbolic link", func(path string) error { return os.Symlink(t.TempDir(), path) }},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			dir := filepath.Join(t.TempDir(), "made")
+			root, made, err := benchDirs(dir)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if len(made) != 1 || made[0] != dir {
+				t.Fatalf("benchDirs made %v, want [%s]", made, dir)
+			}
+			if err := os.Remove(root); err != nil {
+				t.Fatal(err)
+			}
+			if err := os.Remove(dir); err != nil {
+				t.Fatal(err)
+			}
+			if err := c.plant(dir); err != nil {
+				t.Fatal(err)
+			}
+			removeMade(made)
+			if _, err := os.Lstat(dir); err != nil {
+				t.Errorf("%s put where the run's directory was is gone after it: %v", c.name, err)
+			}
+		})
+	}
+}
