@@ -57,108 +57,149 @@ func TestLoadWithNoBlockRandom(t *testing.T) {
 func randomNoBlockLoads(t *testing.T, dir, io string, order, kpf uint32, g Geometry, seed uint64) {
 	ctx := context.Background()
 	e := openEngine(t, Config{Mounts: []Mount{{Path: dir, IO: io}}, Policy: newTestPolicy(kpf, order)})
-	ns, err := e.Declare(ctx, g)
-	if err != nil {
-		t.Fatal(err)
-	}
-	bpk := g.BlocksPerKey()
-	const nkeys = 6
-	nb := nkeys*bpk + 3*nkeys*bpk
+	ns, keys, src, nb := declareNoBlock(t, e, g)
+	bpk, nkeys := g.BlocksPerKey(), len(keys)
 	c := newTestCache(t, e, ns, g, nb, layoutPlaneFirst)
 	r := rand.New(rand.NewPCG(seed, uint64(order)*10+uint64(kpf)))
-	keys := testKeys("rnd", nkeys)
-	src := make([][]int, nkeys)
 	for k := range src {
-		for b := range bpk {
-			src[k] = append(src[k], k*bpk+b)
-		}
 		c.fill(r, src[k])
 	}
 	storeAndCheck(t, e, c, keys, src)
 	stored := bytes.Clone(c.reg.Bytes())
-	bb := g.BlockBytes()
+	at := func(l, p, b int) int64 {
+		t := c.layers[l]
+		return t.Offset + int64(p)*t.PlaneStride + int64(b)*t.BlockStride
+	}
 	for iter := range 12 {
-		// Destinations: blocks from nkeys*bpk on, shuffled.
-		pool := r.Perm(nb - nkeys*bpk)
-		var ks [][]byte
-		var into [][]int
-		var from [][]int
-		n := 1 + r.IntN(nkeys+2)
-		for range n {
-			k := r.IntN(nkeys)
-			blocks := make([]int, bpk)
-			named := 0
-			mode := r.IntN(4)
-			for b := range blocks {
-				skip := false
-				switch mode {
-				case 0: // none
-				case 1: // alternating
-					skip = b%2 == 0
-				default:
-					skip = r.IntN(2) == 0
-				}
-				if skip {
-					blocks[b] = NoBlock
-				} else {
-					blocks[b] = nkeys*bpk + pool[0]
-					pool = pool[1:]
-					named++
-				}
-			}
-			if named == 0 {
-				blocks[r.IntN(bpk)] = nkeys*bpk + pool[0]
-				pool = pool[1:]
-			}
-			ks = append(ks, keys[k])
-			into = append(into, blocks)
-			from = append(from, src[k])
-		}
+		ks, into, from := randomBlocks(r, keys, src, bpk, nb)
 		mem := c.reg.Bytes()
 		copy(mem, stored) // the sources whole; the destinations get a pattern
-		for l := range g.Layers {
-			for p := range g.Planes() {
-				for b := nkeys * bpk; b < nb; b++ {
-					blk := c.block(l, p, b)
-					for i := range blk {
-						blk[i] = 0x3C
-					}
-				}
-			}
-		}
-		want := bytes.Clone(mem)
-		var loaded int64
-		for i := range into {
-			for b, dst := range into[i] {
-				if dst == NoBlock {
-					continue
-				}
-				loaded += int64(g.Layers*g.Planes()) * bb
-				for l := range g.Layers {
-					for p := range g.Planes() {
-						t := c.layers[l]
-						to := t.Offset + int64(p)*t.PlaneStride + int64(dst)*t.BlockStride
-						fr := t.Offset + int64(p)*t.PlaneStride + int64(from[i][b])*t.BlockStride
-						copy(want[to:to+bb], stored[fr:fr+bb])
-					}
-				}
-			}
-		}
+		poisonBlocks(g, mem, at, nkeys*bpk, nb)
+		want, loaded := noBlockWant(g, mem, stored, into, from, at)
 		res := wait(t)(e.Load(ctx, LoadRequest{Cache: c.id, Keys: ks, Blocks: into}))
-		for i, kr := range res.Keys {
-			if kr.Outcome != OutcomeLoaded {
-				t.Fatalf("iteration %d: key %d (%v): %v (%v)", iter, i, into[i], kr.Outcome, kr.Err)
-			}
-		}
-		if res.Bytes != loaded {
-			t.Errorf("iteration %d: %d bytes, want %d", iter, res.Bytes, loaded)
-		}
+		checkNoBlockLoad(t, iter, res, into, loaded)
 		if i := firstDiff(mem, want); i >= 0 {
 			t.Fatalf("iteration %d (%v): byte %d is 0x%02x, want 0x%02x (%s)", iter, into, i, mem[i], want[i], c.where(i))
 		}
 		if st := e.Stats(); st.Keys != nkeys {
 			t.Fatalf("iteration %d: %d keys indexed, want %d", iter, st.Keys, nkeys)
 		}
+	}
+}
+
+// declareNoBlock declares g on e for a random NoBlock test of 6 keys:
+// the namespace; the keys, keys[k] stored from the source blocks src[k]
+// (blocks 0 on, in order); and nb, the blocks of the cache: the sources,
+// then three times as many for destinations.
+func declareNoBlock(t *testing.T, e *Engine, g Geometry) (ns NamespaceID, keys [][]byte, src [][]int, nb int) {
+	t.Helper()
+	ns, err := e.Declare(context.Background(), g)
+	if err != nil {
+		t.Fatal(err)
+	}
+	bpk := g.BlocksPerKey()
+	const nkeys = 6
+	keys = testKeys("rnd", nkeys)
+	src = make([][]int, nkeys)
+	for k := range src {
+		for b := range bpk {
+			src[k] = append(src[k], k*bpk+b)
+		}
+	}
+	return ns, keys, src, nkeys*bpk + 3*nkeys*bpk
+}
+
+// randomBlocks draws one load of a random NoBlock pattern: 1 to
+// len(keys)+2 of keys (a key may come twice), with the source blocks
+// src[k] of each keys[k] in from. Each key's bpk blocks in into are left
+// out by r's choice in one of three ways (none, every other one from the
+// first, each at random), at least one named; the named ones go to
+// distinct blocks from len(keys)*bpk to nb-1 in random order.
+func randomBlocks(r *rand.Rand, keys [][]byte, src [][]int, bpk, nb int) (ks [][]byte, into, from [][]int) {
+	first := len(keys) * bpk
+	pool := r.Perm(nb - first) // the destinations, shuffled
+	for range 1 + r.IntN(len(keys)+2) {
+		k := r.IntN(len(keys))
+		blocks := make([]int, bpk)
+		named := 0
+		mode := r.IntN(4)
+		for b := range blocks {
+			skip := false
+			switch mode {
+			case 0: // none
+			case 1: // alternating
+				skip = b%2 == 0
+			default:
+				skip = r.IntN(2) == 0
+			}
+			if skip {
+				blocks[b] = NoBlock
+			} else {
+				blocks[b] = first + pool[0]
+				pool = pool[1:]
+				named++
+			}
+		}
+		if named == 0 {
+			blocks[r.IntN(bpk)] = first + pool[0]
+			pool = pool[1:]
+		}
+		ks, into, from = append(ks, keys[k]), append(into, blocks), append(from, src[k])
+	}
+	return ks, into, from
+}
+
+// poisonBlocks fills blocks first to nb-1 of mem, every layer and plane
+// (at gives a block's offset in mem), with 0x3C: the destinations before
+// a load.
+func poisonBlocks(g Geometry, mem []byte, at func(l, p, b int) int64, first, nb int) {
+	bb := g.BlockBytes()
+	for l := range g.Layers {
+		for p := range g.Planes() {
+			for b := first; b < nb; b++ {
+				for i := range bb {
+					mem[at(l, p, b)+i] = 0x3C
+				}
+			}
+		}
+	}
+}
+
+// noBlockWant is what a load of into gives: before with every named
+// block of into, every layer and plane (at gives a block's offset),
+// copied from its source block of from in stored; and the bytes the load
+// moves.
+func noBlockWant(g Geometry, before, stored []byte, into, from [][]int, at func(l, p, b int) int64) ([]byte, int64) {
+	want := bytes.Clone(before)
+	bb := g.BlockBytes()
+	var loaded int64
+	for i := range into {
+		for b, dst := range into[i] {
+			if dst == NoBlock {
+				continue
+			}
+			loaded += int64(g.Layers*g.Planes()) * bb
+			for l := range g.Layers {
+				for p := range g.Planes() {
+					copy(want[at(l, p, dst):at(l, p, dst)+bb], stored[at(l, p, from[i][b]):at(l, p, from[i][b])+bb])
+				}
+			}
+		}
+	}
+	return want, loaded
+}
+
+// checkNoBlockLoad fails iteration iter of a random NoBlock test unless
+// every key of res loaded and res moved loaded bytes.
+func checkNoBlockLoad(t *testing.T, iter int, res Result, into [][]int, loaded int64) {
+	t.Helper()
+	for i, kr := range res.Keys {
+		if kr.Outcome != OutcomeLoaded {
+			t.Fatalf("iteration %d: key %d (%v): %v (%v)", iter, i, into[i], kr.Outcome, kr.Err)
+		}
+	}
+	if res.Bytes != loaded {
+		t.Errorf("iteration %d: %d bytes, want %d", iter, res.Bytes, loaded)
 	}
 }
 
@@ -227,13 +268,8 @@ func randomNoBlockLoadsGPU(t *testing.T, rt *cuda.Runtime, mv *gpu.Mover, dir st
 	ctx := context.Background()
 	const kpf = 3
 	e := openEngine(t, Config{Mounts: []Mount{{Path: dir}}, Policy: newTestPolicy(kpf, order), Movers: gpuMovers(mv)})
-	ns, err := e.Declare(ctx, g)
-	if err != nil {
-		t.Fatal(err)
-	}
-	bpk := g.BlocksPerKey()
-	const nkeys = 6
-	nb := nkeys*bpk + 3*nkeys*bpk
+	ns, keys, src, nb := declareNoBlock(t, e, g)
+	bpk, nkeys := g.BlocksPerKey(), len(keys)
 	c := newDeviceCache(t, e, rt, ns, g, nb)
 	r := rand.New(rand.NewPCG(seed, uint64(order)*10+uint64(kpf)))
 	mem := make([]byte, c.mem.Len())
@@ -241,78 +277,20 @@ func randomNoBlockLoadsGPU(t *testing.T, rt *cuda.Runtime, mv *gpu.Mover, dir st
 		mem[i] = byte(r.Uint32())
 	}
 	c.copyAll(t, mem, false)
-	keys := testKeys("rnd", nkeys)
-	src := make([][]int, nkeys)
-	for k := range src {
-		for b := range bpk {
-			src[k] = append(src[k], k*bpk+b)
-		}
-	}
 	wantOutcomes(t, "store", wait(t)(e.Store(ctx, StoreRequest{Cache: c.id, Keys: keys, Blocks: src})), OutcomeStored)
 	stored := bytes.Clone(mem)
 	bb := g.BlockBytes()
 	at := func(l, p, b int) int64 {
 		return (int64(l)*int64(g.Planes())+int64(p))*int64(nb)*bb + int64(b)*bb
 	}
-	poison := bytes.Repeat([]byte{0x3C}, int(bb)) // a destination block before the load
 	for iter := range 8 {
-		pool := r.Perm(nb - nkeys*bpk)
-		var ks [][]byte
-		var into, from [][]int
-		for range 1 + r.IntN(nkeys+2) {
-			k := r.IntN(nkeys)
-			blocks := make([]int, bpk)
-			named := 0
-			mode := r.IntN(4)
-			for b := range blocks {
-				skip := (mode == 1 && b%2 == 0) || (mode >= 2 && r.IntN(2) == 0)
-				if skip {
-					blocks[b] = NoBlock
-				} else {
-					blocks[b] = nkeys*bpk + pool[0]
-					pool = pool[1:]
-					named++
-				}
-			}
-			if named == 0 {
-				blocks[r.IntN(bpk)] = nkeys*bpk + pool[0]
-				pool = pool[1:]
-			}
-			ks, into, from = append(ks, keys[k]), append(into, blocks), append(from, src[k])
-		}
+		ks, into, from := randomBlocks(r, keys, src, bpk, nb)
 		cur := bytes.Clone(stored)
-		for l := range g.Layers {
-			for p := range g.Planes() {
-				for b := nkeys * bpk; b < nb; b++ {
-					copy(cur[at(l, p, b):at(l, p, b)+bb], poison)
-				}
-			}
-		}
+		poisonBlocks(g, cur, at, nkeys*bpk, nb)
 		c.copyAll(t, cur, false)
-		want := bytes.Clone(cur)
-		var loaded int64
-		for i := range into {
-			for b, dst := range into[i] {
-				if dst == NoBlock {
-					continue
-				}
-				loaded += int64(g.Layers*g.Planes()) * bb
-				for l := range g.Layers {
-					for p := range g.Planes() {
-						copy(want[at(l, p, dst):at(l, p, dst)+bb], stored[at(l, p, from[i][b]):at(l, p, from[i][b])+bb])
-					}
-				}
-			}
-		}
+		want, loaded := noBlockWant(g, cur, stored, into, from, at)
 		res := wait(t)(e.Load(ctx, LoadRequest{Cache: c.id, Keys: ks, Blocks: into}))
-		for i, kr := range res.Keys {
-			if kr.Outcome != OutcomeLoaded {
-				t.Fatalf("iteration %d: key %d (%v): %v (%v)", iter, i, into[i], kr.Outcome, kr.Err)
-			}
-		}
-		if res.Bytes != loaded {
-			t.Errorf("iteration %d: %d bytes, want %d", iter, res.Bytes, loaded)
-		}
+		checkNoBlockLoad(t, iter, res, into, loaded)
 		got := make([]byte, len(cur))
 		c.copyAll(t, got, true)
 		if i := firstDiff(got, want); i >= 0 {
