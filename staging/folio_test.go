@@ -3,14 +3,11 @@ package staging
 import (
 	"bytes"
 	"context"
-	"os"
 	"path/filepath"
 	"testing"
 
 	"github.com/kvhost/kvhost/internal/crc32c"
-	"github.com/kvhost/kvhost/internal/fsys"
 	"github.com/kvhost/kvhost/internal/fsys/fsystest"
-	"github.com/kvhost/kvhost/internal/region"
 	"github.com/kvhost/kvhost/internal/transfer"
 )
 
@@ -28,16 +25,8 @@ func TestStoresFromHostMemoryFillLargeFoliosInOneWrite(t *testing.T) {
 		pages  = 200 // more than a write without checksums takes (chunkMax)
 	)
 	ctx := context.Background()
-	mv, err := NewMover(Config{Workers: 2})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer mv.Close()
-	src, err := region.NewHost("src", pages*page)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer src.Close()
+	mv := newTestMover(t, Config{Workers: 2})
+	src := hostRegion(t, "src", pages*page)
 	for i := range src.Bytes() {
 		src.Bytes()[i] = byte(i*131 + i>>11)
 	}
@@ -64,11 +53,7 @@ func TestStoresFromHostMemoryFillLargeFoliosInOneWrite(t *testing.T) {
 		{"without Folio or checksums", 0, false},
 	} {
 		t.Run(c.name, func(t *testing.T) {
-			f, err := fsys.OS{}.OpenFile(filepath.Join(dir, c.name), os.O_RDWR|os.O_CREATE, 0o644)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer f.Close()
+			f := openFile(t, filepath.Join(dir, c.name), 0)
 			w := &fsystest.WriteLog{File: f}
 			var sums []uint32
 			if c.sums {

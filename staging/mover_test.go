@@ -22,6 +22,40 @@ func (deviceRegion) ID() uint64        { return 9 }
 func (deviceRegion) Len() int64        { return 1 << 20 }
 func (deviceRegion) Kind() region.Kind { return region.KindDevice }
 
+// newTestMover is a Mover of cfg, closed at the test's end.
+func newTestMover(t *testing.T, cfg Config) *Mover {
+	t.Helper()
+	mv, err := NewMover(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(mv.Close)
+	return mv
+}
+
+// hostRegion is a host region of size bytes, closed at the test's end.
+func hostRegion(t *testing.T, name string, size int64) *region.Host {
+	t.Helper()
+	r, err := region.NewHost(name, size)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { r.Close() })
+	return r
+}
+
+// openFile opens the file name, read-write and created if missing, with
+// the further flags flag (such as O_DIRECT), closed at the test's end.
+func openFile(t *testing.T, name string, flag int) fsys.File {
+	t.Helper()
+	f, err := fsys.OS{}.OpenFile(name, os.O_RDWR|os.O_CREATE|flag, 0o644)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { f.Close() })
+	return f
+}
+
 // TestMoverRoundTrip: a plan of scattered extents (an unaligned last one,
 // with O_DIRECT where the file system takes it) is written and read back
 // through the Mover with the same CRC-32C per slot as a plain computation;
@@ -29,21 +63,9 @@ func (deviceRegion) Kind() region.Kind { return region.KindDevice }
 // is ErrUnsupported; a file shorter than the plan is transfer.ErrShortFile.
 func TestMoverRoundTrip(t *testing.T) {
 	ctx := context.Background()
-	mv, err := NewMover(Config{Workers: 2})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer mv.Close()
-	src, err := region.NewHost("src", 1<<20)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer src.Close()
-	dst, err := region.NewHost("dst", 1<<20)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer dst.Close()
+	mv := newTestMover(t, Config{Workers: 2})
+	src := hostRegion(t, "src", 1<<20)
+	dst := hostRegion(t, "dst", 1<<20)
 	for i := range src.Bytes() {
 		src.Bytes()[i] = byte(i*31 + i>>9)
 	}
@@ -58,15 +80,11 @@ func TestMoverRoundTrip(t *testing.T) {
 	}
 	p := &transfer.Plan{Extents: ext(src), Sums: 2, Direct: direct}
 	name := filepath.Join(dir, "f")
-	flag := os.O_RDWR | os.O_CREATE
+	flag := 0
 	if direct {
-		flag |= unix.O_DIRECT
+		flag = unix.O_DIRECT
 	}
-	f, err := fsys.OS{}.OpenFile(name, flag, 0o644)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
+	f := openFile(t, name, flag)
 	ws := make([]uint32, 2)
 	if _, err := mv.For(false).WriteFile(ctx, f, p, ws); err != nil {
 		t.Fatal(err)
@@ -128,11 +146,7 @@ func sharedRegion(t *testing.T, size int64) (*os.File, *region.Host) {
 // crashing the process, and the mover keeps working.
 func TestMoverSurvivesTruncatedSharedFile(t *testing.T) {
 	ctx := context.Background()
-	mv, err := NewMover(Config{Workers: 2, BufferSize: 64 << 10, Buffers: 4})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer mv.Close()
+	mv := newTestMover(t, Config{Workers: 2, BufferSize: 64 << 10, Buffers: 4})
 	const size = 1 << 20
 	dir := t.TempDir()
 	cases := []struct {
@@ -151,11 +165,7 @@ func TestMoverSurvivesTruncatedSharedFile(t *testing.T) {
 		t.Run(c.name, func(t *testing.T) {
 			shm, r := sharedRegion(t, size)
 			name := filepath.Join(dir, "f"+string(rune('a'+i)))
-			f, err := fsys.OS{}.OpenFile(name, os.O_RDWR|os.O_CREATE, 0o644)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer f.Close()
+			f := openFile(t, name, 0)
 			if err := f.Allocate(size); err != nil {
 				t.Fatal(err)
 			}
@@ -183,7 +193,7 @@ func TestMoverSurvivesTruncatedSharedFile(t *testing.T) {
 			}); err != nil {
 				t.Fatal(err)
 			}
-			err = <-done
+			err := <-done
 			if err == nil {
 				t.Fatalf("moving a truncated region succeeded (%d bytes)", n)
 			}
@@ -224,17 +234,9 @@ func (f *readCounter) MapRead(n int64) (*fsys.Mapping, error) { return f.File.(f
 // it with ErrShortFile, as a read would.
 func TestMoverLoadsFromMemoryFileSystemsThroughAMapping(t *testing.T) {
 	ctx := context.Background()
-	mv, err := NewMover(Config{Workers: 2})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer mv.Close()
+	mv := newTestMover(t, Config{Workers: 2})
 	const size = 2 * fsys.MapMin
-	src, err := region.NewHost("src", size)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer src.Close()
+	src := hostRegion(t, "src", size)
 	for i := range src.Bytes() {
 		src.Bytes()[i] = byte(i*29 + i>>10)
 	}
@@ -261,16 +263,8 @@ func TestMoverLoadsFromMemoryFileSystemsThroughAMapping(t *testing.T) {
 	}
 	for _, c := range cases {
 		memory := c.memory
-		dst, err := region.NewHost("dst", size)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer dst.Close()
-		f, err := fsys.OS{}.OpenFile(filepath.Join(t.TempDir(), "f"), os.O_RDWR|os.O_CREATE, 0o644)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer f.Close()
+		dst := hostRegion(t, "dst", size)
+		f := openFile(t, filepath.Join(t.TempDir(), "f"), 0)
 		rc := &readCounter{File: f}
 		ws, rs := make([]uint32, 2), make([]uint32, 2)
 		if _, err := mv.For(false).WriteFile(ctx, rc, &transfer.Plan{Extents: ext(src, c.small), Sums: 2, Memory: memory}, ws); err != nil {
@@ -306,11 +300,7 @@ func TestMoverLoadsFromMemoryFileSystemsThroughAMapping(t *testing.T) {
 // preadv or pwritev straight to or from the missing pages: EFAULT).
 func TestMoverReportsAKernelFaultOnATruncatedRegionAsAFault(t *testing.T) {
 	ctx := context.Background()
-	mv, err := NewMover(Config{Workers: 2, BufferSize: 64 << 10, Buffers: 4})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer mv.Close()
+	mv := newTestMover(t, Config{Workers: 2, BufferSize: 64 << 10, Buffers: 4})
 	const size = 1 << 20
 	dir := t.TempDir()
 	for i, c := range []struct {
@@ -325,11 +315,7 @@ func TestMoverReportsAKernelFaultOnATruncatedRegionAsAFault(t *testing.T) {
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			shm, r := sharedRegion(t, size)
-			f, err := fsys.OS{}.OpenFile(filepath.Join(dir, "f"+string(rune('a'+i))), os.O_RDWR|os.O_CREATE, 0o644)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer f.Close()
+			f := openFile(t, filepath.Join(dir, "f"+string(rune('a'+i))), 0)
 			if _, err := f.WriteAt(make([]byte, size), 0); err != nil {
 				t.Fatal(err)
 			}
@@ -361,16 +347,8 @@ func TestMoverReportsAKernelFaultOnATruncatedRegionAsAFault(t *testing.T) {
 // working.
 func TestMoverRefusesPlansThatFailTheirCheck(t *testing.T) {
 	ctx := context.Background()
-	mv, err := NewMover(Config{Workers: 1})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer mv.Close()
-	mem, err := region.NewHost("mem", 1<<16)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer mem.Close()
+	mv := newTestMover(t, Config{Workers: 1})
+	mem := hostRegion(t, "mem", 1<<16)
 	for _, tc := range []struct {
 		name    string
 		extents []transfer.Extent
@@ -381,11 +359,7 @@ func TestMoverRefusesPlansThatFailTheirCheck(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			name := filepath.Join(t.TempDir(), "f")
-			f, err := fsys.OS{}.OpenFile(name, os.O_RDWR|os.O_CREATE, 0o600)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer f.Close()
+			f := openFile(t, name, 0)
 			// Two slots given for a plan of one: the plan's own bound
 			// counts, not the slots given.
 			p := &transfer.Plan{Extents: tc.extents, Sums: 1}
@@ -401,11 +375,7 @@ func TestMoverRefusesPlansThatFailTheirCheck(t *testing.T) {
 		})
 	}
 	// The mover still moves a good plan.
-	f, err := fsys.OS{}.OpenFile(filepath.Join(t.TempDir(), "g"), os.O_RDWR|os.O_CREATE, 0o600)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
+	f := openFile(t, filepath.Join(t.TempDir(), "g"), 0)
 	if n, err := mv.WriteFile(ctx, f, &transfer.Plan{Extents: []transfer.Extent{{Region: mem, Len: 4096, Sum: 0}}, Sums: 1}, make([]uint32, 1)); err != nil || n != 4096 {
 		t.Fatalf("a good plan after the refusals: %d bytes, %v", n, err)
 	}
