@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"maps"
@@ -72,8 +71,7 @@ type benchOptions struct {
 
 // runBench is `kvhost bench`.
 func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int {
-	fs := flag.NewFlagSet("kvhost bench", flag.ContinueOnError)
-	fs.SetOutput(stderr)
+	fs := newFlagSet("kvhost bench", "usage: kvhost bench --dir DIR [flags]\n\nMeasures the engine's stores and loads on DIR next to ceilings measured in the same run (docs/bench.md).", stderr)
 	var o benchOptions
 	var (
 		cfgPath, tpk, jobs, paths, sums, mix, logLevel, cudaLib, cufileLib string
@@ -123,22 +121,12 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	fs.StringVar(&o.cpuProfile, "cpu-profile", "", "write a CPU profile of the whole run (engine, ceilings and checks; go tool pprof) to this file")
 	fs.StringVar(&o.mutexProf, "mutex-profile", "", "write a profile of the time goroutines waited for locks during the whole run (go tool pprof) to this file")
 	fs.StringVar(&o.traceOut, "trace", "", "write an execution trace of the whole run (where goroutines ran, waited and made system calls; go tool trace) to this file")
-	fs.Usage = func() {
-		fmt.Fprintln(stderr, "usage: kvhost bench --dir DIR [flags]\n\nMeasures the engine's stores and loads on DIR next to ceilings measured in the same run (docs/bench.md).\n\nflags:")
-		fs.PrintDefaults()
-	}
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return 0
-		}
-		return 2
+	if code, ok := parseFlagsOnly(fs, args, stdout, stderr); !ok {
+		return code
 	}
 	bad := func(format string, a ...any) int {
 		fmt.Fprintf(stderr, "kvhost bench: "+format+"\n", a...)
 		return 2
-	}
-	if fs.NArg() > 0 {
-		return bad("unexpected argument %q", fs.Arg(0))
 	}
 	if o.render != "" {
 		f, err := os.Open(o.render)

@@ -121,7 +121,7 @@ func runCheck(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	fs.BoolVar(&asJSON, "json", false, "print the findings as JSON")
 	fs.StringVar(&cudaLib, "cuda-library", "", "path of libcudart (default: the configuration's, else the usual places)")
 	fs.StringVar(&cufileLib, "cufile-library", "", "path of libcufile (default: the configuration's, else the usual places)")
-	if code, ok := parseFlagsOnly(fs, args, stderr); !ok {
+	if code, ok := parseFlagsOnly(fs, args, stdout, stderr); !ok {
 		return code
 	}
 	o.cfg = config.Default()

@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"runtime"
+	"slices"
 	"strings"
 	"testing"
 
@@ -82,6 +83,58 @@ func TestEveryCommandAndItsFlagsAreDocumented(t *testing.T) {
 				t.Errorf("kvhost %s: flag -%s is not in docs/%s", name, f[1], p.page)
 			}
 		}
+	}
+}
+
+// TestEveryCommandsHelpGoesToStdoutAndAUsageErrorToStderr: every
+// command that `kvhost --help` lists, and the subcommands of config and
+// policy, print the usage asked for with --help or -h on stdout, with
+// nothing on stderr, and exit 0; an unknown flag is a usage error: exit
+// 2, the flag named on stderr, nothing on stdout (as git, go and kubectl
+// do), whichever command's flags it is.
+func TestEveryCommandsHelpGoesToStdoutAndAUsageErrorToStderr(t *testing.T) {
+	var list, errb bytes.Buffer
+	if code := run(t.Context(), []string{"--help"}, &list, &errb); code != 0 {
+		t.Fatalf("kvhost --help: exit %d, stderr %s", code, errb.String())
+	}
+	_, listed, ok := strings.Cut(list.String(), "\ncommands:\n")
+	listed, _, _ = strings.Cut(listed, "\n\n")
+	if !ok || listed == "" {
+		t.Fatalf("kvhost --help lists no commands:\n%s", list.String())
+	}
+	var cmds [][]string
+	for _, line := range strings.Split(listed, "\n") {
+		cmds = append(cmds, strings.Fields(line)[:1])
+	}
+	cmds = append(cmds, []string{"config", "show"}, []string{"policy", "test"})
+	for _, cmd := range cmds {
+		name := strings.Join(cmd, " ")
+		for _, help := range []string{"--help", "-h"} {
+			t.Run(name+" "+help, func(t *testing.T) {
+				var out, errb bytes.Buffer
+				if code := run(t.Context(), append(slices.Clone(cmd), help), &out, &errb); code != 0 {
+					t.Errorf("exit %d, want 0", code)
+				}
+				if !strings.HasPrefix(out.String(), "usage:") || !strings.Contains(out.String(), cmd[len(cmd)-1]) {
+					t.Errorf("stdout %q, want the usage of kvhost %s", out.String(), name)
+				}
+				if errb.Len() != 0 {
+					t.Errorf("stderr %q, want nothing", errb.String())
+				}
+			})
+		}
+		t.Run(name+" --bogus", func(t *testing.T) {
+			var out, errb bytes.Buffer
+			if code := run(t.Context(), append(slices.Clone(cmd), "--bogus"), &out, &errb); code != 2 {
+				t.Errorf("exit %d, want 2", code)
+			}
+			if !strings.Contains(errb.String(), "-bogus") {
+				t.Errorf("stderr %q, want it to name -bogus", errb.String())
+			}
+			if out.Len() != 0 {
+				t.Errorf("stdout %q, want nothing", out.String())
+			}
+		})
 	}
 }
 

@@ -15,27 +15,43 @@ import (
 	"github.com/kvhost/kvhost/protocol"
 )
 
-// newFlagSet is the flag set of the subcommand name ("kvhost stats"): its
-// errors go to stderr, and its usage prints usage (the synopsis and a
-// sentence or two, without a trailing newline) followed by the flags.
+// newFlagSet is the flag set of the subcommand name ("kvhost stats"):
+// its output, where Parse names a bad flag, is stderr, and its Usage
+// prints usage (the synopsis and a sentence or two, without a trailing
+// newline) followed by the flags, to that output. Parse it with
+// parseFlags, which prints the usage where it belongs.
 func newFlagSet(name, usage string, stderr io.Writer) *flag.FlagSet {
 	fs := flag.NewFlagSet(name, flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	fs.Usage = func() {
-		fmt.Fprintln(stderr, usage+"\n\nflags:")
+		fmt.Fprintln(fs.Output(), usage+"\n\nflags:")
 		fs.PrintDefaults()
 	}
 	return fs
 }
 
-// parseFlags parses args into fs. When ok is false the command is over
-// and exits with code: 0 after --help, 2 after a bad flag (fs has said
-// which).
-func parseFlags(fs *flag.FlagSet, args []string) (code int, ok bool) {
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			return 0, false
-		}
+// parseFlags parses args into fs, made by newFlagSet. When ok is false
+// the command is over and exits with code: 0 after --help (or -h), whose
+// usage goes to stdout, as asked for; 2 after a usage error (a bad flag
+// or value), which fs names on its output, stderr, followed by the
+// usage.
+func parseFlags(fs *flag.FlagSet, args []string, stdout io.Writer) (code int, ok bool) {
+	// Parse prints the usage to fs's output after --help as after an
+	// error: quiet, it leaves the usage to be printed below, on the
+	// stream that the outcome calls for.
+	usage := fs.Usage
+	fs.Usage = func() {}
+	err := fs.Parse(args)
+	fs.Usage = usage
+	switch {
+	case errors.Is(err, flag.ErrHelp):
+		stderr := fs.Output()
+		fs.SetOutput(stdout)
+		fs.Usage()
+		fs.SetOutput(stderr)
+		return 0, false
+	case err != nil:
+		fs.Usage()
 		return 2, false
 	}
 	return 0, true
@@ -44,8 +60,8 @@ func parseFlags(fs *flag.FlagSet, args []string) (code int, ok bool) {
 // parseFlagsOnly is parseFlags for a command that takes no positional
 // arguments: the first one left after the flags is a usage error (exit 2),
 // named on stderr.
-func parseFlagsOnly(fs *flag.FlagSet, args []string, stderr io.Writer) (code int, ok bool) {
-	if code, ok := parseFlags(fs, args); !ok {
+func parseFlagsOnly(fs *flag.FlagSet, args []string, stdout, stderr io.Writer) (code int, ok bool) {
+	if code, ok := parseFlags(fs, args, stdout); !ok {
 		return code, false
 	}
 	if fs.NArg() > 0 {
@@ -84,8 +100,8 @@ func bindDaemonFlags(fs *flag.FlagSet, timeout time.Duration, timeoutUsage strin
 // rest of the file are a warning on stderr, since the command needs none
 // of it; a file whose socket cannot be read ends the command with exit
 // code 2.
-func (f daemonFlags) parse(fs *flag.FlagSet, args []string, stderr io.Writer) (code int, ok bool) {
-	if code, ok := parseFlagsOnly(fs, args, stderr); !ok {
+func (f daemonFlags) parse(fs *flag.FlagSet, args []string, stdout, stderr io.Writer) (code int, ok bool) {
+	if code, ok := parseFlagsOnly(fs, args, stdout, stderr); !ok {
 		return code, false
 	}
 	if *f.config == "" {

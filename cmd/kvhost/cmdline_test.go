@@ -16,9 +16,9 @@ import (
 )
 
 // TestSubcommandFlagHandling checks the shared flag handling of the
-// subcommands: --help prints the usage and the flags and exits 0, a bad
-// flag exits 2, and a stray positional argument exits 2 (naming it) where
-// the command takes none.
+// subcommands: --help prints the usage and the flags on stdout and exits
+// 0, a bad flag exits 2, and a stray positional argument exits 2 (naming
+// it) where the command takes none.
 func TestSubcommandFlagHandling(t *testing.T) {
 	cmds := []struct {
 		name  string
@@ -39,8 +39,8 @@ func TestSubcommandFlagHandling(t *testing.T) {
 				t.Fatalf("--help: exit %d, want 0; stderr:\n%s", code, errb.String())
 			}
 			for _, want := range []string{c.usage, "\n\nflags:\n", c.flag} {
-				if !strings.Contains(errb.String(), want) {
-					t.Errorf("--help output lacks %q:\n%s", want, errb.String())
+				if !strings.Contains(out.String(), want) {
+					t.Errorf("--help output lacks %q:\n%s", want, out.String())
 				}
 			}
 		})
@@ -174,7 +174,7 @@ func TestDaemonFlagsReadOnlyTheSocketFromConfig(t *testing.T) {
 			var errb bytes.Buffer
 			fs := newFlagSet("kvhost stats", "usage", &errb)
 			df := bindDaemonFlags(fs, time.Second, "")
-			code, ok := df.parse(fs, []string{"--config", tt.file}, &errb)
+			code, ok := df.parse(fs, []string{"--config", tt.file}, io.Discard, &errb)
 			if code != tt.code || ok != (tt.code == 0) {
 				t.Fatalf("parse: exit %d (ok %v), want %d; stderr %q", code, ok, tt.code, errb.String())
 			}

@@ -3,7 +3,6 @@ package main
 import (
 	"context"
 	"errors"
-	"flag"
 	"fmt"
 	"io"
 	"path/filepath"
@@ -44,27 +43,10 @@ func runConfigShow(ctx context.Context, args []string, stdout, stderr io.Writer)
 
 // runConfigShowOn is runConfigShow asking mc about the machine.
 func runConfigShowOn(ctx context.Context, mc machine, args []string, stdout, stderr io.Writer) int {
-	fs := flag.NewFlagSet("kvhost config show", flag.ContinueOnError)
-	fs.SetOutput(stderr)
+	fs := newFlagSet("kvhost config show", configShowUsage, stderr)
 	flags := config.BindFlags(fs)
-	usage := func(w io.Writer) {
-		fmt.Fprintln(w, configShowUsage)
-		fmt.Fprintln(w, "\nflags:")
-		fs.SetOutput(w)
-		fs.PrintDefaults()
-		fs.SetOutput(stderr)
-	}
-	// Parse's errors print the usage below, to stdout after --help (as
-	// `kvhost config --help` does) and to stderr after a bad flag; Parse
-	// itself prints none, or --help would print it twice.
-	fs.Usage = func() {}
-	if err := fs.Parse(args); err != nil {
-		if errors.Is(err, flag.ErrHelp) {
-			usage(stdout)
-			return 0
-		}
-		usage(stderr)
-		return 2
+	if code, ok := parseFlags(fs, args, stdout); !ok {
+		return code
 	}
 	if fs.NArg() > 0 {
 		fmt.Fprintf(stderr, "kvhost config show: unexpected argument %q (the file goes after --config)\n", fs.Arg(0))

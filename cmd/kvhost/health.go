@@ -24,7 +24,7 @@ func runHealth(ctx context.Context, args []string, stdout, stderr io.Writer) int
 	fs.BoolVar(&h.allowFaults, "allow-device-faults", false, "healthy even when a GPU's context is broken (a job failed there with a sticky CUDA error; every later job there fails until the daemon restarts)")
 	fs.BoolVar(&h.allowFailingMounts, "allow-failing-mounts", true, "healthy, with a warning, even when a mount refuses stores (read-only, I/O errors, no room: a restart does not mend it)")
 	quiet := fs.Bool("quiet", false, "print nothing when healthy and nothing to warn of")
-	if code, ok := df.parse(fs, args, stderr); !ok {
+	if code, ok := df.parse(fs, args, stdout, stderr); !ok {
 		return code
 	}
 	r, err := df.stats(ctx)

@@ -25,7 +25,7 @@ func runPurge(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	df := bindDaemonFlags(fs, time.Minute, "give up after this long")
 	model := fs.String("model", "", "the model `id` whose namespaces go (as kvhost stats lists it)")
 	fpHex := fs.String("fingerprint", "", "the namespace `fingerprint` whose files go (16 hex digits, as kvhost stats lists it)")
-	if code, ok := df.parse(fs, args, stderr); !ok {
+	if code, ok := df.parse(fs, args, stdout, stderr); !ok {
 		return code
 	}
 	if (*model == "") == (*fpHex == "") {

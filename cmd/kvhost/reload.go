@@ -174,7 +174,7 @@ func monotonicUsec() int64 {
 func runReload(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs := newFlagSet("kvhost reload", "usage: kvhost reload [--socket PATH | --config FILE] [--timeout D]\n\nReloads the daemon's configuration (SIGHUP) and reports the result.", stderr)
 	df := bindDaemonFlags(fs, 2*time.Minute, "how long to wait for the reload")
-	if code, ok := df.parse(fs, args, stderr); !ok {
+	if code, ok := df.parse(fs, args, stdout, stderr); !ok {
 		return code
 	}
 	ctx, cancel := df.withTimeout(ctx)

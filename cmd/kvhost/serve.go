@@ -83,7 +83,7 @@ func runServeSignaled(ctx context.Context, s serveSeams, term <-chan os.Signal, 
 
 	fs := newFlagSet("kvhost serve", "usage: kvhost [serve] [flags]\n\nRuns the kvhost daemon (docs/serve.md).", stderr)
 	flags := config.BindFlags(fs)
-	if code, ok := parseFlagsOnly(fs, args, stderr); !ok {
+	if code, ok := parseFlagsOnly(fs, args, stdout, stderr); !ok {
 		return code
 	}
 	cfg, err := flags.Load()

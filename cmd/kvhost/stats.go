@@ -204,7 +204,7 @@ func runStats(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	fs := newFlagSet("kvhost stats", "usage: kvhost stats [--socket PATH | --config FILE] [--json]\n\nShows a running daemon's state.", stderr)
 	df := bindDaemonFlags(fs, 10*time.Second, "give up after this long")
 	asJSON := fs.Bool("json", false, "print JSON")
-	if code, ok := df.parse(fs, args, stderr); !ok {
+	if code, ok := df.parse(fs, args, stdout, stderr); !ok {
 		return code
 	}
 	r, err := df.stats(ctx)
