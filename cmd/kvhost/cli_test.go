@@ -106,7 +106,7 @@ func TestEveryCommandsHelpGoesToStdoutAndAUsageErrorToStderr(t *testing.T) {
 	for _, line := range strings.Split(listed, "\n") {
 		cmds = append(cmds, strings.Fields(line)[:1])
 	}
-	cmds = append(cmds, []string{"config", "show"}, []string{"policy", "test"})
+	cmds = append(cmds, []string{"config", "check"}, []string{"config", "show"}, []string{"policy", "test"})
 	for _, cmd := range cmds {
 		name := strings.Join(cmd, " ")
 		for _, help := range []string{"--help", "-h"} {

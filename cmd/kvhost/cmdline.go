@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"slices"
 	"syscall"
 	"time"
 
@@ -18,14 +19,19 @@ import (
 // newFlagSet is the flag set of the subcommand name ("kvhost stats"):
 // its output, where Parse names a bad flag, is stderr, and its Usage
 // prints usage (the synopsis and a sentence or two, without a trailing
-// newline) followed by the flags, to that output. Parse it with
-// parseFlags, which prints the usage where it belongs.
+// newline) followed by the flags, where it has any, to that output.
+// Parse it with parseFlags, which prints the usage where it belongs.
 func newFlagSet(name, usage string, stderr io.Writer) *flag.FlagSet {
 	fs := flag.NewFlagSet(name, flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	fs.Usage = func() {
-		fmt.Fprintln(fs.Output(), usage+"\n\nflags:")
-		fs.PrintDefaults()
+		fmt.Fprintln(fs.Output(), usage)
+		hasFlags := false
+		fs.VisitAll(func(*flag.Flag) { hasFlags = true })
+		if hasFlags {
+			fmt.Fprintln(fs.Output(), "\nflags:")
+			fs.PrintDefaults()
+		}
 	}
 	return fs
 }
@@ -69,6 +75,29 @@ func parseFlagsOnly(fs *flag.FlagSet, args []string, stdout, stderr io.Writer) (
 		return 2, false
 	}
 	return 0, true
+}
+
+// parseFlagsAmongArgs is parseFlags for a command whose positional
+// arguments (its files) may come before, among and after its flags: an
+// argument that begins with '-' is a flag wherever it stands, up to the
+// first "--", after which every argument is positional (so a file named
+// -x is given as ./-x or after --; no flag's value can be "--"). It
+// returns the positional arguments in their order.
+func parseFlagsAmongArgs(fs *flag.FlagSet, args []string, stdout io.Writer) (positional []string, code int, ok bool) {
+	var after []string
+	if i := slices.Index(args, "--"); i >= 0 {
+		args, after = args[:i], args[i+1:]
+	}
+	for {
+		if code, ok := parseFlags(fs, args, stdout); !ok {
+			return nil, code, false
+		}
+		if fs.NArg() == 0 {
+			return append(positional, after...), 0, true
+		}
+		positional = append(positional, fs.Arg(0))
+		args = fs.Args()[1:]
+	}
 }
 
 // daemonFlags are the flags of a command that talks to a running daemon:

@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"io"
-	"slices"
 
 	"github.com/kvhost/kvhost/internal/config"
 	"github.com/kvhost/kvhost/internal/server"
@@ -19,7 +18,9 @@ unknown keys, types, sizes, durations, rules across fields, the name of a
 built-in policy and the [policy.params] it refuses at start, mounts that
 overlap; a plugin .wasm file is not read) and prints "FILE: ok" or the
 error with its line and key. Exit 0: every file is ok; 1: one is not;
-2: usage.
+2: usage. Apart from --help it has no flags: any other argument that
+begins with '-' is a usage error, so a FILE named so is given as
+./-x.toml, or after --.
 
 show: prints the configuration the daemon would run with, as TOML, with
 the defaults it computes resolved and commented (kvhost config show
@@ -73,16 +74,18 @@ func runConfig(ctx context.Context, args []string, stdout, stderr io.Writer) int
 	case "show":
 		return runConfigShow(ctx, args[1:], stdout, stderr)
 	case "check":
-		if len(args) < 2 {
+		// --help, or a flag config check does not have, wherever it
+		// stands, ends the command before any file is read.
+		fs := newFlagSet("kvhost config check", configUsage, stderr)
+		files, code, ok := parseFlagsAmongArgs(fs, args[1:], stdout)
+		if !ok {
+			return code
+		}
+		if len(files) == 0 {
 			fmt.Fprintln(stderr, configUsage)
 			return 2
 		}
-		if slices.ContainsFunc(args[1:], isHelpFlag) {
-			fmt.Fprintln(stdout, configUsage)
-			return 0
-		}
-		code := 0
-		for _, f := range args[1:] {
+		for _, f := range files {
 			c, err := config.Load(f)
 			if err == nil {
 				err = checkAtStart(ctx, f, c)

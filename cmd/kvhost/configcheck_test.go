@@ -155,3 +155,51 @@ func TestChecksRefuseTheParamsThePolicyRefusesAtStart(t *testing.T) {
 		})
 	}
 }
+
+// TestConfigCheckRefusesAnUnknownFlagAsAUsageError: an argument of
+// config check that begins with '-', before or after the files, is a
+// flag, and one config check does not have is a usage error (exit 2, the
+// flag named on stderr, no file checked), not a file that cannot be
+// opened (exit 1); a file whose name begins with '-' is checked as
+// ./-x.toml, or after --, which ends the flags.
+func TestConfigCheckRefusesAnUnknownFlagAsAUsageError(t *testing.T) {
+	t.Chdir(t.TempDir())
+	for _, f := range []string{"ok.toml", "-x.toml"} {
+		if err := os.WriteFile(f, []byte("# the defaults\n"), 0o644); err != nil {
+			t.Fatal(err)
+		}
+	}
+	tests := []struct {
+		args   []string
+		code   int
+		stdout string // the whole of stdout
+		stderr string // a substring of stderr; "" wants it empty
+	}{
+		{[]string{"--bogus"}, 2, "", "-bogus"},
+		{[]string{"ok.toml", "--bogus"}, 2, "", "-bogus"},
+		{[]string{"--bogus=1", "ok.toml"}, 2, "", "-bogus"},
+		{[]string{"-x.toml"}, 2, "", "-x.toml"},
+		{[]string{"--"}, 2, "", "usage: kvhost config check"},
+		{[]string{"./-x.toml"}, 0, "./-x.toml: ok\n", ""},
+		{[]string{"--", "-x.toml"}, 0, "-x.toml: ok\n", ""},
+		{[]string{"ok.toml", "--", "-x.toml", "--bogus"}, 1, "ok.toml: ok\n-x.toml: ok\n", "--bogus"},
+	}
+	for _, tt := range tests {
+		t.Run(strings.Join(tt.args, " "), func(t *testing.T) {
+			var out, errb bytes.Buffer
+			code := run(t.Context(), append([]string{"config", "check"}, tt.args...), &out, &errb)
+			if code != tt.code {
+				t.Errorf("exit %d, want %d", code, tt.code)
+			}
+			if out.String() != tt.stdout {
+				t.Errorf("stdout %q, want %q", out.String(), tt.stdout)
+			}
+			if tt.stderr == "" && errb.Len() != 0 || !strings.Contains(errb.String(), tt.stderr) {
+				t.Errorf("stderr %q, want it to contain %q (or be empty where nothing is wanted)", errb.String(), tt.stderr)
+			}
+			if tt.code == 2 && strings.Contains(errb.String(), "no such file") {
+				t.Errorf("stderr %q: a flag taken for a file", errb.String())
+			}
+		})
+	}
+}
