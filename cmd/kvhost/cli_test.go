@@ -106,7 +106,7 @@ func TestEveryCommandsHelpGoesToStdoutAndAUsageErrorToStderr(t *testing.T) {
 	for _, line := range strings.Split(listed, "\n") {
 		cmds = append(cmds, strings.Fields(line)[:1])
 	}
-	cmds = append(cmds, []string{"config", "check"}, []string{"config", "show"}, []string{"policy", "test"})
+	cmds = append(cmds, []string{"config", "check"}, []string{"config", "show"}, []string{"policy", "inspect"}, []string{"policy", "test"})
 	for _, cmd := range cmds {
 		name := strings.Join(cmd, " ")
 		for _, help := range []string{"--help", "-h"} {
@@ -158,12 +158,7 @@ func TestVersionFlagAndCommandAgree(t *testing.T) {
 // so it is after `kvhost --version`, its other spelling. --help first
 // prints the usage whatever follows, as for every command.
 func TestVersionHelpDescribesTheCommandAndArgumentsAreRefused(t *testing.T) {
-	cases := []struct {
-		args   []string
-		code   int
-		stdout string // a substring of stdout; "" wants it empty
-		stderr string // a substring of stderr; "" wants it empty
-	}{
+	cases := []cmdLine{
 		{[]string{"version"}, 0, "kvhost ", ""},
 		{[]string{"version", "--help"}, 0, "usage: kvhost version", ""},
 		{[]string{"version", "-h"}, 0, "usage: kvhost version", ""},
@@ -176,21 +171,39 @@ func TestVersionHelpDescribesTheCommandAndArgumentsAreRefused(t *testing.T) {
 	}
 	for _, c := range cases {
 		t.Run(strings.Join(c.args, " "), func(t *testing.T) {
-			var out, errb bytes.Buffer
-			code := run(context.Background(), c.args, &out, &errb)
-			if code != c.code {
-				t.Fatalf("exit %d, want %d (stdout %q, stderr %q)", code, c.code, out.String(), errb.String())
-			}
-			for _, s := range []struct{ name, got, want string }{{"stdout", out.String(), c.stdout}, {"stderr", errb.String(), c.stderr}} {
-				if s.want == "" && s.got != "" || !strings.Contains(s.got, s.want) {
-					t.Errorf("%s %q, want it to contain %q (or be empty where nothing is wanted)", s.name, s.got, s.want)
-				}
-			}
-			if c.code == 0 && len(c.args) > 1 && strings.Contains(out.String(), runtime.Version()) {
-				t.Errorf("--help printed the version:\n%s", out.String())
+			out := c.check(t)
+			if c.code == 0 && len(c.args) > 1 && strings.Contains(out, runtime.Version()) {
+				t.Errorf("--help printed the version:\n%s", out)
 			}
 		})
 	}
+}
+
+// cmdLine is a kvhost command line and what it does: its exit status,
+// and a substring of stdout and one of stderr ("" wants that stream
+// empty).
+type cmdLine struct {
+	args   []string
+	code   int
+	stdout string
+	stderr string
+}
+
+// check runs the command line and fails t where its exit status or a
+// stream is not as wanted; it returns stdout.
+func (c cmdLine) check(t *testing.T) string {
+	t.Helper()
+	var out, errb bytes.Buffer
+	code := run(t.Context(), c.args, &out, &errb)
+	if code != c.code {
+		t.Errorf("kvhost %s: exit %d, want %d", strings.Join(c.args, " "), code, c.code)
+	}
+	for _, s := range []struct{ name, got, want string }{{"stdout", out.String(), c.stdout}, {"stderr", errb.String(), c.stderr}} {
+		if s.want == "" && s.got != "" || !strings.Contains(s.got, s.want) {
+			t.Errorf("kvhost %s: %s %q, want it to contain %q (or be empty where nothing is wanted)", strings.Join(c.args, " "), s.name, s.got, s.want)
+		}
+	}
+	return out.String()
 }
 
 func TestConfigCheck(t *testing.T) {

@@ -38,35 +38,34 @@ func runPolicy(ctx context.Context, args []string, stdout, stderr io.Writer) int
 		fs.PrintDefaults()
 		fs.SetOutput(stderr)
 	}
-	// Parse's errors print the usage below, to stdout after --help (as
-	// `kvhost policy --help` does) and to stderr after a bad flag.
-	fs.Usage = func() {}
+	// parseFlags prints it: to stdout after --help (as `kvhost policy
+	// --help` does), to stderr after a bad flag.
+	fs.Usage = func() { usage(fs.Output()) }
 	if len(args) == 0 {
 		usage(stderr)
 		return 2
 	}
 	switch args[0] {
 	case "inspect":
-		if len(args) == 2 && isHelpFlag(args[1]) {
-			usage(stdout)
-			return 0
+		// inspect has no flags but --help: any other argument that
+		// begins with '-' before NAME|FILE.wasm is a usage error, and
+		// -- ends the flags (a file named -x.wasm: ./-x.wasm or after --).
+		ifs := newFlagSet("kvhost policy inspect", "", stderr)
+		ifs.Usage = func() { usage(ifs.Output()) }
+		if code, ok := parseFlags(ifs, args[1:], stdout); !ok {
+			return code
 		}
-		if len(args) > 2 {
-			fmt.Fprintf(stderr, "kvhost policy inspect: unexpected argument %q after %s\n\n", args[2], args[1])
+		if ifs.NArg() > 1 {
+			fmt.Fprintf(stderr, "kvhost policy inspect: unexpected argument %q after %s\n\n", ifs.Arg(1), ifs.Arg(0))
 		}
-		if len(args) != 2 {
+		if ifs.NArg() != 1 {
 			usage(stderr)
 			return 2
 		}
-		return policyInspect(ctx, args[1], stdout, stderr)
+		return policyInspect(ctx, ifs.Arg(0), stdout, stderr)
 	case "test":
-		if err := fs.Parse(args[1:]); err != nil {
-			if errors.Is(err, flag.ErrHelp) {
-				usage(stdout)
-				return 0
-			}
-			usage(stderr)
-			return 2
+		if code, ok := parseFlags(fs, args[1:], stdout); !ok {
+			return code
 		}
 		if fs.NArg() > 1 {
 			fmt.Fprintf(stderr, "kvhost policy test: unexpected argument %q after %s (flags go before NAME|FILE.wasm)\n\n", fs.Arg(1), fs.Arg(0))

@@ -137,3 +137,31 @@ func TestPolicyTestCacheDirKeepsTheCompiledPlugin(t *testing.T) {
 		t.Fatalf("-cache-dir on a file: exit %d, stdout %q, stderr %q; want 1 and an error naming it", code, stdout, stderr)
 	}
 }
+
+// TestPolicyInspectRefusesAnUnknownFlagAsAUsageError: `kvhost policy
+// inspect --bogus` is a usage error (exit 2, the flag named on stderr,
+// nothing on stdout), not a built-in policy of that name that does not
+// exist (exit 1); a plugin file whose name begins with '-' is inspected
+// as ./-x.wasm, or after --, which ends the flags.
+func TestPolicyInspectRefusesAnUnknownFlagAsAUsageError(t *testing.T) {
+	plugin, err := os.ReadFile(filepath.Join("..", "..", "host", "policy", "testdata", "wellbehaved.wasm"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Chdir(t.TempDir())
+	if err := os.WriteFile("-x.wasm", plugin, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []cmdLine{
+		{[]string{"--bogus"}, 2, "", "-bogus"},
+		{[]string{"--bogus", "lru"}, 2, "", "-bogus"},
+		{[]string{"lru", "--bogus"}, 2, "", `unexpected argument "--bogus" after lru`},
+		{[]string{"./-x.wasm"}, 0, "OK: ./-x.wasm", ""},
+		{[]string{"--", "-x.wasm"}, 0, "OK: -x.wasm", ""},
+	} {
+		t.Run(strings.Join(c.args, " "), func(t *testing.T) {
+			c.args = append([]string{"policy", "inspect"}, c.args...)
+			c.check(t)
+		})
+	}
+}
