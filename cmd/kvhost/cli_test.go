@@ -384,3 +384,28 @@ func TestGoClientExampleSaysWhyItsStoreFailed(t *testing.T) {
 		t.Errorf("go-client printed %q: a store that failed is not a load that differs", out)
 	}
 }
+
+// TestHelpCommandPrintsThatCommandsUsage: `kvhost help CMD` prints what
+// `kvhost CMD --help` prints, for every command `kvhost --help` lists;
+// `kvhost help` alone prints kvhost's usage, and an unknown command or
+// more than one is a usage error (exit 2, stderr).
+func TestHelpCommandPrintsThatCommandsUsage(t *testing.T) {
+	for name := range commands() {
+		var want, got, errb bytes.Buffer
+		run(t.Context(), []string{name, "--help"}, &want, &errb)
+		if code := run(t.Context(), []string{"help", name}, &got, &errb); code != 0 || got.String() != want.String() || errb.Len() != 0 {
+			t.Errorf("kvhost help %s: exit %d, stdout %q, stderr %q; want exit 0 and kvhost %s --help's usage", name, code, got.String(), errb.String(), name)
+		}
+	}
+	var top, alone, errb bytes.Buffer
+	run(t.Context(), []string{"--help"}, &top, &errb)
+	if code := run(t.Context(), []string{"help"}, &alone, &errb); code != 0 || alone.String() != top.String() {
+		t.Errorf("kvhost help: exit %d, %q; want kvhost --help's usage", code, alone.String())
+	}
+	for _, args := range [][]string{{"help", "nosuch"}, {"help", "stats", "purge"}} {
+		var out, errb bytes.Buffer
+		if code := run(t.Context(), args, &out, &errb); code != 2 || out.Len() != 0 || errb.Len() == 0 {
+			t.Errorf("kvhost %s: exit %d, stdout %q, stderr %q; want exit 2 and the error on stderr", strings.Join(args, " "), code, out.String(), errb.String())
+		}
+	}
+}

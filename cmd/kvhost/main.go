@@ -59,7 +59,23 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	cmds := commands()
 	if len(args) > 0 {
 		switch args[0] {
-		case "help", "-h", "-help", "--help":
+		case "help":
+			// `kvhost help CMD` is `kvhost CMD --help`.
+			if len(args) == 2 {
+				if c, ok := cmds[args[1]]; ok {
+					return c.run(ctx, []string{"--help"}, stdout, stderr)
+				}
+				fmt.Fprintf(stderr, "kvhost help: unknown command %q\n\n", args[1])
+				usage(stderr, cmds)
+				return 2
+			}
+			if len(args) > 2 {
+				fmt.Fprintf(stderr, "kvhost help: want at most one command, got %q\n", args[1:])
+				return 2
+			}
+			usage(stdout, cmds)
+			return 0
+		case "-h", "-help", "--help":
 			usage(stdout, cmds)
 			return 0
 		case "-version", "--version":
@@ -110,5 +126,5 @@ func usage(w io.Writer, cmds map[string]command) {
 	config.BindFlags(fs)
 	fs.SetOutput(w)
 	fs.PrintDefaults()
-	fmt.Fprintln(w, "\nkvhost COMMAND --help describes a command's own flags.")
+	fmt.Fprintln(w, "\nkvhost COMMAND --help (or kvhost help COMMAND) describes a command's own flags.")
 }
