@@ -88,10 +88,10 @@ func TestEveryCommandAndItsFlagsAreDocumented(t *testing.T) {
 
 // TestEveryCommandsHelpGoesToStdoutAndAUsageErrorToStderr: every
 // command that `kvhost --help` lists, and the subcommands of config and
-// policy, print the usage asked for with --help or -h on stdout, with
-// nothing on stderr, and exit 0; an unknown flag is a usage error: exit
-// 2, the flag named on stderr, nothing on stdout (as git, go and kubectl
-// do), whichever command's flags it is.
+// policy, print the usage asked for with --help or -h once, on stdout,
+// with nothing on stderr, and exit 0; an unknown flag is a usage error:
+// exit 2, the flag named on stderr with the usage at most once, nothing
+// on stdout (as git, go and kubectl do), whichever command's flags it is.
 func TestEveryCommandsHelpGoesToStdoutAndAUsageErrorToStderr(t *testing.T) {
 	var list, errb bytes.Buffer
 	if code := run(t.Context(), []string{"--help"}, &list, &errb); code != 0 {
@@ -118,6 +118,9 @@ func TestEveryCommandsHelpGoesToStdoutAndAUsageErrorToStderr(t *testing.T) {
 				if !strings.HasPrefix(out.String(), "usage:") || !strings.Contains(out.String(), cmd[len(cmd)-1]) {
 					t.Errorf("stdout %q, want the usage of kvhost %s", out.String(), name)
 				}
+				if n := strings.Count(out.String(), "usage:"); n != 1 {
+					t.Errorf("the usage is printed %d times, want once:\n%s", n, out.String())
+				}
 				if errb.Len() != 0 {
 					t.Errorf("stderr %q, want nothing", errb.String())
 				}
@@ -130,6 +133,9 @@ func TestEveryCommandsHelpGoesToStdoutAndAUsageErrorToStderr(t *testing.T) {
 			}
 			if !strings.Contains(errb.String(), "-bogus") {
 				t.Errorf("stderr %q, want it to name -bogus", errb.String())
+			}
+			if n := strings.Count(errb.String(), "usage:"); n > 1 {
+				t.Errorf("the usage is printed %d times, want at most once:\n%s", n, errb.String())
 			}
 			if out.Len() != 0 {
 				t.Errorf("stdout %q, want nothing", out.String())

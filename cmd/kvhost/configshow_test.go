@@ -126,45 +126,6 @@ func strip(s string) string {
 	return b.String()
 }
 
-// TestConfigShowUsageIsPrintedOnce: `kvhost config show --help` prints
-// its usage once, on stdout, as `kvhost config --help` and `kvhost policy
-// --help` do, and a bad flag prints the error and the usage once, on
-// stderr: the flag package's own print of the usage is not added to it.
-func TestConfigShowUsageIsPrintedOnce(t *testing.T) {
-	cases := []struct {
-		name     string
-		args     []string
-		code     int
-		toStdout bool
-	}{
-		{"--help", []string{"--help"}, 0, true},
-		{"-h", []string{"-h"}, 0, true},
-		{"a flag that does not exist", []string{"--no-such-flag"}, 2, false},
-	}
-	for _, c := range cases {
-		t.Run(c.name, func(t *testing.T) {
-			var out, errb bytes.Buffer
-			code := runConfig(context.Background(), append([]string{"show"}, c.args...), &out, &errb)
-			if code != c.code {
-				t.Fatalf("exit %d, want %d (stdout %q, stderr %q)", code, c.code, out.String(), errb.String())
-			}
-			with, without := out.String(), errb.String()
-			if !c.toStdout {
-				with, without = without, with
-			}
-			if n := strings.Count(with, "usage: kvhost config show"); n != 1 {
-				t.Errorf("the usage is printed %d times, want once:\n%s", n, with)
-			}
-			if strings.Contains(without, "usage:") {
-				t.Errorf("the usage is printed on the other stream too:\n%s", without)
-			}
-			if !c.toStdout && !strings.Contains(errb.String(), "no-such-flag") {
-				t.Errorf("stderr does not name the bad flag:\n%s", errb.String())
-			}
-		})
-	}
-}
-
 // TestConfigShowLeavesWhatTheMachineDecidesToTheDaemon: the output of
 // config show, fed back as the configuration on a machine that differs
 // (processors, memory, a file system's size), is the configuration the
