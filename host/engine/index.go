@@ -176,6 +176,11 @@ func (ix *index) countOf(fp uint64) *fpCount {
 func (ix *index) holds(fp uint64) bool {
 	ix.mu.RLock()
 	defer ix.mu.RUnlock()
+	return ix.holdsLocked(fp)
+}
+
+// holdsLocked is holds, called with ix.mu held.
+func (ix *index) holdsLocked(fp uint64) bool {
 	c := ix.byFP[fp]
 	return c != nil && (c.files > 0 || c.keys > 0)
 }
@@ -184,7 +189,7 @@ func (ix *index) holds(fp uint64) bool {
 // fingerprint of fps. Called with ix.mu held.
 func (ix *index) holdsAnyLocked(fps map[uint64]int64) bool {
 	for fp := range fps {
-		if ix.byFP[fp] != nil {
+		if ix.holdsLocked(fp) {
 			return true
 		}
 	}
