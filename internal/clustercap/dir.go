@@ -348,22 +348,42 @@ func (d *Dir) Publish(s *Summary) error {
 	if err != nil {
 		return err
 	}
+	tmp, err := d.writeTemp(b)
+	if err == nil {
+		err = d.renameIn(tmp, d.summaryPath(d.node))
+	}
+	if err != nil {
+		return fmt.Errorf("clustercap: publish: %w", err)
+	}
+	return nil
+}
+
+// writeTemp writes b to a new temporary file of this node's in the
+// directory (writeFile: fsynced) and returns its path; a write that fails
+// leaves no temporary file.
+func (d *Dir) writeTemp(b []byte) (string, error) {
 	tmp := filepath.Join(d.path, tempName(d.node, rand.Uint64()))
 	if err := d.writeFile(tmp, b); err != nil {
 		d.remove(tmp)
-		return fmt.Errorf("clustercap: publish: %w", err)
+		return "", err
 	}
+	return tmp, nil
+}
+
+// renameIn renames tmp, a temporary file of writeTemp, to path in the
+// directory, so that a reader lists a whole file or none, and marks the
+// directory changed for list; a rename that fails removes tmp.
+func (d *Dir) renameIn(tmp, path string) error {
 	d.listing.mu.Lock()
-	err = d.rename(tmp, d.summaryPath(d.node))
+	err := d.rename(tmp, path)
 	if err == nil {
 		d.listing.changed = true
 	}
 	d.listing.mu.Unlock()
 	if err != nil {
 		d.remove(tmp)
-		return fmt.Errorf("clustercap: publish: %w", err)
 	}
-	return nil
+	return err
 }
 
 // list lists the directory; if fresh, as it is now, not as a cache of

@@ -3,7 +3,6 @@ package clustercap
 import (
 	"errors"
 	"fmt"
-	"math/rand/v2"
 	"os"
 	"path/filepath"
 	"slices"
@@ -64,9 +63,8 @@ func parsePurge(name string) (fp uint64, t int64, ok bool) {
 // which it covers, are removed. A record stays on the mount: a node that
 // starts later, and an adopter of a dead node's files, apply it too.
 func (d *Dir) WritePurge(fp uint64) (int64, error) {
-	tmp := filepath.Join(d.path, tempName(d.node, rand.Uint64()))
-	if err := d.writeFile(tmp, fmt.Appendf(nil, "purge %016x by node %s\n", fp, d.node)); err != nil {
-		d.remove(tmp)
+	tmp, err := d.writeTemp(fmt.Appendf(nil, "purge %016x by node %s\n", fp, d.node))
+	if err != nil {
 		return 0, fmt.Errorf("clustercap: purge record: %w", err)
 	}
 	fi, err := d.lstat(tmp)
@@ -78,14 +76,7 @@ func (d *Dir) WritePurge(fp uint64) (int64, error) {
 		return 0, fmt.Errorf("clustercap: purge record: %w", err)
 	}
 	t := fi.ModTime().UnixNano()
-	d.listing.mu.Lock()
-	err = d.rename(tmp, filepath.Join(d.path, purgeName(fp, t)))
-	if err == nil {
-		d.listing.changed = true
-	}
-	d.listing.mu.Unlock()
-	if err != nil {
-		d.remove(tmp)
+	if err := d.renameIn(tmp, filepath.Join(d.path, purgeName(fp, t))); err != nil {
 		return 0, fmt.Errorf("clustercap: purge record: %w", err)
 	}
 	d.notePurge(fp, t)
