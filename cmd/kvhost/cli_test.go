@@ -168,12 +168,12 @@ func TestVersionHelpDescribesTheCommandAndArgumentsAreRefused(t *testing.T) {
 		{[]string{"version"}, 0, "kvhost ", ""},
 		{[]string{"version", "--help"}, 0, "usage: kvhost version", ""},
 		{[]string{"version", "-h"}, 0, "usage: kvhost version", ""},
-		{[]string{"version", "--bogus"}, 2, "", `unexpected argument "--bogus"`},
+		{[]string{"version", "--bogus"}, 2, "", "-bogus"},
 		{[]string{"version", "extra"}, 2, "", `unexpected argument "extra"`},
 		{[]string{"version", "--help", "extra"}, 0, "usage: kvhost version", ""},
 		{[]string{"--version"}, 0, "kvhost ", ""},
 		{[]string{"--version", "extra"}, 2, "", `unexpected argument "extra"`},
-		{[]string{"--version", "--bogus"}, 2, "", `unexpected argument "--bogus"`},
+		{[]string{"--version", "--bogus"}, 2, "", "-bogus"},
 	}
 	for _, c := range cases {
 		t.Run(strings.Join(c.args, " "), func(t *testing.T) {

@@ -29,15 +29,6 @@ daemon's start refuses.
 
 docs/config.md describes every key.`
 
-// isHelpFlag reports whether a is a request for help (-h, --help).
-func isHelpFlag(a string) bool {
-	switch a {
-	case "-h", "-help", "--help":
-		return true
-	}
-	return false
-}
-
 // checkAtStart refuses, with the error the daemon's start would stop
 // on, what config check and config show find in cfg, loaded from file
 // ("": flags only) beyond what Load checks: mounts of kvhost's layout

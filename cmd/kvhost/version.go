@@ -69,17 +69,13 @@ version and platform it was built with, and whether it was built without
 cgo (CPU only). It takes no flags.`
 
 // runVersion implements `kvhost version` (and `kvhost --version`, which
-// passes what follows it): --help prints its usage, as every command's
-// does, whatever follows it (the flag package stops at --help too), and
-// any other argument is a usage error rather than ignored.
+// passes what follows it): it parses its arguments as every command does
+// (parseFlagsOnly: --help prints its usage whatever follows it, and any
+// other argument is a usage error rather than ignored).
 func runVersion(_ context.Context, args []string, stdout, stderr io.Writer) int {
-	switch {
-	case len(args) > 0 && isHelpFlag(args[0]):
-		fmt.Fprintln(stdout, versionUsage)
-		return 0
-	case len(args) > 0:
-		fmt.Fprintf(stderr, "kvhost version: unexpected argument %q\n\n%s\n", args[0], versionUsage)
-		return 2
+	fs := newFlagSet("kvhost version", versionUsage, stderr)
+	if code, ok := parseFlagsOnly(fs, args, stdout, stderr); !ok {
+		return code
 	}
 	fmt.Fprintln(stdout, versionString())
 	return 0
