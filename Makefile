@@ -120,13 +120,14 @@ test-cluster:
 # The bounded part of the multi-node suite, run by `make test`: two
 # ceph-fuse clients of a one-host CephFS on a fresh directory and its own
 # monitor ports (CLUSTER_BOUNDED_PORTS, v1 and v2, so that a `make
-# test-cluster` cluster may run beside it); the cross-node hit, flock
+# test-cluster` cluster may run beside it); the cross-node hit, a pinned
+# key loading after its node deleted the file, flock
 # sharing between clients and the shared-directory mixed workload (43 s
 # with the cluster's start and stop on 2 cores). scripts/cephfs.sh
 # installs Ceph's Debian packages when missing; only where they cannot be
 # installed (no apt-get, apt-get failing, not root) does it print a
 # SKIPPED banner and pass. Any other failure fails.
-CLUSTER_BOUNDED_RUN   ?= TestClusterKeyStoredOnOneNodeHitsAndLoadsOnTheOthers|TestClusterFlockSharingMatchesTheFUSETable|TestClusterSharedMixedWorkload
+CLUSTER_BOUNDED_RUN   ?= TestClusterKeyStoredOnOneNodeHitsAndLoadsOnTheOthers|TestClusterPinnedKeyLoadsAfterItsNodeDeletesTheFile|TestClusterFlockSharingMatchesTheFUSETable|TestClusterSharedMixedWorkload
 CLUSTER_BOUNDED_PORTS ?= 6791 3302
 .PHONY: test-cluster-bounded
 test-cluster-bounded:

@@ -504,6 +504,15 @@ type Stats struct {
 	RemoveFailures uint64
 	BytesWritten   uint64 // payload bytes stored (no headers or padding)
 	BytesRead      uint64 // payload bytes of the keys loaded
+	// PinnedFilesOpen is the files held open now for client pins, where
+	// another engine sharing the directory may remove them (a cluster
+	// mount's other nodes' files; every file of a shared network file
+	// system but NFS): a pinned key loads from the open file even after
+	// its removal. PinnedFilesUnopened counts the pins of such files
+	// that found the engine's bound of open files reached
+	// (DefaultMaxPinnedOpen) and checked the file by name only.
+	PinnedFilesOpen     int64
+	PinnedFilesUnopened uint64
 	// StoreFailures and LoadFailures break Failures down by reason. Every
 	// failed key is counted, and logged (warning; at most one line per
 	// reason every 10 s, saying how many were not logged).

@@ -336,6 +336,7 @@ func TestEveryCallAfterCloseIsRefused(t *testing.T) {
 		"Activity":          "an observer (the watchdog's)",
 		"StagingUsage":      "an observer",
 		"PinStats":          "an observer",
+		"PinnedFilesOpen":   "an observer",
 		"PinHeld":           "an observer",
 		"Index":             "the policy's view of the index, read only",
 		"WaitSpares":        "returns once the spare maker stopped, which Close did",

@@ -128,6 +128,11 @@ type Engine struct {
 	// mount's high watermark and went to its eviction lock (reserveUsed;
 	// tests wait for it instead of sleeping).
 	evictWaits atomic.Int64
+
+	// pinOpen counts the files held open for client pins (pinfiles.go),
+	// at most maxPinOpen (DefaultMaxPinnedOpen).
+	pinOpen    atomic.Int64
+	maxPinOpen int64
 }
 
 type counters struct {
@@ -136,6 +141,9 @@ type counters struct {
 	// ended counts the jobs finished (Activity); scanned, the files a
 	// cluster adoption walk read.
 	ended, scanned atomic.Uint64
+	// pinUnopened counts the client pins of files another engine may
+	// remove that were not held open: maxPinOpen were (pinfiles.go).
+	pinUnopened atomic.Uint64
 }
 
 // DefaultIOWorkers is the number of I/O workers of a Config whose
@@ -176,17 +184,18 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		cfg.TempGrace = DefaultTempGrace
 	}
 	e := &Engine{
-		cfg:    cfg,
-		log:    cfg.Logger,
-		now:    cfg.Now,
-		node:   nodeName(cfg.NodeID),
-		memory: machineMemory(cfg.Memory),
-		fails:  &failureLog{log: cfg.Logger, interval: 10 * time.Second},
-		nsByFP: map[uint64]NamespaceID{},
-		caches: map[CacheID]*cache{},
-		space:  &space{},
-		calls:  newCallGate(),
-		down:   make(chan struct{}),
+		cfg:        cfg,
+		log:        cfg.Logger,
+		now:        cfg.Now,
+		node:       nodeName(cfg.NodeID),
+		memory:     machineMemory(cfg.Memory),
+		maxPinOpen: DefaultMaxPinnedOpen(),
+		fails:      &failureLog{log: cfg.Logger, interval: 10 * time.Second},
+		nsByFP:     map[uint64]NamespaceID{},
+		caches:     map[CacheID]*cache{},
+		space:      &space{},
+		calls:      newCallGate(),
+		down:       make(chan struct{}),
 
 		closeUnwind: defaultCloseUnwind,
 		dirsMax:     maxKnownDirs,
@@ -308,6 +317,7 @@ func (e *Engine) Stats() Stats {
 		Stores: e.st.stores.Load(), Loads: e.st.loads.Load(), Hits: e.st.hits.Load(), Misses: e.st.misses.Load(),
 		Evictions: e.st.evictions.Load(), Reused: e.st.reused.Load(), SparesMade: e.st.made.Load(), Failures: e.st.failures.Load(), Corrupt: e.st.corrupt.Load(),
 		Vanished: e.st.vanished.Load(), RemoveFailures: e.st.removeFailures.Load(), BytesWritten: e.st.written.Load(), BytesRead: e.st.read.Load(),
+		PinnedFilesOpen: e.pinOpen.Load(), PinnedFilesUnopened: e.st.pinUnopened.Load(),
 		StoreFailures: e.fails.stats(0), LoadFailures: e.fails.stats(1), Tiering: e.TierStats(), HeldFound: e.HeldFound(),
 	}
 	s.Entries, s.Keys = e.ix.size()

@@ -68,6 +68,11 @@ type entry struct {
 	// move dropped this entry for (demote.go, dropCopy); guarded by
 	// index.mu.
 	heir *entry
+	// file: the file held open for the entry's client pins, where
+	// another engine may remove it (pinfiles.go); nil otherwise. Set
+	// while leases > 0, cleared by the last client unpin; guarded by
+	// index.mu.
+	file *pinnedFile
 }
 
 // index is what the engine knows is stored: the published files
@@ -95,7 +100,9 @@ type entry struct {
 //     each is in its own mount's heldOrder;
 //   - the orphans left to a path held are gone and marked orphan;
 //   - left holds no indexed entry, nor an orphan, and nleft is its length;
-//   - removing holds entries gone, neither indexed nor in left.
+//   - removing holds entries gone, neither indexed nor in left;
+//   - pinnedGone maps each key to a gone entry that holds it, held open
+//     (file) for its client pins (leases > 0).
 type index struct {
 	mu       sync.RWMutex
 	sp       *space
@@ -124,8 +131,12 @@ type index struct {
 	// may stay there. A cluster adopter retires no dead node while one of
 	// its files is here (Engine.leftOf).
 	removing map[*entry]struct{}
-	lastID   uint64
-	keys     KeySet // MirrorKeys's, or nil
+	// pinnedGone holds, by key, the entries dropped from the index while
+	// their client pins hold their file open (entry.file): a load of such
+	// a key reads it there until the last of those pins ends.
+	pinnedGone map[keyID]*entry
+	lastID     uint64
+	keys       KeySet // MirrorKeys's, or nil
 	// heldN is the number of indexed entries the restart hold pins
 	// (hold.go): those marked held.
 	heldN int
@@ -329,6 +340,9 @@ func (ix *index) unindexLocked(en *entry, remove bool) bool {
 		return false
 	}
 	en.gone = true
+	if en.file != nil {
+		ix.keepPinnedLocked(en)
+	}
 	if en.held { // the restart hold lets it go now
 		ix.unholdLocked(en)
 	}
@@ -593,9 +607,12 @@ func (ix *index) hit(ens []*entry, now int64) []abi.AccessRecord {
 }
 
 // unpinClient drops one client pin of each of ens (Engine.Pin) and, with
-// tell, returns the policy's unpin records of those still indexed.
-func (ix *index) unpinClient(ens []*entry, now int64, tell bool) []abi.AccessRecord {
+// tell, returns the policy's unpin records of those still indexed. It
+// also returns the files held open for pins that no pin holds now
+// (entry.file), for the caller to release once mu is let go.
+func (ix *index) unpinClient(ens []*entry, now int64, tell bool) ([]abi.AccessRecord, []*pinnedFile) {
 	var recs []abi.AccessRecord
+	var files []*pinnedFile
 	ix.mu.Lock()
 	defer ix.mu.Unlock()
 	for _, en := range ens {
@@ -604,8 +621,49 @@ func (ix *index) unpinClient(ens []*entry, now int64, tell bool) []abi.AccessRec
 		if tell && !en.gone {
 			recs = append(recs, en.access(abi.AccessUnpin, now))
 		}
+		if en.leases == 0 && en.file != nil {
+			files = append(files, en.file)
+			en.file = nil
+			for _, k := range en.keys {
+				if ix.pinnedGone[keyID{en.fp, k}] == en {
+					delete(ix.pinnedGone, keyID{en.fp, k})
+				}
+			}
+		}
 	}
-	return recs
+	return recs, files
+}
+
+// holdOpenLocked makes pf the file held open for en's client pins, and
+// reports true, unless one is held already or no client pin holds en any
+// more. An entry already gone is kept for loads (keepPinnedLocked). The
+// caller holds mu.
+func (ix *index) holdOpenLocked(en *entry, pf *pinnedFile) bool {
+	if en.file != nil || en.leases <= 0 {
+		return false
+	}
+	en.file = pf
+	if en.gone {
+		ix.keepPinnedLocked(en)
+	}
+	return true
+}
+
+// keepPinnedLocked lists en, gone from the index and held open for its
+// client pins, in pinnedGone under its keys. The caller holds mu.
+func (ix *index) keepPinnedLocked(en *entry) {
+	if ix.pinnedGone == nil {
+		ix.pinnedGone = map[keyID]*entry{}
+	}
+	for _, k := range en.keys {
+		ix.pinnedGone[keyID{en.fp, k}] = en
+	}
+}
+
+// pinnedGoneLocked returns the entry of key that its client pins hold open
+// although it left the index (pinnedGone), or nil. The caller holds mu.
+func (ix *index) pinnedGoneLocked(fp uint64, key []byte) *entry {
+	return ix.pinnedGone[keyID{fp, string(key)}]
 }
 
 // release is releaseLocked taking the lock.
@@ -706,6 +764,11 @@ func (ix *index) check() error {
 	for en := range ix.removing {
 		if !en.gone || ix.entries[en.id] == en || ix.left[en.path] == en {
 			return fmt.Errorf("index: file %s being removed: its entry %d is not gone (%v), indexed (%v) or left (%v)", en.path, en.id, !en.gone, ix.entries[en.id] == en, ix.left[en.path] == en)
+		}
+	}
+	for k, en := range ix.pinnedGone {
+		if !en.gone || en.file == nil || en.leases <= 0 || !slices.Contains(en.keys, k.key) {
+			return fmt.Errorf("index: key %q of pinned file %s: gone %v, open %v, client pins %d, holds the key %v", k.key, en.path, en.gone, en.file != nil, en.leases, slices.Contains(en.keys, k.key))
 		}
 	}
 	listed := map[*entry]int{} // held entries by mount, as heldOrder lists them

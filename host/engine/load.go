@@ -8,8 +8,6 @@ import (
 	"sync"
 	"syscall"
 
-	"golang.org/x/sys/unix"
-
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/internal/format"
 	"github.com/kvhost/kvhost/internal/fsys"
@@ -114,13 +112,18 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 	e.access(ctx, recs)
 }
 
-// pinLocked finds key's entry in ns in the index and pins it
-// (pinEntryLocked); nil where the index has none. The caller holds
+// pinLocked finds key's entry in ns in the index, or the entry a client
+// pin holds open out of it (index.pinnedGone), and pins it
+// (pinEntryLocked); nil where neither has one. The caller holds
 // index.mu.
 func (e *Engine) pinLocked(ns *namespace, key []byte, byEntry map[*entry][]int, pins *[]abi.AccessRecord) (*entry, bool) {
 	en := e.ix.getLocked(ns.fp, key)
 	if en == nil {
-		return nil, false
+		// Dropped from the index (another engine removed its file)
+		// while a client pin holds the file open (pinfiles.go).
+		if en = e.ix.pinnedGoneLocked(ns.fp, key); en == nil {
+			return nil, false
+		}
 	}
 	return e.pinEntryLocked(en, key, byEntry, pins)
 }
@@ -136,7 +139,11 @@ func (e *Engine) pinEntryLocked(en *entry, key []byte, byEntry map[*entry][]int,
 		return en, true // another key of this load pinned it
 	}
 	if en.gone {
-		return en, false
+		if en.file == nil {
+			return en, false
+		}
+		en.pins++ // read through the file its client pins hold open; the policy knows it no more
+		return en, true
 	}
 	en.pins++
 	*pins = append(*pins, en.access(abi.AccessPin, e.now().UnixNano()))
@@ -160,16 +167,13 @@ func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 		return
 	}
 	m := e.mounts[en.mount]
-	flag := os.O_RDONLY
-	if m.direct {
-		flag |= unix.O_DIRECT
-	}
 	// Never through a link planted below the root since the file was
 	// indexed: a file reached so is not in the mount, neither this
 	// engine's to serve nor to index (openNoLinks). The entry's file is
 	// gone from its path as much as one removed. Nor waiting on a named
-	// pipe put at the name (checkOpen; openData).
-	f, id, idErr, err := e.openData(m, en.path, flag)
+	// pipe put at the name (checkOpen; openData). A file its client
+	// pins hold open is read there (openLoad).
+	f, id, idErr, err := e.openLoad(m, en)
 	if err != nil {
 		if errors.Is(err, errNotRegular) {
 			if !e.dropVanished(ctx, en, "not a regular file") {

@@ -76,25 +76,15 @@ func (e *Engine) verify(ctx context.Context, en *entry) bool {
 	fi, err := e.fs.Stat(en.path)
 	if err == nil {
 		var id fsys.Identity
-		if id, err = fsys.IdentityOf(fi); err == nil && id.Same(en.ident) {
-			en.verified.Store(e.now().UnixNano())
-			return true
+		if id, err = fsys.IdentityOf(fi); err == nil {
+			if id.Same(en.ident) {
+				en.verified.Store(e.now().UnixNano())
+				return true
+			}
+			err = errReplaced
 		}
 	}
-	if e.ix.gone(en) {
-		return false // removed or moved (demote.go) since it was found: not vanished
-	}
-	why := "vanished"
-	switch {
-	case err == nil:
-		why = "replaced"
-	case !errors.Is(err, os.ErrNotExist):
-		// Cannot tell (EIO, EACCES...): a miss for now, but keep the entry.
-		e.log.Warn("engine: stat", "path", en.path, "err", err)
-		return false
-	}
-	e.dropVanished(ctx, en, why)
-	return false
+	return e.judgeCheck(ctx, en, err)
 }
 
 // recentlyVerified reports whether en's file was checked within

@@ -31,6 +31,11 @@ type mount struct {
 	// I/O, checksums are computed inline in small chunks, in cache; with
 	// O_DIRECT to a device they overlap the next transfer instead.
 	memory bool
+	// network: a file system other nodes may share (fstype.Kind.Network);
+	// removalStales: one where a file another client removes is gone
+	// under this node's open descriptors (NFS). Together with cluster
+	// they say which files a client pin holds open (othersRemove).
+	network, removalStales bool
 	// folio is the size of the page-cache folios writes allocate where
 	// larger than a page (a tmpfs with huge pages), else 0
 	// (transfer.Plan.Folio).
@@ -283,7 +288,9 @@ func (e *Engine) openMount(i int, m Mount) (*mount, error) {
 		}
 	}
 	mt.spareless.Store(mt.unwritable != nil)
-	if k, _ := fstype.Of(st.Type); k.CloseToOpen && !mt.direct {
+	k, _ := fstype.Of(st.Type)
+	mt.network, mt.removalStales = k.Network, k.RemovalStales
+	if k.CloseToOpen && !mt.direct {
 		// With O_DIRECT every write reaches the server before it returns.
 		mt.syncFirst = true
 	}

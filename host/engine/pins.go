@@ -85,7 +85,7 @@ func (e *Engine) Pin(ctx context.Context, ns NamespaceID, keys [][]byte, lease t
 			}
 			// Checked after pinning: no eviction or delete can come
 			// between the check and the hold.
-			if !e.verify(ctx, en) {
+			if !e.verifyPinned(ctx, en) {
 				e.unpinEntries(ctx, []*entry{en}, false)
 				continue
 			}
@@ -166,7 +166,11 @@ func (e *Engine) unpinEntries(ctx context.Context, ens []*entry, tell bool) {
 	if len(ens) == 0 {
 		return
 	}
-	e.access(ctx, e.ix.unpinClient(ens, e.now().UnixNano(), tell))
+	recs, files := e.ix.unpinClient(ens, e.now().UnixNano(), tell)
+	for _, pf := range files {
+		e.releasePinned(pf)
+	}
+	e.access(ctx, recs)
 }
 
 // PinStats returns the client pins held and the keys they hold.

@@ -27,6 +27,12 @@ type Kind struct {
 	// see a file renamed into place before its data, short or with
 	// holes, unless the writer flushes it before the rename.
 	CloseToOpen bool
+	// RemovalStales: a file removed through one client is gone at the
+	// server at once, and the descriptors other clients hold open on it
+	// fail (ESTALE): an open file does not keep it (NFS). On the other
+	// file systems here an open descriptor keeps a removed file readable
+	// until it is closed.
+	RemovalStales bool
 	// MapOnly: its files are written only through memory mappings;
 	// write(2) refuses them (EINVAL), so kvhost, which writes its files
 	// with pwrite, cannot store on it (hugetlbfs).
@@ -61,7 +67,7 @@ var kinds = map[int64]Kind{
 	0x794c7630: {Name: "overlay"},
 	0x5346544e: {Name: "ntfs"},
 	FakeOwner:  {Name: "fakeowner"},
-	NFS:        {Name: "nfs", Network: true, CuFileDirect: true, CloseToOpen: true},
+	NFS:        {Name: "nfs", Network: true, CuFileDirect: true, CloseToOpen: true, RemovalStales: true},
 	0xfe534d42: {Name: "smb2", Network: true},
 	0xff534d42: {Name: "cifs", Network: true},
 	0x0bd00bd0: {Name: "lustre", Network: true, CuFileDirect: true},

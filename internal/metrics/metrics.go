@@ -286,6 +286,8 @@ var (
 	dCorrupt            = desc("kvhost_corrupt_files_total", "Files dropped because they failed verification.")
 	dVanished           = desc("kvhost_vanished_files_total", "Files found missing or replaced behind the engine's back.")
 	dRemoveFailed       = desc("kvhost_remove_failures_total", "Data, spare and temporary files whose removal failed, each counted once (the file stays counted as used; evictions on its mount try again).")
+	dPinnedOpen         = desc("kvhost_pinned_files_open", "Files held open for client pins because another node may remove them (another node's file on a cluster mount; any file on a shared network file system but NFS).")
+	dPinnedUnopened     = desc("kvhost_pinned_files_unopened_total", "Client pins of files another node may remove that found the bound of files held open reached and checked the file by name only.")
 	dWritten            = desc("kvhost_written_bytes_total", "Payload bytes written to files.")
 	dRead               = desc("kvhost_read_bytes_total", "Payload bytes read from files.")
 	dFailures           = desc("kvhost_key_failures_total", "Keys of jobs that failed, by direction and reason.", "direction", "reason")
@@ -400,6 +402,8 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 		counter(dCorrupt, st.Corrupt)
 		counter(dVanished, st.Vanished)
 		counter(dRemoveFailed, st.RemoveFailures)
+		gauge(dPinnedOpen, float64(st.PinnedFilesOpen))
+		counter(dPinnedUnopened, st.PinnedFilesUnopened)
 		counter(dWritten, st.BytesWritten)
 		counter(dRead, st.BytesRead)
 		for dir, f := range map[string]engine.Failures{"store": st.StoreFailures, "load": st.LoadFailures} {

@@ -209,6 +209,58 @@ func TestClusterKeyStoredOnOneNodeHitsAndLoadsOnTheOthers(t *testing.T) {
 	fmt.Println(summary)
 }
 
+// TestClusterPinnedKeyLoadsAfterItsNodeDeletesTheFile: node 1 stores
+// keys; node 2's client pins them (node 2 finds node 1's files); node 1's
+// client then deletes them, which node 1 may do (node 2's pins are not
+// its own), and the files are gone from the mount. Node 2's load of the
+// pinned keys still returns their bytes: its pin held each file open, and
+// the file system keeps a file removed through one client readable
+// through a descriptor another holds. After the unpin the keys miss on
+// node 2 too, once its verify interval has passed.
+func TestClusterPinnedKeyLoadsAfterItsNodeDeletesTheFile(t *testing.T) {
+	mounts := clusterMounts(t)
+	ds := startCluster(t, mounts)
+	nodes := dialNodes(t, ds, "pinned", 8)
+	ctx := context.Background()
+	var keys [][]byte
+	for i := range 8 {
+		keys = append(keys, fmt.Appendf(nil, "pinned-%d", i))
+	}
+	mustStore(t, nodes[0].k, "node-1", keys)
+	pin, err := nodes[1].c.Pin(ctx, nodes[1].k.ns.ID, keys, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i, h := range pin.Held {
+		if !h {
+			t.Fatalf("node-2: %s, stored on node-1, is not pinned", keys[i])
+		}
+	}
+	if n, err := nodes[0].c.Delete(ctx, nodes[0].k.ns.ID, keys); err != nil || n != len(keys) {
+		t.Fatalf("node-1: delete: %d of %d, %v", n, len(keys), err)
+	}
+	if left := scanFiles(mounts[0]); len(left) != 0 {
+		t.Fatalf("files left on the mount after node-1's delete: %v", left)
+	}
+	var wrong, missing int
+	for _, k := range keys {
+		nodes[1].checkLoad(t, 2, k, &wrong, &missing, "pinned on node-2, deleted by node-1")
+	}
+	if _, err := nodes[1].c.Unpin(ctx, pin.ID); err != nil {
+		t.Fatal(err)
+	}
+	// A hit stays one for up to the verify interval.
+	if !waitFor(ctx, clusterWait, 5*time.Millisecond, func() bool {
+		n, err := nodes[1].lookup(ctx, keys)
+		return err == nil && n == 0
+	}) {
+		t.Fatalf("node-2: the deleted keys still hit %v after the unpin", clusterWait)
+	}
+	summary := fmt.Sprintf("cluster pinned then deleted: keys=%d wrong_bytes=%d unloaded=%d", len(keys), wrong, missing)
+	t.Log(summary)
+	fmt.Println(summary)
+}
+
 // TestClusterConcurrentStoresOfOneKeyLoadOnEveryNode stores one key from all
 // three nodes at once, round after round, then loads it on every node:
 // every store is `stored` or `present`, and every load returns the key's
