@@ -70,9 +70,10 @@ type entry struct {
 	heir *entry
 	// file: the file held open for the entry's client pins, where
 	// another engine may remove it (pinfiles.go); nil otherwise. Set
-	// while leases > 0, cleared by the last client unpin; guarded by
-	// index.mu.
-	file *pinnedFile
+	// while leases > 0, cleared by the last client unpin, both with
+	// index.mu held; a load reads it without the lock
+	// (pinnedFile.acquire).
+	file atomic.Pointer[pinnedFile]
 }
 
 // index is what the engine knows is stored: the published files
@@ -340,7 +341,7 @@ func (ix *index) unindexLocked(en *entry, remove bool) bool {
 		return false
 	}
 	en.gone = true
-	if en.file != nil {
+	if en.file.Load() != nil {
 		ix.keepPinnedLocked(en)
 	}
 	if en.held { // the restart hold lets it go now
@@ -621,9 +622,9 @@ func (ix *index) unpinClient(ens []*entry, now int64, tell bool) ([]abi.AccessRe
 		if tell && !en.gone {
 			recs = append(recs, en.access(abi.AccessUnpin, now))
 		}
-		if en.leases == 0 && en.file != nil {
-			files = append(files, en.file)
-			en.file = nil
+		if pf := en.file.Load(); en.leases == 0 && pf != nil {
+			files = append(files, pf)
+			en.file.Store(nil)
 			for _, k := range en.keys {
 				if ix.pinnedGone[keyID{en.fp, k}] == en {
 					delete(ix.pinnedGone, keyID{en.fp, k})
@@ -639,10 +640,10 @@ func (ix *index) unpinClient(ens []*entry, now int64, tell bool) ([]abi.AccessRe
 // more. An entry already gone is kept for loads (keepPinnedLocked). The
 // caller holds mu.
 func (ix *index) holdOpenLocked(en *entry, pf *pinnedFile) bool {
-	if en.file != nil || en.leases <= 0 {
+	if en.file.Load() != nil || en.leases <= 0 {
 		return false
 	}
-	en.file = pf
+	en.file.Store(pf)
 	if en.gone {
 		ix.keepPinnedLocked(en)
 	}
@@ -767,8 +768,8 @@ func (ix *index) check() error {
 		}
 	}
 	for k, en := range ix.pinnedGone {
-		if !en.gone || en.file == nil || en.leases <= 0 || !slices.Contains(en.keys, k.key) {
-			return fmt.Errorf("index: key %q of pinned file %s: gone %v, open %v, client pins %d, holds the key %v", k.key, en.path, en.gone, en.file != nil, en.leases, slices.Contains(en.keys, k.key))
+		if open := en.file.Load() != nil; !en.gone || !open || en.leases <= 0 || !slices.Contains(en.keys, k.key) {
+			return fmt.Errorf("index: key %q of pinned file %s: gone %v, open %v, client pins %d, holds the key %v", k.key, en.path, en.gone, open, en.leases, slices.Contains(en.keys, k.key))
 		}
 	}
 	listed := map[*entry]int{} // held entries by mount, as heldOrder lists them

@@ -139,7 +139,7 @@ func (e *Engine) pinEntryLocked(en *entry, key []byte, byEntry map[*entry][]int,
 		return en, true // another key of this load pinned it
 	}
 	if en.gone {
-		if en.file == nil {
+		if en.file.Load() == nil {
 			return en, false
 		}
 		en.pins++ // read through the file its client pins hold open; the policy knows it no more

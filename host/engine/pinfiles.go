@@ -31,9 +31,10 @@ import (
 // removal took out of the index, in index.pinnedGone.
 
 // pinnedFile is a file held open for the client pins of its entry:
-// entry.file, guarded by index.mu. refs counts the entry's hold (one,
-// until the last client pin ends) and each load reading through it; the
-// last release closes the file.
+// entry.file. refs counts the entry's hold (one, until the last client
+// pin ends) and each load reading through it; the last release closes
+// the file, and a reference is never taken again once the count is 0
+// (acquire).
 type pinnedFile struct {
 	f    fsys.File
 	refs atomic.Int32
@@ -54,6 +55,20 @@ func (r *pinnedRef) Close() error {
 		r.e.releasePinned(r.pf)
 	}
 	return nil
+}
+
+// acquire takes a reference to pf for a load, unless its last one went
+// (the file closed, or closing: the load opens the file by name).
+func (pf *pinnedFile) acquire() bool {
+	for {
+		n := pf.refs.Load()
+		if n <= 0 {
+			return false
+		}
+		if pf.refs.CompareAndSwap(n, n+1) {
+			return true
+		}
+	}
 }
 
 // releasePinned drops one reference to pf, closing its file at the last.
@@ -107,7 +122,7 @@ func (e *Engine) verifyPinned(ctx context.Context, en *entry) bool {
 		return e.verify(ctx, en)
 	}
 	e.ix.mu.RLock()
-	open := en.file != nil
+	open := en.file.Load() != nil
 	e.ix.mu.RUnlock()
 	if open {
 		// An earlier pin holds the file: this pin is checked by name,
@@ -182,15 +197,11 @@ func loadFlag(m *mount) int {
 }
 
 // openLoad opens en's file for a load: through the file its client pins
-// hold open (pinnedRef), or by its name (openData).
+// hold open (pinnedRef), or by its name (openData). It takes no lock: a
+// load of a file no pin holds open pays one atomic load for it.
 func (e *Engine) openLoad(m *mount, en *entry) (f fsys.File, id fsys.Identity, idErr, err error) {
-	e.ix.mu.Lock()
-	pf := en.file
-	if pf != nil {
-		pf.refs.Add(1)
-	}
-	e.ix.mu.Unlock()
-	if pf == nil {
+	pf := en.file.Load()
+	if pf == nil || !pf.acquire() {
 		return e.openData(m, en.path, loadFlag(m))
 	}
 	id, idErr = fileIdentity(pf.f)

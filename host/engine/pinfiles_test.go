@@ -2,7 +2,9 @@ package engine
 
 import (
 	"context"
+	"fmt"
 	"math/rand/v2"
+	"os"
 	"strings"
 	"sync/atomic"
 	"syscall"
@@ -11,6 +13,7 @@ import (
 
 	"github.com/kvhost/kvhost/internal/fstype"
 	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/internal/testwait"
 )
 
 // typedFS is the OS's file system reporting another statfs type (a
@@ -266,4 +269,62 @@ func TestAPinThatCannotOpenItsFileDropsNothingOnAnUnclearError(t *testing.T) {
 	if n := b.hits(t, keys); n != 1 {
 		t.Fatalf("after the failed open, B finds %d keys, want 1 (the entry kept)", n)
 	}
+}
+
+// TestLoadsRacingPinsAndUnpinsOfAHeldFileLeakNoDescriptor: B's loads of
+// A's key run while B's pins of it come and go (the held file opened,
+// shared by the loads, closed at each last unpin): every load reads the
+// key's bytes, and at the end B holds no file open and the process has
+// no more descriptors than before. Run with -race.
+func TestLoadsRacingPinsAndUnpinsOfAHeldFileLeakNoDescriptor(t *testing.T) {
+	ctx := context.Background()
+	a, b := sharedPair(t, true, nil)
+	keys := storeKeys(t, a, "k", 1, rand.New(rand.NewPCG(31, 32)))
+	want := keyBytes(a, 0)
+	if n := b.hits(t, keys); n != 1 {
+		t.Fatalf("B finds %d keys, want 1", n)
+	}
+	before := openDescriptors(t)
+	done := make(chan struct{})
+	pinErr := make(chan error, 1)
+	go func() {
+		defer close(pinErr)
+		for {
+			select {
+			case <-done:
+				return
+			default:
+			}
+			id, held, err := b.e.Pin(ctx, b.ns, keys, 0)
+			if err != nil || !held[0] {
+				pinErr <- fmt.Errorf("pin: %v, %v", held, err)
+				return
+			}
+			b.e.Unpin(ctx, id)
+		}
+	}()
+	for range 200 {
+		loadAndCompare(t, b.e, b.c, keys, [][]int{{60, 61, 62, 63}}, [][]byte{want})
+	}
+	close(done)
+	if err := <-pinErr; err != nil {
+		t.Fatal(err)
+	}
+	if n := b.e.PinnedFilesOpen(); n != 0 {
+		t.Fatalf("%d files held open after the last unpin", n)
+	}
+	// Another goroutine of the engine may hold one for a moment.
+	testwait.Until(t, "the process's descriptors back to their count before the loads", time.Minute, func() bool {
+		return openDescriptors(t) <= before
+	})
+}
+
+// openDescriptors is how many descriptors the process has open.
+func openDescriptors(t *testing.T) int {
+	t.Helper()
+	ds, err := os.ReadDir("/proc/self/fd")
+	if err != nil {
+		t.Fatal(err)
+	}
+	return len(ds)
 }
