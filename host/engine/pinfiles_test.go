@@ -328,3 +328,35 @@ func openDescriptors(t *testing.T) int {
 	}
 	return len(ds)
 }
+
+// TestAKeyPinnedOnOneNodeLoadsAfterItsNodeEvictsTheFile: on a cluster
+// mount bounded at 8 files, B's client pins A's oldest key; A's stores
+// then pass the bound and A evicts its oldest files, that one included
+// (B's pin is not A's to see). B's load of the key still returns its
+// bytes, from the file B's pin holds open.
+func TestAKeyPinnedOnOneNodeLoadsAfterItsNodeEvictsTheFile(t *testing.T) {
+	ctx := context.Background()
+	probe := openNode(t, t.TempDir(), "probe", nil, 1)
+	storeAndCheck(t, probe.e, probe.c, testKeys("p", 1), [][]int{{0, 1, 2, 3}})
+	capacity := 8 * probe.e.Stats().Mounts[0].Used
+
+	dir := t.TempDir()
+	a := clusterNode(t, dir, "a", capacity, time.Hour)
+	b := clusterNode(t, dir, "b", capacity, time.Hour)
+	r := rand.New(rand.NewPCG(33, 34))
+	first := storeKeys(t, a, "first", 1, r)
+	want := keyBytes(a, 0)
+	pin, held, err := b.e.Pin(ctx, b.ns, first, 0)
+	if err != nil || !held[0] {
+		t.Fatalf("B's pin of A's key: %v, %v", held, err)
+	}
+	storeKeys(t, a, "more", 12, r)
+	if n := a.hits(t, first); n != 0 {
+		t.Fatalf("A still holds its oldest key after 12 more stores against a bound of 8 files")
+	}
+	loadAndCompare(t, b.e, b.c, first, [][]int{{60, 61, 62, 63}}, [][]byte{want})
+	b.e.Unpin(ctx, pin)
+	if n := b.e.PinnedFilesOpen(); n != 0 {
+		t.Fatalf("%d files held open after the unpin", n)
+	}
+}
