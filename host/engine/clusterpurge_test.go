@@ -359,3 +359,46 @@ func TestAPurgeRecordReachesTheFilesANodeKeepsOnItsOwnMounts(t *testing.T) {
 	tickB()
 	loadAndCompare(t, b.e, b.c, fresh, [][]int{{60, 61, 62, 63}}, [][]byte{keyBytes(b, 0)})
 }
+
+// TestAnAdopterAppliesThePurgeRecordsToADeadNodesFiles: node D stores a
+// key of the model, node A purges the model (a record; A never indexed
+// D's file), D stores a second key after the record and dies. A, adopting
+// D past the dead-node bound, indexes D's files in its walk and applies
+// the record in the same tick: the key stored before the purge is gone
+// from the mount and misses on A; the one stored after it stays and
+// loads there.
+func TestAnAdopterAppliesThePurgeRecordsToADeadNodesFiles(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	clock := newTestClock()
+	a := clusterNodeAt(t, dir, "a", 1<<30, time.Hour, clock.now)
+	d := clusterNode(t, dir, "d", 1<<30, time.Hour)
+	r := rand.New(rand.NewPCG(15, 16))
+	old := storeKeys(t, d, "old", 1, r)
+	if _, err := a.e.Purge(ctx, smallGeometry(true).Fingerprint()); err != nil {
+		t.Fatal(err)
+	}
+	at, ok := a.e.mounts[0].cluster.dir.PurgedAt(smallGeometry(true).Fingerprint(), a.e.purgeLimit())
+	if !ok {
+		t.Fatal("no purge record after A's purge")
+	}
+	waitPastFSClock(t, at)
+	fresh := testKeys("new", 1)
+	d.c.fill(r, []int{8, 9, 10, 11})
+	storeAndCheck(t, d.e, d.c, fresh, [][]int{{8, 9, 10, 11}})
+	want := d.c.data([]int{8, 9, 10, 11})
+	if err := d.e.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if n := len(kvFiles(t, dir)); n != 2 {
+		t.Fatalf("%d files of dead node D on the mount, want 2", n)
+	}
+	tickPastDeadNode(ctx, t, a.e, clock)
+	if n := len(kvFiles(t, dir)); n != 1 {
+		t.Fatalf("after A adopted D, %d of D's files on the mount, want 1 (the one stored after the purge)", n)
+	}
+	if n := a.hits(t, old); n != 0 {
+		t.Fatal("A finds D's key stored before the purge")
+	}
+	loadAndCompare(t, a.e, a.c, fresh, [][]int{{60, 61, 62, 63}}, [][]byte{want})
+}
