@@ -134,7 +134,8 @@ type index struct {
 	removing map[*entry]struct{}
 	// pinnedGone holds, by key, the entries dropped from the index while
 	// their client pins hold their file open (entry.file): a load of such
-	// a key reads it there until the last of those pins ends.
+	// a key reads it there until the last of those pins ends, or a load
+	// finds the file corrupt (unkeepPinned).
 	pinnedGone map[keyID]*entry
 	lastID     uint64
 	keys       KeySet // MirrorKeys's, or nil
@@ -625,14 +626,28 @@ func (ix *index) unpinClient(ens []*entry, now int64, tell bool) ([]abi.AccessRe
 		if pf := en.file.Load(); en.leases == 0 && pf != nil {
 			files = append(files, pf)
 			en.file.Store(nil)
-			for _, k := range en.keys {
-				if ix.pinnedGone[keyID{en.fp, k}] == en {
-					delete(ix.pinnedGone, keyID{en.fp, k})
-				}
-			}
+			ix.unkeepPinnedLocked(en)
 		}
 	}
 	return recs, files
+}
+
+// unkeepPinned takes en out of pinnedGone, if there: loads of its keys no
+// longer read its file, which stays open until its client pins end (a
+// file found corrupt: loadFile). It takes mu.
+func (ix *index) unkeepPinned(en *entry) {
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	ix.unkeepPinnedLocked(en)
+}
+
+// unkeepPinnedLocked is unkeepPinned for a caller that holds mu.
+func (ix *index) unkeepPinnedLocked(en *entry) {
+	for _, k := range en.keys {
+		if ix.pinnedGone[keyID{en.fp, k}] == en {
+			delete(ix.pinnedGone, keyID{en.fp, k})
+		}
+	}
 }
 
 // holdOpenLocked makes pf the file held open for en's client pins, and

@@ -199,6 +199,9 @@ func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 		e.st.corrupt.Add(1)
 		e.log.Warn("engine: corrupt file dropped", "path", en.path, "err", err)
 		e.drop(ctx, en, true, "corrupt")
+		// Nor is a file its client pins hold open read again: later
+		// loads miss, as they do where no pin held it.
+		e.ix.unkeepPinned(en)
 	}
 	// One fstat (openData's) serves the header (vllm-fs mounts) and the
 	// checks below.

@@ -2,6 +2,7 @@ package engine
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"os"
@@ -358,5 +359,67 @@ func TestAKeyPinnedOnOneNodeLoadsAfterItsNodeEvictsTheFile(t *testing.T) {
 	b.e.Unpin(ctx, pin)
 	if n := b.e.PinnedFilesOpen(); n != 0 {
 		t.Fatalf("%d files held open after the unpin", n)
+	}
+}
+
+// TestAHeldFileFoundCorruptIsNotServedAgain: B's pin holds A's file open;
+// the file's header is then damaged (through its name, so the held
+// descriptor reads the damage too), and A's removal of it comes first or
+// not at all. B's first load of the pinned key fails as corrupt, which
+// drops the file; a second load misses, as it does for a corrupt file no
+// pin holds open, rather than reading the held file again, failing again
+// and counting the same file corrupt once more.
+func TestAHeldFileFoundCorruptIsNotServedAgain(t *testing.T) {
+	ctx := context.Background()
+	for _, removed := range []bool{false, true} {
+		t.Run(fmt.Sprintf("removed-by-its-node-%v", removed), func(t *testing.T) {
+			a, b := sharedPair(t, true, nil)
+			keys := storeKeys(t, a, "k", 1, rand.New(rand.NewPCG(33, 34)))
+			pin, held, err := b.e.Pin(ctx, b.ns, keys, 0)
+			if err != nil || !held[0] {
+				t.Fatalf("pin: %v, %v", held, err)
+			}
+			files := kvFiles(t, a.e.mounts[0].root)
+			if len(files) != 1 {
+				t.Fatalf("%d files on the mount, want 1", len(files))
+			}
+			f, err := os.OpenFile(files[0], os.O_RDWR, 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			_, err = f.WriteAt([]byte{0x55}, 40)
+			if cerr := f.Close(); err == nil {
+				err = cerr
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if removed {
+				deleteOnA(t, a, b, keys)
+				if n := b.hits(t, keys); n != 0 {
+					t.Fatalf("B's lookup of the removed key: %d hits, want a miss", n)
+				}
+			}
+			load := func() KeyResult {
+				t.Helper()
+				res := wait(t)(b.e.Load(ctx, LoadRequest{Cache: b.c.id, Keys: keys, Blocks: [][]int{{60, 61, 62, 63}}}))
+				return res.Keys[0]
+			}
+			if kr := load(); kr.Outcome != OutcomeFailed || !errors.Is(kr.Err, ErrCorrupt) {
+				t.Fatalf("first load of the damaged file: %v (%v), want failed, corrupt", kr.Outcome, kr.Err)
+			}
+			if kr := load(); kr.Outcome != OutcomeMissing {
+				t.Fatalf("second load: %v (%v), want missing: the file was found corrupt", kr.Outcome, kr.Err)
+			}
+			if n := b.e.Stats().Corrupt; n != 1 {
+				t.Fatalf("%d files counted corrupt, want 1", n)
+			}
+			checkIndex(t, b.e)
+			b.e.Unpin(ctx, pin)
+			if n := b.e.PinnedFilesOpen(); n != 0 {
+				t.Fatalf("%d files held open after the unpin", n)
+			}
+			checkIndex(t, b.e)
+		})
 	}
 }
