@@ -102,8 +102,8 @@ type entry struct {
 //   - the orphans left to a path held are gone and marked orphan;
 //   - left holds no indexed entry, nor an orphan, and nleft is its length;
 //   - removing holds entries gone, neither indexed nor in left;
-//   - pinnedGone maps each key to a gone entry that holds it, held open
-//     (file) for its client pins (leases > 0).
+//   - pinnedGone maps each key to gone entries that hold it, each once,
+//     held open (file) for its client pins (leases > 0).
 type index struct {
 	mu       sync.RWMutex
 	sp       *space
@@ -136,7 +136,9 @@ type index struct {
 	// their client pins hold their file open (entry.file): a load of such
 	// a key reads it there until the last of those pins ends, or a load
 	// finds the file corrupt (unkeepPinned).
-	pinnedGone map[keyID]*entry
+	// Two such files may hold one key (removed, stored again, removed),
+	// each for its own pins: the key stays here until the last goes.
+	pinnedGone map[keyID][]*entry
 	lastID     uint64
 	keys       KeySet // MirrorKeys's, or nil
 	// heldN is the number of indexed entries the restart hold pins
@@ -644,8 +646,11 @@ func (ix *index) unkeepPinned(en *entry) {
 // unkeepPinnedLocked is unkeepPinned for a caller that holds mu.
 func (ix *index) unkeepPinnedLocked(en *entry) {
 	for _, k := range en.keys {
-		if ix.pinnedGone[keyID{en.fp, k}] == en {
-			delete(ix.pinnedGone, keyID{en.fp, k})
+		id := keyID{en.fp, k}
+		if ens := slices.DeleteFunc(ix.pinnedGone[id], func(o *entry) bool { return o == en }); len(ens) > 0 {
+			ix.pinnedGone[id] = ens
+		} else {
+			delete(ix.pinnedGone, id)
 		}
 	}
 }
@@ -669,17 +674,24 @@ func (ix *index) holdOpenLocked(en *entry, pf *pinnedFile) bool {
 // client pins, in pinnedGone under its keys. The caller holds mu.
 func (ix *index) keepPinnedLocked(en *entry) {
 	if ix.pinnedGone == nil {
-		ix.pinnedGone = map[keyID]*entry{}
+		ix.pinnedGone = map[keyID][]*entry{}
 	}
 	for _, k := range en.keys {
-		ix.pinnedGone[keyID{en.fp, k}] = en
+		id := keyID{en.fp, k}
+		if !slices.Contains(ix.pinnedGone[id], en) {
+			ix.pinnedGone[id] = append(ix.pinnedGone[id], en)
+		}
 	}
 }
 
-// pinnedGoneLocked returns the entry of key that its client pins hold open
-// although it left the index (pinnedGone), or nil. The caller holds mu.
+// pinnedGoneLocked returns an entry of key that its client pins hold open
+// although it left the index (pinnedGone; the latest kept of those), or
+// nil. The caller holds mu.
 func (ix *index) pinnedGoneLocked(fp uint64, key []byte) *entry {
-	return ix.pinnedGone[keyID{fp, string(key)}]
+	if ens := ix.pinnedGone[keyID{fp, string(key)}]; len(ens) > 0 {
+		return ens[len(ens)-1]
+	}
+	return nil
 }
 
 // release is releaseLocked taking the lock.
@@ -782,9 +794,14 @@ func (ix *index) check() error {
 			return fmt.Errorf("index: file %s being removed: its entry %d is not gone (%v), indexed (%v) or left (%v)", en.path, en.id, !en.gone, ix.entries[en.id] == en, ix.left[en.path] == en)
 		}
 	}
-	for k, en := range ix.pinnedGone {
-		if open := en.file.Load() != nil; !en.gone || !open || en.leases <= 0 || !slices.Contains(en.keys, k.key) {
-			return fmt.Errorf("index: key %q of pinned file %s: gone %v, open %v, client pins %d, holds the key %v", k.key, en.path, en.gone, open, en.leases, slices.Contains(en.keys, k.key))
+	for k, ens := range ix.pinnedGone {
+		if len(ens) == 0 {
+			return fmt.Errorf("index: key %q kept for pinned files lists none", k.key)
+		}
+		for i, en := range ens {
+			if open := en.file.Load() != nil; !en.gone || !open || en.leases <= 0 || !slices.Contains(en.keys, k.key) || slices.Index(ens, en) != i {
+				return fmt.Errorf("index: key %q of pinned file %s: gone %v, open %v, client pins %d, holds the key %v, listed at %d and %d", k.key, en.path, en.gone, open, en.leases, slices.Contains(en.keys, k.key), slices.Index(ens, en), i)
+			}
 		}
 	}
 	listed := map[*entry]int{} // held entries by mount, as heldOrder lists them

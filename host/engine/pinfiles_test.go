@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"os"
+	"slices"
 	"strings"
 	"sync/atomic"
 	"syscall"
@@ -422,4 +423,50 @@ func TestAHeldFileFoundCorruptIsNotServedAgain(t *testing.T) {
 			checkIndex(t, b.e)
 		})
 	}
+}
+
+// TestAKeyHeldInTwoRemovedFilesLoadsUntilItsLastPinEnds: B's first pin
+// holds A's file of a key; A deletes it and stores the key again, in a new
+// file, which B's second pin holds; A deletes that one too, and B noticed
+// both removals. The second pin ends first: the first pin's load still
+// reads its own held file, which the second file's end does not take from
+// the loads.
+func TestAKeyHeldInTwoRemovedFilesLoadsUntilItsLastPinEnds(t *testing.T) {
+	ctx := context.Background()
+	a, b := sharedPair(t, true, nil)
+	keys := storeKeys(t, a, "k", 1, rand.New(rand.NewPCG(35, 36)))
+	want := keyBytes(a, 0)
+	pin1 := mustPin(t, b, keys)
+	deleteOnA(t, a, b, keys)
+	if n := b.hits(t, keys); n != 0 {
+		t.Fatalf("B's lookup after the first removal: %d hits, want a miss", n)
+	}
+	storeKeys(t, a, "k", 1, rand.New(rand.NewPCG(37, 38)))
+	pin2 := mustPin(t, b, keys)
+	if n := b.e.PinnedFilesOpen(); n != 2 {
+		t.Fatalf("B holds %d files open, want 2", n)
+	}
+	deleteOnA(t, a, b, keys)
+	if n := b.hits(t, keys); n != 0 {
+		t.Fatalf("B's lookup after the second removal: %d hits, want a miss", n)
+	}
+	checkIndex(t, b.e)
+	b.e.Unpin(ctx, pin2)
+	checkIndex(t, b.e)
+	loadAndCompare(t, b.e, b.c, keys, [][]int{{60, 61, 62, 63}}, [][]byte{want})
+	b.e.Unpin(ctx, pin1)
+	if n := b.e.PinnedFilesOpen(); n != 0 {
+		t.Fatalf("%d files held open after the last unpin", n)
+	}
+	checkIndex(t, b.e)
+}
+
+// mustPin pins keys on n, failing t unless every one is pinned.
+func mustPin(t *testing.T, n *node, keys [][]byte) PinID {
+	t.Helper()
+	id, held, err := n.e.Pin(context.Background(), n.ns, keys, 0)
+	if err != nil || slices.Contains(held, false) {
+		t.Fatalf("pin of %d keys: %v, %v", len(keys), held, err)
+	}
+	return id
 }
