@@ -34,10 +34,12 @@ type clientPin struct {
 // deleted (Delete refuses them) until Unpin(id), the lease ends (lease > 0)
 // or the engine closes. It returns the pin's id (0 when no key was stored)
 // and, per key in order, whether it is pinned. Unlike Lookup, every file is
-// checked now (a stat: same inode, same size), whatever
-// Config.VerifyInterval says, after it is pinned: a key reported pinned
-// was stored and unchanged after the pin took hold, so a load of it does
-// not miss unless the file is removed behind the engine's back. A file
+// checked now (a stat: same inode, same size; an open that then holds the
+// file until the last client pin of it ends where another engine may
+// remove it: pinfiles.go), whatever Config.VerifyInterval says, after it
+// is pinned: a key reported pinned was stored and unchanged after the pin
+// took hold, so a load of it does not miss unless the file is removed
+// behind the engine's back and not held open. A file
 // that fails the check is dropped as in Lookup, and the key is not pinned.
 // Pinning counts as a hit (or a miss) as Lookup does.
 func (e *Engine) Pin(ctx context.Context, ns NamespaceID, keys [][]byte, lease time.Duration) (PinID, []bool, error) {
