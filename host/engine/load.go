@@ -114,16 +114,21 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 
 // pinLocked finds key's entry in ns in the index, or the entry a client
 // pin holds open out of it (index.pinnedGone), and pins it
-// (pinEntryLocked); nil where neither has one. The caller holds
-// index.mu.
+// (pinEntryLocked); nil where neither has one. An entry held open is
+// preferred to an indexed one that is not: a newer file of the key, found
+// after the held one left the index, may be removed by its node too, and
+// the client's pin promised a load. The caller holds index.mu.
 func (e *Engine) pinLocked(ns *namespace, key []byte, byEntry map[*entry][]int, pins *[]abi.AccessRecord) (*entry, bool) {
 	en := e.ix.getLocked(ns.fp, key)
-	if en == nil {
+	if en == nil || en.file.Load() == nil {
 		// Dropped from the index (another engine removed its file)
 		// while a client pin holds the file open (pinfiles.go).
-		if en = e.ix.pinnedGoneLocked(ns.fp, key); en == nil {
-			return nil, false
+		if held := e.ix.pinnedGoneLocked(ns.fp, key); held != nil {
+			en = held
 		}
+	}
+	if en == nil {
+		return nil, false
 	}
 	return e.pinEntryLocked(en, key, byEntry, pins)
 }

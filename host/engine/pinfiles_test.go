@@ -433,15 +433,7 @@ func TestAHeldFileFoundCorruptIsNotServedAgain(t *testing.T) {
 // the loads.
 func TestAKeyHeldInTwoRemovedFilesLoadsUntilItsLastPinEnds(t *testing.T) {
 	ctx := context.Background()
-	a, b := sharedPair(t, true, nil)
-	keys := storeKeys(t, a, "k", 1, rand.New(rand.NewPCG(35, 36)))
-	want := keyBytes(a, 0)
-	pin1 := mustPin(t, b, keys)
-	deleteOnA(t, a, b, keys)
-	if n := b.hits(t, keys); n != 0 {
-		t.Fatalf("B's lookup after the first removal: %d hits, want a miss", n)
-	}
-	storeKeys(t, a, "k", 1, rand.New(rand.NewPCG(37, 38)))
+	a, b, keys, want, pin1 := storedAgainAfterAHeldRemoval(t, 35)
 	pin2 := mustPin(t, b, keys)
 	if n := b.e.PinnedFilesOpen(); n != 2 {
 		t.Fatalf("B holds %d files open, want 2", n)
@@ -461,6 +453,24 @@ func TestAKeyHeldInTwoRemovedFilesLoadsUntilItsLastPinEnds(t *testing.T) {
 	checkIndex(t, b.e)
 }
 
+// storedAgainAfterAHeldRemoval: A stores a key (its bytes: want); B's pin
+// holds A's file of it; A deletes it, and B's lookup notices (the entry
+// leaves B's index, kept for the pin's loads); A stores the key again, in
+// a new file of other bytes. The rand seeds are seed to seed+3.
+func storedAgainAfterAHeldRemoval(t *testing.T, seed uint64) (a, b *node, keys [][]byte, want []byte, pin PinID) {
+	t.Helper()
+	a, b = sharedPair(t, true, nil)
+	keys = storeKeys(t, a, "k", 1, rand.New(rand.NewPCG(seed, seed+1)))
+	want = keyBytes(a, 0)
+	pin = mustPin(t, b, keys)
+	deleteOnA(t, a, b, keys)
+	if n := b.hits(t, keys); n != 0 {
+		t.Fatalf("B's lookup after A's removal: %d hits, want a miss", n)
+	}
+	storeKeys(t, a, "k", 1, rand.New(rand.NewPCG(seed+2, seed+3)))
+	return a, b, keys, want, pin
+}
+
 // mustPin pins keys on n, failing t unless every one is pinned.
 func mustPin(t *testing.T, n *node, keys [][]byte) PinID {
 	t.Helper()
@@ -469,4 +479,26 @@ func mustPin(t *testing.T, n *node, keys [][]byte) PinID {
 		t.Fatalf("pin of %d keys: %v, %v", len(keys), held, err)
 	}
 	return id
+}
+
+// TestAPinnedKeyLoadsFromItsHeldFileOverANewerFileThatVanished: B's pin
+// holds A's file of a key; A deletes it, and B's lookup notices. A stores
+// the key again in a new file, which B's lookup finds and indexes (no pin
+// holds it), and A deletes that one too, unnoticed by B. B's load of the
+// pinned key reads the file its pin holds open, not the newer indexed
+// file, whose name is gone.
+func TestAPinnedKeyLoadsFromItsHeldFileOverANewerFileThatVanished(t *testing.T) {
+	ctx := context.Background()
+	a, b, keys, want, pin := storedAgainAfterAHeldRemoval(t, 39)
+	if n := b.hits(t, keys); n != 1 {
+		t.Fatalf("B's lookup of the key stored again: %d hits, want 1", n)
+	}
+	deleteOnA(t, a, b, keys)
+	loadAndCompare(t, b.e, b.c, keys, [][]int{{60, 61, 62, 63}}, [][]byte{want})
+	checkIndex(t, b.e)
+	b.e.Unpin(ctx, pin)
+	if n := b.e.PinnedFilesOpen(); n != 0 {
+		t.Fatalf("%d files held open after the unpin", n)
+	}
+	checkIndex(t, b.e)
 }
