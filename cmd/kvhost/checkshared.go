@@ -69,8 +69,9 @@ func nfsLocalLocks(magic int64, mnt fstype.Mount, mntErr error) string {
 // mnt, or mntErr where /proc/self/mountinfo did not say), what its clients
 // see of each other's files, what guards another node's stores in flight
 // (flock where the file system shares it, flockErr being the local
-// probe's result; the temp_grace age otherwise), and which GPU paths
-// apply. It returns nothing for a local file system.
+// probe's result; the temp_grace age otherwise), whether a client's pin
+// keeps a file another node removes, and which GPU paths apply. It
+// returns nothing for a local file system.
 func sharedFindings(magic int64, mnt fstype.Mount, mntErr error, flockErr error, tempGrace time.Duration) []checkItem {
 	kind, ok := fstype.Of(magic)
 	if !ok || !kind.Network {
@@ -118,6 +119,12 @@ func sharedFindings(magic int64, mnt fstype.Mount, mntErr error, flockErr error,
 	default:
 		add(levelInfo, fmt.Sprintf("%s: flock works on this node (probed); whether other nodes see it depends on the file system (CephFS: yes), which one node cannot probe, so temp_grace (%v) also guards other nodes' stores in flight", name, tempGrace),
 			"give every node its own [engine] node_id and a temp_grace above the longest store")
+	}
+	if kind.RemovalStales {
+		add(levelWarn, fmt.Sprintf("%s: a file another node removes is gone under this node's open descriptors (ESTALE), so a pin cannot keep it: a key a client pinned here whose file another node evicts, deletes or purges before the key's load fails that load, which stops vLLM's worker", name),
+			"stop a model's instances on every node before purging it, and give the mount room enough that eviction seldom takes a file another node just looked up")
+	} else {
+		add(levelInfo, fmt.Sprintf("%s: a client's pin holds open the files another node may remove, so a pinned key loads even after another node evicts, deletes or purges its file", name), "")
 	}
 	if !kind.CuFileDirect && !kind.Memory {
 		add(levelInfo, fmt.Sprintf("%s: GPU memory moves through the staging pipeline's pinned buffers here: cuFile has no GPUDirect path to this file system (compatibility mode at best), and files are mapped and registered with CUDA only on memory file systems", name), "")

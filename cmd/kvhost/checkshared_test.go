@@ -50,7 +50,7 @@ func tempFilesIn(t *testing.T, dir string) []string {
 	return names
 }
 
-func TestSharedFindingsNameTheFUSEFileSystemAndWhatGuardsOtherNodesStores(t *testing.T) {
+func TestSharedFindingsNameTheFileSystemWhatGuardsOtherNodesStoresAndWhatPinsKeep(t *testing.T) {
 	ceph := fstype.Mount{Point: "/mnt/cephfs", Type: "fuse.ceph-fuse", Source: "ceph-fuse"}
 	gluster := fstype.Mount{Point: "/mnt/gv", Type: "fuse.glusterfs", Source: "srv:/gv"}
 	sshfs := fstype.Mount{Point: "/mnt/s", Type: "fuse.sshfs", Source: "me@host:"}
@@ -69,39 +69,48 @@ func TestSharedFindingsNameTheFUSEFileSystemAndWhatGuardsOtherNodesStores(t *tes
 		{"ceph-fuse", fstype.FUSE, ceph, nil, nil, []want{
 			{levelInfo, "CephFS (ceph-fuse) through FUSE (f_type 0x65735546; fuse.ceph-fuse at /mnt/cephfs): the MDS's capabilities"},
 			{levelOK, "excludes one through another"},
+			{levelInfo, "a client's pin holds open"},
 			{levelInfo, "staging pipeline"},
 		}},
 		{"ceph-fuse without flock", fstype.FUSE, ceph, nil, noFlock, []want{
 			{levelInfo, "CephFS"},
 			{levelWarn, "only by temp_grace (10m0s)"},
+			{levelInfo, "a client's pin holds open"},
 			{levelInfo, "staging pipeline"},
 		}},
 		{"glusterfs", fstype.FUSE, gluster, nil, nil, []want{
 			{levelWarn, "GlusterFS through FUSE"},
 			{levelOK, "excludes one through another"},
+			{levelInfo, "a client's pin holds open"},
 			{levelInfo, "staging pipeline"},
 		}},
 		{"unknown FUSE", fstype.FUSE, sshfs, nil, nil, []want{
 			{levelInfo, "sshfs through FUSE"},
 			{levelInfo, "whether other nodes see it"},
+			{levelInfo, "a client's pin holds open"},
 			{levelInfo, "staging pipeline"},
 		}},
 		{"no mountinfo", fstype.FUSE, fstype.Mount{}, errors.New("no mount holds it"), nil, []want{
 			{levelInfo, "which one is unknown: no mount holds it"},
 			{levelInfo, "whether other nodes see it"},
+			{levelInfo, "a client's pin holds open"},
 			{levelInfo, "staging pipeline"},
 		}},
 		{"nfs", 0x6969, fstype.Mount{Point: "/mnt/n", Type: "nfs4", Options: "rw,vers=4.2,local_lock=none,addr=10.0.0.1"}, nil, nil, []want{
 			{levelInfo, "nfs: flock works on this node"},
+			{levelWarn, "gone under this node's open descriptors (ESTALE)"},
 		}},
 		{"nfs, local_lock=flock", 0x6969, fstype.Mount{Point: "/mnt/n", Type: "nfs4", Options: "rw,vers=4.2,local_lock=flock,addr=10.0.0.1"}, nil, nil, []want{
 			{levelWarn, "mounted local_lock=flock: flocks stay on this node"},
+			{levelWarn, "gone under this node's open descriptors (ESTALE)"},
 		}},
 		{"nfs, local_lock=all", 0x6969, fstype.Mount{Point: "/mnt/n", Type: "nfs", Options: "rw,vers=3,local_lock=all"}, nil, nil, []want{
 			{levelWarn, "mounted local_lock=all: flocks stay on this node"},
+			{levelWarn, "gone under this node's open descriptors (ESTALE)"},
 		}},
 		{"nfs, nolock", 0x6969, fstype.Mount{Point: "/mnt/n", Type: "nfs", Options: "rw,vers=3,nolock"}, nil, nil, []want{
 			{levelWarn, "mounted nolock: flocks stay on this node"},
+			{levelWarn, "gone under this node's open descriptors (ESTALE)"},
 		}},
 	} {
 		t.Run(c.name, func(t *testing.T) {
