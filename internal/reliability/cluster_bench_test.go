@@ -434,3 +434,117 @@ func sum(xs []int64) int64 {
 	}
 	return s
 }
+
+// BenchmarkClusterPinOfAnotherNodesFiles times what a client pin costs
+// on a shared file system, where the daemon holds open each file another
+// node may remove (docs/engine.md, "Pins and other nodes"): node 1 stores
+// 64 keys of one file each; node 2, having found them (an untimed pin
+// first), pins all 64 and unpins them, each iteration (pin+unpin, one
+// daemon round trip each), or pins them, loads them (every byte checked,
+// in the time) and unpins them (pin+load+unpin: the load reads through
+// the files the pin holds open, with no open of its own). Beside it, in the same run, the ceilings of
+// what a pin does per file through node 2's mount: a stat (what a pin
+// did before), and an open, fstat and close (what it does now). Each
+// reports µs per file.
+func BenchmarkClusterPinOfAnotherNodesFiles(b *testing.B) {
+	mounts := clusterMounts(b)
+	run := testsock.Dir(b)
+	ds := []*daemon{startDaemon(b, clusterConfig(run, mounts[0], 0)), startDaemon(b, clusterConfig(run, mounts[1], 1))}
+	ctx := context.Background()
+	const files = 64
+	var keys [][]byte
+	for i := range files {
+		keys = append(keys, fmt.Appendf(nil, "pin-bench-%02d", i))
+	}
+	var nodes [2]*kvCache
+	for i, d := range ds {
+		c, k, err := dialCache(ctx, d.cfg.Socket, fmt.Sprintf("pin-bench-%d", i), 2*files)
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.Cleanup(func() { c.Close(); k.close() })
+		nodes[i] = k
+	}
+	res, err := nodes[0].store(ctx, keys)
+	if err != nil {
+		b.Fatal(err)
+	}
+	for i, k := range res.Keys {
+		if k.Outcome != client.OutcomeStored {
+			b.Fatalf("node-1: store of %s: %v (%s)", keys[i], k.Outcome, res.Message)
+		}
+	}
+	pinAll := func(load bool) {
+		p, err := nodes[1].c.Pin(ctx, nodes[1].ns.ID, keys, 0)
+		if err != nil {
+			b.Fatal(err)
+		}
+		for i, h := range p.Held {
+			if !h {
+				b.Fatalf("node-2: %s, stored on node-1, not pinned", keys[i])
+			}
+		}
+		if load {
+			r, err := nodes[1].load(ctx, keys)
+			if err != nil {
+				b.Fatal(err)
+			}
+			for i, ok := range r.match {
+				if !ok {
+					b.Fatalf("node-2: load of %s: %v (%s)", keys[i], r.outcomes[i], r.message)
+				}
+			}
+		}
+		if _, err := nodes[1].c.Unpin(ctx, p.ID); err != nil {
+			b.Fatal(err)
+		}
+	}
+	pinAll(false) // node 2 finds the files
+	var paths []string
+	for _, fs := range scanFiles(mounts[1]) {
+		paths = append(paths, fs[0].path)
+	}
+	if len(paths) != files {
+		b.Fatalf("%d files through node 2's mount, want %d", len(paths), files)
+	}
+	perFile := func(b *testing.B) {
+		b.ReportMetric(float64(b.Elapsed().Microseconds())/float64(b.N*files), "µs/file")
+	}
+	b.Run("pin+unpin", func(b *testing.B) {
+		for b.Loop() {
+			pinAll(false)
+		}
+		perFile(b)
+	})
+	b.Run("pin+load+unpin", func(b *testing.B) {
+		for b.Loop() {
+			pinAll(true)
+		}
+		perFile(b)
+	})
+	b.Run("stat", func(b *testing.B) {
+		for b.Loop() {
+			for _, p := range paths {
+				if _, err := os.Stat(p); err != nil {
+					b.Fatal(err)
+				}
+			}
+		}
+		perFile(b)
+	})
+	b.Run("open+fstat+close", func(b *testing.B) {
+		for b.Loop() {
+			for _, p := range paths {
+				f, err := os.Open(p)
+				if err != nil {
+					b.Fatal(err)
+				}
+				if _, err := f.Stat(); err != nil {
+					b.Fatal(err)
+				}
+				f.Close()
+			}
+		}
+		perFile(b)
+	})
+}
