@@ -34,6 +34,9 @@ func (e *Engine) rebuild(ctx context.Context) error {
 		corrupt int
 		cleaned atomic.Int64 // by the walkers, one per mount
 		owners  liveOwners   // the owner files the walkers asked about
+		// others counts, per mount, the owner files of other engines
+		// running on its directory (sharedWithoutBound).
+		others = make([]atomic.Int32, len(e.mounts))
 	)
 	var readers sync.WaitGroup
 	for range max(4, 2*e.cfg.IOWorkers) {
@@ -72,11 +75,15 @@ func (e *Engine) rebuild(ctx context.Context) error {
 			path := filepath.Join(dir, name)
 			if strings.HasPrefix(name, ".") {
 				if strings.HasPrefix(name, ownerPrefix) && d.Type().IsRegular() {
-					if dir == e.mounts[mount].root && !owners.held(e, e.mounts[mount], path) {
-						// An ended engine's owner file: its flock is free
-						// (this engine's own reads as held: ownerHeld).
-						if err := e.removeFile(e.mounts[mount], path, fsys.Identity{}); err == nil {
-							cleaned.Add(1)
+					if dir == e.mounts[mount].root {
+						if !owners.held(e, e.mounts[mount], path) {
+							// An ended engine's owner file: its flock is free
+							// (this engine's own reads as held: ownerHeld).
+							if err := e.removeFile(e.mounts[mount], path, fsys.Identity{}); err == nil {
+								cleaned.Add(1)
+							}
+						} else if name != ownerName(e.node, os.Getpid(), e.token) {
+							others[mount].Add(1)
 						}
 					}
 					continue
@@ -166,6 +173,11 @@ func (e *Engine) rebuild(ctx context.Context) error {
 	e.ix.insertAll(found)
 	e.adoptDone(ids...)
 	e.st.corrupt.Add(uint64(corrupt))
+	for i := range others {
+		if n := others[i].Load(); n > 0 {
+			e.sharedWithoutBound(e.mounts[i], int(n))
+		}
+	}
 	e.log.Info("engine: index rebuilt", "files", len(found), "skipped", skipped, "corrupt_removed", corrupt, "leftovers_removed", cleaned.Load(), "took", time.Since(start))
 	return nil
 }
@@ -211,3 +223,17 @@ func (e *Engine) removeCorrupt(m *mount, path string, readErr error) bool {
 	}
 	return true
 }
+
+// sharedWithoutBound warns that n other engines run on m's directory,
+// which has no cluster capacity (their owner files are held: only a
+// memory mount that keeps spares has them, and never one with a cluster
+// capacity). Each engine then evicts files the others indexed, their
+// clients' pins unseen, and writes another key into an evicted file it
+// keeps as a spare: a load of a key another engine's client pinned fails
+// where this engine evicted its file first, which stops vLLM's worker.
+func (e *Engine) sharedWithoutBound(m *mount, n int) {
+	e.log.Warn(sharedWithoutBoundMsg, "mount", m.root, "other_engines", n)
+}
+
+// sharedWithoutBoundMsg is sharedWithoutBound's log message.
+const sharedWithoutBoundMsg = "engine: other kvhost engines run on this mount's directory, which has no cluster capacity: each evicts and reuses files the others' clients may have pinned, and a load of such a key fails; give the mount a cluster_capacity on every engine sharing it (each with its own node_id), or give each engine a directory of its own"

@@ -9,6 +9,7 @@ import (
 	"go/parser"
 	"go/token"
 	"io/fs"
+	"log/slog"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
@@ -781,4 +782,27 @@ func bytesOnDisk(t *testing.T, dir string) int64 {
 		return nil
 	})
 	return n
+}
+
+// TestAnEngineOpeningBesideAnotherOnAMemoryDirectoryWithoutABoundWarns:
+// the first engine on a memory directory without a cluster capacity
+// logs nothing of the kind; a second opening beside it (its owner file
+// held) warns once, naming the mount and one other engine: each would
+// evict and reuse files the other's clients pin.
+func TestAnEngineOpeningBesideAnotherOnAMemoryDirectoryWithoutABoundWarns(t *testing.T) {
+	dir := tmpfsDir(t)
+	var first, second lockedBuffer
+	open := func(node string, buf *lockedBuffer) {
+		openEngine(t, Config{Mounts: []Mount{{Path: dir}}, Policy: newTestPolicy(1, 0), NodeID: node,
+			Logger: slog.New(slog.NewJSONHandler(buf, &slog.HandlerOptions{Level: slog.LevelWarn}))})
+	}
+	open("first", &first)
+	if got := first.records(t, sharedWithoutBoundMsg); len(got) != 0 {
+		t.Fatalf("the first engine on the directory warned: %v", got)
+	}
+	open("second", &second)
+	got := second.records(t, sharedWithoutBoundMsg)
+	if len(got) != 1 || got[0]["mount"] != dir || got[0]["other_engines"] != float64(1) {
+		t.Fatalf("the second engine's warnings: %v; want one naming %s and 1 other engine", got, dir)
+	}
 }
