@@ -82,7 +82,10 @@ func (e *Engine) rebuild(ctx context.Context) error {
 							if err := e.removeFile(e.mounts[mount], path, fsys.Identity{}); err == nil {
 								cleaned.Add(1)
 							}
-						} else if name != ownerName(e.node, os.Getpid(), e.token) {
+						} else if _, pid, ok := tempOwner(strings.TrimPrefix(name, ownerPrefix)); ok && pid != os.Getpid() {
+							// Another process's engine (engines of one
+							// process, a benchmark's second one, share
+							// the directory by design).
 							others[mount].Add(1)
 						}
 					}
@@ -224,8 +227,8 @@ func (e *Engine) removeCorrupt(m *mount, path string, readErr error) bool {
 	return true
 }
 
-// sharedWithoutBound warns that n other engines run on m's directory,
-// which has no cluster capacity (their owner files are held: only a
+// sharedWithoutBound warns that n engines of other processes run on m's
+// directory, which has no cluster capacity (their owner files are held: only a
 // memory mount that keeps spares has them, and never one with a cluster
 // capacity). Each engine then evicts files the others indexed, their
 // clients' pins unseen, and writes another key into an evicted file it

@@ -785,24 +785,51 @@ func bytesOnDisk(t *testing.T, dir string) int64 {
 }
 
 // TestAnEngineOpeningBesideAnotherOnAMemoryDirectoryWithoutABoundWarns:
-// the first engine on a memory directory without a cluster capacity
-// logs nothing of the kind; a second opening beside it (its owner file
-// held) warns once, naming the mount and one other engine: each would
-// evict and reuse files the other's clients pin.
+// an engine opening on a memory directory without a cluster capacity
+// where another process's engine runs (its owner file there, flocked)
+// warns once, naming the mount and one other engine: each would evict
+// and reuse files the other's clients pin. An engine of this process
+// beside it (a benchmark's second engine) counts for nothing, and an
+// owner file no one holds (an engine that ended) neither.
 func TestAnEngineOpeningBesideAnotherOnAMemoryDirectoryWithoutABoundWarns(t *testing.T) {
-	dir := tmpfsDir(t)
-	var first, second lockedBuffer
-	open := func(node string, buf *lockedBuffer) {
-		openEngine(t, Config{Mounts: []Mount{{Path: dir}}, Policy: newTestPolicy(1, 0), NodeID: node,
-			Logger: slog.New(slog.NewJSONHandler(buf, &slog.HandlerOptions{Level: slog.LevelWarn}))})
-	}
-	open("first", &first)
-	if got := first.records(t, sharedWithoutBoundMsg); len(got) != 0 {
-		t.Fatalf("the first engine on the directory warned: %v", got)
-	}
-	open("second", &second)
-	got := second.records(t, sharedWithoutBoundMsg)
-	if len(got) != 1 || got[0]["mount"] != dir || got[0]["other_engines"] != float64(1) {
-		t.Fatalf("the second engine's warnings: %v; want one naming %s and 1 other engine", got, dir)
+	for _, tc := range []struct {
+		name  string
+		other bool // another process's engine runs (its owner file held)
+		want  int  // warnings
+	}{
+		{"another process's engine", true, 1},
+		{"an ended engine's owner file", false, 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			dir := tmpfsDir(t)
+			owner := filepath.Join(dir, ownerName("elsewhere", 4194001, strings.Repeat("c", tokenLen)))
+			f, err := os.OpenFile(owner, os.O_RDWR|os.O_CREATE, 0o644)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer f.Close()
+			if tc.other {
+				if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); err != nil {
+					t.Fatal(err)
+				}
+			}
+			var first, second lockedBuffer
+			open := func(node string, buf *lockedBuffer) {
+				openEngine(t, Config{Mounts: []Mount{{Path: dir}}, Policy: newTestPolicy(1, 0), NodeID: node,
+					Logger: slog.New(slog.NewJSONHandler(buf, &slog.HandlerOptions{Level: slog.LevelWarn}))})
+			}
+			open("first", &first)
+			got := first.records(t, sharedWithoutBoundMsg)
+			if len(got) != tc.want {
+				t.Fatalf("warnings: %v; want %d", got, tc.want)
+			}
+			if tc.want > 0 && (got[0]["mount"] != dir || got[0]["other_engines"] != float64(1)) {
+				t.Fatalf("warning %v; want one naming %s and 1 other engine", got[0], dir)
+			}
+			open("second", &second) // this process's: not counted
+			if got := second.records(t, sharedWithoutBoundMsg); len(got) != tc.want {
+				t.Fatalf("the second engine of this process: warnings %v; want %d", got, tc.want)
+			}
+		})
 	}
 }
