@@ -235,7 +235,8 @@ func (r *benchRun) openEngine(ctx context.Context, be *benchEngine, nodeID strin
 	eng, err := engine.Open(ctx, engine.Config{
 		Mounts: []engine.Mount{m}, NewPolicy: benchPolicy(ctx, cfg, r.log), NodeID: nodeID,
 		Fsync: r.o.fsync, IOWorkers: cfg.Engine.IOWorkers, CPUs: cfg.Engine.CPUs, YieldBytes: int64(cfg.Engine.YieldBytes),
-		StagingBytes: int64(cfg.Engine.StagingMemory), Logger: r.log, Movers: movers, NoReuse: !cfg.Engine.Reuse(),
+		StagingBytes: int64(cfg.Engine.StagingMemory), Logger: slog.New(withoutMessage{r.log.Handler(), engine.SharedDirectoryWarning}),
+		Movers: movers, NoReuse: !cfg.Engine.Reuse(),
 	})
 	if err != nil {
 		return nil, fmt.Errorf("open engine: %w", err)
@@ -1025,4 +1026,31 @@ func sizeOf(n int64) string {
 		u++
 	}
 	return strconv.FormatFloat(v, 'g', 3, 64) + " " + units[u]
+}
+
+// withoutMessage is a log handler that drops the records of one message:
+// the engines of --foreign share the directory by design, and the
+// warning Open logs for engines that share one (engine.SharedDirectoryWarning)
+// would only be noise in a benchmark's output.
+type withoutMessage struct {
+	slog.Handler
+	msg string
+}
+
+// Handle passes on every record but those of h.msg.
+func (h withoutMessage) Handle(ctx context.Context, r slog.Record) error {
+	if r.Message == h.msg {
+		return nil
+	}
+	return h.Handler.Handle(ctx, r)
+}
+
+// WithAttrs keeps dropping h.msg.
+func (h withoutMessage) WithAttrs(as []slog.Attr) slog.Handler {
+	return withoutMessage{h.Handler.WithAttrs(as), h.msg}
+}
+
+// WithGroup keeps dropping h.msg.
+func (h withoutMessage) WithGroup(name string) slog.Handler {
+	return withoutMessage{h.Handler.WithGroup(name), h.msg}
 }

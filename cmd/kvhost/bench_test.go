@@ -1192,3 +1192,24 @@ func TestBenchRemovesNoFileWhereADirectoryItMadeWas(t *testing.T) {
 		})
 	}
 }
+
+// TestBenchForeignSaysNothingOfItsTwoEnginesSharingTheDirectory: the two
+// engines of --foreign share a memory directory by design, and the
+// warning an engine's Open logs where others run on its directory
+// (engine.SharedDirectoryWarning) stays out of the benchmark's output.
+func TestBenchForeignSaysNothingOfItsTwoEnginesSharingTheDirectory(t *testing.T) {
+	shm, err := os.MkdirTemp("/dev/shm", "kvhost-bench-")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(shm) })
+	all := append([]string{"bench", "--dir", shm}, tinyBench...)
+	all = append(all, "--foreign", "--memory", "host", "--rounds", "2", "--jobs", "2", "--tokens-per-key", "16", "--total", "4MiB")
+	var stdout, stderr bytes.Buffer
+	if code := run(context.Background(), all, &stdout, &stderr); code != 0 {
+		t.Fatalf("kvhost %s: exit %d\n%s%s", strings.Join(all, " "), code, stdout.String(), stderr.String())
+	}
+	if out := stdout.String() + stderr.String(); strings.Contains(out, "other kvhost engines run") {
+		t.Fatalf("the benchmark's output warns of its own engines:\n%s", out)
+	}
+}

@@ -82,10 +82,12 @@ func (e *Engine) rebuild(ctx context.Context) error {
 							if err := e.removeFile(e.mounts[mount], path, fsys.Identity{}); err == nil {
 								cleaned.Add(1)
 							}
-						} else if _, pid, ok := tempOwner(strings.TrimPrefix(name, ownerPrefix)); ok && pid != os.Getpid() {
-							// Another process's engine (engines of one
-							// process, a benchmark's second one, share
-							// the directory by design).
+						} else if name != ownerName(e.node, os.Getpid(), e.token) {
+							// Another engine's: another process's, in
+							// another container maybe with this pid, or
+							// one of this process (kvhost bench
+							// --foreign's second, which says nothing
+							// of it: SharedDirectoryWarning).
 							others[mount].Add(1)
 						}
 					}
@@ -227,16 +229,20 @@ func (e *Engine) removeCorrupt(m *mount, path string, readErr error) bool {
 	return true
 }
 
-// sharedWithoutBound warns that n engines of other processes run on m's
-// directory, which has no cluster capacity (their owner files are held: only a
+// sharedWithoutBound warns that n other engines run on m's directory,
+// which has no cluster capacity (their owner files are held: only a
 // memory mount that keeps spares has them, and never one with a cluster
 // capacity). Each engine then evicts files the others indexed, their
 // clients' pins unseen, and writes another key into an evicted file it
 // keeps as a spare: a load of a key another engine's client pinned fails
 // where this engine evicted its file first, which stops vLLM's worker.
 func (e *Engine) sharedWithoutBound(m *mount, n int) {
-	e.log.Warn(sharedWithoutBoundMsg, "mount", m.root, "other_engines", n)
+	e.log.Warn(SharedDirectoryWarning, "mount", m.root, "other_engines", n)
 }
 
-// sharedWithoutBoundMsg is sharedWithoutBound's log message.
-const sharedWithoutBoundMsg = "engine: other kvhost engines run on this mount's directory, which has no cluster capacity: each evicts and reuses files the others' clients may have pinned, and a load of such a key fails; give the mount a cluster_capacity on every engine sharing it (each with its own node_id), or give each engine a directory of its own"
+// SharedDirectoryWarning is the message Open logs, at warning level, for
+// a memory mount without a cluster capacity where other engines run
+// (their owner files held), with the mount ("mount") and their number
+// ("other_engines"): each engine evicts and reuses files the others'
+// clients may have pinned.
+const SharedDirectoryWarning = "engine: other kvhost engines run on this mount's directory, which has no cluster capacity: each evicts and reuses files the others' clients may have pinned, and a load of such a key fails; give the mount a cluster_capacity on every engine sharing it (each with its own node_id), or give each engine a directory of its own"

@@ -786,23 +786,24 @@ func bytesOnDisk(t *testing.T, dir string) int64 {
 
 // TestAnEngineOpeningBesideAnotherOnAMemoryDirectoryWithoutABoundWarns:
 // an engine opening on a memory directory without a cluster capacity
-// where another process's engine runs (its owner file there, flocked)
-// warns once, naming the mount and one other engine: each would evict
-// and reuse files the other's clients pin. An engine of this process
-// beside it (a benchmark's second engine) counts for nothing, and an
-// owner file no one holds (an engine that ended) neither.
+// where another engine runs (its owner file there, flocked: another
+// process's, maybe in another container with this process's pid) warns
+// once, naming the mount and the number of other engines: each would
+// evict and reuse files the others' clients pin. A second engine opening
+// then counts both. An owner file no one holds (an engine that ended)
+// counts for nothing.
 func TestAnEngineOpeningBesideAnotherOnAMemoryDirectoryWithoutABoundWarns(t *testing.T) {
 	for _, tc := range []struct {
-		name  string
-		other bool // another process's engine runs (its owner file held)
-		want  int  // warnings
+		name        string
+		other       bool // another engine runs (its owner file held)
+		first, then int  // other engines each warning names; 0: no warning
 	}{
-		{"another process's engine", true, 1},
-		{"an ended engine's owner file", false, 0},
+		{"another engine runs", true, 1, 2},
+		{"an ended engine's owner file", false, 0, 1},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			dir := tmpfsDir(t)
-			owner := filepath.Join(dir, ownerName("elsewhere", 4194001, strings.Repeat("c", tokenLen)))
+			owner := filepath.Join(dir, ownerName("elsewhere", os.Getpid(), strings.Repeat("c", tokenLen)))
 			f, err := os.OpenFile(owner, os.O_RDWR|os.O_CREATE, 0o644)
 			if err != nil {
 				t.Fatal(err)
@@ -813,22 +814,17 @@ func TestAnEngineOpeningBesideAnotherOnAMemoryDirectoryWithoutABoundWarns(t *tes
 					t.Fatal(err)
 				}
 			}
-			var first, second lockedBuffer
-			open := func(node string, buf *lockedBuffer) {
-				openEngine(t, Config{Mounts: []Mount{{Path: dir}}, Policy: newTestPolicy(1, 0), NodeID: node,
-					Logger: slog.New(slog.NewJSONHandler(buf, &slog.HandlerOptions{Level: slog.LevelWarn}))})
-			}
-			open("first", &first)
-			got := first.records(t, sharedWithoutBoundMsg)
-			if len(got) != tc.want {
-				t.Fatalf("warnings: %v; want %d", got, tc.want)
-			}
-			if tc.want > 0 && (got[0]["mount"] != dir || got[0]["other_engines"] != float64(1)) {
-				t.Fatalf("warning %v; want one naming %s and 1 other engine", got[0], dir)
-			}
-			open("second", &second) // this process's: not counted
-			if got := second.records(t, sharedWithoutBoundMsg); len(got) != tc.want {
-				t.Fatalf("the second engine of this process: warnings %v; want %d", got, tc.want)
+			for i, want := range []int{tc.first, tc.then} {
+				var buf lockedBuffer
+				openEngine(t, Config{Mounts: []Mount{{Path: dir}}, Policy: newTestPolicy(1, 0), NodeID: fmt.Sprintf("n%d", i),
+					Logger: slog.New(slog.NewJSONHandler(&buf, &slog.HandlerOptions{Level: slog.LevelWarn}))})
+				got := buf.records(t, SharedDirectoryWarning)
+				switch {
+				case want == 0 && len(got) != 0:
+					t.Fatalf("engine %d: warnings %v; want none", i+1, got)
+				case want > 0 && (len(got) != 1 || got[0]["mount"] != dir || got[0]["other_engines"] != float64(want)):
+					t.Fatalf("engine %d: warnings %v; want one naming %s and %d other engines", i+1, got, dir, want)
+				}
 			}
 		})
 	}
