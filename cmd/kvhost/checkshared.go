@@ -123,8 +123,10 @@ func sharedFindings(magic int64, mnt fstype.Mount, mntErr error, flockErr error,
 	if kind.RemovalStales {
 		add(levelWarn, fmt.Sprintf("%s: a file another node removes is gone under this node's open descriptors (ESTALE), so a pin cannot keep it: a key a client pinned here whose file another node evicts, deletes or purges before the key's load fails that load, which stops vLLM's worker", name),
 			"stop a model's instances on every node before purging it, and give the mount room enough that eviction seldom takes a file another node just looked up")
+	} else if (magic != fstype.FUSE || known) && kind.Name != "smb2" && kind.Name != "cifs" {
+		add(levelInfo, fmt.Sprintf("%s: a client's pin holds open the files another node may remove, so a pinned key loads even after another node evicts, deletes or purges its file (up to an eighth of the daemon's descriptor limit held open; past it a pin checks by name, counted in kvhost_pinned_files_unopened_total)", name), "")
 	} else {
-		add(levelInfo, fmt.Sprintf("%s: a client's pin holds open the files another node may remove, so a pinned key loads even after another node evicts, deletes or purges its file", name), "")
+		add(levelInfo, fmt.Sprintf("%s: a client's pin holds open the files another node may remove; whether that keeps a pinned key loadable after another node removes its file depends on this file system keeping a removed file readable through an open descriptor, which kvhost does not know of it", name), "")
 	}
 	if !kind.CuFileDirect && !kind.Memory {
 		add(levelInfo, fmt.Sprintf("%s: GPU memory moves through the staging pipeline's pinned buffers here: cuFile has no GPUDirect path to this file system (compatibility mode at best), and files are mapped and registered with CUDA only on memory file systems", name), "")

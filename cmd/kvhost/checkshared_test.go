@@ -69,7 +69,7 @@ func TestSharedFindingsNameTheFileSystemWhatGuardsOtherNodesStoresAndWhatPinsKee
 		{"ceph-fuse", fstype.FUSE, ceph, nil, nil, []want{
 			{levelInfo, "CephFS (ceph-fuse) through FUSE (f_type 0x65735546; fuse.ceph-fuse at /mnt/cephfs): the MDS's capabilities"},
 			{levelOK, "excludes one through another"},
-			{levelInfo, "a client's pin holds open"},
+			{levelInfo, "past it a pin checks by name"},
 			{levelInfo, "staging pipeline"},
 		}},
 		{"ceph-fuse without flock", fstype.FUSE, ceph, nil, noFlock, []want{
@@ -87,13 +87,18 @@ func TestSharedFindingsNameTheFileSystemWhatGuardsOtherNodesStoresAndWhatPinsKee
 		{"unknown FUSE", fstype.FUSE, sshfs, nil, nil, []want{
 			{levelInfo, "sshfs through FUSE"},
 			{levelInfo, "whether other nodes see it"},
-			{levelInfo, "a client's pin holds open"},
+			{levelInfo, "which kvhost does not know of it"},
 			{levelInfo, "staging pipeline"},
 		}},
 		{"no mountinfo", fstype.FUSE, fstype.Mount{}, errors.New("no mount holds it"), nil, []want{
 			{levelInfo, "which one is unknown: no mount holds it"},
 			{levelInfo, "whether other nodes see it"},
-			{levelInfo, "a client's pin holds open"},
+			{levelInfo, "which kvhost does not know of it"},
+			{levelInfo, "staging pipeline"},
+		}},
+		{"smb", 0xfe534d42, fstype.Mount{Point: "/mnt/s", Type: "cifs"}, nil, nil, []want{
+			{levelInfo, "smb2: flock works on this node"},
+			{levelInfo, "which kvhost does not know of it"},
 			{levelInfo, "staging pipeline"},
 		}},
 		{"nfs", 0x6969, fstype.Mount{Point: "/mnt/n", Type: "nfs4", Options: "rw,vers=4.2,local_lock=none,addr=10.0.0.1"}, nil, nil, []want{

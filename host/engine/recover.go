@@ -229,10 +229,10 @@ func (e *Engine) removeCorrupt(m *mount, path string, readErr error) bool {
 	return true
 }
 
-// sharedWithoutBound warns that n other engines run on m's directory,
-// which has no cluster capacity (their owner files are held: only a
-// memory mount that keeps spares has them, and never one with a cluster
-// capacity). Each engine then evicts files the others indexed, their
+// sharedWithoutBound warns that n other engines run on m's directory
+// without a cluster capacity there (their owner files are held: only an
+// engine that keeps spares on a memory mount has one, and never on a
+// mount with a cluster capacity; this engine may have one, they do not). Each engine then evicts files the others indexed, their
 // clients' pins unseen, and writes another key into an evicted file it
 // keeps as a spare: a load of a key another engine's client pinned fails
 // where this engine evicted its file first, which stops vLLM's worker.
@@ -241,8 +241,8 @@ func (e *Engine) sharedWithoutBound(m *mount, n int) {
 }
 
 // SharedDirectoryWarning is the message Open logs, at warning level, for
-// a memory mount without a cluster capacity where other engines run
+// a memory mount where other engines run without a cluster capacity
 // (their owner files held), with the mount ("mount") and their number
 // ("other_engines"): each engine evicts and reuses files the others'
 // clients may have pinned.
-const SharedDirectoryWarning = "engine: other kvhost engines run on this mount's directory, which has no cluster capacity: each evicts and reuses files the others' clients may have pinned, and a load of such a key fails; give the mount a cluster_capacity on every engine sharing it (each with its own node_id), or give each engine a directory of its own"
+const SharedDirectoryWarning = "engine: other kvhost engines run on this mount's directory without a cluster capacity: each evicts and reuses files the others' clients may have pinned, and a load of such a key fails; give the mount a cluster_capacity on every engine sharing it (each with its own node_id), or give each engine a directory of its own"
