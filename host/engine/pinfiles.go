@@ -13,7 +13,8 @@ import (
 	"github.com/kvhost/kvhost/internal/fsys"
 )
 
-// Files held open for client pins (docs/engine.md, "Pins").
+// Files held open for client pins (docs/engine.md, "Pins and other
+// nodes").
 //
 // A client pin is a promise: a key pinned loads until its pin ends. This
 // engine keeps it for the files only it removes, by removing none that a
@@ -23,10 +24,11 @@ import (
 // evicted, deleted or purged on a cluster mount, any file it indexed on
 // a shared mount without a cluster capacity. So where another engine may
 // remove a pinned file, Pin opens it (the open is its check, in place of
-// a stat) and keeps it open until the last client pin of it ends. Every
-// file system kvhost shares between nodes but NFS keeps a file removed
-// through one client readable through a descriptor another holds open;
-// a load of the pinned key then reads the file through that descriptor,
+// a stat) and keeps it open until the last client pin of it ends. A
+// POSIX file system keeps a file removed through one client readable
+// through a descriptor another holds open (CephFS and GlusterFS were
+// seen to; NFS does not, and is left out: othersRemove); a load of the
+// pinned key then reads the file through that descriptor,
 // whether or not it is still at its name, and finds the entry, which a
 // removal took out of the index, in index.pinnedGone.
 
