@@ -52,13 +52,28 @@ func (r *rewriteFS) OpenFile(name string, flag int, perm os.FileMode) (fsys.File
 	if err != nil {
 		return nil, err
 	}
+	return r.wrap(f, name, flag), nil
+}
+
+// OpenAt is OpenFile relative to dir, as the engine may open a name.
+func (r *rewriteFS) OpenAt(dir fsys.File, path string, flag int, perm os.FileMode) (fsys.File, error) {
+	f, err := r.OS.OpenAt(dir, path, flag, perm)
+	if err != nil {
+		return nil, err
+	}
+	return r.wrap(f, path, flag), nil
+}
+
+// wrap returns f, just opened at name with flag, as a rewriteFile where
+// it is the armed file opened for reading.
+func (r *rewriteFS) wrap(f fsys.File, name string, flag int) fsys.File {
 	r.mu.Lock()
 	armed := name == r.path && flag&(os.O_WRONLY|os.O_RDWR) == 0
 	r.mu.Unlock()
 	if !armed {
-		return f, nil
+		return f
 	}
-	return rewriteFile{f, r}, nil
+	return rewriteFile{f, r}
 }
 
 type rewriteFile struct {

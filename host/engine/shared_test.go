@@ -145,6 +145,15 @@ func (r *reuseFS) OpenFile(name string, flag int, perm os.FileMode) (fsys.File, 
 	return reuseFile{f, r}, nil
 }
 
+// OpenAt is OpenFile relative to dir.
+func (r *reuseFS) OpenAt(dir fsys.File, path string, flag int, perm os.FileMode) (fsys.File, error) {
+	f, err := r.OS.OpenAt(dir, path, flag, perm)
+	if err != nil {
+		return nil, err
+	}
+	return reuseFile{f, r}, nil
+}
+
 type reuseFile struct {
 	fsys.File
 	r *reuseFS
@@ -621,6 +630,18 @@ func (n *nfsFS) Statfs(path string) (fsys.StatFS, error) {
 
 func (n *nfsFS) OpenFile(name string, flag int, perm os.FileMode) (fsys.File, error) {
 	f, err := n.OS.OpenFile(name, flag, perm)
+	return n.opened(f, err, name, flag)
+}
+
+// OpenAt is OpenFile relative to dir.
+func (n *nfsFS) OpenAt(dir fsys.File, path string, flag int, perm os.FileMode) (fsys.File, error) {
+	f, err := n.OS.OpenAt(dir, path, flag, perm)
+	return n.opened(f, err, path, flag)
+}
+
+// opened keeps the writes to a temporary file just opened at name, as an
+// NFS client keeps them until a flush.
+func (n *nfsFS) opened(f fsys.File, err error, name string, flag int) (fsys.File, error) {
 	if err != nil || flag&os.O_CREATE == 0 || !strings.HasPrefix(filepath.Base(name), tmpPrefix) {
 		return f, err
 	}
