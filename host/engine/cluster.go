@@ -292,7 +292,9 @@ func (e *Engine) closeCluster() {
 // mayEvict reports whether this node may remove en's file: on a cluster
 // mount, only its own files and those of the dead nodes it adopted, and
 // none of its tag while another running node has that tag (twinned).
-// Called with e.mu held.
+// It reads only en's immutable file id and the mount's atomics: callers
+// hold e.mu (eviction), index.mu (purges) or no lock (a pin's check,
+// othersRemove).
 func (e *Engine) mayEvict(m *mount, en *entry) bool {
 	c := m.cluster
 	if c == nil {

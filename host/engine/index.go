@@ -688,6 +688,9 @@ func (ix *index) keepPinnedLocked(en *entry) {
 // although it left the index (pinnedGone; the latest kept of those), or
 // nil. The caller holds mu.
 func (ix *index) pinnedGoneLocked(fp uint64, key []byte) *entry {
+	if len(ix.pinnedGone) == 0 {
+		return nil // no key kept: every load's case but while pins hold removed files
+	}
 	if ens := ix.pinnedGone[keyID{fp, string(key)}]; len(ens) > 0 {
 		return ens[len(ens)-1]
 	}

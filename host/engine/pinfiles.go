@@ -9,7 +9,6 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/kvhost/kvhost/internal/clustercap"
 	"github.com/kvhost/kvhost/internal/fsys"
 )
 
@@ -96,19 +95,18 @@ func DefaultMaxPinnedOpen() int64 {
 
 // othersRemove reports whether another engine may remove en's file on m
 // (the file held open for its client pins, above): on a cluster mount,
-// where it is not this node's (another node's, a dead node's it adopted,
-// or one without an owner tag); on a mount of a network file system
-// without a cluster capacity, every file; on a local or memory file
-// system, none. On NFS none either: another client's removal ends the
-// file under this node's descriptors (ESTALE), so an open held there
-// would keep nothing.
+// where this node may not (mayEvict: another live node's, a twin's of
+// this node's tag, or one without an owner tag); on a mount of a network
+// file system without a cluster capacity, every file; on a local or
+// memory file system, none. On NFS none either: another client's removal
+// ends the file under this node's descriptors (ESTALE), so an open held
+// there would keep nothing.
 func (e *Engine) othersRemove(m *mount, en *entry) bool {
 	if m.removalStales {
 		return false
 	}
-	if c := m.cluster; c != nil {
-		o, ok := clustercap.Owner(en.fid)
-		return !ok || o != c.tag
+	if m.cluster != nil {
+		return !e.mayEvict(m, en)
 	}
 	return m.network
 }
@@ -123,10 +121,7 @@ func (e *Engine) verifyPinned(ctx context.Context, en *entry) bool {
 	if !e.othersRemove(m, en) {
 		return e.verify(ctx, en)
 	}
-	e.ix.mu.RLock()
-	open := en.file.Load() != nil
-	e.ix.mu.RUnlock()
-	if open {
+	if en.file.Load() != nil {
 		// An earlier pin holds the file: this pin is checked by name,
 		// and a file no longer there is a miss for it (the earlier
 		// pins still load it).
