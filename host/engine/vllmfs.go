@@ -94,8 +94,11 @@ type rawLayout struct {
 const layoutFingerprintTag = "kvhost/vllm-fs/v1\x00"
 
 // layoutFingerprint identifies the files of one data directory: FNV-1a 64
-// of the tag, the data directory's name and the namespace's model id. It
-// lives only in memory (the files have no header).
+// of the tag, the data directory's name (its length as uint32 LE, then
+// its bytes) and the namespace's model id. The files have no header, but
+// the Declared reply carries it, and clients check it to learn which
+// directory serves their namespace (docs/protocol.md): it must never
+// change.
 func layoutFingerprint(dataDir, model string) uint64 {
 	h := fnv.New64a()
 	b := []byte(layoutFingerprintTag)

@@ -398,6 +398,20 @@ func TestVLLMFSDefaultNamespaceOfLongModelName(t *testing.T) {
 	}
 }
 
+// TestVLLMFSLayoutFingerprintIsPinned: a client checks the Declared
+// fingerprint of its namespace against this one to tell which data
+// directory serves it (kvhost.vllm refuses another model's): it must
+// never change.
+func TestVLLMFSLayoutFingerprintIsPinned(t *testing.T) {
+	const dir, model = "meta-llama_Llama-3.1-8B_0123456789ab_r0", "vllm-fs:meta-llama_Llama-3.1-8B_0123456789ab"
+	if fp := layoutFingerprint(dir, model); fp != 0xef4cd9c8a3d9e9e7 {
+		t.Fatalf("layout fingerprint 0x%016x changed", fp)
+	}
+	if layoutFingerprint(dir, model+"x") == layoutFingerprint(dir, model) || layoutFingerprint(dir+"x", model) == layoutFingerprint(dir, model) {
+		t.Fatal("the layout fingerprint ignores the model id or the data directory")
+	}
+}
+
 // rowFiles lists the .bin files under root.
 func rowFiles(t testing.TB, root string) []string {
 	var out []string

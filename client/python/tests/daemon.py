@@ -78,13 +78,32 @@ class Daemon:
         os.makedirs(self.dir, exist_ok=True)
         self.socket = os.path.join(self.tmp, "kvhost.sock")
         self.config = os.path.join(self.tmp, "kvhost.toml")
-        with open(self.config, "w") as f:
-            f.write(f'[server]\nsocket = "{self.socket}"\n{server_toml}\n\n[log]\nlevel = "warn"\nformat = "json"\n\n'
-                    f'[policy]\ncache_dir = "{policy_cache()}"\n\n'
-                    f'{extra_toml}\n[[mount]]\npath = "{self.dir}"\ncapacity = "{capacity}"\n'
-                    f'{after_toml}\n')
+        self._toml = dict(capacity=capacity, extra_toml=extra_toml, after_toml=after_toml, server_toml=server_toml)
+        self._write_config()
         self.log = open(os.path.join(self.tmp, "kvhost.log"), "w+")
         self._start()
+
+    def _write_config(self):
+        t = self._toml
+        with open(self.config, "w") as f:
+            f.write(f'[server]\nsocket = "{self.socket}"\n{t["server_toml"]}\n\n[log]\nlevel = "warn"\nformat = "json"\n\n'
+                    f'[policy]\ncache_dir = "{policy_cache()}"\n\n'
+                    f'{t["extra_toml"]}\n[[mount]]\npath = "{self.dir}"\ncapacity = "{t["capacity"]}"\n'
+                    f'{t["after_toml"]}\n')
+
+    def reconfigure(self, dir=None, **toml):
+        """Rewrites the configuration (after halt, before start_again): a
+        cache root of dir (made if missing), and the other keyword
+        arguments of the constructor given replace theirs. The socket
+        stays: the next start is a restart with another configuration."""
+        unknown = set(toml) - set(self._toml)
+        if unknown:
+            raise TypeError(f"reconfigure: unknown argument(s) {sorted(unknown)}")
+        if dir is not None:
+            self.dir = dir
+            os.makedirs(self.dir, exist_ok=True)
+        self._toml.update(toml)
+        self._write_config()
 
     def _start(self):
         self.proc = subprocess.Popen([kvhost_binary(), "--config", self.config],
@@ -121,8 +140,9 @@ class Daemon:
         self.proc.stdout.close()
 
     def start_again(self):
-        """A new daemon process on the same directory, socket and
-        configuration (after halt): a restart, as an upgrade does."""
+        """A new daemon process on the same socket, directory and
+        configuration (after halt; reconfigure changes the last two): a
+        restart, as an upgrade does."""
         self._start()
 
     def logs(self):

@@ -1193,6 +1193,26 @@ class TestNoBlock(unittest.TestCase):
         self.assertEqual([(ns["keys"], ns["files"], ns["declared"]) for ns in listed], [(1, 1, True)])
 
 
+class TestFingerprints(unittest.TestCase):
+    """The fingerprints a Declared reply can carry, computed as the daemon
+    computes them (host/engine pins the same values)."""
+
+    def test_a_geometrys_fingerprint_is_the_daemons(self):
+        g = kvhost.Geometry(model="meta-llama/Llama-3.1-8B", layers=32, kv_heads=8, head_size=128, dtype_size=2,
+                            tokens_per_block=16, tokens_per_key=256)
+        self.assertEqual(g.fingerprint(), 0x4268b921884b09df)
+        d = Daemon(capacity="64MiB")
+        self.addCleanup(d.stop)
+        with kvhost.Client(d.socket) as c:
+            ns = c.declare(g)
+        self.assertEqual(ns.fingerprint, g.fingerprint(), "the Declared fingerprint of a kvhost mount's namespace")
+
+    def test_a_vllm_fs_data_directorys_fingerprint_is_the_daemons(self):
+        from kvhost.client import vllm_fs_fingerprint
+        self.assertEqual(vllm_fs_fingerprint("meta-llama_Llama-3.1-8B_0123456789ab_r0",
+                                             "vllm-fs:meta-llama_Llama-3.1-8B_0123456789ab"), 0xef4cd9c8a3d9e9e7)
+
+
 class TestPurge(unittest.TestCase):
     def test_purge_removes_a_models_files_by_model_or_fingerprint(self):
         """purge(model=...) removes the files of the namespaces declared

@@ -10,6 +10,7 @@ KVHOST_VLLM_SRC=DIR); without one every test here reports itself skipped.
 
 import logging
 import pathlib
+import signal
 import sys
 import unittest
 
@@ -136,6 +137,23 @@ class RealTieringCase(vllm_tree.RealCase):
         m.complete_store(ks, ctx)
         d.wait_for(lambda: (self.step(m, sink), not m.has_pending_work())[1], what="the cascade to kvhost")
         return want
+
+    def vllm_fs_dir(self, tag, n, model=MODEL, seed=0):
+        """vLLM's own fs tier, for model, writes n rows (random bytes of
+        seed) into a fresh root; returns the root, the keys and their rows."""
+        import shutil
+        import tempfile
+        root = tempfile.mkdtemp(prefix="kvhost-vllm-fs-")
+        self.addCleanup(shutil.rmtree, root, True)
+        writer = vllm_tree.make_tiering_manager(
+            self.api, num_cpu_blocks=16, secondary_tiers=[vllm_tree.fs_tier(root)],
+            config_kwargs=dict(model=model, worker_kv_bytes_per_block=WORKER_BYTES,
+                               is_parallelism_agnostic=False, groups=((names(), 16),)))
+        self.handles.append(writer)
+        ctx = self.ctx()
+        writer.manager.on_new_request(ctx)
+        ks = [key(i, tag) for i in range(n)]
+        return root, ks, self.offload(writer, ks, ctx, seed=seed)
 
     def promote_and_read(self, h, ks, ctx, sink=None):
         """Lookups until HIT (a promotion from kvhost), then prepare_load:
@@ -438,6 +456,108 @@ class DaemonRestart(RealTieringCase):
         h.close()
 
 
+def vllm_fs_mount(root, namespace=None):
+    """The TOML of a vllm-fs mount over root (adopting the base directory
+    found there), serving namespace where given."""
+    toml = f'[[mount]]\npath = "{root}"\nlayout = "vllm-fs"\ncapacity = "1GiB"\n'
+    if namespace is not None:
+        toml += f'[mount.vllm_fs]\nnamespace = "{namespace}"\n'
+    return toml
+
+
+class RestartedElsewhere(RealTieringCase):
+    """The daemon on the tier's socket comes back with another
+    configuration: a vllm-fs mount whose namespace an operator set to the
+    tier's, over another model's fs-tier directory. The Declared
+    fingerprint says where the daemon serves a namespace from; the tier
+    uses a connection only where that is its own rows' place."""
+
+    OTHER = "meta-llama/Llama-3.1-8B"
+
+    def daemon_of(self, **kw):
+        dm = d.Daemon(**kw)
+        self.addCleanup(dm.stop)
+        return dm
+
+    def refused_after_restart(self, tier_opts, namespace_of, tag):
+        """An engine connected to a daemon restarted (SIGKILL) with
+        another model's rows bound to its namespace: lookups of that
+        model's keys miss, the tier stays off and says why, and a new
+        engine is refused at start."""
+        R = self.api.LookupResult
+        logs = d.LogRecords("vllm.kvhost")
+        self.addCleanup(logs.close)
+        first, _, _ = self.vllm_fs_dir(f"{tag}-own", 1) if tier_opts.get("vllm_fs") else (None, None, None)
+        other, ks, _ = self.vllm_fs_dir(tag, 3, model=self.OTHER, seed=7)
+        dm = self.daemon_of(after_toml=vllm_fs_mount(first) if first else "")
+        h = self.engine(tier={"socket": dm.socket, "reconnect_s": 0.05, **tier_opts})
+        m, ctx = h.manager, self.ctx()
+        m.on_new_request(ctx)
+        tier = m.secondary_tiers[0]
+        ns = namespace_of(tier)
+        dm.halt(signal.SIGKILL)
+        dm.reconfigure(after_toml=vllm_fs_mount(other, ns))
+        dm.start_again()
+        self.assertEqual(self.settle(m, key(99, tag), ctx)[-1], R.MISS)  # finds the connection gone
+        d.wait_for(lambda: tier.counters()["connected"] or logs.has("does not serve"),
+                   what="the tier to connect again or refuse the new daemon")
+        self.assertEqual([self.settle(m, k, ctx)[-1] for k in ks], [R.MISS] * 3,
+                         f"{self.OTHER}'s rows answered to a {MODEL} engine")
+        c = tier.counters()
+        self.assertFalse(c["connected"])
+        self.assertEqual(c.get("reconnects", 0), 0)
+        with self.assertRaisesRegex(RuntimeError, "does not serve"):
+            self.engine(tier={"socket": dm.socket, **tier_opts})
+
+    def test_another_models_directory_bound_to_the_tiers_namespace_is_refused(self):
+        self.refused_after_restart({}, lambda tier: tier.counters()["namespace"], "bound")
+
+    def test_another_models_directory_under_the_fs_tiers_namespace_is_refused(self):
+        # vllm_fs: the namespace is vllm-fs:<this engine's directory>; a
+        # mount set to serve it over another directory is refused too.
+        self.refused_after_restart({"vllm_fs": True}, lambda tier: tier.counters()["namespace"], "fs-bound")
+
+    def test_the_tiers_namespace_bound_to_its_own_models_directory_is_served(self):
+        # What an operator may do on purpose (docs/config.md): the tier's
+        # namespace served from vLLM's fs-tier directory of its model.
+        root, ks, want = self.vllm_fs_dir("own", 3, seed=3)
+        dm = self.daemon_of()
+        h = self.engine(tier={"socket": dm.socket, "reconnect_s": 0.05})
+        m, ctx = h.manager, self.ctx()
+        m.on_new_request(ctx)
+        tier = m.secondary_tiers[0]
+        dm.halt(signal.SIGKILL)
+        dm.reconfigure(after_toml=vllm_fs_mount(root, tier.counters()["namespace"]))
+        dm.start_again()
+        self.settle(m, key(99, "own"), ctx)
+        d.wait_for(lambda: tier.counters()["connected"], what="the tier to connect again")
+        np.testing.assert_array_equal(self.promote_and_read(h, ks, ctx), want)
+
+    def test_a_daemon_restarted_on_another_directory_answers_miss_not_another_models_rows(self):
+        # kvhost mounts: every file carries its namespace's fingerprint,
+        # which covers the model id: another model's files under the
+        # same keys are misses.
+        R = self.api.LookupResult
+        dm = self.daemon_of()
+        a = self.engine(tier={"socket": dm.socket, "reconnect_s": 0.05})
+        m, ctx = a.manager, self.ctx()
+        m.on_new_request(ctx)
+        ks = [key(i, "moved") for i in range(3)]
+        self.offload(a, ks, ctx)
+        m.reset_cache()
+        dm.halt(signal.SIGKILL)
+        import tempfile
+        dm.reconfigure(dir=tempfile.mkdtemp(prefix="blocks-", dir=dm.tmp))
+        dm.start_again()
+        b = self.engine(model=self.OTHER, tier={"socket": dm.socket})
+        b.manager.on_new_request(ctx)
+        self.offload(b, ks, ctx, seed=9)
+        tier = m.secondary_tiers[0]
+        self.settle(m, key(99, "moved"), ctx)
+        d.wait_for(lambda: tier.counters()["connected"], what="the tier to connect again")
+        self.assertEqual([self.settle(m, k, ctx)[-1] for k in ks], [R.MISS] * 3)
+
+
 class VllmFsInterop(RealTieringCase):
     """vLLM's own fs tier writes a directory; a kvhost daemon adopts it as a
     vllm-fs mount; KvhostTier (vllm_fs=true) in another engine of the same
@@ -462,23 +582,6 @@ class VllmFsInterop(RealTieringCase):
         other.manager.on_new_request(ctx)
         for k in ks:
             self.assertEqual(self.settle(other.manager, k, ctx)[-1], R.MISS)
-
-    def vllm_fs_dir(self, tag, n, model=MODEL):
-        """vLLM's own fs tier, for model, writes n rows into a fresh root;
-        returns the root, the keys and their rows."""
-        import shutil
-        import tempfile
-        root = tempfile.mkdtemp(prefix="kvhost-vllm-fs-")
-        self.addCleanup(shutil.rmtree, root, True)
-        writer = vllm_tree.make_tiering_manager(
-            self.api, num_cpu_blocks=16, secondary_tiers=[vllm_tree.fs_tier(root)],
-            config_kwargs=dict(model=model, worker_kv_bytes_per_block=WORKER_BYTES,
-                               is_parallelism_agnostic=False, groups=((names(), 16),)))
-        self.handles.append(writer)
-        ctx = self.ctx()
-        writer.manager.on_new_request(ctx)
-        ks = [key(i, tag) for i in range(n)]
-        return root, ks, self.offload(writer, ks, ctx)
 
     def test_rows_cut_short_by_a_crash_do_not_stop_the_tier(self):
         """vLLM renames a row without fsync: a power loss can leave it

@@ -23,12 +23,12 @@ built the same way on first access (``SPEC_WINDOW``).
 """
 
 from ._compat import SUPPORTED_WINDOW, UnsupportedVLLM, check_api, detect
-from ._namespace import IdentityUnknown
+from ._namespace import IdentityMismatch, IdentityUnknown
 from .spec_compat import SPEC_WINDOW, KvhostLoadStoreSpec
 from .tier import default_socket
 
-__all__ = ["IdentityUnknown", "KvhostLoadStoreSpec", "KvhostOffloadingSpec", "KvhostTier", "SPEC_WINDOW",
-           "SUPPORTED_WINDOW", "UnsupportedVLLM", "default_socket", "detect", "spec_class",
+__all__ = ["IdentityMismatch", "IdentityUnknown", "KvhostLoadStoreSpec", "KvhostOffloadingSpec", "KvhostTier",
+           "SPEC_WINDOW", "SUPPORTED_WINDOW", "UnsupportedVLLM", "default_socket", "detect", "spec_class",
            "tier_class"]
 
 

@@ -227,8 +227,11 @@ def connect_again(cv, closing, every, connect, log, what):
     notify cv), then calls connect(), until it returns or closing() (read
     under cv) is true. Returns connect's result, or None once closing. A
     failed try is logged at most once a minute, naming what ("tier",
-    "spec manager") and how many tries failed."""
-    tries, said = 0, time.monotonic()
+    "spec manager") and how many tries failed; a daemon that answers and
+    refuses (a configuration to correct, such as a namespace it serves
+    from another model's directory) is logged at once, and again when it
+    refuses for another reason."""
+    tries, said, refusal = 0, time.monotonic(), None
     while True:
         with cv:
             deadline = time.monotonic() + every
@@ -240,8 +243,15 @@ def connect_again(cv, closing, every, connect, log, what):
         try:
             return connect()
         except Exception as e:  # no daemon yet, or one that refuses: try again
-            if time.monotonic() - said >= 60:
-                said = time.monotonic()
+            # OSError (ConnectionError, TimeoutError among them) and
+            # ConnectionLost: no daemon answers there (yet).
+            refused = None if isinstance(e, (OSError, ConnectionLost)) else reason(e)
+            if refused is not None and refused != refusal:
+                said, refusal = time.monotonic(), refused
+                log.warning("kvhost %s: the daemon answers but cannot be used (%s); trying again every %gs",
+                            what, e, every)
+            elif time.monotonic() - said >= 60:
+                said, refusal = time.monotonic(), refused
                 log.warning("kvhost %s: still no daemon connection after %d tries: %s", what, tries, e)
 
 

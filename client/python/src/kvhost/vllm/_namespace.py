@@ -37,7 +37,7 @@ import json
 import os
 import re
 
-from ..client import Geometry
+from ..client import Geometry, vllm_fs_fingerprint
 
 FORMAT = "kvhost-vllm-tier-v3"
 MAX_DIM = 1 << 20
@@ -61,6 +61,43 @@ PAGE_LAYOUT_RE = re.compile(rf"{_NAME}(?:,{_NAME})*/(?:NHD|HND)(?:/{SLAB})?")
 class IdentityUnknown(ValueError):
     """A field that separates models could not be read from vLLM's
     offloading config: the tier or spec refuses to start."""
+
+
+class IdentityMismatch(RuntimeError):
+    """The daemon serves this engine's namespace from somewhere its rows
+    are not: a vllm-fs mount set to serve the namespace over another
+    directory. The tier or spec refuses that daemon."""
+
+
+def check_served(declared, geom, data_dir=None, kvhost_mounts=True):
+    """Raises IdentityMismatch unless declared, the fingerprint of the
+    daemon's Declared reply for geom (a Geometry), says the namespace is
+    served where this engine's rows are: on the daemon's kvhost mounts,
+    whose files each carry the geometry's own fingerprint (where
+    kvhost_mounts), or by a vllm-fs mount from data_dir, the data directory
+    vLLM's fs tier names for this engine's fields (None: no such directory
+    is this engine's). A vllm-fs mount's files carry no identity: a mount
+    whose configured namespace is this one over another model's directory
+    would hand that model's rows under this namespace, and the fingerprint
+    (of the mount's data directory) is the client's only way to tell."""
+    own = geom.fingerprint()
+    ok = {own} if kvhost_mounts else set()
+    fs = None
+    if data_dir is not None:
+        fs = vllm_fs_fingerprint(data_dir, geom.model)
+        ok.add(fs)
+    if declared in ok:
+        return
+    want = []
+    if kvhost_mounts:
+        want.append(f"the namespace's own ({own:016x}: its files on a kvhost mount)")
+    if fs is not None:
+        want.append(f"that of vLLM's fs-tier directory of this engine, {data_dir} ({fs:016x})")
+    raise IdentityMismatch(
+        f"kvhost.vllm: the daemon does not serve namespace {geom.model} from where this engine's KV is: "
+        f"its fingerprint {declared:016x} is not {' nor '.join(want)}. A vllm-fs mount configured with this "
+        "namespace over another directory (another model's or geometry's rows)? Refusing to read that KV; "
+        "correct the mount's path or its [mount.vllm_fs] namespace (docs/vllm.md)")
 
 
 def _missing(what, path, got):

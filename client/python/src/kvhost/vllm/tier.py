@@ -324,6 +324,10 @@ class _TierImpl(Reconnects):
             if s.ns.key_bytes != self._row_bytes:
                 raise RuntimeError(f"kvhost.vllm: the daemon derived {s.ns.key_bytes} bytes per key, "
                                    f"want the row's {self._row_bytes}")
+            # Every connection: a daemon restarted with another
+            # configuration may serve the namespace from elsewhere.
+            _namespace.check_served(s.ns.fingerprint, self._geom, f"{self.fs_base}_r0",
+                                    kvhost_mounts=not o["vllm_fs"])
             if first:
                 self.data_path = self._setup_data_path(s)
             elif self.data_path == "zero-copy":
