@@ -162,9 +162,11 @@ class RealSpecCase(vllm_tree.RealCase):
         for c in reversed(getattr(self, "closers", [])):
             c()
 
-    def spec(self, **kw):
-        """The spec as vLLM's connector makes it: OffloadingSpecFactory.create_spec."""
-        spec = self.api.OffloadingSpecFactory.create_spec(offloading_config(self.api, self.daemon.socket, **kw))
+    def spec(self, socket=None, **kw):
+        """The spec as vLLM's connector makes it: OffloadingSpecFactory.create_spec
+        (on the class's daemon, or socket)."""
+        spec = self.api.OffloadingSpecFactory.create_spec(
+            offloading_config(self.api, socket or self.daemon.socket, **kw))
         self.assertIsInstance(spec, self.api.OffloadingSpec)
         return spec
 
@@ -556,6 +558,71 @@ class TestRealSpec(RealSpecCase):
             self.assertEqual(got, want)  # each rank got its own shard back
         self.assertNotEqual(wants[0], wants[1])
         m.complete_load([k], ctx)
+
+
+class TestRealSpecRestartedElsewhere(RealSpecCase):
+    """The daemon comes back with a vllm-fs mount whose namespace an
+    operator set to the spec's, over another model's fs-tier directory of
+    rows of the spec's key size. The spec never uses a vllm-fs mount: its
+    manager and workers take a connection only where the Declared
+    fingerprint is their namespace's own."""
+
+    OTHER = "meta-llama/Llama-3.1-8B"
+
+    def fs_rows(self, ks, seed):
+        """vLLM's own fs tier, for OTHER, writes ks' rows (LAYERS pages of
+        random bytes) into a fresh root; returns the root."""
+        import shutil
+        import tempfile
+        import numpy as np
+        root = tempfile.mkdtemp(prefix="kvhost-vllm-fs-")
+        self.addCleanup(shutil.rmtree, root, True)
+        h = vllm_tree.make_tiering_manager(
+            self.api, num_cpu_blocks=16, secondary_tiers=[vllm_tree.fs_tier(root)],
+            config_kwargs=dict(model=self.OTHER, worker_kv_bytes_per_block=LAYERS * PAGE,
+                               is_parallelism_agnostic=False, groups=((layer_names(), 16),)))
+        try:
+            m, ctx = h.manager, self.api.ReqContext(req_id="fs-writer")
+            m.on_new_request(ctx)
+            out = m.prepare_store(ks, ctx)
+            rows_ = np.asarray(m.primary_tier.get_kv_memoryview()).view(np.uint8)
+            rng = np.random.default_rng(seed)
+            for b in out.store_spec.block_ids:
+                rows_[int(b)] = rng.integers(0, 256, size=rows_.shape[1], dtype=np.uint8)
+            del rows_
+            m.complete_store(ks, ctx)
+            end = self.api.ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
+            d.wait_for(lambda: (m.on_schedule_end(end), not m.has_pending_work())[1], what="vLLM's fs tier")
+        finally:
+            h.close()
+        return root
+
+    def test_another_models_directory_bound_to_the_specs_namespace_is_refused(self):
+        api = self.api
+        logs = d.LogRecords("vllm.kvhost")
+        self.addCleanup(logs.close)
+        ks = [key(i, "misbound") for i in range(3)]
+        root = self.fs_rows(ks, seed=7)
+        dm = d.Daemon()
+        self.addCleanup(dm.stop)
+        spec = self.spec(socket=dm.socket, reconnect_s=0.05)
+        m = self.manager(spec)
+        ctx = api.ReqContext(req_id="misbound")
+        (ns,) = set(m.namespaces.values())
+        dm.halt(signal.SIGKILL)
+        dm.reconfigure(after_toml=f'[[mount]]\npath = "{root}"\nlayout = "vllm-fs"\ncapacity = "1GiB"\n'
+                                  f'[mount.vllm_fs]\nnamespace = "{ns}"\n')
+        dm.start_again()
+        self.assertEqual(self.settle(m, key(99, "misbound"), ctx), api.LookupResult.MISS)  # finds it gone
+        d.wait_for(lambda: m.counters()["connected"] or logs.has("does not serve"),
+                   what="the manager to connect again or refuse the new daemon")
+        self.assertEqual([self.settle(m, k, ctx) for k in ks], [api.LookupResult.MISS] * 3,
+                         f"{self.OTHER}'s fs-tier rows answered to the spec of {MODEL}")
+        self.assertFalse(m.counters()["connected"])
+        with self.assertRaisesRegex(RuntimeError, "does not serve"):
+            self.manager(self.spec(socket=dm.socket))
+        with self.assertRaisesRegex(RuntimeError, "does not serve"):
+            self.worker(self.spec(socket=dm.socket))
 
 
 class TestRealPageLayout(RealSpecCase):

@@ -26,6 +26,7 @@ from ..client import Client, KvhostError
 from . import _metrics
 from . import spec_compat as sc
 from ._common import Reconnects, lost_connection, reason
+from ._namespace import check_served
 
 # vLLM configures only its "vllm" logger (and stops propagation there):
 # only its children show in vLLM's output.
@@ -109,7 +110,11 @@ class SpecManager(Reconnects):
             ns = {}
             for r in range(self._tp):
                 for g in range(len(self._groups)):
-                    ns[(r, g)] = client.declare(sc.geometry(sc.describe(self._ident, g, r)))
+                    geo = sc.geometry(sc.describe(self._ident, g, r))
+                    ns[(r, g)] = client.declare(geo)
+                    # The spec's keys live on kvhost mounts only: a vllm-fs
+                    # mount set to serve its namespace holds other bytes.
+                    check_served(ns[(r, g)].fingerprint, geo)
         except BaseException:
             client.close()
             raise

@@ -312,6 +312,7 @@ class SpecWorker(Reconnects):
             for g, planes in enumerate(self._layer_planes):
                 geo = sc.geometry(sc.describe(self._ident, g, self.shard))
                 ns = client.declare(geo)
+                _namespace.check_served(ns.fingerprint, geo)  # kvhost mounts only, as the manager's
                 names.append(geo.model)
                 layers, blocks = [], None
                 for ti, off in planes:
