@@ -13,6 +13,7 @@ One tree per process: run once per snapshot.
 """
 
 import hashlib
+import logging
 import multiprocessing
 import os
 import pathlib
@@ -423,6 +424,42 @@ class TestRealSpec(RealSpecCase):
         self.assertEqual(rows(tensors, dst), want)
         self.assertEqual(w.counters()["failed_load_jobs"], 0)
         m.complete_load(ks, ctx)
+
+    def test_an_outage_is_logged_once_not_per_job_or_lookup(self):
+        # The daemon killed under a busy engine: stores vLLM prepared before
+        # the manager saw it go still reach the worker, and lookups go on.
+        # Each succeeds or misses as vLLM needs; the log says once that the
+        # connection is lost and once that it is back, per manager and
+        # worker, not once per job or request.
+        api = self.api
+        logger = logging.getLogger("vllm.kvhost")
+        level = logger.level
+        logger.setLevel(logging.INFO)
+        self.addCleanup(logger.setLevel, level)
+        m, w, tensors, ctx, ks, want = self.pinned("outage-log", seed=8)
+        prepared = [m.prepare_store([key(100 + i, "outage-log")], ctx).store_spec for i in range(10)]
+        logs = d.LogRecords("vllm.kvhost")
+        self.addCleanup(logs.close)
+        self.daemon.halt(signal.SIGKILL)
+        try:
+            d.wait_for(lambda: m.lookup(ks[0], ctx) == api.LookupResult.MISS, what="MISS for a pinned key")
+            for i, spec in enumerate(prepared):
+                self.assertTrue(self.transfer(w, True, spec, [10 + i]).success)
+            for i in range(50):
+                self.assertEqual(m.lookup(key(200 + i, "outage-log"), ctx), api.LookupResult.MISS)
+                self.assertIsNone(m.prepare_store([key(200 + i, "outage-log")], ctx))
+                self.step(m)
+        finally:
+            self.daemon.start_again()
+        d.wait_for(lambda: m.counters()["connected"] and w.counters()["connected"],
+                   what="the manager and the worker to connect again")
+        for k in ks:
+            self.assertEqual(self.settle(m, k, ctx), api.LookupResult.HIT)
+        self.assertEqual(w.counters()["store_failed_keys"], 10)
+        # The reconnect threads log after they swapped the connection in.
+        d.wait_for(lambda: logs.count("connected to the daemon again") == 2, what="the reconnections logged")
+        self.assertEqual(logs.count("lost the daemon connection"), 2, logs.messages)
+        self.assertEqual(len(logs.messages), 4, logs.messages)
 
     def test_reset_cache_forgets_the_stores_and_loads_vllm_will_never_complete(self):
         # vLLM's scheduler discards its in-flight jobs at reset_cache (its

@@ -547,11 +547,12 @@ class SpecWorker(Reconnects):
                     tr.jobs.append(fn(cache, keys[sl], blocks[sl], block=False))
         except (KvhostError, ConnectionLost, OSError, ValueError) as e:  # ValueError: a request the client refuses
             tr.error = reason(e)
-            log.warning("kvhost spec: %s job %d: %s", kind, tr.job_id, e)
-            if lost_connection(e, client):
+            if lost_connection(e, client):  # logged once, by _lost_locked
                 tr.lost = True
                 with self._lock:
                     self._lost_locked(client, tr.error)
+            else:
+                log.warning("kvhost spec: %s job %d: %s", kind, tr.job_id, e)
 
     def submit_store(self, job_id, src_spec, dst_spec):
         """Starts storing the GPU blocks of src_spec under dst_spec's keys."""
@@ -647,8 +648,11 @@ class SpecWorker(Reconnects):
             s["store_failed_keys"] += failed
             s["bytes_stored"] += nbytes
             if failed or missing:
-                log.warning("kvhost spec: store job %d: %d of %d keys not stored (%s)", tr.job_id, failed,
-                            tr.nkeys, err or "failed")
+                # Without a daemon connection every store fails alike: the
+                # loss was logged once, and each job is counted only.
+                (log.debug if got.lost else log.warning)(
+                    "kvhost spec: store job %d: %d of %d keys not stored (%s)", tr.job_id, failed, tr.nkeys,
+                    err or "failed")
         return self._api.TransferResult(job_id=tr.job_id, success=ok, transfer_size=nbytes,
                                         transfer_time=time.monotonic() - tr.t0)
 
