@@ -456,6 +456,55 @@ class DaemonRestart(RealTieringCase):
         h.close()
 
 
+class DaemonNotUpAtStart(RealTieringCase):
+    """vLLM starts before the daemon (a node booting, a DaemonSet rolled
+    out after the inference pods): the engine starts without kvhost and
+    takes the daemon once it answers."""
+
+    def test_an_engine_started_before_its_daemon_runs_without_it_then_uses_it(self):
+        R = self.api.LookupResult
+        logger = logging.getLogger("vllm.kvhost")
+        level = logger.level
+        logger.setLevel(logging.INFO)
+        self.addCleanup(logger.setLevel, level)
+        for how, sig in (("no socket", signal.SIGTERM), ("a socket left by a killed daemon", signal.SIGKILL)):
+            with self.subTest(how):
+                dm = d.Daemon()
+                self.addCleanup(dm.stop)
+                dm.halt(sig)
+                logs = d.LogRecords("vllm.kvhost")
+                self.addCleanup(logs.close)
+                h = self.engine(tier={"socket": dm.socket, "reconnect_s": 0.05})
+                m, ctx = h.manager, self.ctx()
+                m.on_new_request(ctx)
+                tier = m.secondary_tiers[0]
+                self.assertFalse(tier.counters()["connected"])
+                # vLLM runs: its cascades to kvhost fail, its lookups miss.
+                self.offload(h, [key(i, f"early-{sig}") for i in range(2)], ctx)
+                self.assertEqual(tier.counters()["store_failed_keys"], 2)
+                m.reset_cache()
+                self.assertEqual(self.settle(m, key(0, f"early-{sig}"), ctx)[-1], R.MISS)
+                dm.start_again()
+                d.wait_for(lambda: tier.counters()["connected"], what="the tier to connect")
+                ks = [key(i, f"late-{sig}") for i in range(3)]
+                want = self.offload(h, ks, ctx, seed=4)
+                m.reset_cache()
+                np.testing.assert_array_equal(self.promote_and_read(h, ks, ctx), want)
+                self.assertEqual(tier.counters()["data_path"], "zero-copy")
+                # The reconnect thread logs after it swapped the connection in.
+                d.wait_for(lambda: logs.has("connected to the daemon at"), what="the connection logged")
+                self.assertEqual((logs.count("starting without it"), logs.count("connected to the daemon at")),
+                                 (1, 1), logs.messages)
+                logs.close()
+
+    def test_reconnect_s_0_refuses_to_start_without_a_daemon(self):
+        dm = d.Daemon()
+        self.addCleanup(dm.stop)
+        dm.halt()
+        with self.assertRaisesRegex(ConnectionError, "cannot connect to the kvhost daemon"):
+            self.engine(tier={"socket": dm.socket, "reconnect_s": 0})
+
+
 def vllm_fs_mount(root, namespace=None):
     """The TOML of a vllm-fs mount over root (adopting the base directory
     found there), serving namespace where given."""

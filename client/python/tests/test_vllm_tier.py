@@ -1062,10 +1062,22 @@ class Options(unittest.TestCase):
             Tier(offloading_spec=S.fake_spec(), primary_kv_view=memoryview(random_region()),
                  tier_type="KvhostTier", sokcet="/x")
 
-    def test_a_missing_daemon_is_a_clear_connection_error(self):
+    def test_a_missing_daemon_with_reconnect_s_0_is_a_clear_connection_error(self):
         with self.assertRaisesRegex(ConnectionError, "cannot connect to the kvhost daemon at /nonexistent"):
             Tier(offloading_spec=S.fake_spec(), primary_kv_view=memoryview(random_region()),
+                 tier_type="KvhostTier", socket="/nonexistent/kvhost.sock", reconnect_s=0)
+
+    def test_a_missing_daemon_starts_the_tier_without_it(self):
+        # The daemon may come up after vLLM: the tier misses until it does
+        # (test_vllm_real_tier.DaemonNotUpAtStart connects it later).
+        t = Tier(offloading_spec=S.fake_spec(), primary_kv_view=memoryview(random_region()),
                  tier_type="KvhostTier", socket="/nonexistent/kvhost.sock")
+        self.addCleanup(t.shutdown)
+        c = t.counters()
+        self.assertEqual((c["connected"], c["data_path"], t.namespace), (False, None, None))
+        self.assertEqual(t.lookup(b"k" * 36), S.LookupResult.MISS)
+        with self.assertRaisesRegex(ConnectionError, "no kvhost daemon has answered"):
+            t.daemon_stats()
 
     def test_a_bad_zero_copy_value_is_refused(self):
         with self.assertRaisesRegex(ValueError, "zero_copy: want off, auto or on"):

@@ -19,7 +19,7 @@ import time
 import typing
 
 from .. import protocol as p
-from ..client import ConnectionLost
+from ..client import Client, ConnectionLost
 
 # A child of vLLM's "vllm" logger, the one vLLM configures.
 _log = logging.getLogger("vllm.kvhost")
@@ -177,10 +177,36 @@ def open_mapped(lo, hi, path):
 def lost_connection(e, client):
     """Whether e, raised talking to the daemon over client, means the
     connection is gone, rather than a request refused or a job or reply
-    late (a TimeoutError, an OSError too, leaves the connection as it is)."""
-    if not client.connected() or isinstance(e, ConnectionLost):
+    late (a TimeoutError, an OSError too, leaves the connection as it is).
+    None, the client of an object that has not connected yet, has none."""
+    if client is None or not client.connected() or isinstance(e, ConnectionLost):
         return True
     return isinstance(e, OSError) and not isinstance(e, TimeoutError)
+
+
+class DaemonAbsent(ConnectionError):
+    """No kvhost daemon answers on the socket (yet): no socket file, a
+    socket no process listens on (a daemon killed), one closed or reset
+    under the handshake (a daemon stopping), or no answer in time. A
+    daemon started later can still be used, unlike one that refuses or a
+    socket this process may not use (PermissionError: a plain
+    ConnectionError)."""
+
+
+# What Client raises where no daemon answers on the socket.
+_ABSENT = (FileNotFoundError, ConnectionRefusedError, ConnectionResetError, BrokenPipeError, TimeoutError,
+           ConnectionLost)
+
+
+def open_client(socket, name, timeout, hint=""):
+    """A Client of the daemon at socket (name, timeout: Client's).
+    DaemonAbsent where no daemon answers there, else ConnectionError for
+    what connecting raised; both name the socket, and hint follows."""
+    try:
+        return Client(socket, name=name, timeout=timeout)
+    except (OSError, ConnectionLost) as e:
+        cls = DaemonAbsent if isinstance(e, _ABSENT) else ConnectionError
+        raise cls(f"kvhost.vllm: cannot connect to the kvhost daemon at {socket}: {e}{hint}") from e
 
 
 def reason(e):
@@ -278,17 +304,32 @@ class Reconnects:
         self._on_lost_locked()
         every = self._opts["reconnect_s"]
         if every > 0:
-            t = threading.Thread(target=self._reconnect, args=(conn,), name=f"kvhost-{self._what}-reconnect",
-                                 daemon=True)
-            # An earlier one may still be releasing its old connection.
-            self._reconnectors = [r for r in self._reconnectors if r.is_alive()] + [t]
-            t.start()
+            self._start_reconnecting_locked(conn)
             _log.warning("kvhost %s: lost the daemon connection (%s); connecting again every %gs",
                          self._what, why, every)
         else:
             _log.warning("kvhost %s: lost the daemon connection (%s); not connecting again (reconnect_s = 0)",
                          self._what, why)
         self._cv.notify_all()
+
+    def _start_unconnected(self, why):
+        """Starts without a connection (_current() is None) where no daemon
+        answers at start (why): as after a lost connection, the object
+        answers MISS and fails or drops its jobs, and a thread connects
+        every reconnect_s (> 0) until a daemon answers."""
+        with self._cv:
+            self._broken = why
+            self._start_reconnecting_locked(None)
+        _log.warning("kvhost %s: no kvhost daemon answers at %s (%s); starting without it: lookups answer MISS "
+                     "and nothing is stored until one does; connecting every %gs", self._what,
+                     self._opts["socket"], why, self._opts["reconnect_s"])
+
+    def _start_reconnecting_locked(self, conn):
+        t = threading.Thread(target=self._reconnect, args=(conn,), name=f"kvhost-{self._what}-reconnect",
+                             daemon=True)
+        # An earlier one may still be releasing its old connection.
+        self._reconnectors = [r for r in self._reconnectors if r.is_alive()] + [t]
+        t.start()
 
     def _on_lost_locked(self):
         """Called with _cv held when the connection is found gone; the
@@ -303,8 +344,12 @@ class Reconnects:
         if new is None:
             return
         if self._swap_in(old, new):
-            _log.info("kvhost %s: connected to the daemon again after %.1fs", self._what,
-                      time.monotonic() - since)
+            if old is None:
+                _log.info("kvhost %s: connected to the daemon at %s, %.1fs after start", self._what,
+                          self._opts["socket"], time.monotonic() - since)
+            else:
+                _log.info("kvhost %s: connected to the daemon again after %.1fs", self._what,
+                          time.monotonic() - since)
 
     def _swap_in(self, old, new):
         """Swaps new in for old if old is still the broken connection in
@@ -314,9 +359,12 @@ class Reconnects:
             if used:
                 self._swap_locked(new)
                 self._broken = None
-                self._stats["reconnects"] += 1
+                if old is not None:  # else the first connection, made late
+                    self._stats["reconnects"] += 1
                 self._cv.notify_all()
-        self._drop(old if used else new)
+        left = old if used else new
+        if left is not None:
+            self._drop(left)
         return used
 
     @staticmethod

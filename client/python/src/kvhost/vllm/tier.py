@@ -27,12 +27,12 @@ import time
 
 from .. import lookuptable
 from .. import protocol as p
-from ..client import Client, KvhostError, Layer, default_socket
+from ..client import KvhostError, Layer, default_socket
 from ..memory import HostBuffer
 from . import _compat, _metrics, _namespace
-from ._common import (Reconnects, check_request_timeout, check_seconds, daemon_key as _daemon_key, has_field,
-                      lost_connection as _lost_connection, mapping_of as _mapping_of, merge_options, open_mapped as _open_mapped,
-                      pick_medium as _pick_medium, reason, wait_ended)
+from ._common import (DaemonAbsent, Reconnects, check_request_timeout, check_seconds, daemon_key as _daemon_key,
+                      has_field, lost_connection as _lost_connection, mapping_of as _mapping_of, merge_options,
+                      open_client, open_mapped as _open_mapped, pick_medium as _pick_medium, reason, wait_ended)
 
 # A child of vLLM's "vllm" logger: vLLM configures only that logger (and
 # stops it propagating), so messages logged here appear in vLLM's own output.
@@ -280,6 +280,8 @@ class _TierImpl(Reconnects):
         self._reconnectors = []    # the threads connecting again (shutdown joins them)
         self._geom = geom
 
+        self.data_path = None      # chosen at the first connection
+        absent = None              # why no daemon answers at start, where none does
         try:
             self._s = self._connect(first=True)
         except KvhostError as e:
@@ -288,23 +290,36 @@ class _TierImpl(Reconnects):
                 raise RuntimeError(f"kvhost.vllm: vllm_fs: no vllm-fs mount of the daemon serves this "
                                    f"model's fs-tier directory {self.fs_base}: {e}") from e
             raise
+        except DaemonAbsent as e:
+            # No daemon yet (a node starting, its DaemonSet rolled out
+            # after vLLM): vLLM starts without kvhost, which a thread
+            # connects once it answers. reconnect_s = 0 never would.
+            if o["reconnect_s"] <= 0:
+                self._release()
+                raise
+            absent = reason(e.__cause__)
         except BaseException:
             self._release()
             raise
         self._pool = concurrent.futures.ThreadPoolExecutor(o["threads"], thread_name_prefix="kvhost-tier")
         self._lookup_thread = threading.Thread(target=self._lookup_loop, name="kvhost-tier-lookup", daemon=True)
         self._lookup_thread.start()
+        if absent is not None:
+            self._start_unconnected(absent)
         log.info("kvhost tier: namespace %s (%d-byte rows, model %s, vLLM fs-tier directory %s), "
                  "data path %s, socket %s, lookup probe %s", geom.model, self._row_bytes,
-                 self._desc["fields"]["model_name"], self.fs_base, self.data_path, o["socket"],
+                 self._desc["fields"]["model_name"], self.fs_base,
+                 self.data_path or "chosen once the daemon answers", o["socket"],
                  lookuptable.NATIVE or ("python" if lookuptable.ORDERED_LOADS else "none, the daemon answers")
                  + " (kvhost._lookup not built: install gcc and python3-dev, then the client again)")
 
     @property
     def namespace(self):
         """The kvhost namespace this tier declared (kvhost.Namespace): its
-        geometry, model id and fingerprint."""
-        return self._s.ns
+        geometry, model id and fingerprint; None before the first
+        connection (no daemon at start)."""
+        s = self._s
+        return None if s is None else s.ns
 
     # -- set-up ---------------------------------------------------------------
 
@@ -313,11 +328,8 @@ class _TierImpl(Reconnects):
         the data path's memory (on the first connection choosing the data
         path, later the same one again). Nothing of it stays on failure."""
         o = self._opts
-        try:
-            client = Client(o["socket"], name=o["client_name"], timeout=o["request_timeout_s"])
-        except OSError as e:
-            raise ConnectionError(f"kvhost.vllm: cannot connect to the kvhost daemon at {o['socket']}: {e} "
-                                  f"(set the tier's \"socket\" key or KVHOST_SOCKET)") from e
+        client = open_client(o["socket"], o["client_name"], o["request_timeout_s"],
+                             " (set the tier's \"socket\" key or KVHOST_SOCKET)")
         s = _Session(client)
         try:
             s.ns = client.declare(self._geom)
@@ -368,7 +380,8 @@ class _TierImpl(Reconnects):
                                        f"the daemon: {e}") from e
                 log.warning("kvhost tier: zero-copy unavailable (%s); copying through a kvhost memfd", e)
                 s.unregister()  # a region registered before its cache was refused
-        self._setup_staging()
+        if self._staging is None:  # else made by a try that failed after it (no daemon at start)
+            self._setup_staging()
         self._register_staging(s)
         return "copy"
 
@@ -460,7 +473,9 @@ class _TierImpl(Reconnects):
         return self._s
 
     def _open(self):
-        return self._connect(first=False)
+        # Before the first connection (no daemon at start) the data path
+        # is still to be chosen.
+        return self._connect(first=self._s is None)
 
     def _swap_locked(self, s):
         self._s = s
@@ -792,9 +807,8 @@ class _TierImpl(Reconnects):
             s = dict(self._stats)
             s["inflight_jobs"] = self._inflight
             s["connected"] = self._broken is None
-            session = self._s
         s["data_path"] = self.data_path
-        s["namespace"] = session.ns.geometry.model
+        s["namespace"] = self._geom.model
         if self._zero_copy_error:
             s["zero_copy_error"] = self._zero_copy_error
         return s
@@ -822,7 +836,10 @@ class _TierImpl(Reconnects):
 
     def daemon_stats(self):
         """The daemon's counters (one round trip; not for the scheduler's hot path)."""
-        return self._s.client.stats()
+        s = self._s
+        if s is None:
+            raise ConnectionError(f"kvhost.vllm: no kvhost daemon has answered at {self._opts['socket']} yet")
+        return s.client.stats()
 
     def shutdown(self):
         """Waits for jobs (job_timeout_s in all, about: a job that was
