@@ -597,6 +597,64 @@ class TestRealSpec(RealSpecCase):
         m.complete_load([k], ctx)
 
 
+class TestRealSpecDaemonNotUpAtStart(RealSpecCase):
+    """vLLM builds the spec's manager and workers before the daemon is up:
+    they start without it and take it once it answers."""
+
+    def test_a_spec_started_before_its_daemon_runs_without_it_then_uses_it(self):
+        api = self.api
+        logger = logging.getLogger("vllm.kvhost")
+        level = logger.level
+        logger.setLevel(logging.INFO)
+        self.addCleanup(logger.setLevel, level)
+        logs = d.LogRecords("vllm.kvhost")
+        self.addCleanup(logs.close)
+        dm = d.Daemon()
+        self.addCleanup(dm.stop)
+        dm.halt()
+        spec = self.spec(socket=dm.socket, reconnect_s=0.05)
+        m = self.manager(spec)
+        w, tensors = self.worker(spec, seed=3)
+        ctx = api.ReqContext(req_id="early")
+        early = key(0, "early")
+        self.assertEqual(m.lookup(early, ctx), api.LookupResult.MISS)
+        self.assertIsNone(m.prepare_store([early], ctx))
+        # A store the worker gets meanwhile succeeds for vLLM, storing nothing.
+        kv = self.kv.KvhostLoadStoreSpec([early], [0])
+        self.assertTrue(self.transfer(w, True, kv, [1]).success)
+        self.assertEqual(w.counters()["store_failed_keys"], 1)
+        self.assertFalse(m.counters()["connected"] or w.counters()["connected"])
+        dm.start_again()
+        d.wait_for(lambda: m.counters()["connected"] and w.counters()["connected"],
+                   what="the manager and the worker to connect")
+        ks = [key(i, "late") for i in range(3)]
+        out = m.prepare_store(ks, ctx)
+        self.assertTrue(self.transfer(w, True, out.store_spec, [4, 5, 6]).success)
+        m.complete_store(out.keys_to_store, ctx)
+        for k in ks:
+            self.assertEqual(self.settle(m, k, ctx), api.LookupResult.HIT)
+        want = rows(tensors, [4, 5, 6])
+        for t in tensors:
+            t[[20, 21, 22]].zero_()
+        self.assertTrue(self.transfer(w, False, m.prepare_load(ks, ctx), [20, 21, 22]).success)
+        self.assertEqual(rows(tensors, [20, 21, 22]), want)
+        m.complete_load(ks, ctx)
+        # The reconnect threads log after they swapped the connection in.
+        d.wait_for(lambda: logs.count("connected to the daemon at") == 2, what="the connections logged")
+        self.assertEqual(logs.count("starting without it"), 2, logs.messages)
+        self.assertEqual(logs.count("connected to the daemon at"), 2, logs.messages)
+
+    def test_reconnect_s_0_refuses_to_start_without_a_daemon(self):
+        dm = d.Daemon()
+        self.addCleanup(dm.stop)
+        dm.halt()
+        spec = self.spec(socket=dm.socket, reconnect_s=0)
+        with self.assertRaisesRegex(ConnectionError, "cannot connect to the kvhost daemon"):
+            self.manager(spec)
+        with self.assertRaisesRegex(ConnectionError, "cannot connect to the kvhost daemon"):
+            self.worker(spec)
+
+
 class TestRealSpecRestartedElsewhere(RealSpecCase):
     """The daemon comes back with a vllm-fs mount whose namespace an
     operator set to the spec's, over another model's fs-tier directory of

@@ -1772,6 +1772,36 @@ class TestRefusals(unittest.TestCase):
         self.assertIn("get_handlers", str(cm.exception))
 
 
+class TestNoDaemonAtStart(unittest.TestCase):
+    """No daemon on the socket when vLLM builds the spec's halves: they
+    start without it (test_vllm_real_spec.TestRealSpecDaemonNotUpAtStart
+    connects them once one starts); reconnect_s = 0 refuses."""
+
+    def test_the_manager_and_worker_start_without_a_daemon_and_miss(self):
+        spec = Spec(config("/nonexistent/kvhost.sock"))
+        m = spec.get_manager()
+        self.addCleanup(m.shutdown)
+        caches, _, bufs = kv_caches()
+        for b in bufs:
+            self.addCleanup(b.close)
+        w = spec.get_worker(caches)
+        self.addCleanup(w.shutdown)
+        self.assertEqual(answer_of(m, b"k" * 36), S.LookupResult.MISS)
+        self.assertIsNone(m.prepare_store([b"k" * 36], CTX))
+        self.assertFalse(m.counters()["connected"] or w.counters()["connected"])
+        self.assertEqual(m.counters()["namespaces"], sorted(set(w.namespaces)))
+
+    def test_reconnect_s_0_refuses_to_start_without_a_daemon(self):
+        spec = Spec(config("/nonexistent/kvhost.sock", reconnect_s=0))
+        with self.assertRaisesRegex(ConnectionError, "cannot connect to the kvhost daemon at /nonexistent"):
+            spec.get_manager()
+        caches, _, bufs = kv_caches()
+        for b in bufs:
+            self.addCleanup(b.close)
+        with self.assertRaisesRegex(ConnectionError, "cannot connect to the kvhost daemon at /nonexistent"):
+            spec.get_worker(caches)
+
+
 class TestDaemonWithoutPins(unittest.TestCase):
     def test_the_manager_refuses_a_daemon_that_cannot_pin(self):
         """A daemon of before Pin answers it "unknown type": the manager

@@ -22,10 +22,10 @@ import threading
 import time
 
 from .. import protocol as p
-from ..client import Client, KvhostError
+from ..client import KvhostError
 from . import _metrics
 from . import spec_compat as sc
-from ._common import Reconnects, lost_connection, reason
+from ._common import DaemonAbsent, Reconnects, lost_connection, open_client, reason
 from ._namespace import check_served
 
 # vLLM configures only its "vllm" logger (and stops propagation there):
@@ -82,24 +82,33 @@ class SpecManager(Reconnects):
         self._broken = None          # why the connection is gone (text), until a reconnection
         self._closing = False
         self._reconnectors = []      # threads connecting again (shutdown joins them)
-        self._client, self._ns = self._open()
-        self.namespaces = {k: ns.geometry.model for k, ns in self._ns.items()}
+        self.namespaces = {(r, g): sc.geometry(sc.describe(self._ident, g, r)).model
+                           for r in range(self._tp) for g in range(len(self._groups))}
+        try:
+            self._client, self._ns = self._open()
+            absent = None
+        except DaemonAbsent as e:
+            # No daemon yet: the manager starts as one that lost it (MISS,
+            # no stores) and a thread connects once one answers.
+            # reconnect_s = 0 never would.
+            if o["reconnect_s"] <= 0:
+                raise
+            self._client, self._ns, absent = None, None, reason(e.__cause__)
         log.info("kvhost spec: manager on %s, namespaces %s", o["socket"], sorted(set(self.namespaces.values())))
         if not o["metrics"]:
             log.info("kvhost spec: metrics off (option \"metrics\": false): the manager reports no %s* "
                      "counters to vLLM; its counters() still count them", _metrics.PREFIX)
         self._thread = threading.Thread(target=self._loop, name="kvhost-spec-pins", daemon=True)
         self._thread.start()
+        if absent is not None:
+            self._start_unconnected(absent)
 
     def _open(self):
         """A connection that pins, with every namespace (rank × group)
         declared: (client, {(rank, group): Namespace})."""
         o = self._opts
-        try:
-            client = Client(o["socket"], name=o["client_name"], timeout=o["request_timeout_s"])
-        except OSError as e:
-            raise ConnectionError(f"kvhost.vllm: cannot connect to the kvhost daemon at {o['socket']}: {e} "
-                                  "(set the spec option \"socket\" or KVHOST_SOCKET)") from e
+        client = open_client(o["socket"], o["client_name"], o["request_timeout_s"],
+                             " (set the spec option \"socket\" or KVHOST_SOCKET)")
         try:
             try:
                 client.unpin(0)  # a daemon without pins answers "unknown type"
@@ -523,7 +532,8 @@ class SpecManager(Reconnects):
             self._cv.notify_all()
         self._thread.join()
         self._join_reconnectors()
-        self._client.close()
+        if self._client is not None:  # None: no daemon ever answered
+            self._client.close()
 
 
 class _SpecImpl:

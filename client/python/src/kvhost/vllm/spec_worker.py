@@ -15,10 +15,10 @@ import threading
 import time
 
 from .. import protocol as p
-from ..client import Client, ConnectionLost, KvhostError, Layer
+from ..client import ConnectionLost, KvhostError, Layer
 from . import _namespace, spec_compat as sc
-from ._common import (Reconnects, lost_connection, mapping_of as _mapping_of, open_mapped as _open_mapped, reason,
-                      vllm_installed, wait_ended)
+from ._common import (DaemonAbsent, Reconnects, lost_connection, mapping_of as _mapping_of, open_client,
+                      open_mapped as _open_mapped, reason, vllm_installed, wait_ended)
 from ._namespace import IdentityUnknown
 
 log = logging.getLogger("vllm.kvhost")
@@ -230,9 +230,24 @@ class SpecWorker(Reconnects):
         self._page = page
         self.page_layout = self._check_layout(config, groups, refs, page)
         check_cp_interleave(config)
+        for planes in self._layer_planes:
+            for ti, off in planes:
+                self._check_layer(tensors[ti], page, ti, off)
         # _regions: storage address -> (region id, offset of the storage in
         # the region); _caches: per group, (cache id, num blocks).
-        self._client, self._regions, self._caches, self.namespaces = self._open()
+        try:
+            self._client, self._regions, self._caches, self.namespaces = self._open()
+        except DaemonAbsent as e:
+            # No daemon yet: the worker starts as one that lost it (stores
+            # move nothing, a load waits load_retry_s for a connection) and
+            # a thread connects once one answers. reconnect_s = 0 never would.
+            if o["reconnect_s"] <= 0:
+                raise
+            self._client, self._regions = None, {}
+            self._caches = [(None, min(tensors[ti].shape[0] for ti, _ in planes)) for planes in self._layer_planes]
+            self.namespaces = [sc.geometry(sc.describe(self._ident, g, self.shard)).model
+                               for g in range(len(self._layer_planes))]
+            self._start_unconnected(reason(e.__cause__))
         log.info("kvhost spec: worker rank %d (shard %d): %d tensors in %d regions, namespaces %s", self.rank,
                  self.shard, len(tensors), len(self._regions), self.namespaces)
 
@@ -302,11 +317,7 @@ class SpecWorker(Reconnects):
         """A connection with every group's namespace declared and its
         tensors registered: (client, regions, caches, namespace models)."""
         o = self._opts
-        try:
-            client = Client(o["socket"], name=f"{o['client_name']}-worker{self.rank}",
-                            timeout=o["request_timeout_s"])
-        except OSError as e:
-            raise ConnectionError(f"kvhost.vllm: cannot connect to the kvhost daemon at {o['socket']}: {e}") from e
+        client = open_client(o["socket"], f"{o['client_name']}-worker{self.rank}", o["request_timeout_s"])
         regions, caches, names = {}, [], []
         try:
             for g, planes in enumerate(self._layer_planes):
@@ -324,7 +335,13 @@ class SpecWorker(Reconnects):
             raise
         return client, regions, caches, names
 
-    def _layer(self, client, regions, t, page, ti, within=0):
+    @staticmethod
+    def _check_layer(t, page, ti, within=0):
+        """Tensor ti's block stride in bytes, once it is known to hold
+        contiguous page-byte pages within bytes into each block; else
+        ValueError. Also where it is host memory, that it lies in a file
+        mapping the daemon can be handed. Needs no daemon: the worker
+        checks every layer at start, connected or not."""
         shape, es = tuple(t.shape), t.element_size()
         if len(shape) < 2 or t.stride(0) <= 0:
             raise ValueError(f"kvhost.vllm: tensor {ti} has shape {shape}: want (num_blocks, page bytes...)")
@@ -335,9 +352,16 @@ class SpecWorker(Reconnects):
         if not t[0].is_contiguous() or inner < within + page or row < within + page:
             raise ValueError(f"kvhost.vllm: tensor {ti} (shape {shape}, strides {t.stride()}) does not hold "
                              f"contiguous {page}-byte pages")
+        if not getattr(t, "is_cuda", False):
+            st = t.untyped_storage() if hasattr(t, "untyped_storage") else t.storage()
+            SpecWorker._host_mapping(st.data_ptr(), st.nbytes())
+        return row
+
+    def _layer(self, client, regions, t, page, ti, within=0):
+        row = self._check_layer(t, page, ti, within)
         region, base = self._region_of(client, regions, t)
-        off = base + t.storage_offset() * es + within
-        return Layer(region, offset=off, block_stride=row, plane_stride=0, num_blocks=shape[0])
+        off = base + t.storage_offset() * t.element_size() + within
+        return Layer(region, offset=off, block_stride=row, plane_stride=0, num_blocks=t.shape[0])
 
     def _region_of(self, client, regions, t):
         st = t.untyped_storage() if hasattr(t, "untyped_storage") else t.storage()
@@ -352,18 +376,25 @@ class SpecWorker(Reconnects):
         return reg
 
     @staticmethod
-    def _register_host(client, addr, size):
-        """Host memory: the shared-memory file behind the mapping (a memfd or a
-        /dev/shm file), registered unsealed."""
+    def _host_mapping(addr, size):
+        """The shared-memory file mapping (mapping_of) that holds host
+        memory [addr, addr+size); ValueError where it is none."""
         m = _mapping_of(addr, size)
         if m is None:
             raise ValueError("kvhost.vllm: a host KV-cache tensor is not one file mapping: allocate it in "
                              "shared memory (kvhost.torch_host_tensor) to use it with the daemon")
-        lo, hi, off, path = m
+        path = m[3]
         if not path.startswith("/"):
             raise ValueError(f"kvhost.vllm: a host KV-cache tensor lies in private memory ({path or 'anonymous'}): "
                              "allocate it in shared memory (kvhost.torch_host_tensor, a memfd or a /dev/shm "
                              "file) to use it with the daemon")
+        return m
+
+    @staticmethod
+    def _register_host(client, addr, size):
+        """Host memory: the shared-memory file behind the mapping (a memfd or a
+        /dev/shm file), registered unsealed."""
+        lo, hi, off, path = SpecWorker._host_mapping(addr, size)
         fd = _open_mapped(lo, hi, path)
         try:
             file_off = off + (addr - lo)
@@ -772,4 +803,5 @@ class SpecWorker(Reconnects):
             sender.join(None if until is None else max(0.0, until - time.monotonic()))
         with self._lock:
             client = self._client
-        client.close()
+        if client is not None:  # None: no daemon ever answered
+            client.close()
