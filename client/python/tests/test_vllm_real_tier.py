@@ -456,6 +456,118 @@ class DaemonRestart(RealTieringCase):
         h.close()
 
 
+class DaemonKilled(RealTieringCase):
+    """The daemon killed (SIGKILL: a crash, the OOM killer) under vLLM's
+    TieringOffloadingManager with the tier's jobs in flight, then started
+    again on the same socket and directory. Each engine gets a daemon of
+    its own, on both data paths."""
+
+    PATHS = ("on", "off")  # zero-copy (vLLM's /dev/shm region), and the copy through a memfd
+
+    def engine_on_own_daemon(self, zero_copy, **tier):
+        dm = d.Daemon()
+        self.addCleanup(dm.stop)
+        h = self.engine(tier={"socket": dm.socket, "reconnect_s": 0.05, "zero_copy": zero_copy, **tier})
+        m, ctx = h.manager, self.ctx()
+        m.on_new_request(ctx)
+        return dm, h, m, ctx, m.secondary_tiers[0]
+
+    def test_a_promotion_cut_by_the_kill_fails_as_vllm_expects_then_hits_resume(self):
+        # vLLM's promotion job fails (success False, no key loaded): its
+        # manager drops the rows it had allocated (complete_write False)
+        # and the keys MISS, never a HIT over half-written rows. Once the
+        # daemon is back they promote byte for byte.
+        R = self.api.LookupResult
+        for zc in self.PATHS:
+            with self.subTest(zero_copy=zc):
+                dm, h, m, ctx, tier = self.engine_on_own_daemon(zc)
+                ks = [key(i, f"cut-load-{zc}") for i in range(3)]
+                want = self.offload(h, ks, ctx)
+                m.reset_cache()  # the next hits must come from kvhost
+                d.wait_for(lambda: all(tier.lookup(k, ctx) == R.HIT for k in ks), what="the tier's HITs")
+                dm.freeze()  # the promotion's load is sent and not answered
+                try:
+                    self.assertEqual([m.lookup(k, ctx) for k in ks], [R.HIT_PENDING] * 3)
+                    stats = self.api.OffloadingConnectorStats()
+                    self.step(m, stats)  # vLLM submits the promotion
+                    d.wait_for(lambda: tier.counters()["inflight_jobs"] == 1, what="the load in flight")
+                finally:
+                    dm.halt(signal.SIGKILL)
+                self.assertEqual([self.settle(m, k, ctx, stats)[-1] for k in ks], [R.MISS] * 3)
+                self.step(m, stats)
+                failures = {n: v for n, v in stats.reduce().items() if "promotion_job_failures" in n}
+                self.assertEqual(list(failures.values()), [1], stats.reduce())
+                self.assertFalse(m.has_pending_work())
+                dm.start_again()
+                d.wait_for(lambda: (self.settle(m, key(99, f"cut-load-{zc}"), ctx), tier.counters()["connected"])[1],
+                           what="the tier to connect again")
+                np.testing.assert_array_equal(self.promote_and_read(h, ks, ctx), want)
+
+    def test_a_cascade_cut_by_the_kill_gives_vllm_its_rows_back(self):
+        # The store job fails: vLLM's manager completes the cascade
+        # (complete_read), so the rows it pinned for it can be evicted
+        # again, and the CPU tier still serves them; the keys are simply
+        # not in kvhost, and are stored by a later cascade once it is back.
+        R = self.api.LookupResult
+        for zc in self.PATHS:
+            with self.subTest(zero_copy=zc):
+                dm, h, m, ctx, tier = self.engine_on_own_daemon(zc)
+                ks = [key(i, f"cut-store-{zc}") for i in range(4)]
+                out = m.prepare_store(ks, ctx)
+                dm.freeze()
+                try:
+                    m.complete_store(ks, ctx)  # the cascade is sent and not answered
+                    d.wait_for(lambda: tier.counters()["inflight_jobs"] == 1, what="the store in flight")
+                finally:
+                    dm.halt(signal.SIGKILL)
+                d.wait_for(lambda: (self.step(m), not m.has_pending_work())[1], what="vLLM to complete the cascade")
+                self.assertEqual(tier.counters()["store_failed_keys"], 4)
+                self.assertEqual([m.lookup(k, ctx) for k in ks], [R.HIT] * 4, "vLLM's CPU tier keeps them")
+                # Every row of vLLM's region can be taken for other keys:
+                # none stays pinned by the failed cascade.
+                other = [key(i, f"after-{zc}") for i in range(16)]
+                self.assertIsNotNone(m.prepare_store(other, ctx), "rows still pinned by the cut cascade")
+                self.assertEqual(len(out.keys_to_store), 4)
+                dm.start_again()
+                d.wait_for(lambda: (self.settle(m, key(99, f"cut-store-{zc}"), ctx), tier.counters()["connected"])[1],
+                           what="the tier to connect again")
+                again = [key(i, f"again-{zc}") for i in range(2)]
+                m.complete_store(other, ctx)
+                d.wait_for(lambda: (self.step(m), not m.has_pending_work())[1], what="the cascades")
+                want = self.offload(h, again, ctx, seed=6)
+                m.reset_cache()
+                np.testing.assert_array_equal(self.promote_and_read(h, again, ctx), want)
+
+    def test_an_outage_is_logged_once_not_per_job_or_lookup(self):
+        # While the daemon is away vLLM goes on: lookups, cascades. The
+        # log says once that the connection is lost and once that it is
+        # back, not once per job or request.
+        R = self.api.LookupResult
+        logger = logging.getLogger("vllm.kvhost")
+        level = logger.level
+        logger.setLevel(logging.INFO)
+        self.addCleanup(logger.setLevel, level)
+        dm, h, m, ctx, tier = self.engine_on_own_daemon("on")
+        logs = d.LogRecords("vllm.kvhost")
+        self.addCleanup(logs.close)
+        dm.halt(signal.SIGKILL)
+        try:
+            for n in range(20):
+                ks = [key(n, "outage")]
+                self.assertEqual(self.settle(m, ks[0], ctx)[-1], R.MISS)
+                self.offload(h, ks, ctx)
+        finally:
+            dm.start_again()
+        d.wait_for(lambda: (self.settle(m, key(99, "outage"), ctx), tier.counters()["connected"])[1],
+                   what="the tier to connect again")
+        self.assertEqual(tier.counters()["store_failed_keys"], 20)
+        # The reconnect thread logs after it swapped the connection in.
+        d.wait_for(lambda: logs.has("connected to the daemon again"), what="the reconnection logged")
+        self.assertEqual([logs.count("lost the daemon connection"), logs.count("connected to the daemon again")],
+                         [1, 1], logs.messages)
+        self.assertEqual(len(logs.messages), 2, logs.messages)
+
+
 class DaemonNotUpAtStart(RealTieringCase):
     """vLLM starts before the daemon (a node booting, a DaemonSet rolled
     out after the inference pods): the engine starts without kvhost and
