@@ -573,22 +573,31 @@ func Parse(name string, src []byte) (Config, error) {
 			// A value our types refused (sizes, durations, modes) carries
 			// our own error; name the key it was given for.
 			msg := strings.TrimPrefix(pe.Message, "config: ")
+			if hint := unquotedUnitHint(src, pe.Position.Line, pe.LastKey); hint != "" {
+				// capacity = 4GiB: TOML's own words ("expected a
+				// top-level item to end with a newline ... but got
+				// 'G'") name neither the key nor the fix.
+				return Config{}, invalidf("%s:%d: %s", name, pe.Position.Line, hint)
+			}
 			if pe.LastKey != "" && !strings.Contains(msg, pe.LastKey) {
 				msg = pe.LastKey + ": " + msg
 			}
 			return Config{}, invalidf("%s:%d: %s", name, pe.Position.Line, msg)
 		}
-		// Type mismatches read "toml: line N (last key "k"): message".
+		// Type mismatches read "toml: line N (last key "k"): message",
+		// the message in Go's types (plainTypeError words it in TOML's).
 		msg := strings.TrimPrefix(err.Error(), "toml: ")
 		var line int
 		if _, serr := fmt.Sscanf(msg, "line %d", &line); serr == nil {
 			key := ""
 			if _, after, ok := strings.Cut(msg, `(last key "`); ok {
 				key, _, _ = strings.Cut(after, `"`)
-				key += ": "
 			}
 			if i := strings.Index(msg, "): "); i >= 0 {
-				msg = key + msg[i+3:]
+				msg = plainTypeError(key, msg[i+3:])
+				if key != "" {
+					msg = key + ": " + msg
+				}
 			}
 			return Config{}, invalidf("%s:%d: %s", name, line, msg)
 		}

@@ -164,7 +164,7 @@ func TestParseErrors(t *testing.T) {
 		{"preallocate word", "[[mount]]\npath = \"/a\"\npreallocate = \"lots\"", `kvhost.toml:3: mount.preallocate: size "lots": want a number of bytes with an optional unit (KiB, MiB, GiB, TiB, KB, MB, GB, TB) (or "auto")`},
 		{"log level", "[log]\nlevel = \"loud\"", `log.level: want debug, info, warn or error, got "loud"`},
 		{"reserved param", "[policy.params]\n\"kvhost.shard\" = 1", "reserved prefix"},
-		{"wrong type", "[server]\nmax_clients = \"many\"", "kvhost.toml:2: server.max_clients: incompatible types"},
+		{"wrong type", "[server]\nmax_clients = \"many\"", "kvhost.toml:2: server.max_clients: want an integer, got a string"},
 		{"handshake timeout", "[server]\nhandshake_timeout = \"0s\"", "kvhost.toml:2: server.handshake_timeout: want a positive duration"},
 		{"stall timeout", "[server]\nstall_timeout = \"-1s\"", "kvhost.toml:2: server.stall_timeout: want a non-negative duration (0: never)"},
 		{"max handshakes", "[server]\n\nmax_handshakes = 0", "kvhost.toml:3: server.max_handshakes: want at least 1, got 0"},
@@ -553,6 +553,52 @@ func TestStatfsTimeoutIsSetByTheFileAndRefusedUnlessPositive(t *testing.T) {
 			}
 			if !errors.Is(err, ErrInvalid) || err == nil || !strings.Contains(err.Error(), tc.wantErr) {
 				t.Errorf("error %v: want one wrapping ErrInvalid containing %q", err, tc.wantErr)
+			}
+		})
+	}
+}
+
+// TestAValueOfTheWrongTypeSaysWhatToWrite: the TOML decoder words a
+// value of the wrong type in Go's types ("incompatible types: TOML value
+// has type map[string]any; destination has type slice"), which left an
+// operator who wrote [mount] for [[mount]], or a size with its unit
+// unquoted (capacity = 4GiB: "expected a top-level item to end with a
+// newline, comment, or EOF, but got 'G' instead", at the key "mount"),
+// to guess what was wrong. Each error names the key, in the file's
+// terms, and what to write.
+func TestAValueOfTheWrongTypeSaysWhatToWrite(t *testing.T) {
+	tests := []struct {
+		name, src, want string
+	}{
+		{"[mount] for [[mount]]", "[mount]\npath = \"/a\"",
+			"config: kvhost.toml:1: mount: want an array of tables, one [[mount]] (two brackets) before the keys of each, got a table: write [[mount]], not [mount]"},
+		{"[[server]] for [server]", "[[server]]\nmax_clients = 1",
+			"config: kvhost.toml:1: server: want a table, got an array of tables: write [server], not [[server]]"},
+		{"a string for a boolean", "[engine]\nfsync = \"yes\"",
+			"config: kvhost.toml:2: engine.fsync: want true or false, got a string"},
+		{"a string for an integer", "[server]\nmax_clients = \"many\"",
+			"config: kvhost.toml:2: server.max_clients: want an integer, got a string"},
+		{"an integer for a string", "[server]\nsocket = 5",
+			"config: kvhost.toml:2: server.socket: want a string (in quotes), got an integer"},
+		{"a string for a list of CPUs", "[engine]\ncpus = \"0-3\"",
+			"config: kvhost.toml:2: engine.cpus: want an array, got a string"},
+		{"a size's unit unquoted", "[[mount]]\npath = \"/a\"\ncapacity = 4GiB",
+			`config: kvhost.toml:3: mount.capacity: a size or duration with a unit is a string: write capacity = "4GiB"`},
+		{"a size's unit unquoted after a space", "[[mount]]\npath = \"/a\"\ncapacity = 4 GiB  # RAM",
+			`config: kvhost.toml:3: mount.capacity: a size or duration with a unit is a string: write capacity = "4 GiB"`},
+		{"a duration's unit unquoted", "[server]\nmax_clients = 3\nshutdown_timeout = 10s\n",
+			`config: kvhost.toml:3: server.shutdown_timeout: a size or duration with a unit is a string: write shutdown_timeout = "10s"`},
+		{"a parameter's unit unquoted", "[policy.params]\nttl = 2h",
+			`config: kvhost.toml:2: policy.params.ttl: a size or duration with a unit is a string: write ttl = "2h"`},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			_, err := Parse("kvhost.toml", []byte(tt.src))
+			if !errors.Is(err, ErrInvalid) {
+				t.Fatalf("error %v does not wrap ErrInvalid", err)
+			}
+			if err.Error() != tt.want {
+				t.Fatalf("error %q, want %q", err, tt.want)
 			}
 		})
 	}
