@@ -876,11 +876,16 @@ func nonEmpty(s string) []string {
 
 // policyModule resolves --policy: a built-in name or a .wasm file. A
 // built-in missing from the binary (built without make) yields a nil module
-// for lru, which then runs natively.
+// for lru, which then runs natively. A relative file that cannot be read
+// is named with the working directory it was taken against, which is
+// not the configuration file's.
 func policyModule(nameOrFile string) (module []byte, name string, builtin bool, err error) {
 	if isPluginFile(nameOrFile) {
 		b, err := os.ReadFile(nameOrFile)
 		if err != nil {
+			if wd, werr := os.Getwd(); werr == nil && !filepath.IsAbs(nameOrFile) {
+				return nil, "", false, fmt.Errorf("policy: %w (a relative path is taken against the working directory, %s, not the configuration file's)", err, wd)
+			}
 			return nil, "", false, fmt.Errorf("policy: %w", err)
 		}
 		return b, strings.TrimSuffix(filepath.Base(nameOrFile), ".wasm"), false, nil

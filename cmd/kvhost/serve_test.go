@@ -53,3 +53,26 @@ func TestPolicyModule(t *testing.T) {
 		})
 	}
 }
+
+// TestARelativePluginPathThatIsMissingNamesTheWorkingDirectory: a
+// policy.name of "vendor.wasm" is read against the daemon's working
+// directory, not the configuration file's (under systemd, /), and the
+// start's error said only "open vendor.wasm: no such file or
+// directory", leaving the operator to guess where it was looked for.
+func TestARelativePluginPathThatIsMissingNamesTheWorkingDirectory(t *testing.T) {
+	dir := t.TempDir()
+	t.Chdir(dir)
+	_, _, _, err := policyModule("vendor.wasm")
+	if !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("error %v, want one wrapping os.ErrNotExist", err)
+	}
+	want := "policy: open vendor.wasm: no such file or directory (a relative path is taken against the working directory, " + dir + ", not the configuration file's)"
+	if err.Error() != want {
+		t.Fatalf("error %q, want %q", err, want)
+	}
+	// An absolute path needs no such note.
+	missing := filepath.Join(dir, "missing.wasm")
+	if _, _, _, err := policyModule(missing); err == nil || err.Error() != "policy: open "+missing+": no such file or directory" {
+		t.Fatalf("error %v for an absolute path", err)
+	}
+}
