@@ -498,6 +498,11 @@ func checkMount(ctx context.Context, rep *checkReport, o checkOptions, m config.
 			fst := "unknown"
 			if err == nil {
 				fst = fstype.Name(int64(pst.Type))
+				if k, _ := fstype.Of(int64(pst.Type)); k.Kernel {
+					rep.add(levelFail, area, fmt.Sprintf("does not exist, and cannot be made in %s, on %s, a kernel interface, not a file system that keeps files: the daemon's start fails", parent, fst),
+						kernelFSFix)
+					return true
+				}
 			}
 			rep.add(levelWarn, area, fmt.Sprintf("does not exist; kvhost creates it at start (in %s, %s)", parent, fst),
 				"create it (mkdir -p) to check it fully")
@@ -614,14 +619,20 @@ func (o checkOptions) statfsWithin(ctx context.Context, path string) (unix.Statf
 	})
 }
 
+// kernelFSFix is the fix of a mount on a kernel interface (proc, sysfs).
+const kernelFSFix = "name a directory on a disk or a tmpfs in [[mount]] path"
+
 // fileSystemFinding says what the engine makes of a mount on file system
 // name, of kind k, size bytes large by statfs, with the configured
-// capacity and reserve: it refuses a file system whose files write(2)
+// capacity and reserve: it refuses a kernel interface (proc, sysfs: kind
+// Kernel), a file system whose files write(2)
 // refuses (hugetlbfs: kind MapOnly), and one that reports no size (ramfs:
 // statfs counts no blocks) without a capacity; with one, that capacity is
 // the mount's capacity. It says nothing (level "") of any other.
 func fileSystemFinding(name string, k fstype.Kind, size, capacity, reserve int64) (level, what, fix string) {
 	switch {
+	case k.Kernel:
+		return levelFail, name + " is a kernel interface, not a file system that keeps files: the engine refuses this mount", kernelFSFix
 	case k.MapOnly:
 		return levelFail, name + ": its files cannot be written with write(2), only through mappings, and kvhost writes with pwrite: the engine refuses this mount",
 			"for files in huge pages use a tmpfs mounted with huge=within_size (" + ownTmpfs + ")"

@@ -764,3 +764,48 @@ func TestCheckSummaryCountsInTheSingularForOne(t *testing.T) {
 		}
 	}
 }
+
+// TestCheckFailsAMountOnAKernelInterface: a mount on proc or sysfs,
+// made there or not, was judged as any directory: one to be made in
+// /proc or /sys got "does not exist; kvhost creates it at start" (the
+// start then failed at its mkdir), and /proc itself was named by its
+// magic number, 0x9fa0. Check FAILs both, naming the file system, as
+// the engine refuses such a mount.
+func TestCheckFailsAMountOnAKernelInterface(t *testing.T) {
+	for _, c := range []struct {
+		name   string
+		exists bool
+	}{
+		{"the directory exists", true},
+		{"the directory is to be made", false},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			parent := t.TempDir()
+			dir := filepath.Join(parent, "kvhost")
+			if c.exists {
+				if err := os.Mkdir(dir, 0o750); err != nil {
+					t.Fatal(err)
+				}
+			}
+			o := checkOptions{cfg: config.Default(), statfs: func(path string, st *unix.Statfs_t) error {
+				if err := unix.Statfs(path, st); err != nil {
+					return err
+				}
+				st.Type, st.Blocks, st.Bfree, st.Bavail = 0x9fa0, 0, 0, 0
+				return nil
+			}}
+			o.cfg.GPU.Mode, o.cfg.GPU.CuFile = "off", "off"
+			o.cfg.Mounts = []config.Mount{{Path: dir, Capacity: 1 << 30}}
+			rep := doCheck(context.Background(), o)
+			var fails []checkItem
+			for _, it := range rep.Items {
+				if it.Area == dir && it.Level == levelFail {
+					fails = append(fails, it)
+				}
+			}
+			if len(fails) != 1 || !strings.Contains(fails[0].What, "proc") || !strings.Contains(fails[0].What, "kernel interface") || !strings.Contains(fails[0].Fix, "tmpfs") {
+				t.Fatalf("findings %+v; want one FAIL on %s naming proc, a kernel interface, with a fix naming a tmpfs", rep.Items, dir)
+			}
+		})
+	}
+}

@@ -74,3 +74,34 @@ func TestOpenRefusesAHugetlbfsMount(t *testing.T) {
 		}
 	}
 }
+
+// kernelFS says that every path is on proc, a kernel interface that
+// reports no size and keeps no files of kvhost's.
+type kernelFS struct{ fsys.FS }
+
+func (f kernelFS) Statfs(path string) (fsys.StatFS, error) {
+	st, err := f.FS.Statfs(path)
+	st.Type, st.Total, st.Free, st.Avail = 0x9fa0, 0, 0, 0
+	return st, err
+}
+
+// TestOpenRefusesAMountOnAKernelInterface: a mount on proc or sysfs
+// (kvhost --dir /proc, given a capacity) was opened, its index rebuilt
+// by walking the kernel's tree (a start on /proc stopped at "open
+// /proc/1/fdinfo: permission denied"; one on /sys/kernel/mm indexed
+// nothing and served with every store failing, its fix saying to chown
+// the directory). Open refuses such a mount, naming it and its file
+// system, and touches nothing in it.
+func TestOpenRefusesAMountOnAKernelInterface(t *testing.T) {
+	dir := t.TempDir()
+	e, err := Open(context.Background(), Config{Mounts: []Mount{{Path: dir, Capacity: 64 << 20}}, Policy: newTestPolicy(1, abi.OrderLayerMajor), FS: kernelFS{fsys.OS{}}, Logger: testLogger(t)})
+	if err == nil {
+		e.Close(context.Background())
+	}
+	if !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), dir) || !strings.Contains(err.Error(), "proc") || !strings.Contains(err.Error(), "kernel interface") {
+		t.Fatalf("Open: %v: want ErrInvalid naming the mount, proc and what it is", err)
+	}
+	if l := leftovers(t, dir); len(l) != 0 {
+		t.Fatalf("files left in the refused mount: %v", l)
+	}
+}

@@ -218,8 +218,12 @@ func (e *Engine) openMount(i int, m Mount) (*mount, error) {
 	if err != nil {
 		return nil, fmt.Errorf("engine: mount %s: %w", root, err)
 	}
-	if k, _ := fstype.Of(st.Type); k.MapOnly {
+	switch k, _ := fstype.Of(st.Type); {
+	case k.MapOnly:
 		return nil, fmt.Errorf("%w: mount %s: %s: its files cannot be written with write(2), only through mappings, and kvhost writes with pwrite; for files in huge pages use a tmpfs mounted with huge=within_size", ErrInvalid, root, k.Name)
+	case k.Kernel:
+		// Before the index rebuild, which would walk the kernel's tree.
+		return nil, fmt.Errorf("%w: mount %s: %s is a kernel interface, not a file system that keeps files; name a directory on a disk or a tmpfs", ErrInvalid, root, k.Name)
 	}
 	if st.Total == 0 && m.Capacity == 0 {
 		return nil, fmt.Errorf("%w: mount %s: the file system (%s) reports no size (statfs: 0 blocks), so the mount needs a configured capacity", ErrInvalid, root, fstype.Name(st.Type))

@@ -37,6 +37,10 @@ type Kind struct {
 	// write(2) refuses them (EINVAL), so kvhost, which writes its files
 	// with pwrite, cannot store on it (hugetlbfs).
 	MapOnly bool
+	// Kernel: a kernel interface (proc, sysfs, cgroup, ...), not a file
+	// system that keeps files: a directory there cannot hold kvhost's
+	// files, or made at all.
+	Kernel bool
 }
 
 // Magic numbers (statfs f_type).
@@ -76,6 +80,24 @@ var kinds = map[int64]Kind{
 	0x19830326: {Name: "beegfs", Network: true, CuFileDirect: true},
 	0xa501fcf5: {Name: "weka", Network: true},
 	FUSE:       {Name: "fuse", Network: true}, // FUSE file systems are mostly remote
+	// Kernel interfaces (linux/magic.h).
+	0x9fa0:     {Name: "proc", Kernel: true},
+	0x62656572: {Name: "sysfs", Kernel: true},
+	0x27e0eb:   {Name: "cgroup", Kernel: true},
+	0x63677270: {Name: "cgroup2", Kernel: true},
+	0x1cd1:     {Name: "devpts", Kernel: true},
+	0x64626720: {Name: "debugfs", Kernel: true},
+	0x74726163: {Name: "tracefs", Kernel: true},
+	0x73636673: {Name: "securityfs", Kernel: true},
+	0xcafe4a11: {Name: "bpf", Kernel: true},
+	0x6165676c: {Name: "pstore", Kernel: true},
+	0x62656570: {Name: "configfs", Kernel: true},
+	0x19800202: {Name: "mqueue", Kernel: true},
+	0x42494e4d: {Name: "binfmt_misc", Kernel: true},
+	0xde5e81e4: {Name: "efivarfs", Kernel: true},
+	0x65735543: {Name: "fusectl", Kernel: true},
+	0xf97cff8c: {Name: "selinuxfs", Kernel: true},
+	0x6e736673: {Name: "nsfs", Kernel: true},
 }
 
 // FUSEKind is what kvhost knows of a FUSE file system, by the subtype

@@ -16,22 +16,27 @@ func TestKnownAndUnknownMagics(t *testing.T) {
 		known, memory bool
 		network       bool
 		mapOnly       bool
+		kernel        bool
 	}{
-		{Tmpfs, "tmpfs", true, true, false, false},
-		{Ramfs, "ramfs", true, true, false, false},
-		{Hugetlbfs, "hugetlbfs", true, true, false, true},
-		{Ext4, "ext4", true, false, false, false},
-		{0x6969, "nfs", true, false, true, false},
+		{Tmpfs, "tmpfs", true, true, false, false, false},
+		{Ramfs, "ramfs", true, true, false, false, false},
+		{Hugetlbfs, "hugetlbfs", true, true, false, true, false},
+		{Ext4, "ext4", true, false, false, false, false},
+		{0x6969, "nfs", true, false, true, false, false},
 		// Docker Desktop's bind mounts of the host's directories, not
 		// virtiofs: that is a FUSE file system and reports FUSE's magic.
-		{0x6a656a63, "fakeowner", true, false, false, false},
-		{0x65735546, "fuse", true, false, true, false},
-		{0x1234, "0x1234", false, false, false, false},
+		{0x6a656a63, "fakeowner", true, false, false, false, false},
+		{0x65735546, "fuse", true, false, true, false, false},
+		// Kernel interfaces: a directory there keeps no files.
+		{0x9fa0, "proc", true, false, false, false, true},
+		{0x62656572, "sysfs", true, false, false, false, true},
+		{0x63677270, "cgroup2", true, false, false, false, true},
+		{0x1234, "0x1234", false, false, false, false, false},
 	} {
 		k, ok := Of(c.magic)
-		if ok != c.known || k.Memory != c.memory || k.Network != c.network || k.MapOnly != c.mapOnly || Name(c.magic) != c.name {
-			t.Errorf("magic %#x: Of = %+v, %v; Name = %q; want %q known %v memory %v network %v map only %v",
-				c.magic, k, ok, Name(c.magic), c.name, c.known, c.memory, c.network, c.mapOnly)
+		if ok != c.known || k.Memory != c.memory || k.Network != c.network || k.MapOnly != c.mapOnly || k.Kernel != c.kernel || Name(c.magic) != c.name {
+			t.Errorf("magic %#x: Of = %+v, %v; Name = %q; want %q known %v memory %v network %v map only %v kernel %v",
+				c.magic, k, ok, Name(c.magic), c.name, c.known, c.memory, c.network, c.mapOnly, c.kernel)
 		}
 	}
 }
