@@ -153,6 +153,16 @@ func (f daemonFlags) parse(fs *flag.FlagSet, args []string, stdout, stderr io.Wr
 	return 0, true
 }
 
+// explain words err, a command's failure to get what it asked of the
+// daemon behind --socket: where --timeout passed, it says so, with the
+// timeout, rather than only Go's "context deadline exceeded".
+func (f daemonFlags) explain(err error) error {
+	if errors.Is(err, context.DeadlineExceeded) {
+		return fmt.Errorf("no answer within --timeout %v: %w", *f.timeout, err)
+	}
+	return err
+}
+
 // withTimeout is ctx limited by --timeout.
 func (f daemonFlags) withTimeout(ctx context.Context) (context.Context, context.CancelFunc) {
 	return context.WithTimeout(ctx, *f.timeout)

@@ -99,3 +99,46 @@ func TestExplainDial(t *testing.T) {
 		})
 	}
 }
+
+// TestEveryCommandThatDialsSaysItsTimeoutPassed: stats, health, purge
+// and reload, given a socket whose listener accepts and never answers
+// (a daemon stuck on a hung mount, another program's socket), said only
+// "client: handshake: context deadline exceeded" once --timeout passed.
+// They exit 1 saying that no answer came within --timeout, and its value.
+func TestEveryCommandThatDialsSaysItsTimeoutPassed(t *testing.T) {
+	sock := filepath.Join(testsock.Dir(t), "silent.sock")
+	l, err := net.ListenUnix("unix", &net.UnixAddr{Name: sock, Net: "unix"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	go func() { // accept, read, never answer
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
+			}
+			go func() { io.Copy(io.Discard, c); c.Close() }()
+		}
+	}()
+	for _, c := range []struct {
+		name  string
+		run   func(ctx context.Context, args []string, stdout, stderr io.Writer) int
+		extra []string
+	}{
+		{"stats", runStats, nil},
+		{"health", runHealth, nil},
+		{"purge", runPurge, []string{"--model", "m"}},
+		{"reload", runReload, nil},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			var out, errb bytes.Buffer
+			if code := c.run(t.Context(), append([]string{"--socket", sock, "--timeout", "50ms"}, c.extra...), &out, &errb); code != 1 {
+				t.Fatalf("exit %d, want 1; stderr:\n%s", code, errb.String())
+			}
+			if want := sock + ": no answer within --timeout 50ms"; !strings.Contains(errb.String(), want) {
+				t.Fatalf("stderr lacks %q:\n%s", want, errb.String())
+			}
+		})
+	}
+}

@@ -29,7 +29,7 @@ func runHealth(ctx context.Context, args []string, stdout, stderr io.Writer) int
 	}
 	r, err := df.stats(ctx)
 	if err != nil {
-		fmt.Fprintf(stderr, "kvhost health: unhealthy: %s: %v\n", *df.socket, err)
+		fmt.Fprintf(stderr, "kvhost health: unhealthy: %s: %v\n", *df.socket, df.explain(err))
 		return 1
 	}
 	if why := unhealthy(r, h); why != "" {

@@ -44,7 +44,7 @@ func runPurge(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	ctx, cancel := df.withTimeout(ctx)
 	defer cancel()
 	if err := purge(ctx, *df.socket, *model, fp, stdout); err != nil {
-		fmt.Fprintf(stderr, "kvhost purge: %s: %v\n", *df.socket, err)
+		fmt.Fprintf(stderr, "kvhost purge: %s: %v\n", *df.socket, df.explain(err))
 		return 1
 	}
 	return 0

@@ -180,7 +180,7 @@ func runReload(ctx context.Context, args []string, stdout, stderr io.Writer) int
 	ctx, cancel := df.withTimeout(ctx)
 	defer cancel()
 	if err := reloadDaemon(ctx, *df.socket, stdout); err != nil {
-		fmt.Fprintf(stderr, "kvhost reload: %s: %v\n", *df.socket, err)
+		fmt.Fprintf(stderr, "kvhost reload: %s: %v\n", *df.socket, df.explain(err))
 		return 1
 	}
 	return 0

@@ -209,7 +209,7 @@ func runStats(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	}
 	r, err := df.stats(ctx)
 	if err != nil {
-		fmt.Fprintf(stderr, "kvhost stats: %s: %v\n", *df.socket, err)
+		fmt.Fprintf(stderr, "kvhost stats: %s: %v\n", *df.socket, df.explain(err))
 		return 1
 	}
 	if *asJSON {
