@@ -116,5 +116,11 @@ func (s *Server) PeerAccount(r PeerRecord) PeerAccount {
 
 // PrepareSocketDirChown is PrepareSocketDir with the probe file's chown.
 func PrepareSocketDirChown(path, group string, chown func(f *os.File, uid, gid int) error) (int, error) {
-	return prepareSocketDir(path, group, chown)
+	return prepareSocketDir(path, group, chowns{probe: chown})
+}
+
+// PrepareSocketDirChowns is PrepareSocketDir with the chown of the
+// directories it makes and that of the probe file.
+func PrepareSocketDirChowns(path, group string, dir func(name string, uid, gid int) error, probe func(f *os.File, uid, gid int) error) (int, error) {
+	return prepareSocketDir(path, group, chowns{dir: dir, probe: probe})
 }

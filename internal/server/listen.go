@@ -51,7 +51,7 @@ func Listen(path string, mode os.FileMode, group string) (*Socket, error) {
 	}
 	path = filepath.Clean(path)
 	// No probe of the group: the socket's own chown below is the test.
-	gid, err := prepareSocketDir(path, group, nil)
+	gid, err := prepareSocketDir(path, group, chowns{})
 	if err != nil {
 		return nil, err
 	}
@@ -105,12 +105,18 @@ func Listen(path string, mode os.FileMode, group string) (*Socket, error) {
 // long). A group the machine lacks, or one the user may not give files
 // to, is a *GroupError.
 func PrepareSocketDir(path, group string) (int, error) {
-	return prepareSocketDir(path, group, (*os.File).Chown)
+	return prepareSocketDir(path, group, chowns{probe: (*os.File).Chown})
 }
 
-// prepareSocketDir is PrepareSocketDir with the probe file's chown (the
-// tests fail it as for a user outside the group; nil: no probe).
-func prepareSocketDir(path, group string, chown func(f *os.File, uid, gid int) error) (int, error) {
+// chowns are how prepareSocketDir gives files to the socket's group (the
+// tests fail them as for a user outside the group).
+type chowns struct {
+	dir   func(name string, uid, gid int) error // the directories it makes; nil: os.Lchown
+	probe func(f *os.File, uid, gid int) error  // the probe file; nil: no probe
+}
+
+// prepareSocketDir is PrepareSocketDir with the chowns c.
+func prepareSocketDir(path, group string, c chowns) (int, error) {
 	gid := -1
 	if group != "" {
 		g, err := LookupGroup(group)
@@ -120,11 +126,15 @@ func prepareSocketDir(path, group string, chown func(f *os.File, uid, gid int) e
 		gid = g
 	}
 	dir := filepath.Dir(filepath.Clean(path))
-	if err := socketDir(dir, gid, group); err != nil {
+	lchown := c.dir
+	if lchown == nil {
+		lchown = os.Lchown
+	}
+	if err := socketDir(dir, gid, group, lchown); err != nil {
 		return -1, err
 	}
-	if gid >= 0 && chown != nil {
-		if err := probeGroup(dir, group, gid, chown); err != nil {
+	if gid >= 0 && c.probe != nil {
+		if err := probeGroup(dir, group, gid, c.probe); err != nil {
 			return -1, err
 		}
 	}
@@ -193,9 +203,12 @@ func ChownGroupError(group string, gid int, err error) *GroupError {
 // socketDir creates dir and its missing parents, mode 0750 whatever the
 // umask; with a group (gid ≥ 0) the directories it creates belong to that
 // group, whose members can then reach the socket. Directories that exist
-// are left as they are.
-func socketDir(dir string, gid int, group string) error {
-	var created []string
+// are left as they are, so where it cannot give one it made to the group
+// or set its mode, it removes those it made: a later start, by a user
+// who may, makes them anew instead of keeping a directory the group's
+// members cannot search.
+func socketDir(dir string, gid int, group string, lchown func(name string, uid, gid int) error) error {
+	var created []string // deepest first
 	for d := dir; ; d = filepath.Dir(d) {
 		if _, err := os.Lstat(d); err == nil || !errors.Is(err, os.ErrNotExist) || d == filepath.Dir(d) {
 			break
@@ -205,13 +218,19 @@ func socketDir(dir string, gid int, group string) error {
 	if err := os.MkdirAll(dir, 0o750); err != nil {
 		return fmt.Errorf("server: socket directory: %w", err)
 	}
+	undo := func(err error) error {
+		for _, d := range created {
+			os.Remove(d) // empty, unless another process wrote there since
+		}
+		return err
+	}
 	for _, d := range created {
 		if err := os.Chmod(d, 0o750); err != nil {
-			return fmt.Errorf("server: socket directory: %w", err)
+			return undo(fmt.Errorf("server: socket directory: %w", err))
 		}
 		if gid >= 0 {
-			if err := os.Lchown(d, -1, gid); err != nil {
-				return ChownGroupError(group, gid, err)
+			if err := lchown(d, -1, gid); err != nil {
+				return undo(ChownGroupError(group, gid, err))
 			}
 		}
 	}

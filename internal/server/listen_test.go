@@ -102,3 +102,42 @@ func TestPrepareSocketDirFindsASocketGroupItCannotUse(t *testing.T) {
 		})
 	}
 }
+
+// TestPrepareSocketDirRemovesTheDirectoriesItMadeWhenTheGroupRefuses: a
+// daemon whose user may not give files to socket_group stops at the
+// first directory it made for the socket, which it cannot give to the
+// group. That directory stayed, 0750 and of the daemon's own group, so
+// that the next start, once the user was added to the group, found it
+// existing and left it as it was: the group's members could not reach
+// the socket in it. The directories a refused start made are removed;
+// the next start makes them anew and gives them to the group. (EPERM is
+// made up: root may give a directory to any group.)
+func TestPrepareSocketDirRemovesTheDirectoriesItMadeWhenTheGroupRefuses(t *testing.T) {
+	gid := 4242
+	base := testsock.Dir(t)
+	path := filepath.Join(base, "run", "kvhost", "kvhost.sock")
+	eperm := func(string, int, int) error { return syscall.EPERM }
+	_, err := server.PrepareSocketDirChowns(path, strconv.Itoa(gid), eperm, (*os.File).Chown)
+	var ge *server.GroupError
+	if !errors.As(err, &ge) || !errors.Is(err, syscall.EPERM) {
+		t.Fatalf("%v: want a *GroupError wrapping EPERM", err)
+	}
+	if _, err := os.Lstat(filepath.Join(base, "run")); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("the refused start left %s (%v); want it removed", filepath.Join(base, "run"), err)
+	}
+	if os.Geteuid() != 0 {
+		return // only root may give the directories to a made-up group
+	}
+	if _, err := server.PrepareSocketDirChowns(path, strconv.Itoa(gid), os.Lchown, (*os.File).Chown); err != nil {
+		t.Fatal(err)
+	}
+	for _, d := range []string{filepath.Join(base, "run"), filepath.Dir(path)} {
+		fi, err := os.Lstat(d)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if st := fi.Sys().(*syscall.Stat_t); int(st.Gid) != gid || fi.Mode().Perm() != 0o750 {
+			t.Errorf("%s: mode %v gid %d, want 0750 gid %d", d, fi.Mode().Perm(), st.Gid, gid)
+		}
+	}
+}
