@@ -181,8 +181,13 @@ func (f daemonFlags) stats(ctx context.Context) (statsReport, error) {
 // with what is no kvhost frame (another program's socket), the error says
 // so rather than only how the bytes failed to decode; where connecting
 // fails, it is a *dialError, which says what to do. The commands print
-// the socket before the error, which therefore does not name it.
+// the socket before the error, which therefore does not name it. A path
+// longer than a Unix socket's address holds (connect's EINVAL) says so,
+// and how to reach such a socket.
 func dialDaemon(ctx context.Context, socket, name string) (*client.Client, error) {
+	if len(socket) > config.MaxSocketPath {
+		return nil, fmt.Errorf("a Unix socket's path holds at most %d bytes, and this one has %d: give it relative to a directory nearer the socket (cd there first)", config.MaxSocketPath, len(socket))
+	}
 	c, err := client.Dial(ctx, socket, name)
 	if errors.Is(err, protocol.ErrTooLarge) || errors.Is(err, protocol.ErrMalformed) || errors.Is(err, protocol.ErrUnknownType) {
 		return nil, fmt.Errorf("not a kvhost daemon's socket (its answer to the handshake is no kvhost frame): %w", err)

@@ -13,6 +13,7 @@ import (
 	"syscall"
 	"testing"
 
+	"github.com/kvhost/kvhost/internal/config"
 	"github.com/kvhost/kvhost/internal/testsock"
 )
 
@@ -137,6 +138,37 @@ func TestEveryCommandThatDialsSaysItsTimeoutPassed(t *testing.T) {
 				t.Fatalf("exit %d, want 1; stderr:\n%s", code, errb.String())
 			}
 			if want := sock + ": no answer within --timeout 50ms"; !strings.Contains(errb.String(), want) {
+				t.Fatalf("stderr lacks %q:\n%s", want, errb.String())
+			}
+		})
+	}
+}
+
+// TestEveryCommandThatDialsRefusesASocketPathTooLong: a Unix socket's
+// address holds at most config.MaxSocketPath bytes, so a daemon on a
+// deep directory listens on a relative path (config.md). Given that
+// socket's absolute path, the commands said only "connect: invalid
+// argument". They exit 1 naming the limit, the path's length and the
+// way around it.
+func TestEveryCommandThatDialsRefusesASocketPathTooLong(t *testing.T) {
+	long := "/tmp/" + strings.Repeat("d", config.MaxSocketPath) + "/kvhost.sock"
+	for _, c := range []struct {
+		name  string
+		run   func(ctx context.Context, args []string, stdout, stderr io.Writer) int
+		extra []string
+	}{
+		{"stats", runStats, nil},
+		{"health", runHealth, nil},
+		{"purge", runPurge, []string{"--model", "m"}},
+		{"reload", runReload, nil},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			var out, errb bytes.Buffer
+			if code := c.run(t.Context(), append([]string{"--socket", long}, c.extra...), &out, &errb); code != 1 {
+				t.Fatalf("exit %d, want 1; stderr:\n%s", code, errb.String())
+			}
+			want := fmt.Sprintf("a Unix socket's path holds at most %d bytes, and this one has %d: give it relative to a directory nearer the socket (cd there first)", config.MaxSocketPath, len(long))
+			if !strings.Contains(errb.String(), want) {
 				t.Fatalf("stderr lacks %q:\n%s", want, errb.String())
 			}
 		})
