@@ -39,8 +39,8 @@ import (
 // runServe runs the daemon until ctx is done (SIGTERM, SIGINT), then shuts
 // it down gracefully: stop accepting, let jobs finish within
 // server.shutdown_timeout, cancel the rest, close the engine, remove the
-// socket; a second SIGTERM or SIGINT exits at once with status 1, whatever
-// is still in flight. SIGHUP reloads the configuration; SIGQUIT, from start-up to
+// socket; a second SIGTERM or SIGINT, repeatedStop or more after the
+// first, exits at once with status 1, whatever is still in flight. SIGHUP reloads the configuration; SIGQUIT, from start-up to
 // exit, writes every goroutine's stack to the log and goes on; SIGUSR1,
 // SIGUSR2 and SIGPIPE are ignored (docs/serve.md, "Signals").
 func runServe(ctx context.Context, args []string, stdout, stderr io.Writer) int {
@@ -53,7 +53,16 @@ type serveSeams struct {
 	// fs is the engine's file system (nil: the operating system's; tests
 	// hold or fail operations in it).
 	fs fsys.FS
+	// now is the clock the stop signals are timed by (nil: time.Now).
+	now func() time.Time
 }
+
+// repeatedStop is how soon after the first stop signal another one is
+// taken as the same request, not as the second that exits at once:
+// `timeout`, and other wrappers that signal their child and then its
+// process group, deliver SIGTERM twice within microseconds, and a
+// person pressing Ctrl-C again does so later than this.
+const repeatedStop = 250 * time.Millisecond
 
 // runServeOn is runServe with the seams s.
 func runServeOn(ctx context.Context, s serveSeams, args []string, stdout, stderr io.Writer) int {
@@ -111,6 +120,11 @@ func runServeSignaled(ctx context.Context, s serveSeams, term <-chan os.Signal, 
 	served := make(chan error, 1)
 	go func() { served <- d.serve(sctx, cfg) }()
 	err = nil
+	now := s.now
+	if now == nil {
+		now = time.Now
+	}
+	var stoppedAt time.Time
 	for stopping := false; ; {
 		var sig os.Signal
 		select {
@@ -121,9 +135,13 @@ func runServeSignaled(ctx context.Context, s serveSeams, term <-chan os.Signal, 
 			break
 		}
 		if !stopping {
-			stopping = true
+			stopping, stoppedAt = true, now()
 			d.log.Info(msgStopping, "signal", sig.String())
 			stop() // main's context ends at this signal too
+			continue
+		}
+		if now().Sub(stoppedAt) < repeatedStop {
+			d.log.Info(msgRepeatedStop, "signal", sig.String(), "within", repeatedStop.String())
 			continue
 		}
 		d.forcedExit(sig)
@@ -171,8 +189,9 @@ func (d *daemon) forcedExit(sig os.Signal) {
 
 // The log lines of the stop signals.
 const (
-	msgStopping   = "stopping: draining; a second SIGTERM or SIGINT exits at once without waiting for the work in flight"
-	msgForcedExit = "kvhost exits at a second signal without waiting for the work in flight (a file operation hung on a mount holds it); the next start removes the temporary files left"
+	msgStopping     = "stopping: draining; a second SIGTERM or SIGINT exits at once without waiting for the work in flight"
+	msgRepeatedStop = "stopping: a stop signal this soon after the first is the same request (a wrapper such as timeout signals twice); send another later to exit at once"
+	msgForcedExit   = "kvhost exits at a second signal without waiting for the work in flight (a file operation hung on a mount holds it); the next start removes the temporary files left"
 )
 
 // daemon is a running kvhost serve.

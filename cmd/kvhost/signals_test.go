@@ -460,7 +460,10 @@ func TestSecondSignalExitsWhileAStoreHangsInTheMount(t *testing.T) {
 	hold := &fsystest.Hold{}
 	term := make(chan os.Signal, 2)
 	stdout, stderr, exit := runBackground(func(stdout, stderr io.Writer) int {
-		return runServeSignaled(context.Background(), serveSeams{fs: &fsys.Faulty{FS: fsys.OS{}, Inj: hold}}, term, []string{"--config", file}, stdout, stderr)
+		// Each reading of the clock a second later: the second signal
+		// comes well after the first.
+		seams := serveSeams{fs: &fsys.Faulty{FS: fsys.OS{}, Inj: hold}, now: steppingClock(time.Second)}
+		return runServeSignaled(context.Background(), seams, term, []string{"--config", file}, stdout, stderr)
 	})
 	defer func() {
 		hold.Release()
@@ -494,5 +497,71 @@ func TestSecondSignalExitsWhileAStoreHangsInTheMount(t *testing.T) {
 	l := stderr.logLine(t, msgForcedExit)
 	if l["level"] != "ERROR" || l["signal"] != syscall.SIGTERM.String() || l["jobs_in_flight"] != float64(1) || l["oldest_file_operation_age"] == nil {
 		t.Errorf("forced exit logged %v, want ERROR with the signal, 1 job in flight and the oldest file operation's age", l)
+	}
+}
+
+// steppingClock is a clock each reading of which is step later than the
+// one before.
+func steppingClock(step time.Duration) func() time.Time {
+	var mu sync.Mutex
+	t := time.Unix(1_000_000, 0)
+	return func() time.Time {
+		mu.Lock()
+		defer mu.Unlock()
+		t = t.Add(step)
+		return t
+	}
+}
+
+// TestAStopSignalRepeatedAtOnceDrainsAsTheFirst: wrappers such as
+// timeout(1) signal their child and then its process group, so the
+// daemon gets SIGTERM twice within microseconds. That is one request to
+// stop: the daemon keeps draining (here, a store held in the mount) and,
+// once the store ends, exits with status 0 and removes its socket,
+// instead of exiting at once with status 1 as at a second signal sent
+// later.
+func TestAStopSignalRepeatedAtOnceDrainsAsTheFirst(t *testing.T) {
+	file, socket, _ := testConfig(t, t.TempDir(), "")
+	hold := &fsystest.Hold{}
+	term := make(chan os.Signal, 2)
+	stdout, stderr, exit := runBackground(func(stdout, stderr io.Writer) int {
+		// A clock that stands still: every signal comes at once.
+		seams := serveSeams{fs: &fsys.Faulty{FS: fsys.OS{}, Inj: hold}, now: steppingClock(0)}
+		return runServeSignaled(context.Background(), seams, term, []string{"--config", file}, stdout, stderr)
+	})
+	defer hold.Release()
+	stdout.wait(t, "listening line", func(s string) bool { return s == "kvhost: listening on unix:"+socket })
+	k := newKVCache(t, socket)
+	hold.Arm(fsys.OpWrite)
+	if _, err := k.c.Store(context.Background(), k.id, [][]byte{[]byte("held")}, [][]uint32{{0, 1}}); err != nil {
+		t.Fatal(err)
+	}
+	testwait.Until(t, "the store's write to be held", hangBound, hold.Holding)
+
+	term <- syscall.SIGTERM
+	term <- syscall.SIGTERM
+	stderr.logLine(t, msgStopping)
+	if l := stderr.logLine(t, msgRepeatedStop); l["signal"] != syscall.SIGTERM.String() {
+		t.Errorf("the repeated signal logged %v, want its signal", l)
+	}
+	select {
+	case code := <-exit:
+		t.Fatalf("the daemon exited with status %d at a repeat of the stop signal; stderr:\n%s", code, stderr.String())
+	default:
+	}
+	hold.Release()
+	select {
+	case code := <-exit:
+		if code != 0 {
+			t.Errorf("exit status %d after the drain, want 0; stderr:\n%s", code, stderr.String())
+		}
+	case <-time.After(hangBound):
+		t.Fatalf("the daemon did not exit once the held store ended; stderr:\n%s", stderr.String())
+	}
+	if strings.Contains(stderr.String(), msgForcedExit) {
+		t.Errorf("a repeat of the stop signal forced the exit; stderr:\n%s", stderr.String())
+	}
+	if _, err := os.Lstat(socket); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("socket after the drain: %v, want it removed", err)
 	}
 }
