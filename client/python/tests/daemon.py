@@ -207,3 +207,61 @@ class LogRecords(logging.Handler):
     def close(self):
         self._logger.removeHandler(self)
         super().close()
+
+
+class Stopping:
+    """A socket where a daemon answers as one that began stopping while the
+    client connected, with Error(shutting down) in reply to a request, as
+    the real one does in that race: to the Hello (at="hello": it was
+    accepted before the stop, admitted after) or, having welcomed the
+    client, to its first request (at="request": the engine closed first,
+    ErrClosed). Serves every connection so, until closed."""
+
+    def __init__(self, at="hello"):
+        import socket
+        if at not in ("hello", "request"):
+            raise ValueError(at)
+        self.at = at
+        self.dir = socket_dir("kvhost-stopping-")
+        self.socket = os.path.join(self.dir, "kvhost.sock")
+        self._srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._srv.bind(self.socket)
+        self._srv.listen(8)
+        self.connections = 0
+        self._thread = threading.Thread(target=self._serve, daemon=True, name="stopping-daemon")
+        self._thread.start()
+
+    def _serve(self):
+        import struct
+        from kvhost import protocol as p
+        msg = b"the daemon is shutting down"
+        err = struct.pack("<BBH", p.CODES.index("shutting down"), 0, len(msg)) + msg
+        while True:
+            try:
+                conn, _ = self._srv.accept()
+            except OSError:
+                return  # closed
+            self.connections += 1
+            with conn:
+                try:
+                    f = conn.makefile("rb")
+                    n, t, _, rid = p.HEADER.unpack(f.read(p.HEADER_SIZE))
+                    f.read(n)
+                    if self.at == "request":
+                        body = struct.pack("<HH7I", p.VERSION, 0, 1 << 20, 64, 256, 64, 64, 4096, 64) + b"\x04stop"
+                        conn.sendall(p.frame(p.T_HELLO | p.T_REPLY, rid, body))
+                        n, t, _, rid = p.HEADER.unpack(f.read(p.HEADER_SIZE))
+                        f.read(n)
+                    conn.sendall(p.frame(p.T_ERROR, rid, err))
+                except (OSError, struct.error):
+                    pass  # the client went first
+
+    def close(self):
+        import socket
+        try:
+            self._srv.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._srv.close()
+        self._thread.join(10)
+        shutil.rmtree(self.dir, ignore_errors=True)

@@ -1791,6 +1791,31 @@ class TestNoDaemonAtStart(unittest.TestCase):
         self.assertFalse(m.counters()["connected"] or w.counters()["connected"])
         self.assertEqual(m.counters()["namespaces"], sorted(set(w.namespaces)))
 
+    def test_a_daemon_shutting_down_at_start_is_no_daemon_yet(self):
+        # A daemon that began stopping while vLLM connects answers
+        # "shutting down" (to the Hello, or to the first request after
+        # it): the manager and the worker start without it, as with none
+        # there; with reconnect_s = 0 they refuse, as without a daemon.
+        for at in ("hello", "request"):
+            with self.subTest(at=at):
+                stopping = d.Stopping(at)
+                self.addCleanup(stopping.close)
+                spec = Spec(config(stopping.socket, reconnect_s=3600))
+                m = spec.get_manager()
+                self.addCleanup(m.shutdown)
+                caches, _, bufs = kv_caches()
+                for b in bufs:
+                    self.addCleanup(b.close)
+                w = spec.get_worker(caches)
+                self.addCleanup(w.shutdown)
+                self.assertEqual(answer_of(m, b"k" * 36), S.LookupResult.MISS)
+                self.assertFalse(m.counters()["connected"] or w.counters()["connected"])
+                spec = Spec(config(stopping.socket, reconnect_s=0))
+                with self.assertRaisesRegex(ConnectionError, "shutting down"):
+                    spec.get_manager()
+                with self.assertRaisesRegex(ConnectionError, "shutting down"):
+                    spec.get_worker(caches)
+
     def test_reconnect_s_0_refuses_to_start_without_a_daemon(self):
         spec = Spec(config("/nonexistent/kvhost.sock", reconnect_s=0))
         with self.assertRaisesRegex(ConnectionError, "cannot connect to the kvhost daemon at /nonexistent"):

@@ -1079,6 +1079,26 @@ class Options(unittest.TestCase):
         with self.assertRaisesRegex(ConnectionError, "no kvhost daemon has answered"):
             t.daemon_stats()
 
+    def test_a_daemon_shutting_down_at_start_is_no_daemon_yet(self):
+        # A daemon that began stopping (a restart, an upgrade) while vLLM
+        # connects answers "shutting down": to the Hello, or, having
+        # welcomed the client, to its Declare. Another daemon comes next:
+        # the tier starts without it, as with none there; with
+        # reconnect_s = 0 it refuses, as without a daemon.
+        for at in ("hello", "request"):
+            for vllm_fs in (False, True):
+                with self.subTest(at=at, vllm_fs=vllm_fs):
+                    stopping = d.Stopping(at)
+                    self.addCleanup(stopping.close)
+                    t = Tier(offloading_spec=S.fake_spec(), primary_kv_view=memoryview(random_region()),
+                             tier_type="KvhostTier", socket=stopping.socket, vllm_fs=vllm_fs, reconnect_s=3600)
+                    self.addCleanup(t.shutdown)
+                    self.assertEqual((t.counters()["connected"], t.namespace), (False, None))
+                    self.assertEqual(t.lookup(b"k" * 36), S.LookupResult.MISS)
+                    with self.assertRaisesRegex(ConnectionError, "shutting down"):
+                        Tier(offloading_spec=S.fake_spec(), primary_kv_view=memoryview(random_region()),
+                             tier_type="KvhostTier", socket=stopping.socket, vllm_fs=vllm_fs, reconnect_s=0)
+
     def test_a_bad_zero_copy_value_is_refused(self):
         with self.assertRaisesRegex(ValueError, "zero_copy: want off, auto or on"):
             Tier(offloading_spec=S.fake_spec(), primary_kv_view=memoryview(random_region()),

@@ -19,7 +19,7 @@ import time
 import typing
 
 from .. import protocol as p
-from ..client import Client, ConnectionLost
+from ..client import Client, ConnectionLost, KvhostError
 
 # A child of vLLM's "vllm" logger, the one vLLM configures.
 _log = logging.getLogger("vllm.kvhost")
@@ -198,15 +198,33 @@ _ABSENT = (FileNotFoundError, ConnectionRefusedError, ConnectionResetError, Brok
            ConnectionLost)
 
 
+_SHUTTING_DOWN = p.CODES.index("shutting down")
+
+
+def absent_if_stopping(e, socket, hint=""):
+    """Raises DaemonAbsent from e where e is the daemon's answer that it
+    is shutting down: one that began stopping while this process connected
+    (a restart, an upgrade) answers the Hello or the requests after it so,
+    and the daemon to come next is waited for as where none answers.
+    Returns otherwise."""
+    if isinstance(e, KvhostError) and e.code == _SHUTTING_DOWN:
+        raise DaemonAbsent(f"kvhost.vllm: the kvhost daemon at {socket} is shutting down: {e}{hint}") from e
+
+
 def open_client(socket, name, timeout, hint=""):
     """A Client of the daemon at socket (name, timeout: Client's).
-    DaemonAbsent where no daemon answers there, else ConnectionError for
-    what connecting raised; both name the socket, and hint follows."""
+    DaemonAbsent where no daemon answers there (or one shutting down
+    answers the Hello so), else ConnectionError for what connecting
+    raised; both name the socket, and hint follows. Another refusal of
+    the Hello is raised as it is."""
     try:
         return Client(socket, name=name, timeout=timeout)
     except (OSError, ConnectionLost) as e:
         cls = DaemonAbsent if isinstance(e, _ABSENT) else ConnectionError
         raise cls(f"kvhost.vllm: cannot connect to the kvhost daemon at {socket}: {e}{hint}") from e
+    except KvhostError as e:
+        absent_if_stopping(e, socket, hint)
+        raise
 
 
 def reason(e):

@@ -25,7 +25,7 @@ from .. import protocol as p
 from ..client import KvhostError
 from . import _metrics
 from . import spec_compat as sc
-from ._common import DaemonAbsent, Reconnects, lost_connection, open_client, reason
+from ._common import DaemonAbsent, Reconnects, absent_if_stopping, lost_connection, open_client, reason
 from ._namespace import check_served
 
 # vLLM configures only its "vllm" logger (and stops propagation there):
@@ -113,6 +113,7 @@ class SpecManager(Reconnects):
             try:
                 client.unpin(0)  # a daemon without pins answers "unknown type"
             except KvhostError as e:
+                absent_if_stopping(e, o["socket"])
                 raise RuntimeError(f"kvhost.vllm: the kvhost daemon at {o['socket']} does not support pins "
                                    f"({e}): the offloading spec needs a daemon with Pin/Unpin "
                                    "(docs/protocol.md); upgrade it") from e
@@ -124,8 +125,9 @@ class SpecManager(Reconnects):
                     # The spec's keys live on kvhost mounts only: a vllm-fs
                     # mount set to serve its namespace holds other bytes.
                     check_served(ns[(r, g)].fingerprint, geo)
-        except BaseException:
+        except BaseException as e:
             client.close()
+            absent_if_stopping(e, o["socket"])
             raise
         return client, ns
 

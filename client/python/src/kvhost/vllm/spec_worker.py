@@ -17,7 +17,7 @@ import time
 from .. import protocol as p
 from ..client import ConnectionLost, KvhostError, Layer
 from . import _namespace, spec_compat as sc
-from ._common import (DaemonAbsent, Reconnects, lost_connection, mapping_of as _mapping_of, open_client,
+from ._common import (DaemonAbsent, Reconnects, absent_if_stopping, lost_connection, mapping_of as _mapping_of, open_client,
                       open_mapped as _open_mapped, reason, vllm_installed, wait_ended)
 from ._namespace import IdentityUnknown
 
@@ -330,8 +330,9 @@ class SpecWorker(Reconnects):
                     layers.append(self._layer(client, regions, self._tensors[ti], self._page, ti, off))
                     blocks = layers[-1].num_blocks if blocks is None else min(blocks, layers[-1].num_blocks)
                 caches.append((client.register_cache(ns, layers), blocks))
-        except BaseException:
+        except BaseException as e:
             client.close()
+            absent_if_stopping(e, o["socket"])
             raise
         return client, regions, caches, names
 

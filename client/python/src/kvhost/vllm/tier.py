@@ -30,7 +30,7 @@ from .. import protocol as p
 from ..client import KvhostError, Layer, default_socket
 from ..memory import HostBuffer
 from . import _compat, _metrics, _namespace
-from ._common import (DaemonAbsent, Reconnects, check_request_timeout, check_seconds, daemon_key as _daemon_key,
+from ._common import (DaemonAbsent, Reconnects, absent_if_stopping, check_request_timeout, check_seconds, daemon_key as _daemon_key,
                       has_field, lost_connection as _lost_connection, mapping_of as _mapping_of, merge_options,
                       open_client, open_mapped as _open_mapped, pick_medium as _pick_medium, reason, wait_ended)
 
@@ -346,8 +346,9 @@ class _TierImpl(Reconnects):
                 self._register_primary_again(s)
             else:
                 self._register_staging(s)
-        except BaseException:
+        except BaseException as e:
             s.client.close()  # it ran no job: what it holds on the daemon goes with the connection
+            absent_if_stopping(e, o["socket"])
             raise
         return s
 
