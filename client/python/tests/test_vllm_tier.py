@@ -3,6 +3,7 @@
 Run: cd client/python && PYTHONPATH=src /usr/bin/python3 -m unittest discover -s tests
 """
 
+import dataclasses
 import gc
 import importlib.util
 import mmap
@@ -568,18 +569,21 @@ class VllmFsMount(unittest.TestCase):
     fs-tier directory for its model, named as vLLM's fs tier names it."""
 
     @staticmethod
-    def fs_daemon(spec):
+    def fs_daemon(spec, namespace=None):
         """A daemon with a vllm-fs mount configured with the fields of
-        spec's fs tier: (fields, base directory name, root, daemon)."""
+        spec's fs tier, serving namespace where given: (fields, base
+        directory name, root, daemon)."""
         from kvhost.vllm import _namespace as N
         f = N.fs_fields(spec.config)
         root = tempfile.mkdtemp(prefix="kvhost-vllmfs-")
         groups = "".join(f'[[mount.vllm_fs.kv_cache_groups]]\ntokens_per_block = {g["tokens_per_block"]}\n'
                          f'layer_names = {list(g["layer_names"])!r}\n'.replace("'", '"') for g in f["kv_cache_groups"])
+        sizes = "".join(f"{k} = {f[k]}\n" for k in ("tp_size", "pp_size", "pcp_size", "dcp_size"))
         daemon = d.Daemon(after_toml=(
             f'[[mount]]\npath = "{root}"\nlayout = "vllm-fs"\ncapacity = "1GiB"\n'
             f'[mount.vllm_fs]\nmodel_name = "{f["model_name"]}"\ntokens_per_hash = {f["tokens_per_hash"]}\n'
-            f'blocks_per_file = {f["blocks_per_file"]}\ndtype = "{f["dtype"]}"\n{groups}'))
+            f'blocks_per_file = {f["blocks_per_file"]}\ndtype = "{f["dtype"]}"\n{sizes}'
+            + (f'namespace = "{namespace}"\n' if namespace is not None else "") + groups))
         return f, N.fs_base(f), root, daemon
 
     @classmethod
@@ -608,6 +612,44 @@ class VllmFsMount(unittest.TestCase):
         with self.assertRaisesRegex(RuntimeError, "no vllm-fs mount of the daemon serves this model"):
             Tier(offloading_spec=S.fake_spec(model="Qwen/Qwen3-8B"), primary_kv_view=memoryview(random_region(rows=4)),
                  tier_type="KvhostTier", socket=self.daemon.socket, vllm_fs=True)
+
+    def test_a_tiers_namespace_bound_to_its_fs_tier_directory_is_refused_where_that_does_not_keep_it_apart(self):
+        # Without vllm_fs, a mount may serve the tier's own namespace
+        # from vLLM's fs-tier directory of its fields (docs/config.md).
+        # That directory is named by those fields only and shared by
+        # every engine of them: a tenant's namespace, a page layout or a
+        # context-parallel interleave other than 1 is kept apart by none
+        # of it (vllm_fs refuses them for that), so a tier with one of
+        # them refuses such a mount as it would any other directory.
+        from kvhost.vllm import _namespace as N
+        base = S.fake_spec()
+        cp = S.fake_spec()
+        cp.config = dataclasses.replace(cp.config, parallel=dataclasses.replace(cp.config.parallel, dcp_size=2))
+        for name, spec, opts, refused in (
+                ("plain", base, {}, False),
+                ("tenant", base, {"namespace": "tenant-a"}, True),
+                ("page layout", base, {"page_layout": "FLASHINFER/HND"}, True),
+                ("interleave 1", cp, {"cp_kv_cache_interleave_size": 1}, False),
+                ("interleave 4", cp, {"cp_kv_cache_interleave_size": 4}, True)):
+            with self.subTest(name):
+                desc = N.describe(spec, ROW, opts.get("namespace", ""), opts.get("page_layout"))
+                if "cp_kv_cache_interleave_size" in opts:
+                    desc["cp_kv_cache_interleave_size"] = opts["cp_kv_cache_interleave_size"]
+                model = N.geometry(desc).model
+                _, _, root, daemon = self.fs_daemon(spec, namespace=model)
+                self.addCleanup(shutil.rmtree, root, True)
+                self.addCleanup(daemon.stop)
+
+                def tier():
+                    t = Tier(offloading_spec=spec, primary_kv_view=memoryview(random_region(rows=4)),
+                             tier_type="KvhostTier", socket=daemon.socket, **opts)
+                    self.addCleanup(t.shutdown)
+                    return t
+                if refused:
+                    with self.assertRaisesRegex(kv.IdentityMismatch, "does not serve namespace"):
+                        tier()
+                else:
+                    self.assertEqual(tier().namespace.geometry.model, model)
 
     def test_a_namespace_too_long_for_a_model_id_is_cut_as_the_daemon_cuts_it(self):
         # A model given by a long local path: "vllm-fs:<base>" is longer

@@ -69,7 +69,7 @@ class IdentityMismatch(RuntimeError):
     directory. The tier or spec refuses that daemon."""
 
 
-def check_served(declared, geom, data_dir=None, kvhost_mounts=True):
+def check_served(declared, geom, data_dir=None, kvhost_mounts=True, note=""):
     """Raises IdentityMismatch unless declared, the fingerprint of the
     daemon's Declared reply for geom (a Geometry), says the namespace is
     served where this engine's rows are: on the daemon's kvhost mounts,
@@ -79,7 +79,8 @@ def check_served(declared, geom, data_dir=None, kvhost_mounts=True):
     is this engine's). A vllm-fs mount's files carry no identity: a mount
     whose configured namespace is this one over another model's directory
     would hand that model's rows under this namespace, and the fingerprint
-    (of the mount's data directory) is the client's only way to tell."""
+    (of the mount's data directory) is the client's only way to tell. note
+    follows what the refusal says it wants."""
     own = geom.fingerprint()
     ok = {own} if kvhost_mounts else set()
     fs = None
@@ -95,7 +96,7 @@ def check_served(declared, geom, data_dir=None, kvhost_mounts=True):
         want.append(f"that of vLLM's fs-tier directory of this engine, {data_dir} ({fs:016x})")
     raise IdentityMismatch(
         f"kvhost.vllm: the daemon does not serve namespace {geom.model} from where this engine's KV is: "
-        f"its fingerprint {declared:016x} is not {' nor '.join(want)}. A vllm-fs mount configured with this "
+        f"its fingerprint {declared:016x} is not {' nor '.join(want)}{note}. A vllm-fs mount configured with this "
         "namespace over another directory (another model's or geometry's rows)? Refusing to read that KV; "
         "correct the mount's path or its [mount.vllm_fs] namespace (docs/vllm.md)")
 

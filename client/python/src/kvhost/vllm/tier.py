@@ -205,6 +205,9 @@ class _TierImpl(Reconnects):
 
     _api = _compat.FALLBACK
     _what = "tier"
+    _NOT_FS = ("; with a namespace, page_layout or cp_kv_cache_interleave_size other than 1 vLLM's fs-tier "
+               "directory is none of this tier's either: it is named without them and shared by every engine of "
+               "the model")
 
     def __init__(self, offloading_spec, primary_kv_view, tier_type="kvhost", locality=None,
                  backpressure_detector=None, **own):
@@ -252,6 +255,14 @@ class _TierImpl(Reconnects):
 
         self._desc["row_bytes"] = self._row_bytes
         self.fs_base = _namespace.fs_base(self._desc["fields"])
+        # The data directory of vLLM's fs tier for this engine, where a
+        # vllm-fs mount may serve the namespace: named by the fs tier's
+        # fields only, and shared by every engine of them, it holds rows
+        # of this tier's meaning only where its identity names nothing
+        # more (what vllm_fs requires: _options, _cp_interleave). None:
+        # no directory is this tier's own.
+        own_dir = not o["namespace"] and o["page_layout"] is None and interleave in (None, 1)
+        self._fs_dir = f"{self.fs_base}_r0" if own_dir else None
         geom = _namespace.geometry(self._desc, _namespace.fs_namespace(_VLLM_FS_PREFIX, self.fs_base)
                                    if o["vllm_fs"] else None)
 
@@ -338,8 +349,8 @@ class _TierImpl(Reconnects):
                                    f"want the row's {self._row_bytes}")
             # Every connection: a daemon restarted with another
             # configuration may serve the namespace from elsewhere.
-            _namespace.check_served(s.ns.fingerprint, self._geom, f"{self.fs_base}_r0",
-                                    kvhost_mounts=not o["vllm_fs"])
+            _namespace.check_served(s.ns.fingerprint, self._geom, self._fs_dir, kvhost_mounts=not o["vllm_fs"],
+                                    note="" if self._fs_dir else self._NOT_FS)
             if first:
                 self.data_path = self._setup_data_path(s)
             elif self.data_path == "zero-copy":
