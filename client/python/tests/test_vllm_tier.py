@@ -714,6 +714,47 @@ class DaemonRestart(TierCase):
         for k in more:
             self.assertEqual(self.lookup_settled(t, k)[-1], S.LookupResult.HIT, "a row stored after the restart")
 
+    def test_an_answer_of_a_connection_replaced_meanwhile_is_not_kept(self):
+        # The daemon answers a lookup HIT (or a store job STORED) and is
+        # killed before the tier files the answer; a new daemon on a fresh
+        # directory is connected and swapped in meanwhile. The HIT was the
+        # old daemon's: kept, it would promise rows the new one lacks (a
+        # promotion that fails). The key is asked again, of the new one.
+        for how in ("lookup", "store"):
+            with self.subTest(how):
+                dm = d.Daemon()
+                self.addCleanup(dm.stop)
+                t = self.tier(random_region(seed=26), socket=dm.socket, reconnect_s=0.05)
+                ks = keys(2, f"replaced-{how}")
+                if how == "lookup":  # stored by another engine: t asks the daemon
+                    self.store(self.tier(random_region(seed=27), socket=dm.socket), ks, [0, 1])
+                old = t._s
+                real = old.client.lookup if how == "lookup" else old.client.store
+
+                def then_replaced(*args, real=real, dm=dm, t=t, how=how, **kw):
+                    out = real(*args, **kw)
+                    if how == "store":
+                        out.wait()  # stored on the old daemon
+                    dm.halt(signal.SIGKILL)
+                    dm.reconfigure(dir=tempfile.mkdtemp(prefix="blocks-", dir=dm.tmp))
+                    dm.start_again()
+                    down = self.job(keys(1, f"down-{how}"), [9])
+                    t.submit_store(down)  # meets the lost connection
+                    d.wait_for(lambda: t.counters().get("reconnects") == 1, what="the new connection swapped in")
+                    return out
+                if how == "lookup":
+                    old.client.lookup = then_replaced
+                    self.assertEqual(t.lookup(ks[0], CTX), S.LookupResult.RETRY)  # asked, on the old daemon
+                    d.wait_for(lambda: t.counters().get("reconnects") == 1, what="the new connection swapped in")
+                    self.assertEqual(self.lookup_settled(t, ks[0])[-1], S.LookupResult.MISS)
+                else:
+                    old.client.store = then_replaced
+                    j = self.job(ks, [0, 1])
+                    t.submit_store(j)
+                    d.wait_for(lambda: j.job_id in [r.job_id for r in t.get_finished_jobs()], what="the store")
+                    self.assertEqual(self.lookup_settled(t, ks[0])[-1], S.LookupResult.MISS)
+                self.assertEqual(self.lookup_settled(t, ks[1])[-1], S.LookupResult.MISS)
+
     def test_a_restart_and_a_crash_are_survived_on_the_copy_path(self):
         for sig in (signal.SIGTERM, signal.SIGKILL):
             with self.subTest(sig=sig.name):

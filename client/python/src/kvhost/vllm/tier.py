@@ -603,8 +603,13 @@ class _TierImpl(Reconnects):
                     log.warning("kvhost tier: lookup failed: %s", e)
             expiry = time.monotonic() + self._opts["lookup_ttl_s"]
             with self._cv:
+                # Answers of a connection replaced meanwhile are another
+                # daemon's: not kept (a HIT would promise rows the new one
+                # may lack); the keys are asked again.
+                keep = self._s is s
                 for k in keys:
-                    self._answers[k] = (answers.get(k, False), expiry)
+                    if keep:
+                        self._answers[k] = (answers.get(k, False), expiry)
                     self._pending_lookups.discard(k)
                 if len(self._answers) > 4 * (1 << 16):
                     now = time.monotonic()
@@ -658,7 +663,7 @@ class _TierImpl(Reconnects):
                     self._lost(s, e)
                 else:
                     log.warning("kvhost tier: %s job %d failed: %s", "load" if load else "store", job_id, e)
-        self._finish(job_id, keys, outcomes, load, time.monotonic() - t0)
+        self._finish(job_id, keys, outcomes, load, time.monotonic() - t0, s)
 
     def _move(self, s, keys, rows, load, outcomes):
         """Moves the job's rows on session s, filling outcomes."""
@@ -716,7 +721,11 @@ class _TierImpl(Reconnects):
                     np.copyto(pr[r], st[s])
         return out
 
-    def _finish(self, job_id, keys, outcomes, load, seconds):
+    def _finish(self, job_id, keys, outcomes, load, seconds, session):
+        """Reports the job (get_finished_jobs, events, counters). The keys
+        it stored answer HIT for lookup_ttl_s where session, the
+        connection it ran on, is still the one in use: stored on a daemon
+        since replaced, they are asked of the new one."""
         api = self._api
         now = time.monotonic()
         expiry = now + self._opts["lookup_ttl_s"]
@@ -757,8 +766,9 @@ class _TierImpl(Reconnects):
                 s["not_admitted_keys"] += c[p.OUTCOME_NOT_ADMITTED]
                 s["store_failed_keys"] += len(keys) - sum(c[o] for o in fine)
                 s["bytes_stored"] += c[p.OUTCOME_STORED] * self._row_bytes
-                for k in good:
-                    self._answers[k] = (True, expiry)
+                if session is self._s:
+                    for k in good:
+                        self._answers[k] = (True, expiry)
             if not success:
                 s["failed_load_jobs" if load else "failed_store_jobs"] += 1
             for ev in events:
