@@ -979,11 +979,14 @@ const (
 	OutcomeCancelled   = protocol.OutcomeCancelled
 )
 
-// Pin is a client pin (Client.Pin): Keys[i] of the request is pinned when
-// Held[i] is true. ID is 0 when no key was pinned.
+// Pin is a client pin (Client.Pin, Client.PinLoadable): Keys[i] of the
+// request is pinned when Held[i] is true. ID is 0 when no key was pinned.
 type Pin struct {
 	ID   uint64 // the daemon's id of the pin, for Unpin
 	Held []bool // per request key, whether it is pinned
+	// NoCache (PinLoadable only): no cache of the namespace is registered
+	// on any connection, so nothing was looked up or pinned.
+	NoCache bool
 }
 
 // Pin pins the stored keys of namespace ns: the daemon neither evicts nor
@@ -992,6 +995,19 @@ type Pin struct {
 // the daemon when pinned; Held says, per key, whether it was stored and
 // checked, and is now pinned.
 func (c *Client) Pin(ctx context.Context, ns NamespaceID, keys [][]byte, lease time.Duration) (Pin, error) {
+	return c.pin(ctx, ns, keys, lease, false)
+}
+
+// PinLoadable is Pin for a client whose loads go through other
+// connections' caches (a scheduler beside its workers): while no
+// connection has a cache of ns registered, it pins nothing and answers
+// NoCache. A daemon older than the frame refuses it with
+// protocol.CodeUnknownType.
+func (c *Client) PinLoadable(ctx context.Context, ns NamespaceID, keys [][]byte, lease time.Duration) (Pin, error) {
+	return c.pin(ctx, ns, keys, lease, true)
+}
+
+func (c *Client) pin(ctx context.Context, ns NamespaceID, keys [][]byte, lease time.Duration, loadable bool) (Pin, error) {
 	if err := protocol.CheckKeys(keys); err != nil {
 		return Pin{}, fmt.Errorf("%w: %w", ErrInvalid, err)
 	}
@@ -1005,7 +1021,7 @@ func (c *Client) Pin(ctx context.Context, ns NamespaceID, keys [][]byte, lease t
 	unpin := func(r protocol.Message) {
 		c.undo(func(ctx context.Context) error { _, err := c.Unpin(ctx, r.(*protocol.Pinned).Pin); return err })
 	}
-	m, err := c.create(ctx, &protocol.Pin{NS: uint32(ns), LeaseMillis: ms, Keys: keys}, nil, unpin)
+	m, err := c.create(ctx, &protocol.Pin{NS: uint32(ns), LeaseMillis: ms, Keys: keys, Loadable: loadable}, nil, unpin)
 	if err != nil {
 		return Pin{}, err
 	}
@@ -1019,6 +1035,7 @@ func (c *Client) Pin(ctx context.Context, ns NamespaceID, keys [][]byte, lease t
 	p := Pin{ID: r.Pin, Held: make([]bool, len(keys))}
 	for i, s := range r.State {
 		p.Held[i] = s == protocol.PinHeld
+		p.NoCache = p.NoCache || s == protocol.PinNoCache
 	}
 	return p, nil
 }

@@ -9,6 +9,10 @@ package protocol
 const (
 	TypePin   Type = 0x000E
 	TypeUnpin Type = 0x000F
+	// TypePinLoadable is a Pin whose keys are pinned only while a cache of
+	// their namespace is registered on some connection: only while a
+	// load of them has somewhere to go.
+	TypePinLoadable Type = 0x0012
 )
 
 // Limits of pins.
@@ -25,18 +29,30 @@ const (
 	// PinHeld: the key is stored, its file was checked (same inode, same
 	// size) and it is pinned.
 	PinHeld uint8 = 1
+	// PinNoCache (PinLoadable replies only): the daemon has no cache of
+	// the namespace registered on any connection, so nothing was looked
+	// up or pinned.
+	PinNoCache uint8 = 2
 )
 
 // Pin pins keys of a namespace for LeaseMillis milliseconds (0: until
-// Unpin or the end of the connection).
+// Unpin or the end of the connection). With Loadable it is a PinLoadable
+// frame: its keys are pinned only while a cache of the namespace is
+// registered.
 type Pin struct {
 	NS          uint32   // the namespace id, from Declared
 	LeaseMillis uint32   // the lease in milliseconds (0: none), at most MaxLeaseMillis
 	Keys        [][]byte // the keys to pin
+	Loadable    bool     // a PinLoadable frame (the body is the same)
 }
 
-// Type is TypePin.
-func (*Pin) Type() Type { return TypePin }
+// Type is TypePin, or TypePinLoadable for a Loadable pin.
+func (m *Pin) Type() Type {
+	if m.Loadable {
+		return TypePinLoadable
+	}
+	return TypePin
+}
 
 // AppendBody encodes: u32 ns | u32 lease ms | keys.
 func (m *Pin) AppendBody(b []byte) []byte {
@@ -56,14 +72,21 @@ func (m *Pin) DecodeBody(b []byte) error {
 }
 
 // Pinned is the reply to Pin: the pin's id (0 when no key was pinned) and,
-// per requested key in order, PinHeld or PinMissing.
+// per requested key in order, PinHeld or PinMissing (or, answering a
+// PinLoadable, PinNoCache for every key).
 type Pinned struct {
-	Pin   uint64  // this connection's id of the pin; 0 when no key was pinned
-	State []uint8 // per requested key, in order: PinHeld or PinMissing
+	Pin      uint64  // this connection's id of the pin; 0 when no key was pinned
+	State    []uint8 // per requested key, in order: PinHeld, PinMissing or PinNoCache
+	Loadable bool    // the reply to a PinLoadable
 }
 
-// Type is the reply to TypePin.
-func (*Pinned) Type() Type { return TypePin | TypeReply }
+// Type is the reply to TypePin, or to TypePinLoadable.
+func (m *Pinned) Type() Type {
+	if m.Loadable {
+		return TypePinLoadable | TypeReply
+	}
+	return TypePin | TypeReply
+}
 
 // AppendBody encodes: u64 pin id | u32 count | count × u8 state.
 func (m *Pinned) AppendBody(b []byte) []byte {
@@ -78,8 +101,12 @@ func (m *Pinned) DecodeBody(b []byte) error {
 	n := d.count("key count", 1, MaxKeysPerRequest, 1)
 	m.State = append([]uint8(nil), d.take(n, "states")...)
 	for i, s := range m.State {
-		if s != PinMissing && s != PinHeld {
-			d.fail("state %d = %d: want 0 or 1", i, s)
+		if s != PinMissing && s != PinHeld && (s != PinNoCache || !m.Loadable) {
+			want := "0 or 1"
+			if m.Loadable {
+				want = "0, 1 or 2"
+			}
+			d.fail("state %d = %d: want %s", i, s, want)
 			break
 		}
 	}
@@ -111,6 +138,10 @@ func newPinMessage(t Type) Message {
 		return new(Pin)
 	case TypePin | TypeReply:
 		return new(Pinned)
+	case TypePinLoadable:
+		return &Pin{Loadable: true}
+	case TypePinLoadable | TypeReply:
+		return &Pinned{Loadable: true}
 	case TypeUnpin:
 		return new(Unpin)
 	case TypeUnpin | TypeReply:

@@ -13,6 +13,9 @@ func pinMessages() []Message {
 		&Pin{NS: 1, Keys: [][]byte{[]byte("k")}},
 		&Pinned{Pin: 9, State: []uint8{PinHeld, PinMissing}},
 		&Pinned{State: []uint8{PinMissing}},
+		&Pin{NS: 2, LeaseMillis: 10, Keys: [][]byte{[]byte("c")}, Loadable: true},
+		&Pinned{Pin: 4, State: []uint8{PinHeld, PinMissing}, Loadable: true},
+		&Pinned{State: []uint8{PinNoCache, PinNoCache}, Loadable: true},
 		&Unpin{Pin: 9},
 		&Count{T: TypeUnpin | TypeReply, Count: 2},
 	}
@@ -48,7 +51,10 @@ func TestPinMessagesReject(t *testing.T) {
 	}{
 		{"lease past a day", TypePin, body(&Pin{NS: 1, LeaseMillis: MaxLeaseMillis + 1, Keys: [][]byte{[]byte("k")}})},
 		{"no keys", TypePin, body(&Pin{NS: 1})},
-		{"unknown state", TypePin | TypeReply, body(&Pinned{Pin: 1, State: []uint8{2}})},
+		{"unknown state", TypePin | TypeReply, body(&Pinned{Pin: 1, State: []uint8{3}})},
+		{"no cache answering a plain pin", TypePin | TypeReply, body(&Pinned{State: []uint8{PinNoCache}})},
+		{"unknown state answering a loadable pin", TypePinLoadable | TypeReply, body(&Pinned{State: []uint8{3}, Loadable: true})},
+		{"loadable lease past a day", TypePinLoadable, body(&Pin{NS: 1, LeaseMillis: MaxLeaseMillis + 1, Keys: [][]byte{[]byte("k")}, Loadable: true})},
 		{"states short", TypePin | TypeReply, body(&Pinned{Pin: 1, State: []uint8{1, 1}})[:13]},
 		{"unpin trailing", TypeUnpin, append(body(&Unpin{Pin: 1}), 0)},
 	}

@@ -134,6 +134,8 @@ func (t Type) name() string {
 		return "pin"
 	case TypeUnpin:
 		return "unpin"
+	case TypePinLoadable:
+		return "pin-loadable"
 	case TypeLookupTable:
 		return "lookup-table"
 	case TypePurge:

@@ -26,6 +26,7 @@ func TestTypeNamesAllocateNothingForKnownTypes(t *testing.T) {
 		{TypeUndeclare, "undeclare"},
 		{TypePin, "pin"},
 		{TypeUnpin, "unpin"},
+		{TypePinLoadable, "pin-loadable"},
 		{TypeLookupTable, "lookup-table"},
 		{TypePurge, "purge"},
 		{TypeError, "error"},

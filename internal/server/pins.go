@@ -174,6 +174,15 @@ func (s *session) pin(m *protocol.Pin) (protocol.Message, error) {
 	if ns == nil {
 		return nil, perr(protocol.CodeUnknownNS, "namespace %d", m.NS)
 	}
+	if m.Loadable && !s.srv.hasCache(ns.id) {
+		// No worker could load the keys: answer so without looking, and
+		// without counting a hit or a miss.
+		reply := &protocol.Pinned{State: make([]uint8, len(m.Keys)), Loadable: true}
+		for i := range reply.State {
+			reply.State[i] = protocol.PinNoCache
+		}
+		return reply, nil
+	}
 	sp := &s.pins
 	if len(sp.ids) >= MaxPinsPerConnection {
 		for id, pin := range sp.ids { // forget pins whose lease ended
@@ -196,7 +205,7 @@ func (s *session) pin(m *protocol.Pin) (protocol.Message, error) {
 		s.srv.settlePins(charge, 0)
 		return nil, err
 	}
-	reply := &protocol.Pinned{State: make([]uint8, len(held))}
+	reply := &protocol.Pinned{State: make([]uint8, len(held)), Loadable: m.Loadable}
 	kept := int64(0)
 	for i, h := range held {
 		if h {

@@ -101,6 +101,60 @@ func TestPinsEndWithTheConnectionAndTheLease(t *testing.T) {
 	}
 }
 
+// TestPinLoadableAnswersNoCacheWhileNoWorkerCanLoad checks PinLoadable: a
+// scheduler's connection, which registers no cache, pins stored keys only
+// while another connection has a cache of the namespace registered (its
+// loads have somewhere to go), and a plain Pin is unchanged.
+func TestPinLoadableAnswersNoCacheWhileNoWorkerCanLoad(t *testing.T) {
+	ctx := context.Background()
+	f := newFixture(t, server.Config{})
+	worker := f.dial(t)
+	k := newCache(t, worker)
+	k.store(t, "a", []uint32{0, 1}, rand.New(rand.NewPCG(1, 2)))
+	sched := f.dial(t)
+	ns, err := sched.Declare(ctx, geo)
+	if err != nil {
+		t.Fatal(err)
+	}
+	keys := [][]byte{[]byte("a"), []byte("nope")}
+
+	p, err := sched.PinLoadable(ctx, ns.ID, keys, 0)
+	if err != nil || p.ID == 0 || p.NoCache || !slices.Equal(p.Held, []bool{true, false}) {
+		t.Fatalf("PinLoadable with the worker's cache registered = %+v, %v; want a pin of [true false]", p, err)
+	}
+	if n, err := sched.Unpin(ctx, p.ID); err != nil || n != 1 {
+		t.Fatalf("Unpin = %d, %v; want 1", n, err)
+	}
+
+	if err := worker.UnregisterCache(ctx, k.id); err != nil {
+		t.Fatal(err)
+	}
+	p, err = sched.PinLoadable(ctx, ns.ID, keys, 0)
+	if err != nil || p.ID != 0 || !p.NoCache || !slices.Equal(p.Held, []bool{false, false}) {
+		t.Fatalf("PinLoadable with no cache registered = %+v, %v; want NoCache and nothing pinned", p, err)
+	}
+	if n, _ := f.eng.PinStats(); n != 0 {
+		t.Fatalf("the engine holds %d pins after a PinLoadable answered NoCache", n)
+	}
+	// A plain Pin does not ask for a cache: the key is stored.
+	if p, err := sched.Pin(ctx, ns.ID, keys, 0); err != nil || p.ID == 0 || p.NoCache || !p.Held[0] {
+		t.Fatalf("Pin with no cache registered = %+v, %v; want a pin of the stored key", p, err)
+	}
+
+	// A cache on a new connection counts again; its connection's end
+	// takes it away.
+	worker2 := f.dial(t)
+	newCache(t, worker2)
+	if p, err := sched.PinLoadable(ctx, ns.ID, keys, 0); err != nil || p.NoCache || !p.Held[0] {
+		t.Fatalf("PinLoadable with a second worker's cache = %+v, %v; want the stored key pinned", p, err)
+	}
+	worker2.Close()
+	testwait.Until(t, "the closed connection's cache to stop counting", testwait.Hang, func() bool {
+		p, err := sched.PinLoadable(ctx, ns.ID, keys, 0)
+		return err == nil && p.NoCache
+	})
+}
+
 func TestPinErrors(t *testing.T) {
 	ctx := context.Background()
 	f := newFixture(t, server.Config{})

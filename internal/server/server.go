@@ -586,6 +586,7 @@ type Server struct {
 	// declaring it.
 	nsMu        sync.Mutex
 	nsRefs      map[engine.NamespaceID]int // sessions that declared it
+	nsCaches    map[engine.NamespaceID]int // caches registered in it, all sessions'
 	nsDeclaring int                        // declarations in the engine's Declare
 	nsIdle      []engine.NamespaceID       // let go while nsDeclaring > 0
 }
@@ -707,6 +708,23 @@ func (s *Server) reserveLayers(p *peer, n int) error {
 	return nil
 }
 
+// countCache adds d (1 or -1) to the caches registered in namespace id.
+func (s *Server) countCache(id engine.NamespaceID, d int) {
+	s.nsMu.Lock()
+	defer s.nsMu.Unlock()
+	if s.nsCaches[id] += d; s.nsCaches[id] <= 0 {
+		delete(s.nsCaches, id)
+	}
+}
+
+// hasCache reports whether a cache is registered in namespace id on any
+// connection (PinLoadable).
+func (s *Server) hasCache(id engine.NamespaceID) bool {
+	s.nsMu.Lock()
+	defer s.nsMu.Unlock()
+	return s.nsCaches[id] > 0
+}
+
 // releaseLayers gives back what reserveLayers counted.
 func (s *Server) releaseLayers(p *peer, n int) {
 	p.layers.Add(-int64(n))
@@ -725,7 +743,8 @@ func New(eng Engine, cfg Config) (*Server, error) {
 	s := &Server{
 		eng: eng, cfg: cfg, log: cfg.Logger,
 		sessions: make(map[*session]struct{}), pending: make(map[*session]uint64),
-		changed: make(chan struct{}), nsRefs: make(map[engine.NamespaceID]int), peers: make(map[int32]*peer),
+		changed: make(chan struct{}), nsRefs: make(map[engine.NamespaceID]int),
+		nsCaches: make(map[engine.NamespaceID]int), peers: make(map[int32]*peer),
 		devices: make([]deviceUse, cfg.Devices), started: time.Now(),
 	}
 	s.incoming.size, s.incoming.waiting = cfg.MaxIncomingBytes, &s.incomingWaiting

@@ -673,6 +673,7 @@ func (s *session) registerCache(m *protocol.RegisterCache) (protocol.Message, er
 	for _, r := range regions {
 		s.regions[r].refs++
 	}
+	s.srv.countCache(ns.id, 1)
 	id := s.newID()
 	s.caches[id] = &cache{id: cid, ns: ns, regions: regions, numBlocks: minBlocks, shrinkable: shrinkable}
 	return &protocol.CacheRegistered{Cache: id}, nil
@@ -693,6 +694,7 @@ func (s *session) unregisterCache(m *protocol.UnregisterCache) (protocol.Message
 		return nil, err
 	}
 	delete(s.caches, m.Cache)
+	s.srv.countCache(c.ns.id, -1)
 	s.srv.releaseLayers(s.peer, len(c.regions))
 	for _, r := range c.regions {
 		s.regions[r].refs--
@@ -1034,6 +1036,7 @@ func (s *session) release() {
 		if err := s.srv.eng.UnregisterCache(c.id); err != nil {
 			s.log.Warn("unregister cache", "err", err)
 		}
+		s.srv.countCache(c.ns.id, -1)
 		s.srv.releaseLayers(s.peer, len(c.regions))
 	}
 	s.caches = nil

@@ -382,12 +382,16 @@ class TestRealSpec(RealSpecCase):
         finally:
             self.daemon.start_again()
         d.wait_for(lambda: m.counters()["connected"], what="the manager to connect again")
+        # No HIT until the worker's cache is registered with the new
+        # daemon: the worker notices the loss at vLLM's next step.
+        self.assertEqual(self.settle(m, ks[0], ctx), api.LookupResult.MISS)
+        d.wait_for(lambda: not list(w.get_finished()) and w.counters()["connected"],
+                   what="the worker to connect again")
         for k in ks:
-            self.assertEqual(self.settle(m, k, ctx), api.LookupResult.HIT)
+            d.wait_for(lambda: self.settle(m, k, ctx) == api.LookupResult.HIT, what="a HIT once the worker is back")
         dst = [20, 21, 22]
         for t in tensors:
             t[dst].zero_()
-        # The worker's first job after the restart is this load.
         self.assertTrue(self.transfer(w, False, m.prepare_load(ks, ctx), dst).success)
         self.assertEqual(rows(tensors, dst), want)
         m.complete_load(ks, ctx)
@@ -643,6 +647,50 @@ class TestRealSpecDaemonNotUpAtStart(RealSpecCase):
         d.wait_for(lambda: logs.count("connected to the daemon at") == 2, what="the connections logged")
         self.assertEqual(logs.count("starting without it"), 2, logs.messages)
         self.assertEqual(logs.count("connected to the daemon at"), 2, logs.messages)
+
+    def test_a_worker_the_late_daemon_refuses_leaves_lookups_missing_not_hit(self):
+        """Keys stored by an earlier engine; this engine starts before a
+        daemon whose max_registered_bytes is below its worker's tensors:
+        the daemon refuses the worker, which stays off. The manager, which
+        registers nothing, connects all the same; it answers MISS (vLLM
+        recomputes), not a HIT whose load vLLM's worker would assert on,
+        and HITs come once a worker the daemon takes is connected."""
+        api = self.api
+        logs = d.LogRecords("vllm.kvhost")
+        self.addCleanup(logs.close)
+        dm = d.Daemon()
+        self.addCleanup(dm.stop)
+        ks = [key(i, "refused") for i in range(2)]
+        first = self.spec(socket=dm.socket)
+        self.stored(first, self.manager(first), ks)
+        for c in reversed(self.closers):  # the first engine goes
+            c()
+        self.closers.clear()
+        dm.halt()
+        dm.reconfigure(server_toml="max_registered_bytes = 65536\n")
+        spec = self.spec(socket=dm.socket, reconnect_s=0.05)
+        m = self.manager(spec)
+        w, _ = self.worker(spec, seed=5)
+        dm.start_again()
+        d.wait_for(lambda: m.counters()["connected"] and logs.count("the daemon answers but cannot be used"),
+                   what="the manager to connect and the worker to be refused")
+        self.assertFalse(w.counters()["connected"])
+        ctx = api.ReqContext(req_id="refused")
+        for k in ks:
+            self.assertEqual(self.settle(m, k, ctx), api.LookupResult.MISS)
+        self.assertEqual(m.counters()["no_worker_keys"], len(ks))
+        self.assertEqual(logs.count("no worker of rank 0 has its KV cache registered"), 1, logs.messages)
+
+        # A daemon that takes the worker: HITs, and the load runs.
+        dm.halt()
+        dm.reconfigure(server_toml="")
+        dm.start_again()
+        d.wait_for(lambda: m.counters()["connected"], what="the manager to connect again")
+        w2, tensors = self.worker(spec, seed=6)
+        d.wait_for(lambda: self.settle(m, ks[0], ctx) == api.LookupResult.HIT, what="a HIT with a worker registered")
+        self.assertEqual(self.settle(m, ks[1], ctx), api.LookupResult.HIT)
+        self.assertTrue(self.transfer(w2, False, m.prepare_load(ks, ctx), [20, 21]).success)
+        m.complete_load(ks, ctx)
 
     def test_reconnect_s_0_refuses_to_start_without_a_daemon(self):
         dm = d.Daemon()

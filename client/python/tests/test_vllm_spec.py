@@ -28,6 +28,7 @@ sys.path.insert(0, str(HERE))
 
 import kvhost  # noqa: E402
 from kvhost import vllm as kv  # noqa: E402
+from kvhost import protocol as P  # noqa: E402
 from kvhost.vllm import _metrics, _namespace, spec_compat as sc, spec_worker  # noqa: E402
 
 import daemon as d  # noqa: E402
@@ -210,20 +211,20 @@ class SpecCase(unittest.TestCase):
         round that pins a load's keys again) waits, up to 30 s, for the
         gate: yields (entered, gate), two threading.Events."""
         entered, gate = threading.Event(), threading.Event()
-        real_pin = kvhost.Client.pin
+        real_pin = kvhost.Client._pin  # what pin and pin_loadable send
 
-        def pin(client, ns, dkeys, *a, **kw):
+        def pin(client, ftype, ns, dkeys, *a, **kw):
             if sc.daemon_key(key) in dkeys and not entered.is_set():
                 entered.set()
                 gate.wait(30)
-            return real_pin(client, ns, dkeys, *a, **kw)
+            return real_pin(client, ftype, ns, dkeys, *a, **kw)
 
-        kvhost.Client.pin = pin
+        kvhost.Client._pin = pin
         try:
             yield entered, gate
         finally:
             gate.set()
-            kvhost.Client.pin = real_pin
+            kvhost.Client._pin = real_pin
 
     def daemon_stats(self):
         with kvhost.Client(self.daemon.socket) as c:
@@ -547,11 +548,14 @@ class TestDaemonRestart(SpecCase):
                 finally:
                     self.daemon.start_again()
                 d.wait_for(lambda: m.counters()["connected"], what="the manager to connect again")
-
-                # The worker's first job after the restart is a load: it
-                # connects again at once rather than fail it.
+                # The manager answers HIT only once the worker's cache is
+                # registered with the new daemon: the worker notices the
+                # loss at vLLM's next step (get_finished) and connects.
+                self.answer(m, ks[0], S.LookupResult.MISS)
+                d.wait_for(lambda: not list(w.get_finished()) and w.counters()["connected"],
+                           what="the worker to connect again")
                 for k in ks:
-                    self.answer(m, k, S.LookupResult.HIT)
+                    d.wait_for(lambda: m.lookup(k, CTX) == S.LookupResult.HIT, what="a HIT once the worker is back")
                 dst = [40, 41, 42, 43]
                 for t in tensors:
                     t[dst[0]:dst[-1] + 1].zero_()
@@ -1584,6 +1588,47 @@ class TestHitWindow(SpecCase):
         self.assertEqual(m.counters()["pinned_now"], 0)
         self.assertEqual(m.lookup(k, CTX), S.LookupResult.RETRY)  # asked again
         self.answer(m, k, S.LookupResult.HIT)
+
+
+@unittest.skipUnless(HAVE_TORCH, "torch is not installed")
+class TestPinLoadable(SpecCase):
+    def test_a_daemon_without_pin_loadable_gets_plain_pins_and_hits(self):
+        """A daemon older than PinLoadable answers it "unknown type": the
+        manager says so once and pins as before, answering HIT."""
+        logs = d.LogRecords("vllm.kvhost")
+        self.addCleanup(logs.close)
+        spec = self.spec()
+        m = self.manager(spec)
+        caches, _ = self.caches()
+        w = self.worker(spec, caches)
+        ks = keys(2, "old-daemon")
+        self.store(m, w, ks, [0, 1])
+
+        def unknown(client, *a, **kw):
+            raise kvhost.KvhostError(P.CODE_UNKNOWN_TYPE, "type(0x0012) is not a request")
+
+        with mock.patch.object(kvhost.Client, "pin_loadable", unknown):
+            for k in ks:
+                self.answer(m, k, S.LookupResult.HIT)
+        self.assertEqual(logs.count("does not know PinLoadable"), 1, logs.messages)
+        self.assertNotIn("no_worker_keys", m.counters())
+
+    def test_keys_answer_miss_while_no_worker_is_connected_and_hit_after(self):
+        """The worker's connection ends (its cache goes with it): the
+        manager's next lookups answer MISS, counted, and HIT again once a
+        worker's cache is registered."""
+        spec = self.spec(miss_ttl_s=0.05)
+        m = self.manager(spec)
+        caches, _ = self.caches()
+        w = self.worker(spec, caches)
+        ks = keys(2, "no-worker")
+        self.store(m, w, ks, [0, 1])
+        w.shutdown()
+        self.answer(m, ks[0], S.LookupResult.MISS)
+        self.assertEqual(m.counters()["no_worker_keys"], 1)
+        self.worker(spec, self.caches(seed=2)[0])
+        d.wait_for(lambda: answer_of(m, ks[0]) == S.LookupResult.HIT, what="a HIT with a worker back")
+        self.answer(m, ks[1], S.LookupResult.HIT)
 
 
 @unittest.skipUnless(HAVE_TORCH, "torch is not installed")

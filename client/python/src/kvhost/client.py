@@ -838,17 +838,30 @@ class Client:
         this connection closes. Every file is checked as it is pinned.
         Returns (pin id, [bool per key: pinned]); the id is 0 when no key was
         stored."""
+        pin_id, states = self._pin(p.T_PIN, ns, keys, lease_s)
+        return pin_id, [s == p.PIN_HELD for s in states]
+
+    def pin_loadable(self, ns, keys, lease_s=0.0):
+        """pin for a client whose loads go through other connections' caches
+        (a scheduler beside its workers): while no connection has a cache of
+        ns registered, the daemon pins nothing. Returns (pin id, [bool per
+        key: pinned], no_cache), no_cache True when no cache was registered.
+        A daemon older than the frame raises KvhostError (UnknownType)."""
+        pin_id, states = self._pin(p.T_PIN_LOADABLE, ns, keys, lease_s)
+        return pin_id, [s == p.PIN_HELD for s in states], any(s == p.PIN_NO_CACHE for s in states)
+
+    def _pin(self, ftype, ns, keys, lease_s):
         ns = ns.id if isinstance(ns, Namespace) else ns
         ms = int(round(lease_s * 1000))
         if lease_s > 0 and ms == 0:
             ms = 1
         if not 0 <= ms <= p.MAX_LEASE_MS:
             raise ValueError(f"lease {lease_s}s: want 0..{p.MAX_LEASE_MS // 1000}s")
-        _, body = self._call(p.T_PIN, p.pack("<II", (ns, ms), ("namespace", "lease")) + p.keys_body(keys), undo=self._unpin_late)
+        _, body = self._call(ftype, p.pack("<II", (ns, ms), ("namespace", "lease")) + p.keys_body(keys), undo=self._unpin_late)
         pin_id, n = struct.unpack_from("<QI", body)
         if n != len(keys):  # a body too short for n: the reader refused it (reply_problem)
             raise p.ProtocolError(f"pin reply for {n} keys to a pin of {len(keys)}")
-        return pin_id, [b == p.PIN_HELD for b in body[12:12 + n]]
+        return pin_id, body[12:12 + n]
 
     def unpin(self, pin_id):
         """Releases a pin; returns how many keys it held (0 if it was

@@ -41,12 +41,14 @@ T_PIN = 0x000E
 T_UNPIN = 0x000F
 T_LOOKUP_TABLE = 0x0010
 T_PURGE = 0x0011
+T_PIN_LOADABLE = 0x0012
 T_REPLY = 0x8000
 T_ERROR = 0xFFFF
 T_COMPLETION = 0x4001
 
 MAX_LEASE_MS = 24 * 60 * 60 * 1000
 PIN_MISSING, PIN_HELD = 0, 1
+PIN_NO_CACHE = 2  # PinLoadable: no cache of the namespace is registered
 
 MEMORY_MEMFD = 1
 MEMORY_CUDA_IPC = 2
@@ -64,7 +66,7 @@ CODES = ["ok", "malformed", "unsupported version", "unknown type", "handshake re
          "invalid argument", "unsupported", "descriptor missing", "bad descriptor", "in use",
          "no space", "not found", "corrupt", "policy failure", "shutting down", "cancelled",
          "internal error", "timed out", "bad IPC handle"]
-CODE_LIMIT, CODE_UNSUPPORTED = 5, 10
+CODE_UNKNOWN_TYPE, CODE_LIMIT, CODE_UNSUPPORTED = 3, 5, 10
 
 STATS_FIELDS = ["entries", "keys", "stores", "loads", "hits", "misses", "evictions", "failures",
                 "corrupt", "vanished", "bytes_written", "bytes_read", "clients", "regions",
@@ -79,14 +81,14 @@ NAMES = {T_HELLO: "Hello", T_REGISTER_MEMORY: "RegisterMemory", T_UNREGISTER_MEM
          T_DECLARE: "Declare", T_REGISTER_CACHE: "RegisterCache", T_UNREGISTER_CACHE: "UnregisterCache",
          T_LOOKUP: "Lookup", T_STORE: "Store", T_LOAD: "Load", T_CANCEL: "Cancel", T_DELETE: "Delete",
          T_STATS: "Stats", T_UNDECLARE: "Undeclare", T_PIN: "Pin", T_UNPIN: "Unpin",
-         T_LOOKUP_TABLE: "LookupTable", T_PURGE: "Purge"}
+         T_LOOKUP_TABLE: "LookupTable", T_PURGE: "Purge", T_PIN_LOADABLE: "PinLoadable"}
 
 # The fixed part of each reply's body (docs/protocol.md); a string after it
 # (str8 or str16) or per-key bytes (Pinned) are checked by reply_problem.
 _REPLY_SIZES = {T_HELLO: 33, T_REGISTER_MEMORY: 16, T_UNREGISTER_MEMORY: 0, T_DECLARE: 24,
                 T_REGISTER_CACHE: 4, T_UNREGISTER_CACHE: 0, T_LOOKUP: 4, T_STORE: 8, T_LOAD: 8,
                 T_CANCEL: 1, T_DELETE: 4, T_STATS: 132, T_UNDECLARE: 0, T_PIN: 12, T_UNPIN: 4,
-                T_LOOKUP_TABLE: 2, T_PURGE: 40}
+                T_LOOKUP_TABLE: 2, T_PURGE: 40, T_PIN_LOADABLE: 12}
 
 
 def reply_problem(asked, ftype, body):
@@ -101,7 +103,7 @@ def reply_problem(asked, ftype, body):
         if n >= want:
             if asked == T_HELLO:
                 want += body[32]
-            elif asked == T_PIN:
+            elif asked in (T_PIN, T_PIN_LOADABLE):
                 want += struct.unpack_from("<I", body, 8)[0]
             elif asked == T_LOOKUP_TABLE:
                 want += struct.unpack_from("<H", body)[0]

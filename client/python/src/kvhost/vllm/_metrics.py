@@ -32,6 +32,7 @@ COUNTERS = {
     "disconnects": ("disconnects", "Times the connection to the kvhost daemon was lost."),
     "reconnects": ("reconnects", "Times the connection to the kvhost daemon was made again after it was lost."),
     "repinned_keys": ("repinned_keys", "Keys being loaded that the manager queued to pin again on a new daemon."),
+    "no_worker_keys": ("no_worker_keys", "Keys answered MISS because no worker's KV cache was registered with the daemon."),
 }
 PREFIX = "vllm:kv_offload_kvhost_"
 INFLIGHT = PREFIX + "inflight_jobs"

@@ -82,6 +82,11 @@ class SpecManager(Reconnects):
         self._broken = None          # why the connection is gone (text), until a reconnection
         self._closing = False
         self._reconnectors = []      # threads connecting again (shutdown joins them)
+        # Pins ask the daemon for a worker's cache in their namespace
+        # (PinLoadable) unless it is older than that frame; the
+        # namespaces it answered had none, for one log line per outage.
+        self._loadable = True
+        self._no_worker = set()
         self.namespaces = {(r, g): sc.geometry(sc.describe(self._ident, g, r)).model
                            for r in range(self._tp) for g in range(len(self._groups))}
         try:
@@ -155,6 +160,7 @@ class SpecManager(Reconnects):
         it. A key a pin round has pending is queued again when that round
         ends (_pin_round: it pinned on a replaced connection)."""
         self._client, self._ns = new
+        self._loadable = True  # the new daemon may know PinLoadable
         self._missing.clear()
         again = [k for k in self._pinned if self._loading[k] and k not in self._pending]
         for k in again:
@@ -246,17 +252,26 @@ class SpecManager(Reconnects):
         pins, held, answered = [], dict.fromkeys(keys, True), True
         with self._lock:
             client, nss = self._client, self._ns
+            # Keys being loaded were answered HIT already: their pins
+            # keep the files for that load, worker or none.
+            loading = {k for k in keys if self._loading[k]}
         try:
             for g, gkeys in self._by_group(keys).items():
                 for r in range(self._tp):
                     ns = nss[(r, g)]
-                    for i in range(0, len(gkeys), p.MAX_KEYS_PER_REQUEST):
-                        chunk = gkeys[i:i + p.MAX_KEYS_PER_REQUEST]
-                        pin_id, ok = client.pin(ns, [sc.daemon_key(k) for k in chunk], lease)
-                        if pin_id:
-                            pins.append(pin_id)
-                        for k, h in zip(chunk, ok):
-                            held[k] = held[k] and h
+                    for repin in (False, True):
+                        part = [k for k in gkeys if (k in loading) == repin]
+                        for i in range(0, len(part), p.MAX_KEYS_PER_REQUEST):
+                            chunk = part[i:i + p.MAX_KEYS_PER_REQUEST]
+                            dkeys = [sc.daemon_key(k) for k in chunk]
+                            if repin:
+                                pin_id, ok = client.pin(ns, dkeys, lease)
+                            else:
+                                pin_id, ok = self._pin_loadable(client, ns, (r, g), dkeys, lease)
+                            if pin_id:
+                                pins.append(pin_id)
+                            for k, h in zip(chunk, ok):
+                                held[k] = held[k] and h
         except Exception as e:  # the daemon is gone or refused: MISS, vLLM recomputes
             held, answered = dict.fromkeys(keys, False), False
             lost = lost_connection(e, client)
@@ -306,6 +321,41 @@ class SpecManager(Reconnects):
                 self._missing = {k: t for k, t in self._missing.items() if t > now}
             self._cv.notify_all()
         self._unpin(release)
+
+    def _pin_loadable(self, client, ns, where, keys, lease):
+        """Pins keys in ns, the namespace of (rank, group) where, only while
+        a worker's cache of it is registered with the daemon: a HIT whose
+        load no worker can run would fail it, and vLLM's worker asserts on
+        a failed load. A worker the daemon refused (its tensors over
+        max_registered_bytes, say) registers none, and vLLM recomputes
+        instead. A daemon older than PinLoadable gets plain pins."""
+        if self._loadable:
+            try:
+                pin_id, ok, no_cache = client.pin_loadable(ns, keys, lease)
+            except KvhostError as e:
+                if e.code != p.CODE_UNKNOWN_TYPE:
+                    raise
+                self._loadable = False
+                log.warning("kvhost spec: this daemon does not know PinLoadable: lookups answer HIT "
+                            "without knowing that a worker can load them; upgrade the daemon")
+            else:
+                with self._lock:
+                    if no_cache:
+                        self._stats["no_worker_keys"] += len(keys)
+                        first = where not in self._no_worker
+                        self._no_worker.add(where)
+                    else:
+                        first = where in self._no_worker
+                        self._no_worker.discard(where)
+                if first and no_cache:
+                    log.warning("kvhost spec: no worker of rank %d has its KV cache registered with the daemon "
+                                "(namespace %s): lookups answer MISS, vLLM recomputes; a worker the daemon "
+                                "refused says why in its log", where[0], self.namespaces[where])
+                elif first:
+                    log.info("kvhost spec: the rank %d worker's KV cache is registered with the daemon again",
+                             where[0])
+                return pin_id, ok
+        return client.pin(ns, keys, lease)
 
     def _touch(self, keys):
         try:
