@@ -17,7 +17,8 @@ source on the GPU. Then the daemon restarts under the worker's CUDA
 tensors twice: killed (SIGKILL) with a load sent and unanswered (the
 daemon frozen first), which the worker must load again on the new
 daemon rather than fail; and stopped (SIGTERM) between jobs, after which
-the keys stored before load again. Both loads are compared on the GPU.
+the keys stored before answer HIT once the worker has registered its
+tensors with the new daemon, and load again. Both loads are compared on the GPU.
 Before the restarts, a store and a load are submitted behind 0.1 s of GPU
 work queued on the current stream (a spin, then the copy or zeroing of
 their blocks): bytes must be equal and submit_* must return while that
@@ -113,7 +114,7 @@ def restarts(dm, m, w, big, stored):
     phases = []
     for (keys, src), sig in zip(stored[-2:], (signal.SIGKILL, signal.SIGTERM)):
         ph = {"signal": sig.name}
-        if sig == signal.SIGTERM:  # between jobs: the next job is this load
+        if sig == signal.SIGTERM:  # between jobs
             dm.halt(sig)
             # The manager notices at a lookup, which answers MISS meanwhile.
             d.wait_for(lambda: m.lookup(keys[0], CTX) == R.MISS and not m.counters()["connected"],
@@ -121,6 +122,11 @@ def restarts(dm, m, w, big, stored):
             t0 = time.perf_counter()
             dm.start_again()
             d.wait_for(lambda: m.counters()["connected"], what="the manager to connect again", timeout=60)
+            # The manager answers HIT only once the worker's tensors are
+            # registered with the new daemon; the worker notices the loss
+            # at vLLM's next step (get_finished) and connects.
+            d.wait_for(lambda: not w.get_finished() and w.counters()["connected"],
+                       what="the worker to connect again", timeout=60)
         hits = [answer(m, k) for k in keys]
         ph["hits"] = sum(h == R.HIT for h in hits)
         big[:, dst[0]:dst[-1] + 1].zero_()
