@@ -995,19 +995,34 @@ type Pin struct {
 // the daemon when pinned; Held says, per key, whether it was stored and
 // checked, and is now pinned.
 func (c *Client) Pin(ctx context.Context, ns NamespaceID, keys [][]byte, lease time.Duration) (Pin, error) {
-	return c.pin(ctx, ns, keys, lease, false)
+	return c.pin(ctx, ns, keys, lease, false, "")
 }
 
 // PinLoadable is Pin for a client whose loads go through other
 // connections' caches (a scheduler beside its workers): while no
-// connection has a cache of ns registered, it pins nothing and answers
-// NoCache. A daemon older than the frame refuses it with
-// protocol.CodeUnknownType.
-func (c *Client) PinLoadable(ctx context.Context, ns NamespaceID, keys [][]byte, lease time.Duration) (Pin, error) {
-	return c.pin(ctx, ns, keys, lease, true)
+// connection of group (JoinGroup; "" for any connection) has a cache of ns
+// registered, it pins nothing and answers NoCache. A daemon older than the
+// frame refuses it with protocol.CodeUnknownType.
+func (c *Client) PinLoadable(ctx context.Context, ns NamespaceID, keys [][]byte, lease time.Duration, group string) (Pin, error) {
+	if len(group) > protocol.MaxGroupLen {
+		return Pin{}, fmt.Errorf("%w: group of %d bytes: at most %d", ErrInvalid, len(group), protocol.MaxGroupLen)
+	}
+	return c.pin(ctx, ns, keys, lease, true, group)
 }
 
-func (c *Client) pin(ctx context.Context, ns NamespaceID, keys [][]byte, lease time.Duration, loadable bool) (Pin, error) {
+// JoinGroup puts this connection's caches in group (1..64 bytes, compared
+// as bytes), which a PinLoadable can name: one engine's workers join its
+// group, so that its scheduler's pins count only their caches. Once per
+// connection, before any RegisterCache.
+func (c *Client) JoinGroup(ctx context.Context, group string) error {
+	if group == "" || len(group) > protocol.MaxGroupLen {
+		return fmt.Errorf("%w: group of %d bytes: want 1..%d", ErrInvalid, len(group), protocol.MaxGroupLen)
+	}
+	_, err := c.call(ctx, &protocol.Group{Name: group}, nil)
+	return err
+}
+
+func (c *Client) pin(ctx context.Context, ns NamespaceID, keys [][]byte, lease time.Duration, loadable bool, group string) (Pin, error) {
 	if err := protocol.CheckKeys(keys); err != nil {
 		return Pin{}, fmt.Errorf("%w: %w", ErrInvalid, err)
 	}
@@ -1021,7 +1036,7 @@ func (c *Client) pin(ctx context.Context, ns NamespaceID, keys [][]byte, lease t
 	unpin := func(r protocol.Message) {
 		c.undo(func(ctx context.Context) error { _, err := c.Unpin(ctx, r.(*protocol.Pinned).Pin); return err })
 	}
-	m, err := c.create(ctx, &protocol.Pin{NS: uint32(ns), LeaseMillis: ms, Keys: keys, Loadable: loadable}, nil, unpin)
+	m, err := c.create(ctx, &protocol.Pin{NS: uint32(ns), LeaseMillis: ms, Keys: keys, Loadable: loadable, Group: group}, nil, unpin)
 	if err != nil {
 		return Pin{}, err
 	}

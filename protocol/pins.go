@@ -13,12 +13,17 @@ const (
 	// their namespace is registered on some connection: only while a
 	// load of them has somewhere to go.
 	TypePinLoadable Type = 0x0012
+	// TypeGroup names the group of the connection's caches (one engine's
+	// workers), which a PinLoadable can ask for.
+	TypeGroup Type = 0x0013
 )
 
 // Limits of pins.
 const (
 	// MaxLeaseMillis is the longest lease a Pin may ask for (24 hours).
 	MaxLeaseMillis = 24 * 60 * 60 * 1000
+	// MaxGroupLen bounds a group's name (Group, PinLoadable).
+	MaxGroupLen = 64
 )
 
 // Per-key states in a Pinned reply.
@@ -38,12 +43,13 @@ const (
 // Pin pins keys of a namespace for LeaseMillis milliseconds (0: until
 // Unpin or the end of the connection). With Loadable it is a PinLoadable
 // frame: its keys are pinned only while a cache of the namespace is
-// registered.
+// registered, on a connection of Group where Group is not empty.
 type Pin struct {
 	NS          uint32   // the namespace id, from Declared
 	LeaseMillis uint32   // the lease in milliseconds (0: none), at most MaxLeaseMillis
 	Keys        [][]byte // the keys to pin
-	Loadable    bool     // a PinLoadable frame (the body is the same)
+	Loadable    bool     // a PinLoadable frame
+	Group       string   // PinLoadable only: the caches' group; "" for any connection's
 }
 
 // Type is TypePin, or TypePinLoadable for a Loadable pin.
@@ -54,9 +60,14 @@ func (m *Pin) Type() Type {
 	return TypePin
 }
 
-// AppendBody encodes: u32 ns | u32 lease ms | keys.
+// AppendBody encodes: u32 ns | u32 lease ms | keys, then for a
+// PinLoadable str8 group.
 func (m *Pin) AppendBody(b []byte) []byte {
-	return appendKeys(appendU32(appendU32(b, m.NS), m.LeaseMillis), m.Keys)
+	b = appendKeys(appendU32(appendU32(b, m.NS), m.LeaseMillis), m.Keys)
+	if m.Loadable {
+		b = appendStr8(b, m.Group, MaxGroupLen)
+	}
+	return b
 }
 
 // DecodeBody decodes a Pin.
@@ -68,6 +79,32 @@ func (m *Pin) DecodeBody(b []byte) error {
 		d.fail("lease ms = %d: want 0..%d", m.LeaseMillis, MaxLeaseMillis)
 	}
 	m.Keys = d.keys()
+	if m.Loadable {
+		m.Group = d.str8("group", MaxGroupLen)
+	}
+	return d.end()
+}
+
+// Group names the group of the connection's caches: a PinLoadable that
+// names the group counts only caches of connections in it. A connection
+// joins one group, before it registers a cache.
+type Group struct {
+	Name string // 1..MaxGroupLen bytes, compared as bytes
+}
+
+// Type is TypeGroup.
+func (*Group) Type() Type { return TypeGroup }
+
+// AppendBody encodes: str8 name.
+func (m *Group) AppendBody(b []byte) []byte { return appendStr8(b, m.Name, MaxGroupLen) }
+
+// DecodeBody decodes a Group.
+func (m *Group) DecodeBody(b []byte) error {
+	d := decoder{b: b}
+	m.Name = d.str8("group", MaxGroupLen)
+	if d.err == nil && m.Name == "" {
+		d.fail("an empty group name")
+	}
 	return d.end()
 }
 
@@ -142,6 +179,10 @@ func newPinMessage(t Type) Message {
 		return &Pin{Loadable: true}
 	case TypePinLoadable | TypeReply:
 		return &Pinned{Loadable: true}
+	case TypeGroup:
+		return new(Group)
+	case TypeGroup | TypeReply:
+		return &Empty{T: t}
 	case TypeUnpin:
 		return new(Unpin)
 	case TypeUnpin | TypeReply:

@@ -14,6 +14,9 @@ func pinMessages() []Message {
 		&Pinned{Pin: 9, State: []uint8{PinHeld, PinMissing}},
 		&Pinned{State: []uint8{PinMissing}},
 		&Pin{NS: 2, LeaseMillis: 10, Keys: [][]byte{[]byte("c")}, Loadable: true},
+		&Pin{NS: 2, Keys: [][]byte{[]byte("c")}, Loadable: true, Group: "engine-7_dp0"},
+		&Group{Name: "engine-7_dp0"},
+		&Empty{T: TypeGroup | TypeReply},
 		&Pinned{Pin: 4, State: []uint8{PinHeld, PinMissing}, Loadable: true},
 		&Pinned{State: []uint8{PinNoCache, PinNoCache}, Loadable: true},
 		&Unpin{Pin: 9},
@@ -57,6 +60,9 @@ func TestPinMessagesReject(t *testing.T) {
 		{"loadable lease past a day", TypePinLoadable, body(&Pin{NS: 1, LeaseMillis: MaxLeaseMillis + 1, Keys: [][]byte{[]byte("k")}, Loadable: true})},
 		{"states short", TypePin | TypeReply, body(&Pinned{Pin: 1, State: []uint8{1, 1}})[:13]},
 		{"unpin trailing", TypeUnpin, append(body(&Unpin{Pin: 1}), 0)},
+		{"loadable pin without its group", TypePinLoadable, body(&Pin{NS: 1, Keys: [][]byte{[]byte("k")}})},
+		{"empty group", TypeGroup, []byte{0}},
+		{"group past its bound", TypeGroup, append([]byte{MaxGroupLen + 1}, make([]byte, MaxGroupLen+1)...)},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {

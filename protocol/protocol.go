@@ -136,6 +136,8 @@ func (t Type) name() string {
 		return "unpin"
 	case TypePinLoadable:
 		return "pin-loadable"
+	case TypeGroup:
+		return "group"
 	case TypeLookupTable:
 		return "lookup-table"
 	case TypePurge:

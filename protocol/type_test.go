@@ -27,6 +27,7 @@ func TestTypeNamesAllocateNothingForKnownTypes(t *testing.T) {
 		{TypePin, "pin"},
 		{TypeUnpin, "unpin"},
 		{TypePinLoadable, "pin-loadable"},
+		{TypeGroup, "group"},
 		{TypeLookupTable, "lookup-table"},
 		{TypePurge, "purge"},
 		{TypeError, "error"},

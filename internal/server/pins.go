@@ -174,7 +174,7 @@ func (s *session) pin(m *protocol.Pin) (protocol.Message, error) {
 	if ns == nil {
 		return nil, perr(protocol.CodeUnknownNS, "namespace %d", m.NS)
 	}
-	if m.Loadable && !s.srv.hasCache(ns.id) {
+	if m.Loadable && !s.srv.hasCache(ns.id, m.Group) {
 		// No worker could load the keys: answer so without looking, and
 		// without counting a hit or a miss.
 		reply := &protocol.Pinned{State: make([]uint8, len(m.Keys)), Loadable: true}
@@ -226,6 +226,22 @@ func (s *session) pin(m *protocol.Pin) (protocol.Message, error) {
 		reply.Pin = sp.next
 	}
 	return reply, nil
+}
+
+// joinGroup puts the connection's caches in group m.Name, which a
+// PinLoadable can name: once, before the connection registers a cache.
+func (s *session) joinGroup(m *protocol.Group) (protocol.Message, error) {
+	if s.group == m.Name {
+		return &protocol.Empty{T: protocol.TypeGroup | protocol.TypeReply}, nil
+	}
+	if s.group != "" {
+		return nil, perr(protocol.CodeInvalid, "this connection is in group %q already; a connection joins one group", s.group)
+	}
+	if len(s.caches) > 0 {
+		return nil, perr(protocol.CodeInUse, "this connection has %d caches registered: join a group before registering caches", len(s.caches))
+	}
+	s.group = m.Name
+	return &protocol.Empty{T: protocol.TypeGroup | protocol.TypeReply}, nil
 }
 
 func (s *session) unpin(m *protocol.Unpin) (protocol.Message, error) {

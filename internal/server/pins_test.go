@@ -118,7 +118,7 @@ func TestPinLoadableAnswersNoCacheWhileNoWorkerCanLoad(t *testing.T) {
 	}
 	keys := [][]byte{[]byte("a"), []byte("nope")}
 
-	p, err := sched.PinLoadable(ctx, ns.ID, keys, 0)
+	p, err := sched.PinLoadable(ctx, ns.ID, keys, 0, "")
 	if err != nil || p.ID == 0 || p.NoCache || !slices.Equal(p.Held, []bool{true, false}) {
 		t.Fatalf("PinLoadable with the worker's cache registered = %+v, %v; want a pin of [true false]", p, err)
 	}
@@ -129,7 +129,7 @@ func TestPinLoadableAnswersNoCacheWhileNoWorkerCanLoad(t *testing.T) {
 	if err := worker.UnregisterCache(ctx, k.id); err != nil {
 		t.Fatal(err)
 	}
-	p, err = sched.PinLoadable(ctx, ns.ID, keys, 0)
+	p, err = sched.PinLoadable(ctx, ns.ID, keys, 0, "")
 	if err != nil || p.ID != 0 || !p.NoCache || !slices.Equal(p.Held, []bool{false, false}) {
 		t.Fatalf("PinLoadable with no cache registered = %+v, %v; want NoCache and nothing pinned", p, err)
 	}
@@ -145,14 +145,80 @@ func TestPinLoadableAnswersNoCacheWhileNoWorkerCanLoad(t *testing.T) {
 	// takes it away.
 	worker2 := f.dial(t)
 	newCache(t, worker2)
-	if p, err := sched.PinLoadable(ctx, ns.ID, keys, 0); err != nil || p.NoCache || !p.Held[0] {
+	if p, err := sched.PinLoadable(ctx, ns.ID, keys, 0, ""); err != nil || p.NoCache || !p.Held[0] {
 		t.Fatalf("PinLoadable with a second worker's cache = %+v, %v; want the stored key pinned", p, err)
 	}
 	worker2.Close()
 	testwait.Until(t, "the closed connection's cache to stop counting", testwait.Hang, func() bool {
-		p, err := sched.PinLoadable(ctx, ns.ID, keys, 0)
+		p, err := sched.PinLoadable(ctx, ns.ID, keys, 0, "")
 		return err == nil && p.NoCache
 	})
+}
+
+// TestPinLoadableOfAGroupCountsOnlyThatGroupsCaches checks groups: a
+// PinLoadable naming a group pins only while a connection of that group
+// has a cache of the namespace registered (another engine's workers, in
+// another group or none, do not count), and a connection joins one group,
+// before its caches.
+func TestPinLoadableOfAGroupCountsOnlyThatGroupsCaches(t *testing.T) {
+	ctx := context.Background()
+	f := newFixture(t, server.Config{})
+	other := f.dial(t) // another engine's worker, in no group
+	k := newCache(t, other)
+	k.store(t, "a", []uint32{0, 1}, rand.New(rand.NewPCG(1, 2)))
+	sched := f.dial(t)
+	ns, err := sched.Declare(ctx, geo)
+	if err != nil {
+		t.Fatal(err)
+	}
+	keys := [][]byte{[]byte("a")}
+	pin := func(group string) client.Pin {
+		t.Helper()
+		p, err := sched.PinLoadable(ctx, ns.ID, keys, 0, group)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if p.ID != 0 {
+			if _, err := sched.Unpin(ctx, p.ID); err != nil {
+				t.Fatal(err)
+			}
+		}
+		return p
+	}
+	if p := pin("engine-b"); !p.NoCache {
+		t.Fatalf("PinLoadable of group engine-b with only another engine's cache = %+v; want NoCache", p)
+	}
+	if p := pin(""); p.NoCache || !p.Held[0] {
+		t.Fatalf("PinLoadable of any group = %+v; want the key pinned", p)
+	}
+
+	worker := f.dial(t)
+	if err := worker.JoinGroup(ctx, "engine-b"); err != nil {
+		t.Fatal(err)
+	}
+	if err := worker.JoinGroup(ctx, "engine-b"); err != nil {
+		t.Fatalf("joining the same group again: %v", err)
+	}
+	var pe *protocol.Error
+	if err := worker.JoinGroup(ctx, "engine-c"); !errors.As(err, &pe) || pe.Code != protocol.CodeInvalid {
+		t.Fatalf("joining a second group: %v; want invalid argument", err)
+	}
+	wk := newCache(t, worker)
+	if p := pin("engine-b"); p.NoCache || !p.Held[0] {
+		t.Fatalf("PinLoadable of group engine-b with its worker's cache = %+v; want the key pinned", p)
+	}
+	if p := pin("engine-c"); !p.NoCache {
+		t.Fatalf("PinLoadable of group engine-c = %+v; want NoCache", p)
+	}
+	if err := worker.UnregisterCache(ctx, wk.id); err != nil {
+		t.Fatal(err)
+	}
+	if p := pin("engine-b"); !p.NoCache {
+		t.Fatalf("PinLoadable of group engine-b after its cache went = %+v; want NoCache", p)
+	}
+	if err := other.JoinGroup(ctx, "engine-c"); !errors.As(err, &pe) || pe.Code != protocol.CodeInUse {
+		t.Fatalf("joining a group with a cache registered: %v; want in use", err)
+	}
 }
 
 func TestPinErrors(t *testing.T) {

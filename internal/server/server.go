@@ -586,7 +586,7 @@ type Server struct {
 	// declaring it.
 	nsMu        sync.Mutex
 	nsRefs      map[engine.NamespaceID]int // sessions that declared it
-	nsCaches    map[engine.NamespaceID]int // caches registered in it, all sessions'
+	nsCaches    map[cacheGroup]int         // caches registered, all sessions', by namespace and group
 	nsDeclaring int                        // declarations in the engine's Declare
 	nsIdle      []engine.NamespaceID       // let go while nsDeclaring > 0
 }
@@ -708,21 +708,34 @@ func (s *Server) reserveLayers(p *peer, n int) error {
 	return nil
 }
 
-// countCache adds d (1 or -1) to the caches registered in namespace id.
-func (s *Server) countCache(id engine.NamespaceID, d int) {
+// cacheGroup is a namespace and a group of connections (Group): what
+// PinLoadable asks for. The group "" counts every connection's caches.
+type cacheGroup struct {
+	ns    engine.NamespaceID
+	group string
+}
+
+// countCache adds d (1 or -1) to the caches registered in namespace id by
+// a session of group (and to those of every group).
+func (s *Server) countCache(id engine.NamespaceID, group string, d int) {
 	s.nsMu.Lock()
 	defer s.nsMu.Unlock()
-	if s.nsCaches[id] += d; s.nsCaches[id] <= 0 {
-		delete(s.nsCaches, id)
+	for _, k := range []cacheGroup{{id, ""}, {id, group}} {
+		if s.nsCaches[k] += d; s.nsCaches[k] <= 0 {
+			delete(s.nsCaches, k)
+		}
+		if group == "" {
+			break
+		}
 	}
 }
 
-// hasCache reports whether a cache is registered in namespace id on any
-// connection (PinLoadable).
-func (s *Server) hasCache(id engine.NamespaceID) bool {
+// hasCache reports whether a cache is registered in namespace id on a
+// connection of group ("": any connection), for PinLoadable.
+func (s *Server) hasCache(id engine.NamespaceID, group string) bool {
 	s.nsMu.Lock()
 	defer s.nsMu.Unlock()
-	return s.nsCaches[id] > 0
+	return s.nsCaches[cacheGroup{id, group}] > 0
 }
 
 // releaseLayers gives back what reserveLayers counted.
@@ -744,7 +757,7 @@ func New(eng Engine, cfg Config) (*Server, error) {
 		eng: eng, cfg: cfg, log: cfg.Logger,
 		sessions: make(map[*session]struct{}), pending: make(map[*session]uint64),
 		changed: make(chan struct{}), nsRefs: make(map[engine.NamespaceID]int),
-		nsCaches: make(map[engine.NamespaceID]int), peers: make(map[int32]*peer),
+		nsCaches: make(map[cacheGroup]int), peers: make(map[int32]*peer),
 		devices: make([]deviceUse, cfg.Devices), started: time.Now(),
 	}
 	s.incoming.size, s.incoming.waiting = cfg.MaxIncomingBytes, &s.incomingWaiting

@@ -47,6 +47,7 @@ type cache struct {
 	// shrinkable are its distinct host regions whose file may be
 	// truncated by the client (MemoryShared), checked before each job.
 	shrinkable []*region.Host
+	group      string // the session's group when it was registered (PinLoadable)
 }
 
 // jobEntry is a job in flight.
@@ -87,6 +88,7 @@ type session struct {
 	regBytes   int64 // bytes of the regions, counted against the limits
 	namespaces map[uint32]*namespace
 	caches     map[uint32]*cache
+	group      string // the caches' group (Group); "" for none
 	nextID     uint32
 	pins       sessionPins // pins.go
 
@@ -334,6 +336,8 @@ func (s *session) handle(h protocol.Header, body []byte) bool {
 		reply, err = s.pin(m)
 	case *protocol.Unpin:
 		reply, err = s.unpin(m)
+	case *protocol.Group:
+		reply, err = s.joinGroup(m)
 	case *protocol.LookupTableRequest:
 		if s.srv.cfg.LookupTable == "" {
 			err = perr(protocol.CodeUnsupported, "this daemon keeps no shared lookup table (engine.lookup_table = false)")
@@ -673,9 +677,9 @@ func (s *session) registerCache(m *protocol.RegisterCache) (protocol.Message, er
 	for _, r := range regions {
 		s.regions[r].refs++
 	}
-	s.srv.countCache(ns.id, 1)
+	s.srv.countCache(ns.id, s.group, 1)
 	id := s.newID()
-	s.caches[id] = &cache{id: cid, ns: ns, regions: regions, numBlocks: minBlocks, shrinkable: shrinkable}
+	s.caches[id] = &cache{id: cid, ns: ns, regions: regions, numBlocks: minBlocks, shrinkable: shrinkable, group: s.group}
 	return &protocol.CacheRegistered{Cache: id}, nil
 }
 
@@ -694,7 +698,7 @@ func (s *session) unregisterCache(m *protocol.UnregisterCache) (protocol.Message
 		return nil, err
 	}
 	delete(s.caches, m.Cache)
-	s.srv.countCache(c.ns.id, -1)
+	s.srv.countCache(c.ns.id, c.group, -1)
 	s.srv.releaseLayers(s.peer, len(c.regions))
 	for _, r := range c.regions {
 		s.regions[r].refs--
@@ -1036,7 +1040,7 @@ func (s *session) release() {
 		if err := s.srv.eng.UnregisterCache(c.id); err != nil {
 			s.log.Warn("unregister cache", "err", err)
 		}
-		s.srv.countCache(c.ns.id, -1)
+		s.srv.countCache(c.ns.id, c.group, -1)
 		s.srv.releaseLayers(s.peer, len(c.regions))
 	}
 	s.caches = nil

@@ -115,14 +115,14 @@ def run_job(worker, job_id, store, kv_spec, gpu_spec):
     return got[0]
 
 
-def rank_process(socket, rank, conn):
+def rank_process(socket, rank, conn, engine_id):
     """One TP rank's worker in its own process (vLLM runs one per GPU): its
-    config carries its rank; it answers ("store"|"load", job, kv spec,
+    config carries its rank and its engine's id; it answers ("store"|"load", job, kv spec,
     blocks) with (success, transfer size, rows of the blocks) and "rows"
     with the rows of the blocks."""
     api = vllm_tree.load()
     unobserved().start()  # a process of its own (spawn): setUpModule did not run here
-    spec = api.OffloadingSpecFactory.create_spec(offloading_config(api, socket, tp=2, rank=rank))
+    spec = api.OffloadingSpecFactory.create_spec(offloading_config(api, socket, tp=2, rank=rank, engine_id=engine_id))
     caches, tensors, buf = canonical_caches(api, seed=100 + rank)
     worker = spec.get_worker(caches)
     conn.send(("ready", worker.namespaces))
@@ -536,9 +536,18 @@ class TestRealSpec(RealSpecCase):
         ma = self.manager(a)
         self.stored(a, ma, ks)
         ctx = api.ReqContext(req_id="ident")
-        mb = self.manager(self.spec(engine_id="engine-b"))
+        logs = d.LogRecords("vllm.kvhost")
+        self.addCleanup(logs.close)
+        b = self.spec(engine_id="engine-b")
+        mb = self.manager(b)
         other = self.manager(self.spec(model="mistralai/Mistral-7B-Instruct-v0.3"))
         tp2 = self.manager(self.spec(tp=2))
+        # Engine b's manager answers HIT for engine a's keys once a worker
+        # of engine b can load them: engine a's worker does not count.
+        self.assertEqual(self.settle(mb, ks[0], ctx), api.LookupResult.MISS)
+        self.assertEqual(logs.count("other engines' workers of this namespace are registered"), 1, logs.messages)
+        self.worker(b, seed=4)
+        d.wait_for(lambda: self.settle(mb, ks[0], ctx) == api.LookupResult.HIT, what="a HIT with engine b's worker")
         for k in ks:
             self.assertEqual(self.settle(mb, k, ctx), api.LookupResult.HIT)
             self.assertEqual(self.settle(other, k, ctx), api.LookupResult.MISS)
@@ -546,13 +555,13 @@ class TestRealSpec(RealSpecCase):
 
     def test_tp2_ranks_in_two_processes_hit_only_when_both_stored(self):
         api = self.api
-        spec = self.spec(tp=2)
+        spec = self.spec(tp=2, engine_id="engine-tp2")
         m = self.manager(spec)
         mp = multiprocessing.get_context("spawn")
         procs, conns = [], []
         for r in range(2):
             parent, child = mp.Pipe()
-            p = mp.Process(target=rank_process, args=(self.daemon.socket, r, child), daemon=True)
+            p = mp.Process(target=rank_process, args=(self.daemon.socket, r, child, "engine-tp2"), daemon=True)
             p.start()
             child.close()
             procs.append(p)
@@ -679,7 +688,7 @@ class TestRealSpecDaemonNotUpAtStart(RealSpecCase):
         for k in ks:
             self.assertEqual(self.settle(m, k, ctx), api.LookupResult.MISS)
         self.assertEqual(m.counters()["no_worker_keys"], len(ks))
-        self.assertEqual(logs.count("no worker of rank 0 has its KV cache registered"), 1, logs.messages)
+        self.assertEqual(logs.count("no worker of rank 0 of this engine has its KV cache registered"), 1, logs.messages)
 
         # A daemon that takes the worker: HITs, and the load runs.
         dm.halt()

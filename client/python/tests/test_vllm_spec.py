@@ -1150,8 +1150,11 @@ class TestIdentity(SpecCase):
         b_spec = self.spec(engine_id="engine-b")
         self.assertNotEqual(a.config.engine_id, b_spec.config.engine_id)
         b = self.manager(b_spec)
-        for k in ks:
-            self.answer(b, k, S.LookupResult.HIT)
+        # Engine a's worker does not load for engine b: no HIT until b's own.
+        self.answer(b, ks[0], S.LookupResult.MISS)
+        self.worker(b_spec, self.caches(seed=9)[0])
+        d.wait_for(lambda: answer_of(b, ks[0]) == S.LookupResult.HIT, what="a HIT with engine b's worker")
+        self.answer(b, ks[1], S.LookupResult.HIT)
 
     def test_the_namespace_option_adds_to_the_identity(self):
         ks = keys(1, "option")

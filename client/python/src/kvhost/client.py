@@ -841,23 +841,33 @@ class Client:
         pin_id, states = self._pin(p.T_PIN, ns, keys, lease_s)
         return pin_id, [s == p.PIN_HELD for s in states]
 
-    def pin_loadable(self, ns, keys, lease_s=0.0):
+    def pin_loadable(self, ns, keys, lease_s=0.0, group=""):
         """pin for a client whose loads go through other connections' caches
-        (a scheduler beside its workers): while no connection has a cache of
-        ns registered, the daemon pins nothing. Returns (pin id, [bool per
-        key: pinned], no_cache), no_cache True when no cache was registered.
-        A daemon older than the frame raises KvhostError (UnknownType)."""
-        pin_id, states = self._pin(p.T_PIN_LOADABLE, ns, keys, lease_s)
+        (a scheduler beside its workers): while no connection of group
+        (join_group; "" for any connection) has a cache of ns registered,
+        the daemon pins nothing. Returns (pin id, [bool per key: pinned],
+        no_cache), no_cache True when no such cache was registered. A daemon
+        older than the frame raises KvhostError (UnknownType)."""
+        pin_id, states = self._pin(p.T_PIN_LOADABLE, ns, keys, lease_s, p.group_str8(group, True))
         return pin_id, [s == p.PIN_HELD for s in states], any(s == p.PIN_NO_CACHE for s in states)
 
-    def _pin(self, ftype, ns, keys, lease_s):
+    def join_group(self, group):
+        """Puts this connection's caches in group (str or bytes, 1..64
+        bytes), which pin_loadable can name: one engine's workers join its
+        group, so that its scheduler's pins count only their caches. Once
+        per connection, before any register_cache. A daemon older than the
+        frame raises KvhostError (UnknownType)."""
+        self._call(p.T_GROUP, p.group_str8(group, False))
+
+    def _pin(self, ftype, ns, keys, lease_s, tail=b""):
         ns = ns.id if isinstance(ns, Namespace) else ns
         ms = int(round(lease_s * 1000))
         if lease_s > 0 and ms == 0:
             ms = 1
         if not 0 <= ms <= p.MAX_LEASE_MS:
             raise ValueError(f"lease {lease_s}s: want 0..{p.MAX_LEASE_MS // 1000}s")
-        _, body = self._call(ftype, p.pack("<II", (ns, ms), ("namespace", "lease")) + p.keys_body(keys), undo=self._unpin_late)
+        body = p.pack("<II", (ns, ms), ("namespace", "lease")) + p.keys_body(keys) + tail
+        _, body = self._call(ftype, body, undo=self._unpin_late)
         pin_id, n = struct.unpack_from("<QI", body)
         if n != len(keys):  # a body too short for n: the reader refused it (reply_problem)
             raise p.ProtocolError(f"pin reply for {n} keys to a pin of {len(keys)}")

@@ -42,6 +42,7 @@ T_UNPIN = 0x000F
 T_LOOKUP_TABLE = 0x0010
 T_PURGE = 0x0011
 T_PIN_LOADABLE = 0x0012
+T_GROUP = 0x0013
 T_REPLY = 0x8000
 T_ERROR = 0xFFFF
 T_COMPLETION = 0x4001
@@ -49,6 +50,7 @@ T_COMPLETION = 0x4001
 MAX_LEASE_MS = 24 * 60 * 60 * 1000
 PIN_MISSING, PIN_HELD = 0, 1
 PIN_NO_CACHE = 2  # PinLoadable: no cache of the namespace is registered
+MAX_GROUP_LEN = 64
 
 MEMORY_MEMFD = 1
 MEMORY_CUDA_IPC = 2
@@ -81,14 +83,15 @@ NAMES = {T_HELLO: "Hello", T_REGISTER_MEMORY: "RegisterMemory", T_UNREGISTER_MEM
          T_DECLARE: "Declare", T_REGISTER_CACHE: "RegisterCache", T_UNREGISTER_CACHE: "UnregisterCache",
          T_LOOKUP: "Lookup", T_STORE: "Store", T_LOAD: "Load", T_CANCEL: "Cancel", T_DELETE: "Delete",
          T_STATS: "Stats", T_UNDECLARE: "Undeclare", T_PIN: "Pin", T_UNPIN: "Unpin",
-         T_LOOKUP_TABLE: "LookupTable", T_PURGE: "Purge", T_PIN_LOADABLE: "PinLoadable"}
+         T_LOOKUP_TABLE: "LookupTable", T_PURGE: "Purge", T_PIN_LOADABLE: "PinLoadable",
+         T_GROUP: "Group"}
 
 # The fixed part of each reply's body (docs/protocol.md); a string after it
 # (str8 or str16) or per-key bytes (Pinned) are checked by reply_problem.
 _REPLY_SIZES = {T_HELLO: 33, T_REGISTER_MEMORY: 16, T_UNREGISTER_MEMORY: 0, T_DECLARE: 24,
                 T_REGISTER_CACHE: 4, T_UNREGISTER_CACHE: 0, T_LOOKUP: 4, T_STORE: 8, T_LOAD: 8,
                 T_CANCEL: 1, T_DELETE: 4, T_STATS: 132, T_UNDECLARE: 0, T_PIN: 12, T_UNPIN: 4,
-                T_LOOKUP_TABLE: 2, T_PURGE: 40, T_PIN_LOADABLE: 12}
+                T_LOOKUP_TABLE: 2, T_PURGE: 40, T_PIN_LOADABLE: 12, T_GROUP: 0}
 
 
 def reply_problem(asked, ftype, body):
@@ -199,6 +202,15 @@ def register_memory(kind, size, device=0, offset=0, handle=b""):
     if len(handle) != 64:
         raise ValueError("a CUDA IPC handle is 64 bytes")
     return pack("<B3xIQQ", (kind, device, size, offset), ("kind", "device", "size", "offset")) + handle
+
+
+def group_str8(group, empty_ok):
+    """A group name (Group, PinLoadable) as a str8: str (UTF-8) or bytes,
+    at most MAX_GROUP_LEN bytes (1.. unless empty_ok)."""
+    b = group.encode() if isinstance(group, str) else bytes(group)
+    if len(b) > MAX_GROUP_LEN or (not b and not empty_ok):
+        raise ValueError(f"group of {len(b)} bytes: want {0 if empty_ok else 1}..{MAX_GROUP_LEN}")
+    return bytes([len(b)]) + b
 
 
 def model_str8(model):

@@ -87,6 +87,7 @@ class SpecManager(Reconnects):
         # namespaces it answered had none, for one log line per outage.
         self._loadable = True
         self._no_worker = set()
+        self._group = sc.engine_group(config)  # this engine's workers' (the daemon's Group)
         self.namespaces = {(r, g): sc.geometry(sc.describe(self._ident, g, r)).model
                            for r in range(self._tp) for g in range(len(self._groups))}
         try:
@@ -331,7 +332,7 @@ class SpecManager(Reconnects):
         instead. A daemon older than PinLoadable gets plain pins."""
         if self._loadable:
             try:
-                pin_id, ok, no_cache = client.pin_loadable(ns, keys, lease)
+                pin_id, ok, no_cache = client.pin_loadable(ns, keys, lease, self._group)
             except KvhostError as e:
                 if e.code != p.CODE_UNKNOWN_TYPE:
                     raise
@@ -348,14 +349,35 @@ class SpecManager(Reconnects):
                         first = where in self._no_worker
                         self._no_worker.discard(where)
                 if first and no_cache:
-                    log.warning("kvhost spec: no worker of rank %d has its KV cache registered with the daemon "
-                                "(namespace %s): lookups answer MISS, vLLM recomputes; a worker the daemon "
-                                "refused says why in its log", where[0], self.namespaces[where])
+                    log.warning("kvhost spec: no worker of rank %d of this engine has its KV cache registered "
+                                "with the daemon (namespace %s%s): lookups answer MISS, vLLM recomputes; %s",
+                                where[0], self.namespaces[where],
+                                f", engine {self._group}" if self._group else "",
+                                self._why_no_worker(client, ns, keys[:1]))
                 elif first:
                     log.info("kvhost spec: the rank %d worker's KV cache is registered with the daemon again",
                              where[0])
                 return pin_id, ok
         return client.pin(ns, keys, lease)
+
+    def _why_no_worker(self, client, ns, probe):
+        """What to tell an operator whose workers the daemon does not count:
+        whether another engine's workers are registered in the namespace
+        (then this engine's joined no group or another one: its workers
+        and scheduler disagree on vLLM's engine_id)."""
+        hint = "a worker the daemon refused says why in its log"
+        if not self._group:
+            return hint
+        try:
+            pin_id, _, no_cache = client.pin_loadable(ns, probe, 0, "")
+            if pin_id:
+                client.unpin(pin_id)
+        except Exception:
+            return hint
+        if no_cache:
+            return hint
+        return ("other engines' workers of this namespace are registered, not this engine's: its workers "
+                "and scheduler disagree on vLLM's engine_id, or " + hint)
 
     def _touch(self, keys):
         try:

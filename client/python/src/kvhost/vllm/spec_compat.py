@@ -20,6 +20,7 @@ model's KV to another.
 import collections.abc
 import dataclasses
 import enum
+import hashlib
 import importlib
 import importlib.util
 import types
@@ -296,6 +297,19 @@ def identity(config, opts):
                          layout=opts.get("page_layout"))
     ident["page_bytes"] = page_bytes(config, opts)
     return ident
+
+
+def engine_group(config):
+    """The daemon group (Group, PinLoadable) of this engine's workers:
+    vLLM's engine_id, the same in the scheduler and every worker of one
+    engine and distinct per data-parallel rank; its SHA-256 in hex where
+    it is longer than a group may be. "" (any engine's workers) for a
+    vLLM whose OffloadingConfig has none."""
+    eid = getattr(config, "engine_id", None)
+    if not isinstance(eid, str) or not eid:
+        return ""
+    b = eid.encode()
+    return eid if len(b) <= p.MAX_GROUP_LEN else hashlib.sha256(b).hexdigest()
 
 
 def groups(ident):

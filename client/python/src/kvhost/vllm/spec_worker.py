@@ -195,6 +195,7 @@ class SpecWorker(Reconnects):
         self._opts = o = opts or sc.options(config)
         self._ident = ident or sc.identity(config, o)
         self._bpc = sc.chunk_blocks(self._ident)
+        self._group = sc.engine_group(config)  # the daemon Group the manager's pins name
         page = self._ident["page_bytes"]
         entries = list(getattr(kv_caches, "tensors", None) or [])
         if not entries:
@@ -320,6 +321,7 @@ class SpecWorker(Reconnects):
         client = open_client(o["socket"], f"{o['client_name']}-worker{self.rank}", o["request_timeout_s"])
         regions, caches, names = {}, [], []
         try:
+            self._join_group(client)
             for g, planes in enumerate(self._layer_planes):
                 geo = sc.geometry(sc.describe(self._ident, g, self.shard))
                 ns = client.declare(geo)
@@ -335,6 +337,19 @@ class SpecWorker(Reconnects):
             absent_if_stopping(e, o["socket"])
             raise
         return client, regions, caches, names
+
+    def _join_group(self, client):
+        """Joins this engine's group (vLLM's engine_id) before registering
+        caches: the manager's pins count only its own engine's workers. A
+        daemon older than groups pins for any connection's caches, or
+        plainly, and is left at that."""
+        if not self._group:
+            return
+        try:
+            client.join_group(self._group)
+        except KvhostError as e:
+            if e.code != p.CODE_UNKNOWN_TYPE:
+                raise
 
     @staticmethod
     def _check_layer(t, page, ti, within=0):
