@@ -17,6 +17,25 @@ import (
 	"github.com/kvhost/kvhost/internal/testsock"
 )
 
+// dialingCommand is a command that dials the daemon's socket, with the
+// arguments it needs besides --socket.
+type dialingCommand struct {
+	name  string
+	run   func(ctx context.Context, args []string, stdout, stderr io.Writer) int
+	extra []string
+}
+
+// dialingCommands are the commands that dial the daemon: stats, health,
+// purge and reload.
+func dialingCommands() []dialingCommand {
+	return []dialingCommand{
+		{"stats", runStats, nil},
+		{"health", runHealth, nil},
+		{"purge", runPurge, []string{"--model", "m"}},
+		{"reload", runReload, nil},
+	}
+}
+
 // TestEveryCommandThatDialsSaysWhatToDoWhenNoDaemonAnswers: stats,
 // health, purge and reload, given a socket where no daemon listens (no
 // file there; a socket file nobody listens on), exit 1 with one wording:
@@ -32,16 +51,7 @@ func TestEveryCommandThatDialsSaysWhatToDoWhenNoDaemonAnswers(t *testing.T) {
 	}
 	l.SetUnlinkOnClose(false)
 	l.Close() // the file stays; connecting is refused
-	cmds := []struct {
-		name  string
-		run   func(ctx context.Context, args []string, stdout, stderr io.Writer) int
-		extra []string
-	}{
-		{"stats", runStats, nil},
-		{"health", runHealth, nil},
-		{"purge", runPurge, []string{"--model", "m"}},
-		{"reload", runReload, nil},
-	}
+	cmds := dialingCommands()
 	for _, sock := range []struct {
 		name, path, errno string
 	}{
@@ -122,16 +132,7 @@ func TestEveryCommandThatDialsSaysItsTimeoutPassed(t *testing.T) {
 			go func() { io.Copy(io.Discard, c); c.Close() }()
 		}
 	}()
-	for _, c := range []struct {
-		name  string
-		run   func(ctx context.Context, args []string, stdout, stderr io.Writer) int
-		extra []string
-	}{
-		{"stats", runStats, nil},
-		{"health", runHealth, nil},
-		{"purge", runPurge, []string{"--model", "m"}},
-		{"reload", runReload, nil},
-	} {
+	for _, c := range dialingCommands() {
 		t.Run(c.name, func(t *testing.T) {
 			var out, errb bytes.Buffer
 			if code := c.run(t.Context(), append([]string{"--socket", sock, "--timeout", "50ms"}, c.extra...), &out, &errb); code != 1 {
@@ -152,16 +153,7 @@ func TestEveryCommandThatDialsSaysItsTimeoutPassed(t *testing.T) {
 // way around it.
 func TestEveryCommandThatDialsRefusesASocketPathTooLong(t *testing.T) {
 	long := "/tmp/" + strings.Repeat("d", config.MaxSocketPath) + "/kvhost.sock"
-	for _, c := range []struct {
-		name  string
-		run   func(ctx context.Context, args []string, stdout, stderr io.Writer) int
-		extra []string
-	}{
-		{"stats", runStats, nil},
-		{"health", runHealth, nil},
-		{"purge", runPurge, []string{"--model", "m"}},
-		{"reload", runReload, nil},
-	} {
+	for _, c := range dialingCommands() {
 		t.Run(c.name, func(t *testing.T) {
 			var out, errb bytes.Buffer
 			if code := c.run(t.Context(), append([]string{"--socket", long}, c.extra...), &out, &errb); code != 1 {
