@@ -1633,6 +1633,35 @@ class TestPinLoadable(SpecCase):
         d.wait_for(lambda: answer_of(m, ks[0]) == S.LookupResult.HIT, what="a HIT with a worker back")
         self.answer(m, ks[1], S.LookupResult.HIT)
 
+    def test_a_key_answered_miss_for_no_worker_is_not_reported_removed(self):
+        """A key this manager stored and that the daemon still holds answers
+        MISS while no worker's cache is registered: no event says it was
+        removed (a KV-cache-aware router would stop sending its requests
+        here), and it answers HIT again once a worker is back."""
+        spec = self.spec(miss_ttl_s=0.05)
+        m = self.manager(spec)
+        caches, _ = self.caches()
+        w = self.worker(spec, caches)
+        k = keys(1, "no-worker-event")[0]
+        self.store(m, w, [k], [0])
+        self.assertEqual([e.removed for e in m.take_events()], [False])
+        w.shutdown()
+        self.answer(m, k, S.LookupResult.MISS)
+        self.assertEqual(m.counters()["no_worker_keys"], 1)
+        self.assertEqual([e.removed for e in m.take_events()], [], "a stored key reported removed")
+        self.worker(spec, self.caches(seed=2)[0])
+        d.wait_for(lambda: answer_of(m, k) == S.LookupResult.HIT, what="a HIT with a worker back")
+
+    def test_no_worker_keys_counts_each_key_once_whatever_the_ranks(self):
+        """With tensor parallelism no rank's worker is registered: each key
+        answered MISS for it counts once in no_worker_keys, not once per
+        rank's namespace."""
+        m = self.manager(self.spec(tp=2, miss_ttl_s=60))
+        ks = keys(3, "no-worker-tp")
+        for k in ks:
+            self.answer(m, k, S.LookupResult.MISS)
+        self.assertEqual(m.counters()["no_worker_keys"], len(ks))
+
 
 @unittest.skipUnless(HAVE_TORCH, "torch is not installed")
 class TestDaemonPins(SpecCase):

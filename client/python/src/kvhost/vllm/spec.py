@@ -251,6 +251,7 @@ class SpecManager(Reconnects):
     def _pin_round(self, keys, lease):
         t0 = time.monotonic()
         pins, held, answered = [], dict.fromkeys(keys, True), True
+        no_worker = set()  # keys some rank's namespace had no worker's cache for
         with self._lock:
             client, nss = self._client, self._ns
             # Keys being loaded were answered HIT already: their pins
@@ -268,7 +269,9 @@ class SpecManager(Reconnects):
                             if repin:
                                 pin_id, ok = client.pin(ns, dkeys, lease)
                             else:
-                                pin_id, ok = self._pin_loadable(client, ns, (r, g), dkeys, lease)
+                                pin_id, ok, none = self._pin_loadable(client, ns, (r, g), dkeys, lease)
+                                if none:
+                                    no_worker.update(chunk)
                             if pin_id:
                                 pins.append(pin_id)
                             for k, h in zip(chunk, ok):
@@ -299,6 +302,8 @@ class SpecManager(Reconnects):
             batch = _PinBatch(pins, {k for k, h in held.items() if h})
             s = self._stats
             s["daemon_pins"] += len(pins)
+            if answered and no_worker:
+                s["no_worker_keys"] += len(no_worker)  # once per key, whatever the ranks
             for k, h in held.items():
                 if k in again:
                     continue  # still pending, queued again
@@ -313,7 +318,9 @@ class SpecManager(Reconnects):
                 else:
                     self._missing[k] = now + self._opts["miss_ttl_s"]
                     s["missing_keys"] += 1
-                    if answered and self._stored_at.pop(k, None) is not None:
+                    # A key no worker could load was not looked up: it
+                    # may well be stored still, and no event says otherwise.
+                    if answered and k not in no_worker and self._stored_at.pop(k, None) is not None:
                         # Stored by this manager, gone now (evicted): tell vLLM.
                         self._event_locked([k], removed=True)
             if not batch.refs:
@@ -329,7 +336,9 @@ class SpecManager(Reconnects):
         load no worker can run would fail it, and vLLM's worker asserts on
         a failed load. A worker the daemon refused (its tensors over
         max_registered_bytes, say) registers none, and vLLM recomputes
-        instead. A daemon older than PinLoadable gets plain pins."""
+        instead. A daemon older than PinLoadable gets plain pins. Returns
+        (pin id, [bool per key: pinned], whether no worker's cache was
+        registered)."""
         if self._loadable:
             try:
                 pin_id, ok, no_cache = client.pin_loadable(ns, keys, lease, self._group)
@@ -342,7 +351,6 @@ class SpecManager(Reconnects):
             else:
                 with self._lock:
                     if no_cache:
-                        self._stats["no_worker_keys"] += len(keys)
                         first = where not in self._no_worker
                         self._no_worker.add(where)
                     else:
@@ -357,8 +365,8 @@ class SpecManager(Reconnects):
                 elif first:
                     log.info("kvhost spec: the rank %d worker's KV cache is registered with the daemon again",
                              where[0])
-                return pin_id, ok
-        return client.pin(ns, keys, lease)
+                return pin_id, ok, no_cache
+        return (*client.pin(ns, keys, lease), False)
 
     def _why_no_worker(self, client, ns, probe):
         """What to tell an operator whose workers the daemon does not count:
