@@ -1662,6 +1662,38 @@ class TestPinLoadable(SpecCase):
             self.answer(m, k, S.LookupResult.MISS)
         self.assertEqual(m.counters()["no_worker_keys"], len(ks))
 
+    def test_a_restart_warns_of_no_worker_only_if_it_stays_away(self):
+        """After a daemon restart the manager connects before the worker,
+        which connects again at vLLM's next step: lookups in between answer
+        MISS without a warning that a worker was refused. A worker that
+        stays away load_retry_s past the first such answer is warned of."""
+        logs = d.LogRecords("vllm.kvhost")
+        self.addCleanup(logs.close)
+        spec = self.spec(miss_ttl_s=0.05, reconnect_s=0.05, load_retry_s=0.5)
+        m = self.manager(spec)
+        caches, _ = self.caches()
+        w = self.worker(spec, caches)
+        ks = keys(2, "restart-window")
+        self.store(m, w, ks, [0, 1])
+        self.answer(m, ks[0], S.LookupResult.HIT)
+        self.daemon.halt(signal.SIGTERM)
+        try:
+            d.wait_for(lambda: m.lookup(ks[0], CTX) == S.LookupResult.MISS, what="the manager to see the daemon gone")
+        finally:
+            self.daemon.start_again()
+        d.wait_for(lambda: m.counters().get("reconnects") == 1, what="the manager to connect again")
+        self.answer(m, ks[1], S.LookupResult.MISS)
+        self.assertEqual(m.counters()["no_worker_keys"], 1)
+        d.wait_for(lambda: not list(w.get_finished()) and w.counters()["connected"],
+                   what="the worker to connect again")
+        d.wait_for(lambda: answer_of(m, ks[1]) == S.LookupResult.HIT, what="a HIT once the worker is back")
+        self.assertEqual(logs.count("no worker of rank"), 0, logs.messages)
+        self.assertEqual(logs.count("registered with the daemon again"), 0, logs.messages)
+
+        w.shutdown()  # and it does not come back
+        d.wait_for(lambda: answer_of(m, ks[0]) == S.LookupResult.MISS and logs.count("no worker of rank") == 1,
+                   what="the warning once the worker stayed away")
+
 
 @unittest.skipUnless(HAVE_TORCH, "torch is not installed")
 class TestDaemonPins(SpecCase):

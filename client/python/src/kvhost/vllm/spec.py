@@ -83,10 +83,12 @@ class SpecManager(Reconnects):
         self._closing = False
         self._reconnectors = []      # threads connecting again (shutdown joins them)
         # Pins ask the daemon for a worker's cache in their namespace
-        # (PinLoadable) unless it is older than that frame; the
-        # namespaces it answered had none, for one log line per outage.
+        # (PinLoadable) unless it is older than that frame. _no_worker:
+        # (rank, group) -> when the daemon first answered it had none,
+        # _had_worker: those it answered had one since start, _warned:
+        # those the outage was logged for (one line per outage).
         self._loadable = True
-        self._no_worker = set()
+        self._no_worker, self._had_worker, self._warned = {}, set(), set()
         self._group = sc.engine_group(config)  # this engine's workers' (the daemon's Group)
         self.namespaces = {(r, g): sc.geometry(sc.describe(self._ident, g, r)).model
                            for r in range(self._tp) for g in range(len(self._groups))}
@@ -349,13 +351,23 @@ class SpecManager(Reconnects):
                 log.warning("kvhost spec: this daemon does not know PinLoadable: lookups answer HIT "
                             "without knowing that a worker can load them; upgrade the daemon")
             else:
+                now = time.monotonic()
                 with self._lock:
                     if no_cache:
-                        first = where not in self._no_worker
-                        self._no_worker.add(where)
+                        # A worker that had its cache registered comes
+                        # back at vLLM's next step after a daemon restart
+                        # (the manager often connects first): warned of
+                        # only once it stays away load_retry_s.
+                        since = self._no_worker.setdefault(where, now)
+                        first = where not in self._warned and (
+                            where not in self._had_worker or now - since >= self._opts["load_retry_s"])
+                        if first:
+                            self._warned.add(where)
                     else:
-                        first = where in self._no_worker
-                        self._no_worker.discard(where)
+                        first = where in self._warned
+                        self._warned.discard(where)
+                        self._no_worker.pop(where, None)
+                        self._had_worker.add(where)
                 if first and no_cache:
                     log.warning("kvhost spec: no worker of rank %d of this engine has its KV cache registered "
                                 "with the daemon (namespace %s%s): lookups answer MISS, vLLM recomputes; %s",
