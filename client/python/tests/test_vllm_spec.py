@@ -1662,6 +1662,27 @@ class TestPinLoadable(SpecCase):
             self.answer(m, k, S.LookupResult.MISS)
         self.assertEqual(m.counters()["no_worker_keys"], len(ks))
 
+    def test_stores_are_refused_while_no_worker_could_run_them(self):
+        """A store handed out while the daemon has no worker's cache would
+        move nothing and still tell vLLM (stored events) that it had:
+        prepare_store answers None once a pin round found no worker, and
+        stores again once one found the worker back."""
+        spec = self.spec(miss_ttl_s=0.05)
+        m = self.manager(spec)
+        caches, _ = self.caches()
+        w = self.worker(spec, caches)
+        ks = keys(3, "no-worker-store")
+        self.store(m, w, ks[:1], [0])
+        w.shutdown()
+        self.answer(m, ks[0], S.LookupResult.MISS)
+        refused = m.counters().get("store_refused", 0)
+        self.assertIsNone(m.prepare_store(ks[1:2], CTX))
+        self.assertEqual(m.counters()["store_refused"], refused + 1)
+        w2 = self.worker(spec, self.caches(seed=3)[0])
+        d.wait_for(lambda: answer_of(m, ks[0]) == S.LookupResult.HIT, what="a HIT with a worker back")
+        self.store(m, w2, ks[2:], [1])
+        self.answer(m, ks[2], S.LookupResult.HIT)
+
     def test_a_restart_warns_of_no_worker_only_if_it_stays_away(self):
         """After a daemon restart the manager connects before the worker,
         which connects again at vLLM's next step: lookups in between answer

@@ -471,13 +471,17 @@ class SpecManager(Reconnects):
         """PrepareStoreOutput with the keys to store (input order kept; keys
         pinned, being stored or stored within stored_ttl_s are left out), or
         None when the daemon cannot take stores now (connection lost, shut
-        down, or max_store_keys_inflight keys already being stored)."""
+        down, no worker's cache registered in a namespace of the keys at the
+        last pin round there, or max_store_keys_inflight keys already being
+        stored)."""
         keys = [bytes(k) for k in keys]
         now = time.monotonic()
         with self._lock:
             if self._broken is None and not self._client.connected():
                 self._lost_locked(self._client, "the daemon closed the connection")
-            if self._broken is not None or self._closing:
+            if self._broken is not None or self._closing or self._no_worker_for_locked(keys):
+                # Without a worker the store would move nothing, and vLLM
+                # would be told (stored events) that it had.
                 self._stats["store_refused"] += 1
                 return None
             if sum(self._storing.values()) + len(keys) > self._opts["max_store_keys_inflight"]:
@@ -498,6 +502,14 @@ class SpecManager(Reconnects):
             self._stats["store_keys_skipped"] += len(keys) - len(out)
         spec = sc.KvhostLoadStoreSpec([sc.daemon_key(k) for k in out], [sc.key_group(k) for k in out])
         return self._api.PrepareStoreOutput(keys_to_store=out, store_spec=spec, evicted_keys=[])
+
+    def _no_worker_for_locked(self, keys):
+        """Whether the daemon answered, at the last pin round of a
+        namespace of keys, that no worker's cache was registered there."""
+        if not self._no_worker:
+            return False
+        groups = {g if g < len(self._groups) else 0 for g in map(sc.key_group, keys)}
+        return any((r, g) in self._no_worker for r in range(self._tp) for g in groups)
 
     def complete_store(self, keys, req_context=None, success=True):
         """The workers have stored keys (success) or not."""
