@@ -105,8 +105,17 @@ func fuzzSeeds() [][]byte {
 	seq = protocol.AppendFrame(seq, 16, &protocol.UnregisterCache{Cache: 3})
 	seq = protocol.AppendFrame(seq, 17, &protocol.UnregisterMemory{Region: 1})
 	seq = protocol.AppendFrame(seq, 18, &protocol.Undeclare{NS: 2})
+	var pins []byte
+	pins = protocol.AppendFrame(pins, 20, &protocol.Pin{NS: 2, LeaseMillis: 1000, Keys: key})
+	pins = protocol.AppendFrame(pins, 21, &protocol.Pin{NS: 2, Keys: key, Loadable: true, Group: "g"})
+	pins = protocol.AppendFrame(pins, 22, &protocol.Group{Name: "g"})
+	pins = protocol.AppendFrame(pins, 23, &protocol.Pin{NS: 2, Keys: key, Loadable: true})
+	pins = protocol.AppendFrame(pins, 24, &protocol.Unpin{Pin: 1})
+	pins = protocol.AppendFrame(pins, 25, &protocol.UnregisterCache{Cache: 3})
+	pins = protocol.AppendFrame(pins, 26, &protocol.Pin{NS: 2, Keys: key, Loadable: true, Group: "g"})
 	return [][]byte{
 		seq,
+		pins,
 		protocol.AppendFrame(nil, 1, &protocol.RegisterMemory{Kind: protocol.MemoryMemfd, Size: 4096}),
 		protocol.AppendFrame(nil, 1, &protocol.RegisterMemory{Kind: protocol.MemoryCUDAIPC, Size: 4096}),
 		protocol.AppendFrame(nil, 1, &protocol.Hello{Version: 1}),
