@@ -493,6 +493,10 @@ func (k *hostileClient) setup(h *hostileConn) bool {
 	return k.registerCache(h, g) == nil
 }
 
+// hostileGroups are the groups the hostile clients' caches join and their
+// PinLoadables name ("": any connection's caches).
+var hostileGroups = []string{"", "engine-a", "engine-b"}
+
 // registerCache registers a cache of hostileGeos[g], which h declared,
 // in h's regions.
 func (k *hostileClient) registerCache(h *hostileConn, g int) error {
@@ -621,10 +625,15 @@ func (k *hostileClient) request(h *hostileConn) error {
 				m, err = h.call(&protocol.Undeclare{NS: id})
 			}
 		}
-	case 7, 8: // register a cache
+	case 7, 8: // register a cache, at times joining a group first (refused once the connection has caches)
 		g := k.rng.IntN(len(hostileGeos))
 		if _, ok := h.ns[g]; !ok || len(h.regions) == 0 {
 			break
+		}
+		if k.rng.IntN(3) == 0 {
+			if m, err = h.call(&protocol.Group{Name: hostileGroups[1+k.rng.IntN(len(hostileGroups)-1)]}); err != nil {
+				break
+			}
 		}
 		err = k.registerCache(h, g)
 	case 9: // unregister a cache
@@ -678,7 +687,11 @@ func (k *hostileClient) request(h *hostileConn) error {
 			n = protocol.MaxKeysPerRequest - k.rng.IntN(64)
 		}
 		leases := []uint32{0, 0, 1, 20, 3600_000}
-		m, err = h.call(&protocol.Pin{NS: id, LeaseMillis: leases[k.rng.IntN(len(leases))], Keys: k.keys(n, true)})
+		pin := &protocol.Pin{NS: id, LeaseMillis: leases[k.rng.IntN(len(leases))], Keys: k.keys(n, true)}
+		if k.rng.IntN(3) == 0 { // only where a cache of a group is registered
+			pin.Loadable, pin.Group = true, hostileGroups[k.rng.IntN(len(hostileGroups))]
+		}
+		m, err = h.call(pin)
 		if p, ok := m.(*protocol.Pinned); ok && p.Pin != 0 {
 			h.pins = append(h.pins, p.Pin)
 			k.tally.pins.Add(1)

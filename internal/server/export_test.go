@@ -38,6 +38,7 @@ type Accounts struct {
 	NamespacesIdle int // declarations in the engine, and namespaces let go meanwhile
 	PinLeases      int // pin charges waiting for the end of their lease
 	IncomingQueued int // frames queued for the room of all connections
+	CacheGroups    int // namespaces and groups with caches counted (PinLoadable)
 }
 
 // Accounts returns what s holds.
@@ -49,6 +50,7 @@ func (s *Server) Accounts() Accounts {
 	s.nsMu.Lock()
 	a.NamespaceRefs = len(s.nsRefs)
 	a.NamespacesIdle = len(s.nsIdle) + s.nsDeclaring
+	a.CacheGroups = len(s.nsCaches)
 	s.nsMu.Unlock()
 	s.pinMu.Lock()
 	a.PinLeases = len(s.pinLeases)
