@@ -781,6 +781,10 @@ type NamespaceStats struct {
 	Files    uint64
 	Keys     uint64
 	Bytes    uint64 // the files' bytes, headers included
+	// Caches counts the caches registered in the namespace on all
+	// connections (a vLLM engine's workers), from the caches section; 0
+	// from a daemon that predates it.
+	Caches uint32
 }
 
 // MountFailure is one mount's refusal of stores (host/engine.StoreFailure):
@@ -971,7 +975,8 @@ func (m *Stats) fields() []*uint64 {
 // Namespaces is set (after the mount-failures section only): u32 count (at
 // most MaxStatsNamespaces) | u64 left out | per namespace: u64
 // fingerprint, u64 files, u64 keys, u64 bytes, u8 declared, 7 × 0, str8
-// model.
+// model | the caches section (after the namespaces section only): u32
+// count (that of the namespaces) | per namespace: u32 caches.
 func (m *Stats) AppendBody(b []byte) []byte {
 	for _, p := range m.fields() {
 		b = appendU64(b, *p)
@@ -1106,21 +1111,28 @@ func (m *Stats) DecodeBody(b []byte) error {
 	}
 	if d.err == nil && len(d.b) > 0 && m.StoresFailing != nil {
 		m.Namespaces = decodeNamespaces(&d)
+		if d.err == nil && len(d.b) > 0 {
+			decodeCaches(&d, m.Namespaces)
+		}
 	}
-	// Bytes after the namespaces section are sections of a later daemon,
+	// Bytes after the caches section are sections of a later daemon,
 	// which this client does not know: ignored, so that growing the reply
 	// never breaks a client (the sections before it are strict).
 	return d.err
 }
 
 // EmptyNamespacesBytes is the encoded size of a namespaces section that
-// lists none: its count and its left-out count.
-const EmptyNamespacesBytes = 4 + 8
+// lists none, with the caches section after it: their counts and the
+// left-out count.
+const EmptyNamespacesBytes = 4 + 8 + 4
 
 // NamespaceBytes is the encoded size of one namespace in a Stats reply's
-// namespaces section.
-func NamespaceBytes(ns NamespaceStats) int { return 5*8 + 1 + min(len(ns.Model), MaxModelLen) }
+// namespaces section and caches section.
+func NamespaceBytes(ns NamespaceStats) int { return 5*8 + 1 + min(len(ns.Model), MaxModelLen) + 4 }
 
+// appendNamespaces encodes the namespaces section and, after it, the
+// caches section: u32 count (that of the namespaces listed) | per
+// namespace: u32 caches.
 func appendNamespaces(b []byte, nl *NamespaceList) []byte {
 	list := nl.List[:min(len(nl.List), MaxStatsNamespaces)]
 	b = appendU64(appendU32(b, uint32(len(list))), nl.LeftOut+uint64(len(nl.List)-len(list)))
@@ -1129,7 +1141,24 @@ func appendNamespaces(b []byte, nl *NamespaceList) []byte {
 		b = append(b, boolByte(ns.Declared), 0, 0, 0, 0, 0, 0, 0)
 		b = appendStr8(b, ns.Model, MaxModelLen)
 	}
+	b = appendU32(b, uint32(len(list)))
+	for _, ns := range list {
+		b = appendU32(b, ns.Caches)
+	}
 	return b
+}
+
+// decodeCaches decodes the caches section into nl's namespaces (a reply
+// of a daemon that predates it ends before it).
+func decodeCaches(d *decoder, nl *NamespaceList) {
+	n := int(d.u32("caches count"))
+	if d.err == nil && n != len(nl.List) {
+		d.fail("caches section of %d namespaces after %d listed", n, len(nl.List))
+		return
+	}
+	for i := 0; d.err == nil && i < n; i++ {
+		nl.List[i].Caches = d.u32("namespace caches")
+	}
 }
 
 func decodeNamespaces(d *decoder) *NamespaceList {

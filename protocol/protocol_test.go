@@ -59,7 +59,7 @@ func sampleMessages() []Message {
 		&Stats{Mounts: []MountStats{{Capacity: 10}}, Daemon: &DaemonStats{Mounts: []MountInfo{{}}}, Spares: &SpareStats{Mounts: []SpareMount{{}}},
 			Tiering: &TierStats{Mounts: []TierMount{{}}}, StoresFailing: []MountFailure{{}},
 			Namespaces: &NamespaceList{LeftOut: 3, List: []NamespaceStats{
-				{Fingerprint: 0xfeed, Model: "vllm:meta-llama/Llama-3.1-8B:0123456789abcdef", Declared: true, Files: 2, Keys: 32, Bytes: 64 << 20},
+				{Fingerprint: 0xfeed, Model: "vllm:meta-llama/Llama-3.1-8B:0123456789abcdef", Declared: true, Files: 2, Keys: 32, Bytes: 64 << 20, Caches: 2},
 				{Fingerprint: 1, Files: 1, Keys: 1, Bytes: 4096}}}},
 		&Stats{Mounts: []MountStats{{}}, Daemon: &DaemonStats{Mounts: []MountInfo{{}}}, Spares: &SpareStats{Mounts: []SpareMount{{}}},
 			Tiering: &TierStats{Mounts: []TierMount{{}}}, StoresFailing: []MountFailure{{}}, Namespaces: &NamespaceList{}},
@@ -182,12 +182,23 @@ func TestRejects(t *testing.T) {
 		{"stats namespaces section cut short", TypeStats | TypeReply, func() []byte {
 			b := body(&Stats{Daemon: &DaemonStats{}, Spares: &SpareStats{}, Tiering: &TierStats{}, StoresFailing: []MountFailure{},
 				Namespaces: &NamespaceList{List: []NamespaceStats{{Model: "m"}}}})
+			return b[:len(b)-8-1] // into the model, before the caches section
+		}()},
+		{"stats caches section cut short", TypeStats | TypeReply, func() []byte {
+			b := body(&Stats{Daemon: &DaemonStats{}, Spares: &SpareStats{}, Tiering: &TierStats{}, StoresFailing: []MountFailure{},
+				Namespaces: &NamespaceList{List: []NamespaceStats{{Model: "m", Caches: 1}}}})
 			return b[:len(b)-1]
+		}()},
+		{"stats caches section of another count", TypeStats | TypeReply, func() []byte {
+			b := body(&Stats{Daemon: &DaemonStats{}, Spares: &SpareStats{}, Tiering: &TierStats{}, StoresFailing: []MountFailure{},
+				Namespaces: &NamespaceList{List: []NamespaceStats{{Model: "m", Caches: 1}}}})
+			b[len(b)-8] = 2 // the caches count, before the one namespace's u32
+			return b
 		}()},
 		{"stats namespace declared 2", TypeStats | TypeReply, func() []byte {
 			b := body(&Stats{Daemon: &DaemonStats{}, Spares: &SpareStats{}, Tiering: &TierStats{}, StoresFailing: []MountFailure{},
 				Namespaces: &NamespaceList{List: []NamespaceStats{{}}}})
-			b[len(b)-1-8] = 2 // the declared byte, before 7 zeros and the empty model
+			b[len(b)-1-8-8] = 2 // the declared byte, before 7 zeros, the empty model and the caches section
 			return b
 		}()},
 		{"stats daemon fallback 2", TypeStats | TypeReply, func() []byte {
@@ -210,7 +221,7 @@ func TestRejects(t *testing.T) {
 }
 
 // TestStatsIgnoresSectionsItDoesNotKnow: bytes after the last section it
-// knows (namespaces; a later daemon's sections) are ignored, and
+// knows (caches; a later daemon's sections) are ignored, and
 // everything before them decodes as before.
 func TestStatsIgnoresSectionsItDoesNotKnow(t *testing.T) {
 	want := &Stats{Clients: 2, Mounts: []MountStats{{Capacity: 10}}, Daemon: &DaemonStats{Policy: "lru", Mounts: []MountInfo{{Path: "/kv"}}},
@@ -218,11 +229,27 @@ func TestStatsIgnoresSectionsItDoesNotKnow(t *testing.T) {
 		Spares:        &SpareStats{Reused: 3, Mounts: []SpareMount{{Files: 2, Bytes: 1 << 21}}, Made: 4},
 		Tiering:       &TierStats{Demotions: 5, Mounts: []TierMount{{MovedIn: 1}}},
 		StoresFailing: []MountFailure{{Since: 1, Last: 2, Stores: 3, Err: "eio"}},
-		Namespaces:    &NamespaceList{List: []NamespaceStats{{Fingerprint: 9, Model: "m", Declared: true, Files: 1, Keys: 2, Bytes: 3}}}}
+		Namespaces:    &NamespaceList{List: []NamespaceStats{{Fingerprint: 9, Model: "m", Declared: true, Files: 1, Keys: 2, Bytes: 3, Caches: 4}}}}
 	b := append(want.AppendBody(nil), 0xde, 0xad, 0xbe, 0xef)
 	got, err := Decode(TypeStats|TypeReply, b)
 	if err != nil {
 		t.Fatalf("a reply with a later section: %v", err)
+	}
+	if !reflect.DeepEqual(got, want) {
+		t.Fatalf("decoded %+v, want %+v", got, want)
+	}
+}
+
+// TestStatsOfADaemonBeforeTheCachesSectionCountsNone: a reply that ends
+// after the namespaces section (a daemon that predates the caches
+// section) decodes, its namespaces with 0 caches.
+func TestStatsOfADaemonBeforeTheCachesSectionCountsNone(t *testing.T) {
+	want := &Stats{Daemon: &DaemonStats{}, Spares: &SpareStats{}, Tiering: &TierStats{}, StoresFailing: []MountFailure{},
+		Namespaces: &NamespaceList{List: []NamespaceStats{{Fingerprint: 9, Model: "m", Files: 1}}}}
+	b := want.AppendBody(nil)
+	got, err := Decode(TypeStats|TypeReply, b[:len(b)-8]) // without the caches section
+	if err != nil {
+		t.Fatal(err)
 	}
 	if !reflect.DeepEqual(got, want) {
 		t.Fatalf("decoded %+v, want %+v", got, want)
@@ -474,7 +501,7 @@ func goldenStats() *Stats {
 		Spares:        &SpareStats{Reused: 3, Mounts: []SpareMount{{Files: 2, Bytes: 1 << 21}}, Made: 5},
 		Tiering:       &TierStats{Demotions: 1, Promotions: 2, Moves: 3, MoveFailures: 4, DemotionDeletes: 5, Mounts: []TierMount{{MovedIn: 6, MovedOut: 7}}, FallbackPolicy: "lru"},
 		StoresFailing: []MountFailure{{Since: 8, Last: 9, Stores: 10, Err: "read-only file system"}},
-		Namespaces:    &NamespaceList{List: []NamespaceStats{{Fingerprint: 11, Model: "vllm:m:0", Declared: true, Files: 12, Keys: 13, Bytes: 14}}}}
+		Namespaces:    &NamespaceList{List: []NamespaceStats{{Fingerprint: 11, Model: "vllm:m:0", Declared: true, Files: 12, Keys: 13, Bytes: 14, Caches: 15}}}}
 }
 
 // TestStatsGoldenBytesForThePythonClient: the encoding of goldenStats is

@@ -57,6 +57,10 @@ type statsNamespace struct {
 	Files    uint64 `json:"files"`
 	Keys     uint64 `json:"keys"`
 	Bytes    uint64 `json:"bytes"`
+	// Caches counts the caches registered in the namespace now, on all
+	// connections: a vLLM engine's workers (0 from a daemon that predates
+	// the count).
+	Caches uint32 `json:"caches"`
 }
 
 type statsCounters struct {
@@ -181,7 +185,7 @@ func queryStats(ctx context.Context, socket string) (statsReport, error) {
 		r.Namespaces, r.NamespacesLeftOut = []statsNamespace{}, nl.LeftOut
 		for _, ns := range nl.List {
 			r.Namespaces = append(r.Namespaces, statsNamespace{Fingerprint: fmt.Sprintf("%016x", ns.Fingerprint), Model: ns.Model,
-				Declared: ns.Declared, Files: ns.Files, Keys: ns.Keys, Bytes: ns.Bytes})
+				Declared: ns.Declared, Files: ns.Files, Keys: ns.Keys, Bytes: ns.Bytes, Caches: ns.Caches})
 		}
 	}
 	for _, d := range st.Devices {
@@ -280,7 +284,7 @@ func printStats(w io.Writer, r statsReport) {
 		// The model id, free text whose display width tabwriter cannot
 		// tell (it counts runes: a CJK id is two columns a rune), goes
 		// last, where no column after it can be pushed off.
-		fmt.Fprintln(tw, "  fingerprint\tkeys\tfiles\tbytes\tmodel")
+		fmt.Fprintln(tw, "  fingerprint\tkeys\tfiles\tbytes\tcaches\tmodel")
 		for _, ns := range r.Namespaces {
 			model := ns.Model
 			switch {
@@ -289,7 +293,7 @@ func printStats(w io.Writer, r statsReport) {
 			case !ns.Declared:
 				model += " (no client declares it now)"
 			}
-			fmt.Fprintf(tw, "  %s\t%d\t%d\t%s\t%s\n", ns.Fingerprint, ns.Keys, ns.Files, bytesString(ns.Bytes), model)
+			fmt.Fprintf(tw, "  %s\t%d\t%d\t%s\t%d\t%s\n", ns.Fingerprint, ns.Keys, ns.Files, bytesString(ns.Bytes), ns.Caches, model)
 		}
 		tw.Flush()
 		if r.NamespacesLeftOut > 0 {

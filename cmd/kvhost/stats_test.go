@@ -121,8 +121,9 @@ func TestHealthWarnsOfAMountThatRefusesStores(t *testing.T) {
 
 // TestStatsListsEachNamespaceWithItsKeys: `kvhost stats` names each
 // namespace a client declared by its model id, with the keys, files and
-// bytes stored in it (and --json alike), so that an operator can tell
-// which models share a node's cache and how much each holds.
+// bytes stored in it and the caches registered in it now (and --json
+// alike), so that an operator can tell which models share a node's cache,
+// how much each holds and whether an engine's workers are connected.
 func TestStatsListsEachNamespaceWithItsKeys(t *testing.T) {
 	ctx, socket := serveTestConfig(t)
 	k := newKVCache(t, socket)
@@ -137,8 +138,8 @@ func TestStatsListsEachNamespaceWithItsKeys(t *testing.T) {
 		t.Fatalf("kvhost stats --json namespaces: %+v, want the one declared", st.Namespaces)
 	}
 	ns := st.Namespaces[0]
-	if ns.Model != opsGeo.Model || !ns.Declared || ns.Keys != 3 || ns.Files == 0 || ns.Bytes == 0 || len(ns.Fingerprint) != 16 {
-		t.Fatalf("namespace %+v: want %q declared, with its 3 keys, their files and bytes", ns, opsGeo.Model)
+	if ns.Model != opsGeo.Model || !ns.Declared || ns.Keys != 3 || ns.Files == 0 || ns.Bytes == 0 || len(ns.Fingerprint) != 16 || ns.Caches != 1 {
+		t.Fatalf("namespace %+v: want %q declared, with its 3 keys, their files and bytes, and the one cache registered", ns, opsGeo.Model)
 	}
 	var out, errb bytes.Buffer
 	if code := run(ctx, []string{"stats", "--socket", socket}, &out, &errb); code != 0 {
@@ -185,7 +186,7 @@ func TestStatsNamespacesTableKeepsItsColumnsWhateverTheModelIds(t *testing.T) {
 	if len(lines) != 4 {
 		t.Fatalf("namespaces table:\n%s\nwant a header and 3 rows", table)
 	}
-	for _, col := range []string{"fingerprint", "keys", "files", "bytes", "model"} {
+	for _, col := range []string{"fingerprint", "keys", "files", "bytes", "caches", "model"} {
 		at := strings.Index(lines[0], col) // the header is ASCII: bytes are columns
 		for _, l := range lines[1:] {
 			cells := displayCells(l)

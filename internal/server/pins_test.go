@@ -221,6 +221,51 @@ func TestPinLoadableOfAGroupCountsOnlyThatGroupsCaches(t *testing.T) {
 	}
 }
 
+// TestStatsCountsTheCachesOfEachNamespace: the Stats reply's caches
+// section counts, per namespace listed, the caches registered in it on
+// all connections (what `kvhost stats` shows an operator whose vLLM
+// engine answers MISS for want of a worker).
+func TestStatsCountsTheCachesOfEachNamespace(t *testing.T) {
+	ctx := context.Background()
+	f := newFixture(t, server.Config{})
+	w1 := f.dial(t)
+	k := newCache(t, w1)
+	k.store(t, "a", []uint32{0, 1}, rand.New(rand.NewPCG(1, 2)))
+	caches := func() uint32 {
+		t.Helper()
+		st, err := w1.Stats(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, ns := range st.Namespaces.List {
+			if ns.Model == geo.Model {
+				return ns.Caches
+			}
+		}
+		t.Fatalf("namespace %q not listed in %+v", geo.Model, st.Namespaces)
+		return 0
+	}
+	if n := caches(); n != 1 {
+		t.Fatalf("caches with one worker = %d, want 1", n)
+	}
+	w2 := f.dial(t)
+	if err := w2.JoinGroup(ctx, "engine-b"); err != nil {
+		t.Fatal(err)
+	}
+	newCache(t, w2)
+	if n := caches(); n != 2 {
+		t.Fatalf("caches with a second worker, in a group = %d, want 2", n)
+	}
+	w2.Close()
+	testwait.Until(t, "the closed connection's cache to stop counting", testwait.Hang, func() bool { return caches() == 1 })
+	if err := w1.UnregisterCache(ctx, k.id); err != nil {
+		t.Fatal(err)
+	}
+	if n := caches(); n != 0 {
+		t.Fatalf("caches after the last was unregistered = %d, want 0", n)
+	}
+}
+
 func TestPinErrors(t *testing.T) {
 	ctx := context.Background()
 	f := newFixture(t, server.Config{})

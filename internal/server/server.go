@@ -738,6 +738,27 @@ func (s *Server) hasCache(id engine.NamespaceID, group string) bool {
 	return s.nsCaches[cacheGroup{id, group}] > 0
 }
 
+// cachesByFingerprint returns the caches registered on all connections,
+// by the fingerprint of their namespace (the Stats reply's caches
+// section).
+func (s *Server) cachesByFingerprint() map[uint64]uint32 {
+	s.nsMu.Lock()
+	byNS := make(map[engine.NamespaceID]int, len(s.nsCaches))
+	for k, n := range s.nsCaches {
+		if k.group == "" {
+			byNS[k.ns] = n
+		}
+	}
+	s.nsMu.Unlock()
+	out := make(map[uint64]uint32, len(byNS))
+	for id, n := range byNS {
+		if fp, err := s.eng.Fingerprint(id); err == nil {
+			out[fp] += uint32(n)
+		}
+	}
+	return out
+}
+
 // releaseLayers gives back what reserveLayers counted.
 func (s *Server) releaseLayers(p *peer, n int) {
 	p.layers.Add(-int64(n))

@@ -943,9 +943,10 @@ func (s *session) stats() (protocol.Message, error) {
 	// The namespaces, the most bytes first, as many as the frame holds
 	// beside the other sections, the rest counted as left out.
 	m.Namespaces = &protocol.NamespaceList{}
+	caches := s.srv.cachesByFingerprint()
 	for i, ns := range st.Namespaces {
 		n := protocol.NamespaceStats{Fingerprint: ns.Fingerprint, Model: ns.Model, Declared: ns.Declared,
-			Files: uint64(ns.Files), Keys: uint64(ns.Keys), Bytes: uint64(max(ns.Bytes, 0))}
+			Files: uint64(ns.Files), Keys: uint64(ns.Keys), Bytes: uint64(max(ns.Bytes, 0)), Caches: caches[ns.Fingerprint]}
 		if room -= protocol.NamespaceBytes(n); i == protocol.MaxStatsNamespaces || room < 0 {
 			m.Namespaces.LeftOut = uint64(len(st.Namespaces) - i)
 			break

@@ -878,7 +878,8 @@ class TestStats(unittest.TestCase):
             {"ordinal": 0, "regions": 1, "registered": 4096, "limit": 1 << 30, "uuid": b"\x0a" + bytes(14) + b"\x0a", "faults": 0},
             {"ordinal": 1, "regions": 0, "registered": 0, "limit": 1 << 30, "uuid": None, "faults": 3}])
         self.assertEqual(st["namespaces"], {"list": [
-            {"fingerprint": 11, "model": "vllm:m:0", "declared": True, "files": 12, "keys": 13, "bytes": 14}], "left_out": 0})
+            {"fingerprint": 11, "model": "vllm:m:0", "declared": True, "files": 12, "keys": 13, "bytes": 14,
+             "caches": 15}], "left_out": 0})
 
     def test_a_reply_without_the_namespaces_section_says_none(self):
         # An older daemon's reply: the device-faults section is its last.

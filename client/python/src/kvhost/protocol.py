@@ -393,7 +393,12 @@ def _decode_namespaces(body, off):
         model = bytes(body[off + 1:off + 1 + n]).decode("utf-8", "replace")
         off += 1 + n
         listed.append({"fingerprint": fp, "model": model, "declared": bool(declared),
-                       "files": files, "keys": keys, "bytes": size})
+                       "files": files, "keys": keys, "bytes": size, "caches": 0})
+    # The caches section (a daemon that predates it ends before it): the
+    # caches registered in each namespace, on all connections.
+    if len(body) >= off + 4 + 4 * count and struct.unpack_from("<I", body, off)[0] == count:
+        for i, ns in enumerate(listed):
+            (ns["caches"],) = struct.unpack_from("<I", body, off + 4 + 4 * i)
     return {"list": listed, "left_out": left_out}
 
 
