@@ -295,6 +295,7 @@ var (
 	dNSKeys             = desc("kvhost_namespace_keys", "Keys indexed of a namespace, by its fingerprint and the model id it was declared with (empty for files found on the mounts whose namespace no client declared since the start); the 128 namespaces holding the most bytes.", "fingerprint", "model")
 	dNSFiles            = desc("kvhost_namespace_files", "Files indexed of a namespace (labels as kvhost_namespace_keys).", "fingerprint", "model")
 	dNSBytes            = desc("kvhost_namespace_bytes", "Bytes of a namespace's indexed files, headers included (labels as kvhost_namespace_keys).", "fingerprint", "model")
+	dNSCaches           = desc("kvhost_namespace_caches", "Caches registered in a namespace now, on all connections: a vLLM offloading spec engine's workers (labels as kvhost_namespace_keys).", "fingerprint", "model")
 	dMountCap           = desc("kvhost_mount_capacity_bytes", "Effective capacity of a mount.", "mount")
 	dMountUsed          = desc("kvhost_mount_used_bytes", "Bytes of published files, reservations of stores in flight, and files dropped from the index not yet removed.", "mount")
 	dMountFree          = desc("kvhost_mount_free_bytes", "Capacity left to kvhost on a mount (capacity - used).", "mount")
@@ -387,6 +388,7 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	if src == nil {
 		return
 	}
+	var listed []engine.NamespaceStats // the engine's namespaces with gauges, for their caches
 	if src.Engine != nil {
 		st := src.Engine()
 		gauge(dEntries, float64(st.Entries))
@@ -421,7 +423,8 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 		counter(dDemoteDeletes, st.Tiering.DemotionDeletes)
 		counter(dDeduped, st.Tiering.Deduped)
 		gauge(dNamespaces, float64(len(st.Namespaces)))
-		for _, ns := range st.Namespaces[:min(len(st.Namespaces), protocol.MaxStatsNamespaces)] {
+		listed = st.Namespaces[:min(len(st.Namespaces), protocol.MaxStatsNamespaces)]
+		for _, ns := range listed {
 			// The model id is UTF-8, as a label must be: Declare refuses
 			// others (Geometry.Validate).
 			fp := fmt.Sprintf("%016x", ns.Fingerprint)
@@ -511,6 +514,9 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 		}
 		gauge(dIncomingWait, float64(st.IncomingWaiting))
 		counter(dIncomingWaits, st.IncomingWaits)
+		for _, ns := range listed {
+			gauge(dNSCaches, float64(st.Caches[ns.Fingerprint]), fmt.Sprintf("%016x", ns.Fingerprint), ns.Model)
+		}
 		for limit, n := range st.Refusals {
 			counter(dRefusals, n, limit)
 		}

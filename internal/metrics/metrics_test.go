@@ -119,7 +119,7 @@ func TestMetricsExposeSourcesAndObservations(t *testing.T) {
 					{Path: refusing, IO: "buffered", Backend: "staging", StoresFailing: &engine.StoreFailure{Since: started, Last: started, Stores: 3, Err: "read-only file system"}}}}
 		},
 		Server: func() server.Stats {
-			return server.Stats{Clients: 2, InflightJobs: 1, InflightBytes: 40 << 10, InflightLimit: 1 << 30, Descriptors: 4, DescriptorLimit: 16382, PinnedKeys: 12, PinnedLimit: 1 << 22, CacheLayers: 126, CacheLayerLimit: 1 << 20, IncomingBytes: 3 << 20, IncomingLimit: 256 << 20, IncomingWaiting: 2, IncomingWaits: 5, Refusals: map[string]uint64{"server.max_inflight_bytes_per_peer": 7}, Regions: 3, RegisteredBytes: 1 << 20, RegisteredLimit: 1 << 32, Started: started,
+			return server.Stats{Caches: map[uint64]uint32{0xfeed: 2}, Clients: 2, InflightJobs: 1, InflightBytes: 40 << 10, InflightLimit: 1 << 30, Descriptors: 4, DescriptorLimit: 16382, PinnedKeys: 12, PinnedLimit: 1 << 22, CacheLayers: 126, CacheLayerLimit: 1 << 20, IncomingBytes: 3 << 20, IncomingLimit: 256 << 20, IncomingWaiting: 2, IncomingWaits: 5, Refusals: map[string]uint64{"server.max_inflight_bytes_per_peer": 7}, Regions: 3, RegisteredBytes: 1 << 20, RegisteredLimit: 1 << 32, Started: started,
 				Devices: []protocol.DeviceStats{{Ordinal: 1, Regions: 2, Registered: 5, Limit: 9}}}
 		},
 		Policy: func() PolicyState {
@@ -166,6 +166,8 @@ func TestMetricsExposeSourcesAndObservations(t *testing.T) {
 		{"kvhost_namespace_files", map[string]string{"fingerprint": "000000000000feed", "model": "vllm:m:0"}, 2},
 		{"kvhost_namespace_bytes", map[string]string{"fingerprint": "000000000000feed", "model": "vllm:m:0"}, 64 << 20},
 		{"kvhost_namespace_keys", map[string]string{"fingerprint": "0000000000000001", "model": ""}, 1},
+		{"kvhost_namespace_caches", map[string]string{"fingerprint": "000000000000feed", "model": "vllm:m:0"}, 2},
+		{"kvhost_namespace_caches", map[string]string{"fingerprint": "0000000000000001", "model": ""}, 0},
 		{"kvhost_stored_keys_total", nil, 5},
 		{"kvhost_hits_total", nil, 7},
 		{"kvhost_misses_total", nil, 2},

@@ -9,6 +9,9 @@ import (
 
 // Stats are a Server's daemon-wide figures (metrics, kvhost stats).
 type Stats struct {
+	// Caches counts the caches registered now on all connections, by the
+	// fingerprint of their namespace.
+	Caches       map[uint64]uint32
 	Clients      int // connections through the handshake
 	Handshakes   int // connections not through it yet
 	InflightJobs int // store and load jobs of all connections
@@ -75,6 +78,7 @@ func (s *Server) figures() Stats {
 	st.InflightBytes, st.InflightLimit = s.jobBytes.Load(), s.cfg.MaxInflightBytes
 	st.Descriptors, st.DescriptorLimit = s.fds.Load(), int64(s.cfg.MaxDescriptors)
 	st.PinnedKeys, st.PinnedLimit = s.pinnedKeys(), int64(s.cfg.MaxPinnedKeys)
+	st.Caches = s.cachesByFingerprint()
 	st.CacheLayers, st.CacheLayerLimit = s.layers.Load(), int64(s.cfg.MaxCacheLayers)
 	st.IncomingBytes, st.IncomingLimit = s.incoming.taken(), s.cfg.MaxIncomingBytes
 	st.IncomingWaiting, st.IncomingWaits = s.incomingWaiting.Load(), s.incomingWaits.Load()
