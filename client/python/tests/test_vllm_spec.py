@@ -1683,6 +1683,41 @@ class TestPinLoadable(SpecCase):
         self.store(m, w2, ks[2:], [1])
         self.answer(m, ks[2], S.LookupResult.HIT)
 
+    def test_a_hybrid_models_stores_resume_though_no_later_group_is_looked_up(self):
+        """vLLM looks a hybrid model's later groups up only after group 0
+        hit, and hands prepare_store every group's keys at once. A pin
+        round that found no group-1 cache (the worker had registered group
+        0's only: its start, a daemon restart) refused those stores; with
+        no group-0 key stored, every later request missed in group 0 and
+        no lookup of group 1 ever came to let stores through again. The
+        manager asks the daemon itself once the worker is back."""
+        spec = self.spec(groups=2, miss_ttl_s=0.05)
+        m = self.manager(spec)
+        caches, _ = self.caches(groups=2)
+        self.worker(spec, caches)
+        k1 = keys(1, "hybrid-window", group=1)[0]
+        real = kvhost.Client.pin_loadable
+
+        def window(client, ns, dkeys, *a, **kw):  # group 1's cache not registered yet
+            if sc.daemon_key(k1) in dkeys:
+                return 0, [False] * len(dkeys), True
+            return real(client, ns, dkeys, *a, **kw)
+
+        with mock.patch.object(kvhost.Client, "pin_loadable", window):
+            self.answer(m, k1, S.LookupResult.MISS)
+        # New prompts only: group 0's first key misses, so vLLM looks no
+        # group-1 key up, and stores both groups' keys.
+        i = iter(range(1 << 20))
+
+        def stored():
+            n = next(i)
+            k0, g1 = keys(1, f"hybrid-new-{n}", group=0), keys(1, f"hybrid-new-{n}", group=1)
+            self.assertEqual(answer_of(m, k0[0]), S.LookupResult.MISS)
+            return m.prepare_store(k0 + g1, CTX)
+
+        out = d.wait_for(stored, timeout=10, what="a store let through with every group's worker registered")
+        self.assertEqual(len(out.keys_to_store), 2)
+
     def test_a_restart_warns_of_no_worker_only_if_it_stays_away(self):
         """After a daemon restart the manager connects before the worker,
         which connects again at vLLM's next step: lookups in between answer

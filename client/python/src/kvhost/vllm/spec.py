@@ -18,6 +18,7 @@ describes what still can fail and how it is counted.
 import collections
 import importlib
 import logging
+import math
 import threading
 import time
 
@@ -89,6 +90,9 @@ class SpecManager(Reconnects):
         # those the outage was logged for (one line per outage).
         self._loadable = True
         self._no_worker, self._had_worker, self._warned = {}, set(), set()
+        # (rank, group) -> a key to ask the daemon with, for a store
+        # refused there (_no_worker_for_locked, _probe); _probed: when each was last asked.
+        self._probes, self._probed = {}, {}
         self._group = sc.engine_group(config)  # this engine's workers' (the daemon's Group)
         self.namespaces = {(r, g): sc.geometry(sc.describe(self._ident, g, r)).model
                            for r in range(self._tp) for g in range(len(self._groups))}
@@ -228,7 +232,7 @@ class SpecManager(Reconnects):
         lease = self._opts["pin_lease_s"]
         while True:
             with self._cv:
-                while not (self._queue or self._touches or self._releases or self._closing):
+                while not (self._queue or self._touches or self._releases or self._probes or self._closing):
                     if not self._cv.wait(max(0.05, self._opts["hit_window_s"] / 4)):
                         break  # periodic: release pins whose HIT window passed unused
                 if self._closing:
@@ -237,7 +241,10 @@ class SpecManager(Reconnects):
                 touches, self._touches = self._touches, []
                 stale, self._releases = self._releases, []
                 stale += self._expire_locked(time.monotonic())
+                probes, self._probes = self._probes, {}
             self._unpin(stale)
+            for where, key in probes.items():
+                self._probe(where, key)
             if keys:
                 self._pin_round(keys, lease)
             for t in touches:
@@ -479,7 +486,7 @@ class SpecManager(Reconnects):
         with self._lock:
             if self._broken is None and not self._client.connected():
                 self._lost_locked(self._client, "the daemon closed the connection")
-            if self._broken is not None or self._closing or self._no_worker_for_locked(keys):
+            if self._broken is not None or self._closing or self._no_worker_for_locked(keys, now):
                 # Without a worker the store would move nothing, and vLLM
                 # would be told (stored events) that it had.
                 self._stats["store_refused"] += 1
@@ -503,13 +510,46 @@ class SpecManager(Reconnects):
         spec = sc.KvhostLoadStoreSpec([sc.daemon_key(k) for k in out], [sc.key_group(k) for k in out])
         return self._api.PrepareStoreOutput(keys_to_store=out, store_spec=spec, evicted_keys=[])
 
-    def _no_worker_for_locked(self, keys):
+    def _no_worker_for_locked(self, keys, now):
         """Whether the daemon answered, at the last pin round of a
-        namespace of keys, that no worker's cache was registered there."""
+        namespace of keys, that no worker's cache was registered there.
+        Each such namespace is asked again (_probe), miss_ttl_s apart:
+        vLLM looks a hybrid model's later groups up only after group 0
+        hit, which takes stores of every group's keys at once, so no
+        lookup may ever come to find the worker back."""
         if not self._no_worker:
             return False
-        groups = {g if g < len(self._groups) else 0 for g in map(sc.key_group, keys)}
-        return any((r, g) in self._no_worker for r in range(self._tp) for g in groups)
+        groups = {}
+        for k in keys:
+            g = sc.key_group(k)
+            groups.setdefault(g if g < len(self._groups) else 0, k)
+        refused = False
+        for g, k in groups.items():
+            for r in range(self._tp):
+                where = (r, g)
+                if where not in self._no_worker:
+                    continue
+                refused = True
+                if now - self._probed.get(where, -math.inf) >= self._opts["miss_ttl_s"]:
+                    self._probed[where] = now
+                    self._probes[where] = k
+                    self._cv.notify_all()
+        return refused
+
+    def _probe(self, where, key):
+        """Asks the daemon whether a worker's cache of (rank, group) where
+        is registered now (a pin of key, released at once): _pin_loadable
+        lets stores through again if one is."""
+        with self._lock:
+            client, nss = self._client, self._ns
+            if self._broken is not None or client is None:
+                return
+        try:
+            pin_id, _, _ = self._pin_loadable(client, nss[where], where, [sc.daemon_key(key)], 0)
+            if pin_id:
+                client.unpin(pin_id)
+        except Exception as e:  # a lost connection is found by the next call
+            log.debug("kvhost spec: asking for the workers of %s: %s", self.namespaces[where], e)
 
     def complete_store(self, keys, req_context=None, success=True):
         """The workers have stored keys (success) or not."""
