@@ -1718,6 +1718,30 @@ class TestPinLoadable(SpecCase):
         out = d.wait_for(stored, timeout=10, what="a store let through with every group's worker registered")
         self.assertEqual(len(out.keys_to_store), 2)
 
+    def test_stores_resume_with_a_daemon_that_does_not_know_pin_loadable(self):
+        """No worker was registered, then the daemon answers PinLoadable
+        "unknown type" (an older daemon started in its place): it can say
+        nothing of workers, so stores go through as before the frame
+        instead of staying refused on the older daemon's last answer."""
+        spec = self.spec(miss_ttl_s=0.05)
+        m = self.manager(spec)
+        caches, _ = self.caches()
+        w = self.worker(spec, caches)
+        ks = keys(3, "no-worker-old-daemon")
+        self.store(m, w, ks[:1], [0])
+        w.shutdown()
+        self.answer(m, ks[0], S.LookupResult.MISS)
+        self.assertIsNone(m.prepare_store(ks[1:2], CTX))
+        self.worker(spec, self.caches(seed=3)[0])
+
+        def unknown(client, *a, **kw):
+            raise kvhost.KvhostError(P.CODE_UNKNOWN_TYPE, "type(0x0012) is not a request")
+
+        with mock.patch.object(kvhost.Client, "pin_loadable", unknown):
+            d.wait_for(lambda: answer_of(m, ks[0]) == S.LookupResult.HIT, what="a plain pin's HIT")
+            out = d.wait_for(lambda: m.prepare_store(ks[2:], CTX), timeout=10, what="a store let through")
+        self.assertEqual(out.keys_to_store, ks[2:])
+
     def test_a_restart_warns_of_no_worker_only_if_it_stays_away(self):
         """After a daemon restart the manager connects before the worker,
         which connects again at vLLM's next step: lookups in between answer

@@ -354,7 +354,12 @@ class SpecManager(Reconnects):
             except KvhostError as e:
                 if e.code != p.CODE_UNKNOWN_TYPE:
                     raise
-                self._loadable = False
+                with self._lock:
+                    # It can say nothing of workers: stores go through
+                    # as they did before PinLoadable, not refused on a
+                    # daemon's answer that no round will ask again.
+                    self._loadable = False
+                    self._no_worker.clear()
                 log.warning("kvhost spec: this daemon does not know PinLoadable: lookups answer HIT "
                             "without knowing that a worker can load them; upgrade the daemon")
             else:
