@@ -1662,6 +1662,14 @@ class TestPinLoadable(SpecCase):
             self.answer(m, k, S.LookupResult.MISS)
         self.assertEqual(m.counters()["no_worker_keys"], len(ks))
 
+    def store_when_let_through(self, m, w, ks, blocks):
+        """Stores ks through w once prepare_store lets them through (the
+        manager has found the worker back), as store does."""
+        out = d.wait_for(lambda: (lambda o: o if o is not None and o.keys_to_store else None)(m.prepare_store(ks, CTX)),
+                         timeout=10, what="a store let through")
+        self.assertTrue(self.transfer(w, True, out.store_spec, [blocks[ks.index(k)] for k in out.keys_to_store]).success)
+        m.complete_store(out.keys_to_store, CTX, success=True)
+
     def test_stores_are_refused_while_no_worker_could_run_them(self):
         """A store handed out while the daemon has no worker's cache would
         move nothing and still tell vLLM (stored events) that it had:
@@ -1673,14 +1681,42 @@ class TestPinLoadable(SpecCase):
         w = self.worker(spec, caches)
         ks = keys(3, "no-worker-store")
         self.store(m, w, ks[:1], [0])
+        self.answer(m, ks[0], S.LookupResult.HIT)  # the daemon has seen this rank's worker
         w.shutdown()
-        self.answer(m, ks[0], S.LookupResult.MISS)
+        self.answer(m, ks[1], S.LookupResult.MISS)  # a pin round finds no worker
+        self.assertEqual(m.counters()["no_worker_keys"], 1)
         refused = m.counters().get("store_refused", 0)
         self.assertIsNone(m.prepare_store(ks[1:2], CTX))
         self.assertEqual(m.counters()["store_refused"], refused + 1)
         w2 = self.worker(spec, self.caches(seed=3)[0])
-        d.wait_for(lambda: answer_of(m, ks[0]) == S.LookupResult.HIT, what="a HIT with a worker back")
-        self.store(m, w2, ks[2:], [1])
+        self.store_when_let_through(m, w2, ks[2:], [1])
+        self.answer(m, ks[2], S.LookupResult.HIT)
+
+    def test_stores_of_a_worker_that_stays_away_are_skipped_not_refused(self):
+        """vLLM logs "cannot store chunks" for every refused store, each
+        step, for every running request, and tries them again: once the
+        worker has stayed away long enough to be warned of, prepare_store
+        answers no keys to store (vLLM moves on, quietly) instead of None,
+        and stores again once the worker is back."""
+        spec = self.spec(miss_ttl_s=0.05, load_retry_s=0.3)
+        m = self.manager(spec)
+        caches, _ = self.caches()
+        w = self.worker(spec, caches)
+        ks = keys(3, "away-store")
+        self.store(m, w, ks[:1], [0])
+        self.answer(m, ks[0], S.LookupResult.HIT)  # the daemon has seen this rank's worker
+        w.shutdown()
+        self.answer(m, ks[1], S.LookupResult.MISS)  # a pin round finds no worker
+        self.assertIsNone(m.prepare_store(ks[1:2], CTX))  # the worker may be coming back
+        n = iter(range(1 << 20))
+        d.wait_for(lambda: answer_of(m, keys(1, f"away-probe-{next(n)}")[0]) == S.LookupResult.MISS
+                   and m.prepare_store(ks[1:2], CTX) is not None, what="stores skipped once the worker stayed away")
+        out = m.prepare_store(ks[1:2], CTX)
+        self.assertEqual(out.keys_to_store, [])
+        self.assertGreaterEqual(m.counters()["store_keys_skipped_no_worker"], 2)
+        self.assertEqual(m.counters()["storing_now"], 0)
+        w2 = self.worker(spec, self.caches(seed=4)[0])
+        self.store_when_let_through(m, w2, ks[2:], [1])
         self.answer(m, ks[2], S.LookupResult.HIT)
 
     def test_a_hybrid_models_stores_resume_though_no_later_group_is_looked_up(self):
@@ -1713,7 +1749,10 @@ class TestPinLoadable(SpecCase):
             n = next(i)
             k0, g1 = keys(1, f"hybrid-new-{n}", group=0), keys(1, f"hybrid-new-{n}", group=1)
             self.assertEqual(answer_of(m, k0[0]), S.LookupResult.MISS)
-            return m.prepare_store(k0 + g1, CTX)
+            out = m.prepare_store(k0 + g1, CTX)
+            # None or no keys (skipped: a group never seen with a worker
+            # counts as away) until the manager finds the worker back.
+            return out if out is not None and out.keys_to_store else None
 
         out = d.wait_for(stored, timeout=10, what="a store let through with every group's worker registered")
         self.assertEqual(len(out.keys_to_store), 2)
@@ -1729,8 +1768,9 @@ class TestPinLoadable(SpecCase):
         w = self.worker(spec, caches)
         ks = keys(3, "no-worker-old-daemon")
         self.store(m, w, ks[:1], [0])
+        self.answer(m, ks[0], S.LookupResult.HIT)  # the daemon has seen this rank's worker
         w.shutdown()
-        self.answer(m, ks[0], S.LookupResult.MISS)
+        self.answer(m, ks[1], S.LookupResult.MISS)  # a pin round finds no worker
         self.assertIsNone(m.prepare_store(ks[1:2], CTX))
         self.worker(spec, self.caches(seed=3)[0])
 

@@ -485,15 +485,22 @@ class SpecManager(Reconnects):
         None when the daemon cannot take stores now (connection lost, shut
         down, no worker's cache registered in a namespace of the keys at the
         last pin round there, or max_store_keys_inflight keys already being
-        stored)."""
+        stored). Once a rank's worker has stayed away long enough to be
+        warned of, its stores are skipped (no keys to store) instead of
+        refused: vLLM logs each refusal, every step, for every request."""
         keys = [bytes(k) for k in keys]
         now = time.monotonic()
         with self._lock:
             if self._broken is None and not self._client.connected():
                 self._lost_locked(self._client, "the daemon closed the connection")
-            if self._broken is not None or self._closing or self._no_worker_for_locked(keys, now):
+            away = self._no_worker_for_locked(keys, now)
+            if self._broken is not None or self._closing or away:
                 # Without a worker the store would move nothing, and vLLM
                 # would be told (stored events) that it had.
+                if away == "warned":
+                    self._stats["store_keys_skipped_no_worker"] += len(keys)
+                    return self._api.PrepareStoreOutput(keys_to_store=[], store_spec=sc.KvhostLoadStoreSpec([], []),
+                                                        evicted_keys=[])
                 self._stats["store_refused"] += 1
                 return None
             if sum(self._storing.values()) + len(keys) > self._opts["max_store_keys_inflight"]:
@@ -517,7 +524,9 @@ class SpecManager(Reconnects):
 
     def _no_worker_for_locked(self, keys, now):
         """Whether the daemon answered, at the last pin round of a
-        namespace of keys, that no worker's cache was registered there.
+        namespace of keys, that no worker's cache was registered there:
+        "warned" where the manager has logged such a namespace's worker
+        away (it stayed away), else True, or False.
         Each such namespace is asked again (_probe), miss_ttl_s apart:
         vLLM looks a hybrid model's later groups up only after group 0
         hit, which takes stores of every group's keys at once, so no
@@ -534,7 +543,7 @@ class SpecManager(Reconnects):
                 where = (r, g)
                 if where not in self._no_worker:
                     continue
-                refused = True
+                refused = "warned" if where in self._warned else refused or True
                 if now - self._probed.get(where, -math.inf) >= self._opts["miss_ttl_s"]:
                     self._probed[where] = now
                     self._probes[where] = k
