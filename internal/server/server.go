@@ -741,18 +741,20 @@ func (s *Server) hasCache(id engine.NamespaceID, group string) bool {
 // cachesByFingerprint returns the caches registered on all connections,
 // by the fingerprint of their namespace (the Stats reply's caches
 // section).
+//
+// The ids are mapped under nsMu: a namespace whose last cache went could
+// otherwise be released and its id given to another geometry between the
+// count and the mapping. The engine is called under nsMu where namespaces
+// are released too (releaseLocked), so the lock order holds.
 func (s *Server) cachesByFingerprint() map[uint64]uint32 {
 	s.nsMu.Lock()
-	byNS := make(map[engine.NamespaceID]int, len(s.nsCaches))
+	defer s.nsMu.Unlock()
+	out := make(map[uint64]uint32, len(s.nsCaches))
 	for k, n := range s.nsCaches {
-		if k.group == "" {
-			byNS[k.ns] = n
+		if k.group != "" {
+			continue
 		}
-	}
-	s.nsMu.Unlock()
-	out := make(map[uint64]uint32, len(byNS))
-	for id, n := range byNS {
-		if fp, err := s.eng.Fingerprint(id); err == nil {
+		if fp, err := s.eng.Fingerprint(k.ns); err == nil {
 			out[fp] += uint32(n)
 		}
 	}
