@@ -538,13 +538,17 @@ class TestRealSpec(RealSpecCase):
         ctx = api.ReqContext(req_id="ident")
         logs = d.LogRecords("vllm.kvhost")
         self.addCleanup(logs.close)
-        b = self.spec(engine_id="engine-b")
+        b = self.spec(engine_id="engine-b", load_retry_s=0.2)
         mb = self.manager(b)
         other = self.manager(self.spec(model="mistralai/Mistral-7B-Instruct-v0.3"))
         tp2 = self.manager(self.spec(tp=2))
         # Engine b's manager answers HIT for engine a's keys once a worker
         # of engine b can load them: engine a's worker does not count.
         self.assertEqual(self.settle(mb, ks[0], ctx), api.LookupResult.MISS)
+        # Warned of once engine b's worker stayed away load_retry_s.
+        n = iter(range(1 << 20))
+        d.wait_for(lambda: self.settle(mb, key(next(n), "ident-probe"), ctx) == api.LookupResult.MISS
+                   and logs.count("other engines' workers of this namespace are registered"), what="the warning")
         self.assertEqual(logs.count("other engines' workers of this namespace are registered"), 1, logs.messages)
         self.worker(b, seed=4)
         d.wait_for(lambda: self.settle(mb, ks[0], ctx) == api.LookupResult.HIT, what="a HIT with engine b's worker")
@@ -677,7 +681,7 @@ class TestRealSpecDaemonNotUpAtStart(RealSpecCase):
         self.closers.clear()
         dm.halt()
         dm.reconfigure(server_toml="max_registered_bytes = 65536\n")
-        spec = self.spec(socket=dm.socket, reconnect_s=0.05)
+        spec = self.spec(socket=dm.socket, reconnect_s=0.05, load_retry_s=0.2)
         m = self.manager(spec)
         w, _ = self.worker(spec, seed=5)
         dm.start_again()
@@ -688,6 +692,10 @@ class TestRealSpecDaemonNotUpAtStart(RealSpecCase):
         for k in ks:
             self.assertEqual(self.settle(m, k, ctx), api.LookupResult.MISS)
         self.assertEqual(m.counters()["no_worker_keys"], len(ks))
+        # Warned of once the worker stayed away load_retry_s.
+        n = iter(range(1 << 20))
+        d.wait_for(lambda: self.settle(m, key(next(n), "refused-probe"), ctx) == api.LookupResult.MISS
+                   and logs.count("no worker of rank 0 of this engine"), what="the warning")
         self.assertEqual(logs.count("no worker of rank 0 of this engine has its KV cache registered"), 1, logs.messages)
 
         # A daemon that takes the worker: HITs, and the load runs.

@@ -86,10 +86,9 @@ class SpecManager(Reconnects):
         # Pins ask the daemon for a worker's cache in their namespace
         # (PinLoadable) unless it is older than that frame. _no_worker:
         # (rank, group) -> when the daemon first answered it had none,
-        # _had_worker: those it answered had one since start, _warned:
-        # those the outage was logged for (one line per outage).
+        # _warned: those the outage was logged for (one line per outage).
         self._loadable = True
-        self._no_worker, self._had_worker, self._warned = {}, set(), set()
+        self._no_worker, self._warned = {}, set()
         # (rank, group) -> a key to ask the daemon with, for a store
         # refused there (_no_worker_for_locked, _probe); _probed: when each was last asked.
         self._probes, self._probed = {}, {}
@@ -366,20 +365,19 @@ class SpecManager(Reconnects):
                 now = time.monotonic()
                 with self._lock:
                     if no_cache:
-                        # A worker that had its cache registered comes
-                        # back at vLLM's next step after a daemon restart
-                        # (the manager often connects first): warned of
-                        # only once it stays away load_retry_s.
+                        # The worker comes back at vLLM's next step after
+                        # a daemon restart, and connects beside the manager
+                        # to a daemon started after vLLM (the manager often
+                        # first): warned of only once it stays away
+                        # load_retry_s (its stores refused, then skipped).
                         since = self._no_worker.setdefault(where, now)
-                        first = where not in self._warned and (
-                            where not in self._had_worker or now - since >= self._opts["load_retry_s"])
+                        first = where not in self._warned and now - since >= self._opts["load_retry_s"]
                         if first:
                             self._warned.add(where)
                     else:
                         first = where in self._warned
                         self._warned.discard(where)
                         self._no_worker.pop(where, None)
-                        self._had_worker.add(where)
                 if first and no_cache:
                     log.warning("kvhost spec: no worker of rank %d of this engine has its KV cache registered "
                                 "with the daemon (namespace %s%s): lookups answer MISS, vLLM recomputes; %s",
