@@ -1712,10 +1712,10 @@ class TestPinLoadable(SpecCase):
     def test_stores_of_a_worker_that_stays_away_are_skipped_not_refused(self):
         """vLLM logs "cannot store chunks" for every refused store, each
         step, for every running request, and tries them again: once the
-        worker has stayed away long enough to be warned of, prepare_store
+        worker has stayed away two reconnection periods, prepare_store
         answers no keys to store (vLLM moves on, quietly) instead of None,
         and stores again once the worker is back."""
-        spec = self.spec(miss_ttl_s=0.05, load_retry_s=0.3)
+        spec = self.spec(miss_ttl_s=0.05, reconnect_s=0.1)
         m = self.manager(spec)
         caches, _ = self.caches()
         w = self.worker(spec, caches)

@@ -483,9 +483,10 @@ class SpecManager(Reconnects):
         None when the daemon cannot take stores now (connection lost, shut
         down, no worker's cache registered in a namespace of the keys at the
         last pin round there, or max_store_keys_inflight keys already being
-        stored). Once a rank's worker has stayed away long enough to be
-        warned of, its stores are skipped (no keys to store) instead of
-        refused: vLLM logs each refusal, every step, for every request."""
+        stored). Once a rank's worker has stayed away two reconnection
+        periods (_store_grace), its stores are skipped (no keys to store)
+        instead of refused: vLLM logs each refusal, every step, for every
+        request."""
         keys = [bytes(k) for k in keys]
         now = time.monotonic()
         with self._lock:
@@ -495,7 +496,7 @@ class SpecManager(Reconnects):
             if self._broken is not None or self._closing or away:
                 # Without a worker the store would move nothing, and vLLM
                 # would be told (stored events) that it had.
-                if away == "warned":
+                if away == "skip":
                     self._stats["store_keys_skipped_no_worker"] += len(keys)
                     return self._api.PrepareStoreOutput(keys_to_store=[], store_spec=sc.KvhostLoadStoreSpec([], []),
                                                         evicted_keys=[])
@@ -523,8 +524,8 @@ class SpecManager(Reconnects):
     def _no_worker_for_locked(self, keys, now):
         """Whether the daemon answered, at the last pin round of a
         namespace of keys, that no worker's cache was registered there:
-        "warned" where the manager has logged such a namespace's worker
-        away (it stayed away), else True, or False.
+        "skip" where such a namespace's worker has stayed away longer than
+        _store_grace, else True, or False.
         Each such namespace is asked again (_probe), miss_ttl_s apart:
         vLLM looks a hybrid model's later groups up only after group 0
         hit, which takes stores of every group's keys at once, so no
@@ -541,12 +542,22 @@ class SpecManager(Reconnects):
                 where = (r, g)
                 if where not in self._no_worker:
                     continue
-                refused = "warned" if where in self._warned else refused or True
+                # Refused (vLLM asks again next step, logging each time)
+                # while the worker may be reconnecting; then skipped.
+                away = where in self._warned or now - self._no_worker[where] >= self._store_grace()
+                refused = "skip" if away else refused or True
                 if now - self._probed.get(where, -math.inf) >= self._opts["miss_ttl_s"]:
                     self._probed[where] = now
                     self._probes[where] = k
                     self._cv.notify_all()
         return refused
+
+    def _store_grace(self):
+        """How long stores of a namespace found without a worker are
+        refused, not skipped: two reconnection periods, time for a worker
+        that noticed a restart to connect again (vLLM logs each refusal,
+        every step, for every running request)."""
+        return max(2 * self._opts["reconnect_s"], self._opts["miss_ttl_s"])
 
     def _probe(self, where, key):
         """Asks the daemon whether a worker's cache of (rank, group) where
