@@ -1596,6 +1596,13 @@ class TestHitWindow(SpecCase):
 
 @unittest.skipUnless(HAVE_TORCH, "torch is not installed")
 class TestPinLoadable(SpecCase):
+    def engine(self, **opts):
+        """A spec of options opts, its manager and one worker: (spec,
+        manager, worker)."""
+        spec = self.spec(**opts)
+        m = self.manager(spec)
+        return spec, m, self.worker(spec, self.caches()[0])
+
     def info_logs(self):
         """The spec's log records, at INFO and above, until the test ends."""
         logger = logging.getLogger("vllm.kvhost")
@@ -1618,10 +1625,7 @@ class TestPinLoadable(SpecCase):
         manager says so once and pins as before, answering HIT."""
         logs = d.LogRecords("vllm.kvhost")
         self.addCleanup(logs.close)
-        spec = self.spec()
-        m = self.manager(spec)
-        caches, _ = self.caches()
-        w = self.worker(spec, caches)
+        spec, m, w = self.engine()
         ks = keys(2, "old-daemon")
         self.store(m, w, ks, [0, 1])
 
@@ -1638,10 +1642,7 @@ class TestPinLoadable(SpecCase):
         """The worker's connection ends (its cache goes with it): the
         manager's next lookups answer MISS, counted, and HIT again once a
         worker's cache is registered."""
-        spec = self.spec(miss_ttl_s=0.05)
-        m = self.manager(spec)
-        caches, _ = self.caches()
-        w = self.worker(spec, caches)
+        spec, m, w = self.engine(miss_ttl_s=0.05)
         ks = keys(2, "no-worker")
         self.store(m, w, ks, [0, 1])
         self.gone(w)
@@ -1656,10 +1657,7 @@ class TestPinLoadable(SpecCase):
         MISS while no worker's cache is registered: no event says it was
         removed (a KV-cache-aware router would stop sending its requests
         here), and it answers HIT again once a worker is back."""
-        spec = self.spec(miss_ttl_s=0.05)
-        m = self.manager(spec)
-        caches, _ = self.caches()
-        w = self.worker(spec, caches)
+        spec, m, w = self.engine(miss_ttl_s=0.05)
         k = keys(1, "no-worker-event")[0]
         self.store(m, w, [k], [0])
         self.assertEqual([e.removed for e in m.take_events()], [False])
@@ -1693,10 +1691,7 @@ class TestPinLoadable(SpecCase):
         move nothing and still tell vLLM (stored events) that it had:
         prepare_store answers None once a pin round found no worker, and
         stores again once one found the worker back."""
-        spec = self.spec(miss_ttl_s=0.05)
-        m = self.manager(spec)
-        caches, _ = self.caches()
-        w = self.worker(spec, caches)
+        spec, m, w = self.engine(miss_ttl_s=0.05)
         ks = keys(3, "no-worker-store")
         self.store(m, w, ks[:1], [0])
         self.gone(w)
@@ -1715,10 +1710,7 @@ class TestPinLoadable(SpecCase):
         worker has stayed away two reconnection periods, prepare_store
         answers no keys to store (vLLM moves on, quietly) instead of None,
         and stores again once the worker is back."""
-        spec = self.spec(miss_ttl_s=0.05, reconnect_s=0.1)
-        m = self.manager(spec)
-        caches, _ = self.caches()
-        w = self.worker(spec, caches)
+        spec, m, w = self.engine(miss_ttl_s=0.05, reconnect_s=0.1)
         ks = keys(3, "away-store")
         self.store(m, w, ks[:1], [0])
         self.gone(w)
@@ -1777,10 +1769,7 @@ class TestPinLoadable(SpecCase):
         "unknown type" (an older daemon started in its place): it can say
         nothing of workers, so stores go through as before the frame
         instead of staying refused on the older daemon's last answer."""
-        spec = self.spec(miss_ttl_s=0.05)
-        m = self.manager(spec)
-        caches, _ = self.caches()
-        w = self.worker(spec, caches)
+        spec, m, w = self.engine(miss_ttl_s=0.05)
         ks = keys(3, "no-worker-old-daemon")
         self.store(m, w, ks[:1], [0])
         self.gone(w)
@@ -1802,10 +1791,7 @@ class TestPinLoadable(SpecCase):
         MISS without a warning that a worker was refused (load_retry_s, 30
         s by default, has not passed)."""
         logs = self.info_logs()
-        spec = self.spec(miss_ttl_s=0.05, reconnect_s=0.05)
-        m = self.manager(spec)
-        caches, _ = self.caches()
-        w = self.worker(spec, caches)
+        spec, m, w = self.engine(miss_ttl_s=0.05, reconnect_s=0.05)
         ks = keys(2, "restart-window")
         self.store(m, w, ks, [0, 1])
         self.answer(m, ks[0], S.LookupResult.HIT)
@@ -1828,10 +1814,7 @@ class TestPinLoadable(SpecCase):
         missing is warned of, once however many lookups follow; its return
         is logged."""
         logs = self.info_logs()
-        spec = self.spec(miss_ttl_s=0.05, load_retry_s=0.2)
-        m = self.manager(spec)
-        caches, _ = self.caches()
-        w = self.worker(spec, caches)
+        spec, m, w = self.engine(miss_ttl_s=0.05, load_retry_s=0.2)
         ks = keys(1, "stays-away")
         self.store(m, w, ks, [0])
         self.gone(w)

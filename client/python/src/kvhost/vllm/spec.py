@@ -544,7 +544,7 @@ class SpecManager(Reconnects):
                     continue
                 # Refused (vLLM asks again next step, logging each time)
                 # while the worker may be reconnecting; then skipped.
-                away = where in self._warned or now - self._no_worker[where] >= self._store_grace()
+                away = now - self._no_worker[where] >= self._store_grace()
                 refused = "skip" if away else refused or True
                 if now - self._probed.get(where, -math.inf) >= self._opts["miss_ttl_s"]:
                     self._probed[where] = now
