@@ -720,13 +720,14 @@ type cacheGroup struct {
 func (s *Server) countCache(id engine.NamespaceID, group string, d int) {
 	s.nsMu.Lock()
 	defer s.nsMu.Unlock()
-	for _, k := range []cacheGroup{{id, ""}, {id, group}} {
+	add := func(k cacheGroup) {
 		if s.nsCaches[k] += d; s.nsCaches[k] <= 0 {
 			delete(s.nsCaches, k)
 		}
-		if group == "" {
-			break
-		}
+	}
+	add(cacheGroup{id, ""}) // every group's
+	if group != "" {
+		add(cacheGroup{id, group})
 	}
 }
 
