@@ -61,13 +61,20 @@ func measure(b *testing.B, clients int, target time.Duration, op func(ci, i int)
 		return
 	}
 	slices.Sort(all)
-	p := func(q float64) time.Duration { return all[min(len(all)-1, int(q*float64(len(all))))] }
-	b.ReportMetric(float64(p(0.50).Nanoseconds())/1e3, "p50-µs")
-	b.ReportMetric(float64(p(0.99).Nanoseconds())/1e3, "p99-µs")
+	b.ReportMetric(micros(percentile(all, 0.50)), "p50-µs")
+	b.ReportMetric(micros(percentile(all, 0.99)), "p99-µs")
 	if target > 0 {
-		b.ReportMetric(float64(p(0.99))/float64(target), "p99/target")
+		b.ReportMetric(float64(percentile(all, 0.99))/float64(target), "p99/target")
 	}
 }
+
+// percentile returns the q quantile of sorted latencies s.
+func percentile(s []time.Duration, q float64) time.Duration {
+	return s[min(len(s)-1, int(q*float64(len(s))))]
+}
+
+// micros is d in microseconds, for a benchmark's metric.
+func micros(d time.Duration) float64 { return float64(d.Nanoseconds()) / 1e3 }
 
 // BenchmarkLookup32 is the round trip of a 32-key lookup whose keys are all
 // stored. Target (one client): p99 < 100 µs.
@@ -248,7 +255,6 @@ func BenchmarkLookup16BesideLoads(b *testing.B) {
 		slices.Sort(l)
 		return l
 	}
-	pct := func(l []time.Duration, q float64) time.Duration { return l[min(len(l)-1, int(q*float64(len(l))))] }
 	b.ResetTimer()
 	alone := lookups()
 	stop := make(chan struct{})
@@ -288,11 +294,103 @@ func BenchmarkLookup16BesideLoads(b *testing.B) {
 	if jobs == 0 {
 		b.Fatal("no load ran beside the lookups")
 	}
-	us := func(d time.Duration) float64 { return float64(d.Nanoseconds()) / 1e3 }
-	b.ReportMetric(us(pct(alone, 0.5)), "alone-p50-µs")
-	b.ReportMetric(us(pct(alone, 0.99)), "alone-p99-µs")
-	b.ReportMetric(us(pct(beside, 0.5)), "beside-p50-µs")
-	b.ReportMetric(us(pct(beside, 0.99)), "beside-p99-µs")
-	b.ReportMetric(float64(pct(alone, 0.99))/float64(pct(beside, 0.99)), "of-ceiling")
+	b.ReportMetric(micros(percentile(alone, 0.5)), "alone-p50-µs")
+	b.ReportMetric(micros(percentile(alone, 0.99)), "alone-p99-µs")
+	b.ReportMetric(micros(percentile(beside, 0.5)), "beside-p50-µs")
+	b.ReportMetric(micros(percentile(beside, 0.99)), "beside-p99-µs")
+	b.ReportMetric(float64(percentile(alone, 0.99))/float64(percentile(beside, 0.99)), "of-ceiling")
 	b.ReportMetric(float64(jobs)/float64(b.N), "loads/lookup")
+}
+
+// BenchmarkPinLoadable16 is the round trip of the manager's lookup pin: a
+// PinLoadable of 16 stored keys, whose answer asks the server's namespace
+// lock whether a worker of the group has a cache registered. Its ceiling,
+// in the same run, is a plain Pin of the same keys: each client alternates
+// the two (every pin released, untimed, before the next), so both see the
+// same contention. It reports the p50 and p99 of each and, as the
+// fraction, the Pin's p99 over the PinLoadable's (1: the lock costs
+// nothing a client can see).
+func BenchmarkPinLoadable16(b *testing.B) {
+	for _, clients := range []int{1, 16} {
+		b.Run(fmt.Sprintf("clients=%d", clients), func(b *testing.B) {
+			f := newFixture(b, server.Config{})
+			ctx := context.Background()
+			worker := f.dial(b)
+			if err := worker.JoinGroup(ctx, "engine"); err != nil {
+				b.Fatal(err)
+			}
+			k := newCache(b, worker)
+			keys := make([][]byte, 16)
+			for i := range keys {
+				keys[i] = fmt.Appendf(nil, "pin-%02d", i)
+				k.store(b, string(keys[i]), []uint32{uint32(2 * i), uint32(2*i + 1)}, nil)
+			}
+			scheds := make([]*client.Client, clients)
+			nss := make([]client.NamespaceID, clients)
+			for i := range scheds {
+				scheds[i] = f.dial(b)
+				ns, err := scheds[i].Declare(ctx, geo)
+				if err != nil {
+					b.Fatal(err)
+				}
+				nss[i] = ns.ID
+			}
+			pin := func(ci int, loadable bool) (time.Duration, error) {
+				c := scheds[ci]
+				t0 := time.Now()
+				var p client.Pin
+				var err error
+				if loadable {
+					p, err = c.PinLoadable(ctx, nss[ci], keys, 0, "engine")
+				} else {
+					p, err = c.Pin(ctx, nss[ci], keys, 0)
+				}
+				d := time.Since(t0)
+				if err == nil && (p.ID == 0 || p.NoCache || slices.Contains(p.Held, false)) {
+					err = fmt.Errorf("pin (loadable %v) = %+v; want every key held", loadable, p)
+				}
+				if err == nil {
+					_, err = c.Unpin(ctx, p.ID)
+				}
+				return d, err
+			}
+			plain := make([][]time.Duration, clients)
+			loadable := make([][]time.Duration, clients)
+			b.ResetTimer()
+			var wg sync.WaitGroup
+			for ci := range scheds {
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					for range b.N {
+						for _, l := range []bool{false, true} {
+							d, err := pin(ci, l)
+							if err != nil {
+								b.Error(err)
+								return
+							}
+							if l {
+								loadable[ci] = append(loadable[ci], d)
+							} else {
+								plain[ci] = append(plain[ci], d)
+							}
+						}
+					}
+				}()
+			}
+			wg.Wait()
+			b.StopTimer()
+			p, l := slices.Concat(plain...), slices.Concat(loadable...)
+			if len(p) == 0 || len(l) == 0 {
+				return
+			}
+			slices.Sort(p)
+			slices.Sort(l)
+			b.ReportMetric(micros(percentile(p, 0.5)), "pin-p50-µs")
+			b.ReportMetric(micros(percentile(p, 0.99)), "pin-p99-µs")
+			b.ReportMetric(micros(percentile(l, 0.5)), "loadable-p50-µs")
+			b.ReportMetric(micros(percentile(l, 0.99)), "loadable-p99-µs")
+			b.ReportMetric(float64(percentile(p, 0.99))/float64(percentile(l, 0.99)), "of-ceiling")
+		})
+	}
 }
