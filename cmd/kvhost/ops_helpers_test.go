@@ -25,6 +25,7 @@ import (
 	"github.com/kvhost/kvhost/internal/fsys"
 	"github.com/kvhost/kvhost/internal/fsys/fsystest"
 	"github.com/kvhost/kvhost/internal/testsock"
+	"github.com/kvhost/kvhost/internal/testwasm"
 )
 
 // opsGeo is a small geometry: 2 blocks of 512 bytes per layer and plane
@@ -79,9 +80,35 @@ func TestMain(m *testing.M) {
 		os.Exit(1)
 	}
 	policyCache = filepath.Join(config.DefaultRoot(), "wasm-cache")
+	if err := shareCompiledPlugins(); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.RemoveAll(dir)
+		os.Exit(1)
+	}
 	code := m.Run()
 	os.RemoveAll(dir)
 	os.Exit(code)
+}
+
+// shareCompiledPlugins makes the package's default compilation caches
+// (policyCache, and the one config check and show compile through) links
+// to the run's shared directory where `make test` names one (testwasm):
+// the plugins compiled there before the race tests are not compiled
+// again under the race detector.
+func shareCompiledPlugins() error {
+	shared := testwasm.Dir()
+	if shared == "" {
+		return nil
+	}
+	for _, name := range []string{"wasm-cache", "check-wasm-cache"} {
+		if err := os.MkdirAll(config.DefaultRoot(), 0o750); err != nil {
+			return err
+		}
+		if err := os.Symlink(shared, filepath.Join(config.DefaultRoot(), name)); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 // testConfig writes a daemon configuration under dir and returns its

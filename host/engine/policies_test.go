@@ -11,6 +11,7 @@ import (
 
 	"github.com/kvhost/kvhost/abi/guest"
 	"github.com/kvhost/kvhost/host/policy"
+	"github.com/kvhost/kvhost/internal/testwasm"
 	"github.com/kvhost/kvhost/plugins"
 	"github.com/kvhost/kvhost/plugins/lru"
 )
@@ -101,6 +102,6 @@ var (
 // which every test (and every restart in it) paid again with a cache of
 // its own or none. It lives until the test process exits.
 func sharedCompilationCache() wazero.CompilationCache {
-	compileOnce.Do(func() { compileCache = wazero.NewCompilationCache() })
+	compileOnce.Do(func() { compileCache = testwasm.Cache() })
 	return compileCache
 }

@@ -12,12 +12,11 @@ import (
 	"testing"
 	"time"
 
-	"github.com/tetratelabs/wazero"
-
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/abi/guest"
 	"github.com/kvhost/kvhost/host/policy"
 	"github.com/kvhost/kvhost/host/policy/policytest"
+	"github.com/kvhost/kvhost/internal/testwasm"
 	"github.com/kvhost/kvhost/plugins/lru"
 )
 
@@ -57,7 +56,7 @@ func quietLogger() *slog.Logger { return slog.New(slog.DiscardHandler) }
 // it, the others take its compiled code, as a daemon's restart takes it
 // from policy.cache_dir. The tests that open a module without it check
 // the compilation itself.
-var builtinCache = sync.OnceValue(wazero.NewCompilationCache)
+var builtinCache = sync.OnceValue(testwasm.Cache)
 
 func newLRU() guest.Policy { return lru.New() }
 

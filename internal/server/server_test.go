@@ -15,8 +15,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/tetratelabs/wazero"
-
 	"github.com/kvhost/kvhost/abi/guest"
 	"github.com/kvhost/kvhost/client"
 	"github.com/kvhost/kvhost/host/engine"
@@ -25,6 +23,7 @@ import (
 	"github.com/kvhost/kvhost/internal/server"
 	"github.com/kvhost/kvhost/internal/testsock"
 	"github.com/kvhost/kvhost/internal/testwait"
+	"github.com/kvhost/kvhost/internal/testwasm"
 	"github.com/kvhost/kvhost/plugins"
 	"github.com/kvhost/kvhost/plugins/lru"
 	"github.com/kvhost/kvhost/protocol"
@@ -50,7 +49,7 @@ type fixture struct {
 // policy, in memory: a benchmark function runs several times (b.N
 // growing), and compiles the policy only the first time in the process,
 // leaving nothing on disk.
-var benchPolicyCache = sync.OnceValue(wazero.NewCompilationCache)
+var benchPolicyCache = sync.OnceValue(testwasm.Cache)
 
 // openEngineWith opens a real engine on dir, as the daemon configures it,
 // with the configuration edited by edit (if not nil).

@@ -8,10 +8,12 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/kvhost/kvhost/host/policy/conformance"
+	"github.com/kvhost/kvhost/internal/testwasm"
 	"github.com/kvhost/kvhost/plugins"
 )
 
@@ -230,6 +232,11 @@ func TestReportJSON(t *testing.T) {
 	}
 }
 
+// builtinCache is the compilation cache of the built-in plugins: the
+// run's shared one where `make test` names it (testwasm), else one in
+// memory.
+var builtinCache = sync.OnceValue(testwasm.Cache)
+
 // TestBuiltinsPass runs the suite on every built-in plugin; `make` builds
 // them before the tests, so a missing module is a failure.
 func TestBuiltinsPass(t *testing.T) {
@@ -241,7 +248,7 @@ func TestBuiltinsPass(t *testing.T) {
 			if err != nil {
 				t.Fatalf("%v (build the plugins with `make wasm`)", err)
 			}
-			r := conformance.Run(context.Background(), mod, conformance.Options{Name: name})
+			r := conformance.Run(context.Background(), mod, conformance.Options{Name: name, Cache: builtinCache()})
 			if !r.OK() {
 				logReport(t, r)
 				t.Fatalf("built-in plugin %s fails the suite", name)
