@@ -216,6 +216,35 @@ func BenchmarkLookup32Protocol(b *testing.B) {
 // lookup never waits behind the data path (the ceiling is the lookup
 // alone).
 func BenchmarkLookup16BesideLoads(b *testing.B) {
+	benchBesideLoads(b, func(ctx context.Context, k *cache, keys [][]byte) (uint64, error) {
+		n, err := k.c.Lookup(ctx, k.ns.ID, keys)
+		if err == nil && n != len(keys) {
+			err = fmt.Errorf("lookup: %d of %d", n, len(keys))
+		}
+		return 0, err
+	})
+}
+
+// BenchmarkPinLoadable16BesideLoads is BenchmarkLookup16BesideLoads for
+// the spec manager's pin, a PinLoadable of the 16 keys (released, untimed,
+// after each), which stats every key's file where a lookup trusts a
+// recent check.
+func BenchmarkPinLoadable16BesideLoads(b *testing.B) {
+	benchBesideLoads(b, func(ctx context.Context, k *cache, keys [][]byte) (uint64, error) {
+		p, err := k.c.PinLoadable(ctx, k.ns.ID, keys, 0, "")
+		if err == nil && (p.ID == 0 || slices.Contains(p.Held, false)) {
+			err = fmt.Errorf("pin = %+v; want every key held", p)
+		}
+		return p.ID, err
+	})
+}
+
+// benchBesideLoads times op, a round trip over 16 stored keys of its
+// cache, b.N times alone and b.N times beside four load jobs kept in
+// flight by another client, and reports the two latencies and their
+// ratio (see BenchmarkLookup16BesideLoads). The pin op returns (0: none)
+// is released after it, untimed.
+func benchBesideLoads(b *testing.B, op func(ctx context.Context, k *cache, keys [][]byte) (pin uint64, err error)) {
 	f := newFixture(b, server.Config{})
 	ctx := context.Background()
 	stored := func(k *cache, prefix string) [][]byte {
@@ -246,11 +275,16 @@ func BenchmarkLookup16BesideLoads(b *testing.B) {
 		l := make([]time.Duration, 0, b.N)
 		for range b.N {
 			t0 := time.Now()
-			n, err := lk.c.Lookup(ctx, lk.ns.ID, keys)
-			if err != nil || n != len(keys) {
-				b.Fatalf("lookup: %d of %d, %v", n, len(keys), err)
+			pin, err := op(ctx, lk, keys)
+			if err != nil {
+				b.Fatal(err)
 			}
 			l = append(l, time.Since(t0))
+			if pin != 0 {
+				if _, err := lk.c.Unpin(ctx, pin); err != nil {
+					b.Fatal(err)
+				}
+			}
 		}
 		slices.Sort(l)
 		return l
