@@ -100,10 +100,10 @@ func shareCompiledPlugins() error {
 	if shared == "" {
 		return nil
 	}
+	if err := os.MkdirAll(config.DefaultRoot(), 0o750); err != nil {
+		return err
+	}
 	for _, name := range []string{"wasm-cache", "check-wasm-cache"} {
-		if err := os.MkdirAll(config.DefaultRoot(), 0o750); err != nil {
-			return err
-		}
 		if err := os.Symlink(shared, filepath.Join(config.DefaultRoot(), name)); err != nil {
 			return err
 		}
