@@ -536,21 +536,23 @@ class SpecManager(Reconnects):
         for k in keys:
             g = sc.key_group(k)
             groups.setdefault(g if g < len(self._groups) else 0, k)
-        refused = False
+        # Refused (vLLM asks again next step, logging each time) while the
+        # worker may be reconnecting; skipped once one stayed away longer.
+        grace, refuse, skip = self._store_grace(), False, False
         for g, k in groups.items():
             for r in range(self._tp):
                 where = (r, g)
                 if where not in self._no_worker:
                     continue
-                # Refused (vLLM asks again next step, logging each time)
-                # while the worker may be reconnecting; then skipped.
-                away = now - self._no_worker[where] >= self._store_grace()
-                refused = "skip" if away else refused or True
+                if now - self._no_worker[where] >= grace:
+                    skip = True
+                else:
+                    refuse = True
                 if now - self._probed.get(where, -math.inf) >= self._opts["miss_ttl_s"]:
                     self._probed[where] = now
                     self._probes[where] = k
                     self._cv.notify_all()
-        return refused
+        return "skip" if skip else refuse
 
     def _store_grace(self):
         """How long stores of a namespace found without a worker are
