@@ -73,6 +73,15 @@ func percentile(s []time.Duration, q float64) time.Duration {
 	return s[min(len(s)-1, int(q*float64(len(s))))]
 }
 
+// heldAll says what is wrong with p, a pin of stored keys that a cache
+// could load, unless it holds every key.
+func heldAll(p client.Pin) error {
+	if p.ID == 0 || p.NoCache || slices.Contains(p.Held, false) {
+		return fmt.Errorf("pin = %+v; want every key held", p)
+	}
+	return nil
+}
+
 // micros is d in microseconds, for a benchmark's metric.
 func micros(d time.Duration) float64 { return float64(d.Nanoseconds()) / 1e3 }
 
@@ -232,8 +241,8 @@ func BenchmarkLookup16BesideLoads(b *testing.B) {
 func BenchmarkPinLoadable16BesideLoads(b *testing.B) {
 	benchBesideLoads(b, func(ctx context.Context, k *cache, keys [][]byte) (uint64, error) {
 		p, err := k.c.PinLoadable(ctx, k.ns.ID, keys, 0, "")
-		if err == nil && (p.ID == 0 || slices.Contains(p.Held, false)) {
-			err = fmt.Errorf("pin = %+v; want every key held", p)
+		if err == nil {
+			err = heldAll(p)
 		}
 		return p.ID, err
 	})
@@ -380,8 +389,8 @@ func BenchmarkPinLoadable16(b *testing.B) {
 					p, err = c.Pin(ctx, nss[ci], keys, 0)
 				}
 				d := time.Since(t0)
-				if err == nil && (p.ID == 0 || p.NoCache || slices.Contains(p.Held, false)) {
-					err = fmt.Errorf("pin (loadable %v) = %+v; want every key held", loadable, p)
+				if err == nil {
+					err = heldAll(p)
 				}
 				if err == nil {
 					_, err = c.Unpin(ctx, p.ID)
