@@ -4,7 +4,7 @@ offloading engine (the `storage_offload` extension of llm-d-kv-cache's
 `kv_connectors/llmd_fs_backend`) driven on the workload `kvhost bench
 --tokens-per-key 256 --jobs 16` runs.
 
-    peer-llmd.py DIR GIB THREADS ROUNDS [--cold] [--sync] [--device cuda]
+    peer-llmd.py DIR GIB THREADS ROUNDS [--cold] [--sync] [--device cuda:0]
 
 The layout is Llama-3.1-8B's in bf16 with vLLM's 16-token blocks: 32 layers,
 64 KiB per block and layer (K and V), 16 blocks (256 tokens, 32 MiB) per
@@ -110,14 +110,15 @@ def main():
     ap.add_argument("rounds", type=int)
     ap.add_argument("--cold", action="store_true", help="drop the page cache between store and load")
     ap.add_argument("--sync", action="store_true", help="count an os.sync() in each store")
-    ap.add_argument("--device", default="cuda", help="torch device of the layer tensors (cpu: tests)")
+    ap.add_argument("--device", default="cuda:0", help="torch device of the layer tensors (cpu: tests)")
     ap.add_argument("--job-timeout", type=float, default=120, help="seconds a job may take before the run fails")
     a = ap.parse_args()
     files = int(a.gib * (1 << 30)) // FILE_BYTES
     if files < 1:
         ap.error(f"{a.gib} GiB holds no file of {FILE_BYTES >> 20} MiB")
-    if a.device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(a.device))
+    device = torch.device(a.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device.index or 0)
     d = Driver(files, a.threads, a.device, a.job_timeout)
 
     warm = os.path.join(a.dir, "warm")

@@ -28,7 +28,7 @@ disk=${DISK_DIR:-/var/tmp/peer}
 here=$(cd "$(dirname "$0")" && pwd)
 : "${LLMD:?set LLMD to the directory that holds the storage_offload module built from llm-d}"
 export PYTHONPATH="$LLMD${PYTHONPATH:+:$PYTHONPATH}"
-python3 -c 'import storage_offload' || { echo "peer-sweep: storage_offload does not import from LLMD=$LLMD" >&2; exit 2; }
+python3 -c 'import torch, storage_offload' || { echo "peer-sweep: storage_offload does not import from LLMD=$LLMD" >&2; exit 2; }
 if [ -f "$bin.tar.xz" ] && [ ! -d "$bin" ]; then
 	mkdir -p "$bin" && tar -C "$bin" -xJf "$bin.tar.xz"
 fi
@@ -43,7 +43,7 @@ version=${version#kvhost }
 	nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv,noheader
 	lscpu | grep -E "Model name|^CPU\(s\)"
 	uname -r
-} >>"$raw"
+} >"$raw"
 
 llmd() { # name dir gib [driver flags]: one llm-d run of two rounds
 	local name=$1 dir=$2 gib=$3; shift 3
