@@ -1828,6 +1828,28 @@ class TestPinLoadable(SpecCase):
         d.wait_for(lambda: answer_of(m, keys(1, f"stays-away-{next(n)}")[0]) == S.LookupResult.MISS
                    and logs.count("registered with the daemon again") == 1, what="the worker's return logged")
 
+    def test_a_hybrid_models_worker_that_stays_away_is_warned_of_once_per_rank(self):
+        """A hybrid model's groups share their rank's worker: its absence,
+        found in each group's namespace, is one warning, and its return
+        one line once every group is registered again."""
+        logs = self.info_logs()
+        spec = self.spec(groups=2, miss_ttl_s=0.05, load_retry_s=0.2)
+        m = self.manager(spec)
+        w = self.worker(spec, self.caches(groups=2)[0])
+        self.gone(w)
+        n = iter(range(1 << 20))
+
+        def both_missed():
+            i = next(n)
+            return all(answer_of(m, keys(1, f"hybrid-away-{i}", group=g)[0]) == S.LookupResult.MISS
+                       for g in (0, 1))
+
+        d.wait_for(lambda: both_missed() and len(m._warned) == 2, what="both groups found away past load_retry_s")
+        self.assertEqual(logs.count("no worker of rank 0"), 1, logs.messages)
+        self.worker(spec, self.caches(groups=2, seed=6)[0])
+        d.wait_for(lambda: both_missed() and not m._warned, what="both groups found registered again")
+        self.assertEqual(logs.count("registered with the daemon again"), 1, logs.messages)
+
 
 @unittest.skipUnless(HAVE_TORCH, "torch is not installed")
 class TestDaemonPins(SpecCase):

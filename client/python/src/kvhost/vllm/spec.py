@@ -86,11 +86,12 @@ class SpecManager(Reconnects):
         # Pins ask the daemon for a worker's cache in their namespace
         # (PinLoadable) unless it is older than that frame. _no_worker:
         # (rank, group) -> when the daemon first answered it had none,
-        # _warned: those the outage was logged for (one line per outage).
+        # _warned: those the outage was logged for (one line per rank and
+        # outage, however many of its groups are away).
         self._loadable = True
         self._no_worker, self._warned = {}, set()
         # (rank, group) -> a key to ask the daemon with, for a store
-        # refused there (_no_worker_for_locked, _probe); _probed: when each was last asked.
+        # refused there (_probe_later_locked, _probe); _probed: when each was last asked.
         self._probes, self._probed = {}, {}
         self._group = sc.engine_group(config)  # this engine's workers' (the daemon's Group)
         self.namespaces = {(r, g): sc.geometry(sc.describe(self._ident, g, r)).model
@@ -370,14 +371,20 @@ class SpecManager(Reconnects):
                         # to a daemon started after vLLM (the manager often
                         # first): warned of only once it stays away
                         # load_retry_s (its stores refused, then skipped).
+                        # One line per rank: a hybrid model's groups
+                        # share its worker, so its other groups' warnings
+                        # would say the same again.
                         since = self._no_worker.setdefault(where, now)
                         first = where not in self._warned and now - since >= self._opts["load_retry_s"]
                         if first:
+                            first = not self._rank_warned_locked(where[0])
                             self._warned.add(where)
                     else:
                         first = where in self._warned
                         self._warned.discard(where)
                         self._no_worker.pop(where, None)
+                        if first:  # logged when the rank's last group is back
+                            first = not self._rank_warned_locked(where[0])
                 if first and no_cache:
                     log.warning("kvhost spec: no worker of rank %d of this engine has its KV cache registered "
                                 "with the daemon (namespace %s%s): lookups answer MISS, vLLM recomputes; %s",
@@ -389,6 +396,10 @@ class SpecManager(Reconnects):
                              where[0])
                 return pin_id, ok, no_cache
         return (*client.pin(ns, keys, lease), False)
+
+    def _rank_warned_locked(self, rank):
+        """Whether a group of rank is warned of as having no worker."""
+        return any(r == rank for r, _ in self._warned)
 
     def _why_no_worker(self, client, ns, probe):
         """What to tell an operator whose workers the daemon does not count:
@@ -492,11 +503,13 @@ class SpecManager(Reconnects):
         with self._lock:
             if self._broken is None and not self._client.connected():
                 self._lost_locked(self._client, "the daemon closed the connection")
-            away = self._no_worker_for_locked(keys, now)
-            if self._broken is not None or self._closing or away:
+            away = self._away_locked(keys)
+            self._probe_later_locked(away, now)
+            refuse, skip = self._store_verdict_locked(away, now)
+            if self._broken is not None or self._closing or refuse or skip:
                 # Without a worker the store would move nothing, and vLLM
                 # would be told (stored events) that it had.
-                if away == "skip":
+                if skip:
                     self._stats["store_keys_skipped_no_worker"] += len(keys)
                     return self._api.PrepareStoreOutput(keys_to_store=[], store_spec=sc.KvhostLoadStoreSpec([], []),
                                                         evicted_keys=[])
@@ -521,38 +534,38 @@ class SpecManager(Reconnects):
         spec = sc.KvhostLoadStoreSpec([sc.daemon_key(k) for k in out], [sc.key_group(k) for k in out])
         return self._api.PrepareStoreOutput(keys_to_store=out, store_spec=spec, evicted_keys=[])
 
-    def _no_worker_for_locked(self, keys, now):
-        """Whether the daemon answered, at the last pin round of a
-        namespace of keys, that no worker's cache was registered there:
-        "skip" where such a namespace's worker has stayed away longer than
-        _store_grace, else True, or False.
-        Each such namespace is asked again (_probe), miss_ttl_s apart:
-        vLLM looks a hybrid model's later groups up only after group 0
-        hit, which takes stores of every group's keys at once, so no
-        lookup may ever come to find the worker back."""
+    def _away_locked(self, keys):
+        """The (rank, group) namespaces of keys whose last pin round found
+        no worker's cache registered, each with one of its keys: a dict
+        where -> key."""
         if not self._no_worker:
-            return False
+            return {}
         groups = {}
         for k in keys:
             g = sc.key_group(k)
             groups.setdefault(g if g < len(self._groups) else 0, k)
-        # Refused (vLLM asks again next step, logging each time) while the
-        # worker may be reconnecting; skipped once one stayed away longer.
-        grace, refuse, skip = self._store_grace(), False, False
-        for g, k in groups.items():
-            for r in range(self._tp):
-                where = (r, g)
-                if where not in self._no_worker:
-                    continue
-                if now - self._no_worker[where] >= grace:
-                    skip = True
-                else:
-                    refuse = True
-                if now - self._probed.get(where, -math.inf) >= self._opts["miss_ttl_s"]:
-                    self._probed[where] = now
-                    self._probes[where] = k
-                    self._cv.notify_all()
-        return "skip" if skip else refuse
+        return {(r, g): k for g, k in groups.items() for r in range(self._tp) if (r, g) in self._no_worker}
+
+    def _probe_later_locked(self, away, now):
+        """Has the manager's thread ask the daemon again (_probe), miss_ttl_s
+        apart, whether a worker of each namespace in away is back: vLLM
+        looks a hybrid model's later groups up only after group 0 hit, and
+        hands prepare_store every group's keys at once, so no lookup may
+        ever come to find the worker back."""
+        for where, k in away.items():
+            if now - self._probed.get(where, -math.inf) >= self._opts["miss_ttl_s"]:
+                self._probed[where] = now
+                self._probes[where] = k
+                self._cv.notify_all()
+
+    def _store_verdict_locked(self, away, now):
+        """(refuse, skip) for a store of keys in the namespaces away: refused
+        (vLLM asks again next step, logging each time) while a worker may
+        be reconnecting, skipped once one stayed away longer than
+        _store_grace."""
+        grace = self._store_grace()
+        skip = any(now - self._no_worker[where] >= grace for where in away)
+        return bool(away) and not skip, skip
 
     def _store_grace(self):
         """How long stores of a namespace found without a worker are
