@@ -50,9 +50,10 @@ build: $(PLUGIN_WASM)
 run: build
 	./bin/kvhost
 
-# The summary table of docs/performance.md and the README's headline,
-# regenerated from the raw files in docs/bench as docs/bench/summary.toml
-# selects them (the tests of internal/perfsummary fail where they differ).
+# The summary tables of docs/performance.md and the README's headlines,
+# one per machine, regenerated from the raw files in docs/bench as
+# docs/bench/summary.toml (the H100 machine) and summary-h200.toml select
+# them (the tests of internal/perfsummary fail where they differ).
 .PHONY: perf-summary
 perf-summary:
 	$(GO) run ./internal/perfsummary

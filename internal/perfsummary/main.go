@@ -33,10 +33,25 @@ func main() {
 
 // The documents, relative to the repository's root.
 const (
-	manifestPath    = "docs/bench/summary.toml"
 	performancePath = "docs/performance.md"
 	readmePath      = "README.md"
 )
+
+// A summary is one machine's table: the manifest that selects its raw
+// files, and the name of its markers in the documents (summaryMarkers).
+// The README shows a summary's first readme_rows rows; one with none
+// has no markers there.
+type summary struct {
+	manifest string // relative to the repository's root
+	name     string // "" for the first summary's markers, else "perf-summary:NAME:..."
+	anchor   string // its section of docs/performance.md, which the README links to
+}
+
+// summaries are the tables, in the order the documents show them.
+var summaries = []summary{
+	{manifest: "docs/bench/summary.toml", anchor: "on-the-h100-machine"},
+	{manifest: "docs/bench/summary-h200.toml", name: "h200", anchor: "on-the-h200-machine"},
+}
 
 func run(root string, check bool) error {
 	docs, err := Generate(root)
@@ -64,36 +79,48 @@ type Doc struct {
 	Old, New string
 }
 
-// Generate regenerates both documents in memory.
+// Generate regenerates both documents in memory: every summary's blocks.
 func Generate(root string) ([]Doc, error) {
-	mb, err := os.ReadFile(filepath.Join(root, manifestPath))
-	if err != nil {
-		return nil, err
-	}
-	m, err := ParseManifest(string(mb))
-	if err != nil {
-		return nil, err
-	}
-	results, err := Compute(m, os.DirFS(filepath.Join(root, "docs/bench")))
-	if err != nil {
-		return nil, err
-	}
-	var docs []Doc
-	for _, d := range []struct {
-		path, begin, end, block string
-	}{
-		{performancePath, perfBegin, perfEnd, PerformanceBlock(m, results)},
-		{readmePath, readmeBegin, readmeEnd, ReadmeBlock(m, results)},
-	} {
-		old, err := os.ReadFile(filepath.Join(root, d.path))
+	docs := []Doc{{Path: performancePath}, {Path: readmePath}}
+	for i := range docs {
+		b, err := os.ReadFile(filepath.Join(root, docs[i].Path))
 		if err != nil {
 			return nil, err
 		}
-		doc, err := Replace(string(old), d.begin, d.end, d.block)
+		docs[i].Old, docs[i].New = string(b), string(b)
+	}
+	for _, s := range summaries {
+		mb, err := os.ReadFile(filepath.Join(root, s.manifest))
 		if err != nil {
-			return nil, fmt.Errorf("%s: %w", d.path, err)
+			return nil, err
 		}
-		docs = append(docs, Doc{Path: d.path, Old: string(old), New: doc})
+		m, err := ParseManifest(string(mb))
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", s.manifest, err)
+		}
+		results, err := Compute(m, os.DirFS(filepath.Join(root, "docs/bench")))
+		if err != nil {
+			return nil, fmt.Errorf("%s: %w", s.manifest, err)
+		}
+		perf, readme := summaryMarkers(s)
+		if err := docs[0].replace(perf, PerformanceBlock(m, results)); err != nil {
+			return nil, err
+		}
+		if m.ReadmeRows > 0 {
+			if err := docs[1].replace(readme, ReadmeBlock(m, results, s.anchor)); err != nil {
+				return nil, err
+			}
+		}
 	}
 	return docs, nil
+}
+
+// replace puts block between the markers of d's new text.
+func (d *Doc) replace(mk markers, block string) error {
+	doc, err := Replace(d.New, mk.begin, mk.end, block)
+	if err != nil {
+		return fmt.Errorf("%s: %w", d.Path, err)
+	}
+	d.New = doc
+	return nil
 }

@@ -14,7 +14,7 @@ var (
 	reSweepLLMD    = regexp.MustCompile(`^== llmd (\S+):\s*(.*)$`)
 	reSweepForeign = regexp.MustCompile(`^== foreign (\S+)\s*$`)
 	reSweepPairN   = regexp.MustCompile(`-(\d+)$`)
-	reSweepPeer    = regexp.MustCompile(`^llmd (store|load) GB/s ([0-9.]+) files (\d+) round (\d+) ok (True|False)(?: layers_differ (\d+))?\s*$`)
+	reSweepPeer    = regexp.MustCompile(`^llmd (store(?:\+sync)?|(?:cold )?load) GB/s ([0-9.]+) files (\d+) round (\d+) ok (True|False)(?: layers_differ (\d+))?\s*$`)
 	reSweepStore   = regexp.MustCompile(`^store: (\d+) keys of (\d+ [KMG]iB) in (\d+) jobs: ([0-9.]+) GB/s\s*$`)
 	reSweepLoad    = regexp.MustCompile(`^load after restart: (\d+)/(\d+) keys of (\d+ [KMG]iB) in (\d+) jobs: ([0-9.]+) GB/s; (\d+) keys differ\s*$`)
 	reSweepMetric  = regexp.MustCompile(`^\s+kvhost_\w+(\{.*\})? \S+$`)
@@ -83,13 +83,19 @@ func ParseSweepFile(name, text string) (*CallFile, error) {
 			// The driver's --cold drops the page cache before each load
 			// and --sync counts a sync in each store: their phases are
 			// named as the peer call files name them.
+			// scripts/peer-llmd.py names them in its lines itself, and
+			// must agree with its arguments.
+			cold, sync := slices.Contains(peerArgs, "--cold"), slices.Contains(peerArgs, "--sync")
 			for i := range peer.Phases {
 				ph := &peer.Phases[i]
 				switch {
-				case ph.Name == "load" && slices.Contains(peerArgs, "--cold"):
+				case ph.Name == "load" && cold:
 					ph.Name = "cold load"
-				case ph.Name == "store" && slices.Contains(peerArgs, "--sync"):
+				case ph.Name == "store" && sync:
 					ph.Name = "store+sync"
+				case ph.Name == "cold load" && !cold, ph.Name == "store+sync" && !sync:
+					return fmt.Errorf("%s:%d: the llmd section's %q lines need %s among its arguments", name, lastSec,
+						ph.Name, map[bool]string{true: "--cold", false: "--sync"}[ph.Name == "cold load"])
 				}
 			}
 			c.Peer = append(c.Peer, *peer)
@@ -212,7 +218,7 @@ func ParseSweepFile(name, text string) (*CallFile, error) {
 func addSweepPeer(p *PeerLine, line string) error {
 	m := reSweepPeer.FindStringSubmatch(line)
 	if m == nil {
-		return fmt.Errorf("an llmd line must read \"llmd store|load GB/s X files N round R ok True|False [layers_differ D]\": %q", line)
+		return fmt.Errorf("an llmd line must read \"llmd store|store+sync|load|cold load GB/s X files N round R ok True|False [layers_differ D]\": %q", line)
 	}
 	v, err := strconv.ParseFloat(m[2], 64)
 	if err != nil {

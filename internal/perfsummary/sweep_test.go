@@ -130,22 +130,29 @@ func TestParseSweepFileReadsTheStagedColumn(t *testing.T) {
 // TestParseSweepFileNamesPairsAndColdPhases: an llmd section "NAME-N" is
 // pair N (the kvhost runs "...-N" that follow it are compared with it
 // alone), and the driver's --cold and --sync name its phases as the peer
-// call files do ("cold load", "store+sync").
+// call files do ("cold load", "store+sync"), whether its lines say so
+// (scripts/peer-llmd.py) or not (the earlier drivers).
 func TestParseSweepFileNamesPairsAndColdPhases(t *testing.T) {
 	cases := []struct {
 		header string
+		named  bool // the lines name the phases, as scripts/peer-llmd.py's do
 		want   PeerLine
 	}{
-		{"== llmd disk-2: /var/tmp/sw/ll 2 16 1 --cold --sync", PeerLine{Line: 1, Label: "disk-2", Pair: 2,
+		{"== llmd disk-2: /var/tmp/sw/ll 2 16 1 --cold --sync", false, PeerLine{Line: 1, Label: "disk-2", Pair: 2,
 			Phases: []PeerPhase{{Name: "store+sync", GBps: []float64{1.9}}, {Name: "cold load", GBps: []float64{1.57}}}}},
-		{"== llmd shm32-1: /dev/shm/sw/ll 8 16 1", PeerLine{Line: 1, Label: "shm32-1", Pair: 1,
+		{"== llmd disk-3: /var/tmp/sw/ll 2 16 1 --cold --sync", true, PeerLine{Line: 1, Label: "disk-3", Pair: 3,
+			Phases: []PeerPhase{{Name: "store+sync", GBps: []float64{1.9}}, {Name: "cold load", GBps: []float64{1.57}}}}},
+		{"== llmd shm32-1: /dev/shm/sw/ll 8 16 1", false, PeerLine{Line: 1, Label: "shm32-1", Pair: 1,
 			Phases: []PeerPhase{{Name: "store", GBps: []float64{1.9}}, {Name: "load", GBps: []float64{1.57}}}}},
-		{"== llmd shm32b: /dev/shm/sw/ll 8 16 1 --cold", PeerLine{Line: 1, Label: "shm32b",
+		{"== llmd shm32b: /dev/shm/sw/ll 8 16 1 --cold", false, PeerLine{Line: 1, Label: "shm32b",
 			Phases: []PeerPhase{{Name: "store", GBps: []float64{1.9}}, {Name: "cold load", GBps: []float64{1.57}}}}},
 	}
 	for _, c := range cases {
 		t.Run(c.want.Label, func(t *testing.T) {
 			text := c.header + "\nllmd store GB/s 1.90 files 64 round 1 ok True\nllmd load GB/s 1.57 files 64 round 1 ok True layers_differ 0\n"
+			if c.named {
+				text = strings.NewReplacer("llmd store GB/s", "llmd store+sync GB/s", "llmd load GB/s", "llmd cold load GB/s").Replace(text)
+			}
 			f, err := ParseSweepFile("sweep.txt", text)
 			if err != nil {
 				t.Fatal(err)
@@ -186,6 +193,8 @@ func TestParseSweepFileRefusesLinesItCannotRead(t *testing.T) {
 	}{
 		{"unknown section", "== kvhost-a b: x\n== something else\n", "s.txt:2: a section header must read"},
 		{"llmd line cut short", "== llmd a: x\nllmd store GB/s 1.0 files 2\n", "s.txt:2: an llmd line must read"},
+		{"cold load without --cold", "== llmd a: x --sync\nllmd cold load GB/s 1.0 files 2 round 1 ok True\n", "s.txt:1: the llmd section's \"cold load\" lines need --cold"},
+		{"store+sync without --sync", "== llmd a: x\nllmd store+sync GB/s 1.0 files 2 round 1 ok True\n", "s.txt:1: the llmd section's \"store+sync\" lines need --sync"},
 		{"llmd rounds out of order", "== llmd a: x\nllmd store GB/s 1.0 files 2 round 2 ok True\n", "s.txt:2: llmd store round 2 follows 0 rounds"},
 		{"llmd section without figures", "== llmd a: x\nprose\n== kvhost-a b: x\n", "s.txt:1: the llmd section has no"},
 		{"the same kvhost section twice", kv + strings.Replace(row, "%s", "1.27  0.91", 1) + kv, "s.txt:3: kvhost-final a appears twice"},
