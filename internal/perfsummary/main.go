@@ -43,13 +43,13 @@ const (
 // has no markers there.
 type summary struct {
 	manifest string // relative to the repository's root
-	name     string // "" for the first summary's markers, else "perf-summary:NAME:..."
+	name     string // its markers' name: "perf-summary:NAME:..."
 	anchor   string // its section of docs/performance.md, which the README links to
 }
 
 // summaries are the tables, in the order the documents show them.
 var summaries = []summary{
-	{manifest: "docs/bench/summary.toml", anchor: "on-the-h100-machine"},
+	{manifest: "docs/bench/summary.toml", name: "h100", anchor: "on-the-h100-machine"},
 	{manifest: "docs/bench/summary-h200.toml", name: "h200", anchor: "on-the-h200-machine"},
 }
 

@@ -82,20 +82,21 @@ func ParseSweepFile(name, text string) (*CallFile, error) {
 			}
 			// The driver's --cold drops the page cache before each load
 			// and --sync counts a sync in each store: their phases are
-			// named as the peer call files name them.
-			// scripts/peer-llmd.py names them in its lines itself, and
-			// must agree with its arguments.
-			cold, sync := slices.Contains(peerArgs, "--cold"), slices.Contains(peerArgs, "--sync")
+			// named as the peer call files name them. The earlier
+			// drivers' lines say "load" and "store" whatever the flags;
+			// scripts/peer-llmd.py's name the phase, which must agree.
 			for i := range peer.Phases {
 				ph := &peer.Phases[i]
-				switch {
-				case ph.Name == "load" && cold:
-					ph.Name = "cold load"
-				case ph.Name == "store" && sync:
-					ph.Name = "store+sync"
-				case ph.Name == "cold load" && !cold, ph.Name == "store+sync" && !sync:
-					return fmt.Errorf("%s:%d: the llmd section's %q lines need %s among its arguments", name, lastSec,
-						ph.Name, map[bool]string{true: "--cold", false: "--sync"}[ph.Name == "cold load"])
+				for _, f := range []struct{ plain, named, flag string }{
+					{"load", "cold load", "--cold"},
+					{"store", "store+sync", "--sync"},
+				} {
+					flagged := slices.Contains(peerArgs, f.flag)
+					if ph.Name == f.plain && flagged {
+						ph.Name = f.named
+					} else if ph.Name == f.named && !flagged {
+						return fmt.Errorf("%s:%d: the llmd section's %q lines need %s among its arguments", name, lastSec, ph.Name, f.flag)
+					}
 				}
 			}
 			c.Peer = append(c.Peer, *peer)
