@@ -53,7 +53,7 @@ class Driver:
     0..N-1, loads write blocks N..2N-1."""
 
     def __init__(self, files, threads, device, job_timeout):
-        self.files, self.device, self.job_timeout = files, device, job_timeout
+        self.device, self.job_timeout = device, job_timeout
         self.n = files * BLOCKS_PER_FILE
         self.tensors = [torch.empty((2 * self.n, BLOCK_BYTES // 2), dtype=torch.int16, device=device)
                         for _ in range(LAYERS)]
@@ -69,7 +69,7 @@ class Driver:
         self.job = 0
 
     def sync(self):
-        if self.device != "cpu":
+        if self.device.type == "cuda":
             torch.cuda.synchronize()
 
     def run(self, store, paths, base):
@@ -117,9 +117,9 @@ def main():
     if files < 1:
         ap.error(f"{a.gib} GiB holds no file of {FILE_BYTES >> 20} MiB")
     device = torch.device(a.device)
-    if device.type == "cuda":
+    if device.type == "cuda":  # before the engine, which maps the current device's memory
         torch.cuda.set_device(device.index or 0)
-    d = Driver(files, a.threads, a.device, a.job_timeout)
+    d = Driver(files, a.threads, device, a.job_timeout)
 
     warm = os.path.join(a.dir, "warm")
     paths = [os.path.join(warm, f"w{i}.bin") for i in range(min(WARM_FILES, files))]

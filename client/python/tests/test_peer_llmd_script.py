@@ -34,7 +34,7 @@ STAND_IN = textwrap.dedent('''
         def __init__(self, threads, blocks_per_file, tensors, groups, block_bytes, read_threads, gds, x):
             assert threads > 0 and read_threads >= 0 and gds == "disabled"
             assert groups == [list(range(len(tensors)))] and len(block_bytes) == 1
-            self.tensors, self.per_file = tensors, blocks_per_file
+            self.tensors = tensors
             self.lock, self.finished = threading.Lock(), []
             self.breaks = os.environ.get("KVH_FAKE", "")
 
