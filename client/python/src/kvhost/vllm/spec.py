@@ -563,9 +563,11 @@ class SpecManager(Reconnects):
         (vLLM asks again next step, logging each time) while a worker may
         be reconnecting, skipped once one stayed away longer than
         _store_grace."""
+        if not away:
+            return False, False
         grace = self._store_grace()
         skip = any(now - self._no_worker[where] >= grace for where in away)
-        return bool(away) and not skip, skip
+        return not skip, skip
 
     def _store_grace(self):
         """How long stores of a namespace found without a worker are
