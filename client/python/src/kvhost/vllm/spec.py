@@ -17,6 +17,7 @@ describes what still can fail and how it is counted.
 
 import collections
 import importlib
+import itertools
 import logging
 import math
 import threading
@@ -258,6 +259,8 @@ class SpecManager(Reconnects):
         return out
 
     def _pin_round(self, keys, lease):
+        """Pins keys in every rank's namespace of their group, then settles
+        what the round found (_settle_round_locked)."""
         t0 = time.monotonic()
         pins, held, answered = [], dict.fromkeys(keys, True), True
         no_worker = set()  # keys some rank's namespace had no worker's cache for
@@ -267,24 +270,18 @@ class SpecManager(Reconnects):
             # keep the files for that load, worker or none.
             loading = {k for k in keys if self._loading[k]}
         try:
-            for g, gkeys in self._by_group(keys).items():
-                for r in range(self._tp):
-                    ns = nss[(r, g)]
-                    for repin in (False, True):
-                        part = [k for k in gkeys if (k in loading) == repin]
-                        for i in range(0, len(part), p.MAX_KEYS_PER_REQUEST):
-                            chunk = part[i:i + p.MAX_KEYS_PER_REQUEST]
-                            dkeys = [sc.daemon_key(k) for k in chunk]
-                            if repin:
-                                pin_id, ok = client.pin(ns, dkeys, lease)
-                            else:
-                                pin_id, ok, none = self._pin_loadable(client, ns, (r, g), dkeys, lease)
-                                if none:
-                                    no_worker.update(chunk)
-                            if pin_id:
-                                pins.append(pin_id)
-                            for k, h in zip(chunk, ok):
-                                held[k] = held[k] and h
+            for where, repin, chunk in self._pin_requests(keys, loading):
+                dkeys = [sc.daemon_key(k) for k in chunk]
+                if repin:
+                    pin_id, ok = client.pin(nss[where], dkeys, lease)
+                else:
+                    pin_id, ok, none = self._pin_loadable(client, nss[where], where, dkeys, lease)
+                    if none:
+                        no_worker.update(chunk)
+                if pin_id:
+                    pins.append(pin_id)
+                for k, h in zip(chunk, ok):
+                    held[k] = held[k] and h
         except Exception as e:  # the daemon is gone or refused: MISS, vLLM recomputes
             held, answered = dict.fromkeys(keys, False), False
             lost = lost_connection(e, client)
@@ -296,48 +293,69 @@ class SpecManager(Reconnects):
                 self._stats["pin_errors"] += 1
                 if lost:
                     self._lost_locked(client, reason(e))
-        now = time.monotonic()
-        until = t0 + self._opts["hit_window_s"]
-        release = []
         with self._cv:
-            again = set()
-            if client is not self._client:  # pinned on a connection since replaced
-                held, pins, answered = dict.fromkeys(keys, False), [], False
-                # Keys being loaded are pinned again on the connection in
-                # use: its swap skipped them, as this round had them.
-                again = {k for k in keys if self._loading[k]}
-                self._queue += again
-                self._stats["repinned_keys"] += len(again)
-            batch = _PinBatch(pins, {k for k, h in held.items() if h})
-            s = self._stats
-            s["daemon_pins"] += len(pins)
-            if answered and no_worker:
-                s["no_worker_keys"] += len(no_worker)  # once per key, whatever the ranks
-            for k, h in held.items():
-                if k in again:
-                    continue  # still pending, queued again
-                self._pending.discard(k)
-                if h:
-                    old = self._pinned.get(k)
-                    if old is not None:
-                        release += self._drop_ref_locked(old[0], k)
-                    self._pinned[k] = (batch, until)
-                    self._missing.pop(k, None)
-                    s["pinned_keys"] += 1
-                else:
-                    self._missing[k] = now + self._opts["miss_ttl_s"]
-                    s["missing_keys"] += 1
-                    # A key no worker could load was not looked up: it
-                    # may well be stored still, and no event says otherwise.
-                    if answered and k not in no_worker and self._stored_at.pop(k, None) is not None:
-                        # Stored by this manager, gone now (evicted): tell vLLM.
-                        self._event_locked([k], removed=True)
-            if not batch.refs:
-                release += batch.pins
-            if len(self._missing) > 1 << 18:
-                self._missing = {k: t for k, t in self._missing.items() if t > now}
+            release = self._settle_round_locked(client, keys, pins, held, answered, no_worker, t0)
             self._cv.notify_all()
         self._unpin(release)
+
+    def _pin_requests(self, keys, loading):
+        """Yields one round's pin requests: ((rank, group), whether the keys
+        are being loaded, at most MAX_KEYS_PER_REQUEST keys). Keys being
+        loaded get plain pins (their HIT was answered), the others pins
+        that hold only where a worker can load them."""
+        groups = self._by_group(keys).items()
+        for (g, gkeys), r, repin in itertools.product(groups, range(self._tp), (False, True)):
+            part = [k for k in gkeys if (k in loading) == repin]
+            for i in range(0, len(part), p.MAX_KEYS_PER_REQUEST):
+                yield (r, g), repin, part[i:i + p.MAX_KEYS_PER_REQUEST]
+
+    def _settle_round_locked(self, client, keys, pins, held, answered, no_worker, t0):
+        """Records a pin round's answer: held keys get the round's batch of
+        pins for hit_window_s from t0, the others a MISS for miss_ttl_s (and
+        a removal event where this manager stored them and the daemon
+        answered). A round that pinned on a connection replaced since holds
+        nothing; its keys being loaded are queued again. Returns the pin
+        ids to release."""
+        now = time.monotonic()
+        until = t0 + self._opts["hit_window_s"]
+        release, again = [], set()
+        if client is not self._client:  # pinned on a connection since replaced
+            held, pins, answered = dict.fromkeys(keys, False), [], False
+            # Keys being loaded are pinned again on the connection in
+            # use: its swap skipped them, as this round had them.
+            again = {k for k in keys if self._loading[k]}
+            self._queue += again
+            self._stats["repinned_keys"] += len(again)
+        batch = _PinBatch(pins, {k for k, h in held.items() if h})
+        s = self._stats
+        s["daemon_pins"] += len(pins)
+        if answered and no_worker:
+            s["no_worker_keys"] += len(no_worker)  # once per key, whatever the ranks
+        for k, h in held.items():
+            if k in again:
+                continue  # still pending, queued again
+            self._pending.discard(k)
+            if h:
+                old = self._pinned.get(k)
+                if old is not None:
+                    release += self._drop_ref_locked(old[0], k)
+                self._pinned[k] = (batch, until)
+                self._missing.pop(k, None)
+                s["pinned_keys"] += 1
+                continue
+            self._missing[k] = now + self._opts["miss_ttl_s"]
+            s["missing_keys"] += 1
+            # A key no worker could load was not looked up: it may well
+            # be stored still, and no event says otherwise. One this
+            # manager stored and the daemon no longer has was evicted:
+            # tell vLLM.
+            if answered and k not in no_worker and self._stored_at.pop(k, None) is not None:
+                self._event_locked([k], removed=True)
+        if not batch.refs:
+            release += batch.pins
+        if len(self._missing) > 1 << 18:
+            self._missing = {k: t for k, t in self._missing.items() if t > now}
+        return release
 
     def _pin_loadable(self, client, ns, where, keys, lease):
         """Pins keys in ns, the namespace of (rank, group) where, only while
