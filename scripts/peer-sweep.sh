@@ -19,12 +19,20 @@
 # DISK=0 (2 GiB of durable stores and cold loads on the disk, two pairs).
 # SHM_DIR (default /dev/shm/peer) and DISK_DIR (default /var/tmp/peer) are
 # emptied by each run. LIMIT (seconds, default 150) bounds each run.
+# The workload's sizes can be scaled down (the test does, on CPU): GIB (8),
+# BIG_GIB (16) and DISK_GIB (2) per part, JOBS (16) jobs and I/O threads,
+# WARM_GIB (32) and DISK_WARM_GIB (8) for the warm-ups (0: none); DEVICE
+# (default cuda:0) is the driver's torch device.
 set -uo pipefail
 bin=${1:-gpu-bins}
 out=${2:-${OUT:-peer-out}}
 limit=${LIMIT:-150}
 shm=${SHM_DIR:-/dev/shm/peer}
 disk=${DISK_DIR:-/var/tmp/peer}
+gib=${GIB:-8} big_gib=${BIG_GIB:-16} disk_gib=${DISK_GIB:-2} jobs=${JOBS:-16}
+warm_gib=${WARM_GIB:-32} disk_warm_gib=${DISK_WARM_GIB:-8}
+device=()
+[ -n "${DEVICE:-}" ] && device=(--device "$DEVICE")
 here=$(cd "$(dirname "$0")" && pwd)
 : "${LLMD:?set LLMD to the directory that holds the storage_offload module built from llm-d}"
 export PYTHONPATH="$LLMD${PYTHONPATH:+:$PYTHONPATH}"
@@ -40,22 +48,28 @@ version=${version#kvhost }
 {
 	echo "# kvhost beside llm-d, written by scripts/peer-sweep.sh; commit ${version%% *}"
 	echo "-- $(date -u +%FT%TZ)"
-	nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv,noheader
+	nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
 	lscpu | grep -E "Model name|^CPU\(s\)"
 	uname -r
 } >"$raw"
 
+total() { # gib: kvhost bench's --total for that many GiB
+	case $1 in
+	*[!0-9]*) awk -v g="$1" 'BEGIN { printf "%dMiB", g * 1024 }' ;;
+	*) echo "$1GiB" ;;
+	esac
+}
 llmd() { # name dir gib [driver flags]: one llm-d run of two rounds
-	local name=$1 dir=$2 gib=$3; shift 3
-	echo "== llmd $name: $dir/ll $gib 16 2 $*" >>"$raw"
-	if ! timeout "$limit" python3 "$here/peer-llmd.py" "$dir/ll" "$gib" 16 2 "$@" >>"$raw" 2>"$out/llmd-$name.err"; then
+	local name=$1 dir=$2 size=$3; shift 3
+	echo "== llmd $name: $dir/ll $size $jobs 2 $*" >>"$raw"
+	if ! timeout "$limit" python3 "$here/peer-llmd.py" "$dir/ll" "$size" "$jobs" 2 "${device[@]}" "$@" >>"$raw" 2>"$out/llmd-$name.err"; then
 		{ echo "   llmd FAILED or cut at ${limit}s"; tail -5 "$out/llmd-$name.err"; } >>"$raw"; status=1
 	fi
 	rm -rf "${dir:?}/ll"
 }
 kv() { # name dir [bench flags]: one kvhost bench run of two rounds
 	local name=$1 dir=$2; shift 2
-	local args=(--dir "$dir" --tokens-per-key 256 --jobs 16 --rounds 2 --mix write,read "$@")
+	local args=(--dir "$dir" --tokens-per-key 256 --jobs "$jobs" --rounds 2 --mix write,read "$@")
 	echo "== kvhost-cur $name: ${args[*]}" >>"$raw"
 	if ! timeout "$limit" "$bin/kvhost" bench --progress off "${args[@]}" --json "$out/kv-cur-$name.json" >>"$raw" 2>&1; then
 		echo "   kvhost FAILED or cut at ${limit}s" >>"$raw"; status=1
@@ -63,31 +77,34 @@ kv() { # name dir [bench flags]: one kvhost bench run of two rounds
 	rm -rf "${dir:?}"/*
 }
 
-if [ "${SHM:-1}" = 1 ] || [ "${BIG:-1}" = 1 ]; then
+if { [ "${SHM:-1}" = 1 ] || [ "${BIG:-1}" = 1 ]; } && [ "$warm_gib" != 0 ]; then
 	# A fresh VM faults its memory in from the host on first use, which
 	# would slow whichever run came first.
-	echo "-- warm-up: 32 GiB written to $shm and removed" >>"$raw"
-	dd if=/dev/zero of="$shm/warm" bs=1M count=32768 status=none; rm -f "$shm/warm"
+	echo "-- warm-up: $warm_gib GiB written to $shm and removed" >>"$raw"
+	dd if=/dev/zero of="$shm/warm" bs=1M count=$((warm_gib * 1024)) status=none; rm -f "$shm/warm"
 fi
 if [ "${SHM:-1}" = 1 ]; then
-	llmd shm32-1 "$shm" 8
-	kv shm32-1 "$shm" --total 8GiB                              # defaults: spares made ahead, registered files
-	kv restart-nogap-1 "$shm" --total 8GiB --restart --no-gap # a new daemon's loads as soon as it is open
-	kv foreign-1 "$shm" --total 8GiB --foreign                # another engine's files, right after their lookup
-	kv fresh-1 "$shm" --total 8GiB --preallocate 0            # stores into fresh files
-	kv nogap-1 "$shm" --total 8GiB --no-gap                   # loads right after their stores
-	llmd shm32-2 "$shm" 8
+	t=$(total "$gib")
+	llmd shm32-1 "$shm" "$gib"
+	kv shm32-1 "$shm" --total "$t"                              # defaults: spares made ahead, registered files
+	kv restart-nogap-1 "$shm" --total "$t" --restart --no-gap # a new daemon's loads as soon as it is open
+	kv foreign-1 "$shm" --total "$t" --foreign                # another engine's files, right after their lookup
+	kv fresh-1 "$shm" --total "$t" --preallocate 0            # stores into fresh files
+	kv nogap-1 "$shm" --total "$t" --no-gap                   # loads right after their stores
+	llmd shm32-2 "$shm" "$gib"
 fi
 if [ "${BIG:-1}" = 1 ]; then
-	llmd shm16g-1 "$shm" 16
-	kv shm16g-1 "$shm" --total 16GiB
+	llmd shm16g-1 "$shm" "$big_gib"
+	kv shm16g-1 "$shm" --total "$(total "$big_gib")"
 fi
 if [ "${DISK:-1}" = 1 ]; then
-	echo "-- disk warm-up: 8 GiB written to $disk with O_DIRECT and removed" >>"$raw"
-	dd if=/dev/zero of="$disk/warm" bs=4M count=2048 oflag=direct conv=fsync status=none; rm -f "$disk/warm"
+	if [ "$disk_warm_gib" != 0 ]; then
+		echo "-- disk warm-up: $disk_warm_gib GiB written to $disk with O_DIRECT and removed" >>"$raw"
+		dd if=/dev/zero of="$disk/warm" bs=4M count=$((disk_warm_gib * 256)) oflag=direct conv=fsync status=none; rm -f "$disk/warm"
+	fi
 	for i in 1 2; do
-		llmd "disk-$i" "$disk" 2 --cold --sync
-		kv "disk-$i" "$disk" --total 2GiB --drop-caches --fsync true
+		llmd "disk-$i" "$disk" "$disk_gib" --cold --sync
+		kv "disk-$i" "$disk" --total "$(total "$disk_gib")" --drop-caches --fsync true
 	done
 fi
 echo "-- done $(date -u +%FT%TZ) after $SECONDS s" >>"$raw"
