@@ -73,7 +73,8 @@ class TestPeerSweepScript(unittest.TestCase):
             self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
             text = (out / "peer.txt").read_text()
             first = text.splitlines()[0]
-            self.assertRegex(first, r"^# kvhost beside llm-d, written by scripts/peer-sweep.sh; commit [0-9a-f]{7,}")
+            version = subprocess.run([self.kvhost, "version"], capture_output=True, text=True).stdout.split()
+            self.assertEqual(first, f"# kvhost beside llm-d, written by scripts/peer-sweep.sh; commit {version[1]}")
             self.assertRegex(text.splitlines()[-1], r"^-- done .* after \d+ s$")
             runs = self.sections(text)
             self.assertEqual([(e, n) for e, n, _, _ in runs], ORDER, text)
