@@ -26,6 +26,7 @@ ORDER = [("llmd", "shm32-1"), ("kvhost-cur", "shm32-1"), ("kvhost-cur", "restart
          ("kvhost-cur", "foreign-1"), ("kvhost-cur", "fresh-1"), ("kvhost-cur", "nogap-1"),
          ("llmd", "shm32-2"),
          ("llmd", "disk-1"), ("kvhost-cur", "disk-1"), ("llmd", "disk-2"), ("kvhost-cur", "disk-2")]
+KEYS = 4  # every run's keys: 128 MiB (GIB and BIG_GIB 0.125) of 32 MiB
 # What each kvhost run's load row says it loaded.
 LOAD_KIND = {"restart-nogap-1": "load (restart)", "foreign-1": "load (foreign)"}
 SECTION = re.compile(r"== (llmd|kvhost-cur) ([\w-]+): (.*)")
@@ -47,7 +48,7 @@ class TestPeerSweepScript(unittest.TestCase):
         (tmp / "bin" / "kvhost").symlink_to(self.kvhost)
         # The sweep runs python3 from PATH: this one, which has torch.
         (tmp / "bin" / "python3").symlink_to(sys.executable)
-        env = dict(os.environ, LLMD=str(tmp / "mod"), GIB="0.125", BIG_GIB="0.25",
+        env = dict(os.environ, LLMD=str(tmp / "mod"), GIB="0.125", BIG_GIB="0.125",
                    DISK_GIB="0.125", JOBS="2", WARM_GIB="0", DISK_WARM_GIB="0", DEVICE="cpu",
                    SHM_DIR=str(tmp / "shm"), DISK_DIR=str(tmp / "disk"), LIMIT="120",
                    PATH=f"{tmp / 'bin'}:{os.environ.get('PATH', '/usr/bin:/bin')}")
@@ -96,33 +97,33 @@ class TestPeerSweepScript(unittest.TestCase):
         self.assertEqual(len(rounds), 4, lines)
         for m, kind in zip(rounds, ["store", "load"] * 2):
             self.assertIsNotNone(m, lines)
-            self.assertEqual((m.group(1), m.group(3), m.group(5)), (kind, "4", "True"))
+            self.assertEqual((m.group(1), m.group(3), m.group(5)), (kind, str(KEYS), "True"))
         if disk:
             self.assertTrue(any("store+sync" in line for line in lines) and any("cold load" in line for line in lines), lines)
 
     def check_kvhost(self, name, args, lines, report):
-        keys = 4
-        self.assertIn("--jobs 2 --rounds 2 --mix write,read --total 128MiB", args)
+        self.assertIn(f"--jobs 2 --rounds 2 --mix write,read --total {KEYS * 32}MiB", args)
         rows = [KV_ROW.match(line) for line in lines if line.startswith("  auto ")]
         self.assertEqual([m.group(1) if m else None for m in rows], ["store", LOAD_KIND.get(name, "load")], lines)
         for m in rows:
-            self.assertEqual((m.group(2), m.group(3)), (str(keys), str(keys)), lines)
+            self.assertEqual((m.group(2), m.group(3)), (str(KEYS), str(KEYS)), lines)
             self.assertGreater(float(m.group(4)), 0, lines)
         self.assertTrue(any(line.startswith("fraction:") for line in lines), lines)
         rep = json.loads(report.read_text())
         self.assertEqual(rep["schema"], "kvhost-bench/2")
         self.assertEqual([x["direction"] for x in rep["runs"]], ["store", "load"])
         load = rep["runs"][1]
-        self.assertEqual((load["hits"], load["verified_bytes"]), (keys, load["bytes"]), "a load not verified whole")
+        self.assertEqual((load["hits"], load["verified_bytes"]), (KEYS, load["bytes"]), "a load not verified whole")
 
     def test_a_run_cut_at_the_limit_fails_the_sweep(self):
         with tempfile.TemporaryDirectory() as tmp:
-            r, out = self.sweep(tmp, KVH_FAKE="never-finish", LIMIT="3", SHM="0", DISK="0", BIG_GIB="0.125")
+            r, out = self.sweep(tmp, KVH_FAKE="never-finish", LIMIT="3", SHM="0", DISK="0")
             self.assertEqual(r.returncode, 1, r.stdout + r.stderr)
             runs = self.sections((out / "peer.txt").read_text())
             self.assertEqual([(e, n) for e, n, _, _ in runs], [("llmd", "shm16g-1"), ("kvhost-cur", "shm16g-1")])
             self.assertIn("   llmd FAILED or cut at 3s", runs[0][3])
             self.assertEqual(os.listdir(pathlib.Path(tmp) / "shm"), [], "a cut run left its files")
+
 
 if __name__ == "__main__":
     unittest.main()

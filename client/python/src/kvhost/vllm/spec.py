@@ -523,11 +523,10 @@ class SpecManager(Reconnects):
                 self._lost_locked(self._client, "the daemon closed the connection")
             away = self._away_locked(keys)
             self._probe_later_locked(away, now)
-            refuse, skip = self._store_verdict_locked(away, now)
-            if self._broken is not None or self._closing or refuse or skip:
+            if self._broken is not None or self._closing or away:
                 # Without a worker the store would move nothing, and vLLM
                 # would be told (stored events) that it had.
-                if skip:
+                if self._stayed_away_locked(away, now):
                     self._stats["store_keys_skipped_no_worker"] += len(keys)
                     return self._api.PrepareStoreOutput(keys_to_store=[], store_spec=sc.KvhostLoadStoreSpec([], []),
                                                         evicted_keys=[])
@@ -576,16 +575,13 @@ class SpecManager(Reconnects):
                 self._probes[where] = k
                 self._cv.notify_all()
 
-    def _store_verdict_locked(self, away, now):
-        """(refuse, skip) for a store of keys in the namespaces away: refused
-        (vLLM asks again next step, logging each time) while a worker may
-        be reconnecting, skipped once one stayed away longer than
-        _store_grace."""
-        if not away:
-            return False, False
+    def _stayed_away_locked(self, away, now):
+        """Whether a store of keys in the namespaces away is skipped rather
+        than refused: refused (vLLM asks again next step, logging each
+        time) while a worker may be reconnecting, skipped once one stayed
+        away longer than _store_grace."""
         grace = self._store_grace()
-        skip = any(now - self._no_worker[where] >= grace for where in away)
-        return not skip, skip
+        return any(now - self._no_worker[where] >= grace for where in away)
 
     def _store_grace(self):
         """How long stores of a namespace found without a worker are
