@@ -255,7 +255,7 @@ func TestParseManifestRefusesRowsThatReadNothingOrTooMuch(t *testing.T) {
 }
 
 func TestReplaceRewritesOnlyBetweenTheMarkers(t *testing.T) {
-	mk, _ := summaryMarkers(summaries[0])
+	mk, _ := summaryMarkers(summaries()[0])
 	perfBegin, perfEnd := mk.begin, mk.end
 	doc := "before\n" + perfBegin + "\nold\ntable\n" + perfEnd + "\nafter\n"
 	got, err := Replace(doc, perfBegin, perfEnd, "new\n")
