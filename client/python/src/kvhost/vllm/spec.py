@@ -49,6 +49,28 @@ class _PinBatch:
         self.refs = refs
 
 
+class _PinRound:
+    """What one round of pins asked and found: the connection it pinned
+    on, its keys, the daemon pins it took, whether each key is held,
+    whether the daemon answered, the keys some rank's namespace had no
+    worker's cache for, and when it started."""
+    __slots__ = ("client", "keys", "pins", "held", "answered", "no_worker", "t0")
+
+    def __init__(self, client, keys):
+        self.client = client
+        self.keys = keys
+        self.pins = []
+        self.held = dict.fromkeys(keys, True)
+        self.answered = True
+        self.no_worker = set()
+        self.t0 = time.monotonic()
+
+    def fail(self):
+        """Marks every key not held and the daemon as not having answered."""
+        self.held = dict.fromkeys(self.keys, False)
+        self.answered = False
+
+
 class SpecManager(Reconnects):
     """The scheduler side of KvhostOffloadingSpec (vLLM's OffloadingManager).
 
@@ -261,14 +283,12 @@ class SpecManager(Reconnects):
     def _pin_round(self, keys, lease):
         """Pins keys in every rank's namespace of their group, then settles
         what the round found (_settle_round_locked)."""
-        t0 = time.monotonic()
-        pins, held, answered = [], dict.fromkeys(keys, True), True
-        no_worker = set()  # keys some rank's namespace had no worker's cache for
         with self._lock:
-            client, nss = self._client, self._ns
+            rnd, nss = _PinRound(self._client, keys), self._ns
             # Keys being loaded were answered HIT already: their pins
             # keep the files for that load, worker or none.
             loading = {k for k in keys if self._loading[k]}
+        client = rnd.client
         try:
             for where, repin, chunk in self._pin_requests(keys, loading):
                 dkeys = [sc.daemon_key(k) for k in chunk]
@@ -277,16 +297,16 @@ class SpecManager(Reconnects):
                 else:
                     pin_id, ok, none = self._pin_loadable(client, nss[where], where, dkeys, lease)
                     if none:
-                        no_worker.update(chunk)
+                        rnd.no_worker.update(chunk)
                 if pin_id:
-                    pins.append(pin_id)
+                    rnd.pins.append(pin_id)
                 for k, h in zip(chunk, ok):
-                    held[k] = held[k] and h
+                    rnd.held[k] = rnd.held[k] and h
         except Exception as e:  # the daemon is gone or refused: MISS, vLLM recomputes
-            held, answered = dict.fromkeys(keys, False), False
+            rnd.fail()
             lost = lost_connection(e, client)
             if lost:
-                pins = []  # they ended with the connection
+                rnd.pins = []  # they ended with the connection
             else:
                 log.warning("kvhost spec: pin failed: %s", e)
             with self._cv:
@@ -294,7 +314,7 @@ class SpecManager(Reconnects):
                 if lost:
                     self._lost_locked(client, reason(e))
         with self._cv:
-            release = self._settle_round_locked(client, keys, pins, held, answered, no_worker, t0)
+            release = self._settle_round_locked(rnd)
             self._cv.notify_all()
         self._unpin(release)
 
@@ -309,7 +329,7 @@ class SpecManager(Reconnects):
             for i in range(0, len(part), p.MAX_KEYS_PER_REQUEST):
                 yield (r, g), repin, part[i:i + p.MAX_KEYS_PER_REQUEST]
 
-    def _settle_round_locked(self, client, keys, pins, held, answered, no_worker, t0):
+    def _settle_round_locked(self, rnd):
         """Records a pin round's answer: held keys get the round's batch of
         pins for hit_window_s from t0, the others a MISS for miss_ttl_s (and
         a removal event where this manager stored them and the daemon
@@ -317,21 +337,22 @@ class SpecManager(Reconnects):
         nothing; its keys being loaded are queued again. Returns the pin
         ids to release."""
         now = time.monotonic()
-        until = t0 + self._opts["hit_window_s"]
+        until = rnd.t0 + self._opts["hit_window_s"]
         release, again = [], set()
-        if client is not self._client:  # pinned on a connection since replaced
-            held, pins, answered = dict.fromkeys(keys, False), [], False
+        if rnd.client is not self._client:  # pinned on a connection since replaced
+            rnd.fail()
+            rnd.pins = []
             # Keys being loaded are pinned again on the connection in
             # use: its swap skipped them, as this round had them.
-            again = {k for k in keys if self._loading[k]}
+            again = {k for k in rnd.keys if self._loading[k]}
             self._queue += again
             self._stats["repinned_keys"] += len(again)
-        batch = _PinBatch(pins, {k for k, h in held.items() if h})
+        batch = _PinBatch(rnd.pins, {k for k, h in rnd.held.items() if h})
         s = self._stats
-        s["daemon_pins"] += len(pins)
-        if answered and no_worker:
-            s["no_worker_keys"] += len(no_worker)  # once per key, whatever the ranks
-        for k, h in held.items():
+        s["daemon_pins"] += len(rnd.pins)
+        if rnd.answered and rnd.no_worker:
+            s["no_worker_keys"] += len(rnd.no_worker)  # once per key, whatever the ranks
+        for k, h in rnd.held.items():
             if k in again:
                 continue  # still pending, queued again
             self._pending.discard(k)
@@ -349,7 +370,7 @@ class SpecManager(Reconnects):
             # be stored still, and no event says otherwise. One this
             # manager stored and the daemon no longer has was evicted:
             # tell vLLM.
-            if answered and k not in no_worker and self._stored_at.pop(k, None) is not None:
+            if rnd.answered and k not in rnd.no_worker and self._stored_at.pop(k, None) is not None:
                 self._event_locked([k], removed=True)
         if not batch.refs:
             release += batch.pins
