@@ -87,6 +87,10 @@ fuzz: wasm
 # loaded 2-core machine runs the race-detector tests several times slower
 # (cmd/kvhost: 156 s alone, 263 s beside three busy loops); its waits for
 # a daemon are hang guards of 5 minutes, which must end inside it.
+# -p 4: twice the packages at a time as CI's two cores; many tests wait
+# on daemons and sockets, and the overlap took the race suite from 593 s
+# to 528 s there (RATIONALE.md, "Why does make test run four test
+# packages at a time on two cores?").
 #
 # KVHOST_TEST_WASM_CACHE (internal/testwasm): the built-in plugins are
 # compiled once for the run, without the race detector, into one
@@ -105,7 +109,7 @@ test: tools build wasm lint
 		XDG_CACHE_HOME=$(TEST_WASM_ROOT) bin/kvhost config show --policy $$p >/dev/null || exit 1; \
 	done
 	KVHOST_TEST_WASM_CACHE=$(TEST_WASM_CACHE) $(GO) test -count=1 -run '^TestBuiltinsPass$$' ./host/policy/conformance
-	KVHOST_TEST_WASM_CACHE=$(TEST_WASM_CACHE) KVHOST_REQUIRE_FAKES=1 $(GO) test -race -count=1 -timeout 30m ./...
+	KVHOST_TEST_WASM_CACHE=$(TEST_WASM_CACHE) KVHOST_REQUIRE_FAKES=1 $(GO) test -race -count=1 -p 4 -timeout 30m ./...
 	$(MAKE) --no-print-directory test-cluster-bounded
 	$(MAKE) --no-print-directory test-python
 	$(MAKE) --no-print-directory fuzz

@@ -27,7 +27,7 @@ import (
 //
 // Each ceiling sums 3 passes per round: the phases are short, and the
 // fractions checked must not swing with other work on the machine.
-var tinyBench = []string{"--layers", "4", "--kv-heads", "2", "--head-size", "128", "--tokens-per-key", "64,16", "--progress", "off", "--ceiling-passes", "3"}
+var tinyBench = []string{"--layers", "4", "--kv-heads", "2", "--head-size", "128", "--tokens-per-key", "64,16", "--progress", "off", "--ceiling-passes", "1"}
 
 // runBenchJSON runs kvhost bench with args, checks that it succeeded and
 // left nothing behind (its --dir, which it made, included), and returns
@@ -64,16 +64,22 @@ func benchReport(t *testing.T, dir string, args ...string) (*bench.Report, strin
 	if code := run(context.Background(), all, &stdout, &stderr); code != 0 {
 		t.Fatalf("kvhost %s: exit %d\n%s%s", strings.Join(all, " "), code, stdout.String(), stderr.String())
 	}
-	f, err := os.Open(out)
+	return readReport(t, out), stdout.String()
+}
+
+// readReport reads the --json report kvhost bench wrote to path.
+func readReport(t *testing.T, path string) *bench.Report {
+	t.Helper()
+	f, err := os.Open(path)
 	if err != nil {
-		t.Fatal(err)
+		t.Fatalf("no report: %v", err)
 	}
 	defer f.Close()
 	rep, err := bench.ReadJSON(f)
 	if err != nil {
 		t.Fatal(err)
 	}
-	return rep, stdout.String()
+	return rep
 }
 
 // benchOnMemory runs kvhost bench with args on a fresh directory on the
@@ -181,6 +187,33 @@ func TestBenchJSONOnHostMemoryIsVerifiedAndHeldToItsCeilings(t *testing.T) {
 	}
 }
 
+// TestBenchRunsEveryCeilingPassItIsAsked: --ceiling-passes 3 runs the
+// file ceilings three times a round (the bar counts them), says so in the
+// report, and leaves none of their files. The other tests run one pass:
+// each pass rewrites and rereads every file, the most of a small bench's
+// time.
+func TestBenchRunsEveryCeilingPassItIsAsked(t *testing.T) {
+	dir := t.TempDir()
+	data, out := filepath.Join(dir, "data"), filepath.Join(dir, "out.json")
+	args := append([]string{"bench", "--dir", data, "--json", out, "--memory", "host", "--jobs", "2", "--total", "2MiB"}, tinyBench...)
+	args = append(args, "--tokens-per-key", "16", "--ceiling-passes", "3", "--progress", "on")
+	var stdout, stderr bytes.Buffer
+	if code := run(context.Background(), args, &stdout, &stderr); code != 0 {
+		t.Fatalf("kvhost %s: exit %d\n%s%s", strings.Join(args, " "), code, stdout.String(), stderr.String())
+	}
+	if !strings.Contains(stderr.String(), "3/3 ceilings, 2 threads") {
+		t.Errorf("progress %q: want the ceilings' three passes counted done", stderr.String())
+	}
+	rep := readReport(t, out)
+	if rep.CeilingPasses != 3 {
+		t.Errorf("report says %d ceiling passes, want 3", rep.CeilingPasses)
+	}
+	checkRuns(t, rep, 2, "staging")
+	if _, err := os.Lstat(data); !errors.Is(err, os.ErrNotExist) {
+		t.Errorf("the benchmark left its directory (%v): want it gone with the ceilings' files", err)
+	}
+}
+
 func TestBenchRoundFractionsBracketTheSummedFraction(t *testing.T) {
 	rep, _ := runBenchJSON(t, "--memory", "host", "--jobs", "2", "--rounds", "3", "--total", "8MiB", "--tokens-per-key", "16")
 	checkRuns(t, rep, 2, "staging")
@@ -272,15 +305,7 @@ func TestBenchAppendMergesTwoInvocations(t *testing.T) {
 	if code := run(context.Background(), append(base, "--path", "posix", "--append", first, "--json", merged), &out, &errb); code != 0 {
 		t.Fatalf("second: exit %d: %s", code, errb.String())
 	}
-	f, err := os.Open(merged)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer f.Close()
-	rep, err := bench.ReadJSON(f)
-	if err != nil {
-		t.Fatal(err)
-	}
+	rep := readReport(t, merged)
 	paths := map[string]int{}
 	for _, x := range rep.Runs {
 		paths[x.Path]++
@@ -893,15 +918,7 @@ func TestBenchInterruptedWritesThePhasesThatFinishedMarkedPartial(t *testing.T) 
 	if code != 1 {
 		t.Fatalf("interrupted bench: exit %d, want 1", code)
 	}
-	f, err := os.Open(out)
-	if err != nil {
-		t.Fatalf("no partial report: %v", err)
-	}
-	defer f.Close()
-	rep, err := bench.ReadJSON(f)
-	if err != nil {
-		t.Fatal(err)
-	}
+	rep := readReport(t, out)
 	if !rep.Partial || len(rep.Runs) == 0 || len(rep.Runs) >= 16 {
 		t.Fatalf("partial %v with %d runs; want a partial report of the runs before the interruption", rep.Partial, len(rep.Runs))
 	}
