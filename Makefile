@@ -90,7 +90,7 @@ fuzz: wasm
 # -p 4: twice the packages at a time as CI's two cores; many tests wait
 # on daemons and sockets, and the overlap took the race suite from 593 s
 # to 528 s there (RATIONALE.md, "Why does make test run four test
-# packages at a time on two cores?").
+# packages, and the Python tests, at a time on two cores?").
 #
 # KVHOST_TEST_WASM_CACHE (internal/testwasm): the built-in plugins are
 # compiled once for the run, without the race detector, into one
@@ -109,10 +109,18 @@ test: tools build wasm lint
 		XDG_CACHE_HOME=$(TEST_WASM_ROOT) bin/kvhost config show --policy $$p >/dev/null || exit 1; \
 	done
 	KVHOST_TEST_WASM_CACHE=$(TEST_WASM_CACHE) $(GO) test -count=1 -run '^TestBuiltinsPass$$' ./host/policy/conformance
-	KVHOST_TEST_WASM_CACHE=$(TEST_WASM_CACHE) KVHOST_REQUIRE_FAKES=1 $(GO) test -race -count=1 -p 4 -timeout 30m ./...
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-race test-python
 	$(MAKE) --no-print-directory test-cluster-bounded
-	$(MAKE) --no-print-directory test-python
 	$(MAKE) --no-print-directory fuzz
+
+# The race suite, as `make test` runs it (after compiling the plugins
+# into TEST_WASM_CACHE), beside the Python tests: those wait on their
+# daemons most of the time, and the race suite's longest package
+# (cmd/kvhost) sets its end. --output-sync prints each one's output
+# whole when it ends.
+.PHONY: test-race
+test-race:
+	KVHOST_TEST_WASM_CACHE=$(TEST_WASM_CACHE) KVHOST_REQUIRE_FAKES=1 $(GO) test -race -count=1 -p 4 -timeout 30m ./...
 
 # The long reliability suite (docs/reliability.md): at least 100 SIGKILLs and
 # 100,000 acknowledged keys, minutes of shared-directory workload. The ext4
