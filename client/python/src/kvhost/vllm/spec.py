@@ -56,14 +56,14 @@ class _PinRound:
     worker's cache for, and when it started."""
     __slots__ = ("client", "keys", "pins", "held", "answered", "no_worker", "t0")
 
-    def __init__(self, client, keys):
+    def __init__(self, client, keys, t0):
         self.client = client
         self.keys = keys
         self.pins = []
         self.held = dict.fromkeys(keys, True)
         self.answered = True
         self.no_worker = set()
-        self.t0 = time.monotonic()
+        self.t0 = t0
 
     def fail(self):
         """Marks every key not held and the daemon as not having answered."""
@@ -283,8 +283,9 @@ class SpecManager(Reconnects):
     def _pin_round(self, keys, lease):
         """Pins keys in every rank's namespace of their group, then settles
         what the round found (_settle_round_locked)."""
+        t0 = time.monotonic()  # before the lock: the HIT window starts no later than its pins
         with self._lock:
-            rnd, nss = _PinRound(self._client, keys), self._ns
+            rnd, nss = _PinRound(self._client, keys, t0), self._ns
             # Keys being loaded were answered HIT already: their pins
             # keep the files for that load, worker or none.
             loading = {k for k in keys if self._loading[k]}
