@@ -17,6 +17,12 @@
 # can be switched off: SHM=0 (8 GiB on the memory file system: llm-d, the
 # kvhost scenarios, llm-d again), BIG=0 (16 GiB there, one run each),
 # DISK=0 (2 GiB of durable stores and cold loads on the disk, two pairs).
+# More runs of the rows closest to their goals, to see past the machine's
+# drift: FRESH_PAIRS=N (default 0) follows the memory part with N pairs of
+# a kvhost run into fresh files (fresh-2, ...) and an llm-d run (shm32-3,
+# ...), so that each lies between two of the other's; DISK_PAIRS (default
+# 2) sets the disk part's pairs, and DISK_BUFFERED=1 adds to each a kvhost
+# run through the page cache (the mount's io = "buffered"; disk-buffered-N).
 # SHM_DIR (default /dev/shm/peer) and DISK_DIR (default /var/tmp/peer) are
 # emptied by each run. LIMIT (seconds, default 150) bounds each run.
 # The workload's sizes can be scaled down (the test does, on CPU): GIB (8),
@@ -92,6 +98,10 @@ if [ "${SHM:-1}" = 1 ]; then
 	kv fresh-1 "$shm" --total "$t" --preallocate 0            # stores into fresh files
 	kv nogap-1 "$shm" --total "$t" --no-gap                   # loads right after their stores
 	llmd shm32-2 "$shm" "$gib"
+	for ((i = 2; i <= ${FRESH_PAIRS:-0} + 1; i++)); do
+		kv "fresh-$i" "$shm" --total "$t" --preallocate 0
+		llmd "shm32-$((i + 1))" "$shm" "$gib"
+	done
 fi
 if [ "${BIG:-1}" = 1 ]; then
 	llmd shm16g-1 "$shm" "$big_gib"
@@ -102,9 +112,21 @@ if [ "${DISK:-1}" = 1 ]; then
 		echo "-- disk warm-up: $disk_warm_gib GiB written to $disk with O_DIRECT and removed" >>"$raw"
 		dd if=/dev/zero of="$disk/warm" bs=4M count=$((disk_warm_gib * 256)) oflag=direct conv=fsync status=none; rm -f "$disk/warm"
 	fi
-	for i in 1 2; do
+	if [ "${DISK_BUFFERED:-0}" = 1 ]; then
+		printf '[[mount]]\npath = "%s"\nio = "buffered"\n' "$disk" >"$out/buffered.toml"
+	fi
+	disk_kv() { kv "disk-$1" "$disk" --total "$(total "$disk_gib")" --drop-caches --fsync true; }
+	disk_buffered() {
+		[ "${DISK_BUFFERED:-0}" = 1 ] || return 0
+		kv "disk-buffered-$1" "$disk" --total "$(total "$disk_gib")" --drop-caches --fsync true --config "$out/buffered.toml"
+	}
+	for ((i = 1; i <= ${DISK_PAIRS:-2}; i++)); do
 		llmd "disk-$i" "$disk" "$disk_gib" --cold --sync
-		kv "disk-$i" "$disk" --total "$(total "$disk_gib")" --drop-caches --fsync true
+		if ((i % 2)); then # the two kinds of read take turns going first
+			disk_kv "$i"; disk_buffered "$i"
+		else
+			disk_buffered "$i"; disk_kv "$i"
+		fi
 	done
 fi
 echo "-- done $(date -u +%FT%TZ) after $SECONDS s" >>"$raw"

@@ -5,7 +5,9 @@ part, 2 jobs. It checks that the memory-mount and disk parts run in the
 order the summary's manifests name, that each run writes what
 docs/performance.md's summary reads (the sweep file's sections, both
 engines' lines, a kvhost report per run), and that a run cut at LIMIT
-fails the sweep (in the 16 GiB part, which runs the same functions)."""
+fails the sweep (in the 16 GiB part, which runs the same functions).
+The sweep runs with the knobs that add runs (FRESH_PAIRS, DISK_BUFFERED),
+so their order and their reports are checked too."""
 
 import json
 import os
@@ -21,11 +23,13 @@ from test_peer_llmd_script import HAVE_TORCH, ROUND, STAND_IN
 
 SWEEP = REPO / "scripts" / "peer-sweep.sh"
 
-# The runs of the SHM and DISK parts, in order: (engine, name).
+# The runs of the SHM and DISK parts with FRESH_PAIRS=1 and DISK_BUFFERED=1,
+# in order: (engine, name).
 ORDER = [("llmd", "shm32-1"), ("kvhost-cur", "shm32-1"), ("kvhost-cur", "restart-nogap-1"),
          ("kvhost-cur", "foreign-1"), ("kvhost-cur", "fresh-1"), ("kvhost-cur", "nogap-1"),
-         ("llmd", "shm32-2"),
-         ("llmd", "disk-1"), ("kvhost-cur", "disk-1"), ("llmd", "disk-2"), ("kvhost-cur", "disk-2")]
+         ("llmd", "shm32-2"), ("kvhost-cur", "fresh-2"), ("llmd", "shm32-3"),
+         ("llmd", "disk-1"), ("kvhost-cur", "disk-1"), ("kvhost-cur", "disk-buffered-1"),
+         ("llmd", "disk-2"), ("kvhost-cur", "disk-buffered-2"), ("kvhost-cur", "disk-2")]
 KEYS = 4  # every run's keys: 128 MiB (GIB and BIG_GIB 0.125) of 32 MiB
 # What each kvhost run's load row says it loaded.
 LOAD_KIND = {"restart-nogap-1": "load (restart)", "foreign-1": "load (foreign)"}
@@ -71,7 +75,7 @@ class TestPeerSweepScript(unittest.TestCase):
 
     def test_a_sweep_writes_every_run_the_summary_reads(self):
         with tempfile.TemporaryDirectory() as tmp:
-            r, out = self.sweep(tmp, BIG="0")
+            r, out = self.sweep(tmp, BIG="0", FRESH_PAIRS="1", DISK_BUFFERED="1")
             self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
             text = (out / "peer.txt").read_text()
             first = text.splitlines()[0]
@@ -114,6 +118,11 @@ class TestPeerSweepScript(unittest.TestCase):
         self.assertEqual([x["direction"] for x in rep["runs"]], ["store", "load"])
         load = rep["runs"][1]
         self.assertEqual((load["hits"], load["verified_bytes"]), (KEYS, load["bytes"]), "a load not verified whole")
+        if name.startswith("disk-buffered"):
+            self.assertEqual([x["io"] for x in rep["runs"]], ["buffered", "buffered"], "a buffered disk run read or wrote around the page cache")
+            self.assertIn("--config", args)
+        elif "--preallocate 0" in args:
+            self.assertEqual(rep["runs"][0].get("preallocate", 0), 0, "a fresh run made spare files")
 
     def test_a_run_cut_at_the_limit_fails_the_sweep(self):
         with tempfile.TemporaryDirectory() as tmp:
