@@ -1593,6 +1593,30 @@ class TestHitWindow(SpecCase):
         self.assertEqual(m.lookup(k, CTX), S.LookupResult.RETRY)  # asked again
         self.answer(m, k, S.LookupResult.HIT)
 
+    def test_a_round_on_a_replaced_connection_holds_nothing_and_is_left_as_it_was(self):
+        """A pin round that ended after its connection was replaced: its
+        keys get a MISS (their pins ended with that connection, so none is
+        released or counted), and settling it reads the round without
+        changing it."""
+        from kvhost.vllm import spec as spec_mod
+        m = self.manager(self.spec())
+        ks = keys(2, "replaced")
+        rnd = spec_mod._PinRound(object(), ks, time.monotonic())  # not the manager's connection
+        rnd.pins.append(7)
+        before = m.counters()
+        with m._cv:
+            for k in ks:
+                m._pending.add(k)
+            release = m._settle_round_locked(rnd)
+        self.assertEqual(release, [])
+        self.assertEqual((rnd.pins, rnd.held, rnd.answered), ([7], dict.fromkeys(ks, True), True))
+        after = m.counters()
+        self.assertEqual(after.get("daemon_pins", 0), before.get("daemon_pins", 0))
+        self.assertEqual(after.get("missing_keys", 0) - before.get("missing_keys", 0), len(ks))
+        self.assertEqual(after["pinned_now"], 0)
+        for k in ks:
+            self.assertEqual(m.lookup(k, CTX), S.LookupResult.MISS)
+
 
 @unittest.skipUnless(HAVE_TORCH, "torch is not installed")
 class TestPinLoadable(SpecCase):

@@ -335,29 +335,31 @@ class SpecManager(Reconnects):
         pins for hit_window_s from t0, the others a MISS for miss_ttl_s (and
         a removal event where this manager stored them and the daemon
         answered). A round that pinned on a connection replaced since holds
-        nothing; its keys being loaded are queued again. Returns the pin
-        ids to release."""
+        nothing (its pins ended with that connection) and counts as
+        unanswered; its keys being loaded are queued again. It reads the
+        round and leaves it as it is. Returns the pin ids to release."""
         now = time.monotonic()
         until = rnd.t0 + self._opts["hit_window_s"]
         release, again = [], set()
-        if rnd.client is not self._client:  # pinned on a connection since replaced
-            rnd.fail()
-            rnd.pins = []
+        replaced = rnd.client is not self._client
+        pins, answered = ([], False) if replaced else (rnd.pins, rnd.answered)
+        held = set() if replaced else {k for k, h in rnd.held.items() if h}
+        if replaced:
             # Keys being loaded are pinned again on the connection in
             # use: its swap skipped them, as this round had them.
             again = {k for k in rnd.keys if self._loading[k]}
             self._queue += again
             self._stats["repinned_keys"] += len(again)
-        batch = _PinBatch(rnd.pins, {k for k, h in rnd.held.items() if h})
+        batch = _PinBatch(pins, held)
         s = self._stats
-        s["daemon_pins"] += len(rnd.pins)
-        if rnd.answered and rnd.no_worker:
+        s["daemon_pins"] += len(pins)
+        if answered and rnd.no_worker:
             s["no_worker_keys"] += len(rnd.no_worker)  # once per key, whatever the ranks
-        for k, h in rnd.held.items():
+        for k in rnd.held:  # each key once, as the round holds them
             if k in again:
                 continue  # still pending, queued again
             self._pending.discard(k)
-            if h:
+            if k in held:
                 old = self._pinned.get(k)
                 if old is not None:
                     release += self._drop_ref_locked(old[0], k)
@@ -371,7 +373,7 @@ class SpecManager(Reconnects):
             # be stored still, and no event says otherwise. One this
             # manager stored and the daemon no longer has was evicted:
             # tell vLLM.
-            if rnd.answered and k not in rnd.no_worker and self._stored_at.pop(k, None) is not None:
+            if answered and k not in rnd.no_worker and self._stored_at.pop(k, None) is not None:
                 self._event_locked([k], removed=True)
         if not batch.refs:
             release += batch.pins
