@@ -119,7 +119,11 @@ test: tools build wasm lint
 # (cmd/kvhost) sets its end. --output-sync prints each one's output
 # whole when it ends.
 .PHONY: test-race
-test-race:
+# Run alone on a fresh checkout, the race suite first builds the wasm
+# modules its tests load (any one missing); under `make test`, which built
+# them already, its parallel step does not build them again.
+TEST_WASM_FILES := $(PLUGIN_WASM) $(WAT_WASM) $(GO_EXAMPLE_WASM) examples/c-policy/policy.wasm
+test-race: $(if $(filter-out $(wildcard $(TEST_WASM_FILES)),$(TEST_WASM_FILES)),wasm)
 	KVHOST_TEST_WASM_CACHE=$(TEST_WASM_CACHE) KVHOST_REQUIRE_FAKES=1 $(GO) test -race -count=1 -p 4 -timeout 30m ./...
 
 # The long reliability suite (docs/reliability.md): at least 100 SIGKILLs and
