@@ -117,11 +117,10 @@ test: tools build wasm lint
 # into TEST_WASM_CACHE), beside the Python tests: those wait on their
 # daemons most of the time, and the race suite's longest package
 # (cmd/kvhost) sets its end. --output-sync prints each one's output
-# whole when it ends.
+# whole when it ends. Run alone on a fresh checkout, it first builds the
+# wasm modules its tests load (any one missing); under `make test`, which
+# built them already, its parallel step does not build them again.
 .PHONY: test-race
-# Run alone on a fresh checkout, the race suite first builds the wasm
-# modules its tests load (any one missing); under `make test`, which built
-# them already, its parallel step does not build them again.
 TEST_WASM_FILES := $(PLUGIN_WASM) $(WAT_WASM) $(GO_EXAMPLE_WASM) examples/c-policy/policy.wasm
 test-race: $(if $(filter-out $(wildcard $(TEST_WASM_FILES)),$(TEST_WASM_FILES)),wasm)
 	KVHOST_TEST_WASM_CACHE=$(TEST_WASM_CACHE) KVHOST_REQUIRE_FAKES=1 $(GO) test -race -count=1 -p 4 -timeout 30m ./...

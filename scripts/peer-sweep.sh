@@ -112,20 +112,20 @@ if [ "${DISK:-1}" = 1 ]; then
 		echo "-- disk warm-up: $disk_warm_gib GiB written to $disk with O_DIRECT and removed" >>"$raw"
 		dd if=/dev/zero of="$disk/warm" bs=4M count=$((disk_warm_gib * 256)) oflag=direct conv=fsync status=none; rm -f "$disk/warm"
 	fi
-	if [ "${DISK_BUFFERED:-0}" = 1 ]; then
-		printf '[[mount]]\npath = "%s"\nio = "buffered"\n' "$disk" >"$out/buffered.toml"
-	fi
-	disk_kv() { kv "disk-$1" "$disk" --total "$(total "$disk_gib")" --drop-caches --fsync true; }
-	disk_buffered() {
-		[ "${DISK_BUFFERED:-0}" = 1 ] || return 0
-		kv "disk-buffered-$1" "$disk" --total "$(total "$disk_gib")" --drop-caches --fsync true --config "$out/buffered.toml"
+	buffered=${DISK_BUFFERED:-0}
+	[ "$buffered" = 1 ] && printf '[[mount]]\npath = "%s"\nio = "buffered"\n' "$disk" >"$out/buffered.toml"
+	disk_kv() { # name [bench flags]: one kvhost run on the disk
+		local name=$1; shift
+		kv "$name" "$disk" --total "$(total "$disk_gib")" --drop-caches --fsync true "$@"
 	}
 	for ((i = 1; i <= ${DISK_PAIRS:-2}; i++)); do
 		llmd "disk-$i" "$disk" "$disk_gib" --cold --sync
-		if ((i % 2)); then # the two kinds of read take turns going first
-			disk_kv "$i"; disk_buffered "$i"
+		if [ "$buffered" != 1 ]; then
+			disk_kv "disk-$i"
+		elif ((i % 2)); then # the two kinds of read take turns going first
+			disk_kv "disk-$i"; disk_kv "disk-buffered-$i" --config "$out/buffered.toml"
 		else
-			disk_buffered "$i"; disk_kv "$i"
+			disk_kv "disk-buffered-$i" --config "$out/buffered.toml"; disk_kv "disk-$i"
 		fi
 	done
 fi
