@@ -6,7 +6,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/kvhost/kvhost/internal/region"
+	"github.com/kvhost/kvhost/region"
 )
 
 // Memfd is a mapped, sealable memfd: host memory a client fills with KV

@@ -19,10 +19,10 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/kvhost/kvhost/internal/fsys"
-	"github.com/kvhost/kvhost/internal/region"
+	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/internal/testwait"
-	"github.com/kvhost/kvhost/internal/transfer"
+	"github.com/kvhost/kvhost/region"
+	"github.com/kvhost/kvhost/transfer"
 )
 
 // sparsePlan lays pages of pageSize out in file order from random even

@@ -9,7 +9,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/fsys"
 )
 
 // handleKey names a cached handle: the file (fsys.FileID, with its

@@ -11,7 +11,7 @@ import (
 	"sort"
 	"sync"
 
-	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/fsys"
 )
 
 // Errors of the package.

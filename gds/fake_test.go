@@ -17,10 +17,10 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/internal/cuda/cudatest"
 	"github.com/kvhost/kvhost/internal/dl"
-	"github.com/kvhost/kvhost/internal/fsys"
-	"github.com/kvhost/kvhost/internal/region"
+	"github.com/kvhost/kvhost/region"
 )
 
 // fakeCtl mirrors struct fake_ctl in testdata/fakecufile.c.

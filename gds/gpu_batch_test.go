@@ -30,9 +30,9 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/kvhost/kvhost/internal/fsys"
-	"github.com/kvhost/kvhost/internal/region"
-	"github.com/kvhost/kvhost/internal/transfer"
+	"github.com/kvhost/kvhost/fsys"
+	"github.com/kvhost/kvhost/region"
+	"github.com/kvhost/kvhost/transfer"
 )
 
 // pagedPlanAt is a key of pages × 64 KiB in file order from a random

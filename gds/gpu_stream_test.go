@@ -22,9 +22,9 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/internal/bench"
-	"github.com/kvhost/kvhost/internal/fsys"
-	"github.com/kvhost/kvhost/internal/transfer"
+	"github.com/kvhost/kvhost/transfer"
 )
 
 func TestGPUStreamVersusPerCall(t *testing.T) {

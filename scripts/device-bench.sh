@@ -2,7 +2,7 @@
 # Benchmarks and end-to-end checks on the GPU test machine (16 cores, tmpfs
 # and an ext4 disk, torch), from binaries built here:
 #   make build   # bin/kvhost, plugins/wasm/*.wasm
-#   go test -c -o .devbin/engine.test ./host/engine
+#   go test -c -o .devbin/engine.test ./internal/engine
 #   go test -c -o .devbin/server.test ./internal/server
 #   go test -c -o .devbin/policy.test ./host/policy
 # carried with the tree (carry: .devbin, bin, plugins/wasm). Results go to

@@ -9,7 +9,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/fsys"
 )
 
 // BenchmarkFused measures the cost of checksums fused with the transfer, by

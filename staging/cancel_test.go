@@ -9,8 +9,8 @@ import (
 	"sync/atomic"
 	"testing"
 
-	"github.com/kvhost/kvhost/internal/fsys"
-	"github.com/kvhost/kvhost/internal/region"
+	"github.com/kvhost/kvhost/fsys"
+	"github.com/kvhost/kvhost/region"
 )
 
 // TestBouncedRunsStopWhenTheContextIsCancelled: a direct write or read of

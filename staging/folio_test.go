@@ -6,9 +6,9 @@ import (
 	"path/filepath"
 	"testing"
 
+	"github.com/kvhost/kvhost/fsys/fsystest"
 	"github.com/kvhost/kvhost/internal/crc32c"
-	"github.com/kvhost/kvhost/internal/fsys/fsystest"
-	"github.com/kvhost/kvhost/internal/transfer"
+	"github.com/kvhost/kvhost/transfer"
 )
 
 // TestStoresFromHostMemoryFillLargeFoliosInOneWrite: with Plan.Folio, a

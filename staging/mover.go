@@ -7,9 +7,9 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/kvhost/kvhost/internal/fsys"
-	"github.com/kvhost/kvhost/internal/region"
-	"github.com/kvhost/kvhost/internal/transfer"
+	"github.com/kvhost/kvhost/fsys"
+	"github.com/kvhost/kvhost/region"
+	"github.com/kvhost/kvhost/transfer"
 )
 
 // Mover is the CPU data path as a transfer.Mover: it moves plans of

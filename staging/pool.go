@@ -19,7 +19,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/kvhost/kvhost/internal/transfer"
+	"github.com/kvhost/kvhost/transfer"
 )
 
 // Errors of the package.

@@ -4,8 +4,8 @@ import (
 	"os"
 	"testing"
 
-	"github.com/kvhost/kvhost/internal/fsys"
-	"github.com/kvhost/kvhost/internal/fsys/fsystest"
+	"github.com/kvhost/kvhost/fsys"
+	"github.com/kvhost/kvhost/fsys/fsystest"
 )
 
 // TestProbeDirectOnAFileSystemRefusingDirectIOSaysNoAndLeavesNoFile: where

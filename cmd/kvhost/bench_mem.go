@@ -17,8 +17,8 @@ import (
 	"github.com/kvhost/kvhost/internal/config"
 	"github.com/kvhost/kvhost/internal/cuda"
 	"github.com/kvhost/kvhost/internal/fstype"
-	"github.com/kvhost/kvhost/internal/region"
 	"github.com/kvhost/kvhost/plugins/lru"
+	"github.com/kvhost/kvhost/region"
 )
 
 // benchMemory is the paged cache's memory: GPU memory (cudaMalloc) or host

@@ -17,9 +17,9 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/gds"
-	"github.com/kvhost/kvhost/host/engine"
 	"github.com/kvhost/kvhost/internal/bench"
-	"github.com/kvhost/kvhost/internal/region"
+	"github.com/kvhost/kvhost/internal/engine"
+	"github.com/kvhost/kvhost/region"
 	"github.com/kvhost/kvhost/staging/gpu"
 )
 

@@ -10,8 +10,8 @@ import (
 	"path/filepath"
 	"time"
 
+	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/internal/fstype"
-	"github.com/kvhost/kvhost/internal/fsys"
 )
 
 // probeFlock takes an exclusive flock on a hidden probe file in dir on fs

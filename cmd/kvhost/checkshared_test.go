@@ -7,9 +7,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvhost/kvhost/fsys"
+	"github.com/kvhost/kvhost/fsys/fsystest"
 	"github.com/kvhost/kvhost/internal/fstype"
-	"github.com/kvhost/kvhost/internal/fsys"
-	"github.com/kvhost/kvhost/internal/fsys/fsystest"
 )
 
 // TestProbeFlockFindsThatFlockExcludes: the probe passes where flock

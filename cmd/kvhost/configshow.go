@@ -10,10 +10,10 @@ import (
 	"slices"
 	"time"
 
-	"github.com/kvhost/kvhost/host/engine"
+	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/host/policy"
 	"github.com/kvhost/kvhost/internal/config"
-	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/internal/engine"
 	"github.com/kvhost/kvhost/staging/gpu"
 )
 

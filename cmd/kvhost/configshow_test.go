@@ -8,8 +8,8 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/internal/config"
-	"github.com/kvhost/kvhost/internal/fsys"
 )
 
 // TestConfigShow: `kvhost config show` prints a configuration that reads

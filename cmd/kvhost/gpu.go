@@ -9,15 +9,15 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/gds"
-	"github.com/kvhost/kvhost/host/engine"
 	"github.com/kvhost/kvhost/internal/config"
 	"github.com/kvhost/kvhost/internal/cuda"
-	"github.com/kvhost/kvhost/internal/fsys"
-	"github.com/kvhost/kvhost/internal/region"
+	"github.com/kvhost/kvhost/internal/engine"
 	"github.com/kvhost/kvhost/internal/server/cudaipc"
-	"github.com/kvhost/kvhost/internal/transfer"
+	"github.com/kvhost/kvhost/region"
 	"github.com/kvhost/kvhost/staging/gpu"
+	"github.com/kvhost/kvhost/transfer"
 )
 
 // gpuOptions configure the daemon's GPU data paths ([gpu] in the TOML file).

@@ -17,17 +17,17 @@ import (
 	"unsafe"
 
 	"github.com/kvhost/kvhost/abi/guest"
-	"github.com/kvhost/kvhost/host/engine"
+	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/host/policy"
 	"github.com/kvhost/kvhost/internal/config"
 	"github.com/kvhost/kvhost/internal/cuda"
 	"github.com/kvhost/kvhost/internal/cuda/cudatest"
 	"github.com/kvhost/kvhost/internal/dl"
-	"github.com/kvhost/kvhost/internal/fsys"
-	"github.com/kvhost/kvhost/internal/region"
-	"github.com/kvhost/kvhost/internal/transfer"
+	"github.com/kvhost/kvhost/internal/engine"
 	"github.com/kvhost/kvhost/plugins/lru"
+	"github.com/kvhost/kvhost/region"
 	"github.com/kvhost/kvhost/staging/gpu"
+	"github.com/kvhost/kvhost/transfer"
 )
 
 func TestOpenGPUModes(t *testing.T) {

@@ -9,9 +9,9 @@ import (
 	"testing"
 
 	"github.com/kvhost/kvhost/abi/guest"
-	"github.com/kvhost/kvhost/host/engine"
 	"github.com/kvhost/kvhost/host/policy"
 	"github.com/kvhost/kvhost/internal/config"
+	"github.com/kvhost/kvhost/internal/engine"
 	"github.com/kvhost/kvhost/plugins/lru"
 )
 

@@ -21,9 +21,9 @@ import (
 	"github.com/prometheus/common/model"
 
 	"github.com/kvhost/kvhost/client"
+	"github.com/kvhost/kvhost/fsys"
+	"github.com/kvhost/kvhost/fsys/fsystest"
 	"github.com/kvhost/kvhost/internal/config"
-	"github.com/kvhost/kvhost/internal/fsys"
-	"github.com/kvhost/kvhost/internal/fsys/fsystest"
 	"github.com/kvhost/kvhost/internal/testsock"
 	"github.com/kvhost/kvhost/internal/testwasm"
 )

@@ -6,7 +6,7 @@ import (
 	"runtime"
 	"strconv"
 
-	"github.com/kvhost/kvhost/host/engine"
+	"github.com/kvhost/kvhost/internal/engine"
 )
 
 // controlProcessors is how many Go processors (GOMAXPROCS) the daemon runs

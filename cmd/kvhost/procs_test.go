@@ -7,7 +7,7 @@ import (
 	"runtime"
 	"testing"
 
-	"github.com/kvhost/kvhost/host/engine"
+	"github.com/kvhost/kvhost/internal/engine"
 )
 
 func TestDaemonProcessorsLeaveOneForTheControlPath(t *testing.T) {

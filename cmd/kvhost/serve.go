@@ -20,20 +20,20 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/abi/guest"
-	"github.com/kvhost/kvhost/host/engine"
+	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/host/policy"
 	"github.com/kvhost/kvhost/internal/config"
-	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/internal/engine"
 	"github.com/kvhost/kvhost/internal/logging"
 	"github.com/kvhost/kvhost/internal/metrics"
-	"github.com/kvhost/kvhost/internal/region"
 	"github.com/kvhost/kvhost/internal/server"
-	"github.com/kvhost/kvhost/internal/transfer"
 	"github.com/kvhost/kvhost/internal/watchdog"
 	"github.com/kvhost/kvhost/plugins"
 	"github.com/kvhost/kvhost/plugins/lru"
 	"github.com/kvhost/kvhost/plugins/tiered"
 	"github.com/kvhost/kvhost/protocol"
+	"github.com/kvhost/kvhost/region"
+	"github.com/kvhost/kvhost/transfer"
 )
 
 // runServe runs the daemon until ctx is done (SIGTERM, SIGINT), then shuts

@@ -10,9 +10,9 @@ import (
 	"strconv"
 
 	"github.com/kvhost/kvhost/abi"
-	"github.com/kvhost/kvhost/host/engine"
 	"github.com/kvhost/kvhost/host/policy"
 	"github.com/kvhost/kvhost/internal/config"
+	"github.com/kvhost/kvhost/internal/engine"
 	"github.com/kvhost/kvhost/internal/fstype"
 	"github.com/kvhost/kvhost/plugins/tiered"
 )

@@ -12,8 +12,8 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvhost/kvhost/internal/fsys"
-	"github.com/kvhost/kvhost/internal/fsys/fsystest"
+	"github.com/kvhost/kvhost/fsys"
+	"github.com/kvhost/kvhost/fsys/fsystest"
 	"github.com/kvhost/kvhost/internal/testsock"
 	"github.com/kvhost/kvhost/internal/testwait"
 	"github.com/kvhost/kvhost/protocol"

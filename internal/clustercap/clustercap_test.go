@@ -14,8 +14,8 @@ import (
 	"syscall"
 	"testing"
 
-	"github.com/kvhost/kvhost/internal/fsys"
-	"github.com/kvhost/kvhost/internal/fsys/fsystest"
+	"github.com/kvhost/kvhost/fsys"
+	"github.com/kvhost/kvhost/fsys/fsystest"
 )
 
 func TestSketchBelowIsExactAtPointsAndNeverDecreases(t *testing.T) {

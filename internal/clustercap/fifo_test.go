@@ -7,7 +7,7 @@ import (
 	"syscall"
 	"testing"
 
-	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/internal/testwait"
 )
 

@@ -10,7 +10,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/fsys"
 )
 
 // benchDirsEnv names the variable that lists client mounts of one shared

@@ -8,7 +8,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/internal/testlinks"
 )
 

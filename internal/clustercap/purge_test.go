@@ -7,7 +7,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/fsys"
 )
 
 // TestAPurgeRecordIsReadByTheOtherNodesAndReplacesItsOlderRecord: node

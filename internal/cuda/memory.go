@@ -5,7 +5,7 @@ import (
 	"sync"
 	"unsafe"
 
-	"github.com/kvhost/kvhost/internal/region"
+	"github.com/kvhost/kvhost/region"
 )
 
 // Pinned is page-locked host memory from cudaHostAlloc (portable: usable

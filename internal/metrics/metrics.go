@@ -19,10 +19,10 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
+	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/gds"
-	"github.com/kvhost/kvhost/host/engine"
 	"github.com/kvhost/kvhost/host/policy"
-	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/internal/engine"
 	"github.com/kvhost/kvhost/internal/server"
 	"github.com/kvhost/kvhost/protocol"
 	"github.com/kvhost/kvhost/staging/gpu"

@@ -4,7 +4,7 @@ import (
 	"sync"
 	"time"
 
-	"github.com/kvhost/kvhost/internal/fsys"
+	"github.com/kvhost/kvhost/fsys"
 )
 
 // statfsWait is how long a scrape waits for the statfs calls it started

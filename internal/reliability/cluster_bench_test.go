@@ -22,8 +22,8 @@ import (
 	"unsafe"
 
 	"github.com/kvhost/kvhost/client"
+	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/internal/bench"
-	"github.com/kvhost/kvhost/internal/fsys"
 	"github.com/kvhost/kvhost/internal/testsock"
 	"github.com/kvhost/kvhost/staging"
 )

@@ -11,7 +11,7 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/client"
-	"github.com/kvhost/kvhost/host/engine"
+	"github.com/kvhost/kvhost/internal/engine"
 	"github.com/kvhost/kvhost/internal/server"
 	"github.com/kvhost/kvhost/internal/testsock"
 )

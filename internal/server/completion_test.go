@@ -5,7 +5,7 @@ import (
 	"errors"
 	"testing"
 
-	"github.com/kvhost/kvhost/host/engine"
+	"github.com/kvhost/kvhost/internal/engine"
 	"github.com/kvhost/kvhost/protocol"
 )
 

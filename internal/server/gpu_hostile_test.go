@@ -12,16 +12,16 @@ import (
 	"unsafe"
 
 	"github.com/kvhost/kvhost/client"
-	"github.com/kvhost/kvhost/host/engine"
+	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/internal/cuda"
 	"github.com/kvhost/kvhost/internal/cuda/cudatest"
-	"github.com/kvhost/kvhost/internal/fsys"
-	"github.com/kvhost/kvhost/internal/region"
+	"github.com/kvhost/kvhost/internal/engine"
 	"github.com/kvhost/kvhost/internal/server"
 	"github.com/kvhost/kvhost/internal/testwait"
-	"github.com/kvhost/kvhost/internal/transfer"
 	"github.com/kvhost/kvhost/protocol"
+	"github.com/kvhost/kvhost/region"
 	staginggpu "github.com/kvhost/kvhost/staging/gpu"
+	"github.com/kvhost/kvhost/transfer"
 )
 
 // gateMover is the device mover of a test: calls that touch the device

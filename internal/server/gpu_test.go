@@ -7,9 +7,9 @@ import (
 	"testing"
 
 	"github.com/kvhost/kvhost/client"
-	"github.com/kvhost/kvhost/host/engine"
 	"github.com/kvhost/kvhost/internal/cuda"
 	"github.com/kvhost/kvhost/internal/cuda/cudatest"
+	"github.com/kvhost/kvhost/internal/engine"
 	"github.com/kvhost/kvhost/internal/server"
 	"github.com/kvhost/kvhost/internal/server/cudaipc"
 	"github.com/kvhost/kvhost/protocol"

@@ -7,7 +7,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/kvhost/kvhost/host/engine"
+	"github.com/kvhost/kvhost/internal/engine"
 	"github.com/kvhost/kvhost/internal/server"
 	"github.com/kvhost/kvhost/internal/testwait"
 	"github.com/kvhost/kvhost/protocol"

@@ -9,7 +9,7 @@ import (
 	"strings"
 	"time"
 
-	"github.com/kvhost/kvhost/host/engine"
+	"github.com/kvhost/kvhost/internal/engine"
 	"github.com/kvhost/kvhost/protocol"
 )
 

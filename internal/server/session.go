@@ -17,9 +17,9 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/kvhost/kvhost/host/engine"
-	"github.com/kvhost/kvhost/internal/region"
+	"github.com/kvhost/kvhost/internal/engine"
 	"github.com/kvhost/kvhost/protocol"
+	"github.com/kvhost/kvhost/region"
 )
 
 // memRegion is memory a client registered: a mapped memfd or shared

@@ -3,7 +3,7 @@ package server
 import (
 	"time"
 
-	"github.com/kvhost/kvhost/host/engine"
+	"github.com/kvhost/kvhost/internal/engine"
 	"github.com/kvhost/kvhost/protocol"
 )
 

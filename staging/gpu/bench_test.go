@@ -12,7 +12,7 @@ import (
 
 	"github.com/kvhost/kvhost/internal/cuda"
 	"github.com/kvhost/kvhost/internal/cuda/cudatest"
-	"github.com/kvhost/kvhost/internal/transfer"
+	"github.com/kvhost/kvhost/transfer"
 )
 
 // BenchmarkTmpfsDirect measures the mover on CPU (the fake CUDA library:

@@ -9,11 +9,11 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/internal/cuda"
 	"github.com/kvhost/kvhost/internal/cuda/cudatest"
-	"github.com/kvhost/kvhost/internal/fsys"
-	"github.com/kvhost/kvhost/internal/region"
 	"github.com/kvhost/kvhost/internal/testwait"
+	"github.com/kvhost/kvhost/region"
 )
 
 // TestSumsOnDeviceForRegisteredFiles: with checksums on the device, a

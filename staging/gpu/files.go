@@ -16,11 +16,11 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/internal/cuda"
-	"github.com/kvhost/kvhost/internal/fsys"
-	"github.com/kvhost/kvhost/internal/region"
-	"github.com/kvhost/kvhost/internal/transfer"
+	"github.com/kvhost/kvhost/region"
 	"github.com/kvhost/kvhost/staging"
+	"github.com/kvhost/kvhost/transfer"
 )
 
 // Registered files (Config.RegisterFiles; docs/gpu.md, "Registered

@@ -15,12 +15,12 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/internal/cuda"
 	"github.com/kvhost/kvhost/internal/cuda/cudatest"
-	"github.com/kvhost/kvhost/internal/fsys"
-	"github.com/kvhost/kvhost/internal/region"
 	"github.com/kvhost/kvhost/internal/testwait"
-	"github.com/kvhost/kvhost/internal/transfer"
+	"github.com/kvhost/kvhost/region"
+	"github.com/kvhost/kvhost/transfer"
 )
 
 // filesGeometry is a small cache: these tests check paths and lifetimes,

@@ -11,8 +11,8 @@ import (
 
 	"github.com/kvhost/kvhost/internal/crc32c"
 	"github.com/kvhost/kvhost/internal/cuda"
-	"github.com/kvhost/kvhost/internal/region"
-	"github.com/kvhost/kvhost/internal/transfer"
+	"github.com/kvhost/kvhost/region"
+	"github.com/kvhost/kvhost/transfer"
 )
 
 // geometry is a paged KV-cache layout as vLLM keeps it: per layer one

@@ -7,7 +7,7 @@ import (
 	"testing"
 
 	"github.com/kvhost/kvhost/internal/cuda"
-	"github.com/kvhost/kvhost/internal/transfer"
+	"github.com/kvhost/kvhost/transfer"
 )
 
 // TestGPUSweep measures the mover's pipeline settings (chunk, depth) on tmpfs, 128 × 32 MiB keys, 16 jobs, checksums on, next to the

@@ -23,20 +23,20 @@ PARSED = textwrap.dedent("""\
     M=-1 P=-1 G=-1 Sync Time=1000 N=1 Trace=1000 Mono=1000 Wall=2026-11-27T00:00:00.000001Z
     M=10 P=1 G=7 StateTransition Time=2000 GoID=7 Runnable->Running Reason=""
     TransitionStack=
-    \tgithub.com/kvhost/kvhost/host/engine.(*Engine).loadFile @ 0x1
+    \tgithub.com/kvhost/kvhost/internal/engine.(*Engine).loadFile @ 0x1
     \t\t/src/host/engine/load.go:1
     M=10 P=1 G=7 StateTransition Time=3000002000 GoID=7 Running->Syscall Reason=""
     TransitionStack=
     \tgolang.org/x/sys/unix.pread @ 0x2
     \t\t/src/unix/zsyscall.go:1
-    \tgithub.com/kvhost/kvhost/internal/fsys.(*osFile).ReadAt @ 0x3
+    \tgithub.com/kvhost/kvhost/fsys.(*osFile).ReadAt @ 0x3
     \t\t/src/fsys/os.go:1
-    \tgithub.com/kvhost/kvhost/host/engine.(*Engine).loadFile @ 0x4
+    \tgithub.com/kvhost/kvhost/internal/engine.(*Engine).loadFile @ 0x4
     \t\t/src/host/engine/load.go:2
     M=10 P=1 G=7 StateTransition Time=3002002000 GoID=7 Syscall->Running Reason=""
     M=10 P=1 G=7 StateTransition Time=3004002000 GoID=7 Running->Waiting Reason=""
     TransitionStack=
-    \tgithub.com/kvhost/kvhost/host/engine.(*Engine).loadFile @ 0x5
+    \tgithub.com/kvhost/kvhost/internal/engine.(*Engine).loadFile @ 0x5
     \t\t/src/host/engine/load.go:3
     """)
 

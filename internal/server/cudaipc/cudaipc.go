@@ -16,9 +16,9 @@ import (
 	"sync/atomic"
 
 	"github.com/kvhost/kvhost/internal/cuda"
-	"github.com/kvhost/kvhost/internal/region"
 	"github.com/kvhost/kvhost/internal/server"
 	"github.com/kvhost/kvhost/protocol"
+	"github.com/kvhost/kvhost/region"
 )
 
 // ErrClosed means the Importer was closed.

@@ -8,10 +8,10 @@ import (
 
 	"github.com/kvhost/kvhost/internal/cuda"
 	"github.com/kvhost/kvhost/internal/cuda/cudatest"
-	"github.com/kvhost/kvhost/internal/region"
 	"github.com/kvhost/kvhost/internal/server"
 	"github.com/kvhost/kvhost/internal/server/cudaipc"
 	"github.com/kvhost/kvhost/protocol"
+	"github.com/kvhost/kvhost/region"
 )
 
 // open opens a runtime on a fresh fake library and returns it and the

@@ -266,7 +266,7 @@ def fs_namespace(prefix, base):
     by default (prefix "vllm-fs:"): prefix and base, or, where that is
     longer than MAX_MODEL_ID bytes (a model given by a long local path),
     prefix, the start of base's model name cut on a character boundary to
-    fit, and base's "_<hash>": the daemon's rule (host/engine,
+    fit, and base's "_<hash>": the daemon's rule (internal/engine,
     defaultNamespace)."""
     whole = prefix + base
     if len(whole.encode()) <= MAX_MODEL_ID:

@@ -1,0 +1,432 @@
+package engine
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/kvhost/kvhost/fsys"
+	"github.com/kvhost/kvhost/host/policy"
+	"github.com/kvhost/kvhost/region"
+	"github.com/kvhost/kvhost/staging"
+)
+
+// Names the engine owns under a mount root: every name starting with '.'
+// (on a vllm-fs mount, vLLM's base directory may start with '.' too:
+// baseDirs).
+const (
+	tmpPrefix   = ".tmp-"
+	probePrefix = ".probe-direct-"
+	sparePrefix = ".spare-" // an evicted file kept for reuse (spares.go)
+)
+
+// Engine stores and loads KV-cache blocks. It is safe for concurrent use.
+//
+// Its files are layered so that calls go one way, downwards (only the
+// eviction and a move between mounts call each other, in capacity.go and
+// demote.go: an eviction may demote its victim, and a move reserves room
+// on its target, which may evict there). From the bottom:
+//
+//   - declarations: api.go, geometry.go, failures.go;
+//   - state: space.go (room on the mounts), then index.go and flight.go
+//     (entries, paths held);
+//   - plumbing: hits.go (policy events), observe.go, movers.go, jobs.go,
+//     calls.go (the calls in flight that are not jobs),
+//     recheck.go;
+//   - files: identity.go, removal.go, tempfiles.go, vllmfs.go,
+//     headers.go, mount.go;
+//   - room: spares.go, owner.go (whose spares are live), ahead.go,
+//     warm.go, drop.go, publish.go, cluster.go (cluster-wide capacity),
+//     capacity.go and demote.go;
+//   - requests: namespaces.go, caches.go, lookup.go, pins.go, store.go,
+//     load.go, delete.go;
+//   - life: recover.go, hold.go, reload.go, engine.go.
+type Engine struct {
+	cfg       Config
+	log       *slog.Logger
+	fs        fsys.FS // Config.FS, watched: its calls in flight are in io
+	pol       policy.Policy
+	ownPolicy bool
+	hitRec    *hitRecorder           // lookup hits, reported off the lookup's path
+	host      *staging.Mover         // the CPU path; its pool is the engine's I/O workers
+	paths     map[region.Kind]string // pathName of each kind with a mover, set with the movers
+	slots     fileSlots              // the files in flight (movers.go)
+	mounts    []*mount
+	kvMounts  int // mounts of kvhost's layout: the first ones; the rest are vllm-fs
+	now       func() time.Time
+	node      string      // this node's name in temporary file names
+	memory    int64       // the machine's memory (Config.Memory)
+	lock      fsys.File   // Config.LockFile, flocked for the engine's life
+	token     string      // names this engine's owner files and spares (owner.go)
+	owners    []ownerFile // this engine's owner files, flocked for its life
+	ownersMu  sync.Mutex  // guards owners and ownersDone (tookFile adds one after Open); no I/O under it
+	// ownersDone: closeOwners ran; tookFile makes no owner file after it.
+	ownersDone bool
+	dirs       sync.Map     // directories known to exist (mkdir); forgotten past dirsMax
+	dirsN      atomic.Int64 // entries added to dirs since it was last cleared
+	dirsMax    int64        // the most dirs holds before it is cleared (maxKnownDirs)
+	unsynced   sync.Map     // directories created, not yet fsynced (Config.Fsync)
+	copyBufs   sync.Pool    // *[]byte: moves' copy buffers (copyFile), reused
+	headBufs   sync.Pool    // *[]byte: readHeader's first read, format.Align bytes, aligned
+
+	// The engine's state in parts, each with its own lock; the lock
+	// order is evictMu (per mount, in mount order) > pinTab.mu > mu >
+	// ix.mu > space.mu (docs/engine.md, "The engine's parts"). Nothing
+	// holding one of them calls the policy. hold.mu (hold.go) is taken
+	// before ix.mu and held across the policy call of a release.
+	//
+	// mu guards the engine-wide tables: namespaces, caches, and closed.
+	// Readers (a request's namespace and cache) share it; writers
+	// (Declare, Release, RegisterCache, Close) hold it alone, briefly.
+	mu       sync.RWMutex
+	closed   bool
+	nss      []*namespace // by NamespaceID
+	nsByFP   map[uint64]NamespaceID
+	freeNS   []NamespaceID // ids Release gave back (namespaces without files), taken first
+	sweepNS  int           // ids at which a new one with none given back sweeps (sweepNamespacesLocked)
+	caches   map[CacheID]*cache
+	lastCach uint64
+	declares int // namespaces counted against Config.MaxNamespaces
+	// ix is what is stored: entries by id, key and path, and the paths
+	// jobs hold (index.go).
+	ix *index
+	// space is the room on every mount: capacity, used, reservations,
+	// orphans, spares (space.go).
+	space *space
+
+	jobs  jobTable      // the jobs in flight (jobs.go)
+	calls callGate      // the calls in flight that are not jobs (calls.go)
+	io    fsys.InFlight // file operations and movers' calls in flight (Activity)
+
+	// down is closed when Close's teardown has ended (shutdown), downErr
+	// set before; closeUnwind is how long Close waits, once its context
+	// has ended, for the jobs it cancelled and the calls in flight
+	// (defaultCloseUnwind; tests shorten it).
+	down        chan struct{}
+	downErr     error
+	closeUnwind time.Duration
+
+	st       counters
+	verifyIv atomic.Int64 // Config.VerifyInterval, changed by SetVerifyInterval
+	// pathWaits counts the times a store waited for another job holding
+	// its file's path (tests wait for it instead of sleeping).
+	pathWaits  atomic.Int64
+	fails      *failureLog
+	pinTab     pinTable     // client pins (pins.go)
+	hold       restartHold  // the files found at start, pinned for Config.RestartHold (hold.go)
+	tier       *tierDriver  // ticks and mount updates (demote.go); nil without policy.Tiering
+	tierSt     tierCounters // moves between mounts (demote.go)
+	maker      *spareMaker  // spares made ahead of stores (ahead.go); nil without Mount.Preallocate
+	warm       *warmer      // files offered to the movers ahead of jobs (warm.go); nil where none takes them
+	clusterRun clusterRun   // loops of the cluster mounts (cluster.go)
+
+	// evictWaits counts the reservations that found no room below a
+	// mount's high watermark and went to its eviction lock (reserveUsed;
+	// tests wait for it instead of sleeping).
+	evictWaits atomic.Int64
+
+	// pinOpen counts the files held open for client pins (pinfiles.go),
+	// at most maxPinOpen (DefaultMaxPinnedOpen).
+	pinOpen    atomic.Int64
+	maxPinOpen int64
+}
+
+type counters struct {
+	stores, loads, hits, misses, evictions, reused, made, failures, corrupt, vanished, removeFailures, written, read atomic.Uint64
+
+	// ended counts the jobs finished (Activity); scanned, the files a
+	// cluster adoption walk read.
+	ended, scanned atomic.Uint64
+	// pinUnopened counts the client pins of files another engine may
+	// remove that were not held open: maxPinOpen were (pinfiles.go).
+	pinUnopened atomic.Uint64
+}
+
+// DefaultIOWorkers is the number of I/O workers of a Config whose
+// IOWorkers is 0, the staging pool's default: runtime.GOMAXPROCS as it is
+// now, at least 2 (the daemon reads it before it raises GOMAXPROCS beyond
+// the workers).
+func DefaultIOWorkers() int { return staging.DefaultWorkers() }
+
+// Open opens an engine over cfg.Mounts: it creates missing roots, probes
+// O_DIRECT once per mount, removes temporary leftovers of earlier runs and
+// rebuilds the index from the files' headers (a parallel scan).
+func Open(ctx context.Context, cfg Config) (*Engine, error) {
+	if len(cfg.Mounts) == 0 {
+		return nil, fmt.Errorf("%w: config: no mounts", ErrInvalid)
+	}
+	if cfg.Policy == nil && cfg.NewPolicy == nil {
+		return nil, fmt.Errorf("%w: config: no policy", ErrInvalid)
+	}
+	if cfg.Logger == nil {
+		cfg.Logger = slog.Default()
+	}
+	if cfg.FS == nil {
+		cfg.FS = fsys.OS{}
+	}
+	if cfg.Now == nil {
+		cfg.Now = time.Now
+	}
+	if cfg.IOWorkers <= 0 {
+		cfg.IOWorkers = DefaultIOWorkers()
+	}
+	if cfg.StagingBytes <= 0 {
+		cfg.StagingBytes = 64 << 20
+	}
+	if cfg.MaxNamespaces <= 0 {
+		cfg.MaxNamespaces = DefaultMaxNamespaces
+	}
+	if cfg.TempGrace <= 0 {
+		cfg.TempGrace = DefaultTempGrace
+	}
+	e := &Engine{
+		cfg:        cfg,
+		log:        cfg.Logger,
+		now:        cfg.Now,
+		node:       nodeName(cfg.NodeID),
+		memory:     machineMemory(cfg.Memory),
+		maxPinOpen: DefaultMaxPinnedOpen(),
+		fails:      &failureLog{log: cfg.Logger, interval: 10 * time.Second},
+		nsByFP:     map[uint64]NamespaceID{},
+		caches:     map[CacheID]*cache{},
+		space:      &space{},
+		calls:      newCallGate(),
+		down:       make(chan struct{}),
+
+		closeUnwind: defaultCloseUnwind,
+		dirsMax:     maxKnownDirs,
+	}
+	e.fs = fsys.Watched(cfg.FS, &e.io)
+	e.ix = newIndex(e.space)
+	// The node-local lock first: a second daemon on this node stops here,
+	// before it touches a mount.
+	if cfg.LockFile != "" {
+		lock, err := lockNode(e.fs, cfg.LockFile)
+		if err != nil {
+			return nil, err
+		}
+		e.lock = lock
+	}
+	e.token = newToken()
+	ok := false
+	defer func() {
+		if !ok {
+			e.closeOwners()
+		}
+		if !ok {
+			e.closeCluster()
+		}
+		if !ok && e.lock != nil {
+			e.lock.Close()
+		}
+	}()
+	for i, m := range cfg.Mounts {
+		mt, err := e.openMount(i, m)
+		if err != nil {
+			return nil, err
+		}
+		mt.backend = "staging"
+		if m.VLLMFS != nil {
+			if err := e.openLayout(mt, m.VLLMFS); err != nil {
+				return nil, err
+			}
+			if other := e.layoutMount(mt.raw.model); other != nil {
+				return nil, fmt.Errorf("%w: mounts %s and %s: both vllm-fs mounts serve namespace %q", ErrInvalid, other.root, mt.root, mt.raw.model)
+			}
+		} else {
+			if e.kvMounts < i {
+				return nil, fmt.Errorf("%w: mount %s: a kvhost mount after the vllm-fs mount %s: list vllm-fs mounts last (the policy places other namespaces on mounts 0..n-1)", ErrInvalid, mt.root, e.mounts[e.kvMounts].root)
+			}
+			for _, other := range e.mounts[:e.kvMounts] {
+				if err := checkDisjoint(e.fs, other.root, mt.root); err != nil {
+					return nil, err
+				}
+			}
+			e.kvMounts++
+		}
+		e.mounts = append(e.mounts, mt)
+		e.space.mounts = append(e.space.mounts, mt.sp)
+	}
+	const bufSize = 4 << 20
+	host, err := staging.NewMover(staging.Config{
+		Workers:    cfg.IOWorkers,
+		CPUs:       cfg.CPUs,
+		BufferSize: bufSize,
+		Buffers:    int(max(2, cfg.StagingBytes/bufSize)),
+		YieldBytes: cfg.YieldBytes,
+	})
+	if err != nil {
+		return nil, fmt.Errorf("engine: %w", err)
+	}
+	e.host = host
+	e.slots.tokens = make(chan struct{}, cfg.IOWorkers)
+	pool := host
+	if err := e.buildMovers(); err != nil {
+		pool.Close()
+		return nil, err
+	}
+	e.openOwners() // before the walk, which keeps live owners' spares
+	// The cluster locks before the walk too: an adopter of this node's
+	// files then lets go of them (openCluster).
+	if err := e.openCluster(); err != nil {
+		pool.Close()
+		return nil, err
+	}
+	start := time.Now()
+	if err := e.rebuild(ctx); err != nil {
+		pool.Close()
+		return nil, err
+	}
+	e.pol = cfg.Policy
+	if e.pol == nil {
+		if e.pol, err = cfg.NewPolicy(e.Index()); err != nil {
+			pool.Close()
+			return nil, fmt.Errorf("%w: new policy: %w", ErrPolicy, err)
+		}
+		e.ownPolicy = true
+	}
+	e.pol, e.ownPolicy = newSwitchPolicy(e.pol, e.ownPolicy), true // ReplacePolicy
+	e.verifyIv.Store(int64(cfg.VerifyInterval))
+	e.reportMounts()
+	e.restore(ctx)
+	// Before the cluster's first count, which may evict this node's files.
+	e.holdFound(ctx, cfg.RestartHold)
+	if err := e.countCluster(ctx); err != nil {
+		e.releaseFound(false)
+		pool.Close()
+		return nil, err
+	}
+	e.hitRec = newHitRecorder(e)
+	e.startTiering(ctx)
+	e.startSpareMaker()
+	e.startWarmer()
+	e.startCluster(ctx)
+	ok = true
+	st := e.Stats()
+	e.log.Info("engine: open", "mounts", len(e.mounts), "entries", st.Entries, "keys", st.Keys, "rebuild", time.Since(start))
+	return e, nil
+}
+
+// Stats returns the engine's counters and per-mount usage.
+func (e *Engine) Stats() Stats {
+	s := Stats{
+		Stores: e.st.stores.Load(), Loads: e.st.loads.Load(), Hits: e.st.hits.Load(), Misses: e.st.misses.Load(),
+		Evictions: e.st.evictions.Load(), Reused: e.st.reused.Load(), SparesMade: e.st.made.Load(), Failures: e.st.failures.Load(), Corrupt: e.st.corrupt.Load(),
+		Vanished: e.st.vanished.Load(), RemoveFailures: e.st.removeFailures.Load(), BytesWritten: e.st.written.Load(), BytesRead: e.st.read.Load(),
+		PinnedFilesOpen: e.pinOpen.Load(), PinnedFilesUnopened: e.st.pinUnopened.Load(),
+		StoreFailures: e.fails.stats(0), LoadFailures: e.fails.stats(1), Tiering: e.TierStats(), HeldFound: e.HeldFound(),
+	}
+	s.Entries, s.Keys = e.ix.size()
+	s.Namespaces = e.namespaceStats()
+	rooms := e.space.usages()
+	for i, m := range e.mounts {
+		sp := rooms[i]
+		s.Mounts = append(s.Mounts, MountStats{
+			Path: m.root, Capacity: sp.capacity, Configured: sp.configured, Reserve: sp.reserve, Used: sp.used, Entries: sp.entries,
+			SpareFiles: sp.spareFiles, SpareBytes: sp.spareBytes, Preallocate: sp.ahead,
+			Direct: m.direct, Memory: m.memory, IO: m.ioName(), Backend: m.backend, Checksums: m.checksums, Layout: LayoutKVHost,
+			MovedIn: sp.movedIn, MovedOut: sp.movedOut, StoresFailing: m.storeFailure(),
+		})
+		if m.raw != nil {
+			ms := &s.Mounts[len(s.Mounts)-1]
+			ms.Layout, ms.Namespace, ms.Base = LayoutVLLMFS, m.raw.model, m.raw.layout.Base()
+		}
+	}
+	return s
+}
+
+// defaultCloseUnwind is how long Close waits, once its context has ended,
+// for the jobs it cancelled and the calls still in flight to return.
+const defaultCloseUnwind = 5 * time.Second
+
+// Close stops accepting requests and waits for everything in flight: the
+// jobs, and the calls that are not jobs (Lookup, Pin, Unpin, Delete,
+// Purge, Declare, Release, ReplacePolicy and the like); calls that begin
+// after it fail with ErrClosed. Once they have all returned it closes the
+// engine's parts (the policy, the movers, the node lock): no call uses
+// them after they are closed, and nothing touches the mounts after Close
+// returns nil.
+//
+// If ctx ends first, Close cancels the jobs and waits a few seconds more
+// (defaultCloseUnwind) for them to unwind: the temporary files of
+// cancelled stores are removed. Whatever still has not returned then (a
+// file operation hung on a FUSE or NFS mount, which no cancellation
+// reaches) is logged, and Close returns an error wrapping ErrInFlight and
+// ctx's error without waiting for it: the engine's parts, the node lock
+// (Config.LockFile) included, are closed once it returns, so no other
+// engine opens the directories meanwhile. A later Close waits (up to its
+// own ctx) for that and returns the close's outcome.
+func (e *Engine) Close(ctx context.Context) error {
+	e.mu.Lock()
+	first := !e.closed
+	if first {
+		e.closed = true
+		e.space.close() // no spare kept or made from now on
+	}
+	e.mu.Unlock()
+	if first {
+		e.jobs.close()
+		e.calls.close()
+		go e.shutdown()
+	}
+	select {
+	case <-e.down:
+		return e.downErr
+	case <-ctx.Done():
+	}
+	e.jobs.cancelAll()
+	unwind := time.NewTimer(e.closeUnwind)
+	defer unwind.Stop()
+	select {
+	case <-e.down:
+		return errors.Join(ctx.Err(), e.downErr)
+	case <-unwind.C:
+	}
+	a := e.Activity()
+	calls := e.calls.inFlight()
+	args := []any{"jobs", a.Jobs, "calls", calls}
+	if !a.OldestIO.IsZero() {
+		args = append(args, "oldest_io", time.Since(a.OldestIO).Round(time.Millisecond).String())
+	}
+	e.log.Error("engine: close gave up waiting for what is still in flight (a hung file system?); the engine closes, and lets go of its node lock, once they return", args...)
+	return fmt.Errorf("engine: close: %w (jobs: %d, calls: %d; or the engine's background work): %w", ErrInFlight, a.Jobs, calls, ctx.Err())
+}
+
+// shutdown is Close's teardown: it waits for the jobs and the calls in
+// flight, then closes the engine's parts, sets downErr and closes down.
+func (e *Engine) shutdown() {
+	start := time.Now()
+	e.jobs.wg.Wait()
+	<-e.calls.idle
+	e.closePins()
+	e.releaseFound(false)
+	e.stopTiering()
+	e.stopSpareMaker()
+	e.stopWarmer()
+	e.closeCluster()
+	e.dropSpares()
+	e.closeOwners() // after the spares: none is left for another engine to find live
+	e.hitRec.close()
+	e.host.Close()
+	var err error
+	if e.ownPolicy {
+		err = e.pol.Close(context.Background())
+	}
+	if e.lock != nil {
+		e.lock.Close() // releases the flock
+	}
+	e.downErr = err
+	close(e.down)
+	e.log.Debug("engine: closed", "took", time.Since(start))
+}
+
+// check returns the first broken invariant of the engine's parts: the
+// index's, the space's, and, where no job holds a path, that each
+// mount's room holds exactly its indexed files. Tests call it.
+func (e *Engine) check() error {
+	return errors.Join(e.ix.check(), e.space.check(), e.ix.checkAtRest())
+}

@@ -1,0 +1,418 @@
+package engine
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"sync"
+	"syscall"
+
+	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/fsys"
+	"github.com/kvhost/kvhost/internal/format"
+)
+
+// Load loads keys into cache blocks, asynchronously. The request is
+// validated at once; the returned Job reports, per key, loaded, missing or
+// failed. Files are pinned (never evicted) while the job reads them, every
+// header is checked against the namespace and key, and payload checksums are
+// verified: a corrupt file is a failed key and is dropped.
+func (e *Engine) Load(ctx context.Context, req LoadRequest) (*Job, error) {
+	c, err := e.request(req.Cache, req.Keys, req.Blocks, true)
+	if err != nil {
+		return nil, err
+	}
+	if err := distinctBlocks(req.Blocks); err != nil {
+		return nil, err
+	}
+	keys, blocks := cloneRequest(req.Keys, req.Blocks)
+	j, jctx, err := e.newJob(ctx, "load", len(keys))
+	if err != nil {
+		return nil, err
+	}
+	j.mem = c.kind
+	go e.runLoad(jctx, j, c, keys, blocks)
+	return j, nil
+}
+
+func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, blocks [][]int) {
+	defer e.finish(j)
+	ns := c.ns
+	set := func(i int, o Outcome, err error) { j.res.Keys[i] = KeyResult{Outcome: o, Err: err} }
+
+	// Find and pin the file of every key; one read task per file.
+	byEntry := map[*entry][]int{}
+	var order []*entry
+	var pins []abi.AccessRecord
+	for i, k := range keys {
+		// The index's entry is found and pinned in one hold of the lock
+		// (every load takes it); a key it lacks is looked for on disk.
+		e.ix.mu.Lock()
+		en, pinned := e.pinLocked(ns, k, byEntry, &pins)
+		e.ix.mu.Unlock()
+		if en == nil {
+			if en = e.discover(ctx, ns, k); en != nil {
+				e.ix.mu.Lock()
+				en, pinned = e.pinEntryLocked(en, k, byEntry, &pins)
+				e.ix.mu.Unlock()
+			}
+		}
+		if !pinned {
+			e.st.misses.Add(1)
+			set(i, OutcomeMissing, fmt.Errorf("%w: key %x: not indexed, and no file under its name holds it", ErrNotFound, k))
+			continue
+		}
+		if _, ok := byEntry[en]; !ok {
+			order = append(order, en)
+		}
+		byEntry[en] = append(byEntry[en], i)
+	}
+	e.access(ctx, pins)
+
+	var wg sync.WaitGroup
+	for _, en := range order {
+		idx := byEntry[en]
+		if err := e.slots.acquire(ctx); err != nil {
+			for _, i := range idx {
+				set(i, OutcomeFailed, err)
+			}
+			continue
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			defer e.releaseSlot()
+			e.loadFile(ctx, j, c, keys, blocks, en, idx)
+		}()
+	}
+	wg.Wait()
+
+	// Unpin; loaded entries count as hits.
+	var recs []abi.AccessRecord
+	e.ix.mu.Lock()
+	now := e.now().UnixNano()
+	for _, en := range order {
+		en.pins--
+		loaded := false
+		for _, i := range byEntry[en] {
+			loaded = loaded || j.res.Keys[i].Outcome == OutcomeLoaded
+		}
+		if en.gone {
+			continue
+		}
+		if loaded {
+			en.hits++
+			en.last = now
+			recs = append(recs, en.access(abi.AccessHit, now))
+		}
+		recs = append(recs, en.access(abi.AccessUnpin, now))
+	}
+	e.ix.mu.Unlock()
+	e.access(ctx, recs)
+}
+
+// pinLocked finds key's entry in ns in the index, or the entry a client
+// pin holds open out of it (index.pinnedGone), and pins it
+// (pinEntryLocked); nil where neither has one. An entry held open is
+// preferred to an indexed one that is not: a newer file of the key, found
+// after the held one left the index, may be removed by its node too, and
+// the client's pin promised a load. The caller holds index.mu.
+func (e *Engine) pinLocked(ns *namespace, key []byte, byEntry map[*entry][]int, pins *[]abi.AccessRecord) (*entry, bool) {
+	en := e.ix.getLocked(ns.fp, key)
+	if en == nil || en.file.Load() == nil {
+		// Dropped from the index (another engine removed its file)
+		// while a client pin holds the file open (pinfiles.go).
+		if held := e.ix.pinnedGoneLocked(ns.fp, key); held != nil {
+			en = held
+		}
+	}
+	if en == nil {
+		return nil, false
+	}
+	return e.pinEntryLocked(en, key, byEntry, pins)
+}
+
+// pinEntryLocked pins en (or the file it moved to meanwhile, demote.go)
+// for a load of key, once per file of the load (byEntry holds the files it
+// pinned already), and appends the policy's pin record to pins. It
+// returns the entry and whether the load holds a pin on it. The caller
+// holds index.mu.
+func (e *Engine) pinEntryLocked(en *entry, key []byte, byEntry map[*entry][]int, pins *[]abi.AccessRecord) (*entry, bool) {
+	en = e.ix.currentLocked(en, key)
+	if _, dup := byEntry[en]; dup {
+		return en, true // another key of this load pinned it
+	}
+	if en.gone {
+		if en.file.Load() == nil {
+			return en, false
+		}
+		en.pins++ // read through the file its client pins hold open; the policy knows it no more
+		return en, true
+	}
+	en.pins++
+	*pins = append(*pins, en.access(abi.AccessPin, e.now().UnixNano()))
+	return en, true
+}
+
+// loadFile reads the keys idx (request indices) from en's file into their
+// blocks and verifies them.
+func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, blocks [][]int, en *entry, idx []int) {
+	set := func(i int, o Outcome, err error) { j.res.Keys[i] = KeyResult{Outcome: o, Err: err} }
+	all := func(o Outcome, err error) {
+		for _, i := range idx {
+			set(i, o, err)
+		}
+		if o == OutcomeMissing {
+			e.st.misses.Add(uint64(len(idx)))
+		}
+	}
+	if err := ctx.Err(); err != nil {
+		all(OutcomeFailed, err)
+		return
+	}
+	m := e.mounts[en.mount]
+	// Never through a link planted below the root since the file was
+	// indexed: a file reached so is not in the mount, neither this
+	// engine's to serve nor to index (openNoLinks). The entry's file is
+	// gone from its path as much as one removed. Nor waiting on a named
+	// pipe put at the name (checkOpen; openData). A file its client
+	// pins hold open is read there (openLoad).
+	f, id, idErr, err := e.openLoad(m, en)
+	if err != nil {
+		if errors.Is(err, errNotRegular) {
+			if !e.dropVanished(ctx, en, "not a regular file") {
+				all(OutcomeMissing, fmt.Errorf("%w: %s was deleted (a delete or purge) before the load read it", ErrNotFound, en.path))
+				return
+			}
+			all(OutcomeMissing, fmt.Errorf("%w: %w", ErrNotFound, err))
+			return
+		}
+		if errors.Is(err, os.ErrNotExist) || errors.Is(err, syscall.ELOOP) {
+			if !e.dropVanished(ctx, en, "vanished") {
+				all(OutcomeMissing, fmt.Errorf("%w: %s was deleted (a delete or purge) before the load read it", ErrNotFound, en.path))
+				return
+			}
+			all(OutcomeMissing, fmt.Errorf("%w: %s vanished (removed behind this engine's back)", ErrNotFound, en.path))
+			return
+		}
+		all(OutcomeFailed, fmt.Errorf("engine: load %s: %w", en.path, err))
+		return
+	}
+	defer f.Close()
+	corrupt := func(err error) {
+		e.st.corrupt.Add(1)
+		e.log.Warn("engine: corrupt file dropped", "path", en.path, "err", err)
+		e.drop(ctx, en, true, "corrupt")
+		// Nor is a file its client pins hold open read again: later
+		// loads miss, as they do where no pin held it.
+		e.ix.unkeepPinned(en)
+	}
+	// One fstat (openData's) serves the header (vllm-fs mounts) and the
+	// checks below.
+	var h *format.Header
+	if idErr != nil && m.raw != nil {
+		err = idErr // a vllm-fs header needs the file's size
+	} else {
+		h, err = e.fileHeader(en.mount, en.path, f, id)
+	}
+	if err != nil {
+		if errors.Is(err, ErrCorrupt) {
+			corrupt(err) // not an I/O error: the file stays for the next load
+		}
+		all(OutcomeFailed, fmt.Errorf("engine: load %s: %w", en.path, err))
+		return
+	}
+	g := c.ns.geo
+	if h.Fingerprint != c.ns.fp || h.Layers != uint32(g.Layers) || h.Planes != uint32(g.Planes()) ||
+		h.BlocksPerKey != uint32(g.BlocksPerKey()) || h.BlockBytes != uint64(g.BlockBytes()) {
+		// Replaced by a file of another geometry: not ours to judge.
+		e.dropVanished(ctx, en, "replaced by another geometry")
+		all(OutcomeMissing, fmt.Errorf("%w: %w: %s was replaced by a file of another geometry: %w", ErrNotFound, ErrMismatch, en.path, format.ErrFingerprint))
+		return
+	}
+	if idErr == nil && !en.sameFile(id, h) {
+		// Another file at the path (another node published there, maybe
+		// at the same inode): the entry goes; the file is indexed anew if
+		// it holds what is asked, and read below like any file.
+		e.dropVanished(ctx, en, "replaced")
+		// A row is exactly its length (rawEntry); a longer file is
+		// not this geometry's row, whatever its first bytes.
+		if m.raw != nil && id.Size > h.FileLen() {
+			all(OutcomeMissing, fmt.Errorf("%w: %w: %s was replaced by a file of %d bytes, rows are %d", ErrNotFound, ErrMismatch, en.path, id.Size, h.FileLen()))
+			return
+		}
+		if id.Size >= h.FileLen() {
+			found := e.entryOf(en.mount, en.path, h, id)
+			if en, _ = e.adoptFound(ctx, found); en == nil {
+				// A job of this engine holds the path, or held it
+				// since the file was opened: the file is read, and
+				// left to it to index, replace or remove.
+				found.gone = true
+				en = found
+			}
+		}
+	}
+	// A file shorter than its header says was truncated behind our back:
+	// corrupt, whatever the keys asked.
+	if idErr == nil && id.Size < h.FileLen() {
+		err := fmt.Errorf("%w: %s: %d bytes, the header says %d", ErrCorrupt, en.path, id.Size, h.FileLen())
+		corrupt(err)
+		all(OutcomeFailed, err)
+		return
+	}
+	// The destinations of each key of the file, in request order. A key
+	// asked twice (into different blocks) is read once per destination:
+	// round r reads the r-th destination of every key asked r+1 times.
+	dsts := make([][]int, len(h.Keys))
+	for _, i := range idx {
+		k, err := h.Match(c.ns.fp, keys[i])
+		if err != nil {
+			e.st.misses.Add(1)
+			set(i, OutcomeMissing, fmt.Errorf("%w: %w: %s: the file there (replaced behind this engine's back) does not hold the key: %w", ErrNotFound, ErrMismatch, en.path, err))
+			continue
+		}
+		dsts[k] = append(dsts[k], i)
+	}
+	for round := 0; ; round++ {
+		dst := make([]int, len(h.Keys)) // file key -> request index, this round
+		var read []int
+		for k, d := range dsts {
+			if len(d) > round {
+				dst[k] = d[round]
+				read = append(read, k)
+			}
+		}
+		if len(read) == 0 {
+			return // nothing (more) asked of this file
+		}
+		if !e.loadRound(ctx, j, c, blocks, en, f, h, m, dst, read, corrupt) {
+			// The file was judged corrupt: later destinations fail alike,
+			// unread. A key that verified in this round loaded into
+			// this round's blocks only: its later destinations fail.
+			for k, d := range dsts {
+				for _, i := range d[min(len(d), round+1):] {
+					o, err := j.res.Keys[dst[k]].Outcome, j.res.Keys[dst[k]].Err
+					if o == OutcomeLoaded {
+						o, err = OutcomeFailed, fmt.Errorf("%w: %s: another key of the file failed its checksum before this destination of key %d was read", ErrCorrupt, en.path, k)
+					}
+					set(i, o, err)
+				}
+			}
+			return
+		}
+	}
+}
+
+// loadRound reads the file keys read of f into the blocks of the request
+// indices dst[k], verifies them and sets their outcomes. It reports false
+// if the file was found corrupt (the caller stops).
+func (e *Engine) loadRound(ctx context.Context, j *Job, c *cache, blocks [][]int, en *entry, f fsys.File, h *format.Header, m *mount, dst []int, read []int, corrupt func(error)) bool {
+	set := func(i int, o Outcome, err error) { j.res.Keys[i] = KeyResult{Outcome: o, Err: err} }
+	want := make([]bool, len(h.Keys))
+	for _, k := range read {
+		want[k] = true
+	}
+	mv, err := m.mover(c.kind)
+	if err != nil {
+		for _, k := range read {
+			set(dst[k], OutcomeFailed, err)
+		}
+		return true
+	}
+	plan, sk := c.plan(h, want, func(k int) []int { return blocks[dst[k]] }, m)
+	check := h.Flags&format.FlagPayloadSums != 0 && m.checksums && mv.Checksums()
+	var sums []uint32
+	if check {
+		sums = make([]uint32, plan.Sums)
+	}
+	io := e.io.Begin()
+	_, err = mv.ReadFile(ctx, f, plan, sums)
+	if err == nil && check {
+		// The bytes of blocks not loaded (NoBlock) still feed their
+		// keys' checksums, which cover whole keys.
+		err = sk.read(ctx, f, sums)
+	}
+	e.io.End(io)
+	if err != nil {
+		ok := true
+		if isShort(err) {
+			// Truncated while we read it.
+			if !errors.Is(err, ErrCorrupt) {
+				err = fmt.Errorf("%w: %w", ErrCorrupt, err)
+			}
+			corrupt(err)
+			ok = false
+		}
+		for _, k := range read {
+			set(dst[k], OutcomeFailed, fmt.Errorf("engine: load %s: %w", en.path, err))
+		}
+		return ok
+	}
+	if e.rewrittenUnder(m, f, h) {
+		// Another engine on the directory evicted the file and a store
+		// of it wrote into it (spare files) while we read: the bytes may
+		// be another key's, checksums or not.
+		e.dropVanished(ctx, en, "rewritten while read")
+		for _, k := range read {
+			set(dst[k], OutcomeFailed, fmt.Errorf("engine: load %s: %w: rewritten while it was read (evicted and reused by another engine on the directory)", en.path, errReplaced))
+		}
+		return false
+	}
+	var mismatched []bool // file key -> its checksum failed
+	var got []uint32      // file key -> its payload checksum, as loaded
+	if check {
+		got = make([]uint32, len(h.Keys))
+		for _, k := range read {
+			got[k] = sk.sum(k, sums)
+		}
+	}
+	for _, k := range read {
+		if check && got[k] != h.Keys[k].Sum {
+			if mismatched == nil {
+				mismatched = make([]bool, len(h.Keys))
+			}
+			mismatched[k] = true
+			continue
+		}
+		set(dst[k], OutcomeLoaded, nil)
+		e.st.hits.Add(1)
+		e.st.loads.Add(1)
+		// The bytes read: a key's skipped blocks too where they were
+		// checksummed; the job's bytes are those it loaded.
+		loaded := h.KeyBytes()
+		if sk != nil {
+			loaded -= sk.skipped[k]
+		}
+		if check {
+			e.st.read.Add(uint64(h.KeyBytes()))
+		} else {
+			e.st.read.Add(uint64(loaded))
+		}
+		j.bytes.Add(loaded)
+	}
+	if mismatched == nil {
+		return true
+	}
+	// The checksums were computed from the destination blocks, which the
+	// client can write: only a private re-read tells a corrupt file from
+	// blocks changed under the load.
+	private, err := recheck(ctx, f, h, mismatched)
+	bad := errors.Is(err, ErrCorrupt)
+	for k, mis := range mismatched {
+		switch {
+		case !mis:
+		case err != nil:
+			set(dst[k], OutcomeFailed, fmt.Errorf("engine: load %s: key %d: payload checksum 0x%08x, want 0x%08x; re-reading: %w", en.path, k, got[k], h.Keys[k].Sum, err))
+		case private[k] != h.Keys[k].Sum:
+			bad = true
+			set(dst[k], OutcomeFailed, fmt.Errorf("%w: %s: key %d: payload checksum 0x%08x, want 0x%08x", ErrCorrupt, en.path, k, private[k], h.Keys[k].Sum))
+		default:
+			set(dst[k], OutcomeFailed, fmt.Errorf("%w: %s: key %d", errDestinationChanged, en.path, k))
+		}
+	}
+	if bad {
+		corrupt(fmt.Errorf("%w: payload checksum", format.ErrCorrupt))
+	}
+	return !bad
+}

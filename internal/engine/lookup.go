@@ -1,0 +1,295 @@
+package engine
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+
+	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/fsys"
+)
+
+// resolve joins a policy-chosen relative path under its mount, re-checking
+// that it cannot escape the root.
+func (e *Engine) resolve(rec *abi.NameRecord) (int, string, error) {
+	if int(rec.Mount) >= e.kvMounts {
+		// Mounts from kvMounts on are vllm-fs mounts: each serves its
+		// own namespace only, named by the layout.
+		return 0, "", fmt.Errorf("%w: mount %d of the %d kvhost mounts", ErrPolicy, rec.Mount, e.kvMounts)
+	}
+	p := rec.Path()
+	if err := abi.CheckPath(p); err != nil {
+		return 0, "", fmt.Errorf("%w: %w", ErrPolicy, err)
+	}
+	root := e.mounts[rec.Mount].root
+	full := filepath.Join(root, string(p))
+	if !strings.HasPrefix(full, root+string(filepath.Separator)) {
+		return 0, "", fmt.Errorf("%w: path %q escapes %s", ErrPolicy, p, root)
+	}
+	return int(rec.Mount), full, nil
+}
+
+// names asks the policy for the mount and path of every key.
+func (e *Engine) names(ctx context.Context, ns *namespace, keys [][]byte) ([]int, []string, []error, error) {
+	mounts := make([]int, len(keys))
+	paths := make([]string, len(keys))
+	errs := make([]error, len(keys))
+	if m := ns.layout; m != nil {
+		// A vllm-fs mount's namespace: the layout names every file.
+		for i, k := range keys {
+			mounts[i] = m.idx
+			rel, err := m.raw.layout.Path(k)
+			if err != nil {
+				errs[i] = fmt.Errorf("%w: %w", ErrInvalid, err)
+				continue
+			}
+			paths[i] = filepath.Join(m.root, filepath.FromSlash(rel))
+		}
+		return mounts, paths, errs, nil
+	}
+	recs := make([]abi.NameRecord, min(len(keys), abi.MaxBatch))
+	for start := 0; start < len(keys); start += abi.MaxBatch {
+		batch := keys[start:min(len(keys), start+abi.MaxBatch)]
+		rs := recs[:len(batch)]
+		for i, k := range batch {
+			rs[i] = abi.NameRecord{NS: uint32(ns.id), Fingerprint: ns.fp, TPRank: uint32(ns.geo.TPRank), MountCount: uint32(e.kvMounts)}
+			rs[i].SetKey(k)
+		}
+		if err := e.pol.Name(ctx, rs); err != nil {
+			return nil, nil, nil, fmt.Errorf("%w: name: %w", ErrPolicy, err)
+		}
+		for i := range rs {
+			mounts[start+i], paths[start+i], errs[start+i] = e.resolve(&rs[i])
+		}
+	}
+	return mounts, paths, errs, nil
+}
+
+// verify checks, cheaply (one stat), that en's file is still the one
+// indexed. A file removed or replaced behind the engine's back drops the
+// entry; verify then reports false.
+func (e *Engine) verify(ctx context.Context, en *entry) bool {
+	fi, err := e.fs.Stat(en.path)
+	if err == nil {
+		var id fsys.Identity
+		if id, err = fsys.IdentityOf(fi); err == nil {
+			if id.Same(en.ident) {
+				en.verified.Store(e.now().UnixNano())
+				return true
+			}
+			err = errReplaced
+		}
+	}
+	return e.judgeCheck(ctx, en, err)
+}
+
+// recentlyVerified reports whether en's file was checked within
+// Config.VerifyInterval of now (Unix nanoseconds).
+func (e *Engine) recentlyVerified(en *entry, now int64) bool {
+	iv := e.verifyIv.Load()
+	return iv > 0 && now-en.verified.Load() < iv
+}
+
+// Lookup returns how many leading keys of ns are stored. A hit is checked
+// against the file system (a stat per file: same inode, same size) unless
+// it was checked within Config.VerifyInterval: a file removed or replaced
+// behind the engine's back is a miss once checked, so it stays a hit for at
+// most VerifyInterval (with 0, every hit is checked and none is stale).
+// Loads always open and check the file. The first key missing from the
+// index is looked for under its policy name, so files published by another
+// node sharing the mount are found.
+func (e *Engine) Lookup(ctx context.Context, ns NamespaceID, keys [][]byte) (int, error) {
+	if err := e.calls.enter(); err != nil {
+		return 0, err
+	}
+	defer e.calls.exit()
+	n, err := e.namespace(ns)
+	if err != nil {
+		return 0, err
+	}
+	// The index's lock is taken twice, whatever the number of keys: once
+	// to find every key's entry, once to count the hits. Loads and stores
+	// take the same lock; a lookup that took it per key queued behind them
+	// once per key (docs/engine.md, "Lookup and delete").
+	found := e.ix.getAll(n.fp, keys, nil)
+	// The entries hit, each once: a file of several keys is counted once
+	// (a short slice, keys of one file are neighbours; a map for long
+	// requests).
+	hit := make([]*entry, 0, min(len(keys), 64))
+	var seenMap map[*entry]bool
+	if len(keys) > 64 {
+		seenMap = map[*entry]bool{}
+	}
+	counted := func(en *entry) bool {
+		if seenMap != nil {
+			return seenMap[en]
+		}
+		return slices.Contains(hit, en)
+	}
+	now := e.now().UnixNano()
+	stored := len(keys)
+	for i, k := range keys {
+		if err := ctx.Err(); err != nil {
+			e.countHits(ctx, hit, now)
+			return i, err
+		}
+		en := found[i]
+		if en == nil && i > 0 {
+			// A file discovered for an earlier key may hold this one too.
+			en = e.find(n, k)
+		}
+		if en != nil && !counted(en) && !e.recentlyVerified(en, now) && !e.verify(ctx, en) {
+			// Dropped, or moved to another mount meanwhile (demote.go):
+			// then the key's entry is the new file.
+			if en = e.find(n, k); en != nil && !e.verify(ctx, en) {
+				en = nil
+			}
+		}
+		if en == nil {
+			en = e.discover(ctx, n, k)
+		}
+		if en == nil {
+			e.st.misses.Add(1)
+			stored = i
+			break
+		}
+		e.st.hits.Add(1)
+		if !counted(en) {
+			if seenMap != nil {
+				seenMap[en] = true
+			}
+			hit = append(hit, en)
+		}
+	}
+	e.countHits(ctx, hit, now)
+	return stored, nil
+}
+
+// countHits counts a hit at time now on each of the entries, under one hold
+// of the index's lock, and reports them to the policy off the lookup's path.
+func (e *Engine) countHits(ctx context.Context, hit []*entry, now int64) {
+	if len(hit) == 0 {
+		return
+	}
+	e.hitRec.add(ctx, e.ix.hit(hit, now))
+}
+
+// MirrorKeys tells ks every key the index holds now and, from then on,
+// every key it gains or loses (the daemon's shared lookup table). A later
+// call replaces ks; nil stops the mirroring.
+func (e *Engine) MirrorKeys(ks KeySet) { e.ix.mirror(ks) }
+
+// find returns the entry the index holds for key in ns, or nil.
+func (e *Engine) find(ns *namespace, key []byte) *entry { return e.ix.get(ns.fp, key) }
+
+// discover looks for key under its policy name and indexes the file if its
+// header says it holds the key in this geometry.
+func (e *Engine) discover(ctx context.Context, ns *namespace, key []byte) *entry {
+	mounts, paths, errs, err := e.names(ctx, ns, [][]byte{key})
+	if err != nil || errs[0] != nil {
+		return nil
+	}
+	read := e.ix.beginRead(paths[0])
+	if read == nil { // held: adopt looks again
+		return nil
+	}
+	defer e.ix.endRead(paths[0], read)
+	en, err := e.readEntry(mounts[0], paths[0])
+	if err != nil {
+		if !errors.Is(err, os.ErrNotExist) {
+			e.log.Debug("engine: not a match", "path", paths[0], "err", err)
+		}
+		return nil
+	}
+	if _, err := en.match(ns.fp, key); err != nil {
+		e.log.Info("engine: file under the key's name belongs to another key or geometry", "path", paths[0], "err", err)
+		return nil
+	}
+	if e.purgedOnCluster(en) { // its node removes it at its next interval
+		e.log.Debug("engine: file of a purged namespace, written before the purge", "path", paths[0])
+		return nil
+	}
+	got, _ := e.adopt(ctx, en, read)
+	if got == en {
+		// Another process's or node's file, new to the index: its
+		// first load need not go through the pinned buffers.
+		e.warmDiscovered(en)
+	}
+	return got
+}
+
+// errPathHeld says that a job of this engine holds a file's path, or
+// held it since the file was read: what the job leaves there (the file,
+// a file that replaced it, or none) is the job's to index (adopt).
+var errPathHeld = errors.New("engine: a job of this engine holds the path")
+
+// adopt indexes an entry found on disk and tells the policy. It returns
+// the indexed entry, or nil and errPathHeld where a job of this engine
+// holds the path (a store about to publish there, a removal): only the
+// holder indexes a file at a path it holds, so that a store's view of the
+// file it replaces (group.old) stays true until it publishes. It returns
+// errPathHeld too where read, the read of the file (nil: none), went
+// stale: a job of this engine held the path since, and may have removed
+// or replaced the file. It returns nil and no error where the file is one
+// this engine dropped and could not remove (index.left): its keys were
+// deleted or evicted, and stay so.
+func (e *Engine) adopt(ctx context.Context, en *entry, read *readMark) (*entry, error) {
+	en.ns = e.namespaceOf(en.fp)
+	defer e.adoptDone(en.ns)
+	e.ix.mu.Lock()
+	if read != nil && read.stale || e.ix.heldLocked(en.path) {
+		e.ix.mu.Unlock()
+		return nil, errPathHeld
+	}
+	same := func(old *entry) bool { return old != nil && old.ident.Same(en.ident) && old.fid == en.fid }
+	if old := e.ix.byPath[en.path]; same(old) {
+		e.ix.relinkLocked(old) // found by a key the index had lost
+		e.ix.mu.Unlock()
+		return old, nil
+	}
+	if left := e.ix.left[en.path]; same(left) || left != nil && left.unknownWithID(en.fid) {
+		e.ix.mu.Unlock()
+		return nil, nil
+	}
+	replaced := e.ix.insertLocked(en, false)
+	var recs []abi.AccessRecord
+	for _, r := range replaced {
+		recs = append(recs, r.access(abi.AccessRemove, en.last))
+	}
+	recs = append(recs, en.access(abi.AccessInsert, en.last))
+	e.ix.mu.Unlock()
+	e.access(ctx, recs)
+	return en, nil
+}
+
+// adoptFound is adopt for an entry of a file that was read before any
+// mark of its path (a load that found its file replaced, the cluster
+// adoption walk, which reads every file to find a dead node's): it marks
+// a read now (index.beginRead), then indexes the file only if the stat of
+// its name still finds it, in the state read. A job of this engine that
+// claimed the path since the file was read has removed or replaced it
+// (the stat shows it), or holds the path still or claims it before the
+// insert (the mark shows it). It returns nil where it did not index the
+// file, with errPathHeld where a job holds or held the path (what is
+// there is the job's to tell) and the stat's error where it failed; with
+// no error where the file was replaced since it was read, or is one this
+// engine dropped (adopt).
+func (e *Engine) adoptFound(ctx context.Context, found *entry) (*entry, error) {
+	read := e.ix.beginRead(found.path)
+	if read == nil { // held: adopt looks again
+		return nil, errPathHeld
+	}
+	defer e.ix.endRead(found.path, read)
+	fi, err := e.fs.Stat(found.path)
+	if err != nil {
+		return nil, err
+	}
+	if id, err := fsys.IdentityOf(fi); err != nil || !id.Same(found.ident) {
+		return nil, err
+	}
+	return e.adopt(ctx, found, read)
+}

@@ -1,0 +1,312 @@
+package engine
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"slices"
+	"sync/atomic"
+	"time"
+
+	"github.com/kvhost/kvhost/fsys"
+	"github.com/kvhost/kvhost/internal/crc32c"
+	"github.com/kvhost/kvhost/internal/format"
+	"github.com/kvhost/kvhost/region"
+	"github.com/kvhost/kvhost/staging"
+	"github.com/kvhost/kvhost/transfer"
+)
+
+// Data movers (docs/engine.md, "Data movers"; docs/design.md).
+//
+// Every file's payload moves as a transfer.Plan, built once per file from
+// the format's layout walk, handed to the mover of the file's mount for the
+// cache's region kind: host memory goes through the CPU staging pipeline
+// (staging.Mover) unless Config.Movers names another; other kinds (device
+// memory) need a mover from Config.Movers.
+
+// MountInfo describes a mount to a MoverFactory.
+type MountInfo struct {
+	Index  int    // the mount's index in Config.Mounts
+	Path   string // the mount's root, absolute
+	Direct bool   // files are opened with O_DIRECT
+	Memory bool   // a memory file system (tmpfs)
+}
+
+// MoverFactory builds the data mover of one mount for one region kind. The
+// engine does not close the movers it returns (a factory may share one
+// mover between mounts).
+type MoverFactory func(MountInfo) (transfer.Mover, error)
+
+// buildMovers sets every mount's movers: the staging pipeline for host
+// memory, and what cfg.Movers builds.
+func (e *Engine) buildMovers() error {
+	for _, m := range e.mounts {
+		info := MountInfo{Index: m.idx, Path: m.root, Direct: m.direct, Memory: m.memory}
+		m.movers = map[region.Kind]transfer.Mover{region.KindHost: e.host.For(m.direct && !m.memory)}
+		for kind, build := range e.cfg.Movers {
+			if build == nil {
+				continue
+			}
+			mv, err := build(info)
+			if err != nil {
+				return fmt.Errorf("engine: mount %s: %s mover: %w", m.root, kind, err)
+			}
+			if mv == nil {
+				return fmt.Errorf("%w: mount %s: the %s mover factory returned nil", ErrInvalid, m.root, kind)
+			}
+			m.movers[kind] = mv
+		}
+		host := m.movers[region.KindHost]
+		m.backend = host.Name()
+		m.checksums = m.checksums && host.Checksums()
+	}
+	// The movers never change: their names are joined once, not per job.
+	e.paths = map[region.Kind]string{}
+	for _, m := range e.mounts {
+		for kind := range m.movers {
+			e.paths[kind] = e.pathName(kind)
+		}
+	}
+	return nil
+}
+
+// mover returns the mover of m for regions of kind, or an error naming
+// both when there is none.
+func (m *mount) mover(kind region.Kind) (transfer.Mover, error) {
+	if mv := m.movers[kind]; mv != nil {
+		return mv, nil
+	}
+	return nil, fmt.Errorf("%w: %w: no data mover for %s memory on mount %s (Config.Movers)", ErrInvalid, transfer.ErrUnsupported, kind, m.root)
+}
+
+// forget tells every mover that caches per-file state that the file with
+// identity id is being removed or replaced (movers key their state by
+// inode: fsys.FileID.Inode).
+func (e *Engine) forget(id fsys.Identity) {
+	for _, m := range e.mounts {
+		for _, mv := range m.movers {
+			if f, ok := mv.(transfer.Forgetter); ok {
+				f.Forget(id.FileID)
+			}
+		}
+	}
+}
+
+// plan builds the transfer plan of the keys want (nil: all) of a file with
+// header h: key k's blocks are the cache blocks blocks(k). Extents of one
+// region that are contiguous in both the file and the region, for one
+// checksum slot, are merged.
+//
+// A block that is NoBlock (a load's) has no extent in the plan: no mover
+// writes into a cache block the request did not name. Its bytes are
+// returned in the skips (nil when no key has such a block), for the
+// engine to read and checksum itself (skips.read), and a key with such
+// blocks feeds one checksum slot per run of its payload that the plan
+// moves or skips, which skips.sum joins into the key's checksum.
+func (c *cache) plan(h *format.Header, want []bool, blocks func(k int) []int, m *mount) (*transfer.Plan, *skips) {
+	hl := int64(h.Len())
+	bb := int64(h.BlockBytes)
+	n := int(h.Layers * h.Planes * h.BlocksPerKey)
+	var sk *skips
+	wanted := 0
+	for k := range h.Keys {
+		if want != nil && !want[k] {
+			continue
+		}
+		wanted++
+		if slices.Contains(blocks(k), NoBlock) {
+			if sk == nil {
+				sk = &skips{parts: make([][]part, len(h.Keys)), skipped: make([]int64, len(h.Keys))}
+			}
+			sk.parts[k] = []part{} // non-nil: the key skips blocks
+		}
+	}
+	p := &transfer.Plan{Extents: make([]transfer.Extent, 0, n*wanted), Sums: len(h.Keys), Direct: m.direct, Memory: m.memory, Folio: m.folio}
+	h.Walk(want, func(k, b, l, pl int, off int64) {
+		t := &c.layers[l]
+		blk := blocks(k)[b]
+		sum := k
+		if sk != nil && sk.parts[k] != nil {
+			// A key with skipped blocks: a new slot where its payload
+			// turns from moved to skipped bytes or back.
+			ps := sk.parts[k]
+			skip := blk == NoBlock
+			if len(ps) == 0 || ps[len(ps)-1].skip != skip {
+				ps = append(ps, part{slot: p.Sums, skip: skip})
+				p.Sums++
+			}
+			last := &ps[len(ps)-1]
+			last.n += bb
+			sk.parts[k] = ps
+			sum = last.slot
+			if skip {
+				sk.skipped[k] += bb
+				x := transfer.Extent{FileOff: hl + off, Len: bb, Sum: sum}
+				if i := len(sk.reads) - 1; i >= 0 {
+					prev := &sk.reads[i]
+					if prev.Sum == x.Sum && prev.FileOff+prev.Len == x.FileOff {
+						prev.Len += x.Len
+						return
+					}
+				}
+				sk.reads = append(sk.reads, x)
+				return
+			}
+		}
+		x := transfer.Extent{FileOff: hl + off, Region: t.Region, RegionOff: t.Offset + int64(pl)*t.PlaneStride + int64(blk)*t.BlockStride, Len: bb, Sum: sum}
+		if i := len(p.Extents) - 1; i >= 0 {
+			prev := &p.Extents[i]
+			if prev.Region == x.Region && prev.Sum == x.Sum && prev.FileOff+prev.Len == x.FileOff && prev.RegionOff+prev.Len == x.RegionOff {
+				prev.Len += x.Len
+				return
+			}
+		}
+		p.Extents = append(p.Extents, x)
+	})
+	return p, sk
+}
+
+// skips are the bytes a load plan leaves out (cache.plan): the NoBlock
+// blocks of its keys, which the engine reads only to verify the keys'
+// checksums.
+type skips struct {
+	// reads are the skipped bytes' extents, by file offset: Region is
+	// nil, Sum the checksum slot they feed.
+	reads []transfer.Extent
+	// parts[k] are the runs of file key k's payload, in payload order,
+	// each feeding a slot of its own; nil for a key that skips nothing
+	// (its checksum is slot k).
+	parts [][]part
+	// skipped[k] is the payload bytes of file key k that are not loaded.
+	skipped []int64
+}
+
+// part is a run of n bytes of a key's payload, moved by the plan or
+// skipped, whose CRC-32C (from 0) is checksum slot slot.
+type part struct {
+	slot int
+	n    int64
+	skip bool
+}
+
+// sum returns file key k's payload checksum from the slots of its runs,
+// joined in payload order: the CRC-32C of a followed by b is a's shifted
+// past len(b) zero bytes xored with b's CRC from 0 (crc32c.Shift).
+func (s *skips) sum(k int, sums []uint32) uint32 {
+	if s == nil || s.parts[k] == nil {
+		return sums[k]
+	}
+	var crc uint32
+	for _, pt := range s.parts[k] {
+		crc = crc32c.Shift(crc, pt.n) ^ sums[pt.slot]
+	}
+	return crc
+}
+
+// read reads the skipped extents from f (on the engine's goroutine,
+// 4 KiB-aligned as an O_DIRECT file needs) and folds their bytes into
+// their checksum slots. It reads the 4 KiB blocks that hold skipped
+// bytes and no others: extents whose aligned spans touch are read
+// together (up to recheckChunk at a time), and the file between spans
+// apart is not read (in the layer-major order a key's skipped blocks
+// lie a layer's worth of payload apart, a file's worth of keys apart
+// with several keys per file).
+func (s *skips) read(ctx context.Context, f fsys.File, sums []uint32) error {
+	if s == nil || len(s.reads) == 0 {
+		return nil
+	}
+	const a = format.Align
+	// ends[i] is the aligned end of the run of touching spans that holds
+	// extent i.
+	ends := make([]int64, len(s.reads))
+	var widest int64
+	for i := 0; i < len(s.reads); {
+		start := s.reads[i].FileOff &^ (a - 1)
+		end := (s.reads[i].FileOff + s.reads[i].Len + a - 1) &^ (a - 1)
+		j := i + 1
+		for ; j < len(s.reads) && s.reads[j].FileOff&^(a-1) <= end; j++ {
+			end = max(end, (s.reads[j].FileOff+s.reads[j].Len+a-1)&^(a-1))
+		}
+		for k := i; k < j; k++ {
+			ends[k] = end
+		}
+		widest = max(widest, end-start)
+		i = j
+	}
+	buf := staging.AlignedBuffer(int(min(recheckChunk, widest)))
+	var at, n int64 // buf holds the file's bytes [at, at+n)
+	for i, x := range s.reads {
+		for pos, end := x.FileOff, x.FileOff+x.Len; pos < end; {
+			if pos < at || pos >= at+n {
+				if err := ctx.Err(); err != nil {
+					return err
+				}
+				at = pos &^ (a - 1)
+				got, err := f.ReadAt(buf[:min(int64(len(buf)), ends[i]-at)], at)
+				n = int64(got)
+				if errors.Is(err, io.EOF) {
+					err = nil
+				}
+				if err == nil && pos >= at+n {
+					err = fmt.Errorf("%w: %w: read at %d returned %d bytes", ErrCorrupt, staging.ErrShortFile, at, got)
+				}
+				if err != nil {
+					return err
+				}
+			}
+			stop := min(end, at+n)
+			sums[x.Sum] = crc32c.Update(sums[x.Sum], buf[pos-at:stop-at])
+			pos = stop
+		}
+	}
+	return nil
+}
+
+// fileSlots bounds the files in flight: a store or a load moves a file
+// while it holds a slot (Config.IOWorkers of them); a copy between mounts
+// takes none but counts as in flight (moving), so that the spare maker
+// waits for it too.
+type fileSlots struct {
+	tokens chan struct{}
+	moving atomic.Int64
+}
+
+// acquire takes a slot, or fails with ctx's error.
+func (s *fileSlots) acquire(ctx context.Context) error {
+	select {
+	case s.tokens <- struct{}{}:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// busy reports whether a file is in flight: a slot taken, or a copy
+// between mounts.
+func (s *fileSlots) busy() bool { return len(s.tokens) > 0 || s.moving.Load() > 0 }
+
+// releaseSlot gives back a slot e.slots.acquire took.
+func (e *Engine) releaseSlot() {
+	<-e.slots.tokens
+	e.fileEnded()
+}
+
+// isShort reports whether a mover's error says the file ended early.
+func isShort(err error) bool { return errors.Is(err, transfer.ErrShortFile) }
+
+// fileEnded is called after a file in flight released its slot, and
+// after a copy between mounts ended.
+func (e *Engine) fileEnded() {
+	mk := e.maker
+	if mk == nil {
+		return
+	}
+	mk.lastEnd.Store(time.Now().UnixNano())
+	if !e.slots.busy() {
+		select {
+		case mk.idle <- struct{}{}:
+		default:
+		}
+	}
+}

@@ -1,0 +1,210 @@
+package engine
+
+import (
+	"context"
+	"errors"
+	"os"
+	"sync/atomic"
+	"syscall"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/kvhost/kvhost/fsys"
+)
+
+// Files held open for client pins (docs/engine.md, "Pins and other
+// nodes").
+//
+// A client pin is a promise: a key pinned loads until its pin ends. This
+// engine keeps it for the files only it removes, by removing none that a
+// client pins. Another engine sharing the directory (a node of a cluster
+// mount, or any node of a shared network file system) sees none of this
+// engine's pins, and may remove a file one of them holds: its own file
+// evicted, deleted or purged on a cluster mount, any file it indexed on
+// a shared mount without a cluster capacity. So where another engine may
+// remove a pinned file, Pin opens it (the open is its check, in place of
+// a stat) and keeps it open until the last client pin of it ends. A
+// POSIX file system keeps a file removed through one client readable
+// through a descriptor another holds open (CephFS and GlusterFS were
+// seen to; NFS does not, and is left out: othersRemove); a load of the
+// pinned key then reads the file through that descriptor,
+// whether or not it is still at its name, and finds the entry, which a
+// removal took out of the index, in index.pinnedGone.
+
+// pinnedFile is a file held open for the client pins of its entry:
+// entry.file. refs counts the entry's hold (one, until the last client
+// pin ends) and each load reading through it; the last release closes
+// the file, and a reference is never taken again once the count is 0
+// (acquire).
+type pinnedFile struct {
+	f    fsys.File
+	refs atomic.Int32
+}
+
+// pinnedRef is a load's reference to a pinnedFile: the file, whose Close
+// releases the reference instead of closing it.
+type pinnedRef struct {
+	fsys.File
+	e    *Engine
+	pf   *pinnedFile
+	done atomic.Bool
+}
+
+// Close releases the load's reference.
+func (r *pinnedRef) Close() error {
+	if r.done.CompareAndSwap(false, true) {
+		r.e.releasePinned(r.pf)
+	}
+	return nil
+}
+
+// acquire takes a reference to pf for a load, unless its last one went
+// (the file closed, or closing: the load opens the file by name).
+func (pf *pinnedFile) acquire() bool {
+	for {
+		n := pf.refs.Load()
+		if n <= 0 {
+			return false
+		}
+		if pf.refs.CompareAndSwap(n, n+1) {
+			return true
+		}
+	}
+}
+
+// releasePinned drops one reference to pf, closing its file at the last.
+func (e *Engine) releasePinned(pf *pinnedFile) {
+	if pf.refs.Add(-1) == 0 {
+		pf.f.Close()
+		e.pinOpen.Add(-1)
+	}
+}
+
+// DefaultMaxPinnedOpen is the most files an engine keeps open for client
+// pins (Engine.maxPinOpen): an eighth of the descriptors the process may
+// open (RLIMIT_NOFILE), at least 64. Beyond it a pin checks its file with
+// a stat, as where no other engine removes files, and is counted
+// (Stats.PinnedFilesUnopened).
+func DefaultMaxPinnedOpen() int64 {
+	var lim unix.Rlimit
+	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &lim); err != nil {
+		return 64
+	}
+	return max(int64(min(lim.Cur/8, 1<<30)), 64)
+}
+
+// othersRemove reports whether another engine may remove en's file on m
+// (the file held open for its client pins, above): on a cluster mount,
+// where this node may not (mayEvict: another live node's, a twin's of
+// this node's tag, or one without an owner tag); on a mount of a network
+// file system without a cluster capacity, every file; on a local or
+// memory file system, none. On NFS none either: another client's removal
+// ends the file under this node's descriptors (ESTALE), so an open held
+// there would keep nothing.
+func (e *Engine) othersRemove(m *mount, en *entry) bool {
+	if m.removalStales {
+		return false
+	}
+	if m.cluster != nil {
+		return !e.mayEvict(m, en)
+	}
+	return m.network
+}
+
+// verifyPinned is Pin's check of en's file, which the pin holds now (its
+// lease counted): a stat (verify), or, where another engine may remove the
+// file and none of en's pins holds it open yet, an open that then holds
+// it (pinnedFile). Like verify, it drops an entry whose file vanished or
+// was replaced, and reports false.
+func (e *Engine) verifyPinned(ctx context.Context, en *entry) bool {
+	m := e.mounts[en.mount]
+	if !e.othersRemove(m, en) {
+		return e.verify(ctx, en)
+	}
+	if en.file.Load() != nil {
+		// An earlier pin holds the file: this pin is checked by name,
+		// and a file no longer there is a miss for it (the earlier
+		// pins still load it).
+		return e.verify(ctx, en)
+	}
+	if e.pinOpen.Add(1) > e.maxPinOpen {
+		e.pinOpen.Add(-1)
+		e.st.pinUnopened.Add(1)
+		return e.verify(ctx, en)
+	}
+	f, id, idErr, err := e.openData(m, en.path, loadFlag(m))
+	if err == nil && idErr != nil {
+		err = idErr
+	}
+	if err == nil && !id.Same(en.ident) {
+		err = errReplaced
+	}
+	if err != nil {
+		if f != nil {
+			f.Close()
+		}
+		e.pinOpen.Add(-1)
+		return e.judgeCheck(ctx, en, err)
+	}
+	en.verified.Store(e.now().UnixNano())
+	pf := &pinnedFile{f: f}
+	pf.refs.Store(1)
+	e.ix.mu.Lock()
+	if e.ix.holdOpenLocked(en, pf) {
+		pf = nil
+	}
+	e.ix.mu.Unlock()
+	if pf != nil { // another pin of en opened it meanwhile
+		e.releasePinned(pf)
+	}
+	return true
+}
+
+// judgeCheck is what a failed check of en's file (err: a stat or open of
+// its name failed, or found another file there: errReplaced,
+// errNotRegular) does: it drops the entry of a file vanished or replaced,
+// unless this engine removed or moved it meanwhile, and keeps it on an
+// error that tells nothing (EIO, EACCES). It reports false.
+func (e *Engine) judgeCheck(ctx context.Context, en *entry, err error) bool {
+	if e.ix.gone(en) {
+		return false // removed or moved (demote.go) since it was found: not vanished
+	}
+	why := "vanished"
+	switch {
+	case errors.Is(err, errReplaced):
+		why = "replaced"
+	case errors.Is(err, errNotRegular):
+		why = "not a regular file"
+	case errors.Is(err, os.ErrNotExist), errors.Is(err, syscall.ELOOP):
+	default:
+		// Cannot tell (EIO, EACCES...): a miss for now, but keep the entry.
+		e.log.Warn("engine: check of an indexed file", "path", en.path, "err", err)
+		return false
+	}
+	e.dropVanished(ctx, en, why)
+	return false
+}
+
+// loadFlag is the flag a load opens a file of m with.
+func loadFlag(m *mount) int {
+	if m.direct {
+		return os.O_RDONLY | unix.O_DIRECT
+	}
+	return os.O_RDONLY
+}
+
+// openLoad opens en's file for a load: through the file its client pins
+// hold open (pinnedRef), or by its name (openData). It takes no lock: a
+// load of a file no pin holds open pays one atomic load for it.
+func (e *Engine) openLoad(m *mount, en *entry) (f fsys.File, id fsys.Identity, idErr, err error) {
+	pf := en.file.Load()
+	if pf == nil || !pf.acquire() {
+		return e.openData(m, en.path, loadFlag(m))
+	}
+	id, idErr = fileIdentity(pf.f)
+	return &pinnedRef{File: pf.f, e: e, pf: pf}, id, idErr, nil
+}
+
+// PinnedFilesOpen returns how many files the engine holds open for client
+// pins now.
+func (e *Engine) PinnedFilesOpen() int64 { return e.pinOpen.Load() }
