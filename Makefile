@@ -6,7 +6,11 @@ GOBIN     := $(shell $(GO) env GOPATH)/bin
 WASM_GO   := GOOS=wasip1 GOARCH=wasm $(GO) build -trimpath -buildmode=c-shared
 
 # Built-in policies: every plugins/NAME/wasm main package becomes
-# plugins/wasm/NAME.wasm, which the kvhost binary embeds.
+# plugins/wasm/NAME.wasm, which the kvhost binary embeds. The modules are
+# committed, so that `go build ./cmd/kvhost` and `go install` give the
+# same binary as `make build`; after changing a plugin (or Go), run
+# `make plugins` and commit plugins/wasm/*.wasm (TestCommittedModulesMatchSources
+# in ./plugins fails while a committed module differs from its source's build).
 PLUGINS     := $(patsubst plugins/%/wasm/,%,$(dir $(wildcard plugins/*/wasm/main.go)))
 PLUGIN_WASM := $(PLUGINS:%=plugins/wasm/%.wasm)
 # WebAssembly-text modules: test fixtures and the vendor examples.
@@ -14,14 +18,19 @@ WAT_WASM    := $(patsubst %.wat,%.wasm,$(shell find host examples -name '*.wat' 
 # Go vendor examples: every examples/NAME/main.go becomes examples/NAME/policy.wasm.
 GO_EXAMPLE_WASM := $(patsubst %/main.go,%/policy.wasm,$(wildcard examples/*/main.go))
 
-.PHONY: all build run test vet lint fuzz wasm tools clean gpu-bins FORCE
+.PHONY: all build run test vet lint fuzz wasm plugins tools clean gpu-bins FORCE
 
 all: build
 
 tools:
 	@scripts/ensure-tools.sh
 
-wasm: $(PLUGIN_WASM) $(WAT_WASM) $(GO_EXAMPLE_WASM) c-example
+# The test fixtures and examples; the built-in plugins are `make plugins`,
+# which `make test` does not run, so that the test above sees what is
+# committed.
+wasm: $(WAT_WASM) $(GO_EXAMPLE_WASM) c-example
+
+plugins: $(PLUGIN_WASM)
 
 # go build is incremental, so always asking it is cheap and never stale.
 plugins/wasm/%.wasm: FORCE
@@ -41,10 +50,11 @@ c-example: sdk/c/kvhost_policy.h examples/c-policy/policy.c
 	clang --target=wasm32 -O2 -nostdlib -ffreestanding -mbulk-memory -Wall -Wextra -Werror \
 		-Isdk/c -Wl,--no-entry -o examples/c-policy/policy.wasm examples/c-policy/policy.c
 
-# The daemon needs only the built-in policies (Go → wasm, no extra tools);
-# the WebAssembly-text fixtures and examples are for the tests.
+# The daemon embeds the committed built-in policies, as `go build` does;
+# build leaves the tree as it was. The WebAssembly-text fixtures and
+# examples are for the tests.
 VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo devel)
-build: $(PLUGIN_WASM)
+build:
 	$(GO) build -ldflags "-X main.version=$(VERSION)" -o bin/kvhost ./cmd/kvhost
 
 run: build
@@ -121,7 +131,7 @@ test: tools build wasm lint
 # wasm modules its tests load (any one missing); under `make test`, which
 # built them already, its parallel step does not build them again.
 .PHONY: test-race
-TEST_WASM_FILES := $(PLUGIN_WASM) $(WAT_WASM) $(GO_EXAMPLE_WASM) examples/c-policy/policy.wasm
+TEST_WASM_FILES := $(WAT_WASM) $(GO_EXAMPLE_WASM) examples/c-policy/policy.wasm
 test-race: $(if $(filter-out $(wildcard $(TEST_WASM_FILES)),$(TEST_WASM_FILES)),wasm)
 	KVHOST_TEST_WASM_CACHE=$(TEST_WASM_CACHE) KVHOST_REQUIRE_FAKES=1 $(GO) test -race -count=1 -p 4 -timeout 30m ./...
 
@@ -180,8 +190,9 @@ gpu-bins: build
 	$(GO) test -c -ldflags '-s -w' -o $(GPU_BINS)/server-gpu.test ./internal/server
 	tar -C $(GPU_BINS) -cJf $(GPU_BINS).tar.xz .
 
+# The committed plugins/wasm/*.wasm stay (make plugins rebuilds them).
 clean:
-	rm -rf bin plugins/wasm/*.wasm $(WAT_WASM) $(GO_EXAMPLE_WASM) examples/c-policy/policy.wasm
+	rm -rf bin $(WAT_WASM) $(GO_EXAMPLE_WASM) examples/c-policy/policy.wasm
 
 # The client's C lookup probe (kvhost._lookup), built in place in
 # client/python/src for /usr/bin/python3; the client falls back to Python

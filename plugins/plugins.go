@@ -40,7 +40,7 @@ func Names() []string {
 func Wasm(name string) ([]byte, error) {
 	b, err := builtin.ReadFile("wasm/" + name + ".wasm")
 	if err != nil {
-		return nil, fmt.Errorf("%w: %q (built in: %s; a binary built without `make` embeds none)",
+		return nil, fmt.Errorf("%w: %q (built in: %s)",
 			ErrUnknown, name, strings.Join(Names(), ", "))
 	}
 	return b, nil
