@@ -1,6 +1,6 @@
-// Command perfsummary regenerates the performance summary of
+// Command perfsummary regenerates the performance summaries of
 // docs/performance.md and the README's headline from the raw files in
-// docs/bench, as docs/bench/summary.toml selects them:
+// docs/bench, as docs/bench/summary-*.toml select them:
 //
 //	go run ./internal/perfsummary          # rewrite both documents
 //	go run ./internal/perfsummary -check   # exit 1 where they differ
@@ -38,20 +38,19 @@ const (
 )
 
 // A summary is one machine's table: the manifest that selects its raw
-// files, and the name of its markers in the documents (summaryMarkers).
-// The README shows a summary's first readme_rows rows; one with none
-// has no markers there.
+// files, and the name of its markers in docs/performance.md
+// (summaryMarkers). The README's headline shows each summary's first
+// readme_rows rows, in this order.
 type summary struct {
 	manifest string // relative to the repository's root
 	name     string // its markers' name: "perf-summary:NAME:..."
-	anchor   string // its section of docs/performance.md, which the README links to
 }
 
-// summaries returns the tables, in the order the documents show them.
+// summaries returns the tables, the machine lent now first.
 func summaries() []summary {
 	return []summary{
-		{manifest: "docs/bench/summary.toml", name: "h100", anchor: "on-the-h100-machine"},
-		{manifest: "docs/bench/summary-h200.toml", name: "h200", anchor: "on-the-h200-machine"},
+		{manifest: "docs/bench/summary-h200.toml", name: "h200"},
+		{manifest: "docs/bench/summary-h100.toml", name: "h100"},
 	}
 }
 
@@ -81,7 +80,8 @@ type Doc struct {
 	Old, New string
 }
 
-// Generate regenerates both documents in memory: every summary's blocks.
+// Generate regenerates both documents in memory: every summary's table
+// and the README's headline.
 func Generate(root string) ([]Doc, error) {
 	docs := []Doc{{Path: performancePath}, {Path: readmePath}}
 	for i := range docs {
@@ -91,6 +91,7 @@ func Generate(root string) ([]Doc, error) {
 		}
 		docs[i].Old, docs[i].New = string(b), string(b)
 	}
+	var parts []headline
 	for _, s := range summaries() {
 		mb, err := os.ReadFile(filepath.Join(root, s.manifest))
 		if err != nil {
@@ -104,15 +105,15 @@ func Generate(root string) ([]Doc, error) {
 		if err != nil {
 			return nil, fmt.Errorf("%s: %w", s.manifest, err)
 		}
-		perf, readme := summaryMarkers(s)
-		if err := docs[0].replace(perf, PerformanceBlock(m, results)); err != nil {
+		if err := docs[0].replace(summaryMarkers(s), PerformanceBlock(m, results)); err != nil {
 			return nil, err
 		}
 		if m.ReadmeRows > 0 {
-			if err := docs[1].replace(readme, ReadmeBlock(m, results, s.anchor)); err != nil {
-				return nil, err
-			}
+			parts = append(parts, headline{m, results[:m.ReadmeRows]})
 		}
+	}
+	if err := docs[1].replace(readmeMarkers, HeadlineBlock(parts)); err != nil {
+		return nil, err
 	}
 	return docs, nil
 }

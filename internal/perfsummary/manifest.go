@@ -10,16 +10,21 @@ import (
 	"github.com/BurntSushi/toml"
 )
 
-// Manifest is docs/bench/summary.toml: the rows of the performance summary
-// and where in the raw files each row's figures are. It names files and
-// selects lines; it holds no figure.
+// Manifest is one machine's docs/bench/summary-NAME.toml: the rows of its
+// performance summary and where in the raw files each row's figures are.
+// It names files and selects lines; it holds no figure.
 type Manifest struct {
-	// Setup is the paragraph above the table in both documents: the
+	// Setup is the paragraph above the table in docs/performance.md: the
 	// machine, the peer and the workload every row shares.
 	Setup string `toml:"setup"`
 	// ReadmeRows is how many of the first rows the README's headline shows.
-	ReadmeRows int   `toml:"readme_rows"`
-	Rows       []Row `toml:"row"`
+	ReadmeRows int `toml:"readme_rows"`
+	// Machine names the machine in the headline's first column, and
+	// Headline is its conditions there, shorter than Setup: both are
+	// needed where ReadmeRows is not 0.
+	Machine  string `toml:"machine"`
+	Headline string `toml:"headline"`
+	Rows     []Row  `toml:"row"`
 }
 
 // Row is one target of the summary.
@@ -131,6 +136,9 @@ func ParseManifest(text string) (*Manifest, error) {
 	}
 	if m.ReadmeRows < 0 || m.ReadmeRows > len(m.Rows) {
 		return nil, fmt.Errorf("summary manifest: readme_rows = %d, want 0 to %d", m.ReadmeRows, len(m.Rows))
+	}
+	if m.ReadmeRows > 0 && (m.Machine == "" || strings.TrimSpace(m.Headline) == "") {
+		return nil, errors.New("summary manifest: readme_rows needs machine and headline")
 	}
 	seen := map[string]bool{}
 	for i := range m.Rows {

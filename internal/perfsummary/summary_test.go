@@ -244,6 +244,7 @@ func TestParseManifestRefusesRowsThatReadNothingOrTooMuch(t *testing.T) {
 		{"back to back on a figure row", head + "figure = 'a'\nback_to_back = true\n", "back_to_back is for lookups rows"},
 		{"bad commit", head + "figure = 'a'\ncommit = \"HEAD\"\n", "commit = \"HEAD\""},
 		{"too many readme rows", "readme_rows = 2\n" + head + "figure = 'a'\n", "readme_rows = 2"},
+		{"readme rows without machine", "readme_rows = 1\nheadline = \"h\"\n" + head + "figure = 'a'\n", "readme_rows needs machine and headline"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			_, err := ParseManifest(tc.text)
@@ -255,7 +256,7 @@ func TestParseManifestRefusesRowsThatReadNothingOrTooMuch(t *testing.T) {
 }
 
 func TestReplaceRewritesOnlyBetweenTheMarkers(t *testing.T) {
-	mk, _ := summaryMarkers(summaries()[0])
+	mk := summaryMarkers(summaries()[0])
 	perfBegin, perfEnd := mk.begin, mk.end
 	doc := "before\n" + perfBegin + "\nold\ntable\n" + perfEnd + "\nafter\n"
 	got, err := Replace(doc, perfBegin, perfEnd, "new\n")
@@ -309,5 +310,38 @@ func TestComputeReadsAJSONReportsPhases(t *testing.T) {
 	}
 	if _, err := Compute(row(func(r *Row) { r.KeyMiB = 8 }), dir); err == nil || !strings.Contains(err.Error(), "no load phase") {
 		t.Errorf("no such key size: error %v", err)
+	}
+}
+
+// TestHeadlineBlockIsOneTableOfEveryMachinesFirstRows: the README's
+// headline has a row per machine's shown result, named by its machine,
+// no raw file, and each machine's conditions with the dates of its runs.
+func TestHeadlineBlockIsOneTableOfEveryMachinesFirstRows(t *testing.T) {
+	dir := fstest.MapFS{"c.txt": {Data: []byte(pairedCalls)}}
+	var parts []headline
+	for _, machine := range []string{"A100", "B200"} {
+		m := testRow(func(*Row) {})
+		m.Machine, m.Headline, m.ReadmeRows = machine, "conditions of "+machine, 1
+		res, err := Compute(m, dir)
+		if err != nil {
+			t.Fatal(err)
+		}
+		res[0].Dates = []string{"2026-11-28"}
+		parts = append(parts, headline{m, res})
+	}
+	got := HeadlineBlock(parts)
+	for _, want := range []string{
+		"| A100 | row | 30.0–40.0 GB/s | 0.60–0.80 of link | 10.0–25.0 GB/s | 1.60–3.00 | ≥ 1.5× | met (2 of 2) |\n",
+		"| B200 | row |",
+		"\nA100, 2026-11-28: conditions of A100\n",
+		"\nB200, 2026-11-28: conditions of B200\n",
+		"(docs/performance.md)",
+	} {
+		if !strings.Contains(got, want) {
+			t.Errorf("headline lacks %q:\n%s", want, got)
+		}
+	}
+	if strings.Contains(got, "bench/") {
+		t.Errorf("headline links a raw file:\n%s", got)
 	}
 }
