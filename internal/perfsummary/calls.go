@@ -11,14 +11,16 @@ import (
 // A CallFile is one raw .txt file of one or more device calls. It comes in
 // three formats, told apart by their section headers:
 //
-//   - a call file (docs/bench/h100-peer-c568fe6.txt): a prose header, then
-//     one section per call, each opened by "== call N: kvhost at COMMIT";
-//   - a sweep file, the raw output of the sweep driver that alternates
-//     llm-d's engine and kvhost in one call (docs/bench/h100-peer-b1233ba.txt):
-//     sections "== kvhost-VARIANT NAME: ARGS", "== llmd NAME: ARGS" and
-//     "== foreign VARIANT" (see ParseSweepFile);
+//   - a call file, the hand-written record of the earlier H100 calls (in
+//     git's history): a prose header, then one section per call, each
+//     opened by "== call N: kvhost at COMMIT";
+//   - a sweep file, the raw output of scripts/peer-sweep.sh, which runs
+//     llm-d's engine and kvhost in turn in one call
+//     (docs/bench/h200-peer-da57e43.txt): sections "== kvhost-VARIANT
+//     NAME: ARGS", "== llmd NAME: ARGS" and "== foreign VARIANT" (see
+//     ParseSweepFile);
 //   - a check file, the output of scripts/gpu-check.sh
-//     (docs/bench/h100-check-f9555a2.txt), whose "== lookups-NAME.txt"
+//     (docs/bench/h200-lookups-8bc143f.txt), whose "== lookups-NAME.txt"
 //     sections hold lookup latencies (see ParseCheckFile).
 //
 // A sweep or check file is one call, number 1.
