@@ -21,8 +21,6 @@ type api interface {
 	version() (v int, ok bool, err error)
 	handleRegister(fd int) (uintptr, error)
 	handleDeregister(h uintptr)
-	bufRegister(ptr uintptr, size int64, flags int) error
-	bufDeregister(ptr uintptr) error
 	// read and write move size bytes between file offset off and the
 	// memory at base+bufOff. They return the bytes moved, which may be
 	// fewer than size, or an error (a Status, or an errno).
@@ -33,32 +31,8 @@ type api interface {
 	// batchSetUp is cuFileBatchIOSetUp: a batch context with room for
 	// maxNr entries. It fails when the library has no batch API.
 	batchSetUp(maxNr int) (batchCtx, error)
-	// hasStream reports whether the stream API symbols are present
-	// (cuFileReadAsync, cuFileWriteAsync, cuFileStreamRegister and
-	// cuFileStreamDeregister).
-	hasStream() bool
-	// streamRegister and streamDeregister are cuFileStreamRegister and
-	// cuFileStreamDeregister of a CUDA stream (a cudaStream_t).
-	streamRegister(stream uintptr, flags uint32) error
-	streamDeregister(stream uintptr) error
-	// ioAsync is cuFileReadAsync (cuFileWriteAsync when write): it
-	// enqueues the I/O on stream and returns before it runs. Its result
-	// is valid once the stream has passed the I/O (after a synchronize),
-	// and its memory must then be freed.
-	ioAsync(write bool, h, base uintptr, size, off, bufOff int64, stream uintptr) (asyncIO, error)
 	// unload closes the library (dlclose).
 	unload() error
-}
-
-// asyncIO is one enqueued cuFileReadAsync or cuFileWriteAsync: the
-// arguments the library reads when the stream reaches it, and the count of
-// bytes it writes back.
-type asyncIO interface {
-	// result is the bytes moved, or the I/O's error (a Status, or an
-	// errno: -1). It is meaningful only after the stream passed the I/O.
-	result() (int64, error)
-	// free releases the arguments' memory; the I/O must be complete.
-	free()
 }
 
 // batchCtx is one cuFile batch context (CUfileBatchHandle_t) and the

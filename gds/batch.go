@@ -49,16 +49,6 @@ type batchCounters struct {
 	setUps, batches, entries, short, abandoned, stuck, refusals, fallbacks atomic.Uint64
 }
 
-// batchStats reports the driver's batch counters.
-func (d *Driver) batchStats() batchStats {
-	c := &d.batch
-	return batchStats{
-		SetUps: c.setUps.Load(), Batches: c.batches.Load(), Entries: c.entries.Load(),
-		Short: c.short.Load(), Abandoned: c.abandoned.Load(), Stuck: c.stuck.Load(),
-		Refusals: c.refusals.Load(), Fallbacks: c.fallbacks.Load(),
-	}
-}
-
 // batchPoll is the longest one cuFileBatchIOGetStatus call waits, so that
 // a canceled context or the batch timeout is noticed soon.
 const batchPoll = 5 * time.Millisecond

@@ -31,22 +31,14 @@ type goFake struct {
 
 func newGoFake() *goFake { return &goFake{live: map[uintptr]int{}, next: 1} }
 
-func (g *goFake) path() string                          { return "go-fake" }
-func (g *goFake) driverOpen() error                     { return nil }
-func (g *goFake) driverClose() error                    { return nil }
-func (g *goFake) properties() (rawProps, bool, error)   { return rawProps{}, false, nil }
-func (g *goFake) version() (int, bool, error)           { return 0, false, nil }
-func (g *goFake) bufRegister(uintptr, int64, int) error { return nil }
-func (g *goFake) bufDeregister(uintptr) error           { return nil }
-func (g *goFake) hasBatch() bool                        { return false }
-func (g *goFake) batchSetUp(int) (batchCtx, error)      { return nil, ErrUnavailable }
-func (g *goFake) unload() error                         { return nil }
-func (g *goFake) hasStream() bool                       { return false }
-func (g *goFake) streamRegister(uintptr, uint32) error  { return ErrUnavailable }
-func (g *goFake) streamDeregister(uintptr) error        { return ErrUnavailable }
-func (g *goFake) ioAsync(bool, uintptr, uintptr, int64, int64, int64, uintptr) (asyncIO, error) {
-	return nil, ErrUnavailable
-}
+func (g *goFake) path() string                                      { return "go-fake" }
+func (g *goFake) driverOpen() error                                 { return nil }
+func (g *goFake) driverClose() error                                { return nil }
+func (g *goFake) properties() (rawProps, bool, error)               { return rawProps{}, false, nil }
+func (g *goFake) version() (int, bool, error)                       { return 0, false, nil }
+func (g *goFake) hasBatch() bool                                    { return false }
+func (g *goFake) batchSetUp(int) (batchCtx, error)                  { return nil, ErrUnavailable }
+func (g *goFake) unload() error                                     { return nil }
 func (g *goFake) write(h, b uintptr, n, o, bo int64) (int64, error) { return g.read(h, b, n, o, bo) }
 
 func (g *goFake) handleRegister(fd int) (uintptr, error) {

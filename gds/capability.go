@@ -201,19 +201,6 @@ func (cs *capabilities) refuseBatch(dev uint64, err error) {
 		"mount", c.mountName(), "mode", c.Mode.String())
 }
 
-// capability returns the cached capability of the mount holding path,
-// probing it (ProbeDir) if it is not known yet.
-func (d *Driver) capability(dir string) (Capability, error) {
-	var st unix.Stat_t
-	if err := unix.Stat(dir, &st); err != nil {
-		return Capability{}, fmt.Errorf("gds: stat %s: %w", dir, err)
-	}
-	if c := d.caps.get(uint64(st.Dev)); c.Mode != ModeUnknown {
-		return c, nil
-	}
-	return d.ProbeDir(dir)
-}
-
 // ProbeDir finds what cuFile can do on the mount holding directory dir, if
 // not known yet: it creates a small file there (O_DIRECT where the file
 // system allows it), registers it with cuFile, deregisters and removes it.

@@ -81,12 +81,6 @@ static uintptr_t kv_handle_register(void *f, int fd, int *code, int *cu) {
 	return (uintptr_t)h;
 }
 static void kv_handle_deregister(void *f, uintptr_t h) { ((void (*)(void *))f)((void *)h); }
-static void kv_buf_register(void *f, uintptr_t p, size_t n, int flags, int *code, int *cu) {
-	kv_err(((kv_cufile_error (*)(const void *, size_t, int))f)((const void *)p, n, flags), code, cu);
-}
-static void kv_buf_deregister(void *f, uintptr_t p, int *code, int *cu) {
-	kv_err(((kv_cufile_error (*)(const void *))f)((const void *)p), code, cu);
-}
 static ssize_t kv_read(void *f, uintptr_t h, uintptr_t base, size_t n, off_t off, off_t boff) {
 	return ((ssize_t (*)(void *, void *, size_t, off_t, off_t))f)((void *)h, (void *)base, n, off, boff);
 }
@@ -133,27 +127,6 @@ static void kv_batch_cancel(void *f, uintptr_t b, int *code, int *cu) {
 }
 static void kv_batch_destroy(void *f, uintptr_t b) { ((void (*)(void *))f)((void *)b); }
 
-// The arguments of cuFileReadAsync and cuFileWriteAsync, which the library
-// reads (and done, which it writes) when the stream reaches the I/O: they
-// live in C memory until the stream has passed it.
-typedef struct {
-	size_t size;
-	off_t file_off;
-	off_t buf_off;
-	ssize_t done;
-} kv_async;
-
-static void kv_io_async(void *f, uintptr_t h, uintptr_t base, kv_async *a, uintptr_t stream, int *code, int *cu) {
-	kv_err(((kv_cufile_error (*)(void *, void *, size_t *, off_t *, off_t *, ssize_t *, void *))f)(
-		(void *)h, (void *)base, &a->size, &a->file_off, &a->buf_off, &a->done, (void *)stream), code, cu);
-}
-static void kv_stream_register(void *f, uintptr_t stream, unsigned flags, int *code, int *cu) {
-	kv_err(((kv_cufile_error (*)(void *, unsigned))f)((void *)stream, flags), code, cu);
-}
-static void kv_stream_deregister(void *f, uintptr_t stream, int *code, int *cu) {
-	kv_err(((kv_cufile_error (*)(void *))f)((void *)stream), code, cu);
-}
-static long long kv_async_done(kv_async *a) { return (long long)a->done; }
 */
 import "C"
 
@@ -172,14 +145,11 @@ type cgoLib struct {
 
 	driverOpenFn, driverCloseFn  unsafe.Pointer
 	handleRegFn, handleDeregFn   unsafe.Pointer
-	bufRegFn, bufDeregFn         unsafe.Pointer
 	readFn, writeFn              unsafe.Pointer
 	propsFn, versionFn           unsafe.Pointer // optional
 	batchSetUpFn, batchSubmit    unsafe.Pointer // optional
 	batchGetStatus, batchDestroy unsafe.Pointer // optional
 	batchCancel                  unsafe.Pointer // optional
-	readAsyncFn, writeAsyncFn    unsafe.Pointer // optional
-	streamRegFn, streamDeregFn   unsafe.Pointer // optional
 }
 
 // loadAPI opens the first of paths that loads and resolves its symbols. A
@@ -199,8 +169,6 @@ func loadAPI(paths []string) (api, error) {
 		{&l.driverCloseFn, []string{"cuFileDriverClose_v2", "cuFileDriverClose"}},
 		{&l.handleRegFn, []string{"cuFileHandleRegister"}},
 		{&l.handleDeregFn, []string{"cuFileHandleDeregister"}},
-		{&l.bufRegFn, []string{"cuFileBufRegister"}},
-		{&l.bufDeregFn, []string{"cuFileBufDeregister"}},
 		{&l.readFn, []string{"cuFileRead"}},
 		{&l.writeFn, []string{"cuFileWrite"}},
 	}
@@ -230,10 +198,6 @@ func loadAPI(paths []string) (api, error) {
 		{&l.batchGetStatus, "cuFileBatchIOGetStatus"},
 		{&l.batchDestroy, "cuFileBatchIODestroy"},
 		{&l.batchCancel, "cuFileBatchIOCancel"},
-		{&l.readAsyncFn, "cuFileReadAsync"},
-		{&l.writeAsyncFn, "cuFileWriteAsync"},
-		{&l.streamRegFn, "cuFileStreamRegister"},
-		{&l.streamDeregFn, "cuFileStreamDeregister"},
 	}
 	for _, o := range optional {
 		if p, err := lib.Sym(o.name); err == nil {
@@ -302,18 +266,6 @@ func (l *cgoLib) handleRegister(fd int) (uintptr, error) {
 }
 
 func (l *cgoLib) handleDeregister(h uintptr) { C.kv_handle_deregister(l.handleDeregFn, C.uintptr_t(h)) }
-
-func (l *cgoLib) bufRegister(ptr uintptr, size int64, flags int) error {
-	var code, cu C.int
-	C.kv_buf_register(l.bufRegFn, C.uintptr_t(ptr), C.size_t(size), C.int(flags), &code, &cu)
-	return statusError(int(code), int(cu))
-}
-
-func (l *cgoLib) bufDeregister(ptr uintptr) error {
-	var code, cu C.int
-	C.kv_buf_deregister(l.bufDeregFn, C.uintptr_t(ptr), &code, &cu)
-	return statusError(int(code), int(cu))
-}
 
 func (l *cgoLib) read(h, base uintptr, size, off, bufOff int64) (int64, error) {
 	n, errno := C.kv_read(l.readFn, C.uintptr_t(h), C.uintptr_t(base), C.size_t(size), C.off_t(off), C.off_t(bufOff))
@@ -424,65 +376,6 @@ func (b *cgoBatch) destroy() {
 	C.free(unsafe.Pointer(b.params))
 	C.free(unsafe.Pointer(b.events))
 	b.params, b.events = nil, nil
-}
-
-func (l *cgoLib) hasStream() bool {
-	return l.readAsyncFn != nil && l.writeAsyncFn != nil && l.streamRegFn != nil && l.streamDeregFn != nil
-}
-
-func (l *cgoLib) streamRegister(stream uintptr, flags uint32) error {
-	if !l.hasStream() {
-		return fmt.Errorf("%w: no stream API in %s", ErrUnavailable, l.path())
-	}
-	var code, cu C.int
-	C.kv_stream_register(l.streamRegFn, C.uintptr_t(stream), C.unsigned(flags), &code, &cu)
-	return statusError(int(code), int(cu))
-}
-
-func (l *cgoLib) streamDeregister(stream uintptr) error {
-	if !l.hasStream() {
-		return fmt.Errorf("%w: no stream API in %s", ErrUnavailable, l.path())
-	}
-	var code, cu C.int
-	C.kv_stream_deregister(l.streamDeregFn, C.uintptr_t(stream), &code, &cu)
-	return statusError(int(code), int(cu))
-}
-
-// cgoAsync is the C memory of one enqueued asynchronous I/O.
-type cgoAsync struct{ a *C.kv_async }
-
-func (l *cgoLib) ioAsync(write bool, h, base uintptr, size, off, bufOff int64, stream uintptr) (asyncIO, error) {
-	if !l.hasStream() {
-		return nil, fmt.Errorf("%w: no stream API in %s", ErrUnavailable, l.path())
-	}
-	a := (*C.kv_async)(C.calloc(1, C.size_t(unsafe.Sizeof(C.kv_async{}))))
-	a.size, a.file_off, a.buf_off = C.size_t(size), C.off_t(off), C.off_t(bufOff)
-	fn := l.readAsyncFn
-	if write {
-		fn = l.writeAsyncFn
-	}
-	var code, cu C.int
-	C.kv_io_async(fn, C.uintptr_t(h), C.uintptr_t(base), a, C.uintptr_t(stream), &code, &cu)
-	if err := statusError(int(code), int(cu)); err != nil {
-		C.free(unsafe.Pointer(a))
-		return nil, err
-	}
-	return &cgoAsync{a: a}, nil
-}
-
-func (c *cgoAsync) result() (int64, error) {
-	n := int64(C.kv_async_done(c.a))
-	if n < 0 {
-		return 0, asyncError(n)
-	}
-	return n, nil
-}
-
-func (c *cgoAsync) free() {
-	if c.a != nil {
-		C.free(unsafe.Pointer(c.a))
-		c.a = nil
-	}
 }
 
 func (l *cgoLib) unload() error { return l.lib.Close() }

@@ -8,7 +8,6 @@ import (
 	"log/slog"
 	"os"
 	"runtime"
-	"sort"
 	"sync"
 
 	"github.com/kvhost/kvhost/fsys"
@@ -22,9 +21,6 @@ var (
 	ErrUnavailable = errors.New("gds: cuFile unavailable")
 	// errClosed: the driver or mover was closed.
 	errClosed = errors.New("gds: closed")
-	// errBuffer: a buffer registration was refused (overlap, unknown
-	// pointer, bad size).
-	errBuffer = errors.New("gds: bad buffer registration")
 )
 
 // DefaultLibraryPaths returns the places Open looks for libcufile, in
@@ -150,7 +146,7 @@ func (p Properties) Mode() Mode {
 }
 
 // Driver is an open cuFile library and driver session: it owns the handle
-// cache, the registered buffers and the per-mount capabilities. Its
+// cache and the per-mount capabilities. Its
 // methods are safe for concurrent use.
 type Driver struct {
 	api      api
@@ -164,15 +160,7 @@ type Driver struct {
 
 	mu     sync.Mutex
 	closed bool
-	bufs   []buffer // sorted by ptr
 	movers map[*Mover]struct{}
-}
-
-// buffer is a registered buffer.
-type buffer struct {
-	ptr     uintptr
-	size    int64
-	ordinal int
 }
 
 // Open loads libcufile, resolves every symbol it needs, and opens the
@@ -361,68 +349,6 @@ func stripJSONComments(b []byte) []byte {
 // Properties returns what Open found.
 func (d *Driver) Properties() Properties { return d.props }
 
-// registerBuffer registers size bytes of device memory at ptr on the
-// device with cuFile (cuFileBufRegister). A transfer piece that lies
-// inside a registered buffer is passed to cuFile as the buffer's base and
-// an offset. It is deregistered by deregisterBuffer or Close. The daemon
-// does not call it: cuFile moves the clients' GPU memory, imported over
-// CUDA IPC, which is not registered (docs/gds.md says why).
-func (d *Driver) registerBuffer(ordinal int, ptr uintptr, size int64) error {
-	if ptr == 0 || size <= 0 {
-		return fmt.Errorf("%w: pointer %#x size %d", errBuffer, ptr, size)
-	}
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	if d.closed {
-		return errClosed
-	}
-	i := sort.Search(len(d.bufs), func(i int) bool { return d.bufs[i].ptr >= ptr })
-	if (i < len(d.bufs) && ptr+uintptr(size) > d.bufs[i].ptr) ||
-		(i > 0 && d.bufs[i-1].ptr+uintptr(d.bufs[i-1].size) > ptr) {
-		return fmt.Errorf("%w: [%#x, +%d) overlaps a registered buffer", errBuffer, ptr, size)
-	}
-	if err := d.onDevice(ordinal, func() error { return d.api.bufRegister(ptr, size, 0) }); err != nil {
-		return fmt.Errorf("gds: cuFileBufRegister [%#x, +%d) on device %d: %w", ptr, size, ordinal, err)
-	}
-	d.bufs = append(d.bufs, buffer{})
-	copy(d.bufs[i+1:], d.bufs[i:])
-	d.bufs[i] = buffer{ptr: ptr, size: size, ordinal: ordinal}
-	return nil
-}
-
-// deregisterBuffer deregisters a buffer registered at ptr. If cuFile
-// fails to, the buffer stays recorded, as cuFile still holds it: a later
-// call, or Close, tries again.
-func (d *Driver) deregisterBuffer(ptr uintptr) error {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	i := sort.Search(len(d.bufs), func(i int) bool { return d.bufs[i].ptr >= ptr })
-	if i == len(d.bufs) || d.bufs[i].ptr != ptr {
-		return fmt.Errorf("%w: %#x is not registered", errBuffer, ptr)
-	}
-	b := d.bufs[i]
-	if err := d.onDevice(b.ordinal, func() error { return d.api.bufDeregister(b.ptr) }); err != nil {
-		return fmt.Errorf("gds: cuFileBufDeregister %#x: %w", b.ptr, err)
-	}
-	d.bufs = append(d.bufs[:i], d.bufs[i+1:]...)
-	return nil
-}
-
-// registered returns the registered buffer holding [ptr, ptr+n), if any.
-func (d *Driver) registered(ptr uintptr, n int64) (buffer, bool) {
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	i := sort.Search(len(d.bufs), func(i int) bool { return d.bufs[i].ptr > ptr })
-	if i == 0 {
-		return buffer{}, false
-	}
-	b := d.bufs[i-1]
-	if ptr+uintptr(n) <= b.ptr+uintptr(b.size) {
-		return b, true
-	}
-	return buffer{}, false
-}
-
 // forget drops the cached handles of a file (its device and inode
 // number, of any generation) that the engine is about to remove or
 // replace. A handle in use is deregistered when its last transfer ends.
@@ -459,15 +385,6 @@ func (d *Driver) Close() error {
 	// acquisitions and probes, and a release, a Forget or a sweep has no
 	// registration left to undo.
 	d.cache.close()
-	d.mu.Lock()
-	bufs := d.bufs
-	d.bufs = nil
-	d.mu.Unlock()
-	for _, b := range bufs {
-		if err := d.onDevice(b.ordinal, func() error { return d.api.bufDeregister(b.ptr) }); err != nil {
-			errs = append(errs, fmt.Errorf("gds: cuFileBufDeregister %#x: %w", b.ptr, err))
-		}
-	}
 	if err := d.onDevice(0, d.api.driverClose); err != nil {
 		errs = append(errs, fmt.Errorf("gds: cuFileDriverClose: %w", err))
 	}

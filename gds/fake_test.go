@@ -40,7 +40,6 @@ type fakeCtl struct {
 	HandlesDeregistered int64
 	HandlesLive         int64
 	BadHandleUses       int64
-	BufsLive            int64
 	BytesRead           int64
 	BytesWritten        int64
 	Reads               int64
@@ -64,10 +63,6 @@ type fakeCtl struct {
 	BatchInflight       int64
 	BatchInflightMax    int64
 	BatchCancelIgnored  int64
-	AsyncError          int64
-	AsyncIOs            int64
-	StreamsRegistered   int64
-	StreamsDeregistered int64
 	CUError             int64
 	BatchRelease        int64
 	CallsAfterClose     int64

@@ -281,24 +281,6 @@ func TestGPUCuFileRoundTripAndThroughput(t *testing.T) {
 		}
 		fmt.Printf("GDSBENCH %-26s %10.2f %10.2f %12.2f %12.2f\n", rn.name, w, rd, cw, cr)
 	}
-	// Registered buffers: the same 32 MiB paged run with both regions
-	// registered once.
-	if err := d.registerBuffer(0, src.ptr, regionSize); err != nil {
-		t.Logf("registerBuffer: %v", err)
-	} else if err := d.registerBuffer(0, dst.ptr, regionSize); err != nil {
-		t.Logf("registerBuffer: %v", err)
-	} else {
-		rn := run{name: "32MiB-paged-j8-registered", pages: 512, files: 16, jobs: 8}
-		w := measure(rn, true)
-		rd := measure(rn, false)
-		fmt.Printf("GDSBENCH %-26s %10.2f %10.2f\n", rn.name, w, rd)
-		// Deregister before the deferred cudaFree frees the memory.
-		for _, p := range []uintptr{src.ptr, dst.ptr} {
-			if err := d.deregisterBuffer(p); err != nil {
-				t.Errorf("deregisterBuffer: %v", err)
-			}
-		}
-	}
 	t.Logf("handle cache: %+v", d.HandleStats())
 }
 

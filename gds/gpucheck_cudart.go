@@ -19,19 +19,6 @@ static int kv_cuda_d2h(void *f, void *dst, uintptr_t src, size_t n) {
 }
 static int kv_cuda_memset(void *f, uintptr_t p, int v, size_t n) { return ((int (*)(void *, int, size_t))f)((void *)p, v, n); }
 static int kv_cuda_int(void *f, int v) { return ((int (*)(int))f)(v); }
-static int kv_cuda_stream_create(void *f, uintptr_t *s) {
-	void *p = NULL;
-	int rc = ((int (*)(void **))f)(&p);
-	*s = (uintptr_t)p;
-	return rc;
-}
-static int kv_cuda_stream_create_flags(void *f, uintptr_t *s, unsigned flags) {
-	void *p = NULL;
-	int rc = ((int (*)(void **, unsigned))f)(&p, flags);
-	*s = (uintptr_t)p;
-	return rc;
-}
-static int kv_cuda_stream_call(void *f, uintptr_t s) { return ((int (*)(void *))f)((void *)s); }
 */
 import "C"
 
@@ -43,10 +30,8 @@ import (
 )
 
 type testCudart struct {
-	lib                                     *dl.Library
-	malloc, free, memcpy, memset, setDev    unsafe.Pointer
-	streamCreate, streamSync, streamDestroy unsafe.Pointer
-	streamCreateFlags                       unsafe.Pointer
+	lib                                  *dl.Library
+	malloc, free, memcpy, memset, setDev unsafe.Pointer
 }
 
 func openTestCudart() (*testCudart, error) {
@@ -59,9 +44,7 @@ func openTestCudart() (*testCudart, error) {
 	for _, s := range []struct {
 		p    *unsafe.Pointer
 		name string
-	}{{&c.malloc, "cudaMalloc"}, {&c.free, "cudaFree"}, {&c.memcpy, "cudaMemcpy"}, {&c.memset, "cudaMemset"}, {&c.setDev, "cudaSetDevice"},
-		{&c.streamCreate, "cudaStreamCreate"}, {&c.streamSync, "cudaStreamSynchronize"}, {&c.streamDestroy, "cudaStreamDestroy"},
-		{&c.streamCreateFlags, "cudaStreamCreateWithFlags"}} {
+	}{{&c.malloc, "cudaMalloc"}, {&c.free, "cudaFree"}, {&c.memcpy, "cudaMemcpy"}, {&c.memset, "cudaMemset"}, {&c.setDev, "cudaSetDevice"}} {
 		if *s.p, err = lib.Sym(s.name); err != nil {
 			return nil, err
 		}
@@ -104,33 +87,4 @@ func (c *testCudart) toHost(dst []byte, src uintptr) error {
 
 func (c *testCudart) memsetDev(p uintptr, v byte, n int64) error {
 	return cudaErr("cudaMemset", C.kv_cuda_memset(c.memset, C.uintptr_t(p), C.int(v), C.size_t(n)))
-}
-
-// newStream is cudaStreamCreate on the calling thread's device.
-func (c *testCudart) newStream() (uintptr, error) {
-	var s C.uintptr_t
-	if err := cudaErr("cudaStreamCreate", C.kv_cuda_stream_create(c.streamCreate, &s)); err != nil {
-		return 0, err
-	}
-	return uintptr(s), nil
-}
-
-// newNonBlockingStream is cudaStreamCreateWithFlags(cudaStreamNonBlocking):
-// a stream that does not synchronize with the legacy default stream.
-func (c *testCudart) newNonBlockingStream() (uintptr, error) {
-	var s C.uintptr_t
-	if err := cudaErr("cudaStreamCreateWithFlags", C.kv_cuda_stream_create_flags(c.streamCreateFlags, &s, 1)); err != nil {
-		return 0, err
-	}
-	return uintptr(s), nil
-}
-
-// syncStream is cudaStreamSynchronize.
-func (c *testCudart) syncStream(s uintptr) error {
-	return cudaErr("cudaStreamSynchronize", C.kv_cuda_stream_call(c.streamSync, C.uintptr_t(s)))
-}
-
-// destroyStream is cudaStreamDestroy.
-func (c *testCudart) destroyStream(s uintptr) error {
-	return cudaErr("cudaStreamDestroy", C.kv_cuda_stream_call(c.streamDestroy, C.uintptr_t(s)))
 }

@@ -310,8 +310,7 @@ func (m *Mover) pieces(p *transfer.Plan) ([]piece, int, error) {
 		}
 		prev, prevDev = x, dev
 	}
-	// Split, then point each piece at a registered buffer where it lies
-	// inside one (cuFile wants the registered base and an offset).
+	// Split into pieces of at most MaxIO.
 	var split []piece
 	for _, pc := range out {
 		for off := int64(0); off < pc.n; off += m.cfg.MaxIO {
@@ -319,10 +318,6 @@ func (m *Mover) pieces(p *transfer.Plan) ([]piece, int, error) {
 			s.base = pc.base + uintptr(off)
 			s.fileOff = pc.fileOff + off
 			s.n = min(m.cfg.MaxIO, pc.n-off)
-			if b, ok := m.d.registered(s.base, s.n); ok {
-				s.bufOff = int64(s.base - b.ptr)
-				s.base = b.ptr
-			}
 			split = append(split, s)
 		}
 	}

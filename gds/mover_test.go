@@ -7,7 +7,6 @@ import (
 	"context"
 	"errors"
 	"io"
-	"log/slog"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
@@ -178,35 +177,25 @@ func openDirectFake(t *testing.T) (*fakeEnv, string) {
 // piece whose device address is not 4 KiB aligned is passed on
 // (ErrUnsupported) before anything moves: nvidia-fs DMAs only to 4 KiB
 // aligned GPU addresses (EINVAL otherwise), so cuFile would fail the
-// piece or bounce it through its own GPU buffers. The address is the
-// piece's own, its registered buffer's base plus its offset where its
-// memory is registered with cuFile. Aligned pieces are moved, and so is a
+// piece or bounce it through its own GPU buffers. Aligned pieces are moved, and so is a
 // file open without O_DIRECT there, which cuFile moves in compat mode
 // (a host bounce, where the address does not matter).
 func TestMoverPassesOnAPieceAtAnUnalignedDeviceAddressOnADirectMount(t *testing.T) {
 	for _, tc := range []struct {
 		name     string
 		off      int64 // the first piece's offset in the region
-		regAt    int64 // where a buffer registered with cuFile starts in the region, -1: none
 		buffered bool  // the file is open without O_DIRECT
 		moved    bool
 	}{
-		{"unaligned", 512, -1, false, false},
-		{"unaligned in a registered buffer", 512, 0, false, false},
-		{"aligned", 4096, -1, false, true},
-		{"aligned in a buffer registered at an unaligned base", 4096, 512, false, true},
-		{"unaligned, file open without O_DIRECT", 512, -1, true, true},
+		{"unaligned", 512, false, false},
+		{"aligned", 4096, false, true},
+		{"unaligned, file open without O_DIRECT", 512, true, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			e, dir := openDirectFake(t)
 			m := newMover(t, e.d, MoverConfig{Workers: 2, AllowCompat: true, IO: IOPerCall})
 			src := newHostDevice(t, 1, 1<<20, 0)
 			fill(src.mem, 5)
-			if tc.regAt >= 0 {
-				if err := e.d.registerBuffer(0, src.Ptr()+uintptr(tc.regAt), src.Len()-tc.regAt); err != nil {
-					t.Fatal(err)
-				}
-			}
 			// File pieces 4 KiB aligned; memory never adjacent: one piece per extent.
 			p := &transfer.Plan{Direct: !tc.buffered}
 			for i := range int64(4) {
@@ -395,22 +384,19 @@ func TestOpenReadsPropertiesAndCloseReleasesEverything(t *testing.T) {
 	}
 	m := newMover(t, e.d, MoverConfig{Workers: 2, AllowCompat: true})
 	src := newHostDevice(t, 1, 1<<20, 0)
-	if err := e.d.registerBuffer(0, src.Ptr(), src.Len()); err != nil {
-		t.Fatal(err)
-	}
 	f := openFile(t, filepath.Join(t.TempDir(), "key"), os.O_RDWR)
 	if _, err := m.WriteFile(context.Background(), f, scatterPlan(src, 8, 4096, 1), nil); err != nil {
 		t.Fatal(err)
 	}
-	if l, b := e.ctl.get(&e.ctl.HandlesLive), e.ctl.get(&e.ctl.BufsLive); l != 1 || b != 1 {
-		t.Fatalf("before close: %d handles, %d buffers live; want 1, 1", l, b)
+	if l := e.ctl.get(&e.ctl.HandlesLive); l != 1 {
+		t.Fatalf("before close: %d handles live; want 1", l)
 	}
 	ctl := e.ctl
 	if err := e.d.Close(); err != nil {
 		t.Fatal(err)
 	}
-	if l, b, c := ctl.get(&ctl.HandlesLive), ctl.get(&ctl.BufsLive), ctl.get(&ctl.DriverCloses); l != 0 || b != 0 || c != 1 {
-		t.Fatalf("after close: %d handles, %d buffers live, %d driver closes; want 0, 0, 1", l, b, c)
+	if l, c := ctl.get(&ctl.HandlesLive), ctl.get(&ctl.DriverCloses); l != 0 || c != 1 {
+		t.Fatalf("after close: %d handles live, %d driver closes; want 0, 1", l, c)
 	}
 	if _, err := m.WriteFile(context.Background(), f, scatterPlan(src, 8, 4096, 1), nil); !errors.Is(err, errClosed) {
 		t.Fatalf("WriteFile after Close = %v, want errClosed", err)
@@ -432,84 +418,6 @@ func TestOpenFailsWhenDriverOpenFails(t *testing.T) {
 	_, err := Open(Config{LibraryPaths: []string{lib}})
 	if !errors.Is(err, ErrUnavailable) || !errors.Is(err, statusDriverNotInitialized) {
 		t.Fatalf("Open with cuFileDriverOpen failing = %v", err)
-	}
-}
-
-func TestRegisterBufferOnceAndUseItsBaseAndOffset(t *testing.T) {
-	e := openFake(t, Config{}, nil)
-	m := newMover(t, e.d, MoverConfig{Workers: 2, AllowCompat: true})
-	buf := newHostDevice(t, 1, 1<<20, 0)
-	if err := e.d.registerBuffer(0, buf.Ptr(), buf.Len()); err != nil {
-		t.Fatal(err)
-	}
-	if err := e.d.registerBuffer(0, buf.Ptr()+4096, 4096); !errors.Is(err, errBuffer) {
-		t.Fatalf("overlapping registration = %v, want errBuffer", err)
-	}
-	if b, ok := e.d.registered(buf.Ptr()+8192, 4096); !ok || b.ptr != buf.Ptr() {
-		t.Fatalf("registered lookup inside the buffer = %+v, %v", b, ok)
-	}
-	fill(buf.mem, 9)
-	want := append([]byte(nil), buf.mem...)
-	p := scatterPlan(buf, 32, 8192, 2)
-	f := openFile(t, filepath.Join(t.TempDir(), "key"), os.O_RDWR)
-	if _, err := m.WriteFile(context.Background(), f, p, nil); err != nil {
-		t.Fatal(err)
-	}
-	clear(buf.mem)
-	if _, err := m.ReadFile(context.Background(), f, p, nil); err != nil {
-		t.Fatal(err)
-	}
-	if !bytes.Equal(gather(p, buf.mem), gather(p, want)) {
-		t.Fatal("round trip through a registered buffer (base + offset) lost bytes")
-	}
-	if err := e.d.deregisterBuffer(buf.Ptr()); err != nil || e.ctl.get(&e.ctl.BufsLive) != 0 {
-		t.Fatalf("deregisterBuffer = %v, %d live", err, e.ctl.get(&e.ctl.BufsLive))
-	}
-	if err := e.d.deregisterBuffer(buf.Ptr()); !errors.Is(err, errBuffer) {
-		t.Fatalf("second DeregisterBuffer = %v, want errBuffer", err)
-	}
-}
-
-// derefusingFake's cuFileBufDeregister fails while fail is set.
-type derefusingFake struct {
-	*goFake
-	fail atomic.Bool
-}
-
-func (g *derefusingFake) bufDeregister(uintptr) error {
-	if g.fail.Load() {
-		return statusInternalError
-	}
-	return nil
-}
-
-// A buffer whose deregistration failed is still registered with cuFile:
-// the driver keeps its record (pieces inside it still go as base and
-// offset), and a later deregistration, or Close, tries again.
-func TestDeregisterBufferKeepsTheRecordWhenCuFileFails(t *testing.T) {
-	g := &derefusingFake{goFake: newGoFake()}
-	d, err := openAPI(g, Config{Logger: slog.New(slog.DiscardHandler), NVFSPath: filepath.Join(t.TempDir(), "none"), ConfigJSON: filepath.Join(t.TempDir(), "none.json")})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { d.Close() })
-	const ptr, size = 1 << 20, 1 << 16
-	if err := d.registerBuffer(0, ptr, size); err != nil {
-		t.Fatal(err)
-	}
-	g.fail.Store(true)
-	if err := d.deregisterBuffer(ptr); !errors.Is(err, statusInternalError) {
-		t.Fatalf("deregisterBuffer with cuFile failing = %v", err)
-	}
-	if _, ok := d.registered(ptr+4096, 4096); !ok {
-		t.Errorf("the buffer's record is gone though cuFile did not deregister it")
-	}
-	g.fail.Store(false)
-	if err := d.deregisterBuffer(ptr); err != nil {
-		t.Fatalf("deregisterBuffer once cuFile works = %v", err)
-	}
-	if _, ok := d.registered(ptr+4096, 4096); ok {
-		t.Errorf("the buffer is still recorded after its deregistration")
 	}
 }
 

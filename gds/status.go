@@ -180,13 +180,3 @@ func ioError(ret int64, errno error) error {
 	}
 	return Status(-ret)
 }
-
-// asyncError is the error of an asynchronous I/O's byte count ret < 0,
-// read as ioError reads a synchronous one's, but for -1: an asynchronous
-// I/O leaves no errno behind.
-func asyncError(ret int64) error {
-	if ret < -1 && -ret < 5000 {
-		return fmt.Errorf("cufile: asynchronous I/O: %w", syscall.Errno(-ret))
-	}
-	return ioError(ret, nil)
-}

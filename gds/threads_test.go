@@ -101,15 +101,6 @@ func TestNoThreadOutlivesItsWorkOnAnotherDevice(t *testing.T) {
 				t.Fatal(err)
 			}
 		}},
-		{"buffer registered and deregistered", func(t *testing.T, e *fakeEnv) {
-			buf := newHostDevice(t, 1, 1<<20, 1)
-			if err := e.d.registerBuffer(1, buf.Ptr(), buf.Len()); err != nil {
-				t.Fatal(err)
-			}
-			if err := e.d.deregisterBuffer(buf.Ptr()); err != nil {
-				t.Fatal(err)
-			}
-		}},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			tr := newThreadDevices()
@@ -137,12 +128,6 @@ func TestDriverCallsLeaveTheCallersThreadOnItsDevice(t *testing.T) {
 	}{
 		{"Open", func(t *testing.T, e *fakeEnv, tr *threadDevices) {
 			openFake(t, Config{BindDevice: tr.bind}, nil)
-		}},
-		{"RegisterBuffer on device 0", func(t *testing.T, e *fakeEnv, tr *threadDevices) {
-			buf := newHostDevice(t, 1, 1<<20, 0)
-			if err := e.d.registerBuffer(0, buf.Ptr(), buf.Len()); err != nil {
-				t.Fatal(err)
-			}
 		}},
 		{"Close", func(t *testing.T, e *fakeEnv, tr *threadDevices) {
 			if err := e.d.Close(); err != nil {

@@ -8,12 +8,8 @@
  * is submitted (unless told to hold entries pending) and reports events in
  * reverse order, so that a caller must match them by cookie.
  *
- * The stream API (cuFileReadAsync, cuFileWriteAsync) runs the I/O when it
- * is enqueued, ignoring the stream, and writes the byte count back.
- *
  * Build with -DFAKE_NO_READ to leave out cuFileRead (a library missing a
- * required symbol), -DFAKE_NO_BATCH to leave out the batch API,
- * -DFAKE_NO_STREAM to leave out the stream API. */
+ * required symbol), -DFAKE_NO_BATCH to leave out the batch API. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <pthread.h>
@@ -69,7 +65,6 @@ struct fake_ctl {
 	int64_t handles_deregistered;
 	int64_t handles_live;
 	int64_t bad_handle_uses;    /* I/O or deregistration on a dead handle */
-	int64_t bufs_live;
 	int64_t bytes_read;
 	int64_t bytes_written;
 	int64_t reads;
@@ -95,13 +90,8 @@ struct fake_ctl {
 	int64_t batch_inflight;     /* entries submitted and not yet reaped, over all contexts */
 	int64_t batch_inflight_max; /* the most ever in flight */
 	int64_t batch_cancel_ignored; /* nonzero: cuFileBatchIOCancel succeeds but cancels nothing */
-	/* stream knobs and counters */
-	int64_t async_error;        /* nonzero: cuFileReadAsync/WriteAsync fail with it when enqueued */
-	int64_t async_ios;          /* asynchronous reads and writes enqueued */
-	int64_t streams_registered;
-	int64_t streams_deregistered;
 	/* the CUresult (cu_err) the injected failures above carry: driver_open_error,
-	 * register_error, batch_setup_error, batch_submit_error, async_error */
+	 * register_error, batch_setup_error, batch_submit_error */
 	int64_t cu_error;
 	/* nonzero: cuFileBatchIOGetStatus runs the entries held pending (by
 	 * batch_hold, and not canceled) before it reports: a late completion,
@@ -202,34 +192,6 @@ void cuFileHandleDeregister(void *fh) {
 	__atomic_store_n(&((struct fake_handle *)fh)->magic, MAGIC_DEAD, __ATOMIC_SEQ_CST);
 	ADD(handles_deregistered, 1);
 	ADD(handles_live, -1);
-}
-
-#define MAXBUF 256
-static struct { const void *p; size_t n; } bufs[MAXBUF];
-static pthread_mutex_t bufmu = PTHREAD_MUTEX_INITIALIZER;
-
-CUfileError_t cuFileBufRegister(const void *p, size_t n, int flags) {
-	(void)flags;
-	LATE();
-	CUfileError_t r = fail(5043);
-	pthread_mutex_lock(&bufmu);
-	for (int i = 0; i < MAXBUF; i++)
-		if (bufs[i].p == p) { r = fail(5023); goto out; }
-	for (int i = 0; i < MAXBUF; i++)
-		if (bufs[i].p == NULL) { bufs[i].p = p; bufs[i].n = n; ADD(bufs_live, 1); r = ok(); break; }
-out:
-	pthread_mutex_unlock(&bufmu);
-	return r;
-}
-
-CUfileError_t cuFileBufDeregister(const void *p) {
-	LATE();
-	CUfileError_t r = fail(5024);
-	pthread_mutex_lock(&bufmu);
-	for (int i = 0; i < MAXBUF; i++)
-		if (bufs[i].p == p) { bufs[i].p = NULL; ADD(bufs_live, -1); r = ok(); break; }
-	pthread_mutex_unlock(&bufmu);
-	return r;
 }
 
 #ifndef FAKE_NO_READ
@@ -464,44 +426,5 @@ void cuFileBatchIODestroy(void *b) {
 	fb->magic = MAGIC_DEAD;
 	ADD(batch_destroys, 1);
 	ADD(batch_live, -1);
-}
-#endif
-
-#if !defined(FAKE_NO_STREAM) && !defined(FAKE_NO_READ)
-CUfileError_t cuFileStreamRegister(void *stream, unsigned flags) {
-	LATE();
-	(void)stream; (void)flags;
-	ADD(streams_registered, 1);
-	return ok();
-}
-
-CUfileError_t cuFileStreamDeregister(void *stream) {
-	LATE();
-	(void)stream;
-	ADD(streams_deregistered, 1);
-	return ok();
-}
-
-// The stream calls run at once (the stream is ignored): the injected
-// async_error fails the call itself, else the synchronous call's result
-// is the I/O's.
-static CUfileError_t async_io(int write, void *fh, void *base, size_t *n, off_t *off, off_t *boff, ssize_t *done) {
-	int64_t e = LD(async_error);
-	if (e) return injected(e);
-	ADD(async_ios, 1);
-	*done = write ? cuFileWrite(fh, base, *n, *off, *boff) : cuFileRead(fh, base, *n, *off, *boff);
-	return ok();
-}
-
-CUfileError_t cuFileReadAsync(void *fh, void *base, size_t *n, off_t *off, off_t *boff, ssize_t *done, void *stream) {
-	LATE();
-	(void)stream;
-	return async_io(0, fh, base, n, off, boff, done);
-}
-
-CUfileError_t cuFileWriteAsync(void *fh, void *base, size_t *n, off_t *off, off_t *boff, ssize_t *done, void *stream) {
-	LATE();
-	(void)stream;
-	return async_io(1, fh, base, n, off, boff, done);
 }
 #endif
