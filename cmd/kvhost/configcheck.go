@@ -2,8 +2,10 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
+	"os"
 
 	"github.com/kvhost/kvhost/internal/config"
 	"github.com/kvhost/kvhost/internal/server"
@@ -16,7 +18,8 @@ const configUsage = `usage: kvhost config check FILE...
 check: checks configuration files as the daemon reads them (TOML syntax,
 unknown keys, types, sizes, durations, rules across fields, the name of a
 built-in policy and the [policy.params] it refuses at start, mounts that
-overlap; a plugin .wasm file is not read) and prints "FILE: ok" or the
+overlap, a plugin .wasm file as the daemon loads it; one that does not
+exist here is not checked, kvhost check loads it on the node) and prints "FILE: ok" or the
 error with its line and key. Exit 0: every file is ok; 1: one is not;
 2: usage. Apart from --help it has no flags: any other argument that
 begins with '-' is a usage error, so a FILE named so is given as
@@ -35,16 +38,21 @@ docs/config.md describes every key.`
 // that are one directory, or one inside the other (overlappingMounts),
 // named at the later one's path, and a policy that does not start as the
 // daemon's start builds it (startPolicy: a policy.name that is not built
-// in, a [policy.params] key its kvhost_init refuses). A plugin file is
-// not read: `kvhost check` loads it on the node.
+// in, a plugin file that is not a WebAssembly module, a [policy.params]
+// key its kvhost_init refuses). A plugin file that does not exist here is
+// not checked: it may exist only on the node, where `kvhost check` loads
+// it.
 func checkAtStart(ctx context.Context, file string, cfg config.Config) error {
 	if o := overlappingMounts(cfg.Mounts); len(o) > 0 {
 		return config.AtKey(file, "mount.path", o[0].second, o[0].err)
 	}
-	if !isPluginFile(cfg.Policy.Name) {
-		if _, _, err := startPolicy(ctx, cfg); err != nil {
-			return policyStartError(file, cfg, err)
+	if isPluginFile(cfg.Policy.Name) {
+		if _, _, _, err := policyModule(cfg.Policy.Name); errors.Is(err, os.ErrNotExist) {
+			return nil
 		}
+	}
+	if _, _, err := startPolicy(ctx, cfg); err != nil {
+		return policyStartError(file, cfg, err)
 	}
 	return nil
 }

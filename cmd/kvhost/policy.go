@@ -155,10 +155,11 @@ func compilationCache(dir string) (wazero.CompilationCache, error) {
 }
 
 // loadPlugin reads a plugin module: a file when arg ends in .wasm or
-// contains '/', a built-in policy otherwise.
+// contains '/' (a bare NAME.wasm that does not exist is the built-in
+// NAME, as for the daemon: policyModule), a built-in policy otherwise.
 func loadPlugin(arg string) (name string, module []byte, err error) {
 	if isPluginFile(arg) {
-		b, err := os.ReadFile(arg)
+		b, _, _, err := policyModule(arg)
 		return arg, b, err
 	}
 	b, err := plugins.Wasm(arg)

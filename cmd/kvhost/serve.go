@@ -1,6 +1,7 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"crypto/sha256"
 	"errors"
@@ -324,8 +325,10 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 	}
 	eng, err := engine.Open(ctx, ecfg)
 	if err != nil {
-		if pe := (*policy.Error)(nil); errors.As(err, &pe) && pe.Hook == "kvhost_init" {
-			// The plugin refused its [policy.params]: the key is at fault.
+		if pe := (*policy.Error)(nil); errors.As(err, &pe) {
+			// The policy does not start (a module that does not
+			// compile, [policy.params] its init refuses): its key is
+			// at fault, named once, without the engine's prefixes.
 			err = d.flags.Locate(policyFault(cfg, err))
 		} else {
 			err = fmt.Errorf("open engine: %w", err)
@@ -774,6 +777,9 @@ func (d *daemon) policyBuilder(ctx context.Context, cfg config.Config) (*builtPo
 	if err != nil {
 		return nil, d.flags.Locate("policy.name", err)
 	}
+	if builtin && isPluginFile(cfg.Policy.Name) {
+		log.Info("no such policy file: serving the built-in policy of that name", "file", cfg.Policy.Name, "policy", name)
+	}
 	b := &builtPolicy{name: name, cfg: cfg.Policy}
 	if module != nil {
 		b.sum = sha256.Sum256(module)
@@ -894,18 +900,30 @@ func nonEmpty(s string) []string {
 }
 
 // policyModule resolves --policy: a built-in name or a .wasm file. A
-// built-in missing from the binary (built without make) yields a nil module
-// for lru, which then runs natively. A relative file that cannot be read
-// is named with the working directory it was taken against, which is
-// not the configuration file's.
+// bare file name (no path separator) that does not exist and names a
+// built-in policy, such as lru.wasm, is that built-in (builtin true; the
+// caller says so). A file that is not a WebAssembly module is refused
+// here, naming its path. A built-in missing from the binary yields a nil
+// module for lru, which then runs natively. A relative file that cannot
+// be read is named with the working directory it was taken against,
+// which is not the configuration file's.
 func policyModule(nameOrFile string) (module []byte, name string, builtin bool, err error) {
 	if isPluginFile(nameOrFile) {
 		b, err := os.ReadFile(nameOrFile)
+		if errors.Is(err, os.ErrNotExist) && !strings.ContainsRune(nameOrFile, '/') && !strings.ContainsRune(nameOrFile, os.PathSeparator) {
+			name := strings.TrimSuffix(nameOrFile, ".wasm")
+			if b, berr := plugins.Wasm(name); berr == nil {
+				return b, name, true, nil
+			}
+		}
 		if err != nil {
 			if wd, werr := os.Getwd(); werr == nil && !filepath.IsAbs(nameOrFile) {
 				return nil, "", false, fmt.Errorf("policy: %w (a relative path is taken against the working directory, %s, not the configuration file's)", err, wd)
 			}
 			return nil, "", false, fmt.Errorf("policy: %w", err)
+		}
+		if !bytes.HasPrefix(b, wasmMagic) {
+			return nil, "", false, fmt.Errorf("policy %s: %w", nameOrFile, errNotWasm)
 		}
 		return b, strings.TrimSuffix(filepath.Base(nameOrFile), ".wasm"), false, nil
 	}
@@ -918,6 +936,13 @@ func policyModule(nameOrFile string) (module []byte, name string, builtin bool, 
 	}
 	return b, nameOrFile, true, nil
 }
+
+// wasmMagic begins every WebAssembly module.
+var wasmMagic = []byte("\x00asm")
+
+// errNotWasm is policyModule's error for a policy file that is not a
+// WebAssembly module.
+var errNotWasm = errors.New("not a WebAssembly module (it does not begin with \\0asm)")
 
 // engineMounts is cfg's mounts as the engine takes them, each capacity
 // sized or checked by mountCapacity with statfs, which must answer within

@@ -1,9 +1,13 @@
 package main
 
 import (
+	"bytes"
+	"context"
 	"errors"
+	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 
 	"github.com/kvhost/kvhost/internal/config"
@@ -24,9 +28,7 @@ func TestExampleConfig(t *testing.T) {
 
 func TestPolicyModule(t *testing.T) {
 	file := filepath.Join(t.TempDir(), "vendor.wasm")
-	if err := os.WriteFile(file, []byte("\x00asm"), 0o644); err != nil {
-		t.Fatal(err)
-	}
+	writeTestFile(t, file, []byte("\x00asm"))
 	cases := []struct {
 		arg     string
 		name    string
@@ -54,6 +56,66 @@ func TestPolicyModule(t *testing.T) {
 	}
 }
 
+// TestAMissingBareWasmFileIsTheBuiltInOfThatName: `kvhost --policy
+// lru.wasm`, the usage line of the docs, serves the embedded lru where no
+// such file is in the working directory (a file that is there is read
+// from disk); a name with a path separator stays a file, and a file that
+// is not a WebAssembly module is refused naming its path.
+func TestAMissingBareWasmFileIsTheBuiltInOfThatName(t *testing.T) {
+	dir := t.TempDir()
+	t.Chdir(dir)
+	builtinLRU, err := plugins.Wasm("lru")
+	if err != nil {
+		t.Fatal(err)
+	}
+	module, name, builtin, err := policyModule("lru.wasm")
+	if err != nil || name != "lru" || !builtin || !bytes.Equal(module, builtinLRU) {
+		t.Fatalf("lru.wasm, absent: %q builtin %v, %d bytes, %v; want the embedded lru", name, builtin, len(module), err)
+	}
+	if _, _, _, err := policyModule("no-such-builtin.wasm"); !errors.Is(err, os.ErrNotExist) {
+		t.Fatalf("no-such-builtin.wasm: error %v, want one wrapping os.ErrNotExist", err)
+	}
+	if _, _, _, err := policyModule("./lru.wasm"); !errors.Is(err, os.ErrNotExist) || !strings.Contains(err.Error(), "./lru.wasm") {
+		t.Fatalf("./lru.wasm: error %v, want one naming ./lru.wasm and wrapping os.ErrNotExist", err)
+	}
+	onDisk := []byte("\x00asm\x01\x00\x00\x00")
+	writeTestFile(t, "lru.wasm", onDisk)
+	if module, _, builtin, err := policyModule("lru.wasm"); err != nil || builtin || !bytes.Equal(module, onDisk) {
+		t.Fatalf("lru.wasm, present: builtin %v, %d bytes, %v; want the file's", builtin, len(module), err)
+	}
+	writeTestFile(t, "notwasm.wasm", []byte("hello\n"))
+	_, _, _, err = policyModule("notwasm.wasm")
+	if !errors.Is(err, errNotWasm) || err.Error() != "policy notwasm.wasm: "+errNotWasm.Error() {
+		t.Fatalf("notwasm.wasm: error %v, want %q", err, "policy notwasm.wasm: "+errNotWasm.Error())
+	}
+}
+
+// TestConfigCheckRefusesAPolicyFileThatIsNotWasm: config check printed
+// "ok" for a policy file the daemon's start refuses; one that does not
+// exist here (it may exist only on the node) is not checked.
+func TestConfigCheckRefusesAPolicyFileThatIsNotWasm(t *testing.T) {
+	dir := t.TempDir()
+	notwasm := filepath.Join(dir, "notwasm.wasm")
+	writeTestFile(t, notwasm, []byte("hello\n"))
+	tests := []struct {
+		policy string
+		code   int
+		want   string
+	}{
+		{notwasm, 1, "policy.name: policy " + notwasm + ": not a WebAssembly module"},
+		{filepath.Join(dir, "elsewhere", "vendor.wasm"), 0, ": ok"},
+	}
+	for i, tt := range tests {
+		file := filepath.Join(dir, fmt.Sprintf("c%d.toml", i))
+		writeTestFile(t, file, []byte(fmt.Sprintf("[policy]\nname = %q\n", tt.policy)))
+		var out, errb bytes.Buffer
+		code := runConfig(context.Background(), []string{"check", file}, &out, &errb)
+		if code != tt.code || !strings.Contains(out.String()+errb.String(), tt.want) {
+			t.Errorf("config check, policy %s: exit %d, stdout %q, stderr %q; want %d and %q", tt.policy, code, out.String(), errb.String(), tt.code, tt.want)
+		}
+	}
+}
+
 // TestARelativePluginPathThatIsMissingNamesTheWorkingDirectory: a
 // policy.name of "vendor.wasm" is read against the daemon's working
 // directory, not the configuration file's (under systemd, /), and the
@@ -74,5 +136,13 @@ func TestARelativePluginPathThatIsMissingNamesTheWorkingDirectory(t *testing.T) 
 	missing := filepath.Join(dir, "missing.wasm")
 	if _, _, _, err := policyModule(missing); err == nil || err.Error() != "policy: open "+missing+": no such file or directory" {
 		t.Fatalf("error %v for an absolute path", err)
+	}
+}
+
+// writeTestFile writes b to file, failing t where it cannot.
+func writeTestFile(t *testing.T, file string, b []byte) {
+	t.Helper()
+	if err := os.WriteFile(file, b, 0o644); err != nil {
+		t.Fatal(err)
 	}
 }
