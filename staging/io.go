@@ -89,18 +89,6 @@ type worker struct {
 	yield  Yielder
 }
 
-// write writes every span to f. Spans must be sorted by offset and must not
-// overlap; runs of contiguous spans become single large writes.
-func (w *worker) write(ctx context.Context, f fsys.File, spans []span, opt options) (int64, error) {
-	return w.do(ctx, f, spans, opt, true)
-}
-
-// read fills every span from f. Spans must be sorted by offset and must not
-// overlap. Reading past the end of the file fails with ErrShortFile.
-func (w *worker) read(ctx context.Context, f fsys.File, spans []span, opt options) (int64, error) {
-	return w.do(ctx, f, spans, opt, false)
-}
-
 func (w *worker) do(ctx context.Context, f fsys.File, spans []span, opt options, write bool) (int64, error) {
 	var total int64
 	for i := 0; i < len(spans); {

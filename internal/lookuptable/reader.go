@@ -11,7 +11,10 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// Reader is a client's read-only mapping of a table.
+// Reader is a client's read-only mapping of a table: the reader's side
+// of the format, which the daemon never takes. It stays as the format's
+// Go reference: tests read the daemon's table through a mapping of their
+// own with it, as a client does, seqlock included.
 type Reader struct {
 	mem   []byte
 	slots []uint64
