@@ -152,16 +152,9 @@ func (p *Policy) level(e *policykit.Entry) uint32 {
 
 // Init reads the configuration.
 func (p *Policy) Init(cfg guest.Config) error {
-	if err := cfg.CheckKeys(append(policykit.LayoutKeys(), "half_life")...); err != nil {
-		return policykit.ConfigFailure(Name, err)
-	}
-	hl, err := policykit.PositiveDuration(cfg, "half_life", DefaultHalfLife, "30m or 2h")
+	layout, hl, err := policykit.LayoutAndDuration(cfg, Name, "half_life", DefaultHalfLife, "30m or 2h")
 	if err != nil {
-		return policykit.ConfigFailure(Name, err)
-	}
-	layout, err := policykit.ParseLayout(cfg)
-	if err != nil {
-		return policykit.ConfigFailure(Name, err)
+		return err
 	}
 	p.halfLife, p.layout = uint64(hl), layout
 	return nil

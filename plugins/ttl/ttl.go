@@ -59,16 +59,9 @@ func New() *Policy {
 
 // Init reads the configuration.
 func (p *Policy) Init(cfg guest.Config) error {
-	if err := cfg.CheckKeys(append(policykit.LayoutKeys(), "ttl")...); err != nil {
-		return policykit.ConfigFailure(Name, err)
-	}
-	ttl, err := policykit.PositiveDuration(cfg, "ttl", DefaultTTL, "90s or 2h")
+	layout, ttl, err := policykit.LayoutAndDuration(cfg, Name, "ttl", DefaultTTL, "90s or 2h")
 	if err != nil {
-		return policykit.ConfigFailure(Name, err)
-	}
-	layout, err := policykit.ParseLayout(cfg)
-	if err != nil {
-		return policykit.ConfigFailure(Name, err)
+		return err
 	}
 	p.ttl, p.layout = uint64(ttl), layout
 	return nil

@@ -17,10 +17,29 @@ func MountIndex(cfg guest.Config, key string, def int64) (uint32, error) {
 	return uint32(m), err
 }
 
-// PositiveDuration reads configuration key as a duration above zero (def
-// where it is absent); example ("90s or 2h") shows a good value in the
-// error.
-func PositiveDuration(cfg guest.Config, key string, def time.Duration, example string) (time.Duration, error) {
+// LayoutAndDuration reads the whole configuration of a policy whose keys
+// are the layout keys (ParseLayout) and one duration above zero, key (def
+// where it is absent; example, such as "90s or 2h", shows a good value in
+// the error). Any other key, or a bad value, fails as ConfigFailure of
+// policy.
+func LayoutAndDuration(cfg guest.Config, policy, key string, def time.Duration, example string) (Layout, time.Duration, error) {
+	if err := cfg.CheckKeys(append(LayoutKeys(), key)...); err != nil {
+		return Layout{}, 0, ConfigFailure(policy, err)
+	}
+	d, err := positiveDuration(cfg, key, def, example)
+	if err != nil {
+		return Layout{}, 0, ConfigFailure(policy, err)
+	}
+	layout, err := ParseLayout(cfg)
+	if err != nil {
+		return Layout{}, 0, ConfigFailure(policy, err)
+	}
+	return layout, d, nil
+}
+
+// positiveDuration reads configuration key as a duration above zero (def
+// where it is absent); example shows a good value in the error.
+func positiveDuration(cfg guest.Config, key string, def time.Duration, example string) (time.Duration, error) {
 	d, err := cfg.Duration(key, def)
 	if err == nil && d == 0 {
 		err = &guest.ConfigError{Key: key, Value: cfg.String(key, ""), Want: "a positive duration such as " + example}
