@@ -531,6 +531,41 @@ func embeddedName(e ast.Expr) string {
 	return ""
 }
 
+// outsideExample is a module outside kvhost's that uses its public
+// packages (its go.mod replaces kvhost with this checkout).
+const outsideExample = "examples/embed-staging"
+
+// TestLayeringExampleBuildsOutsideTheModule builds a copy of
+// outsideExample in a directory of its own, offline, its replace
+// pointed at this checkout, and runs it: what it imports is usable from
+// another module, which may import no internal package.
+func TestLayeringExampleBuildsOutsideTheModule(t *testing.T) {
+	if testing.Short() {
+		t.Skip("builds a module")
+	}
+	root, err := filepath.Abs(".")
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	if err := os.CopyFS(dir, os.DirFS(outsideExample)); err != nil {
+		t.Fatal(err)
+	}
+	env := append(os.Environ(), "GOFLAGS=-mod=mod", "GOPROXY=off", "GOWORK=off")
+	bin := filepath.Join(dir, "example")
+	for _, args := range [][]string{
+		{"go", "mod", "edit", "-replace", module + "=" + root},
+		{"go", "build", "-o", bin, "."},
+		{bin},
+	} {
+		cmd := exec.Command(args[0], args[1:]...)
+		cmd.Dir, cmd.Env = dir, env
+		if out, err := cmd.CombinedOutput(); err != nil {
+			t.Fatalf("%s: %v\n%s", strings.Join(args, " "), err, out)
+		}
+	}
+}
+
 // TestLayeringModuleRootHasNoCode keeps the root package a home for
 // repository tests only, so that "" in publicPackages stays harmless.
 func TestLayeringModuleRootHasNoCode(t *testing.T) {
