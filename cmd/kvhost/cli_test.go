@@ -34,6 +34,36 @@ func TestHelpListsEveryCommandAndTheDaemonFlags(t *testing.T) {
 			t.Errorf("--help does not mention %q:\n%s", want, out.String())
 		}
 	}
+	// The flags are spelt --name, as the docs write them, and the exit
+	// statuses are given.
+	for _, want := range []string{"\n  --config file\n", "\n  --policy name\n", "\nexit status:\n", "\n  1  runtime failure", "\n  2  usage or configuration error"} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("--help lacks %q:\n%s", want, out.String())
+		}
+	}
+	if regexp.MustCompile(`(?m)^  -[a-z]`).MatchString(out.String()) {
+		t.Errorf("--help spells a flag -name:\n%s", out.String())
+	}
+}
+
+// TestABadFlagValueIsOneLineThatPointsToHelp: a bad flag or value is
+// one line on stderr naming the flag --name, ending "see kvhost serve
+// --help", and exit 2; the usage is not repeated (it was 29 lines).
+func TestABadFlagValueIsOneLineThatPointsToHelp(t *testing.T) {
+	for _, tt := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--io-workers", "x"}, `kvhost serve: invalid value "x" for flag --io-workers: parse error (see kvhost serve --help)` + "\n"},
+		{[]string{"-io-workers=x"}, `kvhost serve: invalid value "x" for flag --io-workers: parse error (see kvhost serve --help)` + "\n"},
+		{[]string{"--no-such-flag"}, "kvhost serve: flag provided but not defined: --no-such-flag (see kvhost serve --help)\n"},
+		{[]string{"stats", "--timeout"}, "kvhost stats: flag needs an argument: --timeout (see kvhost stats --help)\n"},
+	} {
+		var out, errb bytes.Buffer
+		if code := run(t.Context(), tt.args, &out, &errb); code != 2 || errb.String() != tt.want || out.Len() != 0 {
+			t.Errorf("kvhost %s: exit %d, stdout %q, stderr %q; want 2 and stderr %q", strings.Join(tt.args, " "), code, out.String(), errb.String(), tt.want)
+		}
+	}
 }
 
 // TestEveryCommandAndItsFlagsAreDocumented: every command of `kvhost
@@ -59,7 +89,7 @@ func TestEveryCommandAndItsFlagsAreDocumented(t *testing.T) {
 		"config":  {[]string{"config", "show", "--help"}, "config.md"},
 		"version": {[]string{"version", "--help"}, "serve.md"},
 	}
-	flagLine := regexp.MustCompile(`(?m)^  -([a-z0-9-]+)`)
+	flagLine := regexp.MustCompile(`(?m)^  --?([a-z0-9][a-z0-9-]*)`)
 	for name := range commands() {
 		p, ok := pages[name]
 		if !ok {
@@ -403,10 +433,13 @@ func TestHelpCommandPrintsThatCommandsUsage(t *testing.T) {
 			t.Errorf("kvhost help %s: exit %d, stdout %q, stderr %q; want exit 0 and kvhost %s --help's usage", name, code, got.String(), errb.String(), name)
 		}
 	}
-	var top, alone, errb bytes.Buffer
+	var top, errb bytes.Buffer
 	run(t.Context(), []string{"--help"}, &top, &errb)
-	if code := run(t.Context(), []string{"help"}, &alone, &errb); code != 0 || alone.String() != top.String() {
-		t.Errorf("kvhost help: exit %d, %q; want kvhost --help's usage", code, alone.String())
+	for _, args := range [][]string{{"help"}, {"help", "--help"}, {"help", "-h"}, {"help", "help"}} {
+		var alone bytes.Buffer
+		if code := run(t.Context(), args, &alone, &errb); code != 0 || alone.String() != top.String() {
+			t.Errorf("kvhost %s: exit %d, %q; want kvhost --help's usage", strings.Join(args, " "), code, alone.String())
+		}
 	}
 	for _, args := range [][]string{{"help", "nosuch"}, {"help", "stats", "purge"}} {
 		var out, errb bytes.Buffer

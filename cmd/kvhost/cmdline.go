@@ -7,7 +7,9 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"regexp"
 	"slices"
+	"strings"
 	"syscall"
 	"time"
 
@@ -30,34 +32,57 @@ func newFlagSet(name, usage string, stderr io.Writer) *flag.FlagSet {
 		fs.VisitAll(func(*flag.Flag) { hasFlags = true })
 		if hasFlags {
 			fmt.Fprintln(fs.Output(), "\nflags:")
-			fs.PrintDefaults()
+			printFlags(fs, fs.Output())
 		}
 	}
 	return fs
 }
 
+// printFlags is fs.PrintDefaults to w with each flag spelt --name, as the
+// docs write it (the flag package takes -name and --name alike).
+func printFlags(fs *flag.FlagSet, w io.Writer) {
+	var b strings.Builder
+	out := fs.Output()
+	fs.SetOutput(&b)
+	fs.PrintDefaults()
+	fs.SetOutput(out)
+	io.WriteString(w, flagLine.ReplaceAllString(b.String(), "$1--"))
+}
+
+// flagLine is the start of a flag's line in PrintDefaults's output.
+var flagLine = regexp.MustCompile(`(?m)^(  )-`)
+
+// flagErrorDash is where the flag package's errors name a flag -name.
+var flagErrorDash = regexp.MustCompile(`(flag provided but not defined: |for flag |flag needs an argument: )-([^-])`)
+
+// flagError is the flag package's error err, naming the flag --name.
+func flagError(err error) string {
+	return flagErrorDash.ReplaceAllString(err.Error(), "$1--$2")
+}
+
 // parseFlags parses args into fs, made by newFlagSet. When ok is false
 // the command is over and exits with code: 0 after --help (or -h), whose
 // usage goes to stdout, as asked for; 2 after a usage error (a bad flag
-// or value), which fs names on its output, stderr, followed by the
-// usage.
+// or value), named in one line on fs's output, stderr, that ends "see
+// NAME --help" (the usage is not repeated).
 func parseFlags(fs *flag.FlagSet, args []string, stdout io.Writer) (code int, ok bool) {
-	// Parse prints the usage to fs's output after --help as after an
-	// error: quiet, it leaves the usage to be printed below, on the
-	// stream that the outcome calls for.
-	usage := fs.Usage
+	// Parse prints its error and the usage to fs's output: quiet, it
+	// leaves them to be printed below, on the stream that the outcome
+	// calls for.
+	usage, stderr := fs.Usage, fs.Output()
 	fs.Usage = func() {}
+	fs.SetOutput(io.Discard)
 	err := fs.Parse(args)
 	fs.Usage = usage
+	fs.SetOutput(stderr)
 	switch {
 	case errors.Is(err, flag.ErrHelp):
-		stderr := fs.Output()
 		fs.SetOutput(stdout)
 		fs.Usage()
 		fs.SetOutput(stderr)
 		return 0, false
 	case err != nil:
-		fs.Usage()
+		fmt.Fprintf(stderr, "%s: %s (see %s --help)\n", fs.Name(), flagError(err), fs.Name())
 		return 2, false
 	}
 	return 0, true

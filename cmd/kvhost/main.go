@@ -60,7 +60,12 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if len(args) > 0 {
 		switch args[0] {
 		case "help":
-			// `kvhost help CMD` is `kvhost CMD --help`.
+			// `kvhost help CMD` is `kvhost CMD --help`; `kvhost help
+			// --help` is `kvhost help`.
+			if len(args) == 2 && slices.Contains([]string{"-h", "-help", "--help", "help"}, args[1]) {
+				usage(stdout, cmds)
+				return 0
+			}
 			if len(args) == 2 {
 				if c, ok := cmds[args[1]]; ok {
 					return c.run(ctx, []string{"--help"}, stdout, stderr)
@@ -124,7 +129,18 @@ func usage(w io.Writer, cmds map[string]command) {
 	fmt.Fprintln(w, "\ndaemon flags (kvhost [serve] [flags]; they override the --config file):")
 	fs := flag.NewFlagSet("kvhost serve", flag.ContinueOnError)
 	config.BindFlags(fs)
-	fs.SetOutput(w)
-	fs.PrintDefaults()
+	printFlags(fs, w)
 	fmt.Fprintln(w, "\nkvhost COMMAND --help (or kvhost help COMMAND) describes a command's own flags.")
+	fmt.Fprint(w, exitCodes)
 }
+
+// exitCodes is the rule every command's exit status follows
+// (docs/serve.md, "Exit status").
+const exitCodes = `
+exit status:
+  0  success
+  1  runtime failure: the daemon stopped on an error after its configuration
+     was accepted (a mount, the socket, the GPU), or a command's check failed
+  2  usage or configuration error: a bad flag or value, a configuration file
+     or key (named with its file and line, or its flag) that the daemon refuses
+`

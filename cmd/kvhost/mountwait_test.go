@@ -55,8 +55,7 @@ func TestServeRefusesToStartOnAMountWhoseStatfsDoesNotAnswer(t *testing.T) {
 			if !hold.Holding() {
 				t.Fatalf("the start did not reach the mount's statfs (exit %d):\n%s", code, stderr)
 			}
-			line := stderr.logLine(t, "kvhost stopped")
-			msg, _ := line["err"].(string)
+			msg := stoppedErr(t, []byte(stderr.String()))
 			if code != 1 || !strings.Contains(msg, mount) || !strings.Contains(msg, "did not answer") {
 				t.Fatalf("exit %d, error %q: want 1 and an error naming the mount %s that did not answer", code, msg, mount)
 			}

@@ -34,9 +34,7 @@ func runPolicy(ctx context.Context, args []string, stdout, stderr io.Writer) int
 	usage := func(w io.Writer) {
 		fmt.Fprintf(w, policyUsage, strings.Join(plugins.Names(), ", "))
 		fmt.Fprintln(w, "\ntest flags:")
-		fs.SetOutput(w)
-		fs.PrintDefaults()
-		fs.SetOutput(stderr)
+		printFlags(fs, w)
 	}
 	// parseFlags prints it: to stdout after --help (as `kvhost policy
 	// --help` does), to stderr after a bad flag.

@@ -155,10 +155,22 @@ func runServeSignaled(ctx context.Context, s serveSeams, term <-chan os.Signal, 
 			d.log.Info("kvhost stopped during start-up", "reason", err)
 			return 0
 		}
-		d.log.Error("kvhost stopped", "err", err)
-		return 1
+		return fatal(stderr, err)
 	}
 	return 0
+}
+
+// fatal writes err, the error the daemon stopped on, as one plain line
+// on stderr, "kvhost: ERROR", whatever the log's format, and returns the
+// exit status (main's usage, "exit status"): 2 for an error of the
+// configuration (a key, named with its file and line or its flag), 1
+// for any other.
+func fatal(stderr io.Writer, err error) int {
+	fmt.Fprintf(stderr, "kvhost: %s\n", strings.ReplaceAll(err.Error(), "\n", "; "))
+	if ke := (*config.KeyError)(nil); errors.As(err, &ke) {
+		return 2
+	}
+	return 1
 }
 
 // forcedExit logs, at a second SIGTERM or SIGINT, that the daemon exits

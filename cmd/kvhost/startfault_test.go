@@ -1,7 +1,6 @@
 package main
 
 import (
-	"bufio"
 	"bytes"
 	"encoding/json"
 	"fmt"
@@ -17,7 +16,7 @@ import (
 // TestStartFaultsOfAKeyNameTheKeyAndWhereItWasSet: a policy.name that is
 // no built-in policy, a [policy.params] key the policy's kvhost_init
 // refuses and a server.socket_group this machine lacks stop the daemon's
-// start (exit 1) with an error that reads as the configuration's
+// start (exit 2, a configuration error) with an error that reads as the configuration's
 // own errors do (docs/config.md): "config: FILE:LINE: KEY: ..." (or the
 // flag that gave the value), with the fix where there is one.
 func TestStartFaultsOfAKeyNameTheKeyAndWhereItWasSet(t *testing.T) {
@@ -46,8 +45,8 @@ func TestStartFaultsOfAKeyNameTheKeyAndWhereItWasSet(t *testing.T) {
 				t.Fatal(err)
 			}
 			var out, errb bytes.Buffer
-			if code := runServe(t.Context(), append([]string{"--config", file}, tt.args...), &out, &errb); code != 1 {
-				t.Fatalf("exit %d, want 1; stderr:\n%s", code, errb.String())
+			if code := runServe(t.Context(), append([]string{"--config", file}, tt.args...), &out, &errb); code != 2 {
+				t.Fatalf("exit %d, want 2; stderr:\n%s", code, errb.String())
 			}
 			got := stoppedErr(t, errb.Bytes())
 			if want := strings.ReplaceAll(tt.want, "FILE", file); !strings.HasPrefix(got, want) || strings.Count(got, "policy lru:") > 1 {
@@ -57,17 +56,52 @@ func TestStartFaultsOfAKeyNameTheKeyAndWhereItWasSet(t *testing.T) {
 	}
 }
 
-// stoppedErr is the error of the "kvhost stopped" line of a daemon's JSON
-// log.
-func stoppedErr(t *testing.T, log []byte) string {
+// stoppedErr is the error a daemon's start stopped on: its stderr's last
+// line, "kvhost: ERROR", plain whatever the log's format (no log record
+// says it).
+func stoppedErr(t *testing.T, stderr []byte) string {
 	t.Helper()
-	sc := bufio.NewScanner(bytes.NewReader(log))
-	for sc.Scan() {
-		var line struct{ Msg, Err string }
-		if json.Unmarshal(sc.Bytes(), &line) == nil && line.Msg == "kvhost stopped" {
-			return line.Err
-		}
+	lines := strings.Split(strings.TrimSuffix(string(stderr), "\n"), "\n")
+	last := lines[len(lines)-1]
+	var rec map[string]any
+	if json.Unmarshal([]byte(last), &rec) == nil || !strings.HasPrefix(last, "kvhost: ") {
+		t.Fatalf("stderr does not end with a plain \"kvhost: ERROR\" line:\n%s", stderr)
 	}
-	t.Fatalf("no \"kvhost stopped\" line in the log:\n%s", log)
-	return ""
+	return strings.TrimPrefix(last, "kvhost: ")
+}
+
+// TestFatalStartErrorsAreOneLineWithTheirExitStatus: the daemon's start
+// stopping on its configuration exits 2, on anything else (here a mount
+// directory it cannot make) 1; either way the error is one plain line on
+// stderr, "kvhost: ERROR", after the JSON log's records, naming the
+// file or flag and the cause.
+func TestFatalStartErrorsAreOneLineWithTheirExitStatus(t *testing.T) {
+	dir := t.TempDir()
+	notwasm := filepath.Join(dir, "notwasm.wasm")
+	writeTestFile(t, notwasm, []byte("hello\n"))
+	blocker := filepath.Join(dir, "a-file")
+	writeTestFile(t, blocker, nil)
+	socket := filepath.Join(testsock.Dir(t), "kvhost.sock")
+	for _, tt := range []struct {
+		name string
+		args []string
+		code int
+		want string
+	}{
+		{"a policy file that is not wasm", []string{"--policy", notwasm, "--dir", filepath.Join(dir, "blocks")}, 2,
+			"config: policy.name (from --policy): policy " + notwasm + ": not a WebAssembly module"},
+		{"a mount that cannot be made", []string{"--dir", filepath.Join(blocker, "blocks")}, 1,
+			"mount " + filepath.Join(blocker, "blocks") + ": "},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			var out, errb bytes.Buffer
+			args := append([]string{"--socket", socket, "--log-format", "json"}, tt.args...)
+			if code := runServe(t.Context(), args, &out, &errb); code != tt.code {
+				t.Fatalf("exit %d, want %d; stderr:\n%s", code, tt.code, errb.String())
+			}
+			if got := stoppedErr(t, errb.Bytes()); !strings.HasPrefix(got, tt.want) {
+				t.Errorf("the daemon stopped with\n%s\nwant it to begin\n%s", got, tt.want)
+			}
+		})
+	}
 }

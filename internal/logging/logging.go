@@ -11,7 +11,6 @@ import (
 	"io"
 	"log/slog"
 	"os"
-	"time"
 
 	"github.com/lmittmann/tint"
 	"golang.org/x/sys/unix"
@@ -49,12 +48,16 @@ func NewLeveled(w io.Writer, l *slog.LevelVar, format string) (*slog.Logger, err
 	}
 	switch format {
 	case "text":
-		return slog.New(tint.NewTextHandler(w, &tint.Options{Level: l, TimeFormat: time.TimeOnly, NoColor: !isTerminal(w)})), nil
+		return slog.New(tint.NewTextHandler(w, &tint.Options{Level: l, TimeFormat: textTime, NoColor: !isTerminal(w)})), nil
 	case "json":
 		return slog.New(slog.NewJSONHandler(w, &slog.HandlerOptions{Level: l, ReplaceAttr: durationStrings})), nil
 	}
 	return nil, fmt.Errorf("logging: format %q: want auto, text or json", format)
 }
+
+// textTime is the text format's time: the date too, since a daemon's log
+// spans days; to the millisecond, in local time.
+const textTime = "2006-01-02 15:04:05.000"
 
 // durationStrings writes durations as strings ("1.5s"), never as
 // nanoseconds.

@@ -86,3 +86,26 @@ func TestNewLeveledFollowsItsLevel(t *testing.T) {
 		t.Fatalf("logged %q", buf.String())
 	}
 }
+
+// TestTextLinesBeginWithTheDate: a daemon's log spans days, so the text
+// format's time has the date as well as the time of day.
+func TestTextLinesBeginWithTheDate(t *testing.T) {
+	var buf bytes.Buffer
+	log, err := New(&buf, "info", "text")
+	if err != nil {
+		t.Fatal(err)
+	}
+	before := time.Now()
+	log.Info("ready")
+	stamp, _, ok := strings.Cut(buf.String(), " INF ")
+	if !ok {
+		t.Fatalf("no level after the time in %q", buf.String())
+	}
+	at, err := time.ParseInLocation(textTime, stamp, time.Local)
+	if err != nil {
+		t.Fatalf("time %q: %v", stamp, err)
+	}
+	if d := at.Sub(before.Truncate(time.Millisecond)); d < 0 || d > time.Minute {
+		t.Errorf("time %q is %v from now", stamp, d)
+	}
+}
