@@ -703,7 +703,9 @@ func preallocateFinding(p config.AutoSize, keeps bool, effective int64) (level, 
 
 // spaceFinding judges the free space against the configured capacity and
 // reserve: the effective capacity is the smaller of the capacity (0: 90%
-// of the file system) and the free space minus the reserve.
+// of the file system) and the free space minus the reserve. It names the
+// two figures as kvhost stats does: capacity (the effective one, which
+// stats also counts kvhost's own files in) and configured.
 func spaceFinding(size, avail, capacity, reserve int64) (level, what, fix string) {
 	configured := configuredCapacity(size, capacity)
 	effective := min(configured, avail-reserve)
@@ -715,10 +717,10 @@ func spaceFinding(size, avail, capacity, reserve int64) (level, what, fix string
 		return levelWarn, fmt.Sprintf("capacity %s exceeds the file system's size %s: the effective capacity is %s",
 			sizeOf(capacity), sizeOf(size), sizeOf(effective)), "set capacity at most the file system's size"
 	case effective < configured:
-		return levelInfo, fmt.Sprintf("capacity %s, reserve %s: only %s can be stored now (free space minus reserve, plus kvhost's own files)",
-			sizeOf(configured), sizeOf(reserve), sizeOf(effective)), ""
+		return levelInfo, fmt.Sprintf("capacity %s now, configured %s, reserve %s: only %s can be stored now (the free space minus the reserve; kvhost stats adds kvhost's own files)",
+			sizeOf(effective), sizeOf(configured), sizeOf(reserve), sizeOf(effective)), ""
 	}
-	return levelOK, fmt.Sprintf("capacity %s, reserve %s: fits in the free space", sizeOf(configured), sizeOf(reserve)), ""
+	return levelOK, fmt.Sprintf("capacity %s, configured %s, reserve %s: fits in the free space", sizeOf(configured), sizeOf(configured), sizeOf(reserve)), ""
 }
 
 // checkRegistration reports whether cuFile registers a file on the mount,

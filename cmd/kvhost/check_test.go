@@ -166,8 +166,8 @@ func TestSpaceFinding(t *testing.T) {
 		size, avail, capacity, reserve int64
 		level, want                    string
 	}{
-		{"plenty", 100 * gib, 95 * gib, 10 * gib, 0, levelOK, "fits"},
-		{"default capacity, mostly used", 100 * gib, 20 * gib, 0, 0, levelInfo, "only 20 GiB can be stored now"},
+		{"plenty", 100 * gib, 95 * gib, 10 * gib, 0, levelOK, "capacity 10 GiB, configured 10 GiB, reserve 0 B: fits"},
+		{"default capacity, mostly used", 100 * gib, 20 * gib, 0, 0, levelInfo, "capacity 20 GiB now, configured 90 GiB, reserve 0 B: only 20 GiB can be stored now"},
 		{"reserve eats the rest", 100 * gib, 5 * gib, 0, 5 * gib, levelWarn, "full for kvhost"},
 		{"disk full", 100 * gib, 0, 10 * gib, 0, levelWarn, "stores fail with no space"},
 		{"capacity beyond the disk", 100 * gib, 90 * gib, 200 * gib, 0, levelWarn, "exceeds the file system's size"},

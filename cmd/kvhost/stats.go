@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"slices"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -264,15 +265,21 @@ func printStats(w io.Writer, r statsReport) {
 	tw.Flush()
 	fmt.Fprintln(w, "\nmounts:")
 	tw = tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "  path\tbackend\tio\tchecksums\tused\tcapacity\tuse%\tfiles\tspares\tmoved in/out")
+	// capacity: the effective limit (the configured one, or less where
+	// the free space minus the reserve, plus kvhost's own files, is
+	// less), as kvhost check names it beside the configured one.
+	fmt.Fprintln(tw, "  path\tbackend\tio\tchecksums\tused\tcapacity\tconfigured\tuse%\tfiles\tspares\tmoved in/out")
 	for _, m := range r.Mounts {
 		pct := 0.0
 		if m.Capacity > 0 {
 			pct = 100 * float64(m.Used) / float64(m.Capacity)
 		}
-		fmt.Fprintf(tw, "  %s\t%s\t%s\t%v\t%s\t%s\t%.1f%%\t%d\t%d (%s)\t%d/%d\n", m.Path, m.Backend, m.IO, m.Checksums, bytesString(m.Used), bytesString(m.Capacity), pct, m.Entries, m.SpareFiles, bytesString(m.SpareBytes), m.MovedIn, m.MovedOut)
+		fmt.Fprintf(tw, "  %s\t%s\t%s\t%v\t%s\t%s\t%s\t%.1f%%\t%d\t%d (%s)\t%d/%d\n", m.Path, m.Backend, m.IO, m.Checksums, bytesString(m.Used), bytesString(m.Capacity), bytesString(m.Configured), pct, m.Entries, m.SpareFiles, bytesString(m.SpareBytes), m.MovedIn, m.MovedOut)
 	}
 	tw.Flush()
+	if slices.ContainsFunc(r.Mounts, func(m statsMount) bool { return m.Capacity < m.Configured }) {
+		fmt.Fprintln(w, "  (capacity below configured: the free space minus the reserve, plus kvhost's own files, is less)")
+	}
 	for _, m := range r.Mounts {
 		if f := m.StoresFailing; f != nil {
 			fmt.Fprintf(w, "  STORES FAILING: %s\n", f.text(m.Path))

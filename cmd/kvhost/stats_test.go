@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"encoding/json"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -220,4 +221,20 @@ func wideRune(r rune) bool {
 	return (r >= 0x1100 && r <= 0x115f) || (r >= 0x2e80 && r <= 0xa4cf) ||
 		(r >= 0xac00 && r <= 0xd7a3) || (r >= 0xf900 && r <= 0xfaff) ||
 		(r >= 0xff00 && r <= 0xff60) || (r >= 0xffe0 && r <= 0xffe6)
+}
+
+// TestStatsNamesTheCapacityAndTheConfiguredOne: kvhost stats printed the
+// effective capacity (limited by the free space) where kvhost check
+// printed the configured one, both as "capacity": stats now shows both,
+// named as check names them, and says why the capacity is below.
+func TestStatsNamesTheCapacityAndTheConfiguredOne(t *testing.T) {
+	var out bytes.Buffer
+	printStats(&out, statsReport{Mounts: []statsMount{
+		{Path: "/nvme", Capacity: 75 << 30, Configured: 227 << 30, Used: 1 << 30},
+	}})
+	header := regexp.MustCompile(`(?m)^  path +backend +io +checksums +used +capacity +configured +use%`)
+	row := regexp.MustCompile(`(?m)^  /nvme .* 1(\.0)?GiB +75(\.0)?GiB +227(\.0)?GiB +1\.3%`)
+	if !header.MatchString(out.String()) || !row.MatchString(out.String()) || !strings.Contains(out.String(), "capacity below configured") {
+		t.Errorf("stats lacks the capacity and the configured capacity, named:\n%s", out.String())
+	}
 }
