@@ -21,7 +21,7 @@ import (
 // file is in flight on the engine, it creates files of the sizes the
 // stores write, allocates their pages (fallocate) and tells the movers
 // (transfer.Preparer: the GPU path registers them). Each namespace that
-// stores on the mount has a size (wantSparesLocked: its last file of a whole
+// stores on the mount has a size (wantSpares: its last file of a whole
 // group of keys; until a store, such a file as its declaration says:
 // predictSparesLocked) and an even share of Preallocate, which goes to
 // spares of its size (aheadTargetsLocked), as far as the spares stay
@@ -99,43 +99,26 @@ func (e *Engine) stopSpareMaker() {
 	<-e.maker.done
 }
 
-// wantSparesLocked records that a store of namespace ns on m writes a
-// file of size bytes, and reports whether the maker should be woken (m
-// should have more spares). The namespace's spares are made in the size
-// of its last file that held a whole group of its keys (full): a job's
-// last file may hold fewer, and following it would make spares of a size
-// few stores write (and remove those of the size most do). Until such a
-// file is stored, files of fewer keys set it, over a declaration's guess
-// too (a client whose jobs all hold fewer keys than a group writes only
-// such files), but only ever upwards: jobs of varying length would
-// otherwise have the maker remove and remake the namespace's share in
-// every idle moment. The caller holds e.mu for reading and space.mu
-// (reserveFile: once per store, with the reservation and the spare it
-// takes).
-func (e *Engine) wantSparesLocked(m *mount, ns NamespaceID, size int64, full bool) bool {
+// wantSpares returns what a store of namespace ns on m tells the spares
+// made ahead (space.wantSparesLocked records it with the reservation),
+// or nil where m makes none or ns is not declared. The namespace's
+// spares are made in the size of its last file that held a whole group
+// of its keys (full): a job's last file may hold fewer, and following it
+// would make spares of a size few stores write (and remove those of the
+// size most do). Until such a file is stored, files of fewer keys set
+// it, over a declaration's guess too (a client whose jobs all hold fewer
+// keys than a group writes only such files), but only ever upwards: jobs
+// of varying length would otherwise have the maker remove and remake the
+// namespace's share in every idle moment. The caller holds e.mu for
+// reading where m makes spares ahead (reserveFile).
+func (e *Engine) wantSpares(m *mount, ns NamespaceID, full bool) *storeAhead {
 	if e.maker == nil || m.sp.ahead <= 0 {
-		return false
+		return nil
 	}
 	if n := e.nss[ns]; !n.declared {
-		return false
+		return nil
 	}
-	was := m.sp.aheadNS[ns]
-	a := was
-	a.failed = false
-	switch {
-	case full:
-		a = nsAhead{size: size, from: sizeWhole}
-	case a.from < sizePartial || a.from == sizePartial && size > a.size:
-		a = nsAhead{size: size, from: sizePartial}
-	}
-	if a == was && !e.space.makerQuietLocked() {
-		// Nothing changed, and the maker already knows it has work (it
-		// looks again once the files in flight end): a store of a burst
-		// skips the shares' computation under the lock.
-		return false
-	}
-	m.sp.setAheadLocked(ns, a)
-	return e.space.spareWorkLocked()
+	return &storeAhead{ns: ns, full: full}
 }
 
 // predictSparesLocked guesses the size of the files a newly declared

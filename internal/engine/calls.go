@@ -56,3 +56,17 @@ func (g *callGate) inFlight() int { return int(g.n.Load() % gateClosed) }
 
 // closing reports whether close ran.
 func (g *callGate) closing() bool { return g.n.Load() >= gateClosed }
+
+// enterNamespace is the prologue of a public call on namespace ns: it
+// enters the call (calls.enter: refused once the engine closes) and finds
+// ns. The caller defers exit, which ends the call.
+func (e *Engine) enterNamespace(ns NamespaceID) (n *namespace, exit func(), err error) {
+	if err := e.calls.enter(); err != nil {
+		return nil, nil, err
+	}
+	if n, err = e.namespace(ns); err != nil {
+		e.calls.exit()
+		return nil, nil, err
+	}
+	return n, e.calls.exit, nil
+}

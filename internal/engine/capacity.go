@@ -208,23 +208,20 @@ func (e *Engine) evictRounds(ctx context.Context, m *mount, size int64) error {
 					continue
 				}
 			}
-			e.ix.mu.Lock()
-			en := e.ix.entries[v.Entry]
-			ok := en != nil && en.pins == 0 && en.mount == m.idx && !en.gone && e.mayEvict(m, en)
-			if ok {
-				// Hold the path while removing: a store publishing there
-				// meanwhile waits, and its new file is never removed. The
-				// file counts as used until evictAll (or the path's
-				// holder) has removed it, or kept it as a spare.
-				if _, c := e.ix.dropLocked(en, true); c {
-					claimed = append(claimed, en)
-				}
-				recs = append(recs, en.access(abi.AccessRemove, e.now().UnixNano()))
-			}
-			e.ix.mu.Unlock()
+			// Hold the path while removing: a store publishing there
+			// meanwhile waits, and its new file is never removed. The
+			// file counts as used until evictAll (or the path's holder)
+			// has removed it, or kept it as a spare.
+			en, c, rec, ok := e.ix.evictID(v.Entry, func(en *entry) bool {
+				return en.mount == m.idx && e.mayEvict(m, en)
+			}, e.now().UnixNano())
 			if !ok {
 				continue
 			}
+			if c {
+				claimed = append(claimed, en)
+			}
+			recs = append(recs, rec)
 			freed += en.size
 			e.st.evictions.Add(1)
 		}

@@ -323,11 +323,10 @@ func rank(en *entry) uint64 { return uint64(max(en.last, 0)) }
 func (c *clusterMount) count(ctx context.Context, e *Engine, m *mount) (own []ranked, bytes int64, touches []clustercap.Touch) {
 	dead := *c.dead.Load()
 	var foreign []ranked // used since c.since: touches
-	e.ix.mu.RLock()
 	var indexed int64
-	for _, en := range e.ix.entries {
-		if en.mount != m.idx || en.gone {
-			continue
+	e.ix.each(func(en *entry) {
+		if en.mount != m.idx {
+			return
 		}
 		indexed += en.size
 		o, ok := clustercap.Owner(en.fid)
@@ -339,11 +338,8 @@ func (c *clusterMount) count(ctx context.Context, e *Engine, m *mount) (own []ra
 			foreign = append(foreign, ranked{en, rank(en)})
 			touches = append(touches, clustercap.Touch{ID: en.fid, Time: en.last})
 		}
-	}
-	e.ix.mu.RUnlock()
-	e.space.mu.Lock()
-	used := m.sp.used
-	e.space.mu.Unlock()
+	})
+	used, _ := e.space.usage(m.sp)
 	// Reservations and files on their way out, and grants the space has
 	// not reserved yet: a grant moves from pending to used in one hold of
 	// c.mu (reserveGrant), which this count holds, so it counts once.
@@ -627,22 +623,15 @@ func (c *clusterMount) read(ctx context.Context, e *Engine, m *mount) error {
 	if len(touched) == 0 {
 		return nil
 	}
-	var recs []abi.AccessRecord
-	e.ix.mu.Lock()
-	for _, en := range e.ix.entries {
-		t, ok := touched[en.fid]
-		if !ok || en.mount != m.idx || en.gone {
-			continue
+	// The use is an access of the file: the policy hears of it as a hit
+	// at its time, and the file ranks at least as the user ranks it.
+	recs := e.ix.touch(m.idx, func(fid uint64) (int64, bool) {
+		t, ok := touched[fid]
+		if ok {
+			c.floor[fid] = max(c.floor[fid], t.Rank)
 		}
-		// The use is an access of the file: the policy hears of it as a
-		// hit at its time, and the file ranks at least as the user ranks it.
-		c.floor[en.fid] = max(c.floor[en.fid], t.Rank)
-		if t.Time > en.last {
-			en.last = t.Time
-			recs = append(recs, en.access(abi.AccessHit, en.last))
-		}
-	}
-	e.ix.mu.Unlock()
+		return t.Time, ok
+	})
 	e.access(ctx, recs)
 	return nil
 }
@@ -1027,16 +1016,12 @@ func (c *clusterMount) evict(ctx context.Context, e *Engine, m *mount, own []ran
 			break
 		}
 		en := r.en
-		e.ix.mu.Lock()
-		ok := en.pins == 0 && en.mount == m.idx && !en.gone && e.mayEvict(m, en)
+		c, rec, ok := e.ix.evict(en, func(en *entry) bool { return en.mount == m.idx && e.mayEvict(m, en) }, now)
 		if ok {
-			if _, c := e.ix.dropLocked(en, true); c {
+			if c {
 				claimed = append(claimed, en)
 			}
-			recs = append(recs, en.access(abi.AccessRemove, now))
-		}
-		e.ix.mu.Unlock()
-		if ok {
+			recs = append(recs, rec)
 			freed += en.size
 			e.st.evictions.Add(1)
 		}
@@ -1254,13 +1239,11 @@ func (c *clusterMount) cleanTemps(e *Engine, m *mount, dead map[uint32]bool) {
 // bytesOf is the bytes of the entries on m whose owner tag is in tags.
 func (e *Engine) bytesOf(m *mount, tags map[uint32]bool) int64 {
 	var n int64
-	e.ix.mu.RLock()
-	defer e.ix.mu.RUnlock()
-	for _, en := range e.ix.entries {
-		if o, ok := clustercap.Owner(en.fid); ok && tags[o] && en.mount == m.idx && !en.gone {
+	e.ix.each(func(en *entry) {
+		if o, ok := clustercap.Owner(en.fid); ok && tags[o] && en.mount == m.idx {
 			n += en.size
 		}
-	}
+	})
 	return n
 }
 
@@ -1277,19 +1260,7 @@ func (e *Engine) leftOf(m *mount, tag uint32) bool {
 		o, ok := clustercap.Owner(en.fid)
 		return ok && o == tag && en.mount == m.idx
 	}
-	e.ix.mu.RLock()
-	defer e.ix.mu.RUnlock()
-	for _, en := range e.ix.left {
-		if of(en) {
-			return true
-		}
-	}
-	for en := range e.ix.removing {
-		if of(en) {
-			return true
-		}
-	}
-	return false
+	return e.ix.anyOut(of)
 }
 
 // adoptFiles indexes the files on m whose owner tag is in tags (dead

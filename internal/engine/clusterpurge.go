@@ -116,18 +116,12 @@ func (c *clusterMount) applyPurges(ctx context.Context, e *Engine, m *mount) {
 	if len(purges) == 0 {
 		return
 	}
-	var ens []*entry
-	e.ix.mu.RLock()
 	// The records stay after their namespace's files went: one of a
 	// namespace with no file indexed costs no scan of the index.
-	if e.ix.holdsAnyLocked(purges) {
-		for _, en := range e.ix.entries {
-			if t, ok := purges[en.fp]; ok && covers(e, m, en) && !en.spare && en.ident.Mtime <= t {
-				ens = append(ens, en)
-			}
-		}
-	}
-	e.ix.mu.RUnlock()
+	ens := e.ix.matching(purges, func(en *entry) bool {
+		t, ok := purges[en.fp]
+		return ok && covers(e, m, en) && !en.spare && en.ident.Mtime <= t
+	})
 	var r PurgeResult
 	e.purgeEntries(ctx, ens, &r, "purged on the cluster")
 	if r.Files+r.Left+r.Others > 0 {

@@ -16,14 +16,11 @@ import (
 // pin holds (Pin) is refused: it stays stored and is not counted. A load that has not yet
 // opened a deleted file reports it missing.
 func (e *Engine) Delete(ctx context.Context, ns NamespaceID, keys [][]byte) (int, error) {
-	if err := e.calls.enter(); err != nil {
-		return 0, err
-	}
-	defer e.calls.exit()
-	n, err := e.namespace(ns)
+	n, exit, err := e.enterNamespace(ns)
 	if err != nil {
 		return 0, err
 	}
+	defer exit()
 	// The entries first: removing a file unindexes its other keys.
 	byEntry := map[*entry]int{} // requested keys held by each entry
 	var order []*entry
@@ -59,8 +56,8 @@ func (e *Engine) Delete(ctx context.Context, ns NamespaceID, keys [][]byte) (int
 	return removed, nil
 }
 
-// unpinnedDrop is what dropUnpinned did.
-type unpinnedDrop struct {
+// droppedKey is what dropUnpinned did.
+type droppedKey struct {
 	// en is the entry dropped (nil if none): en as found, or the file it
 	// moved to since (demote.go).
 	en *entry
@@ -84,30 +81,17 @@ type unpinnedDrop struct {
 // the moved file is the one dropped. Where mayRemove is not nil and says
 // no (asked with index.mu held), en is only dropped from the index and its
 // file stays (kept).
-func (e *Engine) dropUnpinned(ctx context.Context, en *entry, key []byte, mayRemove func(*entry) bool, why string) unpinnedDrop {
-	e.ix.mu.Lock()
-	en = e.ix.currentLocked(en, key)
-	if en.gone {
-		e.ix.mu.Unlock()
-		return unpinnedDrop{}
+func (e *Engine) dropUnpinned(ctx context.Context, en *entry, key []byte, mayRemove func(*entry) bool, why string) droppedKey {
+	d := e.ix.dropUnpinned(en, key, mayRemove, e.now().UnixNano())
+	switch {
+	case d.pinned:
+		e.log.Debug("engine: removal refused: pinned", "path", d.en.path, "why", why)
+		return droppedKey{pinned: true}
+	case d.en == nil:
+		return droppedKey{}
 	}
-	if en.clientPinned() {
-		e.ix.mu.Unlock()
-		e.log.Debug("engine: removal refused: pinned", "path", en.path, "why", why)
-		return unpinnedDrop{pinned: true}
-	}
-	keys := 0
-	for _, k := range en.keys {
-		if ref, ok := e.ix.byKey[keyID{en.fp, k}]; ok && ref.e == en {
-			keys++
-		}
-	}
-	remove := mayRemove == nil || mayRemove(en)
-	dropped, left := e.dropAndUnlock(ctx, en, remove, why)
-	if !dropped {
-		return unpinnedDrop{}
-	}
-	return unpinnedDrop{en: en, keys: keys, left: left, kept: !remove}
+	left := e.dropped(ctx, d.en, d.claimed, d.rec, why)
+	return droppedKey{en: d.en, keys: d.keys, left: left, kept: !d.remove}
 }
 
 // PurgeResult is what Purge removed, and what it left for client pins.
@@ -235,14 +219,7 @@ func (e *Engine) purge(ctx context.Context, fps []uint64, r *PurgeResult) bool {
 		r.Files, r.Bytes = r.Files+1, r.Bytes+en.size
 		removed = true
 	}
-	e.ix.mu.RLock()
-	var ens []*entry
-	for _, en := range e.ix.entries {
-		if slices.Contains(fps, en.fp) {
-			ens = append(ens, en)
-		}
-	}
-	e.ix.mu.RUnlock()
+	ens := e.ix.matching(nil, func(en *entry) bool { return slices.Contains(fps, en.fp) })
 	if e.purgeEntries(ctx, ens, r, "purged") {
 		removed = true
 	}

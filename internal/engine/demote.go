@@ -358,38 +358,31 @@ func (e *Engine) moveEntry(ctx context.Context, id uint64, target int, mayEvict,
 	}
 	tm := e.mounts[target]
 	ix := e.ix
-	ix.mu.Lock()
-	en := ix.entries[id]
 	// A move removes its source, so it needs the right an eviction needs:
 	// on a cluster mount, only this node's files and those of a dead node
 	// it adopted (a policy knows other nodes' files it found).
-	if en == nil || en.gone || en.movePins(held) > 0 || en.mount == target || en.mount >= e.kvMounts || !e.mayEvict(e.mounts[en.mount], en) {
-		ix.mu.Unlock()
+	may := func(en *entry) bool {
+		return en.mount != target && en.mount < e.kvMounts && e.mayEvict(e.mounts[en.mount], en)
+	}
+	to := func(en *entry) (string, error) {
+		sm := e.mounts[en.mount]
+		rel, err := filepath.Rel(sm.root, en.path)
+		if err != nil || rel == ".." || strings.HasPrefix(rel, ".."+string(filepath.Separator)) {
+			return "", fmt.Errorf("engine: move: %s is not under its mount %s", en.path, sm.root)
+		}
+		return filepath.Join(tm.root, rel), nil
+	}
+	en, dup, dst, stale, err := ix.claimMove(id, held, may, to)
+	switch {
+	case err != nil:
+		return 0, err
+	case stale:
 		return 0, errMoveStale
-	}
-	sm := e.mounts[en.mount]
-	rel, err := filepath.Rel(sm.root, en.path)
-	if err != nil || rel == ".." || strings.HasPrefix(rel, ".."+string(filepath.Separator)) {
-		ix.mu.Unlock()
-		return 0, fmt.Errorf("engine: move: %s is not under its mount %s", en.path, sm.root)
-	}
-	dst := filepath.Join(tm.root, rel)
-	dup := ix.byPath[dst]
-	if dup != nil && !dup.sameKeys(en) {
-		ix.mu.Unlock()
+	case dup != nil && !dup.sameKeys(en):
 		return 0, fmt.Errorf("%w: move of %s: %s holds other keys", errPathTaken, en.path, dst)
 	}
-	if ok, _ := ix.claimLocked(en.path); !ok {
-		ix.mu.Unlock()
-		return 0, errMoveStale
-	}
-	if ok, _ := ix.claimLocked(dst); !ok {
-		ix.mu.Unlock()
-		e.release(en.path)
-		return 0, errMoveStale
-	}
+	sm := e.mounts[en.mount]
 	size := en.size
-	ix.mu.Unlock()
 	unindexed := false // en left the index for its copy: removeMoved releases en.path
 	defer func() {
 		if !unindexed {
@@ -428,11 +421,14 @@ func (e *Engine) moveEntry(ctx context.Context, id uint64, target int, mayEvict,
 		}
 		return 0, err
 	}
-	ix.mu.Lock()
-	if en.gone || en.movePins(held) > 0 {
+	// The source counts as used until it is removed (free, below); the
+	// reservation becomes the copy's entry. The copy is indexed first:
+	// the keys never leave the index's key set (MirrorKeys), a miss of
+	// which a client of the shared lookup table may take for final.
+	recs, ok := ix.moved(en, en2, held)
+	if !ok {
 		// Deleted, evicted or pinned by a load while it was copied: the
 		// copy goes; the source stays (or goes with its own removal).
-		ix.mu.Unlock()
 		if left := e.removeIfSame(dst, []*entry{en2}); left != nil {
 			ix.leave(left, dst) // the reservation counts the copy left
 		} else {
@@ -440,28 +436,9 @@ func (e *Engine) moveEntry(ctx context.Context, id uint64, target int, mayEvict,
 		}
 		return 0, errMoveStale
 	}
-	en2.hits, en2.last = en.hits, en.last
-	// The source counts as used until it is removed (free, below); the
-	// reservation becomes the copy's entry. The copy is indexed first:
-	// the keys never leave the index's key set (MirrorKeys), a miss of
-	// which a client of the shared lookup table may take for final.
-	wasHeld := en.held
-	replaced := ix.insertLocked(en2, true)
-	ix.unindexLocked(en, true)
-	e.space.moved(sm.sp, tm.sp)
 	if tm.idx < sm.idx {
 		e.tierSt.promotions.Add(1)
 	}
-	recs := make([]abi.AccessRecord, 0, len(replaced)+3)
-	for _, r := range replaced {
-		recs = append(recs, r.access(abi.AccessRemove, en2.last))
-	}
-	recs = append(recs, en.access(abi.AccessRemove, en2.last), en2.access(abi.AccessInsert, en2.last))
-	if wasHeld { // the hold's pin goes with the file
-		ix.holdLocked(en2)
-		recs = append(recs, en2.access(abi.AccessPin, en2.last))
-	}
-	ix.mu.Unlock()
 	e.access(ctx, recs)
 	unindexed = true
 	return e.removeMoved(en), nil
@@ -498,30 +475,13 @@ func (e *Engine) dropCopy(ctx context.Context, en, dup *entry, held bool) error 
 	if !e.confirm(ctx, dup) {
 		return errMoveStale
 	}
-	ix := e.ix
-	sm, tm := e.mounts[en.mount], e.mounts[dup.mount]
-	ix.mu.Lock()
-	if en.gone || en.movePins(held) > 0 || dup.gone {
-		ix.mu.Unlock()
+	recs, ok := e.ix.movedTo(en, dup, held)
+	if !ok {
 		return errMoveStale
 	}
-	wasHeld := en.held
-	ix.handOverLocked(en, dup)
-	ix.unindexLocked(en, true)
-	e.space.moved(sm.sp, tm.sp)
-	if tm.idx < sm.idx {
+	if e.mounts[dup.mount].idx < e.mounts[en.mount].idx {
 		e.tierSt.promotions.Add(1)
 	}
-	recs := []abi.AccessRecord{en.access(abi.AccessRemove, en.last)}
-	if en.last > dup.last {
-		dup.hits, dup.last = max(dup.hits, en.hits), en.last
-		recs = append(recs, dup.access(abi.AccessInsert, dup.last))
-	}
-	if wasHeld && !dup.held { // the hold keeps the keys in dup
-		ix.holdLocked(dup)
-		recs = append(recs, dup.access(abi.AccessPin, dup.last))
-	}
-	ix.mu.Unlock()
 	e.access(ctx, recs)
 	return nil
 }

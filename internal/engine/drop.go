@@ -26,28 +26,25 @@ import (
 // reports whether en was still indexed, that is, whether this call
 // dropped it.
 func (e *Engine) drop(ctx context.Context, en *entry, remove bool, why string) bool {
-	e.ix.mu.Lock()
-	dropped, _ := e.dropAndUnlock(ctx, en, remove, why)
-	return dropped
+	was, claimed, rec := e.ix.drop(en, remove, e.now().UnixNano())
+	if !was {
+		return false
+	}
+	e.dropped(ctx, en, claimed, rec, why)
+	return true
 }
 
-// dropAndUnlock is drop for a caller that holds index.mu (to check
-// something about en in the same step), which it releases. It also
-// reports whether en's file, to be removed, is still on disk: its removal
-// failed (index.left).
-func (e *Engine) dropAndUnlock(ctx context.Context, en *entry, remove bool, why string) (dropped, left bool) {
-	was, claimed := e.ix.dropLocked(en, remove)
-	rec := en.access(abi.AccessRemove, e.now().UnixNano())
-	e.ix.mu.Unlock()
-	if !was {
-		return false, false
-	}
+// dropped ends the drop of en from the index (index.drop,
+// index.dropUnpinned): it removes the file where the drop claimed its
+// path and tells the policy (rec). It reports whether en's file, to be
+// removed, is still on disk: its removal failed (index.left).
+func (e *Engine) dropped(ctx context.Context, en *entry, claimed bool, rec abi.AccessRecord, why string) (left bool) {
 	if claimed {
 		left = e.removeClaimed(en)
 	}
 	e.log.Debug("engine: entry dropped", "path", en.path, "why", why)
 	e.access(ctx, []abi.AccessRecord{rec})
-	return true, left
+	return left
 }
 
 // release ends this engine's claim on path, first removing the orphans

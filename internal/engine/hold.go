@@ -45,13 +45,7 @@ func (e *Engine) holdFound(ctx context.Context, d time.Duration) {
 		return
 	}
 	now := e.now().UnixNano()
-	e.ix.mu.Lock()
-	recs := make([]abi.AccessRecord, 0, len(e.ix.entries))
-	for _, en := range e.ix.entries {
-		e.ix.holdLocked(en)
-		recs = append(recs, en.access(abi.AccessPin, now))
-	}
-	e.ix.mu.Unlock()
+	recs := e.ix.holdAll(now)
 	if len(recs) == 0 {
 		return
 	}
@@ -77,24 +71,9 @@ func (e *Engine) releaseFound(tell bool) {
 	}
 	h.timer.Stop()
 	h.timer = nil
-	var recs []abi.AccessRecord
-	now := e.now().UnixNano()
-	n := 0
 	// Only a demotion round (serialized with this by h.mu) holds new
 	// entries, so the lists visited are all there will be.
-	e.ix.inHeldChunks(-1, func(en *entry) {
-		if !en.held { // unindexed meanwhile (it let the hold go then), or listed twice
-			return
-		}
-		e.ix.unholdLocked(en)
-		n++
-		if tell {
-			recs = append(recs, en.access(abi.AccessUnpin, now))
-		}
-	})
-	e.ix.mu.Lock()
-	clear(e.ix.heldOrder)
-	e.ix.mu.Unlock()
+	n, recs := e.ix.endHold(tell, e.now().UnixNano())
 	e.access(context.Background(), recs)
 	if tell {
 		e.log.Info("engine: files found at start may be evicted again", "files", n)
@@ -105,9 +84,7 @@ func (e *Engine) releaseFound(tell bool) {
 // still pins and that are still stored (Config.RestartHold); 0 once it
 // has ended. It waits for no policy call.
 func (e *Engine) HeldFound() int {
-	e.ix.mu.RLock()
-	defer e.ix.mu.RUnlock()
-	return e.ix.heldFoundLocked()
+	return e.ix.heldFound()
 }
 
 // demoteHeld is the last round of an eviction on m (evict) that left too
@@ -165,30 +142,14 @@ func (e *Engine) demoteHeld(ctx context.Context, m *mount, size int64) error {
 			m.heldIdle = time.Time{}
 		}
 	}()
-	var lifted []*entry
-	var recs []abi.AccessRecord
-	e.ix.inHeldChunks(m.idx, func(en *entry) {
-		if en.held && !en.lifted && en.pins == 1 {
-			en.lifted = true
-			lifted = append(lifted, en)
-			recs = append(recs, en.access(abi.AccessUnpin, now))
-		}
-	})
+	lifted, recs := e.ix.liftHeld(m.idx, now)
 	if len(lifted) == 0 {
 		return nil
 	}
 	wctx := context.WithoutCancel(ctx) // records and moves begun finish
 	e.access(wctx, recs)
 	defer func() {
-		recs = recs[:0]
-		now := e.now().UnixNano()
-		e.ix.inChunks(lifted, func(en *entry) {
-			en.lifted = false
-			if !en.gone && en.held { // not moved: its copy was pinned by the move
-				recs = append(recs, en.access(abi.AccessPin, now))
-			}
-		})
-		e.access(wctx, recs)
+		e.access(wctx, e.ix.unlift(lifted, e.now().UnixNano()))
 	}()
 
 	need := e.space.need(m.sp, size)

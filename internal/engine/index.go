@@ -85,9 +85,16 @@ type entry struct {
 // (Engine.MirrorKeys). Besides the space it calls nothing of the engine:
 // no I/O, no policy.
 //
-// Lock order: Engine.mu > index.mu > space.mu. Callers hold mu across
-// compound steps (unindex and claim a path in one step, so that a store
-// never publishes between them).
+// Lock order: Engine.mu > index.mu > space.mu. Only the index's own
+// methods take mu: each operation the engine calls is whole, one hold of
+// the lock (unindex and claim a path in one step, so that a store never
+// publishes between them; pin, count a hit, move a file's entry), and
+// only they change an entry's counts (pins, leases, hits, last access,
+// the hold's marks). A caller's condition on an entry is a function the
+// method calls with mu held (evict's may, drop's mayRemove), which reads
+// the entry and never calls back into the index.
+// The invariants below are checked with -tags invariants
+// (invariants_on.go), not in the shipped binary.
 //
 // Invariants (check), with mu held:
 //   - entries holds every indexed entry under its id (at most lastID);
@@ -751,116 +758,6 @@ func (ix *index) records(kind uint32) []abi.AccessRecord {
 	return recs
 }
 
-// check returns an error naming the first invariant of the index (see
-// index) that does not hold. Tests call it.
-func (ix *index) check() error {
-	ix.mu.RLock()
-	defer ix.mu.RUnlock()
-	for id, en := range ix.entries {
-		switch {
-		case en.id != id || id > ix.lastID:
-			return fmt.Errorf("index: entry %d under id %d (last %d)", en.id, id, ix.lastID)
-		case en.gone:
-			return fmt.Errorf("index: entry %d (%s) is indexed and gone", id, en.path)
-		case ix.byPath[en.path] != en:
-			return fmt.Errorf("index: entry %d: its path %s maps to another entry", id, en.path)
-		}
-	}
-	for path, en := range ix.byPath {
-		if ix.entries[en.id] != en || en.path != path {
-			return fmt.Errorf("index: path %s maps to entry %d (%s), not indexed there", path, en.id, en.path)
-		}
-	}
-	for k, ref := range ix.byKey {
-		en := ref.e
-		if ix.entries[en.id] != en || en.fp != k.fp || ref.idx >= len(en.keys) || en.keys[ref.idx] != k.key {
-			return fmt.Errorf("index: key %q maps to entry %d (%s), which does not hold it or is not indexed", k.key, en.id, en.path)
-		}
-	}
-	for path, fl := range ix.inflight {
-		for _, en := range fl.orphans {
-			if !en.gone || !en.orphan || en.path != path {
-				return fmt.Errorf("index: orphan %s of held path %s: gone %v, orphan %v", en.path, path, en.gone, en.orphan)
-			}
-		}
-	}
-	if n := ix.nleft.Load(); n != int64(len(ix.left)) {
-		return fmt.Errorf("index: %d files left on disk, counted %d", len(ix.left), n)
-	}
-	for at, en := range ix.left {
-		if ix.entries[en.id] == en || en.orphan {
-			return fmt.Errorf("index: file %s left on disk: its entry %d is indexed (%v) or an orphan (%v)", at, en.id, ix.entries[en.id] == en, en.orphan)
-		}
-	}
-	for en := range ix.removing {
-		if !en.gone || ix.entries[en.id] == en || ix.left[en.path] == en {
-			return fmt.Errorf("index: file %s being removed: its entry %d is not gone (%v), indexed (%v) or left (%v)", en.path, en.id, !en.gone, ix.entries[en.id] == en, ix.left[en.path] == en)
-		}
-	}
-	for k, ens := range ix.pinnedGone {
-		if len(ens) == 0 {
-			return fmt.Errorf("index: key %q kept for pinned files lists none", k.key)
-		}
-		for i, en := range ens {
-			if open := en.file.Load() != nil; !en.gone || !open || en.leases <= 0 || !slices.Contains(en.keys, k.key) || slices.Index(ens, en) != i {
-				return fmt.Errorf("index: key %q of pinned file %s: gone %v, open %v, client pins %d, holds the key %v, listed at %d and %d", k.key, en.path, en.gone, open, en.leases, slices.Contains(en.keys, k.key), slices.Index(ens, en), i)
-			}
-		}
-	}
-	listed := map[*entry]int{} // held entries by mount, as heldOrder lists them
-	for m, ens := range ix.heldOrder {
-		for _, en := range ens {
-			if en.held {
-				listed[en] = m
-			}
-		}
-	}
-	held := 0
-	for _, en := range ix.entries {
-		if en.held {
-			held++
-			if m, ok := listed[en]; !ok || m != en.mount {
-				return fmt.Errorf("index: entry %d (%s): held by the restart hold, missing from mount %d's held entries", en.id, en.path, en.mount)
-			}
-		}
-		if en.held && en.pins <= en.leases {
-			return fmt.Errorf("index: entry %d (%s): held by the restart hold with pins %d, leases %d", en.id, en.path, en.pins, en.leases)
-		}
-		if en.leases < 0 || en.pins < en.leases {
-			return fmt.Errorf("index: entry %d (%s): pins %d, leases %d", en.id, en.path, en.pins, en.leases)
-		}
-	}
-	if held != ix.heldN {
-		return fmt.Errorf("index: %d entries held by the restart hold, %d in the hold's count", held, ix.heldN)
-	}
-	return ix.checkCounts()
-}
-
-// checkCounts checks byFP against the entries and keys indexed.
-func (ix *index) checkCounts() error {
-	want := map[uint64]fpCount{}
-	for _, en := range ix.entries {
-		c := want[en.fp]
-		c.files++
-		c.bytes += en.size
-		want[en.fp] = c
-	}
-	for k := range ix.byKey {
-		c := want[k.fp]
-		c.keys++
-		want[k.fp] = c
-	}
-	if len(want) != len(ix.byFP) {
-		return fmt.Errorf("index: %d namespace fingerprints indexed, %d counted", len(want), len(ix.byFP))
-	}
-	for fp, w := range want {
-		if c := ix.byFP[fp]; c == nil || *c != w {
-			return fmt.Errorf("index: fingerprint %#x: %+v indexed, counted %+v", fp, w, c)
-		}
-	}
-	return nil
-}
-
 func (en *entry) policyEntry() policy.Entry {
 	pins := en.pins
 	if en.lifted {
@@ -898,40 +795,6 @@ func (en *entry) match(fp uint64, key []byte) (int, error) {
 	return -1, fmt.Errorf("%w: %w", ErrMismatch, format.ErrKey)
 }
 
-// checkAtRest returns an error where, with no path held by a job (no
-// store, move or removal in flight), a mount's room does not hold exactly
-// its indexed files and those left on disk: used the sum of their sizes,
-// entries the number of the indexed ones.
-// Tests call it (Engine.check).
-func (ix *index) checkAtRest() error {
-	ix.mu.RLock()
-	defer ix.mu.RUnlock()
-	if len(ix.inflight) > 0 {
-		return nil
-	}
-	// Every removal holds its path (or is an orphan left to a held one).
-	if n := len(ix.removing); n > 0 {
-		return fmt.Errorf("index at rest: %d files counted as being removed", n)
-	}
-	used := make([]int64, len(ix.sp.mounts))
-	n := make([]int, len(ix.sp.mounts))
-	for _, en := range ix.entries {
-		used[en.mount] += en.size
-		n[en.mount]++
-	}
-	for _, en := range ix.left {
-		used[en.mount] += en.size
-	}
-	ix.sp.mu.Lock()
-	defer ix.sp.mu.Unlock()
-	for i, ms := range ix.sp.mounts {
-		if ms.used != used[i] || ms.entries != n[i] || ms.orphaned != 0 {
-			return fmt.Errorf("index at rest: mount %s: used %d, entries %d, orphaned %d; its files: %d bytes, %d entries", ms.root, ms.used, ms.entries, ms.orphaned, used[i], n[i])
-		}
-	}
-	return nil
-}
-
 // currentLocked returns the entry that holds key now if en, found for
 // it, was moved meanwhile (unindexed, and the key's entry is a copy of the
 // same file: the same header id, or the file at the target that the move
@@ -958,4 +821,525 @@ func (ix *index) handOverLocked(from, to *entry) {
 		}
 	}
 	from.heir = to
+}
+
+// Whole operations: each takes the lock once and leaves the index's
+// invariants holding. Nothing outside the index takes its lock or edits
+// an entry's counts (pins, leases, hits, last access, hold marks).
+
+// drop unindexes en and, with remove, arranges the removal of its file
+// (dropLocked), in one hold of the lock; rec is the policy's REMOVE
+// record of en at now.
+func (ix *index) drop(en *entry, remove bool, now int64) (was, claimed bool, rec abi.AccessRecord) {
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	was, claimed = ix.dropLocked(en, remove)
+	return was, claimed, en.access(abi.AccessRemove, now)
+}
+
+// dropResult is what dropUnpinned did: the entry it dropped (the file
+// en moved to meanwhile, where it moved), whether a client pin kept it,
+// how many keys the index found in it, and whether its file is to be
+// removed (claimed: by the caller).
+type dropResult struct {
+	en              *entry
+	pinned          bool
+	keys            int
+	remove, claimed bool
+	rec             abi.AccessRecord
+}
+
+// dropUnpinned drops en, found for key (or the file it moved to since,
+// currentLocked), unless a client pin holds it or it is gone; the check
+// and the unindexing are one step, so a pin that took hold is never
+// dropped under it. Where mayRemove is not nil and says no (asked with
+// the lock held), the entry leaves the index and its file stays.
+func (ix *index) dropUnpinned(en *entry, key []byte, mayRemove func(*entry) bool, now int64) dropResult {
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	en = ix.currentLocked(en, key)
+	if en.gone {
+		return dropResult{}
+	}
+	if en.leases > 0 {
+		return dropResult{en: en, pinned: true}
+	}
+	keys := 0
+	for _, k := range en.keys {
+		if ref, ok := ix.byKey[keyID{en.fp, k}]; ok && ref.e == en {
+			keys++
+		}
+	}
+	remove := mayRemove == nil || mayRemove(en)
+	was, claimed := ix.dropLocked(en, remove)
+	if !was {
+		return dropResult{}
+	}
+	return dropResult{en: en, keys: keys, remove: remove, claimed: claimed, rec: en.access(abi.AccessRemove, now)}
+}
+
+// evict drops en and claims its path for the removal of its file
+// (dropLocked) where no pin holds it, it is indexed and may accepts it,
+// all in one step: rec is the policy's REMOVE record at now. ok reports
+// whether it was dropped; claimed, whether the caller removes the file
+// (otherwise the path's holder does).
+func (ix *index) evict(en *entry, may func(*entry) bool, now int64) (claimed bool, rec abi.AccessRecord, ok bool) {
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	return ix.evictLocked(en, may, now)
+}
+
+// evictID is evict for the entry of id, which it returns (nil: none).
+func (ix *index) evictID(id uint64, may func(*entry) bool, now int64) (en *entry, claimed bool, rec abi.AccessRecord, ok bool) {
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	if en = ix.entries[id]; en == nil {
+		return nil, false, rec, false
+	}
+	claimed, rec, ok = ix.evictLocked(en, may, now)
+	return en, claimed, rec, ok
+}
+
+func (ix *index) evictLocked(en *entry, may func(*entry) bool, now int64) (claimed bool, rec abi.AccessRecord, ok bool) {
+	if en.pins != 0 || en.gone || !may(en) {
+		return false, rec, false
+	}
+	_, claimed = ix.dropLocked(en, true)
+	return claimed, en.access(abi.AccessRemove, now), true
+}
+
+// matching returns the indexed entries that want accepts; want reads
+// the entry under the lock held for reading. Where fps is not nil, an
+// index holding nothing of those fingerprints is not scanned.
+func (ix *index) matching(fps map[uint64]int64, want func(*entry) bool) []*entry {
+	ix.mu.RLock()
+	defer ix.mu.RUnlock()
+	if fps != nil && !ix.holdsAnyLocked(fps) {
+		return nil
+	}
+	var ens []*entry
+	for _, en := range ix.entries {
+		if want(en) {
+			ens = append(ens, en)
+		}
+	}
+	return ens
+}
+
+// anyOut reports whether of accepts an entry whose file is still on disk
+// though it left the index: left there (left) or being removed
+// (removing).
+func (ix *index) anyOut(of func(*entry) bool) bool {
+	ix.mu.RLock()
+	defer ix.mu.RUnlock()
+	for _, en := range ix.left {
+		if of(en) {
+			return true
+		}
+	}
+	for en := range ix.removing {
+		if of(en) {
+			return true
+		}
+	}
+	return false
+}
+
+// touch records uses by other nodes of the indexed files on mount: at
+// returns the time of the use of a file by its header id (ok false:
+// none); a use later than the file's last access becomes its last
+// access, and a hit record of it is returned.
+func (ix *index) touch(mount int, at func(fid uint64) (int64, bool)) []abi.AccessRecord {
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	var recs []abi.AccessRecord
+	for _, en := range ix.entries {
+		if en.mount != mount {
+			continue
+		}
+		t, ok := at(en.fid)
+		if ok && t > en.last {
+			en.last = t
+			recs = append(recs, en.access(abi.AccessHit, en.last))
+		}
+	}
+	return recs
+}
+
+// current is currentLocked taking the lock.
+func (ix *index) current(en *entry, key []byte) *entry {
+	ix.mu.RLock()
+	defer ix.mu.RUnlock()
+	return ix.currentLocked(en, key)
+}
+
+// adoptResult is what adoptLocked did with an entry found on disk.
+type adoptResult int
+
+const (
+	adoptIndexed adoptResult = iota // indexed (or the same file already was: relinked)
+	adoptHeld                       // a job holds the path, or the read went stale
+	adoptLeft                       // the file is one this engine dropped and left
+)
+
+// adopt indexes en, an entry of a file found on disk, unless read (the
+// read of the file; nil: none) went stale or a job holds its path
+// (adoptHeld), or the file is one this engine dropped and could not
+// remove (adoptLeft). Where the index holds the same file at the path,
+// that entry is returned instead, its keys relinked. recs are the
+// policy's records of the change (the entries replaced, en's INSERT).
+func (ix *index) adopt(en *entry, read *readMark) (got *entry, res adoptResult, recs []abi.AccessRecord) {
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	if read != nil && read.stale || ix.heldLocked(en.path) {
+		return nil, adoptHeld, nil
+	}
+	same := func(old *entry) bool { return old != nil && old.ident.Same(en.ident) && old.fid == en.fid }
+	if old := ix.byPath[en.path]; same(old) {
+		ix.relinkLocked(old) // found by a key the index had lost
+		return old, adoptIndexed, nil
+	}
+	if left := ix.left[en.path]; same(left) || left != nil && left.unknownWithID(en.fid) {
+		return nil, adoptLeft, nil
+	}
+	return en, adoptIndexed, ix.publishLocked(en, false, nil)
+}
+
+// publishLocked indexes en (insertLocked) and returns the policy's
+// records of the change: a REMOVE of each entry it replaced and en's
+// INSERT, at en's last access; extra records follow them.
+func (ix *index) publishLocked(en *entry, reserved bool, extra []abi.AccessRecord) []abi.AccessRecord {
+	replaced := ix.insertLocked(en, reserved)
+	recs := make([]abi.AccessRecord, 0, len(replaced)+1+len(extra))
+	for _, r := range replaced {
+		recs = append(recs, r.access(abi.AccessRemove, en.last))
+	}
+	recs = append(recs, en.access(abi.AccessInsert, en.last))
+	return append(recs, extra...)
+}
+
+// pinKey finds the entry of key of fingerprint fp, or the entry a client
+// pin holds open out of the index (pinnedGone), and pins it for a load
+// (pinLoadLocked); nil where neither has one. An entry held open is
+// preferred to an indexed one that is not: a newer file of the key,
+// found after the held one left the index, may be removed by its node
+// too, and the client's pin promised a load.
+func (ix *index) pinKey(fp uint64, key []byte, dup func(*entry) bool, now int64, pins *[]abi.AccessRecord) (*entry, bool) {
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	en := ix.getLocked(fp, key)
+	if en == nil || en.file.Load() == nil {
+		// Dropped from the index (another engine removed its file)
+		// while a client pin holds the file open (pinfiles.go).
+		if held := ix.pinnedGoneLocked(fp, key); held != nil {
+			en = held
+		}
+	}
+	if en == nil {
+		return nil, false
+	}
+	return ix.pinLoadLocked(en, key, dup, now, pins)
+}
+
+// pinFound is pinKey for en, an entry found on disk for key.
+func (ix *index) pinFound(en *entry, key []byte, dup func(*entry) bool, now int64, pins *[]abi.AccessRecord) (*entry, bool) {
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	return ix.pinLoadLocked(en, key, dup, now, pins)
+}
+
+// pinLoadLocked pins en (or the file it moved to meanwhile, demote.go)
+// for a load of key, once per file of the load (dup reports the files it
+// pinned already), and appends the policy's pin record to pins. It
+// returns the entry and whether the load holds a pin on it.
+func (ix *index) pinLoadLocked(en *entry, key []byte, dup func(*entry) bool, now int64, pins *[]abi.AccessRecord) (*entry, bool) {
+	en = ix.currentLocked(en, key)
+	if dup(en) {
+		return en, true // another key of this load pinned it
+	}
+	if en.gone {
+		if en.file.Load() == nil {
+			return en, false
+		}
+		en.pins++ // read through the file its client pins hold open; the policy knows it no more
+		return en, true
+	}
+	en.pins++
+	*pins = append(*pins, en.access(abi.AccessPin, now))
+	return en, true
+}
+
+// unpinLoad drops a load's pin of each of ens; those loaded count a hit
+// at now. It returns the policy's records (hits, unpins) of those still
+// indexed.
+func (ix *index) unpinLoad(ens []*entry, loaded func(*entry) bool, now int64) []abi.AccessRecord {
+	var recs []abi.AccessRecord
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	for _, en := range ens {
+		en.pins--
+		if en.gone {
+			continue
+		}
+		if loaded(en) {
+			en.hits++
+			en.last = now
+			recs = append(recs, en.access(abi.AccessHit, now))
+		}
+		recs = append(recs, en.access(abi.AccessUnpin, now))
+	}
+	return recs
+}
+
+// pinClient takes a client pin (Engine.Pin) of en, found for key, or of
+// the file it moved to meanwhile (returned), unless dup says the pin
+// holds it already; gone reports an entry no longer indexed, or whose
+// file a store replaces now (flight.replaces), which is not pinned.
+func (ix *index) pinClient(en *entry, key []byte, dup func(*entry) bool) (cur *entry, isDup, gone bool) {
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	en = ix.currentLocked(en, key) // moved since it was found (demote.go)
+	isDup = dup(en)
+	gone = en.gone
+	if fl := ix.inflight[en.path]; fl != nil && fl.replaces == en {
+		gone = true // a store replaces its file now (Engine.replacing)
+	}
+	if !isDup && !gone {
+		en.pins++
+		en.leases++
+	}
+	return en, isDup, gone
+}
+
+// hitPinned counts a hit at now on each of ens, just pinned by a client,
+// and returns the policy's records (a hit and a pin) of those indexed.
+func (ix *index) hitPinned(ens []*entry, now int64) []abi.AccessRecord {
+	var recs []abi.AccessRecord
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	for _, en := range ens {
+		en.hits++
+		en.last = now
+		if !en.gone {
+			recs = append(recs, en.access(abi.AccessHit, now), en.access(abi.AccessPin, now))
+		}
+	}
+	return recs
+}
+
+// holdOpen is holdOpenLocked taking the lock.
+func (ix *index) holdOpen(en *entry, pf *pinnedFile) bool {
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	return ix.holdOpenLocked(en, pf)
+}
+
+// holdAll pins every indexed entry for the restart hold (holdLocked) and
+// returns the policy's pin records at now.
+func (ix *index) holdAll(now int64) []abi.AccessRecord {
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	recs := make([]abi.AccessRecord, 0, len(ix.entries))
+	for _, en := range ix.entries {
+		ix.holdLocked(en)
+		recs = append(recs, en.access(abi.AccessPin, now))
+	}
+	return recs
+}
+
+// endHold ends the restart hold's pin of every entry it holds, in chunks
+// (inHeldChunks), and forgets its lists. It returns how many it let go
+// and, with tell, the policy's unpin records at now.
+func (ix *index) endHold(tell bool, now int64) (n int, recs []abi.AccessRecord) {
+	ix.inHeldChunks(-1, func(en *entry) {
+		if !en.held { // unindexed meanwhile (it let the hold go then), or listed twice
+			return
+		}
+		ix.unholdLocked(en)
+		n++
+		if tell {
+			recs = append(recs, en.access(abi.AccessUnpin, now))
+		}
+	})
+	ix.mu.Lock()
+	clear(ix.heldOrder)
+	ix.mu.Unlock()
+	return n, recs
+}
+
+// heldFound is the number of indexed entries the restart hold pins.
+func (ix *index) heldFound() int {
+	ix.mu.RLock()
+	defer ix.mu.RUnlock()
+	return ix.heldN
+}
+
+// liftHeld lifts, in the policy's view, the restart hold's pin of mount
+// mnt's held entries that nothing else pins (entry.lifted), in chunks,
+// and returns them with the policy's unpin records at now.
+func (ix *index) liftHeld(mnt int, now int64) (lifted []*entry, recs []abi.AccessRecord) {
+	ix.inHeldChunks(mnt, func(en *entry) {
+		if en.held && !en.lifted && en.pins == 1 {
+			en.lifted = true
+			lifted = append(lifted, en)
+			recs = append(recs, en.access(abi.AccessUnpin, now))
+		}
+	})
+	return lifted, recs
+}
+
+// unlift ends liftHeld's lift of lifted and returns the policy's pin
+// records at now of those still indexed and held (not moved: a move's
+// copy was pinned by the move).
+func (ix *index) unlift(lifted []*entry, now int64) []abi.AccessRecord {
+	var recs []abi.AccessRecord
+	ix.inChunks(lifted, func(en *entry) {
+		en.lifted = false
+		if !en.gone && en.held {
+			recs = append(recs, en.access(abi.AccessPin, now))
+		}
+	})
+	return recs
+}
+
+// claim marks path in flight for a store (claimLocked) and returns the
+// entry indexed there now (the file the store replaces; nil: none), or
+// returns false and the holder's flight.
+func (ix *index) claim(path string) (ok bool, old *entry, fl *flight) {
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	if ok, fl = ix.claimLocked(path); ok {
+		old = ix.byPath[path]
+	}
+	return ok, old, fl
+}
+
+// relink is relinkLocked taking the lock.
+func (ix *index) relink(en *entry) bool {
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	return ix.relinkLocked(en)
+}
+
+// replacing marks the store holding path as one that replaces old, the
+// file indexed there, so that no pin takes hold of old from then on
+// (pinClient), unless a client pin holds old already: then it reports
+// false. Both in one step: a pin either comes first and refuses the
+// store, or finds the path being replaced and pins nothing.
+func (ix *index) replacing(path string, old *entry) bool {
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	if old.leases > 0 && !old.gone {
+		return false
+	}
+	if fl := ix.inflight[path]; fl != nil {
+		fl.replaces = old
+	}
+	return true
+}
+
+// publishReleasing indexes en, a store's file, its reservation becoming
+// the entry, and releases the store's claim on its path in the same
+// step (releaseLocked): every store takes the lock, and many short
+// holds queue small stores on many jobs. Only the path's holder indexes
+// a file there (adopt), so what the insert replaces is the file the
+// store knew of. It returns the policy's records and what release
+// returns.
+func (ix *index) publishReleasing(en *entry) ([]abi.AccessRecord, *flight, []*entry) {
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	recs := ix.publishLocked(en, true, nil)
+	fl, orphans := ix.releaseLocked(en.path, nil)
+	return recs, fl, orphans
+}
+
+// claimMove claims the paths of a move of the entry of id: its own and
+// dst, the path target returns for it (an error from target is
+// returned). It reports stale where the entry is not indexed, pins keep
+// it (movePins: with held, the restart hold's does not) or may refuses
+// it, or a job holds either path; and dup, the entry at dst, where it
+// holds other keys than the entry's (the paths are then not claimed).
+// On success the caller holds both paths, and dup is the entry of the
+// same keys at dst (nil: none).
+func (ix *index) claimMove(id uint64, held bool, may func(*entry) bool, target func(*entry) (string, error)) (en, dup *entry, dst string, stale bool, err error) {
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	en = ix.entries[id]
+	if en == nil || en.gone || en.movePins(held) > 0 || !may(en) {
+		return nil, nil, "", true, nil
+	}
+	if dst, err = target(en); err != nil {
+		return nil, nil, "", false, err
+	}
+	dup = ix.byPath[dst]
+	if dup != nil && !dup.sameKeys(en) {
+		return en, dup, dst, false, nil
+	}
+	if ok, _ := ix.claimLocked(en.path); !ok {
+		return nil, nil, "", true, nil
+	}
+	if ok, _ := ix.claimLocked(dst); !ok {
+		fl, _ := ix.releaseLocked(en.path, nil) // none can have orphaned it: the lock was held
+		close(fl.done)
+		return nil, nil, "", true, nil
+	}
+	return en, dup, dst, false, nil
+}
+
+// moved puts to, the copy of en made by a move, in en's place in one
+// step: to is indexed (its reservation becoming the entry, with en's
+// hits and last access) before en leaves the index, so that the keys
+// never leave its key set, and where the restart hold held en it holds
+// to. It reports false, changing nothing, where en left the index or
+// pins keep it (movePins) meanwhile; otherwise it returns the policy's
+// records of the move.
+func (ix *index) moved(en, to *entry, held bool) ([]abi.AccessRecord, bool) {
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	if en.gone || en.movePins(held) > 0 {
+		return nil, false
+	}
+	to.hits, to.last = en.hits, en.last
+	wasHeld := en.held
+	replaced := ix.insertLocked(to, true)
+	ix.unindexLocked(en, true)
+	ix.sp.moved(ix.sp.mounts[en.mount], ix.sp.mounts[to.mount])
+	recs := make([]abi.AccessRecord, 0, len(replaced)+3)
+	for _, r := range replaced {
+		recs = append(recs, r.access(abi.AccessRemove, to.last))
+	}
+	recs = append(recs, en.access(abi.AccessRemove, to.last), to.access(abi.AccessInsert, to.last))
+	if wasHeld { // the hold's pin goes with the file
+		ix.holdLocked(to)
+		recs = append(recs, to.access(abi.AccessPin, to.last))
+	}
+	return recs, true
+}
+
+// movedTo drops en for dup, a file of the same keys at the target of
+// its move, in one step: en's keys are handed over to dup first
+// (handOverLocked), dup takes en's last access and hits where en was
+// used last, and where the restart hold held en it holds dup. It
+// reports false, changing nothing, where either left the index or pins
+// keep en meanwhile; otherwise it returns the policy's records.
+func (ix *index) movedTo(en, dup *entry, held bool) ([]abi.AccessRecord, bool) {
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	if en.gone || en.movePins(held) > 0 || dup.gone {
+		return nil, false
+	}
+	wasHeld := en.held
+	ix.handOverLocked(en, dup)
+	ix.unindexLocked(en, true)
+	ix.sp.moved(ix.sp.mounts[en.mount], ix.sp.mounts[dup.mount])
+	recs := []abi.AccessRecord{en.access(abi.AccessRemove, en.last)}
+	if en.last > dup.last {
+		dup.hits, dup.last = max(dup.hits, en.hits), en.last
+		recs = append(recs, dup.access(abi.AccessInsert, dup.last))
+	}
+	if wasHeld && !dup.held { // the hold keeps the keys in dup
+		ix.holdLocked(dup)
+		recs = append(recs, dup.access(abi.AccessPin, dup.last))
+	}
+	return recs, true
 }

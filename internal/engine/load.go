@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"slices"
 	"sync"
 	"syscall"
 
@@ -45,17 +46,14 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 	byEntry := map[*entry][]int{}
 	var order []*entry
 	var pins []abi.AccessRecord
+	dup := func(en *entry) bool { _, ok := byEntry[en]; return ok }
 	for i, k := range keys {
 		// The index's entry is found and pinned in one hold of the lock
 		// (every load takes it); a key it lacks is looked for on disk.
-		e.ix.mu.Lock()
-		en, pinned := e.pinLocked(ns, k, byEntry, &pins)
-		e.ix.mu.Unlock()
+		en, pinned := e.ix.pinKey(ns.fp, k, dup, e.now().UnixNano(), &pins)
 		if en == nil {
 			if en = e.discover(ctx, ns, k); en != nil {
-				e.ix.mu.Lock()
-				en, pinned = e.pinEntryLocked(en, k, byEntry, &pins)
-				e.ix.mu.Unlock()
+				en, pinned = e.ix.pinFound(en, k, dup, e.now().UnixNano(), &pins)
 			}
 		}
 		if !pinned {
@@ -89,70 +87,10 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 	wg.Wait()
 
 	// Unpin; loaded entries count as hits.
-	var recs []abi.AccessRecord
-	e.ix.mu.Lock()
-	now := e.now().UnixNano()
-	for _, en := range order {
-		en.pins--
-		loaded := false
-		for _, i := range byEntry[en] {
-			loaded = loaded || j.res.Keys[i].Outcome == OutcomeLoaded
-		}
-		if en.gone {
-			continue
-		}
-		if loaded {
-			en.hits++
-			en.last = now
-			recs = append(recs, en.access(abi.AccessHit, now))
-		}
-		recs = append(recs, en.access(abi.AccessUnpin, now))
+	loaded := func(en *entry) bool {
+		return slices.ContainsFunc(byEntry[en], func(i int) bool { return j.res.Keys[i].Outcome == OutcomeLoaded })
 	}
-	e.ix.mu.Unlock()
-	e.access(ctx, recs)
-}
-
-// pinLocked finds key's entry in ns in the index, or the entry a client
-// pin holds open out of it (index.pinnedGone), and pins it
-// (pinEntryLocked); nil where neither has one. An entry held open is
-// preferred to an indexed one that is not: a newer file of the key, found
-// after the held one left the index, may be removed by its node too, and
-// the client's pin promised a load. The caller holds index.mu.
-func (e *Engine) pinLocked(ns *namespace, key []byte, byEntry map[*entry][]int, pins *[]abi.AccessRecord) (*entry, bool) {
-	en := e.ix.getLocked(ns.fp, key)
-	if en == nil || en.file.Load() == nil {
-		// Dropped from the index (another engine removed its file)
-		// while a client pin holds the file open (pinfiles.go).
-		if held := e.ix.pinnedGoneLocked(ns.fp, key); held != nil {
-			en = held
-		}
-	}
-	if en == nil {
-		return nil, false
-	}
-	return e.pinEntryLocked(en, key, byEntry, pins)
-}
-
-// pinEntryLocked pins en (or the file it moved to meanwhile, demote.go)
-// for a load of key, once per file of the load (byEntry holds the files it
-// pinned already), and appends the policy's pin record to pins. It
-// returns the entry and whether the load holds a pin on it. The caller
-// holds index.mu.
-func (e *Engine) pinEntryLocked(en *entry, key []byte, byEntry map[*entry][]int, pins *[]abi.AccessRecord) (*entry, bool) {
-	en = e.ix.currentLocked(en, key)
-	if _, dup := byEntry[en]; dup {
-		return en, true // another key of this load pinned it
-	}
-	if en.gone {
-		if en.file.Load() == nil {
-			return en, false
-		}
-		en.pins++ // read through the file its client pins hold open; the policy knows it no more
-		return en, true
-	}
-	en.pins++
-	*pins = append(*pins, en.access(abi.AccessPin, e.now().UnixNano()))
-	return en, true
+	e.access(ctx, e.ix.unpinLoad(order, loaded, e.now().UnixNano()))
 }
 
 // loadFile reads the keys idx (request indices) from en's file into their

@@ -103,14 +103,11 @@ func (e *Engine) recentlyVerified(en *entry, now int64) bool {
 // index is looked for under its policy name, so files published by another
 // node sharing the mount are found.
 func (e *Engine) Lookup(ctx context.Context, ns NamespaceID, keys [][]byte) (int, error) {
-	if err := e.calls.enter(); err != nil {
-		return 0, err
-	}
-	defer e.calls.exit()
-	n, err := e.namespace(ns)
+	n, exit, err := e.enterNamespace(ns)
 	if err != nil {
 		return 0, err
 	}
+	defer exit()
 	// The index's lock is taken twice, whatever the number of keys: once
 	// to find every key's entry, once to count the hits. Loads and stores
 	// take the same lock; a lookup that took it per key queued behind them
@@ -240,30 +237,15 @@ var errPathHeld = errors.New("engine: a job of this engine holds the path")
 func (e *Engine) adopt(ctx context.Context, en *entry, read *readMark) (*entry, error) {
 	en.ns = e.namespaceOf(en.fp)
 	defer e.adoptDone(en.ns)
-	e.ix.mu.Lock()
-	if read != nil && read.stale || e.ix.heldLocked(en.path) {
-		e.ix.mu.Unlock()
+	got, res, recs := e.ix.adopt(en, read)
+	switch res {
+	case adoptHeld:
 		return nil, errPathHeld
-	}
-	same := func(old *entry) bool { return old != nil && old.ident.Same(en.ident) && old.fid == en.fid }
-	if old := e.ix.byPath[en.path]; same(old) {
-		e.ix.relinkLocked(old) // found by a key the index had lost
-		e.ix.mu.Unlock()
-		return old, nil
-	}
-	if left := e.ix.left[en.path]; same(left) || left != nil && left.unknownWithID(en.fid) {
-		e.ix.mu.Unlock()
+	case adoptLeft:
 		return nil, nil
 	}
-	replaced := e.ix.insertLocked(en, false)
-	var recs []abi.AccessRecord
-	for _, r := range replaced {
-		recs = append(recs, r.access(abi.AccessRemove, en.last))
-	}
-	recs = append(recs, en.access(abi.AccessInsert, en.last))
-	e.ix.mu.Unlock()
 	e.access(ctx, recs)
-	return en, nil
+	return got, nil
 }
 
 // adoptFound is adopt for an entry of a file that was read before any

@@ -39,6 +39,9 @@ func errorsOf(ix *index, sp *space) string {
 }
 
 func TestPartsCheckFindsEachBrokenInvariant(t *testing.T) {
+	if !invariantsOn {
+		t.Skip("the parts' checks are built with -tags invariants")
+	}
 	for _, tt := range []struct {
 		name    string
 		corrupt func(ix *index, sp *space)

@@ -149,11 +149,9 @@ func (e *Engine) verifyPinned(ctx context.Context, en *entry) bool {
 	en.verified.Store(e.now().UnixNano())
 	pf := &pinnedFile{f: f}
 	pf.refs.Store(1)
-	e.ix.mu.Lock()
-	if e.ix.holdOpenLocked(en, pf) {
+	if e.ix.holdOpen(en, pf) {
 		pf = nil
 	}
-	e.ix.mu.Unlock()
 	if pf != nil { // another pin of en opened it meanwhile
 		e.releasePinned(pf)
 	}

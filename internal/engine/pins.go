@@ -5,8 +5,6 @@ import (
 	"fmt"
 	"sync"
 	"time"
-
-	"github.com/kvhost/kvhost/abi"
 )
 
 // PinID identifies a client pin (Engine.Pin), unique for the life of the
@@ -43,14 +41,11 @@ type clientPin struct {
 // that fails the check is dropped as in Lookup, and the key is not pinned.
 // Pinning counts as a hit (or a miss) as Lookup does.
 func (e *Engine) Pin(ctx context.Context, ns NamespaceID, keys [][]byte, lease time.Duration) (PinID, []bool, error) {
-	if err := e.calls.enter(); err != nil {
-		return 0, nil, err
-	}
-	defer e.calls.exit()
-	n, err := e.namespace(ns)
+	n, exit, err := e.enterNamespace(ns)
 	if err != nil {
 		return 0, nil, err
 	}
+	defer exit()
 	if lease < 0 {
 		return 0, nil, fmt.Errorf("%w: lease %v: want >= 0", ErrInvalid, lease)
 	}
@@ -69,18 +64,7 @@ func (e *Engine) Pin(ctx context.Context, ns NamespaceID, keys [][]byte, lease t
 		if en == nil {
 			continue
 		}
-		e.ix.mu.Lock()
-		en = e.ix.currentLocked(en, k) // moved since it was found (demote.go)
-		_, dup := byEntry[en]
-		gone := en.gone
-		if fl := e.ix.inflight[en.path]; fl != nil && fl.replaces == en {
-			gone = true // a store replaces its file now (Engine.replacing)
-		}
-		if !dup && !gone {
-			en.pins++
-			en.leases++
-		}
-		e.ix.mu.Unlock()
+		en, dup, gone := e.ix.pinClient(en, k, func(en *entry) bool { _, ok := byEntry[en]; return ok })
 		if !dup {
 			if gone {
 				continue
@@ -95,22 +79,14 @@ func (e *Engine) Pin(ctx context.Context, ns NamespaceID, keys [][]byte, lease t
 		}
 		byEntry[en] = append(byEntry[en], i)
 	}
-	now := e.now().UnixNano()
-	var recs []abi.AccessRecord
 	pinned := 0
-	e.ix.mu.Lock()
 	for _, en := range order {
 		for _, i := range byEntry[en] {
 			held[i] = true
 			pinned++
 		}
-		en.hits++
-		en.last = now
-		if !en.gone {
-			recs = append(recs, en.access(abi.AccessHit, now), en.access(abi.AccessPin, now))
-		}
 	}
-	e.ix.mu.Unlock()
+	recs := e.ix.hitPinned(order, e.now().UnixNano())
 	e.st.hits.Add(uint64(pinned))
 	e.st.misses.Add(uint64(len(keys) - pinned))
 	e.access(ctx, recs)

@@ -2,7 +2,6 @@ package engine
 
 import (
 	"cmp"
-	"fmt"
 	"maps"
 	"slices"
 	"sync"
@@ -749,36 +748,65 @@ func (s *space) spareWork() bool {
 	return s.spareWorkLocked()
 }
 
-// check returns an error naming the first invariant of the space (see
-// space) that does not hold. Tests call it.
-func (s *space) check() error {
+// storeReserve is a store's step in the space, in one hold of the lock.
+// With fast, it reserves size bytes on ms where they fit below the high
+// watermark with the spares beside them below the capacity, and reports
+// false (doing nothing else) where they do not: the caller then reserves
+// by evicting (Engine.reserve) and calls it again without fast. Where
+// spares, it then takes a spare of exactly size (none: the zero
+// spareFile); with burst (not zero) it adds the store to ms's burst at
+// that time; and where want is not nil it records size as the size of
+// namespace ns's files (wantSparesLocked, with full) and reports in work
+// whether the spare maker has work.
+func (s *space) storeReserve(ms *mountSpace, size int64, fast, spares bool, burst int64, want *storeAhead) (reserved bool, sf spareFile, work bool) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	for _, ms := range s.mounts {
-		if ms.used < 0 || ms.orphaned < 0 || ms.orphaned > ms.used || ms.entries < 0 {
-			return fmt.Errorf("space: mount %s: used %d, orphaned %d, entries %d", ms.root, ms.used, ms.orphaned, ms.entries)
+	if fast {
+		if ms.used+size > ms.high || spares && ms.used+size+ms.spareBytes > ms.capacity {
+			return false, sf, false
 		}
-		if ms.low < 0 || ms.low > ms.high || ms.high > ms.capacity {
-			return fmt.Errorf("space: mount %s: low %d, high %d, capacity %d", ms.root, ms.low, ms.high, ms.capacity)
-		}
-		var bytes, made int64
-		for size, list := range ms.spares {
-			if len(list) == 0 {
-				return fmt.Errorf("space: mount %s: an empty list of spares of %d bytes", ms.root, size)
-			}
-			for _, sf := range list {
-				if sf.id.Size != size {
-					return fmt.Errorf("space: mount %s: spare %s of %d bytes listed under %d", ms.root, sf.path, sf.id.Size, size)
-				}
-				bytes += size
-				if sf.zeroed {
-					made += size
-				}
-			}
-		}
-		if bytes != ms.spareBytes || made != ms.madeBytes {
-			return fmt.Errorf("space: mount %s: spares of %d bytes (%d made), counted %d (%d)", ms.root, bytes, made, ms.spareBytes, ms.madeBytes)
-		}
+		ms.used += size
 	}
-	return nil
+	if !spares {
+		return true, sf, false
+	}
+	sf = ms.takeSpareLocked(size)
+	if burst != 0 {
+		ms.addBurstLocked(size, burst)
+	}
+	if want != nil {
+		work = s.wantSparesLocked(ms, want.ns, size, want.full)
+	}
+	return true, sf, work
+}
+
+// storeAhead is what a store tells the spares made ahead: its
+// namespace, declared, and whether its file holds a whole group of keys.
+type storeAhead struct {
+	ns   NamespaceID
+	full bool
+}
+
+// wantSparesLocked records size, the size of a file of namespace ns
+// stored on ms, for the spares made ahead (Engine.wantSpares says
+// which size wins) and reports whether the maker has work. The caller
+// holds mu.
+func (s *space) wantSparesLocked(ms *mountSpace, ns NamespaceID, size int64, full bool) bool {
+	was := ms.aheadNS[ns]
+	a := was
+	a.failed = false
+	switch {
+	case full:
+		a = nsAhead{size: size, from: sizeWhole}
+	case a.from < sizePartial || a.from == sizePartial && size > a.size:
+		a = nsAhead{size: size, from: sizePartial}
+	}
+	if a == was && !s.makerQuietLocked() {
+		// Nothing changed, and the maker already knows it has work (it
+		// looks again once the files in flight end): a store of a burst
+		// skips the shares' computation under the lock.
+		return false
+	}
+	ms.setAheadLocked(ns, a)
+	return s.spareWorkLocked()
 }

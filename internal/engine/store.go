@@ -65,7 +65,7 @@ type group struct {
 // reserveFile reserves size bytes on m for a store's file of namespace ns
 // (reserve) and, where m keeps spares, takes one of exactly that size for
 // it (none: the zero spareFile) and records the size for the spares made
-// ahead (wantSparesLocked, with full). In the common case, a reservation
+// ahead (wantSpares, with full). In the common case, a reservation
 // below the high watermark with the spares still fitting beside it, that
 // is one hold of the space's lock (and, where m makes spares ahead, a
 // shared hold of the engine's, for the namespace): every store takes it,
@@ -74,43 +74,37 @@ type group struct {
 func (e *Engine) reserveFile(ctx context.Context, m *mount, ns NamespaceID, size int64, full bool) (spareFile, error) {
 	spares := e.spareEligible(m)
 	ahead := spares && e.maker != nil && m.sp.ahead > 0
-	sp, ms := e.space, m.sp
-	lock := func() {
+	// step is the reservation's step in the space (space.storeReserve):
+	// with fast, a reservation below the high watermark, or nothing. The
+	// reservation is activity too: the maker's quiet period starts after
+	// it, so a burst it ends has ended.
+	step := func(fast bool) (reserved bool, sf spareFile, work bool) {
 		if ahead {
-			e.mu.RLock() // wantSparesLocked reads the namespace
+			e.mu.RLock() // wantSpares reads the namespace
+			defer e.mu.RUnlock()
 		}
-		sp.mu.Lock()
-	}
-	unlock := func() {
-		sp.mu.Unlock()
-		if ahead {
-			e.mu.RUnlock()
+		var burst int64
+		if ahead && m.sp.followsBursts() {
+			burst = time.Now().UnixNano()
 		}
+		reserved, sf, work = e.space.storeReserve(m.sp, size, fast, spares, burst, e.wantSpares(m, ns, full))
+		if reserved && burst != 0 {
+			e.maker.activeAt(burst)
+		}
+		return reserved, sf, work
 	}
-	lock()
-	if m.cluster == nil && ms.used+size <= ms.high && (!spares || ms.used+size+ms.spareBytes <= ms.capacity) {
-		ms.used += size // a cluster mount claims first (cluster.go)
-	} else {
-		unlock()
+	reserved := false
+	var sf spareFile
+	var work bool
+	if m.cluster == nil { // a cluster mount claims first (cluster.go)
+		reserved, sf, work = step(true)
+	}
+	if !reserved {
 		if err := e.reserve(ctx, m, size); err != nil {
 			return spareFile{}, err
 		}
-		lock()
+		_, sf, work = step(false)
 	}
-	var sf spareFile
-	work := false
-	if spares {
-		sf = ms.takeSpareLocked(size)
-		if ahead && ms.followsBursts() {
-			// The reservation is activity too: the maker's quiet period
-			// starts after it, so a burst it ends has ended.
-			now := time.Now().UnixNano()
-			ms.addBurstLocked(size, now)
-			e.maker.activeAt(now)
-		}
-		work = e.wantSparesLocked(m, ns, size, full)
-	}
-	unlock()
 	e.wakeMaker(work)
 	return sf, nil
 }
@@ -168,9 +162,7 @@ func (e *Engine) runStore(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 				}
 				// Moved to another mount since it was found (demote.go):
 				// the key's entry is then the copy, checked in turn.
-				e.ix.mu.RLock()
-				cur := e.ix.currentLocked(en, keys[i])
-				e.ix.mu.RUnlock()
+				cur := e.ix.current(en, keys[i])
 				if cur == en {
 					cur = nil
 				}
@@ -206,14 +198,12 @@ func (e *Engine) runStore(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 		var busy []*flight
 		todo, busy = e.storeRound(ctx, j, c, keys, blocks, missing)
 		if len(presentIn) > 0 {
-			e.ix.mu.RLock()
 			for i, en := range presentIn {
-				if en.gone {
+				if e.ix.gone(en) {
 					delete(presentIn, i)
 					todo = append(todo, i)
 				}
 			}
-			e.ix.mu.RUnlock()
 		}
 		slices.Sort(todo) // request order: files are grouped from it
 		if len(busy) > 0 {
@@ -319,12 +309,8 @@ func (e *Engine) storeRound(ctx context.Context, j *Job, c *cache, keys [][]byte
 			failAll(gr.idx, ctx.Err())
 			continue
 		}
-		e.ix.mu.Lock()
-		claimed, fl := e.ix.claimLocked(gr.path)
-		if claimed {
-			gr.old = e.ix.byPath[gr.path]
-		}
-		e.ix.mu.Unlock()
+		claimed, old, fl := e.ix.claim(gr.path)
+		gr.old = old
 		if !claimed {
 			// Another job writes (or removes) this path: what it leaves
 			// there decides, once it is done, which keys are stored.
@@ -389,9 +375,7 @@ func (e *Engine) heldAt(ctx context.Context, fp uint64, key []byte, en *entry) b
 	if _, err := en.match(fp, key); err != nil || !e.confirm(ctx, en) {
 		return false
 	}
-	e.ix.mu.Lock()
-	defer e.ix.mu.Unlock()
-	return e.ix.relinkLocked(en)
+	return e.ix.relink(en)
 }
 
 // replacing marks the store holding path as one that replaces old, the
@@ -404,13 +388,8 @@ func (e *Engine) replacing(path string, old *entry) error {
 	if old == nil {
 		return nil
 	}
-	e.ix.mu.Lock()
-	defer e.ix.mu.Unlock()
-	if old.clientPinned() && !old.gone {
+	if !e.ix.replacing(path, old) {
 		return fmt.Errorf("%w: it named file %s for these keys, which holds other keys a client pinned", ErrPolicy, path)
-	}
-	if fl := e.ix.inflight[path]; fl != nil {
-		fl.replaces = old
 	}
 	return nil
 }
@@ -551,19 +530,9 @@ func (e *Engine) writeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 	for _, k := range h.Keys {
 		en.keys = append(en.keys, string(k.Key))
 	}
-	e.ix.mu.Lock()
-	replaced := e.ix.insertLocked(en, true) // the reservation becomes the entry
-	recs := make([]abi.AccessRecord, 0, len(replaced)+1)
-	for _, r := range replaced {
-		recs = append(recs, r.access(abi.AccessRemove, en.last))
-	}
-	recs = append(recs, en.access(abi.AccessInsert, en.last))
-	// The path is released in the same hold of the lock: every store
-	// takes it, and many short holds queue 2 MiB stores on many jobs.
-	// Only the path's holder indexes a file there (adopt), so what the
-	// insert replaced is gr.old, forgotten before the rename.
-	fl, orphans := e.ix.releaseLocked(gr.path, nil)
-	e.ix.mu.Unlock()
+	// The path is released in the same step: what the insert replaced
+	// is gr.old, forgotten before the rename.
+	recs, fl, orphans := e.ix.publishReleasing(en)
 	gr.released = true
 	e.endRelease(gr.path, fl, orphans)
 	e.access(ctx, recs)
