@@ -1,5 +1,6 @@
 # kvhost build. `make run` builds and runs the daemon with its embedded
-# defaults; `make test` is what CI runs.
+# defaults; `make install` installs it (PREFIX, DESTDIR); `make test` is
+# what CI runs.
 
 GO        ?= go
 GOBIN     := $(shell $(GO) env GOPATH)/bin
@@ -55,10 +56,52 @@ c-example: sdk/c/kvhost_policy.h examples/c-policy/policy.c
 # examples are for the tests.
 VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo devel)
 build:
+	@test -x bin/kvhost || echo "building bin/kvhost with $$($(GO) env GOVERSION) (the first build downloads the Go modules and compiles them: a few minutes; later builds take seconds)"
 	$(GO) build -ldflags "-X main.version=$(VERSION)" -o bin/kvhost ./cmd/kvhost
+	@test -n "$$($(GO) env CGO_ENABLED | grep 1)" || echo "note: cgo is off (no C compiler?): this kvhost cannot load CUDA and serves host memory only"
 
 run: build
 	./bin/kvhost
+
+# make install [PREFIX=/usr/local] [DESTDIR=]: the binary to
+# $(PREFIX)/bin/kvhost; the built-in policies (which the binary embeds:
+# `kvhost --policy lru` or `--policy lru.wasm`) as files to start a
+# plugin of one's own from, to $(PREFIX)/share/kvhost/plugins; the
+# systemd unit's documentation (Documentation=) and the example
+# configurations to $(PREFIX)/share/doc/kvhost. DESTDIR stages it all
+# under another root, for a package. `make install PREFIX=$$HOME/.local`
+# needs no root.
+PREFIX     ?= /usr/local
+BINDIR     := $(PREFIX)/bin
+PLUGINDIR  := $(PREFIX)/share/kvhost/plugins
+DOCDIR     := $(PREFIX)/share/doc/kvhost
+INSTALL    ?= install
+INSTALL_DOCS := docs/serve.md docs/config.md deploy/systemd/kvhost.service deploy/systemd/kvhost.toml
+.PHONY: install uninstall install-check
+install: build
+	$(INSTALL) -d $(DESTDIR)$(BINDIR) $(DESTDIR)$(PLUGINDIR) $(DESTDIR)$(DOCDIR)
+	$(INSTALL) -m 0755 bin/kvhost $(DESTDIR)$(BINDIR)/kvhost
+	$(INSTALL) -m 0644 $(PLUGIN_WASM) $(DESTDIR)$(PLUGINDIR)/
+	$(INSTALL) -m 0644 $(INSTALL_DOCS) $(DESTDIR)$(DOCDIR)/
+	@echo "installed $(DESTDIR)$(BINDIR)/kvhost, the built-in policies in $(DESTDIR)$(PLUGINDIR), docs in $(DESTDIR)$(DOCDIR)"
+
+uninstall:
+	rm -f $(DESTDIR)$(BINDIR)/kvhost $(addprefix $(DESTDIR)$(PLUGINDIR)/,$(notdir $(PLUGIN_WASM))) $(addprefix $(DESTDIR)$(DOCDIR)/,$(notdir $(INSTALL_DOCS)))
+	-rmdir $(DESTDIR)$(PLUGINDIR) $(DESTDIR)$(PREFIX)/share/kvhost $(DESTDIR)$(DOCDIR) 2>/dev/null
+
+# install-check: install under a temporary DESTDIR and, from another
+# directory, run what the README says: the binary, its version, and
+# `kvhost config check` of --policy lru.wasm (the embedded lru) and of a
+# file that is not wasm (refused, exit 1).
+install-check: build
+	@d=$$(mktemp -d) && trap 'rm -rf "$$d"' EXIT && \
+	$(MAKE) --no-print-directory install DESTDIR=$$d PREFIX=/usr >/dev/null && \
+	for f in usr/bin/kvhost $(addprefix usr/share/kvhost/plugins/,$(notdir $(PLUGIN_WASM))) usr/share/doc/kvhost/serve.md; do \
+		test -f "$$d/$$f" || { echo "install-check: $$f not installed" >&2; exit 1; }; done && \
+	cd "$$d" && ./usr/bin/kvhost version >/dev/null && \
+	printf '[policy]\nname = "lru.wasm"\n' > lru.toml && ./usr/bin/kvhost config check lru.toml && \
+	echo notwasm > notwasm.wasm && printf '[policy]\nname = "notwasm.wasm"\n' > bad.toml && \
+	{ ./usr/bin/kvhost config check bad.toml; test $$? -eq 1; } && echo "install-check: ok"
 
 # The summary tables of docs/performance.md and the README's headlines,
 # one per machine, regenerated from the raw files in docs/bench as
