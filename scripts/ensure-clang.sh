@@ -3,10 +3,9 @@
 # clang, which targets wasm32 out of the box, and lld, whose wasm-ld links
 # freestanding wasm32 modules. No wasi-libc: the C SDK is freestanding.
 set -euo pipefail
+# shellcheck source=ensure-apt.sh
+. "$(dirname "$0")/ensure-apt.sh"
 if ! command -v clang >/dev/null 2>&1 || ! command -v wasm-ld >/dev/null 2>&1; then
-	sudo=""
-	[ "$(id -u)" -eq 0 ] || sudo="sudo"
 	echo "installing clang and lld (wasm-ld) with apt-get" >&2
-	$sudo apt-get update -qq
-	DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq clang lld >/dev/null
+	apt_install clang lld
 fi

@@ -3,12 +3,11 @@
 # machine, for /usr/bin/python3: numpy (required), CPU torch (optional:
 # the torch tests skip with a message naming the package when it cannot be
 # installed), venv, pip, setuptools and wheel for the offline-install
-# test, Python's headers for the C lookup probe, and for make test-vllm
-# the two packages vLLM's own modules import (prometheus_client, regex).
-# With --vllm (make vllm-test-deps, run by make test-vllm) also what
-# vLLM's connector modules import for the MultiConnector tests: pydantic
-# (vLLM's KVTransferConfig) and cbor2 (vllm.utils.hashing); those are
-# required there, so a failed install fails.
+# test, and Python's headers for the C lookup probe. With --vllm (make
+# vllm-test-deps, run by make test-vllm) also what vLLM's modules import:
+# pydantic (vLLM's KVTransferConfig), cbor2 (vllm.utils.hashing),
+# prometheus_client and regex; those are required there, so a failed
+# install fails. apt-get waits for the dpkg lock (ensure-apt.sh).
 # Idempotent: asks apt only for what is missing.
 set -euo pipefail
 py=${PYTHON:-/usr/bin/python3}
@@ -17,6 +16,9 @@ required=(python3-numpy python3-dev)
 if [ "${1:-}" = --vllm ]; then
 	"$py" -c 'import pydantic' >/dev/null 2>&1 || missing+=(python3-pydantic)
 	"$py" -c 'import cbor2' >/dev/null 2>&1 || missing+=(python3-cbor2)
+	# vLLM's connector metrics, and vLLM's modules import regex in place of re.
+	"$py" -c 'import prometheus_client' >/dev/null 2>&1 || missing+=(python3-prometheus-client)
+	"$py" -c 'import regex' >/dev/null 2>&1 || missing+=(python3-regex)
 	required+=(python3-pydantic python3-cbor2 python3-prometheus-client python3-regex)
 fi
 "$py" -c 'import numpy' >/dev/null 2>&1 || missing+=(python3-numpy)
@@ -24,10 +26,6 @@ fi
 # The offline-install test builds the client in a fresh venv with pip and
 # setuptools from the system (no package index).
 "$py" -c 'import ensurepip' >/dev/null 2>&1 || missing+=(python3-venv)
-# vLLM's connector metrics (make test-vllm only; the CI tests skip without a vLLM tree).
-"$py" -c 'import prometheus_client' >/dev/null 2>&1 || missing+=(python3-prometheus-client)
-# vLLM's modules import regex in place of re (make test-vllm only).
-"$py" -c 'import regex' >/dev/null 2>&1 || missing+=(python3-regex)
 "$py" -c 'import setuptools, wheel' >/dev/null 2>&1 || missing+=(python3-setuptools python3-wheel)
 # Python's headers, to build the client's C lookup probe (make python-ext).
 "$py" -c 'import os, sys, sysconfig; sys.exit(not os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' \
@@ -41,12 +39,11 @@ if ! command -v apt-get >/dev/null 2>&1; then
 	done
 	exit 0
 fi
-sudo=""
-[ "$(id -u)" -eq 0 ] || sudo="sudo"
+# shellcheck source=ensure-apt.sh
+. "$(dirname "$0")/ensure-apt.sh"
 echo "ensure-python: installing ${missing[*]} with apt-get" >&2
-$sudo apt-get update -qq || true
 for pkg in "${missing[@]}"; do
-	if ! DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "$pkg" >/dev/null; then
+	if ! apt_install "$pkg"; then
 		if [[ " ${required[*]} " == *" $pkg "* ]]; then
 			echo "ensure-python: cannot install $pkg (required by the tests)" >&2
 			exit 1

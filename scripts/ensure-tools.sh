@@ -2,12 +2,11 @@
 # Installs what `make` needs beyond Go: wat2wasm (Debian package wabt) for the
 # WebAssembly-text plugins and test fixtures, and staticcheck.
 set -euo pipefail
+# shellcheck source=ensure-apt.sh
+. "$(dirname "$0")/ensure-apt.sh"
 if ! command -v wat2wasm >/dev/null 2>&1; then
-	sudo=""
-	[ "$(id -u)" -eq 0 ] || sudo="sudo"
 	echo "installing wabt (wat2wasm) with apt-get" >&2
-	$sudo apt-get update -qq
-	DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq wabt >/dev/null
+	apt_install wabt
 fi
 gobin=$(go env GOPATH)/bin
 if [ ! -x "$gobin/staticcheck" ]; then
