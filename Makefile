@@ -221,6 +221,20 @@ test-cluster-bounded:
 	scripts/cephfs.sh run --skip-uninstallable 2 \
 		$(GO) test -race -count=1 -v -timeout 5m -run '$(CLUSTER_BOUNDED_RUN)' ./internal/reliability
 
+# Container images (deploy/docker): the daemon's, which deploy/kubernetes
+# runs as kvhost:dev, and vLLM's with kvhost's client. IMAGE=NAME:TAG
+# tags it for a registry (then docker push NAME:TAG, and name it in the
+# manifests). The context is the repository (.dockerignore keeps caches,
+# build outputs and history out).
+IMAGE      ?= kvhost:dev
+VLLM_KVHOST_IMAGE ?= vllm-kvhost:dev
+.PHONY: image image-vllm
+image:
+	docker build -f deploy/docker/Dockerfile --build-arg VERSION=$(VERSION) -t $(IMAGE) .
+
+image-vllm:
+	docker build -f deploy/docker/vllm.Dockerfile -t $(VLLM_KVHOST_IMAGE) .
+
 # GPU check and benchmark binaries for a GPU machine without Go
 # (scripts/gpu-check.sh runs them there): stripped, and packed into
 # gpu-bins.tar.xz to copy over.

@@ -535,3 +535,92 @@ func TestVLLMImageInstallsTheClientOfThisRepository(t *testing.T) {
 		t.Fatalf("docs/vllm.md and the Dockerfile should both give %q, and the pod run image vllm-kvhost:dev", build)
 	}
 }
+
+// readRepoFile is the repository's file rel, failing t where it cannot
+// be read.
+func readRepoFile(t *testing.T, rel ...string) string {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join(append([]string{"..", ".."}, rel...)...))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return string(b)
+}
+
+// makeVar is the default of the Makefile's variable name (NAME ?= or
+// NAME :=), "" where it has none.
+func makeVar(makefile, name string) string {
+	m := regexp.MustCompile(`(?m)^` + regexp.QuoteMeta(name) + `\s*[?:]?=\s*(.*)$`).FindStringSubmatch(makefile)
+	if m == nil {
+		return ""
+	}
+	return strings.TrimSpace(m[1])
+}
+
+// TestDeployFilesNameWhatTheBuildMakes: the manifests ran
+// ghcr.io/kvhost/kvhost:latest, which nothing built; the vLLM image
+// extended vllm/vllm-openai:latest and set no KVHOST_SOCKET; the unit's
+// Documentation= named a file nothing installed; the build context took
+// in .cache (108 MB). Now: every kvhost container of the manifests runs
+// the image `make image` tags; the vLLM image is a release tag and sets
+// KVHOST_SOCKET to the daemon image's socket; the unit's documentation is
+// a file `make install` installs under the prefix its ExecStart runs
+// from; .dockerignore keeps the caches, outputs and history out.
+func TestDeployFilesNameWhatTheBuildMakes(t *testing.T) {
+	makefile := readRepoFile(t, "Makefile")
+	image := makeVar(makefile, "IMAGE")
+	if image == "" || !strings.Contains(makefile, "-t $(IMAGE) .") {
+		t.Fatalf("the Makefile's image target does not tag IMAGE (default %q)", image)
+	}
+	for _, m := range []string{"kvhost-daemonset.yaml", "kvhost-daemonset-shared.yaml"} {
+		src := readRepoFile(t, "deploy", "kubernetes", m)
+		images := regexp.MustCompile(`(?m)^\s*image:\s*(\S+)`).FindAllStringSubmatch(src, -1)
+		found := false
+		for _, im := range images {
+			if strings.Contains(im[1], "kvhost") {
+				found = true
+				if im[1] != image {
+					t.Errorf("%s runs %s; want %s, the image make image builds", m, im[1], image)
+				}
+			}
+		}
+		if !found || !strings.Contains(src, "make image") {
+			t.Errorf("%s runs no kvhost image, or does not say how to build it (make image)", m)
+		}
+	}
+
+	vllm := readRepoFile(t, "deploy", "docker", "vllm.Dockerfile")
+	if m := regexp.MustCompile(`(?m)^ARG VLLM_IMAGE=vllm/vllm-openai:v\d+\.\d+\.\d+$`).FindString(vllm); m == "" {
+		t.Errorf("vllm.Dockerfile: want ARG VLLM_IMAGE=vllm/vllm-openai:vX.Y.Z, a release tag")
+	}
+	cfg, err := config.Load(filepath.Join("..", "..", "deploy", "docker", "kvhost.toml"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := "ENV KVHOST_SOCKET=" + cfg.Server.Socket + "\n"; !strings.Contains(vllm, want) {
+		t.Errorf("vllm.Dockerfile lacks %q (the daemon image's socket)", strings.TrimSpace(want))
+	}
+
+	unit := readRepoFile(t, "deploy", "systemd", "kvhost.service")
+	doc := regexp.MustCompile(`(?m)^Documentation=file://(\S+)$`).FindStringSubmatch(unit)
+	exec := regexp.MustCompile(`(?m)^ExecStart=(\S+)/bin/kvhost `).FindStringSubmatch(unit)
+	if doc == nil || exec == nil {
+		t.Fatalf("the unit has no Documentation=file://... or ExecStart=PREFIX/bin/kvhost")
+	}
+	installed := strings.Fields(makeVar(makefile, "INSTALL_DOCS"))
+	if dir, file := filepath.Split(doc[1]); dir != exec[1]+"/share/doc/kvhost/" || !slices.ContainsFunc(installed, func(f string) bool { return filepath.Base(f) == file }) {
+		t.Errorf("Documentation=file://%s: want a file of INSTALL_DOCS (%v) under %s/share/doc/kvhost, where make install puts them", doc[1], installed, exec[1])
+	}
+
+	ignore := strings.Fields(readRepoFile(t, ".dockerignore"))
+	for _, p := range []string{".git", ".cache", "bin", "gpu-bins"} {
+		if !slices.Contains(ignore, p) {
+			t.Errorf(".dockerignore does not exclude %s", p)
+		}
+	}
+	for _, p := range ignore {
+		if p == "plugins" || strings.HasPrefix(p, "plugins/wasm") || p == "*.wasm" {
+			t.Errorf(".dockerignore excludes %s: the image's build embeds the committed plugins/wasm", p)
+		}
+	}
+}
