@@ -316,7 +316,7 @@ type fakeCuFileCtl struct {
 	ReadFailAfter, ReadFailCode, ReadTruncateAt, WriteFailAfter, WriteShort int64
 	NoCompat, DriverOpens, DriverCloses                                     int64
 	HandlesRegistered, HandlesDeregistered, HandlesLive, BadHandleUses      int64
-	BufsLive, BytesRead, BytesWritten, Reads, Writes, RegisterCalls         int64
+	BytesRead, BytesWritten, Reads, Writes, RegisterCalls                   int64
 }
 
 // openFakeCuFileGPU opens the daemon's GPU paths on the fake CUDA
