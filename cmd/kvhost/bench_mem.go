@@ -16,6 +16,7 @@ import (
 	"github.com/kvhost/kvhost/internal/bench"
 	"github.com/kvhost/kvhost/internal/config"
 	"github.com/kvhost/kvhost/internal/cuda"
+	kvdaemon "github.com/kvhost/kvhost/internal/daemon"
 	"github.com/kvhost/kvhost/internal/fstype"
 	"github.com/kvhost/kvhost/plugins/lru"
 	"github.com/kvhost/kvhost/region"
@@ -571,11 +572,11 @@ func fsTypeOf(path string) string {
 // wasm policy, or the native lru policy when this binary embeds none.
 func benchPolicy(ctx context.Context, cfg config.Config, log *slog.Logger) func(policy.Index) (policy.Policy, error) {
 	pc := cfg.Policy
-	fb := fallbackPolicy(cfg)
+	fb := kvdaemon.FallbackFor(cfg)
 	pcfg := policy.Config{
 		Shards: pc.Shards, MemoryLimit: int64(pc.MemoryLimit), CallTimeout: time.Duration(pc.CallTimeout),
 		CacheDir: pc.CacheDir, Params: pc.PolicyParams(), MaxFailures: pc.MaxFailures,
-		FailureWindow: time.Duration(pc.FailureWindow), Fallback: fb.newPolicy, FallbackName: fb.name, FallbackParams: fb.params, Logger: log,
+		FailureWindow: time.Duration(pc.FailureWindow), Fallback: fb.New, FallbackName: fb.Name, FallbackParams: fb.Params, Logger: log,
 	}
 	if pcfg.CacheDir == "" {
 		pcfg.CacheDir = filepath.Join(config.DefaultRoot(), "wasm-cache")
@@ -584,7 +585,7 @@ func benchPolicy(ctx context.Context, cfg config.Config, log *slog.Logger) func(
 		pcfg.CacheDir = ""
 	}
 	return func(idx policy.Index) (policy.Policy, error) {
-		module, name, _, err := policyModule(pc.Name)
+		module, name, _, err := kvdaemon.Module(pc.Name)
 		if err != nil {
 			return nil, err
 		}

@@ -8,6 +8,7 @@ import (
 	"os"
 
 	"github.com/kvhost/kvhost/internal/config"
+	kvdaemon "github.com/kvhost/kvhost/internal/daemon"
 	"github.com/kvhost/kvhost/internal/server"
 )
 
@@ -37,7 +38,7 @@ docs/config.md describes every key.`
 // ("": flags only) beyond what Load checks: mounts of kvhost's layout
 // that are one directory, or one inside the other (overlappingMounts),
 // named at the later one's path, and a policy that does not start as the
-// daemon's start builds it (startPolicy: a policy.name that is not built
+// daemon's start builds it (kvdaemon.StartPolicy: a policy.name that is not built
 // in, a plugin file that is not a WebAssembly module, a [policy.params]
 // key its kvhost_init refuses). A plugin file that does not exist here is
 // not checked: it may exist only on the node, where `kvhost check` loads
@@ -46,13 +47,13 @@ func checkAtStart(ctx context.Context, file string, cfg config.Config) error {
 	if o := overlappingMounts(cfg.Mounts); len(o) > 0 {
 		return config.AtKey(file, "mount.path", o[0].second, o[0].err)
 	}
-	if isPluginFile(cfg.Policy.Name) {
-		if _, _, _, err := policyModule(cfg.Policy.Name); errors.Is(err, os.ErrNotExist) {
+	if kvdaemon.IsPluginFile(cfg.Policy.Name) {
+		if _, _, _, err := kvdaemon.Module(cfg.Policy.Name); errors.Is(err, os.ErrNotExist) {
 			return nil
 		}
 	}
-	if _, _, err := startPolicy(ctx, cfg); err != nil {
-		return policyStartError(file, cfg, err)
+	if _, _, err := kvdaemon.StartPolicy(ctx, cfg); err != nil {
+		return kvdaemon.PolicyStartError(file, cfg, err)
 	}
 	return nil
 }

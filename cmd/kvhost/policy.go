@@ -15,6 +15,7 @@ import (
 
 	"github.com/kvhost/kvhost/host/policy"
 	"github.com/kvhost/kvhost/host/policy/conformance"
+	kvdaemon "github.com/kvhost/kvhost/internal/daemon"
 	"github.com/kvhost/kvhost/plugins"
 )
 
@@ -137,12 +138,6 @@ func (t *testFlags) options(logTo io.Writer) conformance.Options {
 	return opts
 }
 
-// isPluginFile reports whether a policy name is a plugin file (it ends in
-// .wasm or contains a '/') rather than a built-in policy's name.
-func isPluginFile(arg string) bool {
-	return strings.HasSuffix(arg, ".wasm") || strings.Contains(arg, "/")
-}
-
 // compilationCache opens dir, made if missing, as an on-disk compilation
 // cache, as the daemon opens policy.cache_dir.
 func compilationCache(dir string) (wazero.CompilationCache, error) {
@@ -154,10 +149,10 @@ func compilationCache(dir string) (wazero.CompilationCache, error) {
 
 // loadPlugin reads a plugin module: a file when arg ends in .wasm or
 // contains '/' (a bare NAME.wasm that does not exist is the built-in
-// NAME, as for the daemon: policyModule), a built-in policy otherwise.
+// NAME, as for the daemon: kvdaemon.Module), a built-in policy otherwise.
 func loadPlugin(arg string) (name string, module []byte, err error) {
-	if isPluginFile(arg) {
-		b, _, _, err := policyModule(arg)
+	if kvdaemon.IsPluginFile(arg) {
+		b, _, _, err := kvdaemon.Module(arg)
 		return arg, b, err
 	}
 	b, err := plugins.Wasm(arg)

@@ -16,6 +16,7 @@ import (
 
 	"github.com/kvhost/kvhost/client"
 	"github.com/kvhost/kvhost/internal/config"
+	kvdaemon "github.com/kvhost/kvhost/internal/daemon"
 	"github.com/kvhost/kvhost/internal/logging"
 )
 
@@ -77,25 +78,25 @@ func (d *daemon) applyReload(ctx context.Context) (string, error) {
 	running := cur
 	running.Policy, running.Log.Level, running.Engine.VerifyInterval = next.Policy, next.Log.Level, next.Engine.VerifyInterval
 	var changed []string
-	build, err := d.policyBuilder(ctx, running)
+	build, err := d.buildPolicy(ctx, running)
 	if err != nil {
 		return "", err
 	}
-	old := d.pol.current()
+	old := d.pol.Current()
 	switch {
-	case old == nil || !reflect.DeepEqual(old.cfg, next.Policy):
+	case old == nil || !reflect.DeepEqual(old.Config, next.Policy):
 		changed = append(changed, "policy")
-	case old.sum != build.sum:
+	case old.Sum != build.Sum:
 		changed = append(changed, "policy (module changed)")
-	case old.host != nil && old.host.Stats().Fallback:
+	case old.Host() != nil && old.Host().Stats().Fallback:
 		changed = append(changed, "policy (retried after its fallback)")
 	}
 	if len(changed) > 0 {
-		if err := d.eng.ReplacePolicy(ctx, build.fn); err != nil {
+		if err := d.eng.ReplacePolicy(ctx, build.New); err != nil {
 			return "", err
 		}
-		d.pol.swap(build)
-		warnSingleMount(d.log, build, cur.Mounts)
+		d.pol.Swap(build)
+		kvdaemon.WarnSingleMount(d.log, build, cur.Mounts)
 		// The new policy's parameters over the mounts that run.
 		running := cur
 		running.Policy = next.Policy

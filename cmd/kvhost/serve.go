@@ -1,9 +1,7 @@
 package main
 
 import (
-	"bytes"
 	"context"
-	"crypto/sha256"
 	"errors"
 	"fmt"
 	"io"
@@ -12,26 +10,21 @@ import (
 	"net/http"
 	"os"
 	"os/signal"
-	"path/filepath"
 	"runtime/pprof"
-	"slices"
 	"strings"
 	"sync"
 	"syscall"
 	"time"
 
-	"github.com/kvhost/kvhost/abi/guest"
 	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/host/policy"
 	"github.com/kvhost/kvhost/internal/config"
+	kvdaemon "github.com/kvhost/kvhost/internal/daemon"
 	"github.com/kvhost/kvhost/internal/engine"
 	"github.com/kvhost/kvhost/internal/logging"
 	"github.com/kvhost/kvhost/internal/metrics"
 	"github.com/kvhost/kvhost/internal/server"
 	"github.com/kvhost/kvhost/internal/watchdog"
-	"github.com/kvhost/kvhost/plugins"
-	"github.com/kvhost/kvhost/plugins/lru"
-	"github.com/kvhost/kvhost/plugins/tiered"
 	"github.com/kvhost/kvhost/protocol"
 	"github.com/kvhost/kvhost/region"
 	"github.com/kvhost/kvhost/transfer"
@@ -219,7 +212,7 @@ type daemon struct {
 	metrics *metrics.Metrics // nil without [metrics] listen
 	fs      fsys.FS          // the engine's file system; nil: the operating system's
 	eng     *engine.Engine
-	pol     policyState
+	pol     kvdaemon.PolicyState
 
 	readyMu  sync.Mutex // held while readiness changes and systemd is told
 	stopping bool       // set once the daemon stops: nothing makes it ready again
@@ -230,6 +223,16 @@ type daemon struct {
 	reloads        uint64
 	reloadFailures uint64
 	lastReload     string
+}
+
+// buildPolicy is kvdaemon.Build for this daemon: its log, its metrics'
+// policy calls, and errors placed at the key or flag that gave the value.
+func (d *daemon) buildPolicy(ctx context.Context, cfg config.Config) (*kvdaemon.Policy, error) {
+	o := kvdaemon.BuildOptions{Log: d.log, Locate: d.flags.Locate}
+	if d.metrics != nil {
+		o.OnCall = d.metrics.ObservePolicyCall
+	}
+	return kvdaemon.Build(ctx, cfg, o)
 }
 
 // nodeLockFile is the engine's node lock (engine.Config.LockFile) of a
@@ -285,7 +288,7 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 		case <-stopped:
 		}
 	}()
-	build, err := d.policyBuilder(ctx, cfg)
+	build, err := d.buildPolicy(ctx, cfg)
 	if err != nil {
 		return err
 	}
@@ -312,7 +315,7 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 	}
 	ecfg := engine.Config{
 		Mounts:              mounts,
-		NewPolicy:           build.fn,
+		NewPolicy:           build.New,
 		Fsync:               cfg.Engine.Fsync,
 		IOWorkers:           workers,
 		YieldBytes:          int64(cfg.Engine.YieldBytes),
@@ -341,7 +344,7 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 			// The policy does not start (a module that does not
 			// compile, [policy.params] its init refuses): its key is
 			// at fault, named once, without the engine's prefixes.
-			err = d.flags.Locate(policyFault(cfg, err))
+			err = d.flags.Locate(kvdaemon.PolicyFault(cfg, err))
 		} else {
 			err = fmt.Errorf("open engine: %w", err)
 		}
@@ -350,8 +353,8 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 	d.mu.Lock()
 	d.eng = eng // forcedExit reads it from another goroutine
 	d.mu.Unlock()
-	d.pol.swap(build)
-	warnSingleMount(log, build, cfg.Mounts)
+	d.pol.Swap(build)
+	kvdaemon.WarnSingleMount(log, build, cfg.Mounts)
 	warnReversedTiers(log, cfg, eng.Stats().Mounts)
 	table, err := openLookupTable(cfg, eng, log)
 	if err != nil {
@@ -416,7 +419,7 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 	}
 	if d.metrics != nil {
 		src := metrics.Sources{
-			Engine: eng.Stats, Server: srv.Stats, Policy: d.pol.state, DataPaths: d.dataPaths, Staging: eng.StagingUsage,
+			Engine: eng.Stats, Server: srv.Stats, Policy: d.pol.State, DataPaths: d.dataPaths, Staging: eng.StagingUsage,
 			Stalled: func() string { return wd.Unhealthy(time.Now()) },
 			Reloads: func() (uint64, uint64) {
 				d.mu.Lock()
@@ -451,7 +454,7 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 		d.handleSignals(ctx, done)
 	}()
 
-	log.Info("kvhost listening", "socket", sock.Path(), "mode", cfg.Server.SocketMode.String(), "policy", d.pol.name(), "mounts", strings.Join(paths, ","))
+	log.Info("kvhost listening", "socket", sock.Path(), "mode", cfg.Server.SocketMode.String(), "policy", d.pol.Name(), "mounts", strings.Join(paths, ","))
 	// Ready first (/readyz, kvhost_ready, systemd), then the readiness
 	// line on stdout (docs/serve.md), which scripts and tests wait for: a
 	// scrape after the line must see the daemon ready. The socket already
@@ -646,7 +649,7 @@ func (d *daemon) dataPaths() []metrics.DataPath {
 
 // daemonStats is the daemon section of Stats replies.
 func (d *daemon) daemonStats() protocol.DaemonStats {
-	ps := d.pol.state()
+	ps := d.pol.State()
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	return protocol.DaemonStats{
@@ -703,205 +706,6 @@ func (d *daemon) handleSignals(ctx context.Context, done <-chan struct{}) {
 	}
 }
 
-// policyState is the policy the engine runs, for stats and metrics: the
-// current host and the counters of the hosts reloads replaced (counters
-// never go down).
-type policyState struct {
-	mu      sync.Mutex
-	cur     *builtPolicy
-	retired policy.Stats
-}
-
-func (p *policyState) swap(b *builtPolicy) {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if p.cur != nil && p.cur.host != nil {
-		addCounters(&p.retired, p.cur.host.Stats())
-	}
-	p.cur = b
-}
-
-// addCounters adds the counters of from to into (not the state fields:
-// Fallback, FallbackReason, Backend).
-func addCounters(into *policy.Stats, from policy.Stats) {
-	if into.Calls == nil {
-		into.Calls = map[string]uint64{}
-	}
-	if into.Records == nil {
-		into.Records = map[string]uint64{}
-	}
-	for k, v := range from.Calls {
-		into.Calls[k] += v
-	}
-	for k, v := range from.Records {
-		into.Records[k] += v
-	}
-	into.Failures += from.Failures
-	into.Rejections += from.Rejections
-	into.Replacements += from.Replacements
-	into.StaleVictims += from.StaleVictims
-	into.SlowCalls += from.SlowCalls
-}
-
-func (p *policyState) name() string {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if p.cur == nil {
-		return ""
-	}
-	return p.cur.name
-}
-
-// current is the policy running now.
-func (p *policyState) current() *builtPolicy {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return p.cur
-}
-
-// state is the policy's name and cumulative counters.
-func (p *policyState) state() metrics.PolicyState {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	if p.cur == nil || p.cur.host == nil {
-		return metrics.PolicyState{}
-	}
-	s := p.cur.host.Stats()
-	addCounters(&s, p.retired)
-	return metrics.PolicyState{Name: p.cur.name, Stats: s}
-}
-
-// builtPolicy is a policy configuration ready to build: fn builds the host
-// (the engine calls it with its index) and records it in host.
-type builtPolicy struct {
-	name string
-	sum  [32]byte // of the wasm module (zero: native)
-	cfg  config.Policy
-	fn   func(idx policy.Index) (policy.Policy, error)
-	host *policy.Host
-}
-
-// policyBuilder resolves cfg's policy (reading a .wasm file now, so that a
-// missing file fails here) and returns its builder.
-func (d *daemon) policyBuilder(ctx context.Context, cfg config.Config) (*builtPolicy, error) {
-	log := d.log
-	module, name, builtin, err := policyModule(cfg.Policy.Name)
-	if err != nil {
-		return nil, d.flags.Locate("policy.name", err)
-	}
-	if builtin && isPluginFile(cfg.Policy.Name) {
-		log.Info("no such policy file: serving the built-in policy of that name", "file", cfg.Policy.Name, "policy", name)
-	}
-	b := &builtPolicy{name: name, cfg: cfg.Policy}
-	if module != nil {
-		b.sum = sha256.Sum256(module)
-	}
-	pcfg := policy.Config{
-		Shards:        cfg.Policy.Shards,
-		MemoryLimit:   int64(cfg.Policy.MemoryLimit),
-		CallTimeout:   time.Duration(cfg.Policy.CallTimeout),
-		CacheDir:      cfg.Policy.CacheDir,
-		Params:        cfg.Policy.PolicyParams(),
-		MaxFailures:   cfg.Policy.MaxFailures,
-		FailureWindow: time.Duration(cfg.Policy.FailureWindow),
-		Logger:        log,
-	}
-	fb := fallbackPolicy(cfg)
-	pcfg.FallbackName, pcfg.Fallback, pcfg.FallbackParams = fb.name, fb.newPolicy, fb.params
-	if module != nil && len(fb.ignored) > 0 {
-		log.Info("the native fallback policy ignores these [policy.params]", "policy", name,
-			"fallback", fb.name, "keys", strings.Join(fb.ignored, ","))
-	}
-	if d.metrics != nil {
-		pcfg.OnCall = d.metrics.ObservePolicyCall
-	}
-	if pcfg.CacheDir == "" {
-		pcfg.CacheDir = filepath.Join(config.DefaultRoot(), "wasm-cache")
-	}
-	if err := os.MkdirAll(pcfg.CacheDir, 0o750); err != nil {
-		log.Warn("no compilation cache for the policy", "dir", pcfg.CacheDir, "err", err)
-		pcfg.CacheDir = ""
-	}
-	b.fn = func(idx policy.Index) (policy.Policy, error) {
-		if module != nil {
-			start := time.Now()
-			h, err := policy.Open(ctx, module, name, idx, pcfg)
-			if err == nil {
-				log.Info("policy ready", "policy", name, "shards", h.Shards(), "took", time.Since(start).String())
-				b.host = h
-				return h, nil
-			}
-			if ctx.Err() != nil {
-				return nil, fmt.Errorf("policy %s: %w", name, ctx.Err())
-			}
-			// An init the plugin refused (its [policy.params]) would be
-			// refused by the native build too: only a module that does
-			// not load is worth the fallback.
-			var pe *policy.Error
-			isPolicyErr := errors.As(err, &pe)
-			if !builtin || name != plugins.Default || (isPolicyErr && pe.Hook == "kvhost_init") {
-				if isPolicyErr {
-					return nil, err // it names the policy already
-				}
-				return nil, fmt.Errorf("policy %s: %w", name, err)
-			}
-			log.Warn("the built-in wasm policy does not load; running its native build", "policy", name, "err", err)
-		}
-		if module == nil {
-			log.Warn("this binary embeds no wasm policy (built without make); running the native lru policy", "policy", name)
-		}
-		h, err := policy.NewNative(func() guest.Policy { return lru.New() }, idx, pcfg)
-		b.host = h
-		return h, err
-	}
-	return b, nil
-}
-
-// fallback is the native policy a failing plugin falls back to and the
-// configuration it takes.
-type fallback struct {
-	name      string
-	newPolicy func() guest.Policy
-	params    map[string]string // the keys of [policy.params] it knows
-	ignored   []string          // the others, sorted
-}
-
-// fallbackPolicy is the native policy a failing plugin falls back to: on a
-// daemon with several kvhost mounts the mount-aware tiered policy (its
-// defaults: mount 0 hot, mount 1 cold), since lru would put every new file
-// on mount 0 and delete what it evicts there instead of demoting it; lru
-// otherwise. Both name files alike (lru's scheme). It takes the keys of
-// [policy.params] it knows, which mean for it what they mean for the
-// built-in plugins; any other would fail its every start.
-func fallbackPolicy(cfg config.Config) fallback {
-	fb := fallback{name: lru.Name, newPolicy: func() guest.Policy { return lru.New() }}
-	known := lru.Keys()
-	if kvhostMounts(cfg) > 1 {
-		fb = fallback{name: tiered.Name, newPolicy: func() guest.Policy { return tiered.New() }}
-		known = tiered.Keys()
-	}
-	fb.params = cfg.Policy.PolicyParams()
-	for k := range fb.params {
-		if !slices.Contains(known, k) {
-			fb.ignored = append(fb.ignored, k)
-			delete(fb.params, k)
-		}
-	}
-	slices.Sort(fb.ignored)
-	return fb
-}
-
-// kvhostMounts counts the mounts of kvhost's own layout (not vllm-fs).
-func kvhostMounts(cfg config.Config) int {
-	n := 0
-	for _, m := range cfg.Mounts {
-		if m.Layout != config.LayoutVLLMFS {
-			n++
-		}
-	}
-	return n
-}
-
 // nonEmpty is []string{s}, or nil when s is empty (the default search
 // paths).
 func nonEmpty(s string) []string {
@@ -910,51 +714,6 @@ func nonEmpty(s string) []string {
 	}
 	return []string{s}
 }
-
-// policyModule resolves --policy: a built-in name or a .wasm file. A
-// bare file name (no path separator) that does not exist and names a
-// built-in policy, such as lru.wasm, is that built-in (builtin true; the
-// caller says so). A file that is not a WebAssembly module is refused
-// here, naming its path. A built-in missing from the binary yields a nil
-// module for lru, which then runs natively. A relative file that cannot
-// be read is named with the working directory it was taken against,
-// which is not the configuration file's.
-func policyModule(nameOrFile string) (module []byte, name string, builtin bool, err error) {
-	if isPluginFile(nameOrFile) {
-		b, err := os.ReadFile(nameOrFile)
-		if errors.Is(err, os.ErrNotExist) && !strings.ContainsRune(nameOrFile, '/') && !strings.ContainsRune(nameOrFile, os.PathSeparator) {
-			name := strings.TrimSuffix(nameOrFile, ".wasm")
-			if b, berr := plugins.Wasm(name); berr == nil {
-				return b, name, true, nil
-			}
-		}
-		if err != nil {
-			if wd, werr := os.Getwd(); werr == nil && !filepath.IsAbs(nameOrFile) {
-				return nil, "", false, fmt.Errorf("policy: %w (a relative path is taken against the working directory, %s, not the configuration file's)", err, wd)
-			}
-			return nil, "", false, fmt.Errorf("policy: %w", err)
-		}
-		if !bytes.HasPrefix(b, wasmMagic) {
-			return nil, "", false, fmt.Errorf("policy %s: %w", nameOrFile, errNotWasm)
-		}
-		return b, strings.TrimSuffix(filepath.Base(nameOrFile), ".wasm"), false, nil
-	}
-	b, err := plugins.Wasm(nameOrFile)
-	if err != nil {
-		if nameOrFile == plugins.Default {
-			return nil, nameOrFile, true, nil
-		}
-		return nil, "", false, err
-	}
-	return b, nameOrFile, true, nil
-}
-
-// wasmMagic begins every WebAssembly module.
-var wasmMagic = []byte("\x00asm")
-
-// errNotWasm is policyModule's error for a policy file that is not a
-// WebAssembly module.
-var errNotWasm = errors.New("not a WebAssembly module (it does not begin with \\0asm)")
 
 // engineMounts is cfg's mounts as the engine takes them, each capacity
 // sized or checked by mountCapacity with statfs, which must answer within

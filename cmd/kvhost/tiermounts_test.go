@@ -10,44 +10,10 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/internal/config"
+	kvdaemon "github.com/kvhost/kvhost/internal/daemon"
 	"github.com/kvhost/kvhost/internal/testsock"
 )
-
-// TestSingleMountPolicyIsNamedOnlyWithSeveralKvhostMounts: a policy
-// without admission to a mount or demotion is reported when it is given
-// two kvhost mounts, never with one (a vllm-fs mount beside it does not
-// count) nor when it places files by mount.
-func TestSingleMountPolicyIsNamedOnlyWithSeveralKvhostMounts(t *testing.T) {
-	one := []config.Mount{{Path: "/a"}}
-	two := []config.Mount{{Path: "/a"}, {Path: "/b"}}
-	withFS := []config.Mount{{Path: "/a"}, {Path: "/v", Layout: config.LayoutVLLMFS}}
-	for _, tc := range []struct {
-		name   string
-		f      abi.Feature
-		mounts []config.Mount
-		warn   bool
-	}{
-		{"lru, two mounts", abi.FeatureNamespace, two, true},
-		{"native lru (no features), two mounts", 0, two, true},
-		{"lru, one mount", abi.FeatureNamespace, one, false},
-		{"lru, one mount and a vllm-fs mount", abi.FeatureNamespace, withFS, false},
-		{"tiered, two mounts", abi.FeatureNamespace | abi.FeatureAdmit | abi.FeatureMounts | abi.FeatureAdmitMount | abi.FeatureDemote | abi.FeatureTick, two, false},
-		{"admission to a mount only, two mounts", abi.FeatureAdmitMount, two, false},
-		{"demotion only, two mounts", abi.FeatureDemote, two, false},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			why := singleMountPolicy("lru", tc.f, tc.mounts)
-			if (why != "") != tc.warn {
-				t.Fatalf("singleMountPolicy = %q, want a warning: %v", why, tc.warn)
-			}
-			if tc.warn && (!strings.Contains(why, "/a") || !strings.Contains(why, "tiered")) {
-				t.Errorf("the warning %q names neither the first mount nor the tiered policy", why)
-			}
-		})
-	}
-}
 
 // TestDaemonWarnsAtStartWhenLRUGetsTwoMounts: the default policy with a
 // second [[mount]] logs the warning at start, naming the policy.
@@ -55,7 +21,7 @@ func TestDaemonWarnsAtStartWhenLRUGetsTwoMounts(t *testing.T) {
 	dir := t.TempDir()
 	file, _, _ := testConfig(t, dir, fmt.Sprintf("[[mount]]\npath = %q\ncapacity = \"64MiB\"\n", filepath.Join(dir, "cold")))
 	p := startProc(t, nil, "--config", file)
-	if m := p.stderr.logLine(t, singleMountMsg); m["policy"] != "lru" {
+	if m := p.stderr.logLine(t, kvdaemon.SingleMountMsg); m["policy"] != "lru" {
 		t.Fatalf("the warning names the policy %v, want lru: %v", m["policy"], m)
 	}
 }
