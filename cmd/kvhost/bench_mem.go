@@ -592,7 +592,7 @@ func benchPolicy(ctx context.Context, cfg config.Config, log *slog.Logger) func(
 		if module != nil {
 			return policy.Open(ctx, module, name, idx, pcfg)
 		}
-		log.Warn("this binary embeds no wasm policy (built without make); running the native lru policy", "policy", name)
+		log.Warn("this binary embeds no wasm policy (plugins/wasm was empty when it was built); running the native lru policy", "policy", name)
 		return policy.NewNative(func() guest.Policy { return lru.New() }, idx, pcfg)
 	}
 }

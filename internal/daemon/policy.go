@@ -297,7 +297,7 @@ func Build(ctx context.Context, cfg config.Config, o BuildOptions) (*Policy, err
 			log.Warn("the built-in wasm policy does not load; running its native build", "policy", name, "err", err)
 		}
 		if module == nil {
-			log.Warn("this binary embeds no wasm policy (built without make); running the native lru policy", "policy", name)
+			log.Warn("this binary embeds no wasm policy (plugins/wasm was empty when it was built); running the native lru policy", "policy", name)
 		}
 		h, err := policy.NewNative(func() guest.Policy { return lru.New() }, idx, pcfg)
 		b.host = h
