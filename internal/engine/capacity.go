@@ -212,8 +212,8 @@ func (e *Engine) evictRounds(ctx context.Context, m *mount, size int64) error {
 			// meanwhile waits, and its new file is never removed. The
 			// file counts as used until evictAll (or the path's holder)
 			// has removed it, or kept it as a spare.
-			en, c, rec, ok := e.ix.evictID(v.Entry, func(en *entry) bool {
-				return en.mount == m.idx && e.mayEvict(m, en)
+			en, c, rec, ok := e.ix.EvictID(v.Entry, func(en *entry) bool {
+				return en.Mount == m.idx && e.mayEvict(m, en)
 			}, e.now().UnixNano())
 			if !ok {
 				continue
@@ -222,7 +222,7 @@ func (e *Engine) evictRounds(ctx context.Context, m *mount, size int64) error {
 				claimed = append(claimed, en)
 			}
 			recs = append(recs, rec)
-			freed += en.size
+			freed += en.Size
 			e.st.evictions.Add(1)
 		}
 		e.evictAll(claimed)

@@ -207,7 +207,7 @@ func unindexedCases(ctx context.Context) []unindexedCase {
 			return op == fsys.OpRemove && strings.HasPrefix(path, hot) && strings.HasSuffix(path, ".kv")
 		},
 		run: func(t *testing.T, e *Engine, ns NamespaceID, keys [][]byte) {
-			if _, err := e.move(ctx, entryOf(e, ns, keys[0]).id, 1, true); err != nil {
+			if _, err := e.move(ctx, entryOf(e, ns, keys[0]).ID, 1, true); err != nil {
 				t.Fatalf("move: %v", err)
 			}
 		},
@@ -222,7 +222,7 @@ func unindexedCases(ctx context.Context) []unindexedCase {
 			e.Delete(ctx, ns, keys)
 		},
 		run: func(t *testing.T, e *Engine, ns NamespaceID, keys [][]byte) {
-			if _, err := e.move(ctx, entryOf(e, ns, keys[0]).id, 1, true); !errors.Is(err, errMoveStale) {
+			if _, err := e.move(ctx, entryOf(e, ns, keys[0]).ID, 1, true); !errors.Is(err, errMoveStale) {
 				t.Fatalf("move of a file deleted during it: %v, want errMoveStale", err)
 			}
 		},
@@ -407,7 +407,7 @@ func TestAFileWhoseRemovalKeepsFailingCountsOnceAndIsTriedOncePerInterval(t *tes
 	c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
 	keys := testKeys("rofs", 1)
 	storeAndCheck(t, e, c, keys, [][]int{{0, 1, 2, 3}})
-	path := entryOf(e, ns, keys[0]).path
+	path := entryOf(e, ns, keys[0]).Path
 	stuck.Store(&path)
 	if n, err := e.Delete(ctx, ns, keys); n != 1 || err != nil {
 		t.Fatalf("Delete = %d, %v; want 1", n, err)
@@ -445,8 +445,7 @@ func TestAFileWhoseRemovalKeepsFailingCountsOnceAndIsTriedOncePerInterval(t *tes
 // stores cross the high watermark.
 func TestAnEvictionWithNoFileLeftDoesNotLockTheIndexToRetryOne(t *testing.T) {
 	e := openEngine(t, Config{Mounts: []Mount{{Path: t.TempDir()}}, Policy: newTestPolicy(1, abi.OrderLayerMajor)})
-	e.ix.mu.Lock()
-	unlock := sync.OnceFunc(e.ix.mu.Unlock)
+	unlock := sync.OnceFunc(e.ix.Block())
 	t.Cleanup(unlock) // before the engine's Close, which needs the lock
 	var done atomic.Bool
 	go func() {
@@ -507,9 +506,7 @@ func injectedEngine(t *testing.T, mounts []Mount, pol policy.Policy, inj fsys.In
 
 // entryOf returns the entry that holds key in namespace ns.
 func entryOf(e *Engine, ns NamespaceID, key []byte) *entry {
-	e.ix.mu.Lock()
-	defer e.ix.mu.Unlock()
-	return e.ix.byKey[keyID{e.nss[ns].fp, string(key)}].e
+	return e.ix.Get(e.nss[ns].fp, key)
 }
 
 // oneMountPolicy is testPolicy naming every key on mount 0, without
@@ -554,15 +551,11 @@ func TestAStorePublishedOverAnOrphanLeavesItsFileCounted(t *testing.T) {
 	e, ns, c = injectedEngine(t, []Mount{{Path: dir}}, &oneMountPolicy{newTestPolicy(2, abi.OrderLayerMajor)}, inj, 16)
 	storeAndCheck(t, e, c, keys[:2], [][]int{{0, 1, 2, 3}, {4, 5, 6, 7}})
 	first := entryOf(e, ns, keys[0])
-	e.ix.mu.Lock()
-	delete(e.ix.byKey, keyID{e.nss[ns].fp, string(keys[0])})
-	e.ix.byFP[e.nss[ns].fp].keys-- // as unindexLocked counts a key it deletes
-	e.ix.mu.Unlock()
+	e.ix.ForgetKey(e.nss[ns].fp, keys[0])
 	armed.Store(true)
 	storeAndCheck(t, e, c, [][]byte{keys[0], keys[2]}, [][]int{{8, 9, 10, 11}, {12, 13, 14, 15}})
-	e.ix.mu.Lock()
-	orphan := first.orphan
-	e.ix.mu.Unlock()
+	var orphan bool
+	e.ix.Inspect(func() { orphan = first.Marks().Orphan })
 	if deleted.Load() != 1 || !orphan {
 		t.Fatalf("the delete during the store removed %d keys, orphan %v: want 1, and the first file an orphan of the store", deleted.Load(), orphan)
 	}
@@ -625,7 +618,7 @@ func TestAnEvictionEvictsForItsOrphansOnlyWhatTheCapacityNeeds(t *testing.T) {
 			armed.Store(true)
 			moved := make(chan error, 1)
 			go func() {
-				_, err := e.move(ctx, entryOf(e, ns, keys[0]).id, 1, true)
+				_, err := e.move(ctx, entryOf(e, ns, keys[0]).ID, 1, true)
 				moved <- err
 			}()
 			select {

@@ -300,7 +300,7 @@ func (e *Engine) mayEvict(m *mount, en *entry) bool {
 	if c == nil {
 		return true
 	}
-	o, ok := clustercap.Owner(en.fid)
+	o, ok := clustercap.Owner(en.FID)
 	if !ok || (o == c.tag && c.twinned.Load()) {
 		return false
 	}
@@ -315,7 +315,7 @@ type ranked struct {
 
 // rank is en's eviction rank without the policy: its last access (Unix
 // nanoseconds).
-func rank(en *entry) uint64 { return uint64(max(en.last, 0)) }
+func rank(en *entry) uint64 { return uint64(max(en.Last, 0)) }
 
 // count takes stock of m for c: this node's evictable entries by rank,
 // its bytes (with stores in flight) and the other nodes' files it used
@@ -324,19 +324,19 @@ func (c *clusterMount) count(ctx context.Context, e *Engine, m *mount) (own []ra
 	dead := *c.dead.Load()
 	var foreign []ranked // used since c.since: touches
 	var indexed int64
-	e.ix.each(func(en *entry) {
-		if en.mount != m.idx {
+	e.ix.Each(func(en *entry) {
+		if en.Mount != m.idx {
 			return
 		}
-		indexed += en.size
-		o, ok := clustercap.Owner(en.fid)
+		indexed += en.Size
+		o, ok := clustercap.Owner(en.FID)
 		switch {
 		case ok && (o == c.tag || dead[o]):
 			own = append(own, ranked{en, rank(en)})
-			bytes += en.size
-		case ok && en.last > c.since && len(foreign) < clustercap.MaxTouches:
+			bytes += en.Size
+		case ok && en.Last > c.since && len(foreign) < clustercap.MaxTouches:
 			foreign = append(foreign, ranked{en, rank(en)})
-			touches = append(touches, clustercap.Touch{ID: en.fid, Time: en.last})
+			touches = append(touches, clustercap.Touch{ID: en.FID, Time: en.Last})
 		}
 	})
 	used, _ := e.space.usage(m.sp)
@@ -351,9 +351,9 @@ func (c *clusterMount) count(ctx context.Context, e *Engine, m *mount) (own []ra
 	}
 	kept := make(map[uint64]uint64, len(c.floor))
 	for i := range own {
-		if f, ok := c.floor[own[i].en.fid]; ok {
+		if f, ok := c.floor[own[i].en.FID]; ok {
 			own[i].rank = max(own[i].rank, f)
-			kept[own[i].en.fid] = f
+			kept[own[i].en.FID] = f
 		}
 	}
 	c.floor = kept
@@ -373,7 +373,7 @@ func (c *clusterMount) policyRanks(ctx context.Context, e *Engine, m *mount, own
 	recs := make([]abi.RankRecord, 0, n)
 	for _, set := range [][]ranked{own, foreign} {
 		for _, r := range set {
-			recs = append(recs, abi.RankRecord{Entry: r.en.id, Time: now})
+			recs = append(recs, abi.RankRecord{Entry: r.en.ID, Time: now})
 		}
 	}
 	ok, err := e.policyRank(ctx, recs)
@@ -625,7 +625,7 @@ func (c *clusterMount) read(ctx context.Context, e *Engine, m *mount) error {
 	}
 	// The use is an access of the file: the policy hears of it as a hit
 	// at its time, and the file ranks at least as the user ranks it.
-	recs := e.ix.touch(m.idx, func(fid uint64) (int64, bool) {
+	recs := e.ix.Touch(m.idx, func(fid uint64) (int64, bool) {
 		t, ok := touched[fid]
 		if ok {
 			c.floor[fid] = max(c.floor[fid], t.Rank)
@@ -935,7 +935,7 @@ func (c *clusterMount) tick(ctx context.Context, e *Engine, m *mount) {
 	}
 	items := make([]clustercap.Item, len(own))
 	for i, r := range own {
-		items[i] = clustercap.Item{Rank: r.rank, Bytes: r.en.size}
+		items[i] = clustercap.Item{Rank: r.rank, Bytes: r.en.Size}
 	}
 	sketch := clustercap.NewSketch(items, clustercap.SketchPoints)
 	p := c.bound.Decide(start, sketch, c.own, c.cutsOf(start), 2*int64(c.interval))
@@ -944,7 +944,7 @@ func (c *clusterMount) tick(ctx context.Context, e *Engine, m *mount) {
 			own, c.own, _ = c.count(ctx, e, m)
 			items = items[:0]
 			for _, r := range own {
-				items = append(items, clustercap.Item{Rank: r.rank, Bytes: r.en.size})
+				items = append(items, clustercap.Item{Rank: r.rank, Bytes: r.en.Size})
 			}
 			sketch = clustercap.NewSketch(items, clustercap.SketchPoints)
 		}
@@ -1016,13 +1016,13 @@ func (c *clusterMount) evict(ctx context.Context, e *Engine, m *mount, own []ran
 			break
 		}
 		en := r.en
-		c, rec, ok := e.ix.evict(en, func(en *entry) bool { return en.mount == m.idx && e.mayEvict(m, en) }, now)
+		c, rec, ok := e.ix.Evict(en, func(en *entry) bool { return en.Mount == m.idx && e.mayEvict(m, en) }, now)
 		if ok {
 			if c {
 				claimed = append(claimed, en)
 			}
 			recs = append(recs, rec)
-			freed += en.size
+			freed += en.Size
 			e.st.evictions.Add(1)
 		}
 	}
@@ -1200,8 +1200,8 @@ func (e *Engine) clusterVictims(m *mount, req abi.EvictRequest) []policy.Evictio
 		if sum >= req.Bytes || len(out) == victimBatch {
 			break
 		}
-		out = append(out, policy.Eviction{Victim: abi.Victim{Entry: r.en.id, Score: r.rank}, Target: abi.VictimTarget{Mount: abi.NoMount}})
-		sum += uint64(r.en.size)
+		out = append(out, policy.Eviction{Victim: abi.Victim{Entry: r.en.ID, Score: r.rank}, Target: abi.VictimTarget{Mount: abi.NoMount}})
+		sum += uint64(r.en.Size)
 	}
 	return out
 }
@@ -1239,9 +1239,9 @@ func (c *clusterMount) cleanTemps(e *Engine, m *mount, dead map[uint32]bool) {
 // bytesOf is the bytes of the entries on m whose owner tag is in tags.
 func (e *Engine) bytesOf(m *mount, tags map[uint32]bool) int64 {
 	var n int64
-	e.ix.each(func(en *entry) {
-		if o, ok := clustercap.Owner(en.fid); ok && tags[o] && en.mount == m.idx {
-			n += en.size
+	e.ix.Each(func(en *entry) {
+		if o, ok := clustercap.Owner(en.FID); ok && tags[o] && en.Mount == m.idx {
+			n += en.Size
 		}
 	})
 	return n
@@ -1257,10 +1257,10 @@ func (e *Engine) bytesOf(m *mount, tags map[uint32]bool) int64 {
 // while one is left.
 func (e *Engine) leftOf(m *mount, tag uint32) bool {
 	of := func(en *entry) bool {
-		o, ok := clustercap.Owner(en.fid)
-		return ok && o == tag && en.mount == m.idx
+		o, ok := clustercap.Owner(en.FID)
+		return ok && o == tag && en.Mount == m.idx
 	}
-	return e.ix.anyOut(of)
+	return e.ix.AnyOut(of)
 }
 
 // adoptFiles indexes the files on m whose owner tag is in tags (dead
@@ -1335,7 +1335,7 @@ func (e *Engine) adoptFiles(ctx context.Context, m *mount, tags map[uint32]bool,
 				}
 				continue
 			}
-			if o, ok := clustercap.Owner(en.fid); !ok || !tags[o] {
+			if o, ok := clustercap.Owner(en.FID); !ok || !tags[o] {
 				continue
 			}
 			got, err := e.adoptFound(ctx, en)

@@ -697,14 +697,12 @@ func TestClusterCountsReservedAndGrantedBytesOnceEach(t *testing.T) {
 
 // entriesOf lists e's entries on its first mount of node's files.
 func entriesOf(e *Engine, node string) []*entry {
-	e.ix.mu.RLock()
-	defer e.ix.mu.RUnlock()
 	var out []*entry
-	for _, en := range e.ix.entries {
-		if o, ok := clustercap.Owner(en.fid); ok && o == clustercap.Tag(node) && en.mount == 0 && !en.gone {
+	e.ix.Each(func(en *entry) {
+		if o, ok := clustercap.Owner(en.FID); ok && o == clustercap.Tag(node) && en.Mount == 0 && !en.Marks().Gone {
 			out = append(out, en)
 		}
-	}
+	})
 	return out
 }
 
@@ -892,16 +890,15 @@ func TestClusterAnotherNodesUseFromItsFutureCountsAsNow(t *testing.T) {
 	}
 	defer b.Close()
 	now := clock.now()
-	use := clustercap.Touch{ID: en.fid, Time: now.Add(time.Hour).UnixNano(), Rank: 1}
+	use := clustercap.Touch{ID: en.FID, Time: now.Add(time.Hour).UnixNano(), Rank: 1}
 	if err := b.Publish(&clustercap.Summary{Version: clustercap.SummaryVersion, Node: "b", Tag: clustercap.Tag("b"), Seq: 1,
 		Time: now.Add(time.Hour).UnixNano(), Interval: int64(time.Hour), Touches: []clustercap.Touch{use}}); err != nil {
 		t.Fatal(err)
 	}
 	m := a.e.mounts[0]
 	m.cluster.tick(ctx, a.e, m)
-	a.e.ix.mu.RLock()
-	last := en.last
-	a.e.ix.mu.RUnlock()
+	var last int64
+	a.e.ix.Inspect(func() { last = en.Marks().Last })
 	if last > now.UnixNano() {
 		t.Fatalf("A's file, used by B at B's clock an hour ahead, was last accessed %v after A's now", time.Duration(last-now.UnixNano()))
 	}
@@ -1333,8 +1330,8 @@ func TestClusterAnAdopterSparesTheFilesOfANodeWhoseRebuildRuns(t *testing.T) {
 		t.Fatalf("A removed %d of D's 3 files while D's rebuild indexed them (A's stores: %v): %v", len(gone), stored, gone)
 	}
 	for _, en := range entriesOf(restarted.e, "d") {
-		if _, err := os.Stat(en.path); err != nil {
-			t.Errorf("D indexes its file %s, gone from the mount: %v", en.path, err)
+		if _, err := os.Stat(en.Path); err != nil {
+			t.Errorf("D indexes its file %s, gone from the mount: %v", en.Path, err)
 		}
 	}
 }

@@ -62,7 +62,7 @@ func (e *Engine) purgedOnCluster(en *entry) bool {
 		if m.cluster == nil || !covers(e, m, en) {
 			continue
 		}
-		if t, ok := m.cluster.dir.PurgedAt(en.fp, limit); ok && en.ident.Mtime <= t {
+		if t, ok := m.cluster.dir.PurgedAt(en.FP, limit); ok && en.Ident.Mtime <= t {
 			return true
 		}
 	}
@@ -74,7 +74,7 @@ func (e *Engine) purgedOnCluster(en *entry) bool {
 // node's hot tier, a file it moved off m), which the node would serve
 // after the purge otherwise. Another cluster mount has its own records.
 func covers(e *Engine, m *mount, en *entry) bool {
-	return en.mount == m.idx || e.mounts[en.mount].cluster == nil
+	return en.Mount == m.idx || e.mounts[en.Mount].cluster == nil
 }
 
 // purgeLimit is the latest purge record time that applies now: this
@@ -93,7 +93,7 @@ func (e *Engine) purgeLimit() int64 {
 // which no other node sees: it leaves every index and stays on the mount,
 // as no eviction removes it either. Called with index.mu held.
 func (e *Engine) mayPurge(en *entry) bool {
-	m := e.mounts[en.mount]
+	m := e.mounts[en.Mount]
 	return m.cluster == nil || e.mayEvict(m, en)
 }
 
@@ -118,9 +118,9 @@ func (c *clusterMount) applyPurges(ctx context.Context, e *Engine, m *mount) {
 	}
 	// The records stay after their namespace's files went: one of a
 	// namespace with no file indexed costs no scan of the index.
-	ens := e.ix.matching(purges, func(en *entry) bool {
-		t, ok := purges[en.fp]
-		return ok && covers(e, m, en) && !en.spare && en.ident.Mtime <= t
+	ens := e.ix.Matching(purges, func(en *entry) bool {
+		t, ok := purges[en.FP]
+		return ok && covers(e, m, en) && !en.Spare && en.Ident.Mtime <= t
 	})
 	var r PurgeResult
 	e.purgeEntries(ctx, ens, &r, "purged on the cluster")

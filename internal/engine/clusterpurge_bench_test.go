@@ -29,25 +29,15 @@ func BenchmarkClusterTickScans(b *testing.B) {
 	c := m.cluster
 	const fp = 0x1234
 	now := time.Now().UnixNano()
-	e.ix.mu.Lock()
-	base := e.ix.lastID + 1
-	for i := range uint64(entries) {
-		e.ix.entries[base+i] = &entry{id: base + i, fp: fp, mount: m.idx, size: 1 << 20, fid: clustercap.FileID(c.tag, rand.Uint64()),
-			last: now + int64(i), keys: []string{fmt.Sprint(i)}}
-		e.ix.entries[base+i].ident.Mtime = now + int64(i)
-	}
-	e.ix.countOf(fp).files += entries // byFP, as applyPurges asks it
-	e.ix.mu.Unlock()
-	b.Cleanup(func() {
-		e.ix.mu.Lock()
-		for i := range uint64(entries) {
-			delete(e.ix.entries, base+i)
-		}
-		c := e.ix.countOf(fp)
-		c.files -= entries
-		e.ix.dropEmptyLocked(fp, c)
-		e.ix.mu.Unlock()
-	})
+	var i int64
+	// counted in byFP, as applyPurges asks it
+	b.Cleanup(e.ix.AddUnlinked(fp, func(uint64) *entry {
+		en := &entry{FP: fp, Mount: m.idx, Size: 1 << 20, FID: clustercap.FileID(c.tag, rand.Uint64()),
+			Last: now + i, Keys: []string{fmt.Sprint(i)}}
+		en.Ident.Mtime = now + i
+		i++
+		return en
+	}, entries))
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	b.Run("count", func(b *testing.B) {

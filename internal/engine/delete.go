@@ -82,16 +82,16 @@ type droppedKey struct {
 // no (asked with index.mu held), en is only dropped from the index and its
 // file stays (kept).
 func (e *Engine) dropUnpinned(ctx context.Context, en *entry, key []byte, mayRemove func(*entry) bool, why string) droppedKey {
-	d := e.ix.dropUnpinned(en, key, mayRemove, e.now().UnixNano())
+	d := e.ix.DropUnpinned(en, key, mayRemove, e.now().UnixNano())
 	switch {
-	case d.pinned:
-		e.log.Debug("engine: removal refused: pinned", "path", d.en.path, "why", why)
+	case d.Pinned:
+		e.log.Debug("engine: removal refused: pinned", "path", d.En.Path, "why", why)
 		return droppedKey{pinned: true}
-	case d.en == nil:
+	case d.En == nil:
 		return droppedKey{}
 	}
-	left := e.dropped(ctx, d.en, d.claimed, d.rec, why)
-	return droppedKey{en: d.en, keys: d.keys, left: left, kept: !d.remove}
+	left := e.dropped(ctx, d.En, d.Claimed, d.Rec, why)
+	return droppedKey{en: d.En, keys: d.Keys, left: left, kept: !d.Remove}
 }
 
 // PurgeResult is what Purge removed, and what it left for client pins.
@@ -209,17 +209,17 @@ func (e *Engine) purge(ctx context.Context, fps []uint64, r *PurgeResult) bool {
 	removed := false
 	// The files left before first, so that a file this purge fails to
 	// remove is tried once.
-	ofFPs := func(en *entry) bool { return !en.spare && slices.Contains(fps, en.fp) }
-	left := e.ix.takeLeft(ofFPs, e.now().UnixNano()+int64(leftRetryInterval))
+	ofFPs := func(en *entry) bool { return !en.Spare && slices.Contains(fps, en.FP) }
+	left := e.ix.TakeLeft(ofFPs, e.now().UnixNano()+int64(leftRetryInterval))
 	for at, en := range left {
 		if e.removeAt(at, en) {
 			r.Left++
 			continue
 		}
-		r.Files, r.Bytes = r.Files+1, r.Bytes+en.size
+		r.Files, r.Bytes = r.Files+1, r.Bytes+en.Size
 		removed = true
 	}
-	ens := e.ix.matching(nil, func(en *entry) bool { return slices.Contains(fps, en.fp) })
+	ens := e.ix.Matching(nil, func(en *entry) bool { return slices.Contains(fps, en.FP) })
 	if e.purgeEntries(ctx, ens, r, "purged") {
 		removed = true
 	}
@@ -239,13 +239,13 @@ func (e *Engine) purgeEntries(ctx context.Context, ens []*entry, r *PurgeResult,
 		if ctx.Err() != nil {
 			break
 		}
-		switch d := e.dropUnpinned(ctx, en, []byte(en.keys[0]), e.mayPurge, why); {
+		switch d := e.dropUnpinned(ctx, en, []byte(en.Keys[0]), e.mayPurge, why); {
 		case d.left:
 			r.Left++
 		case d.kept:
 			r.Others++
 		case d.en != nil:
-			r.Files, r.Keys, r.Bytes = r.Files+1, r.Keys+d.keys, r.Bytes+d.en.size
+			r.Files, r.Keys, r.Bytes = r.Files+1, r.Keys+d.keys, r.Bytes+d.en.Size
 			removed = true
 		case d.pinned:
 			r.Pinned++

@@ -362,31 +362,31 @@ func (e *Engine) moveEntry(ctx context.Context, id uint64, target int, mayEvict,
 	// on a cluster mount, only this node's files and those of a dead node
 	// it adopted (a policy knows other nodes' files it found).
 	may := func(en *entry) bool {
-		return en.mount != target && en.mount < e.kvMounts && e.mayEvict(e.mounts[en.mount], en)
+		return en.Mount != target && en.Mount < e.kvMounts && e.mayEvict(e.mounts[en.Mount], en)
 	}
 	to := func(en *entry) (string, error) {
-		sm := e.mounts[en.mount]
-		rel, err := filepath.Rel(sm.root, en.path)
+		sm := e.mounts[en.Mount]
+		rel, err := filepath.Rel(sm.root, en.Path)
 		if err != nil || rel == ".." || strings.HasPrefix(rel, ".."+string(filepath.Separator)) {
-			return "", fmt.Errorf("engine: move: %s is not under its mount %s", en.path, sm.root)
+			return "", fmt.Errorf("engine: move: %s is not under its mount %s", en.Path, sm.root)
 		}
 		return filepath.Join(tm.root, rel), nil
 	}
-	en, dup, dst, stale, err := ix.claimMove(id, held, may, to)
+	en, dup, dst, stale, err := ix.ClaimMove(id, held, may, to)
 	switch {
 	case err != nil:
 		return 0, err
 	case stale:
 		return 0, errMoveStale
-	case dup != nil && !dup.sameKeys(en):
-		return 0, fmt.Errorf("%w: move of %s: %s holds other keys", errPathTaken, en.path, dst)
+	case dup != nil && !dup.SameKeys(en):
+		return 0, fmt.Errorf("%w: move of %s: %s holds other keys", errPathTaken, en.Path, dst)
 	}
-	sm := e.mounts[en.mount]
-	size := en.size
+	sm := e.mounts[en.Mount]
+	size := en.Size
 	unindexed := false // en left the index for its copy: removeMoved releases en.path
 	defer func() {
 		if !unindexed {
-			e.release(en.path)
+			e.release(en.Path)
 		}
 	}()
 	defer e.release(dst)
@@ -415,7 +415,7 @@ func (e *Engine) moveEntry(ctx context.Context, id uint64, target int, mayEvict,
 	e.fileEnded()
 	if err != nil {
 		if left != nil {
-			ix.leave(left, dst) // the reservation counts the copy left
+			ix.Leave(left, dst) // the reservation counts the copy left
 		} else {
 			e.unreserve(tm, size)
 		}
@@ -425,12 +425,12 @@ func (e *Engine) moveEntry(ctx context.Context, id uint64, target int, mayEvict,
 	// reservation becomes the copy's entry. The copy is indexed first:
 	// the keys never leave the index's key set (MirrorKeys), a miss of
 	// which a client of the shared lookup table may take for final.
-	recs, ok := ix.moved(en, en2, held)
+	recs, ok := ix.Moved(en, en2, held)
 	if !ok {
 		// Deleted, evicted or pinned by a load while it was copied: the
 		// copy goes; the source stays (or goes with its own removal).
 		if left := e.removeIfSame(dst, []*entry{en2}); left != nil {
-			ix.leave(left, dst) // the reservation counts the copy left
+			ix.Leave(left, dst) // the reservation counts the copy left
 		} else {
 			e.unreserve(tm, size)
 		}
@@ -453,9 +453,9 @@ func (e *Engine) moveEntry(ctx context.Context, id uint64, target int, mayEvict,
 // bytes still counted; a cluster adopter retires no dead node meanwhile
 // (leftOf).
 func (e *Engine) removeMoved(en *entry) int64 {
-	e.removeAt(en.path, en)
+	e.removeAt(en.Path, en)
 	e.spareRoom() // the source's room
-	return en.size
+	return en.Size
 }
 
 // dropCopy ends the move of en onto a mount whose file at the same path,
@@ -475,11 +475,11 @@ func (e *Engine) dropCopy(ctx context.Context, en, dup *entry, held bool) error 
 	if !e.confirm(ctx, dup) {
 		return errMoveStale
 	}
-	recs, ok := e.ix.movedTo(en, dup, held)
+	recs, ok := e.ix.MovedTo(en, dup, held)
 	if !ok {
 		return errMoveStale
 	}
-	if e.mounts[dup.mount].idx < e.mounts[en.mount].idx {
+	if e.mounts[dup.Mount].idx < e.mounts[en.Mount].idx {
 		e.tierSt.promotions.Add(1)
 	}
 	e.access(ctx, recs)
@@ -507,7 +507,7 @@ func (e *Engine) copyBuffer(n int64) (buf []byte, put func()) {
 func (e *Engine) copyFile(en *entry, tm *mount, dst string) (en2, left *entry, err error) {
 	src, h, err := e.openSame(en, os.O_RDONLY)
 	if err != nil {
-		return nil, nil, fmt.Errorf("engine: move: open %s: %w", en.path, err)
+		return nil, nil, fmt.Errorf("engine: move: open %s: %w", en.Path, err)
 	}
 	defer src.Close()
 	// From here the copy is a file written on tm, as a store's is: how it
@@ -516,17 +516,17 @@ func (e *Engine) copyFile(en *entry, tm *mount, dst string) (en2, left *entry, e
 	readFailed := false
 	defer func() {
 		if !readFailed {
-			e.storeEnded(tm, en.size, err)
+			e.storeEnded(tm, en.Size, err)
 		}
 	}()
-	f, tmp, op, err := e.createTemp(tm, filepath.Dir(dst), 0, en.size)
+	f, tmp, op, err := e.createTemp(tm, filepath.Dir(dst), 0, en.Size)
 	if err != nil {
 		return nil, nil, e.ioError(tm, "move: "+op, err)
 	}
 	published := false
 	defer func() {
 		if !published {
-			e.removeTemp(tm, tmp, f, en.size)
+			e.removeTemp(tm, tmp, f, en.Size)
 		}
 		if f != nil {
 			f.Close()
@@ -534,25 +534,25 @@ func (e *Engine) copyFile(en *entry, tm *mount, dst string) (en2, left *entry, e
 	}()
 	// Whole large folios on the target (a tmpfs with huge pages): a write
 	// of part of one would have the kernel zero the rest first.
-	buf, put := e.copyBuffer(min(max(int64(copyChunk), tm.folio), max(en.size, 1)))
+	buf, put := e.copyBuffer(min(max(int64(copyChunk), tm.folio), max(en.Size, 1)))
 	defer put()
-	for off := int64(0); off < en.size; {
-		n, rerr := src.ReadAt(buf[:min(int64(len(buf)), en.size-off)], off)
+	for off := int64(0); off < en.Size; {
+		n, rerr := src.ReadAt(buf[:min(int64(len(buf)), en.Size-off)], off)
 		if n > 0 {
 			if _, err := f.WriteAt(buf[:n], off); err != nil {
 				return nil, nil, e.ioError(tm, "move: write", err)
 			}
 			off += int64(n)
 		}
-		if rerr != nil && (!errors.Is(rerr, io.EOF) || off < en.size) {
+		if rerr != nil && (!errors.Is(rerr, io.EOF) || off < en.Size) {
 			if errors.Is(rerr, io.EOF) {
-				rerr = fmt.Errorf("%w: %s shrank to %d bytes while it was copied", ErrCorrupt, en.path, off)
+				rerr = fmt.Errorf("%w: %s shrank to %d bytes while it was copied", ErrCorrupt, en.Path, off)
 			}
 			readFailed = true
-			return nil, nil, fmt.Errorf("engine: move: read %s: %w", en.path, rerr)
+			return nil, nil, fmt.Errorf("engine: move: read %s: %w", en.Path, rerr)
 		}
 	}
-	if e.rewrittenUnder(e.mounts[en.mount], src, h) {
+	if e.rewrittenUnder(e.mounts[en.Mount], src, h) {
 		// Another engine on the directory evicted the source and a store
 		// of it wrote into it (spare files) while it was copied, as a
 		// load checks (loadRound): the copy may hold its header over
@@ -560,17 +560,17 @@ func (e *Engine) copyFile(en *entry, tm *mount, dst string) (en2, left *entry, e
 		// copy is removed unpublished.
 		readFailed = true
 		e.dropVanished(context.Background(), en, "rewritten while moved")
-		return nil, nil, fmt.Errorf("%w: %s was rewritten while it was copied (evicted and reused by another engine on the directory): %w", errMoveStale, en.path, errReplaced)
+		return nil, nil, fmt.Errorf("%w: %s was rewritten while it was copied (evicted and reused by another engine on the directory): %w", errMoveStale, en.Path, errReplaced)
 	}
 	// The copy keeps the source's modification time, which Open takes for
 	// the last access: a restart ranks a moved file as before the move.
-	mt := unix.NsecToTimeval(en.ident.Mtime)
+	mt := unix.NsecToTimeval(en.Ident.Mtime)
 	if err := unix.Futimes(int(f.Fd()), []unix.Timeval{mt, mt}); err != nil {
 		e.log.Debug("engine: move: keep the modification time", "path", tmp, "err", err)
 	}
 	// Not cancelled once copied: the move finishes what it began (the
 	// source stays where the copy fails).
-	en2 = &entry{ns: en.ns, fp: en.fp, mount: tm.idx, path: dst, size: en.size, keys: en.keys, fid: en.fid}
+	en2 = &entry{NS: en.NS, FP: en.FP, Mount: tm.idx, Path: dst, Size: en.Size, Keys: en.Keys, FID: en.FID}
 	published, left, err = e.publish(context.Background(), tm, f, tmp, en2, nil, "move: ")
 	if published {
 		f = nil // closed
@@ -594,18 +594,18 @@ func (e *Engine) dedupe(found []*entry) []*entry {
 	var drop []*entry
 	dropped := map[*entry]bool{}
 	for _, en := range found {
-		if en.fid == 0 {
+		if en.FID == 0 {
 			continue
 		}
-		k := fileKey{en.fp, en.fid}
+		k := fileKey{en.FP, en.FID}
 		other, ok := keep[k]
-		if !ok || !slices.Equal(other.keys, en.keys) {
+		if !ok || !slices.Equal(other.Keys, en.Keys) {
 			if !ok {
 				keep[k] = en
 			}
 			continue
 		}
-		if en.ident.Ctime > other.ident.Ctime || en.ident.Ctime == other.ident.Ctime && en.mount < other.mount {
+		if en.Ident.Ctime > other.Ident.Ctime || en.Ident.Ctime == other.Ident.Ctime && en.Mount < other.Mount {
 			keep[k], en = en, other
 		}
 		drop = append(drop, en)
@@ -621,10 +621,10 @@ func (e *Engine) dedupe(found []*entry) []*entry {
 		}
 	}
 	for _, en := range drop {
-		e.log.Info("engine: second copy of a moved file removed", "path", en.path, "kept", keep[fileKey{en.fp, en.fid}].path)
-		if left := e.removeIfSame(en.path, []*entry{en}); left != nil {
-			e.space.left(e.mounts[left.mount].sp, left.size)
-			e.ix.leave(left, en.path)
+		e.log.Info("engine: second copy of a moved file removed", "path", en.Path, "kept", keep[fileKey{en.FP, en.FID}].Path)
+		if left := e.removeIfSame(en.Path, []*entry{en}); left != nil {
+			e.space.left(e.mounts[left.Mount].sp, left.Size)
+			e.ix.Leave(left, en.Path)
 			continue
 		}
 		e.tierSt.deduped.Add(1)

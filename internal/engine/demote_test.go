@@ -48,13 +48,11 @@ func tieredPolicies(t testing.TB, params map[string]string) map[string]func(poli
 // keyMount returns the mount of key's file in ns, or -1 if it is not
 // indexed.
 func keyMount(e *Engine, ns NamespaceID, key []byte) int {
-	e.ix.mu.Lock()
-	defer e.ix.mu.Unlock()
-	ref, ok := e.ix.byKey[keyID{e.nss[ns].fp, string(key)}]
-	if !ok {
+	en := e.ix.Get(e.nss[ns].fp, key)
+	if en == nil {
 		return -1
 	}
-	return ref.e.mount
+	return en.Mount
 }
 
 // relFiles lists the published files under root, relative to it.
@@ -299,9 +297,7 @@ func TestADemotionOntoAFileAlreadyAtItsPath(t *testing.T) {
 			if st := e.Stats(); st.Mounts[0].Entries != 1 || st.Mounts[1].Entries != 1 {
 				t.Fatalf("indexed at Open: %d files on the hot mount, %d on the cold one; want 1 and 1: the test proves nothing", st.Mounts[0].Entries, st.Mounts[1].Entries)
 			}
-			e.ix.mu.Lock()
-			victim := e.ix.byPath[files[0]]
-			e.ix.mu.Unlock()
+			victim := e.ix.ByPath(files[0])
 			storeAndCheck(t, e, c, keys[1:2], blocks[1:2])
 			storeAndCheck(t, e, c, keys[2:3], blocks[2:3])
 			ts, st := e.TierStats(), e.Stats()
@@ -487,11 +483,9 @@ func TestDedupeCountsACopyItCouldNotRemove(t *testing.T) {
 			e.TierStats().Deduped, st.RemoveFailures, dataFiles(t, hot), dataFiles(t, cold))
 	}
 	dropped := -1
-	e.ix.mu.Lock()
-	for _, en := range e.ix.left {
-		dropped = en.mount
+	for _, en := range e.ix.LeftOnDisk() {
+		dropped = en.Mount
 	}
-	e.ix.mu.Unlock()
 	if dropped < 0 {
 		t.Fatal("no file left on disk")
 	}
@@ -897,8 +891,8 @@ func TestLookupDuringMove(t *testing.T) {
 		moved atomic.Bool
 	)
 	inj := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
-		if en := armed.Load(); op == fsys.OpStat && en != nil && path == en.path && armed.CompareAndSwap(en, nil) {
-			_, err := e.move(ctx, en.id, 1, true)
+		if en := armed.Load(); op == fsys.OpStat && en != nil && path == en.Path && armed.CompareAndSwap(en, nil) {
+			_, err := e.move(ctx, en.ID, 1, true)
 			moved.Store(err == nil)
 		}
 		return fsys.Fault{}
@@ -912,9 +906,7 @@ func TestLookupDuringMove(t *testing.T) {
 	c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
 	keys := testKeys("mid", 1)
 	storeAndCheck(t, e, c, keys, [][]int{{0, 1, 2, 3}})
-	e.ix.mu.Lock()
-	en := e.ix.byKey[keyID{e.nss[ns].fp, string(keys[0])}].e
-	e.ix.mu.Unlock()
+	en := e.ix.Get(e.nss[ns].fp, keys[0])
 	armed.Store(en)
 	if n, err := e.Lookup(ctx, ns, keys); n != 1 || err != nil {
 		t.Fatalf("lookup during a move: %d, %v; want a hit", n, err)
@@ -956,9 +948,7 @@ func TestDeleteDuringMove(t *testing.T) {
 	}
 	c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
 	storeAndCheck(t, e, c, keys, [][]int{{0, 1, 2, 3}})
-	e.ix.mu.Lock()
-	id := e.ix.byKey[keyID{e.nss[ns].fp, string(keys[0])}].e.id
-	e.ix.mu.Unlock()
+	id := e.ix.Get(e.nss[ns].fp, keys[0]).ID
 	armed.Store(true)
 	if _, err := e.move(ctx, id, 1, true); !errors.Is(err, errMoveStale) {
 		t.Fatalf("move of a file deleted during it: %v, want errMoveStale", err)
@@ -1013,10 +1003,8 @@ func TestMovesCopyInWholeLargeFolios(t *testing.T) {
 		want := c.data(blocks)
 		keys := testKeys("folio-move", 1)
 		storeAndCheck(t, e, c, keys, [][]int{blocks})
-		e.ix.mu.Lock()
-		en := e.ix.byKey[keyID{e.nss[ns].fp, string(keys[0])}].e
-		id, size := en.id, en.size
-		e.ix.mu.Unlock()
+		en := e.ix.Get(e.nss[ns].fp, keys[0])
+		id, size := en.ID, en.Size
 		writes.Store(0) // the start's O_DIRECT probe wrote there too
 		if _, err := e.move(ctx, id, 1, true); err != nil {
 			t.Fatalf("folio %d: move: %v", folio, err)
@@ -1072,7 +1060,7 @@ func movingEngine(t *testing.T, hot, cold string, trigger func(op fsys.Op, path 
 	var e *Engine
 	inj := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
 		if en := trap.armed.Load(); en != nil && trigger(op, path, en) && trap.armed.CompareAndSwap(en, nil) {
-			_, err := e.move(context.Background(), en.id, 1, true)
+			_, err := e.move(context.Background(), en.ID, 1, true)
 			trap.moved.Store(err == nil)
 		}
 		return fsys.Fault{}
@@ -1090,7 +1078,7 @@ func TestDeleteRemovesAKeyMovedAfterItWasFound(t *testing.T) {
 	hot, cold := t.TempDir(), t.TempDir()
 	keys := testKeys("delmoved", 2)
 	trap, e, ns, c := movingEngine(t, hot, cold, func(op fsys.Op, path string, en *entry) bool {
-		return op == fsys.OpRemove && path != en.path // the other file's removal
+		return op == fsys.OpRemove && path != en.Path // the other file's removal
 	})
 	storeAndCheck(t, e, c, keys, [][]int{{0, 1, 2, 3}, {4, 5, 6, 7}})
 	trap.armed.Store(entryOf(e, ns, keys[1]))
@@ -1161,10 +1149,10 @@ func TestPinHoldsAKeyMovedAfterItWasFound(t *testing.T) {
 	if err != nil || id == 0 || !held[0] {
 		t.Fatalf("Pin = %d, %v, %v; want the moved key pinned", id, held, err)
 	}
-	e.ix.mu.Lock()
-	en := e.ix.byKey[keyID{e.nss[ns].fp, string(keys[0])}].e
-	mount, pinned := en.mount, en.clientPinned()
-	e.ix.mu.Unlock()
+	en := e.ix.Get(e.nss[ns].fp, keys[0])
+	var pinned bool
+	e.ix.Inspect(func() { pinned = en.ClientPinned() })
+	mount := en.Mount
 	if mount != 1 || !pinned {
 		t.Fatalf("the key's entry after the pin: mount %d, pinned %v; want mount 1, pinned", mount, pinned)
 	}
@@ -1180,7 +1168,7 @@ func TestAStoreOfAKeyMovedAfterItWasFoundAnswersPresent(t *testing.T) {
 	hot, cold := t.TempDir(), t.TempDir()
 	keys := testKeys("storemoved", 1)
 	trap, e, ns, c := movingEngine(t, hot, cold, func(op fsys.Op, path string, en *entry) bool {
-		return op == fsys.OpOpen && path == en.path // the store's check of the file
+		return op == fsys.OpOpen && path == en.Path // the store's check of the file
 	})
 	storeAndCheck(t, e, c, keys, [][]int{{0, 1, 2, 3}})
 	trap.armed.Store(entryOf(e, ns, keys[0]))
@@ -1394,7 +1382,7 @@ func TestAPinThatOvertakesAMovesInsertIsNoPluginFailure(t *testing.T) {
 	var id PinID
 	pin := func() { id, _, _ = e.Pin(ctx, ns, keys, 0) }
 	host.armed.Store(&pin)
-	if _, err := e.move(ctx, entryOf(e, ns, keys[0]).id, 1, true); err != nil {
+	if _, err := e.move(ctx, entryOf(e, ns, keys[0]).ID, 1, true); err != nil {
 		t.Fatal(err)
 	}
 	if id == 0 {

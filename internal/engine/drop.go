@@ -26,7 +26,7 @@ import (
 // reports whether en was still indexed, that is, whether this call
 // dropped it.
 func (e *Engine) drop(ctx context.Context, en *entry, remove bool, why string) bool {
-	was, claimed, rec := e.ix.drop(en, remove, e.now().UnixNano())
+	was, claimed, rec := e.ix.Drop(en, remove, e.now().UnixNano())
 	if !was {
 		return false
 	}
@@ -42,7 +42,7 @@ func (e *Engine) dropped(ctx context.Context, en *entry, claimed bool, rec abi.A
 	if claimed {
 		left = e.removeClaimed(en)
 	}
-	e.log.Debug("engine: entry dropped", "path", en.path, "why", why)
+	e.log.Debug("engine: entry dropped", "path", en.Path, "why", why)
 	e.access(ctx, []abi.AccessRecord{rec})
 	return left
 }
@@ -57,7 +57,7 @@ func (e *Engine) release(path string) {
 // freed (or found them gone), which their mounts counted as used until
 // then: they stop counting in the same hold of the index's lock.
 func (e *Engine) releaseFreed(path string, freed []*entry) {
-	fl, orphans := e.ix.release(path, freed)
+	fl, orphans := e.ix.Release(path, freed)
 	e.endRelease(path, fl, orphans)
 }
 
@@ -66,7 +66,7 @@ func (e *Engine) releaseFreed(path string, freed []*entry) {
 // file is still there, at at (disposeIfSame), which its mount goes on
 // counting (index.leaveLocked); the others stop counting.
 func (e *Engine) releaseRemoved(path string, ens []*entry, left *entry, at string) {
-	fl, orphans := e.ix.releaseLeaving(path, ens, left, at)
+	fl, orphans := e.ix.ReleaseLeaving(path, ens, left, at)
 	e.endRelease(path, fl, orphans)
 }
 
@@ -76,7 +76,7 @@ func (e *Engine) releaseRemoved(path string, ens []*entry, left *entry, at strin
 // of files unindexed while it held the path) and releases the path again.
 func (e *Engine) endRelease(path string, fl *flight, orphans []*entry) {
 	if fl != nil {
-		close(fl.done)
+		close(fl.Done)
 		return
 	}
 	_, left, at := e.disposeIfSame(path, orphans, false)
@@ -86,19 +86,19 @@ func (e *Engine) endRelease(path string, fl *flight, orphans []*entry) {
 // removeClaimed removes en's file (if it is still the file at its path) and
 // releases the path claimed by index.dropLocked.
 func (e *Engine) removeClaimed(en *entry) (left bool) {
-	return e.removeAt(en.path, en)
+	return e.removeAt(en.Path, en)
 }
 
 // evictClaimed is removeClaimed for an evicted entry: the file may be
 // kept as a spare (spares.go), its bytes then moving to the spares.
 func (e *Engine) evictClaimed(en *entry) {
-	kept, left, at := e.disposeIfSame(en.path, []*entry{en}, true)
+	kept, left, at := e.disposeIfSame(en.Path, []*entry{en}, true)
 	if kept {
-		fl, orphans := e.ix.releaseKept(en.path, en)
-		e.endRelease(en.path, fl, orphans)
+		fl, orphans := e.ix.ReleaseKept(en.Path, en)
+		e.endRelease(en.Path, fl, orphans)
 		return
 	}
-	e.releaseRemoved(en.path, []*entry{en}, left, at)
+	e.releaseRemoved(en.Path, []*entry{en}, left, at)
 }
 
 // retryLeft tries again to remove m's files whose removal failed
@@ -107,8 +107,8 @@ func (e *Engine) evictClaimed(en *entry) {
 // victims; where no file is left (the common case) it takes no lock.
 func (e *Engine) retryLeft(m *mount) {
 	now := e.now().UnixNano()
-	due := func(en *entry) bool { return en.mount == m.idx && en.retryAt <= now }
-	for at, en := range e.ix.takeLeft(due, now+int64(leftRetryInterval)) {
+	due := func(en *entry) bool { return en.Mount == m.idx && en.RetryAt() <= now }
+	for at, en := range e.ix.TakeLeft(due, now+int64(leftRetryInterval)) {
 		e.removeAt(at, en)
 	}
 }
@@ -145,14 +145,14 @@ func (e *Engine) confirm(ctx context.Context, en *entry) bool {
 	f, _, err := e.openSame(en, os.O_RDONLY)
 	if err == nil {
 		f.Close()
-		en.verified.Store(e.now().UnixNano())
+		en.Verified.Store(e.now().UnixNano())
 		return true
 	}
 	switch {
 	case errors.Is(err, os.ErrNotExist), errors.Is(err, errReplaced):
 		e.dropVanished(ctx, en, err.Error())
 	default:
-		e.log.Warn("engine: check of an indexed file", "path", en.path, "err", err)
+		e.log.Warn("engine: check of an indexed file", "path", en.Path, "err", err)
 	}
 	return false
 }
@@ -185,7 +185,7 @@ func (e *Engine) disposeIfSame(path string, ens []*entry, spare bool) (kept bool
 		return false, nil, ""
 	}
 	fail := func(op string, en *entry, at string, err error) (bool, *entry, string) {
-		if en.removeFailed.CompareAndSwap(false, true) {
+		if en.RemoveFailed.CompareAndSwap(false, true) {
 			e.st.removeFailures.Add(1)
 			e.log.Warn("engine: "+op, "path", at, "err", err)
 		} else {
@@ -193,7 +193,7 @@ func (e *Engine) disposeIfSame(path string, ens []*entry, spare bool) (kept bool
 		}
 		return false, en, at
 	}
-	m := e.mounts[ens[0].mount]
+	m := e.mounts[ens[0].Mount]
 	// The directory first, held to the end: the check below and the
 	// rename or unlink after it are of the name in the directory
 	// opened, never of one where a link planted meanwhile points
@@ -220,25 +220,25 @@ func (e *Engine) disposeIfSame(path string, ens []*entry, spare bool) (kept bool
 	}
 	id, err := fileIdentity(f)
 	var h *format.Header
-	if err == nil && !ens[0].spare {
-		h, err = e.fileHeader(ens[0].mount, path, f, id)
+	if err == nil && !ens[0].Spare {
+		h, err = e.fileHeader(ens[0].Mount, path, f, id)
 	}
 	f.Close()
 	match := -1 // the index in ens of the file's entry
 	switch {
-	case err == nil && ens[0].spare:
+	case err == nil && ens[0].Spare:
 		// A spare left on disk (index.leaveSpare), alone in ens: its
 		// name is this engine's own, and the file there is the spare
 		// whatever its header says (an evicted file's, zeros, or part
 		// of each).
 		match = 0
 	case err == nil:
-		match = slices.IndexFunc(ens, func(en *entry) bool { return en.sameFile(id, h) || en.unknownWithID(h.ID) })
+		match = slices.IndexFunc(ens, func(en *entry) bool { return sameFile(en, id, h) || en.UnknownWithID(h.ID) })
 	case errors.Is(err, ErrCorrupt):
 		// A corrupt file at the inode indexed (a corrupt file being
 		// dropped; writing into it changed its ctime): its header cannot
 		// say more, and a corrupt file is no one's data.
-		match = slices.IndexFunc(ens, func(en *entry) bool { return en.ident.Inode() == id.Inode() })
+		match = slices.IndexFunc(ens, func(en *entry) bool { return en.Ident.Inode() == id.Inode() })
 	default:
 		return fail("check before remove", ens[0], path, err)
 	}
@@ -249,7 +249,7 @@ func (e *Engine) disposeIfSame(path string, ens []*entry, spare bool) (kept bool
 	// A spare keeps its inode and pages: movers keep what they cache of
 	// it (a registration of its pages) for the store that reuses it.
 	if spare {
-		kept, at := e.keepSpare(m, dir, path, id, ens[0].size)
+		kept, at := e.keepSpare(m, dir, path, id, ens[0].Size)
 		if kept {
 			return true, nil, ""
 		}

@@ -11,6 +11,7 @@ import (
 
 	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/host/policy"
+	"github.com/kvhost/kvhost/internal/engine/index"
 	"github.com/kvhost/kvhost/region"
 	"github.com/kvhost/kvhost/staging"
 )
@@ -93,7 +94,7 @@ type Engine struct {
 	declares int // namespaces counted against Config.MaxNamespaces
 	// ix is what is stored: entries by id, key and path, and the paths
 	// jobs hold (index.go).
-	ix *index
+	ix *index.Index
 	// space is the room on every mount: capacity, used, reservations,
 	// orphans, spares (space.go).
 	space *space
@@ -201,7 +202,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		dirsMax:     maxKnownDirs,
 	}
 	e.fs = fsys.Watched(cfg.FS, &e.io)
-	e.ix = newIndex(e.space)
+	e.ix = index.NewIndex(indexCounts{e.space})
 	// The node-local lock first: a second daemon on this node stops here,
 	// before it touches a mount.
 	if cfg.LockFile != "" {
@@ -320,7 +321,7 @@ func (e *Engine) Stats() Stats {
 		PinnedFilesOpen: e.pinOpen.Load(), PinnedFilesUnopened: e.st.pinUnopened.Load(),
 		StoreFailures: e.fails.stats(0), LoadFailures: e.fails.stats(1), Tiering: e.TierStats(), HeldFound: e.HeldFound(),
 	}
-	s.Entries, s.Keys = e.ix.size()
+	s.Entries, s.Keys = e.ix.Size()
 	s.Namespaces = e.namespaceStats()
 	rooms := e.space.usages()
 	for i, m := range e.mounts {
@@ -428,5 +429,5 @@ func (e *Engine) shutdown() {
 // index's, the space's, and, where no job holds a path, that each
 // mount's room holds exactly its indexed files. Tests call it.
 func (e *Engine) check() error {
-	return errors.Join(e.ix.check(), e.space.check(), e.ix.checkAtRest())
+	return errors.Join(e.ix.Check(), e.space.check(), e.ix.CheckAtRest(len(e.space.mounts), e.space.usageAtRest))
 }

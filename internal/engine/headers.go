@@ -22,9 +22,9 @@ import (
 // is not en's file (errReplaced), as a load takes it for a vanished one;
 // nor does it wait on a named pipe at the path (checkOpen).
 func (e *Engine) openSame(en *entry, flag int) (fsys.File, *format.Header, error) {
-	f, err := e.openNoLinks(e.mounts[en.mount], en.path, flag|checkOpen, 0)
+	f, err := e.openNoLinks(e.mounts[en.Mount], en.Path, flag|checkOpen, 0)
 	if errors.Is(err, syscall.ELOOP) {
-		return nil, nil, fmt.Errorf("%w: %s, or a directory of it in the mount, is a symbolic link: %w", errReplaced, en.path, err)
+		return nil, nil, fmt.Errorf("%w: %s, or a directory of it in the mount, is a symbolic link: %w", errReplaced, en.Path, err)
 	}
 	if err != nil {
 		return nil, nil, err
@@ -36,19 +36,19 @@ func (e *Engine) openSame(en *entry, flag int) (fsys.File, *format.Header, error
 	}
 	if !id.Mode.IsRegular() {
 		f.Close()
-		return nil, nil, fmt.Errorf("%w: %s is not a regular file", errReplaced, en.path)
+		return nil, nil, fmt.Errorf("%w: %s is not a regular file", errReplaced, en.Path)
 	}
-	h, err := e.fileHeader(en.mount, en.path, f, id)
+	h, err := e.fileHeader(en.Mount, en.Path, f, id)
 	if err != nil {
 		f.Close()
-		if !en.ident.Same(id) {
-			return nil, nil, fmt.Errorf("%w: %s", errReplaced, en.path)
+		if !en.Ident.Same(id) {
+			return nil, nil, fmt.Errorf("%w: %s", errReplaced, en.Path)
 		}
 		return nil, nil, err
 	}
-	if !en.sameFile(id, h) {
+	if !sameFile(en, id, h) {
 		f.Close()
-		return nil, nil, fmt.Errorf("%w: %s: inode %d id %#x, indexed inode %d id %#x", errReplaced, en.path, id.Ino, h.ID, en.ident.Ino, en.fid)
+		return nil, nil, fmt.Errorf("%w: %s: inode %d id %#x, indexed inode %d id %#x", errReplaced, en.Path, id.Ino, h.ID, en.Ident.Ino, en.FID)
 	}
 	return f, h, nil
 }
@@ -88,7 +88,7 @@ type shortFileError struct {
 
 // Error names the file and its sizes.
 func (e *shortFileError) Error() string {
-	return fmt.Sprintf("%v: %s: %d bytes, header says %d", ErrCorrupt, e.en.path, e.en.size, e.want)
+	return fmt.Sprintf("%v: %s: %d bytes, header says %d", ErrCorrupt, e.en.Path, e.en.Size, e.want)
 }
 
 // Unwrap returns ErrCorrupt.
@@ -97,10 +97,10 @@ func (e *shortFileError) Unwrap() error { return ErrCorrupt }
 // entryOf returns an unindexed entry for the file at path with header h
 // and identity id.
 func (e *Engine) entryOf(mnt int, path string, h *format.Header, id fsys.Identity) *entry {
-	en := &entry{fp: h.Fingerprint, mount: mnt, path: path, size: id.Size, ident: id, fid: h.ID, last: id.Mtime}
-	en.verified.Store(e.now().UnixNano())
+	en := &entry{FP: h.Fingerprint, Mount: mnt, Path: path, Size: id.Size, Ident: id, FID: h.ID, Last: id.Mtime}
+	en.Verified.Store(e.now().UnixNano())
 	for _, k := range h.Keys {
-		en.keys = append(en.keys, string(k.Key))
+		en.Keys = append(en.Keys, string(k.Key))
 	}
 	return en
 }

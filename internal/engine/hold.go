@@ -45,7 +45,7 @@ func (e *Engine) holdFound(ctx context.Context, d time.Duration) {
 		return
 	}
 	now := e.now().UnixNano()
-	recs := e.ix.holdAll(now)
+	recs := e.ix.HoldAll(now)
 	if len(recs) == 0 {
 		return
 	}
@@ -73,7 +73,7 @@ func (e *Engine) releaseFound(tell bool) {
 	h.timer = nil
 	// Only a demotion round (serialized with this by h.mu) holds new
 	// entries, so the lists visited are all there will be.
-	n, recs := e.ix.endHold(tell, e.now().UnixNano())
+	n, recs := e.ix.EndHold(tell, e.now().UnixNano())
 	e.access(context.Background(), recs)
 	if tell {
 		e.log.Info("engine: files found at start may be evicted again", "files", n)
@@ -84,7 +84,7 @@ func (e *Engine) releaseFound(tell bool) {
 // still pins and that are still stored (Config.RestartHold); 0 once it
 // has ended. It waits for no policy call.
 func (e *Engine) HeldFound() int {
-	return e.ix.heldFound()
+	return e.ix.HeldFound()
 }
 
 // demoteHeld is the last round of an eviction on m (evict) that left too
@@ -142,14 +142,14 @@ func (e *Engine) demoteHeld(ctx context.Context, m *mount, size int64) error {
 			m.heldIdle = time.Time{}
 		}
 	}()
-	lifted, recs := e.ix.liftHeld(m.idx, now)
+	lifted, recs := e.ix.LiftHeld(m.idx, now)
 	if len(lifted) == 0 {
 		return nil
 	}
 	wctx := context.WithoutCancel(ctx) // records and moves begun finish
 	e.access(wctx, recs)
 	defer func() {
-		e.access(wctx, e.ix.unlift(lifted, e.now().UnixNano()))
+		e.access(wctx, e.ix.Unlift(lifted, e.now().UnixNano()))
 	}()
 
 	need := e.space.need(m.sp, size)

@@ -468,13 +468,11 @@ func TestRestartHoldDemotesHeldFilesToMakeRoom(t *testing.T) {
 			h := e.pol.(*switchPolicy).acquire()
 			pins := h.pinCounts()
 			h.calls.Done()
-			e.ix.mu.Lock()
-			for _, en := range e.ix.entries {
-				if want := map[bool]int{true: 1}[en.held]; pins[en.id] != want {
-					t.Errorf("entry %d (mount %d, held %v): the policy was told of %d pins, want %d", en.id, en.mount, en.held, pins[en.id], want)
+			e.ix.Each(func(en *entry) {
+				if held := en.Marks().Held; map[bool]int{true: 1}[held] != pins[en.ID] {
+					t.Errorf("entry %d (mount %d, held %v): the policy was told of %d pins, want %d", en.ID, en.Mount, held, pins[en.ID], map[bool]int{true: 1}[held])
 				}
-			}
-			e.ix.mu.Unlock()
+			})
 			into := blockLists(r, 1, g.BlocksPerKey(), 4*n)
 			for i := range keys {
 				loadAndCompare(t, e, c, keys[i:i+1], into, want[i:i+1])

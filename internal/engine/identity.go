@@ -39,27 +39,19 @@ func newFileID() uint64 {
 // it is the same file (a load's checksums judge its bytes). Without one
 // (files written before ids) the whole stat identity and the key list
 // must match.
-func (en *entry) sameFile(id fsys.Identity, h *format.Header) bool {
-	if en.fid != 0 || h.ID != 0 {
-		return en.fid == h.ID && en.ident.Inode() == id.Inode()
+func sameFile(en *entry, id fsys.Identity, h *format.Header) bool {
+	if en.FID != 0 || h.ID != 0 {
+		return en.FID == h.ID && en.Ident.Inode() == id.Inode()
 	}
-	if !en.ident.Same(id) || h.Fingerprint != en.fp || len(h.Keys) != len(en.keys) {
+	if !en.Ident.Same(id) || h.Fingerprint != en.FP || len(h.Keys) != len(en.Keys) {
 		return false
 	}
 	for i, k := range h.Keys {
-		if string(k.Key) != en.keys[i] {
+		if string(k.Key) != en.Keys[i] {
 			return false
 		}
 	}
 	return true
-}
-
-// unknownWithID reports whether en is an entry of unknown identity, never
-// indexed (publish: the fstat after its rename and the stat of its name
-// failed, so it was left), whose file is the one with header id fid: the
-// id alone decides, as it never repeats.
-func (en *entry) unknownWithID(fid uint64) bool {
-	return en.ident.Ino == 0 && en.fid != 0 && en.fid == fid
 }
 
 // errReplaced: the file at an entry's path is not the entry's file.
@@ -236,4 +228,18 @@ func ownKeys(h *format.Header) {
 		b = append(b, h.Keys[i].Key...)
 		h.Keys[i].Key = b[lo:len(b):len(b)]
 	}
+}
+
+// matchKey returns the position of key in en's file, or an error where
+// the file holds other keys or another fingerprint.
+func matchKey(en *entry, fp uint64, key []byte) (int, error) {
+	if en.FP != fp {
+		return -1, fmt.Errorf("%w: %w: file 0x%016x, want 0x%016x", ErrMismatch, format.ErrFingerprint, en.FP, fp)
+	}
+	for i, k := range en.Keys {
+		if k == string(key) {
+			return i, nil
+		}
+	}
+	return -1, fmt.Errorf("%w: %w", ErrMismatch, format.ErrKey)
 }

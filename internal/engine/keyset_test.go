@@ -3,6 +3,7 @@ package engine
 import (
 	"context"
 	"math/rand/v2"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -21,34 +22,33 @@ func newKeyMirror() *keyMirror { return &keyMirror{keys: map[keyID]bool{}} }
 func (m *keyMirror) Add(fp uint64, key string) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	m.keys[keyID{fp, key}] = true
+	m.keys[keyID{FP: fp, Key: key}] = true
 }
 
 func (m *keyMirror) Remove(fp uint64, key string) {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	delete(m.keys, keyID{fp, key})
+	delete(m.keys, keyID{FP: fp, Key: key})
 	m.removed++
 }
 
 // checkMirror fails unless m holds exactly the keys of e's index.
 func checkMirror(t *testing.T, what string, e *Engine, m *keyMirror) {
 	t.Helper()
-	e.ix.mu.RLock()
-	defer e.ix.mu.RUnlock()
+	indexed := e.ix.Keys()
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	for k := range e.ix.byKey {
+	for _, k := range indexed {
 		if !m.keys[k] {
-			t.Errorf("%s: the index holds %q, the key set does not", what, k.key)
+			t.Errorf("%s: the index holds %q, the key set does not", what, k.Key)
 		}
 	}
 	for k := range m.keys {
-		if _, ok := e.ix.byKey[k]; !ok {
-			t.Errorf("%s: the key set holds %q, the index does not", what, k.key)
+		if !slices.Contains(indexed, k) {
+			t.Errorf("%s: the key set holds %q, the index does not", what, k.Key)
 		}
 	}
-	if len(e.ix.byKey) == 0 {
+	if len(indexed) == 0 {
 		t.Errorf("%s: the index is empty: nothing was compared", what)
 	}
 }
@@ -131,7 +131,7 @@ func TestAMoveKeepsItsKeysInTheKeySet(t *testing.T) {
 	c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
 	keys := testKeys("moved", 2) // one file of both
 	storeAndCheck(t, e, c, keys, [][]int{{0, 1, 2, 3}, {4, 5, 6, 7}})
-	if _, err := e.move(ctx, entryOf(e, ns, keys[0]).id, 1, true); err != nil {
+	if _, err := e.move(ctx, entryOf(e, ns, keys[0]).ID, 1, true); err != nil {
 		t.Fatal(err)
 	}
 	if keyMount(e, ns, keys[0]) != 1 || keyMount(e, ns, keys[1]) != 1 {

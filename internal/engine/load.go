@@ -50,10 +50,10 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 	for i, k := range keys {
 		// The index's entry is found and pinned in one hold of the lock
 		// (every load takes it); a key it lacks is looked for on disk.
-		en, pinned := e.ix.pinKey(ns.fp, k, dup, e.now().UnixNano(), &pins)
+		en, pinned := e.ix.PinKey(ns.fp, k, dup, e.now().UnixNano(), &pins)
 		if en == nil {
 			if en = e.discover(ctx, ns, k); en != nil {
-				en, pinned = e.ix.pinFound(en, k, dup, e.now().UnixNano(), &pins)
+				en, pinned = e.ix.PinFound(en, k, dup, e.now().UnixNano(), &pins)
 			}
 		}
 		if !pinned {
@@ -90,7 +90,7 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 	loaded := func(en *entry) bool {
 		return slices.ContainsFunc(byEntry[en], func(i int) bool { return j.res.Keys[i].Outcome == OutcomeLoaded })
 	}
-	e.access(ctx, e.ix.unpinLoad(order, loaded, e.now().UnixNano()))
+	e.access(ctx, e.ix.UnpinLoad(order, loaded, e.now().UnixNano()))
 }
 
 // loadFile reads the keys idx (request indices) from en's file into their
@@ -109,7 +109,7 @@ func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 		all(OutcomeFailed, err)
 		return
 	}
-	m := e.mounts[en.mount]
+	m := e.mounts[en.Mount]
 	// Never through a link planted below the root since the file was
 	// indexed: a file reached so is not in the mount, neither this
 	// engine's to serve nor to index (openNoLinks). The entry's file is
@@ -120,7 +120,7 @@ func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 	if err != nil {
 		if errors.Is(err, errNotRegular) {
 			if !e.dropVanished(ctx, en, "not a regular file") {
-				all(OutcomeMissing, fmt.Errorf("%w: %s was deleted (a delete or purge) before the load read it", ErrNotFound, en.path))
+				all(OutcomeMissing, fmt.Errorf("%w: %s was deleted (a delete or purge) before the load read it", ErrNotFound, en.Path))
 				return
 			}
 			all(OutcomeMissing, fmt.Errorf("%w: %w", ErrNotFound, err))
@@ -128,23 +128,23 @@ func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 		}
 		if errors.Is(err, os.ErrNotExist) || errors.Is(err, syscall.ELOOP) {
 			if !e.dropVanished(ctx, en, "vanished") {
-				all(OutcomeMissing, fmt.Errorf("%w: %s was deleted (a delete or purge) before the load read it", ErrNotFound, en.path))
+				all(OutcomeMissing, fmt.Errorf("%w: %s was deleted (a delete or purge) before the load read it", ErrNotFound, en.Path))
 				return
 			}
-			all(OutcomeMissing, fmt.Errorf("%w: %s vanished (removed behind this engine's back)", ErrNotFound, en.path))
+			all(OutcomeMissing, fmt.Errorf("%w: %s vanished (removed behind this engine's back)", ErrNotFound, en.Path))
 			return
 		}
-		all(OutcomeFailed, fmt.Errorf("engine: load %s: %w", en.path, err))
+		all(OutcomeFailed, fmt.Errorf("engine: load %s: %w", en.Path, err))
 		return
 	}
 	defer f.Close()
 	corrupt := func(err error) {
 		e.st.corrupt.Add(1)
-		e.log.Warn("engine: corrupt file dropped", "path", en.path, "err", err)
+		e.log.Warn("engine: corrupt file dropped", "path", en.Path, "err", err)
 		e.drop(ctx, en, true, "corrupt")
 		// Nor is a file its client pins hold open read again: later
 		// loads miss, as they do where no pin held it.
-		e.ix.unkeepPinned(en)
+		e.ix.UnkeepPinned(en)
 	}
 	// One fstat (openData's) serves the header (vllm-fs mounts) and the
 	// checks below.
@@ -152,13 +152,13 @@ func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 	if idErr != nil && m.raw != nil {
 		err = idErr // a vllm-fs header needs the file's size
 	} else {
-		h, err = e.fileHeader(en.mount, en.path, f, id)
+		h, err = e.fileHeader(en.Mount, en.Path, f, id)
 	}
 	if err != nil {
 		if errors.Is(err, ErrCorrupt) {
 			corrupt(err) // not an I/O error: the file stays for the next load
 		}
-		all(OutcomeFailed, fmt.Errorf("engine: load %s: %w", en.path, err))
+		all(OutcomeFailed, fmt.Errorf("engine: load %s: %w", en.Path, err))
 		return
 	}
 	g := c.ns.geo
@@ -166,10 +166,10 @@ func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 		h.BlocksPerKey != uint32(g.BlocksPerKey()) || h.BlockBytes != uint64(g.BlockBytes()) {
 		// Replaced by a file of another geometry: not ours to judge.
 		e.dropVanished(ctx, en, "replaced by another geometry")
-		all(OutcomeMissing, fmt.Errorf("%w: %w: %s was replaced by a file of another geometry: %w", ErrNotFound, ErrMismatch, en.path, format.ErrFingerprint))
+		all(OutcomeMissing, fmt.Errorf("%w: %w: %s was replaced by a file of another geometry: %w", ErrNotFound, ErrMismatch, en.Path, format.ErrFingerprint))
 		return
 	}
-	if idErr == nil && !en.sameFile(id, h) {
+	if idErr == nil && !sameFile(en, id, h) {
 		// Another file at the path (another node published there, maybe
 		// at the same inode): the entry goes; the file is indexed anew if
 		// it holds what is asked, and read below like any file.
@@ -177,16 +177,16 @@ func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 		// A row is exactly its length (rawEntry); a longer file is
 		// not this geometry's row, whatever its first bytes.
 		if m.raw != nil && id.Size > h.FileLen() {
-			all(OutcomeMissing, fmt.Errorf("%w: %w: %s was replaced by a file of %d bytes, rows are %d", ErrNotFound, ErrMismatch, en.path, id.Size, h.FileLen()))
+			all(OutcomeMissing, fmt.Errorf("%w: %w: %s was replaced by a file of %d bytes, rows are %d", ErrNotFound, ErrMismatch, en.Path, id.Size, h.FileLen()))
 			return
 		}
 		if id.Size >= h.FileLen() {
-			found := e.entryOf(en.mount, en.path, h, id)
+			found := e.entryOf(en.Mount, en.Path, h, id)
 			if en, _ = e.adoptFound(ctx, found); en == nil {
 				// A job of this engine holds the path, or held it
 				// since the file was opened: the file is read, and
 				// left to it to index, replace or remove.
-				found.gone = true
+				found.SetGone()
 				en = found
 			}
 		}
@@ -194,7 +194,7 @@ func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 	// A file shorter than its header says was truncated behind our back:
 	// corrupt, whatever the keys asked.
 	if idErr == nil && id.Size < h.FileLen() {
-		err := fmt.Errorf("%w: %s: %d bytes, the header says %d", ErrCorrupt, en.path, id.Size, h.FileLen())
+		err := fmt.Errorf("%w: %s: %d bytes, the header says %d", ErrCorrupt, en.Path, id.Size, h.FileLen())
 		corrupt(err)
 		all(OutcomeFailed, err)
 		return
@@ -207,7 +207,7 @@ func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 		k, err := h.Match(c.ns.fp, keys[i])
 		if err != nil {
 			e.st.misses.Add(1)
-			set(i, OutcomeMissing, fmt.Errorf("%w: %w: %s: the file there (replaced behind this engine's back) does not hold the key: %w", ErrNotFound, ErrMismatch, en.path, err))
+			set(i, OutcomeMissing, fmt.Errorf("%w: %w: %s: the file there (replaced behind this engine's back) does not hold the key: %w", ErrNotFound, ErrMismatch, en.Path, err))
 			continue
 		}
 		dsts[k] = append(dsts[k], i)
@@ -232,7 +232,7 @@ func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 				for _, i := range d[min(len(d), round+1):] {
 					o, err := j.res.Keys[dst[k]].Outcome, j.res.Keys[dst[k]].Err
 					if o == OutcomeLoaded {
-						o, err = OutcomeFailed, fmt.Errorf("%w: %s: another key of the file failed its checksum before this destination of key %d was read", ErrCorrupt, en.path, k)
+						o, err = OutcomeFailed, fmt.Errorf("%w: %s: another key of the file failed its checksum before this destination of key %d was read", ErrCorrupt, en.Path, k)
 					}
 					set(i, o, err)
 				}
@@ -283,7 +283,7 @@ func (e *Engine) loadRound(ctx context.Context, j *Job, c *cache, blocks [][]int
 			ok = false
 		}
 		for _, k := range read {
-			set(dst[k], OutcomeFailed, fmt.Errorf("engine: load %s: %w", en.path, err))
+			set(dst[k], OutcomeFailed, fmt.Errorf("engine: load %s: %w", en.Path, err))
 		}
 		return ok
 	}
@@ -293,7 +293,7 @@ func (e *Engine) loadRound(ctx context.Context, j *Job, c *cache, blocks [][]int
 		// be another key's, checksums or not.
 		e.dropVanished(ctx, en, "rewritten while read")
 		for _, k := range read {
-			set(dst[k], OutcomeFailed, fmt.Errorf("engine: load %s: %w: rewritten while it was read (evicted and reused by another engine on the directory)", en.path, errReplaced))
+			set(dst[k], OutcomeFailed, fmt.Errorf("engine: load %s: %w: rewritten while it was read (evicted and reused by another engine on the directory)", en.Path, errReplaced))
 		}
 		return false
 	}
@@ -341,12 +341,12 @@ func (e *Engine) loadRound(ctx context.Context, j *Job, c *cache, blocks [][]int
 		switch {
 		case !mis:
 		case err != nil:
-			set(dst[k], OutcomeFailed, fmt.Errorf("engine: load %s: key %d: payload checksum 0x%08x, want 0x%08x; re-reading: %w", en.path, k, got[k], h.Keys[k].Sum, err))
+			set(dst[k], OutcomeFailed, fmt.Errorf("engine: load %s: key %d: payload checksum 0x%08x, want 0x%08x; re-reading: %w", en.Path, k, got[k], h.Keys[k].Sum, err))
 		case private[k] != h.Keys[k].Sum:
 			bad = true
-			set(dst[k], OutcomeFailed, fmt.Errorf("%w: %s: key %d: payload checksum 0x%08x, want 0x%08x", ErrCorrupt, en.path, k, private[k], h.Keys[k].Sum))
+			set(dst[k], OutcomeFailed, fmt.Errorf("%w: %s: key %d: payload checksum 0x%08x, want 0x%08x", ErrCorrupt, en.Path, k, private[k], h.Keys[k].Sum))
 		default:
-			set(dst[k], OutcomeFailed, fmt.Errorf("%w: %s: key %d", errDestinationChanged, en.path, k))
+			set(dst[k], OutcomeFailed, fmt.Errorf("%w: %s: key %d", errDestinationChanged, en.Path, k))
 		}
 	}
 	if bad {

@@ -73,12 +73,12 @@ func (e *Engine) names(ctx context.Context, ns *namespace, keys [][]byte) ([]int
 // indexed. A file removed or replaced behind the engine's back drops the
 // entry; verify then reports false.
 func (e *Engine) verify(ctx context.Context, en *entry) bool {
-	fi, err := e.fs.Stat(en.path)
+	fi, err := e.fs.Stat(en.Path)
 	if err == nil {
 		var id fsys.Identity
 		if id, err = fsys.IdentityOf(fi); err == nil {
-			if id.Same(en.ident) {
-				en.verified.Store(e.now().UnixNano())
+			if id.Same(en.Ident) {
+				en.Verified.Store(e.now().UnixNano())
 				return true
 			}
 			err = errReplaced
@@ -91,7 +91,7 @@ func (e *Engine) verify(ctx context.Context, en *entry) bool {
 // Config.VerifyInterval of now (Unix nanoseconds).
 func (e *Engine) recentlyVerified(en *entry, now int64) bool {
 	iv := e.verifyIv.Load()
-	return iv > 0 && now-en.verified.Load() < iv
+	return iv > 0 && now-en.Verified.Load() < iv
 }
 
 // Lookup returns how many leading keys of ns are stored. A hit is checked
@@ -112,7 +112,7 @@ func (e *Engine) Lookup(ctx context.Context, ns NamespaceID, keys [][]byte) (int
 	// to find every key's entry, once to count the hits. Loads and stores
 	// take the same lock; a lookup that took it per key queued behind them
 	// once per key (docs/engine.md, "Lookup and delete").
-	found := e.ix.getAll(n.fp, keys, nil)
+	found := e.ix.GetAll(n.fp, keys, nil)
 	// The entries hit, each once: a file of several keys is counted once
 	// (a short slice, keys of one file are neighbours; a map for long
 	// requests).
@@ -172,16 +172,16 @@ func (e *Engine) countHits(ctx context.Context, hit []*entry, now int64) {
 	if len(hit) == 0 {
 		return
 	}
-	e.hitRec.add(ctx, e.ix.hit(hit, now))
+	e.hitRec.add(ctx, e.ix.Hit(hit, now))
 }
 
 // MirrorKeys tells ks every key the index holds now and, from then on,
 // every key it gains or loses (the daemon's shared lookup table). A later
 // call replaces ks; nil stops the mirroring.
-func (e *Engine) MirrorKeys(ks KeySet) { e.ix.mirror(ks) }
+func (e *Engine) MirrorKeys(ks KeySet) { e.ix.Mirror(ks) }
 
 // find returns the entry the index holds for key in ns, or nil.
-func (e *Engine) find(ns *namespace, key []byte) *entry { return e.ix.get(ns.fp, key) }
+func (e *Engine) find(ns *namespace, key []byte) *entry { return e.ix.Get(ns.fp, key) }
 
 // discover looks for key under its policy name and indexes the file if its
 // header says it holds the key in this geometry.
@@ -190,11 +190,11 @@ func (e *Engine) discover(ctx context.Context, ns *namespace, key []byte) *entry
 	if err != nil || errs[0] != nil {
 		return nil
 	}
-	read := e.ix.beginRead(paths[0])
+	read := e.ix.BeginRead(paths[0])
 	if read == nil { // held: adopt looks again
 		return nil
 	}
-	defer e.ix.endRead(paths[0], read)
+	defer e.ix.EndRead(paths[0], read)
 	en, err := e.readEntry(mounts[0], paths[0])
 	if err != nil {
 		if !errors.Is(err, os.ErrNotExist) {
@@ -202,7 +202,7 @@ func (e *Engine) discover(ctx context.Context, ns *namespace, key []byte) *entry
 		}
 		return nil
 	}
-	if _, err := en.match(ns.fp, key); err != nil {
+	if _, err := matchKey(en, ns.fp, key); err != nil {
 		e.log.Info("engine: file under the key's name belongs to another key or geometry", "path", paths[0], "err", err)
 		return nil
 	}
@@ -235,9 +235,9 @@ var errPathHeld = errors.New("engine: a job of this engine holds the path")
 // this engine dropped and could not remove (index.left): its keys were
 // deleted or evicted, and stay so.
 func (e *Engine) adopt(ctx context.Context, en *entry, read *readMark) (*entry, error) {
-	en.ns = e.namespaceOf(en.fp)
-	defer e.adoptDone(en.ns)
-	got, res, recs := e.ix.adopt(en, read)
+	en.NS = uint32(e.namespaceOf(en.FP))
+	defer e.adoptDone(NamespaceID(en.NS))
+	got, res, recs := e.ix.Adopt(en, read)
 	switch res {
 	case adoptHeld:
 		return nil, errPathHeld
@@ -261,16 +261,16 @@ func (e *Engine) adopt(ctx context.Context, en *entry, read *readMark) (*entry, 
 // no error where the file was replaced since it was read, or is one this
 // engine dropped (adopt).
 func (e *Engine) adoptFound(ctx context.Context, found *entry) (*entry, error) {
-	read := e.ix.beginRead(found.path)
+	read := e.ix.BeginRead(found.Path)
 	if read == nil { // held: adopt looks again
 		return nil, errPathHeld
 	}
-	defer e.ix.endRead(found.path, read)
-	fi, err := e.fs.Stat(found.path)
+	defer e.ix.EndRead(found.Path, read)
+	fi, err := e.fs.Stat(found.Path)
 	if err != nil {
 		return nil, err
 	}
-	if id, err := fsys.IdentityOf(fi); err != nil || !id.Same(found.ident) {
+	if id, err := fsys.IdentityOf(fi); err != nil || !id.Same(found.Ident) {
 		return nil, err
 	}
 	return e.adopt(ctx, found, read)

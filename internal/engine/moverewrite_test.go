@@ -128,19 +128,19 @@ func TestAMoveOfAFileRewrittenWhileCopiedFails(t *testing.T) {
 	storeAndCheck(t, e, c, aKeys, aBlocks)
 	storeAndCheck(t, e, c, bKeys, bBlocks)
 	a, b := e.find(e.nss[ns], aKeys[0]), e.find(e.nss[ns], bKeys[0])
-	if a == nil || b == nil || a.mount != 0 || a.size <= copyChunk {
+	if a == nil || b == nil || a.Mount != 0 || a.Size <= copyChunk {
 		t.Fatalf("files stored: %+v, %+v", a, b)
 	}
-	bBytes, err := os.ReadFile(b.path)
+	bBytes, err := os.ReadFile(b.Path)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if int64(len(bBytes)) != a.size {
-		t.Fatalf("files of %d and %d bytes", a.size, len(bBytes))
+	if int64(len(bBytes)) != a.Size {
+		t.Fatalf("files of %d and %d bytes", a.Size, len(bBytes))
 	}
 
-	fs.arm(a.path, bBytes)
-	_, moveErr := e.move(ctx, a.id, 1, false)
+	fs.arm(a.Path, bBytes)
+	_, moveErr := e.move(ctx, a.ID, 1, false)
 	if !fs.done || fs.err != nil {
 		t.Fatalf("the source was not rewritten during the copy (rewritten %v: %v)", fs.done, fs.err)
 	}

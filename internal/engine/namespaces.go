@@ -219,7 +219,7 @@ func (e *Engine) Release(ns NamespaceID) error {
 // which policies bound (65,536 for the built-in ones) and which each
 // hold state. e.mu is held.
 func (e *Engine) freeUnusedLocked(n *namespace) {
-	if n.declared || n.declaring > 0 || n.adopting > 0 || n.layout != nil || e.ix.holds(n.fp) {
+	if n.declared || n.declaring > 0 || n.adopting > 0 || n.layout != nil || e.ix.Holds(n.fp) {
 		return
 	}
 	delete(e.nsByFP, n.fp)
@@ -341,11 +341,11 @@ func (e *Engine) namespaceLocked(id NamespaceID) (*namespace, error) {
 // indexed or declared now (Stats.Namespaces): the most bytes first, then
 // by model id and fingerprint.
 func (e *Engine) namespaceStats() []NamespaceStats {
-	counts := e.ix.fingerprintCounts()
+	counts := e.ix.FingerprintCounts()
 	e.mu.RLock()
 	out := make([]NamespaceStats, 0, len(counts))
 	for fp, c := range counts {
-		ns := NamespaceStats{Fingerprint: fp, Files: c.files, Keys: c.keys, Bytes: c.bytes}
+		ns := NamespaceStats{Fingerprint: fp, Files: c.Files, Keys: c.Keys, Bytes: c.Bytes}
 		if id, ok := e.nsByFP[fp]; ok {
 			ns.Model, ns.Declared = e.nss[id].geo.Model, e.nss[id].declared
 		}

@@ -76,7 +76,7 @@ func TestStatsListsEachNamespaceWithItsKeysAndBytes(t *testing.T) {
 	if k := byModel(e.Stats())["model-a"].Keys; k != 4 {
 		t.Fatalf("model-a holds %d keys after the file of 2 of its 6 was deleted, want 4", k)
 	}
-	if err := e.ix.check(); err != nil {
+	if err := e.ix.Check(); err != nil {
 		t.Fatal(err)
 	}
 	if err := e.Close(ctx); err != nil {
@@ -146,7 +146,7 @@ func TestPurgeRemovesEveryFileOfOneNamespaceButPinnedOnes(t *testing.T) {
 		t.Fatalf("model-b holds %d of its 3 keys after model-a's purge", n)
 	}
 	e.Unpin(ctx, pin)
-	if err := e.ix.check(); err != nil {
+	if err := e.ix.Check(); err != nil {
 		t.Fatal(err)
 	}
 	if _, err := e.Purge(ctx, 0xdead); !errors.Is(err, ErrUnknownNamespace) {
@@ -291,7 +291,7 @@ func TestAPurgeUnderALoadIsNotAVanishedFile(t *testing.T) {
 	e, ns, c := injectedEngine(t, []Mount{{Path: dir}}, newTestPolicy(1, abi.OrderLayerMajor), inj, 16)
 	keys := testKeys("vanish", 1)
 	storeAndCheck(t, e, c, keys, [][]int{{0, 1, 2, 3}})
-	path := entryOf(e, ns, keys[0]).path
+	path := entryOf(e, ns, keys[0]).Path
 	armed.Store(&path)
 	res := wait(t)(e.Load(ctx, LoadRequest{Cache: c.id, Keys: keys, Blocks: [][]int{{4, 5, 6, 7}}}))
 	if purged.Load() != 1 {

@@ -1,300 +1,61 @@
 package engine
 
 import (
+	"errors"
 	"fmt"
 	"strings"
 	"testing"
 
-	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/fsys"
 )
 
-// newParts returns an index over a space of one mount of 1000 bytes, with
-// two entries of 100 bytes: one of keys a and b at /m/x, one of key c at
-// /m/y.
-func newParts(t *testing.T) (*index, *space) {
+// newSpace returns a space of one mount of 1000 bytes holding two files
+// of 100 bytes.
+func newSpace(t *testing.T) *space {
 	t.Helper()
 	ms := &mountSpace{root: "/m", highF: 0.9, lowF: 0.8}
 	ms.setCapacityLocked(1000)
 	sp := &space{mounts: []*mountSpace{ms}}
-	ix := newIndex(sp)
-	ix.mu.Lock()
-	ix.insertLocked(&entry{fp: 1, path: "/m/x", size: 100, keys: []string{"a", "b"}}, false)
-	ix.insertLocked(&entry{fp: 1, path: "/m/y", size: 100, keys: []string{"c"}}, false)
-	ix.mu.Unlock()
-	if err := errorsOf(ix, sp); err != "" {
-		t.Fatalf("a fresh index: %s", err)
+	c := indexCounts{sp}
+	c.Indexed(0, 100, false)
+	c.Indexed(0, 100, false)
+	if err := sp.check(); err != nil {
+		t.Fatalf("a fresh space: %s", err)
 	}
-	return ix, sp
+	return sp
 }
 
-func errorsOf(ix *index, sp *space) string {
-	var out []string
-	for _, err := range []error{ix.check(), sp.check(), ix.checkAtRest()} {
-		if err != nil {
-			out = append(out, err.Error())
-		}
-	}
-	return strings.Join(out, "; ")
-}
-
-func TestPartsCheckFindsEachBrokenInvariant(t *testing.T) {
+// The index's own checks are its package's (index.TestCheckFindsEachBrokenInvariant).
+func TestSpaceCheckFindsEachBrokenInvariant(t *testing.T) {
 	if !invariantsOn {
 		t.Skip("the parts' checks are built with -tags invariants")
 	}
 	for _, tt := range []struct {
 		name    string
-		corrupt func(ix *index, sp *space)
+		corrupt func(sp *space)
 		want    string
 	}{
-		{"an indexed entry marked gone", func(ix *index, _ *space) { ix.byPath["/m/x"].gone = true }, "indexed and gone"},
-		{"an entry under another id", func(ix *index, _ *space) { ix.byPath["/m/x"].id = 7 }, "under id"},
-		{"a path mapping to another entry", func(ix *index, _ *space) { ix.byPath["/m/x"] = ix.byPath["/m/y"] }, "maps to"},
-		{"a key of an entry that does not hold it", func(ix *index, _ *space) {
-			ix.byKey[keyID{1, "c"}] = keyRef{e: ix.byPath["/m/x"], idx: 0}
-		}, "does not hold it"},
-		{"a key of another fingerprint", func(ix *index, _ *space) {
-			ix.byKey[keyID{2, "a"}] = keyRef{e: ix.byPath["/m/x"], idx: 0}
-		}, "does not hold it"},
-		{"more leases than pins", func(ix *index, _ *space) { ix.byPath["/m/x"].leases = 1 }, "leases"},
-		{"an orphan still indexed", func(ix *index, _ *space) {
-			ix.inflight["/m/x"] = &flight{orphans: []*entry{ix.byPath["/m/x"]}}
-		}, "orphan"},
-		{"more orphaned bytes than used", func(_ *index, sp *space) { sp.mounts[0].orphaned = 300 }, "orphaned"},
-		{"a negative count of entries", func(_ *index, sp *space) { sp.mounts[0].entries = -1 }, "entries"},
-		{"a high watermark above the capacity", func(_ *index, sp *space) { sp.mounts[0].high = 2000 }, "high"},
-		{"spare bytes not their files'", func(_ *index, sp *space) {
+		{"more orphaned bytes than used", func(sp *space) { sp.mounts[0].orphaned = 300 }, "orphaned"},
+		{"a negative count of entries", func(sp *space) { sp.mounts[0].entries = -1 }, "entries"},
+		{"a high watermark above the capacity", func(sp *space) { sp.mounts[0].high = 2000 }, "high"},
+		{"spare bytes not their files'", func(sp *space) {
 			sp.mounts[0].addSpareLocked(spareFile{path: "/m/.spare-1", id: fsys.Identity{Size: 50}})
 			sp.mounts[0].spareBytes++
 		}, "spares of 50 bytes"},
-		{"a spare under another size", func(_ *index, sp *space) {
+		{"a spare under another size", func(sp *space) {
 			sp.mounts[0].spares = map[int64][]spareFile{60: {{path: "/m/.spare-1", id: fsys.Identity{Size: 50}}}}
 		}, "listed under"},
-		{"used beside the files at rest", func(_ *index, sp *space) { sp.mounts[0].used += 10 }, "at rest"},
-		{"a held entry missing from its mount's held entries", func(ix *index, _ *space) {
-			en := ix.byPath["/m/x"]
-			en.held, en.pins = true, 1
-		}, "missing from mount 0's held entries"},
-		{"a held entry under another mount", func(ix *index, _ *space) {
-			en := ix.byPath["/m/x"]
-			ix.holdLocked(en)
-			ix.heldOrder[0] = nil
-			ix.heldOrder[1] = []*entry{en}
-		}, "missing from mount 0's held entries"},
-		{"an entry not held in the hold's count", func(ix *index, _ *space) {
-			ix.heldN = 1
-		}, "0 entries held by the restart hold, 1 in the hold's count"},
-		{"a namespace's keys miscounted", func(ix *index, _ *space) { ix.byFP[1].keys++ }, "fingerprint 0x1"},
-		{"a namespace's bytes miscounted", func(ix *index, _ *space) { ix.byFP[1].bytes-- }, "fingerprint 0x1"},
-		{"a namespace with nothing indexed counted", func(ix *index, _ *space) { ix.byFP[9] = &fpCount{} }, "2 counted"},
-		{"a held entry missing from its mount's order of held entries", func(ix *index, _ *space) {
-			ix.holdLocked(ix.byPath["/m/x"])
-			ix.heldOrder[0] = nil
-		}, "missing from mount 0's held entries"},
+		{"used beside the files at rest", func(sp *space) { sp.mounts[0].used += 10 }, "at rest"},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
-			ix, sp := newParts(t)
-			ix.mu.Lock()
+			sp := newSpace(t)
 			sp.mu.Lock()
-			tt.corrupt(ix, sp)
+			tt.corrupt(sp)
 			sp.mu.Unlock()
-			ix.mu.Unlock()
-			if got := errorsOf(ix, sp); !strings.Contains(got, tt.want) {
+			err := errors.Join(sp.check(), sp.usageAtRest([]int64{200}, []int{2}))
+			if got := fmt.Sprint(err); !strings.Contains(got, tt.want) {
 				t.Fatalf("check after %s: %q, want an error containing %q", tt.name, got, tt.want)
 			}
 		})
 	}
-}
-
-func TestIndexKeepsTheSpaceOfItsEntries(t *testing.T) {
-	ix, sp := newParts(t)
-	ms := sp.mounts[0]
-	x, y := ix.get(1, []byte("a")), ix.get(1, []byte("c"))
-	ix.mu.Lock()
-	// A file replacing x at its path (its bytes a reservation already
-	// counted), then y dropped for removal with its path held by a job.
-	if !sp.reserveBelow(ms, 100, high) {
-		t.Fatal("no room for a reservation of 100 bytes")
-	}
-	replaced := ix.insertLocked(&entry{fp: 1, path: "/m/x", size: 100, keys: []string{"a"}}, true)
-	ix.claimLocked("/m/y")
-	was, claimed := ix.dropLocked(y, true)
-	ix.mu.Unlock()
-	if len(replaced) != 1 || replaced[0] != x || !x.gone {
-		t.Fatalf("insert at x's path replaced %v, want x", replaced)
-	}
-	if !was || claimed || !y.orphan {
-		t.Fatalf("drop of y with its path held: was %v, claimed %v, orphan %v; want an orphan of the holder", was, claimed, y.orphan)
-	}
-	if got := ix.get(1, []byte("b")); got != nil {
-		t.Fatalf("key b of the replaced file still maps to %s", got.path)
-	}
-	if used, _ := sp.usage(ms); used != 200 || ms.entries != 1 || ms.orphaned != 100 {
-		t.Fatalf("used %d, entries %d, orphaned %d; want 200 (the new file and the orphan), 1, 100", used, ms.entries, ms.orphaned)
-	}
-	if err := errorsOf(ix, sp); err != "" {
-		t.Fatalf("check with y's path held: %s", err)
-	}
-	// The holder removes the orphan and lets the path go.
-	ix.mu.Lock()
-	fl, orphans := ix.releaseLocked("/m/y", nil)
-	if fl != nil || len(orphans) != 1 {
-		t.Fatalf("release of a path with an orphan: flight %v, orphans %d; want the orphan to remove first", fl, len(orphans))
-	}
-	if fl, _ = ix.releaseLocked("/m/y", orphans); fl == nil {
-		t.Fatal("the second release kept the path")
-	}
-	ix.mu.Unlock()
-	if err := errorsOf(ix, sp); err != "" {
-		t.Fatalf("check at rest after the release: %s", err)
-	}
-	if used, _ := sp.usage(ms); used != 100 {
-		t.Fatalf("used %d at rest, want 100 (the new file)", used)
-	}
-}
-
-// TestHeldEntriesAreKeptByTheirMount: the restart hold's entries are
-// listed under their own mount (what a demotion round on one mount
-// visits), counted across mounts, and a held entry is no longer held nor
-// counted when it leaves the index (its listing stays until the hold
-// ends, and visits skip it).
-func TestHeldEntriesAreKeptByTheirMount(t *testing.T) {
-	var mounts []*mountSpace
-	for _, root := range []string{"/hot", "/cold"} {
-		ms := &mountSpace{root: root, highF: 0.9, lowF: 0.8}
-		ms.setCapacityLocked(1000)
-		mounts = append(mounts, ms)
-	}
-	sp := &space{mounts: mounts}
-	ix := newIndex(sp)
-	ix.mu.Lock()
-	hot1 := &entry{fp: 1, path: "/hot/a", size: 100, keys: []string{"a"}}
-	hot2 := &entry{fp: 1, path: "/hot/b", size: 100, keys: []string{"b"}}
-	cold := &entry{fp: 1, path: "/cold/c", size: 100, keys: []string{"c"}, mount: 1}
-	for _, en := range []*entry{hot1, hot2, cold} {
-		ix.insertLocked(en, false)
-		ix.holdLocked(en)
-	}
-	ix.mu.Unlock()
-	if n := ix.heldFoundLocked(); n != 3 {
-		t.Fatalf("heldFoundLocked = %d, want 3", n)
-	}
-	if len(ix.heldOrder[0]) != 2 || len(ix.heldOrder[1]) != 1 {
-		t.Fatalf("held by mount: %d on the hot mount, %d on the cold one; want 2 and 1", len(ix.heldOrder[0]), len(ix.heldOrder[1]))
-	}
-	if ix.heldOrder[1][0] != cold {
-		t.Fatal("the cold mount's held entries lack its file")
-	}
-	if err := ix.check(); err != nil {
-		t.Fatal(err)
-	}
-	ix.mu.Lock()
-	ix.unindexLocked(hot1, false)
-	ix.mu.Unlock()
-	if hot1.held || hot1.pins != 0 {
-		t.Fatalf("an entry gone from the index: held %v, pins %d; want not held, 0", hot1.held, hot1.pins)
-	}
-	if n := ix.heldFoundLocked(); n != 2 {
-		t.Fatalf("heldFoundLocked = %d after one held entry left, want 2", n)
-	}
-	if err := ix.check(); err != nil {
-		t.Fatal(err)
-	}
-}
-
-// heldIndex returns an index over two mounts with n entries held by the
-// restart hold on the first and 3 on the second.
-func heldIndex(t testing.TB, n int) *index {
-	t.Helper()
-	var mounts []*mountSpace
-	for _, root := range []string{"/hot", "/cold"} {
-		ms := &mountSpace{root: root, highF: 0.9, lowF: 0.8}
-		ms.setCapacityLocked(1 << 40)
-		mounts = append(mounts, ms)
-	}
-	ix := newIndex(&space{mounts: mounts})
-	ix.mu.Lock()
-	for i := range n + 3 {
-		mnt, root := 0, "/hot"
-		if i >= n {
-			mnt, root = 1, "/cold"
-		}
-		en := &entry{fp: 1, path: fmt.Sprintf("%s/%d", root, i), size: 100, keys: []string{fmt.Sprintf("key-%d", i)}, mount: mnt}
-		ix.insertLocked(en, false)
-		ix.holdLocked(en)
-	}
-	ix.mu.Unlock()
-	return ix
-}
-
-// TestHeldVisitsInChunksSeeEntriesAsTheyAreThen: a visit of the restart
-// hold's entries takes them by mount, in the order they were held, visits
-// each with the index's lock held for writing and releases it between
-// chunks, and finds an entry as it is when its chunk comes: one unindexed
-// by an earlier chunk is no longer held there, and stays listed until the
-// hold ends.
-func TestHeldVisitsInChunksSeeEntriesAsTheyAreThen(t *testing.T) {
-	n := 2*heldChunk + 3
-	ix := heldIndex(t, n)
-	count := func(mnt int) (visited int) {
-		ix.inHeldChunks(mnt, func(*entry) { visited++ })
-		return visited
-	}
-	if got := count(0); got != n {
-		t.Fatalf("visited %d entries of mount 0, want %d", got, n)
-	}
-	if got := count(1); got != 3 {
-		t.Fatalf("visited %d entries of mount 1, want 3", got)
-	}
-	order := ix.heldOrder[0]
-	last := order[len(order)-1] // visited in the last chunk
-	visited, held, chunks := 0, 0, 0
-	ix.inHeldChunks(0, func(en *entry) {
-		if ix.mu.TryRLock() {
-			ix.mu.RUnlock()
-			t.Fatal("an entry visited without the index's write lock")
-		}
-		if visited%heldChunk == 0 {
-			chunks++
-		}
-		if visited == 0 {
-			ix.unindexLocked(last, false)
-		}
-		if en != order[visited] {
-			t.Fatalf("entry %d visited out of the order held", visited)
-		}
-		visited++
-		if en.held {
-			held++
-		}
-	})
-	if visited != n || held != n-1 || chunks != 3 {
-		t.Fatalf("visited %d entries in %d chunks, %d of them held; want %d in 3, %d", visited, chunks, held, n, n-1)
-	}
-	if !ix.mu.TryLock() {
-		t.Fatal("the index's lock is still held after the visit")
-	}
-	ix.mu.Unlock()
-	if err := ix.check(); err != nil {
-		t.Fatal(err)
-	}
-}
-
-// BenchmarkHeldChunkLift times a demotion round's lift of the hold's pins
-// (demoteHeld) on a mount of 262144 held files, and reports the time per
-// chunk: how long the index's write lock is held at a time.
-func BenchmarkHeldChunkLift(b *testing.B) {
-	const files = 256 * heldChunk
-	ix := heldIndex(b, files)
-	recs := make([]abi.AccessRecord, 0, files)
-	for b.Loop() {
-		recs = recs[:0]
-		ix.inHeldChunks(0, func(en *entry) {
-			if en.held && en.pins == 1 {
-				en.lifted = !en.lifted
-				recs = append(recs, en.access(abi.AccessUnpin, 1))
-			}
-		})
-	}
-	b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N)/float64(files/heldChunk), "ns/chunk")
 }

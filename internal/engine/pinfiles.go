@@ -10,6 +10,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/kvhost/kvhost/fsys"
+	"github.com/kvhost/kvhost/internal/engine/index"
 )
 
 // Files held open for client pins (docs/engine.md, "Pins and other
@@ -31,16 +32,6 @@ import (
 // whether or not it is still at its name, and finds the entry, which a
 // removal took out of the index, in index.pinnedGone.
 
-// pinnedFile is a file held open for the client pins of its entry:
-// entry.file. refs counts the entry's hold (one, until the last client
-// pin ends) and each load reading through it; the last release closes
-// the file, and a reference is never taken again once the count is 0
-// (acquire).
-type pinnedFile struct {
-	f    fsys.File
-	refs atomic.Int32
-}
-
 // pinnedRef is a load's reference to a pinnedFile: the file, whose Close
 // releases the reference instead of closing it.
 type pinnedRef struct {
@@ -58,24 +49,9 @@ func (r *pinnedRef) Close() error {
 	return nil
 }
 
-// acquire takes a reference to pf for a load, unless its last one went
-// (the file closed, or closing: the load opens the file by name).
-func (pf *pinnedFile) acquire() bool {
-	for {
-		n := pf.refs.Load()
-		if n <= 0 {
-			return false
-		}
-		if pf.refs.CompareAndSwap(n, n+1) {
-			return true
-		}
-	}
-}
-
 // releasePinned drops one reference to pf, closing its file at the last.
 func (e *Engine) releasePinned(pf *pinnedFile) {
-	if pf.refs.Add(-1) == 0 {
-		pf.f.Close()
+	if pf.Release() {
 		e.pinOpen.Add(-1)
 	}
 }
@@ -117,11 +93,11 @@ func (e *Engine) othersRemove(m *mount, en *entry) bool {
 // it (pinnedFile). Like verify, it drops an entry whose file vanished or
 // was replaced, and reports false.
 func (e *Engine) verifyPinned(ctx context.Context, en *entry) bool {
-	m := e.mounts[en.mount]
+	m := e.mounts[en.Mount]
 	if !e.othersRemove(m, en) {
 		return e.verify(ctx, en)
 	}
-	if en.file.Load() != nil {
+	if en.File.Load() != nil {
 		// An earlier pin holds the file: this pin is checked by name,
 		// and a file no longer there is a miss for it (the earlier
 		// pins still load it).
@@ -132,11 +108,11 @@ func (e *Engine) verifyPinned(ctx context.Context, en *entry) bool {
 		e.st.pinUnopened.Add(1)
 		return e.verify(ctx, en)
 	}
-	f, id, idErr, err := e.openData(m, en.path, loadFlag(m))
+	f, id, idErr, err := e.openData(m, en.Path, loadFlag(m))
 	if err == nil && idErr != nil {
 		err = idErr
 	}
-	if err == nil && !id.Same(en.ident) {
+	if err == nil && !id.Same(en.Ident) {
 		err = errReplaced
 	}
 	if err != nil {
@@ -146,10 +122,9 @@ func (e *Engine) verifyPinned(ctx context.Context, en *entry) bool {
 		e.pinOpen.Add(-1)
 		return e.judgeCheck(ctx, en, err)
 	}
-	en.verified.Store(e.now().UnixNano())
-	pf := &pinnedFile{f: f}
-	pf.refs.Store(1)
-	if e.ix.holdOpen(en, pf) {
+	en.Verified.Store(e.now().UnixNano())
+	pf := index.NewPinnedFile(f)
+	if e.ix.HoldOpen(en, pf) {
 		pf = nil
 	}
 	if pf != nil { // another pin of en opened it meanwhile
@@ -164,7 +139,7 @@ func (e *Engine) verifyPinned(ctx context.Context, en *entry) bool {
 // unless this engine removed or moved it meanwhile, and keeps it on an
 // error that tells nothing (EIO, EACCES). It reports false.
 func (e *Engine) judgeCheck(ctx context.Context, en *entry, err error) bool {
-	if e.ix.gone(en) {
+	if e.ix.Gone(en) {
 		return false // removed or moved (demote.go) since it was found: not vanished
 	}
 	why := "vanished"
@@ -176,7 +151,7 @@ func (e *Engine) judgeCheck(ctx context.Context, en *entry, err error) bool {
 	case errors.Is(err, os.ErrNotExist), errors.Is(err, syscall.ELOOP):
 	default:
 		// Cannot tell (EIO, EACCES...): a miss for now, but keep the entry.
-		e.log.Warn("engine: check of an indexed file", "path", en.path, "err", err)
+		e.log.Warn("engine: check of an indexed file", "path", en.Path, "err", err)
 		return false
 	}
 	e.dropVanished(ctx, en, why)
@@ -195,12 +170,12 @@ func loadFlag(m *mount) int {
 // hold open (pinnedRef), or by its name (openData). It takes no lock: a
 // load of a file no pin holds open pays one atomic load for it.
 func (e *Engine) openLoad(m *mount, en *entry) (f fsys.File, id fsys.Identity, idErr, err error) {
-	pf := en.file.Load()
-	if pf == nil || !pf.acquire() {
-		return e.openData(m, en.path, loadFlag(m))
+	pf := en.File.Load()
+	if pf == nil || !pf.Acquire() {
+		return e.openData(m, en.Path, loadFlag(m))
 	}
-	id, idErr = fileIdentity(pf.f)
-	return &pinnedRef{File: pf.f, e: e, pf: pf}, id, idErr, nil
+	id, idErr = fileIdentity(pf.File())
+	return &pinnedRef{File: pf.File(), e: e, pf: pf}, id, idErr, nil
 }
 
 // PinnedFilesOpen returns how many files the engine holds open for client

@@ -135,9 +135,7 @@ func purgeOnA(t *testing.T, a, _ *node, _ [][]byte) {
 // checkIndex fails t where e's index breaks an invariant.
 func checkIndex(t *testing.T, e *Engine) {
 	t.Helper()
-	e.ix.mu.RLock()
-	err := e.ix.check()
-	e.ix.mu.RUnlock()
+	err := e.ix.Check()
 	if err != nil {
 		t.Fatal(err)
 	}

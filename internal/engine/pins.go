@@ -64,7 +64,7 @@ func (e *Engine) Pin(ctx context.Context, ns NamespaceID, keys [][]byte, lease t
 		if en == nil {
 			continue
 		}
-		en, dup, gone := e.ix.pinClient(en, k, func(en *entry) bool { _, ok := byEntry[en]; return ok })
+		en, dup, gone := e.ix.PinClient(en, k, func(en *entry) bool { _, ok := byEntry[en]; return ok })
 		if !dup {
 			if gone {
 				continue
@@ -86,7 +86,7 @@ func (e *Engine) Pin(ctx context.Context, ns NamespaceID, keys [][]byte, lease t
 			pinned++
 		}
 	}
-	recs := e.ix.hitPinned(order, e.now().UnixNano())
+	recs := e.ix.HitPinned(order, e.now().UnixNano())
 	e.st.hits.Add(uint64(pinned))
 	e.st.misses.Add(uint64(len(keys) - pinned))
 	e.access(ctx, recs)
@@ -144,7 +144,7 @@ func (e *Engine) unpinEntries(ctx context.Context, ens []*entry, tell bool) {
 	if len(ens) == 0 {
 		return
 	}
-	recs, files := e.ix.unpinClient(ens, e.now().UnixNano(), tell)
+	recs, files := e.ix.UnpinClient(ens, e.now().UnixNano(), tell)
 	for _, pf := range files {
 		e.releasePinned(pf)
 	}
@@ -161,9 +161,6 @@ func (e *Engine) PinStats() (pins, keys int) {
 	}
 	return len(t.pins), keys
 }
-
-// clientPinned reports whether en is held by a client pin. index.mu is held.
-func (en *entry) clientPinned() bool { return en.leases > 0 }
 
 // closePins releases every client pin when the engine closes, without
 // telling the policy (it is closing too).

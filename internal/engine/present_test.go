@@ -83,7 +83,7 @@ func TestSharedMountNoFalsePresent(t *testing.T) {
 					}
 					path := func(k string) string {
 						if en := b.e.find(b.e.nss[b.ns], key(k)); en != nil {
-							return en.path
+							return en.Path
 						}
 						return "no file"
 					}
@@ -212,7 +212,7 @@ func TestLoadMissingSaysWhy(t *testing.T) {
 	// Vanished: A's file removed behind its back.
 	store(a, testKeys("why-v", 1))
 	en := a.e.find(a.e.nss[a.ns], testKeys("why-v", 1)[0])
-	if err := os.Remove(en.path); err != nil {
+	if err := os.Remove(en.Path); err != nil {
 		t.Fatal(err)
 	}
 	// Replaced: A stores [r0,r1]; B, which does not know r0, stores

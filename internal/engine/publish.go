@@ -47,32 +47,32 @@ func (e *Engine) publish(ctx context.Context, m *mount, f fsys.File, tmp string,
 	if err := ctx.Err(); err != nil {
 		return false, nil, err // cancelled: never published
 	}
-	err = e.rename(m, tmp, en.path, replaces)
+	err = e.rename(m, tmp, en.Path, replaces)
 	if errors.Is(err, ErrPolicy) || isLinkRefusal(err) {
 		return false, nil, err
 	}
 	if err != nil {
 		return false, nil, e.ioError(m, op+"rename", err)
 	}
-	en.ident, err = e.seal(f, filepath.Dir(en.path))
+	en.Ident, err = e.seal(f, filepath.Dir(en.Path))
 	if err != nil {
 		// Visible but not vouched for (not durable, or its identity
 		// unknown): removed rather than indexed, if it is still ours.
-		if en.ident.Ino == 0 && en.fid != 0 {
+		if en.Ident.Ino == 0 && en.FID != 0 {
 			// The fstat failed: the name's identity, which the header's
 			// file id, read before the removal, proves ours or not. Where
 			// the name's stat fails too, the id alone decides then, and
 			// at every retry (disposeIfSame).
-			if fi, serr := e.fs.Stat(en.path); serr == nil {
-				en.ident, _ = fsys.IdentityOf(fi)
+			if fi, serr := e.fs.Stat(en.Path); serr == nil {
+				en.Ident, _ = fsys.IdentityOf(fi)
 			}
 		}
-		if en.ident.Ino != 0 || en.fid != 0 {
-			left = e.removeIfSame(en.path, []*entry{en})
+		if en.Ident.Ino != 0 || en.FID != 0 {
+			left = e.removeIfSame(en.Path, []*entry{en})
 		}
 		return true, left, e.ioError(m, op+"publish", err)
 	}
-	en.verified.Store(e.now().UnixNano())
+	en.Verified.Store(e.now().UnixNano())
 	return true, nil, nil
 }
 
@@ -98,7 +98,7 @@ func (e *Engine) rename(m *mount, tmp, path string, replaces *entry) error {
 	defer dir.Close()
 	if m.raw != nil {
 		if replaces != nil {
-			e.forget(replaces.ident)
+			e.forget(replaces.Ident)
 		}
 		return fsys.RenameAt(e.fs, dir, tmp, dir, path, false)
 	}
@@ -108,7 +108,7 @@ func (e *Engine) rename(m *mount, tmp, path string, replaces *entry) error {
 	if err := e.othersAt(m, path); err != nil {
 		return err
 	}
-	e.forget(replaces.ident) // the rename replaces it
+	e.forget(replaces.Ident) // the rename replaces it
 	return fsys.RenameAt(e.fs, dir, tmp, dir, path, false)
 }
 

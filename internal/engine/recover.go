@@ -168,14 +168,14 @@ func (e *Engine) rebuild(ctx context.Context) error {
 
 	// Oldest first, so that where two files hold one key (e.g. renamed by
 	// hand) the newest wins the key; both stay indexed by path.
-	slices.SortFunc(found, func(a, b *entry) int { return cmp.Compare(a.last, b.last) })
+	slices.SortFunc(found, func(a, b *entry) int { return cmp.Compare(a.Last, b.Last) })
 	found = e.dedupe(found) // copies left by a move cut short (demote.go)
 	ids := make([]NamespaceID, len(found))
 	for i, en := range found {
-		en.ns = e.namespaceOf(en.fp)
-		ids[i] = en.ns
+		en.NS = uint32(e.namespaceOf(en.FP))
+		ids[i] = NamespaceID(en.NS)
 	}
-	e.ix.insertAll(found)
+	e.ix.InsertAll(found)
 	e.adoptDone(ids...)
 	e.st.corrupt.Add(uint64(corrupt))
 	for i := range others {
@@ -189,7 +189,7 @@ func (e *Engine) rebuild(ctx context.Context) error {
 
 // restore tells the policy about every indexed entry (AccessRestore).
 func (e *Engine) restore(ctx context.Context) {
-	e.access(ctx, e.ix.records(abi.AccessRestore))
+	e.access(ctx, e.ix.Records(abi.AccessRestore))
 }
 
 // removeCorrupt removes, at rebuild, a file that is a kvhost file (its

@@ -200,15 +200,15 @@ func (v *buildView) missedEvents(e *Engine, told map[uint64]int) ([]abi.AccessRe
 	pins := map[uint64]int{}
 	now := e.now().UnixNano()
 	indexed := map[uint64]bool{}
-	e.ix.each(func(en *entry) {
-		indexed[en.id] = true
-		if n := v.seen[en.id]; n < v.ranges || v.ranges == 0 {
-			recs = append(recs, en.access(abi.AccessRestore, en.last))
+	e.ix.Each(func(en *entry) {
+		indexed[en.ID] = true
+		if n := v.seen[en.ID]; n < v.ranges || v.ranges == 0 {
+			recs = append(recs, en.Access(abi.AccessRestore, en.Last))
 		}
-		if n := told[en.id]; n > 0 {
-			pins[en.id] = n
+		if n := told[en.ID]; n > 0 {
+			pins[en.ID] = n
 			for range n {
-				pinRecs = append(pinRecs, en.access(abi.AccessPin, now))
+				pinRecs = append(pinRecs, en.Access(abi.AccessPin, now))
 			}
 		}
 	})
@@ -434,12 +434,12 @@ type indexView struct{ e *Engine }
 var _ policy.Index = indexView{}
 
 // Lookup returns the entry with the given id.
-func (v indexView) Lookup(id uint64) (policy.Entry, bool) { return v.e.ix.policyEntry(id) }
+func (v indexView) Lookup(id uint64) (policy.Entry, bool) { return v.e.ix.PolicyEntry(id) }
 
 // Range calls fn for every entry until fn returns false. fn runs without the
 // index's lock held, on a snapshot.
 func (v indexView) Range(fn func(policy.Entry) bool) {
-	for _, en := range v.e.ix.policyEntries() {
+	for _, en := range v.e.ix.PolicyEntries() {
 		if !fn(en) {
 			return
 		}

@@ -239,11 +239,9 @@ func TestReplacePolicyTellsEveryShardOfEntriesStoredBetweenItsRanges(t *testing.
 
 // entryIDs returns the ids of the indexed entries.
 func (e *Engine) entryIDs() []uint64 {
-	e.ix.mu.Lock()
-	defer e.ix.mu.Unlock()
 	var out []uint64
-	for id := range e.ix.entries {
-		out = append(out, id)
+	for _, en := range e.ix.Entries() {
+		out = append(out, en.ID)
 	}
 	return out
 }

@@ -143,6 +143,6 @@ func (e *Engine) removeOwnIn(m *mount, dir fsys.File, path string, id fsys.Ident
 	if err := e.removeFileIn(m, dir, path, id); err != nil {
 		e.st.removeFailures.Add(1)
 		e.log.Warn("engine: remove a "+what, "path", path, "err", err)
-		e.ix.leaveSpare(m.idx, path, id.Size)
+		e.ix.LeaveSpare(m.idx, path, id.Size)
 	}
 }

@@ -519,15 +519,15 @@ func TestReadEntryOpenFile(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if en.keys[0] != string(keys[0]) {
-		t.Fatalf("header of %q, want %q", en.keys[0], keys[0])
+	if en.Keys[0] != string(keys[0]) {
+		t.Fatalf("header of %q, want %q", en.Keys[0], keys[0])
 	}
 	want, err := fsys.IdentityOf(fi)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if en.ident.Ino != want.Ino || en.size != fi.Size() {
-		t.Fatalf("entry of key 0 has inode %d size %d, the file read has inode %d size %d", en.ident.Ino, en.size, want.Ino, fi.Size())
+	if en.Ident.Ino != want.Ino || en.Size != fi.Size() {
+		t.Fatalf("entry of key 0 has inode %d size %d, the file read has inode %d size %d", en.Ident.Ino, en.Size, want.Ino, fi.Size())
 	}
 }
 
@@ -621,11 +621,7 @@ func TestAdoptLeavesAPathAJobHoldsToItsHolder(t *testing.T) {
 
 	// The index loses the file (as when another file holding its key was
 	// dropped), while the file stays on disk.
-	e.ix.mu.Lock()
-	en := e.ix.byPath[path]
-	e.ix.unindexLocked(en, false)
-	claimed, _ := e.ix.claimLocked(path) // a store claims the path
-	e.ix.mu.Unlock()
+	claimed := e.ix.ForgetAndClaim(path) // a store claims the path
 	if !claimed {
 		t.Fatal("the path was held before the test claimed it")
 	}
@@ -636,18 +632,16 @@ func TestAdoptLeavesAPathAJobHoldsToItsHolder(t *testing.T) {
 	if got, err := e.adopt(ctx, found, nil); got != nil || !errors.Is(err, errPathHeld) {
 		t.Fatalf("adopt at a path a store held: %v, %v; want nil, errPathHeld", got, err)
 	}
-	e.ix.mu.RLock()
-	indexed := e.ix.byPath[path]
-	e.ix.mu.RUnlock()
+	indexed := e.ix.ByPath(path)
 	if indexed != nil {
-		t.Fatalf("the index holds %s at a held path", indexed.path)
+		t.Fatalf("the index holds %s at a held path", indexed.Path)
 	}
 	if en := e.discover(ctx, e.nss[ns], keys[0]); en != nil {
 		t.Fatal("discover indexed the file at a held path")
 	}
 
 	e.release(path)
-	if en := e.discover(ctx, e.nss[ns], keys[0]); en == nil || en.gone {
+	if en := e.discover(ctx, e.nss[ns], keys[0]); en == nil || e.ix.Gone(en) {
 		t.Fatal("discover did not index the file once the path was free")
 	}
 	if n, err := e.Lookup(ctx, ns, keys); err != nil || n != 1 {
@@ -674,9 +668,7 @@ func TestALookupNeverIndexesAFileThisEngineRemovedOrReplacedWhileItReadIt(t *tes
 			k := storeGatedKey(t, fsys.OpClose)
 			// The index loses the file (as when another node published it),
 			// while the file stays on disk.
-			k.e.ix.mu.Lock()
-			k.e.ix.unindexLocked(k.e.ix.byPath[k.path], false)
-			k.e.ix.mu.Unlock()
+			k.e.ix.Forget(k.e.ix.ByPath(k.path))
 
 			k.gate.race(k.path, func() { // held after its header read, at its close
 				k.e.Lookup(ctx, k.ns, k.keys)
@@ -716,9 +708,7 @@ func removedOrReplaced(index func(t *testing.T, k *gatedKey)) []struct {
 // and only it (none where none is there), and the engine's parts agree.
 func indexHoldsTheFileAt(t *testing.T, e *Engine, path string) {
 	t.Helper()
-	e.ix.mu.RLock()
-	en := e.ix.byPath[path]
-	e.ix.mu.RUnlock()
+	en := e.ix.ByPath(path)
 	fi, err := os.Stat(path)
 	switch {
 	case err != nil && en != nil:
@@ -726,8 +716,8 @@ func indexHoldsTheFileAt(t *testing.T, e *Engine, path string) {
 	case err == nil && en == nil:
 		t.Fatalf("the index lost the file at %s", path)
 	case err == nil:
-		if id, _ := fsys.IdentityOf(fi); !id.Same(en.ident) {
-			t.Fatalf("the index holds a file at %s that was replaced: inode %d, the file there %d", path, en.ident.Ino, id.Ino)
+		if id, _ := fsys.IdentityOf(fi); !id.Same(en.Ident) {
+			t.Fatalf("the index holds a file at %s that was replaced: inode %d, the file there %d", path, en.Ident.Ino, id.Ino)
 		}
 	}
 	if err := e.check(); err != nil {

@@ -35,21 +35,21 @@ func TestAnIndexedFileBehindALinkAtItsPathIsNotTakenForIt(t *testing.T) {
 		t.Fatal("the stored key is not indexed")
 	}
 	aside := filepath.Join(t.TempDir(), "aside.kv")
-	if err := os.Rename(en.path, aside); err != nil {
+	if err := os.Rename(en.Path, aside); err != nil {
 		t.Fatal(err)
 	}
-	if err := os.Symlink(aside, en.path); err != nil {
+	if err := os.Symlink(aside, en.Path); err != nil {
 		t.Fatal(err)
 	}
 	if f, _, err := e.openSame(en, os.O_RDONLY); err == nil {
 		f.Close()
-		t.Errorf("openSame of %s, a link to the indexed file: opened, want refused", en.path)
+		t.Errorf("openSame of %s, a link to the indexed file: opened, want refused", en.Path)
 	}
 	if e.confirm(context.Background(), en) {
-		t.Errorf("the check before a store answers present took the link at %s for the indexed file", en.path)
+		t.Errorf("the check before a store answers present took the link at %s for the indexed file", en.Path)
 	}
 	if got := entryOf(e, ns, keys[0]); got != nil {
-		t.Errorf("the key is still indexed at %s, behind a link", got.path)
+		t.Errorf("the key is still indexed at %s, behind a link", got.Path)
 	}
 	if _, err := os.Stat(aside); err != nil {
 		t.Errorf("the file the link points to: %v, want it left alone", err)

@@ -243,16 +243,16 @@ func TestSharedMountInodeReuse(t *testing.T) {
 					aWant = append(aWant, a.c.data(bl))
 				}
 				storeAndCheck(t, a.e, a.c, aKeys, aBlocks)
-				fi, err := fs.Stat(before.path)
+				fi, err := fs.Stat(before.Path)
 				if err != nil {
 					t.Fatal(err)
 				}
 				id, _ := fsys.IdentityOf(fi)
-				reused := id.Ino == before.ident.Ino && id.Size == before.ident.Size
+				reused := id.Ino == before.Ident.Ino && id.Size == before.Ident.Size
 				if _, sim := fs.(*reuseFS); sim && !reused {
-					t.Fatalf("the simulation did not reuse the inode: %d, B indexed %d", id.Ino, before.ident.Ino)
+					t.Fatalf("the simulation did not reuse the inode: %d, B indexed %d", id.Ino, before.Ident.Ino)
 				}
-				t.Logf("%s: A's file at inode %d, B's was %d (reused: %v)", prefix, id.Ino, before.ident.Ino, reused)
+				t.Logf("%s: A's file at inode %d, B's was %d (reused: %v)", prefix, id.Ino, before.Ident.Ino, reused)
 				return bKeys, aKeys, aWant
 			}
 			checkA := func(aKeys, aWant [][]byte) {

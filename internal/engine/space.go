@@ -810,3 +810,31 @@ func (s *space) wantSparesLocked(ms *mountSpace, ns NamespaceID, size int64, ful
 	ms.setAheadLocked(ns, a)
 	return s.spareWorkLocked()
 }
+
+// indexCounts is the space as the index tells it of its files
+// (index.Space): by the mount's position.
+type indexCounts struct{ s *space }
+
+// Free implements index.Space.
+func (c indexCounts) Free(mount int, size int64, orphan bool) {
+	c.s.free(c.s.mounts[mount], size, orphan)
+}
+
+// Left implements index.Space.
+func (c indexCounts) Left(mount int, size int64) { c.s.left(c.s.mounts[mount], size) }
+
+// Unorphan implements index.Space.
+func (c indexCounts) Unorphan(mount int, size int64) { c.s.unorphan(c.s.mounts[mount], size) }
+
+// Indexed implements index.Space.
+func (c indexCounts) Indexed(mount int, size int64, reserved bool) {
+	c.s.indexed(c.s.mounts[mount], size, reserved)
+}
+
+// Unindexed implements index.Space.
+func (c indexCounts) Unindexed(mount int, size int64, removing, orphan bool) {
+	c.s.unindexed(c.s.mounts[mount], size, removing, orphan)
+}
+
+// Moved implements index.Space.
+func (c indexCounts) Moved(from, to int) { c.s.moved(c.s.mounts[from], c.s.mounts[to]) }

@@ -148,7 +148,7 @@ func (e *Engine) runStore(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 		// same inode, is never taken for it) are present.
 		var missing []int
 		checked := map[*entry]bool{}
-		found := e.ix.getAll(c.ns.fp, keys, todo)
+		found := e.ix.GetAll(c.ns.fp, keys, todo)
 		for t, i := range todo {
 			en := found[t]
 			for en != nil {
@@ -162,7 +162,7 @@ func (e *Engine) runStore(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 				}
 				// Moved to another mount since it was found (demote.go):
 				// the key's entry is then the copy, checked in turn.
-				cur := e.ix.current(en, keys[i])
+				cur := e.ix.Current(en, keys[i])
 				if cur == en {
 					cur = nil
 				}
@@ -199,7 +199,7 @@ func (e *Engine) runStore(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 		todo, busy = e.storeRound(ctx, j, c, keys, blocks, missing)
 		if len(presentIn) > 0 {
 			for i, en := range presentIn {
-				if e.ix.gone(en) {
+				if e.ix.Gone(en) {
 					delete(presentIn, i)
 					todo = append(todo, i)
 				}
@@ -211,7 +211,7 @@ func (e *Engine) runStore(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 		}
 		for _, fl := range busy {
 			select {
-			case <-fl.done:
+			case <-fl.Done:
 			case <-ctx.Done():
 			}
 		}
@@ -309,7 +309,7 @@ func (e *Engine) storeRound(ctx context.Context, j *Job, c *cache, keys [][]byte
 			failAll(gr.idx, ctx.Err())
 			continue
 		}
-		claimed, old, fl := e.ix.claim(gr.path)
+		claimed, old, fl := e.ix.Claim(gr.path)
 		gr.old = old
 		if !claimed {
 			// Another job writes (or removes) this path: what it leaves
@@ -372,10 +372,10 @@ func (e *Engine) heldAt(ctx context.Context, fp uint64, key []byte, en *entry) b
 	if en == nil {
 		return false
 	}
-	if _, err := en.match(fp, key); err != nil || !e.confirm(ctx, en) {
+	if _, err := matchKey(en, fp, key); err != nil || !e.confirm(ctx, en) {
 		return false
 	}
-	return e.ix.relink(en)
+	return e.ix.Relink(en)
 }
 
 // replacing marks the store holding path as one that replaces old, the
@@ -388,7 +388,7 @@ func (e *Engine) replacing(path string, old *entry) error {
 	if old == nil {
 		return nil
 	}
-	if !e.ix.replacing(path, old) {
+	if !e.ix.Replacing(path, old) {
 		return fmt.Errorf("%w: it named file %s for these keys, which holds other keys a client pinned", ErrPolicy, path)
 	}
 	return nil
@@ -504,7 +504,7 @@ func (e *Engine) writeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 			return published, e.ioError(m, "write header", err)
 		}
 	}
-	en := &entry{fp: h.Fingerprint, ns: c.ns.id, mount: gr.mount, path: gr.path, size: size, fid: h.ID, last: e.now().UnixNano()}
+	en := &entry{FP: h.Fingerprint, NS: uint32(c.ns.id), Mount: gr.mount, Path: gr.path, Size: size, FID: h.ID, Last: e.now().UnixNano()}
 	published, left, err := e.publish(ctx, m, f, tmp, en, gr.old, "")
 	if published {
 		f = nil // closed
@@ -514,7 +514,7 @@ func (e *Engine) writeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 		return false, fmt.Errorf("%w: store on mount %s: %s is a directory, not a kvhost file: the policy's name for key %q collides with it", ErrPolicy, m.root, gr.path, h.Keys[0].Key)
 	case err != nil && published:
 		if left != nil {
-			e.ix.leave(left, gr.path) // the reservation counts the file left
+			e.ix.Leave(left, gr.path) // the reservation counts the file left
 		} else {
 			e.unreserve(m, size) // the file was removed again
 		}
@@ -528,11 +528,11 @@ func (e *Engine) writeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 		return false, err
 	}
 	for _, k := range h.Keys {
-		en.keys = append(en.keys, string(k.Key))
+		en.Keys = append(en.Keys, string(k.Key))
 	}
 	// The path is released in the same step: what the insert replaced
 	// is gr.old, forgotten before the rename.
-	recs, fl, orphans := e.ix.publishReleasing(en)
+	recs, fl, orphans := e.ix.PublishReleasing(en)
 	gr.released = true
 	e.endRelease(gr.path, fl, orphans)
 	e.access(ctx, recs)

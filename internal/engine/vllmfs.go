@@ -466,20 +466,20 @@ func (e *Engine) bindLayoutLocked(m *mount, g Geometry) (short []*entry, err err
 	}
 	want := vllmfs.FileLen(g.KeyBytes())
 	rows, longer, cut, example := 0, 0, 0, ""
-	e.ix.each(func(en *entry) {
+	e.ix.Each(func(en *entry) {
 		switch {
-		case en.mount != m.idx:
-		case en.size == want:
+		case en.Mount != m.idx:
+		case en.Size == want:
 			rows++
-		case en.size > want:
+		case en.Size > want:
 			longer++
-			example = fmt.Sprintf("%s is %d bytes", en.path, en.size)
+			example = fmt.Sprintf("%s is %d bytes", en.Path, en.Size)
 		default:
 			short = append(short, en)
-			if en.size > 0 {
+			if en.Size > 0 {
 				cut++
 				if longer == 0 {
-					example = fmt.Sprintf("%s is %d bytes", en.path, en.size)
+					example = fmt.Sprintf("%s is %d bytes", en.Path, en.Size)
 				}
 			}
 		}
@@ -506,7 +506,7 @@ func (e *Engine) dropShort(ctx context.Context, m *mount, short []*entry) {
 		return
 	}
 	e.st.corrupt.Add(uint64(n))
-	e.log.Warn("engine: vllm-fs: removed rows shorter than the namespace's row (cut short by a crash)", "mount", m.root, "rows", n, "row_bytes", m.raw.rowBytes, "e.g.", short[0].path)
+	e.log.Warn("engine: vllm-fs: removed rows shorter than the namespace's row (cut short by a crash)", "mount", m.root, "rows", n, "row_bytes", m.raw.rowBytes, "e.g.", short[0].Path)
 }
 
 // rawEntry returns an unindexed entry for the row file at path on vllm-fs
@@ -531,8 +531,8 @@ func (e *Engine) rawEntry(mnt int, path string) (*entry, error) {
 	if row != 0 && id.Size != vllmfs.FileLen(row) {
 		return nil, fmt.Errorf("%w: %s: %d bytes, rows are %d (padded to %d)", ErrMismatch, path, id.Size, row, vllmfs.FileLen(row))
 	}
-	en := &entry{fp: m.raw.fp, mount: mnt, path: path, size: id.Size, ident: id, last: id.Mtime, keys: []string{string(key)}}
-	en.verified.Store(e.now().UnixNano())
+	en := &entry{FP: m.raw.fp, Mount: mnt, Path: path, Size: id.Size, Ident: id, Last: id.Mtime, Keys: []string{string(key)}}
+	en.Verified.Store(e.now().UnixNano())
 	return en, nil
 }
 

@@ -79,9 +79,9 @@ func (e *Engine) startWarmer() {
 		last int64
 	}
 	var start []found
-	e.ix.each(func(en *entry) {
-		if m := e.mounts[en.mount]; m.memory {
-			start = append(start, found{warmFile{en.mount, en.path, en.ident}, en.last})
+	e.ix.Each(func(en *entry) {
+		if m := e.mounts[en.Mount]; m.memory {
+			start = append(start, found{warmFile{en.Mount, en.Path, en.Ident}, en.Last})
 		}
 	})
 	slices.SortFunc(start, func(a, b found) int { return cmp.Compare(b.last, a.last) })
@@ -130,11 +130,11 @@ func (e *Engine) stopWarmer() {
 // its mount that take files ahead of jobs, off the lookup's path.
 func (e *Engine) warmDiscovered(en *entry) {
 	w := e.warm
-	if w == nil || len(e.mounts[en.mount].warmers()) == 0 {
+	if w == nil || len(e.mounts[en.Mount].warmers()) == 0 {
 		return
 	}
 	select {
-	case w.found <- warmFile{en.mount, en.path, en.ident}:
+	case w.found <- warmFile{en.Mount, en.Path, en.Ident}:
 	default: // its first load offers it
 	}
 }

@@ -214,7 +214,7 @@ func TestWarmAtOpenOffersTheMostRecentlyUsedFilesUpToTheBound(t *testing.T) {
 			t.Fatalf("key %s not indexed", k)
 		}
 		at := base.Add(time.Duration(i) * time.Minute)
-		if err := os.Chtimes(en.path, at, at); err != nil {
+		if err := os.Chtimes(en.Path, at, at); err != nil {
 			t.Fatal(err)
 		}
 	}

@@ -1,0 +1,116 @@
+package index
+
+import (
+	"maps"
+	"slices"
+)
+
+// Whole operations that read the index, or change it as a fault would,
+// for the engine's tests: each takes the index's lock once.
+
+// ByPath returns the entry indexed at path, or nil.
+func (ix *Index) ByPath(path string) *Entry {
+	ix.mu.RLock()
+	defer ix.mu.RUnlock()
+	return ix.byPath[path]
+}
+
+// Entries returns the indexed entries.
+func (ix *Index) Entries() []*Entry {
+	ix.mu.RLock()
+	defer ix.mu.RUnlock()
+	return slices.Collect(maps.Values(ix.entries))
+}
+
+// LeftOnDisk returns the entries dropped whose file could not be removed.
+func (ix *Index) LeftOnDisk() []*Entry {
+	ix.mu.RLock()
+	defer ix.mu.RUnlock()
+	return slices.Collect(maps.Values(ix.left))
+}
+
+// Keys returns the keys indexed.
+func (ix *Index) Keys() []KeyID {
+	ix.mu.RLock()
+	defer ix.mu.RUnlock()
+	return slices.Collect(maps.Keys(ix.byKey))
+}
+
+// Inspect calls fn with the index's lock held, where fn may read the
+// marks of en (Marks): as one step, not torn by an operation.
+func (ix *Index) Inspect(fn func()) {
+	ix.mu.RLock()
+	defer ix.mu.RUnlock()
+	fn()
+}
+
+// Marks are an entry's mutable marks, as Entry.Marks reads them.
+type Marks struct {
+	Gone, Held, Orphan bool
+	Last               int64
+}
+
+// Marks reads en's marks. Call it in a function the index calls (its lock
+// held: Each, Inspect).
+func (en *Entry) Marks() Marks {
+	return Marks{Gone: en.gone, Held: en.held, Orphan: en.orphan, Last: en.Last}
+}
+
+// Block takes the index's write lock and returns the function that lets
+// it go: a test stands for an operation that holds it.
+func (ix *Index) Block() (release func()) {
+	ix.mu.Lock()
+	return ix.mu.Unlock
+}
+
+// Forget drops en from the index, its file left on disk unknown, as when
+// another file took its keys.
+func (ix *Index) Forget(en *Entry) {
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	ix.unindexLocked(en, false)
+}
+
+// ForgetAndClaim is Forget of the entry at path and a claim of the path
+// (a store's) in one step, and reports whether the path was free.
+func (ix *Index) ForgetAndClaim(path string) bool {
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	ix.unindexLocked(ix.byPath[path], false)
+	claimed, _ := ix.claimLocked(path)
+	return claimed
+}
+
+// ForgetKey drops key of fingerprint fp from the index, its file still
+// indexed, as when a newer file took the key.
+func (ix *Index) ForgetKey(fp uint64, key []byte) {
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	delete(ix.byKey, KeyID{fp, string(key)})
+	ix.byFP[fp].Keys-- // as unindexLocked counts a key it deletes
+}
+
+// AddUnlinked indexes ens by id only (not by path or key), counted as
+// files of fingerprint fp, as a benchmark of a scan of many entries does,
+// and returns the function that removes them again.
+func (ix *Index) AddUnlinked(fp uint64, ens func(id uint64) *Entry, n int) (remove func()) {
+	ix.mu.Lock()
+	defer ix.mu.Unlock()
+	base := ix.lastID + 1
+	for i := range uint64(n) {
+		en := ens(base + i)
+		en.ID = base + i
+		ix.entries[base+i] = en
+	}
+	ix.countOf(fp).Files += n
+	return func() {
+		ix.mu.Lock()
+		defer ix.mu.Unlock()
+		for i := range uint64(n) {
+			delete(ix.entries, base+i)
+		}
+		c := ix.countOf(fp)
+		c.Files -= n
+		ix.dropEmptyLocked(fp, c)
+	}
+}

@@ -1,0 +1,18 @@
+package engine
+
+import "github.com/kvhost/kvhost/internal/engine/index"
+
+// The index part's types, as the engine's files name them.
+type (
+	entry      = index.Entry
+	flight     = index.Flight
+	readMark   = index.ReadMark
+	keyID      = index.KeyID
+	pinnedFile = index.PinnedFile
+)
+
+const (
+	adoptIndexed = index.AdoptIndexed
+	adoptHeld    = index.AdoptHeld
+	adoptLeft    = index.AdoptLeft
+)
