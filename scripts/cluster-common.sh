@@ -20,8 +20,8 @@ install_packages() {
 		sudo="sudo -n"
 	fi
 	echo "$FS: installing ${missing[*]} with apt-get" >&2
-	$sudo apt-get update -qq || { echo "$FS: cannot install ${missing[*]}: apt-get update failed" >&2; return 3; }
-	DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null ||
+	$sudo apt-get -o DPkg::Lock::Timeout=600 update -qq || { echo "$FS: cannot install ${missing[*]}: apt-get update failed" >&2; return 3; }
+	DEBIAN_FRONTEND=noninteractive $sudo apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends "${missing[@]}" >/dev/null ||
 		{ echo "$FS: cannot install ${missing[*]}: apt-get install failed" >&2; return 3; }
 }
 
