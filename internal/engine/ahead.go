@@ -6,6 +6,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/kvhost/kvhost/internal/engine/space"
 	"github.com/kvhost/kvhost/transfer"
 )
 
@@ -74,10 +75,8 @@ func (mk *spareMaker) activeAt(now int64) {
 // startSpareMaker starts the maker if a mount makes spares ahead.
 func (e *Engine) startSpareMaker() {
 	for _, m := range e.mounts {
-		if m.sp.ahead > 0 {
-			quiet := make(chan struct{})
-			close(quiet)
-			e.space.quiet = quiet // before the maker and any job
+		if m.sp.MakesAhead() {
+			e.space.TrackMaker() // before the maker and any job
 			mk := &spareMaker{
 				wake: make(chan struct{}, 1), idle: make(chan struct{}, 1),
 				stop: make(chan struct{}), done: make(chan struct{}),
@@ -100,7 +99,7 @@ func (e *Engine) stopSpareMaker() {
 }
 
 // wantSpares returns what a store of namespace ns on m tells the spares
-// made ahead (space.wantSparesLocked records it with the reservation),
+// made ahead (space.StoreReserve records it with the reservation),
 // or nil where m makes none or ns is not declared. The namespace's
 // spares are made in the size of its last file that held a whole group
 // of its keys (full): a job's last file may hold fewer, and following it
@@ -111,14 +110,14 @@ func (e *Engine) stopSpareMaker() {
 // of varying length would otherwise have the maker remove and remake the
 // namespace's share in every idle moment. The caller holds e.mu for
 // reading where m makes spares ahead (reserveFile).
-func (e *Engine) wantSpares(m *mount, ns NamespaceID, full bool) *storeAhead {
-	if e.maker == nil || m.sp.ahead <= 0 {
+func (e *Engine) wantSpares(m *mount, ns NamespaceID, full bool) *space.StoreAhead {
+	if e.maker == nil || !m.sp.MakesAhead() {
 		return nil
 	}
 	if n := e.nss[ns]; !n.declared {
 		return nil
 	}
-	return &storeAhead{ns: ns, full: full}
+	return &space.StoreAhead{NS: uint32(ns), Full: full}
 }
 
 // predictSparesLocked guesses the size of the files a newly declared
@@ -138,7 +137,7 @@ func (e *Engine) predictSparesLocked(ns *namespace) bool {
 	}
 	var only *mountSpace
 	for _, m := range e.mounts {
-		if m.sp.ahead > 0 {
+		if m.sp.MakesAhead() {
 			if only != nil {
 				return false
 			}
@@ -148,7 +147,7 @@ func (e *Engine) predictSparesLocked(ns *namespace) bool {
 	if only == nil {
 		return false
 	}
-	return e.space.guessAhead(only, ns.id, ns.wholeFileLen())
+	return e.space.GuessAhead(only, uint32(ns.id), ns.wholeFileLen())
 }
 
 // forgetAheadLocked drops what every mount knows of released namespace
@@ -158,7 +157,7 @@ func (e *Engine) forgetAheadLocked(ns NamespaceID) bool {
 	if e.maker == nil {
 		return false
 	}
-	return e.space.forgetAhead(ns)
+	return e.space.ForgetAhead(uint32(ns))
 }
 
 // spareRoom wakes the maker if it has work (a delete or a move freed
@@ -167,7 +166,7 @@ func (e *Engine) spareRoom() {
 	if e.maker == nil {
 		return
 	}
-	e.wakeMaker(e.space.spareWork())
+	e.wakeMaker(e.space.SpareWork())
 }
 
 // wakeMaker wakes the maker if work says it has some.
@@ -217,7 +216,7 @@ func (e *Engine) makeSpares() {
 	defer close(mk.done)
 	sp := e.space
 	for {
-		if !sp.spareWorkOrQuiet() {
+		if !sp.SpareWorkOrQuiet() {
 			select {
 			case <-mk.wake:
 				continue
@@ -228,22 +227,22 @@ func (e *Engine) makeSpares() {
 		if !e.awaitQuiet() {
 			return
 		}
-		sp.endBursts(time.Now().UnixNano(), time.Duration(mk.quietFor.Load())) // the budget follows the burst that just ended
-		ms, size, stale := sp.nextSpare()                                      // again: the quiet took time
+		sp.EndBursts(time.Now().UnixNano(), time.Duration(mk.quietFor.Load())) // the budget follows the burst that just ended
+		ms, size, stale := sp.NextSpare()                                      // again: the quiet took time
 		switch {
 		case ms == nil:
 			continue
-		case stale.path != "":
-			e.removeSpare(e.mounts[ms.idx], stale.path, stale.id)
+		case stale.Path != "":
+			e.removeSpare(e.mounts[ms.Index()], stale.Path, stale.ID)
 			continue
 		}
-		m := e.mounts[ms.idx]
+		m := e.mounts[ms.Index()]
 		if err := e.makeSpare(m, size); err != nil {
 			// Not again until the next store of a namespace of that
 			// size on m, or the next namespace declared: a full file
 			// system, or one that refuses fallocate, would otherwise
 			// have the maker retry without end.
-			sp.failedAhead(ms, size)
+			sp.FailedAhead(ms, size)
 			e.log.Debug("engine: make a spare file ahead of stores", "mount", m.root, "size", size, "err", err)
 		}
 	}
@@ -277,7 +276,7 @@ func (e *Engine) makeSpare(m *mount, size int64) error {
 	}
 	if err == nil {
 		// Stores may have taken the room meanwhile.
-		if e.space.keepMade(m.sp, spareFile{path: path, id: id, zeroed: true}) {
+		if e.space.KeepMade(m.sp, spareFile{Path: path, ID: id, Zeroed: true}) {
 			e.st.made.Add(1)
 			return nil
 		}
@@ -304,10 +303,10 @@ func (e *Engine) WaitSpares(ctx context.Context) error {
 	e.spareRoom() // room an eviction or a capacity refresh freed, which wakes no one
 	sp := e.space
 	for {
-		quiet := sp.quietChan()
+		quiet := sp.QuietChan()
 		select {
 		case <-quiet:
-			if sp.quietChan() == quiet {
+			if sp.QuietChan() == quiet {
 				return nil
 			}
 		case <-mk.done:

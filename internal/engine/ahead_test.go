@@ -114,9 +114,7 @@ func waitEngineSpares(t *testing.T, e *Engine) {
 // aheadSizeOf is the size of namespace ns's files on e's first mount, as
 // its declaration and stores say (0: not known).
 func aheadSizeOf(e *Engine, ns NamespaceID) int64 {
-	e.space.mu.Lock()
-	defer e.space.mu.Unlock()
-	return e.mounts[0].sp.aheadNS[ns].size
+	return e.space.Inspect(e.mounts[0].sp).AheadSizes[uint32(ns)]
 }
 
 // spareFiles lists the spare files under dir.
@@ -386,13 +384,12 @@ func TestPreallocateIsSharedEvenlyBetweenTheNamespacesThatStore(t *testing.T) {
 	storeAndCheck(t, f.e, c2, [][]byte{[]byte("b")}, [][]int{{0, 1, 2, 3}})
 	f.waitSpares(t)
 	size1, size2 := aheadSizeOf(f.e, f.ns), aheadSizeOf(f.e, ns2)
-	f.e.space.mu.Lock()
 	m := f.e.mounts[0]
-	big, small, made := len(m.sp.spares[size1]), len(m.sp.spares[size2]), m.sp.madeBytes
-	f.e.space.mu.Unlock()
+	v := f.e.space.Inspect(m.sp)
+	big, small, made := v.Spares[size1], v.Spares[size2], v.MadeBytes
 	half := 2 * f.fileLen
-	if size1 != f.fileLen || size2 >= f.fileLen || big != 2 || small != int(half/size2) || made > m.sp.ahead {
-		t.Fatalf("sizes %d and %d: %d and %d spares, %d bytes made; want two of the first size and %d of the second (half of %d each)", size1, size2, big, small, made, half/size2, m.sp.ahead)
+	if ahead, _, _ := m.sp.Ahead(); size1 != f.fileLen || size2 >= f.fileLen || big != 2 || small != int(half/size2) || made > ahead {
+		t.Fatalf("sizes %d and %d: %d and %d spares, %d bytes made; want two of the first size and %d of the second (half of %d each)", size1, size2, big, small, made, half/size2, ahead)
 	}
 	// The second namespace goes: its share goes back to the first.
 	if err := f.e.UnregisterCache(c2.id); err != nil {
@@ -402,9 +399,8 @@ func TestPreallocateIsSharedEvenlyBetweenTheNamespacesThatStore(t *testing.T) {
 		t.Fatal(err)
 	}
 	f.waitSpares(t)
-	f.e.space.mu.Lock()
-	big, small = len(m.sp.spares[size1]), len(m.sp.spares[size2])
-	f.e.space.mu.Unlock()
+	v = f.e.space.Inspect(m.sp)
+	big, small = v.Spares[size1], v.Spares[size2]
 	if big != 4 || small != 0 {
 		t.Fatalf("after the second namespace's release: %d and %d spares, want four of the first size and none of the second", big, small)
 	}
@@ -458,13 +454,10 @@ func TestSparesAreMadeAheadInTheSizeOfWholeFiles(t *testing.T) {
 			for round := range 6 {
 				f.storeJob(t, testKeys(fmt.Sprintf("job%d-", round), 5))
 				f.waitSpares(t)
-				f.e.space.mu.Lock()
-				m := f.e.mounts[0]
 				var sizes []int64
-				for size := range m.sp.spares {
+				for size := range f.e.space.Inspect(f.e.mounts[0].sp).Spares {
 					sizes = append(sizes, size)
 				}
-				f.e.space.mu.Unlock()
 				if len(sizes) != 1 || sizes[0] <= 2*f.fileLen {
 					t.Fatalf("round %d: spares of sizes %v; want only the four-key files' (one key: %d bytes)", round, sizes, f.fileLen)
 				}
@@ -548,16 +541,13 @@ func diskDir(t *testing.T) string {
 // declaration of another size leaves the size alone.
 func TestSparesAreMadeAheadOfTheFirstStoreOnceANamespaceIsDeclared(t *testing.T) {
 	f := newAheadFixture(t, Config{Policy: newTestPolicy(4, 0)}, 200, 8, 0.85)
-	f.e.space.mu.Lock()
-	m := f.e.mounts[0]
 	whole := f.e.nss[f.ns].wholeFileLen()
 	var sizes []int64
-	for size, list := range m.sp.spares {
-		if len(list) > 0 {
+	for size, n := range f.e.space.Inspect(f.e.mounts[0].sp).Spares {
+		if n > 0 {
 			sizes = append(sizes, size)
 		}
 	}
-	f.e.space.mu.Unlock()
 	if len(sizes) != 1 || sizes[0] != whole || whole <= 3*f.fileLen {
 		t.Fatalf("spares of sizes %v after the declaration; want only a four-key file's, %d bytes (one key: %d)", sizes, whole, f.fileLen)
 	}
@@ -604,9 +594,7 @@ func TestAVLLMFSNamespaceMakesNoSparesAhead(t *testing.T) {
 		t.Fatal(err)
 	}
 	waitEngineSpares(t, e)
-	e.space.mu.Lock()
-	sizes := len(e.mounts[0].sp.aheadNS)
-	e.space.mu.Unlock()
+	sizes := len(e.space.Inspect(e.mounts[0].sp).AheadSizes)
 	if st := e.Stats(); sizes != 0 || st.SparesMade != 0 || len(spareFiles(t, kv)) != 0 {
 		t.Fatalf("after a vllm-fs namespace's declaration: %d sizes known, %d made; want none", sizes, st.SparesMade)
 	}
@@ -939,14 +927,12 @@ func TestAutoPreallocateKeepsAtMostMaxAutoSpareFilesOfASize(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			e := openEngine(t, Config{Mounts: []Mount{{Path: tmpfsDir(t), Capacity: 64 * fileLen, Preallocate: tt.preallocate}}, Policy: newTestPolicy(1, 0)})
 			m := e.mounts[0]
-			e.space.mu.Lock()
-			bound := m.sp.aheadFiles
+			ahead, bound, most := m.sp.Ahead()
 			if tt.wantBound > 0 {
 				// The bound itself is thousands of files; three stand for
 				// it here, within a budget of eight.
-				m.sp.aheadFiles = 3
+				e.space.SetAhead(m.sp, ahead, 3, most)
 			}
-			e.space.mu.Unlock()
 			if bound != tt.wantBound {
 				t.Fatalf("spares of a size bounded at %d, want %d", bound, tt.wantBound)
 			}

@@ -8,6 +8,7 @@ import (
 
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/host/policy"
+	"github.com/kvhost/kvhost/internal/engine/space"
 )
 
 // victimBatch is the most victims asked of the policy at once.
@@ -26,7 +27,7 @@ func (e *Engine) reserve(ctx context.Context, m *mount, size int64) error {
 	// beside them (a store may then reuse one; a move between mounts
 	// writes a fresh file).
 	if e.spareEligible(m) {
-		e.trimSpares(m, (*mountSpace).sparesFitLocked)
+		e.trimSpares(m, false)
 	}
 	return nil
 }
@@ -43,57 +44,57 @@ func (e *Engine) reserveFree(m *mount, size int64) error {
 	}
 	var ok bool
 	if c != nil {
-		if ok = c.reserveGrant(e, m, size, high); !ok {
+		if ok = c.reserveGrant(e, m, size, space.High); !ok {
 			c.giveBack(size)
 		}
 	} else {
-		ok = e.space.reserveBelow(m.sp, size, high)
+		ok = e.space.ReserveBelow(m.sp, size, space.High)
 	}
 	if !ok {
 		return fmt.Errorf("%w: mount %s: no room below the high watermark for a move of %d bytes", ErrNoSpace, m.root, size)
 	}
 	if e.spareEligible(m) {
-		e.trimSpares(m, (*mountSpace).sparesFitLocked)
+		e.trimSpares(m, false)
 	}
 	return nil
 }
 
 // reserveUsed is reserve without the spares.
 func (e *Engine) reserveUsed(ctx context.Context, m *mount, size int64) (err error) {
-	reserve := func(limit func(*mountSpace) int64) bool { return e.space.reserveBelow(m.sp, size, limit) }
+	reserve := func(limit space.Limit) bool { return e.space.ReserveBelow(m.sp, size, limit) }
 	if c := m.cluster; c != nil { // the cluster-wide bound first (cluster.go)
 		if err := e.clusterReserve(ctx, m, size); err != nil {
 			return err
 		}
 		// The mount's space takes the grant, or it goes back.
-		reserve = func(limit func(*mountSpace) int64) bool { return c.reserveGrant(e, m, size, limit) }
+		reserve = func(limit space.Limit) bool { return c.reserveGrant(e, m, size, limit) }
 		defer func() {
 			if err != nil {
 				c.giveBack(size)
 			}
 		}()
 	}
-	if reserve(high) {
+	if reserve(space.High) {
 		return nil
 	}
 	e.evictWaits.Add(1)
 	m.evictMu.Lock()
 	defer m.evictMu.Unlock()
 	e.refreshCapacity(m, false)
-	if reserve(high) { // another store evicted meanwhile
+	if reserve(space.High) { // another store evicted meanwhile
 		return nil
 	}
-	if _, capacity := e.space.usage(m.sp); size > capacity {
+	if _, capacity := e.space.Usage(m.sp); size > capacity {
 		return e.exceedsCapacity(m, size, capacity)
 	}
 	stopped := e.evict(ctx, m, size)
-	if reserve(capacity) {
+	if reserve(space.Capacity) {
 		return nil
 	}
 	if stopped != nil {
 		return stopped // the caller gave up while files were evicted
 	}
-	used, capacity := e.space.usage(m.sp)
+	used, capacity := e.space.Usage(m.sp)
 	why := "no evictable entry left"
 	if n := e.HeldFound(); n > 0 {
 		why = fmt.Sprintf("no evictable entry left (%d files found at start are kept by the restart hold, restart_hold, until it ends)", n)
@@ -120,8 +121,8 @@ const noRoomFix = "free space on the file system, or lower the mount's reserve b
 // what to do: the configured capacity is not what is at fault.
 func (e *Engine) exceedsCapacity(m *mount, size, capacity int64) error {
 	err := fmt.Errorf("%w: mount %s: a file of %d bytes exceeds the capacity of %d", ErrNoSpace, m.root, size, capacity)
-	sp := m.sp // configured and reserve are fixed at Open
-	if sp.configured > 0 && capacity >= sp.configured {
+	configured, reserve, _ := m.sp.Configured()
+	if configured > 0 && capacity >= configured {
 		return err // the configured capacity itself is too small
 	}
 	st, serr := e.fs.Statfs(m.root)
@@ -129,17 +130,17 @@ func (e *Engine) exceedsCapacity(m *mount, size, capacity int64) error {
 		return err // no word from the file system on its room
 	}
 	of := "the file system's size"
-	if sp.configured > 0 {
-		of = fmt.Sprintf("the configured %d bytes", sp.configured)
+	if configured > 0 {
+		of = fmt.Sprintf("the configured %d bytes", configured)
 	}
 	return fmt.Errorf("%w: the file system has no room left (its %d bytes available plus what kvhost holds there, less the mount's reserve of %d, leave %d of %s); fix: %s",
-		err, st.Avail, sp.reserve, capacity, of, noRoomFix)
+		err, st.Avail, reserve, capacity, of, noRoomFix)
 }
 
 // unreserve gives back a reservation of size bytes on m that no file took
 // (a store or a move failed), and wakes the spare maker for the room.
 func (e *Engine) unreserve(m *mount, size int64) {
-	e.wakeMaker(e.space.unreserve(m.sp, size)) // room for spares made ahead
+	e.wakeMaker(e.space.Unreserve(m.sp, size)) // room for spares made ahead
 }
 
 // evict removes policy-chosen victims on m until usage plus size is at or
@@ -167,7 +168,7 @@ func (e *Engine) evictRounds(ctx context.Context, m *mount, size int64) error {
 		// Orphans are on their way out (flight.go): room enough below the
 		// low watermark without them, unless the file would not fit
 		// beside them below the capacity.
-		need := e.space.need(m.sp, size)
+		need := e.space.Need(m.sp, size)
 		if need <= 0 {
 			return nil
 		}

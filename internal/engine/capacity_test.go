@@ -647,9 +647,7 @@ func TestAnEvictionEvictsForItsOrphansOnlyWhatTheCapacityNeeds(t *testing.T) {
 
 // orphanedBytes returns what mount i counts as orphans' bytes.
 func orphanedBytes(e *Engine, i int) int64 {
-	e.space.mu.Lock()
-	defer e.space.mu.Unlock()
-	return e.mounts[i].sp.orphaned
+	return e.space.Inspect(e.mounts[i].sp).Orphaned
 }
 
 // sizelessFS is a file system that keeps no count of its blocks, as

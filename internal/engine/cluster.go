@@ -19,6 +19,7 @@ import (
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/host/policy"
 	"github.com/kvhost/kvhost/internal/clustercap"
+	"github.com/kvhost/kvhost/internal/engine/space"
 )
 
 // Cluster-wide capacity (docs/cluster.md, "Cluster-wide capacity").
@@ -204,7 +205,8 @@ func (e *Engine) openCluster() error {
 		if cm.ClusterCapacity < 0 || cm.ClusterInterval < 0 || m.raw != nil {
 			return fmt.Errorf("%w: mount %s: cluster capacity %d, interval %v: want >= 0, on a mount of kvhost's layout", ErrInvalid, m.root, cm.ClusterCapacity, cm.ClusterInterval)
 		}
-		b, err := clustercap.NewBound(cm.ClusterCapacity, m.sp.highF, m.sp.lowF)
+		hf, lf := m.sp.Watermarks()
+		b, err := clustercap.NewBound(cm.ClusterCapacity, hf, lf)
 		if err != nil {
 			return fmt.Errorf("%w: mount %s: %w", ErrInvalid, m.root, err)
 		}
@@ -339,7 +341,7 @@ func (c *clusterMount) count(ctx context.Context, e *Engine, m *mount) (own []ra
 			touches = append(touches, clustercap.Touch{ID: en.FID, Time: en.Last})
 		}
 	})
-	used, _ := e.space.usage(m.sp)
+	used, _ := e.space.Usage(m.sp)
 	// Reservations and files on their way out, and grants the space has
 	// not reserved yet: a grant moves from pending to used in one hold of
 	// c.mu (reserveGrant), which this count holds, so it counts once.
@@ -1161,14 +1163,14 @@ func (c *clusterMount) limitLocked(claim int64) int64 {
 
 // reserveGrant reserves size bytes of a grant of clusterReserve (or
 // reserveClaimed) on m's space if its usage stays at or below limit
-// (space.reserveBelow). The bytes leave pending as the space takes them,
+// (Space.ReserveBelow). The bytes leave pending as the space takes them,
 // in one hold of c.mu: a count sees them once, never twice nor not at
 // all. It reports whether the space took them; if not, the grant stays
 // pending (the caller may evict and try again, or give it back).
-func (c *clusterMount) reserveGrant(e *Engine, m *mount, size int64, limit func(*mountSpace) int64) bool {
+func (c *clusterMount) reserveGrant(e *Engine, m *mount, size int64, limit space.Limit) bool {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if !e.space.reserveBelow(m.sp, size, limit) {
+	if !e.space.ReserveBelow(m.sp, size, limit) {
 		return false
 	}
 	c.pending -= size

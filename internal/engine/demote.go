@@ -203,7 +203,7 @@ func (e *Engine) tickInterval() time.Duration {
 // mountRecords describes every mount as it is now.
 func (e *Engine) mountRecords(descs []mountDesc) []abi.MountRecord {
 	recs := make([]abi.MountRecord, len(e.mounts))
-	rooms := e.space.usages()
+	rooms := e.space.Usages()
 	for i, m := range e.mounts {
 		sp := rooms[i]
 		r := &recs[i]
@@ -217,9 +217,9 @@ func (e *Engine) mountRecords(descs []mountDesc) []abi.MountRecord {
 		if m.raw != nil {
 			r.Flags |= abi.MountVLLMFS
 		}
-		r.Capacity, r.Used = uint64(max(sp.capacity, 0)), uint64(max(sp.used, 0))
-		r.Free = uint64(max(sp.capacity-sp.used, 0))
-		r.High, r.Low, r.Entries = uint64(max(sp.high, 0)), uint64(max(sp.low, 0)), uint64(max(sp.entries, 0))
+		r.Capacity, r.Used = uint64(max(sp.Capacity, 0)), uint64(max(sp.Used, 0))
+		r.Free = uint64(max(sp.Capacity-sp.Used, 0))
+		r.High, r.Low, r.Entries = uint64(max(sp.High, 0)), uint64(max(sp.Low, 0)), uint64(max(sp.Entries, 0))
 		r.Class, r.FSType = descs[i].class, descs[i].fsType
 		copy(r.FSName[:], descs[i].fsName)
 		copy(r.Backend[:], m.backend)
@@ -623,7 +623,7 @@ func (e *Engine) dedupe(found []*entry) []*entry {
 	for _, en := range drop {
 		e.log.Info("engine: second copy of a moved file removed", "path", en.Path, "kept", keep[fileKey{en.FP, en.FID}].Path)
 		if left := e.removeIfSame(en.Path, []*entry{en}); left != nil {
-			e.space.left(e.mounts[left.Mount].sp, left.Size)
+			e.space.Left(e.mounts[left.Mount].sp, left.Size)
 			e.ix.Leave(left, en.Path)
 			continue
 		}

@@ -12,6 +12,7 @@ import (
 	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/host/policy"
 	"github.com/kvhost/kvhost/internal/engine/index"
+	"github.com/kvhost/kvhost/internal/engine/space"
 	"github.com/kvhost/kvhost/region"
 	"github.com/kvhost/kvhost/staging"
 )
@@ -33,8 +34,9 @@ const (
 // on its target, which may evict there). From the bottom:
 //
 //   - declarations: api.go, geometry.go, failures.go;
-//   - state: space.go (room on the mounts), then index.go and flight.go
-//     (entries, paths held);
+//   - state: the parts, packages of their own: space (room on the
+//     mounts), then index (entries, paths held), parts.go naming their
+//     types;
 //   - plumbing: hits.go (policy events), observe.go, movers.go, jobs.go,
 //     calls.go (the calls in flight that are not jobs),
 //     recheck.go;
@@ -96,8 +98,8 @@ type Engine struct {
 	// jobs hold (index.go).
 	ix *index.Index
 	// space is the room on every mount: capacity, used, reservations,
-	// orphans, spares (space.go).
-	space *space
+	// orphans, spares (package space).
+	space *space.Space
 
 	jobs  jobTable      // the jobs in flight (jobs.go)
 	calls callGate      // the calls in flight that are not jobs (calls.go)
@@ -194,7 +196,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		fails:      &failureLog{log: cfg.Logger, interval: 10 * time.Second},
 		nsByFP:     map[uint64]NamespaceID{},
 		caches:     map[CacheID]*cache{},
-		space:      &space{},
+		space:      space.New(),
 		calls:      newCallGate(),
 		down:       make(chan struct{}),
 
@@ -202,7 +204,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		dirsMax:     maxKnownDirs,
 	}
 	e.fs = fsys.Watched(cfg.FS, &e.io)
-	e.ix = index.NewIndex(indexCounts{e.space})
+	e.ix = index.NewIndex(e.space.Counts())
 	// The node-local lock first: a second daemon on this node stops here,
 	// before it touches a mount.
 	if cfg.LockFile != "" {
@@ -250,7 +252,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 			e.kvMounts++
 		}
 		e.mounts = append(e.mounts, mt)
-		e.space.mounts = append(e.space.mounts, mt.sp)
+		e.space.Add(mt.sp)
 	}
 	const bufSize = 4 << 20
 	host, err := staging.NewMover(staging.Config{
@@ -323,14 +325,14 @@ func (e *Engine) Stats() Stats {
 	}
 	s.Entries, s.Keys = e.ix.Size()
 	s.Namespaces = e.namespaceStats()
-	rooms := e.space.usages()
+	rooms := e.space.Usages()
 	for i, m := range e.mounts {
 		sp := rooms[i]
 		s.Mounts = append(s.Mounts, MountStats{
-			Path: m.root, Capacity: sp.capacity, Configured: sp.configured, Reserve: sp.reserve, Used: sp.used, Entries: sp.entries,
-			SpareFiles: sp.spareFiles, SpareBytes: sp.spareBytes, Preallocate: sp.ahead,
+			Path: m.root, Capacity: sp.Capacity, Configured: sp.Configured, Reserve: sp.Reserve, Used: sp.Used, Entries: sp.Entries,
+			SpareFiles: sp.SpareFiles, SpareBytes: sp.SpareBytes, Preallocate: sp.Ahead,
 			Direct: m.direct, Memory: m.memory, IO: m.ioName(), Backend: m.backend, Checksums: m.checksums, Layout: LayoutKVHost,
-			MovedIn: sp.movedIn, MovedOut: sp.movedOut, StoresFailing: m.storeFailure(),
+			MovedIn: sp.MovedIn, MovedOut: sp.MovedOut, StoresFailing: m.storeFailure(),
 		})
 		if m.raw != nil {
 			ms := &s.Mounts[len(s.Mounts)-1]
@@ -366,7 +368,7 @@ func (e *Engine) Close(ctx context.Context) error {
 	first := !e.closed
 	if first {
 		e.closed = true
-		e.space.close() // no spare kept or made from now on
+		e.space.Close() // no spare kept or made from now on
 	}
 	e.mu.Unlock()
 	if first {
@@ -429,5 +431,5 @@ func (e *Engine) shutdown() {
 // index's, the space's, and, where no job holds a path, that each
 // mount's room holds exactly its indexed files. Tests call it.
 func (e *Engine) check() error {
-	return errors.Join(e.ix.Check(), e.space.check(), e.ix.CheckAtRest(len(e.space.mounts), e.space.usageAtRest))
+	return errors.Join(e.ix.Check(), e.space.Check(), e.ix.CheckAtRest(e.space.Mounts(), e.space.UsageAtRest))
 }

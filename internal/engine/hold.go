@@ -9,6 +9,7 @@ import (
 
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/host/policy"
+	"github.com/kvhost/kvhost/internal/engine/space"
 )
 
 // Holding the files found at start (Config.RestartHold): each is pinned
@@ -108,7 +109,7 @@ func (e *Engine) HeldFound() int {
 // held; the hold's lock is held throughout, so that its release waits for
 // the pins' return.
 func (e *Engine) demoteHeld(ctx context.Context, m *mount, size int64) error {
-	if m.cluster != nil || e.HeldFound() == 0 || e.space.need(m.sp, size) <= 0 {
+	if m.cluster != nil || e.HeldFound() == 0 || e.space.Need(m.sp, size) <= 0 {
 		return nil
 	}
 	if _, ok := e.pol.(policy.Tiering); !ok || !e.pol.Features().Has(abi.FeatureDemote) {
@@ -152,7 +153,7 @@ func (e *Engine) demoteHeld(ctx context.Context, m *mount, size int64) error {
 		e.access(wctx, e.ix.Unlift(lifted, e.now().UnixNano()))
 	}()
 
-	need := e.space.need(m.sp, size)
+	need := e.space.Need(m.sp, size)
 	victims, err := e.evictions(wctx, abi.EvictRequest{Bytes: uint64(need), Time: uint64(now), Mount: uint32(m.idx)})
 	if err != nil {
 		e.log.Warn("engine: policy victims", "mount", m.root, "err", err)
@@ -203,7 +204,7 @@ const heldRetry = time.Second
 func (e *Engine) roomAfter(m *mount, size int64) bool {
 	for i := m.idx + 1; i < e.kvMounts; i++ {
 		t := e.mounts[i]
-		if t.cluster != nil || e.space.fits(t.sp, size, high) {
+		if t.cluster != nil || e.space.Fits(t.sp, size, space.High) {
 			return true
 		}
 	}

@@ -14,6 +14,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/kvhost/kvhost/fsys"
+	"github.com/kvhost/kvhost/internal/engine/space"
 	"github.com/kvhost/kvhost/internal/fstype"
 	"github.com/kvhost/kvhost/region"
 	"github.com/kvhost/kvhost/staging"
@@ -21,7 +22,7 @@ import (
 )
 
 // mount is one storage root: its configuration, fixed at Open, and its
-// room (sp, guarded by space.mu).
+// room (sp: package space, under its lock).
 type mount struct {
 	idx    int
 	root   string
@@ -237,7 +238,7 @@ func (e *Engine) openMount(i int, m Mount) (*mount, error) {
 	}
 	mt := &mount{
 		idx: i, root: root, linkFree: root, realLinkFree: realRoot, memory: isMemoryFS(st.Type), checksums: !m.NoChecksum && !e.cfg.NoChecksum,
-		sp: &mountSpace{idx: i, root: root, configured: m.Capacity, derived: m.CapacityDerived, reserve: m.Reserve, highF: high, lowF: low, ahead: m.Preallocate},
+		sp: space.NewMount(space.MountConfig{Index: i, Root: root, Configured: m.Capacity, Derived: m.CapacityDerived, Reserve: m.Reserve, High: high, Low: low, Ahead: m.Preallocate}, st),
 	}
 	if st.ReadOnly {
 		mt.unwritable = syscall.EROFS
@@ -307,7 +308,6 @@ func (e *Engine) openMount(i int, m Mount) (*mount, error) {
 		}
 		mt.folio = folio
 	}
-	mt.sp.setCapacityLocked(mt.sp.fsCapacity(st, 0)) // not shared yet
 	return mt, nil
 }
 
@@ -319,9 +319,9 @@ func (e *Engine) refreshCapacity(m *mount, force bool) {
 }
 
 // refreshCapacityLess is refreshCapacity where notOnDisk bytes of the
-// mount's used hold nothing on the file system (space.refresh).
+// mount's used hold nothing on the file system (Space.Refresh).
 func (e *Engine) refreshCapacityLess(m *mount, force bool, notOnDisk int64) {
-	if !e.space.refreshDue(m.sp, e.now(), force) {
+	if !e.space.RefreshDue(m.sp, e.now(), force) {
 		return
 	}
 	st, err := e.fs.Statfs(m.root)
@@ -329,7 +329,7 @@ func (e *Engine) refreshCapacityLess(m *mount, force bool, notOnDisk int64) {
 		e.log.Warn("engine: statfs", "mount", m.root, "err", err)
 		return
 	}
-	e.space.refresh(m.sp, st, notOnDisk)
+	e.space.Refresh(m.sp, st, notOnDisk)
 }
 
 // reportMounts describes each mount (describeMount: its file system and
@@ -340,23 +340,25 @@ func (e *Engine) reportMounts() {
 	for i, m := range e.mounts {
 		m.desc = e.describeMount(m, e.cfg.Mounts[i].DeviceClass)
 		e.refreshCapacity(m, true)
-		sp := m.sp
-		used, capacity := e.space.usage(sp)
+		used, capacity := e.space.Usage(m.sp)
 		// The budget is settled once, from the capacity at Open: 0 where
-		// the mount keeps no spares, so that m.ahead > 0 alone says it
-		// makes them ahead (ahead.go).
-		auto := sp.ahead == PreallocateAuto
+		// the mount keeps no spares, so that an Ahead above 0 alone says
+		// it makes them ahead (ahead.go).
+		ahead, files, most := m.sp.Ahead()
+		auto := ahead == PreallocateAuto
 		switch {
 		case !e.spareEligible(m):
-			if sp.ahead > 0 && m.unwritable == nil {
+			if ahead > 0 && m.unwritable == nil {
 				e.log.Warn("engine: preallocate has no effect on this mount: spare files are kept only on memory file systems in kvhost's layout, with reuse_files on and no cluster_capacity",
-					"mount", m.root, "preallocate", sp.ahead)
+					"mount", m.root, "preallocate", ahead)
 			}
-			sp.ahead = 0
+			ahead = 0
 		case auto:
-			sp.ahead, sp.aheadFiles = AutoPreallocate(capacity, e.memory), MaxAutoSpareFiles
-			sp.aheadMax = AutoPreallocateMax(capacity, e.memory)
+			ahead, files = AutoPreallocate(capacity, e.memory), MaxAutoSpareFiles
+			most = AutoPreallocateMax(capacity, e.memory)
 		}
+		e.space.SetAhead(m.sp, ahead, files, most)
+		configured, reserve, derived := m.sp.Configured()
 		fsName, from := m.desc.fsName, "detected"
 		if fsName == "" {
 			fsName = "unknown"
@@ -366,12 +368,12 @@ func (e *Engine) reportMounts() {
 		}
 		e.log.Info("engine: mount", "mount", m.root, "device_class", className(m.desc.class), "device_class_from", from,
 			"fs", fsName, "fs_magic", fmt.Sprintf("%#x", m.desc.fsType), "direct_io", m.direct, "io", m.ioName(), "why", m.ioWhy, "backend", m.backend,
-			"checksums", m.checksums, "fsync_before_rename", e.cfg.Fsync || m.syncFirst, "large_folio", m.folio, "capacity", capacity, "used", used, "reserve", sp.reserve, "preallocate", sp.ahead, "preallocate_auto", auto, "preallocate_max", max(sp.ahead, sp.aheadMax))
+			"checksums", m.checksums, "fsync_before_rename", e.cfg.Fsync || m.syncFirst, "large_folio", m.folio, "capacity", capacity, "used", used, "reserve", reserve, "preallocate", ahead, "preallocate_auto", auto, "preallocate_max", max(ahead, most))
 		switch {
 		case e.warnRefusing(m, fsName, capacity):
-		case sp.configured > capacity && !sp.derived:
+		case configured > capacity && !derived:
 			e.log.Warn("engine: the configured capacity is more than the file system can hold; using what it can hold",
-				"mount", m.root, "configured", sp.configured, "effective", capacity, "reserve", sp.reserve)
+				"mount", m.root, "configured", configured, "effective", capacity, "reserve", reserve)
 		}
 	}
 }
@@ -399,11 +401,11 @@ func (e *Engine) warnRefusing(m *mount, fsName string, capacity int64) bool {
 		if st, err := e.fs.Statfs(m.root); err == nil {
 			avail = st.Avail
 		}
-		sp := m.sp
+		configured, reserve, _ := m.sp.Configured()
 		room = probeBytes
-		why = fmt.Sprintf("no room: the file system has %d bytes available, the mount's reserve is %d", avail, sp.reserve)
+		why = fmt.Sprintf("no room: the file system has %d bytes available, the mount's reserve is %d", avail, reserve)
 		e.log.Warn("engine: the mount has no room: every store there fails until it has"+loads,
-			"mount", m.root, "fs", fsName, "fs_available", avail, "reserve", sp.reserve, "configured", sp.configured,
+			"mount", m.root, "fs", fsName, "fs_available", avail, "reserve", reserve, "configured", configured,
 			"fix", noRoomFix)
 	default:
 		return false

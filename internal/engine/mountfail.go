@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"syscall"
 	"time"
+
+	"github.com/kvhost/kvhost/internal/engine/space"
 )
 
 // mountFault reports whether err, the failure of a store's file on its
@@ -164,8 +166,8 @@ func (e *Engine) takesFiles(m *mount, room int64) error {
 		return nil
 	}
 	e.refreshCapacity(m, true)
-	if !e.space.fits(m.sp, room, high) {
-		used, capacity := e.space.usage(m.sp)
+	if !e.space.Fits(m.sp, room, space.High) {
+		used, capacity := e.space.Usage(m.sp)
 		return fmt.Errorf("%w: mount %s: %d of %d bytes used, no room for %d below the high watermark", ErrNoSpace, m.root, used, capacity, room)
 	}
 	if c := m.cluster; c != nil && !c.fitsBound(room) {

@@ -1,6 +1,9 @@
 package engine
 
-import "github.com/kvhost/kvhost/internal/engine/index"
+import (
+	"github.com/kvhost/kvhost/internal/engine/index"
+	"github.com/kvhost/kvhost/internal/engine/space"
+)
 
 // The index part's types, as the engine's files name them.
 type (
@@ -15,4 +18,10 @@ const (
 	adoptIndexed = index.AdoptIndexed
 	adoptHeld    = index.AdoptHeld
 	adoptLeft    = index.AdoptLeft
+)
+
+// The space part's types, as the engine's files name them.
+type (
+	mountSpace = space.Mount
+	spareFile  = space.Spare
 )

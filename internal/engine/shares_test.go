@@ -22,13 +22,7 @@ func fileLenOf(g Geometry) int64 { return int64(4096) + alignTo(g.KeyBytes(), fo
 
 // sparesBySize counts e's first mount's spares of each size.
 func sparesBySize(e *Engine) map[int64]int {
-	e.space.mu.Lock()
-	defer e.space.mu.Unlock()
-	out := map[int64]int{}
-	for sz, l := range e.mounts[0].sp.spares {
-		out[sz] = len(l)
-	}
-	return out
+	return e.space.Inspect(e.mounts[0].sp).Spares
 }
 
 // A size whose spare does not fit below the low watermark does not hold
@@ -101,10 +95,10 @@ func TestAStoreInFlightGivesAReleasedNamespaceNoShare(t *testing.T) {
 	close(inj.release)
 	waitJob(t, j, nil)
 	f.waitSpares(t)
-	f.e.space.mu.Lock()
-	_, has := f.e.mounts[0].sp.aheadNS[ns2]
+	_, has := f.e.space.Inspect(f.e.mounts[0].sp).AheadSizes[uint32(ns2)]
+	f.e.mu.RLock()
 	declared := f.e.nss[ns2].declared
-	f.e.space.mu.Unlock()
+	f.e.mu.RUnlock()
 	t.Logf("after release: entry for ns2 %v, declared %v, spares %v", has, declared, sparesBySize(f.e))
 	if has && !declared {
 		t.Errorf("released namespace %d keeps a share", ns2)
@@ -233,9 +227,7 @@ func BenchmarkSpareWorkPerStore(b *testing.B) {
 			}
 			b.ResetTimer()
 			for range b.N {
-				e.space.mu.Lock()
-				e.space.spareWorkLocked()
-				e.space.mu.Unlock()
+				e.space.SpareWork()
 			}
 		})
 	}

@@ -47,7 +47,7 @@ import (
 // keepSpare renames the file at path (its entry already forgotten, its
 // identity id checked; an evicted file of which m counts evicted bytes as
 // used) to a temporary name and adds it to m's spares, the bytes moving
-// from used to the spares (space.keepSpare). dir is path's directory,
+// from used to the spares (Space.KeepSpare). dir is path's directory,
 // open (openDir): the rename is of the name there, and only where it
 // still names id's inode, so that a directory replaced by a link since
 // the check takes no file of that name where it points. It reports false
@@ -71,7 +71,7 @@ func (e *Engine) keepSpare(m *mount, dir fsys.File, path string, id fsys.Identit
 		e.log.Debug("engine: keep a spare file", "path", path, "err", err)
 		return false, path
 	}
-	return e.space.keepSpare(m.sp, spareFile{path: spare, id: id}, evicted), spare
+	return e.space.KeepSpare(m.sp, spareFile{Path: spare, ID: id}, evicted), spare
 }
 
 // useSpare opens sf, a spare of exactly size bytes on m taken for a store
@@ -88,30 +88,30 @@ func (e *Engine) useSpare(m *mount, sf spareFile, dir string, extra int, size, e
 	fail := func(path, op string, err error) (fsys.File, string, bool) {
 		e.log.Debug("engine: reuse a spare file", "path", path, "op", op, "err", err)
 		d := into
-		if path == sf.path {
+		if path == sf.Path {
 			d = nil
 		}
-		e.removeOwnIn(m, d, path, sf.id, "spare file")
+		e.removeOwnIn(m, d, path, sf.ID, "spare file")
 		return nil, "", false
 	}
 	if err := e.mkdir(m, dir, false); err != nil {
-		return fail(sf.path, "mkdir", err)
+		return fail(sf.Path, "mkdir", err)
 	}
 	nd, err := e.openDir(m, dir)
 	if err != nil {
-		return fail(sf.path, "open the directory", err)
+		return fail(sf.Path, "open the directory", err)
 	}
 	defer nd.Close()
 	od := nd
-	if sd := filepath.Dir(sf.path); sd != dir {
+	if sd := filepath.Dir(sf.Path); sd != dir {
 		if od, err = e.openDir(m, sd); err != nil {
-			return fail(sf.path, "open the directory", err)
+			return fail(sf.Path, "open the directory", err)
 		}
 		defer od.Close()
 	}
 	tmp := e.tempName(dir, tmpPrefix)
-	if err := fsys.RenameAt(e.fs, od, sf.path, nd, tmp, false); err != nil {
-		return fail(sf.path, "rename", err)
+	if err := fsys.RenameAt(e.fs, od, sf.Path, nd, tmp, false); err != nil {
+		return fail(sf.Path, "rename", err)
 	}
 	into = nd
 	// Never written through a link planted since (openNoLinks): the
@@ -120,12 +120,12 @@ func (e *Engine) useSpare(m *mount, sf spareFile, dir string, extra int, size, e
 	if err != nil {
 		return fail(tmp, "open", err)
 	}
-	if err := e.lockTemp(f, tmp, sf.id.FileID, false); err != nil {
+	if err := e.lockTemp(f, tmp, sf.ID.FileID, false); err != nil {
 		f.Close()
 		return fail(tmp, "lock", err)
 	}
 	// A spare made ahead never had a header, nor any byte but zeros.
-	if !sf.zeroed {
+	if !sf.Zeroed {
 		if op, err := clearSpare(f, size, end); err != nil {
 			f.Close()
 			return fail(tmp, op, err)
@@ -183,7 +183,7 @@ func zeroRange(f fsys.File, from, to int64) error {
 // The reservation made room for a fresh file beside the spares (reserve),
 // and keepSpare keeps a spare only where it fits.
 func (e *Engine) openTemp(m *mount, sf spareFile, dir string, extra int, size, end int64) (f fsys.File, tmp, op string, err error) {
-	if sf.path != "" {
+	if sf.Path != "" {
 		if f, tmp, ok := e.useSpare(m, sf, dir, extra, size, end); ok {
 			return f, tmp, "", nil
 		}
@@ -203,15 +203,15 @@ func (e *Engine) rewrittenUnder(m *mount, f fsys.File, h *format.Header) bool {
 	return err != nil || now.ID != h.ID
 }
 
-// trimSpares removes m's spares until enough reports true (called with
-// space.mu held) or none is left.
-func (e *Engine) trimSpares(m *mount, enough func(*mountSpace) bool) {
+// trimSpares removes m's spares until, unless all, m's files,
+// reservations and spares fit in its capacity, or none is left.
+func (e *Engine) trimSpares(m *mount, all bool) {
 	for {
-		sf, ok := e.space.trimOne(m.sp, enough)
+		sf, ok := e.space.TrimOne(m.sp, all)
 		if !ok {
 			return
 		}
-		e.removeSpare(m, sf.path, sf.id)
+		e.removeSpare(m, sf.Path, sf.ID)
 	}
 }
 
@@ -226,6 +226,6 @@ func (e *Engine) removeSpare(m *mount, path string, id fsys.Identity) {
 // dropSpares removes every spare file (Close).
 func (e *Engine) dropSpares() {
 	for _, m := range e.mounts {
-		e.trimSpares(m, func(*mountSpace) bool { return false })
+		e.trimSpares(m, true)
 	}
 }

@@ -73,8 +73,8 @@ type group struct {
 // "Why does a store take the engine's lock as few times as it can?").
 func (e *Engine) reserveFile(ctx context.Context, m *mount, ns NamespaceID, size int64, full bool) (spareFile, error) {
 	spares := e.spareEligible(m)
-	ahead := spares && e.maker != nil && m.sp.ahead > 0
-	// step is the reservation's step in the space (space.storeReserve):
+	ahead := spares && e.maker != nil && m.sp.MakesAhead()
+	// step is the reservation's step in the space (space.StoreReserve):
 	// with fast, a reservation below the high watermark, or nothing. The
 	// reservation is activity too: the maker's quiet period starts after
 	// it, so a burst it ends has ended.
@@ -84,10 +84,10 @@ func (e *Engine) reserveFile(ctx context.Context, m *mount, ns NamespaceID, size
 			defer e.mu.RUnlock()
 		}
 		var burst int64
-		if ahead && m.sp.followsBursts() {
+		if ahead && m.sp.FollowsBursts() {
 			burst = time.Now().UnixNano()
 		}
-		reserved, sf, work = e.space.storeReserve(m.sp, size, fast, spares, burst, e.wantSpares(m, ns, full))
+		reserved, sf, work = e.space.StoreReserve(m.sp, size, fast, spares, burst, e.wantSpares(m, ns, full))
 		if reserved && burst != 0 {
 			e.maker.activeAt(burst)
 		}
@@ -426,7 +426,7 @@ func (e *Engine) storeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 				// capacity (free in statfs, and used), and it would keep
 				// spares again right after the trim.
 				m.evictMu.Lock()
-				e.trimSpares(m, func(*mountSpace) bool { return false }) // they hold pages
+				e.trimSpares(m, true) // they hold pages
 				// This store's reservation, still counted as used, holds
 				// no bytes there now: its file was removed.
 				e.refreshCapacityLess(m, true, size)

@@ -1,20 +1,19 @@
 //go:build invariants
 
-package engine
+package space
 
 import "fmt"
 
-// invariantsOn: the parts check their invariants (index.Index.Check,
-// space.check, Index.CheckAtRest; Engine.check calls them). They are
-// built with -tags invariants, as the race test run builds them, and are
-// not in the shipped binary; without the tag they find nothing
+// InvariantsOn: the space checks its invariants (Check, UsageAtRest).
+// They are built with -tags invariants, as the race test run builds them,
+// and are not in the shipped binary; without the tag they find nothing
 // (invariants_off.go).
-const invariantsOn = true
+const InvariantsOn = true
 
-// usageAtRest returns an error where a mount's room does not hold exactly
+// UsageAtRest returns an error where a mount's room does not hold exactly
 // the indexed files and those left on disk, as the index counts them
 // (index.Index.CheckAtRest): used bytes, entries, and no orphan.
-func (s *space) usageAtRest(used []int64, n []int) error {
+func (s *Space) UsageAtRest(used []int64, n []int) error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	for i, ms := range s.mounts {
@@ -25,9 +24,9 @@ func (s *space) usageAtRest(used []int64, n []int) error {
 	return nil
 }
 
-// check returns an error naming the first invariant of the space (see
-// space) that does not hold. Tests call it.
-func (s *space) check() error {
+// Check returns an error naming the first invariant of the space (see
+// Space) that does not hold. Tests call it.
+func (s *Space) Check() error {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	for _, ms := range s.mounts {
@@ -43,11 +42,11 @@ func (s *space) check() error {
 				return fmt.Errorf("space: mount %s: an empty list of spares of %d bytes", ms.root, size)
 			}
 			for _, sf := range list {
-				if sf.id.Size != size {
-					return fmt.Errorf("space: mount %s: spare %s of %d bytes listed under %d", ms.root, sf.path, sf.id.Size, size)
+				if sf.ID.Size != size {
+					return fmt.Errorf("space: mount %s: spare %s of %d bytes listed under %d", ms.root, sf.Path, sf.ID.Size, size)
 				}
 				bytes += size
-				if sf.zeroed {
+				if sf.Zeroed {
 					made += size
 				}
 			}
