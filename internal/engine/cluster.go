@@ -61,8 +61,31 @@ type clusterMount struct {
 	pending int64
 	claim   int64
 	seq     uint64
-	pub     *clustercap.Summary   // the last summary published
-	peers   []*clustercap.Summary // the live others, as last read
+	pub     *clustercap.Summary // the last summary published
+	// The rest, in groups, all under mu but where a field says otherwise.
+	clusterView
+	clusterAdoption
+	clusterFlocks
+	clusterTwin
+	lost  bool  // the last read or write of the directory failed
+	since int64 // foreign uses after this time are reported (Unix ns)
+	// floor holds, per file id of this node's, the highest rank another
+	// node reported for its use of the file (Touch.Rank): the file ranks
+	// at least that high here. Entries of files gone are dropped by count.
+	floor map[uint64]uint64
+	// rankFailed: the policy's last rank call failed (logged once until
+	// it succeeds again).
+	rankFailed bool
+	// ahead holds, by fingerprint, the purge record dated too far ahead
+	// of this node's clock to apply (clustercap.PurgeAhead) that a tick
+	// logged: each is logged once.
+	ahead map[uint64]int64
+}
+
+// clusterView is what the last read of a cluster mount's directory found
+// of the other nodes (guarded by clusterMount.mu).
+type clusterView struct {
+	peers []*clustercap.Summary // the live others, as last read
 	// watch records, on this node's clock, when each read found a live
 	// peer's summary changed: a peer's cut-off stays in force only while
 	// the summary carrying it is recent as this node saw it (cutsOf).
@@ -71,6 +94,26 @@ type clusterMount struct {
 	// files no live node's summary counts yet, this node's included
 	// (clustercap.Unclaimed): counted beside peers (others).
 	unclaimed []*clustercap.Summary
+	// fresh holds the running nodes whose summaries the last read found
+	// fresh: a tick probes their locks (probeLocks), a claim raise's read
+	// does not (no probe on a store's path).
+	fresh []*clustercap.Summary
+	// bad holds the nodes whose summary the last read could not use
+	// (logged once, at the read that first found it so).
+	bad map[string]bool
+	// unknown holds the nodes of bad that may be running (their summary
+	// file fresh, or their lock not found free) and of which no summary
+	// was ever read to stand in: nothing says what they hold, so while
+	// any is left this node's claim grows no further (clusterReserve,
+	// fitsBound): a node that counted them as holding nothing could take
+	// the room their files take.
+	unknown map[string]bool
+}
+
+// clusterAdoption is the dead nodes this node adopted on a cluster mount
+// and the walks of their files (guarded by clusterMount.mu but where a
+// field says otherwise).
+type clusterAdoption struct {
 	// dead holds the tags of the dead nodes this node adopted (it holds
 	// their adoption locks: their files are its to count and evict);
 	// replaced whole under mu, read anywhere (mayEvict holds e.mu).
@@ -92,32 +135,11 @@ type clusterMount struct {
 	// failed), with their owner's tag: each read tries them again
 	// (cleanTemp).
 	temps map[string]uint32
-	lost  bool  // the last read or write of the directory failed
-	since int64 // foreign uses after this time are reported (Unix ns)
-	// floor holds, per file id of this node's, the highest rank another
-	// node reported for its use of the file (Touch.Rank): the file ranks
-	// at least that high here. Entries of files gone are dropped by count.
-	floor map[uint64]uint64
-	// rankFailed: the policy's last rank call failed (logged once until
-	// it succeeds again).
-	rankFailed bool
-	// bad holds the nodes whose summary the last read could not use
-	// (logged once, at the read that first found it so).
-	bad map[string]bool
-	// unknown holds the nodes of bad that may be running (their summary
-	// file fresh, or their lock not found free) and of which no summary
-	// was ever read to stand in: nothing says what they hold, so while
-	// any is left this node's claim grows no further (clusterReserve,
-	// fitsBound): a node that counted them as holding nothing could take
-	// the room their files take.
-	unknown map[string]bool
-	// twin is a running node whose summary carries this node's owner tag,
-	// as the last read found ("" if none): another node_id of the tag that
-	// the start's check did not see (both started at once). Neither can
-	// tell its files from the other's, so while twinned this node removes
-	// none of the tag's (mayEvict: twinned is read anywhere).
-	twin    string
-	twinned atomic.Bool
+}
+
+// clusterFlocks is what this node found of flocks shared with the other
+// nodes of a cluster mount (guarded by clusterMount.mu).
+type clusterFlocks struct {
 	// shared holds the nodes with which this node found flocks shared on
 	// the mount (Summary.LockShared), while a summary of theirs is on the
 	// mount (forgetGone): a probe of
@@ -138,17 +160,22 @@ type clusterMount struct {
 	// carries their owner tag (read), as the last read found them
 	// (logged once).
 	shadowed map[string]bool
-	// fresh holds the running nodes whose summaries the last read found
-	// fresh: a tick probes their locks (probeLocks), a claim raise's read
-	// does not (no probe on a store's path).
-	fresh []*clustercap.Summary
+}
+
+// clusterTwin is what this node found of nodes of its own owner tag: a
+// twin of another node_id, or a second copy of itself (guarded by
+// clusterMount.mu but where a field says otherwise).
+type clusterTwin struct {
+	// twin is a running node whose summary carries this node's owner tag,
+	// as the last read found ("" if none): another node_id of the tag that
+	// the start's check did not see (both started at once). Neither can
+	// tell its files from the other's, so while twinned this node removes
+	// none of the tag's (mayEvict: twinned is read anywhere).
+	twin    string
+	twinned atomic.Bool
 	// copied: at the last tick another process held this node's lock file
 	// (clustercap.Dir.Relock), a second copy of this node: set the twin.
 	copied bool
-	// ahead holds, by fingerprint, the purge record dated too far ahead
-	// of this node's clock to apply (clustercap.PurgeAhead) that a tick
-	// logged: each is logged once.
-	ahead map[uint64]int64
 }
 
 // lockProbe is this node's probing of a running node's lock (probeLocks).
@@ -214,8 +241,10 @@ func (e *Engine) openCluster() error {
 		if err != nil {
 			return fmt.Errorf("engine: mount %s: %w", m.root, err)
 		}
-		c := &clusterMount{dir: dir, bound: b, interval: cm.ClusterInterval, tag: clustercap.Tag(e.node), floor: map[uint64]uint64{}, walked: map[uint32]int64{}, temps: map[string]uint32{}, bad: map[string]bool{}, unknown: map[string]bool{},
-			shared: map[string]bool{}, probes: map[string]*lockProbe{}, unproven: map[string]bool{}, ahead: map[uint64]int64{}}
+		c := &clusterMount{dir: dir, bound: b, interval: cm.ClusterInterval, tag: clustercap.Tag(e.node), floor: map[uint64]uint64{}, ahead: map[uint64]int64{},
+			clusterView:     clusterView{bad: map[string]bool{}, unknown: map[string]bool{}},
+			clusterAdoption: clusterAdoption{walked: map[uint32]int64{}, temps: map[string]uint32{}},
+			clusterFlocks:   clusterFlocks{shared: map[string]bool{}, probes: map[string]*lockProbe{}, unproven: map[string]bool{}}}
 		c.dead.Store(&map[uint32]bool{})
 		if c.interval == 0 {
 			c.interval = DefaultClusterInterval
