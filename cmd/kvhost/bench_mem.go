@@ -75,14 +75,14 @@ type deviceMemory struct {
 	n    int64
 }
 
-func newDeviceMemory(gp *gpuPaths, n int64) (*deviceMemory, error) {
-	w, err := gp.rt.NewWorker(0)
+func newDeviceMemory(gp *kvdaemon.GPU, n int64) (*deviceMemory, error) {
+	w, err := gp.Runtime().NewWorker(0)
 	if err != nil {
 		return nil, err
 	}
-	m := &deviceMemory{rt: gp.rt, w: w, n: n}
+	m := &deviceMemory{rt: gp.Runtime(), w: w, n: n}
 	err = w.Do(context.Background(), func(*cuda.Worker) error {
-		m.mem, err = gp.rt.Malloc(0, n+bench.Align)
+		m.mem, err = gp.Runtime().Malloc(0, n+bench.Align)
 		if err == nil {
 			m.base = int64(-m.mem.Ptr() & (bench.Align - 1))
 		}
@@ -168,7 +168,7 @@ func (r *benchRun) buffers(n int, size int64) ([][]byte, error) {
 	if r.useGPU {
 		// Pinned memory is allocated in the current device's context: on
 		// a thread locked to the bench's device 0.
-		b.rt = r.probe.rt
+		b.rt = r.probe.Runtime()
 		unlock, err := b.rt.LockDevice(0)
 		if err != nil {
 			return nil, fmt.Errorf("ceiling buffers: %w", err)
@@ -502,16 +502,16 @@ func (r *benchRun) stagedPasses(ctx context.Context, cpaths []string, sizes []in
 
 // stagedChunk is the staged ceilings' chunk: the staging pipeline's.
 func (r *benchRun) stagedChunk() int64 {
-	if r.probe != nil && r.probe.staging != nil {
-		return int64(r.probe.staging.ChunkBytes())
+	if r.probe != nil && r.probe.Staging() != nil {
+		return int64(r.probe.Staging().ChunkBytes())
 	}
 	return 4 << 20
 }
 
 // pinnedCeilings times pinned host ↔ GPU copies of 256 MiB, best of 5.
-func pinnedCeilings(ctx context.Context, gp *gpuPaths) ([]bench.Ceiling, error) {
+func pinnedCeilings(ctx context.Context, gp *kvdaemon.GPU) ([]bench.Ceiling, error) {
 	const n = 256 << 20
-	w, err := gp.rt.NewWorker(0)
+	w, err := gp.Runtime().NewWorker(0)
 	if err != nil {
 		return nil, err
 	}
@@ -532,8 +532,8 @@ func pinnedCeilings(ctx context.Context, gp *gpuPaths) ([]bench.Ceiling, error) 
 
 // deviceName is device 0's PCI id and, where the NVIDIA driver tells it,
 // its model name.
-func deviceName(gp *gpuPaths) string {
-	bus, err := gp.rt.PCIBusID(0)
+func deviceName(gp *kvdaemon.GPU) string {
+	bus, err := gp.Runtime().PCIBusID(0)
 	if err != nil {
 		return "device 0"
 	}

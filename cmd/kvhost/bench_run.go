@@ -18,6 +18,7 @@ import (
 
 	"github.com/kvhost/kvhost/gds"
 	"github.com/kvhost/kvhost/internal/bench"
+	kvdaemon "github.com/kvhost/kvhost/internal/daemon"
 	"github.com/kvhost/kvhost/internal/engine"
 	"github.com/kvhost/kvhost/region"
 	"github.com/kvhost/kvhost/staging/gpu"
@@ -32,10 +33,10 @@ type benchRun struct {
 	root   string // the working directory under --dir
 	useGPU bool
 	bufs   *ceilingBuffers
-	staged []*gpuStager // the staged ceilings' threads (with a GPU)
-	warmed map[int]bool // tokens per key warmed up
-	seq    int          // engine directories made
-	probe  *gpuPaths    // open for the whole run when a GPU is used
+	staged []*gpuStager  // the staged ceilings' threads (with a GPU)
+	warmed map[int]bool  // tokens per key warmed up
+	seq    int           // engine directories made
+	probe  *kvdaemon.GPU // open for the whole run when a GPU is used
 	// ahead is the bytes of spares the last engine opened makes ahead of
 	// stores (its mount's Preallocate, auto resolved; 0: none).
 	ahead int64
@@ -77,7 +78,7 @@ func runBenchmark(ctx context.Context, o benchOptions, log *slog.Logger, stderr 
 	defer r.prog.Clear()
 
 	// Probe for a GPU once: it decides the memory and the ceilings.
-	var probe *gpuPaths
+	var probe *kvdaemon.GPU
 	if o.memory != "host" {
 		var err error
 		if probe, err = r.openGPU("staging", true, o.memory == "gpu"); err != nil {
@@ -139,7 +140,7 @@ func runBenchmark(ctx context.Context, o benchOptions, log *slog.Logger, stderr 
 // and cufile (in compatibility mode too with --allow-compat), off for
 // staging and posix; the staging pipeline checksums when sums is set. With
 // required it fails without a GPU, else it returns nil then.
-func (r *benchRun) openGPU(path string, sums, required bool) (*gpuPaths, error) {
+func (r *benchRun) openGPU(path string, sums, required bool) (*kvdaemon.GPU, error) {
 	c := r.o.cfg.GPU
 	cufile := "off"
 	if path == "auto" || path == "cufile" {
@@ -155,16 +156,16 @@ func (r *benchRun) openGPU(path string, sums, required bool) (*gpuPaths, error) 
 	if required {
 		mode = "on"
 	}
-	opts := gpuOptionsOf(r.o.cfg) // as the daemon opens them, but for:
+	opts := kvdaemon.GPUOptionsOf(r.o.cfg) // as the daemon opens them, but for:
 	opts.Mode, opts.CuFile, opts.NoChecksum = mode, cufile, !sums
-	return openGPU(opts, r.log)
+	return kvdaemon.OpenGPU(opts, r.log)
 }
 
 // benchEngine is the engine a combination runs on, with its GPU paths
 // and directory; with --restart both are replaced before each load.
 type benchEngine struct {
 	eng  *engine.Engine
-	gp   *gpuPaths // nil: host memory
+	gp   *kvdaemon.GPU // nil: host memory
 	dir  string
 	path string
 	sums bool
@@ -209,7 +210,7 @@ func (r *benchRun) engineFor(ctx context.Context, path string, sums bool) (*benc
 func (r *benchRun) openEngine(ctx context.Context, be *benchEngine, nodeID string, preallocate int64) (*engine.Engine, error) {
 	var movers map[region.Kind]engine.MoverFactory
 	if be.gp != nil {
-		movers = be.gp.movers()
+		movers = be.gp.Movers()
 	}
 	io := "auto"
 	if be.path == "posix" {
@@ -257,7 +258,7 @@ func (r *benchRun) restart(ctx context.Context, be *benchEngine, c *benchCache, 
 		return 0, fmt.Errorf("restart: close the engine: %w", err)
 	}
 	if be.gp != nil {
-		if err := be.gp.restartMovers(); err != nil {
+		if err := be.gp.RestartMovers(); err != nil {
 			return 0, fmt.Errorf("restart: the GPU paths: %w", err)
 		}
 		if be.path == "cufile" {
@@ -365,9 +366,9 @@ func (r *benchRun) awaitWarmed(ctx context.Context, be *benchEngine) error {
 }
 
 // requireCuFile fails unless cuFile loaded and can serve dir's mount.
-func requireCuFile(gp *gpuPaths, dir string, allowCompat bool) error {
-	if gp.cufile == nil {
-		_, err := gds.Open(gds.Config{LibraryPaths: gp.opts.CuFileLibrary, Logger: slog.New(slog.DiscardHandler)})
+func requireCuFile(gp *kvdaemon.GPU, dir string, allowCompat bool) error {
+	if gp.CuFile() == nil {
+		_, err := gds.Open(gds.Config{LibraryPaths: gp.Options().CuFileLibrary, Logger: slog.New(slog.DiscardHandler)})
 		if err == nil {
 			err = errors.New("the cuFile mover did not start (gpu.cufile = off?)")
 		}
@@ -376,7 +377,7 @@ func requireCuFile(gp *gpuPaths, dir string, allowCompat bool) error {
 	if err := os.MkdirAll(dir, 0o750); err != nil {
 		return err
 	}
-	c, err := gp.cufile.ProbeDir(dir)
+	c, err := gp.CuFile().ProbeDir(dir)
 	if err != nil {
 		return fmt.Errorf("--path cufile: %w", err)
 	}
@@ -728,8 +729,8 @@ func (r *benchRun) keySize(ctx context.Context, be *benchEngine, tpk int) error 
 		sumsOn := ""
 		if summed {
 			sumsOn = "cpu"
-			if mover == "gpu-staging" && gp != nil && gp.staging != nil {
-				sumsOn = gp.staging.ChecksumOn()
+			if mover == "gpu-staging" && gp != nil && gp.Staging() != nil {
+				sumsOn = gp.Staging().ChecksumOn()
 			}
 		}
 		cp := ceil.pair(jobs)
@@ -853,7 +854,7 @@ func (t *phaseTotals) run(base bench.Run, dir string, keys int, ceiling bench.Ce
 // else runs meanwhile, so no timed phase or ceiling pays for that work.
 // Without preallocation it returns at once: the registrar's work then
 // overlaps the phases, as it does in a daemon under load.
-func (r *benchRun) settle(ctx context.Context, eng *engine.Engine, gp *gpuPaths) error {
+func (r *benchRun) settle(ctx context.Context, eng *engine.Engine, gp *kvdaemon.GPU) error {
 	if r.ahead <= 0 {
 		return nil
 	}
@@ -865,7 +866,7 @@ func (r *benchRun) settle(ctx context.Context, eng *engine.Engine, gp *gpuPaths)
 
 // awaitRegistrar waits until the GPU path's registrar has taken every
 // file offered to it (none queued); at once without one.
-func awaitRegistrar(ctx context.Context, gp *gpuPaths) error {
+func awaitRegistrar(ctx context.Context, gp *kvdaemon.GPU) error {
 	// The registrar has no completion signal to wait on: its queue is
 	// read every millisecond, a negligible cost beside registrations of
 	// milliseconds each.
@@ -883,11 +884,11 @@ func awaitRegistrar(ctx context.Context, gp *gpuPaths) error {
 
 // fileStats is what the GPU staging mover's registered files have done
 // so far (jobs moved directly, the registrar's waits); zero without one.
-func fileStats(gp *gpuPaths) gpu.FileStats {
-	if gp == nil || gp.staging == nil {
+func fileStats(gp *kvdaemon.GPU) gpu.FileStats {
+	if gp == nil || gp.Staging() == nil {
 		return gpu.FileStats{}
 	}
-	return gp.staging.FileStats()
+	return gp.Staging().FileStats()
 }
 
 // phase stores (loads) every key with jobs concurrent jobs of keysPerJob
@@ -984,11 +985,11 @@ func (r *benchRun) deleteAll(ctx context.Context, eng *engine.Engine, c *benchCa
 // moverName says what moved GPU bytes: cuFile when it registered files
 // during the run, else the staging pipeline; host memory moves through the
 // CPU staging pipeline.
-func (r *benchRun) moverName(gp *gpuPaths) string {
+func (r *benchRun) moverName(gp *kvdaemon.GPU) string {
 	if gp == nil {
 		return "staging"
 	}
-	if gp.cufile != nil && gp.cufile.HandleStats().Registrations > 0 {
+	if gp.CuFile() != nil && gp.CuFile().HandleStats().Registrations > 0 {
 		return "cufile"
 	}
 	return "gpu-staging"

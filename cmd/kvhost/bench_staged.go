@@ -118,7 +118,7 @@ func (s *gpuStager) close() error {
 // the probe's, which does not change within a run).
 func (r *benchRun) stagers(ctx context.Context, n int, chunk int64) ([]bench.Stager, error) {
 	for len(r.staged) < n {
-		s, err := newGPUStager(ctx, r.probe.rt, chunk)
+		s, err := newGPUStager(ctx, r.probe.Runtime(), chunk)
 		if err != nil {
 			return nil, err
 		}

@@ -18,6 +18,7 @@ import (
 	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/internal/bench"
 	"github.com/kvhost/kvhost/internal/cuda/cudatest"
+	"github.com/kvhost/kvhost/internal/daemon/daemontest"
 	"github.com/kvhost/kvhost/staging"
 )
 
@@ -816,32 +817,18 @@ func TestBenchWriteCeilingOverRoundsOfDifferentMixesIsNamedForTheMix(t *testing.
 	}
 }
 
-// buildFakeCuFile compiles gds's fake libcufile (gds/testdata) with
-// `go env CC`, as gds's own tests do.
-func buildFakeCuFile(t *testing.T) string {
-	t.Helper()
-	cudatest.Build(t) // skips without a C compiler
-	cc := strings.Fields(goEnv(t, "CC"))
-	lib := filepath.Join(t.TempDir(), "libcufile.so.0")
-	args := append(cc[1:], "-shared", "-fPIC", "-O1", "-o", lib, "../../gds/testdata/fakecufile.c", "-lpthread")
-	if out, err := execCommand(cc[0], args...); err != nil {
-		t.Fatalf("build fake libcufile: %v\n%s", err, out)
-	}
-	return lib
-}
-
 // TestBenchCuFilePathMovesGPUMemoryWithCuFile forces the cufile path with
 // the fake libcudart and libcufile (compatibility mode, allowed): cuFile
 // registers the files and moves the bytes, and every loaded byte checks.
 func TestBenchCuFilePathMovesGPUMemoryWithCuFile(t *testing.T) {
-	cudaLib, cufileLib := cudatest.Build(t), buildFakeCuFile(t)
+	cudaLib, cufileLib := cudatest.Build(t), daemontest.BuildFakeCuFile(t)
 	rep, _ := runBenchJSON(t, "--memory", "gpu", "--cuda-library", cudaLib, "--cufile-library", cufileLib,
 		"--path", "cufile", "--allow-compat", "--jobs", "2", "--checksum", "on,off", "--total", "4MiB")
 	checkRuns(t, rep, 8, "cufile")
 }
 
 func TestBenchCuFilePathWithoutCompatSaysHowToAllowIt(t *testing.T) {
-	cudaLib, cufileLib := cudatest.Build(t), buildFakeCuFile(t)
+	cudaLib, cufileLib := cudatest.Build(t), daemontest.BuildFakeCuFile(t)
 	dir := t.TempDir()
 	var stdout, stderr bytes.Buffer
 	args := append([]string{"bench", "--dir", dir, "--memory", "gpu", "--cuda-library", cudaLib, "--cufile-library", cufileLib, "--path", "cufile", "--jobs", "1", "--keys", "2"}, tinyBench...)

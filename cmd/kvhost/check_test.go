@@ -7,7 +7,6 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"runtime"
 	"slices"
@@ -22,22 +21,10 @@ import (
 	"github.com/kvhost/kvhost/internal/config"
 	"github.com/kvhost/kvhost/internal/cuda"
 	"github.com/kvhost/kvhost/internal/cuda/cudatest"
+	"github.com/kvhost/kvhost/internal/daemon/daemontest"
 	"github.com/kvhost/kvhost/internal/fstype"
 	"github.com/kvhost/kvhost/internal/vllmfs"
 )
-
-func goEnv(t *testing.T, key string) string {
-	t.Helper()
-	out, err := exec.Command("go", "env", key).Output()
-	if err != nil {
-		t.Skipf("go env %s: %v", key, err)
-	}
-	return strings.TrimSpace(string(out))
-}
-
-func execCommand(name string, args ...string) ([]byte, error) {
-	return exec.Command(name, args...).CombinedOutput()
-}
 
 // runCheckCmd runs kvhost check and returns its exit code and output.
 func runCheckCmd(t *testing.T, args ...string) (int, string) {
@@ -80,7 +67,7 @@ func TestCheckGPUModeOnWithoutAGPUFails(t *testing.T) {
 }
 
 func TestCheckWithFakeLibrariesReportsDevicesCuFileAndRegistration(t *testing.T) {
-	cudaLib, cufileLib := cudatest.Build(t), buildFakeCuFile(t)
+	cudaLib, cufileLib := cudatest.Build(t), daemontest.BuildFakeCuFile(t)
 	dir := t.TempDir()
 	code, out := runCheckCmd(t, "--dir", dir, "--cuda-library", cudaLib, "--cufile-library", cufileLib)
 	if code != 0 {
@@ -301,7 +288,7 @@ func TestCheckKeepsSparesOnTheMemoryFileSystemsTheEngineDoes(t *testing.T) {
 // scheduler with CUDA state on it. The caller here is locked to a thread
 // with device 1 current, and must find it so after the check.
 func TestCheckLeavesNoCUDAStateOnItsCallersThread(t *testing.T) {
-	cudaLib, cufileLib := cudatest.Build(t), buildFakeCuFile(t)
+	cudaLib, cufileLib := cudatest.Build(t), daemontest.BuildFakeCuFile(t)
 	rt, err := cuda.Open(cuda.Config{Runtime: []string{cudaLib}})
 	if err != nil {
 		t.Fatal(err)

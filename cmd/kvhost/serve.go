@@ -303,7 +303,7 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 	if cfg.GPU.Lanes != 0 {
 		log.Warn("gpu.lanes is no longer used: each job of the staging pipeline drives its own CUDA stream; remove it (gpu.depth and gpu.chunk tune the pipeline)", "lanes", cfg.GPU.Lanes)
 	}
-	gp, err := openGPU(gpuOptionsOf(cfg), log)
+	gp, err := kvdaemon.OpenGPU(kvdaemon.GPUOptionsOf(cfg), log)
 	if err != nil {
 		return err
 	}
@@ -311,7 +311,7 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 	var movers map[region.Kind]engine.MoverFactory
 	if gp != nil {
 		closeGPU = gp.Close
-		movers = d.trackChains(gp.movers())
+		movers = d.trackChains(gp.Movers())
 	}
 	ecfg := engine.Config{
 		Mounts:              mounts,
@@ -403,9 +403,9 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 		scfg.OnRequest = d.metrics.ObserveRequest
 	}
 	if gp != nil {
-		scfg.OpenDevice, scfg.Devices = gp.ipc.Open, gp.ipc.Devices()
-		scfg.DeviceUUIDs = gp.deviceUUIDs(scfg.Devices)
-		scfg.DeviceFaults = gp.deviceFaults
+		scfg.OpenDevice, scfg.Devices = gp.IPC().Open, gp.IPC().Devices()
+		scfg.DeviceUUIDs = gp.DeviceUUIDs(scfg.Devices)
+		scfg.DeviceFaults = gp.DeviceFaults
 	}
 	srv, err := server.New(eng, scfg)
 	if err != nil {
@@ -431,10 +431,10 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 			src.Statfs = d.fs.Statfs // the engine's file system (tests hold it)
 		}
 		if gp != nil {
-			src.GPUFiles, src.GPUStaging, src.GPUFaults = gp.staging.FileStats, gp.staging.PinnedUsage, gp.deviceFaults
-			src.GPUChecksumJobs = gp.staging.SumJobs
-			if gp.cufile != nil {
-				src.CuFile = gp.cufile.HandleStats
+			src.GPUFiles, src.GPUStaging, src.GPUFaults = gp.Staging().FileStats, gp.Staging().PinnedUsage, gp.DeviceFaults
+			src.GPUChecksumJobs = gp.Staging().SumJobs
+			if gp.CuFile() != nil {
+				src.CuFile = gp.CuFile().HandleStats
 			}
 		}
 		d.metrics.SetSources(src)

@@ -1,4 +1,4 @@
-package main
+package daemon
 
 import (
 	"context"
@@ -20,8 +20,8 @@ import (
 	"github.com/kvhost/kvhost/transfer"
 )
 
-// gpuOptions configure the daemon's GPU data paths ([gpu] in the TOML file).
-type gpuOptions struct {
+// GPUOptions configure the daemon's GPU data paths ([gpu] in the TOML file).
+type GPUOptions struct {
 	// Mode is "auto" (use a GPU when the CUDA runtime loads), "off", or
 	// "on" (fail start-up without one).
 	Mode string
@@ -60,12 +60,12 @@ type gpuOptions struct {
 	YieldBytes int64
 }
 
-// gpuOptionsOf is the GPU options the configuration sets: the daemon's,
+// GPUOptionsOf is the GPU options the configuration sets: the daemon's,
 // and the benchmark's before it sets the mode, the cuFile setting and
 // checksums of the path it measures.
-func gpuOptionsOf(cfg config.Config) gpuOptions {
+func GPUOptionsOf(cfg config.Config) GPUOptions {
 	c := cfg.GPU
-	return gpuOptions{
+	return GPUOptions{
 		Mode:           c.Mode,
 		CUDALibrary:    nonEmpty(c.CUDALibrary),
 		CUDADriver:     nonEmpty(c.CUDADriverLibrary),
@@ -84,9 +84,9 @@ func gpuOptionsOf(cfg config.Config) gpuOptions {
 	}
 }
 
-// gpuPaths is what the daemon opened for GPU memory: the CUDA runtime, the
+// GPU is what the daemon opened for GPU memory: the CUDA runtime, the
 // pinned staging pipeline, and cuFile where it loads.
-type gpuPaths struct {
+type GPU struct {
 	log     *slog.Logger
 	rt      *cuda.Runtime
 	devices int
@@ -94,7 +94,7 @@ type gpuPaths struct {
 	cufile  *gds.Driver // nil: cuFile unavailable or off
 	cfMover *gds.Mover
 	ipc     *cudaipc.Importer // imports clients' GPU memory (CUDA IPC)
-	opts    gpuOptions
+	opts    GPUOptions
 	// reprobe is how long, at least, a mount whose cuFile probe failed
 	// for a passing reason waits before a job probes it again
 	// (cufileReprobe); now is the clock it is measured on.
@@ -102,13 +102,13 @@ type gpuPaths struct {
 	now     func() time.Time
 }
 
-// cufileReprobe is gpuPaths.reprobe.
+// cufileReprobe is GPU.reprobe.
 const cufileReprobe = time.Minute
 
-// openGPU opens the GPU paths, or returns nil (and no error) when the mode
+// OpenGPU opens the GPU paths, or returns nil (and no error) when the mode
 // is auto and no CUDA runtime or device is found: the daemon then serves
 // host memory only and refuses GPU registrations.
-func openGPU(opts gpuOptions, log *slog.Logger) (*gpuPaths, error) {
+func OpenGPU(opts GPUOptions, log *slog.Logger) (*GPU, error) {
 	if opts.Mode == "off" {
 		log.Info("GPU paths off by configuration")
 		return nil, nil
@@ -134,7 +134,7 @@ func openGPU(opts gpuOptions, log *slog.Logger) (*gpuPaths, error) {
 		log.Info("no usable CUDA device: serving host memory only", "reason", err.Error())
 		return nil, nil
 	}
-	p := &gpuPaths{log: log, rt: rt, devices: n, opts: opts, reprobe: cufileReprobe, now: time.Now}
+	p := &GPU{log: log, rt: rt, devices: n, opts: opts, reprobe: cufileReprobe, now: time.Now}
 	if err := p.openMovers(); err != nil {
 		rt.Close()
 		return nil, err
@@ -152,7 +152,7 @@ func openGPU(opts gpuOptions, log *slog.Logger) (*gpuPaths, error) {
 
 // openMovers opens the staging pipeline and, unless gpu.cufile is off,
 // the cuFile mover where the library loads, on p's runtime.
-func (p *gpuPaths) openMovers() error {
+func (p *GPU) openMovers() error {
 	opts, log := p.opts, p.log
 	mode, err := cuda.ParseCopyMode(opts.Copy)
 	if err != nil {
@@ -188,7 +188,7 @@ func (p *gpuPaths) openMovers() error {
 }
 
 // closeMovers closes what openMovers opened.
-func (p *gpuPaths) closeMovers() error {
+func (p *GPU) closeMovers() error {
 	err := p.closeCuFile()
 	if p.staging != nil {
 		err = errors.Join(err, p.staging.Close())
@@ -198,7 +198,7 @@ func (p *gpuPaths) closeMovers() error {
 }
 
 // closeCuFile closes the cuFile mover and library, if open.
-func (p *gpuPaths) closeCuFile() error {
+func (p *GPU) closeCuFile() error {
 	var errs []error
 	if p.cfMover != nil {
 		errs = append(errs, p.cfMover.Close())
@@ -210,23 +210,23 @@ func (p *gpuPaths) closeCuFile() error {
 	return errors.Join(errs...)
 }
 
-// restartMovers closes the movers and opens new ones on the same runtime,
+// RestartMovers closes the movers and opens new ones on the same runtime,
 // as a restarted daemon has them: no registered file, no cached cuFile
 // handle, no pinned buffer of the old ones. The runtime, and the GPU
 // memory allocated with it, stay (they are the client's, which outlives a
 // daemon's restart). Engines must not move bytes meanwhile; an engine
 // opened after it takes the new movers.
-func (p *gpuPaths) restartMovers() error {
+func (p *GPU) RestartMovers() error {
 	if err := p.closeMovers(); err != nil {
 		return err
 	}
 	return p.openMovers()
 }
 
-// movers returns the engine's mover factory for device memory: per mount,
+// Movers returns the engine's mover factory for device memory: per mount,
 // cuFile first where the mount gives it a usable path, then the staging
 // pipeline. The choice is made once per mount and logged with its reason.
-func (p *gpuPaths) movers() map[region.Kind]engine.MoverFactory {
+func (p *GPU) Movers() map[region.Kind]engine.MoverFactory {
 	return map[region.Kind]engine.MoverFactory{
 		region.KindDevice: func(m engine.MountInfo) (transfer.Mover, error) {
 			if p.cfMover == nil {
@@ -253,7 +253,7 @@ func (p *gpuPaths) movers() map[region.Kind]engine.MoverFactory {
 
 // cufileServes says whether the cuFile mover serves a mount of
 // capability c: direct, or compat where gpu.cufile = "compat".
-func (p *gpuPaths) cufileServes(c gds.Capability) bool {
+func (p *GPU) cufileServes(c gds.Capability) bool {
 	return c.Mode == gds.ModeDirect || c.Mode == gds.ModeCompat && p.opts.CuFile == "compat"
 }
 
@@ -262,7 +262,7 @@ func (p *gpuPaths) cufileServes(c gds.Capability) bool {
 // nothing: cuFile out of memory or descriptors, an internal error).
 // Until a probe settles the mount it answers transfer.ErrUnsupported, so
 // that the staging pipeline, next in the chain, moves the job and the
-// chain counts the fallback; the first job at least gpuPaths.reprobe
+// chain counts the fallback; the first job at least GPU.reprobe
 // after the last probe probes again, and the probes are counted (in the
 // logs). Once a probe finds that cuFile serves the mount, every job goes
 // to the cuFile mover; once one finds that it does not, every job is
@@ -271,7 +271,7 @@ func (p *gpuPaths) cufileServes(c gds.Capability) bool {
 // whose first probe worked gets: files stored from GPU memory on it
 // carry no payload checksums, even while the staging pipeline moves them.
 type reprobing struct {
-	p      *gpuPaths
+	p      *GPU
 	mount  string
 	serves atomic.Bool // a probe found that cuFile serves the mount: no more probes, no lock
 
@@ -351,8 +351,26 @@ func (r *reprobing) ready() error {
 	return nil
 }
 
+// Runtime is the CUDA runtime the paths run on (the benchmark allocates
+// device memory and pinned buffers with it).
+func (p *GPU) Runtime() *cuda.Runtime { return p.rt }
+
+// Staging is the pinned staging pipeline, the mover of every mount where
+// cuFile serves none.
+func (p *GPU) Staging() *gpu.Mover { return p.staging }
+
+// CuFile is the cuFile library, nil where it did not load or gpu.cufile
+// is off.
+func (p *GPU) CuFile() *gds.Driver { return p.cufile }
+
+// Options are the options p was opened with.
+func (p *GPU) Options() GPUOptions { return p.opts }
+
+// IPC imports clients' GPU memory (CUDA IPC) for the session server.
+func (p *GPU) IPC() *cudaipc.Importer { return p.ipc }
+
 // Close releases the GPU paths.
-func (p *gpuPaths) Close() error {
+func (p *GPU) Close() error {
 	// cuFile's buffer registrations go before the imports of the memory
 	// they name; the staging pipeline after them, as before.
 	cf := p.closeCuFile()
@@ -360,11 +378,11 @@ func (p *gpuPaths) Close() error {
 	return errors.Join(cf, ipc, p.closeMovers(), p.rt.Close())
 }
 
-// deviceFaults reports, per device ordinal, what failed there with a
+// DeviceFaults reports, per device ordinal, what failed there with a
 // sticky CUDA error: the staging pipeline's jobs, the cuFile mover's
 // where it runs, and the CUDA IPC registrations (a device that broke
 // while idle is found by the next registration).
-func (p *gpuPaths) deviceFaults() map[int]uint64 {
+func (p *GPU) DeviceFaults() map[int]uint64 {
 	out := p.staging.DeviceFaults()
 	add := func(counts map[int]uint64) {
 		for d, n := range counts {
@@ -378,9 +396,9 @@ func (p *gpuPaths) deviceFaults() map[int]uint64 {
 	return out
 }
 
-// deviceUUIDs are the UUIDs of devices 0..n-1 (server.Config.DeviceUUIDs),
+// DeviceUUIDs are the UUIDs of devices 0..n-1 (server.Config.DeviceUUIDs),
 // zero where the driver cannot say; that is logged once.
-func (p *gpuPaths) deviceUUIDs(n int) [][16]byte {
+func (p *GPU) DeviceUUIDs(n int) [][16]byte {
 	out := make([][16]byte, n)
 	for d := range out {
 		u, err := p.rt.DeviceUUID(d)
@@ -400,4 +418,13 @@ func registerBytes(configured int64) int64 {
 		return configured
 	}
 	return engine.MachineMemory() / 2
+}
+
+// nonEmpty is []string{s}, or nil when s is empty (the default search
+// paths).
+func nonEmpty(s string) []string {
+	if s == "" {
+		return nil
+	}
+	return []string{s}
 }

@@ -1,4 +1,4 @@
-package main
+package daemon
 
 import (
 	"bytes"
@@ -22,6 +22,7 @@ import (
 	"github.com/kvhost/kvhost/internal/config"
 	"github.com/kvhost/kvhost/internal/cuda"
 	"github.com/kvhost/kvhost/internal/cuda/cudatest"
+	"github.com/kvhost/kvhost/internal/daemon/daemontest"
 	"github.com/kvhost/kvhost/internal/dl"
 	"github.com/kvhost/kvhost/internal/engine"
 	"github.com/kvhost/kvhost/plugins/lru"
@@ -36,21 +37,21 @@ func TestOpenGPUModes(t *testing.T) {
 	log := slog.New(slog.NewTextHandler(&logs, nil))
 	cases := []struct {
 		name    string
-		opts    gpuOptions
+		opts    GPUOptions
 		wantNil bool
 		wantErr bool
 		wantLog string
 	}{
-		{"off", gpuOptions{Mode: "off"}, true, false, "GPU paths off"},
-		{"auto without a runtime serves host memory", gpuOptions{Mode: "auto", CUDALibrary: []string{missing}}, true, false, "no CUDA runtime"},
-		{"on without a runtime fails", gpuOptions{Mode: "on", CUDALibrary: []string{missing}}, true, true, ""},
+		{"off", GPUOptions{Mode: "off"}, true, false, "GPU paths off"},
+		{"auto without a runtime serves host memory", GPUOptions{Mode: "auto", CUDALibrary: []string{missing}}, true, false, "no CUDA runtime"},
+		{"on without a runtime fails", GPUOptions{Mode: "on", CUDALibrary: []string{missing}}, true, true, ""},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			logs.Reset()
-			gp, err := openGPU(c.opts, log)
+			gp, err := OpenGPU(c.opts, log)
 			if (err != nil) != c.wantErr || (gp == nil) != c.wantNil {
-				t.Fatalf("openGPU = %v, %v", gp, err)
+				t.Fatalf("OpenGPU = %v, %v", gp, err)
 			}
 			if !strings.Contains(logs.String(), c.wantLog) {
 				t.Errorf("log %q does not contain %q", logs.String(), c.wantLog)
@@ -77,7 +78,7 @@ func gpuRoundTripThroughTheEngine(t *testing.T, checksumOn string) {
 	ctx := context.Background()
 	var logs bytes.Buffer
 	log := slog.New(slog.NewTextHandler(&logs, nil))
-	gp, err := openGPU(gpuOptions{Mode: "on", CUDALibrary: []string{lib}, CUDADriver: []string{lib}, CuFile: "off", MaxStaging: 16 << 20,
+	gp, err := OpenGPU(GPUOptions{Mode: "on", CUDALibrary: []string{lib}, CUDADriver: []string{lib}, CuFile: "off", MaxStaging: 16 << 20,
 		Poll: time.Duration(config.Default().GPU.Poll), SumsOnDevice: checksumOn == "gpu"}, log)
 	if err != nil {
 		t.Fatal(err)
@@ -88,7 +89,7 @@ func gpuRoundTripThroughTheEngine(t *testing.T, checksumOn string) {
 		NewPolicy: func(idx policy.Index) (policy.Policy, error) {
 			return policy.NewNative(func() guest.Policy { return lru.New() }, idx, policy.Config{Shards: 1})
 		},
-		Movers: gp.movers(),
+		Movers: gp.Movers(),
 		Logger: log,
 	})
 	if err != nil {
@@ -226,7 +227,7 @@ func TestGPUPollReachesTheStagingPipeline(t *testing.T) {
 		{0, 0},
 	} {
 		var logs bytes.Buffer
-		gp, err := openGPU(gpuOptions{Mode: "on", CUDALibrary: []string{lib}, CuFile: "off", MaxStaging: 16 << 20, Poll: c.poll},
+		gp, err := OpenGPU(GPUOptions{Mode: "on", CUDALibrary: []string{lib}, CuFile: "off", MaxStaging: 16 << 20, Poll: c.poll},
 			slog.New(slog.NewTextHandler(&logs, nil)))
 		if err != nil {
 			t.Fatal(err)
@@ -294,16 +295,16 @@ func TestCuFileJobsFailingWithAStickyErrorAreDeviceFaults(t *testing.T) {
 	if _, err := gp.cfMover.WriteFile(context.Background(), f, p, nil); !errors.Is(err, cuda.ErrSticky) || errors.Is(err, transfer.ErrUnsupported) {
 		t.Fatalf("cuFile job on the broken device: %v; want it failed with the sticky error", err)
 	}
-	if faults := gp.deviceFaults(); faults[0] != 0 || faults[1] != 1 {
+	if faults := gp.DeviceFaults(); faults[0] != 0 || faults[1] != 1 {
 		t.Fatalf("device faults %v; want the cuFile job's on device 1 only", faults)
 	}
 }
 
 // TestDefaultConfigurationSetsTheMoversDefaultIdleRegistrars: the
 // configuration's default gpu.idle_registrars, which reaches the mover
-// through gpuOptionsOf, is the mover's documented default.
+// through GPUOptionsOf, is the mover's documented default.
 func TestDefaultConfigurationSetsTheMoversDefaultIdleRegistrars(t *testing.T) {
-	if got := gpuOptionsOf(config.Default()).IdleRegistrars; got != gpu.DefaultIdleRegistrars {
+	if got := GPUOptionsOf(config.Default()).IdleRegistrars; got != gpu.DefaultIdleRegistrars {
 		t.Fatalf("default gpu.idle_registrars reaches the mover as %d, want gpu.DefaultIdleRegistrars (%d)", got, gpu.DefaultIdleRegistrars)
 	}
 }
@@ -322,10 +323,10 @@ type fakeCuFileCtl struct {
 // openFakeCuFileGPU opens the daemon's GPU paths on the fake CUDA
 // library and the fake libcufile, compatibility mode allowed, closed when
 // t ends, and returns them with the two libraries' paths.
-func openFakeCuFileGPU(t *testing.T) (gp *gpuPaths, lib, cufileLib string) {
+func openFakeCuFileGPU(t *testing.T) (gp *GPU, lib, cufileLib string) {
 	t.Helper()
-	lib, cufileLib = cudatest.Build(t), buildFakeCuFile(t)
-	gp, err := openGPU(gpuOptions{Mode: "on", CUDALibrary: []string{lib}, CuFileLibrary: []string{cufileLib}, CuFile: "compat",
+	lib, cufileLib = cudatest.Build(t), daemontest.BuildFakeCuFile(t)
+	gp, err := OpenGPU(GPUOptions{Mode: "on", CUDALibrary: []string{lib}, CuFileLibrary: []string{cufileLib}, CuFile: "compat",
 		MaxStaging: 16 << 20}, slog.New(slog.DiscardHandler))
 	if err != nil {
 		t.Fatal(err)
@@ -368,7 +369,7 @@ func TestCuFileProbeFailingAtStartIsRetriedByALaterJob(t *testing.T) {
 	atomic.StoreInt64(&ctl.RegisterError, nomem)
 
 	dir := t.TempDir()
-	mv, err := gp.movers()[region.KindDevice](engine.MountInfo{Path: dir})
+	mv, err := gp.Movers()[region.KindDevice](engine.MountInfo{Path: dir})
 	if err != nil {
 		t.Fatal(err)
 	}
