@@ -63,7 +63,7 @@ func (e *Engine) reserveFree(m *mount, size int64) error {
 func (e *Engine) reserveUsed(ctx context.Context, m *mount, size int64) (err error) {
 	reserve := func(limit space.Limit) bool { return e.space.ReserveBelow(m.sp, size, limit) }
 	if c := m.cluster; c != nil { // the cluster-wide bound first (cluster.go)
-		if err := e.clusterReserve(ctx, m, size); err != nil {
+		if err := c.reserve(ctx, e, m, size); err != nil {
 			return err
 		}
 		// The mount's space takes the grant, or it goes back.
@@ -182,7 +182,7 @@ func (e *Engine) evictRounds(ctx context.Context, m *mount, size int64) error {
 		var victims []policy.Eviction
 		var err error
 		if m.cluster != nil {
-			victims = e.clusterVictims(m, req) // never another live node's file
+			victims = m.cluster.victims(e, m, req) // never another live node's file
 		} else {
 			victims, err = e.evictions(context.WithoutCancel(ctx), req)
 		}
@@ -214,7 +214,7 @@ func (e *Engine) evictRounds(ctx context.Context, m *mount, size int64) error {
 			// file counts as used until evictAll (or the path's holder)
 			// has removed it, or kept it as a spare.
 			en, c, rec, ok := e.ix.EvictID(v.Entry, func(en *entry) bool {
-				return en.Mount == m.idx && e.mayEvict(m, en)
+				return en.Mount == m.idx && m.mayEvict(en)
 			}, e.now().UnixNano())
 			if !ok {
 				continue

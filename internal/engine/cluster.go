@@ -19,6 +19,7 @@ import (
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/host/policy"
 	"github.com/kvhost/kvhost/internal/clustercap"
+	"github.com/kvhost/kvhost/internal/engine/index"
 	"github.com/kvhost/kvhost/internal/engine/space"
 )
 
@@ -55,7 +56,7 @@ type clusterMount struct {
 
 	mu  sync.Mutex // guards the rest; one claim or tick at a time
 	own int64      // own bytes at the last count, plus reservations since
-	// pending is the bytes clusterReserve granted that the mount's space
+	// pending is the bytes reserve granted that the mount's space
 	// has not reserved yet (reserveGrant takes them there, giveBack drops
 	// them): a count adds them to the space's reservations.
 	pending int64
@@ -104,7 +105,7 @@ type clusterView struct {
 	// unknown holds the nodes of bad that may be running (their summary
 	// file fresh, or their lock not found free) and of which no summary
 	// was ever read to stand in: nothing says what they hold, so while
-	// any is left this node's claim grows no further (clusterReserve,
+	// any is left this node's claim grows no further (clusterMount.reserve,
 	// fitsBound): a node that counted them as holding nothing could take
 	// the room their files take.
 	unknown map[string]bool
@@ -198,7 +199,7 @@ const (
 
 // clusterRun is the engine's cluster loops.
 type clusterRun struct {
-	// ctx is the loops' context (nil before startCluster); cancel ends it
+	// ctx is the loops' context (nil before start); cancel ends it
 	// and with it the loops and a walk of the mount under way.
 	ctx    context.Context
 	cancel context.CancelFunc
@@ -206,9 +207,9 @@ type clusterRun struct {
 }
 
 // fileID draws the id of a file about to be written: with a cluster
-// mount, tagged with this node's owner tag.
-func (e *Engine) fileID() uint64 {
-	for _, m := range e.mounts {
+// mount among mounts, tagged with this node's owner tag.
+func fileID(mounts []*mount) uint64 {
+	for _, m := range mounts {
 		if m.cluster != nil {
 			return clustercap.FileID(m.cluster.tag, rand.Uint64())
 		}
@@ -222,7 +223,7 @@ func (e *Engine) fileID() uint64 {
 // the others take this node for running (clustercap.Live), so that an
 // adopter of its files lets go of them at its next read instead of
 // evicting files the rebuild indexes. Its first summary waits for
-// countCluster. On an error the caller closes the cluster (closeCluster).
+// countCluster. On an error the caller closes the cluster (clusterRun.close).
 func (e *Engine) openCluster() error {
 	for i, cm := range e.cfg.Mounts {
 		if cm.ClusterCapacity == 0 {
@@ -278,19 +279,19 @@ func (e *Engine) countCluster(ctx context.Context) error {
 	return nil
 }
 
-// startCluster starts one loop per cluster mount. Its ticks run under a
-// context of their own, which closeCluster ends: an adoption walk of the
+// start starts one loop per cluster mount. Its ticks run under a
+// context of their own, which close ends: an adoption walk of the
 // mount under way stops at its next file, Close does not wait for it.
-func (e *Engine) startCluster(ctx context.Context) {
-	ctx, e.clusterRun.cancel = context.WithCancel(context.WithoutCancel(ctx))
-	e.clusterRun.ctx = ctx
+func (r *clusterRun) start(ctx context.Context, e *Engine) {
+	ctx, r.cancel = context.WithCancel(context.WithoutCancel(ctx))
+	r.ctx = ctx
 	for _, m := range e.mounts {
 		if m.cluster == nil {
 			continue
 		}
-		e.clusterRun.wg.Add(1)
+		r.wg.Add(1)
 		go func() {
-			defer e.clusterRun.wg.Done()
+			defer r.wg.Done()
 			t := time.NewTicker(m.cluster.interval)
 			defer t.Stop()
 			for {
@@ -305,15 +306,15 @@ func (e *Engine) startCluster(ctx context.Context) {
 	}
 }
 
-// closeCluster stops the loops and releases every cluster lock; the
-// summaries stay (this node's files do).
-func (e *Engine) closeCluster() {
-	if e.clusterRun.ctx != nil {
-		e.clusterRun.cancel()
-		e.clusterRun.wg.Wait()
-		e.clusterRun.ctx = nil
+// close stops the loops and releases the cluster lock of every mount of
+// mounts; the summaries stay (this node's files do).
+func (r *clusterRun) close(mounts []*mount) {
+	if r.ctx != nil {
+		r.cancel()
+		r.wg.Wait()
+		r.ctx = nil
 	}
-	for _, m := range e.mounts {
+	for _, m := range mounts {
 		if m.cluster != nil {
 			m.cluster.dir.Close()
 		}
@@ -326,7 +327,7 @@ func (e *Engine) closeCluster() {
 // It reads only en's immutable file id and the mount's atomics: callers
 // hold e.mu (eviction), index.mu (purges) or no lock (a pin's check,
 // othersRemove).
-func (e *Engine) mayEvict(m *mount, en *entry) bool {
+func (m *mount) mayEvict(en *entry) bool {
 	c := m.cluster
 	if c == nil {
 		return true
@@ -499,7 +500,7 @@ func (c *clusterMount) read(ctx context.Context, e *Engine, m *mount) error {
 			for tag := range walk {
 				again[tag] = was[tag]
 			}
-			before := e.bytesOf(m, again)
+			before := bytesOf(e.ix, m, again)
 			n, err := e.adoptFiles(ctx, m, walk, c.temps)
 			if err != nil {
 				c.rewalkWait = min(max(2*c.rewalkWait, c.interval), maxRewalkIntervals*c.interval)
@@ -514,7 +515,7 @@ func (c *clusterMount) read(ctx context.Context, e *Engine, m *mount) error {
 				}
 			}
 			e.log.Info("engine: cluster: adopted the files of dead nodes", "mount", m.root, "files", n)
-			c.own += e.bytesOf(m, walk) - before
+			c.own += bytesOf(e.ix, m, walk) - before
 		}
 		c.cleanTemps(e, m, dead)
 		// The dead nodes this node's count covers whole: walked. Taken
@@ -798,7 +799,7 @@ func (c *clusterMount) retire(e *Engine, m *mount, dead map[uint32]bool, names m
 		temps[tag] = true
 	}
 	for tag := range dead {
-		if _, ok := c.walked[tag]; !ok || temps[tag] || stood[names[tag]] || e.bytesOf(m, map[uint32]bool{tag: true}) > 0 || e.leftOf(m, tag) {
+		if _, ok := c.walked[tag]; !ok || temps[tag] || stood[names[tag]] || bytesOf(e.ix, m, map[uint32]bool{tag: true}) > 0 || leftOf(e.ix, m, tag) {
 			continue
 		}
 		ok, err := c.dir.Retire(names[tag])
@@ -1047,7 +1048,7 @@ func (c *clusterMount) evict(ctx context.Context, e *Engine, m *mount, own []ran
 			break
 		}
 		en := r.en
-		c, rec, ok := e.ix.Evict(en, func(en *entry) bool { return en.Mount == m.idx && e.mayEvict(m, en) }, now)
+		c, rec, ok := e.ix.Evict(en, func(en *entry) bool { return en.Mount == m.idx && m.mayEvict(en) }, now)
 		if ok {
 			if c {
 				claimed = append(claimed, en)
@@ -1063,7 +1064,7 @@ func (c *clusterMount) evict(ctx context.Context, e *Engine, m *mount, own []ran
 	return freed
 }
 
-// clusterReserve accounts size more bytes of this node's on a cluster
+// reserve accounts size more bytes of this node's on a cluster
 // mount before a store or move reserves them on the mount. Beyond its
 // claim the node publishes a higher claim first and then reads the
 // others' (two nodes raising theirs at once cannot both miss the other);
@@ -1076,8 +1077,7 @@ func (c *clusterMount) evict(ctx context.Context, e *Engine, m *mount, own []ran
 // file deleted. A call that fails publishes its claim again, lowered back
 // to what the node holds: a raised claim left published would count in
 // the others' bound until the next tick.
-func (e *Engine) clusterReserve(ctx context.Context, m *mount, size int64) error {
-	c := m.cluster
+func (c *clusterMount) reserve(ctx context.Context, e *Engine, m *mount, size int64) error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	if c.own+size <= c.claim {
@@ -1152,7 +1152,7 @@ func (e *Engine) clusterReserve(ctx context.Context, m *mount, size int64) error
 	return nil
 }
 
-// reserveClaimed is clusterReserve within this node's claim only: it
+// reserveClaimed is reserve within this node's claim only: it
 // neither raises the claim nor evicts (Engine.reserveFree). It reports
 // whether it granted size bytes, which the caller reserves on the space
 // (reserveGrant) or gives back.
@@ -1169,7 +1169,7 @@ func (c *clusterMount) reserveClaimed(size int64) bool {
 
 // fitsBound reports whether size bytes more of this node's fit in the
 // cluster's bound as last read: within its claim, or within what the
-// others' claims leave of the cluster's capacity (clusterReserve's limit;
+// others' claims leave of the cluster's capacity (reserve's limit;
 // not while a node that may run cannot be counted: c.unknown), without
 // reading the others again, evicting or reserving (reprobe).
 func (c *clusterMount) fitsBound(size int64) bool {
@@ -1190,7 +1190,7 @@ func (c *clusterMount) limitLocked(claim int64) int64 {
 	return limit
 }
 
-// reserveGrant reserves size bytes of a grant of clusterReserve (or
+// reserveGrant reserves size bytes of a grant of reserve (or
 // reserveClaimed) on m's space if its usage stays at or below limit
 // (Space.ReserveBelow). The bytes leave pending as the space takes them,
 // in one hold of c.mu: a count sees them once, never twice nor not at
@@ -1215,11 +1215,10 @@ func (c *clusterMount) giveBack(size int64) {
 	c.mu.Unlock()
 }
 
-// clusterVictims is policy.Evictions for a cluster mount's own eviction
-// (its local capacity): this node's files, lowest rank first. The policy's
+// victims is policy.Evictions for a cluster mount's own eviction (its
+// local capacity): this node's files, lowest rank first. The policy's
 // victims could be other nodes' files it indexed, which it must not remove.
-func (e *Engine) clusterVictims(m *mount, req abi.EvictRequest) []policy.Eviction {
-	c := m.cluster
+func (c *clusterMount) victims(e *Engine, m *mount, req abi.EvictRequest) []policy.Eviction {
 	c.mu.Lock()
 	// The caller's eviction has no context of its own to pass here; the
 	// policy's calls are bounded by their own deadline.
@@ -1268,9 +1267,9 @@ func (c *clusterMount) cleanTemps(e *Engine, m *mount, dead map[uint32]bool) {
 }
 
 // bytesOf is the bytes of the entries on m whose owner tag is in tags.
-func (e *Engine) bytesOf(m *mount, tags map[uint32]bool) int64 {
+func bytesOf(ix *index.Index, m *mount, tags map[uint32]bool) int64 {
 	var n int64
-	e.ix.Each(func(en *entry) {
+	ix.Each(func(en *entry) {
 		if o, ok := clustercap.Owner(en.FID); ok && tags[o] && en.Mount == m.idx {
 			n += en.Size
 		}
@@ -1286,12 +1285,12 @@ func (e *Engine) bytesOf(m *mount, tags map[uint32]bool) int64 {
 // used while this engine runs, but only its owner's summary (or its
 // adopter's walk) counts it after a restart: a dead node is not retired
 // while one is left.
-func (e *Engine) leftOf(m *mount, tag uint32) bool {
+func leftOf(ix *index.Index, m *mount, tag uint32) bool {
 	of := func(en *entry) bool {
 		o, ok := clustercap.Owner(en.FID)
 		return ok && o == tag && en.Mount == m.idx
 	}
-	return e.ix.AnyOut(of)
+	return ix.AnyOut(of)
 }
 
 // adoptFiles indexes the files on m whose owner tag is in tags (dead

@@ -679,7 +679,7 @@ func TestClusterCountsReservedAndGrantedBytesOnceEach(t *testing.T) {
 				t.Fatal(err)
 			}
 			t.Cleanup(func() { n.e.unreserve(m, s) })
-			if err := n.e.clusterReserve(ctx, m, s); err != nil { // granted only
+			if err := m.cluster.reserve(ctx, n.e, m, s); err != nil { // granted only
 				t.Fatal(err)
 			}
 			m.cluster.tick(ctx, n.e, m)
@@ -729,7 +729,7 @@ func TestClusterAnAdopterThatCannotReadLetsGoOfTheNodesItAdopted(t *testing.T) {
 	fail.Store(true)
 	clusterNode(t, dir, "d", 1<<30, time.Hour) // D runs again
 	m.cluster.tick(ctx, a, m)
-	if a.mayEvict(m, ens[0]) || isAdopted(a, "d") || len(m.cluster.dir.Adopted()) > 0 {
+	if m.mayEvict(ens[0]) || isAdopted(a, "d") || len(m.cluster.dir.Adopted()) > 0 {
 		t.Fatalf("A, its read failing, may still evict the file of D, which runs again (adoption lock held: %v)", m.cluster.dir.Adopted())
 	}
 	if got := ownBytes(m); got != 0 {

@@ -45,10 +45,10 @@ func (e *Engine) recordPurges(ctx context.Context, fps []uint64) error {
 	return errors.Join(errs...)
 }
 
-// clustered reports whether e has a mount with a cluster capacity, which
-// a purge tells of every fingerprint asked (recordPurges).
-func (e *Engine) clustered() bool {
-	return slices.ContainsFunc(e.mounts, func(m *mount) bool { return m.cluster != nil })
+// clustered reports whether mounts has one with a cluster capacity,
+// which a purge tells of every fingerprint asked (recordPurges).
+func clustered(mounts []*mount) bool {
+	return slices.ContainsFunc(mounts, func(m *mount) bool { return m.cluster != nil })
 }
 
 // purgedOnCluster reports whether en, an entry of a file found on the
@@ -57,7 +57,7 @@ func (e *Engine) clustered() bool {
 // mount, or on any cluster mount for a file on a mount without a cluster
 // capacity (covers).
 func (e *Engine) purgedOnCluster(en *entry) bool {
-	limit := e.purgeLimit()
+	limit := purgeLimit(e.now())
 	for _, m := range e.mounts {
 		if m.cluster == nil || !covers(e, m, en) {
 			continue
@@ -77,12 +77,12 @@ func covers(e *Engine, m *mount, en *entry) bool {
 	return en.Mount == m.idx || e.mounts[en.Mount].cluster == nil
 }
 
-// purgeLimit is the latest purge record time that applies now: this
-// node's clock plus clustercap.PurgeAhead. A record further ahead (a
+// purgeLimit is the latest purge record time that applies at now, this
+// node's clock: now plus clustercap.PurgeAhead. A record further ahead (a
 // garbage name, or a file system clock far off) would purge the
 // namespace's files written until then, new ones too, at every tick.
-func (e *Engine) purgeLimit() int64 {
-	return e.now().Add(clustercap.PurgeAhead).UnixNano()
+func purgeLimit(now time.Time) int64 {
+	return now.Add(clustercap.PurgeAhead).UnixNano()
 }
 
 // mayPurge reports whether a purge removes en's file rather than only
@@ -94,7 +94,7 @@ func (e *Engine) purgeLimit() int64 {
 // as no eviction removes it either. Called with index.mu held.
 func (e *Engine) mayPurge(en *entry) bool {
 	m := e.mounts[en.Mount]
-	return m.cluster == nil || e.mayEvict(m, en)
+	return m.mayEvict(en)
 }
 
 // applyPurges drops the entries that a purge record of m covers (the
@@ -105,7 +105,7 @@ func (e *Engine) mayPurge(en *entry) bool {
 // the index, and a file a client pin holds stays, to go at the first tick
 // after its pin ends. Called with c.mu held (tick).
 func (c *clusterMount) applyPurges(ctx context.Context, e *Engine, m *mount) {
-	purges, ahead := c.dir.Purges(e.purgeLimit())
+	purges, ahead := c.dir.Purges(purgeLimit(e.now()))
 	for fp, t := range ahead {
 		if c.ahead[fp] != t {
 			e.log.Warn("engine: cluster: a purge record is dated too far ahead of this node's clock to apply (a clock far off, or a file that is no record); it applies once this node's clock is within the bound, and the next purge of the namespace removes it",

@@ -152,7 +152,7 @@ func TestAPurgeRecordSparesFilesStoredAfterItAndReachesANodeThatWasDown(t *testi
 	if _, err := a.e.Purge(ctx, smallGeometry(true).Fingerprint()); err != nil {
 		t.Fatal(err)
 	}
-	at, ok := a.e.mounts[0].cluster.dir.PurgedAt(smallGeometry(true).Fingerprint(), a.e.purgeLimit())
+	at, ok := a.e.mounts[0].cluster.dir.PurgedAt(smallGeometry(true).Fingerprint(), purgeLimit(a.e.now()))
 	if !ok {
 		t.Fatal("no purge record after A's purge")
 	}
@@ -292,7 +292,7 @@ func TestAPurgeRecordFarAheadOfTheClockIsNotApplied(t *testing.T) {
 	if _, err := a.e.Purge(ctx, fp); err != nil {
 		t.Fatal(err)
 	}
-	at, ok := a.e.mounts[0].cluster.dir.PurgedAt(fp, a.e.purgeLimit())
+	at, ok := a.e.mounts[0].cluster.dir.PurgedAt(fp, purgeLimit(a.e.now()))
 	if !ok {
 		t.Fatal("no purge record after A's purge")
 	}
@@ -343,7 +343,7 @@ func TestAPurgeRecordReachesTheFilesANodeKeepsOnItsOwnMounts(t *testing.T) {
 	if _, err := a.e.Purge(ctx, fp); err != nil {
 		t.Fatal(err)
 	}
-	at, ok := a.e.mounts[0].cluster.dir.PurgedAt(fp, a.e.purgeLimit())
+	at, ok := a.e.mounts[0].cluster.dir.PurgedAt(fp, purgeLimit(a.e.now()))
 	if !ok {
 		t.Fatal("no purge record after A's purge")
 	}
@@ -378,7 +378,7 @@ func TestAnAdopterAppliesThePurgeRecordsToADeadNodesFiles(t *testing.T) {
 	if _, err := a.e.Purge(ctx, smallGeometry(true).Fingerprint()); err != nil {
 		t.Fatal(err)
 	}
-	at, ok := a.e.mounts[0].cluster.dir.PurgedAt(smallGeometry(true).Fingerprint(), a.e.purgeLimit())
+	at, ok := a.e.mounts[0].cluster.dir.PurgedAt(smallGeometry(true).Fingerprint(), purgeLimit(a.e.now()))
 	if !ok {
 		t.Fatal("no purge record after A's purge")
 	}

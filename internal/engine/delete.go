@@ -155,7 +155,7 @@ func (e *Engine) Purge(ctx context.Context, fp uint64) (PurgeResult, error) {
 	var r PurgeResult
 	// On a cluster mount the files may be another node's alone, which
 	// this node never found: the record goes out all the same.
-	if !e.purge(ctx, []uint64{fp}, &r) && !known && !e.clustered() {
+	if !e.purge(ctx, []uint64{fp}, &r) && !known && !clustered(e.mounts) {
 		return r, fmt.Errorf("%w: no namespace of fingerprint %016x, and no file of one (kvhost stats lists them)", ErrUnknownNamespace, fp)
 	}
 	return r, e.recordPurges(ctx, []uint64{fp})

@@ -362,7 +362,7 @@ func (e *Engine) moveEntry(ctx context.Context, id uint64, target int, mayEvict,
 	// on a cluster mount, only this node's files and those of a dead node
 	// it adopted (a policy knows other nodes' files it found).
 	may := func(en *entry) bool {
-		return en.Mount != target && en.Mount < e.kvMounts && e.mayEvict(e.mounts[en.Mount], en)
+		return en.Mount != target && en.Mount < e.kvMounts && e.mounts[en.Mount].mayEvict(en)
 	}
 	to := func(en *entry) (string, error) {
 		sm := e.mounts[en.Mount]

@@ -221,7 +221,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 			e.closeOwners()
 		}
 		if !ok {
-			e.closeCluster()
+			e.clusterRun.close(e.mounts)
 		}
 		if !ok && e.lock != nil {
 			e.lock.Close()
@@ -307,7 +307,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	e.startTiering(ctx)
 	e.startSpareMaker()
 	e.startWarmer()
-	e.startCluster(ctx)
+	e.clusterRun.start(ctx, e)
 	ok = true
 	st := e.Stats()
 	e.log.Info("engine: open", "mounts", len(e.mounts), "entries", st.Entries, "keys", st.Keys, "rebuild", time.Since(start))
@@ -410,7 +410,7 @@ func (e *Engine) shutdown() {
 	e.stopTiering()
 	e.stopSpareMaker()
 	e.stopWarmer()
-	e.closeCluster()
+	e.clusterRun.close(e.mounts)
 	e.dropSpares()
 	e.closeOwners() // after the spares: none is left for another engine to find live
 	e.hitRec.close()

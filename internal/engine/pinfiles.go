@@ -82,7 +82,7 @@ func (e *Engine) othersRemove(m *mount, en *entry) bool {
 		return false
 	}
 	if m.cluster != nil {
-		return !e.mayEvict(m, en)
+		return !m.mayEvict(en)
 	}
 	return m.network
 }

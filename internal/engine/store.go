@@ -495,7 +495,7 @@ func (e *Engine) writeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 		}
 	}
 	if !h.Raw { // a vllm-fs row has no header, hence no file id
-		h.ID = e.fileID()
+		h.ID = fileID(e.mounts)
 		hdr := staging.AlignedBuffer(int(hl))
 		if err := h.Encode(hdr); err != nil {
 			return false, err

@@ -103,7 +103,7 @@ func TestATickMoveLeavesAnotherLiveNodesFileOnAClusterMount(t *testing.T) {
 		t.Fatalf("B does not find A's file: lookup %d", n)
 	}
 	en := b.e.find(b.e.nss[b.ns], k[0])
-	if en == nil || b.e.mayEvict(b.e.mounts[1], en) {
+	if en == nil || b.e.mounts[1].mayEvict(en) {
 		t.Fatalf("B may evict A's file (entry %v): want a foreign file", en)
 	}
 	testwait.Until(t, "20 of B's ticks", testwait.Hang, func() bool { return b.e.TierStats().Ticks >= 20 })
