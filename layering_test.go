@@ -102,17 +102,6 @@ var pendingViolations = []struct{ from, to string }{
 	// engine's Outcome moves off protocol, staging's use behind transfer.
 	{"internal/engine", "protocol"},
 	{"internal/engine", "staging"},
-	// The layering engineer (issue 83), once the CLI engineer's move of
-	// the daemon's assembly into internal/daemon and the engine split
-	// land: metrics defines the snapshot types and interfaces it reads,
-	// and an adapter where the daemon is assembled fills them.
-	{"internal/metrics", "fsys"},
-	{"internal/metrics", "gds"},
-	{"internal/metrics", "host/policy"},
-	{"internal/metrics", "internal/engine"},
-	{"internal/metrics", "internal/server"},
-	{"internal/metrics", "protocol"},
-	{"internal/metrics", "staging/gpu"},
 }
 
 // pendingAPI are places where a public package's exported API still

@@ -336,7 +336,7 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 		FS:       d.fs,
 	}
 	if d.metrics != nil {
-		ecfg.Observer = d.metrics
+		ecfg.Observer = kvdaemon.JobObserver(d.metrics)
 	}
 	eng, err := engine.Open(ctx, ecfg)
 	if err != nil {
@@ -400,7 +400,7 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 		scfg.LookupTable = table.Path()
 	}
 	if d.metrics != nil {
-		scfg.OnRequest = d.metrics.ObserveRequest
+		scfg.OnRequest = kvdaemon.RequestObserver(d.metrics)
 	}
 	if gp != nil {
 		scfg.OpenDevice, scfg.Devices = gp.IPC().Open, gp.IPC().Devices()
@@ -419,7 +419,8 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 	}
 	if d.metrics != nil {
 		src := metrics.Sources{
-			Engine: eng.Stats, Server: srv.Stats, Policy: d.pol.State, DataPaths: d.dataPaths, Staging: eng.StagingUsage,
+			Engine: kvdaemon.EngineMetrics(eng.Stats), Server: kvdaemon.ServerMetrics(srv.Stats), Policy: kvdaemon.PolicyMetrics(d.pol.State),
+			DataPaths: d.dataPaths, Staging: eng.StagingUsage, Statfs: kvdaemon.StatfsMetrics(d.fs),
 			Stalled: func() string { return wd.Unhealthy(time.Now()) },
 			Reloads: func() (uint64, uint64) {
 				d.mu.Lock()
@@ -427,14 +428,11 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 				return d.reloads, d.reloadFailures
 			},
 		}
-		if d.fs != nil {
-			src.Statfs = d.fs.Statfs // the engine's file system (tests hold it)
-		}
 		if gp != nil {
-			src.GPUFiles, src.GPUStaging, src.GPUFaults = gp.Staging().FileStats, gp.Staging().PinnedUsage, gp.DeviceFaults
+			src.GPUFiles, src.GPUStaging, src.GPUFaults = kvdaemon.GPUFileMetrics(gp.Staging().FileStats), gp.Staging().PinnedUsage, gp.DeviceFaults
 			src.GPUChecksumJobs = gp.Staging().SumJobs
 			if gp.CuFile() != nil {
-				src.CuFile = gp.CuFile().HandleStats
+				src.CuFile = kvdaemon.CuFileMetrics(gp.CuFile().HandleStats)
 			}
 		}
 		d.metrics.SetSources(src)

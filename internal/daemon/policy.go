@@ -26,7 +26,6 @@ import (
 	"github.com/kvhost/kvhost/abi/guest"
 	"github.com/kvhost/kvhost/host/policy"
 	"github.com/kvhost/kvhost/internal/config"
-	"github.com/kvhost/kvhost/internal/metrics"
 	"github.com/kvhost/kvhost/plugins"
 	"github.com/kvhost/kvhost/plugins/lru"
 	"github.com/kvhost/kvhost/plugins/tiered"
@@ -184,16 +183,23 @@ func (p *PolicyState) Current() *Policy {
 	return p.cur
 }
 
+// PolicyInfo is the running policy's name and its host's cumulative
+// counters (PolicyState.State).
+type PolicyInfo struct {
+	Name  string       // the configured policy
+	Stats policy.Stats // the host's counters, those a reload replaced added
+}
+
 // State is the policy's name and cumulative counters.
-func (p *PolicyState) State() metrics.PolicyState {
+func (p *PolicyState) State() PolicyInfo {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.cur == nil || p.cur.host == nil {
-		return metrics.PolicyState{}
+		return PolicyInfo{}
 	}
 	s := p.cur.host.Stats()
 	addCounters(&s, p.retired)
-	return metrics.PolicyState{Name: p.cur.Name, Stats: s}
+	return PolicyInfo{Name: p.cur.Name, Stats: s}
 }
 
 // Policy is a policy configuration ready to build: fn builds the host

@@ -1,8 +1,13 @@
 // Package metrics exposes a kvhost daemon's state to Prometheus: a
-// collector that reads the engine's, the server's and the policy host's
-// counters at every scrape, histograms fed by the engine (Observer) and the
-// policy host (Config.OnCall), and an HTTP handler serving /metrics and the
-// probes /healthz and /readyz. docs/metrics.md lists every name.
+// collector that reads snapshots of the engine's, the server's and the
+// policy host's counters at every scrape, histograms fed by the engine's
+// finished jobs, the policy host's calls and the server's requests, and
+// an HTTP handler serving /metrics and the probes /healthz and /readyz.
+// docs/metrics.md lists every name.
+//
+// The package imports no other package of kvhost: it reads the daemon's
+// parts through the snapshot types and funcs it defines (Sources), which
+// the daemon's assembly fills (internal/daemon's metrics adapter).
 package metrics
 
 import (
@@ -18,75 +23,56 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
-
-	"github.com/kvhost/kvhost/fsys"
-	"github.com/kvhost/kvhost/gds"
-	"github.com/kvhost/kvhost/host/policy"
-	"github.com/kvhost/kvhost/internal/engine"
-	"github.com/kvhost/kvhost/internal/server"
-	"github.com/kvhost/kvhost/protocol"
-	"github.com/kvhost/kvhost/staging/gpu"
 )
 
-// Sources are what the collector reads at every scrape. A nil field leaves
-// its metrics out.
+// Sources are what the collector reads at every scrape, in the snapshot
+// types of this package (snapshot.go); the daemon's assembly adapts its
+// parts to them. A nil field leaves its metrics out.
 type Sources struct {
-	Engine func() engine.Stats // the storage engine's stats (engine.Engine.Stats)
-	Server func() server.Stats // the socket server's stats (server.Server.Stats)
+	Engine func() EngineStats // the storage engine's stats
+	Server func() ServerStats // the socket server's stats
 	// Policy is the policy's state; its counters must not go down when a
 	// reload replaces the policy host (the daemon adds the old host's).
 	Policy func() PolicyState
 	// DataPaths are the fallback counts of the GPU data paths, per mount.
 	DataPaths func() []DataPath
 	// Staging reports the CPU staging pipeline's bounce buffers in use,
-	// their limit and size (engine.StagingUsage).
+	// their limit and size.
 	Staging func() (inUse, limit, size int)
 	// Reloads counts configuration reloads that took effect and that
 	// failed.
 	Reloads func() (ok, failed uint64)
 	// GPUFiles reports the files the GPU staging pipeline keeps
-	// registered (gpu.Mover.FileStats; nil without a GPU).
-	GPUFiles func() gpu.FileStats
+	// registered (nil without a GPU).
+	GPUFiles func() GPUFileStats
 	// GPUChecksumJobs counts the GPU staging pipeline's jobs with
-	// checksums by where they were computed (gpu.Mover.SumJobs; nil
-	// without a GPU).
+	// checksums by where they were computed (nil without a GPU).
 	GPUChecksumJobs func() (onCPU, onGPU uint64)
 	// GPUStaging reports the GPU staging pipeline's pinned buffers in
-	// use, in all, and the size of one (gpu.Mover.PinnedUsage; nil
-	// without a GPU).
+	// use, in all, and the size of one (nil without a GPU).
 	GPUStaging func() (inUse, total, size int)
 	// GPUFaults reports, per device ordinal, the jobs and registrations
 	// that failed with a sticky CUDA error, and the cuFile batches whose
-	// I/O did not come back after a cancel (gpu.Mover.DeviceFaults with
-	// gds.Mover.DeviceFaults and cudaipc.Importer.Faults; nil without a
-	// GPU).
+	// I/O did not come back after a cancel (nil without a GPU).
 	GPUFaults func() map[int]uint64
-	// CuFile reports cuFile's handle cache (gds.Driver.HandleStats; nil
-	// where cuFile is not loaded).
-	CuFile func() gds.HandleStats
+	// CuFile reports cuFile's handle cache (nil where cuFile is not
+	// loaded).
+	CuFile func() CuFileStats
 	// Stalled says why the daemon is not serving (its watchdog: a file
 	// operation that has not returned, a data path that moves nothing
 	// with jobs in flight, a check that does not answer), or ""; nil
 	// never.
 	Stalled func() string
-	// Statfs reads a mount's file system for
-	// kvhost_mount_fs_available_bytes (the daemon's fsys.FS); nil is the
-	// operating system's (fsys.OS).
-	Statfs func(path string) (fsys.StatFS, error)
+	// Statfs reads the space available on a mount's file system, in
+	// bytes, for kvhost_mount_fs_available_bytes (the daemon's file
+	// system's statfs); nil leaves those metrics out.
+	Statfs func(path string) (avail int64, err error)
 }
 
-// PolicyState is the placement policy as the daemon runs it.
-type PolicyState struct {
-	Name  string       // the configured policy
-	Stats policy.Stats // the host's counters (Backend, Fallback...)
-}
-
-// DataPath is the data mover chain of one mount for GPU memory and the
-// plans each of its movers passed on to the next (transfer.Chain).
-type DataPath struct {
-	Mount     string            // the mount's path, the metrics' mount label
-	Fallbacks map[string]uint64 // by mover name
-}
+// MaxNamespaces is how many namespaces, those holding the most bytes,
+// get gauges of their own (kvhost_namespace_keys...): as many as a stats
+// reply lists.
+const MaxNamespaces = 128
 
 // Metrics is a daemon's metrics registry.
 type Metrics struct {
@@ -150,39 +136,30 @@ func (m *Metrics) SetSources(s Sources) { m.src.Store(&s) }
 // clients, not ready again once it drains.
 func (m *Metrics) SetReady(ready bool) { m.ready.Store(ready) }
 
-// ObserveJob implements engine.Observer.
-func (m *Metrics) ObserveJob(ev engine.JobEvent) {
-	mem := ev.Memory.String()
-	m.jobs.WithLabelValues(ev.Direction, mem, ev.Path).Inc()
-	m.jobBytes.WithLabelValues(ev.Direction, mem, ev.Path).Add(float64(ev.Bytes))
-	m.jobDuration.WithLabelValues(ev.Direction, mem, ev.Path).Observe(ev.Duration.Seconds())
+// ObserveJob records one finished store or load job: the daemon's
+// assembly makes it the engine's job observer. It must be, and is, fast
+// and safe for concurrent use.
+func (m *Metrics) ObserveJob(ev JobEvent) {
+	m.jobs.WithLabelValues(ev.Direction, ev.Memory, ev.Path).Inc()
+	m.jobBytes.WithLabelValues(ev.Direction, ev.Memory, ev.Path).Add(float64(ev.Bytes))
+	m.jobDuration.WithLabelValues(ev.Direction, ev.Memory, ev.Path).Observe(ev.Duration.Seconds())
 	for o, n := range ev.Outcomes {
 		if n > 0 {
-			m.jobKeys.WithLabelValues(ev.Direction, outcomeLabel(engine.Outcome(o))).Add(float64(n))
+			m.jobKeys.WithLabelValues(ev.Direction, Outcome(o).String()).Add(float64(n))
 		}
 	}
 }
 
-var _ engine.Observer = (*Metrics)(nil)
-
-// outcomeLabel is an outcome's name as a label value.
-func outcomeLabel(o engine.Outcome) string {
-	if o == engine.OutcomeNotAdmitted {
-		return "not_admitted"
-	}
-	return o.String()
-}
-
-// ObservePolicyCall is a policy.Config.OnCall: one call into a policy
-// instance.
+// ObservePolicyCall records one call into a policy instance (a policy
+// host's OnCall): its hook and how long the instance ran.
 func (m *Metrics) ObservePolicyCall(hook string, _ int, took time.Duration) {
 	m.policyCall.WithLabelValues(hook).Observe(took.Seconds())
 }
 
-// ObserveRequest is a server.Config.OnRequest: the daemon answered one
-// control request.
-func (m *Metrics) ObserveRequest(t protocol.Type, took time.Duration) {
-	m.request.WithLabelValues(t.String()).Observe(took.Seconds())
+// ObserveRequest records that the daemon answered one control request,
+// named as the request label (lookup, delete, declare...), in took.
+func (m *Metrics) ObserveRequest(request string, took time.Duration) {
+	m.request.WithLabelValues(request).Observe(took.Seconds())
 }
 
 // Handler serves /metrics (Prometheus text or protobuf), /healthz (200
@@ -388,7 +365,7 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 	if src == nil {
 		return
 	}
-	var listed []engine.NamespaceStats // the engine's namespaces with gauges, for their caches
+	var listed []NamespaceStats // the engine's namespaces with gauges, for their caches
 	if src.Engine != nil {
 		st := src.Engine()
 		gauge(dEntries, float64(st.Entries))
@@ -408,7 +385,7 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 		counter(dPinnedUnopened, st.PinnedFilesUnopened)
 		counter(dWritten, st.BytesWritten)
 		counter(dRead, st.BytesRead)
-		for dir, f := range map[string]engine.Failures{"store": st.StoreFailures, "load": st.LoadFailures} {
+		for dir, f := range map[string]Failures{"store": st.StoreFailures, "load": st.LoadFailures} {
 			counter(dFailures, f.NoSpace, dir, "no_space")
 			counter(dFailures, f.Corrupt, dir, "corrupt")
 			counter(dFailures, f.Policy, dir, "policy")
@@ -423,7 +400,7 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 		counter(dDemoteDeletes, st.Tiering.DemotionDeletes)
 		counter(dDeduped, st.Tiering.Deduped)
 		gauge(dNamespaces, float64(len(st.Namespaces)))
-		listed = st.Namespaces[:min(len(st.Namespaces), protocol.MaxStatsNamespaces)]
+		listed = st.Namespaces[:min(len(st.Namespaces), MaxNamespaces)]
 		for _, ns := range listed {
 			// The model id is UTF-8, as a label must be: Declare refuses
 			// others (Geometry.Validate).
@@ -441,26 +418,24 @@ func (c *collector) Collect(ch chan<- prometheus.Metric) {
 			gauge(dMountEntries, float64(mt.Entries), mt.Path)
 			gauge(dMountSpare, float64(mt.SpareBytes), mt.Path)
 			failing := 0.0
-			if mt.StoresFailing != nil {
+			if mt.StoresFailing {
 				failing = 1
 			}
 			gauge(dMountFailing, failing, mt.Path)
 			gauge(dMountInfo, 1, mt.Path, mt.IO, mt.Backend, strconv.FormatBool(mt.Checksums))
 		}
-		statfs := src.Statfs
-		if statfs == nil {
-			statfs = fsys.OS{}.Statfs
-		}
-		paths := make([]string, len(st.Mounts))
-		for i, mt := range st.Mounts {
-			paths[i] = mt.Path
-		}
-		for i, r := range c.m.fs.read(paths, statfs) {
-			if r.ok {
-				gauge(dMountFSFree, float64(r.avail), paths[i])
-				gauge(dMountFSAge, r.age.Seconds(), paths[i])
+		if src.Statfs != nil {
+			paths := make([]string, len(st.Mounts))
+			for i, mt := range st.Mounts {
+				paths[i] = mt.Path
 			}
-			gauge(dMountStatfsPending, r.pending.Seconds(), paths[i])
+			for i, r := range c.m.fs.read(paths, src.Statfs) {
+				if r.ok {
+					gauge(dMountFSFree, float64(r.avail), paths[i])
+					gauge(dMountFSAge, r.age.Seconds(), paths[i])
+				}
+				gauge(dMountStatfsPending, r.pending.Seconds(), paths[i])
+			}
 		}
 	}
 	if src.DataPaths != nil {

@@ -1,35 +1,27 @@
 package metrics
 
 import (
+	"fmt"
 	"io"
+	"maps"
 	"net/http"
 	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
-	dto "github.com/prometheus/client_model/go"
-	"github.com/prometheus/common/expfmt"
-	"github.com/prometheus/common/model"
-
-	"github.com/kvhost/kvhost/fsys"
-	"github.com/kvhost/kvhost/gds"
-	"github.com/kvhost/kvhost/host/policy"
-	"github.com/kvhost/kvhost/internal/engine"
-	"github.com/kvhost/kvhost/internal/server"
+	"github.com/kvhost/kvhost/internal/metrics/metricstest"
 	"github.com/kvhost/kvhost/internal/testwait"
-	"github.com/kvhost/kvhost/protocol"
-	"github.com/kvhost/kvhost/region"
-	"github.com/kvhost/kvhost/staging/gpu"
 )
 
 // scrape gets url and parses it as the Prometheus text format.
-func scrape(t *testing.T, url string) map[string]*dto.MetricFamily {
+func scrape(t *testing.T, url string) metricstest.Families {
 	t.Helper()
 	resp, err := http.Get(url)
 	if err != nil {
@@ -39,42 +31,11 @@ func scrape(t *testing.T, url string) map[string]*dto.MetricFamily {
 	if resp.StatusCode != http.StatusOK {
 		t.Fatalf("GET %s: %s", url, resp.Status)
 	}
-	p := expfmt.NewTextParser(model.UTF8Validation)
-	fams, err := p.TextToMetricFamilies(resp.Body)
+	fams, err := metricstest.Parse(resp.Body)
 	if err != nil {
 		t.Fatalf("parse %s: %v", url, err)
 	}
 	return fams
-}
-
-// value is the value of the metric of fam whose labels include want, or
-// -1 if there is none.
-func value(fams map[string]*dto.MetricFamily, name string, want map[string]string) float64 {
-	f := fams[name]
-	if f == nil {
-		return -1
-	}
-metric:
-	for _, m := range f.Metric {
-		for k, v := range want {
-			found := false
-			for _, l := range m.Label {
-				found = found || (l.GetName() == k && l.GetValue() == v)
-			}
-			if !found {
-				continue metric
-			}
-		}
-		switch {
-		case m.Counter != nil:
-			return m.Counter.GetValue()
-		case m.Gauge != nil:
-			return m.Gauge.GetValue()
-		case m.Histogram != nil:
-			return float64(m.Histogram.GetSampleCount())
-		}
-	}
-	return -1
 }
 
 func status(t *testing.T, url string) int {
@@ -85,6 +46,57 @@ func status(t *testing.T, url string) int {
 	}
 	resp.Body.Close()
 	return resp.StatusCode
+}
+
+// fsAvail is the space fullSources' file systems have available.
+const fsAvail = 3 << 30
+
+// fullSources sets every source, with the mounts dir and refusing (a
+// mount that refuses stores): every metric is exposed.
+func fullSources(dir, refusing string) Sources {
+	started := time.Unix(1700000000, 0)
+	return Sources{
+		Engine: func() EngineStats {
+			return EngineStats{Entries: 3, Keys: 5, Stores: 5, Hits: 7, Misses: 2, Evictions: 1, RemoveFailures: 13, BytesWritten: 4096,
+				StoreFailures: Failures{NoSpace: 4},
+				Namespaces: []NamespaceStats{{Fingerprint: 0xfeed, Model: "vllm:m:0", Files: 2, Keys: 32, Bytes: 64 << 20},
+					{Fingerprint: 1, Files: 1, Keys: 1, Bytes: 4096}},
+				Tiering: TierStats{Demotions: 74700, Promotions: 12, Moves: 30, MoveFailures: 2, DemotionDeletes: 5, Deduped: 3},
+				Mounts: []MountStats{{Path: dir, Capacity: 1000, Used: 400, Entries: 3, IO: "buffered", Backend: "staging", Checksums: true, MovedIn: 8, MovedOut: 9},
+					{Path: refusing, IO: "buffered", Backend: "staging", StoresFailing: true}}}
+		},
+		Server: func() ServerStats {
+			return ServerStats{Caches: map[uint64]uint32{0xfeed: 2}, Clients: 2, InflightJobs: 1, InflightBytes: 40 << 10, InflightLimit: 1 << 30, Descriptors: 4, DescriptorLimit: 16382, PinnedKeys: 12, PinnedLimit: 1 << 22, CacheLayers: 126, CacheLayerLimit: 1 << 20, IncomingBytes: 3 << 20, IncomingLimit: 256 << 20, IncomingWaiting: 2, IncomingWaits: 5, Refusals: map[string]uint64{"server.max_inflight_bytes_per_peer": 7}, Regions: 3, RegisteredBytes: 1 << 20, RegisteredLimit: 1 << 32, Started: started,
+				Devices: []DeviceStats{{Ordinal: 1, Regions: 2, Registered: 5, Limit: 9}}}
+		},
+		Policy: func() PolicyState {
+			return PolicyState{Name: "lru", Stats: PolicyStats{Backend: "native", Fallback: true, FallbackReason: "trap in kvhost_name",
+				Calls: map[string]uint64{"kvhost_name": 11}, Records: map[string]uint64{"kvhost_name": 40}, Failures: 3, Replacements: 2, RemovedOffered: 6}}
+		},
+		DataPaths: func() []DataPath { return []DataPath{{Mount: dir, Fallbacks: map[string]uint64{"cufile": 6}}} },
+		Reloads:   func() (uint64, uint64) { return 4, 1 },
+		Staging:   func() (int, int, int) { return 2, 16, 4 << 20 },
+		GPUFiles: func() GPUFileStats {
+			return GPUFileStats{Files: 6, Bytes: 6 << 25, Limit: 100, Registered: 9, Released: 3, Failed: 1, Deferred: 2, Warmed: 7, Stores: 12, Loads: 14, Queued: 5, Waits: 4, Waited: 1500 * time.Millisecond}
+		},
+		GPUStaging:      func() (int, int, int) { return 3, 31, 4<<20 + 8192 },
+		GPUChecksumJobs: func() (uint64, uint64) { return 17, 5 },
+		GPUFaults:       func() map[int]uint64 { return map[int]uint64{0: 0, 1: 2} },
+		CuFile: func() CuFileStats {
+			return CuFileStats{Cached: 7, Registrations: 20, Failures: 2, Hits: 50, Evictions: 8, Forgotten: 4, Unlinked: 1}
+		},
+		Statfs: func(string) (int64, error) { return fsAvail, nil },
+	}
+}
+
+// observeOneOfEach feeds each histogram: a store job, a policy call and
+// two lookups.
+func observeOneOfEach(m *Metrics) {
+	m.ObserveJob(JobEvent{Direction: "store", Memory: "host", Path: "staging", Bytes: 4096, Duration: time.Millisecond,
+		Outcomes: [NumOutcomes]int{OutcomeStored: 2, OutcomeNotAdmitted: 1}})
+	m.ObservePolicyCall("kvhost_name", 4, 3*time.Microsecond)
+	m.ObserveRequest("lookup", 40*time.Microsecond)
+	m.ObserveRequest("lookup", 3*time.Millisecond)
 }
 
 // TestMetricsExposeSourcesAndObservations serves a registry over HTTP
@@ -102,43 +114,12 @@ func TestMetricsExposeSourcesAndObservations(t *testing.T) {
 		t.Errorf("/healthz: %d, want 200", got)
 	}
 	fams := scrape(t, ts.URL+"/metrics")
-	if value(fams, "kvhost_build_info", map[string]string{"version": "v1.2.3"}) != 1 || value(fams, "kvhost_ready", nil) != 0 {
+	if metricstest.Value(fams, "kvhost_build_info", map[string]string{"version": "v1.2.3"}) != 1 || metricstest.Value(fams, "kvhost_ready", nil) != 0 {
 		t.Fatalf("build info or ready missing before sources: %v", fams["kvhost_build_info"])
 	}
 
 	dir, refusing := t.TempDir(), t.TempDir()
-	started := time.Unix(1700000000, 0)
-	m.SetSources(Sources{
-		Engine: func() engine.Stats {
-			return engine.Stats{Entries: 3, Keys: 5, Stores: 5, Hits: 7, Misses: 2, Evictions: 1, RemoveFailures: 13, BytesWritten: 4096,
-				StoreFailures: engine.Failures{NoSpace: 4},
-				Namespaces: []engine.NamespaceStats{{Fingerprint: 0xfeed, Model: "vllm:m:0", Declared: true, Files: 2, Keys: 32, Bytes: 64 << 20},
-					{Fingerprint: 1, Files: 1, Keys: 1, Bytes: 4096}},
-				Tiering: engine.TierStats{Demotions: 74700, Promotions: 12, Moves: 30, MoveFailures: 2, DemotionDeletes: 5, Deduped: 3},
-				Mounts: []engine.MountStats{{Path: dir, Capacity: 1000, Used: 400, Entries: 3, IO: "buffered", Backend: "staging", Checksums: true, MovedIn: 8, MovedOut: 9},
-					{Path: refusing, IO: "buffered", Backend: "staging", StoresFailing: &engine.StoreFailure{Since: started, Last: started, Stores: 3, Err: "read-only file system"}}}}
-		},
-		Server: func() server.Stats {
-			return server.Stats{Caches: map[uint64]uint32{0xfeed: 2}, Clients: 2, InflightJobs: 1, InflightBytes: 40 << 10, InflightLimit: 1 << 30, Descriptors: 4, DescriptorLimit: 16382, PinnedKeys: 12, PinnedLimit: 1 << 22, CacheLayers: 126, CacheLayerLimit: 1 << 20, IncomingBytes: 3 << 20, IncomingLimit: 256 << 20, IncomingWaiting: 2, IncomingWaits: 5, Refusals: map[string]uint64{"server.max_inflight_bytes_per_peer": 7}, Regions: 3, RegisteredBytes: 1 << 20, RegisteredLimit: 1 << 32, Started: started,
-				Devices: []protocol.DeviceStats{{Ordinal: 1, Regions: 2, Registered: 5, Limit: 9}}}
-		},
-		Policy: func() PolicyState {
-			return PolicyState{Name: "lru", Stats: policy.Stats{Backend: "native", Fallback: true, FallbackReason: "trap in kvhost_name",
-				Calls: map[string]uint64{"kvhost_name": 11}, Records: map[string]uint64{"kvhost_name": 40}, Failures: 3, Replacements: 2, RemovedOffered: 6}}
-		},
-		DataPaths: func() []DataPath { return []DataPath{{Mount: dir, Fallbacks: map[string]uint64{"cufile": 6}}} },
-		Reloads:   func() (uint64, uint64) { return 4, 1 },
-		Staging:   func() (int, int, int) { return 2, 16, 4 << 20 },
-		GPUFiles: func() gpu.FileStats {
-			return gpu.FileStats{Files: 6, Bytes: 6 << 25, Limit: 100, Registered: 9, Released: 3, Failed: 1, Deferred: 2, Warmed: 7, Stores: 12, Loads: 14, Queued: 5, Waits: 4, Waited: 1500 * time.Millisecond}
-		},
-		GPUStaging:      func() (int, int, int) { return 3, 31, 4<<20 + 8192 },
-		GPUChecksumJobs: func() (uint64, uint64) { return 17, 5 },
-		GPUFaults:       func() map[int]uint64 { return map[int]uint64{0: 0, 1: 2} },
-		CuFile: func() gds.HandleStats {
-			return gds.HandleStats{Cached: 7, Registrations: 20, Failures: 2, Hits: 50, Evictions: 8, Forgotten: 4, Unlinked: 1}
-		},
-	})
+	m.SetSources(fullSources(dir, refusing))
 	m.SetReady(true)
 	if got := status(t, ts.URL+"/healthz/gpu"); got != http.StatusServiceUnavailable {
 		t.Errorf("/healthz/gpu with 2 faults on device 1: %d, want 503", got)
@@ -146,11 +127,7 @@ func TestMetricsExposeSourcesAndObservations(t *testing.T) {
 	if got := status(t, ts.URL+"/healthz"); got != http.StatusOK {
 		t.Errorf("/healthz with 2 faults on device 1: %d, want 200 (the process serves)", got)
 	}
-	m.ObserveJob(engine.JobEvent{Direction: "store", Memory: region.KindHost, Path: "staging", Bytes: 4096, Duration: time.Millisecond,
-		Outcomes: [engine.OutcomeFailed + 1]int{engine.OutcomeStored: 2, engine.OutcomeNotAdmitted: 1}})
-	m.ObservePolicyCall("kvhost_name", 4, 3*time.Microsecond)
-	m.ObserveRequest(protocol.TypeLookup, 40*time.Microsecond)
-	m.ObserveRequest(protocol.TypeLookup, 3*time.Millisecond)
+	observeOneOfEach(m)
 
 	fams = scrape(t, ts.URL+"/metrics")
 	mount := map[string]string{"mount": dir}
@@ -255,12 +232,12 @@ func TestMetricsExposeSourcesAndObservations(t *testing.T) {
 		{"kvhost_policy_call_duration_seconds", map[string]string{"hook": "kvhost_name"}, 1},
 		{"kvhost_request_duration_seconds", map[string]string{"request": "lookup"}, 2},
 	} {
-		if got := value(fams, c.name, c.labels); got != c.want {
+		if got := metricstest.Value(fams, c.name, c.labels); got != c.want {
 			t.Errorf("%s%v = %v, want %v", c.name, c.labels, got, c.want)
 		}
 	}
-	if value(fams, "kvhost_mount_fs_available_bytes", mount) <= 0 {
-		t.Error("no file-system free space for the mount")
+	if got := metricstest.Value(fams, "kvhost_mount_fs_available_bytes", mount); got != fsAvail {
+		t.Errorf("file-system free space for the mount: %v, want %v", got, fsAvail)
 	}
 	if got := status(t, ts.URL+"/readyz"); got != http.StatusOK {
 		t.Errorf("/readyz when ready: %d", got)
@@ -392,7 +369,7 @@ func TestHealthzAnswers503WhileTheWatchdogFindsTheDaemonStalled(t *testing.T) {
 
 // scrapeOrHang is scrape with a bound that only catches a hang: a scrape
 // that blocks (on a mount's statfs) fails the test instead of hanging it.
-func scrapeOrHang(t *testing.T, url string) map[string]*dto.MetricFamily {
+func scrapeOrHang(t *testing.T, url string) metricstest.Families {
 	t.Helper()
 	c := &http.Client{Timeout: testwait.Hang}
 	resp, err := c.Get(url)
@@ -403,8 +380,7 @@ func scrapeOrHang(t *testing.T, url string) map[string]*dto.MetricFamily {
 	if resp.StatusCode != http.StatusOK {
 		t.Fatalf("GET %s: %s", url, resp.Status)
 	}
-	p := expfmt.NewTextParser(model.UTF8Validation)
-	fams, err := p.TextToMetricFamilies(resp.Body)
+	fams, err := metricstest.Parse(resp.Body)
 	if err != nil {
 		t.Fatalf("parse %s: %v", url, err)
 	}
@@ -434,13 +410,13 @@ func TestScrapesBesideAHungMountKeepOneStatfsInFlight(t *testing.T) {
 	avail.Store(4096)
 	m := New("test")
 	m.SetSources(Sources{
-		Engine: func() engine.Stats { return engine.Stats{Mounts: []engine.MountStats{{Path: dir}}} },
-		Statfs: func(string) (fsys.StatFS, error) {
+		Engine: func() EngineStats { return EngineStats{Mounts: []MountStats{{Path: dir}}} },
+		Statfs: func(string) (int64, error) {
 			calls.Add(1)
 			if hung.Load() {
 				<-release
 			}
-			return fsys.StatFS{Avail: avail.Load()}, nil
+			return avail.Load(), nil
 		},
 	})
 	ts := httptest.NewServer(m.Handler(false))
@@ -448,10 +424,10 @@ func TestScrapesBesideAHungMountKeepOneStatfsInFlight(t *testing.T) {
 	mount := map[string]string{"mount": dir}
 
 	fams := scrapeOrHang(t, ts.URL+"/metrics")
-	if got := value(fams, "kvhost_mount_fs_available_bytes", mount); got != 4096 {
+	if got := metricstest.Value(fams, "kvhost_mount_fs_available_bytes", mount); got != 4096 {
 		t.Fatalf("available %v, want 4096", got)
 	}
-	if got := value(fams, "kvhost_mount_statfs_pending_seconds", mount); got != 0 {
+	if got := metricstest.Value(fams, "kvhost_mount_statfs_pending_seconds", mount); got != 0 {
 		t.Fatalf("statfs pending for %v s on a mount that answers", got)
 	}
 
@@ -459,13 +435,13 @@ func TestScrapesBesideAHungMountKeepOneStatfsInFlight(t *testing.T) {
 	avail.Store(8192)
 	for i := range 3 {
 		fams = scrapeOrHang(t, ts.URL+"/metrics")
-		if got := value(fams, "kvhost_mount_fs_available_bytes", mount); got != 4096 {
+		if got := metricstest.Value(fams, "kvhost_mount_fs_available_bytes", mount); got != 4096 {
 			t.Errorf("scrape %d beside the hung mount: available %v, want the last answer, 4096", i, got)
 		}
-		if got := value(fams, "kvhost_mount_statfs_pending_seconds", mount); got <= 0 {
+		if got := metricstest.Value(fams, "kvhost_mount_statfs_pending_seconds", mount); got <= 0 {
 			t.Errorf("scrape %d beside the hung mount: statfs pending %v s, want > 0", i, got)
 		}
-		if got := value(fams, "kvhost_mount_fs_available_age_seconds", mount); got < 0 {
+		if got := metricstest.Value(fams, "kvhost_mount_fs_available_age_seconds", mount); got < 0 {
 			t.Errorf("scrape %d beside the hung mount: no age of the last answer", i)
 		}
 	}
@@ -477,7 +453,52 @@ func TestScrapesBesideAHungMountKeepOneStatfsInFlight(t *testing.T) {
 	close(release)
 	testwait.Until(t, "a scrape to find the mount answering", testwait.Hang, func() bool {
 		fams := scrapeOrHang(t, ts.URL+"/metrics")
-		return value(fams, "kvhost_mount_statfs_pending_seconds", mount) == 0 &&
-			value(fams, "kvhost_mount_fs_available_bytes", mount) == 8192
+		return metricstest.Value(fams, "kvhost_mount_statfs_pending_seconds", mount) == 0 &&
+			metricstest.Value(fams, "kvhost_mount_fs_available_bytes", mount) == 8192
 	})
+}
+
+// TestMetricNamesStayAsDocumented: with every source set and each
+// histogram fed, the registry exposes exactly the metrics of
+// testdata/metric-names.txt, each with its type and label names.
+// Dashboards and alerts name them: a change here is a change of the
+// interface (and of docs/metrics.md), made on purpose by editing the file.
+func TestMetricNamesStayAsDocumented(t *testing.T) {
+	m := New("v")
+	m.SetSources(fullSources(t.TempDir(), t.TempDir()))
+	m.SetReady(true)
+	observeOneOfEach(m)
+	fams, err := m.Registry().Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got []string
+	for _, f := range fams {
+		if !strings.HasPrefix(f.GetName(), "kvhost_") {
+			continue
+		}
+		labels := map[string]bool{}
+		for _, mm := range f.Metric {
+			for _, l := range mm.Label {
+				labels[l.GetName()] = true
+			}
+		}
+		got = append(got, fmt.Sprintf("%s %s %v", f.GetName(), f.GetType(), slices.Sorted(maps.Keys(labels))))
+	}
+	slices.Sort(got)
+	b, err := os.ReadFile(filepath.Join("testdata", "metric-names.txt"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := strings.Split(strings.TrimSpace(string(b)), "\n")
+	for _, w := range want {
+		if !slices.Contains(got, w) {
+			t.Errorf("not exposed: %s", w)
+		}
+	}
+	for _, g := range got {
+		if !slices.Contains(want, g) {
+			t.Errorf("exposed, not in testdata/metric-names.txt: %s", g)
+		}
+	}
 }

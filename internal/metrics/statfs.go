@@ -3,8 +3,6 @@ package metrics
 import (
 	"sync"
 	"time"
-
-	"github.com/kvhost/kvhost/fsys"
 )
 
 // statfsWait is how long a scrape waits for the statfs calls it started
@@ -43,7 +41,7 @@ type fsReading struct {
 // read returns a reading of each of paths, in order: it starts statfs
 // where no call is in flight, then waits until they have all answered or
 // statfsWait has passed, whichever comes first.
-func (p *fsProbes) read(paths []string, statfs func(string) (fsys.StatFS, error)) []fsReading {
+func (p *fsProbes) read(paths []string, statfs func(string) (int64, error)) []fsReading {
 	waits := make([]chan struct{}, len(paths))
 	p.mu.Lock()
 	if p.by == nil {
@@ -90,14 +88,14 @@ wait:
 }
 
 // call runs statfs on path and records its answer in pr.
-func (p *fsProbes) call(pr *fsProbe, path string, statfs func(string) (fsys.StatFS, error)) {
-	st, err := statfs(path)
+func (p *fsProbes) call(pr *fsProbe, path string, statfs func(string) (int64, error)) {
+	avail, err := statfs(path)
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if err != nil {
 		pr.at = time.Time{}
 	} else {
-		pr.avail, pr.at = st.Avail, time.Now()
+		pr.avail, pr.at = avail, time.Now()
 	}
 	close(pr.answer)
 	pr.answer, pr.since = nil, time.Time{}
