@@ -28,29 +28,13 @@ type mount struct {
 	root   string
 	sp     *mountSpace
 	direct bool
-	// memory: a memory file system (tmpfs). With it, and with buffered
-	// I/O, checksums are computed inline in small chunks, in cache; with
-	// O_DIRECT to a device they overlap the next transfer instead.
-	memory bool
-	// network: a file system other nodes may share (fstype.Kind.Network);
-	// removalStales: one where a file another client removes is gone
-	// under this node's open descriptors (NFS). Together with cluster
-	// they say which files a client pin holds open (othersRemove).
-	network, removalStales bool
-	// folio is the size of the page-cache folios writes allocate where
-	// larger than a page (a tmpfs with huge pages), else 0
-	// (transfer.Plan.Folio).
-	folio     int64
+	// mountFS is what Open found of the mount's file system.
+	mountFS
 	checksums bool   // payload checksums on this mount (Mount.NoChecksum, the mover)
 	backend   string // the host mover's name
 	movers    map[region.Kind]transfer.Mover
 	ioWhy     string     // how the I/O mode was chosen
 	raw       *rawLayout // a vllm-fs mount; nil for kvhost's layout
-	// syncFirst: a buffered mount of a file system whose clients send a
-	// rename before the data written (fstype.Kind.CloseToOpen: NFS).
-	// Files are fsynced before their rename (publish) whatever
-	// Config.Fsync says, so that no other node sees one short.
-	syncFirst bool
 	// evictMu is held by the eviction on the mount (and a store's retry
 	// after ENOSPC); the first of the engine's locks, taken in mount
 	// order (demoteVictim).
@@ -93,6 +77,28 @@ type mount struct {
 	failing atomic.Pointer[StoreFailure]
 	// probed is when reprobe last probed the mount (the tier driver's).
 	probed time.Time
+}
+
+// mountFS is what Open found of a mount's file system, fixed after Open.
+type mountFS struct {
+	// memory: a memory file system (tmpfs). With it, and with buffered
+	// I/O, checksums are computed inline in small chunks, in cache; with
+	// O_DIRECT to a device they overlap the next transfer instead.
+	memory bool
+	// network: a file system other nodes may share (fstype.Kind.Network);
+	// removalStales: one where a file another client removes is gone
+	// under this node's open descriptors (NFS). Together with cluster
+	// they say which files a client pin holds open (othersRemove).
+	network, removalStales bool
+	// folio is the size of the page-cache folios writes allocate where
+	// larger than a page (a tmpfs with huge pages), else 0
+	// (transfer.Plan.Folio).
+	folio int64
+	// syncFirst: a buffered mount of a file system whose clients send a
+	// rename before the data written (fstype.Kind.CloseToOpen: NFS).
+	// Files are fsynced before their rename (publish) whatever
+	// Config.Fsync says, so that no other node sees one short.
+	syncFirst bool
 }
 
 // maxRootDepth bounds the walk up from a mount's root (checkDisjoint).
@@ -237,7 +243,7 @@ func (e *Engine) openMount(i int, m Mount) (*mount, error) {
 		return nil, fmt.Errorf("engine: mount %s: %w", root, err)
 	}
 	mt := &mount{
-		idx: i, root: root, linkFree: root, realLinkFree: realRoot, memory: isMemoryFS(st.Type), checksums: !m.NoChecksum && !e.cfg.NoChecksum,
+		idx: i, root: root, linkFree: root, realLinkFree: realRoot, mountFS: mountFS{memory: isMemoryFS(st.Type)}, checksums: !m.NoChecksum && !e.cfg.NoChecksum,
 		sp: space.NewMount(space.MountConfig{Index: i, Root: root, Configured: m.Capacity, Derived: m.CapacityDerived, Reserve: m.Reserve, High: high, Low: low, Ahead: m.Preallocate}, st),
 	}
 	if st.ReadOnly {
