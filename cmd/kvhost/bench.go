@@ -20,6 +20,7 @@ import (
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/internal/bench"
 	"github.com/kvhost/kvhost/internal/config"
+	kvdaemon "github.com/kvhost/kvhost/internal/daemon"
 	"github.com/kvhost/kvhost/internal/logging"
 )
 
@@ -244,16 +245,16 @@ func runBench(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 		return bad("--total %q: want a size such as 1GiB", *totalStr)
 	}
 	o.total = int64(tot)
-	o.preallocate = enginePreallocate(config.Auto())
+	o.preallocate = kvdaemon.EnginePreallocate(config.Auto())
 	if len(o.cfg.Mounts) > 0 {
-		o.preallocate = enginePreallocate(o.cfg.Mounts[0].Preallocate)
+		o.preallocate = kvdaemon.EnginePreallocate(o.cfg.Mounts[0].Preallocate)
 	}
 	if *preallocate != "" {
 		var p config.AutoSize
 		if err := p.Set(*preallocate); err != nil {
 			return bad("--preallocate %q: want auto or a size such as 4GiB (0: none)", *preallocate)
 		}
-		o.preallocate = enginePreallocate(p)
+		o.preallocate = kvdaemon.EnginePreallocate(p)
 	}
 	o.fsync = o.cfg.Engine.Fsync
 	if fsync != "" {

@@ -20,6 +20,7 @@ import (
 	"github.com/kvhost/kvhost/internal/bench"
 	"github.com/kvhost/kvhost/internal/config"
 	"github.com/kvhost/kvhost/internal/cuda"
+	kvdaemon "github.com/kvhost/kvhost/internal/daemon"
 	"github.com/kvhost/kvhost/internal/engine"
 	"github.com/kvhost/kvhost/internal/fstype"
 	"github.com/kvhost/kvhost/internal/server"
@@ -458,7 +459,7 @@ func checkVLLMAdoption(rep *checkReport, m config.Mount) {
 // checkMount reports one mount: file system, space, O_DIRECT, cuFile
 // registration, and with --speed sequential throughput. Its statfs comes
 // first, bounded (o.mountWait): a mount whose file system does not answer
-// it FAILs as hung, the daemon's start refusing it too (mountCapacity),
+// it FAILs as hung, the daemon's start refusing it too (daemon.EngineMounts),
 // and checkMount returns false; nothing else is asked of it, since every
 // call would hang the same way.
 func checkMount(ctx context.Context, rep *checkReport, o checkOptions, m config.Mount, drv *gds.Driver) (answered bool) {
@@ -468,7 +469,7 @@ func checkMount(ctx context.Context, rep *checkReport, o checkOptions, m config.
 		access = unix.Access
 	}
 	st, statErr := o.statfsWithin(ctx, m.Path)
-	if errors.Is(statErr, errNoAnswer) {
+	if errors.Is(statErr, kvdaemon.ErrNoAnswer) {
 		rep.add(levelFail, area, fmt.Sprintf("statfs: %v: the mount is hung, and the daemon's start fails", statErr),
 			"check the file system's server and its client (mount, dmesg); remount it, or remove this [[mount]] until it answers")
 		return false
@@ -489,7 +490,7 @@ func checkMount(ctx context.Context, rep *checkReport, o checkOptions, m config.
 				"create it (mkdir -p) and give it to the daemon's user (chown), or name a directory that user may make")
 		default:
 			pst, err := o.statfsWithin(ctx, parent)
-			if errors.Is(err, errNoAnswer) {
+			if errors.Is(err, kvdaemon.ErrNoAnswer) {
 				// Where the start would make it: its mkdir would hang.
 				rep.add(levelFail, area, fmt.Sprintf("does not exist, and %s, where kvhost would make it, is on a hung mount: statfs: %v: the daemon's start fails", parent, err),
 					"check the file system's server and its client (mount, dmesg); remount it, or remove this [[mount]] until it answers")
@@ -598,8 +599,8 @@ func checkMount(ctx context.Context, rep *checkReport, o checkOptions, m config.
 
 // statfsWithin is o's statfs of path, a mount's directory or the one above
 // it where it does not exist yet, bounded by o.mountWait or else the
-// configuration's server.statfs_timeout (answerWithin):
-// an error wrapping errNoAnswer where its file system does not answer.
+// configuration's server.statfs_timeout (kvdaemon.AnswerWithin):
+// an error wrapping kvdaemon.ErrNoAnswer where its file system does not answer.
 // Every statfs check makes of a mount goes through it.
 func (o checkOptions) statfsWithin(ctx context.Context, path string) (unix.Statfs_t, error) {
 	statfs := o.statfs
@@ -612,7 +613,7 @@ func (o checkOptions) statfsWithin(ctx context.Context, path string) (unix.Statf
 			wait = w
 		}
 	}
-	return answerWithin(ctx, wait, func() (unix.Statfs_t, error) {
+	return kvdaemon.AnswerWithin(ctx, wait, func() (unix.Statfs_t, error) {
 		var st unix.Statfs_t
 		err := statfs(path, &st)
 		return st, err

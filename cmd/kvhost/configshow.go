@@ -13,6 +13,7 @@ import (
 	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/host/policy"
 	"github.com/kvhost/kvhost/internal/config"
+	kvdaemon "github.com/kvhost/kvhost/internal/daemon"
 	"github.com/kvhost/kvhost/internal/engine"
 	"github.com/kvhost/kvhost/staging/gpu"
 )
@@ -93,19 +94,19 @@ func (m machine) gomaxprocs() int {
 
 // fileSystemSize is the bytes of the file system at path, or false
 // where its statfs fails (the path does not exist: nothing is created).
-// The statfs is bounded as the daemon's start bounds it (answerWithin),
+// The statfs is bounded as the daemon's start bounds it (kvdaemon.AnswerWithin),
 // by wait (server.statfs_timeout): a mount whose file system does not
-// answer is an error naming it (hungMount), the start refusing it too,
+// answer is an error naming it (daemon.HungMount), the start refusing it too,
 // not a wait without end.
 func (m machine) fileSystemSize(ctx context.Context, path string, wait time.Duration) (int64, bool, error) {
 	statfs := m.statfs
 	if statfs == nil {
 		statfs = fsys.OS{}.Statfs
 	}
-	st, err := answerWithin(ctx, wait, func() (fsys.StatFS, error) { return statfs(path) })
+	st, err := kvdaemon.AnswerWithin(ctx, wait, func() (fsys.StatFS, error) { return statfs(path) })
 	switch {
-	case errors.Is(err, errNoAnswer):
-		return 0, false, hungMount(path, err)
+	case errors.Is(err, kvdaemon.ErrNoAnswer):
+		return 0, false, kvdaemon.HungMount(path, err)
 	case ctx.Err() != nil:
 		return 0, false, ctx.Err()
 	case err != nil:
@@ -136,7 +137,7 @@ func effectiveConfig(ctx context.Context, cfg config.Config, mc machine) (config
 	notes := config.Notes{}
 	cfg.Mounts = slices.Clone(cfg.Mounts) // resolved here, not in the caller's
 
-	r, err := serverLimits(cfg).WithDefaults()
+	r, err := kvdaemon.ServerLimits(cfg).WithDefaults()
 	if err != nil {
 		return cfg, nil, fmt.Errorf("config: [server]: %w", err)
 	}
@@ -166,7 +167,7 @@ func effectiveConfig(ctx context.Context, cfg config.Config, mc machine) (config
 		workers = max(2, mc.gomaxprocs())
 		atStart(notes, "engine.io_workers", workers, "the runtime's GOMAXPROCS, at least 2")
 	}
-	procs := daemonProcessors(workers, mc.gomaxprocs(), gomaxprocsFromEnv())
+	procs := kvdaemon.Processors(workers, mc.gomaxprocs())
 	fromMachine(notes, "policy.shards", cfg.Policy.Shards, min(policy.DefaultShards, procs), fmt.Sprintf("%d, at most one per Go processor (%d)", policy.DefaultShards, procs))
 	fromMachine(notes, "policy.cache_dir", cfg.Policy.CacheDir, filepath.Join(config.DefaultRoot(), "wasm-cache"), "wasm-cache in the cache directory of the user the daemon runs as")
 
@@ -229,7 +230,7 @@ func resolveMount(ctx context.Context, notes config.Notes, prefix string, m *con
 	case err != nil:
 		return err
 	case ok && size > 0:
-		atStart(notes, prefix+"capacity", config.Size(defaultCapacity(size)), "90% of the file system")
+		atStart(notes, prefix+"capacity", config.Size(kvdaemon.DefaultCapacity(size)), "90% of the file system")
 	default:
 		notes[prefix+"capacity"] = "90% of the file system at start (the path does not exist yet)"
 	}

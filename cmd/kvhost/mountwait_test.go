@@ -17,6 +17,7 @@ import (
 	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/fsys/fsystest"
 	"github.com/kvhost/kvhost/internal/config"
+	kvdaemon "github.com/kvhost/kvhost/internal/daemon"
 	"github.com/kvhost/kvhost/internal/testsock"
 	"github.com/kvhost/kvhost/internal/testwait"
 )
@@ -257,7 +258,7 @@ func TestAStatfsSlowerThanTheDefaultPassesWithinStatfsTimeout(t *testing.T) {
 		run func(t *testing.T, cfg config.Config, statfs func(string) (fsys.StatFS, error)) error
 	}{
 		{"the start", func(t *testing.T, cfg config.Config, statfs func(string) (fsys.StatFS, error)) error {
-			_, err := engineMounts(context.Background(), cfg, statfs)
+			_, err := kvdaemon.EngineMounts(context.Background(), cfg, statfs)
 			return err
 		}},
 		{"config show", func(t *testing.T, cfg config.Config, statfs func(string) (fsys.StatFS, error)) error {

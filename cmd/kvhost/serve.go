@@ -24,7 +24,6 @@ import (
 	"github.com/kvhost/kvhost/internal/logging"
 	"github.com/kvhost/kvhost/internal/metrics"
 	"github.com/kvhost/kvhost/internal/server"
-	"github.com/kvhost/kvhost/internal/watchdog"
 	"github.com/kvhost/kvhost/protocol"
 	"github.com/kvhost/kvhost/region"
 	"github.com/kvhost/kvhost/transfer"
@@ -253,7 +252,7 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 	if _, err := server.PrepareSocketDir(cfg.Server.Socket, cfg.Server.SocketGroup); err != nil {
 		return d.groupFault(err)
 	}
-	workers, restoreProcs := reserveControlProcessors(cfg.Engine.IOWorkers, log)
+	workers, restoreProcs := kvdaemon.ReserveControlProcessors(cfg.Engine.IOWorkers, log)
 	defer restoreProcs()
 	if cfg.Metrics.Listen != "" {
 		// A second daemon of this configuration would find the port
@@ -296,7 +295,7 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 	if d.fs != nil {
 		statfs = d.fs.Statfs // the engine's (tests hold it)
 	}
-	mounts, err := engineMounts(ctx, cfg, statfs)
+	mounts, err := kvdaemon.EngineMounts(ctx, cfg, statfs)
 	if err != nil {
 		return err
 	}
@@ -356,7 +355,7 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 	d.pol.Swap(build)
 	kvdaemon.WarnSingleMount(log, build, cfg.Mounts)
 	warnReversedTiers(log, cfg, eng.Stats().Mounts)
-	table, err := openLookupTable(cfg, eng, log)
+	table, err := kvdaemon.OpenLookupTable(cfg, eng, log)
 	if err != nil {
 		err = d.groupFault(err)
 		cctx, cancel := context.WithTimeout(context.Background(), time.Duration(cfg.Server.ShutdownTimeout)+10*time.Second)
@@ -389,7 +388,7 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 	if err != nil {
 		return errors.Join(d.groupFault(err), closeEngine())
 	}
-	scfg := serverLimits(cfg)
+	scfg := kvdaemon.ServerLimits(cfg)
 	scfg.Name = serverName()
 	scfg.Logger = log
 	// The data paths guard their copies (region.Guard): a client
@@ -412,7 +411,7 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 		sock.Close()
 		return errors.Join(err, closeEngine())
 	}
-	wd, err := newWatchdog(cfg, eng, srv, log)
+	wd, err := kvdaemon.NewWatchdog(cfg, eng, srv, log)
 	if err != nil {
 		sock.Close()
 		return errors.Join(err, closeEngine())
@@ -483,49 +482,6 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 	return err
 }
 
-// healthCheckEvery is how often the watchdog checks the daemon where
-// systemd asks for nothing more often.
-const healthCheckEvery = 5 * time.Second
-
-// newWatchdog returns the daemon's watchdog: every healthCheckEvery (or
-// half of systemd's watchdog timeout, if shorter) it takes the engine's
-// and the server's stats (their locks answer) and looks for a file
-// operation that has not returned for server.stall_timeout, or a data
-// path that moves nothing for that long with jobs in flight; while
-// both pass it tells systemd WATCHDOG=1 (where systemd keeps a watchdog
-// on the daemon), and /healthz answers 200.
-func newWatchdog(cfg config.Config, eng *engine.Engine, srv *server.Server, log *slog.Logger) (*watchdog.Watchdog, error) {
-	every := healthCheckEvery
-	var notify func(string) error
-	half, err := systemdWatchdog()
-	switch {
-	case err != nil:
-		log.Warn("systemd's watchdog settings ignored", "err", err)
-	case half > 0:
-		every, notify = min(every, half), sdNotify
-	}
-	wd, err := watchdog.New(watchdog.Config{
-		Every: every,
-		Progress: func() watchdog.Progress {
-			a := eng.Activity()
-			return watchdog.Progress{Jobs: a.Jobs, Oldest: a.Oldest, OldestIO: a.OldestIO, Moved: a.Moved}
-		},
-		StallAfter: time.Duration(cfg.Server.StallTimeout),
-		Probe: func(context.Context) error {
-			eng.Stats()
-			srv.Stats()
-			return nil
-		},
-		Notify: notify,
-		Logger: log,
-	})
-	if err != nil {
-		return nil, err
-	}
-	log.Info("watchdog", "every", every, "stall_timeout", time.Duration(cfg.Server.StallTimeout), "systemd", notify != nil)
-	return wd, nil
-}
-
 // groupFault is err, where it is a fault of server.socket_group (a
 // *server.GroupError: a group this machine lacks, one the daemon's user
 // may not give files to), as a *config.KeyError naming the key and where
@@ -583,7 +539,7 @@ func (d *daemon) setReloading() {
 
 // notifyLocked sends state to systemd; d.readyMu is held.
 func (d *daemon) notifyLocked(state string) {
-	if err := sdNotify(state); err != nil {
+	if err := kvdaemon.SdNotify(state); err != nil {
 		d.log.Warn("systemd notification failed", "err", err)
 	}
 }
@@ -711,106 +667,4 @@ func nonEmpty(s string) []string {
 		return nil
 	}
 	return []string{s}
-}
-
-// engineMounts is cfg's mounts as the engine takes them, each capacity
-// sized or checked by mountCapacity with statfs, which must answer within
-// server.statfs_timeout: the error of the first mount that fails it.
-func engineMounts(ctx context.Context, cfg config.Config, statfs func(string) (fsys.StatFS, error)) ([]engine.Mount, error) {
-	mounts := make([]engine.Mount, len(cfg.Mounts))
-	for i, m := range cfg.Mounts {
-		capacity, err := mountCapacity(ctx, m, statfs, time.Duration(cfg.Server.StatfsTimeout))
-		if err != nil {
-			return nil, err
-		}
-		mounts[i] = engine.Mount{
-			Path: m.Path, Capacity: capacity, CapacityDerived: m.Capacity == 0, HighWatermark: m.HighWatermark, LowWatermark: m.LowWatermark,
-			Reserve: int64(m.Reserve), IO: m.IO, NoChecksum: !m.Checksums(), DeviceClass: m.DeviceClass,
-			Preallocate:     enginePreallocate(m.Preallocate),
-			ClusterCapacity: int64(m.ClusterCapacity), ClusterInterval: time.Duration(m.ClusterInterval),
-		}
-		if m.Layout == config.LayoutVLLMFS {
-			v := m.VLLMFS
-			if v == nil {
-				v = &config.VLLMFS{}
-			}
-			mounts[i].VLLMFS = &engine.VLLMFS{Fields: v.Fields(), Rank: v.Rank, Namespace: v.Namespace, RowBytes: int64(v.RowBytes)}
-		}
-	}
-	return mounts, nil
-}
-
-// enginePreallocate is a mount's preallocate setting as the engine takes
-// it: the bytes given, or engine.PreallocateAuto.
-func enginePreallocate(a config.AutoSize) int64 {
-	if !a.Given {
-		return engine.PreallocateAuto
-	}
-	return int64(a.Bytes)
-}
-
-// mountCapacity is the configured capacity, or 90% of the file system's
-// size when it is 0 (docs/config.md), read by statfs (the daemon's file
-// system's). Either way the mount's file system must answer that statfs
-// (and, without a capacity, the making of the mount's directory) within
-// wait (answerWithin; server.statfs_timeout): on a hung mount the start
-// fails naming it, instead of hanging in the engine's Open. With a
-// capacity, a statfs that fails is the engine's to report (the mount's
-// directory may not exist yet: the engine makes it).
-func mountCapacity(ctx context.Context, m config.Mount, statfs func(string) (fsys.StatFS, error), wait time.Duration) (int64, error) {
-	st, err := answerWithin(ctx, wait, func() (fsys.StatFS, error) {
-		if m.Capacity == 0 {
-			if err := os.MkdirAll(m.Path, 0o750); err != nil {
-				return fsys.StatFS{}, err
-			}
-		}
-		return statfs(m.Path)
-	})
-	switch {
-	case errors.Is(err, errNoAnswer):
-		return 0, hungMount(m.Path, err)
-	case ctx.Err() != nil:
-		return 0, ctx.Err()
-	case m.Capacity > 0:
-		return int64(m.Capacity), nil
-	case err != nil:
-		return 0, fmt.Errorf("mount %s: %w", m.Path, err)
-	}
-	return defaultCapacity(st.Total), nil
-}
-
-// defaultCapacity is the capacity of a mount left 0 on a file system of
-// size bytes: 90% of it.
-func defaultCapacity(size int64) int64 { return int64(float64(size) * 0.9) }
-
-// serverLimits is the session server's configuration from cfg's [server]
-// limits and timeouts, as given (zero: the server's default).
-func serverLimits(cfg config.Config) server.Config {
-	return server.Config{
-		MaxClients:              cfg.Server.MaxClients,
-		MaxClientsPerPeer:       cfg.Server.MaxClientsPerPeer,
-		MaxNamespacesPerPeer:    cfg.Server.MaxNamespacesPerPeer,
-		MaxDescriptors:          cfg.Server.MaxDescriptors,
-		MaxPinnedKeys:           cfg.Server.MaxPinnedKeys,
-		MaxPinnedKeysPerPeer:    cfg.Server.MaxPinnedKeysPerPeer,
-		MaxCacheLayers:          cfg.Server.MaxCacheLayers,
-		MaxCacheLayersPerPeer:   cfg.Server.MaxCacheLayersPerPeer,
-		MaxDescriptorsPerPeer:   cfg.Server.MaxDescriptorsPerPeer,
-		MaxFrame:                int(cfg.Server.MaxFrame),
-		MaxRegistrations:        cfg.Server.MaxRegistrations,
-		MaxInflightJobs:         cfg.Server.MaxInflightJobs,
-		MaxInflightBytes:        int64(cfg.Server.MaxInflightBytes),
-		MaxInflightBytesPerPeer: int64(cfg.Server.MaxInflightBytesPerPeer),
-		MaxIncomingBytes:        int64(cfg.Server.MaxIncomingBytes),
-		MaxIncomingBytesPerPeer: int64(cfg.Server.MaxIncomingBytesPerPeer),
-		ShutdownTimeout:         time.Duration(cfg.Server.ShutdownTimeout),
-		MaxHandshakes:           cfg.Server.MaxHandshakes,
-		HandshakeTimeout:        time.Duration(cfg.Server.HandshakeTimeout),
-		FrameTimeout:            time.Duration(cfg.Server.FrameTimeout),
-		IdleTimeout:             time.Duration(cfg.Server.IdleTimeout),
-		WriteTimeout:            time.Duration(cfg.Server.WriteTimeout),
-		MaxRegisteredBytes:      int64(cfg.Server.MaxRegisteredBytes),
-		MaxTotalRegisteredBytes: int64(cfg.Server.MaxTotalRegisteredBytes),
-		MaxDeviceBytes:          int64(cfg.Server.MaxDeviceRegisteredBytes),
-	}
 }

@@ -1,4 +1,4 @@
-package main
+package daemon
 
 import (
 	"log/slog"
@@ -38,13 +38,13 @@ func gomaxprocsFromEnv() bool {
 	return err == nil && n > 0
 }
 
-// reserveControlProcessors resolves the I/O workers of io_workers n (0:
+// ReserveControlProcessors resolves the I/O workers of io_workers n (0:
 // the engine's default, from the processors the runtime chose) and raises
 // GOMAXPROCS so that controlProcessors are left for the control path. It
 // returns the workers, for the engine to run exactly that many (the
 // default would grow with the raised count), and a function that gives
 // GOMAXPROCS back to the runtime's default.
-func reserveControlProcessors(n int, log *slog.Logger) (workers int, restore func()) {
+func ReserveControlProcessors(n int, log *slog.Logger) (workers int, restore func()) {
 	workers = n
 	if workers <= 0 {
 		workers = engine.DefaultIOWorkers()
@@ -64,4 +64,12 @@ func reserveControlProcessors(n int, log *slog.Logger) (workers int, restore fun
 	runtime.GOMAXPROCS(want)
 	log.Info("Go processors: more than the I/O workers, for the control path", "gomaxprocs", want, "io_workers", workers, "was", procs)
 	return workers, runtime.SetDefaultGOMAXPROCS
+}
+
+// Processors is the Go processors a daemon of workers I/O workers runs
+// with where the runtime chose procs: daemonProcessors with the
+// GOMAXPROCS environment variable of this process (`kvhost config show`
+// reports it).
+func Processors(workers, procs int) int {
+	return daemonProcessors(workers, procs, gomaxprocsFromEnv())
 }

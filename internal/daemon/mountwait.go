@@ -1,4 +1,4 @@
-package main
+package daemon
 
 import (
 	"context"
@@ -9,18 +9,18 @@ import (
 	"github.com/kvhost/kvhost/internal/config"
 )
 
-// errNoAnswer is the error of a call to a mount's file system that did
-// not answer in time (answerWithin).
-var errNoAnswer = errors.New("the file system did not answer (an NFS or FUSE server that stopped answering?)")
+// ErrNoAnswer is the error of a call to a mount's file system that did
+// not answer in time (AnswerWithin).
+var ErrNoAnswer = errors.New("the file system did not answer (an NFS or FUSE server that stopped answering?)")
 
-// hungMount is the error of the mount at path whose statfs did not answer
-// (err wraps errNoAnswer): the daemon's start refuses it (mountCapacity),
+// HungMount is the error of the mount at path whose statfs did not answer
+// (err wraps ErrNoAnswer): the daemon's start refuses it (mountCapacity),
 // and `kvhost config show` says so.
-func hungMount(path string, err error) error {
+func HungMount(path string, err error) error {
 	return fmt.Errorf("mount %s: statfs: %w: the daemon does not start on a hung mount; mend or unmount it, or remove its [[mount]]", path, err)
 }
 
-// answerWithin returns f's answer, or an error wrapping errNoAnswer where
+// AnswerWithin returns f's answer, or an error wrapping ErrNoAnswer where
 // it has not come within wait, or ctx's error where
 // ctx ends first. f runs on a goroutine of its own, which is left running
 // where it does not answer: nothing cancels a system call blocked in a
@@ -28,7 +28,7 @@ func hungMount(path string, err error) error {
 // callers' wait is server.statfs_timeout (RATIONALE.md, "Why do check and
 // the start give a mount's statfs 5 s by default?"); 0 or less, which
 // its validation refuses, is config.DefaultStatfsTimeout.
-func answerWithin[T any](ctx context.Context, wait time.Duration, f func() (T, error)) (T, error) {
+func AnswerWithin[T any](ctx context.Context, wait time.Duration, f func() (T, error)) (T, error) {
 	if wait <= 0 {
 		wait = config.DefaultStatfsTimeout
 	}
@@ -48,7 +48,7 @@ func answerWithin[T any](ctx context.Context, wait time.Duration, f func() (T, e
 	case a := <-answered:
 		return a.v, a.err
 	case <-timer.C:
-		return zero, fmt.Errorf("%w within %v", errNoAnswer, wait)
+		return zero, fmt.Errorf("%w within %v", ErrNoAnswer, wait)
 	case <-ctx.Done():
 		return zero, ctx.Err()
 	}

@@ -1,4 +1,4 @@
-package main
+package daemon
 
 import (
 	"fmt"
@@ -9,10 +9,10 @@ import (
 	"time"
 )
 
-// sdNotify sends state to systemd's notification socket ($NOTIFY_SOCKET,
+// SdNotify sends state to systemd's notification socket ($NOTIFY_SOCKET,
 // set for a Type=notify service; sd_notify(3)). Without it, it does
 // nothing.
-func sdNotify(state string) error {
+func SdNotify(state string) error {
 	path := os.Getenv("NOTIFY_SOCKET")
 	if path == "" {
 		return nil

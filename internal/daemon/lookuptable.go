@@ -1,4 +1,4 @@
-package main
+package daemon
 
 import (
 	"errors"
@@ -15,12 +15,12 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// openLookupTable creates the daemon's shared lookup table beside the
+// OpenLookupTable creates the daemon's shared lookup table beside the
 // socket (readable by whoever may connect to the socket) and mirrors the
 // engine's keys into it; nil where engine.lookup_table is false. Misses
 // read from it are final only where no mount is shared with other
 // writers (sharedMount).
-func openLookupTable(cfg config.Config, eng *engine.Engine, log *slog.Logger) (*lookuptable.Table, error) {
+func OpenLookupTable(cfg config.Config, eng *engine.Engine, log *slog.Logger) (*lookuptable.Table, error) {
 	if !cfg.Engine.Lookups() {
 		return nil, nil
 	}
@@ -75,7 +75,7 @@ func openLookupTable(cfg config.Config, eng *engine.Engine, log *slog.Logger) (*
 
 // sharedMount reports whether other nodes or programs may write files into
 // m: its shared setting, else a vllm-fs layout or a network or FUSE file
-// system. Its statfs has no bound (answerWithin): it comes after the
+// system. Its statfs has no bound (AnswerWithin): it comes after the
 // engine's Open, which statfs'd this very directory and walked it, so it
 // hangs only on a mount that stopped answering since, which the start's
 // first statfs does not catch either (RATIONALE.md, "Why do check and the
