@@ -163,7 +163,7 @@ func (e *Engine) evictRounds(ctx context.Context, m *mount, size int64) error {
 	stopped := func() error {
 		return fmt.Errorf("engine: mount %s: eviction stopped: %w", m.root, ctx.Err())
 	}
-	e.retryLeft(m) // files whose removal failed first: no one's data
+	e.rm.retryLeft(m) // files whose removal failed first: no one's data
 	for round := 0; round < 16; round++ {
 		// Orphans are on their way out (flight.go): room enough below the
 		// low watermark without them, unless the file would not fit
@@ -255,7 +255,7 @@ func (e *Engine) evictAll(ens []*entry) {
 		go func() {
 			defer wg.Done()
 			for i := next.Add(1) - 1; i < int64(len(ens)); i = next.Add(1) - 1 {
-				e.evictClaimed(ens[i])
+				e.rm.evictClaimed(ens[i])
 			}
 		}()
 	}

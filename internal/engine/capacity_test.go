@@ -449,7 +449,7 @@ func TestAnEvictionWithNoFileLeftDoesNotLockTheIndexToRetryOne(t *testing.T) {
 	t.Cleanup(unlock) // before the engine's Close, which needs the lock
 	var done atomic.Bool
 	go func() {
-		e.retryLeft(e.mounts[0])
+		e.rm.retryLeft(e.mounts[0])
 		done.Store(true)
 	}()
 	testwait.Until(t, "retryLeft with no file left to return while the index is locked", testwait.Hang, done.Load)

@@ -1378,7 +1378,7 @@ func (e *Engine) adoptFiles(ctx context.Context, m *mount, tags map[uint32]bool,
 				// on this node's mount (index.left) and tried again.
 				e.st.corrupt.Add(1)
 				e.log.Warn("engine: cluster: a dead node's corrupt file removed", "mount", m.root, "err", short)
-				e.drop(ctx, got, true, "corrupt")
+				e.rm.drop(ctx, got, true, "corrupt")
 			case got != nil:
 				n++
 			case errors.Is(err, errPathHeld) || readFailed(err):
@@ -1422,7 +1422,7 @@ func (e *Engine) touchDir(m *mount, dir string) error {
 	}
 	id, _ := fileIdentity(f)
 	err = f.Close()
-	if rerr := e.removeFile(m, tmp, id); rerr != nil {
+	if rerr := e.rm.removeFile(m, tmp, id); rerr != nil {
 		err = errors.Join(err, rerr)
 	}
 	return err

@@ -123,7 +123,7 @@ func (c *clusterMount) applyPurges(ctx context.Context, e *Engine, m *mount) {
 		return ok && covers(e, m, en) && !en.Spare && en.Ident.Mtime <= t
 	})
 	var r PurgeResult
-	e.purgeEntries(ctx, ens, &r, "purged on the cluster")
+	e.rm.purgeEntries(ctx, ens, e.mayPurge, &r, "purged on the cluster")
 	if r.Files+r.Left+r.Others > 0 {
 		e.log.Info("engine: cluster: dropped the files of purged namespaces (a purge record)", "mount", m.root,
 			"files", r.Files, "keys", r.Keys, "bytes", r.Bytes, "others", r.Others, "pinned", r.Pinned, "left", r.Left)

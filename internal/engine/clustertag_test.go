@@ -208,7 +208,7 @@ func wantRetiredOnceItsFileIsGone(t *testing.T, a *Engine, dir, file string, fix
 	if fix != nil {
 		fix()
 	}
-	a.retryLeft(m)
+	a.rm.retryLeft(m)
 	if _, err := os.Stat(file); !errors.Is(err, os.ErrNotExist) {
 		t.Fatalf("D's file after A's retry: %v, want gone", err)
 	}

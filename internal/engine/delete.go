@@ -46,7 +46,7 @@ func (e *Engine) Delete(ctx context.Context, ns NamespaceID, keys [][]byte) (int
 		}
 		// A key whose file's removal failed counts: deleted from the
 		// cache, never served again (index.left), though its file stays.
-		if d := e.dropUnpinned(ctx, en, keyOf[en], nil, "deleted"); d.en != nil {
+		if d := e.rm.dropUnpinned(ctx, en, keyOf[en], nil, "deleted"); d.en != nil {
 			removed += byEntry[en]
 		}
 	}
@@ -81,16 +81,16 @@ type droppedKey struct {
 // the moved file is the one dropped. Where mayRemove is not nil and says
 // no (asked with index.mu held), en is only dropped from the index and its
 // file stays (kept).
-func (e *Engine) dropUnpinned(ctx context.Context, en *entry, key []byte, mayRemove func(*entry) bool, why string) droppedKey {
-	d := e.ix.DropUnpinned(en, key, mayRemove, e.now().UnixNano())
+func (r *remover) dropUnpinned(ctx context.Context, en *entry, key []byte, mayRemove func(*entry) bool, why string) droppedKey {
+	d := r.ix.DropUnpinned(en, key, mayRemove, r.now().UnixNano())
 	switch {
 	case d.Pinned:
-		e.log.Debug("engine: removal refused: pinned", "path", d.En.Path, "why", why)
+		r.log.Debug("engine: removal refused: pinned", "path", d.En.Path, "why", why)
 		return droppedKey{pinned: true}
 	case d.En == nil:
 		return droppedKey{}
 	}
-	left := e.dropped(ctx, d.En, d.Claimed, d.Rec, why)
+	left := r.dropped(ctx, d.En, d.Claimed, d.Rec, why)
 	return droppedKey{en: d.En, keys: d.Keys, left: left, kept: !d.Remove}
 }
 
@@ -199,57 +199,64 @@ func (e *Engine) PurgeModel(ctx context.Context, model string) (PurgeResult, err
 
 // purge removes the files of the namespaces of fps indexed now
 // (dropUnpinned), and tries again those whose removal failed before
-// (index.left), adds the namespaces and what it removed and kept to r,
-// and reports whether there were any such files. One walk of the index
-// serves every fingerprint. A file of another node on a cluster mount is
-// only dropped from the index (mayPurge): its node removes it, told by
-// the purge record its caller writes next (recordPurges).
-func (e *Engine) purge(ctx context.Context, fps []uint64, r *PurgeResult) bool {
-	r.Namespaces += len(fps)
-	removed := false
+// (index.left), adds the namespaces and what it removed and kept to res,
+// and reports whether there were any such files (found) and whether it
+// removed one. One walk of the index serves every fingerprint. A file
+// for which mayRemove says no (another node's on a cluster mount:
+// Engine.mayPurge) is only dropped from the index: its node removes it,
+// told by the purge record the caller writes next (recordPurges).
+func (r *remover) purge(ctx context.Context, fps []uint64, mayRemove func(*entry) bool, res *PurgeResult) (found, removed bool) {
+	res.Namespaces += len(fps)
 	// The files left before first, so that a file this purge fails to
 	// remove is tried once.
 	ofFPs := func(en *entry) bool { return !en.Spare && slices.Contains(fps, en.FP) }
-	left := e.ix.TakeLeft(ofFPs, e.now().UnixNano()+int64(leftRetryInterval))
+	left := r.ix.TakeLeft(ofFPs, r.now().UnixNano()+int64(leftRetryInterval))
 	for at, en := range left {
-		if e.removeAt(at, en) {
-			r.Left++
+		if r.removeAt(at, en) {
+			res.Left++
 			continue
 		}
-		r.Files, r.Bytes = r.Files+1, r.Bytes+en.Size
+		res.Files, res.Bytes = res.Files+1, res.Bytes+en.Size
 		removed = true
 	}
-	ens := e.ix.Matching(nil, func(en *entry) bool { return slices.Contains(fps, en.FP) })
-	if e.purgeEntries(ctx, ens, r, "purged") {
+	ens := r.ix.Matching(nil, func(en *entry) bool { return slices.Contains(fps, en.FP) })
+	if r.purgeEntries(ctx, ens, mayRemove, res, "purged") {
 		removed = true
 	}
-	if removed {
-		e.spareRoom() // room for spares made ahead
-	}
-	return len(ens)+len(left) > 0
+	return len(ens)+len(left) > 0, removed
 }
 
 // purgeEntries drops ens as a purge does (dropUnpinned: a client pin
-// keeps a file; mayPurge: another node's file on a cluster mount only
-// leaves the index), until ctx ends, adds what it removed and kept to r
-// and reports whether it removed a file.
-func (e *Engine) purgeEntries(ctx context.Context, ens []*entry, r *PurgeResult, why string) bool {
+// keeps a file; mayRemove: another node's file on a cluster mount only
+// leaves the index), until ctx ends, adds what it removed and kept to
+// res and reports whether it removed a file.
+func (r *remover) purgeEntries(ctx context.Context, ens []*entry, mayRemove func(*entry) bool, res *PurgeResult, why string) bool {
 	removed := false
 	for _, en := range ens {
 		if ctx.Err() != nil {
 			break
 		}
-		switch d := e.dropUnpinned(ctx, en, []byte(en.Keys[0]), e.mayPurge, why); {
+		switch d := r.dropUnpinned(ctx, en, []byte(en.Keys[0]), mayRemove, why); {
 		case d.left:
-			r.Left++
+			res.Left++
 		case d.kept:
-			r.Others++
+			res.Others++
 		case d.en != nil:
-			r.Files, r.Keys, r.Bytes = r.Files+1, r.Keys+d.keys, r.Bytes+d.en.Size
+			res.Files, res.Keys, res.Bytes = res.Files+1, res.Keys+d.keys, res.Bytes+d.en.Size
 			removed = true
 		case d.pinned:
-			r.Pinned++
+			res.Pinned++
 		}
 	}
 	return removed
+}
+
+// purge is remover.purge with the cluster's say on other nodes' files
+// (mayPurge), making room for spares ahead where it removed a file.
+func (e *Engine) purge(ctx context.Context, fps []uint64, res *PurgeResult) bool {
+	found, removed := e.rm.purge(ctx, fps, e.mayPurge, res)
+	if removed {
+		e.spareRoom() // room for spares made ahead
+	}
+	return found
 }

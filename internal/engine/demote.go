@@ -386,10 +386,10 @@ func (e *Engine) moveEntry(ctx context.Context, id uint64, target int, mayEvict,
 	unindexed := false // en left the index for its copy: removeMoved releases en.path
 	defer func() {
 		if !unindexed {
-			e.release(en.Path)
+			e.rm.release(en.Path)
 		}
 	}()
-	defer e.release(dst)
+	defer e.rm.release(dst)
 	if dup != nil {
 		if err := e.dropCopy(ctx, en, dup, held); err != nil {
 			return 0, err
@@ -429,7 +429,7 @@ func (e *Engine) moveEntry(ctx context.Context, id uint64, target int, mayEvict,
 	if !ok {
 		// Deleted, evicted or pinned by a load while it was copied: the
 		// copy goes; the source stays (or goes with its own removal).
-		if left := e.removeIfSame(dst, []*entry{en2}); left != nil {
+		if left := e.rm.removeIfSame(dst, []*entry{en2}); left != nil {
 			ix.Leave(left, dst) // the reservation counts the copy left
 		} else {
 			e.unreserve(tm, size)
@@ -453,7 +453,7 @@ func (e *Engine) moveEntry(ctx context.Context, id uint64, target int, mayEvict,
 // bytes still counted; a cluster adopter retires no dead node meanwhile
 // (leftOf).
 func (e *Engine) removeMoved(en *entry) int64 {
-	e.removeAt(en.Path, en)
+	e.rm.removeAt(en.Path, en)
 	e.spareRoom() // the source's room
 	return en.Size
 }
@@ -526,7 +526,7 @@ func (e *Engine) copyFile(en *entry, tm *mount, dst string) (en2, left *entry, e
 	published := false
 	defer func() {
 		if !published {
-			e.removeTemp(tm, tmp, f, en.Size)
+			e.rm.removeTemp(tm, tmp, f, en.Size)
 		}
 		if f != nil {
 			f.Close()
@@ -559,7 +559,7 @@ func (e *Engine) copyFile(en *entry, tm *mount, dst string) (en2, left *entry, e
 		// another key's bytes. The source is no longer en's file; the
 		// copy is removed unpublished.
 		readFailed = true
-		e.dropVanished(context.Background(), en, "rewritten while moved")
+		e.rm.dropVanished(context.Background(), en, "rewritten while moved")
 		return nil, nil, fmt.Errorf("%w: %s was rewritten while it was copied (evicted and reused by another engine on the directory): %w", errMoveStale, en.Path, errReplaced)
 	}
 	// The copy keeps the source's modification time, which Open takes for
@@ -622,7 +622,7 @@ func (e *Engine) dedupe(found []*entry) []*entry {
 	}
 	for _, en := range drop {
 		e.log.Info("engine: second copy of a moved file removed", "path", en.Path, "kept", keep[fileKey{en.FP, en.FID}].Path)
-		if left := e.removeIfSame(en.Path, []*entry{en}); left != nil {
+		if left := e.rm.removeIfSame(en.Path, []*entry{en}); left != nil {
 			e.space.Left(e.mounts[left.Mount].sp, left.Size)
 			e.ix.Leave(left, en.Path)
 			continue

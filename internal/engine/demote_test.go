@@ -334,7 +334,7 @@ func TestADemotionOntoAFileAlreadyAtItsPath(t *testing.T) {
 				t.Fatalf("the other node's file at %s was replaced or changed (%v)", taken, err)
 			}
 			if sameKey {
-				if d := e.dropUnpinned(ctx, victim, keys[0], nil, "deleted"); d.en == nil {
+				if d := e.rm.dropUnpinned(ctx, victim, keys[0], nil, "deleted"); d.en == nil {
 					t.Fatal("a delete through the victim's entry, found before the demotion, deleted nothing")
 				}
 				if n, _ := e.Lookup(ctx, ns, keys[:1]); n != 0 || len(dataFiles(t, cold)) != 1 {
@@ -1135,7 +1135,7 @@ func TestPinHoldsAKeyMovedAfterItWasFound(t *testing.T) {
 	c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
 	keys := testKeys("pinmoved", 1)
 	storeAndCheck(t, e, c, keys, [][]int{{0, 1, 2, 3}})
-	e.drop(ctx, entryOf(e, ns, keys[0]), false, "forgotten by the test") // the file stays
+	e.rm.drop(ctx, entryOf(e, ns, keys[0]), false, "forgotten by the test") // the file stays
 	move := func(id uint64) {
 		pol.onInsert.Store(nil)
 		_, err := e.move(ctx, id, 1, true)

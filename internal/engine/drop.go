@@ -25,12 +25,12 @@ import (
 // a new file there waits and its file is never the one removed). It
 // reports whether en was still indexed, that is, whether this call
 // dropped it.
-func (e *Engine) drop(ctx context.Context, en *entry, remove bool, why string) bool {
-	was, claimed, rec := e.ix.Drop(en, remove, e.now().UnixNano())
+func (r *remover) drop(ctx context.Context, en *entry, remove bool, why string) bool {
+	was, claimed, rec := r.ix.Drop(en, remove, r.now().UnixNano())
 	if !was {
 		return false
 	}
-	e.dropped(ctx, en, claimed, rec, why)
+	r.dropped(ctx, en, claimed, rec, why)
 	return true
 }
 
@@ -38,87 +38,87 @@ func (e *Engine) drop(ctx context.Context, en *entry, remove bool, why string) b
 // index.dropUnpinned): it removes the file where the drop claimed its
 // path and tells the policy (rec). It reports whether en's file, to be
 // removed, is still on disk: its removal failed (index.left).
-func (e *Engine) dropped(ctx context.Context, en *entry, claimed bool, rec abi.AccessRecord, why string) (left bool) {
+func (r *remover) dropped(ctx context.Context, en *entry, claimed bool, rec abi.AccessRecord, why string) (left bool) {
 	if claimed {
-		left = e.removeClaimed(en)
+		left = r.removeClaimed(en)
 	}
-	e.log.Debug("engine: entry dropped", "path", en.Path, "why", why)
-	e.access(ctx, []abi.AccessRecord{rec})
+	r.log.Debug("engine: entry dropped", "path", en.Path, "why", why)
+	r.host.access(ctx, []abi.AccessRecord{rec})
 	return left
 }
 
 // release ends this engine's claim on path, first removing the orphans
 // left to it, and wakes the stores waiting for the path.
-func (e *Engine) release(path string) {
-	e.releaseFreed(path, nil)
+func (r *remover) release(path string) {
+	r.releaseFreed(path, nil)
 }
 
 // releaseFreed is release for a holder that has just removed the files of
 // freed (or found them gone), which their mounts counted as used until
 // then: they stop counting in the same hold of the index's lock.
-func (e *Engine) releaseFreed(path string, freed []*entry) {
-	fl, orphans := e.ix.Release(path, freed)
-	e.endRelease(path, fl, orphans)
+func (r *remover) releaseFreed(path string, freed []*entry) {
+	fl, orphans := r.ix.Release(path, freed)
+	r.endRelease(path, fl, orphans)
 }
 
 // releaseRemoved is releaseFreed for a holder that has just tried to
 // remove the file of one of ens: left, where not nil, is the one whose
 // file is still there, at at (disposeIfSame), which its mount goes on
 // counting (index.leaveLocked); the others stop counting.
-func (e *Engine) releaseRemoved(path string, ens []*entry, left *entry, at string) {
-	fl, orphans := e.ix.ReleaseLeaving(path, ens, left, at)
-	e.endRelease(path, fl, orphans)
+func (r *remover) releaseRemoved(path string, ens []*entry, left *entry, at string) {
+	fl, orphans := r.ix.ReleaseLeaving(path, ens, left, at)
+	r.endRelease(path, fl, orphans)
 }
 
 // endRelease finishes what index.releaseLocked began, without the lock:
 // it wakes the stores waiting for the path, or removes the orphans left
 // to the claim (never a file its holder just published: they are entries
 // of files unindexed while it held the path) and releases the path again.
-func (e *Engine) endRelease(path string, fl *flight, orphans []*entry) {
+func (r *remover) endRelease(path string, fl *flight, orphans []*entry) {
 	if fl != nil {
 		close(fl.Done)
 		return
 	}
-	_, left, at := e.disposeIfSame(path, orphans, false)
-	e.releaseRemoved(path, orphans, left, at)
+	_, left, at := r.disposeIfSame(path, orphans, false)
+	r.releaseRemoved(path, orphans, left, at)
 }
 
 // removeClaimed removes en's file (if it is still the file at its path) and
 // releases the path claimed by index.dropLocked.
-func (e *Engine) removeClaimed(en *entry) (left bool) {
-	return e.removeAt(en.Path, en)
+func (r *remover) removeClaimed(en *entry) (left bool) {
+	return r.removeAt(en.Path, en)
 }
 
 // evictClaimed is removeClaimed for an evicted entry: the file may be
 // kept as a spare (spares.go), its bytes then moving to the spares.
-func (e *Engine) evictClaimed(en *entry) {
-	kept, left, at := e.disposeIfSame(en.Path, []*entry{en}, true)
+func (r *remover) evictClaimed(en *entry) {
+	kept, left, at := r.disposeIfSame(en.Path, []*entry{en}, true)
 	if kept {
-		fl, orphans := e.ix.ReleaseKept(en.Path, en)
-		e.endRelease(en.Path, fl, orphans)
+		fl, orphans := r.ix.ReleaseKept(en.Path, en)
+		r.endRelease(en.Path, fl, orphans)
 		return
 	}
-	e.releaseRemoved(en.Path, []*entry{en}, left, at)
+	r.releaseRemoved(en.Path, []*entry{en}, left, at)
 }
 
 // retryLeft tries again to remove m's files whose removal failed
 // (index.left), but those whose path a job holds now and those it tried
 // within leftRetryInterval. An eviction calls it before it asks for
 // victims; where no file is left (the common case) it takes no lock.
-func (e *Engine) retryLeft(m *mount) {
-	now := e.now().UnixNano()
+func (r *remover) retryLeft(m *mount) {
+	now := r.now().UnixNano()
 	due := func(en *entry) bool { return en.Mount == m.idx && en.RetryAt() <= now }
-	for at, en := range e.ix.TakeLeft(due, now+int64(leftRetryInterval)) {
-		e.removeAt(at, en)
+	for at, en := range r.ix.TakeLeft(due, now+int64(leftRetryInterval)) {
+		r.removeAt(at, en)
 	}
 }
 
 // removeAt removes the file of en at at (its path, or where a failed
 // removal left it: takeLeft) if it is still en's, and releases the path
 // claimed for it; it reports whether the file is still there.
-func (e *Engine) removeAt(at string, en *entry) (left bool) {
-	_, l, now := e.disposeIfSame(at, []*entry{en}, false)
-	e.releaseRemoved(at, []*entry{en}, l, now)
+func (r *remover) removeAt(at string, en *entry) (left bool) {
+	_, l, now := r.disposeIfSame(at, []*entry{en}, false)
+	r.releaseRemoved(at, []*entry{en}, l, now)
 	return l != nil
 }
 
@@ -127,11 +127,11 @@ func (e *Engine) removeAt(at string, en *entry) (left bool) {
 // dropped it: a file this engine removed or moved meanwhile (a delete, a
 // purge, a move, an eviction; a load's pin stops none but the last) is its
 // own doing, not a vanishing. It reports whether this call dropped en.
-func (e *Engine) dropVanished(ctx context.Context, en *entry, why string) bool {
-	if !e.drop(ctx, en, false, why) {
+func (r *remover) dropVanished(ctx context.Context, en *entry, why string) bool {
+	if !r.drop(ctx, en, false, why) {
 		return false
 	}
-	e.st.vanished.Add(1)
+	r.vanished.Add(1)
 	return true
 }
 
@@ -150,7 +150,7 @@ func (e *Engine) confirm(ctx context.Context, en *entry) bool {
 	}
 	switch {
 	case errors.Is(err, os.ErrNotExist), errors.Is(err, errReplaced):
-		e.dropVanished(ctx, en, err.Error())
+		e.rm.dropVanished(ctx, en, err.Error())
 	default:
 		e.log.Warn("engine: check of an indexed file", "path", en.Path, "err", err)
 	}
@@ -164,8 +164,8 @@ func (e *Engine) confirm(ctx context.Context, en *entry) bool {
 // path between the check and the unlink (a window of one system call,
 // docs/engine.md). It returns the entry whose file it could not remove,
 // or nil (disposeIfSame).
-func (e *Engine) removeIfSame(path string, ens []*entry) *entry {
-	_, left, _ := e.disposeIfSame(path, ens, false)
+func (r *remover) removeIfSame(path string, ens []*entry) *entry {
+	_, left, _ := r.disposeIfSame(path, ens, false)
 	return left
 }
 
@@ -180,38 +180,38 @@ func (e *Engine) removeIfSame(path string, ens []*entry) *entry {
 // for an eviction to try again (retryLeft). The first such failure of a
 // file counts in Stats.RemoveFailures and logs a warning; a retry's
 // failure is logged at debug level only.
-func (e *Engine) disposeIfSame(path string, ens []*entry, spare bool) (kept bool, left *entry, at string) {
+func (r *remover) disposeIfSame(path string, ens []*entry, spare bool) (kept bool, left *entry, at string) {
 	if len(ens) == 0 {
 		return false, nil, ""
 	}
 	fail := func(op string, en *entry, at string, err error) (bool, *entry, string) {
 		if en.RemoveFailed.CompareAndSwap(false, true) {
-			e.st.removeFailures.Add(1)
-			e.log.Warn("engine: "+op, "path", at, "err", err)
+			r.failures.Add(1)
+			r.log.Warn("engine: "+op, "path", at, "err", err)
 		} else {
-			e.log.Debug("engine: "+op+" (tried again)", "path", at, "err", err)
+			r.log.Debug("engine: "+op+" (tried again)", "path", at, "err", err)
 		}
 		return false, en, at
 	}
-	m := e.mounts[ens[0].Mount]
+	m := r.mounts[ens[0].Mount]
 	// The directory first, held to the end: the check below and the
 	// rename or unlink after it are of the name in the directory
 	// opened, never of one where a link planted meanwhile points
 	// (removeFileIn).
-	dir, err := e.openDir(m, filepath.Dir(path))
+	dir, err := m.openDir(r.fs, filepath.Dir(path))
 	switch {
 	case errors.Is(err, os.ErrNotExist):
 		return false, nil, ""
 	case isLinkRefusal(err):
 		// A link (or a file) in place of a directory of path: the
 		// file is no longer at the path; nothing is removed there.
-		e.log.Debug("engine: not removed: a directory of the path is a symbolic link now", "path", path, "err", err)
+		r.log.Debug("engine: not removed: a directory of the path is a symbolic link now", "path", path, "err", err)
 		return false, nil, ""
 	case err != nil:
 		return fail("open the directory before remove", ens[0], path, err)
 	}
 	defer dir.Close()
-	f, err := e.openNoLinks(m, path, os.O_RDONLY|checkOpen, 0)
+	f, err := m.openNoLinks(r.fs, path, os.O_RDONLY|checkOpen, 0)
 	if err != nil {
 		if !errors.Is(err, os.ErrNotExist) && !errors.Is(err, syscall.ELOOP) {
 			return fail("open before remove", ens[0], path, err)
@@ -221,7 +221,7 @@ func (e *Engine) disposeIfSame(path string, ens []*entry, spare bool) (kept bool
 	id, err := fileIdentity(f)
 	var h *format.Header
 	if err == nil && !ens[0].Spare {
-		h, err = e.fileHeader(ens[0].Mount, path, f, id)
+		h, err = r.host.fileHeader(ens[0].Mount, path, f, id)
 	}
 	f.Close()
 	match := -1 // the index in ens of the file's entry
@@ -243,19 +243,19 @@ func (e *Engine) disposeIfSame(path string, ens []*entry, spare bool) (kept bool
 		return fail("check before remove", ens[0], path, err)
 	}
 	if match < 0 {
-		e.log.Debug("engine: not removed: the file at the path is another one", "path", path)
+		r.log.Debug("engine: not removed: the file at the path is another one", "path", path)
 		return false, nil, ""
 	}
 	// A spare keeps its inode and pages: movers keep what they cache of
 	// it (a registration of its pages) for the store that reuses it.
 	if spare {
-		kept, at := e.keepSpare(m, dir, path, id, ens[0].Size)
+		kept, at := r.host.keepSpare(m, dir, path, id, ens[0].Size)
 		if kept {
 			return true, nil, ""
 		}
 		path = at
 	}
-	if err := e.removeFileIn(m, dir, path, id); err != nil {
+	if err := r.removeFileIn(m, dir, path, id); err != nil {
 		return fail("remove", ens[match], path, err)
 	}
 	return false, nil, ""

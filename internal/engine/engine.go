@@ -132,6 +132,8 @@ type Engine struct {
 	// tests wait for it instead of sleeping).
 	evictWaits atomic.Int64
 
+	rm *remover // dropping entries, removing files (removal.go)
+
 	// pinOpen counts the files held open for client pins (pinfiles.go),
 	// at most maxPinOpen (DefaultMaxPinnedOpen).
 	pinOpen    atomic.Int64
@@ -139,7 +141,7 @@ type Engine struct {
 }
 
 type counters struct {
-	stores, loads, hits, misses, evictions, reused, made, failures, corrupt, vanished, removeFailures, written, read atomic.Uint64
+	stores, loads, hits, misses, evictions, reused, made, failures, corrupt, written, read atomic.Uint64
 
 	// ended counts the jobs finished (Activity); scanned, the files a
 	// cluster adoption walk read.
@@ -205,6 +207,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	}
 	e.fs = fsys.Watched(cfg.FS, &e.io)
 	e.ix = index.NewIndex(e.space.Counts())
+	e.rm = &remover{ix: e.ix, fs: e.fs, log: e.log, now: e.now, host: e}
 	// The node-local lock first: a second daemon on this node stops here,
 	// before it touches a mount.
 	if cfg.LockFile != "" {
@@ -254,6 +257,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		e.mounts = append(e.mounts, mt)
 		e.space.Add(mt.sp)
 	}
+	e.rm.mounts = e.mounts
 	const bufSize = 4 << 20
 	host, err := staging.NewMover(staging.Config{
 		Workers:    cfg.IOWorkers,
@@ -319,7 +323,7 @@ func (e *Engine) Stats() Stats {
 	s := Stats{
 		Stores: e.st.stores.Load(), Loads: e.st.loads.Load(), Hits: e.st.hits.Load(), Misses: e.st.misses.Load(),
 		Evictions: e.st.evictions.Load(), Reused: e.st.reused.Load(), SparesMade: e.st.made.Load(), Failures: e.st.failures.Load(), Corrupt: e.st.corrupt.Load(),
-		Vanished: e.st.vanished.Load(), RemoveFailures: e.st.removeFailures.Load(), BytesWritten: e.st.written.Load(), BytesRead: e.st.read.Load(),
+		Vanished: e.rm.vanished.Load(), RemoveFailures: e.rm.failures.Load(), BytesWritten: e.st.written.Load(), BytesRead: e.st.read.Load(),
 		PinnedFilesOpen: e.pinOpen.Load(), PinnedFilesUnopened: e.st.pinUnopened.Load(),
 		StoreFailures: e.fails.stats(0), LoadFailures: e.fails.stats(1), Tiering: e.TierStats(), HeldFound: e.HeldFound(),
 	}

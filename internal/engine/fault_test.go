@@ -1038,7 +1038,7 @@ func TestAFileWhoseRemovalFailsAfterAFailedPublishStaysCounted(t *testing.T) {
 				}
 				counted("after a lookup")
 				for _, m := range e.mounts {
-					e.retryLeft(m) // as the next eviction there does
+					e.rm.retryLeft(m) // as the next eviction there does
 				}
 				counted("after the removal was tried again")
 			})
@@ -1107,7 +1107,7 @@ func TestAMovedFileIsNeverTakenForItsCopyLeftOnDisk(t *testing.T) {
 		name: "an eviction tries again",
 		then: func(t *testing.T, e *Engine, ns NamespaceID, keys [][]byte, path string, _ func()) int {
 			for _, m := range e.mounts {
-				e.retryLeft(m)
+				e.rm.retryLeft(m)
 			}
 			if !exists(path) {
 				t.Fatal("the file left was removed while its removal fails")
@@ -1126,7 +1126,7 @@ func TestAMovedFileIsNeverTakenForItsCopyLeftOnDisk(t *testing.T) {
 			}
 			// A lookup that finds the file by name (its entry lost)
 			// indexes it: it is not the file left.
-			e.drop(ctx, entryOf(e, ns, keys[0]), false, "test: forgotten")
+			e.rm.drop(ctx, entryOf(e, ns, keys[0]), false, "test: forgotten")
 			if n, err := e.Lookup(ctx, ns, keys); n != 1 {
 				t.Fatalf("a lookup of the key moved back found %d keys (%v), want 1", n, err)
 			}
@@ -1172,7 +1172,7 @@ func TestAMovedFileIsNeverTakenForItsCopyLeftOnDisk(t *testing.T) {
 				now = now.Add(leftRetryInterval)
 				mu.Unlock()
 				for _, m := range e.mounts {
-					e.retryLeft(m) // as the next eviction there does
+					e.rm.retryLeft(m) // as the next eviction there does
 				}
 				counted("after the removal was tried again")
 				if got := keyMount(e, ns, keys[0]); got != wantMount {
@@ -1331,7 +1331,7 @@ func TestATemporaryFileWhoseRemovalFailsStaysCounted(t *testing.T) {
 			now = now.Add(leftRetryInterval)
 			mu.Unlock()
 			for _, m := range e.mounts {
-				e.retryLeft(m) // as the next eviction there does
+				e.rm.retryLeft(m) // as the next eviction there does
 			}
 			for _, p := range left {
 				if exists(p) {

@@ -119,7 +119,7 @@ func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 	f, id, idErr, err := e.openLoad(m, en)
 	if err != nil {
 		if errors.Is(err, errNotRegular) {
-			if !e.dropVanished(ctx, en, "not a regular file") {
+			if !e.rm.dropVanished(ctx, en, "not a regular file") {
 				all(OutcomeMissing, fmt.Errorf("%w: %s was deleted (a delete or purge) before the load read it", ErrNotFound, en.Path))
 				return
 			}
@@ -127,7 +127,7 @@ func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 			return
 		}
 		if errors.Is(err, os.ErrNotExist) || errors.Is(err, syscall.ELOOP) {
-			if !e.dropVanished(ctx, en, "vanished") {
+			if !e.rm.dropVanished(ctx, en, "vanished") {
 				all(OutcomeMissing, fmt.Errorf("%w: %s was deleted (a delete or purge) before the load read it", ErrNotFound, en.Path))
 				return
 			}
@@ -141,7 +141,7 @@ func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 	corrupt := func(err error) {
 		e.st.corrupt.Add(1)
 		e.log.Warn("engine: corrupt file dropped", "path", en.Path, "err", err)
-		e.drop(ctx, en, true, "corrupt")
+		e.rm.drop(ctx, en, true, "corrupt")
 		// Nor is a file its client pins hold open read again: later
 		// loads miss, as they do where no pin held it.
 		e.ix.UnkeepPinned(en)
@@ -165,7 +165,7 @@ func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 	if h.Fingerprint != c.ns.fp || h.Layers != uint32(g.Layers) || h.Planes != uint32(g.Planes()) ||
 		h.BlocksPerKey != uint32(g.BlocksPerKey()) || h.BlockBytes != uint64(g.BlockBytes()) {
 		// Replaced by a file of another geometry: not ours to judge.
-		e.dropVanished(ctx, en, "replaced by another geometry")
+		e.rm.dropVanished(ctx, en, "replaced by another geometry")
 		all(OutcomeMissing, fmt.Errorf("%w: %w: %s was replaced by a file of another geometry: %w", ErrNotFound, ErrMismatch, en.Path, format.ErrFingerprint))
 		return
 	}
@@ -173,7 +173,7 @@ func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 		// Another file at the path (another node published there, maybe
 		// at the same inode): the entry goes; the file is indexed anew if
 		// it holds what is asked, and read below like any file.
-		e.dropVanished(ctx, en, "replaced")
+		e.rm.dropVanished(ctx, en, "replaced")
 		// A row is exactly its length (rawEntry); a longer file is
 		// not this geometry's row, whatever its first bytes.
 		if m.raw != nil && id.Size > h.FileLen() {
@@ -291,7 +291,7 @@ func (e *Engine) loadRound(ctx context.Context, j *Job, c *cache, blocks [][]int
 		// Another engine on the directory evicted the file and a store
 		// of it wrote into it (spare files) while we read: the bytes may
 		// be another key's, checksums or not.
-		e.dropVanished(ctx, en, "rewritten while read")
+		e.rm.dropVanished(ctx, en, "rewritten while read")
 		for _, k := range read {
 			set(dst[k], OutcomeFailed, fmt.Errorf("engine: load %s: %w: rewritten while it was read (evicted and reused by another engine on the directory)", en.Path, errReplaced))
 		}

@@ -276,7 +276,7 @@ func (e *Engine) openMount(i int, m Mount) (*mount, error) {
 		// The probe's file, also the one a file system without direct
 		// I/O makes before it fails the open with EINVAL.
 		if made {
-			if rerr := e.removeFile(mt, probe, fsys.Identity{}); rerr != nil && mt.unwritable == nil {
+			if rerr := e.rm.removeFile(mt, probe, fsys.Identity{}); rerr != nil && mt.unwritable == nil {
 				e.log.Warn("engine: remove the O_DIRECT probe's file", "path", probe, "err", rerr)
 			}
 		}
@@ -489,7 +489,12 @@ func (e *Engine) tookFile(m *mount) {
 // kvhost neither writes outside its mount nor serves or indexes, and
 // later removes, a file outside it.
 func (e *Engine) openNoLinks(m *mount, path string, flag int, perm os.FileMode) (fsys.File, error) {
-	return e.fs.OpenFile(m.noLinksPath(path), flag|fsys.ONoLinks, perm)
+	return m.openNoLinks(e.fs, path, flag, perm)
+}
+
+// openNoLinks is Engine.openNoLinks through fs.
+func (m *mount) openNoLinks(fs fsys.FS, path string, flag int, perm os.FileMode) (fsys.File, error) {
+	return fs.OpenFile(m.noLinksPath(path), flag|fsys.ONoLinks, perm)
 }
 
 // noLinksPath is path, under m's linkFree directory, as an open with
@@ -522,8 +527,11 @@ func (m *mount) belowLinkFree(path string) (string, bool) {
 // vLLM's layout). Where a directory of a name is replaced by a link after
 // this open, what is done relative to the descriptor stays in the
 // directory opened: never where the link points.
-func (e *Engine) openDir(m *mount, dir string) (fsys.File, error) {
-	d, err := e.openNoLinks(m, dir, unix.O_PATH|unix.O_DIRECTORY, 0)
+func (e *Engine) openDir(m *mount, dir string) (fsys.File, error) { return m.openDir(e.fs, dir) }
+
+// openDir is Engine.openDir through fs.
+func (m *mount) openDir(fs fsys.FS, dir string) (fsys.File, error) {
+	d, err := m.openNoLinks(fs, dir, unix.O_PATH|unix.O_DIRECTORY, 0)
 	if errors.Is(err, syscall.ELOOP) || errors.Is(err, syscall.ENOTDIR) {
 		what, class := m.linkErr()
 		return nil, fmt.Errorf("%w: %s, %s, or a directory above it in the mount, is a symbolic link or not a directory: kvhost writes, reads and removes no file through it: %w", class, dir, what, err)

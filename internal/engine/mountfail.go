@@ -155,7 +155,7 @@ func (e *Engine) takesFiles(m *mount, room int64) error {
 		// which statfs may not show: allocate the size that failed.
 		err = f.Allocate(room)
 	}
-	e.removeTemp(m, tmp, f, probeBytes)
+	e.rm.removeTemp(m, tmp, f, probeBytes)
 	if cerr := f.Close(); err == nil {
 		err = cerr
 	}

@@ -125,7 +125,7 @@ func (e *Engine) makeOwner(m *mount, path string) (fsys.File, error) {
 	}
 	if err != nil {
 		id, _ := fileIdentity(f)
-		if rerr := e.removeFile(m, tmp, id); rerr != nil {
+		if rerr := e.rm.removeFile(m, tmp, id); rerr != nil {
 			e.log.Warn("engine: remove a temporary file", "path", tmp, "err", rerr)
 		}
 		f.Close()
@@ -161,7 +161,7 @@ func (e *Engine) closeOwners() {
 // it points is removed.
 func (o ownerFile) close(e *Engine) {
 	id, _ := fileIdentity(o.f)
-	if err := e.removeFile(o.m, o.path, id); err != nil {
+	if err := e.rm.removeFile(o.m, o.path, id); err != nil {
 		e.log.Warn("engine: remove the spare owner file", "path", o.path, "err", err)
 	}
 	o.f.Close()

@@ -154,7 +154,7 @@ func (e *Engine) judgeCheck(ctx context.Context, en *entry, err error) bool {
 		e.log.Warn("engine: check of an indexed file", "path", en.Path, "err", err)
 		return false
 	}
-	e.dropVanished(ctx, en, why)
+	e.rm.dropVanished(ctx, en, why)
 	return false
 }
 

@@ -68,7 +68,7 @@ func (e *Engine) publish(ctx context.Context, m *mount, f fsys.File, tmp string,
 			}
 		}
 		if en.Ident.Ino != 0 || en.FID != 0 {
-			left = e.removeIfSame(en.Path, []*entry{en})
+			left = e.rm.removeIfSame(en.Path, []*entry{en})
 		}
 		return true, left, e.ioError(m, op+"publish", err)
 	}

@@ -79,7 +79,7 @@ func (e *Engine) rebuild(ctx context.Context) error {
 						if !owners.held(e, e.mounts[mount], path) {
 							// An ended engine's owner file: its flock is free
 							// (this engine's own reads as held: ownerHeld).
-							if err := e.removeFile(e.mounts[mount], path, fsys.Identity{}); err == nil {
+							if err := e.rm.removeFile(e.mounts[mount], path, fsys.Identity{}); err == nil {
 								cleaned.Add(1)
 							}
 						} else if name != ownerName(e.node, os.Getpid(), e.token) {
@@ -100,7 +100,7 @@ func (e *Engine) rebuild(ctx context.Context) error {
 					// Never anyone's data: a spare of an engine that
 					// ended (or, named before owners, of one that will
 					// find it gone and write a fresh file instead).
-					if err := e.removeFile(e.mounts[mount], path, fsys.Identity{}); err != nil {
+					if err := e.rm.removeFile(e.mounts[mount], path, fsys.Identity{}); err != nil {
 						e.log.Warn("engine: leftover spare file", "path", path, "err", err)
 					} else {
 						cleaned.Add(1)
@@ -223,7 +223,7 @@ func (e *Engine) removeCorrupt(m *mount, path string, readErr error) bool {
 		return false
 	}
 	e.log.Warn("engine: corrupt file removed at start", "path", path, "err", readErr)
-	if err := e.removeFile(m, path, id); err != nil {
+	if err := e.rm.removeFile(m, path, id); err != nil {
 		e.log.Warn("engine: remove corrupt file", "path", path, "err", err)
 	}
 	return true

@@ -1,15 +1,24 @@
 package engine
 
 import (
+	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"os"
 	"path/filepath"
+	"sync/atomic"
+	"time"
 
+	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/fsys"
+	"github.com/kvhost/kvhost/internal/engine/index"
+	"github.com/kvhost/kvhost/internal/format"
 )
 
-// Removal (docs/engine.md, "Data movers").
+// The removal part (docs/engine.md, "Removal"): dropping entries from the
+// index and removing their files (drop.go), deleting and purging at a
+// client's request (delete.go), and the unlink itself (here).
 //
 // removeFile is the only way the engine unlinks a file under a mount: a
 // data file (delete, eviction, a corrupt file, a failed publication, the
@@ -21,6 +30,32 @@ import (
 // outlive the name, or the engine would count free what a mover still
 // holds. The registrar's periodic sweep of unlinked files is only a
 // backstop for files removed behind the engine's back.
+
+// remover is the removal part. It holds no lock of its own: the index's
+// path claims (index.Drop, index.Release...) order its removals, and it
+// counts what vanished and what it failed to remove.
+type remover struct {
+	ix     *index.Index
+	fs     fsys.FS
+	log    *slog.Logger
+	now    func() time.Time
+	host   removalHost
+	mounts []*mount // the engine's, set once Open has opened them all
+
+	vanished atomic.Uint64 // Stats.Vanished
+	failures atomic.Uint64 // Stats.RemoveFailures
+}
+
+// removalHost is what removal asks of the rest of the engine: a file's
+// header (headers.go), a spare kept of an evicted file (spares.go), the
+// movers told to forget a file (movers.go) and the policy told of the
+// entries dropped (hits.go).
+type removalHost interface {
+	fileHeader(mnt int, path string, f fsys.File, id fsys.Identity) (*format.Header, error)
+	keepSpare(m *mount, dir fsys.File, path string, id fsys.Identity, evicted int64) (bool, string)
+	forget(id fsys.Identity)
+	access(ctx context.Context, recs []abi.AccessRecord)
+}
 
 // removeFile tells every mover to forget the file with identity id, then
 // unlinks path, a file on m. A zero id (the caller could not read it) is
@@ -38,18 +73,18 @@ import (
 // directory, where it is moved away, still holds the file. A file above
 // a vllm-fs mount's data directory (a temporary file of config.json, in
 // the base directory, the operator's) is removed by name.
-func (e *Engine) removeFile(m *mount, path string, id fsys.Identity) error {
-	return e.removeFileIn(m, nil, path, id)
+func (r *remover) removeFile(m *mount, path string, id fsys.Identity) error {
+	return r.removeFileIn(m, nil, path, id)
 }
 
 // removeFileIn is removeFile where the caller holds path's directory open
 // as dir (openDir), or with dir nil.
-func (e *Engine) removeFileIn(m *mount, dir fsys.File, path string, id fsys.Identity) error {
+func (r *remover) removeFileIn(m *mount, dir fsys.File, path string, id fsys.Identity) error {
 	if rel, ok := m.belowLinkFree(path); !ok || rel == "" {
-		return e.removeByName(path, id)
+		return r.removeByName(path, id)
 	}
 	if dir == nil {
-		d, err := e.openDir(m, filepath.Dir(path))
+		d, err := m.openDir(r.fs, filepath.Dir(path))
 		if errors.Is(err, os.ErrNotExist) {
 			return nil // the directory gone, and the file with it
 		}
@@ -59,7 +94,7 @@ func (e *Engine) removeFileIn(m *mount, dir fsys.File, path string, id fsys.Iden
 		defer d.Close()
 		dir = d
 	}
-	fi, err := fsys.StatAt(e.fs, dir, path)
+	fi, err := fsys.StatAt(r.fs, dir, path)
 	if errors.Is(err, os.ErrNotExist) {
 		return nil
 	}
@@ -74,11 +109,11 @@ func (e *Engine) removeFileIn(m *mount, dir fsys.File, path string, id fsys.Iden
 	case id.Ino == 0:
 		id = now
 	case now.Inode() != id.Inode():
-		e.log.Debug("engine: not removed: the file at the path is another one", "path", path)
+		r.log.Debug("engine: not removed: the file at the path is another one", "path", path)
 		return nil
 	}
-	e.forget(id)
-	if err := fsys.RemoveAt(e.fs, dir, path); err != nil && !errors.Is(err, os.ErrNotExist) {
+	r.host.forget(id)
+	if err := fsys.RemoveAt(r.fs, dir, path); err != nil && !errors.Is(err, os.ErrNotExist) {
 		return fmt.Errorf("engine: remove %s: %w", path, err)
 	}
 	return nil
@@ -87,9 +122,9 @@ func (e *Engine) removeFileIn(m *mount, dir fsys.File, path string, id fsys.Iden
 // removeByName is removeFile of a file above a vllm-fs mount's data
 // directory (removeFileIn), or of one no mount holds yet (writeConfig's
 // temporary file): by name.
-func (e *Engine) removeByName(path string, id fsys.Identity) error {
+func (r *remover) removeByName(path string, id fsys.Identity) error {
 	if id.Ino == 0 {
-		fi, err := e.fs.Stat(path)
+		fi, err := r.fs.Stat(path)
 		if err != nil {
 			if errors.Is(err, os.ErrNotExist) {
 				return nil
@@ -100,8 +135,8 @@ func (e *Engine) removeByName(path string, id fsys.Identity) error {
 			return fmt.Errorf("engine: remove %s: %w", path, err)
 		}
 	}
-	e.forget(id)
-	if err := e.fs.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+	r.host.forget(id)
+	if err := r.fs.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
 		return fmt.Errorf("engine: remove %s: %w", path, err)
 	}
 	return nil
@@ -116,14 +151,14 @@ func (e *Engine) removeByName(path string, id fsys.Identity) error {
 // does not count the file (it gives its reservation back, or keeps it for
 // the retry): a file whose removal fails stays counted as a spare's does
 // (removeOwn), of f's size, or where f cannot say it, of size bytes.
-func (e *Engine) removeTemp(m *mount, tmp string, f fsys.File, size int64) {
+func (r *remover) removeTemp(m *mount, tmp string, f fsys.File, size int64) {
 	id := fsys.Identity{Size: size} // no inode: read from the name
 	if f != nil {
 		if fid, err := fileIdentity(f); err == nil {
 			id = fid
 		}
 	}
-	e.removeOwn(m, tmp, id, "temporary file")
+	r.removeOwn(m, tmp, id, "temporary file")
 }
 
 // removeOwn removes the file at path on m, of identity id (of which the
@@ -133,16 +168,16 @@ func (e *Engine) removeTemp(m *mount, tmp string, f fsys.File, size int64) {
 // used (index.leaveSpare), as it does a data file whose removal failed,
 // until an eviction there removes it (retryLeft); the failure counts in
 // Stats.RemoveFailures. what names the file in the warning.
-func (e *Engine) removeOwn(m *mount, path string, id fsys.Identity, what string) {
-	e.removeOwnIn(m, nil, path, id, what)
+func (r *remover) removeOwn(m *mount, path string, id fsys.Identity, what string) {
+	r.removeOwnIn(m, nil, path, id, what)
 }
 
 // removeOwnIn is removeOwn where the caller holds path's directory open
 // as dir (removeFileIn), or with dir nil.
-func (e *Engine) removeOwnIn(m *mount, dir fsys.File, path string, id fsys.Identity, what string) {
-	if err := e.removeFileIn(m, dir, path, id); err != nil {
-		e.st.removeFailures.Add(1)
-		e.log.Warn("engine: remove a "+what, "path", path, "err", err)
-		e.ix.LeaveSpare(m.idx, path, id.Size)
+func (r *remover) removeOwnIn(m *mount, dir fsys.File, path string, id fsys.Identity, what string) {
+	if err := r.removeFileIn(m, dir, path, id); err != nil {
+		r.failures.Add(1)
+		r.log.Warn("engine: remove a "+what, "path", path, "err", err)
+		r.ix.LeaveSpare(m.idx, path, id.Size)
 	}
 }

@@ -640,7 +640,7 @@ func TestAdoptLeavesAPathAJobHoldsToItsHolder(t *testing.T) {
 		t.Fatal("discover indexed the file at a held path")
 	}
 
-	e.release(path)
+	e.rm.release(path)
 	if en := e.discover(ctx, e.nss[ns], keys[0]); en == nil || e.ix.Gone(en) {
 		t.Fatal("discover did not index the file once the path was free")
 	}

@@ -91,7 +91,7 @@ func (e *Engine) useSpare(m *mount, sf spareFile, dir string, extra int, size, e
 		if path == sf.Path {
 			d = nil
 		}
-		e.removeOwnIn(m, d, path, sf.ID, "spare file")
+		e.rm.removeOwnIn(m, d, path, sf.ID, "spare file")
 		return nil, "", false
 	}
 	if err := e.mkdir(m, dir, false); err != nil {
@@ -220,7 +220,7 @@ func (e *Engine) trimSpares(m *mount, all bool) {
 // which m no longer counts: taken from its spares, or made and not kept.
 // A file whose removal fails stays counted (removeOwn).
 func (e *Engine) removeSpare(m *mount, path string, id fsys.Identity) {
-	e.removeOwn(m, path, id, "spare file")
+	e.rm.removeOwn(m, path, id, "spare file")
 }
 
 // dropSpares removes every spare file (Close).

@@ -707,7 +707,7 @@ func TestASpareWhoseRemovalFailsStaysCounted(t *testing.T) {
 			mu.Lock()
 			now = now.Add(leftRetryInterval)
 			mu.Unlock()
-			e.retryLeft(e.mounts[0]) // as the next eviction there does
+			e.rm.retryLeft(e.mounts[0]) // as the next eviction there does
 			for _, p := range stuck {
 				if exists(p) {
 					t.Fatalf("spare %s is still there after its removal was tried again", p)

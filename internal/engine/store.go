@@ -319,7 +319,7 @@ func (e *Engine) storeRound(ctx context.Context, j *Job, c *cache, keys [][]byte
 			continue
 		}
 		if err := e.slots.acquire(ctx); err != nil {
-			e.release(gr.path)
+			e.rm.release(gr.path)
 			failAll(gr.idx, err)
 			continue
 		}
@@ -329,7 +329,7 @@ func (e *Engine) storeRound(ctx context.Context, j *Job, c *cache, keys [][]byte
 			defer e.releaseSlot()
 			defer func() {
 				if !gr.released {
-					e.release(gr.path)
+					e.rm.release(gr.path)
 				}
 			}()
 			if e.heldAt(ctx, ns.fp, keys[gr.idx[0]], gr.old) {
@@ -467,7 +467,7 @@ func (e *Engine) writeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 	}
 	defer func() {
 		if !published {
-			e.removeTemp(m, tmp, f, size) // forgotten by the movers, then unlinked
+			e.rm.removeTemp(m, tmp, f, size) // forgotten by the movers, then unlinked
 		}
 		if f != nil {
 			f.Close()
@@ -521,7 +521,7 @@ func (e *Engine) writeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 		if gr.old != nil {
 			// The rename replaced the old file: it is gone, with any
 			// keys of it this store did not write again.
-			e.drop(ctx, gr.old, false, "replaced by a store that failed after its rename")
+			e.rm.drop(ctx, gr.old, false, "replaced by a store that failed after its rename")
 		}
 		return true, err
 	case err != nil:
@@ -534,7 +534,7 @@ func (e *Engine) writeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 	// is gr.old, forgotten before the rename.
 	recs, fl, orphans := e.ix.PublishReleasing(en)
 	gr.released = true
-	e.endRelease(gr.path, fl, orphans)
+	e.rm.endRelease(gr.path, fl, orphans)
 	e.access(ctx, recs)
 	e.st.stores.Add(uint64(len(h.Keys)))
 	e.st.written.Add(uint64(h.PayloadLen()))

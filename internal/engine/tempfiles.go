@@ -102,7 +102,7 @@ func (e *Engine) createFile(m *mount, dir, prefix string, extra int, size int64)
 			break
 		}
 		if !errors.Is(err, errTempGone) {
-			e.removeTemp(m, tmp, f, size)
+			e.rm.removeTemp(m, tmp, f, size)
 			f.Close()
 			return nil, "", "lock", err
 		}
@@ -112,7 +112,7 @@ func (e *Engine) createFile(m *mount, dir, prefix string, extra int, size int64)
 		}
 	}
 	if err := f.Allocate(size); err != nil {
-		e.removeTemp(m, tmp, f, size)
+		e.rm.removeTemp(m, tmp, f, size)
 		f.Close()
 		return nil, "", "allocate", err
 	}
@@ -246,7 +246,7 @@ func (e *Engine) cleanTemp(m *mount, path, rest string) (bool, error) {
 	if now, err := fsys.IdentityOf(fi); err != nil || !now.Same(id) {
 		return false, nil
 	}
-	if err := e.removeFile(m, path, id); err != nil {
+	if err := e.rm.removeFile(m, path, id); err != nil {
 		return false, err
 	}
 	return true, nil

@@ -498,7 +498,7 @@ func (e *Engine) bindLayoutLocked(m *mount, g Geometry) (short []*entry, err err
 func (e *Engine) dropShort(ctx context.Context, m *mount, short []*entry) {
 	n := 0
 	for _, en := range short {
-		if e.drop(ctx, en, true, "a vllm-fs row cut short") {
+		if e.rm.drop(ctx, en, true, "a vllm-fs row cut short") {
 			n++
 		}
 	}
