@@ -49,7 +49,7 @@ func TestServeRefusesToStartOnAMountWhoseStatfsDoesNotAnswer(t *testing.T) {
 			hold.Arm(fsys.OpStatfs)
 			defer hold.Release() // the statfs left behind returns
 			_, stderr, exit := runBackground(func(stdout, stderr io.Writer) int {
-				return runServeOn(context.Background(), serveSeams{fs: &fsys.Faulty{FS: fsys.OS{}, Inj: hold}},
+				return runServeWith(context.Background(), kvdaemon.Options{FS: &fsys.Faulty{FS: fsys.OS{}, Inj: hold}},
 					[]string{"--config", file}, stdout, stderr)
 			})
 			code := awaitValue(t, "the start on a hung mount to end", exit)

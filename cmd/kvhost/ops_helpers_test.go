@@ -24,6 +24,7 @@ import (
 	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/fsys/fsystest"
 	"github.com/kvhost/kvhost/internal/config"
+	kvdaemon "github.com/kvhost/kvhost/internal/daemon"
 	"github.com/kvhost/kvhost/internal/testsock"
 	"github.com/kvhost/kvhost/internal/testwasm"
 )
@@ -302,7 +303,7 @@ func (l *lines) end() {
 // it writes and its exit status, once it exits.
 func serveHeld(ctx context.Context, hold *fsystest.Hold, args ...string) (stdout, stderr *lines, exit <-chan int) {
 	return runBackground(func(stdout, stderr io.Writer) int {
-		return runServeOn(ctx, serveSeams{fs: &fsys.Faulty{FS: fsys.OS{}, Inj: hold}}, args, stdout, stderr)
+		return runServeWith(ctx, kvdaemon.Options{FS: &fsys.Faulty{FS: fsys.OS{}, Inj: hold}}, args, stdout, stderr)
 	})
 }
 

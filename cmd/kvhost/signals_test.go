@@ -6,11 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"log/slog"
 	"math/rand/v2"
-	"net"
-	"net/http"
-	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"slices"
@@ -24,89 +20,10 @@ import (
 	"github.com/kvhost/kvhost/client"
 	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/fsys/fsystest"
-	"github.com/kvhost/kvhost/internal/metrics"
-	"github.com/kvhost/kvhost/internal/testsock"
+	kvdaemon "github.com/kvhost/kvhost/internal/daemon"
+	"github.com/kvhost/kvhost/internal/daemon/daemontest"
 	"github.com/kvhost/kvhost/internal/testwait"
 )
-
-// notifySocket is a stand-in for systemd's notification socket.
-type notifySocket struct {
-	path string
-	msgs chan string
-}
-
-func newNotifySocket(t *testing.T) *notifySocket {
-	t.Helper()
-	n := &notifySocket{path: filepath.Join(testsock.Dir(t), "notify.sock"), msgs: make(chan string, 64)}
-	conn, err := net.ListenUnixgram("unixgram", &net.UnixAddr{Name: n.path, Net: "unixgram"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { conn.Close() })
-	go func() {
-		buf := make([]byte, 4096)
-		for {
-			k, err := conn.Read(buf)
-			if err != nil {
-				close(n.msgs)
-				return
-			}
-			n.msgs <- string(buf[:k])
-		}
-	}()
-	return n
-}
-
-// expect waits for a notification containing want.
-func (n *notifySocket) expect(t *testing.T, want string) {
-	t.Helper()
-	timeout := time.After(hangBound)
-	for {
-		select {
-		case m, ok := <-n.msgs:
-			if !ok {
-				t.Fatalf("notify socket closed before %q", want)
-			}
-			if strings.Contains(m, want) {
-				return
-			}
-		case <-timeout:
-			t.Fatalf("no %q notification within %v", want, hangBound)
-		}
-	}
-}
-
-// drain returns the notifications received and not yet read: it sends
-// one of its own, which arrives after every notification sent before,
-// and reads up to it.
-func (n *notifySocket) drain(t *testing.T) []string {
-	t.Helper()
-	const marker = "TEST=drain"
-	conn, err := net.DialUnix("unixgram", nil, &net.UnixAddr{Name: n.path, Net: "unixgram"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
-	if _, err := conn.Write([]byte(marker)); err != nil {
-		t.Fatal(err)
-	}
-	var got []string
-	timeout := time.After(hangBound)
-	for {
-		select {
-		case m, ok := <-n.msgs:
-			if !ok {
-				t.Fatal("notify socket closed before its drain")
-			}
-			if m == marker {
-				return got
-			}
-			got = append(got, m)
-		case <-timeout:
-			t.Fatalf("the drain's own notification did not arrive within %v", hangBound)
-		}
-	}
-}
 
 // daemonStats asks the daemon behind socket for its Stats.
 func daemonStats(t *testing.T, socket string) client.Stats {
@@ -151,9 +68,9 @@ func TestSIGHUPReloadsUnderLoadLosingNoRequest(t *testing.T) {
 		}
 	}
 	write("info", 1, 64, "64MiB")
-	notify := newNotifySocket(t)
-	p := startProc(t, []string{"NOTIFY_SOCKET=" + notify.path}, "serve", "--config", file)
-	notify.expect(t, "READY=1")
+	notify := daemontest.NewNotifySocket(t, hangBound)
+	p := startProc(t, []string{"NOTIFY_SOCKET=" + notify.Path}, "serve", "--config", file)
+	notify.Expect(t, "READY=1")
 
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
@@ -195,8 +112,8 @@ func TestSIGHUPReloadsUnderLoadLosingNoRequest(t *testing.T) {
 		if err := p.cmd.Process.Signal(syscall.SIGHUP); err != nil {
 			t.Fatal(err)
 		}
-		notify.expect(t, "RELOADING=1")
-		notify.expect(t, "READY=1")
+		notify.Expect(t, "RELOADING=1")
+		notify.Expect(t, "READY=1")
 		st := daemonStats(t, socket)
 		if st.Daemon.Reloads != uint64(i+1) || st.Daemon.ReloadFailures != 0 || !strings.Contains(st.Daemon.LastReload, "changed: policy") {
 			t.Fatalf("after reload %d: reloads %d, failures %d, last %q", i+1, st.Daemon.Reloads, st.Daemon.ReloadFailures, st.Daemon.LastReload)
@@ -216,8 +133,8 @@ func TestSIGHUPReloadsUnderLoadLosingNoRequest(t *testing.T) {
 	if err := p.cmd.Process.Signal(syscall.SIGHUP); err != nil {
 		t.Fatal(err)
 	}
-	notify.expect(t, "RELOADING=1")
-	notify.expect(t, "READY=1")
+	notify.Expect(t, "RELOADING=1")
+	notify.Expect(t, "READY=1")
 	st := daemonStats(t, socket)
 	if st.Daemon.ReloadFailures != 1 || !strings.Contains(st.Daemon.LastReload, "policy.memory_limit") || st.Daemon.Reloads != 3 {
 		t.Fatalf("bad config: reloads %d, failures %d, last %q", st.Daemon.Reloads, st.Daemon.ReloadFailures, st.Daemon.LastReload)
@@ -258,9 +175,9 @@ func TestSIGHUPReloadsUnderLoadLosingNoRequest(t *testing.T) {
 func TestSIGTERMFinishesJobsAndRemovesTheSocket(t *testing.T) {
 	dir := t.TempDir()
 	file, socket, _ := testConfig(t, dir, "[engine]\nfsync = true")
-	notify := newNotifySocket(t)
-	p := startProc(t, []string{"NOTIFY_SOCKET=" + notify.path}, "serve", "--config", file)
-	notify.expect(t, "READY=1")
+	notify := daemontest.NewNotifySocket(t, hangBound)
+	p := startProc(t, []string{"NOTIFY_SOCKET=" + notify.Path}, "serve", "--config", file)
+	notify.Expect(t, "READY=1")
 	k := newKVCache(t, socket)
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
 	defer cancel()
@@ -290,7 +207,7 @@ func TestSIGTERMFinishesJobsAndRemovesTheSocket(t *testing.T) {
 		}
 	}
 	t.Logf("%d jobs accepted, all stored; the next submission got: %v", len(jobs), refused)
-	notify.expect(t, "STOPPING=1")
+	notify.Expect(t, "STOPPING=1")
 	k.c.Close()
 	if err := p.waitExit(t); err != nil {
 		t.Fatalf("exit after SIGTERM: %v", err)
@@ -337,8 +254,8 @@ func TestSIGTERMDuringStartUpExitsZero(t *testing.T) {
 	if err := os.MkdirAll(filepath.Join(cache, "sub"), 0o750); err != nil {
 		t.Fatal(err)
 	}
-	notify := newNotifySocket(t)
-	t.Setenv("NOTIFY_SOCKET", notify.path)
+	notify := daemontest.NewNotifySocket(t, hangBound)
+	t.Setenv("NOTIFY_SOCKET", notify.Path)
 	hold := &fsystest.Hold{}
 	hold.Arm(fsys.OpReadDir)
 	ctx, cancel := context.WithCancel(context.Background())
@@ -353,52 +270,13 @@ func TestSIGTERMDuringStartUpExitsZero(t *testing.T) {
 	if l := stderr.logLine(t, "kvhost stopped during start-up"); l["level"] != "INFO" {
 		t.Errorf("stopped during start-up logged at %v, want INFO", l["level"])
 	}
-	if got := notify.drain(t); !slices.Contains(got, "STOPPING=1") || slices.ContainsFunc(got, isReady) {
+	if got := notify.Drain(t); !slices.Contains(got, "STOPPING=1") || slices.ContainsFunc(got, isReady) {
 		t.Errorf("notifications %q, want STOPPING=1 and no READY=1", got)
 	}
 }
 
 // isReady reports whether a notification says READY=1.
 func isReady(msg string) bool { return slices.Contains(strings.Split(msg, "\n"), "READY=1") }
-
-// TestNothingSetsTheDaemonReadyOnceItStops: once the daemon is stopping
-// (SIGTERM), a later setReady(true) (the end of its start-up, or of a
-// reload, racing the signal) neither tells systemd READY=1 after
-// STOPPING=1 nor turns /readyz back to 200 while it drains; nor does one
-// that comes after the signal but before the daemon has said it stops.
-func TestNothingSetsTheDaemonReadyOnceItStops(t *testing.T) {
-	stopped, stop := context.WithCancel(context.Background())
-	stop()
-	tests := []struct {
-		name string
-		set  func(d *daemon)
-	}{
-		{"after STOPPING=1", func(d *daemon) {
-			d.setReady(stopped, false)
-			d.setReady(context.Background(), true)
-		}},
-		{"after the signal, before STOPPING=1", func(d *daemon) {
-			d.setReady(stopped, true)
-			d.setReady(stopped, false)
-		}},
-	}
-	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			notify := newNotifySocket(t)
-			t.Setenv("NOTIFY_SOCKET", notify.path)
-			d := &daemon{log: slog.New(slog.DiscardHandler), metrics: metrics.New("test")}
-			tt.set(d)
-			if got := notify.drain(t); !slices.Equal(got, []string{"STOPPING=1"}) {
-				t.Errorf("notifications %q, want only STOPPING=1", got)
-			}
-			rec := httptest.NewRecorder()
-			d.metrics.Handler(false).ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/readyz", nil))
-			if rec.Code != http.StatusServiceUnavailable {
-				t.Errorf("/readyz answers %d while stopping, want 503", rec.Code)
-			}
-		})
-	}
-}
 
 // TestSIGQUITDumpsStacksWhileTheDaemonStartsOrCloses: SIGQUIT writes
 // every goroutine's stack to stderr while the daemon is stuck in its
@@ -462,8 +340,8 @@ func TestSecondSignalExitsWhileAStoreHangsInTheMount(t *testing.T) {
 	stdout, stderr, exit := runBackground(func(stdout, stderr io.Writer) int {
 		// Each reading of the clock a second later: the second signal
 		// comes well after the first.
-		seams := serveSeams{fs: &fsys.Faulty{FS: fsys.OS{}, Inj: hold}, now: steppingClock(time.Second)}
-		return runServeSignaled(context.Background(), seams, term, []string{"--config", file}, stdout, stderr)
+		o := kvdaemon.Options{FS: &fsys.Faulty{FS: fsys.OS{}, Inj: hold}, Now: steppingClock(time.Second), Term: term}
+		return runServeWith(context.Background(), o, []string{"--config", file}, stdout, stderr)
 	})
 	defer func() {
 		hold.Release()
@@ -483,7 +361,7 @@ func TestSecondSignalExitsWhileAStoreHangsInTheMount(t *testing.T) {
 	testwait.Until(t, "the store's write to be held", hangBound, hold.Holding)
 
 	term <- syscall.SIGTERM
-	stderr.logLine(t, msgStopping)
+	stderr.logLine(t, kvdaemon.MsgStopping)
 	term <- syscall.SIGTERM
 	var code int
 	select {
@@ -494,7 +372,7 @@ func TestSecondSignalExitsWhileAStoreHangsInTheMount(t *testing.T) {
 	if code != 1 {
 		t.Errorf("exit status %d at the second signal, want 1", code)
 	}
-	l := stderr.logLine(t, msgForcedExit)
+	l := stderr.logLine(t, kvdaemon.MsgForcedExit)
 	if l["level"] != "ERROR" || l["signal"] != syscall.SIGTERM.String() || l["jobs_in_flight"] != float64(1) || l["oldest_file_operation_age"] == nil {
 		t.Errorf("forced exit logged %v, want ERROR with the signal, 1 job in flight and the oldest file operation's age", l)
 	}
@@ -526,8 +404,8 @@ func TestAStopSignalRepeatedAtOnceDrainsAsTheFirst(t *testing.T) {
 	term := make(chan os.Signal, 2)
 	stdout, stderr, exit := runBackground(func(stdout, stderr io.Writer) int {
 		// A clock that stands still: every signal comes at once.
-		seams := serveSeams{fs: &fsys.Faulty{FS: fsys.OS{}, Inj: hold}, now: steppingClock(0)}
-		return runServeSignaled(context.Background(), seams, term, []string{"--config", file}, stdout, stderr)
+		o := kvdaemon.Options{FS: &fsys.Faulty{FS: fsys.OS{}, Inj: hold}, Now: steppingClock(0), Term: term}
+		return runServeWith(context.Background(), o, []string{"--config", file}, stdout, stderr)
 	})
 	defer hold.Release()
 	stdout.wait(t, "listening line", func(s string) bool { return s == "kvhost: listening on unix:"+socket })
@@ -540,8 +418,8 @@ func TestAStopSignalRepeatedAtOnceDrainsAsTheFirst(t *testing.T) {
 
 	term <- syscall.SIGTERM
 	term <- syscall.SIGTERM
-	stderr.logLine(t, msgStopping)
-	if l := stderr.logLine(t, msgRepeatedStop); l["signal"] != syscall.SIGTERM.String() {
+	stderr.logLine(t, kvdaemon.MsgStopping)
+	if l := stderr.logLine(t, kvdaemon.MsgRepeatedStop); l["signal"] != syscall.SIGTERM.String() {
 		t.Errorf("the repeated signal logged %v, want its signal", l)
 	}
 	select {
@@ -558,7 +436,7 @@ func TestAStopSignalRepeatedAtOnceDrainsAsTheFirst(t *testing.T) {
 	case <-time.After(hangBound):
 		t.Fatalf("the daemon did not exit once the held store ended; stderr:\n%s", stderr.String())
 	}
-	if strings.Contains(stderr.String(), msgForcedExit) {
+	if strings.Contains(stderr.String(), kvdaemon.MsgForcedExit) {
 		t.Errorf("a repeat of the stop signal forced the exit; stderr:\n%s", stderr.String())
 	}
 	if _, err := os.Lstat(socket); !errors.Is(err, os.ErrNotExist) {

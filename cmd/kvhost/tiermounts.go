@@ -3,14 +3,10 @@ package main
 import (
 	"context"
 	"fmt"
-	"log/slog"
-	"strconv"
 
 	"github.com/kvhost/kvhost/internal/config"
 	kvdaemon "github.com/kvhost/kvhost/internal/daemon"
-	"github.com/kvhost/kvhost/internal/engine"
 	"github.com/kvhost/kvhost/internal/fstype"
-	"github.com/kvhost/kvhost/plugins/tiered"
 )
 
 // checkPolicyMounts is `kvhost check`'s finding on the configured policy
@@ -46,71 +42,11 @@ func checkPolicyMounts(ctx context.Context, rep *checkReport, cfg config.Config,
 		rep.add(levelWarn, "policy", why, `policy.name = "tiered" (examples/tiered.toml)`)
 		return
 	}
-	if why := reversedTiers(placed, memory); why != "" {
+	if why := kvdaemon.ReversedTiers(placed, memory); why != "" {
 		rep.add(levelWarn, "policy", why, "put the memory [[mount]] first, or set [policy.params] hot and cold (docs/config.md, Two mounts)")
 		return
 	}
 	rep.add(levelOK, "policy", fmt.Sprintf("policy %s places files across the %d mounts (features %s)", name, len(mounts), features), "")
-}
-
-// reversedTiersMsg is the message of warnReversedTiers' log line.
-const reversedTiersMsg = "policy: the tiered policy's cold mount is memory and its hot mount is not"
-
-// tieredHotCold returns the mounts the built-in tiered policy of cfg
-// keeps hot and cold: its hot and cold parameters, else 0 and 1. ok is
-// false for another policy, or where the two do not both name mounts of
-// cfg (the configuration or the plugin refuses those).
-func tieredHotCold(cfg config.Config) (hot, cold int, ok bool) {
-	if cfg.Policy.Name != tiered.Name {
-		return 0, 0, false
-	}
-	param := func(k string, def int) int {
-		v, given := cfg.Policy.Params[k]
-		if !given {
-			return def
-		}
-		i, err := strconv.Atoi(fmt.Sprint(v))
-		if err != nil {
-			return -1
-		}
-		return i
-	}
-	hot, cold = param("hot", 0), param("cold", 1)
-	n := len(cfg.Mounts)
-	return hot, cold, hot >= 0 && cold >= 0 && hot < n && cold < n && hot != cold
-}
-
-// reversedTiers says why the tiered policy of cfg has its tiers the
-// wrong way round — its cold mount holds memory and its hot mount does
-// not, so that new and promoted files go to the slower one and demoted
-// ones to the faster — or "". A mount holds memory where its
-// device_class says "memory", or, with none set, where memory(i) says
-// its file system is a memory one (tmpfs).
-func reversedTiers(cfg config.Config, memory func(i int) bool) string {
-	hot, cold, ok := tieredHotCold(cfg)
-	if !ok {
-		return ""
-	}
-	isMemory := func(i int) bool {
-		if c := cfg.Mounts[i].DeviceClass; c != "" {
-			return c == "memory"
-		}
-		return memory(i)
-	}
-	if !isMemory(cold) || isMemory(hot) {
-		return ""
-	}
-	return fmt.Sprintf("the hot mount (%d: %s) is not memory and the cold mount (%d: %s) is: new and promoted files go to the slower mount and demoted ones to the faster; list the memory mount first (or set [policy.params] hot and cold)",
-		hot, cfg.Mounts[hot].Path, cold, cfg.Mounts[cold].Path)
-}
-
-// warnReversedTiers logs reversedTiers' warning for the mounts the
-// engine serves, if any.
-func warnReversedTiers(log *slog.Logger, cfg config.Config, mounts []engine.MountStats) {
-	why := reversedTiers(cfg, func(i int) bool { return i < len(mounts) && mounts[i].Memory })
-	if why != "" {
-		log.Warn(reversedTiersMsg, "policy", cfg.Policy.Name, "why", why)
-	}
 }
 
 // onMemoryFS reports whether dir, or the directory that holds it where it

@@ -160,9 +160,9 @@ func TestReversedTiersAreNamed(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			cfg := config.Default()
 			cfg.Policy.Name, cfg.Policy.Params, cfg.Mounts = tc.policy, tc.params, tc.mounts
-			why := reversedTiers(cfg, func(i int) bool { return onFS(i, tc.mounts) })
+			why := kvdaemon.ReversedTiers(cfg, func(i int) bool { return onFS(i, tc.mounts) })
 			if (why != "") != tc.warn {
-				t.Fatalf("reversedTiers = %q, want a warning: %v", why, tc.warn)
+				t.Fatalf("ReversedTiers = %q, want a warning: %v", why, tc.warn)
 			}
 		})
 	}
@@ -198,7 +198,7 @@ device_class = "memory"
 		t.Fatal(err)
 	}
 	p := startProc(t, nil, "--config", file)
-	m := p.stderr.logLine(t, reversedTiersMsg)
+	m := p.stderr.logLine(t, kvdaemon.ReversedTiersMsg)
 	if why, _ := m["why"].(string); !strings.Contains(why, hot) || !strings.Contains(why, cold) {
 		t.Fatalf("the warning %v names not both mounts %s and %s", m, hot, cold)
 	}

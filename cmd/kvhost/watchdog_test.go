@@ -14,6 +14,7 @@ import (
 
 	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/fsys/fsystest"
+	"github.com/kvhost/kvhost/internal/daemon/daemontest"
 	"github.com/kvhost/kvhost/internal/testsock"
 	"github.com/kvhost/kvhost/internal/testwait"
 	"github.com/kvhost/kvhost/protocol"
@@ -28,11 +29,11 @@ import (
 func TestServeTellsSystemdsWatchdogItLives(t *testing.T) {
 	dir := t.TempDir()
 	file, _, _ := testConfig(t, dir, "")
-	notify := newNotifySocket(t)
-	startProc(t, []string{"NOTIFY_SOCKET=" + notify.path, "WATCHDOG_USEC=200000"}, "serve", "--config", file)
-	notify.expect(t, "READY=1")
+	notify := daemontest.NewNotifySocket(t, hangBound)
+	startProc(t, []string{"NOTIFY_SOCKET=" + notify.Path, "WATCHDOG_USEC=200000"}, "serve", "--config", file)
+	notify.Expect(t, "READY=1")
 	for range 3 {
-		notify.expect(t, "WATCHDOG=1")
+		notify.Expect(t, "WATCHDOG=1")
 	}
 }
 
@@ -66,8 +67,8 @@ func TestServeStopsTellingSystemdItLivesWhileAFileOperationHangs(t *testing.T) {
 	if err := os.WriteFile(file, []byte(src), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	notify := newNotifySocket(t)
-	t.Setenv("NOTIFY_SOCKET", notify.path)
+	notify := daemontest.NewNotifySocket(t, hangBound)
+	t.Setenv("NOTIFY_SOCKET", notify.Path)
 	t.Setenv("WATCHDOG_USEC", "200000") // a check every 100ms
 	t.Setenv("WATCHDOG_PID", strconv.Itoa(os.Getpid()))
 	hold := &fsystest.Hold{}
@@ -84,7 +85,7 @@ func TestServeStopsTellingSystemdItLivesWhileAFileOperationHangs(t *testing.T) {
 	addr, _ := stderr.logLine(t, "metrics listening")["address"].(string)
 	stdout.wait(t, "listening line", func(s string) bool { return s == "kvhost: listening on unix:"+socket })
 	healthz := func() (int, string) { return httpGet(t, addr, "/healthz") }
-	notify.expect(t, "WATCHDOG=1")
+	notify.Expect(t, "WATCHDOG=1")
 	if code, body := healthz(); code != http.StatusOK {
 		t.Fatalf("/healthz before the hang: %d %q", code, body)
 	}
@@ -128,11 +129,11 @@ func TestServeStopsTellingSystemdItLivesWhileAFileOperationHangs(t *testing.T) {
 	// the socket is not left for the count), then ten checks' time
 	// passes with at most one (sent by a check that began before the
 	// 503).
-	notify.drain(t)
+	notify.Drain(t)
 	sent, quiet := 0, time.After(time.Second)
 	for waiting := true; waiting; {
 		select {
-		case m := <-notify.msgs:
+		case m := <-notify.Messages():
 			if strings.Contains(m, "WATCHDOG=1") {
 				sent++
 			}
@@ -156,7 +157,7 @@ func TestServeStopsTellingSystemdItLivesWhileAFileOperationHangs(t *testing.T) {
 	if err != nil || res.Count(protocol.OutcomeStored) != 1 {
 		t.Fatalf("the store after its fsync returned: %+v, %v", res, err)
 	}
-	notify.expect(t, "WATCHDOG=1")
+	notify.Expect(t, "WATCHDOG=1")
 	testwait.Until(t, "/healthz to answer 200 again", hangBound, func() bool {
 		code, _ := healthz()
 		return code == http.StatusOK

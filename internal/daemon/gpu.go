@@ -366,9 +366,6 @@ func (p *GPU) CuFile() *gds.Driver { return p.cufile }
 // Options are the options p was opened with.
 func (p *GPU) Options() GPUOptions { return p.opts }
 
-// IPC imports clients' GPU memory (CUDA IPC) for the session server.
-func (p *GPU) IPC() *cudaipc.Importer { return p.ipc }
-
 // Close releases the GPU paths.
 func (p *GPU) Close() error {
 	// cuFile's buffer registrations go before the imports of the memory
@@ -378,11 +375,11 @@ func (p *GPU) Close() error {
 	return errors.Join(cf, ipc, p.closeMovers(), p.rt.Close())
 }
 
-// DeviceFaults reports, per device ordinal, what failed there with a
+// deviceFaults reports, per device ordinal, what failed there with a
 // sticky CUDA error: the staging pipeline's jobs, the cuFile mover's
 // where it runs, and the CUDA IPC registrations (a device that broke
 // while idle is found by the next registration).
-func (p *GPU) DeviceFaults() map[int]uint64 {
+func (p *GPU) deviceFaults() map[int]uint64 {
 	out := p.staging.DeviceFaults()
 	add := func(counts map[int]uint64) {
 		for d, n := range counts {
@@ -396,9 +393,9 @@ func (p *GPU) DeviceFaults() map[int]uint64 {
 	return out
 }
 
-// DeviceUUIDs are the UUIDs of devices 0..n-1 (server.Config.DeviceUUIDs),
+// deviceUUIDs are the UUIDs of devices 0..n-1 (server.Config.DeviceUUIDs),
 // zero where the driver cannot say; that is logged once.
-func (p *GPU) DeviceUUIDs(n int) [][16]byte {
+func (p *GPU) deviceUUIDs(n int) [][16]byte {
 	out := make([][16]byte, n)
 	for d := range out {
 		u, err := p.rt.DeviceUUID(d)

@@ -295,7 +295,7 @@ func TestCuFileJobsFailingWithAStickyErrorAreDeviceFaults(t *testing.T) {
 	if _, err := gp.cfMover.WriteFile(context.Background(), f, p, nil); !errors.Is(err, cuda.ErrSticky) || errors.Is(err, transfer.ErrUnsupported) {
 		t.Fatalf("cuFile job on the broken device: %v; want it failed with the sticky error", err)
 	}
-	if faults := gp.DeviceFaults(); faults[0] != 0 || faults[1] != 1 {
+	if faults := gp.deviceFaults(); faults[0] != 0 || faults[1] != 1 {
 		t.Fatalf("device faults %v; want the cuFile job's on device 1 only", faults)
 	}
 }

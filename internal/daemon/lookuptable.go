@@ -15,12 +15,12 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// OpenLookupTable creates the daemon's shared lookup table beside the
+// openLookupTable creates the daemon's shared lookup table beside the
 // socket (readable by whoever may connect to the socket) and mirrors the
 // engine's keys into it; nil where engine.lookup_table is false. Misses
 // read from it are final only where no mount is shared with other
 // writers (sharedMount).
-func OpenLookupTable(cfg config.Config, eng *engine.Engine, log *slog.Logger) (*lookuptable.Table, error) {
+func openLookupTable(cfg config.Config, eng *engine.Engine, log *slog.Logger) (*lookuptable.Table, error) {
 	if !cfg.Engine.Lookups() {
 		return nil, nil
 	}

@@ -34,7 +34,7 @@ func TestTheLookupTableIsReadableByWhoeverMayConnectToTheSocket(t *testing.T) {
 			cfg := config.Default()
 			cfg.Server.Socket = filepath.Join(t.TempDir(), "kvhost.sock")
 			cfg.Server.SocketMode = config.FileMode(tc.socket)
-			tab, err := OpenLookupTable(cfg, eng, log)
+			tab, err := openLookupTable(cfg, eng, log)
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -59,7 +59,7 @@ func TestARelativeSocketsLookupTableIsNamedAbsolutely(t *testing.T) {
 	t.Chdir(dir)
 	cfg := config.Default()
 	cfg.Server.Socket = filepath.Join("run", "kvhost.sock")
-	tab, err := OpenLookupTable(cfg, eng, log)
+	tab, err := openLookupTable(cfg, eng, log)
 	if err != nil {
 		t.Fatal(err)
 	}

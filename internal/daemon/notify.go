@@ -9,10 +9,10 @@ import (
 	"time"
 )
 
-// SdNotify sends state to systemd's notification socket ($NOTIFY_SOCKET,
+// sdNotify sends state to systemd's notification socket ($NOTIFY_SOCKET,
 // set for a Type=notify service; sd_notify(3)). Without it, it does
 // nothing.
-func SdNotify(state string) error {
+func sdNotify(state string) error {
 	path := os.Getenv("NOTIFY_SOCKET")
 	if path == "" {
 		return nil

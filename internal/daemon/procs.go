@@ -38,13 +38,13 @@ func gomaxprocsFromEnv() bool {
 	return err == nil && n > 0
 }
 
-// ReserveControlProcessors resolves the I/O workers of io_workers n (0:
+// reserveControlProcessors resolves the I/O workers of io_workers n (0:
 // the engine's default, from the processors the runtime chose) and raises
 // GOMAXPROCS so that controlProcessors are left for the control path. It
 // returns the workers, for the engine to run exactly that many (the
 // default would grow with the raised count), and a function that gives
 // GOMAXPROCS back to the runtime's default.
-func ReserveControlProcessors(n int, log *slog.Logger) (workers int, restore func()) {
+func reserveControlProcessors(n int, log *slog.Logger) (workers int, restore func()) {
 	workers = n
 	if workers <= 0 {
 		workers = engine.DefaultIOWorkers()

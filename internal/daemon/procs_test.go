@@ -38,7 +38,7 @@ func TestReserveControlProcessorsSettlesTheDefaultWorkersFirst(t *testing.T) {
 	before := runtime.GOMAXPROCS(0)
 	t.Cleanup(func() { runtime.GOMAXPROCS(before) })
 	want := engine.DefaultIOWorkers()
-	workers, restore := ReserveControlProcessors(0, slog.New(slog.NewTextHandler(io.Discard, nil)))
+	workers, restore := reserveControlProcessors(0, slog.New(slog.NewTextHandler(io.Discard, nil)))
 	if workers != want {
 		t.Fatalf("workers = %d, want the default before the raise, %d", workers, want)
 	}

@@ -15,14 +15,14 @@ import (
 // systemd asks for nothing more often.
 const healthCheckEvery = 5 * time.Second
 
-// NewWatchdog returns the daemon's watchdog: every healthCheckEvery (or
+// newWatchdog returns the daemon's watchdog: every healthCheckEvery (or
 // half of systemd's watchdog timeout, if shorter) it takes the engine's
 // and the server's stats (their locks answer) and looks for a file
 // operation that has not returned for server.stall_timeout, or a data
 // path that moves nothing for that long with jobs in flight; while
 // both pass it tells systemd WATCHDOG=1 (where systemd keeps a watchdog
 // on the daemon), and /healthz answers 200.
-func NewWatchdog(cfg config.Config, eng *engine.Engine, srv *server.Server, log *slog.Logger) (*watchdog.Watchdog, error) {
+func newWatchdog(cfg config.Config, eng *engine.Engine, srv *server.Server, log *slog.Logger) (*watchdog.Watchdog, error) {
 	every := healthCheckEvery
 	var notify func(string) error
 	half, err := systemdWatchdog()
@@ -30,7 +30,7 @@ func NewWatchdog(cfg config.Config, eng *engine.Engine, srv *server.Server, log 
 	case err != nil:
 		log.Warn("systemd's watchdog settings ignored", "err", err)
 	case half > 0:
-		every, notify = min(every, half), SdNotify
+		every, notify = min(every, half), sdNotify
 	}
 	wd, err := watchdog.New(watchdog.Config{
 		Every: every,
