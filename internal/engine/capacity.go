@@ -39,13 +39,13 @@ func (e *Engine) reserve(ctx context.Context, m *mount, size int64) error {
 // with ErrNoSpace where there is no such room.
 func (e *Engine) reserveFree(m *mount, size int64) error {
 	c := m.cluster
-	if c != nil && !c.reserveClaimed(size) {
+	if c != nil && !c.ReserveClaimed(size) {
 		return fmt.Errorf("%w: mount %s: no room within this node's cluster claim for a move of %d bytes", ErrNoSpace, m.root, size)
 	}
 	var ok bool
 	if c != nil {
-		if ok = c.reserveGrant(e, m, size, space.High); !ok {
-			c.giveBack(size)
+		if ok = c.ReserveGrant(size, space.High); !ok {
+			c.GiveBack(size)
 		}
 	} else {
 		ok = e.space.ReserveBelow(m.sp, size, space.High)
@@ -63,14 +63,14 @@ func (e *Engine) reserveFree(m *mount, size int64) error {
 func (e *Engine) reserveUsed(ctx context.Context, m *mount, size int64) (err error) {
 	reserve := func(limit space.Limit) bool { return e.space.ReserveBelow(m.sp, size, limit) }
 	if c := m.cluster; c != nil { // the cluster-wide bound first (cluster.go)
-		if err := c.reserve(ctx, e, m, size); err != nil {
-			return err
+		if err := c.Reserve(ctx, size); err != nil {
+			return clusterNoSpace(err)
 		}
 		// The mount's space takes the grant, or it goes back.
-		reserve = func(limit space.Limit) bool { return c.reserveGrant(e, m, size, limit) }
+		reserve = func(limit space.Limit) bool { return c.ReserveGrant(size, limit) }
 		defer func() {
 			if err != nil {
-				c.giveBack(size)
+				c.GiveBack(size)
 			}
 		}()
 	}
@@ -100,11 +100,9 @@ func (e *Engine) reserveUsed(ctx context.Context, m *mount, size int64) (err err
 		why = fmt.Sprintf("no evictable entry left (%d files found at start are kept by the restart hold, restart_hold, until it ends)", n)
 	}
 	if c := m.cluster; c != nil {
-		c.mu.Lock()
-		if twin := c.twinNote(); twin != "" {
+		if twin := c.TwinNote(); twin != "" {
 			why = twin
 		}
-		c.mu.Unlock()
 	}
 	return fmt.Errorf("%w: mount %s: %d of %d bytes used, %d more needed, %s", ErrNoSpace, m.root, used, capacity, size, why)
 }
@@ -182,7 +180,7 @@ func (e *Engine) evictRounds(ctx context.Context, m *mount, size int64) error {
 		var victims []policy.Eviction
 		var err error
 		if m.cluster != nil {
-			victims = m.cluster.victims(e, m, req) // never another live node's file
+			victims = m.cluster.Victims(req, victimBatch) // never another live node's file
 		} else {
 			victims, err = e.evictions(context.WithoutCancel(ctx), req)
 		}

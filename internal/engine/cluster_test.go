@@ -20,6 +20,7 @@ import (
 	"github.com/kvhost/kvhost/fsys/fsystest"
 	"github.com/kvhost/kvhost/host/policy"
 	"github.com/kvhost/kvhost/internal/clustercap"
+	"github.com/kvhost/kvhost/internal/engine/cluster"
 	"github.com/kvhost/kvhost/internal/testwait"
 )
 
@@ -197,7 +198,7 @@ func TestAStoreRefusedForLocalRoomBesideATwinNamesIt(t *testing.T) {
 	if n, _ := busy.e.Lookup(ctx, busy.ns, idleKeys); n != 2 {
 		t.Fatalf("the busy node finds %d of the idle node's 2 files", n)
 	}
-	testwait.Until(t, "the busy node finding its twin", testwait.Hang, busy.e.mounts[0].cluster.twinned.Load)
+	testwait.Until(t, "the busy node finding its twin", testwait.Hang, busy.e.mounts[0].cluster.Twinned)
 	for i := range 8 {
 		bl := []int{4 * (i % 16), 4*(i%16) + 1, 4*(i%16) + 2, 4*(i%16) + 3}
 		busy.c.fill(r, bl)
@@ -305,7 +306,7 @@ func TestClusterEvictionFollowsThePolicysRank(t *testing.T) {
 			}
 			a := &node{e: ea, ns: ns, c: newTestCache(t, ea, ns, g, 64, layoutPlaneFirst)}
 			m := a.e.mounts[0]
-			tickA := func() { m.cluster.tick(ctx, a.e, m) }
+			tickA := func() { m.cluster.Tick(ctx) }
 			b := clusterNodeAt(t, dir, "b", capacity, 100*time.Millisecond, clock)
 			r := rand.New(rand.NewPCG(37, 37))
 			for i, k := range [][]byte{p, q} {
@@ -344,10 +345,7 @@ func TestClusterEvictionFollowsThePolicysRank(t *testing.T) {
 // publishedBytes is the bytes of the files that e's last published summary
 // ranks on its first mount (its sketch).
 func publishedBytes(e *Engine) int64 {
-	c := e.mounts[0].cluster
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.lastSketch().Total()
+	return e.mounts[0].cluster.Inspect().Sketch.Total()
 }
 
 // TestClusterAdoptsADeadNodesFiles: node D stores 3 files after node A
@@ -380,7 +378,7 @@ func TestClusterAdoptsADeadNodesFiles(t *testing.T) {
 		t.Fatal(err)
 	}
 	m := a.e.mounts[0]
-	adopted := func() bool { return (*m.cluster.dead.Load())[clustercap.Tag("d")] }
+	adopted := func() bool { return m.cluster.Inspect().Dead[clustercap.Tag("d")] }
 	testwait.Until(t, "node A adopting node D after D's stop", testwait.Hang, adopted)
 	if got := a.e.Stats().Mounts[0].Entries; got < 3 {
 		t.Fatalf("node A indexes %d files after adopting D, want D's 3", got)
@@ -427,15 +425,15 @@ func TestClusterNeverEvictsTheFilesOfALiveNodeWhoseFlockItCannotSee(t *testing.T
 		want[i] = l.c.data(b)
 	}
 	m, lm := a.e.mounts[0], l.e.mounts[0]
-	for range unsharedProbes + 1 { // L runs: its summary fresh and growing
-		lm.cluster.tick(ctx, l.e, lm)
-		m.cluster.tick(ctx, a.e, m)
+	for range cluster.UnsharedProbes + 1 { // L runs: its summary fresh and growing
+		lm.cluster.Tick(ctx)
+		m.cluster.Tick(ctx)
 	}
 	if n := unshared.Load(); n != 1 {
-		t.Errorf("A found L's lock free at %d reads while L ran: said %d times that flocks are not shared, want once", unsharedProbes+1, n)
+		t.Errorf("A found L's lock free at %d reads while L ran: said %d times that flocks are not shared, want once", cluster.UnsharedProbes+1, n)
 	}
 	clock.advance(4 * time.Hour) // L's summary stalls, as A sees it
-	m.cluster.tick(ctx, a.e, m)
+	m.cluster.Tick(ctx)
 	storeKeys(t, a, "a", 12, r)
 	if left := clusterFiles(dir, "l"); isAdopted(a.e, "l") || len(left) != 2 {
 		t.Errorf("L's summary stalled: A holds L's adoption: %v; L's cluster files left: %v, want its summary and lock", isAdopted(a.e, "l"), left)
@@ -457,7 +455,7 @@ func TestClusterANodeWhoseLockFileIsRemovedWhileItRunsLocksItAgain(t *testing.T)
 		t.Fatal(err)
 	}
 	m := x.e.mounts[0]
-	m.cluster.tick(ctx, x.e, m)
+	m.cluster.Tick(ctx)
 	probe, err := clustercap.OpenDir(fsys.OS{}, dir, "probe")
 	if err != nil {
 		t.Fatal(err)
@@ -487,15 +485,15 @@ func TestClusterANodeWhoseLockAnotherCopyTookRemovesNoneOfItsFiles(t *testing.T)
 		t.Fatal(err)
 	}
 	m := x.e.mounts[0]
-	m.cluster.tick(ctx, x.e, m)
-	if !m.cluster.twinned.Load() {
+	m.cluster.Tick(ctx)
+	if !m.cluster.Twinned() {
 		t.Fatalf("another copy of node X holds X's lock: X still removes files of its owner tag")
 	}
 	if err := copyOfX.Close(); err != nil {
 		t.Fatal(err)
 	}
-	m.cluster.tick(ctx, x.e, m)
-	if m.cluster.twinned.Load() {
+	m.cluster.Tick(ctx)
+	if m.cluster.Twinned() {
 		t.Fatalf("the other copy of X stopped: X still removes none of its files")
 	}
 }
@@ -576,7 +574,7 @@ func storeKeys(t *testing.T, n *node, prefix string, count int, r *rand.Rand) []
 // isAdopted reports whether e holds the adoption of node on its first
 // mount.
 func isAdopted(e *Engine, node string) bool {
-	return (*e.mounts[0].cluster.dead.Load())[clustercap.Tag(node)]
+	return e.mounts[0].cluster.Inspect().Dead[clustercap.Tag(node)]
 }
 
 // tickPastDeadBound moves a's clock 4 hours on, past the dead-node bound
@@ -587,7 +585,7 @@ func isAdopted(e *Engine, node string) bool {
 func tickPastDeadBound(ctx context.Context, a *Engine, clock *testClock) *mount {
 	clock.advance(4 * time.Hour) // D's summary: stale
 	m := a.mounts[0]
-	m.cluster.tick(ctx, a, m)
+	m.cluster.Tick(ctx)
 	return m
 }
 
@@ -644,7 +642,7 @@ func TestClusterTickLeavesTheFilesOfANodeItFindsLiveAgain(t *testing.T) {
 		Time: time.Now().UnixNano(), Interval: int64(time.Hour), Bytes: 3 * fileSize, Claim: 3 * fileSize}); err != nil {
 		t.Fatal(err)
 	}
-	m.cluster.tick(ctx, a.e, m)
+	m.cluster.Tick(ctx)
 	for _, f := range files {
 		if _, err := os.Stat(f); err != nil {
 			t.Fatalf("A's tick, whose read found D live again, removed D's file %s", f)
@@ -679,14 +677,14 @@ func TestClusterCountsReservedAndGrantedBytesOnceEach(t *testing.T) {
 				t.Fatal(err)
 			}
 			t.Cleanup(func() { n.e.unreserve(m, s) })
-			if err := m.cluster.reserve(ctx, n.e, m, s); err != nil { // granted only
+			if err := m.cluster.Reserve(ctx, s); err != nil { // granted only
 				t.Fatal(err)
 			}
-			m.cluster.tick(ctx, n.e, m)
+			m.cluster.Tick(ctx)
 			if tt.giveBack {
-				m.cluster.giveBack(s)
+				m.cluster.GiveBack(s)
 			} else {
-				t.Cleanup(func() { m.cluster.giveBack(s) })
+				t.Cleanup(func() { m.cluster.GiveBack(s) })
 			}
 			if got := ownBytes(m); got != tt.want {
 				t.Fatalf("the node counts %d bytes of its own, want %d", got, tt.want)
@@ -728,9 +726,9 @@ func TestClusterAnAdopterThatCannotReadLetsGoOfTheNodesItAdopted(t *testing.T) {
 	}
 	fail.Store(true)
 	clusterNode(t, dir, "d", 1<<30, time.Hour) // D runs again
-	m.cluster.tick(ctx, a, m)
-	if m.mayEvict(ens[0]) || isAdopted(a, "d") || len(m.cluster.dir.Adopted()) > 0 {
-		t.Fatalf("A, its read failing, may still evict the file of D, which runs again (adoption lock held: %v)", m.cluster.dir.Adopted())
+	m.cluster.Tick(ctx)
+	if m.mayEvict(ens[0]) || isAdopted(a, "d") || len(m.cluster.Dir().Adopted()) > 0 {
+		t.Fatalf("A, its read failing, may still evict the file of D, which runs again (adoption lock held: %v)", m.cluster.Dir().Adopted())
 	}
 	if got := ownBytes(m); got != 0 {
 		t.Errorf("A, its read failing, counts %d bytes of its own, want 0 (D's file is D's)", got)
@@ -750,7 +748,7 @@ func besideDeadNode(t *testing.T, dir string, keys int, inj fsys.Injector, more 
 	d := clusterNode(t, dir, "d", 1<<30, time.Hour)
 	storeKeys(t, d, "d", keys, rand.New(rand.NewPCG(uint64(keys), 9)))
 	m := a.mounts[0]
-	m.cluster.tick(context.Background(), a, m) // A finds D's lock held while D runs: flocks shared
+	m.cluster.Tick(context.Background()) // A finds D's lock held while D runs: flocks shared
 	if err := d.e.Close(context.Background()); err != nil {
 		t.Fatal(err)
 	}
@@ -793,7 +791,7 @@ func TestClusterAnAdoptionWalkCutShortIsDoneAgain(t *testing.T) {
 		t.Fatal("A's first tick adopted D, but no directory read of its walk failed")
 	}
 	clock.advance(time.Hour) // one interval: the walk is due again
-	m.cluster.tick(ctx, a, m)
+	m.cluster.Tick(ctx)
 	if got := len(entriesOf(a, "d")); got != 8 {
 		t.Fatalf("A adopted D (8 files on the mount) but indexes %d of them, a tick after one failed directory read of its walk", got)
 	}
@@ -823,7 +821,7 @@ func TestClusterAWalkThatKeepsFailingIsPutOffLongerEachTime(t *testing.T) {
 	}
 	for range 7 { // reads at 1..7 intervals: walks due at 1, 3 and 7
 		clock.advance(time.Hour)
-		m.cluster.tick(ctx, a, m)
+		m.cluster.Tick(ctx)
 	}
 	if walks := failed.Load() / perWalk; walks != 4 {
 		t.Fatalf("8 reads an interval apart, a directory failing throughout: %d walks of the mount, want 4 (at 0, 1, 3 and 7 intervals)", walks)
@@ -831,7 +829,7 @@ func TestClusterAWalkThatKeepsFailingIsPutOffLongerEachTime(t *testing.T) {
 	failing.Store(false)
 	for range 8 { // the next walk is due 8 intervals after the last
 		clock.advance(time.Hour)
-		m.cluster.tick(ctx, a, m)
+		m.cluster.Tick(ctx)
 	}
 	if got := len(entriesOf(a, "d")); got != 8 {
 		t.Fatalf("the directory readable again: A indexes %d of D's 8 files after the due walk", got)
@@ -859,7 +857,7 @@ func TestClusterReclaimsTheAbandonedTemporaryFilesOfADeadNode(t *testing.T) {
 	}
 	clock.advance(time.Minute) // D's summary: stale
 	m := a.e.mounts[0]
-	m.cluster.tick(ctx, a.e, m)
+	m.cluster.Tick(ctx)
 	if !isAdopted(a.e, "d") {
 		t.Fatal("A did not adopt D")
 	}
@@ -867,7 +865,7 @@ func TestClusterReclaimsTheAbandonedTemporaryFilesOfADeadNode(t *testing.T) {
 		t.Fatalf("A removed dead node D's temporary file, younger than temp_grace: %v", err)
 	}
 	clock.advance(time.Hour)
-	m.cluster.tick(ctx, a.e, m)
+	m.cluster.Tick(ctx)
 	if _, err := os.Stat(tmp); err == nil {
 		t.Fatalf("dead node D's abandoned temporary file, an hour past temp_grace, is still on the mount after A adopted D")
 	}
@@ -896,7 +894,7 @@ func TestClusterAnotherNodesUseFromItsFutureCountsAsNow(t *testing.T) {
 		t.Fatal(err)
 	}
 	m := a.e.mounts[0]
-	m.cluster.tick(ctx, a.e, m)
+	m.cluster.Tick(ctx)
 	var last int64
 	a.e.ix.Inspect(func() { last = en.Marks().Last })
 	if last > now.UnixNano() {
@@ -941,13 +939,11 @@ func TestClusterAdoptsADeadNodeWhoseSummaryDoesNotDecode(t *testing.T) {
 				t.Fatal(err)
 			}
 			m := a.mounts[0]
-			m.cluster.mu.Lock()
-			m.cluster.shared["d"] = true // as a read of D's summary while D ran would have found
-			m.cluster.mu.Unlock()
+			m.cluster.MarkShared("d") // as a read of D's summary while D ran would have found
 			clock.advance(tt.age)
-			m.cluster.tick(ctx, a, m)
+			m.cluster.Tick(ctx)
 			if !tt.adopted {
-				if isAdopted(a, "d") || len(m.cluster.dir.Adopted()) > 0 {
+				if isAdopted(a, "d") || len(m.cluster.Dir().Adopted()) > 0 {
 					t.Fatalf("A adopted D, its summary %v old on A's clock (unreadable: %v)", tt.age, tt.unreadable)
 				}
 				return
@@ -983,7 +979,7 @@ func TestClusterRetiresADeadNodeWithNoFilesLeft(t *testing.T) {
 	dir := t.TempDir()
 	a, clock, keys := adoptableDeadNode(t, dir, 1<<30, 1, rand.New(rand.NewPCG(3, 3)))
 	m := tickPastDeadBound(ctx, a.e, clock)
-	m.cluster.tick(ctx, a.e, m)
+	m.cluster.Tick(ctx)
 	if !isAdopted(a.e, "d") || len(clusterFiles(dir, "d")) != 3 {
 		t.Fatalf("A, D's file still on the mount: adopted D %v, D's cluster files %v", isAdopted(a.e, "d"), clusterFiles(dir, "d"))
 	}
@@ -993,9 +989,9 @@ func TestClusterRetiresADeadNodeWithNoFilesLeft(t *testing.T) {
 	if got := diskBytes(t, dir); got != 0 {
 		t.Fatalf("%d bytes left on the mount after deleting D's one key", got)
 	}
-	m.cluster.tick(ctx, a.e, m)
-	if left := clusterFiles(dir, "d"); len(left) > 0 || len(m.cluster.dir.Adopted()) > 0 || isAdopted(a.e, "d") {
-		t.Fatalf("dead node D has no file left on the mount, yet %v stay and A holds the adoption of %v", left, m.cluster.dir.Adopted())
+	m.cluster.Tick(ctx)
+	if left := clusterFiles(dir, "d"); len(left) > 0 || len(m.cluster.Dir().Adopted()) > 0 || isAdopted(a.e, "d") {
+		t.Fatalf("dead node D has no file left on the mount, yet %v stay and A holds the adoption of %v", left, m.cluster.Dir().Adopted())
 	}
 }
 
@@ -1021,7 +1017,7 @@ func TestClusterAnAdopterRemovesADeadNodesFileShorterThanItsHeaderSays(t *testin
 		t.Fatal(err)
 	}
 	m := tickPastDeadBound(ctx, a.e, clock)
-	m.cluster.tick(ctx, a.e, m)
+	m.cluster.Tick(ctx)
 	if got, want := ownBytes(m), diskBytes(t, dir); got != want {
 		t.Fatalf("dead node D's file cut short (%d bytes of files on the mount): adopter A counts %d bytes; A holds D's adoption: %v, D's cluster files left: %v",
 			want, got, isAdopted(a.e, "d"), clusterFiles(dir, "d"))
@@ -1075,7 +1071,7 @@ func TestClusterNeverRetiresADeadNodeWhoseFileACachedListingHid(t *testing.T) {
 	if n, err := a.e.Delete(ctx, a.ns, first); err != nil || n != 1 {
 		t.Fatalf("delete D's first key on A: %d %v", n, err)
 	}
-	m.cluster.tick(ctx, a.e, m)
+	m.cluster.Tick(ctx)
 	wantDeadNodeStillAdopted(t, a, m, dir, "D's last file")
 }
 
@@ -1141,10 +1137,10 @@ func TestClusterNeverRetiresADeadNodeThatRanAgainBetweenTwoReads(t *testing.T) {
 			}
 			if tt.unreadable {
 				fail.Store(true)
-				m.cluster.tick(ctx, a.e, m)
+				m.cluster.Tick(ctx)
 				fail.Store(false)
 			}
-			m.cluster.tick(ctx, a.e, m)
+			m.cluster.Tick(ctx)
 			wantDeadNodeStillAdopted(t, a, m, dir, "D's file of its second run")
 		})
 	}
@@ -1164,8 +1160,8 @@ func TestClusterLetsGoOfADeadNodeRetiredElsewhere(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	m.cluster.tick(ctx, a.e, m)
-	if got := m.cluster.dir.Adopted(); len(got) > 0 || isAdopted(a.e, "d") {
+	m.cluster.Tick(ctx)
+	if got := m.cluster.Dir().Adopted(); len(got) > 0 || isAdopted(a.e, "d") {
 		t.Fatalf("D's cluster files gone (retired elsewhere), A still holds the adoption of %v", got)
 	}
 }
@@ -1216,7 +1212,7 @@ func TestClusterNeverRetiresADeadNodeWhoseFileItsWalkCouldNotRead(t *testing.T) 
 			}
 			unreadable.Store("")
 			clock.advance(time.Hour) // one interval: the walk is due again
-			m.cluster.tick(ctx, a, m)
+			m.cluster.Tick(ctx)
 			wantDeadNodeStillAdopted(t, &node{e: a}, m, dir, "D's file, unreadable at A's first walk")
 		})
 	}
@@ -1263,7 +1259,7 @@ func TestClusterCloseStopsAnAdoptionWalkUnderWay(t *testing.T) {
 		}
 	}
 	testwait.Until(t, "A adopting dead node D and walking the mount", testwait.Hang, isClosed(entered))
-	stop := a.clusterRun.ctx.Done()
+	stop := a.clusterRun.Done()
 	closed := make(chan error, 1)
 	go func() { closed <- a.Close(context.Background()) }()
 	testwait.Until(t, "A's Close stopping its cluster loop", testwait.Hang, isClosed(stop))
@@ -1387,7 +1383,7 @@ func TestClusterNeverRetiresADeadNodeWhoseFileAFailedStoreHeld(t *testing.T) {
 		t.Fatalf("A's walk skipped D's file, whose path A's store held, yet A retired D: adopted %v, D's cluster files %v", isAdopted(a.e, "d"), clusterFiles(dir, "d"))
 	}
 	clock.advance(time.Hour) // one interval: the walk is due again
-	m.cluster.tick(ctx, a.e, m)
+	m.cluster.Tick(ctx)
 	wantDeadNodeStillAdopted(t, a, m, dir, "D's file, held by A's failed store at A's first walk")
 }
 
@@ -1428,7 +1424,7 @@ func TestClusterKeepsADeadNodesClaimUntilItsAdopterCountsIt(t *testing.T) {
 	ticked := make(chan struct{})
 	go func() {
 		defer close(ticked)
-		m.cluster.tick(ctx, a.e, m)
+		m.cluster.Tick(ctx)
 	}()
 	<-held
 	var failed []error
@@ -1454,10 +1450,8 @@ func TestClusterKeepsADeadNodesClaimUntilItsAdopterCountsIt(t *testing.T) {
 	// A's summary now counts D's files and names D adopted: B stops
 	// counting D's own summary beside it.
 	mb := b.e.mounts[0]
-	mb.cluster.tick(ctx, b.e, mb)
-	mb.cluster.mu.Lock()
-	unclaimed := len(mb.cluster.unclaimed)
-	mb.cluster.mu.Unlock()
+	mb.cluster.Tick(ctx)
+	unclaimed := mb.cluster.Inspect().Unclaimed
 	if unclaimed != 0 {
 		t.Fatalf("B still counts %d dead nodes' summaries after A's summary counted D's files", unclaimed)
 	}
@@ -1494,7 +1488,7 @@ func TestClusterAdoptsAndRetiresADeadNodeWhereAnExclusiveFlockNeedsWriteAccess(t
 	if n, err := a.e.Delete(ctx, a.ns, keys); err != nil || n != 1 {
 		t.Fatalf("delete D's key on A: %d %v", n, err)
 	}
-	m.cluster.tick(ctx, a.e, m)
+	m.cluster.Tick(ctx)
 	if left := clusterFiles(dir, "d"); len(left) > 0 || isAdopted(a.e, "d") {
 		t.Fatalf("dead node D has no file left on the mount, yet %v stay and A still adopts it: %v", left, isAdopted(a.e, "d"))
 	}
@@ -1549,9 +1543,7 @@ func TestClusterAStalledPeersCutIsInForceOnlyWhileItsSummaryIsRecent(t *testing.
 				}
 			}
 			readNow := func() {
-				c.mu.Lock()
-				defer c.mu.Unlock()
-				if err := c.read(ctx, a.e, m); err != nil {
+				if err := c.Read(ctx); err != nil {
 					t.Fatal(err)
 				}
 			}
@@ -1565,7 +1557,7 @@ func TestClusterAStalledPeersCutIsInForceOnlyWhileItsSummaryIsRecent(t *testing.
 				readNow() // A sees P's summary change
 			}
 			clock.advance(tc.stall)
-			c.tick(ctx, a.e, m)
+			c.Tick(ctx)
 			if ev := a.e.Stats().Evictions; ev != tc.evicted {
 				t.Fatalf("with 4 files on the mount of a bound of 100, A evicted %d of its 3 files below P's cut-off %v after it, want %d", ev, tc.stall, tc.evicted)
 			}
@@ -1666,7 +1658,7 @@ func TestClusterALiveNodeWhoseSummaryDoesNotDecodeStillBoundsTheOthers(t *testin
 	a := clusterNode(t, dir, "a", capacity, time.Hour)
 	storeWithinBound(t, a, dir, "a", 8, capacity, r)
 	m := n.e.mounts[0]
-	m.cluster.tick(ctx, n.e, m) // N's summary readable again
+	m.cluster.Tick(ctx) // N's summary readable again
 	if got := storeWithinBound(t, a, dir, "b", 2, capacity, r); got == 0 {
 		t.Fatal("A stored none of 2 keys once N's summary decoded again (2 files of room left)")
 	}
@@ -1693,10 +1685,7 @@ func TestClusterARefusedStoreLeavesNoRaisedClaimPublished(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	c := a.e.mounts[0].cluster
-	c.mu.Lock()
-	claim := c.claim
-	c.mu.Unlock()
+	claim := a.e.mounts[0].cluster.Inspect().Claim
 	if s.Claim > claim {
 		t.Fatalf("A's published claim is %d bytes after a refused store, above its claim of %d", s.Claim, claim)
 	}

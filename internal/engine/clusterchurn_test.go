@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"slices"
 	"testing"
 	"time"
 
@@ -32,11 +33,9 @@ func TestClusterForgetsThePairingsOfNodesRetired(t *testing.T) {
 		name := fmt.Sprintf("d%d", i)
 		d := clusterNodeAt(t, dir, name, 1<<30, time.Hour, clock.now)
 		dm := d.e.mounts[0]
-		dm.cluster.tick(ctx, d.e, dm)
-		m.cluster.tick(ctx, a.e, m) // D runs: A's probe finds its lock held
-		m.cluster.mu.Lock()
-		paired := m.cluster.shared[name]
-		m.cluster.mu.Unlock()
+		dm.cluster.Tick(ctx)
+		m.cluster.Tick(ctx) // D runs: A's probe finds its lock held
+		paired := slices.Contains(m.cluster.Inspect().Shared, name)
 		if !paired {
 			t.Fatalf("A did not pair with running node %s on a file system that shares flocks", name)
 		}
@@ -44,14 +43,13 @@ func TestClusterForgetsThePairingsOfNodesRetired(t *testing.T) {
 			t.Fatal(err)
 		}
 		tickPastDeadBound(ctx, a.e, clock) // D's lock free: adopted and, with no file, retired
-		m.cluster.tick(ctx, a.e, m)
+		m.cluster.Tick(ctx)
 		if left := clusterFiles(dir, name); len(left) > 0 {
 			t.Fatalf("dead node %s with no file was not retired: %v left", name, left)
 		}
 	}
-	m.cluster.mu.Lock()
-	shared, shares := len(m.cluster.shared), m.cluster.lockShared()
-	m.cluster.mu.Unlock()
+	v := m.cluster.Inspect()
+	shared, shares := len(v.Shared), v.LockShared
 	if shared != 0 || len(shares) != 0 {
 		t.Fatalf("after %d nodes came, died and were retired, A keeps %d pairings and publishes %v; want none", churn, shared, shares)
 	}
@@ -73,11 +71,9 @@ func TestClusterForgetsTheProbesOfNodesGone(t *testing.T) {
 		name := fmt.Sprintf("l%d", i)
 		l := clusterNodeOf(t, Config{Mounts: mnt, NodeID: name, FS: fsystest.NewLocalLocks(fsys.OS{})})
 		lm := l.e.mounts[0]
-		lm.cluster.tick(ctx, l.e, lm)
-		m.cluster.tick(ctx, a.e, m) // L runs: A probes its lock (free)
-		m.cluster.mu.Lock()
-		probed := m.cluster.probes[name] != nil
-		m.cluster.mu.Unlock()
+		lm.cluster.Tick(ctx)
+		m.cluster.Tick(ctx) // L runs: A probes its lock (free)
+		probed := slices.Contains(m.cluster.Inspect().Probed, name)
 		if !probed {
 			t.Fatalf("A did not probe running node %s", name)
 		}
@@ -89,11 +85,9 @@ func TestClusterForgetsTheProbesOfNodesGone(t *testing.T) {
 				t.Fatal(err)
 			}
 		}
-		m.cluster.tick(ctx, a.e, m)
+		m.cluster.Tick(ctx)
 	}
-	m.cluster.mu.Lock()
-	probes := len(m.cluster.probes)
-	m.cluster.mu.Unlock()
+	probes := len(m.cluster.Inspect().Probed)
 	if probes != 0 {
 		t.Fatalf("after %d nodes came and went, their summaries gone, A keeps %d probes; want none", churn, probes)
 	}

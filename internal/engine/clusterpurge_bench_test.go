@@ -32,34 +32,32 @@ func BenchmarkClusterTickScans(b *testing.B) {
 	var i int64
 	// counted in byFP, as applyPurges asks it
 	b.Cleanup(e.ix.AddUnlinked(fp, func(uint64) *entry {
-		en := &entry{FP: fp, Mount: m.idx, Size: 1 << 20, FID: clustercap.FileID(c.tag, rand.Uint64()),
+		en := &entry{FP: fp, Mount: m.idx, Size: 1 << 20, FID: clustercap.FileID(c.Tag(), rand.Uint64()),
 			Last: now + i, Keys: []string{fmt.Sprint(i)}}
 		en.Ident.Mtime = now + i
 		i++
 		return en
 	}, entries))
-	c.mu.Lock()
-	defer c.mu.Unlock()
 	b.Run("count", func(b *testing.B) {
 		for b.Loop() {
-			c.count(ctx, e, m)
+			c.Count(ctx)
 		}
 	})
 	b.Run("applyPurges-no-record", func(b *testing.B) {
 		for b.Loop() {
-			c.applyPurges(ctx, e, m)
+			c.ApplyPurges(ctx)
 		}
 	})
 	purgeRecordAt(b, c, 0x5678, now)
 	b.Run("applyPurges-record-of-another-namespace", func(b *testing.B) {
 		for b.Loop() {
-			c.applyPurges(ctx, e, m)
+			c.ApplyPurges(ctx)
 		}
 	})
 	b.Run("applyPurges-older-record-of-the-namespace", func(b *testing.B) {
 		purgeRecordAt(b, c, fp, now-1)
 		for b.Loop() {
-			c.applyPurges(ctx, e, m)
+			c.ApplyPurges(ctx)
 		}
 	})
 }
@@ -68,13 +66,13 @@ func BenchmarkClusterTickScans(b *testing.B) {
 // has c read it.
 func purgeRecordAt(b *testing.B, c *clusterMount, fp uint64, t int64) {
 	b.Helper()
-	if err := os.WriteFile(filepath.Join(c.dir.Path(), fmt.Sprintf("%016x-%d.purge", fp, t)), nil, 0o644); err != nil {
+	if err := os.WriteFile(filepath.Join(c.Dir().Path(), fmt.Sprintf("%016x-%d.purge", fp, t)), nil, 0o644); err != nil {
 		b.Fatal(err)
 	}
-	if _, _, err := c.dir.ReadAll(); err != nil {
+	if _, _, err := c.Dir().ReadAll(); err != nil {
 		b.Fatal(err)
 	}
-	if got, ok := c.dir.PurgedAt(fp, t); !ok || got != t {
+	if got, ok := c.Dir().PurgedAt(fp, t); !ok || got != t {
 		b.Fatalf("record of %016x at %d read as %d (%v)", fp, t, got, ok)
 	}
 }

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/kvhost/kvhost/internal/clustercap"
+	"github.com/kvhost/kvhost/internal/engine/cluster"
 	"github.com/kvhost/kvhost/internal/format"
 	"github.com/kvhost/kvhost/internal/testwait"
 )
@@ -33,7 +34,7 @@ func purgeNode(t *testing.T, dir, id string) (*node, *node) {
 // tick runs n's cluster tick on its first mount now.
 func (n *node) tick() {
 	m := n.e.mounts[0]
-	m.cluster.tick(context.Background(), n.e, m)
+	m.cluster.Tick(context.Background())
 }
 
 // hits is how many of keys a lookup on n finds.
@@ -152,7 +153,7 @@ func TestAPurgeRecordSparesFilesStoredAfterItAndReachesANodeThatWasDown(t *testi
 	if _, err := a.e.Purge(ctx, smallGeometry(true).Fingerprint()); err != nil {
 		t.Fatal(err)
 	}
-	at, ok := a.e.mounts[0].cluster.dir.PurgedAt(smallGeometry(true).Fingerprint(), purgeLimit(a.e.now()))
+	at, ok := a.e.mounts[0].cluster.Dir().PurgedAt(smallGeometry(true).Fingerprint(), cluster.PurgeLimit(a.e.now()))
 	if !ok {
 		t.Fatal("no purge record after A's purge")
 	}
@@ -292,7 +293,7 @@ func TestAPurgeRecordFarAheadOfTheClockIsNotApplied(t *testing.T) {
 	if _, err := a.e.Purge(ctx, fp); err != nil {
 		t.Fatal(err)
 	}
-	at, ok := a.e.mounts[0].cluster.dir.PurgedAt(fp, purgeLimit(a.e.now()))
+	at, ok := a.e.mounts[0].cluster.Dir().PurgedAt(fp, cluster.PurgeLimit(a.e.now()))
 	if !ok {
 		t.Fatal("no purge record after A's purge")
 	}
@@ -334,7 +335,7 @@ func TestAPurgeRecordReachesTheFilesANodeKeepsOnItsOwnMounts(t *testing.T) {
 	shared, local := t.TempDir(), t.TempDir()
 	a, _ := purgeNode(t, shared, "a")
 	b := clusterNodeOf(t, Config{Mounts: []Mount{{Path: local}, {Path: shared, ClusterCapacity: 1 << 30, ClusterInterval: time.Hour}}, NodeID: "b"})
-	tickB := func() { b.e.mounts[1].cluster.tick(ctx, b.e, b.e.mounts[1]) }
+	tickB := func() { b.e.mounts[1].cluster.Tick(ctx) }
 	old := storeKeys(t, b, "old", 2, rand.New(rand.NewPCG(21, 22)))
 	if n := len(kvFiles(t, local)); n != 2 {
 		t.Fatalf("B's keys: %d files on its local mount, want 2", n)
@@ -343,7 +344,7 @@ func TestAPurgeRecordReachesTheFilesANodeKeepsOnItsOwnMounts(t *testing.T) {
 	if _, err := a.e.Purge(ctx, fp); err != nil {
 		t.Fatal(err)
 	}
-	at, ok := a.e.mounts[0].cluster.dir.PurgedAt(fp, purgeLimit(a.e.now()))
+	at, ok := a.e.mounts[0].cluster.Dir().PurgedAt(fp, cluster.PurgeLimit(a.e.now()))
 	if !ok {
 		t.Fatal("no purge record after A's purge")
 	}
@@ -378,7 +379,7 @@ func TestAnAdopterAppliesThePurgeRecordsToADeadNodesFiles(t *testing.T) {
 	if _, err := a.e.Purge(ctx, smallGeometry(true).Fingerprint()); err != nil {
 		t.Fatal(err)
 	}
-	at, ok := a.e.mounts[0].cluster.dir.PurgedAt(smallGeometry(true).Fingerprint(), purgeLimit(a.e.now()))
+	at, ok := a.e.mounts[0].cluster.Dir().PurgedAt(smallGeometry(true).Fingerprint(), cluster.PurgeLimit(a.e.now()))
 	if !ok {
 		t.Fatal("no purge record after A's purge")
 	}

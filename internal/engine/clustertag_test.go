@@ -39,7 +39,7 @@ func TestClusterAnAdopterLeavesTheFilesOfALiveNodeOfTheDeadNodesTag(t *testing.T
 	a := clusterNodeAt(t, dir, "a", capacity, time.Hour, clock.now)
 	d := clusterNode(t, dir, deadID, capacity, time.Hour)
 	m := a.e.mounts[0]
-	m.cluster.tick(ctx, a.e, m) // A finds D's lock held while D runs: flocks shared
+	m.cluster.Tick(ctx) // A finds D's lock held while D runs: flocks shared
 	storeKeys(t, d, "d", 2, r)
 	if err := d.e.Close(ctx); err != nil {
 		t.Fatal(err)
@@ -62,7 +62,7 @@ func TestClusterAnAdopterLeavesTheFilesOfALiveNodeOfTheDeadNodesTag(t *testing.T
 		storeAndCheck(t, l.e, l.c, [][]byte{k}, [][]int{blocks[i]})
 	}
 	lm := l.e.mounts[0]
-	lm.cluster.tick(ctx, l.e, lm) // L's summary counts its files
+	lm.cluster.Tick(ctx) // L's summary counts its files
 	liveFiles := map[string]bool{}
 	for _, p := range kvFiles(t, dir) {
 		if !before[p] {
@@ -73,7 +73,7 @@ func TestClusterAnAdopterLeavesTheFilesOfALiveNodeOfTheDeadNodesTag(t *testing.T
 		t.Fatalf("%d data files of D's 2 stores, %d of L's 2", len(before), len(liveFiles))
 	}
 
-	m.cluster.tick(ctx, a.e, m)
+	m.cluster.Tick(ctx)
 	for i := range 12 {
 		bl := []int{4 * (i % 16), 4*(i%16) + 1, 4*(i%16) + 2, 4*(i%16) + 3}
 		a.c.fill(r, bl)
@@ -81,7 +81,7 @@ func TestClusterAnAdopterLeavesTheFilesOfALiveNodeOfTheDeadNodesTag(t *testing.T
 		if kr := res.Keys[0]; kr.Outcome != OutcomeStored && (kr.Outcome != OutcomeFailed || !errors.Is(kr.Err, ErrNoSpace)) {
 			t.Fatalf("A's store %d: %v, %v; want stored or refused for room", i, kr.Outcome, kr.Err)
 		}
-		m.cluster.tick(ctx, a.e, m)
+		m.cluster.Tick(ctx)
 	}
 	for p := range liveFiles {
 		if _, err := os.Stat(p); err != nil {
@@ -201,7 +201,7 @@ func wantRetiredOnceItsFileIsGone(t *testing.T, a *Engine, dir, file string, fix
 	if _, err := os.Stat(file); err != nil {
 		t.Fatalf("D's file is gone though its removal failed: %v", err)
 	}
-	m.cluster.tick(ctx, a, m)
+	m.cluster.Tick(ctx)
 	if left := clusterFiles(dir, "d"); len(left) != 3 || !isAdopted(a, "d") {
 		t.Fatalf("D's file %s is still on the mount, yet A retired D: D's cluster files %v, adopted %v", file, left, isAdopted(a, "d"))
 	}
@@ -212,7 +212,7 @@ func wantRetiredOnceItsFileIsGone(t *testing.T, a *Engine, dir, file string, fix
 	if _, err := os.Stat(file); !errors.Is(err, os.ErrNotExist) {
 		t.Fatalf("D's file after A's retry: %v, want gone", err)
 	}
-	m.cluster.tick(ctx, a, m)
+	m.cluster.Tick(ctx)
 	if left := clusterFiles(dir, "d"); len(left) > 0 || isAdopted(a, "d") {
 		t.Fatalf("D has no file left on the mount, yet %v stay and A holds its adoption: %v", left, isAdopted(a, "d"))
 	}
@@ -254,7 +254,7 @@ func (h *heldRemoval) retireNoneWhile(t *testing.T, a *Engine, file, what string
 	finish := sync.OnceFunc(func() { close(h.release); err = <-done })
 	defer finish() // a failing check leaves no removal held
 	testwait.Until(t, what+"'s removal of D's file to be held", testwait.Hang, h.held.Load)
-	m.cluster.tick(context.Background(), a, m)
+	m.cluster.Tick(context.Background())
 	if left := clusterFiles(h.dir, "d"); len(left) != 3 || !isAdopted(a, "d") {
 		t.Fatalf("%s's removal of D's file %s is under way, yet A retired D: D's cluster files %v, adopted %v", what, file, left, isAdopted(a, "d"))
 	}

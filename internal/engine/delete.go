@@ -158,7 +158,7 @@ func (e *Engine) Purge(ctx context.Context, fp uint64) (PurgeResult, error) {
 	if !e.purge(ctx, []uint64{fp}, &r) && !known && !clustered(e.mounts) {
 		return r, fmt.Errorf("%w: no namespace of fingerprint %016x, and no file of one (kvhost stats lists them)", ErrUnknownNamespace, fp)
 	}
-	return r, e.recordPurges(ctx, []uint64{fp})
+	return r, recordPurges(ctx, e.mounts, []uint64{fp})
 }
 
 // PurgeModel is Purge for every namespace declared with model id model
@@ -194,7 +194,7 @@ func (e *Engine) PurgeModel(ctx context.Context, model string) (PurgeResult, err
 	}
 	var r PurgeResult
 	e.purge(ctx, fps, &r)
-	return r, e.recordPurges(ctx, fps)
+	return r, recordPurges(ctx, e.mounts, fps)
 }
 
 // purge removes the files of the namespaces of fps indexed now
@@ -203,7 +203,7 @@ func (e *Engine) PurgeModel(ctx context.Context, model string) (PurgeResult, err
 // and reports whether there were any such files (found) and whether it
 // removed one. One walk of the index serves every fingerprint. A file
 // for which mayRemove says no (another node's on a cluster mount:
-// Engine.mayPurge) is only dropped from the index: its node removes it,
+// mayPurge) is only dropped from the index: its node removes it,
 // told by the purge record the caller writes next (recordPurges).
 func (r *remover) purge(ctx context.Context, fps []uint64, mayRemove func(*entry) bool, res *PurgeResult) (found, removed bool) {
 	res.Namespaces += len(fps)
@@ -254,7 +254,7 @@ func (r *remover) purgeEntries(ctx context.Context, ens []*entry, mayRemove func
 // purge is remover.purge with the cluster's say on other nodes' files
 // (mayPurge), making room for spares ahead where it removed a file.
 func (e *Engine) purge(ctx context.Context, fps []uint64, res *PurgeResult) bool {
-	found, removed := e.rm.purge(ctx, fps, e.mayPurge, res)
+	found, removed := e.rm.purge(ctx, fps, mayPurge(e.mounts), res)
 	if removed {
 		e.spareRoom() // room for spares made ahead
 	}

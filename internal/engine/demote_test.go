@@ -1300,9 +1300,7 @@ func TestMovesToAnEarlierClusterMountStayWithinTheClusterCapacity(t *testing.T) 
 
 // ownBytes is the node's count of its bytes on m's cluster mount.
 func ownBytes(m *mount) int64 {
-	m.cluster.mu.Lock()
-	defer m.cluster.mu.Unlock()
-	return m.cluster.own
+	return m.cluster.Inspect().Own
 }
 
 // TestAFailedMoveToAnEarlierClusterMountGivesItsClusterGrantBack: moves

@@ -125,7 +125,7 @@ type Engine struct {
 	tierSt     tierCounters // moves between mounts (demote.go)
 	maker      *spareMaker  // spares made ahead of stores (ahead.go); nil without Mount.Preallocate
 	warm       *warmer      // files offered to the movers ahead of jobs (warm.go); nil where none takes them
-	clusterRun clusterRun   // loops of the cluster mounts (cluster.go)
+	clusterRun clusterLoops // loops of the cluster mounts (cluster.go)
 
 	// evictWaits counts the reservations that found no room below a
 	// mount's high watermark and went to its eviction lock (reserveUsed;
@@ -224,7 +224,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 			e.closeOwners()
 		}
 		if !ok {
-			e.clusterRun.close(e.mounts)
+			e.clusterRun.Close(clusters(e.mounts))
 		}
 		if !ok && e.lock != nil {
 			e.lock.Close()
@@ -279,7 +279,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	e.openOwners() // before the walk, which keeps live owners' spares
 	// The cluster locks before the walk too: an adopter of this node's
 	// files then lets go of them (openCluster).
-	if err := e.openCluster(); err != nil {
+	if err := openCluster(e); err != nil {
 		pool.Close()
 		return nil, err
 	}
@@ -302,7 +302,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	e.restore(ctx)
 	// Before the cluster's first count, which may evict this node's files.
 	e.holdFound(ctx, cfg.RestartHold)
-	if err := e.countCluster(ctx); err != nil {
+	if err := countCluster(ctx, e.mounts); err != nil {
 		e.releaseFound(false)
 		pool.Close()
 		return nil, err
@@ -311,7 +311,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	e.startTiering(ctx)
 	e.startSpareMaker()
 	e.startWarmer()
-	e.clusterRun.start(ctx, e)
+	e.clusterRun.Start(ctx, clusters(e.mounts))
 	ok = true
 	st := e.Stats()
 	e.log.Info("engine: open", "mounts", len(e.mounts), "entries", st.Entries, "keys", st.Keys, "rebuild", time.Since(start))
@@ -414,7 +414,7 @@ func (e *Engine) shutdown() {
 	e.stopTiering()
 	e.stopSpareMaker()
 	e.stopWarmer()
-	e.clusterRun.close(e.mounts)
+	e.clusterRun.Close(clusters(e.mounts))
 	e.dropSpares()
 	e.closeOwners() // after the spares: none is left for another engine to find live
 	e.hitRec.close()

@@ -206,7 +206,7 @@ func (e *Engine) discover(ctx context.Context, ns *namespace, key []byte) *entry
 		e.log.Info("engine: file under the key's name belongs to another key or geometry", "path", paths[0], "err", err)
 		return nil
 	}
-	if e.purgedOnCluster(en) { // its node removes it at its next interval
+	if purgedOnCluster(e.mounts, e.now(), en) { // its node removes it at its next interval
 		e.log.Debug("engine: file of a purged namespace, written before the purge", "path", paths[0])
 		return nil
 	}

@@ -170,8 +170,8 @@ func (e *Engine) takesFiles(m *mount, room int64) error {
 		used, capacity := e.space.Usage(m.sp)
 		return fmt.Errorf("%w: mount %s: %d of %d bytes used, no room for %d below the high watermark", ErrNoSpace, m.root, used, capacity, room)
 	}
-	if c := m.cluster; c != nil && !c.fitsBound(room) {
-		return fmt.Errorf("%w: mount %s: no room for %d bytes of this node's within the cluster's capacity of %d", ErrNoSpace, m.root, room, c.bound.Capacity)
+	if c := m.cluster; c != nil && !c.FitsBound(room) {
+		return fmt.Errorf("%w: mount %s: no room for %d bytes of this node's within the cluster's capacity of %d", ErrNoSpace, m.root, room, c.Capacity())
 	}
 	return nil
 }

@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"github.com/kvhost/kvhost/internal/engine/cluster"
 	"github.com/kvhost/kvhost/internal/engine/index"
 	"github.com/kvhost/kvhost/internal/engine/space"
 )
@@ -24,4 +25,10 @@ const (
 type (
 	mountSpace = space.Mount
 	spareFile  = space.Spare
+)
+
+// The cluster part's types, as the engine's files name them.
+type (
+	clusterMount = cluster.Mount
+	clusterLoops = cluster.Run
 )

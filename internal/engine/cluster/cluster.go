@@ -1,0 +1,1149 @@
+package cluster
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"fmt"
+	"maps"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/host/policy"
+	"github.com/kvhost/kvhost/internal/clustercap"
+	"github.com/kvhost/kvhost/internal/engine/index"
+	"github.com/kvhost/kvhost/internal/engine/space"
+)
+
+// DefaultInterval is the interval of Open when it is zero.
+const DefaultInterval = time.Second
+
+// maxRewalkIntervals bounds how long, in cluster intervals, a failed walk
+// of the mount for an adopted node's files puts off the next one.
+const maxRewalkIntervals = 32
+
+// Mount is the cluster state of one mount (Open).
+type Mount struct {
+	Group    // what it works with of the engine's; immutable
+	dir      *clustercap.Dir
+	bound    clustercap.Bound
+	interval time.Duration
+	tag      uint32
+
+	mu  sync.Mutex // guards the rest; one claim or tick at a time
+	own int64      // own bytes at the last count, plus reservations since
+	// pending is the bytes reserve granted that the mount's space
+	// has not reserved yet (ReserveGrant takes them there, GiveBack drops
+	// them): a count adds them to the space's reservations.
+	pending int64
+	claim   int64
+	seq     uint64
+	pub     *clustercap.Summary // the last summary published
+	// The rest, in groups, all under mu but where a field says otherwise.
+	clusterView
+	clusterAdoption
+	clusterFlocks
+	clusterTwin
+	lost  bool  // the last read or write of the directory failed
+	since int64 // foreign uses after this time are reported (Unix ns)
+	// floor holds, per file id of this node's, the highest rank another
+	// node reported for its use of the file (Touch.Rank): the file ranks
+	// at least that high here. Entries of files gone are dropped by count.
+	floor map[uint64]uint64
+	// rankFailed: the policy's last rank call failed (logged once until
+	// it succeeds again).
+	rankFailed bool
+	// ahead holds, by fingerprint, the purge record dated too far ahead
+	// of this node's clock to apply (clustercap.PurgeAhead) that a tick
+	// logged: each is logged once.
+	ahead map[uint64]int64
+}
+
+// clusterView is what the last read of a cluster mount's directory found
+// of the other nodes (guarded by Mount.mu).
+type clusterView struct {
+	peers []*clustercap.Summary // the live others, as last read
+	// watch records, on this node's clock, when each read found a live
+	// peer's summary changed: a peer's cut-off stays in force only while
+	// the summary carrying it is recent as this node saw it (cutsOf).
+	watch clustercap.Watch
+	// unclaimed holds, as last read, the summaries of dead nodes whose
+	// files no live node's summary counts yet, this node's included
+	// (clustercap.Unclaimed): counted beside peers (others).
+	unclaimed []*clustercap.Summary
+	// fresh holds the running nodes whose summaries the last read found
+	// fresh: a tick probes their locks (probeLocks), a claim raise's read
+	// does not (no probe on a store's path).
+	fresh []*clustercap.Summary
+	// bad holds the nodes whose summary the last read could not use
+	// (logged once, at the read that first found it so).
+	bad map[string]bool
+	// unknown holds the nodes of bad that may be running (their summary
+	// file fresh, or their lock not found free) and of which no summary
+	// was ever read to stand in: nothing says what they hold, so while
+	// any is left this node's claim grows no further (Mount.Reserve,
+	// FitsBound): a node that counted them as holding nothing could take
+	// the room their files take.
+	unknown map[string]bool
+}
+
+// clusterAdoption is the dead nodes this node adopted on a cluster mount
+// and the walks of their files (guarded by Mount.mu but where a
+// field says otherwise).
+type clusterAdoption struct {
+	// dead holds the tags of the dead nodes this node adopted (it holds
+	// their adoption locks: their files are its to count and evict);
+	// replaced whole under mu, read anywhere (MayEvict).
+	dead atomic.Pointer[map[uint32]bool]
+	// walked holds the adopted tags whose files a walk of the mount has
+	// indexed whole (adoptFiles without an error), each with the run of
+	// the dead node it walked for (runOf its summary then): the others are
+	// walked again, a tag newly adopted, or of a node found dead after a
+	// run since the walk, at once, one adopted before at the first read
+	// from rewalkAt (Unix ns), which each failed walk puts off by
+	// rewalkWait, doubled from one interval up to maxRewalkIntervals: a
+	// directory that stays unreadable must not cost a walk of the whole
+	// mount, under mu, at every read.
+	walked     map[uint32]int64
+	rewalkAt   int64
+	rewalkWait time.Duration
+	// temps holds the temporary files of adopted nodes that a walk found
+	// and that are not gone yet (younger than temp_grace, or their removal
+	// failed), with their owner's tag: each read tries them again
+	// (cleanTemp).
+	temps map[string]uint32
+}
+
+// clusterFlocks is what this node found of flocks shared with the other
+// nodes of a cluster mount (guarded by Mount.mu).
+type clusterFlocks struct {
+	// shared holds the nodes with which this node found flocks shared on
+	// the mount (Summary.LockShared), while a summary of theirs is on the
+	// mount (forgetGone): a probe of
+	// the node's lock found it held while the node ran (its summary
+	// fresh, or stale with its lock held), or its summary names this
+	// node. A free lock proves a node dead only where flocks are so
+	// shared (mayAdopt): on a mount whose flocks stay on each node every
+	// probe finds another node's lock free.
+	shared map[string]bool
+	// probes holds, per running node not in shared, this node's probes of
+	// its lock (probeLocks), while a summary of its is on the mount
+	// (forgetGone).
+	probes map[string]*lockProbe
+	// unproven holds the dead nodes not adopted for want of shared
+	// flocks, as the last read found them (logged once).
+	unproven map[string]bool
+	// shadowed holds the dead nodes not adopted because a running peer
+	// carries their owner tag (read), as the last read found them
+	// (logged once).
+	shadowed map[string]bool
+}
+
+// clusterTwin is what this node found of nodes of its own owner tag: a
+// twin of another node_id, or a second copy of itself (guarded by
+// Mount.mu but where a field says otherwise).
+type clusterTwin struct {
+	// twin is a running node whose summary carries this node's owner tag,
+	// as the last read found ("" if none): another node_id of the tag that
+	// the start's check did not see (both started at once). Neither can
+	// tell its files from the other's, so while twinned this node removes
+	// none of the tag's (mayEvict: twinned is read anywhere).
+	twin    string
+	twinned atomic.Bool
+	// copied: at the last tick another process held this node's lock file
+	// (clustercap.Dir.Relock), a second copy of this node: set the twin.
+	copied bool
+}
+
+// lockProbe is this node's probing of a running node's lock (probeLocks).
+type lockProbe struct {
+	at   int64  // the last probe (Unix ns)
+	seq  uint64 // the node's summary at the last probe that found the lock free
+	free int    // probes that found it free, each with the node's summary grown since the last
+	said bool   // logged that flocks are not shared with it
+}
+
+// Lock probes of running nodes (probeLocks).
+const (
+	// maxLockProbes bounds the probes of one read.
+	maxLockProbes = 4
+	// UnsharedProbes is how many probes must find a running node's lock
+	// free, its summary growing in between, before this node logs that
+	// flocks are not shared with it.
+	UnsharedProbes = 3
+)
+
+// MayEvict reports whether this node may remove en's file: on the
+// mount, only its own files and those of the dead nodes it adopted, and
+// none of its tag while another running node has that tag (twinned).
+// It reads only en's immutable file id and the mount's atomics: callers
+// may hold the engine's locks or none (a pin's check,
+// othersRemove).
+func (c *Mount) MayEvict(en *index.Entry) bool {
+	o, ok := clustercap.Owner(en.FID)
+	if !ok || (o == c.tag && c.twinned.Load()) {
+		return false
+	}
+	return o == c.tag || (*c.dead.Load())[o]
+}
+
+// ranked is one of this node's entries with its eviction rank.
+type ranked struct {
+	en   *index.Entry
+	rank uint64
+}
+
+// rank is en's eviction rank without the policy: its last access (Unix
+// nanoseconds).
+func rank(en *index.Entry) uint64 { return uint64(max(en.Last, 0)) }
+
+// count takes stock of m for c: this node's evictable entries by rank,
+// its bytes (with stores in flight) and the other nodes' files it used
+// since c.since. Called with c.mu held.
+func (c *Mount) count(ctx context.Context) (own []ranked, bytes int64, touches []clustercap.Touch) {
+	dead := *c.dead.Load()
+	var foreign []ranked // used since c.since: touches
+	var indexed int64
+	c.Index.Each(func(en *index.Entry) {
+		if en.Mount != c.Idx {
+			return
+		}
+		indexed += en.Size
+		o, ok := clustercap.Owner(en.FID)
+		switch {
+		case ok && (o == c.tag || dead[o]):
+			own = append(own, ranked{en, rank(en)})
+			bytes += en.Size
+		case ok && en.Last > c.since && len(foreign) < clustercap.MaxTouches:
+			foreign = append(foreign, ranked{en, rank(en)})
+			touches = append(touches, clustercap.Touch{ID: en.FID, Time: en.Last})
+		}
+	})
+	used, _ := c.Space.Usage(c.Sp)
+	// Reservations and files on their way out, and grants the space has
+	// not reserved yet: a grant moves from pending to used in one hold of
+	// c.mu (ReserveGrant), which this count holds, so it counts once.
+	bytes += max(0, used-indexed) + c.pending
+
+	c.policyRanks(ctx, own, foreign)
+	for i := range foreign {
+		touches[i].Rank = foreign[i].rank
+	}
+	kept := make(map[uint64]uint64, len(c.floor))
+	for i := range own {
+		if f, ok := c.floor[own[i].en.FID]; ok {
+			own[i].rank = max(own[i].rank, f)
+			kept[own[i].en.FID] = f
+		}
+	}
+	c.floor = kept
+	slices.SortFunc(own, func(a, b ranked) int { return cmp.Compare(a.rank, b.rank) })
+	return own, bytes, touches
+}
+
+// policyRanks replaces the last-access ranks of own and foreign by the
+// policy's where it gives one (policy.Ranker): in batches, in one call.
+// A failed call leaves every rank as it was. Called with c.mu held.
+func (c *Mount) policyRanks(ctx context.Context, own, foreign []ranked) {
+	n := len(own) + len(foreign)
+	if n == 0 {
+		return
+	}
+	now := uint64(c.Host.Now().UnixNano())
+	recs := make([]abi.RankRecord, 0, n)
+	for _, set := range [][]ranked{own, foreign} {
+		for _, r := range set {
+			recs = append(recs, abi.RankRecord{Entry: r.en.ID, Time: now})
+		}
+	}
+	ok, err := c.Host.Rank(ctx, recs)
+	switch {
+	case err != nil:
+		if !c.rankFailed {
+			c.Log.Warn("engine: policy ranks unavailable; ranking this node's files by last access", "mount", c.Root, "err", err)
+		}
+		c.rankFailed = true
+		return
+	case !ok:
+		return
+	}
+	c.rankFailed = false
+	i := 0
+	for _, set := range [][]ranked{own, foreign} {
+		for j := range set {
+			if recs[i].State == abi.RankKnown {
+				set[j].rank = recs[i].Rank
+			}
+			i++
+		}
+	}
+}
+
+// read reads the other nodes' summaries: the live ones become c.peers;
+// the dead ones whose files no live node counts yet (none names them
+// adopted, nor has this node walked for them) become c.unclaimed; of the
+// dead ones (summary stale, lock free; or a summary file that does
+// not decode, stale, lock free: readBad), those whose adoption lock
+// this node holds or takes become c.dead, and their files on the mount
+// are indexed when newly adopted (they may have been written after this
+// node's start) or found dead after another run (runOf), and again until
+// a walk of the mount completes (after a failed walk, at the first read
+// from c.rewalkAt); a node adopted before that runs again is released, and so
+// is one no longer read at all; one whose files are all gone is retired
+// (retire). Touches of this node's files raise their last access. A
+// running node of this node's owner tag is recorded (setTwin). A read that fails
+// releases every adopted node: this node cannot tell whether they run
+// again. Called with c.mu held.
+func (c *Mount) read(ctx context.Context) error {
+	sums, bad, err := c.dir.ReadAll()
+	if err != nil {
+		c.releaseAll()
+		return err
+	}
+	now := c.Host.Now().UnixNano()
+	c.peers = c.peers[:0]
+	was := *c.dead.Load()
+	dead := map[uint32]bool{}
+	walk := map[uint32]bool{}    // adopted, their files not all indexed yet
+	names := map[uint32]string{} // the nodes of dead
+	runs := map[uint32]int64{}   // the runs of dead (runOf)
+	// The nodes whose summary this read could not use, their last one read
+	// standing in: a run since then is not seen (runOf), so none retires.
+	stood := map[string]bool{}
+	var deadSums []*clustercap.Summary // the dead nodes' summaries
+	defer func() {
+		// The adopted tags are published once their files are indexed:
+		// a node counted as adopted is counted whole.
+		defer c.dead.Store(&dead)
+		for tag := range c.walked {
+			if !dead[tag] {
+				delete(c.walked, tag) // released: walked again if adopted again
+			}
+		}
+		if len(walk) > 0 {
+			// Their files are this node's bytes from now on, before its
+			// next count: their owners' summaries no longer count them.
+			// Those indexed of the tags adopted before are counted already.
+			again := map[uint32]bool{}
+			for tag := range walk {
+				again[tag] = was[tag]
+			}
+			before := c.bytesOf(again)
+			n, err := c.Host.AdoptFiles(ctx, walk, c.temps)
+			if err != nil {
+				c.rewalkWait = min(max(2*c.rewalkWait, c.interval), maxRewalkIntervals*c.interval)
+				c.rewalkAt = now + c.rewalkWait.Nanoseconds()
+				if ctx.Err() == nil { // else the engine closes: the walk stopped
+					c.Log.Warn("engine: cluster: indexing a dead node's files; walking the mount again later", "mount", c.Root, "in", c.rewalkWait, "err", err)
+				}
+			} else {
+				c.rewalkWait = 0
+				for tag := range walk {
+					c.walked[tag] = runs[tag]
+				}
+			}
+			c.Log.Info("engine: cluster: adopted the files of dead nodes", "mount", c.Root, "files", n)
+			c.own += c.bytesOf(walk) - before
+		}
+		c.cleanTemps(dead)
+		// The dead nodes this node's count covers whole: walked. Taken
+		// before retire, which forgets those it retires (covered too).
+		walked := map[string]bool{}
+		for tag := range c.walked {
+			if dead[tag] {
+				walked[names[tag]] = true
+			}
+		}
+		c.unclaimed = clustercap.Unclaimed(deadSums, c.peers, func(node string) bool { return walked[node] })
+		c.retire(dead, names, stood)
+	}()
+	adopt := func(node string, tag uint32, run int64) {
+		ok, err := c.dir.Adopt(node)
+		if err != nil {
+			c.Log.Warn("engine: cluster: adoption lock", "mount", c.Root, "node", node, "err", err)
+		}
+		if ok {
+			dead[tag] = true
+			names[tag] = node
+			runs[tag] = run
+			// A node that ran again since the walk (its summary is not
+			// the one walked for) may have stored files the walk never
+			// saw: a new adoption, walked at once.
+			w, walked := c.walked[tag]
+			ranAgain := walked && w != run
+			if ranAgain {
+				delete(c.walked, tag)
+			}
+			if ranAgain || !walked && (!was[tag] || now >= c.rewalkAt) {
+				walk[tag] = true
+			}
+		}
+	}
+	touched := map[uint64]clustercap.Touch{} // by file id: the latest use, the highest rank
+	read := map[string]bool{}                // the nodes of sums
+	twin := ""                               // a running node of this node's tag
+	var fresh []*clustercap.Summary          // the nodes whose summary is fresh
+	unproven := map[string]bool{}
+	// proven holds the dead nodes found with flocks shared (their free
+	// locks prove them dead), adopted once the read knows every running
+	// node's tag (adoptProven).
+	type deadNode struct {
+		node string
+		tag  uint32
+		run  int64
+	}
+	var proven []deadNode
+	// adoptProven notes a dead node for adoption where flocks are found
+	// shared with it, else notes it unproven.
+	adoptProven := func(node string, tag uint32, run int64) {
+		if c.shared[node] {
+			proven = append(proven, deadNode{node, tag, run})
+		} else {
+			unproven[node] = true
+		}
+	}
+	for _, s := range sums {
+		read[s.Node] = true
+		if slices.Contains(s.LockShared, c.Node) {
+			c.shared[s.Node] = true // it found this node's lock held
+		}
+		stale := now-s.Time >= clustercap.StaleIntervals*s.Interval
+		live, err := clustercap.Live(s, now, c.dir.LockFree)
+		if err != nil {
+			c.Log.Warn("engine: cluster lock probe", "mount", c.Root, "node", s.Node, "err", err)
+		} else if live && stale {
+			c.shared[s.Node] = true // its lock found held
+		}
+		if !live {
+			deadSums = append(deadSums, s)
+			adoptProven(s.Node, s.Tag, runOf(s))
+			continue
+		}
+		if !stale {
+			fresh = append(fresh, s)
+		}
+		if err := c.dir.Release(s.Node); err != nil { // it runs again: its files are its own
+			c.Log.Warn("engine: cluster: adoption lock", "mount", c.Root, "node", s.Node, "err", err)
+		}
+		c.peers = append(c.peers, s)
+		if s.Tag == c.tag {
+			twin = s.Node
+		}
+		for _, t := range s.Touches {
+			if o, ok := clustercap.Owner(t.ID); ok && o == c.tag {
+				// A use is at most now: a time in this node's future (the
+				// other node's clock ahead) would outrank every use here
+				// until this node's clock caught up.
+				u := touched[t.ID]
+				touched[t.ID] = clustercap.Touch{ID: t.ID, Time: max(u.Time, min(t.Time, now)), Rank: max(u.Rank, t.Rank)}
+			}
+		}
+	}
+	if twin == "" && c.copied {
+		twin = c.Node + " (another copy: it holds this node's lock file)"
+	}
+	c.watch.See(c.peers, now)
+	c.setTwin(twin)
+	c.readBad(bad, read, now, adoptProven)
+	// A dead node whose owner tag a running peer carries (another node_id
+	// of the tag, started once the dead one's summary went stale) is not
+	// adopted: its files cannot be told from the running node's, which a
+	// walk for the tag would index as the dead node's and this node then
+	// evict. The running node counts and evicts the tag's files it
+	// indexed as its own; the dead node's last summary stays counted
+	// (Unclaimed). This node's own tag is no peer's to guard: its files
+	// are its own either way (and none is evicted while twinned).
+	carried := map[uint32]string{}
+	for _, p := range c.peers {
+		if p.Tag != c.tag {
+			carried[p.Tag] = p.Node
+		}
+	}
+	shadowed := map[string]bool{}
+	for _, dn := range proven {
+		if live, ok := carried[dn.tag]; ok {
+			shadowed[dn.node] = true
+			if !c.shadowed[dn.node] {
+				c.Log.Warn("engine: cluster: a dead node has the owner tag of a running node, whose files cannot be told from its own: not adopted; the running node counts and evicts the tag's files it indexed, and the dead node's last summary stays counted",
+					"mount", c.Root, "node", dn.node, "running", live, "tag", fmt.Sprintf("%#x", dn.tag))
+			}
+			continue
+		}
+		adopt(dn.node, dn.tag, dn.run)
+	}
+	c.shadowed = shadowed
+	c.forgetGone(read)
+	c.fresh = fresh
+	c.noteUnproven(unproven)
+	for node := range c.bad {
+		if read[node] {
+			stood[node] = true
+		}
+	}
+	if len(touched) == 0 {
+		return nil
+	}
+	// The use is an access of the file: the policy hears of it as a hit
+	// at its time, and the file ranks at least as the user ranks it.
+	recs := c.Index.Touch(c.Idx, func(fid uint64) (int64, bool) {
+		t, ok := touched[fid]
+		if ok {
+			c.floor[fid] = max(c.floor[fid], t.Rank)
+		}
+		return t.Time, ok
+	})
+	c.Host.Access(ctx, recs)
+	return nil
+}
+
+// forgetGone forgets the pairings and probes of the nodes that have no
+// summary on the mount any more, readable (read) or not (c.bad): retired
+// (by this node or another), or removed by hand. Nodes come and go under
+// names of their own (a pod's host name), and the sets grew by one name
+// per node ever seen; the pairings are published in every summary. A node
+// of a forgotten name that runs again is probed again (its first probe
+// pairs where flocks are shared), or pairs through its own summary.
+// Called with c.mu held, after readBad.
+func (c *Mount) forgetGone(read map[string]bool) {
+	gone := func(node string) bool { return !read[node] && !c.bad[node] }
+	maps.DeleteFunc(c.shared, func(node string, _ bool) bool { return gone(node) })
+	maps.DeleteFunc(c.probes, func(node string, _ *lockProbe) bool { return gone(node) })
+}
+
+// probeLocks probes, once a tick, the locks of running nodes (fresh:
+// their summaries are fresh) with which flocks are not yet found shared
+// (c.shared), at most maxLockProbes of them, those probed longest ago
+// first: a lock found held proves flocks shared between the two nodes (a
+// probe reaches the other's lock), so that its being free may later prove
+// the other dead (read). A node whose lock is found free UnsharedProbes
+// times, its summary grown between each two, ran through the probes:
+// flocks do not reach between the two nodes (an NFS mount with
+// local_lock=flock, local_lock=all or nolock on either), and this node
+// says so, once. Called with c.mu held.
+func (c *Mount) probeLocks(fresh []*clustercap.Summary, now int64) {
+	var due []*clustercap.Summary
+	for _, s := range fresh {
+		if c.shared[s.Node] {
+			delete(c.probes, s.Node)
+			continue
+		}
+		if c.probes[s.Node] == nil {
+			c.probes[s.Node] = &lockProbe{}
+		}
+		due = append(due, s)
+	}
+	slices.SortFunc(due, func(a, b *clustercap.Summary) int { return cmp.Compare(c.probes[a.Node].at, c.probes[b.Node].at) })
+	for _, s := range due[:min(len(due), maxLockProbes)] {
+		p := c.probes[s.Node]
+		p.at = now
+		free, err := c.dir.LockFree(s.Node)
+		switch {
+		case err != nil:
+			c.Log.Debug("engine: cluster lock probe of a running node", "mount", c.Root, "node", s.Node, "err", err)
+		case !free:
+			c.shared[s.Node] = true
+			delete(c.probes, s.Node)
+			c.Log.Debug("engine: cluster: flocks shared with another node", "mount", c.Root, "node", s.Node)
+		case p.free == 0 || s.Seq > p.seq:
+			p.free++
+			p.seq = s.Seq
+			if p.free >= UnsharedProbes && !p.said {
+				p.said = true
+				c.Log.Error("engine: cluster: another node's lock file reads free while it runs: flocks do not reach between the two nodes (an NFS mount with local_lock=flock, local_lock=all or nolock?); neither will take the other for dead, and a dead node's files stay counted but not evicted until it runs again",
+					"mount", c.Root, "node", s.Node, "probes", p.free)
+			}
+		}
+	}
+}
+
+// noteUnproven logs, once per node while it stays so, each dead node
+// (unproven) that this node does not adopt for want of shared flocks
+// (c.shared): its lock's being free proves nothing. Called with c.mu
+// held.
+func (c *Mount) noteUnproven(unproven map[string]bool) {
+	for node := range unproven {
+		if !c.unproven[node] {
+			c.Log.Warn("engine: cluster: a node looks dead (summary stale, lock free), but this node never found flocks shared with it, so a free lock proves nothing: not adopted; its files stay, evicted by no node, until it runs again",
+				"mount", c.Root, "node", node)
+		}
+	}
+	c.unproven = unproven
+}
+
+// lockShared names the nodes with which this node found flocks shared
+// (Summary.LockShared), at most clustercap.MaxAdopted of them. Called
+// with c.mu held.
+func (c *Mount) lockShared() []string {
+	out := slices.Sorted(maps.Keys(c.shared))
+	return out[:min(len(out), clustercap.MaxAdopted)]
+}
+
+// runOf identifies the run of a dead node by its last summary s: the
+// time s was published. A node publishes no summary once dead, so a
+// summary of another time, read while its adoption is held, means the
+// node ran again since (and may have stored files meanwhile).
+func runOf(s *clustercap.Summary) int64 { return s.Time }
+
+// twinNote says why none of this node's files is evictable while a twin
+// runs (setTwin), naming it; "" without one. Called with c.mu held.
+func (c *Mount) twinNote() string {
+	if c.twin == "" {
+		return ""
+	}
+	return fmt.Sprintf("none of its files evictable while node %q runs with its owner tag", c.twin)
+}
+
+// setTwin records twin, a running node of this node's owner tag that a
+// read found ("" if none), logging when one is found and when none is
+// left. Called with c.mu held.
+func (c *Mount) setTwin(twin string) {
+	switch {
+	case twin == c.twin:
+	case twin != "":
+		c.Log.Error("engine: cluster: another running node has this node's owner tag; removing none of the tag's files, which cannot be told apart, until one of them runs with another node_id",
+			"mount", c.Root, "node", c.Node, "other", twin, "tag", fmt.Sprintf("%#x", c.tag))
+	default:
+		c.Log.Info("engine: cluster: no other running node has this node's owner tag any more", "mount", c.Root, "other", c.twin)
+	}
+	c.twin = twin
+	c.twinned.Store(twin != "")
+}
+
+// retire retires the dead nodes of dead (names: their names) whose
+// files are all gone: a walk of the mount completed (c.walked), no entry
+// of theirs is left on m, nor a file of theirs whose removal failed or
+// is under way (leftOf), no temporary file of theirs either (c.temps);
+// but not one in stood, whose summary the read could not use (the last
+// one read stood in for it): it may have run, and stored files, since
+// the walk (runOf could not tell).
+// Dir.Retire removes their summaries, locks and adoption files; a node
+// retired leaves dead (and c.walked). Then it lets go of every adoption
+// this node holds of a node not in dead: one retired by another node
+// meanwhile (in neither of ReadAll's lists), or one whose summary could
+// not be read (unknown). Called with c.mu held.
+func (c *Mount) retire(dead map[uint32]bool, names map[uint32]string, stood map[string]bool) {
+	temps := map[uint32]bool{}
+	for _, tag := range c.temps {
+		temps[tag] = true
+	}
+	for tag := range dead {
+		if _, ok := c.walked[tag]; !ok || temps[tag] || stood[names[tag]] || c.bytesOf(map[uint32]bool{tag: true}) > 0 || c.leftOf(tag) {
+			continue
+		}
+		ok, err := c.dir.Retire(names[tag])
+		if err != nil {
+			c.Log.Warn("engine: cluster: retiring a dead node", "mount", c.Root, "node", names[tag], "err", err)
+		}
+		if ok {
+			c.Log.Info("engine: cluster: retired a dead node, none of its files left", "mount", c.Root, "node", names[tag])
+			delete(dead, tag)
+			delete(c.walked, tag)
+		}
+	}
+	for _, node := range c.dir.Adopted() {
+		if tag := clustercap.Tag(node); dead[tag] && names[tag] == node {
+			continue
+		}
+		if err := c.dir.Release(node); err != nil {
+			c.Log.Warn("engine: cluster: adoption lock", "mount", c.Root, "node", node, "err", err)
+		}
+	}
+}
+
+// readBad handles the summaries of bad (ReadAll's *SummaryErrors) of
+// nodes not in read (those have a last summary standing in). A node whose
+// summary does not decode is dead once the file is as stale as Live asks
+// of a summary (StaleIntervals of this mount's interval, by the file's
+// modification time; an unknown time is not stale) and its lock is free:
+// a running node holds its lock, and a stopped one of this version left
+// its summary whole (a crash while publishing, a version whose summary
+// this one cannot read). adopt adopts it, its run identified by the
+// file's modification time (as runOf). A node whose summary cannot be
+// read (the file system's error) is never adopted. Either kind, unless
+// its file is so stale and its lock free, may be running: it goes into
+// c.unknown, and this node's claim grows no further while any is there.
+// Each node is logged once while its summary stays bad. Called with c.mu
+// held.
+func (c *Mount) readBad(bad []error, read map[string]bool, now int64, adopt func(node string, tag uint32, run int64)) {
+	was, wasUnknown := c.bad, c.unknown
+	c.bad = make(map[string]bool, len(bad))
+	c.unknown = map[string]bool{}
+	for _, err := range bad {
+		var se *clustercap.SummaryError
+		if !errors.As(err, &se) {
+			continue
+		}
+		c.bad[se.Node] = true
+		if was[se.Node] {
+			c.Log.Debug("engine: cluster summary skipped", "mount", c.Root, "err", err)
+		} else {
+			c.Log.Warn("engine: cluster summary skipped", "mount", c.Root, "err", err)
+		}
+		if read[se.Node] {
+			continue
+		}
+		live := true // no modification time: no sign it stopped
+		if !se.ModTime.IsZero() {
+			var perr error
+			if live, perr = clustercap.LiveAt(se.Node, se.ModTime.UnixNano(), int64(c.interval), now, c.dir.LockFree); perr != nil {
+				c.Log.Warn("engine: cluster lock probe", "mount", c.Root, "node", se.Node, "err", perr)
+			}
+		}
+		if live {
+			c.unknown[se.Node] = true
+			if !wasUnknown[se.Node] {
+				c.Log.Warn("engine: cluster: a node that may be running has a summary this node cannot use, and none of it was read before: its files cannot be counted, so this node's claim grows no further until it can (or the node is found dead)",
+					"mount", c.Root, "node", se.Node, "claim", c.claim)
+			}
+			continue
+		}
+		if errors.Is(err, clustercap.ErrSummary) {
+			adopt(se.Node, clustercap.Tag(se.Node), se.ModTime.UnixNano())
+		}
+	}
+}
+
+// releaseAll gives up the adoption of every dead node: their files are no
+// longer this node's to count or evict (its next count leaves them out).
+// Called with c.mu held.
+func (c *Mount) releaseAll() {
+	c.dead.Store(&map[uint32]bool{})
+	clear(c.walked)
+	for _, node := range c.dir.Adopted() {
+		if err := c.dir.Release(node); err != nil {
+			c.Log.Warn("engine: cluster: adoption lock", "mount", c.Root, "node", node, "err", err)
+		}
+	}
+}
+
+// others is the summaries this node's claims and cut-offs count beside
+// its own: the live peers' and the unclaimed dead nodes'. Called with
+// c.mu held.
+func (c *Mount) others() []*clustercap.Summary {
+	return slices.Concat(c.peers, c.unclaimed)
+}
+
+// cutsOf is others for Decide at now (Unix ns): the cut-offs of the
+// summaries that may have stood, as this node saw them, longer than the
+// window (two intervals) since their cut cleared (clustercap.Watch.Cuts),
+// so that a peer whose publications stalled (its lock held, its last
+// summary kept) does not keep an old cut in force. Called with c.mu held.
+func (c *Mount) cutsOf(now int64) []*clustercap.Summary {
+	return c.watch.Cuts(c.others(), now, 2*int64(c.interval))
+}
+
+// adoptedNames names the dead nodes whose files c.own counts whole: this
+// node holds their adoption and a walk of the mount for them completed
+// (Summary.Adopted). Called with c.mu held.
+func (c *Mount) adoptedNames() []string {
+	dead := *c.dead.Load()
+	var out []string
+	for _, node := range c.dir.Adopted() {
+		tag := clustercap.Tag(node)
+		if _, walked := c.walked[tag]; walked && dead[tag] {
+			out = append(out, node)
+		}
+	}
+	slices.Sort(out)
+	return out
+}
+
+// publish writes c's summary with bytes and c.claim; cut, if non-zero, is
+// a cut-off this node computed now. Called with c.mu held.
+func (c *Mount) publish(sketch clustercap.Sketch, touches []clustercap.Touch, cut uint64) error {
+	c.seq++
+	c.claim = max(c.claim, c.own)
+	s := &clustercap.Summary{Version: clustercap.SummaryVersion, Node: c.Node, Tag: c.tag, Seq: c.seq, Time: c.Host.Now().UnixNano(),
+		Interval: int64(c.interval), Bytes: c.own, Claim: c.claim, Sketch: sketch, Touches: touches, Adopted: c.adoptedNames(), LockShared: c.lockShared()}
+	switch {
+	case cut > 0:
+		s.Cut, s.CutTime = cut, s.Time
+	case c.pub != nil:
+		s.Cut, s.CutTime = c.pub.Cut, c.pub.CutTime
+	}
+	if err := c.dir.Publish(s); err != nil {
+		return err
+	}
+	c.pub = s
+	return nil
+}
+
+// Tick is the periodic work on a cluster mount: read the others, apply
+// the purge records (applyPurges), count, evict below the cut-off,
+// publish. It reads first: the count is then of
+// the nodes adopted now, none that the read found running again. A failed
+// read or write leaves the node on its last claim (reserve evicts its own
+// files to stay within it).
+func (c *Mount) Tick(ctx context.Context) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	start := c.Host.Now().UnixNano()
+	c.relock()
+	err := c.read(ctx)
+	if ctx.Err() != nil {
+		return // the engine closes, or its start was cancelled: a walk stopped short
+	}
+	c.applyPurges(ctx) // before the count: the files it removes are not counted
+	if err == nil {
+		c.probeLocks(c.fresh, start)
+	}
+	own, bytes, touches := c.count(ctx)
+	c.own = bytes
+	if err != nil {
+		c.lose(err)
+		return
+	}
+	items := make([]clustercap.Item, len(own))
+	for i, r := range own {
+		items[i] = clustercap.Item{Rank: r.rank, Bytes: r.en.Size}
+	}
+	sketch := clustercap.NewSketch(items, clustercap.SketchPoints)
+	p := c.bound.Decide(start, sketch, c.own, c.cutsOf(start), 2*int64(c.interval))
+	if p.Cut > 0 {
+		if freed := c.evict(ctx, own, p.Cut, 0); freed > 0 {
+			own, c.own, _ = c.count(ctx)
+			items = items[:0]
+			for _, r := range own {
+				items = append(items, clustercap.Item{Rank: r.rank, Bytes: r.en.Size})
+			}
+			sketch = clustercap.NewSketch(items, clustercap.SketchPoints)
+		}
+	}
+	// A tick only lowers the claim: raising it is reserve's write-then-read.
+	c.claim = min(c.claim, c.own+c.bound.Grant(len(c.peers)+1, 0))
+	cut := uint64(0)
+	if p.Computed {
+		cut = p.Cut
+	}
+	if err := c.publish(sketch, touches, cut); err != nil {
+		c.lose(err)
+		return
+	}
+	c.since = start
+	if c.lost {
+		c.lost = false
+		c.Log.Info("engine: cluster summaries readable again", "mount", c.Root)
+	}
+}
+
+// relock checks that this node's lock is still on the file at its lock
+// path, and locks the file there anew where it is not (Dir.Relock): a
+// node that took this one for dead may have retired it, removing its lock
+// file, while it ran. Where another process holds the file there, a
+// second copy of this node runs: c.copied makes it this node's twin at
+// the next read (setTwin), so that it removes none of their files, which
+// it cannot tell apart. Called with c.mu held.
+func (c *Mount) relock() {
+	renewed, err := c.dir.Relock()
+	switch {
+	case errors.Is(err, clustercap.ErrNodeLocked):
+		if !c.copied {
+			c.Log.Error("engine: cluster: another process holds this node's lock file, which this node no longer held: a second copy of this node runs on the mount (or another node probes it a moment); removing none of this node's files until it can lock it again",
+				"mount", c.Root, "node", c.Node, "err", err)
+		}
+		c.copied = true
+		return
+	case err != nil:
+		c.Log.Warn("engine: cluster: checking this node's lock", "mount", c.Root, "err", err)
+	case renewed:
+		c.Log.Warn("engine: cluster: this node's lock file was removed while it ran (another node took it for dead and retired it?); locked anew", "mount", c.Root, "node", c.Node)
+	}
+	if c.copied && err == nil {
+		c.Log.Info("engine: cluster: this node holds its lock file again", "mount", c.Root, "node", c.Node)
+		c.copied = false
+	}
+}
+
+// lose records a failed read or write of the cluster directory.
+func (c *Mount) lose(err error) {
+	if !c.lost {
+		c.Log.Warn("engine: cluster summaries unavailable; evicting this node's files within its last claim", "mount", c.Root, "claim", c.claim, "err", err)
+	}
+	c.lost = true
+}
+
+// evict removes this node's entries of own (sorted by rank) ranked below
+// cut, then more of the lowest until need bytes are freed. It returns the
+// bytes freed. Pinned entries stay, and entries this node may no longer
+// evict (mayEvict: their node runs again). Called with c.mu held.
+func (c *Mount) evict(ctx context.Context, own []ranked, cut uint64, need int64) int64 {
+	var freed int64
+	var recs []abi.AccessRecord
+	var claimed []*index.Entry
+	now := c.Host.Now().UnixNano()
+	for _, r := range own {
+		if r.rank >= cut && freed >= need {
+			break
+		}
+		en := r.en
+		c, rec, ok := c.Index.Evict(en, func(en *index.Entry) bool { return en.Mount == c.Idx && c.MayEvict(en) }, now)
+		if ok {
+			if c {
+				claimed = append(claimed, en)
+			}
+			recs = append(recs, rec)
+			freed += en.Size
+		}
+	}
+	c.Host.Evicted(ctx, claimed, recs)
+	c.own -= freed
+	return freed
+}
+
+// Reserve accounts size more bytes of this node's on a cluster
+// mount before a store or move reserves them on the mount. Beyond its
+// claim the node publishes a higher claim first and then reads the
+// others' (two nodes raising theirs at once cannot both miss the other);
+// if the claims do not fit the bound, it evicts its files below the
+// cut-off, and then its lowest-ranked, until they do. Without the
+// directory (lost), or while a node that may run cannot be counted
+// (c.unknown: its summary unusable, none read before), it stays within its
+// last claim. A caller that gave up
+// (ctx cancelled) before the eviction gets ctx's error instead, with no
+// file deleted. A call that fails publishes its claim again, lowered back
+// to what the node holds: a raised claim left published would count in
+// the others' bound until the next tick.
+func (c *Mount) Reserve(ctx context.Context, size int64) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.own+size <= c.claim {
+		c.own += size
+		c.pending += size
+		return nil
+	}
+	last := c.claim
+	c.claim = c.own + size + c.bound.Grant(len(c.peers)+1, size)
+	err := c.publish(c.lastSketch(), nil, 0)
+	if err == nil {
+		err = c.read(ctx)
+	}
+	var limit int64 // the most this node may hold
+	if err != nil {
+		c.lose(err)
+		c.claim = last
+		limit = last
+	} else {
+		limit = c.limitLocked(last)
+	}
+	if c.own+size > limit || (err == nil && !c.bound.Fits(c.claim, c.others())) {
+		cut := uint64(0)
+		computed := false
+		if err == nil {
+			now := c.Host.Now().UnixNano()
+			p := c.bound.Decide(now, c.lastSketch(), c.own, c.cutsOf(now), 2*int64(c.interval))
+			cut, computed = p.Cut, p.Computed
+		}
+		// settle publishes the claim this call ends with, where the raise
+		// above was published: the others count a published claim in the
+		// bound until this node's next tick.
+		settle := func() {
+			if err != nil {
+				return
+			}
+			if !computed {
+				cut = 0
+			}
+			if perr := c.publish(c.lastSketch(), nil, cut); perr != nil {
+				c.lose(perr)
+			}
+		}
+		own, bytes, _ := c.count(ctx)
+		c.own = bytes
+		if ctx.Err() != nil {
+			// No file is deleted for a caller that gave up (evictRounds);
+			// the files below the cut-off go at the next tick.
+			c.claim = max(last, c.own)
+			computed = false // its files below the cut-off are not gone yet
+			settle()
+			return fmt.Errorf("engine: mount %s: eviction stopped: %w", c.Root, ctx.Err())
+		}
+		c.evict(ctx, own, cut, c.own+size-limit)
+		if c.own+size > limit {
+			c.claim = max(last, c.own)
+			settle()
+			why := "no evictable file of its own left"
+			if twin := c.twinNote(); twin != "" {
+				why = twin
+			} else if len(c.unknown) > 0 {
+				why = fmt.Sprintf("its claim grows no further while the summary of node %q, which may be running, cannot be used", slices.Sorted(maps.Keys(c.unknown))[0])
+			}
+			return &NoSpaceError{Root: c.Root, Own: c.own, Limit: limit, Capacity: c.bound.Capacity, Size: size, Why: why}
+		}
+		c.claim = min(c.claim, limit)
+		settle()
+	}
+	c.own += size
+	c.pending += size
+	return nil
+}
+
+// ReserveClaimed is Reserve within this node's claim only: it
+// neither raises the claim nor evicts (a move within an eviction). It reports
+// whether it granted size bytes, which the caller reserves on the space
+// (ReserveGrant) or gives back.
+func (c *Mount) ReserveClaimed(size int64) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.own+size > c.claim {
+		return false
+	}
+	c.own += size
+	c.pending += size
+	return true
+}
+
+// FitsBound reports whether size bytes more of this node's fit in the
+// cluster's bound as last read: within its claim, or within what the
+// others' claims leave of the cluster's capacity (reserve's limit;
+// not while a node that may run cannot be counted: c.unknown), without
+// reading the others again, evicting or reserving (reprobe).
+func (c *Mount) FitsBound(size int64) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.own+size <= max(c.claim, c.limitLocked(c.claim))
+}
+
+// limitLocked is the most this node may hold as last read: what the
+// others' claims leave of the cluster's capacity, but no more than claim
+// while a node that may run cannot be counted (c.unknown: it holds what
+// no summary says; readBad). c.mu is held.
+func (c *Mount) limitLocked(claim int64) int64 {
+	limit := c.bound.Capacity - clustercap.Claims(c.others())
+	if len(c.unknown) > 0 {
+		limit = min(limit, claim)
+	}
+	return limit
+}
+
+// ReserveGrant reserves size bytes of a grant of Reserve (or
+// ReserveClaimed) on the mount's space if its usage stays at or below limit
+// (Space.ReserveBelow). The bytes leave pending as the space takes them,
+// in one hold of c.mu: a count sees them once, never twice nor not at
+// all. It reports whether the space took them; if not, the grant stays
+// pending (the caller may evict and try again, or give it back).
+func (c *Mount) ReserveGrant(size int64, limit space.Limit) bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if !c.Space.ReserveBelow(c.Sp, size, limit) {
+		return false
+	}
+	c.pending -= size
+	return true
+}
+
+// GiveBack ends size bytes of a grant that the mount's space could not
+// reserve (ErrNoSpace): no file of this node will hold them.
+func (c *Mount) GiveBack(size int64) {
+	c.mu.Lock()
+	c.pending -= size
+	c.own -= size
+	c.mu.Unlock()
+}
+
+// Victims is policy.Evictions for a cluster mount's own eviction (its
+// local capacity): this node's files, lowest rank first. The policy's
+// victims could be other nodes' files it indexed, which it must not remove.
+func (c *Mount) Victims(req abi.EvictRequest, batch int) []policy.Eviction {
+	c.mu.Lock()
+	// The caller's eviction has no context of its own to pass here; the
+	// policy's calls are bounded by their own deadline.
+	own, _, _ := c.count(context.Background())
+	c.mu.Unlock()
+	var out []policy.Eviction
+	var sum uint64
+	for _, r := range own {
+		if sum >= req.Bytes || len(out) == batch {
+			break
+		}
+		out = append(out, policy.Eviction{Victim: abi.Victim{Entry: r.en.ID, Score: r.rank}, Target: abi.VictimTarget{Mount: abi.NoMount}})
+		sum += uint64(r.en.Size)
+	}
+	return out
+}
+
+// lastSketch is the sketch of c's last summary (none before the first).
+// Called with c.mu held.
+func (c *Mount) lastSketch() clustercap.Sketch {
+	if c.pub == nil {
+		return clustercap.Sketch{}
+	}
+	return c.pub.Sketch
+}
+
+// cleanTemps applies the leftover rule (cleanTemp: flock free, older than
+// temp_grace) to the adopted nodes' temporary files in c.temps, and
+// forgets those gone and those of nodes no longer in dead (released).
+// Called with c.mu held.
+func (c *Mount) cleanTemps(dead map[uint32]bool) {
+	for path, tag := range c.temps {
+		if !dead[tag] {
+			delete(c.temps, path)
+			continue
+		}
+		gone, err := c.Host.CleanTemp(path)
+		if err != nil {
+			c.Log.Warn("engine: cluster: a dead node's temporary file", "path", path, "err", err)
+		}
+		if gone {
+			delete(c.temps, path)
+		}
+	}
+}
+
+// bytesOf is the bytes of the entries on c's mount whose owner tag is in tags.
+func (c *Mount) bytesOf(tags map[uint32]bool) int64 {
+	var n int64
+	c.Index.Each(func(en *index.Entry) {
+		if o, ok := clustercap.Owner(en.FID); ok && tags[o] && en.Mount == c.Idx {
+			n += en.Size
+		}
+	})
+	return n
+}
+
+// leftOf reports whether a file of owner tag tag on m is still on disk
+// though its entry was dropped: its removal failed (index.left), and an
+// eviction tries it again (retryLeft), or it is under way (index.removing:
+// an eviction, a delete, a retry or a move of the file that dropped the
+// entry and has yet to unlink the file, which may fail and leave it). Its mount counts it as
+// used while this engine runs, but only its owner's summary (or its
+// adopter's walk) counts it after a restart: a dead node is not retired
+// while one is left.
+func (c *Mount) leftOf(tag uint32) bool {
+	of := func(en *index.Entry) bool {
+		o, ok := clustercap.Owner(en.FID)
+		return ok && o == tag && en.Mount == c.Idx
+	}
+	return c.Index.AnyOut(of)
+}
+
+// applyPurges drops the entries that a purge record of c's mount covers (the
+// records the last read listed, and those this node wrote; the mount's entries,
+// and those of this node's mounts without a cluster capacity: Covers),
+// as Purge does: a file
+// this node may remove is removed (MayEvict), another node's only leaves
+// the index, and a file a client pin holds stays, to go at the first tick
+// after its pin ends. Called with c.mu held (Tick).
+func (c *Mount) applyPurges(ctx context.Context) {
+	purges, ahead := c.dir.Purges(PurgeLimit(c.Host.Now()))
+	for fp, t := range ahead {
+		if c.ahead[fp] != t {
+			c.Log.Warn("engine: cluster: a purge record is dated too far ahead of this node's clock to apply (a clock far off, or a file that is no record); it applies once this node's clock is within the bound, and the next purge of the namespace removes it",
+				"mount", c.Root, "fingerprint", fmt.Sprintf("%016x", fp), "record_time", time.Unix(0, t).UTC(), "bound", clustercap.PurgeAhead)
+		}
+	}
+	c.ahead = ahead
+	if len(purges) == 0 {
+		return
+	}
+	// The records stay after their namespace's files went: one of a
+	// namespace with no file indexed costs no scan of the index.
+	ens := c.Index.Matching(purges, func(en *index.Entry) bool {
+		t, ok := purges[en.FP]
+		return ok && c.Covers(en) && !en.Spare && en.Ident.Mtime <= t
+	})
+	c.Host.Purge(ctx, ens)
+}
