@@ -17,8 +17,8 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/kvhost/kvhost/cuda/cudatest"
 	"github.com/kvhost/kvhost/fsys"
-	"github.com/kvhost/kvhost/internal/cuda/cudatest"
 	"github.com/kvhost/kvhost/internal/dl"
 	"github.com/kvhost/kvhost/region"
 )

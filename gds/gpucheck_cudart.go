@@ -4,7 +4,7 @@ package gds
 
 // A minimal libcudart binding for the GPU check (gpu_test.go) only: device
 // memory to move and a way to bind threads. kvhost's CUDA runtime binding
-// is package internal/cuda; this file is compiled only with -tags gpu.
+// is package cuda; this file is compiled only with -tags gpu.
 
 /*
 #include <stddef.h>

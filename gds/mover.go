@@ -11,8 +11,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/kvhost/kvhost/cuda"
 	"github.com/kvhost/kvhost/fsys"
-	"github.com/kvhost/kvhost/internal/cuda"
 	"github.com/kvhost/kvhost/region"
 	"github.com/kvhost/kvhost/transfer"
 )
@@ -208,7 +208,7 @@ func (d *Driver) NewMover(cfg MoverConfig) (*Mover, error) {
 // differs from the thread's current one: once per worker and device, not
 // per request. The thread is never unlocked: its current device and
 // cuFile's state on it are changed, so it ends with the worker
-// (internal/cuda's rule).
+// (cuda's rule).
 func (m *Mover) worker() {
 	defer m.wg.Done()
 	runtime.LockOSThread()

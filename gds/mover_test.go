@@ -19,8 +19,8 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/kvhost/kvhost/cuda"
 	"github.com/kvhost/kvhost/fsys"
-	"github.com/kvhost/kvhost/internal/cuda"
 	"github.com/kvhost/kvhost/internal/dl"
 	"github.com/kvhost/kvhost/internal/fstype"
 	"github.com/kvhost/kvhost/region"

@@ -9,7 +9,7 @@ import (
 	"syscall"
 	"testing"
 
-	"github.com/kvhost/kvhost/internal/cuda"
+	"github.com/kvhost/kvhost/cuda"
 )
 
 func TestStatusPrintsNameNumberAndMeaningWithoutLibrary(t *testing.T) {

@@ -12,10 +12,10 @@ import (
 	"unsafe"
 
 	"github.com/kvhost/kvhost/abi/guest"
+	"github.com/kvhost/kvhost/cuda"
 	"github.com/kvhost/kvhost/host/policy"
 	"github.com/kvhost/kvhost/internal/bench"
 	"github.com/kvhost/kvhost/internal/config"
-	"github.com/kvhost/kvhost/internal/cuda"
 	kvdaemon "github.com/kvhost/kvhost/internal/daemon"
 	"github.com/kvhost/kvhost/internal/fstype"
 	"github.com/kvhost/kvhost/plugins/lru"

@@ -6,8 +6,8 @@ import (
 	"fmt"
 	"unsafe"
 
+	"github.com/kvhost/kvhost/cuda"
 	"github.com/kvhost/kvhost/internal/bench"
-	"github.com/kvhost/kvhost/internal/cuda"
 )
 
 // gpuStager is one ceiling thread's device half of the staged ceilings

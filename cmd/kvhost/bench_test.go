@@ -15,9 +15,9 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/kvhost/kvhost/cuda/cudatest"
 	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/internal/bench"
-	"github.com/kvhost/kvhost/internal/cuda/cudatest"
 	"github.com/kvhost/kvhost/internal/daemon/daemontest"
 	"github.com/kvhost/kvhost/staging"
 )

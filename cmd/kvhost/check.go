@@ -15,11 +15,11 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/kvhost/kvhost/cuda"
 	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/gds"
 	"github.com/kvhost/kvhost/internal/bench"
 	"github.com/kvhost/kvhost/internal/config"
-	"github.com/kvhost/kvhost/internal/cuda"
 	kvdaemon "github.com/kvhost/kvhost/internal/daemon"
 	"github.com/kvhost/kvhost/internal/engine"
 	"github.com/kvhost/kvhost/internal/fstype"
@@ -189,7 +189,7 @@ func counted(n int, what string) string {
 // doCheck runs every check. CUDA's current device and cuFile's state are
 // per OS thread: the checks run on a goroutine locked to a thread of its
 // own, with device 0 current, which is never unlocked and so ends with the
-// goroutine (internal/cuda/worker.go's rule); the caller's thread is not
+// goroutine (cuda/worker.go's rule); the caller's thread is not
 // touched.
 func doCheck(ctx context.Context, o checkOptions) *checkReport {
 	done := make(chan *checkReport, 1)

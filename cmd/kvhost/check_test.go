@@ -18,9 +18,9 @@ import (
 
 	"github.com/kvhost/kvhost/internal/engine"
 
+	"github.com/kvhost/kvhost/cuda"
+	"github.com/kvhost/kvhost/cuda/cudatest"
 	"github.com/kvhost/kvhost/internal/config"
-	"github.com/kvhost/kvhost/internal/cuda"
-	"github.com/kvhost/kvhost/internal/cuda/cudatest"
 	"github.com/kvhost/kvhost/internal/daemon/daemontest"
 	"github.com/kvhost/kvhost/internal/fstype"
 	"github.com/kvhost/kvhost/internal/vllmfs"
@@ -283,7 +283,7 @@ func TestCheckKeepsSparesOnTheMemoryFileSystemsTheEngineDoes(t *testing.T) {
 
 // TestCheckLeavesNoCUDAStateOnItsCallersThread: doCheck makes device 0
 // current for its CUDA and cuFile calls. That must happen on a thread of
-// its own that ends afterwards (internal/cuda/worker.go's rule): done on
+// its own that ends afterwards (cuda/worker.go's rule): done on
 // the caller's thread and unlocked on return, the thread goes back to the
 // scheduler with CUDA state on it. The caller here is locked to a thread
 // with device 1 current, and must find it so after the check.

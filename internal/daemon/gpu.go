@@ -9,10 +9,10 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/kvhost/kvhost/cuda"
 	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/gds"
 	"github.com/kvhost/kvhost/internal/config"
-	"github.com/kvhost/kvhost/internal/cuda"
 	"github.com/kvhost/kvhost/internal/engine"
 	"github.com/kvhost/kvhost/internal/server/cudaipc"
 	"github.com/kvhost/kvhost/region"

@@ -17,11 +17,11 @@ import (
 	"unsafe"
 
 	"github.com/kvhost/kvhost/abi/guest"
+	"github.com/kvhost/kvhost/cuda"
+	"github.com/kvhost/kvhost/cuda/cudatest"
 	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/host/policy"
 	"github.com/kvhost/kvhost/internal/config"
-	"github.com/kvhost/kvhost/internal/cuda"
-	"github.com/kvhost/kvhost/internal/cuda/cudatest"
 	"github.com/kvhost/kvhost/internal/daemon/daemontest"
 	"github.com/kvhost/kvhost/internal/dl"
 	"github.com/kvhost/kvhost/internal/engine"

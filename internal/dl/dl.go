@@ -1,6 +1,6 @@
 // Package dl opens shared libraries at run time (dlopen) and resolves their
 // symbols, so that kvhost builds without the CUDA toolkit and runs on
-// machines without a GPU: packages gds and internal/cuda bind cuFile and the
+// machines without a GPU: packages gds and cuda bind cuFile and the
 // CUDA runtime through it.
 //
 // dlerror's text is kept in every error: "library not found" and "found but

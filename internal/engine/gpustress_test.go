@@ -19,9 +19,9 @@ import (
 	"unsafe"
 
 	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/cuda"
+	"github.com/kvhost/kvhost/cuda/cudatest"
 	"github.com/kvhost/kvhost/fsys"
-	"github.com/kvhost/kvhost/internal/cuda"
-	"github.com/kvhost/kvhost/internal/cuda/cudatest"
 	"github.com/kvhost/kvhost/internal/format"
 	"github.com/kvhost/kvhost/internal/testwait"
 	"github.com/kvhost/kvhost/staging/gpu"

@@ -10,8 +10,8 @@ import (
 	"unsafe"
 
 	"github.com/kvhost/kvhost/abi"
-	"github.com/kvhost/kvhost/internal/cuda"
-	"github.com/kvhost/kvhost/internal/cuda/cudatest"
+	"github.com/kvhost/kvhost/cuda"
+	"github.com/kvhost/kvhost/cuda/cudatest"
 	"github.com/kvhost/kvhost/staging/gpu"
 )
 

@@ -7,8 +7,8 @@ import (
 	"testing"
 
 	"github.com/kvhost/kvhost/client"
-	"github.com/kvhost/kvhost/internal/cuda"
-	"github.com/kvhost/kvhost/internal/cuda/cudatest"
+	"github.com/kvhost/kvhost/cuda"
+	"github.com/kvhost/kvhost/cuda/cudatest"
 	"github.com/kvhost/kvhost/internal/engine"
 	"github.com/kvhost/kvhost/internal/server"
 	"github.com/kvhost/kvhost/internal/server/cudaipc"

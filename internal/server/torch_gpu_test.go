@@ -12,7 +12,7 @@ import (
 	"sync"
 	"testing"
 
-	"github.com/kvhost/kvhost/internal/cuda"
+	"github.com/kvhost/kvhost/cuda"
 	"github.com/kvhost/kvhost/internal/server"
 	"github.com/kvhost/kvhost/internal/server/cudaipc"
 )

@@ -3,8 +3,8 @@ package gpu
 import (
 	"math/bits"
 
+	"github.com/kvhost/kvhost/cuda"
 	"github.com/kvhost/kvhost/internal/crc32c"
-	"github.com/kvhost/kvhost/internal/cuda"
 )
 
 // Checksums on the device (Config.SumsOnDevice). A job's spans, each

@@ -8,9 +8,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/kvhost/kvhost/cuda"
 	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/internal/crc32c"
-	"github.com/kvhost/kvhost/internal/cuda"
 	"github.com/kvhost/kvhost/internal/testwait"
 )
 

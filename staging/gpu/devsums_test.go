@@ -9,9 +9,9 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/kvhost/kvhost/cuda"
+	"github.com/kvhost/kvhost/cuda/cudatest"
 	"github.com/kvhost/kvhost/fsys"
-	"github.com/kvhost/kvhost/internal/cuda"
-	"github.com/kvhost/kvhost/internal/cuda/cudatest"
 	"github.com/kvhost/kvhost/internal/testwait"
 	"github.com/kvhost/kvhost/region"
 )

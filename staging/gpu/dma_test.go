@@ -12,9 +12,9 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/kvhost/kvhost/cuda"
+	"github.com/kvhost/kvhost/cuda/cudatest"
 	"github.com/kvhost/kvhost/internal/bench"
-	"github.com/kvhost/kvhost/internal/cuda"
-	"github.com/kvhost/kvhost/internal/cuda/cudatest"
 )
 
 // TestGPUWritesBesideDMA measures what a store's own DMA costs its file

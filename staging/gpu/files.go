@@ -16,8 +16,8 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/kvhost/kvhost/cuda"
 	"github.com/kvhost/kvhost/fsys"
-	"github.com/kvhost/kvhost/internal/cuda"
 	"github.com/kvhost/kvhost/region"
 	"github.com/kvhost/kvhost/staging"
 	"github.com/kvhost/kvhost/transfer"

@@ -8,8 +8,8 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/kvhost/kvhost/cuda"
 	"github.com/kvhost/kvhost/fsys/fsystest"
-	"github.com/kvhost/kvhost/internal/cuda"
 	"github.com/kvhost/kvhost/staging"
 )
 

@@ -33,9 +33,9 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/kvhost/kvhost/cuda"
 	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/internal/crc32c"
-	"github.com/kvhost/kvhost/internal/cuda"
 	"github.com/kvhost/kvhost/region"
 	"github.com/kvhost/kvhost/staging"
 	"github.com/kvhost/kvhost/transfer"

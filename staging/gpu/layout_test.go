@@ -9,8 +9,8 @@ import (
 	"testing"
 	"unsafe"
 
+	"github.com/kvhost/kvhost/cuda"
 	"github.com/kvhost/kvhost/internal/crc32c"
-	"github.com/kvhost/kvhost/internal/cuda"
 	"github.com/kvhost/kvhost/region"
 	"github.com/kvhost/kvhost/transfer"
 )

@@ -4,7 +4,7 @@ import (
 	"errors"
 	"testing"
 
-	"github.com/kvhost/kvhost/internal/cuda/cudatest"
+	"github.com/kvhost/kvhost/cuda/cudatest"
 )
 
 // TestMoverCloseLeavesNoCUDACallForAfterTheRuntimeIsUnloaded: Close

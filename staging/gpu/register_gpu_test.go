@@ -10,7 +10,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/kvhost/kvhost/internal/cuda/cudatest"
+	"github.com/kvhost/kvhost/cuda/cudatest"
 )
 
 // TestGPURegistrationRate measures what registering tmpfs files with CUDA

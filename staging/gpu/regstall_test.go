@@ -13,7 +13,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/kvhost/kvhost/internal/cuda"
+	"github.com/kvhost/kvhost/cuda"
 )
 
 // TestGPURegistrationBesideCopies measures whether registering memory

@@ -7,8 +7,8 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/kvhost/kvhost/cuda"
 	"github.com/kvhost/kvhost/fsys"
-	"github.com/kvhost/kvhost/internal/cuda"
 	"github.com/kvhost/kvhost/staging"
 )
 

@@ -6,7 +6,7 @@ import (
 	"path/filepath"
 	"testing"
 
-	"github.com/kvhost/kvhost/internal/cuda"
+	"github.com/kvhost/kvhost/cuda"
 	"github.com/kvhost/kvhost/transfer"
 )
 

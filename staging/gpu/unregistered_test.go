@@ -16,7 +16,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
-	"github.com/kvhost/kvhost/internal/cuda"
+	"github.com/kvhost/kvhost/cuda"
 )
 
 // cudaDevAttrPageableMemoryAccess is the device attribute that says

@@ -9,7 +9,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/kvhost/kvhost/internal/cuda/cudatest"
+	"github.com/kvhost/kvhost/cuda/cudatest"
 )
 
 // BuildFakeCuFile compiles gds's fake libcufile (gds/testdata) with

@@ -15,7 +15,7 @@ import (
 	"sync"
 	"sync/atomic"
 
-	"github.com/kvhost/kvhost/internal/cuda"
+	"github.com/kvhost/kvhost/cuda"
 	"github.com/kvhost/kvhost/internal/server"
 	"github.com/kvhost/kvhost/protocol"
 	"github.com/kvhost/kvhost/region"

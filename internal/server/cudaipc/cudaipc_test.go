@@ -6,8 +6,8 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/kvhost/kvhost/internal/cuda"
-	"github.com/kvhost/kvhost/internal/cuda/cudatest"
+	"github.com/kvhost/kvhost/cuda"
+	"github.com/kvhost/kvhost/cuda/cudatest"
 	"github.com/kvhost/kvhost/internal/server"
 	"github.com/kvhost/kvhost/internal/server/cudaipc"
 	"github.com/kvhost/kvhost/protocol"

@@ -13,8 +13,8 @@ import (
 	"time"
 	"unsafe"
 
-	"github.com/kvhost/kvhost/internal/cuda"
-	"github.com/kvhost/kvhost/internal/cuda/cudatest"
+	"github.com/kvhost/kvhost/cuda"
+	"github.com/kvhost/kvhost/cuda/cudatest"
 )
 
 func open(t *testing.T) (*cuda.Runtime, *cudatest.Fake) {

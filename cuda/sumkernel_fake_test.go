@@ -6,9 +6,9 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/kvhost/kvhost/cuda"
+	"github.com/kvhost/kvhost/cuda/cudatest"
 	"github.com/kvhost/kvhost/internal/crc32c"
-	"github.com/kvhost/kvhost/internal/cuda"
-	"github.com/kvhost/kvhost/internal/cuda/cudatest"
 )
 
 // TestSumKernelReadsBytesCopiedBeforeIt: a launch enqueued after a copy on
