@@ -119,7 +119,7 @@ type Engine struct {
 	// its file's path (tests wait for it instead of sleeping).
 	pathWaits  atomic.Int64
 	fails      *failureLog
-	pinTab     pinTable     // client pins (pins.go)
+	pinTab     pinTable     // client pins and the files they hold open (pins.go, pinfiles.go)
 	hold       restartHold  // the files found at start, pinned for Config.RestartHold (hold.go)
 	tier       *tierDriver  // ticks and mount updates (demote.go); nil without policy.Tiering
 	tierSt     tierCounters // moves between mounts (demote.go)
@@ -133,11 +133,6 @@ type Engine struct {
 	evictWaits atomic.Int64
 
 	rm *remover // dropping entries, removing files (removal.go)
-
-	// pinOpen counts the files held open for client pins (pinfiles.go),
-	// at most maxPinOpen (DefaultMaxPinnedOpen).
-	pinOpen    atomic.Int64
-	maxPinOpen int64
 }
 
 type counters struct {
@@ -146,9 +141,6 @@ type counters struct {
 	// ended counts the jobs finished (Activity); scanned, the files a
 	// cluster adoption walk read.
 	ended, scanned atomic.Uint64
-	// pinUnopened counts the client pins of files another engine may
-	// remove that were not held open: maxPinOpen were (pinfiles.go).
-	pinUnopened atomic.Uint64
 }
 
 // DefaultIOWorkers is the number of I/O workers of a Config whose
@@ -189,18 +181,17 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		cfg.TempGrace = DefaultTempGrace
 	}
 	e := &Engine{
-		cfg:        cfg,
-		log:        cfg.Logger,
-		now:        cfg.Now,
-		node:       nodeName(cfg.NodeID),
-		memory:     machineMemory(cfg.Memory),
-		maxPinOpen: DefaultMaxPinnedOpen(),
-		fails:      &failureLog{log: cfg.Logger, interval: 10 * time.Second},
-		nsByFP:     map[uint64]NamespaceID{},
-		caches:     map[CacheID]*cache{},
-		space:      space.New(),
-		calls:      newCallGate(),
-		down:       make(chan struct{}),
+		cfg:    cfg,
+		log:    cfg.Logger,
+		now:    cfg.Now,
+		node:   nodeName(cfg.NodeID),
+		memory: machineMemory(cfg.Memory),
+		fails:  &failureLog{log: cfg.Logger, interval: 10 * time.Second},
+		nsByFP: map[uint64]NamespaceID{},
+		caches: map[CacheID]*cache{},
+		space:  space.New(),
+		calls:  newCallGate(),
+		down:   make(chan struct{}),
 
 		closeUnwind: defaultCloseUnwind,
 		dirsMax:     maxKnownDirs,
@@ -208,6 +199,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	e.fs = fsys.Watched(cfg.FS, &e.io)
 	e.ix = index.NewIndex(e.space.Counts())
 	e.rm = &remover{ix: e.ix, fs: e.fs, log: e.log, now: e.now, host: e}
+	e.pinTab.ix, e.pinTab.now, e.pinTab.tell, e.pinTab.maxOpen = e.ix, e.now, e.access, DefaultMaxPinnedOpen()
 	// The node-local lock first: a second daemon on this node stops here,
 	// before it touches a mount.
 	if cfg.LockFile != "" {
@@ -324,7 +316,7 @@ func (e *Engine) Stats() Stats {
 		Stores: e.st.stores.Load(), Loads: e.st.loads.Load(), Hits: e.st.hits.Load(), Misses: e.st.misses.Load(),
 		Evictions: e.st.evictions.Load(), Reused: e.st.reused.Load(), SparesMade: e.st.made.Load(), Failures: e.st.failures.Load(), Corrupt: e.st.corrupt.Load(),
 		Vanished: e.rm.vanished.Load(), RemoveFailures: e.rm.failures.Load(), BytesWritten: e.st.written.Load(), BytesRead: e.st.read.Load(),
-		PinnedFilesOpen: e.pinOpen.Load(), PinnedFilesUnopened: e.st.pinUnopened.Load(),
+		PinnedFilesOpen: e.pinTab.open.Load(), PinnedFilesUnopened: e.pinTab.unopened.Load(),
 		StoreFailures: e.fails.stats(0), LoadFailures: e.fails.stats(1), Tiering: e.TierStats(), HeldFound: e.HeldFound(),
 	}
 	s.Entries, s.Keys = e.ix.Size()
@@ -409,7 +401,7 @@ func (e *Engine) shutdown() {
 	start := time.Now()
 	e.jobs.wg.Wait()
 	<-e.calls.idle
-	e.closePins()
+	e.pinTab.close()
 	e.releaseFound(false)
 	e.stopTiering()
 	e.stopSpareMaker()

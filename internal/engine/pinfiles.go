@@ -36,7 +36,7 @@ import (
 // releases the reference instead of closing it.
 type pinnedRef struct {
 	fsys.File
-	e    *Engine
+	t    *pinTable
 	pf   *pinnedFile
 	done atomic.Bool
 }
@@ -44,20 +44,45 @@ type pinnedRef struct {
 // Close releases the load's reference.
 func (r *pinnedRef) Close() error {
 	if r.done.CompareAndSwap(false, true) {
-		r.e.releasePinned(r.pf)
+		r.t.releaseFile(r.pf)
 	}
 	return nil
 }
 
-// releasePinned drops one reference to pf, closing its file at the last.
-func (e *Engine) releasePinned(pf *pinnedFile) {
+// releaseFile drops one reference to pf, closing its file at the last.
+func (t *pinTable) releaseFile(pf *pinnedFile) {
 	if pf.Release() {
-		e.pinOpen.Add(-1)
+		t.open.Add(-1)
+	}
+}
+
+// openSlot counts a file about to be held open for a pin, or reports
+// false, counting the pin unopened, where maxOpen files are already
+// held; the caller gives a slot it took and did not use back (closeSlot).
+func (t *pinTable) openSlot() bool {
+	if t.open.Add(1) > t.maxOpen {
+		t.open.Add(-1)
+		t.unopened.Add(1)
+		return false
+	}
+	return true
+}
+
+// closeSlot gives back a slot openSlot took for a file not held.
+func (t *pinTable) closeSlot() { t.open.Add(-1) }
+
+// holdOpen keeps f, opened for a pin of en (openSlot), open until the
+// last client pin of en ends, unless another pin of en holds a file
+// already (f is then closed).
+func (t *pinTable) holdOpen(en *entry, f fsys.File) {
+	pf := index.NewPinnedFile(f)
+	if !t.ix.HoldOpen(en, pf) { // another pin of en opened it meanwhile
+		t.releaseFile(pf)
 	}
 }
 
 // DefaultMaxPinnedOpen is the most files an engine keeps open for client
-// pins (Engine.maxPinOpen): an eighth of the descriptors the process may
+// pins (pinTable.maxOpen): an eighth of the descriptors the process may
 // open (RLIMIT_NOFILE), at least 64. Beyond it a pin checks its file with
 // a stat, as where no other engine removes files, and is counted
 // (Stats.PinnedFilesUnopened).
@@ -77,7 +102,7 @@ func DefaultMaxPinnedOpen() int64 {
 // memory file system, none. On NFS none either: another client's removal
 // ends the file under this node's descriptors (ESTALE), so an open held
 // there would keep nothing.
-func (e *Engine) othersRemove(m *mount, en *entry) bool {
+func (m *mount) othersRemove(en *entry) bool {
 	if m.removalStales {
 		return false
 	}
@@ -94,7 +119,7 @@ func (e *Engine) othersRemove(m *mount, en *entry) bool {
 // was replaced, and reports false.
 func (e *Engine) verifyPinned(ctx context.Context, en *entry) bool {
 	m := e.mounts[en.Mount]
-	if !e.othersRemove(m, en) {
+	if !m.othersRemove(en) {
 		return e.verify(ctx, en)
 	}
 	if en.File.Load() != nil {
@@ -103,9 +128,7 @@ func (e *Engine) verifyPinned(ctx context.Context, en *entry) bool {
 		// pins still load it).
 		return e.verify(ctx, en)
 	}
-	if e.pinOpen.Add(1) > e.maxPinOpen {
-		e.pinOpen.Add(-1)
-		e.st.pinUnopened.Add(1)
+	if !e.pinTab.openSlot() {
 		return e.verify(ctx, en)
 	}
 	f, id, idErr, err := e.openData(m, en.Path, loadFlag(m))
@@ -119,17 +142,11 @@ func (e *Engine) verifyPinned(ctx context.Context, en *entry) bool {
 		if f != nil {
 			f.Close()
 		}
-		e.pinOpen.Add(-1)
+		e.pinTab.closeSlot()
 		return e.judgeCheck(ctx, en, err)
 	}
 	en.Verified.Store(e.now().UnixNano())
-	pf := index.NewPinnedFile(f)
-	if e.ix.HoldOpen(en, pf) {
-		pf = nil
-	}
-	if pf != nil { // another pin of en opened it meanwhile
-		e.releasePinned(pf)
-	}
+	e.pinTab.holdOpen(en, f)
 	return true
 }
 
@@ -175,9 +192,9 @@ func (e *Engine) openLoad(m *mount, en *entry) (f fsys.File, id fsys.Identity, i
 		return e.openData(m, en.Path, loadFlag(m))
 	}
 	id, idErr = fileIdentity(pf.File())
-	return &pinnedRef{File: pf.File(), e: e, pf: pf}, id, idErr, nil
+	return &pinnedRef{File: pf.File(), t: &e.pinTab, pf: pf}, id, idErr, nil
 }
 
 // PinnedFilesOpen returns how many files the engine holds open for client
 // pins now.
-func (e *Engine) PinnedFilesOpen() int64 { return e.pinOpen.Load() }
+func (e *Engine) PinnedFilesOpen() int64 { return e.pinTab.open.Load() }

@@ -226,7 +226,7 @@ func TestAPinOfAHeldFileThatVanishedMisses(t *testing.T) {
 func TestPinsBeyondTheOpenFileBoundCheckByName(t *testing.T) {
 	ctx := context.Background()
 	a, b := sharedPair(t, true, nil)
-	b.e.maxPinOpen = 1
+	b.e.pinTab.maxOpen = 1
 	keys := storeKeys(t, a, "k", 2, rand.New(rand.NewPCG(27, 28)))
 	_, held, err := b.e.Pin(ctx, b.ns, keys, 0)
 	if err != nil || !held[0] || !held[1] {

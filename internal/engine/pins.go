@@ -4,20 +4,36 @@ import (
 	"context"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"time"
+
+	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/internal/engine/index"
 )
 
 // PinID identifies a client pin (Engine.Pin), unique for the life of the
 // engine; 0 is never a pin.
 type PinID uint64
 
-// pinTable holds the engine's client pins. Its mutex is taken before
-// index.mu, never while holding it.
+// pinTable is the pins part: the engine's client pins, and the files held
+// open for them (pinfiles.go). Its mutex is taken before index.mu, never
+// while holding it; the counts of the files held open are atomic.
 type pinTable struct {
+	ix   *index.Index
+	now  func() time.Time
+	tell func(context.Context, []abi.AccessRecord) // the policy's access events (Engine.access)
+
 	mu     sync.Mutex
 	last   uint64
 	closed bool
 	pins   map[PinID]*clientPin
+
+	// open counts the files held open for client pins, at most maxOpen
+	// (DefaultMaxPinnedOpen); unopened, the pins of files another engine
+	// may remove that were not held open: maxOpen were.
+	open     atomic.Int64
+	maxOpen  int64
+	unopened atomic.Uint64
 }
 
 // clientPin is one Pin call's hold: one count on pins and leases of each
@@ -54,7 +70,7 @@ func (e *Engine) Pin(ctx context.Context, ns NamespaceID, keys [][]byte, lease t
 	var order []*entry
 	for i, k := range keys {
 		if err := ctx.Err(); err != nil {
-			e.unpinEntries(ctx, order, false)
+			e.pinTab.unpin(ctx, order, false)
 			return 0, nil, err
 		}
 		en := e.find(n, k)
@@ -72,7 +88,7 @@ func (e *Engine) Pin(ctx context.Context, ns NamespaceID, keys [][]byte, lease t
 			// Checked after pinning: no eviction or delete can come
 			// between the check and the hold.
 			if !e.verifyPinned(ctx, en) {
-				e.unpinEntries(ctx, []*entry{en}, false)
+				e.pinTab.unpin(ctx, []*entry{en}, false)
 				continue
 			}
 			order = append(order, en)
@@ -94,25 +110,34 @@ func (e *Engine) Pin(ctx context.Context, ns NamespaceID, keys [][]byte, lease t
 		return 0, held, nil
 	}
 
-	t := &e.pinTab
+	id, err := e.pinTab.add(order, pinned, lease, func(id PinID) { e.Unpin(context.Background(), id) })
+	if err != nil {
+		e.pinTab.unpin(ctx, order, true)
+		return 0, nil, err
+	}
+	return id, held, nil
+}
+
+// add records a pin of the entries order, holding keys keys, and returns
+// its id; with a lease, expire(id) runs when it ends. It fails with
+// ErrClosed once the engine closes (close).
+func (t *pinTable) add(order []*entry, keys int, lease time.Duration, expire func(PinID)) (PinID, error) {
 	t.mu.Lock()
+	defer t.mu.Unlock()
 	if t.closed {
-		t.mu.Unlock()
-		e.unpinEntries(ctx, order, true)
-		return 0, nil, ErrClosed
+		return 0, ErrClosed
 	}
 	if t.pins == nil {
 		t.pins = map[PinID]*clientPin{}
 	}
 	t.last++
 	id := PinID(t.last)
-	p := &clientPin{entries: order, keys: pinned}
+	p := &clientPin{entries: order, keys: keys}
 	if lease > 0 {
-		p.timer = time.AfterFunc(lease, func() { e.Unpin(context.Background(), id) })
+		p.timer = time.AfterFunc(lease, func() { expire(id) })
 	}
 	t.pins[id] = p
-	t.mu.Unlock()
-	return id, held, nil
+	return id, nil
 }
 
 // Unpin releases a pin and returns how many keys it held; 0 if id is not
@@ -122,7 +147,12 @@ func (e *Engine) Unpin(ctx context.Context, id PinID) int {
 		return 0 // Close releases every pin
 	}
 	defer e.calls.exit()
-	t := &e.pinTab
+	return e.pinTab.remove(ctx, id)
+}
+
+// remove releases pin id and returns how many keys it held (0: no such
+// pin).
+func (t *pinTable) remove(ctx context.Context, id PinID) int {
 	t.mu.Lock()
 	p := t.pins[id]
 	delete(t.pins, id)
@@ -134,26 +164,27 @@ func (e *Engine) Unpin(ctx context.Context, id PinID) int {
 	if p.timer != nil {
 		p.timer.Stop()
 	}
-	e.unpinEntries(ctx, p.entries, !closed)
+	t.unpin(ctx, p.entries, !closed)
 	return p.keys
 }
 
-// unpinEntries drops one client pin count of each entry; tell reports the
+// unpin drops one client pin count of each entry; tell reports the
 // unpins to the policy.
-func (e *Engine) unpinEntries(ctx context.Context, ens []*entry, tell bool) {
+func (t *pinTable) unpin(ctx context.Context, ens []*entry, tell bool) {
 	if len(ens) == 0 {
 		return
 	}
-	recs, files := e.ix.UnpinClient(ens, e.now().UnixNano(), tell)
+	recs, files := t.ix.UnpinClient(ens, t.now().UnixNano(), tell)
 	for _, pf := range files {
-		e.releasePinned(pf)
+		t.releaseFile(pf)
 	}
-	e.access(ctx, recs)
+	t.tell(ctx, recs)
 }
 
 // PinStats returns the client pins held and the keys they hold.
-func (e *Engine) PinStats() (pins, keys int) {
-	t := &e.pinTab
+func (e *Engine) PinStats() (pins, keys int) { return e.pinTab.stats() }
+
+func (t *pinTable) stats() (pins, keys int) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	for _, p := range t.pins {
@@ -162,10 +193,9 @@ func (e *Engine) PinStats() (pins, keys int) {
 	return len(t.pins), keys
 }
 
-// closePins releases every client pin when the engine closes, without
-// telling the policy (it is closing too).
-func (e *Engine) closePins() {
-	t := &e.pinTab
+// close releases every client pin when the engine closes, without
+// telling the policy (it is closing too); later pins fail (add).
+func (t *pinTable) close() {
 	t.mu.Lock()
 	t.closed = true
 	pins := t.pins
@@ -175,7 +205,7 @@ func (e *Engine) closePins() {
 		if p.timer != nil {
 			p.timer.Stop()
 		}
-		e.unpinEntries(context.Background(), p.entries, false)
+		t.unpin(context.Background(), p.entries, false)
 	}
 }
 
