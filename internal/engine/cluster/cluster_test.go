@@ -1,0 +1,174 @@
+package cluster_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/fsys"
+	"github.com/kvhost/kvhost/internal/clustercap"
+	"github.com/kvhost/kvhost/internal/engine/cluster"
+	"github.com/kvhost/kvhost/internal/engine/index"
+	"github.com/kvhost/kvhost/internal/engine/space"
+)
+
+// These tests run a cluster mount alone: its own index and space, and a
+// Host that removes nothing but records what it is asked.
+
+const fileSize = 1 << 20
+
+// host is a cluster.Host that records the evictions asked, their files
+// removed at once (released from the index).
+type host struct {
+	ix      *index.Index
+	mu      sync.Mutex
+	evicted []*index.Entry
+}
+
+func (h *host) Now() time.Time { return time.Now() }
+func (h *host) Rank(context.Context, []abi.RankRecord) (bool, error) {
+	return false, nil // ranked by last access
+}
+func (h *host) Access(context.Context, []abi.AccessRecord) {}
+func (h *host) Evicted(_ context.Context, claimed []*index.Entry, _ []abi.AccessRecord) {
+	for _, en := range claimed {
+		h.ix.Release(en.Path, []*index.Entry{en})
+	}
+	h.mu.Lock()
+	h.evicted = append(h.evicted, claimed...)
+	h.mu.Unlock()
+}
+func (h *host) AdoptFiles(context.Context, map[uint32]bool, map[string]uint32) (int, error) {
+	return 0, nil
+}
+func (h *host) CleanTemp(string) (bool, error)        { return true, nil }
+func (h *host) Purge(context.Context, []*index.Entry) {}
+func (h *host) Clustered(int) bool                    { return true }
+
+// node is one node's cluster mount on dir, with its index and space.
+type node struct {
+	name string
+	dir  string
+	c    *cluster.Mount
+	ix   *index.Index
+	h    *host
+}
+
+func newNode(t *testing.T, dir, name string, capacity int64) *node {
+	t.Helper()
+	n, err := openNode(t, dir, name, capacity)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return n
+}
+
+// openNode opens node name's cluster mount on dir, closed at the test's
+// end.
+func openNode(t *testing.T, dir, name string, capacity int64) (*node, error) {
+	sp := space.New()
+	ms := space.NewMount(space.MountConfig{Root: dir, Configured: 1 << 40, High: 0.9, Low: 0.8}, fsys.StatFS{})
+	sp.Add(ms)
+	ix := index.NewIndex(sp.Counts())
+	b, err := clustercap.NewBound(capacity, 0.9, 0.8)
+	if err != nil {
+		return nil, err
+	}
+	h := &host{ix: ix}
+	g := cluster.Group{Root: dir, Node: name, Log: testLogger(t), Host: h, Index: ix, Space: sp, Sp: ms}
+	c, err := cluster.Open(fsys.OS{}, g, b, time.Hour)
+	if c != nil {
+		t.Cleanup(c.Close)
+	}
+	return &node{name: name, dir: dir, c: c, ix: ix, h: h}, err
+}
+
+// index indexes a file of owner's, last used at last.
+func (n *node) index(t *testing.T, owner string, i int, last int64) *index.Entry {
+	t.Helper()
+	key := fmt.Sprintf("%s-%d", owner, i)
+	en := &index.Entry{ID: uint64(len(n.ix.Entries()) + 1), FP: 1, Path: filepath.Join(n.dir, key), Size: fileSize,
+		Keys: []string{key}, FID: clustercap.FileID(clustercap.Tag(owner), uint64(i)+1), Last: last}
+	if got, _, _ := n.ix.Adopt(en, nil); got != en {
+		t.Fatalf("file %s not indexed", key)
+	}
+	return en
+}
+
+func TestATickEvictsOnlyThisNodesLowestRankedFilesBeyondTheBound(t *testing.T) {
+	dir := t.TempDir()
+	a := newNode(t, dir, "a", 4*fileSize)
+	b := newNode(t, dir, "b", 4*fileSize)
+	b.c.Tick(context.Background()) // b runs, holding nothing
+	var own []*index.Entry
+	for i := range 6 {
+		own = append(own, a.index(t, "a", i, int64(100+i)))
+	}
+	theirs := a.index(t, "b", 0, 1) // b's file, used here before all of a's
+	if a.c.MayEvict(theirs) || !a.c.MayEvict(own[0]) {
+		t.Fatalf("a may evict b's file: %v, its own: %v; want false, true", a.c.MayEvict(theirs), a.c.MayEvict(own[0]))
+	}
+	a.c.Tick(context.Background())
+	a.h.mu.Lock()
+	evicted := slices.Clone(a.h.evicted)
+	a.h.mu.Unlock()
+	if len(evicted) == 0 || slices.Contains(evicted, theirs) {
+		t.Fatalf("a, holding 6 files of a cluster bound of 4, evicted %d, b's among them: %v", len(evicted), slices.Contains(evicted, theirs))
+	}
+	for i, en := range evicted {
+		if en != own[i] {
+			t.Fatalf("a's eviction %d is %s, want its lowest-ranked left, %s", i, en.Keys[0], own[i].Keys[0])
+		}
+	}
+	if v := a.c.Inspect(); v.Own > 4*fileSize || v.Own != int64(6-len(evicted))*fileSize {
+		t.Fatalf("a counts %d bytes of its own after evicting %d of its 6 files, want them within the bound of %d", v.Own, len(evicted), 4*fileSize)
+	}
+}
+
+func TestAReserveBeyondTheClusterBoundIsANoSpaceError(t *testing.T) {
+	dir := t.TempDir()
+	a := newNode(t, dir, "a", 2*fileSize)
+	b := newNode(t, dir, "b", 2*fileSize)
+	ctx := context.Background()
+	a.c.Tick(ctx)
+	if err := b.c.Reserve(ctx, fileSize); err != nil { // b claims half
+		t.Fatal(err)
+	}
+	err := a.c.Reserve(ctx, 2*fileSize)
+	var ns *cluster.NoSpaceError
+	if !errors.As(err, &ns) || ns.Own != 0 || ns.Size != 2*fileSize || !strings.Contains(err.Error(), "no evictable file of its own left") {
+		t.Fatalf("a reserving the whole bound beside b's claim: %v, want a NoSpaceError of 0 bytes held, 2 MiB more needed", err)
+	}
+	if a.c.FitsBound(2 * fileSize) {
+		t.Fatal("after its refused reserve, a finds 2 MiB more fit beside b's claim")
+	}
+}
+
+func TestASecondCopyOfANodeDoesNotOpenItsMount(t *testing.T) {
+	dir := t.TempDir()
+	newNode(t, dir, "a", 1<<30).c.Tick(context.Background())
+	_, err := openNode(t, dir, "a", 1<<30)
+	if err == nil {
+		t.Fatal("a second node of id a opened the mount beside the first")
+	}
+}
+
+// testLogger logs warnings and above through t.
+func testLogger(t *testing.T) *slog.Logger {
+	return slog.New(slog.NewTextHandler(tWriter{t}, &slog.HandlerOptions{Level: slog.LevelWarn}))
+}
+
+type tWriter struct{ t *testing.T }
+
+func (w tWriter) Write(p []byte) (int, error) {
+	w.t.Log(strings.TrimSuffix(string(p), "\n"))
+	return len(p), nil
+}
