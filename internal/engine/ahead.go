@@ -3,9 +3,11 @@ package engine
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"sync/atomic"
 	"time"
 
+	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/internal/engine/space"
 	"github.com/kvhost/kvhost/transfer"
 )
@@ -22,10 +24,10 @@ import (
 // file is in flight on the engine, it creates files of the sizes the
 // stores write, allocates their pages (fallocate) and tells the movers
 // (transfer.Preparer: the GPU path registers them). Each namespace that
-// stores on the mount has a size (wantSpares: its last file of a whole
+// stores on the mount has a size (spareMaker.want: its last file of a whole
 // group of keys; until a store, such a file as its declaration says:
-// predictSparesLocked) and an even share of Preallocate, which goes to
-// spares of its size (aheadTargetsLocked), as far as the spares stay
+// spareMaker.predict) and an even share of Preallocate, which goes to
+// spares of its size (space), as far as the spares stay
 // below the mount's low watermark. The next
 // stores of that size then write into pages that exist and are registered,
 // as stores into a full cache do. A made spare is a spare like any other:
@@ -46,12 +48,14 @@ import (
 // shorter than the idle moments between an inference server's bursts.
 const aheadQuiet = 20 * time.Millisecond
 
-// spareMaker is the goroutine that makes spares ahead of stores.
+// spareMaker is the goroutine that makes spares ahead of stores, and
+// what it knows. Its methods do nothing on a nil maker (no mount makes
+// spares ahead).
 type spareMaker struct {
-	wake chan struct{} // a token: there may be work (a declaration, a store, room freed)
-	idle chan struct{} // a token: the last file in flight ended
-	stop chan struct{}
-	done chan struct{}
+	wakeup chan struct{} // a token: there may be work (a declaration, a store, room freed)
+	idle   chan struct{} // a token: the last file in flight ended
+	stop   chan struct{}
+	done   chan struct{}
 	// lastEnd is when the last file in flight ended, or a store last
 	// reserved a file where the budget follows bursts (UnixNano); quietFor
 	// is aheadQuiet (a field for tests).
@@ -60,6 +64,17 @@ type spareMaker struct {
 	// waitedIdle counts the times it began to wait for the files in
 	// flight (tests wait for it).
 	waitedIdle atomic.Int64
+
+	// What it works with: the room on the mounts, the mounts, whether a
+	// file is in flight (fileSlots.busy), how it makes and removes its
+	// files, and the count of spares made (Stats.SparesMade).
+	sp     *space.Space
+	mounts []*mount
+	busy   func() bool
+	own    *ownFiles                                     // creates the spares (createFile)
+	remove func(m *mount, path string, id fsys.Identity) // removes a spare (Engine.removeSpare)
+	made   *atomic.Uint64
+	log    *slog.Logger
 }
 
 // activeAt moves lastEnd to now (UnixNano) unless it is later already.
@@ -72,33 +87,42 @@ func (mk *spareMaker) activeAt(now int64) {
 	}
 }
 
-// startSpareMaker starts the maker if a mount makes spares ahead.
-func (e *Engine) startSpareMaker() {
-	for _, m := range e.mounts {
+// newSpareMaker returns a maker, not yet started, where a mount of
+// mounts makes spares ahead, else nil.
+func newSpareMaker(sp *space.Space, mounts []*mount, busy func() bool, own *ownFiles, remove func(*mount, string, fsys.Identity), made *atomic.Uint64, log *slog.Logger) *spareMaker {
+	for _, m := range mounts {
 		if m.sp.MakesAhead() {
-			e.space.TrackMaker() // before the maker and any job
 			mk := &spareMaker{
-				wake: make(chan struct{}, 1), idle: make(chan struct{}, 1),
+				wakeup: make(chan struct{}, 1), idle: make(chan struct{}, 1),
 				stop: make(chan struct{}), done: make(chan struct{}),
+				sp: sp, mounts: mounts, busy: busy, own: own, remove: remove, made: made, log: log,
 			}
 			mk.quietFor.Store(int64(aheadQuiet))
-			e.maker = mk
-			go e.makeSpares()
-			return
+			return mk
 		}
 	}
+	return nil
 }
 
-// stopSpareMaker stops the maker and waits for the file it is making.
-func (e *Engine) stopSpareMaker() {
-	if e.maker == nil {
+// start starts the maker's goroutine.
+func (mk *spareMaker) start() {
+	if mk == nil {
 		return
 	}
-	close(e.maker.stop)
-	<-e.maker.done
+	mk.sp.TrackMaker() // before the maker and any job
+	go mk.run()
 }
 
-// wantSpares returns what a store of namespace ns on m tells the spares
+// close stops the maker and waits for the file it is making.
+func (mk *spareMaker) close() {
+	if mk == nil {
+		return
+	}
+	close(mk.stop)
+	<-mk.done
+}
+
+// want returns what a store of namespace ns on m tells the spares
 // made ahead (space.StoreReserve records it with the reservation),
 // or nil where m makes none or ns is not declared. The namespace's
 // spares are made in the size of its last file that held a whole group
@@ -108,19 +132,16 @@ func (e *Engine) stopSpareMaker() {
 // it, over a declaration's guess too (a client whose jobs all hold fewer
 // keys than a group writes only such files), but only ever upwards: jobs
 // of varying length would otherwise have the maker remove and remake the
-// namespace's share in every idle moment. The caller holds e.mu for
-// reading where m makes spares ahead (reserveFile).
-func (e *Engine) wantSpares(m *mount, ns NamespaceID, full bool) *space.StoreAhead {
-	if e.maker == nil || !m.sp.MakesAhead() {
-		return nil
-	}
-	if n := e.nss[ns]; !n.declared {
+// namespace's share in every idle moment. The caller holds the tables'
+// lock for reading where m makes spares ahead (tables.whileDeclared).
+func (mk *spareMaker) want(m *mount, ns NamespaceID, declared, full bool) *space.StoreAhead {
+	if mk == nil || !m.sp.MakesAhead() || !declared {
 		return nil
 	}
 	return &space.StoreAhead{NS: uint32(ns), Full: full}
 }
 
-// predictSparesLocked guesses the size of the files a newly declared
+// predict guesses the size of the files a newly declared
 // namespace's stores will write, a file holding a whole group of its keys
 // (wholeFileLen), for the mount that makes spares ahead, where that mount
 // knows no size of the namespace yet, and reports whether the maker then
@@ -130,13 +151,13 @@ func (e *Engine) wantSpares(m *mount, ns NamespaceID, full bool) *space.StoreAhe
 // mount makes spares ahead: with several, which of them the policy will
 // place files on is not known before it does, and spares on a mount no
 // store reaches would hold its memory for nothing. Any store's size
-// replaces the guess (wantSparesLocked). The caller holds e.mu.
-func (e *Engine) predictSparesLocked(ns *namespace) bool {
-	if e.maker == nil || ns.layout != nil {
+// replaces the guess (want). The caller holds the tables' lock.
+func (mk *spareMaker) predict(ns *namespace) bool {
+	if mk == nil || ns.layout != nil {
 		return false
 	}
 	var only *mountSpace
-	for _, m := range e.mounts {
+	for _, m := range mk.mounts {
 		if m.sp.MakesAhead() {
 			if only != nil {
 				return false
@@ -147,45 +168,59 @@ func (e *Engine) predictSparesLocked(ns *namespace) bool {
 	if only == nil {
 		return false
 	}
-	return e.space.GuessAhead(only, uint32(ns.id), ns.wholeFileLen())
+	return mk.sp.GuessAhead(only, uint32(ns.id), ns.wholeFileLen())
 }
 
-// forgetAheadLocked drops what every mount knows of released namespace
-// ns's files (its share of the spares goes to the others), and reports
-// whether the maker then has work. The caller holds e.mu.
-func (e *Engine) forgetAheadLocked(ns NamespaceID) bool {
-	if e.maker == nil {
+// forget drops what every mount knows of released namespace ns's files
+// (its share of the spares goes to the others), and reports whether the
+// maker then has work. The caller holds the tables' lock.
+func (mk *spareMaker) forget(ns NamespaceID) bool {
+	if mk == nil {
 		return false
 	}
-	return e.space.ForgetAhead(uint32(ns))
+	return mk.sp.ForgetAhead(uint32(ns))
 }
 
-// spareRoom wakes the maker if it has work (a delete or a move freed
-// room), and marks it busy for WaitSpares.
-func (e *Engine) spareRoom() {
-	if e.maker == nil {
+// room wakes the maker if it has work (a delete or a move freed room),
+// and marks it busy for WaitSpares.
+func (mk *spareMaker) room() {
+	if mk == nil {
 		return
 	}
-	e.wakeMaker(e.space.SpareWork())
+	mk.wake(mk.sp.SpareWork())
 }
 
-// wakeMaker wakes the maker if work says it has some.
-func (e *Engine) wakeMaker(work bool) {
+// wake wakes the maker if work says it has some.
+func (mk *spareMaker) wake(work bool) {
 	if !work {
 		return
 	}
 	select {
-	case e.maker.wake <- struct{}{}:
+	case mk.wakeup <- struct{}{}:
 	default:
+	}
+}
+
+// fileEnded is called after a file in flight released its slot, and
+// after a copy between mounts ended.
+func (mk *spareMaker) fileEnded() {
+	if mk == nil {
+		return
+	}
+	mk.lastEnd.Store(time.Now().UnixNano())
+	if !mk.busy() {
+		select {
+		case mk.idle <- struct{}{}:
+		default:
+		}
 	}
 }
 
 // awaitQuiet waits until no file has been in flight for the quiet
 // period, and reports false if the maker was stopped first.
-func (e *Engine) awaitQuiet() bool {
-	mk := e.maker
+func (mk *spareMaker) awaitQuiet() bool {
 	for {
-		if e.slots.busy() {
+		if mk.busy() {
 			mk.waitedIdle.Add(1)
 			select {
 			case <-mk.idle:
@@ -201,7 +236,7 @@ func (e *Engine) awaitQuiet() bool {
 		t := time.NewTimer(left)
 		select {
 		case <-t.C:
-		case <-mk.wake: // checks again (tests shorten the period)
+		case <-mk.wakeup: // checks again (tests shorten the period)
 			t.Stop()
 		case <-mk.stop:
 			t.Stop()
@@ -210,21 +245,20 @@ func (e *Engine) awaitQuiet() bool {
 	}
 }
 
-// makeSpares is the maker's goroutine.
-func (e *Engine) makeSpares() {
-	mk := e.maker
+// run is the maker's goroutine.
+func (mk *spareMaker) run() {
 	defer close(mk.done)
-	sp := e.space
+	sp := mk.sp
 	for {
 		if !sp.SpareWorkOrQuiet() {
 			select {
-			case <-mk.wake:
+			case <-mk.wakeup:
 				continue
 			case <-mk.stop:
 				return
 			}
 		}
-		if !e.awaitQuiet() {
+		if !mk.awaitQuiet() {
 			return
 		}
 		sp.EndBursts(time.Now().UnixNano(), time.Duration(mk.quietFor.Load())) // the budget follows the burst that just ended
@@ -233,17 +267,17 @@ func (e *Engine) makeSpares() {
 		case ms == nil:
 			continue
 		case stale.Path != "":
-			e.removeSpare(e.mounts[ms.Index()], stale.Path, stale.ID)
+			mk.remove(mk.mounts[ms.Index()], stale.Path, stale.ID)
 			continue
 		}
-		m := e.mounts[ms.Index()]
-		if err := e.makeSpare(m, size); err != nil {
+		m := mk.mounts[ms.Index()]
+		if err := mk.makeSpare(m, size); err != nil {
 			// Not again until the next store of a namespace of that
 			// size on m, or the next namespace declared: a full file
 			// system, or one that refuses fallocate, would otherwise
 			// have the maker retry without end.
 			sp.FailedAhead(ms, size)
-			e.log.Debug("engine: make a spare file ahead of stores", "mount", m.root, "size", size, "err", err)
+			mk.log.Debug("engine: make a spare file ahead of stores", "mount", m.root, "size", size, "err", err)
 		}
 	}
 }
@@ -251,8 +285,8 @@ func (e *Engine) makeSpares() {
 // makeSpare makes one spare of size bytes on m: a file in m's root with
 // its pages allocated, shown to the movers (transfer.Preparer), then
 // added to m's spares if it still fits below the low watermark.
-func (e *Engine) makeSpare(m *mount, size int64) error {
-	f, path, op, err := e.createFile(m, m.root, sparePrefix, 0, size)
+func (mk *spareMaker) makeSpare(m *mount, size int64) error {
+	f, path, op, err := mk.own.createFile(m, m.root, sparePrefix, 0, size)
 	if err != nil {
 		return fmt.Errorf("%s: %w", op, err)
 	}
@@ -276,8 +310,8 @@ func (e *Engine) makeSpare(m *mount, size int64) error {
 	}
 	if err == nil {
 		// Stores may have taken the room meanwhile.
-		if e.space.KeepMade(m.sp, spareFile{Path: path, ID: id, Zeroed: true}) {
-			e.st.made.Add(1)
+		if mk.sp.KeepMade(m.sp, spareFile{Path: path, ID: id, Zeroed: true}) {
+			mk.made.Add(1)
 			return nil
 		}
 	}
@@ -285,7 +319,7 @@ func (e *Engine) makeSpare(m *mount, size int64) error {
 	// closing, or the file failed (a zero id is read from the name; the
 	// file has size bytes either way).
 	id.Size = size
-	e.removeSpare(m, path, id)
+	mk.remove(m, path, id)
 	return err
 }
 
@@ -295,13 +329,15 @@ func (e *Engine) makeSpare(m *mount, size int64) error {
 // returns at once where no mount makes them, and ctx's error if ctx ends
 // first. Movers may still be preparing the files (the GPU path's
 // registrations).
-func (e *Engine) WaitSpares(ctx context.Context) error {
-	mk := e.maker
+func (e *Engine) WaitSpares(ctx context.Context) error { return e.maker.waitSpares(ctx) }
+
+// waitSpares is WaitSpares.
+func (mk *spareMaker) waitSpares(ctx context.Context) error {
 	if mk == nil {
 		return nil
 	}
-	e.spareRoom() // room an eviction or a capacity refresh freed, which wakes no one
-	sp := e.space
+	mk.room() // room an eviction or a capacity refresh freed, which wakes no one
+	sp := mk.sp
 	for {
 		quiet := sp.QuietChan()
 		select {

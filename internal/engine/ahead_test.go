@@ -541,7 +541,7 @@ func diskDir(t *testing.T) string {
 // declaration of another size leaves the size alone.
 func TestSparesAreMadeAheadOfTheFirstStoreOnceANamespaceIsDeclared(t *testing.T) {
 	f := newAheadFixture(t, Config{Policy: newTestPolicy(4, 0)}, 200, 8, 0.85)
-	whole := f.e.nss[f.ns].wholeFileLen()
+	whole := f.e.tables.get(f.ns).wholeFileLen()
 	var sizes []int64
 	for size, n := range f.e.space.Inspect(f.e.mounts[0].sp).Spares {
 		if n > 0 {
@@ -575,9 +575,7 @@ func TestSparesAreMadeAheadOfTheFirstStoreOnceANamespaceIsDeclared(t *testing.T)
 	if err != nil {
 		t.Fatal(err)
 	}
-	f.e.mu.Lock()
-	whole2 := f.e.nss[ns2].wholeFileLen()
-	f.e.mu.Unlock()
+	whole2 := f.e.tables.get(ns2).wholeFileLen()
 	if size, size2 := aheadSizeOf(f.e, f.ns), aheadSizeOf(f.e, ns2); size != whole || size2 != whole2 {
 		t.Fatalf("after a second namespace's declaration the sizes are %d and %d, want %d (the first's, unchanged) and %d (its own)", size, size2, whole, whole2)
 	}
@@ -604,9 +602,7 @@ func TestAVLLMFSNamespaceMakesNoSparesAhead(t *testing.T) {
 		t.Fatal(err)
 	}
 	waitEngineSpares(t, e)
-	e.mu.Lock()
-	want := e.nss[ns].wholeFileLen()
-	e.mu.Unlock()
+	want := e.tables.get(ns).wholeFileLen()
 	if size := aheadSizeOf(e, ns); size != want || e.Stats().SparesMade == 0 {
 		t.Fatalf("after a kvhost namespace's declaration: size %d (want %d), %d made", size, want, e.Stats().SparesMade)
 	}
@@ -687,7 +683,7 @@ func TestNoSparesAreMadeAheadWhileAFileMovesBetweenMounts(t *testing.T) {
 		t.Fatalf("the key was stored on mount %d, want the memory mount", keyMount(e, ns, keys[0]))
 	}
 	made := e.Stats().SparesMade
-	id := e.ix.Get(e.nss[ns].fp, keys[0]).ID
+	id := e.ix.Get(e.tables.get(ns).fp, keys[0]).ID
 	// From here the move's copy is the only file in flight: every wait
 	// of the maker's is for it.
 	testwait.Until(t, "the store's file slot to be released", testwait.Hang, func() bool { return !e.slots.busy() })
@@ -701,7 +697,7 @@ func TestNoSparesAreMadeAheadWhileAFileMovesBetweenMounts(t *testing.T) {
 	defer once.Do(func() { close(release) })
 	testwait.Until(t, "the move's copy to be held", testwait.Hang, func() bool { return blocked.Load() > 0 })
 	e.maker.quietFor.Store(0)
-	e.spareRoom() // the maker wakes and finds the copy in flight
+	e.maker.room() // the maker wakes and finds the copy in flight
 	testwait.Until(t, "the maker to wait for the move", testwait.Hang, func() bool { return e.maker.waitedIdle.Load() > waited })
 	if st := e.Stats(); st.SparesMade != made {
 		t.Fatalf("%d spares made while a file moved between mounts", st.SparesMade-made)
@@ -741,9 +737,7 @@ func TestStoresOfFewerKeysThanAGroupReplaceTheDeclaredSpareSize(t *testing.T) {
 	}
 	storeAndCheck(t, f.e, f.c, testKeys("group", 4), blocks)
 	f.store(t, []byte("single-after"))
-	f.e.mu.Lock()
-	whole := f.e.nss[f.ns].wholeFileLen()
-	f.e.mu.Unlock()
+	whole := f.e.tables.get(f.ns).wholeFileLen()
 	if size := aheadSizeOf(f.e, f.ns); size != whole {
 		t.Fatalf("after a four-key file and a one-key file spares are made of %d bytes, want the four-key file's %d", size, whole)
 	}
@@ -803,7 +797,7 @@ func TestSparesAreMadeAheadAgainWhenAMoveFreesRoom(t *testing.T) {
 	if m := e.Stats().Mounts[0]; m.SpareFiles != 5 || m.Used != fileLen {
 		t.Fatalf("after a store into a spare: %d spares, %d bytes used; want 5 and one file", m.SpareFiles, m.Used)
 	}
-	id := e.ix.Get(e.nss[ns].fp, keys[0]).ID
+	id := e.ix.Get(e.tables.get(ns).fp, keys[0]).ID
 	if _, err := e.move(ctx, id, 1, true); err != nil {
 		t.Fatalf("move: %v", err)
 	}
@@ -819,9 +813,7 @@ func TestSparesAreMadeAheadAgainWhenAMoveFreesRoom(t *testing.T) {
 // and remaking the whole budget after every job.
 func TestSpareSizeFromFilesOfFewerKeysOnlyGrows(t *testing.T) {
 	f := newAheadFixture(t, Config{Policy: newTestPolicy(4, 0)}, 200, 8, 0.85)
-	f.e.mu.Lock()
-	h := f.e.nss[f.ns].header(0)
-	f.e.mu.Unlock()
+	h := f.e.tables.get(f.ns).header(0)
 	h.Keys = make([]format.Key, 2)
 	twoKeys := h.FileLen()
 	for i := range 10 {

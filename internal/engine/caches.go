@@ -21,7 +21,7 @@ type cache struct {
 // data mover (host memory: the staging pipeline, which needs
 // host-addressable regions; device memory: Config.Movers).
 func (e *Engine) RegisterCache(ns NamespaceID, layers []LayerTensor) (CacheID, error) {
-	n, err := e.namespace(ns)
+	n, err := e.tables.namespace(ns)
 	if err != nil {
 		return 0, err
 	}
@@ -86,40 +86,48 @@ func (e *Engine) RegisterCache(ns NamespaceID, layers []LayerTensor) (CacheID, e
 			return 0, bad("last block [%d, +%d) is outside region %d of %d bytes", last.Offset, bb, t.Region.ID(), t.Region.Len())
 		}
 	}
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	if e.closed {
+	return e.tables.addCache(c)
+}
+
+// addCache gives c an id and registers it (RegisterCache).
+func (t *tables) addCache(c *cache) (CacheID, error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.closed {
 		return 0, ErrClosed
 	}
-	e.lastCach++
-	c.id = CacheID(e.lastCach)
-	e.caches[c.id] = c
+	t.lastCach++
+	c.id = CacheID(t.lastCach)
+	t.caches[c.id] = c
 	return c.id, nil
 }
 
 // UnregisterCache forgets a cache. Jobs already submitted keep using it:
 // the caller must wait for them before unmapping the regions. It fails
 // with ErrClosed once Close has begun, as RegisterCache does.
-func (e *Engine) UnregisterCache(id CacheID) error {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	if e.closed {
+func (e *Engine) UnregisterCache(id CacheID) error { return e.tables.removeCache(id) }
+
+// removeCache forgets cache id (UnregisterCache).
+func (t *tables) removeCache(id CacheID) error {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.closed {
 		return ErrClosed
 	}
-	if _, ok := e.caches[id]; !ok {
+	if _, ok := t.caches[id]; !ok {
 		return fmt.Errorf("%w: %d", ErrUnknownCache, id)
 	}
-	delete(e.caches, id)
+	delete(t.caches, id)
 	return nil
 }
 
 // request validates the common part of store and load requests (load:
 // a load's, whose blocks may be NoBlock).
-func (e *Engine) request(id CacheID, keys [][]byte, blocks [][]int, load bool) (*cache, error) {
-	e.mu.RLock()
-	c, ok := e.caches[id]
-	closed := e.closed
-	e.mu.RUnlock()
+func (t *tables) request(id CacheID, keys [][]byte, blocks [][]int, load bool) (*cache, error) {
+	t.mu.RLock()
+	c, ok := t.caches[id]
+	closed := t.closed
+	t.mu.RUnlock()
 	if closed {
 		return nil, ErrClosed
 	}

@@ -64,7 +64,7 @@ func (e *Engine) enterNamespace(ns NamespaceID) (n *namespace, exit func(), err 
 	if err := e.calls.enter(); err != nil {
 		return nil, nil, err
 	}
-	if n, err = e.namespace(ns); err != nil {
+	if n, err = e.tables.namespace(ns); err != nil {
 		e.calls.exit()
 		return nil, nil, err
 	}

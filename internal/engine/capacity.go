@@ -138,7 +138,7 @@ func (e *Engine) exceedsCapacity(m *mount, size, capacity int64) error {
 // unreserve gives back a reservation of size bytes on m that no file took
 // (a store or a move failed), and wakes the spare maker for the room.
 func (e *Engine) unreserve(m *mount, size int64) {
-	e.wakeMaker(e.space.Unreserve(m.sp, size)) // room for spares made ahead
+	e.maker.wake(e.space.Unreserve(m.sp, size)) // room for spares made ahead
 }
 
 // evict removes policy-chosen victims on m until usage plus size is at or

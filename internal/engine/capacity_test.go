@@ -506,7 +506,7 @@ func injectedEngine(t *testing.T, mounts []Mount, pol policy.Policy, inj fsys.In
 
 // entryOf returns the entry that holds key in namespace ns.
 func entryOf(e *Engine, ns NamespaceID, key []byte) *entry {
-	return e.ix.Get(e.nss[ns].fp, key)
+	return e.ix.Get(e.tables.get(ns).fp, key)
 }
 
 // oneMountPolicy is testPolicy naming every key on mount 0, without
@@ -551,7 +551,7 @@ func TestAStorePublishedOverAnOrphanLeavesItsFileCounted(t *testing.T) {
 	e, ns, c = injectedEngine(t, []Mount{{Path: dir}}, &oneMountPolicy{newTestPolicy(2, abi.OrderLayerMajor)}, inj, 16)
 	storeAndCheck(t, e, c, keys[:2], [][]int{{0, 1, 2, 3}, {4, 5, 6, 7}})
 	first := entryOf(e, ns, keys[0])
-	e.ix.ForgetKey(e.nss[ns].fp, keys[0])
+	e.ix.ForgetKey(e.tables.get(ns).fp, keys[0])
 	armed.Store(true)
 	storeAndCheck(t, e, c, [][]byte{keys[0], keys[2]}, [][]int{{8, 9, 10, 11}, {12, 13, 14, 15}})
 	var orphan bool

@@ -294,7 +294,7 @@ func TestEveryCallAfterCloseIsRefused(t *testing.T) {
 		t.Fatal(err)
 	}
 	late.closed.Store(true)
-	caches := len(e.caches)
+	caches := e.tables.cacheCount()
 
 	refused := []struct {
 		method string
@@ -357,7 +357,7 @@ func TestEveryCallAfterCloseIsRefused(t *testing.T) {
 			t.Errorf("Engine.%s: neither checked to be refused after Close nor listed among the methods that answer", name)
 		}
 	}
-	if n := len(e.caches); n != caches {
+	if n := e.tables.cacheCount(); n != caches {
 		t.Errorf("caches after the calls: %d, want %d", n, caches)
 	}
 	if n, f := late.policy.Load(), late.files.Load(); n+f > 0 {

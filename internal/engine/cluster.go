@@ -145,7 +145,7 @@ func (h clusterHost) Clustered(mount int) bool { return h.e.mounts[mount].cluste
 // gone.
 func (h clusterHost) CleanTemp(path string) (bool, error) {
 	rest, _ := tempRest(filepath.Base(path))
-	removed, err := h.e.cleanTemp(h.m, path, rest)
+	removed, err := h.e.own.cleanTemp(h.m, path, rest)
 	if _, serr := h.e.fs.Stat(path); removed || errors.Is(serr, os.ErrNotExist) {
 		return true, err
 	}
@@ -308,7 +308,7 @@ func readFailed(err error) bool {
 // directory opened without links).
 func (h clusterHost) touchDir(dir string) error {
 	e, m := h.e, h.m
-	tmp := e.tempName(dir, tmpPrefix)
+	tmp := e.own.tempName(dir, tmpPrefix)
 	f, err := e.openNoLinks(m, tmp, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o644)
 	if err != nil {
 		return err

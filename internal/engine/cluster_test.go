@@ -847,7 +847,7 @@ func TestClusterReclaimsTheAbandonedTemporaryFilesOfADeadNode(t *testing.T) {
 	clock := newTestClock()
 	a := clusterNodeAt(t, dir, "a", 1<<30, time.Hour, clock.now)
 	d := clusterNode(t, dir, "d", 1<<30, time.Second)
-	f, tmp, _, err := d.e.createTemp(d.e.mounts[0], dir, 0, 1<<20)
+	f, tmp, _, err := d.e.own.createTemp(d.e.mounts[0], dir, 0, 1<<20)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -1047,7 +1047,7 @@ func TestClusterNeverRetiresADeadNodeWhoseFileACachedListingHid(t *testing.T) {
 	for i := range keys {
 		keys[i] = fmt.Appendf(nil, "%04d-dlast", i)
 	}
-	_, paths, _, err := d.e.names(ctx, d.e.nss[d.ns], append(first, keys...))
+	_, paths, _, err := d.e.names(ctx, d.e.tables.get(d.ns), append(first, keys...))
 	if err != nil {
 		t.Fatal(err)
 	}

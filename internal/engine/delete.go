@@ -51,7 +51,7 @@ func (e *Engine) Delete(ctx context.Context, ns NamespaceID, keys [][]byte) (int
 		}
 	}
 	if removed > 0 {
-		e.spareRoom() // room for spares made ahead
+		e.maker.room() // room for spares made ahead
 	}
 	return removed, nil
 }
@@ -145,10 +145,7 @@ func (e *Engine) Purge(ctx context.Context, fp uint64) (PurgeResult, error) {
 		return PurgeResult{}, err
 	}
 	defer e.calls.exit()
-	e.mu.RLock()
-	closed := e.closed
-	_, known := e.nsByFP[fp]
-	e.mu.RUnlock()
+	closed, known := e.tables.known(fp)
 	if closed {
 		return PurgeResult{}, ErrClosed
 	}
@@ -177,15 +174,7 @@ func (e *Engine) PurgeModel(ctx context.Context, model string) (PurgeResult, err
 		return PurgeResult{}, err
 	}
 	defer e.calls.exit()
-	e.mu.RLock()
-	closed := e.closed
-	var fps []uint64
-	for _, n := range e.nss {
-		if n.geo.Model == model {
-			fps = append(fps, n.fp)
-		}
-	}
-	e.mu.RUnlock()
+	closed, fps := e.tables.fingerprints(model)
 	if closed {
 		return PurgeResult{}, ErrClosed
 	}
@@ -256,7 +245,7 @@ func (r *remover) purgeEntries(ctx context.Context, ens []*entry, mayRemove func
 func (e *Engine) purge(ctx context.Context, fps []uint64, res *PurgeResult) bool {
 	found, removed := e.rm.purge(ctx, fps, mayPurge(e.mounts), res)
 	if removed {
-		e.spareRoom() // room for spares made ahead
+		e.maker.room() // room for spares made ahead
 	}
 	return found
 }

@@ -409,10 +409,10 @@ func (e *Engine) moveEntry(ctx context.Context, id uint64, target int, mayEvict,
 	} else if err := e.reserveFree(tm, size); err != nil {
 		return 0, err
 	}
-	e.slots.moving.Add(1) // a file in flight that takes no slot (fileEnded)
+	e.slots.moving.Add(1) // a file in flight that takes no slot (spareMaker.fileEnded)
 	en2, left, err := e.copyFile(en, tm, dst)
 	e.slots.moving.Add(-1)
-	e.fileEnded()
+	e.maker.fileEnded()
 	if err != nil {
 		if left != nil {
 			ix.Leave(left, dst) // the reservation counts the copy left
@@ -454,7 +454,7 @@ func (e *Engine) moveEntry(ctx context.Context, id uint64, target int, mayEvict,
 // (leftOf).
 func (e *Engine) removeMoved(en *entry) int64 {
 	e.rm.removeAt(en.Path, en)
-	e.spareRoom() // the source's room
+	e.maker.room() // the source's room
 	return en.Size
 }
 
@@ -486,19 +486,6 @@ func (e *Engine) dropCopy(ctx context.Context, en, dup *entry, held bool) error 
 	return nil
 }
 
-// copyBuffer returns a buffer of n bytes for a move's copy, reused from
-// earlier moves where one is large enough, and put to give it back.
-// Moves run many at a time and one after another; a fresh buffer per
-// move was a megabyte or more of garbage each.
-func (e *Engine) copyBuffer(n int64) (buf []byte, put func()) {
-	p, _ := e.copyBufs.Get().(*[]byte)
-	if p == nil || int64(cap(*p)) < n {
-		b := make([]byte, n)
-		p = &b
-	}
-	return (*p)[:n], func() { e.copyBufs.Put(p) }
-}
-
 // copyFile copies en's file (checked to be en's by identity and header id)
 // to dst on mount tm: an owned temporary file, fsynced with Config.Fsync,
 // renamed into place. It returns the unindexed entry of the copy, or an
@@ -519,9 +506,9 @@ func (e *Engine) copyFile(en *entry, tm *mount, dst string) (en2, left *entry, e
 			e.storeEnded(tm, en.Size, err)
 		}
 	}()
-	f, tmp, op, err := e.createTemp(tm, filepath.Dir(dst), 0, en.Size)
+	f, tmp, op, err := e.own.createTemp(tm, filepath.Dir(dst), 0, en.Size)
 	if err != nil {
-		return nil, nil, e.ioError(tm, "move: "+op, err)
+		return nil, nil, ioError(tm, "move: "+op, err)
 	}
 	published := false
 	defer func() {
@@ -534,13 +521,13 @@ func (e *Engine) copyFile(en *entry, tm *mount, dst string) (en2, left *entry, e
 	}()
 	// Whole large folios on the target (a tmpfs with huge pages): a write
 	// of part of one would have the kernel zero the rest first.
-	buf, put := e.copyBuffer(min(max(int64(copyChunk), tm.folio), max(en.Size, 1)))
+	buf, put := e.bufs.copyBuffer(min(max(int64(copyChunk), tm.folio), max(en.Size, 1)))
 	defer put()
 	for off := int64(0); off < en.Size; {
 		n, rerr := src.ReadAt(buf[:min(int64(len(buf)), en.Size-off)], off)
 		if n > 0 {
 			if _, err := f.WriteAt(buf[:n], off); err != nil {
-				return nil, nil, e.ioError(tm, "move: write", err)
+				return nil, nil, ioError(tm, "move: write", err)
 			}
 			off += int64(n)
 		}

@@ -48,7 +48,7 @@ func tieredPolicies(t testing.TB, params map[string]string) map[string]func(poli
 // keyMount returns the mount of key's file in ns, or -1 if it is not
 // indexed.
 func keyMount(e *Engine, ns NamespaceID, key []byte) int {
-	en := e.ix.Get(e.nss[ns].fp, key)
+	en := e.ix.Get(e.tables.get(ns).fp, key)
 	if en == nil {
 		return -1
 	}
@@ -906,7 +906,7 @@ func TestLookupDuringMove(t *testing.T) {
 	c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
 	keys := testKeys("mid", 1)
 	storeAndCheck(t, e, c, keys, [][]int{{0, 1, 2, 3}})
-	en := e.ix.Get(e.nss[ns].fp, keys[0])
+	en := e.ix.Get(e.tables.get(ns).fp, keys[0])
 	armed.Store(en)
 	if n, err := e.Lookup(ctx, ns, keys); n != 1 || err != nil {
 		t.Fatalf("lookup during a move: %d, %v; want a hit", n, err)
@@ -948,7 +948,7 @@ func TestDeleteDuringMove(t *testing.T) {
 	}
 	c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
 	storeAndCheck(t, e, c, keys, [][]int{{0, 1, 2, 3}})
-	id := e.ix.Get(e.nss[ns].fp, keys[0]).ID
+	id := e.ix.Get(e.tables.get(ns).fp, keys[0]).ID
 	armed.Store(true)
 	if _, err := e.move(ctx, id, 1, true); !errors.Is(err, errMoveStale) {
 		t.Fatalf("move of a file deleted during it: %v, want errMoveStale", err)
@@ -1003,7 +1003,7 @@ func TestMovesCopyInWholeLargeFolios(t *testing.T) {
 		want := c.data(blocks)
 		keys := testKeys("folio-move", 1)
 		storeAndCheck(t, e, c, keys, [][]int{blocks})
-		en := e.ix.Get(e.nss[ns].fp, keys[0])
+		en := e.ix.Get(e.tables.get(ns).fp, keys[0])
 		id, size := en.ID, en.Size
 		writes.Store(0) // the start's O_DIRECT probe wrote there too
 		if _, err := e.move(ctx, id, 1, true); err != nil {
@@ -1030,8 +1030,8 @@ func TestMovesCopyInWholeLargeFolios(t *testing.T) {
 func TestCopyBuffersHaveTheSizeAskedAndAreNeverShared(t *testing.T) {
 	var e Engine
 	for _, sizes := range [][]int64{{1 << 20, 1 << 20}, {4096, 1 << 20}, {2 << 20, 4096}, {1, 2 << 20}} {
-		a, putA := e.copyBuffer(sizes[0])
-		b, putB := e.copyBuffer(sizes[1])
+		a, putA := e.bufs.copyBuffer(sizes[0])
+		b, putB := e.bufs.copyBuffer(sizes[1])
 		if int64(len(a)) != sizes[0] || int64(len(b)) != sizes[1] {
 			t.Fatalf("sizes %v: buffers of %d and %d bytes", sizes, len(a), len(b))
 		}
@@ -1149,7 +1149,7 @@ func TestPinHoldsAKeyMovedAfterItWasFound(t *testing.T) {
 	if err != nil || id == 0 || !held[0] {
 		t.Fatalf("Pin = %d, %v, %v; want the moved key pinned", id, held, err)
 	}
-	en := e.ix.Get(e.nss[ns].fp, keys[0])
+	en := e.ix.Get(e.tables.get(ns).fp, keys[0])
 	var pinned bool
 	e.ix.Inspect(func() { pinned = en.ClientPinned() })
 	mount := en.Mount

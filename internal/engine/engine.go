@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"sync"
 	"sync/atomic"
 	"time"
 
@@ -61,39 +60,24 @@ type Engine struct {
 	mounts    []*mount
 	kvMounts  int // mounts of kvhost's layout: the first ones; the rest are vllm-fs
 	now       func() time.Time
-	node      string      // this node's name in temporary file names
-	memory    int64       // the machine's memory (Config.Memory)
-	lock      fsys.File   // Config.LockFile, flocked for the engine's life
-	token     string      // names this engine's owner files and spares (owner.go)
-	owners    []ownerFile // this engine's owner files, flocked for its life
-	ownersMu  sync.Mutex  // guards owners and ownersDone (tookFile adds one after Open); no I/O under it
-	// ownersDone: closeOwners ran; tookFile makes no owner file after it.
-	ownersDone bool
-	dirs       sync.Map     // directories known to exist (mkdir); forgotten past dirsMax
-	dirsN      atomic.Int64 // entries added to dirs since it was last cleared
-	dirsMax    int64        // the most dirs holds before it is cleared (maxKnownDirs)
-	unsynced   sync.Map     // directories created, not yet fsynced (Config.Fsync)
-	copyBufs   sync.Pool    // *[]byte: moves' copy buffers (copyFile), reused
-	headBufs   sync.Pool    // *[]byte: readHeader's first read, format.Align bytes, aligned
+	node      string // this node's name in temporary file names
+	memory    int64  // the machine's memory (Config.Memory)
+	// own: the files of the engine's own names, temporary files, owner
+	// files and the node lock (tempfiles.go, owner.go); dirs: the
+	// directories mkdir knows; bufs: reused buffers (buffers.go).
+	own  *ownFiles
+	dirs *dirCache
+	bufs buffers
 
 	// The engine's state in parts, each with its own lock; the lock
-	// order is evictMu (per mount, in mount order) > pinTab.mu > mu >
+	// order is evictMu (per mount, in mount order) > pinTab.mu > tables.mu >
 	// ix.mu > space.mu (docs/engine.md, "The engine's parts"). Nothing
 	// holding one of them calls the policy. hold.mu (hold.go) is taken
 	// before ix.mu and held across the policy call of a release.
 	//
-	// mu guards the engine-wide tables: namespaces, caches, and closed.
-	// Readers (a request's namespace and cache) share it; writers
-	// (Declare, Release, RegisterCache, Close) hold it alone, briefly.
-	mu       sync.RWMutex
-	closed   bool
-	nss      []*namespace // by NamespaceID
-	nsByFP   map[uint64]NamespaceID
-	freeNS   []NamespaceID // ids Release gave back (namespaces without files), taken first
-	sweepNS  int           // ids at which a new one with none given back sweeps (sweepNamespacesLocked)
-	caches   map[CacheID]*cache
-	lastCach uint64
-	declares int // namespaces counted against Config.MaxNamespaces
+	// tables are the engine-wide tables: namespaces, caches, and
+	// whether the engine is closed (namespaces.go), under their own lock.
+	tables *tables
 	// ix is what is stored: entries by id, key and path, and the paths
 	// jobs hold (index.go).
 	ix *index.Index
@@ -187,39 +171,36 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		node:   nodeName(cfg.NodeID),
 		memory: machineMemory(cfg.Memory),
 		fails:  &failureLog{log: cfg.Logger, interval: 10 * time.Second},
-		nsByFP: map[uint64]NamespaceID{},
-		caches: map[CacheID]*cache{},
 		space:  space.New(),
 		calls:  newCallGate(),
 		down:   make(chan struct{}),
 
 		closeUnwind: defaultCloseUnwind,
-		dirsMax:     maxKnownDirs,
 	}
 	e.fs = fsys.Watched(cfg.FS, &e.io)
 	e.ix = index.NewIndex(e.space.Counts())
 	e.rm = &remover{ix: e.ix, fs: e.fs, log: e.log, now: e.now, host: e}
 	e.pinTab.ix, e.pinTab.now, e.pinTab.tell, e.pinTab.maxOpen = e.ix, e.now, e.access, DefaultMaxPinnedOpen()
+	e.tables = newTables(cfg.MaxNamespaces, e.ix.Holds)
 	// The node-local lock first: a second daemon on this node stops here,
 	// before it touches a mount.
+	e.dirs = newDirCache(e.fs, cfg.Fsync)
+	e.own = &ownFiles{fs: e.fs, log: e.log, now: e.now, grace: cfg.TempGrace, node: e.node, token: newToken(), dirs: e.dirs, rm: e.rm}
 	if cfg.LockFile != "" {
-		lock, err := lockNode(e.fs, cfg.LockFile)
-		if err != nil {
+		if err := e.own.lockNode(cfg.LockFile); err != nil {
 			return nil, err
 		}
-		e.lock = lock
 	}
-	e.token = newToken()
 	ok := false
 	defer func() {
 		if !ok {
-			e.closeOwners()
+			e.own.closeOwners()
 		}
 		if !ok {
 			e.clusterRun.Close(clusters(e.mounts))
 		}
-		if !ok && e.lock != nil {
-			e.lock.Close()
+		if !ok {
+			e.own.unlockNode()
 		}
 	}()
 	for i, m := range cfg.Mounts {
@@ -268,7 +249,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		pool.Close()
 		return nil, err
 	}
-	e.openOwners() // before the walk, which keeps live owners' spares
+	e.own.openOwners(e.mounts, e.spareEligible) // before the walk, which keeps live owners' spares
 	// The cluster locks before the walk too: an adopter of this node's
 	// files then lets go of them (openCluster).
 	if err := openCluster(e); err != nil {
@@ -301,7 +282,8 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	}
 	e.hitRec = newHitRecorder(e)
 	e.startTiering(ctx)
-	e.startSpareMaker()
+	e.maker = newSpareMaker(e.space, e.mounts, e.slots.busy, e.own, e.removeSpare, &e.st.made, e.log)
+	e.maker.start()
 	e.startWarmer()
 	e.clusterRun.Start(ctx, clusters(e.mounts))
 	ok = true
@@ -320,7 +302,7 @@ func (e *Engine) Stats() Stats {
 		StoreFailures: e.fails.stats(0), LoadFailures: e.fails.stats(1), Tiering: e.TierStats(), HeldFound: e.HeldFound(),
 	}
 	s.Entries, s.Keys = e.ix.Size()
-	s.Namespaces = e.namespaceStats()
+	s.Namespaces = e.tables.stats(e.ix.FingerprintCounts())
 	rooms := e.space.Usages()
 	for i, m := range e.mounts {
 		sp := rooms[i]
@@ -360,14 +342,7 @@ const defaultCloseUnwind = 5 * time.Second
 // engine opens the directories meanwhile. A later Close waits (up to its
 // own ctx) for that and returns the close's outcome.
 func (e *Engine) Close(ctx context.Context) error {
-	e.mu.Lock()
-	first := !e.closed
-	if first {
-		e.closed = true
-		e.space.Close() // no spare kept or made from now on
-	}
-	e.mu.Unlock()
-	if first {
+	if e.tables.close(e.space.Close) { // no spare kept or made from now on
 		e.jobs.close()
 		e.calls.close()
 		go e.shutdown()
@@ -404,20 +379,18 @@ func (e *Engine) shutdown() {
 	e.pinTab.close()
 	e.releaseFound(false)
 	e.stopTiering()
-	e.stopSpareMaker()
+	e.maker.close()
 	e.stopWarmer()
 	e.clusterRun.Close(clusters(e.mounts))
 	e.dropSpares()
-	e.closeOwners() // after the spares: none is left for another engine to find live
+	e.own.closeOwners() // after the spares: none is left for another engine to find live
 	e.hitRec.close()
 	e.host.Close()
 	var err error
 	if e.ownPolicy {
 		err = e.pol.Close(context.Background())
 	}
-	if e.lock != nil {
-		e.lock.Close() // releases the flock
-	}
+	e.own.unlockNode()
 	e.downErr = err
 	close(e.down)
 	e.log.Debug("engine: closed", "took", time.Since(start))

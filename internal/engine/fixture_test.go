@@ -178,7 +178,7 @@ func openEngine(t testing.TB, cfg Config) *Engine {
 		}
 		// And takes its spare owner files with it.
 		for _, m := range e.mounts {
-			mine, _ := filepath.Glob(filepath.Join(m.root, ownerPrefix+"*-"+e.token))
+			mine, _ := filepath.Glob(filepath.Join(m.root, ownerPrefix+"*-"+e.own.token))
 			if len(mine) != 0 {
 				t.Errorf("owner files left after Close: %v", mine)
 			}

@@ -189,7 +189,7 @@ type namespace struct {
 	// any is, as an entry about to be indexed names it.
 	adopting int
 	// declaring counts the Declare calls under way (between their two
-	// holds of Engine.mu): Release gives no id back while any is.
+	// holds of the tables' lock): Release gives no id back while any is.
 	declaring int
 	// layout: the vllm-fs mount serving the namespace (nil: the policy
 	// places and names its files on the kvhost mounts). Set by Declare.

@@ -39,12 +39,12 @@ func TestLookupHitsReachThePolicy(t *testing.T) {
 	if err != nil || len(v) != 1 {
 		t.Fatalf("victims %v %v", v, err)
 	}
-	en := e.find(e.nss[ns], keys[0])
+	en := e.find(e.tables.get(ns), keys[0])
 	if v[0].Entry == en.ID {
 		t.Fatal("the looked-up key is still the least recently used: its hit did not reach the policy")
 	}
 	// A hit still pending at Close is reported by Close.
-	id1 := e.find(e.nss[ns], keys[1]).ID
+	id1 := e.find(e.tables.get(ns), keys[1]).ID
 	pol.mu.Lock()
 	stored := pol.entries[id1].Time
 	pol.mu.Unlock()

@@ -159,7 +159,7 @@ var errNotRegular = errors.New("engine: not a regular file")
 // bytes, and a corrupt file is removed.
 //
 // The first read, all of a header of up to 55 keys, goes into a buffer
-// reused from headBufs, whose pages stay mapped while loads keep using
+// reused from the engine's buffers (buffers.header), whose pages stay mapped while loads keep using
 // it (a sync.Pool drops what two garbage collections find unused). A
 // fresh heap buffer's pages fault in the kernel's copy, and such a fault
 // waits for the address space's lock, queued behind the unmaps of loads
@@ -171,7 +171,7 @@ var errNotRegular = errors.New("engine: not a regular file")
 func (e *Engine) readHeader(f fsys.File) (*format.Header, error) { return e.decodeHeader(f, true) }
 
 // peekHeader is readHeader without the keys' copy: the header's keys are
-// left in a buffer that goes back to headBufs, so its caller reads only
+// left in a buffer that goes back to them, so its caller reads only
 // the header's other fields (rewrittenUnder, after every load of a memory
 // mount's file, compares the file id).
 func (e *Engine) peekHeader(f fsys.File) (*format.Header, error) { return e.decodeHeader(f, false) }
@@ -179,13 +179,8 @@ func (e *Engine) peekHeader(f fsys.File) (*format.Header, error) { return e.deco
 // decodeHeader is readHeader, copying the keys out of the reused buffer
 // (before it goes back) only with own.
 func (e *Engine) decodeHeader(f fsys.File, own bool) (*format.Header, error) {
-	p, _ := e.headBufs.Get().(*[]byte)
-	if p == nil {
-		b := staging.AlignedBuffer(format.Align)
-		p = &b
-	}
-	defer e.headBufs.Put(p)
-	buf := *p
+	buf, put := e.bufs.header()
+	defer put()
 	n, err := f.ReadAt(buf, 0)
 	if err != nil && !errors.Is(err, io.EOF) {
 		return nil, err

@@ -20,7 +20,7 @@ import (
 // header is checked against the namespace and key, and payload checksums are
 // verified: a corrupt file is a failed key and is dropped.
 func (e *Engine) Load(ctx context.Context, req LoadRequest) (*Job, error) {
-	c, err := e.request(req.Cache, req.Keys, req.Blocks, true)
+	c, err := e.tables.request(req.Cache, req.Keys, req.Blocks, true)
 	if err != nil {
 		return nil, err
 	}

@@ -30,13 +30,13 @@ func TestARepeatedKeyOfACorruptFileIsNotReportedLoaded(t *testing.T) {
 	}
 	storeAndCheck(t, e, c, keys, blocks)
 	a := c.data(blocks[0])
-	en := e.find(e.nss[ns], keys[0])
+	en := e.find(e.tables.get(ns), keys[0])
 	if en == nil || len(en.Keys) != 2 || en.Keys[1] != string(keys[1]) {
 		t.Fatalf("want one file of both keys, got %+v", en)
 	}
 	// Corrupt the second key's payload (block-major: after the first
 	// key's).
-	h := e.nss[ns].geo
+	h := e.tables.get(ns).geo
 	f, err := os.OpenFile(en.Path, os.O_RDWR, 0)
 	if err != nil {
 		t.Fatal(err)

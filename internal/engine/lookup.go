@@ -235,8 +235,8 @@ var errPathHeld = errors.New("engine: a job of this engine holds the path")
 // this engine dropped and could not remove (index.left): its keys were
 // deleted or evicted, and stay so.
 func (e *Engine) adopt(ctx context.Context, en *entry, read *readMark) (*entry, error) {
-	en.NS = uint32(e.namespaceOf(en.FP))
-	defer e.adoptDone(NamespaceID(en.NS))
+	en.NS = uint32(e.tables.namespaceOf(en.FP))
+	defer e.tables.adoptDone(NamespaceID(en.NS))
 	got, res, recs := e.ix.Adopt(en, read)
 	switch res {
 	case adoptHeld:

@@ -218,7 +218,7 @@ func (e *Engine) openMount(i int, m Mount) (*mount, error) {
 	if io != IOAuto && io != IODirect && io != IOBuffered {
 		return nil, fmt.Errorf("%w: mount %s: io %q: want %q, %q or %q", ErrInvalid, root, m.IO, IOAuto, IODirect, IOBuffered)
 	}
-	if err := e.mkdir(nil, root, true); err != nil {
+	if err := e.dirs.mkdir(nil, root, true); err != nil {
 		return nil, fmt.Errorf("engine: mount %s: %w", root, err)
 	}
 	st, err := e.fs.Statfs(root)
@@ -265,7 +265,7 @@ func (e *Engine) openMount(i int, m Mount) (*mount, error) {
 		// its path was resolved above): made with openat2
 		// RESOLVE_NO_SYMLINKS from the resolved root (openNoLinks),
 		// removed relative to the root opened so (removeFile).
-		probe := e.tempName(root, probePrefix)
+		probe := e.own.tempName(root, probePrefix)
 		direct, made, err := staging.ProbeDirectFile(e.fs, mt.noLinksPath(probe), fsys.ONoLinks)
 		if errors.Is(err, syscall.EROFS) || errors.Is(err, syscall.EACCES) || errors.Is(err, syscall.EPERM) {
 			mt.unwritable = err // no file made; reportMounts says so, once
@@ -470,7 +470,7 @@ func (e *Engine) tookFile(m *mount) {
 		return // writable from the start, or another file's success came first
 	}
 	if e.spareCapable(m) {
-		e.openOwner(m)
+		e.own.openOwner(m)
 		e.log.Info("engine: the mount found unwritable at start takes files: evicted files are kept as spares from now on", "mount", m.root)
 	}
 	m.spareless.Store(false)

@@ -145,7 +145,7 @@ func (e *Engine) reprobe() {
 // failed fails for lack of either, and the probe's own small file may
 // fit where it does not. Else it returns why not.
 func (e *Engine) takesFiles(m *mount, room int64) error {
-	f, tmp, op, err := e.createFile(m, m.root, probePrefix, 0, probeBytes)
+	f, tmp, op, err := e.own.createFile(m, m.root, probePrefix, 0, probeBytes)
 	if err != nil {
 		return fmt.Errorf("engine: probe %s: %s: %w", m.root, op, err)
 	}

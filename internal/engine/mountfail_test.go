@@ -450,7 +450,7 @@ func TestAMemoryMountFoundReadOnlyAtStartKeepsSparesOnceItTakesFiles(t *testing.
 			if st.Evictions == 0 || st.Reused == 0 {
 				t.Errorf("%d evictions, %d stores into spare files on the remounted memory mount: want both", st.Evictions, st.Reused)
 			}
-			owner := filepath.Join(dir, ownerName(e.node, os.Getpid(), e.token))
+			owner := filepath.Join(dir, e.own.ownerName())
 			if _, err := os.Stat(owner); err != nil {
 				t.Errorf("the engine's spare owner file on the remounted mount: %v", err)
 			}

@@ -127,7 +127,7 @@ func TestAMoveOfAFileRewrittenWhileCopiedFails(t *testing.T) {
 	}
 	storeAndCheck(t, e, c, aKeys, aBlocks)
 	storeAndCheck(t, e, c, bKeys, bBlocks)
-	a, b := e.find(e.nss[ns], aKeys[0]), e.find(e.nss[ns], bKeys[0])
+	a, b := e.find(e.tables.get(ns), aKeys[0]), e.find(e.tables.get(ns), bKeys[0])
 	if a == nil || b == nil || a.Mount != 0 || a.Size <= copyChunk {
 		t.Fatalf("files stored: %+v, %+v", a, b)
 	}

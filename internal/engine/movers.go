@@ -7,7 +7,6 @@ import (
 	"io"
 	"slices"
 	"sync/atomic"
-	"time"
 
 	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/internal/crc32c"
@@ -289,24 +288,8 @@ func (s *fileSlots) busy() bool { return len(s.tokens) > 0 || s.moving.Load() > 
 // releaseSlot gives back a slot e.slots.acquire took.
 func (e *Engine) releaseSlot() {
 	<-e.slots.tokens
-	e.fileEnded()
+	e.maker.fileEnded()
 }
 
 // isShort reports whether a mover's error says the file ended early.
 func isShort(err error) bool { return errors.Is(err, transfer.ErrShortFile) }
-
-// fileEnded is called after a file in flight released its slot, and
-// after a copy between mounts ended.
-func (e *Engine) fileEnded() {
-	mk := e.maker
-	if mk == nil {
-		return
-	}
-	mk.lastEnd.Store(time.Now().UnixNano())
-	if !e.slots.busy() {
-		select {
-		case mk.idle <- struct{}{}:
-		default:
-		}
-	}
-}

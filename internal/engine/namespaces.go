@@ -6,9 +6,61 @@ import (
 	"fmt"
 	"slices"
 	"strings"
+	"sync"
 
 	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/internal/engine/index"
 )
+
+// tables are the engine-wide tables: the namespaces by id and
+// fingerprint, the ids given back, the caches, and whether the engine is
+// closed. Its lock is its own: no other file takes it. Readers (a
+// request's namespace and cache) share it; writers (Declare, Release,
+// RegisterCache, Close) hold it alone, briefly. In the lock order it
+// comes after pinTab.mu and before the index's and the space's locks
+// (Engine). Nothing holding it calls the policy: a caller's step that
+// must run under it (a vllm-fs binding, the spares' guess) is passed in
+// as a function.
+type tables struct {
+	mu       sync.RWMutex
+	closed   bool
+	nss      []*namespace // by NamespaceID
+	byFP     map[uint64]NamespaceID
+	free     []NamespaceID // ids Release gave back (namespaces without files), taken first
+	sweepAt  int           // ids at which a new one with none given back sweeps (sweepLocked)
+	caches   map[CacheID]*cache
+	lastCach uint64
+	declares int // namespaces counted against max
+	max      int // Config.MaxNamespaces
+	// holds reports whether the index holds a file of fingerprint fp
+	// (index.Index.Holds): such a namespace's id is not given back.
+	holds func(fp uint64) bool
+}
+
+// newTables returns empty tables bounding declarations at max.
+func newTables(max int, holds func(fp uint64) bool) *tables {
+	return &tables{byFP: map[uint64]NamespaceID{}, caches: map[CacheID]*cache{}, max: max, holds: holds}
+}
+
+// close marks the tables closed, calling first (once, under the lock)
+// where this call closed them, and reports whether it did.
+func (t *tables) close(first func()) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.closed {
+		return false
+	}
+	t.closed = true
+	first()
+	return true
+}
+
+// isClosed reports whether close ran.
+func (t *tables) isClosed() bool {
+	t.mu.RLock()
+	defer t.mu.RUnlock()
+	return t.closed
+}
 
 // Declare registers a geometry and returns its namespace. Declaring the same
 // geometry again returns the same id while it is declared or has files. A new geometry beyond
@@ -47,60 +99,24 @@ func (e *Engine) Declare(ctx context.Context, g Geometry) (NamespaceID, error) {
 		sp.declMu.RLock()
 		defer sp.declMu.RUnlock()
 	}
-	e.mu.Lock()
-	if e.closed {
-		e.mu.Unlock()
-		return 0, ErrClosed
-	}
-	id, ok := e.nsByFP[fp]
-	if ok && lm == nil && e.nss[id].geo.Model != "" && e.nss[id].geo != g {
-		other := e.nss[id].geo
-		e.mu.Unlock()
-		return 0, fingerprintCollision(g, fp, id, other)
-	}
-	if ok && e.nss[id].declared {
-		if lm != nil && e.nss[id].geo != g {
-			e.mu.Unlock()
-			return 0, fmt.Errorf("%w: namespace %q: vllm-fs mount %s already serves it with another geometry (%+v)", ErrInvalid, g.Model, lm.root, e.nss[id].geo)
-		}
-		e.mu.Unlock()
-		return id, nil
-	}
-	var short []*entry // rows cut short on the vllm-fs mount, dropped below
+	var bind func() ([]*entry, error)
 	if lm != nil {
-		var err error
-		if short, err = e.bindLayoutLocked(lm, g); err != nil {
-			e.mu.Unlock()
-			return 0, err
-		}
+		bind = func() ([]*entry, error) { return e.bindLayoutLocked(lm, g) }
 	}
-	counted := false // by this call
-	if !ok || !e.nss[id].counted {
-		// Every namespace costs state here and in every policy shard: bound
-		// them.
-		if e.declares >= e.cfg.MaxNamespaces {
-			e.mu.Unlock()
-			return 0, fmt.Errorf("%w: namespace %q: %d namespaces declared, the limit (Config.MaxNamespaces) is %d", ErrLimit, g.Model, e.declares, e.cfg.MaxNamespaces)
-		}
-		if !ok {
-			id = e.newNamespaceLocked(fp)
-		}
-		e.nss[id].counted = true
-		e.declares++
-		counted = true
+	d, err := e.tables.beginDeclare(g, fp, lm, bind)
+	if err != nil || d.done {
+		return d.id, err
 	}
-	e.nss[id].declaring++
-	e.mu.Unlock()
-	if len(short) > 0 {
+	if len(d.short) > 0 {
 		// Before the namespace is declared: no request finds them.
-		e.dropShort(ctx, lm, short)
+		e.dropShort(ctx, lm, d.short)
 	}
 
-	rec, err := e.pol.Namespace(ctx, g.record(id, mounts))
+	rec, err := e.pol.Namespace(ctx, g.record(d.id, mounts))
 	if err != nil {
 		// The client sees the error; the operator must too (a plugin
 		// whose shards choose different layouts refuses every model).
-		e.log.Warn("engine: the policy refused a namespace", "ns", id, "model", g.Model, "err", err)
+		e.log.Warn("engine: the policy refused a namespace", "ns", d.id, "model", g.Model, "err", err)
 		err = fmt.Errorf("%w: namespace %q: %w", ErrPolicy, g.Model, err)
 	} else if lm != nil {
 		// The layout decides: one row per file, in the row's order.
@@ -115,45 +131,115 @@ func (e *Engine) Declare(ctx context.Context, g Geometry) (NamespaceID, error) {
 		err = fmt.Errorf("%w: %w: namespace %q: KeysPerFile %d × SegmentsPerKey %d = %d segments per file: want at most %d (fewer keys per file, or larger blocks)",
 			ErrInvalid, ErrPolicy, g.Model, rec.KeysPerFile, g.SegmentsPerKey(), segs, MaxSegmentsPerFile)
 	}
-	e.mu.Lock()
-	ns := e.nss[id]
+	work, err := e.tables.endDeclare(d, g, fp, lm, rec, err, func(ns *namespace) bool {
+		where := LayoutKVHost
+		if lm != nil {
+			where = LayoutVLLMFS + " " + lm.root
+		}
+		e.log.Info("engine: namespace declared", "ns", d.id, "model", g.Model, "fingerprint", fmt.Sprintf("%016x", ns.fp),
+			"tp_rank", g.TPRank, "tp_size", g.TPSize, "key_bytes", g.KeyBytes(), "layout", where)
+		return e.maker.predict(ns)
+	})
+	if err != nil {
+		return 0, err
+	}
+	e.maker.wake(work)
+	return d.id, nil
+}
+
+// declaring is what the first step of a declaration (beginDeclare)
+// hands its second (endDeclare).
+type declaring struct {
+	id NamespaceID
+	// done: the namespace was declared already, id is the answer.
+	done bool
+	// counted: this call counted the namespace against the bound.
+	counted bool
+	// short: rows cut short on the vllm-fs mount (bind), for the caller
+	// to drop before the namespace is declared.
+	short []*entry
+}
+
+// beginDeclare is Declare's first step under the lock: it finds or makes
+// the namespace of fingerprint fp for g (of vllm-fs mount lm, or nil),
+// counts it against the bound and marks a declaration under way. bind,
+// where lm is set, checks g against the mount's files under the lock.
+func (t *tables) beginDeclare(g Geometry, fp uint64, lm *mount, bind func() ([]*entry, error)) (declaring, error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.closed {
+		return declaring{}, ErrClosed
+	}
+	id, ok := t.byFP[fp]
+	if ok && lm == nil && t.nss[id].geo.Model != "" && t.nss[id].geo != g {
+		return declaring{}, fingerprintCollision(g, fp, id, t.nss[id].geo)
+	}
+	if ok && t.nss[id].declared {
+		if lm != nil && t.nss[id].geo != g {
+			return declaring{}, fmt.Errorf("%w: namespace %q: vllm-fs mount %s already serves it with another geometry (%+v)", ErrInvalid, g.Model, lm.root, t.nss[id].geo)
+		}
+		return declaring{id: id, done: true}, nil
+	}
+	var d declaring
+	if bind != nil {
+		var err error
+		if d.short, err = bind(); err != nil {
+			return declaring{}, err
+		}
+	}
+	if !ok || !t.nss[id].counted {
+		// Every namespace costs state here and in every policy shard: bound
+		// them.
+		if t.declares >= t.max {
+			return declaring{}, fmt.Errorf("%w: namespace %q: %d namespaces declared, the limit (Config.MaxNamespaces) is %d", ErrLimit, g.Model, t.declares, t.max)
+		}
+		if !ok {
+			id = t.newLocked(fp)
+		}
+		t.nss[id].counted = true
+		t.declares++
+		d.counted = true
+	}
+	t.nss[id].declaring++
+	d.id = id
+	return d, nil
+}
+
+// endDeclare is Declare's second step under the lock, after the policy
+// answered rec or err: it declares the namespace, calling declared once
+// where this call did (its result: the maker has work, reported), or
+// gives back what beginDeclare took where the declaration failed.
+func (t *tables) endDeclare(d declaring, g Geometry, fp uint64, lm *mount, rec abi.NamespaceRecord, err error, declared func(*namespace) bool) (work bool, _ error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	ns := t.nss[d.id]
 	ns.declaring--
 	if err == nil && lm == nil && ns.geo.Model != "" && ns.geo != g {
 		// Another geometry of the same fingerprint was declared meanwhile.
-		err = fingerprintCollision(g, fp, id, ns.geo)
+		err = fingerprintCollision(g, fp, d.id, ns.geo)
 	}
 	if err != nil {
 		// Refused: the count this call took goes back, unless another
 		// declaration of the namespace succeeded meanwhile.
-		if counted && ns.counted && !ns.declared {
+		if d.counted && ns.counted && !ns.declared {
 			ns.counted = false
-			e.declares--
+			t.declares--
 		}
-		e.freeUnusedLocked(ns)
-		e.mu.Unlock()
-		return 0, err
+		t.freeUnusedLocked(ns)
+		return false, err
 	}
-	work := false
 	if !ns.counted {
 		// A refused declaration gave back the count this one relied on.
 		ns.counted = true
-		e.declares++
+		t.declares++
 	}
 	if !ns.declared {
 		ns.declared, ns.geo, ns.rec = true, g, rec
 		ns.keysPerFile, ns.order = int(rec.KeysPerFile), rec.Order
 		ns.layout = lm
-		where := LayoutKVHost
-		if lm != nil {
-			where = LayoutVLLMFS + " " + lm.root
-		}
-		e.log.Info("engine: namespace declared", "ns", id, "model", g.Model, "fingerprint", fmt.Sprintf("%016x", ns.fp),
-			"tp_rank", g.TPRank, "tp_size", g.TPSize, "key_bytes", g.KeyBytes(), "layout", where)
-		work = e.predictSparesLocked(ns)
+		work = declared(ns)
 	}
-	e.mu.Unlock()
-	e.wakeMaker(work)
-	return id, nil
+	return work, nil
 }
 
 // fingerprintCollision is Declare's refusal of a geometry whose fingerprint
@@ -169,7 +255,7 @@ func fingerprintCollision(g Geometry, fp uint64, id NamespaceID, other Geometry)
 // against Config.MaxNamespaces and is unknown to requests until declared
 // again; where it has files, they stay indexed, on disk and servable, and
 // declaring it again returns the same id until they have all gone
-// (sweepNamespacesLocked); where it has none, its id goes back
+// (tables.sweepLocked); where it has none, its id goes back
 // (freeUnusedLocked) and a later new geometry may take it. It fails with ErrUnknownNamespace for an id Declare never
 // returned, and with ErrInvalid while caches of the namespace are still
 // registered. Releasing a released namespace does nothing.
@@ -178,53 +264,62 @@ func (e *Engine) Release(ns NamespaceID) error {
 		return err
 	}
 	defer e.calls.exit()
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	if e.closed {
-		return ErrClosed
+	work, err := e.tables.release(ns, e.maker.forget) // its share of the spares goes to the others
+	e.maker.wake(work)
+	return err
+}
+
+// release is Release under the lock; forget drops what the spares made
+// ahead know of the namespace, and reports whether the maker then has
+// work (reported).
+func (t *tables) release(ns NamespaceID, forget func(NamespaceID) bool) (work bool, _ error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.closed {
+		return false, ErrClosed
 	}
-	if int(ns) >= len(e.nss) || e.nss[ns].geo.Model == "" { // never declared
-		return fmt.Errorf("%w: %d", ErrUnknownNamespace, ns)
+	if int(ns) >= len(t.nss) || t.nss[ns].geo.Model == "" { // never declared
+		return false, fmt.Errorf("%w: %d", ErrUnknownNamespace, ns)
 	}
-	n := e.nss[ns]
+	n := t.nss[ns]
 	if !n.declared {
-		return nil
+		return false, nil
 	}
 	caches := 0
-	for _, c := range e.caches {
+	for _, c := range t.caches {
 		if c.ns == n {
 			caches++
 		}
 	}
 	if caches > 0 {
-		return fmt.Errorf("%w: release of namespace %d (%q): %d caches are still registered", ErrInvalid, ns, n.geo.Model, caches)
+		return false, fmt.Errorf("%w: release of namespace %d (%q): %d caches are still registered", ErrInvalid, ns, n.geo.Model, caches)
 	}
 	n.declared = false
 	if n.counted {
 		n.counted = false
-		e.declares--
+		t.declares--
 	}
-	e.wakeMaker(e.forgetAheadLocked(ns)) // its share of the spares goes to the others
-	e.freeUnusedLocked(n)
-	return nil
+	work = forget(ns)
+	t.freeUnusedLocked(n)
+	return work, nil
 }
 
-// freeUnusedLocked gives n's id back (newNamespaceLocked takes it again)
+// freeUnusedLocked gives n's id back (newLocked takes it again)
 // where nothing names it: n is not declared, no declaration of it is
 // under way, no file found on the mounts is being indexed in it
 // (namespaceOf to adoptDone), and it has no file (no store runs without a
 // cache). So geometries declared and released, or refused, without
 // files, and namespaces whose files have all gone since (evicted,
-// deleted, purged, vanished: sweepNamespacesLocked), do not use up ids,
+// deleted, purged, vanished: sweepLocked), do not use up ids,
 // which policies bound (65,536 for the built-in ones) and which each
-// hold state. e.mu is held.
-func (e *Engine) freeUnusedLocked(n *namespace) {
-	if n.declared || n.declaring > 0 || n.adopting > 0 || n.layout != nil || e.ix.Holds(n.fp) {
+// hold state. t.mu is held.
+func (t *tables) freeUnusedLocked(n *namespace) {
+	if n.declared || n.declaring > 0 || n.adopting > 0 || n.layout != nil || t.holds(n.fp) {
 		return
 	}
-	delete(e.nsByFP, n.fp)
-	e.nss[n.id] = &namespace{id: n.id}
-	e.freeNS = append(e.freeNS, n.id)
+	delete(t.byFP, n.fp)
+	t.nss[n.id] = &namespace{id: n.id}
+	t.free = append(t.free, n.id)
 }
 
 // namespaceOf returns the namespace of files of fingerprint fp, created
@@ -232,46 +327,46 @@ func (e *Engine) freeUnusedLocked(n *namespace) {
 // files found on disk are indexed in the namespace of their geometry.
 // The caller indexes the file, or gives up, then calls adoptDone: until
 // then the id is not given back.
-func (e *Engine) namespaceOf(fp uint64) NamespaceID {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	id, ok := e.nsByFP[fp]
+func (t *tables) namespaceOf(fp uint64) NamespaceID {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	id, ok := t.byFP[fp]
 	if !ok {
-		id = e.newNamespaceLocked(fp)
+		id = t.newLocked(fp)
 	}
-	e.nss[id].adopting++
+	t.nss[id].adopting++
 	return id
 }
 
 // adoptDone ends what namespaceOf began for each of ids, the file given
 // the id indexed or not.
-func (e *Engine) adoptDone(ids ...NamespaceID) {
-	e.mu.Lock()
-	defer e.mu.Unlock()
+func (t *tables) adoptDone(ids ...NamespaceID) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
 	for _, id := range ids {
-		e.nss[id].adopting--
+		t.nss[id].adopting--
 	}
 }
 
-// newNamespaceLocked makes a namespace of fingerprint fp under an id
-// Release gave back, else a new one. e.mu is held.
-func (e *Engine) newNamespaceLocked(fp uint64) NamespaceID {
+// newLocked makes a namespace of fingerprint fp under an id
+// Release gave back, else a new one. t.mu is held.
+func (t *tables) newLocked(fp uint64) NamespaceID {
 	var id NamespaceID
-	if len(e.freeNS) == 0 && len(e.nss) >= e.sweepNS {
-		e.sweepNamespacesLocked()
+	if len(t.free) == 0 && len(t.nss) >= t.sweepAt {
+		t.sweepLocked()
 	}
-	if n := len(e.freeNS); n > 0 {
-		id, e.freeNS = e.freeNS[n-1], e.freeNS[:n-1]
-		e.nss[id] = &namespace{id: id, fp: fp}
+	if n := len(t.free); n > 0 {
+		id, t.free = t.free[n-1], t.free[:n-1]
+		t.nss[id] = &namespace{id: id, fp: fp}
 	} else {
-		id = NamespaceID(len(e.nss))
-		e.nss = append(e.nss, &namespace{id: id, fp: fp})
+		id = NamespaceID(len(t.nss))
+		t.nss = append(t.nss, &namespace{id: id, fp: fp})
 	}
-	e.nsByFP[fp] = id
+	t.byFP[fp] = id
 	return id
 }
 
-// sweepNamespacesLocked gives back the ids of the namespaces that nothing
+// sweepLocked gives back the ids of the namespaces that nothing
 // names any more (freeUnusedLocked): released while they had files, or
 // found on the mounts, and whose files have all gone since. Release gives
 // back only the ids of namespaces without files, and no file's removal
@@ -281,14 +376,14 @@ func (e *Engine) newNamespaceLocked(fp uint64) NamespaceID {
 // are twice as many ids as were in use at the last sweep, and 64 more:
 // ids stay within that of the most in use, and a sweep's cost, a look at
 // every namespace, is spread over the ids it gives back, at least half.
-// e.mu is held.
-func (e *Engine) sweepNamespacesLocked() {
-	for _, n := range e.nss {
-		if id, ok := e.nsByFP[n.fp]; ok && id == n.id {
-			e.freeUnusedLocked(n)
+// t.mu is held.
+func (t *tables) sweepLocked() {
+	for _, n := range t.nss {
+		if id, ok := t.byFP[n.fp]; ok && id == n.id {
+			t.freeUnusedLocked(n)
 		}
 	}
-	e.sweepNS = 2*(len(e.nss)-len(e.freeNS)) + 64
+	t.sweepAt = 2*(len(t.nss)-len(t.free)) + 64
 }
 
 // KeysPerFile is how many consecutive keys of one store namespace ns packs
@@ -296,67 +391,127 @@ func (e *Engine) sweepNamespacesLocked() {
 // unless the policy packs; a store of fewer keys writes fewer). It fails
 // with ErrUnknownNamespace for a namespace not declared now, and with
 // ErrClosed once the engine is closed.
-func (e *Engine) KeysPerFile(ns NamespaceID) (int, error) {
-	e.mu.RLock() // a Release and a new Declare rewrite the layout under the lock
-	defer e.mu.RUnlock()
-	n, err := e.namespaceLocked(ns)
-	if err != nil {
-		return 0, err
-	}
-	return n.keysPerFile, nil
+func (e *Engine) KeysPerFile(ns NamespaceID) (k int, err error) {
+	// A Release and a new Declare rewrite the layout under the lock.
+	err = e.tables.read(ns, func(n *namespace) { k = n.keysPerFile })
+	return k, err
 }
 
 // Fingerprint is the fingerprint ns's keys are indexed and mirrored into
 // a lookup table under (MirrorKeys): its geometry's (Geometry.Fingerprint),
 // or for a namespace a vllm-fs mount serves, the mount's files'. It fails
 // as KeysPerFile does.
-func (e *Engine) Fingerprint(ns NamespaceID) (uint64, error) {
-	e.mu.RLock()
-	defer e.mu.RUnlock()
-	n, err := e.namespaceLocked(ns)
+func (e *Engine) Fingerprint(ns NamespaceID) (fp uint64, err error) {
+	err = e.tables.read(ns, func(n *namespace) { fp = n.fp })
+	return fp, err
+}
+
+// read calls fn with declared namespace id under the lock, or returns
+// namespace's error.
+func (t *tables) read(id NamespaceID, fn func(*namespace)) error {
+	t.mu.RLock()
+	defer t.mu.RUnlock()
+	n, err := t.namespaceLocked(id)
 	if err != nil {
-		return 0, err
+		return err
 	}
-	return n.fp, nil
+	fn(n)
+	return nil
 }
 
-func (e *Engine) namespace(id NamespaceID) (*namespace, error) {
-	e.mu.RLock()
-	defer e.mu.RUnlock()
-	return e.namespaceLocked(id)
+// namespace returns declared namespace id: ErrClosed once the engine is
+// closed, ErrUnknownNamespace for one not declared now.
+func (t *tables) namespace(id NamespaceID) (*namespace, error) {
+	t.mu.RLock()
+	defer t.mu.RUnlock()
+	return t.namespaceLocked(id)
 }
 
-// namespaceLocked is namespace with e.mu held.
-func (e *Engine) namespaceLocked(id NamespaceID) (*namespace, error) {
-	if e.closed {
+// namespaceLocked is namespace with t.mu held.
+func (t *tables) namespaceLocked(id NamespaceID) (*namespace, error) {
+	if t.closed {
 		return nil, ErrClosed
 	}
-	if int(id) >= len(e.nss) || !e.nss[id].declared {
+	if int(id) >= len(t.nss) || !t.nss[id].declared {
 		return nil, fmt.Errorf("%w: %d", ErrUnknownNamespace, id)
 	}
-	return e.nss[id], nil
+	return t.nss[id], nil
 }
 
-// namespaceStats lists what the index holds of each namespace with files
-// indexed or declared now (Stats.Namespaces): the most bytes first, then
-// by model id and fingerprint.
-func (e *Engine) namespaceStats() []NamespaceStats {
-	counts := e.ix.FingerprintCounts()
-	e.mu.RLock()
+// whileDeclared calls fn under the lock, shared, with whether namespace
+// id is declared: Release, which waits for fn, then follows it.
+func (t *tables) whileDeclared(id NamespaceID, fn func(declared bool)) {
+	t.mu.RLock()
+	defer t.mu.RUnlock()
+	fn(int(id) < len(t.nss) && t.nss[id].declared)
+}
+
+// declaredGeometry returns the geometry of the namespace of fingerprint
+// fp where it is declared.
+func (t *tables) declaredGeometry(fp uint64) (Geometry, bool) {
+	t.mu.RLock()
+	defer t.mu.RUnlock()
+	if id, ok := t.byFP[fp]; ok && t.nss[id].declared {
+		return t.nss[id].geo, true
+	}
+	return Geometry{}, false
+}
+
+// known reports whether the tables are closed, and whether a namespace
+// of fingerprint fp exists (declared or not).
+func (t *tables) known(fp uint64) (closed, known bool) {
+	t.mu.RLock()
+	defer t.mu.RUnlock()
+	_, known = t.byFP[fp]
+	return t.closed, known
+}
+
+// fingerprints reports whether the tables are closed, and the
+// fingerprints of the namespaces declared with model id model since the
+// engine opened (declared now or not).
+func (t *tables) fingerprints(model string) (closed bool, fps []uint64) {
+	t.mu.RLock()
+	defer t.mu.RUnlock()
+	for _, n := range t.nss {
+		if n.geo.Model == model {
+			fps = append(fps, n.fp)
+		}
+	}
+	return t.closed, fps
+}
+
+// records returns the policy's record of every declared namespace.
+func (t *tables) records() []abi.NamespaceRecord {
+	t.mu.RLock()
+	defer t.mu.RUnlock()
+	var out []abi.NamespaceRecord
+	for _, ns := range t.nss {
+		if ns.declared {
+			out = append(out, ns.rec)
+		}
+	}
+	return out
+}
+
+// stats lists what the index holds of each namespace with files
+// indexed (counts, by fingerprint) or declared now (Stats.Namespaces):
+// the most bytes first, then by model id and fingerprint.
+func (t *tables) stats(counts map[uint64]index.FPCount) []NamespaceStats {
+	t.mu.RLock()
 	out := make([]NamespaceStats, 0, len(counts))
 	for fp, c := range counts {
 		ns := NamespaceStats{Fingerprint: fp, Files: c.Files, Keys: c.Keys, Bytes: c.Bytes}
-		if id, ok := e.nsByFP[fp]; ok {
-			ns.Model, ns.Declared = e.nss[id].geo.Model, e.nss[id].declared
+		if id, ok := t.byFP[fp]; ok {
+			ns.Model, ns.Declared = t.nss[id].geo.Model, t.nss[id].declared
 		}
 		out = append(out, ns)
 	}
-	for _, n := range e.nss {
+	for _, n := range t.nss {
 		if _, ok := counts[n.fp]; !ok && n.declared {
 			out = append(out, NamespaceStats{Fingerprint: n.fp, Model: n.geo.Model, Declared: true})
 		}
 	}
-	e.mu.RUnlock()
+	t.mu.RUnlock()
 	slices.SortFunc(out, func(a, b NamespaceStats) int {
 		return cmp.Or(cmp.Compare(b.Bytes, a.Bytes), strings.Compare(a.Model, b.Model), cmp.Compare(a.Fingerprint, b.Fingerprint))
 	})

@@ -404,7 +404,7 @@ func TestSkipsReadReadsOnlyTheBlocksLeftOut(t *testing.T) {
 				blocks[0] = NoBlock
 				want := make([]bool, len(h.Keys))
 				want[0] = true
-				plan, sk := e.caches[tc.id].plan(h, want, func(int) []int { return blocks }, e.mounts[0])
+				plan, sk := e.tables.cache(tc.id).plan(h, want, func(int) []int { return blocks }, e.mounts[0])
 				f, err := fsys.OS{}.OpenFile(files[0], os.O_RDONLY, 0)
 				if err != nil {
 					t.Fatal(err)

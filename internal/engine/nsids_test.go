@@ -105,9 +105,7 @@ func TestAGeometryWhoseFingerprintCollidesIsRefused(t *testing.T) {
 
 	second := first
 	second.Model = "second"
-	e.mu.Lock()
-	e.nsByFP[second.Fingerprint()] = id
-	e.mu.Unlock()
+	e.tables.setFingerprint(second.Fingerprint(), id)
 	declared := func(when string) {
 		t.Helper()
 		got, err := e.Declare(ctx, second)
@@ -128,4 +126,33 @@ func TestAGeometryWhoseFingerprintCollidesIsRefused(t *testing.T) {
 	}
 	c = newTestCache(t, e, id, first, 16, layoutPlaneFirst)
 	loadAndCompare(t, e, c, [][]byte{[]byte("k")}, [][]int{{4, 5, 6, 7}}, [][]byte{want})
+}
+
+// get returns namespace id, declared or not (tests).
+func (t *tables) get(id NamespaceID) *namespace {
+	t.mu.RLock()
+	defer t.mu.RUnlock()
+	return t.nss[id]
+}
+
+// setFingerprint points fingerprint fp at namespace id (tests: a
+// fingerprint collision).
+func (t *tables) setFingerprint(fp uint64, id NamespaceID) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.byFP[fp] = id
+}
+
+// cache returns registered cache id, or nil (tests).
+func (t *tables) cache(id CacheID) *cache {
+	t.mu.RLock()
+	defer t.mu.RUnlock()
+	return t.caches[id]
+}
+
+// cacheCount is the number of caches registered (tests).
+func (t *tables) cacheCount() int {
+	t.mu.RLock()
+	defer t.mu.RUnlock()
+	return len(t.caches)
 }

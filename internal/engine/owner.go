@@ -54,6 +54,27 @@ func ownerName(node string, pid int, token string) string {
 	return ownerPrefix + node + "-" + strconv.Itoa(pid) + "-" + token
 }
 
+// ownerName is the name of this engine's owner files.
+func (o *ownFiles) ownerName() string { return ownerName(o.node, os.Getpid(), o.token) }
+
+// lockNode takes the node-local lock at path (lockNode), held until
+// unlockNode.
+func (o *ownFiles) lockNode(path string) error {
+	lock, err := lockNode(o.fs, path)
+	if err != nil {
+		return err
+	}
+	o.lock = lock
+	return nil
+}
+
+// unlockNode lets go of the node lock, if lockNode took it.
+func (o *ownFiles) unlockNode() {
+	if o.lock != nil {
+		o.lock.Close() // releases the flock
+	}
+}
+
 // openOwners makes and flocks this engine's owner file in the root of
 // every mount it may keep spares on; closeOwners removes them. The file
 // is made under a temporary name, locked, then renamed, so that no other
@@ -61,10 +82,10 @@ func ownerName(node string, pid int, token string) string {
 // engine's spares are unprotected, as all spares were before owners:
 // another engine's Open removes them, and a store that finds its spare
 // gone writes a fresh file.
-func (e *Engine) openOwners() {
-	for _, m := range e.mounts {
-		if e.spareEligible(m) {
-			e.openOwner(m)
+func (o *ownFiles) openOwners(mounts []*mount, eligible func(*mount) bool) {
+	for _, m := range mounts {
+		if eligible(m) {
+			o.openOwner(m)
 		}
 	}
 }
@@ -82,31 +103,31 @@ func (e *Engine) openOwners() {
 // the name must still be this file). A link found refuses the owner file
 // with a warning naming the path; the engine's spares are then
 // unprotected, as where the file cannot be made.
-func (e *Engine) openOwner(m *mount) {
-	path := filepath.Join(m.root, ownerName(e.node, os.Getpid(), e.token))
-	f, err := e.makeOwner(m, path)
+func (o *ownFiles) openOwner(m *mount) {
+	path := filepath.Join(m.root, o.ownerName())
+	f, err := o.makeOwner(m, path)
 	if err != nil {
-		e.log.Warn("engine: no spare owner file: another engine opening on the mount removes this one's spares", "mount", m.root, "err", err)
+		o.log.Warn("engine: no spare owner file: another engine opening on the mount removes this one's spares", "mount", m.root, "err", err)
 		return
 	}
-	o := ownerFile{m: m, path: path, f: f}
-	e.ownersMu.Lock()
-	done := e.ownersDone
+	of := ownerFile{m: m, path: path, f: f}
+	o.mu.Lock()
+	done := o.done
 	if !done {
-		e.owners = append(e.owners, o)
+		o.owners = append(o.owners, of)
 	}
-	e.ownersMu.Unlock()
+	o.mu.Unlock()
 	if done {
-		o.close(e) // the engine closed meanwhile
+		of.close(o) // the engine closed meanwhile
 	}
 }
 
 // makeOwner makes the owner file at path in m's root (openOwner): under
 // a temporary name, locked, then renamed, so that no other engine's walk
 // finds it unlocked; nothing is left behind where it fails.
-func (e *Engine) makeOwner(m *mount, path string) (fsys.File, error) {
-	tmp := e.tempName(m.root, tmpPrefix)
-	f, err := e.openNoLinks(m, tmp, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o644)
+func (o *ownFiles) makeOwner(m *mount, path string) (fsys.File, error) {
+	tmp := o.tempName(m.root, tmpPrefix)
+	f, err := m.openNoLinks(o.fs, tmp, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o644)
 	if errors.Is(err, syscall.ELOOP) {
 		return nil, fmt.Errorf("engine: owner file %s: the mount's root, or a directory above it, is a symbolic link: kvhost makes no file through it: %w", tmp, err)
 	}
@@ -118,15 +139,15 @@ func (e *Engine) makeOwner(m *mount, path string) (fsys.File, error) {
 	err = fsys.Lock(f)
 	if err == nil {
 		var dir fsys.File
-		if dir, err = e.openDir(m, m.root); err == nil {
-			err = fsys.RenameAt(e.fs, dir, tmp, dir, path, false)
+		if dir, err = m.openDir(o.fs, m.root); err == nil {
+			err = fsys.RenameAt(o.fs, dir, tmp, dir, path, false)
 			dir.Close()
 		}
 	}
 	if err != nil {
 		id, _ := fileIdentity(f)
-		if rerr := e.rm.removeFile(m, tmp, id); rerr != nil {
-			e.log.Warn("engine: remove a temporary file", "path", tmp, "err", rerr)
+		if rerr := o.rm.removeFile(m, tmp, id); rerr != nil {
+			o.log.Warn("engine: remove a temporary file", "path", tmp, "err", rerr)
 		}
 		f.Close()
 		return nil, err
@@ -143,14 +164,14 @@ type ownerFile struct {
 
 // closeOwners removes this engine's owner files and releases their
 // flocks: its spares are then anyone's to remove.
-func (e *Engine) closeOwners() {
-	e.ownersMu.Lock()
-	e.ownersDone = true
-	owners := e.owners
-	e.owners = nil
-	e.ownersMu.Unlock()
-	for _, o := range owners {
-		o.close(e)
+func (o *ownFiles) closeOwners() {
+	o.mu.Lock()
+	o.done = true
+	owners := o.owners
+	o.owners = nil
+	o.mu.Unlock()
+	for _, of := range owners {
+		of.close(o)
 	}
 }
 
@@ -159,12 +180,12 @@ func (e *Engine) closeOwners() {
 // opened without following a link, and only where the name still holds
 // this file; a link in place of the root is refused, and nothing where
 // it points is removed.
-func (o ownerFile) close(e *Engine) {
-	id, _ := fileIdentity(o.f)
-	if err := e.rm.removeFile(o.m, o.path, id); err != nil {
-		e.log.Warn("engine: remove the spare owner file", "path", o.path, "err", err)
+func (of ownerFile) close(o *ownFiles) {
+	id, _ := fileIdentity(of.f)
+	if err := o.rm.removeFile(of.m, of.path, id); err != nil {
+		o.log.Warn("engine: remove the spare owner file", "path", of.path, "err", err)
 	}
-	o.f.Close()
+	of.f.Close()
 }
 
 // liveOwners remembers, during Open's walk of the mounts, which owner
@@ -177,7 +198,7 @@ type liveOwners struct {
 // spareLive reports whether the spare named .spare-<rest> on the mount
 // m belongs to an engine still running: its name has an
 // owner token, and that owner's file in root is flocked.
-func (e *Engine) spareLive(lo *liveOwners, m *mount, rest string) bool {
+func (o *ownFiles) spareLive(lo *liveOwners, m *mount, rest string) bool {
 	node, pid, ok := tempOwner(rest)
 	if !ok {
 		return false
@@ -186,18 +207,18 @@ func (e *Engine) spareLive(lo *liveOwners, m *mount, rest string) bool {
 	if len(suffix) != 2*tokenLen {
 		return false // named before owners
 	}
-	return lo.held(e, m, filepath.Join(m.root, ownerName(node, pid, suffix[:tokenLen])))
+	return lo.held(o, m, filepath.Join(m.root, ownerName(node, pid, suffix[:tokenLen])))
 }
 
 // held reports whether the owner file at path, in m's root, is held by
 // a running engine (ownerHeld), asking each path once.
-func (lo *liveOwners) held(e *Engine, m *mount, path string) bool {
+func (lo *liveOwners) held(o *ownFiles, m *mount, path string) bool {
 	lo.mu.Lock()
 	defer lo.mu.Unlock()
 	if held, ok := lo.live[path]; ok {
 		return held
 	}
-	held := e.ownerHeld(m, path)
+	held := o.ownerHeld(m, path)
 	if lo.live == nil {
 		lo.live = map[string]bool{}
 	}
@@ -213,18 +234,18 @@ func (lo *liveOwners) held(e *Engine, m *mount, path string) bool {
 // than a dead one's room. While it checks a dead owner's file it holds
 // that file's flock a moment, so a second engine opening at the same
 // instant may keep the dead spares, for the next Open to remove.
-func (e *Engine) ownerHeld(m *mount, path string) bool {
+func (o *ownFiles) ownerHeld(m *mount, path string) bool {
 	// O_NONBLOCK: a FIFO planted under the name must not stall Open.
 	// Never through a link (openNoLinks): a root replaced by one since
 	// Open would have the flock taken on a file elsewhere.
-	f, err := fsys.OpenToLock(e.fs, m.noLinksPath(path), syscall.O_NONBLOCK|fsys.ONoLinks, 0)
+	f, err := fsys.OpenToLock(o.fs, m.noLinksPath(path), syscall.O_NONBLOCK|fsys.ONoLinks, 0)
 	if err != nil {
 		return false
 	}
 	defer f.Close() // releases the flock taken below, if any
 	free, err := fsys.TryLock(f)
 	if err != nil {
-		e.log.Warn("engine: flock a spare owner file: its spares are kept", "path", path, "err", err)
+		o.log.Warn("engine: flock a spare owner file: its spares are kept", "path", path, "err", err)
 		return true
 	}
 	return !free

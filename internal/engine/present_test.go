@@ -82,7 +82,7 @@ func TestSharedMountNoFalsePresent(t *testing.T) {
 						t.Fatalf("B's lookup of x: %d, %v; want 1", n, err)
 					}
 					path := func(k string) string {
-						if en := b.e.find(b.e.nss[b.ns], key(k)); en != nil {
+						if en := b.e.find(b.e.tables.get(b.ns), key(k)); en != nil {
 							return en.Path
 						}
 						return "no file"
@@ -211,7 +211,7 @@ func TestLoadMissingSaysWhy(t *testing.T) {
 	}
 	// Vanished: A's file removed behind its back.
 	store(a, testKeys("why-v", 1))
-	en := a.e.find(a.e.nss[a.ns], testKeys("why-v", 1)[0])
+	en := a.e.find(a.e.tables.get(a.ns), testKeys("why-v", 1)[0])
 	if err := os.Remove(en.Path); err != nil {
 		t.Fatal(err)
 	}

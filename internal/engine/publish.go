@@ -41,7 +41,7 @@ import (
 func (e *Engine) publish(ctx context.Context, m *mount, f fsys.File, tmp string, en, replaces *entry, op string) (published bool, left *entry, err error) {
 	if e.cfg.Fsync || m.syncFirst {
 		if err := f.Sync(); err != nil {
-			return false, nil, e.ioError(m, op+"fsync", err)
+			return false, nil, ioError(m, op+"fsync", err)
 		}
 	}
 	if err := ctx.Err(); err != nil {
@@ -52,7 +52,7 @@ func (e *Engine) publish(ctx context.Context, m *mount, f fsys.File, tmp string,
 		return false, nil, err
 	}
 	if err != nil {
-		return false, nil, e.ioError(m, op+"rename", err)
+		return false, nil, ioError(m, op+"rename", err)
 	}
 	en.Ident, err = e.seal(f, filepath.Dir(en.Path))
 	if err != nil {
@@ -70,7 +70,7 @@ func (e *Engine) publish(ctx context.Context, m *mount, f fsys.File, tmp string,
 		if en.Ident.Ino != 0 || en.FID != 0 {
 			left = e.rm.removeIfSame(en.Path, []*entry{en})
 		}
-		return true, left, e.ioError(m, op+"publish", err)
+		return true, left, ioError(m, op+"publish", err)
 	}
 	en.Verified.Store(e.now().UnixNano())
 	return true, nil, nil

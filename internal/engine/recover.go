@@ -76,13 +76,13 @@ func (e *Engine) rebuild(ctx context.Context) error {
 			if strings.HasPrefix(name, ".") {
 				if strings.HasPrefix(name, ownerPrefix) && d.Type().IsRegular() {
 					if dir == e.mounts[mount].root {
-						if !owners.held(e, e.mounts[mount], path) {
+						if !owners.held(e.own, e.mounts[mount], path) {
 							// An ended engine's owner file: its flock is free
 							// (this engine's own reads as held: ownerHeld).
 							if err := e.rm.removeFile(e.mounts[mount], path, fsys.Identity{}); err == nil {
 								cleaned.Add(1)
 							}
-						} else if name != ownerName(e.node, os.Getpid(), e.token) {
+						} else if name != e.own.ownerName() {
 							// Another engine's: another process's, in
 							// another container maybe with this pid, or
 							// one of this process (kvhost bench
@@ -94,7 +94,7 @@ func (e *Engine) rebuild(ctx context.Context) error {
 					continue
 				}
 				if rest, ok := strings.CutPrefix(name, sparePrefix); ok && d.Type().IsRegular() {
-					if e.spareLive(&owners, e.mounts[mount], rest) {
+					if e.own.spareLive(&owners, e.mounts[mount], rest) {
 						continue // a running engine's, about to be written
 					}
 					// Never anyone's data: a spare of an engine that
@@ -111,7 +111,7 @@ func (e *Engine) rebuild(ctx context.Context) error {
 				if !d.Type().IsRegular() || !tmp {
 					continue // the host's other names, never a policy's
 				}
-				removed, err := e.cleanTemp(e.mounts[mount], path, rest)
+				removed, err := e.own.cleanTemp(e.mounts[mount], path, rest)
 				if err != nil {
 					e.log.Warn("engine: leftover temporary file", "path", path, "err", err)
 				}
@@ -172,11 +172,11 @@ func (e *Engine) rebuild(ctx context.Context) error {
 	found = e.dedupe(found) // copies left by a move cut short (demote.go)
 	ids := make([]NamespaceID, len(found))
 	for i, en := range found {
-		en.NS = uint32(e.namespaceOf(en.FP))
+		en.NS = uint32(e.tables.namespaceOf(en.FP))
 		ids[i] = NamespaceID(en.NS)
 	}
 	e.ix.InsertAll(found)
-	e.adoptDone(ids...)
+	e.tables.adoptDone(ids...)
 	e.st.corrupt.Add(uint64(corrupt))
 	for i := range others {
 		if n := others[i].Load(); n > 0 {

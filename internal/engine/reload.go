@@ -45,10 +45,7 @@ func (e *Engine) ReplacePolicy(ctx context.Context, build func(idx policy.Index)
 	}
 	sp.replaceMu.Lock()
 	defer sp.replaceMu.Unlock()
-	e.mu.RLock()
-	closed := e.closed
-	e.mu.RUnlock()
-	if closed {
+	if e.tables.isClosed() {
 		return ErrClosed
 	}
 	view := &buildView{Index: e.Index(), nsSeen: map[uint32]int{}, seen: map[uint64]int{}}
@@ -448,14 +445,5 @@ func (v indexView) Range(fn func(policy.Entry) bool) {
 
 // Namespaces returns every declared namespace.
 func (v indexView) Namespaces() []abi.NamespaceRecord {
-	e := v.e
-	e.mu.RLock()
-	defer e.mu.RUnlock()
-	var out []abi.NamespaceRecord
-	for _, ns := range e.nss {
-		if ns.declared {
-			out = append(out, ns.rec)
-		}
-	}
-	return out
+	return v.e.tables.records()
 }

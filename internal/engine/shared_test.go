@@ -229,7 +229,7 @@ func TestSharedMountInodeReuse(t *testing.T) {
 					b.c.fill(r, bl)
 				}
 				storeAndCheck(t, b.e, b.c, bKeys, bBlocks)
-				before := b.e.find(b.e.nss[b.ns], bKeys[0])
+				before := b.e.find(b.e.tables.get(b.ns), bKeys[0])
 				if n, _ := a.e.Lookup(ctx, a.ns, bKeys[:1]); n != 1 {
 					t.Fatalf("A does not find B's file: lookup %d", n)
 				}

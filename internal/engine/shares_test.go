@@ -96,9 +96,7 @@ func TestAStoreInFlightGivesAReleasedNamespaceNoShare(t *testing.T) {
 	waitJob(t, j, nil)
 	f.waitSpares(t)
 	_, has := f.e.space.Inspect(f.e.mounts[0].sp).AheadSizes[uint32(ns2)]
-	f.e.mu.RLock()
-	declared := f.e.nss[ns2].declared
-	f.e.mu.RUnlock()
+	declared := f.e.tables.get(ns2).declared
 	t.Logf("after release: entry for ns2 %v, declared %v, spares %v", has, declared, sparesBySize(f.e))
 	if has && !declared {
 		t.Errorf("released namespace %d keeps a share", ns2)

@@ -66,7 +66,7 @@ func (e *Engine) keepSpare(m *mount, dir fsys.File, path string, id fsys.Identit
 	} else if now, err := fsys.IdentityOf(fi); err != nil || now.Inode() != id.Inode() {
 		return false, path
 	}
-	spare := e.tempName(filepath.Dir(path), sparePrefix)
+	spare := e.own.tempName(filepath.Dir(path), sparePrefix)
 	if err := fsys.RenameAt(e.fs, dir, path, dir, spare, false); err != nil {
 		e.log.Debug("engine: keep a spare file", "path", path, "err", err)
 		return false, path
@@ -94,7 +94,7 @@ func (e *Engine) useSpare(m *mount, sf spareFile, dir string, extra int, size, e
 		e.rm.removeOwnIn(m, d, path, sf.ID, "spare file")
 		return nil, "", false
 	}
-	if err := e.mkdir(m, dir, false); err != nil {
+	if err := e.dirs.mkdir(m, dir, false); err != nil {
 		return fail(sf.Path, "mkdir", err)
 	}
 	nd, err := e.openDir(m, dir)
@@ -109,7 +109,7 @@ func (e *Engine) useSpare(m *mount, sf spareFile, dir string, extra int, size, e
 		}
 		defer od.Close()
 	}
-	tmp := e.tempName(dir, tmpPrefix)
+	tmp := e.own.tempName(dir, tmpPrefix)
 	if err := fsys.RenameAt(e.fs, od, sf.Path, nd, tmp, false); err != nil {
 		return fail(sf.Path, "rename", err)
 	}
@@ -120,7 +120,7 @@ func (e *Engine) useSpare(m *mount, sf spareFile, dir string, extra int, size, e
 	if err != nil {
 		return fail(tmp, "open", err)
 	}
-	if err := e.lockTemp(f, tmp, sf.ID.FileID, false); err != nil {
+	if err := e.own.lockTemp(f, tmp, sf.ID.FileID, false); err != nil {
 		f.Close()
 		return fail(tmp, "lock", err)
 	}
@@ -188,7 +188,7 @@ func (e *Engine) openTemp(m *mount, sf spareFile, dir string, extra int, size, e
 			return f, tmp, "", nil
 		}
 	}
-	return e.createTemp(m, dir, extra, size)
+	return e.own.createTemp(m, dir, extra, size)
 }
 
 // rewrittenUnder reports whether the file f, whose header h a load (or a

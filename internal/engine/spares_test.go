@@ -150,7 +150,7 @@ func TestOpenRemovesSparesLeftBehindEvenUnderThisProcessesPid(t *testing.T) {
 	e, _, _, _, _ := spareChurn(t, dir, Config{}, 12)
 	// A crashed daemon's spare, named as this process would name it (a
 	// restarted container often gets the same pid and host name).
-	left := e.tempName(dir, sparePrefix)
+	left := e.own.tempName(dir, sparePrefix)
 	if err := os.WriteFile(left, bytes.Repeat([]byte{1}, 8192), 0o644); err != nil {
 		t.Fatal(err)
 	}
@@ -608,7 +608,7 @@ func TestOpenRemovesTheSparesOfEnginesThatEnded(t *testing.T) {
 			t.Errorf("%s after Open: %v, want removed", filepath.Base(p), err)
 		}
 	}
-	if o := ownerFiles(t, dir); len(o) != 1 || filepath.Base(o[0]) != ownerName(e.node, os.Getpid(), e.token) {
+	if o := ownerFiles(t, dir); len(o) != 1 || filepath.Base(o[0]) != e.own.ownerName() {
 		t.Fatalf("owner files after Open: %v, want only the engine's own", o)
 	}
 }

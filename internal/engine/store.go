@@ -24,7 +24,7 @@ import (
 // namespace's KeysPerFile. Cancelling ctx cancels the job. The caller must
 // not modify the blocks until the job is done.
 func (e *Engine) Store(ctx context.Context, req StoreRequest) (*Job, error) {
-	c, err := e.request(req.Cache, req.Keys, req.Blocks, false)
+	c, err := e.tables.request(req.Cache, req.Keys, req.Blocks, false)
 	if err != nil {
 		return nil, err
 	}
@@ -65,7 +65,7 @@ type group struct {
 // reserveFile reserves size bytes on m for a store's file of namespace ns
 // (reserve) and, where m keeps spares, takes one of exactly that size for
 // it (none: the zero spareFile) and records the size for the spares made
-// ahead (wantSpares, with full). In the common case, a reservation
+// ahead (spareMaker.want, with full). In the common case, a reservation
 // below the high watermark with the spares still fitting beside it, that
 // is one hold of the space's lock (and, where m makes spares ahead, a
 // shared hold of the engine's, for the namespace): every store takes it,
@@ -79,15 +79,18 @@ func (e *Engine) reserveFile(ctx context.Context, m *mount, ns NamespaceID, size
 	// reservation is activity too: the maker's quiet period starts after
 	// it, so a burst it ends has ended.
 	step := func(fast bool) (reserved bool, sf spareFile, work bool) {
-		if ahead {
-			e.mu.RLock() // wantSpares reads the namespace
-			defer e.mu.RUnlock()
-		}
 		var burst int64
 		if ahead && m.sp.FollowsBursts() {
 			burst = time.Now().UnixNano()
 		}
-		reserved, sf, work = e.space.StoreReserve(m.sp, size, fast, spares, burst, e.wantSpares(m, ns, full))
+		reserve := func(declared bool) {
+			reserved, sf, work = e.space.StoreReserve(m.sp, size, fast, spares, burst, e.maker.want(m, ns, declared, full))
+		}
+		if ahead {
+			e.tables.whileDeclared(ns, reserve) // want reads the namespace
+		} else {
+			reserve(false)
+		}
 		if reserved && burst != 0 {
 			e.maker.activeAt(burst)
 		}
@@ -105,7 +108,7 @@ func (e *Engine) reserveFile(ctx context.Context, m *mount, ns NamespaceID, size
 		}
 		_, sf, work = step(false)
 	}
-	e.wakeMaker(work)
+	e.maker.wake(work)
 	return sf, nil
 }
 
@@ -463,7 +466,7 @@ func (e *Engine) writeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 	}
 	f, tmp, op, err := e.openTemp(m, spare, dir, extra, size, hl+h.PayloadLen())
 	if err != nil {
-		return published, e.ioError(m, op, err)
+		return published, ioError(m, op, err)
 	}
 	defer func() {
 		if !published {
@@ -481,12 +484,12 @@ func (e *Engine) writeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 	_, err = mv.WriteFile(ctx, f, plan, sums)
 	e.io.End(io)
 	if err != nil {
-		return published, e.ioError(m, "write", err)
+		return published, ioError(m, "write", err)
 	}
 	if pad := size - hl - h.PayloadLen(); pad > 0 && !m.direct {
 		// The file's zero tail (with O_DIRECT the mover writes it).
 		if _, err := f.WriteAt(make([]byte, pad), hl+h.PayloadLen()); err != nil {
-			return published, e.ioError(m, "write padding", err)
+			return published, ioError(m, "write padding", err)
 		}
 	}
 	for k := range h.Keys {
@@ -501,7 +504,7 @@ func (e *Engine) writeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 			return false, err
 		}
 		if _, err := f.WriteAt(hdr, 0); err != nil {
-			return published, e.ioError(m, "write header", err)
+			return published, ioError(m, "write header", err)
 		}
 	}
 	en := &entry{FP: h.Fingerprint, NS: uint32(c.ns.id), Mount: gr.mount, Path: gr.path, Size: size, FID: h.ID, Last: e.now().UnixNano()}

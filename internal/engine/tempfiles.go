@@ -5,11 +5,14 @@ import (
 	"fmt"
 	"io"
 	"io/fs"
+	"log/slog"
 	"math/rand/v2"
 	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -55,11 +58,35 @@ func nodeName(name string) string {
 	return string(b)
 }
 
+// ownFiles are the files the engine makes under names of its own
+// (tempfiles.go, owner.go): temporary files and spares, named with this
+// engine's owner token; the owner files that say its spares are live;
+// and the node lock (Config.LockFile). It makes their directories
+// through the directory cache, opens files under a mount's rules
+// (mount.openNoLinks, mount.openDir) and removes them through the
+// remover.
+type ownFiles struct {
+	fs    fsys.FS
+	log   *slog.Logger
+	now   func() time.Time
+	grace time.Duration // Config.TempGrace
+	node  string        // this node's name in temporary file names
+	token string        // names this engine's owner files and spares (owner.go)
+	dirs  *dirCache
+	rm    *remover  // removes files under a mount's rules (removal.go)
+	lock  fsys.File // Config.LockFile, flocked for the engine's life
+
+	mu     sync.Mutex  // guards owners and done (tookFile adds one after Open); no I/O under it
+	owners []ownerFile // this engine's owner files, flocked for its life
+	// done: closeOwners ran; openOwner makes no owner file after it.
+	done bool
+}
+
 // tempName returns a fresh temporary name with prefix (tmpPrefix,
 // probePrefix or sparePrefix) in dir, owned by this engine: its random
 // part begins with the engine's owner token (owner.go).
-func (e *Engine) tempName(dir, prefix string) string {
-	return filepath.Join(dir, fmt.Sprintf("%s%s-%d-%s%016x", prefix, e.node, os.Getpid(), e.token, rand.Uint64()))
+func (o *ownFiles) tempName(dir, prefix string) string {
+	return filepath.Join(dir, fmt.Sprintf("%s%s-%d-%s%016x", prefix, o.node, os.Getpid(), o.token, rand.Uint64()))
 }
 
 // createTemp creates an owned temporary file (O_EXCL, plus extra flags)
@@ -68,41 +95,41 @@ func (e *Engine) tempName(dir, prefix string) string {
 // where the file system shares flocks, on others: docs/engine.md) and
 // allocates size bytes. On failure nothing is left behind; op names the
 // failed step ("mkdir", "create", "lock", "allocate").
-func (e *Engine) createTemp(m *mount, dir string, extra int, size int64) (f fsys.File, tmp, op string, err error) {
-	return e.createFile(m, dir, tmpPrefix, extra, size)
+func (o *ownFiles) createTemp(m *mount, dir string, extra int, size int64) (f fsys.File, tmp, op string, err error) {
+	return o.createFile(m, dir, tmpPrefix, extra, size)
 }
 
 // createFile is createTemp for a temporary name with prefix (tmpPrefix,
 // or sparePrefix for a spare made ahead of stores).
-func (e *Engine) createFile(m *mount, dir, prefix string, extra int, size int64) (f fsys.File, tmp, op string, err error) {
-	if err := e.mkdir(m, dir, false); err != nil {
+func (o *ownFiles) createFile(m *mount, dir, prefix string, extra int, size int64) (f fsys.File, tmp, op string, err error) {
+	if err := o.dirs.mkdir(m, dir, false); err != nil {
 		return nil, "", "mkdir", err
 	}
 	flag := os.O_WRONLY | os.O_CREATE | os.O_EXCL | extra
 	for try := 1; ; try++ {
-		tmp = e.tempName(dir, prefix)
+		tmp = o.tempName(dir, prefix)
 		// Never through a link (openNoLinks): mkdir checked dir's
 		// directories when it first met them, and one may have been
 		// replaced by a link to a directory outside the mount since.
-		f, err = e.openNoLinks(m, tmp, flag, 0o644)
+		f, err = m.openNoLinks(o.fs, tmp, flag, 0o644)
 		if errors.Is(err, os.ErrNotExist) || errors.Is(err, syscall.ELOOP) {
 			// The directory was removed behind our back, or a link
 			// planted on its way: checked again (mkdirIn: ErrPolicy,
 			// ErrInvalid on a vllm-fs mount, where the link is still
 			// there) and made again.
-			if err = e.mkdir(m, dir, true); err == nil {
-				f, err = e.openNoLinks(m, tmp, flag, 0o644)
+			if err = o.dirs.mkdir(m, dir, true); err == nil {
+				f, err = m.openNoLinks(o.fs, tmp, flag, 0o644)
 			}
 		}
 		if err != nil {
 			return nil, "", "create", err
 		}
-		err = e.lockTemp(f, tmp, fsys.FileID{}, true)
+		err = o.lockTemp(f, tmp, fsys.FileID{}, true)
 		if err == nil {
 			break
 		}
 		if !errors.Is(err, errTempGone) {
-			e.rm.removeTemp(m, tmp, f, size)
+			o.rm.removeTemp(m, tmp, f, size)
 			f.Close()
 			return nil, "", "lock", err
 		}
@@ -112,7 +139,7 @@ func (e *Engine) createFile(m *mount, dir, prefix string, extra int, size int64)
 		}
 	}
 	if err := f.Allocate(size); err != nil {
-		e.rm.removeTemp(m, tmp, f, size)
+		o.rm.removeTemp(m, tmp, f, size)
 		f.Close()
 		return nil, "", "allocate", err
 	}
@@ -143,7 +170,7 @@ var errTempGone = errors.New("engine: removed by another engine's check of its l
 // the file's age (temp_grace) is then what protects it. A failed stat is.
 // id is f's identity where the caller has it (a spare's: its inode
 // survives the rename), sparing an fstat; a zero id is read from f.
-func (e *Engine) lockTemp(f fsys.File, path string, id fsys.FileID, wait bool) error {
+func (o *ownFiles) lockTemp(f fsys.File, path string, id fsys.FileID, wait bool) error {
 	var err error
 	if wait {
 		err = fsys.Lock(f)
@@ -151,13 +178,13 @@ func (e *Engine) lockTemp(f fsys.File, path string, id fsys.FileID, wait bool) e
 		_, err = fsys.TryLock(f)
 	}
 	if err != nil {
-		e.log.Debug("engine: flock of a temporary file", "path", path, "err", err)
+		o.log.Debug("engine: flock of a temporary file", "path", path, "err", err)
 	}
 	var at bool
 	if id.Ino != 0 {
-		at, err = fsys.InodeAt(e.fs, id, path)
+		at, err = fsys.InodeAt(o.fs, id, path)
 	} else {
-		at, err = fsys.IsAt(e.fs, f, path)
+		at, err = fsys.IsAt(o.fs, f, path)
 	}
 	if err != nil {
 		return err
@@ -205,8 +232,8 @@ func processAlive(pid int) bool {
 
 // cleanTemp applies the leftover rule to the temporary file at path on m with
 // name's part after its prefix. It reports whether it removed the file.
-func (e *Engine) cleanTemp(m *mount, path, rest string) (bool, error) {
-	f, err := fsys.OpenToLock(e.fs, path, syscall.O_NOFOLLOW, 0)
+func (o *ownFiles) cleanTemp(m *mount, path, rest string) (bool, error) {
+	f, err := fsys.OpenToLock(o.fs, path, syscall.O_NOFOLLOW, 0)
 	if err != nil {
 		if errors.Is(err, os.ErrNotExist) {
 			return false, nil
@@ -225,28 +252,28 @@ func (e *Engine) cleanTemp(m *mount, path, rest string) (bool, error) {
 	node, pid, owned := tempOwner(rest)
 	abandoned := false
 	switch {
-	case owned && node == e.node && pid == os.Getpid():
+	case owned && node == o.node && pid == os.Getpid():
 		// This engine's own (a store in flight), or a predecessor's
 		// that had this pid: only this engine's names carry its token.
-		abandoned = !strings.HasPrefix(rest[strings.LastIndexByte(rest, '-')+1:], e.token)
-	case owned && node == e.node:
+		abandoned = !strings.HasPrefix(rest[strings.LastIndexByte(rest, '-')+1:], o.token)
+	case owned && node == o.node:
 		abandoned = !processAlive(pid)
 	default:
-		abandoned = e.now().Sub(time.Unix(0, id.Mtime)) > e.cfg.TempGrace
+		abandoned = o.now().Sub(time.Unix(0, id.Mtime)) > o.grace
 	}
 	if !abandoned {
 		return false, nil
 	}
 	// Remove the file we locked, not a name: if the path now names another
 	// file, leave it.
-	fi, err := e.fs.Stat(path)
+	fi, err := o.fs.Stat(path)
 	if err != nil {
 		return false, nil
 	}
 	if now, err := fsys.IdentityOf(fi); err != nil || !now.Same(id) {
 		return false, nil
 	}
-	if err := e.rm.removeFile(m, path, id); err != nil {
+	if err := o.rm.removeFile(m, path, id); err != nil {
 		return false, err
 	}
 	return true, nil
@@ -322,14 +349,30 @@ func lockNode(fs fsys.FS, path string) (fsys.File, error) {
 
 // ioError wraps a file-system error of a store; ENOSPC also wraps ErrNoSpace
 // and names the mount.
-func (e *Engine) ioError(m *mount, op string, err error) error {
+func ioError(m *mount, op string, err error) error {
 	if errors.Is(err, syscall.ENOSPC) {
 		return fmt.Errorf("%w: mount %s: %s: %w", ErrNoSpace, m.root, op, err)
 	}
 	return fmt.Errorf("engine: store on mount %s: %s: %w", m.root, op, err)
 }
 
-// maxKnownDirs bounds Engine.dirs, the directories mkdir knows to exist.
+// dirCache is what mkdir knows of the directories: those known to exist,
+// and those created and not yet fsynced (Config.Fsync).
+type dirCache struct {
+	fs       fsys.FS
+	fsync    bool         // Config.Fsync
+	known    sync.Map     // directories known to exist (mkdir); forgotten past max
+	n        atomic.Int64 // entries added to known since it was last cleared
+	max      int64        // the most known holds before it is cleared (maxKnownDirs)
+	unsynced sync.Map     // directories created, not yet fsynced (Config.Fsync)
+}
+
+// newDirCache returns an empty cache of at most maxKnownDirs directories.
+func newDirCache(fs fsys.FS, fsync bool) *dirCache {
+	return &dirCache{fs: fs, fsync: fsync, max: maxKnownDirs}
+}
+
+// maxKnownDirs bounds dirCache.known, the directories mkdir knows to exist.
 // A vllm-fs layout has 4096 × 256 directories per KV-cache group, and a
 // policy may name as many: remembered for the engine's life, they would
 // grow the map without end. Forgetting is safe: a forgotten directory is
@@ -353,28 +396,28 @@ var maxKnownDirs int64 = 1 << 15
 // between a check and the make. With m nil (a mount's root, a vllm-fs
 // mount's base and data directories: the operator's, links included),
 // MkdirAll.
-func (e *Engine) mkdir(m *mount, dir string, force bool) error {
+func (c *dirCache) mkdir(m *mount, dir string, force bool) error {
 	if !force {
-		if _, ok := e.dirs.Load(dir); ok {
+		if _, ok := c.known.Load(dir); ok {
 			return nil
 		}
 	}
 	if m != nil {
-		if err := e.mkdirIn(m, dir); err != nil {
+		if err := c.mkdirIn(m, dir); err != nil {
 			return err
 		}
 	} else {
-		if e.cfg.Fsync {
+		if c.fsync {
 			// The directories about to be created: from dir up to the
 			// first that exists. They stay listed until synced, so that
 			// a failed sync is tried again by the next store.
 			for d := dir; ; {
-				if _, err := e.fs.Stat(d); err == nil {
+				if _, err := c.fs.Stat(d); err == nil {
 					break
 				} else if !errors.Is(err, os.ErrNotExist) {
 					return err
 				}
-				e.unsynced.Store(d, struct{}{})
+				c.unsynced.Store(d, struct{}{})
 				p := filepath.Dir(d)
 				if p == d {
 					break
@@ -382,23 +425,23 @@ func (e *Engine) mkdir(m *mount, dir string, force bool) error {
 				d = p
 			}
 		}
-		if err := e.fs.MkdirAll(dir, 0o755); err != nil {
+		if err := c.fs.MkdirAll(dir, 0o755); err != nil {
 			return err
 		}
 	}
-	if e.cfg.Fsync {
-		if err := e.syncNewDirs(dir); err != nil {
+	if c.fsync {
+		if err := c.syncNewDirs(dir); err != nil {
 			return err
 		}
 	}
 	// Past its bound the cache is forgotten whole (maxKnownDirs): no
 	// order to keep on the hits, which stay one Load. Concurrent mkdirs
 	// may miscount by one each; the next clear takes what slipped by.
-	if e.dirsN.Add(1) > e.dirsMax {
-		e.dirsN.Store(1)
-		e.dirs.Clear()
+	if c.n.Add(1) > c.max {
+		c.n.Store(1)
+		c.known.Clear()
 	}
-	e.dirs.Store(dir, struct{}{})
+	c.known.Store(dir, struct{}{})
 	return nil
 }
 
@@ -415,7 +458,7 @@ func (e *Engine) mkdir(m *mount, dir string, force bool) error {
 // it makes is listed for syncNewDirs. The walk is made when mkdir first
 // meets dir (and again once dir was found removed), not per file: two
 // system calls and a close per directory.
-func (e *Engine) mkdirIn(m *mount, dir string) error {
+func (c *dirCache) mkdirIn(m *mount, dir string) error {
 	root := m.linkFree
 	rel, err := filepath.Rel(root, dir)
 	if err != nil || rel == ".." || strings.HasPrefix(rel, ".."+string(filepath.Separator)) {
@@ -425,50 +468,50 @@ func (e *Engine) mkdirIn(m *mount, dir string) error {
 	if rel == "." {
 		return nil
 	}
-	d, err := e.openDir(m, root)
+	at, err := m.openDir(c.fs, root)
 	if err != nil {
 		return err
 	}
-	defer func() { d.Close() }()
+	defer func() { at.Close() }()
 	p := root
-	for _, c := range strings.Split(rel, string(filepath.Separator)) {
-		p = filepath.Join(p, c)
-		err := fsys.MkdirAt(e.fs, d, p, 0o755)
+	for _, name := range strings.Split(rel, string(filepath.Separator)) {
+		p = filepath.Join(p, name)
+		err := fsys.MkdirAt(c.fs, at, p, 0o755)
 		switch {
 		case err == nil:
-			if e.cfg.Fsync {
-				e.unsynced.Store(p, struct{}{})
+			if c.fsync {
+				c.unsynced.Store(p, struct{}{})
 			}
 		case !errors.Is(err, fs.ErrExist):
 			return err
 		}
-		next, err := e.openDir(m, p)
+		next, err := m.openDir(c.fs, p)
 		if err != nil {
 			return err
 		}
-		d.Close()
-		d = next
+		at.Close()
+		at = next
 	}
 	return nil
 }
 
 // syncNewDirs fsyncs every directory from dir upwards that mkdir created
 // and has not synced yet, and its parent (which holds its entry).
-func (e *Engine) syncNewDirs(dir string) error {
+func (c *dirCache) syncNewDirs(dir string) error {
 	synced := map[string]bool{}
 	for d := dir; ; {
 		p := filepath.Dir(d)
-		if _, ok := e.unsynced.Load(d); ok {
+		if _, ok := c.unsynced.Load(d); ok {
 			for _, s := range []string{d, p} {
 				if synced[s] {
 					continue
 				}
-				if err := e.fs.SyncDir(s); err != nil {
+				if err := c.fs.SyncDir(s); err != nil {
 					return fmt.Errorf("fsync of new directory: %w", err)
 				}
 				synced[s] = true
 			}
-			e.unsynced.Delete(d)
+			c.unsynced.Delete(d)
 		}
 		if p == d {
 			return nil

@@ -102,7 +102,7 @@ func TestATickMoveLeavesAnotherLiveNodesFileOnAClusterMount(t *testing.T) {
 	if n, _ := b.e.Lookup(ctx, b.ns, k); n != 1 {
 		t.Fatalf("B does not find A's file: lookup %d", n)
 	}
-	en := b.e.find(b.e.nss[b.ns], k[0])
+	en := b.e.find(b.e.tables.get(b.ns), k[0])
 	if en == nil || b.e.mounts[1].mayEvict(en) {
 		t.Fatalf("B may evict A's file (entry %v): want a foreign file", en)
 	}

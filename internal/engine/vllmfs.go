@@ -13,6 +13,7 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"unicode/utf8"
 
@@ -87,7 +88,7 @@ type rawLayout struct {
 	model    string // the namespace served
 	fp       uint64 // fingerprint of the mount's files
 	rank     int
-	rowBytes int64 // 0: not known until the namespace is declared
+	rowBytes atomic.Int64 // 0: not known until the namespace is declared (set under the tables' lock)
 }
 
 // layoutFingerprintTag starts the fingerprint of a vllm-fs mount's files.
@@ -188,7 +189,7 @@ func (e *Engine) openLayout(mt *mount, v *VLLMFS) error {
 			if dir == nil {
 				// Made here, so a link at its name now is not the
 				// operator's: it is refused (O_NOFOLLOW).
-				if err := e.mkdir(nil, filepath.Join(mt.root, base), true); err != nil {
+				if err := e.dirs.mkdir(nil, filepath.Join(mt.root, base), true); err != nil {
 					return fmt.Errorf("engine: mount %s: vllm-fs: %w", mt.root, err)
 				}
 				var made baseConfig
@@ -214,7 +215,7 @@ func (e *Engine) openLayout(mt *mount, v *VLLMFS) error {
 		model = defaultNamespace(layout.Base())
 	}
 	data := filepath.Join(mt.root, layout.DataDir())
-	if err := e.mkdir(nil, data, true); err != nil {
+	if err := e.dirs.mkdir(nil, data, true); err != nil {
 		return fmt.Errorf("engine: mount %s: vllm-fs: %w", mt.root, err)
 	}
 	// vLLM's directory is shared: below the data directory (the
@@ -226,7 +227,8 @@ func (e *Engine) openLayout(mt *mount, v *VLLMFS) error {
 	}
 	mt.linkFree, mt.realLinkFree = data, realData
 	mt.checksums = false // the layout has none
-	mt.raw = &rawLayout{cfg: cfg, layout: layout, model: model, fp: layoutFingerprint(layout.DataDir(), model), rank: v.Rank, rowBytes: v.RowBytes}
+	mt.raw = &rawLayout{cfg: cfg, layout: layout, model: model, fp: layoutFingerprint(layout.DataDir(), model), rank: v.Rank}
+	mt.raw.rowBytes.Store(v.RowBytes)
 	return nil
 }
 
@@ -400,7 +402,7 @@ func readSmallAt(files fsys.FS, dir fsys.File, path string) ([]byte, error) {
 // dir (openBase) at path (a temporary file, then rename, both relative to
 // dir: never through a link put at path since), as the tier writes it.
 func (e *Engine) writeConfig(dir fsys.File, path string, cfg vllmfs.Config) error {
-	tmp := e.tempName(path, tmpPrefix)
+	tmp := e.own.tempName(path, tmpPrefix)
 	f, err := fsys.OpenAt(e.fs, dir, tmp, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o644)
 	if err != nil {
 		return err
@@ -447,10 +449,11 @@ func (e *Engine) layoutMount(model string) *mount {
 // already indexed there. Files shorter than the row are rows cut short (a
 // power loss after the tier renamed a row it had not synced leaves it
 // empty or cut): they are returned, for the caller to drop and remove
-// once it has released e.mu (dropShort), as the tier removes a row it
+// once it has released the tables' lock (dropShort), as the tier removes a row it
 // reads short. A file longer than the row, or only files of another
 // length (none of the row's, some not empty), say that the directory
-// holds another geometry: refused. The caller holds e.mu.
+// holds another geometry: refused. Declare calls it under the tables' lock
+// (tables.beginDeclare).
 func (e *Engine) bindLayoutLocked(m *mount, g Geometry) (short []*entry, err error) {
 	fail := func(format string, args ...any) error {
 		return fmt.Errorf("%w: namespace %q on vllm-fs mount %s: "+format, append([]any{ErrInvalid, g.Model, m.root}, args...)...)
@@ -461,8 +464,8 @@ func (e *Engine) bindLayoutLocked(m *mount, g Geometry) (short []*entry, err err
 		return nil, fail("a K/V geometry has no place in vLLM's row: declare the row (one layer, one plane, one block of the row's bytes, as the vLLM tier does) or an MLA geometry")
 	case g.TPRank != r.rank:
 		return nil, fail("TP rank %d, but the mount's data directory is rank %d (%s)", g.TPRank, r.rank, r.layout.DataDir())
-	case r.rowBytes != 0 && g.KeyBytes() != r.rowBytes:
-		return nil, fail("key bytes %d, but the mount's rows are %d bytes (row_bytes)", g.KeyBytes(), r.rowBytes)
+	case r.rowBytes.Load() != 0 && g.KeyBytes() != r.rowBytes.Load():
+		return nil, fail("key bytes %d, but the mount's rows are %d bytes (row_bytes)", g.KeyBytes(), r.rowBytes.Load())
 	}
 	want := vllmfs.FileLen(g.KeyBytes())
 	rows, longer, cut, example := 0, 0, 0, ""
@@ -487,7 +490,7 @@ func (e *Engine) bindLayoutLocked(m *mount, g Geometry) (short []*entry, err err
 	if bad := longer + cut; longer > 0 || rows == 0 && cut > 0 {
 		return nil, fail("%d files of the directory are not rows of %d bytes (padded to %d), e.g. %s: the directory holds another geometry", bad, g.KeyBytes(), want, example)
 	}
-	r.rowBytes = g.KeyBytes()
+	r.rowBytes.Store(g.KeyBytes())
 	return short, nil
 }
 
@@ -506,7 +509,7 @@ func (e *Engine) dropShort(ctx context.Context, m *mount, short []*entry) {
 		return
 	}
 	e.st.corrupt.Add(uint64(n))
-	e.log.Warn("engine: vllm-fs: removed rows shorter than the namespace's row (cut short by a crash)", "mount", m.root, "rows", n, "row_bytes", m.raw.rowBytes, "e.g.", short[0].Path)
+	e.log.Warn("engine: vllm-fs: removed rows shorter than the namespace's row (cut short by a crash)", "mount", m.root, "rows", n, "row_bytes", m.raw.rowBytes.Load(), "e.g.", short[0].Path)
 }
 
 // rawEntry returns an unindexed entry for the row file at path on vllm-fs
@@ -525,9 +528,7 @@ func (e *Engine) rawEntry(mnt int, path string) (*entry, error) {
 		return nil, err
 	}
 	f.Close()
-	e.mu.RLock()
-	row := m.raw.rowBytes
-	e.mu.RUnlock()
+	row := m.raw.rowBytes.Load()
 	if row != 0 && id.Size != vllmfs.FileLen(row) {
 		return nil, fmt.Errorf("%w: %s: %d bytes, rows are %d (padded to %d)", ErrMismatch, path, id.Size, row, vllmfs.FileLen(row))
 	}
@@ -555,11 +556,8 @@ func (e *Engine) rawHeader(m *mount, path string, size int64) (*format.Header, e
 		return nil, fmt.Errorf("%w: %w", errReplaced, err)
 	}
 	h := &format.Header{Raw: true, Fingerprint: m.raw.fp, Order: format.OrderLayerMajor, Layers: 1, Planes: 1, BlocksPerKey: 1, BlockBytes: uint64(max(1, size)), Keys: []format.Key{{Key: key}}}
-	e.mu.RLock()
-	if id, ok := e.nsByFP[m.raw.fp]; ok && e.nss[id].declared {
-		g := e.nss[id].geo
+	if g, ok := e.tables.declaredGeometry(m.raw.fp); ok {
 		h.Layers, h.Planes, h.BlocksPerKey, h.BlockBytes = uint32(g.Layers), uint32(g.Planes()), uint32(g.BlocksPerKey()), uint64(g.BlockBytes())
 	}
-	e.mu.RUnlock()
 	return h, nil
 }

@@ -203,7 +203,7 @@ func TestWarmAtOpenOffersTheMostRecentlyUsedFilesUpToTheBound(t *testing.T) {
 	ctx := context.Background()
 	idx := openEngine(t, Config{Mounts: []Mount{{Path: dir, IO: IOBuffered}}, Policy: newTestPolicy(1, 0)})
 	ns, _ := idx.Declare(ctx, g)
-	n, err := idx.namespace(ns)
+	n, err := idx.tables.namespace(ns)
 	if err != nil {
 		t.Fatal(err)
 	}
