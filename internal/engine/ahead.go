@@ -7,7 +7,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/internal/engine/space"
 	"github.com/kvhost/kvhost/transfer"
 )
@@ -71,8 +70,7 @@ type spareMaker struct {
 	sp     *space.Space
 	mounts []*mount
 	busy   func() bool
-	own    *ownFiles                                     // creates the spares (createFile)
-	remove func(m *mount, path string, id fsys.Identity) // removes a spare (Engine.removeSpare)
+	own    *ownFiles // creates and removes the spares (createFile, removeSpare)
 	made   *atomic.Uint64
 	log    *slog.Logger
 }
@@ -89,13 +87,13 @@ func (mk *spareMaker) activeAt(now int64) {
 
 // newSpareMaker returns a maker, not yet started, where a mount of
 // mounts makes spares ahead, else nil.
-func newSpareMaker(sp *space.Space, mounts []*mount, busy func() bool, own *ownFiles, remove func(*mount, string, fsys.Identity), made *atomic.Uint64, log *slog.Logger) *spareMaker {
+func newSpareMaker(sp *space.Space, mounts []*mount, busy func() bool, own *ownFiles, made *atomic.Uint64, log *slog.Logger) *spareMaker {
 	for _, m := range mounts {
 		if m.sp.MakesAhead() {
 			mk := &spareMaker{
 				wakeup: make(chan struct{}, 1), idle: make(chan struct{}, 1),
 				stop: make(chan struct{}), done: make(chan struct{}),
-				sp: sp, mounts: mounts, busy: busy, own: own, remove: remove, made: made, log: log,
+				sp: sp, mounts: mounts, busy: busy, own: own, made: made, log: log,
 			}
 			mk.quietFor.Store(int64(aheadQuiet))
 			return mk
@@ -267,7 +265,7 @@ func (mk *spareMaker) run() {
 		case ms == nil:
 			continue
 		case stale.Path != "":
-			mk.remove(mk.mounts[ms.Index()], stale.Path, stale.ID)
+			mk.own.removeSpare(mk.mounts[ms.Index()], stale.Path, stale.ID)
 			continue
 		}
 		m := mk.mounts[ms.Index()]
@@ -319,7 +317,7 @@ func (mk *spareMaker) makeSpare(m *mount, size int64) error {
 	// closing, or the file failed (a zero id is read from the name; the
 	// file has size bytes either way).
 	id.Size = size
-	mk.remove(m, path, id)
+	mk.own.removeSpare(m, path, id)
 	return err
 }
 

@@ -27,7 +27,7 @@ func (e *Engine) reserve(ctx context.Context, m *mount, size int64) error {
 	// beside them (a store may then reuse one; a move between mounts
 	// writes a fresh file).
 	if e.spareEligible(m) {
-		e.trimSpares(m, false)
+		e.own.trimSpares(m, false)
 	}
 	return nil
 }
@@ -54,7 +54,7 @@ func (e *Engine) reserveFree(m *mount, size int64) error {
 		return fmt.Errorf("%w: mount %s: no room below the high watermark for a move of %d bytes", ErrNoSpace, m.root, size)
 	}
 	if e.spareEligible(m) {
-		e.trimSpares(m, false)
+		e.own.trimSpares(m, false)
 	}
 	return nil
 }

@@ -185,7 +185,8 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	// The node-local lock first: a second daemon on this node stops here,
 	// before it touches a mount.
 	e.dirs = newDirCache(e.fs, cfg.Fsync)
-	e.own = &ownFiles{fs: e.fs, log: e.log, now: e.now, grace: cfg.TempGrace, node: e.node, token: newToken(), dirs: e.dirs, rm: e.rm}
+	e.own = &ownFiles{fs: e.fs, log: e.log, now: e.now, grace: cfg.TempGrace, node: e.node, token: newToken(), dirs: e.dirs, rm: e.rm,
+		sp: e.space, eligible: e.spareEligible, reused: &e.st.reused}
 	if cfg.LockFile != "" {
 		if err := e.own.lockNode(cfg.LockFile); err != nil {
 			return nil, err
@@ -282,7 +283,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	}
 	e.hitRec = newHitRecorder(e)
 	e.startTiering(ctx)
-	e.maker = newSpareMaker(e.space, e.mounts, e.slots.busy, e.own, e.removeSpare, &e.st.made, e.log)
+	e.maker = newSpareMaker(e.space, e.mounts, e.slots.busy, e.own, &e.st.made, e.log)
 	e.maker.start()
 	e.startWarmer()
 	e.clusterRun.Start(ctx, clusters(e.mounts))
@@ -382,7 +383,7 @@ func (e *Engine) shutdown() {
 	e.maker.close()
 	e.stopWarmer()
 	e.clusterRun.Close(clusters(e.mounts))
-	e.dropSpares()
+	e.own.dropSpares(e.mounts)
 	e.own.closeOwners() // after the spares: none is left for another engine to find live
 	e.hitRec.close()
 	e.host.Close()

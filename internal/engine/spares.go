@@ -57,21 +57,21 @@ import (
 // not fit in the capacity, or the engine is closing. Evictions call it
 // for each of their files, several at a time (evictAll), beside the
 // stores.
-func (e *Engine) keepSpare(m *mount, dir fsys.File, path string, id fsys.Identity, evicted int64) (bool, string) {
-	if !e.spareEligible(m) || id.Size <= 0 || dir == nil {
+func (o *ownFiles) keepSpare(m *mount, dir fsys.File, path string, id fsys.Identity, evicted int64) (bool, string) {
+	if !o.eligible(m) || id.Size <= 0 || dir == nil {
 		return false, path
 	}
-	if fi, err := fsys.StatAt(e.fs, dir, path); err != nil {
+	if fi, err := fsys.StatAt(o.fs, dir, path); err != nil {
 		return false, path
 	} else if now, err := fsys.IdentityOf(fi); err != nil || now.Inode() != id.Inode() {
 		return false, path
 	}
-	spare := e.own.tempName(filepath.Dir(path), sparePrefix)
-	if err := fsys.RenameAt(e.fs, dir, path, dir, spare, false); err != nil {
-		e.log.Debug("engine: keep a spare file", "path", path, "err", err)
+	spare := o.tempName(filepath.Dir(path), sparePrefix)
+	if err := fsys.RenameAt(o.fs, dir, path, dir, spare, false); err != nil {
+		o.log.Debug("engine: keep a spare file", "path", path, "err", err)
 		return false, path
 	}
-	return e.space.KeepSpare(m.sp, spareFile{Path: spare, ID: id}, evicted), spare
+	return o.sp.KeepSpare(m.sp, spareFile{Path: spare, ID: id}, evicted), spare
 }
 
 // useSpare opens sf, a spare of exactly size bytes on m taken for a store
@@ -83,44 +83,44 @@ func (e *Engine) keepSpare(m *mount, dir fsys.File, path string, id fsys.Identit
 // (openDir): one replaced by a link since mkdir checked it never takes
 // the spare outside the mount, and a spare whose open fails after the
 // rename is removed from the directory it was renamed into.
-func (e *Engine) useSpare(m *mount, sf spareFile, dir string, extra int, size, end int64) (fsys.File, string, bool) {
+func (o *ownFiles) useSpare(m *mount, sf spareFile, dir string, extra int, size, end int64) (fsys.File, string, bool) {
 	var into fsys.File // dir, open: where the spare is once renamed
 	fail := func(path, op string, err error) (fsys.File, string, bool) {
-		e.log.Debug("engine: reuse a spare file", "path", path, "op", op, "err", err)
+		o.log.Debug("engine: reuse a spare file", "path", path, "op", op, "err", err)
 		d := into
 		if path == sf.Path {
 			d = nil
 		}
-		e.rm.removeOwnIn(m, d, path, sf.ID, "spare file")
+		o.rm.removeOwnIn(m, d, path, sf.ID, "spare file")
 		return nil, "", false
 	}
-	if err := e.dirs.mkdir(m, dir, false); err != nil {
+	if err := o.dirs.mkdir(m, dir, false); err != nil {
 		return fail(sf.Path, "mkdir", err)
 	}
-	nd, err := e.openDir(m, dir)
+	nd, err := m.openDir(o.fs, dir)
 	if err != nil {
 		return fail(sf.Path, "open the directory", err)
 	}
 	defer nd.Close()
 	od := nd
 	if sd := filepath.Dir(sf.Path); sd != dir {
-		if od, err = e.openDir(m, sd); err != nil {
+		if od, err = m.openDir(o.fs, sd); err != nil {
 			return fail(sf.Path, "open the directory", err)
 		}
 		defer od.Close()
 	}
-	tmp := e.own.tempName(dir, tmpPrefix)
-	if err := fsys.RenameAt(e.fs, od, sf.Path, nd, tmp, false); err != nil {
+	tmp := o.tempName(dir, tmpPrefix)
+	if err := fsys.RenameAt(o.fs, od, sf.Path, nd, tmp, false); err != nil {
 		return fail(sf.Path, "rename", err)
 	}
 	into = nd
 	// Never written through a link planted since (openNoLinks): the
 	// caller then makes a fresh file, which says why.
-	f, err := e.openNoLinks(m, tmp, os.O_WRONLY|extra, 0)
+	f, err := m.openNoLinks(o.fs, tmp, os.O_WRONLY|extra, 0)
 	if err != nil {
 		return fail(tmp, "open", err)
 	}
-	if err := e.own.lockTemp(f, tmp, sf.ID.FileID, false); err != nil {
+	if err := o.lockTemp(f, tmp, sf.ID.FileID, false); err != nil {
 		f.Close()
 		return fail(tmp, "lock", err)
 	}
@@ -131,7 +131,7 @@ func (e *Engine) useSpare(m *mount, sf spareFile, dir string, extra int, size, e
 			return fail(tmp, op, err)
 		}
 	}
-	e.st.reused.Add(1)
+	o.reused.Add(1)
 	return f, tmp, true
 }
 
@@ -182,13 +182,40 @@ func zeroRange(f fsys.File, from, to int64) error {
 // took (reserveFile), where it has one, else a fresh file (createTemp).
 // The reservation made room for a fresh file beside the spares (reserve),
 // and keepSpare keeps a spare only where it fits.
-func (e *Engine) openTemp(m *mount, sf spareFile, dir string, extra int, size, end int64) (f fsys.File, tmp, op string, err error) {
+func (o *ownFiles) openTemp(m *mount, sf spareFile, dir string, extra int, size, end int64) (f fsys.File, tmp, op string, err error) {
 	if sf.Path != "" {
-		if f, tmp, ok := e.useSpare(m, sf, dir, extra, size, end); ok {
+		if f, tmp, ok := o.useSpare(m, sf, dir, extra, size, end); ok {
 			return f, tmp, "", nil
 		}
 	}
-	return e.own.createTemp(m, dir, extra, size)
+	return o.createTemp(m, dir, extra, size)
+}
+
+// trimSpares removes m's spares until, unless all, m's files,
+// reservations and spares fit in its capacity, or none is left.
+func (o *ownFiles) trimSpares(m *mount, all bool) {
+	for {
+		sf, ok := o.sp.TrimOne(m.sp, all)
+		if !ok {
+			return
+		}
+		o.removeSpare(m, sf.Path, sf.ID)
+	}
+}
+
+// removeSpare removes the spare file at path on m, of identity id (of
+// which the size is what m counted; a zero id is read from the name),
+// which m no longer counts: taken from its spares, or made and not kept.
+// A file whose removal fails stays counted (removeOwn).
+func (o *ownFiles) removeSpare(m *mount, path string, id fsys.Identity) {
+	o.rm.removeOwn(m, path, id, "spare file")
+}
+
+// dropSpares removes every spare file (Close).
+func (o *ownFiles) dropSpares(mounts []*mount) {
+	for _, m := range mounts {
+		o.trimSpares(m, true)
+	}
 }
 
 // rewrittenUnder reports whether the file f, whose header h a load (or a
@@ -203,29 +230,8 @@ func (e *Engine) rewrittenUnder(m *mount, f fsys.File, h *format.Header) bool {
 	return err != nil || now.ID != h.ID
 }
 
-// trimSpares removes m's spares until, unless all, m's files,
-// reservations and spares fit in its capacity, or none is left.
-func (e *Engine) trimSpares(m *mount, all bool) {
-	for {
-		sf, ok := e.space.TrimOne(m.sp, all)
-		if !ok {
-			return
-		}
-		e.removeSpare(m, sf.Path, sf.ID)
-	}
-}
-
-// removeSpare removes the spare file at path on m, of identity id (of
-// which the size is what m counted; a zero id is read from the name),
-// which m no longer counts: taken from its spares, or made and not kept.
-// A file whose removal fails stays counted (removeOwn).
-func (e *Engine) removeSpare(m *mount, path string, id fsys.Identity) {
-	e.rm.removeOwn(m, path, id, "spare file")
-}
-
-// dropSpares removes every spare file (Close).
-func (e *Engine) dropSpares() {
-	for _, m := range e.mounts {
-		e.trimSpares(m, true)
-	}
+// keepSpare is ownFiles.keepSpare (removalHost: an eviction keeps its
+// files as spares).
+func (e *Engine) keepSpare(m *mount, dir fsys.File, path string, id fsys.Identity, evicted int64) (bool, string) {
+	return e.own.keepSpare(m, dir, path, id, evicted)
 }

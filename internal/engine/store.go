@@ -429,7 +429,7 @@ func (e *Engine) storeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 				// capacity (free in statfs, and used), and it would keep
 				// spares again right after the trim.
 				m.evictMu.Lock()
-				e.trimSpares(m, true) // they hold pages
+				e.own.trimSpares(m, true) // they hold pages
 				// This store's reservation, still counted as used, holds
 				// no bytes there now: its file was removed.
 				e.refreshCapacityLess(m, true, size)
@@ -464,7 +464,7 @@ func (e *Engine) writeFile(ctx context.Context, j *Job, c *cache, blocks [][]int
 	if m.direct {
 		extra = unix.O_DIRECT
 	}
-	f, tmp, op, err := e.openTemp(m, spare, dir, extra, size, hl+h.PayloadLen())
+	f, tmp, op, err := e.own.openTemp(m, spare, dir, extra, size, hl+h.PayloadLen())
 	if err != nil {
 		return published, ioError(m, op, err)
 	}

@@ -19,6 +19,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/kvhost/kvhost/fsys"
+	"github.com/kvhost/kvhost/internal/engine/space"
 )
 
 // Temporary files (docs/engine.md, "Temporary files").
@@ -59,7 +60,7 @@ func nodeName(name string) string {
 }
 
 // ownFiles are the files the engine makes under names of its own
-// (tempfiles.go, owner.go): temporary files and spares, named with this
+// (tempfiles.go, owner.go, spares.go): temporary files and spares, named with this
 // engine's owner token; the owner files that say its spares are live;
 // and the node lock (Config.LockFile). It makes their directories
 // through the directory cache, opens files under a mount's rules
@@ -75,6 +76,12 @@ type ownFiles struct {
 	dirs  *dirCache
 	rm    *remover  // removes files under a mount's rules (removal.go)
 	lock  fsys.File // Config.LockFile, flocked for the engine's life
+	// The spares (spares.go): their room on the mounts, which mounts
+	// keep them (Engine.spareEligible), and the count of those reused
+	// (Stats.Reused).
+	sp       *space.Space
+	eligible func(*mount) bool
+	reused   *atomic.Uint64
 
 	mu     sync.Mutex  // guards owners and done (tookFile adds one after Open); no I/O under it
 	owners []ownerFile // this engine's owner files, flocked for its life
