@@ -260,7 +260,7 @@ func (h clusterHost) AdoptFiles(ctx context.Context, tags map[uint32]bool, temps
 			if o, ok := clustercap.Owner(en.FID); !ok || !tags[o] {
 				continue
 			}
-			got, err := e.adoptFound(ctx, en)
+			got, err := e.shared.adoptFound(ctx, en)
 			switch {
 			case got != nil && short != nil:
 				// Cut short, and its owner dead: no node will finish or

@@ -472,7 +472,7 @@ func (e *Engine) removeMoved(en *entry) int64 {
 // The caller holds both paths. With held, the restart hold's pin does not
 // keep en (moveEntry): where en was held, dup is held in its place.
 func (e *Engine) dropCopy(ctx context.Context, en, dup *entry, held bool) error {
-	if !e.confirm(ctx, dup) {
+	if !e.shared.confirm(ctx, dup) {
 		return errMoveStale
 	}
 	recs, ok := e.ix.MovedTo(en, dup, held)

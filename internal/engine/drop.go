@@ -135,28 +135,6 @@ func (r *remover) dropVanished(ctx context.Context, en *entry, why string) bool 
 	return true
 }
 
-// confirm checks, reading the header, that en's file is still the one
-// indexed; a file removed or replaced drops the entry (false), and counts
-// it vanished unless this engine dropped it first (a move, a delete, an
-// eviction since it was found). It is the check before a store answers
-// present. An I/O error other than "not found" is false but keeps the
-// entry.
-func (e *Engine) confirm(ctx context.Context, en *entry) bool {
-	f, _, err := e.openSame(en, os.O_RDONLY)
-	if err == nil {
-		f.Close()
-		en.Verified.Store(e.now().UnixNano())
-		return true
-	}
-	switch {
-	case errors.Is(err, os.ErrNotExist), errors.Is(err, errReplaced):
-		e.rm.dropVanished(ctx, en, err.Error())
-	default:
-		e.log.Warn("engine: check of an indexed file", "path", en.Path, "err", err)
-	}
-	return false
-}
-
 // removeIfSame removes the file at path if it is the file of one of ens
 // (same identity and header id): a file at the path is never removed by
 // name alone. The caller holds the path, so no store of this engine

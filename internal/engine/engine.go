@@ -116,7 +116,8 @@ type Engine struct {
 	// tests wait for it instead of sleeping).
 	evictWaits atomic.Int64
 
-	rm *remover // dropping entries, removing files (removal.go)
+	rm     *remover  // dropping entries, removing files (removal.go)
+	shared sharedDir // the cases of a directory other engines share (shared.go)
 }
 
 type counters struct {
@@ -180,6 +181,7 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 	e.fs = fsys.Watched(cfg.FS, &e.io)
 	e.ix = index.NewIndex(e.space.Counts())
 	e.rm = &remover{ix: e.ix, fs: e.fs, log: e.log, now: e.now, host: e}
+	e.shared = sharedDir{e}
 	e.pinTab.ix, e.pinTab.now, e.pinTab.tell, e.pinTab.maxOpen = e.ix, e.now, e.access, DefaultMaxPinnedOpen()
 	e.tables = newTables(cfg.MaxNamespaces, e.ix.Holds)
 	// The node-local lock first: a second daemon on this node stops here,

@@ -4,10 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"os"
 	"slices"
 	"sync"
-	"syscall"
 
 	"github.com/kvhost/kvhost/abi"
 	"github.com/kvhost/kvhost/fsys"
@@ -52,7 +50,7 @@ func (e *Engine) runLoad(ctx context.Context, j *Job, c *cache, keys [][]byte, b
 		// (every load takes it); a key it lacks is looked for on disk.
 		en, pinned := e.ix.PinKey(ns.fp, k, dup, e.now().UnixNano(), &pins)
 		if en == nil {
-			if en = e.discover(ctx, ns, k); en != nil {
+			if en = e.shared.discover(ctx, ns, k); en != nil {
 				en, pinned = e.ix.PinFound(en, k, dup, e.now().UnixNano(), &pins)
 			}
 		}
@@ -118,23 +116,7 @@ func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 	// pins hold open is read there (openLoad).
 	f, id, idErr, err := e.openLoad(m, en)
 	if err != nil {
-		if errors.Is(err, errNotRegular) {
-			if !e.rm.dropVanished(ctx, en, "not a regular file") {
-				all(OutcomeMissing, fmt.Errorf("%w: %s was deleted (a delete or purge) before the load read it", ErrNotFound, en.Path))
-				return
-			}
-			all(OutcomeMissing, fmt.Errorf("%w: %w", ErrNotFound, err))
-			return
-		}
-		if errors.Is(err, os.ErrNotExist) || errors.Is(err, syscall.ELOOP) {
-			if !e.rm.dropVanished(ctx, en, "vanished") {
-				all(OutcomeMissing, fmt.Errorf("%w: %s was deleted (a delete or purge) before the load read it", ErrNotFound, en.Path))
-				return
-			}
-			all(OutcomeMissing, fmt.Errorf("%w: %s vanished (removed behind this engine's back)", ErrNotFound, en.Path))
-			return
-		}
-		all(OutcomeFailed, fmt.Errorf("engine: load %s: %w", en.Path, err))
+		all(e.shared.vanished(ctx, en, err))
 		return
 	}
 	defer f.Close()
@@ -161,35 +143,9 @@ func (e *Engine) loadFile(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 		all(OutcomeFailed, fmt.Errorf("engine: load %s: %w", en.Path, err))
 		return
 	}
-	g := c.ns.geo
-	if h.Fingerprint != c.ns.fp || h.Layers != uint32(g.Layers) || h.Planes != uint32(g.Planes()) ||
-		h.BlocksPerKey != uint32(g.BlocksPerKey()) || h.BlockBytes != uint64(g.BlockBytes()) {
-		// Replaced by a file of another geometry: not ours to judge.
-		e.rm.dropVanished(ctx, en, "replaced by another geometry")
-		all(OutcomeMissing, fmt.Errorf("%w: %w: %s was replaced by a file of another geometry: %w", ErrNotFound, ErrMismatch, en.Path, format.ErrFingerprint))
+	if en, err = e.shared.replaced(ctx, c.ns, m, en, h, id, idErr); err != nil {
+		all(OutcomeMissing, err)
 		return
-	}
-	if idErr == nil && !sameFile(en, id, h) {
-		// Another file at the path (another node published there, maybe
-		// at the same inode): the entry goes; the file is indexed anew if
-		// it holds what is asked, and read below like any file.
-		e.rm.dropVanished(ctx, en, "replaced")
-		// A row is exactly its length (rawEntry); a longer file is
-		// not this geometry's row, whatever its first bytes.
-		if m.raw != nil && id.Size > h.FileLen() {
-			all(OutcomeMissing, fmt.Errorf("%w: %w: %s was replaced by a file of %d bytes, rows are %d", ErrNotFound, ErrMismatch, en.Path, id.Size, h.FileLen()))
-			return
-		}
-		if id.Size >= h.FileLen() {
-			found := e.entryOf(en.Mount, en.Path, h, id)
-			if en, _ = e.adoptFound(ctx, found); en == nil {
-				// A job of this engine holds the path, or held it
-				// since the file was opened: the file is read, and
-				// left to it to index, replace or remove.
-				found.SetGone()
-				en = found
-			}
-		}
 	}
 	// A file shorter than its header says was truncated behind our back:
 	// corrupt, whatever the keys asked.
@@ -287,11 +243,7 @@ func (e *Engine) loadRound(ctx context.Context, j *Job, c *cache, blocks [][]int
 		}
 		return ok
 	}
-	if e.rewrittenUnder(m, f, h) {
-		// Another engine on the directory evicted the file and a store
-		// of it wrote into it (spare files) while we read: the bytes may
-		// be another key's, checksums or not.
-		e.rm.dropVanished(ctx, en, "rewritten while read")
+	if e.shared.rewritten(ctx, en, m, f, h) {
 		for _, k := range read {
 			set(dst[k], OutcomeFailed, fmt.Errorf("engine: load %s: %w: rewritten while it was read (evicted and reused by another engine on the directory)", en.Path, errReplaced))
 		}

@@ -2,9 +2,7 @@ package engine
 
 import (
 	"context"
-	"errors"
 	"fmt"
-	"os"
 	"path/filepath"
 	"slices"
 	"strings"
@@ -147,7 +145,7 @@ func (e *Engine) Lookup(ctx context.Context, ns NamespaceID, keys [][]byte) (int
 			}
 		}
 		if en == nil {
-			en = e.discover(ctx, n, k)
+			en = e.shared.discover(ctx, n, k)
 		}
 		if en == nil {
 			e.st.misses.Add(1)
@@ -182,96 +180,3 @@ func (e *Engine) MirrorKeys(ks KeySet) { e.ix.Mirror(ks) }
 
 // find returns the entry the index holds for key in ns, or nil.
 func (e *Engine) find(ns *namespace, key []byte) *entry { return e.ix.Get(ns.fp, key) }
-
-// discover looks for key under its policy name and indexes the file if its
-// header says it holds the key in this geometry.
-func (e *Engine) discover(ctx context.Context, ns *namespace, key []byte) *entry {
-	mounts, paths, errs, err := e.names(ctx, ns, [][]byte{key})
-	if err != nil || errs[0] != nil {
-		return nil
-	}
-	read := e.ix.BeginRead(paths[0])
-	if read == nil { // held: adopt looks again
-		return nil
-	}
-	defer e.ix.EndRead(paths[0], read)
-	en, err := e.readEntry(mounts[0], paths[0])
-	if err != nil {
-		if !errors.Is(err, os.ErrNotExist) {
-			e.log.Debug("engine: not a match", "path", paths[0], "err", err)
-		}
-		return nil
-	}
-	if _, err := matchKey(en, ns.fp, key); err != nil {
-		e.log.Info("engine: file under the key's name belongs to another key or geometry", "path", paths[0], "err", err)
-		return nil
-	}
-	if purgedOnCluster(e.mounts, e.now(), en) { // its node removes it at its next interval
-		e.log.Debug("engine: file of a purged namespace, written before the purge", "path", paths[0])
-		return nil
-	}
-	got, _ := e.adopt(ctx, en, read)
-	if got == en {
-		// Another process's or node's file, new to the index: its
-		// first load need not go through the pinned buffers.
-		e.warmDiscovered(en)
-	}
-	return got
-}
-
-// errPathHeld says that a job of this engine holds a file's path, or
-// held it since the file was read: what the job leaves there (the file,
-// a file that replaced it, or none) is the job's to index (adopt).
-var errPathHeld = errors.New("engine: a job of this engine holds the path")
-
-// adopt indexes an entry found on disk and tells the policy. It returns
-// the indexed entry, or nil and errPathHeld where a job of this engine
-// holds the path (a store about to publish there, a removal): only the
-// holder indexes a file at a path it holds, so that a store's view of the
-// file it replaces (group.old) stays true until it publishes. It returns
-// errPathHeld too where read, the read of the file (nil: none), went
-// stale: a job of this engine held the path since, and may have removed
-// or replaced the file. It returns nil and no error where the file is one
-// this engine dropped and could not remove (index.left): its keys were
-// deleted or evicted, and stay so.
-func (e *Engine) adopt(ctx context.Context, en *entry, read *readMark) (*entry, error) {
-	en.NS = uint32(e.tables.namespaceOf(en.FP))
-	defer e.tables.adoptDone(NamespaceID(en.NS))
-	got, res, recs := e.ix.Adopt(en, read)
-	switch res {
-	case adoptHeld:
-		return nil, errPathHeld
-	case adoptLeft:
-		return nil, nil
-	}
-	e.access(ctx, recs)
-	return got, nil
-}
-
-// adoptFound is adopt for an entry of a file that was read before any
-// mark of its path (a load that found its file replaced, the cluster
-// adoption walk, which reads every file to find a dead node's): it marks
-// a read now (index.beginRead), then indexes the file only if the stat of
-// its name still finds it, in the state read. A job of this engine that
-// claimed the path since the file was read has removed or replaced it
-// (the stat shows it), or holds the path still or claims it before the
-// insert (the mark shows it). It returns nil where it did not index the
-// file, with errPathHeld where a job holds or held the path (what is
-// there is the job's to tell) and the stat's error where it failed; with
-// no error where the file was replaced since it was read, or is one this
-// engine dropped (adopt).
-func (e *Engine) adoptFound(ctx context.Context, found *entry) (*entry, error) {
-	read := e.ix.BeginRead(found.Path)
-	if read == nil { // held: adopt looks again
-		return nil, errPathHeld
-	}
-	defer e.ix.EndRead(found.Path, read)
-	fi, err := e.fs.Stat(found.Path)
-	if err != nil {
-		return nil, err
-	}
-	if id, err := fsys.IdentityOf(fi); err != nil || !id.Same(found.Ident) {
-		return nil, err
-	}
-	return e.adopt(ctx, found, read)
-}

@@ -75,7 +75,7 @@ func (e *Engine) Pin(ctx context.Context, ns NamespaceID, keys [][]byte, lease t
 		}
 		en := e.find(n, k)
 		if en == nil {
-			en = e.discover(ctx, n, k)
+			en = e.shared.discover(ctx, n, k)
 		}
 		if en == nil {
 			continue

@@ -627,19 +627,19 @@ func TestAdoptLeavesAPathAJobHoldsToItsHolder(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if got, err := e.adopt(ctx, found, nil); got != nil || !errors.Is(err, errPathHeld) {
+	if got, err := e.shared.adopt(ctx, found, nil); got != nil || !errors.Is(err, errPathHeld) {
 		t.Fatalf("adopt at a path a store held: %v, %v; want nil, errPathHeld", got, err)
 	}
 	indexed := e.ix.ByPath(path)
 	if indexed != nil {
 		t.Fatalf("the index holds %s at a held path", indexed.Path)
 	}
-	if en := e.discover(ctx, e.tables.get(ns), keys[0]); en != nil {
+	if en := e.shared.discover(ctx, e.tables.get(ns), keys[0]); en != nil {
 		t.Fatal("discover indexed the file at a held path")
 	}
 
 	e.rm.release(path)
-	if en := e.discover(ctx, e.tables.get(ns), keys[0]); en == nil || e.ix.Gone(en) {
+	if en := e.shared.discover(ctx, e.tables.get(ns), keys[0]); en == nil || e.ix.Gone(en) {
 		t.Fatal("discover did not index the file once the path was free")
 	}
 	if n, err := e.Lookup(ctx, ns, keys); err != nil || n != 1 {

@@ -45,7 +45,7 @@ func TestAnIndexedFileBehindALinkAtItsPathIsNotTakenForIt(t *testing.T) {
 		f.Close()
 		t.Errorf("openSame of %s, a link to the indexed file: opened, want refused", en.Path)
 	}
-	if e.confirm(context.Background(), en) {
+	if e.shared.confirm(context.Background(), en) {
 		t.Errorf("the check before a store answers present took the link at %s for the indexed file", en.Path)
 	}
 	if got := entryOf(e, ns, keys[0]); got != nil {

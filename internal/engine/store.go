@@ -157,7 +157,7 @@ func (e *Engine) runStore(ctx context.Context, j *Job, c *cache, keys [][]byte, 
 			for en != nil {
 				ok, seen := checked[en]
 				if !seen {
-					ok = e.confirm(ctx, en)
+					ok = e.shared.confirm(ctx, en)
 					checked[en] = ok
 				}
 				if ok {
@@ -335,7 +335,7 @@ func (e *Engine) storeRound(ctx context.Context, j *Job, c *cache, keys [][]byte
 					e.rm.release(gr.path)
 				}
 			}()
-			if e.heldAt(ctx, ns.fp, keys[gr.idx[0]], gr.old) {
+			if e.shared.heldAt(ctx, ns.fp, keys[gr.idx[0]], gr.old) {
 				gr.held = true
 				return
 			}
@@ -361,24 +361,6 @@ func (e *Engine) storeRound(ctx context.Context, j *Job, c *cache, keys [][]byte
 		}
 	}
 	return deferred, busy
-}
-
-// heldAt reports whether en, the indexed file at the path where a new
-// file whose first key is key is about to be written (nil: none), holds
-// key and is still there (its header is read). The index can lose a key of a file it holds: the
-// key was indexed in another file too, which was dropped (another node's
-// file holding it, deleted there). Writing would then replace a file that
-// already holds the key, and every other key in it, some maybe answered
-// present by this very store. The file's keys are indexed again instead.
-// The caller holds the path.
-func (e *Engine) heldAt(ctx context.Context, fp uint64, key []byte, en *entry) bool {
-	if en == nil {
-		return false
-	}
-	if _, err := matchKey(en, fp, key); err != nil || !e.confirm(ctx, en) {
-		return false
-	}
-	return e.ix.Relink(en)
 }
 
 // replacing marks the store holding path as one that replaces old, the
