@@ -83,7 +83,7 @@ type Entry struct {
 // (Engine.MirrorKeys). Besides the space it calls nothing of the engine:
 // no I/O, no policy.
 //
-// Lock order: Engine.mu > index.mu > space.mu. Only the index's own
+// Lock order: the engine's tables.mu > index.mu > space.mu. Only the index's own
 // methods take mu: each operation the engine calls is whole, one hold of
 // the lock (unindex and claim a path in one step, so that a store never
 // publishes between them; pin, count a hit, move a file's entry), and

@@ -18,7 +18,7 @@ import (
 
 // Space is the room on every mount.
 //
-// Lock order: mount.evictMu > Engine.mu > index.mu > Space.mu. Nothing
+// Lock order: mount.evictMu > the engine's tables.mu > index.mu > Space.mu. Nothing
 // holding mu takes another of the engine's locks. One mutex guards
 // every mount: the spare maker decides across mounts.
 //

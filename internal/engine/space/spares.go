@@ -333,7 +333,7 @@ func (s *Space) nextSpareLocked() (*Mount, int64, Spare) {
 
 // GuessAhead records a declaration's guess of namespace ns's file size on
 // ms, where ms knows nothing of ns yet, and reports whether the maker then
-// has work (Engine.predictSparesLocked).
+// has work (the engine's spareMaker.predict).
 func (s *Space) GuessAhead(ms *Mount, ns uint32, size int64) bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -501,7 +501,7 @@ func (s *Space) StoreReserve(ms *Mount, size int64, fast, spares bool, burst int
 }
 
 // wantSparesLocked records size, the size of a file of namespace ns
-// stored on ms, for the spares made ahead (Engine.wantSpares says which
+// stored on ms, for the spares made ahead (the engine's spareMaker.want says which
 // size wins) and reports whether the maker has work. The caller holds
 // mu.
 func (s *Space) wantSparesLocked(ms *Mount, ns uint32, size int64, full bool) bool {
