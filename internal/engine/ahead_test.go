@@ -690,7 +690,7 @@ func TestNoSparesAreMadeAheadWhileAFileMovesBetweenMounts(t *testing.T) {
 	waited := e.maker.waitedIdle.Load()
 	moved := make(chan error, 1)
 	go func() {
-		_, err := e.move(ctx, id, 1, true)
+		_, err := e.tier.move(ctx, id, 1, true)
 		moved <- err
 	}()
 	var once sync.Once
@@ -798,7 +798,7 @@ func TestSparesAreMadeAheadAgainWhenAMoveFreesRoom(t *testing.T) {
 		t.Fatalf("after a store into a spare: %d spares, %d bytes used; want 5 and one file", m.SpareFiles, m.Used)
 	}
 	id := e.ix.Get(e.tables.get(ns).fp, keys[0]).ID
-	if _, err := e.move(ctx, id, 1, true); err != nil {
+	if _, err := e.tier.move(ctx, id, 1, true); err != nil {
 		t.Fatalf("move: %v", err)
 	}
 	// Not WaitSpares: it would wake the maker itself.

@@ -153,7 +153,7 @@ func (e *Engine) evict(ctx context.Context, m *mount, size int64) error {
 	if err := e.evictRounds(ctx, m, size); err != nil {
 		return err
 	}
-	return e.demoteHeld(ctx, m, size)
+	return e.hold.demote(ctx, m, size)
 }
 
 // evictRounds is evict without demoteHeld.
@@ -182,7 +182,7 @@ func (e *Engine) evictRounds(ctx context.Context, m *mount, size int64) error {
 		if m.cluster != nil {
 			victims = m.cluster.Victims(req, victimBatch) // never another live node's file
 		} else {
-			victims, err = e.evictions(context.WithoutCancel(ctx), req)
+			victims, err = e.tier.evictions(context.WithoutCancel(ctx), req)
 		}
 		if err != nil {
 			e.log.Warn("engine: policy victims", "mount", m.root, "err", err)
@@ -201,7 +201,7 @@ func (e *Engine) evictRounds(ctx context.Context, m *mount, size int64) error {
 				break
 			}
 			if v.Target.Mount != abi.NoMount { // a demotion (demote.go)
-				n, del := e.demoteVictim(ctx, m, v)
+				n, del := e.tier.demoteVictim(ctx, m, v)
 				freed += n
 				if !del {
 					continue

@@ -207,7 +207,7 @@ func unindexedCases(ctx context.Context) []unindexedCase {
 			return op == fsys.OpRemove && strings.HasPrefix(path, hot) && strings.HasSuffix(path, ".kv")
 		},
 		run: func(t *testing.T, e *Engine, ns NamespaceID, keys [][]byte) {
-			if _, err := e.move(ctx, entryOf(e, ns, keys[0]).ID, 1, true); err != nil {
+			if _, err := e.tier.move(ctx, entryOf(e, ns, keys[0]).ID, 1, true); err != nil {
 				t.Fatalf("move: %v", err)
 			}
 		},
@@ -222,7 +222,7 @@ func unindexedCases(ctx context.Context) []unindexedCase {
 			e.Delete(ctx, ns, keys)
 		},
 		run: func(t *testing.T, e *Engine, ns NamespaceID, keys [][]byte) {
-			if _, err := e.move(ctx, entryOf(e, ns, keys[0]).ID, 1, true); !errors.Is(err, errMoveStale) {
+			if _, err := e.tier.move(ctx, entryOf(e, ns, keys[0]).ID, 1, true); !errors.Is(err, errMoveStale) {
 				t.Fatalf("move of a file deleted during it: %v, want errMoveStale", err)
 			}
 		},
@@ -618,7 +618,7 @@ func TestAnEvictionEvictsForItsOrphansOnlyWhatTheCapacityNeeds(t *testing.T) {
 			armed.Store(true)
 			moved := make(chan error, 1)
 			go func() {
-				_, err := e.move(ctx, entryOf(e, ns, keys[0]).ID, 1, true)
+				_, err := e.tier.move(ctx, entryOf(e, ns, keys[0]).ID, 1, true)
 				moved <- err
 			}()
 			select {

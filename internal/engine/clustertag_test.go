@@ -181,7 +181,7 @@ func TestClusterNeverRetiresADeadNodeWhileAMoveRemovesItsFile(t *testing.T) {
 		t.Fatalf("%d data files of D's one store: %v", len(files), files)
 	}
 	err := hold.retireNoneWhile(t, a, files[0], "a move", func() error {
-		_, err := a.move(ctx, ens[0].ID, 1, false)
+		_, err := a.tier.move(ctx, ens[0].ID, 1, false)
 		return err
 	})
 	if err != nil {

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"slices"
@@ -16,7 +17,10 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/kvhost/kvhost/abi"
+	"github.com/kvhost/kvhost/fsys"
 	"github.com/kvhost/kvhost/host/policy"
+	"github.com/kvhost/kvhost/internal/engine/index"
+	"github.com/kvhost/kvhost/internal/engine/space"
 	"github.com/kvhost/kvhost/internal/format"
 	"github.com/kvhost/kvhost/internal/fstype"
 )
@@ -106,6 +110,85 @@ func className(c uint32) string {
 	return "unknown"
 }
 
+// tiering is the part that moves entries between mounts: it describes
+// the mounts to the policy, runs the tick and its moves, demotes the
+// victims of evictions, places admitted files on the mount admission
+// chose and, at Open, drops the second copies a move cut short left. It
+// owns its driver and its counters; the rest of the
+// engine it reaches through the index, the space, the remover, the
+// engine's own files, buffers and spare maker, and two narrow seams: room
+// on the mounts (moveRoom) and the files' headers, publication and the
+// policy's events (moveFiles).
+type tiering struct {
+	log      *slog.Logger
+	now      func() time.Time
+	ix       *index.Index
+	space    *space.Space
+	mounts   []*mount // fixed at Open
+	kvMounts int
+	slots    *fileSlots // a copy is a file in flight that takes no slot
+	room     moveRoom
+	files    moveFiles
+	rm       *remover    // removes sources, copies and temporary files; holds paths
+	own      *ownFiles   // creates the copies' temporary files
+	bufs     *buffers    // the copies' buffers
+	maker    *spareMaker // told of the copies in flight and the room freed; nil before start
+	shared   confirmer   // confirms the file at the target's path (sharedDir)
+	// pol is the engine's policy (the switch), set once Open has it,
+	// before any eviction.
+	pol policy.Policy
+	// tickEvery and updateEvery are Config.TickInterval and
+	// Config.MountUpdateInterval with their defaults.
+	tickEvery, updateEvery time.Duration
+
+	driver *tierDriver  // nil before start and without policy.Tiering
+	hits   *hitRecorder // flushed before each tick; nil before start
+	st     tierCounters
+}
+
+// moveRoom is what a move asks of the room on the mounts (capacity.go,
+// mountfail.go).
+type moveRoom interface {
+	reserve(ctx context.Context, m *mount, size int64) error
+	reserveFree(m *mount, size int64) error
+	unreserve(m *mount, size int64)
+	storeEnded(m *mount, size int64, err error)
+	reprobe()
+}
+
+// moveFiles is what a move asks of the files' life besides removal
+// (remover) and temporary files (ownFiles): opening the source
+// (headers.go), checking and publishing the copy (spares.go, publish.go)
+// and the policy's events (hits.go).
+type moveFiles interface {
+	openSame(en *entry, flag int) (fsys.File, *format.Header, error)
+	rewrittenUnder(m *mount, f fsys.File, h *format.Header) bool
+	publish(ctx context.Context, m *mount, f fsys.File, tmp string, en, replaces *entry, op string) (published bool, left *entry, err error)
+	access(ctx context.Context, recs []abi.AccessRecord)
+}
+
+// newTiering is the tiering part of e, whose mounts are open.
+func newTiering(e *Engine) *tiering {
+	t := &tiering{
+		log: e.log, now: e.now, ix: e.ix, space: e.space, mounts: e.mounts, kvMounts: e.kvMounts,
+		slots: &e.slots, room: e, files: e, rm: e.rm, own: e.own, bufs: &e.bufs, shared: e.shared,
+		tickEvery: e.cfg.TickInterval, updateEvery: e.cfg.MountUpdateInterval,
+	}
+	if t.tickEvery == 0 {
+		t.tickEvery = DefaultTickInterval
+	}
+	if t.updateEvery == 0 {
+		t.updateEvery = DefaultMountUpdateInterval
+	}
+	return t
+}
+
+// confirmer confirms that an entry's file is still at its path
+// (sharedDir.confirm).
+type confirmer interface {
+	confirm(ctx context.Context, en *entry) bool
+}
+
 // tierDriver runs the tick and the mount updates.
 type tierDriver struct {
 	pol   policy.Tiering
@@ -117,8 +200,11 @@ type tierDriver struct {
 }
 
 // TierStats returns the engine's move counters.
-func (e *Engine) TierStats() TierStats {
-	c := &e.tierSt
+func (e *Engine) TierStats() TierStats { return e.tier.stats() }
+
+// stats returns the move counters.
+func (t *tiering) stats() TierStats {
+	c := &t.st
 	return TierStats{
 		Demotions: c.demotions.Load(), Moves: c.moves.Load(), Promotions: c.promotions.Load(), MoveFailures: c.moveFailures.Load(),
 		DemotionDeletes: c.demotionDeletes.Load(), Deduped: c.deduped.Load(),
@@ -126,55 +212,60 @@ func (e *Engine) TierStats() TierStats {
 	}
 }
 
-// startTiering describes the mounts to the policy and starts the driver of
+// moved is the sum of the move counters, for Activity.Moved.
+func (t *tiering) moved() uint64 {
+	c := &t.st
+	return c.demotions.Load() + c.demotionDeletes.Load() + c.promotions.Load() + c.moves.Load() + c.moveFailures.Load()
+}
+
+// start describes the mounts to the policy and starts the driver of
 // ticks (Config.TickInterval), mount updates (Config.MountUpdateInterval)
 // and probes of mounts that refuse stores (reprobe) when the policy
 // implements policy.Tiering: always, as the engine's policy is the
 // switch (switchPolicy), which passes on what its current policy takes
-// of the tiering calls.
-func (e *Engine) startTiering(ctx context.Context) {
-	t, ok := e.pol.(policy.Tiering)
+// of the tiering calls. hits is flushed before each tick; maker is told
+// of the moves from now on.
+func (t *tiering) start(ctx context.Context, hits *hitRecorder, maker *spareMaker) {
+	t.maker = maker
+	tp, ok := t.pol.(policy.Tiering)
 	if !ok {
 		return
 	}
-	d := &tierDriver{pol: t, stop: make(chan struct{}), done: make(chan struct{})}
-	for _, m := range e.mounts {
+	t.hits = hits
+	d := &tierDriver{pol: tp, stop: make(chan struct{}), done: make(chan struct{})}
+	for _, m := range t.mounts {
 		d.descs = append(d.descs, m.desc)
 	}
-	e.tier = d
-	e.sendMounts(ctx, true)
-	go e.driveTiering()
+	t.driver = d
+	t.sendMounts(ctx, true)
+	go t.drive()
 }
 
-// stopTiering stops the driver and waits for its move in flight.
-func (e *Engine) stopTiering() {
-	if e.tier == nil {
+// stop stops the driver and waits for its move in flight.
+func (t *tiering) stop() {
+	if t.driver == nil {
 		return
 	}
-	close(e.tier.stop)
-	<-e.tier.done
+	close(t.driver.stop)
+	<-t.driver.done
 }
 
-func (e *Engine) driveTiering() {
-	d := e.tier
+func (t *tiering) drive() {
+	d := t.driver
 	defer close(d.done)
 	ctx := context.Background()
-	upd := e.cfg.MountUpdateInterval
-	if upd == 0 {
-		upd = DefaultMountUpdateInterval
-	}
 	var mountC, tickC <-chan time.Time
 	probe := time.NewTicker(reprobeTick)
 	defer probe.Stop()
-	if upd > 0 {
-		tk := time.NewTicker(upd)
+	if t.updateEvery > 0 {
+		tk := time.NewTicker(t.updateEvery)
 		defer tk.Stop()
 		mountC = tk.C
 	}
-	if e.tickInterval() > 0 {
+	if t.tickEvery > 0 {
 		// The policy's features are asked at each tick: a policy replaced
 		// at run time may gain or lose the hook.
-		tk := time.NewTicker(e.tickInterval())
+		tk := time.NewTicker(t.tickEvery)
 		defer tk.Stop()
 		tickC = tk.C
 	}
@@ -183,28 +274,47 @@ func (e *Engine) driveTiering() {
 		case <-d.stop:
 			return
 		case <-mountC:
-			e.sendMounts(ctx, false)
+			t.sendMounts(ctx, false)
 		case <-tickC:
-			e.tick(ctx, d.stop)
+			t.tick(ctx, d.stop)
 		case <-probe.C:
-			e.reprobe()
+			t.room.reprobe()
 		}
 	}
 }
 
-// tickInterval is Config.TickInterval with its default.
-func (e *Engine) tickInterval() time.Duration {
-	if e.cfg.TickInterval == 0 {
-		return DefaultTickInterval
+// pauseMounts holds back the mount descriptions for a policy swap
+// (catchUpAndSwap): none is sent until done is called. tell describes
+// the mounts to p, the policy swapped in, as the last description sent;
+// it does nothing without the driver or where p does not implement
+// policy.Tiering.
+func (t *tiering) pauseMounts() (tell func(ctx context.Context, p policy.Policy) error, done func()) {
+	d := t.driver
+	if d == nil {
+		return func(context.Context, policy.Policy) error { return nil }, func() {}
 	}
-	return e.cfg.TickInterval
+	d.mu.Lock()
+	tell = func(ctx context.Context, p policy.Policy) error {
+		tp, ok := p.(policy.Tiering)
+		if !ok {
+			return nil
+		}
+		recs := t.mountRecords(d.descs)
+		if err := tp.UpdateMounts(ctx, recs); err != nil {
+			return err
+		}
+		d.last = recs
+		t.st.mountUpdates.Add(1)
+		return nil
+	}
+	return tell, d.mu.Unlock
 }
 
 // mountRecords describes every mount as it is now.
-func (e *Engine) mountRecords(descs []mountDesc) []abi.MountRecord {
-	recs := make([]abi.MountRecord, len(e.mounts))
-	rooms := e.space.Usages()
-	for i, m := range e.mounts {
+func (t *tiering) mountRecords(descs []mountDesc) []abi.MountRecord {
+	recs := make([]abi.MountRecord, len(t.mounts))
+	rooms := t.space.Usages()
+	for i, m := range t.mounts {
 		sp := rooms[i]
 		r := &recs[i]
 		r.Mount = uint32(i)
@@ -229,36 +339,36 @@ func (e *Engine) mountRecords(descs []mountDesc) []abi.MountRecord {
 
 // sendMounts sends the mount description to the policy if it changed since
 // the last one sent (or always, with force).
-func (e *Engine) sendMounts(ctx context.Context, force bool) {
-	d := e.tier
-	recs := e.mountRecords(d.descs)
+func (t *tiering) sendMounts(ctx context.Context, force bool) {
+	d := t.driver
+	recs := t.mountRecords(d.descs)
 	d.mu.Lock()
 	defer d.mu.Unlock()
 	if !force && slices.Equal(recs, d.last) {
 		return
 	}
 	if err := d.pol.UpdateMounts(context.WithoutCancel(ctx), recs); err != nil {
-		e.log.Warn("engine: policy mount update", "err", err)
+		t.log.Warn("engine: policy mount update", "err", err)
 		return
 	}
 	d.last = recs
-	e.tierSt.mountUpdates.Add(1)
+	t.st.mountUpdates.Add(1)
 }
 
 // tick calls the policy's tick and carries out the moves it asks for, one
 // at a time, until done or stop is closed.
-func (e *Engine) tick(ctx context.Context, stop <-chan struct{}) {
-	if !e.pol.Features().Has(abi.FeatureTick) {
+func (t *tiering) tick(ctx context.Context, stop <-chan struct{}) {
+	if !t.pol.Features().Has(abi.FeatureTick) {
 		return
 	}
-	if e.hitRec != nil {
-		e.hitRec.flush() // the policy counts every hit reported so far
+	if t.hits != nil {
+		t.hits.flush() // the policy counts every hit reported so far
 	}
-	iv := e.tickInterval()
-	moves, err := e.tier.pol.Tick(ctx, abi.TickRequest{Time: uint64(e.now().UnixNano()), Interval: uint64(iv)}, maxTickMoves)
-	e.tierSt.ticks.Add(1)
+	iv := t.tickEvery
+	moves, err := t.driver.pol.Tick(ctx, abi.TickRequest{Time: uint64(t.now().UnixNano()), Interval: uint64(iv)}, maxTickMoves)
+	t.st.ticks.Add(1)
 	if err != nil {
-		e.log.Warn("engine: policy tick", "err", err)
+		t.log.Warn("engine: policy tick", "err", err)
 		return
 	}
 	for _, mv := range moves {
@@ -267,24 +377,24 @@ func (e *Engine) tick(ctx context.Context, stop <-chan struct{}) {
 			return
 		default:
 		}
-		switch _, err := e.move(ctx, mv.Entry, int(mv.Mount), true); {
+		switch _, err := t.move(ctx, mv.Entry, int(mv.Mount), true); {
 		case err == nil:
-			e.tierSt.moves.Add(1)
+			t.st.moves.Add(1)
 		case errors.Is(err, errMoveStale):
 		default:
-			e.tierSt.moveFailures.Add(1)
-			e.log.Debug("engine: move asked by the policy's tick", "entry", mv.Entry, "mount", mv.Mount, "err", err)
+			t.st.moveFailures.Add(1)
+			t.log.Debug("engine: move asked by the policy's tick", "entry", mv.Entry, "mount", mv.Mount, "err", err)
 		}
 	}
 }
 
 // evictions asks the policy for victims of req, with their targets when
 // the policy demotes (abi.FeatureDemote).
-func (e *Engine) evictions(ctx context.Context, req abi.EvictRequest) ([]policy.Eviction, error) {
-	if t, ok := e.pol.(policy.Tiering); ok && e.pol.Features().Has(abi.FeatureDemote) {
-		return t.Evictions(ctx, req, victimBatch)
+func (t *tiering) evictions(ctx context.Context, req abi.EvictRequest) ([]policy.Eviction, error) {
+	if t.demotes() {
+		return t.pol.(policy.Tiering).Evictions(ctx, req, victimBatch)
 	}
-	vs, err := e.pol.Victims(ctx, req, victimBatch)
+	vs, err := t.pol.Victims(ctx, req, victimBatch)
 	if err != nil {
 		return nil, err
 	}
@@ -293,6 +403,46 @@ func (e *Engine) evictions(ctx context.Context, req abi.EvictRequest) ([]policy.
 		out[i] = policy.Eviction{Victim: v, Target: abi.VictimTarget{Mount: abi.NoMount}}
 	}
 	return out, nil
+}
+
+// demotes reports whether the policy demotes eviction victims
+// (policy.Tiering with abi.FeatureDemote).
+func (t *tiering) demotes() bool {
+	_, ok := t.pol.(policy.Tiering)
+	return ok && t.pol.Features().Has(abi.FeatureDemote)
+}
+
+// demoteHeld moves victim v, a file the restart hold pins, to its target
+// mount, into free room only, the copy keeping the hold's pin
+// (restartHold.demote), and returns the bytes freed and whether it moved.
+func (t *tiering) demoteHeld(ctx context.Context, v policy.Eviction) (int64, bool) {
+	n, err := t.moveEntry(ctx, v.Entry, int(v.Target.Mount), false, true)
+	switch {
+	case err == nil:
+		t.st.demotions.Add(1)
+		return n, true
+	case errors.Is(err, errMoveStale):
+	default:
+		t.st.moveFailures.Add(1)
+		t.log.Debug("engine: demotion of a file the restart hold pins failed; it stays", "entry", v.Entry, "mount", v.Target.Mount, "err", err)
+	}
+	return 0, false
+}
+
+// roomAfter reports whether a kvhost mount after m (a colder tier) may
+// take a file of size bytes into free room below its high watermark, as
+// a demotion of a held file needs (reserveFree); a cluster mount's claim
+// decides at the move, so one counts as room. Where none may, a round of
+// restartHold.demote would lift and give back every held pin of m, two policy
+// records per file, and move nothing.
+func (t *tiering) roomAfter(m *mount, size int64) bool {
+	for i := m.idx + 1; i < t.kvMounts; i++ {
+		tm := t.mounts[i]
+		if tm.cluster != nil || t.space.Fits(tm.sp, size, space.High) {
+			return true
+		}
+	}
+	return false
 }
 
 // demoteVictim moves victim v of an eviction on m to its target mount. It
@@ -308,12 +458,12 @@ func (e *Engine) evictions(ctx context.Context, req abi.EvictRequest) ([]policy.
 // A move to a later mount (a slower tier, by convention) may evict there;
 // a move to an earlier one only takes free room: evictMu is taken in mount
 // order, so nested evictions never deadlock.
-func (e *Engine) demoteVictim(ctx context.Context, m *mount, v policy.Eviction) (int64, bool) {
+func (t *tiering) demoteVictim(ctx context.Context, m *mount, v policy.Eviction) (int64, bool) {
 	target := int(v.Target.Mount)
-	n, err := e.move(ctx, v.Entry, target, target > m.idx)
+	n, err := t.move(ctx, v.Entry, target, target > m.idx)
 	switch {
 	case err == nil:
-		e.tierSt.demotions.Add(1)
+		t.st.demotions.Add(1)
 		return n, false
 	case errors.Is(err, errMoveStale):
 		return 0, false
@@ -324,15 +474,15 @@ func (e *Engine) demoteVictim(ctx context.Context, m *mount, v policy.Eviction) 
 		// up (evict).
 		return 0, false
 	case errors.Is(err, ErrNoSpace) && v.Target.Flags&abi.MoveDeleteIfFull != 0:
-		e.tierSt.demotionDeletes.Add(1)
+		t.st.demotionDeletes.Add(1)
 		return 0, true
 	case errors.Is(err, errPathTaken):
-		e.tierSt.demotionDeletes.Add(1)
-		e.log.Warn("engine: demotion target holds another file at the victim's path; the victim is deleted", "entry", v.Entry, "mount", target, "err", err)
+		t.st.demotionDeletes.Add(1)
+		t.log.Warn("engine: demotion target holds another file at the victim's path; the victim is deleted", "entry", v.Entry, "mount", target, "err", err)
 		return 0, true
 	}
-	e.tierSt.moveFailures.Add(1)
-	e.log.Debug("engine: demotion failed; the victim stays", "entry", v.Entry, "mount", target, "err", err)
+	t.st.moveFailures.Add(1)
+	t.log.Debug("engine: demotion failed; the victim stays", "entry", v.Entry, "mount", target, "err", err)
 	return 0, false
 }
 
@@ -344,28 +494,28 @@ func (e *Engine) demoteVictim(ctx context.Context, m *mount, v policy.Eviction) 
 // with errMoveStale when the entry is gone, pinned, busy or another live
 // node's, with ErrNoSpace when the target has no room, and with
 // errPathTaken when the target holds another file at the path.
-func (e *Engine) move(ctx context.Context, id uint64, target int, mayEvict bool) (int64, error) {
-	return e.moveEntry(ctx, id, target, mayEvict, false)
+func (t *tiering) move(ctx context.Context, id uint64, target int, mayEvict bool) (int64, error) {
+	return t.moveEntry(ctx, id, target, mayEvict, false)
 }
 
 // moveEntry is move; with held, the restart hold's pin does not keep the
 // entry where it is (demoteHeld): a file the hold pins moves with its pin,
 // which the copy takes over (index.holdLocked), and the policy is told
 // of it (AccessPin after the copy's INSERT).
-func (e *Engine) moveEntry(ctx context.Context, id uint64, target int, mayEvict, held bool) (int64, error) {
-	if target < 0 || target >= e.kvMounts {
-		return 0, fmt.Errorf("%w: move to mount %d: the kvhost mounts are 0..%d", ErrPolicy, target, e.kvMounts-1)
+func (t *tiering) moveEntry(ctx context.Context, id uint64, target int, mayEvict, held bool) (int64, error) {
+	if target < 0 || target >= t.kvMounts {
+		return 0, fmt.Errorf("%w: move to mount %d: the kvhost mounts are 0..%d", ErrPolicy, target, t.kvMounts-1)
 	}
-	tm := e.mounts[target]
-	ix := e.ix
+	tm := t.mounts[target]
+	ix := t.ix
 	// A move removes its source, so it needs the right an eviction needs:
 	// on a cluster mount, only this node's files and those of a dead node
 	// it adopted (a policy knows other nodes' files it found).
 	may := func(en *entry) bool {
-		return en.Mount != target && en.Mount < e.kvMounts && e.mounts[en.Mount].mayEvict(en)
+		return en.Mount != target && en.Mount < t.kvMounts && t.mounts[en.Mount].mayEvict(en)
 	}
 	to := func(en *entry) (string, error) {
-		sm := e.mounts[en.Mount]
+		sm := t.mounts[en.Mount]
 		rel, err := filepath.Rel(sm.root, en.Path)
 		if err != nil || rel == ".." || strings.HasPrefix(rel, ".."+string(filepath.Separator)) {
 			return "", fmt.Errorf("engine: move: %s is not under its mount %s", en.Path, sm.root)
@@ -381,43 +531,43 @@ func (e *Engine) moveEntry(ctx context.Context, id uint64, target int, mayEvict,
 	case dup != nil && !dup.SameKeys(en):
 		return 0, fmt.Errorf("%w: move of %s: %s holds other keys", errPathTaken, en.Path, dst)
 	}
-	sm := e.mounts[en.Mount]
+	sm := t.mounts[en.Mount]
 	size := en.Size
 	unindexed := false // en left the index for its copy: removeMoved releases en.path
 	defer func() {
 		if !unindexed {
-			e.rm.release(en.Path)
+			t.rm.release(en.Path)
 		}
 	}()
-	defer e.rm.release(dst)
+	defer t.rm.release(dst)
 	if dup != nil {
-		if err := e.dropCopy(ctx, en, dup, held); err != nil {
+		if err := t.dropCopy(ctx, en, dup, held); err != nil {
 			return 0, err
 		}
 		unindexed = true
-		return e.removeMoved(en), nil
+		return t.removeMoved(en), nil
 	}
 
 	if mayEvict {
-		if err := e.reserve(ctx, tm, size); err != nil {
+		if err := t.room.reserve(ctx, tm, size); err != nil {
 			// No room on tm after evicting what could be, as a store's
 			// reservation there fails: tm refuses stores (mountfail.go).
 			// A move into free room only (reserveFree) tried no eviction.
-			e.storeEnded(tm, size, err)
+			t.room.storeEnded(tm, size, err)
 			return 0, err
 		}
-	} else if err := e.reserveFree(tm, size); err != nil {
+	} else if err := t.room.reserveFree(tm, size); err != nil {
 		return 0, err
 	}
-	e.slots.moving.Add(1) // a file in flight that takes no slot (spareMaker.fileEnded)
-	en2, left, err := e.copyFile(en, tm, dst)
-	e.slots.moving.Add(-1)
-	e.maker.fileEnded()
+	t.slots.moving.Add(1) // a file in flight that takes no slot (spareMaker.fileEnded)
+	en2, left, err := t.copyFile(en, tm, dst)
+	t.slots.moving.Add(-1)
+	t.maker.fileEnded()
 	if err != nil {
 		if left != nil {
 			ix.Leave(left, dst) // the reservation counts the copy left
 		} else {
-			e.unreserve(tm, size)
+			t.room.unreserve(tm, size)
 		}
 		return 0, err
 	}
@@ -429,19 +579,19 @@ func (e *Engine) moveEntry(ctx context.Context, id uint64, target int, mayEvict,
 	if !ok {
 		// Deleted, evicted or pinned by a load while it was copied: the
 		// copy goes; the source stays (or goes with its own removal).
-		if left := e.rm.removeIfSame(dst, []*entry{en2}); left != nil {
+		if left := t.rm.removeIfSame(dst, []*entry{en2}); left != nil {
 			ix.Leave(left, dst) // the reservation counts the copy left
 		} else {
-			e.unreserve(tm, size)
+			t.room.unreserve(tm, size)
 		}
 		return 0, errMoveStale
 	}
 	if tm.idx < sm.idx {
-		e.tierSt.promotions.Add(1)
+		t.st.promotions.Add(1)
 	}
-	e.access(ctx, recs)
+	t.files.access(ctx, recs)
 	unindexed = true
-	return e.removeMoved(en), nil
+	return t.removeMoved(en), nil
 }
 
 // removeMoved removes the file of en, the source of a move whose copy (or
@@ -452,9 +602,9 @@ func (e *Engine) moveEntry(ctx context.Context, id uint64, target int, mayEvict,
 // fails its file is left for an eviction to try again (index.left), its
 // bytes still counted; a cluster adopter retires no dead node meanwhile
 // (leftOf).
-func (e *Engine) removeMoved(en *entry) int64 {
-	e.rm.removeAt(en.Path, en)
-	e.maker.room() // the source's room
+func (t *tiering) removeMoved(en *entry) int64 {
+	t.rm.removeAt(en.Path, en)
+	t.maker.room() // the source's room
 	return en.Size
 }
 
@@ -471,18 +621,18 @@ func (e *Engine) removeMoved(en *entry) int64 {
 // returns nil, en's file is the caller's to remove (removeMoved).
 // The caller holds both paths. With held, the restart hold's pin does not
 // keep en (moveEntry): where en was held, dup is held in its place.
-func (e *Engine) dropCopy(ctx context.Context, en, dup *entry, held bool) error {
-	if !e.shared.confirm(ctx, dup) {
+func (t *tiering) dropCopy(ctx context.Context, en, dup *entry, held bool) error {
+	if !t.shared.confirm(ctx, dup) {
 		return errMoveStale
 	}
-	recs, ok := e.ix.MovedTo(en, dup, held)
+	recs, ok := t.ix.MovedTo(en, dup, held)
 	if !ok {
 		return errMoveStale
 	}
-	if e.mounts[dup.Mount].idx < e.mounts[en.Mount].idx {
-		e.tierSt.promotions.Add(1)
+	if t.mounts[dup.Mount].idx < t.mounts[en.Mount].idx {
+		t.st.promotions.Add(1)
 	}
-	e.access(ctx, recs)
+	t.files.access(ctx, recs)
 	return nil
 }
 
@@ -491,8 +641,8 @@ func (e *Engine) dropCopy(ctx context.Context, en, dup *entry, held bool) error 
 // renamed into place. It returns the unindexed entry of the copy, or an
 // error and, where the copy was published and could not be removed again,
 // its entry left (publish). The caller holds both paths.
-func (e *Engine) copyFile(en *entry, tm *mount, dst string) (en2, left *entry, err error) {
-	src, h, err := e.openSame(en, os.O_RDONLY)
+func (t *tiering) copyFile(en *entry, tm *mount, dst string) (en2, left *entry, err error) {
+	src, h, err := t.files.openSame(en, os.O_RDONLY)
 	if err != nil {
 		return nil, nil, fmt.Errorf("engine: move: open %s: %w", en.Path, err)
 	}
@@ -503,17 +653,17 @@ func (e *Engine) copyFile(en *entry, tm *mount, dst string) (en2, left *entry, e
 	readFailed := false
 	defer func() {
 		if !readFailed {
-			e.storeEnded(tm, en.Size, err)
+			t.room.storeEnded(tm, en.Size, err)
 		}
 	}()
-	f, tmp, op, err := e.own.createTemp(tm, filepath.Dir(dst), 0, en.Size)
+	f, tmp, op, err := t.own.createTemp(tm, filepath.Dir(dst), 0, en.Size)
 	if err != nil {
 		return nil, nil, ioError(tm, "move: "+op, err)
 	}
 	published := false
 	defer func() {
 		if !published {
-			e.rm.removeTemp(tm, tmp, f, en.Size)
+			t.rm.removeTemp(tm, tmp, f, en.Size)
 		}
 		if f != nil {
 			f.Close()
@@ -521,7 +671,7 @@ func (e *Engine) copyFile(en *entry, tm *mount, dst string) (en2, left *entry, e
 	}()
 	// Whole large folios on the target (a tmpfs with huge pages): a write
 	// of part of one would have the kernel zero the rest first.
-	buf, put := e.bufs.copyBuffer(min(max(int64(copyChunk), tm.folio), max(en.Size, 1)))
+	buf, put := t.bufs.copyBuffer(min(max(int64(copyChunk), tm.folio), max(en.Size, 1)))
 	defer put()
 	for off := int64(0); off < en.Size; {
 		n, rerr := src.ReadAt(buf[:min(int64(len(buf)), en.Size-off)], off)
@@ -539,26 +689,26 @@ func (e *Engine) copyFile(en *entry, tm *mount, dst string) (en2, left *entry, e
 			return nil, nil, fmt.Errorf("engine: move: read %s: %w", en.Path, rerr)
 		}
 	}
-	if e.rewrittenUnder(e.mounts[en.Mount], src, h) {
+	if t.files.rewrittenUnder(t.mounts[en.Mount], src, h) {
 		// Another engine on the directory evicted the source and a store
 		// of it wrote into it (spare files) while it was copied, as a
 		// load checks (loadRound): the copy may hold its header over
 		// another key's bytes. The source is no longer en's file; the
 		// copy is removed unpublished.
 		readFailed = true
-		e.rm.dropVanished(context.Background(), en, "rewritten while moved")
+		t.rm.dropVanished(context.Background(), en, "rewritten while moved")
 		return nil, nil, fmt.Errorf("%w: %s was rewritten while it was copied (evicted and reused by another engine on the directory): %w", errMoveStale, en.Path, errReplaced)
 	}
 	// The copy keeps the source's modification time, which Open takes for
 	// the last access: a restart ranks a moved file as before the move.
 	mt := unix.NsecToTimeval(en.Ident.Mtime)
 	if err := unix.Futimes(int(f.Fd()), []unix.Timeval{mt, mt}); err != nil {
-		e.log.Debug("engine: move: keep the modification time", "path", tmp, "err", err)
+		t.log.Debug("engine: move: keep the modification time", "path", tmp, "err", err)
 	}
 	// Not cancelled once copied: the move finishes what it began (the
 	// source stays where the copy fails).
 	en2 = &entry{NS: en.NS, FP: en.FP, Mount: tm.idx, Path: dst, Size: en.Size, Keys: en.Keys, FID: en.FID}
-	published, left, err = e.publish(context.Background(), tm, f, tmp, en2, nil, "move: ")
+	published, left, err = t.files.publish(context.Background(), tm, f, tmp, en2, nil, "move: ")
 	if published {
 		f = nil // closed
 	}
@@ -575,7 +725,7 @@ func (e *Engine) copyFile(en *entry, tm *mount, dst string) (en2, left *entry, e
 // it is still the file read; where its removal fails, it is a file left on
 // disk (index.left), counted as used until an eviction on its mount
 // removes it. Files without an id are never merged.
-func (e *Engine) dedupe(found []*entry) []*entry {
+func (t *tiering) dedupe(found []*entry) []*entry {
 	type fileKey struct{ fp, fid uint64 }
 	keep := map[fileKey]*entry{}
 	var drop []*entry
@@ -608,31 +758,31 @@ func (e *Engine) dedupe(found []*entry) []*entry {
 		}
 	}
 	for _, en := range drop {
-		e.log.Info("engine: second copy of a moved file removed", "path", en.Path, "kept", keep[fileKey{en.FP, en.FID}].Path)
-		if left := e.rm.removeIfSame(en.Path, []*entry{en}); left != nil {
-			e.space.Left(e.mounts[left.Mount].sp, left.Size)
-			e.ix.Leave(left, en.Path)
+		t.log.Info("engine: second copy of a moved file removed", "path", en.Path, "kept", keep[fileKey{en.FP, en.FID}].Path)
+		if left := t.rm.removeIfSame(en.Path, []*entry{en}); left != nil {
+			t.space.Left(t.mounts[left.Mount].sp, left.Size)
+			t.ix.Leave(left, en.Path)
 			continue
 		}
-		e.tierSt.deduped.Add(1)
+		t.st.deduped.Add(1)
 	}
 	return out
 }
 
 // retarget sends the file of group gr to mount target, as admission chose
 // (abi.FeatureAdmitMount): the same relative path under the target's root.
-func (e *Engine) retarget(ns *namespace, gr *group, target uint32) error {
+func (t *tiering) retarget(ns *namespace, gr *group, target uint32) error {
 	if ns.layout != nil || int(target) == gr.mount {
 		return nil // a vllm-fs namespace's files are its mount's
 	}
-	if int(target) >= e.kvMounts {
-		return fmt.Errorf("%w: admission chose mount %d: the kvhost mounts are 0..%d", ErrPolicy, target, e.kvMounts-1)
+	if int(target) >= t.kvMounts {
+		return fmt.Errorf("%w: admission chose mount %d: the kvhost mounts are 0..%d", ErrPolicy, target, t.kvMounts-1)
 	}
-	rel, err := filepath.Rel(e.mounts[gr.mount].root, gr.path)
+	rel, err := filepath.Rel(t.mounts[gr.mount].root, gr.path)
 	if err != nil {
 		return fmt.Errorf("%w: %w", ErrPolicy, err)
 	}
-	m := e.mounts[target]
+	m := t.mounts[target]
 	gr.mount, gr.path = int(target), filepath.Join(m.root, rel)
 	gr.hdr.Flags &^= format.FlagPayloadSums
 	if m.checksums {
@@ -661,9 +811,9 @@ var deviceClasses = map[string]uint32{
 // (Mount.DeviceClass) or detected from statfs and, for a local block
 // device, sysfs (nvme in the device's path; queue/rotational). Open
 // describes every mount once (reportMounts, mount.desc).
-func (e *Engine) describeMount(m *mount, configured string) mountDesc {
+func describeMount(fs fsys.FS, log *slog.Logger, m *mount, configured string) mountDesc {
 	var d mountDesc
-	st, err := e.fs.Statfs(m.root)
+	st, err := fs.Statfs(m.root)
 	if err == nil {
 		d.fsType = uint32(st.Type)
 		if k, ok := fstype.Of(st.Type); ok {
@@ -675,7 +825,7 @@ func (e *Engine) describeMount(m *mount, configured string) mountDesc {
 		return d
 	}
 	if configured != "" {
-		e.log.Warn("engine: unknown device class; detecting it", "mount", m.root, "device_class", configured)
+		log.Warn("engine: unknown device class; detecting it", "mount", m.root, "device_class", configured)
 	}
 	if d.class == abi.ClassUnknown {
 		d.class = blockClass(m.root)

@@ -892,7 +892,7 @@ func TestLookupDuringMove(t *testing.T) {
 	)
 	inj := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
 		if en := armed.Load(); op == fsys.OpStat && en != nil && path == en.Path && armed.CompareAndSwap(en, nil) {
-			_, err := e.move(ctx, en.ID, 1, true)
+			_, err := e.tier.move(ctx, en.ID, 1, true)
 			moved.Store(err == nil)
 		}
 		return fsys.Fault{}
@@ -950,7 +950,7 @@ func TestDeleteDuringMove(t *testing.T) {
 	storeAndCheck(t, e, c, keys, [][]int{{0, 1, 2, 3}})
 	id := e.ix.Get(e.tables.get(ns).fp, keys[0]).ID
 	armed.Store(true)
-	if _, err := e.move(ctx, id, 1, true); !errors.Is(err, errMoveStale) {
+	if _, err := e.tier.move(ctx, id, 1, true); !errors.Is(err, errMoveStale) {
 		t.Fatalf("move of a file deleted during it: %v, want errMoveStale", err)
 	}
 	if deleted.Load() != 1 {
@@ -1006,7 +1006,7 @@ func TestMovesCopyInWholeLargeFolios(t *testing.T) {
 		en := e.ix.Get(e.tables.get(ns).fp, keys[0])
 		id, size := en.ID, en.Size
 		writes.Store(0) // the start's O_DIRECT probe wrote there too
-		if _, err := e.move(ctx, id, 1, true); err != nil {
+		if _, err := e.tier.move(ctx, id, 1, true); err != nil {
 			t.Fatalf("folio %d: move: %v", folio, err)
 		}
 		if keyMount(e, ns, keys[0]) != 1 {
@@ -1060,7 +1060,7 @@ func movingEngine(t *testing.T, hot, cold string, trigger func(op fsys.Op, path 
 	var e *Engine
 	inj := fsys.InjectorFunc(func(op fsys.Op, path string) fsys.Fault {
 		if en := trap.armed.Load(); en != nil && trigger(op, path, en) && trap.armed.CompareAndSwap(en, nil) {
-			_, err := e.move(context.Background(), en.ID, 1, true)
+			_, err := e.tier.move(context.Background(), en.ID, 1, true)
 			trap.moved.Store(err == nil)
 		}
 		return fsys.Fault{}
@@ -1138,7 +1138,7 @@ func TestPinHoldsAKeyMovedAfterItWasFound(t *testing.T) {
 	e.rm.drop(ctx, entryOf(e, ns, keys[0]), false, "forgotten by the test") // the file stays
 	move := func(id uint64) {
 		pol.onInsert.Store(nil)
-		_, err := e.move(ctx, id, 1, true)
+		_, err := e.tier.move(ctx, id, 1, true)
 		moved.Store(err == nil)
 	}
 	pol.onInsert.Store(&move)
@@ -1380,13 +1380,13 @@ func TestAPinThatOvertakesAMovesInsertIsNoPluginFailure(t *testing.T) {
 	var id PinID
 	pin := func() { id, _, _ = e.Pin(ctx, ns, keys, 0) }
 	host.armed.Store(&pin)
-	if _, err := e.move(ctx, entryOf(e, ns, keys[0]).ID, 1, true); err != nil {
+	if _, err := e.tier.move(ctx, entryOf(e, ns, keys[0]).ID, 1, true); err != nil {
 		t.Fatal(err)
 	}
 	if id == 0 {
 		t.Fatal("the pin did not take hold during the move: the test proves nothing")
 	}
-	vs, err := e.evictions(ctx, abi.EvictRequest{Bytes: 1, Mount: 1, Time: uint64(time.Now().UnixNano())})
+	vs, err := e.tier.evictions(ctx, abi.EvictRequest{Bytes: 1, Mount: 1, Time: uint64(time.Now().UnixNano())})
 	if st := host.Stats(); err != nil || len(vs) != 0 || st.Failures != 0 {
 		t.Fatalf("victims on the moved file's mount: %v, %v; plugin failures %d (%+v); want none, and no failure", vs, err, st.Failures, st)
 	}

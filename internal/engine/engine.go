@@ -104,9 +104,8 @@ type Engine struct {
 	pathWaits  atomic.Int64
 	fails      *failureLog
 	pinTab     pinTable     // client pins and the files they hold open (pins.go, pinfiles.go)
-	hold       restartHold  // the files found at start, pinned for Config.RestartHold (hold.go)
-	tier       *tierDriver  // ticks and mount updates (demote.go); nil without policy.Tiering
-	tierSt     tierCounters // moves between mounts (demote.go)
+	hold       *restartHold // the files found at start, pinned for Config.RestartHold (hold.go)
+	tier       *tiering     // moves between mounts, ticks and mount updates (demote.go)
 	maker      *spareMaker  // spares made ahead of stores (ahead.go); nil without Mount.Preallocate
 	warm       *warmer      // files offered to the movers ahead of jobs (warm.go); nil where none takes them
 	clusterRun clusterLoops // loops of the cluster mounts (cluster.go)
@@ -234,6 +233,8 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		e.space.Add(mt.sp)
 	}
 	e.rm.mounts = e.mounts
+	e.tier = newTiering(e)
+	e.hold = newRestartHold(e)
 	const bufSize = 4 << 20
 	host, err := staging.NewMover(staging.Config{
 		Workers:    cfg.IOWorkers,
@@ -273,21 +274,22 @@ func Open(ctx context.Context, cfg Config) (*Engine, error) {
 		e.ownPolicy = true
 	}
 	e.pol, e.ownPolicy = newSwitchPolicy(e.pol, e.ownPolicy), true // ReplacePolicy
+	e.tier.pol = e.pol
 	e.verifyIv.Store(int64(cfg.VerifyInterval))
 	e.reportMounts()
 	e.restore(ctx)
 	// Before the cluster's first count, which may evict this node's files.
-	e.holdFound(ctx, cfg.RestartHold)
+	e.hold.start(ctx, cfg.RestartHold)
 	if err := countCluster(ctx, e.mounts); err != nil {
-		e.releaseFound(false)
+		e.hold.release(false)
 		pool.Close()
 		return nil, err
 	}
 	e.hitRec = newHitRecorder(e)
-	e.startTiering(ctx)
 	e.maker = newSpareMaker(e.space, e.mounts, e.slots.busy, e.own, &e.st.made, e.log)
 	e.maker.start()
-	e.startWarmer()
+	e.tier.start(ctx, e.hitRec, e.maker)
+	e.warm = startWarmer(e.mounts, e.ix, e.openRegular)
 	e.clusterRun.Start(ctx, clusters(e.mounts))
 	ok = true
 	st := e.Stats()
@@ -380,10 +382,10 @@ func (e *Engine) shutdown() {
 	e.jobs.wg.Wait()
 	<-e.calls.idle
 	e.pinTab.close()
-	e.releaseFound(false)
-	e.stopTiering()
+	e.hold.release(false)
+	e.tier.stop()
 	e.maker.close()
-	e.stopWarmer()
+	e.warm.close()
 	e.clusterRun.Close(clusters(e.mounts))
 	e.own.dropSpares(e.mounts)
 	e.own.closeOwners() // after the spares: none is left for another engine to find live

@@ -966,7 +966,7 @@ func TestAFileWhoseRemovalFailsAfterAFailedPublishStaysCounted(t *testing.T) {
 	}, {
 		name: "move",
 		fail: func(t *testing.T, e *Engine, ns NamespaceID, _ *testCache, keys [][]byte) {
-			if _, err := e.move(ctx, entryOf(e, ns, keys[0]).ID, 1, true); err == nil {
+			if _, err := e.tier.move(ctx, entryOf(e, ns, keys[0]).ID, 1, true); err == nil {
 				t.Fatal("the move that failed after its rename succeeded")
 			}
 		},
@@ -1069,7 +1069,7 @@ func TestAMovedFileIsNeverTakenForItsCopyLeftOnDisk(t *testing.T) {
 		name: "the source of a move to a later mount",
 		leave: func(t *testing.T, e *Engine, ns NamespaceID, keys [][]byte, arm func()) {
 			arm()
-			if _, err := e.move(ctx, entryOf(e, ns, keys[0]).ID, 1, true); err != nil {
+			if _, err := e.tier.move(ctx, entryOf(e, ns, keys[0]).ID, 1, true); err != nil {
 				t.Fatalf("the move to mount 1: %v", err)
 			}
 		},
@@ -1082,11 +1082,11 @@ func TestAMovedFileIsNeverTakenForItsCopyLeftOnDisk(t *testing.T) {
 	}, {
 		name: "the copy of unknown identity of a move to an earlier mount",
 		leave: func(t *testing.T, e *Engine, ns NamespaceID, keys [][]byte, arm func()) {
-			if _, err := e.move(ctx, entryOf(e, ns, keys[0]).ID, 1, true); err != nil {
+			if _, err := e.tier.move(ctx, entryOf(e, ns, keys[0]).ID, 1, true); err != nil {
 				t.Fatalf("the move to mount 1: %v", err)
 			}
 			arm()
-			if _, err := e.move(ctx, entryOf(e, ns, keys[0]).ID, 0, false); err == nil {
+			if _, err := e.tier.move(ctx, entryOf(e, ns, keys[0]).ID, 0, false); err == nil {
 				t.Fatal("the move back whose copy's identity is unknown succeeded")
 			}
 		},
@@ -1121,7 +1121,7 @@ func TestAMovedFileIsNeverTakenForItsCopyLeftOnDisk(t *testing.T) {
 		name: "a move puts the key's file at the path left",
 		then: func(t *testing.T, e *Engine, ns NamespaceID, keys [][]byte, _ string, disarm func()) int {
 			disarm() // the rename replaces the file left, still there
-			if _, err := e.move(ctx, entryOf(e, ns, keys[0]).ID, 0, false); err != nil {
+			if _, err := e.tier.move(ctx, entryOf(e, ns, keys[0]).ID, 0, false); err != nil {
 				t.Fatalf("the move back onto the file left: %v", err)
 			}
 			// A lookup that finds the file by name (its entry lost)
@@ -1280,7 +1280,7 @@ func TestATemporaryFileWhoseRemovalFailsStaysCounted(t *testing.T) {
 		name:  "a move whose write fails",
 		fault: failsWithEIO(fsys.OpWrite),
 		fail: func(t *testing.T, e *Engine, ns NamespaceID, _ *testCache, keys [][]byte) {
-			if _, err := e.move(ctx, entryOf(e, ns, keys[0]).ID, 1, true); err == nil {
+			if _, err := e.tier.move(ctx, entryOf(e, ns, keys[0]).ID, 1, true); err == nil {
 				t.Fatal("the move whose write failed succeeded")
 			}
 		},

@@ -2,13 +2,13 @@ package engine
 
 import (
 	"context"
-	"errors"
 	"fmt"
+	"log/slog"
 	"sync"
 	"time"
 
 	"github.com/kvhost/kvhost/abi"
-	"github.com/kvhost/kvhost/host/policy"
+	"github.com/kvhost/kvhost/internal/engine/index"
 	"github.com/kvhost/kvhost/internal/engine/space"
 )
 
@@ -19,7 +19,7 @@ import (
 // process went have pinned them again. What the hold promises is that
 // those keys stay loadable: an eviction that finds nothing else to take
 // may demote a held file to another mount, into free room there
-// (demoteHeld), and the copy keeps the hold's pin. A pin of the hold is
+// (restartHold.demote), and the copy keeps the hold's pin. A pin of the hold is
 // not a client pin: Delete still removes a held file. Held entries are
 // marked (entry.held) and listed by mount (index.heldOrder), so that the
 // release unpins only them and a demotion round visits only its own
@@ -30,41 +30,56 @@ import (
 // restartHold is the pin of the files found at start; the files it holds
 // are the index's entries marked held.
 type restartHold struct {
-	// mu serializes the release and demoteHeld: Close returns only after
+	log    *slog.Logger
+	now    func() time.Time
+	ix     *index.Index
+	space  *space.Space
+	tier   *tiering // demotes held files (demote)
+	events accessor // the policy's events (AccessPin, AccessUnpin)
+
+	// mu serializes the release and demote: Close returns only after
 	// a release the timer began has told the policy, and a release never
-	// comes between demoteHeld's lifting of the hold's pins in the
+	// comes between demote's lifting of the hold's pins in the
 	// policy's view and their return.
 	mu    sync.Mutex
 	timer *time.Timer // the release; nil before the hold and once released
 }
 
-// holdFound pins every indexed entry for d and tells the policy
+// accessor reports events to the policy (hits.go).
+type accessor interface {
+	access(ctx context.Context, recs []abi.AccessRecord)
+}
+
+// newRestartHold is the restart hold of e, whose tiering part is made.
+func newRestartHold(e *Engine) *restartHold {
+	return &restartHold{log: e.log, now: e.now, ix: e.ix, space: e.space, tier: e.tier, events: e}
+}
+
+// start pins every indexed entry for d and tells the policy
 // (AccessPin), then arms the release. Called by Open after the policy is
 // restored, before the cluster's first count and any request.
-func (e *Engine) holdFound(ctx context.Context, d time.Duration) {
+func (h *restartHold) start(ctx context.Context, d time.Duration) {
 	if d <= 0 {
 		return
 	}
-	now := e.now().UnixNano()
-	recs := e.ix.HoldAll(now)
+	now := h.now().UnixNano()
+	recs := h.ix.HoldAll(now)
 	if len(recs) == 0 {
 		return
 	}
-	e.access(ctx, recs)
-	h := &e.hold
+	h.events.access(ctx, recs)
 	h.mu.Lock()
-	h.timer = time.AfterFunc(d, func() { e.releaseFound(true) })
+	h.timer = time.AfterFunc(d, func() { h.release(true) })
 	h.mu.Unlock()
-	e.log.Info("engine: files found at start are held from eviction", "files", len(recs), "for", d)
+	h.log.Info("engine: files found at start are held from eviction", "files", len(recs), "for", d)
 }
 
-// releaseFound ends the hold of the files found at start, once: each
+// release ends the hold of the files found at start, once: each
 // still indexed loses its pin (one removed meanwhile lost it then:
 // index.unindexLocked), and with tell the policy is told (AccessUnpin).
 // Close calls it without telling (the policy is closing), as does a
 // failed Open.
-func (e *Engine) releaseFound(tell bool) {
-	h := &e.hold
+func (h *restartHold) release(tell bool) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	if h.timer == nil {
@@ -74,21 +89,22 @@ func (e *Engine) releaseFound(tell bool) {
 	h.timer = nil
 	// Only a demotion round (serialized with this by h.mu) holds new
 	// entries, so the lists visited are all there will be.
-	n, recs := e.ix.EndHold(tell, e.now().UnixNano())
-	e.access(context.Background(), recs)
+	n, recs := h.ix.EndHold(tell, h.now().UnixNano())
+	h.events.access(context.Background(), recs)
 	if tell {
-		e.log.Info("engine: files found at start may be evicted again", "files", n)
+		h.log.Info("engine: files found at start may be evicted again", "files", n)
 	}
 }
 
 // HeldFound is the number of files found at start that the restart hold
 // still pins and that are still stored (Config.RestartHold); 0 once it
 // has ended. It waits for no policy call.
-func (e *Engine) HeldFound() int {
-	return e.ix.HeldFound()
-}
+func (e *Engine) HeldFound() int { return e.hold.held() }
 
-// demoteHeld is the last round of an eviction on m (evict) that left too
+// held is HeldFound.
+func (h *restartHold) held() int { return h.ix.HeldFound() }
+
+// demote is the last round of an eviction on m (evict) that left too
 // little room, while the restart hold pins files there: where the policy
 // demotes (abi.FeatureDemote) and picks m's victims (not a cluster
 // mount), the hold's pins of m's files that nothing else pins are lifted
@@ -108,17 +124,17 @@ func (e *Engine) HeldFound() int {
 // error: the move in flight and the policy's records finish. m.evictMu is
 // held; the hold's lock is held throughout, so that its release waits for
 // the pins' return.
-func (e *Engine) demoteHeld(ctx context.Context, m *mount, size int64) error {
-	if m.cluster != nil || e.HeldFound() == 0 || e.space.Need(m.sp, size) <= 0 {
+func (h *restartHold) demote(ctx context.Context, m *mount, size int64) error {
+	if m.cluster != nil || h.held() == 0 || h.space.Need(m.sp, size) <= 0 {
 		return nil
 	}
-	if _, ok := e.pol.(policy.Tiering); !ok || !e.pol.Features().Has(abi.FeatureDemote) {
+	if !h.tier.demotes() {
 		return nil
 	}
-	if !e.roomAfter(m, size) {
+	if !h.tier.roomAfter(m, size) {
 		return nil // nothing could move: lift no pin for nothing
 	}
-	if !m.heldIdle.IsZero() && e.now().Sub(m.heldIdle) < heldRetry {
+	if !m.heldIdle.IsZero() && h.now().Sub(m.heldIdle) < heldRetry {
 		return nil // the last round moved nothing, just now
 	}
 	stopped := func() error {
@@ -127,13 +143,12 @@ func (e *Engine) demoteHeld(ctx context.Context, m *mount, size int64) error {
 	if ctx.Err() != nil {
 		return stopped()
 	}
-	h := &e.hold
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	if h.timer == nil {
 		return nil // released meanwhile
 	}
-	at := e.now()
+	at := h.now()
 	now := at.UnixNano()
 	var moved int64
 	defer func() {
@@ -143,20 +158,20 @@ func (e *Engine) demoteHeld(ctx context.Context, m *mount, size int64) error {
 			m.heldIdle = time.Time{}
 		}
 	}()
-	lifted, recs := e.ix.LiftHeld(m.idx, now)
+	lifted, recs := h.ix.LiftHeld(m.idx, now)
 	if len(lifted) == 0 {
 		return nil
 	}
 	wctx := context.WithoutCancel(ctx) // records and moves begun finish
-	e.access(wctx, recs)
+	h.events.access(wctx, recs)
 	defer func() {
-		e.access(wctx, e.ix.Unlift(lifted, e.now().UnixNano()))
+		h.events.access(wctx, h.ix.Unlift(lifted, h.now().UnixNano()))
 	}()
 
-	need := e.space.Need(m.sp, size)
-	victims, err := e.evictions(wctx, abi.EvictRequest{Bytes: uint64(need), Time: uint64(now), Mount: uint32(m.idx)})
+	need := h.space.Need(m.sp, size)
+	victims, err := h.tier.evictions(wctx, abi.EvictRequest{Bytes: uint64(need), Time: uint64(now), Mount: uint32(m.idx)})
 	if err != nil {
-		e.log.Warn("engine: policy victims", "mount", m.root, "err", err)
+		h.log.Warn("engine: policy victims", "mount", m.root, "err", err)
 		return nil
 	}
 	var freed int64
@@ -173,40 +188,17 @@ func (e *Engine) demoteHeld(ctx context.Context, m *mount, size int64) error {
 			// their turn.
 			continue
 		}
-		n, err := e.moveEntry(wctx, v.Entry, int(v.Target.Mount), false, true)
-		switch {
-		case err == nil:
-			e.tierSt.demotions.Add(1)
+		if n, ok := h.tier.demoteHeld(wctx, v); ok {
 			freed += n
 			moved++
-		case errors.Is(err, errMoveStale):
-		default:
-			e.tierSt.moveFailures.Add(1)
-			e.log.Debug("engine: demotion of a file the restart hold pins failed; it stays", "entry", v.Entry, "mount", v.Target.Mount, "err", err)
 		}
 	}
 	if moved > 0 {
-		e.log.Debug("engine: files the restart hold pins demoted to make room", "mount", m.root, "files", moved, "bytes", freed)
+		h.log.Debug("engine: files the restart hold pins demoted to make room", "mount", m.root, "files", moved, "bytes", freed)
 	}
 	return nil
 }
 
-// heldRetry is the least time between two rounds of demoteHeld on a
+// heldRetry is the least time between two rounds of demote on a
 // mount where the first moved no file.
 const heldRetry = time.Second
-
-// roomAfter reports whether a kvhost mount after m (a colder tier) may
-// take a file of size bytes into free room below its high watermark, as
-// a demotion of a held file needs (reserveFree); a cluster mount's claim
-// decides at the move, so one counts as room. Where none may, a round of
-// demoteHeld would lift and give back every held pin of m, two policy
-// records per file, and move nothing.
-func (e *Engine) roomAfter(m *mount, size int64) bool {
-	for i := m.idx + 1; i < e.kvMounts; i++ {
-		t := e.mounts[i]
-		if t.cluster != nil || e.space.Fits(t.sp, size, space.High) {
-			return true
-		}
-	}
-	return false
-}

@@ -149,10 +149,9 @@ type Activity struct {
 // Activity reports the jobs in flight and how much the data path has
 // moved so far.
 func (e *Engine) Activity() Activity {
-	ts := &e.tierSt
 	a := Activity{
 		Moved: e.st.written.Load() + e.st.read.Load() + e.st.evictions.Load() + e.st.ended.Load() + e.st.scanned.Load() +
-			ts.demotions.Load() + ts.demotionDeletes.Load() + ts.promotions.Load() + ts.moves.Load() + ts.moveFailures.Load(),
+			e.tier.moved(),
 		OldestIO: e.io.Oldest(),
 	}
 	e.jobs.mu.Lock()

@@ -131,7 +131,7 @@ func TestAMoveKeepsItsKeysInTheKeySet(t *testing.T) {
 	c := newTestCache(t, e, ns, g, 16, layoutPlaneFirst)
 	keys := testKeys("moved", 2) // one file of both
 	storeAndCheck(t, e, c, keys, [][]int{{0, 1, 2, 3}, {4, 5, 6, 7}})
-	if _, err := e.move(ctx, entryOf(e, ns, keys[0]).ID, 1, true); err != nil {
+	if _, err := e.tier.move(ctx, entryOf(e, ns, keys[0]).ID, 1, true); err != nil {
 		t.Fatal(err)
 	}
 	if keyMount(e, ns, keys[0]) != 1 || keyMount(e, ns, keys[1]) != 1 {

@@ -344,7 +344,7 @@ func (e *Engine) refreshCapacityLess(m *mount, force bool, notOnDisk int64) {
 // where the configured capacity is more than the file system can hold.
 func (e *Engine) reportMounts() {
 	for i, m := range e.mounts {
-		m.desc = e.describeMount(m, e.cfg.Mounts[i].DeviceClass)
+		m.desc = describeMount(e.fs, e.log, m, e.cfg.Mounts[i].DeviceClass)
 		e.refreshCapacity(m, true)
 		used, capacity := e.space.Usage(m.sp)
 		// The budget is settled once, from the capacity at Open: 0 where

@@ -140,7 +140,7 @@ func TestAMoveOfAFileRewrittenWhileCopiedFails(t *testing.T) {
 	}
 
 	fs.arm(a.Path, bBytes)
-	_, moveErr := e.move(ctx, a.ID, 1, false)
+	_, moveErr := e.tier.move(ctx, a.ID, 1, false)
 	if !fs.done || fs.err != nil {
 		t.Fatalf("the source was not rewritten during the copy (rewritten %v: %v)", fs.done, fs.err)
 	}

@@ -169,7 +169,7 @@ func (e *Engine) rebuild(ctx context.Context) error {
 	// Oldest first, so that where two files hold one key (e.g. renamed by
 	// hand) the newest wins the key; both stay indexed by path.
 	slices.SortFunc(found, func(a, b *entry) int { return cmp.Compare(a.Last, b.Last) })
-	found = e.dedupe(found) // copies left by a move cut short (demote.go)
+	found = e.tier.dedupe(found) // copies left by a move cut short (demote.go)
 	ids := make([]NamespaceID, len(found))
 	for i, en := range found {
 		en.NS = uint32(e.tables.namespaceOf(en.FP))

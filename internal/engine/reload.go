@@ -72,7 +72,7 @@ func (e *Engine) ReplacePolicy(ctx context.Context, build func(idx policy.Index)
 // catchUpAndSwap tells p what changed while it was built from view (see
 // ReplacePolicy) and swaps it in, returning the policy it replaced. The
 // locks are taken in the engine's order: declarations (sp.declMu), the
-// mount description (tierDriver.mu), policy calls (sp.mu), the index
+// mount description (tiering.pauseMounts), policy calls (sp.mu), the index
 // (index.mu, briefly) and the space (space.mu, briefly). Nothing holding
 // the engine's own locks calls the policy.
 func (e *Engine) catchUpAndSwap(ctx context.Context, sp *switchPolicy, p policy.Policy, view *buildView) (*heldPolicy, error) {
@@ -84,11 +84,8 @@ func (e *Engine) catchUpAndSwap(ctx context.Context, sp *switchPolicy, p policy.
 			return nil, fmt.Errorf("namespace %d declared during the build: %w", ns.NS, err)
 		}
 	}
-	d := e.tier
-	if d != nil {
-		d.mu.Lock() // no mount description sent to the old policy meanwhile
-		defer d.mu.Unlock()
-	}
+	tellMounts, done := e.tier.pauseMounts() // none sent to the old policy meanwhile
+	defer done()
 	sp.mu.Lock() // no policy call through the engine until the swap
 	defer sp.mu.Unlock()
 	old := sp.cur
@@ -102,16 +99,8 @@ func (e *Engine) catchUpAndSwap(ctx context.Context, sp *switchPolicy, p policy.
 			recs = recs[n:]
 		}
 	}
-	var mounts []abi.MountRecord
-	if t, ok := p.(policy.Tiering); ok && d != nil {
-		mounts = e.mountRecords(d.descs)
-		if err := t.UpdateMounts(ctx, mounts); err != nil {
-			return nil, fmt.Errorf("mount description: %w", err)
-		}
-	}
-	if mounts != nil {
-		d.last = mounts
-		e.tierSt.mountUpdates.Add(1)
+	if err := tellMounts(ctx, p); err != nil {
+		return nil, fmt.Errorf("mount description: %w", err)
 	}
 	sp.cur = &heldPolicy{p: p, owned: true, pins: pins, removed: recent.NewIDs(heldRemovedWindow)}
 	return old, nil

@@ -55,7 +55,7 @@ func (s sharedDir) discover(ctx context.Context, ns *namespace, key []byte) *ent
 	if got == en {
 		// Another process's or node's file, new to the index: its
 		// first load need not go through the pinned buffers.
-		s.e.warmDiscovered(en)
+		s.e.warm.discovered(en)
 	}
 	return got
 }

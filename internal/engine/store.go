@@ -282,7 +282,7 @@ func (e *Engine) storeRound(ctx context.Context, j *Job, c *cache, keys [][]byte
 			if errs[g] == nil {
 				admit[g] = recs[r].Admit != 0
 				if admit[g] && recs[r].Target != recs[r].Mount { // admission chose another mount
-					errs[g] = e.retarget(ns, gr, recs[r].Target)
+					errs[g] = e.tier.retarget(ns, gr, recs[r].Target)
 				}
 				r++
 			}

@@ -7,6 +7,7 @@ import (
 	"sync"
 
 	"github.com/kvhost/kvhost/fsys"
+	"github.com/kvhost/kvhost/internal/engine/index"
 	"github.com/kvhost/kvhost/transfer"
 )
 
@@ -40,8 +41,14 @@ type warmFile struct {
 	ident fsys.Identity
 }
 
-// warmer is the goroutine that offers files ahead of jobs.
+// warmer is the goroutine that offers files ahead of jobs. Its methods
+// do nothing on a nil warmer: where no mover takes files ahead of jobs.
 type warmer struct {
+	mounts []*mount // fixed at Open
+	// open opens a file of a mount to offer, with its identity
+	// (openRegular).
+	open func(m *mount, path string) (fsys.File, fsys.Identity, error)
+
 	found   chan warmFile // discovered by lookups
 	stop    chan struct{}
 	started chan struct{} // closed once the files found at start are offered
@@ -64,23 +71,23 @@ func (m *mount) warmers() []transfer.Warmer {
 }
 
 // startWarmer starts the warmer if a memory mount has a mover that takes
-// files ahead of jobs, with the files indexed at start on such mounts,
-// the most recently used first.
-func (e *Engine) startWarmer() {
+// files ahead of jobs, with the files indexed at start (ix) on such
+// mounts, the most recently used first; nil where none does.
+func startWarmer(mounts []*mount, ix *index.Index, open func(m *mount, path string) (fsys.File, fsys.Identity, error)) *warmer {
 	want := false
-	for _, m := range e.mounts {
+	for _, m := range mounts {
 		want = want || len(m.warmers()) > 0
 	}
 	if !want {
-		return
+		return nil
 	}
 	type found struct {
 		warmFile
 		last int64
 	}
 	var start []found
-	e.ix.Each(func(en *entry) {
-		if m := e.mounts[en.Mount]; m.memory {
+	ix.Each(func(en *entry) {
+		if m := mounts[en.Mount]; m.memory {
 			start = append(start, found{warmFile{en.Mount, en.Path, en.Ident}, en.Last})
 		}
 	})
@@ -89,9 +96,9 @@ func (e *Engine) startWarmer() {
 	for i, f := range start {
 		files[i] = f.warmFile
 	}
-	w := &warmer{found: make(chan warmFile, warmQueue), stop: make(chan struct{}), started: make(chan struct{}), done: make(chan struct{})}
-	e.warm = w
-	go e.runWarmer(w, files)
+	w := &warmer{mounts: mounts, open: open, found: make(chan warmFile, warmQueue), stop: make(chan struct{}), started: make(chan struct{}), done: make(chan struct{})}
+	go w.run(files)
+	return w
 }
 
 // WaitWarmed waits until the files indexed at Open on memory mounts have
@@ -100,37 +107,39 @@ func (e *Engine) startWarmer() {
 // such mover. The
 // movers' registrations of those files are their own background work,
 // not waited for.
-func (e *Engine) WaitWarmed(ctx context.Context) error {
-	if e.warm == nil {
+func (e *Engine) WaitWarmed(ctx context.Context) error { return e.warm.wait(ctx) }
+
+// wait is WaitWarmed.
+func (w *warmer) wait(ctx context.Context) error {
+	if w == nil {
 		return nil
 	}
 	select {
-	case <-e.warm.started: // first, so that an ended ctx never hides it
+	case <-w.started: // first, so that an ended ctx never hides it
 		return nil
 	default:
 	}
 	select {
-	case <-e.warm.started:
+	case <-w.started:
 		return nil
 	case <-ctx.Done():
 		return ctx.Err()
 	}
 }
 
-// stopWarmer stops the warmer and waits for the offer it is making.
-func (e *Engine) stopWarmer() {
-	if e.warm == nil {
+// close stops the warmer and waits for the offer it is making.
+func (w *warmer) close() {
+	if w == nil {
 		return
 	}
-	close(e.warm.stop)
-	<-e.warm.done
+	close(w.stop)
+	<-w.done
 }
 
-// warmDiscovered offers en, a file a lookup discovered, to the movers of
+// discovered offers en, a file a lookup discovered, to the movers of
 // its mount that take files ahead of jobs, off the lookup's path.
-func (e *Engine) warmDiscovered(en *entry) {
-	w := e.warm
-	if w == nil || len(e.mounts[en.Mount].warmers()) == 0 {
+func (w *warmer) discovered(en *entry) {
+	if w == nil || len(w.mounts[en.Mount].warmers()) == 0 {
 		return
 	}
 	select {
@@ -139,15 +148,15 @@ func (e *Engine) warmDiscovered(en *entry) {
 	}
 }
 
-// runWarmer offers the files found at start until every mover that takes
+// run offers the files found at start until every mover that takes
 // files reports that it takes no more, then each discovered file.
-func (e *Engine) runWarmer(w *warmer, start []warmFile) {
+func (w *warmer) run(start []warmFile) {
 	defer close(w.done)
 	started := sync.OnceFunc(func() { close(w.started) })
 	defer started() // stopped before the start files were all offered
 	full := map[transfer.Warmer]bool{}
 	all := map[transfer.Warmer]bool{}
-	for _, m := range e.mounts {
+	for _, m := range w.mounts {
 		for _, mv := range m.warmers() {
 			all[mv] = true
 		}
@@ -161,7 +170,7 @@ func (e *Engine) runWarmer(w *warmer, start []warmFile) {
 			return
 		default:
 		}
-		e.offerWarm(f, full)
+		w.offer(f, full)
 	}
 	started()
 	for {
@@ -169,25 +178,25 @@ func (e *Engine) runWarmer(w *warmer, start []warmFile) {
 		case <-w.stop:
 			return
 		case f := <-w.found:
-			e.offerWarm(f, nil)
+			w.offer(f, nil)
 		}
 	}
 }
 
-// offerWarm opens f, if it is still the file indexed, and offers it to
+// offer opens f, if it is still the file indexed, and offers it to
 // the warmers of its mount not in full; a warmer that reports it takes no
 // more is added to full (nil: not recorded).
-func (e *Engine) offerWarm(f warmFile, full map[transfer.Warmer]bool) {
+func (w *warmer) offer(f warmFile, full map[transfer.Warmer]bool) {
 	var ws []transfer.Warmer
-	for _, w := range e.mounts[f.mount].warmers() {
-		if !full[w] {
-			ws = append(ws, w)
+	for _, mv := range w.mounts[f.mount].warmers() {
+		if !full[mv] {
+			ws = append(ws, mv)
 		}
 	}
 	if len(ws) == 0 {
 		return
 	}
-	fh, id, err := e.openRegular(e.mounts[f.mount], f.path)
+	fh, id, err := w.open(w.mounts[f.mount], f.path)
 	if err != nil {
 		return // removed or replaced since: nothing to offer
 	}
@@ -195,9 +204,9 @@ func (e *Engine) offerWarm(f warmFile, full map[transfer.Warmer]bool) {
 	if !id.Same(f.ident) {
 		return
 	}
-	for _, w := range ws {
-		if !w.Warm(fh) && full != nil {
-			full[w] = true
+	for _, mv := range ws {
+		if !mv.Warm(fh) && full != nil {
+			full[mv] = true
 		}
 	}
 }
