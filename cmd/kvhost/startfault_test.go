@@ -74,7 +74,8 @@ func stoppedErr(t *testing.T, stderr []byte) string {
 // stopping on its configuration exits 2, on anything else (here a mount
 // directory it cannot make) 1; either way the error is one plain line on
 // stderr, "kvhost: ERROR", after the JSON log's records, naming the
-// file or flag and the cause.
+// file or flag and the cause. A policy refused at start is the only line
+// the start prints.
 func TestFatalStartErrorsAreOneLineWithTheirExitStatus(t *testing.T) {
 	dir := t.TempDir()
 	notwasm := filepath.Join(dir, "notwasm.wasm")
@@ -87,11 +88,12 @@ func TestFatalStartErrorsAreOneLineWithTheirExitStatus(t *testing.T) {
 		args []string
 		code int
 		want string
+		only bool // the error is all of stderr
 	}{
 		{"a policy file that is not wasm", []string{"--policy", notwasm, "--dir", filepath.Join(dir, "blocks")}, 2,
-			"config: policy.name (from --policy): policy " + notwasm + ": not a WebAssembly module"},
+			"config: policy.name (from --policy): policy " + notwasm + ": not a WebAssembly module", true},
 		{"a mount that cannot be made", []string{"--dir", filepath.Join(blocker, "blocks")}, 1,
-			"mount " + filepath.Join(blocker, "blocks") + ": "},
+			"mount " + filepath.Join(blocker, "blocks") + ": ", false},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
 			var out, errb bytes.Buffer
@@ -101,6 +103,9 @@ func TestFatalStartErrorsAreOneLineWithTheirExitStatus(t *testing.T) {
 			}
 			if got := stoppedErr(t, errb.Bytes()); !strings.HasPrefix(got, tt.want) {
 				t.Errorf("the daemon stopped with\n%s\nwant it to begin\n%s", got, tt.want)
+			}
+			if n := strings.Count(errb.String(), "\n"); tt.only && n != 1 {
+				t.Errorf("stderr has %d lines, want the error alone:\n%s", n, errb.String())
 			}
 		})
 	}

@@ -252,8 +252,6 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 	if _, err := server.PrepareSocketDir(cfg.Server.Socket, cfg.Server.SocketGroup); err != nil {
 		return d.groupFault(err)
 	}
-	workers, restoreProcs := reserveControlProcessors(cfg.Engine.IOWorkers, log)
-	defer restoreProcs()
 	if cfg.Metrics.Listen != "" {
 		// A second daemon of this configuration would find the port
 		// taken before the engine's lock: tell it why.
@@ -291,6 +289,10 @@ func (d *daemon) serve(ctx context.Context, cfg config.Config) error {
 	if err != nil {
 		return err
 	}
+	// The Go processors after the policy: a policy refused at start is
+	// then the one line the start prints, not the second.
+	workers, restoreProcs := reserveControlProcessors(cfg.Engine.IOWorkers, log)
+	defer restoreProcs()
 	statfs := fsys.OS{}.Statfs
 	if d.fs != nil {
 		statfs = d.fs.Statfs // the engine's (tests hold it)
