@@ -198,15 +198,17 @@ CLUSTER_FS  ?= cephfs
 CLUSTER_DIR ?= /tmp/kvhost-$(CLUSTER_FS)
 CLUSTER_RUN ?= TestCluster
 .PHONY: test-cluster
+# `run --dir` takes down what an earlier run left in CLUSTER_DIR first,
+# and tears down on INT, TERM and HUP too.
 test-cluster:
-	@mounts=$$(scripts/$(CLUSTER_FS).sh up $(CLUSTER_DIR) 3) || { scripts/$(CLUSTER_FS).sh down $(CLUSTER_DIR); exit 1; }; \
-	KVHOST_CLUSTER_MOUNTS=$$mounts $(GO) test -race -count=1 -v -timeout 20m -run '$(CLUSTER_RUN)' ./internal/reliability; rc=$$?; \
-	scripts/$(CLUSTER_FS).sh down $(CLUSTER_DIR); exit $$rc
+	@scripts/$(CLUSTER_FS).sh run --dir $(CLUSTER_DIR) 3 \
+		$(GO) test -race -count=1 -v -timeout 20m -run '$(CLUSTER_RUN)' ./internal/reliability
 
 # The bounded part of the multi-node suite, run by `make test`: two
 # ceph-fuse clients of a one-host CephFS on a fresh directory and its own
-# monitor ports (CLUSTER_BOUNDED_PORTS, v1 and v2, so that a `make
-# test-cluster` cluster may run beside it); the cross-node hit, a pinned
+# monitor ports (the first free pair from CLUSTER_BOUNDED_PORTS, v1 and
+# v2, so that a `make test-cluster` cluster, or another `make test`'s, may
+# run beside it); the cross-node hit, a pinned
 # key loading after its node deleted the file, flock
 # sharing between clients and the shared-directory mixed workload (43 s
 # with the cluster's start and stop on 2 cores). scripts/cephfs.sh

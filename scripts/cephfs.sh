@@ -8,17 +8,26 @@
 #   scripts/cephfs.sh up DIR N   start (or finish starting) the cluster and
 #                                mount it at DIR/node1 … DIR/nodeN; prints
 #                                the mount points joined by ':' on stdout
-#   scripts/cephfs.sh down DIR   unmount, stop every daemon, remove DIR
+#   scripts/cephfs.sh down DIR   unmount, stop every daemon, remove DIR;
+#                                also stops what a killed run left there
+#                                (cluster-common.sh: processes naming or
+#                                holding a path under DIR, dead mounts)
 #   scripts/cephfs.sh status DIR the cluster's status (ceph -s)
 #   scripts/cephfs.sh install    only install the packages; exit status 3
 #                                when they cannot be installed here
-#   scripts/cephfs.sh run [--skip-uninstallable] N CMD...
-#                                up N on a fresh directory under /tmp, CMD
-#                                with KVHOST_CLUSTER_MOUNTS set to the
-#                                mounts, down whatever happens; CMD's exit
-#                                status. --skip-uninstallable: where the
-#                                packages cannot be installed (or not root)
-#                                print a SKIPPED banner and exit 0
+#   scripts/cephfs.sh run [--skip-uninstallable] [--dir DIR] N CMD...
+#                                up N on a fresh directory under /tmp (or
+#                                DIR, taking down what an earlier run left
+#                                there), CMD with KVHOST_CLUSTER_MOUNTS set
+#                                to the mounts, down whatever happens (INT,
+#                                TERM, HUP too); CMD's exit status. The
+#                                monitor takes the first free pair of ports
+#                                from CEPHFS_MON_PORT and CEPHFS_MON_PORT2
+#                                up. First it takes down the clusters of
+#                                earlier runs that were killed.
+#                                --skip-uninstallable: where the packages
+#                                cannot be installed (or not root) print a
+#                                SKIPPED banner and exit 0
 #
 # Both are idempotent: every step checks whether it is already done (a
 # daemon whose pid file names a live process, a pool or file system that
@@ -29,7 +38,9 @@
 # Written from Ceph's manual deployment documentation. Authentication is
 # off (auth_*_required = none): the cluster listens on 127.0.0.1 only and
 # exists for tests (RATIONALE.md). Environment: CEPHFS_MON_PORT (default
-# 6789, the v1 port; v2 is CEPHFS_MON_PORT2, default 3300),
+# 6789, the v1 port; v2 is CEPHFS_MON_PORT2, default 3300; `up` refuses
+# ports another process listens on and names it; CEPHFS_PICK_PORTS=1, as
+# `run` sets, takes the next free pair below 6800 instead),
 # CEPHFS_OSD_SIZE (default 8G, the sparse bluestore file), CEPHFS_TIMEOUT
 # (default 120, seconds a wait may take).
 set -euo pipefail
@@ -112,8 +123,56 @@ alive() {
 	[ -s "$pf" ] && kill -0 "$(cat "$pf")" 2>/dev/null
 }
 
+# port_holder PORT: the listener on PORT (its pid and command line, and
+# the cluster directory it was started for), nothing where it is free.
+port_holder() {
+	local l pid cmd
+	l=$(ss -Hltnp "sport = :$1" 2>/dev/null | head -n 1)
+	[ -n "$l" ] || return 0
+	pid=$(grep -o 'pid=[0-9]*' <<<"$l" | head -n 1 | cut -d= -f2)
+	cmd=$(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | cut -c1-120)
+	printf 'port %s: pid %s (%s)' "$1" "${pid:-?}" "${cmd:-?}"
+	if [[ "$cmd" =~ --conf\ ([^ ]*)/ceph\.conf ]]; then
+		printf ', the cluster of %s (`%s down %s` stops it)' "${BASH_REMATCH[1]}" "$0" "${BASH_REMATCH[1]}"
+	fi
+	echo
+}
+
+# choose_ports sets MON_PORT and MON_PORT2 to a pair no process listens
+# on: the given one, or with CEPHFS_PICK_PORTS=1 the next free pair up to
+# 6799 (6800-7300 are the daemons' own ports). Another run's monitor on
+# the same ports would otherwise answer this cluster's commands.
+choose_ports() {
+	local v1=$MON_PORT v2=$MON_PORT2 held
+	while :; do
+		held=$(port_holder "$v1"; port_holder "$v2")
+		if [ -z "$held" ]; then
+			[ "$v1" = "$MON_PORT" ] || echo "cephfs: ports $MON_PORT and $MON_PORT2 are taken; the monitor takes $v1 and $v2" >&2
+			MON_PORT=$v1 MON_PORT2=$v2
+			return 0
+		fi
+		if [ "${CEPHFS_PICK_PORTS:-0}" != 1 ] || [ $((v1 + 1)) -ge 6800 ]; then
+			echo "cephfs: the monitor's ports are not free (set CEPHFS_MON_PORT and CEPHFS_MON_PORT2 to others):" >&2
+			echo "$held" >&2
+			return 1
+		fi
+		v1=$((v1 + 1)) v2=$((v2 + 1))
+	done
+}
+
+# conf_ports sets MON_PORT and MON_PORT2 from ceph.conf's mon_host.
+conf_ports() {
+	local h
+	h=$(awk '/^mon_host = /{print $3}' "$DIR/ceph.conf")
+	[[ "$h" =~ ^\[v2:127\.0\.0\.1:([0-9]+),v1:127\.0\.0\.1:([0-9]+)\]$ ]] || die "$DIR/ceph.conf: mon_host $h is not this script's"
+	MON_PORT2=${BASH_REMATCH[1]} MON_PORT=${BASH_REMATCH[2]}
+}
+
+conf_fsid() { awk '/^fsid = /{print $3}' "$DIR/ceph.conf"; }
+
 write_conf() {
 	[ -f "$DIR/ceph.conf" ] && return 0
+	choose_ports || return 1
 	mkdir -p "$DIR"/{run,log,mon,mgr,osd,mds,blocks}
 	local fsid
 	fsid=$(cat /proc/sys/kernel/random/uuid)
@@ -166,16 +225,28 @@ EOF
 
 start_mon() {
 	alive mon.a && return 0
+	conf_ports
+	if [ -n "$(port_holder "$MON_PORT")$(port_holder "$MON_PORT2")" ]; then
+		echo "cephfs: mon.a of $DIR is not running and its ports are taken:" >&2
+		port_holder "$MON_PORT" >&2
+		port_holder "$MON_PORT2" >&2
+		return 1
+	fi
 	if [ ! -f "$DIR/mon/ceph-a/done" ]; then
 		rm -rf "$DIR/mon/ceph-a" "$DIR/monmap"
 		quiet ceph-authtool --create-keyring "$DIR/keyring" --gen-key -n mon. --cap mon 'allow *' || return 1
-		quiet monmaptool --create --fsid "$(awk '/^fsid/{print $3}' "$DIR/ceph.conf")" \
+		quiet monmaptool --create --fsid "$(conf_fsid)" \
 			--addv a "[v2:127.0.0.1:$MON_PORT2,v1:127.0.0.1:$MON_PORT]" "$DIR/monmap" || return 1
 		quiet ceph-mon --conf "$DIR/ceph.conf" -i a --mkfs --monmap "$DIR/monmap" --keyring "$DIR/keyring" || logtail mon.a || return 1
 		touch "$DIR/mon/ceph-a/done"
 	fi
-	quiet ceph-mon --conf "$DIR/ceph.conf" -i a || logtail mon.a || return 1
-	waitfor "the monitor answering" ceph_ mon stat || logtail mon.a
+	# fd 9 is the ports' lock (up): the daemon must not keep it.
+	quiet ceph-mon --conf "$DIR/ceph.conf" -i a 9>&- || logtail mon.a || return 1
+	waitfor "the monitor answering" ceph_ mon stat || logtail mon.a || return 1
+	local fsid
+	fsid=$(ceph_ fsid 2>/dev/null)
+	[ "$fsid" = "$(conf_fsid)" ] ||
+		{ echo "cephfs: the monitor on port $MON_PORT2 is another cluster's (fsid $fsid, this one's $(conf_fsid))" >&2; return 1; }
 }
 
 start_mgr() {
@@ -208,7 +279,11 @@ start_osd() {
 start_mds() {
 	alive mds.a && return 0
 	mkdir -p "$DIR/mds/ceph-a"
-	quiet ceph-mds --conf "$DIR/ceph.conf" -i a || logtail mds.a
+	# In a session of its own, as ceph-mon, ceph-mgr and ceph-osd put
+	# themselves: a Ctrl-C (or a kill of the process group) of whatever ran
+	# `up` would otherwise stop the MDS and the clients but not the others,
+	# or SIGKILL a client and leave its mount dead. `down` stops them all.
+	quiet setsid -w ceph-mds --conf "$DIR/ceph.conf" -i a || logtail mds.a
 }
 
 make_fs() {
@@ -228,7 +303,7 @@ mount_all() {
 		local m="$DIR/node$i"
 		mkdir -p "$m"
 		mountpoint -q "$m" && continue
-		ceph-fuse --conf "$DIR/ceph.conf" --id "node$i" "$m" >"$DIR/log/client.node$i.out" 2>&1 ||
+		setsid -w ceph-fuse --conf "$DIR/ceph.conf" --id "node$i" "$m" >"$DIR/log/client.node$i.out" 2>&1 ||
 			{ cat "$DIR/log/client.node$i.out" >&2; logtail "client.node$i"; return 1; }
 		waitfor "mount $m" mountpoint -q "$m" || return 1
 	done
@@ -242,10 +317,10 @@ stop() {
 	[ -s "$pf" ] || return 0
 	local pid
 	pid=$(cat "$pf")
-	if kill -0 "$pid" 2>/dev/null && grep -q ceph "/proc/$pid/comm" 2>/dev/null; then
-		kill -TERM "$pid"
+	if running "$pid" && grep -q ceph "/proc/$pid/comm" 2>/dev/null; then
+		kill -TERM "$pid" 2>/dev/null || true
 		local deadline=$(($(date +%s) + grace))
-		while kill -0 "$pid" 2>/dev/null; do
+		while running "$pid"; do
 			if [ "$(date +%s)" -ge "$deadline" ]; then
 				echo "cephfs: $1 (pid $pid) still runs ${grace} s after SIGTERM: SIGKILL" >&2
 				kill -KILL "$pid" 2>/dev/null || true
@@ -257,20 +332,16 @@ stop() {
 	rm -f "$pf"
 }
 
-# unmount_all unmounts every client and waits for its ceph-fuse to exit
-# (it outlives its mount while its session with the MDS closes).
+# unmount_all unmounts every client (every mount under DIR that
+# mountinfo lists: a dead one too) and waits for its ceph-fuse to exit (it
+# outlives its mount while its session with the MDS closes).
 unmount_all() {
-	local m
-	for m in "$DIR"/node*; do
-		[ -d "$m" ] || continue
-		if mountpoint -q "$m"; then
-			umount "$m" 2>/dev/null || umount -l "$m" || return 1
-		fi
+	local rc=0 pf
+	unmount_under || rc=1
+	for pf in "$DIR"/run/client.*.pid; do
+		[ -e "$pf" ] && stop "$(basename "$pf" .pid)"
 	done
-	for m in "$DIR"/node*; do
-		[ -d "$m" ] && stop "client.$(basename "$m")"
-	done
-	return 0
+	return "$rc"
 }
 
 # stop_daemons stops the servers, the MDS first. The MDS takes about 11 s
@@ -293,6 +364,7 @@ install)
 	;;
 run)
 	shift
+	export CEPHFS_PICK_PORTS=1
 	run_suite "$@"
 	exit
 	;;
@@ -300,19 +372,24 @@ esac
 DIR=${2:-}
 [ -n "$cmd" ] && [ -n "$DIR" ] || usage
 DIR=$(realpath -m "$DIR")
-# Unix socket paths (run/NAME.PID.asok) must stay under 108 bytes.
-[ ${#DIR} -le 60 ] || die "DIR $DIR is longer than 60 bytes: the daemons' sockets would not fit"
 
 case "$cmd" in
 up)
 	N=${3:-}
 	[[ "$N" =~ ^[1-9][0-9]*$ ]] || usage
+	# Unix socket paths (run/NAME.PID.asok) must stay under 108 bytes.
+	[ ${#DIR} -le 60 ] || die "DIR $DIR is longer than 60 bytes: the daemons' sockets would not fit"
 	[ "$(id -u)" -eq 0 ] || die "up needs root (FUSE mounts, apt-get)"
 	[ -e /dev/fuse ] || die "up needs /dev/fuse"
 	t0=$(now)
 	step "install packages" install_packages
+	# The ports are chosen and the monitor binds them under one lock, so
+	# that runs starting at once do not choose the same ones.
+	exec 9>>/tmp/kvhost-cephfs-ports.lock
+	flock -w "$TIMEOUT" 9 || die "the ports' lock /tmp/kvhost-cephfs-ports.lock: not within $TIMEOUT s"
 	step "write ceph.conf" write_conf
 	step "start monitor" start_mon
+	exec 9>&-
 	step "start manager" start_mgr
 	step "start osd" start_osd
 	step "start mds" start_mds
@@ -325,12 +402,18 @@ up)
 	;;
 down)
 	[ -e "$DIR" ] || exit 0
-	[ -f "$DIR/ceph.conf" ] || die "$DIR has no ceph.conf: not a cluster of this script, left alone"
+	# A directory of this script: its ceph.conf, a run's, or (a `down`
+	# that failed halfway having removed the rest) a ceph-fuse mount or a
+	# daemon of its configuration.
+	[ -f "$DIR/ceph.conf" ] || [ -f "$DIR/runner.pid" ] ||
+		awk -v d="$DIR/" 'index($5, d) == 1 && / - fuse\.ceph-fuse /{f = 1} END{exit !f}' /proc/self/mountinfo ||
+		grep -qsaF -e "$DIR/ceph.conf" /proc/[0-9]*/cmdline ||
+		die "$DIR has no ceph.conf: not a cluster of this script, left alone"
 	t0=$(now)
-	step "unmount clients" unmount_all
-	step "stop daemons" stop_daemons
-	step "remove $DIR" rm -rf "$DIR"
+	rc=0
+	down_all "stop daemons" stop_daemons || rc=1
 	printf 'cephfs: %-22s %6.2f s\n' "down" "$(awk "BEGIN{print $(now)-$t0}")" >&2
+	exit "$rc"
 	;;
 status)
 	ceph_ -s

@@ -11,11 +11,13 @@
 #                                    DIR/node1 … DIR/nodeN; prints the mount
 #                                    points joined by ':' on stdout
 #   scripts/glusterfs.sh down DIR    unmount, stop the volume and glusterd,
-#                                    remove DIR
+#                                    remove DIR; also stops what a killed
+#                                    run left there (cluster-common.sh)
 #   scripts/glusterfs.sh install     only install the packages; exit status
 #                                    3 when they cannot be installed here
-#   scripts/glusterfs.sh run [--skip-uninstallable] N CMD...
-#                                    up N on a fresh directory under /tmp,
+#   scripts/glusterfs.sh run [--skip-uninstallable] [--dir DIR] N CMD...
+#                                    up N on a fresh directory under /tmp
+#                                    (or DIR, as for cephfs.sh),
 #                                    CMD with KVHOST_CLUSTER_MOUNTS set to
 #                                    the mounts, down whatever happens
 #
@@ -142,14 +144,12 @@ stop() {
 }
 
 unmount_all() {
-	local m
-	for m in "$DIR"/node*; do
-		[ -d "$m" ] || continue
-		if mountpoint -q "$m"; then
-			umount "$m" 2>/dev/null || umount -l "$m" || return 1
-		fi
-		stop "$DIR/run/client.$(basename "$m").pid"
+	local rc=0 pf
+	unmount_under || rc=1
+	for pf in "$DIR"/run/client.*.pid; do
+		[ -e "$pf" ] && stop "$pf"
 	done
+	return "$rc"
 }
 
 # stop_volume stops and deletes the volume (its brick process goes with
@@ -196,12 +196,14 @@ up)
 	;;
 down)
 	[ -e "$DIR" ] || exit 0
-	[ -f "$DIR/glusterd.vol" ] || die "$DIR has no glusterd.vol: not a volume of this script, left alone"
+	[ -f "$DIR/glusterd.vol" ] || [ -f "$DIR/runner.pid" ] ||
+		awk -v d="$DIR/" 'index($5, d) == 1 && / - fuse\.glusterfs /{f = 1} END{exit !f}' /proc/self/mountinfo ||
+		die "$DIR has no glusterd.vol: not a volume of this script, left alone"
 	t0=$(now)
-	step "unmount clients" unmount_all
-	step "stop volume" stop_volume
-	step "remove $DIR" rm -rf "$DIR"
+	rc=0
+	down_all "stop volume" stop_volume || rc=1
 	printf 'glusterfs: %-22s %6.2f s\n' "down" "$(awk "BEGIN{print $(now)-$t0}")" >&2
+	exit "$rc"
 	;;
 *) usage ;;
 esac
